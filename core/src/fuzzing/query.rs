@@ -1,0 +1,2 @@
+/// Fuzz entry point (being written).
+pub fn query(_data: &[u8]) {}

@@ -1,0 +1,2 @@
+/// Fuzz entry point (being written).
+pub fn url(_data: &[u8]) {}

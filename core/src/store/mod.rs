@@ -1,0 +1,12 @@
+//! The c10d TCPStore protocol: message types, the wire codec, and the store state machine.
+//!
+//! [`message`] names what travels, [`codec`] turns it into and out of bytes (PyTorch 2.15
+//! layout, byte for byte), and [`engine`] decides what each request does to the store.
+//! No module here reads a socket or a clock.
+
+#[cfg(feature = "alloc")]
+pub mod engine;
+pub mod codec;
+pub mod message;
+
+pub use message::*;

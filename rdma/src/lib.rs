@@ -1,0 +1,2 @@
+//! `rdzv-rdma`: verbs and CUDA.
+#![warn(missing_docs)]
