@@ -1,2 +1,16 @@
-//! `rdzv-uring`: the io_uring runtime that drives `rdzv-core`.
+//! `rdzv-uring`: the runtime half of rdzv. It owns sockets, files, timers and threads,
+//! and drives the pure `rdzv-core` with them.
+//!
+//! - [`server`]: the TCPStore server on glommio (io_uring), byte-compatible with
+//!   PyTorch 2.15 clients.
+//! - [`store`]: the `Store` trait and its implementations: the TCP client, the file,
+//!   prefix and hash stores.
+//! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
+//!   `file://` and registered schemes, driven by the core's plans.
 #![warn(missing_docs)]
+
+pub mod server;
+pub mod store;
+
+pub use server::{ServerOptions, StoreServer};
+pub use store::{Store, StoreError};

@@ -1,0 +1,239 @@
+//! Hostile input against the store server over raw sockets: garbage, wrong magic, a
+//! non-VALIDATE first message, requests split byte by byte, claimed 4 GB lengths, a
+//! slowloris peer and clients killed mid-wait. After each one the server still answers
+//! other clients, no key is lost and no waiter is left behind.
+//!
+//! Frames are written as literal bytes (PyTorch 2.15 layout) so these tests do not depend
+//! on rdzv's own codec.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use rdzv::uring::store::tcp::TcpStore;
+use rdzv::uring::{ServerOptions, Store, StoreServer};
+
+const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
+
+fn server() -> StoreServer {
+    StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        ..ServerOptions::default()
+    })
+    .expect("start server")
+}
+
+fn raw(server: &StoreServer) -> TcpStream {
+    let s = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+fn string(out: &mut Vec<u8>, s: &[u8]) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s);
+}
+
+fn set_frame(key: &[u8], value: &[u8]) -> Vec<u8> {
+    let mut f = vec![1u8];
+    string(&mut f, key);
+    string(&mut f, value);
+    f
+}
+
+fn get_frame(key: &[u8]) -> Vec<u8> {
+    let mut f = vec![3u8];
+    string(&mut f, key);
+    f
+}
+
+/// Reads until EOF or error; returns true if the server closed the connection.
+fn closed_by_server(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// A well-behaved client still works and earlier keys are intact.
+fn still_serves(server: &StoreServer, key: &str, value: &[u8]) {
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    assert_eq!(store.get(key).unwrap(), value);
+}
+
+fn seeded() -> StoreServer {
+    let server = server();
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    store.set("precious", b"kept").unwrap();
+    server
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn garbage_closes_only_that_connection() {
+    let server = seeded();
+    let mut s = raw(&server);
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    assert!(closed_by_server(&mut s));
+    still_serves(&server, "precious", b"kept");
+}
+
+#[test]
+fn wrong_magic_is_closed() {
+    let server = seeded();
+    let mut s = raw(&server);
+    s.write_all(&[0x00, 0xde, 0xad, 0xbe, 0xef]).unwrap();
+    assert!(closed_by_server(&mut s));
+    still_serves(&server, "precious", b"kept");
+}
+
+#[test]
+fn first_message_must_be_validate() {
+    let server = seeded();
+    let mut s = raw(&server);
+    s.write_all(&get_frame(b"/precious")).unwrap();
+    assert!(closed_by_server(&mut s));
+    // A second VALIDATE later is also refused.
+    let mut s = raw(&server);
+    s.write_all(&VALIDATE).unwrap();
+    s.write_all(&VALIDATE).unwrap();
+    assert!(closed_by_server(&mut s));
+    still_serves(&server, "precious", b"kept");
+}
+
+#[test]
+fn requests_split_byte_by_byte_are_served() {
+    let server = seeded();
+    let mut s = raw(&server);
+    let mut stream = VALIDATE.to_vec();
+    stream.extend_from_slice(&set_frame(b"/split", b"across segments"));
+    stream.extend_from_slice(&get_frame(b"/split"));
+    for byte in &stream {
+        s.write_all(std::slice::from_ref(byte)).unwrap();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len).unwrap();
+    assert_eq!(u64::from_le_bytes(len), 15);
+    let mut value = [0u8; 15];
+    s.read_exact(&mut value).unwrap();
+    assert_eq!(&value, b"across segments");
+    still_serves(&server, "split", b"across segments");
+}
+
+#[test]
+fn claimed_four_gigabytes_is_refused_at_once() {
+    let server = seeded();
+    let mut s = raw(&server);
+    s.write_all(&VALIDATE).unwrap();
+    let mut f = vec![1u8];
+    f.extend_from_slice(&(4u64 << 30).to_le_bytes());
+    s.write_all(&f).unwrap();
+    let started = Instant::now();
+    assert!(closed_by_server(&mut s));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // The same for a value length, and for a key count.
+    let mut s = raw(&server);
+    s.write_all(&VALIDATE).unwrap();
+    let mut f = vec![1u8];
+    string(&mut f, b"/k");
+    f.extend_from_slice(&u64::MAX.to_le_bytes());
+    s.write_all(&f).unwrap();
+    assert!(closed_by_server(&mut s));
+    let mut s = raw(&server);
+    s.write_all(&VALIDATE).unwrap();
+    let mut f = vec![6u8];
+    f.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    s.write_all(&f).unwrap();
+    assert!(closed_by_server(&mut s));
+    still_serves(&server, "precious", b"kept");
+}
+
+#[test]
+fn truncated_frame_then_disconnect_loses_nothing() {
+    let server = seeded();
+    let mut s = raw(&server);
+    s.write_all(&VALIDATE).unwrap();
+    let frame = set_frame(b"/half", b"never completed");
+    s.write_all(&frame[..frame.len() / 2]).unwrap();
+    drop(s);
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    assert!(!store.check(&["half"]).unwrap());
+    assert_eq!(store.get("precious").unwrap(), b"kept");
+}
+
+#[test]
+fn slowloris_costs_other_clients_nothing() {
+    let server = seeded();
+    let mut slow = raw(&server);
+    slow.write_all(&VALIDATE).unwrap();
+    let frame = set_frame(b"/slow", b"value");
+    slow.write_all(&frame[..3]).unwrap();
+    // While the slow peer sits on a partial frame, others get full service.
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    let started = Instant::now();
+    for i in 0..200 {
+        store.set(&format!("fast{i}"), b"x").unwrap();
+        assert_eq!(store.get(&format!("fast{i}")).unwrap(), b"x");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The slow one eventually completes and is served too.
+    slow.write_all(&frame[3..]).unwrap();
+    slow.write_all(&get_frame(b"/slow")).unwrap();
+    let mut reply = [0u8; 13];
+    slow.read_exact(&mut reply).unwrap();
+    assert_eq!(&reply[8..], b"value");
+}
+
+#[test]
+fn disconnect_mid_wait_leaves_no_waiter() {
+    let server = seeded();
+    let mut sockets = Vec::new();
+    for _ in 0..20 {
+        let mut s = raw(&server);
+        s.write_all(&VALIDATE).unwrap();
+        let mut f = vec![6u8];
+        f.extend_from_slice(&1u64.to_le_bytes());
+        string(&mut f, b"/never");
+        s.write_all(&f).unwrap();
+        sockets.push(s);
+    }
+    wait_until("the 20 waits are registered", || server.stats().waiters == 20);
+    drop(sockets);
+    wait_until("the waiters are gone", || server.stats().waiters == 0);
+    wait_until("the connections are gone", || server.stats().connections == 0);
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    store.set("never", b"finally").unwrap();
+    assert_eq!(store.get("precious").unwrap(), b"kept");
+}
+
+#[test]
+fn killed_client_process_mid_wait_leaves_no_waiter() {
+    let server = seeded();
+    let exe = env!("CARGO_BIN_EXE_rdzv");
+    let mut child = std::process::Command::new(exe)
+        .args(["store", "--addr", &format!("127.0.0.1:{}", server.port())])
+        .args(["wait", "never-set", "--timeout", "60"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until("the child waits", || server.stats().waiters == 1);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_until("its waiter is gone", || server.stats().waiters == 0);
+    still_serves(&server, "precious", b"kept");
+}

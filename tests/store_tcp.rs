@@ -1,0 +1,362 @@
+//! PyTorch's `test/distributed/test_store.py` cases for TCPStore and PrefixStore(TCPStore),
+//! ported to Rust, against rdzv's server over real loopback sockets. Each test starts its
+//! own server on port 0, so they run in parallel.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdzv::uring::store::tcp::{TcpStore, TcpStoreOptions};
+use rdzv::uring::store::PrefixStore;
+use rdzv::uring::{ServerOptions, Store, StoreError, StoreServer};
+
+fn server() -> StoreServer {
+    StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        ..ServerOptions::default()
+    })
+    .expect("start server")
+}
+
+fn client(server: &StoreServer) -> TcpStore {
+    TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(10)).expect("connect")
+}
+
+/// StoreTestBase.test_set_get_check, with `num_keys_total` = 5 (no `init/` key: these
+/// clients do not count workers).
+fn set_get_check(store: &dyn Store, num_keys_total: i64) {
+    store.add("key", 1).unwrap();
+    store.add("key", 2).unwrap();
+    store.add("key", 3).unwrap();
+    store.set("key0", b"value0").unwrap();
+    store.add("key3", 1).unwrap();
+    store.set("key1", b"value1").unwrap();
+    store.add("key3", 2).unwrap();
+    store.set("key2", b"value2").unwrap();
+    store.add("key3", 3).unwrap();
+    store.add("key3", 4).unwrap();
+    store.add("key3", 5).unwrap();
+    store.add("key3", 6).unwrap();
+    assert_eq!(store.num_keys().unwrap(), num_keys_total);
+    assert_eq!(store.get("key").unwrap(), b"6");
+    assert_eq!(store.get("key0").unwrap(), b"value0");
+    assert_eq!(store.get("key1").unwrap(), b"value1");
+    assert_eq!(store.get("key2").unwrap(), b"value2");
+    assert_eq!(store.get("key3").unwrap(), b"21");
+    assert!(store.check(&["key3"]).unwrap());
+    assert!(!store.check(&["Randomkey3"]).unwrap());
+    store.set("-key3", b"7").unwrap();
+    assert_eq!(store.get("-key3").unwrap(), b"7");
+    assert!(store.delete_key("-key3").unwrap());
+    assert_eq!(store.num_keys().unwrap(), num_keys_total);
+}
+
+fn compare_set(store: &dyn Store) {
+    store.set("cs_key0", b"value0").unwrap();
+    assert_eq!(store.get("cs_key0").unwrap(), b"value0");
+    assert_eq!(
+        store.compare_set("cs_key0", b"wrong_old_value", b"new_value0").unwrap(),
+        b"value0"
+    );
+    assert_eq!(store.get("cs_key0").unwrap(), b"value0");
+    assert_eq!(
+        store.compare_set("cs_key0", b"value0", b"new_value0").unwrap(),
+        b"new_value0"
+    );
+    assert_eq!(store.get("cs_key0").unwrap(), b"new_value0");
+    assert_eq!(
+        store.compare_set("cs_key1", b"", b"new_value1").unwrap(),
+        b"new_value1"
+    );
+    assert_eq!(store.get("cs_key1").unwrap(), b"new_value1");
+    assert_eq!(
+        store.compare_set("missing_key", b"wrong_old_value", b"x").unwrap(),
+        b"wrong_old_value"
+    );
+    assert!(!store.check(&["missing_key"]).unwrap());
+}
+
+fn simple_wait(store: &dyn Store) {
+    let err = store
+        .wait(&["bad_key"], Some(Duration::from_millis(250)))
+        .unwrap_err();
+    assert!(err.to_string().contains("imeout"), "{err}");
+    store.add("good_key", 1).unwrap();
+    store.wait(&["good_key"], None).unwrap();
+}
+
+fn append(store: &dyn Store) {
+    store.set("foo", b"po").unwrap();
+    store.append("foo", b"tato").unwrap();
+    store.append("bar", b"po").unwrap();
+    store.append("bar", b"tato").unwrap();
+    assert_eq!(store.get("foo").unwrap(), b"potato");
+    assert_eq!(store.get("bar").unwrap(), b"potato");
+}
+
+fn multi_set_get(store: &dyn Store) {
+    store.multi_set(&[("m1", b"po"), ("m2", b"tato")]).unwrap();
+    assert_eq!(store.get("m1").unwrap(), b"po");
+    assert_eq!(store.get("m2").unwrap(), b"tato");
+    assert_eq!(
+        store.multi_get(&["m1", "m2"]).unwrap(),
+        vec![b"po".to_vec(), b"tato".to_vec()]
+    );
+}
+
+fn queues(store: &dyn Store) {
+    assert!(!store.check(&["q"]).unwrap());
+    assert_eq!(store.queue_len("q").unwrap(), 0);
+    store.queue_push("q", b"1").unwrap();
+    store.queue_push("q", b"2").unwrap();
+    assert!(store.check(&["q"]).unwrap());
+    assert_eq!(store.queue_len("q").unwrap(), 2);
+    store.wait(&["q"], None).unwrap();
+    assert_eq!(store.queue_pop("q", true).unwrap(), b"1");
+    assert_eq!(store.queue_pop("q", true).unwrap(), b"2");
+    assert!(!store.check(&["q"]).unwrap());
+    assert_eq!(store.queue_len("q").unwrap(), 0);
+    assert!(matches!(
+        store.queue_pop("q", false),
+        Err(StoreError::QueueEmpty)
+    ));
+    store.queue_push("q", b"a").unwrap();
+    assert_eq!(store.queue_pop("q", false).unwrap(), b"a");
+}
+
+fn all_base_tests(store: &dyn Store, num_keys_total: i64) {
+    set_get_check(store, num_keys_total);
+    compare_set(store);
+    simple_wait(store);
+    append(store);
+    multi_set_get(store);
+    queues(store);
+}
+
+#[test]
+fn tcp_store_base_tests() {
+    let server = server();
+    let store = client(&server);
+    all_base_tests(&store, 5);
+}
+
+#[test]
+fn prefix_tcp_store_base_tests() {
+    let server = server();
+    let store: Arc<dyn Store> = Arc::new(client(&server));
+    let prefixed = PrefixStore::new("test_prefix", Arc::clone(&store));
+    all_base_tests(&prefixed, 5);
+    // The keys really live under the prefix on the server.
+    assert_eq!(store.get("test_prefix/key").unwrap(), b"6");
+    let listed = prefixed.list_keys().unwrap();
+    assert!(listed.contains(&"key3".to_string()), "{listed:?}");
+}
+
+#[test]
+fn queue_pop_times_out() {
+    let server = server();
+    let store = client(&server);
+    store.set_timeout(Duration::from_millis(10));
+    let err = store.queue_pop("non_existant", true).unwrap_err();
+    assert!(err.to_string().contains("timeout"), "{err}");
+}
+
+#[test]
+fn clone_shares_the_store() {
+    let server = server();
+    let a = client(&server);
+    let b = a.clone_store().unwrap();
+    a.set("foo", b"bar").unwrap();
+    assert_eq!(b.get("foo").unwrap(), b"bar");
+}
+
+#[test]
+fn numkeys_delkeys() {
+    let server = server();
+    let store = client(&server);
+    assert_eq!(store.num_keys().unwrap(), 0);
+    store.add("key", 1).unwrap();
+    store.set("key0", b"value0").unwrap();
+    store.add("key1", 1).unwrap();
+    store.set("key2", b"value2").unwrap();
+    store.add("key3", 1).unwrap();
+    assert_eq!(store.num_keys().unwrap(), 5);
+    assert!(store.delete_key("key").unwrap());
+    assert_eq!(store.num_keys().unwrap(), 4);
+    store.set_timeout(Duration::from_secs(2));
+    assert!(store.get("key").is_err());
+    assert!(store.delete_key("key0").unwrap());
+    assert!(store.delete_key("key3").unwrap());
+    assert!(!store.delete_key("key3").unwrap());
+    assert_eq!(store.num_keys().unwrap(), 2);
+    store.set("key4", b"value4").unwrap();
+    assert_eq!(store.num_keys().unwrap(), 3);
+    assert_eq!(store.get("key1").unwrap(), b"1");
+    assert_eq!(store.get("key2").unwrap(), b"value2");
+    assert_eq!(store.get("key4").unwrap(), b"value4");
+}
+
+#[test]
+fn timeout_does_not_break_client() {
+    let server = server();
+    let store = client(&server);
+    store.set_timeout(Duration::from_millis(100));
+    let started = Instant::now();
+    let err = store.get("nonexistent key").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "wait timeout after 100ms, keys: /nonexistent key"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The connection is still good.
+    store.set("the_key", b"v").unwrap();
+    assert_eq!(store.get("the_key").unwrap(), b"v");
+}
+
+#[test]
+fn multi_worker_with_fixed_world_size() {
+    let server = server();
+    let port = server.port();
+    let setter = client(&server);
+    setter.set("key", b"value").unwrap();
+    let workers: Vec<_> = (0..5)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let store =
+                    TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                assert_eq!(store.get("key").unwrap(), b"value");
+                store.set(&format!("key{i}"), format!("{i}").as_bytes()).unwrap();
+                assert_eq!(
+                    store.compare_set(&format!("key{i}"), format!("{i}").as_bytes(), b"x").unwrap(),
+                    b"x"
+                );
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(setter.num_keys().unwrap(), 6);
+}
+
+#[test]
+fn wait_is_released_by_another_thread() {
+    let server = server();
+    let port = server.port();
+    let waiter = std::thread::spawn(move || {
+        let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+        store.wait(&["key1"], Some(Duration::from_secs(5))).unwrap();
+        store.get("key1").unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    client(&server).set("key1", b"value1").unwrap();
+    assert_eq!(waiter.join().unwrap(), b"value1");
+}
+
+#[test]
+fn list_keys_and_native_barrier() {
+    let server = server();
+    let store = client(&server);
+    store.set("a", b"1").unwrap();
+    store.set("b", b"2").unwrap();
+    let mut keys = store.list_keys().unwrap();
+    keys.sort();
+    assert_eq!(keys, ["a", "b"]);
+    let port = server.port();
+    let ranks: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                s.barrier("bar", 4, Some(Duration::from_secs(10))).unwrap();
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().unwrap();
+    }
+    // A barrier that nobody else joins times out with PyTorch's message and leaves the
+    // connection usable.
+    let err = store
+        .barrier("lonely", 2, Some(Duration::from_millis(100)))
+        .unwrap_err();
+    assert_eq!(err.to_string(), "barrier timeout after 100ms, key: lonely");
+    assert_eq!(store.get("a").unwrap(), b"1");
+}
+
+#[test]
+fn address_already_in_use() {
+    let first = server();
+    let err = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: first.port(),
+        ..ServerOptions::default()
+    })
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("The server socket has failed to listen on any local network address"),
+        "{text}"
+    );
+    assert!(text.contains(&first.port().to_string()), "{text}");
+}
+
+#[test]
+fn multitenancy_shares_one_server() {
+    let first = server();
+    let port = first.port();
+    drop(first);
+    // Two masters asking for the same port in one process share one server.
+    let mut options = TcpStoreOptions::client("127.0.0.1", 0);
+    options.is_master = true;
+    options.multi_tenant = true;
+    options.timeout = Duration::from_secs(10);
+    let a = TcpStore::new(options.clone()).unwrap();
+    let port_a = a.port();
+    assert_ne!(port_a, 0);
+    options.port = port_a;
+    let b = TcpStore::new(options).unwrap();
+    assert_eq!(b.port(), port_a);
+    a.set("shared", b"yes").unwrap();
+    assert_eq!(b.get("shared").unwrap(), b"yes");
+    let _ = port;
+}
+
+#[test]
+fn world_size_zero_is_rejected() {
+    let mut options = TcpStoreOptions::client("127.0.0.1", 1);
+    options.world_size = Some(0);
+    let err = TcpStore::new(options).unwrap_err();
+    assert_eq!(err.to_string(), "TCPStore world size cannot be 0");
+}
+
+#[test]
+fn master_times_out_on_missing_clients() {
+    let mut options = TcpStoreOptions::client("127.0.0.1", 0);
+    options.is_master = true;
+    options.world_size = Some(2);
+    options.wait_for_workers = true;
+    options.timeout = Duration::from_secs(1);
+    let err = TcpStore::new(options).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("Timed out after 1 seconds waiting for clients. 1/2 clients joined."),
+        "{text}"
+    );
+}
+
+#[test]
+fn connect_to_nothing_times_out_with_pytorchs_message() {
+    // Bind then drop to find a port with no listener.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let started = Instant::now();
+    let err = TcpStore::connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        err.to_string()
+            .starts_with("The client socket has timed out after 300ms while trying to connect to (127.0.0.1,"),
+        "{err}"
+    );
+}

@@ -1,0 +1,92 @@
+//! Errors of the store implementations.
+
+use std::io;
+use std::path::PathBuf;
+
+/// What a store operation can fail with. The messages follow PyTorch's where PyTorch has
+/// one for the same failure, so that users can search for them.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A wait (or a get, which waits) ran out of time.
+    #[error("wait timeout after {ms}ms, keys: {}", keys.join(", "))]
+    Timeout {
+        /// The timeout, in milliseconds.
+        ms: u128,
+        /// The keys waited for, as the store saw them (PyTorch prints the `/` prefix).
+        keys: Vec<String>,
+    },
+    /// A barrier ran out of time.
+    #[error("barrier timeout after {ms}ms, key: {key}")]
+    BarrierTimeout {
+        /// The timeout, in milliseconds.
+        ms: u128,
+        /// The barrier key.
+        key: String,
+    },
+    /// Connecting to a TCP store failed for the whole timeout.
+    #[error("The client socket has timed out after {ms}ms while trying to connect to ({host}, {port}): {last_error}")]
+    ConnectTimeout {
+        /// The store host.
+        host: String,
+        /// The store port.
+        port: u16,
+        /// How long we tried.
+        ms: u128,
+        /// The last error seen.
+        last_error: String,
+    },
+    /// A socket call failed.
+    #[error("{op} {peer} failed: {source}")]
+    Io {
+        /// What we were doing ("send to", "recv from", "connect to", ...).
+        op: &'static str,
+        /// The peer address or path.
+        peer: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer closed the connection.
+    #[error("Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash? (peer {peer})")]
+    Closed {
+        /// The peer address.
+        peer: String,
+    },
+    /// The peer sent something that is not the TCPStore protocol.
+    #[error("protocol error from {peer}: {detail}")]
+    Protocol {
+        /// The peer address.
+        peer: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A file store's file could not be used.
+    #[error("{op} {}: {source}", path.display())]
+    File {
+        /// What we were doing.
+        op: &'static str,
+        /// The store file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The counter at a key does not hold a decimal integer.
+    #[error("value of key {key} is not an integer counter: {detail}")]
+    NotACounter {
+        /// The key.
+        key: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A non-blocking queue pop found the queue empty.
+    #[error("queue is empty")]
+    QueueEmpty,
+    /// The operation does not exist for this store.
+    #[error("{0}")]
+    NotImplemented(&'static str),
+    /// An argument was out of range.
+    #[error("{0}")]
+    InvalidArgument(String),
+}
