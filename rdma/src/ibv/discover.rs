@@ -81,6 +81,17 @@ pub enum IbvError {
 }
 
 impl IbvError {
+    /// The device the failed call was about (`None` for `ibv_get_device_list`).
+    pub fn device(&self) -> Option<&str> {
+        match self {
+            IbvError::GetDeviceList { .. } => None,
+            IbvError::OpenDevice { device, .. }
+            | IbvError::QueryDevice { device, .. }
+            | IbvError::QueryPort { device, .. }
+            | IbvError::QueryGid { device, .. } => Some(device),
+        }
+    }
+
     /// The errno of the failed call, when libibverbs gave one.
     pub fn raw_os_error(&self) -> Option<i32> {
         match self {
@@ -306,5 +317,6 @@ mod tests {
             "{text}"
         );
         assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(err.device(), Some("mlx5_0"));
     }
 }

@@ -171,19 +171,32 @@ fn probe_inner(config: &IbvConfig) -> Result<IbvSelection, IbvNotViable> {
         failures = discovery.failures.len(),
         "RDMA discovery done"
     );
-    match select::select(&discovery.devices, config) {
-        Ok(selection) => Ok(selection),
-        Err(select_err) => {
-            // A device or port that could not be read is the likelier root cause than
-            // "nothing usable" among the rest.
-            match discovery.failures.into_iter().next() {
-                Some(failure) => {
-                    warn!(selection = %select_err, "RDMA selection failed after verb failures");
-                    Err(IbvNotViable::Verbs(failure))
-                }
-                None => Err(IbvNotViable::Selection(select_err)),
-            }
+    decide(discovery, config)
+}
+
+/// Selection over what discovery found, and the reason to give when nothing is usable.
+fn decide(
+    discovery: discover::Discovery,
+    config: &IbvConfig,
+) -> Result<IbvSelection, IbvNotViable> {
+    let select_err = match select::select(&discovery.devices, config) {
+        Ok(selection) => return Ok(selection),
+        Err(select_err) => select_err,
+    };
+    // A device or port that could not be read is the likelier root cause than "nothing
+    // usable" among the rest, unless the user asked for another device.
+    let relevant = discovery.failures.into_iter().find(|failure| {
+        match (config.device.as_deref(), failure.device()) {
+            (Some(wanted), Some(failed)) => wanted == failed,
+            _ => true,
         }
+    });
+    match relevant {
+        Some(failure) => {
+            warn!(selection = %select_err, "RDMA selection failed after verb failures");
+            Err(IbvNotViable::Verbs(failure))
+        }
+        None => Err(IbvNotViable::Selection(select_err)),
     }
 }
 
@@ -245,5 +258,97 @@ mod tests {
             v.to_string(),
             "not viable: RDZV_IB_PORT=\"abc\" is not valid: expected a port number from 1 to 255"
         );
+    }
+
+    fn open_failure(device: &str) -> IbvError {
+        IbvError::OpenDevice {
+            device: device.into(),
+            source: io::Error::from_raw_os_error(libc::EACCES),
+        }
+    }
+
+    fn ib_device(name: &str) -> topology::RdmaDevice {
+        topology::RdmaDevice {
+            name: name.into(),
+            ports: vec![topology::RdmaPort {
+                number: 1,
+                state: topology::PortState::Active,
+                link_layer: LinkLayer::InfiniBand,
+                lid: 3,
+                active_mtu: Some(Mtu::B2048),
+                max_msg_size: 1 << 30,
+                speed: None,
+                gid_table_len: 128,
+                gids: vec![topology::GidEntry {
+                    index: 0,
+                    gid: Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]),
+                    gid_type: GidType::InfiniBand,
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn verb_failures_are_ignored_when_another_device_is_usable() {
+        let discovery = discover::Discovery {
+            devices: vec![ib_device("mlx5_1")],
+            failures: vec![open_failure("mlx5_0")],
+        };
+        let selection = decide(discovery, &IbvConfig::default()).unwrap();
+        assert_eq!(selection.device, "mlx5_1");
+    }
+
+    #[test]
+    fn verb_failure_explains_an_empty_result() {
+        let discovery = discover::Discovery {
+            devices: vec![],
+            failures: vec![open_failure("mlx5_0")],
+        };
+        let reason = decide(discovery, &IbvConfig::default()).unwrap_err();
+        assert!(
+            matches!(&reason, IbvNotViable::Verbs(IbvError::OpenDevice { device, .. }) if device == "mlx5_0"),
+            "{reason}"
+        );
+        let text = crate::report::ErrorChain(&reason).to_string();
+        assert!(
+            text.starts_with("ibv_open_device failed for RDMA device mlx5_0: "),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn failure_on_another_device_does_not_hide_device_not_found() {
+        let discovery = discover::Discovery {
+            devices: vec![ib_device("mlx5_1")],
+            failures: vec![open_failure("mlx5_0")],
+        };
+        let config = IbvConfig {
+            device: Some("rxe0".into()),
+            ..IbvConfig::default()
+        };
+        let reason = decide(discovery, &config).unwrap_err();
+        assert!(
+            matches!(
+                reason,
+                IbvNotViable::Selection(SelectError::DeviceNotFound { .. })
+            ),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn failure_on_the_requested_device_is_the_reason() {
+        let discovery = discover::Discovery {
+            devices: vec![ib_device("mlx5_1")],
+            failures: vec![open_failure("mlx5_0")],
+        };
+        let config = IbvConfig {
+            device: Some("mlx5_0".into()),
+            ..IbvConfig::default()
+        };
+        assert!(matches!(
+            decide(discovery, &config),
+            Err(IbvNotViable::Verbs(IbvError::OpenDevice { .. }))
+        ));
     }
 }
