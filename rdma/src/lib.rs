@@ -1,2 +1,41 @@
-//! `rdzv-rdma`: verbs and CUDA.
+//! `rdzv-rdma`: rdzv's RDMA (InfiniBand verbs) and CUDA layer.
+//!
+//! # What it does today
+//!
+//! It answers one question per technology: *can it be used on this host, and with what?*
+//!
+//! - [`ibv::probe`] checks that libibverbs loads (through sideway, which `dlopen`s rdma-core
+//!   at run time), that the kernel has verbs support, and picks a device, port and GID: by
+//!   `RDZV_IB_DEVICE` / `RDZV_IB_PORT` / `RDZV_IB_GID_INDEX` (or [`ibv::IbvConfig`]), or else
+//!   the first device with an `ACTIVE` port, its RoCE v2 IPv4 GID on Ethernet or GID 0 and
+//!   its LID on InfiniBand. TensorPipe hard-codes device 0, port 1 and GID 0 instead. The
+//!   choice itself is a pure function ([`ibv::select::select`]) over a plain description of
+//!   the host ([`ibv::topology`]), tested without hardware.
+//! - [`cuda::probe`] checks that the CUDA driver library loads (cudarc, dynamically
+//!   loaded, guarded against cudarc's panics), that `cuInit` succeeds and devices exist, and
+//!   reports each device plus the GPUDirect RDMA prerequisites (dma-buf support, peer-memory
+//!   kernel module) as separate facts.
+//! - [`ViabilityReport`] combines both for `rdzv rdma probe`, with a human `Display` and a
+//!   stable `key: value` field layout.
+//!
+//! Neither probe panics or aborts on a host without RDMA hardware, without rdma-core, or
+//! without an NVIDIA driver: each returns "not viable" with the specific reason.
+//!
+//! # What comes next (not implemented yet)
+//!
+//! - RC queue pairs set up over a TCP bootstrap (exchange of LID/GID/QPN/MTU from
+//!   [`ibv::IbvSelection`]), with a shared CQ and SRQ.
+//! - A TensorPipe-style transport: ring buffers written with RDMA write-with-immediate and
+//!   acknowledged with zero-byte sends, with credit-based flow control.
+//! - Zero-copy sends of registered user buffers.
+//! - CUDA channels: same-process copies, CUDA IPC staging between processes on one host,
+//!   and GPUDirect RDMA (dma-buf or peer-memory registration of device memory).
+//!
+//! Until those exist, nothing in this crate moves bytes.
 #![warn(missing_docs)]
+
+pub mod cuda;
+pub mod ibv;
+mod report;
+
+pub use report::ViabilityReport;

@@ -1,0 +1,492 @@
+//! Whether CUDA can be used on this host, which GPUs there are, and whether the
+//! prerequisites of GPUDirect RDMA are present.
+//!
+//! [`probe`] answers with a [`CudaViability`]. The CUDA driver (`libcuda`) is loaded at run
+//! time through cudarc's `dynamic-loading`, so this crate builds and runs on hosts without
+//! it. cudarc *panics* when the library is missing, so [`probe`] first asks
+//! `is_culib_present`, and also runs every driver call under `catch_unwind` (a missing
+//! symbol in an old driver panics the same way). Viable means: the library loads, `cuInit`
+//! succeeds and there is at least one device.
+//!
+//! GPUDirect RDMA is reported as separate facts, not folded into viability: per device the
+//! `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED` and `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`
+//! attributes (the dma-buf route: `cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`),
+//! and per host whether a peer-memory kernel module is loaded ([`peer_memory`]; the
+//! `ibv_reg_mr`-on-device-pointer route). This module creates no context, allocates no
+//! memory and registers nothing.
+
+pub mod peer_memory;
+
+use std::ffi::c_int;
+use std::fmt;
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use tracing::{debug, info};
+
+pub use peer_memory::{PeerMemory, PeerMemoryClient};
+
+/// Outcome of [`probe`].
+#[derive(Debug)]
+pub enum CudaViability {
+    /// CUDA can be used.
+    Viable(CudaReport),
+    /// CUDA cannot be used, and why.
+    NotViable(CudaNotViable),
+}
+
+impl CudaViability {
+    /// Whether CUDA can be used.
+    pub fn is_viable(&self) -> bool {
+        matches!(self, CudaViability::Viable(_))
+    }
+
+    /// The report, when viable.
+    pub fn report(&self) -> Option<&CudaReport> {
+        match self {
+            CudaViability::Viable(report) => Some(report),
+            CudaViability::NotViable(_) => None,
+        }
+    }
+
+    /// The reason, when not viable.
+    pub fn reason(&self) -> Option<&CudaNotViable> {
+        match self {
+            CudaViability::Viable(_) => None,
+            CudaViability::NotViable(reason) => Some(reason),
+        }
+    }
+}
+
+/// What a viable CUDA probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaReport {
+    /// Version of the installed driver (`cuDriverGetVersion`), if it could be read.
+    pub driver_version: Option<DriverVersion>,
+    /// The devices, in ordinal order (as numbered under `CUDA_VISIBLE_DEVICES`).
+    pub devices: Vec<CudaDevice>,
+    /// The peer-memory kernel module, if one is loaded.
+    pub peer_memory: PeerMemory,
+}
+
+impl CudaReport {
+    /// Whether every device reports dma-buf support (GPUDirect RDMA through
+    /// `ibv_reg_dmabuf_mr`).
+    pub fn all_devices_support_dma_buf(&self) -> bool {
+        !self.devices.is_empty() && self.devices.iter().all(|d| d.dma_buf == Some(true))
+    }
+}
+
+/// A CUDA driver version, as `cuDriverGetVersion` encodes it (`1000 * major + 10 * minor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DriverVersion(pub i32);
+
+impl DriverVersion {
+    /// Major version, e.g. 12.
+    pub fn major(self) -> i32 {
+        self.0 / 1000
+    }
+
+    /// Minor version, e.g. 8.
+    pub fn minor(self) -> i32 {
+        (self.0 % 1000) / 10
+    }
+}
+
+impl fmt::Display for DriverVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major(), self.minor())
+    }
+}
+
+/// One CUDA device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaDevice {
+    /// Device ordinal.
+    pub ordinal: i32,
+    /// Marketing name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total device memory in bytes.
+    pub total_memory: usize,
+    /// PCI address (`domain:bus:device.0`), used later to pair GPUs with nearby NICs;
+    /// `None` if the driver did not report it.
+    pub pci_bus_id: Option<String>,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`; `None` if the driver does not know
+    /// the attribute.
+    pub gpu_direct_rdma: Option<bool>,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (driver 11.7+; often 0 with NVIDIA's
+    /// proprietary kernel modules and 1 with the open ones); `None` if unknown.
+    pub dma_buf: Option<bool>,
+}
+
+impl fmt::Display for CudaDevice {
+    /// E.g. `0: NVIDIA H100 (sm_90, 79.6 GiB, PCI 0000:3b:00.0, GPUDirect RDMA yes, dma-buf no)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (major, minor) = self.compute_capability;
+        write!(
+            f,
+            "{}: {} (sm_{major}{minor}, {}",
+            self.ordinal,
+            self.name,
+            GibiBytes(self.total_memory)
+        )?;
+        if let Some(pci) = &self.pci_bus_id {
+            write!(f, ", PCI {pci}")?;
+        }
+        write!(
+            f,
+            ", GPUDirect RDMA {}, dma-buf {})",
+            yes_no(self.gpu_direct_rdma),
+            yes_no(self.dma_buf)
+        )
+    }
+}
+
+/// `yes`, `no` or `unknown`.
+pub(crate) fn yes_no(flag: Option<bool>) -> &'static str {
+    match flag {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "unknown",
+    }
+}
+
+/// A byte count shown in GiB with one decimal.
+struct GibiBytes(usize);
+
+impl fmt::Display for GibiBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const GIB: u128 = 1 << 30;
+        // Tenths of a GiB, rounded down; u128 cannot overflow for any usize.
+        let tenths = (self.0 as u128) * 10 / GIB;
+        write!(f, "{}.{} GiB", tenths / 10, tenths % 10)
+    }
+}
+
+/// Why CUDA cannot be used on this host.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaNotViable {
+    /// No loadable CUDA driver library (`libcuda.so`, `libcuda.so.1`, ...).
+    #[error("the CUDA driver library (libcuda) cannot be loaded: no NVIDIA driver is installed or it is not on the loader path")]
+    DriverLibraryMissing,
+    /// The driver loaded but reports no device (`CUDA_ERROR_NO_DEVICE`, or a count of 0).
+    #[error("no CUDA device found")]
+    NoDevices {
+        /// The driver's error, when `cuInit` reported it.
+        #[source]
+        source: Option<DriverError>,
+    },
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] CudaError),
+    /// cudarc panicked while calling the driver (e.g. a symbol missing from an old driver).
+    #[error("the CUDA driver bindings panicked: {message}")]
+    Panicked {
+        /// The panic message.
+        message: String,
+    },
+}
+
+/// A failed CUDA driver call, with the device it was about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// `cuInit` failed.
+    #[error("cuInit failed")]
+    Init {
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// `cuDeviceGetCount` failed.
+    #[error("cuDeviceGetCount failed")]
+    DeviceCount {
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// `cuDeviceGet` failed.
+    #[error("cuDeviceGet failed for CUDA device {ordinal}")]
+    DeviceGet {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// `cuDeviceGetName` failed.
+    #[error("cuDeviceGetName failed for CUDA device {ordinal}")]
+    DeviceName {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// `cuDeviceTotalMem` failed.
+    #[error("cuDeviceTotalMem failed for CUDA device {ordinal}")]
+    TotalMemory {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// `cuDeviceGetAttribute` failed for an attribute the probe cannot do without.
+    #[error("cuDeviceGetAttribute({attribute}) failed for CUDA device {ordinal}")]
+    DeviceAttribute {
+        /// Device ordinal.
+        ordinal: i32,
+        /// Attribute name, e.g. `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`.
+        attribute: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+}
+
+impl fmt::Display for CudaViability {
+    /// `viable: driver 12.8, 1 device(s), peer memory none` or `not viable: <reason>`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CudaViability::Viable(report) => {
+                f.write_str("viable: driver ")?;
+                match report.driver_version {
+                    Some(version) => write!(f, "{version}")?,
+                    None => f.write_str("unknown")?,
+                }
+                write!(
+                    f,
+                    ", {} device(s), peer memory {}",
+                    report.devices.len(),
+                    report.peer_memory
+                )?;
+                for device in &report.devices {
+                    write!(f, "; {device}")?;
+                }
+                Ok(())
+            }
+            CudaViability::NotViable(reason) => {
+                write!(f, "not viable: {}", crate::report::ErrorChain(reason))
+            }
+        }
+    }
+}
+
+/// Whether cudarc can load the driver library. Never panics.
+pub fn driver_library_present() -> bool {
+    // SAFETY: `is_culib_present` `dlopen`s each candidate name of the CUDA driver library
+    // and closes it again, which runs the library's ELF constructors and destructors. That
+    // is exactly what loading the driver always does; the NVIDIA driver library is made to
+    // be `dlopen`ed, and no symbol from these handles is kept.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Probes the CUDA driver and its devices. Never panics (unless the binary is built with
+/// `panic = "abort"`, where a panic inside cudarc cannot be caught; the library check that
+/// runs first still avoids the common one).
+pub fn probe() -> CudaViability {
+    let outcome = if driver_library_present() {
+        match std::panic::catch_unwind(probe_driver) {
+            Ok(outcome) => outcome,
+            Err(payload) => Err(CudaNotViable::Panicked {
+                message: panic_message(payload.as_ref()),
+            }),
+        }
+    } else {
+        Err(CudaNotViable::DriverLibraryMissing)
+    };
+    match outcome {
+        Ok(report) => {
+            info!(
+                devices = report.devices.len(),
+                driver = ?report.driver_version.map(|v| v.to_string()),
+                peer_memory = %report.peer_memory,
+                "CUDA viable"
+            );
+            CudaViability::Viable(report)
+        }
+        Err(reason) => {
+            info!(reason = %crate::report::ErrorChain(&reason), "CUDA not viable");
+            CudaViability::NotViable(reason)
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+/// The driver calls; only run once the library is known to load.
+fn probe_driver() -> Result<CudaReport, CudaNotViable> {
+    match result::init() {
+        Ok(()) => {}
+        Err(err) if err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => {
+            return Err(CudaNotViable::NoDevices { source: Some(err) })
+        }
+        Err(source) => return Err(CudaError::Init { source }.into()),
+    }
+    let driver_version = driver_version();
+    let count = result::device::get_count().map_err(|source| CudaError::DeviceCount { source })?;
+    debug!(count, ?driver_version, "CUDA driver initialised");
+    if count <= 0 {
+        return Err(CudaNotViable::NoDevices { source: None });
+    }
+    let devices = (0..count).map(read_device).collect::<Result<Vec<_>, _>>()?;
+    Ok(CudaReport {
+        driver_version,
+        devices,
+        peer_memory: peer_memory::detect(),
+    })
+}
+
+fn driver_version() -> Option<DriverVersion> {
+    let mut version: c_int = 0;
+    // SAFETY: `cuDriverGetVersion` writes one `int` through the pointer, which points to a
+    // live local; it may be called before or after `cuInit`.
+    let status = unsafe { sys::cuDriverGetVersion(&mut version) };
+    match status.result() {
+        Ok(()) => Some(DriverVersion(version)),
+        Err(err) => {
+            debug!(error = %err, "cuDriverGetVersion failed");
+            None
+        }
+    }
+}
+
+fn read_device(ordinal: i32) -> Result<CudaDevice, CudaError> {
+    let device =
+        result::device::get(ordinal).map_err(|source| CudaError::DeviceGet { ordinal, source })?;
+    let name = result::device::get_name(device)
+        .map_err(|source| CudaError::DeviceName { ordinal, source })?;
+    // SAFETY: `device` was returned by `cuDeviceGet` after a successful `cuInit`, which is
+    // what `total_mem` and `get_attribute` require.
+    let total_memory = unsafe { result::device::total_mem(device) }
+        .map_err(|source| CudaError::TotalMemory { ordinal, source })?;
+    let attribute = |attribute: CUdevice_attribute| {
+        // SAFETY: as above, `device` comes from `cuDeviceGet` after `cuInit`.
+        unsafe { result::device::get_attribute(device, attribute) }
+    };
+    let required = |attr: CUdevice_attribute, attribute_name: &'static str| {
+        attribute(attr).map_err(|source| CudaError::DeviceAttribute {
+            ordinal,
+            attribute: attribute_name,
+            source,
+        })
+    };
+    let major = required(
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR",
+    )?;
+    let minor = required(
+        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+        "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR",
+    )?;
+    // Optional facts: an old driver may not know the attribute.
+    let flag = |attr: CUdevice_attribute| match attribute(attr) {
+        Ok(value) => Some(value != 0),
+        Err(err) => {
+            debug!(ordinal, ?attr, error = %err, "optional CUDA attribute unavailable");
+            None
+        }
+    };
+    let gpu_direct_rdma = flag(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED);
+    let dma_buf = flag(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED);
+    let pci_bus_id = match (
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+    ) {
+        (Ok(domain), Ok(bus), Ok(dev)) => Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.0")),
+        _ => None,
+    };
+    let device = CudaDevice {
+        ordinal,
+        name,
+        compute_capability: (major, minor),
+        total_memory,
+        pci_bus_id,
+        gpu_direct_rdma,
+        dma_buf,
+    };
+    debug!(%device, "CUDA device read");
+    Ok(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(dma_buf: Option<bool>) -> CudaDevice {
+        CudaDevice {
+            ordinal: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            compute_capability: (9, 0),
+            total_memory: 85_520_809_984,
+            pci_bus_id: Some("0000:3b:00.0".into()),
+            gpu_direct_rdma: Some(true),
+            dma_buf,
+        }
+    }
+
+    #[test]
+    fn driver_version_decoding() {
+        let v = DriverVersion(12080);
+        assert_eq!((v.major(), v.minor()), (12, 8));
+        assert_eq!(v.to_string(), "12.8");
+        assert_eq!(DriverVersion(11070).to_string(), "11.7");
+        assert_eq!(DriverVersion(13000).to_string(), "13.0");
+    }
+
+    #[test]
+    fn device_display() {
+        assert_eq!(
+            device(None).to_string(),
+            "0: NVIDIA H100 80GB HBM3 (sm_90, 79.6 GiB, PCI 0000:3b:00.0, GPUDirect RDMA yes, dma-buf unknown)"
+        );
+    }
+
+    #[test]
+    fn dma_buf_summary_needs_every_device() {
+        let report = |devices| CudaReport {
+            driver_version: Some(DriverVersion(12080)),
+            devices,
+            peer_memory: PeerMemory {
+                client: None,
+                evidence: None,
+            },
+        };
+        assert!(report(vec![device(Some(true))]).all_devices_support_dma_buf());
+        assert!(!report(vec![device(Some(true)), device(None)]).all_devices_support_dma_buf());
+        assert!(!report(vec![device(Some(false))]).all_devices_support_dma_buf());
+        assert!(!report(vec![]).all_devices_support_dma_buf());
+    }
+
+    #[test]
+    fn panic_payloads_become_messages() {
+        let caught = std::panic::catch_unwind(|| panic!("missing symbol {}", "cuFoo"));
+        let payload = caught.expect_err("the closure panics");
+        assert_eq!(panic_message(payload.as_ref()), "missing symbol cuFoo");
+        let caught = std::panic::catch_unwind(|| std::panic::panic_any(7_u8));
+        let payload = caught.expect_err("the closure panics");
+        assert_eq!(panic_message(payload.as_ref()), "non-string panic payload");
+    }
+
+    #[test]
+    fn not_viable_display() {
+        let v = CudaViability::NotViable(CudaNotViable::DriverLibraryMissing);
+        assert!(!v.is_viable());
+        assert!(v
+            .to_string()
+            .starts_with("not viable: the CUDA driver library (libcuda) cannot be loaded"));
+    }
+}

@@ -1,0 +1,322 @@
+//! Reads the host's RDMA devices, ports and GIDs from libibverbs, through sideway.
+//!
+//! This is the thin layer between libibverbs and the plain [`topology`](super::topology)
+//! description: it makes the verb calls (`ibv_get_device_list`, `ibv_open_device`,
+//! `ibv_query_device_ex`, `ibv_query_port`, `ibv_query_gid`, `ibv_query_gid_type`) and
+//! converts their results, reading raw attribute fields instead of sideway's converters,
+//! which panic on values they do not know. It decides nothing about which port to use.
+//!
+//! sideway links `rdma-mummy-sys`, a shim that `dlopen`s `libibverbs.so.1` when the process
+//! starts. When that fails, every verb returns `EOPNOTSUPP` instead of crashing, so
+//! [`check_library`] asks the dynamic loader directly to give a precise reason.
+
+use std::io;
+
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::DeviceContext;
+use tracing::{debug, warn};
+
+use crate::report::ErrorChain;
+
+use super::topology::{
+    Gid, GidEntry, GidType, LinkLayer, Mtu, PortSpeed, PortState, RdmaDevice, RdmaPort,
+};
+
+/// The shared object rdma-mummy-sys loads at run time.
+pub const LIBIBVERBS: &str = "libibverbs.so.1";
+
+/// A failed verb call, with the device and port it was about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IbvError {
+    /// `ibv_get_device_list` returned NULL.
+    #[error("ibv_get_device_list failed")]
+    GetDeviceList {
+        /// errno reported by libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_open_device` failed.
+    #[error("ibv_open_device failed for RDMA device {device}")]
+    OpenDevice {
+        /// Device name.
+        device: String,
+        /// errno reported by libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_query_device_ex` failed.
+    #[error("ibv_query_device_ex failed for RDMA device {device}")]
+    QueryDevice {
+        /// Device name.
+        device: String,
+        /// errno reported by libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_query_port` failed.
+    #[error("ibv_query_port failed for RDMA port {device}:{port}")]
+    QueryPort {
+        /// Device name.
+        device: String,
+        /// Port number.
+        port: u8,
+        /// errno reported by libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_query_gid` failed.
+    #[error("ibv_query_gid failed for RDMA port {device}:{port} GID index {gid_index}")]
+    QueryGid {
+        /// Device name.
+        device: String,
+        /// Port number.
+        port: u8,
+        /// GID table index.
+        gid_index: u32,
+        /// errno reported by libibverbs.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl IbvError {
+    /// The device the failed call was about (`None` for `ibv_get_device_list`).
+    pub fn device(&self) -> Option<&str> {
+        match self {
+            IbvError::GetDeviceList { .. } => None,
+            IbvError::OpenDevice { device, .. }
+            | IbvError::QueryDevice { device, .. }
+            | IbvError::QueryPort { device, .. }
+            | IbvError::QueryGid { device, .. } => Some(device),
+        }
+    }
+
+    /// The errno of the failed call, when libibverbs gave one.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            IbvError::GetDeviceList { source }
+            | IbvError::OpenDevice { source, .. }
+            | IbvError::QueryDevice { source, .. }
+            | IbvError::QueryPort { source, .. }
+            | IbvError::QueryGid { source, .. } => source.raw_os_error(),
+        }
+    }
+}
+
+/// What [`discover`] found: the devices it could read, and the verb calls that failed on
+/// the others (a device or port whose attributes could not be read is left out).
+#[derive(Debug, Default)]
+pub struct Discovery {
+    /// Devices in libibverbs order.
+    pub devices: Vec<RdmaDevice>,
+    /// Failures, in the order they happened.
+    pub failures: Vec<IbvError>,
+}
+
+/// Whether the dynamic loader can load libibverbs, and if not, its error message.
+pub fn check_library() -> Result<(), String> {
+    use libloading::os::unix::{Library, RTLD_LAZY, RTLD_LOCAL};
+    // SAFETY: loading libibverbs runs its ELF constructors, which only initialise
+    // libibverbs' own globals and take no arguments from us. rdma-mummy-sys has already
+    // `dlopen`ed the same file at process start whenever it exists, so this normally only
+    // raises the reference count. Dropping the handle `dlclose`s it; no symbol or pointer
+    // obtained through this handle outlives it (we look nothing up).
+    let opened = unsafe { Library::open(Some(LIBIBVERBS), RTLD_LAZY | RTLD_LOCAL) };
+    match opened {
+        Ok(library) => {
+            drop(library);
+            Ok(())
+        }
+        Err(err) => Err(ErrorChain(&err).to_string()),
+    }
+}
+
+/// Lists the devices; `Err` only when the list itself cannot be had.
+pub fn discover() -> Result<Discovery, IbvError> {
+    let list = DeviceList::new().map_err(|err| IbvError::GetDeviceList {
+        source: match err.0 {
+            sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(source) => source,
+            other => io::Error::other(other),
+        },
+    })?;
+    let mut discovery = Discovery::default();
+    debug!(count = list.len(), "ibv_get_device_list");
+    for index in 0..list.len() {
+        // `get` checks the index and the entry for NULL.
+        let Some(device) = list.get(index) else {
+            continue;
+        };
+        let name = device.name();
+        let context = match device.open() {
+            Ok(context) => context,
+            Err(err) => {
+                discovery.failures.push(IbvError::OpenDevice {
+                    device: name,
+                    source: match err.0 {
+                        sideway::ibverbs::device::OpenDeviceErrorKind::Ibverbs(source) => source,
+                        other => io::Error::other(other),
+                    },
+                });
+                continue;
+            }
+        };
+        match read_device(&context, name) {
+            Ok((rdma_device, port_failures)) => {
+                discovery.failures.extend(port_failures);
+                discovery.devices.push(rdma_device);
+            }
+            Err(failure) => discovery.failures.push(failure),
+        }
+    }
+    for failure in &discovery.failures {
+        warn!(error = %ErrorChain(failure), "RDMA discovery: verb failed");
+    }
+    Ok(discovery)
+}
+
+/// Reads one opened device; port-level failures leave the port out and are returned.
+fn read_device(
+    context: &DeviceContext,
+    name: String,
+) -> Result<(RdmaDevice, Vec<IbvError>), IbvError> {
+    let attr = context
+        .query_device()
+        .map_err(|err| IbvError::QueryDevice {
+            device: name.clone(),
+            source: match err.0 {
+                sideway::ibverbs::device_context::QueryDeviceErrorKind::Ibverbs(source) => source,
+                other => io::Error::other(other),
+            },
+        })?;
+    let port_count = attr.phys_port_cnt();
+    let mut ports = Vec::with_capacity(usize::from(port_count));
+    let mut failures = Vec::new();
+    for number in 1..=port_count {
+        match read_port(context, &name, number) {
+            Ok(port) => ports.push(port),
+            Err(failure) => failures.push(failure),
+        }
+    }
+    debug!(device = %name, port_count, "RDMA device read");
+    Ok((RdmaDevice { name, ports }, failures))
+}
+
+fn read_port(context: &DeviceContext, device: &str, number: u8) -> Result<RdmaPort, IbvError> {
+    let port_attr = context
+        .query_port(number)
+        .map_err(|err| IbvError::QueryPort {
+            device: device.to_owned(),
+            port: number,
+            source: match err.source {
+                sideway::ibverbs::device_context::QueryPortErrorKind::Ibverbs(source) => source,
+                other => io::Error::other(other),
+            },
+        })?;
+    // Raw fields: sideway's `PortAttr` getters panic on values outside the ABI.
+    let raw = &port_attr.attr;
+    let state = PortState::from_raw(raw.state);
+    let link_layer = LinkLayer::from_raw(raw.link_layer);
+    let gid_table_len = u32::try_from(raw.gid_tbl_len).unwrap_or(0);
+    // GIDs of ports that are not active are of no use to anyone: do not read them.
+    let gids = if state.is_active() {
+        read_gids(context, device, number, link_layer, gid_table_len)?
+    } else {
+        Vec::new()
+    };
+    debug!(
+        device,
+        port = number,
+        %state,
+        %link_layer,
+        gids = gids.len(),
+        "RDMA port read"
+    );
+    Ok(RdmaPort {
+        number,
+        state,
+        link_layer,
+        lid: raw.lid,
+        active_mtu: Mtu::from_raw(raw.active_mtu),
+        max_msg_size: raw.max_msg_sz,
+        speed: PortSpeed::from_raw(raw.active_width, raw.active_speed, raw.active_speed_ex),
+        gid_table_len,
+        gids,
+    })
+}
+
+/// `ibv_query_gid_type`'s sysfs values.
+const GID_TYPE_SYSFS_IB_ROCE_V1: u32 = 0;
+const GID_TYPE_SYSFS_ROCE_V2: u32 = 1;
+
+fn read_gids(
+    context: &DeviceContext,
+    device: &str,
+    port: u8,
+    link_layer: LinkLayer,
+    table_len: u32,
+) -> Result<Vec<GidEntry>, IbvError> {
+    let mut gids = Vec::new();
+    for index in 0..table_len {
+        let gid = context
+            .query_gid(port, index)
+            .map_err(|err| IbvError::QueryGid {
+                device: device.to_owned(),
+                port,
+                gid_index: index,
+                source: match err.source {
+                    sideway::ibverbs::device_context::QueryGidErrorKind::Ibverbs(source) => source,
+                    other => io::Error::other(other),
+                },
+            })?;
+        let gid = Gid(gid.raw);
+        if gid.is_zero() {
+            continue;
+        }
+        let gid_type = if link_layer.is_infiniband() {
+            GidType::InfiniBand
+        } else {
+            match context.query_gid_type(port, index) {
+                Ok(GID_TYPE_SYSFS_IB_ROCE_V1) => GidType::RoceV1,
+                Ok(GID_TYPE_SYSFS_ROCE_V2) => GidType::RoceV2,
+                Ok(other) => {
+                    debug!(device, port, index, raw = other, "unknown GID type");
+                    GidType::Unknown
+                }
+                Err(err) => {
+                    // Old libibverbs lack ibv_query_gid_type; the entry stays usable by
+                    // explicit index.
+                    debug!(device, port, index, error = %ErrorChain(&err), "ibv_query_gid_type failed");
+                    GidType::Unknown
+                }
+            }
+        };
+        gids.push(GidEntry {
+            index,
+            gid,
+            gid_type,
+        });
+    }
+    Ok(gids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_carry_device_port_and_errno() {
+        let err = IbvError::QueryPort {
+            device: "mlx5_0".into(),
+            port: 2,
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        };
+        let text = ErrorChain(&err).to_string();
+        assert!(
+            text.starts_with("ibv_query_port failed for RDMA port mlx5_0:2: "),
+            "{text}"
+        );
+        assert_eq!(err.raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(err.device(), Some("mlx5_0"));
+    }
+}
