@@ -27,9 +27,19 @@ enum Command {
     /// Start an embedded store and N worker processes that rendezvous through tcp://,
     /// meet at a barrier and all-gather their names; print what happened.
     Demo(crate::demo::DemoArgs),
+    /// Inspect the RDMA and CUDA stacks of this host.
+    #[command(subcommand)]
+    Rdma(RdmaOp),
     /// Internal: one worker of `rdzv demo`.
     #[command(hide = true)]
     DemoWorker(crate::demo::WorkerArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum RdmaOp {
+    /// Say whether the IBV transport and the CUDA channels can run here, and why not.
+    /// Honours RDZV_IB_DEVICE, RDZV_IB_PORT and RDZV_IB_GID_INDEX.
+    Probe,
 }
 
 #[derive(Debug, Args)]
@@ -104,6 +114,10 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Store(args) => store(args),
         Command::Demo(args) => crate::demo::run(args),
         Command::DemoWorker(args) => crate::demo::worker(args),
+        Command::Rdma(RdmaOp::Probe) => {
+            print!("{}", rdzv::rdma::ViabilityReport::probe_env());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
