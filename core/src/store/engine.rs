@@ -1,1 +1,709 @@
-//! (being written)
+//! The TCPStore state machine: what every request does to the store, with libuv semantics.
+//!
+//! [`Engine`] owns the key/value map, the queues, the waiters and the per-connection state
+//! of one TCPStore server. Input is `(connection, request)`; output is the reply to that
+//! connection plus the `STOP_WAITING` wake-ups owed to waiting connections, as values.
+//! It never sees bytes (the codec's job), sockets or clocks: TCPStore has no server-side
+//! timeout, so nothing here depends on time. It does not enforce libuv's size limits
+//! (keys, values and key counts per request): the decoder rejects those before a request
+//! exists.
+//!
+//! # Driving it (polling order)
+//!
+//! 1. [`Engine::connect`] when a connection is accepted.
+//! 2. For each request decoded from a connection, in arrival order,
+//!    [`Engine::handle_request`]:
+//!    - `Ok(outcome)`: write [`Outcome::own_wakeups`] `STOP_WAITING` bytes to that
+//!      connection, then [`Outcome::reply`] if it is `Some`. (Own wake-ups answer the
+//!      connection's *earlier* `WAIT`/`BARRIER` requests that this request completed; as
+//!      in libuv they precede the reply on the wire.)
+//!    - `Err(close)`: close that connection, and only it. The engine has already forgotten
+//!      it and its waits; [`Engine::disconnect`] afterwards is a harmless no-op.
+//! 3. After each request (also after an `Err`), drain [`Engine::poll_wakeup`] until it
+//!    returns `None` and write each wake-up to its connection. The reply borrows the
+//!    engine, so encode it before polling.
+//! 4. [`Engine::disconnect`] when a connection closes. Its waits vanish with it.
+//!
+//! # Semantics (libuv backend of PyTorch 2.15), and where we deliberately differ
+//!
+//! * `GET`/`MULTI_GET` of a missing key reply with empty bytes.
+//! * `ADD` and `BARRIER` store their counters as ASCII decimal and re-read them with
+//!   `std::stoll` rules ([`semantics::parse_counter`]); a stored value that is not a number,
+//!   or a sum that overflows `i64`, closes the asking connection ([`Close::BadCounter`]).
+//! * `COMPARE_SET` follows [`semantics::compare_set`] and wakes the key's waiters in all
+//!   four cases, even when nothing was written (libuv does this too).
+//! * A key is *present* when it is in the key/value map or names a non-empty queue.
+//!   `CHECK` and `WAIT` use that. A `WAIT` whose keys are all present (or that names no key)
+//!   is answered at once; otherwise it registers on each distinct key that is not present
+//!   and is answered once every one of them has *arrived* (been written after the `WAIT`).
+//!   libuv registers on every key missing from the map, even one with a non-empty queue,
+//!   which could leave such a waiter hanging while `CHECK` says ready; we do not.
+//! * `SET`, `ADD`, `APPEND`, `MULTI_SET` (each key, in order) and `COMPARE_SET` are an
+//!   arrival of their key for every registration on it. `DELETE_KEY` wakes nobody.
+//! * `QUEUE_PUSH` wakes at most **one** waiter: it is an arrival of the key for the
+//!   registrations on that key in registration (FIFO) order, up to and including the
+//!   first whose `WAIT` it completes; registrations after that one are untouched. This is
+//!   libuv's `wakeupOneWaitingClient` walk, except that libuv leaves every walked client
+//!   in the key's list, where a later write counts it again (waking a multi-key `WAIT`
+//!   early, or a finished one twice); we remove each registration the push satisfied.
+//! * `BARRIER(key, world_size)` increments the decimal counter under `key` (an ordinary
+//!   key/value entry). The arrival with `count >= world_size` wakes every waiter on the
+//!   key and is answered `STOP_WAITING` at once; earlier arrivals wait (as a one-key wait
+//!   on `key`) with no reply, and their counter writes wake nobody. A used key releases
+//!   every later arrival at once.
+//! * `CANCEL_WAIT` drops every pending wait of the connection and replies `WAIT_CANCELED`.
+//! * Each `WAIT`/`BARRIER` is its own wait, answered by exactly one `STOP_WAITING` unless
+//!   cancelled. libuv keeps one counter per client, which a second wait overwrites; PyTorch
+//!   clients never have two in flight, so only pipelining clients see the difference.
+//! * `QUEUE_POP` replies with the length before the pop and the front element; an emptied
+//!   queue is removed (libuv keeps empty queues; nothing observable depends on it).
+//!   `GETNUMKEYS` and `LIST_KEYS` count only the key/value map; `LIST_KEYS` is sorted
+//!   bytewise (libuv's order is its hash map's).
+//! * The first request of a connection must be `VALIDATE` with [`VALIDATION_MAGIC`]; a
+//!   later `VALIDATE` is an invalid command. Both close the connection.
+//!
+//! # Cost
+//!
+//! `GET`, `SET`, `ADD`, `CHECK` and a ready `WAIT` are hash lookups; overwriting a value
+//! reuses its buffer. A write wakes the waiters on its key in O(w log w) for w of them; a
+//! cancel or disconnect costs O(k log w) over the k keys its waits registered on. Nothing
+//! scans all waiters or all connections.
+
+use alloc::boxed::Box;
+use alloc::collections::{BTreeSet, VecDeque};
+use alloc::vec::Vec;
+use core::fmt;
+
+use hashbrown::hash_map::EntryRef;
+use hashbrown::HashMap;
+
+use super::semantics::{self, CounterError, Decimal};
+use super::{
+    CheckResponse, ConnId, KeyList, QueryType, Request, Response, WaitResponse, VALIDATION_MAGIC,
+};
+
+#[cfg(test)]
+mod tests;
+
+/// Why the engine wants a connection closed. The engine has already forgotten the
+/// connection (and its waits) when it returns one of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Close {
+    /// The first request was `VALIDATE` with the wrong magic number.
+    IncorrectValidate {
+        /// The magic the client sent.
+        magic: u32,
+    },
+    /// The first request was not `VALIDATE`.
+    MissingValidate {
+        /// What the client sent instead.
+        query: QueryType,
+    },
+    /// `VALIDATE` arrived after the first request (libuv: "Client sent invalid command").
+    RepeatedValidate,
+    /// A request for a connection that was never connected, or was closed or disconnected.
+    UnknownConnection {
+        /// The connection named.
+        conn: ConnId,
+    },
+    /// `ADD` or `BARRIER` found a stored value it cannot count with (`std::stoll` throws in
+    /// PyTorch), or the new count overflows.
+    BadCounter {
+        /// `ADD` or `BARRIER`.
+        query: QueryType,
+        /// The key, as on the wire.
+        key: Vec<u8>,
+        /// What went wrong.
+        error: CounterError,
+    },
+}
+
+impl fmt::Display for Close {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Close::IncorrectValidate { magic } => write!(
+                f,
+                "Miscellaneous client with incorrect VALIDATE query is detected \
+                 (magic {magic:#010x}, expected {VALIDATION_MAGIC:#010x})"
+            ),
+            Close::MissingValidate { query } => write!(
+                f,
+                "Miscellaneous client without VALIDATE query is detected (first query: {})",
+                query.name()
+            ),
+            Close::RepeatedValidate => f.write_str(
+                "Client sent invalid command: VALIDATE is only accepted as the first query",
+            ),
+            Close::UnknownConnection { conn } => {
+                write!(f, "request on unknown connection {}", conn.0)
+            }
+            Close::BadCounter { query, key, error } => write!(
+                f,
+                "{} on key \"{}\": {error}",
+                query.name(),
+                key.escape_ascii()
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "std")]
+impl std::error::Error for Close {}
+
+#[cfg(feature = "std")]
+impl std::error::Error for CounterError {}
+
+/// What [`Engine::handle_request`] owes the requesting connection, in wire order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome<'a> {
+    /// How many `STOP_WAITING` bytes to write first: this connection's own earlier
+    /// `WAIT`/`BARRIER` requests that this request completed. Zero for any client with one
+    /// request in flight (every PyTorch client).
+    pub own_wakeups: usize,
+    /// The reply to this request, or `None` when it has none (`VALIDATE`, `SET`, `APPEND`,
+    /// `MULTI_SET`, `QUEUE_PUSH`) or none yet (a `WAIT` or `BARRIER` that must wait).
+    pub reply: Option<Response<'a>>,
+}
+
+impl Outcome<'_> {
+    fn silent() -> Self {
+        Outcome {
+            own_wakeups: 0,
+            reply: None,
+        }
+    }
+}
+
+/// The reply to a request, described without borrowing the store (see `Engine::render`).
+enum Answer<'r> {
+    /// No reply (now).
+    Silent,
+    /// A reply that borrows at most the request.
+    Now(Response<'r>),
+    /// `Value` of the stored `key`, or `missing` if there is none.
+    Stored { key: &'r [u8], missing: &'r [u8] },
+    /// `Values` of the stored keys, empty for missing ones.
+    StoredMany(KeyList<'r>),
+    /// `Keys` of the key/value map.
+    ListKeys,
+    /// `QueuePop` of the element just moved to `Engine::popped`.
+    Popped { len_before: i64 },
+}
+
+/// Numbers waits in registration order.
+type WaitId = u64;
+
+#[derive(Debug, Default)]
+struct Connection {
+    validated: bool,
+    /// Pending `WAIT`/`BARRIER` requests.
+    waits: Vec<WaitId>,
+}
+
+#[derive(Debug)]
+struct PendingWait {
+    conn: ConnId,
+    /// Registrations still in `Engine::waiters`; the wait completes when this reaches 0.
+    remaining: usize,
+    /// Every key it registered on (some may be satisfied already), for cancellation.
+    keys: Vec<Box<[u8]>>,
+}
+
+/// The state machine of one TCPStore server. See the [module docs](self) for the
+/// polling order and the exact semantics.
+#[derive(Debug, Default)]
+pub struct Engine {
+    kv: HashMap<Box<[u8]>, Vec<u8>>,
+    /// Never holds an empty queue.
+    queues: HashMap<Box<[u8]>, VecDeque<Vec<u8>>>,
+    /// Key → waits registered on it, in registration order. Never holds an empty set.
+    /// Invariant: a wait's `remaining` equals the number of sets here that hold its id.
+    waiters: HashMap<Box<[u8]>, BTreeSet<WaitId>>,
+    waits: HashMap<WaitId, PendingWait>,
+    conns: HashMap<ConnId, Connection>,
+    /// `STOP_WAITING` wake-ups owed to connections other than the requester.
+    wakeups: VecDeque<ConnId>,
+    next_wait: WaitId,
+    /// The connection whose request is being handled (its wake-ups go to `own_wakeups`).
+    requester: Option<ConnId>,
+    own_wakeups: usize,
+    /// The element the last `QUEUE_POP` removed; its reply borrows it.
+    popped: Vec<u8>,
+}
+
+impl Engine {
+    /// An empty store with no connections.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers a newly accepted connection, which must send `VALIDATE` first. Returns
+    /// `false` (and changes nothing) if `conn` is already connected.
+    pub fn connect(&mut self, conn: ConnId) -> bool {
+        match self.conns.entry(conn) {
+            hashbrown::hash_map::Entry::Occupied(_) => false,
+            hashbrown::hash_map::Entry::Vacant(slot) => {
+                slot.insert(Connection::default());
+                true
+            }
+        }
+    }
+
+    /// Forgets a closed connection: its pending waits are dropped, and so are wake-ups
+    /// queued for it and not yet polled. Returns whether it was connected.
+    pub fn disconnect(&mut self, conn: ConnId) -> bool {
+        self.forget(conn)
+    }
+
+    /// Applies one request from `conn` and returns what `conn` is owed now; wake-ups for
+    /// other connections wait in [`Engine::poll_wakeup`]. See the [module docs](self).
+    ///
+    /// The reply may borrow the store (a value) or the request (`COMPARE_SET` on a missing
+    /// key echoes `expected`), hence the shared lifetime.
+    pub fn handle_request<'a>(
+        &'a mut self,
+        conn: ConnId,
+        request: Request<'a>,
+    ) -> Result<Outcome<'a>, Close> {
+        if !self.popped.is_empty() {
+            // The previous reply that borrowed it is gone; do not hold a large value.
+            self.popped = Vec::new();
+        }
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return Err(Close::UnknownConnection { conn });
+        };
+        if !state.validated {
+            let close = match request {
+                Request::Validate { magic } if magic == VALIDATION_MAGIC => {
+                    state.validated = true;
+                    return Ok(Outcome::silent());
+                }
+                Request::Validate { magic } => Close::IncorrectValidate { magic },
+                other => Close::MissingValidate {
+                    query: other.query_type(),
+                },
+            };
+            self.forget(conn);
+            return Err(close);
+        }
+        self.requester = Some(conn);
+        self.own_wakeups = 0;
+        let answer = self.apply(conn, request);
+        self.requester = None;
+        let own_wakeups = core::mem::take(&mut self.own_wakeups);
+        match answer {
+            Ok(answer) => Ok(Outcome {
+                own_wakeups,
+                reply: self.render(answer),
+            }),
+            Err(close) => {
+                self.forget(conn);
+                Err(close)
+            }
+        }
+    }
+
+    /// The next wake-up owed to a waiting connection (always
+    /// [`WaitResponse::StopWaiting`]), in the order the waits completed. Drain it after
+    /// every [`Engine::handle_request`].
+    pub fn poll_wakeup(&mut self) -> Option<(ConnId, WaitResponse)> {
+        self.wakeups
+            .pop_front()
+            .map(|conn| (conn, WaitResponse::StopWaiting))
+    }
+
+    /// How many keys the key/value map holds (what `GETNUMKEYS` replies).
+    pub fn num_keys(&self) -> usize {
+        self.kv.len()
+    }
+
+    /// The value stored under `key`, if any.
+    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        self.kv.get(key).map(Vec::as_slice)
+    }
+
+    /// How many elements the queue `key` holds.
+    pub fn queue_len(&self, key: &[u8]) -> usize {
+        self.queues.get(key).map_or(0, VecDeque::len)
+    }
+
+    /// How many non-empty queues exist.
+    pub fn num_queues(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// How many `WAIT`/`BARRIER` requests are pending, over all connections.
+    pub fn waiter_count(&self) -> usize {
+        self.waits.len()
+    }
+
+    /// How many distinct keys have at least one pending wait registered on them.
+    pub fn waited_key_count(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// How many connections are connected (validated or not).
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Whether `conn` is connected.
+    pub fn is_connected(&self, conn: ConnId) -> bool {
+        self.conns.contains_key(&conn)
+    }
+
+    /// How many wake-ups wait to be polled.
+    pub fn pending_wakeups(&self) -> usize {
+        self.wakeups.len()
+    }
+
+    /// Applies a validated connection's request to the store; the reply is described,
+    /// not built, so that the store is free to borrow again.
+    fn apply<'r>(&mut self, conn: ConnId, request: Request<'r>) -> Result<Answer<'r>, Close> {
+        let answer = match request {
+            Request::Validate { .. } => return Err(Close::RepeatedValidate),
+            Request::Set { key, value } => {
+                self.store(key, value);
+                self.wake_all(key);
+                Answer::Silent
+            }
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
+                let current = self.kv.get(key).map(Vec::as_slice);
+                let writes = semantics::compare_set(current, expected, desired).writes();
+                if writes {
+                    self.store(key, desired);
+                }
+                self.wake_all(key);
+                if writes {
+                    Answer::Now(Response::Value(desired))
+                } else {
+                    // The current value, or `expected` when the key is missing.
+                    Answer::Stored {
+                        key,
+                        missing: expected,
+                    }
+                }
+            }
+            Request::Get { key } => Answer::Stored { key, missing: &[] },
+            Request::Add { key, delta } => {
+                let current = self.kv.get(key).map(Vec::as_slice);
+                let total = semantics::add_counter(current, delta)
+                    .map_err(|error| bad_counter(QueryType::Add, key, error))?;
+                self.store(key, Decimal::new(total).as_bytes());
+                self.wake_all(key);
+                Answer::Now(Response::Int(total))
+            }
+            Request::Check { keys } => Answer::Now(Response::Check(if self.all_present(keys) {
+                CheckResponse::Ready
+            } else {
+                CheckResponse::NotReady
+            })),
+            Request::Wait { keys } => {
+                if self.wait(conn, keys) {
+                    Answer::Now(Response::Wait(WaitResponse::StopWaiting))
+                } else {
+                    Answer::Silent
+                }
+            }
+            Request::GetNumKeys => Answer::Now(Response::Int(count(self.kv.len()))),
+            Request::DeleteKey { key } => {
+                Answer::Now(Response::Int(i64::from(self.kv.remove(key).is_some())))
+            }
+            Request::Append { key, value } => {
+                match self.kv.entry_ref(key) {
+                    EntryRef::Occupied(mut slot) => slot.get_mut().extend_from_slice(value),
+                    EntryRef::Vacant(slot) => {
+                        slot.insert(value.to_vec());
+                    }
+                }
+                self.wake_all(key);
+                Answer::Silent
+            }
+            Request::MultiGet { keys } => Answer::StoredMany(keys),
+            Request::MultiSet { pairs } => {
+                for (key, value) in pairs.iter() {
+                    self.store(key, value);
+                    self.wake_all(key);
+                }
+                Answer::Silent
+            }
+            Request::CancelWait => {
+                self.cancel_waits(conn);
+                Answer::Now(Response::Wait(WaitResponse::WaitCanceled))
+            }
+            Request::Ping { nonce } => Answer::Now(Response::Pong(nonce)),
+            Request::QueuePush { key, value } => {
+                self.queues
+                    .entry_ref(key)
+                    .or_default()
+                    .push_back(value.to_vec());
+                self.wake_one(key);
+                Answer::Silent
+            }
+            Request::QueuePop { key } => self.queue_pop(key),
+            Request::QueueLen { key } => Answer::Now(Response::Int(count(self.queue_len(key)))),
+            Request::ListKeys => Answer::ListKeys,
+            Request::Barrier { key, world_size } => {
+                let current = self.kv.get(key).map(Vec::as_slice);
+                let arrival = semantics::barrier_count(current)
+                    .map_err(|error| bad_counter(QueryType::Barrier, key, error))?;
+                self.store(key, Decimal::new(arrival).as_bytes());
+                if semantics::barrier_released(arrival, world_size) {
+                    self.wake_all(key);
+                    Answer::Now(Response::Wait(WaitResponse::StopWaiting))
+                } else {
+                    let id = self.new_wait_id();
+                    self.waiters.entry_ref(key).or_default().insert(id);
+                    self.add_wait(conn, id, alloc::vec![Box::from(key)]);
+                    Answer::Silent
+                }
+            }
+        };
+        Ok(answer)
+    }
+
+    /// Builds the reply an [`Answer`] describes, borrowing the store where it must.
+    fn render<'a>(&'a self, answer: Answer<'a>) -> Option<Response<'a>> {
+        Some(match answer {
+            Answer::Silent => return None,
+            Answer::Now(response) => response,
+            Answer::Stored { key, missing } => {
+                Response::Value(self.kv.get(key).map_or(missing, Vec::as_slice))
+            }
+            Answer::StoredMany(keys) => {
+                let mut values = Vec::with_capacity(keys.len());
+                values.extend(keys.iter().map(|key| self.value_or_empty(key)));
+                Response::Values(values)
+            }
+            Answer::ListKeys => {
+                let mut keys: Vec<&[u8]> = self.kv.keys().map(|key| &**key).collect();
+                keys.sort_unstable();
+                Response::Keys(keys)
+            }
+            Answer::Popped { len_before } => Response::QueuePop {
+                len_before,
+                value: Some(&self.popped),
+            },
+        })
+    }
+
+    fn value_or_empty(&self, key: &[u8]) -> &[u8] {
+        self.kv.get(key).map_or(&[], Vec::as_slice)
+    }
+
+    /// `store[key] = value`, reusing the old buffer unless it is far too large.
+    fn store(&mut self, key: &[u8], value: &[u8]) {
+        match self.kv.entry_ref(key) {
+            EntryRef::Occupied(mut slot) => {
+                let buf = slot.get_mut();
+                if buf.capacity() / 2 > value.len().max(64) {
+                    *buf = value.to_vec();
+                } else {
+                    buf.clear();
+                    buf.extend_from_slice(value);
+                }
+            }
+            EntryRef::Vacant(slot) => {
+                slot.insert(value.to_vec());
+            }
+        }
+    }
+
+    fn present(&self, key: &[u8]) -> bool {
+        semantics::key_present(self.kv.contains_key(key), self.queue_len(key))
+    }
+
+    fn all_present(&self, keys: KeyList<'_>) -> bool {
+        keys.iter().all(|key| self.present(key))
+    }
+
+    fn queue_pop<'r>(&mut self, key: &[u8]) -> Answer<'r> {
+        let empty = Answer::Now(Response::QueuePop {
+            len_before: 0,
+            value: None,
+        });
+        let Some(queue) = self.queues.get_mut(key) else {
+            return empty;
+        };
+        let len_before = count(queue.len());
+        let front = queue.pop_front();
+        if queue.is_empty() {
+            self.queues.remove(key);
+        }
+        match front {
+            Some(value) => {
+                self.popped = value;
+                Answer::Popped { len_before }
+            }
+            // Unreachable while the map holds no empty queue; answer as for a missing one.
+            None => empty,
+        }
+    }
+
+    /// Handles `WAIT`: returns `true` to reply now, else registers a wait.
+    fn wait(&mut self, conn: ConnId, keys: KeyList<'_>) -> bool {
+        if self.all_present(keys) {
+            return true;
+        }
+        let id = self.new_wait_id();
+        let mut registered: Vec<Box<[u8]>> = Vec::new();
+        for key in keys.iter() {
+            if self.present(key) {
+                continue;
+            }
+            let ids = self.waiters.entry_ref(key).or_default();
+            // `id` is the newest wait, so if it is registered here already (the key
+            // repeats in this WAIT) it is the last element.
+            if ids.last() == Some(&id) {
+                continue;
+            }
+            ids.insert(id);
+            registered.push(Box::from(key));
+        }
+        self.add_wait(conn, id, registered);
+        false
+    }
+
+    fn new_wait_id(&mut self) -> WaitId {
+        let id = self.next_wait;
+        // 2^64 waits do not happen; wrapping keeps this panic-free regardless.
+        self.next_wait = self.next_wait.wrapping_add(1);
+        id
+    }
+
+    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: Vec<Box<[u8]>>) {
+        let remaining = keys.len();
+        self.waits.insert(
+            id,
+            PendingWait {
+                conn,
+                remaining,
+                keys,
+            },
+        );
+        if let Some(state) = self.conns.get_mut(&conn) {
+            state.waits.push(id);
+        }
+    }
+
+    /// An arrival of `key` for every wait registered on it.
+    fn wake_all(&mut self, key: &[u8]) {
+        let Some(ids) = self.waiters.remove(key) else {
+            return;
+        };
+        for id in ids {
+            let done = match self.waits.get_mut(&id) {
+                Some(wait) => {
+                    wait.remaining = wait.remaining.saturating_sub(1);
+                    wait.remaining == 0
+                }
+                None => false,
+            };
+            if done {
+                self.complete(id);
+            }
+        }
+    }
+
+    /// An arrival of `key` for the waits registered on it, in order, up to and including
+    /// the first one it completes.
+    fn wake_one(&mut self, key: &[u8]) {
+        let Some(ids) = self.waiters.get_mut(key) else {
+            return;
+        };
+        let mut completed = None;
+        while let Some(id) = ids.pop_first() {
+            if let Some(wait) = self.waits.get_mut(&id) {
+                wait.remaining = wait.remaining.saturating_sub(1);
+                if wait.remaining == 0 {
+                    completed = Some(id);
+                    break;
+                }
+            }
+        }
+        if ids.is_empty() {
+            self.waiters.remove(key);
+        }
+        if let Some(id) = completed {
+            self.complete(id);
+        }
+    }
+
+    /// Retires a wait with no registrations left and owes its connection `STOP_WAITING`.
+    fn complete(&mut self, id: WaitId) {
+        let Some(wait) = self.waits.remove(&id) else {
+            return;
+        };
+        if let Some(state) = self.conns.get_mut(&wait.conn) {
+            if let Some(pos) = state.waits.iter().position(|&w| w == id) {
+                state.waits.swap_remove(pos);
+            }
+        }
+        if self.requester == Some(wait.conn) {
+            self.own_wakeups += 1;
+        } else {
+            self.wakeups.push_back(wait.conn);
+        }
+    }
+
+    /// Drops a wait and all its remaining registrations, owing nothing.
+    fn drop_wait(&mut self, id: WaitId) {
+        let Some(wait) = self.waits.remove(&id) else {
+            return;
+        };
+        for key in wait.keys.iter() {
+            if let Some(ids) = self.waiters.get_mut(&**key) {
+                ids.remove(&id);
+                if ids.is_empty() {
+                    self.waiters.remove(&**key);
+                }
+            }
+        }
+    }
+
+    fn cancel_waits(&mut self, conn: ConnId) {
+        let Some(state) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let mut ids = core::mem::take(&mut state.waits);
+        for &id in &ids {
+            self.drop_wait(id);
+        }
+        ids.clear();
+        if let Some(state) = self.conns.get_mut(&conn) {
+            // Keep the buffer for the connection's next wait.
+            state.waits = ids;
+        }
+    }
+
+    fn forget(&mut self, conn: ConnId) -> bool {
+        let Some(state) = self.conns.remove(&conn) else {
+            return false;
+        };
+        for id in state.waits {
+            self.drop_wait(id);
+        }
+        if !self.wakeups.is_empty() {
+            self.wakeups.retain(|&owed| owed != conn);
+        }
+        true
+    }
+}
+
+fn bad_counter(query: QueryType, key: &[u8], error: CounterError) -> Close {
+    Close::BadCounter {
+        query,
+        key: key.to_vec(),
+        error,
+    }
+}
+
+/// A length as the wire's `int64` (saturating; no map holds 2^63 entries).
+fn count(len: usize) -> i64 {
+    i64::try_from(len).unwrap_or(i64::MAX)
+}

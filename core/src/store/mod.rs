@@ -4,9 +4,10 @@
 //! layout, byte for byte), and [`engine`] decides what each request does to the store.
 //! No module here reads a socket or a clock.
 
+pub mod codec;
 #[cfg(feature = "alloc")]
 pub mod engine;
-pub mod codec;
 pub mod message;
+pub mod semantics;
 
 pub use message::*;
