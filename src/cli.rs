@@ -105,7 +105,8 @@ enum StoreOp {
 }
 
 fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
-    Duration::try_from_secs_f64(s).map_err(|_| format!("{what} must be a non-negative number of seconds, got {s}").into())
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| format!("{what} must be a non-negative number of seconds, got {s}").into())
 }
 
 /// Runs the parsed command.
@@ -191,7 +192,10 @@ pub fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
     let port: u16 = port
         .parse()
         .map_err(|_| format!("port must have value from 0 to 65535 but was {port}."))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
     (host.as_str(), port)
         .to_socket_addrs()
         .map_err(|e| format!("cannot resolve {host}: {e}"))?;
@@ -201,7 +205,10 @@ pub fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
 fn serve(host: Option<String>, port: u16, threads: usize, pin: bool) -> Result<ExitCode, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     if threads != 1 {
-        tracing::warn!(threads, "only one executor owns the key space; extra threads are not used yet");
+        tracing::warn!(
+            threads,
+            "only one executor owns the key space; extra threads are not used yet"
+        );
     }
     // Block the signals before any thread starts, then wait for them here.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;

@@ -116,7 +116,11 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             (true, Some(r)) => reports.push(r),
             (ok, _) => failures.push(format!(
                 "worker {rank} {}",
-                if ok { "printed no report".to_string() } else { format!("exited with {status}") }
+                if ok {
+                    "printed no report".to_string()
+                } else {
+                    format!("exited with {status}")
+                }
             )),
         }
     }
@@ -143,7 +147,11 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     println!();
     println!(
         "all-gather: every worker saw the same {gathered} names: {}",
-        if agree && gathered == reports.len() { "yes" } else { "NO" }
+        if agree && gathered == reports.len() {
+            "yes"
+        } else {
+            "NO"
+        }
     );
     println!("names: {first}");
     println!(

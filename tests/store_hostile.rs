@@ -212,10 +212,14 @@ fn disconnect_mid_wait_leaves_no_waiter() {
         s.write_all(&f).unwrap();
         sockets.push(s);
     }
-    wait_until("the 20 waits are registered", || server.stats().waiters == 20);
+    wait_until("the 20 waits are registered", || {
+        server.stats().waiters == 20
+    });
     drop(sockets);
     wait_until("the waiters are gone", || server.stats().waiters == 0);
-    wait_until("the connections are gone", || server.stats().connections == 0);
+    wait_until("the connections are gone", || {
+        server.stats().connections == 0
+    });
     let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
     store.set("never", b"finally").unwrap();
     assert_eq!(store.get("precious").unwrap(), b"kept");

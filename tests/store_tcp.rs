@@ -55,12 +55,16 @@ fn compare_set(store: &dyn Store) {
     store.set("cs_key0", b"value0").unwrap();
     assert_eq!(store.get("cs_key0").unwrap(), b"value0");
     assert_eq!(
-        store.compare_set("cs_key0", b"wrong_old_value", b"new_value0").unwrap(),
+        store
+            .compare_set("cs_key0", b"wrong_old_value", b"new_value0")
+            .unwrap(),
         b"value0"
     );
     assert_eq!(store.get("cs_key0").unwrap(), b"value0");
     assert_eq!(
-        store.compare_set("cs_key0", b"value0", b"new_value0").unwrap(),
+        store
+            .compare_set("cs_key0", b"value0", b"new_value0")
+            .unwrap(),
         b"new_value0"
     );
     assert_eq!(store.get("cs_key0").unwrap(), b"new_value0");
@@ -70,7 +74,9 @@ fn compare_set(store: &dyn Store) {
     );
     assert_eq!(store.get("cs_key1").unwrap(), b"new_value1");
     assert_eq!(
-        store.compare_set("missing_key", b"wrong_old_value", b"x").unwrap(),
+        store
+            .compare_set("missing_key", b"wrong_old_value", b"x")
+            .unwrap(),
         b"wrong_old_value"
     );
     assert!(!store.check(&["missing_key"]).unwrap());
@@ -222,12 +228,15 @@ fn multi_worker_with_fixed_world_size() {
     let workers: Vec<_> = (0..5)
         .map(|i| {
             std::thread::spawn(move || {
-                let store =
-                    TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
                 assert_eq!(store.get("key").unwrap(), b"value");
-                store.set(&format!("key{i}"), format!("{i}").as_bytes()).unwrap();
+                store
+                    .set(&format!("key{i}"), format!("{i}").as_bytes())
+                    .unwrap();
                 assert_eq!(
-                    store.compare_set(&format!("key{i}"), format!("{i}").as_bytes(), b"x").unwrap(),
+                    store
+                        .compare_set(&format!("key{i}"), format!("{i}").as_bytes(), b"x")
+                        .unwrap(),
                     b"x"
                 );
             })
@@ -355,8 +364,9 @@ fn connect_to_nothing_times_out_with_pytorchs_message() {
     let err = TcpStore::connect("127.0.0.1", port, Duration::from_millis(300)).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(
-        err.to_string()
-            .starts_with("The client socket has timed out after 300ms while trying to connect to (127.0.0.1,"),
+        err.to_string().starts_with(
+            "The client socket has timed out after 300ms while trying to connect to (127.0.0.1,"
+        ),
         "{err}"
     );
 }

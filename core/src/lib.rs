@@ -9,7 +9,7 @@
 //! |---|---|
 //! | [`url`] | how a rendezvous URL splits into parts (Python `urlparse` semantics) |
 //! | [`query`] | how a query string becomes key/value pairs (`_query_to_dict`) |
-//! | [`env`] | the environment lookup seam the caller supplies |
+//! | [`env`](mod@env) | the environment lookup seam the caller supplies |
 //! | [`rendezvous`] | URL rewriting, the handler registry and static `tcp`/`env`/`file` plans |
 //! | [`device`] | `cpu`, `cuda`, `cuda:N` devices |
 //! | [`device_map`] | device-map validation, reverse maps and device lists (alloc) |

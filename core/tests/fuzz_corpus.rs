@@ -37,7 +37,11 @@ fn every_seed_passes_its_target() {
             check(&data);
             count += 1;
         }
-        assert!(count > 0, "corpus for {target} at {} is empty", dir.display());
+        assert!(
+            count > 0,
+            "corpus for {target} at {} is empty",
+            dir.display()
+        );
     }
 }
 

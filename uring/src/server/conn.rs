@@ -38,8 +38,12 @@ struct Ctx {
 impl Ctx {
     /// Publishes the engine's counts for [`super::StoreServer::stats`].
     fn publish(&self, engine: &Engine) {
-        self.stats.connections.store(self.live.get(), Ordering::Relaxed);
-        self.stats.waiters.store(engine.waiter_count(), Ordering::Relaxed);
+        self.stats
+            .connections
+            .store(self.live.get(), Ordering::Relaxed);
+        self.stats
+            .waiters
+            .store(engine.waiter_count(), Ordering::Relaxed);
         self.stats.keys.store(engine.num_keys(), Ordering::Relaxed);
     }
 
@@ -48,7 +52,7 @@ impl Ctx {
     fn route_wakeups(&self, engine: &mut Engine, me: ConnId, out: &mut Vec<u8>) {
         while let Some((conn, wake)) = engine.poll_wakeup() {
             if conn == me {
-                codec::encode_wait_response(wake, out);
+                out.push(wake as u8);
             } else if let Some(tx) = self.conns.borrow().get(&conn) {
                 // Unbounded: never fails while the receiver lives; a closed one is gone.
                 let _ = tx.try_send(ConnMsg::Wake(wake));
@@ -102,7 +106,8 @@ pub(super) async fn serve(
         .detach();
     }
     // Graceful shutdown: no more accepts; every connection flushes what it owes.
-    let senders: Vec<LocalSender<ConnMsg>> = ctx.conns.borrow_mut().drain().map(|(_, tx)| tx).collect();
+    let senders: Vec<LocalSender<ConnMsg>> =
+        ctx.conns.borrow_mut().drain().map(|(_, tx)| tx).collect();
     for tx in &senders {
         let _ = tx.try_send(ConnMsg::Shutdown);
     }
@@ -111,10 +116,7 @@ pub(super) async fn serve(
     while ctx.live.get() > 0 && Instant::now() < deadline {
         glommio::timer::sleep(Duration::from_millis(1)).await;
     }
-    tracing::info!(
-        unfinished = ctx.live.get(),
-        "store server stopped"
-    );
+    tracing::info!(unfinished = ctx.live.get(), "store server stopped");
 }
 
 fn close_conn(ctx: &Ctx, id: ConnId) {
@@ -157,9 +159,16 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
             match decoded {
                 Ok(Decoded::Complete(request, used)) => {
                     let mut engine = ctx.engine.borrow_mut();
-                    match engine.handle_request(id, &request) {
-                        Ok(Some(response)) => codec::encode_response(&response, &mut out),
-                        Ok(None) => {}
+                    match engine.handle_request(id, request) {
+                        Ok(outcome) => {
+                            // Own wake-ups first, then the reply (engine polling order).
+                            for _ in 0..outcome.own_wakeups {
+                                out.push(WaitResponse::StopWaiting as u8);
+                            }
+                            if let Some(response) = outcome.reply {
+                                response.encode_into(&mut out);
+                            }
+                        }
                         Err(close) => {
                             tracing::warn!(%peer, reason = %close, "closing store connection");
                             drop(engine);
@@ -170,7 +179,7 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
                     ctx.route_wakeups(&mut engine, id, &mut out);
                     start += used;
                 }
-                Ok(Decoded::Partial { .. }) => break,
+                Ok(Decoded::Partial(_)) => break,
                 Err(error) => {
                     tracing::warn!(%peer, %error, "closing store connection: bad request");
                     let _ = stream.write_all(&out).await;
@@ -213,7 +222,7 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
                 tracing::debug!(%peer, error = %e, "store connection read failed");
                 return;
             }
-            Event::Msg(Some(ConnMsg::Wake(wake))) => codec::encode_wait_response(wake, &mut out),
+            Event::Msg(Some(ConnMsg::Wake(wake))) => out.push(wake as u8),
             Event::Msg(Some(ConnMsg::Shutdown)) | Event::Msg(None) => {
                 let _ = stream.write_all(&out).await;
                 return;

@@ -86,7 +86,12 @@ mod tests {
     fn busy_port_reports_every_address() {
         let first = listen(&candidate_addrs(Some("127.0.0.1"), 0).unwrap(), false, 16).unwrap();
         let port = first.local_addr().unwrap().as_socket().unwrap().port();
-        let err = listen(&candidate_addrs(Some("127.0.0.1"), port).unwrap(), false, 16).unwrap_err();
+        let err = listen(
+            &candidate_addrs(Some("127.0.0.1"), port).unwrap(),
+            false,
+            16,
+        )
+        .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::AddrInUse);
         assert!(err
             .to_string()

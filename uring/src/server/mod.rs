@@ -154,12 +154,13 @@ impl StoreServer {
     }
 
     fn start_new(options: &ServerOptions) -> Result<StoreServer, ServerError> {
-        let addrs = listener::candidate_addrs(options.host.as_deref(), options.port).map_err(
-            |source| ServerError::Resolve {
-                host: options.host.clone().unwrap_or_default(),
-                source,
-            },
-        )?;
+        let addrs =
+            listener::candidate_addrs(options.host.as_deref(), options.port).map_err(|source| {
+                ServerError::Resolve {
+                    host: options.host.clone().unwrap_or_default(),
+                    source,
+                }
+            })?;
         let socket = listener::listen(&addrs, false, listener::REQUESTED_BACKLOG)
             .map_err(|source| ServerError::Listen { source })?;
         let addr = socket
@@ -210,8 +211,9 @@ impl StoreServer {
                 executor.run(async move {
                     // SAFETY: `fd` is the listening socket created above; `into_raw_fd`
                     // gave up its ownership, and this is the only place that takes it.
-                    let listener =
-                        unsafe { <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+                    let listener = unsafe {
+                        <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd)
+                    };
                     let _ = ready_tx.send(Ok(()));
                     conn::serve(listener, limits, drain, stop, stats).await;
                 });
@@ -225,7 +227,9 @@ impl StoreServer {
             }
             Err(_) => {
                 let _ = thread.join();
-                return Err(ServerError::Executor("executor thread exited during start".into()));
+                return Err(ServerError::Executor(
+                    "executor thread exited during start".into(),
+                ));
             }
         }
         *shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);

@@ -38,8 +38,12 @@ pub trait Store: Send + Sync {
     /// Sets `key` to `desired` if its value is `expected` (an empty `expected` means "the
     /// key is missing"), and returns the value the store holds afterwards (see
     /// `rdzv_core::store::semantics` for the four cases).
-    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8])
-        -> Result<Vec<u8>, StoreError>;
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError>;
 
     /// Whether every key exists, without waiting.
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
@@ -86,20 +90,26 @@ pub trait Store: Send + Sync {
     /// Pushes `value` onto the queue named `key`.
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let _ = (key, value);
-        Err(StoreError::NotImplemented("queue support is not implemented."))
+        Err(StoreError::NotImplemented(
+            "queue support is not implemented.",
+        ))
     }
 
     /// Pops the front of the queue `key`; with `block`, waits (up to the store timeout)
     /// for an element, else fails at once with [`StoreError::QueueEmpty`].
     fn queue_pop(&self, key: &str, block: bool) -> Result<Vec<u8>, StoreError> {
         let _ = (key, block);
-        Err(StoreError::NotImplemented("queue support is not implemented."))
+        Err(StoreError::NotImplemented(
+            "queue support is not implemented.",
+        ))
     }
 
     /// The length of the queue `key` (0 if it does not exist).
     fn queue_len(&self, key: &str) -> Result<i64, StoreError> {
         let _ = key;
-        Err(StoreError::NotImplemented("queue support is not implemented."))
+        Err(StoreError::NotImplemented(
+            "queue support is not implemented.",
+        ))
     }
 
     /// Every user key in the store.

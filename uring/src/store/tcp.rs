@@ -299,16 +299,24 @@ impl TcpStore {
         conn.stream
             .set_read_timeout(Some(wait_for))
             .map_err(|source| self.io("set timeout on", source))?;
-        match recv(&mut conn, PendingReply::Wait, &self.options.limits, &self.peer) {
+        match recv(
+            &mut conn,
+            PendingReply::Wait,
+            &self.options.limits,
+            &self.peer,
+        ) {
             Ok((Response::Wait(WaitResponse::StopWaiting), used)) => {
                 consume(&mut conn, used);
                 Ok(())
             }
-            Ok((other, _)) => Err(self.protocol(format!(
-                "Stop_waiting response is expected, got {other:?}"
-            ))),
+            Ok((other, _)) => {
+                Err(self.protocol(format!("Stop_waiting response is expected, got {other:?}")))
+            }
             Err(StoreError::Io { source, .. })
-                if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) =>
+                if matches!(
+                    source.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
             {
                 self.cancel_wait(&mut conn)?;
                 Err(timed_out())
@@ -324,24 +332,34 @@ impl TcpStore {
         conn.stream
             .set_read_timeout(Some(self.timeout().max(Duration::from_millis(1))))
             .map_err(|source| self.io("set timeout on", source))?;
-        let (first, used) = recv(conn, PendingReply::CancelWait, &self.options.limits, &self.peer)?;
+        let (first, used) = recv(
+            conn,
+            PendingReply::CancelWait,
+            &self.options.limits,
+            &self.peer,
+        )?;
         consume(conn, used);
         match first {
             Response::Wait(WaitResponse::WaitCanceled) => Ok(()),
             Response::Wait(WaitResponse::StopWaiting) => {
-                let (second, used) =
-                    recv(conn, PendingReply::CancelWait, &self.options.limits, &self.peer)?;
+                let (second, used) = recv(
+                    conn,
+                    PendingReply::CancelWait,
+                    &self.options.limits,
+                    &self.peer,
+                )?;
                 consume(conn, used);
                 match second {
                     Response::Wait(WaitResponse::WaitCanceled) => Ok(()),
-                    other => Err(self.protocol(format!(
-                        "wait_canceled response is expected, got {other:?}"
-                    ))),
+                    other => {
+                        Err(self
+                            .protocol(format!("wait_canceled response is expected, got {other:?}")))
+                    }
                 }
             }
-            other => Err(self.protocol(format!(
-                "wait_canceled response is expected, got {other:?}"
-            ))),
+            other => {
+                Err(self.protocol(format!("wait_canceled response is expected, got {other:?}")))
+            }
         }
     }
 
@@ -398,7 +416,12 @@ fn recv<'c>(
                     let grow = want.max(conn.buf.len() * 2);
                     conn.buf.resize(grow, 0);
                 }
-                let Conn { stream, buf, filled, .. } = &mut *conn;
+                let Conn {
+                    stream,
+                    buf,
+                    filled,
+                    ..
+                } = &mut *conn;
                 match stream.read(&mut buf[*filled..]) {
                     Ok(0) => {
                         return Err(StoreError::Closed {
@@ -434,7 +457,11 @@ fn consume(conn: &mut Conn, used: usize) {
 
 /// Connects, sends VALIDATE + PING and checks the echo, retrying with backoff until
 /// `timeout` (PyTorch `TCPStore::TCPStore`).
-fn connect_validated(host: &str, port: u16, timeout: Duration) -> Result<(Conn, String), StoreError> {
+fn connect_validated(
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<(Conn, String), StoreError> {
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     let mut tries = 0u32;
@@ -518,7 +545,9 @@ fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
         let _ = conn.stream.shutdown(Shutdown::Both);
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("Ping failed, invalid value returned from server. Expected: {nonce}, Got: {got}"),
+            format!(
+                "Ping failed, invalid value returned from server. Expected: {nonce}, Got: {got}"
+            ),
         ));
     }
     conn.stream.set_read_timeout(None)?;
@@ -701,9 +730,7 @@ impl Store for TcpStore {
             PendingReply::QueuePop,
             None,
             |r| match r {
-                Response::QueuePop {
-                    value: Some(v), ..
-                } => Ok(v.to_vec()),
+                Response::QueuePop { value: Some(v), .. } => Ok(v.to_vec()),
                 Response::QueuePop { value: None, .. } => Err(StoreError::QueueEmpty),
                 other => Err(self.protocol(format!("unexpected QUEUE_POP reply {other:?}"))),
             },
@@ -726,14 +753,19 @@ impl Store for TcpStore {
     }
 
     fn list_keys(&self) -> Result<Vec<String>, StoreError> {
-        self.round_trip(&Request::ListKeys, PendingReply::ListKeys, None, |r| match r {
-            Response::Keys(keys) => Ok(keys
-                .into_iter()
-                .filter_map(|k| k.strip_prefix(KEY_PREFIX.as_bytes()))
-                .map(|k| String::from_utf8_lossy(k).into_owned())
-                .collect()),
-            other => Err(self.protocol(format!("unexpected LIST_KEYS reply {other:?}"))),
-        })
+        self.round_trip(
+            &Request::ListKeys,
+            PendingReply::ListKeys,
+            None,
+            |r| match r {
+                Response::Keys(keys) => Ok(keys
+                    .into_iter()
+                    .filter_map(|k| k.strip_prefix(KEY_PREFIX.as_bytes()))
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .collect()),
+                other => Err(self.protocol(format!("unexpected LIST_KEYS reply {other:?}"))),
+            },
+        )
     }
 
     fn barrier(
