@@ -166,6 +166,13 @@ impl<'a> KeyList<'a> {
         (seen == count).then_some(list)
     }
 
+    /// Wraps `encoded` that the codec has already walked and found to hold exactly
+    /// `count` length-prefixed strings, without walking it a second time. Not public: a
+    /// wrong `count` would not be unsafe, but iteration would disagree with [`Self::len`].
+    pub(crate) const fn from_validated(count: usize, encoded: &'a [u8]) -> Self {
+        KeyList { count, encoded }
+    }
+
     /// How many keys there are.
     pub fn len(&self) -> usize {
         self.count
@@ -231,6 +238,13 @@ impl<'a> PairList<'a> {
             seen += 1;
         }
         (seen == count).then_some(PairList { count, encoded })
+    }
+
+    /// Wraps `encoded` that the codec has already walked and found to hold exactly
+    /// `count` (key, value) pairs, without walking it a second time (see
+    /// [`KeyList::from_validated`]).
+    pub(crate) const fn from_validated(count: usize, encoded: &'a [u8]) -> Self {
+        PairList { count, encoded }
     }
 
     /// How many pairs there are.
