@@ -12,5 +12,5 @@
 pub mod server;
 pub mod store;
 
-pub use server::{ServerOptions, StoreServer};
+pub use server::{ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};

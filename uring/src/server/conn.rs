@@ -166,7 +166,14 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
                                 out.push(WaitResponse::StopWaiting as u8);
                             }
                             if let Some(response) = outcome.reply {
-                                response.encode_into(&mut out);
+                                if let Err(error) = response.encode_into(&mut out) {
+                                    // Only an inconsistent QUEUE_POP reply fails to encode;
+                                    // the engine never makes one. Close rather than lie.
+                                    tracing::error!(%peer, %error, "cannot encode a reply");
+                                    drop(engine);
+                                    let _ = stream.write_all(&out).await;
+                                    return;
+                                }
                             }
                         }
                         Err(close) => {

@@ -306,7 +306,9 @@ impl Store for HashStore {
                 let left = if timeout.is_zero() {
                     Duration::ZERO
                 } else {
-                    deadline.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1))
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_nanos(1))
                 };
                 self.wait_present(&[key], left)?;
             }
@@ -353,11 +355,19 @@ impl Store for HashStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self.shared.timeout.lock().unwrap_or_else(|p| p.into_inner())
+        *self
+            .shared
+            .timeout
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self.shared.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
+        *self
+            .shared
+            .timeout
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = timeout;
     }
 
     fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
@@ -366,5 +376,7 @@ impl Store for HashStore {
 }
 
 fn unexpected(query: &str, reply: Option<Response<'_>>) -> StoreError {
-    StoreError::InvalidArgument(format!("store engine gave {query} an unexpected reply {reply:?}"))
+    StoreError::InvalidArgument(format!(
+        "store engine gave {query} an unexpected reply {reply:?}"
+    ))
 }

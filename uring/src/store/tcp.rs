@@ -266,7 +266,7 @@ impl TcpStore {
             key: key.as_bytes(),
             delta,
         };
-        self.round_trip(&request, PendingReply::Add, None, |r| match r {
+        self.round_trip(&request, reply(QueryType::Add, 0), None, |r| match r {
             Response::Int(v) => Ok(v),
             other => Err(self.protocol(format!("unexpected ADD reply {other:?}"))),
         })
@@ -301,7 +301,7 @@ impl TcpStore {
             .map_err(|source| self.io("set timeout on", source))?;
         match recv(
             &mut conn,
-            PendingReply::Wait,
+            reply(QueryType::Wait, 0),
             &self.options.limits,
             &self.peer,
         ) {
@@ -332,40 +332,44 @@ impl TcpStore {
         conn.stream
             .set_read_timeout(Some(self.timeout().max(Duration::from_millis(1))))
             .map_err(|source| self.io("set timeout on", source))?;
-        let (first, used) = recv(
+        let first = self.recv_wait_byte(conn)?;
+        let last = match first {
+            WaitResponse::WaitCanceled => first,
+            WaitResponse::StopWaiting => self.recv_wait_byte(conn)?,
+        };
+        if last == WaitResponse::WaitCanceled {
+            Ok(())
+        } else {
+            Err(self.protocol("wait_canceled response is expected"))
+        }
+    }
+
+    fn recv_wait_byte(&self, conn: &mut Conn) -> Result<WaitResponse, StoreError> {
+        let (response, used) = recv(
             conn,
-            PendingReply::CancelWait,
+            reply(QueryType::CancelWait, 0),
             &self.options.limits,
             &self.peer,
         )?;
+        let byte = match response {
+            Response::Wait(w) => Ok(w),
+            other => Err(format!("{other:?}")),
+        };
         consume(conn, used);
-        match first {
-            Response::Wait(WaitResponse::WaitCanceled) => Ok(()),
-            Response::Wait(WaitResponse::StopWaiting) => {
-                let (second, used) = recv(
-                    conn,
-                    PendingReply::CancelWait,
-                    &self.options.limits,
-                    &self.peer,
-                )?;
-                consume(conn, used);
-                match second {
-                    Response::Wait(WaitResponse::WaitCanceled) => Ok(()),
-                    other => {
-                        Err(self
-                            .protocol(format!("wait_canceled response is expected, got {other:?}")))
-                    }
-                }
-            }
-            other => {
-                Err(self.protocol(format!("wait_canceled response is expected, got {other:?}")))
-            }
-        }
+        byte.map_err(|other| {
+            self.protocol(format!("wait_canceled response is expected, got {other}"))
+        })
     }
 
     fn effective(&self, timeout: Option<Duration>) -> Duration {
         timeout.unwrap_or_else(|| self.timeout())
     }
+}
+
+/// What reply `query` gets (every query used here has one).
+fn reply(query: QueryType, multi_get_keys: usize) -> PendingReply {
+    PendingReply::new(query, multi_get_keys)
+        .unwrap_or_else(|| unreachable!("{} has a reply in the TCPStore protocol", query.name()))
 }
 
 fn encode_key_list(keys: &[String]) -> Vec<u8> {
@@ -575,7 +579,7 @@ impl Store for TcpStore {
             &Request::Get {
                 key: key.as_bytes(),
             },
-            PendingReply::Get,
+            reply(QueryType::Get, 0),
             None,
             |r| match r {
                 Response::Value(v) => Ok(v.to_vec()),
@@ -601,7 +605,7 @@ impl Store for TcpStore {
                 expected,
                 desired,
             },
-            PendingReply::CompareSet,
+            reply(QueryType::CompareSet, 0),
             None,
             |r| match r {
                 Response::Value(v) => Ok(v.to_vec()),
@@ -617,7 +621,7 @@ impl Store for TcpStore {
             .ok_or_else(|| self.protocol("key list encoding"))?;
         self.round_trip(
             &Request::Check { keys: list },
-            PendingReply::Check,
+            reply(QueryType::Check, 0),
             None,
             |r| match r {
                 Response::Check(c) => Ok(c == rdzv_core::store::CheckResponse::Ready),
@@ -637,7 +641,7 @@ impl Store for TcpStore {
             &Request::DeleteKey {
                 key: key.as_bytes(),
             },
-            PendingReply::DeleteKey,
+            reply(QueryType::DeleteKey, 0),
             None,
             |r| match r {
                 Response::Int(n) => Ok(n == 1),
@@ -649,7 +653,7 @@ impl Store for TcpStore {
     fn num_keys(&self) -> Result<i64, StoreError> {
         self.round_trip(
             &Request::GetNumKeys,
-            PendingReply::GetNumKeys,
+            reply(QueryType::GetNumKeys, 0),
             None,
             |r| match r {
                 Response::Int(n) => Ok(n),
@@ -679,9 +683,7 @@ impl Store for TcpStore {
             .ok_or_else(|| self.protocol("key list encoding"))?;
         self.round_trip(
             &Request::MultiGet { keys: list },
-            PendingReply::MultiGet {
-                count: keys.len() as u64,
-            },
+            reply(QueryType::MultiGet, keys.len()),
             None,
             |r| match r {
                 Response::Values(values) => Ok(values.into_iter().map(<[u8]>::to_vec).collect()),
@@ -727,7 +729,7 @@ impl Store for TcpStore {
             &Request::QueuePop {
                 key: key.as_bytes(),
             },
-            PendingReply::QueuePop,
+            reply(QueryType::QueuePop, 0),
             None,
             |r| match r {
                 Response::QueuePop { value: Some(v), .. } => Ok(v.to_vec()),
@@ -743,7 +745,7 @@ impl Store for TcpStore {
             &Request::QueueLen {
                 key: key.as_bytes(),
             },
-            PendingReply::QueueLen,
+            reply(QueryType::QueueLen, 0),
             None,
             |r| match r {
                 Response::Int(n) => Ok(n),
@@ -755,7 +757,7 @@ impl Store for TcpStore {
     fn list_keys(&self) -> Result<Vec<String>, StoreError> {
         self.round_trip(
             &Request::ListKeys,
-            PendingReply::ListKeys,
+            reply(QueryType::ListKeys, 0),
             None,
             |r| match r {
                 Response::Keys(keys) => Ok(keys
