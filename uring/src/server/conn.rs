@@ -130,6 +130,54 @@ fn close_conn(ctx: &Ctx, id: ConnId) {
     ctx.publish(&engine);
 }
 
+/// Serves every complete request at the start of `pending`, encoding replies into `out`.
+/// Returns how many bytes it consumed and whether the connection must be closed.
+fn serve_buffered(
+    ctx: &Ctx,
+    id: ConnId,
+    peer: &str,
+    pending: &[u8],
+    out: &mut Vec<u8>,
+) -> (usize, bool) {
+    let mut used = 0;
+    let mut engine = ctx.engine.borrow_mut();
+    while used < pending.len() {
+        let request = match codec::decode_request(&pending[used..], &ctx.limits) {
+            Ok(Decoded::Complete(request, n)) => {
+                used += n;
+                request
+            }
+            Ok(Decoded::Partial(_)) => break,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "closing store connection: bad request");
+                return (used, true);
+            }
+        };
+        match engine.handle_request(id, request) {
+            Ok(outcome) => {
+                // Own wake-ups first, then the reply (the engine's polling order).
+                for _ in 0..outcome.own_wakeups {
+                    out.push(WaitResponse::StopWaiting as u8);
+                }
+                if let Some(response) = outcome.reply {
+                    if let Err(error) = response.encode_into(out) {
+                        // Only an inconsistent QUEUE_POP reply fails to encode, and the
+                        // engine never makes one. Close rather than send garbage.
+                        tracing::error!(%peer, %error, "cannot encode a reply");
+                        return (used, true);
+                    }
+                }
+            }
+            Err(close) => {
+                tracing::warn!(%peer, reason = %close, "closing store connection");
+                return (used, true);
+            }
+        }
+        ctx.route_wakeups(&mut engine, id, out);
+    }
+    (used, false)
+}
+
 enum Event {
     Read(std::io::Result<usize>),
     Msg(Option<ConnMsg>),
@@ -150,49 +198,11 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
     let mut out: Vec<u8> = Vec::with_capacity(256);
     loop {
         // Serve every complete request that has arrived.
-        loop {
-            let pending = &inbuf[start..filled];
-            if pending.is_empty() {
-                break;
-            }
-            let decoded = codec::decode_request(pending, &ctx.limits);
-            match decoded {
-                Ok(Decoded::Complete(request, used)) => {
-                    let mut engine = ctx.engine.borrow_mut();
-                    match engine.handle_request(id, request) {
-                        Ok(outcome) => {
-                            // Own wake-ups first, then the reply (engine polling order).
-                            for _ in 0..outcome.own_wakeups {
-                                out.push(WaitResponse::StopWaiting as u8);
-                            }
-                            if let Some(response) = outcome.reply {
-                                if let Err(error) = response.encode_into(&mut out) {
-                                    // Only an inconsistent QUEUE_POP reply fails to encode;
-                                    // the engine never makes one. Close rather than lie.
-                                    tracing::error!(%peer, %error, "cannot encode a reply");
-                                    drop(engine);
-                                    let _ = stream.write_all(&out).await;
-                                    return;
-                                }
-                            }
-                        }
-                        Err(close) => {
-                            tracing::warn!(%peer, reason = %close, "closing store connection");
-                            drop(engine);
-                            let _ = stream.write_all(&out).await;
-                            return;
-                        }
-                    }
-                    ctx.route_wakeups(&mut engine, id, &mut out);
-                    start += used;
-                }
-                Ok(Decoded::Partial(_)) => break,
-                Err(error) => {
-                    tracing::warn!(%peer, %error, "closing store connection: bad request");
-                    let _ = stream.write_all(&out).await;
-                    return;
-                }
-            }
+        let (used, close) = serve_buffered(ctx, id, &peer, &inbuf[start..filled], &mut out);
+        start += used;
+        if close {
+            let _ = stream.write_all(&out).await;
+            return;
         }
         ctx.publish(&ctx.engine.borrow());
         if start == filled {
