@@ -213,16 +213,12 @@ fn serve(host: Option<String>, port: u16, threads: usize, pin: bool) -> Result<E
     // Block the signals before any thread starts, then wait for them here.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     let server = StoreServer::start(ServerOptions {
-        host: host.clone(),
+        host,
         port,
         pin,
         ..ServerOptions::default()
     })?;
-    let shown = match host {
-        Some(h) => h,
-        None => "0.0.0.0".to_string(),
-    };
-    println!("listening on {}:{}", shown, server.port());
+    println!("listening on {}", server.local_addr());
     std::io::stdout().flush()?;
     if let Some(signal) = signals.forever().next() {
         tracing::info!(signal, "stopping the store server");
