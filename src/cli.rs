@@ -204,17 +204,15 @@ pub fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
 
 fn serve(host: Option<String>, port: u16, threads: usize, pin: bool) -> Result<ExitCode, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
-    if threads != 1 {
-        tracing::warn!(
-            threads,
-            "only one executor owns the key space; extra threads are not used yet"
-        );
+    if threads == 0 {
+        return Err("--threads must be at least 1".into());
     }
     // Block the signals before any thread starts, then wait for them here.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     let server = StoreServer::start(ServerOptions {
         host,
         port,
+        threads,
         pin,
         ..ServerOptions::default()
     })?;

@@ -241,3 +241,48 @@ fn killed_client_process_mid_wait_leaves_no_waiter() {
     wait_until("its waiter is gone", || server.stats().waiters == 0);
     still_serves(&server, "precious", b"kept");
 }
+
+/// The same attacks against a server whose connections are spread over two executors
+/// (executor 1 forwards to the owner): each is repeated on several connections so that
+/// both executors see them.
+#[test]
+fn hostile_inputs_with_two_executors() {
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        threads: 2,
+        ..ServerOptions::default()
+    })
+    .expect("start server");
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    store.set("precious", b"kept").unwrap();
+    let mut waiting = Vec::new();
+    for round in 0..8 {
+        let mut s = raw(&server);
+        s.write_all(b"\xffgarbage").unwrap();
+        assert!(closed_by_server(&mut s), "garbage, round {round}");
+        let mut s = raw(&server);
+        s.write_all(&[0x00, 0xde, 0xad, 0xbe, 0xef]).unwrap();
+        assert!(closed_by_server(&mut s), "wrong magic, round {round}");
+        let mut s = raw(&server);
+        s.write_all(&get_frame(b"/precious")).unwrap();
+        assert!(closed_by_server(&mut s), "no VALIDATE, round {round}");
+        let mut s = raw(&server);
+        s.write_all(&VALIDATE).unwrap();
+        let mut f = vec![1u8];
+        f.extend_from_slice(&(4u64 << 30).to_le_bytes());
+        s.write_all(&f).unwrap();
+        assert!(closed_by_server(&mut s), "4 GB key, round {round}");
+        let mut s = raw(&server);
+        s.write_all(&VALIDATE).unwrap();
+        let mut f = vec![6u8];
+        f.extend_from_slice(&1u64.to_le_bytes());
+        string(&mut f, b"/never");
+        s.write_all(&f).unwrap();
+        waiting.push(s);
+    }
+    wait_until("8 waits are registered", || server.stats().waiters == 8);
+    drop(waiting);
+    wait_until("the waiters are gone", || server.stats().waiters == 0);
+    still_serves(&server, "precious", b"kept");
+}

@@ -370,3 +370,54 @@ fn connect_to_nothing_times_out_with_pytorchs_message() {
         "{err}"
     );
 }
+
+fn server_with_threads(threads: usize) -> StoreServer {
+    StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        threads,
+        ..ServerOptions::default()
+    })
+    .expect("start server")
+}
+
+#[test]
+fn base_tests_with_three_executors() {
+    let server = server_with_threads(3);
+    // Several connections, so that SO_REUSEPORT spreads them over the executors.
+    for _ in 0..6 {
+        let store = client(&server);
+        store.set("spread", b"x").unwrap();
+    }
+    let store = client(&server);
+    let prefixed = PrefixStore::new("three", Arc::new(client(&server)) as Arc<dyn Store>);
+    all_base_tests(&prefixed, 6);
+    assert_eq!(store.get("three/key3").unwrap(), b"21");
+}
+
+#[test]
+fn waits_and_barriers_cross_executors() {
+    let server = server_with_threads(2);
+    let port = server.port();
+    let ranks = 16;
+    let handles: Vec<_> = (0..ranks)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                s.set(&format!("rank/{rank}"), format!("{rank}").as_bytes())
+                    .unwrap();
+                let keys: Vec<String> = (0..ranks).map(|r| format!("rank/{r}")).collect();
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let all = s.multi_get(&refs).unwrap();
+                assert_eq!(all.len(), ranks);
+                s.barrier("done", ranks as i64, Some(Duration::from_secs(10)))
+                    .unwrap();
+                s.add("counter", 1).unwrap()
+            })
+        })
+        .collect();
+    let mut counts: Vec<i64> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    counts.sort();
+    assert_eq!(counts, (1..=ranks as i64).collect::<Vec<_>>());
+    assert_eq!(server.stats().waiters, 0);
+}

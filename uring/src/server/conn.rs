@@ -1,7 +1,12 @@
-//! The accept loop and the per-connection task.
+//! The accept loops and the per-connection tasks.
 //!
-//! The engine and the table of live connections are `Rc<RefCell<_>>` shared by the tasks
-//! of one executor; no borrow is ever held across an `.await`.
+//! Executor 0 owns the store engine. Its own connections call the engine directly. With
+//! `threads > 1`, every other executor accepts connections on its own `SO_REUSEPORT`
+//! listener, cuts the bytes it reads into whole frames (checking the limits), and
+//! forwards them to executor 0 over a glommio shared channel; executor 0 runs them
+//! through the engine and sends back the bytes each connection is owed (replies and
+//! wake-ups), in order. The engine and the tables of one executor are `Rc<RefCell<_>>`
+//! shared by its tasks; no borrow is ever held across an `.await`.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -12,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::channels::shared_channel::{ConnectedReceiver, ConnectedSender};
 use glommio::net::{TcpListener, TcpStream};
 use rdzv_core::store::codec::{self, Decoded, Limits};
 use rdzv_core::store::engine::Engine;
@@ -19,28 +25,67 @@ use rdzv_core::store::{ConnId, WaitResponse};
 
 use super::StatsCells;
 
+/// Connection ids carry their executor in the top bits.
+const EXECUTOR_SHIFT: u32 = 48;
+
+fn conn_id(executor: usize, n: u64) -> ConnId {
+    ConnId(((executor as u64) << EXECUTOR_SHIFT) | (n & ((1 << EXECUTOR_SHIFT) - 1)))
+}
+
+fn executor_of(conn: ConnId) -> usize {
+    (conn.0 >> EXECUTOR_SHIFT) as usize
+}
+
+/// What an accepting executor sends the engine owner.
+pub(super) enum ToOwner {
+    /// A connection was accepted.
+    Connect(ConnId),
+    /// Whole request frames from a connection, in order.
+    Frames(ConnId, Vec<u8>),
+    /// A connection closed.
+    Disconnect(ConnId),
+}
+
+/// What the engine owner sends an accepting executor.
+pub(super) enum FromOwner {
+    /// Bytes a connection is owed (replies and wake-ups), in order.
+    Bytes(ConnId, Vec<u8>),
+    /// The engine refused the connection: flush and close it.
+    Close(ConnId),
+}
+
 /// What other tasks tell a connection task.
 enum ConnMsg {
-    /// The engine released one of this connection's waits.
+    /// Bytes to write (wake-ups from this executor's engine, or the owner's output).
+    Bytes(Vec<u8>),
+    /// One STOP_WAITING byte (the common wake-up, without allocating).
     Wake(WaitResponse),
+    /// The engine refused the connection: flush and close.
+    Close,
     /// The server is shutting down: flush and close.
     Shutdown,
 }
 
-struct Ctx {
+/// Shared by the tasks of the owner executor.
+struct Owner {
     engine: RefCell<Engine>,
+    /// Connections accepted by the owner itself.
     conns: RefCell<HashMap<ConnId, LocalSender<ConnMsg>>>,
+    /// Channels to the accepting executors (index = executor - 1).
+    remotes: Vec<ConnectedSender<FromOwner>>,
+    /// Bytes owed to remote connections, flushed after each batch.
+    outbox: RefCell<HashMap<ConnId, Vec<u8>>>,
     limits: Limits,
-    live: Cell<usize>,
+    local_live: Cell<usize>,
+    remote_live: Cell<usize>,
     stats: Arc<StatsCells>,
 }
 
-impl Ctx {
+impl Owner {
     /// Publishes the engine's counts for [`super::StoreServer::stats`].
     fn publish(&self, engine: &Engine) {
-        self.stats
-            .connections
-            .store(self.live.get(), Ordering::Relaxed);
+        let live = self.local_live.get() + self.remote_live.get();
+        self.stats.connections.store(live, Ordering::Relaxed);
         self.stats
             .waiters
             .store(engine.waiter_count(), Ordering::Relaxed);
@@ -53,96 +98,54 @@ impl Ctx {
         while let Some((conn, wake)) = engine.poll_wakeup() {
             if conn == me {
                 out.push(wake as u8);
-            } else if let Some(tx) = self.conns.borrow().get(&conn) {
-                // Unbounded: never fails while the receiver lives; a closed one is gone.
-                let _ = tx.try_send(ConnMsg::Wake(wake));
+            } else if executor_of(conn) == 0 {
+                if let Some(tx) = self.conns.borrow().get(&conn) {
+                    // Unbounded: never fails while the receiver lives.
+                    let _ = tx.try_send(ConnMsg::Wake(wake));
+                }
+            } else {
+                self.outbox
+                    .borrow_mut()
+                    .entry(conn)
+                    .or_default()
+                    .push(wake as u8);
             }
         }
     }
-}
 
-/// Runs the accept loop until `stop` is set, then drains every connection.
-pub(super) async fn serve(
-    listener: TcpListener,
-    limits: Limits,
-    drain: Duration,
-    stop: Arc<AtomicBool>,
-    stats: Arc<StatsCells>,
-) {
-    let ctx = Rc::new(Ctx {
-        engine: RefCell::new(Engine::new()),
-        conns: RefCell::new(HashMap::new()),
-        limits,
-        live: Cell::new(0),
-        stats,
-    });
-    let mut next_id = 0u64;
-    loop {
-        let accepted = listener.accept().await;
-        if stop.load(Ordering::Acquire) {
-            break;
-        }
-        let stream = match accepted {
-            Ok(s) => s,
-            Err(e) => {
-                // EMFILE and friends: back off a little instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                glommio::timer::sleep(Duration::from_millis(10)).await;
-                continue;
+    /// Sends what remote connections are owed.
+    async fn flush_outbox(&self) {
+        let owed: Vec<(ConnId, Vec<u8>)> = self.outbox.borrow_mut().drain().collect();
+        for (conn, bytes) in owed {
+            if let Some(tx) = self.remotes.get(executor_of(conn).wrapping_sub(1)) {
+                let _ = tx.send(FromOwner::Bytes(conn, bytes)).await;
             }
-        };
-        next_id += 1;
-        let id = ConnId(next_id);
-        let (tx, rx) = local_channel::new_unbounded();
-        ctx.conns.borrow_mut().insert(id, tx);
-        ctx.engine.borrow_mut().connect(id);
-        ctx.live.set(ctx.live.get() + 1);
-        ctx.publish(&ctx.engine.borrow());
-        let task_ctx = Rc::clone(&ctx);
-        glommio::spawn_local(async move {
-            run_conn(stream, id, &task_ctx, rx).await;
-            close_conn(&task_ctx, id);
-        })
-        .detach();
+        }
     }
-    // Graceful shutdown: no more accepts; every connection flushes what it owes.
-    let senders: Vec<LocalSender<ConnMsg>> =
-        ctx.conns.borrow_mut().drain().map(|(_, tx)| tx).collect();
-    for tx in &senders {
-        let _ = tx.try_send(ConnMsg::Shutdown);
-    }
-    drop(senders);
-    let deadline = Instant::now() + drain;
-    while ctx.live.get() > 0 && Instant::now() < deadline {
-        glommio::timer::sleep(Duration::from_millis(1)).await;
-    }
-    tracing::info!(unfinished = ctx.live.get(), "store server stopped");
-}
 
-fn close_conn(ctx: &Ctx, id: ConnId) {
-    ctx.conns.borrow_mut().remove(&id);
-    let mut engine = ctx.engine.borrow_mut();
-    engine.disconnect(id);
-    // A disconnect can release others (never this one, it is gone).
-    let mut sink = Vec::new();
-    ctx.route_wakeups(&mut engine, id, &mut sink);
-    ctx.live.set(ctx.live.get().saturating_sub(1));
-    ctx.publish(&engine);
+    fn disconnect(&self, conn: ConnId) {
+        let mut engine = self.engine.borrow_mut();
+        engine.disconnect(conn);
+        // A disconnect can release others (never this one, it is gone).
+        let mut sink = Vec::new();
+        self.route_wakeups(&mut engine, conn, &mut sink);
+        self.publish(&engine);
+    }
 }
 
 /// Serves every complete request at the start of `pending`, encoding replies into `out`.
 /// Returns how many bytes it consumed and whether the connection must be closed.
 fn serve_buffered(
-    ctx: &Ctx,
+    owner: &Owner,
     id: ConnId,
     peer: &str,
     pending: &[u8],
     out: &mut Vec<u8>,
 ) -> (usize, bool) {
     let mut used = 0;
-    let mut engine = ctx.engine.borrow_mut();
+    let mut engine = owner.engine.borrow_mut();
     while used < pending.len() {
-        let request = match codec::decode_request(&pending[used..], &ctx.limits) {
+        let request = match codec::decode_request(&pending[used..], &owner.limits) {
             Ok(Decoded::Complete(request, n)) => {
                 used += n;
                 request
@@ -173,9 +176,210 @@ fn serve_buffered(
                 return (used, true);
             }
         }
-        ctx.route_wakeups(&mut engine, id, out);
+        owner.route_wakeups(&mut engine, id, out);
     }
+    owner.publish(&engine);
     (used, false)
+}
+
+/// Accepts until `stop` is set. Polls the flag every 50 ms, so that shutdown needs no
+/// wake-up connection (with `SO_REUSEPORT` one could not reach every listener).
+async fn accept_until_stopped(
+    listener: &TcpListener,
+    stop: &AtomicBool,
+    mut on_accept: impl FnMut(TcpStream),
+) {
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
+            glommio::timer::sleep(Duration::from_millis(50)).await;
+            None
+        })
+        .await;
+        match accepted {
+            None => {}
+            Some(Ok(stream)) => on_accept(stream),
+            Some(Err(e)) => {
+                // EMFILE and friends: back off a little instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Tells every connection task to flush and stop, then waits for them (up to `drain`).
+async fn drain_connections(
+    conns: &RefCell<HashMap<ConnId, LocalSender<ConnMsg>>>,
+    live: impl Fn() -> usize,
+    drain: Duration,
+) {
+    let senders: Vec<LocalSender<ConnMsg>> = conns.borrow_mut().drain().map(|(_, tx)| tx).collect();
+    for tx in &senders {
+        let _ = tx.try_send(ConnMsg::Shutdown);
+    }
+    drop(senders);
+    let deadline = Instant::now() + drain;
+    while live() > 0 && Instant::now() < deadline {
+        glommio::timer::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// The engine owner (executor 0): serves its own connections and the frames the other
+/// executors forward, until `stop` is set.
+pub(super) async fn serve_owner(
+    listener: TcpListener,
+    limits: Limits,
+    drain: Duration,
+    stop: Arc<AtomicBool>,
+    stats: Arc<StatsCells>,
+    from_remotes: Vec<ConnectedReceiver<ToOwner>>,
+    to_remotes: Vec<ConnectedSender<FromOwner>>,
+) {
+    let owner = Rc::new(Owner {
+        engine: RefCell::new(Engine::new()),
+        conns: RefCell::new(HashMap::new()),
+        remotes: to_remotes,
+        outbox: RefCell::new(HashMap::new()),
+        limits,
+        local_live: Cell::new(0),
+        remote_live: Cell::new(0),
+        stats,
+    });
+    let relays: Vec<_> = from_remotes
+        .into_iter()
+        .map(|rx| glommio::spawn_local(relay(Rc::clone(&owner), rx)).detach())
+        .collect();
+    let mut next = 0u64;
+    accept_until_stopped(&listener, &stop, |stream| {
+        next += 1;
+        let id = conn_id(0, next);
+        let (tx, rx) = local_channel::new_unbounded();
+        owner.conns.borrow_mut().insert(id, tx);
+        owner.engine.borrow_mut().connect(id);
+        owner.local_live.set(owner.local_live.get() + 1);
+        owner.publish(&owner.engine.borrow());
+        let task_owner = Rc::clone(&owner);
+        glommio::spawn_local(async move {
+            run_local_conn(stream, id, &task_owner, rx).await;
+            task_owner.conns.borrow_mut().remove(&id);
+            task_owner
+                .local_live
+                .set(task_owner.local_live.get().saturating_sub(1));
+            task_owner.disconnect(id);
+            task_owner.flush_outbox().await;
+        })
+        .detach();
+    })
+    .await;
+    drop(listener);
+    // Graceful shutdown: no more accepts; every connection flushes what it owes. The
+    // relays keep running until the other executors have drained theirs.
+    drain_connections(
+        &owner.conns,
+        || owner.local_live.get() + owner.remote_live.get(),
+        drain,
+    )
+    .await;
+    for relay in relays {
+        relay.cancel();
+    }
+    tracing::info!(
+        unfinished = owner.local_live.get() + owner.remote_live.get(),
+        "store server stopped"
+    );
+}
+
+/// Runs the frames one accepting executor forwards through the engine.
+async fn relay(owner: Rc<Owner>, rx: ConnectedReceiver<ToOwner>) {
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            ToOwner::Connect(conn) => {
+                owner.engine.borrow_mut().connect(conn);
+                owner.remote_live.set(owner.remote_live.get() + 1);
+                owner.publish(&owner.engine.borrow());
+            }
+            ToOwner::Frames(conn, frames) => {
+                let mut out = Vec::new();
+                let (_, close) = serve_buffered(&owner, conn, "forwarded", &frames, &mut out);
+                if !out.is_empty() {
+                    owner
+                        .outbox
+                        .borrow_mut()
+                        .entry(conn)
+                        .or_default()
+                        .extend(out);
+                }
+                owner.flush_outbox().await;
+                if close {
+                    if let Some(tx) = owner.remotes.get(executor_of(conn).wrapping_sub(1)) {
+                        let _ = tx.send(FromOwner::Close(conn)).await;
+                    }
+                }
+            }
+            ToOwner::Disconnect(conn) => {
+                owner
+                    .remote_live
+                    .set(owner.remote_live.get().saturating_sub(1));
+                owner.disconnect(conn);
+                owner.flush_outbox().await;
+            }
+        }
+    }
+}
+
+/// An accepting executor (1..threads): owns sockets, forwards frames to the owner.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn serve_remote(
+    executor: usize,
+    listener: TcpListener,
+    limits: Limits,
+    drain: Duration,
+    stop: Arc<AtomicBool>,
+    to_owner: ConnectedSender<ToOwner>,
+    from_owner: ConnectedReceiver<FromOwner>,
+) {
+    let to_owner = Rc::new(to_owner);
+    let conns: Rc<RefCell<HashMap<ConnId, LocalSender<ConnMsg>>>> = Rc::default();
+    let live = Rc::new(Cell::new(0usize));
+    let dispatch_conns = Rc::clone(&conns);
+    let dispatcher = glommio::spawn_local(async move {
+        while let Some(msg) = from_owner.recv().await {
+            let (conn, msg) = match msg {
+                FromOwner::Bytes(conn, bytes) => (conn, ConnMsg::Bytes(bytes)),
+                FromOwner::Close(conn) => (conn, ConnMsg::Close),
+            };
+            if let Some(tx) = dispatch_conns.borrow().get(&conn) {
+                let _ = tx.try_send(msg);
+            }
+        }
+    })
+    .detach();
+    let mut next = 0u64;
+    accept_until_stopped(&listener, &stop, |stream| {
+        next += 1;
+        let id = conn_id(executor, next);
+        let (tx, rx) = local_channel::new_unbounded();
+        conns.borrow_mut().insert(id, tx);
+        live.set(live.get() + 1);
+        let (task_conns, task_live, task_to_owner) =
+            (Rc::clone(&conns), Rc::clone(&live), Rc::clone(&to_owner));
+        glommio::spawn_local(async move {
+            if task_to_owner.send(ToOwner::Connect(id)).await.is_ok() {
+                run_remote_conn(stream, id, &task_to_owner, rx, limits).await;
+                let _ = task_to_owner.send(ToOwner::Disconnect(id)).await;
+            }
+            task_conns.borrow_mut().remove(&id);
+            task_live.set(task_live.get().saturating_sub(1));
+        })
+        .detach();
+    })
+    .await;
+    drop(listener);
+    drain_connections(&conns, || live.get(), drain).await;
+    dispatcher.cancel();
 }
 
 enum Event {
@@ -183,8 +387,52 @@ enum Event {
     Msg(Option<ConnMsg>),
 }
 
-/// Serves one connection until it closes, errs, or the server stops.
-async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceiver<ConnMsg>) {
+/// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
+struct ReadBuf {
+    buf: Vec<u8>,
+    start: usize,
+    filled: usize,
+}
+
+impl ReadBuf {
+    fn new() -> Self {
+        ReadBuf {
+            buf: vec![0; 4096],
+            start: 0,
+            filled: 0,
+        }
+    }
+
+    fn pending(&self) -> &[u8] {
+        &self.buf[self.start..self.filled]
+    }
+
+    /// Makes room after `consumed` bytes were used: compacts, or grows when one request
+    /// is larger than the buffer. Growth follows the bytes that really arrived (the
+    /// decoder already checked the claimed lengths against the limits).
+    fn consume(&mut self, consumed: usize) {
+        self.start += consumed;
+        if self.start == self.filled {
+            self.start = 0;
+            self.filled = 0;
+        } else if self.filled == self.buf.len() {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.filled, 0);
+                self.filled -= self.start;
+                self.start = 0;
+            } else {
+                let bigger = self.buf.len().saturating_mul(2);
+                self.buf.resize(bigger, 0);
+            }
+        }
+    }
+
+    fn spare(&mut self) -> &mut [u8] {
+        &mut self.buf[self.filled..]
+    }
+}
+
+fn peer_of(stream: &TcpStream) -> String {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -192,33 +440,29 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "TCP_NODELAY failed");
     }
-    let mut inbuf = vec![0u8; 4096];
-    let mut start = 0usize;
-    let mut filled = 0usize;
+    peer
+}
+
+/// Serves one of the owner's own connections until it closes or the server stops.
+async fn run_local_conn(
+    mut stream: TcpStream,
+    id: ConnId,
+    owner: &Owner,
+    rx: LocalReceiver<ConnMsg>,
+) {
+    let peer = peer_of(&stream);
+    let mut input = ReadBuf::new();
     let mut out: Vec<u8> = Vec::with_capacity(256);
     loop {
-        // Serve every complete request that has arrived.
-        let (used, close) = serve_buffered(ctx, id, &peer, &inbuf[start..filled], &mut out);
-        start += used;
+        let (used, close) = serve_buffered(owner, id, &peer, input.pending(), &mut out);
+        input.consume(used);
+        // Wake-ups owed to other executors' connections leave with this batch.
+        if !owner.outbox.borrow().is_empty() {
+            owner.flush_outbox().await;
+        }
         if close {
             let _ = stream.write_all(&out).await;
             return;
-        }
-        ctx.publish(&ctx.engine.borrow());
-        if start == filled {
-            start = 0;
-            filled = 0;
-        } else if filled == inbuf.len() {
-            if start > 0 {
-                inbuf.copy_within(start..filled, 0);
-                filled -= start;
-                start = 0;
-            } else {
-                // A request larger than the buffer: grow with what has really arrived
-                // (the decoder already checked the claimed lengths against the limits).
-                let bigger = inbuf.len().saturating_mul(2);
-                inbuf.resize(bigger, 0);
-            }
         }
         if !out.is_empty() {
             if let Err(e) = stream.write_all(&out).await {
@@ -228,22 +472,103 @@ async fn run_conn(mut stream: TcpStream, id: ConnId, ctx: &Ctx, rx: LocalReceive
             out.clear();
         }
         let event = futures_lite::future::or(
-            async { Event::Read(stream.read(&mut inbuf[filled..]).await) },
+            async { Event::Read(stream.read(input.spare()).await) },
             async { Event::Msg(rx.recv().await) },
         )
         .await;
         match event {
             Event::Read(Ok(0)) => return,
-            Event::Read(Ok(n)) => filled += n,
+            Event::Read(Ok(n)) => input.filled += n,
             Event::Read(Err(e)) => {
                 tracing::debug!(%peer, error = %e, "store connection read failed");
                 return;
             }
             Event::Msg(Some(ConnMsg::Wake(wake))) => out.push(wake as u8),
-            Event::Msg(Some(ConnMsg::Shutdown)) | Event::Msg(None) => {
+            Event::Msg(Some(ConnMsg::Bytes(bytes))) => out.extend_from_slice(&bytes),
+            Event::Msg(Some(ConnMsg::Close | ConnMsg::Shutdown)) | Event::Msg(None) => {
                 let _ = stream.write_all(&out).await;
                 return;
             }
         }
+    }
+}
+
+/// Serves a connection of an accepting executor: whole frames go to the owner, the
+/// owner's bytes go to the socket.
+async fn run_remote_conn(
+    mut stream: TcpStream,
+    id: ConnId,
+    to_owner: &ConnectedSender<ToOwner>,
+    rx: LocalReceiver<ConnMsg>,
+    limits: Limits,
+) {
+    let peer = peer_of(&stream);
+    let mut input = ReadBuf::new();
+    loop {
+        // Cut whole frames; the owner decodes them again, knowing they are complete.
+        let pending = input.pending();
+        let mut used = 0;
+        let mut bad = false;
+        while used < pending.len() {
+            match codec::decode_request(&pending[used..], &limits) {
+                Ok(Decoded::Complete(_, n)) => used += n,
+                Ok(Decoded::Partial(_)) => break,
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "closing store connection: bad request");
+                    bad = true;
+                    break;
+                }
+            }
+        }
+        if used > 0 {
+            let frames = pending[..used].to_vec();
+            if to_owner.send(ToOwner::Frames(id, frames)).await.is_err() {
+                return;
+            }
+            input.consume(used);
+        }
+        if bad {
+            // Like PyTorch: a protocol violation closes the connection.
+            return;
+        }
+        let event = futures_lite::future::or(
+            async { Event::Read(stream.read(input.spare()).await) },
+            async { Event::Msg(rx.recv().await) },
+        )
+        .await;
+        match event {
+            Event::Read(Ok(0)) => return,
+            Event::Read(Ok(n)) => input.filled += n,
+            Event::Read(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "store connection read failed");
+                return;
+            }
+            Event::Msg(Some(ConnMsg::Bytes(bytes))) => {
+                if stream.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+            Event::Msg(Some(ConnMsg::Wake(wake))) => {
+                if stream.write_all(&[wake as u8]).await.is_err() {
+                    return;
+                }
+            }
+            Event::Msg(Some(ConnMsg::Close | ConnMsg::Shutdown)) | Event::Msg(None) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_ids_carry_their_executor() {
+        for executor in [0usize, 1, 7, 255] {
+            for n in [1u64, 2, 1 << 40] {
+                assert_eq!(executor_of(conn_id(executor, n)), executor);
+            }
+        }
+        assert_ne!(conn_id(1, 5), conn_id(2, 5));
     }
 }

@@ -16,13 +16,14 @@ pub mod listener;
 
 use std::collections::HashMap;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream as StdTcpStream};
+use std::net::SocketAddr;
 use std::os::fd::IntoRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use glommio::channels::shared_channel;
 use glommio::{LocalExecutorBuilder, Placement};
 use rdzv_core::store::codec::Limits;
 
@@ -36,6 +37,9 @@ pub struct ServerOptions {
     pub host: Option<String>,
     /// Port; 0 picks a free one (see [`StoreServer::port`]).
     pub port: u16,
+    /// Executor threads. Executor 0 owns the key space; with more, the others accept
+    /// connections and forward their requests to it (see `ARCHITECTURE.md`).
+    pub threads: usize,
     /// Pin the executor thread to a CPU. Off by default: pinned executors measured
     /// 5-10x worse on small VMs (see `ARCHITECTURE.md`).
     pub pin: bool,
@@ -53,6 +57,7 @@ impl Default for ServerOptions {
         ServerOptions {
             host: None,
             port: DEFAULT_PORT,
+            threads: 1,
             pin: false,
             limits: Limits::default(),
             multi_tenant: false,
@@ -109,7 +114,7 @@ struct Shared {
     addr: SocketAddr,
     stats: Arc<StatsCells>,
     stopping: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// A running store server. Dropping the last handle shuts it down gracefully.
@@ -161,13 +166,23 @@ impl StoreServer {
                     source,
                 }
             })?;
-        let socket = listener::listen(&addrs, false, listener::REQUESTED_BACKLOG)
+        let threads = options.threads.max(1);
+        let reuse_port = threads > 1;
+        let first = listener::listen(&addrs, reuse_port, listener::REQUESTED_BACKLOG)
             .map_err(|source| ServerError::Listen { source })?;
-        let addr = socket
+        let addr = first
             .local_addr()
             .ok()
             .and_then(|a| a.as_socket())
             .ok_or_else(|| ServerError::Executor("listening socket has no address".into()))?;
+        // The other executors listen on the very address the first one got.
+        let mut sockets = vec![first];
+        for _ in 1..threads {
+            sockets.push(
+                listener::listen(&[addr], true, listener::REQUESTED_BACKLOG)
+                    .map_err(|source| ServerError::Listen { source })?,
+            );
+        }
         match listener::somaxconn() {
             Some(max) if (max as i64) < listener::REQUESTED_BACKLOG as i64 => tracing::warn!(
                 somaxconn = max,
@@ -181,58 +196,120 @@ impl StoreServer {
             addr,
             stopping: Arc::new(AtomicBool::new(false)),
             stats: Arc::new(StatsCells::default()),
-            thread: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
         });
-        let fd = socket.into_raw_fd();
-        let limits = options.limits;
-        let drain = options.drain_timeout;
-        let placement = if options.pin {
-            Placement::Fixed(0)
-        } else {
-            Placement::Unbound
-        };
-        let stop = Arc::clone(&shared.stopping);
-        let stats = Arc::clone(&shared.stats);
+        // Channels between the owner (executor 0) and each accepting executor.
+        let mut to_owner_rx = Vec::new();
+        let mut from_owner_tx = Vec::new();
+        let mut remote_ends = Vec::new();
+        for _ in 1..threads {
+            let (up_tx, up_rx) = shared_channel::new_bounded::<conn::ToOwner>(CHANNEL_DEPTH);
+            let (down_tx, down_rx) = shared_channel::new_bounded::<conn::FromOwner>(CHANNEL_DEPTH);
+            to_owner_rx.push(up_rx);
+            from_owner_tx.push(down_tx);
+            remote_ends.push((up_tx, down_rx));
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-        let thread = std::thread::Builder::new()
-            .name("rdzv-store".into())
-            .spawn(move || {
-                let built = LocalExecutorBuilder::new(placement)
-                    .name("rdzv-store")
-                    .io_memory(1 << 20)
-                    .make();
-                let executor = match built {
-                    Ok(ex) => ex,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                executor.run(async move {
-                    // SAFETY: `fd` is the listening socket created above; `into_raw_fd`
-                    // gave up its ownership, and this is the only place that takes it.
-                    let listener = unsafe {
-                        <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        let mut handles = Vec::new();
+        let mut remote_ends = remote_ends.into_iter();
+        for (index, socket) in sockets.into_iter().enumerate() {
+            let fd = socket.into_raw_fd();
+            let limits = options.limits;
+            let drain = options.drain_timeout;
+            let placement = if options.pin {
+                Placement::Fixed(index % cpus)
+            } else {
+                Placement::Unbound
+            };
+            let stop = Arc::clone(&shared.stopping);
+            let stats = Arc::clone(&shared.stats);
+            let ready = ready_tx.clone();
+            let role = if index == 0 {
+                Role::Owner {
+                    from_remotes: std::mem::take(&mut to_owner_rx),
+                    to_remotes: std::mem::take(&mut from_owner_tx),
+                }
+            } else {
+                let (up, down) = remote_ends
+                    .next()
+                    .ok_or_else(|| ServerError::Executor("channel wiring".into()))?;
+                Role::Remote { up, down }
+            };
+            let name = format!("rdzv-store-{index}");
+            let spawned = std::thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || {
+                    let built = LocalExecutorBuilder::new(placement)
+                        .name(&name)
+                        .io_memory(1 << 20)
+                        .make();
+                    let executor = match built {
+                        Ok(ex) => ex,
+                        Err(e) => {
+                            let _ = ready.send(Err(e.to_string()));
+                            return;
+                        }
                     };
-                    let _ = ready_tx.send(Ok(()));
-                    conn::serve(listener, limits, drain, stop, stats).await;
+                    executor.run(async move {
+                        // SAFETY: `fd` is a listening socket created above; `into_raw_fd`
+                        // gave up its ownership, and this is the only place that takes it.
+                        let listener = unsafe {
+                            <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd)
+                        };
+                        let _ = ready.send(Ok(()));
+                        match role {
+                            Role::Owner {
+                                from_remotes,
+                                to_remotes,
+                            } => {
+                                let mut rx = Vec::new();
+                                for r in from_remotes {
+                                    rx.push(r.connect().await);
+                                }
+                                let mut tx = Vec::new();
+                                for t in to_remotes {
+                                    tx.push(t.connect().await);
+                                }
+                                conn::serve_owner(listener, limits, drain, stop, stats, rx, tx)
+                                    .await;
+                            }
+                            Role::Remote { up, down } => {
+                                let up = up.connect().await;
+                                let down = down.connect().await;
+                                conn::serve_remote(index, listener, limits, drain, stop, up, down)
+                                    .await;
+                            }
+                        }
+                    });
                 });
-            })
-            .map_err(|e| ServerError::Executor(e.to_string()))?;
-        match ready_rx.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                return Err(ServerError::Executor(e));
-            }
-            Err(_) => {
-                let _ = thread.join();
-                return Err(ServerError::Executor(
-                    "executor thread exited during start".into(),
-                ));
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    shared.stopping.store(true, Ordering::Release);
+                    return Err(ServerError::Executor(e.to_string()));
+                }
             }
         }
-        *shared.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
+        drop(ready_tx);
+        for _ in 0..handles.len() {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    shared.stopping.store(true, Ordering::Release);
+                    handles.into_iter().for_each(|h| drop(h.join()));
+                    return Err(ServerError::Executor(e));
+                }
+                Err(_) => {
+                    shared.stopping.store(true, Ordering::Release);
+                    handles.into_iter().for_each(|h| drop(h.join()));
+                    return Err(ServerError::Executor(
+                        "executor thread exited during start".into(),
+                    ));
+                }
+            }
+        }
+        *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
         tracing::info!(%addr, "store server listening");
         Ok(StoreServer { shared })
     }
@@ -265,28 +342,28 @@ impl StoreServer {
     }
 }
 
+/// Depth of each channel between executors.
+const CHANNEL_DEPTH: usize = 4096;
+
+/// What an executor thread does.
+enum Role {
+    /// Executor 0: owns the engine.
+    Owner {
+        from_remotes: Vec<shared_channel::SharedReceiver<conn::ToOwner>>,
+        to_remotes: Vec<shared_channel::SharedSender<conn::FromOwner>>,
+    },
+    /// Executors 1..: accept and forward.
+    Remote {
+        up: shared_channel::SharedSender<conn::ToOwner>,
+        down: shared_channel::SharedReceiver<conn::FromOwner>,
+    },
+}
+
 fn shutdown_shared(shared: &Shared) {
-    if shared.stopping.swap(true, Ordering::AcqRel) {
-        // Someone else is stopping it; still wait for the thread if we can.
-    } else {
-        // Wake the accept loop: it checks `stopping` after every accept.
-        let wake = match shared.addr.ip() {
-            IpAddr::V6(ip) if ip.is_unspecified() => {
-                SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), shared.addr.port())
-            }
-            IpAddr::V4(ip) if ip.is_unspecified() => {
-                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), shared.addr.port())
-            }
-            _ => shared.addr,
-        };
-        let _ = StdTcpStream::connect_timeout(&wake, Duration::from_secs(1));
-    }
-    let handle = shared
-        .thread
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    if let Some(handle) = handle {
+    // The accept loops poll this flag every 50 ms.
+    shared.stopping.store(true, Ordering::Release);
+    let handles = std::mem::take(&mut *shared.threads.lock().unwrap_or_else(|p| p.into_inner()));
+    for handle in handles {
         if handle.thread().id() != std::thread::current().id() {
             let _ = handle.join();
         }
