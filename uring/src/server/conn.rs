@@ -184,27 +184,41 @@ fn serve_buffered(
 
 /// Accepts until `stop` is set. Polls the flag every 50 ms, so that shutdown needs no
 /// wake-up connection (with `SO_REUSEPORT` one could not reach every listener).
+///
+/// The accept future is kept alive across those ticks: glommio's accept is an io_uring
+/// operation, and dropping one that the kernel has just completed would orphan the
+/// accepted connection. It is dropped only at shutdown.
 async fn accept_until_stopped(
     listener: &TcpListener,
     stop: &AtomicBool,
     mut on_accept: impl FnMut(TcpStream),
 ) {
+    let mut pending = Box::pin(listener.accept());
     loop {
-        if stop.load(Ordering::Acquire) {
-            return;
-        }
-        let accepted = futures_lite::future::or(async { Some(listener.accept().await) }, async {
+        let accepted = futures_lite::future::or(async { Some(pending.as_mut().await) }, async {
             glommio::timer::sleep(Duration::from_millis(50)).await;
             None
         })
         .await;
         match accepted {
-            None => {}
-            Some(Ok(stream)) => on_accept(stream),
-            Some(Err(e)) => {
-                // EMFILE and friends: back off a little instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                glommio::timer::sleep(Duration::from_millis(10)).await;
+            None => {
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
+            }
+            Some(result) => {
+                pending = Box::pin(listener.accept());
+                match result {
+                    Ok(stream) => on_accept(stream),
+                    Err(e) => {
+                        // EMFILE and friends: back off a little instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        glommio::timer::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                if stop.load(Ordering::Acquire) {
+                    return;
+                }
             }
         }
     }
