@@ -6,9 +6,11 @@
 #![doc(hidden)]
 
 mod codec;
+mod file_log;
 mod query;
 mod url;
 
 pub use codec::{codec_request, codec_response};
+pub use file_log::file_log;
 pub use query::query;
 pub use url::url;

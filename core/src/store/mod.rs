@@ -7,6 +7,7 @@
 pub mod codec;
 #[cfg(feature = "alloc")]
 pub mod engine;
+pub mod file_log;
 pub mod message;
 pub mod semantics;
 

@@ -16,6 +16,14 @@ pub enum StoreError {
         /// The keys waited for, as the store saw them (PyTorch prints the `/` prefix).
         keys: Vec<String>,
     },
+    /// A `get` ran out of time (PyTorch's FileStore text).
+    #[error("Timeout waiting for key: {key} after {ms} ms")]
+    GetTimeout {
+        /// The key, as the caller named it.
+        key: String,
+        /// The timeout, in milliseconds.
+        ms: u128,
+    },
     /// A barrier ran out of time.
     #[error("barrier timeout after {ms}ms, key: {key}")]
     BarrierTimeout {
