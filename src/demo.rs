@@ -1,8 +1,10 @@
 //! `rdzv demo`: the main job on an embedded default.
 //!
 //! Starts a store server in this process, then N worker processes (this binary, hidden
-//! `demo-worker` subcommand). Each worker rendezvouses through `tcp://`, meets the others
-//! at a store barrier, publishes its name, all-gathers everyone's names with one
+//! `demo-worker` subcommand). The parent plays torchelastic's agent: it hosts the store
+//! and starts the workers with `TORCHELASTIC_USE_AGENT_STORE=True`, so that every worker's
+//! `tcp://` rendezvous (rdzv's `rendezvous`, as PyTorch's) connects to it as a client,
+//! rank 0 included. Each worker meets the others at a store barrier, publishes its name, all-gathers everyone's names with one
 //! `multi_get`, and meets them again at a closing barrier. The parent checks that every
 //! worker saw the same, complete list and prints a table of what happened and how long
 //! each step took.
@@ -12,7 +14,9 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use rdzv_uring::{ServerOptions, Store, StoreServer};
+use rdzv_core::rendezvous::NodeParams;
+use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
+use rdzv_uring::{ServerOptions, StoreServer};
 
 use crate::cli::CliError;
 
@@ -93,6 +97,10 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             .args(["--rank", &rank.to_string()])
             .args(["--world-size", &args.workers.to_string()])
             .args(["--timeout", &args.timeout.to_string()])
+            // The agent-store mode of torchelastic: this process hosts the store.
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", server.port().to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -169,7 +177,19 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
 pub fn worker(args: WorkerArgs) -> Result<ExitCode, CliError> {
     let t0 = Instant::now();
     let timeout = Duration::from_secs(args.timeout);
-    let (store, rank, world_size) = connect(&args.url, args.rank, args.world_size, timeout)?;
+    let rdzv = rendezvous_with(
+        &args.url,
+        NodeParams::Given {
+            rank: Some(args.rank),
+            world_size: Some(args.world_size),
+        },
+        &ProcessEnv::snapshot(),
+        &RendezvousOptions::with_timeout(timeout),
+    )?;
+    let (store, rank) = (rdzv.store, rdzv.rank);
+    let world_size = rdzv
+        .world_size
+        .ok_or_else(|| format!("{} gave no fixed world size", args.url))?;
     let connected = t0.elapsed();
     let ws = i64::from(world_size);
     store.barrier("demo/joined", ws, Some(timeout))?;
@@ -196,18 +216,4 @@ pub fn worker(args: WorkerArgs) -> Result<ExitCode, CliError> {
         names.join(",")
     );
     Ok(ExitCode::SUCCESS)
-}
-
-fn connect(
-    url: &str,
-    rank: u32,
-    world_size: u32,
-    timeout: Duration,
-) -> Result<(Box<dyn Store>, u32, u32), CliError> {
-    let rest = url
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("demo workers rendezvous through tcp://, got {url}"))?;
-    let (host, port) = crate::cli::split_addr(rest)?;
-    let store = rdzv_uring::store::tcp::TcpStore::connect(&host, port, timeout)?;
-    Ok((Box::new(store), rank, world_size))
 }

@@ -9,6 +9,7 @@
 //!   `file://` and registered schemes, driven by the core's plans.
 #![warn(missing_docs)]
 
+pub mod rendezvous;
 pub mod server;
 pub mod store;
 

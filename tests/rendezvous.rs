@@ -1,0 +1,504 @@
+//! PyTorch's `RendezvousTest`, `RendezvousEnvTest`, `RendezvousTCPTest` and
+//! `RendezvousFileTest` cases (test/distributed/test_store.py), plus the agent-store
+//! modes, multi-tenancy and custom schemes, over real loopback sockets. Each test picks
+//! its own port by binding port 0, and passes its environment explicitly: the test
+//! process's environment is never changed.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdzv::core::env::{EmptyEnv, Env};
+use rdzv::core::query::QueryView;
+use rdzv::core::rendezvous::{NodeParams, StorePlan, TcpStorePlan};
+use rdzv::core::url::RendezvousUrl;
+use rdzv::uring::rendezvous::{
+    register_rendezvous_handler, rendezvous, rendezvous_with, Rendezvous, RendezvousError,
+    RendezvousOptions, StoreRole,
+};
+use rdzv::uring::store::hash::HashStore;
+use rdzv::uring::store::tcp::TcpStore;
+use rdzv::uring::{ServerOptions, Store, StoreServer};
+
+/// A port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("bind port 0")
+        .port()
+}
+
+fn env(vars: &[(&str, &str)]) -> HashMap<String, String> {
+    vars.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn options(timeout: Duration) -> RendezvousOptions {
+    RendezvousOptions::with_timeout(timeout)
+}
+
+const TEN_SECONDS: Duration = Duration::from_secs(10);
+
+fn given(rank: Option<u32>, world_size: Option<u32>) -> NodeParams {
+    NodeParams::Given { rank, world_size }
+}
+
+/// Rendezvous with no node parameters, an explicit environment and a 10 s timeout.
+fn rdzv_env(url: &str, env: &impl Env) -> Result<Rendezvous, RendezvousError> {
+    rendezvous_with(url, given(None, None), env, &options(TEN_SECONDS))
+}
+
+fn error_text(result: Result<Rendezvous, RendezvousError>) -> String {
+    match result {
+        Ok(r) => format!("unexpected rendezvous {r:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn tcp_plan(r: &Rendezvous) -> TcpStorePlan {
+    match r.plan.as_ref().map(|plan| &plan.store) {
+        Some(StorePlan::Tcp(plan)) => plan.clone(),
+        other => panic!("expected a TCP store plan, got {other:?}"),
+    }
+}
+
+/// A server standing in for the torchelastic agent's: not multi-tenant, on a fresh port.
+fn agent_server() -> StoreServer {
+    StoreServer::start(ServerOptions {
+        host: None,
+        port: 0,
+        ..ServerOptions::default()
+    })
+    .expect("start the agent's server")
+}
+
+#[test]
+fn unknown_handler() {
+    // RendezvousTest.test_unknown_handler
+    assert_eq!(
+        error_text(rendezvous("invalid://", None, None)),
+        "No rendezvous handler for invalid://"
+    );
+    match rdzv_env("InValid://h?rank=0&world_size=1", &EmptyEnv) {
+        Err(RendezvousError::NoHandler { scheme, .. }) => assert_eq!(scheme, "invalid"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn url_with_node_params() {
+    // RendezvousTest.test_url_with_node_params
+    assert_eq!(
+        error_text(rendezvous("file:///tmp/x?rank=0", Some(0), Some(1))),
+        "The url: file:///tmp/x?rank=0 has node-specific arguments(rank, world_size) already."
+    );
+    assert_eq!(
+        error_text(rendezvous("tcp://h:1?world_size=2", Some(0), None)),
+        "The url: tcp://h:1?world_size=2 has node-specific arguments(rank, world_size) already."
+    );
+}
+
+#[test]
+fn env_nominal() {
+    // RendezvousEnvTest.test_nominal
+    let port = free_port().to_string();
+    let env = env(&[
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("RANK", "0"),
+    ]);
+    let r = rdzv_env("env://", &env).expect("rendezvous");
+    assert_eq!((r.rank, r.world_size), (0, Some(1)));
+    let plan = tcp_plan(&r);
+    assert!(plan.is_server && plan.multi_tenant && !plan.agent_store);
+    assert_eq!(plan.timeout, TEN_SECONDS);
+    r.store.set("key0", b"value0").expect("set");
+    assert_eq!(r.store.get("key0").expect("get"), b"value0");
+}
+
+#[test]
+fn env_inferred_params_read_rank_and_world_size() {
+    // _create_store_from_options: world_size=None, RANK/WORLD_SIZE fill in.
+    let port = free_port().to_string();
+    let env = env(&[
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("RANK", "0"),
+    ]);
+    let r = rendezvous_with(
+        "env://",
+        NodeParams::Inferred { rank: Some(5) },
+        &env,
+        &options(TEN_SECONDS),
+    )
+    .expect("rendezvous");
+    assert_eq!((r.rank, r.world_size), (0, Some(1)));
+}
+
+#[test]
+fn env_errors() {
+    let prefix = "Error initializing torch.distributed using env:// rendezvous: ";
+    let env = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")]);
+    assert_eq!(
+        error_text(rdzv_env("env://", &env)),
+        format!("{prefix}environment variable MASTER_PORT expected, but not set")
+    );
+    assert_eq!(
+        error_text(rdzv_env("env://", &EmptyEnv)),
+        format!("{prefix}environment variable RANK expected, but not set")
+    );
+}
+
+#[test]
+fn tcp_common_errors() {
+    // RendezvousTCPTest.test_common_errors
+    let prefix = "Error initializing torch.distributed using tcp:// rendezvous: ";
+    for (url, message) in [
+        ("tcp://127.0.0.1?rank=0&world_size=1", "port number missing"),
+        (
+            "tcp://127.0.0.1:23456?world_size=1",
+            "rank parameter missing",
+        ),
+        (
+            "tcp://127.0.0.1:23456?rank=0",
+            "world size parameter missing",
+        ),
+    ] {
+        let result = rdzv_env(url, &EmptyEnv);
+        assert!(matches!(result, Err(RendezvousError::Plan(_))), "{url}");
+        assert_eq!(error_text(result), format!("{prefix}{message}"), "{url}");
+    }
+}
+
+#[test]
+fn file_common_errors() {
+    // RendezvousFileTest.test_common_errors; the errors come before any store is built.
+    let prefix = "Error initializing torch.distributed using file:// rendezvous: ";
+    for (url, message) in [
+        ("file://?rank=0&world_size=1", "path missing"),
+        ("file:///tmp/foo?world_size=1", "rank parameter missing"),
+        ("file:///tmp/foo?rank=0", "world size parameter missing"),
+    ] {
+        assert_eq!(
+            error_text(rdzv_env(url, &EmptyEnv)),
+            format!("{prefix}{message}"),
+            "{url}"
+        );
+    }
+}
+
+#[test]
+fn file_store_is_not_in_this_build() {
+    // Nothing is created: the plan is made, then the store is refused.
+    let url = "file:///tmp/rdzv-rendezvous-test/store";
+    let result = rendezvous_with(
+        url,
+        given(Some(0), Some(1)),
+        &EmptyEnv,
+        &options(TEN_SECONDS),
+    );
+    match result {
+        Err(RendezvousError::Unsupported(message)) => {
+            assert!(
+                message.starts_with("file:// rendezvous needs FileStore"),
+                "{message}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn tcp_nominal() {
+    // RendezvousTCPTest.test_nominal: rank 0 hosts, rank 1 connects, they share keys.
+    let url = format!("tcp://127.0.0.1:{}?world_size=2", free_port());
+    let ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let url = format!("{url}&rank={rank}");
+            thread::spawn(move || rdzv_env(&url, &EmptyEnv))
+        })
+        .collect();
+    let mut stores = Vec::new();
+    for (rank, handle) in (0u32..).zip(ranks) {
+        let r = handle.join().expect("rank thread").expect("rendezvous");
+        assert_eq!((r.rank, r.world_size), (rank, Some(2)));
+        let plan = tcp_plan(&r);
+        assert_eq!(plan.is_server, rank == 0);
+        assert!(plan.multi_tenant && !plan.agent_store);
+        stores.push(r.store);
+    }
+    stores[0].set("key0", b"value0").expect("set");
+    assert_eq!(stores[1].get("key0").expect("get"), b"value0");
+    stores[1].set("key1", b"value1").expect("set");
+    assert_eq!(stores[0].get("key1").expect("get"), b"value1");
+}
+
+#[test]
+fn tcp_node_params_from_the_caller() {
+    // dist.rendezvous(url, rank, world_size): the URL is rewritten before the handler.
+    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let r = rendezvous_with(
+        &url,
+        given(Some(0), Some(1)),
+        &EmptyEnv,
+        &options(TEN_SECONDS),
+    )
+    .expect("rendezvous");
+    assert_eq!((r.rank, r.world_size), (0, Some(1)));
+    r.store.set("k", b"v").expect("set");
+    assert_eq!(r.store.get("k").expect("get"), b"v");
+}
+
+#[test]
+fn tcp_store_timeout_set() {
+    // RendezvousTCPTest.test_tcp_store_timeout_set
+    let url = format!("tcp://127.0.0.1:{}?world_size=1&rank=0", free_port());
+    let r = rdzv_env(&url, &EmptyEnv).expect("rendezvous");
+    assert_eq!(r.store.timeout(), TEN_SECONDS);
+    r.store.set_timeout(Duration::from_millis(100));
+    let start = Instant::now();
+    let error = r.store.get("nonexistent key").expect_err("times out");
+    assert_eq!(
+        error.to_string(),
+        "wait timeout after 100ms, keys: /nonexistent key"
+    );
+    assert!(start.elapsed() < TEN_SECONDS);
+}
+
+#[test]
+fn tcp_store_timeout_doesnt_break_client() {
+    // RendezvousTCPTest.test_tcp_store_timeout_doest_break_client, with the short
+    // timeout given to the rendezvous itself.
+    let url = format!("tcp://127.0.0.1:{}?world_size=1&rank=0", free_port());
+    let r = rendezvous_with(
+        &url,
+        given(None, None),
+        &EmptyEnv,
+        &options(Duration::from_millis(100)),
+    )
+    .expect("rendezvous");
+    let start = Instant::now();
+    let error = r.store.get("the_key").expect_err("times out");
+    assert_eq!(
+        error.to_string(),
+        "wait timeout after 100ms, keys: /the_key"
+    );
+    r.store.set("the_key", b"x").expect("set");
+    assert_eq!(r.store.get("the_key").expect("get"), b"x");
+    assert!(start.elapsed() < TEN_SECONDS);
+}
+
+#[test]
+fn tcp_store_url_with_libuv() {
+    // RendezvousTCPTest.test_tcp_store_url_with_libuv: both values are accepted (rdzv has
+    // one server backend) and the plan records the flag.
+    for (flag, expected) in [("1", true), ("0", false)] {
+        let url = format!(
+            "tcp://127.0.0.1:{}?world_size=1&rank=0&use_libuv={flag}",
+            free_port()
+        );
+        let r = rdzv_env(&url, &EmptyEnv).expect("rendezvous");
+        assert_eq!(tcp_plan(&r).use_libuv, expected);
+        r.store.set("k", b"v").expect("set");
+        assert_eq!(r.store.get("k").expect("get"), b"v");
+    }
+}
+
+#[test]
+fn tcp_connect_timeout_names_rank_and_address() {
+    // RendezvousTCPTest.test_dns_timeout, against a port nobody listens on (no DNS).
+    let port = free_port();
+    let url = format!("tcp://127.0.0.1:{port}?world_size=2&rank=1");
+    let result = rendezvous_with(
+        &url,
+        given(None, None),
+        &EmptyEnv,
+        &options(Duration::from_millis(300)),
+    );
+    match &result {
+        Err(RendezvousError::Store {
+            rank: 1,
+            role: StoreRole::Client,
+            port: p,
+            ..
+        }) if *p == port => {}
+        other => panic!("{other:?}"),
+    }
+    let text = error_text(result);
+    assert!(text.starts_with("rank 1: "), "{text}");
+    assert!(
+        text.contains(&format!(
+            "The client socket has timed out after 300ms while trying to connect to \
+             (127.0.0.1, {port})"
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn multi_tenant_reuse() {
+    // Two rendezvous of rank 0 on one port in one process share one server.
+    let url = format!("tcp://127.0.0.1:{}?world_size=1&rank=0", free_port());
+    let first = rdzv_env(&url, &EmptyEnv).expect("first");
+    let second = rdzv_env(&url, &EmptyEnv).expect("second reuses the server");
+    assert!(tcp_plan(&second).is_server);
+    first.store.set("shared", b"yes").expect("set");
+    assert_eq!(second.store.get("shared").expect("get"), b"yes");
+}
+
+#[test]
+fn agent_store_mode_makes_every_rank_a_client() {
+    // torchelastic: the agent hosts the server; with TORCHELASTIC_USE_AGENT_STORE=True
+    // rank 0 does not try to host, every rank connects to MASTER_ADDR:MASTER_PORT.
+    let server = agent_server();
+    let port = server.port().to_string();
+    let ranks: Vec<Rendezvous> = (0..2u32)
+        .map(|rank| {
+            let env = env(&[
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("RANK", &rank.to_string()),
+                ("WORLD_SIZE", "2"),
+            ]);
+            rdzv_env("env://", &env).expect("rendezvous")
+        })
+        .collect();
+    for (rank, r) in (0u32..).zip(&ranks) {
+        assert_eq!((r.rank, r.world_size), (rank, Some(2)));
+        let plan = tcp_plan(r);
+        assert!(plan.agent_store && !plan.is_server && !plan.multi_tenant);
+    }
+    // The agent (a plain client of its own server) sees what the ranks write.
+    let agent = TcpStore::connect("127.0.0.1", server.port(), TEN_SECONDS).expect("agent");
+    ranks[0].store.set("from0", b"a").expect("set");
+    ranks[1].store.set("from1", b"b").expect("set");
+    assert_eq!(agent.get("from0").expect("get"), b"a");
+    assert_eq!(agent.get("from1").expect("get"), b"b");
+
+    // The Python check is exact: "true" is not agent-store mode, so rank 0 tries to host
+    // on the agent's port, and (MASTER_PORT differing) the bind failure is an error.
+    let env = env(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "true"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ]);
+    let url = format!("tcp://127.0.0.1:{port}?world_size=1&rank=0");
+    let result = rdzv_env(&url, &env);
+    assert!(
+        matches!(
+            result,
+            Err(RendezvousError::Store {
+                rank: 0,
+                role: StoreRole::Server,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn bind_failure_escape_hatch() {
+    // The C++ TCPStore (test_agent_store): a busy port is an error, unless
+    // TORCHELASTIC_USE_AGENT_STORE is truthy (C++ rules) and MASTER_PORT is that port.
+    let server = agent_server();
+    let port = server.port();
+    let url = format!("tcp://127.0.0.1:{port}?world_size=1&rank=0");
+
+    let text = error_text(rdzv_env(&url, &EmptyEnv));
+    assert!(
+        text.starts_with(&format!(
+            "rank 0: hosting the TCPStore server of 127.0.0.1:{port} failed: "
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("The server socket has failed to listen on any local network address"),
+        "{text}"
+    );
+
+    let port_text = port.to_string();
+    let wrong_port = env(&[("TORCHELASTIC_USE_AGENT_STORE", "1"), ("MASTER_PORT", "1")]);
+    assert!(rdzv_env(&url, &wrong_port).is_err());
+
+    for truthy in ["1", "yes", "T", "true", "True"] {
+        let env = env(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", truthy),
+            ("MASTER_PORT", &port_text),
+        ]);
+        let r = rdzv_env(&url, &env).expect("continues as a client");
+        // "True" is Python's agent-store mode already; the others go through the hatch.
+        assert_eq!(tcp_plan(&r).is_server, truthy != "True", "{truthy}");
+        r.store.set(&format!("hatch/{truthy}"), b"1").expect("set");
+    }
+    let agent = TcpStore::connect("127.0.0.1", port, TEN_SECONDS).expect("agent");
+    assert_eq!(agent.get("hatch/yes").expect("get"), b"1");
+}
+
+#[test]
+fn custom_scheme_registration() {
+    // register_rendezvous_handler: a scheme of our own, served by an in-process store.
+    let shared: Arc<dyn Store> = Arc::new(HashStore::new());
+    let store = Arc::clone(&shared);
+    register_rendezvous_handler(
+        "myscheme",
+        move |url: &str, env: &dyn Env, options: &RendezvousOptions| {
+            let parsed = RendezvousUrl::parse(url)
+                .map_err(|e| RendezvousError::Handler(e.to_string().into()))?;
+            let query = QueryView::parse(parsed.query())
+                .map_err(|e| RendezvousError::Handler(e.to_string().into()))?;
+            let number = |key: &str| -> Result<u32, RendezvousError> {
+                query
+                    .get(key)
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| RendezvousError::Handler(format!("{key} missing").into()))
+            };
+            let rank = number("rank")?;
+            let world_size = number("world_size")?;
+            assert_eq!(options.timeout, TEN_SECONDS);
+            let tag = env.var("MY_TAG").unwrap_or("none");
+            store
+                .set(&format!("joined/{rank}"), tag.as_bytes())
+                .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
+            Ok(Rendezvous::new(Arc::clone(&store), rank, Some(world_size)))
+        },
+    )
+    .expect("first registration");
+
+    let tagged = env(&[("MY_TAG", "blue")]);
+    let r = rendezvous_with(
+        "MyScheme://anywhere",
+        given(Some(1), Some(3)),
+        &tagged,
+        &options(TEN_SECONDS),
+    )
+    .expect("custom rendezvous");
+    assert_eq!((r.rank, r.world_size), (1, Some(3)));
+    assert!(r.plan.is_none());
+    assert_eq!(shared.get("joined/1").expect("get"), b"blue");
+
+    assert_eq!(
+        error_text(rdzv_env("myscheme://anywhere", &EmptyEnv)),
+        "rank missing"
+    );
+    let again = register_rendezvous_handler("myscheme", |_: &str, _: &dyn Env, _: &_| {
+        Err(RendezvousError::Unsupported("never called".into()))
+    });
+    assert_eq!(
+        again.map_err(|e| e.to_string()),
+        Err("Rendezvous handler for myscheme:// already registered".to_string())
+    );
+    assert_eq!(
+        register_rendezvous_handler("tcp", |_: &str, _: &dyn Env, _: &_| {
+            Err(RendezvousError::Unsupported("never called".into()))
+        })
+        .map_err(|e| e.to_string()),
+        Err("Rendezvous handler for tcp:// already registered".to_string())
+    );
+}
