@@ -53,6 +53,7 @@ pub fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Result<(), B
         .map_err(|e| plot_error(&e))?;
     ops_chart
         .configure_mesh()
+        .max_light_lines(2)
         .x_desc("connections")
         .y_desc("ops/s")
         .y_label_formatter(&|v| format!("{:.0}k", v / 1000.0))
@@ -68,8 +69,10 @@ pub fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Result<(), B
         .map_err(|e| plot_error(&e))?;
     p99_chart
         .configure_mesh()
+        .max_light_lines(2)
         .x_desc("connections")
         .y_desc("p99 µs")
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|e| plot_error(&e))?;
 
