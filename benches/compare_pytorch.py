@@ -5,7 +5,7 @@ Starts both servers as separate processes on 127.0.0.1 -- rdzv's with
 `rdzv store serve`, PyTorch's with `TCPStore(..., is_master=True, use_libuv=True)` --
 and runs `rdzv bench store --addr ... --json` against each, interleaved round by round
 (ours, theirs, ours, theirs...) so that both see the same machine. Prints the medians,
-the ratios, and whether the issue's goals are met:
+the ratios (always rdzv / PyTorch), and whether the issue's goals are met:
 
   * throughput at 64 and 512 connections at least 3x PyTorch's, p99 at most a third;
   * one connection's ADD p50 at most 1.2x a raw loopback ping-pong of the same size
@@ -115,14 +115,25 @@ def parse_bare_port(line):
     return int(line) if line.isdigit() else None
 
 
+FAILURES = []
+
+
 def bench(rdzv, server, label, mode_args, timeout):
-    """Runs one `rdzv bench store` and returns its JSON results."""
+    """Runs one `rdzv bench store` and returns its JSON results; a run that fails or
+    times out is reported, remembered in FAILURES, and returns no result."""
     argv = [rdzv, "bench", "store", "--addr", server.addr, "--label", label, "--json"]
     argv += mode_args
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        FAILURES.append(f"{label} {' '.join(mode_args)}: no result within {timeout:.0f} s")
+        log(f"  FAILED: {FAILURES[-1]}")
+        return []
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 and not results:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+        message = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        FAILURES.append(f"{label} {' '.join(mode_args)}: exit {done.returncode}: {message}")
+        log(f"  FAILED: {FAILURES[-1]}")
     return results
 
 
@@ -149,6 +160,9 @@ def main():
     parser.add_argument("--storm-ranks", default="50", help="storms run against both")
     parser.add_argument("--our-storm-ranks", default="4096", help="storms run against rdzv only")
     parser.add_argument("--storm-timeout", type=float, default=120.0)
+    parser.add_argument("--setup-timeout", type=float, default=300.0,
+                        help="seconds a throughput run may spend connecting (PyTorch's server "
+                             "accepts about 10 connections/s once hundreds are queued)")
     parser.add_argument("--json-out", help="write every raw result here")
     parser.add_argument("--check-goals", action="store_true", help="exit 1 if a goal is missed")
     args = parser.parse_args()
@@ -191,8 +205,9 @@ def main():
                     log(f"round {round_ + 1}: {label} throughput, {n} connections")
                     raw += bench(args.rdzv, server, label,
                                  ["throughput", "--conns", str(n), "--secs", secs,
-                                  "--client-threads", str(args.client_threads)],
-                                 per_run_timeout + n / 10)
+                                  "--client-threads", str(args.client_threads),
+                                  "--setup-timeout-secs", str(args.setup_timeout)],
+                                 per_run_timeout + args.setup_timeout)
                 for n in storm_ranks:
                     log(f"round {round_ + 1}: {label} storm of {n}")
                     raw += bench(args.rdzv, server, label,
@@ -219,14 +234,14 @@ def main():
 
     goals = []
     print(f"\nrdzv vs PyTorch {version} (libuv), medians of {args.rounds} interleaved rounds")
-    print(f"{'metric':<34} {'rdzv':>12} {'pytorch':>12} {'ratio':>8}  goal")
+    print(f"{'metric':<34} {'rdzv':>12} {'pytorch':>12} {'rdzv/pt':>8}  goal")
 
     lat = {t: pick("latency", t) for t in ("rdzv", "pytorch")}
     ratio = {t: pick("latency_ratio", t) for t in ("rdzv", "pytorch")}
     ours_p50 = median([r["p50_us"] for r in lat["rdzv"]])
     theirs_p50 = median([r["p50_us"] for r in lat["pytorch"]])
     print(f"{'1 conn ADD p50 (µs)':<34} {fmt(ours_p50):>12} {fmt(theirs_p50):>12} "
-          f"{fmt(theirs_p50 / ours_p50 if ours_p50 and theirs_p50 else None, 2):>7}x")
+          f"{fmt(ours_p50 / theirs_p50 if ours_p50 and theirs_p50 else None, 2):>7}x")
     for t in ("rdzv", "pytorch"):
         over_raw = median([r["p50_ratio"] for r in ratio[t]])
         raw_p50 = median([r["raw_p50_us"] for r in ratio[t]])
@@ -261,15 +276,17 @@ def main():
         p_ok = bool(p) and all(r["released"] == n and r["counter_ok"] for r in p)
         line = (f"{f'storm {n} ranks (s)':<34} {fmt(o_s, 3) + ('' if o_ok else '!'):>12} "
                 f"{(fmt(p_s, 3) + ('' if p_ok else '!')) if p else '-':>12} "
-                f"{fmt(p_s / o_s if o_s and p_s else None, 1):>7}x")
+                f"{fmt(o_s / p_s if o_s and p_s else None, 2):>7}x")
         if n == 4096:
             met = o_ok and o_s is not None and o_s < 1.0
             goals.append(met)
             line += f"  < 1 s, all released {'met' if met else 'MISSED'}"
         print(line)
     print("('!' marks a storm where some rank was not released or the counter was wrong)")
+    for failure in FAILURES:
+        print(f"FAILED RUN: {failure}")
 
-    if args.check_goals and not all(goals):
+    if args.check_goals and (FAILURES or not all(goals)):
         return 1
     return 0
 

@@ -100,6 +100,11 @@ enum Mode {
         /// Draw throughput and p99 against the connection count into this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Seconds every connection may take to be accepted and answer a PING before
+        /// the run starts (a slowly accepting server needs long: PyTorch's takes about
+        /// 10 connections per second once hundreds are queued).
+        #[arg(long, default_value_t = 120.0)]
+        setup_timeout_secs: f64,
     },
     /// N ranks connect at once, VALIDATE, PING, ADD a counter; the last sets "done";
     /// everyone WAITs. Fails unless every rank is released and the counter is exactly N.
@@ -384,8 +389,10 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
             warmup_secs,
             client_threads,
             plot,
+            setup_timeout_secs,
         } => {
             let measure = seconds(secs, "--secs")?;
+            let setup_timeout = seconds(setup_timeout_secs, "--setup-timeout-secs")?;
             let warmup = seconds(warmup_secs, "--warmup-secs")?;
             if conns.is_empty() || conns.contains(&0) {
                 return Err(BenchError::InvalidArgument(
@@ -407,7 +414,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                     warmup,
                     measure,
                     key_prefix: key_prefix("throughput"),
-                    setup_timeout: CONNECT_TIMEOUT.max(Duration::from_millis(10 * n as u64)),
+                    setup_timeout,
                 };
                 let outcome = throughput::run(&plan, &bar)?;
                 bar.finish_and_clear();

@@ -62,7 +62,8 @@ pub struct ThroughputOutcome {
 pub fn run(plan: &ThroughputPlan, progress: &ProgressBar) -> Result<ThroughputOutcome, BenchError> {
     let conns = plan.conns.max(1);
     let threads = plan.threads.clamp(1, conns);
-    let ready = connect_all(plan.addr, conns, plan.setup_timeout)?;
+    let ready = connect_all(plan.addr, conns, plan.setup_timeout, progress)?;
+    progress.set_message(format!("{conns} connections"));
 
     // Deal the connections out round-robin so each thread gets an even share.
     let mut shares: Vec<Vec<Slot>> = (0..threads).map(|_| Vec::new()).collect();
@@ -118,11 +119,14 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 /// Opens `n` connections at once and waits until each has sent `VALIDATE` and had a
-/// `PING` answered.
+/// `PING` answered. A server that accepts slowly (PyTorch's libuv server takes about
+/// 10 connections per second once hundreds are queued) only makes this take longer, up
+/// to `timeout`; the progress bar's message counts the ready connections.
 pub fn connect_all(
     addr: SocketAddr,
     n: usize,
     timeout: Duration,
+    progress: &ProgressBar,
 ) -> Result<Vec<StoreConn>, BenchError> {
     let io = |what| move |source| BenchError::Io { what, source };
     let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
@@ -144,8 +148,13 @@ pub fn connect_all(
     let mut events = Events::with_capacity(1024);
     let deadline = Instant::now() + timeout;
     let mut ready = 0;
+    let mut last_progress = Instant::now();
     while ready < n {
         let now = Instant::now();
+        if now.duration_since(last_progress) >= Duration::from_millis(200) {
+            progress.set_message(format!("connected {ready}/{n}"));
+            last_progress = now;
+        }
         if now >= deadline {
             return Err(BenchError::SetupTimeout {
                 ready,
@@ -153,8 +162,11 @@ pub fn connect_all(
                 seconds: timeout.as_secs_f64(),
             });
         }
-        poll.poll(&mut events, Some(deadline - now))
-            .map_err(io("wait for socket events"))?;
+        poll.poll(
+            &mut events,
+            Some((deadline - now).min(Duration::from_millis(200))),
+        )
+        .map_err(io("wait for socket events"))?;
         for event in events.iter() {
             let Token(index) = event.token();
             let (Some(conn), Some(is_connected)) = (conns.get_mut(index), connected.get_mut(index))
