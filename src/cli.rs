@@ -27,6 +27,9 @@ enum Command {
     /// Start an embedded store and N worker processes that rendezvous through tcp://,
     /// meet at a barrier and all-gather their names; print what happened.
     Demo(crate::demo::DemoArgs),
+    /// Measure a store: round-trip latency, throughput, connection storms.
+    #[command(subcommand)]
+    Bench(crate::bench::BenchCommand),
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
@@ -114,6 +117,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Store(args) => store(args),
         Command::Demo(args) => crate::demo::run(args),
+        Command::Bench(command) => crate::bench::run(command),
         Command::DemoWorker(args) => crate::demo::worker(args),
         Command::Rdma(RdmaOp::Probe) => {
             print!("{}", rdzv::rdma::ViabilityReport::probe_env());

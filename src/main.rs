@@ -1,5 +1,6 @@
 //! The `rdzv` command line: run a store, talk to one, and see rendezvous work.
 
+mod bench;
 mod cli;
 mod demo;
 

@@ -1,0 +1,353 @@
+//! One connection's round trip: a store `ADD`, and a raw TCP ping-pong of the same size.
+//!
+//! Both clients are blocking `std::net` sockets with `TCP_NODELAY`, one request in flight
+//! (what a PyTorch client does), timed from just before `write` to just after the last
+//! reply byte is read. The store client encodes `ADD` with `rdzv_core::store::codec` and
+//! decodes the reply with it, so it works against any TCPStore server. The raw ping-pong
+//! ([`EchoServer`] + [`RawPingPong`]) moves exactly as many bytes each way as the `ADD`
+//! exchange over loopback, with a server thread that does nothing but `read` and `write`:
+//! the floor any store's round trip can be compared with.
+//!
+//! This module times; it does not decide how long to run or how to interleave the two
+//! (see `bench::run_latency`).
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
+use rdzv_core::store::{QueryType, Request, VALIDATION_MAGIC};
+
+use super::BenchError;
+
+/// The reply to `ADD` is one little-endian `i64`.
+pub const ADD_REPLY_BYTES: usize = 8;
+
+/// A blocking store client that times `ADD(key, 1)` round trips.
+#[derive(Debug)]
+pub struct AddRoundTrip {
+    stream: TcpStream,
+    key: Vec<u8>,
+    out: Vec<u8>,
+    input: Vec<u8>,
+    limits: Limits,
+    last: i64,
+}
+
+impl AddRoundTrip {
+    /// Connects to `addr`, validates, and checks with a `PING` that the server answers.
+    pub fn connect(addr: SocketAddr, key: Vec<u8>, timeout: Duration) -> Result<Self, BenchError> {
+        let stream = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|source| BenchError::Connect { addr, source })?;
+        let io = |source| BenchError::Io {
+            what: "configure the latency connection",
+            source,
+        };
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        let mut client = AddRoundTrip {
+            stream,
+            key,
+            out: Vec::with_capacity(64),
+            input: Vec::with_capacity(64),
+            limits: Limits::default(),
+            last: 0,
+        };
+        client.out.clear();
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode_into(&mut client.out);
+        let nonce = std::process::id();
+        Request::Ping { nonce }.encode_into(&mut client.out);
+        client.send()?;
+        match client.receive(QueryType::Ping)? {
+            Some(ResponseViewOwned::Pong(echo)) if echo == nonce => Ok(client),
+            _ => Err(BenchError::UnexpectedReply {
+                query: "PING",
+                expected: "the nonce echoed",
+            }),
+        }
+    }
+
+    /// How many bytes one `ADD` request takes on the wire.
+    pub fn request_bytes(&self) -> usize {
+        Request::Add {
+            key: &self.key,
+            delta: 1,
+        }
+        .encoded_len()
+    }
+
+    /// The counter value of the last `ADD`.
+    #[cfg(test)]
+    pub fn last_value(&self) -> i64 {
+        self.last
+    }
+
+    /// One `ADD(key, 1)`, timed.
+    pub fn round_trip(&mut self) -> Result<Duration, BenchError> {
+        let start = Instant::now();
+        self.out.clear();
+        Request::Add {
+            key: &self.key,
+            delta: 1,
+        }
+        .encode_into(&mut self.out);
+        self.send()?;
+        match self.receive(QueryType::Add)? {
+            Some(ResponseViewOwned::Int(value)) => {
+                let elapsed = start.elapsed();
+                if self.last != 0 && self.last.checked_add(1) != Some(value) {
+                    return Err(BenchError::UnexpectedReply {
+                        query: "ADD",
+                        expected: "the previous value plus one (is another client adding?)",
+                    });
+                }
+                self.last = value;
+                Ok(elapsed)
+            }
+            _ => Err(BenchError::UnexpectedReply {
+                query: "ADD",
+                expected: "an integer",
+            }),
+        }
+    }
+
+    fn send(&mut self) -> Result<(), BenchError> {
+        self.stream
+            .write_all(&self.out)
+            .map_err(|source| BenchError::Io {
+                what: "send a request",
+                source,
+            })
+    }
+
+    /// Reads until the reply to `query` is complete: the reply, or `None` if it is of a
+    /// shape this client does not expect.
+    fn receive(&mut self, query: QueryType) -> Result<Option<ResponseViewOwned>, BenchError> {
+        let pending = PendingReply::new(query, 0).ok_or(BenchError::UnexpectedReply {
+            query: query.name(),
+            expected: "a query that has a reply",
+        })?;
+        self.input.clear();
+        let mut chunk = [0u8; 256];
+        loop {
+            match codec::decode_response_view(pending, &self.input, &self.limits) {
+                Ok(Decoded::Complete(view, used)) => {
+                    if used != self.input.len() {
+                        return Err(BenchError::UnexpectedBytes {
+                            len: self.input.len() - used,
+                        });
+                    }
+                    return Ok(match view {
+                        ResponseView::Int(n) => Some(ResponseViewOwned::Int(n)),
+                        ResponseView::Pong(n) => Some(ResponseViewOwned::Pong(n)),
+                        _ => None,
+                    });
+                }
+                Ok(Decoded::Partial(_)) => {}
+                Err(source) => {
+                    return Err(BenchError::Decode {
+                        query: query.name(),
+                        source,
+                    })
+                }
+            }
+            let n = self
+                .stream
+                .read(&mut chunk)
+                .map_err(|source| BenchError::Io {
+                    what: "read a reply",
+                    source,
+                })?;
+            if n == 0 {
+                return Err(BenchError::ServerClosed);
+            }
+            self.input
+                .extend_from_slice(chunk.get(..n).unwrap_or_default());
+        }
+    }
+}
+
+/// The replies [`AddRoundTrip`] expects, without borrowing its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResponseViewOwned {
+    Int(i64),
+    Pong(u32),
+}
+
+/// A loopback server that answers every `request_bytes` it reads with `reply_bytes`
+/// zero bytes: the least work a store could do for an `ADD`.
+#[derive(Debug)]
+pub struct EchoServer {
+    addr: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EchoServer {
+    /// Starts it on `127.0.0.1` (an ephemeral port) for one client.
+    pub fn start(request_bytes: usize, reply_bytes: usize) -> Result<EchoServer, BenchError> {
+        let io = |source| BenchError::Io {
+            what: "start the raw ping-pong server",
+            source,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+        let addr = listener.local_addr().map_err(io)?;
+        let thread = std::thread::Builder::new()
+            .name("rdzv-bench-echo".into())
+            .spawn(move || {
+                if let Ok((stream, _)) = listener.accept() {
+                    // Errors end the ping-pong; the client reports its own side of them.
+                    let _ = serve_ping_pong(stream, request_bytes, reply_bytes);
+                }
+            })
+            .map_err(io)?;
+        Ok(EchoServer {
+            addr,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            if !thread.is_finished() {
+                // Unblock an accept that never got its client; a finished ping-pong
+                // has already returned (the client closed first).
+                let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+fn serve_ping_pong(mut stream: TcpStream, request: usize, reply: usize) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let mut input = vec![0u8; request];
+    let output = vec![0u8; reply];
+    loop {
+        match stream.read_exact(&mut input) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        stream.write_all(&output)?;
+    }
+}
+
+/// The client half of the raw ping-pong.
+#[derive(Debug)]
+pub struct RawPingPong {
+    stream: TcpStream,
+    request: Vec<u8>,
+    reply: Vec<u8>,
+}
+
+impl RawPingPong {
+    /// Connects to an [`EchoServer`] started with the same sizes.
+    pub fn connect(
+        addr: SocketAddr,
+        request_bytes: usize,
+        reply_bytes: usize,
+        timeout: Duration,
+    ) -> Result<RawPingPong, BenchError> {
+        let stream = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|source| BenchError::Connect { addr, source })?;
+        let io = |source| BenchError::Io {
+            what: "configure the ping-pong connection",
+            source,
+        };
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        Ok(RawPingPong {
+            stream,
+            request: vec![0x5a; request_bytes],
+            reply: vec![0; reply_bytes],
+        })
+    }
+
+    /// One ping-pong, timed.
+    pub fn round_trip(&mut self) -> Result<Duration, BenchError> {
+        let start = Instant::now();
+        self.stream
+            .write_all(&self.request)
+            .map_err(|source| BenchError::Io {
+                what: "send a ping",
+                source,
+            })?;
+        self.stream
+            .read_exact(&mut self.reply)
+            .map_err(|source| BenchError::Io {
+                what: "read a pong",
+                source,
+            })?;
+        Ok(start.elapsed())
+    }
+}
+
+impl Drop for RawPingPong {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raw_ping_pong_moves_the_requested_sizes() {
+        let server = EchoServer::start(30, ADD_REPLY_BYTES).unwrap();
+        let mut client =
+            RawPingPong::connect(server.addr(), 30, ADD_REPLY_BYTES, Duration::from_secs(5))
+                .unwrap();
+        for _ in 0..10 {
+            let took = client.round_trip().unwrap();
+            assert!(took < Duration::from_secs(5));
+        }
+        drop(client);
+        drop(server);
+    }
+
+    #[test]
+    fn an_unused_echo_server_shuts_down() {
+        let server = EchoServer::start(10, 8).unwrap();
+        drop(server);
+    }
+
+    #[test]
+    fn add_round_trip_counts_against_a_real_server() {
+        let server = rdzv_uring::StoreServer::start(rdzv_uring::ServerOptions {
+            host: Some("127.0.0.1".into()),
+            port: 0,
+            ..rdzv_uring::ServerOptions::default()
+        });
+        let server = match server {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("SKIP: cannot start the io_uring store server here: {e}");
+                return;
+            }
+        };
+        let mut client = AddRoundTrip::connect(
+            server.local_addr(),
+            b"/bench/latency-test".to_vec(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(client.request_bytes(), 1 + 8 + 19 + 8);
+        for expected in 1..=20 {
+            client.round_trip().unwrap();
+            assert_eq!(client.last_value(), expected);
+        }
+        server.shutdown();
+    }
+}

@@ -1,0 +1,445 @@
+//! Benchmark results as values, and the two ways they are shown: a table for people and
+//! one JSON object per result for scripts.
+//!
+//! Every field is named for what it is, with its unit in the name (`p50_us`,
+//! `ops_per_s`, `seconds`), and every object carries `mode` and `target` so that a
+//! script can compare results from several runs (`benches/compare_pytorch.py` does).
+//! This module measures nothing.
+
+use std::fmt::Write as _;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// Percentiles of a latency histogram recorded in nanoseconds, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LatencySummary {
+    /// Mean.
+    pub mean_us: f64,
+    /// Median.
+    pub p50_us: f64,
+    /// 90th percentile.
+    pub p90_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// 99.9th percentile.
+    pub p999_us: f64,
+    /// Largest.
+    pub max_us: f64,
+}
+
+impl LatencySummary {
+    /// Summarises `histogram` (values in nanoseconds). All zeros if it is empty.
+    pub fn from_ns(histogram: &Histogram<u64>) -> LatencySummary {
+        if histogram.is_empty() {
+            return LatencySummary {
+                mean_us: 0.0,
+                p50_us: 0.0,
+                p90_us: 0.0,
+                p99_us: 0.0,
+                p999_us: 0.0,
+                max_us: 0.0,
+            };
+        }
+        let us = |ns: u64| ns as f64 / 1000.0;
+        LatencySummary {
+            mean_us: histogram.mean() / 1000.0,
+            p50_us: us(histogram.value_at_quantile(0.50)),
+            p90_us: us(histogram.value_at_quantile(0.90)),
+            p99_us: us(histogram.value_at_quantile(0.99)),
+            p999_us: us(histogram.value_at_quantile(0.999)),
+            max_us: us(histogram.max()),
+        }
+    }
+}
+
+/// One connection's round trips (`latency` and `baseline` modes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoundTripResult {
+    /// What was measured: the store's address or label, or `raw-loopback`.
+    pub target: String,
+    /// `ADD` for the store, `ping-pong` for the raw baseline.
+    pub op: &'static str,
+    /// Bytes each request takes on the wire.
+    pub request_bytes: usize,
+    /// Bytes each reply takes on the wire.
+    pub reply_bytes: usize,
+    /// Round trips measured.
+    pub samples: u64,
+    /// Time spent measuring them, seconds.
+    pub seconds: f64,
+    /// Round trips per second (one at a time).
+    pub ops_per_s: f64,
+    /// Latency percentiles.
+    #[serde(flatten)]
+    pub latency: LatencySummary,
+}
+
+/// The store's round trip against the raw ping-pong, measured interleaved in one run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoundTripRatio {
+    /// The store.
+    pub target: String,
+    /// Store `ADD` median, microseconds.
+    pub store_p50_us: f64,
+    /// Raw ping-pong median, microseconds.
+    pub raw_p50_us: f64,
+    /// `store_p50_us / raw_p50_us` (the goal is at most 1.2).
+    pub p50_ratio: f64,
+    /// Store `ADD` 99th percentile, microseconds.
+    pub store_p99_us: f64,
+    /// Raw ping-pong 99th percentile, microseconds.
+    pub raw_p99_us: f64,
+    /// `store_p99_us / raw_p99_us`.
+    pub p99_ratio: f64,
+}
+
+/// Many connections doing `ADD` + `GET` (`throughput` mode).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ThroughputResult {
+    /// The store.
+    pub target: String,
+    /// Concurrent connections.
+    pub conns: usize,
+    /// Client threads driving them.
+    pub client_threads: usize,
+    /// Length of the measurement window, seconds.
+    pub seconds: f64,
+    /// Operations completed in the window (each `ADD` and each `GET` counts one).
+    pub ops: u64,
+    /// `ops / seconds`.
+    pub ops_per_s: f64,
+    /// Per-operation latency percentiles.
+    #[serde(flatten)]
+    pub latency: LatencySummary,
+}
+
+/// A rendezvous storm (`storm` mode).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StormResult {
+    /// The store.
+    pub target: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// First connect to last release (the timeout if some rank never was), seconds.
+    pub seconds: f64,
+    /// First connect until every rank had its `PING` answered, seconds.
+    pub all_connected_seconds: Option<f64>,
+    /// Ranks released by `STOP_WAITING`.
+    pub released: usize,
+    /// Ranks lost after their `ADD`, or not released by the timeout.
+    pub failed: usize,
+    /// Connection attempts retried before `ADD` (refused, reset).
+    pub connect_retries: u64,
+    /// The counter read back afterwards (`None` if it could not be read).
+    pub counter: Option<i64>,
+    /// Whether the `ADD` results were exactly 1..=ranks and the counter is `ranks`.
+    pub counter_ok: bool,
+    /// Median rank's time from the start to its release, seconds.
+    pub release_p50_seconds: f64,
+    /// 99th percentile of the same, seconds.
+    pub release_p99_seconds: f64,
+    /// The first error a rank hit, if any.
+    pub first_error: Option<String>,
+}
+
+impl StormResult {
+    /// Whether every rank was released and the counter is exact.
+    pub fn succeeded(&self) -> bool {
+        self.released == self.ranks && self.failed == 0 && self.counter_ok
+    }
+}
+
+/// One result, tagged with its mode in JSON (`"mode": "throughput"`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum BenchResult {
+    /// `latency`: the store's `ADD` round trip.
+    Latency(RoundTripResult),
+    /// `baseline` (or `latency --compare-baseline`): the raw ping-pong.
+    Baseline(RoundTripResult),
+    /// `latency --compare-baseline`: the two compared.
+    LatencyRatio(RoundTripRatio),
+    /// `throughput`: one connection count.
+    Throughput(ThroughputResult),
+    /// `storm`.
+    Storm(StormResult),
+}
+
+/// One JSON object per line, one per result.
+pub fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_json::Error> {
+    let mut out = String::new();
+    for result in results {
+        out.push_str(&serde_json::to_string(result)?);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The results as aligned tables, one per kind, in the order they first appear.
+pub fn to_table(results: &[BenchResult]) -> String {
+    let mut out = String::new();
+    let round_trips: Vec<&RoundTripResult> = results
+        .iter()
+        .filter_map(|r| match r {
+            BenchResult::Latency(x) | BenchResult::Baseline(x) => Some(x),
+            _ => None,
+        })
+        .collect();
+    if !round_trips.is_empty() {
+        let _ = writeln!(
+            out,
+            "{:<24} {:<9} {:>6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9}",
+            "round trip",
+            "op",
+            "bytes",
+            "samples",
+            "ops/s",
+            "mean µs",
+            "p50 µs",
+            "p99 µs",
+            "p99.9 µs",
+            "max µs"
+        );
+        for r in round_trips {
+            let _ = writeln!(
+                out,
+                "{:<24} {:<9} {:>6} {:>9} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1}",
+                r.target,
+                r.op,
+                format!("{}/{}", r.request_bytes, r.reply_bytes),
+                r.samples,
+                r.ops_per_s,
+                r.latency.mean_us,
+                r.latency.p50_us,
+                r.latency.p99_us,
+                r.latency.p999_us,
+                r.latency.max_us
+            );
+        }
+    }
+    for r in results {
+        if let BenchResult::LatencyRatio(ratio) = r {
+            let _ = writeln!(
+                out,
+                "{}: ADD p50 {:.1} µs / raw ping-pong p50 {:.1} µs = {:.2}× (goal ≤ 1.2×); \
+                 p99 {:.2}×",
+                ratio.target,
+                ratio.store_p50_us,
+                ratio.raw_p50_us,
+                ratio.p50_ratio,
+                ratio.p99_ratio
+            );
+        }
+    }
+    let throughput: Vec<&ThroughputResult> = results
+        .iter()
+        .filter_map(|r| match r {
+            BenchResult::Throughput(x) => Some(x),
+            _ => None,
+        })
+        .collect();
+    if !throughput.is_empty() {
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        let _ = writeln!(
+            out,
+            "{:<24} {:>6} {:>7} {:>6} {:>10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9}",
+            "throughput (ADD+GET)",
+            "conns",
+            "threads",
+            "secs",
+            "ops",
+            "ops/s",
+            "mean µs",
+            "p50 µs",
+            "p99 µs",
+            "p99.9 µs",
+            "max µs"
+        );
+        for r in throughput {
+            let _ = writeln!(
+                out,
+                "{:<24} {:>6} {:>7} {:>6.1} {:>10} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>9.1} {:>9.1}",
+                r.target,
+                r.conns,
+                r.client_threads,
+                r.seconds,
+                r.ops,
+                r.ops_per_s,
+                r.latency.mean_us,
+                r.latency.p50_us,
+                r.latency.p99_us,
+                r.latency.p999_us,
+                r.latency.max_us
+            );
+        }
+    }
+    for r in results {
+        if let BenchResult::Storm(s) = r {
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            let _ = writeln!(
+                out,
+                "storm of {} ranks on {}: {} in {:.3} s",
+                s.ranks,
+                s.target,
+                if s.succeeded() {
+                    "all released"
+                } else {
+                    "FAILED"
+                },
+                s.seconds
+            );
+            let connected = s
+                .all_connected_seconds
+                .map_or_else(|| "never".to_string(), |t| format!("{t:.3} s"));
+            let counter = s
+                .counter
+                .map_or_else(|| "unreadable".to_string(), |c| c.to_string());
+            let _ = writeln!(
+                out,
+                "  all connected: {connected}; released {}/{}; failed {}; connect retries {}",
+                s.released, s.ranks, s.failed, s.connect_retries
+            );
+            let _ = writeln!(
+                out,
+                "  release time p50 {:.3} s, p99 {:.3} s; counter {counter} ({})",
+                s.release_p50_seconds,
+                s.release_p99_seconds,
+                if s.counter_ok { "exact" } else { "WRONG" }
+            );
+            if let Some(error) = &s.first_error {
+                let _ = writeln!(out, "  first error: {error}");
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(p50: f64) -> LatencySummary {
+        LatencySummary {
+            mean_us: p50,
+            p50_us: p50,
+            p90_us: p50 * 2.0,
+            p99_us: p50 * 3.0,
+            p999_us: p50 * 4.0,
+            max_us: p50 * 5.0,
+        }
+    }
+
+    #[test]
+    fn summary_converts_nanoseconds_to_microseconds() {
+        let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+        for ns in 1..=1000u64 {
+            h.record(ns * 1000).unwrap();
+        }
+        let s = LatencySummary::from_ns(&h);
+        assert!((s.p50_us - 500.0).abs() < 1.0, "{s:?}");
+        assert!((s.p99_us - 990.0).abs() < 1.0, "{s:?}");
+        assert!((s.max_us - 1000.0).abs() < 1.0, "{s:?}");
+        assert!((s.mean_us - 500.5).abs() < 1.0, "{s:?}");
+        let empty = Histogram::<u64>::new(3).unwrap();
+        assert_eq!(LatencySummary::from_ns(&empty).p99_us, 0.0);
+    }
+
+    #[test]
+    fn json_has_mode_and_units_in_field_names() {
+        let results = [
+            BenchResult::Throughput(ThroughputResult {
+                target: "rdzv".into(),
+                conns: 64,
+                client_threads: 1,
+                seconds: 2.0,
+                ops: 1000,
+                ops_per_s: 500.0,
+                latency: summary(10.0),
+            }),
+            BenchResult::Storm(StormResult {
+                target: "rdzv".into(),
+                ranks: 4,
+                seconds: 0.5,
+                all_connected_seconds: Some(0.1),
+                released: 4,
+                failed: 0,
+                connect_retries: 0,
+                counter: Some(4),
+                counter_ok: true,
+                release_p50_seconds: 0.4,
+                release_p99_seconds: 0.5,
+                first_error: None,
+            }),
+        ];
+        let text = to_json_lines(&results).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["mode"], "throughput");
+        assert_eq!(lines[0]["ops_per_s"], 500.0);
+        assert_eq!(lines[0]["p99_us"], 30.0);
+        assert_eq!(lines[0]["conns"], 64);
+        assert_eq!(lines[1]["mode"], "storm");
+        assert_eq!(lines[1]["seconds"], 0.5);
+        assert_eq!(lines[1]["counter"], 4);
+    }
+
+    #[test]
+    fn table_shows_each_kind_and_flags_failures() {
+        let rt = RoundTripResult {
+            target: "rdzv".into(),
+            op: "ADD",
+            request_bytes: 36,
+            reply_bytes: 8,
+            samples: 100,
+            seconds: 1.0,
+            ops_per_s: 100.0,
+            latency: summary(12.5),
+        };
+        let results = [
+            BenchResult::Latency(rt.clone()),
+            BenchResult::Baseline(RoundTripResult {
+                target: "raw-loopback".into(),
+                op: "ping-pong",
+                ..rt
+            }),
+            BenchResult::LatencyRatio(RoundTripRatio {
+                target: "rdzv".into(),
+                store_p50_us: 12.5,
+                raw_p50_us: 10.0,
+                p50_ratio: 1.25,
+                store_p99_us: 30.0,
+                raw_p99_us: 20.0,
+                p99_ratio: 1.5,
+            }),
+            BenchResult::Storm(StormResult {
+                target: "rdzv".into(),
+                ranks: 4,
+                seconds: 9.0,
+                all_connected_seconds: None,
+                released: 3,
+                failed: 1,
+                connect_retries: 2,
+                counter: Some(3),
+                counter_ok: false,
+                release_p50_seconds: 0.4,
+                release_p99_seconds: 0.5,
+                first_error: Some("rank 2: reset".into()),
+            }),
+        ];
+        let table = to_table(&results);
+        assert!(table.contains("36/8"), "{table}");
+        assert!(table.contains("raw-loopback"), "{table}");
+        assert!(table.contains("1.25×"), "{table}");
+        assert!(table.contains("FAILED"), "{table}");
+        assert!(table.contains("released 3/4"), "{table}");
+        assert!(table.contains("first error: rank 2: reset"), "{table}");
+    }
+}
