@@ -10,11 +10,12 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 4] = [
+const TARGETS: [(&str, Check); 5] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
     ("codec_response", fuzzing::codec_response),
+    ("rpc_frame", fuzzing::rpc_frame),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

@@ -7,8 +7,12 @@
 
 mod codec;
 mod query;
+#[cfg(feature = "alloc")]
+mod rpc_frame;
 mod url;
 
 pub use codec::{codec_request, codec_response};
 pub use query::query;
+#[cfg(feature = "alloc")]
+pub use rpc_frame::rpc_frame;
 pub use url::url;
