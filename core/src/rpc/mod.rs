@@ -16,4 +16,6 @@
 
 pub mod frame;
 pub mod name;
+pub mod shutdown;
 pub mod store_keys;
+pub mod timeouts;
