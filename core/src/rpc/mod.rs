@@ -14,7 +14,9 @@
 //! The runtime (`rdzv-uring`) owns sockets, the store client, clocks and threads: it moves
 //! bytes and keeps time, and asks these modules what to do.
 
+pub mod backend;
 pub mod frame;
+pub mod metrics;
 pub mod name;
 pub mod shutdown;
 pub mod store_keys;

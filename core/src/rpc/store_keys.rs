@@ -352,7 +352,7 @@ pub struct DuplicateWorkerId {
     /// The name already registered under it.
     pub existing: RejectedInput,
     /// The name that tried to register.
-    pub name: RejectedInput,
+    pub name: String,
 }
 
 impl fmt::Display for DuplicateWorkerId {
@@ -379,7 +379,7 @@ pub fn check_rank_claim(me: &WorkerInfo, returned: &[u8]) -> Result<(), Duplicat
         Err(DuplicateWorkerId {
             id: me.id(),
             existing: RejectedInput::new(&String::from_utf8_lossy(returned)),
-            name: RejectedInput::new(me.name()),
+            name: String::from(me.name()),
         })
     }
 }

@@ -897,8 +897,12 @@ fn decode_with<'a>(
 
     // Check every descriptor that has fully arrived.
     while progress.checked < header.tensor_count {
-        let start = HEADER_LEN + progress.checked as usize * DESCRIPTOR_LEN;
-        let Some(chunk) = buf.get(start..start + DESCRIPTOR_LEN) else {
+        let Some(chunk) = usize::try_from(progress.checked)
+            .ok()
+            .and_then(|i| i.checked_mul(DESCRIPTOR_LEN))
+            .and_then(|offset| offset.checked_add(HEADER_LEN))
+            .and_then(|start| buf.get(start..start.checked_add(DESCRIPTOR_LEN)?))
+        else {
             break;
         };
         let bytes: &[u8; DESCRIPTOR_LEN] = chunk.try_into().map_err(|_| FrameError::BadMagic)?;

@@ -320,6 +320,8 @@ fn a_byte_at_a_time_through_the_resuming_decoder() {
     decoder.reset();
 }
 
+type HeaderEdit = fn(&mut [u8; HEADER_LEN]);
+
 fn header_bytes(edit: impl FnOnce(&mut [u8; HEADER_LEN])) -> [u8; HEADER_LEN] {
     let mut head = Header {
         kind: FrameKind::Request,
@@ -340,7 +342,7 @@ fn bad_headers_are_rejected_early() {
     assert_eq!(decode_frame(b"GET ", &limits), Err(FrameError::BadMagic));
     assert_eq!(decode_frame(b"X", &limits), Err(FrameError::BadMagic));
     assert_eq!(decode_frame(b"RZ", &limits), Ok(Decoded::Partial(38)));
-    let cases: [(fn(&mut [u8; HEADER_LEN]), FrameError); 6] = [
+    let cases: [(HeaderEdit, FrameError); 6] = [
         (|h| h[4] = 2, FrameError::UnsupportedVersion { version: 2 }),
         (|h| h[5] = 0, FrameError::UnknownKind { byte: 0 }),
         (|h| h[5] = 6, FrameError::UnknownKind { byte: 6 }),
