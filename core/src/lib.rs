@@ -15,6 +15,7 @@
 //! | [`device_map`] | device-map validation, reverse maps and device lists (alloc) |
 //! | [`negotiate`] | which transport and channels two peers use |
 //! | [`store`] | the TCPStore wire codec and the store state machine |
+//! | [`rpc`] | the RPC agent's names, store layout, frames, timeouts, shutdown protocol and metrics (alloc) |
 #![no_std]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -33,5 +34,7 @@ pub mod fuzzing;
 pub mod negotiate;
 pub mod query;
 pub mod rendezvous;
+#[cfg(feature = "alloc")]
+pub mod rpc;
 pub mod store;
 pub mod url;

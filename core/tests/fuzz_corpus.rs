@@ -10,12 +10,13 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 5] = [
+const TARGETS: [(&str, Check); 6] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
     ("codec_response", fuzzing::codec_response),
     ("file_log", fuzzing::file_log),
+    ("rpc_frame", fuzzing::rpc_frame),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

@@ -8,9 +8,13 @@
 mod codec;
 mod file_log;
 mod query;
+#[cfg(feature = "alloc")]
+mod rpc_frame;
 mod url;
 
 pub use codec::{codec_request, codec_response};
 pub use file_log::file_log;
 pub use query::query;
+#[cfg(feature = "alloc")]
+pub use rpc_frame::rpc_frame;
 pub use url::url;

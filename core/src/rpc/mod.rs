@@ -1,0 +1,23 @@
+//! The pure foundation of the RPC agent (PyTorch's TensorPipe agent): every decision and
+//! every wire format, with no I/O.
+//!
+//! | module | decides |
+//! |---|---|
+//! | [`name`] | which worker names and ids are valid; [`WorkerInfo`](name::WorkerInfo) |
+//! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
+//! | [`frame`] | the frame format on one pipe, and the handshake inside it |
+//! | [`timeouts`] | which call times out next (`rpc_timeout`) |
+//! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
+//! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
+//! | [`backend`] | the RPC backend registry (`register_backend`) |
+//!
+//! The runtime (`rdzv-uring`) owns sockets, the store client, clocks and threads: it moves
+//! bytes and keeps time, and asks these modules what to do.
+
+pub mod backend;
+pub mod frame;
+pub mod metrics;
+pub mod name;
+pub mod shutdown;
+pub mod store_keys;
+pub mod timeouts;
