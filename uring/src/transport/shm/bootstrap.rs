@@ -134,9 +134,12 @@ impl Hello {
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Hello, ShmError> {
         let bad = |detail: String| ShmError::Handshake { detail };
-        let bytes: &[u8; HELLO_LEN] = bytes
-            .try_into()
-            .map_err(|_| bad(format!("hello of {} bytes, expected {HELLO_LEN}", bytes.len())))?;
+        let bytes: &[u8; HELLO_LEN] = bytes.try_into().map_err(|_| {
+            bad(format!(
+                "hello of {} bytes, expected {HELLO_LEN}",
+                bytes.len()
+            ))
+        })?;
         if bytes[..8] != HELLO_MAGIC {
             return Err(bad("peer is not an rdzv shm endpoint (bad magic)".into()));
         }
@@ -246,11 +249,11 @@ pub(crate) fn recv_hello(socket: &OwnedFd) -> Result<(Hello, [OwnedFd; HELLO_FDS
         });
     }
     let hello = Hello::decode(bytes.get(..received.bytes).unwrap_or(&[]))?;
-    let fds: [OwnedFd; HELLO_FDS] = fds.try_into().map_err(|fds: Vec<OwnedFd>| {
-        ShmError::Handshake {
-            detail: format!("peer passed {} fds, expected {HELLO_FDS}", fds.len()),
-        }
-    })?;
+    let fds: [OwnedFd; HELLO_FDS] =
+        fds.try_into()
+            .map_err(|fds: Vec<OwnedFd>| ShmError::Handshake {
+                detail: format!("peer passed {} fds, expected {HELLO_FDS}", fds.len()),
+            })?;
     Ok((hello, fds))
 }
 

@@ -58,7 +58,7 @@ use rustix::net::{
 };
 
 use super::bootstrap::{self, retry, Hello, ShmAddr};
-use super::ring::{next_fragment, Consumer, Producer, RECORD_HEADER};
+use super::ring::{next_fragment, Consumer, Producer, TakenInto, RECORD_HEADER};
 use super::segment::{valid_capacity, Segment};
 use super::viability::HostIdentity;
 use super::ShmError;
@@ -303,7 +303,12 @@ impl ShmSender {
                 }
             };
             let last = sent + n == total;
-            self.push(message.get(sent..sent + n).unwrap_or(&[]), sent == 0, last, total)?;
+            self.push(
+                message.get(sent..sent + n).unwrap_or(&[]),
+                sent == 0,
+                last,
+                total,
+            )?;
             sent += n;
             if last {
                 return Ok(());
@@ -402,7 +407,13 @@ impl ShmSender {
         Ok(next_fragment(free, remaining, self.producer.capacity()))
     }
 
-    fn push(&mut self, fragment: &[u8], first: bool, last: bool, total: usize) -> Result<(), ShmError> {
+    fn push(
+        &mut self,
+        fragment: &[u8],
+        first: bool,
+        last: bool,
+        total: usize,
+    ) -> Result<(), ShmError> {
         self.producer
             .push_record(fragment, first, last, total as u64);
         if self.producer.consumer_needs_wake() {
@@ -541,8 +552,8 @@ impl ShmReceiver {
             };
         }
         match self.receive(None, &mut |c| c.take_message_into(buf))? {
-            Ok(n) => Ok(n),
-            Err((needed, kept)) => {
+            TakenInto::Copied(n) => Ok(n),
+            TakenInto::TooSmall { needed, kept } => {
                 self.stash = kept;
                 Err(ShmError::BufferTooSmall { needed, available })
             }
@@ -732,8 +743,7 @@ fn new_socket() -> Result<OwnedFd, ShmError> {
 }
 
 fn new_eventfd() -> Result<OwnedFd, ShmError> {
-    eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-        .map_err(ShmError::syscall("eventfd"))
+    eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(ShmError::syscall("eventfd"))
 }
 
 /// Runs the bootstrap exchange on a connected socket (same steps on both sides).
@@ -892,8 +902,7 @@ fn wait(event: &OwnedFd, control: &OwnedFd, deadline: Option<Instant>) -> Result
                 Ok((0, _)) => return Ok(Woken::ControlClosed),
                 Ok(_) => {
                     return Err(ShmError::Corrupted {
-                        detail: "peer sent data on the control socket after the handshake"
-                            .into(),
+                        detail: "peer sent data on the control socket after the handshake".into(),
                     })
                 }
                 Err(Errno::AGAIN | Errno::INTR)

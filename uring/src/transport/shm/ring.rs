@@ -163,7 +163,12 @@ impl Producer {
 
     /// Whether the consumer dropped its receiving half.
     pub(crate) fn consumer_closed(&self) -> bool {
-        self.segment.header().consumer_closed.0.load(Ordering::Acquire) != 0
+        self.segment
+            .header()
+            .consumer_closed
+            .0
+            .load(Ordering::Acquire)
+            != 0
     }
 
     /// Tells the consumer no more records will come (after the last one published).
@@ -188,6 +193,20 @@ struct Record {
     first: bool,
     last: bool,
     total: usize,
+}
+
+/// What [`Consumer::take_message_into`] did with a complete message.
+#[derive(Debug)]
+pub(crate) enum TakenInto {
+    /// Copied into the buffer; this many bytes.
+    Copied(usize),
+    /// The message needs `needed` bytes, more than the buffer has. A single-record
+    /// message is left in the ring (`kept` is `None`); a reassembled one is handed back
+    /// for the caller to keep.
+    TooSmall {
+        needed: usize,
+        kept: Option<Vec<u8>>,
+    },
 }
 
 /// The reading side of a ring (our inbox).
@@ -239,32 +258,36 @@ impl Consumer {
     }
 
     /// Like [`Consumer::take_message`], but copies a single-record message straight into
-    /// `buf`. `Ok(Err(n))` when the message is complete but needs `n` bytes, more than
-    /// `buf` has: a single-record message is then left in the ring; a reassembled one is
-    /// returned in the `Vec` alternative for the caller to keep.
+    /// `buf`.
     pub(crate) fn take_message_into(
         &mut self,
         buf: &mut [u8],
-    ) -> Result<Option<Result<usize, (usize, Option<Vec<u8>>)>>, ShmError> {
+    ) -> Result<Option<TakenInto>, ShmError> {
         loop {
             let Some(record) = self.next_record()? else {
                 return Ok(None);
             };
             if record.first && record.last {
                 let Some(out) = buf.get_mut(..record.len) else {
-                    return Ok(Some(Err((record.len, None))));
+                    return Ok(Some(TakenInto::TooSmall {
+                        needed: record.len,
+                        kept: None,
+                    }));
                 };
                 self.read_payload(out);
                 self.consume(record.len);
-                return Ok(Some(Ok(record.len)));
+                return Ok(Some(TakenInto::Copied(record.len)));
             }
             if let Some(message) = self.take_fragment(&record)? {
                 return Ok(Some(match buf.get_mut(..message.len()) {
                     Some(out) => {
                         out.copy_from_slice(&message);
-                        Ok(message.len())
+                        TakenInto::Copied(message.len())
                     }
-                    None => Err((message.len(), Some(message))),
+                    None => TakenInto::TooSmall {
+                        needed: message.len(),
+                        kept: Some(message),
+                    },
                 }));
             }
         }
@@ -300,7 +323,12 @@ impl Consumer {
     /// Whether the producer dropped its sending half. Records it published before stay
     /// readable; check the ring again after seeing this.
     pub(crate) fn producer_closed(&self) -> bool {
-        self.segment.header().producer_closed.0.load(Ordering::Acquire) != 0
+        self.segment
+            .header()
+            .producer_closed
+            .0
+            .load(Ordering::Acquire)
+            != 0
     }
 
     /// Tells the producer we will read no more.
@@ -344,7 +372,9 @@ impl Consumer {
                 )));
             }
             (None, false) => {
-                return Err(corrupted("continuation fragment without a first one".into()));
+                return Err(corrupted(
+                    "continuation fragment without a first one".into(),
+                ));
             }
         };
         let have = partial.bytes.len();
@@ -520,7 +550,10 @@ mod tests {
         let exact = pattern(MIN_CAPACITY - RECORD_HEADER, 7);
         assert!(push(&mut p, &exact));
         assert_eq!(p.free().unwrap(), 0);
-        assert!(!push(&mut p, b""), "a full ring takes not even an empty record");
+        assert!(
+            !push(&mut p, b""),
+            "a full ring takes not even an empty record"
+        );
         assert_eq!(c.take_message().unwrap(), Some(exact));
         assert_eq!(p.free().unwrap(), MIN_CAPACITY);
         // Small messages wait instead of being cut.
@@ -566,12 +599,15 @@ mod tests {
         let mut small = [0u8; 4];
         assert!(matches!(
             c.take_message_into(&mut small).unwrap(),
-            Some(Err((11, None)))
+            Some(TakenInto::TooSmall {
+                needed: 11,
+                kept: None
+            })
         ));
         let mut buf = [0u8; 64];
         assert!(matches!(
             c.take_message_into(&mut buf).unwrap(),
-            Some(Ok(11))
+            Some(TakenInto::Copied(11))
         ));
         assert_eq!(&buf[..11], b"hello world");
     }
@@ -591,10 +627,7 @@ mod tests {
         // Large message, too little room for a worthwhile fragment: wait.
         assert_eq!(next_fragment(cap / 16, cap / 2, cap), None);
         // Larger than the ring: fragments of the free space.
-        assert_eq!(
-            next_fragment(cap, 3 * cap, cap),
-            Some(cap - RECORD_HEADER)
-        );
+        assert_eq!(next_fragment(cap, 3 * cap, cap), Some(cap - RECORD_HEADER));
         // Exact fit of the largest single record.
         assert_eq!(
             next_fragment(cap, cap - RECORD_HEADER, cap),
@@ -610,20 +643,11 @@ mod tests {
             .head
             .0
             .store(MIN_CAPACITY as u64 + 8, Ordering::Release);
-        assert!(matches!(
-            c.take_message(),
-            Err(ShmError::Corrupted { .. })
-        ));
+        assert!(matches!(c.take_message(), Err(ShmError::Corrupted { .. })));
         p.segment.header().head.0.store(u64::MAX, Ordering::Release);
-        assert!(matches!(
-            c.take_message(),
-            Err(ShmError::Corrupted { .. })
-        ));
+        assert!(matches!(c.take_message(), Err(ShmError::Corrupted { .. })));
         p.segment.header().head.0.store(8, Ordering::Release);
-        assert!(matches!(
-            c.take_message(),
-            Err(ShmError::Corrupted { .. })
-        ));
+        assert!(matches!(c.take_message(), Err(ShmError::Corrupted { .. })));
     }
 
     #[test]
@@ -682,10 +706,7 @@ mod tests {
         let mut p = Producer::new(Segment::open(&fd, MIN_CAPACITY as u64).unwrap()).unwrap();
         let mut c = Consumer::new(mine, 10);
         assert!(push(&mut p, &[1; 11]));
-        assert!(matches!(
-            c.take_message(),
-            Err(ShmError::Corrupted { .. })
-        ));
+        assert!(matches!(c.take_message(), Err(ShmError::Corrupted { .. })));
     }
 
     #[test]

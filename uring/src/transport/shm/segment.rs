@@ -75,9 +75,7 @@ const _: () = assert!(std::mem::align_of::<RingHeader>() <= HEADER_LEN);
 
 /// Whether `capacity` is a size a ring may have.
 pub(crate) fn valid_capacity(capacity: u64) -> bool {
-    capacity.is_power_of_two()
-        && capacity >= MIN_CAPACITY as u64
-        && capacity <= MAX_CAPACITY as u64
+    capacity.is_power_of_two() && capacity >= MIN_CAPACITY as u64 && capacity <= MAX_CAPACITY as u64
 }
 
 /// A mapped ring segment. Unmapped on drop.
@@ -165,7 +163,7 @@ impl Segment {
             || header.capacity.0.load(Ordering::Relaxed) != capacity as u64
         {
             return Err(bad(
-                "peer's ring segment header does not match the handshake".into()
+                "peer's ring segment header does not match the handshake".into(),
             ));
         }
         Ok(segment)
@@ -202,11 +200,7 @@ impl Segment {
             // bytes, so the peer writing them concurrently changes what we copy, never the
             // validity of a reference.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.data_ptr().add(offset),
-                    out.as_mut_ptr(),
-                    n,
-                );
+                std::ptr::copy_nonoverlapping(self.data_ptr().add(offset), out.as_mut_ptr(), n);
             }
             done += n;
             pos = pos.wrapping_add(n as u64);

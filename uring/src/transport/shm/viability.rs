@@ -39,8 +39,8 @@ pub struct HostIdentity {
 impl HostIdentity {
     /// Reads the identity of the host and namespace this process runs in.
     pub fn current() -> Result<HostIdentity, NotViable> {
-        let raw = std::fs::read_to_string(BOOT_ID_PATH)
-            .map_err(|source| NotViable::BootId { source })?;
+        let raw =
+            std::fs::read_to_string(BOOT_ID_PATH).map_err(|source| NotViable::BootId { source })?;
         let boot_id = raw.trim();
         if !valid_boot_id(boot_id) {
             return Err(NotViable::MalformedBootId {
