@@ -425,7 +425,8 @@ impl ShmSender {
     /// Blocks until a fragment of the `remaining` bytes can be written.
     fn wait_for_room(&mut self, remaining: usize) -> Result<(), ShmError> {
         if !self.spin.is_zero() {
-            let until = Instant::now() + self.spin;
+            // No end (spin until something happens) if the spin time overflows.
+            let until = Instant::now().checked_add(self.spin);
             loop {
                 for _ in 0..SPIN_BATCH {
                     spin_loop();
@@ -433,7 +434,9 @@ impl ShmSender {
                 if self.fragment(remaining)?.is_some() {
                     return Ok(());
                 }
-                if self.producer.consumer_closed() || Instant::now() >= until {
+                if self.producer.consumer_closed()
+                    || until.is_some_and(|until| Instant::now() >= until)
+                {
                     break;
                 }
             }
@@ -656,7 +659,8 @@ impl ShmReceiver {
             return Ok(value);
         }
         if !self.spin.is_zero() {
-            let until = Instant::now() + self.spin;
+            // No end (spin until something happens) if the spin time overflows.
+            let until = Instant::now().checked_add(self.spin);
             'spin: loop {
                 for _ in 0..SPIN_BATCH {
                     if self.consumer.has_data() {
@@ -669,7 +673,7 @@ impl ShmReceiver {
                 }
                 let now = Instant::now();
                 if self.consumer.producer_closed()
-                    || now >= until
+                    || until.is_some_and(|until| now >= until)
                     || deadline.is_some_and(|d| now >= d)
                 {
                     break;

@@ -2,25 +2,25 @@
 //! shared-memory rings, TensorPipe's design (`reference/tensorpipe.md` §2.2) with a
 //! wake-up scheme that does not burn a core.
 //!
-//! - **Segments** ([`segment`]): each side creates its *inbox*, a sealed memfd (2 MiB of
+//! - **Segments** (`segment`): each side creates its *inbox*, a sealed memfd (2 MiB of
 //!   ring by default) with a header page of atomics, and maps the peer's inbox as its
 //!   outbox. The only `unsafe` code of the transport lives there.
-//! - **Ring** ([`ring`]): a single-producer single-consumer ring of length-prefixed
+//! - **Ring** (`ring`): a single-producer single-consumer ring of length-prefixed
 //!   records that wrap; messages larger than the ring are cut into fragments and
 //!   reassembled. Everything read from shared memory is untrusted and bounds-checked: a
 //!   buggy or hostile peer gets [`ShmError::Corrupted`], never an out-of-bounds access.
-//! - **Bootstrap** ([`bootstrap`]): a UNIX `SOCK_SEQPACKET` socket (abstract name or
+//! - **Bootstrap** (`bootstrap`): a UNIX `SOCK_SEQPACKET` socket (abstract name or
 //!   path) carries one hello per side with the memfd and two eventfds (`SCM_RIGHTS`),
 //!   then a verdict. Afterwards the socket is kept only to see the peer die.
-//! - **Connection** ([`connection`]): blocking `send` / `recv` / `recv_into`, non-blocking
+//! - **Connection** (`connection`): blocking `send` / `recv` / `recv_into`, non-blocking
 //!   `try_send` / `try_recv`. A waiting side spins briefly, then announces that it sleeps
 //!   and waits on its eventfd and the socket; the other side signals only when that
 //!   announcement is up, so a busy pair makes no syscall per message.
-//! - **Viability** ([`viability`]): boot id plus network namespace, and a test
+//! - **Viability** (`viability`): boot id plus network namespace, and a test
 //!   allocation; the domain descriptor `shm:<boot_id>_<netns>` for
 //!   `rdzv_core::negotiate`.
 //!
-//! ```no_run
+//! ```
 //! use rdzv_uring::transport::shm::{ShmAddr, ShmConnection, ShmListener, ShmOptions};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
