@@ -7,11 +7,13 @@
 //!   prefix and hash stores.
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
 //!   `file://` and registered schemes, driven by the core's plans.
+//! - [`transport`]: byte-message transports for the RPC agent (`shm`).
 #![warn(missing_docs)]
 
 pub mod rendezvous;
 pub mod server;
 pub mod store;
+pub mod transport;
 
 pub use server::{ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};
