@@ -193,21 +193,44 @@ fn file_common_errors() {
 }
 
 #[test]
-fn file_store_is_not_in_this_build() {
-    // Nothing is created: the plan is made, then the store is refused.
-    let url = "file:///tmp/rdzv-rendezvous-test/store";
-    let result = rendezvous_with(
-        url,
-        given(Some(0), Some(1)),
-        &EmptyEnv,
-        &options(TEN_SECONDS),
-    );
-    match result {
-        Err(RendezvousError::Unsupported(message)) => {
-            assert!(
-                message.starts_with("file:// rendezvous needs FileStore"),
-                "{message}"
-            )
+fn file_nominal() {
+    // RendezvousFileTest.test_nominal: two ranks share one store file.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("store");
+    let url = format!("file://{}?world_size=2", path.display());
+    let r0 = rdzv_env(&format!("{url}&rank=0"), &EmptyEnv).expect("rank 0");
+    let r1 = rdzv_env(&format!("{url}&rank=1"), &EmptyEnv).expect("rank 1");
+    assert_eq!((r0.rank, r0.world_size), (0, Some(2)));
+    assert_eq!((r1.rank, r1.world_size), (1, Some(2)));
+    match &r0
+        .plan
+        .as_ref()
+        .expect("bundled handlers make a plan")
+        .store
+    {
+        StorePlan::File(plan) => assert_eq!(plan.path, path.display().to_string()),
+        other => panic!("{other:?}"),
+    }
+    r0.store.set("key0", b"value0").expect("set");
+    assert_eq!(r1.store.get("key0").expect("get"), b"value0");
+    r1.store.set("key1", b"value1").expect("set");
+    assert_eq!(r0.store.get("key1").expect("get"), b"value1");
+    assert!(path.exists());
+    // A fixed-size store's file goes with its last handle.
+    drop(r0);
+    drop(r1);
+    assert!(!path.exists(), "the last handle removes {}", path.display());
+}
+
+#[test]
+fn file_store_open_failure_names_rank_and_path() {
+    // A directory where the store file should be: opening it fails, and says where.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = format!("file://{}?rank=1&world_size=2", dir.path().display());
+    match rdzv_env(&url, &EmptyEnv) {
+        Err(e @ RendezvousError::FileStore { rank: 1, .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(&dir.path().display().to_string()), "{text}");
         }
         other => panic!("{other:?}"),
     }

@@ -31,6 +31,7 @@ use rdzv_core::rendezvous::{
 use rdzv_core::store::codec::Limits;
 use rdzv_core::url::RendezvousUrl;
 
+use crate::store::file::FileStore;
 use crate::store::tcp::{TcpStore, TcpStoreOptions};
 use crate::store::{Store, StoreError};
 
@@ -210,6 +211,17 @@ pub enum RendezvousError {
         #[source]
         source: StoreError,
     },
+    /// The planned file store could not be opened.
+    #[error("rank {rank}: opening the file store {path} failed: {source}")]
+    FileStore {
+        /// This process's rank.
+        rank: u32,
+        /// The store file, as the URL names it.
+        path: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
     /// The planned store is not available in this build.
     #[error("{0}")]
     Unsupported(String),
@@ -382,12 +394,12 @@ fn finish(plan: RendezvousPlan, env: &dyn Env) -> Result<Rendezvous, RendezvousE
 /// for the agent-store escape hatch (see [`open_tcp_store`]).
 ///
 /// # Errors
-/// See [`open_tcp_store`]; [`RendezvousError::Unsupported`] for a file store in a build
-/// without `FileStore`, or a store kind this version does not know.
+/// See [`open_tcp_store`]; [`RendezvousError::FileStore`] when the store file cannot be
+/// opened; [`RendezvousError::Unsupported`] for a store kind this version does not know.
 pub fn open_store(plan: &RendezvousPlan, env: &dyn Env) -> Result<Arc<dyn Store>, RendezvousError> {
     match &plan.store {
         StorePlan::Tcp(tcp) => open_tcp_store(tcp, plan.rank, env),
-        StorePlan::File(file) => open_file_store(file),
+        StorePlan::File(file) => open_file_store(file, plan.rank),
         other => Err(RendezvousError::Unsupported(format!(
             "this build of rdzv cannot build the store {other:?}"
         ))),
@@ -484,14 +496,15 @@ fn cvar_bool(value: &str) -> bool {
 }
 
 /// The `file://` store.
-fn open_file_store(plan: &FileStorePlan) -> Result<Arc<dyn Store>, RendezvousError> {
-    Err(RendezvousError::Unsupported(format!(
-        "file:// rendezvous needs FileStore, which this build of rdzv does not include \
-         (path {}, world size {})",
-        plan.path,
-        plan.world_size
-            .map_or_else(|| "not fixed".to_string(), |n| n.to_string())
-    )))
+fn open_file_store(plan: &FileStorePlan, rank: u32) -> Result<Arc<dyn Store>, RendezvousError> {
+    // `_file_rendezvous_handler`: `FileStore(path, world_size)` with the default timeout.
+    FileStore::new(&plan.path, plan.world_size)
+        .map(|store| Arc::new(store) as Arc<dyn Store>)
+        .map_err(|source| RendezvousError::FileStore {
+            rank,
+            path: plan.path.clone(),
+            source,
+        })
 }
 
 #[cfg(test)]
