@@ -596,15 +596,21 @@ mod tests {
     }
 
     #[test]
-    fn file_store_is_reported_unsupported() {
-        let plan = plan_file("file:///tmp/rdzv-store?rank=0&world_size=2").expect("plan");
-        let error = open_store(&plan, &MapEnv::new(&[]))
-            .map(|_| "built".to_string())
-            .unwrap_or_else(|e| e.to_string());
+    fn file_plan_opens_a_file_store() {
+        let dir = std::env::temp_dir().join(format!("rdzv-rdv-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("store");
+        let url = format!("file://{}?rank=0&world_size=1", path.display());
+        let plan = plan_file(&url).expect("plan");
+        let store = open_store(&plan, &MapEnv::new(&[])).expect("file store");
+        store.set("k", b"v").expect("set");
+        assert_eq!(store.get("k").expect("get"), b"v");
+        assert!(path.exists());
+        drop(store);
         assert!(
-            error.starts_with("file:// rendezvous needs FileStore"),
-            "{error}"
+            !path.exists(),
+            "world_size=1: the only handle removes the file"
         );
-        assert!(error.contains("/tmp/rdzv-store"), "{error}");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }
