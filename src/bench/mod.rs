@@ -18,6 +18,7 @@
 //! theirs and the formatting is `report`'s.
 
 mod conn;
+mod cpu;
 mod latency;
 mod plot;
 mod report;
@@ -100,6 +101,11 @@ enum Mode {
         /// Draw throughput and p99 against the connection count into this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// The server's process id: its CPU time over the window is reported as
+        /// `server_cpu_us_per_op` (Linux `/proc`). With `--addr`, the bench's own CPU is
+        /// reported as `client_cpu_us_per_op` either way.
+        #[arg(long)]
+        server_pid: Option<u32>,
         /// Seconds every connection may take to be accepted and answer a PING before
         /// the run starts (a slowly accepting server needs long: PyTorch's takes about
         /// 10 connections per second once hundreds are queued).
@@ -188,6 +194,9 @@ pub enum BenchError {
     /// The server closed a connection in the middle of the load.
     #[error("the server closed the connection")]
     ServerClosed,
+    /// CPU accounting (`--server-pid`) could not read a process's CPU time.
+    #[error("cannot measure CPU time: {0}")]
+    CpuTime(String),
     /// Not every connection was ready in time.
     #[error("only {ready} of {wanted} connections were ready after {seconds:.1} s")]
     SetupTimeout {
@@ -389,6 +398,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
             warmup_secs,
             client_threads,
             plot,
+            server_pid,
             setup_timeout_secs,
         } => {
             let measure = seconds(secs, "--secs")?;
@@ -415,6 +425,8 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                     measure,
                     key_prefix: key_prefix("throughput"),
                     setup_timeout,
+                    client_cpu: target.embedded.is_none(),
+                    server_pid,
                 };
                 let outcome = throughput::run(&plan, &bar)?;
                 bar.finish_and_clear();
@@ -426,6 +438,12 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                     ops: outcome.ops,
                     ops_per_s: per_second(outcome.ops, outcome.seconds),
                     latency: LatencySummary::from_ns(&outcome.latency_ns),
+                    client_cpu_us_per_op: outcome
+                        .client_cpu
+                        .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
+                    server_cpu_us_per_op: outcome
+                        .server_cpu
+                        .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
                 };
                 if !json && conns.len() > 1 && std::io::stderr().is_terminal() {
                     // Show each row as it completes on long lists.

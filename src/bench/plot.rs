@@ -128,6 +128,8 @@ mod tests {
             seconds: 1.0,
             ops: ops as u64,
             ops_per_s: ops,
+            client_cpu_us_per_op: None,
+            server_cpu_us_per_op: None,
             latency: LatencySummary {
                 mean_us: p99 / 3.0,
                 p50_us: p99 / 3.0,

@@ -112,6 +112,13 @@ pub struct ThroughputResult {
     /// Per-operation latency percentiles.
     #[serde(flatten)]
     pub latency: LatencySummary,
+    /// CPU time of the load generator per operation (only with `--addr`, where the
+    /// bench process holds no server), microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_cpu_us_per_op: Option<f64>,
+    /// CPU time of the server process (`--server-pid`) per operation, microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server_cpu_us_per_op: Option<f64>,
 }
 
 /// A rendezvous storm (`storm` mode).
@@ -258,7 +265,7 @@ pub fn to_table(results: &[BenchResult]) -> String {
             "p99.9 µs",
             "max µs"
         );
-        for r in throughput {
+        for r in &throughput {
             let _ = writeln!(
                 out,
                 "{:<24} {:>6} {:>7} {:>6.1} {:>10} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>9.1} {:>9.1}",
@@ -274,6 +281,18 @@ pub fn to_table(results: &[BenchResult]) -> String {
                 r.latency.p999_us,
                 r.latency.max_us
             );
+        }
+        let us = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
+        for r in throughput {
+            if r.client_cpu_us_per_op.is_some() || r.server_cpu_us_per_op.is_some() {
+                let _ = writeln!(
+                    out,
+                    "  {} conns: CPU per op: client {} µs, server {} µs",
+                    r.conns,
+                    us(r.client_cpu_us_per_op),
+                    us(r.server_cpu_us_per_op)
+                );
+            }
         }
     }
     for r in results {
@@ -360,6 +379,8 @@ mod tests {
                 ops: 1000,
                 ops_per_s: 500.0,
                 latency: summary(10.0),
+                client_cpu_us_per_op: Some(4.5),
+                server_cpu_us_per_op: None,
             }),
             BenchResult::Storm(StormResult {
                 target: "rdzv".into(),
@@ -386,6 +407,8 @@ mod tests {
         assert_eq!(lines[0]["ops_per_s"], 500.0);
         assert_eq!(lines[0]["p99_us"], 30.0);
         assert_eq!(lines[0]["conns"], 64);
+        assert_eq!(lines[0]["client_cpu_us_per_op"], 4.5);
+        assert!(lines[0].get("server_cpu_us_per_op").is_none());
         assert_eq!(lines[1]["mode"], "storm");
         assert_eq!(lines[1]["seconds"], 0.5);
         assert_eq!(lines[1]["counter"], 4);

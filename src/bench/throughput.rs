@@ -22,6 +22,7 @@ use rdzv_core::store::codec::Limits;
 use rdzv_core::store::{Request, VALIDATION_MAGIC};
 
 use super::conn::{Fill, Reply, StoreConn};
+use super::cpu;
 use super::{new_histogram, BenchError};
 
 /// What one throughput run does.
@@ -41,6 +42,11 @@ pub struct ThroughputPlan {
     pub key_prefix: String,
     /// How long connecting every connection may take.
     pub setup_timeout: Duration,
+    /// Measure this process's CPU time over the window (meaningful when it holds no
+    /// server).
+    pub client_cpu: bool,
+    /// Measure this server process's CPU time over the window.
+    pub server_pid: Option<u32>,
 }
 
 /// What one throughput run measured.
@@ -56,6 +62,10 @@ pub struct ThroughputOutcome {
     pub ops: u64,
     /// Latency of each of those operations, nanoseconds.
     pub latency_ns: Histogram<u64>,
+    /// This process's CPU time over the window, when asked for.
+    pub client_cpu: Option<Duration>,
+    /// The server's CPU time over the window, when asked for.
+    pub server_cpu: Option<Duration>,
 }
 
 /// Connects `plan.conns` connections, runs the load, and returns what was measured.
@@ -78,7 +88,17 @@ pub fn run(plan: &ThroughputPlan, progress: &ProgressBar) -> Result<ThroughputOu
     let window_start = start + plan.warmup;
     let end = window_start + plan.measure;
     progress.set_length(duration_ms(plan.warmup + plan.measure));
+    let sampled = std::sync::Mutex::new(None);
     let results: Vec<Result<(u64, Histogram<u64>), BenchError>> = std::thread::scope(|scope| {
+        if plan.client_cpu || plan.server_pid.is_some() {
+            let sampled = &sampled;
+            scope.spawn(move || {
+                let outcome = sample_cpu(plan.client_cpu, plan.server_pid, window_start, end);
+                if let Ok(mut slot) = sampled.lock() {
+                    *slot = Some(outcome);
+                }
+            });
+        }
         let handles: Vec<_> = shares
             .into_iter()
             .enumerate()
@@ -105,13 +125,52 @@ pub fn run(plan: &ThroughputPlan, progress: &ProgressBar) -> Result<ThroughputOu
             .add(&histogram)
             .map_err(|e| BenchError::Histogram(format!("{e:?}")))?;
     }
+    let (client_cpu, server_cpu) = match sampled.into_inner().ok().flatten() {
+        Some(outcome) => outcome?,
+        None => (None, None),
+    };
     Ok(ThroughputOutcome {
         conns,
         threads,
         seconds: plan.measure.as_secs_f64(),
         ops,
         latency_ns,
+        client_cpu,
+        server_cpu,
     })
+}
+
+/// CPU time of this process and of the server over `[window_start, end)`, read at the
+/// window's edges (the load threads take their own timestamps from the same instants).
+fn sample_cpu(
+    client: bool,
+    server_pid: Option<u32>,
+    window_start: Instant,
+    end: Instant,
+) -> Result<(Option<Duration>, Option<Duration>), BenchError> {
+    let read = |process| cpu::cpu_time(process).map_err(BenchError::CpuTime);
+    let sample = || -> Result<(Option<Duration>, Option<Duration>), BenchError> {
+        let own = if client {
+            Some(read(cpu::Process::Current)?)
+        } else {
+            None
+        };
+        let server = server_pid
+            .map(|pid| read(cpu::Process::Pid(pid)))
+            .transpose()?;
+        Ok((own, server))
+    };
+    std::thread::sleep(window_start.saturating_duration_since(Instant::now()));
+    let (own_before, server_before) = sample()?;
+    std::thread::sleep(end.saturating_duration_since(Instant::now()));
+    let (own_after, server_after) = sample()?;
+    let delta = |before: Option<Duration>, after: Option<Duration>| {
+        before.zip(after).map(|(b, a)| a.saturating_sub(b))
+    };
+    Ok((
+        delta(own_before, own_after),
+        delta(server_before, server_after),
+    ))
 }
 
 fn duration_ms(d: Duration) -> u64 {
@@ -397,8 +456,17 @@ mod tests {
             measure: Duration::from_millis(200),
             key_prefix: "/bench-test/throughput".into(),
             setup_timeout: Duration::from_secs(10),
+            client_cpu: true,
+            // The server runs in this process: its CPU is this process's.
+            server_pid: Some(std::process::id()),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
+        let (own, server_cpu) = (outcome.client_cpu.unwrap(), outcome.server_cpu.unwrap());
+        // The same process, read at the same instants (a tick apart at most).
+        assert!(
+            own.abs_diff(server_cpu) <= Duration::from_millis(20),
+            "{own:?} vs {server_cpu:?}"
+        );
         assert_eq!(outcome.conns, 8);
         assert_eq!(outcome.threads, 2);
         assert!(outcome.ops > 0, "no operation completed in 200 ms");

@@ -50,6 +50,11 @@ pub struct ServerOptions {
     pub multi_tenant: bool,
     /// How long shutdown waits for connections to flush their replies.
     pub drain_timeout: Duration,
+    /// How long an idle executor keeps polling its rings before it sleeps in the kernel
+    /// (glommio's `spin_before_park`). Spinning saves the syscalls of going to sleep and
+    /// waking up when requests arrive back to back, and costs CPU only while the server
+    /// is busy or was within this window; `None` sleeps at once.
+    pub spin_before_park: Option<Duration>,
 }
 
 impl Default for ServerOptions {
@@ -62,6 +67,7 @@ impl Default for ServerOptions {
             limits: Limits::default(),
             multi_tenant: false,
             drain_timeout: Duration::from_secs(5),
+            spin_before_park: None,
         }
     }
 }
@@ -217,6 +223,7 @@ impl StoreServer {
             let fd = socket.into_raw_fd();
             let limits = options.limits;
             let drain = options.drain_timeout;
+            let spin_before_park = options.spin_before_park;
             let placement = if options.pin {
                 Placement::Fixed(index % cpus)
             } else {
@@ -240,10 +247,13 @@ impl StoreServer {
             let spawned = std::thread::Builder::new()
                 .name(name.clone())
                 .spawn(move || {
-                    let built = LocalExecutorBuilder::new(placement)
+                    let mut builder = LocalExecutorBuilder::new(placement)
                         .name(&name)
-                        .io_memory(1 << 20)
-                        .make();
+                        .io_memory(1 << 20);
+                    if let Some(spin) = spin_before_park {
+                        builder = builder.spin_before_park(spin);
+                    }
+                    let built = builder.make();
                     let executor = match built {
                         Ok(ex) => ex,
                         Err(e) => {
