@@ -15,7 +15,7 @@ the ratios (always rdzv / PyTorch), and whether the issue's goals are met:
 The PyTorch interpreter is $PYTHON (default `python3`). When `import torch` fails there,
 the script says so and exits 0: nothing in CI depends on torch.
 
-Usage: benches/compare_pytorch.py [--rdzv target/release/rdzv] [--rounds 3] [--secs 2]
+Usage: benches/compare_pytorch.py [--rdzv target/release/rdzv] [--rounds 3] [--secs 2] [--serve-args "..."]
        [--conns 1,64,512] [--storm-ranks 50] [--our-storm-ranks 4096] [--json-out F]
        [--check-goals]
 """
@@ -116,6 +116,7 @@ def parse_bare_port(line):
 
 
 FAILURES = []
+CORES = os.cpu_count() or 1
 
 
 def bench(rdzv, server, label, mode_args, timeout):
@@ -157,6 +158,8 @@ def main():
     parser.add_argument("--secs", type=float, default=2.0, help="seconds per measurement")
     parser.add_argument("--conns", default="64,512")
     parser.add_argument("--client-threads", type=int, default=1)
+    parser.add_argument("--serve-args", default="",
+                        help="extra arguments for `rdzv store serve`, e.g. \"--spin-us 100\"")
     parser.add_argument("--storm-ranks", default="50", help="storms run against both")
     parser.add_argument("--our-storm-ranks", default="4096", help="storms run against rdzv only")
     parser.add_argument("--storm-timeout", type=float, default=120.0)
@@ -187,8 +190,8 @@ def main():
     log(f"PyTorch {version} ({python}); rdzv {args.rdzv}; {args.rounds} rounds")
     servers = []
     try:
-        ours = Server("rdzv", [args.rdzv, "store", "serve", "--host", "127.0.0.1", "--port", "0"],
-                      parse_rdzv_port)
+        ours = Server("rdzv", [args.rdzv, "store", "serve", "--host", "127.0.0.1", "--port", "0"]
+                      + args.serve_args.split(), parse_rdzv_port)
         servers.append(ours)
         theirs = Server("pytorch", [python, "-c", PYTORCH_SERVER], parse_bare_port)
         servers.append(theirs)
@@ -206,6 +209,7 @@ def main():
                     raw += bench(args.rdzv, server, label,
                                  ["throughput", "--conns", str(n), "--secs", secs,
                                   "--client-threads", str(args.client_threads),
+                                  "--server-pid", str(server.proc.pid),
                                   "--setup-timeout-secs", str(args.setup_timeout)],
                                  per_run_timeout + args.setup_timeout)
                 for n in storm_ranks:
@@ -267,6 +271,20 @@ def main():
               + (f"  >= 3x {'met' if ops_met else 'MISSED'}" if n in (64, 512) else ""))
         print(f"{f'{n} conns p99 (µs)':<34} {fmt(o_p99):>12} {fmt(p_p99):>12} {fmt(p99_ratio, 2):>7}x"
               + (f"  <= 0.33x {'met' if p99_met else 'MISSED'}" if n in (64, 512) else ""))
+        for field, what in (("server_cpu_us_per_op", "server CPU µs/op"),
+                            ("client_cpu_us_per_op", "client CPU µs/op")):
+            o_cpu = median([r[field] for r in o if r.get(field) is not None])
+            p_cpu = median([r[field] for r in p if r.get(field) is not None])
+            print(f"{f'{n} conns {what}':<34} {fmt(o_cpu, 1):>12} {fmt(p_cpu, 1):>12} "
+                  f"{fmt(o_cpu / p_cpu if o_cpu and p_cpu else None, 2):>7}x")
+        # The client shares the machine's cores with the server: even a server that
+        # cost nothing could not go beyond cores / (client CPU per op).
+        client_cpu = median([r["client_cpu_us_per_op"] for r in o + p
+                             if r.get("client_cpu_us_per_op")])
+        if client_cpu and p_ops:
+            ceiling = CORES * 1e6 / client_cpu
+            print(f"{f'{n} conns ceiling, free server':<34} {fmt(ceiling):>12} {'':>12} "
+                  f"{fmt(ceiling / p_ops, 2):>7}x  ({CORES} cores / client CPU per op)")
 
     for n in sorted(set(storm_ranks + our_storm_ranks)):
         o = pick("storm", "rdzv", ranks=n)
