@@ -17,7 +17,7 @@ the script says so and exits 0: nothing in CI depends on torch.
 
 Usage: benches/compare_pytorch.py [--rdzv target/release/rdzv] [--rounds 3] [--secs 2] [--serve-args "..."]
        [--conns 1,64,512] [--storm-ranks 50] [--our-storm-ranks 4096] [--json-out F]
-       [--check-goals]
+       [--check-goals] [--plot FILE.svg]
 """
 
 import argparse
@@ -167,6 +167,8 @@ def main():
                         help="seconds a throughput run may spend connecting (PyTorch's server "
                              "accepts about 10 connections/s once hundreds are queued)")
     parser.add_argument("--json-out", help="write every raw result here")
+    parser.add_argument("--plot", help="draw the medians' throughput and p99 against the "
+                        "connection count, rdzv next to PyTorch, into this SVG file")
     parser.add_argument("--check-goals", action="store_true", help="exit 1 if a goal is missed")
     args = parser.parse_args()
 
@@ -285,6 +287,25 @@ def main():
             ceiling = CORES * 1e6 / client_cpu
             print(f"{f'{n} conns ceiling, free server':<34} {fmt(ceiling):>12} {'':>12} "
                   f"{fmt(ceiling / p_ops, 2):>7}x  ({CORES} cores / client CPU per op)")
+
+    if args.plot:
+        # One median point per (target, connection count), drawn by `rdzv bench plot`.
+        fields = ("ops_per_s", "mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us")
+        points = []
+        for target in ("rdzv", "pytorch"):
+            for n in conns:
+                runs = pick("throughput", target, conns=n)
+                if not runs:
+                    continue
+                point = dict(runs[0], target=f"{target} ({'PyTorch ' + version if target == 'pytorch' else 'glommio'})")
+                for field in fields:
+                    point[field] = median([r[field] for r in runs])
+                points.append(point)
+        medians = Path(args.plot).with_suffix(".medians.jsonl")
+        medians.write_text("".join(json.dumps(p) + "\n" for p in points))
+        done = subprocess.run([args.rdzv, "bench", "plot", "--input", str(medians),
+                               "--out", args.plot], capture_output=True, text=True)
+        log(done.stderr.strip() or f"rdzv bench plot exited with {done.returncode}")
 
     for n in sorted(set(storm_ranks + our_storm_ranks)):
         o = pick("storm", "rdzv", ranks=n)

@@ -49,6 +49,17 @@ pub enum BenchCommand {
     /// Measure a TCPStore server (rdzv's embedded one, or any at --addr): latency,
     /// throughput, connection storms, and a raw TCP baseline.
     Store(StoreBenchArgs),
+    /// Draw throughput and p99 against the connection count from `--json` output, one
+    /// line per target (`benches/compare_pytorch.py --plot` uses it for rdzv next to
+    /// PyTorch).
+    Plot {
+        /// JSON lines as `rdzv bench store --json` prints them (`-` for stdin).
+        #[arg(long)]
+        input: PathBuf,
+        /// The SVG file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// Options of `rdzv bench store`.
@@ -243,6 +254,23 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 pub fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
     match command {
         BenchCommand::Store(args) => store(args),
+        BenchCommand::Plot { input, out } => {
+            let text = if input.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin())
+            } else {
+                std::fs::read_to_string(&input)
+            }
+            .map_err(|e| format!("cannot read {}: {e}", input.display()))?;
+            let results = report::throughput_from_json_lines(&text)
+                .map_err(|e| format!("{}: {e}", input.display()))?;
+            plot::throughput_svg(&out, &results)?;
+            eprintln!(
+                "plot of {} throughput results written to {}",
+                results.len(),
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

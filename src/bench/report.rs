@@ -9,10 +9,10 @@
 use std::fmt::Write as _;
 
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Percentiles of a latency histogram recorded in nanoseconds, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LatencySummary {
     /// Mean.
     pub mean_us: f64,
@@ -95,7 +95,7 @@ pub struct RoundTripRatio {
 }
 
 /// Many connections doing `ADD` + `GET` (`throughput` mode).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ThroughputResult {
     /// The store.
     pub target: String,
@@ -114,10 +114,10 @@ pub struct ThroughputResult {
     pub latency: LatencySummary,
     /// CPU time of the load generator per operation (only with `--addr`, where the
     /// bench process holds no server), microseconds.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_cpu_us_per_op: Option<f64>,
     /// CPU time of the server process (`--server-pid`) per operation, microseconds.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_cpu_us_per_op: Option<f64>,
 }
 
@@ -464,5 +464,70 @@ mod tests {
         assert!(table.contains("FAILED"), "{table}");
         assert!(table.contains("released 3/4"), "{table}");
         assert!(table.contains("first error: rank 2: reset"), "{table}");
+    }
+}
+
+/// The throughput results among JSON lines as `--json` prints them (other modes and
+/// blank lines are skipped), for `rdzv bench plot`.
+///
+/// # Errors
+/// The line number and what is wrong with a line that is not JSON, or a `throughput`
+/// object that lacks a field.
+pub fn throughput_from_json_lines(text: &str) -> Result<Vec<ThroughputResult>, String> {
+    let mut out = Vec::new();
+    for (index, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("line {}: {e}", index + 1))?;
+        if value.get("mode").and_then(|m| m.as_str()) != Some("throughput") {
+            continue;
+        }
+        out.push(
+            serde_json::from_value(value)
+                .map_err(|e| format!("line {}: not a throughput result: {e}", index + 1))?,
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod json_lines_tests {
+    use super::*;
+
+    #[test]
+    fn reads_back_what_json_prints() {
+        let original = ThroughputResult {
+            target: "rdzv".into(),
+            conns: 64,
+            client_threads: 1,
+            seconds: 2.0,
+            ops: 1000,
+            ops_per_s: 500.0,
+            latency: LatencySummary {
+                mean_us: 1.0,
+                p50_us: 2.0,
+                p90_us: 3.0,
+                p99_us: 4.0,
+                p999_us: 5.0,
+                max_us: 6.0,
+            },
+            client_cpu_us_per_op: Some(9.5),
+            server_cpu_us_per_op: None,
+        };
+        let text = to_json_lines(&[BenchResult::Throughput(original.clone())]).unwrap();
+        let storm = r#"{"mode":"storm","target":"x","ranks":4}"#;
+        let all = format!("{storm}\n\n{text}");
+        assert_eq!(throughput_from_json_lines(&all).unwrap(), vec![original]);
+    }
+
+    #[test]
+    fn says_which_line_is_bad() {
+        let err = throughput_from_json_lines("{}\nnot json").unwrap_err();
+        assert!(err.starts_with("line 2:"), "{err}");
+        let err = throughput_from_json_lines(r#"{"mode":"throughput","conns":1}"#).unwrap_err();
+        assert!(err.contains("not a throughput result"), "{err}");
     }
 }
