@@ -79,6 +79,10 @@ enum StoreOp {
         /// once). Saves the sleep/wake-up syscalls between back-to-back requests.
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
+        /// Event loop of a one-thread server: `io-uring` (one system call per batch of
+        /// requests) or `glommio`. More threads always use glommio.
+        #[arg(long, default_value = "io-uring")]
+        backend: rdzv_uring::Backend,
     },
     /// Set KEY to VALUE.
     Set { key: String, value: String },
@@ -138,9 +142,10 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
         threads,
         pin,
         spin_us,
+        backend,
     } = args.op
     {
-        return serve(host, port, threads, pin, spin_us);
+        return serve(host, port, threads, pin, spin_us, backend);
     }
     let addr = args
         .addr
@@ -217,6 +222,7 @@ fn serve(
     threads: usize,
     pin: bool,
     spin_us: u64,
+    backend: rdzv_uring::Backend,
 ) -> Result<ExitCode, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     if threads == 0 {
@@ -230,6 +236,7 @@ fn serve(
         threads,
         pin,
         spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
+        backend,
         ..ServerOptions::default()
     })?;
     println!("listening on {}", server.local_addr());

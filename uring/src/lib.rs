@@ -15,5 +15,5 @@ pub mod server;
 pub mod store;
 pub mod transport;
 
-pub use server::{ServerOptions, ServerStats, StoreServer};
+pub use server::{Backend, ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};

@@ -23,6 +23,7 @@ use rdzv_core::store::codec::{self, Decoded, Limits};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{ConnId, WaitResponse};
 
+use super::session::{self, ReadBuf};
 use super::StatsCells;
 
 /// Connection ids carry their executor in the top bits.
@@ -133,8 +134,8 @@ impl Owner {
     }
 }
 
-/// Serves every complete request at the start of `pending`, encoding replies into `out`.
-/// Returns how many bytes it consumed and whether the connection must be closed.
+/// Serves every complete request at the start of `pending` through the owner's engine,
+/// encoding replies into `out` (see [`session::serve_frames`]).
 fn serve_buffered(
     owner: &Owner,
     id: ConnId,
@@ -142,44 +143,18 @@ fn serve_buffered(
     pending: &[u8],
     out: &mut Vec<u8>,
 ) -> (usize, bool) {
-    let mut used = 0;
     let mut engine = owner.engine.borrow_mut();
-    while used < pending.len() {
-        let request = match codec::decode_request(&pending[used..], &owner.limits) {
-            Ok(Decoded::Complete(request, n)) => {
-                used += n;
-                request
-            }
-            Ok(Decoded::Partial(_)) => break,
-            Err(error) => {
-                tracing::warn!(%peer, %error, "closing store connection: bad request");
-                return (used, true);
-            }
-        };
-        match engine.handle_request(id, request) {
-            Ok(outcome) => {
-                // Own wake-ups first, then the reply (the engine's polling order).
-                for _ in 0..outcome.own_wakeups {
-                    out.push(WaitResponse::StopWaiting as u8);
-                }
-                if let Some(response) = outcome.reply {
-                    if let Err(error) = response.encode_into(out) {
-                        // Only an inconsistent QUEUE_POP reply fails to encode, and the
-                        // engine never makes one. Close rather than send garbage.
-                        tracing::error!(%peer, %error, "cannot encode a reply");
-                        return (used, true);
-                    }
-                }
-            }
-            Err(close) => {
-                tracing::warn!(%peer, reason = %close, "closing store connection");
-                return (used, true);
-            }
-        }
-        owner.route_wakeups(&mut engine, id, out);
-    }
+    let served = session::serve_frames(
+        &mut engine,
+        &owner.limits,
+        id,
+        &peer,
+        pending,
+        out,
+        |engine, out| owner.route_wakeups(engine, id, out),
+    );
     owner.publish(&engine);
-    (used, false)
+    served
 }
 
 /// Accepts until `stop` is set. Polls the flag every 50 ms, so that shutdown needs no
@@ -399,51 +374,6 @@ pub(super) async fn serve_remote(
 enum Event {
     Read(std::io::Result<usize>),
     Msg(Option<ConnMsg>),
-}
-
-/// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
-struct ReadBuf {
-    buf: Vec<u8>,
-    start: usize,
-    filled: usize,
-}
-
-impl ReadBuf {
-    fn new() -> Self {
-        ReadBuf {
-            buf: vec![0; 4096],
-            start: 0,
-            filled: 0,
-        }
-    }
-
-    fn pending(&self) -> &[u8] {
-        &self.buf[self.start..self.filled]
-    }
-
-    /// Makes room after `consumed` bytes were used: compacts, or grows when one request
-    /// is larger than the buffer. Growth follows the bytes that really arrived (the
-    /// decoder already checked the claimed lengths against the limits).
-    fn consume(&mut self, consumed: usize) {
-        self.start += consumed;
-        if self.start == self.filled {
-            self.start = 0;
-            self.filled = 0;
-        } else if self.filled == self.buf.len() {
-            if self.start > 0 {
-                self.buf.copy_within(self.start..self.filled, 0);
-                self.filled -= self.start;
-                self.start = 0;
-            } else {
-                let bigger = self.buf.len().saturating_mul(2);
-                self.buf.resize(bigger, 0);
-            }
-        }
-    }
-
-    fn spare(&mut self) -> &mut [u8] {
-        &mut self.buf[self.filled..]
-    }
 }
 
 fn peer_of(stream: &TcpStream) -> String {

@@ -1,0 +1,141 @@
+//! What one store connection does with the bytes it reads, whatever runtime moves them:
+//! a read buffer that grows only with bytes that really arrived, and the loop that cuts
+//! whole requests out of it, runs them through the engine and encodes the replies.
+//!
+//! Both server back-ends (`conn`, on glommio tasks, and `direct`, one io_uring loop)
+//! call these; neither decides what a request means, and this module does no I/O.
+
+use std::fmt::Display;
+
+use rdzv_core::store::codec::{self, Decoded, Limits};
+use rdzv_core::store::engine::Engine;
+use rdzv_core::store::{ConnId, WaitResponse};
+
+/// Serves every complete request at the start of `pending`, encoding replies into `out`.
+/// After each request `route_wakeups` hands out the wake-ups the engine owes (its own go
+/// into `out`). Returns how many bytes it consumed and whether the connection must be
+/// closed (bad input, or the engine refused it).
+pub(super) fn serve_frames(
+    engine: &mut Engine,
+    limits: &Limits,
+    id: ConnId,
+    peer: &dyn Display,
+    pending: &[u8],
+    out: &mut Vec<u8>,
+    mut route_wakeups: impl FnMut(&mut Engine, &mut Vec<u8>),
+) -> (usize, bool) {
+    let mut used = 0;
+    while used < pending.len() {
+        let request = match codec::decode_request(&pending[used..], limits) {
+            Ok(Decoded::Complete(request, n)) => {
+                used += n;
+                request
+            }
+            Ok(Decoded::Partial(_)) => break,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "closing store connection: bad request");
+                return (used, true);
+            }
+        };
+        match engine.handle_request(id, request) {
+            Ok(outcome) => {
+                // Own wake-ups first, then the reply (the engine's polling order).
+                for _ in 0..outcome.own_wakeups {
+                    out.push(WaitResponse::StopWaiting as u8);
+                }
+                if let Some(response) = outcome.reply {
+                    if let Err(error) = response.encode_into(out) {
+                        // Only an inconsistent QUEUE_POP reply fails to encode, and the
+                        // engine never makes one. Close rather than send garbage.
+                        tracing::error!(%peer, %error, "cannot encode a reply");
+                        return (used, true);
+                    }
+                }
+            }
+            Err(close) => {
+                tracing::warn!(%peer, reason = %close, "closing store connection");
+                return (used, true);
+            }
+        }
+        route_wakeups(engine, out);
+    }
+    (used, false)
+}
+
+/// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
+pub(super) struct ReadBuf {
+    buf: Vec<u8>,
+    start: usize,
+    /// End of the bytes read so far.
+    pub(super) filled: usize,
+}
+
+impl ReadBuf {
+    pub(super) fn new() -> Self {
+        ReadBuf {
+            buf: vec![0; 4096],
+            start: 0,
+            filled: 0,
+        }
+    }
+
+    pub(super) fn pending(&self) -> &[u8] {
+        &self.buf[self.start..self.filled]
+    }
+
+    /// Makes room after `consumed` bytes were used: compacts, or grows when one request
+    /// is larger than the buffer. Growth follows the bytes that really arrived (the
+    /// decoder already checked the claimed lengths against the limits).
+    pub(super) fn consume(&mut self, consumed: usize) {
+        self.start += consumed;
+        if self.start == self.filled {
+            self.start = 0;
+            self.filled = 0;
+        } else if self.filled == self.buf.len() {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.filled, 0);
+                self.filled -= self.start;
+                self.start = 0;
+            } else {
+                let bigger = self.buf.len().saturating_mul(2);
+                self.buf.resize(bigger, 0);
+            }
+        }
+    }
+
+    pub(super) fn spare(&mut self) -> &mut [u8] {
+        &mut self.buf[self.filled..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_only_for_a_request_larger_than_the_buffer() {
+        let mut input = ReadBuf::new();
+        let size = input.spare().len();
+        input.filled = size;
+        input.consume(0);
+        assert_eq!(
+            input.spare().len(),
+            size,
+            "a full buffer with nothing used doubles"
+        );
+        input.consume(size);
+        assert!(input.pending().is_empty());
+        assert_eq!(input.spare().len(), 2 * size);
+    }
+
+    #[test]
+    fn compacts_unconsumed_bytes_to_the_front() {
+        let mut input = ReadBuf::new();
+        let size = input.spare().len();
+        input.spare()[size - 3..].copy_from_slice(b"abc");
+        input.filled = size;
+        input.consume(size - 3);
+        assert_eq!(input.pending(), b"abc");
+        assert_eq!(input.spare().len(), size - 3);
+    }
+}
