@@ -14,8 +14,11 @@
 
 pub mod config;
 pub mod discover;
+pub mod ring;
 pub mod select;
 pub mod topology;
+pub mod wc_status;
+pub mod wire;
 
 use std::fmt;
 use std::io;
