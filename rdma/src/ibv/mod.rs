@@ -12,6 +12,7 @@
 //! [`config`] parses the user's choice, [`topology`] describes what the host has,
 //! [`select`] picks (pure), and [`discover`] fills the description from libibverbs.
 
+pub mod channel;
 pub mod config;
 pub mod discover;
 pub mod ring;
