@@ -6,10 +6,11 @@
 mod verbs_env;
 
 use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel};
+use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, ZERO_COPY_THRESHOLD};
 use rdzv_rdma::ibv::wc_status::{WC_RETRY_EXC_ERR, WC_WR_FLUSH_ERR};
 use rdzv_rdma::ibv::IbvSelection;
 
@@ -203,7 +204,9 @@ fn queue_pair_forced_to_error_fails_pending_work() {
         options,
         move |mut a| {
             a.send(b"before").unwrap();
-            a.flush(LONG).unwrap();
+            // "ready" comes after the peer's credit ack for "before" (RC keeps order), so
+            // nothing of the peer's is in flight when this side aborts.
+            assert_eq!(a.recv_timeout(LONG).unwrap(), b"ready");
             a.abort().unwrap();
             // Pending receives are flushed: recv fails at once and names the status.
             let err = a.recv_timeout(LONG).unwrap_err();
@@ -214,6 +217,8 @@ fn queue_pair_forced_to_error_fails_pending_work() {
         },
         move |mut b| {
             assert_eq!(b.recv_timeout(LONG).unwrap(), b"before");
+            b.send(b"ready").unwrap();
+            b.flush(LONG).unwrap();
             // Give the peer time to abort, then write into its dead queue pair.
             thread::sleep(Duration::from_millis(300));
             b.send(b"into the void").unwrap();
@@ -231,4 +236,81 @@ fn queue_pair_forced_to_error_fails_pending_work() {
     };
     assert_eq!(b_fail.operation, "RDMA write with immediate");
     assert_eq!(b_fail.status, WC_RETRY_EXC_ERR, "{b_err}");
+}
+
+#[test]
+fn large_messages_go_zero_copy_and_stay_owned_until_read() {
+    let Some(sel) = verbs_env::selection_or_skip("large_messages_go_zero_copy") else {
+        return;
+    };
+    let options = ChannelOptions {
+        ring_len: 4096,
+        ..ChannelOptions::default()
+    };
+    // Above the threshold, above the ring but below the threshold, odd sizes, and one
+    // buffer sent twice (a registration cache hit).
+    let sizes = [ZERO_COPY_THRESHOLD, 8192, 100_003, (1 << 20) + 3, 2 << 20];
+    let expected: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(n, &len)| pattern(n, len))
+        .chain(std::iter::once(pattern(2, sizes[2])))
+        .collect();
+    let to_check = expected.clone();
+    let (cached, received) = pair(
+        &sel,
+        options,
+        move |mut a| {
+            let buffers: Vec<Arc<Vec<u8>>> = expected.into_iter().map(Arc::new).collect();
+            // The receiver is not reading yet: the channel must hold the buffers.
+            for buf in buffers.iter().take(sizes.len()) {
+                a.send_buffer(Arc::clone(buf)).unwrap();
+            }
+            assert_eq!(a.large_in_flight(), sizes.len());
+            // Same allocation again: served from the registration cache.
+            a.send_buffer(Arc::clone(&buffers[2])).unwrap();
+            assert_eq!(a.cached_registrations(), sizes.len());
+            // The caller gives up its handles; the channel still owns the memory.
+            drop(buffers);
+            a.flush(LONG).unwrap();
+            assert_eq!(a.large_in_flight(), 0);
+            a.cached_registrations()
+        },
+        move |mut b| {
+            thread::sleep(Duration::from_millis(200));
+            let mut received = 0;
+            for (n, want) in to_check.iter().enumerate() {
+                let got = b.recv_timeout(LONG).unwrap();
+                assert_eq!(got.len(), want.len(), "message {n}");
+                assert!(got == *want, "message {n} ({} bytes) differs", want.len());
+                received += 1;
+            }
+            received
+        },
+    );
+    assert_eq!(cached, sizes.len());
+    assert_eq!(received, sizes.len() + 1);
+}
+
+#[test]
+fn receiver_refuses_an_oversized_zero_copy_message() {
+    let Some(sel) = verbs_env::selection_or_skip("receiver_refuses_oversized") else {
+        return;
+    };
+    let options = ChannelOptions {
+        max_large_message: 1 << 20,
+        ..ChannelOptions::default()
+    };
+    let (_, err) = pair(
+        &sel,
+        options,
+        |mut a| {
+            a.send_buffer(Arc::new(vec![7u8; 2 << 20])).unwrap();
+        },
+        |mut b| b.recv_timeout(LONG).unwrap_err(),
+    );
+    assert!(
+        matches!(err, ChannelError::BadDescriptor { len, max, .. } if len == 2 << 20 && max == 1 << 20),
+        "{err}"
+    );
 }

@@ -24,8 +24,16 @@
 //! sends copy the caller's bytes into the work request, so no caller buffer is ever held by
 //! the device after `send` returns.
 //!
-//! Not here: large zero-copy messages (one-sided transfers of registered user buffers), a
-//! shared receive queue across peers, and reconnection.
+//! Large messages are zero-copy: [`IbvChannel::send_buffer`] takes shared ownership of the
+//! caller's buffer, registers it (through a [`RegistrationCache`] keyed by address range)
+//! and sends only a [`LargeDescriptor`] through the ring; the receiver fetches the bytes
+//! with RDMA READ straight into the `Vec` it returns, then acknowledges. The sender keeps
+//! the buffer (and its registration) until that acknowledgement, so neither side copies
+//! and no buffer is released while the device may still read or write it, even when the
+//! caller times out or drops its own handle.
+//!
+//! Not here: a shared receive queue across peers, receiving into caller-provided
+//! (pre-registered or device) memory, and reconnection.
 
 use std::alloc::{self, Layout};
 use std::collections::VecDeque;
@@ -52,16 +60,31 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 use tracing::debug;
 
+use super::regcache::RegistrationCache;
 use super::ring::{Placement, RingError, RingReceiver, RingSender};
 use super::select::IbvSelection;
 use super::topology::Mtu;
 use super::wc_status::wc_status_name;
-use super::wire::{self, ConnectionInfo, ExchangeError, MAX_24BIT};
+use super::wire::{
+    self, ConnectionInfo, ExchangeError, LargeDescriptor, MessageImm, DESCRIPTOR_LEN, MAX_24BIT,
+    MAX_RING_LEN,
+};
 
 /// Default receive ring size: 64 KiB per direction.
 pub const DEFAULT_RING_LEN: u32 = 64 * 1024;
 /// Default receive slots (messages in flight per direction).
 pub const DEFAULT_RECV_SLOTS: u32 = 64;
+/// Messages of at least this many bytes given to [`IbvChannel::send_buffer`] go zero-copy
+/// (descriptor in the ring, data by RDMA READ); smaller ones are copied through the ring.
+///
+/// 16 KiB is where, on InfiniBand and RoCE NICs, one registration-cache hit plus a READ
+/// round trip usually becomes cheaper than two memcpys (UCX and NCCL switch protocols in
+/// the 8-64 KiB range). It has not been measured on hardware here: the only verbs stack
+/// available is Soft-RoCE under TCG, whose timings say nothing about NICs. Re-measure with
+/// `rdzv bench rpc --transport ibv` on real hardware.
+pub const ZERO_COPY_THRESHOLD: usize = 16 * 1024;
+/// Registrations kept by the sender's cache.
+pub const REGISTRATION_CACHE_ENTRIES: usize = 64;
 /// Inline data requested when creating the queue pair; the device may grant less.
 pub const REQUESTED_MAX_INLINE: u32 = 256;
 
@@ -78,6 +101,8 @@ pub struct ChannelOptions {
     pub ack_timeout: u8,
     /// Transport retries before a send fails with `IBV_WC_RETRY_EXC_ERR`, 0 to 7.
     pub retry_count: u8,
+    /// Largest zero-copy message this side accepts (the receiver allocates that much).
+    pub max_large_message: u64,
 }
 
 impl Default for ChannelOptions {
@@ -88,6 +113,7 @@ impl Default for ChannelOptions {
             spin: Duration::from_micros(50),
             ack_timeout: 14,
             retry_count: 7,
+            max_large_message: 1 << 32,
         }
     }
 }
@@ -162,7 +188,17 @@ pub enum ChannelError {
     /// The peer broke the ring protocol.
     #[error("RDMA peer protocol violation")]
     Protocol(#[from] RingError),
-    /// The message is larger than the peer's ring.
+    /// The peer's large-message descriptor is malformed or too large.
+    #[error("the RDMA peer announced a large message of {len} bytes (limit {max}, descriptor {descriptor_len} bytes)")]
+    BadDescriptor {
+        /// Announced length (0 when the descriptor did not parse).
+        len: u64,
+        /// [`ChannelOptions::max_large_message`].
+        max: u64,
+        /// Ring bytes of the descriptor.
+        descriptor_len: u32,
+    },
+    /// The message is larger than the peer's ring (use [`IbvChannel::send_buffer`]).
     #[error("a {len}-byte message exceeds the RDMA ring size of {max} bytes")]
     MessageTooLarge {
         /// Message length.
@@ -187,6 +223,7 @@ pub enum ChannelError {
 const WR_RECV: u64 = 1 << 56;
 const WR_DATA: u64 = 2 << 56;
 const WR_ACK: u64 = 3 << 56;
+const WR_READ: u64 = 4 << 56;
 const WR_KIND_MASK: u64 = 0xff << 56;
 
 /// Completions taken per `ibv_poll_cq` call.
@@ -267,6 +304,33 @@ impl Drop for RingMemory {
     }
 }
 
+/// A registration of (part of) a caller's buffer, with the buffer's owner kept alive so
+/// that the address range cannot be freed or reused while registered. Field order: the
+/// region is deregistered before the owner is released.
+struct CachedRegion {
+    mr: Arc<MemoryRegion>,
+    _owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+}
+
+/// A zero-copy message sent and not yet acknowledged: its registration (and buffer) stay.
+struct LargeSend {
+    seq: u64,
+    _region: Arc<CachedRegion>,
+}
+
+/// An RDMA READ of a large message into memory the channel owns until it completes.
+struct PendingRead {
+    /// Destination; written by the device, never touched by Rust code until `done`.
+    buf: Vec<u8>,
+    /// `None` for an empty message.
+    mr: Option<Arc<MemoryRegion>>,
+    source: LargeDescriptor,
+    /// Bytes for which a READ was posted.
+    posted: u64,
+    /// READ work requests not completed yet.
+    in_flight: u32,
+}
+
 /// One connected RC queue pair with a small-message ring per direction.
 ///
 /// Field order is drop order: the queue pair goes first (the device stops touching the
@@ -280,7 +344,11 @@ pub struct IbvChannel {
     send_mr: Arc<MemoryRegion>,
     recv_ring: RingMemory,
     send_ring: RingMemory,
-    _pd: Arc<ProtectionDomain>,
+    /// Zero-copy state, after the queue pair in drop order.
+    pending_read: Option<PendingRead>,
+    large_in_flight: VecDeque<LargeSend>,
+    registrations: RegistrationCache<Arc<CachedRegion>>,
+    pd: Arc<ProtectionDomain>,
     _context: Arc<DeviceContext>,
     device: String,
     qpn: u32,
@@ -289,7 +357,12 @@ pub struct IbvChannel {
     rx: RingReceiver,
     max_inline: u32,
     max_send_wr: u32,
+    max_msg_size: u64,
+    max_large_message: u64,
     outstanding_sends: u32,
+    /// Messages sent, and messages the peer acknowledged.
+    sent_seq: u64,
+    acked_seq: u64,
     /// Immediates (lengths) of messages that arrived and were not read yet.
     arrived: VecDeque<u32>,
     /// CQ events received and not acknowledged with ibv_ack_cq_events.
@@ -350,9 +423,12 @@ impl IbvChannel {
         bootstrap: &mut S,
         options: &ChannelOptions,
     ) -> Result<Self, ChannelError> {
-        if !options.ring_len.is_power_of_two() {
+        if !options.ring_len.is_power_of_two()
+            || options.ring_len > MAX_RING_LEN
+            || (options.ring_len as usize) < DESCRIPTOR_LEN
+        {
             return Err(ChannelError::Options(
-                "ring_len must be a nonzero power of two",
+                "ring_len must be a power of two from 32 bytes to 1 GiB",
             ));
         }
         if options.recv_slots == 0 || options.recv_slots > 4096 {
@@ -454,7 +530,10 @@ impl IbvChannel {
             send_mr,
             recv_ring,
             send_ring,
-            _pd: pd,
+            pending_read: None,
+            large_in_flight: VecDeque::new(),
+            registrations: RegistrationCache::new(REGISTRATION_CACHE_ENTRIES),
+            pd,
             _context: context,
             device: dev.to_owned(),
             qpn,
@@ -474,7 +553,11 @@ impl IbvChannel {
             rx: RingReceiver::new(options.ring_len, options.recv_slots)?,
             max_inline,
             max_send_wr,
+            max_msg_size: u64::from(selection.max_msg_size.max(1)),
+            max_large_message: options.max_large_message,
             outstanding_sends: 0,
+            sent_seq: 0,
+            acked_seq: 0,
             arrived: VecDeque::new(),
             unacked_events: 0,
             armed: false,
@@ -572,20 +655,94 @@ impl IbvChannel {
         self.failure.as_ref()
     }
 
-    /// Sends one message, blocking while the peer's ring has no room for it.
+    /// Sends one message through the ring (copied), blocking while the peer's ring has no
+    /// room for it. Messages above [`max_message_len`](Self::max_message_len) need
+    /// [`send_buffer`](Self::send_buffer).
     pub fn send(&mut self, msg: &[u8]) -> Result<(), ChannelError> {
-        self.send_deadline(msg, None)
+        self.send_ring_message(msg, false, None)
     }
 
     /// [`send`](Self::send), giving up with [`ChannelError::Timeout`] when no credit comes
     /// back within `timeout`. Nothing is sent then.
     pub fn send_timeout(&mut self, msg: &[u8], timeout: Duration) -> Result<(), ChannelError> {
-        self.send_deadline(msg, Some((Instant::now() + timeout, timeout)))
+        self.send_ring_message(msg, false, Some((Instant::now() + timeout, timeout)))
     }
 
-    fn send_deadline(
+    /// Sends `buf`, zero-copy when it has at least [`ZERO_COPY_THRESHOLD`] bytes or does
+    /// not fit the ring: the buffer is registered (or found in the registration cache) and
+    /// the peer reads it with RDMA READ. The channel keeps `buf` alive and registered until
+    /// the peer acknowledges the message, whatever the caller does with its own handle.
+    /// Blocks only for ring credit, like [`send`](Self::send); [`flush`](Self::flush) waits
+    /// for the peer to have read everything.
+    pub fn send_buffer<B>(&mut self, buf: Arc<B>) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        self.send_buffer_deadline(buf, None)
+    }
+
+    /// [`send_buffer`](Self::send_buffer) with a timeout on waiting for ring credit.
+    pub fn send_buffer_timeout<B>(
+        &mut self,
+        buf: Arc<B>,
+        timeout: Duration,
+    ) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        self.send_buffer_deadline(buf, Some((Instant::now() + timeout, timeout)))
+    }
+
+    fn send_buffer_deadline<B>(
+        &mut self,
+        buf: Arc<B>,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let bytes: &[u8] = (*buf).as_ref();
+        if bytes.len() < ZERO_COPY_THRESHOLD && bytes.len() <= self.tx.ring_len() as usize {
+            return self.send_ring_message(bytes, false, deadline);
+        }
+        self.check_failed()?;
+        let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
+        let region = match self.registrations.lookup(addr, len) {
+            Some(region) => Arc::clone(region),
+            None => {
+                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
+                // SAFETY: the region is stored together with `owner`, which keeps the
+                // bytes allocated (and, being shared, unmoved) until after the region is
+                // deregistered (CachedRegion's field order). The device only reads them.
+                let mr = unsafe {
+                    self.pd
+                        .reg_mr(addr as usize, bytes.len(), AccessFlags::RemoteRead)
+                }
+                .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, other(e)))?;
+                let region = Arc::new(CachedRegion { mr, _owner: owner });
+                // Displaced registrations still used by messages in flight stay alive
+                // through their LargeSend.
+                drop(self.registrations.insert(addr, len, Arc::clone(&region)));
+                region
+            }
+        };
+        let descriptor = LargeDescriptor {
+            addr,
+            len,
+            rkey: region.mr.rkey(),
+        };
+        self.send_ring_message(&descriptor.encode(), true, deadline)?;
+        self.large_in_flight.push_back(LargeSend {
+            seq: self.sent_seq - 1,
+            _region: region,
+        });
+        Ok(())
+    }
+
+    fn send_ring_message(
         &mut self,
         msg: &[u8],
+        descriptor: bool,
         deadline: Option<(Instant, Duration)>,
     ) -> Result<(), ChannelError> {
         self.check_failed()?;
@@ -596,23 +753,32 @@ impl IbvChannel {
                 len: msg.len(),
                 max: self.tx.ring_len(),
             })?;
+        let imm = if descriptor {
+            MessageImm::Descriptor(len)
+        } else {
+            MessageImm::Inline(len)
+        };
         loop {
             // Two work requests at most, and room for the acknowledgements.
             if self.outstanding_sends + 3 <= self.max_send_wr {
                 if let Some(placement) = self.tx.reserve(len) {
-                    return self.post_message(placement, msg);
+                    self.post_message(placement, msg, imm)?;
+                    self.sent_seq += 1;
+                    return Ok(());
                 }
             }
             self.progress(deadline, "send")?;
         }
     }
 
-    /// Receives the next message, blocking until one arrives.
+    /// Receives the next message, blocking until one arrives (and, for a zero-copy
+    /// message, until its RDMA READ completed).
     pub fn recv(&mut self) -> Result<Vec<u8>, ChannelError> {
         self.recv_deadline(None)
     }
 
-    /// [`recv`](Self::recv) giving up with [`ChannelError::Timeout`] after `timeout`.
+    /// [`recv`](Self::recv) giving up with [`ChannelError::Timeout`] after `timeout`. A
+    /// zero-copy read under way continues, and the next `recv` returns its message.
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, ChannelError> {
         self.recv_deadline(Some((Instant::now() + timeout, timeout)))
     }
@@ -622,30 +788,152 @@ impl IbvChannel {
         deadline: Option<(Instant, Duration)>,
     ) -> Result<Vec<u8>, ChannelError> {
         loop {
-            if let Some(len) = self.arrived.pop_front() {
-                let placement = self.rx.accept(len)?;
-                let mut out = Vec::with_capacity(len as usize);
+            if self.pending_read.is_some() {
+                self.check_failed()?;
+                self.pump_read()?;
+                if let Some(message) = self.take_finished_read() {
+                    // Acknowledge at once: the sender holds the buffer until then.
+                    if let Some(count) = self.rx.take_ack(true) {
+                        self.post_ack(count)?;
+                    }
+                    return Ok(message);
+                }
+                self.progress(deadline, "recv")?;
+                continue;
+            }
+            if let Some(imm) = self.arrived.pop_front() {
+                let imm = MessageImm::decode(imm);
+                let placement = self.rx.accept(imm.ring_len())?;
+                let mut out = Vec::with_capacity(imm.ring_len() as usize);
                 self.recv_ring
                     .read_at(placement.first.0, placement.first.1, &mut out);
                 self.recv_ring.read_at(0, placement.wrapped, &mut out);
-                if let Some(count) = self.rx.take_ack(self.arrived.is_empty()) {
-                    self.post_ack(count)?;
+                match imm {
+                    MessageImm::Inline(_) => {
+                        if let Some(count) = self.rx.take_ack(self.arrived.is_empty()) {
+                            self.post_ack(count)?;
+                        }
+                        return Ok(out);
+                    }
+                    MessageImm::Descriptor(descriptor_len) => {
+                        let bad = |len| ChannelError::BadDescriptor {
+                            len,
+                            max: self.max_large_message,
+                            descriptor_len,
+                        };
+                        let source = LargeDescriptor::decode(&out).ok_or(bad(0))?;
+                        if source.len > self.max_large_message
+                            || usize::try_from(source.len).is_err()
+                        {
+                            return Err(bad(source.len));
+                        }
+                        self.start_read(source)?;
+                        continue;
+                    }
                 }
-                return Ok(out);
             }
             self.check_failed()?;
             self.progress(deadline, "recv")?;
         }
     }
 
-    /// Waits until every posted send has completed (reporting its failure, if any).
+    /// Waits until every posted send has completed and the peer has read every zero-copy
+    /// message (reporting the channel's failure, if any).
     pub fn flush(&mut self, timeout: Duration) -> Result<(), ChannelError> {
         let deadline = Some((Instant::now() + timeout, timeout));
-        while self.outstanding_sends > 0 {
+        while self.outstanding_sends > 0 || !self.large_in_flight.is_empty() {
             self.check_failed()?;
             self.progress(deadline, "flush")?;
         }
         self.check_failed()
+    }
+
+    /// Zero-copy messages sent and not yet read by the peer (their buffers are held).
+    pub fn large_in_flight(&self) -> usize {
+        self.large_in_flight.len()
+    }
+
+    /// Registrations held by the zero-copy send cache.
+    pub fn cached_registrations(&self) -> usize {
+        self.registrations.len()
+    }
+
+    /// Allocates and registers the destination of a zero-copy message and starts reading.
+    fn start_read(&mut self, source: LargeDescriptor) -> Result<(), ChannelError> {
+        let len = usize::try_from(source.len).map_err(|_| ChannelError::BadDescriptor {
+            len: source.len,
+            max: self.max_large_message,
+            descriptor_len: DESCRIPTOR_LEN as u32,
+        })?;
+        let mut buf = vec![0u8; len];
+        let mr = if len == 0 {
+            None
+        } else {
+            // SAFETY: `buf` moves into `pending_read` (its heap block does not move) and is
+            // only handed out after every READ into it has completed, or freed after the
+            // queue pair is destroyed (field order of IbvChannel).
+            Some(
+                unsafe {
+                    self.pd
+                        .reg_mr(buf.as_mut_ptr() as usize, len, AccessFlags::LocalWrite)
+                }
+                .map_err(|e| verb_err("ibv_reg_mr (zero-copy receive)", &self.device, other(e)))?,
+            )
+        };
+        self.pending_read = Some(PendingRead {
+            buf,
+            mr,
+            source,
+            posted: 0,
+            in_flight: 0,
+        });
+        self.pump_read()
+    }
+
+    /// Posts READs for the rest of the pending message, as far as the send queue allows.
+    fn pump_read(&mut self) -> Result<(), ChannelError> {
+        let Some(pending) = self.pending_read.as_mut() else {
+            return Ok(());
+        };
+        let Some(mr) = pending.mr.as_ref() else {
+            return Ok(());
+        };
+        let dst = mr.get_ptr() as u64;
+        while pending.posted < pending.source.len && self.outstanding_sends + 2 <= self.max_send_wr
+        {
+            let chunk = (pending.source.len - pending.posted)
+                .min(self.max_msg_size)
+                .min(1 << 30);
+            let mut guard = self.qp.start_post_send();
+            let wr = guard
+                .construct_wr(WR_READ, WorkRequestFlags::Signaled)
+                .setup_read(pending.source.rkey, pending.source.addr + pending.posted);
+            // SAFETY: the destination range lies inside `pending.buf`, registered by `mr`
+            // and owned by the channel until this READ completes.
+            unsafe { wr.setup_sge(mr.lkey(), dst + pending.posted, chunk as u32) };
+            guard
+                .post()
+                .map_err(|e| verb_err("ibv_post_send (RDMA read)", &self.device, other(e)))?;
+            pending.posted += chunk;
+            pending.in_flight += 1;
+            self.outstanding_sends += 1;
+        }
+        Ok(())
+    }
+
+    /// The pending message, once every READ into it has completed.
+    fn take_finished_read(&mut self) -> Option<Vec<u8>> {
+        let done = self
+            .pending_read
+            .as_ref()
+            .is_some_and(|p| p.in_flight == 0 && p.posted == p.source.len);
+        if !done {
+            return None;
+        }
+        let PendingRead { buf, mr, .. } = self.pending_read.take()?;
+        // Deregister before handing the memory out.
+        drop(mr);
+        Some(buf)
     }
 
     /// Moves the queue pair to the error state: pending work requests complete with
@@ -675,7 +963,12 @@ impl IbvChannel {
             .map_err(|e| verb_err("ibv_post_recv", &self.device, other(e)))
     }
 
-    fn post_message(&mut self, placement: Placement, msg: &[u8]) -> Result<(), ChannelError> {
+    fn post_message(
+        &mut self,
+        placement: Placement,
+        msg: &[u8],
+        imm: MessageImm,
+    ) -> Result<(), ChannelError> {
         let (offset, first_len) = placement.first;
         let (head, tail) = msg.split_at((first_len as usize).min(msg.len()));
         let inline = head.len().max(tail.len()) <= self.max_inline as usize;
@@ -683,7 +976,7 @@ impl IbvChannel {
             self.send_ring.write_at(offset, head);
             self.send_ring.write_at(0, tail);
         }
-        let imm = placement.len().to_be();
+        let imm = imm.encode().to_be();
         let (rkey, base) = (self.peer.ring_rkey, self.peer.ring_addr);
         let lkey = self.send_mr.lkey();
         let send_base = self.send_ring.addr();
@@ -882,6 +1175,7 @@ impl IbvChannel {
                 WR_RECV => "receive (ibv_post_recv)",
                 WR_DATA => "RDMA write with immediate",
                 WR_ACK => "send with immediate (credit ack)",
+                WR_READ => "RDMA read (zero-copy receive)",
                 _ => "unknown work request",
             };
             let failure = CompletionFailure {
@@ -895,6 +1189,11 @@ impl IbvChannel {
             let failure = self.failure.get_or_insert(failure).clone();
             return Err(ChannelError::Completion(failure));
         }
+        if kind == WR_READ {
+            if let Some(pending) = self.pending_read.as_mut() {
+                pending.in_flight = pending.in_flight.saturating_sub(1);
+            }
+        }
         if kind != WR_RECV {
             return Ok(());
         }
@@ -902,7 +1201,17 @@ impl IbvChannel {
         let imm = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
         match wc.opcode {
             rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => self.arrived.push_back(imm),
-            rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV => self.tx.acknowledge(imm)?,
+            rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV => {
+                self.tx.acknowledge(imm)?;
+                self.acked_seq += u64::from(imm);
+                while self
+                    .large_in_flight
+                    .front()
+                    .is_some_and(|large| large.seq < self.acked_seq)
+                {
+                    self.large_in_flight.pop_front();
+                }
+            }
             _ => {}
         }
         self.post_recv()

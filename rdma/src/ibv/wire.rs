@@ -8,7 +8,11 @@
 //! does no I/O beyond the caller's `Read + Write` in [`exchange`], and it decides nothing
 //! about which device or GID to use.
 //!
-//! Layout (big-endian): magic `RZIB` (4), version (1), path MTU as `ibv_mtu` (1), LID (2),
+//! It also defines what travels on the data path besides raw bytes: the 32-bit immediate of
+//! each ring message ([`MessageImm`]) and the descriptor of a large message that the
+//! receiver fetches with RDMA READ ([`LargeDescriptor`]).
+//!
+//! Connection record layout (big-endian): magic `RZIB` (4), version (1), path MTU as `ibv_mtu` (1), LID (2),
 //! QP number (4), PSN (4), GID (16), ring address (8), ring length (4), ring rkey (4),
 //! receive slots (4).
 
@@ -79,8 +83,8 @@ pub enum WireError {
         /// The value received.
         value: u32,
     },
-    /// The ring length is zero or not a power of two.
-    #[error("the peer's RDMA receive ring length {len} is not a nonzero power of two")]
+    /// The ring length is zero, not a power of two, or above [`MAX_RING_LEN`].
+    #[error("the peer's RDMA receive ring length {len} is not a power of two from 1 to 2^30")]
     RingLen {
         /// The length received.
         len: u32,
@@ -139,7 +143,7 @@ impl ConnectionInfo {
                 return Err(WireError::Not24Bit { field, value });
             }
         }
-        if !ring_len.is_power_of_two() {
+        if !ring_len.is_power_of_two() || ring_len > MAX_RING_LEN {
             return Err(WireError::RingLen { len: ring_len });
         }
         if recv_slots == 0 {
@@ -161,7 +165,7 @@ impl ConnectionInfo {
 
 /// Sequential fixed-size reads from a record of known length.
 struct Fields<'a> {
-    bytes: &'a [u8; ENCODED_LEN],
+    bytes: &'a [u8],
     at: usize,
 }
 
@@ -210,6 +214,83 @@ pub fn exchange<S: Read + Write + ?Sized>(
     let mut theirs = [0u8; ENCODED_LEN];
     stream.read_exact(&mut theirs)?;
     Ok(ConnectionInfo::decode(&theirs)?)
+}
+
+/// Largest ring length: immediates carry ring byte counts in 31 bits.
+pub const MAX_RING_LEN: u32 = 1 << 30;
+
+/// Bit of the immediate that marks a large-message descriptor.
+const IMM_DESCRIPTOR: u32 = 1 << 31;
+
+/// What the 32-bit immediate of a ring message says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageImm {
+    /// The message itself, this many bytes in the ring.
+    Inline(u32),
+    /// A [`LargeDescriptor`] of this many bytes in the ring: the receiver reads the data.
+    Descriptor(u32),
+}
+
+impl MessageImm {
+    /// The immediate value (host order; the channel converts to network order).
+    pub fn encode(self) -> u32 {
+        match self {
+            MessageImm::Inline(len) => len & !IMM_DESCRIPTOR,
+            MessageImm::Descriptor(len) => (len & !IMM_DESCRIPTOR) | IMM_DESCRIPTOR,
+        }
+    }
+
+    /// Reads an immediate.
+    pub fn decode(imm: u32) -> Self {
+        if imm & IMM_DESCRIPTOR != 0 {
+            MessageImm::Descriptor(imm & !IMM_DESCRIPTOR)
+        } else {
+            MessageImm::Inline(imm)
+        }
+    }
+
+    /// Bytes the message occupies in the ring.
+    pub fn ring_len(self) -> u32 {
+        match self {
+            MessageImm::Inline(len) | MessageImm::Descriptor(len) => len,
+        }
+    }
+}
+
+/// Where a large message lies in the sender's registered memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LargeDescriptor {
+    /// Virtual address of the first byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key of the registration covering it.
+    pub rkey: u32,
+}
+
+/// Encoded length of a [`LargeDescriptor`].
+pub const DESCRIPTOR_LEN: usize = 20;
+
+impl LargeDescriptor {
+    /// Encodes the descriptor (big-endian address, length, rkey).
+    pub fn encode(&self) -> [u8; DESCRIPTOR_LEN] {
+        let mut out = [0u8; DESCRIPTOR_LEN];
+        out[..8].copy_from_slice(&self.addr.to_be_bytes());
+        out[8..16].copy_from_slice(&self.len.to_be_bytes());
+        out[16..].copy_from_slice(&self.rkey.to_be_bytes());
+        out
+    }
+
+    /// Decodes a descriptor; `None` unless `bytes` is exactly [`DESCRIPTOR_LEN`] long.
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let bytes: &[u8; DESCRIPTOR_LEN] = bytes.try_into().ok()?;
+        let mut fields = Fields { bytes, at: 0 };
+        Some(LargeDescriptor {
+            addr: u64::from_be_bytes(fields.take()),
+            len: u64::from_be_bytes(fields.take()),
+            rkey: u32::from_be_bytes(fields.take()),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -324,13 +405,30 @@ mod tests {
         #[test]
         fn roundtrip(
             lid: u16, gid: [u8; 16], qpn in 0..=MAX_24BIT, psn in 0..=MAX_24BIT, mtu in mtu(),
-            ring_addr: u64, ring_shift in 0u32..32, ring_rkey: u32, recv_slots in 1u32..,
+            ring_addr: u64, ring_shift in 0u32..=30, ring_rkey: u32, recv_slots in 1u32..,
         ) {
             let info = ConnectionInfo {
                 lid, gid: Gid(gid), qpn, psn, mtu, ring_addr,
                 ring_len: 1 << ring_shift, ring_rkey, recv_slots,
             };
             prop_assert_eq!(ConnectionInfo::decode(&info.encode()), Ok(info));
+        }
+
+        #[test]
+        fn immediate_roundtrip(len in 0u32..MAX_RING_LEN, descriptor: bool) {
+            let imm = if descriptor { MessageImm::Descriptor(len) } else { MessageImm::Inline(len) };
+            prop_assert_eq!(MessageImm::decode(imm.encode()), imm);
+            prop_assert_eq!(imm.ring_len(), len);
+        }
+
+        #[test]
+        fn descriptor_roundtrip(addr: u64, len: u64, rkey: u32, extra in 0usize..3) {
+            let d = LargeDescriptor { addr, len, rkey };
+            prop_assert_eq!(LargeDescriptor::decode(&d.encode()), Some(d));
+            let mut longer = d.encode().to_vec();
+            longer.extend(std::iter::repeat(0).take(extra + 1));
+            prop_assert_eq!(LargeDescriptor::decode(&longer), None);
+            prop_assert_eq!(LargeDescriptor::decode(&longer[..DESCRIPTOR_LEN - 1 - extra]), None);
         }
 
         #[test]
