@@ -8,7 +8,7 @@ mod verbs_env;
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, ZERO_COPY_THRESHOLD};
 use rdzv_rdma::ibv::wc_status::{WC_RETRY_EXC_ERR, WC_WR_FLUSH_ERR};
@@ -312,5 +312,59 @@ fn receiver_refuses_an_oversized_zero_copy_message() {
     assert!(
         matches!(err, ChannelError::BadDescriptor { len, max, .. } if len == 2 << 20 && max == 1 << 20),
         "{err}"
+    );
+}
+
+/// CPU time this thread has used.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: one valid timespec to fill.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID)");
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[test]
+fn idle_receiver_sleeps_on_the_completion_channel_and_wakes() {
+    let Some(sel) = verbs_env::selection_or_skip("idle_receiver_sleeps") else {
+        return;
+    };
+    let idle = Duration::from_millis(600);
+    let ((waited, cpu, timed_out_cpu), ()) = pair(
+        &sel,
+        ChannelOptions::default(),
+        move |mut a| {
+            // Nothing arrives: the timeout is honoured without spinning all along.
+            let cpu0 = thread_cpu_time();
+            assert!(matches!(
+                a.recv_timeout(Duration::from_millis(300)),
+                Err(ChannelError::Timeout {
+                    operation: "recv",
+                    ..
+                })
+            ));
+            let timed_out_cpu = thread_cpu_time() - cpu0;
+            // A message that arrives while blocked wakes the receiver.
+            a.send(b"go").unwrap();
+            let (start, cpu0) = (Instant::now(), thread_cpu_time());
+            assert_eq!(a.recv_timeout(LONG).unwrap(), b"late");
+            (start.elapsed(), thread_cpu_time() - cpu0, timed_out_cpu)
+        },
+        move |mut b| {
+            assert_eq!(b.recv_timeout(LONG).unwrap(), b"go");
+            thread::sleep(idle);
+            b.send(b"late").unwrap();
+            b.flush(LONG).unwrap();
+        },
+    );
+    println!("blocked {waited:?} using {cpu:?} of CPU; timed-out wait used {timed_out_cpu:?}");
+    assert!(waited >= idle / 2, "woke after {waited:?}");
+    assert!(cpu < waited / 4, "spun: {cpu:?} of CPU in {waited:?}");
+    assert!(
+        timed_out_cpu < Duration::from_millis(100),
+        "{timed_out_cpu:?}"
     );
 }
