@@ -3,7 +3,7 @@
 //! [`IbvChannel::connect`] opens the selected device, creates a protection domain, a
 //! completion queue with a completion channel, an RC queue pair and two registered rings
 //! (a receive ring the peer writes into, and a send staging ring that mirrors the peer's),
-//! exchanges [`ConnectionInfo`](super::wire::ConnectionInfo) over any `Read + Write`
+//! exchanges [`ConnectionInfo`] over any `Read + Write`
 //! bootstrap stream and moves the queue pair through INIT → RTR → RTS.
 //!
 //! Messages: [`IbvChannel::send`] places a message in the peer's ring (see
@@ -824,6 +824,7 @@ impl IbvChannel {
                         let source = LargeDescriptor::decode(&out).ok_or(bad(0))?;
                         if source.len > self.max_large_message
                             || usize::try_from(source.len).is_err()
+                            || source.addr.checked_add(source.len).is_none()
                         {
                             return Err(bad(source.len));
                         }

@@ -89,6 +89,14 @@ pub enum WireError {
         /// The length received.
         len: u32,
     },
+    /// The ring's address range wraps around the address space.
+    #[error("the peer's RDMA receive ring at {addr:#x} (+{len}) wraps around the address space")]
+    RingRange {
+        /// Ring address.
+        addr: u64,
+        /// Ring length.
+        len: u32,
+    },
     /// The peer posted no receive slots.
     #[error("the peer's RDMA connection record advertises no receive slots")]
     NoSlots,
@@ -145,6 +153,12 @@ impl ConnectionInfo {
         }
         if !ring_len.is_power_of_two() || ring_len > MAX_RING_LEN {
             return Err(WireError::RingLen { len: ring_len });
+        }
+        if ring_addr.checked_add(u64::from(ring_len)).is_none() {
+            return Err(WireError::RingRange {
+                addr: ring_addr,
+                len: ring_len,
+            });
         }
         if recv_slots == 0 {
             return Err(WireError::NoSlots);
@@ -363,6 +377,12 @@ mod tests {
             Err(WireError::RingLen { len: 3 })
         );
         let mut bad = good;
+        bad[32..40].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert!(matches!(
+            ConnectionInfo::decode(&bad),
+            Err(WireError::RingRange { .. })
+        ));
+        let mut bad = good;
         bad[48..52].copy_from_slice(&[0; 4]);
         assert_eq!(ConnectionInfo::decode(&bad), Err(WireError::NoSlots));
     }
@@ -405,7 +425,7 @@ mod tests {
         #[test]
         fn roundtrip(
             lid: u16, gid: [u8; 16], qpn in 0..=MAX_24BIT, psn in 0..=MAX_24BIT, mtu in mtu(),
-            ring_addr: u64, ring_shift in 0u32..=30, ring_rkey: u32, recv_slots in 1u32..,
+            ring_addr in 0..=u64::MAX - (1 << 30), ring_shift in 0u32..=30, ring_rkey: u32, recv_slots in 1u32..,
         ) {
             let info = ConnectionInfo {
                 lid, gid: Gid(gid), qpn, psn, mtu, ring_addr,
