@@ -21,17 +21,26 @@
 //! Neither probe panics or aborts on a host without RDMA hardware, without rdma-core, or
 //! without an NVIDIA driver: each returns "not viable" with the specific reason.
 //!
+//! # Moving bytes over verbs
+//!
+//! [`ibv::channel::IbvChannel`] connects one RC queue pair to a peer over any
+//! `Read + Write` bootstrap stream (connection record: [`ibv::wire`]), sends small messages
+//! through a registered ring per direction with RDMA write-with-immediate, credit acks and
+//! inline data ([`ibv::ring`] holds the placement and credit logic), and large ones
+//! zero-copy: the peer fetches the registered user buffer with RDMA READ (registrations
+//! cached by address range in [`ibv::regcache`]). Completions are busy-polled, then waited
+//! for on a completion channel; a failed work completion fails the channel with its
+//! operation and status name ([`ibv::wc_status`]).
+//!
+//! The data path is tested on a real verbs stack by `rdma/softroce/run` (Soft-RoCE in a
+//! qemu VM); on hosts without verbs those tests print why they are skipped.
+//!
 //! # What comes next (not implemented yet)
 //!
-//! - RC queue pairs set up over a TCP bootstrap (exchange of LID/GID/QPN/MTU from
-//!   [`ibv::IbvSelection`]), with a shared CQ and SRQ.
-//! - A TensorPipe-style transport: ring buffers written with RDMA write-with-immediate and
-//!   acknowledged with zero-byte sends, with credit-based flow control.
-//! - Zero-copy sends of registered user buffers.
+//! - Plugging the channel into the RPC agent as the `ibv` transport (negotiation,
+//!   reconnect), one shared CQ/SRQ across peers, and receiving into caller-provided memory.
 //! - CUDA channels: same-process copies, CUDA IPC staging between processes on one host,
 //!   and GPUDirect RDMA (dma-buf or peer-memory registration of device memory).
-//!
-//! Until those exist, nothing in this crate moves bytes.
 #![warn(missing_docs)]
 
 pub mod cuda;

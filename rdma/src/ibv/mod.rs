@@ -12,10 +12,15 @@
 //! [`config`] parses the user's choice, [`topology`] describes what the host has,
 //! [`select`] picks (pure), and [`discover`] fills the description from libibverbs.
 
+pub mod channel;
 pub mod config;
 pub mod discover;
+pub mod regcache;
+pub mod ring;
 pub mod select;
 pub mod topology;
+pub mod wc_status;
+pub mod wire;
 
 use std::fmt;
 use std::io;

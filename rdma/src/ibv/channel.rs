@@ -1,0 +1,1271 @@
+//! One RC queue pair connected to a peer, moving small messages through registered rings.
+//!
+//! [`IbvChannel::connect`] opens the selected device, creates a protection domain, a
+//! completion queue with a completion channel, an RC queue pair and two registered rings
+//! (a receive ring the peer writes into, and a send staging ring that mirrors the peer's),
+//! exchanges [`ConnectionInfo`] over any `Read + Write`
+//! bootstrap stream and moves the queue pair through INIT → RTR → RTS.
+//!
+//! Messages: [`IbvChannel::send`] places a message in the peer's ring (see
+//! [`ring`](super::ring)) with one RDMA write-with-immediate whose immediate is the length
+//! (two writes when it wraps), inline when it fits the queue pair's `max_inline_data`, and
+//! otherwise staged in the registered send ring. It blocks while the peer's ring or receive
+//! slots are full: credits come back as zero-byte sends-with-immediate carrying the count
+//! of messages the peer consumed. [`IbvChannel::recv`] copies the next message out of the
+//! receive ring and acknowledges.
+//!
+//! Completions are busy-polled for [`ChannelOptions::spin`], then the channel arms the
+//! completion queue and sleeps on the completion channel's file descriptor. A failed work
+//! completion fails the channel for good, with the operation and the status name (for
+//! example `IBV_WC_RETRY_EXC_ERR`); every later call returns the same error.
+//!
+//! Ownership: the rings are owned by the channel and registered for its whole life; the
+//! queue pair is destroyed first on drop, so the device never touches freed memory. Inline
+//! sends copy the caller's bytes into the work request, so no caller buffer is ever held by
+//! the device after `send` returns.
+//!
+//! Large messages are zero-copy: [`IbvChannel::send_buffer`] takes shared ownership of the
+//! caller's buffer, registers it (through a [`RegistrationCache`] keyed by address range)
+//! and sends only a [`LargeDescriptor`] through the ring; the receiver fetches the bytes
+//! with RDMA READ straight into the `Vec` it returns, then acknowledges. The sender keeps
+//! the buffer (and its registration) until that acknowledgement, so neither side copies
+//! and no buffer is released while the device may still read or write it, even when the
+//! caller times out or drops its own handle.
+//!
+//! Not here: a shared receive queue across peers, receiving into caller-provided
+//! (pre-registered or device) memory, and reconnection.
+
+use std::alloc::{self, Layout};
+use std::collections::VecDeque;
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_mummy_sys::{ibv_ack_cq_events, ibv_get_cq_event, ibv_poll_cq, ibv_req_notify_cq, ibv_wc};
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid as VerbsGid};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, CompletionQueueBuilder,
+};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu as VerbsMtu};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
+    QueuePairState, QueuePairType, SetInlineData, SetScatterGatherEntry, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+use tracing::debug;
+
+use super::regcache::RegistrationCache;
+use super::ring::{Placement, RingError, RingReceiver, RingSender};
+use super::select::IbvSelection;
+use super::topology::Mtu;
+use super::wc_status::wc_status_name;
+use super::wire::{
+    self, ConnectionInfo, ExchangeError, LargeDescriptor, MessageImm, DESCRIPTOR_LEN, MAX_24BIT,
+    MAX_RING_LEN,
+};
+
+/// Default receive ring size: 64 KiB per direction.
+pub const DEFAULT_RING_LEN: u32 = 64 * 1024;
+/// Default receive slots (messages in flight per direction).
+pub const DEFAULT_RECV_SLOTS: u32 = 64;
+/// Messages of at least this many bytes given to [`IbvChannel::send_buffer`] go zero-copy
+/// (descriptor in the ring, data by RDMA READ); smaller ones are copied through the ring.
+///
+/// 16 KiB is where, on InfiniBand and RoCE NICs, one registration-cache hit plus a READ
+/// round trip usually becomes cheaper than two memcpys (UCX and NCCL switch protocols in
+/// the 8-64 KiB range). It has not been measured on hardware here: the only verbs stack
+/// available is Soft-RoCE under TCG, whose timings say nothing about NICs. Re-measure with
+/// `rdzv bench rpc --transport ibv` on real hardware.
+pub const ZERO_COPY_THRESHOLD: usize = 16 * 1024;
+/// Registrations kept by the sender's cache.
+pub const REGISTRATION_CACHE_ENTRIES: usize = 64;
+/// Inline data requested when creating the queue pair; the device may grant less.
+pub const REQUESTED_MAX_INLINE: u32 = 256;
+
+/// Tunables of one channel.
+#[derive(Debug, Clone)]
+pub struct ChannelOptions {
+    /// Receive ring size in bytes (a power of two): the largest message.
+    pub ring_len: u32,
+    /// Receive work requests for messages (messages in flight per direction).
+    pub recv_slots: u32,
+    /// How long to busy-poll the completion queue before sleeping on the channel.
+    pub spin: Duration,
+    /// Local ACK timeout exponent (`4.096 µs × 2^timeout`), 1 to 31.
+    pub ack_timeout: u8,
+    /// Transport retries before a send fails with `IBV_WC_RETRY_EXC_ERR`, 0 to 7.
+    pub retry_count: u8,
+    /// Largest zero-copy message this side accepts (the receiver allocates that much).
+    pub max_large_message: u64,
+}
+
+impl Default for ChannelOptions {
+    fn default() -> Self {
+        ChannelOptions {
+            ring_len: DEFAULT_RING_LEN,
+            recv_slots: DEFAULT_RECV_SLOTS,
+            spin: Duration::from_micros(50),
+            ack_timeout: 14,
+            retry_count: 7,
+            max_large_message: 1 << 32,
+        }
+    }
+}
+
+/// A work completion that failed: which operation, and the status the device reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompletionFailure {
+    /// The operation whose work request failed (e.g. `RDMA write with immediate`).
+    pub operation: &'static str,
+    /// `ibv_wc.status`.
+    pub status: u32,
+    /// `ibv_wc.vendor_err`.
+    pub vendor_err: u32,
+    /// Device name.
+    pub device: String,
+    /// Local queue pair number.
+    pub qpn: u32,
+}
+
+impl CompletionFailure {
+    /// The `IBV_WC_*` name of the status, if known.
+    pub fn status_name(&self) -> Option<&'static str> {
+        wc_status_name(self.status)
+    }
+}
+
+impl fmt::Display for CompletionFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed with ", self.operation)?;
+        match self.status_name() {
+            Some(name) => f.write_str(name)?,
+            None => write!(f, "status {}", self.status)?,
+        }
+        write!(
+            f,
+            " (vendor error {:#x}) on RDMA device {} QP {:#x}",
+            self.vendor_err, self.device, self.qpn
+        )
+    }
+}
+
+/// Errors of an [`IbvChannel`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// The selected device is not in the device list any more.
+    #[error("RDMA device {device} is not present")]
+    DeviceNotFound {
+        /// Device name.
+        device: String,
+    },
+    /// A verb failed when it was called.
+    #[error("{verb} failed on RDMA device {device}")]
+    Verb {
+        /// The verb (`ibv_create_qp`, `ibv_modify_qp(RTR)`, `ibv_post_send`, …).
+        verb: &'static str,
+        /// Device name.
+        device: String,
+        /// errno, or sideway's description of it.
+        #[source]
+        source: io::Error,
+    },
+    /// Exchanging connection records over the bootstrap stream failed.
+    #[error("RDMA connection setup with the peer failed")]
+    Exchange(#[from] ExchangeError),
+    /// The final synchronisation over the bootstrap stream failed.
+    #[error("RDMA connection setup: the peer did not confirm over the bootstrap stream")]
+    Bootstrap(#[source] io::Error),
+    /// A work completion failed; the channel is unusable from then on.
+    #[error("{0}")]
+    Completion(CompletionFailure),
+    /// The peer broke the ring protocol.
+    #[error("RDMA peer protocol violation")]
+    Protocol(#[from] RingError),
+    /// The peer's large-message descriptor is malformed or too large.
+    #[error("the RDMA peer announced a large message of {len} bytes (limit {max}, descriptor {descriptor_len} bytes)")]
+    BadDescriptor {
+        /// Announced length (0 when the descriptor did not parse).
+        len: u64,
+        /// [`ChannelOptions::max_large_message`].
+        max: u64,
+        /// Ring bytes of the descriptor.
+        descriptor_len: u32,
+    },
+    /// The message is larger than the peer's ring (use [`IbvChannel::send_buffer`]).
+    #[error("a {len}-byte message exceeds the RDMA ring size of {max} bytes")]
+    MessageTooLarge {
+        /// Message length.
+        len: usize,
+        /// Ring size.
+        max: u32,
+    },
+    /// Nothing happened within the caller's timeout.
+    #[error("RDMA {operation} timed out after {after:?}")]
+    Timeout {
+        /// `send`, `recv` or `flush`.
+        operation: &'static str,
+        /// The timeout.
+        after: Duration,
+    },
+    /// The options are out of range.
+    #[error("invalid RDMA channel options: {0}")]
+    Options(&'static str),
+}
+
+/// Kinds of work request, in the top byte of `wr_id`.
+const WR_RECV: u64 = 1 << 56;
+const WR_DATA: u64 = 2 << 56;
+const WR_ACK: u64 = 3 << 56;
+const WR_READ: u64 = 4 << 56;
+const WR_KIND_MASK: u64 = 0xff << 56;
+
+/// Completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 16;
+
+/// Memory for a ring: page-aligned, zeroed, freed on drop. Only accessed through raw
+/// pointers, because the device writes into it behind the compiler's back.
+struct RingMemory {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: RingMemory is a uniquely owned heap allocation; moving it between threads moves
+// the ownership with it.
+unsafe impl Send for RingMemory {}
+
+impl RingMemory {
+    fn new(len: u32) -> Result<Self, ChannelError> {
+        let layout = Layout::from_size_align(len as usize, 4096)
+            .map_err(|_| ChannelError::Options("ring length overflows"))?;
+        if layout.size() == 0 {
+            return Err(ChannelError::Options("ring length is zero"));
+        }
+        // SAFETY: the layout has a nonzero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(ChannelError::Options("cannot allocate the ring"))?;
+        Ok(RingMemory { ptr, layout })
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Copies `src` into the ring at `offset`. The caller's credits guarantee the device is
+    /// not reading that range.
+    fn write_at(&mut self, offset: u32, src: &[u8]) {
+        let offset = offset as usize;
+        if offset
+            .checked_add(src.len())
+            .map_or(true, |end| end > self.layout.size())
+        {
+            return;
+        }
+        // SAFETY: offset + src.len() is within the allocation (checked above), and src is a
+        // distinct Rust slice, so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
+        }
+    }
+
+    /// Appends `len` bytes at `offset` to `out`. The peer's write-with-immediate for this
+    /// range has completed, and credits keep it from writing there until acknowledged.
+    fn read_at(&self, offset: u32, len: u32, out: &mut Vec<u8>) {
+        let (offset, len) = (offset as usize, len as usize);
+        if offset
+            .checked_add(len)
+            .map_or(true, |end| end > self.layout.size())
+        {
+            return;
+        }
+        out.reserve(len);
+        // SAFETY: the source range is within the allocation (checked above); the
+        // destination has `len` spare bytes reserved, and set_len covers exactly the bytes
+        // just copied.
+        unsafe {
+            let dst = out.as_mut_ptr().add(out.len());
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst, len);
+            out.set_len(out.len() + len);
+        }
+    }
+}
+
+impl Drop for RingMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; the memory regions over it are
+        // deregistered first (field order in IbvChannel).
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A registration of (part of) a caller's buffer, with the buffer's owner kept alive so
+/// that the address range cannot be freed or reused while registered. Field order: the
+/// region is deregistered before the owner is released.
+struct CachedRegion {
+    mr: Arc<MemoryRegion>,
+    _owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+}
+
+/// A zero-copy message sent and not yet acknowledged: its registration (and buffer) stay.
+struct LargeSend {
+    seq: u64,
+    _region: Arc<CachedRegion>,
+}
+
+/// An RDMA READ of a large message into memory the channel owns until it completes.
+struct PendingRead {
+    /// Destination; written by the device, never touched by Rust code until `done`.
+    buf: Vec<u8>,
+    /// `None` for an empty message.
+    mr: Option<Arc<MemoryRegion>>,
+    source: LargeDescriptor,
+    /// Bytes for which a READ was posted.
+    posted: u64,
+    /// READ work requests not completed yet.
+    in_flight: u32,
+}
+
+/// One connected RC queue pair with a small-message ring per direction.
+///
+/// Field order is drop order: the queue pair goes first (the device stops touching the
+/// rings), then the completion queue and channel, then the memory regions, then the ring
+/// memory itself.
+pub struct IbvChannel {
+    qp: BasicQueuePair,
+    cq: Arc<BasicCompletionQueue>,
+    comp_channel: Arc<CompletionChannel>,
+    recv_mr: Arc<MemoryRegion>,
+    send_mr: Arc<MemoryRegion>,
+    recv_ring: RingMemory,
+    send_ring: RingMemory,
+    /// Zero-copy state, after the queue pair in drop order.
+    pending_read: Option<PendingRead>,
+    large_in_flight: VecDeque<LargeSend>,
+    registrations: RegistrationCache<Arc<CachedRegion>>,
+    pd: Arc<ProtectionDomain>,
+    _context: Arc<DeviceContext>,
+    device: String,
+    qpn: u32,
+    peer: ConnectionInfo,
+    tx: RingSender,
+    rx: RingReceiver,
+    max_inline: u32,
+    max_send_wr: u32,
+    max_msg_size: u64,
+    max_large_message: u64,
+    outstanding_sends: u32,
+    /// Messages sent, and messages the peer acknowledged.
+    sent_seq: u64,
+    acked_seq: u64,
+    /// Immediates (lengths) of messages that arrived and were not read yet.
+    arrived: VecDeque<u32>,
+    /// CQ events received and not acknowledged with ibv_ack_cq_events.
+    unacked_events: u32,
+    armed: bool,
+    spin: Duration,
+    failure: Option<CompletionFailure>,
+}
+
+impl fmt::Debug for IbvChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IbvChannel")
+            .field("device", &self.device)
+            .field("qpn", &self.qpn)
+            .field("peer", &self.peer)
+            .field("max_inline", &self.max_inline)
+            .field("failure", &self.failure)
+            .finish_non_exhaustive()
+    }
+}
+
+fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ChannelError {
+    ChannelError::Verb {
+        verb,
+        device: device.to_owned(),
+        source: source.into(),
+    }
+}
+
+fn other<E: std::error::Error + Send + Sync + 'static>(err: E) -> io::Error {
+    io::Error::other(err)
+}
+
+fn verbs_mtu(mtu: Mtu) -> VerbsMtu {
+    VerbsMtu::from(match mtu {
+        Mtu::B256 => 1,
+        Mtu::B512 => 2,
+        Mtu::B1024 => 3,
+        Mtu::B2048 => 4,
+        Mtu::B4096 => 5,
+    })
+}
+
+/// A first packet sequence number that differs between connections.
+fn initial_psn() -> u32 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    (nanos ^ std::process::id().rotate_left(12)) & MAX_24BIT
+}
+
+impl IbvChannel {
+    /// Connects to the peer at the other end of `bootstrap`, which must call `connect` too
+    /// (the exchange is symmetric). Blocks until both queue pairs are ready to send.
+    pub fn connect<S: Read + Write + ?Sized>(
+        selection: &IbvSelection,
+        bootstrap: &mut S,
+        options: &ChannelOptions,
+    ) -> Result<Self, ChannelError> {
+        if !options.ring_len.is_power_of_two()
+            || options.ring_len > MAX_RING_LEN
+            || (options.ring_len as usize) < DESCRIPTOR_LEN
+        {
+            return Err(ChannelError::Options(
+                "ring_len must be a power of two from 32 bytes to 1 GiB",
+            ));
+        }
+        if options.recv_slots == 0 || options.recv_slots > 4096 {
+            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
+        }
+        if options.ack_timeout == 0 || options.ack_timeout > 31 || options.retry_count > 7 {
+            return Err(ChannelError::Options(
+                "ack_timeout must be 1 to 31 and retry_count 0 to 7",
+            ));
+        }
+        let dev = selection.device.as_str();
+        let gid_index = u8::try_from(selection.gid_index)
+            .map_err(|_| ChannelError::Options("GID index above 255"))?;
+        let list = DeviceList::new().map_err(|e| verb_err("ibv_get_device_list", dev, other(e)))?;
+        let device = list
+            .iter()
+            .find(|d| d.name() == dev)
+            .ok_or_else(|| ChannelError::DeviceNotFound { device: dev.into() })?;
+        let context = device
+            .open()
+            .map_err(|e| verb_err("ibv_open_device", dev, other(e)))?;
+        let pd = context
+            .alloc_pd()
+            .map_err(|e| verb_err("ibv_alloc_pd", dev, other(e)))?;
+
+        let recv_ring = RingMemory::new(options.ring_len)?;
+        let send_ring = RingMemory::new(options.ring_len)?;
+        // SAFETY: both rings stay allocated until after the regions are deregistered
+        // (IbvChannel's field order), and are only accessed through raw pointers.
+        let recv_mr = unsafe {
+            pd.reg_mr(
+                recv_ring.ptr.as_ptr() as usize,
+                options.ring_len as usize,
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+            )
+        }
+        .map_err(|e| verb_err("ibv_reg_mr (receive ring)", dev, other(e)))?;
+        // SAFETY: as above.
+        let send_mr = unsafe {
+            pd.reg_mr(
+                send_ring.ptr.as_ptr() as usize,
+                options.ring_len as usize,
+                AccessFlags::LocalWrite,
+            )
+        }
+        .map_err(|e| verb_err("ibv_reg_mr (send ring)", dev, other(e)))?;
+
+        let comp_channel = CompletionChannel::new(&context)
+            .map_err(|e| verb_err("ibv_create_comp_channel", dev, other(e)))?;
+        comp_channel
+            .set_nonblocking(true)
+            .map_err(|e| verb_err("fcntl(O_NONBLOCK) on the completion channel", dev, e))?;
+        let max_recv_wr = 2 * options.recv_slots;
+        let max_send_wr = 3 * options.recv_slots + 2;
+        let cq = CompletionQueueBuilder::new(&context)
+            .setup_cqe(max_recv_wr + max_send_wr)
+            .setup_comp_channel(&comp_channel, 0)
+            .build()
+            .map_err(|e| verb_err("ibv_create_cq", dev, other(e)))?;
+
+        let build = |inline: u32| {
+            pd.create_qp_builder()
+                .setup_qp_type(QueuePairType::ReliableConnection)
+                .setup_max_send_wr(max_send_wr)
+                .setup_max_recv_wr(max_recv_wr)
+                .setup_max_send_sge(1)
+                .setup_max_recv_sge(1)
+                .setup_max_inline_data(inline)
+                .setup_send_cq(cq.clone())
+                .setup_recv_cq(cq.clone())
+                .build()
+        };
+        // A device without inline support rejects a nonzero request: retry without.
+        let mut qp = match build(REQUESTED_MAX_INLINE) {
+            Ok(qp) => qp,
+            Err(_) => build(0).map_err(|e| verb_err("ibv_create_qp", dev, other(e)))?,
+        };
+        let max_inline = qp
+            .query(QueuePairAttributeMask::Capabilities)
+            .map(|(_, init)| init.max_inline_data())
+            .map_err(|e| verb_err("ibv_query_qp", dev, other(e)))?;
+        let qpn = qp.qp_number();
+
+        let mut init = QueuePairAttribute::new();
+        init.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(selection.port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        qp.modify(&init)
+            .map_err(|e| verb_err("ibv_modify_qp(INIT)", dev, other(e)))?;
+
+        let mut channel = IbvChannel {
+            qp,
+            cq,
+            comp_channel,
+            recv_mr,
+            send_mr,
+            recv_ring,
+            send_ring,
+            pending_read: None,
+            large_in_flight: VecDeque::new(),
+            registrations: RegistrationCache::new(REGISTRATION_CACHE_ENTRIES),
+            pd,
+            _context: context,
+            device: dev.to_owned(),
+            qpn,
+            // Replaced once the peer's record is in.
+            peer: ConnectionInfo {
+                lid: 0,
+                gid: selection.gid,
+                qpn: 0,
+                psn: 0,
+                mtu: Mtu::B256,
+                ring_addr: 0,
+                ring_len: options.ring_len,
+                ring_rkey: 0,
+                recv_slots: options.recv_slots,
+            },
+            tx: RingSender::new(options.ring_len, options.recv_slots)?,
+            rx: RingReceiver::new(options.ring_len, options.recv_slots)?,
+            max_inline,
+            max_send_wr,
+            max_msg_size: u64::from(selection.max_msg_size.max(1)),
+            max_large_message: options.max_large_message,
+            outstanding_sends: 0,
+            sent_seq: 0,
+            acked_seq: 0,
+            arrived: VecDeque::new(),
+            unacked_events: 0,
+            armed: false,
+            spin: options.spin,
+            failure: None,
+        };
+        // Receive work requests go in before the peer can possibly send.
+        for _ in 0..max_recv_wr {
+            channel.post_recv()?;
+        }
+
+        let ours = ConnectionInfo {
+            lid: selection.lid,
+            gid: selection.gid,
+            qpn,
+            psn: initial_psn(),
+            mtu: selection.active_mtu.unwrap_or(Mtu::B1024),
+            ring_addr: channel.recv_ring.addr(),
+            ring_len: options.ring_len,
+            ring_rkey: channel.recv_mr.rkey(),
+            recv_slots: options.recv_slots,
+        };
+        let peer = wire::exchange(bootstrap, &ours)?;
+        debug!(
+            device = dev,
+            qpn,
+            peer_qpn = peer.qpn,
+            "RDMA connection records exchanged"
+        );
+        channel.tx = RingSender::new(peer.ring_len, peer.recv_slots)?;
+        channel.peer = peer;
+
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_port(selection.port).setup_dest_lid(peer.lid);
+        if !peer.gid.is_zero() && !selection.gid.is_zero() {
+            ah.setup_grh(&VerbsGid { raw: peer.gid.0 }, 0, gid_index, 64, 0);
+        }
+        let mut rtr = QueuePairAttribute::new();
+        rtr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(verbs_mtu(ours.mtu.min(peer.mtu)))
+            .setup_dest_qp_num(peer.qpn)
+            .setup_rq_psn(peer.psn)
+            .setup_max_dest_read_atomic(1)
+            .setup_min_rnr_timer(12)
+            .setup_address_vector(&ah);
+        channel
+            .qp
+            .modify(&rtr)
+            .map_err(|e| verb_err("ibv_modify_qp(RTR)", dev, other(e)))?;
+        let mut rts = QueuePairAttribute::new();
+        rts.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(ours.psn)
+            .setup_timeout(options.ack_timeout)
+            .setup_retry_cnt(options.retry_count)
+            .setup_rnr_retry(7)
+            .setup_max_read_atomic(1);
+        channel
+            .qp
+            .modify(&rts)
+            .map_err(|e| verb_err("ibv_modify_qp(RTS)", dev, other(e)))?;
+
+        // Neither side writes before the other is ready to receive.
+        let mut byte = [1u8];
+        bootstrap
+            .write_all(&byte)
+            .and_then(|()| bootstrap.flush())
+            .and_then(|()| bootstrap.read_exact(&mut byte))
+            .map_err(ChannelError::Bootstrap)?;
+        debug!(device = dev, qpn, max_inline, "RDMA channel ready");
+        Ok(channel)
+    }
+
+    /// The largest message [`send`](Self::send) accepts: the peer's ring size.
+    pub fn max_message_len(&self) -> usize {
+        self.tx.ring_len() as usize
+    }
+
+    /// Inline data the queue pair supports; messages up to this size are sent inline.
+    pub fn max_inline(&self) -> u32 {
+        self.max_inline
+    }
+
+    /// This side's queue pair number.
+    pub fn qp_number(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The peer's connection record.
+    pub fn peer(&self) -> &ConnectionInfo {
+        &self.peer
+    }
+
+    /// The failure that ended the channel, if any.
+    pub fn failure(&self) -> Option<&CompletionFailure> {
+        self.failure.as_ref()
+    }
+
+    /// Sends one message through the ring (copied), blocking while the peer's ring has no
+    /// room for it. Messages above [`max_message_len`](Self::max_message_len) need
+    /// [`send_buffer`](Self::send_buffer).
+    pub fn send(&mut self, msg: &[u8]) -> Result<(), ChannelError> {
+        self.send_ring_message(msg, false, None)
+    }
+
+    /// [`send`](Self::send), giving up with [`ChannelError::Timeout`] when no credit comes
+    /// back within `timeout`. Nothing is sent then.
+    pub fn send_timeout(&mut self, msg: &[u8], timeout: Duration) -> Result<(), ChannelError> {
+        self.send_ring_message(msg, false, Some((Instant::now() + timeout, timeout)))
+    }
+
+    /// Sends `buf`, zero-copy when it has at least [`ZERO_COPY_THRESHOLD`] bytes or does
+    /// not fit the ring: the buffer is registered (or found in the registration cache) and
+    /// the peer reads it with RDMA READ. The channel keeps `buf` alive and registered until
+    /// the peer acknowledges the message, whatever the caller does with its own handle.
+    /// Blocks only for ring credit, like [`send`](Self::send); [`flush`](Self::flush) waits
+    /// for the peer to have read everything.
+    pub fn send_buffer<B>(&mut self, buf: Arc<B>) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        self.send_buffer_deadline(buf, None)
+    }
+
+    /// [`send_buffer`](Self::send_buffer) with a timeout on waiting for ring credit.
+    pub fn send_buffer_timeout<B>(
+        &mut self,
+        buf: Arc<B>,
+        timeout: Duration,
+    ) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        self.send_buffer_deadline(buf, Some((Instant::now() + timeout, timeout)))
+    }
+
+    fn send_buffer_deadline<B>(
+        &mut self,
+        buf: Arc<B>,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let bytes: &[u8] = (*buf).as_ref();
+        if bytes.len() < ZERO_COPY_THRESHOLD && bytes.len() <= self.tx.ring_len() as usize {
+            return self.send_ring_message(bytes, false, deadline);
+        }
+        self.check_failed()?;
+        let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
+        let region = match self.registrations.lookup(addr, len) {
+            Some(region) => Arc::clone(region),
+            None => {
+                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
+                // SAFETY: the region is stored together with `owner`, which keeps the
+                // bytes allocated (and, being shared, unmoved) until after the region is
+                // deregistered (CachedRegion's field order). The device only reads them.
+                let mr = unsafe {
+                    self.pd
+                        .reg_mr(addr as usize, bytes.len(), AccessFlags::RemoteRead)
+                }
+                .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, other(e)))?;
+                let region = Arc::new(CachedRegion { mr, _owner: owner });
+                // Displaced registrations still used by messages in flight stay alive
+                // through their LargeSend.
+                drop(self.registrations.insert(addr, len, Arc::clone(&region)));
+                region
+            }
+        };
+        let descriptor = LargeDescriptor {
+            addr,
+            len,
+            rkey: region.mr.rkey(),
+        };
+        self.send_ring_message(&descriptor.encode(), true, deadline)?;
+        self.large_in_flight.push_back(LargeSend {
+            seq: self.sent_seq - 1,
+            _region: region,
+        });
+        Ok(())
+    }
+
+    fn send_ring_message(
+        &mut self,
+        msg: &[u8],
+        descriptor: bool,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ChannelError> {
+        self.check_failed()?;
+        let len = u32::try_from(msg.len())
+            .ok()
+            .filter(|&len| len <= self.tx.ring_len())
+            .ok_or(ChannelError::MessageTooLarge {
+                len: msg.len(),
+                max: self.tx.ring_len(),
+            })?;
+        let imm = if descriptor {
+            MessageImm::Descriptor(len)
+        } else {
+            MessageImm::Inline(len)
+        };
+        loop {
+            // Two work requests at most, and room for the acknowledgements.
+            if self.outstanding_sends + 3 <= self.max_send_wr {
+                if let Some(placement) = self.tx.reserve(len) {
+                    self.post_message(placement, msg, imm)?;
+                    self.sent_seq += 1;
+                    return Ok(());
+                }
+            }
+            self.progress(deadline, "send")?;
+        }
+    }
+
+    /// Receives the next message, blocking until one arrives (and, for a zero-copy
+    /// message, until its RDMA READ completed).
+    pub fn recv(&mut self) -> Result<Vec<u8>, ChannelError> {
+        self.recv_deadline(None)
+    }
+
+    /// [`recv`](Self::recv) giving up with [`ChannelError::Timeout`] after `timeout`. A
+    /// zero-copy read under way continues, and the next `recv` returns its message.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, ChannelError> {
+        self.recv_deadline(Some((Instant::now() + timeout, timeout)))
+    }
+
+    fn recv_deadline(
+        &mut self,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<Vec<u8>, ChannelError> {
+        loop {
+            if self.pending_read.is_some() {
+                self.check_failed()?;
+                self.pump_read()?;
+                if let Some(message) = self.take_finished_read() {
+                    // Acknowledge at once: the sender holds the buffer until then.
+                    if let Some(count) = self.rx.take_ack(true) {
+                        self.post_ack(count)?;
+                    }
+                    return Ok(message);
+                }
+                self.progress(deadline, "recv")?;
+                continue;
+            }
+            if let Some(imm) = self.arrived.pop_front() {
+                let imm = MessageImm::decode(imm);
+                let placement = self.rx.accept(imm.ring_len())?;
+                let mut out = Vec::with_capacity(imm.ring_len() as usize);
+                self.recv_ring
+                    .read_at(placement.first.0, placement.first.1, &mut out);
+                self.recv_ring.read_at(0, placement.wrapped, &mut out);
+                match imm {
+                    MessageImm::Inline(_) => {
+                        if let Some(count) = self.rx.take_ack(self.arrived.is_empty()) {
+                            self.post_ack(count)?;
+                        }
+                        return Ok(out);
+                    }
+                    MessageImm::Descriptor(descriptor_len) => {
+                        let bad = |len| ChannelError::BadDescriptor {
+                            len,
+                            max: self.max_large_message,
+                            descriptor_len,
+                        };
+                        let source = LargeDescriptor::decode(&out).ok_or(bad(0))?;
+                        if source.len > self.max_large_message
+                            || usize::try_from(source.len).is_err()
+                            || source.addr.checked_add(source.len).is_none()
+                        {
+                            return Err(bad(source.len));
+                        }
+                        self.start_read(source)?;
+                        continue;
+                    }
+                }
+            }
+            self.check_failed()?;
+            self.progress(deadline, "recv")?;
+        }
+    }
+
+    /// Waits until every posted send has completed and the peer has read every zero-copy
+    /// message (reporting the channel's failure, if any).
+    pub fn flush(&mut self, timeout: Duration) -> Result<(), ChannelError> {
+        let deadline = Some((Instant::now() + timeout, timeout));
+        while self.outstanding_sends > 0 || !self.large_in_flight.is_empty() {
+            self.check_failed()?;
+            self.progress(deadline, "flush")?;
+        }
+        self.check_failed()
+    }
+
+    /// Zero-copy messages sent and not yet read by the peer (their buffers are held).
+    pub fn large_in_flight(&self) -> usize {
+        self.large_in_flight.len()
+    }
+
+    /// Registrations held by the zero-copy send cache.
+    pub fn cached_registrations(&self) -> usize {
+        self.registrations.len()
+    }
+
+    /// Allocates and registers the destination of a zero-copy message and starts reading.
+    fn start_read(&mut self, source: LargeDescriptor) -> Result<(), ChannelError> {
+        let len = usize::try_from(source.len).map_err(|_| ChannelError::BadDescriptor {
+            len: source.len,
+            max: self.max_large_message,
+            descriptor_len: DESCRIPTOR_LEN as u32,
+        })?;
+        let mut buf = vec![0u8; len];
+        let mr = if len == 0 {
+            None
+        } else {
+            // SAFETY: `buf` moves into `pending_read` (its heap block does not move) and is
+            // only handed out after every READ into it has completed, or freed after the
+            // queue pair is destroyed (field order of IbvChannel).
+            Some(
+                unsafe {
+                    self.pd
+                        .reg_mr(buf.as_mut_ptr() as usize, len, AccessFlags::LocalWrite)
+                }
+                .map_err(|e| verb_err("ibv_reg_mr (zero-copy receive)", &self.device, other(e)))?,
+            )
+        };
+        self.pending_read = Some(PendingRead {
+            buf,
+            mr,
+            source,
+            posted: 0,
+            in_flight: 0,
+        });
+        self.pump_read()
+    }
+
+    /// Posts READs for the rest of the pending message, as far as the send queue allows.
+    fn pump_read(&mut self) -> Result<(), ChannelError> {
+        let Some(pending) = self.pending_read.as_mut() else {
+            return Ok(());
+        };
+        let Some(mr) = pending.mr.as_ref() else {
+            return Ok(());
+        };
+        let dst = mr.get_ptr() as u64;
+        while pending.posted < pending.source.len && self.outstanding_sends + 2 <= self.max_send_wr
+        {
+            let chunk = (pending.source.len - pending.posted)
+                .min(self.max_msg_size)
+                .min(1 << 30);
+            let mut guard = self.qp.start_post_send();
+            let wr = guard
+                .construct_wr(WR_READ, WorkRequestFlags::Signaled)
+                .setup_read(pending.source.rkey, pending.source.addr + pending.posted);
+            // SAFETY: the destination range lies inside `pending.buf`, registered by `mr`
+            // and owned by the channel until this READ completes.
+            unsafe { wr.setup_sge(mr.lkey(), dst + pending.posted, chunk as u32) };
+            guard
+                .post()
+                .map_err(|e| verb_err("ibv_post_send (RDMA read)", &self.device, other(e)))?;
+            pending.posted += chunk;
+            pending.in_flight += 1;
+            self.outstanding_sends += 1;
+        }
+        Ok(())
+    }
+
+    /// The pending message, once every READ into it has completed.
+    fn take_finished_read(&mut self) -> Option<Vec<u8>> {
+        let done = self
+            .pending_read
+            .as_ref()
+            .is_some_and(|p| p.in_flight == 0 && p.posted == p.source.len);
+        if !done {
+            return None;
+        }
+        let PendingRead { buf, mr, .. } = self.pending_read.take()?;
+        // Deregister before handing the memory out.
+        drop(mr);
+        Some(buf)
+    }
+
+    /// Moves the queue pair to the error state: pending work requests complete with
+    /// `IBV_WC_WR_FLUSH_ERR`, and the peer's next transfers fail. Used to abort a
+    /// connection (and by tests to exercise the error path).
+    pub fn abort(&mut self) -> Result<(), ChannelError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb_err("ibv_modify_qp(ERR)", &self.device, other(e)))
+    }
+
+    fn check_failed(&self) -> Result<(), ChannelError> {
+        match &self.failure {
+            Some(failure) => Err(ChannelError::Completion(failure.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn post_recv(&mut self) -> Result<(), ChannelError> {
+        let mut guard = self.qp.start_post_recv();
+        // No scatter list: write-with-immediate and zero-byte sends carry no payload.
+        guard.construct_wr(WR_RECV);
+        guard
+            .post()
+            .map_err(|e| verb_err("ibv_post_recv", &self.device, other(e)))
+    }
+
+    fn post_message(
+        &mut self,
+        placement: Placement,
+        msg: &[u8],
+        imm: MessageImm,
+    ) -> Result<(), ChannelError> {
+        let (offset, first_len) = placement.first;
+        let (head, tail) = msg.split_at((first_len as usize).min(msg.len()));
+        let inline = head.len().max(tail.len()) <= self.max_inline as usize;
+        if !inline {
+            self.send_ring.write_at(offset, head);
+            self.send_ring.write_at(0, tail);
+        }
+        let imm = imm.encode().to_be();
+        let (rkey, base) = (self.peer.ring_rkey, self.peer.ring_addr);
+        let lkey = self.send_mr.lkey();
+        let send_base = self.send_ring.addr();
+        let mut guard = self.qp.start_post_send();
+        let mut pieces = 0;
+        // The piece at the end of the ring first: RC keeps order, so when the immediate
+        // arrives the whole message is in place.
+        if !tail.is_empty() {
+            let wr = guard
+                .construct_wr(WR_DATA, WorkRequestFlags::Signaled)
+                .setup_write(rkey, base + u64::from(offset));
+            if inline {
+                wr.setup_inline_data(head);
+            } else {
+                // SAFETY: the range is inside the registered send ring, which outlives the
+                // queue pair, and credits keep it unchanged until the peer acknowledges.
+                unsafe { wr.setup_sge(lkey, send_base + u64::from(offset), first_len) };
+            }
+            pieces += 1;
+        }
+        let (dst_offset, data) = if tail.is_empty() {
+            (offset, head)
+        } else {
+            (0, tail)
+        };
+        let wr = guard
+            .construct_wr(WR_DATA, WorkRequestFlags::Signaled)
+            .setup_write_imm(rkey, base + u64::from(dst_offset), imm);
+        if data.is_empty() {
+            // A zero-length message: the immediate alone.
+        } else if inline {
+            wr.setup_inline_data(data);
+        } else {
+            // SAFETY: as above.
+            unsafe { wr.setup_sge(lkey, send_base + u64::from(dst_offset), data.len() as u32) };
+        }
+        pieces += 1;
+        guard.post().map_err(|e| {
+            verb_err(
+                "ibv_post_send (RDMA write with immediate)",
+                &self.device,
+                other(e),
+            )
+        })?;
+        self.outstanding_sends += pieces;
+        Ok(())
+    }
+
+    fn post_ack(&mut self, count: u32) -> Result<(), ChannelError> {
+        let mut guard = self.qp.start_post_send();
+        guard
+            .construct_wr(WR_ACK, WorkRequestFlags::Signaled)
+            .setup_send_imm(count.to_be());
+        guard
+            .post()
+            .map_err(|e| verb_err("ibv_post_send (credit ack)", &self.device, other(e)))?;
+        self.outstanding_sends += 1;
+        Ok(())
+    }
+
+    /// Takes completions: busy-polls for the spin time, then sleeps on the completion
+    /// channel until something completes or the deadline passes.
+    fn progress(
+        &mut self,
+        deadline: Option<(Instant, Duration)>,
+        operation: &'static str,
+    ) -> Result<(), ChannelError> {
+        let spin_until = Instant::now() + self.spin;
+        loop {
+            if self.poll_once()? > 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if let Some((at, after)) = deadline {
+                if now >= at {
+                    return Err(ChannelError::Timeout { operation, after });
+                }
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            if !self.armed {
+                // SAFETY: the CQ is alive (owned by self).
+                let rc = unsafe { ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+                if rc != 0 {
+                    return Err(verb_err(
+                        "ibv_req_notify_cq",
+                        &self.device,
+                        io::Error::from_raw_os_error(rc),
+                    ));
+                }
+                self.armed = true;
+                // A completion that slipped in before arming raises no event: poll again.
+                continue;
+            }
+            self.wait_event(deadline.map(|(at, _)| at))?;
+        }
+    }
+
+    /// Sleeps until the completion channel has an event (or `deadline`), and consumes it.
+    fn wait_event(&mut self, deadline: Option<Instant>) -> Result<(), ChannelError> {
+        let timeout_ms = match deadline {
+            None => -1,
+            Some(at) => {
+                let left = at.saturating_duration_since(Instant::now());
+                i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
+            }
+        };
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&*self.comp_channel),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                return Ok(());
+            }
+            return Err(verb_err(
+                "poll on the completion channel",
+                &self.device,
+                err,
+            ));
+        }
+        if rc == 0 {
+            return Ok(());
+        }
+        let mut cq = std::ptr::null_mut();
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the channel is alive; the out-pointers are valid locals. The channel is
+        // non-blocking, so this returns -1 (EAGAIN) if the event was already taken.
+        let rc = unsafe {
+            ibv_get_cq_event(self.comp_channel.comp_channel().as_ptr(), &mut cq, &mut ctx)
+        };
+        if rc == 0 {
+            self.armed = false;
+            self.unacked_events += 1;
+            if self.unacked_events >= 64 {
+                self.ack_events();
+            }
+        }
+        Ok(())
+    }
+
+    fn ack_events(&mut self) {
+        if self.unacked_events > 0 {
+            // SAFETY: the CQ is alive, and exactly this many events were taken from it.
+            unsafe { ibv_ack_cq_events(self.cq.cq().as_ptr(), self.unacked_events) };
+            self.unacked_events = 0;
+        }
+    }
+
+    /// Polls the CQ once and handles what it returned; the number of completions.
+    fn poll_once(&mut self) -> Result<usize, ChannelError> {
+        let mut wcs: [MaybeUninit<ibv_wc>; POLL_BATCH] = [MaybeUninit::uninit(); POLL_BATCH];
+        // SAFETY: the CQ is alive; the array has POLL_BATCH entries for the device to fill.
+        let n = unsafe {
+            ibv_poll_cq(
+                self.cq.cq().as_ptr(),
+                POLL_BATCH as i32,
+                wcs.as_mut_ptr().cast::<ibv_wc>(),
+            )
+        };
+        if n < 0 {
+            return Err(verb_err(
+                "ibv_poll_cq",
+                &self.device,
+                io::Error::from_raw_os_error(-n),
+            ));
+        }
+        let n = (n as usize).min(POLL_BATCH);
+        let mut first_error = None;
+        for wc in &wcs[..n] {
+            // SAFETY: ibv_poll_cq initialised the first n entries.
+            let wc = unsafe { wc.assume_init_ref() };
+            if let Err(err) = self.handle_completion(wc) {
+                first_error.get_or_insert(err);
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(n),
+        }
+    }
+
+    fn handle_completion(&mut self, wc: &ibv_wc) -> Result<(), ChannelError> {
+        let kind = wc.wr_id & WR_KIND_MASK;
+        if kind != WR_RECV {
+            self.outstanding_sends = self.outstanding_sends.saturating_sub(1);
+        }
+        if wc.status != 0 {
+            let operation = match kind {
+                WR_RECV => "receive (ibv_post_recv)",
+                WR_DATA => "RDMA write with immediate",
+                WR_ACK => "send with immediate (credit ack)",
+                WR_READ => "RDMA read (zero-copy receive)",
+                _ => "unknown work request",
+            };
+            let failure = CompletionFailure {
+                operation,
+                status: wc.status,
+                vendor_err: wc.vendor_err,
+                device: self.device.clone(),
+                qpn: self.qpn,
+            };
+            debug!(%failure, "RDMA work completion failed");
+            let failure = self.failure.get_or_insert(failure).clone();
+            return Err(ChannelError::Completion(failure));
+        }
+        if kind == WR_READ {
+            if let Some(pending) = self.pending_read.as_mut() {
+                pending.in_flight = pending.in_flight.saturating_sub(1);
+            }
+        }
+        if kind != WR_RECV {
+            return Ok(());
+        }
+        // SAFETY: both union members are plain u32.
+        let imm = u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data });
+        match wc.opcode {
+            rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => self.arrived.push_back(imm),
+            rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV => {
+                self.tx.acknowledge(imm)?;
+                self.acked_seq += u64::from(imm);
+                while self
+                    .large_in_flight
+                    .front()
+                    .is_some_and(|large| large.seq < self.acked_seq)
+                {
+                    self.large_in_flight.pop_front();
+                }
+            }
+            _ => {}
+        }
+        self.post_recv()
+    }
+}
+
+impl Drop for IbvChannel {
+    fn drop(&mut self) {
+        // Unacknowledged CQ events would make ibv_destroy_cq wait forever.
+        self.ack_events();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_display_names_the_status() {
+        let failure = CompletionFailure {
+            operation: "RDMA write with immediate",
+            status: 12,
+            vendor_err: 0x81,
+            device: "rxe0".into(),
+            qpn: 0x11,
+        };
+        assert_eq!(
+            failure.to_string(),
+            "RDMA write with immediate failed with IBV_WC_RETRY_EXC_ERR (vendor error 0x81) \
+             on RDMA device rxe0 QP 0x11"
+        );
+        let unknown = CompletionFailure {
+            status: 77,
+            ..failure
+        };
+        assert!(unknown.to_string().contains("failed with status 77"));
+    }
+
+    #[test]
+    fn ring_memory_bounds_are_checked() {
+        let mut ring = RingMemory::new(64).unwrap();
+        ring.write_at(60, b"abcd");
+        ring.write_at(62, b"zzzz"); // out of range: ignored
+        let mut out = Vec::new();
+        ring.read_at(60, 4, &mut out);
+        assert_eq!(out, b"abcd");
+        ring.read_at(63, 2, &mut out);
+        assert_eq!(out, b"abcd");
+        assert!(RingMemory::new(0).is_err());
+    }
+
+    #[test]
+    fn psn_is_24_bits() {
+        assert!(initial_psn() <= MAX_24BIT);
+    }
+}
