@@ -253,6 +253,24 @@ mod tests {
     }
 
     #[test]
+    fn more_pieces_than_iov_max_take_several_calls() {
+        let count = IOV_MAX * 2 + 7;
+        let source: Vec<u8> = (0..count).map(|i| (i % 255) as u8).collect();
+        let mut targets = vec![[0u8; 1]; count];
+        let base = source.as_ptr() as u64;
+        let mut pieces: Vec<Piece<'_>> = targets
+            .iter_mut()
+            .enumerate()
+            .map(|(i, target)| Piece {
+                remote: base + i as u64,
+                local: &mut target[..],
+            })
+            .collect();
+        read_pieces(std::process::id() as libc::pid_t, &mut pieces).expect("self read");
+        assert!(targets.iter().zip(&source).all(|(t, s)| t[0] == *s));
+    }
+
+    #[test]
     fn reading_an_unmapped_range_fails_with_efault() {
         let mut target = [0u8; 16];
         let mut pieces = [Piece {
