@@ -325,9 +325,12 @@ impl CmaPeer {
                 differs,
             });
         }
-        let raw = libc::pid_t::try_from(process.pid).unwrap_or(0);
         let gone = CmaError::PeerGone { pid: process.pid };
-        let pid = Pid::from_raw(raw.max(0)).ok_or(CmaError::PeerGone { pid: process.pid })?;
+        // A pid that is not a positive `pid_t` names no process.
+        let raw = libc::pid_t::try_from(process.pid).unwrap_or(0);
+        let Some(pid) = Pid::from_raw(raw.max(0)) else {
+            return Err(gone);
+        };
         // Take the pidfd first, then check the start time: if it matches, the pidfd
         // refers to the exporter (a pid is not reused while a process holds it).
         let pidfd = match rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
@@ -685,6 +688,13 @@ mod tests {
         let err = CmaPeer::open(&older).expect_err("start time differs");
         assert!(matches!(err, CmaError::PeerReplaced { .. }), "{err}");
         assert!(err.is_peer_gone());
+        for pid in [0, u32::MAX] {
+            let nobody = ProcessIdentity { pid, ..me };
+            assert!(matches!(
+                CmaPeer::open(&nobody),
+                Err(CmaError::PeerGone { .. })
+            ));
+        }
     }
 
     #[test]
