@@ -8,8 +8,10 @@
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
 //!   `file://` and registered schemes, driven by the core's plans.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
+//! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`).
 #![warn(missing_docs)]
 
+pub mod channel;
 pub mod rendezvous;
 pub mod server;
 pub mod store;
