@@ -421,3 +421,86 @@ fn waits_and_barriers_cross_executors() {
     assert_eq!(counts, (1..=ranks as i64).collect::<Vec<_>>());
     assert_eq!(server.stats().waiters, 0);
 }
+
+/// The one-executor server on glommio tasks (`--backend glommio`) instead of the default
+/// io_uring loop: the same cases.
+#[test]
+fn base_tests_and_waits_on_the_glommio_backend() {
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        backend: rdzv::uring::Backend::Glommio,
+        ..ServerOptions::default()
+    })
+    .expect("start server");
+    let store = client(&server);
+    all_base_tests(&store, 5);
+    let port = server.port();
+    let waiter = std::thread::spawn(move || {
+        let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+        s.wait(&["glommio/late"], Some(Duration::from_secs(10)))
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    store.set("glommio/late", b"1").unwrap();
+    waiter.join().unwrap().unwrap();
+}
+
+/// Many connections of the io_uring loop waking each other: 64 ranks meet at a barrier
+/// twice, every rank counts itself, and nothing is left waiting.
+#[test]
+fn sixty_four_ranks_wake_each_other_on_the_io_uring_loop() {
+    let server = server();
+    let port = server.port();
+    let ranks = 64;
+    let handles: Vec<_> = (0..ranks)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(20)).unwrap();
+                s.barrier("first", ranks, Some(Duration::from_secs(20)))
+                    .unwrap();
+                let n = s.add("counter", 1).unwrap();
+                s.barrier("second", ranks, Some(Duration::from_secs(20)))
+                    .unwrap();
+                n
+            })
+        })
+        .collect();
+    let mut counts: Vec<i64> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    counts.sort();
+    assert_eq!(counts, (1..=ranks).collect::<Vec<_>>());
+    assert_eq!(server.stats().waiters, 0);
+}
+
+/// Shutdown with clients connected and one waiting: it returns, and the clients see
+/// their connections closed rather than hanging.
+#[test]
+fn shutdown_with_connected_and_waiting_clients_returns() {
+    let server = server();
+    let port = server.port();
+    let idle = client(&server);
+    idle.set("k", b"v").unwrap();
+    let waiter = std::thread::spawn(move || {
+        let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+        s.wait(&["never"], Some(Duration::from_secs(10)))
+    });
+    let started = Instant::now();
+    while server.stats().waiters == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the wait never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let shutting = Instant::now();
+    server.shutdown();
+    assert!(
+        shutting.elapsed() < Duration::from_secs(7),
+        "{:?}",
+        shutting.elapsed()
+    );
+    assert!(
+        waiter.join().unwrap().is_err(),
+        "the waiter must see the close"
+    );
+    assert!(idle.get("k").is_err());
+}

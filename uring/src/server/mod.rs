@@ -1,10 +1,13 @@
-//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on glommio.
+//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring.
 //!
-//! Each executor thread runs an accept loop and one task per connection. A connection
-//! task reads bytes, cuts them into requests with `rdzv_core::store::codec`, hands each to
-//! the single `rdzv_core::store::engine::Engine`, encodes the reply, and forwards the
-//! wake-ups the engine owes other connections to their tasks. Nothing here decides what a
-//! request means. See `ARCHITECTURE.md` for why one engine owner (and the numbers).
+//! With one executor (the default) the server is a single io_uring event loop
+//! ([`Backend::IoUring`], module `direct`); with `threads > 1`, or [`Backend::Glommio`],
+//! each glommio executor thread runs an accept loop and one task per connection (module
+//! `conn`). Either way a connection's bytes are cut into requests with
+//! `rdzv_core::store::codec`, handed to the single `rdzv_core::store::engine::Engine`,
+//! the replies encoded, and the wake-ups the engine owes other connections forwarded to
+//! them (module `session` holds what both share). Nothing here decides what a request
+//! means. See `ARCHITECTURE.md` for why one engine owner, and the numbers.
 //!
 //! Bad input never costs another client anything: a decode error, a wrong magic or a
 //! non-VALIDATE first message closes only that connection, lengths are checked against
