@@ -44,6 +44,8 @@
 #![warn(missing_docs)]
 
 pub mod cuda;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ibv;
 mod report;
 

@@ -12,6 +12,8 @@
 #![warn(missing_docs)]
 
 pub mod channel;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod rendezvous;
 pub mod server;
 pub mod store;

@@ -1,0 +1,39 @@
+//! The checks behind this crate's cargo-fuzz target (`fuzz/fuzz_targets/channel_descriptors.rs`),
+//! public so that `uring/tests/fuzz_corpus.rs` replays the committed seeds and random
+//! inputs through exactly the same assertions in every `cargo test`.
+//!
+//! What is checked: the decoders of what a peer sends beside a pipe (`cma` and `xth`
+//! descriptors, transfer acks) never panic, and whatever they accept encodes back to the
+//! very same bytes. Nothing here reads another process.
+
+use crate::channel::cma::CmaDescriptor;
+use crate::channel::xth::XthDescriptor;
+use crate::channel::TransferAck;
+
+/// Feeds `data` to every channel descriptor decoder.
+///
+/// # Panics
+/// When a decoder breaks its contract (that is the finding).
+pub fn channel_descriptors(data: &[u8]) {
+    if let Ok(ack) = TransferAck::decode(data) {
+        assert_eq!(
+            ack.encode().as_slice(),
+            data,
+            "an accepted ack re-encodes to itself"
+        );
+    }
+    if let Ok(descriptor) = XthDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "xth descriptor round trip"
+        );
+    }
+    if let Ok(descriptor) = CmaDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "cma descriptor round trip"
+        );
+    }
+}
