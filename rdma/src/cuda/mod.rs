@@ -15,7 +15,17 @@
 //! `ibv_reg_mr`-on-device-pointer route). This module creates no context, allocates no
 //! memory and registers nothing.
 
+pub mod basic;
+pub mod byte_channel;
+mod channel_error;
+pub mod descriptor;
+pub mod gdr;
+pub mod ipc;
+pub mod memory;
 pub mod peer_memory;
+pub mod staging;
+pub mod viability;
+pub mod xth;
 
 use std::ffi::c_int;
 use std::fmt;
@@ -24,6 +34,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
+pub use channel_error::CudaChannelError;
 pub use peer_memory::{PeerMemory, PeerMemoryClient};
 
 /// Outcome of [`probe`].
