@@ -4,7 +4,7 @@
 //! design: 16 slots of 1 MiB) and a [`ByteChannel`]. Sending issues `cuMemcpyDtoHAsync` of
 //! each chunk into a slot on the caller's stream, records the slot's event, and ships the
 //! slot once the event has fired; receiving reads each chunk into a slot and issues
-//! `cuMemcpyHtoDAsync` on the caller's stream. The scheduling is [`staging`](super::staging)'s;
+//! `cuMemcpyHtoDAsync` on the caller's stream. The scheduling is [`staging`]'s;
 //! this module is its CUDA half. Host buffers take the same wire format without staging,
 //! so a CPU tensor on one side and a CUDA tensor on the other interoperate.
 //!
@@ -229,14 +229,15 @@ impl<C: ByteChannel> CudaBasicChannel<C> {
         })
     }
 
-    /// Sends the device bytes of `src`, read in order on `stream` (so work queued on it
-    /// before, such as the kernel that produced them, completes first). Returns once every
-    /// byte has been handed to the CPU channel.
+    /// Sends the device bytes of `src`, read in order on `stream`, a stream of this
+    /// channel's device (so work queued on it before, such as the kernel that produced
+    /// them, completes first). Returns once every byte has been handed to the CPU channel.
     pub fn send(
         &mut self,
         src: DeviceRange<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaChannelError> {
+        self.send_pool.gpu.check_stream(stream)?;
         let total = src.len();
         let mut side = BoundPool {
             pool: &mut self.send_pool,
@@ -247,12 +248,14 @@ impl<C: ByteChannel> CudaBasicChannel<C> {
     }
 
     /// Receives a transfer into `dst`, whose length must equal the sender's. The copies to
-    /// the device are issued on `stream`; the call returns once they have completed.
+    /// the device are issued on `stream`, a stream of this channel's device; the call returns
+    /// once they have completed.
     pub fn recv(
         &mut self,
         dst: DeviceRange<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaChannelError> {
+        self.recv_pool.gpu.check_stream(stream)?;
         let total = dst.len();
         let mut side = BoundPool {
             pool: &mut self.recv_pool,

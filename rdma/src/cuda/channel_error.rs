@@ -63,6 +63,15 @@ pub enum CudaChannelError {
         /// Bytes per slot.
         slot_len: usize,
     },
+    /// A stream of one device was given to a channel endpoint bound to another (its
+    /// events can only be recorded on streams of their own context).
+    #[error("the stream belongs to CUDA device {stream_device} but this endpoint's staging memory and events are on device {endpoint_device}")]
+    WrongDevice {
+        /// Device of the endpoint's pool or outbox.
+        endpoint_device: usize,
+        /// Device of the stream passed in.
+        stream_device: usize,
+    },
     /// The peer reported that its side of the transfer failed.
     #[error("the receiving side failed: {detail}")]
     PeerFailed {

@@ -634,15 +634,16 @@ impl<C: ByteChannel> CudaIpcSender<C> {
         })
     }
 
-    /// Sends `src`, produced by work on `stream` (a stream of the outbox's device, or of a
-    /// device with peer access to it). Returns when the receiver has acknowledged every
-    /// chunk; `stream` is then ordered after the receiver's copies, so the source may be
+    /// Sends `src`, produced by work on `stream`, a stream of the outbox's device (`src`
+    /// itself may live on another device with peer access). Returns when the receiver has
+    /// acknowledged every chunk; `stream` is then ordered after the receiver's copies, so the source may be
     /// reused by later work on it.
     pub fn send(
         &mut self,
         src: DeviceRange<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaChannelError> {
+        self.outbox.gpu.check_stream(stream)?;
         let total = src.len();
         let mut side = BoundOutbox {
             outbox: &self.outbox,
@@ -701,12 +702,13 @@ impl<C: ByteChannel> CudaIpcReceiver<C> {
     }
 
     /// Receives a transfer into `dst` (its length must equal the sender's), copying on
-    /// `stream`; `dst` is ready once `stream` has passed the returned point.
+    /// `stream`, a stream of this receiver's device; `dst` is ready once `stream` has passed the returned point.
     pub fn recv(
         &mut self,
         dst: DeviceRange<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaChannelError> {
+        self.gpu.check_stream(stream)?;
         let total = dst.len();
         let mut side = BoundInbox {
             gpu: &self.gpu,

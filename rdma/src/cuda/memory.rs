@@ -82,6 +82,18 @@ impl Gpu {
             .map_err(CudaChannelError::driver("cuStreamCreate", self.ordinal()))
     }
 
+    /// Checks that `stream` belongs to this device's context.
+    pub fn check_stream(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+        if stream.context().cu_ctx() == self.ctx.cu_ctx() {
+            Ok(())
+        } else {
+            Err(CudaChannelError::WrongDevice {
+                endpoint_device: self.ordinal(),
+                stream_device: stream.context().ordinal(),
+            })
+        }
+    }
+
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<(), CudaChannelError> {
         self.ctx
