@@ -32,7 +32,9 @@ use std::sync::Arc;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
-use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::memory_region::{
+    MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
+};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
@@ -368,7 +370,7 @@ impl GdrRegistrar {
                 path: GdrPath::PeerMemory,
                 ptr: base,
                 len,
-                source: io::Error::other(e),
+                source: verbs_io_error(e),
             }
         })?;
         Ok(GdrRegistration {
@@ -431,20 +433,23 @@ impl GdrRegistrar {
                 self.access,
             )
         }
-        .map_err(|e| {
-            let source = match e.0 {
-                sideway::ibverbs::memory_region::RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
-                other => io::Error::other(other.to_string()),
-            };
-            GdrError::Register {
-                verb: "ibv_reg_dmabuf_mr",
-                path: GdrPath::DmaBuf,
-                ptr: base,
-                len,
-                source,
-            }
+        .map_err(|e| GdrError::Register {
+            verb: "ibv_reg_dmabuf_mr",
+            path: GdrPath::DmaBuf,
+            ptr: base,
+            len,
+            source: verbs_io_error(e),
         })?;
         Ok(mr)
+    }
+}
+
+/// The OS error behind a sideway registration error (keeping its errno for
+/// [`fall_back_to_peer_memory`]).
+fn verbs_io_error(err: RegisterMemoryRegionError) -> io::Error {
+    match err.0 {
+        RegisterMemoryRegionErrorKind::Ibverbs(source) => source,
+        other => io::Error::other(other.to_string()),
     }
 }
 
@@ -525,6 +530,31 @@ mod tests {
         assert!(!fall_back_to_peer_memory(Some(libc::EOPNOTSUPP), false));
         assert!(!fall_back_to_peer_memory(Some(libc::ENOMEM), true));
         assert!(!fall_back_to_peer_memory(None, true));
+    }
+
+    #[test]
+    fn verbs_errors_keep_their_errno_for_the_fallback() {
+        let unsupported = RegisterMemoryRegionError::from(RegisterMemoryRegionErrorKind::Ibverbs(
+            io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        ));
+        let source = verbs_io_error(unsupported);
+        assert!(fall_back_to_peer_memory(source.raw_os_error(), true));
+        let null =
+            RegisterMemoryRegionError::from(RegisterMemoryRegionErrorKind::UnexpectedNullPointer);
+        let source = verbs_io_error(null);
+        assert_eq!(source.raw_os_error(), None);
+        assert!(!fall_back_to_peer_memory(source.raw_os_error(), true));
+        let err = GdrError::Register {
+            verb: "ibv_reg_dmabuf_mr",
+            path: GdrPath::DmaBuf,
+            ptr: 0x7f00_0000_0000,
+            len: 1 << 21,
+            source,
+        };
+        assert_eq!(
+            err.to_string(),
+            "ibv_reg_dmabuf_mr failed for [0x7f0000000000, +2097152) (dma-buf)"
+        );
     }
 
     #[test]
