@@ -39,8 +39,9 @@
 //!
 //! - Plugging the channel into the RPC agent as the `ibv` transport (negotiation,
 //!   reconnect), one shared CQ/SRQ across peers, and receiving into caller-provided memory.
-//! - CUDA channels: same-process copies, CUDA IPC staging between processes on one host,
-//!   and GPUDirect RDMA (dma-buf or peer-memory registration of device memory).
+//! - CUDA channels exist ([`cuda::basic`], [`cuda::xth`], [`cuda::ipc`], and the
+//!   registration half of [`cuda::gdr`]) but are not yet plugged into the RPC agent; the
+//!   GPUDirect RDMA data path over [`ibv`] queue pairs is not written.
 #![warn(missing_docs)]
 
 pub mod cuda;

@@ -12,10 +12,36 @@
 //! `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED` and `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`
 //! attributes (the dma-buf route: `cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`),
 //! and per host whether a peer-memory kernel module is loaded ([`peer_memory`]; the
-//! `ibv_reg_mr`-on-device-pointer route). This module creates no context, allocates no
+//! `ibv_reg_mr`-on-device-pointer route). The probe creates no context, allocates no
 //! memory and registers nothing.
+//!
+//! The channels that move CUDA tensors live in the submodules:
+//!
+//! - [`basic`]: `cuda_basic`, staging through a bounded pool of pinned host slots over any
+//!   CPU [`byte_channel::ByteChannel`] (pipeline in [`staging`]);
+//! - [`xth`]: `cuda_xth`, device copies between two endpoints of one process, ordered by
+//!   a start and a stop event;
+//! - [`ipc`]: `cuda_ipc`, between processes of one host through a sender-side staging
+//!   outbox whose IPC memory and event handles the receiver opens once;
+//! - [`gdr`]: `cuda_gdr`'s registration of device memory with a NIC (dma-buf, falling back
+//!   to peer memory); the RDMA data path over it is not built yet.
+//!
+//! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
+//! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
+//! (device, `cuMemAlloc` memory, pinned memory, events) and opens a device without ever
+//! panicking when the driver is absent.
 
+pub mod basic;
+pub mod byte_channel;
+mod channel_error;
+pub mod descriptor;
+pub mod gdr;
+pub mod ipc;
+pub mod memory;
 pub mod peer_memory;
+pub mod staging;
+pub mod viability;
+pub mod xth;
 
 use std::ffi::c_int;
 use std::fmt;
@@ -24,6 +50,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
+pub use channel_error::CudaChannelError;
 pub use peer_memory::{PeerMemory, PeerMemoryClient};
 
 /// Outcome of [`probe`].

@@ -1,0 +1,145 @@
+//! The error every CUDA channel operation returns.
+//!
+//! One variant per kind of failing call: a CUDA driver call (named, with the device), the
+//! CPU byte channel underneath (with what it was doing), a malformed or inconsistent
+//! message from the peer, and a panic caught inside cudarc. This module decides nothing
+//! about retries or fallbacks: a failed transfer is reported to the caller, who fails the
+//! pipe's pending work.
+
+use std::io;
+
+use cudarc::driver::result::DriverError;
+
+use super::CudaNotViable;
+
+/// A failed CUDA channel operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaChannelError {
+    /// CUDA cannot be used on this host at all.
+    #[error("CUDA is not usable on this host: {0}")]
+    NotViable(#[source] CudaNotViable),
+    /// A CUDA driver call failed.
+    #[error("{call} failed on CUDA device {device}")]
+    Driver {
+        /// The driver entry point, e.g. `cuMemcpyDtoHAsync`.
+        call: &'static str,
+        /// Ordinal of the device whose context was current.
+        device: usize,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// The CPU channel underneath failed.
+    #[error("the CPU channel failed while {action}")]
+    Cpu {
+        /// What the channel was doing, e.g. `sending a staged chunk`.
+        action: &'static str,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer sent bytes that do not form a valid message of this channel.
+    #[error("malformed {what} from the peer: {detail}")]
+    Protocol {
+        /// The message kind, e.g. `cuda_ipc chunk descriptor`.
+        what: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// The sender's tensor and the receiver's buffer differ in length.
+    #[error("length mismatch: the sender transfers {sent} bytes but the receiving buffer holds {expected}")]
+    LengthMismatch {
+        /// Bytes the sender announced.
+        sent: u64,
+        /// Bytes the receiver expected.
+        expected: u64,
+    },
+    /// A staging pool was configured with no slot or empty slots.
+    #[error("invalid staging pool: {slots} slot(s) of {slot_len} bytes")]
+    InvalidPool {
+        /// Number of slots.
+        slots: usize,
+        /// Bytes per slot.
+        slot_len: usize,
+    },
+    /// A stream of one device was given to a channel endpoint bound to another (its
+    /// events can only be recorded on streams of their own context).
+    #[error("the stream belongs to CUDA device {stream_device} but this endpoint's staging memory and events are on device {endpoint_device}")]
+    WrongDevice {
+        /// Device of the endpoint's pool or outbox.
+        endpoint_device: usize,
+        /// Device of the stream passed in.
+        stream_device: usize,
+    },
+    /// The peer reported that its side of the transfer failed.
+    #[error("the receiving side failed: {detail}")]
+    PeerFailed {
+        /// The peer's error, as text.
+        detail: String,
+    },
+    /// The in-process peer of a `cuda_xth` channel is gone.
+    #[error("the cuda_xth peer in this process hung up")]
+    PeerGone,
+    /// cudarc panicked inside a driver call (e.g. a symbol missing from an old driver).
+    #[error("the CUDA driver bindings panicked in {call}: {message}")]
+    Panicked {
+        /// What was being called.
+        call: &'static str,
+        /// The panic message.
+        message: String,
+    },
+}
+
+impl CudaChannelError {
+    /// A `Driver` error for `call` on `device`.
+    pub(crate) fn driver(call: &'static str, device: usize) -> impl FnOnce(DriverError) -> Self {
+        move |source| CudaChannelError::Driver {
+            call,
+            device,
+            source,
+        }
+    }
+
+    /// A `Cpu` error while doing `action`.
+    pub(crate) fn cpu(action: &'static str) -> impl FnOnce(io::Error) -> Self {
+        move |source| CudaChannelError::Cpu { action, source }
+    }
+
+    /// A `Protocol` error about `what`.
+    pub(crate) fn protocol(what: &'static str, detail: impl Into<String>) -> Self {
+        CudaChannelError::Protocol {
+            what,
+            detail: detail.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn messages_name_the_call_and_the_device() {
+        let err = CudaChannelError::driver("cuMemcpyDtoHAsync", 3)(DriverError(
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+        ));
+        assert_eq!(err.to_string(), "cuMemcpyDtoHAsync failed on CUDA device 3");
+        let err = CudaChannelError::LengthMismatch {
+            sent: 10,
+            expected: 12,
+        };
+        assert_eq!(
+            err.to_string(),
+            "length mismatch: the sender transfers 10 bytes but the receiving buffer holds 12"
+        );
+        let err = CudaChannelError::cpu("sending a staged chunk")(io::Error::from(
+            io::ErrorKind::BrokenPipe,
+        ));
+        assert_eq!(
+            err.to_string(),
+            "the CPU channel failed while sending a staged chunk"
+        );
+    }
+}
