@@ -3,10 +3,11 @@
 //! inputs through exactly the same assertions in every `cargo test`.
 //!
 //! What is checked: the decoders of what a peer sends beside a pipe (`cma` and `xth`
-//! descriptors, transfer acks) never panic, and whatever they accept encodes back to the
+//! descriptors, transfer acks, `mpt` stripe headers) never panic, and whatever they accept encodes back to the
 //! very same bytes. Nothing here reads another process.
 
 use crate::channel::cma::CmaDescriptor;
+use crate::channel::mpt::{StripeHeader, STRIPE_HEADER_LEN};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
 
@@ -35,5 +36,13 @@ pub fn channel_descriptors(data: &[u8]) {
             data,
             "cma descriptor round trip"
         );
+    }
+    if let Some(raw) = data
+        .get(..STRIPE_HEADER_LEN)
+        .and_then(|b| <&[u8; STRIPE_HEADER_LEN]>::try_from(b).ok())
+    {
+        if let Some(header) = StripeHeader::decode(raw) {
+            assert_eq!(&header.encode(), raw, "mpt stripe header round trip");
+        }
     }
 }

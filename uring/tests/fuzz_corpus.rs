@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use rdzv_uring::channel::cma::CmaDescriptor;
+use rdzv_uring::channel::mpt::StripeHeader;
 use rdzv_uring::channel::xth::XthDescriptor;
 use rdzv_uring::channel::{ProcessIdentity, TransferAck};
 use rdzv_uring::fuzzing::channel_descriptors;
@@ -32,6 +33,13 @@ fn samples() -> Vec<Vec<u8>> {
             address: 0x7f00_0000_1000,
             length: 64 << 20,
             transfer_id: 9,
+        }
+        .encode()
+        .to_vec(),
+        StripeHeader {
+            transfer_id: 4,
+            offset: 1 << 20,
+            len: 1 << 20,
         }
         .encode()
         .to_vec(),
@@ -67,7 +75,7 @@ fn real_descriptors_pass() {
 fn write_seeds() {
     let dir = corpus_dir();
     std::fs::create_dir_all(&dir).expect("mkdir");
-    for (name, bytes) in ["ack", "xth", "cma"].into_iter().zip(samples()) {
+    for (name, bytes) in ["ack", "xth", "cma", "mpt"].into_iter().zip(samples()) {
         std::fs::write(dir.join(name), bytes).expect("write seed");
     }
 }
@@ -81,7 +89,7 @@ proptest! {
     }
 
     #[test]
-    fn mutated_descriptors(which in 0usize..3, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+    fn mutated_descriptors(which in 0usize..4, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
         let mut sample = samples().swap_remove(which);
         let i = at.index(sample.len());
         sample[i] = byte;

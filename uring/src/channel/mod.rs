@@ -5,8 +5,10 @@
 //!   the sender's bytes with `process_vm_readv`; nothing is copied through a socket.
 //! - [`xth`]: both ends in one process; the receiver copies straight from the sender's
 //!   buffer.
+//! - [`mpt`]: a tensor striped over several TCP connections, for hosts that cannot share
+//!   memory.
 //!
-//! Both channels follow one shape, TensorPipe's: the sender *exports* a buffer
+//! `cma` and `xth` follow one shape, TensorPipe's: the sender *exports* a buffer
 //! ([`cma::CmaExport`], [`xth::XthExport`]) and keeps it, unchanged, until the receiver
 //! says it is done. The export yields a small serializable descriptor that the agent
 //! sends over the pipe's transport; the receiver reads the bytes into its own buffer
@@ -22,6 +24,7 @@
 
 pub mod buffer;
 pub mod cma;
+pub mod mpt;
 pub mod process;
 pub mod xth;
 
