@@ -286,3 +286,43 @@ fn hostile_inputs_with_two_executors() {
     wait_until("the waiters are gone", || server.stats().waiters == 0);
     still_serves(&server, "precious", b"kept");
 }
+
+/// A client that pipelines requests and does not read the replies: the server stops
+/// reading it once its unsent replies pile up (bounded memory), keeps serving others,
+/// and delivers every reply in order once the client reads.
+#[test]
+fn a_client_that_never_reads_costs_others_nothing() {
+    let server = seeded();
+    let value = vec![0x5a; 64 << 10];
+    let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
+    store.set("big", &value).unwrap();
+    // SET has no reply: a GET on the same connection makes sure it has been applied.
+    assert_eq!(store.get("big").unwrap().len(), value.len());
+    let mut greedy = raw(&server);
+    greedy.write_all(&VALIDATE).unwrap();
+    let requests = 2000;
+    let mut writer = greedy.try_clone().unwrap();
+    let pipelined = std::thread::spawn(move || {
+        let frame = get_frame(b"/big");
+        for _ in 0..requests {
+            // Blocks once the server stops reading: that is the point.
+            writer.write_all(&frame).unwrap();
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    for i in 0..100 {
+        store.set(&format!("other{i}"), b"x").unwrap();
+        assert_eq!(store.get(&format!("other{i}")).unwrap(), b"x");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let mut reply = vec![0u8; 8 + value.len()];
+    for i in 0..requests {
+        greedy
+            .read_exact(&mut reply)
+            .unwrap_or_else(|e| panic!("reply {i}: {e}"));
+        assert_eq!(reply[..8], (value.len() as u64).to_le_bytes(), "reply {i}");
+        assert!(reply[8..] == value[..], "reply {i}");
+    }
+    pipelined.join().unwrap();
+}

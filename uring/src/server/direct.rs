@@ -42,6 +42,9 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 16384;
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
+/// A connection whose unsent replies exceed this stops being read until the peer reads
+/// them: a client that pipelines requests and never reads costs bounded memory.
+const OUT_HIGH_WATER: usize = 4 << 20;
 /// After a failed accept (out of descriptors, say), wait this long before the next one.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How long, after the drain, the loop waits for the kernel to complete cancelled
@@ -478,7 +481,8 @@ impl Server {
                 unsafe { self.push(&entry)? };
                 continue;
             }
-            if !conn.closing && !conn.recv_busy {
+            let unsent = conn.out.len() + conn.sending.len().saturating_sub(conn.sent);
+            if !conn.closing && !conn.recv_busy && unsent < OUT_HIGH_WATER {
                 let spare = conn.input.spare();
                 let len = u32::try_from(spare.len()).unwrap_or(u32::MAX);
                 let entry = opcode::Recv::new(fd, spare.as_mut_ptr(), len)
