@@ -132,7 +132,29 @@ impl ProcessIdentity {
 /// (callers check the total length first).
 pub(crate) struct FieldReader<'a>(pub(crate) &'a [u8]);
 
-impl FieldReader<'_> {
+impl<'a> FieldReader<'a> {
+    /// A reader over `bytes` once they are exactly `len` long and start with `magic`;
+    /// `what` names the record in the error.
+    pub(crate) fn tagged(
+        bytes: &'a [u8],
+        what: &'static str,
+        len: usize,
+        magic: &[u8; 4],
+    ) -> Result<FieldReader<'a>, super::DecodeError> {
+        if bytes.len() != len {
+            return Err(super::DecodeError::WrongLength {
+                what,
+                expected: len,
+                actual: bytes.len(),
+            });
+        }
+        let mut reader = FieldReader(bytes);
+        if reader.take::<4>() != *magic {
+            return Err(super::DecodeError::BadTag { what });
+        }
+        Ok(reader)
+    }
+
     /// The next `N` bytes.
     pub(crate) fn take<const N: usize>(&mut self) -> [u8; N] {
         let mut out = [0u8; N];

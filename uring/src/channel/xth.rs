@@ -58,19 +58,12 @@ impl XthDescriptor {
 
     /// Parses a descriptor produced by [`XthDescriptor::encode`].
     pub fn decode(bytes: &[u8]) -> Result<XthDescriptor, DecodeError> {
-        if bytes.len() != Self::ENCODED_LEN {
-            return Err(DecodeError::WrongLength {
-                what: "xth descriptor",
-                expected: Self::ENCODED_LEN,
-                actual: bytes.len(),
-            });
-        }
-        let mut reader = FieldReader(bytes);
-        if reader.take::<4>() != DESCRIPTOR_MAGIC {
-            return Err(DecodeError::BadTag {
-                what: "xth descriptor",
-            });
-        }
+        let mut reader = FieldReader::tagged(
+            bytes,
+            "xth descriptor",
+            Self::ENCODED_LEN,
+            &DESCRIPTOR_MAGIC,
+        )?;
         let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
         Ok(XthDescriptor {
             process: ProcessIdentity::decode_from(&identity),

@@ -83,19 +83,12 @@ impl CmaDescriptor {
     /// Parses a descriptor produced by [`CmaDescriptor::encode`]. Decoding checks only
     /// the form; [`CmaPeer`] checks the contents before reading.
     pub fn decode(bytes: &[u8]) -> Result<CmaDescriptor, DecodeError> {
-        if bytes.len() != Self::ENCODED_LEN {
-            return Err(DecodeError::WrongLength {
-                what: "cma descriptor",
-                expected: Self::ENCODED_LEN,
-                actual: bytes.len(),
-            });
-        }
-        let mut reader = FieldReader(bytes);
-        if reader.take::<4>() != DESCRIPTOR_MAGIC {
-            return Err(DecodeError::BadTag {
-                what: "cma descriptor",
-            });
-        }
+        let mut reader = FieldReader::tagged(
+            bytes,
+            "cma descriptor",
+            Self::ENCODED_LEN,
+            &DESCRIPTOR_MAGIC,
+        )?;
         let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
         Ok(CmaDescriptor {
             process: ProcessIdentity::decode_from(&identity),
