@@ -7,10 +7,12 @@
 //!   prefix and hash stores.
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
 //!   `file://` and registered schemes, driven by the core's plans.
+//! - [`rpc`]: the RPC agent (TensorPipe's), over the `tcp` transport.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
 #![warn(missing_docs)]
 
 pub mod rendezvous;
+pub mod rpc;
 pub mod server;
 pub mod store;
 pub mod transport;

@@ -1,0 +1,937 @@
+//! The agent's I/O thread: one glommio executor that owns every pipe, the listener and
+//! the timeout timer.
+//!
+//! Client pipes (one per destination, TensorPipe's `ClientPipe`) carry this worker's
+//! requests out and their responses back; inbound pipes carry peers' requests in and
+//! this worker's responses out. Each pipe has a reader task and a writer task, fed by a
+//! local channel, so that a long write never blocks reads. A pipe that fails or closes
+//! fails the calls pending on it and leaves the table; the next call to that peer opens
+//! a new one (PyTorch never re-creates a pipe).
+//!
+//! Timeouts are the core's [`TimeoutQueue`], driven by one timer task that sleeps until
+//! the earliest deadline and is poked when a call is scheduled. A call that times out
+//! leaves the pending table, so its late response is dropped.
+//!
+//! State lives in a `RefCell` that is never borrowed across an `.await`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Duration;
+
+use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::task::JoinHandle;
+use rdzv_core::negotiate::{
+    accept_answer, answer_brochure, ChannelKind, Negotiated, Role, TransportKind,
+};
+use rdzv_core::rpc::frame::{
+    decode_frame, decode_handshake, Decoded, FrameKind, FrameLimits, Handshake, TensorDescriptor,
+};
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
+
+use super::error::RpcError;
+use super::message::{CallContext, Completion, Message, Tensor};
+use super::shared::{Call, Command, Shared};
+use super::transport::{
+    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame, Transport,
+};
+
+/// An accepted inbound pipe: the peer's name and id, and what was negotiated.
+type Accepted = (String, WorkerId, Negotiated);
+
+/// A request for the worker pool.
+pub(crate) struct Job {
+    pub pipe: u64,
+    pub ctx: CallContext,
+    pub message: Message,
+}
+
+struct Pending {
+    peer: String,
+    handler: String,
+    pipe: u64,
+    sent_bytes: u64,
+    timeout: RpcTimeout,
+    completion: Arc<Completion>,
+}
+
+enum ClientPipe {
+    Connecting { id: u64, queued: Vec<Call> },
+    Ready(ReadyPipe),
+}
+
+#[derive(Clone)]
+struct ReadyPipe {
+    id: u64,
+    tx: Rc<LocalSender<OwnedFrame>>,
+    negotiated: Negotiated,
+}
+
+struct InboundPipe {
+    peer: String,
+    tx: Rc<LocalSender<OwnedFrame>>,
+    negotiated: Negotiated,
+}
+
+#[derive(Default)]
+struct IoState {
+    pending: HashMap<u64, Pending>,
+    timeouts: TimeoutQueue<u64>,
+    client_pipes: HashMap<String, ClientPipe>,
+    inbound: HashMap<u64, InboundPipe>,
+    next_pipe: u64,
+}
+
+pub(crate) struct Io {
+    shared: Arc<Shared>,
+    transport: Box<dyn Transport>,
+    /// Taken (dropped) at close, which lets the pool's threads exit.
+    jobs: RefCell<Option<Sender<Job>>>,
+    /// Every running task but the main loop, to cancel at close (an executor that
+    /// returns does not drop the tasks left on it).
+    tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
+    next_task: Cell<u64>,
+    state: RefCell<IoState>,
+    timer_poke: LocalSender<()>,
+    epoch: std::time::Instant,
+    writers: Rc<Cell<usize>>,
+}
+
+/// How long a graceful close waits for writers to flush their goodbyes.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
+
+impl Io {
+    /// Runs the I/O side until a [`Command::Close`]; `listener` is already bound.
+    pub async fn run(
+        shared: Arc<Shared>,
+        transport: Box<dyn Transport>,
+        listener: Box<dyn Listener>,
+        jobs: Sender<Job>,
+    ) {
+        let (timer_poke, timer_rx) = local_channel::new_bounded(1);
+        let io = Rc::new(Io {
+            shared,
+            transport,
+            jobs: RefCell::new(Some(jobs)),
+            tasks: RefCell::new(HashMap::new()),
+            next_task: Cell::new(0),
+            state: RefCell::new(IoState::default()),
+            timer_poke,
+            epoch: std::time::Instant::now(),
+            writers: Rc::new(Cell::new(0)),
+        });
+        io.spawn(Rc::clone(&io).accept_loop(listener));
+        io.spawn(Rc::clone(&io).timer_loop(timer_rx));
+        loop {
+            let commands = io.shared.mailbox.recv().await;
+            for command in commands {
+                match command {
+                    Command::Call(call) => io.start_call(call),
+                    Command::Respond {
+                        pipe,
+                        message_id,
+                        result,
+                    } => io.respond(pipe, message_id, result),
+                    Command::ResetPipes => io.reset_pipes(),
+                    Command::Close { goodbye } => {
+                        io.close(goodbye).await;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Spawns a task that [`close`](Self::close) cancels if it is still running.
+    fn spawn(self: &Rc<Self>, task: impl std::future::Future<Output = ()> + 'static) {
+        let id = self.next_task.get();
+        self.next_task.set(id + 1);
+        let io = Rc::clone(self);
+        let handle = glommio::spawn_local(async move {
+            task.await;
+            io.tasks.borrow_mut().remove(&id);
+        })
+        .detach();
+        self.tasks.borrow_mut().insert(id, handle);
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_duration(self.epoch.elapsed())
+    }
+
+    fn name(&self) -> &str {
+        self.shared.me.name()
+    }
+
+    fn shut_down_error(&self) -> RpcError {
+        RpcError::ShutDown {
+            name: self.name().to_string(),
+        }
+    }
+
+    /// Completes a call that never reached the pending table.
+    fn fail_unsent(&self, call: Call, error: RpcError) {
+        call.completion
+            .complete_then(Err(error), || self.shared.finish_client_call());
+    }
+
+    fn start_call(self: &Rc<Self>, call: Call) {
+        let address = match self
+            .shared
+            .group()
+            .and_then(|g| g.peers.get(&call.peer))
+            .map(|p| p.address.clone())
+        {
+            Some(address) => address,
+            None => {
+                let name = call.peer.clone();
+                return self.fail_unsent(call, RpcError::UnknownWorker { name });
+            }
+        };
+        let mut state = self.state.borrow_mut();
+        let next_id = state.next_pipe;
+        match state.client_pipes.get_mut(&call.peer) {
+            Some(ClientPipe::Ready(pipe)) => {
+                let pipe = pipe.clone();
+                drop(state);
+                self.send_call(call, &pipe);
+            }
+            Some(ClientPipe::Connecting { queued, .. }) => queued.push(call),
+            None => {
+                state.next_pipe += 1;
+                let peer = call.peer.clone();
+                state.client_pipes.insert(
+                    peer.clone(),
+                    ClientPipe::Connecting {
+                        id: next_id,
+                        queued: vec![call],
+                    },
+                );
+                drop(state);
+                self.spawn(Rc::clone(self).connect(next_id, peer, address));
+            }
+        }
+    }
+
+    /// Builds the frame's tensor descriptors: each tensor's target device is the device
+    /// map's image of its device (or the same device), and the negotiated channel for the
+    /// pair must be `basic`, the only channel this build runs.
+    fn tensor_frame(
+        &self,
+        frame: &mut OwnedFrame,
+        tensors: Vec<Tensor>,
+        peer: &str,
+        role: Role,
+        negotiated: &Negotiated,
+        reverse: bool,
+    ) -> Result<(), RpcError> {
+        let map = self.shared.group().and_then(|g| {
+            if reverse {
+                g.reverse_device_maps.get(peer)
+            } else {
+                g.device_maps.get(peer)
+            }
+        });
+        for tensor in tensors {
+            let target = map
+                .and_then(|m| m.get(&tensor.device))
+                .unwrap_or(tensor.device);
+            let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
+            if channel != Some(ChannelKind::Basic) {
+                return Err(RpcError::NoChannel {
+                    peer: peer.to_string(),
+                    source_device: tensor.device.to_string(),
+                    target_device: target.to_string(),
+                });
+            }
+            frame.tensors.push(TensorDescriptor {
+                source: tensor.device,
+                target,
+                channel: ChannelKind::Basic,
+                len: tensor.data.len() as u64,
+            });
+            frame.inline_data.push(tensor.data);
+        }
+        Ok(())
+    }
+
+    fn send_call(&self, call: Call, pipe: &ReadyPipe) {
+        let Call {
+            message_id,
+            peer,
+            handler,
+            message,
+            timeout,
+            completion,
+        } = call;
+        let mut frame = OwnedFrame {
+            handler,
+            metadata: message.metadata,
+            payload: message.payload,
+            ..OwnedFrame::empty(FrameKind::Request, message_id)
+        };
+        if let Err(e) = self.tensor_frame(
+            &mut frame,
+            message.tensors,
+            &peer,
+            Role::Connector,
+            &pipe.negotiated,
+            false,
+        ) {
+            completion.complete_then(Err(e), || self.shared.finish_client_call());
+            return;
+        }
+        let sent_bytes = frame.encoded_len() as u64;
+        let now = self.now();
+        {
+            let mut state = self.state.borrow_mut();
+            state.pending.insert(
+                message_id,
+                Pending {
+                    peer: peer.clone(),
+                    handler: frame.handler.clone(),
+                    pipe: pipe.id,
+                    sent_bytes,
+                    timeout,
+                    completion,
+                },
+            );
+            if state.timeouts.schedule(message_id, now, timeout).is_some() {
+                let _ = self.timer_poke.try_send(());
+            }
+        }
+        if pipe.tx.try_send(frame).is_err() {
+            self.pipe_ended(pipe.id, &peer, "the pipe's writer stopped".into());
+        }
+    }
+
+    fn respond(&self, pipe: u64, message_id: u64, result: Result<Message, String>) {
+        let state = self.state.borrow();
+        let Some(inbound) = state.inbound.get(&pipe) else {
+            tracing::debug!(pipe, message_id, "response for a closed pipe dropped");
+            return;
+        };
+        let (tx, peer, negotiated) = (
+            Rc::clone(&inbound.tx),
+            inbound.peer.clone(),
+            inbound.negotiated,
+        );
+        drop(state);
+        let frame = match result {
+            Ok(message) => {
+                let mut frame = OwnedFrame {
+                    metadata: message.metadata,
+                    payload: message.payload,
+                    ..OwnedFrame::empty(FrameKind::Response, message_id)
+                };
+                match self.tensor_frame(
+                    &mut frame,
+                    message.tensors,
+                    &peer,
+                    Role::Listener,
+                    &negotiated,
+                    true,
+                ) {
+                    Ok(()) => frame,
+                    Err(e) => error_frame(message_id, &e.to_string()),
+                }
+            }
+            Err(text) => error_frame(message_id, &text),
+        };
+        let _ = tx.try_send(frame);
+    }
+
+    /// Fails every call pending on client pipe `pipe` and forgets the pipe.
+    fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
+        let failed: Vec<Pending> = {
+            let mut state = self.state.borrow_mut();
+            let current = match state.client_pipes.get(peer) {
+                Some(ClientPipe::Ready(p)) => p.id == pipe,
+                Some(ClientPipe::Connecting { id, .. }) => *id == pipe,
+                None => false,
+            };
+            if current {
+                state.client_pipes.remove(peer);
+            }
+            let ids: Vec<u64> = state
+                .pending
+                .iter()
+                .filter(|(_, p)| p.pipe == pipe)
+                .map(|(&id, _)| id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| {
+                    state.timeouts.cancel(id);
+                    state.pending.remove(&id)
+                })
+                .collect()
+        };
+        for pending in failed {
+            self.fail_pending(
+                pending,
+                RpcError::PipeBroken {
+                    peer: peer.to_string(),
+                    reason: reason.clone(),
+                },
+            );
+        }
+    }
+
+    fn fail_pending(&self, pending: Pending, error: RpcError) {
+        self.shared
+            .lock_calls()
+            .network
+            .track_network_error(pending.sent_bytes, &pending.peer);
+        pending
+            .completion
+            .complete_then(Err(error), || self.shared.finish_client_call());
+    }
+
+    fn on_reply(&self, frame: IncomingFrame) {
+        let Some(pending) = ({
+            let mut state = self.state.borrow_mut();
+            state.timeouts.cancel(frame.message_id);
+            state.pending.remove(&frame.message_id)
+        }) else {
+            tracing::debug!(
+                message_id = frame.message_id,
+                "late or unknown reply dropped"
+            );
+            return;
+        };
+        let result = if frame.kind == FrameKind::Response {
+            self.shared.lock_calls().network.track_network_data(
+                pending.sent_bytes,
+                frame.wire_len,
+                &pending.peer,
+            );
+            Ok(Message {
+                metadata: frame.metadata,
+                payload: frame.payload,
+                tensors: frame
+                    .tensors
+                    .into_iter()
+                    .map(|(d, data)| Tensor {
+                        device: d.target,
+                        data,
+                    })
+                    .collect(),
+            })
+        } else {
+            self.shared
+                .lock_calls()
+                .network
+                .track_network_error(pending.sent_bytes, &pending.peer);
+            Err(RpcError::Remote {
+                peer: pending.peer.clone(),
+                handler: pending.handler.clone(),
+                message: String::from_utf8_lossy(&frame.payload).into_owned(),
+            })
+        };
+        pending
+            .completion
+            .complete_then(result, || self.shared.finish_client_call());
+    }
+
+    fn expire(&self, now: Instant) {
+        loop {
+            let expired = {
+                let mut state = self.state.borrow_mut();
+                match state.timeouts.poll_expired(now) {
+                    Some(id) => state.pending.remove(&id),
+                    None => break,
+                }
+            };
+            if let Some(pending) = expired {
+                let error = RpcError::from(pending.timeout.error());
+                self.fail_pending(pending, error);
+            }
+        }
+    }
+
+    async fn timer_loop(self: Rc<Self>, poke: LocalReceiver<()>) {
+        loop {
+            let next = self.state.borrow_mut().timeouts.next_deadline();
+            let poked = match next {
+                None => poke.recv().await.is_some(),
+                Some(deadline) => {
+                    let wait = deadline.saturating_duration_since(self.now());
+                    futures_lite::future::or(async { poke.recv().await.is_some() }, async {
+                        glommio::timer::sleep(wait).await;
+                        true
+                    })
+                    .await
+                }
+            };
+            if !poked {
+                return;
+            }
+            self.expire(self.now());
+        }
+    }
+
+    fn spawn_writer(
+        self: &Rc<Self>,
+        mut sender: Box<dyn FrameSender>,
+    ) -> Rc<LocalSender<OwnedFrame>> {
+        let (tx, rx) = local_channel::new_unbounded::<OwnedFrame>();
+        let writers = Rc::clone(&self.writers);
+        writers.set(writers.get() + 1);
+        self.spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                if let Err(e) = sender.send(frame).await {
+                    tracing::debug!(error = %e, "RPC pipe write failed");
+                    break;
+                }
+            }
+            sender.close().await;
+            writers.set(writers.get().saturating_sub(1));
+        });
+        Rc::new(tx)
+    }
+
+    /// Opens client pipe `id` to `peer`: connect, handshake, then drain the queued calls.
+    async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
+        match self.open_pipe(&peer, &address).await {
+            Ok((sender, receiver, negotiated)) => {
+                let tx = self.spawn_writer(sender);
+                let pipe = ReadyPipe { id, tx, negotiated };
+                let queued = {
+                    let mut state = self.state.borrow_mut();
+                    match state.client_pipes.get_mut(&peer) {
+                        Some(entry @ ClientPipe::Connecting { .. }) if pipe_id(entry) == id => {
+                            match std::mem::replace(entry, ClientPipe::Ready(pipe.clone())) {
+                                ClientPipe::Connecting { queued, .. } => queued,
+                                ClientPipe::Ready(_) => Vec::new(),
+                            }
+                        }
+                        // Reset or closed while connecting: the calls failed already.
+                        _ => return,
+                    }
+                };
+                self.spawn(Rc::clone(&self).client_reader(id, peer, receiver));
+                for call in queued {
+                    self.send_call(call, &pipe);
+                }
+            }
+            Err(error) => {
+                let queued = {
+                    let mut state = self.state.borrow_mut();
+                    match state.client_pipes.get(&peer) {
+                        Some(ClientPipe::Connecting { id: current, .. }) if *current == id => {
+                            match state.client_pipes.remove(&peer) {
+                                Some(ClientPipe::Connecting { queued, .. }) => queued,
+                                _ => Vec::new(),
+                            }
+                        }
+                        _ => Vec::new(),
+                    }
+                };
+                let text = error.to_string();
+                tracing::debug!(%peer, error = %text, "opening an RPC pipe failed");
+                let mut first = Some(error);
+                for call in queued {
+                    let error = first.take().unwrap_or_else(|| RpcError::Handshake {
+                        peer: peer.clone(),
+                        reason: text.clone(),
+                    });
+                    let mut calls = self.shared.lock_calls();
+                    calls.network.track_network_error(0, &peer);
+                    drop(calls);
+                    self.fail_unsent(call, error);
+                }
+            }
+        }
+    }
+
+    async fn open_pipe(
+        &self,
+        peer: &str,
+        address: &str,
+    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), RpcError> {
+        let connection = self
+            .transport
+            .connect(address)
+            .await
+            .map_err(|e| RpcError::Connect {
+                peer: peer.to_string(),
+                address: address.to_string(),
+                reason: e.to_string(),
+            })?;
+        let (mut sender, mut receiver) = connection.split();
+        let handshake_error = |reason: String| RpcError::Handshake {
+            peer: peer.to_string(),
+            reason,
+        };
+        let offer = self
+            .shared
+            .offer
+            .offer()
+            .map_err(|e| handshake_error(e.to_string()))?;
+        let hello = Handshake::Hello {
+            name: self.name(),
+            id: self.shared.me.id(),
+            brochure: offer.brochure(),
+        };
+        sender
+            .send(handshake_frame(&hello).map_err(handshake_error)?)
+            .await
+            .map_err(|e| handshake_error(e.to_string()))?;
+        let reply = receiver
+            .recv(FrameLimits::HANDSHAKE)
+            .await
+            .map_err(|e| handshake_error(e.to_string()))?
+            .ok_or_else(|| {
+                handshake_error("the peer closed the pipe during the handshake".into())
+            })?;
+        let negotiated = with_handshake(&reply, peer, |handshake| match handshake {
+            Handshake::Answer { name, answer, .. } if name == peer => {
+                accept_answer(&offer, &answer).map_err(|source| RpcError::Negotiate {
+                    peer: peer.to_string(),
+                    source: Box::new(source),
+                })
+            }
+            Handshake::Answer { name, .. } => Err(handshake_error(format!(
+                "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
+            ))),
+            Handshake::Refused { reason } => Err(handshake_error(format!("refused: {reason}"))),
+            Handshake::Hello { .. } => Err(handshake_error(
+                "the peer sent a hello, not an answer".into(),
+            )),
+        })??;
+        if negotiated.transport != TransportKind::Tcp {
+            return Err(handshake_error(format!(
+                "negotiated transport {} but only tcp is wired into this build",
+                negotiated.transport
+            )));
+        }
+        Ok((sender, receiver, negotiated))
+    }
+
+    async fn client_reader(
+        self: Rc<Self>,
+        id: u64,
+        peer: String,
+        mut receiver: Box<dyn FrameReceiver>,
+    ) {
+        let reason = loop {
+            match receiver.recv(FrameLimits::DEFAULT).await {
+                Ok(Some(frame)) => match frame.kind {
+                    FrameKind::Response | FrameKind::Error => self.on_reply(frame),
+                    FrameKind::Goodbye => {
+                        break "the peer said goodbye (it is shutting down)".to_string()
+                    }
+                    other => {
+                        break format!("the peer sent an unexpected {other} frame on a client pipe")
+                    }
+                },
+                Ok(None) => break "the peer closed the pipe".to_string(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        self.pipe_ended(id, &peer, reason);
+    }
+
+    async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
+        loop {
+            match listener.accept().await {
+                Ok(connection) => {
+                    self.spawn(Rc::clone(&self).serve_inbound(connection));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "RPC accept failed");
+                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Answers a peer's hello; `Ok` carries the peer's name and id and the decision.
+    fn answer_hello(
+        &self,
+        hello: &IncomingFrame,
+        from: &str,
+    ) -> (Result<Accepted, String>, Option<OwnedFrame>) {
+        let offer = match self.shared.offer.offer() {
+            Ok(offer) => offer,
+            Err(e) => return (Err(e.to_string()), None),
+        };
+        let decided = with_handshake(hello, from, |handshake| match handshake {
+            Handshake::Hello { name, id, brochure } => {
+                let known = self
+                    .shared
+                    .group()
+                    .and_then(|g| g.peers.get(name))
+                    .map(|p| p.id);
+                if known != Some(id) {
+                    return Err(format!(
+                        "worker {name} with id {id} is not a member of this group"
+                    ));
+                }
+                let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
+                let reply = Handshake::Answer {
+                    name: self.name(),
+                    id: self.shared.me.id(),
+                    answer,
+                };
+                let frame = handshake_frame(&reply)?;
+                Ok((name.to_string(), id, answer.negotiated(), frame))
+            }
+            _ => Err("the first frame of a pipe must be a hello".to_string()),
+        });
+        match decided {
+            Ok(Ok((name, id, negotiated, frame))) => (Ok((name, id, negotiated)), Some(frame)),
+            Ok(Err(reason)) => {
+                let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
+                (Err(reason), refusal)
+            }
+            Err(e) => (Err(e.to_string()), None),
+        }
+    }
+
+    async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
+        let from = connection.peer().to_string();
+        let (mut sender, mut receiver) = connection.split();
+        let hello = match receiver.recv(FrameLimits::HANDSHAKE).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "bad RPC handshake");
+                return;
+            }
+        };
+        let (decided, reply) = self.answer_hello(&hello, &from);
+        if let Some(reply) = reply {
+            if let Err(e) = sender.send(reply).await {
+                tracing::debug!(%from, error = %e, "sending the RPC handshake answer failed");
+                return;
+            }
+        }
+        let (peer, peer_id, negotiated) = match decided {
+            Ok(d) => d,
+            Err(reason) => {
+                tracing::warn!(%from, %reason, "refused an RPC pipe");
+                sender.close().await;
+                return;
+            }
+        };
+        let pipe = {
+            let mut state = self.state.borrow_mut();
+            let id = state.next_pipe;
+            state.next_pipe += 1;
+            id
+        };
+        let tx = self.spawn_writer(sender);
+        self.state.borrow_mut().inbound.insert(
+            pipe,
+            InboundPipe {
+                peer: peer.clone(),
+                tx,
+                negotiated,
+            },
+        );
+        loop {
+            match receiver.recv(FrameLimits::DEFAULT).await {
+                Ok(Some(frame)) if frame.kind == FrameKind::Request => {
+                    self.dispatch(pipe, &peer, peer_id, frame)
+                }
+                Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
+                Ok(Some(frame)) => {
+                    tracing::warn!(%peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
+                    break;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let expected = self.shared.lock_calls().shutting_down;
+                    if !expected {
+                        tracing::debug!(%peer, error = %e, "inbound RPC pipe failed");
+                    }
+                    break;
+                }
+            }
+        }
+        self.state.borrow_mut().inbound.remove(&pipe);
+    }
+
+    fn dispatch(&self, pipe: u64, peer: &str, peer_id: WorkerId, frame: IncomingFrame) {
+        let ctx = CallContext {
+            caller: peer.to_string(),
+            caller_id: peer_id,
+            handler: frame.handler,
+            message_id: frame.message_id,
+        };
+        let message = Message {
+            metadata: frame.metadata,
+            payload: frame.payload,
+            tensors: frame
+                .tensors
+                .into_iter()
+                .map(|(d, data)| Tensor {
+                    device: d.target,
+                    data,
+                })
+                .collect(),
+        };
+        self.shared.lock_calls().metrics.calls.server_call_started();
+        let sent = match self.jobs.borrow().as_ref() {
+            Some(jobs) => jobs.send(Job { pipe, ctx, message }).map_err(|e| e.0),
+            None => Err(Job { pipe, ctx, message }),
+        };
+        if let Err(job) = sent {
+            self.shared
+                .lock_calls()
+                .metrics
+                .calls
+                .server_call_finished(false);
+            self.respond(
+                pipe,
+                job.ctx.message_id,
+                Err(self.shut_down_error().to_string()),
+            );
+        }
+    }
+
+    fn reset_pipes(&self) {
+        let (client, inbound) = {
+            let mut state = self.state.borrow_mut();
+            let client: Vec<(String, ClientPipe)> = state.client_pipes.drain().collect();
+            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
+            (client, inbound)
+        };
+        drop(inbound);
+        for (peer, pipe) in client {
+            match pipe {
+                ClientPipe::Ready(ready) => {
+                    self.pipe_ended(ready.id, &peer, "this worker reset its pipes".into())
+                }
+                ClientPipe::Connecting { queued, .. } => {
+                    for call in queued {
+                        self.fail_unsent(
+                            call,
+                            RpcError::PipeBroken {
+                                peer: peer.clone(),
+                                reason: "this worker reset its pipes".into(),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    async fn close(&self, goodbye: bool) {
+        let (client, inbound, pending) = {
+            let mut state = self.state.borrow_mut();
+            let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
+            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
+            let pending: Vec<Pending> = state.pending.drain().map(|(_, p)| p).collect();
+            state.timeouts = TimeoutQueue::new();
+            (client, inbound, pending)
+        };
+        for pipe in client {
+            match pipe {
+                ClientPipe::Ready(ready) => {
+                    if goodbye {
+                        let _ = ready.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+                    }
+                }
+                ClientPipe::Connecting { queued, .. } => {
+                    for call in queued {
+                        self.fail_unsent(call, self.shut_down_error());
+                    }
+                }
+            }
+        }
+        if goodbye {
+            for pipe in &inbound {
+                let _ = pipe.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+            }
+        }
+        drop(inbound);
+        for pending in pending {
+            self.fail_pending(pending, self.shut_down_error());
+        }
+        for command in self.shared.mailbox.close() {
+            if let Command::Call(call) = command {
+                self.fail_unsent(call, self.shut_down_error());
+            }
+        }
+        self.jobs.borrow_mut().take();
+        if goodbye {
+            let deadline = std::time::Instant::now() + FLUSH_WAIT;
+            while self.writers.get() > 0 && std::time::Instant::now() < deadline {
+                glommio::timer::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain().map(|(_, t)| t).collect();
+        for task in &tasks {
+            task.cancel();
+        }
+        // Let the executor drop the cancelled tasks (and close their sockets).
+        glommio::timer::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn pipe_id(pipe: &ClientPipe) -> u64 {
+    match pipe {
+        ClientPipe::Connecting { id, .. } => *id,
+        ClientPipe::Ready(ready) => ready.id,
+    }
+}
+
+fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
+    OwnedFrame {
+        payload: text.as_bytes().to_vec(),
+        ..OwnedFrame::empty(FrameKind::Error, message_id)
+    }
+}
+
+/// A handshake message as a frame.
+fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
+    let mut bytes = Vec::new();
+    handshake
+        .encode_to_vec(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    let payload = bytes
+        .get(rdzv_core::rpc::frame::HEADER_LEN..)
+        .unwrap_or_default()
+        .to_vec();
+    Ok(OwnedFrame {
+        payload,
+        ..OwnedFrame::empty(FrameKind::Handshake, 0)
+    })
+}
+
+/// Runs `f` on the handshake inside a received frame (re-framed so that the core does
+/// every check it does on the wire).
+fn with_handshake<T>(
+    frame: &IncomingFrame,
+    peer: &str,
+    f: impl FnOnce(Handshake<'_>) -> T,
+) -> Result<T, RpcError> {
+    let bad = |reason: String| RpcError::Handshake {
+        peer: peer.to_string(),
+        reason,
+    };
+    let owned = OwnedFrame {
+        payload: frame.payload.clone(),
+        ..OwnedFrame::empty(frame.kind, frame.message_id)
+    };
+    let mut wire = owned.encode_head().map_err(|e| bad(e.to_string()))?;
+    wire.extend_from_slice(&owned.payload);
+    match decode_frame(&wire, &FrameLimits::HANDSHAKE) {
+        Ok(Decoded::Complete(decoded, _)) => {
+            decode_handshake(&decoded)
+                .map(f)
+                .map_err(|source| RpcError::BadHandshake {
+                    peer: peer.to_string(),
+                    source: Box::new(source),
+                })
+        }
+        Ok(Decoded::Partial(_)) => Err(bad("the handshake frame is incomplete".into())),
+        Err(e) => Err(bad(e.to_string())),
+    }
+}
