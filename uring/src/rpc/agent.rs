@@ -205,15 +205,13 @@ fn ranked_channels(names: Option<&[String]>) -> Result<Vec<(ChannelKind, i64)>, 
 /// 127.0.0.1.
 fn guess_host() -> IpAddr {
     let fallback = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let mut name = [0u8; 256];
-    // SAFETY: `name` is a writable buffer of the length passed.
-    let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
-    if rc != 0 {
-        tracing::warn!("gethostname failed; RPC listens on 127.0.0.1");
-        return fallback;
-    }
-    let len = name.iter().position(|&b| b == 0).unwrap_or(name.len());
-    let host = String::from_utf8_lossy(name.get(..len).unwrap_or_default()).into_owned();
+    let host = match std::fs::read_to_string("/proc/sys/kernel/hostname") {
+        Ok(host) => host.trim().to_string(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the host name; RPC listens on 127.0.0.1");
+            return fallback;
+        }
+    };
     let found = (host.as_str(), 0)
         .to_socket_addrs()
         .ok()

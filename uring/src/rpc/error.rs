@@ -4,8 +4,8 @@
 use std::io;
 
 use rdzv_core::device_map::DeviceMapError;
-use rdzv_core::negotiate::{NegotiateError, OfferError};
-use rdzv_core::rpc::frame::{EncodeError, FrameError, HandshakeError};
+use rdzv_core::negotiate::OfferError;
+use rdzv_core::rpc::frame::{EncodeError, FrameError};
 use rdzv_core::rpc::name::WorkerInfoError;
 use rdzv_core::rpc::shutdown::JoinError;
 use rdzv_core::rpc::store_keys::{MixedGroupError, NameTableError};
@@ -253,24 +253,6 @@ pub enum RpcError {
         /// Why.
         #[source]
         source: Box<JoinError>,
-    },
-    /// A decoded handshake is not what the protocol expects.
-    #[error("RPC pipe handshake with {peer} failed: {source}")]
-    BadHandshake {
-        /// The peer (address or name).
-        peer: String,
-        /// Why.
-        #[source]
-        source: Box<HandshakeError>,
-    },
-    /// Negotiation with the peer failed.
-    #[error("RPC pipe negotiation with {peer} failed: {source}")]
-    Negotiate {
-        /// The peer.
-        peer: String,
-        /// Why.
-        #[source]
-        source: Box<NegotiateError>,
     },
 }
 

@@ -27,7 +27,8 @@ use rdzv_core::negotiate::{
     accept_answer, answer_brochure, ChannelKind, Negotiated, Role, TransportKind,
 };
 use rdzv_core::rpc::frame::{
-    decode_frame, decode_handshake, Decoded, FrameKind, FrameLimits, Handshake, TensorDescriptor,
+    decode_frame, decode_handshake, Decoded, EncodeError, FrameKind, FrameLimits, Handshake,
+    TensorDescriptor,
 };
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
@@ -58,9 +59,43 @@ struct Pending {
     completion: Arc<Completion>,
 }
 
+/// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
+/// from the moment the I/O thread got the call, so a pipe that never opens cannot hold
+/// a call past its timeout.
+struct Outbound {
+    message_id: u64,
+    handler: String,
+    message: Message,
+}
+
 enum ClientPipe {
-    Connecting { id: u64, queued: Vec<Call> },
+    Connecting { id: u64, queued: Vec<Outbound> },
     Ready(ReadyPipe),
+}
+
+/// Why a client pipe could not be opened; every call waiting for it fails with it.
+#[derive(Debug, Clone)]
+struct OpenFailure {
+    address: String,
+    reason: String,
+    connecting: bool,
+}
+
+impl OpenFailure {
+    fn to_error(&self, peer: &str) -> RpcError {
+        if self.connecting {
+            RpcError::Connect {
+                peer: peer.to_string(),
+                address: self.address.clone(),
+                reason: self.reason.clone(),
+            }
+        } else {
+            RpcError::Handshake {
+                peer: peer.to_string(),
+                reason: self.reason.clone(),
+            }
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -172,10 +207,18 @@ impl Io {
         }
     }
 
+    /// Completes a call and uncounts it. A failure nobody will see (the future was
+    /// dropped, as `remote` does) is logged.
+    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+        if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
+            tracing::warn!(worker = %self.name(), error = %e, "an RPC whose result nobody waits for failed");
+        }
+        completion.complete_then(result, || self.shared.finish_client_call());
+    }
+
     /// Completes a call that never reached the pending table.
     fn fail_unsent(&self, call: Call, error: RpcError) {
-        call.completion
-            .complete_then(Err(error), || self.shared.finish_client_call());
+        self.complete(&call.completion, Err(error));
     }
 
     fn start_call(self: &Rc<Self>, call: Call) {
@@ -191,27 +234,66 @@ impl Io {
                 return self.fail_unsent(call, RpcError::UnknownWorker { name });
             }
         };
+        let Call {
+            message_id,
+            peer,
+            handler,
+            message,
+            timeout,
+            completion,
+        } = call;
+        let now = self.now();
         let mut state = self.state.borrow_mut();
-        let next_id = state.next_pipe;
-        match state.client_pipes.get_mut(&call.peer) {
-            Some(ClientPipe::Ready(pipe)) => {
-                let pipe = pipe.clone();
-                drop(state);
-                self.send_call(call, &pipe);
-            }
-            Some(ClientPipe::Connecting { queued, .. }) => queued.push(call),
+        let (pipe_id, ready, open) = match state.client_pipes.get(&peer) {
+            Some(ClientPipe::Ready(pipe)) => (pipe.id, Some(pipe.clone()), false),
+            Some(ClientPipe::Connecting { id, .. }) => (*id, None, false),
             None => {
+                let id = state.next_pipe;
                 state.next_pipe += 1;
-                let peer = call.peer.clone();
                 state.client_pipes.insert(
                     peer.clone(),
                     ClientPipe::Connecting {
-                        id: next_id,
-                        queued: vec![call],
+                        id,
+                        queued: Vec::new(),
                     },
                 );
+                (id, None, true)
+            }
+        };
+        state.pending.insert(
+            message_id,
+            Pending {
+                peer: peer.clone(),
+                handler: handler.clone(),
+                pipe: pipe_id,
+                sent_bytes: 0,
+                timeout,
+                completion,
+            },
+        );
+        if state.timeouts.schedule(message_id, now, timeout).is_some() {
+            let _ = self.timer_poke.try_send(());
+        }
+        let outbound = Outbound {
+            message_id,
+            handler,
+            message,
+        };
+        match ready {
+            Some(pipe) => {
                 drop(state);
-                self.spawn(Rc::clone(self).connect(next_id, peer, address));
+                self.send_call(outbound, &pipe);
+            }
+            None => {
+                if let Some(ClientPipe::Connecting { queued, .. }) =
+                    state.client_pipes.get_mut(&peer)
+                {
+                    queued.push(outbound);
+                }
+                drop(state);
+                if open {
+                    self.spawn(Rc::clone(self).connect(pipe_id, peer, address));
+                }
             }
         }
     }
@@ -258,50 +340,58 @@ impl Io {
         Ok(())
     }
 
-    fn send_call(&self, call: Call, pipe: &ReadyPipe) {
-        let Call {
+    /// Sends a request whose call is pending (a call that timed out while its pipe
+    /// was opening is skipped).
+    fn send_call(&self, outbound: Outbound, pipe: &ReadyPipe) {
+        let Outbound {
             message_id,
-            peer,
             handler,
             message,
-            timeout,
-            completion,
-        } = call;
+        } = outbound;
+        let Some(peer) = self
+            .state
+            .borrow()
+            .pending
+            .get(&message_id)
+            .map(|p| p.peer.clone())
+        else {
+            return;
+        };
         let mut frame = OwnedFrame {
             handler,
             metadata: message.metadata,
             payload: message.payload,
             ..OwnedFrame::empty(FrameKind::Request, message_id)
         };
-        if let Err(e) = self.tensor_frame(
-            &mut frame,
-            message.tensors,
-            &peer,
-            Role::Connector,
-            &pipe.negotiated,
-            false,
-        ) {
-            completion.complete_then(Err(e), || self.shared.finish_client_call());
+        let built = self
+            .tensor_frame(
+                &mut frame,
+                message.tensors,
+                &peer,
+                Role::Connector,
+                &pipe.negotiated,
+                false,
+            )
+            .and_then(|()| {
+                check_limits(&frame).map_err(|source| RpcError::Encode {
+                    peer: peer.clone(),
+                    source: Box::new(source),
+                })
+            });
+        if let Err(e) = built {
+            // Nothing was sent: fail this call only.
+            let pending = {
+                let mut state = self.state.borrow_mut();
+                state.timeouts.cancel(message_id);
+                state.pending.remove(&message_id)
+            };
+            if let Some(pending) = pending {
+                self.complete(&pending.completion, Err(e));
+            }
             return;
         }
-        let sent_bytes = frame.encoded_len() as u64;
-        let now = self.now();
-        {
-            let mut state = self.state.borrow_mut();
-            state.pending.insert(
-                message_id,
-                Pending {
-                    peer: peer.clone(),
-                    handler: frame.handler.clone(),
-                    pipe: pipe.id,
-                    sent_bytes,
-                    timeout,
-                    completion,
-                },
-            );
-            if state.timeouts.schedule(message_id, now, timeout).is_some() {
-                let _ = self.timer_poke.try_send(());
-            }
+        if let Some(pending) = self.state.borrow_mut().pending.get_mut(&message_id) {
+            pending.sent_bytes = frame.encoded_len() as u64;
         }
         if pipe.tx.try_send(frame).is_err() {
             self.pipe_ended(pipe.id, &peer, "the pipe's writer stopped".into());
@@ -327,16 +417,24 @@ impl Io {
                     payload: message.payload,
                     ..OwnedFrame::empty(FrameKind::Response, message_id)
                 };
-                match self.tensor_frame(
-                    &mut frame,
-                    message.tensors,
-                    &peer,
-                    Role::Listener,
-                    &negotiated,
-                    true,
-                ) {
+                let built = self
+                    .tensor_frame(
+                        &mut frame,
+                        message.tensors,
+                        &peer,
+                        Role::Listener,
+                        &negotiated,
+                        true,
+                    )
+                    .and_then(|()| {
+                        check_limits(&frame).map_err(|source| RpcError::Encode {
+                            peer: peer.clone(),
+                            source: Box::new(source),
+                        })
+                    });
+                match built {
                     Ok(()) => frame,
-                    Err(e) => error_frame(message_id, &e.to_string()),
+                    Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
                 }
             }
             Err(text) => error_frame(message_id, &text),
@@ -344,8 +442,18 @@ impl Io {
         let _ = tx.try_send(frame);
     }
 
-    /// Fails every call pending on client pipe `pipe` and forgets the pipe.
+    /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
+    /// forgets the pipe.
     fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
+        self.fail_pipe(pipe, peer, || RpcError::PipeBroken {
+            peer: peer.to_string(),
+            reason: reason.clone(),
+        });
+    }
+
+    /// Fails every call pending on client pipe `pipe` with `error()` and forgets the
+    /// pipe.
+    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
         let failed: Vec<Pending> = {
             let mut state = self.state.borrow_mut();
             let current = match state.client_pipes.get(peer) {
@@ -370,13 +478,7 @@ impl Io {
                 .collect()
         };
         for pending in failed {
-            self.fail_pending(
-                pending,
-                RpcError::PipeBroken {
-                    peer: peer.to_string(),
-                    reason: reason.clone(),
-                },
-            );
+            self.fail_pending(pending, error());
         }
     }
 
@@ -385,9 +487,7 @@ impl Io {
             .lock_calls()
             .network
             .track_network_error(pending.sent_bytes, &pending.peer);
-        pending
-            .completion
-            .complete_then(Err(error), || self.shared.finish_client_call());
+        self.complete(&pending.completion, Err(error));
     }
 
     fn on_reply(&self, frame: IncomingFrame) {
@@ -431,9 +531,7 @@ impl Io {
                 message: String::from_utf8_lossy(&frame.payload).into_owned(),
             })
         };
-        pending
-            .completion
-            .complete_then(result, || self.shared.finish_client_call());
+        self.complete(&pending.completion, result);
     }
 
     fn expire(&self, now: Instant) {
@@ -494,55 +592,38 @@ impl Io {
     }
 
     /// Opens client pipe `id` to `peer`: connect, handshake, then drain the queued calls.
+    /// Opens client pipe `id` to `peer`: connect, handshake, then send the queued calls.
     async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
         match self.open_pipe(&peer, &address).await {
             Ok((sender, receiver, negotiated)) => {
+                let current = matches!(
+                    self.state.borrow().client_pipes.get(&peer),
+                    Some(ClientPipe::Connecting { id: c, .. }) if *c == id
+                );
+                if !current {
+                    // Reset or closed while connecting: its calls failed already, and
+                    // dropping the halves closes the connection.
+                    return;
+                }
                 let tx = self.spawn_writer(sender);
                 let pipe = ReadyPipe { id, tx, negotiated };
-                let queued = {
-                    let mut state = self.state.borrow_mut();
-                    match state.client_pipes.get_mut(&peer) {
-                        Some(entry @ ClientPipe::Connecting { .. }) if pipe_id(entry) == id => {
-                            match std::mem::replace(entry, ClientPipe::Ready(pipe.clone())) {
-                                ClientPipe::Connecting { queued, .. } => queued,
-                                ClientPipe::Ready(_) => Vec::new(),
-                            }
-                        }
-                        // Reset or closed while connecting: the calls failed already.
-                        _ => return,
-                    }
+                let queued = match self
+                    .state
+                    .borrow_mut()
+                    .client_pipes
+                    .insert(peer.clone(), ClientPipe::Ready(pipe.clone()))
+                {
+                    Some(ClientPipe::Connecting { queued, .. }) => queued,
+                    _ => Vec::new(),
                 };
                 self.spawn(Rc::clone(&self).client_reader(id, peer, receiver));
-                for call in queued {
-                    self.send_call(call, &pipe);
+                for outbound in queued {
+                    self.send_call(outbound, &pipe);
                 }
             }
-            Err(error) => {
-                let queued = {
-                    let mut state = self.state.borrow_mut();
-                    match state.client_pipes.get(&peer) {
-                        Some(ClientPipe::Connecting { id: current, .. }) if *current == id => {
-                            match state.client_pipes.remove(&peer) {
-                                Some(ClientPipe::Connecting { queued, .. }) => queued,
-                                _ => Vec::new(),
-                            }
-                        }
-                        _ => Vec::new(),
-                    }
-                };
-                let text = error.to_string();
-                tracing::debug!(%peer, error = %text, "opening an RPC pipe failed");
-                let mut first = Some(error);
-                for call in queued {
-                    let error = first.take().unwrap_or_else(|| RpcError::Handshake {
-                        peer: peer.clone(),
-                        reason: text.clone(),
-                    });
-                    let mut calls = self.shared.lock_calls();
-                    calls.network.track_network_error(0, &peer);
-                    drop(calls);
-                    self.fail_unsent(call, error);
-                }
+            Err(failure) => {
+                tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
+                self.fail_pipe(id, &peer, || failure.to_error(&peer));
             }
         }
     }
@@ -551,59 +632,52 @@ impl Io {
         &self,
         peer: &str,
         address: &str,
-    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), RpcError> {
+    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+        let failure = |connecting: bool, reason: String| OpenFailure {
+            address: address.to_string(),
+            reason,
+            connecting,
+        };
         let connection = self
             .transport
             .connect(address)
             .await
-            .map_err(|e| RpcError::Connect {
-                peer: peer.to_string(),
-                address: address.to_string(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| failure(true, e.to_string()))?;
         let (mut sender, mut receiver) = connection.split();
-        let handshake_error = |reason: String| RpcError::Handshake {
-            peer: peer.to_string(),
-            reason,
-        };
+        let handshake = |reason: String| failure(false, reason);
         let offer = self
             .shared
             .offer
             .offer()
-            .map_err(|e| handshake_error(e.to_string()))?;
+            .map_err(|e| handshake(e.to_string()))?;
         let hello = Handshake::Hello {
             name: self.name(),
             id: self.shared.me.id(),
             brochure: offer.brochure(),
         };
         sender
-            .send(handshake_frame(&hello).map_err(handshake_error)?)
+            .send(handshake_frame(&hello).map_err(handshake)?)
             .await
-            .map_err(|e| handshake_error(e.to_string()))?;
+            .map_err(|e| handshake(e.to_string()))?;
         let reply = receiver
             .recv(FrameLimits::HANDSHAKE)
             .await
-            .map_err(|e| handshake_error(e.to_string()))?
-            .ok_or_else(|| {
-                handshake_error("the peer closed the pipe during the handshake".into())
-            })?;
-        let negotiated = with_handshake(&reply, peer, |handshake| match handshake {
+            .map_err(|e| handshake(e.to_string()))?
+            .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
+        let negotiated = with_handshake(&reply, |message| match message {
             Handshake::Answer { name, answer, .. } if name == peer => {
-                accept_answer(&offer, &answer).map_err(|source| RpcError::Negotiate {
-                    peer: peer.to_string(),
-                    source: Box::new(source),
-                })
+                accept_answer(&offer, &answer).map_err(|e| e.to_string())
             }
-            Handshake::Answer { name, .. } => Err(handshake_error(format!(
+            Handshake::Answer { name, .. } => Err(format!(
                 "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
-            ))),
-            Handshake::Refused { reason } => Err(handshake_error(format!("refused: {reason}"))),
-            Handshake::Hello { .. } => Err(handshake_error(
-                "the peer sent a hello, not an answer".into(),
             )),
-        })??;
+            Handshake::Refused { reason } => Err(format!("refused: {reason}")),
+            Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
+        })
+        .and_then(|r| r)
+        .map_err(handshake)?;
         if negotiated.transport != TransportKind::Tcp {
-            return Err(handshake_error(format!(
+            return Err(handshake(format!(
                 "negotiated transport {} but only tcp is wired into this build",
                 negotiated.transport
             )));
@@ -659,7 +733,7 @@ impl Io {
             Ok(offer) => offer,
             Err(e) => return (Err(e.to_string()), None),
         };
-        let decided = with_handshake(hello, from, |handshake| match handshake {
+        let decided = with_handshake(hello, |handshake| match handshake {
             Handshake::Hello { name, id, brochure } => {
                 let known = self
                     .shared
@@ -688,7 +762,7 @@ impl Io {
                 let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
                 (Err(reason), refusal)
             }
-            Err(e) => (Err(e.to_string()), None),
+            Err(e) => (Err(format!("bad handshake from {from}: {e}")), None),
         }
     }
 
@@ -807,16 +881,8 @@ impl Io {
                 ClientPipe::Ready(ready) => {
                     self.pipe_ended(ready.id, &peer, "this worker reset its pipes".into())
                 }
-                ClientPipe::Connecting { queued, .. } => {
-                    for call in queued {
-                        self.fail_unsent(
-                            call,
-                            RpcError::PipeBroken {
-                                peer: peer.clone(),
-                                reason: "this worker reset its pipes".into(),
-                            },
-                        );
-                    }
+                ClientPipe::Connecting { id, .. } => {
+                    self.pipe_ended(id, &peer, "this worker reset its pipes".into())
                 }
             }
         }
@@ -838,11 +904,8 @@ impl Io {
                         let _ = ready.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
                     }
                 }
-                ClientPipe::Connecting { queued, .. } => {
-                    for call in queued {
-                        self.fail_unsent(call, self.shut_down_error());
-                    }
-                }
+                // Its calls are in `pending`, failed below.
+                ClientPipe::Connecting { .. } => {}
             }
         }
         if goodbye {
@@ -875,13 +938,6 @@ impl Io {
     }
 }
 
-fn pipe_id(pipe: &ClientPipe) -> u64 {
-    match pipe {
-        ClientPipe::Connecting { id, .. } => *id,
-        ClientPipe::Ready(ready) => ready.id,
-    }
-}
-
 fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
     OwnedFrame {
         payload: text.as_bytes().to_vec(),
@@ -909,29 +965,31 @@ fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
 /// every check it does on the wire).
 fn with_handshake<T>(
     frame: &IncomingFrame,
-    peer: &str,
     f: impl FnOnce(Handshake<'_>) -> T,
-) -> Result<T, RpcError> {
-    let bad = |reason: String| RpcError::Handshake {
-        peer: peer.to_string(),
-        reason,
-    };
+) -> Result<T, String> {
     let owned = OwnedFrame {
         payload: frame.payload.clone(),
         ..OwnedFrame::empty(frame.kind, frame.message_id)
     };
-    let mut wire = owned.encode_head().map_err(|e| bad(e.to_string()))?;
+    let mut wire = owned.encode_head().map_err(|e| e.to_string())?;
     wire.extend_from_slice(&owned.payload);
     match decode_frame(&wire, &FrameLimits::HANDSHAKE) {
         Ok(Decoded::Complete(decoded, _)) => {
-            decode_handshake(&decoded)
-                .map(f)
-                .map_err(|source| RpcError::BadHandshake {
-                    peer: peer.to_string(),
-                    source: Box::new(source),
-                })
+            decode_handshake(&decoded).map(f).map_err(|e| e.to_string())
         }
-        Ok(Decoded::Partial(_)) => Err(bad("the handshake frame is incomplete".into())),
-        Err(e) => Err(bad(e.to_string())),
+        Ok(Decoded::Partial(_)) => Err("the handshake frame is incomplete".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Checks an outgoing frame against the limits every receiver applies
+/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
+/// making the peer drop the pipe: the core decoder checks every size in the header and
+/// the descriptors, which is all the head holds.
+fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
+    let head = frame.encode_head()?;
+    match decode_frame(&head, &FrameLimits::DEFAULT) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(EncodeError::from(e)),
     }
 }
