@@ -133,6 +133,8 @@ pub(crate) struct Io {
     timer_poke: LocalSender<()>,
     epoch: std::time::Instant,
     writers: Rc<Cell<usize>>,
+    /// The deadline the timer sleeps until, if any.
+    armed: Cell<Option<Instant>>,
 }
 
 /// How long a graceful close waits for writers to flush their goodbyes.
@@ -157,6 +159,7 @@ impl Io {
             timer_poke,
             epoch: std::time::Instant::now(),
             writers: Rc::new(Cell::new(0)),
+            armed: Cell::new(None),
         });
         io.spawn(Rc::clone(&io).accept_loop(listener));
         io.spawn(Rc::clone(&io).timer_loop(timer_rx));
@@ -271,8 +274,11 @@ impl Io {
                 completion,
             },
         );
-        if state.timeouts.schedule(message_id, now, timeout).is_some() {
-            let _ = self.timer_poke.try_send(());
+        if let Some(deadline) = state.timeouts.schedule(message_id, now, timeout) {
+            // Wake the timer only if it sleeps past this deadline.
+            if !matches!(self.armed.get(), Some(armed) if armed <= deadline) {
+                let _ = self.timer_poke.try_send(());
+            }
         }
         let outbound = Outbound {
             message_id,
@@ -490,11 +496,21 @@ impl Io {
         self.complete(&pending.completion, Err(error));
     }
 
-    fn on_reply(&self, frame: IncomingFrame) {
+    /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
+    /// can be answered there; anything else is late (timed out) or bogus and dropped.
+    fn on_reply(&self, pipe: u64, frame: IncomingFrame) {
         let Some(pending) = ({
             let mut state = self.state.borrow_mut();
-            state.timeouts.cancel(frame.message_id);
-            state.pending.remove(&frame.message_id)
+            let ours = state
+                .pending
+                .get(&frame.message_id)
+                .is_some_and(|p| p.pipe == pipe);
+            if ours {
+                state.timeouts.cancel(frame.message_id);
+                state.pending.remove(&frame.message_id)
+            } else {
+                None
+            }
         }) else {
             tracing::debug!(
                 message_id = frame.message_id,
@@ -553,6 +569,7 @@ impl Io {
     async fn timer_loop(self: Rc<Self>, poke: LocalReceiver<()>) {
         loop {
             let next = self.state.borrow_mut().timeouts.next_deadline();
+            self.armed.set(next);
             let poked = match next {
                 None => poke.recv().await.is_some(),
                 Some(deadline) => {
@@ -694,7 +711,7 @@ impl Io {
         let reason = loop {
             match receiver.recv(FrameLimits::DEFAULT).await {
                 Ok(Some(frame)) => match frame.kind {
-                    FrameKind::Response | FrameKind::Error => self.on_reply(frame),
+                    FrameKind::Response | FrameKind::Error => self.on_reply(id, frame),
                     FrameKind::Goodbye => {
                         break "the peer said goodbye (it is shutting down)".to_string()
                     }
