@@ -44,6 +44,16 @@ fn base_options(url: &str) -> RpcOptions {
             },
         )
         .with_handler(
+            "relay",
+            |ctx: &CallContext, m: Message| -> Result<Message, String> {
+                // A nested call back to the caller, through the handler's client.
+                let caller = ctx.caller.clone();
+                ctx.client
+                    .rpc_sync(&caller, "whoami", m)
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .with_handler(
             "panic",
             |_: &CallContext, _: Message| -> Result<Message, String> { panic!("boom") },
         )
@@ -156,6 +166,17 @@ fn round_trips_payloads_handlers_and_errors() {
         own.map(|m| m.payload).map_err(|e| e.to_string()),
         Ok(b"alice:0:whoami".to_vec())
     );
+
+    // A handler's nested call: bob asks alice who called.
+    let nested = a.rpc_sync("bob", "relay", Message::default());
+    assert_eq!(
+        nested.map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"bob:1:whoami".to_vec())
+    );
+    // A client handle works from other threads.
+    let client = a.client();
+    let from_thread = thread::spawn(move || client.rpc_sync("bob", "echo", Message::default()));
+    assert!(from_thread.join().map(|r| r.is_ok()).unwrap_or(false));
 
     // Many calls in flight at once, awaited out of order.
     let futures: Vec<_> = (0..64u32)
@@ -649,4 +670,66 @@ fn killed_peer_fails_pending_calls_quickly() {
         Some("0")
     );
     assert!(agent.shutdown(false).is_ok());
+}
+
+/// Latency of a noop `rpc_sync` over tcp next to a plain TCP ping-pong of the same
+/// size (the physical limit). A measurement, not a check: run it with
+/// `cargo test --release -p rdzv-uring --test rpc noop_latency -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement; run it in release mode on a quiet machine"]
+fn noop_latency() {
+    use std::io::{Read, Write};
+    const ROUNDS: usize = 5_000;
+    let percentile = |mut v: Vec<Duration>, p: usize| {
+        v.sort();
+        v.get(v.len() * p / 100).copied().unwrap_or_default()
+    };
+
+    // Raw TCP: a 40-byte ping and pong (an RPC frame header each way).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    let server = thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        let _ = s.set_nodelay(true);
+        let mut buf = [0u8; 40];
+        while s.read_exact(&mut buf).is_ok() {
+            if s.write_all(&buf).is_err() {
+                return;
+            }
+        }
+    });
+    let mut client = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+    let _ = client.set_nodelay(true);
+    let mut raw = Vec::with_capacity(ROUNDS);
+    let mut buf = [0u8; 40];
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        client.write_all(&buf).unwrap_or_else(|e| panic!("{e}"));
+        client
+            .read_exact(&mut buf)
+            .unwrap_or_else(|e| panic!("{e}"));
+        raw.push(t.elapsed());
+    }
+    drop(client);
+    let _ = server.join();
+
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    for _ in 0..200 {
+        assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+    }
+    let mut rpc = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+        rpc.push(t.elapsed());
+    }
+    let (raw50, raw99) = (percentile(raw.clone(), 50), percentile(raw, 99));
+    let (rpc50, rpc99) = (percentile(rpc.clone(), 50), percentile(rpc, 99));
+    println!("raw-tcp 40 B ping-pong: p50 {raw50:?} p99 {raw99:?}");
+    println!("rpc_sync noop over tcp: p50 {rpc50:?} p99 {rpc99:?}");
+    assert!(rpc50 < Duration::from_millis(50), "{rpc50:?}");
+    join_both(a, b);
 }

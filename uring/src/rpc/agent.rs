@@ -34,10 +34,11 @@ use rdzv_core::rpc::store_keys::{
 };
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
+use super::client::RpcClient;
 use super::error::RpcError;
 use super::io::{Io, Job};
 use super::message::{Handler, Message, RpcFuture};
-use super::shared::{Call, CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
+use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::tcp::TcpTransport;
 use super::transport::Transport;
 use crate::rendezvous::rendezvous;
@@ -241,6 +242,7 @@ fn store_error<'k>(
 /// The agent: make calls, register handlers, read metrics, shut down.
 pub struct RpcAgent {
     shared: Arc<Shared>,
+    client: RpcClient,
     store: Arc<dyn Store>,
     keys: RpcKeys,
     io_thread: Mutex<Option<JoinHandle<()>>>,
@@ -422,6 +424,7 @@ pub fn init_rpc(
     let (io_thread, address) = spawn_io(&shared, transport, jobs_tx)?;
     let agent = RpcAgent {
         shared: Arc::clone(&shared),
+        client: RpcClient::new(Arc::clone(&shared)),
         store: Arc::clone(&store),
         keys: keys.clone(),
         io_thread: Mutex::new(Some(io_thread)),
@@ -628,14 +631,18 @@ impl RpcAgent {
         Ok(())
     }
 
-    /// `rpc_async(to, handler, message)` with the agent's default timeout.
-    pub fn rpc_async(&self, to: &str, handler: &str, message: Message) -> RpcFuture {
-        self.rpc_async_with_timeout(to, handler, message, None)
+    /// A handle that makes calls through this agent, for other threads and for
+    /// handlers (see [`CallContext::client`](super::CallContext::client)).
+    pub fn client(&self) -> RpcClient {
+        self.client.clone()
     }
 
-    /// `rpc_async` with a per-call timeout: `None` for the agent's default, zero for
-    /// never. Failures (unknown worker, shut down agent, timeouts, broken pipes, the
-    /// handler's error) arrive through the future.
+    /// [`RpcClient::rpc_async`].
+    pub fn rpc_async(&self, to: &str, handler: &str, message: Message) -> RpcFuture {
+        self.client.rpc_async(to, handler, message)
+    }
+
+    /// [`RpcClient::rpc_async_with_timeout`].
     pub fn rpc_async_with_timeout(
         &self,
         to: &str,
@@ -643,47 +650,19 @@ impl RpcAgent {
         message: Message,
         timeout: Option<Duration>,
     ) -> RpcFuture {
-        let (future, completion) = RpcFuture::new();
-        let known = self
-            .shared
-            .group()
-            .is_some_and(|g| g.peers.contains_key(to));
-        if !known {
-            completion.complete(Err(RpcError::UnknownWorker {
-                name: to.to_string(),
-            }));
-            return future;
-        }
-        self.shared.start_client_call();
-        let call = Call {
-            message_id: self.shared.next_message_id(),
-            peer: to.to_string(),
-            handler: handler.to_string(),
-            message,
-            timeout: timeout.map_or(self.shared.default_timeout, RpcTimeout::from_duration),
-            completion,
-        };
-        if let Err(Command::Call(call)) = self.shared.mailbox.push(Command::Call(call)) {
-            call.completion.complete_then(
-                Err(RpcError::ShutDown {
-                    name: self.shared.me.name().to_string(),
-                }),
-                || self.shared.finish_client_call(),
-            );
-        }
-        future
+        self.client
+            .rpc_async_with_timeout(to, handler, message, timeout)
     }
 
-    /// `rpc_sync(to, handler, message)`: calls and waits.
+    /// [`RpcClient::rpc_sync`].
     ///
     /// # Errors
     /// As the future of [`rpc_async`](Self::rpc_async).
     pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
-        self.rpc_async(to, handler, message).wait()
+        self.client.rpc_sync(to, handler, message)
     }
 
-    /// `rpc_sync` with a per-call timeout (see
-    /// [`rpc_async_with_timeout`](Self::rpc_async_with_timeout)).
+    /// [`RpcClient::rpc_sync_with_timeout`].
     ///
     /// # Errors
     /// As the future of [`rpc_async`](Self::rpc_async).
@@ -694,22 +673,16 @@ impl RpcAgent {
         message: Message,
         timeout: Option<Duration>,
     ) -> Result<Message, RpcError> {
-        self.rpc_async_with_timeout(to, handler, message, timeout)
-            .wait()
+        self.client
+            .rpc_sync_with_timeout(to, handler, message, timeout)
     }
 
-    /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still
-    /// counts as in flight until it completes, so [`join`](Self::join) waits for it; a
-    /// failure is only logged and counted in the peer's network data.
+    /// [`RpcClient::remote`].
     ///
     /// # Errors
     /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
     pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
-        let future = self.rpc_async(to, handler, message);
-        if future.is_done() {
-            return future.wait().map(|_| ());
-        }
-        Ok(())
+        self.client.remote(to, handler, message)
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,

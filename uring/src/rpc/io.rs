@@ -33,6 +33,7 @@ use rdzv_core::rpc::frame::{
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
+use super::client::RpcClient;
 use super::error::RpcError;
 use super::message::{CallContext, Completion, Message, Tensor};
 use super::shared::{Call, Command, Shared};
@@ -853,6 +854,7 @@ impl Io {
             caller_id: peer_id,
             handler: frame.handler,
             message_id: frame.message_id,
+            client: RpcClient::new(Arc::clone(&self.shared)),
         };
         let message = Message {
             metadata: frame.metadata,

@@ -14,6 +14,7 @@
 //! | `io` | the I/O thread: one glommio executor with every pipe, the listener and the timer |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
 //! | [`tcp`] | the `tcp` transport on glommio |
+//! | [`client`] | the calling half, a clonable handle for threads and handlers |
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
 //!
@@ -26,6 +27,7 @@
 //! fault-injecting agent are not here yet; asking for them is an error that says so.
 
 pub mod agent;
+pub mod client;
 pub mod error;
 mod io;
 pub mod message;
@@ -34,5 +36,6 @@ pub mod tcp;
 pub mod transport;
 
 pub use agent::{init_rpc, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Message, RpcFuture, Tensor};
