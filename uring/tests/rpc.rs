@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
+use rdzv_uring::rpc::{
+    init_rpc, CallContext, FaultInjection, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+};
 
 const CHILD_ENV: &str = "RDZV_RPC_TEST_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_TEST_STORE";
@@ -583,6 +585,91 @@ fn metrics_count_calls_bytes_and_active_calls() {
     );
     assert_eq!(metric(&b, "agent.num_idle_threads").as_deref(), Some("4"));
     join_both(a, b);
+}
+
+#[test]
+fn fault_injection_fails_and_delays_chosen_handlers() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut agents = start_group(&["faulty", "fine"], &store_url(&dir), |rank, mut o| {
+        if rank == 0 {
+            o.fault_injection = FaultInjection {
+                fail_handlers: vec!["echo".into()],
+                num_fail_sends: 2,
+                delays: vec![("whoami".into(), Duration::from_millis(300))],
+            };
+        }
+        o
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")));
+    let (Some(faulty), Some(fine)) = (agents.next(), agents.next()) else {
+        panic!("two agents expected")
+    };
+    for _ in 0..2 {
+        let text = faulty
+            .rpc_sync("fine", "echo", Message::default())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert_eq!(text, "Send attempt failed intentionally for echo");
+    }
+    assert!(faulty.rpc_sync("fine", "echo", Message::default()).is_ok());
+    // Other handlers and the other worker are not affected.
+    assert!(faulty.rpc_sync("fine", "sleep", sleep_message(0)).is_ok());
+    assert!(fine.rpc_sync("faulty", "echo", Message::default()).is_ok());
+    // A delayed handler arrives late but arrives.
+    let started = Instant::now();
+    let who = faulty.rpc_sync("fine", "whoami", Message::default());
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(
+        who.map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"faulty:0:whoami".to_vec())
+    );
+    let data = faulty
+        .network_data()
+        .get("fine")
+        .copied()
+        .unwrap_or_default();
+    assert_eq!(data.total_errors, 2);
+    join_both(faulty, fine);
+}
+
+#[test]
+fn test_helpers_wait_for_flushes_and_node_failures() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let slow = a.rpc_async("bob", "sleep", sleep_message(300));
+    let text = a
+        .wait_until_pending_futures_flushed(Duration::from_millis(50))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert_eq!(
+        text,
+        "Timed out waiting to flush pending futures, had 1 pending futures"
+    );
+    let started = Instant::now();
+    assert!(a
+        .wait_until_pending_futures_flushed(Duration::from_secs(10))
+        .is_ok());
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    assert!(slow.is_done());
+    // Bob is alive: no failure within the time given.
+    assert!(a
+        .wait_until_node_failure("bob", Duration::from_millis(300))
+        .is_none());
+    assert!(b.shutdown(false).is_ok());
+    let failure = a.wait_until_node_failure("bob", Duration::from_secs(10));
+    assert!(
+        matches!(
+            failure,
+            Some(
+                RpcError::PipeBroken { .. } | RpcError::Connect { .. } | RpcError::Handshake { .. }
+            )
+        ),
+        "{failure:?}"
+    );
+    assert!(a.shutdown(false).is_ok());
 }
 
 /// The child role of [`killed_peer_fails_pending_calls_quickly`]: rank 1, whose

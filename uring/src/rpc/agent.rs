@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 use rdzv_core::device::Device;
@@ -43,6 +43,11 @@ use super::tcp::TcpTransport;
 use super::transport::Transport;
 use crate::rendezvous::rendezvous;
 use crate::store::Store;
+
+/// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
+const NODE_PROBE: &str = "__rdzv_node_probe";
+/// How often it probes.
+const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// PyTorch's default handler pool size (`numWorkerThreads`).
 pub const DEFAULT_NUM_WORKER_THREADS: usize = 16;
@@ -83,6 +88,23 @@ pub struct RpcOptions {
     /// Handlers registered before the agent starts listening, so that no peer can call
     /// in before they exist.
     pub handlers: Vec<(String, Arc<dyn Handler>)>,
+    /// Faults to inject into this worker's sends (PyTorch's faulty agent), for tests.
+    pub fault_injection: FaultInjection,
+}
+
+/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
+/// type): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
+/// with "Send attempt failed intentionally for {handler}" instead of being sent, and
+/// requests to a handler in `delays` are held that long before they are sent. The
+/// default injects nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// Handlers whose requests fail to send.
+    pub fail_handlers: Vec<String>,
+    /// How many requests to each of them fail before they go through.
+    pub num_fail_sends: u32,
+    /// Handlers whose requests are delayed, and by how much.
+    pub delays: Vec<(String, Duration)>,
 }
 
 impl std::fmt::Debug for RpcOptions {
@@ -98,6 +120,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("device_count", &self.device_count)
             .field("listen_host", &self.listen_host)
             .field("init_counter", &self.init_counter)
+            .field("fault_injection", &self.fault_injection)
             .field(
                 "handlers",
                 &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -120,6 +143,7 @@ impl Default for RpcOptions {
             listen_host: None,
             init_counter: None,
             handlers: Vec::new(),
+            fault_injection: FaultInjection::default(),
         }
     }
 }
@@ -421,7 +445,8 @@ pub fn init_rpc(
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
     let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
     debug_assert_eq!(bootstrap, TransportKind::Tcp);
-    let (io_thread, address) = spawn_io(&shared, transport, jobs_tx)?;
+    let (io_thread, address) =
+        spawn_io(&shared, transport, jobs_tx, options.fault_injection.clone())?;
     let agent = RpcAgent {
         shared: Arc::clone(&shared),
         client: RpcClient::new(Arc::clone(&shared)),
@@ -534,6 +559,7 @@ fn spawn_io(
     shared: &Arc<Shared>,
     transport: TcpTransport,
     jobs: std::sync::mpsc::Sender<Job>,
+    faults: FaultInjection,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
     let shared = Arc::clone(shared);
@@ -561,7 +587,7 @@ fn spawn_io(
                     }
                 };
                 let _ = ready_tx.send(Ok(listener.address().to_string()));
-                Io::run(shared, Box::new(transport), listener, jobs).await;
+                Io::run(shared, Box::new(transport), listener, jobs, faults).await;
             });
         })
         .map_err(|e| RpcError::Executor(e.to_string()))?;
@@ -699,6 +725,44 @@ impl RpcAgent {
     /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
     pub fn network_data(&self) -> NetworkData {
         self.shared.lock_calls().network.clone()
+    }
+
+    /// PyTorch's `wait_until_node_failure` test helper: probes `peer` every 100 ms until
+    /// a call to it fails for a reason other than the handler (broken pipe, refused
+    /// connection, timeout) and returns that error; `None` if `peer` still answers after
+    /// `timeout`.
+    pub fn wait_until_node_failure(&self, peer: &str, timeout: Duration) -> Option<RpcError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            // No handler has this name: an answer (a remote error) means `peer` is alive.
+            match self.rpc_sync_with_timeout(peer, NODE_PROBE, Message::default(), Some(left)) {
+                Ok(_) | Err(RpcError::Remote { .. }) => {}
+                Err(e) => return Some(e),
+            }
+            std::thread::sleep(NODE_PROBE_INTERVAL.min(left));
+        }
+    }
+
+    /// PyTorch's `wait_until_pending_futures_and_users_flushed` test helper: waits until
+    /// this worker has no call in flight.
+    ///
+    /// # Errors
+    /// [`RpcError::FlushTimeout`] naming the calls left after `timeout`.
+    pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), RpcError> {
+        let calls = self.shared.lock_calls();
+        let (calls, _) = self
+            .shared
+            .calls_changed
+            .wait_timeout_while(calls, timeout, |c| c.metrics.calls.client_active() > 0)
+            .unwrap_or_else(|p| p.into_inner());
+        match calls.metrics.calls.client_active() {
+            0 => Ok(()),
+            pending => Err(RpcError::FlushTimeout { pending }),
+        }
     }
 
     /// Closes every pipe now (e.g. after a network change): calls in flight on them fail

@@ -239,6 +239,19 @@ pub enum RpcError {
         #[source]
         source: Box<EncodeError>,
     },
+    /// Fault injection failed the send on purpose (PyTorch's faulty agent's text).
+    #[error("Send attempt failed intentionally for {handler}")]
+    InjectedFault {
+        /// The handler the request was for.
+        handler: String,
+    },
+    /// [`RpcAgent::wait_until_pending_futures_flushed`](super::RpcAgent::wait_until_pending_futures_flushed)
+    /// ran out of time.
+    #[error("Timed out waiting to flush pending futures, had {pending} pending futures")]
+    FlushTimeout {
+        /// Calls still in flight.
+        pending: u32,
+    },
     /// The agent is shut down, or shut down while the call was pending.
     #[error("the RPC agent of worker {name} is shut down; the call did not complete")]
     ShutDown {

@@ -33,6 +33,7 @@ use rdzv_core::rpc::frame::{
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
+use super::agent::FaultInjection;
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::message::{CallContext, Completion, Message, Tensor};
@@ -136,6 +137,39 @@ pub(crate) struct Io {
     writers: Rc<Cell<usize>>,
     /// The deadline the timer sleeps until, if any.
     armed: Cell<Option<Instant>>,
+    faults: Faults,
+}
+
+/// The fault injection state: how many sends of each failing handler failed so far.
+struct Faults {
+    config: FaultInjection,
+    failed: RefCell<HashMap<String, u32>>,
+}
+
+impl Faults {
+    /// Whether this send of a request to `handler` must fail (and counts it).
+    fn should_fail(&self, handler: &str) -> bool {
+        if !self.config.fail_handlers.iter().any(|h| h == handler) {
+            return false;
+        }
+        let mut failed = self.failed.borrow_mut();
+        let count = failed.entry(handler.to_string()).or_insert(0);
+        if *count < self.config.num_fail_sends {
+            *count += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// How long to hold a request to `handler` before sending it.
+    fn delay(&self, handler: &str) -> Option<Duration> {
+        self.config
+            .delays
+            .iter()
+            .find(|(h, _)| h == handler)
+            .map(|&(_, d)| d)
+    }
 }
 
 /// How long a graceful close waits for writers to flush their goodbyes.
@@ -148,6 +182,7 @@ impl Io {
         transport: Box<dyn Transport>,
         listener: Box<dyn Listener>,
         jobs: Sender<Job>,
+        faults: FaultInjection,
     ) {
         let (timer_poke, timer_rx) = local_channel::new_bounded(1);
         let io = Rc::new(Io {
@@ -161,6 +196,10 @@ impl Io {
             epoch: std::time::Instant::now(),
             writers: Rc::new(Cell::new(0)),
             armed: Cell::new(None),
+            faults: Faults {
+                config: faults,
+                failed: RefCell::new(HashMap::new()),
+            },
         });
         io.spawn(Rc::clone(&io).accept_loop(listener));
         io.spawn(Rc::clone(&io).timer_loop(timer_rx));
@@ -349,7 +388,7 @@ impl Io {
 
     /// Sends a request whose call is pending (a call that timed out while its pipe
     /// was opening is skipped).
-    fn send_call(&self, outbound: Outbound, pipe: &ReadyPipe) {
+    fn send_call(self: &Rc<Self>, outbound: Outbound, pipe: &ReadyPipe) {
         let Outbound {
             message_id,
             handler,
@@ -397,8 +436,30 @@ impl Io {
             }
             return;
         }
+        let sent_bytes = frame.encoded_len() as u64;
         if let Some(pending) = self.state.borrow_mut().pending.get_mut(&message_id) {
-            pending.sent_bytes = frame.encoded_len() as u64;
+            pending.sent_bytes = sent_bytes;
+        }
+        if self.faults.should_fail(&frame.handler) {
+            let pending = {
+                let mut state = self.state.borrow_mut();
+                state.timeouts.cancel(message_id);
+                state.pending.remove(&message_id)
+            };
+            if let Some(pending) = pending {
+                let handler = frame.handler.clone();
+                self.fail_pending(pending, RpcError::InjectedFault { handler });
+            }
+            return;
+        }
+        if let Some(delay) = self.faults.delay(&frame.handler) {
+            let tx = Rc::clone(&pipe.tx);
+            self.spawn(async move {
+                glommio::timer::sleep(delay).await;
+                // A pipe that closed meanwhile has failed the call already.
+                let _ = tx.try_send(frame);
+            });
+            return;
         }
         if pipe.tx.try_send(frame).is_err() {
             self.pipe_ended(pipe.id, &peer, "the pipe's writer stopped".into());

@@ -23,8 +23,9 @@
 //! timeouts; `num_worker_threads` threads run handlers and enqueue their responses.
 //!
 //! In this increment: static groups, the `tcp` transport and the `basic` channel (CPU
-//! tensors inline in the pipe's frames). Dynamic groups, shm, the other channels and the
-//! fault-injecting agent are not here yet; asking for them is an error that says so.
+//! tensors inline in the pipe's frames), and fault injection for tests
+//! ([`FaultInjection`]). Dynamic groups, shm and the other channels are not here yet;
+//! asking for them is an error that says so.
 
 pub mod agent;
 pub mod client;
@@ -35,7 +36,7 @@ mod shared;
 pub mod tcp;
 pub mod transport;
 
-pub use agent::{init_rpc, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Message, RpcFuture, Tensor};
