@@ -117,6 +117,9 @@ pub enum RpcError {
         /// What is wrong and what to use instead.
         reason: String,
     },
+    /// The RPC backend registry refused (unknown backend, name already registered).
+    #[error("{0}")]
+    Backend(String),
     /// The `transports` or `channels` option names an unknown or repeated backend.
     #[error("invalid RPC option {option}: {source}")]
     Backends {

@@ -14,6 +14,7 @@
 //! | `io` | the I/O thread: one glommio executor with every pipe, the listener and the timer |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
 //! | [`tcp`] | the `tcp` transport on glommio |
+//! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //! | [`client`] | the calling half, a clonable handle for threads and handlers |
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
@@ -28,6 +29,7 @@
 //! asking for them is an error that says so.
 
 pub mod agent;
+pub mod backend;
 pub mod client;
 pub mod error;
 mod io;
@@ -37,6 +39,7 @@ pub mod tcp;
 pub mod transport;
 
 pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Message, RpcFuture, Tensor};
