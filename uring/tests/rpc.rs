@@ -368,7 +368,7 @@ fn timeouts_fail_with_pytorchs_text_and_late_replies_are_dropped() {
     let result = a.rpc_sync_with_timeout(
         "bob",
         "sleep",
-        sleep_message(600),
+        sleep_message(1_500),
         Some(Duration::from_millis(100)),
     );
     let elapsed = started.elapsed();
@@ -378,14 +378,14 @@ fn timeouts_fail_with_pytorchs_text_and_late_replies_are_dropped() {
         "RPC ran for more than set timeout (100 ms) and will now be marked with an error"
     );
     assert!(elapsed >= Duration::from_millis(100), "{elapsed:?}");
-    assert!(elapsed < Duration::from_millis(500), "{elapsed:?}");
+    assert!(elapsed < Duration::from_millis(1_400), "{elapsed:?}");
     assert_eq!(
         metric(&a, "agent.client_active_calls").as_deref(),
         Some("0")
     );
 
     // The late reply arrives and is dropped; the pipe keeps working.
-    thread::sleep(Duration::from_millis(700));
+    thread::sleep(Duration::from_millis(1_600));
     let ok = a.rpc_sync("bob", "echo", Message::from_payload(b"after".to_vec()));
     assert_eq!(
         ok.map(|m| m.payload).map_err(|e| e.to_string()),
