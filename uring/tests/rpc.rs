@@ -142,7 +142,7 @@ fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
 fn round_trips_payloads_handlers_and_errors() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let (a, b) = pair(&dir);
-    assert_eq!(a.world_size(), 2);
+    assert_eq!(a.world_size(), Some(2));
     let names: Vec<String> = a.worker_infos().iter().map(|w| w.to_string()).collect();
     assert_eq!(names.len(), 2);
 
@@ -670,6 +670,79 @@ fn test_helpers_wait_for_flushes_and_node_failures() {
         "{failure:?}"
     );
     assert!(a.shutdown(false).is_ok());
+}
+
+fn dynamic_member(name: &str, rank: u32, url: &str) -> RpcAgent {
+    init_rpc(name, rank, None, base_options(url)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn member_names(agent: &RpcAgent) -> Vec<String> {
+    agent
+        .worker_infos()
+        .iter()
+        .map(|w| w.name().to_string())
+        .collect()
+}
+
+#[test]
+fn dynamic_members_join_call_each_other_and_leave() {
+    // A tcp:// store hosted by rank 0 (which leaves last, as PyTorch requires).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("tcp://127.0.0.1:{port}");
+    let first = dynamic_member("first", 0, &url);
+    assert_eq!(first.world_size(), None);
+    assert_eq!(member_names(&first), ["first"]);
+    let second = dynamic_member("second", 1, &url);
+    // The newcomer told the member: both see both, and calls work both ways.
+    assert_eq!(member_names(&first), ["first", "second"]);
+    assert_eq!(member_names(&second), ["first", "second"]);
+    assert_eq!(
+        first
+            .rpc_sync("second", "whoami", Message::default())
+            .map(|m| m.payload)
+            .map_err(|e| e.to_string()),
+        Ok(b"first:0:whoami".to_vec())
+    );
+    assert!(second.rpc_sync("first", "echo", Message::default()).is_ok());
+    let third = dynamic_member("third", 2, &url);
+    for agent in [&first, &second, &third] {
+        assert_eq!(member_names(agent), ["first", "second", "third"]);
+    }
+    assert!(third.rpc_sync("second", "echo", Message::default()).is_ok());
+
+    // A taken rank is refused.
+    let text = init_rpc("intruder", 1, None, base_options(&url))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert_eq!(
+        text,
+        "RPC worker id 1 is not unique. Worker second and already has ID and intruder cannot be added."
+    );
+    // A static member cannot join a dynamic group.
+    let text = init_rpc("static", 5, Some(6), base_options(&url))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        text.starts_with("RPC group mixes statically and dynamically initialized members"),
+        "{text}"
+    );
+
+    // The second leaves: the others forget it.
+    assert!(second.join().is_ok());
+    assert_eq!(member_names(&first), ["first", "third"]);
+    assert_eq!(member_names(&third), ["first", "third"]);
+    assert!(matches!(
+        first.rpc_sync("second", "echo", Message::default()),
+        Err(RpcError::UnknownWorker { .. })
+    ));
+    assert!(first.rpc_sync("third", "echo", Message::default()).is_ok());
+    assert!(third.join().is_ok());
+    assert!(first.join().is_ok());
 }
 
 /// The child role of [`killed_peer_fails_pending_calls_quickly`]: rank 1, whose

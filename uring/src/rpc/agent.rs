@@ -10,6 +10,16 @@
 //! lowest-priority transport (the bootstrap one); publish `addrs/{name}`, read every
 //! peer's address; then a store barrier.
 //!
+//! Dynamic groups (no world size; PyTorch's `_group_membership_management` and
+//! `_update_group_membership`): under the store token `RpcGroupManagementToken`, a
+//! newcomer claims `names/{rank}`, reads `_ALL_WORKER_INFOS`, checks device maps as a
+//! dynamic group, starts, tells every member (a reserved `__rdzv_group_join` call
+//! carrying its name, id, address and devices), then lists itself. Leaving (graceful
+//! shutdown) takes the token, tells every other member (`__rdzv_group_leave`), then runs
+//! the core's `Leave`. Unlike PyTorch, a leave drops only the leaver's reverse device
+//! map on the others, not all of them, and device information travels through the store
+//! (`devices/{rank}`) instead of `_get_device_infos` calls.
+//!
 //! The handle is `Send + Sync`: every method may be called from any thread. Calls are
 //! handed to the I/O thread and complete an [`RpcFuture`]; handlers run on a pool of
 //! `num_worker_threads` threads.
@@ -18,19 +28,24 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 use rdzv_core::device::Device;
-use rdzv_core::device_map::{exchange_and_check_device_maps, DeviceMaps, WorkerDevices};
+use rdzv_core::device_map::{
+    create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
+    GroupKind, WorkerDevices,
+};
 use rdzv_core::negotiate::{ChannelKind, Ranking, TransportKind};
 use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
-use rdzv_core::rpc::shutdown::{Action, Join, Outcome};
+use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
 use rdzv_core::rpc::store_keys::{
-    check_static_group, join_key, static_group_value, static_ranks_to_fetch, NameTable, RpcKeys,
+    append_worker_info, check_rank_claim, check_static_group, join_key, membership_token,
+    parse_worker_infos, static_group_value, static_ranks_to_fetch, token_step, Membership,
+    NameTable, RpcKeys, TokenStep, TOKEN_DONE,
 };
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
@@ -41,8 +56,9 @@ use super::message::{Handler, Message, RpcFuture};
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::tcp::TcpTransport;
 use super::transport::Transport;
-use crate::rendezvous::rendezvous;
+use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use crate::store::Store;
+use rdzv_core::rendezvous::NodeParams;
 
 /// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
 const NODE_PROBE: &str = "__rdzv_node_probe";
@@ -286,13 +302,15 @@ impl std::fmt::Debug for RpcAgent {
 }
 
 /// `rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)`:
-/// joins the group and starts the agent. Blocks until every worker of the group has
-/// started (a store barrier).
+/// joins the group and starts the agent. With a world size (static group) it blocks
+/// until every worker of the group has started (a store barrier); without one it joins
+/// a dynamic group (the rendezvous must allow that, e.g. `tcp://`).
 ///
 /// # Errors
 /// [`RpcError::InvalidWorker`] for a bad name or rank; [`RpcError::Backends`] /
 /// [`RpcError::InvalidOption`] for unusable options (unknown transport or channel names,
-/// no worker threads, no world size); [`RpcError::Rendezvous`] and [`RpcError::Store`]
+/// no worker threads); [`RpcError::DuplicateId`] for a dynamic member whose rank is
+/// taken; [`RpcError::Rendezvous`] and [`RpcError::Store`]
 /// when the store cannot be reached; [`RpcError::MixedGroup`], [`RpcError::Names`]
 /// (duplicate names) and [`RpcError::DeviceMaps`] when the group is inconsistent;
 /// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails.
@@ -304,17 +322,13 @@ pub fn init_rpc(
 ) -> Result<RpcAgent, RpcError> {
     let me =
         WorkerInfo::new(name, i64::from(rank)).map_err(|e| RpcError::InvalidWorker(Box::new(e)))?;
-    let world_size = world_size.ok_or_else(|| RpcError::InvalidOption {
-        option: "world_size",
-        reason: "dynamic RPC groups (no world size) are not supported by this build yet; \
-                 pass the group's world size"
-            .into(),
-    })?;
-    if rank >= world_size {
-        return Err(RpcError::InvalidOption {
-            option: "rank",
-            reason: format!("rank {rank} is not below the world size {world_size}"),
-        });
+    if let Some(world_size) = world_size {
+        if rank >= world_size {
+            return Err(RpcError::InvalidOption {
+                option: "rank",
+                reason: format!("rank {rank} is not below the world size {world_size}"),
+            });
+        }
     }
     if options.num_worker_threads == 0 {
         return Err(RpcError::InvalidOption {
@@ -326,9 +340,10 @@ pub fn init_rpc(
     let channels = ranked_channels(options.channels.as_deref())?;
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
-        if handlers
-            .insert(handler_name.clone(), Arc::clone(handler))
-            .is_some()
+        if handler_name.starts_with(RESERVED_PREFIX)
+            || handlers
+                .insert(handler_name.clone(), Arc::clone(handler))
+                .is_some()
         {
             return Err(RpcError::HandlerExists {
                 name: handler_name.clone(),
@@ -336,13 +351,25 @@ pub fn init_rpc(
         }
     }
 
-    let rdzv =
-        rendezvous(&options.init_method, Some(rank), Some(world_size)).map_err(|source| {
-            RpcError::Rendezvous {
-                init_method: options.init_method.clone(),
-                source: Box::new(source),
-            }
-        })?;
+    // A dynamic member builds its store as `_create_store_from_options` does: no world
+    // size argument.
+    let params = match world_size {
+        Some(world_size) => NodeParams::Given {
+            rank: Some(rank),
+            world_size: Some(world_size),
+        },
+        None => NodeParams::Inferred { rank: Some(rank) },
+    };
+    let rdzv = rendezvous_with(
+        &options.init_method,
+        params,
+        &ProcessEnv::snapshot(),
+        &RendezvousOptions::default(),
+    )
+    .map_err(|source| RpcError::Rendezvous {
+        init_method: options.init_method.clone(),
+        source: Box::new(source),
+    })?;
     let store = rdzv.store;
     let counter = options
         .init_counter
@@ -350,13 +377,167 @@ pub fn init_rpc(
     let keys = RpcKeys::new(counter);
 
     // rpcIsStaticGroup.
+    let is_static = world_size.is_some();
     let key = keys.is_static_group();
     let returned = store
-        .compare_set(&key, b"", static_group_value(true))
+        .compare_set(&key, b"", static_group_value(is_static))
         .map_err(store_error("compare_set", &key))?;
-    check_static_group(true, &returned)?;
+    check_static_group(is_static, &returned)?;
 
-    // Names.
+    let start = Start {
+        me,
+        options,
+        store,
+        keys,
+        transports,
+        channels,
+        handlers,
+    };
+    match world_size {
+        Some(world_size) => init_static(start, world_size),
+        None => {
+            let token = membership_token(start.me.name(), Membership::Join);
+            acquire_token(&*start.store, &start.keys, &token)?;
+            let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+            let joined = join_dynamic(start);
+            release_token(&*store, &keys, &token).and(joined)
+        }
+    }
+}
+
+/// What both kinds of group start from.
+struct Start {
+    me: WorkerInfo,
+    options: RpcOptions,
+    store: Arc<dyn Store>,
+    keys: RpcKeys,
+    transports: Vec<(TransportKind, i64)>,
+    channels: Vec<(ChannelKind, i64)>,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Start {
+    fn devices(&self) -> WorkerDevices {
+        WorkerDevices {
+            name: self.me.name().to_string(),
+            device_count: self.options.device_count,
+            device_maps: self.options.device_maps.clone(),
+            devices: self.options.devices.clone(),
+        }
+    }
+
+    fn devices_key(&self, rank: u32) -> String {
+        join_key(self.keys.prefix(), &format!("devices/{rank}"))
+    }
+
+    /// Publishes this worker's device information under `devices/{rank}`.
+    fn publish_devices(&self) -> Result<(), RpcError> {
+        let rank = self.rank();
+        let encoded =
+            postcard::to_allocvec(&self.devices()).map_err(|e| RpcError::BadDeviceInfo {
+                rank,
+                reason: e.to_string(),
+            })?;
+        let key = self.devices_key(rank);
+        self.store
+            .set(&key, &encoded)
+            .map_err(store_error("set", &key))
+    }
+
+    /// Reads a worker's device information.
+    fn read_devices(&self, rank: u32) -> Result<WorkerDevices, RpcError> {
+        let key = self.devices_key(rank);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        postcard::from_bytes(&value).map_err(|e| RpcError::BadDeviceInfo {
+            rank,
+            reason: e.to_string(),
+        })
+    }
+
+    fn rank(&self) -> u32 {
+        u32::try_from(self.me.id().get()).unwrap_or(0)
+    }
+
+    /// Reads a worker's published address.
+    fn read_address(&self, name: &str) -> Result<String, RpcError> {
+        let key = self.keys.address(name);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        Ok(String::from_utf8_lossy(&value).into_owned())
+    }
+
+    /// Starts the pool and the I/O thread, and publishes this worker's address.
+    fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, RpcError> {
+        let Start {
+            me,
+            options,
+            store,
+            keys,
+            transports,
+            channels,
+            handlers,
+        } = self;
+        let host = options.listen_host.unwrap_or_else(guess_host);
+        // The bootstrap transport is the lowest-priority one: tcp, the only one here.
+        let transport = TcpTransport::new(host);
+        let offer = OfferSpec {
+            transports: transports
+                .iter()
+                .map(|&(kind, priority)| {
+                    (kind, priority, transport.domain_descriptor().to_string())
+                })
+                .collect(),
+            channels,
+        };
+        let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
+        let shared = Arc::new(Shared {
+            me: me.clone(),
+            world_size,
+            group: RwLock::new(Group::default()),
+            dynamic: world_size.is_none(),
+            handlers: RwLock::new(handlers),
+            mailbox: Mailbox::default(),
+            calls: Mutex::new(CallState {
+                metrics: AgentMetrics::new(pool_size),
+                network: NetworkData::new(),
+                frozen: false,
+                deferred_finishes: 0,
+                shutting_down: false,
+            }),
+            calls_changed: Condvar::new(),
+            next_message_id: AtomicU64::new(1),
+            default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
+            offer,
+        });
+        if world_size.is_none() {
+            register_membership_handlers(&shared);
+        }
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+        let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        let (io_thread, address) =
+            spawn_io(&shared, transport, jobs_tx, options.fault_injection.clone())?;
+        let agent = RpcAgent {
+            shared: Arc::clone(&shared),
+            client: RpcClient::new(Arc::clone(&shared)),
+            store: Arc::clone(&store),
+            keys: keys.clone(),
+            io_thread: Mutex::new(Some(io_thread)),
+            workers: Mutex::new(workers),
+            address: address.clone(),
+            next_barrier_id: Mutex::new(1),
+        };
+        let key = keys.address(me.name());
+        store
+            .set(&key, address.as_bytes())
+            .map_err(store_error("set", &key))?;
+        Ok(agent)
+    }
+}
+
+/// The static group's start-up: names, device maps, agent, addresses, barrier.
+fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
+    let me = start.me.clone();
+    let rank = start.rank();
+    let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
     let key = keys.rank_name(me.id());
     store
         .set(&key, me.name().as_bytes())
@@ -376,121 +557,209 @@ pub fn init_rpc(
     ranked_names.sort_by_key(|(id, _)| id.get());
 
     // Devices: every worker's (name, device_count, device_maps, devices).
-    let mine = WorkerDevices {
-        name: me.name().to_string(),
-        device_count: options.device_count,
-        device_maps: options.device_maps.clone(),
-        devices: options.devices.clone(),
-    };
-    let devices_key = |r: u32| join_key(keys.prefix(), &format!("devices/{r}"));
-    let encoded = postcard::to_allocvec(&mine).map_err(|e| RpcError::BadDeviceInfo {
-        rank,
-        reason: e.to_string(),
-    })?;
-    let key = devices_key(rank);
-    store
-        .set(&key, &encoded)
-        .map_err(store_error("set", &key))?;
+    let mine = start.devices();
+    start.publish_devices()?;
     let mut workers = Vec::with_capacity(ranked_names.len());
     for r in 0..world_size {
-        if r == rank {
-            workers.push(mine.clone());
-            continue;
-        }
-        let key = devices_key(r);
-        let value = store.get(&key).map_err(store_error("get", &key))?;
-        let theirs: WorkerDevices =
-            postcard::from_bytes(&value).map_err(|e| RpcError::BadDeviceInfo {
-                rank: r,
-                reason: e.to_string(),
-            })?;
-        workers.push(theirs);
+        workers.push(if r == rank {
+            mine.clone()
+        } else {
+            start.read_devices(r)?
+        });
     }
     let setup = exchange_and_check_device_maps(&mine, &workers)?;
 
-    // The agent: pool, I/O thread, listener.
-    let bootstrap = transports
-        .iter()
-        .min_by_key(|(_, priority)| *priority)
-        .map(|&(kind, _)| kind)
-        .unwrap_or(TransportKind::Tcp);
-    let host = options.listen_host.unwrap_or_else(guess_host);
-    let transport = TcpTransport::new(host);
-    let offer = OfferSpec {
-        transports: transports
-            .iter()
-            .map(|&(kind, priority)| (kind, priority, transport.domain_descriptor().to_string()))
-            .collect(),
-        channels,
-    };
-    let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
-    let shared = Arc::new(Shared {
+    let mut peers = HashMap::new();
+    let device_maps = start.options.device_maps.clone();
+    let reader = Start {
         me: me.clone(),
-        world_size,
-        group: OnceLock::new(),
-        handlers: RwLock::new(handlers),
-        mailbox: Mailbox::default(),
-        calls: Mutex::new(CallState {
-            metrics: AgentMetrics::new(pool_size),
-            network: NetworkData::new(),
-            frozen: false,
-            deferred_finishes: 0,
-            shutting_down: false,
-        }),
-        calls_changed: Condvar::new(),
-        next_message_id: AtomicU64::new(1),
-        default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
-        offer,
-    });
-    let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
-    let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
-    debug_assert_eq!(bootstrap, TransportKind::Tcp);
-    let (io_thread, address) =
-        spawn_io(&shared, transport, jobs_tx, options.fault_injection.clone())?;
-    let agent = RpcAgent {
-        shared: Arc::clone(&shared),
-        client: RpcClient::new(Arc::clone(&shared)),
+        options: RpcOptions::default(),
         store: Arc::clone(&store),
         keys: keys.clone(),
-        io_thread: Mutex::new(Some(io_thread)),
-        workers: Mutex::new(workers),
-        address: address.clone(),
-        next_barrier_id: Mutex::new(1),
+        transports: Vec::new(),
+        channels: Vec::new(),
+        handlers: HashMap::new(),
     };
-
-    // Addresses, then the barrier.
-    let key = keys.address(me.name());
-    store
-        .set(&key, address.as_bytes())
-        .map_err(store_error("set", &key))?;
-    let mut peers = HashMap::new();
+    let agent = start.start_agent(Some(world_size))?;
     for (id, peer_name) in &ranked_names {
-        let peer_address = if *id == me.id() {
-            address.clone()
+        let address = if *id == me.id() {
+            agent.address.clone()
         } else {
-            let key = keys.address(peer_name);
-            let value = store.get(&key).map_err(store_error("get", &key))?;
-            String::from_utf8_lossy(&value).into_owned()
+            reader.read_address(peer_name)?
         };
-        peers.insert(
-            peer_name.clone(),
-            Peer {
-                id: *id,
-                address: peer_address,
-            },
-        );
+        peers.insert(peer_name.clone(), Peer { id: *id, address });
     }
-    let _ = shared.group.set(Group {
+    *agent.shared.group_mut() = Group {
         peers,
-        device_maps: options.device_maps,
+        device_maps,
         reverse_device_maps: setup.reverse_device_maps,
-    });
+    };
     let key = join_key(keys.prefix(), "init_barrier");
     store
         .barrier(&key, i64::from(world_size), None)
         .map_err(store_error("barrier", &key))?;
-    tracing::info!(name = %me.name(), rank, %address, "RPC agent started");
+    tracing::info!(name = %me.name(), rank, address = %agent.address, "RPC agent started");
     Ok(agent)
+}
+
+/// A dynamic member's join, under the group token: claim the rank, read the members,
+/// check device maps, start, tell every member, then list this worker.
+fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
+    let me = start.me.clone();
+    let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+    let key = keys.rank_name(me.id());
+    let returned = store
+        .compare_set(&key, b"", me.name().as_bytes())
+        .map_err(store_error("compare_set", &key))?;
+    check_rank_claim(&me, &returned)?;
+    let list_key = keys.all_worker_infos();
+    // compare_set from "" to "" reads the list, creating it empty if it is missing.
+    let list = store
+        .compare_set(&list_key, b"", b"")
+        .map_err(store_error("compare_set", &list_key))?;
+    let members: Vec<(String, WorkerId)> = parse_worker_infos(&list)?
+        .into_iter()
+        .map(|(n, id)| (n.to_string(), id))
+        .collect();
+    let mut names = NameTable::new(&me);
+    for (name, id) in &members {
+        names.insert(name.as_bytes(), *id)?;
+    }
+
+    let mine = start.devices();
+    start.publish_devices()?;
+    let mut workers = vec![mine.clone()];
+    for (_, id) in &members {
+        workers.push(start.read_devices(u32::try_from(id.get()).unwrap_or(0))?);
+    }
+    validate_device_maps(&workers, GroupKind::Dynamic)?;
+    let reverse_device_maps = create_reverse_mapping(me.name(), &workers);
+
+    let mut peers = HashMap::new();
+    for (name, id) in &members {
+        peers.insert(
+            name.clone(),
+            Peer {
+                id: *id,
+                address: start.read_address(name)?,
+            },
+        );
+    }
+    let device_maps = start.options.device_maps.clone();
+    let agent = start.start_agent(None)?;
+    peers.insert(
+        me.name().to_string(),
+        Peer {
+            id: me.id(),
+            address: agent.address.clone(),
+        },
+    );
+    *agent.shared.group_mut() = Group {
+        peers,
+        device_maps,
+        reverse_device_maps,
+    };
+    let announcement =
+        postcard::to_allocvec(&(me.name(), me.id().get(), agent.address.as_str(), &mine)).map_err(
+            |e| RpcError::BadDeviceInfo {
+                rank: u32::try_from(me.id().get()).unwrap_or(0),
+                reason: e.to_string(),
+            },
+        )?;
+    for (name, _) in &members {
+        agent.rpc_sync(
+            name,
+            GROUP_JOIN,
+            Message::from_payload(announcement.clone()),
+        )?;
+    }
+    let text = String::from_utf8_lossy(&list).into_owned();
+    let listed = append_worker_info(&text, &me)?;
+    store
+        .set(&list_key, listed.as_bytes())
+        .map_err(store_error("set", &list_key))?;
+    tracing::info!(name = %me.name(), members = members.len(), "RPC agent joined a dynamic group");
+    Ok(agent)
+}
+
+/// `_group_membership_management`'s acquire: compare-set the group token until it is
+/// ours, waiting for the holder's `Done` in between.
+fn acquire_token(store: &dyn Store, keys: &RpcKeys, token: &str) -> Result<(), RpcError> {
+    let key = keys.group_management_token();
+    loop {
+        let returned = store
+            .compare_set(&key, b"", token.as_bytes())
+            .map_err(store_error("compare_set", &key))?;
+        match token_step(keys, token, &returned) {
+            TokenStep::Acquired => return Ok(()),
+            TokenStep::WaitFor { key: wait } => {
+                store
+                    .wait(&[&wait], None)
+                    .map_err(store_error("wait", &wait))?;
+                if wait == key {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+}
+
+/// `_group_membership_management`'s release.
+fn release_token(store: &dyn Store, keys: &RpcKeys, token: &str) -> Result<(), RpcError> {
+    let key = keys.group_management_token();
+    store.set(&key, b"").map_err(store_error("set", &key))?;
+    let done = keys.token_done(token);
+    store
+        .set(&done, TOKEN_DONE)
+        .map_err(store_error("set", &done))
+}
+
+/// The handler names of the dynamic group's membership updates.
+const RESERVED_PREFIX: &str = "__rdzv_";
+const GROUP_JOIN: &str = "__rdzv_group_join";
+const GROUP_LEAVE: &str = "__rdzv_group_leave";
+
+/// `_update_group_membership` for joins and leaves, as handlers that hold the agent
+/// weakly (the agent owns its handlers).
+fn register_membership_handlers(shared: &Arc<Shared>) {
+    let weak = Arc::downgrade(shared);
+    let join = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let (name, id, address, devices): (String, i16, String, WorkerDevices) =
+            postcard::from_bytes(&m.payload).map_err(|e| format!("bad join announcement: {e}"))?;
+        let me = shared.me.name().to_string();
+        let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
+        let mut group = shared.group_mut();
+        group.peers.insert(
+            name.clone(),
+            Peer {
+                id: WorkerId::from(id),
+                address,
+            },
+        );
+        if let Some(map) = reverse.get(&name) {
+            group.reverse_device_maps.insert(name, map.clone());
+        }
+        Ok(Message::default())
+    };
+    let weak = Arc::downgrade(shared);
+    let leave = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let name = String::from_utf8_lossy(&m.payload).into_owned();
+        let mut group = shared.group_mut();
+        group.peers.remove(&name);
+        let kept: DeviceMaps = group
+            .reverse_device_maps
+            .iter()
+            .filter(|(peer, _)| *peer != name)
+            .map(|(peer, map)| (peer.to_string(), map.clone()))
+            .collect();
+        group.reverse_device_maps = kept;
+        Ok(Message::default())
+    };
+    let mut handlers = shared.handlers.write().unwrap_or_else(|p| p.into_inner());
+    handlers.insert(GROUP_JOIN.to_string(), Arc::new(join));
+    handlers.insert(GROUP_LEAVE.to_string(), Arc::new(leave));
 }
 
 fn spawn_pool(
@@ -613,7 +882,7 @@ impl RpcAgent {
     }
 
     /// The group's size.
-    pub fn world_size(&self) -> u32 {
+    pub fn world_size(&self) -> Option<u32> {
         self.shared.world_size
     }
 
@@ -627,13 +896,10 @@ impl RpcAgent {
         let mut infos: Vec<WorkerInfo> = self
             .shared
             .group()
-            .map(|g| {
-                g.peers
-                    .iter()
-                    .filter_map(|(name, peer)| WorkerInfo::with_id(name, peer.id).ok())
-                    .collect()
-            })
-            .unwrap_or_default();
+            .peers
+            .iter()
+            .filter_map(|(name, peer)| WorkerInfo::with_id(name, peer.id).ok())
+            .collect();
         infos.sort_by_key(|w| w.id().get());
         infos
     }
@@ -641,14 +907,15 @@ impl RpcAgent {
     /// Registers `handler` under `name`; peers calling `name` before this get an error.
     ///
     /// # Errors
-    /// [`RpcError::HandlerExists`] if the name is taken.
+    /// [`RpcError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
+    /// are the agent's own).
     pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), RpcError> {
         let mut handlers = self
             .shared
             .handlers
             .write()
             .unwrap_or_else(|p| p.into_inner());
-        if handlers.contains_key(name) {
+        if handlers.contains_key(name) || name.starts_with(RESERVED_PREFIX) {
             return Err(RpcError::HandlerExists {
                 name: name.to_string(),
             });
@@ -827,7 +1094,10 @@ impl RpcAgent {
             .next_barrier_id
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let mut join = Join::new(self.keys.clone(), self.shared.world_size, first, true);
+        let Some(world_size) = self.shared.world_size else {
+            return self.run_leave();
+        };
+        let mut join = Join::new(self.keys.clone(), world_size, first, true);
         let result = self.drive_join(&mut join);
         *self
             .next_barrier_id
@@ -849,7 +1119,38 @@ impl RpcAgent {
         self.shared.calls_changed.notify_all();
     }
 
-    fn drive_join(&self, join: &mut Join) -> Result<(), RpcError> {
+    /// A dynamic member's graceful leave, under the group token: tell every other
+    /// member, then the core's `Leave` (no calls in flight, unlist, mark shutting down).
+    fn run_leave(&self) -> Result<(), RpcError> {
+        let me = self.shared.me.clone();
+        let token = membership_token(me.name(), Membership::Leave);
+        acquire_token(&*self.store, &self.keys, &token)?;
+        let left = (|| {
+            let others: Vec<String> = self
+                .shared
+                .group()
+                .peers
+                .keys()
+                .filter(|name| name.as_str() != me.name())
+                .cloned()
+                .collect();
+            for name in others {
+                self.rpc_sync(
+                    &name,
+                    GROUP_LEAVE,
+                    Message::from_payload(me.name().as_bytes().to_vec()),
+                )?;
+            }
+            let mut leave = Leave::new(&self.keys, me.clone());
+            self.drive_join(&mut leave)
+        })();
+        if left.is_err() {
+            self.release_calls();
+        }
+        release_token(&*self.store, &self.keys, &token).and(left)
+    }
+
+    fn drive_join(&self, join: &mut impl Protocol) -> Result<(), RpcError> {
         enum Done {
             NoClientCalls,
             Held(u32),
@@ -936,6 +1237,37 @@ impl RpcAgent {
     }
 }
 
+/// The two shutdown machines of the core, driven alike.
+trait Protocol {
+    fn poll_action(&self) -> Action<'_>;
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError>;
+    fn error(&self) -> Option<&JoinError>;
+}
+
+impl Protocol for Join {
+    fn poll_action(&self) -> Action<'_> {
+        Join::poll_action(self)
+    }
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
+        Join::handle(self, outcome)
+    }
+    fn error(&self) -> Option<&JoinError> {
+        Join::error(self)
+    }
+}
+
+impl Protocol for Leave {
+    fn poll_action(&self) -> Action<'_> {
+        Leave::poll_action(self)
+    }
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
+        Leave::handle(self, outcome)
+    }
+    fn error(&self) -> Option<&JoinError> {
+        Leave::error(self)
+    }
+}
+
 impl Drop for RpcAgent {
     fn drop(&mut self) {
         let running = self
@@ -1013,13 +1345,11 @@ mod tests {
             bad,
             Err(RpcError::InvalidOption { option: "rank", .. })
         ));
-        let bad = init_rpc("w", 0, None, RpcOptions::new("file:///nonexistent"));
-        assert!(matches!(
-            bad,
-            Err(RpcError::InvalidOption {
-                option: "world_size",
-                ..
-            })
-        ));
+        let reserved = RpcOptions::new("file:///nonexistent").with_handler(
+            "__rdzv_group_join",
+            |_: &super::super::CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        );
+        let bad = init_rpc("w", 0, Some(1), reserved);
+        assert!(matches!(bad, Err(RpcError::HandlerExists { .. })));
     }
 }

@@ -54,10 +54,7 @@ impl RpcClient {
         timeout: Option<Duration>,
     ) -> RpcFuture {
         let (future, completion) = RpcFuture::new();
-        let known = self
-            .shared
-            .group()
-            .is_some_and(|g| g.peers.contains_key(to));
+        let known = self.shared.group().peers.contains_key(to);
         if !known {
             completion.complete(Err(RpcError::UnknownWorker {
                 name: to.to_string(),

@@ -8,7 +8,9 @@ use rdzv_core::negotiate::OfferError;
 use rdzv_core::rpc::frame::{EncodeError, FrameError};
 use rdzv_core::rpc::name::WorkerInfoError;
 use rdzv_core::rpc::shutdown::JoinError;
-use rdzv_core::rpc::store_keys::{MixedGroupError, NameTableError};
+use rdzv_core::rpc::store_keys::{
+    DuplicateWorkerId, MixedGroupError, NameTableError, WorkerInfosError,
+};
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
 use crate::rendezvous::RendezvousError;
@@ -155,6 +157,12 @@ pub enum RpcError {
     /// Two workers share a name or a rank, or a name read from the store is invalid.
     #[error(transparent)]
     Names(Box<NameTableError>),
+    /// A dynamic member's rank is taken by another name.
+    #[error(transparent)]
+    DuplicateId(Box<DuplicateWorkerId>),
+    /// The dynamic group's member list is malformed.
+    #[error(transparent)]
+    WorkerList(Box<WorkerInfosError>),
     /// A worker's device information read from the store does not decode.
     #[error("the device information of rank {rank} in the store is malformed ({reason}); is another program using the same store keys?")]
     BadDeviceInfo {
@@ -284,6 +292,8 @@ macro_rules! boxed_from {
 
 boxed_from! {
     MixedGroupError => MixedGroup,
+    DuplicateWorkerId => DuplicateId,
+    WorkerInfosError => WorkerList,
     NameTableError => Names,
     DeviceMapError => DeviceMaps,
     TransportError => Transport,

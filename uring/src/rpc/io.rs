@@ -265,12 +265,13 @@ impl Io {
     }
 
     fn start_call(self: &Rc<Self>, call: Call) {
-        let address = match self
+        let address = self
             .shared
             .group()
-            .and_then(|g| g.peers.get(&call.peer))
-            .map(|p| p.address.clone())
-        {
+            .peers
+            .get(&call.peer)
+            .map(|p| p.address.clone());
+        let address = match address {
             Some(address) => address,
             None => {
                 let name = call.peer.clone();
@@ -356,15 +357,17 @@ impl Io {
         negotiated: &Negotiated,
         reverse: bool,
     ) -> Result<(), RpcError> {
-        let map = self.shared.group().and_then(|g| {
+        let map = {
+            let group = self.shared.group();
             if reverse {
-                g.reverse_device_maps.get(peer)
+                group.reverse_device_maps.get(peer).cloned()
             } else {
-                g.device_maps.get(peer)
+                group.device_maps.get(peer).cloned()
             }
-        });
+        };
         for tensor in tensors {
             let target = map
+                .as_ref()
                 .and_then(|m| m.get(&tensor.device))
                 .unwrap_or(tensor.device);
             let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
@@ -814,12 +817,9 @@ impl Io {
         };
         let decided = with_handshake(hello, |handshake| match handshake {
             Handshake::Hello { name, id, brochure } => {
-                let known = self
-                    .shared
-                    .group()
-                    .and_then(|g| g.peers.get(name))
-                    .map(|p| p.id);
-                if known != Some(id) {
+                let known = self.shared.group().peers.get(name).map(|p| p.id);
+                // A dynamic group's newcomer connects before the members know it.
+                if known != Some(id) && !self.shared.dynamic {
                     return Err(format!(
                         "worker {name} with id {id} is not a member of this group"
                     ));

@@ -1,5 +1,5 @@
 //! The RPC agent (PyTorch's TensorPipe agent), Rust-native: [`init_rpc`] joins a static
-//! group through any rendezvous URL, handlers are registered by name, and
+//! or dynamic group through any rendezvous URL, handlers are registered by name, and
 //! [`RpcAgent::rpc_sync`], [`RpcAgent::rpc_async`] and [`RpcAgent::remote`] call them on
 //! peers with a [`Message`] (metadata, payload, tensors tagged with a device).
 //!
@@ -23,10 +23,10 @@
 //! I/O thread (glommio, io_uring) runs every pipe, the accept loop and one timer for all
 //! timeouts; `num_worker_threads` threads run handlers and enqueue their responses.
 //!
-//! In this increment: static groups, the `tcp` transport and the `basic` channel (CPU
-//! tensors inline in the pipe's frames), and fault injection for tests
-//! ([`FaultInjection`]). Dynamic groups, shm and the other channels are not here yet;
-//! asking for them is an error that says so.
+//! In this increment: static and dynamic groups, the `tcp` transport and the `basic`
+//! channel (CPU tensors inline in the pipe's frames), and fault injection for tests
+//! ([`FaultInjection`]). shm, ibv and the other channels are not wired in yet; asking
+//! for them is an error that says so.
 
 pub mod agent;
 pub mod backend;

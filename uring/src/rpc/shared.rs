@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::task::{Context, Poll, Waker};
 
 use rdzv_core::device_map::DeviceMaps;
@@ -28,8 +28,8 @@ pub(crate) struct Peer {
     pub address: String,
 }
 
-/// What init learned about the group.
-#[derive(Debug, Clone)]
+/// What init learned about the group (a dynamic group's members change it).
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Group {
     /// Every member, this worker included, by name.
     pub peers: HashMap<String, Peer>,
@@ -169,8 +169,11 @@ impl OfferSpec {
 /// Everything shared.
 pub(crate) struct Shared {
     pub me: WorkerInfo,
-    pub world_size: u32,
-    pub group: OnceLock<Group>,
+    /// `None` for a dynamic group.
+    pub world_size: Option<u32>,
+    pub group: RwLock<Group>,
+    /// Members join and leave (no world size).
+    pub dynamic: bool,
     pub handlers: RwLock<HashMap<String, Arc<dyn Handler>>>,
     pub mailbox: Mailbox,
     pub calls: Mutex<CallState>,
@@ -221,7 +224,11 @@ impl Shared {
             .map(Arc::clone)
     }
 
-    pub fn group(&self) -> Option<&Group> {
-        self.group.get()
+    pub fn group(&self) -> RwLockReadGuard<'_, Group> {
+        self.group.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn group_mut(&self) -> RwLockWriteGuard<'_, Group> {
+        self.group.write().unwrap_or_else(|p| p.into_inner())
     }
 }
