@@ -21,6 +21,7 @@ mod conn;
 mod latency;
 mod plot;
 mod report;
+mod rpc;
 mod storm;
 mod throughput;
 
@@ -48,6 +49,9 @@ pub enum BenchCommand {
     /// Measure a TCPStore server (rdzv's embedded one, or any at --addr): latency,
     /// throughput, connection storms, and a raw TCP baseline.
     Store(StoreBenchArgs),
+    /// Measure the RPC agent between two local worker processes: `rpc_sync` echoes per
+    /// payload size and transport, next to a raw TCP ping-pong (see `bench::rpc`).
+    Rpc(rpc::RpcBenchArgs),
 }
 
 /// Options of `rdzv bench store`.
@@ -234,6 +238,7 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 pub fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
     match command {
         BenchCommand::Store(args) => store(args),
+        BenchCommand::Rpc(args) => rpc::run(args),
     }
 }
 
