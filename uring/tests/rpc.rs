@@ -275,6 +275,27 @@ fn tensors_arrive_byte_for_byte() {
         .with_tensor(Tensor::cpu(pattern(70_000, 10)));
     let reply = a.rpc_sync("bob", "echo", many.clone());
     assert_eq!(reply.map_err(|e| e.to_string()), Ok(many));
+    // Large (read straight into the tensor) and small (through the receive buffer)
+    // frames back to back on one pipe, in flight together.
+    let sizes: Vec<usize> = (0..24)
+        .map(|i| if i % 2 == 0 { 300_000 + i } else { 10 + i })
+        .collect();
+    let futures: Vec<_> = sizes
+        .iter()
+        .map(|&len| {
+            let m = Message::default().with_tensor(Tensor::cpu(pattern(len, len as u8)));
+            a.rpc_async("bob", "echo", m)
+        })
+        .collect();
+    for (future, &len) in futures.into_iter().zip(&sizes) {
+        let reply = future.wait().unwrap_or_else(|e| panic!("{len} bytes: {e}"));
+        let data = reply
+            .tensors
+            .first()
+            .map(|t| t.data.clone())
+            .unwrap_or_default();
+        assert!(data == pattern(len, len as u8), "{len} bytes differ");
+    }
     // A CUDA tensor has no channel in this build: a clear error, nothing sent.
     let cuda = Message::default().with_tensor(Tensor {
         device: Device::cuda(0),

@@ -4,7 +4,9 @@
 //! Receiving reads into one buffer and lets the core's [`FrameDecoder`] check every
 //! field against the [`FrameLimits`] as soon as it is complete; the buffer only grows by
 //! what the decoder says is still missing, so a peer claiming a huge frame is refused
-//! before anything of that size is allocated. Sending writes small frames (up to
+//! before anything of that size is allocated. When a frame carries many inline tensor
+//! bytes, everything before them goes through the buffer (and the decoder's checks) and
+//! the tensors are then read straight into their own buffers, without a copy. Sending writes small frames (up to
 //! [`COALESCE_LIMIT`]) with one write and large ones as the head followed by the frame's
 //! own buffers, without copying them.
 //!
@@ -17,7 +19,9 @@ use std::rc::Rc;
 use futures_lite::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use glommio::net::{TcpListener, TcpStream};
 use rdzv_core::negotiate::TransportKind;
-use rdzv_core::rpc::frame::{Decoded, FrameDecoder, FrameLimits};
+use rdzv_core::rpc::frame::{
+    Decoded, FrameDecoder, FrameLimits, Header, TensorDescriptor, DESCRIPTOR_LEN, HEADER_LEN,
+};
 
 use super::error::TransportError;
 use super::transport::{
@@ -35,6 +39,9 @@ pub const COALESCE_LIMIT: usize = 64 * 1024;
 const READ_CHUNK: usize = 64 * 1024;
 /// A receive buffer above this size is shrunk back once it is drained.
 const KEEP_BUFFER: usize = 1 << 20;
+/// Frames with at least this many inline tensor bytes have them read straight into
+/// each tensor's own buffer instead of through the receive buffer.
+const DIRECT_READ_MIN: u64 = 256 * 1024;
 
 /// TCP on glommio, listening on one host address.
 #[derive(Debug, Clone)]
@@ -264,6 +271,124 @@ impl TcpReceiver {
     }
 }
 
+/// How a frame with large inline data is read: `fixed` bytes (header to payload)
+/// through the buffer, then each tensor into its own.
+struct DirectPlan {
+    header: Header,
+    fixed: usize,
+    tensors: Vec<TensorDescriptor>,
+}
+
+/// A [`DirectPlan`] if the header is known, its descriptors are all buffered, and the
+/// frame's inline bytes are many.
+fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
+    let header = *header?;
+    let count = usize::try_from(header.tensor_count).ok()?;
+    let descriptors = pending.get(HEADER_LEN..HEADER_LEN + count.checked_mul(DESCRIPTOR_LEN)?)?;
+    let tensors = descriptors
+        .chunks_exact(DESCRIPTOR_LEN)
+        .zip(0u32..)
+        .map(|(bytes, i)| {
+            let bytes: &[u8; DESCRIPTOR_LEN] = bytes.try_into().ok()?;
+            TensorDescriptor::from_bytes(bytes, i).ok()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let inline: u64 = tensors
+        .iter()
+        .filter(|t| t.is_inline())
+        .map(|t| t.len)
+        .fold(0u64, u64::saturating_add);
+    if inline < DIRECT_READ_MIN {
+        return None;
+    }
+    Some(DirectPlan {
+        header,
+        fixed: usize::try_from(header.fixed_len()).ok()?,
+        tensors,
+    })
+}
+
+impl TcpReceiver {
+    /// Finishes a frame whose first `plan.fixed` bytes are buffered (and checked by the
+    /// decoder): the inline tensors are read into their own buffers.
+    async fn read_direct(&mut self, plan: DirectPlan) -> Result<IncomingFrame, TransportError> {
+        let DirectPlan {
+            header,
+            fixed,
+            tensors,
+        } = plan;
+        let truncated = |have: usize| TransportError::Truncated {
+            peer: self.peer.to_string(),
+            have,
+        };
+        let handler_start = HEADER_LEN + tensors.len() * DESCRIPTOR_LEN;
+        let handler_end = handler_start + header.handler_len as usize;
+        let metadata_end = handler_end + header.metadata_len as usize;
+        let handler = self
+            .buf
+            .get(handler_start..handler_end)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .unwrap_or_default()
+            .to_string();
+        let metadata = self
+            .buf
+            .get(handler_end..metadata_end)
+            .unwrap_or_default()
+            .to_vec();
+        let payload = self
+            .buf
+            .get(metadata_end..fixed)
+            .unwrap_or_default()
+            .to_vec();
+        // Inline bytes that arrived with the fixed part (at most one read's worth).
+        let mut early_at = fixed;
+        let mut wire_len = fixed as u64;
+        let mut received = Vec::with_capacity(tensors.len());
+        for descriptor in tensors {
+            if !descriptor.is_inline() {
+                return Err(TransportError::UnsupportedChannel {
+                    peer: self.peer.to_string(),
+                    channel: descriptor.channel.name(),
+                });
+            }
+            let len = usize::try_from(descriptor.len).map_err(|_| truncated(early_at))?;
+            let mut data = vec![0u8; len];
+            let early = self.buf.get(early_at..self.filled).unwrap_or_default();
+            let take = early.len().min(len);
+            if let (Some(dst), Some(src)) = (data.get_mut(..take), early.get(..take)) {
+                dst.copy_from_slice(src);
+            }
+            early_at += take;
+            if let Some(rest) = data.get_mut(take..) {
+                self.read.read_exact(rest).await.map_err(|source| {
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof {
+                        truncated(early_at)
+                    } else {
+                        TransportError::Io {
+                            op: "receive from",
+                            peer: self.peer.to_string(),
+                            source,
+                        }
+                    }
+                })?;
+            }
+            wire_len += descriptor.len;
+            received.push((descriptor, data));
+        }
+        // Buffered bytes past `early_at` are the next frame's.
+        self.consume(early_at);
+        Ok(IncomingFrame {
+            kind: header.kind,
+            message_id: header.message_id,
+            handler,
+            metadata,
+            payload,
+            tensors: received,
+            wire_len,
+        })
+    }
+}
+
 impl FrameReceiver for TcpReceiver {
     fn recv(
         &mut self,
@@ -282,7 +407,17 @@ impl FrameReceiver for TcpReceiver {
                             self.consume(used);
                             return incoming.map(Some);
                         }
-                        Ok(Decoded::Partial(missing)) => missing,
+                        Ok(Decoded::Partial(missing)) => {
+                            if let Some(plan) = direct_plan(decoder.header(), self.pending()) {
+                                if self.filled >= plan.fixed {
+                                    return self.read_direct(plan).await.map(Some);
+                                }
+                                // Read only up to the inline data.
+                                plan.fixed - self.filled
+                            } else {
+                                missing
+                            }
+                        }
                         Err(source) => {
                             return Err(TransportError::Frame {
                                 peer: peer.to_string(),
