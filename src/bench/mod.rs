@@ -22,6 +22,7 @@ mod cpu;
 mod latency;
 mod plot;
 mod report;
+mod rpc;
 mod storm;
 mod throughput;
 
@@ -60,6 +61,9 @@ pub enum BenchCommand {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Measure the RPC agent between two local worker processes: `rpc_sync` echoes per
+    /// payload size and transport, next to a raw TCP ping-pong (see `bench::rpc`).
+    Rpc(rpc::RpcBenchArgs),
 }
 
 /// Options of `rdzv bench store`.
@@ -271,6 +275,7 @@ pub fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        BenchCommand::Rpc(args) => rpc::run(args),
     }
 }
 

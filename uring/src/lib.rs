@@ -7,6 +7,7 @@
 //!   prefix and hash stores.
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
 //!   `file://` and registered schemes, driven by the core's plans.
+//! - [`rpc`]: the RPC agent (TensorPipe's), over the `tcp` transport.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
 //! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`).
 #![warn(missing_docs)]
@@ -15,6 +16,7 @@ pub mod channel;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod rendezvous;
+pub mod rpc;
 pub mod server;
 pub mod store;
 pub mod transport;

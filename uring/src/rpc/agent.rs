@@ -1,0 +1,1355 @@
+//! [`init_rpc`] and the [`RpcAgent`] handle: the static group's start-up through the
+//! store, the calls, and shutdown.
+//!
+//! Start-up (static group, PyTorch's `_tensorpipe_init_backend_handler` plus the agent's
+//! constructor and `startImpl`): rendezvous through `init_method`; claim
+//! `rpcIsStaticGroup`; publish `names/{rank}` and read every other rank's name (duplicate
+//! names fail); publish this worker's `(name, device_count, device_maps, devices)` under
+//! `devices/{rank}` (PyTorch gathers it with a process group; rdzv uses the store) and
+//! check every worker's maps with the core; start the I/O thread and listen on the
+//! lowest-priority transport (the bootstrap one); publish `addrs/{name}`, read every
+//! peer's address; then a store barrier.
+//!
+//! Dynamic groups (no world size; PyTorch's `_group_membership_management` and
+//! `_update_group_membership`): under the store token `RpcGroupManagementToken`, a
+//! newcomer claims `names/{rank}`, reads `_ALL_WORKER_INFOS`, checks device maps as a
+//! dynamic group, starts, tells every member (a reserved `__rdzv_group_join` call
+//! carrying its name, id, address and devices), then lists itself. Leaving (graceful
+//! shutdown) takes the token, tells every other member (`__rdzv_group_leave`), then runs
+//! the core's `Leave`. Unlike PyTorch, a leave drops only the leaver's reverse device
+//! map on the others, not all of them, and device information travels through the store
+//! (`devices/{rank}`) instead of `_get_device_infos` calls.
+//!
+//! The handle is `Send + Sync`: every method may be called from any thread. Calls are
+//! handed to the I/O thread and complete an [`RpcFuture`]; handlers run on a pool of
+//! `num_worker_threads` threads.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use glommio::{LocalExecutorBuilder, Placement};
+use rdzv_core::device::Device;
+use rdzv_core::device_map::{
+    create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
+    GroupKind, WorkerDevices,
+};
+use rdzv_core::negotiate::{ChannelKind, Ranking, TransportKind};
+use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
+use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
+use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
+use rdzv_core::rpc::store_keys::{
+    append_worker_info, check_rank_claim, check_static_group, join_key, membership_token,
+    parse_worker_infos, static_group_value, static_ranks_to_fetch, token_step, Membership,
+    NameTable, RpcKeys, TokenStep, TOKEN_DONE,
+};
+use rdzv_core::rpc::timeouts::RpcTimeout;
+
+use super::client::RpcClient;
+use super::error::RpcError;
+use super::io::{Io, Job};
+use super::message::{Handler, Message, RpcFuture};
+use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
+use super::tcp::TcpTransport;
+use super::transport::Transport;
+use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
+use crate::store::Store;
+use rdzv_core::rendezvous::NodeParams;
+
+/// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
+const NODE_PROBE: &str = "__rdzv_node_probe";
+/// How often it probes.
+const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// PyTorch's default handler pool size (`numWorkerThreads`).
+pub const DEFAULT_NUM_WORKER_THREADS: usize = 16;
+
+/// `_init_counter`: the `n` of `rpc_prefix_n`, counting `init_rpc` calls in the process.
+static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The options of [`init_rpc`] (PyTorch's `TensorPipeRpcBackendOptions`).
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct RpcOptions {
+    /// The default timeout of a call; zero means calls never expire. Default 60 s.
+    pub rpc_timeout: Duration,
+    /// Any rendezvous URL (`tcp://`, `env://`, `file://`, registered schemes). Default
+    /// `env://`.
+    pub init_method: String,
+    /// How many threads run handlers. Default 16.
+    pub num_worker_threads: usize,
+    /// The transports to register, highest priority first; `None` for every transport
+    /// this build runs. Unknown names are errors.
+    pub transports: Option<Vec<String>>,
+    /// The channels to register, highest priority first; `None` for every channel this
+    /// build runs. Unknown names are errors.
+    pub channels: Option<Vec<String>>,
+    /// Per destination worker: where this worker's tensors land there.
+    pub device_maps: DeviceMaps,
+    /// The devices this worker uses (empty: derived from the maps).
+    pub devices: Vec<Device>,
+    /// How many CUDA devices this worker has (for device-map validation).
+    pub device_count: u32,
+    /// The address to listen on; `None` guesses it from the host name, falling back to
+    /// 127.0.0.1 as PyTorch does.
+    pub listen_host: Option<IpAddr>,
+    /// The `n` of the store prefix `rpc_prefix_n`; `None` counts `init_rpc` calls in the
+    /// process as PyTorch does. Set it when several agents of one group live in one
+    /// process (tests).
+    pub init_counter: Option<u64>,
+    /// Handlers registered before the agent starts listening, so that no peer can call
+    /// in before they exist.
+    pub handlers: Vec<(String, Arc<dyn Handler>)>,
+    /// Faults to inject into this worker's sends (PyTorch's faulty agent), for tests.
+    pub fault_injection: FaultInjection,
+}
+
+/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
+/// type): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
+/// with "Send attempt failed intentionally for {handler}" instead of being sent, and
+/// requests to a handler in `delays` are held that long before they are sent. The
+/// default injects nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// Handlers whose requests fail to send.
+    pub fail_handlers: Vec<String>,
+    /// How many requests to each of them fail before they go through.
+    pub num_fail_sends: u32,
+    /// Handlers whose requests are delayed, and by how much.
+    pub delays: Vec<(String, Duration)>,
+}
+
+impl std::fmt::Debug for RpcOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcOptions")
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("init_method", &self.init_method)
+            .field("num_worker_threads", &self.num_worker_threads)
+            .field("transports", &self.transports)
+            .field("channels", &self.channels)
+            .field("device_maps", &self.device_maps)
+            .field("devices", &self.devices)
+            .field("device_count", &self.device_count)
+            .field("listen_host", &self.listen_host)
+            .field("init_counter", &self.init_counter)
+            .field("fault_injection", &self.fault_injection)
+            .field(
+                "handlers",
+                &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Default for RpcOptions {
+    fn default() -> Self {
+        RpcOptions {
+            rpc_timeout: rdzv_core::rpc::timeouts::DEFAULT_RPC_TIMEOUT,
+            init_method: "env://".to_string(),
+            num_worker_threads: DEFAULT_NUM_WORKER_THREADS,
+            transports: None,
+            channels: None,
+            device_maps: DeviceMaps::new(),
+            devices: Vec::new(),
+            device_count: 0,
+            listen_host: None,
+            init_counter: None,
+            handlers: Vec::new(),
+            fault_injection: FaultInjection::default(),
+        }
+    }
+}
+
+impl RpcOptions {
+    /// The defaults with this `init_method`.
+    pub fn new(init_method: impl Into<String>) -> RpcOptions {
+        RpcOptions {
+            init_method: init_method.into(),
+            ..RpcOptions::default()
+        }
+    }
+
+    /// These options plus a handler registered under `name`.
+    pub fn with_handler(mut self, name: impl Into<String>, handler: impl Handler) -> RpcOptions {
+        self.handlers.push((name.into(), Arc::new(handler)));
+        self
+    }
+}
+
+/// The transports this build runs, with their priorities, from the `transports` option.
+fn ranked_transports(names: Option<&[String]>) -> Result<Vec<(TransportKind, i64)>, RpcError> {
+    let ranking =
+        Ranking::<TransportKind>::from_option(names).map_err(|source| RpcError::Backends {
+            option: "transports",
+            source: Box::new(source),
+        })?;
+    let mut usable = Vec::new();
+    for (kind, priority) in ranking.iter() {
+        match kind {
+            TransportKind::Tcp => usable.push((kind, priority)),
+            other if names.is_some() => {
+                return Err(RpcError::InvalidOption {
+                    option: "transports",
+                    reason: format!(
+                        "transport {other} is not wired into the RPC agent of this build; use tcp"
+                    ),
+                })
+            }
+            _ => {}
+        }
+    }
+    if usable.is_empty() {
+        return Err(RpcError::InvalidOption {
+            option: "transports",
+            reason: "no transport left; list tcp".into(),
+        });
+    }
+    Ok(usable)
+}
+
+/// The channels this build runs, with their priorities, from the `channels` option.
+fn ranked_channels(names: Option<&[String]>) -> Result<Vec<(ChannelKind, i64)>, RpcError> {
+    let ranking =
+        Ranking::<ChannelKind>::from_option(names).map_err(|source| RpcError::Backends {
+            option: "channels",
+            source: Box::new(source),
+        })?;
+    let mut usable = Vec::new();
+    for (kind, priority) in ranking.iter() {
+        match kind {
+            ChannelKind::Basic => usable.push((kind, priority)),
+            other if names.is_some() => {
+                return Err(RpcError::InvalidOption {
+                    option: "channels",
+                    reason: format!(
+                    "channel {other} is not implemented by the RPC agent of this build; use basic"
+                ),
+                })
+            }
+            _ => {}
+        }
+    }
+    if usable.is_empty() {
+        return Err(RpcError::InvalidOption {
+            option: "channels",
+            reason: "no channel left; list basic".into(),
+        });
+    }
+    Ok(usable)
+}
+
+/// PyTorch's `guessAddress`: an address of the host name that can be bound, else
+/// 127.0.0.1.
+fn guess_host() -> IpAddr {
+    let fallback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let host = match std::fs::read_to_string("/proc/sys/kernel/hostname") {
+        Ok(host) => host.trim().to_string(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the host name; RPC listens on 127.0.0.1");
+            return fallback;
+        }
+    };
+    let found = (host.as_str(), 0)
+        .to_socket_addrs()
+        .ok()
+        .into_iter()
+        .flatten()
+        .find(|addr| std::net::TcpListener::bind(SocketAddr::new(addr.ip(), 0)).is_ok());
+    match found {
+        Some(addr) => addr.ip(),
+        None => {
+            tracing::warn!(%host, "no bindable address for the host name; RPC listens on 127.0.0.1");
+            fallback
+        }
+    }
+}
+
+fn store_error<'k>(
+    op: &'static str,
+    key: &'k str,
+) -> impl FnOnce(crate::store::StoreError) -> RpcError + 'k {
+    move |source| RpcError::Store {
+        op,
+        key: key.to_string(),
+        source: Box::new(source),
+    }
+}
+
+/// The agent: make calls, register handlers, read metrics, shut down.
+pub struct RpcAgent {
+    shared: Arc<Shared>,
+    client: RpcClient,
+    store: Arc<dyn Store>,
+    keys: RpcKeys,
+    io_thread: Mutex<Option<JoinHandle<()>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    address: String,
+    next_barrier_id: Mutex<u64>,
+}
+
+impl std::fmt::Debug for RpcAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcAgent")
+            .field("me", &self.shared.me)
+            .field("world_size", &self.shared.world_size)
+            .field("address", &self.address)
+            .finish()
+    }
+}
+
+/// `rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)`:
+/// joins the group and starts the agent. With a world size (static group) it blocks
+/// until every worker of the group has started (a store barrier); without one it joins
+/// a dynamic group (the rendezvous must allow that, e.g. `tcp://`).
+///
+/// # Errors
+/// [`RpcError::InvalidWorker`] for a bad name or rank; [`RpcError::Backends`] /
+/// [`RpcError::InvalidOption`] for unusable options (unknown transport or channel names,
+/// no worker threads); [`RpcError::DuplicateId`] for a dynamic member whose rank is
+/// taken; [`RpcError::Rendezvous`] and [`RpcError::Store`]
+/// when the store cannot be reached; [`RpcError::MixedGroup`], [`RpcError::Names`]
+/// (duplicate names) and [`RpcError::DeviceMaps`] when the group is inconsistent;
+/// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails.
+pub fn init_rpc(
+    name: &str,
+    rank: u32,
+    world_size: Option<u32>,
+    options: RpcOptions,
+) -> Result<RpcAgent, RpcError> {
+    let me =
+        WorkerInfo::new(name, i64::from(rank)).map_err(|e| RpcError::InvalidWorker(Box::new(e)))?;
+    if let Some(world_size) = world_size {
+        if rank >= world_size {
+            return Err(RpcError::InvalidOption {
+                option: "rank",
+                reason: format!("rank {rank} is not below the world size {world_size}"),
+            });
+        }
+    }
+    if options.num_worker_threads == 0 {
+        return Err(RpcError::InvalidOption {
+            option: "num_worker_threads",
+            reason: "at least one thread must run handlers".into(),
+        });
+    }
+    let transports = ranked_transports(options.transports.as_deref())?;
+    let channels = ranked_channels(options.channels.as_deref())?;
+    let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+    for (handler_name, handler) in &options.handlers {
+        if handler_name.starts_with(RESERVED_PREFIX)
+            || handlers
+                .insert(handler_name.clone(), Arc::clone(handler))
+                .is_some()
+        {
+            return Err(RpcError::HandlerExists {
+                name: handler_name.clone(),
+            });
+        }
+    }
+
+    // A dynamic member builds its store as `_create_store_from_options` does: no world
+    // size argument.
+    let params = match world_size {
+        Some(world_size) => NodeParams::Given {
+            rank: Some(rank),
+            world_size: Some(world_size),
+        },
+        None => NodeParams::Inferred { rank: Some(rank) },
+    };
+    let rdzv = rendezvous_with(
+        &options.init_method,
+        params,
+        &ProcessEnv::snapshot(),
+        &RendezvousOptions::default(),
+    )
+    .map_err(|source| RpcError::Rendezvous {
+        init_method: options.init_method.clone(),
+        source: Box::new(source),
+    })?;
+    let store = rdzv.store;
+    let counter = options
+        .init_counter
+        .unwrap_or_else(|| INIT_COUNTER.fetch_add(1, Ordering::Relaxed));
+    let keys = RpcKeys::new(counter);
+
+    // rpcIsStaticGroup.
+    let is_static = world_size.is_some();
+    let key = keys.is_static_group();
+    let returned = store
+        .compare_set(&key, b"", static_group_value(is_static))
+        .map_err(store_error("compare_set", &key))?;
+    check_static_group(is_static, &returned)?;
+
+    let start = Start {
+        me,
+        options,
+        store,
+        keys,
+        transports,
+        channels,
+        handlers,
+    };
+    match world_size {
+        Some(world_size) => init_static(start, world_size),
+        None => {
+            let token = membership_token(start.me.name(), Membership::Join);
+            acquire_token(&*start.store, &start.keys, &token)?;
+            let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+            let joined = join_dynamic(start);
+            release_token(&*store, &keys, &token).and(joined)
+        }
+    }
+}
+
+/// What both kinds of group start from.
+struct Start {
+    me: WorkerInfo,
+    options: RpcOptions,
+    store: Arc<dyn Store>,
+    keys: RpcKeys,
+    transports: Vec<(TransportKind, i64)>,
+    channels: Vec<(ChannelKind, i64)>,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Start {
+    fn devices(&self) -> WorkerDevices {
+        WorkerDevices {
+            name: self.me.name().to_string(),
+            device_count: self.options.device_count,
+            device_maps: self.options.device_maps.clone(),
+            devices: self.options.devices.clone(),
+        }
+    }
+
+    fn devices_key(&self, rank: u32) -> String {
+        join_key(self.keys.prefix(), &format!("devices/{rank}"))
+    }
+
+    /// Publishes this worker's device information under `devices/{rank}`.
+    fn publish_devices(&self) -> Result<(), RpcError> {
+        let rank = self.rank();
+        let encoded =
+            postcard::to_allocvec(&self.devices()).map_err(|e| RpcError::BadDeviceInfo {
+                rank,
+                reason: e.to_string(),
+            })?;
+        let key = self.devices_key(rank);
+        self.store
+            .set(&key, &encoded)
+            .map_err(store_error("set", &key))
+    }
+
+    /// Reads a worker's device information.
+    fn read_devices(&self, rank: u32) -> Result<WorkerDevices, RpcError> {
+        let key = self.devices_key(rank);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        postcard::from_bytes(&value).map_err(|e| RpcError::BadDeviceInfo {
+            rank,
+            reason: e.to_string(),
+        })
+    }
+
+    fn rank(&self) -> u32 {
+        u32::try_from(self.me.id().get()).unwrap_or(0)
+    }
+
+    /// Reads a worker's published address.
+    fn read_address(&self, name: &str) -> Result<String, RpcError> {
+        let key = self.keys.address(name);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        Ok(String::from_utf8_lossy(&value).into_owned())
+    }
+
+    /// Starts the pool and the I/O thread, and publishes this worker's address.
+    fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, RpcError> {
+        let Start {
+            me,
+            options,
+            store,
+            keys,
+            transports,
+            channels,
+            handlers,
+        } = self;
+        let host = options.listen_host.unwrap_or_else(guess_host);
+        // The bootstrap transport is the lowest-priority one: tcp, the only one here.
+        let transport = TcpTransport::new(host);
+        let offer = OfferSpec {
+            transports: transports
+                .iter()
+                .map(|&(kind, priority)| {
+                    (kind, priority, transport.domain_descriptor().to_string())
+                })
+                .collect(),
+            channels,
+        };
+        let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
+        let shared = Arc::new(Shared {
+            me: me.clone(),
+            world_size,
+            group: RwLock::new(Group::default()),
+            dynamic: world_size.is_none(),
+            handlers: RwLock::new(handlers),
+            mailbox: Mailbox::default(),
+            calls: Mutex::new(CallState {
+                metrics: AgentMetrics::new(pool_size),
+                network: NetworkData::new(),
+                frozen: false,
+                deferred_finishes: 0,
+                shutting_down: false,
+            }),
+            calls_changed: Condvar::new(),
+            next_message_id: AtomicU64::new(1),
+            default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
+            offer,
+        });
+        if world_size.is_none() {
+            register_membership_handlers(&shared);
+        }
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+        let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        let (io_thread, address) =
+            spawn_io(&shared, transport, jobs_tx, options.fault_injection.clone())?;
+        let agent = RpcAgent {
+            shared: Arc::clone(&shared),
+            client: RpcClient::new(Arc::clone(&shared)),
+            store: Arc::clone(&store),
+            keys: keys.clone(),
+            io_thread: Mutex::new(Some(io_thread)),
+            workers: Mutex::new(workers),
+            address: address.clone(),
+            next_barrier_id: Mutex::new(1),
+        };
+        let key = keys.address(me.name());
+        store
+            .set(&key, address.as_bytes())
+            .map_err(store_error("set", &key))?;
+        Ok(agent)
+    }
+}
+
+/// The static group's start-up: names, device maps, agent, addresses, barrier.
+fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
+    let me = start.me.clone();
+    let rank = start.rank();
+    let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+    let key = keys.rank_name(me.id());
+    store
+        .set(&key, me.name().as_bytes())
+        .map_err(store_error("set", &key))?;
+    let world = u16::try_from(world_size).map_err(|_| RpcError::InvalidOption {
+        option: "world_size",
+        reason: format!("{world_size} workers exceed the worker id range"),
+    })?;
+    let mut names = NameTable::new(&me);
+    let mut ranked_names: Vec<(WorkerId, String)> = vec![(me.id(), me.name().to_string())];
+    for id in static_ranks_to_fetch(me.id(), world) {
+        let key = keys.rank_name(id);
+        let value = store.get(&key).map_err(store_error("get", &key))?;
+        names.insert(&value, id)?;
+        ranked_names.push((id, String::from_utf8_lossy(&value).into_owned()));
+    }
+    ranked_names.sort_by_key(|(id, _)| id.get());
+
+    // Devices: every worker's (name, device_count, device_maps, devices).
+    let mine = start.devices();
+    start.publish_devices()?;
+    let mut workers = Vec::with_capacity(ranked_names.len());
+    for r in 0..world_size {
+        workers.push(if r == rank {
+            mine.clone()
+        } else {
+            start.read_devices(r)?
+        });
+    }
+    let setup = exchange_and_check_device_maps(&mine, &workers)?;
+
+    let mut peers = HashMap::new();
+    let device_maps = start.options.device_maps.clone();
+    let reader = Start {
+        me: me.clone(),
+        options: RpcOptions::default(),
+        store: Arc::clone(&store),
+        keys: keys.clone(),
+        transports: Vec::new(),
+        channels: Vec::new(),
+        handlers: HashMap::new(),
+    };
+    let agent = start.start_agent(Some(world_size))?;
+    for (id, peer_name) in &ranked_names {
+        let address = if *id == me.id() {
+            agent.address.clone()
+        } else {
+            reader.read_address(peer_name)?
+        };
+        peers.insert(peer_name.clone(), Peer { id: *id, address });
+    }
+    *agent.shared.group_mut() = Group {
+        peers,
+        device_maps,
+        reverse_device_maps: setup.reverse_device_maps,
+    };
+    let key = join_key(keys.prefix(), "init_barrier");
+    store
+        .barrier(&key, i64::from(world_size), None)
+        .map_err(store_error("barrier", &key))?;
+    tracing::info!(name = %me.name(), rank, address = %agent.address, "RPC agent started");
+    Ok(agent)
+}
+
+/// A dynamic member's join, under the group token: claim the rank, read the members,
+/// check device maps, start, tell every member, then list this worker.
+fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
+    let me = start.me.clone();
+    let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+    let key = keys.rank_name(me.id());
+    let returned = store
+        .compare_set(&key, b"", me.name().as_bytes())
+        .map_err(store_error("compare_set", &key))?;
+    check_rank_claim(&me, &returned)?;
+    let list_key = keys.all_worker_infos();
+    // compare_set from "" to "" reads the list, creating it empty if it is missing.
+    let list = store
+        .compare_set(&list_key, b"", b"")
+        .map_err(store_error("compare_set", &list_key))?;
+    let members: Vec<(String, WorkerId)> = parse_worker_infos(&list)?
+        .into_iter()
+        .map(|(n, id)| (n.to_string(), id))
+        .collect();
+    let mut names = NameTable::new(&me);
+    for (name, id) in &members {
+        names.insert(name.as_bytes(), *id)?;
+    }
+
+    let mine = start.devices();
+    start.publish_devices()?;
+    let mut workers = vec![mine.clone()];
+    for (_, id) in &members {
+        workers.push(start.read_devices(u32::try_from(id.get()).unwrap_or(0))?);
+    }
+    validate_device_maps(&workers, GroupKind::Dynamic)?;
+    let reverse_device_maps = create_reverse_mapping(me.name(), &workers);
+
+    let mut peers = HashMap::new();
+    for (name, id) in &members {
+        peers.insert(
+            name.clone(),
+            Peer {
+                id: *id,
+                address: start.read_address(name)?,
+            },
+        );
+    }
+    let device_maps = start.options.device_maps.clone();
+    let agent = start.start_agent(None)?;
+    peers.insert(
+        me.name().to_string(),
+        Peer {
+            id: me.id(),
+            address: agent.address.clone(),
+        },
+    );
+    *agent.shared.group_mut() = Group {
+        peers,
+        device_maps,
+        reverse_device_maps,
+    };
+    let announcement =
+        postcard::to_allocvec(&(me.name(), me.id().get(), agent.address.as_str(), &mine)).map_err(
+            |e| RpcError::BadDeviceInfo {
+                rank: u32::try_from(me.id().get()).unwrap_or(0),
+                reason: e.to_string(),
+            },
+        )?;
+    for (name, _) in &members {
+        agent.rpc_sync(
+            name,
+            GROUP_JOIN,
+            Message::from_payload(announcement.clone()),
+        )?;
+    }
+    let text = String::from_utf8_lossy(&list).into_owned();
+    let listed = append_worker_info(&text, &me)?;
+    store
+        .set(&list_key, listed.as_bytes())
+        .map_err(store_error("set", &list_key))?;
+    tracing::info!(name = %me.name(), members = members.len(), "RPC agent joined a dynamic group");
+    Ok(agent)
+}
+
+/// `_group_membership_management`'s acquire: compare-set the group token until it is
+/// ours, waiting for the holder's `Done` in between.
+fn acquire_token(store: &dyn Store, keys: &RpcKeys, token: &str) -> Result<(), RpcError> {
+    let key = keys.group_management_token();
+    loop {
+        let returned = store
+            .compare_set(&key, b"", token.as_bytes())
+            .map_err(store_error("compare_set", &key))?;
+        match token_step(keys, token, &returned) {
+            TokenStep::Acquired => return Ok(()),
+            TokenStep::WaitFor { key: wait } => {
+                store
+                    .wait(&[&wait], None)
+                    .map_err(store_error("wait", &wait))?;
+                if wait == key {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+}
+
+/// `_group_membership_management`'s release.
+fn release_token(store: &dyn Store, keys: &RpcKeys, token: &str) -> Result<(), RpcError> {
+    let key = keys.group_management_token();
+    store.set(&key, b"").map_err(store_error("set", &key))?;
+    let done = keys.token_done(token);
+    store
+        .set(&done, TOKEN_DONE)
+        .map_err(store_error("set", &done))
+}
+
+/// The handler names of the dynamic group's membership updates.
+const RESERVED_PREFIX: &str = "__rdzv_";
+const GROUP_JOIN: &str = "__rdzv_group_join";
+const GROUP_LEAVE: &str = "__rdzv_group_leave";
+
+/// `_update_group_membership` for joins and leaves, as handlers that hold the agent
+/// weakly (the agent owns its handlers).
+fn register_membership_handlers(shared: &Arc<Shared>) {
+    let weak = Arc::downgrade(shared);
+    let join = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let (name, id, address, devices): (String, i16, String, WorkerDevices) =
+            postcard::from_bytes(&m.payload).map_err(|e| format!("bad join announcement: {e}"))?;
+        let me = shared.me.name().to_string();
+        let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
+        let mut group = shared.group_mut();
+        group.peers.insert(
+            name.clone(),
+            Peer {
+                id: WorkerId::from(id),
+                address,
+            },
+        );
+        if let Some(map) = reverse.get(&name) {
+            group.reverse_device_maps.insert(name, map.clone());
+        }
+        Ok(Message::default())
+    };
+    let weak = Arc::downgrade(shared);
+    let leave = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let name = String::from_utf8_lossy(&m.payload).into_owned();
+        let mut group = shared.group_mut();
+        group.peers.remove(&name);
+        let kept: DeviceMaps = group
+            .reverse_device_maps
+            .iter()
+            .filter(|(peer, _)| *peer != name)
+            .map(|(peer, map)| (peer.to_string(), map.clone()))
+            .collect();
+        group.reverse_device_maps = kept;
+        Ok(Message::default())
+    };
+    let mut handlers = shared.handlers.write().unwrap_or_else(|p| p.into_inner());
+    handlers.insert(GROUP_JOIN.to_string(), Arc::new(join));
+    handlers.insert(GROUP_LEAVE.to_string(), Arc::new(leave));
+}
+
+fn spawn_pool(
+    shared: &Arc<Shared>,
+    jobs: Receiver<Job>,
+    threads: usize,
+) -> Result<Vec<JoinHandle<()>>, RpcError> {
+    let jobs = Arc::new(Mutex::new(jobs));
+    let mut handles = Vec::with_capacity(threads);
+    for index in 0..threads {
+        let jobs = Arc::clone(&jobs);
+        let shared = Arc::clone(shared);
+        let handle = std::thread::Builder::new()
+            .name(format!("rdzv-rpc-worker-{index}"))
+            .spawn(move || loop {
+                let job = {
+                    let receiver = jobs.lock().unwrap_or_else(|p| p.into_inner());
+                    receiver.recv()
+                };
+                let Ok(job) = job else { return };
+                run_job(&shared, job);
+            })
+            .map_err(|e| RpcError::Executor(format!("worker thread: {e}")))?;
+        handles.push(handle);
+    }
+    Ok(handles)
+}
+
+fn run_job(shared: &Shared, job: Job) {
+    {
+        let mut calls = shared.lock_calls();
+        calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);
+    }
+    let Job { pipe, ctx, message } = job;
+    let result = match shared.handler(&ctx.handler) {
+        Some(handler) => {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.call(&ctx, message)))
+                .unwrap_or_else(|panic| {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a non-text panic".to_string());
+                    Err(format!("handler {} panicked: {what}", ctx.handler))
+                })
+        }
+        None => Err(format!(
+            "no RPC handler named {} is registered on worker {}; register it before peers call it",
+            ctx.handler,
+            shared.me.name()
+        )),
+    };
+    {
+        let mut calls = shared.lock_calls();
+        calls.metrics.calls.server_call_finished(false);
+        calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_add(1);
+    }
+    let _ = shared.mailbox.push(Command::Respond {
+        pipe,
+        message_id: ctx.message_id,
+        result,
+    });
+}
+
+fn spawn_io(
+    shared: &Arc<Shared>,
+    transport: TcpTransport,
+    jobs: std::sync::mpsc::Sender<Job>,
+    faults: FaultInjection,
+) -> Result<(JoinHandle<()>, String), RpcError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
+    let shared = Arc::clone(shared);
+    let name = format!("rdzv-rpc-io-{}", shared.me.name());
+    let handle = std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(move || {
+            let built = LocalExecutorBuilder::new(Placement::Unbound)
+                .name(&name)
+                .io_memory(1 << 20)
+                .make();
+            let executor = match built {
+                Ok(executor) => executor,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(RpcError::Executor(e.to_string())));
+                    return;
+                }
+            };
+            executor.run(async move {
+                let listener = match transport.listen() {
+                    Ok(listener) => listener,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(RpcError::from(e)));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(listener.address().to_string()));
+                Io::run(shared, Box::new(transport), listener, jobs, faults).await;
+            });
+        })
+        .map_err(|e| RpcError::Executor(e.to_string()))?;
+    match ready_rx.recv() {
+        Ok(Ok(address)) => Ok((handle, address)),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = handle.join();
+            Err(RpcError::Executor(
+                "the I/O thread exited during start".into(),
+            ))
+        }
+    }
+}
+
+impl RpcAgent {
+    /// This worker.
+    pub fn worker_info(&self) -> &WorkerInfo {
+        &self.shared.me
+    }
+
+    /// The group's size.
+    pub fn world_size(&self) -> Option<u32> {
+        self.shared.world_size
+    }
+
+    /// The address peers reach this worker at (`tcp://ip:port`).
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Every member of the group, this worker included, in id order.
+    pub fn worker_infos(&self) -> Vec<WorkerInfo> {
+        let mut infos: Vec<WorkerInfo> = self
+            .shared
+            .group()
+            .peers
+            .iter()
+            .filter_map(|(name, peer)| WorkerInfo::with_id(name, peer.id).ok())
+            .collect();
+        infos.sort_by_key(|w| w.id().get());
+        infos
+    }
+
+    /// Registers `handler` under `name`; peers calling `name` before this get an error.
+    ///
+    /// # Errors
+    /// [`RpcError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
+    /// are the agent's own).
+    pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), RpcError> {
+        let mut handlers = self
+            .shared
+            .handlers
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if handlers.contains_key(name) || name.starts_with(RESERVED_PREFIX) {
+            return Err(RpcError::HandlerExists {
+                name: name.to_string(),
+            });
+        }
+        handlers.insert(name.to_string(), Arc::new(handler));
+        Ok(())
+    }
+
+    /// A handle that makes calls through this agent, for other threads and for
+    /// handlers (see [`CallContext::client`](super::CallContext::client)).
+    pub fn client(&self) -> RpcClient {
+        self.client.clone()
+    }
+
+    /// [`RpcClient::rpc_async`].
+    pub fn rpc_async(&self, to: &str, handler: &str, message: Message) -> RpcFuture {
+        self.client.rpc_async(to, handler, message)
+    }
+
+    /// [`RpcClient::rpc_async_with_timeout`].
+    pub fn rpc_async_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> RpcFuture {
+        self.client
+            .rpc_async_with_timeout(to, handler, message, timeout)
+    }
+
+    /// [`RpcClient::rpc_sync`].
+    ///
+    /// # Errors
+    /// As the future of [`rpc_async`](Self::rpc_async).
+    pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
+        self.client.rpc_sync(to, handler, message)
+    }
+
+    /// [`RpcClient::rpc_sync_with_timeout`].
+    ///
+    /// # Errors
+    /// As the future of [`rpc_async`](Self::rpc_async).
+    pub fn rpc_sync_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<Message, RpcError> {
+        self.client
+            .rpc_sync_with_timeout(to, handler, message, timeout)
+    }
+
+    /// [`RpcClient::remote`].
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
+        self.client.remote(to, handler, message)
+    }
+
+    /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,
+    /// `agent.server_active_calls`, ...) with their values as text, in a fixed order.
+    pub fn get_metrics(&self) -> Vec<(String, String)> {
+        let calls = self.shared.lock_calls();
+        calls
+            .metrics
+            .metrics()
+            .map(|(key, value)| (key.to_string(), value.to_string()))
+            .collect()
+    }
+
+    /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
+    pub fn network_data(&self) -> NetworkData {
+        self.shared.lock_calls().network.clone()
+    }
+
+    /// PyTorch's `wait_until_node_failure` test helper: probes `peer` every 100 ms until
+    /// a call to it fails for a reason other than the handler (broken pipe, refused
+    /// connection, timeout) and returns that error; `None` if `peer` still answers after
+    /// `timeout`.
+    pub fn wait_until_node_failure(&self, peer: &str, timeout: Duration) -> Option<RpcError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            // No handler has this name: an answer (a remote error) means `peer` is alive.
+            match self.rpc_sync_with_timeout(peer, NODE_PROBE, Message::default(), Some(left)) {
+                Ok(_) | Err(RpcError::Remote { .. }) => {}
+                Err(e) => return Some(e),
+            }
+            std::thread::sleep(NODE_PROBE_INTERVAL.min(left));
+        }
+    }
+
+    /// PyTorch's `wait_until_pending_futures_and_users_flushed` test helper: waits until
+    /// this worker has no call in flight.
+    ///
+    /// # Errors
+    /// [`RpcError::FlushTimeout`] naming the calls left after `timeout`.
+    pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), RpcError> {
+        let calls = self.shared.lock_calls();
+        let (calls, _) = self
+            .shared
+            .calls_changed
+            .wait_timeout_while(calls, timeout, |c| c.metrics.calls.client_active() > 0)
+            .unwrap_or_else(|p| p.into_inner());
+        match calls.metrics.calls.client_active() {
+            0 => Ok(()),
+            pending => Err(RpcError::FlushTimeout { pending }),
+        }
+    }
+
+    /// Closes every pipe now (e.g. after a network change): calls in flight on them fail
+    /// with [`RpcError::PipeBroken`], and the next call to each peer opens a new pipe.
+    pub fn reset_pipes(&self) {
+        let _ = self.shared.mailbox.push(Command::ResetPipes);
+    }
+
+    /// Graceful shutdown: `shutdown(true)`.
+    ///
+    /// # Errors
+    /// As [`shutdown`](Self::shutdown).
+    pub fn join(&self) -> Result<(), RpcError> {
+        self.shutdown(true)
+    }
+
+    /// `rpc.shutdown(graceful)`. Graceful: wait until this worker has no calls in flight,
+    /// then run the store barriers that sum every worker's in-flight calls until the
+    /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
+    /// close. Not graceful: close at once. Either way every pending future fails with
+    /// [`RpcError::ShutDown`] rather than hang. Calling it again does nothing.
+    ///
+    /// # Errors
+    /// [`RpcError::Store`] or [`RpcError::Join`] if the graceful protocol fails; the
+    /// agent is closed anyway.
+    pub fn shutdown(&self, graceful: bool) -> Result<(), RpcError> {
+        let running = self
+            .io_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !running {
+            return Ok(());
+        }
+        let protocol = if graceful { self.run_join() } else { Ok(()) };
+        self.close(graceful && protocol.is_ok());
+        protocol
+    }
+
+    fn close(&self, goodbye: bool) {
+        let _ = self.shared.mailbox.push(Command::Close { goodbye });
+        let io = self
+            .io_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(io) = io {
+            let _ = io.join();
+        }
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        if goodbye {
+            // Every call in the group is over: the pool's threads exit at once.
+            for worker in workers {
+                let _ = worker.join();
+            }
+        }
+        // Otherwise a handler may still be running; its thread exits when it returns.
+    }
+
+    fn run_join(&self) -> Result<(), RpcError> {
+        let first = *self
+            .next_barrier_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let Some(world_size) = self.shared.world_size else {
+            return self.run_leave();
+        };
+        let mut join = Join::new(self.keys.clone(), world_size, first, true);
+        let result = self.drive_join(&mut join);
+        *self
+            .next_barrier_id
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = join.next_barrier_id();
+        if result.is_err() {
+            self.release_calls();
+        }
+        result
+    }
+
+    fn release_calls(&self) {
+        let mut calls = self.shared.lock_calls();
+        calls.frozen = false;
+        for _ in 0..std::mem::take(&mut calls.deferred_finishes) {
+            calls.metrics.calls.client_call_finished();
+        }
+        drop(calls);
+        self.shared.calls_changed.notify_all();
+    }
+
+    /// A dynamic member's graceful leave, under the group token: tell every other
+    /// member, then the core's `Leave` (no calls in flight, unlist, mark shutting down).
+    fn run_leave(&self) -> Result<(), RpcError> {
+        let me = self.shared.me.clone();
+        let token = membership_token(me.name(), Membership::Leave);
+        acquire_token(&*self.store, &self.keys, &token)?;
+        let left = (|| {
+            let others: Vec<String> = self
+                .shared
+                .group()
+                .peers
+                .keys()
+                .filter(|name| name.as_str() != me.name())
+                .cloned()
+                .collect();
+            for name in others {
+                self.rpc_sync(
+                    &name,
+                    GROUP_LEAVE,
+                    Message::from_payload(me.name().as_bytes().to_vec()),
+                )?;
+            }
+            let mut leave = Leave::new(&self.keys, me.clone());
+            self.drive_join(&mut leave)
+        })();
+        if left.is_err() {
+            self.release_calls();
+        }
+        release_token(&*self.store, &self.keys, &token).and(left)
+    }
+
+    fn drive_join(&self, join: &mut impl Protocol) -> Result<(), RpcError> {
+        enum Done {
+            NoClientCalls,
+            Held(u32),
+            Released,
+            Marked,
+            Added(i64),
+            Set,
+            Waited,
+            Got(Vec<u8>),
+        }
+        let name = self.shared.me.name().to_string();
+        loop {
+            let done = match join.poll_action() {
+                Action::AwaitNoClientCalls => {
+                    let mut calls = self.shared.lock_calls();
+                    while calls.metrics.calls.client_active() > 0 {
+                        calls = self
+                            .shared
+                            .calls_changed
+                            .wait(calls)
+                            .unwrap_or_else(|p| p.into_inner());
+                    }
+                    Done::NoClientCalls
+                }
+                Action::HoldClientCalls => {
+                    let mut calls = self.shared.lock_calls();
+                    calls.frozen = true;
+                    Done::Held(calls.metrics.calls.client_active())
+                }
+                Action::ReleaseClientCalls => {
+                    self.release_calls();
+                    Done::Released
+                }
+                Action::MarkShuttingDown => {
+                    self.shared.lock_calls().shutting_down = true;
+                    Done::Marked
+                }
+                Action::StoreAdd { key, delta } => Done::Added(
+                    self.store
+                        .add(key, delta)
+                        .map_err(store_error("add", key))?,
+                ),
+                Action::StoreSet { key, value } => {
+                    self.store
+                        .set(key, value)
+                        .map_err(store_error("set", key))?;
+                    Done::Set
+                }
+                Action::StoreWait { key } => {
+                    self.store
+                        .wait(&[key], None)
+                        .map_err(store_error("wait", key))?;
+                    Done::Waited
+                }
+                Action::StoreGet { key } => {
+                    Done::Got(self.store.get(key).map_err(store_error("get", key))?)
+                }
+                Action::Done => return Ok(()),
+                Action::Failed => {
+                    return Err(match join.error() {
+                        Some(e) => RpcError::Join {
+                            name,
+                            source: Box::new(e.clone()),
+                        },
+                        None => RpcError::ShutDown { name },
+                    })
+                }
+            };
+            let outcome = match &done {
+                Done::NoClientCalls => Outcome::NoClientCalls,
+                Done::Held(n) => Outcome::ClientCallsHeld(*n),
+                Done::Released => Outcome::Released,
+                Done::Marked => Outcome::MarkedShuttingDown,
+                Done::Added(v) => Outcome::Added(*v),
+                Done::Set => Outcome::Set,
+                Done::Waited => Outcome::Waited,
+                Done::Got(v) => Outcome::Got(v),
+            };
+            join.handle(outcome).map_err(|source| RpcError::Join {
+                name: name.clone(),
+                source: Box::new(source),
+            })?;
+        }
+    }
+}
+
+/// The two shutdown machines of the core, driven alike.
+trait Protocol {
+    fn poll_action(&self) -> Action<'_>;
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError>;
+    fn error(&self) -> Option<&JoinError>;
+}
+
+impl Protocol for Join {
+    fn poll_action(&self) -> Action<'_> {
+        Join::poll_action(self)
+    }
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
+        Join::handle(self, outcome)
+    }
+    fn error(&self) -> Option<&JoinError> {
+        Join::error(self)
+    }
+}
+
+impl Protocol for Leave {
+    fn poll_action(&self) -> Action<'_> {
+        Leave::poll_action(self)
+    }
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
+        Leave::handle(self, outcome)
+    }
+    fn error(&self) -> Option<&JoinError> {
+        Leave::error(self)
+    }
+}
+
+impl Drop for RpcAgent {
+    fn drop(&mut self) {
+        let running = self
+            .io_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if running {
+            self.close(false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_option() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(matches!(
+            ranked_transports(None).as_deref(),
+            Ok([(TransportKind::Tcp, 0)])
+        ));
+        assert!(matches!(
+            ranked_transports(Some(&names(&["uv"]))).as_deref(),
+            Ok([(TransportKind::Tcp, 0)])
+        ));
+        let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])));
+        assert!(matches!(unknown, Err(RpcError::Backends { .. })));
+        let text = unknown.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("carrier-pigeon"), "{text}");
+        assert!(matches!(
+            ranked_transports(Some(&names(&["shm", "tcp"]))),
+            Err(RpcError::InvalidOption { .. })
+        ));
+        assert!(matches!(
+            ranked_transports(Some(&names(&[]))),
+            Err(RpcError::InvalidOption { .. })
+        ));
+    }
+
+    #[test]
+    fn channels_option() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(matches!(
+            ranked_channels(None).as_deref(),
+            Ok([(ChannelKind::Basic, 1000)])
+        ));
+        assert!(matches!(
+            ranked_channels(Some(&names(&["basic"]))).as_deref(),
+            Ok([(ChannelKind::Basic, 0)])
+        ));
+        assert!(matches!(
+            ranked_channels(Some(&names(&["basic", "basic"]))),
+            Err(RpcError::Backends { .. })
+        ));
+        assert!(matches!(
+            ranked_channels(Some(&names(&["cma"]))),
+            Err(RpcError::InvalidOption { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_names_and_ranks_fail_before_any_io() {
+        let bad = init_rpc(
+            "no spaces",
+            0,
+            Some(1),
+            RpcOptions::new("file:///nonexistent"),
+        );
+        assert!(matches!(bad, Err(RpcError::InvalidWorker(_))));
+        let bad = init_rpc("w", 2, Some(2), RpcOptions::new("file:///nonexistent"));
+        assert!(matches!(
+            bad,
+            Err(RpcError::InvalidOption { option: "rank", .. })
+        ));
+        let reserved = RpcOptions::new("file:///nonexistent").with_handler(
+            "__rdzv_group_join",
+            |_: &super::super::CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        );
+        let bad = init_rpc("w", 0, Some(1), reserved);
+        assert!(matches!(bad, Err(RpcError::HandlerExists { .. })));
+    }
+}

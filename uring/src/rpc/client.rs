@@ -1,0 +1,121 @@
+//! [`RpcClient`]: the calling half of the agent, a cheap clonable handle that any
+//! thread, and any handler (through its [`CallContext`](super::CallContext)), can use to
+//! make calls. It hands calls to the I/O thread and never blocks on I/O itself; only
+//! `join` holding the call count frozen can make a new call wait.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdzv_core::rpc::name::WorkerInfo;
+use rdzv_core::rpc::timeouts::RpcTimeout;
+
+use super::error::RpcError;
+use super::message::{Message, RpcFuture};
+use super::shared::{Call, Command, Shared};
+
+/// Makes calls through an agent. Clone it freely; calls made after the agent shut down
+/// fail with [`RpcError::ShutDown`].
+#[derive(Clone)]
+pub struct RpcClient {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for RpcClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcClient")
+            .field("me", &self.shared.me)
+            .finish()
+    }
+}
+
+impl RpcClient {
+    pub(crate) fn new(shared: Arc<Shared>) -> RpcClient {
+        RpcClient { shared }
+    }
+
+    /// The worker the calls come from.
+    pub fn worker_info(&self) -> &WorkerInfo {
+        &self.shared.me
+    }
+
+    /// `rpc_async(to, handler, message)` with the agent's default timeout.
+    pub fn rpc_async(&self, to: &str, handler: &str, message: Message) -> RpcFuture {
+        self.rpc_async_with_timeout(to, handler, message, None)
+    }
+
+    /// `rpc_async` with a per-call timeout: `None` for the agent's default, zero for
+    /// never. Failures (unknown worker, shut down agent, timeouts, broken pipes, the
+    /// handler's error) arrive through the future.
+    pub fn rpc_async_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> RpcFuture {
+        let (future, completion) = RpcFuture::new();
+        let known = self.shared.group().peers.contains_key(to);
+        if !known {
+            completion.complete(Err(RpcError::UnknownWorker {
+                name: to.to_string(),
+            }));
+            return future;
+        }
+        self.shared.start_client_call();
+        let call = Call {
+            message_id: self.shared.next_message_id(),
+            peer: to.to_string(),
+            handler: handler.to_string(),
+            message,
+            timeout: timeout.map_or(self.shared.default_timeout, RpcTimeout::from_duration),
+            completion,
+        };
+        if let Err(Command::Call(call)) = self.shared.mailbox.push(Command::Call(call)) {
+            call.completion.complete_then(
+                Err(RpcError::ShutDown {
+                    name: self.shared.me.name().to_string(),
+                }),
+                || self.shared.finish_client_call(),
+            );
+        }
+        future
+    }
+
+    /// `rpc_sync(to, handler, message)`: calls and waits.
+    ///
+    /// # Errors
+    /// As the future of [`rpc_async`](Self::rpc_async).
+    pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
+        self.rpc_async(to, handler, message).wait()
+    }
+
+    /// `rpc_sync` with a per-call timeout (see
+    /// [`rpc_async_with_timeout`](Self::rpc_async_with_timeout)).
+    ///
+    /// # Errors
+    /// As the future of [`rpc_async`](Self::rpc_async).
+    pub fn rpc_sync_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<Message, RpcError> {
+        self.rpc_async_with_timeout(to, handler, message, timeout)
+            .wait()
+    }
+
+    /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still
+    /// counts as in flight until it completes, so [`join`](super::RpcAgent::join) waits for it; a
+    /// failure is only logged and counted in the peer's network data.
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
+        let future = self.rpc_async(to, handler, message);
+        if future.is_done() {
+            return future.wait().map(|_| ());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1075 @@
+//! The agent's I/O thread: one glommio executor that owns every pipe, the listener and
+//! the timeout timer.
+//!
+//! Client pipes (one per destination, TensorPipe's `ClientPipe`) carry this worker's
+//! requests out and their responses back; inbound pipes carry peers' requests in and
+//! this worker's responses out. Each pipe has a reader task and a writer task, fed by a
+//! local channel, so that a long write never blocks reads. A pipe that fails or closes
+//! fails the calls pending on it and leaves the table; the next call to that peer opens
+//! a new one (PyTorch never re-creates a pipe).
+//!
+//! Timeouts are the core's [`TimeoutQueue`], driven by one timer task that sleeps until
+//! the earliest deadline and is poked when a call is scheduled. A call that times out
+//! leaves the pending table, so its late response is dropped.
+//!
+//! State lives in a `RefCell` that is never borrowed across an `.await`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Duration;
+
+use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::task::JoinHandle;
+use rdzv_core::negotiate::{
+    accept_answer, answer_brochure, ChannelKind, Negotiated, Role, TransportKind,
+};
+use rdzv_core::rpc::frame::{
+    decode_frame, decode_handshake, Decoded, EncodeError, FrameKind, FrameLimits, Handshake,
+    TensorDescriptor,
+};
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
+
+use super::agent::FaultInjection;
+use super::client::RpcClient;
+use super::error::RpcError;
+use super::message::{CallContext, Completion, Message, Tensor};
+use super::shared::{Call, Command, Shared};
+use super::transport::{
+    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame, Transport,
+};
+
+/// An accepted inbound pipe: the peer's name and id, and what was negotiated.
+type Accepted = (String, WorkerId, Negotiated);
+
+/// A request for the worker pool.
+pub(crate) struct Job {
+    pub pipe: u64,
+    pub ctx: CallContext,
+    pub message: Message,
+}
+
+struct Pending {
+    peer: String,
+    handler: String,
+    pipe: u64,
+    sent_bytes: u64,
+    timeout: RpcTimeout,
+    completion: Arc<Completion>,
+}
+
+/// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
+/// from the moment the I/O thread got the call, so a pipe that never opens cannot hold
+/// a call past its timeout.
+struct Outbound {
+    message_id: u64,
+    handler: String,
+    message: Message,
+}
+
+enum ClientPipe {
+    Connecting { id: u64, queued: Vec<Outbound> },
+    Ready(ReadyPipe),
+}
+
+/// Why a client pipe could not be opened; every call waiting for it fails with it.
+#[derive(Debug, Clone)]
+struct OpenFailure {
+    address: String,
+    reason: String,
+    connecting: bool,
+}
+
+impl OpenFailure {
+    fn to_error(&self, peer: &str) -> RpcError {
+        if self.connecting {
+            RpcError::Connect {
+                peer: peer.to_string(),
+                address: self.address.clone(),
+                reason: self.reason.clone(),
+            }
+        } else {
+            RpcError::Handshake {
+                peer: peer.to_string(),
+                reason: self.reason.clone(),
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct ReadyPipe {
+    id: u64,
+    tx: Rc<LocalSender<OwnedFrame>>,
+    negotiated: Negotiated,
+}
+
+struct InboundPipe {
+    peer: String,
+    tx: Rc<LocalSender<OwnedFrame>>,
+    negotiated: Negotiated,
+}
+
+#[derive(Default)]
+struct IoState {
+    pending: HashMap<u64, Pending>,
+    timeouts: TimeoutQueue<u64>,
+    client_pipes: HashMap<String, ClientPipe>,
+    inbound: HashMap<u64, InboundPipe>,
+    next_pipe: u64,
+}
+
+pub(crate) struct Io {
+    shared: Arc<Shared>,
+    transport: Box<dyn Transport>,
+    /// Taken (dropped) at close, which lets the pool's threads exit.
+    jobs: RefCell<Option<Sender<Job>>>,
+    /// Every running task but the main loop, to cancel at close (an executor that
+    /// returns does not drop the tasks left on it).
+    tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
+    next_task: Cell<u64>,
+    state: RefCell<IoState>,
+    timer_poke: LocalSender<()>,
+    epoch: std::time::Instant,
+    writers: Rc<Cell<usize>>,
+    /// The deadline the timer sleeps until, if any.
+    armed: Cell<Option<Instant>>,
+    faults: Faults,
+}
+
+/// The fault injection state: how many sends of each failing handler failed so far.
+struct Faults {
+    config: FaultInjection,
+    failed: RefCell<HashMap<String, u32>>,
+}
+
+impl Faults {
+    /// Whether this send of a request to `handler` must fail (and counts it).
+    fn should_fail(&self, handler: &str) -> bool {
+        if !self.config.fail_handlers.iter().any(|h| h == handler) {
+            return false;
+        }
+        let mut failed = self.failed.borrow_mut();
+        let count = failed.entry(handler.to_string()).or_insert(0);
+        if *count < self.config.num_fail_sends {
+            *count += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// How long to hold a request to `handler` before sending it.
+    fn delay(&self, handler: &str) -> Option<Duration> {
+        self.config
+            .delays
+            .iter()
+            .find(|(h, _)| h == handler)
+            .map(|&(_, d)| d)
+    }
+}
+
+/// How long a graceful close waits for writers to flush their goodbyes.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
+
+impl Io {
+    /// Runs the I/O side until a [`Command::Close`]; `listener` is already bound.
+    pub async fn run(
+        shared: Arc<Shared>,
+        transport: Box<dyn Transport>,
+        listener: Box<dyn Listener>,
+        jobs: Sender<Job>,
+        faults: FaultInjection,
+    ) {
+        let (timer_poke, timer_rx) = local_channel::new_bounded(1);
+        let io = Rc::new(Io {
+            shared,
+            transport,
+            jobs: RefCell::new(Some(jobs)),
+            tasks: RefCell::new(HashMap::new()),
+            next_task: Cell::new(0),
+            state: RefCell::new(IoState::default()),
+            timer_poke,
+            epoch: std::time::Instant::now(),
+            writers: Rc::new(Cell::new(0)),
+            armed: Cell::new(None),
+            faults: Faults {
+                config: faults,
+                failed: RefCell::new(HashMap::new()),
+            },
+        });
+        io.spawn(Rc::clone(&io).accept_loop(listener));
+        io.spawn(Rc::clone(&io).timer_loop(timer_rx));
+        loop {
+            let commands = io.shared.mailbox.recv().await;
+            for command in commands {
+                match command {
+                    Command::Call(call) => io.start_call(call),
+                    Command::Respond {
+                        pipe,
+                        message_id,
+                        result,
+                    } => io.respond(pipe, message_id, result),
+                    Command::ResetPipes => io.reset_pipes(),
+                    Command::Close { goodbye } => {
+                        io.close(goodbye).await;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Spawns a task that [`close`](Self::close) cancels if it is still running.
+    fn spawn(self: &Rc<Self>, task: impl std::future::Future<Output = ()> + 'static) {
+        let id = self.next_task.get();
+        self.next_task.set(id + 1);
+        let io = Rc::clone(self);
+        let handle = glommio::spawn_local(async move {
+            task.await;
+            io.tasks.borrow_mut().remove(&id);
+        })
+        .detach();
+        self.tasks.borrow_mut().insert(id, handle);
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_duration(self.epoch.elapsed())
+    }
+
+    fn name(&self) -> &str {
+        self.shared.me.name()
+    }
+
+    fn shut_down_error(&self) -> RpcError {
+        RpcError::ShutDown {
+            name: self.name().to_string(),
+        }
+    }
+
+    /// Completes a call and uncounts it. A failure nobody will see (the future was
+    /// dropped, as `remote` does) is logged.
+    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+        if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
+            tracing::warn!(worker = %self.name(), error = %e, "an RPC whose result nobody waits for failed");
+        }
+        completion.complete_then(result, || self.shared.finish_client_call());
+    }
+
+    /// Completes a call that never reached the pending table.
+    fn fail_unsent(&self, call: Call, error: RpcError) {
+        self.complete(&call.completion, Err(error));
+    }
+
+    fn start_call(self: &Rc<Self>, call: Call) {
+        let address = self
+            .shared
+            .group()
+            .peers
+            .get(&call.peer)
+            .map(|p| p.address.clone());
+        let address = match address {
+            Some(address) => address,
+            None => {
+                let name = call.peer.clone();
+                return self.fail_unsent(call, RpcError::UnknownWorker { name });
+            }
+        };
+        let Call {
+            message_id,
+            peer,
+            handler,
+            message,
+            timeout,
+            completion,
+        } = call;
+        let now = self.now();
+        let mut state = self.state.borrow_mut();
+        let (pipe_id, ready, open) = match state.client_pipes.get(&peer) {
+            Some(ClientPipe::Ready(pipe)) => (pipe.id, Some(pipe.clone()), false),
+            Some(ClientPipe::Connecting { id, .. }) => (*id, None, false),
+            None => {
+                let id = state.next_pipe;
+                state.next_pipe += 1;
+                state.client_pipes.insert(
+                    peer.clone(),
+                    ClientPipe::Connecting {
+                        id,
+                        queued: Vec::new(),
+                    },
+                );
+                (id, None, true)
+            }
+        };
+        state.pending.insert(
+            message_id,
+            Pending {
+                peer: peer.clone(),
+                handler: handler.clone(),
+                pipe: pipe_id,
+                sent_bytes: 0,
+                timeout,
+                completion,
+            },
+        );
+        if let Some(deadline) = state.timeouts.schedule(message_id, now, timeout) {
+            // Wake the timer only if it sleeps past this deadline.
+            if !matches!(self.armed.get(), Some(armed) if armed <= deadline) {
+                let _ = self.timer_poke.try_send(());
+            }
+        }
+        let outbound = Outbound {
+            message_id,
+            handler,
+            message,
+        };
+        match ready {
+            Some(pipe) => {
+                drop(state);
+                self.send_call(outbound, &pipe);
+            }
+            None => {
+                if let Some(ClientPipe::Connecting { queued, .. }) =
+                    state.client_pipes.get_mut(&peer)
+                {
+                    queued.push(outbound);
+                }
+                drop(state);
+                if open {
+                    self.spawn(Rc::clone(self).connect(pipe_id, peer, address));
+                }
+            }
+        }
+    }
+
+    /// Builds the frame's tensor descriptors: each tensor's target device is the device
+    /// map's image of its device (or the same device), and the negotiated channel for the
+    /// pair must be `basic`, the only channel this build runs.
+    fn tensor_frame(
+        &self,
+        frame: &mut OwnedFrame,
+        tensors: Vec<Tensor>,
+        peer: &str,
+        role: Role,
+        negotiated: &Negotiated,
+        reverse: bool,
+    ) -> Result<(), RpcError> {
+        let map = {
+            let group = self.shared.group();
+            if reverse {
+                group.reverse_device_maps.get(peer).cloned()
+            } else {
+                group.device_maps.get(peer).cloned()
+            }
+        };
+        for tensor in tensors {
+            let target = map
+                .as_ref()
+                .and_then(|m| m.get(&tensor.device))
+                .unwrap_or(tensor.device);
+            let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
+            if channel != Some(ChannelKind::Basic) {
+                return Err(RpcError::NoChannel {
+                    peer: peer.to_string(),
+                    source_device: tensor.device.to_string(),
+                    target_device: target.to_string(),
+                });
+            }
+            frame.tensors.push(TensorDescriptor {
+                source: tensor.device,
+                target,
+                channel: ChannelKind::Basic,
+                len: tensor.data.len() as u64,
+            });
+            frame.inline_data.push(tensor.data);
+        }
+        Ok(())
+    }
+
+    /// Sends a request whose call is pending (a call that timed out while its pipe
+    /// was opening is skipped).
+    fn send_call(self: &Rc<Self>, outbound: Outbound, pipe: &ReadyPipe) {
+        let Outbound {
+            message_id,
+            handler,
+            message,
+        } = outbound;
+        let Some(peer) = self
+            .state
+            .borrow()
+            .pending
+            .get(&message_id)
+            .map(|p| p.peer.clone())
+        else {
+            return;
+        };
+        let mut frame = OwnedFrame {
+            handler,
+            metadata: message.metadata,
+            payload: message.payload,
+            ..OwnedFrame::empty(FrameKind::Request, message_id)
+        };
+        let built = self
+            .tensor_frame(
+                &mut frame,
+                message.tensors,
+                &peer,
+                Role::Connector,
+                &pipe.negotiated,
+                false,
+            )
+            .and_then(|()| {
+                check_limits(&frame).map_err(|source| RpcError::Encode {
+                    peer: peer.clone(),
+                    source: Box::new(source),
+                })
+            });
+        if let Err(e) = built {
+            // Nothing was sent: fail this call only.
+            let pending = {
+                let mut state = self.state.borrow_mut();
+                state.timeouts.cancel(message_id);
+                state.pending.remove(&message_id)
+            };
+            if let Some(pending) = pending {
+                self.complete(&pending.completion, Err(e));
+            }
+            return;
+        }
+        let sent_bytes = frame.encoded_len() as u64;
+        if let Some(pending) = self.state.borrow_mut().pending.get_mut(&message_id) {
+            pending.sent_bytes = sent_bytes;
+        }
+        if self.faults.should_fail(&frame.handler) {
+            let pending = {
+                let mut state = self.state.borrow_mut();
+                state.timeouts.cancel(message_id);
+                state.pending.remove(&message_id)
+            };
+            if let Some(pending) = pending {
+                let handler = frame.handler.clone();
+                self.fail_pending(pending, RpcError::InjectedFault { handler });
+            }
+            return;
+        }
+        if let Some(delay) = self.faults.delay(&frame.handler) {
+            let tx = Rc::clone(&pipe.tx);
+            self.spawn(async move {
+                glommio::timer::sleep(delay).await;
+                // A pipe that closed meanwhile has failed the call already.
+                let _ = tx.try_send(frame);
+            });
+            return;
+        }
+        if pipe.tx.try_send(frame).is_err() {
+            self.pipe_ended(pipe.id, &peer, "the pipe's writer stopped".into());
+        }
+    }
+
+    fn respond(&self, pipe: u64, message_id: u64, result: Result<Message, String>) {
+        let state = self.state.borrow();
+        let Some(inbound) = state.inbound.get(&pipe) else {
+            tracing::debug!(pipe, message_id, "response for a closed pipe dropped");
+            return;
+        };
+        let (tx, peer, negotiated) = (
+            Rc::clone(&inbound.tx),
+            inbound.peer.clone(),
+            inbound.negotiated,
+        );
+        drop(state);
+        let frame = match result {
+            Ok(message) => {
+                let mut frame = OwnedFrame {
+                    metadata: message.metadata,
+                    payload: message.payload,
+                    ..OwnedFrame::empty(FrameKind::Response, message_id)
+                };
+                let built = self
+                    .tensor_frame(
+                        &mut frame,
+                        message.tensors,
+                        &peer,
+                        Role::Listener,
+                        &negotiated,
+                        true,
+                    )
+                    .and_then(|()| {
+                        check_limits(&frame).map_err(|source| RpcError::Encode {
+                            peer: peer.clone(),
+                            source: Box::new(source),
+                        })
+                    });
+                match built {
+                    Ok(()) => frame,
+                    Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
+                }
+            }
+            Err(text) => error_frame(message_id, &text),
+        };
+        let _ = tx.try_send(frame);
+    }
+
+    /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
+    /// forgets the pipe.
+    fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
+        self.fail_pipe(pipe, peer, || RpcError::PipeBroken {
+            peer: peer.to_string(),
+            reason: reason.clone(),
+        });
+    }
+
+    /// Fails every call pending on client pipe `pipe` with `error()` and forgets the
+    /// pipe.
+    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
+        let failed: Vec<Pending> = {
+            let mut state = self.state.borrow_mut();
+            let current = match state.client_pipes.get(peer) {
+                Some(ClientPipe::Ready(p)) => p.id == pipe,
+                Some(ClientPipe::Connecting { id, .. }) => *id == pipe,
+                None => false,
+            };
+            if current {
+                state.client_pipes.remove(peer);
+            }
+            let ids: Vec<u64> = state
+                .pending
+                .iter()
+                .filter(|(_, p)| p.pipe == pipe)
+                .map(|(&id, _)| id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| {
+                    state.timeouts.cancel(id);
+                    state.pending.remove(&id)
+                })
+                .collect()
+        };
+        for pending in failed {
+            self.fail_pending(pending, error());
+        }
+    }
+
+    fn fail_pending(&self, pending: Pending, error: RpcError) {
+        self.shared
+            .lock_calls()
+            .network
+            .track_network_error(pending.sent_bytes, &pending.peer);
+        self.complete(&pending.completion, Err(error));
+    }
+
+    /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
+    /// can be answered there; anything else is late (timed out) or bogus and dropped.
+    fn on_reply(&self, pipe: u64, frame: IncomingFrame) {
+        let Some(pending) = ({
+            let mut state = self.state.borrow_mut();
+            let ours = state
+                .pending
+                .get(&frame.message_id)
+                .is_some_and(|p| p.pipe == pipe);
+            if ours {
+                state.timeouts.cancel(frame.message_id);
+                state.pending.remove(&frame.message_id)
+            } else {
+                None
+            }
+        }) else {
+            tracing::debug!(
+                message_id = frame.message_id,
+                "late or unknown reply dropped"
+            );
+            return;
+        };
+        let result = if frame.kind == FrameKind::Response {
+            self.shared.lock_calls().network.track_network_data(
+                pending.sent_bytes,
+                frame.wire_len,
+                &pending.peer,
+            );
+            Ok(Message {
+                metadata: frame.metadata,
+                payload: frame.payload,
+                tensors: frame
+                    .tensors
+                    .into_iter()
+                    .map(|(d, data)| Tensor {
+                        device: d.target,
+                        data,
+                    })
+                    .collect(),
+            })
+        } else {
+            self.shared
+                .lock_calls()
+                .network
+                .track_network_error(pending.sent_bytes, &pending.peer);
+            Err(RpcError::Remote {
+                peer: pending.peer.clone(),
+                handler: pending.handler.clone(),
+                message: String::from_utf8_lossy(&frame.payload).into_owned(),
+            })
+        };
+        self.complete(&pending.completion, result);
+    }
+
+    fn expire(&self, now: Instant) {
+        loop {
+            let expired = {
+                let mut state = self.state.borrow_mut();
+                match state.timeouts.poll_expired(now) {
+                    Some(id) => state.pending.remove(&id),
+                    None => break,
+                }
+            };
+            if let Some(pending) = expired {
+                let error = RpcError::from(pending.timeout.error());
+                self.fail_pending(pending, error);
+            }
+        }
+    }
+
+    async fn timer_loop(self: Rc<Self>, poke: LocalReceiver<()>) {
+        loop {
+            let next = self.state.borrow_mut().timeouts.next_deadline();
+            self.armed.set(next);
+            let poked = match next {
+                None => poke.recv().await.is_some(),
+                Some(deadline) => {
+                    let wait = deadline.saturating_duration_since(self.now());
+                    futures_lite::future::or(async { poke.recv().await.is_some() }, async {
+                        glommio::timer::sleep(wait).await;
+                        true
+                    })
+                    .await
+                }
+            };
+            if !poked {
+                return;
+            }
+            self.expire(self.now());
+        }
+    }
+
+    fn spawn_writer(
+        self: &Rc<Self>,
+        mut sender: Box<dyn FrameSender>,
+    ) -> Rc<LocalSender<OwnedFrame>> {
+        let (tx, rx) = local_channel::new_unbounded::<OwnedFrame>();
+        let writers = Rc::clone(&self.writers);
+        writers.set(writers.get() + 1);
+        self.spawn(async move {
+            while let Some(frame) = rx.recv().await {
+                if let Err(e) = sender.send(frame).await {
+                    tracing::debug!(error = %e, "RPC pipe write failed");
+                    break;
+                }
+            }
+            sender.close().await;
+            writers.set(writers.get().saturating_sub(1));
+        });
+        Rc::new(tx)
+    }
+
+    /// Opens client pipe `id` to `peer`: connect, handshake, then drain the queued calls.
+    /// Opens client pipe `id` to `peer`: connect, handshake, then send the queued calls.
+    async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
+        match self.open_pipe(&peer, &address).await {
+            Ok((sender, receiver, negotiated)) => {
+                let current = matches!(
+                    self.state.borrow().client_pipes.get(&peer),
+                    Some(ClientPipe::Connecting { id: c, .. }) if *c == id
+                );
+                if !current {
+                    // Reset or closed while connecting: its calls failed already, and
+                    // dropping the halves closes the connection.
+                    return;
+                }
+                let tx = self.spawn_writer(sender);
+                let pipe = ReadyPipe { id, tx, negotiated };
+                let queued = match self
+                    .state
+                    .borrow_mut()
+                    .client_pipes
+                    .insert(peer.clone(), ClientPipe::Ready(pipe.clone()))
+                {
+                    Some(ClientPipe::Connecting { queued, .. }) => queued,
+                    _ => Vec::new(),
+                };
+                self.spawn(Rc::clone(&self).client_reader(id, peer, receiver));
+                for outbound in queued {
+                    self.send_call(outbound, &pipe);
+                }
+            }
+            Err(failure) => {
+                tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
+                self.fail_pipe(id, &peer, || failure.to_error(&peer));
+            }
+        }
+    }
+
+    async fn open_pipe(
+        &self,
+        peer: &str,
+        address: &str,
+    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+        let failure = |connecting: bool, reason: String| OpenFailure {
+            address: address.to_string(),
+            reason,
+            connecting,
+        };
+        let connection = self
+            .transport
+            .connect(address)
+            .await
+            .map_err(|e| failure(true, e.to_string()))?;
+        let (mut sender, mut receiver) = connection.split();
+        let handshake = |reason: String| failure(false, reason);
+        let offer = self
+            .shared
+            .offer
+            .offer()
+            .map_err(|e| handshake(e.to_string()))?;
+        let hello = Handshake::Hello {
+            name: self.name(),
+            id: self.shared.me.id(),
+            brochure: offer.brochure(),
+        };
+        sender
+            .send(handshake_frame(&hello).map_err(handshake)?)
+            .await
+            .map_err(|e| handshake(e.to_string()))?;
+        let reply = receiver
+            .recv(FrameLimits::HANDSHAKE)
+            .await
+            .map_err(|e| handshake(e.to_string()))?
+            .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
+        let negotiated = with_handshake(&reply, |message| match message {
+            Handshake::Answer { name, answer, .. } if name == peer => {
+                accept_answer(&offer, &answer).map_err(|e| e.to_string())
+            }
+            Handshake::Answer { name, .. } => Err(format!(
+                "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
+            )),
+            Handshake::Refused { reason } => Err(format!("refused: {reason}")),
+            Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
+        })
+        .and_then(|r| r)
+        .map_err(handshake)?;
+        if negotiated.transport != TransportKind::Tcp {
+            return Err(handshake(format!(
+                "negotiated transport {} but only tcp is wired into this build",
+                negotiated.transport
+            )));
+        }
+        Ok((sender, receiver, negotiated))
+    }
+
+    async fn client_reader(
+        self: Rc<Self>,
+        id: u64,
+        peer: String,
+        mut receiver: Box<dyn FrameReceiver>,
+    ) {
+        let reason = loop {
+            match receiver.recv(FrameLimits::DEFAULT).await {
+                Ok(Some(frame)) => match frame.kind {
+                    FrameKind::Response | FrameKind::Error => self.on_reply(id, frame),
+                    FrameKind::Goodbye => {
+                        break "the peer said goodbye (it is shutting down)".to_string()
+                    }
+                    other => {
+                        break format!("the peer sent an unexpected {other} frame on a client pipe")
+                    }
+                },
+                Ok(None) => break "the peer closed the pipe".to_string(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        self.pipe_ended(id, &peer, reason);
+    }
+
+    async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
+        loop {
+            match listener.accept().await {
+                Ok(connection) => {
+                    self.spawn(Rc::clone(&self).serve_inbound(connection));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "RPC accept failed");
+                    glommio::timer::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Answers a peer's hello; `Ok` carries the peer's name and id and the decision.
+    fn answer_hello(
+        &self,
+        hello: &IncomingFrame,
+        from: &str,
+    ) -> (Result<Accepted, String>, Option<OwnedFrame>) {
+        let offer = match self.shared.offer.offer() {
+            Ok(offer) => offer,
+            Err(e) => return (Err(e.to_string()), None),
+        };
+        let decided = with_handshake(hello, |handshake| match handshake {
+            Handshake::Hello { name, id, brochure } => {
+                let known = self.shared.group().peers.get(name).map(|p| p.id);
+                // A dynamic group's newcomer connects before the members know it.
+                if known != Some(id) && !self.shared.dynamic {
+                    return Err(format!(
+                        "worker {name} with id {id} is not a member of this group"
+                    ));
+                }
+                let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
+                let reply = Handshake::Answer {
+                    name: self.name(),
+                    id: self.shared.me.id(),
+                    answer,
+                };
+                let frame = handshake_frame(&reply)?;
+                Ok((name.to_string(), id, answer.negotiated(), frame))
+            }
+            _ => Err("the first frame of a pipe must be a hello".to_string()),
+        });
+        match decided {
+            Ok(Ok((name, id, negotiated, frame))) => (Ok((name, id, negotiated)), Some(frame)),
+            Ok(Err(reason)) => {
+                let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
+                (Err(reason), refusal)
+            }
+            Err(e) => (Err(format!("bad handshake from {from}: {e}")), None),
+        }
+    }
+
+    async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
+        let from = connection.peer().to_string();
+        let (mut sender, mut receiver) = connection.split();
+        let hello = match receiver.recv(FrameLimits::HANDSHAKE).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "bad RPC handshake");
+                return;
+            }
+        };
+        let (decided, reply) = self.answer_hello(&hello, &from);
+        if let Some(reply) = reply {
+            if let Err(e) = sender.send(reply).await {
+                tracing::debug!(%from, error = %e, "sending the RPC handshake answer failed");
+                return;
+            }
+        }
+        let (peer, peer_id, negotiated) = match decided {
+            Ok(d) => d,
+            Err(reason) => {
+                tracing::warn!(%from, %reason, "refused an RPC pipe");
+                sender.close().await;
+                return;
+            }
+        };
+        let pipe = {
+            let mut state = self.state.borrow_mut();
+            let id = state.next_pipe;
+            state.next_pipe += 1;
+            id
+        };
+        let tx = self.spawn_writer(sender);
+        self.state.borrow_mut().inbound.insert(
+            pipe,
+            InboundPipe {
+                peer: peer.clone(),
+                tx,
+                negotiated,
+            },
+        );
+        loop {
+            match receiver.recv(FrameLimits::DEFAULT).await {
+                Ok(Some(frame)) if frame.kind == FrameKind::Request => {
+                    self.dispatch(pipe, &peer, peer_id, frame)
+                }
+                Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
+                Ok(Some(frame)) => {
+                    tracing::warn!(%peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
+                    break;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let expected = self.shared.lock_calls().shutting_down;
+                    if !expected {
+                        tracing::debug!(%peer, error = %e, "inbound RPC pipe failed");
+                    }
+                    break;
+                }
+            }
+        }
+        self.state.borrow_mut().inbound.remove(&pipe);
+    }
+
+    fn dispatch(&self, pipe: u64, peer: &str, peer_id: WorkerId, frame: IncomingFrame) {
+        let ctx = CallContext {
+            caller: peer.to_string(),
+            caller_id: peer_id,
+            handler: frame.handler,
+            message_id: frame.message_id,
+            client: RpcClient::new(Arc::clone(&self.shared)),
+        };
+        let message = Message {
+            metadata: frame.metadata,
+            payload: frame.payload,
+            tensors: frame
+                .tensors
+                .into_iter()
+                .map(|(d, data)| Tensor {
+                    device: d.target,
+                    data,
+                })
+                .collect(),
+        };
+        self.shared.lock_calls().metrics.calls.server_call_started();
+        let sent = match self.jobs.borrow().as_ref() {
+            Some(jobs) => jobs.send(Job { pipe, ctx, message }).map_err(|e| e.0),
+            None => Err(Job { pipe, ctx, message }),
+        };
+        if let Err(job) = sent {
+            self.shared
+                .lock_calls()
+                .metrics
+                .calls
+                .server_call_finished(false);
+            self.respond(
+                pipe,
+                job.ctx.message_id,
+                Err(self.shut_down_error().to_string()),
+            );
+        }
+    }
+
+    fn reset_pipes(&self) {
+        let (client, inbound) = {
+            let mut state = self.state.borrow_mut();
+            let client: Vec<(String, ClientPipe)> = state.client_pipes.drain().collect();
+            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
+            (client, inbound)
+        };
+        drop(inbound);
+        for (peer, pipe) in client {
+            match pipe {
+                ClientPipe::Ready(ready) => {
+                    self.pipe_ended(ready.id, &peer, "this worker reset its pipes".into())
+                }
+                ClientPipe::Connecting { id, .. } => {
+                    self.pipe_ended(id, &peer, "this worker reset its pipes".into())
+                }
+            }
+        }
+    }
+
+    async fn close(&self, goodbye: bool) {
+        let (client, inbound, pending) = {
+            let mut state = self.state.borrow_mut();
+            let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
+            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
+            let pending: Vec<Pending> = state.pending.drain().map(|(_, p)| p).collect();
+            state.timeouts = TimeoutQueue::new();
+            (client, inbound, pending)
+        };
+        for pipe in client {
+            match pipe {
+                ClientPipe::Ready(ready) => {
+                    if goodbye {
+                        let _ = ready.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+                    }
+                }
+                // Its calls are in `pending`, failed below.
+                ClientPipe::Connecting { .. } => {}
+            }
+        }
+        if goodbye {
+            for pipe in &inbound {
+                let _ = pipe.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+            }
+        }
+        drop(inbound);
+        for pending in pending {
+            self.fail_pending(pending, self.shut_down_error());
+        }
+        for command in self.shared.mailbox.close() {
+            if let Command::Call(call) = command {
+                self.fail_unsent(call, self.shut_down_error());
+            }
+        }
+        self.jobs.borrow_mut().take();
+        if goodbye {
+            let deadline = std::time::Instant::now() + FLUSH_WAIT;
+            while self.writers.get() > 0 && std::time::Instant::now() < deadline {
+                glommio::timer::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain().map(|(_, t)| t).collect();
+        for task in &tasks {
+            task.cancel();
+        }
+        // Let the executor drop the cancelled tasks (and close their sockets).
+        glommio::timer::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
+    OwnedFrame {
+        payload: text.as_bytes().to_vec(),
+        ..OwnedFrame::empty(FrameKind::Error, message_id)
+    }
+}
+
+/// A handshake message as a frame.
+fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
+    let mut bytes = Vec::new();
+    handshake
+        .encode_to_vec(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    let payload = bytes
+        .get(rdzv_core::rpc::frame::HEADER_LEN..)
+        .unwrap_or_default()
+        .to_vec();
+    Ok(OwnedFrame {
+        payload,
+        ..OwnedFrame::empty(FrameKind::Handshake, 0)
+    })
+}
+
+/// Runs `f` on the handshake inside a received frame (re-framed so that the core does
+/// every check it does on the wire).
+fn with_handshake<T>(
+    frame: &IncomingFrame,
+    f: impl FnOnce(Handshake<'_>) -> T,
+) -> Result<T, String> {
+    let owned = OwnedFrame {
+        payload: frame.payload.clone(),
+        ..OwnedFrame::empty(frame.kind, frame.message_id)
+    };
+    let mut wire = owned.encode_head().map_err(|e| e.to_string())?;
+    wire.extend_from_slice(&owned.payload);
+    match decode_frame(&wire, &FrameLimits::HANDSHAKE) {
+        Ok(Decoded::Complete(decoded, _)) => {
+            decode_handshake(&decoded).map(f).map_err(|e| e.to_string())
+        }
+        Ok(Decoded::Partial(_)) => Err("the handshake frame is incomplete".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Checks an outgoing frame against the limits every receiver applies
+/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
+/// making the peer drop the pipe: the core decoder checks every size in the header and
+/// the descriptors, which is all the head holds.
+fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
+    let head = frame.encode_head()?;
+    match decode_frame(&head, &FrameLimits::DEFAULT) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(EncodeError::from(e)),
+    }
+}

@@ -1,0 +1,298 @@
+//! What a call carries ([`Message`], [`Tensor`]), what a handler sees of its caller
+//! ([`CallContext`]), the [`Handler`] trait, and the future a call returns
+//! ([`RpcFuture`]).
+//!
+//! A message is owned bytes: the agent moves them into frames and out again, and never
+//! interprets metadata or payload. The future is completed exactly once (the first
+//! result wins, so a reply arriving after a timeout is dropped) and can be waited on from
+//! any thread or awaited from any executor.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use rdzv_core::device::Device;
+use rdzv_core::rpc::name::WorkerId;
+
+use super::client::RpcClient;
+use super::error::RpcError;
+
+/// A byte buffer that lives on a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    /// Where the bytes live.
+    pub device: Device,
+    /// The bytes.
+    pub data: Vec<u8>,
+}
+
+impl Tensor {
+    /// A CPU tensor holding `data`.
+    pub fn cpu(data: Vec<u8>) -> Tensor {
+        Tensor {
+            device: Device::cpu(),
+            data,
+        }
+    }
+}
+
+/// A request or a response: opaque metadata, a payload and tensors.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Message {
+    /// Small caller-defined bytes (e.g. a type tag or serialised arguments' schema).
+    pub metadata: Vec<u8>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The tensors.
+    pub tensors: Vec<Tensor>,
+}
+
+impl Message {
+    /// A message with only a payload.
+    pub fn from_payload(payload: impl Into<Vec<u8>>) -> Message {
+        Message {
+            payload: payload.into(),
+            ..Message::default()
+        }
+    }
+
+    /// This message with one more tensor.
+    pub fn with_tensor(mut self, tensor: Tensor) -> Message {
+        self.tensors.push(tensor);
+        self
+    }
+}
+
+/// Who called a handler, and a client for calls the handler makes itself (nested calls
+/// count as this worker's client calls, so `join` waits for them too).
+#[derive(Debug, Clone)]
+pub struct CallContext {
+    /// The caller's worker name.
+    pub caller: String,
+    /// The caller's worker id.
+    pub caller_id: WorkerId,
+    /// The handler name the caller asked for.
+    pub handler: String,
+    /// The request's message id (unique per caller).
+    pub message_id: u64,
+    /// Calls through the agent that runs the handler.
+    pub client: RpcClient,
+}
+
+/// A function peers can call by name. It runs on the agent's worker pool; an `Err`
+/// travels back to the caller as the text of [`RpcError::Remote`], and so does a panic.
+pub trait Handler: Send + Sync + 'static {
+    /// Answers `request`.
+    ///
+    /// # Errors
+    /// Any text; the caller's future fails with it.
+    fn call(&self, ctx: &CallContext, request: Message) -> Result<Message, String>;
+}
+
+impl<F> Handler for F
+where
+    F: Fn(&CallContext, Message) -> Result<Message, String> + Send + Sync + 'static,
+{
+    fn call(&self, ctx: &CallContext, request: Message) -> Result<Message, String> {
+        self(ctx, request)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    result: Option<Result<Message, RpcError>>,
+    done: bool,
+    waker: Option<Waker>,
+}
+
+/// The completion cell shared by a future and the agent.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    slot: Mutex<Slot>,
+    ready: Condvar,
+}
+
+impl Completion {
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Completes the future; returns `false` (and drops `result`) if it was completed
+    /// already.
+    pub(crate) fn complete(&self, result: Result<Message, RpcError>) -> bool {
+        self.complete_then(result, || {})
+    }
+
+    /// Completes the future and, only if this completed it, runs `first` before any
+    /// waiter can see the result (the agent uncounts the call there, so a caller that got
+    /// its result never sees the call still counted).
+    pub(crate) fn complete_then(
+        &self,
+        result: Result<Message, RpcError>,
+        first: impl FnOnce(),
+    ) -> bool {
+        let waker = {
+            let mut slot = self.lock();
+            if slot.done {
+                return false;
+            }
+            first();
+            slot.done = true;
+            slot.result = Some(result);
+            slot.waker.take()
+        };
+        self.ready.notify_all();
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        true
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.lock().done
+    }
+}
+
+/// The result of [`rpc_async`](super::RpcAgent::rpc_async): wait for it with
+/// [`wait`](RpcFuture::wait) from any thread, or `.await` it in any executor.
+#[derive(Debug)]
+#[must_use = "the call's result is only seen through the future"]
+pub struct RpcFuture {
+    cell: Arc<Completion>,
+}
+
+/// The error of a future whose result was taken already (polled after completion).
+fn taken() -> RpcError {
+    RpcError::InvalidOption {
+        option: "RpcFuture",
+        reason: "the result was taken already (polled after it completed)".into(),
+    }
+}
+
+impl RpcFuture {
+    pub(crate) fn new() -> (RpcFuture, Arc<Completion>) {
+        let cell = Arc::new(Completion::default());
+        (
+            RpcFuture {
+                cell: Arc::clone(&cell),
+            },
+            cell,
+        )
+    }
+
+    /// Whether the call has completed.
+    pub fn is_done(&self) -> bool {
+        self.cell.is_done()
+    }
+
+    /// Blocks until the call completes and returns its result.
+    ///
+    /// # Errors
+    /// The call's [`RpcError`].
+    pub fn wait(self) -> Result<Message, RpcError> {
+        let mut slot = self.cell.lock();
+        while !slot.done {
+            slot = self
+                .cell
+                .ready
+                .wait(slot)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        slot.result.take().unwrap_or_else(|| Err(taken()))
+    }
+
+    /// Blocks until the call completes or `timeout` passes; gives the future back if it
+    /// did not complete.
+    ///
+    /// # Errors
+    /// `Err(self)` when `timeout` passed first.
+    #[allow(clippy::result_large_err)]
+    pub fn wait_timeout(self, timeout: Duration) -> Result<Result<Message, RpcError>, RpcFuture> {
+        let result = {
+            let slot = self.cell.lock();
+            let (mut slot, _) = self
+                .cell
+                .ready
+                .wait_timeout_while(slot, timeout, |s| !s.done)
+                .unwrap_or_else(|p| p.into_inner());
+            if slot.done {
+                Some(slot.result.take().unwrap_or_else(|| Err(taken())))
+            } else {
+                None
+            }
+        };
+        result.ok_or(self)
+    }
+}
+
+impl Future for RpcFuture {
+    type Output = Result<Message, RpcError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = self.cell.lock();
+        if slot.done {
+            Poll::Ready(slot.result.take().unwrap_or_else(|| Err(taken())))
+        } else {
+            slot.waker = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_completion_wins_and_late_ones_are_dropped() {
+        let (future, cell) = RpcFuture::new();
+        assert!(!future.is_done());
+        assert!(cell.complete(Ok(Message::from_payload(b"first".to_vec()))));
+        assert!(!cell.complete(Ok(Message::from_payload(b"late".to_vec()))));
+        assert!(future.is_done());
+        let message = future.wait().map_err(|e| e.to_string());
+        assert_eq!(message, Ok(Message::from_payload(b"first".to_vec())));
+    }
+
+    #[test]
+    fn wait_timeout_gives_the_future_back() {
+        let (future, cell) = RpcFuture::new();
+        let future = match future.wait_timeout(Duration::from_millis(5)) {
+            Ok(_) => panic!("completed without a result"),
+            Err(f) => f,
+        };
+        let waiter = std::thread::spawn(move || future.wait().map(|m| m.payload));
+        assert!(cell.complete(Ok(Message::from_payload(vec![7]))));
+        let got = waiter
+            .join()
+            .map_err(|_| "waiter panicked")
+            .and_then(|r| r.map_err(|_| "call failed"));
+        assert_eq!(got, Ok(vec![7]));
+    }
+
+    #[test]
+    fn await_in_another_executor() {
+        let (future, cell) = RpcFuture::new();
+        let t = std::thread::spawn(move || futures_lite::future::block_on(future));
+        std::thread::sleep(Duration::from_millis(10));
+        cell.complete(Err(RpcError::ShutDown { name: "w".into() }));
+        let text = t.join().map(|r| r.map_err(|e| e.to_string()).err());
+        assert_eq!(
+            text.ok().flatten().as_deref(),
+            Some("the RPC agent of worker w is shut down; the call did not complete")
+        );
+    }
+
+    #[test]
+    fn closures_are_handlers() {
+        fn handler<H: Handler>(h: H) -> H {
+            h
+        }
+        let echo = handler(|_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) });
+        let m = Message::from_payload(b"x".to_vec()).with_tensor(Tensor::cpu(vec![1, 2]));
+        assert_eq!(m.tensors.len(), 1);
+        let _: &dyn Handler = &echo;
+    }
+}

@@ -1,0 +1,234 @@
+//! The state the agent's user-facing handle, its I/O thread and its worker pool share:
+//! the group, the handlers, the command mailbox and the call counters.
+//!
+//! Locks are held only for bookkeeping, never across I/O or a handler.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::task::{Context, Poll, Waker};
+
+use rdzv_core::device_map::DeviceMaps;
+use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, OfferError, TransportKind};
+use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
+use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
+use rdzv_core::rpc::timeouts::RpcTimeout;
+
+use super::message::{Completion, Handler, Message};
+
+/// The domain descriptor of the basic channel: it runs over any transport.
+pub(crate) const BASIC_DESCRIPTOR: &str = "basic:any";
+
+/// A member of the group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Peer {
+    pub id: WorkerId,
+    pub address: String,
+}
+
+/// What init learned about the group (a dynamic group's members change it).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Group {
+    /// Every member, this worker included, by name.
+    pub peers: HashMap<String, Peer>,
+    /// Maps for requests, by destination name.
+    pub device_maps: DeviceMaps,
+    /// Maps for responses, by caller name.
+    pub reverse_device_maps: DeviceMaps,
+}
+
+/// A call on its way to the I/O thread.
+pub(crate) struct Call {
+    pub message_id: u64,
+    pub peer: String,
+    pub handler: String,
+    pub message: Message,
+    pub timeout: RpcTimeout,
+    pub completion: Arc<Completion>,
+}
+
+/// What user threads and pool threads ask of the I/O thread.
+pub(crate) enum Command {
+    /// Send a request.
+    Call(Call),
+    /// Send the response (or error) to a request received on inbound pipe `pipe`.
+    Respond {
+        pipe: u64,
+        message_id: u64,
+        result: Result<Message, String>,
+    },
+    /// Close every pipe; calls on them fail, later calls open new ones.
+    ResetPipes,
+    /// Close everything and stop; `goodbye` sends goodbye frames first.
+    Close { goodbye: bool },
+}
+
+#[derive(Default)]
+struct MailboxState {
+    queue: VecDeque<Command>,
+    waker: Option<Waker>,
+    closed: bool,
+}
+
+/// A multi-producer queue whose single consumer is a task on the I/O executor (glommio
+/// accepts wake-ups from other threads).
+#[derive(Default)]
+pub(crate) struct Mailbox {
+    state: Mutex<MailboxState>,
+}
+
+impl Mailbox {
+    fn lock(&self) -> MutexGuard<'_, MailboxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `command`; gives it back if the I/O thread has stopped.
+    #[allow(clippy::result_large_err)]
+    pub fn push(&self, command: Command) -> Result<(), Command> {
+        let waker = {
+            let mut state = self.lock();
+            if state.closed {
+                return Err(command);
+            }
+            state.queue.push_back(command);
+            state.waker.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Ok(())
+    }
+
+    /// Waits for commands and takes all of them.
+    pub fn recv(&self) -> impl Future<Output = VecDeque<Command>> + '_ {
+        Recv { mailbox: self }
+    }
+
+    /// Refuses further commands and returns those still queued.
+    pub fn close(&self) -> VecDeque<Command> {
+        let mut state = self.lock();
+        state.closed = true;
+        std::mem::take(&mut state.queue)
+    }
+}
+
+struct Recv<'a> {
+    mailbox: &'a Mailbox,
+}
+
+impl Future for Recv<'_> {
+    type Output = VecDeque<Command>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.mailbox.lock();
+        if state.queue.is_empty() {
+            state.waker = Some(cx.waker().clone());
+            Poll::Pending
+        } else {
+            Poll::Ready(std::mem::take(&mut state.queue))
+        }
+    }
+}
+
+/// The call counters and per-peer data, with `join`'s freeze.
+#[derive(Debug)]
+pub(crate) struct CallState {
+    pub metrics: AgentMetrics,
+    pub network: NetworkData,
+    /// `join` froze the client call count.
+    pub frozen: bool,
+    /// Client calls that finished while frozen, to subtract on release.
+    pub deferred_finishes: u32,
+    /// Peers closing pipes is expected from now on.
+    pub shutting_down: bool,
+}
+
+/// The ranked backends this worker offers, with their descriptors.
+#[derive(Debug, Clone)]
+pub(crate) struct OfferSpec {
+    pub transports: Vec<(TransportKind, i64, String)>,
+    pub channels: Vec<(ChannelKind, i64)>,
+}
+
+impl OfferSpec {
+    /// The core's offer, borrowing the descriptors.
+    pub fn offer(&self) -> Result<Offer<'_>, OfferError> {
+        let mut offer = Offer::new();
+        for (kind, priority, descriptor) in &self.transports {
+            offer.add_transport(*kind, *priority, descriptor)?;
+        }
+        for &(kind, priority) in &self.channels {
+            offer.add_channel(kind, priority, DeviceDescriptors::cpu(BASIC_DESCRIPTOR))?;
+        }
+        Ok(offer)
+    }
+}
+
+/// Everything shared.
+pub(crate) struct Shared {
+    pub me: WorkerInfo,
+    /// `None` for a dynamic group.
+    pub world_size: Option<u32>,
+    pub group: RwLock<Group>,
+    /// Members join and leave (no world size).
+    pub dynamic: bool,
+    pub handlers: RwLock<HashMap<String, Arc<dyn Handler>>>,
+    pub mailbox: Mailbox,
+    pub calls: Mutex<CallState>,
+    pub calls_changed: Condvar,
+    pub next_message_id: AtomicU64,
+    pub default_timeout: RpcTimeout,
+    pub offer: OfferSpec,
+}
+
+impl Shared {
+    pub fn lock_calls(&self) -> MutexGuard<'_, CallState> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn next_message_id(&self) -> u64 {
+        self.next_message_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Counts a new client call, waiting while `join` has the count frozen.
+    pub fn start_client_call(&self) {
+        let mut calls = self.lock_calls();
+        while calls.frozen {
+            calls = self
+                .calls_changed
+                .wait(calls)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        calls.metrics.calls.client_call_started();
+    }
+
+    /// A client call completed (answered, failed or timed out).
+    pub fn finish_client_call(&self) {
+        let mut calls = self.lock_calls();
+        if calls.frozen {
+            calls.deferred_finishes = calls.deferred_finishes.saturating_add(1);
+        } else {
+            calls.metrics.calls.client_call_finished();
+        }
+        drop(calls);
+        self.calls_changed.notify_all();
+    }
+
+    pub fn handler(&self, name: &str) -> Option<Arc<dyn Handler>> {
+        self.handlers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .map(Arc::clone)
+    }
+
+    pub fn group(&self) -> RwLockReadGuard<'_, Group> {
+        self.group.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn group_mut(&self) -> RwLockWriteGuard<'_, Group> {
+        self.group.write().unwrap_or_else(|p| p.into_inner())
+    }
+}

@@ -1,0 +1,476 @@
+//! The `tcp` transport on glommio (io_uring): `TCP_NODELAY` sockets whose frames are the
+//! core's frame format, whose fixed header is the length header.
+//!
+//! Receiving reads into one buffer and lets the core's [`FrameDecoder`] check every
+//! field against the [`FrameLimits`] as soon as it is complete; the buffer only grows by
+//! what the decoder says is still missing, so a peer claiming a huge frame is refused
+//! before anything of that size is allocated. When a frame carries many inline tensor
+//! bytes, everything before them goes through the buffer (and the decoder's checks) and
+//! the tensors are then read straight into their own buffers, without a copy. Sending writes small frames (up to
+//! [`COALESCE_LIMIT`]) with one write and large ones as the head followed by the frame's
+//! own buffers, without copying them.
+//!
+//! This module decides nothing about what frames mean.
+
+use std::cell::RefCell;
+use std::net::{IpAddr, SocketAddr};
+use std::rc::Rc;
+
+use futures_lite::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use glommio::net::{TcpListener, TcpStream};
+use rdzv_core::negotiate::TransportKind;
+use rdzv_core::rpc::frame::{
+    Decoded, FrameDecoder, FrameLimits, Header, TensorDescriptor, DESCRIPTOR_LEN, HEADER_LEN,
+};
+
+use super::error::TransportError;
+use super::transport::{
+    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, LocalBoxFuture, OwnedFrame,
+    Transport,
+};
+
+/// The scheme of tcp addresses.
+pub const SCHEME: &str = "tcp://";
+/// The domain descriptor: any two TCP endpoints can try to talk.
+pub const DOMAIN_DESCRIPTOR: &str = "tcp:*";
+/// Frames up to this size are copied into one buffer and written at once.
+pub const COALESCE_LIMIT: usize = 64 * 1024;
+/// How much the receive buffer asks the kernel for at least.
+const READ_CHUNK: usize = 64 * 1024;
+/// A receive buffer above this size is shrunk back once it is drained.
+const KEEP_BUFFER: usize = 1 << 20;
+/// Frames with at least this many inline tensor bytes have them read straight into
+/// each tensor's own buffer instead of through the receive buffer.
+const DIRECT_READ_MIN: u64 = 256 * 1024;
+
+/// TCP on glommio, listening on one host address.
+#[derive(Debug, Clone)]
+pub struct TcpTransport {
+    host: IpAddr,
+}
+
+impl TcpTransport {
+    /// A transport that listens on `host` (port chosen by the kernel).
+    pub fn new(host: IpAddr) -> TcpTransport {
+        TcpTransport { host }
+    }
+}
+
+/// `tcp://host:port` for an address.
+pub fn format_address(addr: SocketAddr) -> String {
+    format!("{SCHEME}{addr}")
+}
+
+/// The socket address in `tcp://host:port`.
+///
+/// # Errors
+/// [`TransportError::BadAddress`] if it is not that shape.
+pub fn parse_address(address: &str) -> Result<SocketAddr, TransportError> {
+    let bad = |reason| TransportError::BadAddress {
+        transport: "tcp",
+        address: address.to_string(),
+        reason,
+    };
+    address
+        .strip_prefix(SCHEME)
+        .ok_or_else(|| bad("it does not start with tcp://"))?
+        .parse()
+        .map_err(|_| bad("expected tcp://<ip>:<port>"))
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn domain_descriptor(&self) -> &str {
+        DOMAIN_DESCRIPTOR
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+        let wanted = SocketAddr::new(self.host, 0);
+        let listener = TcpListener::bind(wanted).map_err(|e| TransportError::Listen {
+            address: wanted.to_string(),
+            source: e.into(),
+        })?;
+        let local = listener.local_addr().map_err(|e| TransportError::Listen {
+            address: wanted.to_string(),
+            source: e.into(),
+        })?;
+        Ok(Box::new(TcpTransportListener {
+            listener,
+            address: format_address(local),
+        }))
+    }
+
+    fn connect<'a>(
+        &'a self,
+        address: &'a str,
+    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let addr = parse_address(address)?;
+            let stream = TcpStream::connect(addr)
+                .await
+                .map_err(|e| TransportError::Connect {
+                    address: address.to_string(),
+                    source: e.into(),
+                })?;
+            Ok(TcpConnection::boxed(stream, address.to_string()))
+        })
+    }
+}
+
+struct TcpTransportListener {
+    listener: TcpListener,
+    address: String,
+}
+
+impl Listener for TcpTransportListener {
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let stream = self
+                .listener
+                .accept()
+                .await
+                .map_err(|e| TransportError::Accept {
+                    address: self.address.clone(),
+                    source: e.into(),
+                })?;
+            let peer = stream
+                .peer_addr()
+                .map_or_else(|_| "an unknown peer".to_string(), format_address);
+            Ok(TcpConnection::boxed(stream, peer))
+        })
+    }
+}
+
+struct TcpConnection {
+    stream: TcpStream,
+    peer: String,
+}
+
+impl TcpConnection {
+    fn boxed(stream: TcpStream, peer: String) -> Box<dyn Connection> {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "TCP_NODELAY failed");
+        }
+        Box::new(TcpConnection { stream, peer })
+    }
+}
+
+impl Connection for TcpConnection {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
+        let (read, write) = futures_lite::io::split(self.stream);
+        let peer: Rc<str> = Rc::from(self.peer.as_str());
+        (
+            Box::new(TcpSender {
+                write,
+                peer: Rc::clone(&peer),
+                scratch: RefCell::new(Vec::new()),
+            }),
+            Box::new(TcpReceiver {
+                read,
+                peer,
+                buf: Vec::new(),
+                filled: 0,
+            }),
+        )
+    }
+}
+
+struct TcpSender {
+    write: WriteHalf<TcpStream>,
+    peer: Rc<str>,
+    scratch: RefCell<Vec<u8>>,
+}
+
+impl TcpSender {
+    fn io_error(&self, source: std::io::Error) -> TransportError {
+        TransportError::Io {
+            op: "send to",
+            peer: self.peer.to_string(),
+            source,
+        }
+    }
+}
+
+impl FrameSender for TcpSender {
+    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move {
+            let head = frame
+                .encode_head()
+                .map_err(|source| TransportError::Encode {
+                    peer: self.peer.to_string(),
+                    source,
+                })?;
+            let total = frame.encoded_len();
+            if total <= COALESCE_LIMIT {
+                let mut out = std::mem::take(&mut *self.scratch.borrow_mut());
+                out.clear();
+                out.extend_from_slice(&head);
+                for part in frame.body() {
+                    out.extend_from_slice(part);
+                }
+                let written = self.write.write_all(&out).await;
+                *self.scratch.borrow_mut() = out;
+                written.map_err(|e| self.io_error(e))?;
+            } else {
+                self.write
+                    .write_all(&head)
+                    .await
+                    .map_err(|e| self.io_error(e))?;
+                for part in frame.body().filter(|p| !p.is_empty()) {
+                    self.write
+                        .write_all(part)
+                        .await
+                        .map_err(|e| self.io_error(e))?;
+                }
+            }
+            Ok(total as u64)
+        })
+    }
+
+    fn close(&mut self) -> LocalBoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Err(e) = self.write.close().await {
+                tracing::debug!(peer = %self.peer, error = %e, "closing a TCP pipe failed");
+            }
+        })
+    }
+}
+
+struct TcpReceiver {
+    read: ReadHalf<TcpStream>,
+    peer: Rc<str>,
+    buf: Vec<u8>,
+    filled: usize,
+}
+
+impl TcpReceiver {
+    fn pending(&self) -> &[u8] {
+        self.buf.get(..self.filled).unwrap_or_default()
+    }
+
+    /// Drops the first `used` bytes.
+    fn consume(&mut self, used: usize) {
+        let used = used.min(self.filled);
+        self.buf.copy_within(used..self.filled, 0);
+        self.filled -= used;
+        if self.buf.len() > KEEP_BUFFER && self.filled < READ_CHUNK {
+            self.buf.truncate(READ_CHUNK.max(self.filled));
+            self.buf.shrink_to_fit();
+        }
+    }
+}
+
+/// How a frame with large inline data is read: `fixed` bytes (header to payload)
+/// through the buffer, then each tensor into its own.
+struct DirectPlan {
+    header: Header,
+    fixed: usize,
+    tensors: Vec<TensorDescriptor>,
+}
+
+/// A [`DirectPlan`] if the header is known, its descriptors are all buffered, and the
+/// frame's inline bytes are many.
+fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
+    let header = *header?;
+    let count = usize::try_from(header.tensor_count).ok()?;
+    let descriptors = pending.get(HEADER_LEN..HEADER_LEN + count.checked_mul(DESCRIPTOR_LEN)?)?;
+    let tensors = descriptors
+        .chunks_exact(DESCRIPTOR_LEN)
+        .zip(0u32..)
+        .map(|(bytes, i)| {
+            let bytes: &[u8; DESCRIPTOR_LEN] = bytes.try_into().ok()?;
+            TensorDescriptor::from_bytes(bytes, i).ok()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let inline: u64 = tensors
+        .iter()
+        .filter(|t| t.is_inline())
+        .map(|t| t.len)
+        .fold(0u64, u64::saturating_add);
+    if inline < DIRECT_READ_MIN {
+        return None;
+    }
+    Some(DirectPlan {
+        header,
+        fixed: usize::try_from(header.fixed_len()).ok()?,
+        tensors,
+    })
+}
+
+impl TcpReceiver {
+    /// Finishes a frame whose first `plan.fixed` bytes are buffered (and checked by the
+    /// decoder): the inline tensors are read into their own buffers.
+    async fn read_direct(&mut self, plan: DirectPlan) -> Result<IncomingFrame, TransportError> {
+        let DirectPlan {
+            header,
+            fixed,
+            tensors,
+        } = plan;
+        let truncated = |have: usize| TransportError::Truncated {
+            peer: self.peer.to_string(),
+            have,
+        };
+        let handler_start = HEADER_LEN + tensors.len() * DESCRIPTOR_LEN;
+        let handler_end = handler_start + header.handler_len as usize;
+        let metadata_end = handler_end + header.metadata_len as usize;
+        let handler = self
+            .buf
+            .get(handler_start..handler_end)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .unwrap_or_default()
+            .to_string();
+        let metadata = self
+            .buf
+            .get(handler_end..metadata_end)
+            .unwrap_or_default()
+            .to_vec();
+        let payload = self
+            .buf
+            .get(metadata_end..fixed)
+            .unwrap_or_default()
+            .to_vec();
+        // Inline bytes that arrived with the fixed part (at most one read's worth).
+        let mut early_at = fixed;
+        let mut wire_len = fixed as u64;
+        let mut received = Vec::with_capacity(tensors.len());
+        for descriptor in tensors {
+            if !descriptor.is_inline() {
+                return Err(TransportError::UnsupportedChannel {
+                    peer: self.peer.to_string(),
+                    channel: descriptor.channel.name(),
+                });
+            }
+            let len = usize::try_from(descriptor.len).map_err(|_| truncated(early_at))?;
+            let mut data = vec![0u8; len];
+            let early = self.buf.get(early_at..self.filled).unwrap_or_default();
+            let take = early.len().min(len);
+            if let (Some(dst), Some(src)) = (data.get_mut(..take), early.get(..take)) {
+                dst.copy_from_slice(src);
+            }
+            early_at += take;
+            if let Some(rest) = data.get_mut(take..) {
+                self.read.read_exact(rest).await.map_err(|source| {
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof {
+                        truncated(early_at)
+                    } else {
+                        TransportError::Io {
+                            op: "receive from",
+                            peer: self.peer.to_string(),
+                            source,
+                        }
+                    }
+                })?;
+            }
+            wire_len += descriptor.len;
+            received.push((descriptor, data));
+        }
+        // Buffered bytes past `early_at` are the next frame's.
+        self.consume(early_at);
+        Ok(IncomingFrame {
+            kind: header.kind,
+            message_id: header.message_id,
+            handler,
+            metadata,
+            payload,
+            tensors: received,
+            wire_len,
+        })
+    }
+}
+
+impl FrameReceiver for TcpReceiver {
+    fn recv(
+        &mut self,
+        limits: FrameLimits,
+    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
+        Box::pin(async move {
+            let mut decoder = FrameDecoder::new(limits);
+            loop {
+                let missing = if self.filled == 0 {
+                    READ_CHUNK
+                } else {
+                    let peer = Rc::clone(&self.peer);
+                    match decoder.decode(self.pending()) {
+                        Ok(Decoded::Complete(frame, used)) => {
+                            let incoming = IncomingFrame::from_frame(&frame, &peer);
+                            self.consume(used);
+                            return incoming.map(Some);
+                        }
+                        Ok(Decoded::Partial(missing)) => {
+                            if let Some(plan) = direct_plan(decoder.header(), self.pending()) {
+                                if self.filled >= plan.fixed {
+                                    return self.read_direct(plan).await.map(Some);
+                                }
+                                // Read only up to the inline data.
+                                plan.fixed - self.filled
+                            } else {
+                                missing
+                            }
+                        }
+                        Err(source) => {
+                            return Err(TransportError::Frame {
+                                peer: peer.to_string(),
+                                source,
+                            })
+                        }
+                    }
+                };
+                // The decoder has checked every complete field against the limits, so
+                // `missing` is a size the limits allow.
+                let wanted = self.filled.saturating_add(missing.max(READ_CHUNK));
+                if self.buf.len() < wanted {
+                    self.buf.resize(wanted, 0);
+                }
+                let spare = self.buf.get_mut(self.filled..).unwrap_or_default();
+                let n = self
+                    .read
+                    .read(spare)
+                    .await
+                    .map_err(|source| TransportError::Io {
+                        op: "receive from",
+                        peer: self.peer.to_string(),
+                        source,
+                    })?;
+                if n == 0 {
+                    return if self.filled == 0 {
+                        Ok(None)
+                    } else {
+                        Err(TransportError::Truncated {
+                            peer: self.peer.to_string(),
+                            have: self.filled,
+                        })
+                    };
+                }
+                self.filled += n;
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip() {
+        let addr: SocketAddr = ([127, 0, 0, 1], 4242).into();
+        let text = format_address(addr);
+        assert_eq!(text, "tcp://127.0.0.1:4242");
+        assert_eq!(parse_address(&text).ok(), Some(addr));
+        let v6: SocketAddr = "[::1]:80".parse().unwrap_or(addr);
+        assert_eq!(parse_address(&format_address(v6)).ok(), Some(v6));
+        assert!(parse_address("uv://127.0.0.1:1").is_err());
+        assert!(parse_address("tcp://localhost").is_err());
+    }
+}

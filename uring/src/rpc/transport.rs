@@ -1,0 +1,302 @@
+//! The transport seam: what the agent needs from a way of moving frames between two
+//! processes, and nothing more.
+//!
+//! A [`Transport`] has a kind, a *domain descriptor* (two endpoints can use it only if
+//! their descriptors are equal: see `rdzv_core::negotiate`), can [`listen`] (giving the
+//! address string peers connect to) and can [`connect`] to such an address. A
+//! [`Connection`] moves whole frames and [`split`]s into a [`FrameSender`] and a
+//! [`FrameReceiver`] so that a large write never stops reads (both peers writing 64 MiB
+//! at each other must not deadlock).
+//!
+//! Every method runs on the agent's I/O executor (glommio) and returns a local future.
+//! How the three transports fit:
+//!
+//! * **tcp** ([`super::tcp`]): glommio sockets, the core frame header is the length
+//!   header, limits are checked before anything is allocated.
+//! * **shm** (`crate::transport::shm`, not wired in yet): its connection is blocking
+//!   and already split into sender and receiver halves; an adapter runs each half on its
+//!   own thread and hands frames over through a channel, so the halves map one to one
+//!   onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
+//!   (boot id plus network namespace).
+//! * **ibv** (next issue): [`FrameSender::send`] takes the [`OwnedFrame`] *by value*, so
+//!   the transport may keep the payload and tensor buffers (registered, or registered on
+//!   the fly) until the NIC's completion arrives, and send them zero-copy; the receiver
+//!   learns every size from the header and descriptors (the core frame format puts them
+//!   first), so it can post receives straight into the [`IncomingFrame`]'s buffers.
+//!
+//! The seam does not negotiate (the agent does, with the core), retry, or know about
+//! calls, peers' names or timeouts.
+//!
+//! [`listen`]: Transport::listen
+//! [`connect`]: Transport::connect
+//! [`split`]: Connection::split
+
+use std::future::Future;
+use std::pin::Pin;
+
+use rdzv_core::negotiate::TransportKind;
+use rdzv_core::rpc::frame::{
+    EncodeError, Frame, FrameKind, FrameLimits, OutgoingFrame, TensorDescriptor,
+};
+
+use super::error::TransportError;
+
+/// A boxed future that stays on the executor that made it.
+pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// A way to move frames between processes.
+pub trait Transport {
+    /// Which transport this is.
+    fn kind(&self) -> TransportKind;
+
+    /// The domain descriptor: peers can use this transport together only if theirs is
+    /// equal.
+    fn domain_descriptor(&self) -> &str;
+
+    /// Starts listening; the listener's [`address`](Listener::address) is what peers pass
+    /// to [`connect`](Transport::connect).
+    ///
+    /// # Errors
+    /// [`TransportError::Listen`].
+    fn listen(&self) -> Result<Box<dyn Listener>, TransportError>;
+
+    /// Connects to a listener's address.
+    fn connect<'a>(
+        &'a self,
+        address: &'a str,
+    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>>;
+}
+
+/// A listening endpoint.
+pub trait Listener {
+    /// The address peers connect to, e.g. `tcp://10.0.0.1:40123`.
+    fn address(&self) -> &str;
+
+    /// The next incoming connection.
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>>;
+}
+
+/// An open connection that moves whole frames.
+pub trait Connection {
+    /// The peer's address, for messages.
+    fn peer(&self) -> &str;
+
+    /// Splits into independent halves.
+    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>);
+}
+
+/// The sending half of a connection.
+pub trait FrameSender {
+    /// Sends one frame; resolves to the bytes put on the wire once the transport no longer
+    /// needs the frame's buffers.
+    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>>;
+
+    /// Closes the sending direction (the peer's receiver sees the end of the stream).
+    fn close(&mut self) -> LocalBoxFuture<'_, ()>;
+}
+
+/// The receiving half of a connection.
+pub trait FrameReceiver {
+    /// The next frame, checked against `limits` before its buffers are allocated;
+    /// `Ok(None)` when the peer closed the connection between frames.
+    fn recv(
+        &mut self,
+        limits: FrameLimits,
+    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>>;
+}
+
+/// A frame to send, owning its parts so a transport can keep them until its write
+/// completes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedFrame {
+    /// The kind.
+    pub kind: FrameKind,
+    /// The message id.
+    pub message_id: u64,
+    /// The handler name (requests).
+    pub handler: String,
+    /// The metadata.
+    pub metadata: Vec<u8>,
+    /// The payload (the error text for errors, the postcard handshake for handshakes).
+    pub payload: Vec<u8>,
+    /// One descriptor per tensor.
+    pub tensors: Vec<TensorDescriptor>,
+    /// The data of the tensors whose channel is `basic`, in order.
+    pub inline_data: Vec<Vec<u8>>,
+}
+
+impl OwnedFrame {
+    /// A frame of `kind` with every part empty.
+    pub fn empty(kind: FrameKind, message_id: u64) -> OwnedFrame {
+        OwnedFrame {
+            kind,
+            message_id,
+            handler: String::new(),
+            metadata: Vec::new(),
+            payload: Vec::new(),
+            tensors: Vec::new(),
+            inline_data: Vec::new(),
+        }
+    }
+
+    /// Runs `f` with the core's borrowed view of this frame.
+    pub fn with_outgoing<R>(&self, f: impl FnOnce(&OutgoingFrame<'_>) -> R) -> R {
+        let inline: Vec<&[u8]> = self.inline_data.iter().map(Vec::as_slice).collect();
+        let frame = OutgoingFrame {
+            kind: self.kind,
+            message_id: self.message_id,
+            handler: &self.handler,
+            metadata: &self.metadata,
+            payload: &self.payload,
+            tensors: &self.tensors,
+            inline_data: &inline,
+        };
+        f(&frame)
+    }
+
+    /// The whole frame's size on the wire.
+    pub fn encoded_len(&self) -> usize {
+        self.with_outgoing(|frame| frame.encoded_len())
+    }
+
+    /// Checks the frame and writes its header and descriptors (the rest follows as the
+    /// frame's own buffers).
+    ///
+    /// # Errors
+    /// [`EncodeError`] if the core would not decode the frame.
+    pub fn encode_head(&self) -> Result<Vec<u8>, EncodeError> {
+        self.with_outgoing(|frame| {
+            let mut head = vec![0; frame.head_len()];
+            frame.encode_head(&mut head).map(|n| {
+                head.truncate(n);
+                head
+            })
+        })
+    }
+
+    /// The buffers that follow the head, in wire order.
+    pub fn body(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        [
+            self.handler.as_bytes(),
+            self.metadata.as_slice(),
+            self.payload.as_slice(),
+        ]
+        .into_iter()
+        .chain(self.inline_data.iter().map(Vec::as_slice))
+    }
+}
+
+/// A received frame, owning its parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IncomingFrame {
+    /// The kind.
+    pub kind: FrameKind,
+    /// The message id.
+    pub message_id: u64,
+    /// The handler name.
+    pub handler: String,
+    /// The metadata.
+    pub metadata: Vec<u8>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// Each tensor's descriptor and data.
+    pub tensors: Vec<(TensorDescriptor, Vec<u8>)>,
+    /// The frame's size on the wire.
+    pub wire_len: u64,
+}
+
+impl IncomingFrame {
+    /// Copies a decoded frame out of the receive buffer.
+    ///
+    /// # Errors
+    /// [`TransportError::UnsupportedChannel`] if a tensor's data is not inline: no
+    /// out-of-band channel runs in this build.
+    pub fn from_frame(frame: &Frame<'_>, peer: &str) -> Result<IncomingFrame, TransportError> {
+        let tensors = frame
+            .tensors_with_data()
+            .map(|(descriptor, data)| match data {
+                Some(data) => Ok((descriptor, data.to_vec())),
+                None => Err(TransportError::UnsupportedChannel {
+                    peer: peer.to_string(),
+                    channel: descriptor.channel.name(),
+                }),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(IncomingFrame {
+            kind: frame.kind(),
+            message_id: frame.message_id(),
+            handler: frame.handler().to_string(),
+            metadata: frame.metadata().to_vec(),
+            payload: frame.payload().to_vec(),
+            tensors,
+            wire_len: frame.as_bytes().len() as u64,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdzv_core::device::Device;
+    use rdzv_core::negotiate::ChannelKind;
+    use rdzv_core::rpc::frame::{decode_frame, Decoded};
+
+    #[test]
+    fn owned_frame_round_trips_through_the_core_decoder() {
+        let frame = OwnedFrame {
+            handler: "echo".into(),
+            metadata: vec![1],
+            payload: b"hello".to_vec(),
+            tensors: vec![TensorDescriptor {
+                source: Device::cpu(),
+                target: Device::cpu(),
+                channel: ChannelKind::Basic,
+                len: 3,
+            }],
+            inline_data: vec![vec![9, 8, 7]],
+            ..OwnedFrame::empty(FrameKind::Request, 42)
+        };
+        let mut wire = frame
+            .encode_head()
+            .map_err(|e| e.to_string())
+            .unwrap_or_default();
+        for part in frame.body() {
+            wire.extend_from_slice(part);
+        }
+        assert_eq!(wire.len(), frame.encoded_len());
+        let decoded = match decode_frame(&wire, &FrameLimits::DEFAULT) {
+            Ok(Decoded::Complete(f, n)) => {
+                assert_eq!(n, wire.len());
+                IncomingFrame::from_frame(&f, "peer").map_err(|e| e.to_string())
+            }
+            other => Err(format!("{other:?}")),
+        };
+        let decoded = decoded.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(decoded.kind, FrameKind::Request);
+        assert_eq!(decoded.message_id, 42);
+        assert_eq!(decoded.handler, "echo");
+        assert_eq!(decoded.metadata, vec![1]);
+        assert_eq!(decoded.payload, b"hello".to_vec());
+        assert_eq!(decoded.tensors.len(), 1);
+        assert_eq!(
+            decoded.tensors.first().map(|t| t.1.clone()),
+            Some(vec![9, 8, 7])
+        );
+        assert_eq!(decoded.wire_len, wire.len() as u64);
+    }
+
+    #[test]
+    fn inline_data_must_match_descriptors() {
+        let frame = OwnedFrame {
+            tensors: vec![TensorDescriptor {
+                source: Device::cpu(),
+                target: Device::cpu(),
+                channel: ChannelKind::Basic,
+                len: 4,
+            }],
+            inline_data: vec![vec![1]],
+            ..OwnedFrame::empty(FrameKind::Request, 1)
+        };
+        assert!(frame.encode_head().is_err());
+    }
+}
