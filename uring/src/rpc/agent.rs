@@ -38,7 +38,7 @@ use rdzv_core::device_map::{
     create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
     GroupKind, WorkerDevices,
 };
-use rdzv_core::negotiate::{ChannelKind, Ranking, TransportKind};
+use rdzv_core::negotiate::{Backend, ChannelKind, Ranking, TransportKind};
 use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
@@ -182,61 +182,56 @@ impl RpcOptions {
 
 /// The transports this build runs, with their priorities, from the `transports` option.
 fn ranked_transports(names: Option<&[String]>) -> Result<Vec<(TransportKind, i64)>, RpcError> {
-    let ranking =
-        Ranking::<TransportKind>::from_option(names).map_err(|source| RpcError::Backends {
-            option: "transports",
-            source: Box::new(source),
-        })?;
-    let mut usable = Vec::new();
-    for (kind, priority) in ranking.iter() {
-        match kind {
-            TransportKind::Tcp => usable.push((kind, priority)),
-            other if names.is_some() => {
-                return Err(RpcError::InvalidOption {
-                    option: "transports",
-                    reason: format!(
-                        "transport {other} is not wired into the RPC agent of this build; use tcp"
-                    ),
-                })
-            }
-            _ => {}
-        }
-    }
-    if usable.is_empty() {
-        return Err(RpcError::InvalidOption {
-            option: "transports",
-            reason: "no transport left; list tcp".into(),
-        });
-    }
-    Ok(usable)
+    ranked(
+        names,
+        "transports",
+        "transport",
+        "wired into",
+        TransportKind::Tcp,
+    )
 }
 
 /// The channels this build runs, with their priorities, from the `channels` option.
 fn ranked_channels(names: Option<&[String]>) -> Result<Vec<(ChannelKind, i64)>, RpcError> {
-    let ranking =
-        Ranking::<ChannelKind>::from_option(names).map_err(|source| RpcError::Backends {
-            option: "channels",
-            source: Box::new(source),
-        })?;
+    ranked(
+        names,
+        "channels",
+        "channel",
+        "implemented by",
+        ChannelKind::Basic,
+    )
+}
+
+/// The backends of one class in the option's order (or the default ranking), keeping
+/// the one this build runs (`supported`): naming another is an error that says so.
+fn ranked<K: Backend>(
+    names: Option<&[String]>,
+    option: &'static str,
+    what: &str,
+    verb: &str,
+    supported: K,
+) -> Result<Vec<(K, i64)>, RpcError> {
+    let ranking = Ranking::<K>::from_option(names).map_err(|source| RpcError::Backends {
+        option,
+        source: Box::new(source),
+    })?;
     let mut usable = Vec::new();
     for (kind, priority) in ranking.iter() {
-        match kind {
-            ChannelKind::Basic => usable.push((kind, priority)),
-            other if names.is_some() => {
-                return Err(RpcError::InvalidOption {
-                    option: "channels",
-                    reason: format!(
-                    "channel {other} is not implemented by the RPC agent of this build; use basic"
+        if kind == supported {
+            usable.push((kind, priority));
+        } else if names.is_some() {
+            return Err(RpcError::InvalidOption {
+                option,
+                reason: format!(
+                    "{what} {kind} is not {verb} the RPC agent of this build; use {supported}"
                 ),
-                })
-            }
-            _ => {}
+            });
         }
     }
     if usable.is_empty() {
         return Err(RpcError::InvalidOption {
-            option: "channels",
-            reason: "no channel left; list basic".into(),
+            option,
+            reason: format!("no {what} left; list {supported}"),
         });
     }
     Ok(usable)
