@@ -297,7 +297,10 @@ def main():
                 runs = pick("throughput", target, conns=n)
                 if not runs:
                     continue
-                point = dict(runs[0], target=f"{target} ({'PyTorch ' + version if target == 'pytorch' else 'glommio'})")
+                name = f"PyTorch {version} (libuv)" if target == "pytorch" else "rdzv store serve"
+                if target == "rdzv" and args.serve_args:
+                    name += f" {args.serve_args}"
+                point = dict(runs[0], target=name)
                 for field in fields:
                     point[field] = median([r[field] for r in runs])
                 points.append(point)
