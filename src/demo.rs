@@ -85,7 +85,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     })?;
     let url = format!("tcp://127.0.0.1:{}", server.port());
     println!(
-        "rdzv demo: store server on 127.0.0.1:{} (embedded, glommio/io_uring); starting {} worker processes",
+        "rdzv demo: store server on 127.0.0.1:{} (embedded, io_uring); starting {} worker processes",
         server.port(),
         args.workers
     );
