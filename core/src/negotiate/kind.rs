@@ -163,11 +163,14 @@ pub enum ChannelKind {
     /// Staging through pinned host memory over a CPU channel. Any pair that involves a
     /// CUDA device (it refuses CPU ↔ CPU).
     CudaBasic,
+    /// A copy within one process (both workers in the same address space). CPU only.
+    Xth,
 }
 
 impl ChannelKind {
     /// Every channel, highest default priority first.
-    pub const ALL: [ChannelKind; 7] = [
+    pub const ALL: [ChannelKind; 8] = [
+        ChannelKind::Xth,
         ChannelKind::Cma,
         ChannelKind::Mpt,
         ChannelKind::Basic,
@@ -180,8 +183,8 @@ impl ChannelKind {
     /// How many channels there are.
     pub const COUNT: usize = Self::ALL.len();
 
-    /// The canonical name: `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_gdr`,
-    /// `cuda_basic`.
+    /// The canonical name: `xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`,
+    /// `cuda_gdr`, `cuda_basic`.
     pub const fn name(self) -> &'static str {
         match self {
             ChannelKind::Cma => "cma",
@@ -191,12 +194,15 @@ impl ChannelKind {
             ChannelKind::CudaIpc => "cuda_ipc",
             ChannelKind::CudaGdr => "cuda_gdr",
             ChannelKind::CudaBasic => "cuda_basic",
+            ChannelKind::Xth => "xth",
         }
     }
 
     /// PyTorch's priority: cma 1200, mpt 1100, basic 1000, cuda_xth 400, cuda_ipc 300,
     /// cuda_gdr 200, cuda_basic 0. CPU channels outrank CUDA channels because some CUDA
-    /// channels also move CPU data, less efficiently.
+    /// channels also move CPU data, less efficiently. `xth`, which PyTorch does not
+    /// register, gets 1300: within one process nothing is cheaper, and its domain
+    /// descriptor names the process, so two processes never pick it.
     pub const fn default_priority(self) -> i64 {
         match self {
             ChannelKind::Cma => 1200,
@@ -206,26 +212,30 @@ impl ChannelKind {
             ChannelKind::CudaIpc => 300,
             ChannelKind::CudaGdr => 200,
             ChannelKind::CudaBasic => 0,
+            ChannelKind::Xth => 1300,
         }
     }
 
     /// A dense index (`0..COUNT`), the position in [`ALL`](Self::ALL).
     pub const fn index(self) -> usize {
         match self {
-            ChannelKind::Cma => 0,
-            ChannelKind::Mpt => 1,
-            ChannelKind::Basic => 2,
-            ChannelKind::CudaXth => 3,
-            ChannelKind::CudaIpc => 4,
-            ChannelKind::CudaGdr => 5,
-            ChannelKind::CudaBasic => 6,
+            ChannelKind::Xth => 0,
+            ChannelKind::Cma => 1,
+            ChannelKind::Mpt => 2,
+            ChannelKind::Basic => 3,
+            ChannelKind::CudaXth => 4,
+            ChannelKind::CudaIpc => 5,
+            ChannelKind::CudaGdr => 6,
+            ChannelKind::CudaBasic => 7,
         }
     }
 
     /// The device types this channel advertises descriptors for.
     pub const fn device_types(self) -> &'static [DeviceType] {
         match self {
-            ChannelKind::Cma | ChannelKind::Mpt | ChannelKind::Basic => &[DeviceType::Cpu],
+            ChannelKind::Xth | ChannelKind::Cma | ChannelKind::Mpt | ChannelKind::Basic => {
+                &[DeviceType::Cpu]
+            }
             ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => {
                 &[DeviceType::Cuda]
             }
@@ -237,7 +247,7 @@ impl ChannelKind {
     /// these types. Symmetric in its two arguments.
     pub const fn handles(self, local: DeviceType, remote: DeviceType) -> bool {
         match self {
-            ChannelKind::Cma | ChannelKind::Mpt | ChannelKind::Basic => {
+            ChannelKind::Xth | ChannelKind::Cma | ChannelKind::Mpt | ChannelKind::Basic => {
                 matches!((local, remote), (DeviceType::Cpu, DeviceType::Cpu))
             }
             ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => {
@@ -502,8 +512,8 @@ mod tests {
     fn default_priorities_are_pytorchs_and_all_is_sorted_by_them() {
         let t: [i64; 3] = TransportKind::ALL.map(TransportKind::default_priority);
         assert_eq!(t, [200, 100, 0]);
-        let c: [i64; 7] = ChannelKind::ALL.map(ChannelKind::default_priority);
-        assert_eq!(c, [1200, 1100, 1000, 400, 300, 200, 0]);
+        let c: [i64; 8] = ChannelKind::ALL.map(ChannelKind::default_priority);
+        assert_eq!(c, [1300, 1200, 1100, 1000, 400, 300, 200, 0]);
     }
 
     #[test]
@@ -516,10 +526,10 @@ mod tests {
         let e = "SHM".parse::<TransportKind>().unwrap_err();
         assert_eq!(e.class(), BackendClass::Transport);
         assert_eq!(e.name().as_str(), "SHM");
-        let e = "xth".parse::<ChannelKind>().unwrap_err();
+        let e = "xht".parse::<ChannelKind>().unwrap_err();
         assert_eq!(
             e.to_string(),
-            "Unknown channel: xth (known channels: cma, mpt, basic, cuda_xth, cuda_ipc, \
+            "Unknown channel: xht (known channels: xth, cma, mpt, basic, cuda_xth, cuda_ipc, \
              cuda_gdr, cuda_basic)"
         );
     }
@@ -576,7 +586,7 @@ mod tests {
         let e = Ranking::<ChannelKind>::from_option(Some(&["basic", "nope"][..])).unwrap_err();
         assert!(e
             .to_string()
-            .starts_with("Unknown channel: nope (known channels: cma,"));
+            .starts_with("Unknown channel: nope (known channels: xth, cma,"));
         let many = ["shm"; 20];
         assert!(Ranking::<TransportKind>::from_names(&many).is_err());
     }

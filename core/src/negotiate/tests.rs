@@ -21,6 +21,7 @@ fn pytorch_like<'a>(shm: &'a str, host: &'a str) -> Offer<'a> {
     }
     for (kind, priority) in Ranking::<ChannelKind>::defaults().iter() {
         let descriptors = match kind {
+            ChannelKind::Xth => continue,
             ChannelKind::Cma => DeviceDescriptors::cpu(host),
             ChannelKind::Mpt => DeviceDescriptors::cpu("16:tcp:*"),
             ChannelKind::Basic => DeviceDescriptors::cpu("any"),
@@ -333,7 +334,7 @@ fn side() -> impl Strategy<Value = Side> {
     let pick = || proptest::option::weighted(0.7, 0..DESCRIPTORS.len());
     (
         proptest::array::uniform3(pick()),
-        proptest::array::uniform7(proptest::array::uniform2(pick())),
+        proptest::array::uniform8(proptest::array::uniform2(pick())),
     )
         .prop_map(|(transports, channels)| Side {
             transports,

@@ -9,9 +9,8 @@
 //! progress holds the buffer until it ends. A descriptor carries the exporting process's
 //! identity, so one read in another process (or in a forked child) is refused by name.
 //!
-//! This module does not send descriptors or acks and does not negotiate. Note that the
-//! core's `ChannelKind` has no CPU `xth` entry yet; [`viability`] gives the descriptor
-//! the agent would advertise for it.
+//! This module does not send descriptors or acks and does not negotiate; [`viability`]
+//! gives the descriptor to advertise for `rdzv_core::negotiate::ChannelKind::Xth`.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -70,7 +70,7 @@ fn descriptor_layout() {
     };
     assert_eq!(
         t.to_bytes(),
-        [1, 1, 3, 0, 0, 0, 6, 0, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
+        [1, 1, 3, 0, 0, 0, 7, 0, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
     );
     assert_eq!(TensorDescriptor::from_bytes(&t.to_bytes(), 0), Ok(t));
     let current = TensorDescriptor {
@@ -488,7 +488,7 @@ fn bad_descriptors() {
         (1, 2, FrameError::InvalidDevice { tensor: 0 }),
         (2, 1, FrameError::InvalidDevice { tensor: 0 }), // index without the flag
         (4, 1, FrameError::InvalidDevice { tensor: 0 }), // fine flag...
-        (6, 7, FrameError::UnknownChannel { tensor: 0, byte: 7 }),
+        (6, 8, FrameError::UnknownChannel { tensor: 0, byte: 8 }),
         (
             7,
             1,
