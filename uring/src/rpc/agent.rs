@@ -548,6 +548,7 @@ impl Start {
                 frozen: false,
                 deferred_finishes: 0,
                 shutting_down: false,
+                pipe_transports: HashMap::new(),
             }),
             calls_changed: Condvar::new(),
             next_message_id: AtomicU64::new(1),
@@ -1032,6 +1033,13 @@ impl RpcAgent {
     /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
     pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
         self.client.remote(to, handler, message)
+    }
+
+    /// The transport that the last pipe this worker opened to `peer` runs on (`shm`
+    /// between workers on one host unless `transports` says otherwise, else `tcp`);
+    /// `None` before the first call to `peer`.
+    pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
+        self.shared.lock_calls().pipe_transports.get(peer).copied()
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,

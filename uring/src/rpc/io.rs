@@ -690,6 +690,10 @@ impl Io {
                     // dropping the halves closes the connection.
                     return;
                 }
+                self.shared
+                    .lock_calls()
+                    .pipe_transports
+                    .insert(peer.clone(), negotiated.transport);
                 let tx = self.spawn_writer(sender);
                 let pipe = ReadyPipe { id, tx, negotiated };
                 let queued = match self
