@@ -29,7 +29,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
-use rdzv_core::rpc::frame::{decode_frame, Decoded, FrameLimits};
+use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
 
 use super::error::TransportError;
 use super::transport::{
@@ -462,7 +462,10 @@ impl FrameReceiver for ShmFrameReceiver {
             };
             match decode_frame(&message, &limits) {
                 Ok(Decoded::Complete(frame, used)) if used == message.len() => {
-                    IncomingFrame::from_frame(&frame, &self.peer).map(Some)
+                    let Some(plan) = in_place_plan(&frame, &message) else {
+                        return IncomingFrame::from_frame(&frame, &self.peer).map(Some);
+                    };
+                    Ok(Some(plan.finish(message)))
                 }
                 Ok(Decoded::Complete(_, used)) => Err(io_error(
                     &self.peer,
@@ -484,6 +487,90 @@ impl FrameReceiver for ShmFrameReceiver {
                 }),
             }
         })
+    }
+}
+
+/// Tensors at least this large are moved to the front of the received message, which
+/// becomes their buffer, instead of being copied into a new one (no fresh pages).
+const IN_PLACE_MIN: usize = 256 * 1024;
+
+/// A received frame whose largest tensor keeps the message's buffer: every other part
+/// is copied out first.
+struct InPlacePlan {
+    head: IncomingFrame,
+    /// Where the largest tensor goes among `head.tensors`, its descriptor, and where its
+    /// bytes are in the message.
+    index: usize,
+    descriptor: TensorDescriptor,
+    range: std::ops::Range<usize>,
+}
+
+/// An [`InPlacePlan`] when the frame carries an inline tensor of at least
+/// [`IN_PLACE_MIN`] bytes and every tensor is inline.
+fn in_place_plan(frame: &Frame<'_>, message: &[u8]) -> Option<InPlacePlan> {
+    let base = message.as_ptr() as usize;
+    let mut parts = Vec::new();
+    for (descriptor, data) in frame.tensors_with_data() {
+        parts.push((descriptor, data?));
+    }
+    let (index, &(descriptor, data)) = parts
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (_, data))| data.len())?;
+    if data.len() < IN_PLACE_MIN {
+        return None;
+    }
+    let start = (data.as_ptr() as usize).checked_sub(base)?;
+    let range = start..start.checked_add(data.len())?;
+    // The slice must be the message's own bytes.
+    if message.get(range.clone())?.as_ptr() != data.as_ptr() {
+        return None;
+    }
+    let tensors = parts
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, bytes))| {
+            (
+                d,
+                if i == index {
+                    Vec::new()
+                } else {
+                    bytes.to_vec()
+                },
+            )
+        })
+        .collect();
+    Some(InPlacePlan {
+        head: IncomingFrame {
+            kind: frame.kind(),
+            message_id: frame.message_id(),
+            handler: frame.handler().to_string(),
+            metadata: frame.metadata().to_vec(),
+            payload: frame.payload().to_vec(),
+            tensors,
+            wire_len: message.len() as u64,
+        },
+        index,
+        descriptor,
+        range,
+    })
+}
+
+impl InPlacePlan {
+    fn finish(self, mut message: Vec<u8>) -> IncomingFrame {
+        let InPlacePlan {
+            mut head,
+            index,
+            descriptor,
+            range,
+        } = self;
+        let len = range.len();
+        message.copy_within(range, 0);
+        message.truncate(len);
+        if let Some(slot) = head.tensors.get_mut(index) {
+            *slot = (descriptor, message);
+        }
+        head
     }
 }
 
@@ -628,7 +715,7 @@ mod tests {
     use super::*;
     use rdzv_core::device::Device;
     use rdzv_core::negotiate::ChannelKind;
-    use rdzv_core::rpc::frame::{FrameKind, TensorDescriptor};
+    use rdzv_core::rpc::frame::FrameKind;
 
     #[test]
     fn addresses_round_trip() {
@@ -699,6 +786,31 @@ mod tests {
                 let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
                 assert!(data == frame.inline_data.concat(), "tensor {id} differs");
             }
+            // Several tensors, the largest (moved in place) in the middle.
+            let parts = [
+                vec![1u8, 2, 3],
+                vec![9u8; IN_PLACE_MIN + 5],
+                Vec::new(),
+                vec![4u8; 70_000],
+            ];
+            let mut many = OwnedFrame::empty(FrameKind::Request, 6);
+            for part in &parts {
+                many.tensors.push(TensorDescriptor {
+                    source: Device::cpu(),
+                    target: Device::cpu(),
+                    channel: ChannelKind::Basic,
+                    len: part.len() as u64,
+                });
+                many.inline_data.push(part.clone());
+            }
+            tx.send(many).await.map_err(|e| e.to_string())?;
+            let got = rx
+                .recv(FrameLimits::DEFAULT)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or("early end")?;
+            let datas: Vec<Vec<u8>> = got.tensors.into_iter().map(|t| t.1).collect();
+            assert!(datas == parts, "tensors differ");
             server_tx
                 .send(OwnedFrame::empty(FrameKind::Goodbye, 0))
                 .await
