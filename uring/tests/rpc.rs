@@ -1,6 +1,6 @@
-//! The RPC agent over tcp (`transports = ["tcp"]`): round trips, tensors byte for byte, static-group errors,
-//! timeouts, graceful and non-graceful shutdown, a peer killed mid-call, reconnects and
-//! metrics. In-process groups run one agent per thread on a `file://` store; the
+//! The RPC agent over tcp (`transports = ["tcp"]`): round trips, tensors byte for byte,
+//! static-group errors, timeouts, graceful and non-graceful shutdown, a peer killed
+//! mid-call, reconnects and metrics. In-process groups run one agent per thread on a `file://` store; the
 //! killed-peer test runs the peer as a child process (this test binary, re-run with
 //! `RDZV_RPC_TEST_CHILD` set).
 
