@@ -1,8 +1,10 @@
 //! `rdzv bench rpc`: two local worker processes (this one, rank 0, hosting the store, and
 //! a child `rdzv bench rpc --peer URL`, rank 1) rendezvous through an embedded
 //! `tcp://` store; rank 0 measures `rpc_sync` echoes of one CPU tensor per payload size
-//! over every transport this build runs, and a plain TCP ping-pong of the same size (the
-//! physical limit; an empty payload pings 40 bytes, the size of an empty RPC frame).
+//! over every viable transport (`shm` when shared memory works here, then `tcp`; one pair
+//! of processes per transport, both asking for only that one), and a plain TCP ping-pong
+//! of the same size (the physical limit; an empty payload pings 40 bytes, the size of an
+//! empty RPC frame).
 //!
 //! Rows carry `bench` ("rpc"), `transport`, `channel`, `payload_bytes`, `p50_us`,
 //! `p99_us` and `gbytes_per_s` (echo bandwidth, both directions counted). This module
@@ -38,6 +40,9 @@ pub struct RpcBenchArgs {
     /// the benchmark itself).
     #[arg(long, hide = true)]
     peer: Option<String>,
+    /// The transport the peer worker offers (used by the benchmark itself).
+    #[arg(long, hide = true, default_value = "tcp")]
+    peer_transport: String,
 }
 
 /// One measured row.
@@ -95,7 +100,7 @@ impl Row {
 
 const NAMES: [&str; 2] = ["bench-rpc-0", "bench-rpc-1"];
 
-fn options(url: &str) -> RpcOptions {
+fn options(url: &str, transport: &str) -> RpcOptions {
     let mut options = RpcOptions::new(url).with_handler(
         "echo",
         |_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) },
@@ -103,7 +108,20 @@ fn options(url: &str) -> RpcOptions {
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.rpc_timeout = Duration::from_secs(120);
+    options.transports = Some(vec![transport.to_string()]);
     options
+}
+
+/// The transports measured, best first: `shm` if it is viable here, and `tcp`.
+fn transports(json: bool) -> Vec<&'static str> {
+    let mut transports = Vec::new();
+    match rdzv_uring::transport::shm::viability() {
+        Ok(_) => transports.push("shm"),
+        Err(e) if !json => eprintln!("skipping shm: {e}"),
+        Err(_) => {}
+    }
+    transports.push("tcp");
+    transports
 }
 
 /// Runs `rdzv bench rpc`.
@@ -112,21 +130,23 @@ fn options(url: &str) -> RpcOptions {
 /// When the peer cannot be started, the agents cannot start, or a call fails.
 pub fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
     if let Some(url) = &args.peer {
-        let agent = init_rpc(NAMES[1], 1, Some(2), options(url))?;
+        let agent = init_rpc(NAMES[1], 1, Some(2), options(url, &args.peer_transport))?;
         agent.join()?;
         return Ok(ExitCode::SUCCESS);
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["bench", "rpc", "--peer", &url])
-        .spawn()?;
-    let measured = measure(&args, &url);
-    let status = child_status(&mut child, measured.is_ok());
-    let rows = measured?;
-    status?;
+    let mut rows = Vec::new();
+    for transport in transports(args.json) {
+        rows.extend(measure_pair(&args, transport)?);
+    }
+    for &size in &args.sizes {
+        rows.push(raw_row(
+            usize::try_from(size)?,
+            iters_for(&args, size),
+            args.json,
+        )?);
+    }
+    // Per payload: each transport, then raw-tcp.
+    rows.sort_by_key(|row| row.payload_bytes);
     if args.json {
         for row in &rows {
             println!("{}", row.json());
@@ -164,20 +184,61 @@ fn child_status(child: &mut Child, measured: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-fn measure(args: &RpcBenchArgs, url: &str) -> Result<Vec<Row>, CliError> {
-    let agent = init_rpc(NAMES[0], 0, Some(2), options(url))?;
+fn iters_for(args: &RpcBenchArgs, size: u64) -> usize {
+    if size >= 1 << 20 {
+        args.big_iters
+    } else {
+        args.iters
+    }
+    .max(1)
+}
+
+/// Starts a peer process offering only `transport` and measures every size over it.
+fn measure_pair(args: &RpcBenchArgs, transport: &'static str) -> Result<Vec<Row>, CliError> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "bench",
+            "rpc",
+            "--peer",
+            &url,
+            "--peer-transport",
+            transport,
+        ])
+        .spawn()?;
+    let measured = measure(args, &url, transport);
+    let status = child_status(&mut child, measured.is_ok());
+    let rows = measured?;
+    status?;
+    Ok(rows)
+}
+
+fn measure(args: &RpcBenchArgs, url: &str, transport: &'static str) -> Result<Vec<Row>, CliError> {
+    let agent = init_rpc(NAMES[0], 0, Some(2), options(url, transport))?;
     let result = (|| {
+        // Open the pipe and check what it runs on.
+        agent.rpc_sync(NAMES[1], "echo", Message::default())?;
+        let running = agent.pipe_transport(NAMES[1]).map(|k| k.name());
+        if running != Some(transport) {
+            return Err(format!(
+                "the pipe asked to run on {transport} runs on {}",
+                running.unwrap_or("nothing")
+            )
+            .into());
+        }
         let mut rows = Vec::new();
         for &size in &args.sizes {
             let len = usize::try_from(size)?;
-            let iters = if size >= 1 << 20 {
-                args.big_iters
-            } else {
-                args.iters
-            }
-            .max(1);
-            rows.push(rpc_row(&agent, len, iters, args.json)?);
-            rows.push(raw_row(len, iters, args.json)?);
+            rows.push(rpc_row(
+                &agent,
+                transport,
+                len,
+                iters_for(args, size),
+                args.json,
+            )?);
         }
         Ok::<_, CliError>(rows)
     })();
@@ -187,11 +248,17 @@ fn measure(args: &RpcBenchArgs, url: &str) -> Result<Vec<Row>, CliError> {
     Ok(rows)
 }
 
-fn rpc_row(agent: &RpcAgent, len: usize, iters: usize, json: bool) -> Result<Row, CliError> {
+fn rpc_row(
+    agent: &RpcAgent,
+    transport: &'static str,
+    len: usize,
+    iters: usize,
+    json: bool,
+) -> Result<Row, CliError> {
     let data = vec![0xA5u8; len];
     let bar = super::progress_bar(json, BAR);
     bar.set_length(iters as u64);
-    bar.set_message(format!("rpc tcp {len} B"));
+    bar.set_message(format!("rpc {transport} {len} B"));
     // Warm up the pipe.
     agent.rpc_sync(NAMES[1], "echo", Message::default())?;
     let mut samples = Vec::with_capacity(iters);
@@ -207,7 +274,7 @@ fn rpc_row(agent: &RpcAgent, len: usize, iters: usize, json: bool) -> Result<Row
         bar.inc(1);
     }
     bar.finish_and_clear();
-    Ok(Row::from_samples("tcp", "basic", len as u64, samples))
+    Ok(Row::from_samples(transport, "basic", len as u64, samples))
 }
 
 fn raw_row(len: usize, iters: usize, json: bool) -> Result<Row, CliError> {

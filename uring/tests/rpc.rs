@@ -1,6 +1,6 @@
-//! The RPC agent over tcp: round trips, tensors byte for byte, static-group errors,
-//! timeouts, graceful and non-graceful shutdown, a peer killed mid-call, reconnects and
-//! metrics. In-process groups run one agent per thread on a `file://` store; the
+//! The RPC agent over tcp (`transports = ["tcp"]`): round trips, tensors byte for byte,
+//! static-group errors, timeouts, graceful and non-graceful shutdown, a peer killed
+//! mid-call, reconnects and metrics. In-process groups run one agent per thread on a `file://` store; the
 //! killed-peer test runs the peer as a child process (this test binary, re-run with
 //! `RDZV_RPC_TEST_CHILD` set).
 
@@ -70,6 +70,9 @@ fn base_options(url: &str) -> RpcOptions {
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 4;
+    // These tests cover tcp; `rpc_shm.rs` covers shm, which workers on one host pick by
+    // default.
+    options.transports = Some(vec!["tcp".into()]);
     options
 }
 

@@ -54,8 +54,9 @@ use super::error::RpcError;
 use super::io::{Io, Job};
 use super::message::{Handler, Message, RpcFuture};
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
+use super::shm::ShmTransport;
 use super::tcp::TcpTransport;
-use super::transport::Transport;
+use super::transport::{join_addresses, Transport};
 use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
@@ -180,15 +181,33 @@ impl RpcOptions {
     }
 }
 
-/// The transports this build runs, with their priorities, from the `transports` option.
-fn ranked_transports(names: Option<&[String]>) -> Result<Vec<(TransportKind, i64)>, RpcError> {
-    ranked(
+/// The transports this build runs, with their priorities (highest first), from the
+/// `transports` option. `shm` is left out, with its reason logged, when `shm_viable`
+/// says it cannot work here.
+fn ranked_transports(
+    names: Option<&[String]>,
+    shm_viable: Result<(), &str>,
+) -> Result<Vec<(TransportKind, i64)>, RpcError> {
+    let mut usable = ranked(
         names,
         "transports",
         "transport",
         "wired into",
-        TransportKind::Tcp,
-    )
+        &[TransportKind::Shm, TransportKind::Tcp],
+    )?;
+    if let Err(reason) = shm_viable {
+        if usable.iter().any(|&(kind, _)| kind == TransportKind::Shm) {
+            tracing::info!(%reason, "the shm transport is not offered");
+            usable.retain(|&(kind, _)| kind != TransportKind::Shm);
+            if usable.is_empty() {
+                return Err(RpcError::InvalidOption {
+                    option: "transports",
+                    reason: format!("no transport left: {reason}"),
+                });
+            }
+        }
+    }
+    Ok(usable)
 }
 
 /// The channels this build runs, with their priorities, from the `channels` option.
@@ -198,32 +217,41 @@ fn ranked_channels(names: Option<&[String]>) -> Result<Vec<(ChannelKind, i64)>, 
         "channels",
         "channel",
         "implemented by",
-        ChannelKind::Basic,
+        &[ChannelKind::Basic],
     )
 }
 
-/// The backends of one class in the option's order (or the default ranking), keeping
-/// the one this build runs (`supported`): naming another is an error that says so.
+/// The backends of one class in the option's order (or the default ranking), highest
+/// priority first, keeping those this build runs (`supported`): naming another is an
+/// error that says so.
 fn ranked<K: Backend>(
     names: Option<&[String]>,
     option: &'static str,
     what: &str,
     verb: &str,
-    supported: K,
+    supported: &[K],
 ) -> Result<Vec<(K, i64)>, RpcError> {
     let ranking = Ranking::<K>::from_option(names).map_err(|source| RpcError::Backends {
         option,
         source: Box::new(source),
     })?;
+    let listed = || {
+        supported
+            .iter()
+            .map(|k| k.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let mut usable = Vec::new();
     for (kind, priority) in ranking.iter() {
-        if kind == supported {
+        if supported.contains(&kind) {
             usable.push((kind, priority));
         } else if names.is_some() {
             return Err(RpcError::InvalidOption {
                 option,
                 reason: format!(
-                    "{what} {kind} is not {verb} the RPC agent of this build; use {supported}"
+                    "{what} {kind} is not {verb} the RPC agent of this build; use {}",
+                    listed()
                 ),
             });
         }
@@ -231,9 +259,10 @@ fn ranked<K: Backend>(
     if usable.is_empty() {
         return Err(RpcError::InvalidOption {
             option,
-            reason: format!("no {what} left; list {supported}"),
+            reason: format!("no {what} left; list {}", listed()),
         });
     }
+    usable.sort_by_key(|&(_, priority)| std::cmp::Reverse(priority));
     Ok(usable)
 }
 
@@ -331,7 +360,16 @@ pub fn init_rpc(
             reason: "at least one thread must run handlers".into(),
         });
     }
-    let transports = ranked_transports(options.transports.as_deref())?;
+    // shm's viability: the host identity and a test allocation.
+    let shm = ShmTransport::new();
+    let shm_reason = shm.as_ref().err().map(ToString::to_string);
+    let transports = ranked_transports(
+        options.transports.as_deref(),
+        shm_reason.as_deref().map_or(Ok(()), Err),
+    )?;
+    let shm = shm
+        .ok()
+        .filter(|_| transports.iter().any(|&(k, _)| k == TransportKind::Shm));
     let channels = ranked_channels(options.channels.as_deref())?;
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
@@ -385,6 +423,7 @@ pub fn init_rpc(
         store,
         keys,
         transports,
+        shm,
         channels,
         handlers,
     };
@@ -406,7 +445,10 @@ struct Start {
     options: RpcOptions,
     store: Arc<dyn Store>,
     keys: RpcKeys,
+    /// Highest priority first.
     transports: Vec<(TransportKind, i64)>,
+    /// The shm transport, when it is viable and offered.
+    shm: Option<ShmTransport>,
     channels: Vec<(ChannelKind, i64)>,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
@@ -468,19 +510,28 @@ impl Start {
             store,
             keys,
             transports,
+            shm,
             channels,
             handlers,
         } = self;
         let host = options.listen_host.unwrap_or_else(guess_host);
-        // The bootstrap transport is the lowest-priority one: tcp, the only one here.
-        let transport = TcpTransport::new(host);
+        // Highest priority first; the last one is the bootstrap transport.
+        let mut running: Vec<Box<dyn Transport + Send>> = Vec::new();
+        let mut offered = Vec::new();
+        for &(kind, priority) in &transports {
+            let transport: Box<dyn Transport + Send> = match kind {
+                TransportKind::Tcp => Box::new(TcpTransport::new(host)),
+                TransportKind::Shm => match &shm {
+                    Some(shm) => Box::new(shm.clone()),
+                    None => continue,
+                },
+                _ => continue,
+            };
+            offered.push((kind, priority, transport.domain_descriptor().to_string()));
+            running.push(transport);
+        }
         let offer = OfferSpec {
-            transports: transports
-                .iter()
-                .map(|&(kind, priority)| {
-                    (kind, priority, transport.domain_descriptor().to_string())
-                })
-                .collect(),
+            transports: offered,
             channels,
         };
         let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
@@ -497,6 +548,7 @@ impl Start {
                 frozen: false,
                 deferred_finishes: 0,
                 shutting_down: false,
+                pipe_transports: HashMap::new(),
             }),
             calls_changed: Condvar::new(),
             next_message_id: AtomicU64::new(1),
@@ -509,7 +561,7 @@ impl Start {
         let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
         let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
         let (io_thread, address) =
-            spawn_io(&shared, transport, jobs_tx, options.fault_injection.clone())?;
+            spawn_io(&shared, running, jobs_tx, options.fault_injection.clone())?;
         let agent = RpcAgent {
             shared: Arc::clone(&shared),
             client: RpcClient::new(Arc::clone(&shared)),
@@ -572,6 +624,7 @@ fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
         store: Arc::clone(&store),
         keys: keys.clone(),
         transports: Vec::new(),
+        shm: None,
         channels: Vec::new(),
         handlers: HashMap::new(),
     };
@@ -821,7 +874,7 @@ fn run_job(shared: &Shared, job: Job) {
 
 fn spawn_io(
     shared: &Arc<Shared>,
-    transport: TcpTransport,
+    transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
     faults: FaultInjection,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
@@ -843,15 +896,23 @@ fn spawn_io(
                 }
             };
             executor.run(async move {
-                let listener = match transport.listen() {
-                    Ok(listener) => listener,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(RpcError::from(e)));
-                        return;
+                let mut listeners = Vec::with_capacity(transports.len());
+                for transport in &transports {
+                    match transport.listen() {
+                        Ok(listener) => listeners.push(listener),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(RpcError::from(e)));
+                            return;
+                        }
                     }
-                };
-                let _ = ready_tx.send(Ok(listener.address().to_string()));
-                Io::run(shared, Box::new(transport), listener, jobs, faults).await;
+                }
+                let address = join_addresses(listeners.iter().map(|l| l.address()));
+                let _ = ready_tx.send(Ok(address));
+                let transports = transports
+                    .into_iter()
+                    .map(|t| -> Box<dyn Transport> { t })
+                    .collect();
+                Io::run(shared, transports, listeners, jobs, faults).await;
             });
         })
         .map_err(|e| RpcError::Executor(e.to_string()))?;
@@ -881,7 +942,8 @@ impl RpcAgent {
         self.shared.world_size
     }
 
-    /// The address peers reach this worker at (`tcp://ip:port`).
+    /// The address peers reach this worker at: its listeners' addresses, highest
+    /// priority first, joined by `;` (`shm://@name;tcp://ip:port`).
     pub fn address(&self) -> &str {
         &self.address
     }
@@ -971,6 +1033,13 @@ impl RpcAgent {
     /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
     pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
         self.client.remote(to, handler, message)
+    }
+
+    /// The transport that the last pipe this worker opened to `peer` runs on (`shm`
+    /// between workers on one host unless `transports` says otherwise, else `tcp`);
+    /// `None` before the first call to `peer`.
+    pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
+        self.shared.lock_calls().pipe_transports.get(peer).copied()
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,
@@ -1283,26 +1352,53 @@ mod tests {
     #[test]
     fn transports_option() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let viable = Ok(());
         assert!(matches!(
-            ranked_transports(None).as_deref(),
+            ranked_transports(None, viable).as_deref(),
+            Ok([(TransportKind::Shm, 200), (TransportKind::Tcp, 0)])
+        ));
+        assert!(matches!(
+            ranked_transports(Some(&names(&["uv"])), viable).as_deref(),
             Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&["uv"]))).as_deref(),
-            Ok([(TransportKind::Tcp, 0)])
+            ranked_transports(Some(&names(&["tcp", "shm"])), viable).as_deref(),
+            Ok([(TransportKind::Tcp, _), (TransportKind::Shm, _)])
         ));
-        let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])));
+        assert!(matches!(
+            ranked_transports(Some(&names(&["shm"])), viable).as_deref(),
+            Ok([(TransportKind::Shm, _)])
+        ));
+        let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])), viable);
         assert!(matches!(unknown, Err(RpcError::Backends { .. })));
         let text = unknown.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("carrier-pigeon"), "{text}");
         assert!(matches!(
-            ranked_transports(Some(&names(&["shm", "tcp"]))),
+            ranked_transports(Some(&names(&["ibv", "tcp"])), viable),
             Err(RpcError::InvalidOption { .. })
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&[]))),
+            ranked_transports(Some(&names(&[])), viable),
             Err(RpcError::InvalidOption { .. })
         ));
+    }
+
+    #[test]
+    fn shm_that_is_not_viable_is_not_offered() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let not_viable = Err("no /proc/sys/kernel/random/boot_id");
+        assert!(matches!(
+            ranked_transports(None, not_viable).as_deref(),
+            Ok([(TransportKind::Tcp, 0)])
+        ));
+        assert!(matches!(
+            ranked_transports(Some(&names(&["shm", "tcp"])), not_viable).as_deref(),
+            Ok([(TransportKind::Tcp, _)])
+        ));
+        let only_shm = ranked_transports(Some(&names(&["shm"])), not_viable);
+        let text = only_shm.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("no transport left"), "{text}");
+        assert!(text.contains("boot_id"), "{text}");
     }
 
     #[test]

@@ -23,9 +23,7 @@ use std::time::Duration;
 
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::task::JoinHandle;
-use rdzv_core::negotiate::{
-    accept_answer, answer_brochure, ChannelKind, Negotiated, Role, TransportKind,
-};
+use rdzv_core::negotiate::{accept_answer, answer_brochure, ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, EncodeError, FrameKind, FrameLimits, Handshake,
     TensorDescriptor,
@@ -39,7 +37,8 @@ use super::error::RpcError;
 use super::message::{CallContext, Completion, Message, Tensor};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
-    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame, Transport,
+    address_for, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame,
+    Transport,
 };
 
 /// An accepted inbound pipe: the peer's name and id, and what was negotiated.
@@ -124,7 +123,8 @@ struct IoState {
 
 pub(crate) struct Io {
     shared: Arc<Shared>,
-    transport: Box<dyn Transport>,
+    /// Highest priority first; the last one bootstraps every pipe.
+    transports: Vec<Box<dyn Transport>>,
     /// Taken (dropped) at close, which lets the pool's threads exit.
     jobs: RefCell<Option<Sender<Job>>>,
     /// Every running task but the main loop, to cancel at close (an executor that
@@ -176,18 +176,19 @@ impl Faults {
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
 impl Io {
-    /// Runs the I/O side until a [`Command::Close`]; `listener` is already bound.
+    /// Runs the I/O side until a [`Command::Close`]; `listeners` (one per transport) are
+    /// already bound.
     pub async fn run(
         shared: Arc<Shared>,
-        transport: Box<dyn Transport>,
-        listener: Box<dyn Listener>,
+        transports: Vec<Box<dyn Transport>>,
+        listeners: Vec<Box<dyn Listener>>,
         jobs: Sender<Job>,
         faults: FaultInjection,
     ) {
         let (timer_poke, timer_rx) = local_channel::new_bounded(1);
         let io = Rc::new(Io {
             shared,
-            transport,
+            transports,
             jobs: RefCell::new(Some(jobs)),
             tasks: RefCell::new(HashMap::new()),
             next_task: Cell::new(0),
@@ -201,7 +202,9 @@ impl Io {
                 failed: RefCell::new(HashMap::new()),
             },
         });
-        io.spawn(Rc::clone(&io).accept_loop(listener));
+        for listener in listeners {
+            io.spawn(Rc::clone(&io).accept_loop(listener));
+        }
         io.spawn(Rc::clone(&io).timer_loop(timer_rx));
         loop {
             let commands = io.shared.mailbox.recv().await;
@@ -687,6 +690,10 @@ impl Io {
                     // dropping the halves closes the connection.
                     return;
                 }
+                self.shared
+                    .lock_calls()
+                    .pipe_transports
+                    .insert(peer.clone(), negotiated.transport);
                 let tx = self.spawn_writer(sender);
                 let pipe = ReadyPipe { id, tx, negotiated };
                 let queued = match self
@@ -710,18 +717,102 @@ impl Io {
         }
     }
 
+    /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
+    /// if a better transport was negotiated, the handshake again over that one, whose
+    /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
+    /// connection carries the pipe.
     async fn open_pipe(
         &self,
         peer: &str,
         address: &str,
     ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+        let Some(bootstrap) = self.transports.last() else {
+            return Err(OpenFailure {
+                address: address.to_string(),
+                reason: "this worker runs no transport".into(),
+                connecting: true,
+            });
+        };
+        let (mut sender, receiver, negotiated) =
+            self.handshake_over(&**bootstrap, peer, address).await?;
+        if negotiated.transport == bootstrap.kind() {
+            return Ok((sender, receiver, negotiated));
+        }
+        let upgraded = match self
+            .transports
+            .iter()
+            .find(|t| t.kind() == negotiated.transport)
+        {
+            Some(better) => self
+                .handshake_over(&**better, peer, address)
+                .await
+                .and_then(|(s, r, n)| {
+                    if n.transport == better.kind() {
+                        Ok((s, r, n))
+                    } else {
+                        Err(OpenFailure {
+                            address: address.to_string(),
+                            reason: format!(
+                                "the handshake over {} negotiated {}",
+                                better.kind(),
+                                n.transport
+                            ),
+                            connecting: false,
+                        })
+                    }
+                }),
+            None => Err(OpenFailure {
+                address: address.to_string(),
+                reason: format!(
+                    "negotiated {}, which this worker does not run",
+                    negotiated.transport
+                ),
+                connecting: false,
+            }),
+        };
+        match upgraded {
+            Ok(pipe) => {
+                sender.close().await;
+                Ok(pipe)
+            }
+            Err(failure) => {
+                tracing::warn!(
+                    %peer,
+                    transport = %negotiated.transport,
+                    reason = %failure.reason,
+                    "upgrading an RPC pipe failed; it stays on {}",
+                    bootstrap.kind()
+                );
+                let negotiated = Negotiated {
+                    transport: bootstrap.kind(),
+                    ..negotiated
+                };
+                Ok((sender, receiver, negotiated))
+            }
+        }
+    }
+
+    /// Connects with `transport` to its listener in the peer's published `address` and
+    /// runs the hello/answer handshake.
+    async fn handshake_over(
+        &self,
+        transport: &dyn Transport,
+        peer: &str,
+        address: &str,
+    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+        let Some(address) = address_for(address, transport.kind()) else {
+            return Err(OpenFailure {
+                address: address.to_string(),
+                reason: format!("the worker publishes no {} address", transport.kind()),
+                connecting: true,
+            });
+        };
         let failure = |connecting: bool, reason: String| OpenFailure {
             address: address.to_string(),
             reason,
             connecting,
         };
-        let connection = self
-            .transport
+        let connection = transport
             .connect(address)
             .await
             .map_err(|e| failure(true, e.to_string()))?;
@@ -758,12 +849,6 @@ impl Io {
         })
         .and_then(|r| r)
         .map_err(handshake)?;
-        if negotiated.transport != TransportKind::Tcp {
-            return Err(handshake(format!(
-                "negotiated transport {} but only tcp is wired into this build",
-                negotiated.transport
-            )));
-        }
         Ok((sender, receiver, negotiated))
     }
 

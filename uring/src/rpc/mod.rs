@@ -14,6 +14,7 @@
 //! | `io` | the I/O thread: one glommio executor with every pipe, the listener and the timer |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
 //! | [`tcp`] | the `tcp` transport on glommio |
+//! | [`shm`] | the `shm` transport: shared-memory rings, one thread per half |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //! | [`client`] | the calling half, a clonable handle for threads and handlers |
 //! | [`message`] | messages, handlers, futures |
@@ -23,10 +24,12 @@
 //! I/O thread (glommio, io_uring) runs every pipe, the accept loop and one timer for all
 //! timeouts; `num_worker_threads` threads run handlers and enqueue their responses.
 //!
-//! In this increment: static and dynamic groups, the `tcp` transport and the `basic`
+//! In this increment: static and dynamic groups, the `shm` and `tcp` transports (shm
+//! is negotiated between workers on one host; every pipe bootstraps over tcp, the
+//! lowest-priority transport, and moves to shm when both sides offer it), the `basic`
 //! channel (CPU tensors inline in the pipe's frames), and fault injection for tests
-//! ([`FaultInjection`]). shm, ibv and the other channels are not wired in yet; asking
-//! for them is an error that says so.
+//! ([`FaultInjection`]). ibv and the other channels are not wired in yet; asking for
+//! them is an error that says so.
 
 pub mod agent;
 pub mod backend;
@@ -35,6 +38,7 @@ pub mod error;
 mod io;
 pub mod message;
 mod shared;
+pub mod shm;
 pub mod tcp;
 pub mod transport;
 

@@ -143,6 +143,8 @@ pub(crate) struct CallState {
     pub deferred_finishes: u32,
     /// Peers closing pipes is expected from now on.
     pub shutting_down: bool,
+    /// The transport of the last client pipe opened to each peer.
+    pub pipe_transports: HashMap<String, TransportKind>,
 }
 
 /// The ranked backends this worker offers, with their descriptors.

@@ -13,7 +13,7 @@
 //!
 //! * **tcp** ([`super::tcp`]): glommio sockets, the core frame header is the length
 //!   header, limits are checked before anything is allocated.
-//! * **shm** (`crate::transport::shm`, not wired in yet): its connection is blocking
+//! * **shm** ([`super::shm`] over `crate::transport::shm`): its connection is blocking
 //!   and already split into sender and receiver halves; an adapter runs each half on its
 //!   own thread and hands frames over through a channel, so the halves map one to one
 //!   onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
@@ -40,6 +40,32 @@ use rdzv_core::rpc::frame::{
 };
 
 use super::error::TransportError;
+
+/// Separates the listeners' addresses in a worker's published address.
+pub const ADDRESS_SEPARATOR: char = ';';
+
+/// A worker's published address: its listeners' addresses (each `scheme://...`, the
+/// scheme being the transport's name), highest priority first, joined by
+/// [`ADDRESS_SEPARATOR`].
+pub fn join_addresses<'a>(addresses: impl IntoIterator<Item = &'a str>) -> String {
+    let mut joined = String::new();
+    for address in addresses {
+        if !joined.is_empty() {
+            joined.push(ADDRESS_SEPARATOR);
+        }
+        joined.push_str(address);
+    }
+    joined
+}
+
+/// The address of `kind`'s listener in a worker's published address, if it has one.
+pub fn address_for(published: &str, kind: TransportKind) -> Option<&str> {
+    published.split(ADDRESS_SEPARATOR).find(|address| {
+        address
+            .strip_prefix(kind.name())
+            .is_some_and(|rest| rest.starts_with("://"))
+    })
+}
 
 /// A boxed future that stays on the executor that made it.
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
@@ -283,6 +309,23 @@ mod tests {
             Some(vec![9, 8, 7])
         );
         assert_eq!(decoded.wire_len, wire.len() as u64);
+    }
+
+    #[test]
+    fn published_addresses_carry_every_listener() {
+        let published = join_addresses(["shm://@00a1f", "tcp://10.0.0.1:4000"]);
+        assert_eq!(published, "shm://@00a1f;tcp://10.0.0.1:4000");
+        assert_eq!(
+            address_for(&published, TransportKind::Tcp),
+            Some("tcp://10.0.0.1:4000")
+        );
+        assert_eq!(
+            address_for(&published, TransportKind::Shm),
+            Some("shm://@00a1f")
+        );
+        assert_eq!(address_for("tcp://10.0.0.1:4000", TransportKind::Shm), None);
+        assert_eq!(address_for("tcpx://1", TransportKind::Tcp), None);
+        assert_eq!(join_addresses(["tcp://1.2.3.4:5"]), "tcp://1.2.3.4:5");
     }
 
     #[test]

@@ -1,0 +1,846 @@
+//! The `shm` transport behind the seam: [`crate::transport::shm`]'s blocking
+//! connections, each half driven by a thread of its own that hands frames to and from
+//! the agent's executor through a queue (glommio accepts wake-ups from other threads).
+//!
+//! - A listener runs one accept thread (the shm bootstrap, memfds over `SCM_RIGHTS`,
+//!   happens there) and queues the connections for [`Listener::accept`].
+//! - A connection's sending half is a thread that encodes each [`OwnedFrame`] into one
+//!   shm message and sends it; [`FrameSender::send`] resolves as soon as the thread owns
+//!   the frame (the frame is moved, so the caller's buffers are free), and a failure of
+//!   the thread is reported by the next send.
+//! - Its receiving half is a thread that receives whole messages into a bounded queue;
+//!   [`FrameReceiver::recv`] decodes each with the core's decoder and the caller's
+//!   [`FrameLimits`]. A message must be exactly one frame.
+//!
+//! Addresses are `shm://@<abstract name>` (or `shm://<socket path>`). The domain
+//! descriptor is [`viability`]'s `shm:<boot_id>_<netns>`: two workers negotiate shm only
+//! on one host and in one network namespace.
+//!
+//! This module does not negotiate or decide anything about frames' meaning; large
+//! tensors go through the ring like everything else (no `cma` channel here).
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::os::fd::AsFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use rdzv_core::negotiate::TransportKind;
+use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
+
+use super::error::TransportError;
+use super::transport::{
+    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, LocalBoxFuture, OwnedFrame,
+    Transport,
+};
+use crate::transport::shm::{
+    viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions, ShmReceiver,
+    ShmSender,
+};
+
+/// The scheme of shm addresses.
+pub const SCHEME: &str = "shm://";
+/// How many received messages wait for the agent before the receiving thread stops
+/// reading (the peer then waits for room in its ring).
+const RECEIVE_QUEUE: usize = 64;
+/// How often a blocked receiving thread checks whether its half was dropped.
+const RECEIVE_POLL: Duration = Duration::from_millis(100);
+
+/// Shared memory between processes on one host.
+#[derive(Debug, Clone)]
+pub struct ShmTransport {
+    descriptor: String,
+    options: ShmOptions,
+}
+
+impl ShmTransport {
+    /// The transport if shared memory works in this process ([`viability`]), with the
+    /// default [`ShmOptions`].
+    ///
+    /// # Errors
+    /// [`NotViable`] with the reason.
+    pub fn new() -> Result<ShmTransport, NotViable> {
+        Self::with_options(ShmOptions::default())
+    }
+
+    /// Like [`ShmTransport::new`] with chosen options.
+    ///
+    /// # Errors
+    /// [`NotViable`] with the reason.
+    pub fn with_options(options: ShmOptions) -> Result<ShmTransport, NotViable> {
+        let descriptor = viability()?.as_str().to_string();
+        Ok(ShmTransport {
+            descriptor,
+            options,
+        })
+    }
+}
+
+/// `shm://@name` (or `shm://path`) for a listener address.
+pub fn format_address(addr: &ShmAddr) -> String {
+    format!("{SCHEME}{addr}")
+}
+
+/// The listener address in `shm://@name` or `shm://path`.
+///
+/// # Errors
+/// [`TransportError::BadAddress`] if it does not start with `shm://` or names nothing.
+pub fn parse_address(address: &str) -> Result<ShmAddr, TransportError> {
+    let bad = |reason| TransportError::BadAddress {
+        transport: "shm",
+        address: address.to_string(),
+        reason,
+    };
+    let rest = address
+        .strip_prefix(SCHEME)
+        .ok_or_else(|| bad("it does not start with shm://"))?;
+    if rest.is_empty() || rest == "@" {
+        return Err(bad("expected shm://@<name> or shm://<path>"));
+    }
+    Ok(ShmAddr::parse(rest))
+}
+
+fn shm_io(error: ShmError) -> std::io::Error {
+    std::io::Error::other(error)
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn domain_descriptor(&self) -> &str {
+        &self.descriptor
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+        let listener = ShmListener::bind_unnamed(self.options.clone()).map_err(|e| {
+            TransportError::Listen {
+                address: "an unnamed shm socket".into(),
+                source: shm_io(e),
+            }
+        })?;
+        let address = format_address(listener.local_addr());
+        let listener = Arc::new(listener);
+        let queue = Arc::new(Queue::new(usize::MAX));
+        let thread_listener = Arc::clone(&listener);
+        let thread_queue = Arc::clone(&queue);
+        let shown = address.clone();
+        std::thread::Builder::new()
+            .name("rdzv-shm-accept".into())
+            .spawn(move || accept_thread(&thread_listener, &thread_queue, &shown))
+            .map_err(|source| TransportError::Listen {
+                address: address.clone(),
+                source,
+            })?;
+        Ok(Box::new(ShmTransportListener {
+            listener,
+            queue,
+            address,
+        }))
+    }
+
+    fn connect<'a>(
+        &'a self,
+        address: &'a str,
+    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let addr = parse_address(address)?;
+            let options = self.options.clone();
+            let done = Arc::new(Queue::new(1));
+            let thread_done = Arc::clone(&done);
+            let connect_error = |source| TransportError::Connect {
+                address: address.to_string(),
+                source,
+            };
+            std::thread::Builder::new()
+                .name("rdzv-shm-connect".into())
+                .spawn(move || {
+                    let _ = thread_done.push(ShmConnection::connect(&addr, options));
+                    thread_done.close();
+                })
+                .map_err(connect_error)?;
+            match done.pop().await {
+                Some(Ok(connection)) => Ok(ShmPipe::boxed(connection, address.to_string())),
+                Some(Err(e)) => Err(connect_error(shm_io(e))),
+                None => Err(connect_error(std::io::Error::other(
+                    "the connecting thread stopped",
+                ))),
+            }
+        })
+    }
+}
+
+/// Accepts until the listener is shut down, queueing connections (or errors).
+fn accept_thread(
+    listener: &ShmListener,
+    queue: &Queue<Result<ShmConnection, ShmError>>,
+    address: &str,
+) {
+    loop {
+        let accepted = listener.accept();
+        if queue.is_closed() {
+            return;
+        }
+        if let Err(e) = &accepted {
+            // Handshake failures concern one peer; anything else repeats: slow down.
+            if !matches!(
+                e,
+                ShmError::Handshake { .. }
+                    | ShmError::Rejected { .. }
+                    | ShmError::NotSameHost { .. }
+            ) {
+                tracing::debug!(%address, error = %e, "shm accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        if queue.push(accepted).is_err() {
+            return;
+        }
+    }
+}
+
+struct ShmTransportListener {
+    listener: Arc<ShmListener>,
+    queue: Arc<Queue<Result<ShmConnection, ShmError>>>,
+    address: String,
+}
+
+impl Listener for ShmTransportListener {
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let accept_error = |source| TransportError::Accept {
+                address: self.address.clone(),
+                source,
+            };
+            match self.queue.pop().await {
+                Some(Ok(connection)) => {
+                    let peer = connection
+                        .peer_pid()
+                        .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
+                    Ok(ShmPipe::boxed(connection, peer))
+                }
+                Some(Err(e)) => Err(accept_error(shm_io(e))),
+                None => Err(accept_error(std::io::Error::other(
+                    "the listener is closed",
+                ))),
+            }
+        })
+    }
+}
+
+impl Drop for ShmTransportListener {
+    fn drop(&mut self) {
+        self.queue.close();
+        // Wakes the accept thread: accept on a shut-down socket fails at once.
+        if let Err(e) = rustix::net::shutdown(self.listener.as_fd(), rustix::net::Shutdown::Both) {
+            tracing::debug!(address = %self.address, error = %e, "shutting an shm listener down failed");
+        }
+    }
+}
+
+struct ShmPipe {
+    connection: ShmConnection,
+    peer: String,
+}
+
+impl ShmPipe {
+    fn boxed(connection: ShmConnection, peer: String) -> Box<dyn Connection> {
+        Box::new(ShmPipe { connection, peer })
+    }
+}
+
+impl Connection for ShmPipe {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
+        let ShmPipe { connection, peer } = *self;
+        let (sender, receiver) = connection.split();
+        let peer: Arc<str> = Arc::from(peer.as_str());
+        (
+            Box::new(ShmFrameSender::start(sender, Arc::clone(&peer))),
+            Box::new(ShmFrameReceiver::start(receiver, peer)),
+        )
+    }
+}
+
+/// What the sending thread reports when it stops.
+type SendOutcome = Result<(), ShmError>;
+
+struct ShmFrameSender {
+    frames: Arc<Queue<OwnedFrame>>,
+    /// Holds the thread's error (or its clean end) once it stopped.
+    outcome: Arc<Queue<SendOutcome>>,
+    peer: Arc<str>,
+}
+
+impl ShmFrameSender {
+    fn start(sender: ShmSender, peer: Arc<str>) -> ShmFrameSender {
+        let frames = Arc::new(Queue::new(usize::MAX));
+        let outcome = Arc::new(Queue::new(1));
+        let (thread_frames, thread_outcome) = (Arc::clone(&frames), Arc::clone(&outcome));
+        let spawned = std::thread::Builder::new()
+            .name("rdzv-shm-send".into())
+            .spawn(move || {
+                let result = send_thread(sender, &thread_frames);
+                thread_frames.close();
+                let _ = thread_outcome.push(result);
+                thread_outcome.close();
+            });
+        if let Err(e) = spawned {
+            frames.close();
+            let _ = outcome.push(Err(ShmError::Syscall {
+                op: "spawn an shm sending thread",
+                source: e,
+            }));
+            outcome.close();
+        }
+        ShmFrameSender {
+            frames,
+            outcome,
+            peer,
+        }
+    }
+
+    fn stopped(&self) -> TransportError {
+        let reason = match self.outcome.try_pop() {
+            Some(Err(e)) => e.to_string(),
+            _ => "the pipe is closed".to_string(),
+        };
+        TransportError::Io {
+            op: "send to",
+            peer: self.peer.to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::BrokenPipe, reason),
+        }
+    }
+}
+
+fn send_thread(mut sender: ShmSender, frames: &Queue<OwnedFrame>) -> SendOutcome {
+    let mut buf = Vec::new();
+    while let Some(frame) = frames.pop_blocking() {
+        let head = frame.encode_head().map_err(|e| ShmError::Handshake {
+            detail: format!("cannot encode a frame: {e}"),
+        })?;
+        buf.clear();
+        buf.reserve(frame.encoded_len());
+        buf.extend_from_slice(&head);
+        for part in frame.body() {
+            buf.extend_from_slice(part);
+        }
+        drop(frame);
+        sender.send(&buf)?;
+        if buf.capacity() > (1 << 20) {
+            buf = Vec::new();
+        }
+    }
+    Ok(())
+}
+
+impl FrameSender for ShmFrameSender {
+    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move {
+            // Refuse a frame the core would not decode here, with the frame's error.
+            if let Err(source) = frame.encode_head() {
+                return Err(TransportError::Encode {
+                    peer: self.peer.to_string(),
+                    source,
+                });
+            }
+            let len = frame.encoded_len() as u64;
+            match self.frames.push(frame) {
+                Ok(()) => Ok(len),
+                Err(_) => Err(self.stopped()),
+            }
+        })
+    }
+
+    fn close(&mut self) -> LocalBoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.frames.close();
+            // Wait until the queued frames are in the peer's ring.
+            if let Some(Err(e)) = self.outcome.pop().await {
+                tracing::debug!(peer = %self.peer, error = %e, "an shm pipe's sender failed");
+            }
+        })
+    }
+}
+
+impl Drop for ShmFrameSender {
+    fn drop(&mut self) {
+        // The thread sends what is queued, then drops its half (the peer sees the close).
+        self.frames.close();
+    }
+}
+
+/// What the receiving thread hands over: a whole message, or why it stopped.
+type Received = Result<Vec<u8>, ShmError>;
+
+struct ShmFrameReceiver {
+    messages: Arc<Queue<Received>>,
+    peer: Arc<str>,
+    ended: bool,
+}
+
+impl ShmFrameReceiver {
+    fn start(receiver: ShmReceiver, peer: Arc<str>) -> ShmFrameReceiver {
+        let messages = Arc::new(Queue::new(RECEIVE_QUEUE));
+        let thread_messages = Arc::clone(&messages);
+        let spawned = std::thread::Builder::new()
+            .name("rdzv-shm-recv".into())
+            .spawn(move || receive_thread(receiver, &thread_messages));
+        if let Err(e) = spawned {
+            let _ = messages.push(Err(ShmError::Syscall {
+                op: "spawn an shm receiving thread",
+                source: e,
+            }));
+            messages.close();
+        }
+        ShmFrameReceiver {
+            messages,
+            peer,
+            ended: false,
+        }
+    }
+}
+
+fn receive_thread(mut receiver: ShmReceiver, messages: &Queue<Received>) {
+    loop {
+        let received = match receiver.recv_timeout(RECEIVE_POLL) {
+            Err(ShmError::Timeout { .. }) => {
+                if messages.is_closed() {
+                    return;
+                }
+                continue;
+            }
+            other => other,
+        };
+        let last = received.is_err();
+        if messages.push_blocking(received).is_err() || last {
+            messages.close();
+            return;
+        }
+    }
+}
+
+impl FrameReceiver for ShmFrameReceiver {
+    fn recv(
+        &mut self,
+        limits: FrameLimits,
+    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
+        Box::pin(async move {
+            if self.ended {
+                return Ok(None);
+            }
+            let io_error = |peer: &str, source| TransportError::Io {
+                op: "receive from",
+                peer: peer.to_string(),
+                source,
+            };
+            let message = match self.messages.pop().await {
+                Some(Ok(message)) => message,
+                Some(Err(ShmError::PeerClosed)) => {
+                    self.ended = true;
+                    return Ok(None);
+                }
+                Some(Err(e)) => {
+                    self.ended = true;
+                    return Err(io_error(&self.peer, shm_io(e)));
+                }
+                None => {
+                    self.ended = true;
+                    return Ok(None);
+                }
+            };
+            match decode_frame(&message, &limits) {
+                Ok(Decoded::Complete(frame, used)) if used == message.len() => {
+                    let Some(plan) = in_place_plan(&frame, &message) else {
+                        return IncomingFrame::from_frame(&frame, &self.peer).map(Some);
+                    };
+                    Ok(Some(plan.finish(message)))
+                }
+                Ok(Decoded::Complete(_, used)) => Err(io_error(
+                    &self.peer,
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "an shm message of {} bytes holds a frame of {used} and more",
+                            message.len()
+                        ),
+                    ),
+                )),
+                Ok(Decoded::Partial(_)) => Err(TransportError::Truncated {
+                    peer: self.peer.to_string(),
+                    have: message.len(),
+                }),
+                Err(source) => Err(TransportError::Frame {
+                    peer: self.peer.to_string(),
+                    source,
+                }),
+            }
+        })
+    }
+}
+
+/// Tensors at least this large are moved to the front of the received message, which
+/// becomes their buffer, instead of being copied into a new one (no fresh pages).
+const IN_PLACE_MIN: usize = 256 * 1024;
+
+/// A received frame whose largest tensor keeps the message's buffer: every other part
+/// is copied out first.
+struct InPlacePlan {
+    head: IncomingFrame,
+    /// Where the largest tensor goes among `head.tensors`, its descriptor, and where its
+    /// bytes are in the message.
+    index: usize,
+    descriptor: TensorDescriptor,
+    range: std::ops::Range<usize>,
+}
+
+/// An [`InPlacePlan`] when the frame carries an inline tensor of at least
+/// [`IN_PLACE_MIN`] bytes and every tensor is inline.
+fn in_place_plan(frame: &Frame<'_>, message: &[u8]) -> Option<InPlacePlan> {
+    let base = message.as_ptr() as usize;
+    let mut parts = Vec::new();
+    for (descriptor, data) in frame.tensors_with_data() {
+        parts.push((descriptor, data?));
+    }
+    let (index, &(descriptor, data)) = parts
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (_, data))| data.len())?;
+    if data.len() < IN_PLACE_MIN {
+        return None;
+    }
+    let start = (data.as_ptr() as usize).checked_sub(base)?;
+    let range = start..start.checked_add(data.len())?;
+    // The slice must be the message's own bytes.
+    if message.get(range.clone())?.as_ptr() != data.as_ptr() {
+        return None;
+    }
+    let tensors = parts
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, bytes))| {
+            (
+                d,
+                if i == index {
+                    Vec::new()
+                } else {
+                    bytes.to_vec()
+                },
+            )
+        })
+        .collect();
+    Some(InPlacePlan {
+        head: IncomingFrame {
+            kind: frame.kind(),
+            message_id: frame.message_id(),
+            handler: frame.handler().to_string(),
+            metadata: frame.metadata().to_vec(),
+            payload: frame.payload().to_vec(),
+            tensors,
+            wire_len: message.len() as u64,
+        },
+        index,
+        descriptor,
+        range,
+    })
+}
+
+impl InPlacePlan {
+    fn finish(self, mut message: Vec<u8>) -> IncomingFrame {
+        let InPlacePlan {
+            mut head,
+            index,
+            descriptor,
+            range,
+        } = self;
+        let len = range.len();
+        message.copy_within(range, 0);
+        message.truncate(len);
+        if let Some(slot) = head.tensors.get_mut(index) {
+            *slot = (descriptor, message);
+        }
+        head
+    }
+}
+
+impl Drop for ShmFrameReceiver {
+    fn drop(&mut self) {
+        // The thread sees it within `RECEIVE_POLL` and drops its half.
+        self.messages.close();
+    }
+}
+
+struct QueueState<T> {
+    items: VecDeque<T>,
+    waker: Option<Waker>,
+    closed: bool,
+}
+
+/// A queue between threads and one task on the executor: blocking pushes and pops for
+/// threads, an async pop for the task. Closing it refuses pushes; pops drain what is
+/// left, then see the end.
+struct Queue<T> {
+    state: Mutex<QueueState<T>>,
+    changed: Condvar,
+    bound: usize,
+    closed_flag: AtomicBool,
+}
+
+impl<T> Queue<T> {
+    fn new(bound: usize) -> Queue<T> {
+        Queue {
+            state: Mutex::new(QueueState {
+                items: VecDeque::new(),
+                waker: None,
+                closed: false,
+            }),
+            changed: Condvar::new(),
+            bound: bound.max(1),
+            closed_flag: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, QueueState<T>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake(&self, mut state: MutexGuard<'_, QueueState<T>>) {
+        let waker = state.waker.take();
+        drop(state);
+        self.changed.notify_all();
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Appends `item` (even past the bound); gives it back once closed.
+    fn push(&self, item: T) -> Result<(), T> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(item);
+        }
+        state.items.push_back(item);
+        self.wake(state);
+        Ok(())
+    }
+
+    /// Appends `item`, waiting while the queue is full; gives it back once closed.
+    fn push_blocking(&self, item: T) -> Result<(), T> {
+        let mut state = self.lock();
+        while !state.closed && state.items.len() >= self.bound {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        if state.closed {
+            return Err(item);
+        }
+        state.items.push_back(item);
+        self.wake(state);
+        Ok(())
+    }
+
+    /// The next item, waiting for one; `None` once closed and drained.
+    fn pop_blocking(&self) -> Option<T> {
+        let mut state = self.lock();
+        loop {
+            if let Some(item) = state.items.pop_front() {
+                self.wake(state);
+                return Some(item);
+            }
+            if state.closed {
+                return None;
+            }
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn try_pop(&self) -> Option<T> {
+        let mut state = self.lock();
+        let item = state.items.pop_front();
+        self.wake(state);
+        item
+    }
+
+    /// The next item, as a future for the executor's task.
+    fn pop(&self) -> impl Future<Output = Option<T>> + '_ {
+        Pop { queue: self }
+    }
+
+    fn close(&self) {
+        let mut state = self.lock();
+        state.closed = true;
+        self.closed_flag.store(true, Ordering::Release);
+        self.wake(state);
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed_flag.load(Ordering::Acquire)
+    }
+}
+
+struct Pop<'a, T> {
+    queue: &'a Queue<T>,
+}
+
+impl<T> Future for Pop<'_, T> {
+    type Output = Option<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let mut state = self.queue.lock();
+        if let Some(item) = state.items.pop_front() {
+            drop(state);
+            self.queue.changed.notify_all();
+            return Poll::Ready(Some(item));
+        }
+        if state.closed {
+            return Poll::Ready(None);
+        }
+        state.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdzv_core::device::Device;
+    use rdzv_core::negotiate::ChannelKind;
+    use rdzv_core::rpc::frame::FrameKind;
+
+    #[test]
+    fn addresses_round_trip() {
+        let addr = ShmAddr::Abstract(b"rdzv-1f2e3".to_vec());
+        let text = format_address(&addr);
+        assert_eq!(text, "shm://@rdzv-1f2e3");
+        assert_eq!(parse_address(&text).ok(), Some(addr));
+        assert_eq!(
+            parse_address("shm:///tmp/x.sock").ok(),
+            Some(ShmAddr::Path("/tmp/x.sock".into()))
+        );
+        assert!(parse_address("tcp://127.0.0.1:1").is_err());
+        assert!(parse_address("shm://").is_err());
+        assert!(parse_address("shm://@").is_err());
+    }
+
+    fn tensor_frame(id: u64, len: usize) -> OwnedFrame {
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        OwnedFrame {
+            handler: "echo".into(),
+            metadata: vec![7],
+            payload: b"payload".to_vec(),
+            tensors: vec![TensorDescriptor {
+                source: Device::cpu(),
+                target: Device::cpu(),
+                channel: ChannelKind::Basic,
+                len: len as u64,
+            }],
+            inline_data: vec![data],
+            ..OwnedFrame::empty(FrameKind::Request, id)
+        }
+    }
+
+    fn run<T: 'static>(f: impl Future<Output = T> + 'static) -> T {
+        glommio::LocalExecutorBuilder::default()
+            .io_memory(1 << 20)
+            .make()
+            .map(|executor| executor.run(f))
+            .unwrap_or_else(|e| panic!("executor: {e}"))
+    }
+
+    #[test]
+    fn frames_cross_the_seam_both_ways_and_the_end_is_seen() {
+        let outcome = run(async {
+            let transport = ShmTransport::new().map_err(|e| e.to_string())?;
+            assert_eq!(transport.kind(), TransportKind::Shm);
+            assert!(transport.domain_descriptor().starts_with("shm:"));
+            let listener = transport.listen().map_err(|e| e.to_string())?;
+            let address = listener.address().to_string();
+            assert!(address.starts_with(SCHEME), "{address}");
+            let (client, server) =
+                futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
+            let (mut tx, mut client_rx) = client.map_err(|e| e.to_string())?.split();
+            let (mut server_tx, mut rx) = server.map_err(|e| e.to_string())?.split();
+            for (id, len) in [(1u64, 0usize), (2, 1), (3, 1 << 20), (4, 5 << 20)] {
+                let frame = tensor_frame(id, len);
+                let sent = tx.send(frame.clone()).await.map_err(|e| e.to_string())?;
+                assert_eq!(sent, frame.encoded_len() as u64);
+                let got = rx
+                    .recv(FrameLimits::DEFAULT)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("early end")?;
+                assert_eq!(got.message_id, id);
+                assert_eq!(got.handler, "echo");
+                assert_eq!(got.payload, b"payload".to_vec());
+                assert_eq!(got.wire_len, sent);
+                let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
+                assert!(data == frame.inline_data.concat(), "tensor {id} differs");
+            }
+            // Several tensors, the largest (moved in place) in the middle.
+            let parts = [
+                vec![1u8, 2, 3],
+                vec![9u8; IN_PLACE_MIN + 5],
+                Vec::new(),
+                vec![4u8; 70_000],
+            ];
+            let mut many = OwnedFrame::empty(FrameKind::Request, 6);
+            for part in &parts {
+                many.tensors.push(TensorDescriptor {
+                    source: Device::cpu(),
+                    target: Device::cpu(),
+                    channel: ChannelKind::Basic,
+                    len: part.len() as u64,
+                });
+                many.inline_data.push(part.clone());
+            }
+            tx.send(many).await.map_err(|e| e.to_string())?;
+            let got = rx
+                .recv(FrameLimits::DEFAULT)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or("early end")?;
+            let datas: Vec<Vec<u8>> = got.tensors.into_iter().map(|t| t.1).collect();
+            assert!(datas == parts, "tensors differ");
+            server_tx
+                .send(OwnedFrame::empty(FrameKind::Goodbye, 0))
+                .await
+                .map_err(|e| e.to_string())?;
+            let goodbye = client_rx.recv(FrameLimits::DEFAULT).await;
+            assert!(matches!(goodbye, Ok(Some(f)) if f.kind == FrameKind::Goodbye));
+            // Limits apply: a request is too big for the handshake limits.
+            tx.send(tensor_frame(5, 16))
+                .await
+                .map_err(|e| e.to_string())?;
+            assert!(rx.recv(FrameLimits::HANDSHAKE).await.is_err());
+            tx.close().await;
+            drop(tx);
+            // The end of the stream, after which the receiver stays ended.
+            assert!(matches!(rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
+            assert!(matches!(rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
+            Ok::<(), String>(())
+        });
+        assert_eq!(outcome, Ok(()));
+    }
+
+    #[test]
+    fn connecting_to_nothing_fails() {
+        let outcome = run(async {
+            let transport = ShmTransport::new().map_err(|e| e.to_string())?;
+            let result = transport
+                .connect("shm://@rdzv-test-nobody-listens-here")
+                .await;
+            Ok::<bool, String>(matches!(result, Err(TransportError::Connect { .. })))
+        });
+        assert_eq!(outcome, Ok(true));
+    }
+}
