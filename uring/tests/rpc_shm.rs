@@ -1,6 +1,6 @@
-//! The RPC agent between two processes on one host: the pipes negotiate the `shm`
-//! transport by default (bootstrapped over tcp) and `tcp` when either side's
-//! `transports` asks for it. Round trips, tensors byte for byte, metrics, and a peer
+//! The RPC agent between two processes on one host: with `transports = ["shm", "tcp"]`
+//! on both sides the pipes negotiate `shm` (bootstrapped over tcp), and `tcp` when either
+//! side's `transports` asks for tcp alone. Round trips, tensors byte for byte, metrics, and a peer
 //! killed mid-call. The peer is this test binary re-run as a child process with
 //! `RDZV_RPC_SHM_CHILD` set; parent and child meet at a `file://` store.
 
@@ -29,7 +29,7 @@ fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(Message::from_payload(b"slept".to_vec()))
 }
 
-/// `transports`: `None` for the default (every viable transport).
+/// `transports`: `None` for both `shm` and `tcp` (the agent's default offers tcp only).
 fn options(url: &str, transports: Option<&str>) -> RpcOptions {
     let mut options = RpcOptions::new(url)
         .with_handler("echo", echo)
@@ -41,7 +41,8 @@ fn options(url: &str, transports: Option<&str>) -> RpcOptions {
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 2;
-    options.transports = transports.map(|list| list.split(',').map(str::to_string).collect());
+    let list = transports.unwrap_or("shm,tcp");
+    options.transports = Some(list.split(',').map(str::to_string).collect());
     options
 }
 

@@ -83,8 +83,9 @@ pub struct RpcOptions {
     pub init_method: String,
     /// How many threads run handlers. Default 16.
     pub num_worker_threads: usize,
-    /// The transports to register, highest priority first; `None` for every transport
-    /// this build runs. Unknown names are errors.
+    /// The transports to register, highest priority first; `None` for `tcp` only
+    /// (`shm` works but is offered only when listed: until the agent drives it from its
+    /// io_uring loop it measures slower than tcp). Unknown names are errors.
     pub transports: Option<Vec<String>>,
     /// The channels to register, highest priority first; `None` for every channel this
     /// build runs. Unknown names are errors.
@@ -195,6 +196,11 @@ fn ranked_transports(
         "wired into",
         &[TransportKind::Shm, TransportKind::Tcp],
     )?;
+    if names.is_none() {
+        // Offered only when asked for: driven through adapter threads today, shm
+        // measured slower than tcp (`rdzv bench rpc`); see ARCHITECTURE.md.
+        usable.retain(|&(kind, _)| kind != TransportKind::Shm);
+    }
     if let Err(reason) = shm_viable {
         if usable.iter().any(|&(kind, _)| kind == TransportKind::Shm) {
             tracing::info!(%reason, "the shm transport is not offered");
@@ -1036,7 +1042,7 @@ impl RpcAgent {
     }
 
     /// The transport that the last pipe this worker opened to `peer` runs on (`shm`
-    /// between workers on one host unless `transports` says otherwise, else `tcp`);
+    /// between workers on one host when both list it in `transports`, else `tcp`);
     /// `None` before the first call to `peer`.
     pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
         self.shared.lock_calls().pipe_transports.get(peer).copied()
@@ -1355,7 +1361,7 @@ mod tests {
         let viable = Ok(());
         assert!(matches!(
             ranked_transports(None, viable).as_deref(),
-            Ok([(TransportKind::Shm, 200), (TransportKind::Tcp, 0)])
+            Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
             ranked_transports(Some(&names(&["uv"])), viable).as_deref(),
