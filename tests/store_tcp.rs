@@ -2,12 +2,14 @@
 //! ported to Rust, against rdzv's server over real loopback sockets. Each test starts its
 //! own server on port 0, so they run in parallel.
 
+mod store_base;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdzv::uring::store::tcp::{TcpStore, TcpStoreOptions};
 use rdzv::uring::store::PrefixStore;
-use rdzv::uring::{ServerOptions, Store, StoreError, StoreServer};
+use rdzv::uring::{ServerOptions, Store, StoreServer};
 
 fn server() -> StoreServer {
     StoreServer::start(ServerOptions {
@@ -22,121 +24,16 @@ fn client(server: &StoreServer) -> TcpStore {
     TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(10)).expect("connect")
 }
 
-/// StoreTestBase.test_set_get_check, with `num_keys_total` = 5 (no `init/` key: these
-/// clients do not count workers).
-fn set_get_check(store: &dyn Store, num_keys_total: i64) {
-    store.add("key", 1).unwrap();
-    store.add("key", 2).unwrap();
-    store.add("key", 3).unwrap();
-    store.set("key0", b"value0").unwrap();
-    store.add("key3", 1).unwrap();
-    store.set("key1", b"value1").unwrap();
-    store.add("key3", 2).unwrap();
-    store.set("key2", b"value2").unwrap();
-    store.add("key3", 3).unwrap();
-    store.add("key3", 4).unwrap();
-    store.add("key3", 5).unwrap();
-    store.add("key3", 6).unwrap();
-    assert_eq!(store.num_keys().unwrap(), num_keys_total);
-    assert_eq!(store.get("key").unwrap(), b"6");
-    assert_eq!(store.get("key0").unwrap(), b"value0");
-    assert_eq!(store.get("key1").unwrap(), b"value1");
-    assert_eq!(store.get("key2").unwrap(), b"value2");
-    assert_eq!(store.get("key3").unwrap(), b"21");
-    assert!(store.check(&["key3"]).unwrap());
-    assert!(!store.check(&["Randomkey3"]).unwrap());
-    store.set("-key3", b"7").unwrap();
-    assert_eq!(store.get("-key3").unwrap(), b"7");
-    assert!(store.delete_key("-key3").unwrap());
-    assert_eq!(store.num_keys().unwrap(), num_keys_total);
-}
-
-fn compare_set(store: &dyn Store) {
-    store.set("cs_key0", b"value0").unwrap();
-    assert_eq!(store.get("cs_key0").unwrap(), b"value0");
-    assert_eq!(
-        store
-            .compare_set("cs_key0", b"wrong_old_value", b"new_value0")
-            .unwrap(),
-        b"value0"
-    );
-    assert_eq!(store.get("cs_key0").unwrap(), b"value0");
-    assert_eq!(
-        store
-            .compare_set("cs_key0", b"value0", b"new_value0")
-            .unwrap(),
-        b"new_value0"
-    );
-    assert_eq!(store.get("cs_key0").unwrap(), b"new_value0");
-    assert_eq!(
-        store.compare_set("cs_key1", b"", b"new_value1").unwrap(),
-        b"new_value1"
-    );
-    assert_eq!(store.get("cs_key1").unwrap(), b"new_value1");
-    assert_eq!(
-        store
-            .compare_set("missing_key", b"wrong_old_value", b"x")
-            .unwrap(),
-        b"wrong_old_value"
-    );
-    assert!(!store.check(&["missing_key"]).unwrap());
-}
-
-fn simple_wait(store: &dyn Store) {
-    let err = store
-        .wait(&["bad_key"], Some(Duration::from_millis(250)))
-        .unwrap_err();
-    assert!(err.to_string().contains("imeout"), "{err}");
-    store.add("good_key", 1).unwrap();
-    store.wait(&["good_key"], None).unwrap();
-}
-
-fn append(store: &dyn Store) {
-    store.set("foo", b"po").unwrap();
-    store.append("foo", b"tato").unwrap();
-    store.append("bar", b"po").unwrap();
-    store.append("bar", b"tato").unwrap();
-    assert_eq!(store.get("foo").unwrap(), b"potato");
-    assert_eq!(store.get("bar").unwrap(), b"potato");
-}
-
-fn multi_set_get(store: &dyn Store) {
-    store.multi_set(&[("m1", b"po"), ("m2", b"tato")]).unwrap();
-    assert_eq!(store.get("m1").unwrap(), b"po");
-    assert_eq!(store.get("m2").unwrap(), b"tato");
-    assert_eq!(
-        store.multi_get(&["m1", "m2"]).unwrap(),
-        vec![b"po".to_vec(), b"tato".to_vec()]
-    );
-}
-
-fn queues(store: &dyn Store) {
-    assert!(!store.check(&["q"]).unwrap());
-    assert_eq!(store.queue_len("q").unwrap(), 0);
-    store.queue_push("q", b"1").unwrap();
-    store.queue_push("q", b"2").unwrap();
-    assert!(store.check(&["q"]).unwrap());
-    assert_eq!(store.queue_len("q").unwrap(), 2);
-    store.wait(&["q"], None).unwrap();
-    assert_eq!(store.queue_pop("q", true).unwrap(), b"1");
-    assert_eq!(store.queue_pop("q", true).unwrap(), b"2");
-    assert!(!store.check(&["q"]).unwrap());
-    assert_eq!(store.queue_len("q").unwrap(), 0);
-    assert!(matches!(
-        store.queue_pop("q", false),
-        Err(StoreError::QueueEmpty)
-    ));
-    store.queue_push("q", b"a").unwrap();
-    assert_eq!(store.queue_pop("q", false).unwrap(), b"a");
-}
-
+/// StoreTestBase's cases (shared with the file and hash stores); `num_keys_total` is 5
+/// here (no `init/` key: these clients do not count workers).
 fn all_base_tests(store: &dyn Store, num_keys_total: i64) {
-    set_get_check(store, num_keys_total);
-    compare_set(store);
-    simple_wait(store);
-    append(store);
-    multi_set_get(store);
-    queues(store);
+    store_base::set_get_check(store, num_keys_total);
+    store_base::compare_set(store);
+    store_base::simple_wait(store);
+    store_base::append(store);
+    store_base::multi_set_get(store);
+    store_base::queues(store);
+    store_base::queues_nonblocking(store);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! PyTorch's `StoreTestBase` and `TestMultiThreadedWait` cases
 //! (`test/distributed/test_store.py`), written once against `&dyn Store` and run by
-//! `store_file.rs` and `store_hash.rs` over each store. Each test file uses its subset.
+//! `store_tcp.rs`, `store_file.rs` and `store_hash.rs` over each store. Each test file
+//! uses its subset.
 #![allow(dead_code)]
 
 use std::sync::Arc;

@@ -21,6 +21,15 @@ use crate::rpc::frame::{
 
 /// Decodes `data` (after the mode byte) as the start of an RPC pipe's byte stream.
 pub fn rpc_frame(data: &[u8]) {
+    // Membership payloads (what a dynamic group's peers send to internal handlers): an
+    // accepted announcement re-encodes and decodes to itself.
+    if let Ok(announcement) = crate::rpc::membership::JoinAnnouncement::decode(data) {
+        let again = announcement
+            .encode()
+            .and_then(|bytes| crate::rpc::membership::JoinAnnouncement::decode(&bytes));
+        assert_eq!(again.as_ref(), Ok(&announcement));
+    }
+    let _ = crate::rpc::membership::decode_leave(data);
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };

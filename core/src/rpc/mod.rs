@@ -7,6 +7,7 @@
 //! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
+//! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
 //! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
 //! | [`backend`] | the RPC backend registry (`register_backend`) |
@@ -16,6 +17,7 @@
 
 pub mod backend;
 pub mod frame;
+pub mod membership;
 pub mod metrics;
 pub mod name;
 pub mod shutdown;

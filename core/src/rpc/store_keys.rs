@@ -15,6 +15,8 @@
 //! | `rpc_prefix_{n}/rpcIsStaticGroup` | `"true"` / `"false"` | every worker, `compare_set` from empty |
 //! | `rpc_prefix_{n}/RpcGroupManagementToken` | `""` or `Token_for_{name}_{join,leave}` | dynamic members, around a join or leave |
 //! | `rpc_prefix_{n}/Token_for_{name}_{join,leave}` | `"Done"` | the token holder, on release |
+//! | `rpc_prefix_{n}/devices/{rank}` | the worker's [`WorkerDevices`], postcard | every worker, at start (PyTorch gathers these through a process group) |
+//! | `rpc_prefix_{n}/init_barrier` | the store's barrier keys | a static group's members, once started |
 //!
 //! Errors carry PyTorch's messages: duplicate names ("RPC worker name {name} is not
 //! unique. Workers {a} and {b} share the same name."), a claimed rank ("RPC worker id {id}
@@ -38,6 +40,7 @@ use core::fmt;
 
 use super::name::{validate_worker_name_bytes, NameError, WorkerId, WorkerInfo};
 use crate::device::RejectedInput;
+use crate::device_map::WorkerDevices;
 
 /// The key that lists a dynamic group's members, under `names/`.
 pub const ALL_WORKER_INFOS: &str = "_ALL_WORKER_INFOS";
@@ -162,6 +165,35 @@ impl RpcKeys {
     pub fn token_done(&self, token: &str) -> String {
         join_key(&self.prefix, token)
     }
+
+    /// `{prefix}/devices/{rank}`: the worker's devices and device maps
+    /// ([`encode_worker_devices`]).
+    pub fn devices(&self, rank: u32) -> String {
+        format!("{}/devices/{rank}", self.prefix)
+    }
+
+    /// `{prefix}/init_barrier`: the store barrier a static group meets at once every
+    /// member has started.
+    pub fn init_barrier(&self) -> String {
+        join_key(&self.prefix, "init_barrier")
+    }
+}
+
+/// The value of [`RpcKeys::devices`]: postcard bytes of the worker's [`WorkerDevices`].
+///
+/// # Errors
+/// postcard's message (it cannot fail for these types short of running out of memory).
+pub fn encode_worker_devices(devices: &WorkerDevices) -> Result<Vec<u8>, String> {
+    postcard::to_allocvec(devices).map_err(|e| format!("{e}"))
+}
+
+/// Reads a value written by [`encode_worker_devices`]; anything else is an error, never
+/// a panic. Device maps are then validated with `device_map::validate_device_maps`.
+///
+/// # Errors
+/// What postcard found wrong with the bytes.
+pub fn decode_worker_devices(value: &[u8]) -> Result<WorkerDevices, String> {
+    postcard::from_bytes(value).map_err(|e| format!("{e}"))
 }
 
 /// The value written under `rpcIsStaticGroup`.

@@ -39,13 +39,14 @@ use rdzv_core::device_map::{
     GroupKind, WorkerDevices,
 };
 use rdzv_core::negotiate::{Backend, ChannelKind, Ranking, TransportKind};
+use rdzv_core::rpc::membership::{decode_leave, JoinAnnouncement, GROUP_JOIN, GROUP_LEAVE};
 use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
 use rdzv_core::rpc::store_keys::{
-    append_worker_info, check_rank_claim, check_static_group, join_key, membership_token,
-    parse_worker_infos, static_group_value, static_ranks_to_fetch, token_step, Membership,
-    NameTable, RpcKeys, TokenStep, TOKEN_DONE,
+    append_worker_info, check_rank_claim, check_static_group, decode_worker_devices,
+    encode_worker_devices, membership_token, parse_worker_infos, static_group_value,
+    static_ranks_to_fetch, token_step, Membership, NameTable, RpcKeys, TokenStep, TOKEN_DONE,
 };
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
@@ -470,17 +471,14 @@ impl Start {
     }
 
     fn devices_key(&self, rank: u32) -> String {
-        join_key(self.keys.prefix(), &format!("devices/{rank}"))
+        self.keys.devices(rank)
     }
 
     /// Publishes this worker's device information under `devices/{rank}`.
     fn publish_devices(&self) -> Result<(), RpcError> {
         let rank = self.rank();
-        let encoded =
-            postcard::to_allocvec(&self.devices()).map_err(|e| RpcError::BadDeviceInfo {
-                rank,
-                reason: e.to_string(),
-            })?;
+        let encoded = encode_worker_devices(&self.devices())
+            .map_err(|reason| RpcError::BadDeviceInfo { rank, reason })?;
         let key = self.devices_key(rank);
         self.store
             .set(&key, &encoded)
@@ -491,10 +489,7 @@ impl Start {
     fn read_devices(&self, rank: u32) -> Result<WorkerDevices, RpcError> {
         let key = self.devices_key(rank);
         let value = self.store.get(&key).map_err(store_error("get", &key))?;
-        postcard::from_bytes(&value).map_err(|e| RpcError::BadDeviceInfo {
-            rank,
-            reason: e.to_string(),
-        })
+        decode_worker_devices(&value).map_err(|reason| RpcError::BadDeviceInfo { rank, reason })
     }
 
     fn rank(&self) -> u32 {
@@ -648,7 +643,7 @@ fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
         device_maps,
         reverse_device_maps: setup.reverse_device_maps,
     };
-    let key = join_key(keys.prefix(), "init_barrier");
+    let key = keys.init_barrier();
     store
         .barrier(&key, i64::from(world_size), None)
         .map_err(store_error("barrier", &key))?;
@@ -713,13 +708,17 @@ fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
         device_maps,
         reverse_device_maps,
     };
-    let announcement =
-        postcard::to_allocvec(&(me.name(), me.id().get(), agent.address.as_str(), &mine)).map_err(
-            |e| RpcError::BadDeviceInfo {
-                rank: u32::try_from(me.id().get()).unwrap_or(0),
-                reason: e.to_string(),
-            },
-        )?;
+    let announcement = JoinAnnouncement {
+        name: me.name().to_string(),
+        id: me.id().get(),
+        address: agent.address.clone(),
+        devices: mine.clone(),
+    }
+    .encode()
+    .map_err(|reason| RpcError::BadDeviceInfo {
+        rank: u32::try_from(me.id().get()).unwrap_or(0),
+        reason,
+    })?;
     for (name, _) in &members {
         agent.rpc_sync(
             name,
@@ -770,8 +769,6 @@ fn release_token(store: &dyn Store, keys: &RpcKeys, token: &str) -> Result<(), R
 
 /// The handler names of the dynamic group's membership updates.
 const RESERVED_PREFIX: &str = "__rdzv_";
-const GROUP_JOIN: &str = "__rdzv_group_join";
-const GROUP_LEAVE: &str = "__rdzv_group_leave";
 
 /// `_update_group_membership` for joins and leaves, as handlers that hold the agent
 /// weakly (the agent owns its handlers).
@@ -779,8 +776,12 @@ fn register_membership_handlers(shared: &Arc<Shared>) {
     let weak = Arc::downgrade(shared);
     let join = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
         let shared = weak.upgrade().ok_or("the agent is gone")?;
-        let (name, id, address, devices): (String, i16, String, WorkerDevices) =
-            postcard::from_bytes(&m.payload).map_err(|e| format!("bad join announcement: {e}"))?;
+        let JoinAnnouncement {
+            name,
+            id,
+            address,
+            devices,
+        } = JoinAnnouncement::decode(&m.payload)?;
         let me = shared.me.name().to_string();
         let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
         let mut group = shared.group_mut();
@@ -799,7 +800,7 @@ fn register_membership_handlers(shared: &Arc<Shared>) {
     let weak = Arc::downgrade(shared);
     let leave = move |_: &super::CallContext, m: Message| -> Result<Message, String> {
         let shared = weak.upgrade().ok_or("the agent is gone")?;
-        let name = String::from_utf8_lossy(&m.payload).into_owned();
+        let name = decode_leave(&m.payload)?.to_string();
         let mut group = shared.group_mut();
         group.peers.remove(&name);
         let kept: DeviceMaps = group
