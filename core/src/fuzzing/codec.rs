@@ -7,7 +7,8 @@
 //! a point the data chooses (with the resuming decoder) gives what decoding it whole
 //! gives; and tighter limits never accept what the defaults reject.
 
-use core::fmt::{self, Write};
+use super::{check_display, split_point};
+use core::fmt;
 
 use crate::store::codec::{
     decode_request, decode_response_view, peek_query_type, DecodeError, Decoded, EncodeError,
@@ -226,27 +227,6 @@ fn check_lists(request: &Request<'_>) {
         Request::MultiSet { pairs } => assert_eq!(pairs.iter().count(), pairs.len()),
         _ => {}
     }
-}
-
-fn check_display(error: &impl fmt::Display) {
-    struct Count(usize);
-    impl Write for Count {
-        fn write_str(&mut self, s: &str) -> fmt::Result {
-            self.0 += s.len();
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    assert!(write!(count, "{error}").is_ok());
-    assert!(count.0 > 0, "empty error message");
-}
-
-/// A split point in `0..=data.len()` chosen by the data itself.
-fn split_point(data: &[u8]) -> usize {
-    let sum = data.iter().fold(0usize, |acc, &b| {
-        acc.wrapping_mul(31).wrapping_add(usize::from(b))
-    });
-    sum % (data.len() + 1)
 }
 
 /// Small limits chosen by the data, so that limit errors are reached often.

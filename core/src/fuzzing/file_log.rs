@@ -8,6 +8,7 @@
 //! fed the input in two pieces (as a file that grew between two reads) ends in the same
 //! state as one fed it whole.
 
+use super::split_point;
 use crate::store::file_log::{scan_record, Record, Records, Scanned, MIN_RECORD_LEN};
 
 /// Drives the log parser and encoder with `data`.
@@ -134,12 +135,4 @@ fn replay_in_pieces(data: &[u8], cut: usize) {
         data.len() as u64
     );
     assert!(whole.len() <= data.len() / MIN_RECORD_LEN);
-}
-
-/// A split point in `0..=data.len()` chosen by the data itself.
-fn split_point(data: &[u8]) -> usize {
-    let sum = data.iter().fold(0usize, |acc, &b| {
-        acc.wrapping_mul(31).wrapping_add(usize::from(b))
-    });
-    sum % (data.len() + 1)
 }

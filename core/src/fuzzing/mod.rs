@@ -18,3 +18,26 @@ pub use query::query;
 #[cfg(feature = "alloc")]
 pub use rpc_frame::rpc_frame;
 pub use url::url;
+
+/// Asserts that an error's `Display` writes a non-empty message (without allocating).
+pub(crate) fn check_display(error: &impl core::fmt::Display) {
+    use core::fmt::Write;
+    struct Count(usize);
+    impl Write for Count {
+        fn write_str(&mut self, s: &str) -> core::fmt::Result {
+            self.0 += s.len();
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    assert!(write!(count, "{error}").is_ok());
+    assert!(count.0 > 0, "empty error message");
+}
+
+/// A split point in `0..=data.len()` chosen by the data itself.
+pub(crate) fn split_point(data: &[u8]) -> usize {
+    let sum = data.iter().fold(0usize, |acc, &b| {
+        acc.wrapping_mul(31).wrapping_add(usize::from(b))
+    });
+    sum % (data.len() + 1)
+}

@@ -11,8 +11,8 @@
 //! gives, and the first piece never contradicts the whole; tighter limits never accept
 //! something else.
 
+use super::{check_display, split_point};
 use alloc::vec::Vec;
-use core::fmt::{self, Write};
 
 use crate::rpc::frame::{
     decode_frame, decode_handshake, Decoded, Frame, FrameDecoder, FrameError, FrameKind,
@@ -129,27 +129,6 @@ fn check_prefix(
             Err(_) => {}
         },
     }
-}
-
-fn check_display(error: &impl fmt::Display) {
-    struct Count(usize);
-    impl Write for Count {
-        fn write_str(&mut self, s: &str) -> fmt::Result {
-            self.0 += s.len();
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    assert!(write!(count, "{error}").is_ok());
-    assert!(count.0 > 0, "empty error message");
-}
-
-/// A split point in `0..=data.len()` chosen by the data itself.
-fn split_point(data: &[u8]) -> usize {
-    let sum = data.iter().fold(0usize, |acc, &b| {
-        acc.wrapping_mul(31).wrapping_add(usize::from(b))
-    });
-    sum % (data.len() + 1)
 }
 
 /// Small limits chosen by the mode byte, so that limit errors are reached often.
