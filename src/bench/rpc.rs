@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcOptions, Tensor};
+use rdzv_uring::rpc::{init_rpc, CallContext, Inline, Message, RpcAgent, RpcOptions, Tensor};
 
 use super::latency::EchoServer;
 use crate::cli::CliError;
@@ -101,9 +101,10 @@ impl Row {
 const NAMES: [&str; 2] = ["bench-rpc-0", "bench-rpc-1"];
 
 fn options(url: &str, transport: &str) -> RpcOptions {
+    // The echo only moves the message: it runs on the I/O thread (`Inline`).
     let mut options = RpcOptions::new(url).with_handler(
         "echo",
-        |_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        Inline(|_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) }),
     );
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
