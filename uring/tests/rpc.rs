@@ -14,26 +14,12 @@ use rdzv_uring::rpc::{
     init_rpc, CallContext, FaultInjection, Inline, Message, RpcAgent, RpcError, RpcOptions, Tensor,
 };
 
+mod common;
+
+use common::{echo, metric, pattern, sleep_message, sleep_ms, spawn_peer};
+
 const CHILD_ENV: &str = "RDZV_RPC_TEST_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_TEST_STORE";
-
-fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
-    Ok(m)
-}
-
-fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
-    let ms = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    thread::sleep(Duration::from_millis(ms));
-    Ok(Message::from_payload(b"slept".to_vec()))
-}
-
-fn sleep_message(ms: u64) -> Message {
-    Message::from_payload(ms.to_le_bytes().to_vec())
-}
 
 fn base_options(url: &str) -> RpcOptions {
     let mut options = RpcOptions::new(url)
@@ -147,24 +133,6 @@ fn join_both(a: RpcAgent, b: RpcAgent) {
     let t = thread::spawn(move || b.join().map_err(|e| e.to_string()));
     assert_eq!(a.join().map_err(|e| e.to_string()), Ok(()));
     assert_eq!(t.join().ok(), Some(Ok(())));
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u8)
-                .wrapping_mul(31)
-                .wrapping_add(seed ^ (i >> 8) as u8)
-        })
-        .collect()
-}
-
-fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
-    agent
-        .get_metrics()
-        .into_iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v)
 }
 
 #[test]
@@ -866,17 +834,10 @@ fn killed_peer_fails_pending_calls_quickly() {
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = store_url(&dir);
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "killed_peer_fails_pending_calls_quickly",
-            "--exact",
-            "--nocapture",
-        ])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, &url)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut child = spawn_peer(
+        "killed_peer_fails_pending_calls_quickly",
+        &[(CHILD_ENV, "1"), (STORE_ENV, &url)],
+    );
     let agent = init_rpc("survivor", 0, Some(2), base_options(&url))
         .unwrap_or_else(|e| panic!("parent init: {e}"));
     assert!(agent.rpc_sync("victim", "echo", Message::default()).is_ok());
