@@ -50,9 +50,11 @@ use rdzv_core::rpc::store_keys::{
 };
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
+use super::calls::Calls;
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::io::{Io, Job};
+use super::lane::{self, Lanes};
 use super::message::{mark_io_thread, run_handler, Handler, Message, RpcFuture};
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::shm::ShmTransport;
@@ -124,6 +126,13 @@ pub struct FaultInjection {
     pub num_fail_sends: u32,
     /// Handlers whose requests are delayed, and by how much.
     pub delays: Vec<(String, Duration)>,
+}
+
+impl FaultInjection {
+    /// Whether it injects nothing.
+    pub fn is_empty(&self) -> bool {
+        self.fail_handlers.is_empty() && self.delays.is_empty()
+    }
 }
 
 impl std::fmt::Debug for RpcOptions {
@@ -555,12 +564,19 @@ impl Start {
             next_message_id: AtomicU64::new(1),
             default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
             offer,
+            calls_table: Calls::new(),
+            lanes: Mutex::new(Lanes::default()),
+            lanes_enabled: options.fault_injection.is_empty(),
         });
         if world_size.is_none() {
             register_membership_handlers(&shared);
         }
         let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
-        let workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        let mut workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        workers.push(
+            Calls::start_timer(&shared)
+                .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
+        );
         let (io_thread, address) =
             spawn_io(&shared, running, jobs_tx, options.fault_injection.clone())?;
         let agent = RpcAgent {
@@ -862,11 +878,7 @@ fn run_job(shared: &Shared, job: Job) {
         calls.metrics.calls.server_call_finished(false);
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_add(1);
     }
-    let _ = shared.mailbox.push(Command::Respond {
-        pipe,
-        message_id: ctx.message_id,
-        result,
-    });
+    lane::respond(shared, pipe, ctx.message_id, result);
 }
 
 fn spawn_io(

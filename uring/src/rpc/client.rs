@@ -10,6 +10,7 @@ use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::error::RpcError;
+use super::lane;
 use super::message::{on_io_thread, Message, RpcFuture};
 use super::shared::{Call, Command, Shared};
 
@@ -77,6 +78,12 @@ impl RpcClient {
             timeout: timeout.map_or(self.shared.default_timeout, RpcTimeout::from_duration),
             completion,
         };
+        // A pipe served by threads takes the request from this thread; otherwise the
+        // I/O thread sends it.
+        if let Some(lane) = lane::client_lane(&self.shared, to) {
+            lane.call(&self.shared, call);
+            return future;
+        }
         if let Err(Command::Call(call)) = self.shared.mailbox.push(Command::Call(call)) {
             call.completion.complete_then(
                 Err(RpcError::ShutDown {

@@ -21,24 +21,23 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
-use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
+use glommio::channels::local_channel::{self, LocalSender};
 use glommio::task::JoinHandle;
-use rdzv_core::negotiate::{accept_answer, answer_brochure, ChannelKind, Negotiated, Role};
+use rdzv_core::negotiate::{accept_answer, answer_brochure, Negotiated, Role};
 use rdzv_core::rpc::frame::{
-    decode_frame, decode_handshake, Decoded, EncodeError, FrameKind, FrameLimits, Handshake,
-    TensorDescriptor,
+    decode_frame, decode_handshake, Decoded, FrameKind, FrameLimits, Handshake,
 };
 use rdzv_core::rpc::name::WorkerId;
-use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
 use super::agent::FaultInjection;
-use super::client::RpcClient;
+use super::calls::{self, Pending};
 use super::error::RpcError;
-use super::message::{run_handler, CallContext, Completion, Message, Tensor};
+use super::lane::{self, Lane};
+use super::message::{CallContext, Completion, Message};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
-    address_for, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame,
-    Transport,
+    address_for, BlockingHalves, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener,
+    NotBlocking, OwnedFrame, Transport,
 };
 
 /// An accepted inbound pipe: the peer's name and id, and what was negotiated.
@@ -49,15 +48,6 @@ pub(crate) struct Job {
     pub pipe: u64,
     pub ctx: CallContext,
     pub message: Message,
-}
-
-struct Pending {
-    peer: String,
-    handler: String,
-    pipe: u64,
-    sent_bytes: u64,
-    timeout: RpcTimeout,
-    completion: Arc<Completion>,
 }
 
 /// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
@@ -114,8 +104,6 @@ struct InboundPipe {
 
 #[derive(Default)]
 struct IoState {
-    pending: HashMap<u64, Pending>,
-    timeouts: TimeoutQueue<u64>,
     client_pipes: HashMap<String, ClientPipe>,
     inbound: HashMap<u64, InboundPipe>,
     next_pipe: u64,
@@ -132,11 +120,7 @@ pub(crate) struct Io {
     tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
     next_task: Cell<u64>,
     state: RefCell<IoState>,
-    timer_poke: LocalSender<()>,
-    epoch: std::time::Instant,
     writers: Rc<Cell<usize>>,
-    /// The deadline the timer sleeps until, if any.
-    armed: Cell<Option<Instant>>,
     faults: Faults,
 }
 
@@ -185,7 +169,6 @@ impl Io {
         jobs: Sender<Job>,
         faults: FaultInjection,
     ) {
-        let (timer_poke, timer_rx) = local_channel::new_bounded(1);
         let io = Rc::new(Io {
             shared,
             transports,
@@ -193,10 +176,7 @@ impl Io {
             tasks: RefCell::new(HashMap::new()),
             next_task: Cell::new(0),
             state: RefCell::new(IoState::default()),
-            timer_poke,
-            epoch: std::time::Instant::now(),
             writers: Rc::new(Cell::new(0)),
-            armed: Cell::new(None),
             faults: Faults {
                 config: faults,
                 failed: RefCell::new(HashMap::new()),
@@ -205,7 +185,6 @@ impl Io {
         for listener in listeners {
             io.spawn(Rc::clone(&io).accept_loop(listener));
         }
-        io.spawn(Rc::clone(&io).timer_loop(timer_rx));
         loop {
             let commands = io.shared.mailbox.recv().await;
             for command in commands {
@@ -239,10 +218,6 @@ impl Io {
         self.tasks.borrow_mut().insert(id, handle);
     }
 
-    fn now(&self) -> Instant {
-        Instant::from_duration(self.epoch.elapsed())
-    }
-
     fn name(&self) -> &str {
         self.shared.me.name()
     }
@@ -253,13 +228,8 @@ impl Io {
         }
     }
 
-    /// Completes a call and uncounts it. A failure nobody will see (the future was
-    /// dropped, as `remote` does) is logged.
     fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
-        if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
-            tracing::warn!(worker = %self.name(), error = %e, "an RPC whose result nobody waits for failed");
-        }
-        completion.complete_then(result, || self.shared.finish_client_call());
+        calls::complete(&self.shared, completion, result);
     }
 
     /// Completes a call that never reached the pending table.
@@ -268,6 +238,11 @@ impl Io {
     }
 
     fn start_call(self: &Rc<Self>, call: Call) {
+        // A lane opened since the caller looked: the call goes there.
+        if let Some(lane) = lane::client_lane(&self.shared, &call.peer) {
+            lane.call(&self.shared, call);
+            return;
+        }
         let address = self
             .shared
             .group()
@@ -289,7 +264,6 @@ impl Io {
             timeout,
             completion,
         } = call;
-        let now = self.now();
         let mut state = self.state.borrow_mut();
         let (pipe_id, ready, open) = match state.client_pipes.get(&peer) {
             Some(ClientPipe::Ready(pipe)) => (pipe.id, Some(pipe.clone()), false),
@@ -307,22 +281,18 @@ impl Io {
                 (id, None, true)
             }
         };
-        state.pending.insert(
-            message_id,
-            Pending {
-                peer: peer.clone(),
-                handler: handler.clone(),
-                pipe: pipe_id,
-                sent_bytes: 0,
-                timeout,
-                completion,
-            },
-        );
-        if let Some(deadline) = state.timeouts.schedule(message_id, now, timeout) {
-            // Wake the timer only if it sleeps past this deadline.
-            if !matches!(self.armed.get(), Some(armed) if armed <= deadline) {
-                let _ = self.timer_poke.try_send(());
-            }
+        let pending = Pending {
+            peer: peer.clone(),
+            handler: handler.clone(),
+            pipe: pipe_id,
+            sent_bytes: 0,
+            timeout,
+            completion,
+        };
+        if let Err(pending) = self.shared.calls_table.register(message_id, pending) {
+            drop(state);
+            self.complete(&pending.completion, Err(self.shut_down_error()));
+            return;
         }
         let outbound = Outbound {
             message_id,
@@ -348,50 +318,6 @@ impl Io {
         }
     }
 
-    /// Builds the frame's tensor descriptors: each tensor's target device is the device
-    /// map's image of its device (or the same device), and the negotiated channel for the
-    /// pair must be `basic`, the only channel this build runs.
-    fn tensor_frame(
-        &self,
-        frame: &mut OwnedFrame,
-        tensors: Vec<Tensor>,
-        peer: &str,
-        role: Role,
-        negotiated: &Negotiated,
-        reverse: bool,
-    ) -> Result<(), RpcError> {
-        let map = {
-            let group = self.shared.group();
-            if reverse {
-                group.reverse_device_maps.get(peer).cloned()
-            } else {
-                group.device_maps.get(peer).cloned()
-            }
-        };
-        for tensor in tensors {
-            let target = map
-                .as_ref()
-                .and_then(|m| m.get(&tensor.device))
-                .unwrap_or(tensor.device);
-            let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
-            if channel != Some(ChannelKind::Basic) {
-                return Err(RpcError::NoChannel {
-                    peer: peer.to_string(),
-                    source_device: tensor.device.to_string(),
-                    target_device: target.to_string(),
-                });
-            }
-            frame.tensors.push(TensorDescriptor {
-                source: tensor.device,
-                target,
-                channel: ChannelKind::Basic,
-                len: tensor.data.len() as u64,
-            });
-            frame.inline_data.push(tensor.data);
-        }
-        Ok(())
-    }
-
     /// Sends a request whose call is pending (a call that timed out while its pipe
     /// was opening is skipped).
     fn send_call(self: &Rc<Self>, outbound: Outbound, pipe: &ReadyPipe) {
@@ -400,13 +326,7 @@ impl Io {
             handler,
             message,
         } = outbound;
-        let Some(peer) = self
-            .state
-            .borrow()
-            .pending
-            .get(&message_id)
-            .map(|p| p.peer.clone())
-        else {
+        let Some(peer) = self.shared.calls_table.peer_of(message_id) else {
             return;
         };
         let mut frame = OwnedFrame {
@@ -415,44 +335,27 @@ impl Io {
             payload: message.payload,
             ..OwnedFrame::empty(FrameKind::Request, message_id)
         };
-        let built = self
-            .tensor_frame(
-                &mut frame,
-                message.tensors,
-                &peer,
-                Role::Connector,
-                &pipe.negotiated,
-                false,
-            )
-            .and_then(|()| {
-                check_limits(&frame).map_err(|source| RpcError::Encode {
-                    peer: peer.clone(),
-                    source: Box::new(source),
-                })
-            });
+        let built = lane::tensor_frame(
+            &self.shared,
+            &mut frame,
+            message.tensors,
+            &peer,
+            Role::Connector,
+            &pipe.negotiated,
+            false,
+        );
         if let Err(e) = built {
             // Nothing was sent: fail this call only.
-            let pending = {
-                let mut state = self.state.borrow_mut();
-                state.timeouts.cancel(message_id);
-                state.pending.remove(&message_id)
-            };
-            if let Some(pending) = pending {
+            if let Some(pending) = self.shared.calls_table.take(message_id) {
                 self.complete(&pending.completion, Err(e));
             }
             return;
         }
-        let sent_bytes = frame.encoded_len() as u64;
-        if let Some(pending) = self.state.borrow_mut().pending.get_mut(&message_id) {
-            pending.sent_bytes = sent_bytes;
-        }
+        self.shared
+            .calls_table
+            .set_sent(message_id, frame.encoded_len() as u64);
         if self.faults.should_fail(&frame.handler) {
-            let pending = {
-                let mut state = self.state.borrow_mut();
-                state.timeouts.cancel(message_id);
-                state.pending.remove(&message_id)
-            };
-            if let Some(pending) = pending {
+            if let Some(pending) = self.shared.calls_table.take(message_id) {
                 let handler = frame.handler.clone();
                 self.fail_pending(pending, RpcError::InjectedFault { handler });
             }
@@ -475,7 +378,9 @@ impl Io {
     fn respond(&self, pipe: u64, message_id: u64, result: Result<Message, String>) {
         let state = self.state.borrow();
         let Some(inbound) = state.inbound.get(&pipe) else {
-            tracing::debug!(pipe, message_id, "response for a closed pipe dropped");
+            drop(state);
+            // An inbound lane answers from this thread.
+            lane::respond(&self.shared, pipe, message_id, result);
             return;
         };
         let (tx, peer, negotiated) = (
@@ -484,35 +389,7 @@ impl Io {
             inbound.negotiated,
         );
         drop(state);
-        let frame = match result {
-            Ok(message) => {
-                let mut frame = OwnedFrame {
-                    metadata: message.metadata,
-                    payload: message.payload,
-                    ..OwnedFrame::empty(FrameKind::Response, message_id)
-                };
-                let built = self
-                    .tensor_frame(
-                        &mut frame,
-                        message.tensors,
-                        &peer,
-                        Role::Listener,
-                        &negotiated,
-                        true,
-                    )
-                    .and_then(|()| {
-                        check_limits(&frame).map_err(|source| RpcError::Encode {
-                            peer: peer.clone(),
-                            source: Box::new(source),
-                        })
-                    });
-                match built {
-                    Ok(()) => frame,
-                    Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
-                }
-            }
-            Err(text) => error_frame(message_id, &text),
-        };
+        let frame = lane::response_frame(&self.shared, message_id, result, &peer, &negotiated);
         let _ = tx.try_send(frame);
     }
 
@@ -528,7 +405,7 @@ impl Io {
     /// Fails every call pending on client pipe `pipe` with `error()` and forgets the
     /// pipe.
     fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
-        let failed: Vec<Pending> = {
+        {
             let mut state = self.state.borrow_mut();
             let current = match state.client_pipes.get(peer) {
                 Some(ClientPipe::Ready(p)) => p.id == pipe,
@@ -538,121 +415,25 @@ impl Io {
             if current {
                 state.client_pipes.remove(peer);
             }
-            let ids: Vec<u64> = state
-                .pending
-                .iter()
-                .filter(|(_, p)| p.pipe == pipe)
-                .map(|(&id, _)| id)
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| {
-                    state.timeouts.cancel(id);
-                    state.pending.remove(&id)
-                })
-                .collect()
-        };
-        for pending in failed {
+        }
+        for pending in self.shared.calls_table.take_pipe(pipe) {
             self.fail_pending(pending, error());
         }
     }
 
     fn fail_pending(&self, pending: Pending, error: RpcError) {
-        self.shared
-            .lock_calls()
-            .network
-            .track_network_error(pending.sent_bytes, &pending.peer);
-        self.complete(&pending.completion, Err(error));
+        calls::fail_pending(&self.shared, pending, error);
     }
 
     /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
     /// can be answered there; anything else is late (timed out) or bogus and dropped.
     fn on_reply(&self, pipe: u64, frame: IncomingFrame) {
-        let Some(pending) = ({
-            let mut state = self.state.borrow_mut();
-            let ours = state
-                .pending
-                .get(&frame.message_id)
-                .is_some_and(|p| p.pipe == pipe);
-            if ours {
-                state.timeouts.cancel(frame.message_id);
-                state.pending.remove(&frame.message_id)
-            } else {
-                None
-            }
-        }) else {
-            tracing::debug!(
+        match self.shared.calls_table.take_reply(frame.message_id, pipe) {
+            Some(pending) => calls::answer(&self.shared, pending, frame),
+            None => tracing::debug!(
                 message_id = frame.message_id,
                 "late or unknown reply dropped"
-            );
-            return;
-        };
-        let result = if frame.kind == FrameKind::Response {
-            self.shared.lock_calls().network.track_network_data(
-                pending.sent_bytes,
-                frame.wire_len,
-                &pending.peer,
-            );
-            Ok(Message {
-                metadata: frame.metadata,
-                payload: frame.payload,
-                tensors: frame
-                    .tensors
-                    .into_iter()
-                    .map(|(d, data)| Tensor {
-                        device: d.target,
-                        data,
-                    })
-                    .collect(),
-            })
-        } else {
-            self.shared
-                .lock_calls()
-                .network
-                .track_network_error(pending.sent_bytes, &pending.peer);
-            Err(RpcError::Remote {
-                peer: pending.peer.clone(),
-                handler: pending.handler.clone(),
-                message: String::from_utf8_lossy(&frame.payload).into_owned(),
-            })
-        };
-        self.complete(&pending.completion, result);
-    }
-
-    fn expire(&self, now: Instant) {
-        loop {
-            let expired = {
-                let mut state = self.state.borrow_mut();
-                match state.timeouts.poll_expired(now) {
-                    Some(id) => state.pending.remove(&id),
-                    None => break,
-                }
-            };
-            if let Some(pending) = expired {
-                let error = RpcError::from(pending.timeout.error());
-                self.fail_pending(pending, error);
-            }
-        }
-    }
-
-    async fn timer_loop(self: Rc<Self>, poke: LocalReceiver<()>) {
-        loop {
-            let next = self.state.borrow_mut().timeouts.next_deadline();
-            self.armed.set(next);
-            let poked = match next {
-                None => poke.recv().await.is_some(),
-                Some(deadline) => {
-                    let wait = deadline.saturating_duration_since(self.now());
-                    futures_lite::future::or(async { poke.recv().await.is_some() }, async {
-                        glommio::timer::sleep(wait).await;
-                        true
-                    })
-                    .await
-                }
-            };
-            if !poked {
-                return;
-            }
-            self.expire(self.now());
+            ),
         }
     }
 
@@ -694,6 +475,17 @@ impl Io {
                     .lock_calls()
                     .pipe_transports
                     .insert(peer.clone(), negotiated.transport);
+                let (sender, receiver) = if self.shared.lanes_enabled {
+                    match sender.into_blocking(receiver).await {
+                        Ok(halves) => return self.client_lane(id, peer, negotiated, halves),
+                        Err(NotBlocking::Unsupported(sender, receiver)) => (sender, receiver),
+                        Err(NotBlocking::Failed(e)) => {
+                            return self.pipe_ended(id, &peer, e.to_string());
+                        }
+                    }
+                } else {
+                    (sender, receiver)
+                };
                 let tx = self.spawn_writer(sender);
                 let pipe = ReadyPipe { id, tx, negotiated };
                 let queued = match self
@@ -714,6 +506,38 @@ impl Io {
                 tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
                 self.fail_pipe(id, &peer, || failure.to_error(&peer));
             }
+        }
+    }
+
+    /// Client pipe `id` to `peer` becomes a lane; the calls queued while it opened go
+    /// out on it.
+    fn client_lane(&self, id: u64, peer: String, negotiated: Negotiated, halves: BlockingHalves) {
+        let current = matches!(
+            self.state.borrow().client_pipes.get(&peer),
+            Some(ClientPipe::Connecting { id: c, .. }) if *c == id
+        );
+        if !current {
+            // Reset or closed while it was taken off the executor.
+            halves.stop.stop();
+            return;
+        }
+        // The lane is registered before the executor forgets the pipe, so that no call
+        // in between opens another one.
+        let Some(lane) = Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves)
+        else {
+            return self.pipe_ended(id, &peer, "this worker is shutting down".into());
+        };
+        let queued = match self.state.borrow_mut().client_pipes.remove(&peer) {
+            Some(ClientPipe::Connecting { queued, .. }) => queued,
+            _ => Vec::new(),
+        };
+        for Outbound {
+            message_id,
+            handler,
+            message,
+        } in queued
+        {
+            lane.send_request(&self.shared, message_id, handler, message);
         }
     }
 
@@ -962,6 +786,32 @@ impl Io {
             state.next_pipe += 1;
             id
         };
+        let (sender, mut receiver) = if self.shared.lanes_enabled {
+            match sender.into_blocking(receiver).await {
+                Ok(halves) => {
+                    let jobs = self.jobs.borrow().clone();
+                    match jobs {
+                        Some(jobs) => Lane::start_inbound(
+                            &self.shared,
+                            pipe,
+                            (peer, peer_id),
+                            negotiated,
+                            halves,
+                            jobs,
+                        ),
+                        None => halves.stop.stop(),
+                    }
+                    return;
+                }
+                Err(NotBlocking::Unsupported(sender, receiver)) => (sender, receiver),
+                Err(NotBlocking::Failed(e)) => {
+                    tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
+                    return;
+                }
+            }
+        } else {
+            (sender, receiver)
+        };
         let tx = self.spawn_writer(sender);
         self.state.borrow_mut().inbound.insert(
             pipe,
@@ -995,61 +845,26 @@ impl Io {
     }
 
     fn dispatch(&self, pipe: u64, peer: &str, peer_id: WorkerId, frame: IncomingFrame) {
-        let ctx = CallContext {
-            caller: peer.to_string(),
-            caller_id: peer_id,
-            handler: frame.handler,
-            message_id: frame.message_id,
-            client: RpcClient::new(Arc::clone(&self.shared)),
-        };
-        let message = Message {
-            metadata: frame.metadata,
-            payload: frame.payload,
-            tensors: frame
-                .tensors
-                .into_iter()
-                .map(|(d, data)| Tensor {
-                    device: d.target,
-                    data,
-                })
-                .collect(),
-        };
-        self.shared.lock_calls().metrics.calls.server_call_started();
-        if let Some(handler) = self
-            .shared
-            .handler(&ctx.handler)
-            .filter(|h| h.runs_inline())
-        {
-            // Right here, on the I/O thread: no hand-off to the pool and back.
-            let message_id = ctx.message_id;
-            let result = run_handler(handler.as_ref(), &ctx, message);
-            self.shared
-                .lock_calls()
-                .metrics
-                .calls
-                .server_call_finished(false);
-            self.respond(pipe, message_id, result);
-            return;
-        }
-        let sent = match self.jobs.borrow().as_ref() {
-            Some(jobs) => jobs.send(Job { pipe, ctx, message }).map_err(|e| e.0),
-            None => Err(Job { pipe, ctx, message }),
-        };
-        if let Err(job) = sent {
-            self.shared
-                .lock_calls()
-                .metrics
-                .calls
-                .server_call_finished(false);
-            self.respond(
-                pipe,
-                job.ctx.message_id,
-                Err(self.shut_down_error().to_string()),
-            );
+        let jobs = self.jobs.borrow().clone();
+        let respond = |message_id, result| self.respond(pipe, message_id, result);
+        match jobs {
+            Some(jobs) => {
+                lane::serve_request(&self.shared, &jobs, pipe, peer, peer_id, frame, respond)
+            }
+            None => respond(frame.message_id, Err(self.shut_down_error().to_string())),
         }
     }
 
     fn reset_pipes(&self) {
+        let lanes = self
+            .shared
+            .lanes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain();
+        for lane in lanes {
+            lane.end(&self.shared, "this worker reset its pipes".into());
+        }
         let (client, inbound) = {
             let mut state = self.state.borrow_mut();
             let client: Vec<(String, ClientPipe)> = state.client_pipes.drain().collect();
@@ -1070,13 +885,26 @@ impl Io {
     }
 
     async fn close(&self, goodbye: bool) {
-        let (client, inbound, pending) = {
+        // Every call still pending, on lanes or not, fails as shut down (before the
+        // lanes stop, whose readers would call it a broken pipe); the timer stops.
+        let pending = self.shared.calls_table.close();
+        let lanes = self
+            .shared
+            .lanes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .close();
+        for lane in &lanes {
+            if goodbye {
+                lane.goodbye();
+            }
+            lane.stop();
+        }
+        let (client, inbound) = {
             let mut state = self.state.borrow_mut();
             let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
             let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
-            let pending: Vec<Pending> = state.pending.drain().map(|(_, p)| p).collect();
-            state.timeouts = TimeoutQueue::new();
-            (client, inbound, pending)
+            (client, inbound)
         };
         for pipe in client {
             match pipe {
@@ -1119,13 +947,6 @@ impl Io {
     }
 }
 
-fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
-    OwnedFrame {
-        payload: text.as_bytes().to_vec(),
-        ..OwnedFrame::empty(FrameKind::Error, message_id)
-    }
-}
-
 /// A handshake message as a frame.
 fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
     let mut bytes = Vec::new();
@@ -1160,17 +981,5 @@ fn with_handshake<T>(
         }
         Ok(Decoded::Partial(_)) => Err("the handshake frame is incomplete".into()),
         Err(e) => Err(e.to_string()),
-    }
-}
-
-/// Checks an outgoing frame against the limits every receiver applies
-/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
-/// making the peer drop the pipe: the core decoder checks every size in the header and
-/// the descriptors, which is all the head holds.
-fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
-    let head = frame.encode_head()?;
-    match decode_frame(&head, &FrameLimits::DEFAULT) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(EncodeError::from(e)),
     }
 }

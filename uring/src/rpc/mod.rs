@@ -33,9 +33,11 @@
 
 pub mod agent;
 pub mod backend;
+mod calls;
 pub mod client;
 pub mod error;
 mod io;
+mod lane;
 pub mod message;
 mod shared;
 pub mod shm;

@@ -183,6 +183,13 @@ pub(crate) struct Shared {
     pub next_message_id: AtomicU64,
     pub default_timeout: RpcTimeout,
     pub offer: OfferSpec,
+    /// Every call in flight, and their timer.
+    pub calls_table: super::calls::Calls,
+    /// The pipes served by threads.
+    pub lanes: Mutex<super::lane::Lanes>,
+    /// Whether pipes may become lanes (not under fault injection, whose rules live on
+    /// the executor).
+    pub lanes_enabled: bool,
 }
 
 impl Shared {

@@ -33,7 +33,8 @@ use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDes
 
 use super::error::TransportError;
 use super::transport::{
-    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, LocalBoxFuture, OwnedFrame,
+    BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
+    IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
     Transport,
 };
 use crate::transport::shm::{
@@ -46,8 +47,9 @@ pub const SCHEME: &str = "shm://";
 /// How many received messages wait for the agent before the receiving thread stops
 /// reading (the peer then waits for room in its ring).
 const RECEIVE_QUEUE: usize = 64;
-/// How often a blocked receiving thread checks whether its half was dropped.
-const RECEIVE_POLL: Duration = Duration::from_millis(100);
+/// How often a blocked receiving thread checks whether its half was dropped, handed back
+/// or stopped.
+const RECEIVE_POLL: Duration = Duration::from_millis(10);
 
 /// Shared memory between processes on one host.
 #[derive(Debug, Clone)]
@@ -273,8 +275,8 @@ impl Connection for ShmPipe {
     }
 }
 
-/// What the sending thread reports when it stops.
-type SendOutcome = Result<(), ShmError>;
+/// What the sending thread reports when it stops: its half, or why it failed.
+type SendOutcome = Result<ShmSender, ShmError>;
 
 struct ShmFrameSender {
     frames: Arc<Queue<OwnedFrame>>,
@@ -327,20 +329,29 @@ impl ShmFrameSender {
 fn send_thread(mut sender: ShmSender, frames: &Queue<OwnedFrame>) -> SendOutcome {
     let mut buf = Vec::new();
     while let Some(frame) = frames.pop_blocking() {
-        let head = frame.encode_head().map_err(|e| ShmError::Handshake {
-            detail: format!("cannot encode a frame: {e}"),
-        })?;
-        buf.clear();
-        buf.reserve(frame.encoded_len());
-        buf.extend_from_slice(&head);
-        for part in frame.body() {
-            buf.extend_from_slice(part);
-        }
-        drop(frame);
-        sender.send(&buf)?;
-        if buf.capacity() > (1 << 20) {
-            buf = Vec::new();
-        }
+        send_frame(&mut sender, &frame, &mut buf)?;
+    }
+    Ok(sender)
+}
+
+/// Encodes `frame` into `buf` and sends it as one shm message.
+fn send_frame(
+    sender: &mut ShmSender,
+    frame: &OwnedFrame,
+    buf: &mut Vec<u8>,
+) -> Result<(), ShmError> {
+    let head = frame.encode_head().map_err(|e| ShmError::Handshake {
+        detail: format!("cannot encode a frame: {e}"),
+    })?;
+    buf.clear();
+    buf.reserve(frame.encoded_len());
+    buf.extend_from_slice(&head);
+    for part in frame.body() {
+        buf.extend_from_slice(part);
+    }
+    sender.send(buf)?;
+    if buf.capacity() > (1 << 20) {
+        *buf = Vec::new();
     }
     Ok(())
 }
@@ -372,6 +383,123 @@ impl FrameSender for ShmFrameSender {
             }
         })
     }
+
+    fn into_blocking(
+        self: Box<Self>,
+        receiver: Box<dyn FrameReceiver>,
+    ) -> LocalBoxFuture<'static, IntoBlocking> {
+        Box::pin(async move {
+            let peer = Arc::clone(&self.peer);
+            let failed = |reason: String| {
+                NotBlocking::Failed(TransportError::Io {
+                    op: "take off the executor the shm pipe to",
+                    peer: peer.to_string(),
+                    source: std::io::Error::other(reason),
+                })
+            };
+            let receiver = receiver
+                .into_any()
+                .downcast::<ShmFrameReceiver>()
+                .map_err(|_| failed("the halves belong to different transports".into()))?;
+            // Both threads hand their halves back: the sender once its queue is sent.
+            self.frames.close();
+            let sender = match self.outcome.pop().await {
+                Some(Ok(sender)) => sender,
+                Some(Err(e)) => return Err(failed(e.to_string())),
+                None => return Err(failed("the sending thread stopped".into())),
+            };
+            let (shm_receiver, leftover) = receiver.hand_back().await.map_err(failed)?;
+            let control = sender
+                .control_fd()
+                .try_clone_to_owned()
+                .map_err(|e| failed(format!("duplicating the control socket: {e}")))?;
+            let stopped = Arc::new(AtomicBool::new(false));
+            Ok(BlockingHalves {
+                sender: Box::new(ShmThreadSender {
+                    sender,
+                    buf: Vec::new(),
+                    peer: Arc::clone(&peer),
+                }),
+                receiver: Box::new(ShmThreadReceiver {
+                    receiver: shm_receiver,
+                    leftover,
+                    peer,
+                    stopped: Arc::clone(&stopped),
+                    ended: false,
+                }),
+                stop: Arc::new(ShmStop { control, stopped }),
+            })
+        })
+    }
+}
+
+/// The sending half of a thread-served shm pipe.
+struct ShmThreadSender {
+    sender: ShmSender,
+    buf: Vec<u8>,
+    peer: Arc<str>,
+}
+
+impl BlockingSender for ShmThreadSender {
+    fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+        send_frame(&mut self.sender, frame, &mut self.buf).map_err(|e| TransportError::Io {
+            op: "send to",
+            peer: self.peer.to_string(),
+            source: shm_io(e),
+        })?;
+        Ok(frame.encoded_len() as u64)
+    }
+}
+
+/// The receiving half of a thread-served shm pipe: first what the adapter thread had
+/// received, then the ring.
+struct ShmThreadReceiver {
+    receiver: ShmReceiver,
+    leftover: VecDeque<Received>,
+    peer: Arc<str>,
+    stopped: Arc<AtomicBool>,
+    ended: bool,
+}
+
+impl BlockingReceiver for ShmThreadReceiver {
+    fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
+        if self.ended {
+            return Ok(None);
+        }
+        let received = match self.leftover.pop_front() {
+            Some(received) => received,
+            None => loop {
+                if self.stopped.load(Ordering::Acquire) {
+                    self.ended = true;
+                    return Ok(None);
+                }
+                match self.receiver.recv_timeout(RECEIVE_POLL) {
+                    Err(ShmError::Timeout { .. }) => continue,
+                    other => break other,
+                }
+            },
+        };
+        let decoded = decode_message(received, limits, &self.peer);
+        if !matches!(decoded, Ok(Some(_))) {
+            self.ended = true;
+        }
+        decoded
+    }
+}
+
+/// Stops a thread-served shm pipe: the control socket is shut down (the peer sees the
+/// close) and the receiver sees the flag within [`RECEIVE_POLL`].
+struct ShmStop {
+    control: std::os::fd::OwnedFd,
+    stopped: Arc<AtomicBool>,
+}
+
+impl StopConnection for ShmStop {
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        // Fails only on a socket already shut down.
+        let _ = rustix::net::shutdown(&self.control, rustix::net::Shutdown::Both);
+    }
 }
 
 impl Drop for ShmFrameSender {
@@ -386,6 +514,10 @@ type Received = Result<Vec<u8>, ShmError>;
 
 struct ShmFrameReceiver {
     messages: Arc<Queue<Received>>,
+    /// Where the thread puts its half back when asked to (by closing `messages` with
+    /// `hand_back` set).
+    handed_back: Arc<Queue<ShmReceiver>>,
+    hand_back: Arc<AtomicBool>,
     peer: Arc<str>,
     ended: bool,
 }
@@ -393,31 +525,67 @@ struct ShmFrameReceiver {
 impl ShmFrameReceiver {
     fn start(receiver: ShmReceiver, peer: Arc<str>) -> ShmFrameReceiver {
         let messages = Arc::new(Queue::new(RECEIVE_QUEUE));
+        let handed_back = Arc::new(Queue::new(1));
+        let hand_back = Arc::new(AtomicBool::new(false));
         let thread_messages = Arc::clone(&messages);
+        let thread_handed_back = Arc::clone(&handed_back);
+        let thread_hand_back = Arc::clone(&hand_back);
         let spawned = std::thread::Builder::new()
             .name("rdzv-shm-recv".into())
-            .spawn(move || receive_thread(receiver, &thread_messages));
+            .spawn(move || {
+                if let Some(receiver) =
+                    receive_thread(receiver, &thread_messages, &thread_hand_back)
+                {
+                    let _ = thread_handed_back.push(receiver);
+                }
+                thread_handed_back.close();
+            });
         if let Err(e) = spawned {
             let _ = messages.push(Err(ShmError::Syscall {
                 op: "spawn an shm receiving thread",
                 source: e,
             }));
             messages.close();
+            handed_back.close();
         }
         ShmFrameReceiver {
             messages,
+            handed_back,
+            hand_back,
             peer,
             ended: false,
         }
     }
+
+    /// Stops the thread and takes its half back, with the messages it had received.
+    async fn hand_back(self: Box<Self>) -> Result<(ShmReceiver, VecDeque<Received>), String> {
+        self.hand_back.store(true, Ordering::Release);
+        let receiver = self.handed_back.pop().await;
+        let mut leftover = VecDeque::new();
+        while let Some(received) = self.messages.try_pop() {
+            leftover.push_back(received);
+        }
+        receiver
+            .map(|r| (r, leftover))
+            .ok_or_else(|| "the receiving thread stopped".to_string())
+    }
 }
 
-fn receive_thread(mut receiver: ShmReceiver, messages: &Queue<Received>) {
+/// Receives into `messages` until it is closed (the half is dropped: `None`) or
+/// `hand_back` is set (the half is returned), checking both every [`RECEIVE_POLL`].
+fn receive_thread(
+    mut receiver: ShmReceiver,
+    messages: &Queue<Received>,
+    hand_back: &AtomicBool,
+) -> Option<ShmReceiver> {
     loop {
+        if hand_back.load(Ordering::Acquire) {
+            return Some(receiver);
+        }
         let received = match receiver.recv_timeout(RECEIVE_POLL) {
             Err(ShmError::Timeout { .. }) => {
                 if messages.is_closed() {
-                    return;
+                    return None;
                 }
                 continue;
             }
@@ -426,7 +594,7 @@ fn receive_thread(mut receiver: ShmReceiver, messages: &Queue<Received>) {
         let last = received.is_err();
         if messages.push_blocking(received).is_err() || last {
             messages.close();
-            return;
+            return None;
         }
     }
 }
@@ -440,53 +608,65 @@ impl FrameReceiver for ShmFrameReceiver {
             if self.ended {
                 return Ok(None);
             }
-            let io_error = |peer: &str, source| TransportError::Io {
-                op: "receive from",
-                peer: peer.to_string(),
-                source,
-            };
-            let message = match self.messages.pop().await {
-                Some(Ok(message)) => message,
-                Some(Err(ShmError::PeerClosed)) => {
-                    self.ended = true;
-                    return Ok(None);
-                }
-                Some(Err(e)) => {
-                    self.ended = true;
-                    return Err(io_error(&self.peer, shm_io(e)));
-                }
+            let received = match self.messages.pop().await {
+                Some(received) => received,
                 None => {
                     self.ended = true;
                     return Ok(None);
                 }
             };
-            match decode_frame(&message, &limits) {
-                Ok(Decoded::Complete(frame, used)) if used == message.len() => {
-                    let Some(plan) = in_place_plan(&frame, &message) else {
-                        return IncomingFrame::from_frame(&frame, &self.peer).map(Some);
-                    };
-                    Ok(Some(plan.finish(message)))
-                }
-                Ok(Decoded::Complete(_, used)) => Err(io_error(
-                    &self.peer,
-                    std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!(
-                            "an shm message of {} bytes holds a frame of {used} and more",
-                            message.len()
-                        ),
-                    ),
-                )),
-                Ok(Decoded::Partial(_)) => Err(TransportError::Truncated {
-                    peer: self.peer.to_string(),
-                    have: message.len(),
-                }),
-                Err(source) => Err(TransportError::Frame {
-                    peer: self.peer.to_string(),
-                    source,
-                }),
+            let decoded = decode_message(received, limits, &self.peer);
+            if !matches!(decoded, Ok(Some(_))) {
+                self.ended = true;
             }
+            decoded
         })
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
+/// One received shm message (or the receiving error) as a frame: `Ok(None)` when the peer
+/// closed. A message must hold exactly one frame.
+fn decode_message(
+    received: Received,
+    limits: FrameLimits,
+    peer: &str,
+) -> Result<Option<IncomingFrame>, TransportError> {
+    let io_error = |source| TransportError::Io {
+        op: "receive from",
+        peer: peer.to_string(),
+        source,
+    };
+    let message = match received {
+        Ok(message) => message,
+        Err(ShmError::PeerClosed) => return Ok(None),
+        Err(e) => return Err(io_error(shm_io(e))),
+    };
+    match decode_frame(&message, &limits) {
+        Ok(Decoded::Complete(frame, used)) if used == message.len() => {
+            let Some(plan) = in_place_plan(&frame, &message) else {
+                return IncomingFrame::from_frame(&frame, peer).map(Some);
+            };
+            Ok(Some(plan.finish(message)))
+        }
+        Ok(Decoded::Complete(_, used)) => Err(io_error(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "an shm message of {} bytes holds a frame of {used} and more",
+                message.len()
+            ),
+        ))),
+        Ok(Decoded::Partial(_)) => Err(TransportError::Truncated {
+            peer: peer.to_string(),
+            have: message.len(),
+        }),
+        Err(source) => Err(TransportError::Frame {
+            peer: peer.to_string(),
+            source,
+        }),
     }
 }
 

@@ -12,11 +12,14 @@
 //!
 //! This module decides nothing about what frames mean.
 
-use std::cell::RefCell;
 use std::net::{IpAddr, SocketAddr};
-use std::rc::Rc;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
 
-use futures_lite::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use futures_lite::io::{
+    AssertAsync, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf,
+};
 use glommio::net::{TcpListener, TcpStream};
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{
@@ -25,7 +28,8 @@ use rdzv_core::rpc::frame::{
 
 use super::error::TransportError;
 use super::transport::{
-    Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, LocalBoxFuture, OwnedFrame,
+    BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
+    IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
     Transport,
 };
 
@@ -168,13 +172,15 @@ impl Connection for TcpConnection {
     }
 
     fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
+        let fd = self.stream.as_raw_fd();
         let (read, write) = futures_lite::io::split(self.stream);
-        let peer: Rc<str> = Rc::from(self.peer.as_str());
+        let peer: Arc<str> = Arc::from(self.peer.as_str());
         (
             Box::new(TcpSender {
                 write,
-                peer: Rc::clone(&peer),
-                scratch: RefCell::new(Vec::new()),
+                peer: Arc::clone(&peer),
+                scratch: Vec::new(),
+                fd,
             }),
             Box::new(TcpReceiver {
                 read,
@@ -186,13 +192,92 @@ impl Connection for TcpConnection {
     }
 }
 
-struct TcpSender {
-    write: WriteHalf<TcpStream>,
-    peer: Rc<str>,
-    scratch: RefCell<Vec<u8>>,
+/// The executor's halves.
+type AsyncSender = TcpSender<WriteHalf<TcpStream>>;
+type AsyncReceiver = TcpReceiver<ReadHalf<TcpStream>>;
+/// The halves served by threads: the same code over a blocking socket.
+type ThreadSender = TcpSender<AssertAsync<std::net::TcpStream>>;
+type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
+
+/// How long a blocking send may make no progress before the pipe counts as broken: a
+/// peer whose process stopped reading must not hold a caller's thread forever.
+const STALLED_SEND: Duration = Duration::from_secs(30);
+
+/// Stops a thread-served TCP pipe: `shutdown(2)` both ways wakes its reader.
+struct TcpStop(std::net::TcpStream);
+
+impl StopConnection for TcpStop {
+    fn stop(&self) {
+        // Fails only on a socket that is no longer connected: then it is stopped already.
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
+    }
 }
 
-impl TcpSender {
+/// Takes a connection's halves off the executor: a duplicate of the socket, blocking,
+/// carries the bytes the receiver already buffered; glommio's halves are dropped.
+fn thread_halves(
+    sender: AsyncSender,
+    receiver: AsyncReceiver,
+) -> Result<BlockingHalves, TransportError> {
+    let io_error = |op, source| TransportError::Io {
+        op,
+        peer: sender.peer.to_string(),
+        source,
+    };
+    // SAFETY: `sender.fd` is the descriptor of the socket that `sender.write` and
+    // `receiver.read` own; both are alive here, so it stays open while it is borrowed
+    // (only to duplicate it).
+    let borrowed = unsafe { BorrowedFd::borrow_raw(sender.fd) };
+    let owned = borrowed
+        .try_clone_to_owned()
+        .map_err(|e| io_error("duplicate the socket of", e))?;
+    let stream = std::net::TcpStream::from(owned);
+    stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_write_timeout(Some(STALLED_SEND)))
+        .map_err(|e| io_error("configure the socket of", e))?;
+    let stop = stream
+        .try_clone()
+        .map_err(|e| io_error("duplicate the socket of", e))?;
+    let writer = stream
+        .try_clone()
+        .map_err(|e| io_error("duplicate the socket of", e))?;
+    let TcpSender {
+        peer,
+        scratch,
+        write,
+        fd,
+    } = sender;
+    let TcpReceiver {
+        buf, filled, read, ..
+    } = receiver;
+    drop((write, read));
+    Ok(BlockingHalves {
+        sender: Box::new(TcpSender {
+            write: AssertAsync::new(writer),
+            peer: Arc::clone(&peer),
+            scratch,
+            fd,
+        }),
+        receiver: Box::new(TcpReceiver {
+            read: AssertAsync::new(stream),
+            peer,
+            buf,
+            filled,
+        }),
+        stop: Arc::new(TcpStop(stop)),
+    })
+}
+
+struct TcpSender<W> {
+    write: W,
+    peer: Arc<str>,
+    scratch: Vec<u8>,
+    /// The socket's descriptor, to take the pipe off the executor.
+    fd: RawFd,
+}
+
+impl<W: AsyncWrite + Unpin> TcpSender<W> {
     fn io_error(&self, source: std::io::Error) -> TransportError {
         TransportError::Io {
             op: "send to",
@@ -200,42 +285,57 @@ impl TcpSender {
             source,
         }
     }
-}
 
-impl FrameSender for TcpSender {
-    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async move {
-            let head = frame
-                .encode_head()
-                .map_err(|source| TransportError::Encode {
-                    peer: self.peer.to_string(),
-                    source,
-                })?;
-            let total = frame.encoded_len();
-            if total <= COALESCE_LIMIT {
-                let mut out = std::mem::take(&mut *self.scratch.borrow_mut());
-                out.clear();
-                out.extend_from_slice(&head);
-                for part in frame.body() {
-                    out.extend_from_slice(part);
-                }
-                let written = self.write.write_all(&out).await;
-                *self.scratch.borrow_mut() = out;
-                written.map_err(|e| self.io_error(e))?;
-            } else {
+    async fn send_frame(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+        let head = frame
+            .encode_head()
+            .map_err(|source| TransportError::Encode {
+                peer: self.peer.to_string(),
+                source,
+            })?;
+        let total = frame.encoded_len();
+        if total <= COALESCE_LIMIT {
+            let mut out = std::mem::take(&mut self.scratch);
+            out.clear();
+            out.extend_from_slice(&head);
+            for part in frame.body() {
+                out.extend_from_slice(part);
+            }
+            let written = self.write.write_all(&out).await;
+            self.scratch = out;
+            written.map_err(|e| self.io_error(e))?;
+        } else {
+            self.write
+                .write_all(&head)
+                .await
+                .map_err(|e| self.io_error(e))?;
+            for part in frame.body().filter(|p| !p.is_empty()) {
                 self.write
-                    .write_all(&head)
+                    .write_all(part)
                     .await
                     .map_err(|e| self.io_error(e))?;
-                for part in frame.body().filter(|p| !p.is_empty()) {
-                    self.write
-                        .write_all(part)
-                        .await
-                        .map_err(|e| self.io_error(e))?;
-                }
             }
-            Ok(total as u64)
-        })
+        }
+        self.write.flush().await.map_err(|e| self.io_error(e))?;
+        Ok(total as u64)
+    }
+}
+
+impl BlockingSender for ThreadSender {
+    fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+        futures_lite::future::block_on(self.send_frame(frame))
+    }
+}
+
+impl BlockingReceiver for ThreadReceiver {
+    fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
+        futures_lite::future::block_on(self.recv_frame(limits))
+    }
+}
+
+impl FrameSender for AsyncSender {
+    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move { self.send_frame(&frame).await })
     }
 
     fn close(&mut self) -> LocalBoxFuture<'_, ()> {
@@ -245,16 +345,32 @@ impl FrameSender for TcpSender {
             }
         })
     }
+
+    fn into_blocking(
+        self: Box<Self>,
+        receiver: Box<dyn FrameReceiver>,
+    ) -> LocalBoxFuture<'static, IntoBlocking> {
+        Box::pin(async move {
+            match receiver.into_any().downcast::<AsyncReceiver>() {
+                Ok(receiver) => thread_halves(*self, *receiver).map_err(NotBlocking::Failed),
+                Err(_) => Err(NotBlocking::Failed(TransportError::Io {
+                    op: "take off the executor the pipe to",
+                    peer: self.peer.to_string(),
+                    source: std::io::Error::other("the halves belong to different transports"),
+                })),
+            }
+        })
+    }
 }
 
-struct TcpReceiver {
-    read: ReadHalf<TcpStream>,
-    peer: Rc<str>,
+struct TcpReceiver<R> {
+    read: R,
+    peer: Arc<str>,
     buf: Vec<u8>,
     filled: usize,
 }
 
-impl TcpReceiver {
+impl<R> TcpReceiver<R> {
     fn pending(&self) -> &[u8] {
         self.buf.get(..self.filled).unwrap_or_default()
     }
@@ -308,7 +424,7 @@ fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
     })
 }
 
-impl TcpReceiver {
+impl<R: AsyncRead + Unpin> TcpReceiver<R> {
     /// Finishes a frame whose first `plan.fixed` bytes are buffered (and checked by the
     /// decoder): the inline tensors are read into their own buffers.
     async fn read_direct(&mut self, plan: DirectPlan) -> Result<IncomingFrame, TransportError> {
@@ -389,18 +505,32 @@ impl TcpReceiver {
     }
 }
 
-impl FrameReceiver for TcpReceiver {
+impl FrameReceiver for AsyncReceiver {
     fn recv(
         &mut self,
         limits: FrameLimits,
     ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
-        Box::pin(async move {
+        Box::pin(self.recv_frame(limits))
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
+impl<R: AsyncRead + Unpin> TcpReceiver<R> {
+    /// The next frame, read as the module doc says.
+    async fn recv_frame(
+        &mut self,
+        limits: FrameLimits,
+    ) -> Result<Option<IncomingFrame>, TransportError> {
+        {
             let mut decoder = FrameDecoder::new(limits);
             loop {
                 let missing = if self.filled == 0 {
                     READ_CHUNK
                 } else {
-                    let peer = Rc::clone(&self.peer);
+                    let peer = Arc::clone(&self.peer);
                     match decoder.decode(self.pending()) {
                         Ok(Decoded::Complete(frame, used)) => {
                             let incoming = IncomingFrame::from_frame(&frame, &peer);
@@ -454,7 +584,7 @@ impl FrameReceiver for TcpReceiver {
                 }
                 self.filled += n;
             }
-        })
+        }
     }
 }
 

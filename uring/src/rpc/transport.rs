@@ -33,6 +33,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{
@@ -111,6 +112,46 @@ pub trait Connection {
     fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>);
 }
 
+/// The halves of a connection taken off the executor, for a pipe served by threads
+/// (see [`super::lane`]): any thread may send under the pipe's lock, one thread receives,
+/// and [`stop`](BlockingHalves::stop) wakes that thread from any other.
+pub struct BlockingHalves {
+    /// Sends whole frames, blocking.
+    pub sender: Box<dyn BlockingSender>,
+    /// Receives whole frames, blocking.
+    pub receiver: Box<dyn BlockingReceiver>,
+    /// Ends the connection both ways from any thread.
+    pub stop: Arc<dyn StopConnection>,
+}
+
+/// Sends whole frames from whichever thread holds it.
+pub trait BlockingSender: Send {
+    /// Sends `frame`, blocking until the transport no longer needs its buffers; the bytes
+    /// put on the wire.
+    ///
+    /// # Errors
+    /// [`TransportError`] when the connection failed.
+    fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError>;
+}
+
+/// Receives whole frames on the pipe's reader thread.
+pub trait BlockingReceiver: Send {
+    /// The next frame (checked against `limits` before its buffers are allocated);
+    /// `Ok(None)` when the peer closed the connection between frames or the connection
+    /// was stopped.
+    ///
+    /// # Errors
+    /// [`TransportError`] when the connection failed or the frame is invalid.
+    fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError>;
+}
+
+/// Ends a blocking connection from any thread: the receiver returns, later sends fail,
+/// and the peer sees the end of the stream.
+pub trait StopConnection: Send + Sync {
+    /// Stops the connection (idempotent).
+    fn stop(&self);
+}
+
 /// The sending half of a connection.
 pub trait FrameSender {
     /// Sends one frame; resolves to the bytes put on the wire once the transport no longer
@@ -119,6 +160,25 @@ pub trait FrameSender {
 
     /// Closes the sending direction (the peer's receiver sees the end of the stream).
     fn close(&mut self) -> LocalBoxFuture<'_, ()>;
+
+    /// Takes this half and `receiver` (the other half of the same connection) off the
+    /// executor, if the transport can serve them from threads; otherwise gives both
+    /// back unchanged. Bytes or frames the receiver already buffered are kept.
+    fn into_blocking(
+        self: Box<Self>,
+        receiver: Box<dyn FrameReceiver>,
+    ) -> LocalBoxFuture<'static, IntoBlocking>;
+}
+
+/// What [`FrameSender::into_blocking`] gives.
+pub type IntoBlocking = Result<BlockingHalves, NotBlocking>;
+
+/// Why a connection stays on the executor.
+pub enum NotBlocking {
+    /// The transport serves its connections only on the executor: here are its halves.
+    Unsupported(Box<dyn FrameSender>, Box<dyn FrameReceiver>),
+    /// Taking the halves off failed; the connection is gone.
+    Failed(TransportError),
 }
 
 /// The receiving half of a connection.
@@ -129,6 +189,10 @@ pub trait FrameReceiver {
         &mut self,
         limits: FrameLimits,
     ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>>;
+
+    /// This half as [`Any`](std::any::Any), so that its own transport's
+    /// [`FrameSender::into_blocking`] can take it back.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any>;
 }
 
 /// A frame to send, owning its parts so a transport can keep them until its write

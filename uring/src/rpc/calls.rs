@@ -1,0 +1,250 @@
+//! The calls this worker has in flight, whichever thread sent them: one table of pending
+//! calls keyed by message id, one deadline-ordered timeout queue (the core's
+//! [`TimeoutQueue`]) and one timer thread that fails calls whose deadline passed.
+//!
+//! The I/O executor and the thread-served pipes ([`super::lane`]) both register calls
+//! here and take them out when their reply arrives, so that a reply, a timeout and a
+//! broken pipe agree on who completes a call: whoever removes it from the table. A call
+//! that timed out is gone from the table, so its late reply is dropped.
+//!
+//! This module owns no pipe; it completes futures and counts calls.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use rdzv_core::rpc::frame::FrameKind;
+use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
+
+use super::error::RpcError;
+use super::message::{Completion, Message, Tensor};
+use super::shared::Shared;
+use super::transport::IncomingFrame;
+
+/// A call sent (or about to be) on pipe `pipe`, waiting for its reply.
+pub(crate) struct Pending {
+    pub peer: String,
+    pub handler: String,
+    pub pipe: u64,
+    pub sent_bytes: u64,
+    pub timeout: RpcTimeout,
+    pub completion: Arc<Completion>,
+}
+
+#[derive(Default)]
+struct Table {
+    pending: HashMap<u64, Pending>,
+    timeouts: TimeoutQueue<u64>,
+    closed: bool,
+}
+
+/// The pending calls and their timer.
+pub(crate) struct Calls {
+    table: Mutex<Table>,
+    /// Signalled when the earliest deadline may have moved earlier, or at close.
+    timer: Condvar,
+    epoch: std::time::Instant,
+}
+
+impl Calls {
+    pub fn new() -> Calls {
+        Calls {
+            table: Mutex::new(Table::default()),
+            timer: Condvar::new(),
+            epoch: std::time::Instant::now(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Now, on the timeout queue's clock.
+    pub fn now(&self) -> Instant {
+        Instant::from_duration(self.epoch.elapsed())
+    }
+
+    /// Adds a call with its timeout; gives it back if the table is closed (the agent is
+    /// shutting down).
+    #[allow(clippy::result_large_err)]
+    pub fn register(&self, message_id: u64, pending: Pending) -> Result<(), Pending> {
+        let now = self.now();
+        let mut table = self.lock();
+        if table.closed {
+            return Err(pending);
+        }
+        let earliest = table.timeouts.next_deadline();
+        let timeout = pending.timeout;
+        table.pending.insert(message_id, pending);
+        if let Some(deadline) = table.timeouts.schedule(message_id, now, timeout) {
+            if earliest.map_or(true, |e| deadline < e) {
+                self.timer.notify_one();
+            }
+        }
+        Ok(())
+    }
+
+    /// The peer of a pending call.
+    pub fn peer_of(&self, message_id: u64) -> Option<String> {
+        self.lock().pending.get(&message_id).map(|p| p.peer.clone())
+    }
+
+    /// Records how many bytes a pending call's request took on the wire.
+    pub fn set_sent(&self, message_id: u64, bytes: u64) {
+        if let Some(pending) = self.lock().pending.get_mut(&message_id) {
+            pending.sent_bytes = bytes;
+        }
+    }
+
+    /// Takes a call out (it failed before or while being sent).
+    pub fn take(&self, message_id: u64) -> Option<Pending> {
+        let mut table = self.lock();
+        table.timeouts.cancel(message_id);
+        table.pending.remove(&message_id)
+    }
+
+    /// Takes out the call a reply on pipe `pipe` answers; `None` for a late (timed out)
+    /// or bogus reply, or one on another pipe than its call went out on.
+    pub fn take_reply(&self, message_id: u64, pipe: u64) -> Option<Pending> {
+        let mut table = self.lock();
+        if !table
+            .pending
+            .get(&message_id)
+            .is_some_and(|p| p.pipe == pipe)
+        {
+            return None;
+        }
+        table.timeouts.cancel(message_id);
+        table.pending.remove(&message_id)
+    }
+
+    /// Takes out every call sent on pipe `pipe`.
+    pub fn take_pipe(&self, pipe: u64) -> Vec<Pending> {
+        let mut table = self.lock();
+        let ids: Vec<u64> = table
+            .pending
+            .iter()
+            .filter(|(_, p)| p.pipe == pipe)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| {
+                table.timeouts.cancel(id);
+                table.pending.remove(&id)
+            })
+            .collect()
+    }
+
+    /// Closes the table (later registrations are refused), stops the timer and takes
+    /// every call out.
+    pub fn close(&self) -> Vec<Pending> {
+        let mut table = self.lock();
+        table.closed = true;
+        table.timeouts = TimeoutQueue::new();
+        let all = table.pending.drain().map(|(_, p)| p).collect();
+        drop(table);
+        self.timer.notify_all();
+        all
+    }
+
+    /// Starts the timer thread: it sleeps until the earliest deadline and fails the
+    /// calls whose deadline passed, until [`close`](Self::close).
+    pub fn start_timer(shared: &Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
+        let shared = Arc::clone(shared);
+        std::thread::Builder::new()
+            .name(format!("rdzv-rpc-timer-{}", shared.me.name()))
+            .spawn(move || shared.calls_table.run_timer(&shared))
+    }
+
+    fn run_timer(&self, shared: &Shared) {
+        let mut table = self.lock();
+        loop {
+            if table.closed {
+                return;
+            }
+            let now = self.now();
+            let mut expired = Vec::new();
+            while let Some(id) = table.timeouts.poll_expired(now) {
+                if let Some(pending) = table.pending.remove(&id) {
+                    expired.push(pending);
+                }
+            }
+            if !expired.is_empty() {
+                drop(table);
+                for pending in expired {
+                    let error = RpcError::from(pending.timeout.error());
+                    fail_pending(shared, pending, error);
+                }
+                table = self.lock();
+                continue;
+            }
+            table = match table.timeouts.next_deadline() {
+                None => self.timer.wait(table).unwrap_or_else(|p| p.into_inner()),
+                Some(deadline) => {
+                    let wait = deadline.saturating_duration_since(now);
+                    self.timer
+                        .wait_timeout(table, wait)
+                        .map(|(t, _)| t)
+                        .unwrap_or_else(|p| p.into_inner().0)
+                }
+            };
+        }
+    }
+}
+
+/// Completes a call and uncounts it. A failure nobody will see (the future was dropped,
+/// as `remote` does) is logged.
+pub(crate) fn complete(
+    shared: &Shared,
+    completion: &Arc<Completion>,
+    result: Result<Message, RpcError>,
+) {
+    if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
+        tracing::warn!(worker = %shared.me.name(), error = %e, "an RPC whose result nobody waits for failed");
+    }
+    completion.complete_then(result, || shared.finish_client_call());
+}
+
+/// Fails a call, counting a network error against its peer.
+pub(crate) fn fail_pending(shared: &Shared, pending: Pending, error: RpcError) {
+    shared
+        .lock_calls()
+        .network
+        .track_network_error(pending.sent_bytes, &pending.peer);
+    complete(shared, &pending.completion, Err(error));
+}
+
+/// Completes a call with the reply that arrived for it: a response's message, or an
+/// error frame's text as [`RpcError::Remote`].
+pub(crate) fn answer(shared: &Shared, pending: Pending, frame: IncomingFrame) {
+    let result = if frame.kind == FrameKind::Response {
+        shared.lock_calls().network.track_network_data(
+            pending.sent_bytes,
+            frame.wire_len,
+            &pending.peer,
+        );
+        Ok(Message {
+            metadata: frame.metadata,
+            payload: frame.payload,
+            tensors: frame
+                .tensors
+                .into_iter()
+                .map(|(d, data)| Tensor {
+                    device: d.target,
+                    data,
+                })
+                .collect(),
+        })
+    } else {
+        shared
+            .lock_calls()
+            .network
+            .track_network_error(pending.sent_bytes, &pending.peer);
+        Err(RpcError::Remote {
+            peer: pending.peer.clone(),
+            handler: pending.handler.clone(),
+            message: String::from_utf8_lossy(&frame.payload).into_owned(),
+        })
+    };
+    complete(shared, &pending.completion, result);
+}

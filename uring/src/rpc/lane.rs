@@ -1,0 +1,567 @@
+//! Pipes served by threads ("lanes"): the fast path of a call.
+//!
+//! Once a pipe's handshake is done on the I/O executor, a transport whose connections
+//! are blocking by nature (tcp over a duplicated socket, shm's rings) hands its halves
+//! over ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking))
+//! and the pipe becomes a lane:
+//!
+//! * a caller's thread encodes and sends its own request under the lane's send lock:
+//!   no hand-off to the I/O thread and no wake-up of it;
+//! * one reader thread per lane receives. On a client lane it completes the calls their
+//!   replies answer (the caller's thread wakes straight from there); on an inbound lane
+//!   it runs [`Inline`](super::Inline) handlers right away and sends their responses
+//!   itself, and hands other requests to the worker pool, whose thread sends the
+//!   response itself.
+//!
+//! So a small call costs the two socket (or ring) wake-ups that a plain ping-pong costs,
+//! plus one wake-up of the caller, instead of six thread hand-offs through the
+//! executor. Nothing waits in a cycle: reader threads never wait for anything but their
+//! receiver and their own lane's send lock, and a send only waits for the peer's reader.
+//!
+//! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
+//! lane that fails fails the calls sent on it and leaves the registry; the next call
+//! opens a new pipe through the executor. Fault injection keeps every pipe on the
+//! executor, where its rules live.
+
+use std::collections::HashMap;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
+use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits, TensorDescriptor};
+use rdzv_core::rpc::name::WorkerId;
+
+use super::calls::{self, Pending};
+use super::client::RpcClient;
+use super::error::RpcError;
+use super::io::Job;
+use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
+use super::shared::{Call, Command, Shared};
+use super::transport::{
+    BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
+};
+
+/// One thread-served pipe.
+pub(crate) struct Lane {
+    pub id: u64,
+    pub peer: String,
+    pub negotiated: Negotiated,
+    sender: Mutex<Box<dyn BlockingSender>>,
+    stop: Arc<dyn StopConnection>,
+}
+
+/// Every lane of a worker.
+#[derive(Default)]
+pub(crate) struct Lanes {
+    /// Client lanes, by destination name.
+    client: HashMap<String, Arc<Lane>>,
+    /// Inbound lanes, by pipe id.
+    inbound: HashMap<u64, Arc<Lane>>,
+    /// Set at close: no lane starts after it.
+    closed: bool,
+}
+
+impl Lanes {
+    /// The client lane to `peer`.
+    pub fn client(&self, peer: &str) -> Option<Arc<Lane>> {
+        self.client.get(peer).cloned()
+    }
+
+    /// The inbound lane `pipe`.
+    pub fn inbound(&self, pipe: u64) -> Option<Arc<Lane>> {
+        self.inbound.get(&pipe).cloned()
+    }
+
+    /// Closes the registry and takes every lane out (client lanes first).
+    pub fn close(&mut self) -> Vec<Arc<Lane>> {
+        self.closed = true;
+        let mut all: Vec<Arc<Lane>> = self.client.drain().map(|(_, l)| l).collect();
+        all.extend(self.inbound.drain().map(|(_, l)| l));
+        all
+    }
+
+    /// Takes every lane out; later lanes may start (pipes reset).
+    pub fn drain(&mut self) -> Vec<Arc<Lane>> {
+        let mut all: Vec<Arc<Lane>> = self.client.drain().map(|(_, l)| l).collect();
+        all.extend(self.inbound.drain().map(|(_, l)| l));
+        all
+    }
+}
+
+fn lanes(shared: &Shared) -> MutexGuard<'_, Lanes> {
+    shared.lanes.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Lane {
+    fn new(
+        id: u64,
+        peer: String,
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+    ) -> (Arc<Lane>, Box<dyn BlockingReceiver>) {
+        let BlockingHalves {
+            sender,
+            receiver,
+            stop,
+        } = halves;
+        let lane = Arc::new(Lane {
+            id,
+            peer,
+            negotiated,
+            sender: Mutex::new(sender),
+            stop,
+        });
+        (lane, receiver)
+    }
+
+    /// Starts client lane `id` to `peer` and its reader thread; `None` (the halves
+    /// dropped, the connection closed) when the registry is closed or the thread cannot
+    /// start.
+    pub fn start_client(
+        shared: &Arc<Shared>,
+        id: u64,
+        peer: String,
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+    ) -> Option<Arc<Lane>> {
+        let (lane, receiver) = Lane::new(id, peer, negotiated, halves);
+        {
+            let mut lanes = lanes(shared);
+            if lanes.closed {
+                lane.stop.stop();
+                return None;
+            }
+            lanes.client.insert(lane.peer.clone(), Arc::clone(&lane));
+        }
+        let thread_lane = Arc::clone(&lane);
+        let thread_shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("rdzv-rpc-lane-{id}"))
+            .spawn(move || {
+                mark_io_thread();
+                client_reader(&thread_shared, &thread_lane, receiver)
+            });
+        if let Err(e) = spawned {
+            lane.end(shared, format!("cannot start its reader thread: {e}"));
+            return None;
+        }
+        Some(lane)
+    }
+
+    /// Starts inbound lane `id` from `peer` and its reader thread, which serves the
+    /// peer's requests (non-inline ones through `jobs`).
+    pub fn start_inbound(
+        shared: &Arc<Shared>,
+        id: u64,
+        peer: (String, WorkerId),
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+        jobs: Sender<Job>,
+    ) {
+        let (name, peer_id) = peer;
+        let (lane, receiver) = Lane::new(id, name, negotiated, halves);
+        {
+            let mut lanes = lanes(shared);
+            if lanes.closed {
+                lane.stop.stop();
+                return;
+            }
+            lanes.inbound.insert(id, Arc::clone(&lane));
+        }
+        let thread_lane = Arc::clone(&lane);
+        let thread_shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("rdzv-rpc-lane-{id}"))
+            .spawn(move || {
+                mark_io_thread();
+                inbound_reader(&thread_shared, &thread_lane, peer_id, receiver, &jobs)
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(peer = %lane.peer, error = %e, "cannot start an RPC lane's reader thread");
+            lanes(shared).inbound.remove(&id);
+            lane.stop.stop();
+        }
+    }
+
+    /// Sends a call's request on this lane, from the caller's thread.
+    pub fn call(self: &Arc<Self>, shared: &Shared, call: Call) {
+        let Call {
+            message_id,
+            peer,
+            handler,
+            message,
+            timeout,
+            completion,
+        } = call;
+        let pending = Pending {
+            peer,
+            handler: handler.clone(),
+            pipe: self.id,
+            sent_bytes: 0,
+            timeout,
+            completion,
+        };
+        if let Err(pending) = shared.calls_table.register(message_id, pending) {
+            let name = shared.me.name().to_string();
+            calls::complete(
+                shared,
+                &pending.completion,
+                Err(RpcError::ShutDown { name }),
+            );
+            return;
+        }
+        self.send_request(shared, message_id, handler, message);
+    }
+
+    /// Sends the request of call `message_id`, already pending on this lane (a call
+    /// that timed out meanwhile is skipped).
+    pub fn send_request(
+        &self,
+        shared: &Shared,
+        message_id: u64,
+        handler: String,
+        message: Message,
+    ) {
+        let mut frame = OwnedFrame {
+            handler,
+            metadata: message.metadata,
+            payload: message.payload,
+            ..OwnedFrame::empty(FrameKind::Request, message_id)
+        };
+        let built = tensor_frame(
+            shared,
+            &mut frame,
+            message.tensors,
+            &self.peer,
+            Role::Connector,
+            &self.negotiated,
+            false,
+        );
+        if let Err(e) = built {
+            // Nothing was sent: this call alone fails.
+            if let Some(pending) = shared.calls_table.take(message_id) {
+                calls::complete(shared, &pending.completion, Err(e));
+            }
+            return;
+        }
+        shared
+            .calls_table
+            .set_sent(message_id, frame.encoded_len() as u64);
+        if let Err(reason) = self.send(&frame) {
+            self.end(shared, reason);
+        }
+    }
+
+    /// Sends the response to request `message_id` of this inbound lane.
+    pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
+        let frame = response_frame(shared, message_id, result, &self.peer, &self.negotiated);
+        if let Err(reason) = self.send(&frame) {
+            tracing::debug!(peer = %self.peer, %reason, "an RPC response could not be sent");
+            self.stop.stop();
+        }
+    }
+
+    /// Sends a goodbye (graceful shutdown); failures are expected then and ignored.
+    pub fn goodbye(&self) {
+        let _ = self.send(&OwnedFrame::empty(FrameKind::Goodbye, 0));
+    }
+
+    /// Ends the connection; the reader thread sees it and cleans up.
+    pub fn stop(&self) {
+        self.stop.stop();
+    }
+
+    fn send(&self, frame: &OwnedFrame) -> Result<u64, String> {
+        let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
+        sender.send(frame).map_err(|e| e.to_string())
+    }
+
+    /// The lane failed or closed: it leaves the registry (if it is still there), its
+    /// connection stops and the calls sent on it fail with `reason`.
+    pub fn end(&self, shared: &Shared, reason: String) {
+        {
+            let mut lanes = lanes(shared);
+            if lanes
+                .client
+                .get(&self.peer)
+                .is_some_and(|l| l.id == self.id)
+            {
+                lanes.client.remove(&self.peer);
+            }
+            if lanes.inbound.get(&self.id).is_some_and(|l| l.id == self.id) {
+                lanes.inbound.remove(&self.id);
+            }
+        }
+        self.stop.stop();
+        for pending in shared.calls_table.take_pipe(self.id) {
+            let error = RpcError::PipeBroken {
+                peer: self.peer.clone(),
+                reason: reason.clone(),
+            };
+            calls::fail_pending(shared, pending, error);
+        }
+    }
+}
+
+/// The client lane to `to`, if calls may take it (every tensor of `message` must go on
+/// the `basic` channel, which a lane carries in its frames).
+pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
+    if !shared.lanes_enabled {
+        return None;
+    }
+    lanes(shared).client(to)
+}
+
+/// Sends response `result` on inbound pipe `pipe` from the current thread if that pipe
+/// is a lane; otherwise hands it to the I/O thread.
+pub(crate) fn respond(
+    shared: &Shared,
+    pipe: u64,
+    message_id: u64,
+    result: Result<Message, String>,
+) {
+    let lane = lanes(shared).inbound(pipe);
+    match lane {
+        Some(lane) => lane.respond(shared, message_id, result),
+        None => {
+            let _ = shared.mailbox.push(Command::Respond {
+                pipe,
+                message_id,
+                result,
+            });
+        }
+    }
+}
+
+fn client_reader(shared: &Shared, lane: &Lane, mut receiver: Box<dyn BlockingReceiver>) {
+    let reason = loop {
+        match receiver.recv(FrameLimits::DEFAULT) {
+            Ok(Some(frame)) => match frame.kind {
+                FrameKind::Response | FrameKind::Error => {
+                    match shared.calls_table.take_reply(frame.message_id, lane.id) {
+                        Some(pending) => calls::answer(shared, pending, frame),
+                        None => tracing::debug!(
+                            message_id = frame.message_id,
+                            "late or unknown reply dropped"
+                        ),
+                    }
+                }
+                FrameKind::Goodbye => {
+                    break "the peer said goodbye (it is shutting down)".to_string()
+                }
+                other => {
+                    break format!("the peer sent an unexpected {other} frame on a client pipe")
+                }
+            },
+            Ok(None) => break "the peer closed the pipe".to_string(),
+            Err(e) => break e.to_string(),
+        }
+    };
+    lane.end(shared, reason);
+}
+
+fn inbound_reader(
+    shared: &Arc<Shared>,
+    lane: &Arc<Lane>,
+    peer_id: WorkerId,
+    mut receiver: Box<dyn BlockingReceiver>,
+    jobs: &Sender<Job>,
+) {
+    loop {
+        match receiver.recv(FrameLimits::DEFAULT) {
+            Ok(Some(frame)) if frame.kind == FrameKind::Request => {
+                serve_request(
+                    shared,
+                    jobs,
+                    lane.id,
+                    &lane.peer,
+                    peer_id,
+                    frame,
+                    |id, result| lane.respond(shared, id, result),
+                );
+            }
+            Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
+            Ok(Some(frame)) => {
+                tracing::warn!(peer = %lane.peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
+                break;
+            }
+            Ok(None) => break,
+            Err(e) => {
+                if !shared.lock_calls().shutting_down {
+                    tracing::debug!(peer = %lane.peer, error = %e, "inbound RPC pipe failed");
+                }
+                break;
+            }
+        }
+    }
+    {
+        let mut lanes = lanes(shared);
+        if lanes
+            .inbound
+            .get(&lane.id)
+            .is_some_and(|l| Arc::ptr_eq(l, lane))
+        {
+            lanes.inbound.remove(&lane.id);
+        }
+    }
+    lane.stop.stop();
+}
+
+/// Serves a request that arrived on inbound pipe `pipe`: an inline handler runs here
+/// and its result goes to `respond`; any other goes to the worker pool (which answers
+/// through [`respond`](self::respond)); with the pool gone the caller learns that this
+/// worker shut down.
+pub(crate) fn serve_request(
+    shared: &Arc<Shared>,
+    jobs: &Sender<Job>,
+    pipe: u64,
+    peer: &str,
+    peer_id: WorkerId,
+    frame: IncomingFrame,
+    respond: impl FnOnce(u64, Result<Message, String>),
+) {
+    let ctx = CallContext {
+        caller: peer.to_string(),
+        caller_id: peer_id,
+        handler: frame.handler,
+        message_id: frame.message_id,
+        client: RpcClient::new(Arc::clone(shared)),
+    };
+    let message = Message {
+        metadata: frame.metadata,
+        payload: frame.payload,
+        tensors: frame
+            .tensors
+            .into_iter()
+            .map(|(d, data)| Tensor {
+                device: d.target,
+                data,
+            })
+            .collect(),
+    };
+    shared.lock_calls().metrics.calls.server_call_started();
+    if let Some(handler) = shared.handler(&ctx.handler).filter(|h| h.runs_inline()) {
+        let message_id = ctx.message_id;
+        let result = run_handler(handler.as_ref(), &ctx, message);
+        shared
+            .lock_calls()
+            .metrics
+            .calls
+            .server_call_finished(false);
+        respond(message_id, result);
+        return;
+    }
+    if let Err(job) = jobs.send(Job { pipe, ctx, message }) {
+        shared
+            .lock_calls()
+            .metrics
+            .calls
+            .server_call_finished(false);
+        let name = shared.me.name().to_string();
+        respond(
+            job.0.ctx.message_id,
+            Err(RpcError::ShutDown { name }.to_string()),
+        );
+    }
+}
+
+/// Builds the frame's tensor descriptors: each tensor's target device is the device
+/// map's image of its device (or the same device), and the negotiated channel for the
+/// pair must be `basic`, the only channel this build runs.
+pub(crate) fn tensor_frame(
+    shared: &Shared,
+    frame: &mut OwnedFrame,
+    tensors: Vec<Tensor>,
+    peer: &str,
+    role: Role,
+    negotiated: &Negotiated,
+    reverse: bool,
+) -> Result<(), RpcError> {
+    let map = {
+        let group = shared.group();
+        if reverse {
+            group.reverse_device_maps.get(peer).cloned()
+        } else {
+            group.device_maps.get(peer).cloned()
+        }
+    };
+    for tensor in tensors {
+        let target = map
+            .as_ref()
+            .and_then(|m| m.get(&tensor.device))
+            .unwrap_or(tensor.device);
+        let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
+        if channel != Some(ChannelKind::Basic) {
+            return Err(RpcError::NoChannel {
+                peer: peer.to_string(),
+                source_device: tensor.device.to_string(),
+                target_device: target.to_string(),
+            });
+        }
+        frame.tensors.push(TensorDescriptor {
+            source: tensor.device,
+            target,
+            channel: ChannelKind::Basic,
+            len: tensor.data.len() as u64,
+        });
+        frame.inline_data.push(tensor.data);
+    }
+    check_limits(frame).map_err(|source| RpcError::Encode {
+        peer: peer.to_string(),
+        source: Box::new(source),
+    })
+}
+
+/// The frame answering request `message_id` on an inbound pipe from `peer`: the
+/// response, or an error frame with the handler's error (or why the response could not
+/// be built).
+pub(crate) fn response_frame(
+    shared: &Shared,
+    message_id: u64,
+    result: Result<Message, String>,
+    peer: &str,
+    negotiated: &Negotiated,
+) -> OwnedFrame {
+    match result {
+        Ok(message) => {
+            let mut frame = OwnedFrame {
+                metadata: message.metadata,
+                payload: message.payload,
+                ..OwnedFrame::empty(FrameKind::Response, message_id)
+            };
+            match tensor_frame(
+                shared,
+                &mut frame,
+                message.tensors,
+                peer,
+                Role::Listener,
+                negotiated,
+                true,
+            ) {
+                Ok(()) => frame,
+                Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
+            }
+        }
+        Err(text) => error_frame(message_id, &text),
+    }
+}
+
+/// An error frame carrying `text`.
+pub(crate) fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
+    OwnedFrame {
+        payload: text.as_bytes().to_vec(),
+        ..OwnedFrame::empty(FrameKind::Error, message_id)
+    }
+}
+
+/// Checks an outgoing frame against the limits every receiver applies
+/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
+/// making the peer drop the pipe: the core decoder checks every size in the header and
+/// the descriptors, which is all the head holds.
+pub(crate) fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
+    let head = frame.encode_head()?;
+    match rdzv_core::rpc::frame::decode_frame(&head, &FrameLimits::DEFAULT) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(EncodeError::from(e)),
+    }
+}
