@@ -11,25 +11,30 @@
 //! | module | does |
 //! |---|---|
 //! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
-//! | `io` | the I/O thread: one glommio executor with every pipe, the listener and the timer |
+//! | `io` | the I/O thread: one glommio executor that accepts, connects, runs handshakes and serves pipes that stay on it |
+//! | `lane` | pipes served by threads once their handshake is done (tcp, shm) |
+//! | `calls` | every call in flight, and the one timer thread for their deadlines |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
-//! | [`tcp`] | the `tcp` transport on glommio |
-//! | [`shm`] | the `shm` transport: shared-memory rings, one thread per half |
+//! | [`tcp`] | the `tcp` transport on glommio, and on a blocking socket for lanes |
+//! | [`shm`] | the `shm` transport: shared-memory rings |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //! | [`client`] | the calling half, a clonable handle for threads and handlers |
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
 //!
-//! Threads: the caller's threads enqueue calls into a mailbox and wait on futures; one
-//! I/O thread (glommio, io_uring) runs every pipe, the accept loop and one timer for all
-//! timeouts; `num_worker_threads` threads run handlers and enqueue their responses.
+//! Threads: on a lane (tcp and shm pipes, see `lane`) a caller's thread sends its own
+//! request and one reader thread per pipe completes calls and runs
+//! [`Inline`] handlers; otherwise calls go through a mailbox to the I/O thread
+//! (glommio, io_uring), which also accepts, connects and handshakes. One timer thread
+//! fails calls past their deadline; `num_worker_threads` threads run handlers and send
+//! their responses.
 //!
 //! In this increment: static and dynamic groups, the `shm` and `tcp` transports (shm
-//! is negotiated between workers on one host; every pipe bootstraps over tcp, the
-//! lowest-priority transport, and moves to shm when both sides offer it), the `basic`
-//! channel (CPU tensors inline in the pipe's frames), and fault injection for tests
-//! ([`FaultInjection`]). ibv and the other channels are not wired in yet; asking for
-//! them is an error that says so.
+//! is negotiated between workers on one host when `transports` lists it; every pipe
+//! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
+//! offer it), the `basic` channel (CPU tensors inline in the pipe's frames), and fault
+//! injection for tests ([`FaultInjection`]). ibv and the other channels are not wired in
+//! yet; asking for them is an error that says so.
 
 pub mod agent;
 pub mod backend;

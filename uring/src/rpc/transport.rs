@@ -14,15 +14,21 @@
 //! * **tcp** ([`super::tcp`]): glommio sockets, the core frame header is the length
 //!   header, limits are checked before anything is allocated.
 //! * **shm** ([`super::shm`] over `crate::transport::shm`): its connection is blocking
-//!   and already split into sender and receiver halves; an adapter runs each half on its
-//!   own thread and hands frames over through a channel, so the halves map one to one
-//!   onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
+//!   and already split into sender and receiver halves; until the pipe becomes a lane, an
+//!   adapter runs each half on its own thread and hands frames over through a channel,
+//!   so the halves map one to one onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
 //!   (boot id plus network namespace).
 //! * **ibv** (next issue): [`FrameSender::send`] takes the [`OwnedFrame`] *by value*, so
 //!   the transport may keep the payload and tensor buffers (registered, or registered on
 //!   the fly) until the NIC's completion arrives, and send them zero-copy; the receiver
 //!   learns every size from the header and descriptors (the core frame format puts them
 //!   first), so it can post receives straight into the [`IncomingFrame`]'s buffers.
+//!
+//! A transport whose connections are blocking by nature can also hand a connection's
+//! halves over after the handshake ([`FrameSender::into_blocking`]): the agent then
+//! serves the pipe from threads (a "lane") instead of the executor. tcp does it with a
+//! duplicate of the socket and the same framing code over blocking I/O; shm takes its
+//! halves back from the adapter threads.
 //!
 //! The seam does not negotiate (the agent does, with the core), retry, or know about
 //! calls, peers' names or timeouts.
@@ -113,7 +119,7 @@ pub trait Connection {
 }
 
 /// The halves of a connection taken off the executor, for a pipe served by threads
-/// (see [`super::lane`]): any thread may send under the pipe's lock, one thread receives,
+/// (the agent's "lanes"): any thread may send under the pipe's lock, one thread receives,
 /// and [`stop`](BlockingHalves::stop) wakes that thread from any other.
 pub struct BlockingHalves {
     /// Sends whole frames, blocking.

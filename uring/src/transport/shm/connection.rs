@@ -74,7 +74,7 @@ pub struct ShmOptions {
     /// TensorPipe's size.
     pub inbox_capacity: usize,
     /// How long a blocked call spins before sleeping on its eventfd. Default 50 µs on
-    /// hosts with at least [`SPIN_MIN_CPUS`] CPUs, else zero; zero sleeps at once (every
+    /// hosts with at least 4 CPUs, else zero; zero sleeps at once (every
     /// message then costs a wake-up syscall when the peer waits).
     pub spin: Duration,
     /// The largest message we accept; the peer refuses to send larger ones. Default
@@ -88,7 +88,7 @@ pub struct ShmOptions {
 /// spin, and with two CPUs the thread they should wake finds none free until a spin ends
 /// (`rdzv bench rpc` on a 2-CPU host: shm noop p50 130 µs with 50 µs spins, 39 µs
 /// without).
-pub const SPIN_MIN_CPUS: usize = 4;
+const SPIN_MIN_CPUS: usize = 4;
 
 /// 50 µs with at least [`SPIN_MIN_CPUS`] CPUs, else zero.
 fn default_spin() -> Duration {
