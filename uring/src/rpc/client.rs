@@ -54,7 +54,7 @@ impl RpcClient {
         message: Message,
         timeout: Option<Duration>,
     ) -> RpcFuture {
-        let (future, completion) = RpcFuture::new();
+        let (future, completion) = RpcFuture::with_spin(self.shared.wait_spin);
         let known = self.shared.group().peers.contains_key(to);
         if !known {
             completion.complete(Err(RpcError::UnknownWorker {

@@ -181,6 +181,8 @@ pub(crate) struct Completion {
     ready: Condvar,
     /// `slot.done`, readable without the lock, for a waiter that spins.
     done: AtomicBool,
+    /// How long [`RpcFuture::wait`] spins.
+    spin: Duration,
 }
 
 impl Completion {
@@ -244,11 +246,11 @@ impl Completion {
 }
 
 /// How long [`RpcFuture::wait`] spins before it sleeps, on hosts with more than one CPU.
-const WAIT_SPIN: Duration = Duration::from_micros(20);
+const WAIT_SPIN: Duration = Duration::from_micros(50);
 
 /// How long a thread waiting for a call's result spins before it sleeps: [`WAIT_SPIN`]
 /// when the host has another CPU for the thread that completes the call, else none.
-fn default_wait_spin() -> Duration {
+pub(crate) fn default_wait_spin() -> Duration {
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     if cpus >= 2 {
         WAIT_SPIN
@@ -274,8 +276,17 @@ fn taken() -> RpcError {
 }
 
 impl RpcFuture {
+    #[cfg(test)]
     pub(crate) fn new() -> (RpcFuture, Arc<Completion>) {
-        let cell = Arc::new(Completion::default());
+        Self::with_spin(Duration::ZERO)
+    }
+
+    /// A future whose [`wait`](Self::wait) spins `spin` before sleeping.
+    pub(crate) fn with_spin(spin: Duration) -> (RpcFuture, Arc<Completion>) {
+        let cell = Arc::new(Completion {
+            spin,
+            ..Completion::default()
+        });
         (
             RpcFuture {
                 cell: Arc::clone(&cell),
@@ -295,7 +306,7 @@ impl RpcFuture {
     /// The call's [`RpcError`].
     pub fn wait(self) -> Result<Message, RpcError> {
         if !on_io_thread() {
-            self.cell.spin_until_done(default_wait_spin());
+            self.cell.spin_until_done(self.cell.spin);
         }
         let mut slot = self.cell.lock();
         if !slot.done {

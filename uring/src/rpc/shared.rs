@@ -190,6 +190,8 @@ pub(crate) struct Shared {
     /// Whether pipes may become lanes (not under fault injection, whose rules live on
     /// the executor).
     pub lanes_enabled: bool,
+    /// `RpcOptions::wait_spin`.
+    pub wait_spin: std::time::Duration,
 }
 
 impl Shared {
