@@ -334,11 +334,17 @@ fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, CliError> {
 
 /// A local run: a child process serves on 127.0.0.1, this one measures.
 fn local(args: &RpcBenchArgs) -> Result<session::Outcome, CliError> {
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut command = Command::new(std::env::current_exe()?);
+    command
         .args(["bench", "rpc", "--peer"])
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()?;
+        .stdout(Stdio::piped());
+    if std::env::var_os("RUST_LOG").is_none() {
+        // The child's errors still show; its store's warning about connection storms
+        // (a small net.core.somaxconn) concerns no two-process run.
+        command.env("RUST_LOG", "error");
+    }
+    let mut child = command.spawn()?;
     let measured = (|| {
         let stdout = child
             .stdout

@@ -15,6 +15,7 @@
 pub mod channel;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod host;
 pub mod rendezvous;
 pub mod rpc;
 pub mod server;

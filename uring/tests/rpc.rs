@@ -11,29 +11,15 @@ use std::time::{Duration, Instant};
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, FaultInjection, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    init_rpc, CallContext, FaultInjection, Inline, Message, RpcAgent, RpcError, RpcOptions, Tensor,
 };
+
+mod common;
+
+use common::{echo, metric, pattern, sleep_message, sleep_ms, spawn_peer};
 
 const CHILD_ENV: &str = "RDZV_RPC_TEST_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_TEST_STORE";
-
-fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
-    Ok(m)
-}
-
-fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
-    let ms = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    thread::sleep(Duration::from_millis(ms));
-    Ok(Message::from_payload(b"slept".to_vec()))
-}
-
-fn sleep_message(ms: u64) -> Message {
-    Message::from_payload(ms.to_le_bytes().to_vec())
-}
 
 fn base_options(url: &str) -> RpcOptions {
     let mut options = RpcOptions::new(url)
@@ -58,6 +44,32 @@ fn base_options(url: &str) -> RpcOptions {
         .with_handler(
             "panic",
             |_: &CallContext, _: Message| -> Result<Message, String> { panic!("boom") },
+        )
+        .with_handler("inline_echo", Inline(echo))
+        .with_handler(
+            "inline_relay",
+            Inline(|ctx: &CallContext, m: Message| -> Result<Message, String> {
+                // Blocking on the I/O thread would deadlock: refused before sending.
+                let caller = ctx.caller.clone();
+                ctx.client
+                    .rpc_sync(&caller, "whoami", m)
+                    .map_err(|e| e.to_string())
+            }),
+        )
+        .with_handler(
+            "inline_notify",
+            Inline(|ctx: &CallContext, m: Message| -> Result<Message, String> {
+                // Not waiting is fine: the nested call's future is dropped unawaited.
+                let caller = ctx.caller.clone();
+                let future = ctx.client.rpc_async(&caller, "echo", m);
+                Ok(Message::from_payload(vec![u8::from(future.is_done())]))
+            }),
+        )
+        .with_handler(
+            "inline_panic",
+            Inline(|_: &CallContext, _: Message| -> Result<Message, String> {
+                panic!("inline boom")
+            }),
         )
         .with_handler(
             "whoami",
@@ -121,24 +133,6 @@ fn join_both(a: RpcAgent, b: RpcAgent) {
     let t = thread::spawn(move || b.join().map_err(|e| e.to_string()));
     assert_eq!(a.join().map_err(|e| e.to_string()), Ok(()));
     assert_eq!(t.join().ok(), Some(Ok(())));
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u8)
-                .wrapping_mul(31)
-                .wrapping_add(seed ^ (i >> 8) as u8)
-        })
-        .collect()
-}
-
-fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
-    agent
-        .get_metrics()
-        .into_iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v)
 }
 
 #[test]
@@ -248,6 +242,45 @@ fn round_trips_payloads_handlers_and_errors() {
     assert!(text.contains("handler name"), "{text}");
     assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
 
+    join_both(a, b);
+}
+
+#[test]
+fn inline_handlers_answer_on_the_io_thread_and_refuse_to_block() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let request = Message {
+        metadata: b"m".to_vec(),
+        payload: pattern(100_000, 3),
+        tensors: vec![Tensor::cpu(pattern(1 << 20, 4))],
+    };
+    for _ in 0..3 {
+        let reply = a.rpc_sync("bob", "inline_echo", request.clone());
+        assert_eq!(reply.map_err(|e| e.to_string()), Ok(request.clone()));
+    }
+    // A blocking nested call fails with a text that says why, instead of hanging.
+    let nested = a.rpc_sync("bob", "inline_relay", Message::default());
+    let text = nested.map(|_| ()).map_err(|e| e.to_string());
+    assert!(
+        text.as_ref()
+            .err()
+            .is_some_and(|t| t.contains("inline handler")),
+        "{text:?}"
+    );
+    // A nested call that is not awaited goes out.
+    let notified = a.rpc_sync("bob", "inline_notify", Message::default());
+    assert_eq!(notified.map(|m| m.payload.len()).ok(), Some(1));
+    // A panic is the caller's error, and the I/O thread goes on serving.
+    let panicked = a.rpc_sync("bob", "inline_panic", Message::default());
+    let text = panicked.map(|_| ()).map_err(|e| e.to_string());
+    assert!(
+        text.as_ref()
+            .err()
+            .is_some_and(|t| t.contains("inline boom")),
+        "{text:?}"
+    );
+    let after = a.rpc_sync("bob", "inline_echo", Message::default());
+    assert!(after.is_ok(), "{after:?}");
     join_both(a, b);
 }
 
@@ -801,17 +834,10 @@ fn killed_peer_fails_pending_calls_quickly() {
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = store_url(&dir);
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "killed_peer_fails_pending_calls_quickly",
-            "--exact",
-            "--nocapture",
-        ])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, &url)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut child = spawn_peer(
+        "killed_peer_fails_pending_calls_quickly",
+        &[(CHILD_ENV, "1"), (STORE_ENV, &url)],
+    );
     let agent = init_rpc("survivor", 0, Some(2), base_options(&url))
         .unwrap_or_else(|e| panic!("parent init: {e}"));
     assert!(agent.rpc_sync("victim", "echo", Message::default()).is_ok());

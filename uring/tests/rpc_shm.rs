@@ -4,30 +4,19 @@
 //! killed mid-call. The peer is this test binary re-run as a child process with
 //! `RDZV_RPC_SHM_CHILD` set; parent and child meet at a `file://` store.
 
-use std::process::{Child, Command};
-use std::thread;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
 
+mod common;
+
+use common::{echo, pattern, sleep_ms, spawn_peer};
+
 const CHILD_ENV: &str = "RDZV_RPC_SHM_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_SHM_STORE";
 const TRANSPORTS_ENV: &str = "RDZV_RPC_SHM_TRANSPORTS";
-
-fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
-    Ok(m)
-}
-
-fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
-    let ms = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    thread::sleep(Duration::from_millis(ms));
-    Ok(Message::from_payload(b"slept".to_vec()))
-}
 
 /// `transports`: `None` for both `shm` and `tcp` (the agent's default offers tcp only).
 fn options(url: &str, transports: Option<&str>) -> RpcOptions {
@@ -77,19 +66,11 @@ fn start(
     child_transports: Option<&str>,
 ) -> (RpcAgent, Child) {
     let url = format!("file://{}", dir.path().join("store").display());
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut command = Command::new(exe);
-    command
-        .args([test, "--exact", "--nocapture"])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, &url);
-    match child_transports {
-        Some(list) => command.env(TRANSPORTS_ENV, list),
-        None => command.env_remove(TRANSPORTS_ENV),
-    };
-    let child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut env = vec![(CHILD_ENV, "1"), (STORE_ENV, url.as_str())];
+    if let Some(list) = child_transports {
+        env.push((TRANSPORTS_ENV, list));
+    }
+    let child = spawn_peer(test, &env);
     let agent = init_rpc("main", 0, Some(2), options(&url, parent_transports))
         .unwrap_or_else(|e| panic!("parent init: {e}"));
     (agent, child)
@@ -100,16 +81,6 @@ fn finish(agent: RpcAgent, mut child: Child) {
     assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
     let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "child: {status}");
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u8)
-                .wrapping_mul(29)
-                .wrapping_add(seed ^ (i >> 9) as u8)
-        })
-        .collect()
 }
 
 #[test]

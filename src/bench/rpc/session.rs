@@ -34,7 +34,7 @@ use rdzv_core::url::RendezvousUrl;
 use rdzv_uring::rendezvous::{
     register_rendezvous_handler, Rendezvous, RendezvousError, RendezvousOptions,
 };
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcOptions};
+use rdzv_uring::rpc::{init_rpc, CallContext, Inline, Message, RpcOptions};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{Store, StoreError};
 use serde::{Deserialize, Serialize};
@@ -189,9 +189,10 @@ pub(super) fn agent_options(
     pair: Pair,
     counter: u64,
 ) -> RpcOptions {
+    // The echo only moves the message: it runs on the I/O thread (`Inline`).
     let mut options = RpcOptions::new(format!("{SCHEME}://{store}")).with_handler(
         ECHO,
-        |_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        Inline(|_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) }),
     );
     options.listen_host = Some(listen);
     options.init_counter = Some(counter);

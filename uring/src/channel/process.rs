@@ -8,15 +8,10 @@
 //! never share all of them, and a new process given a dead one's pid has a later start
 //! time. This module reads `/proc`; it does not open or watch peers.
 
-use std::io;
 use std::sync::Mutex;
 
-/// Where the kernel publishes the id of the current boot.
-const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
-/// Our pid namespace.
-const PID_NS_PATH: &str = "/proc/self/ns/pid";
-/// Our user namespace.
-const USER_NS_PATH: &str = "/proc/self/ns/user";
+pub use crate::host::IdentityError;
+use crate::host::{boot_id, namespace_inode, PID_NS_PATH, USER_NS_PATH};
 
 /// One process instance on one host: who exported a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -31,29 +26,6 @@ pub struct ProcessIdentity {
     pub pid: u32,
     /// When the process started, in clock ticks since boot.
     pub start_time: u64,
-}
-
-/// Why a process identity could not be read.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum IdentityError {
-    /// A `/proc` file could not be read or stat'ed.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// A `/proc` file holds something unexpected.
-    #[error("cannot parse {path}: {what}")]
-    Malformed {
-        /// The file.
-        path: String,
-        /// What was wrong.
-        what: &'static str,
-    },
 }
 
 impl ProcessIdentity {
@@ -166,48 +138,6 @@ impl<'a> FieldReader<'a> {
     }
 }
 
-/// The boot id of this host: its 16 bytes and its text form.
-pub(crate) fn boot_id() -> Result<([u8; 16], String), IdentityError> {
-    let text = std::fs::read_to_string(BOOT_ID_PATH).map_err(|source| IdentityError::Read {
-        path: BOOT_ID_PATH.into(),
-        source,
-    })?;
-    let text = text.trim();
-    let bytes = parse_boot_id(text).ok_or_else(|| IdentityError::Malformed {
-        path: BOOT_ID_PATH.into(),
-        what: "not a UUID",
-    })?;
-    Ok((bytes, text.to_owned()))
-}
-
-/// Parses a UUID (32 hex digits, dashes anywhere ignored).
-fn parse_boot_id(text: &str) -> Option<[u8; 16]> {
-    let mut out = [0u8; 16];
-    let mut digits = text.bytes().filter(|&b| b != b'-');
-    for byte in &mut out {
-        let high = hex_value(digits.next()?)?;
-        let low = hex_value(digits.next()?)?;
-        *byte = high << 4 | low;
-    }
-    digits.next().is_none().then_some(out)
-}
-
-fn hex_value(digit: u8) -> Option<u8> {
-    char::from(digit)
-        .to_digit(16)
-        .and_then(|v| u8::try_from(v).ok())
-}
-
-/// The inode number of a namespace file, which identifies the namespace.
-pub(crate) fn namespace_inode(path: &str) -> Result<u64, IdentityError> {
-    rustix::fs::stat(path)
-        .map(|stat| stat.st_ino)
-        .map_err(|errno| IdentityError::Read {
-            path: path.into(),
-            source: errno.into(),
-        })
-}
-
 /// The start time of process `pid` (clock ticks since boot). A missing process reads
 /// as an [`IdentityError::Read`] whose source is `NotFound`.
 pub(crate) fn start_time_of(pid: u32) -> Result<u64, IdentityError> {
@@ -237,24 +167,6 @@ fn parse_start_time(stat: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn boot_id_parsing() {
-        assert_eq!(
-            parse_boot_id("6f2ad3f1-2b9e-4c55-9a43-0f3f5e1d7c01"),
-            Some([
-                0x6f, 0x2a, 0xd3, 0xf1, 0x2b, 0x9e, 0x4c, 0x55, 0x9a, 0x43, 0x0f, 0x3f, 0x5e, 0x1d,
-                0x7c, 0x01
-            ])
-        );
-        assert_eq!(parse_boot_id(""), None);
-        assert_eq!(parse_boot_id("6f2ad3f1"), None);
-        assert_eq!(parse_boot_id("zz2ad3f1-2b9e-4c55-9a43-0f3f5e1d7c01"), None);
-        assert_eq!(
-            parse_boot_id("6f2ad3f1-2b9e-4c55-9a43-0f3f5e1d7c0100"),
-            None
-        );
-    }
 
     #[test]
     fn start_time_survives_odd_command_names() {

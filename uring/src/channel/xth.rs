@@ -325,7 +325,7 @@ impl fmt::Display for XthDomain {
 /// domain descriptor.
 pub fn viability() -> Result<XthDomain, IdentityError> {
     let me = ProcessIdentity::current()?;
-    let (_, boot) = super::process::boot_id()?;
+    let (_, boot) = crate::host::boot_id()?;
     Ok(XthDomain(format!(
         "xth:{boot}_{}_{}_{}",
         me.pid_namespace, me.pid, me.start_time

@@ -53,7 +53,7 @@ use rdzv_core::rpc::timeouts::RpcTimeout;
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::io::{Io, Job};
-use super::message::{Handler, Message, RpcFuture};
+use super::message::{mark_io_thread, run_handler, Handler, Message, RpcFuture};
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::shm::ShmTransport;
 use super::tcp::TcpTransport;
@@ -850,17 +850,7 @@ fn run_job(shared: &Shared, job: Job) {
     }
     let Job { pipe, ctx, message } = job;
     let result = match shared.handler(&ctx.handler) {
-        Some(handler) => {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.call(&ctx, message)))
-                .unwrap_or_else(|panic| {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a non-text panic".to_string());
-                    Err(format!("handler {} panicked: {what}", ctx.handler))
-                })
-        }
+        Some(handler) => run_handler(handler.as_ref(), &ctx, message),
         None => Err(format!(
             "no RPC handler named {} is registered on worker {}; register it before peers call it",
             ctx.handler,
@@ -891,6 +881,7 @@ fn spawn_io(
     let handle = std::thread::Builder::new()
         .name(name.clone())
         .spawn(move || {
+            mark_io_thread();
             let built = LocalExecutorBuilder::new(Placement::Unbound)
                 .name(&name)
                 .io_memory(1 << 20)

@@ -10,7 +10,7 @@ use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::error::RpcError;
-use super::message::{Message, RpcFuture};
+use super::message::{on_io_thread, Message, RpcFuture};
 use super::shared::{Call, Command, Shared};
 
 /// Makes calls through an agent. Clone it freely; calls made after the agent shut down
@@ -61,7 +61,14 @@ impl RpcClient {
             }));
             return future;
         }
-        self.shared.start_client_call();
+        if !self.shared.start_client_call() {
+            // An inline handler called while `join` holds the count frozen: waiting for
+            // the thaw here would stop the I/O thread that `join` needs.
+            completion.complete(Err(RpcError::ShutDown {
+                name: self.shared.me.name().to_string(),
+            }));
+            return future;
+        }
         let call = Call {
             message_id: self.shared.next_message_id(),
             peer: to.to_string(),
@@ -86,7 +93,7 @@ impl RpcClient {
     /// # Errors
     /// As the future of [`rpc_async`](Self::rpc_async).
     pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
-        self.rpc_async(to, handler, message).wait()
+        self.rpc_sync_with_timeout(to, handler, message, None)
     }
 
     /// `rpc_sync` with a per-call timeout (see
@@ -101,6 +108,10 @@ impl RpcClient {
         message: Message,
         timeout: Option<Duration>,
     ) -> Result<Message, RpcError> {
+        if on_io_thread() {
+            // Checked before sending: the call must not go out if its wait cannot happen.
+            return Err(RpcError::BlockingInline);
+        }
         self.rpc_async_with_timeout(to, handler, message, timeout)
             .wait()
     }

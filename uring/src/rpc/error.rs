@@ -250,6 +250,9 @@ pub enum RpcError {
         #[source]
         source: Box<EncodeError>,
     },
+    /// A blocking wait ran on the agent's I/O thread (inside an inline handler).
+    #[error("a blocking wait for an RPC result inside an inline handler (rpc::Inline) would stop this worker's I/O thread and deadlock; use rpc_async without waiting, or register the handler without Inline")]
+    BlockingInline,
     /// Fault injection failed the send on purpose (PyTorch's faulty agent's text).
     #[error("Send attempt failed intentionally for {handler}")]
     InjectedFault {

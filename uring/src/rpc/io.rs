@@ -34,7 +34,7 @@ use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 use super::agent::FaultInjection;
 use super::client::RpcClient;
 use super::error::RpcError;
-use super::message::{CallContext, Completion, Message, Tensor};
+use super::message::{run_handler, CallContext, Completion, Message, Tensor};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
     address_for, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener, OwnedFrame,
@@ -1015,6 +1015,22 @@ impl Io {
                 .collect(),
         };
         self.shared.lock_calls().metrics.calls.server_call_started();
+        if let Some(handler) = self
+            .shared
+            .handler(&ctx.handler)
+            .filter(|h| h.runs_inline())
+        {
+            // Right here, on the I/O thread: no hand-off to the pool and back.
+            let message_id = ctx.message_id;
+            let result = run_handler(handler.as_ref(), &ctx, message);
+            self.shared
+                .lock_calls()
+                .metrics
+                .calls
+                .server_call_finished(false);
+            self.respond(pipe, message_id, result);
+            return;
+        }
         let sent = match self.jobs.borrow().as_ref() {
             Some(jobs) => jobs.send(Job { pipe, ctx, message }).map_err(|e| e.0),
             None => Err(Job { pipe, ctx, message }),

@@ -46,4 +46,4 @@ pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORK
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
-pub use message::{CallContext, Handler, Message, RpcFuture, Tensor};
+pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};

@@ -16,7 +16,7 @@ use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
-use super::message::{Completion, Handler, Message};
+use super::message::{on_io_thread, Completion, Handler, Message};
 
 /// The domain descriptor of the basic channel: it runs over any transport.
 pub(crate) const BASIC_DESCRIPTOR: &str = "basic:any";
@@ -194,9 +194,14 @@ impl Shared {
         self.next_message_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Counts a new client call, waiting while `join` has the count frozen.
-    pub fn start_client_call(&self) {
+    /// Counts a new client call, waiting while `join` has the count frozen; on an I/O
+    /// thread (an inline handler), where waiting would deadlock, returns `false` instead
+    /// of waiting and counts nothing.
+    pub fn start_client_call(&self) -> bool {
         let mut calls = self.lock_calls();
+        if calls.frozen && on_io_thread() {
+            return false;
+        }
         while calls.frozen {
             calls = self
                 .calls_changed
@@ -204,6 +209,7 @@ impl Shared {
                 .unwrap_or_else(|p| p.into_inner());
         }
         calls.metrics.calls.client_call_started();
+        true
     }
 
     /// A client call completed (answered, failed or timed out).

@@ -23,8 +23,8 @@ use std::fmt;
 use std::io;
 
 use super::read::{read_pieces, Piece};
-use crate::channel::process::{boot_id, IdentityError};
 use crate::channel::ProcessIdentity;
+use crate::host::{boot_id, IdentityError};
 
 /// Yama's setting.
 const PTRACE_SCOPE_PATH: &str = "/proc/sys/kernel/yama/ptrace_scope";

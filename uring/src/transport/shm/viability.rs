@@ -12,15 +12,12 @@
 //! This module reads `/proc`; it does not cache results, listen or connect.
 
 use std::fmt;
-use std::io;
+
+use crate::host::{self, NET_NS_PATH};
 
 use super::segment::Segment;
 use super::ShmError;
 
-/// Where the kernel publishes the id of the current boot.
-const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
-/// Our network namespace; its inode number identifies it.
-const NET_NS_PATH: &str = "/proc/self/ns/net";
 /// The test allocation's data region: 1 MiB, as TensorPipe's.
 const TEST_ALLOCATION: usize = 1 << 20;
 /// The longest boot id accepted (the kernel writes a 36-character UUID).
@@ -39,21 +36,11 @@ pub struct HostIdentity {
 impl HostIdentity {
     /// Reads the identity of the host and namespace this process runs in.
     pub fn current() -> Result<HostIdentity, NotViable> {
-        let raw =
-            std::fs::read_to_string(BOOT_ID_PATH).map_err(|source| NotViable::BootId { source })?;
-        let boot_id = raw.trim();
-        if !valid_boot_id(boot_id) {
-            return Err(NotViable::MalformedBootId {
-                value: boot_id.chars().take(80).collect(),
-            });
-        }
-        let net_namespace = rustix::fs::stat(NET_NS_PATH)
-            .map_err(|errno| NotViable::NetNamespace {
-                source: errno.into(),
-            })?
-            .st_ino;
+        let (_, boot_id) = host::boot_id().map_err(|source| NotViable::Host { source })?;
+        let net_namespace =
+            host::namespace_inode(NET_NS_PATH).map_err(|source| NotViable::Host { source })?;
         Ok(HostIdentity {
-            boot_id: boot_id.to_owned(),
+            boot_id,
             net_namespace,
         })
     }
@@ -99,25 +86,12 @@ impl fmt::Display for DomainDescriptor {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NotViable {
-    /// The boot id could not be read.
-    #[error("shm transport not viable: cannot read {BOOT_ID_PATH}: {source}")]
-    BootId {
-        /// The OS error.
+    /// The boot id or the network namespace could not be read.
+    #[error("shm transport not viable: {source}")]
+    Host {
+        /// What failed.
         #[source]
-        source: io::Error,
-    },
-    /// The boot id file holds something that is not a boot id.
-    #[error("shm transport not viable: {BOOT_ID_PATH} holds {value:?}, not a boot id")]
-    MalformedBootId {
-        /// What the file held (at most 80 characters).
-        value: String,
-    },
-    /// The network namespace could not be identified.
-    #[error("shm transport not viable: cannot stat {NET_NS_PATH}: {source}")]
-    NetNamespace {
-        /// The OS error.
-        #[source]
-        source: io::Error,
+        source: host::IdentityError,
     },
     /// The test allocation of a shared-memory segment failed.
     #[error("shm transport not viable: test allocation of a 1 MiB segment failed: {source}")]

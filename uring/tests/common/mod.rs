@@ -1,0 +1,69 @@
+//! What the RPC agent's integration tests share: the handlers every test group
+//! registers, deterministic tensor contents, metric lookup, and re-running this test
+//! binary as a peer process.
+//!
+//! Each test binary compiles its own copy and uses part of it.
+#![allow(dead_code)]
+
+use std::process::{Child, Command};
+use std::thread;
+use std::time::Duration;
+
+use rdzv_uring::rpc::{CallContext, Message, RpcAgent};
+
+/// Answers with the request.
+pub fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
+    Ok(m)
+}
+
+/// Sleeps for the milliseconds in the payload's first 8 bytes (little-endian), then
+/// answers `slept`.
+pub fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
+    let ms = m
+        .payload
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes);
+    thread::sleep(Duration::from_millis(ms));
+    Ok(Message::from_payload(b"slept".to_vec()))
+}
+
+/// The request of [`sleep_ms`].
+pub fn sleep_message(ms: u64) -> Message {
+    Message::from_payload(ms.to_le_bytes().to_vec())
+}
+
+/// `len` bytes that differ with `seed` and do not repeat with a short period, so that a
+/// misplaced, dropped or duplicated chunk shows.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u8)
+                .wrapping_mul(31)
+                .wrapping_add(seed ^ (i >> 8) as u8)
+        })
+        .collect()
+}
+
+/// The value of one of the agent's metrics.
+pub fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
+    agent
+        .get_metrics()
+        .into_iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v)
+}
+
+/// Starts this test binary again, running only `test`, with `env` set: the test sees
+/// its child variable and plays the peer instead of the parent.
+pub fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Child {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    let mut command = Command::new(exe);
+    command.args([test, "--exact", "--nocapture"]);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    command
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning the peer process for {test}: {e}"))
+}
