@@ -57,9 +57,10 @@ The --listen side hosts a store on PORT, serves one run and exits when the other
 done. The --connect side decides what runs: it sends the (transport, channel) pairs it can
 run through that store, the listening side answers which of them it can run too (and why
 not), and both then run one agent pair per accepted pair, one after the other, on store
-prefixes rpc_prefix_0, rpc_prefix_1, ... of the same store. Only PORT must be reachable
-from the connecting side; the agents and the raw-tcp echo server listen on ephemeral ports
-of the address the connecting side used. shm runs only when both sides share a host.
+prefixes rpc_prefix_0, rpc_prefix_1, ... of the same store. Besides PORT, the agents
+listen on ephemeral ports (on the address the connecting side used, and on the connecting
+side's address towards it), as does the raw-tcp echo server on the listening side. shm
+runs only when both sides share a host.
 
 In --json output, a transport that cannot run prints one line with `skipped` (the reason)
 and no measurement fields.";

@@ -94,9 +94,9 @@ impl Row {
             "channel": self.channel,
             "payload_bytes": self.payload_bytes,
             "iters": self.iters,
-            "p50_us": self.p50_us,
-            "p99_us": self.p99_us,
-            "gbytes_per_s": self.gbytes_per_s,
+            "p50_us": round_to(self.p50_us, 1e3),
+            "p99_us": round_to(self.p99_us, 1e3),
+            "gbytes_per_s": round_to(self.gbytes_per_s, 1e6),
         })
     }
 
@@ -116,6 +116,12 @@ impl Skip {
             "skipped": self.reason,
         })
     }
+}
+
+/// `value` to the nearest `1 / scale` (nanoseconds for µs; kB/s for GB/s), so that JSON
+/// shows `137.979` rather than `137.97899999999998`.
+fn round_to(value: f64, scale: f64) -> f64 {
+    (value * scale).round() / scale
 }
 
 fn column_label(transport: &str, channel: &str) -> String {
@@ -149,7 +155,7 @@ pub(super) fn human_size(bytes: u64) -> String {
 /// One line per payload size, one column group (p50, p99, GB/s) per transport in the
 /// order they first appear in `rows`, then one line per skip.
 pub(super) fn table(rows: &[Row], skips: &[Skip]) -> String {
-    const GROUP: usize = 28;
+    const GROUP: usize = 30;
     let mut columns: Vec<String> = Vec::new();
     let mut sizes: Vec<u64> = Vec::new();
     for row in rows {
@@ -171,7 +177,7 @@ pub(super) fn table(rows: &[Row], skips: &[Skip]) -> String {
         out.push('\n');
         let _ = write!(out, "{:<10}", "");
         for _ in &columns {
-            let _ = write!(out, " |{:>9}{:>9}{:>10}", "p50 µs", "p99 µs", "GB/s");
+            let _ = write!(out, " |{:>10}{:>10}{:>10}", "p50 µs", "p99 µs", "GB/s");
         }
         out.push('\n');
         for &size in &sizes {
@@ -184,7 +190,7 @@ pub(super) fn table(rows: &[Row], skips: &[Skip]) -> String {
                     Some(r) => {
                         let _ = write!(
                             out,
-                            " |{:>9.1}{:>9.1}{:>10.3}",
+                            " |{:>10.1}{:>10.1}{:>10.3}",
                             r.p50_us, r.p99_us, r.gbytes_per_s
                         );
                     }
@@ -232,6 +238,14 @@ mod tests {
         assert_eq!(json["channel"], "basic");
         assert_eq!(json["payload_bytes"], 1_000);
         assert_eq!(json["iters"], 100);
+        let odd = Row::from_samples(
+            "tcp",
+            "basic",
+            RunMode::Local,
+            0,
+            vec![Duration::from_nanos(137_979); 2],
+        );
+        assert_eq!(odd.json()["p50_us"].to_string(), "137.979");
     }
 
     #[test]
