@@ -58,7 +58,6 @@ fn echo_row(
     bar: &ProgressBar,
 ) -> Result<Row, CliError> {
     let payload = Payload::new(len);
-    bar.inc_length(iters as u64);
     bar.set_message(format!("{pair} {}", human_size(len as u64)));
     let mut samples = Vec::with_capacity(iters);
     for iter in 0..=iters as u64 {

@@ -434,6 +434,11 @@ impl Measurement<'_> {
             )
         })?;
         *control = Some(raw::hold_control(raw_addr)?);
+        // Every round trip of the run: each accepted pair's, then raw-tcp's.
+        let accepted = reply.pairs.iter().filter(|v| v.skipped.is_none()).count();
+        let per_column: usize = self.sizes.iter().map(|&(_, iters)| iters).sum();
+        self.bar
+            .set_length(((accepted + 1) as u64).saturating_mul(per_column as u64));
         for (counter, (&pair, verdict)) in asked.iter().zip(&reply.pairs).enumerate() {
             if let Some(reason) = &verdict.skipped {
                 outcome.skips.push(self.skip(pair, reason.clone()));
