@@ -61,8 +61,9 @@ pub enum BenchCommand {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Measure the RPC agent between two local worker processes: `rpc_sync` echoes per
-    /// payload size and transport, next to a raw TCP ping-pong (see `bench::rpc`).
+    /// Measure the RPC agent between two worker processes, local or on two hosts
+    /// (--listen/--connect): `rpc_sync` echo latency and bandwidth per payload size for
+    /// each transport side by side, next to a raw TCP ping-pong (see `bench::rpc`).
     Rpc(rpc::RpcBenchArgs),
 }
 

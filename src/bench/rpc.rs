@@ -1,178 +1,383 @@
-//! `rdzv bench rpc`: two local worker processes (this one, rank 0, hosting the store, and
-//! a child `rdzv bench rpc --peer URL`, rank 1) rendezvous through an embedded
-//! `tcp://` store; rank 0 measures `rpc_sync` echoes of one CPU tensor per payload size
-//! over every viable transport (`shm` when shared memory works here, then `tcp`; one pair
-//! of processes per transport, both asking for only that one), and a plain TCP ping-pong
-//! of the same size (the physical limit; an empty payload pings 40 bytes, the size of an
-//! empty RPC frame).
+//! `rdzv bench rpc`: the RPC agent's echo latency and bandwidth per payload size, for each
+//! transport and channel side by side, next to a raw TCP ping-pong between the same two
+//! processes (the physical limit) and, with `--device cuda:N`, the GPU's device-to-device
+//! copy bandwidth (the CUDA limit).
 //!
-//! Rows carry `bench` ("rpc"), `transport`, `channel`, `payload_bytes`, `p50_us`,
-//! `p99_us` and `gbytes_per_s` (echo bandwidth, both directions counted). This module
-//! only measures and prints; the agent is `rdzv_uring::rpc`'s.
+//! Two processes take part: a serving side (rank 1: it hosts the store, answers echoes
+//! and runs the raw echo server) and a measuring side (rank 0: it times). Locally the
+//! command starts the serving side as a child process on 127.0.0.1; between two hosts,
+//! `--listen [HOST:]PORT` is the serving side and `--connect HOST:PORT` the measuring one,
+//! as with `ib_write_bw`. The measuring side decides what runs and the serving side
+//! agrees or says why not (`session`). Rows carry `bench` ("rpc"), `mode` ("local" or
+//! "two-host"), `transport`, `channel`, `payload_bytes`, `iters`, `p50_us`, `p99_us` and
+//! `gbytes_per_s` (echo bandwidth, both directions counted); a transport that cannot run
+//! gets a `skipped` line with its reason instead.
+//!
+//! | module | does |
+//! |---|---|
+//! | `session` | the two sides, the plan/reply/done keys, the `rdzvbench://` rendezvous |
+//! | `pair` | rank 0's `rpc_sync` echoes over one transport and channel |
+//! | `raw` | the raw-tcp echo server and ping-pong |
+//! | `cuda` | the device-to-device `cuMemcpy` limit row |
+//! | `viability` | which transports and channels can run here, and why not |
+//! | `payload` | the bytes echoed and the check that they came back |
+//! | `row` | rows, skips, JSON and the side-by-side table |
+//!
+//! This module parses options and starts the sides; it measures nothing itself.
 
-use std::io::{Read as _, Write as _};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, ExitCode};
-use std::time::{Duration, Instant};
+mod cuda;
+mod pair;
+mod payload;
+mod raw;
+mod row;
+mod session;
+mod viability;
+
+use std::io::{BufRead as _, BufReader, IsTerminal as _, Write as _};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs as _, UdpSocket};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::Duration;
 
 use clap::Args;
-use rdzv_uring::rpc::{init_rpc, CallContext, Inline, Message, RpcAgent, RpcOptions, Tensor};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rdzv_core::device::Device;
+use rdzv_core::negotiate::{ChannelKind, TransportKind};
+use rdzv_uring::{ServerOptions, StoreServer};
 
-use super::latency::EchoServer;
 use crate::cli::CliError;
+use row::{RunMode, Skip};
+use session::{Measurement, Pair};
+
+const TWO_HOST_HELP: &str = "\
+Two hosts (as with ib_write_bw):
+  host A:  rdzv bench rpc --listen 29600
+  host B:  rdzv bench rpc --connect hostA:29600 [--transport tcp,ibv] [--json]
+
+The --listen side hosts a store on PORT, serves one run and exits when the other side is
+done. The --connect side decides what runs: it sends the (transport, channel) pairs it can
+run through that store, the listening side answers which of them it can run too (and why
+not), and both then run one agent pair per accepted pair, one after the other, on store
+prefixes rpc_prefix_0, rpc_prefix_1, ... of the same store. Besides PORT, the agents
+listen on ephemeral ports (on the address the connecting side used, and on the connecting
+side's address towards it), as does the raw-tcp echo server on the listening side. shm
+runs only when both sides share a host.
+
+In --json output, a transport that cannot run prints one line with `skipped` (the reason)
+and no measurement fields.";
 
 /// Options of `rdzv bench rpc`.
 #[derive(Debug, Args)]
+#[command(after_long_help = TWO_HOST_HELP)]
 pub struct RpcBenchArgs {
-    /// Payload sizes in bytes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 64 << 20])]
-    sizes: Vec<u64>,
+    /// Payload sizes, comma-separated, in bytes or with a K, M or G suffix (powers of 1024:
+    /// 4K, 64MiB). Default: 0,64M locally; 0,64,4K,64K,1M,16M,64M with --connect.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<u64>>,
     /// Round trips per size for payloads under 1 MiB.
     #[arg(long, default_value_t = 2_000)]
     iters: usize,
     /// Round trips per size for payloads of 1 MiB or more.
     #[arg(long, default_value_t = 20)]
     big_iters: usize,
-    /// Print one JSON object per row instead of a table.
+    /// Transports to measure: tcp, shm, ibv (repeat the option or comma-separate).
+    /// Default: each of them that both sides can run; the others are reported as skipped.
+    #[arg(long = "transport", value_name = "TRANSPORT", value_delimiter = ',', value_parser = parse_transport)]
+    transports: Vec<TransportKind>,
+    /// Channels for the tensors (basic, cma, xth, mpt, ...; repeat or comma-separate):
+    /// each transport is measured once per channel. Default: basic.
+    #[arg(long = "channel", value_name = "CHANNEL", value_delimiter = ',', value_parser = parse_channel)]
+    channels: Vec<ChannelKind>,
+    /// Also measure device-to-device cuMemcpy bandwidth on this GPU (`cuda:N`), the limit
+    /// for CUDA tensors; skipped, with the reason, when CUDA is not usable here.
+    #[arg(long, value_name = "cuda:N", value_parser = parse_cuda_device)]
+    device: Option<u8>,
+    /// Print one JSON object per row instead of a table (and no progress bar).
     #[arg(long)]
     json: bool,
-    /// Run as the benchmark's peer worker, rendezvousing at this `tcp://` URL (used by
-    /// the benchmark itself).
-    #[arg(long, hide = true)]
-    peer: Option<String>,
-    /// The transport the peer worker offers (used by the benchmark itself).
-    #[arg(long, hide = true, default_value = "tcp")]
-    peer_transport: String,
+    /// Serve one two-host run: host the store on [HOST:]PORT (all interfaces by default;
+    /// port 0 picks one and prints it) and answer the --connect side.
+    #[arg(long, value_name = "[HOST:]PORT", conflicts_with_all = ["connect", "sizes", "transports", "channels", "device", "iters", "big_iters"])]
+    listen: Option<String>,
+    /// Measure against a `--listen` side at HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    connect: Option<String>,
+    /// Run as the serving side of a local run: listen on 127.0.0.1, print the port on
+    /// stdout (used by the benchmark itself).
+    #[arg(long, hide = true, conflicts_with_all = ["listen", "connect"])]
+    peer: bool,
 }
 
-/// One measured row.
-#[derive(Debug, Clone, PartialEq)]
-struct Row {
-    transport: &'static str,
-    channel: &'static str,
-    payload_bytes: u64,
-    p50_us: f64,
-    p99_us: f64,
-    gbytes_per_s: f64,
+/// Payloads of a local run when `--sizes` is not given.
+const LOCAL_SIZES: [u64; 2] = [0, 64 << 20];
+/// Payloads of a two-host run when `--sizes` is not given.
+const TWO_HOST_SIZES: [u64; 7] = [0, 64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
+/// How long the local serving side waits for the plan.
+const LOCAL_PLAN_WAIT: Duration = Duration::from_secs(60);
+const BAR: &str = "{msg:>28} [{bar:40}] {pos}/{len}";
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let digits = trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(digits);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        other => return Err(format!("unknown size unit {other:?} (use K, M or G)")),
+    };
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size in bytes"))?;
+    let bytes = number
+        .checked_mul(1 << shift)
+        .filter(|&b| b <= raw::MAX_MESSAGE_BYTES)
+        .ok_or_else(|| format!("{text} is above the 1 GiB the benchmark supports"))?;
+    Ok(bytes)
 }
 
-impl Row {
-    fn from_samples(
-        transport: &'static str,
-        channel: &'static str,
-        payload_bytes: u64,
-        mut samples: Vec<Duration>,
-    ) -> Row {
-        samples.sort();
-        let at = |p: usize| {
-            samples
-                .get((samples.len().saturating_sub(1)) * p / 100)
-                .map_or(0.0, |d| d.as_secs_f64() * 1e6)
-        };
-        let total: f64 = samples.iter().map(Duration::as_secs_f64).sum();
-        let gbytes_per_s = if total > 0.0 {
-            2.0 * payload_bytes as f64 * samples.len() as f64 / total / 1e9
-        } else {
-            0.0
-        };
-        Row {
-            transport,
-            channel,
-            payload_bytes,
-            p50_us: at(50),
-            p99_us: at(99),
-            gbytes_per_s,
+fn parse_transport(text: &str) -> Result<TransportKind, String> {
+    text.trim().parse().map_err(|e| format!("{e}"))
+}
+
+fn parse_channel(text: &str) -> Result<ChannelKind, String> {
+    text.trim().parse().map_err(|e| format!("{e}"))
+}
+
+fn parse_cuda_device(text: &str) -> Result<u8, String> {
+    let device: Device = text.trim().parse().map_err(|e| format!("{e}"))?;
+    if !device.is_cuda() {
+        return Err(format!(
+            "{text}: only CUDA devices have a limit row (cuda:N)"
+        ));
+    }
+    Ok(device.index().unwrap_or(0))
+}
+
+/// `[HOST:]PORT` of `--listen`.
+fn parse_listen(text: &str) -> Result<SocketAddr, CliError> {
+    if let Ok(port) = text.parse::<u16>() {
+        return Ok(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
+    }
+    text.to_socket_addrs()
+        .map_err(|e| format!("--listen {text}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--listen {text}: no address").into())
+}
+
+/// The pairs to measure, in column order: each transport with each channel.
+fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
+    let transports = if args.transports.is_empty() {
+        viability::DEFAULT_TRANSPORTS.to_vec()
+    } else {
+        args.transports.clone()
+    };
+    let channels = if args.channels.is_empty() {
+        vec![ChannelKind::Basic]
+    } else {
+        args.channels.clone()
+    };
+    let mut pairs = Vec::new();
+    for &transport in &transports {
+        for &channel in &channels {
+            let pair = Pair { transport, channel };
+            if pairs.contains(&pair) {
+                return Err(format!("--transport/--channel name {pair} twice").into());
+            }
+            pairs.push(pair);
         }
     }
+    Ok(pairs)
+}
 
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "bench": "rpc",
-            "transport": self.transport,
-            "channel": self.channel,
-            "payload_bytes": self.payload_bytes,
-            "p50_us": self.p50_us,
-            "p99_us": self.p99_us,
-            "gbytes_per_s": self.gbytes_per_s,
+/// `(payload bytes, iterations)` per size.
+fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, CliError> {
+    let default: &[u64] = match mode {
+        RunMode::Local => &LOCAL_SIZES,
+        RunMode::TwoHost => &TWO_HOST_SIZES,
+    };
+    let given = args.sizes.as_deref().unwrap_or(default);
+    if given.is_empty() {
+        return Err("--sizes lists no size".into());
+    }
+    given
+        .iter()
+        .map(|&size| {
+            let iters = if size >= 1 << 20 {
+                args.big_iters
+            } else {
+                args.iters
+            };
+            if iters == 0 {
+                return Err("--iters and --big-iters must be at least 1".into());
+            }
+            Ok((usize::try_from(size)?, iters))
         })
-    }
+        .collect()
 }
 
-const NAMES: [&str; 2] = ["bench-rpc-0", "bench-rpc-1"];
-
-fn options(url: &str, transport: &str) -> RpcOptions {
-    // The echo only moves the message: it runs on the I/O thread (`Inline`).
-    let mut options = RpcOptions::new(url).with_handler(
-        "echo",
-        Inline(|_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) }),
-    );
-    options.listen_host = Some([127, 0, 0, 1].into());
-    options.init_counter = Some(0);
-    options.rpc_timeout = Duration::from_secs(120);
-    options.transports = Some(vec![transport.to_string()]);
-    options
-}
-
-/// The transports measured, best first: `shm` if it is viable here, and `tcp`.
-fn transports(json: bool) -> Vec<&'static str> {
-    let mut transports = Vec::new();
-    match rdzv_uring::transport::shm::viability() {
-        Ok(_) => transports.push("shm"),
-        Err(e) if !json => eprintln!("skipping shm: {e}"),
-        Err(_) => {}
+fn progress_bar(json: bool) -> ProgressBar {
+    if json || !std::io::stderr().is_terminal() {
+        return ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
     }
-    transports.push("tcp");
-    transports
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(BAR) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }
 
 /// Runs `rdzv bench rpc`.
 ///
 /// # Errors
-/// When the peer cannot be started, the agents cannot start, or a call fails.
+/// When an option is invalid, the other side cannot be started or reached, an agent
+/// cannot start, a call fails, or an echo comes back different from what was sent.
 pub fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
-    if let Some(url) = &args.peer {
-        let agent = init_rpc(NAMES[1], 1, Some(2), options(url, &args.peer_transport))?;
-        agent.join()?;
-        return Ok(ExitCode::SUCCESS);
+    if args.peer {
+        return listen(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), Role::LocalPeer);
     }
-    let mut rows = Vec::new();
-    for transport in transports(args.json) {
-        rows.extend(measure_pair(&args, transport)?);
+    if let Some(text) = &args.listen {
+        let role = if args.json {
+            Role::Quiet
+        } else {
+            Role::Listener
+        };
+        return listen(parse_listen(text)?, role);
     }
-    for &size in &args.sizes {
-        rows.push(raw_row(
-            usize::try_from(size)?,
-            iters_for(&args, size),
-            args.json,
-        )?);
+    let (mode, measured) = match &args.connect {
+        Some(text) => (RunMode::TwoHost, connect(&args, text)?),
+        None => (RunMode::Local, local(&args)?),
+    };
+    let session::Outcome {
+        mut rows,
+        mut skips,
+    } = measured;
+    if let Some(ordinal) = args.device {
+        let sizes = sizes(&args, mode)?;
+        match cuda::not_viable(ordinal)? {
+            Some(reason) => skips.push(Skip {
+                transport: cuda::CUDA_D2D.into(),
+                channel: row::NO_CHANNEL.into(),
+                mode,
+                reason,
+            }),
+            None => {
+                let bar = progress_bar(args.json);
+                rows.extend(cuda::measure(ordinal, &sizes, mode, &bar)?);
+                bar.finish_and_clear();
+            }
+        }
     }
-    // Per payload: each transport, then raw-tcp.
+    // Per payload: each pair in column order, then raw-tcp, then the CUDA limit.
     rows.sort_by_key(|row| row.payload_bytes);
+    let mut stdout = std::io::stdout().lock();
     if args.json {
         for row in &rows {
-            println!("{}", row.json());
+            writeln!(stdout, "{}", row.json())?;
+        }
+        for skip in &skips {
+            writeln!(stdout, "{}", skip.json())?;
         }
     } else {
-        println!(
-            "{:<10} {:<8} {:>14} {:>12} {:>12} {:>12}",
-            "transport", "channel", "payload_bytes", "p50_us", "p99_us", "GB/s"
-        );
-        for row in &rows {
-            println!(
-                "{:<10} {:<8} {:>14} {:>12.1} {:>12.1} {:>12.3}",
-                row.transport,
-                row.channel,
-                row.payload_bytes,
-                row.p50_us,
-                row.p99_us,
-                row.gbytes_per_s
-            );
+        stdout.write_all(row::table(&rows, &skips).as_bytes())?;
+    }
+    stdout.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Who runs the serving side, and what it prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// `--listen`: says where it listens and what it served, on stderr.
+    Listener,
+    /// `--listen --json`: says only where it listens.
+    Quiet,
+    /// The child of a local run: prints its port on stdout, then nothing.
+    LocalPeer,
+}
+
+fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, CliError> {
+    let server = StoreServer::start(ServerOptions {
+        host: Some(bind.ip().to_string()),
+        port: bind.port(),
+        ..ServerOptions::default()
+    })?;
+    let addr = server.local_addr();
+    match role {
+        Role::LocalPeer => {
+            let mut stdout = std::io::stdout().lock();
+            writeln!(stdout, "{}", addr.port())?;
+            stdout.flush()?;
         }
+        Role::Listener | Role::Quiet => eprintln!(
+            "rdzv bench rpc: listening on {addr}; on the other host run \
+             `rdzv bench rpc --connect <this host>:{}`",
+            addr.port()
+        ),
+    }
+    // This side reaches its own store over loopback when it listens everywhere.
+    let own = if addr.ip().is_unspecified() {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, addr.port()))
+    } else {
+        addr
+    };
+    let plan_wait = (role == Role::LocalPeer).then_some(LOCAL_PLAN_WAIT);
+    let served = session::serve(own, plan_wait, role == Role::Listener);
+    server.shutdown();
+    let served = served?;
+    if role == Role::Listener {
+        eprintln!("rdzv bench rpc: the run is over ({served} transport pair(s) served)");
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Waits for the peer (it exits once both agents have joined); kills it if the
+/// A local run: a child process serves on 127.0.0.1, this one measures.
+fn local(args: &RpcBenchArgs) -> Result<session::Outcome, CliError> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command
+        .args(["bench", "rpc", "--peer"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    if std::env::var_os("RUST_LOG").is_none() {
+        // The child's errors still show; its store's warning about connection storms
+        // (a small net.core.somaxconn) concerns no two-process run.
+        command.env("RUST_LOG", "error");
+    }
+    let mut child = command.spawn()?;
+    let measured = (|| {
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or("the benchmark's peer process has no stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let port: u16 = line.trim().parse().map_err(|_| {
+            format!("the benchmark's peer process did not say where it listens ({line:?})")
+        })?;
+        let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
+        let bar = progress_bar(args.json);
+        let outcome = Measurement {
+            store: SocketAddr::new(localhost, port),
+            local_ip: localhost,
+            serving_ip: localhost,
+            mode: RunMode::Local,
+            pairs: pairs(args)?,
+            sizes: sizes(args, RunMode::Local)?,
+            bar: &bar,
+        }
+        .run();
+        bar.finish_and_clear();
+        outcome
+    })();
+    let status = child_status(&mut child, measured.is_ok());
+    let outcome = measured?;
+    status?;
+    Ok(outcome)
+}
+
+/// Waits for the local peer (it exits once the run is done); kills it if the
 /// measurement failed.
 fn child_status(child: &mut Child, measured: bool) -> Result<(), CliError> {
     if !measured {
@@ -185,144 +390,139 @@ fn child_status(child: &mut Child, measured: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-fn iters_for(args: &RpcBenchArgs, size: u64) -> usize {
-    if size >= 1 << 20 {
-        args.big_iters
+/// `--connect HOST:PORT`: measures against a `--listen` side.
+fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, CliError> {
+    let store = text
+        .to_socket_addrs()
+        .map_err(|e| format!("--connect {text}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--connect {text}: no address"))?;
+    let local_ip = route_source(store).map_err(|e| format!("no route to {store}: {e}"))?;
+    let bar = progress_bar(args.json);
+    let outcome = Measurement {
+        store,
+        local_ip,
+        serving_ip: store.ip(),
+        mode: RunMode::TwoHost,
+        pairs: pairs(args)?,
+        sizes: sizes(args, RunMode::TwoHost)?,
+        bar: &bar,
+    }
+    .run();
+    bar.finish_and_clear();
+    outcome
+}
+
+/// The local address the kernel would send from to reach `to` (no packet is sent).
+fn route_source(to: SocketAddr) -> std::io::Result<IpAddr> {
+    let any: SocketAddr = if to.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
-        args.iters
-    }
-    .max(1)
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = UdpSocket::bind(any)?;
+    socket.connect(to)?;
+    Ok(socket.local_addr()?.ip())
 }
-
-/// Starts a peer process offering only `transport` and measures every size over it.
-fn measure_pair(args: &RpcBenchArgs, transport: &'static str) -> Result<Vec<Row>, CliError> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let mut child = Command::new(std::env::current_exe()?)
-        .args([
-            "bench",
-            "rpc",
-            "--peer",
-            &url,
-            "--peer-transport",
-            transport,
-        ])
-        .spawn()?;
-    let measured = measure(args, &url, transport);
-    let status = child_status(&mut child, measured.is_ok());
-    let rows = measured?;
-    status?;
-    Ok(rows)
-}
-
-fn measure(args: &RpcBenchArgs, url: &str, transport: &'static str) -> Result<Vec<Row>, CliError> {
-    let agent = init_rpc(NAMES[0], 0, Some(2), options(url, transport))?;
-    let result = (|| {
-        // Open the pipe and check what it runs on.
-        agent.rpc_sync(NAMES[1], "echo", Message::default())?;
-        let running = agent.pipe_transport(NAMES[1]).map(|k| k.name());
-        if running != Some(transport) {
-            return Err(format!(
-                "the pipe asked to run on {transport} runs on {}",
-                running.unwrap_or("nothing")
-            )
-            .into());
-        }
-        let mut rows = Vec::new();
-        for &size in &args.sizes {
-            let len = usize::try_from(size)?;
-            rows.push(rpc_row(
-                &agent,
-                transport,
-                len,
-                iters_for(args, size),
-                args.json,
-            )?);
-        }
-        Ok::<_, CliError>(rows)
-    })();
-    let joined = agent.join();
-    let rows = result?;
-    joined?;
-    Ok(rows)
-}
-
-fn rpc_row(
-    agent: &RpcAgent,
-    transport: &'static str,
-    len: usize,
-    iters: usize,
-    json: bool,
-) -> Result<Row, CliError> {
-    let data = vec![0xA5u8; len];
-    let bar = super::progress_bar(json, BAR);
-    bar.set_length(iters as u64);
-    bar.set_message(format!("rpc {transport} {len} B"));
-    // Warm up the pipe.
-    agent.rpc_sync(NAMES[1], "echo", Message::default())?;
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let message = Message::default().with_tensor(Tensor::cpu(data.clone()));
-        let started = Instant::now();
-        let reply = agent.rpc_sync(NAMES[1], "echo", message)?;
-        samples.push(started.elapsed());
-        let echoed = reply.tensors.first().map_or(0, |t| t.data.len());
-        if echoed != len {
-            return Err(format!("the echo returned {echoed} bytes instead of {len}").into());
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    Ok(Row::from_samples(transport, "basic", len as u64, samples))
-}
-
-fn raw_row(len: usize, iters: usize, json: bool) -> Result<Row, CliError> {
-    // An empty RPC still moves a 40-byte frame header each way.
-    let wire = len.max(40);
-    let server = EchoServer::start(wire, wire)?;
-    let addr: SocketAddr = server.addr();
-    let mut stream = TcpStream::connect(addr)?;
-    stream.set_nodelay(true)?;
-    let out = vec![0x5Au8; wire];
-    let mut back = vec![0u8; wire];
-    let bar = super::progress_bar(json, BAR);
-    bar.set_length(iters as u64);
-    bar.set_message(format!("raw-tcp {len} B"));
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let started = Instant::now();
-        stream.write_all(&out)?;
-        stream.read_exact(&mut back)?;
-        samples.push(started.elapsed());
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    drop(stream);
-    drop(server);
-    Ok(Row::from_samples("raw-tcp", "-", len as u64, samples))
-}
-
-const BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len}";
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn args(list: &[&str]) -> Result<RpcBenchArgs, clap::Error> {
+        use clap::Parser as _;
+        #[derive(Debug, clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            args: RpcBenchArgs,
+        }
+        let mut argv = vec!["rpc"];
+        argv.extend_from_slice(list);
+        Wrapper::try_parse_from(argv).map(|w| w.args)
+    }
+
     #[test]
-    fn rows_summarise_samples() {
-        let samples: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
-        let row = Row::from_samples("tcp", "basic", 1_000, samples);
-        assert_eq!(row.p50_us.round(), 50.0);
-        assert_eq!(row.p99_us.round(), 99.0);
-        // 100 echoes of 1000 bytes each way in 5050 µs.
-        let expected = 2.0 * 1_000.0 * 100.0 / 5_050e-6 / 1e9;
-        assert!((row.gbytes_per_s - expected).abs() < 1e-9);
-        let json = row.json();
-        assert_eq!(json["bench"], "rpc");
-        assert_eq!(json["transport"], "tcp");
-        assert_eq!(json["channel"], "basic");
-        assert_eq!(json["payload_bytes"], 1_000);
+    fn sizes_take_binary_suffixes_and_refuse_nonsense() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("64"), Ok(64));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("4KiB"), Ok(4096));
+        assert_eq!(parse_size(" 64MiB "), Ok(64 << 20));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        for bad in ["", "K", "-1", "4X", "2G", "99999999999999999999", "1.5M"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn defaults_depend_on_the_mode() {
+        let a = args(&[]).unwrap();
+        let local = sizes(&a, RunMode::Local).unwrap();
+        assert_eq!(local, vec![(0, 2_000), (64 << 20, 20)]);
+        let two_host = sizes(&a, RunMode::TwoHost).unwrap();
+        assert_eq!(two_host.len(), 7);
+        assert_eq!(two_host[4], (1 << 20, 20));
+        assert_eq!(two_host[3], (64 << 10, 2_000));
+        assert_eq!(
+            pairs(&a).unwrap(),
+            viability::DEFAULT_TRANSPORTS
+                .iter()
+                .map(|&transport| Pair {
+                    transport,
+                    channel: ChannelKind::Basic
+                })
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn transports_and_channels_are_lists() {
+        let a = args(&[
+            "--transport",
+            "shm,tcp",
+            "--channel",
+            "basic",
+            "--channel",
+            "cma",
+        ])
+        .unwrap();
+        let names: Vec<String> = pairs(&a).unwrap().iter().map(Pair::to_string).collect();
+        assert_eq!(names, ["shm/basic", "shm/cma", "tcp/basic", "tcp/cma"]);
+        let a = args(&["--transport", "tcp", "--transport", "tcp"]).unwrap();
+        assert!(pairs(&a).is_err());
+        assert!(args(&["--transport", "carrier-pigeon"]).is_err());
+        assert!(args(&["--channel", "nope"]).is_err());
+    }
+
+    #[test]
+    fn devices_and_modes_are_checked_when_parsing() {
+        assert_eq!(args(&["--device", "cuda:3"]).unwrap().device, Some(3));
+        assert_eq!(args(&["--device", "cuda"]).unwrap().device, Some(0));
+        assert!(args(&["--device", "cpu"]).is_err());
+        assert!(args(&["--device", "cuda:x"]).is_err());
+        assert!(args(&["--listen", "1", "--connect", "h:1"]).is_err());
+        assert!(args(&["--listen", "1", "--transport", "tcp"]).is_err());
+        args(&["--listen", "1", "--json"]).unwrap();
+        let zero = args(&["--iters", "0"]).unwrap();
+        assert!(sizes(&zero, RunMode::Local).is_err());
+    }
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(
+            parse_listen("29600").unwrap(),
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, 29600))
+        );
+        assert_eq!(
+            parse_listen("127.0.0.1:0").unwrap(),
+            SocketAddr::from((Ipv4Addr::LOCALHOST, 0))
+        );
+        assert!(parse_listen("nowhere:").is_err());
+    }
+
+    #[test]
+    fn the_route_to_loopback_starts_on_loopback() {
+        let ip = route_source(SocketAddr::from((Ipv4Addr::LOCALHOST, 9))).unwrap();
+        assert!(ip.is_loopback());
     }
 }

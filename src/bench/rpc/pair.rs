@@ -1,0 +1,89 @@
+//! The RPC rows of one (transport, channel) pair: rank 0's agent times `rpc_sync` echoes
+//! of one CPU tensor per payload size to rank 1 and checks every echo.
+//!
+//! It first opens the pipe with an empty call and checks that the pipe runs on the
+//! transport asked for (both workers offer only that one, so anything else is a bug worth
+//! failing on). Each size gets one unrecorded warm-up echo. The agents and the protocol
+//! are `rdzv_uring::rpc`'s; this module only calls and times.
+
+use std::time::Instant;
+
+use indicatif::ProgressBar;
+use rdzv_uring::rpc::{init_rpc, Message, RpcAgent, RpcOptions, Tensor};
+
+use super::payload::Payload;
+use super::row::{human_size, Row, RunMode};
+use super::session::{Pair, ECHO, NAMES};
+use crate::cli::CliError;
+
+/// Starts rank 0's agent with `options`, measures every `(payload bytes, iterations)`,
+/// and leaves the group (also after a failure).
+pub(super) fn measure(
+    options: RpcOptions,
+    pair: Pair,
+    sizes: &[(usize, usize)],
+    mode: RunMode,
+    bar: &ProgressBar,
+) -> Result<Vec<Row>, CliError> {
+    bar.set_message(format!("{pair}: joining"));
+    let agent = init_rpc(NAMES[0], 0, Some(2), options).map_err(|e| format!("{pair}: {e}"))?;
+    let measured = (|| {
+        agent.rpc_sync(NAMES[1], ECHO, Message::default())?;
+        let running = agent.pipe_transport(NAMES[1]);
+        if running != Some(pair.transport) {
+            return Err(format!(
+                "the pipe asked to run on {} runs on {}",
+                pair.transport,
+                running.map_or("nothing", |k| k.name())
+            )
+            .into());
+        }
+        sizes
+            .iter()
+            .map(|&(len, iters)| echo_row(&agent, pair, len, iters, mode, bar))
+            .collect::<Result<Vec<_>, CliError>>()
+    })();
+    let joined = agent.join();
+    let rows = measured.map_err(|e| format!("{pair}: {e}"))?;
+    joined.map_err(|e| format!("{pair}: leaving the group: {e}"))?;
+    Ok(rows)
+}
+
+fn echo_row(
+    agent: &RpcAgent,
+    pair: Pair,
+    len: usize,
+    iters: usize,
+    mode: RunMode,
+    bar: &ProgressBar,
+) -> Result<Row, CliError> {
+    let payload = Payload::new(len);
+    bar.set_message(format!("{pair} {}", human_size(len as u64)));
+    let mut samples = Vec::with_capacity(iters);
+    for iter in 0..=iters as u64 {
+        let message = Message::default().with_tensor(Tensor::cpu(payload.message(iter)));
+        let started = Instant::now();
+        let reply = agent.rpc_sync(NAMES[1], ECHO, message)?;
+        let took = started.elapsed();
+        match reply.tensors.as_slice() {
+            [tensor] => payload.check(iter, &tensor.data)?,
+            tensors => {
+                return Err(
+                    format!("the echo returned {} tensors instead of 1", tensors.len()).into(),
+                )
+            }
+        }
+        // Iteration 0 warms the pipe up at this size.
+        if iter > 0 {
+            samples.push(took);
+            bar.inc(1);
+        }
+    }
+    Ok(Row::from_samples(
+        pair.transport.name(),
+        pair.channel.name(),
+        mode,
+        len as u64,
+        samples,
+    ))
+}
