@@ -36,6 +36,7 @@ use super::client::RpcClient;
 use super::error::RpcError;
 use super::io::Job;
 use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
+use super::recycle;
 use super::shared::{Call, Command, Shared};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
@@ -247,7 +248,9 @@ impl Lane {
         shared
             .calls_table
             .set_sent(message_id, frame.encoded_len() as u64);
-        if let Err(reason) = self.send(&frame) {
+        let sent = self.send(&frame);
+        recycle::give_all(frame.inline_data);
+        if let Err(reason) = sent {
             self.end(shared, reason);
         }
     }
@@ -255,7 +258,9 @@ impl Lane {
     /// Sends the response to request `message_id` of this inbound lane.
     pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
         let frame = response_frame(shared, message_id, result, &self.peer, &self.negotiated);
-        if let Err(reason) = self.send(&frame) {
+        let sent = self.send(&frame);
+        recycle::give_all(frame.inline_data);
+        if let Err(reason) = sent {
             tracing::debug!(peer = %self.peer, %reason, "an RPC response could not be sent");
             self.stop.stop();
         }

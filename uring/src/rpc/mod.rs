@@ -44,6 +44,7 @@ pub mod error;
 mod io;
 mod lane;
 pub mod message;
+mod recycle;
 mod shared;
 pub mod shm;
 pub mod tcp;

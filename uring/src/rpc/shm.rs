@@ -32,6 +32,7 @@ use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
 
 use super::error::TransportError;
+use super::recycle;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
@@ -330,6 +331,7 @@ fn send_thread(mut sender: ShmSender, frames: &Queue<OwnedFrame>) -> SendOutcome
     let mut buf = Vec::new();
     while let Some(frame) = frames.pop_blocking() {
         send_frame(&mut sender, &frame, &mut buf)?;
+        recycle::give_all(frame.inline_data);
     }
     Ok(sender)
 }

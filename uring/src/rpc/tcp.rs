@@ -27,6 +27,7 @@ use rdzv_core::rpc::frame::{
 };
 
 use super::error::TransportError;
+use super::recycle;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
@@ -335,7 +336,11 @@ impl BlockingReceiver for ThreadReceiver {
 
 impl FrameSender for AsyncSender {
     fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async move { self.send_frame(&frame).await })
+        Box::pin(async move {
+            let sent = self.send_frame(&frame).await;
+            recycle::give_all(frame.inline_data);
+            sent
+        })
     }
 
     fn close(&mut self) -> LocalBoxFuture<'_, ()> {
@@ -468,7 +473,7 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
                 });
             }
             let len = usize::try_from(descriptor.len).map_err(|_| truncated(early_at))?;
-            let mut data = vec![0u8; len];
+            let mut data = recycle::take(len);
             let early = self.buf.get(early_at..self.filled).unwrap_or_default();
             let take = early.len().min(len);
             if let (Some(dst), Some(src)) = (data.get_mut(..take), early.get(..take)) {

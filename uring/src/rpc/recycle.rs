@@ -1,0 +1,113 @@
+//! Large tensor buffers, recycled: a buffer the agent finished sending is kept (up to
+//! [`MAX_KEPT`] of them, [`MAX_KEPT_BYTES`] in all) and the next large tensor received
+//! is read into it instead of into fresh memory.
+//!
+//! Fresh memory for a 64 MiB tensor costs 16,384 page faults (and the kernel zeroing
+//! each page) before the first byte lands; on our 2-CPU host that was most of the time
+//! of a 64 MiB echo (`perf stat -e page-faults` on `rdzv bench rpc --sizes 64M`). A
+//! recycled buffer is already mapped. Its old bytes are never seen: a receive either
+//! overwrites all `len` bytes or fails and drops the buffer.
+//!
+//! Only buffers of at least [`MIN_RECYCLED`] bytes are kept; this module decides nothing
+//! else.
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Buffers smaller than this are not worth keeping (the allocator reuses them anyway).
+pub const MIN_RECYCLED: usize = 1 << 20;
+/// At most this many buffers are kept.
+pub const MAX_KEPT: usize = 4;
+/// At most this many bytes (of capacity) are kept.
+pub const MAX_KEPT_BYTES: usize = 1 << 30;
+
+static POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+
+fn pool() -> MutexGuard<'static, Vec<Vec<u8>>> {
+    POOL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A buffer of exactly `len` bytes whose contents the caller overwrites entirely: a
+/// recycled one if one is large enough, else a fresh zeroed one.
+pub fn take(len: usize) -> Vec<u8> {
+    if len >= MIN_RECYCLED {
+        let reused = {
+            let mut pool = pool();
+            // The smallest buffer that holds `len` without growing.
+            let best = pool
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= len)
+                .min_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i);
+            best.map(|i| pool.swap_remove(i))
+        };
+        if let Some(mut buffer) = reused {
+            if buffer.len() >= len {
+                buffer.truncate(len);
+            } else {
+                // Only the part past the old length is written (no reallocation).
+                buffer.resize(len, 0);
+            }
+            return buffer;
+        }
+    }
+    vec![0u8; len]
+}
+
+/// Keeps `buffer` for a later [`take`] if it is large and there is room; drops it
+/// otherwise.
+pub fn give(buffer: Vec<u8>) {
+    if buffer.capacity() < MIN_RECYCLED {
+        return;
+    }
+    let mut pool = pool();
+    let kept: usize = pool.iter().map(Vec::capacity).sum();
+    if pool.len() < MAX_KEPT && kept.saturating_add(buffer.capacity()) <= MAX_KEPT_BYTES {
+        pool.push(buffer);
+    }
+}
+
+/// Gives every tensor buffer of a sent frame back.
+pub fn give_all(buffers: Vec<Vec<u8>>) {
+    for buffer in buffers {
+        give(buffer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_buffers_come_back_with_the_asked_length() {
+        // Tests share the pool: drain it first so the counts below are ours.
+        pool().clear();
+        let small = take(10);
+        assert_eq!(small, vec![0u8; 10]);
+        give(small);
+        assert!(pool().is_empty());
+
+        let len = MIN_RECYCLED * 2;
+        let buffer = vec![7u8; len];
+        let ptr = buffer.as_ptr();
+        give(buffer);
+        // A smaller request reuses it, truncated.
+        let reused = take(MIN_RECYCLED + 1);
+        assert_eq!(reused.as_ptr(), ptr);
+        assert_eq!(reused.len(), MIN_RECYCLED + 1);
+        give(reused);
+        // A larger one grows it without reallocating when the capacity allows.
+        let grown = take(len);
+        assert_eq!(grown.len(), len);
+        assert_eq!(grown.as_ptr(), ptr);
+        // One that no kept buffer holds is fresh and zeroed.
+        let fresh = take(len * 2);
+        assert!(fresh.iter().all(|&b| b == 0));
+
+        // At most MAX_KEPT buffers are kept.
+        for _ in 0..(MAX_KEPT + 3) {
+            give(Vec::with_capacity(MIN_RECYCLED));
+        }
+        assert!(pool().len() <= MAX_KEPT);
+    }
+}
