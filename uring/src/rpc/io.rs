@@ -894,10 +894,28 @@ impl Io {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .close();
-        for lane in &lanes {
-            if goodbye {
-                lane.goodbye();
+        if goodbye && !lanes.is_empty() {
+            // Goodbyes go out from a thread of their own: a send may wait for a slow
+            // peer, and the executor must not. After FLUSH_WAIT the lanes stop anyway
+            // (which also ends a send still waiting).
+            let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+            let farewell = lanes.clone();
+            let spawned = std::thread::Builder::new()
+                .name("rdzv-rpc-goodbye".into())
+                .spawn(move || {
+                    for lane in &farewell {
+                        lane.goodbye();
+                    }
+                    let _ = done_tx.send(());
+                });
+            if spawned.is_ok() {
+                let deadline = std::time::Instant::now() + FLUSH_WAIT;
+                while done_rx.try_recv().is_err() && std::time::Instant::now() < deadline {
+                    glommio::timer::sleep(Duration::from_millis(1)).await;
+                }
             }
+        }
+        for lane in &lanes {
             lane.stop();
         }
         let (client, inbound) = {
