@@ -285,6 +285,55 @@ fn inline_handlers_answer_on_the_io_thread_and_refuse_to_block() {
 }
 
 #[test]
+fn concurrent_callers_share_a_pipe_and_each_gets_its_own_reply() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let a = std::sync::Arc::new(a);
+    let threads: Vec<_> = (0..8u8)
+        .map(|t| {
+            let a = std::sync::Arc::clone(&a);
+            thread::spawn(move || {
+                for i in 0..100u32 {
+                    // Pool handlers (echo) and inline ones, small and 300 KiB tensors.
+                    let handler = if i % 2 == 0 { "echo" } else { "inline_echo" };
+                    let len = if i % 10 == 0 { 300 * 1024 } else { 16 };
+                    let mut payload = vec![t];
+                    payload.extend_from_slice(&i.to_le_bytes());
+                    let request = Message {
+                        metadata: Vec::new(),
+                        payload,
+                        tensors: vec![Tensor::cpu(pattern(len, t ^ i as u8))],
+                    };
+                    let reply = a.rpc_sync("bob", handler, request.clone());
+                    assert_eq!(reply.map_err(|e| e.to_string()), Ok(request), "{t}/{i}");
+                }
+            })
+        })
+        .collect();
+    // Meanwhile, futures nobody waits on right away.
+    let futures: Vec<_> = (0..50u32)
+        .map(|i| {
+            a.rpc_async(
+                "bob",
+                "echo",
+                Message::from_payload(i.to_le_bytes().to_vec()),
+            )
+        })
+        .collect();
+    for thread in threads {
+        assert!(thread.join().is_ok());
+    }
+    for (i, f) in futures.into_iter().enumerate() {
+        assert_eq!(
+            f.wait().map(|m| m.payload).ok(),
+            Some((i as u32).to_le_bytes().to_vec())
+        );
+    }
+    let a = std::sync::Arc::try_unwrap(a).unwrap_or_else(|_| panic!("agent still shared"));
+    join_both(a, b);
+}
+
+#[test]
 fn tensors_arrive_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let (a, b) = pair(&dir);
