@@ -564,6 +564,7 @@ impl Start {
                 deferred_finishes: 0,
                 shutting_down: false,
                 pipe_transports: HashMap::new(),
+                waiters: 0,
             }),
             calls_changed: Condvar::new(),
             next_message_id: AtomicU64::new(1),
@@ -1100,12 +1101,14 @@ impl RpcAgent {
     /// # Errors
     /// [`RpcError::FlushTimeout`] naming the calls left after `timeout`.
     pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), RpcError> {
-        let calls = self.shared.lock_calls();
-        let (calls, _) = self
+        let mut calls = self.shared.lock_calls();
+        calls.waiters += 1;
+        let (mut calls, _) = self
             .shared
             .calls_changed
             .wait_timeout_while(calls, timeout, |c| c.metrics.calls.client_active() > 0)
             .unwrap_or_else(|p| p.into_inner());
+        calls.waiters -= 1;
         match calls.metrics.calls.client_active() {
             0 => Ok(()),
             pending => Err(RpcError::FlushTimeout { pending }),
@@ -1247,11 +1250,7 @@ impl RpcAgent {
                 Action::AwaitNoClientCalls => {
                     let mut calls = self.shared.lock_calls();
                     while calls.metrics.calls.client_active() > 0 {
-                        calls = self
-                            .shared
-                            .calls_changed
-                            .wait(calls)
-                            .unwrap_or_else(|p| p.into_inner());
+                        calls = self.shared.wait_calls_changed(calls);
                     }
                     Done::NoClientCalls
                 }

@@ -172,6 +172,9 @@ struct Slot {
     result: Option<Result<Message, RpcError>>,
     done: bool,
     waker: Option<Waker>,
+    /// Threads asleep on `ready` (completing signals only if there are any: a signal
+    /// nobody waits for still costs a system call).
+    sleepers: u32,
 }
 
 /// The completion cell shared by a future and the agent.
@@ -204,7 +207,7 @@ impl Completion {
         result: Result<Message, RpcError>,
         first: impl FnOnce(),
     ) -> bool {
-        let waker = {
+        let (waker, sleepers) = {
             let mut slot = self.lock();
             if slot.done {
                 return false;
@@ -213,9 +216,11 @@ impl Completion {
             slot.done = true;
             slot.result = Some(result);
             self.done.store(true, Ordering::Release);
-            slot.waker.take()
+            (slot.waker.take(), slot.sleepers)
         };
-        self.ready.notify_all();
+        if sleepers > 0 {
+            self.ready.notify_all();
+        }
         if let Some(waker) = waker {
             waker.wake();
         }
@@ -315,11 +320,13 @@ impl RpcFuture {
             }
         }
         while !slot.done {
+            slot.sleepers += 1;
             slot = self
                 .cell
                 .ready
                 .wait(slot)
                 .unwrap_or_else(|p| p.into_inner());
+            slot.sleepers -= 1;
         }
         slot.result.take().unwrap_or_else(|| Err(taken()))
     }
@@ -337,12 +344,14 @@ impl RpcFuture {
             }
         }
         let result = {
-            let slot = self.cell.lock();
+            let mut slot = self.cell.lock();
+            slot.sleepers += 1;
             let (mut slot, _) = self
                 .cell
                 .ready
                 .wait_timeout_while(slot, timeout, |s| !s.done)
                 .unwrap_or_else(|p| p.into_inner());
+            slot.sleepers -= 1;
             if slot.done {
                 Some(slot.result.take().unwrap_or_else(|| Err(taken())))
             } else {

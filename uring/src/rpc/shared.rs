@@ -145,6 +145,8 @@ pub(crate) struct CallState {
     pub shutting_down: bool,
     /// The transport of the last client pipe opened to each peer.
     pub pipe_transports: HashMap<String, TransportKind>,
+    /// Threads waiting on `calls_changed`.
+    pub waiters: u32,
 }
 
 /// The ranked backends this worker offers, with their descriptors.
@@ -212,10 +214,7 @@ impl Shared {
             return false;
         }
         while calls.frozen {
-            calls = self
-                .calls_changed
-                .wait(calls)
-                .unwrap_or_else(|p| p.into_inner());
+            calls = self.wait_calls_changed(calls);
         }
         calls.metrics.calls.client_call_started();
         true
@@ -229,8 +228,27 @@ impl Shared {
         } else {
             calls.metrics.calls.client_call_finished();
         }
+        let waiters = calls.waiters;
         drop(calls);
-        self.calls_changed.notify_all();
+        // Waking nobody still costs a system call, on every call's critical path.
+        if waiters > 0 {
+            self.calls_changed.notify_all();
+        }
+    }
+
+    /// Waits once on `calls_changed`, counted in `waiters` so that finishing calls
+    /// only signal when someone waits.
+    pub fn wait_calls_changed<'a>(
+        &self,
+        mut calls: MutexGuard<'a, CallState>,
+    ) -> MutexGuard<'a, CallState> {
+        calls.waiters += 1;
+        let mut calls = self
+            .calls_changed
+            .wait(calls)
+            .unwrap_or_else(|p| p.into_inner());
+        calls.waiters -= 1;
+        calls
     }
 
     pub fn handler(&self, name: &str) -> Option<Arc<dyn Handler>> {
