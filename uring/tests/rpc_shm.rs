@@ -159,12 +159,35 @@ fn shm_is_negotiated_and_carries_round_trips_and_tensors() {
             .unwrap_or_default();
         assert!(data == pattern(len, i as u8), "call {i} differs");
     }
+    // Threads waiting in rpc_sync read replies off the ring themselves, each other's
+    // included, while the pipe's reader thread sleeps.
+    let agent = std::sync::Arc::new(agent);
+    let threads: Vec<_> = (0..6u8)
+        .map(|t| {
+            let agent = std::sync::Arc::clone(&agent);
+            std::thread::spawn(move || {
+                for i in 0..100u32 {
+                    let len = if i % 25 == 0 { 300 * 1024 } else { 8 };
+                    let mut payload = vec![t];
+                    payload.extend_from_slice(&i.to_le_bytes());
+                    let request = Message::from_payload(payload)
+                        .with_tensor(Tensor::cpu(pattern(len, t ^ i as u8)));
+                    let reply = agent.rpc_sync("peer", "echo", request.clone());
+                    assert_eq!(reply.map_err(|e| e.to_string()), Ok(request), "{t}/{i}");
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        assert!(thread.join().is_ok());
+    }
+    let agent = std::sync::Arc::try_unwrap(agent).unwrap_or_else(|_| panic!("still shared"));
     let after = agent
         .network_data()
         .get("peer")
         .copied()
         .unwrap_or_default();
-    assert_eq!(after.num_calls, 1 + 4 + 32);
+    assert_eq!(after.num_calls, 1 + 4 + 32 + 600);
     assert_eq!(after.total_errors, 0);
     assert_eq!(agent.pipe_transport("peer"), Some(TransportKind::Shm));
     finish(agent, child);

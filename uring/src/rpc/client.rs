@@ -10,7 +10,7 @@ use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::error::RpcError;
-use super::lane;
+use super::lane::{self, Lane};
 use super::message::{on_io_thread, Message, RpcFuture};
 use super::shared::{Call, Command, Shared};
 
@@ -54,13 +54,24 @@ impl RpcClient {
         message: Message,
         timeout: Option<Duration>,
     ) -> RpcFuture {
+        self.call(to, handler, message, timeout).0
+    }
+
+    /// Starts a call; the lane it went on, if it went on one.
+    fn call(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> (RpcFuture, Option<Arc<Lane>>) {
         let (future, completion) = RpcFuture::with_spin(self.shared.wait_spin);
         let known = self.shared.group().peers.contains_key(to);
         if !known {
             completion.complete(Err(RpcError::UnknownWorker {
                 name: to.to_string(),
             }));
-            return future;
+            return (future, None);
         }
         if !self.shared.start_client_call() {
             // An inline handler called while `join` holds the count frozen: waiting for
@@ -68,7 +79,7 @@ impl RpcClient {
             completion.complete(Err(RpcError::ShutDown {
                 name: self.shared.me.name().to_string(),
             }));
-            return future;
+            return (future, None);
         }
         let call = Call {
             message_id: self.shared.next_message_id(),
@@ -82,7 +93,7 @@ impl RpcClient {
         // I/O thread sends it.
         if let Some(lane) = lane::client_lane(&self.shared, to) {
             lane.call(&self.shared, call);
-            return future;
+            return (future, Some(lane));
         }
         if let Err(Command::Call(call)) = self.shared.mailbox.push(Command::Call(call)) {
             call.completion.complete_then(
@@ -92,7 +103,7 @@ impl RpcClient {
                 || self.shared.finish_client_call(),
             );
         }
-        future
+        (future, None)
     }
 
     /// `rpc_sync(to, handler, message)`: calls and waits.
@@ -119,8 +130,15 @@ impl RpcClient {
             // Checked before sending: the call must not go out if its wait cannot happen.
             return Err(RpcError::BlockingInline);
         }
-        self.rpc_async_with_timeout(to, handler, message, timeout)
-            .wait()
+        let (future, lane) = self.call(to, handler, message, timeout);
+        match lane {
+            // On a polled lane (shm) the caller reads its reply itself for a while.
+            Some(lane) if lane.is_polled() => {
+                lane.read_own_reply(&self.shared, future.completion(), self.shared.wait_spin);
+                future.wait_sleeping()
+            }
+            _ => future.wait(),
+        }
     }
 
     /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still

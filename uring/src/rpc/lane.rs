@@ -26,6 +26,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits, TensorDescriptor};
@@ -34,13 +35,20 @@ use rdzv_core::rpc::name::WorkerId;
 use super::calls::{self, Pending};
 use super::client::RpcClient;
 use super::error::RpcError;
+use super::error::TransportError;
 use super::io::Job;
+use super::message::Completion;
 use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
 use super::recycle;
 use super::shared::{Call, Command, Shared};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
+    TryRecv, Wake,
 };
+
+/// How long a polled lane's reader sleeps before it looks again (it also wakes on the
+/// peer's signal, a kick, or the peer's end).
+const WAKE_POLL: Duration = Duration::from_millis(10);
 
 /// One thread-served pipe.
 pub(crate) struct Lane {
@@ -48,6 +56,11 @@ pub(crate) struct Lane {
     pub peer: String,
     pub negotiated: Negotiated,
     sender: Mutex<Box<dyn BlockingSender>>,
+    /// The receiving half: held by the reader thread while it receives, and, on a
+    /// polled lane (`wake`), by a caller reading its own reply while the reader sleeps.
+    receiver: Mutex<Box<dyn BlockingReceiver>>,
+    /// How the reader thread of a polled lane sleeps without holding `receiver`.
+    wake: Option<Arc<dyn Wake>>,
     stop: Arc<dyn StopConnection>,
 }
 
@@ -94,25 +107,152 @@ fn lanes(shared: &Shared) -> MutexGuard<'_, Lanes> {
 }
 
 impl Lane {
-    fn new(
-        id: u64,
-        peer: String,
-        negotiated: Negotiated,
-        halves: BlockingHalves,
-    ) -> (Arc<Lane>, Box<dyn BlockingReceiver>) {
+    fn new(id: u64, peer: String, negotiated: Negotiated, halves: BlockingHalves) -> Arc<Lane> {
         let BlockingHalves {
             sender,
             receiver,
             stop,
+            wake,
         } = halves;
-        let lane = Arc::new(Lane {
+        Arc::new(Lane {
             id,
             peer,
             negotiated,
             sender: Mutex::new(sender),
+            receiver: Mutex::new(receiver),
+            wake,
             stop,
-        });
-        (lane, receiver)
+        })
+    }
+
+    /// Whether a waiting caller can read this lane itself.
+    pub fn is_polled(&self) -> bool {
+        self.wake.is_some()
+    }
+
+    fn receiver(&self) -> MutexGuard<'_, Box<dyn BlockingReceiver>> {
+        self.receiver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next frame for the reader thread. A polled lane spins up to `spin` on the
+    /// ring, then sleeps on its wake *without* holding the receiver, so that a caller
+    /// may read meanwhile; any other lane receives, blocking.
+    fn next_frame(&self, spin: Duration) -> Result<Option<IncomingFrame>, TransportError> {
+        let Some(wake) = &self.wake else {
+            return self.receiver().recv(FrameLimits::DEFAULT);
+        };
+        let start = Instant::now();
+        let mut spinning = !spin.is_zero();
+        loop {
+            {
+                let mut receiver = self.receiver();
+                match receiver.try_recv(FrameLimits::DEFAULT)? {
+                    TryRecv::Frame(frame) => return Ok(Some(frame)),
+                    TryRecv::Closed => return Ok(None),
+                    TryRecv::Empty => {}
+                }
+                if spinning && start.elapsed() >= spin {
+                    spinning = false;
+                }
+                if !spinning {
+                    if receiver.arm()? {
+                        drop(receiver);
+                        let gone = wake.wait(WAKE_POLL);
+                        let mut receiver = self.receiver();
+                        receiver.disarm();
+                        if gone {
+                            // What it published before it went is still delivered.
+                            return match receiver.try_recv(FrameLimits::DEFAULT)? {
+                                TryRecv::Frame(frame) => Ok(Some(frame)),
+                                TryRecv::Closed => Ok(None),
+                                TryRecv::Empty => Err(TransportError::Io {
+                                    op: "receive from",
+                                    peer: self.peer.clone(),
+                                    source: std::io::Error::new(
+                                        std::io::ErrorKind::ConnectionAborted,
+                                        "the peer process is gone",
+                                    ),
+                                }),
+                            };
+                        }
+                    }
+                    continue;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// A caller waiting for `completion` reads the lane itself for up to `spin` while
+    /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
+    /// at once on a lane that cannot be polled, or when another thread reads.
+    pub fn read_own_reply(&self, shared: &Shared, completion: &Completion, spin: Duration) {
+        let Some(wake) = &self.wake else { return };
+        let start = Instant::now();
+        while !completion.is_done_relaxed() && start.elapsed() < spin {
+            let Ok(mut receiver) = self.receiver.try_lock() else {
+                std::hint::spin_loop();
+                continue;
+            };
+            // The reader thread is asleep: the peer need not signal what we read.
+            receiver.withdraw();
+            let mut ended = None;
+            let mut round = 0u32;
+            while !completion.is_done_relaxed() {
+                match receiver.try_recv(FrameLimits::DEFAULT) {
+                    Ok(TryRecv::Frame(frame)) => {
+                        if let Some(reason) = self.on_client_frame(shared, frame) {
+                            ended = Some(reason);
+                            break;
+                        }
+                    }
+                    Ok(TryRecv::Empty) => std::hint::spin_loop(),
+                    Ok(TryRecv::Closed) => {
+                        ended = Some("the peer closed the pipe".to_string());
+                        break;
+                    }
+                    Err(e) => {
+                        ended = Some(e.to_string());
+                        break;
+                    }
+                }
+                round = round.wrapping_add(1);
+                if round % 64 == 0 && start.elapsed() >= spin {
+                    break;
+                }
+            }
+            // Reading goes back to the reader thread: armed, the peer signals its next
+            // frame; not armed, something is there already and the reader must look.
+            let armed = ended.is_none() && receiver.arm().unwrap_or(false);
+            drop(receiver);
+            if !armed {
+                wake.kick();
+            }
+            if let Some(reason) = ended {
+                self.end(shared, reason);
+            }
+            return;
+        }
+    }
+
+    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends.
+    fn on_client_frame(&self, shared: &Shared, frame: IncomingFrame) -> Option<String> {
+        match frame.kind {
+            FrameKind::Response | FrameKind::Error => {
+                match shared.calls_table.take_reply(frame.message_id, self.id) {
+                    Some(pending) => calls::answer(shared, pending, frame),
+                    None => tracing::debug!(
+                        message_id = frame.message_id,
+                        "late or unknown reply dropped"
+                    ),
+                }
+                None
+            }
+            FrameKind::Goodbye => Some("the peer said goodbye (it is shutting down)".to_string()),
+            other => Some(format!(
+                "the peer sent an unexpected {other} frame on a client pipe"
+            )),
+        }
     }
 
     /// Starts client lane `id` to `peer` and its reader thread; `None` (the halves
@@ -125,7 +265,7 @@ impl Lane {
         negotiated: Negotiated,
         halves: BlockingHalves,
     ) -> Option<Arc<Lane>> {
-        let (lane, receiver) = Lane::new(id, peer, negotiated, halves);
+        let lane = Lane::new(id, peer, negotiated, halves);
         {
             let mut lanes = lanes(shared);
             if lanes.closed {
@@ -140,7 +280,7 @@ impl Lane {
             .name(format!("rdzv-rpc-lane-{id}"))
             .spawn(move || {
                 mark_io_thread();
-                client_reader(&thread_shared, &thread_lane, receiver)
+                client_reader(&thread_shared, &thread_lane)
             });
         if let Err(e) = spawned {
             lane.end(shared, format!("cannot start its reader thread: {e}"));
@@ -160,7 +300,7 @@ impl Lane {
         jobs: Sender<Job>,
     ) {
         let (name, peer_id) = peer;
-        let (lane, receiver) = Lane::new(id, name, negotiated, halves);
+        let lane = Lane::new(id, name, negotiated, halves);
         {
             let mut lanes = lanes(shared);
             if lanes.closed {
@@ -175,7 +315,7 @@ impl Lane {
             .name(format!("rdzv-rpc-lane-{id}"))
             .spawn(move || {
                 mark_io_thread();
-                inbound_reader(&thread_shared, &thread_lane, peer_id, receiver, &jobs)
+                inbound_reader(&thread_shared, &thread_lane, peer_id, &jobs)
             });
         if let Err(e) = spawned {
             tracing::warn!(peer = %lane.peer, error = %e, "cannot start an RPC lane's reader thread");
@@ -338,26 +478,15 @@ pub(crate) fn respond(
     }
 }
 
-fn client_reader(shared: &Shared, lane: &Lane, mut receiver: Box<dyn BlockingReceiver>) {
+fn client_reader(shared: &Shared, lane: &Lane) {
     let reason = loop {
-        match receiver.recv(FrameLimits::DEFAULT) {
-            Ok(Some(frame)) => match frame.kind {
-                FrameKind::Response | FrameKind::Error => {
-                    match shared.calls_table.take_reply(frame.message_id, lane.id) {
-                        Some(pending) => calls::answer(shared, pending, frame),
-                        None => tracing::debug!(
-                            message_id = frame.message_id,
-                            "late or unknown reply dropped"
-                        ),
-                    }
+        // The client side does not spin: a waiting caller reads itself (polled lanes).
+        match lane.next_frame(Duration::ZERO) {
+            Ok(Some(frame)) => {
+                if let Some(reason) = lane.on_client_frame(shared, frame) {
+                    break reason;
                 }
-                FrameKind::Goodbye => {
-                    break "the peer said goodbye (it is shutting down)".to_string()
-                }
-                other => {
-                    break format!("the peer sent an unexpected {other} frame on a client pipe")
-                }
-            },
+            }
             Ok(None) => break "the peer closed the pipe".to_string(),
             Err(e) => break e.to_string(),
         }
@@ -365,15 +494,10 @@ fn client_reader(shared: &Shared, lane: &Lane, mut receiver: Box<dyn BlockingRec
     lane.end(shared, reason);
 }
 
-fn inbound_reader(
-    shared: &Arc<Shared>,
-    lane: &Arc<Lane>,
-    peer_id: WorkerId,
-    mut receiver: Box<dyn BlockingReceiver>,
-    jobs: &Sender<Job>,
-) {
+fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, jobs: &Sender<Job>) {
     loop {
-        match receiver.recv(FrameLimits::DEFAULT) {
+        // Spinning here answers a waiting caller without a wake-up on this side.
+        match lane.next_frame(shared.wait_spin) {
             Ok(Some(frame)) if frame.kind == FrameKind::Request => {
                 serve_request(
                     shared,

@@ -231,6 +231,11 @@ impl Completion {
         self.lock().done
     }
 
+    /// Whether the call completed, without the lock.
+    pub(crate) fn is_done_relaxed(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
     /// Spins until the call completes or `limit` passes (then the caller sleeps on the
     /// condition variable). A reply that comes back within a few microseconds is seen
     /// without the wake-up of a sleeping thread, the largest cost left in a small call.
@@ -313,6 +318,16 @@ impl RpcFuture {
         if !on_io_thread() {
             self.cell.spin_until_done(self.cell.spin);
         }
+        self.wait_sleeping()
+    }
+
+    /// The completion cell.
+    pub(crate) fn completion(&self) -> &Completion {
+        &self.cell
+    }
+
+    /// [`wait`](Self::wait) without its spin (the caller spun already).
+    pub(crate) fn wait_sleeping(self) -> Result<Message, RpcError> {
         let mut slot = self.cell.lock();
         if !slot.done {
             if let Some(error) = blocking_on_io_thread() {

@@ -36,7 +36,7 @@ use super::recycle;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
-    Transport,
+    Transport, TryRecv, Wake,
 };
 use crate::transport::shm::{
     viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions, ShmReceiver,
@@ -416,6 +416,16 @@ impl FrameSender for ShmFrameSender {
                 .try_clone_to_owned()
                 .map_err(|e| failed(format!("duplicating the control socket: {e}")))?;
             let stopped = Arc::new(AtomicBool::new(false));
+            let wake = ShmWake {
+                data: shm_receiver
+                    .data_event_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| failed(format!("duplicating the data eventfd: {e}")))?,
+                control: shm_receiver
+                    .control_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| failed(format!("duplicating the control socket: {e}")))?,
+            };
             Ok(BlockingHalves {
                 sender: Box::new(ShmThreadSender {
                     sender,
@@ -430,6 +440,7 @@ impl FrameSender for ShmFrameSender {
                     ended: false,
                 }),
                 stop: Arc::new(ShmStop { control, stopped }),
+                wake: Some(Arc::new(wake)),
             })
         })
     }
@@ -464,6 +475,53 @@ struct ShmThreadReceiver {
 }
 
 impl BlockingReceiver for ShmThreadReceiver {
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
+        if self.ended {
+            return Ok(TryRecv::Closed);
+        }
+        let received = match self.leftover.pop_front() {
+            Some(received) => received,
+            None => match self.receiver.try_recv() {
+                Ok(Some(message)) => Ok(message),
+                Ok(None) if self.stopped.load(Ordering::Acquire) => {
+                    self.ended = true;
+                    return Ok(TryRecv::Closed);
+                }
+                Ok(None) => return Ok(TryRecv::Empty),
+                Err(e) => Err(e),
+            },
+        };
+        match decode_message(received, limits, &self.peer) {
+            Ok(Some(frame)) => Ok(TryRecv::Frame(frame)),
+            Ok(None) => {
+                self.ended = true;
+                Ok(TryRecv::Closed)
+            }
+            Err(e) => {
+                self.ended = true;
+                Err(e)
+            }
+        }
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        if self.ended || !self.leftover.is_empty() || self.stopped.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        self.receiver
+            .arm_wakeup()
+            .map_err(|e| self.message_error(e))
+    }
+
+    fn disarm(&mut self) {
+        // Draining fails only on a broken eventfd; the next receive reports the pipe.
+        let _ = self.receiver.disarm_wakeup();
+    }
+
+    fn withdraw(&mut self) {
+        self.receiver.withdraw_wakeup();
+    }
+
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
         if self.ended {
             return Ok(None);
@@ -486,6 +544,44 @@ impl BlockingReceiver for ShmThreadReceiver {
             self.ended = true;
         }
         decoded
+    }
+}
+
+impl ShmThreadReceiver {
+    fn message_error(&self, error: ShmError) -> TransportError {
+        TransportError::Io {
+            op: "receive from",
+            peer: self.peer.to_string(),
+            source: shm_io(error),
+        }
+    }
+}
+
+/// Sleeps on a thread-served shm pipe's data eventfd and control socket.
+struct ShmWake {
+    data: std::os::fd::OwnedFd,
+    control: std::os::fd::OwnedFd,
+}
+
+impl Wake for ShmWake {
+    fn wait(&self, timeout: Duration) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [
+            PollFd::new(&self.data, PollFlags::IN),
+            PollFd::new(&self.control, PollFlags::IN),
+        ];
+        let timeout = Timespec::try_from(timeout).ok();
+        // Interrupted or failed: the caller re-checks and waits again.
+        let _ = poll(&mut fds, timeout.as_ref());
+        // Nothing is ever sent on the control socket: readable means its end.
+        fds[1]
+            .revents()
+            .intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR)
+    }
+
+    fn kick(&self) {
+        // Fails only when the counter would overflow: it is signalled then anyway.
+        let _ = rustix::io::write(&self.data, &1u64.to_ne_bytes());
     }
 }
 

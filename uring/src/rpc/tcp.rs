@@ -267,6 +267,7 @@ fn thread_halves(
             filled,
         }),
         stop: Arc::new(TcpStop(stop)),
+        wake: None,
     })
 }
 

@@ -128,6 +128,8 @@ pub struct BlockingHalves {
     pub receiver: Box<dyn BlockingReceiver>,
     /// Ends the connection both ways from any thread.
     pub stop: Arc<dyn StopConnection>,
+    /// For a receiver that can be polled: how its reader thread sleeps.
+    pub wake: Option<Arc<dyn Wake>>,
 }
 
 /// Sends whole frames from whichever thread holds it.
@@ -141,6 +143,10 @@ pub trait BlockingSender: Send {
 }
 
 /// Receives whole frames on the pipe's reader thread.
+///
+/// A receiver whose halves come with a [`Wake`] can also be polled without system
+/// calls ([`try_recv`](Self::try_recv)), so that a caller waiting for its reply can read
+/// it itself while the reader thread sleeps on the [`Wake`].
 pub trait BlockingReceiver: Send {
     /// The next frame (checked against `limits` before its buffers are allocated);
     /// `Ok(None)` when the peer closed the connection between frames or the connection
@@ -149,6 +155,55 @@ pub trait BlockingReceiver: Send {
     /// # Errors
     /// [`TransportError`] when the connection failed or the frame is invalid.
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError>;
+
+    /// The next frame if one is complete now, without waiting.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv).
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
+        let _ = limits;
+        Ok(TryRecv::Empty)
+    }
+
+    /// Announces that the reader is about to sleep on the [`Wake`]: `true` when armed
+    /// (nothing is there; the peer signals the next frame), `false` when a frame or the
+    /// end is already there (not armed).
+    ///
+    /// # Errors
+    /// When the connection failed.
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        Ok(false)
+    }
+
+    /// Withdraws [`arm`](Self::arm) after waking.
+    fn disarm(&mut self) {}
+
+    /// Withdraws [`arm`](Self::arm) without consuming the wake-up signal, for a reader
+    /// that polls with [`try_recv`](Self::try_recv) meanwhile.
+    fn withdraw(&mut self) {}
+}
+
+/// What [`BlockingReceiver::try_recv`] found.
+#[derive(Debug)]
+pub enum TryRecv {
+    /// A whole frame.
+    Frame(IncomingFrame),
+    /// Nothing yet.
+    Empty,
+    /// The peer closed the connection between frames, or it was stopped.
+    Closed,
+}
+
+/// Waits for a polled receiver's next frame without holding the receiver, and wakes
+/// such a waiter.
+pub trait Wake: Send + Sync {
+    /// Blocks until the peer signalled (after [`BlockingReceiver::arm`]), [`kick`](
+    /// Self::kick) was called, the peer is gone, or `timeout` passed; `true` when the
+    /// peer's process is gone (what it sent before may still be there to receive).
+    fn wait(&self, timeout: std::time::Duration) -> bool;
+
+    /// Wakes the waiter.
+    fn kick(&self);
 }
 
 /// Ends a blocking connection from any thread: the receiver returns, later sends fail,

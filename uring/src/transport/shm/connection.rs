@@ -625,6 +625,13 @@ impl ShmReceiver {
         Ok(true)
     }
 
+    /// Withdraws [`ShmReceiver::arm_wakeup`] without draining the data eventfd (no
+    /// system call): for a second reader that takes over from one asleep on the eventfd
+    /// and polls the ring itself meanwhile.
+    pub fn withdraw_wakeup(&mut self) {
+        self.consumer.withdraw_sleep();
+    }
+
     /// Withdraws [`ShmReceiver::arm_wakeup`] and drains the data eventfd.
     pub fn disarm_wakeup(&mut self) -> Result<(), ShmError> {
         self.consumer.withdraw_sleep();
