@@ -12,7 +12,7 @@
 //! |---|---|
 //! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
 //! | `io` | the I/O thread: one glommio executor with every pipe, the listener and the timer |
-//! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
+//! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
 //! | [`tcp`] | the `tcp` transport on glommio |
 //! | [`shm`] | the `shm` transport: shared-memory rings, one thread per half |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
@@ -28,8 +28,10 @@
 //! is negotiated between workers on one host; every pipe bootstraps over tcp, the
 //! lowest-priority transport, and moves to shm when both sides offer it), the `basic`
 //! channel (CPU tensors inline in the pipe's frames), and fault injection for tests
-//! ([`FaultInjection`]). ibv and the other channels are not wired in yet; asking for
-//! them is an error that says so.
+//! ([`FaultInjection`]). Other transports plug in through [`TransportPlugin`]
+//! ([`RpcOptions::transport_plugins`]): `rdzv_rdma::ibv::transport::IbvPlugin` provides
+//! `ibv`. Listing a transport no plugin provides, or another channel, is an error that
+//! says so.
 
 pub mod agent;
 pub mod backend;
@@ -47,3 +49,4 @@ pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Message, RpcFuture, Tensor};
+pub use transport::TransportPlugin;
