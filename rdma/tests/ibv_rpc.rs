@@ -2,22 +2,25 @@
 //! `init_rpc` with `transports = ["ibv", "tcp"]` and the [`IbvPlugin`], the pipe moves from
 //! the tcp bootstrap to ibv, and echo round trips carry tensors of 0 B, 1 B, 1 MiB and
 //! 8 MiB (the last two zero-copy) verified byte for byte, in both directions, before a
-//! graceful `join`. The second process is this test binary, re-run with `RDZV_IBV_RPC_CHILD`
-//! set. Skipped (with the reason) on hosts without verbs; `rdma/softroce/run` runs it in a
-//! Soft-RoCE VM, where a missing device fails it.
+//! graceful `join`; and a peer process killed in the middle of a call fails the ibv pipe's
+//! pending calls within seconds (its bootstrap connection ends without the end-of-stream
+//! byte), not after the RDMA retry timers. The second process is this test binary, re-run
+//! with `RDZV_IBV_RPC_CHILD` set. Skipped (with the reason) on hosts without verbs;
+//! `rdma/softroce/run` runs it in a Soft-RoCE VM, where a missing device fails it.
 
 mod verbs_env;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_rdma::ibv::transport::IbvPlugin;
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcOptions, Tensor};
+use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
 
 const CHILD_ENV: &str = "RDZV_IBV_RPC_CHILD";
 const STORE_ENV: &str = "RDZV_IBV_RPC_STORE";
 const TEST: &str = "two_processes_negotiate_ibv_and_echo_tensors";
+const KILL_TEST: &str = "a_killed_peer_fails_the_ibv_pipe_quickly";
 const SIZES: [usize; 4] = [0, 1, 1 << 20, 8 << 20];
 
 fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
@@ -92,6 +95,17 @@ fn check_metrics(agent: &RpcAgent, peer: &str, tensor_bytes: u64) {
     assert_eq!(metric("agent.client_active_calls").as_deref(), Some("0"));
 }
 
+/// Runs this test binary's `test` as the second worker.
+fn spawn_child(test: &str, url: &str) -> std::process::Child {
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    std::process::Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .env(STORE_ENV, url)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning the child: {e}"))
+}
+
 /// The second worker: calls the first over ibv, then leaves with it.
 fn run_child() {
     let url = std::env::var(STORE_ENV).unwrap_or_else(|_| panic!("{STORE_ENV} is not set"));
@@ -113,13 +127,7 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = format!("file://{}", dir.path().join("store").display());
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = std::process::Command::new(exe)
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, &url)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut child = spawn_child(TEST, &url);
     let agent = init_rpc("parent", 0, Some(2), options(&url));
     let agent = match agent {
         Ok(agent) => agent,
@@ -133,4 +141,69 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
     let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "the child failed: {status}");
+}
+
+/// The victim of [`a_killed_peer_fails_the_ibv_pipe_quickly`]: serves until its `die`
+/// handler kills it.
+fn run_victim() {
+    let url = std::env::var(STORE_ENV).unwrap_or_else(|_| panic!("{STORE_ENV} is not set"));
+    let options = options(&url)
+        .with_handler(
+            "die",
+            |_: &CallContext, _: Message| -> Result<Message, String> { std::process::abort() },
+        )
+        .with_handler(
+            "sleep",
+            |_: &CallContext, m: Message| -> Result<Message, String> {
+                std::thread::sleep(Duration::from_secs(60));
+                Ok(m)
+            },
+        );
+    let _agent =
+        init_rpc("victim", 1, Some(2), options).unwrap_or_else(|e| panic!("victim init_rpc: {e}"));
+    std::thread::sleep(Duration::from_secs(120));
+    std::process::exit(3);
+}
+
+#[test]
+fn a_killed_peer_fails_the_ibv_pipe_quickly() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        run_victim();
+        return;
+    }
+    if verbs_env::selection_or_skip(KILL_TEST).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("file://{}", dir.path().join("store").display());
+    let mut child = spawn_child(KILL_TEST, &url);
+    let agent = match init_rpc("survivor", 0, Some(2), options(&url)) {
+        Ok(agent) => agent,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("survivor init_rpc: {e}");
+        }
+    };
+    let warm = Message::default().with_tensor(Tensor::cpu(pattern(1 << 20, 7)));
+    assert!(agent.rpc_sync("victim", "echo", warm).is_ok());
+    assert_eq!(agent.pipe_transport("victim"), Some(TransportKind::Ibv));
+    let pending = agent.rpc_async("victim", "sleep", Message::default());
+    let started = Instant::now();
+    let died = agent.rpc_async("victim", "die", Message::default()).wait();
+    let slept = pending.wait();
+    let elapsed = started.elapsed();
+    println!("pending calls failed {elapsed:?} after the kill");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    for result in [died, slept] {
+        match result {
+            Err(RpcError::PipeBroken { peer, reason }) => {
+                println!("broken pipe: {reason}");
+                assert_eq!(peer, "victim");
+            }
+            other => panic!("expected a broken pipe, got {other:?}"),
+        }
+    }
+    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(!status.success());
+    assert!(agent.shutdown(false).is_ok());
 }
