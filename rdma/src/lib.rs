@@ -32,13 +32,19 @@
 //! for on a completion channel; a failed work completion fails the channel with its
 //! operation and status name ([`ibv::wc_status`]).
 //!
+//! [`ibv::transport`] makes the channel the RPC agent's `ibv` transport: add
+//! [`ibv::transport::IbvPlugin`] to `RpcOptions::transport_plugins` and list `"ibv"` in
+//! `transports`; pipes bootstrap over tcp and move to ibv where both workers' ports can
+//! reach each other, and large payloads and tensors travel zero-copy.
+//!
 //! The data path is tested on a real verbs stack by `rdma/softroce/run` (Soft-RoCE in a
-//! qemu VM); on hosts without verbs those tests print why they are skipped.
+//! qemu VM), an RPC exchange between two processes included; on hosts without verbs those
+//! tests print why they are skipped.
 //!
 //! # What comes next (not implemented yet)
 //!
-//! - Plugging the channel into the RPC agent as the `ibv` transport (negotiation,
-//!   reconnect), one shared CQ/SRQ across peers, and receiving into caller-provided memory.
+//! - One shared CQ/SRQ across peers (today each pipe has its own queue pair, rings and
+//!   thread), and receiving into caller-provided memory.
 //! - CUDA channels exist ([`cuda::basic`], [`cuda::xth`], [`cuda::ipc`], and the
 //!   registration half of [`cuda::gdr`]) but are not yet plugged into the RPC agent; the
 //!   GPUDirect RDMA data path over [`ibv`] queue pairs is not written.

@@ -32,6 +32,12 @@
 //! and no buffer is released while the device may still read or write it, even when the
 //! caller times out or drops its own handle.
 //!
+//! Event loops that also wait for other things (the RPC transport's driver thread, in
+//! [`transport`](super::transport)) use the non-blocking calls instead:
+//! [`IbvChannel::try_send_owned`] (zero-copy above the threshold, registration not
+//! cached: for buffers sent once), [`IbvChannel::try_recv`], and [`IbvChannel::wait`],
+//! which sleeps on the completion channel *and* the caller's file descriptors.
+//!
 //! Not here: a shared receive queue across peers, receiving into caller-provided
 //! (pre-registered or device) memory, and reconnection.
 
@@ -40,6 +46,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -380,6 +387,20 @@ impl fmt::Debug for IbvChannel {
             .field("peer", &self.peer)
             .field("max_inline", &self.max_inline)
             .field("failure", &self.failure)
+            .field("outstanding_sends", &self.outstanding_sends)
+            .field("free_bytes", &self.tx.free_bytes())
+            .field("free_slots", &self.tx.free_slots())
+            .field("unacked", &self.rx.unacked())
+            .field("arrived", &self.arrived.len())
+            .field("large_in_flight", &self.large_in_flight.len())
+            .field(
+                "pending_read",
+                &self
+                    .pending_read
+                    .as_ref()
+                    .map(|p| (p.source.len, p.posted, p.in_flight)),
+            )
+            .field("armed", &self.armed)
             .finish_non_exhaustive()
     }
 }
@@ -707,35 +728,177 @@ impl IbvChannel {
         }
         self.check_failed()?;
         let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
-        let region = match self.registrations.lookup(addr, len) {
-            Some(region) => Arc::clone(region),
-            None => {
-                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
-                // SAFETY: the region is stored together with `owner`, which keeps the
-                // bytes allocated (and, being shared, unmoved) until after the region is
-                // deregistered (CachedRegion's field order). The device only reads them.
-                let mr = unsafe {
-                    self.pd
-                        .reg_mr(addr as usize, bytes.len(), AccessFlags::RemoteRead)
-                }
-                .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, other(e)))?;
-                let region = Arc::new(CachedRegion { mr, _owner: owner });
-                // Displaced registrations still used by messages in flight stay alive
-                // through their LargeSend.
-                drop(self.registrations.insert(addr, len, Arc::clone(&region)));
-                region
+        let region = self.register_for_send(buf, true)?;
+        self.send_descriptor(
+            LargeDescriptor {
+                addr,
+                len,
+                rkey: region.mr.rkey(),
+            },
+            region,
+            deadline,
+        )
+    }
+
+    /// The registration of `buf` for the peer's RDMA READ: from the cache when `cached`
+    /// and it hits, else a new one (cached when `cached`).
+    fn register_for_send<B>(
+        &mut self,
+        buf: Arc<B>,
+        cached: bool,
+    ) -> Result<Arc<CachedRegion>, ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let bytes: &[u8] = (*buf).as_ref();
+        let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
+        if cached {
+            if let Some(region) = self.registrations.lookup(addr, len) {
+                return Ok(Arc::clone(region));
             }
-        };
-        let descriptor = LargeDescriptor {
-            addr,
-            len,
-            rkey: region.mr.rkey(),
-        };
+        }
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
+        // SAFETY: the region is stored together with `owner`, which keeps the bytes
+        // allocated (and, being shared, unmoved) until after the region is deregistered
+        // (CachedRegion's field order). The device only reads them.
+        let mr = unsafe {
+            self.pd
+                .reg_mr(addr as usize, bytes.len(), AccessFlags::RemoteRead)
+        }
+        .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, other(e)))?;
+        let region = Arc::new(CachedRegion { mr, _owner: owner });
+        if cached {
+            // Displaced registrations still used by messages in flight stay alive
+            // through their LargeSend.
+            drop(self.registrations.insert(addr, len, Arc::clone(&region)));
+        }
+        Ok(region)
+    }
+
+    /// Sends `descriptor` (a buffer inside `region`) and keeps the registration (and the
+    /// buffer) until the peer acknowledges the message.
+    fn send_descriptor(
+        &mut self,
+        descriptor: LargeDescriptor,
+        region: Arc<CachedRegion>,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ChannelError> {
         self.send_ring_message(&descriptor.encode(), true, deadline)?;
         self.large_in_flight.push_back(LargeSend {
             seq: self.sent_seq - 1,
             _region: region,
         });
+        Ok(())
+    }
+
+    /// Whether a ring message of `len` bytes can be posted now, without waiting for
+    /// credit or send queue room (the condition [`send`](Self::send) waits for).
+    fn has_credit(&self, len: usize) -> bool {
+        u32::try_from(len).is_ok_and(|len| len <= self.tx.free_bytes())
+            && self.tx.free_slots() > 0
+            && self.outstanding_sends + 3 <= self.max_send_wr
+    }
+
+    /// Sends `buf` if the peer's ring has room for it now, and gives it back otherwise
+    /// (nothing is registered or posted then): like [`send_buffer`](Self::send_buffer),
+    /// zero-copy from [`ZERO_COPY_THRESHOLD`] bytes or when it does not fit the ring, but
+    /// the registration is not cached, so the buffer is released as soon as the peer has
+    /// read it. For buffers sent once, such as the RPC transport's frames.
+    ///
+    /// # Errors
+    /// The channel's failure, or a failed verb.
+    pub fn try_send_owned<B>(&mut self, buf: Arc<B>) -> Result<Result<(), Arc<B>>, ChannelError>
+    where
+        B: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        self.check_failed()?;
+        let len = (*buf).as_ref().len();
+        let zero_copy = len >= ZERO_COPY_THRESHOLD || len > self.tx.ring_len() as usize;
+        if !self.has_credit(if zero_copy { DESCRIPTOR_LEN } else { len }) {
+            return Ok(Err(buf));
+        }
+        if zero_copy {
+            let bytes: &[u8] = (*buf).as_ref();
+            let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
+            let region = self.register_for_send(buf, false)?;
+            let descriptor = LargeDescriptor {
+                addr,
+                len,
+                rkey: region.mr.rkey(),
+            };
+            self.send_descriptor(descriptor, region, None)?;
+        } else {
+            self.send_ring_message((*buf).as_ref(), false, None)?;
+        }
+        Ok(Ok(()))
+    }
+
+    /// The next message if one has arrived (and, for a zero-copy message, its RDMA READ
+    /// has completed), without waiting; takes the completions that are there.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv).
+    pub fn try_recv(&mut self) -> Result<Option<Vec<u8>>, ChannelError> {
+        match self.recv_deadline(Some((Instant::now(), Duration::ZERO))) {
+            Ok(message) => Ok(Some(message)),
+            Err(ChannelError::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Send work requests not completed yet (messages, READs and credit acks).
+    pub fn sends_in_flight(&self) -> u32 {
+        self.outstanding_sends
+    }
+
+    /// Sleeps until a work completion arrives, one of `also` becomes readable, or
+    /// `timeout` passes (`None`: no limit), after busy-polling for
+    /// [`ChannelOptions::spin`]. Completions it takes are handled; the caller then tries
+    /// its sends and receives again. Returns at once when a completion was waiting.
+    ///
+    /// # Errors
+    /// The channel's failure, or a failed verb or `poll`.
+    pub fn wait(
+        &mut self,
+        also: &[BorrowedFd<'_>],
+        timeout: Option<Duration>,
+    ) -> Result<(), ChannelError> {
+        self.check_failed()?;
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let spin_until = Instant::now() + self.spin;
+        loop {
+            if self.poll_once()? > 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|at| now >= at) {
+                return Ok(());
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            if !self.armed {
+                self.arm()?;
+                // A completion that slipped in before arming raises no event: poll again.
+                continue;
+            }
+            return self.wait_event(deadline, also);
+        }
+    }
+
+    /// Asks for an event on the completion channel at the next completion.
+    fn arm(&mut self) -> Result<(), ChannelError> {
+        // SAFETY: the CQ is alive (owned by self).
+        let rc = unsafe { ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        if rc != 0 {
+            return Err(verb_err(
+                "ibv_req_notify_cq",
+                &self.device,
+                io::Error::from_raw_os_error(rc),
+            ));
+        }
+        self.armed = true;
         Ok(())
     }
 
@@ -1061,25 +1224,21 @@ impl IbvChannel {
                 continue;
             }
             if !self.armed {
-                // SAFETY: the CQ is alive (owned by self).
-                let rc = unsafe { ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
-                if rc != 0 {
-                    return Err(verb_err(
-                        "ibv_req_notify_cq",
-                        &self.device,
-                        io::Error::from_raw_os_error(rc),
-                    ));
-                }
-                self.armed = true;
+                self.arm()?;
                 // A completion that slipped in before arming raises no event: poll again.
                 continue;
             }
-            self.wait_event(deadline.map(|(at, _)| at))?;
+            self.wait_event(deadline.map(|(at, _)| at), &[])?;
         }
     }
 
-    /// Sleeps until the completion channel has an event (or `deadline`), and consumes it.
-    fn wait_event(&mut self, deadline: Option<Instant>) -> Result<(), ChannelError> {
+    /// Sleeps until the completion channel has an event, one of `also` is readable, or
+    /// `deadline`; consumes the completion channel's event.
+    fn wait_event(
+        &mut self,
+        deadline: Option<Instant>,
+        also: &[BorrowedFd<'_>],
+    ) -> Result<(), ChannelError> {
         let timeout_ms = match deadline {
             None => -1,
             Some(at) => {
@@ -1087,13 +1246,17 @@ impl IbvChannel {
                 i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
             }
         };
-        let mut pfd = libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&*self.comp_channel),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        let mut pfds: Vec<libc::pollfd> = std::iter::once(self.comp_channel.as_raw_fd())
+            .chain(also.iter().map(AsRawFd::as_raw_fd))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds whose descriptors are
+        // open (borrowed for this call).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
         if rc < 0 {
             let err = io::Error::last_os_error();
             if err.kind() == io::ErrorKind::Interrupted {
@@ -1105,7 +1268,7 @@ impl IbvChannel {
                 err,
             ));
         }
-        if rc == 0 {
+        if rc == 0 || pfds.first().is_some_and(|p| p.revents == 0) {
             return Ok(());
         }
         let mut cq = std::ptr::null_mut();

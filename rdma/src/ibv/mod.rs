@@ -19,6 +19,7 @@ pub mod regcache;
 pub mod ring;
 pub mod select;
 pub mod topology;
+pub mod transport;
 pub mod wc_status;
 pub mod wire;
 

@@ -189,7 +189,7 @@ pub(super) fn agent_options(
     pair: Pair,
     counter: u64,
 ) -> RpcOptions {
-    // The echo only moves the message: it runs on the I/O thread (`Inline`).
+    // The echo only moves the message: it runs where the request arrives (`Inline`).
     let mut options = RpcOptions::new(format!("{SCHEME}://{store}")).with_handler(
         ECHO,
         Inline(|_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) }),
@@ -199,6 +199,7 @@ pub(super) fn agent_options(
     options.rpc_timeout = RPC_TIMEOUT;
     options.transports = Some(vec![pair.transport.name().to_string()]);
     options.channels = Some(vec![pair.channel.name().to_string()]);
+    options.transport_plugins = vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())];
     options
 }
 

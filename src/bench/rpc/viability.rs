@@ -66,6 +66,9 @@ pub(super) fn agent_runs(transport: TransportKind, channel: ChannelKind) -> Resu
     options.channels = Some(vec![channel.name().to_string()]);
     options.num_worker_threads = 1;
     options.listen_host = Some([127, 0, 0, 1].into());
+    options.transport_plugins = vec![std::sync::Arc::new(
+        rdzv_rdma::ibv::transport::IbvPlugin::default(),
+    )];
     match init_rpc("rdzv-bench-probe", 0, Some(1), options) {
         Err(RpcError::InvalidOption { reason, .. }) => Err(reason),
         Err(e @ RpcError::Backends { .. }) => Err(error_chain(&e)),

@@ -59,7 +59,7 @@ use super::message::{default_wait_spin, mark_io_thread, run_handler, Handler, Me
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::shm::ShmTransport;
 use super::tcp::TcpTransport;
-use super::transport::{join_addresses, Transport};
+use super::transport::{join_addresses, Transport, TransportPlugin};
 use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
@@ -86,10 +86,16 @@ pub struct RpcOptions {
     pub init_method: String,
     /// How many threads run handlers. Default 16.
     pub num_worker_threads: usize,
-    /// The transports to register, highest priority first; `None` for `tcp` only
-    /// (`shm` works but is offered only when listed: until the agent drives it from its
-    /// io_uring loop it measures slower than tcp). Unknown names are errors.
+    /// The transports to register, highest priority first; `None` for `tcp` and the
+    /// [`transport_plugins`](Self::transport_plugins)' (`shm` works but is offered only
+    /// when listed: until the agent drives it from its io_uring loop it measures slower
+    /// than tcp). Unknown names are errors, and so is a name this build implements
+    /// neither itself nor through a plugin.
     pub transports: Option<Vec<String>>,
+    /// Transports implemented outside this crate, e.g. `rdzv_rdma`'s ibv:
+    /// `vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())]`. A plugin that is
+    /// not viable here is left out with its reason logged. Default: none.
+    pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
     /// build runs. Unknown names are errors.
     pub channels: Option<Vec<String>>,
@@ -146,6 +152,14 @@ impl std::fmt::Debug for RpcOptions {
             .field("init_method", &self.init_method)
             .field("num_worker_threads", &self.num_worker_threads)
             .field("transports", &self.transports)
+            .field(
+                "transport_plugins",
+                &self
+                    .transport_plugins
+                    .iter()
+                    .map(|p| p.kind())
+                    .collect::<Vec<_>>(),
+            )
             .field("channels", &self.channels)
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
@@ -168,6 +182,7 @@ impl Default for RpcOptions {
             init_method: "env://".to_string(),
             num_worker_threads: DEFAULT_NUM_WORKER_THREADS,
             transports: None,
+            transport_plugins: Vec::new(),
             channels: None,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
@@ -199,27 +214,34 @@ impl RpcOptions {
 
 /// The transports this build runs, with their priorities (highest first), from the
 /// `transports` option. `shm` is left out, with its reason logged, when `shm_viable`
-/// says it cannot work here.
+/// says it cannot work here; so is a plugged-in transport whose `plugins` entry carries
+/// a reason (a plugged-in kind counts as implemented).
 fn ranked_transports(
     names: Option<&[String]>,
     shm_viable: Result<(), &str>,
+    plugins: &[(TransportKind, Option<&str>)],
 ) -> Result<Vec<(TransportKind, i64)>, RpcError> {
-    let mut usable = ranked(
-        names,
-        "transports",
-        "transport",
-        "wired into",
-        &[TransportKind::Shm, TransportKind::Tcp],
-    )?;
+    let mut supported = vec![TransportKind::Shm, TransportKind::Tcp];
+    supported.extend(plugins.iter().map(|&(kind, _)| kind));
+    let mut usable = ranked(names, "transports", "transport", "wired into", &supported)?;
     if names.is_none() {
         // Offered only when asked for: driven through adapter threads today, shm
         // measured slower than tcp (`rdzv bench rpc`); see ARCHITECTURE.md.
         usable.retain(|&(kind, _)| kind != TransportKind::Shm);
     }
-    if let Err(reason) = shm_viable {
-        if usable.iter().any(|&(kind, _)| kind == TransportKind::Shm) {
-            tracing::info!(%reason, "the shm transport is not offered");
-            usable.retain(|&(kind, _)| kind != TransportKind::Shm);
+    let not_viable = shm_viable
+        .err()
+        .map(|reason| (TransportKind::Shm, reason))
+        .into_iter()
+        .chain(
+            plugins
+                .iter()
+                .filter_map(|&(kind, reason)| reason.map(|r| (kind, r))),
+        );
+    for (not_viable, reason) in not_viable {
+        if usable.iter().any(|&(kind, _)| kind == not_viable) {
+            tracing::info!(%reason, "the {not_viable} transport is not offered");
+            usable.retain(|&(kind, _)| kind != not_viable);
             if usable.is_empty() {
                 return Err(RpcError::InvalidOption {
                     option: "transports",
@@ -229,6 +251,34 @@ fn ranked_transports(
         }
     }
     Ok(usable)
+}
+
+/// A plugged-in transport opened for this worker, or why it is not viable.
+type Plugged = (TransportKind, Result<Box<dyn Transport + Send>, String>);
+
+/// Opens the plugins whose kind the `transports` option may offer (all of them when it
+/// is `None`), first plugin of a kind only.
+fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, RpcError> {
+    let mut opened: Vec<Plugged> = Vec::new();
+    let mut host = None;
+    for plugin in &options.transport_plugins {
+        let kind = plugin.kind();
+        if matches!(kind, TransportKind::Tcp | TransportKind::Shm) {
+            return Err(RpcError::InvalidOption {
+                option: "transport_plugins",
+                reason: format!("transport {kind} is built in and cannot be plugged in"),
+            });
+        }
+        // A bad option is reported by `ranked_transports`, with its reason.
+        let listed = Ranking::<TransportKind>::from_option(options.transports.as_deref())
+            .is_ok_and(|ranking| ranking.iter().any(|(k, _)| k == kind));
+        if !listed || opened.iter().any(|(k, _)| *k == kind) {
+            continue;
+        }
+        let host = *host.get_or_insert_with(|| options.listen_host.unwrap_or_else(guess_host));
+        opened.push((kind, plugin.open(host)));
+    }
+    Ok(opened)
 }
 
 /// The channels this build runs, with their priorities, from the `channels` option.
@@ -384,13 +434,24 @@ pub fn init_rpc(
     // shm's viability: the host identity and a test allocation.
     let shm = ShmTransport::new();
     let shm_reason = shm.as_ref().err().map(ToString::to_string);
+    let plugged = open_plugins(&options)?;
+    let plugin_reasons: Vec<(TransportKind, Option<&str>)> = plugged
+        .iter()
+        .map(|(kind, opened)| (*kind, opened.as_ref().err().map(String::as_str)))
+        .collect();
     let transports = ranked_transports(
         options.transports.as_deref(),
         shm_reason.as_deref().map_or(Ok(()), Err),
+        &plugin_reasons,
     )?;
     let shm = shm
         .ok()
         .filter(|_| transports.iter().any(|&(k, _)| k == TransportKind::Shm));
+    let plugged: Vec<(TransportKind, Box<dyn Transport + Send>)> = plugged
+        .into_iter()
+        .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
+        .filter(|(kind, _)| transports.iter().any(|&(k, _)| k == *kind))
+        .collect();
     let channels = ranked_channels(options.channels.as_deref())?;
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
@@ -445,6 +506,7 @@ pub fn init_rpc(
         keys,
         transports,
         shm,
+        plugged,
         channels,
         handlers,
     };
@@ -470,6 +532,8 @@ struct Start {
     transports: Vec<(TransportKind, i64)>,
     /// The shm transport, when it is viable and offered.
     shm: Option<ShmTransport>,
+    /// The plugged-in transports that are viable and offered.
+    plugged: Vec<(TransportKind, Box<dyn Transport + Send>)>,
     channels: Vec<(ChannelKind, i64)>,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
@@ -526,6 +590,7 @@ impl Start {
             keys,
             transports,
             shm,
+            mut plugged,
             channels,
             handlers,
         } = self;
@@ -540,7 +605,10 @@ impl Start {
                     Some(shm) => Box::new(shm.clone()),
                     None => continue,
                 },
-                _ => continue,
+                other => match plugged.iter().position(|(k, _)| *k == other) {
+                    Some(at) => plugged.swap_remove(at).1,
+                    None => continue,
+                },
             };
             offered.push((kind, priority, transport.domain_descriptor().to_string()));
             running.push(transport);
@@ -649,6 +717,7 @@ fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
         keys: keys.clone(),
         transports: Vec::new(),
         shm: None,
+        plugged: Vec::new(),
         channels: Vec::new(),
         handlers: HashMap::new(),
     };
@@ -1369,31 +1438,31 @@ mod tests {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let viable = Ok(());
         assert!(matches!(
-            ranked_transports(None, viable).as_deref(),
+            ranked_transports(None, viable, &[]).as_deref(),
             Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&["uv"])), viable).as_deref(),
+            ranked_transports(Some(&names(&["uv"])), viable, &[]).as_deref(),
             Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&["tcp", "shm"])), viable).as_deref(),
+            ranked_transports(Some(&names(&["tcp", "shm"])), viable, &[]).as_deref(),
             Ok([(TransportKind::Tcp, _), (TransportKind::Shm, _)])
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&["shm"])), viable).as_deref(),
+            ranked_transports(Some(&names(&["shm"])), viable, &[]).as_deref(),
             Ok([(TransportKind::Shm, _)])
         ));
-        let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])), viable);
+        let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])), viable, &[]);
         assert!(matches!(unknown, Err(RpcError::Backends { .. })));
         let text = unknown.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("carrier-pigeon"), "{text}");
         assert!(matches!(
-            ranked_transports(Some(&names(&["ibv", "tcp"])), viable),
+            ranked_transports(Some(&names(&["ibv", "tcp"])), viable, &[]),
             Err(RpcError::InvalidOption { .. })
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&[])), viable),
+            ranked_transports(Some(&names(&[])), viable, &[]),
             Err(RpcError::InvalidOption { .. })
         ));
     }
@@ -1403,17 +1472,84 @@ mod tests {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let not_viable = Err("no /proc/sys/kernel/random/boot_id");
         assert!(matches!(
-            ranked_transports(None, not_viable).as_deref(),
+            ranked_transports(None, not_viable, &[]).as_deref(),
             Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
-            ranked_transports(Some(&names(&["shm", "tcp"])), not_viable).as_deref(),
+            ranked_transports(Some(&names(&["shm", "tcp"])), not_viable, &[]).as_deref(),
             Ok([(TransportKind::Tcp, _)])
         ));
-        let only_shm = ranked_transports(Some(&names(&["shm"])), not_viable);
+        let only_shm = ranked_transports(Some(&names(&["shm"])), not_viable, &[]);
         let text = only_shm.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("no transport left"), "{text}");
         assert!(text.contains("boot_id"), "{text}");
+    }
+
+    struct FakePlugin(TransportKind, Result<(), &'static str>);
+
+    impl TransportPlugin for FakePlugin {
+        fn kind(&self) -> TransportKind {
+            self.0
+        }
+
+        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
+            self.1.map_err(str::to_string)?;
+            Ok(Box::new(TcpTransport::new(host)))
+        }
+    }
+
+    #[test]
+    fn plugged_in_transports_count_as_implemented() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let ibv = [(TransportKind::Ibv, None)];
+        assert!(matches!(
+            ranked_transports(Some(&names(&["ibv", "tcp"])), Ok(()), &ibv).as_deref(),
+            Ok([(TransportKind::Ibv, _), (TransportKind::Tcp, _)])
+        ));
+        assert!(matches!(
+            ranked_transports(None, Ok(()), &ibv).as_deref(),
+            Ok([(TransportKind::Ibv, 100), (TransportKind::Tcp, 0)])
+        ));
+        let not_viable = [(TransportKind::Ibv, Some("no verbs here"))];
+        assert!(matches!(
+            ranked_transports(Some(&names(&["ibv", "tcp"])), Ok(()), &not_viable).as_deref(),
+            Ok([(TransportKind::Tcp, _)])
+        ));
+        let only_ibv = ranked_transports(Some(&names(&["ibv"])), Ok(()), &not_viable);
+        let text = only_ibv.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("no transport left: no verbs here"), "{text}");
+    }
+
+    #[test]
+    fn plugins_are_opened_when_listed() {
+        let mut options = RpcOptions::new("file:///nonexistent");
+        options.listen_host = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        options.transport_plugins = vec![
+            Arc::new(FakePlugin(TransportKind::Ibv, Err("no verbs here"))),
+            Arc::new(FakePlugin(TransportKind::Ibv, Ok(()))),
+        ];
+        let debug = format!("{options:?}");
+        assert!(debug.contains("transport_plugins: [Ibv, Ibv]"), "{debug}");
+        // The first plugin of a kind wins.
+        let opened = open_plugins(&options).unwrap_or_default();
+        assert!(matches!(
+            opened.as_slice(),
+            [(TransportKind::Ibv, Err(reason))] if reason == "no verbs here"
+        ));
+        options.transports = Some(vec!["tcp".into()]);
+        assert!(open_plugins(&options).is_ok_and(|o| o.is_empty()));
+        options.transports = Some(vec!["ibv".into(), "tcp".into()]);
+        options.transport_plugins = vec![Arc::new(FakePlugin(TransportKind::Ibv, Ok(())))];
+        assert!(open_plugins(&options)
+            .is_ok_and(|o| matches!(o.as_slice(), [(TransportKind::Ibv, Ok(_))])));
+        options.transport_plugins = vec![Arc::new(FakePlugin(TransportKind::Tcp, Ok(())))];
+        assert!(matches!(
+            open_plugins(&options),
+            Err(RpcError::InvalidOption {
+                option: "transport_plugins",
+                ..
+            })
+        ));
     }
 
     #[test]

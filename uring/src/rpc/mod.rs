@@ -14,7 +14,7 @@
 //! | `io` | the I/O thread: one glommio executor that accepts, connects, runs handshakes and serves pipes that stay on it |
 //! | `lane` | pipes served by threads once their handshake is done (tcp, shm) |
 //! | `calls` | every call in flight, and the one timer thread for their deadlines |
-//! | [`transport`] | the transport seam (see there for how shm and ibv fit) |
+//! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
 //! | [`tcp`] | the `tcp` transport on glommio, and on a blocking socket for lanes |
 //! | [`shm`] | the `shm` transport: shared-memory rings |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
@@ -33,8 +33,10 @@
 //! is negotiated between workers on one host when `transports` lists it; every pipe
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
 //! offer it), the `basic` channel (CPU tensors inline in the pipe's frames), and fault
-//! injection for tests ([`FaultInjection`]). ibv and the other channels are not wired in
-//! yet; asking for them is an error that says so.
+//! injection for tests ([`FaultInjection`]). Other transports plug in through
+//! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
+//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. Listing a transport no plugin
+//! provides, or another channel, is an error that says so.
 
 pub mod agent;
 pub mod backend;
@@ -55,3 +57,4 @@ pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
+pub use transport::TransportPlugin;

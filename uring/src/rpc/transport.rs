@@ -18,11 +18,17 @@
 //!   adapter runs each half on its own thread and hands frames over through a channel,
 //!   so the halves map one to one onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
 //!   (boot id plus network namespace).
-//! * **ibv** (next issue): [`FrameSender::send`] takes the [`OwnedFrame`] *by value*, so
-//!   the transport may keep the payload and tensor buffers (registered, or registered on
-//!   the fly) until the NIC's completion arrives, and send them zero-copy; the receiver
-//!   learns every size from the header and descriptors (the core frame format puts them
-//!   first), so it can post receives straight into the [`IncomingFrame`]'s buffers.
+//! * **ibv** (`rdzv_rdma::ibv::transport`, plugged in through [`TransportPlugin`]):
+//!   [`FrameSender::send`] takes the [`OwnedFrame`] *by value*, so the transport keeps
+//!   the payload and tensor buffers (registered on the fly) until the peer has read
+//!   them, and sends them zero-copy; the receiver learns every size from the header and
+//!   descriptors (the core frame format puts them first), so the peer's RDMA READs land
+//!   straight in the [`IncomingFrame`]'s buffers.
+//!
+//! A crate that depends on this one adds a transport with a [`TransportPlugin`] in
+//! `RpcOptions::transport_plugins`: the agent opens it at start (or leaves it out, with
+//! the plugin's reason logged, when it is not viable) and then treats it like the
+//! built-in ones.
 //!
 //! A transport whose connections are blocking by nature can also hand a connection's
 //! halves over after the handshake ([`FrameSender::into_blocking`]): the agent then
@@ -38,6 +44,7 @@
 //! [`split`]: Connection::split
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -98,6 +105,24 @@ pub trait Transport {
         &'a self,
         address: &'a str,
     ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>>;
+}
+
+/// A transport built outside this crate (e.g. `rdzv_rdma`'s ibv), handed to the agent
+/// in `RpcOptions::transport_plugins`.
+///
+/// The agent calls [`open`](TransportPlugin::open) once per `init_rpc` when the plugin's
+/// kind is among the transports it may offer; a plugin for a kind this crate implements
+/// itself (`tcp`, `shm`) is refused.
+pub trait TransportPlugin: Send + Sync {
+    /// Which transport the plugin provides.
+    fn kind(&self) -> TransportKind;
+
+    /// The transport for a worker listening on `host`.
+    ///
+    /// # Errors
+    /// Why the transport is not viable in this process (the agent logs it and leaves
+    /// the transport out).
+    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String>;
 }
 
 /// A listening endpoint.

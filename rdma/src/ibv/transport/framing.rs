@@ -1,0 +1,504 @@
+//! How one RPC frame becomes channel messages on an [`IbvChannel`](super::super::channel::IbvChannel),
+//! and back.
+//!
+//! A frame travels as a *first message* followed by zero or more *separate parts*:
+//!
+//! - the first message is the frame's head (header and tensor descriptors, from
+//!   [`OwnedFrame::encode_head`]), the handler name, the metadata, and, in wire order,
+//!   every body part below [`SEPARATE_MIN`] bytes;
+//! - a separate part is the payload or an inline tensor's data of at least
+//!   [`SEPARATE_MIN`] bytes, alone in its message and in wire order: the channel moves it
+//!   zero-copy (the peer's RDMA READ lands in the `Vec` that becomes the received part), so
+//!   a large tensor is copied neither on the sending nor on the receiving side.
+//!
+//! Which parts are separate follows from the header and descriptors alone, so the
+//! receiver knows after the first message how many parts follow and how long each is. A
+//! zero-length message is the end of the stream ([`FIN`]): no first message or part is
+//! ever empty.
+//!
+//! The first message is checked with the core's [`FrameDecoder`] and the caller's
+//! [`FrameLimits`] before any part is accepted; a frame without separate parts is decoded
+//! by the core in full and converted with [`IncomingFrame::from_frame`]. This module moves
+//! no bytes over any wire and decides nothing about the frames' meaning.
+
+use rdzv_core::rpc::frame::{
+    Decoded, EncodeError, FrameDecoder, FrameError, FrameLimits, Header, TensorDescriptor,
+    DESCRIPTOR_LEN, HEADER_LEN,
+};
+use rdzv_uring::rpc::transport::{IncomingFrame, OwnedFrame};
+use rdzv_uring::rpc::TransportError;
+
+/// Body parts of at least this many bytes travel as separate, zero-copy messages: the
+/// channel's own zero-copy threshold, below which one copy through the ring is cheaper
+/// than registering memory.
+pub const SEPARATE_MIN: usize = super::super::channel::ZERO_COPY_THRESHOLD;
+
+/// The end-of-stream message: empty.
+pub const FIN: &[u8] = &[];
+
+fn is_separate(len: u64) -> bool {
+    len >= SEPARATE_MIN as u64
+}
+
+/// The messages that carry `frame`, in order: the first message, then the separate parts.
+///
+/// # Errors
+/// [`EncodeError`] when the core would not decode the frame.
+pub fn split_frame(frame: OwnedFrame) -> Result<Vec<Vec<u8>>, EncodeError> {
+    let head = frame.encode_head()?;
+    let OwnedFrame {
+        handler,
+        metadata,
+        payload,
+        inline_data,
+        ..
+    } = frame;
+    let mut separate = Vec::new();
+    let mut first = head;
+    first.extend_from_slice(handler.as_bytes());
+    first.extend_from_slice(&metadata);
+    for part in std::iter::once(payload).chain(inline_data) {
+        if is_separate(part.len() as u64) {
+            separate.push(part);
+        } else {
+            first.extend_from_slice(&part);
+        }
+    }
+    let mut messages = Vec::with_capacity(separate.len() + 1);
+    messages.push(first);
+    messages.extend(separate);
+    Ok(messages)
+}
+
+/// What a first message says.
+#[derive(Debug)]
+pub enum FirstMessage {
+    /// The whole frame (it had no separate parts).
+    Complete(IncomingFrame),
+    /// A frame waiting for its separate parts.
+    Pending(PendingFrame),
+}
+
+/// A frame whose first message arrived and was checked; its separate parts follow.
+#[derive(Debug)]
+pub struct PendingFrame {
+    first: Vec<u8>,
+    header: Header,
+    tensors: Vec<TensorDescriptor>,
+    /// The lengths of the separate parts still expected, in order.
+    expected: Vec<u64>,
+    parts: Vec<Vec<u8>>,
+    peer: String,
+}
+
+fn invalid(peer: &str, reason: String) -> TransportError {
+    TransportError::Io {
+        op: "receive from",
+        peer: peer.to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, reason),
+    }
+}
+
+fn frame_error(peer: &str, source: FrameError) -> TransportError {
+    TransportError::Frame {
+        peer: peer.to_string(),
+        source,
+    }
+}
+
+/// Checks a frame's first message against `limits` and says what follows.
+///
+/// # Errors
+/// [`TransportError::Frame`] when the core's decoder refuses it, and
+/// [`TransportError::Io`] (invalid data) when its length does not match what its header
+/// announces.
+pub fn decode_first(
+    first: Vec<u8>,
+    limits: FrameLimits,
+    peer: &str,
+) -> Result<FirstMessage, TransportError> {
+    let mut decoder = FrameDecoder::new(limits);
+    match decoder.decode(&first) {
+        Err(source) => return Err(frame_error(peer, source)),
+        Ok(Decoded::Complete(frame, used)) if used == first.len() => {
+            return IncomingFrame::from_frame(&frame, peer).map(FirstMessage::Complete)
+        }
+        Ok(Decoded::Complete(_, used)) => {
+            return Err(invalid(
+                peer,
+                format!(
+                    "an RDMA message of {} bytes holds a frame of {used} and more",
+                    first.len()
+                ),
+            ))
+        }
+        Ok(Decoded::Partial(_)) => {}
+    }
+    let header = *decoder.header().ok_or_else(|| {
+        invalid(
+            peer,
+            format!(
+                "an RDMA message of {} bytes is shorter than a frame header",
+                first.len()
+            ),
+        )
+    })?;
+    // Header, descriptors, handler name and metadata always travel in the first message;
+    // with them there, the decoder has checked every descriptor and the name.
+    let descriptors_end =
+        HEADER_LEN as u64 + u64::from(header.tensor_count) * DESCRIPTOR_LEN as u64;
+    let named_end = descriptors_end
+        .saturating_add(u64::from(header.handler_len))
+        .saturating_add(u64::from(header.metadata_len));
+    let have = first.len() as u64;
+    if have < named_end {
+        return Err(invalid(
+            peer,
+            format!("an RDMA frame's first message of {have} bytes ends before its metadata ({named_end} bytes)"),
+        ));
+    }
+    let mut tensors = Vec::with_capacity(usize::try_from(header.tensor_count).unwrap_or(0));
+    for (index, chunk) in first
+        .get(HEADER_LEN..usize::try_from(descriptors_end).unwrap_or(usize::MAX))
+        .unwrap_or_default()
+        .chunks_exact(DESCRIPTOR_LEN)
+        .enumerate()
+    {
+        let bytes: &[u8; DESCRIPTOR_LEN] = chunk
+            .try_into()
+            .map_err(|_| frame_error(peer, FrameError::BadMagic))?;
+        let index = u32::try_from(index).unwrap_or(u32::MAX);
+        let descriptor =
+            TensorDescriptor::from_bytes(bytes, index).map_err(|e| frame_error(peer, e))?;
+        if !descriptor.is_inline() {
+            return Err(TransportError::UnsupportedChannel {
+                peer: peer.to_string(),
+                channel: descriptor.channel.name(),
+            });
+        }
+        tensors.push(descriptor);
+    }
+    let mut expected = Vec::new();
+    let mut in_first = named_end;
+    for len in std::iter::once(header.payload_len).chain(tensors.iter().map(|t| t.len)) {
+        if is_separate(len) {
+            expected.push(len);
+        } else {
+            in_first = in_first.saturating_add(len);
+        }
+    }
+    if have != in_first || expected.is_empty() {
+        return Err(invalid(
+            peer,
+            format!(
+                "an RDMA frame's first message has {have} bytes; its header announces {in_first} \
+                 and {} separate parts",
+                expected.len()
+            ),
+        ));
+    }
+    expected.reverse();
+    Ok(FirstMessage::Pending(PendingFrame {
+        first,
+        header,
+        tensors,
+        expected,
+        parts: Vec::new(),
+        peer: peer.to_string(),
+    }))
+}
+
+impl PendingFrame {
+    /// Whether every separate part has arrived.
+    pub fn is_complete(&self) -> bool {
+        self.expected.is_empty()
+    }
+
+    /// The bytes received so far (first message and parts).
+    pub fn received_len(&self) -> usize {
+        self.parts
+            .iter()
+            .fold(self.first.len(), |n, part| n.saturating_add(part.len()))
+    }
+
+    /// Adds the next separate part.
+    ///
+    /// # Errors
+    /// [`TransportError::Io`] (invalid data) when it is not the length announced, or
+    /// when no part is expected.
+    pub fn push(&mut self, part: Vec<u8>) -> Result<(), TransportError> {
+        match self.expected.pop() {
+            Some(len) if len == part.len() as u64 => {
+                self.parts.push(part);
+                Ok(())
+            }
+            Some(len) => Err(invalid(
+                &self.peer,
+                format!(
+                    "an RDMA frame part of {} bytes arrived where {len} were announced",
+                    part.len()
+                ),
+            )),
+            None => Err(invalid(
+                &self.peer,
+                "an RDMA frame part arrived after the frame was complete".into(),
+            )),
+        }
+    }
+
+    /// The frame, once [complete](Self::is_complete).
+    ///
+    /// # Errors
+    /// [`TransportError::Truncated`] when parts are missing; [`TransportError::Frame`]
+    /// for a handler name that is not UTF-8.
+    pub fn finish(self) -> Result<IncomingFrame, TransportError> {
+        let wire_len = self.received_len() as u64;
+        let PendingFrame {
+            first,
+            header,
+            tensors,
+            expected,
+            parts,
+            peer,
+        } = self;
+        if !expected.is_empty() {
+            return Err(TransportError::Truncated {
+                peer,
+                have: usize::try_from(wire_len).unwrap_or(usize::MAX),
+            });
+        }
+        let mut parts = parts.into_iter();
+        let mut at = HEADER_LEN.saturating_add(tensors.len().saturating_mul(DESCRIPTOR_LEN));
+        // `separable`: the payload and tensors may travel apart, the name and metadata never.
+        let mut take = |len: u64, separable: bool| -> Result<Vec<u8>, TransportError> {
+            if separable && is_separate(len) {
+                return parts.next().ok_or_else(|| TransportError::Truncated {
+                    peer: peer.clone(),
+                    have: first.len(),
+                });
+            }
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|len| at.checked_add(len))
+                .filter(|&end| end <= first.len())
+                .ok_or_else(|| TransportError::Truncated {
+                    peer: peer.clone(),
+                    have: first.len(),
+                })?;
+            let bytes = first.get(at..end).unwrap_or_default().to_vec();
+            at = end;
+            Ok(bytes)
+        };
+        let handler = String::from_utf8(take(u64::from(header.handler_len), false)?)
+            .map_err(|_| frame_error(&peer, FrameError::HandlerNotUtf8))?;
+        let metadata = take(u64::from(header.metadata_len), false)?;
+        let payload = take(header.payload_len, true)?;
+        let tensors = tensors
+            .into_iter()
+            .map(|descriptor| Ok((descriptor, take(descriptor.len, true)?)))
+            .collect::<Result<Vec<_>, TransportError>>()?;
+        Ok(IncomingFrame {
+            kind: header.kind,
+            message_id: header.message_id,
+            handler,
+            metadata,
+            payload,
+            tensors,
+            wire_len,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rdzv_core::device::Device;
+    use rdzv_core::negotiate::ChannelKind;
+    use rdzv_core::rpc::frame::FrameKind;
+
+    fn tensor(len: usize) -> TensorDescriptor {
+        TensorDescriptor {
+            source: Device::cpu(),
+            target: Device::cpu(),
+            channel: ChannelKind::Basic,
+            len: len as u64,
+        }
+    }
+
+    fn frame(payload: usize, tensors: &[usize]) -> OwnedFrame {
+        let fill = |n: usize, seed: usize| -> Vec<u8> {
+            (0..n)
+                .map(|i| (i * 7 + seed * 13 + (i >> 9)) as u8)
+                .collect()
+        };
+        OwnedFrame {
+            handler: "echo".into(),
+            metadata: vec![1, 2, 3],
+            payload: fill(payload, 99),
+            tensors: tensors.iter().map(|&n| tensor(n)).collect(),
+            inline_data: tensors
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| fill(n, i))
+                .collect(),
+            ..OwnedFrame::empty(FrameKind::Request, 7)
+        }
+    }
+
+    /// Splits, then receives the messages in order.
+    fn round_trip(frame: &OwnedFrame, limits: FrameLimits) -> Result<IncomingFrame, String> {
+        let messages = split_frame(frame.clone()).map_err(|e| e.to_string())?;
+        let total: usize = messages.iter().map(Vec::len).sum();
+        assert_eq!(total, frame.encoded_len());
+        assert!(messages.iter().all(|m| !m.is_empty()));
+        let mut messages = messages.into_iter();
+        let first = messages.next().ok_or("no first message")?;
+        match decode_first(first, limits, "peer").map_err(|e| e.to_string())? {
+            FirstMessage::Complete(done) => {
+                assert!(messages.next().is_none());
+                Ok(done)
+            }
+            FirstMessage::Pending(mut pending) => {
+                for part in messages {
+                    assert!(!pending.is_complete());
+                    assert!(part.len() >= SEPARATE_MIN);
+                    pending.push(part).map_err(|e| e.to_string())?;
+                }
+                assert!(pending.is_complete());
+                pending.finish().map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    fn check(frame: &OwnedFrame, got: &IncomingFrame) {
+        assert_eq!(got.kind, frame.kind);
+        assert_eq!(got.message_id, frame.message_id);
+        assert_eq!(got.handler, frame.handler);
+        assert_eq!(got.metadata, frame.metadata);
+        assert!(got.payload == frame.payload, "payload differs");
+        assert_eq!(got.tensors.len(), frame.tensors.len());
+        for ((d, data), (want_d, want)) in got
+            .tensors
+            .iter()
+            .zip(frame.tensors.iter().zip(&frame.inline_data))
+        {
+            assert_eq!(d, want_d);
+            assert!(data == want, "tensor of {} bytes differs", want.len());
+        }
+        assert_eq!(got.wire_len, frame.encoded_len() as u64);
+    }
+
+    #[test]
+    fn small_frames_are_one_message_decoded_by_the_core() {
+        let f = frame(10, &[0, 1, 100]);
+        let messages = split_frame(f.clone()).unwrap_or_default();
+        assert_eq!(messages.len(), 1);
+        let got = round_trip(&f, FrameLimits::DEFAULT).unwrap_or_else(|e| panic!("{e}"));
+        check(&f, &got);
+    }
+
+    #[test]
+    fn large_parts_travel_alone_in_wire_order() {
+        let f = frame(SEPARATE_MIN, &[3, 1 << 20, SEPARATE_MIN - 1, 8 << 20, 0]);
+        let messages = split_frame(f.clone()).unwrap_or_default();
+        let lens: Vec<usize> = messages.iter().map(Vec::len).collect();
+        assert_eq!(lens.get(1..), Some(&[SEPARATE_MIN, 1 << 20, 8 << 20][..]));
+        let got = round_trip(&f, FrameLimits::DEFAULT).unwrap_or_else(|e| panic!("{e}"));
+        check(&f, &got);
+    }
+
+    #[test]
+    fn large_metadata_stays_in_the_first_message() {
+        let mut f = frame(SEPARATE_MIN + 1, &[SEPARATE_MIN]);
+        f.metadata = vec![5; 3 * SEPARATE_MIN];
+        let messages = split_frame(f.clone()).unwrap_or_default();
+        assert_eq!(messages.len(), 3);
+        let got = round_trip(&f, FrameLimits::DEFAULT).unwrap_or_else(|e| panic!("{e}"));
+        check(&f, &got);
+    }
+
+    #[test]
+    fn limits_apply_to_the_first_message() {
+        let f = frame(0, &[1 << 20]);
+        let e = round_trip(&f, FrameLimits::HANDSHAKE).unwrap_err();
+        assert!(e.starts_with("invalid frame from peer"), "{e}");
+    }
+
+    #[test]
+    fn wrong_lengths_are_refused() {
+        let f = frame(0, &[1 << 20, 1 << 20]);
+        let messages = split_frame(f).unwrap_or_default();
+        let first = messages.first().cloned().unwrap_or_default();
+        // A first message with a byte more or less.
+        for bad in [
+            [first.as_slice(), &[0]].concat(),
+            first[..first.len() - 1].to_vec(),
+        ] {
+            let e = decode_first(bad, FrameLimits::DEFAULT, "peer").err();
+            assert!(
+                matches!(
+                    e,
+                    Some(TransportError::Io { .. } | TransportError::Frame { .. })
+                ),
+                "{e:?}"
+            );
+        }
+        let Ok(FirstMessage::Pending(mut pending)) =
+            decode_first(first.clone(), FrameLimits::DEFAULT, "peer")
+        else {
+            panic!("expected a pending frame")
+        };
+        assert!(pending.push(vec![0; 5]).is_err());
+        let Ok(FirstMessage::Pending(mut pending)) =
+            decode_first(first, FrameLimits::DEFAULT, "peer")
+        else {
+            panic!("expected a pending frame")
+        };
+        assert!(pending.push(vec![0; 1 << 20]).is_ok());
+        let received = pending.received_len();
+        let e = pending.finish().err();
+        assert!(
+            matches!(e, Some(TransportError::Truncated { have, .. }) if have == received),
+            "{e:?}"
+        );
+        // Garbage and an empty message.
+        assert!(decode_first(vec![0; 64], FrameLimits::DEFAULT, "peer").is_err());
+        assert!(decode_first(b"RZ".to_vec(), FrameLimits::DEFAULT, "peer").is_err());
+        assert!(decode_first(Vec::new(), FrameLimits::DEFAULT, "peer").is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn any_frame_round_trips(
+            payload in prop_oneof![0usize..64, SEPARATE_MIN - 2..SEPARATE_MIN + 2],
+            tensors in proptest::collection::vec(
+                prop_oneof![0usize..40, SEPARATE_MIN - 1..SEPARATE_MIN + 70_000],
+                0..5,
+            ),
+        ) {
+            let f = frame(payload, &tensors);
+            let got = round_trip(&f, FrameLimits::DEFAULT);
+            prop_assert!(got.is_ok(), "{got:?}");
+            if let Ok(got) = got {
+                check(&f, &got);
+            }
+        }
+
+        #[test]
+        fn arbitrary_first_messages_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let mut with_header = rdzv_core::rpc::frame::MAGIC.to_vec();
+            with_header.extend_from_slice(&bytes);
+            for candidate in [bytes, with_header] {
+                if let Ok(FirstMessage::Pending(mut p)) =
+                    decode_first(candidate, FrameLimits::DEFAULT, "peer")
+                {
+                    let _ = p.push(vec![0; SEPARATE_MIN]);
+                    let _ = p.finish();
+                }
+            }
+        }
+    }
+}

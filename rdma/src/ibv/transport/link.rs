@@ -1,0 +1,589 @@
+//! The thread that owns one connection's [`IbvChannel`] and moves frames between it and
+//! the agent's executor.
+//!
+//! The channel is blocking and not split into halves, so one thread drives both
+//! directions with the channel's non-blocking calls: it posts the parts of queued frames
+//! while the peer's ring has credit, takes arrived messages while the agent's receive
+//! queue has room, and otherwise sleeps in [`IbvChannel::wait`] on the completion
+//! channel, a wake-up socket (the agent queued a frame, read one, or dropped a half) and
+//! the TCP bootstrap connection. A large write therefore never stops reads.
+//!
+//! Ending, per direction: closing (or dropping) the sending half queues [`FIN`] after
+//! the last frame; once every send has completed and the peer has read every zero-copy
+//! buffer, the thread writes one byte (`F`) on the bootstrap connection. A peer's `F`
+//! followed by the end of the bootstrap connection is a graceful end (its `FIN` is in
+//! the channel); the end of the bootstrap connection without `F` means the peer's process
+//! is gone, and the link fails at once instead of waiting for the RDMA retry timers. A
+//! failed work completion fails the link with the verb and its status
+//! (`IBV_WC_RETRY_EXC_ERR`, ...).
+//!
+//! Ownership: a frame's buffers move into the channel (`Arc`), which keeps them, and
+//! their registrations, until the peer acknowledged reading them, whatever happens to the
+//! agent's futures; the queue pair is destroyed (when the thread drops the channel)
+//! before any of them is freed.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use rdzv_uring::rpc::transport::OwnedFrame;
+
+use super::framing::{split_frame, FIN};
+use crate::ibv::channel::IbvChannel;
+use crate::report::ErrorChain;
+
+/// Messages waiting for the agent before the thread stops taking more from the channel
+/// (the peer then waits for ring credit).
+pub const INCOMING_BOUND: usize = 64;
+/// How long a peer that announced its end (`F`) may take for its `FIN` to arrive.
+pub const FIN_GRACE: Duration = Duration::from_secs(5);
+/// How long, after this side's `FIN`, the peer may take to read the last zero-copy
+/// buffers before the link gives up on it.
+pub const LINGER: Duration = Duration::from_secs(30);
+
+/// How often an idle link reports its state (at trace level).
+const IDLE_REPORT: Duration = Duration::from_secs(10);
+
+/// The byte that tells the peer, over the bootstrap connection, that this side's `FIN`
+/// was delivered.
+const FINISHED: u8 = b'F';
+
+struct MailboxState<T> {
+    items: VecDeque<T>,
+    waker: Option<Waker>,
+    closed: bool,
+}
+
+/// A queue between the link's thread and one task on the executor. Closing refuses
+/// pushes; pops drain what is left, then see the end.
+pub struct Mailbox<T> {
+    state: Mutex<MailboxState<T>>,
+}
+
+impl<T> Mailbox<T> {
+    /// An empty, open mailbox.
+    pub fn new() -> Mailbox<T> {
+        Mailbox {
+            state: Mutex::new(MailboxState {
+                items: VecDeque::new(),
+                waker: None,
+                closed: false,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MailboxState<T>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends `item`; gives it back once closed.
+    pub fn push(&self, item: T) -> Result<(), T> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(item);
+        }
+        state.items.push_back(item);
+        let waker = state.waker.take();
+        drop(state);
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+        Ok(())
+    }
+
+    /// The next item, if one is there.
+    pub fn try_pop(&self) -> Option<T> {
+        self.lock().items.pop_front()
+    }
+
+    /// Items waiting.
+    pub fn len(&self) -> usize {
+        self.lock().items.len()
+    }
+
+    /// Whether no item is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Refuses further pushes and wakes the waiting task.
+    pub fn close(&self) {
+        let mut state = self.lock();
+        state.closed = true;
+        let waker = state.waker.take();
+        drop(state);
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    /// Whether it was closed.
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// The next item, waiting for one; `None` once closed and drained.
+    pub fn pop(&self) -> impl Future<Output = Option<T>> + '_ {
+        Pop { mailbox: self }
+    }
+}
+
+impl<T> Default for Mailbox<T> {
+    fn default() -> Self {
+        Mailbox::new()
+    }
+}
+
+struct Pop<'a, T> {
+    mailbox: &'a Mailbox<T>,
+}
+
+impl<T> Future for Pop<'_, T> {
+    type Output = Option<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let mut state = self.mailbox.lock();
+        if let Some(item) = state.items.pop_front() {
+            return Poll::Ready(Some(item));
+        }
+        if state.closed {
+            return Poll::Ready(None);
+        }
+        state.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+/// What the agent's halves and the link's thread share.
+pub struct Link {
+    /// Frames to send, from the sending half.
+    pub outgoing: Mailbox<OwnedFrame>,
+    /// Messages received (or the link's failure), for the receiving half.
+    pub incoming: Mailbox<Result<Vec<u8>, String>>,
+    /// How the sending direction ended: `Ok` once the `FIN` was delivered.
+    pub sent: Mailbox<Result<(), String>>,
+    /// Set when the receiving half is dropped: arriving messages are then discarded.
+    receiver_gone: AtomicBool,
+    /// Set by the thread when it stopped taking messages because `incoming` was full.
+    stalled: AtomicBool,
+    /// Why the link failed, once it did.
+    failure: Mutex<Option<String>>,
+    /// Written to wake the thread; the thread's end is `wake_rx`.
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
+}
+
+impl Link {
+    fn new() -> io::Result<Link> {
+        let (wake_tx, wake_rx) = UnixStream::pair()?;
+        wake_tx.set_nonblocking(true)?;
+        wake_rx.set_nonblocking(true)?;
+        Ok(Link {
+            outgoing: Mailbox::new(),
+            incoming: Mailbox::new(),
+            sent: Mailbox::new(),
+            receiver_gone: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            wake_tx,
+            wake_rx,
+        })
+    }
+
+    /// Wakes the thread (it then looks at every queue).
+    pub fn wake(&self) {
+        // A full socket buffer means a wake-up is pending already.
+        let _ = (&self.wake_tx).write(&[1]);
+    }
+
+    fn drain_wakeups(&self) {
+        let mut buf = [0u8; 64];
+        while matches!((&self.wake_rx).read(&mut buf), Ok(n) if n > 0) {}
+    }
+
+    /// Called by the receiving half after it took a message: wakes the thread if it
+    /// stopped taking messages because the queue was full.
+    pub fn took_message(&self) {
+        if self.stalled.swap(false, Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
+    /// Whether `incoming` is full; if so, marks the thread as stalled (checking again
+    /// after marking, so that a message taken meanwhile is never missed).
+    fn incoming_full(&self) -> bool {
+        if self.incoming.len() < INCOMING_BOUND {
+            return false;
+        }
+        self.stalled.store(true, Ordering::SeqCst);
+        if self.incoming.len() < INCOMING_BOUND {
+            self.stalled.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Marks the receiving half as gone.
+    pub fn drop_receiver(&self) {
+        self.receiver_gone.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn receiver_gone(&self) -> bool {
+        self.receiver_gone.load(Ordering::Acquire)
+    }
+
+    /// Why the link failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn fail(&self, reason: String) {
+        *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
+        let _ = self.incoming.push(Err(reason.clone()));
+        let _ = self.sent.push(Err(reason));
+        self.close_all();
+    }
+
+    fn close_all(&self) {
+        self.outgoing.close();
+        self.incoming.close();
+        self.sent.close();
+    }
+}
+
+/// Starts the thread that drives `channel`, with `bootstrap` (the TCP connection the
+/// channel was set up over) kept open to see the peer go.
+///
+/// # Errors
+/// Creating the wake-up socket, making `bootstrap` non-blocking, or spawning the thread
+/// failed.
+pub fn start(channel: IbvChannel, bootstrap: TcpStream, peer: &str) -> io::Result<Arc<Link>> {
+    bootstrap.set_read_timeout(None)?;
+    bootstrap.set_write_timeout(None)?;
+    bootstrap.set_nonblocking(true)?;
+    let link = Arc::new(Link::new()?);
+    let mut driver = Driver {
+        channel,
+        bootstrap,
+        link: Arc::clone(&link),
+        parts: VecDeque::new(),
+        fin_posted: None,
+        sent_done: false,
+        fin_received: false,
+        peer_finished: false,
+        bootstrap_ended: None,
+    };
+    let shown = peer.to_string();
+    std::thread::Builder::new()
+        .name("rdzv-ibv-link".into())
+        .spawn(move || {
+            let outcome = driver.run();
+            match outcome {
+                Ok(()) => driver.link.close_all(),
+                Err(reason) => {
+                    tracing::debug!(peer = %shown, %reason, "an ibv link failed");
+                    driver.link.fail(reason);
+                }
+            }
+            // The queue pair goes (with the channel) before the bootstrap connection
+            // closes, so the peer sees the end only once nothing is posted here.
+            let Driver {
+                channel, bootstrap, ..
+            } = driver;
+            drop(channel);
+            drop(bootstrap);
+        })?;
+    Ok(link)
+}
+
+struct Driver {
+    channel: IbvChannel,
+    bootstrap: TcpStream,
+    link: Arc<Link>,
+    /// The rest of the frame being sent.
+    parts: VecDeque<Arc<Vec<u8>>>,
+    /// When this side's `FIN` was posted.
+    fin_posted: Option<Instant>,
+    /// Whether the `FIN` was delivered and `F` written.
+    sent_done: bool,
+    fin_received: bool,
+    /// Whether the peer wrote `F`.
+    peer_finished: bool,
+    /// When the bootstrap connection ended.
+    bootstrap_ended: Option<Instant>,
+}
+
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    ErrorChain(e).to_string()
+}
+
+impl Driver {
+    fn run(&mut self) -> Result<(), String> {
+        loop {
+            // Wake-ups are drained before the queues are read: one that comes later
+            // keeps the socket readable, so `wait` returns at once.
+            self.link.drain_wakeups();
+            // Receiving first: it takes the completions (credit acks among them), and
+            // sending takes none, so nothing that arrives before `wait` is missed.
+            let mut busy = self.receive_some()?;
+            busy |= self.send_some()?;
+            self.read_bootstrap();
+            self.note_sent_done();
+            if let Some(ended) = self.bootstrap_ended {
+                // The peer's thread is gone: decide now, or within the grace period for
+                // messages and completions that raced the end of the bootstrap connection.
+                let late = ended.elapsed() >= FIN_GRACE;
+                if !self.fin_received {
+                    if !self.peer_finished {
+                        return Err("the peer dropped the RDMA connection without ending it \
+                                    (its process is gone?)"
+                            .into());
+                    }
+                    if late {
+                        return Err(format!(
+                            "the peer ended the RDMA connection but its last message did not \
+                             arrive within {FIN_GRACE:?}"
+                        ));
+                    }
+                } else if self.sent_done {
+                    return Ok(());
+                } else if !self.link.outgoing.is_closed() || late {
+                    return Err(
+                        "the peer closed the RDMA connection before this side ended \
+                                its stream"
+                            .into(),
+                    );
+                }
+            }
+            if self.sent_done && (self.fin_received || self.link.receiver_gone()) {
+                return Ok(());
+            }
+            if let Some(posted) = self.fin_posted {
+                if !self.sent_done && posted.elapsed() >= LINGER {
+                    return Err(format!(
+                        "the peer did not read this side's last {} zero-copy messages within \
+                         {LINGER:?}",
+                        self.channel.large_in_flight()
+                    ));
+                }
+            }
+            if busy {
+                continue;
+            }
+            let timeout = match (self.bootstrap_ended, self.fin_posted) {
+                (Some(ended), _) => Some(FIN_GRACE.saturating_sub(ended.elapsed())),
+                (None, Some(posted)) if !self.sent_done => {
+                    Some(LINGER.saturating_sub(posted.elapsed()))
+                }
+                _ => None,
+            };
+            let wake = self.link.wake_rx.as_fd();
+            let since = Instant::now();
+            // An idle link wakes now and then to say what it waits for.
+            let timeout = timeout.unwrap_or(IDLE_REPORT);
+            let waited = if self.bootstrap_ended.is_some() {
+                self.channel.wait(&[wake], Some(timeout))
+            } else {
+                self.channel
+                    .wait(&[wake, self.bootstrap.as_fd()], Some(timeout))
+            };
+            waited.map_err(|e| chain(&e))?;
+            if since.elapsed() >= IDLE_REPORT {
+                tracing::trace!(
+                    parts = self.parts.len(),
+                    outgoing = self.link.outgoing.len(),
+                    incoming = self.link.incoming.len(),
+                    fin_posted = self.fin_posted.is_some(),
+                    sent_done = self.sent_done,
+                    fin_received = self.fin_received,
+                    channel = ?self.channel,
+                    "an ibv link is idle"
+                );
+            }
+        }
+    }
+
+    /// Posts what the peer's ring has credit for; `true` if anything was posted.
+    fn send_some(&mut self) -> Result<bool, String> {
+        let mut busy = false;
+        loop {
+            if self.parts.is_empty() {
+                // Read before popping: a frame queued before the close is then seen.
+                let closed = self.link.outgoing.is_closed();
+                match self.link.outgoing.try_pop() {
+                    Some(frame) => {
+                        let messages = split_frame(frame).map_err(|e| chain(&e))?;
+                        self.parts = messages.into_iter().map(Arc::new).collect();
+                        continue;
+                    }
+                    None if closed && self.fin_posted.is_none() => {
+                        match self
+                            .channel
+                            .try_send_owned(Arc::new(FIN.to_vec()))
+                            .map_err(|e| chain(&e))?
+                        {
+                            Ok(()) => {
+                                self.fin_posted = Some(Instant::now());
+                                busy = true;
+                            }
+                            Err(_) => return Ok(busy),
+                        }
+                    }
+                    None => {}
+                }
+                break;
+            }
+            let Some(part) = self.parts.pop_front() else {
+                break;
+            };
+            match self.channel.try_send_owned(part).map_err(|e| chain(&e))? {
+                Ok(()) => busy = true,
+                Err(part) => {
+                    self.parts.push_front(part);
+                    return Ok(busy);
+                }
+            }
+        }
+        self.note_sent_done();
+        Ok(busy)
+    }
+
+    /// Once the `FIN` is posted and every send completed (the peer read every zero-copy
+    /// buffer), reports the sending direction's end, here and to the peer.
+    fn note_sent_done(&mut self) {
+        if self.fin_posted.is_some()
+            && !self.sent_done
+            && self.channel.sends_in_flight() == 0
+            && self.channel.large_in_flight() == 0
+        {
+            self.sent_done = true;
+            // Best effort: without it the peer fails its pipe instead of ending it.
+            if let Err(e) = (&self.bootstrap).write(&[FINISHED]) {
+                tracing::debug!(error = %e, "telling an ibv peer the stream ended failed");
+            }
+            let _ = self.link.sent.push(Ok(()));
+            self.link.sent.close();
+        }
+    }
+
+    /// Takes arrived messages while the agent has room for them; `true` if any came.
+    fn receive_some(&mut self) -> Result<bool, String> {
+        let mut busy = false;
+        while !self.fin_received {
+            let gone = self.link.receiver_gone();
+            if !gone && self.link.incoming_full() {
+                break;
+            }
+            match self.channel.try_recv().map_err(|e| chain(&e))? {
+                None => break,
+                Some(message) if message.is_empty() => {
+                    self.fin_received = true;
+                    self.link.incoming.close();
+                    busy = true;
+                }
+                Some(message) => {
+                    busy = true;
+                    if !gone {
+                        // Refused only after a failure, which ends the thread anyway.
+                        let _ = self.link.incoming.push(Ok(message));
+                    }
+                }
+            }
+        }
+        Ok(busy)
+    }
+
+    /// Notes the peer's `F` and the end of the bootstrap connection.
+    fn read_bootstrap(&mut self) {
+        if self.bootstrap_ended.is_some() {
+            return;
+        }
+        let mut buf = [0u8; 16];
+        loop {
+            match (&self.bootstrap).read(&mut buf) {
+                Ok(0) => {
+                    self.bootstrap_ended = Some(Instant::now());
+                    return;
+                }
+                Ok(n) => {
+                    if buf.get(..n).is_some_and(|b| b.contains(&FINISHED)) {
+                        self.peer_finished = true;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "an ibv bootstrap connection failed");
+                    self.bootstrap_ended = Some(Instant::now());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mailbox_drains_after_close_and_refuses_pushes() {
+        let mailbox = Mailbox::new();
+        assert!(mailbox.push(1).is_ok());
+        assert!(mailbox.push(2).is_ok());
+        assert_eq!(mailbox.len(), 2);
+        mailbox.close();
+        assert!(mailbox.is_closed());
+        assert_eq!(mailbox.push(3), Err(3));
+        assert_eq!(mailbox.try_pop(), Some(1));
+        let rest = futures_lite_block_on(mailbox.pop());
+        assert_eq!(rest, Some(2));
+        assert_eq!(futures_lite_block_on(mailbox.pop()), None);
+        assert!(mailbox.is_empty());
+    }
+
+    #[test]
+    fn wakeups_are_drained() {
+        let link = Link::new().unwrap_or_else(|e| panic!("{e}"));
+        for _ in 0..10_000 {
+            link.wake();
+        }
+        link.drain_wakeups();
+        let mut buf = [0u8; 1];
+        assert!(matches!(
+            (&link.wake_rx).read(&mut buf),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock
+        ));
+        link.fail("boom".into());
+        assert_eq!(link.failure().as_deref(), Some("boom"));
+        assert_eq!(link.incoming.try_pop(), Some(Err("boom".to_string())));
+        assert!(link.outgoing.is_closed());
+    }
+
+    /// Polls a future that is ready without waiting (the mailbox's items are there).
+    fn futures_lite_block_on<F: Future>(future: F) -> F::Output {
+        let mut future = std::pin::pin!(future);
+        struct Noop;
+        impl std::task::Wake for Noop {
+            fn wake(self: Arc<Self>) {}
+        }
+        let waker = Waker::from(Arc::new(Noop));
+        let mut cx = Context::from_waker(&waker);
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(out) => out,
+            Poll::Pending => panic!("the future is not ready"),
+        }
+    }
+}

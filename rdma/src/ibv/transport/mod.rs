@@ -1,0 +1,711 @@
+//! The `ibv` transport of the RPC agent: the agent's transport seam
+//! (`rdzv_uring::rpc::transport`) over an RC queue pair ([`IbvChannel`]), plugged into
+//! the agent with [`IbvPlugin`].
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use rdzv_rdma::ibv::transport::IbvPlugin;
+//! use rdzv_uring::rpc::{init_rpc, RpcOptions};
+//!
+//! let mut options = RpcOptions::new("env://");
+//! options.transports = Some(vec!["ibv".into(), "tcp".into()]);
+//! options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
+//! let agent = init_rpc("worker0", 0, Some(2), options)?;
+//! # Ok::<(), rdzv_uring::rpc::RpcError>(())
+//! ```
+//!
+//! - **Viability**: [`IbvPlugin::open`](rdzv_uring::rpc::transport::TransportPlugin::open)
+//!   runs [`probe`](super::probe) with the plugin's [`IbvConfig`] (default: the
+//!   `RDZV_IB_DEVICE` / `RDZV_IB_PORT` / `RDZV_IB_GID_INDEX` environment); when RDMA is not
+//!   viable (libibverbs missing, a kernel without verbs, no active port, ...) it returns
+//!   the probe's reason, which the agent logs before leaving ibv out.
+//! - **Addresses**: a listener is a TCP socket on the agent's host, published as
+//!   `ibv://<ip>:<port>` (`ibv://[v6]:port` for IPv6). A connection is a TCP connection to
+//!   it, over which [`IbvChannel::connect`] exchanges the queue pairs' records; it stays
+//!   open afterwards only to see the peer go.
+//! - **Domain descriptor** ([`domain_descriptor`]): two workers negotiate ibv only when
+//!   their ports can address each other: `ibv:ib:<subnet prefix>` for InfiniBand (LID
+//!   routing works inside one subnet), `ibv:roce-v2` for RoCE v2 (routed over UDP/IP:
+//!   reachability is IP's business, which no descriptor can tell; a pipe whose upgrade
+//!   fails stays on the bootstrap transport), `ibv:roce-v1:<GID prefix>` for RoCE v1
+//!   (one Ethernet segment). Device names, ports, MTUs and speeds do not matter: each
+//!   side uses its own, and the path MTU is the smaller one.
+//! - **Frames** ([`framing`]): a frame's head, name, metadata and small parts travel as
+//!   one message through the channel's ring; the payload and every tensor of at least
+//!   [`framing::SEPARATE_MIN`] bytes travel alone and zero-copy (the peer reads the
+//!   sender's buffer with RDMA READ into the buffer it hands to the agent).
+//! - **Threads** ([`link`]): each connection's channel is driven by one thread, which
+//!   also owns every buffer posted to the NIC until the peer has read it; errors carry
+//!   the verb or the work completion's status (`IBV_WC_RETRY_EXC_ERR`, ...). A failed
+//!   link fails the pipe, and the agent re-creates it on the next call, as for tcp.
+//!
+//! Not here: one shared completion queue or receive queue for all of a worker's pipes
+//! (each pipe has its own queue pair, rings and thread), receiving into caller-provided
+//! or GPU memory, and negotiation (the agent's, with the core).
+
+pub mod framing;
+pub mod link;
+
+use std::io;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdzv_core::negotiate::TransportKind;
+use rdzv_core::rpc::frame::FrameLimits;
+use rdzv_uring::rpc::transport::{
+    Connection, FrameReceiver, FrameSender, IncomingFrame, IntoBlocking, Listener, LocalBoxFuture,
+    NotBlocking, OwnedFrame, Transport, TransportPlugin,
+};
+use rdzv_uring::rpc::TransportError;
+
+use self::framing::{decode_first, FirstMessage, PendingFrame};
+use self::link::{Link, Mailbox};
+use super::channel::{ChannelOptions, IbvChannel};
+use super::select::IbvSelection;
+use super::topology::{GidType, LinkLayer};
+use super::{probe, IbvConfig, IbvNotViable, IbvViability};
+use crate::report::ErrorChain;
+
+/// The scheme of ibv listener addresses.
+pub const SCHEME: &str = "ibv://";
+/// How long connecting the bootstrap TCP connection may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long each read or write of the queue pair setup may take.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Which peers this port can reach with RC queue pairs; see the [module](self) docs.
+pub fn domain_descriptor(selection: &IbvSelection) -> String {
+    let prefix = |gid: [u8; 16]| -> String {
+        gid.get(..8)
+            .unwrap_or_default()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    match (selection.link_layer, selection.gid_type) {
+        (link, _) if link.is_infiniband() => format!("ibv:ib:{}", prefix(selection.gid.0)),
+        (LinkLayer::Ethernet, GidType::RoceV2) => "ibv:roce-v2".to_string(),
+        (LinkLayer::Ethernet, GidType::RoceV1) => {
+            format!("ibv:roce-v1:{}", prefix(selection.gid.0))
+        }
+        (LinkLayer::Ethernet, other) => format!("ibv:roce-{other}"),
+        (other, _) => format!("ibv:{other}"),
+    }
+}
+
+/// `ibv://ip:port` for a listener's socket address.
+pub fn format_address(addr: SocketAddr) -> String {
+    format!("{SCHEME}{addr}")
+}
+
+/// The socket address in `ibv://ip:port` (`ibv://[v6]:port` for IPv6).
+///
+/// # Errors
+/// [`TransportError::BadAddress`] when it is anything else.
+pub fn parse_address(address: &str) -> Result<SocketAddr, TransportError> {
+    let bad = |reason| TransportError::BadAddress {
+        transport: "ibv",
+        address: address.to_string(),
+        reason,
+    };
+    let rest = address
+        .strip_prefix(SCHEME)
+        .ok_or_else(|| bad("it does not start with ibv://"))?;
+    let addr: SocketAddr = rest
+        .parse()
+        .map_err(|_| bad("expected ibv://<ip>:<port> (ibv://[<ipv6>]:<port>)"))?;
+    if addr.port() == 0 {
+        return Err(bad("port 0 is not a listener's port"));
+    }
+    Ok(addr)
+}
+
+/// The `ibv` transport: RC queue pairs on the selected device, port and GID.
+#[derive(Debug, Clone)]
+pub struct IbvTransport {
+    host: IpAddr,
+    selection: IbvSelection,
+    options: ChannelOptions,
+    descriptor: String,
+}
+
+impl IbvTransport {
+    /// The transport for a worker listening on `host`, if [`probe`] finds RDMA viable
+    /// with `config`.
+    ///
+    /// # Errors
+    /// [`IbvNotViable`] with the reason.
+    pub fn new(host: IpAddr, config: &IbvConfig) -> Result<IbvTransport, IbvNotViable> {
+        match probe(config) {
+            IbvViability::Viable(selection) => Ok(Self::with_selection(
+                host,
+                selection,
+                ChannelOptions::default(),
+            )),
+            IbvViability::NotViable(reason) => Err(reason),
+        }
+    }
+
+    /// The transport over an already probed device, port and GID.
+    pub fn with_selection(
+        host: IpAddr,
+        selection: IbvSelection,
+        options: ChannelOptions,
+    ) -> IbvTransport {
+        let descriptor = domain_descriptor(&selection);
+        IbvTransport {
+            host,
+            selection,
+            options,
+            descriptor,
+        }
+    }
+
+    /// The device, port and GID in use.
+    pub fn selection(&self) -> &IbvSelection {
+        &self.selection
+    }
+}
+
+/// The [`TransportPlugin`] that gives the RPC agent the `ibv` transport.
+#[derive(Debug, Clone, Default)]
+pub struct IbvPlugin {
+    /// The device, port and GID to use; `None` reads `RDZV_IB_DEVICE`, `RDZV_IB_PORT` and
+    /// `RDZV_IB_GID_INDEX` when the agent starts.
+    pub config: Option<IbvConfig>,
+    /// The channels' tunables.
+    pub options: ChannelOptions,
+}
+
+impl TransportPlugin for IbvPlugin {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Ibv
+    }
+
+    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
+        let config = match &self.config {
+            Some(config) => config.clone(),
+            None => IbvConfig::from_process_env().map_err(|e| not_viable(&e.into()))?,
+        };
+        match probe(&config) {
+            IbvViability::Viable(selection) => Ok(Box::new(IbvTransport::with_selection(
+                host,
+                selection,
+                self.options.clone(),
+            ))),
+            IbvViability::NotViable(reason) => Err(not_viable(&reason)),
+        }
+    }
+}
+
+fn not_viable(reason: &IbvNotViable) -> String {
+    format!("RDMA (ibverbs) is not viable: {}", ErrorChain(reason))
+}
+
+/// Sets the queue pair up over `stream` and starts its link.
+fn establish(
+    mut stream: TcpStream,
+    selection: &IbvSelection,
+    options: &ChannelOptions,
+    peer: &str,
+) -> io::Result<Arc<Link>> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(SETUP_TIMEOUT))?;
+    stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
+    let channel = IbvChannel::connect(selection, &mut stream, options)
+        .map_err(|e| io::Error::other(ErrorChain(&e).to_string()))?;
+    link::start(channel, stream, peer)
+}
+
+impl Transport for IbvTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Ibv
+    }
+
+    fn domain_descriptor(&self) -> &str {
+        &self.descriptor
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+        let bind = SocketAddr::new(self.host, 0);
+        let listen_error = |source| TransportError::Listen {
+            address: format_address(bind),
+            source,
+        };
+        let listener = TcpListener::bind(bind).map_err(listen_error)?;
+        let address = format_address(listener.local_addr().map_err(listen_error)?);
+        let listener = Arc::new(listener);
+        let queue = Arc::new(Mailbox::new());
+        let (thread_listener, thread_queue) = (Arc::clone(&listener), Arc::clone(&queue));
+        let (selection, options, shown) = (
+            self.selection.clone(),
+            self.options.clone(),
+            address.clone(),
+        );
+        std::thread::Builder::new()
+            .name("rdzv-ibv-accept".into())
+            .spawn(move || {
+                accept_thread(
+                    &thread_listener,
+                    &thread_queue,
+                    &selection,
+                    &options,
+                    &shown,
+                )
+            })
+            .map_err(|source| TransportError::Listen {
+                address: address.clone(),
+                source,
+            })?;
+        Ok(Box::new(IbvListener {
+            listener,
+            queue,
+            address,
+        }))
+    }
+
+    fn connect<'a>(
+        &'a self,
+        address: &'a str,
+    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let addr = parse_address(address)?;
+            let connect_error = |source| TransportError::Connect {
+                address: address.to_string(),
+                source,
+            };
+            let done = Arc::new(Mailbox::new());
+            let thread_done = Arc::clone(&done);
+            let (selection, options, peer) = (
+                self.selection.clone(),
+                self.options.clone(),
+                address.to_string(),
+            );
+            std::thread::Builder::new()
+                .name("rdzv-ibv-connect".into())
+                .spawn(move || {
+                    let linked = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+                        .and_then(|stream| establish(stream, &selection, &options, &peer));
+                    let _ = thread_done.push(linked);
+                    thread_done.close();
+                })
+                .map_err(connect_error)?;
+            match done.pop().await {
+                Some(Ok(link)) => Ok(IbvPipe::boxed(link, address.to_string())),
+                Some(Err(e)) => Err(connect_error(e)),
+                None => Err(connect_error(io::Error::other(
+                    "the connecting thread stopped",
+                ))),
+            }
+        })
+    }
+}
+
+/// What the accept thread hands over: a set-up connection (with its peer), or an error.
+type Accepted = io::Result<(Arc<Link>, String)>;
+
+/// Accepts until the listener is shut down; each connection is set up on a thread of its
+/// own, so that a slow or broken peer delays no other.
+fn accept_thread(
+    listener: &TcpListener,
+    queue: &Arc<Mailbox<Accepted>>,
+    selection: &IbvSelection,
+    options: &ChannelOptions,
+    address: &str,
+) {
+    loop {
+        let accepted = listener.accept();
+        if queue.is_closed() {
+            return;
+        }
+        match accepted {
+            Ok((stream, from)) => {
+                let peer = format!("ibv peer {from}");
+                let (setup_queue, selection, options) =
+                    (Arc::clone(queue), selection.clone(), options.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("rdzv-ibv-setup".into())
+                    .spawn(move || {
+                        let linked =
+                            establish(stream, &selection, &options, &peer).map(|link| (link, peer));
+                        let _ = setup_queue.push(linked);
+                    });
+                if let Err(e) = spawned {
+                    let _ = queue.push(Err(e));
+                }
+            }
+            Err(e) => {
+                tracing::debug!(%address, error = %e, "ibv accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+struct IbvListener {
+    listener: Arc<TcpListener>,
+    queue: Arc<Mailbox<Accepted>>,
+    address: String,
+}
+
+impl Listener for IbvListener {
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
+        Box::pin(async move {
+            let accept_error = |source| TransportError::Accept {
+                address: self.address.clone(),
+                source,
+            };
+            match self.queue.pop().await {
+                Some(Ok((link, peer))) => Ok(IbvPipe::boxed(link, peer)),
+                Some(Err(e)) => Err(accept_error(e)),
+                None => Err(accept_error(io::Error::other("the listener is closed"))),
+            }
+        })
+    }
+}
+
+impl Drop for IbvListener {
+    fn drop(&mut self) {
+        self.queue.close();
+        // Wakes the accept thread: accept on a shut-down socket fails at once.
+        // SAFETY: the descriptor is the listener's, open while `self.listener` lives.
+        let rc = unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        if rc != 0 {
+            tracing::debug!(
+                address = %self.address,
+                error = %io::Error::last_os_error(),
+                "shutting an ibv listener down failed"
+            );
+        }
+    }
+}
+
+struct IbvPipe {
+    link: Arc<Link>,
+    peer: String,
+}
+
+impl IbvPipe {
+    fn boxed(link: Arc<Link>, peer: String) -> Box<dyn Connection> {
+        Box::new(IbvPipe { link, peer })
+    }
+}
+
+impl Connection for IbvPipe {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
+        let IbvPipe { link, peer } = *self;
+        let peer: Arc<str> = Arc::from(peer.as_str());
+        (
+            Box::new(IbvFrameSender {
+                link: Arc::clone(&link),
+                peer: Arc::clone(&peer),
+            }),
+            Box::new(IbvFrameReceiver {
+                link,
+                peer,
+                pending: None,
+                ended: false,
+            }),
+        )
+    }
+}
+
+struct IbvFrameSender {
+    link: Arc<Link>,
+    peer: Arc<str>,
+}
+
+impl IbvFrameSender {
+    fn stopped(&self) -> TransportError {
+        let reason = self
+            .link
+            .failure()
+            .unwrap_or_else(|| "the pipe is closed".to_string());
+        TransportError::Io {
+            op: "send to",
+            peer: self.peer.to_string(),
+            source: io::Error::new(io::ErrorKind::BrokenPipe, reason),
+        }
+    }
+}
+
+impl FrameSender for IbvFrameSender {
+    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
+        Box::pin(async move {
+            // Refuse a frame the core would not decode here, with the frame's error.
+            if let Err(source) = frame.encode_head() {
+                return Err(TransportError::Encode {
+                    peer: self.peer.to_string(),
+                    source,
+                });
+            }
+            let len = frame.encoded_len() as u64;
+            if self.link.failure().is_some() {
+                return Err(self.stopped());
+            }
+            match self.link.outgoing.push(frame) {
+                Ok(()) => {
+                    self.link.wake();
+                    Ok(len)
+                }
+                Err(_) => Err(self.stopped()),
+            }
+        })
+    }
+
+    fn close(&mut self) -> LocalBoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.link.outgoing.close();
+            self.link.wake();
+            // Until the queued frames and the end of the stream were read by the peer.
+            if let Some(Err(e)) = self.link.sent.pop().await {
+                tracing::debug!(peer = %self.peer, error = %e, "an ibv pipe's sender failed");
+            }
+        })
+    }
+
+    fn into_blocking(
+        self: Box<Self>,
+        receiver: Box<dyn FrameReceiver>,
+    ) -> LocalBoxFuture<'static, IntoBlocking> {
+        // One driver thread runs both directions of the queue pair: the pipe stays on
+        // the executor.
+        Box::pin(async move { Err(NotBlocking::Unsupported(self, receiver)) })
+    }
+}
+
+impl Drop for IbvFrameSender {
+    fn drop(&mut self) {
+        // The thread sends what is queued, then the end of the stream.
+        self.link.outgoing.close();
+        self.link.wake();
+    }
+}
+
+struct IbvFrameReceiver {
+    link: Arc<Link>,
+    peer: Arc<str>,
+    /// A frame whose separate parts are still arriving (kept if a `recv` is dropped).
+    pending: Option<PendingFrame>,
+    ended: bool,
+}
+
+impl IbvFrameReceiver {
+    /// The next message from the link; `Ok(None)` at the end of the stream.
+    async fn next_message(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
+        let message = self.link.incoming.pop().await;
+        self.link.took_message();
+        match message {
+            Some(Ok(message)) => Ok(Some(message)),
+            Some(Err(reason)) => {
+                self.ended = true;
+                Err(TransportError::Io {
+                    op: "receive from",
+                    peer: self.peer.to_string(),
+                    source: io::Error::new(io::ErrorKind::ConnectionAborted, reason),
+                })
+            }
+            None => {
+                self.ended = true;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl FrameReceiver for IbvFrameReceiver {
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+
+    fn recv(
+        &mut self,
+        limits: FrameLimits,
+    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
+        Box::pin(async move {
+            if self.ended {
+                return Ok(None);
+            }
+            // A frame in progress lives in `self.pending` across awaits, so that a dropped
+            // `recv` loses nothing.
+            loop {
+                if self.pending.as_ref().is_some_and(PendingFrame::is_complete) {
+                    if let Some(done) = self.pending.take() {
+                        return done.finish().map(Some);
+                    }
+                }
+                let Some(message) = self.next_message().await? else {
+                    return match self.pending.take() {
+                        Some(pending) => Err(TransportError::Truncated {
+                            peer: self.peer.to_string(),
+                            have: pending.received_len(),
+                        }),
+                        None => Ok(None),
+                    };
+                };
+                let pushed = match self.pending.as_mut() {
+                    Some(pending) => pending.push(message),
+                    None => match decode_first(message, limits, &self.peer) {
+                        Ok(FirstMessage::Complete(frame)) => return Ok(Some(frame)),
+                        Ok(FirstMessage::Pending(pending)) => {
+                            self.pending = Some(pending);
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    },
+                };
+                if let Err(e) = pushed {
+                    // The stream cannot be resynchronised.
+                    self.ended = true;
+                    self.pending = None;
+                    return Err(e);
+                }
+            }
+        })
+    }
+}
+
+impl Drop for IbvFrameReceiver {
+    fn drop(&mut self) {
+        self.link.drop_receiver();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ibv::topology::{Gid, Mtu};
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    fn selection(link_layer: LinkLayer, gid_type: GidType, gid: Gid) -> IbvSelection {
+        IbvSelection {
+            device: "mlx5_0".into(),
+            port: 1,
+            link_layer,
+            lid: 7,
+            gid,
+            gid_index: 3,
+            gid_type,
+            active_mtu: Some(Mtu::B4096),
+            max_msg_size: 1 << 30,
+            speed: None,
+        }
+    }
+
+    #[test]
+    fn descriptors_say_which_ports_can_reach_each_other() {
+        let ib_gid = Gid([
+            0xfe, 0x80, 0, 0, 0, 0, 0, 0x12, 0xaa, 0xbb, 0, 0, 0, 0, 0, 2,
+        ]);
+        let ib = selection(LinkLayer::InfiniBand, GidType::InfiniBand, ib_gid);
+        assert_eq!(domain_descriptor(&ib), "ibv:ib:fe80000000000012");
+        // Another port of the same subnet, on another device: the same domain.
+        let other = IbvSelection {
+            device: "mlx5_3".into(),
+            port: 2,
+            gid: Gid([
+                0xfe, 0x80, 0, 0, 0, 0, 0, 0x12, 0x11, 0x22, 0, 0, 0, 0, 0, 9,
+            ]),
+            ..ib.clone()
+        };
+        assert_eq!(domain_descriptor(&ib), domain_descriptor(&other));
+        let unspecified = selection(LinkLayer::Unspecified, GidType::InfiniBand, ib_gid);
+        assert_eq!(domain_descriptor(&unspecified), "ibv:ib:fe80000000000012");
+        let v2 = selection(
+            LinkLayer::Ethernet,
+            GidType::RoceV2,
+            Gid::from(Ipv4Addr::new(10, 0, 2, 15)),
+        );
+        assert_eq!(domain_descriptor(&v2), "ibv:roce-v2");
+        let v1 = selection(
+            LinkLayer::Ethernet,
+            GidType::RoceV1,
+            Gid::from(Ipv6Addr::new(0xfe80, 0, 0, 0, 1, 2, 3, 4)),
+        );
+        assert_eq!(domain_descriptor(&v1), "ibv:roce-v1:fe80000000000000");
+        let unknown = selection(LinkLayer::Ethernet, GidType::Unknown, ib_gid);
+        assert_eq!(domain_descriptor(&unknown), "ibv:roce-unknown");
+        let odd = selection(LinkLayer::Unknown(9), GidType::Unknown, ib_gid);
+        assert_eq!(domain_descriptor(&odd), "ibv:unknown(9)");
+    }
+
+    #[test]
+    fn addresses_round_trip() {
+        let v4: SocketAddr = "10.0.2.15:40123".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(format_address(v4), "ibv://10.0.2.15:40123");
+        assert_eq!(parse_address("ibv://10.0.2.15:40123").ok(), Some(v4));
+        let v6: SocketAddr = "[fe80::1]:7".parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parse_address(&format_address(v6)).ok(), Some(v6));
+        for bad in [
+            "tcp://10.0.2.15:1",
+            "ibv://",
+            "ibv://10.0.2.15",
+            "ibv://host:1",
+            "ibv://10.0.2.15:0",
+            "ibv://10.0.2.15:99999",
+            "ibv://fe80::1:7",
+        ] {
+            assert!(
+                matches!(
+                    parse_address(bad),
+                    Err(TransportError::BadAddress {
+                        transport: "ibv",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn not_viable_here_says_why() {
+        // On hosts with a verbs device this checks nothing but the kind.
+        let plugin = IbvPlugin::default();
+        assert_eq!(plugin.kind(), TransportKind::Ibv);
+        match plugin.open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
+            Ok(transport) => {
+                assert_eq!(transport.kind(), TransportKind::Ibv);
+                assert!(transport.domain_descriptor().starts_with("ibv:"));
+            }
+            Err(reason) => {
+                assert!(
+                    reason.starts_with("RDMA (ibverbs) is not viable: "),
+                    "{reason}"
+                );
+                println!("ibv not viable here: {reason}");
+            }
+        }
+        // A configuration that names no existing device is never viable.
+        let missing = IbvPlugin {
+            config: Some(IbvConfig {
+                device: Some("rdzv-no-such-device".into()),
+                ..IbvConfig::default()
+            }),
+            ..IbvPlugin::default()
+        };
+        let reason = missing
+            .open(IpAddr::V4(Ipv4Addr::LOCALHOST))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            reason.starts_with("RDMA (ibverbs) is not viable: "),
+            "{reason}"
+        );
+        assert!(IbvTransport::new(
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            missing.config.as_ref().unwrap_or(&IbvConfig::default())
+        )
+        .is_err());
+    }
+}

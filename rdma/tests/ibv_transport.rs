@@ -1,0 +1,198 @@
+//! The `ibv` transport behind the agent's seam, without the agent: a listener and a
+//! connection on one glommio executor (as the agent runs them), frames of every size
+//! byte for byte, both peers sending 8 MiB at each other at once (a large write must not
+//! stop reads), more frames than the ring has credit for, and the end of the stream in
+//! each direction. Skipped (with the reason) on hosts without verbs; run by
+//! `rdma/softroce/run` in a Soft-RoCE VM, where a missing device fails it.
+
+mod verbs_env;
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr};
+
+use rdzv_core::device::Device;
+use rdzv_core::negotiate::{ChannelKind, TransportKind};
+use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
+use rdzv_rdma::ibv::channel::ChannelOptions;
+use rdzv_rdma::ibv::transport::{IbvTransport, SCHEME};
+use rdzv_uring::rpc::transport::{FrameReceiver, OwnedFrame, Transport};
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u64).wrapping_mul(131).wrapping_add(seed * 7) as u8 ^ (i >> 13) as u8)
+        .collect()
+}
+
+fn frame(id: u64, payload: usize, tensors: &[usize]) -> OwnedFrame {
+    OwnedFrame {
+        handler: "echo".into(),
+        metadata: vec![id as u8; 3],
+        payload: pattern(payload, id + 1000),
+        tensors: tensors
+            .iter()
+            .map(|&len| TensorDescriptor {
+                source: Device::cpu(),
+                target: Device::cpu(),
+                channel: ChannelKind::Basic,
+                len: len as u64,
+            })
+            .collect(),
+        inline_data: tensors
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| pattern(len, id * 10 + i as u64))
+            .collect(),
+        ..OwnedFrame::empty(FrameKind::Request, id)
+    }
+}
+
+async fn expect_frame(rx: &mut Box<dyn FrameReceiver>, want: &OwnedFrame) {
+    let got = rx
+        .recv(FrameLimits::DEFAULT)
+        .await
+        .unwrap_or_else(|e| panic!("receiving frame {}: {e}", want.message_id))
+        .unwrap_or_else(|| panic!("the stream ended before frame {}", want.message_id));
+    assert_eq!(got.message_id, want.message_id);
+    assert_eq!(got.kind, want.kind);
+    assert_eq!(got.handler, want.handler);
+    assert_eq!(got.metadata, want.metadata);
+    assert!(
+        got.payload == want.payload,
+        "payload of frame {}",
+        want.message_id
+    );
+    assert_eq!(got.wire_len, want.encoded_len() as u64);
+    let datas: Vec<&Vec<u8>> = got.tensors.iter().map(|(_, d)| d).collect();
+    let wanted: Vec<&Vec<u8>> = want.inline_data.iter().collect();
+    assert!(datas == wanted, "tensors of frame {}", want.message_id);
+}
+
+/// Fails the process (instead of hanging the VM) when a phase takes too long.
+fn watchdog() -> std::sync::mpsc::Sender<&'static str> {
+    let (tx, rx) = std::sync::mpsc::channel::<&'static str>();
+    std::thread::spawn(move || {
+        let mut phase = "start";
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_secs(90)) {
+                Ok(next) => {
+                    println!("phase: {next}");
+                    phase = next;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    println!("the test hung in phase {phase}");
+                    std::process::exit(101);
+                }
+            }
+        }
+    });
+    tx
+}
+
+fn run<T: 'static>(f: impl Future<Output = T> + 'static) -> T {
+    glommio::LocalExecutorBuilder::default()
+        .io_memory(1 << 20)
+        .make()
+        .map(|executor| executor.run(f))
+        .unwrap_or_else(|e| panic!("executor: {e}"))
+}
+
+#[test]
+fn frames_cross_the_ibv_seam_both_ways() {
+    let Some(selection) = verbs_env::selection_or_skip("frames_cross_the_ibv_seam_both_ways")
+    else {
+        return;
+    };
+    let phase = watchdog();
+    if std::env::var_os("RDZV_IBV_TRACE").is_some() || verbs_env::in_softroce_vm() {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(std::io::stdout)
+            .try_init();
+    }
+    run(async move {
+        let transport = IbvTransport::with_selection(
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            selection,
+            // A small ring: credits run out and the ring wraps.
+            ChannelOptions {
+                ring_len: 4096,
+                recv_slots: 8,
+                ..ChannelOptions::default()
+            },
+        );
+        assert_eq!(transport.kind(), TransportKind::Ibv);
+        assert!(transport.domain_descriptor().starts_with("ibv:"));
+        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+        let address = listener.address().to_string();
+        assert!(address.starts_with(SCHEME), "{address}");
+        let _ = phase.send("connect");
+        let (client, server) =
+            futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
+        let (mut a_tx, mut a_rx) = client.unwrap_or_else(|e| panic!("connect: {e}")).split();
+        let (mut b_tx, mut b_rx) = server.unwrap_or_else(|e| panic!("accept: {e}")).split();
+
+        // Every size class, one direction.
+        let frames = [
+            frame(1, 0, &[]),
+            frame(2, 1, &[0, 1]),
+            frame(3, 20_000, &[3000, 1 << 20]),
+            frame(4, 5, &[8 << 20]),
+        ];
+        let _ = phase.send("one direction");
+        for f in &frames {
+            let sent = a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(sent, f.encoded_len() as u64);
+        }
+        for f in &frames {
+            expect_frame(&mut b_rx, f).await;
+        }
+
+        let _ = phase.send("both directions");
+        // Both sides send 8 MiB and many small frames at once, then read.
+        let big_a = frame(10, 0, &[8 << 20]);
+        let big_b = frame(20, 0, &[8 << 20]);
+        let small: Vec<OwnedFrame> = (100..140).map(|id| frame(id, 700, &[900])).collect();
+        for f in std::iter::once(&big_a).chain(&small) {
+            a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        for f in std::iter::once(&big_b).chain(&small) {
+            b_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        for f in std::iter::once(&big_a).chain(&small) {
+            expect_frame(&mut b_rx, f).await;
+        }
+        for f in std::iter::once(&big_b).chain(&small) {
+            expect_frame(&mut a_rx, f).await;
+        }
+
+        let _ = phase.send("ends");
+        // The end of one direction; the other still works; then the other ends.
+        a_tx.close().await;
+        assert!(matches!(b_rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
+        assert!(matches!(b_rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
+        let last = frame(30, 3, &[40_000]);
+        b_tx.send(last.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        expect_frame(&mut a_rx, &last).await;
+        // Limits apply before a frame is accepted.
+        b_tx.send(frame(31, 0, &[16]))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(a_rx.recv(FrameLimits::HANDSHAKE).await.is_err());
+        let _ = phase.send("second end");
+        b_tx.close().await;
+        drop((a_tx, a_rx, b_tx, b_rx));
+        let _ = phase.send("refused connection");
+
+        // Connecting to a port nobody listens on fails with the address.
+        let dead = format!("{SCHEME}127.0.0.1:1");
+        let failed = transport.connect(&dead).await.err().map(|e| e.to_string());
+        assert!(
+            failed.as_deref().is_some_and(|t| t.contains("127.0.0.1:1")),
+            "{failed:?}"
+        );
+        let _ = phase.send("done");
+    });
+}
