@@ -8,6 +8,15 @@
 //! fails the calls pending on it and leaves the table; the next call to that peer opens
 //! a new one (PyTorch never re-creates a pipe).
 //!
+//! Tensors of at least `min_channel_bytes` go over the pipe's negotiated channel (cma,
+//! xth; see `super::channels`) instead of inline: the sender keeps each exported buffer
+//! until the peer is done with it. A request's exports are released when its reply (or
+//! error) arrives, even after the call timed out, or when its pipe fails; a response's
+//! when the caller's `Ack` frame arrives or the inbound pipe ends. The callee pulls a
+//! request's tensors on the handler pool's thread before the handler runs; the caller
+//! pulls a response's on the I/O thread when small and on glommio's blocking thread when
+//! large, then acks. A failed pull fails the call with the channel, the peer and why.
+//!
 //! Timeouts are the core's [`TimeoutQueue`], driven by one timer task that sleeps until
 //! the earliest deadline and is poked when a call is scheduled. A call that times out
 //! leaves the pending table, so its late response is dropped.
@@ -23,15 +32,18 @@ use std::time::Duration;
 
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::task::JoinHandle;
-use rdzv_core::negotiate::{accept_answer, answer_brochure, ChannelKind, Negotiated, Role};
+use rdzv_core::negotiate::{accept_answer, answer_brochure, Negotiated, Role};
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, EncodeError, FrameKind, FrameLimits, Handshake,
-    TensorDescriptor,
 };
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
 use super::agent::FaultInjection;
+use super::channels::{
+    add_tensor, cpu_channel, ChannelBytes, FrameExports, PipeReader, ReceivedTensors,
+    PULL_OFF_THREAD_BYTES,
+};
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::message::{CallContext, Completion, Message, Tensor};
@@ -44,11 +56,13 @@ use super::transport::{
 /// An accepted inbound pipe: the peer's name and id, and what was negotiated.
 type Accepted = (String, WorkerId, Negotiated);
 
-/// A request for the worker pool.
+/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
+/// to be pulled (out-of-band ones) on the pool's thread before the handler runs.
 pub(crate) struct Job {
     pub pipe: u64,
     pub ctx: CallContext,
     pub message: Message,
+    pub tensors: ReceivedTensors,
 }
 
 struct Pending {
@@ -104,12 +118,18 @@ struct ReadyPipe {
     id: u64,
     tx: Rc<LocalSender<OwnedFrame>>,
     negotiated: Negotiated,
+    /// Where this pipe's responses' out-of-band tensors are read from.
+    reader: Arc<PipeReader>,
 }
 
 struct InboundPipe {
     peer: String,
     tx: Rc<LocalSender<OwnedFrame>>,
     negotiated: Negotiated,
+    /// Where this pipe's requests' out-of-band tensors are read from.
+    reader: Arc<PipeReader>,
+    /// Buffers lent by responses on this pipe, by message id, until the caller acks.
+    exports: HashMap<u64, FrameExports>,
 }
 
 #[derive(Default)]
@@ -119,6 +139,9 @@ struct IoState {
     client_pipes: HashMap<String, ClientPipe>,
     inbound: HashMap<u64, InboundPipe>,
     next_pipe: u64,
+    /// Buffers lent by requests, by message id, with the client pipe they went on; held
+    /// until the reply arrives or the pipe fails.
+    request_exports: HashMap<u64, (u64, FrameExports)>,
 }
 
 pub(crate) struct Io {
@@ -348,12 +371,15 @@ impl Io {
         }
     }
 
-    /// Builds the frame's tensor descriptors: each tensor's target device is the device
-    /// map's image of its device (or the same device), and the negotiated channel for the
-    /// pair must be `basic`, the only channel this build runs.
+    /// Builds the frame's tensors: each tensor's target device is the device map's image
+    /// of its device (or the same device), and it goes over the channel negotiated for
+    /// the pair (inline below `min_channel_bytes`, or when that channel is `basic`); the
+    /// buffers lent to the peer join `exports`.
+    #[allow(clippy::too_many_arguments)]
     fn tensor_frame(
         &self,
         frame: &mut OwnedFrame,
+        exports: &mut FrameExports,
         tensors: Vec<Tensor>,
         peer: &str,
         role: Role,
@@ -368,27 +394,33 @@ impl Io {
                 group.device_maps.get(peer).cloned()
             }
         };
+        let mut moved = ChannelBytes::default();
         for tensor in tensors {
             let target = map
                 .as_ref()
                 .and_then(|m| m.get(&tensor.device))
                 .unwrap_or(tensor.device);
-            let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
-            if channel != Some(ChannelKind::Basic) {
+            let Some(channel) = negotiated.channel_for(role, tensor.device.kind(), target.kind())
+            else {
                 return Err(RpcError::NoChannel {
                     peer: peer.to_string(),
                     source_device: tensor.device.to_string(),
                     target_device: target.to_string(),
                 });
-            }
-            frame.tensors.push(TensorDescriptor {
-                source: tensor.device,
+            };
+            add_tensor(
+                frame,
+                exports,
+                &mut moved,
+                tensor.data,
+                tensor.device,
                 target,
-                channel: ChannelKind::Basic,
-                len: tensor.data.len() as u64,
-            });
-            frame.inline_data.push(tensor.data);
+                channel,
+                self.shared.offer.min_channel_bytes,
+                peer,
+            )?;
         }
+        moved.add_to(&mut self.shared.lock_calls().channel_bytes);
         Ok(())
     }
 
@@ -415,9 +447,11 @@ impl Io {
             payload: message.payload,
             ..OwnedFrame::empty(FrameKind::Request, message_id)
         };
+        let mut exports = FrameExports::default();
         let built = self
             .tensor_frame(
                 &mut frame,
+                &mut exports,
                 message.tensors,
                 &peer,
                 Role::Connector,
@@ -442,7 +476,7 @@ impl Io {
             }
             return;
         }
-        let sent_bytes = frame.encoded_len() as u64;
+        let sent_bytes = (frame.encoded_len() as u64).saturating_add(out_of_band_bytes(&frame));
         if let Some(pending) = self.state.borrow_mut().pending.get_mut(&message_id) {
             pending.sent_bytes = sent_bytes;
         }
@@ -457,6 +491,13 @@ impl Io {
                 self.fail_pending(pending, RpcError::InjectedFault { handler });
             }
             return;
+        }
+        if !exports.is_empty() {
+            // Held until the reply arrives or the pipe fails.
+            self.state
+                .borrow_mut()
+                .request_exports
+                .insert(message_id, (pipe.id, exports));
         }
         if let Some(delay) = self.faults.delay(&frame.handler) {
             let tx = Rc::clone(&pipe.tx);
@@ -491,9 +532,11 @@ impl Io {
                     payload: message.payload,
                     ..OwnedFrame::empty(FrameKind::Response, message_id)
                 };
+                let mut exports = FrameExports::default();
                 let built = self
                     .tensor_frame(
                         &mut frame,
+                        &mut exports,
                         message.tensors,
                         &peer,
                         Role::Listener,
@@ -507,7 +550,16 @@ impl Io {
                         })
                     });
                 match built {
-                    Ok(()) => frame,
+                    Ok(()) => {
+                        if !exports.is_empty() {
+                            // Held until the caller's ack, or the pipe's end.
+                            if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
+                                inbound.exports.insert(message_id, exports);
+                            }
+                        }
+                        frame
+                    }
+                    // Dropping `exports` releases them: the frame is never sent.
                     Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
                 }
             }
@@ -538,6 +590,8 @@ impl Io {
             if current {
                 state.client_pipes.remove(peer);
             }
+            // The callee can no longer read what the pipe's requests lent it.
+            state.request_exports.retain(|_, (on, _)| *on != pipe);
             let ids: Vec<u64> = state
                 .pending
                 .iter()
@@ -566,56 +620,120 @@ impl Io {
 
     /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
     /// can be answered there; anything else is late (timed out) or bogus and dropped.
-    fn on_reply(&self, pipe: u64, frame: IncomingFrame) {
-        let Some(pending) = ({
+    /// Either way the request's lent buffers are released (the callee read them before
+    /// it answered), and a response's out-of-band tensors are pulled, then acked.
+    fn on_reply(self: &Rc<Self>, pipe: &ReadyPipe, frame: IncomingFrame) {
+        let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+        let pending = {
             let mut state = self.state.borrow_mut();
+            if matches!(state.request_exports.get(&frame.message_id), Some((on, _)) if *on == pipe.id)
+            {
+                state.request_exports.remove(&frame.message_id);
+            }
             let ours = state
                 .pending
                 .get(&frame.message_id)
-                .is_some_and(|p| p.pipe == pipe);
+                .is_some_and(|p| p.pipe == pipe.id);
             if ours {
                 state.timeouts.cancel(frame.message_id);
                 state.pending.remove(&frame.message_id)
             } else {
                 None
             }
-        }) else {
+        };
+        let Some(pending) = pending else {
             tracing::debug!(
                 message_id = frame.message_id,
                 "late or unknown reply dropped"
             );
+            if out_of_band {
+                // Nobody reads its tensors: let the callee release them.
+                ack(pipe, frame.message_id);
+            }
             return;
         };
-        let result = if frame.kind == FrameKind::Response {
-            self.shared.lock_calls().network.track_network_data(
-                pending.sent_bytes,
-                frame.wire_len,
-                &pending.peer,
-            );
-            Ok(Message {
-                metadata: frame.metadata,
-                payload: frame.payload,
-                tensors: frame
-                    .tensors
-                    .into_iter()
-                    .map(|(d, data)| Tensor {
-                        device: d.target,
-                        data,
-                    })
-                    .collect(),
-            })
-        } else {
+        if frame.kind != FrameKind::Response {
             self.shared
                 .lock_calls()
                 .network
                 .track_network_error(pending.sent_bytes, &pending.peer);
-            Err(RpcError::Remote {
+            let error = RpcError::Remote {
                 peer: pending.peer.clone(),
                 handler: pending.handler.clone(),
                 message: String::from_utf8_lossy(&frame.payload).into_owned(),
-            })
+            };
+            self.complete(&pending.completion, Err(error));
+            return;
+        }
+        let IncomingFrame {
+            message_id,
+            metadata,
+            payload,
+            tensors,
+            wire_len,
+            ..
+        } = frame;
+        let sorted = ReceivedTensors::sort(
+            tensors,
+            &pipe.negotiated,
+            Role::Connector,
+            &pipe.reader,
+            &pending.peer,
+        );
+        let received = match sorted {
+            Ok(received) => received,
+            Err(e) => {
+                if out_of_band {
+                    ack(pipe, message_id);
+                }
+                self.shared
+                    .lock_calls()
+                    .network
+                    .track_network_error(pending.sent_bytes, &pending.peer);
+                self.complete(&pending.completion, Err(e));
+                return;
+            }
         };
-        self.complete(&pending.completion, result);
+        self.shared.lock_calls().network.track_network_data(
+            pending.sent_bytes,
+            wire_len.saturating_add(received.pull_bytes()),
+            &pending.peer,
+        );
+        if !received.has_out_of_band() {
+            let result = received.pull().map(|tensors| Message {
+                metadata,
+                payload,
+                tensors,
+            });
+            self.complete(&pending.completion, result);
+            return;
+        }
+        // Pull, ack, complete; if the task is cancelled (the agent closes) the guard
+        // fails the call instead of leaving its future hanging.
+        let guard = PullGuard {
+            io: Rc::clone(self),
+            completion: Some(Arc::clone(&pending.completion)),
+        };
+        let pipe = pipe.clone();
+        self.spawn(async move {
+            let mut guard = guard;
+            let pulled = if received.pull_bytes() >= PULL_OFF_THREAD_BYTES {
+                glommio::executor()
+                    .spawn_blocking(move || received.pull())
+                    .await
+            } else {
+                received.pull()
+            };
+            ack(&pipe, message_id);
+            if let Some(completion) = guard.completion.take() {
+                let result = pulled.map(|tensors| Message {
+                    metadata,
+                    payload,
+                    tensors,
+                });
+                guard.io.complete(&completion, result);
+            }
+        });
     }
 
     fn expire(&self, now: Instant) {
@@ -690,12 +808,22 @@ impl Io {
                     // dropping the halves closes the connection.
                     return;
                 }
-                self.shared
-                    .lock_calls()
-                    .pipe_transports
-                    .insert(peer.clone(), negotiated.transport);
+                {
+                    let mut calls = self.shared.lock_calls();
+                    calls
+                        .pipe_transports
+                        .insert(peer.clone(), negotiated.transport);
+                    calls
+                        .pipe_channels
+                        .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
+                }
                 let tx = self.spawn_writer(sender);
-                let pipe = ReadyPipe { id, tx, negotiated };
+                let pipe = ReadyPipe {
+                    id,
+                    tx,
+                    negotiated,
+                    reader: Arc::new(PipeReader::default()),
+                };
                 let queued = match self
                     .state
                     .borrow_mut()
@@ -705,7 +833,7 @@ impl Io {
                     Some(ClientPipe::Connecting { queued, .. }) => queued,
                     _ => Vec::new(),
                 };
-                self.spawn(Rc::clone(&self).client_reader(id, peer, receiver));
+                self.spawn(Rc::clone(&self).client_reader(pipe.clone(), peer, receiver));
                 for outbound in queued {
                     self.send_call(outbound, &pipe);
                 }
@@ -854,14 +982,15 @@ impl Io {
 
     async fn client_reader(
         self: Rc<Self>,
-        id: u64,
+        pipe: ReadyPipe,
         peer: String,
         mut receiver: Box<dyn FrameReceiver>,
     ) {
+        let id = pipe.id;
         let reason = loop {
             match receiver.recv(FrameLimits::DEFAULT).await {
                 Ok(Some(frame)) => match frame.kind {
-                    FrameKind::Response | FrameKind::Error => self.on_reply(id, frame),
+                    FrameKind::Response | FrameKind::Error => self.on_reply(&pipe, frame),
                     FrameKind::Goodbye => {
                         break "the peer said goodbye (it is shutting down)".to_string()
                     }
@@ -969,6 +1098,8 @@ impl Io {
                 peer: peer.clone(),
                 tx,
                 negotiated,
+                reader: Arc::new(PipeReader::default()),
+                exports: HashMap::new(),
             },
         );
         loop {
@@ -977,6 +1108,12 @@ impl Io {
                     self.dispatch(pipe, &peer, peer_id, frame)
                 }
                 Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
+                Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
+                    // The caller read the response's out-of-band tensors.
+                    if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
+                        inbound.exports.remove(&frame.message_id);
+                    }
+                }
                 Ok(Some(frame)) => {
                     tracing::warn!(%peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
                     break;
@@ -1005,19 +1142,34 @@ impl Io {
         let message = Message {
             metadata: frame.metadata,
             payload: frame.payload,
-            tensors: frame
-                .tensors
-                .into_iter()
-                .map(|(d, data)| Tensor {
-                    device: d.target,
-                    data,
-                })
-                .collect(),
+            tensors: Vec::new(),
+        };
+        // The tensors are pulled on the pool's thread; what cannot be pulled at all
+        // (a channel that was not negotiated, a bad descriptor) fails the call now.
+        let sorted = match self.state.borrow().inbound.get(&pipe) {
+            Some(inbound) => ReceivedTensors::sort(
+                frame.tensors,
+                &inbound.negotiated,
+                Role::Listener,
+                &inbound.reader,
+                peer,
+            ),
+            None => return,
+        };
+        let tensors = match sorted {
+            Ok(tensors) => tensors,
+            Err(e) => return self.respond(pipe, ctx.message_id, Err(e.to_string())),
         };
         self.shared.lock_calls().metrics.calls.server_call_started();
+        let job = Job {
+            pipe,
+            ctx,
+            message,
+            tensors,
+        };
         let sent = match self.jobs.borrow().as_ref() {
-            Some(jobs) => jobs.send(Job { pipe, ctx, message }).map_err(|e| e.0),
-            None => Err(Job { pipe, ctx, message }),
+            Some(jobs) => jobs.send(job).map_err(|e| e.0),
+            None => Err(job),
         };
         if let Err(job) = sent {
             self.shared
@@ -1060,6 +1212,7 @@ impl Io {
             let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
             let pending: Vec<Pending> = state.pending.drain().map(|(_, p)| p).collect();
             state.timeouts = TimeoutQueue::new();
+            state.request_exports.clear();
             (client, inbound, pending)
         };
         for pipe in client {
@@ -1101,6 +1254,41 @@ impl Io {
         // Let the executor drop the cancelled tasks (and close their sockets).
         glommio::timer::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// Fails a call whose response is being pulled if the pull's task is dropped before it
+/// completes the call (the agent closed).
+struct PullGuard {
+    io: Rc<Io>,
+    completion: Option<Arc<Completion>>,
+}
+
+impl Drop for PullGuard {
+    fn drop(&mut self) {
+        if let Some(completion) = self.completion.take() {
+            self.io
+                .complete(&completion, Err(self.io.shut_down_error()));
+        }
+    }
+}
+
+/// Tells the callee on `pipe` that the out-of-band tensors of its response
+/// `message_id` were read (or will never be): it may release them. A pipe that is
+/// gone needs no ack (its end releases them).
+fn ack(pipe: &ReadyPipe, message_id: u64) {
+    let _ = pipe
+        .tx
+        .try_send(OwnedFrame::empty(FrameKind::Ack, message_id));
+}
+
+/// The bytes of a frame's tensors that travel beside it, on their channels.
+fn out_of_band_bytes(frame: &OwnedFrame) -> u64 {
+    frame
+        .tensors
+        .iter()
+        .filter(|t| !t.is_inline())
+        .map(|t| t.len)
+        .fold(0, u64::saturating_add)
 }
 
 fn error_frame(message_id: u64, text: &str) -> OwnedFrame {

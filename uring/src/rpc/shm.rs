@@ -17,7 +17,8 @@
 //! on one host and in one network namespace.
 //!
 //! This module does not negotiate or decide anything about frames' meaning; large
-//! tensors go through the ring like everything else (no `cma` channel here).
+//! tensors go through the ring like everything else (the `cma` and `xth` channels move
+//! large tensors beside it; their descriptors travel in the frame).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -463,7 +464,7 @@ impl FrameReceiver for ShmFrameReceiver {
             match decode_frame(&message, &limits) {
                 Ok(Decoded::Complete(frame, used)) if used == message.len() => {
                     let Some(plan) = in_place_plan(&frame, &message) else {
-                        return IncomingFrame::from_frame(&frame, &self.peer).map(Some);
+                        return Ok(Some(IncomingFrame::from_frame(&frame)));
                     };
                     Ok(Some(plan.finish(message)))
                 }
@@ -506,16 +507,18 @@ struct InPlacePlan {
 }
 
 /// An [`InPlacePlan`] when the frame carries an inline tensor of at least
-/// [`IN_PLACE_MIN`] bytes and every tensor is inline.
+/// [`IN_PLACE_MIN`] bytes (the largest inline one keeps the buffer; channel descriptors
+/// are copied like the other parts).
 fn in_place_plan(frame: &Frame<'_>, message: &[u8]) -> Option<InPlacePlan> {
     let base = message.as_ptr() as usize;
-    let mut parts = Vec::new();
-    for (descriptor, data) in frame.tensors_with_data() {
-        parts.push((descriptor, data?));
-    }
+    let parts: Vec<(TensorDescriptor, &[u8])> = frame
+        .tensors_with_data()
+        .map(|(descriptor, data)| (descriptor, data.bytes()))
+        .collect();
     let (index, &(descriptor, data)) = parts
         .iter()
         .enumerate()
+        .filter(|(_, (descriptor, _))| descriptor.is_inline())
         .max_by_key(|(_, (_, data))| data.len())?;
     if data.len() < IN_PLACE_MIN {
         return None;
@@ -714,7 +717,6 @@ impl<T> Future for Pop<'_, T> {
 mod tests {
     use super::*;
     use rdzv_core::device::Device;
-    use rdzv_core::negotiate::ChannelKind;
     use rdzv_core::rpc::frame::FrameKind;
 
     #[test]
@@ -738,13 +740,12 @@ mod tests {
             handler: "echo".into(),
             metadata: vec![7],
             payload: b"payload".to_vec(),
-            tensors: vec![TensorDescriptor {
-                source: Device::cpu(),
-                target: Device::cpu(),
-                channel: ChannelKind::Basic,
-                len: len as u64,
-            }],
-            inline_data: vec![data],
+            tensors: vec![TensorDescriptor::inline(
+                Device::cpu(),
+                Device::cpu(),
+                len as u64,
+            )],
+            tensor_data: vec![data],
             ..OwnedFrame::empty(FrameKind::Request, id)
         }
     }
@@ -784,7 +785,7 @@ mod tests {
                 assert_eq!(got.payload, b"payload".to_vec());
                 assert_eq!(got.wire_len, sent);
                 let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
-                assert!(data == frame.inline_data.concat(), "tensor {id} differs");
+                assert!(data == frame.tensor_data.concat(), "tensor {id} differs");
             }
             // Several tensors, the largest (moved in place) in the middle.
             let parts = [
@@ -795,13 +796,12 @@ mod tests {
             ];
             let mut many = OwnedFrame::empty(FrameKind::Request, 6);
             for part in &parts {
-                many.tensors.push(TensorDescriptor {
-                    source: Device::cpu(),
-                    target: Device::cpu(),
-                    channel: ChannelKind::Basic,
-                    len: part.len() as u64,
-                });
-                many.inline_data.push(part.clone());
+                many.tensors.push(TensorDescriptor::inline(
+                    Device::cpu(),
+                    Device::cpu(),
+                    part.len() as u64,
+                ));
+                many.tensor_data.push(part.clone());
             }
             tx.send(many).await.map_err(|e| e.to_string())?;
             let got = rx

@@ -272,7 +272,8 @@ impl TcpReceiver {
 }
 
 /// How a frame with large inline data is read: `fixed` bytes (header to payload)
-/// through the buffer, then each tensor into its own.
+/// through the buffer, then each tensor's data-section entry (its bytes, or its channel
+/// descriptor) into its own buffer.
 struct DirectPlan {
     header: Header,
     fixed: usize,
@@ -295,8 +296,7 @@ fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
         .collect::<Option<Vec<_>>>()?;
     let inline: u64 = tensors
         .iter()
-        .filter(|t| t.is_inline())
-        .map(|t| t.len)
+        .map(TensorDescriptor::data_len)
         .fold(0u64, u64::saturating_add);
     if inline < DIRECT_READ_MIN {
         return None;
@@ -345,13 +345,7 @@ impl TcpReceiver {
         let mut wire_len = fixed as u64;
         let mut received = Vec::with_capacity(tensors.len());
         for descriptor in tensors {
-            if !descriptor.is_inline() {
-                return Err(TransportError::UnsupportedChannel {
-                    peer: self.peer.to_string(),
-                    channel: descriptor.channel.name(),
-                });
-            }
-            let len = usize::try_from(descriptor.len).map_err(|_| truncated(early_at))?;
+            let len = usize::try_from(descriptor.data_len()).map_err(|_| truncated(early_at))?;
             let mut data = vec![0u8; len];
             let early = self.buf.get(early_at..self.filled).unwrap_or_default();
             let take = early.len().min(len);
@@ -372,7 +366,7 @@ impl TcpReceiver {
                     }
                 })?;
             }
-            wire_len += descriptor.len;
+            wire_len += descriptor.data_len();
             received.push((descriptor, data));
         }
         // Buffered bytes past `early_at` are the next frame's.
@@ -403,9 +397,9 @@ impl FrameReceiver for TcpReceiver {
                     let peer = Rc::clone(&self.peer);
                     match decoder.decode(self.pending()) {
                         Ok(Decoded::Complete(frame, used)) => {
-                            let incoming = IncomingFrame::from_frame(&frame, &peer);
+                            let incoming = IncomingFrame::from_frame(&frame);
                             self.consume(used);
-                            return incoming.map(Some);
+                            return Ok(Some(incoming));
                         }
                         Ok(Decoded::Partial(missing)) => {
                             if let Some(plan) = direct_plan(decoder.header(), self.pending()) {
