@@ -29,6 +29,7 @@ use super::error::RpcError;
 use super::message::Tensor;
 use super::shared::BASIC_DESCRIPTOR;
 use super::transport::OwnedFrame;
+use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{self, CmaDescriptor, CmaExport, CmaPeer};
 use crate::channel::xth::{self, XthDescriptor, XthExport};
 use crate::channel::ProcessIdentity;
@@ -36,17 +37,80 @@ use crate::channel::ProcessIdentity;
 /// Tensors smaller than this travel inline (`basic`) even where `cma` or `xth` was
 /// negotiated.
 ///
-/// Measured with `rpc_channels::channel_threshold` (release build, two local processes
-/// over tcp, echo of one tensor, `--ignored --nocapture`; see the README of that test):
-/// below 256 KiB the inline copy through the tcp pipe costs no more than the channel's
-/// descriptor, system call and ack; from 256 KiB on cma is faster, and the gap grows
-/// with size.
+/// Measured with `echo_bandwidth_by_channel` in `uring/tests/rpc_channels.rs` (release
+/// build, two local processes over tcp, p50 of 51 echoes of one tensor, everything
+/// inline against everything over cma; four runs on the 2-vCPU development VM, which
+/// was shared and loaded): at 16 KiB and below inline is faster (16 KiB: 183–240 µs
+/// against 210–405 µs), at 64 KiB they are about even (300–414 against 234–409 µs),
+/// from 256 KiB on cma wins in all but one run that the load swamped (256 KiB: 381–552
+/// against 319–526 µs; 1 MiB: 710–1160 against 640–910 µs). The descriptor, the system
+/// call, the thread hand-offs and (for responses) the ack frame cost about what copying
+/// 64–256 KiB through the pipe does.
 pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 
 /// Responses whose out-of-band tensors add up to at least this many bytes are pulled on
 /// a blocking thread, not on the I/O thread: a copy this large (about 50 µs at
 /// 5 GB/s) would delay every other pipe.
 pub(crate) const PULL_OFF_THREAD_BYTES: u64 = 256 * 1024;
+
+/// Out-of-band tensors of at least this size are read by several threads at once, each
+/// a slice of at least [`PARALLEL_SLICE_MIN`] bytes: a fresh destination buffer is
+/// faulted in and filled in parallel (a fresh, huge-page-hinted 64 MiB buffer read over
+/// cma on this project's 2-vCPU VM, best of 5: 17.6 ms with one thread, 10.3 ms with
+/// two).
+const PARALLEL_PULL_MIN: usize = 8 << 20;
+/// The smallest slice one pulling thread reads.
+const PARALLEL_SLICE_MIN: usize = 4 << 20;
+/// The most threads one tensor's pull uses.
+const PARALLEL_PULL_THREADS: usize = 4;
+
+/// Fills `dst` with `read(offset, slice)` calls: for large buffers several slices at
+/// once, the last on the calling thread and the others on scoped threads. The first
+/// error wins.
+fn read_in_slices(
+    dst: &mut [u8],
+    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
+) -> Result<(), String> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(PARALLEL_PULL_THREADS)
+        .min(dst.len() / PARALLEL_SLICE_MIN);
+    if dst.len() < PARALLEL_PULL_MIN || threads < 2 {
+        return read(0, dst);
+    }
+    let slice = dst.len().div_ceil(threads);
+    let read = &read;
+    std::thread::scope(|scope| {
+        let mut parts: Vec<(u64, &mut [u8])> = dst
+            .chunks_mut(slice)
+            .enumerate()
+            .map(|(index, part)| ((index * slice) as u64, part))
+            .collect();
+        let Some((last_offset, last)) = parts.pop() else {
+            return Ok(());
+        };
+        let mut running = Vec::with_capacity(parts.len());
+        for (offset, part) in parts {
+            let started = std::thread::Builder::new()
+                .name("rdzv-rpc-pull".into())
+                .spawn_scoped(scope, move || read(offset, part))
+                .map_err(|e| format!("cannot start a thread to read with: {e}"));
+            running.push(started);
+        }
+        let mut result = read(last_offset, last);
+        for started in running {
+            let outcome = started.and_then(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            });
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        result
+    })
+}
 
 /// The channels the RPC agent runs, in `ChannelKind::ALL` order.
 pub(crate) const RUNNABLE: [ChannelKind; 3] =
@@ -400,26 +464,29 @@ impl ReceivedTensors {
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
                     let mut data = vec![0u8; len];
-                    source
-                        .read(&descriptor, &mut data)
-                        .map_err(|e| failed(e.to_string()))?;
+                    prefer_huge_pages(&mut data);
+                    read_in_slices(&mut data, |offset, part| {
+                        source
+                            .read_at(&descriptor, offset, part)
+                            .map_err(|e| e.to_string())
+                    })
+                    .map_err(failed)?;
                     Tensor { device, data }
                 }
                 Incoming::Xth { device, descriptor } => {
-                    let len = usize::try_from(descriptor.length).unwrap_or(usize::MAX);
-                    let mut data = Vec::new();
-                    let read = data
-                        .try_reserve_exact(len)
-                        .map_err(|e| e.to_string())
-                        .and_then(|()| {
-                            data.resize(len, 0);
-                            xth::read(&descriptor, &mut data).map_err(|e| e.to_string())
-                        });
-                    read.map_err(|reason| RpcError::Channel {
+                    let failed = |reason: String| RpcError::Channel {
                         channel: ChannelKind::Xth.name(),
                         peer: peer.clone(),
                         reason,
-                    })?;
+                    };
+                    let len = usize::try_from(descriptor.length)
+                        .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+                    let mut data = vec![0u8; len];
+                    prefer_huge_pages(&mut data);
+                    read_in_slices(&mut data, |offset, part| {
+                        xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
+                    })
+                    .map_err(failed)?;
                     Tensor { device, data }
                 }
             };
@@ -636,6 +703,41 @@ mod tests {
             "{text}"
         );
         drop(exports);
+    }
+
+    #[test]
+    fn slices_cover_the_buffer_once() {
+        for len in [
+            0,
+            10,
+            PARALLEL_PULL_MIN - 1,
+            PARALLEL_PULL_MIN,
+            3 * PARALLEL_PULL_MIN + 7,
+        ] {
+            let mut dst = vec![0u8; len];
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            read_in_slices(&mut dst, |offset, part| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for (i, byte) in part.iter_mut().enumerate() {
+                    *byte = byte.wrapping_add(((offset as usize + i) % 251) as u8 + 1);
+                }
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+            let expected: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
+            assert!(dst == expected, "{len} bytes");
+            assert!(calls.into_inner() >= usize::from(len > 0).max(1));
+        }
+        let mut dst = vec![0u8; 2 * PARALLEL_PULL_MIN];
+        let failed = read_in_slices(&mut dst, |offset, _| {
+            if offset > 0 {
+                Err(format!("slice at {offset} failed"))
+            } else {
+                Ok(())
+            }
+        });
+        let parallel = std::thread::available_parallelism().map_or(1, usize::from) > 1;
+        assert_eq!(failed.is_err(), parallel);
     }
 
     #[test]

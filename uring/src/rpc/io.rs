@@ -120,6 +120,9 @@ struct ReadyPipe {
     negotiated: Negotiated,
     /// Where this pipe's responses' out-of-band tensors are read from.
     reader: Arc<PipeReader>,
+    /// Set when the pipe's reader stops: a pull that was running then may have read
+    /// buffers the peer released, so its result is refused.
+    ended: Rc<Cell<bool>>,
 }
 
 struct InboundPipe {
@@ -715,6 +718,7 @@ impl Io {
             completion: Some(Arc::clone(&pending.completion)),
         };
         let pipe = pipe.clone();
+        let peer = pending.peer.clone();
         self.spawn(async move {
             let mut guard = guard;
             let pulled = if received.pull_bytes() >= PULL_OFF_THREAD_BYTES {
@@ -726,6 +730,16 @@ impl Io {
             };
             ack(&pipe, message_id);
             if let Some(completion) = guard.completion.take() {
+                let pulled = match pulled {
+                    Ok(_) if pipe.ended.get() => Err(RpcError::Channel {
+                        channel: pipe.channel_name(),
+                        peer,
+                        reason: "the pipe ended while the response's tensors were being read; \
+                                 the peer may have released them"
+                            .into(),
+                    }),
+                    other => other,
+                };
                 let result = pulled.map(|tensors| Message {
                     metadata,
                     payload,
@@ -823,6 +837,7 @@ impl Io {
                     tx,
                     negotiated,
                     reader: Arc::new(PipeReader::default()),
+                    ended: Rc::new(Cell::new(false)),
                 };
                 let queued = match self
                     .state
@@ -1002,6 +1017,7 @@ impl Io {
                 Err(e) => break e.to_string(),
             }
         };
+        pipe.ended.set(true);
         self.pipe_ended(id, &peer, reason);
     }
 
@@ -1206,15 +1222,21 @@ impl Io {
     }
 
     async fn close(&self, goodbye: bool) {
-        let (client, inbound, pending) = {
+        let (client, mut inbound, pending, lent) = {
             let mut state = self.state.borrow_mut();
             let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
             let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
             let pending: Vec<Pending> = state.pending.drain().map(|(_, p)| p).collect();
             state.timeouts = TimeoutQueue::new();
-            state.request_exports.clear();
-            (client, inbound, pending)
+            let lent = std::mem::take(&mut state.request_exports);
+            (client, inbound, pending, lent)
         };
+        // Lent buffers are released last, once the pipes are closed, so that a peer
+        // still reading them sees its pipe end first (and refuses what it read).
+        let mut lent: Vec<FrameExports> = lent.into_values().map(|(_, e)| e).collect();
+        for pipe in &mut inbound {
+            lent.extend(pipe.exports.drain().map(|(_, e)| e));
+        }
         for pipe in client {
             match pipe {
                 ClientPipe::Ready(ready) => {
@@ -1253,6 +1275,14 @@ impl Io {
         }
         // Let the executor drop the cancelled tasks (and close their sockets).
         glommio::timer::sleep(Duration::from_millis(1)).await;
+        drop(lent);
+    }
+}
+
+impl ReadyPipe {
+    /// The name of the channel the pipe uses for CPU tensors, for errors.
+    fn channel_name(&self) -> &'static str {
+        cpu_channel(&self.negotiated, Role::Connector).map_or("basic", |c| c.name())
     }
 }
 
