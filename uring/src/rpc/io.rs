@@ -627,11 +627,14 @@ impl Io {
     /// it answered), and a response's out-of-band tensors are pulled, then acked.
     fn on_reply(self: &Rc<Self>, pipe: &ReadyPipe, frame: IncomingFrame) {
         let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+        // Released once this reply is handled: freeing a large buffer (munmap) must not
+        // delay reading the response.
+        let mut released = None;
         let pending = {
             let mut state = self.state.borrow_mut();
             if matches!(state.request_exports.get(&frame.message_id), Some((on, _)) if *on == pipe.id)
             {
-                state.request_exports.remove(&frame.message_id);
+                released = state.request_exports.remove(&frame.message_id);
             }
             let ours = state
                 .pending
@@ -720,6 +723,7 @@ impl Io {
         let pipe = pipe.clone();
         let peer = pending.peer.clone();
         self.spawn(async move {
+            let _released = released;
             let mut guard = guard;
             let pulled = if received.pull_bytes() >= PULL_OFF_THREAD_BYTES {
                 glommio::executor()
