@@ -284,6 +284,24 @@ fn cma_is_negotiated_and_carries_tensors_both_ways() {
         let data = reply.tensors.first().map(|t| t.data.clone());
         assert!(data == Some(pattern(len, i as u8)), "call {i} differs");
     }
+    // Fire-and-forget calls whose responses carry lent tensors: nobody reads them, the
+    // caller just acks, and the pipe stays healthy.
+    for i in 0..4u8 {
+        let m = Message::default().with_tensor(Tensor::cpu(pattern(2 << 20, i)));
+        assert!(agent.remote("peer", "echo", m).is_ok());
+    }
+    assert!(agent
+        .wait_until_pending_futures_flushed(Duration::from_secs(30))
+        .is_ok());
+    let data = pattern(2 << 20, 77);
+    let reply = agent
+        .rpc_sync(
+            "peer",
+            "echo",
+            Message::default().with_tensor(Tensor::cpu(data.clone())),
+        )
+        .unwrap_or_else(|e| panic!("after remote: {e}"));
+    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
     let network = agent
         .network_data()
         .get("peer")

@@ -705,6 +705,12 @@ impl Io {
             wire_len.saturating_add(received.pull_bytes()),
             &pending.peer,
         );
+        if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
+            // Nobody waits for this result (`remote`): nothing to read, just release.
+            ack(pipe, message_id);
+            self.complete(&pending.completion, Ok(Message::default()));
+            return;
+        }
         if !received.has_out_of_band() {
             let result = received.pull().map(|tensors| Message {
                 metadata,
