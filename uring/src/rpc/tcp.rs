@@ -39,8 +39,9 @@ pub const COALESCE_LIMIT: usize = 64 * 1024;
 const READ_CHUNK: usize = 64 * 1024;
 /// A receive buffer above this size is shrunk back once it is drained.
 const KEEP_BUFFER: usize = 1 << 20;
-/// Frames with at least this many inline tensor bytes have them read straight into
-/// each tensor's own buffer instead of through the receive buffer.
+/// Frames with at least this many data-section bytes (inline tensors and channel
+/// descriptors) have them read straight into each tensor's own buffer instead of
+/// through the receive buffer.
 const DIRECT_READ_MIN: u64 = 256 * 1024;
 
 /// TCP on glommio, listening on one host address.

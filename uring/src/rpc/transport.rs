@@ -24,8 +24,10 @@
 //!   learns every size from the header and descriptors (the core frame format puts them
 //!   first), so it can post receives straight into the [`IncomingFrame`]'s buffers.
 //!
-//! The seam does not negotiate (the agent does, with the core), retry, or know about
-//! calls, peers' names or timeouts.
+//! A tensor on a channel other than `basic` reaches the seam only as its channel
+//! descriptor (an entry of the frame's data section); the agent moves its bytes
+//! (`super::channels`). The seam does not negotiate (the agent does, with the core),
+//! retry, or know about calls, peers' names or timeouts.
 //!
 //! [`listen`]: Transport::listen
 //! [`connect`]: Transport::connect

@@ -222,7 +222,7 @@ impl FrameField {
             FrameField::Payload => "payload",
             FrameField::Tensors => "tensor count",
             FrameField::TensorBytes => "tensor size",
-            FrameField::InlineBytes => "inline tensor bytes",
+            FrameField::InlineBytes => "tensor data section",
             FrameField::ChannelDescriptor => "channel descriptor length",
         }
     }
