@@ -362,6 +362,40 @@ fn channels_basic_forces_inline_tensors() {
 }
 
 #[test]
+fn channel_priorities_must_agree() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return run_child();
+    }
+    if let Some(reason) = cma_unavailable() {
+        eprintln!("skipped: cma is not viable on this host: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    // The parent prefers basic to cma, the child (defaults) cma to basic: as in
+    // TensorPipe, the pipe is refused rather than used with two different choices.
+    let (agent, child) = start(
+        "channel_priorities_must_agree",
+        &dir,
+        Setup {
+            parent_channels: Some("basic,cma"),
+            ..Setup::default()
+        },
+    );
+    match agent.rpc_sync("peer", "echo", Message::default()) {
+        Err(RpcError::Handshake { peer, reason }) => {
+            assert_eq!(peer, "peer");
+            assert!(
+                reason.contains("Inconsistent channel selection"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a handshake error, got {other:?}"),
+    }
+    assert_eq!(agent.pipe_channel("peer"), None);
+    finish(agent, child);
+}
+
+#[test]
 fn unknown_and_unrun_channels_are_errors() {
     if std::env::var_os(CHILD_ENV).is_some() {
         return;
