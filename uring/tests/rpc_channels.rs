@@ -501,21 +501,19 @@ fn a_peer_killed_holding_lent_tensors_fails_the_call_quickly() {
     assert!(agent.shutdown(false).is_ok());
 }
 
-/// Median of `rounds` echoes of one `len`-byte tensor.
-fn echo_time(agent: &RpcAgent, len: usize, rounds: usize) -> Duration {
-    let data = pattern(len, 1);
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let message = Message::default().with_tensor(Tensor::cpu(data.clone()));
-        let started = Instant::now();
-        let reply = agent
-            .rpc_sync("peer", "echo", message)
-            .unwrap_or_else(|e| panic!("{len}: {e}"));
-        times.push(started.elapsed());
-        assert_eq!(reply.tensors.first().map(|t| t.data.len()), Some(len));
-    }
-    times.sort();
-    times.get(rounds / 2).copied().unwrap_or_default()
+/// One echo of `data` to "peer", timed.
+fn echo_once(agent: &RpcAgent, data: &[u8]) -> Duration {
+    let message = Message::default().with_tensor(Tensor::cpu(data.to_vec()));
+    let started = Instant::now();
+    let reply = agent
+        .rpc_sync("peer", "echo", message)
+        .unwrap_or_else(|e| panic!("{} bytes: {e}", data.len()));
+    let elapsed = started.elapsed();
+    assert_eq!(
+        reply.tensors.first().map(|t| t.data.len()),
+        Some(data.len())
+    );
+    elapsed
 }
 
 const BENCH_SIZES: [usize; 7] = [
@@ -538,30 +536,59 @@ fn echo_bandwidth_by_channel() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
     }
-    let mut rows = Vec::new();
-    for (label, min_bytes) in [("basic", u64::MAX), ("cma", 1)] {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-        let (agent, child) = start(
-            "echo_bandwidth_by_channel",
-            &dir,
-            Setup {
-                min_bytes: Some(min_bytes),
-                ..Setup::default()
-            },
-        );
-        let _ = echo_time(&agent, 1 << 20, 5);
-        for len in BENCH_SIZES {
-            let rounds = if len >= 64 << 20 { 11 } else { 51 };
-            rows.push((label, len, echo_time(&agent, len, rounds)));
+    // Two pairs at once, everything inline and everything over cma, their echoes
+    // interleaved so that both see the same load.
+    let pairs: Vec<(&str, tempfile::TempDir, RpcAgent, Child)> = [("basic", u64::MAX), ("cma", 1)]
+        .into_iter()
+        .map(|(label, min_bytes)| {
+            let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+            let (agent, child) = start(
+                "echo_bandwidth_by_channel",
+                &dir,
+                Setup {
+                    min_bytes: Some(min_bytes),
+                    ..Setup::default()
+                },
+            );
+            (label, dir, agent, child)
+        })
+        .collect();
+    println!("bytes      basic_p50_us  cma_p50_us  basic_GB/s  cma_GB/s (echo, both directions)");
+    for len in BENCH_SIZES {
+        let data = pattern(len, 1);
+        let rounds = if len >= 64 << 20 { 11 } else { 51 };
+        let mut times: Vec<Vec<Duration>> = vec![Vec::new(); pairs.len()];
+        for (_, _, agent, _) in &pairs {
+            let _ = echo_once(agent, &data);
         }
-        finish(agent, child);
+        for _ in 0..rounds {
+            for ((_, _, agent, _), samples) in pairs.iter().zip(&mut times) {
+                samples.push(echo_once(agent, &data));
+            }
+        }
+        let p50: Vec<f64> = times
+            .iter_mut()
+            .map(|samples| {
+                samples.sort();
+                samples
+                    .get(rounds / 2)
+                    .copied()
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            })
+            .collect();
+        let gbps = |t: f64| 2.0 * len as f64 / t / 1e9;
+        if let [basic, cma] = p50[..] {
+            println!(
+                "{len:<10} {:>12.1} {:>11.1} {:>11.2} {:>9.2}",
+                basic * 1e6,
+                cma * 1e6,
+                gbps(basic),
+                gbps(cma)
+            );
+        }
     }
-    println!("channel  bytes      p50_us   echo GB/s (both directions)");
-    for (label, len, time) in rows {
-        let gbps = 2.0 * len as f64 / time.as_secs_f64() / 1e9;
-        println!(
-            "{label:<8} {len:<10} {:>8.1} {gbps:>8.2}",
-            time.as_secs_f64() * 1e6
-        );
+    for (_, _dir, agent, child) in pairs {
+        finish(agent, child);
     }
 }

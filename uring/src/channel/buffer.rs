@@ -71,8 +71,11 @@ impl StableBytes for Rc<[u8]> {
     }
 }
 
-/// Huge pages are worth asking for from buffers of this size on.
-pub const HUGE_PAGE_HINT_MIN: usize = 4 << 20;
+/// Huge pages are asked for from buffers of this size on: glibc maps every allocation
+/// above 32 MiB afresh (its largest dynamic mmap threshold), so such a buffer is always
+/// faulted in during the copy; smaller ones are usually recycled heap memory, already
+/// faulted in, where the hint only invites compaction.
+pub const HUGE_PAGE_HINT_MIN: usize = 32 << 20;
 /// The transparent huge page size on x86-64 and arm64 (4 KiB base pages).
 const HUGE_PAGE: usize = 2 << 20;
 

@@ -38,14 +38,13 @@ use crate::channel::ProcessIdentity;
 /// negotiated.
 ///
 /// Measured with `echo_bandwidth_by_channel` in `uring/tests/rpc_channels.rs` (release
-/// build, two local processes over tcp, p50 of 51 echoes of one tensor, everything
-/// inline against everything over cma; four runs on the 2-vCPU development VM, which
-/// was shared and loaded): at 16 KiB and below inline is faster (16 KiB: 183–240 µs
-/// against 210–405 µs), at 64 KiB they are about even (300–414 against 234–409 µs),
-/// from 256 KiB on cma wins in all but one run that the load swamped (256 KiB: 381–552
-/// against 319–526 µs; 1 MiB: 710–1160 against 640–910 µs). The descriptor, the system
-/// call, the thread hand-offs and (for responses) the ack frame cost about what copying
-/// 64–256 KiB through the pipe does.
+/// build; two pairs of local processes over tcp, one sending everything inline and one
+/// everything over cma, their echoes of one tensor interleaved; p50 of 51; three runs on
+/// the shared 2-vCPU development VM): inline is faster up to 64 KiB (16 KiB: 225–266 µs
+/// against 343–414 µs), 256 KiB is the crossover (506–697 against 504–643 µs), and cma
+/// wins from there on (1 MiB: 959–1127 against 927–1027 µs; 4 MiB: 4.2–4.6 ms against
+/// 3.2–3.6 ms; 64 MiB: 151–172 ms against 42–51 ms). The descriptor, the system call,
+/// the extra thread hand-off and (for responses) the ack frame cost about 100–150 µs.
 pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 
 /// Responses whose out-of-band tensors add up to at least this many bytes are pulled on
