@@ -11,7 +11,7 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 
 use rdzv_core::device::Device;
-use rdzv_core::negotiate::{ChannelKind, TransportKind};
+use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
 use rdzv_rdma::ibv::channel::ChannelOptions;
 use rdzv_rdma::ibv::transport::{IbvTransport, SCHEME};
@@ -30,14 +30,9 @@ fn frame(id: u64, payload: usize, tensors: &[usize]) -> OwnedFrame {
         payload: pattern(payload, id + 1000),
         tensors: tensors
             .iter()
-            .map(|&len| TensorDescriptor {
-                source: Device::cpu(),
-                target: Device::cpu(),
-                channel: ChannelKind::Basic,
-                len: len as u64,
-            })
+            .map(|&len| TensorDescriptor::inline(Device::cpu(), Device::cpu(), len as u64))
             .collect(),
-        inline_data: tensors
+        tensor_data: tensors
             .iter()
             .enumerate()
             .map(|(i, &len)| pattern(len, id * 10 + i as u64))
@@ -63,7 +58,7 @@ async fn expect_frame(rx: &mut Box<dyn FrameReceiver>, want: &OwnedFrame) {
     );
     assert_eq!(got.wire_len, want.encoded_len() as u64);
     let datas: Vec<&Vec<u8>> = got.tensors.iter().map(|(_, d)| d).collect();
-    let wanted: Vec<&Vec<u8>> = want.inline_data.iter().collect();
+    let wanted: Vec<&Vec<u8>> = want.tensor_data.iter().collect();
     assert!(datas == wanted, "tensors of frame {}", want.message_id);
 }
 

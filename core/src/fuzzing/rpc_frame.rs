@@ -9,7 +9,8 @@
 //! re-encodes to a frame that decodes to the same message; decoding in two pieces split
 //! at a point the data chooses (with the resuming decoder) gives what decoding it whole
 //! gives, and the first piece never contradicts the whole; tighter limits never accept
-//! something else.
+//! something else. Every tensor's data-section entry (inline bytes or channel
+//! descriptor) has the length its descriptor announces, and an ack is a bare header.
 
 use super::{check_display, split_point};
 use alloc::vec::Vec;
@@ -75,6 +76,18 @@ fn check(data: &[u8], result: &Result<Decoded<Frame<'_>>, FrameError>) {
             let bytes = data.get(..consumed).unwrap_or(data);
             assert_eq!(frame.as_bytes(), bytes);
             assert_eq!(frame.tensors().count(), frame.tensor_count() as usize);
+            // Every data-section entry is as long as its descriptor says, and of the
+            // kind its channel says.
+            let mut entries = 0usize;
+            for (tensor, entry) in frame.tensors_with_data() {
+                assert_eq!(entry.bytes().len() as u64, tensor.data_len());
+                assert_eq!(entry.inline().is_some(), tensor.is_inline());
+                entries += entry.bytes().len();
+            }
+            assert_eq!(entries, frame.data_section().len());
+            if frame.kind() == FrameKind::Ack {
+                assert_eq!(consumed, crate::rpc::frame::HEADER_LEN);
+            }
 
             let (mut tensors, mut inline) = (Vec::new(), Vec::new());
             let outgoing = frame.to_outgoing(&mut tensors, &mut inline);
@@ -139,4 +152,5 @@ fn tight_limits(mode: u8) -> FrameLimits {
         .with_max_tensors((pick(3) as u32).min(2))
         .with_max_tensor_bytes(pick(5) * 4)
         .with_max_inline_bytes(pick(6) * 4)
+        .with_max_channel_descriptor((pick(4) * 40) as u32)
 }

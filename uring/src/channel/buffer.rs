@@ -4,8 +4,9 @@
 //! An export records the buffer's address once and sends it to the receiver, so the
 //! bytes must not move when the export value moves: a `Vec<u8>`, a boxed or shared
 //! slice, or a borrowed slice qualifies; an inline array (`[u8; N]`) does not, since it
-//! moves with its owner. This module decides nothing else: it neither allocates nor
-//! pins memory.
+//! moves with its owner. It also has the receiving side's hint for large destination
+//! buffers ([`prefer_huge_pages`]). This module decides nothing else: it neither
+//! allocates nor pins memory.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -70,6 +71,57 @@ impl StableBytes for Rc<[u8]> {
     }
 }
 
+/// Huge pages are asked for from buffers of this size on: glibc maps every allocation
+/// above 32 MiB afresh (its largest dynamic mmap threshold), so such a buffer is always
+/// faulted in during the copy; smaller ones are usually recycled heap memory, already
+/// faulted in, where the hint only invites compaction.
+pub const HUGE_PAGE_HINT_MIN: usize = 32 << 20;
+/// The transparent huge page size on x86-64 and arm64 (4 KiB base pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks the kernel to back the 2 MiB-aligned interior of `buffer` with transparent huge
+/// pages (`madvise(MADV_HUGEPAGE)`), before a channel writes a large tensor into it.
+///
+/// A freshly allocated large buffer (glibc maps every allocation above 32 MiB afresh)
+/// is otherwise faulted in 4 KiB at a time while the copy runs: on this project's VMs
+/// that costs more than the copy itself (64 MiB: 55–90 ms of faults against 25–40 ms of
+/// `process_vm_readv` into a reused buffer). With the hint it is 32 faults. Only a hint:
+/// where THP is disabled, or the call fails, nothing changes; buffers below
+/// [`HUGE_PAGE_HINT_MIN`] are left alone.
+pub fn prefer_huge_pages(buffer: &mut [u8]) {
+    if buffer.len() < HUGE_PAGE_HINT_MIN {
+        return;
+    }
+    let start = buffer.as_mut_ptr() as usize;
+    let Some(end) = start.checked_add(buffer.len()) else {
+        return;
+    };
+    let Some(first) = start
+        .checked_add(HUGE_PAGE - 1)
+        .map(|a| a & !(HUGE_PAGE - 1))
+    else {
+        return;
+    };
+    let last = end & !(HUGE_PAGE - 1);
+    if last <= first {
+        return;
+    }
+    // SAFETY: `first..last` lies inside `buffer`, which this function borrows
+    // exclusively, and is page-aligned. MADV_HUGEPAGE only changes how the kernel backs
+    // the range later (it neither frees nor changes any byte, nor the mapping's
+    // permissions), so no reference into the buffer is invalidated.
+    let advised = unsafe {
+        rustix::mm::madvise(
+            first as *mut std::ffi::c_void,
+            last - first,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+    if let Err(errno) = advised {
+        tracing::debug!(%errno, "madvise(MADV_HUGEPAGE) failed; the copy faults 4 KiB pages");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,5 +141,17 @@ mod tests {
         let moved = shared;
         assert_eq!(address(&moved), before);
         assert_eq!(moved.stable_bytes(), &[1, 2, 3]);
+    }
+
+    #[test]
+    fn huge_page_hints_keep_the_bytes() {
+        let mut big: Vec<u8> = (0..HUGE_PAGE_HINT_MIN + 12_345).map(|i| i as u8).collect();
+        let before = big.clone();
+        prefer_huge_pages(&mut big);
+        assert!(big == before);
+        let mut small = vec![7u8; 100];
+        prefer_huge_pages(&mut small);
+        assert_eq!(small, vec![7u8; 100]);
+        prefer_huge_pages(&mut []);
     }
 }

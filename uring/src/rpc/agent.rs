@@ -97,8 +97,14 @@ pub struct RpcOptions {
     /// not viable here is left out with its reason logged. Default: none.
     pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
-    /// build runs. Unknown names are errors.
+    /// build runs (`xth`, `cma`, `basic`). Unknown names (and `mpt`, not run yet) are
+    /// errors; a channel that cannot work in this process (cma under a seccomp policy or
+    /// Yama `ptrace_scope` 3, ...) is left out with its reason logged.
     pub channels: Option<Vec<String>>,
+    /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
+    /// `basic` channel) even where `cma` or `xth` was negotiated. Default
+    /// [`DEFAULT_MIN_CHANNEL_BYTES`](super::channels::DEFAULT_MIN_CHANNEL_BYTES).
+    pub min_channel_bytes: u64,
     /// Per destination worker: where this worker's tensors land there.
     pub device_maps: DeviceMaps,
     /// The devices this worker uses (empty: derived from the maps).
@@ -161,6 +167,7 @@ impl std::fmt::Debug for RpcOptions {
                     .collect::<Vec<_>>(),
             )
             .field("channels", &self.channels)
+            .field("min_channel_bytes", &self.min_channel_bytes)
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
             .field("device_count", &self.device_count)
@@ -184,6 +191,7 @@ impl Default for RpcOptions {
             transports: None,
             transport_plugins: Vec::new(),
             channels: None,
+            min_channel_bytes: super::channels::DEFAULT_MIN_CHANNEL_BYTES,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             device_count: 0,
@@ -281,15 +289,38 @@ fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, RpcError> {
     Ok(opened)
 }
 
-/// The channels this build runs, with their priorities, from the `channels` option.
-fn ranked_channels(names: Option<&[String]>) -> Result<Vec<(ChannelKind, i64)>, RpcError> {
-    ranked(
+/// The channels this build runs, with their priorities (highest first) and domain
+/// descriptors, from the `channels` option. A channel that `viability` says cannot work
+/// here is left out, with its reason logged.
+fn ranked_channels(
+    names: Option<&[String]>,
+    viability: impl Fn(ChannelKind) -> Result<String, String>,
+) -> Result<Vec<(ChannelKind, i64, String)>, RpcError> {
+    let ranked = ranked(
         names,
         "channels",
         "channel",
         "implemented by",
-        &[ChannelKind::Basic],
-    )
+        &super::channels::RUNNABLE,
+    )?;
+    let mut usable = Vec::with_capacity(ranked.len());
+    let mut reasons = Vec::new();
+    for (kind, priority) in ranked {
+        match viability(kind) {
+            Ok(descriptor) => usable.push((kind, priority, descriptor)),
+            Err(reason) => {
+                tracing::info!(channel = %kind, %reason, "the channel is not offered");
+                reasons.push(reason);
+            }
+        }
+    }
+    if usable.is_empty() {
+        return Err(RpcError::InvalidOption {
+            option: "channels",
+            reason: format!("no channel left: {}", reasons.join("; ")),
+        });
+    }
+    Ok(usable)
 }
 
 /// The backends of one class in the option's order (or the default ranking), highest
@@ -452,7 +483,10 @@ pub fn init_rpc(
         .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
         .filter(|(kind, _)| transports.iter().any(|&(k, _)| k == *kind))
         .collect();
-    let channels = ranked_channels(options.channels.as_deref())?;
+    let channels = ranked_channels(
+        options.channels.as_deref(),
+        super::channels::domain_descriptor,
+    )?;
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
         if handler_name.starts_with(RESERVED_PREFIX)
@@ -534,7 +568,8 @@ struct Start {
     shm: Option<ShmTransport>,
     /// The plugged-in transports that are viable and offered.
     plugged: Vec<(TransportKind, Box<dyn Transport + Send>)>,
-    channels: Vec<(ChannelKind, i64)>,
+    /// Highest priority first, with their domain descriptors.
+    channels: Vec<(ChannelKind, i64, String)>,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
 
@@ -616,6 +651,7 @@ impl Start {
         let offer = OfferSpec {
             transports: offered,
             channels,
+            min_channel_bytes: options.min_channel_bytes,
         };
         let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
         let shared = Arc::new(Shared {
@@ -633,6 +669,8 @@ impl Start {
                 shutting_down: false,
                 pipe_transports: HashMap::new(),
                 waiters: 0,
+                pipe_channels: HashMap::new(),
+                channel_bytes: Default::default(),
             }),
             calls_changed: Condvar::new(),
             next_message_id: AtomicU64::new(1),
@@ -940,10 +978,19 @@ fn run_job(shared: &Shared, job: Job) {
         let mut calls = shared.lock_calls();
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);
     }
-    let Job { pipe, ctx, message } = job;
-    let result = match shared.handler(&ctx.handler) {
-        Some(handler) => run_handler(handler.as_ref(), &ctx, message),
-        None => Err(format!(
+    let Job {
+        pipe,
+        ctx,
+        message,
+        tensors,
+    } = job;
+    // Out-of-band tensors are read here, off the I/O thread, before the handler runs.
+    let result = match (tensors.pull(), shared.handler(&ctx.handler)) {
+        (Err(e), _) => Err(e.to_string()),
+        (Ok(tensors), Some(handler)) => {
+            run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
+        }
+        (Ok(_), None) => Err(format!(
             "no RPC handler named {} is registered on worker {}; register it before peers call it",
             ctx.handler,
             shared.me.name()
@@ -1126,6 +1173,25 @@ impl RpcAgent {
     /// `None` before the first call to `peer`.
     pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
         self.shared.lock_calls().pipe_transports.get(peer).copied()
+    }
+
+    /// The channel that the last pipe this worker opened to `peer` uses for CPU tensors
+    /// of at least [`RpcOptions::min_channel_bytes`] (`xth` within one process, `cma`
+    /// between processes of one host that pass its checks, else `basic`); `None` before
+    /// the first call to `peer`, or when no channel serves CPU tensors on that pipe.
+    pub fn pipe_channel(&self, peer: &str) -> Option<ChannelKind> {
+        self.shared
+            .lock_calls()
+            .pipe_channels
+            .get(peer)
+            .copied()
+            .flatten()
+    }
+
+    /// Tensor bytes this worker has sent (in requests and responses) per channel, for
+    /// every channel that moved any.
+    pub fn tensor_bytes_by_channel(&self) -> Vec<(ChannelKind, u64)> {
+        self.shared.lock_calls().channel_bytes.iter().collect()
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,
@@ -1555,22 +1621,55 @@ mod tests {
     #[test]
     fn channels_option() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let viable = |kind: ChannelKind| Ok(format!("{kind}:here"));
+        let kinds = |r: Result<Vec<(ChannelKind, i64, String)>, RpcError>| {
+            r.map(|v| v.into_iter().map(|(k, p, _)| (k, p)).collect::<Vec<_>>())
+        };
         assert!(matches!(
-            ranked_channels(None).as_deref(),
-            Ok([(ChannelKind::Basic, 1000)])
+            kinds(ranked_channels(None, viable)).as_deref(),
+            Ok([
+                (ChannelKind::Xth, 1300),
+                (ChannelKind::Cma, 1200),
+                (ChannelKind::Basic, 1000)
+            ])
         ));
         assert!(matches!(
-            ranked_channels(Some(&names(&["basic"]))).as_deref(),
+            kinds(ranked_channels(Some(&names(&["basic"])), viable)).as_deref(),
             Ok([(ChannelKind::Basic, 0)])
         ));
         assert!(matches!(
-            ranked_channels(Some(&names(&["basic", "basic"]))),
-            Err(RpcError::Backends { .. })
+            kinds(ranked_channels(Some(&names(&["cma", "basic"])), viable)).as_deref(),
+            Ok([(ChannelKind::Cma, 1), (ChannelKind::Basic, 0)])
         ));
         assert!(matches!(
-            ranked_channels(Some(&names(&["cma"]))),
-            Err(RpcError::InvalidOption { .. })
+            ranked_channels(Some(&names(&["basic", "basic"])), viable),
+            Err(RpcError::Backends { .. })
         ));
+        // Unknown names, and channels this build does not run, are errors.
+        assert!(matches!(
+            ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
+            Err(RpcError::Backends { .. })
+        ));
+        let mpt = ranked_channels(Some(&names(&["mpt", "basic"])), viable);
+        let text = mpt.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("mpt is not implemented"), "{text}");
+        // A channel that cannot work here is left out; if nothing is left, that is an
+        // error that says why.
+        let no_cma = |kind: ChannelKind| match kind {
+            ChannelKind::Cma => Err("cma channel not viable: ptrace_scope is 3".to_string()),
+            other => Ok(format!("{other}:here")),
+        };
+        assert!(matches!(
+            kinds(ranked_channels(None, no_cma)).as_deref(),
+            Ok([(ChannelKind::Xth, _), (ChannelKind::Basic, _)])
+        ));
+        let only_cma = ranked_channels(Some(&names(&["cma"])), no_cma);
+        let text = only_cma.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("no channel left"), "{text}");
+        assert!(text.contains("ptrace_scope is 3"), "{text}");
+        // Descriptors come from the viability check.
+        let offered = ranked_channels(Some(&names(&["xth"])), viable).unwrap_or_default();
+        assert_eq!(offered, vec![(ChannelKind::Xth, 0, "xth:here".to_string())]);
     }
 
     #[test]

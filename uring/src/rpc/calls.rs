@@ -13,11 +13,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
+use super::channels::{PipeReader, ReceivedTensors};
 use super::error::RpcError;
-use super::message::{Completion, Message, Tensor};
+use super::message::{Completion, Message};
 use super::shared::Shared;
 use super::transport::IncomingFrame;
 
@@ -214,37 +216,112 @@ pub(crate) fn fail_pending(shared: &Shared, pending: Pending, error: RpcError) {
     complete(shared, &pending.completion, Err(error));
 }
 
-/// Completes a call with the reply that arrived for it: a response's message, or an
-/// error frame's text as [`RpcError::Remote`].
-pub(crate) fn answer(shared: &Shared, pending: Pending, frame: IncomingFrame) {
-    let result = if frame.kind == FrameKind::Response {
-        shared.lock_calls().network.track_network_data(
-            pending.sent_bytes,
-            frame.wire_len,
-            &pending.peer,
-        );
-        Ok(Message {
-            metadata: frame.metadata,
-            payload: frame.payload,
-            tensors: frame
-                .tensors
-                .into_iter()
-                .map(|(d, data)| Tensor {
-                    device: d.target,
-                    data,
-                })
-                .collect(),
-        })
-    } else {
-        shared
-            .lock_calls()
-            .network
-            .track_network_error(pending.sent_bytes, &pending.peer);
-        Err(RpcError::Remote {
+/// A reply matched to its call: what is left to do.
+pub(crate) enum Reply {
+    /// The call is completed. `ack`: the reply lent out-of-band tensors that will not
+    /// be read (an error while sorting them, or nobody waits for the result), so the
+    /// callee must be told it may release them.
+    Done { ack: bool },
+    /// The reply's out-of-band tensors must be read first ([`PullReply::pull`], which
+    /// blocks), then acked, then the call completed.
+    Pull(PullReply),
+}
+
+/// A response whose out-of-band tensors are still to be read.
+pub(crate) struct PullReply {
+    completion: Arc<Completion>,
+    metadata: Vec<u8>,
+    payload: Vec<u8>,
+    received: ReceivedTensors,
+}
+
+impl PullReply {
+    /// How many bytes the pull reads.
+    pub fn pull_bytes(&self) -> u64 {
+        self.received.pull_bytes()
+    }
+
+    /// The call's completion.
+    pub fn completion(&self) -> &Arc<Completion> {
+        &self.completion
+    }
+
+    /// Reads the tensors (blocking); the completion and the call's result.
+    pub fn pull(self) -> (Arc<Completion>, Result<Message, RpcError>) {
+        let PullReply {
+            completion,
+            metadata,
+            payload,
+            received,
+        } = self;
+        let result = received.pull().map(|tensors| Message {
+            metadata,
+            payload,
+            tensors,
+        });
+        (completion, result)
+    }
+}
+
+/// Handles the reply `frame` to call `pending`, which came on a pipe that negotiated
+/// `negotiated` and reads out-of-band tensors through `reader`: an error frame fails
+/// the call with the callee's text; a response completes it, unless it lent
+/// out-of-band tensors, which must be pulled first.
+pub(crate) fn reply(
+    shared: &Shared,
+    pending: Pending,
+    frame: IncomingFrame,
+    negotiated: &Negotiated,
+    reader: &Arc<PipeReader>,
+) -> Reply {
+    let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+    if frame.kind != FrameKind::Response {
+        let error = RpcError::Remote {
             peer: pending.peer.clone(),
             handler: pending.handler.clone(),
             message: String::from_utf8_lossy(&frame.payload).into_owned(),
-        })
-    };
-    complete(shared, &pending.completion, result);
+        };
+        fail_pending(shared, pending, error);
+        return Reply::Done { ack: out_of_band };
+    }
+    let IncomingFrame {
+        metadata,
+        payload,
+        tensors,
+        wire_len,
+        ..
+    } = frame;
+    let received =
+        match ReceivedTensors::sort(tensors, negotiated, Role::Connector, reader, &pending.peer) {
+            Ok(received) => received,
+            Err(e) => {
+                fail_pending(shared, pending, e);
+                return Reply::Done { ack: out_of_band };
+            }
+        };
+    shared.lock_calls().network.track_network_data(
+        pending.sent_bytes,
+        wire_len.saturating_add(received.pull_bytes()),
+        &pending.peer,
+    );
+    if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
+        // Nobody waits for this result (`remote`): nothing to read, just release.
+        complete(shared, &pending.completion, Ok(Message::default()));
+        return Reply::Done { ack: true };
+    }
+    if !received.has_out_of_band() {
+        let result = received.pull().map(|tensors| Message {
+            metadata,
+            payload,
+            tensors,
+        });
+        complete(shared, &pending.completion, result);
+        return Reply::Done { ack: false };
+    }
+    Reply::Pull(PullReply {
+        completion: pending.completion,
+        metadata,
+        payload,
+        received,
+    })
 }

@@ -94,14 +94,6 @@ pub enum TransportError {
         #[source]
         source: EncodeError,
     },
-    /// A frame announced tensor data on a channel this runtime does not implement.
-    #[error("{peer} sent a tensor on channel {channel}, which this worker does not run")]
-    UnsupportedChannel {
-        /// The peer's address.
-        peer: String,
-        /// The channel's name.
-        channel: &'static str,
-    },
 }
 
 /// Why an RPC operation failed.
@@ -232,7 +224,7 @@ pub enum RpcError {
         reason: String,
     },
     /// A tensor cannot travel to the peer: no channel serves its devices.
-    #[error("cannot send a tensor from {source_device} to {target_device} on {peer}: no negotiated channel serves that pair (this build runs only the basic channel, for CPU tensors)")]
+    #[error("cannot send a tensor from {source_device} to {target_device} on {peer}: no negotiated channel serves that pair (this build runs the xth, cma and basic channels, for CPU tensors)")]
     NoChannel {
         /// The peer.
         peer: String,
@@ -240,6 +232,18 @@ pub enum RpcError {
         source_device: String,
         /// The device on the peer, as text.
         target_device: String,
+    },
+    /// Moving a tensor over a channel failed: exporting it, or pulling it from the peer
+    /// (the peer process is gone, the kernel refused the read, the descriptor is stale
+    /// or was not negotiated).
+    #[error("tensor transfer over the {channel} channel with {peer} failed: {reason}")]
+    Channel {
+        /// The channel.
+        channel: &'static str,
+        /// The peer worker.
+        peer: String,
+        /// Why.
+        reason: String,
     },
     /// The request or response could not be framed.
     #[error("cannot encode the RPC message for {peer}: {source}")]

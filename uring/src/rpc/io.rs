@@ -8,6 +8,15 @@
 //! fails the calls pending on it and leaves the table; the next call to that peer opens
 //! a new one (PyTorch never re-creates a pipe).
 //!
+//! Tensors of at least `min_channel_bytes` go over the pipe's negotiated channel (cma,
+//! xth; see `super::channels`) instead of inline: the sender keeps each exported buffer
+//! until the peer is done with it. A request's exports are released when its reply (or
+//! error) arrives, even after the call timed out, or when its pipe fails; a response's
+//! when the caller's `Ack` frame arrives or the inbound pipe ends. The callee pulls a
+//! request's tensors on the handler pool's thread before the handler runs; the caller
+//! pulls a response's on the I/O thread when small and on glommio's blocking thread when
+//! large, then acks. A failed pull fails the call with the channel, the peer and why.
+//!
 //! Timeouts are the core's [`TimeoutQueue`], driven by one timer task that sleeps until
 //! the earliest deadline and is poked when a call is scheduled. A call that times out
 //! leaves the pending table, so its late response is dropped.
@@ -30,7 +39,10 @@ use rdzv_core::rpc::frame::{
 use rdzv_core::rpc::name::WorkerId;
 
 use super::agent::FaultInjection;
-use super::calls::{self, Pending};
+use super::calls::{self, Pending, Reply};
+use super::channels::{
+    cpu_channel, FrameExports, PipeReader, ReceivedTensors, PULL_OFF_THREAD_BYTES,
+};
 use super::error::RpcError;
 use super::lane::{self, Lane};
 use super::message::{CallContext, Completion, Message};
@@ -43,11 +55,13 @@ use super::transport::{
 /// An accepted inbound pipe: the peer's name and id, and what was negotiated.
 type Accepted = (String, WorkerId, Negotiated);
 
-/// A request for the worker pool.
+/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
+/// to be pulled (out-of-band ones) on the pool's thread before the handler runs.
 pub(crate) struct Job {
     pub pipe: u64,
     pub ctx: CallContext,
     pub message: Message,
+    pub tensors: ReceivedTensors,
 }
 
 /// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
@@ -94,12 +108,21 @@ struct ReadyPipe {
     id: u64,
     tx: Rc<LocalSender<OwnedFrame>>,
     negotiated: Negotiated,
+    /// Where this pipe's responses' out-of-band tensors are read from.
+    reader: Arc<PipeReader>,
+    /// Set when the pipe's reader stops: a pull that was running then may have read
+    /// buffers the peer released, so its result is refused.
+    ended: Rc<Cell<bool>>,
 }
 
 struct InboundPipe {
     peer: String,
     tx: Rc<LocalSender<OwnedFrame>>,
     negotiated: Negotiated,
+    /// Where this pipe's requests' out-of-band tensors are read from.
+    reader: Arc<PipeReader>,
+    /// Buffers lent by responses on this pipe, by message id, until the caller acks.
+    exports: HashMap<u64, FrameExports>,
 }
 
 #[derive(Default)]
@@ -107,6 +130,9 @@ struct IoState {
     client_pipes: HashMap<String, ClientPipe>,
     inbound: HashMap<u64, InboundPipe>,
     next_pipe: u64,
+    /// Buffers lent by requests, by message id, with the client pipe they went on; held
+    /// until the reply arrives or the pipe fails.
+    request_exports: HashMap<u64, (u64, FrameExports)>,
 }
 
 pub(crate) struct Io {
@@ -335,9 +361,11 @@ impl Io {
             payload: message.payload,
             ..OwnedFrame::empty(FrameKind::Request, message_id)
         };
+        let mut exports = FrameExports::default();
         let built = lane::tensor_frame(
             &self.shared,
             &mut frame,
+            &mut exports,
             message.tensors,
             &peer,
             Role::Connector,
@@ -353,13 +381,20 @@ impl Io {
         }
         self.shared
             .calls_table
-            .set_sent(message_id, frame.encoded_len() as u64);
+            .set_sent(message_id, lane::sent_bytes(&frame));
         if self.faults.should_fail(&frame.handler) {
             if let Some(pending) = self.shared.calls_table.take(message_id) {
                 let handler = frame.handler.clone();
                 self.fail_pending(pending, RpcError::InjectedFault { handler });
             }
             return;
+        }
+        if !exports.is_empty() {
+            // Held until the reply arrives or the pipe fails.
+            self.state
+                .borrow_mut()
+                .request_exports
+                .insert(message_id, (pipe.id, exports));
         }
         if let Some(delay) = self.faults.delay(&frame.handler) {
             let tx = Rc::clone(&pipe.tx);
@@ -389,7 +424,14 @@ impl Io {
             inbound.negotiated,
         );
         drop(state);
-        let frame = lane::response_frame(&self.shared, message_id, result, &peer, &negotiated);
+        let (frame, exports) =
+            lane::response_frame(&self.shared, message_id, result, &peer, &negotiated);
+        if !exports.is_empty() {
+            // Held until the caller's ack, or the pipe's end.
+            if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
+                inbound.exports.insert(message_id, exports);
+            }
+        }
         let _ = tx.try_send(frame);
     }
 
@@ -415,6 +457,8 @@ impl Io {
             if current {
                 state.client_pipes.remove(peer);
             }
+            // The callee can no longer read what the pipe's requests lent it.
+            state.request_exports.retain(|_, (on, _)| *on != pipe);
         }
         for pending in self.shared.calls_table.take_pipe(pipe) {
             self.fail_pending(pending, error());
@@ -427,14 +471,68 @@ impl Io {
 
     /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
     /// can be answered there; anything else is late (timed out) or bogus and dropped.
-    fn on_reply(&self, pipe: u64, frame: IncomingFrame) {
-        match self.shared.calls_table.take_reply(frame.message_id, pipe) {
-            Some(pending) => calls::answer(&self.shared, pending, frame),
-            None => tracing::debug!(
-                message_id = frame.message_id,
-                "late or unknown reply dropped"
-            ),
-        }
+    /// Either way the request's lent buffers are released (the callee read them before
+    /// it answered), and a response's out-of-band tensors are pulled, then acked.
+    fn on_reply(self: &Rc<Self>, pipe: &ReadyPipe, frame: IncomingFrame) {
+        let message_id = frame.message_id;
+        let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+        // Released once this reply is handled: freeing a large buffer (munmap) must not
+        // delay reading the response.
+        let released = {
+            let mut state = self.state.borrow_mut();
+            match state.request_exports.get(&message_id) {
+                Some((on, _)) if *on == pipe.id => state.request_exports.remove(&message_id),
+                _ => None,
+            }
+        };
+        let Some(pending) = self.shared.calls_table.take_reply(message_id, pipe.id) else {
+            tracing::debug!(message_id, "late or unknown reply dropped");
+            if out_of_band {
+                // Nobody reads its tensors: let the callee release them.
+                ack(pipe, message_id);
+            }
+            return;
+        };
+        let peer = pending.peer.clone();
+        let job = match calls::reply(&self.shared, pending, frame, &pipe.negotiated, &pipe.reader) {
+            Reply::Done { ack: needed } => {
+                if needed {
+                    ack(pipe, message_id);
+                }
+                return;
+            }
+            Reply::Pull(job) => job,
+        };
+        // Pull, ack, complete; if the task is cancelled (the agent closes) the guard
+        // fails the call instead of leaving its future hanging.
+        let guard = PullGuard {
+            io: Rc::clone(self),
+            completion: Some(Arc::clone(job.completion())),
+        };
+        let pipe = pipe.clone();
+        self.spawn(async move {
+            let _released = released;
+            let mut guard = guard;
+            let (_, pulled) = if job.pull_bytes() >= PULL_OFF_THREAD_BYTES {
+                glommio::executor().spawn_blocking(move || job.pull()).await
+            } else {
+                job.pull()
+            };
+            ack(&pipe, message_id);
+            if let Some(completion) = guard.completion.take() {
+                let pulled = match pulled {
+                    Ok(_) if pipe.ended.get() => Err(RpcError::Channel {
+                        channel: pipe.channel_name(),
+                        peer,
+                        reason: "the pipe ended while the response's tensors were being read; \
+                                 the peer may have released them"
+                            .into(),
+                    }),
+                    other => other,
+                };
+                guard.io.complete(&completion, pulled);
+            }
+        });
     }
 
     fn spawn_writer(
@@ -471,10 +569,15 @@ impl Io {
                     // dropping the halves closes the connection.
                     return;
                 }
-                self.shared
-                    .lock_calls()
-                    .pipe_transports
-                    .insert(peer.clone(), negotiated.transport);
+                {
+                    let mut calls = self.shared.lock_calls();
+                    calls
+                        .pipe_transports
+                        .insert(peer.clone(), negotiated.transport);
+                    calls
+                        .pipe_channels
+                        .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
+                }
                 let (sender, receiver) = if self.shared.lanes_enabled {
                     match sender.into_blocking(receiver).await {
                         Ok(halves) => return self.client_lane(id, peer, negotiated, halves),
@@ -487,7 +590,13 @@ impl Io {
                     (sender, receiver)
                 };
                 let tx = self.spawn_writer(sender);
-                let pipe = ReadyPipe { id, tx, negotiated };
+                let pipe = ReadyPipe {
+                    id,
+                    tx,
+                    negotiated,
+                    reader: Arc::new(PipeReader::default()),
+                    ended: Rc::new(Cell::new(false)),
+                };
                 let queued = match self
                     .state
                     .borrow_mut()
@@ -497,7 +606,7 @@ impl Io {
                     Some(ClientPipe::Connecting { queued, .. }) => queued,
                     _ => Vec::new(),
                 };
-                self.spawn(Rc::clone(&self).client_reader(id, peer, receiver));
+                self.spawn(Rc::clone(&self).client_reader(pipe.clone(), peer, receiver));
                 for outbound in queued {
                     self.send_call(outbound, &pipe);
                 }
@@ -678,14 +787,15 @@ impl Io {
 
     async fn client_reader(
         self: Rc<Self>,
-        id: u64,
+        pipe: ReadyPipe,
         peer: String,
         mut receiver: Box<dyn FrameReceiver>,
     ) {
+        let id = pipe.id;
         let reason = loop {
             match receiver.recv(FrameLimits::DEFAULT).await {
                 Ok(Some(frame)) => match frame.kind {
-                    FrameKind::Response | FrameKind::Error => self.on_reply(id, frame),
+                    FrameKind::Response | FrameKind::Error => self.on_reply(&pipe, frame),
                     FrameKind::Goodbye => {
                         break "the peer said goodbye (it is shutting down)".to_string()
                     }
@@ -697,6 +807,7 @@ impl Io {
                 Err(e) => break e.to_string(),
             }
         };
+        pipe.ended.set(true);
         self.pipe_ended(id, &peer, reason);
     }
 
@@ -819,6 +930,8 @@ impl Io {
                 peer: peer.clone(),
                 tx,
                 negotiated,
+                reader: Arc::new(PipeReader::default()),
+                exports: HashMap::new(),
             },
         );
         loop {
@@ -827,6 +940,12 @@ impl Io {
                     self.dispatch(pipe, &peer, peer_id, frame)
                 }
                 Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
+                Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
+                    // The caller read the response's out-of-band tensors.
+                    if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
+                        inbound.exports.remove(&frame.message_id);
+                    }
+                }
                 Ok(Some(frame)) => {
                     tracing::warn!(%peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
                     break;
@@ -847,10 +966,25 @@ impl Io {
     fn dispatch(&self, pipe: u64, peer: &str, peer_id: WorkerId, frame: IncomingFrame) {
         let jobs = self.jobs.borrow().clone();
         let respond = |message_id, result| self.respond(pipe, message_id, result);
+        let Some((negotiated, reader)) = self
+            .state
+            .borrow()
+            .inbound
+            .get(&pipe)
+            .map(|inbound| (inbound.negotiated, Arc::clone(&inbound.reader)))
+        else {
+            return;
+        };
         match jobs {
-            Some(jobs) => {
-                lane::serve_request(&self.shared, &jobs, pipe, peer, peer_id, frame, respond)
-            }
+            Some(jobs) => lane::serve_request(
+                &self.shared,
+                &jobs,
+                (pipe, &negotiated, &reader),
+                peer,
+                peer_id,
+                frame,
+                respond,
+            ),
             None => respond(frame.message_id, Err(self.shut_down_error().to_string())),
         }
     }
@@ -918,12 +1052,19 @@ impl Io {
         for lane in &lanes {
             lane.stop();
         }
-        let (client, inbound) = {
+        let (client, mut inbound, lent) = {
             let mut state = self.state.borrow_mut();
             let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
             let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
-            (client, inbound)
+            let lent = std::mem::take(&mut state.request_exports);
+            (client, inbound, lent)
         };
+        // Lent buffers are released last, once the pipes are closed, so that a peer
+        // still reading them sees its pipe end first (and refuses what it read).
+        let mut lent: Vec<FrameExports> = lent.into_values().map(|(_, e)| e).collect();
+        for pipe in &mut inbound {
+            lent.extend(pipe.exports.drain().map(|(_, e)| e));
+        }
         for pipe in client {
             match pipe {
                 ClientPipe::Ready(ready) => {
@@ -962,7 +1103,40 @@ impl Io {
         }
         // Let the executor drop the cancelled tasks (and close their sockets).
         glommio::timer::sleep(Duration::from_millis(1)).await;
+        drop(lent);
     }
+}
+
+impl ReadyPipe {
+    /// The name of the channel the pipe uses for CPU tensors, for errors.
+    fn channel_name(&self) -> &'static str {
+        cpu_channel(&self.negotiated, Role::Connector).map_or("basic", |c| c.name())
+    }
+}
+
+/// Fails a call whose response is being pulled if the pull's task is dropped before it
+/// completes the call (the agent closed).
+struct PullGuard {
+    io: Rc<Io>,
+    completion: Option<Arc<Completion>>,
+}
+
+impl Drop for PullGuard {
+    fn drop(&mut self) {
+        if let Some(completion) = self.completion.take() {
+            self.io
+                .complete(&completion, Err(self.io.shut_down_error()));
+        }
+    }
+}
+
+/// Tells the callee on `pipe` that the out-of-band tensors of its response
+/// `message_id` were read (or will never be): it may release them. A pipe that is
+/// gone needs no ack (its end releases them).
+fn ack(pipe: &ReadyPipe, message_id: u64) {
+    let _ = pipe
+        .tx
+        .try_send(OwnedFrame::empty(FrameKind::Ack, message_id));
 }
 
 /// A handshake message as a frame.

@@ -24,15 +24,19 @@
 //! executor, where its rules live.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
-use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits, TensorDescriptor};
+use rdzv_core::negotiate::{Negotiated, Role};
+use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
 use rdzv_core::rpc::name::WorkerId;
 
-use super::calls::{self, Pending};
+use super::calls::{self, Pending, Reply};
+use super::channels::{
+    add_tensor, cpu_channel, ChannelBytes, FrameExports, PipeReader, ReceivedTensors,
+};
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::error::TransportError;
@@ -62,6 +66,15 @@ pub(crate) struct Lane {
     /// How the reader thread of a polled lane sleeps without holding `receiver`.
     wake: Option<Arc<dyn Wake>>,
     stop: Arc<dyn StopConnection>,
+    /// Where the peer's out-of-band tensors are read from.
+    reader: Arc<PipeReader>,
+    /// Buffers lent to the peer, by message id: a client lane's requests' (until their
+    /// reply), an inbound lane's responses' (until the caller's ack). Released when the
+    /// lane ends.
+    exports: Mutex<HashMap<u64, FrameExports>>,
+    /// Set when the lane ends: a pull that overlapped its end may have read buffers the
+    /// peer released, so its result is refused.
+    ended: AtomicBool,
 }
 
 /// Every lane of a worker.
@@ -122,6 +135,9 @@ impl Lane {
             receiver: Mutex::new(receiver),
             wake,
             stop,
+            reader: Arc::new(PipeReader::default()),
+            exports: Mutex::new(HashMap::new()),
+            ended: AtomicBool::new(false),
         })
     }
 
@@ -132,6 +148,22 @@ impl Lane {
 
     fn receiver(&self) -> MutexGuard<'_, Box<dyn BlockingReceiver>> {
         self.receiver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn exports(&self) -> MutexGuard<'_, HashMap<u64, FrameExports>> {
+        self.exports.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The name of the channel this lane uses for CPU tensors, for errors.
+    fn channel_name(&self, role: Role) -> &'static str {
+        cpu_channel(&self.negotiated, role).map_or("basic", |c| c.name())
+    }
+
+    /// Tells the callee that the out-of-band tensors of its response `message_id` were
+    /// read (or will never be): it may release them.
+    fn ack(&self, message_id: u64) {
+        // A lane that cannot send any more is ending: its end releases them.
+        let _ = self.send(&OwnedFrame::empty(FrameKind::Ack, message_id));
     }
 
     /// The next frame for the reader thread. A polled lane spins up to `spin` on the
@@ -235,17 +267,46 @@ impl Lane {
         }
     }
 
-    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends.
+    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends. A
+    /// reply releases its request's lent buffers (the callee read them before it
+    /// answered); a response's out-of-band tensors are pulled here, then acked.
     fn on_client_frame(&self, shared: &Shared, frame: IncomingFrame) -> Option<String> {
         match frame.kind {
             FrameKind::Response | FrameKind::Error => {
-                match shared.calls_table.take_reply(frame.message_id, self.id) {
-                    Some(pending) => calls::answer(shared, pending, frame),
-                    None => tracing::debug!(
-                        message_id = frame.message_id,
-                        "late or unknown reply dropped"
-                    ),
+                let message_id = frame.message_id;
+                let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+                let released = self.exports().remove(&message_id);
+                let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
+                    tracing::debug!(message_id, "late or unknown reply dropped");
+                    if out_of_band {
+                        self.ack(message_id);
+                    }
+                    return None;
+                };
+                let peer = pending.peer.clone();
+                match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
+                    Reply::Done { ack } => {
+                        if ack {
+                            self.ack(message_id);
+                        }
+                    }
+                    Reply::Pull(job) => {
+                        let (completion, pulled) = job.pull();
+                        self.ack(message_id);
+                        let pulled = match pulled {
+                            Ok(_) if self.ended.load(Ordering::Acquire) => Err(RpcError::Channel {
+                                channel: self.channel_name(Role::Connector),
+                                peer,
+                                reason: "the pipe ended while the response's tensors were \
+                                         being read; the peer may have released them"
+                                    .into(),
+                            }),
+                            other => other,
+                        };
+                        calls::complete(shared, &completion, pulled);
+                    }
                 }
+                drop(released);
                 None
             }
             FrameKind::Goodbye => Some("the peer said goodbye (it is shutting down)".to_string()),
@@ -369,9 +430,11 @@ impl Lane {
             payload: message.payload,
             ..OwnedFrame::empty(FrameKind::Request, message_id)
         };
+        let mut exports = FrameExports::default();
         let built = tensor_frame(
             shared,
             &mut frame,
+            &mut exports,
             message.tensors,
             &self.peer,
             Role::Connector,
@@ -385,11 +448,13 @@ impl Lane {
             }
             return;
         }
-        shared
-            .calls_table
-            .set_sent(message_id, frame.encoded_len() as u64);
+        shared.calls_table.set_sent(message_id, sent_bytes(&frame));
+        if !exports.is_empty() {
+            // Held until the reply arrives or the lane ends.
+            self.exports().insert(message_id, exports);
+        }
         let sent = self.send(&frame);
-        recycle::give_all(frame.inline_data);
+        recycle::give_all(frame.tensor_data);
         if let Err(reason) = sent {
             self.end(shared, reason);
         }
@@ -397,9 +462,14 @@ impl Lane {
 
     /// Sends the response to request `message_id` of this inbound lane.
     pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
-        let frame = response_frame(shared, message_id, result, &self.peer, &self.negotiated);
+        let (frame, exports) =
+            response_frame(shared, message_id, result, &self.peer, &self.negotiated);
+        if !exports.is_empty() {
+            // Held until the caller's ack, or the lane's end.
+            self.exports().insert(message_id, exports);
+        }
         let sent = self.send(&frame);
-        recycle::give_all(frame.inline_data);
+        recycle::give_all(frame.tensor_data);
         if let Err(reason) = sent {
             tracing::debug!(peer = %self.peer, %reason, "an RPC response could not be sent");
             self.stop.stop();
@@ -437,7 +507,11 @@ impl Lane {
                 lanes.inbound.remove(&self.id);
             }
         }
+        self.ended.store(true, Ordering::Release);
         self.stop.stop();
+        // Released last: the peer can no longer ask for them.
+        let lent = std::mem::take(&mut *self.exports());
+        drop(lent);
         for pending in shared.calls_table.take_pipe(self.id) {
             let error = RpcError::PipeBroken {
                 peer: self.peer.clone(),
@@ -502,12 +576,17 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
                 serve_request(
                     shared,
                     jobs,
-                    lane.id,
+                    (lane.id, &lane.negotiated, &lane.reader),
                     &lane.peer,
                     peer_id,
                     frame,
                     |id, result| lane.respond(shared, id, result),
                 );
+            }
+            Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
+                // The caller read what the response lent: release it.
+                let released = lane.exports().remove(&frame.message_id);
+                drop(released);
             }
             Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
             Ok(Some(frame)) => {
@@ -523,27 +602,21 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
             }
         }
     }
-    {
-        let mut lanes = lanes(shared);
-        if lanes
-            .inbound
-            .get(&lane.id)
-            .is_some_and(|l| Arc::ptr_eq(l, lane))
-        {
-            lanes.inbound.remove(&lane.id);
-        }
-    }
-    lane.stop.stop();
+    // Leaves the registry, stops, and releases what responses lent.
+    lane.end(shared, "the inbound pipe ended".into());
 }
 
-/// Serves a request that arrived on inbound pipe `pipe`: an inline handler runs here
-/// and its result goes to `respond`; any other goes to the worker pool (which answers
-/// through [`respond`](self::respond)); with the pool gone the caller learns that this
-/// worker shut down.
+/// Serves a request that arrived on inbound pipe `pipe` (which negotiated `negotiated`
+/// and reads out-of-band tensors through `reader`): an inline handler runs here, after
+/// its tensors are pulled, and its result goes to `respond`; any other goes to the
+/// worker pool, which pulls the tensors and answers through [`respond`](self::respond).
+/// A request whose tensors cannot be read at all (a channel that was not negotiated, a
+/// bad descriptor) fails at once; with the pool gone the caller learns that this worker
+/// shut down.
 pub(crate) fn serve_request(
     shared: &Arc<Shared>,
     jobs: &Sender<Job>,
-    pipe: u64,
+    (pipe, negotiated, reader): (u64, &Negotiated, &Arc<PipeReader>),
     peer: &str,
     peer_id: WorkerId,
     frame: IncomingFrame,
@@ -559,19 +632,22 @@ pub(crate) fn serve_request(
     let message = Message {
         metadata: frame.metadata,
         payload: frame.payload,
-        tensors: frame
-            .tensors
-            .into_iter()
-            .map(|(d, data)| Tensor {
-                device: d.target,
-                data,
-            })
-            .collect(),
+        tensors: Vec::new(),
     };
+    let tensors =
+        match ReceivedTensors::sort(frame.tensors, negotiated, Role::Listener, reader, peer) {
+            Ok(tensors) => tensors,
+            Err(e) => return respond(ctx.message_id, Err(e.to_string())),
+        };
     shared.lock_calls().metrics.calls.server_call_started();
     if let Some(handler) = shared.handler(&ctx.handler).filter(|h| h.runs_inline()) {
         let message_id = ctx.message_id;
-        let result = run_handler(handler.as_ref(), &ctx, message);
+        let result = tensors
+            .pull()
+            .map_err(|e| e.to_string())
+            .and_then(|tensors| {
+                run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
+            });
         shared
             .lock_calls()
             .metrics
@@ -580,7 +656,13 @@ pub(crate) fn serve_request(
         respond(message_id, result);
         return;
     }
-    if let Err(job) = jobs.send(Job { pipe, ctx, message }) {
+    let job = Job {
+        pipe,
+        ctx,
+        message,
+        tensors,
+    };
+    if let Err(job) = jobs.send(job) {
         shared
             .lock_calls()
             .metrics
@@ -594,12 +676,15 @@ pub(crate) fn serve_request(
     }
 }
 
-/// Builds the frame's tensor descriptors: each tensor's target device is the device
-/// map's image of its device (or the same device), and the negotiated channel for the
-/// pair must be `basic`, the only channel this build runs.
+/// Builds the frame's tensors: each tensor's target device is the device map's image
+/// of its device (or the same device), and it goes over the channel negotiated for the
+/// pair (inline below `min_channel_bytes`, or when that channel is `basic`); the buffers
+/// lent to the peer join `exports`. The frame must then pass the receiver's limits.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn tensor_frame(
     shared: &Shared,
     frame: &mut OwnedFrame,
+    exports: &mut FrameExports,
     tensors: Vec<Tensor>,
     peer: &str,
     role: Role,
@@ -614,44 +699,51 @@ pub(crate) fn tensor_frame(
             group.device_maps.get(peer).cloned()
         }
     };
+    let mut moved = ChannelBytes::default();
     for tensor in tensors {
         let target = map
             .as_ref()
             .and_then(|m| m.get(&tensor.device))
             .unwrap_or(tensor.device);
-        let channel = negotiated.channel_for(role, tensor.device.kind(), target.kind());
-        if channel != Some(ChannelKind::Basic) {
+        let Some(channel) = negotiated.channel_for(role, tensor.device.kind(), target.kind())
+        else {
             return Err(RpcError::NoChannel {
                 peer: peer.to_string(),
                 source_device: tensor.device.to_string(),
                 target_device: target.to_string(),
             });
-        }
-        frame.tensors.push(TensorDescriptor {
-            source: tensor.device,
+        };
+        add_tensor(
+            frame,
+            exports,
+            &mut moved,
+            tensor.data,
+            tensor.device,
             target,
-            channel: ChannelKind::Basic,
-            len: tensor.data.len() as u64,
-        });
-        frame.inline_data.push(tensor.data);
+            channel,
+            shared.offer.min_channel_bytes,
+            peer,
+        )?;
     }
+    moved.add_to(&mut shared.lock_calls().channel_bytes);
     check_limits(frame).map_err(|source| RpcError::Encode {
         peer: peer.to_string(),
         source: Box::new(source),
     })
 }
 
-/// The frame answering request `message_id` on an inbound pipe from `peer`: the
-/// response, or an error frame with the handler's error (or why the response could not
-/// be built).
+/// The frame answering request `message_id` on an inbound pipe from `peer`, with the
+/// buffers it lends: the response, or an error frame with the handler's error (or why
+/// the response could not be built).
 pub(crate) fn response_frame(
     shared: &Shared,
     message_id: u64,
     result: Result<Message, String>,
     peer: &str,
     negotiated: &Negotiated,
-) -> OwnedFrame {
-    match result {
+) -> (OwnedFrame, FrameExports) {
+    let mut exports = FrameExports::default();
+    let frame = match result {
         Ok(message) => {
             let mut frame = OwnedFrame {
                 metadata: message.metadata,
@@ -661,6 +753,7 @@ pub(crate) fn response_frame(
             match tensor_frame(
                 shared,
                 &mut frame,
+                &mut exports,
                 message.tensors,
                 peer,
                 Role::Listener,
@@ -668,11 +761,26 @@ pub(crate) fn response_frame(
                 true,
             ) {
                 Ok(()) => frame,
-                Err(e) => error_frame(message_id, &format!("the response failed: {e}")),
+                // Dropping the exports releases them: the frame is never sent.
+                Err(e) => {
+                    exports = FrameExports::default();
+                    error_frame(message_id, &format!("the response failed: {e}"))
+                }
             }
         }
         Err(text) => error_frame(message_id, &text),
-    }
+    };
+    (frame, exports)
+}
+
+/// A frame's bytes on the wire plus those of its tensors that travel beside it.
+pub(crate) fn sent_bytes(frame: &OwnedFrame) -> u64 {
+    frame
+        .tensors
+        .iter()
+        .filter(|t| !t.is_inline())
+        .map(|t| t.len)
+        .fold(frame.encoded_len() as u64, u64::saturating_add)
 }
 
 /// An error frame carrying `text`.

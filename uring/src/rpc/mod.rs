@@ -17,6 +17,7 @@
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
 //! | [`tcp`] | the `tcp` transport on glommio, and on a blocking socket for lanes |
 //! | [`shm`] | the `shm` transport: shared-memory rings |
+//! | [`channels`] | which channels this process offers; tensors into frames (inline or exported) and back (pulled) |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //! | [`client`] | the calling half, a clonable handle for threads and handlers |
 //! | [`message`] | messages, handlers, futures |
@@ -32,15 +33,18 @@
 //! In this increment: static and dynamic groups, the `shm` and `tcp` transports (shm
 //! is negotiated between workers on one host when `transports` lists it; every pipe
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
-//! offer it), the `basic` channel (CPU tensors inline in the pipe's frames), and fault
-//! injection for tests ([`FaultInjection`]). Other transports plug in through
+//! offer it), the `xth`, `cma` and `basic` channels (CPU tensors of at least
+//! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host;
+//! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
+//! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
-//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. Listing a transport no plugin
-//! provides, or another channel, is an error that says so.
+//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. mpt and the CUDA channels are
+//! not wired in yet; asking for them is an error that says so.
 
 pub mod agent;
 pub mod backend;
 mod calls;
+pub mod channels;
 pub mod client;
 pub mod error;
 mod io;
@@ -54,6 +58,7 @@ pub mod transport;
 
 pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
+pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};

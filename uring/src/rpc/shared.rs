@@ -16,6 +16,7 @@ use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
+use super::channels::ChannelBytes;
 use super::message::{on_io_thread, Completion, Handler, Message};
 
 /// The domain descriptor of the basic channel: it runs over any transport.
@@ -147,13 +148,22 @@ pub(crate) struct CallState {
     pub pipe_transports: HashMap<String, TransportKind>,
     /// Threads waiting on `calls_changed`.
     pub waiters: u32,
+    /// The CPU-to-CPU channel of the last client pipe opened to each peer (`None`: no
+    /// channel serves CPU tensors on it).
+    pub pipe_channels: HashMap<String, Option<ChannelKind>>,
+    /// Tensor bytes this worker sent, per channel (requests and responses).
+    pub channel_bytes: ChannelBytes,
 }
 
-/// The ranked backends this worker offers, with their descriptors.
+/// The ranked backends this worker offers, with their descriptors, and how it uses its
+/// channels.
 #[derive(Debug, Clone)]
 pub(crate) struct OfferSpec {
     pub transports: Vec<(TransportKind, i64, String)>,
-    pub channels: Vec<(ChannelKind, i64)>,
+    /// Each channel with its priority and its CPU domain descriptor.
+    pub channels: Vec<(ChannelKind, i64, String)>,
+    /// Tensors below this size go inline even where a channel was negotiated.
+    pub min_channel_bytes: u64,
 }
 
 impl OfferSpec {
@@ -163,8 +173,8 @@ impl OfferSpec {
         for (kind, priority, descriptor) in &self.transports {
             offer.add_transport(*kind, *priority, descriptor)?;
         }
-        for &(kind, priority) in &self.channels {
-            offer.add_channel(kind, priority, DeviceDescriptors::cpu(BASIC_DESCRIPTOR))?;
+        for (kind, priority, descriptor) in &self.channels {
+            offer.add_channel(*kind, *priority, DeviceDescriptors::cpu(descriptor))?;
         }
         Ok(offer)
     }

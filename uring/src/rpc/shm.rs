@@ -17,7 +17,8 @@
 //! on one host and in one network namespace.
 //!
 //! This module does not negotiate or decide anything about frames' meaning; large
-//! tensors go through the ring like everything else (no `cma` channel here).
+//! tensors go through the ring like everything else (the `cma` and `xth` channels move
+//! large tensors beside it; their descriptors travel in the frame).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -331,7 +332,7 @@ fn send_thread(mut sender: ShmSender, frames: &Queue<OwnedFrame>) -> SendOutcome
     let mut buf = Vec::new();
     while let Some(frame) = frames.pop_blocking() {
         send_frame(&mut sender, &frame, &mut buf)?;
-        recycle::give_all(frame.inline_data);
+        recycle::give_all(frame.tensor_data);
     }
     Ok(sender)
 }
@@ -746,7 +747,7 @@ fn decode_message(
     match decode_frame(&message, &limits) {
         Ok(Decoded::Complete(frame, used)) if used == message.len() => {
             let Some(plan) = in_place_plan(&frame, &message) else {
-                return IncomingFrame::from_frame(&frame, peer).map(Some);
+                return Ok(Some(IncomingFrame::from_frame(&frame)));
             };
             Ok(Some(plan.finish(message)))
         }
@@ -784,16 +785,18 @@ struct InPlacePlan {
 }
 
 /// An [`InPlacePlan`] when the frame carries an inline tensor of at least
-/// [`IN_PLACE_MIN`] bytes and every tensor is inline.
+/// [`IN_PLACE_MIN`] bytes (the largest inline one keeps the buffer; channel descriptors
+/// are copied like the other parts).
 fn in_place_plan(frame: &Frame<'_>, message: &[u8]) -> Option<InPlacePlan> {
     let base = message.as_ptr() as usize;
-    let mut parts = Vec::new();
-    for (descriptor, data) in frame.tensors_with_data() {
-        parts.push((descriptor, data?));
-    }
+    let parts: Vec<(TensorDescriptor, &[u8])> = frame
+        .tensors_with_data()
+        .map(|(descriptor, data)| (descriptor, data.bytes()))
+        .collect();
     let (index, &(descriptor, data)) = parts
         .iter()
         .enumerate()
+        .filter(|(_, (descriptor, _))| descriptor.is_inline())
         .max_by_key(|(_, (_, data))| data.len())?;
     if data.len() < IN_PLACE_MIN {
         return None;
@@ -992,7 +995,6 @@ impl<T> Future for Pop<'_, T> {
 mod tests {
     use super::*;
     use rdzv_core::device::Device;
-    use rdzv_core::negotiate::ChannelKind;
     use rdzv_core::rpc::frame::FrameKind;
 
     #[test]
@@ -1016,13 +1018,12 @@ mod tests {
             handler: "echo".into(),
             metadata: vec![7],
             payload: b"payload".to_vec(),
-            tensors: vec![TensorDescriptor {
-                source: Device::cpu(),
-                target: Device::cpu(),
-                channel: ChannelKind::Basic,
-                len: len as u64,
-            }],
-            inline_data: vec![data],
+            tensors: vec![TensorDescriptor::inline(
+                Device::cpu(),
+                Device::cpu(),
+                len as u64,
+            )],
+            tensor_data: vec![data],
             ..OwnedFrame::empty(FrameKind::Request, id)
         }
     }
@@ -1062,7 +1063,7 @@ mod tests {
                 assert_eq!(got.payload, b"payload".to_vec());
                 assert_eq!(got.wire_len, sent);
                 let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
-                assert!(data == frame.inline_data.concat(), "tensor {id} differs");
+                assert!(data == frame.tensor_data.concat(), "tensor {id} differs");
             }
             // Several tensors, the largest (moved in place) in the middle.
             let parts = [
@@ -1073,13 +1074,12 @@ mod tests {
             ];
             let mut many = OwnedFrame::empty(FrameKind::Request, 6);
             for part in &parts {
-                many.tensors.push(TensorDescriptor {
-                    source: Device::cpu(),
-                    target: Device::cpu(),
-                    channel: ChannelKind::Basic,
-                    len: part.len() as u64,
-                });
-                many.inline_data.push(part.clone());
+                many.tensors.push(TensorDescriptor::inline(
+                    Device::cpu(),
+                    Device::cpu(),
+                    part.len() as u64,
+                ));
+                many.tensor_data.push(part.clone());
             }
             tx.send(many).await.map_err(|e| e.to_string())?;
             let got = rx

@@ -44,8 +44,9 @@ pub const COALESCE_LIMIT: usize = 64 * 1024;
 const READ_CHUNK: usize = 64 * 1024;
 /// A receive buffer above this size is shrunk back once it is drained.
 const KEEP_BUFFER: usize = 1 << 20;
-/// Frames with at least this many inline tensor bytes have them read straight into
-/// each tensor's own buffer instead of through the receive buffer.
+/// Frames with at least this many data-section bytes (inline tensors and channel
+/// descriptors) have them read straight into each tensor's own buffer instead of
+/// through the receive buffer.
 const DIRECT_READ_MIN: u64 = 256 * 1024;
 
 /// TCP on glommio, listening on one host address.
@@ -339,7 +340,7 @@ impl FrameSender for AsyncSender {
     fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
         Box::pin(async move {
             let sent = self.send_frame(&frame).await;
-            recycle::give_all(frame.inline_data);
+            recycle::give_all(frame.tensor_data);
             sent
         })
     }
@@ -394,7 +395,8 @@ impl<R> TcpReceiver<R> {
 }
 
 /// How a frame with large inline data is read: `fixed` bytes (header to payload)
-/// through the buffer, then each tensor into its own.
+/// through the buffer, then each tensor's data-section entry (its bytes, or its channel
+/// descriptor) into its own buffer.
 struct DirectPlan {
     header: Header,
     fixed: usize,
@@ -417,8 +419,7 @@ fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
         .collect::<Option<Vec<_>>>()?;
     let inline: u64 = tensors
         .iter()
-        .filter(|t| t.is_inline())
-        .map(|t| t.len)
+        .map(TensorDescriptor::data_len)
         .fold(0u64, u64::saturating_add);
     if inline < DIRECT_READ_MIN {
         return None;
@@ -467,13 +468,7 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
         let mut wire_len = fixed as u64;
         let mut received = Vec::with_capacity(tensors.len());
         for descriptor in tensors {
-            if !descriptor.is_inline() {
-                return Err(TransportError::UnsupportedChannel {
-                    peer: self.peer.to_string(),
-                    channel: descriptor.channel.name(),
-                });
-            }
-            let len = usize::try_from(descriptor.len).map_err(|_| truncated(early_at))?;
+            let len = usize::try_from(descriptor.data_len()).map_err(|_| truncated(early_at))?;
             let mut data = recycle::take(len);
             let early = self.buf.get(early_at..self.filled).unwrap_or_default();
             let take = early.len().min(len);
@@ -494,7 +489,7 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
                     }
                 })?;
             }
-            wire_len += descriptor.len;
+            wire_len += descriptor.data_len();
             received.push((descriptor, data));
         }
         // Buffered bytes past `early_at` are the next frame's.
@@ -539,9 +534,9 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
                     let peer = Arc::clone(&self.peer);
                     match decoder.decode(self.pending()) {
                         Ok(Decoded::Complete(frame, used)) => {
-                            let incoming = IncomingFrame::from_frame(&frame, &peer);
+                            let incoming = IncomingFrame::from_frame(&frame);
                             self.consume(used);
-                            return incoming.map(Some);
+                            return Ok(Some(incoming));
                         }
                         Ok(Decoded::Partial(missing)) => {
                             if let Some(plan) = direct_plan(decoder.header(), self.pending()) {

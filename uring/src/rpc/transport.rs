@@ -36,8 +36,10 @@
 //! duplicate of the socket and the same framing code over blocking I/O; shm takes its
 //! halves back from the adapter threads.
 //!
-//! The seam does not negotiate (the agent does, with the core), retry, or know about
-//! calls, peers' names or timeouts.
+//! A tensor on a channel other than `basic` reaches the seam only as its channel
+//! descriptor (an entry of the frame's data section); the agent moves its bytes
+//! (`super::channels`). The seam does not negotiate (the agent does, with the core),
+//! retry, or know about calls, peers' names or timeouts.
 //!
 //! [`listen`]: Transport::listen
 //! [`connect`]: Transport::connect
@@ -297,8 +299,9 @@ pub struct OwnedFrame {
     pub payload: Vec<u8>,
     /// One descriptor per tensor.
     pub tensors: Vec<TensorDescriptor>,
-    /// The data of the tensors whose channel is `basic`, in order.
-    pub inline_data: Vec<Vec<u8>>,
+    /// One entry per tensor, in order: the data of a `basic` tensor, the channel
+    /// descriptor of any other (the core frame's data section).
+    pub tensor_data: Vec<Vec<u8>>,
 }
 
 impl OwnedFrame {
@@ -311,13 +314,13 @@ impl OwnedFrame {
             metadata: Vec::new(),
             payload: Vec::new(),
             tensors: Vec::new(),
-            inline_data: Vec::new(),
+            tensor_data: Vec::new(),
         }
     }
 
     /// Runs `f` with the core's borrowed view of this frame.
     pub fn with_outgoing<R>(&self, f: impl FnOnce(&OutgoingFrame<'_>) -> R) -> R {
-        let inline: Vec<&[u8]> = self.inline_data.iter().map(Vec::as_slice).collect();
+        let data: Vec<&[u8]> = self.tensor_data.iter().map(Vec::as_slice).collect();
         let frame = OutgoingFrame {
             kind: self.kind,
             message_id: self.message_id,
@@ -325,7 +328,7 @@ impl OwnedFrame {
             metadata: &self.metadata,
             payload: &self.payload,
             tensors: &self.tensors,
-            inline_data: &inline,
+            tensor_data: &data,
         };
         f(&frame)
     }
@@ -358,7 +361,7 @@ impl OwnedFrame {
             self.payload.as_slice(),
         ]
         .into_iter()
-        .chain(self.inline_data.iter().map(Vec::as_slice))
+        .chain(self.tensor_data.iter().map(Vec::as_slice))
     }
 }
 
@@ -375,7 +378,9 @@ pub struct IncomingFrame {
     pub metadata: Vec<u8>,
     /// The payload.
     pub payload: Vec<u8>,
-    /// Each tensor's descriptor and data.
+    /// Each tensor's descriptor and data-section entry: its bytes for a `basic` tensor,
+    /// its channel descriptor for any other (the agent fetches the bytes over the
+    /// channel).
     pub tensors: Vec<(TensorDescriptor, Vec<u8>)>,
     /// The frame's size on the wire.
     pub wire_len: u64,
@@ -383,30 +388,19 @@ pub struct IncomingFrame {
 
 impl IncomingFrame {
     /// Copies a decoded frame out of the receive buffer.
-    ///
-    /// # Errors
-    /// [`TransportError::UnsupportedChannel`] if a tensor's data is not inline: no
-    /// out-of-band channel runs in this build.
-    pub fn from_frame(frame: &Frame<'_>, peer: &str) -> Result<IncomingFrame, TransportError> {
-        let tensors = frame
-            .tensors_with_data()
-            .map(|(descriptor, data)| match data {
-                Some(data) => Ok((descriptor, data.to_vec())),
-                None => Err(TransportError::UnsupportedChannel {
-                    peer: peer.to_string(),
-                    channel: descriptor.channel.name(),
-                }),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(IncomingFrame {
+    pub fn from_frame(frame: &Frame<'_>) -> IncomingFrame {
+        IncomingFrame {
             kind: frame.kind(),
             message_id: frame.message_id(),
             handler: frame.handler().to_string(),
             metadata: frame.metadata().to_vec(),
             payload: frame.payload().to_vec(),
-            tensors,
+            tensors: frame
+                .tensors_with_data()
+                .map(|(descriptor, data)| (descriptor, data.bytes().to_vec()))
+                .collect(),
             wire_len: frame.as_bytes().len() as u64,
-        })
+        }
     }
 }
 
@@ -423,13 +417,15 @@ mod tests {
             handler: "echo".into(),
             metadata: vec![1],
             payload: b"hello".to_vec(),
-            tensors: vec![TensorDescriptor {
-                source: Device::cpu(),
-                target: Device::cpu(),
-                channel: ChannelKind::Basic,
-                len: 3,
-            }],
-            inline_data: vec![vec![9, 8, 7]],
+            tensors: vec![
+                TensorDescriptor::inline(Device::cpu(), Device::cpu(), 3),
+                TensorDescriptor {
+                    channel: ChannelKind::Cma,
+                    channel_descriptor_len: 2,
+                    ..TensorDescriptor::inline(Device::cpu(), Device::cpu(), 1 << 20)
+                },
+            ],
+            tensor_data: vec![vec![9, 8, 7], vec![1, 2]],
             ..OwnedFrame::empty(FrameKind::Request, 42)
         };
         let mut wire = frame
@@ -443,7 +439,7 @@ mod tests {
         let decoded = match decode_frame(&wire, &FrameLimits::DEFAULT) {
             Ok(Decoded::Complete(f, n)) => {
                 assert_eq!(n, wire.len());
-                IncomingFrame::from_frame(&f, "peer").map_err(|e| e.to_string())
+                Ok::<_, String>(IncomingFrame::from_frame(&f))
             }
             other => Err(format!("{other:?}")),
         };
@@ -453,10 +449,15 @@ mod tests {
         assert_eq!(decoded.handler, "echo");
         assert_eq!(decoded.metadata, vec![1]);
         assert_eq!(decoded.payload, b"hello".to_vec());
-        assert_eq!(decoded.tensors.len(), 1);
+        assert_eq!(decoded.tensors.len(), 2);
         assert_eq!(
             decoded.tensors.first().map(|t| t.1.clone()),
             Some(vec![9, 8, 7])
+        );
+        // A channel tensor's entry is its channel descriptor.
+        assert_eq!(
+            decoded.tensors.get(1).map(|t| (t.0.channel, t.1.clone())),
+            Some((ChannelKind::Cma, vec![1, 2]))
         );
         assert_eq!(decoded.wire_len, wire.len() as u64);
     }
@@ -481,13 +482,8 @@ mod tests {
     #[test]
     fn inline_data_must_match_descriptors() {
         let frame = OwnedFrame {
-            tensors: vec![TensorDescriptor {
-                source: Device::cpu(),
-                target: Device::cpu(),
-                channel: ChannelKind::Basic,
-                len: 4,
-            }],
-            inline_data: vec![vec![1]],
+            tensors: vec![TensorDescriptor::inline(Device::cpu(), Device::cpu(), 4)],
+            tensor_data: vec![vec![1]],
             ..OwnedFrame::empty(FrameKind::Request, 1)
         };
         assert!(frame.encode_head().is_err());

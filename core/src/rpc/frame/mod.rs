@@ -19,10 +19,33 @@
 //! | 36 | 4 | reserved, 0 |
 //!
 //! The body is, in order: one 16-byte [`TensorDescriptor`] per tensor, the handler name
-//! (UTF-8), the metadata, the payload, and the *inline tensor data*: the bytes of every
-//! tensor whose channel is [`ChannelKind::Basic`], in descriptor order. A descriptor is
-//! the source device, the target device (type byte, has-index byte, index byte each), the
-//! channel ([`ChannelKind::index`]), a zero byte and the tensor's byte length (`u64`).
+//! (UTF-8), the metadata, the payload, and the *data section*: one entry per tensor, in
+//! descriptor order ([`TensorData`]). A tensor whose channel is [`ChannelKind::Basic`]
+//! puts its bytes there (*inline data*); a tensor on any other channel puts its
+//! *channel descriptor* there: the few bytes that channel's receiver needs to fetch the
+//! data (cma: the exporting process, address and transfer id), opaque to this module.
+//!
+//! A tensor descriptor is:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 3 | source device: type, has-index (0/1), index |
+//! | 3 | 3 | target device: type, has-index (0/1), index |
+//! | 6 | 1 | channel ([`ChannelKind::index`]) |
+//! | 7 | 1 | channel descriptor length: 0 for `basic`, at most [`FrameLimits::max_channel_descriptor`] |
+//! | 8 | 8 | the tensor's byte length |
+//!
+//! so the data section's entry for a tensor is `len` bytes for `basic` and byte 7's
+//! count otherwise. (Byte 7 was a reserved zero before channels ran; `basic`-only frames
+//! are unchanged.)
+//!
+//! An [`FrameKind::Ack`] frame says "I finished reading the out-of-band tensors of your
+//! frame with this message id": the sender may release (reuse, free) the buffers it
+//! exported for them. Only responses are acknowledged this way, by the caller on its
+//! client pipe: a request's buffers are released when its response or error arrives
+//! (the callee reads a request's tensors before it runs the handler, so its answer
+//! implies it finished reading), or when the pipe fails. A response with no out-of-band
+//! tensors is not acknowledged.
 //!
 //! # Why this shape
 //!
@@ -35,18 +58,21 @@
 //!   TensorPipe's descriptor), so a receiver can allocate tensor storage on the right
 //!   devices and start out-of-band channel transfers while the payload is still arriving.
 //! * Tensor data of any channel but `basic` never enters the frame: it travels on the
-//!   chosen channel (cma, mpt, CUDA IPC, ...) and the descriptor only announces it.
-//!   `basic` means "the pipe's own connection" (TensorPipe's basic channel writes to the
-//!   transport connection), so its bytes follow the payload inside the frame; they count
+//!   chosen channel (cma, mpt, CUDA IPC, ...); the frame carries only the channel's
+//!   descriptor for it, whose length is in the tensor descriptor, so every size is still
+//!   known once the descriptors arrived. `basic` means "the pipe's own connection"
+//!   (TensorPipe's basic channel writes to the transport connection), so its bytes
+//!   follow the payload inside the frame. Inline bytes and channel descriptors both count
 //!   towards [`FrameLimits::max_inline_bytes`].
 //! * Senders never copy: [`OutgoingFrame::encode_head`] writes only the header and the
-//!   descriptors, and the name, metadata, payload and inline tensors go out as further
+//!   descriptors, and the name, metadata, payload and data section go out as further
 //!   slices of one vectored write.
 //!
-//! The message id of a response or error is the id of the request it answers. Handshake
-//! and goodbye frames carry id 0, no handler name, no metadata and no tensors; a goodbye
-//! carries nothing at all; responses and errors carry no handler name, and errors carry no
-//! tensors (their payload is the UTF-8 error text). The handshake's payload is a
+//! The message id of a response or error is the id of the request it answers, and an
+//! ack's is the id of the response it acknowledges. Handshake and goodbye frames carry id
+//! 0, no handler name, no metadata and no tensors; a goodbye carries nothing at all, an
+//! ack nothing but its id; responses and errors carry no handler name, and errors carry
+//! no tensors (their payload is the UTF-8 error text). The handshake's payload is a
 //! [`Handshake`] encoded with postcard.
 //!
 //! # Decoding
@@ -100,16 +126,20 @@ pub enum FrameKind {
     /// The sender is closing the pipe on purpose (graceful shutdown); the end of the
     /// stream that follows is expected.
     Goodbye,
+    /// The sender finished reading the out-of-band tensors of the response with the same
+    /// message id; their exported buffers may be released. Carries nothing else.
+    Ack,
 }
 
 impl FrameKind {
     /// Every kind, in wire-byte order.
-    pub const ALL: [FrameKind; 5] = [
+    pub const ALL: [FrameKind; 6] = [
         FrameKind::Handshake,
         FrameKind::Request,
         FrameKind::Response,
         FrameKind::Error,
         FrameKind::Goodbye,
+        FrameKind::Ack,
     ];
 
     /// The byte on the wire.
@@ -120,6 +150,7 @@ impl FrameKind {
             FrameKind::Response => 3,
             FrameKind::Error => 4,
             FrameKind::Goodbye => 5,
+            FrameKind::Ack => 6,
         }
     }
 
@@ -136,6 +167,7 @@ impl FrameKind {
             FrameKind::Response => "response",
             FrameKind::Error => "error",
             FrameKind::Goodbye => "goodbye",
+            FrameKind::Ack => "ack",
         }
     }
 
@@ -146,6 +178,7 @@ impl FrameKind {
             FrameKind::Error => !matches!(field, FrameField::HandlerName | FrameField::Tensors),
             FrameKind::Handshake => field == FrameField::Payload,
             FrameKind::Goodbye => false,
+            FrameKind::Ack => field == FrameField::MessageId,
         }
     }
 }
@@ -172,8 +205,11 @@ pub enum FrameField {
     Tensors,
     /// One tensor's byte length.
     TensorBytes,
-    /// The total inline (`basic` channel) tensor bytes.
+    /// The total size of the data section (inline tensor bytes and channel
+    /// descriptors).
     InlineBytes,
+    /// One tensor's channel descriptor length.
+    ChannelDescriptor,
 }
 
 impl FrameField {
@@ -186,7 +222,8 @@ impl FrameField {
             FrameField::Payload => "payload",
             FrameField::Tensors => "tensor count",
             FrameField::TensorBytes => "tensor size",
-            FrameField::InlineBytes => "inline tensor bytes",
+            FrameField::InlineBytes => "tensor data section",
+            FrameField::ChannelDescriptor => "channel descriptor length",
         }
     }
 }
@@ -212,13 +249,18 @@ pub struct FrameLimits {
     pub max_tensors: u32,
     /// Largest single tensor, in bytes (inline or not: the receiver allocates it).
     pub max_tensor_bytes: u64,
-    /// Most inline tensor bytes in one frame.
+    /// Most bytes in one frame's data section: inline tensor bytes plus channel
+    /// descriptors.
     pub max_inline_bytes: u64,
+    /// Longest channel descriptor of one tensor, in bytes (the wire field holds at most
+    /// 255).
+    pub max_channel_descriptor: u32,
 }
 
 impl FrameLimits {
     /// rdzv's defaults: 1 KiB handler names, 1 MiB metadata, 1 GiB payloads, 64 Ki
-    /// tensors of at most 64 GiB each, 1 GiB of inline tensor data.
+    /// tensors of at most 64 GiB each, 1 GiB of inline tensor data, channel descriptors
+    /// up to the wire's 255 bytes.
     pub const DEFAULT: FrameLimits = FrameLimits {
         max_handler_name: 1024,
         max_metadata: 1024 * 1024,
@@ -226,6 +268,7 @@ impl FrameLimits {
         max_tensors: 64 * 1024,
         max_tensor_bytes: 64 << 30,
         max_inline_bytes: 1 << 30,
+        max_channel_descriptor: u8::MAX as u32,
     };
 
     /// For a pipe's first frame: a handshake payload of at most 64 KiB and nothing else.
@@ -236,6 +279,7 @@ impl FrameLimits {
         max_tensors: 0,
         max_tensor_bytes: 0,
         max_inline_bytes: 0,
+        max_channel_descriptor: 0,
     };
 
     /// No limits. Only for trusted peers.
@@ -246,6 +290,7 @@ impl FrameLimits {
         max_tensors: u32::MAX,
         max_tensor_bytes: u64::MAX,
         max_inline_bytes: u64::MAX,
+        max_channel_descriptor: u32::MAX,
     };
 
     /// These limits with a different payload limit.
@@ -269,6 +314,12 @@ impl FrameLimits {
     /// These limits with a different per-tensor byte limit.
     pub const fn with_max_tensor_bytes(mut self, bytes: u64) -> FrameLimits {
         self.max_tensor_bytes = bytes;
+        self
+    }
+
+    /// These limits with a different channel descriptor length limit.
+    pub const fn with_max_channel_descriptor(mut self, bytes: u32) -> FrameLimits {
+        self.max_channel_descriptor = bytes;
         self
     }
 }
@@ -418,18 +469,19 @@ pub enum EncodeError {
     /// The frame breaks a rule the decoder enforces (a field its kind may not carry, a
     /// channel that cannot serve a tensor's devices, a length that does not fit its field).
     Invalid(FrameError),
-    /// `inline_data` does not hold one slice per `basic` tensor.
-    InlineCount {
-        /// `basic` tensors.
+    /// `tensor_data` does not hold one slice per tensor.
+    DataCount {
+        /// Tensors.
         expected: usize,
         /// Slices given.
         given: usize,
     },
-    /// An inline slice's length is not its descriptor's length.
-    InlineLength {
+    /// A tensor's data slice does not have the length its descriptor announces (the
+    /// tensor's length for `basic`, the channel descriptor length otherwise).
+    DataLength {
         /// The tensor.
         tensor: u32,
-        /// The descriptor's length.
+        /// The length the descriptor announces.
         expected: u64,
         /// The slice's length.
         given: usize,
@@ -446,19 +498,18 @@ impl fmt::Display for EncodeError {
                 "buffer too small for an RPC frame: {needed} bytes needed, {available} available"
             ),
             EncodeError::Invalid(e) => write!(f, "cannot encode RPC frame: {e}"),
-            EncodeError::InlineCount { expected, given } => write!(
+            EncodeError::DataCount { expected, given } => write!(
                 f,
-                "cannot encode RPC frame: {expected} basic-channel tensors but {given} data \
-                 slices"
+                "cannot encode RPC frame: {expected} tensors but {given} data slices"
             ),
-            EncodeError::InlineLength {
+            EncodeError::DataLength {
                 tensor,
                 expected,
                 given,
             } => write!(
                 f,
-                "cannot encode RPC frame: tensor {tensor} is {expected} bytes but its data is \
-                 {given} bytes"
+                "cannot encode RPC frame: tensor {tensor} announces {expected} bytes of data \
+                 but its slice is {given} bytes"
             ),
             EncodeError::Handshake(e) => write!(f, "cannot encode RPC handshake: {e}"),
         }
@@ -475,7 +526,8 @@ impl From<FrameError> for EncodeError {
 }
 
 /// One tensor as a frame announces it: where it comes from, where the receiver must put
-/// it, the channel that carries it, and its size in bytes.
+/// it, the channel that carries it, its size in bytes, and the size of the channel
+/// descriptor that stands for its data in the frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TensorDescriptor {
     /// The device the data is on at the sender.
@@ -486,15 +538,46 @@ pub struct TensorDescriptor {
     pub channel: ChannelKind,
     /// The size in bytes.
     pub len: u64,
+    /// The length of the channel descriptor in the frame's data section: 0 for `basic`
+    /// (whose data is there instead); for other channels what their receiver needs (0
+    /// for a channel that needs nothing).
+    pub channel_descriptor_len: u8,
 }
 
 impl TensorDescriptor {
+    /// A `basic` tensor (data inline in the frame) of `len` bytes.
+    pub const fn inline(source: Device, target: Device, len: u64) -> Self {
+        TensorDescriptor {
+            source,
+            target,
+            channel: ChannelKind::Basic,
+            len,
+            channel_descriptor_len: 0,
+        }
+    }
+
     /// Whether its data travels inside the frame (the `basic` channel).
     pub fn is_inline(&self) -> bool {
         self.channel == ChannelKind::Basic
     }
 
-    fn check_channel(&self, tensor: u32) -> Result<(), FrameError> {
+    /// The size of its entry in the frame's data section: `len` for `basic`, the channel
+    /// descriptor's length otherwise.
+    pub fn data_len(&self) -> u64 {
+        if self.is_inline() {
+            self.len
+        } else {
+            u64::from(self.channel_descriptor_len)
+        }
+    }
+
+    fn check(&self, tensor: u32) -> Result<(), FrameError> {
+        if self.is_inline() && self.channel_descriptor_len != 0 {
+            return Err(FrameError::NonZeroReserved {
+                offset: 7,
+                tensor: Some(tensor),
+            });
+        }
         if self.channel.handles(self.source.kind(), self.target.kind()) {
             Ok(())
         } else {
@@ -510,7 +593,7 @@ impl TensorDescriptor {
     /// The 16 wire bytes.
     pub fn to_bytes(&self) -> [u8; DESCRIPTOR_LEN] {
         let mut out = [0u8; DESCRIPTOR_LEN];
-        let [s_type, s_has, s_index, t_type, t_has, t_index, channel, _reserved, len @ ..] =
+        let [s_type, s_has, s_index, t_type, t_has, t_index, channel, descriptor_len, len @ ..] =
             &mut out;
         *s_type = device_type_byte(self.source.kind());
         *s_has = u8::from(self.source.index().is_some());
@@ -519,6 +602,7 @@ impl TensorDescriptor {
         *t_has = u8::from(self.target.index().is_some());
         *t_index = self.target.index().unwrap_or(0);
         *channel = channel_byte(self.channel);
+        *descriptor_len = self.channel_descriptor_len;
         *len = self.len.to_le_bytes();
         out
     }
@@ -526,10 +610,11 @@ impl TensorDescriptor {
     /// Parses and checks 16 wire bytes; `tensor` is the descriptor's position, for errors.
     ///
     /// # Errors
-    /// [`FrameError`] for an invalid device, unknown channel, non-zero reserved byte, or a
-    /// channel that cannot serve the two device types.
+    /// [`FrameError`] for an invalid device, unknown channel, a `basic` tensor with a
+    /// channel descriptor length, or a channel that cannot serve the two device types.
     pub fn from_bytes(bytes: &[u8; DESCRIPTOR_LEN], tensor: u32) -> Result<Self, FrameError> {
-        let [s_type, s_has, s_index, t_type, t_has, t_index, channel, reserved, len @ ..] = *bytes;
+        let [s_type, s_has, s_index, t_type, t_has, t_index, channel, descriptor_len, len @ ..] =
+            *bytes;
         let source = device_from_bytes(s_type, s_has, s_index)
             .ok_or(FrameError::InvalidDevice { tensor })?;
         let target = device_from_bytes(t_type, t_has, t_index)
@@ -540,20 +625,41 @@ impl TensorDescriptor {
                 byte: channel,
             },
         )?;
-        if reserved != 0 {
-            return Err(FrameError::NonZeroReserved {
-                offset: 7,
-                tensor: Some(tensor),
-            });
-        }
         let descriptor = TensorDescriptor {
             source,
             target,
             channel,
             len: u64::from_le_bytes(len),
+            channel_descriptor_len: descriptor_len,
         };
-        descriptor.check_channel(tensor)?;
+        descriptor.check(tensor)?;
         Ok(descriptor)
+    }
+}
+
+/// A tensor's entry in a decoded frame's data section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorData<'a> {
+    /// The tensor's bytes (`basic` channel).
+    Inline(&'a [u8]),
+    /// The descriptor its channel's receiver uses to fetch the bytes.
+    Channel(&'a [u8]),
+}
+
+impl<'a> TensorData<'a> {
+    /// The entry's bytes, whichever kind it is.
+    pub fn bytes(&self) -> &'a [u8] {
+        match *self {
+            TensorData::Inline(bytes) | TensorData::Channel(bytes) => bytes,
+        }
+    }
+
+    /// The inline data, if the tensor is `basic`.
+    pub fn inline(&self) -> Option<&'a [u8]> {
+        match *self {
+            TensorData::Inline(bytes) => Some(bytes),
+            TensorData::Channel(_) => None,
+        }
     }
 }
 
@@ -781,7 +887,7 @@ pub struct Frame<'a> {
     handler: &'a str,
     metadata: &'a [u8],
     payload: &'a [u8],
-    inline: &'a [u8],
+    data: &'a [u8],
     raw: &'a [u8],
 }
 
@@ -840,27 +946,30 @@ impl<'a> Frame<'a> {
             })
     }
 
-    /// Every tensor with its inline data (`Some` for `basic` tensors, `None` for tensors
-    /// that travel on another channel).
+    /// Every tensor with its entry in the data section: its bytes for `basic` tensors,
+    /// its channel descriptor for tensors that travel on another channel.
     pub fn tensors_with_data(
         &self,
-    ) -> impl Iterator<Item = (TensorDescriptor, Option<&'a [u8]>)> + 'a {
-        let mut rest = self.inline;
+    ) -> impl Iterator<Item = (TensorDescriptor, TensorData<'a>)> + 'a {
+        let mut rest = self.data;
         self.tensors().map(move |t| {
+            let len = usize::try_from(t.data_len())
+                .unwrap_or(usize::MAX)
+                .min(rest.len());
+            let (data, tail) = rest.split_at(len);
+            rest = tail;
             if t.is_inline() {
-                let len = usize::try_from(t.len).unwrap_or(usize::MAX).min(rest.len());
-                let (data, tail) = rest.split_at(len);
-                rest = tail;
-                (t, Some(data))
+                (t, TensorData::Inline(data))
             } else {
-                (t, None)
+                (t, TensorData::Channel(data))
             }
         })
     }
 
-    /// All inline tensor data, concatenated in descriptor order.
-    pub fn inline_data(&self) -> &'a [u8] {
-        self.inline
+    /// The whole data section: every tensor's inline data or channel descriptor,
+    /// concatenated in descriptor order.
+    pub fn data_section(&self) -> &'a [u8] {
+        self.data
     }
 
     /// The frame's bytes exactly as received.
@@ -875,8 +984,8 @@ struct Progress {
     header: Option<Header>,
     /// Descriptors checked so far.
     checked: u32,
-    /// Inline bytes announced by the checked descriptors.
-    inline: u64,
+    /// Data section bytes announced by the checked descriptors.
+    data: u64,
 }
 
 fn decode_with<'a>(
@@ -908,11 +1017,14 @@ fn decode_with<'a>(
         let bytes: &[u8; DESCRIPTOR_LEN] = chunk.try_into().map_err(|_| FrameError::BadMagic)?;
         let tensor = TensorDescriptor::from_bytes(bytes, progress.checked)?;
         check_len(FrameField::TensorBytes, tensor.len, limits.max_tensor_bytes)?;
-        if tensor.is_inline() {
-            let total = progress.inline.saturating_add(tensor.len);
-            check_len(FrameField::InlineBytes, total, limits.max_inline_bytes)?;
-            progress.inline = total;
-        }
+        check_len(
+            FrameField::ChannelDescriptor,
+            tensor.channel_descriptor_len.into(),
+            limits.max_channel_descriptor.into(),
+        )?;
+        let total = progress.data.saturating_add(tensor.data_len());
+        check_len(FrameField::InlineBytes, total, limits.max_inline_bytes)?;
+        progress.data = total;
         progress.checked += 1;
     }
 
@@ -921,7 +1033,7 @@ fn decode_with<'a>(
     if progress.checked < header.tensor_count {
         return Ok(Decoded::Partial(missing(fixed, have)));
     }
-    let total = fixed.saturating_add(progress.inline);
+    let total = fixed.saturating_add(progress.data);
     let total_usize = match usize::try_from(total) {
         Ok(n) if total != u64::MAX => n,
         _ => return Err(FrameError::TooLarge { total }),
@@ -946,7 +1058,7 @@ fn decode_with<'a>(
             handler,
             metadata: slice(buf, handler_end, metadata_end)?,
             payload: slice(buf, metadata_end, payload_end)?,
-            inline: slice(buf, payload_end, total)?,
+            data: slice(buf, payload_end, total)?,
             raw: buf.get(..total_usize)?,
         })
     })()
@@ -1023,8 +1135,8 @@ impl FrameDecoder {
 pub struct OutgoingFrame<'a> {
     /// The kind.
     pub kind: FrameKind,
-    /// The message id (the request's, for responses and errors; 0 for handshakes and
-    /// goodbyes).
+    /// The message id (the request's, for responses and errors; the response's for
+    /// acks; 0 for handshakes and goodbyes).
     pub message_id: u64,
     /// The handler name (requests only).
     pub handler: &'a str,
@@ -1034,8 +1146,9 @@ pub struct OutgoingFrame<'a> {
     pub payload: &'a [u8],
     /// The tensors.
     pub tensors: &'a [TensorDescriptor],
-    /// The data of the `basic` tensors, one slice per such tensor, in order.
-    pub inline_data: &'a [&'a [u8]],
+    /// One slice per tensor, in order: the data of a `basic` tensor, the channel
+    /// descriptor of any other (of its descriptor's `channel_descriptor_len`).
+    pub tensor_data: &'a [&'a [u8]],
 }
 
 impl<'a> OutgoingFrame<'a> {
@@ -1048,7 +1161,7 @@ impl<'a> OutgoingFrame<'a> {
             metadata: &[],
             payload: &[],
             tensors: &[],
-            inline_data: &[],
+            tensor_data: &[],
         }
     }
 
@@ -1089,14 +1202,20 @@ impl<'a> OutgoingFrame<'a> {
         Self::empty(FrameKind::Goodbye, 0)
     }
 
-    /// This frame with these tensors and the data of its `basic` ones.
+    /// The ack of the out-of-band tensors of response `message_id`.
+    pub const fn ack(message_id: u64) -> Self {
+        Self::empty(FrameKind::Ack, message_id)
+    }
+
+    /// This frame with these tensors and their data-section entries (one slice per
+    /// tensor: the data of a `basic` one, the channel descriptor of any other).
     pub const fn with_tensors(
         mut self,
         tensors: &'a [TensorDescriptor],
-        inline_data: &'a [&'a [u8]],
+        tensor_data: &'a [&'a [u8]],
     ) -> Self {
         self.tensors = tensors;
-        self.inline_data = inline_data;
+        self.tensor_data = tensor_data;
         self
     }
 
@@ -1104,7 +1223,7 @@ impl<'a> OutgoingFrame<'a> {
     ///
     /// # Errors
     /// [`EncodeError`] if the decoder would reject the frame's shape (limits aside) or the
-    /// inline data does not match the `basic` descriptors.
+    /// tensor data does not match the descriptors.
     pub fn header(&self) -> Result<Header, EncodeError> {
         let too_long = |field, claimed: usize, limit: u64| {
             EncodeError::Invalid(FrameError::OverLimit {
@@ -1128,35 +1247,23 @@ impl<'a> OutgoingFrame<'a> {
         };
         Header::check_prefix(&header.to_bytes(), &FrameLimits::UNLIMITED)
             .map_err(EncodeError::Invalid)?;
-        let mut inline = self.inline_data.iter();
-        for (tensor, index) in self.tensors.iter().zip(0u32..) {
-            tensor.check_channel(index).map_err(EncodeError::Invalid)?;
-            if tensor.is_inline() {
-                let expected = self.inline_count();
-                let data = inline.next().ok_or(EncodeError::InlineCount {
-                    expected,
-                    given: self.inline_data.len(),
-                })?;
-                if data.len() as u64 != tensor.len {
-                    return Err(EncodeError::InlineLength {
-                        tensor: index,
-                        expected: tensor.len,
-                        given: data.len(),
-                    });
-                }
-            }
-        }
-        if inline.next().is_some() {
-            return Err(EncodeError::InlineCount {
-                expected: self.inline_count(),
-                given: self.inline_data.len(),
+        if self.tensor_data.len() != self.tensors.len() {
+            return Err(EncodeError::DataCount {
+                expected: self.tensors.len(),
+                given: self.tensor_data.len(),
             });
         }
+        for ((tensor, data), index) in self.tensors.iter().zip(self.tensor_data).zip(0u32..) {
+            tensor.check(index).map_err(EncodeError::Invalid)?;
+            if data.len() as u64 != tensor.data_len() {
+                return Err(EncodeError::DataLength {
+                    tensor: index,
+                    expected: tensor.data_len(),
+                    given: data.len(),
+                });
+            }
+        }
         Ok(header)
-    }
-
-    fn inline_count(&self) -> usize {
-        self.tensors.iter().filter(|t| t.is_inline()).count()
     }
 
     /// The size of the header and descriptors: what [`encode_head`](Self::encode_head)
@@ -1167,7 +1274,7 @@ impl<'a> OutgoingFrame<'a> {
 
     /// The size of the whole frame.
     pub fn encoded_len(&self) -> usize {
-        self.inline_data.iter().fold(
+        self.tensor_data.iter().fold(
             self.head_len()
                 .saturating_add(self.handler.len())
                 .saturating_add(self.metadata.len())
@@ -1177,7 +1284,7 @@ impl<'a> OutgoingFrame<'a> {
     }
 
     /// Writes the header and the descriptors only, for a vectored write whose further
-    /// slices are the handler name, the metadata, the payload and the inline data (see
+    /// slices are the handler name, the metadata, the payload and the data section (see
     /// [`slices`](Self::slices)). Returns the bytes written.
     ///
     /// # Errors
@@ -1205,7 +1312,7 @@ impl<'a> OutgoingFrame<'a> {
     pub fn slices(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
         [self.handler.as_bytes(), self.metadata, self.payload]
             .into_iter()
-            .chain(self.inline_data.iter().copied())
+            .chain(self.tensor_data.iter().copied())
     }
 
     /// Writes the whole frame into `buf`. Returns the bytes written.
@@ -1253,22 +1360,20 @@ impl<'a> OutgoingFrame<'a> {
 
 impl<'a> Frame<'a> {
     /// The frame as an [`OutgoingFrame`] (to forward or re-encode it), given room for its
-    /// descriptors and inline slices.
+    /// descriptors and data-section slices.
     pub fn to_outgoing<'b>(
         &self,
         tensors: &'b mut Vec<TensorDescriptor>,
-        inline: &'b mut Vec<&'a [u8]>,
+        data: &'b mut Vec<&'a [u8]>,
     ) -> OutgoingFrame<'b>
     where
         'a: 'b,
     {
         tensors.clear();
-        inline.clear();
-        for (tensor, data) in self.tensors_with_data() {
+        data.clear();
+        for (tensor, entry) in self.tensors_with_data() {
             tensors.push(tensor);
-            if let Some(data) = data {
-                inline.push(data);
-            }
+            data.push(entry.bytes());
         }
         OutgoingFrame {
             kind: self.header.kind,
@@ -1277,7 +1382,7 @@ impl<'a> Frame<'a> {
             metadata: self.metadata,
             payload: self.payload,
             tensors,
-            inline_data: inline,
+            tensor_data: data,
         }
     }
 }

@@ -14,6 +14,7 @@ fn cpu_basic(len: u64) -> TensorDescriptor {
         target: Device::CPU,
         channel: ChannelKind::Basic,
         len,
+        channel_descriptor_len: 0,
     }
 }
 
@@ -23,6 +24,17 @@ fn cuda_ipc(len: u64) -> TensorDescriptor {
         target: Device::cuda(1),
         channel: ChannelKind::CudaIpc,
         len,
+        channel_descriptor_len: 0,
+    }
+}
+
+fn cpu_cma(len: u64, descriptor_len: u8) -> TensorDescriptor {
+    TensorDescriptor {
+        source: Device::CPU,
+        target: Device::CPU,
+        channel: ChannelKind::Cma,
+        len,
+        channel_descriptor_len: descriptor_len,
     }
 }
 
@@ -67,10 +79,11 @@ fn descriptor_layout() {
         target: Device::CPU,
         channel: ChannelKind::CudaBasic,
         len: 0x1122,
+        channel_descriptor_len: 0x33,
     };
     assert_eq!(
         t.to_bytes(),
-        [1, 1, 3, 0, 0, 0, 7, 0, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
+        [1, 1, 3, 0, 0, 0, 7, 0x33, 0x22, 0x11, 0, 0, 0, 0, 0, 0]
     );
     assert_eq!(TensorDescriptor::from_bytes(&t.to_bytes(), 0), Ok(t));
     let current = TensorDescriptor {
@@ -78,6 +91,7 @@ fn descriptor_layout() {
         target: Device::cuda(255),
         channel: ChannelKind::CudaXth,
         len: 0,
+        channel_descriptor_len: 0,
     };
     assert_eq!(
         TensorDescriptor::from_bytes(&current.to_bytes(), 0),
@@ -87,25 +101,43 @@ fn descriptor_layout() {
 
 #[test]
 fn request_with_inline_and_out_of_band_tensors_round_trips() {
-    let tensors = [cpu_basic(3), cuda_ipc(1 << 20), cpu_basic(2)];
-    let inline: [&[u8]; 2] = [b"abc", b"de"];
+    let tensors = [
+        cpu_basic(3),
+        cuda_ipc(1 << 20),
+        cpu_basic(2),
+        cpu_cma(1 << 30, 4),
+    ];
+    let data: [&[u8]; 4] = [b"abc", b"", b"de", b"CMA!"];
     let frame =
-        OutgoingFrame::request(7, "my_fn", b"meta", b"pickle").with_tensors(&tensors, &inline);
+        OutgoingFrame::request(7, "my_fn", b"meta", b"pickle").with_tensors(&tensors, &data);
     let bytes = encode(&frame);
-    assert_eq!(bytes.len(), HEADER_LEN + 3 * DESCRIPTOR_LEN + 5 + 4 + 6 + 5);
-    // Out-of-band data is announced, not carried.
-    assert!(bytes.ends_with(b"pickleabcde"));
+    assert_eq!(
+        bytes.len(),
+        HEADER_LEN + 4 * DESCRIPTOR_LEN + 5 + 4 + 6 + 5 + 4
+    );
+    // Out-of-band data is announced (by its channel's descriptor), not carried.
+    assert!(bytes.ends_with(b"pickleabcdeCMA!"));
     let decoded = decode(&bytes);
     assert_eq!(decoded.kind(), FrameKind::Request);
     assert_eq!(decoded.message_id(), 7);
     assert_eq!(decoded.handler(), "my_fn");
     assert_eq!(decoded.metadata(), b"meta");
     assert_eq!(decoded.payload(), b"pickle");
-    assert_eq!(decoded.tensor_count(), 3);
+    assert_eq!(decoded.tensor_count(), 4);
     assert_eq!(decoded.tensors().collect::<Vec<_>>(), tensors.to_vec());
     let with_data: Vec<_> = decoded.tensors_with_data().map(|(_, d)| d).collect();
-    assert_eq!(with_data, vec![Some(&b"abc"[..]), None, Some(&b"de"[..])]);
-    assert_eq!(decoded.inline_data(), b"abcde");
+    assert_eq!(
+        with_data,
+        vec![
+            TensorData::Inline(&b"abc"[..]),
+            TensorData::Channel(&b""[..]),
+            TensorData::Inline(&b"de"[..]),
+            TensorData::Channel(&b"CMA!"[..]),
+        ]
+    );
+    assert_eq!(with_data[3].inline(), None);
+    assert_eq!(with_data[0].inline(), Some(&b"abc"[..]));
+    assert_eq!(decoded.data_section(), b"abcdeCMA!");
     assert_eq!(decoded.as_bytes(), &bytes[..]);
 
     // Re-encoding the decoded frame gives the same bytes.
@@ -113,7 +145,7 @@ fn request_with_inline_and_out_of_band_tensors_round_trips() {
     assert_eq!(encode(&decoded.to_outgoing(&mut t, &mut i)), bytes);
 
     // The head alone, for a vectored write.
-    let mut head = [0u8; HEADER_LEN + 3 * DESCRIPTOR_LEN];
+    let mut head = [0u8; HEADER_LEN + 4 * DESCRIPTOR_LEN];
     assert_eq!(frame.encode_head(&mut head), Ok(head.len()));
     let mut gathered = head.to_vec();
     for part in frame.slices() {
@@ -133,6 +165,7 @@ fn every_kind_round_trips() {
             ..OutgoingFrame::empty(FrameKind::Handshake, 0)
         },
         OutgoingFrame::request(u64::MAX, "", b"", b""),
+        OutgoingFrame::ack(5),
     ];
     for frame in frames {
         let bytes = encode(&frame);
@@ -146,6 +179,10 @@ fn every_kind_round_trips() {
         decode(&encode(&OutgoingFrame::goodbye())).error_message(),
         None
     );
+    let ack = encode(&OutgoingFrame::ack(77));
+    assert_eq!(ack.len(), HEADER_LEN);
+    assert_eq!(ack[5], 6, "the ack's kind byte");
+    assert_eq!(decode(&ack).message_id(), 77);
 }
 
 #[test]
@@ -185,6 +222,23 @@ fn encoders_refuse_what_decoders_reject() {
             }),
         ),
         (
+            OutgoingFrame {
+                payload: b"x",
+                ..OutgoingFrame::ack(1)
+            },
+            Some(FrameError::NotAllowed {
+                kind: FrameKind::Ack,
+                field: FrameField::Payload,
+            }),
+        ),
+        (
+            OutgoingFrame::ack(1).with_tensors(&t, &data),
+            Some(FrameError::NotAllowed {
+                kind: FrameKind::Ack,
+                field: FrameField::Tensors,
+            }),
+        ),
+        (
             OutgoingFrame::empty(FrameKind::Handshake, 9),
             Some(FrameError::NotAllowed {
                 kind: FrameKind::Handshake,
@@ -199,12 +253,12 @@ fn encoders_refuse_what_decoders_reject() {
             None => assert!(result.is_ok(), "responses may carry tensors"),
         }
     }
-    // Inline data must match the basic descriptors.
+    // Tensor data must match the descriptors: one slice per tensor, of its length.
     let two = [cpu_basic(1), cpu_basic(2)];
     let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&two, &data);
     assert_eq!(
         frame.header(),
-        Err(EncodeError::InlineCount {
+        Err(EncodeError::DataCount {
             expected: 2,
             given: 1
         })
@@ -213,7 +267,7 @@ fn encoders_refuse_what_decoders_reject() {
     let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&two, &wrong);
     assert_eq!(
         frame.header(),
-        Err(EncodeError::InlineLength {
+        Err(EncodeError::DataLength {
             tensor: 1,
             expected: 2,
             given: 3
@@ -221,16 +275,38 @@ fn encoders_refuse_what_decoders_reject() {
     );
     let extra: [&[u8]; 2] = [b"x", b"y"];
     let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&t, &extra);
-    assert!(matches!(
+    assert!(matches!(frame.header(), Err(EncodeError::DataCount { .. })));
+    // A channel tensor's slice is its channel descriptor, of the announced length.
+    let cma = [cpu_cma(1 << 20, 3)];
+    let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&cma, &extra[..1]);
+    assert_eq!(
         frame.header(),
-        Err(EncodeError::InlineCount { .. })
-    ));
+        Err(EncodeError::DataLength {
+            tensor: 0,
+            expected: 3,
+            given: 1
+        })
+    );
+    // A basic tensor has no channel descriptor.
+    let basic_with_descriptor = [TensorDescriptor {
+        channel_descriptor_len: 1,
+        ..cpu_basic(1)
+    }];
+    let frame =
+        OutgoingFrame::request(1, "f", b"", b"").with_tensors(&basic_with_descriptor, &data);
+    assert_eq!(
+        frame.header(),
+        Err(EncodeError::Invalid(FrameError::NonZeroReserved {
+            offset: 7,
+            tensor: Some(0)
+        }))
+    );
     // A CPU channel cannot carry a CUDA tensor.
     let mismatched = [TensorDescriptor {
         channel: ChannelKind::Cma,
         ..cuda_ipc(1)
     }];
-    let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&mismatched, &[]);
+    let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&mismatched, &[b""]);
     assert!(matches!(
         frame.header(),
         Err(EncodeError::Invalid(FrameError::ChannelMismatch {
@@ -297,8 +373,8 @@ fn partial_frames_say_how_much_is_missing() {
 
 #[test]
 fn a_byte_at_a_time_through_the_resuming_decoder() {
-    let tensors = [cpu_basic(2), cuda_ipc(9), cpu_basic(1)];
-    let inline: [&[u8]; 2] = [b"ab", b"c"];
+    let tensors = [cpu_basic(2), cuda_ipc(9), cpu_basic(1), cpu_cma(9, 2)];
+    let inline: [&[u8]; 4] = [b"ab", b"", b"c", b"de"];
     let bytes =
         encode(&OutgoingFrame::request(5, "fn", b"m", b"pl").with_tensors(&tensors, &inline));
     let mut decoder = FrameDecoder::new(FrameLimits::DEFAULT);
@@ -345,7 +421,7 @@ fn bad_headers_are_rejected_early() {
     let cases: [(HeaderEdit, FrameError); 6] = [
         (|h| h[4] = 2, FrameError::UnsupportedVersion { version: 2 }),
         (|h| h[5] = 0, FrameError::UnknownKind { byte: 0 }),
-        (|h| h[5] = 6, FrameError::UnknownKind { byte: 6 }),
+        (|h| h[5] = 7, FrameError::UnknownKind { byte: 7 }),
         (
             |h| h[7] = 1,
             FrameError::NonZeroReserved {
@@ -459,10 +535,38 @@ fn limits_are_checked_from_the_header() {
         len: u64::MAX,
         ..cuda_ipc(0)
     }];
-    let bytes = encode(&OutgoingFrame::request(1, "", b"", b"").with_tensors(&huge, &[]));
+    let bytes = encode(&OutgoingFrame::request(1, "", b"", b"").with_tensors(&huge, &[b""]));
     assert!(decode_frame(&bytes, &FrameLimits::UNLIMITED)
         .unwrap()
         .is_complete());
+    // Channel descriptors count towards the data section and have their own limit.
+    let tensors = [cpu_cma(1 << 30, 4), cpu_basic(2)];
+    let data: [&[u8]; 2] = [b"desc", b"ab"];
+    let bytes = encode(&OutgoingFrame::request(1, "", b"", b"").with_tensors(&tensors, &data));
+    assert!(decode_frame(&bytes, &FrameLimits::DEFAULT)
+        .unwrap()
+        .is_complete());
+    assert_eq!(
+        decode_frame(&bytes, &FrameLimits::DEFAULT.with_max_channel_descriptor(3)),
+        Err(FrameError::OverLimit {
+            field: FrameField::ChannelDescriptor,
+            claimed: 4,
+            limit: 3
+        })
+    );
+    assert_eq!(
+        decode_frame(&bytes, &FrameLimits::DEFAULT.with_max_inline_bytes(5)),
+        Err(FrameError::OverLimit {
+            field: FrameField::InlineBytes,
+            claimed: 6,
+            limit: 5
+        })
+    );
+    assert!(
+        decode_frame(&bytes, &FrameLimits::DEFAULT.with_max_inline_bytes(6))
+            .unwrap()
+            .is_complete()
+    );
     // An inline one is not.
     let huge_inline = [cpu_basic(u64::MAX)];
     let mut bytes = header_bytes(|h| h[32..36].copy_from_slice(&1u32.to_le_bytes())).to_vec();
@@ -520,6 +624,11 @@ fn bad_descriptors() {
     let mut cpu0 = good;
     cpu0[1] = 1; // cpu:0 is a valid device
     assert!(with_descriptor(cpu0).is_ok());
+    // Byte 7 is the channel descriptor length for other channels.
+    let mut cma = good;
+    cma[6] = ChannelKind::Cma.index() as u8;
+    cma[7] = 200;
+    assert_eq!(with_descriptor(cma), Ok(false));
 }
 
 #[test]
@@ -692,20 +801,32 @@ fn device() -> impl Strategy<Value = Device> {
 }
 
 fn descriptor() -> impl Strategy<Value = TensorDescriptor> {
-    (device(), device(), 0usize..ChannelKind::COUNT, 0u64..64).prop_filter_map(
-        "channel must serve the devices",
-        |(source, target, channel, len)| {
-            let channel = ChannelKind::ALL[channel];
-            channel
-                .handles(source.kind(), target.kind())
-                .then_some(TensorDescriptor {
-                    source,
-                    target,
-                    channel,
-                    len,
-                })
-        },
+    (
+        device(),
+        device(),
+        0usize..ChannelKind::COUNT,
+        0u64..64,
+        0u8..80,
     )
+        .prop_filter_map(
+            "channel must serve the devices",
+            |(source, target, channel, len, descriptor_len)| {
+                let channel = ChannelKind::ALL[channel];
+                channel
+                    .handles(source.kind(), target.kind())
+                    .then_some(TensorDescriptor {
+                        source,
+                        target,
+                        channel,
+                        len,
+                        channel_descriptor_len: if channel == ChannelKind::Basic {
+                            0
+                        } else {
+                            descriptor_len
+                        },
+                    })
+            },
+        )
 }
 
 #[derive(Debug, Clone)]
@@ -758,8 +879,11 @@ fn parts() -> impl Strategy<Value = Parts> {
             p.inline = p
                 .tensors
                 .iter()
-                .filter(|t| t.is_inline())
-                .map(|t| (0..t.len).map(|i| (seed >> (i % 64)) as u8).collect())
+                .map(|t| {
+                    (0..t.data_len())
+                        .map(|i| (seed >> (i % 64)) as u8)
+                        .collect()
+                })
                 .collect();
             p
         })
@@ -776,7 +900,7 @@ proptest! {
             metadata: &p.metadata,
             payload: &p.payload,
             tensors: &p.tensors,
-            inline_data: &inline,
+            tensor_data: &inline,
         };
         let bytes = encode(&frame);
         prop_assert_eq!(bytes.len(), frame.encoded_len());
@@ -790,8 +914,11 @@ proptest! {
         prop_assert_eq!(decoded.metadata(), &p.metadata[..]);
         prop_assert_eq!(decoded.payload(), &p.payload[..]);
         prop_assert_eq!(decoded.tensors().collect::<Vec<_>>(), p.tensors.clone());
-        let data: Vec<&[u8]> = decoded.tensors_with_data().filter_map(|(_, d)| d).collect();
+        let data: Vec<&[u8]> = decoded.tensors_with_data().map(|(_, d)| d.bytes()).collect();
         prop_assert_eq!(data, inline.clone());
+        for (tensor, entry) in decoded.tensors_with_data() {
+            prop_assert_eq!(tensor.is_inline(), entry.inline().is_some());
+        }
 
         // Split anywhere: the resuming decoder agrees with a one-shot decode.
         let cut = split.index(bytes.len() + 1);

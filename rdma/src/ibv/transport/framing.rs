@@ -50,14 +50,14 @@ pub fn split_frame(frame: OwnedFrame) -> Result<Vec<Vec<u8>>, EncodeError> {
         handler,
         metadata,
         payload,
-        inline_data,
+        tensor_data,
         ..
     } = frame;
     let mut separate = Vec::new();
     let mut first = head;
     first.extend_from_slice(handler.as_bytes());
     first.extend_from_slice(&metadata);
-    for part in std::iter::once(payload).chain(inline_data) {
+    for part in std::iter::once(payload).chain(tensor_data) {
         if is_separate(part.len() as u64) {
             separate.push(part);
         } else {
@@ -121,7 +121,7 @@ pub fn decode_first(
     match decoder.decode(&first) {
         Err(source) => return Err(frame_error(peer, source)),
         Ok(Decoded::Complete(frame, used)) if used == first.len() => {
-            return IncomingFrame::from_frame(&frame, peer).map(FirstMessage::Complete)
+            return Ok(FirstMessage::Complete(IncomingFrame::from_frame(&frame)))
         }
         Ok(Decoded::Complete(_, used)) => {
             return Err(invalid(
@@ -170,17 +170,12 @@ pub fn decode_first(
         let index = u32::try_from(index).unwrap_or(u32::MAX);
         let descriptor =
             TensorDescriptor::from_bytes(bytes, index).map_err(|e| frame_error(peer, e))?;
-        if !descriptor.is_inline() {
-            return Err(TransportError::UnsupportedChannel {
-                peer: peer.to_string(),
-                channel: descriptor.channel.name(),
-            });
-        }
         tensors.push(descriptor);
     }
     let mut expected = Vec::new();
     let mut in_first = named_end;
-    for len in std::iter::once(header.payload_len).chain(tensors.iter().map(|t| t.len)) {
+    // A tensor's data-section entry: its bytes (basic) or its channel's descriptor.
+    for len in std::iter::once(header.payload_len).chain(tensors.iter().map(|t| t.data_len())) {
         if is_separate(len) {
             expected.push(len);
         } else {
@@ -295,7 +290,7 @@ impl PendingFrame {
         let payload = take(header.payload_len, true)?;
         let tensors = tensors
             .into_iter()
-            .map(|descriptor| Ok((descriptor, take(descriptor.len, true)?)))
+            .map(|descriptor| Ok((descriptor, take(descriptor.data_len(), true)?)))
             .collect::<Result<Vec<_>, TransportError>>()?;
         Ok(IncomingFrame {
             kind: header.kind,
@@ -314,16 +309,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use rdzv_core::device::Device;
-    use rdzv_core::negotiate::ChannelKind;
     use rdzv_core::rpc::frame::FrameKind;
 
     fn tensor(len: usize) -> TensorDescriptor {
-        TensorDescriptor {
-            source: Device::cpu(),
-            target: Device::cpu(),
-            channel: ChannelKind::Basic,
-            len: len as u64,
-        }
+        TensorDescriptor::inline(Device::cpu(), Device::cpu(), len as u64)
     }
 
     fn frame(payload: usize, tensors: &[usize]) -> OwnedFrame {
@@ -337,7 +326,7 @@ mod tests {
             metadata: vec![1, 2, 3],
             payload: fill(payload, 99),
             tensors: tensors.iter().map(|&n| tensor(n)).collect(),
-            inline_data: tensors
+            tensor_data: tensors
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| fill(n, i))
@@ -381,7 +370,7 @@ mod tests {
         for ((d, data), (want_d, want)) in got
             .tensors
             .iter()
-            .zip(frame.tensors.iter().zip(&frame.inline_data))
+            .zip(frame.tensors.iter().zip(&frame.tensor_data))
         {
             assert_eq!(d, want_d);
             assert!(data == want, "tensor of {} bytes differs", want.len());

@@ -1,0 +1,751 @@
+//! The agent's tensor channels: which channels this process can offer (with their domain
+//! descriptors), how an outgoing tensor becomes a frame entry (inline bytes, or a
+//! channel descriptor plus an export kept until the peer is done), and how a received
+//! frame's channel descriptors become tensors again (the pull).
+//!
+//! The channels themselves are [`crate::channel`]'s `cma` and `xth`; the wire format (a
+//! channel descriptor per out-of-band tensor in the frame's data section, and the
+//! `Ack` frame) is `rdzv_core::rpc::frame`'s. This module decides, per tensor, between
+//! the negotiated channel and `basic`: a tensor below the worker's
+//! [`min_channel_bytes`](super::RpcOptions::min_channel_bytes) goes inline, because an
+//! out-of-band transfer costs a descriptor, a system call (cma) or a table lookup (xth),
+//! and for responses an extra ack frame. Which thread runs a pull and when exports are
+//! released is the I/O thread's business (`io`): requests are pulled on the handler
+//! pool's thread before the handler runs, responses on a blocking thread when large.
+//!
+//! A receiver checks, before reading anything, that the channel a tensor names is the
+//! one negotiated for its device pair on this pipe, that the descriptor decodes and
+//! announces the tensor's length, and (cma) that every descriptor of a pipe names the
+//! same process: a pipe reads from one peer process only. mpt is not run here.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rdzv_core::device::{Device, DeviceType};
+use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
+use rdzv_core::rpc::frame::TensorDescriptor;
+
+use super::error::RpcError;
+use super::message::Tensor;
+use super::shared::BASIC_DESCRIPTOR;
+use super::transport::OwnedFrame;
+use crate::channel::buffer::prefer_huge_pages;
+use crate::channel::cma::{self, CmaDescriptor, CmaExport, CmaPeer};
+use crate::channel::xth::{self, XthDescriptor, XthExport};
+use crate::channel::ProcessIdentity;
+
+/// Tensors smaller than this travel inline (`basic`) even where `cma` or `xth` was
+/// negotiated.
+///
+/// Measured with `echo_bandwidth_by_channel` in `uring/tests/rpc_channels.rs` (release
+/// build; two pairs of local processes over tcp, one sending everything inline and one
+/// everything over cma, their echoes of one tensor interleaved; p50 of 51; three runs on
+/// the shared 2-vCPU development VM): inline is faster up to 64 KiB (16 KiB: 225–266 µs
+/// against 343–414 µs), 256 KiB is the crossover (506–697 against 504–643 µs), and cma
+/// wins from there on (1 MiB: 959–1127 against 927–1027 µs; 4 MiB: 4.2–4.6 ms against
+/// 3.2–3.6 ms; 64 MiB: 151–172 ms against 42–51 ms). The descriptor, the system call,
+/// the extra thread hand-off and (for responses) the ack frame cost about 100–150 µs.
+pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
+
+/// Responses whose out-of-band tensors add up to at least this many bytes are pulled on
+/// a blocking thread, not on the I/O thread: a copy this large (about 50 µs at
+/// 5 GB/s) would delay every other pipe.
+pub(crate) const PULL_OFF_THREAD_BYTES: u64 = 256 * 1024;
+
+/// Out-of-band tensors of at least this size are read by several threads at once, each
+/// a slice of at least [`PARALLEL_SLICE_MIN`] bytes: a fresh destination buffer is
+/// faulted in and filled in parallel (a fresh, huge-page-hinted 64 MiB buffer read over
+/// cma on this project's 2-vCPU VM, best of 5: 17.6 ms with one thread, 10.3 ms with
+/// two).
+const PARALLEL_PULL_MIN: usize = 8 << 20;
+/// The smallest slice one pulling thread reads.
+const PARALLEL_SLICE_MIN: usize = 4 << 20;
+/// The most threads one tensor's pull uses.
+const PARALLEL_PULL_THREADS: usize = 4;
+
+/// Fills `dst` with `read(offset, slice)` calls: for large buffers several slices at
+/// once, the last on the calling thread and the others on scoped threads. The first
+/// error wins.
+fn read_in_slices(
+    dst: &mut [u8],
+    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
+) -> Result<(), String> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(PARALLEL_PULL_THREADS)
+        .min(dst.len() / PARALLEL_SLICE_MIN);
+    if dst.len() < PARALLEL_PULL_MIN || threads < 2 {
+        return read(0, dst);
+    }
+    let slice = dst.len().div_ceil(threads);
+    let read = &read;
+    std::thread::scope(|scope| {
+        let mut parts: Vec<(u64, &mut [u8])> = dst
+            .chunks_mut(slice)
+            .enumerate()
+            .map(|(index, part)| ((index * slice) as u64, part))
+            .collect();
+        let Some((last_offset, last)) = parts.pop() else {
+            return Ok(());
+        };
+        let mut running = Vec::with_capacity(parts.len());
+        for (offset, part) in parts {
+            let started = std::thread::Builder::new()
+                .name("rdzv-rpc-pull".into())
+                .spawn_scoped(scope, move || read(offset, part))
+                .map_err(|e| format!("cannot start a thread to read with: {e}"));
+            running.push(started);
+        }
+        let mut result = read(last_offset, last);
+        for started in running {
+            let outcome = started.and_then(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            });
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        result
+    })
+}
+
+/// The channels the RPC agent runs, in `ChannelKind::ALL` order.
+pub(crate) const RUNNABLE: [ChannelKind; 3] =
+    [ChannelKind::Xth, ChannelKind::Cma, ChannelKind::Basic];
+
+/// The domain descriptor of `kind` in this process, or why it cannot run here. For cma
+/// this runs TensorPipe's viability checks (and, under Yama `ptrace_scope` 1, lets any
+/// process of this user read this one: call it only for a channel that will be
+/// offered).
+pub(crate) fn domain_descriptor(kind: ChannelKind) -> Result<String, String> {
+    match kind {
+        ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
+        ChannelKind::Cma => cma::viability()
+            .map(|domain| domain.as_str().to_string())
+            .map_err(|e| e.to_string()),
+        ChannelKind::Xth => xth::viability()
+            .map(|domain| domain.as_str().to_string())
+            .map_err(|e| format!("xth channel not viable: {e}")),
+        other => Err(format!(
+            "channel {other} is not run by the RPC agent of this build"
+        )),
+    }
+}
+
+/// A buffer lent to the peer over a channel.
+enum Export {
+    Cma(CmaExport<Vec<u8>>),
+    Xth(XthExport<Vec<u8>>),
+}
+
+/// The buffers one frame lent to the peer, held until the peer is done with them
+/// (dropping the value releases them: the export is abandoned, which is right once the
+/// peer acknowledged or can no longer read).
+#[derive(Default)]
+pub(crate) struct FrameExports {
+    exports: Vec<Export>,
+}
+
+impl FrameExports {
+    /// Whether the frame lent nothing.
+    pub fn is_empty(&self) -> bool {
+        self.exports.is_empty()
+    }
+}
+
+impl Drop for FrameExports {
+    fn drop(&mut self) {
+        // The peer acknowledged, or can no longer read: the buffers are ours again.
+        for export in self.exports.drain(..) {
+            match export {
+                Export::Cma(export) => drop(export.abandon()),
+                Export::Xth(export) => drop(export.abandon()),
+            }
+        }
+    }
+}
+
+impl fmt::Debug for FrameExports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FrameExports")
+            .field("count", &self.exports.len())
+            .finish()
+    }
+}
+
+/// Bytes moved per channel by one frame's tensors, for the agent's counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ChannelBytes([u64; ChannelKind::COUNT]);
+
+impl ChannelBytes {
+    fn add(&mut self, kind: ChannelKind, bytes: u64) {
+        if let Some(slot) = self.0.get_mut(kind.index()) {
+            *slot = slot.saturating_add(bytes);
+        }
+    }
+
+    /// Adds these counts to `totals`.
+    pub fn add_to(&self, totals: &mut ChannelBytes) {
+        for kind in ChannelKind::ALL {
+            totals.add(kind, self.get(kind));
+        }
+    }
+
+    /// The bytes counted for `kind`.
+    pub fn get(&self, kind: ChannelKind) -> u64 {
+        self.0.get(kind.index()).copied().unwrap_or(0)
+    }
+
+    /// Every channel with a non-zero count.
+    pub fn iter(&self) -> impl Iterator<Item = (ChannelKind, u64)> + '_ {
+        ChannelKind::ALL
+            .into_iter()
+            .map(|kind| (kind, self.get(kind)))
+            .filter(|&(_, bytes)| bytes > 0)
+    }
+}
+
+/// Why a tensor could not be put into a frame.
+fn export_failed(kind: ChannelKind, peer: &str, reason: impl fmt::Display) -> RpcError {
+    RpcError::Channel {
+        channel: kind.name(),
+        peer: peer.to_string(),
+        reason: format!("cannot export the tensor: {reason}"),
+    }
+}
+
+/// Adds `data` to `frame` as a tensor from `source` to `target` over `channel` (the one
+/// negotiated for the pair): inline when the channel is `basic` or the tensor is below
+/// `min_channel_bytes`, otherwise as an export whose descriptor goes into the frame and
+/// whose buffer joins `exports`. Counts the bytes per channel into `moved`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_tensor(
+    frame: &mut OwnedFrame,
+    exports: &mut FrameExports,
+    moved: &mut ChannelBytes,
+    data: Vec<u8>,
+    source: Device,
+    target: Device,
+    channel: ChannelKind,
+    min_channel_bytes: u64,
+    peer: &str,
+) -> Result<(), RpcError> {
+    let len = data.len() as u64;
+    let out_of_band = channel != ChannelKind::Basic && len > 0 && len >= min_channel_bytes;
+    if !out_of_band {
+        frame
+            .tensors
+            .push(TensorDescriptor::inline(source, target, len));
+        frame.tensor_data.push(data);
+        moved.add(ChannelKind::Basic, len);
+        return Ok(());
+    }
+    let (export, descriptor) = match channel {
+        ChannelKind::Cma => {
+            let export = CmaExport::new(data).map_err(|e| export_failed(channel, peer, e))?;
+            let descriptor = export.descriptor().encode().to_vec();
+            (Export::Cma(export), descriptor)
+        }
+        ChannelKind::Xth => {
+            let export = XthExport::new(data).map_err(|e| export_failed(channel, peer, e))?;
+            let descriptor = export.descriptor().encode().to_vec();
+            (Export::Xth(export), descriptor)
+        }
+        other => {
+            return Err(export_failed(
+                other,
+                peer,
+                "the RPC agent of this build does not run this channel",
+            ))
+        }
+    };
+    let descriptor_len = u8::try_from(descriptor.len())
+        .map_err(|_| export_failed(channel, peer, "its descriptor is over 255 bytes"))?;
+    frame.tensors.push(TensorDescriptor {
+        channel,
+        channel_descriptor_len: descriptor_len,
+        ..TensorDescriptor::inline(source, target, len)
+    });
+    frame.tensor_data.push(descriptor);
+    exports.exports.push(export);
+    moved.add(channel, len);
+    Ok(())
+}
+
+/// What a pipe reads from: the peer process behind its cma descriptors, opened on first
+/// use and then fixed for the pipe's life.
+#[derive(Debug, Default)]
+pub(crate) struct PipeReader {
+    cma: Mutex<Option<Arc<CmaPeer>>>,
+}
+
+impl PipeReader {
+    /// The cma peer for a descriptor naming `process`: the pipe's, opened now if it is the
+    /// first. A descriptor naming another process than the pipe's first is refused.
+    fn cma_peer(&self, process: &ProcessIdentity, peer: &str) -> Result<Arc<CmaPeer>, RpcError> {
+        let mut slot = self.cma.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(open) = slot.as_ref() {
+            if open.process() == process {
+                return Ok(Arc::clone(open));
+            }
+            return Err(RpcError::Channel {
+                channel: ChannelKind::Cma.name(),
+                peer: peer.to_string(),
+                reason: format!(
+                    "a descriptor names pid {}, but this pipe reads from pid {}",
+                    process.pid,
+                    open.process().pid
+                ),
+            });
+        }
+        let opened = Arc::new(CmaPeer::open(process).map_err(|e| RpcError::Channel {
+            channel: ChannelKind::Cma.name(),
+            peer: peer.to_string(),
+            reason: e.to_string(),
+        })?);
+        *slot = Some(Arc::clone(&opened));
+        Ok(opened)
+    }
+}
+
+/// A received tensor: its bytes, or where to pull them from.
+enum Incoming {
+    Ready(Tensor),
+    Cma {
+        device: Device,
+        descriptor: CmaDescriptor,
+    },
+    Xth {
+        device: Device,
+        descriptor: XthDescriptor,
+    },
+}
+
+/// A received frame's tensors, in order; the out-of-band ones still have to be pulled.
+pub(crate) struct ReceivedTensors {
+    items: Vec<Incoming>,
+    reader: Arc<PipeReader>,
+    peer: String,
+}
+
+impl fmt::Debug for ReceivedTensors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReceivedTensors")
+            .field("tensors", &self.items.len())
+            .field("pull_bytes", &self.pull_bytes())
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+impl ReceivedTensors {
+    /// Sorts a frame's tensors (descriptor and data-section entry): inline ones are
+    /// ready; each out-of-band one is checked against what was `negotiated` on this pipe
+    /// (this side playing `role`) and its descriptor decoded.
+    ///
+    /// # Errors
+    /// [`RpcError::Channel`] for a channel that was not negotiated for the tensor's
+    /// devices, or a descriptor that does not decode or announces another length.
+    pub fn sort(
+        tensors: Vec<(TensorDescriptor, Vec<u8>)>,
+        negotiated: &Negotiated,
+        role: Role,
+        reader: &Arc<PipeReader>,
+        peer: &str,
+    ) -> Result<ReceivedTensors, RpcError> {
+        let mut items = Vec::with_capacity(tensors.len());
+        for (index, (descriptor, data)) in tensors.into_iter().enumerate() {
+            let device = descriptor.target;
+            if descriptor.is_inline() {
+                items.push(Incoming::Ready(Tensor { device, data }));
+                continue;
+            }
+            let channel = descriptor.channel;
+            let refuse = |reason: String| RpcError::Channel {
+                channel: channel.name(),
+                peer: peer.to_string(),
+                reason: format!("tensor {index}: {reason}"),
+            };
+            let agreed =
+                negotiated.channel_for(role, descriptor.target.kind(), descriptor.source.kind());
+            if agreed != Some(channel) {
+                return Err(refuse(format!(
+                    "the peer used it, but this pipe negotiated {} for {} to {}",
+                    agreed.map_or("no channel", ChannelKind::name),
+                    descriptor.source.kind(),
+                    descriptor.target.kind()
+                )));
+            }
+            let length_mismatch = |announced: u64| {
+                refuse(format!(
+                    "its descriptor announces {announced} bytes, the frame {}",
+                    descriptor.len
+                ))
+            };
+            match channel {
+                ChannelKind::Cma => {
+                    let decoded =
+                        CmaDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    if decoded.length != descriptor.len {
+                        return Err(length_mismatch(decoded.length));
+                    }
+                    items.push(Incoming::Cma {
+                        device,
+                        descriptor: decoded,
+                    });
+                }
+                ChannelKind::Xth => {
+                    let decoded =
+                        XthDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    if decoded.length != descriptor.len {
+                        return Err(length_mismatch(decoded.length));
+                    }
+                    items.push(Incoming::Xth {
+                        device,
+                        descriptor: decoded,
+                    });
+                }
+                _ => return Err(refuse("this worker does not run this channel".into())),
+            }
+        }
+        Ok(ReceivedTensors {
+            items,
+            reader: Arc::clone(reader),
+            peer: peer.to_string(),
+        })
+    }
+
+    /// How many bytes [`pull`](Self::pull) will copy.
+    pub fn pull_bytes(&self) -> u64 {
+        self.items
+            .iter()
+            .map(|item| match item {
+                Incoming::Ready(_) => 0,
+                Incoming::Cma { descriptor, .. } => descriptor.length,
+                Incoming::Xth { descriptor, .. } => descriptor.length,
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Whether any tensor travels out of band (so the sender waits for an ack or a
+    /// reply).
+    pub fn has_out_of_band(&self) -> bool {
+        self.items
+            .iter()
+            .any(|item| !matches!(item, Incoming::Ready(_)))
+    }
+
+    /// Reads every out-of-band tensor into a fresh buffer (blocking copies: cma's
+    /// `process_vm_readv`, xth's memcpy) and returns all tensors in order.
+    ///
+    /// # Errors
+    /// [`RpcError::Channel`] naming the channel, the peer and why (the peer process is
+    /// gone, ptrace access was refused, the export no longer exists, ...).
+    pub fn pull(self) -> Result<Vec<Tensor>, RpcError> {
+        let ReceivedTensors {
+            items,
+            reader,
+            peer,
+        } = self;
+        let mut tensors = Vec::with_capacity(items.len());
+        for item in items {
+            let tensor = match item {
+                Incoming::Ready(tensor) => tensor,
+                Incoming::Cma { device, descriptor } => {
+                    let failed = |reason: String| RpcError::Channel {
+                        channel: ChannelKind::Cma.name(),
+                        peer: peer.clone(),
+                        reason,
+                    };
+                    let len = usize::try_from(descriptor.length)
+                        .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+                    let source = reader.cma_peer(&descriptor.process, &peer)?;
+                    let mut data = vec![0u8; len];
+                    prefer_huge_pages(&mut data);
+                    read_in_slices(&mut data, |offset, part| {
+                        source
+                            .read_at(&descriptor, offset, part)
+                            .map_err(|e| e.to_string())
+                    })
+                    .map_err(failed)?;
+                    Tensor { device, data }
+                }
+                Incoming::Xth { device, descriptor } => {
+                    let failed = |reason: String| RpcError::Channel {
+                        channel: ChannelKind::Xth.name(),
+                        peer: peer.clone(),
+                        reason,
+                    };
+                    let len = usize::try_from(descriptor.length)
+                        .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+                    let mut data = vec![0u8; len];
+                    prefer_huge_pages(&mut data);
+                    read_in_slices(&mut data, |offset, part| {
+                        xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
+                    })
+                    .map_err(failed)?;
+                    Tensor { device, data }
+                }
+            };
+            tensors.push(tensor);
+        }
+        Ok(tensors)
+    }
+}
+
+/// The channel the pipe uses between two CPUs, for the agent's per-peer accessor.
+pub(crate) fn cpu_channel(negotiated: &Negotiated, role: Role) -> Option<ChannelKind> {
+    negotiated.channel_for(role, DeviceType::Cpu, DeviceType::Cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdzv_core::negotiate::{
+        accept_answer, answer_brochure, DeviceDescriptors, Offer, TransportKind,
+    };
+    use rdzv_core::rpc::frame::FrameKind;
+
+    /// Both ends of a pipe offering `channels` (kind, descriptor) and tcp.
+    fn negotiate(channels: &[(ChannelKind, &str)]) -> Negotiated {
+        let build = || {
+            let mut offer = Offer::new();
+            offer
+                .add_transport(TransportKind::Tcp, 0, "tcp:*")
+                .map_err(|e| e.to_string())?;
+            for &(kind, descriptor) in channels {
+                offer
+                    .add_channel(
+                        kind,
+                        kind.default_priority(),
+                        DeviceDescriptors::cpu(descriptor),
+                    )
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(offer)
+        };
+        let (listener, connector) = match (build(), build()) {
+            (Ok(l), Ok(c)) => (l, c),
+            (Err(e), _) | (_, Err(e)) => panic!("offer: {e}"),
+        };
+        let answer =
+            answer_brochure(&listener, &connector.brochure()).unwrap_or_else(|e| panic!("{e}"));
+        accept_answer(&connector, &answer).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[test]
+    fn small_tensors_stay_inline_and_large_ones_are_exported() {
+        let xth = domain_descriptor(ChannelKind::Xth).unwrap_or_else(|e| panic!("{e}"));
+        let negotiated = negotiate(&[(ChannelKind::Xth, &xth), (ChannelKind::Basic, "basic:any")]);
+        assert_eq!(
+            cpu_channel(&negotiated, Role::Connector),
+            Some(ChannelKind::Xth)
+        );
+        let mut frame = OwnedFrame::empty(FrameKind::Request, 1);
+        let mut exports = FrameExports::default();
+        let mut moved = ChannelBytes::default();
+        for data in [Vec::new(), pattern(10), pattern(5000)] {
+            add_tensor(
+                &mut frame,
+                &mut exports,
+                &mut moved,
+                data,
+                Device::cpu(),
+                Device::cpu(),
+                ChannelKind::Xth,
+                100,
+                "peer",
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(frame.tensors.len(), 3);
+        assert!(frame.tensors[0].is_inline() && frame.tensors[1].is_inline());
+        assert_eq!(frame.tensors[2].channel, ChannelKind::Xth);
+        assert_eq!(
+            usize::from(frame.tensors[2].channel_descriptor_len),
+            XthDescriptor::ENCODED_LEN
+        );
+        assert_eq!(moved.get(ChannelKind::Basic), 10);
+        assert_eq!(moved.get(ChannelKind::Xth), 5000);
+        assert!(!exports.is_empty());
+        assert!(frame.encode_head().is_ok());
+
+        // The receiving side pulls the exported one and gets every tensor back in order.
+        let reader = Arc::new(PipeReader::default());
+        let received = ReceivedTensors::sort(
+            frame
+                .tensors
+                .iter()
+                .copied()
+                .zip(frame.tensor_data.clone())
+                .collect(),
+            &negotiated,
+            Role::Listener,
+            &reader,
+            "peer",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(received.has_out_of_band());
+        assert_eq!(received.pull_bytes(), 5000);
+        let tensors = received.pull().unwrap_or_else(|e| panic!("{e}"));
+        let datas: Vec<Vec<u8>> = tensors.into_iter().map(|t| t.data).collect();
+        assert_eq!(datas, vec![Vec::new(), pattern(10), pattern(5000)]);
+
+        // Once the exports are released, the descriptor no longer reads.
+        drop(exports);
+        let again = ReceivedTensors::sort(
+            frame
+                .tensors
+                .iter()
+                .copied()
+                .zip(frame.tensor_data.clone())
+                .collect(),
+            &negotiated,
+            Role::Listener,
+            &reader,
+            "peer",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let err = again.pull().map(|_| ()).expect_err("released export");
+        let text = err.to_string();
+        assert!(text.contains("xth") && text.contains("peer"), "{text}");
+    }
+
+    #[test]
+    fn cma_round_trip_and_refusals() {
+        let cma = match domain_descriptor(ChannelKind::Cma) {
+            Ok(cma) => cma,
+            Err(reason) => {
+                eprintln!("skipped: cma is not viable here: {reason}");
+                return;
+            }
+        };
+        let negotiated = negotiate(&[(ChannelKind::Cma, &cma), (ChannelKind::Basic, "basic:any")]);
+        let mut frame = OwnedFrame::empty(FrameKind::Response, 3);
+        let mut exports = FrameExports::default();
+        let mut moved = ChannelBytes::default();
+        add_tensor(
+            &mut frame,
+            &mut exports,
+            &mut moved,
+            pattern(1 << 20),
+            Device::cpu(),
+            Device::cpu(),
+            ChannelKind::Cma,
+            DEFAULT_MIN_CHANNEL_BYTES,
+            "peer",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(frame.tensors[0].channel, ChannelKind::Cma);
+        let entries: Vec<_> = frame
+            .tensors
+            .iter()
+            .copied()
+            .zip(frame.tensor_data.clone())
+            .collect();
+        let reader = Arc::new(PipeReader::default());
+        let received =
+            ReceivedTensors::sort(entries.clone(), &negotiated, Role::Connector, &reader, "w1")
+                .unwrap_or_else(|e| panic!("{e}"));
+        let tensors = received.pull().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            tensors.first().map(|t| t.data.clone()),
+            Some(pattern(1 << 20))
+        );
+
+        // A channel this pipe did not negotiate is refused before anything is read.
+        let basic_only = negotiate(&[(ChannelKind::Basic, "basic:any")]);
+        let err =
+            ReceivedTensors::sort(entries.clone(), &basic_only, Role::Connector, &reader, "w1")
+                .expect_err("not negotiated");
+        assert!(err.to_string().contains("negotiated basic"), "{err}");
+
+        // A descriptor announcing another length is refused.
+        let mut lying = entries.clone();
+        lying[0].0.len += 1;
+        assert!(ReceivedTensors::sort(lying, &negotiated, Role::Connector, &reader, "w1").is_err());
+
+        // A descriptor naming another process than the pipe's is refused by name.
+        let mut other = CmaDescriptor::decode(&entries[0].1).unwrap_or_else(|e| panic!("{e}"));
+        other.process.pid = other.process.pid.wrapping_add(1);
+        let mut forged = entries.clone();
+        forged[0].1 = other.encode().to_vec();
+        let err = ReceivedTensors::sort(forged, &negotiated, Role::Connector, &reader, "w1")
+            .and_then(ReceivedTensors::pull)
+            .map(|_| ())
+            .expect_err("other process");
+        let text = err.to_string();
+        assert!(
+            text.contains("cma") && text.contains("w1") && text.contains("pid"),
+            "{text}"
+        );
+
+        // A gone peer fails with the channel, the peer and the reason.
+        let fresh = Arc::new(PipeReader::default());
+        let mut gone = CmaDescriptor::decode(&entries[0].1).unwrap_or_else(|e| panic!("{e}"));
+        gone.process.start_time = gone.process.start_time.wrapping_add(1);
+        let mut dead = entries;
+        dead[0].1 = gone.encode().to_vec();
+        let err = ReceivedTensors::sort(dead, &negotiated, Role::Connector, &fresh, "w1")
+            .and_then(ReceivedTensors::pull)
+            .map(|_| ())
+            .expect_err("gone");
+        let text = err.to_string();
+        assert!(
+            text.contains("cma") && text.contains("w1") && text.contains("gone"),
+            "{text}"
+        );
+        drop(exports);
+    }
+
+    #[test]
+    fn slices_cover_the_buffer_once() {
+        for len in [
+            0,
+            10,
+            PARALLEL_PULL_MIN - 1,
+            PARALLEL_PULL_MIN,
+            3 * PARALLEL_PULL_MIN + 7,
+        ] {
+            let mut dst = vec![0u8; len];
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            read_in_slices(&mut dst, |offset, part| {
+                calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                for (i, byte) in part.iter_mut().enumerate() {
+                    *byte = byte.wrapping_add(((offset as usize + i) % 251) as u8 + 1);
+                }
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+            let expected: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
+            assert!(dst == expected, "{len} bytes");
+            assert!(calls.into_inner() >= usize::from(len > 0).max(1));
+        }
+        let mut dst = vec![0u8; 2 * PARALLEL_PULL_MIN];
+        let failed = read_in_slices(&mut dst, |offset, _| {
+            if offset > 0 {
+                Err(format!("slice at {offset} failed"))
+            } else {
+                Ok(())
+            }
+        });
+        let parallel = std::thread::available_parallelism().map_or(1, usize::from) > 1;
+        assert_eq!(failed.is_err(), parallel);
+    }
+
+    #[test]
+    fn unknown_channels_are_not_viable() {
+        assert_eq!(
+            domain_descriptor(ChannelKind::Basic).as_deref(),
+            Ok(BASIC_DESCRIPTOR)
+        );
+        let err = domain_descriptor(ChannelKind::Mpt).expect_err("mpt is not run");
+        assert!(err.contains("not run"), "{err}");
+    }
+}
