@@ -31,7 +31,7 @@ use super::recycle;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
-    Transport,
+    Transport, TryRecv, Wake,
 };
 
 /// The scheme of tcp addresses.
@@ -244,6 +244,18 @@ fn thread_halves(
     let writer = stream
         .try_clone()
         .map_err(|e| io_error("duplicate the socket of", e))?;
+    let wake = TcpWake {
+        socket: std::os::fd::OwnedFd::from(
+            stream
+                .try_clone()
+                .map_err(|e| io_error("duplicate the socket of", e))?,
+        ),
+        kick: rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| io_error("create an eventfd for", e.into()))?,
+    };
     let TcpSender {
         peer,
         scratch,
@@ -268,7 +280,7 @@ fn thread_halves(
             filled,
         }),
         stop: Arc::new(TcpStop(stop)),
-        wake: None,
+        wake: Some(Arc::new(wake)),
     })
 }
 
@@ -330,9 +342,109 @@ impl BlockingSender for ThreadSender {
     }
 }
 
+impl ThreadReceiver {
+    /// The first buffered frame, if it is complete.
+    fn buffered_frame(
+        &mut self,
+        limits: FrameLimits,
+    ) -> Result<Option<IncomingFrame>, TransportError> {
+        if self.filled == 0 {
+            return Ok(None);
+        }
+        let mut decoder = FrameDecoder::new(limits);
+        match decoder.decode(self.pending()) {
+            Ok(Decoded::Complete(frame, used)) => {
+                let incoming = IncomingFrame::from_frame(&frame);
+                self.consume(used);
+                Ok(Some(incoming))
+            }
+            Ok(Decoded::Partial(_)) => Ok(None),
+            Err(source) => Err(TransportError::Frame {
+                peer: self.peer.to_string(),
+                source,
+            }),
+        }
+    }
+}
+
 impl BlockingReceiver for ThreadReceiver {
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
         futures_lite::future::block_on(self.recv_frame(limits))
+    }
+
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
+        if let Some(frame) = self.buffered_frame(limits)? {
+            return Ok(TryRecv::Frame(frame));
+        }
+        if self.buf.len() < self.filled.saturating_add(READ_CHUNK) {
+            self.buf.resize(self.filled.saturating_add(READ_CHUNK), 0);
+        }
+        let spare = self.buf.get_mut(self.filled..).unwrap_or_default();
+        let read = rustix::net::recv(self.read.get_ref(), spare, rustix::net::RecvFlags::DONTWAIT);
+        match read {
+            Ok((0, _)) if self.filled == 0 => return Ok(TryRecv::Closed),
+            Ok((0, _)) => {
+                return Err(TransportError::Truncated {
+                    peer: self.peer.to_string(),
+                    have: self.filled,
+                })
+            }
+            Ok((n, _)) => self.filled += n,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) if self.filled == 0 => {
+                return Ok(TryRecv::Empty)
+            }
+            // Part of a frame is here: below, wait for the rest.
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+            Err(errno) => {
+                return Err(TransportError::Io {
+                    op: "receive from",
+                    peer: self.peer.to_string(),
+                    source: errno.into(),
+                })
+            }
+        }
+        if let Some(frame) = self.buffered_frame(limits)? {
+            return Ok(TryRecv::Frame(frame));
+        }
+        // A frame is arriving: the rest is on its way, wait for it.
+        Ok(match self.recv(limits)? {
+            Some(frame) => TryRecv::Frame(frame),
+            None => TryRecv::Closed,
+        })
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        // The socket's readiness is level-triggered: only buffered bytes need a look now.
+        Ok(self.filled == 0)
+    }
+}
+
+/// Sleeps on a thread-served TCP pipe's socket, and on an eventfd that kicks it.
+struct TcpWake {
+    socket: std::os::fd::OwnedFd,
+    kick: std::os::fd::OwnedFd,
+}
+
+impl Wake for TcpWake {
+    fn wait(&self, timeout: Duration) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [
+            PollFd::new(&self.socket, PollFlags::IN),
+            PollFd::new(&self.kick, PollFlags::IN),
+        ];
+        let timeout = Timespec::try_from(timeout).ok();
+        // Interrupted or failed: the caller re-checks and waits again.
+        let _ = poll(&mut fds, timeout.as_ref());
+        if fds[1].revents().contains(PollFlags::IN) {
+            let mut counter = [0u8; 8];
+            let _ = rustix::io::read(&self.kick, &mut counter);
+        }
+        // The end of the stream is seen by receiving it.
+        false
+    }
+
+    fn kick(&self) {
+        let _ = rustix::io::write(&self.kick, &1u64.to_ne_bytes());
     }
 }
 
