@@ -86,11 +86,12 @@ pub struct RpcOptions {
     pub init_method: String,
     /// How many threads run handlers. Default 16.
     pub num_worker_threads: usize,
-    /// The transports to register, highest priority first; `None` for `tcp` and the
-    /// [`transport_plugins`](Self::transport_plugins)' (`shm` works but is offered only
-    /// when listed: until the agent drives it from its io_uring loop it measures slower
-    /// than tcp). Unknown names are errors, and so is a name this build implements
-    /// neither itself nor through a plugin.
+    /// The transports to register, highest priority first; `None` for every one this
+    /// build runs here: `shm` (when shared memory works), the
+    /// [`transport_plugins`](Self::transport_plugins)' and `tcp`, by the core's
+    /// priorities (two workers on one host then talk over shm). Unknown names are
+    /// errors, and so is a name this build implements neither itself nor through a
+    /// plugin.
     pub transports: Option<Vec<String>>,
     /// Transports implemented outside this crate, e.g. `rdzv_rdma`'s ibv:
     /// `vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())]`. A plugin that is
@@ -232,11 +233,6 @@ fn ranked_transports(
     let mut supported = vec![TransportKind::Shm, TransportKind::Tcp];
     supported.extend(plugins.iter().map(|&(kind, _)| kind));
     let mut usable = ranked(names, "transports", "transport", "wired into", &supported)?;
-    if names.is_none() {
-        // Offered only when asked for: driven through adapter threads today, shm
-        // measured slower than tcp (`rdzv bench rpc`); see ARCHITECTURE.md.
-        usable.retain(|&(kind, _)| kind != TransportKind::Shm);
-    }
     let not_viable = shm_viable
         .err()
         .map(|reason| (TransportKind::Shm, reason))
@@ -1169,7 +1165,7 @@ impl RpcAgent {
     }
 
     /// The transport that the last pipe this worker opened to `peer` runs on (`shm`
-    /// between workers on one host when both list it in `transports`, else `tcp`);
+    /// between workers on one host unless `transports` leaves it out, else `tcp`);
     /// `None` before the first call to `peer`.
     pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
         self.shared.lock_calls().pipe_transports.get(peer).copied()
@@ -1503,8 +1499,13 @@ mod tests {
     fn transports_option() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let viable = Ok(());
+        // By default shm comes first where it works (TensorPipe's priorities).
         assert!(matches!(
             ranked_transports(None, viable, &[]).as_deref(),
+            Ok([(TransportKind::Shm, _), (TransportKind::Tcp, 0)])
+        ));
+        assert!(matches!(
+            ranked_transports(None, Err("no memfd here"), &[]).as_deref(),
             Ok([(TransportKind::Tcp, 0)])
         ));
         assert!(matches!(
@@ -1574,7 +1575,11 @@ mod tests {
         ));
         assert!(matches!(
             ranked_transports(None, Ok(()), &ibv).as_deref(),
-            Ok([(TransportKind::Ibv, 100), (TransportKind::Tcp, 0)])
+            Ok([
+                (TransportKind::Shm, 200),
+                (TransportKind::Ibv, 100),
+                (TransportKind::Tcp, 0)
+            ])
         ));
         let not_viable = [(TransportKind::Ibv, Some("no verbs here"))];
         assert!(matches!(

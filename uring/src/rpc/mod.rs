@@ -24,14 +24,15 @@
 //! | [`error`] | errors |
 //!
 //! Threads: on a lane (tcp and shm pipes, see `lane`) a caller's thread sends its own
-//! request and one reader thread per pipe completes calls and runs
-//! [`Inline`] handlers; otherwise calls go through a mailbox to the I/O thread
+//! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
+//! pipe completes the other calls and runs [`Inline`] handlers; otherwise calls go
+//! through a mailbox to the I/O thread
 //! (glommio, io_uring), which also accepts, connects and handshakes. One timer thread
 //! fails calls past their deadline; `num_worker_threads` threads run handlers and send
 //! their responses.
 //!
 //! In this increment: static and dynamic groups, the `shm` and `tcp` transports (shm
-//! is negotiated between workers on one host when `transports` lists it; every pipe
+//! is negotiated between workers on one host (shared memory permitting); every pipe
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
 //! offer it), the `xth`, `cma` and `basic` channels (CPU tensors of at least
 //! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host;
