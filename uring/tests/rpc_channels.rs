@@ -20,14 +20,14 @@ use rdzv_uring::rpc::{
     DEFAULT_MIN_CHANNEL_BYTES,
 };
 
+mod common;
+
+use common::{echo, finish, pattern, serve_until_joined};
+
 const CHILD_ENV: &str = "RDZV_RPC_CHAN_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_CHAN_STORE";
 const CHANNELS_ENV: &str = "RDZV_RPC_CHAN_CHANNELS";
 const MIN_BYTES_ENV: &str = "RDZV_RPC_CHAN_MIN_BYTES";
-
-fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
-    Ok(m)
-}
 
 /// Returns a fresh tensor of the requested size (8 little-endian bytes) and pattern
 /// seed (the 9th byte): a response whose tensor the caller did not send.
@@ -86,24 +86,12 @@ fn run_child() {
     let min_bytes = std::env::var(MIN_BYTES_ENV)
         .ok()
         .and_then(|v| v.parse().ok());
-    match init_rpc(
+    serve_until_joined(init_rpc(
         "peer",
         1,
         Some(2),
         options(&url, channels.as_deref(), min_bytes),
-    ) {
-        Ok(agent) => match agent.join() {
-            Ok(()) => std::process::exit(0),
-            Err(e) => {
-                eprintln!("child join failed: {e}");
-                std::process::exit(5);
-            }
-        },
-        Err(e) => {
-            eprintln!("child init failed: {e}");
-            std::process::exit(4);
-        }
-    }
+    ))
 }
 
 /// How a pair is configured: each side's `channels` and `min_channel_bytes`.
@@ -143,23 +131,6 @@ fn start(test: &str, dir: &tempfile::TempDir, setup: Setup<'_>) -> (RpcAgent, Ch
     )
     .unwrap_or_else(|e| panic!("parent init: {e}"));
     (agent, child)
-}
-
-/// The graceful end: both sides' `join`, and the child exits cleanly.
-fn finish(agent: RpcAgent, mut child: Child) {
-    assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "child: {status}");
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            (i as u8)
-                .wrapping_mul(29)
-                .wrapping_add(seed ^ (i >> 11) as u8)
-        })
-        .collect()
 }
 
 /// Why cma cannot run here, if it cannot (the test then says so and checks nothing).

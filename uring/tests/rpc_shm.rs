@@ -12,7 +12,7 @@ use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOpt
 
 mod common;
 
-use common::{echo, pattern, sleep_ms, spawn_peer};
+use common::{echo, finish, pattern, serve_until_joined, sleep_ms, spawn_peer};
 
 const CHILD_ENV: &str = "RDZV_RPC_SHM_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_SHM_STORE";
@@ -42,19 +42,12 @@ fn run_child() {
         std::process::exit(2)
     };
     let transports = std::env::var(TRANSPORTS_ENV).ok();
-    match init_rpc("peer", 1, Some(2), options(&url, transports.as_deref())) {
-        Ok(agent) => match agent.join() {
-            Ok(()) => std::process::exit(0),
-            Err(e) => {
-                eprintln!("child join failed: {e}");
-                std::process::exit(5);
-            }
-        },
-        Err(e) => {
-            eprintln!("child init failed: {e}");
-            std::process::exit(4);
-        }
-    }
+    serve_until_joined(init_rpc(
+        "peer",
+        1,
+        Some(2),
+        options(&url, transports.as_deref()),
+    ))
 }
 
 /// Starts the child for `test` (this binary, running only that test) and the parent's
@@ -74,13 +67,6 @@ fn start(
     let agent = init_rpc("main", 0, Some(2), options(&url, parent_transports))
         .unwrap_or_else(|e| panic!("parent init: {e}"));
     (agent, child)
-}
-
-/// The graceful end: both sides' `join`, and the child exits cleanly.
-fn finish(agent: RpcAgent, mut child: Child) {
-    assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "child: {status}");
 }
 
 #[test]

@@ -327,27 +327,14 @@ impl Lane {
         halves: BlockingHalves,
     ) -> Option<Arc<Lane>> {
         let lane = Lane::new(id, peer, negotiated, halves);
-        {
-            let mut lanes = lanes(shared);
-            if lanes.closed {
-                lane.stop.stop();
-                return None;
-            }
-            lanes.client.insert(lane.peer.clone(), Arc::clone(&lane));
-        }
-        let thread_lane = Arc::clone(&lane);
-        let thread_shared = Arc::clone(shared);
-        let spawned = std::thread::Builder::new()
-            .name(format!("rdzv-rpc-lane-{id}"))
-            .spawn(move || {
-                mark_io_thread();
-                client_reader(&thread_shared, &thread_lane)
-            });
-        if let Err(e) = spawned {
-            lane.end(shared, format!("cannot start its reader thread: {e}"));
-            return None;
-        }
-        Some(lane)
+        let registered = Arc::clone(&lane);
+        Lane::start(
+            shared,
+            &lane,
+            move |lanes| lanes.client.insert(registered.peer.clone(), registered),
+            client_reader,
+        )
+        .then_some(lane)
     }
 
     /// Starts inbound lane `id` from `peer` and its reader thread, which serves the
@@ -362,26 +349,45 @@ impl Lane {
     ) {
         let (name, peer_id) = peer;
         let lane = Lane::new(id, name, negotiated, halves);
+        let registered = Arc::clone(&lane);
+        Lane::start(
+            shared,
+            &lane,
+            move |lanes| lanes.inbound.insert(id, registered),
+            move |shared, lane| inbound_reader(shared, lane, peer_id, &jobs),
+        );
+    }
+
+    /// Registers `lane` (with `register`, unless the registry is closed) and starts its
+    /// reader thread running `read`; `false` (the lane stopped) when either fails.
+    fn start(
+        shared: &Arc<Shared>,
+        lane: &Arc<Lane>,
+        register: impl FnOnce(&mut Lanes) -> Option<Arc<Lane>>,
+        read: impl FnOnce(&Arc<Shared>, &Arc<Lane>) + Send + 'static,
+    ) -> bool {
         {
             let mut lanes = lanes(shared);
             if lanes.closed {
                 lane.stop.stop();
-                return;
+                return false;
             }
-            lanes.inbound.insert(id, Arc::clone(&lane));
+            register(&mut lanes);
         }
-        let thread_lane = Arc::clone(&lane);
+        let thread_lane = Arc::clone(lane);
         let thread_shared = Arc::clone(shared);
         let spawned = std::thread::Builder::new()
-            .name(format!("rdzv-rpc-lane-{id}"))
+            .name(format!("rdzv-rpc-lane-{}", lane.id))
             .spawn(move || {
                 mark_io_thread();
-                inbound_reader(&thread_shared, &thread_lane, peer_id, &jobs)
+                read(&thread_shared, &thread_lane);
             });
-        if let Err(e) = spawned {
-            tracing::warn!(peer = %lane.peer, error = %e, "cannot start an RPC lane's reader thread");
-            lanes(shared).inbound.remove(&id);
-            lane.stop.stop();
+        match spawned {
+            Ok(_) => true,
+            Err(e) => {
+                lane.end(shared, format!("cannot start its reader thread: {e}"));
+                false
+            }
         }
     }
 
@@ -552,7 +558,7 @@ pub(crate) fn respond(
     }
 }
 
-fn client_reader(shared: &Shared, lane: &Lane) {
+fn client_reader(shared: &Arc<Shared>, lane: &Arc<Lane>) {
     let reason = loop {
         // The client side does not spin: a waiting caller reads itself (polled lanes).
         match lane.next_frame(Duration::ZERO) {

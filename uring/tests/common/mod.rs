@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::thread;
 use std::time::Duration;
 
-use rdzv_uring::rpc::{CallContext, Message, RpcAgent};
+use rdzv_uring::rpc::{CallContext, Message, RpcAgent, RpcError};
 
 /// Answers with the request.
 pub fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
@@ -66,4 +66,30 @@ pub fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Child {
     command
         .spawn()
         .unwrap_or_else(|e| panic!("spawning the peer process for {test}: {e}"))
+}
+
+/// The peer process's life: serve until the parent's graceful shutdown, then exit 0
+/// (4 if `init_rpc` failed, 5 if `join` did).
+pub fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
+    match agent {
+        Ok(agent) => match agent.join() {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("child join failed: {e}");
+                std::process::exit(5);
+            }
+        },
+        Err(e) => {
+            eprintln!("child init failed: {e}");
+            std::process::exit(4);
+        }
+    }
+}
+
+/// The graceful end of a parent and its peer process: both sides' `join`, and the
+/// child exits cleanly.
+pub fn finish(agent: RpcAgent, mut child: Child) {
+    assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
+    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success(), "child: {status}");
 }
