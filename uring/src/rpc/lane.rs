@@ -7,16 +7,24 @@
 //!
 //! * a caller's thread encodes and sends its own request under the lane's send lock:
 //!   no hand-off to the I/O thread and no wake-up of it;
-//! * one reader thread per lane receives. On a client lane it completes the calls their
-//!   replies answer (the caller's thread wakes straight from there); on an inbound lane
-//!   it runs [`Inline`](super::Inline) handlers right away and sends their responses
-//!   itself, and hands other requests to the worker pool, whose thread sends the
-//!   response itself.
+//! * a caller waiting in `rpc_sync` then reads the lane itself (a non-blocking `recv`,
+//!   or the shm ring) for `RpcOptions::wait_spin`, while the lane's reader thread sleeps
+//!   in `poll(2)` without holding the receiver ([`Wake`]); the reply then costs no
+//!   thread wake-up at all;
+//! * the reader thread receives everything else: on a client lane it completes the
+//!   calls replies answer (async calls, and sync ones past their spin); on an inbound
+//!   lane it spins for `wait_spin` after each request, runs [`Inline`](super::Inline)
+//!   handlers right away and sends their responses itself, and hands other requests to
+//!   the worker pool, whose thread sends the response itself.
 //!
-//! So a small call costs the two socket (or ring) wake-ups that a plain ping-pong costs,
-//! plus one wake-up of the caller, instead of six thread hand-offs through the
-//! executor. Nothing waits in a cycle: reader threads never wait for anything but their
-//! receiver and their own lane's send lock, and a send only waits for the peer's reader.
+//! So a small call costs what a plain ping-pong costs, instead of six thread hand-offs
+//! through the executor. Nothing waits in a cycle: reader threads never wait for
+//! anything but their receiver and their own lane's send lock, and a send only waits
+//! for the peer's reader.
+//!
+//! Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it lends
+//! until the reply (requests) or the caller's `Ack` (responses), and pulls what it is
+//! lent on the thread that received the frame.
 //!
 //! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
 //! lane that fails fails the calls sent on it and leaves the registry; the next call
@@ -50,9 +58,10 @@ use super::transport::{
     TryRecv, Wake,
 };
 
-/// How long a polled lane's reader sleeps before it looks again (it also wakes on the
-/// peer's signal, a kick, or the peer's end).
-const WAKE_POLL: Duration = Duration::from_millis(10);
+/// How long a polled lane's reader sleeps before it looks again; it wakes at once on
+/// the peer's signal, a kick, the peer's end or a stop, so this only bounds the cost of
+/// a missed signal.
+const WAKE_POLL: Duration = Duration::from_millis(100);
 
 /// One thread-served pipe.
 pub(crate) struct Lane {
