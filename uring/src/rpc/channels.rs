@@ -27,6 +27,7 @@ use rdzv_core::rpc::frame::TensorDescriptor;
 
 use super::error::RpcError;
 use super::message::Tensor;
+use super::recycle;
 use super::shared::BASIC_DESCRIPTOR;
 use super::transport::OwnedFrame;
 use crate::channel::buffer::prefer_huge_pages;
@@ -152,6 +153,20 @@ impl FrameExports {
     /// Whether the frame lent nothing.
     pub fn is_empty(&self) -> bool {
         self.exports.is_empty()
+    }
+
+    /// Releases the buffers after the peer said it is done with them (a reply to the
+    /// request, or the caller's ack), keeping large ones for the next receive
+    /// (`super::recycle`). Buffers released because the pipe ended are only dropped
+    /// (plain `Drop`): a peer still reading then fails (EFAULT) instead of reading a
+    /// buffer that holds something else.
+    pub fn recycle(mut self) {
+        for export in self.exports.drain(..) {
+            recycle::give(match export {
+                Export::Cma(export) => export.abandon(),
+                Export::Xth(export) => export.abandon(),
+            });
+        }
     }
 }
 
@@ -462,7 +477,7 @@ impl ReceivedTensors {
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
-                    let mut data = vec![0u8; len];
+                    let mut data = recycle::take(len);
                     prefer_huge_pages(&mut data);
                     read_in_slices(&mut data, |offset, part| {
                         source
@@ -480,7 +495,7 @@ impl ReceivedTensors {
                     };
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
-                    let mut data = vec![0u8; len];
+                    let mut data = recycle::take(len);
                     prefer_huge_pages(&mut data);
                     read_in_slices(&mut data, |offset, part| {
                         xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())

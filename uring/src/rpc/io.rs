@@ -499,6 +499,9 @@ impl Io {
                 if needed {
                     ack(pipe, message_id);
                 }
+                if let Some((_, released)) = released {
+                    released.recycle();
+                }
                 return;
             }
             Reply::Pull(job) => job,
@@ -511,7 +514,6 @@ impl Io {
         };
         let pipe = pipe.clone();
         self.spawn(async move {
-            let _released = released;
             let mut guard = guard;
             let (_, pulled) = if job.pull_bytes() >= PULL_OFF_THREAD_BYTES {
                 glommio::executor().spawn_blocking(move || job.pull()).await
@@ -531,6 +533,10 @@ impl Io {
                     other => other,
                 };
                 guard.io.complete(&completion, pulled);
+            }
+            // The callee answered, so it read what the request lent.
+            if let Some((_, released)) = released {
+                released.recycle();
             }
         });
     }
@@ -942,8 +948,14 @@ impl Io {
                 Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
                 Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
                     // The caller read the response's out-of-band tensors.
-                    if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
-                        inbound.exports.remove(&frame.message_id);
+                    let released = self
+                        .state
+                        .borrow_mut()
+                        .inbound
+                        .get_mut(&pipe)
+                        .and_then(|inbound| inbound.exports.remove(&frame.message_id));
+                    if let Some(released) = released {
+                        released.recycle();
                     }
                 }
                 Ok(Some(frame)) => {

@@ -315,7 +315,9 @@ impl Lane {
                         calls::complete(shared, &completion, pulled);
                     }
                 }
-                drop(released);
+                if let Some(released) = released {
+                    released.recycle();
+                }
                 None
             }
             FrameKind::Goodbye => Some("the peer said goodbye (it is shutting down)".to_string()),
@@ -601,7 +603,9 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
             Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
                 // The caller read what the response lent: release it.
                 let released = lane.exports().remove(&frame.message_id);
-                drop(released);
+                if let Some(released) = released {
+                    released.recycle();
+                }
             }
             Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
             Ok(Some(frame)) => {
