@@ -477,7 +477,7 @@ impl ReceivedTensors {
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
-                    let mut data = recycle::take(len);
+                    let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
                     read_in_slices(&mut data, |offset, part| {
                         source
@@ -495,7 +495,7 @@ impl ReceivedTensors {
                     };
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
-                    let mut data = recycle::take(len);
+                    let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
                     read_in_slices(&mut data, |offset, part| {
                         xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())

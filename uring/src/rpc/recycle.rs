@@ -27,34 +27,78 @@ fn pool() -> MutexGuard<'static, Vec<Vec<u8>>> {
 }
 
 /// A buffer of exactly `len` bytes whose contents the caller overwrites entirely: a
-/// recycled one if one is large enough, else a fresh zeroed one.
-pub fn take(len: usize) -> Vec<u8> {
-    if len >= MIN_RECYCLED {
-        let reused = {
-            let mut pool = pool();
-            // The smallest buffer that holds `len` without growing.
-            let best = pool
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.capacity() >= len)
-                .min_by_key(|(_, b)| b.capacity())
-                .map(|(i, _)| i);
-            best.map(|i| pool.swap_remove(i))
-        };
-        if let Some(mut buffer) = reused {
-            if buffer.len() >= len {
-                buffer.truncate(len);
-            } else {
-                // Only the part past the old length is written (no reallocation).
-                buffer.resize(len, 0);
-            }
-            return buffer;
-        }
+/// recycled one if one is large enough, else a fresh zeroed one. `len` usually comes
+/// from a peer (within the frame limits): a size this process cannot allocate is an
+/// error for the caller to report, never an abort.
+///
+/// # Errors
+/// [`AllocFailed`] when no recycled buffer fits and the allocator refuses `len` bytes.
+pub fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
+    if let Some(buffer) = take_recycled(len) {
+        return Ok(buffer);
     }
-    vec![0u8; len]
+    zeroed(len).ok_or(AllocFailed { len })
 }
 
-/// Keeps `buffer` for a later [`take`] if it is large and there is room; drops it
+/// The allocator refused a buffer of `len` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("cannot allocate a {len}-byte buffer for it (out of memory)")]
+pub struct AllocFailed {
+    /// The size asked for.
+    pub len: usize,
+}
+
+/// A fresh zeroed buffer of `len` bytes, or `None` if the allocator refuses. Like
+/// `vec![0; len]` (calloc: the kernel's zero pages, nothing written) but fallible, which
+/// std offers no safe way to do.
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size (`len > 0`), as `alloc_zeroed` requires.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` u8s
+    // (align 1, size `len`), all `len` bytes are initialised (zeroed), and the Vec takes
+    // sole ownership with capacity and length `len`: what `from_raw_parts` requires.
+    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
+}
+
+/// A recycled buffer of exactly `len` bytes, if one is large enough.
+fn take_recycled(len: usize) -> Option<Vec<u8>> {
+    if len < MIN_RECYCLED {
+        return None;
+    }
+    let mut buffer = {
+        let mut pool = pool();
+        // The smallest buffer that holds `len` without growing.
+        let best = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i)?;
+        pool.swap_remove(best)
+    };
+    if buffer.len() >= len {
+        buffer.truncate(len);
+    } else {
+        // Only the part past the old length is written (no reallocation).
+        buffer.resize(len, 0);
+    }
+    Some(buffer)
+}
+
+/// [`try_take`], for tests.
+#[cfg(test)]
+fn take(len: usize) -> Vec<u8> {
+    try_take(len).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Keeps `buffer` for a later [`try_take`] if it is large and there is room; drops it
 /// otherwise.
 pub fn give(buffer: Vec<u8>) {
     if buffer.capacity() < MIN_RECYCLED {
@@ -103,6 +147,14 @@ mod tests {
         // One that no kept buffer holds is fresh and zeroed.
         let fresh = take(len * 2);
         assert!(fresh.iter().all(|&b| b == 0));
+        assert_eq!(take(0), Vec::<u8>::new());
+        // A size no allocator can give is an error, not an abort.
+        assert_eq!(
+            try_take(usize::MAX >> 1).err(),
+            Some(AllocFailed {
+                len: usize::MAX >> 1
+            })
+        );
 
         // At most MAX_KEPT buffers are kept.
         for _ in 0..(MAX_KEPT + 3) {

@@ -12,6 +12,13 @@
 //!   [`FrameReceiver::recv`] decodes each with the core's decoder and the caller's
 //!   [`FrameLimits`]. A message must be exactly one frame.
 //!
+//! Once the pipe's handshake is done, [`FrameSender::into_blocking`] takes both halves
+//! back from their threads (with what the receiving thread had queued) and the agent
+//! serves the pipe as a lane: blocking sends, [`TryRecv`]-style polling of the ring by a
+//! waiting caller, and a [`Wake`] on the data eventfd and the control socket (whose end
+//! means the peer process is gone) for the lane's reader thread. The threads above then
+//! serve only the handshake.
+//!
 //! Addresses are `shm://@<abstract name>` (or `shm://<socket path>`). The domain
 //! descriptor is [`viability`]'s `shm:<boot_id>_<netns>`: two workers negotiate shm only
 //! on one host and in one network namespace.
@@ -34,6 +41,7 @@ use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDes
 
 use super::error::TransportError;
 use super::recycle;
+use super::transport::poll_two;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
@@ -566,18 +574,14 @@ struct ShmWake {
 
 impl Wake for ShmWake {
     fn wait(&self, timeout: Duration) -> bool {
-        use rustix::event::{poll, PollFd, PollFlags, Timespec};
-        let mut fds = [
-            PollFd::new(&self.data, PollFlags::IN),
-            PollFd::new(&self.control, PollFlags::IN),
-        ];
-        let timeout = Timespec::try_from(timeout).ok();
-        // Interrupted or failed: the caller re-checks and waits again.
-        let _ = poll(&mut fds, timeout.as_ref());
+        use std::os::fd::AsFd;
+        let [_, control] = poll_two(self.data.as_fd(), self.control.as_fd(), timeout);
         // Nothing is ever sent on the control socket: readable means its end.
-        fds[1]
-            .revents()
-            .intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR)
+        control.intersects(
+            rustix::event::PollFlags::IN
+                | rustix::event::PollFlags::HUP
+                | rustix::event::PollFlags::ERR,
+        )
     }
 
     fn kick(&self) {

@@ -28,6 +28,7 @@ use rdzv_core::rpc::frame::{
 
 use super::error::TransportError;
 use super::recycle;
+use super::transport::poll_two;
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
@@ -427,15 +428,9 @@ struct TcpWake {
 
 impl Wake for TcpWake {
     fn wait(&self, timeout: Duration) -> bool {
-        use rustix::event::{poll, PollFd, PollFlags, Timespec};
-        let mut fds = [
-            PollFd::new(&self.socket, PollFlags::IN),
-            PollFd::new(&self.kick, PollFlags::IN),
-        ];
-        let timeout = Timespec::try_from(timeout).ok();
-        // Interrupted or failed: the caller re-checks and waits again.
-        let _ = poll(&mut fds, timeout.as_ref());
-        if fds[1].revents().contains(PollFlags::IN) {
+        use std::os::fd::AsFd;
+        let [_, kick] = poll_two(self.socket.as_fd(), self.kick.as_fd(), timeout);
+        if kick.contains(rustix::event::PollFlags::IN) {
             let mut counter = [0u8; 8];
             let _ = rustix::io::read(&self.kick, &mut counter);
         }
@@ -581,7 +576,11 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
         let mut received = Vec::with_capacity(tensors.len());
         for descriptor in tensors {
             let len = usize::try_from(descriptor.data_len()).map_err(|_| truncated(early_at))?;
-            let mut data = recycle::take(len);
+            let mut data = recycle::try_take(len).map_err(|e| TransportError::Io {
+                op: "receive a tensor from",
+                peer: self.peer.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::OutOfMemory, e),
+            })?;
             let early = self.buf.get(early_at..self.filled).unwrap_or_default();
             let take = early.len().min(len);
             if let (Some(dst), Some(src)) = (data.get_mut(..take), early.get(..take)) {

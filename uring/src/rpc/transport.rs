@@ -11,8 +11,10 @@
 //! Every method runs on the agent's I/O executor (glommio) and returns a local future.
 //! How the three transports fit:
 //!
-//! * **tcp** ([`super::tcp`]): glommio sockets, the core frame header is the length
-//!   header, limits are checked before anything is allocated.
+//! * **tcp** ([`super::tcp`]): glommio sockets for the handshake, then a duplicate of
+//!   the socket in blocking mode for the lane (the same framing code over either); the
+//!   core frame header is the length header, limits are checked before anything is
+//!   allocated.
 //! * **shm** ([`super::shm`] over `crate::transport::shm`): its connection is blocking
 //!   and already split into sender and receiver halves; until the pipe becomes a lane, an
 //!   adapter runs each half on its own thread and hands frames over through a channel,
@@ -219,6 +221,25 @@ pub enum TryRecv {
     Empty,
     /// The peer closed the connection between frames, or it was stopped.
     Closed,
+}
+
+/// Waits up to `timeout` until `first` or `second` is readable (or hung up); the events
+/// of each. An interrupted or failed wait returns no events: callers look again.
+pub(crate) fn poll_two(
+    first: std::os::fd::BorrowedFd<'_>,
+    second: std::os::fd::BorrowedFd<'_>,
+    timeout: std::time::Duration,
+) -> [rustix::event::PollFlags; 2] {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [
+        PollFd::new(&first, PollFlags::IN),
+        PollFd::new(&second, PollFlags::IN),
+    ];
+    let timeout = Timespec::try_from(timeout).ok();
+    match poll(&mut fds, timeout.as_ref()) {
+        Ok(_) => [fds[0].revents(), fds[1].revents()],
+        Err(_) => [PollFlags::empty(); 2],
+    }
 }
 
 /// Waits for a polled receiver's next frame without holding the receiver, and wakes

@@ -122,6 +122,17 @@ pub fn parse_address(address: &str) -> Result<SocketAddr, TransportError> {
     Ok(addr)
 }
 
+/// The largest frame part the agent accepts ([`FrameLimits::DEFAULT`]'s payload and
+/// inline bounds).
+const MAX_PART: u64 = {
+    let limits = FrameLimits::DEFAULT;
+    if limits.max_payload > limits.max_inline_bytes {
+        limits.max_payload
+    } else {
+        limits.max_inline_bytes
+    }
+};
+
 /// The `ibv` transport: RC queue pairs on the selected device, port and GID.
 #[derive(Debug, Clone)]
 pub struct IbvTransport {
@@ -152,8 +163,12 @@ impl IbvTransport {
     pub fn with_selection(
         host: IpAddr,
         selection: IbvSelection,
-        options: ChannelOptions,
+        mut options: ChannelOptions,
     ) -> IbvTransport {
+        // A part of a frame (payload or one tensor) is received before the agent's
+        // decoder sees the whole frame: never accept one larger than a frame the agent
+        // would accept, so a peer's claim cannot make this side allocate more.
+        options.max_large_message = options.max_large_message.min(MAX_PART);
         let descriptor = domain_descriptor(&selection);
         IbvTransport {
             host,
@@ -600,6 +615,27 @@ mod tests {
             max_msg_size: 1 << 30,
             speed: None,
         }
+    }
+
+    #[test]
+    fn a_part_is_never_larger_than_a_frame_the_agent_accepts() {
+        let gid = Gid::default();
+        let transport = IbvTransport::with_selection(
+            IpAddr::from([127, 0, 0, 1]),
+            selection(LinkLayer::InfiniBand, GidType::InfiniBand, gid),
+            ChannelOptions::default(),
+        );
+        assert_eq!(transport.options.max_large_message, 1 << 30);
+        let small = ChannelOptions {
+            max_large_message: 4096,
+            ..ChannelOptions::default()
+        };
+        let transport = IbvTransport::with_selection(
+            IpAddr::from([127, 0, 0, 1]),
+            selection(LinkLayer::InfiniBand, GidType::InfiniBand, gid),
+            small,
+        );
+        assert_eq!(transport.options.max_large_message, 4096);
     }
 
     #[test]
