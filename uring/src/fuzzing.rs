@@ -2,12 +2,13 @@
 //! public so that `uring/tests/fuzz_corpus.rs` replays the committed seeds and random
 //! inputs through exactly the same assertions in every `cargo test`.
 //!
-//! What is checked: the decoders of what a peer sends beside a pipe (`cma` and `xth`
-//! descriptors, transfer acks, `mpt` stripe headers) never panic, and whatever they accept encodes back to the
-//! very same bytes. Nothing here reads another process.
+//! What is checked: the decoders of what a peer sends beside a pipe (`cma`, `xth` and
+//! `mpt` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never panic,
+//! and whatever they accept encodes back to the very same bytes (a lane hello's index
+//! also lies in its set). Nothing here reads another process.
 
 use crate::channel::cma::CmaDescriptor;
-use crate::channel::mpt::{StripeHeader, STRIPE_HEADER_LEN};
+use crate::channel::mpt::{LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
 
@@ -35,6 +36,20 @@ pub fn channel_descriptors(data: &[u8]) {
             descriptor.encode().as_slice(),
             data,
             "cma descriptor round trip"
+        );
+    }
+    if let Ok(descriptor) = MptDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "mpt descriptor round trip"
+        );
+    }
+    if let Ok(hello) = LaneHello::decode(data) {
+        assert_eq!(hello.encode().as_slice(), data, "mpt lane hello round trip");
+        assert!(
+            hello.index < hello.count && hello.count <= MAX_LANES,
+            "an accepted lane hello lies in its set"
         );
     }
     if let Some(raw) = data

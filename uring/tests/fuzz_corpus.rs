@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use rdzv_uring::channel::cma::CmaDescriptor;
-use rdzv_uring::channel::mpt::StripeHeader;
+use rdzv_uring::channel::mpt::{LaneHello, MptDescriptor, StripeHeader};
 use rdzv_uring::channel::xth::XthDescriptor;
 use rdzv_uring::channel::{ProcessIdentity, TransferAck};
 use rdzv_uring::fuzzing::channel_descriptors;
@@ -43,6 +43,14 @@ fn samples() -> Vec<Vec<u8>> {
         }
         .encode()
         .to_vec(),
+        MptDescriptor { transfer_id: 11 }.encode().to_vec(),
+        LaneHello {
+            token: 0x5eed_0000_0000_0001,
+            index: 2,
+            count: 4,
+        }
+        .encode()
+        .to_vec(),
     ]
 }
 
@@ -75,7 +83,15 @@ fn real_descriptors_pass() {
 fn write_seeds() {
     let dir = corpus_dir();
     std::fs::create_dir_all(&dir).expect("mkdir");
-    for (name, bytes) in ["ack", "xth", "cma", "mpt"].into_iter().zip(samples()) {
+    let names = [
+        "ack",
+        "xth",
+        "cma",
+        "mpt",
+        "mpt_descriptor",
+        "mpt_lane_hello",
+    ];
+    for (name, bytes) in names.into_iter().zip(samples()) {
         std::fs::write(dir.join(name), bytes).expect("write seed");
     }
 }
@@ -89,7 +105,7 @@ proptest! {
     }
 
     #[test]
-    fn mutated_descriptors(which in 0usize..4, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
+    fn mutated_descriptors(which in 0usize..6, at in any::<prop::sample::Index>(), byte in any::<u8>()) {
         let mut sample = samples().swap_remove(which);
         let i = at.index(sample.len());
         sample[i] = byte;

@@ -13,12 +13,25 @@
 //! an error, not a misplaced tensor.
 //!
 //! Lanes are plain blocking `TcpStream`s with `TCP_NODELAY`; a transfer runs one scoped
-//! thread per used lane on each side. Errors name the lane and its peer. This module does
-//! not open the lanes (the agent connects them to the peer's listener) and does not
-//! negotiate.
+//! thread per used lane on each side. Errors name the lane and its peer.
+//!
+//! Opening lanes: the accepting side runs a [`LaneListener`]; the connecting side opens
+//! its lanes with [`connect_lanes`], each starting with a [`LaneHello`] that carries a
+//! token (which the agent passes in its pipe handshake) and the lane's index. The
+//! listener sorts arrivals by token until [`LaneListener::claim`] takes a complete set.
+//! The lanes of one pipe carry both directions ([`MptChannel::split`]). A tensor's place
+//! in the pipe's frames is an [`MptDescriptor`]: the transfer id its stripes carry. This
+//! module does not negotiate.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::DecodeError;
 
 /// What starts every stripe header.
 const STRIPE_MAGIC: [u8; 4] = *b"RDMP";
@@ -157,6 +170,395 @@ pub enum MptError {
         /// The lane index.
         lane: usize,
     },
+    /// A pipe's set of lanes did not arrive at the [`LaneListener`].
+    #[error("mpt lanes were not opened: {reason}")]
+    Unclaimed {
+        /// How many came, or why none will.
+        reason: String,
+    },
+}
+
+/// What starts an encoded [`MptDescriptor`].
+const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDMT";
+
+/// Where a tensor sent over mpt is: the id of the transfer whose stripes follow the
+/// frame on the pipe's lanes. The frame's tensor entry carries the length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MptDescriptor {
+    /// The transfer id every stripe header of this tensor carries.
+    pub transfer_id: u64,
+}
+
+impl MptDescriptor {
+    /// The encoded size: a 4-byte tag and the little-endian transfer id.
+    pub const ENCODED_LEN: usize = 12;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[..4].copy_from_slice(&DESCRIPTOR_MAGIC);
+        out[4..].copy_from_slice(&self.transfer_id.to_le_bytes());
+        out
+    }
+
+    /// Parses what [`encode`](Self::encode) wrote.
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag.
+    pub fn decode(bytes: &[u8]) -> Result<MptDescriptor, DecodeError> {
+        let bytes: &[u8; Self::ENCODED_LEN] =
+            bytes.try_into().map_err(|_| DecodeError::WrongLength {
+                what: "mpt descriptor",
+                expected: Self::ENCODED_LEN,
+                actual: bytes.len(),
+            })?;
+        let (magic, id) = bytes.split_at(4);
+        if magic != DESCRIPTOR_MAGIC {
+            return Err(DecodeError::BadTag {
+                what: "mpt descriptor",
+            });
+        }
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(id);
+        Ok(MptDescriptor {
+            transfer_id: u64::from_le_bytes(raw),
+        })
+    }
+}
+
+/// What starts an encoded [`LaneHello`].
+const HELLO_MAGIC: [u8; 4] = *b"RDML";
+/// The most lanes one pipe may open.
+pub const MAX_LANES: u16 = 64;
+
+/// The first bytes on a lane connection: which set of lanes it belongs to and where in
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneHello {
+    /// The token of the set (the pipe's, from its handshake).
+    pub token: u64,
+    /// This lane's index, below `count`.
+    pub index: u16,
+    /// Lanes in the set, 1 to [`MAX_LANES`].
+    pub count: u16,
+}
+
+impl LaneHello {
+    /// The encoded size: tag, index, count, token.
+    pub const ENCODED_LEN: usize = 16;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        out[..4].copy_from_slice(&HELLO_MAGIC);
+        out[4..6].copy_from_slice(&self.index.to_le_bytes());
+        out[6..8].copy_from_slice(&self.count.to_le_bytes());
+        out[8..].copy_from_slice(&self.token.to_le_bytes());
+        out
+    }
+
+    /// Parses what [`encode`](Self::encode) wrote, checking that the index lies in a
+    /// set of 1 to [`MAX_LANES`] lanes.
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag, or an index outside its set.
+    pub fn decode(bytes: &[u8]) -> Result<LaneHello, DecodeError> {
+        let bad = DecodeError::BadTag {
+            what: "mpt lane hello",
+        };
+        let bytes: &[u8; Self::ENCODED_LEN] =
+            bytes.try_into().map_err(|_| DecodeError::WrongLength {
+                what: "mpt lane hello",
+                expected: Self::ENCODED_LEN,
+                actual: bytes.len(),
+            })?;
+        if bytes[..4] != HELLO_MAGIC {
+            return Err(bad);
+        }
+        let index = u16::from_le_bytes([bytes[4], bytes[5]]);
+        let count = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let mut token = [0u8; 8];
+        token.copy_from_slice(&bytes[8..]);
+        if count == 0 || count > MAX_LANES || index >= count {
+            return Err(bad);
+        }
+        Ok(LaneHello {
+            token: u64::from_le_bytes(token),
+            index,
+            count,
+        })
+    }
+}
+
+/// Opens `count` lanes to the [`LaneListener`] at `address` for the set `token`, each
+/// with `TCP_NODELAY` and its hello sent, in index order.
+///
+/// # Errors
+/// [`MptError::Io`] naming the lane that could not connect or send its hello.
+pub fn connect_lanes(
+    address: SocketAddr,
+    token: u64,
+    count: u16,
+    timeout: Duration,
+) -> Result<Vec<TcpStream>, MptError> {
+    let count = count.clamp(1, MAX_LANES);
+    let mut lanes = Vec::with_capacity(usize::from(count));
+    for index in 0..count {
+        let io = |action| {
+            move |source| MptError::Io {
+                lane: usize::from(index),
+                peer: address.to_string(),
+                action,
+                source,
+            }
+        };
+        let mut stream = TcpStream::connect_timeout(&address, timeout).map_err(io("connecting"))?;
+        stream
+            .set_nodelay(true)
+            .map_err(io("setting TCP_NODELAY"))?;
+        stream
+            .write_all(
+                &LaneHello {
+                    token,
+                    index,
+                    count,
+                }
+                .encode(),
+            )
+            .map_err(io("sending the lane hello"))?;
+        lanes.push(stream);
+    }
+    Ok(lanes)
+}
+
+/// How long an accepted connection has to send its [`LaneHello`].
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Sets of lanes nobody claimed are dropped after this long.
+const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
+
+/// Lanes that arrived, by token.
+#[derive(Default)]
+struct Arrivals {
+    sets: HashMap<u64, Arrival>,
+    closed: bool,
+}
+
+struct Arrival {
+    lanes: Vec<Option<TcpStream>>,
+    since: Instant,
+}
+
+impl Arrival {
+    fn complete(&self) -> bool {
+        self.lanes.iter().all(Option::is_some)
+    }
+}
+
+struct Registry {
+    arrivals: Mutex<Arrivals>,
+    changed: Condvar,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Arrivals> {
+        self.arrivals.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Files a lane that said `hello`; a lane that contradicts its set (another count,
+    /// an index taken twice) is dropped.
+    fn file(&self, hello: LaneHello, stream: TcpStream) {
+        let mut arrivals = self.lock();
+        if arrivals.closed {
+            return;
+        }
+        arrivals
+            .sets
+            .retain(|_, set| set.since.elapsed() < UNCLAIMED_TTL);
+        let set = arrivals.sets.entry(hello.token).or_insert_with(|| Arrival {
+            lanes: (0..hello.count).map(|_| None).collect(),
+            since: Instant::now(),
+        });
+        let fits = set.lanes.len() == usize::from(hello.count);
+        match set.lanes.get_mut(usize::from(hello.index)) {
+            Some(slot @ None) if fits => {
+                *slot = Some(stream);
+            }
+            _ => {
+                tracing::warn!(
+                    token = hello.token,
+                    index = hello.index,
+                    count = hello.count,
+                    "an mpt lane contradicts its set; dropped"
+                );
+                return;
+            }
+        }
+        drop(arrivals);
+        self.changed.notify_all();
+    }
+}
+
+/// Accepts mpt lanes on a TCP port of its own and keeps them, sorted by token, until
+/// the pipe they belong to claims them. One thread accepts; each connection's hello is
+/// read on a short-lived thread of its own, so a silent connection holds up nothing.
+pub struct LaneListener {
+    address: SocketAddr,
+    registry: Arc<Registry>,
+    stopping: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for LaneListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneListener")
+            .field("address", &self.address)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LaneListener {
+    /// Listens on an ephemeral port of `host`.
+    ///
+    /// # Errors
+    /// The bind or the thread start failed.
+    pub fn bind(host: IpAddr) -> io::Result<LaneListener> {
+        let listener = TcpListener::bind(SocketAddr::new(host, 0))?;
+        let address = listener.local_addr()?;
+        let registry = Arc::new(Registry {
+            arrivals: Mutex::new(Arrivals::default()),
+            changed: Condvar::new(),
+        });
+        let stopping = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let registry = Arc::clone(&registry);
+            let stopping = Arc::clone(&stopping);
+            std::thread::Builder::new()
+                .name("rdzv-mpt-accept".into())
+                .spawn(move || accept_lanes(&listener, &registry, &stopping))?
+        };
+        Ok(LaneListener {
+            address,
+            registry,
+            stopping,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Where lanes connect to.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Takes the complete set of lanes `token`, in index order, waiting up to
+    /// `timeout` for the rest of it.
+    ///
+    /// # Errors
+    /// [`MptError::Unclaimed`] when the set is not complete in time (saying how many
+    /// lanes came) or the listener closed.
+    pub fn claim(&self, token: u64, timeout: Duration) -> Result<Vec<TcpStream>, MptError> {
+        let deadline = Instant::now() + timeout;
+        let mut arrivals = self.registry.lock();
+        loop {
+            if arrivals.closed {
+                return Err(MptError::Unclaimed {
+                    reason: "the lane listener closed".into(),
+                });
+            }
+            if arrivals.sets.get(&token).is_some_and(Arrival::complete) {
+                let set = arrivals.sets.remove(&token).map(|s| s.lanes);
+                return Ok(set.into_iter().flatten().flatten().collect());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let (came, of) = arrivals.sets.remove(&token).map_or((0, 0), |set| {
+                    (set.lanes.iter().flatten().count(), set.lanes.len())
+                });
+                return Err(MptError::Unclaimed {
+                    reason: format!(
+                        "{came} of {of} lanes arrived within {} ms",
+                        timeout.as_millis()
+                    ),
+                });
+            }
+            arrivals = self
+                .registry
+                .changed
+                .wait_timeout(arrivals, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Stops accepting, drops every unclaimed lane and fails waiting claims.
+    pub fn close(&self) {
+        if self.stopping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let mut arrivals = self.registry.lock();
+            arrivals.closed = true;
+            arrivals.sets.clear();
+        }
+        self.registry.changed.notify_all();
+        // Wakes the accept call; the thread sees `stopping` and exits.
+        let _ = TcpStream::connect_timeout(&self.address, Duration::from_secs(1));
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for LaneListener {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &AtomicBool) {
+    for stream in listener.incoming() {
+        if stopping.load(Ordering::Acquire) {
+            return;
+        }
+        let mut stream = match stream {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting an mpt lane failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let registry = Arc::clone(registry);
+        let spawned = std::thread::Builder::new()
+            .name("rdzv-mpt-hello".into())
+            .spawn(move || {
+                let mut raw = [0u8; LaneHello::ENCODED_LEN];
+                let read = stream
+                    .set_read_timeout(Some(HELLO_TIMEOUT))
+                    .and_then(|()| stream.read_exact(&mut raw))
+                    .and_then(|()| stream.set_read_timeout(None))
+                    .and_then(|()| stream.set_nodelay(true));
+                let peer = stream
+                    .peer_addr()
+                    .map_or_else(|_| "?".to_string(), |a| a.to_string());
+                match read
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| LaneHello::decode(&raw).map_err(|e| e.to_string()))
+                {
+                    Ok(hello) => registry.file(hello, stream),
+                    Err(reason) => {
+                        tracing::debug!(%peer, %reason, "not an mpt lane; dropped");
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a thread to read an mpt lane's hello");
+        }
+    }
 }
 
 /// One end of an mpt channel: its lanes, connected to the same peer in the same order on
@@ -208,6 +610,36 @@ impl MptChannel {
     /// Number of lanes.
     pub fn lanes(&self) -> usize {
         self.lanes.len()
+    }
+
+    /// Two ends over the same lanes (duplicated sockets): one to send with and one to
+    /// receive with, so that each direction has its own lock.
+    ///
+    /// # Errors
+    /// [`MptError::Io`] if a socket cannot be duplicated.
+    pub fn split(self) -> Result<(MptChannel, MptChannel), MptError> {
+        let mut copies = Vec::with_capacity(self.lanes.len());
+        for (lane, stream) in self.lanes.iter().enumerate() {
+            copies.push(stream.try_clone().map_err(|source| MptError::Io {
+                lane,
+                peer: self.peers.get(lane).cloned().unwrap_or_default(),
+                action: "duplicating the socket",
+                source,
+            })?);
+        }
+        let other = MptChannel {
+            lanes: copies,
+            peers: self.peers.clone(),
+            options: self.options,
+        };
+        Ok((self, other))
+    }
+
+    /// Shuts every lane down (both directions): a transfer blocked on one fails.
+    pub fn shutdown(&self) {
+        for stream in &self.lanes {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     fn plan(&self, len: usize, transfer_id: u64) -> Result<Vec<(usize, usize)>, MptError> {
@@ -393,6 +825,139 @@ mod tests {
         .encode();
         raw[5] = 1;
         assert_eq!(StripeHeader::decode(&raw), None);
+    }
+
+    #[test]
+    fn descriptors_and_hellos_round_trip_and_refuse_garbage() {
+        let d = MptDescriptor { transfer_id: 77 };
+        assert_eq!(MptDescriptor::decode(&d.encode()), Ok(d));
+        assert!(MptDescriptor::decode(&[0u8; MptDescriptor::ENCODED_LEN]).is_err());
+        assert!(MptDescriptor::decode(&d.encode()[..11]).is_err());
+        let h = LaneHello {
+            token: 9,
+            index: 3,
+            count: 4,
+        };
+        assert_eq!(LaneHello::decode(&h.encode()), Ok(h));
+        for bad in [
+            LaneHello { index: 4, ..h },
+            LaneHello {
+                count: 0,
+                index: 0,
+                ..h
+            },
+            LaneHello {
+                count: MAX_LANES + 1,
+                ..h
+            },
+        ] {
+            assert!(LaneHello::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        assert!(LaneHello::decode(&[0u8; LaneHello::ENCODED_LEN]).is_err());
+    }
+
+    fn local() -> IpAddr {
+        IpAddr::from([127, 0, 0, 1])
+    }
+
+    #[test]
+    fn the_listener_hands_out_complete_sets_by_token() {
+        let listener = LaneListener::bind(local()).unwrap();
+        let address = listener.address();
+        // Two sets at once; a stray connection that says nothing useful is dropped.
+        let mut stray = TcpStream::connect(address).unwrap();
+        stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let a = connect_lanes(address, 1, 3, Duration::from_secs(5)).unwrap();
+        let b = connect_lanes(address, 2, 2, Duration::from_secs(5)).unwrap();
+        let got_b = listener.claim(2, Duration::from_secs(5)).unwrap();
+        let got_a = listener.claim(1, Duration::from_secs(5)).unwrap();
+        assert_eq!((got_a.len(), got_b.len()), (3, 2));
+        // In index order: lane i here is lane i there.
+        for (near, far) in a.iter().zip(&got_a) {
+            assert_eq!(near.local_addr().unwrap(), far.peer_addr().unwrap());
+        }
+        let (mut near, mut far) = (
+            MptChannel::new(a, MptOptions { min_striped_len: 1 }).unwrap(),
+            MptChannel::new(got_a, MptOptions { min_striped_len: 1 }).unwrap(),
+        );
+        let data: Vec<u8> = (0..100_000).map(|i| (i % 253) as u8).collect();
+        let mut got = vec![0u8; data.len()];
+        std::thread::scope(|s| {
+            let sender = s.spawn(|| near.send(5, &data));
+            far.recv(5, &mut got).unwrap();
+            sender.join().unwrap().unwrap();
+        });
+        assert_eq!(got, data);
+        // A token already claimed, or never sent, times out saying what came.
+        let err = listener
+            .claim(1, Duration::from_millis(50))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("0 of 0 lanes arrived"), "{err}");
+        drop(b);
+    }
+
+    #[test]
+    fn an_incomplete_set_times_out_and_closing_fails_waiters() {
+        let listener = Arc::new(LaneListener::bind(local()).unwrap());
+        let address = listener.address();
+        // One lane of a set of two.
+        let mut lone = TcpStream::connect(address).unwrap();
+        lone.write_all(
+            &LaneHello {
+                token: 8,
+                index: 1,
+                count: 2,
+            }
+            .encode(),
+        )
+        .unwrap();
+        let err = listener
+            .claim(8, Duration::from_millis(300))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("1 of 2 lanes arrived"), "{err}");
+        // A waiting claim fails at once when the listener closes.
+        let waiter = {
+            let listener = Arc::clone(&listener);
+            std::thread::spawn(move || listener.claim(9, Duration::from_secs(30)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        listener.close();
+        let err = waiter.join().unwrap().unwrap_err().to_string();
+        assert!(err.contains("closed"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(connect_lanes(address, 1, 1, Duration::from_secs(1))
+            .and_then(|_| listener.claim(1, Duration::from_millis(10)))
+            .is_err());
+    }
+
+    #[test]
+    fn split_ends_share_the_lanes_and_shutdown_stops_a_blocked_transfer() {
+        let (a, b) = pair(2);
+        let (mut a_send, mut a_recv) = a.split().unwrap();
+        let (mut b_send, mut b_recv) = b.split().unwrap();
+        let ping = vec![1u8; 5000];
+        let pong = vec![2u8; 7000];
+        let (mut got_ping, mut got_pong) = (vec![0u8; 5000], vec![0u8; 7000]);
+        std::thread::scope(|s| {
+            let t1 = s.spawn(|| a_send.send(1, &ping));
+            let t2 = s.spawn(|| b_send.send(2, &pong));
+            b_recv.recv(1, &mut got_ping).unwrap();
+            a_recv.recv(2, &mut got_pong).unwrap();
+            t1.join().unwrap().unwrap();
+            t2.join().unwrap().unwrap();
+        });
+        assert_eq!((got_ping, got_pong), (ping, pong));
+        // A receive blocked on a silent peer fails once the lanes are shut down.
+        let mut buf = vec![0u8; 4096];
+        std::thread::scope(|s| {
+            let blocked = s.spawn(|| b_recv.recv(3, &mut buf));
+            std::thread::sleep(Duration::from_millis(50));
+            b_send.shutdown();
+            assert!(blocked.join().unwrap().is_err());
+        });
     }
 
     fn pair(lanes: usize) -> (MptChannel, MptChannel) {

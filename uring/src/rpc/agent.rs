@@ -52,10 +52,11 @@ use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::calls::Calls;
 use super::client::RpcClient;
-use super::error::RpcError;
+use super::error::{RpcError, TransportError};
 use super::io::{Io, Job};
 use super::lane::{self, Lanes};
 use super::message::{default_wait_spin, mark_io_thread, run_handler, Handler, Message, RpcFuture};
+use super::mpt::MptSetup;
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::shm::ShmTransport;
 use super::tcp::TcpTransport;
@@ -98,10 +99,16 @@ pub struct RpcOptions {
     /// not viable here is left out with its reason logged. Default: none.
     pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
-    /// build runs (`xth`, `cma`, `basic`). Unknown names (and `mpt`, not run yet) are
-    /// errors; a channel that cannot work in this process (cma under a seccomp policy or
-    /// Yama `ptrace_scope` 3, ...) is left out with its reason logged.
+    /// build runs (`xth`, `cma`, `mpt`, `basic`). Unknown names (and the CUDA channels,
+    /// not run by the agent yet) are errors; a channel that cannot work in this process
+    /// (cma under a seccomp policy or Yama `ptrace_scope` 3, ...) is left out with its
+    /// reason logged, and so is `mpt` when this worker runs no tcp transport or injects
+    /// faults.
     pub channels: Option<Vec<String>>,
+    /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
+    /// 64; a large tensor is split evenly over them. Default
+    /// [`DEFAULT_MPT_LANES`](super::DEFAULT_MPT_LANES).
+    pub mpt_lanes: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
     /// `basic` channel) even where `cma` or `xth` was negotiated. Default
     /// [`DEFAULT_MIN_CHANNEL_BYTES`](super::channels::DEFAULT_MIN_CHANNEL_BYTES).
@@ -169,6 +176,7 @@ impl std::fmt::Debug for RpcOptions {
             )
             .field("channels", &self.channels)
             .field("min_channel_bytes", &self.min_channel_bytes)
+            .field("mpt_lanes", &self.mpt_lanes)
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
             .field("device_count", &self.device_count)
@@ -193,6 +201,7 @@ impl Default for RpcOptions {
             transport_plugins: Vec::new(),
             channels: None,
             min_channel_bytes: super::channels::DEFAULT_MIN_CHANNEL_BYTES,
+            mpt_lanes: super::DEFAULT_MPT_LANES,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             device_count: 0,
@@ -458,6 +467,16 @@ pub fn init_rpc(
             reason: "at least one thread must run handlers".into(),
         });
     }
+    if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
+        return Err(RpcError::InvalidOption {
+            option: "mpt_lanes",
+            reason: format!(
+                "{} lanes: a pipe opens 1 to {}",
+                options.mpt_lanes,
+                crate::channel::mpt::MAX_LANES
+            ),
+        });
+    }
     // shm's viability: the host identity and a test allocation.
     let shm = ShmTransport::new();
     let shm_reason = shm.as_ref().err().map(ToString::to_string);
@@ -479,10 +498,30 @@ pub fn init_rpc(
         .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
         .filter(|(kind, _)| transports.iter().any(|&(k, _)| k == *kind))
         .collect();
-    let channels = ranked_channels(
+    let mut channels = ranked_channels(
         options.channels.as_deref(),
         super::channels::domain_descriptor,
     )?;
+    // mpt's lanes are served by lane threads over tcp.
+    let mpt_reason = if !transports.iter().any(|&(k, _)| k == TransportKind::Tcp) {
+        Some("this worker runs no tcp transport")
+    } else if !options.fault_injection.is_empty() {
+        Some("fault injection keeps every pipe on the I/O thread, which does not run mpt")
+    } else {
+        None
+    };
+    if let Some(reason) = mpt_reason {
+        if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
+            tracing::info!(channel = %ChannelKind::Mpt, reason, "the channel is not offered");
+            channels.retain(|&(k, _, _)| k != ChannelKind::Mpt);
+        }
+        if channels.is_empty() {
+            return Err(RpcError::InvalidOption {
+                option: "channels",
+                reason: format!("no channel left: mpt is not offered because {reason}"),
+            });
+        }
+    }
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
         if handler_name.starts_with(RESERVED_PREFIX)
@@ -644,6 +683,17 @@ impl Start {
             offered.push((kind, priority, transport.domain_descriptor().to_string()));
             running.push(transport);
         }
+        let mpt = if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
+            let started = MptSetup::start(host, options.mpt_lanes).map_err(|source| {
+                RpcError::from(TransportError::Listen {
+                    address: format!("mpt://{}", SocketAddr::new(host, 0)),
+                    source,
+                })
+            })?;
+            Some(started)
+        } else {
+            None
+        };
         let offer = OfferSpec {
             transports: offered,
             channels,
@@ -675,6 +725,7 @@ impl Start {
             calls_table: Calls::new(),
             lanes: Mutex::new(Lanes::default()),
             lanes_enabled: options.fault_injection.is_empty(),
+            mpt,
             wait_spin: options.wait_spin,
         });
         if world_size.is_none() {
@@ -688,6 +739,11 @@ impl Start {
         );
         let (io_thread, address) =
             spawn_io(&shared, running, jobs_tx, options.fault_injection.clone())?;
+        // The mpt lane listener's address goes last: it is no transport.
+        let address = match &shared.mpt {
+            Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
+            None => address,
+        };
         let agent = RpcAgent {
             shared: Arc::clone(&shared),
             client: RpcClient::new(Arc::clone(&shared)),
@@ -1293,6 +1349,9 @@ impl RpcAgent {
         if let Some(io) = io {
             let _ = io.join();
         }
+        if let Some(mpt) = &self.shared.mpt {
+            mpt.listener.close();
+        }
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
         if goodbye {
             // Every call in the group is over: the pool's threads exit at once.
@@ -1635,6 +1694,7 @@ mod tests {
             Ok([
                 (ChannelKind::Xth, 1300),
                 (ChannelKind::Cma, 1200),
+                (ChannelKind::Mpt, 1100),
                 (ChannelKind::Basic, 1000)
             ])
         ));
@@ -1655,9 +1715,9 @@ mod tests {
             ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
             Err(RpcError::Backends { .. })
         ));
-        let mpt = ranked_channels(Some(&names(&["mpt", "basic"])), viable);
-        let text = mpt.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.contains("mpt is not implemented"), "{text}");
+        let cuda = ranked_channels(Some(&names(&["cuda_ipc", "basic"])), viable);
+        let text = cuda.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("cuda_ipc is not implemented"), "{text}");
         // A channel that cannot work here is left out; if nothing is left, that is an
         // error that says why.
         let no_cma = |kind: ChannelKind| match kind {

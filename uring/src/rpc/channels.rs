@@ -16,7 +16,15 @@
 //! A receiver checks, before reading anything, that the channel a tensor names is the
 //! one negotiated for its device pair on this pipe, that the descriptor decodes and
 //! announces the tensor's length, and (cma) that every descriptor of a pipe names the
-//! same process: a pipe reads from one peer process only. mpt is not run here.
+//! same process: a pipe reads from one peer process only.
+//!
+//! `mpt` works the other way round: the sender *pushes*. A tensor sent over mpt is
+//! [`FrameExports::take_streamed`] by the lane, which writes its stripes on the pipe's
+//! mpt lanes right after the frame, under the same send lock; the receiving lane reads
+//! them as soon as it has read the frame, under its receive lock, and turns the entry
+//! into an inline one. So the stripes on the lanes are always in frame order, no buffer
+//! is lent and no ack is needed. Only a pipe served by a lane over tcp has mpt lanes;
+//! any other sends its tensors inline instead.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -32,6 +40,8 @@ use super::shared::BASIC_DESCRIPTOR;
 use super::transport::OwnedFrame;
 use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{self, CmaDescriptor, CmaExport, CmaPeer};
+use crate::channel::mpt::MptDescriptor;
+use crate::channel::next_transfer_id;
 use crate::channel::xth::{self, XthDescriptor, XthExport};
 use crate::channel::ProcessIdentity;
 
@@ -113,8 +123,16 @@ fn read_in_slices(
 }
 
 /// The channels the RPC agent runs, in `ChannelKind::ALL` order.
-pub(crate) const RUNNABLE: [ChannelKind; 3] =
-    [ChannelKind::Xth, ChannelKind::Cma, ChannelKind::Basic];
+pub(crate) const RUNNABLE: [ChannelKind; 4] = [
+    ChannelKind::Xth,
+    ChannelKind::Cma,
+    ChannelKind::Mpt,
+    ChannelKind::Basic,
+];
+
+/// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
+/// use it (the connector chooses how many lanes to open).
+pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 
 /// The domain descriptor of `kind` in this process, or why it cannot run here. For cma
 /// this runs TensorPipe's viability checks (and, under Yama `ptrace_scope` 1, lets any
@@ -123,6 +141,7 @@ pub(crate) const RUNNABLE: [ChannelKind; 3] =
 pub(crate) fn domain_descriptor(kind: ChannelKind) -> Result<String, String> {
     match kind {
         ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
+        ChannelKind::Mpt => Ok(MPT_DESCRIPTOR.to_string()),
         ChannelKind::Cma => cma::viability()
             .map(|domain| domain.as_str().to_string())
             .map_err(|e| e.to_string()),
@@ -147,12 +166,20 @@ enum Export {
 #[derive(Default)]
 pub(crate) struct FrameExports {
     exports: Vec<Export>,
+    /// Tensors to push over mpt after the frame, by transfer id, in frame order.
+    streamed: Vec<(u64, Vec<u8>)>,
 }
 
 impl FrameExports {
     /// Whether the frame lent nothing.
     pub fn is_empty(&self) -> bool {
         self.exports.is_empty()
+    }
+
+    /// The tensors the frame sends over mpt, in frame order: the sender writes them on
+    /// its mpt lanes right after the frame.
+    pub fn take_streamed(&mut self) -> Vec<(u64, Vec<u8>)> {
+        std::mem::take(&mut self.streamed)
     }
 
     /// Releases the buffers after the peer said it is done with them (a reply to the
@@ -234,7 +261,8 @@ fn export_failed(kind: ChannelKind, peer: &str, reason: impl fmt::Display) -> Rp
 /// Adds `data` to `frame` as a tensor from `source` to `target` over `channel` (the one
 /// negotiated for the pair): inline when the channel is `basic` or the tensor is below
 /// `min_channel_bytes`, otherwise as an export whose descriptor goes into the frame and
-/// whose buffer joins `exports`. Counts the bytes per channel into `moved`.
+/// whose buffer joins `exports` (for `mpt`: whose bytes join the tensors the lane pushes
+/// after the frame). Counts the bytes per channel into `moved`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_tensor(
     frame: &mut OwnedFrame,
@@ -267,6 +295,19 @@ pub(crate) fn add_tensor(
             let export = XthExport::new(data).map_err(|e| export_failed(channel, peer, e))?;
             let descriptor = export.descriptor().encode().to_vec();
             (Export::Xth(export), descriptor)
+        }
+        ChannelKind::Mpt => {
+            let transfer_id = next_transfer_id();
+            let descriptor = MptDescriptor { transfer_id }.encode().to_vec();
+            frame.tensors.push(TensorDescriptor {
+                channel,
+                channel_descriptor_len: MptDescriptor::ENCODED_LEN as u8,
+                ..TensorDescriptor::inline(source, target, len)
+            });
+            frame.tensor_data.push(descriptor);
+            exports.streamed.push((transfer_id, data));
+            moved.add(channel, len);
+            return Ok(());
         }
         other => {
             return Err(export_failed(
@@ -421,6 +462,14 @@ impl ReceivedTensors {
                         device,
                         descriptor: decoded,
                     });
+                }
+                // Its stripes are read off the lanes as the frame arrives, which turns
+                // the entry into an inline one; one still here came on a pipe that has
+                // no lanes.
+                ChannelKind::Mpt => {
+                    return Err(refuse(
+                        "the peer streamed it, but this pipe has no mpt lanes".into(),
+                    ))
                 }
                 _ => return Err(refuse("this worker does not run this channel".into())),
             }
@@ -760,7 +809,11 @@ mod tests {
             domain_descriptor(ChannelKind::Basic).as_deref(),
             Ok(BASIC_DESCRIPTOR)
         );
-        let err = domain_descriptor(ChannelKind::Mpt).expect_err("mpt is not run");
+        assert_eq!(
+            domain_descriptor(ChannelKind::Mpt).as_deref(),
+            Ok(MPT_DESCRIPTOR)
+        );
+        let err = domain_descriptor(ChannelKind::CudaIpc).expect_err("cuda_ipc is not run");
         assert!(err.contains("not run"), "{err}");
     }
 }

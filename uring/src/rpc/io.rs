@@ -46,6 +46,7 @@ use super::channels::{
 use super::error::RpcError;
 use super::lane::{self, Lane};
 use super::message::{CallContext, Completion, Message};
+use super::mpt::{self, MptLanes};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
     address_for, BlockingHalves, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener,
@@ -53,7 +54,17 @@ use super::transport::{
 };
 
 /// An accepted inbound pipe: the peer's name and id, and what was negotiated.
-type Accepted = (String, WorkerId, Negotiated);
+/// A pipe's halves after the handshake, what it negotiated, and the token to open its
+/// mpt lanes with (when it has them).
+type OpenedPipe = (
+    Box<dyn FrameSender>,
+    Box<dyn FrameReceiver>,
+    Negotiated,
+    Option<u64>,
+);
+
+/// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
+type Accepted = (String, WorkerId, Negotiated, u64);
 
 /// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
 /// to be pulled (out-of-band ones) on the pool's thread before the handler runs.
@@ -368,8 +379,8 @@ impl Io {
             &mut exports,
             message.tensors,
             &peer,
-            Role::Connector,
-            &pipe.negotiated,
+            // Executor pipes have no mpt lanes.
+            (Role::Connector, &pipe.negotiated, false),
             false,
         );
         if let Err(e) = built {
@@ -424,8 +435,13 @@ impl Io {
             inbound.negotiated,
         );
         drop(state);
-        let (frame, exports) =
-            lane::response_frame(&self.shared, message_id, result, &peer, &negotiated);
+        let (frame, exports) = lane::response_frame(
+            &self.shared,
+            message_id,
+            result,
+            &peer,
+            (Role::Listener, &negotiated, false),
+        );
         if !exports.is_empty() {
             // Held until the caller's ack, or the pipe's end.
             if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
@@ -565,7 +581,7 @@ impl Io {
     /// Opens client pipe `id` to `peer`: connect, handshake, then send the queued calls.
     async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
         match self.open_pipe(&peer, &address).await {
-            Ok((sender, receiver, negotiated)) => {
+            Ok((sender, receiver, negotiated, mpt_token)) => {
                 let current = matches!(
                     self.state.borrow().client_pipes.get(&peer),
                     Some(ClientPipe::Connecting { id: c, .. }) if *c == id
@@ -585,8 +601,28 @@ impl Io {
                         .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
                 }
                 let (sender, receiver) = if self.shared.lanes_enabled {
+                    let mpt = match (mpt_token, &self.shared.mpt) {
+                        (Some(token), Some(setup)) => {
+                            let (published, lanes) = (address.clone(), setup.lanes);
+                            let opened = glommio::executor()
+                                .spawn_blocking(move || mpt::connect(&published, token, lanes))
+                                .await;
+                            match opened {
+                                Ok(lanes) => Some(lanes),
+                                Err(reason) => {
+                                    let reason = format!("cannot open its mpt lanes: {reason}");
+                                    tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
+                                    return self.fail_pipe(id, &peer, || RpcError::PipeBroken {
+                                        peer: peer.clone(),
+                                        reason: reason.clone(),
+                                    });
+                                }
+                            }
+                        }
+                        _ => None,
+                    };
                     match sender.into_blocking(receiver).await {
-                        Ok(halves) => return self.client_lane(id, peer, negotiated, halves),
+                        Ok(halves) => return self.client_lane(id, peer, negotiated, halves, mpt),
                         Err(NotBlocking::Unsupported(sender, receiver)) => (sender, receiver),
                         Err(NotBlocking::Failed(e)) => {
                             return self.pipe_ended(id, &peer, e.to_string());
@@ -626,7 +662,14 @@ impl Io {
 
     /// Client pipe `id` to `peer` becomes a lane; the calls queued while it opened go
     /// out on it.
-    fn client_lane(&self, id: u64, peer: String, negotiated: Negotiated, halves: BlockingHalves) {
+    fn client_lane(
+        &self,
+        id: u64,
+        peer: String,
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+        mpt: Option<MptLanes>,
+    ) {
         let current = matches!(
             self.state.borrow().client_pipes.get(&peer),
             Some(ClientPipe::Connecting { id: c, .. }) if *c == id
@@ -634,11 +677,15 @@ impl Io {
         if !current {
             // Reset or closed while it was taken off the executor.
             halves.stop.stop();
+            if let Some(mpt) = mpt {
+                mpt.shutdown();
+            }
             return;
         }
         // The lane is registered before the executor forgets the pipe, so that no call
         // in between opens another one.
-        let Some(lane) = Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves)
+        let Some(lane) =
+            Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves, mpt)
         else {
             return self.pipe_ended(id, &peer, "this worker is shutting down".into());
         };
@@ -659,12 +706,9 @@ impl Io {
     /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
     /// if a better transport was negotiated, the handshake again over that one, whose
     /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
-    /// connection carries the pipe.
-    async fn open_pipe(
-        &self,
-        peer: &str,
-        address: &str,
-    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+    /// connection carries the pipe (without mpt lanes: the peer's side of it did not
+    /// negotiate tcp).
+    async fn open_pipe(&self, peer: &str, address: &str) -> Result<OpenedPipe, OpenFailure> {
         let Some(bootstrap) = self.transports.last() else {
             return Err(OpenFailure {
                 address: address.to_string(),
@@ -672,10 +716,10 @@ impl Io {
                 connecting: true,
             });
         };
-        let (mut sender, receiver, negotiated) =
+        let (mut sender, receiver, negotiated, mpt_token) =
             self.handshake_over(&**bootstrap, peer, address).await?;
         if negotiated.transport == bootstrap.kind() {
-            return Ok((sender, receiver, negotiated));
+            return Ok((sender, receiver, negotiated, mpt_token));
         }
         let upgraded = match self
             .transports
@@ -685,9 +729,9 @@ impl Io {
             Some(better) => self
                 .handshake_over(&**better, peer, address)
                 .await
-                .and_then(|(s, r, n)| {
+                .and_then(|(s, r, n, t)| {
                     if n.transport == better.kind() {
-                        Ok((s, r, n))
+                        Ok((s, r, n, t))
                     } else {
                         Err(OpenFailure {
                             address: address.to_string(),
@@ -726,19 +770,20 @@ impl Io {
                     transport: bootstrap.kind(),
                     ..negotiated
                 };
-                Ok((sender, receiver, negotiated))
+                Ok((sender, receiver, negotiated, None))
             }
         }
     }
 
     /// Connects with `transport` to its listener in the peer's published `address` and
-    /// runs the hello/answer handshake.
+    /// runs the hello/answer handshake. The token comes back when the pipe is to open
+    /// mpt lanes with it.
     async fn handshake_over(
         &self,
         transport: &dyn Transport,
         peer: &str,
         address: &str,
-    ) -> Result<(Box<dyn FrameSender>, Box<dyn FrameReceiver>, Negotiated), OpenFailure> {
+    ) -> Result<OpenedPipe, OpenFailure> {
         let Some(address) = address_for(address, transport.kind()) else {
             return Err(OpenFailure {
                 address: address.to_string(),
@@ -762,10 +807,12 @@ impl Io {
             .offer
             .offer()
             .map_err(|e| handshake(e.to_string()))?;
+        let lanes_token = mpt::new_token();
         let hello = Handshake::Hello {
             name: self.name(),
             id: self.shared.me.id(),
             brochure: offer.brochure(),
+            lanes_token,
         };
         sender
             .send(handshake_frame(&hello).map_err(handshake)?)
@@ -788,7 +835,8 @@ impl Io {
         })
         .and_then(|r| r)
         .map_err(handshake)?;
-        Ok((sender, receiver, negotiated))
+        let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);
+        Ok((sender, receiver, negotiated, mpt_token))
     }
 
     async fn client_reader(
@@ -842,7 +890,12 @@ impl Io {
             Err(e) => return (Err(e.to_string()), None),
         };
         let decided = with_handshake(hello, |handshake| match handshake {
-            Handshake::Hello { name, id, brochure } => {
+            Handshake::Hello {
+                name,
+                id,
+                brochure,
+                lanes_token,
+            } => {
                 let known = self.shared.group().peers.get(name).map(|p| p.id);
                 // A dynamic group's newcomer connects before the members know it.
                 if known != Some(id) && !self.shared.dynamic {
@@ -857,12 +910,20 @@ impl Io {
                     answer,
                 };
                 let frame = handshake_frame(&reply)?;
-                Ok((name.to_string(), id, answer.negotiated(), frame))
+                Ok((
+                    name.to_string(),
+                    id,
+                    answer.negotiated(),
+                    lanes_token,
+                    frame,
+                ))
             }
             _ => Err("the first frame of a pipe must be a hello".to_string()),
         });
         match decided {
-            Ok(Ok((name, id, negotiated, frame))) => (Ok((name, id, negotiated)), Some(frame)),
+            Ok(Ok((name, id, negotiated, token, frame))) => {
+                (Ok((name, id, negotiated, token)), Some(frame))
+            }
             Ok(Err(reason)) => {
                 let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
                 (Err(reason), refusal)
@@ -889,7 +950,7 @@ impl Io {
                 return;
             }
         }
-        let (peer, peer_id, negotiated) = match decided {
+        let (peer, peer_id, negotiated, lanes_token) = match decided {
             Ok(d) => d,
             Err(reason) => {
                 tracing::warn!(%from, %reason, "refused an RPC pipe");
@@ -915,6 +976,7 @@ impl Io {
                             negotiated,
                             halves,
                             jobs,
+                            mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
                         ),
                         None => halves.stop.stop(),
                     }

@@ -24,7 +24,10 @@
 //!
 //! Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it lends
 //! until the reply (requests) or the caller's `Ack` (responses), and pulls what it is
-//! lent on the thread that received the frame.
+//! lent on the thread that received the frame. Only lanes run `mpt` (see
+//! [`super::mpt`]): a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
+//! lanes under its send lock, right after the frame, and reads them under its receive
+//! lock as soon as it has the frame.
 //!
 //! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
 //! lane that fails fails the calls sent on it and leaves the registry; the next call
@@ -34,10 +37,10 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use rdzv_core::negotiate::{Negotiated, Role};
+use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
 use rdzv_core::rpc::name::WorkerId;
 
@@ -51,6 +54,7 @@ use super::error::TransportError;
 use super::io::Job;
 use super::message::Completion;
 use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
+use super::mpt::{MptLanes, LANES_TIMEOUT};
 use super::recycle;
 use super::shared::{Call, Command, Shared};
 use super::transport::{
@@ -84,6 +88,11 @@ pub(crate) struct Lane {
     /// Set when the lane ends: a pull that overlapped its end may have read buffers the
     /// peer released, so its result is refused.
     ended: AtomicBool,
+    /// The side this lane plays in its pipe's negotiation.
+    role: Role,
+    /// The pipe's mpt lanes, when it negotiated mpt (set before the first frame is
+    /// read or sent with mpt tensors).
+    mpt: OnceLock<MptLanes>,
 }
 
 /// Every lane of a worker.
@@ -129,7 +138,13 @@ fn lanes(shared: &Shared) -> MutexGuard<'_, Lanes> {
 }
 
 impl Lane {
-    fn new(id: u64, peer: String, negotiated: Negotiated, halves: BlockingHalves) -> Arc<Lane> {
+    fn new(
+        id: u64,
+        peer: String,
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+        role: Role,
+    ) -> Arc<Lane> {
         let BlockingHalves {
             sender,
             receiver,
@@ -147,7 +162,28 @@ impl Lane {
             reader: Arc::new(PipeReader::default()),
             exports: Mutex::new(HashMap::new()),
             ended: AtomicBool::new(false),
+            role,
+            mpt: OnceLock::new(),
         })
+    }
+
+    /// Whether this lane streams tensors over mpt lanes.
+    fn streams(&self) -> bool {
+        self.mpt.get().is_some()
+    }
+
+    /// Reads the mpt tensors of `frame`, just received under the receive lock.
+    fn fill(&self, frame: &mut IncomingFrame) -> Result<(), TransportError> {
+        let Some(mpt) = self.mpt.get() else {
+            // Refused per tensor when the frame is served: no lane carries them.
+            return Ok(());
+        };
+        mpt.fill(frame, &self.negotiated, self.role)
+            .map_err(|reason| TransportError::Io {
+                op: "receive mpt tensors from",
+                peer: self.peer.clone(),
+                source: std::io::Error::other(reason),
+            })
     }
 
     /// Whether a waiting caller can read this lane itself.
@@ -180,7 +216,12 @@ impl Lane {
     /// may read meanwhile; any other lane receives, blocking.
     fn next_frame(&self, spin: Duration) -> Result<Option<IncomingFrame>, TransportError> {
         let Some(wake) = &self.wake else {
-            return self.receiver().recv(FrameLimits::DEFAULT);
+            let mut receiver = self.receiver();
+            let mut frame = receiver.recv(FrameLimits::DEFAULT)?;
+            if let Some(frame) = &mut frame {
+                self.fill(frame)?;
+            }
+            return Ok(frame);
         };
         let start = Instant::now();
         let mut spinning = !spin.is_zero();
@@ -188,7 +229,10 @@ impl Lane {
             {
                 let mut receiver = self.receiver();
                 match receiver.try_recv(FrameLimits::DEFAULT)? {
-                    TryRecv::Frame(frame) => return Ok(Some(frame)),
+                    TryRecv::Frame(mut frame) => {
+                        self.fill(&mut frame)?;
+                        return Ok(Some(frame));
+                    }
                     TryRecv::Closed => return Ok(None),
                     TryRecv::Empty => {}
                 }
@@ -204,7 +248,10 @@ impl Lane {
                         if gone {
                             // What it published before it went is still delivered.
                             return match receiver.try_recv(FrameLimits::DEFAULT)? {
-                                TryRecv::Frame(frame) => Ok(Some(frame)),
+                                TryRecv::Frame(mut frame) => {
+                                    self.fill(&mut frame)?;
+                                    Ok(Some(frame))
+                                }
                                 TryRecv::Closed => Ok(None),
                                 TryRecv::Empty => Err(TransportError::Io {
                                     op: "receive from",
@@ -241,7 +288,11 @@ impl Lane {
             let mut round = 0u32;
             while !completion.is_done_relaxed() {
                 match receiver.try_recv(FrameLimits::DEFAULT) {
-                    Ok(TryRecv::Frame(frame)) => {
+                    Ok(TryRecv::Frame(mut frame)) => {
+                        if let Err(e) = self.fill(&mut frame) {
+                            ended = Some(e.to_string());
+                            break;
+                        }
                         if let Some(reason) = self.on_client_frame(shared, frame) {
                             ended = Some(reason);
                             break;
@@ -336,8 +387,12 @@ impl Lane {
         peer: String,
         negotiated: Negotiated,
         halves: BlockingHalves,
+        mpt: Option<MptLanes>,
     ) -> Option<Arc<Lane>> {
-        let lane = Lane::new(id, peer, negotiated, halves);
+        let lane = Lane::new(id, peer, negotiated, halves, Role::Connector);
+        if let Some(mpt) = mpt {
+            let _ = lane.mpt.set(mpt);
+        }
         let registered = Arc::clone(&lane);
         Lane::start(
             shared,
@@ -349,7 +404,8 @@ impl Lane {
     }
 
     /// Starts inbound lane `id` from `peer` and its reader thread, which serves the
-    /// peer's requests (non-inline ones through `jobs`).
+    /// peer's requests (non-inline ones through `jobs`). With `mpt_token`, the reader
+    /// first claims the pipe's mpt lanes that the peer opened with that token.
     pub fn start_inbound(
         shared: &Arc<Shared>,
         id: u64,
@@ -357,16 +413,43 @@ impl Lane {
         negotiated: Negotiated,
         halves: BlockingHalves,
         jobs: Sender<Job>,
+        mpt_token: Option<u64>,
     ) {
         let (name, peer_id) = peer;
-        let lane = Lane::new(id, name, negotiated, halves);
+        let lane = Lane::new(id, name, negotiated, halves, Role::Listener);
         let registered = Arc::clone(&lane);
         Lane::start(
             shared,
             &lane,
             move |lanes| lanes.inbound.insert(id, registered),
-            move |shared, lane| inbound_reader(shared, lane, peer_id, &jobs),
+            move |shared, lane| {
+                if let Some(token) = mpt_token {
+                    if let Err(reason) = lane.claim_mpt(shared, token) {
+                        tracing::warn!(peer = %lane.peer, %reason, "an inbound RPC pipe's mpt lanes did not arrive");
+                        return lane.end(shared, reason);
+                    }
+                }
+                inbound_reader(shared, lane, peer_id, &jobs);
+            },
         );
+    }
+
+    /// Takes the mpt lanes the peer opened for this pipe with `token`.
+    fn claim_mpt(&self, shared: &Shared, token: u64) -> Result<(), String> {
+        let Some(setup) = &shared.mpt else {
+            return Err("this worker runs no mpt lane listener".into());
+        };
+        let streams = setup
+            .listener
+            .claim(token, LANES_TIMEOUT)
+            .map_err(|e| e.to_string())?;
+        let lanes = MptLanes::new(streams)?;
+        if self.ended.load(Ordering::Acquire) {
+            lanes.shutdown();
+            return Err("the pipe ended while its mpt lanes were opened".into());
+        }
+        let _ = self.mpt.set(lanes);
+        Ok(())
     }
 
     /// Registers `lane` (with `register`, unless the registry is closed) and starts its
@@ -454,8 +537,7 @@ impl Lane {
             &mut exports,
             message.tensors,
             &self.peer,
-            Role::Connector,
-            &self.negotiated,
+            (Role::Connector, &self.negotiated, self.streams()),
             false,
         );
         if let Err(e) = built {
@@ -466,11 +548,12 @@ impl Lane {
             return;
         }
         shared.calls_table.set_sent(message_id, sent_bytes(&frame));
+        let streamed = exports.take_streamed();
         if !exports.is_empty() {
             // Held until the reply arrives or the lane ends.
             self.exports().insert(message_id, exports);
         }
-        let sent = self.send(&frame);
+        let sent = self.send_with(&frame, streamed);
         recycle::give_all(frame.tensor_data);
         if let Err(reason) = sent {
             self.end(shared, reason);
@@ -479,17 +562,23 @@ impl Lane {
 
     /// Sends the response to request `message_id` of this inbound lane.
     pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
-        let (frame, exports) =
-            response_frame(shared, message_id, result, &self.peer, &self.negotiated);
+        let (frame, mut exports) = response_frame(
+            shared,
+            message_id,
+            result,
+            &self.peer,
+            (Role::Listener, &self.negotiated, self.streams()),
+        );
+        let streamed = exports.take_streamed();
         if !exports.is_empty() {
             // Held until the caller's ack, or the lane's end.
             self.exports().insert(message_id, exports);
         }
-        let sent = self.send(&frame);
+        let sent = self.send_with(&frame, streamed);
         recycle::give_all(frame.tensor_data);
         if let Err(reason) = sent {
             tracing::debug!(peer = %self.peer, %reason, "an RPC response could not be sent");
-            self.stop.stop();
+            self.stop();
         }
     }
 
@@ -501,11 +590,30 @@ impl Lane {
     /// Ends the connection; the reader thread sees it and cleans up.
     pub fn stop(&self) {
         self.stop.stop();
+        if let Some(mpt) = self.mpt.get() {
+            mpt.shutdown();
+        }
     }
 
     fn send(&self, frame: &OwnedFrame) -> Result<u64, String> {
+        self.send_with(frame, Vec::new())
+    }
+
+    /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
+    /// tensors, whose buffers go back to the recycle pool.
+    fn send_with(&self, frame: &OwnedFrame, streamed: Vec<(u64, Vec<u8>)>) -> Result<u64, String> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
-        sender.send(frame).map_err(|e| e.to_string())
+        let sent = sender.send(frame).map_err(|e| e.to_string())?;
+        if streamed.is_empty() {
+            return Ok(sent);
+        }
+        let pushed = match self.mpt.get() {
+            Some(mpt) => mpt.push(&streamed),
+            None => Err("the frame has mpt tensors, but the pipe has no mpt lanes".into()),
+        };
+        drop(sender);
+        recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
+        pushed.map(|()| sent)
     }
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
@@ -525,7 +633,7 @@ impl Lane {
             }
         }
         self.ended.store(true, Ordering::Release);
-        self.stop.stop();
+        self.stop();
         // Released last: the peer can no longer ask for them.
         let lent = std::mem::take(&mut *self.exports());
         drop(lent);
@@ -697,17 +805,17 @@ pub(crate) fn serve_request(
 
 /// Builds the frame's tensors: each tensor's target device is the device map's image
 /// of its device (or the same device), and it goes over the channel negotiated for the
-/// pair (inline below `min_channel_bytes`, or when that channel is `basic`); the buffers
-/// lent to the peer join `exports`. The frame must then pass the receiver's limits.
-#[allow(clippy::too_many_arguments)]
+/// pair on the pipe (which this side plays as `role`; inline below `min_channel_bytes`,
+/// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
+/// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
+/// The frame must then pass the receiver's limits.
 pub(crate) fn tensor_frame(
     shared: &Shared,
     frame: &mut OwnedFrame,
     exports: &mut FrameExports,
     tensors: Vec<Tensor>,
     peer: &str,
-    role: Role,
-    negotiated: &Negotiated,
+    (role, negotiated, streams): (Role, &Negotiated, bool),
     reverse: bool,
 ) -> Result<(), RpcError> {
     let map = {
@@ -731,6 +839,10 @@ pub(crate) fn tensor_frame(
                 source_device: tensor.device.to_string(),
                 target_device: target.to_string(),
             });
+        };
+        let channel = match channel {
+            ChannelKind::Mpt if !streams => ChannelKind::Basic,
+            other => other,
         };
         add_tensor(
             frame,
@@ -759,7 +871,7 @@ pub(crate) fn response_frame(
     message_id: u64,
     result: Result<Message, String>,
     peer: &str,
-    negotiated: &Negotiated,
+    pipe: (Role, &Negotiated, bool),
 ) -> (OwnedFrame, FrameExports) {
     let mut exports = FrameExports::default();
     let frame = match result {
@@ -775,8 +887,7 @@ pub(crate) fn response_frame(
                 &mut exports,
                 message.tensors,
                 peer,
-                Role::Listener,
-                negotiated,
+                pipe,
                 true,
             ) {
                 Ok(()) => frame,

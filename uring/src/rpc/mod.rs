@@ -13,6 +13,7 @@
 //! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
 //! | `io` | the I/O thread: one glommio executor that accepts, connects, runs handshakes and serves pipes that stay on it |
 //! | `lane` | pipes served by threads once their handshake is done (tcp, shm) |
+//! | `mpt` | the `mpt` channel's extra connections per pipe, and when a pipe has them |
 //! | `calls` | every call in flight, and the one timer thread for their deadlines |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
 //! | [`tcp`] | the `tcp` transport on glommio, and on a blocking socket for lanes |
@@ -34,13 +35,14 @@
 //! In this increment: static and dynamic groups, the `shm` and `tcp` transports (shm
 //! is negotiated between workers on one host (shared memory permitting); every pipe
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
-//! offer it), the `xth`, `cma` and `basic` channels (CPU tensors of at least
-//! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host;
+//! offer it), the `xth`, `cma`, `mpt` and `basic` channels (CPU tensors of at least
+//! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host,
+//! or striped over [`RpcOptions::mpt_lanes`] extra TCP connections between hosts;
 //! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
 //! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
-//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. mpt and the CUDA channels are
-//! not wired in yet; asking for them is an error that says so.
+//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. The CUDA channels are not
+//! wired in yet; asking for them is an error that says so.
 
 pub mod agent;
 pub mod backend;
@@ -51,6 +53,7 @@ pub mod error;
 mod io;
 mod lane;
 pub mod message;
+mod mpt;
 mod recycle;
 mod shared;
 pub mod shm;
@@ -63,4 +66,5 @@ pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
+pub use mpt::DEFAULT_MPT_LANES;
 pub use transport::TransportPlugin;

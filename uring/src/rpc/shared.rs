@@ -202,6 +202,8 @@ pub(crate) struct Shared {
     /// Whether pipes may become lanes (not under fault injection, whose rules live on
     /// the executor).
     pub lanes_enabled: bool,
+    /// The mpt lane listener and lane count, when this worker offers mpt.
+    pub mpt: Option<super::mpt::MptSetup>,
     /// `RpcOptions::wait_spin`.
     pub wait_spin: std::time::Duration,
 }

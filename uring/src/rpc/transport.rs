@@ -403,7 +403,8 @@ pub struct IncomingFrame {
     /// its channel descriptor for any other (the agent fetches the bytes over the
     /// channel).
     pub tensors: Vec<(TensorDescriptor, Vec<u8>)>,
-    /// The frame's size on the wire.
+    /// The frame's size on the wire, plus the stripes of its mpt tensors once a lane
+    /// has read them.
     pub wire_len: u64,
 }
 

@@ -1,8 +1,8 @@
 //! The pipe handshake: the connector's brochure and the listener's answer, carried with
 //! postcard in the payload of a [`FrameKind::Handshake`] frame.
 //!
-//! The connector sends [`Handshake::Hello`] (its worker name and id, and its
-//! [`Brochure`]); the listener replies [`Handshake::Answer`] (its own name and id, and the
+//! The connector sends [`Handshake::Hello`] (its worker name and id, its [`Brochure`],
+//! and a token for its `mpt` lanes); the listener replies [`Handshake::Answer`] (its own name and id, and the
 //! [`BrochureAnswer`] of [`crate::negotiate::answer_brochure`]) or [`Handshake::Refused`]
 //! with a reason. Decoding borrows every string from the frame, so nothing is allocated,
 //! and it checks that the postcard bytes are exactly one message and that worker names
@@ -27,6 +27,10 @@ pub enum Handshake<'a> {
         /// Its transports and channels.
         #[serde(borrow)]
         brochure: Brochure<'a>,
+        /// A token, unique to this pipe, that the connector's extra connections (the
+        /// `mpt` channel's lanes) present to the listener, so that it can tell which
+        /// pipe they belong to. Unused unless the pipe negotiates `mpt`.
+        lanes_token: u64,
     },
     /// The listener's choice.
     Answer {

@@ -691,6 +691,7 @@ fn the_handshake_round_trips_through_postcard() {
         name: "worker1",
         id: WorkerId::from(1),
         brochure,
+        lanes_token: 0x0123_4567_89ab_cdef,
     };
     let mut buf = [0u8; 512];
     let n = hello.encode(&mut buf).unwrap();
@@ -783,6 +784,7 @@ fn bad_handshakes() {
         name: "bad name",
         id: WorkerId::from(0),
         brochure: connector.brochure(),
+        lanes_token: 0,
     };
     let mut out = Vec::new();
     bad.encode_to_vec(&mut out).unwrap();

@@ -1,0 +1,216 @@
+//! The `mpt` channel in the agent: a pipe's extra TCP connections ("mpt lanes") and the
+//! rule for when a pipe has them.
+//!
+//! A worker that offers mpt runs a [`LaneListener`] and publishes its address as
+//! `mpt://ip:port` beside its transports'. A pipe has mpt lanes when its handshake
+//! negotiated `tcp` and, for CPU tensors, `mpt` ([`uses_mpt`]: both sides compute the
+//! same answer from the same negotiation). The connector then opens
+//! [`RpcOptions::mpt_lanes`](super::RpcOptions::mpt_lanes) connections to the peer's
+//! lane listener, each presenting the token its hello carried
+//! (`Handshake::Hello::lanes_token`); the listener's side claims that set before it
+//! reads the pipe's first frame. A pipe whose lanes cannot be opened fails like a pipe
+//! that cannot connect, and the next call opens a new one.
+//!
+//! On a pipe with lanes, [`MptLanes::push`] writes a frame's mpt tensors right after the
+//! frame (the lane holds its send lock) and [`MptLanes::fill`] reads them as soon as the
+//! frame has been received (the lane holds its receive lock), so the stripes on the
+//! lanes are in frame order. Each direction has its own duplicated sockets and lock.
+//! Pipes on the I/O executor (fault injection, ibv) never have lanes: their tensors go
+//! inline.
+
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use rdzv_core::negotiate::{ChannelKind, Negotiated, Role, TransportKind};
+use rdzv_core::rpc::frame::TensorDescriptor;
+
+use super::channels::cpu_channel;
+use super::recycle;
+use super::transport::{IncomingFrame, ADDRESS_SEPARATOR};
+use crate::channel::mpt::{connect_lanes, LaneListener, MptChannel, MptDescriptor, MptOptions};
+
+/// The scheme of a lane listener's address in a worker's published address.
+pub(crate) const SCHEME: &str = "mpt";
+
+/// Lanes per pipe unless [`RpcOptions::mpt_lanes`](super::RpcOptions::mpt_lanes) says
+/// otherwise.
+pub const DEFAULT_MPT_LANES: u16 = 4;
+
+/// How long one side waits for the other's lanes: connecting them, and, on the
+/// listener's side, for all of them to arrive.
+pub(crate) const LANES_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A worker's mpt set-up: its lane listener and how many lanes its pipes open.
+#[derive(Debug)]
+pub(crate) struct MptSetup {
+    pub listener: LaneListener,
+    pub lanes: u16,
+}
+
+impl MptSetup {
+    /// Starts the lane listener on `host`.
+    pub fn start(host: IpAddr, lanes: u16) -> std::io::Result<MptSetup> {
+        Ok(MptSetup {
+            listener: LaneListener::bind(host)?,
+            lanes,
+        })
+    }
+
+    /// The listener's entry in the published address.
+    pub fn published(&self) -> String {
+        format!("{SCHEME}://{}", self.listener.address())
+    }
+}
+
+/// Whether a pipe that negotiated `negotiated` (this side playing `role`) streams CPU
+/// tensors over mpt lanes.
+pub(crate) fn uses_mpt(negotiated: &Negotiated, role: Role) -> bool {
+    negotiated.transport == TransportKind::Tcp
+        && cpu_channel(negotiated, role) == Some(ChannelKind::Mpt)
+}
+
+/// A fresh token for a pipe's hello: unique in this process (a counter) and unlikely to
+/// collide with another process's (mixed with a randomly keyed hash).
+pub(crate) fn new_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let count = NEXT.fetch_add(1, Ordering::Relaxed);
+    RandomState::new().hash_one((count, std::process::id()))
+}
+
+/// The lane listener's address in a worker's published address.
+pub(crate) fn lane_address(published: &str) -> Result<SocketAddr, String> {
+    let entry = published
+        .split(ADDRESS_SEPARATOR)
+        .find_map(|a| a.strip_prefix(SCHEME)?.strip_prefix("://"))
+        .ok_or_else(|| format!("the worker publishes no {SCHEME} address ('{published}')"))?;
+    entry
+        .parse()
+        .map_err(|_| format!("bad {SCHEME} address '{entry}': expected <ip>:<port>"))
+}
+
+/// Opens the connector's lanes of a pipe to the worker that published `published`.
+pub(crate) fn connect(published: &str, token: u64, lanes: u16) -> Result<MptLanes, String> {
+    let address = lane_address(published)?;
+    let streams = connect_lanes(address, token, lanes, LANES_TIMEOUT).map_err(|e| e.to_string())?;
+    MptLanes::new(streams)
+}
+
+/// One pipe's mpt lanes: an end to send with and one to receive with.
+pub(crate) struct MptLanes {
+    send: Mutex<MptChannel>,
+    recv: Mutex<MptChannel>,
+    /// Shuts the sockets down without taking a lock a blocked transfer holds.
+    stopper: MptChannel,
+}
+
+impl std::fmt::Debug for MptLanes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MptLanes")
+            .field("lanes", &self.stopper.lanes())
+            .finish()
+    }
+}
+
+impl MptLanes {
+    /// Lanes over `streams` (in index order, the same at both ends).
+    pub fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, String> {
+        let channel = MptChannel::new(streams, MptOptions::default()).map_err(|e| e.to_string())?;
+        let (send, rest) = channel.split().map_err(|e| e.to_string())?;
+        let (recv, stopper) = rest.split().map_err(|e| e.to_string())?;
+        Ok(MptLanes {
+            send: Mutex::new(send),
+            recv: Mutex::new(recv),
+            stopper,
+        })
+    }
+
+    /// Writes a frame's mpt tensors, in order. The caller holds the pipe's send lock
+    /// and has just sent the frame.
+    pub fn push(&self, streamed: &[(u64, Vec<u8>)]) -> Result<(), String> {
+        let mut send = self.send.lock().unwrap_or_else(PoisonError::into_inner);
+        for (transfer_id, data) in streamed {
+            send.send(*transfer_id, data).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Reads the mpt tensors of `frame`, just received, into buffers of their own and
+    /// makes their entries inline. Each must be a CPU-to-CPU tensor for which the pipe
+    /// (this side playing `role`) negotiated mpt. An error leaves the lanes out of step:
+    /// the pipe must end.
+    pub fn fill(
+        &self,
+        frame: &mut IncomingFrame,
+        negotiated: &Negotiated,
+        role: Role,
+    ) -> Result<(), String> {
+        if !frame
+            .tensors
+            .iter()
+            .any(|(d, _)| d.channel == ChannelKind::Mpt)
+        {
+            return Ok(());
+        }
+        let mut recv = self.recv.lock().unwrap_or_else(PoisonError::into_inner);
+        for (descriptor, data) in &mut frame.tensors {
+            if descriptor.channel != ChannelKind::Mpt {
+                continue;
+            }
+            let agreed =
+                negotiated.channel_for(role, descriptor.source.kind(), descriptor.target.kind());
+            if agreed != Some(ChannelKind::Mpt) {
+                return Err(format!(
+                    "the peer streamed a {} to {} tensor over mpt, which this pipe did not \
+                     negotiate for it",
+                    descriptor.source.kind(),
+                    descriptor.target.kind()
+                ));
+            }
+            let transfer_id = MptDescriptor::decode(data)
+                .map_err(|e| format!("mpt tensor: {e}"))?
+                .transfer_id;
+            let len = usize::try_from(descriptor.len)
+                .map_err(|_| "an mpt tensor does not fit in memory".to_string())?;
+            let mut bytes =
+                recycle::try_take(len).map_err(|e| format!("mpt tensor of {len} bytes: {e}"))?;
+            recv.recv(transfer_id, &mut bytes)
+                .map_err(|e| e.to_string())?;
+            *descriptor =
+                TensorDescriptor::inline(descriptor.source, descriptor.target, descriptor.len);
+            *data = bytes;
+            // The stripes count as received with the frame.
+            frame.wire_len = frame.wire_len.saturating_add(descriptor.len);
+        }
+        Ok(())
+    }
+
+    /// Shuts the lanes down: a transfer blocked on one fails at once.
+    pub fn shutdown(&self) {
+        self.stopper.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_address_round_trips() {
+        let setup =
+            MptSetup::start(IpAddr::from([127, 0, 0, 1]), 2).unwrap_or_else(|e| panic!("{e}"));
+        let published = format!("shm://@x;tcp://127.0.0.1:1;{}", setup.published());
+        assert_eq!(lane_address(&published), Ok(setup.listener.address()));
+        let err = lane_address("tcp://127.0.0.1:1").expect_err("no mpt entry");
+        assert!(err.contains("no mpt address"), "{err}");
+        assert!(lane_address("mpt://nonsense").is_err());
+    }
+
+    #[test]
+    fn tokens_differ() {
+        assert_ne!(new_token(), new_token());
+    }
+}
