@@ -138,6 +138,20 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     };
     let sent = round_trips(&agent, "child", 0);
     check_metrics(&agent, "child", sent);
+    // Reconnect covers ibv: after the pipes are dropped, the next call opens a new
+    // one, which negotiates ibv again (a fresh queue pair) and moves the same bytes.
+    agent.reset_pipes();
+    std::thread::sleep(Duration::from_millis(100));
+    let data = pattern(1 << 20, 99);
+    let reply = agent
+        .rpc_sync(
+            "child",
+            "echo",
+            Message::default().with_tensor(Tensor::cpu(data.clone())),
+        )
+        .unwrap_or_else(|e| panic!("echo after reset_pipes: {e}"));
+    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    assert_eq!(agent.pipe_transport("child"), Some(TransportKind::Ibv));
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
     let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "the child failed: {status}");

@@ -496,6 +496,19 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
         .unwrap_or_default();
     assert_eq!(network.total_errors, 0);
     assert!(network.total_recv_bytes >= 3 * (65 << 20));
+    // A pipe that is dropped is re-created with lanes of its own.
+    agent.reset_pipes();
+    thread::sleep(Duration::from_millis(100));
+    let data = pattern(3 << 20, 42);
+    let reply = agent
+        .rpc_sync(
+            "peer",
+            "echo",
+            Message::default().with_tensor(Tensor::cpu(data.clone())),
+        )
+        .unwrap_or_else(|e| panic!("after reset_pipes: {e}"));
+    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    assert_eq!(agent.pipe_channel("peer"), Some(ChannelKind::Mpt));
     finish(agent, child);
 }
 

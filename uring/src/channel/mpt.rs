@@ -335,6 +335,9 @@ pub fn connect_lanes(
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Sets of lanes nobody claimed are dropped after this long.
 const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
+/// At most this many accepted connections wait for their hello at once; more are
+/// closed at once (a flood of silent connections costs no more than this many threads).
+const MAX_PENDING_HELLOS: usize = 256;
 
 /// Lanes that arrived, by token.
 #[derive(Default)]
@@ -519,7 +522,17 @@ impl Drop for LaneListener {
     }
 }
 
+/// One of the [`MAX_PENDING_HELLOS`] slots, given back on drop.
+struct HelloSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for HelloSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &AtomicBool) {
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for stream in listener.incoming() {
         if stopping.load(Ordering::Acquire) {
             return;
@@ -532,10 +545,18 @@ fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &Ato
                 continue;
             }
         };
+        if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
+            pending.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!("too many mpt lanes waiting for their hello; one closed");
+            continue;
+        }
         let registry = Arc::clone(registry);
+        // Counts down when the thread ends, or when its closure is dropped unrun.
+        let done = HelloSlot(Arc::clone(&pending));
         let spawned = std::thread::Builder::new()
             .name("rdzv-mpt-hello".into())
             .spawn(move || {
+                let _done = done;
                 let mut raw = [0u8; LaneHello::ENCODED_LEN];
                 let read = stream
                     .set_read_timeout(Some(HELLO_TIMEOUT))
@@ -556,6 +577,7 @@ fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &Ato
                 }
             });
         if let Err(e) = spawned {
+            // The closure (and its counter guard) was dropped with the error.
             tracing::warn!(error = %e, "cannot start a thread to read an mpt lane's hello");
         }
     }
