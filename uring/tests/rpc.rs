@@ -458,12 +458,15 @@ fn unusable_options_fail_before_the_rendezvous() {
     );
     assert!(text.contains("carrier-pigeon"), "{text}");
     let mut options = RpcOptions::new("file:///nonexistent/never/created");
-    options.channels = Some(vec!["basic".into(), "mpt".into()]);
+    options.channels = Some(vec!["basic".into(), "cuda_ipc".into()]);
     let text = init_rpc("w", 0, Some(1), options)
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(text.contains("channel mpt is not implemented"), "{text}");
+    assert!(
+        text.contains("channel cuda_ipc is not implemented"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -6,6 +6,7 @@
 //! | [`name`] | which worker names and ids are valid; [`WorkerInfo`](name::WorkerInfo) |
 //! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
+//! | [`lending`] | when buffers lent to the peer (cma, xth) come back, and which replies are acked |
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
@@ -17,6 +18,7 @@
 
 pub mod backend;
 pub mod frame;
+pub mod lending;
 pub mod membership;
 pub mod metrics;
 pub mod name;

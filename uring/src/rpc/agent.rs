@@ -110,7 +110,7 @@ pub struct RpcOptions {
     /// [`DEFAULT_MPT_LANES`](super::DEFAULT_MPT_LANES).
     pub mpt_lanes: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
-    /// `basic` channel) even where `cma` or `xth` was negotiated. Default
+    /// `basic` channel) even where `cma`, `xth` or `mpt` was negotiated. Default
     /// [`DEFAULT_MIN_CHANNEL_BYTES`](super::channels::DEFAULT_MIN_CHANNEL_BYTES).
     pub min_channel_bytes: u64,
     /// Per destination worker: where this worker's tensors land there.
@@ -1726,7 +1726,11 @@ mod tests {
         };
         assert!(matches!(
             kinds(ranked_channels(None, no_cma)).as_deref(),
-            Ok([(ChannelKind::Xth, _), (ChannelKind::Basic, _)])
+            Ok([
+                (ChannelKind::Xth, _),
+                (ChannelKind::Mpt, _),
+                (ChannelKind::Basic, _)
+            ])
         ));
         let only_cma = ranked_channels(Some(&names(&["cma"])), no_cma);
         let text = only_cma.err().map(|e| e.to_string()).unwrap_or_default();

@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::frame::FrameKind;
+use rdzv_core::rpc::lending::must_ack;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
 use super::channels::{PipeReader, ReceivedTensors};
@@ -274,7 +275,7 @@ pub(crate) fn reply(
     negotiated: &Negotiated,
     reader: &Arc<PipeReader>,
 ) -> Reply {
-    let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+    let out_of_band = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
     if frame.kind != FrameKind::Response {
         let error = RpcError::Remote {
             peer: pending.peer.clone(),

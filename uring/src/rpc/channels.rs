@@ -19,7 +19,8 @@
 //! same process: a pipe reads from one peer process only.
 //!
 //! `mpt` works the other way round: the sender *pushes*. A tensor sent over mpt is
-//! [`FrameExports::take_streamed`] by the lane, which writes its stripes on the pipe's
+//! taken from the frame's exports (`FrameExports::take_streamed`) by the lane, which
+//! writes its stripes on the pipe's
 //! mpt lanes right after the frame, under the same send lock; the receiving lane reads
 //! them as soon as it has read the frame, under its receive lock, and turns the entry
 //! into an inline one. So the stripes on the lanes are always in frame order, no buffer

@@ -12,7 +12,8 @@
 //! xth; see `super::channels`) instead of inline: the sender keeps each exported buffer
 //! until the peer is done with it. A request's exports are released when its reply (or
 //! error) arrives, even after the call timed out, or when its pipe fails; a response's
-//! when the caller's `Ack` frame arrives or the inbound pipe ends. The callee pulls a
+//! when the caller's `Ack` frame arrives or the inbound pipe ends (the core's
+//! `rdzv_core::rpc::lending` rule, kept in a [`Ledger`]). The callee pulls a
 //! request's tensors on the handler pool's thread before the handler runs; the caller
 //! pulls a response's on the I/O thread when small and on glommio's blocking thread when
 //! large, then acks. A failed pull fails the call with the channel, the peer and why.
@@ -36,6 +37,7 @@ use rdzv_core::negotiate::{accept_answer, answer_brochure, Negotiated, Role};
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, FrameKind, FrameLimits, Handshake,
 };
+use rdzv_core::rpc::lending::{must_ack, Ledger, Lender};
 use rdzv_core::rpc::name::WorkerId;
 
 use super::agent::FaultInjection;
@@ -133,7 +135,7 @@ struct InboundPipe {
     /// Where this pipe's requests' out-of-band tensors are read from.
     reader: Arc<PipeReader>,
     /// Buffers lent by responses on this pipe, by message id, until the caller acks.
-    exports: HashMap<u64, FrameExports>,
+    exports: Ledger<FrameExports>,
 }
 
 #[derive(Default)]
@@ -143,7 +145,7 @@ struct IoState {
     next_pipe: u64,
     /// Buffers lent by requests, by message id, with the client pipe they went on; held
     /// until the reply arrives or the pipe fails.
-    request_exports: HashMap<u64, (u64, FrameExports)>,
+    request_exports: Ledger<(u64, FrameExports)>,
 }
 
 pub(crate) struct Io {
@@ -402,10 +404,11 @@ impl Io {
         }
         if !exports.is_empty() {
             // Held until the reply arrives or the pipe fails.
-            self.state
-                .borrow_mut()
-                .request_exports
-                .insert(message_id, (pipe.id, exports));
+            self.state.borrow_mut().request_exports.lend(
+                Lender::Request,
+                message_id,
+                (pipe.id, exports),
+            );
         }
         if let Some(delay) = self.faults.delay(&frame.handler) {
             let tx = Rc::clone(&pipe.tx);
@@ -445,7 +448,7 @@ impl Io {
         if !exports.is_empty() {
             // Held until the caller's ack, or the pipe's end.
             if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
-                inbound.exports.insert(message_id, exports);
+                drop(inbound.exports.lend(Lender::Response, message_id, exports));
             }
         }
         let _ = tx.try_send(frame);
@@ -474,7 +477,7 @@ impl Io {
                 state.client_pipes.remove(peer);
             }
             // The callee can no longer read what the pipe's requests lent it.
-            state.request_exports.retain(|_, (on, _)| *on != pipe);
+            drop(state.request_exports.end_where(|(on, _)| *on == pipe));
         }
         for pending in self.shared.calls_table.take_pipe(pipe) {
             self.fail_pending(pending, error());
@@ -491,19 +494,17 @@ impl Io {
     /// it answered), and a response's out-of-band tensors are pulled, then acked.
     fn on_reply(self: &Rc<Self>, pipe: &ReadyPipe, frame: IncomingFrame) {
         let message_id = frame.message_id;
-        let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
+        let needs_ack = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
         // Released once this reply is handled: freeing a large buffer (munmap) must not
         // delay reading the response.
-        let released = {
-            let mut state = self.state.borrow_mut();
-            match state.request_exports.get(&message_id) {
-                Some((on, _)) if *on == pipe.id => state.request_exports.remove(&message_id),
-                _ => None,
-            }
-        };
+        let released = self.state.borrow_mut().request_exports.release_if(
+            frame.kind,
+            message_id,
+            |(on, _)| *on == pipe.id,
+        );
         let Some(pending) = self.shared.calls_table.take_reply(message_id, pipe.id) else {
             tracing::debug!(message_id, "late or unknown reply dropped");
-            if out_of_band {
+            if needs_ack {
                 // Nobody reads its tensors: let the callee release them.
                 ack(pipe, message_id);
             }
@@ -999,7 +1000,7 @@ impl Io {
                 tx,
                 negotiated,
                 reader: Arc::new(PipeReader::default()),
-                exports: HashMap::new(),
+                exports: Ledger::new(),
             },
         );
         loop {
@@ -1015,7 +1016,7 @@ impl Io {
                         .borrow_mut()
                         .inbound
                         .get_mut(&pipe)
-                        .and_then(|inbound| inbound.exports.remove(&frame.message_id));
+                        .and_then(|inbound| inbound.exports.release(frame.kind, frame.message_id));
                     if let Some(released) = released {
                         released.recycle();
                     }
@@ -1130,14 +1131,14 @@ impl Io {
             let mut state = self.state.borrow_mut();
             let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
             let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
-            let lent = std::mem::take(&mut state.request_exports);
+            let lent = state.request_exports.end();
             (client, inbound, lent)
         };
         // Lent buffers are released last, once the pipes are closed, so that a peer
         // still reading them sees its pipe end first (and refuses what it read).
-        let mut lent: Vec<FrameExports> = lent.into_values().map(|(_, e)| e).collect();
+        let mut lent: Vec<FrameExports> = lent.into_iter().map(|(_, e)| e).collect();
         for pipe in &mut inbound {
-            lent.extend(pipe.exports.drain().map(|(_, e)| e));
+            lent.extend(pipe.exports.end());
         }
         for pipe in client {
             match pipe {

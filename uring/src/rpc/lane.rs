@@ -23,7 +23,8 @@
 //! for the peer's reader.
 //!
 //! Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it lends
-//! until the reply (requests) or the caller's `Ack` (responses), and pulls what it is
+//! until the reply (requests) or the caller's `Ack` (responses), by the core's
+//! `rdzv_core::rpc::lending` rule (a [`Ledger`] per lane), and pulls what it is
 //! lent on the thread that received the frame. Only lanes run `mpt` (see
 //! [`super::mpt`]): a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
 //! lanes under its send lock, right after the frame, and reads them under its receive
@@ -42,6 +43,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
+use rdzv_core::rpc::lending::{must_ack, Ledger, Lender};
 use rdzv_core::rpc::name::WorkerId;
 
 use super::calls::{self, Pending, Reply};
@@ -84,7 +86,7 @@ pub(crate) struct Lane {
     /// Buffers lent to the peer, by message id: a client lane's requests' (until their
     /// reply), an inbound lane's responses' (until the caller's ack). Released when the
     /// lane ends.
-    exports: Mutex<HashMap<u64, FrameExports>>,
+    exports: Mutex<Ledger<FrameExports>>,
     /// Set when the lane ends: a pull that overlapped its end may have read buffers the
     /// peer released, so its result is refused.
     ended: AtomicBool,
@@ -160,7 +162,7 @@ impl Lane {
             wake,
             stop,
             reader: Arc::new(PipeReader::default()),
-            exports: Mutex::new(HashMap::new()),
+            exports: Mutex::new(Ledger::new()),
             ended: AtomicBool::new(false),
             role,
             mpt: OnceLock::new(),
@@ -195,7 +197,7 @@ impl Lane {
         self.receiver.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn exports(&self) -> MutexGuard<'_, HashMap<u64, FrameExports>> {
+    fn exports(&self) -> MutexGuard<'_, Ledger<FrameExports>> {
         self.exports.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -334,8 +336,8 @@ impl Lane {
         match frame.kind {
             FrameKind::Response | FrameKind::Error => {
                 let message_id = frame.message_id;
-                let out_of_band = frame.tensors.iter().any(|(d, _)| !d.is_inline());
-                let released = self.exports().remove(&message_id);
+                let out_of_band = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
+                let released = self.exports().release(frame.kind, message_id);
                 let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
                     tracing::debug!(message_id, "late or unknown reply dropped");
                     if out_of_band {
@@ -551,7 +553,7 @@ impl Lane {
         let streamed = exports.take_streamed();
         if !exports.is_empty() {
             // Held until the reply arrives or the lane ends.
-            self.exports().insert(message_id, exports);
+            drop(self.exports().lend(Lender::Request, message_id, exports));
         }
         let sent = self.send_with(&frame, streamed);
         recycle::give_all(frame.tensor_data);
@@ -572,7 +574,7 @@ impl Lane {
         let streamed = exports.take_streamed();
         if !exports.is_empty() {
             // Held until the caller's ack, or the lane's end.
-            self.exports().insert(message_id, exports);
+            drop(self.exports().lend(Lender::Response, message_id, exports));
         }
         let sent = self.send_with(&frame, streamed);
         recycle::give_all(frame.tensor_data);
@@ -635,7 +637,7 @@ impl Lane {
         self.ended.store(true, Ordering::Release);
         self.stop();
         // Released last: the peer can no longer ask for them.
-        let lent = std::mem::take(&mut *self.exports());
+        let lent = self.exports().end();
         drop(lent);
         for pending in shared.calls_table.take_pipe(self.id) {
             let error = RpcError::PipeBroken {
@@ -710,7 +712,7 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
             }
             Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
                 // The caller read what the response lent: release it.
-                let released = lane.exports().remove(&frame.message_id);
+                let released = lane.exports().release(frame.kind, frame.message_id);
                 if let Some(released) = released {
                     released.recycle();
                 }
