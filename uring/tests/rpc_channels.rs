@@ -447,7 +447,7 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
                     for i in 0..6u8 {
                         let seed = t.wrapping_mul(16).wrapping_add(i);
                         let len = match (t + i) % 3 {
-                            0 => (1 << 20) + usize::from(seed),
+                            0 => (3 << 20) + usize::from(seed),
                             1 => 300 * 1024 + usize::from(seed),
                             _ => usize::from(seed),
                         };
