@@ -23,7 +23,7 @@ use rdzv_uring::rpc::{
 
 mod common;
 
-use common::{echo, finish, pattern, serve_until_joined};
+use common::{echo, echo_tensor, finish, pattern, serve_until_joined};
 
 const CHILD_ENV: &str = "RDZV_RPC_CHAN_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_CHAN_STORE";
@@ -274,15 +274,7 @@ fn cma_is_negotiated_and_carries_tensors_both_ways() {
     assert!(agent
         .wait_until_pending_futures_flushed(Duration::from_secs(30))
         .is_ok());
-    let data = pattern(2 << 20, 77);
-    let reply = agent
-        .rpc_sync(
-            "peer",
-            "echo",
-            Message::default().with_tensor(Tensor::cpu(data.clone())),
-        )
-        .unwrap_or_else(|e| panic!("after remote: {e}"));
-    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    echo_tensor(&agent, "peer", 2 << 20, 77, "after remote");
     let network = agent
         .network_data()
         .get("peer")
@@ -499,15 +491,7 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
     // A pipe that is dropped is re-created with lanes of its own.
     agent.reset_pipes();
     thread::sleep(Duration::from_millis(100));
-    let data = pattern(3 << 20, 42);
-    let reply = agent
-        .rpc_sync(
-            "peer",
-            "echo",
-            Message::default().with_tensor(Tensor::cpu(data.clone())),
-        )
-        .unwrap_or_else(|e| panic!("after reset_pipes: {e}"));
-    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    echo_tensor(&agent, "peer", 3 << 20, 42, "after reset_pipes");
     assert_eq!(agent.pipe_channel("peer"), Some(ChannelKind::Mpt));
     finish(agent, child);
 }
@@ -529,15 +513,7 @@ fn mpt_offered_by_one_side_only_falls_back_to_basic() {
             ..Setup::default()
         },
     );
-    let data = pattern(1 << 20, 4);
-    let reply = agent
-        .rpc_sync(
-            "peer",
-            "echo",
-            Message::default().with_tensor(Tensor::cpu(data.clone())),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    echo_tensor(&agent, "peer", 1 << 20, 4, "echo");
     assert_eq!(agent.pipe_channel("peer"), Some(ChannelKind::Basic));
     assert_eq!(bytes_on(&agent, ChannelKind::Mpt), 0);
     finish(agent, child);
@@ -623,15 +599,7 @@ fn xth_between_two_agents_in_one_process() {
     // The responses went back over xth too.
     assert!(bytes_on(&bob, ChannelKind::Xth) >= 3 * (65 << 20));
     // And the other way round.
-    let data = pattern(2 << 20, 3);
-    let reply = bob
-        .rpc_sync(
-            "alice",
-            "echo",
-            Message::default().with_tensor(Tensor::cpu(data.clone())),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    echo_tensor(&bob, "alice", 2 << 20, 3, "echo");
     assert_eq!(bob.pipe_channel("alice"), Some(ChannelKind::Xth));
     let t = thread::spawn(move || bob.join().map_err(|e| e.to_string()));
     assert_eq!(alice.join().map_err(|e| e.to_string()), Ok(()));

@@ -12,7 +12,7 @@ use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOpt
 
 mod common;
 
-use common::{echo, finish, pattern, serve_until_joined, sleep_ms, spawn_peer};
+use common::{echo, echo_tensor, finish, pattern, serve_until_joined, sleep_ms, spawn_peer};
 
 const CHILD_ENV: &str = "RDZV_RPC_SHM_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_SHM_STORE";
@@ -191,15 +191,7 @@ fn tcp_is_negotiated_when_the_child_asks_for_it() {
         None,
         Some("tcp"),
     );
-    let data = pattern(1 << 20, 7);
-    let reply = agent
-        .rpc_sync(
-            "peer",
-            "echo",
-            Message::default().with_tensor(Tensor::cpu(data.clone())),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(reply.tensors.first().is_some_and(|t| t.data == data));
+    echo_tensor(&agent, "peer", 1 << 20, 7, "echo");
     assert_eq!(agent.pipe_transport("peer"), Some(TransportKind::Tcp));
     finish(agent, child);
 }

@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::thread;
 use std::time::Duration;
 
-use rdzv_uring::rpc::{CallContext, Message, RpcAgent, RpcError};
+use rdzv_uring::rpc::{CallContext, Message, RpcAgent, RpcError, Tensor};
 
 /// Answers with the request.
 pub fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
@@ -43,6 +43,23 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
                 .wrapping_add(seed ^ (i >> 8) as u8)
         })
         .collect()
+}
+
+/// Echoes one CPU tensor of `pattern(len, seed)` through `peer`'s `echo` handler and
+/// checks that the same bytes came back; panics naming `what` otherwise.
+pub fn echo_tensor(agent: &RpcAgent, peer: &str, len: usize, seed: u8, what: &str) {
+    let data = pattern(len, seed);
+    let reply = agent
+        .rpc_sync(
+            peer,
+            "echo",
+            Message::default().with_tensor(Tensor::cpu(data.clone())),
+        )
+        .unwrap_or_else(|e| panic!("{what}: echo of {len} bytes: {e}"));
+    assert!(
+        reply.tensors.first().is_some_and(|t| t.data == data),
+        "{what}: the {len}-byte tensor came back different"
+    );
 }
 
 /// The value of one of the agent's metrics.
