@@ -12,6 +12,7 @@
 //! | [`env`](mod@env) | the environment lookup seam the caller supplies |
 //! | [`rendezvous`] | URL rewriting, the handler registry and static `tcp`/`env`/`file` plans |
 //! | [`device`] | `cpu`, `cuda`, `cuda:N` devices |
+//! | [`channel`] | the tensor channels' wire records (cma/xth/mpt descriptors, acks, stripe headers, lane hellos) |
 //! | [`device_map`] | device-map validation, reverse maps and device lists (alloc) |
 //! | [`negotiate`] | which transport and channels two peers use |
 //! | [`store`] | the TCPStore wire codec and the store state machine |
@@ -25,6 +26,7 @@ extern crate alloc;
 #[cfg(any(feature = "std", test))]
 extern crate std;
 
+pub mod channel;
 pub mod device;
 #[cfg(feature = "alloc")]
 pub mod device_map;

@@ -10,13 +10,14 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 6] = [
+const TARGETS: [(&str, Check); 7] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
     ("codec_response", fuzzing::codec_response),
     ("file_log", fuzzing::file_log),
     ("rpc_frame", fuzzing::rpc_frame),
+    ("channel_descriptors", fuzzing::channel_descriptors),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {
@@ -47,8 +48,49 @@ fn every_seed_passes_its_target() {
     }
 }
 
+/// Every target's seeds, read once.
+fn seeds() -> &'static [Vec<Vec<u8>>] {
+    static SEEDS: std::sync::OnceLock<Vec<Vec<Vec<u8>>>> = std::sync::OnceLock::new();
+    SEEDS.get_or_init(|| {
+        TARGETS
+            .iter()
+            .map(|(target, _)| {
+                let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir(target))
+                    .map(|dir| dir.filter_map(|e| e.ok().map(|e| e.path())).collect())
+                    .unwrap_or_default();
+                files.sort();
+                files
+                    .iter()
+                    .filter_map(|path| std::fs::read(path).ok())
+                    .collect()
+            })
+            .collect()
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Real encodings with one byte changed: close to valid, where decoders are most
+    /// likely to slip.
+    #[test]
+    fn mutated_seeds_never_break_their_target(
+        which in any::<prop::sample::Index>(),
+        at in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+    ) {
+        for ((_, check), seeds) in TARGETS.iter().zip(seeds()) {
+            if seeds.is_empty() {
+                continue;
+            }
+            let mut seed = seeds[which.index(seeds.len())].clone();
+            if !seed.is_empty() {
+                let i = at.index(seed.len());
+                seed[i] = byte;
+            }
+            check(&seed);
+        }
+    }
 
     #[test]
     fn random_bytes_never_break_a_target(data in proptest::collection::vec(any::<u8>(), 0..256)) {

@@ -1,7 +1,7 @@
 #![no_main]
-//! cargo-fuzz target; the checks live in `rdzv_uring::fuzzing::channel_descriptors` so
-//! that the corpus replay test (`uring/tests/fuzz_corpus.rs`) runs exactly the same
+//! cargo-fuzz target; the checks live in `rdzv_core::fuzzing::channel_descriptors` so
+//! that the corpus replay test (`core/tests/fuzz_corpus.rs`) runs exactly the same
 //! assertions.
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| rdzv_uring::fuzzing::channel_descriptors(data));
+fuzz_target!(|data: &[u8]| rdzv_core::fuzzing::channel_descriptors(data));

@@ -9,12 +9,10 @@
 //!   `file://` and registered schemes, driven by the core's plans.
 //! - [`rpc`]: the RPC agent (TensorPipe's), over the `tcp` transport.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
-//! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`).
+//! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`, `mpt`); their wire records are `rdzv_core::channel`'s.
 #![warn(missing_docs)]
 
 pub mod channel;
-#[doc(hidden)]
-pub mod fuzzing;
 pub mod host;
 pub mod rendezvous;
 pub mod rpc;

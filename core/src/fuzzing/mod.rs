@@ -5,6 +5,7 @@
 //! public so that `fuzz/` and `tests/` can reach them; they are not part of the API.
 #![doc(hidden)]
 
+mod channel;
 mod codec;
 mod file_log;
 mod query;
@@ -12,6 +13,7 @@ mod query;
 mod rpc_frame;
 mod url;
 
+pub use channel::channel_descriptors;
 pub use codec::{codec_request, codec_response};
 pub use file_log::file_log;
 pub use query::query;

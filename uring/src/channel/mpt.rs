@@ -31,12 +31,9 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::DecodeError;
-
-/// What starts every stripe header.
-const STRIPE_MAGIC: [u8; 4] = *b"RDMP";
-/// Bytes of a stripe header: magic, reserved, transfer id, offset, length.
-pub const STRIPE_HEADER_LEN: usize = 32;
+pub use rdzv_core::channel::mpt::{
+    stripes, LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN,
+};
 
 /// Tuning of the channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,64 +53,6 @@ impl Default for MptOptions {
             // takes what inline takes, and 64 MiB still uses every lane.
             min_stripe_len: 1 << 20,
         }
-    }
-}
-
-/// Where each lane's stripe of a `len`-byte transfer lies, as `(offset, len)`: equal
-/// shares over `len / min_stripe_len` lanes, at least one and at most `lanes` (the first
-/// `len % used` get one byte more). Lanes with nothing to carry are left out.
-pub fn stripes(len: usize, lanes: usize, min_stripe_len: usize) -> Vec<(usize, usize)> {
-    let used = (len / min_stripe_len.max(1)).clamp(1, lanes.max(1));
-    let (share, extra) = (len / used, len % used);
-    let mut out = Vec::with_capacity(used);
-    let mut offset = 0;
-    for lane in 0..used {
-        let n = share + usize::from(lane < extra);
-        if n > 0 || (lane == 0 && len == 0) {
-            out.push((offset, n));
-        }
-        offset += n;
-    }
-    out
-}
-
-/// A stripe header as sent before the stripe's bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StripeHeader {
-    /// The transfer this stripe belongs to.
-    pub transfer_id: u64,
-    /// Offset of the stripe in the tensor.
-    pub offset: u64,
-    /// Length of the stripe.
-    pub len: u64,
-}
-
-impl StripeHeader {
-    /// The wire form.
-    pub fn encode(&self) -> [u8; STRIPE_HEADER_LEN] {
-        let mut out = [0u8; STRIPE_HEADER_LEN];
-        out[..4].copy_from_slice(&STRIPE_MAGIC);
-        out[8..16].copy_from_slice(&self.transfer_id.to_le_bytes());
-        out[16..24].copy_from_slice(&self.offset.to_le_bytes());
-        out[24..32].copy_from_slice(&self.len.to_le_bytes());
-        out
-    }
-
-    /// Parses a header; `None` for a wrong magic or non-zero reserved bytes.
-    pub fn decode(bytes: &[u8; STRIPE_HEADER_LEN]) -> Option<StripeHeader> {
-        if bytes[..4] != STRIPE_MAGIC || bytes[4..8] != [0; 4] {
-            return None;
-        }
-        let word = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
-        Some(StripeHeader {
-            transfer_id: word(8),
-            offset: word(16),
-            len: word(24),
-        })
     }
 }
 
@@ -177,118 +116,6 @@ pub enum MptError {
         /// How many came, or why none will.
         reason: String,
     },
-}
-
-/// What starts an encoded [`MptDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDMT";
-
-/// Where a tensor sent over mpt is: the id of the transfer whose stripes follow the
-/// frame on the pipe's lanes. The frame's tensor entry carries the length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MptDescriptor {
-    /// The transfer id every stripe header of this tensor carries.
-    pub transfer_id: u64,
-}
-
-impl MptDescriptor {
-    /// The encoded size: a 4-byte tag and the little-endian transfer id.
-    pub const ENCODED_LEN: usize = 12;
-
-    /// The wire form.
-    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        out[..4].copy_from_slice(&DESCRIPTOR_MAGIC);
-        out[4..].copy_from_slice(&self.transfer_id.to_le_bytes());
-        out
-    }
-
-    /// Parses what [`encode`](Self::encode) wrote.
-    ///
-    /// # Errors
-    /// [`DecodeError`] for another length or tag.
-    pub fn decode(bytes: &[u8]) -> Result<MptDescriptor, DecodeError> {
-        let bytes: &[u8; Self::ENCODED_LEN] =
-            bytes.try_into().map_err(|_| DecodeError::WrongLength {
-                what: "mpt descriptor",
-                expected: Self::ENCODED_LEN,
-                actual: bytes.len(),
-            })?;
-        let (magic, id) = bytes.split_at(4);
-        if magic != DESCRIPTOR_MAGIC {
-            return Err(DecodeError::BadTag {
-                what: "mpt descriptor",
-            });
-        }
-        let mut raw = [0u8; 8];
-        raw.copy_from_slice(id);
-        Ok(MptDescriptor {
-            transfer_id: u64::from_le_bytes(raw),
-        })
-    }
-}
-
-/// What starts an encoded [`LaneHello`].
-const HELLO_MAGIC: [u8; 4] = *b"RDML";
-/// The most lanes one pipe may open.
-pub const MAX_LANES: u16 = 64;
-
-/// The first bytes on a lane connection: which set of lanes it belongs to and where in
-/// it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaneHello {
-    /// The token of the set (the pipe's, from its handshake).
-    pub token: u64,
-    /// This lane's index, below `count`.
-    pub index: u16,
-    /// Lanes in the set, 1 to [`MAX_LANES`].
-    pub count: u16,
-}
-
-impl LaneHello {
-    /// The encoded size: tag, index, count, token.
-    pub const ENCODED_LEN: usize = 16;
-
-    /// The wire form.
-    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        out[..4].copy_from_slice(&HELLO_MAGIC);
-        out[4..6].copy_from_slice(&self.index.to_le_bytes());
-        out[6..8].copy_from_slice(&self.count.to_le_bytes());
-        out[8..].copy_from_slice(&self.token.to_le_bytes());
-        out
-    }
-
-    /// Parses what [`encode`](Self::encode) wrote, checking that the index lies in a
-    /// set of 1 to [`MAX_LANES`] lanes.
-    ///
-    /// # Errors
-    /// [`DecodeError`] for another length or tag, or an index outside its set.
-    pub fn decode(bytes: &[u8]) -> Result<LaneHello, DecodeError> {
-        let bad = DecodeError::BadTag {
-            what: "mpt lane hello",
-        };
-        let bytes: &[u8; Self::ENCODED_LEN] =
-            bytes.try_into().map_err(|_| DecodeError::WrongLength {
-                what: "mpt lane hello",
-                expected: Self::ENCODED_LEN,
-                actual: bytes.len(),
-            })?;
-        if bytes[..4] != HELLO_MAGIC {
-            return Err(bad);
-        }
-        let index = u16::from_le_bytes([bytes[4], bytes[5]]);
-        let count = u16::from_le_bytes([bytes[6], bytes[7]]);
-        let mut token = [0u8; 8];
-        token.copy_from_slice(&bytes[8..]);
-        if count == 0 || count > MAX_LANES || index >= count {
-            return Err(bad);
-        }
-        Ok(LaneHello {
-            token: u64::from_le_bytes(token),
-            index,
-            count,
-        })
-    }
 }
 
 /// Opens `count` lanes to the [`LaneListener`] at `address` for the set `token`, each
@@ -806,81 +633,7 @@ fn run_lanes<'s, T: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
     use std::net::TcpListener;
-
-    #[test]
-    fn stripes_cover_the_tensor_once() {
-        assert_eq!(stripes(0, 4, 1), vec![(0, 0)]);
-        assert_eq!(stripes(10, 4, 1), vec![(0, 3), (3, 3), (6, 2), (8, 2)]);
-        assert_eq!(stripes(3, 4, 1), vec![(0, 1), (1, 1), (2, 1)]);
-        assert_eq!(stripes(100, 4, 1000), vec![(0, 100)]);
-    }
-
-    proptest! {
-        #[test]
-        fn stripes_partition(len in 0usize..1_000_000, lanes in 1usize..16, min in 0usize..10_000) {
-            let plan = stripes(len, lanes, min);
-            prop_assert!(!plan.is_empty() && plan.len() <= lanes);
-            if plan.len() > 1 {
-                prop_assert!(plan.iter().all(|&(_, n)| n >= min), "{plan:?}");
-            }
-            let mut next = 0;
-            for (offset, n) in &plan {
-                prop_assert_eq!(*offset, next);
-                next += n;
-            }
-            prop_assert_eq!(next, len);
-        }
-
-        #[test]
-        fn headers_round_trip(id in any::<u64>(), offset in any::<u64>(), len in any::<u64>()) {
-            let h = StripeHeader { transfer_id: id, offset, len };
-            prop_assert_eq!(StripeHeader::decode(&h.encode()), Some(h));
-        }
-    }
-
-    #[test]
-    fn garbage_is_no_header() {
-        assert_eq!(StripeHeader::decode(&[0u8; STRIPE_HEADER_LEN]), None);
-        let mut raw = StripeHeader {
-            transfer_id: 1,
-            offset: 0,
-            len: 1,
-        }
-        .encode();
-        raw[5] = 1;
-        assert_eq!(StripeHeader::decode(&raw), None);
-    }
-
-    #[test]
-    fn descriptors_and_hellos_round_trip_and_refuse_garbage() {
-        let d = MptDescriptor { transfer_id: 77 };
-        assert_eq!(MptDescriptor::decode(&d.encode()), Ok(d));
-        assert!(MptDescriptor::decode(&[0u8; MptDescriptor::ENCODED_LEN]).is_err());
-        assert!(MptDescriptor::decode(&d.encode()[..11]).is_err());
-        let h = LaneHello {
-            token: 9,
-            index: 3,
-            count: 4,
-        };
-        assert_eq!(LaneHello::decode(&h.encode()), Ok(h));
-        for bad in [
-            LaneHello { index: 4, ..h },
-            LaneHello {
-                count: 0,
-                index: 0,
-                ..h
-            },
-            LaneHello {
-                count: MAX_LANES + 1,
-                ..h
-            },
-        ] {
-            assert!(LaneHello::decode(&bad.encode()).is_err(), "{bad:?}");
-        }
-        assert!(LaneHello::decode(&[0u8; LaneHello::ENCODED_LEN]).is_err());
-    }
 
     fn local() -> IpAddr {
         IpAddr::from([127, 0, 0, 1])

@@ -16,61 +16,11 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
-use super::process::FieldReader;
-use super::{next_transfer_id, DecodeError, StableBytes, TransferAck, UnexpectedAck};
-use super::{IdentityError, ProcessIdentity};
+pub use rdzv_core::channel::xth::XthDescriptor;
 
-/// What starts an encoded [`XthDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDXT";
-
-/// A buffer exported within this process: who exported it, its length and its transfer
-/// id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct XthDescriptor {
-    /// The exporting process.
-    pub process: ProcessIdentity,
-    /// The buffer's length in bytes.
-    pub length: u64,
-    /// The export's transfer id, also the key of the table of live exports.
-    pub transfer_id: u64,
-}
-
-impl XthDescriptor {
-    /// The encoded size: a 4-byte tag, the process identity, then length and transfer id
-    /// (little-endian `u64`s).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 16;
-
-    /// The wire form of this descriptor.
-    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        let (magic, rest) = out.split_at_mut(4);
-        magic.copy_from_slice(&DESCRIPTOR_MAGIC);
-        let (process, rest) = rest.split_at_mut(ProcessIdentity::ENCODED_LEN);
-        let mut identity = [0u8; ProcessIdentity::ENCODED_LEN];
-        self.process.encode_into(&mut identity);
-        process.copy_from_slice(&identity);
-        let (length, id) = rest.split_at_mut(8);
-        length.copy_from_slice(&self.length.to_le_bytes());
-        id.copy_from_slice(&self.transfer_id.to_le_bytes());
-        out
-    }
-
-    /// Parses a descriptor produced by [`XthDescriptor::encode`].
-    pub fn decode(bytes: &[u8]) -> Result<XthDescriptor, DecodeError> {
-        let mut reader = FieldReader::tagged(
-            bytes,
-            "xth descriptor",
-            Self::ENCODED_LEN,
-            &DESCRIPTOR_MAGIC,
-        )?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
-        Ok(XthDescriptor {
-            process: ProcessIdentity::decode_from(&identity),
-            length: u64::from_le_bytes(reader.take()),
-            transfer_id: u64::from_le_bytes(reader.take()),
-        })
-    }
-}
+use super::process::current_identity;
+use super::IdentityError;
+use super::{next_transfer_id, StableBytes, TransferAck, UnexpectedAck};
 
 /// Why an xth transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -188,7 +138,7 @@ pub struct XthExport<B: StableBytes + Send + Sync + 'static> {
 impl<B: StableBytes + Send + Sync + 'static> XthExport<B> {
     /// Exports `buffer`. Fails only if this process's identity cannot be read.
     pub fn new(buffer: B) -> Result<XthExport<B>, XthError> {
-        let process = ProcessIdentity::current()?;
+        let process = current_identity()?;
         let transfer_id = next_transfer_id();
         let descriptor = XthDescriptor {
             process,
@@ -286,7 +236,7 @@ pub fn read(descriptor: &XthDescriptor, dst: &mut [u8]) -> Result<TransferAck, X
 
 /// Copies bytes `offset..offset + dst.len()` of the exported buffer into `dst`.
 pub fn read_at(descriptor: &XthDescriptor, offset: u64, dst: &mut [u8]) -> Result<(), XthError> {
-    let here = ProcessIdentity::current()?;
+    let here = current_identity()?;
     if here != descriptor.process {
         return Err(XthError::ForeignProcess {
             pid: descriptor.process.pid,
@@ -324,7 +274,7 @@ impl fmt::Display for XthDomain {
 /// The xth channel is always viable where this process can name itself; returns its
 /// domain descriptor.
 pub fn viability() -> Result<XthDomain, IdentityError> {
-    let me = ProcessIdentity::current()?;
+    let me = current_identity()?;
     let (_, boot) = crate::host::boot_id()?;
     Ok(XthDomain(format!(
         "xth:{boot}_{}_{}_{}",
@@ -335,6 +285,7 @@ pub fn viability() -> Result<XthDomain, IdentityError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::channel::{DecodeError, ProcessIdentity};
 
     #[test]
     fn copies_and_completes() {

@@ -36,68 +36,12 @@ use std::os::fd::OwnedFd;
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::process::{Pid, PidfdFlags};
 
-use super::process::{start_time_of, FieldReader};
-use super::{next_transfer_id, DecodeError, StableBytes, TransferAck, UnexpectedAck};
+pub use rdzv_core::channel::cma::CmaDescriptor;
+
+use super::process::{current_identity, start_time_of};
+use super::{next_transfer_id, StableBytes, TransferAck, UnexpectedAck};
 use super::{IdentityError, ProcessIdentity};
 use read::{read_pieces, Piece, ReadFailure};
-
-/// What starts an encoded [`CmaDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDCM";
-
-/// Where and what to read: an exported buffer, named by the process that holds it, its
-/// address there, its length and the transfer id to acknowledge.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CmaDescriptor {
-    /// The exporting process.
-    pub process: ProcessIdentity,
-    /// The buffer's address in that process.
-    pub address: u64,
-    /// The buffer's length in bytes.
-    pub length: u64,
-    /// The id the ack must carry.
-    pub transfer_id: u64,
-}
-
-impl CmaDescriptor {
-    /// The encoded size: a 4-byte tag, the process identity, then address, length and
-    /// transfer id (little-endian `u64`s).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 24;
-
-    /// The wire form of this descriptor.
-    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        let (magic, rest) = out.split_at_mut(4);
-        magic.copy_from_slice(&DESCRIPTOR_MAGIC);
-        let (process, rest) = rest.split_at_mut(ProcessIdentity::ENCODED_LEN);
-        let mut identity = [0u8; ProcessIdentity::ENCODED_LEN];
-        self.process.encode_into(&mut identity);
-        process.copy_from_slice(&identity);
-        let (address, rest) = rest.split_at_mut(8);
-        address.copy_from_slice(&self.address.to_le_bytes());
-        let (length, id) = rest.split_at_mut(8);
-        length.copy_from_slice(&self.length.to_le_bytes());
-        id.copy_from_slice(&self.transfer_id.to_le_bytes());
-        out
-    }
-
-    /// Parses a descriptor produced by [`CmaDescriptor::encode`]. Decoding checks only
-    /// the form; [`CmaPeer`] checks the contents before reading.
-    pub fn decode(bytes: &[u8]) -> Result<CmaDescriptor, DecodeError> {
-        let mut reader = FieldReader::tagged(
-            bytes,
-            "cma descriptor",
-            Self::ENCODED_LEN,
-            &DESCRIPTOR_MAGIC,
-        )?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
-        Ok(CmaDescriptor {
-            process: ProcessIdentity::decode_from(&identity),
-            address: u64::from_le_bytes(reader.take()),
-            length: u64::from_le_bytes(reader.take()),
-            transfer_id: u64::from_le_bytes(reader.take()),
-        })
-    }
-}
 
 /// A buffer lent to a cma receiver. The export owns (or borrows) the buffer and gives
 /// it back only through [`complete`](CmaExport::complete), with the receiver's ack, or
@@ -113,7 +57,7 @@ impl<B: StableBytes> CmaExport<B> {
     /// Exports `buffer`. Fails only if this process's identity cannot be read from
     /// `/proc`.
     pub fn new(buffer: B) -> Result<CmaExport<B>, CmaError> {
-        let process = ProcessIdentity::current()?;
+        let process = current_identity()?;
         let bytes = buffer.stable_bytes();
         let descriptor = CmaDescriptor {
             process,
@@ -311,7 +255,7 @@ impl CmaPeer {
     /// process's boot, pid namespace and user namespace, be alive, and have the start
     /// time recorded in `process`.
     pub fn open(process: &ProcessIdentity) -> Result<CmaPeer, CmaError> {
-        let local = ProcessIdentity::current()?;
+        let local = current_identity()?;
         if let Some(differs) = local.mismatch(process) {
             return Err(CmaError::ForeignProcess {
                 pid: process.pid,
@@ -534,6 +478,7 @@ pub fn read(descriptor: &CmaDescriptor, dst: &mut [u8]) -> Result<TransferAck, C
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::channel::{DecodeError, ProcessIdentity};
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
@@ -621,7 +566,7 @@ mod tests {
 
     #[test]
     fn bad_ranges_are_explained() {
-        let me = ProcessIdentity::current().expect("identity");
+        let me = current_identity().expect("identity");
         let peer = CmaPeer::open(&me).expect("open self");
         let unmapped = CmaDescriptor {
             process: me,
@@ -665,7 +610,7 @@ mod tests {
 
     #[test]
     fn foreign_and_recycled_processes_are_refused() {
-        let me = ProcessIdentity::current().expect("identity");
+        let me = current_identity().expect("identity");
         let elsewhere = ProcessIdentity {
             boot_id: [0xab; 16],
             ..me

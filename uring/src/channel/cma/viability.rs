@@ -23,7 +23,7 @@ use std::fmt;
 use std::io;
 
 use super::read::{read_pieces, Piece};
-use crate::channel::ProcessIdentity;
+use crate::channel::current_identity;
 use crate::host::{boot_id, IdentityError};
 
 /// Yama's setting.
@@ -235,7 +235,7 @@ pub enum NotViable {
 /// PR_SET_PTRACER_ANY)`, which lets any process of this user read this process's memory
 /// for the rest of its life: call it only in processes that export buffers over cma.
 pub fn viability() -> Result<CmaDomain, NotViable> {
-    let identity = ProcessIdentity::current()?;
+    let identity = current_identity()?;
     let (_, boot_text) = boot_id()?;
     let status =
         std::fs::read_to_string(STATUS_PATH).map_err(|source| NotViable::Status { source })?;

@@ -1,28 +1,20 @@
-//! The checks behind this crate's cargo-fuzz target (`fuzz/fuzz_targets/channel_descriptors.rs`),
-//! public so that `uring/tests/fuzz_corpus.rs` replays the committed seeds and random
-//! inputs through exactly the same assertions in every `cargo test`.
-//!
-//! What is checked: the decoders of what a peer sends beside a pipe (`cma`, `xth` and
-//! `mpt` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never panic,
-//! and whatever they accept encodes back to the very same bytes (a lane hello's index
-//! also lies in its set). Nothing here reads another process.
+//! The decoders of what a peer sends beside a pipe (`cma`, `xth` and `mpt` descriptors,
+//! transfer acks, `mpt` stripe headers and lane hellos) never panic, and whatever they
+//! accept encodes back to the very same bytes (a lane hello's index also lies in its
+//! set).
 
 use crate::channel::cma::CmaDescriptor;
 use crate::channel::mpt::{LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
 
-/// Feeds `data` to every channel descriptor decoder.
+/// Feeds `data` to every channel record decoder.
 ///
 /// # Panics
 /// When a decoder breaks its contract (that is the finding).
 pub fn channel_descriptors(data: &[u8]) {
     if let Ok(ack) = TransferAck::decode(data) {
-        assert_eq!(
-            ack.encode().as_slice(),
-            data,
-            "an accepted ack re-encodes to itself"
-        );
+        assert_eq!(ack.encode().as_slice(), data, "ack round trip");
     }
     if let Ok(descriptor) = XthDescriptor::decode(data) {
         assert_eq!(

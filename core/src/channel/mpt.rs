@@ -1,0 +1,247 @@
+//! The `mpt` channel's records: the descriptor of a tensor in a frame, the header before
+//! each stripe on a lane, the hello that opens a lane, and how a transfer is cut into
+//! stripes. Both ends compute the same plan ([`stripes`]) from the length, so a receiver
+//! checks every header against the stripe it expects before it reads a byte into place.
+
+#[cfg(feature = "alloc")]
+use alloc::vec::Vec;
+
+use super::{DecodeError, FieldReader, FieldWriter};
+
+/// What starts every stripe header.
+const STRIPE_MAGIC: [u8; 4] = *b"RDMP";
+/// Bytes of a stripe header: magic, reserved, transfer id, offset, length.
+pub const STRIPE_HEADER_LEN: usize = 32;
+
+/// Where each lane's stripe of a `len`-byte transfer lies, as `(offset, len)`: equal
+/// shares over `len / min_stripe_len` lanes, at least one and at most `lanes` (the first
+/// `len % used` get one byte more). Lanes with nothing to carry are left out.
+#[cfg(feature = "alloc")]
+pub fn stripes(len: usize, lanes: usize, min_stripe_len: usize) -> Vec<(usize, usize)> {
+    let used = (len / min_stripe_len.max(1)).clamp(1, lanes.max(1));
+    let (share, extra) = (len / used, len % used);
+    let mut out = Vec::with_capacity(used);
+    let mut offset = 0;
+    for lane in 0..used {
+        let n = share + usize::from(lane < extra);
+        if n > 0 || (lane == 0 && len == 0) {
+            out.push((offset, n));
+        }
+        offset += n;
+    }
+    out
+}
+
+/// A stripe header as sent before the stripe's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StripeHeader {
+    /// The transfer this stripe belongs to.
+    pub transfer_id: u64,
+    /// Offset of the stripe in the tensor.
+    pub offset: u64,
+    /// Length of the stripe.
+    pub len: u64,
+}
+
+impl StripeHeader {
+    /// The wire form.
+    pub fn encode(&self) -> [u8; STRIPE_HEADER_LEN] {
+        let mut out = [0u8; STRIPE_HEADER_LEN];
+        let mut writer = FieldWriter::tagged(&mut out, &STRIPE_MAGIC);
+        writer.put(&[0; 4]);
+        writer.put(&self.transfer_id.to_le_bytes());
+        writer.put(&self.offset.to_le_bytes());
+        writer.put(&self.len.to_le_bytes());
+        out
+    }
+
+    /// Parses a header; `None` for a wrong magic or non-zero reserved bytes.
+    pub fn decode(bytes: &[u8; STRIPE_HEADER_LEN]) -> Option<StripeHeader> {
+        let mut reader =
+            FieldReader::tagged(bytes, "mpt stripe header", STRIPE_HEADER_LEN, &STRIPE_MAGIC)
+                .ok()?;
+        if reader.take::<4>() != [0; 4] {
+            return None;
+        }
+        Some(StripeHeader {
+            transfer_id: u64::from_le_bytes(reader.take()),
+            offset: u64::from_le_bytes(reader.take()),
+            len: u64::from_le_bytes(reader.take()),
+        })
+    }
+}
+
+/// What starts an encoded [`MptDescriptor`].
+const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDMT";
+
+/// Where a tensor sent over mpt is: the id of the transfer whose stripes follow the
+/// frame on the pipe's lanes. The frame's tensor entry carries the length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MptDescriptor {
+    /// The transfer id every stripe header of this tensor carries.
+    pub transfer_id: u64,
+}
+
+impl MptDescriptor {
+    /// The encoded size: a 4-byte tag and the little-endian transfer id.
+    pub const ENCODED_LEN: usize = 12;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        FieldWriter::tagged(&mut out, &DESCRIPTOR_MAGIC).put(&self.transfer_id.to_le_bytes());
+        out
+    }
+
+    /// Parses what [`encode`](Self::encode) wrote.
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag.
+    pub fn decode(bytes: &[u8]) -> Result<MptDescriptor, DecodeError> {
+        let mut reader = FieldReader::tagged(
+            bytes,
+            "mpt descriptor",
+            Self::ENCODED_LEN,
+            &DESCRIPTOR_MAGIC,
+        )?;
+        Ok(MptDescriptor {
+            transfer_id: u64::from_le_bytes(reader.take()),
+        })
+    }
+}
+
+/// What starts an encoded [`LaneHello`].
+const HELLO_MAGIC: [u8; 4] = *b"RDML";
+/// The most lanes one pipe may open.
+pub const MAX_LANES: u16 = 64;
+
+/// The first bytes on a lane connection: which set of lanes it belongs to and where in
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneHello {
+    /// The token of the set (the pipe's, from its handshake).
+    pub token: u64,
+    /// This lane's index, below `count`.
+    pub index: u16,
+    /// Lanes in the set, 1 to [`MAX_LANES`].
+    pub count: u16,
+}
+
+impl LaneHello {
+    /// The encoded size: tag, index, count, token.
+    pub const ENCODED_LEN: usize = 16;
+
+    /// The wire form.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        let mut writer = FieldWriter::tagged(&mut out, &HELLO_MAGIC);
+        writer.put(&self.index.to_le_bytes());
+        writer.put(&self.count.to_le_bytes());
+        writer.put(&self.token.to_le_bytes());
+        out
+    }
+
+    /// Parses what [`encode`](Self::encode) wrote, checking that the index lies in a
+    /// set of 1 to [`MAX_LANES`] lanes.
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag, or an index outside its set.
+    pub fn decode(bytes: &[u8]) -> Result<LaneHello, DecodeError> {
+        let what = "mpt lane hello";
+        let mut reader = FieldReader::tagged(bytes, what, Self::ENCODED_LEN, &HELLO_MAGIC)?;
+        let index = u16::from_le_bytes(reader.take());
+        let count = u16::from_le_bytes(reader.take());
+        let token = u64::from_le_bytes(reader.take());
+        if count == 0 || count > MAX_LANES || index >= count {
+            return Err(DecodeError::BadTag { what });
+        }
+        Ok(LaneHello {
+            token,
+            index,
+            count,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn stripes_cover_the_tensor_once() {
+        assert_eq!(stripes(0, 4, 1), [(0, 0)]);
+        assert_eq!(stripes(10, 4, 1), [(0, 3), (3, 3), (6, 2), (8, 2)]);
+        assert_eq!(stripes(3, 4, 1), [(0, 1), (1, 1), (2, 1)]);
+        assert_eq!(stripes(100, 4, 1000), [(0, 100)]);
+        assert_eq!(
+            stripes(3000, 4, 1000),
+            [(0, 1000), (1000, 1000), (2000, 1000)]
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn stripes_partition(len in 0usize..1_000_000, lanes in 1usize..16, min in 0usize..10_000) {
+            let plan = stripes(len, lanes, min);
+            prop_assert!(!plan.is_empty() && plan.len() <= lanes);
+            if plan.len() > 1 {
+                prop_assert!(plan.iter().all(|&(_, n)| n >= min), "{:?}", plan);
+            }
+            let mut next = 0;
+            for (offset, n) in &plan {
+                prop_assert_eq!(*offset, next);
+                next += n;
+            }
+            prop_assert_eq!(next, len);
+        }
+
+        #[test]
+        fn headers_round_trip(id in any::<u64>(), offset in any::<u64>(), len in any::<u64>()) {
+            let h = StripeHeader { transfer_id: id, offset, len };
+            prop_assert_eq!(StripeHeader::decode(&h.encode()), Some(h));
+        }
+    }
+
+    #[test]
+    fn garbage_is_no_header() {
+        assert_eq!(StripeHeader::decode(&[0u8; STRIPE_HEADER_LEN]), None);
+        let mut raw = StripeHeader {
+            transfer_id: 1,
+            offset: 0,
+            len: 1,
+        }
+        .encode();
+        raw[5] = 1;
+        assert_eq!(StripeHeader::decode(&raw), None);
+    }
+
+    #[test]
+    fn descriptors_and_hellos_round_trip_and_refuse_garbage() {
+        let d = MptDescriptor { transfer_id: 77 };
+        assert_eq!(MptDescriptor::decode(&d.encode()), Ok(d));
+        assert!(MptDescriptor::decode(&[0u8; MptDescriptor::ENCODED_LEN]).is_err());
+        assert!(MptDescriptor::decode(&d.encode()[..11]).is_err());
+        let h = LaneHello {
+            token: 9,
+            index: 3,
+            count: 4,
+        };
+        assert_eq!(LaneHello::decode(&h.encode()), Ok(h));
+        for bad in [
+            LaneHello { index: 4, ..h },
+            LaneHello {
+                count: 0,
+                index: 0,
+                ..h
+            },
+            LaneHello {
+                count: MAX_LANES + 1,
+                ..h
+            },
+        ] {
+            assert!(LaneHello::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        assert!(LaneHello::decode(&[0u8; LaneHello::ENCODED_LEN]).is_err());
+    }
+}
