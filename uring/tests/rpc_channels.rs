@@ -80,7 +80,7 @@ fn options(url: &str, channels: Option<&str>, min_bytes: Option<u64>) -> RpcOpti
 
 /// The child: rank 1 ("peer"), serving until the parent's graceful shutdown (or its
 /// own death by the `die` handler).
-fn run_child() {
+fn run_child() -> ! {
     let Ok(url) = std::env::var(STORE_ENV) else {
         std::process::exit(2)
     };
@@ -109,9 +109,14 @@ struct Setup<'a> {
     child_lanes: Option<u16>,
 }
 
-/// Starts the child for `test` (this binary, running only that test) and the parent's
-/// agent ("main", rank 0).
-fn start(test: &str, dir: &tempfile::TempDir, setup: Setup<'_>) -> (RpcAgent, Child) {
+/// In the child process, serves as "peer" and never returns. In the parent, starts the
+/// child for `test` (this binary, running only that test) and the parent's agent
+/// ("main", rank 0) on a store in a fresh directory (returned: keep it alive).
+fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        run_child();
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = format!("file://{}", dir.path().join("store").display());
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
     let mut command = Command::new(exe);
@@ -140,7 +145,7 @@ fn start(test: &str, dir: &tempfile::TempDir, setup: Setup<'_>) -> (RpcAgent, Ch
     }
     let agent =
         init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
-    (agent, child)
+    (agent, child, dir)
 }
 
 /// Why cma cannot run here, if it cannot (the test then says so and checks nothing).
@@ -229,17 +234,12 @@ fn big_request_bytes(min: u64) -> u64 {
 
 #[test]
 fn cma_is_negotiated_and_carries_tensors_both_ways() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
     if let Some(reason) = cma_unavailable() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "cma_is_negotiated_and_carries_tensors_both_ways",
-        &dir,
         Setup::default(),
     );
     assert_eq!(agent.pipe_channel("peer"), None);
@@ -289,17 +289,12 @@ fn cma_is_negotiated_and_carries_tensors_both_ways() {
 
 #[test]
 fn every_tensor_goes_over_cma_with_no_threshold() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
     if let Some(reason) = cma_unavailable() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "every_tensor_goes_over_cma_with_no_threshold",
-        &dir,
         Setup {
             min_bytes: Some(0),
             ..Setup::default()
@@ -315,13 +310,8 @@ fn every_tensor_goes_over_cma_with_no_threshold() {
 
 #[test]
 fn channels_basic_forces_inline_tensors() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "channels_basic_forces_inline_tensors",
-        &dir,
         Setup {
             parent_channels: Some("basic"),
             ..Setup::default()
@@ -336,19 +326,14 @@ fn channels_basic_forces_inline_tensors() {
 
 #[test]
 fn channel_priorities_must_agree() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
     if let Some(reason) = cma_unavailable() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     // The parent prefers basic to cma, the child (defaults) cma to basic: as in
     // TensorPipe, the pipe is refused rather than used with two different choices.
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "channel_priorities_must_agree",
-        &dir,
         Setup {
             parent_channels: Some("basic,cma"),
             ..Setup::default()
@@ -401,14 +386,9 @@ fn unknown_and_unrun_channels_are_errors() {
 
 #[test]
 fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     // Three lanes on the parent's pipe (an odd split); the child would open two.
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "mpt_is_negotiated_and_stripes_tensors_both_ways",
-        &dir,
         Setup {
             parent_channels: Some("mpt,basic"),
             child_channels: Some("mpt,basic"),
@@ -498,15 +478,10 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
 
 #[test]
 fn mpt_offered_by_one_side_only_falls_back_to_basic() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     // The child offers only basic: mpt is not negotiated, everything goes inline and
     // no lane is opened.
-    let (agent, child) = start(
+    let (agent, child, _dir) = start(
         "mpt_offered_by_one_side_only_falls_back_to_basic",
-        &dir,
         Setup {
             parent_channels: Some("mpt,basic"),
             child_channels: Some("basic"),
@@ -521,13 +496,8 @@ fn mpt_offered_by_one_side_only_falls_back_to_basic() {
 
 #[test]
 fn a_peer_killed_while_mpt_streams_fails_the_call_quickly() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (agent, mut child) = start(
+    let (agent, mut child, _dir) = start(
         "a_peer_killed_while_mpt_streams_fails_the_call_quickly",
-        &dir,
         Setup {
             parent_channels: Some("mpt,basic"),
             child_channels: Some("mpt,basic"),
@@ -608,17 +578,12 @@ fn xth_between_two_agents_in_one_process() {
 
 #[test]
 fn a_peer_killed_holding_lent_tensors_fails_the_call_quickly() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
     if let Some(reason) = cma_unavailable() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (agent, mut child) = start(
+    let (agent, mut child, _dir) = start(
         "a_peer_killed_holding_lent_tensors_fails_the_call_quickly",
-        &dir,
         Setup::default(),
     );
     assert!(agent.rpc_sync("peer", "echo", Message::default()).is_ok());
@@ -683,9 +648,6 @@ const BENCH_SIZES: [usize; 7] = [
 #[test]
 #[ignore = "a measurement: run in release with --ignored --nocapture"]
 fn echo_bandwidth_by_channel() {
-    if std::env::var_os(CHILD_ENV).is_some() {
-        return run_child();
-    }
     if let Some(reason) = cma_unavailable() {
         eprintln!("skipped: cma is not viable on this host: {reason}");
         return;
@@ -695,10 +657,8 @@ fn echo_bandwidth_by_channel() {
     let pairs: Vec<(&str, tempfile::TempDir, RpcAgent, Child)> = [("basic", u64::MAX), ("cma", 1)]
         .into_iter()
         .map(|(label, min_bytes)| {
-            let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-            let (agent, child) = start(
+            let (agent, child, dir) = start(
                 "echo_bandwidth_by_channel",
-                &dir,
                 Setup {
                     min_bytes: Some(min_bytes),
                     ..Setup::default()
