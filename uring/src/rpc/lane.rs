@@ -1,8 +1,7 @@
 //! Pipes served by threads ("lanes"): the fast path of a call.
 //!
-//! Once a pipe's handshake is done on the I/O executor, a transport whose connections
-//! are blocking by nature (tcp over a duplicated socket, shm's rings) hands its halves
-//! over ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking))
+//! Once a pipe's handshake is done on the I/O executor, its transport hands its halves
+//! over (tcp over a duplicated socket, shm's rings, ibv's queues to its link thread) ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking))
 //! and the pipe becomes a lane:
 //!
 //! * a caller's thread encodes and sends its own request under the lane's send lock:
@@ -210,7 +209,7 @@ impl Lane {
     /// read (or will never be): it may release them.
     fn ack(&self, message_id: u64) {
         // A lane that cannot send any more is ending: its end releases them.
-        let _ = self.send(&OwnedFrame::empty(FrameKind::Ack, message_id));
+        let _ = self.send(OwnedFrame::empty(FrameKind::Ack, message_id));
     }
 
     /// The next frame for the reader thread. A polled lane spins up to `spin` on the
@@ -555,9 +554,7 @@ impl Lane {
             // Held until the reply arrives or the lane ends.
             drop(self.exports().lend(Lender::Request, message_id, exports));
         }
-        let sent = self.send_with(&frame, streamed);
-        recycle::give_all(frame.tensor_data);
-        if let Err(reason) = sent {
+        if let Err(reason) = self.send_with(frame, streamed) {
             self.end(shared, reason);
         }
     }
@@ -576,8 +573,7 @@ impl Lane {
             // Held until the caller's ack, or the lane's end.
             drop(self.exports().lend(Lender::Response, message_id, exports));
         }
-        let sent = self.send_with(&frame, streamed);
-        recycle::give_all(frame.tensor_data);
+        let sent = self.send_with(frame, streamed);
         if let Err(reason) = sent {
             tracing::debug!(peer = %self.peer, %reason, "an RPC response could not be sent");
             self.stop();
@@ -586,7 +582,7 @@ impl Lane {
 
     /// Sends a goodbye (graceful shutdown); failures are expected then and ignored.
     pub fn goodbye(&self) {
-        let _ = self.send(&OwnedFrame::empty(FrameKind::Goodbye, 0));
+        let _ = self.send(OwnedFrame::empty(FrameKind::Goodbye, 0));
     }
 
     /// Ends the connection; the reader thread sees it and cleans up.
@@ -597,16 +593,20 @@ impl Lane {
         }
     }
 
-    fn send(&self, frame: &OwnedFrame) -> Result<u64, String> {
+    fn send(&self, frame: OwnedFrame) -> Result<u64, String> {
         self.send_with(frame, Vec::new())
     }
 
     /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
-    /// tensors, whose buffers go back to the recycle pool.
-    fn send_with(&self, frame: &OwnedFrame, streamed: Vec<(u64, Vec<u8>)>) -> Result<u64, String> {
+    /// tensors. The buffers the transport does not keep go back to the recycle pool.
+    fn send_with(&self, frame: OwnedFrame, streamed: Vec<(u64, Vec<u8>)>) -> Result<u64, String> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = sender.send(frame).map_err(|e| e.to_string())?;
+        let (sent, back) = sender.send_owned(frame).map_err(|e| e.to_string())?;
         if streamed.is_empty() {
+            drop(sender);
+            if let Some(back) = back {
+                recycle::give_all(back.tensor_data);
+            }
             return Ok(sent);
         }
         let pushed = match self.mpt.get() {
@@ -614,6 +614,9 @@ impl Lane {
             None => Err("the frame has mpt tensors, but the pipe has no mpt lanes".into()),
         };
         drop(sender);
+        if let Some(back) = back {
+            recycle::give_all(back.tensor_data);
+        }
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
         pushed.map(|()| sent)
     }

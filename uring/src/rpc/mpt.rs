@@ -15,8 +15,8 @@
 //! frame (the lane holds its send lock) and [`MptLanes::fill`] reads them as soon as the
 //! frame has been received (the lane holds its receive lock), so the stripes on the
 //! lanes are in frame order. Each direction has its own duplicated sockets and lock.
-//! Pipes on the I/O executor (fault injection, ibv) never have lanes: their tensors go
-//! inline.
+//! Pipes over other transports (shm, ibv) and pipes on the I/O executor (fault injection)
+//! never have mpt lanes: their tensors go inline.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;

@@ -169,6 +169,19 @@ pub trait BlockingSender: Send {
     /// # Errors
     /// [`TransportError`] when the connection failed.
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError>;
+
+    /// Sends a frame the transport may keep: one that moves buffers zero-copy (ibv)
+    /// keeps them until the peer read them. The bytes put on the wire, and the frame
+    /// back when the transport is done with it (its buffers can be reused).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    fn send_owned(
+        &mut self,
+        frame: OwnedFrame,
+    ) -> Result<(u64, Option<OwnedFrame>), TransportError> {
+        self.send(&frame).map(|sent| (sent, Some(frame)))
+    }
 }
 
 /// Receives whole frames on the pipe's reader thread.

@@ -91,6 +91,93 @@ pub struct PendingFrame {
     peer: String,
 }
 
+/// Turns a link's messages back into frames (a first message, then its separate parts),
+/// for the executor's receiving half and a lane's alike.
+#[derive(Debug)]
+pub struct Assembler {
+    /// A frame whose separate parts are still arriving.
+    pending: Option<PendingFrame>,
+    ended: bool,
+    peer: String,
+}
+
+/// What one message gave.
+#[derive(Debug)]
+pub enum Fed {
+    /// A whole frame.
+    Frame(IncomingFrame),
+    /// Nothing yet: more parts are due.
+    More,
+    /// The end of the stream, between frames.
+    End,
+}
+
+impl Assembler {
+    /// An assembler for messages from `peer`.
+    pub fn new(peer: &str) -> Assembler {
+        Assembler {
+            pending: None,
+            ended: false,
+            peer: peer.to_string(),
+        }
+    }
+
+    /// Whether the stream ended (at its end, or after an error it cannot resume from).
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// Takes the link's next `message` (`Ok(None)` at the end of the stream, `Err` when
+    /// the link failed), checking a first message against `limits`.
+    ///
+    /// # Errors
+    /// The link's error; a first message the core refuses; a part of another length
+    /// than announced; the end of the stream inside a frame. Each ends the stream.
+    pub fn feed(
+        &mut self,
+        message: Result<Option<Vec<u8>>, TransportError>,
+        limits: FrameLimits,
+    ) -> Result<Fed, TransportError> {
+        let fed = self.take(message, limits);
+        if fed.is_err() {
+            // The stream cannot be resynchronised.
+            self.ended = true;
+            self.pending = None;
+        }
+        fed
+    }
+
+    fn take(
+        &mut self,
+        message: Result<Option<Vec<u8>>, TransportError>,
+        limits: FrameLimits,
+    ) -> Result<Fed, TransportError> {
+        let Some(message) = message? else {
+            self.ended = true;
+            return match self.pending.take() {
+                Some(pending) => Err(TransportError::Truncated {
+                    peer: self.peer.clone(),
+                    have: pending.received_len(),
+                }),
+                None => Ok(Fed::End),
+            };
+        };
+        match self.pending.as_mut() {
+            Some(pending) => pending.push(message)?,
+            None => match decode_first(message, limits, &self.peer)? {
+                FirstMessage::Complete(frame) => return Ok(Fed::Frame(frame)),
+                FirstMessage::Pending(pending) => self.pending = Some(pending),
+            },
+        }
+        if self.pending.as_ref().is_some_and(PendingFrame::is_complete) {
+            if let Some(done) = self.pending.take() {
+                return done.finish().map(Fed::Frame);
+            }
+        }
+        Ok(Fed::More)
+    }
+}
+
 fn invalid(peer: &str, reason: String) -> TransportError {
     TransportError::Io {
         op: "receive from",

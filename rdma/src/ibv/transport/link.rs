@@ -30,7 +30,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -60,12 +60,16 @@ struct MailboxState<T> {
     items: VecDeque<T>,
     waker: Option<Waker>,
     closed: bool,
+    /// Threads blocked in [`Mailbox::pop_blocking`] (signalled only when there are).
+    sleepers: usize,
 }
 
-/// A queue between the link's thread and one task on the executor. Closing refuses
-/// pushes; pops drain what is left, then see the end.
+/// A queue between the link's thread and one task on the executor, or one thread
+/// ([`pop_blocking`](Mailbox::pop_blocking), for a pipe served by a lane). Closing
+/// refuses pushes; pops drain what is left, then see the end.
 pub struct Mailbox<T> {
     state: Mutex<MailboxState<T>>,
+    changed: Condvar,
 }
 
 impl<T> Mailbox<T> {
@@ -76,7 +80,9 @@ impl<T> Mailbox<T> {
                 items: VecDeque::new(),
                 waker: None,
                 closed: false,
+                sleepers: 0,
             }),
+            changed: Condvar::new(),
         }
     }
 
@@ -92,11 +98,41 @@ impl<T> Mailbox<T> {
         }
         state.items.push_back(item);
         let waker = state.waker.take();
+        let sleeping = state.sleepers > 0;
         drop(state);
         if let Some(waker) = waker {
             waker.wake();
         }
+        if sleeping {
+            self.changed.notify_all();
+        }
         Ok(())
+    }
+
+    /// The next item, blocking the calling thread until one comes; `None` once closed
+    /// and drained.
+    pub fn pop_blocking(&self) -> Option<T> {
+        let mut state = self.lock();
+        loop {
+            if let Some(item) = state.items.pop_front() {
+                return Some(item);
+            }
+            if state.closed {
+                return None;
+            }
+            state.sleepers += 1;
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+            state.sleepers -= 1;
+        }
+    }
+
+    /// Closes and drops what is waiting: a blocked [`pop_blocking`](Self::pop_blocking)
+    /// sees the end at once.
+    pub fn close_and_clear(&self) {
+        let mut state = self.lock();
+        state.items.clear();
+        drop(state);
+        self.close();
     }
 
     /// The next item, if one is there.
@@ -119,9 +155,13 @@ impl<T> Mailbox<T> {
         let mut state = self.lock();
         state.closed = true;
         let waker = state.waker.take();
+        let sleeping = state.sleepers > 0;
         drop(state);
         if let Some(waker) = waker {
             waker.wake();
+        }
+        if sleeping {
+            self.changed.notify_all();
         }
     }
 

@@ -38,6 +38,10 @@
 //!   also owns every buffer posted to the NIC until the peer has read it; errors carry
 //!   the verb or the work completion's status (`IBV_WC_RETRY_EXC_ERR`, ...). A failed
 //!   link fails the pipe, and the agent re-creates it on the next call, as for tcp.
+//! - **Lanes**: after the handshake the agent takes the pipe off its executor
+//!   (`into_blocking`): callers' threads queue their frames for the link's thread
+//!   directly (handing over the buffers, which stay owned until read), and the lane's
+//!   reader thread blocks on the link's queue of received messages.
 //!
 //! Not here: one shared completion queue or receive queue for all of a worker's pipes
 //! (each pipe has its own queue pair, rings and thread), receiving into caller-provided
@@ -55,12 +59,13 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
-    Connection, FrameReceiver, FrameSender, IncomingFrame, IntoBlocking, Listener, LocalBoxFuture,
-    NotBlocking, OwnedFrame, Transport, TransportPlugin,
+    BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
+    IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
+    Transport, TransportPlugin,
 };
 use rdzv_uring::rpc::TransportError;
 
-use self::framing::{decode_first, FirstMessage, PendingFrame};
+use self::framing::{Assembler, Fed};
 use self::link::{Link, Mailbox};
 use super::channel::{ChannelOptions, IbvChannel};
 use super::select::IbvSelection;
@@ -419,63 +424,86 @@ impl Connection for IbvPipe {
 
     fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
         let IbvPipe { link, peer } = *self;
+        let assembler = Assembler::new(&peer);
         let peer: Arc<str> = Arc::from(peer.as_str());
         (
             Box::new(IbvFrameSender {
                 link: Arc::clone(&link),
                 peer: Arc::clone(&peer),
+                detached: false,
             }),
             Box::new(IbvFrameReceiver {
                 link,
                 peer,
-                pending: None,
-                ended: false,
+                assembler,
+                detached: false,
             }),
         )
+    }
+}
+
+/// Queues `frame` for the link's thread, which keeps its buffers until the peer read
+/// them; the bytes it puts on the wire.
+fn queue_frame(link: &Link, peer: &str, frame: OwnedFrame) -> Result<u64, TransportError> {
+    // Refuse a frame the core would not decode here, with the frame's error.
+    if let Err(source) = frame.encode_head() {
+        return Err(TransportError::Encode {
+            peer: peer.to_string(),
+            source,
+        });
+    }
+    let len = frame.encoded_len() as u64;
+    if link.failure().is_some() {
+        return Err(stopped(link, peer));
+    }
+    match link.outgoing.push(frame) {
+        Ok(()) => {
+            link.wake();
+            Ok(len)
+        }
+        Err(_) => Err(stopped(link, peer)),
+    }
+}
+
+fn stopped(link: &Link, peer: &str) -> TransportError {
+    let reason = link
+        .failure()
+        .unwrap_or_else(|| "the pipe is closed".to_string());
+    TransportError::Io {
+        op: "send to",
+        peer: peer.to_string(),
+        source: io::Error::new(io::ErrorKind::BrokenPipe, reason),
+    }
+}
+
+/// The link's next message, as the assembler takes it.
+fn link_message(
+    link: &Link,
+    peer: &str,
+    message: Option<Result<Vec<u8>, String>>,
+) -> Result<Option<Vec<u8>>, TransportError> {
+    link.took_message();
+    match message {
+        Some(Ok(message)) => Ok(Some(message)),
+        Some(Err(reason)) => Err(TransportError::Io {
+            op: "receive from",
+            peer: peer.to_string(),
+            source: io::Error::new(io::ErrorKind::ConnectionAborted, reason),
+        }),
+        None => Ok(None),
     }
 }
 
 struct IbvFrameSender {
     link: Arc<Link>,
     peer: Arc<str>,
-}
-
-impl IbvFrameSender {
-    fn stopped(&self) -> TransportError {
-        let reason = self
-            .link
-            .failure()
-            .unwrap_or_else(|| "the pipe is closed".to_string());
-        TransportError::Io {
-            op: "send to",
-            peer: self.peer.to_string(),
-            source: io::Error::new(io::ErrorKind::BrokenPipe, reason),
-        }
-    }
+    /// Set when the link moved to a lane's halves: dropping this one then ends nothing.
+    detached: bool,
 }
 
 impl FrameSender for IbvFrameSender {
     fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async move {
-            // Refuse a frame the core would not decode here, with the frame's error.
-            if let Err(source) = frame.encode_head() {
-                return Err(TransportError::Encode {
-                    peer: self.peer.to_string(),
-                    source,
-                });
-            }
-            let len = frame.encoded_len() as u64;
-            if self.link.failure().is_some() {
-                return Err(self.stopped());
-            }
-            match self.link.outgoing.push(frame) {
-                Ok(()) => {
-                    self.link.wake();
-                    Ok(len)
-                }
-                Err(_) => Err(self.stopped()),
-            }
-        })
+        Box::pin(async move { queue_frame(&self.link, &self.peer, frame) })
     }
 
     fn close(&mut self) -> LocalBoxFuture<'_, ()> {
@@ -490,52 +518,61 @@ impl FrameSender for IbvFrameSender {
     }
 
     fn into_blocking(
-        self: Box<Self>,
+        mut self: Box<Self>,
         receiver: Box<dyn FrameReceiver>,
     ) -> LocalBoxFuture<'static, IntoBlocking> {
-        // One driver thread runs both directions of the queue pair: the pipe stays on
-        // the executor.
-        Box::pin(async move { Err(NotBlocking::Unsupported(self, receiver)) })
+        // The link's thread keeps driving the queue pair; the lane's threads queue
+        // frames for it and take what it received, without the executor in between.
+        Box::pin(async move {
+            let mut receiver = match receiver.into_any().downcast::<IbvFrameReceiver>() {
+                Ok(receiver) => receiver,
+                Err(_) => {
+                    return Err(NotBlocking::Failed(TransportError::Io {
+                        op: "take off the executor",
+                        peer: self.peer.to_string(),
+                        source: io::Error::other("the receiving half is not an ibv one"),
+                    }))
+                }
+            };
+            self.detached = true;
+            receiver.detached = true;
+            let link = Arc::clone(&self.link);
+            let peer = Arc::clone(&self.peer);
+            let assembler = std::mem::replace(&mut receiver.assembler, Assembler::new(&peer));
+            Ok(BlockingHalves {
+                sender: Box::new(IbvBlockingSender {
+                    link: Arc::clone(&link),
+                    peer: Arc::clone(&peer),
+                }),
+                receiver: Box::new(IbvBlockingReceiver {
+                    link: Arc::clone(&link),
+                    peer,
+                    assembler,
+                }),
+                stop: Arc::new(IbvStop { link }),
+                wake: None,
+            })
+        })
     }
 }
 
 impl Drop for IbvFrameSender {
     fn drop(&mut self) {
-        // The thread sends what is queued, then the end of the stream.
-        self.link.outgoing.close();
-        self.link.wake();
+        if !self.detached {
+            // The thread sends what is queued, then the end of the stream.
+            self.link.outgoing.close();
+            self.link.wake();
+        }
     }
 }
 
 struct IbvFrameReceiver {
     link: Arc<Link>,
     peer: Arc<str>,
-    /// A frame whose separate parts are still arriving (kept if a `recv` is dropped).
-    pending: Option<PendingFrame>,
-    ended: bool,
-}
-
-impl IbvFrameReceiver {
-    /// The next message from the link; `Ok(None)` at the end of the stream.
-    async fn next_message(&mut self) -> Result<Option<Vec<u8>>, TransportError> {
-        let message = self.link.incoming.pop().await;
-        self.link.took_message();
-        match message {
-            Some(Ok(message)) => Ok(Some(message)),
-            Some(Err(reason)) => {
-                self.ended = true;
-                Err(TransportError::Io {
-                    op: "receive from",
-                    peer: self.peer.to_string(),
-                    source: io::Error::new(io::ErrorKind::ConnectionAborted, reason),
-                })
-            }
-            None => {
-                self.ended = true;
-                Ok(None)
-            }
-        }
-    }
+    /// Holds a frame in progress across awaits, so that a dropped `recv` loses nothing.
+    assembler: Assembler,
+    /// Set when the link moved to a lane's halves.
+    detached: bool,
 }
 
 impl FrameReceiver for IbvFrameReceiver {
@@ -548,50 +585,95 @@ impl FrameReceiver for IbvFrameReceiver {
         limits: FrameLimits,
     ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
         Box::pin(async move {
-            if self.ended {
-                return Ok(None);
-            }
-            // A frame in progress lives in `self.pending` across awaits, so that a dropped
-            // `recv` loses nothing.
-            loop {
-                if self.pending.as_ref().is_some_and(PendingFrame::is_complete) {
-                    if let Some(done) = self.pending.take() {
-                        return done.finish().map(Some);
-                    }
-                }
-                let Some(message) = self.next_message().await? else {
-                    return match self.pending.take() {
-                        Some(pending) => Err(TransportError::Truncated {
-                            peer: self.peer.to_string(),
-                            have: pending.received_len(),
-                        }),
-                        None => Ok(None),
-                    };
-                };
-                let pushed = match self.pending.as_mut() {
-                    Some(pending) => pending.push(message),
-                    None => match decode_first(message, limits, &self.peer) {
-                        Ok(FirstMessage::Complete(frame)) => return Ok(Some(frame)),
-                        Ok(FirstMessage::Pending(pending)) => {
-                            self.pending = Some(pending);
-                            Ok(())
-                        }
-                        Err(e) => Err(e),
-                    },
-                };
-                if let Err(e) = pushed {
-                    // The stream cannot be resynchronised.
-                    self.ended = true;
-                    self.pending = None;
-                    return Err(e);
+            while !self.assembler.ended() {
+                let message = self.link.incoming.pop().await;
+                let message = link_message(&self.link, &self.peer, message);
+                match self.assembler.feed(message, limits)? {
+                    Fed::Frame(frame) => return Ok(Some(frame)),
+                    Fed::More => {}
+                    Fed::End => break,
                 }
             }
+            Ok(None)
         })
     }
 }
 
 impl Drop for IbvFrameReceiver {
     fn drop(&mut self) {
+        if !self.detached {
+            self.link.drop_receiver();
+        }
+    }
+}
+
+/// A lane's sending half: any thread queues frames for the link's thread.
+struct IbvBlockingSender {
+    link: Arc<Link>,
+    peer: Arc<str>,
+}
+
+impl BlockingSender for IbvBlockingSender {
+    fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+        // Only small frames come this way (acks, goodbyes): the lane hands over the
+        // frames it owns with `send_owned`.
+        queue_frame(&self.link, &self.peer, frame.clone())
+    }
+
+    fn send_owned(
+        &mut self,
+        frame: OwnedFrame,
+    ) -> Result<(u64, Option<OwnedFrame>), TransportError> {
+        // The link's thread keeps the buffers until the peer read them (zero-copy).
+        queue_frame(&self.link, &self.peer, frame).map(|sent| (sent, None))
+    }
+}
+
+impl Drop for IbvBlockingSender {
+    fn drop(&mut self) {
+        self.link.outgoing.close();
+        self.link.wake();
+    }
+}
+
+/// A lane's receiving half: its reader thread blocks on the link's queue.
+struct IbvBlockingReceiver {
+    link: Arc<Link>,
+    peer: Arc<str>,
+    assembler: Assembler,
+}
+
+impl BlockingReceiver for IbvBlockingReceiver {
+    fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
+        while !self.assembler.ended() {
+            let message = self.link.incoming.pop_blocking();
+            let message = link_message(&self.link, &self.peer, message);
+            match self.assembler.feed(message, limits)? {
+                Fed::Frame(frame) => return Ok(Some(frame)),
+                Fed::More => {}
+                Fed::End => break,
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Drop for IbvBlockingReceiver {
+    fn drop(&mut self) {
+        self.link.drop_receiver();
+    }
+}
+
+/// Ends a lane's link from any thread: queued frames still go, then the end of the
+/// stream; the reader sees the end at once.
+struct IbvStop {
+    link: Arc<Link>,
+}
+
+impl StopConnection for IbvStop {
+    fn stop(&self) {
+        self.link.outgoing.close();
+        self.link.incoming.close_and_clear();
         self.link.drop_receiver();
     }
 }
