@@ -55,7 +55,6 @@ use super::transport::{
     NotBlocking, OwnedFrame, Transport,
 };
 
-/// An accepted inbound pipe: the peer's name and id, and what was negotiated.
 /// A pipe's halves after the handshake, what it negotiated, and the token to open its
 /// mpt lanes with (when it has them).
 type OpenedPipe = (

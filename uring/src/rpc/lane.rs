@@ -1,8 +1,9 @@
 //! Pipes served by threads ("lanes"): the fast path of a call.
 //!
 //! Once a pipe's handshake is done on the I/O executor, its transport hands its halves
-//! over (tcp over a duplicated socket, shm's rings, ibv's queues to its link thread) ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking))
-//! and the pipe becomes a lane:
+//! over ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking):
+//! tcp over a duplicated socket, shm's rings, ibv's queues to its link thread) and the
+//! pipe becomes a lane:
 //!
 //! * a caller's thread encodes and sends its own request under the lane's send lock:
 //!   no hand-off to the I/O thread and no wake-up of it;
