@@ -60,8 +60,11 @@ struct MailboxState<T> {
     items: VecDeque<T>,
     waker: Option<Waker>,
     closed: bool,
-    /// Threads blocked in [`Mailbox::pop_blocking`] (signalled only when there are).
+    /// Threads blocked in [`Mailbox::pop_blocking`] or [`Mailbox::wait_ready`]
+    /// (signalled only when there are).
     sleepers: usize,
+    /// Set by [`Mailbox::kick`]: the next [`Mailbox::wait_ready`] returns at once.
+    kicked: bool,
 }
 
 /// A queue between the link's thread and one task on the executor, or one thread
@@ -81,6 +84,7 @@ impl<T> Mailbox<T> {
                 waker: None,
                 closed: false,
                 sleepers: 0,
+                kicked: false,
             }),
             changed: Condvar::new(),
         }
@@ -124,6 +128,45 @@ impl<T> Mailbox<T> {
             state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
             state.sleepers -= 1;
         }
+    }
+
+    /// Blocks until an item is waiting, the mailbox is closed, [`kick`](Self::kick) was
+    /// called, or `timeout` passed; takes nothing.
+    pub fn wait_ready(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.lock();
+        while state.items.is_empty() && !state.closed && !state.kicked {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            state.sleepers += 1;
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            state.sleepers -= 1;
+        }
+        state.kicked = false;
+    }
+
+    /// Wakes a thread in [`wait_ready`](Self::wait_ready) (or makes the next one return
+    /// at once).
+    pub fn kick(&self) {
+        let mut state = self.lock();
+        state.kicked = true;
+        let sleeping = state.sleepers > 0;
+        drop(state);
+        if sleeping {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Whether nothing is waiting and the mailbox is open: a push will come, and signal.
+    pub fn is_idle(&self) -> bool {
+        let state = self.lock();
+        state.items.is_empty() && !state.closed
     }
 
     /// Closes and drops what is waiting: a blocked [`pop_blocking`](Self::pop_blocking)

@@ -40,8 +40,9 @@
 //!   link fails the pipe, and the agent re-creates it on the next call, as for tcp.
 //! - **Lanes**: after the handshake the agent takes the pipe off its executor
 //!   (`into_blocking`): callers' threads queue their frames for the link's thread
-//!   directly (handing over the buffers, which stay owned until read), and the lane's
-//!   reader thread blocks on the link's queue of received messages.
+//!   directly (handing over the buffers, which stay owned until read). The lane is
+//!   polled: a caller in `rpc_sync` takes its reply off the link's queue of received
+//!   messages itself while the lane's reader thread sleeps on that queue.
 //!
 //! Not here: one shared completion queue or receive queue for all of a worker's pipes
 //! (each pipe has its own queue pair, rings and thread), receiving into caller-provided
@@ -61,7 +62,7 @@ use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
-    Transport, TransportPlugin,
+    Transport, TransportPlugin, TryRecv, Wake,
 };
 use rdzv_uring::rpc::TransportError;
 
@@ -549,8 +550,10 @@ impl FrameSender for IbvFrameSender {
                     peer,
                     assembler,
                 }),
-                stop: Arc::new(IbvStop { link }),
-                wake: None,
+                stop: Arc::new(IbvStop {
+                    link: Arc::clone(&link),
+                }),
+                wake: Some(Arc::new(IbvWake { link })),
             })
         })
     }
@@ -655,6 +658,47 @@ impl BlockingReceiver for IbvBlockingReceiver {
             }
         }
         Ok(None)
+    }
+
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
+        while !self.assembler.ended() {
+            let message = match self.link.incoming.try_pop() {
+                Some(message) => Some(message),
+                // Closed: nothing is pushed any more, so a second look is final (the
+                // last message may have come between the two).
+                None if self.link.incoming.is_closed() => self.link.incoming.try_pop(),
+                None => return Ok(TryRecv::Empty),
+            };
+            let message = link_message(&self.link, &self.peer, message);
+            match self.assembler.feed(message, limits)? {
+                Fed::Frame(frame) => return Ok(TryRecv::Frame(frame)),
+                Fed::More => {}
+                Fed::End => break,
+            }
+        }
+        Ok(TryRecv::Closed)
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        // Every push signals a sleeper, so "armed" only means nothing is there yet.
+        Ok(!self.assembler.ended() && self.link.incoming.is_idle())
+    }
+}
+
+/// How a lane's reader sleeps until the link's thread hands it a message.
+struct IbvWake {
+    link: Arc<Link>,
+}
+
+impl Wake for IbvWake {
+    fn wait(&self, timeout: Duration) -> bool {
+        self.link.incoming.wait_ready(timeout);
+        // A gone peer shows as a failure message or the end of the queue.
+        false
+    }
+
+    fn kick(&self) {
+        self.link.incoming.kick();
     }
 }
 
