@@ -106,7 +106,8 @@ pub struct RpcOptions {
     /// faults.
     pub channels: Option<Vec<String>>,
     /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
-    /// 64; a large tensor is split evenly over them. Default
+    /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
+    /// Default
     /// [`DEFAULT_MPT_LANES`](super::DEFAULT_MPT_LANES).
     pub mpt_lanes: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
