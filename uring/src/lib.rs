@@ -9,11 +9,13 @@
 //!   `file://` and registered schemes, driven by the core's plans.
 //! - [`rpc`]: the RPC agent (TensorPipe's), over the `tcp` transport.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
+//! - [`queue`]: the one queue between threads and executor tasks.
 //! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`, `mpt`); their wire records are `rdzv_core::channel`'s.
 #![warn(missing_docs)]
 
 pub mod channel;
 pub mod host;
+pub mod queue;
 pub mod rendezvous;
 pub mod rpc;
 pub mod server;

@@ -604,6 +604,16 @@ mod tests {
         (0..len).map(|i| (i % 251) as u8).collect()
     }
 
+    /// A sent frame's tensor entries, as the receiving side gets them.
+    fn entries(frame: &OwnedFrame) -> Vec<(TensorDescriptor, Vec<u8>)> {
+        frame
+            .tensors
+            .iter()
+            .copied()
+            .zip(frame.tensor_data.clone())
+            .collect()
+    }
+
     #[test]
     fn small_tensors_stay_inline_and_large_ones_are_exported() {
         let xth = domain_descriptor(ChannelKind::Xth).unwrap_or_else(|e| panic!("{e}"));
@@ -644,12 +654,7 @@ mod tests {
         // The receiving side pulls the exported one and gets every tensor back in order.
         let reader = Arc::new(PipeReader::default());
         let received = ReceivedTensors::sort(
-            frame
-                .tensors
-                .iter()
-                .copied()
-                .zip(frame.tensor_data.clone())
-                .collect(),
+            entries(&frame),
             &negotiated,
             Role::Listener,
             &reader,
@@ -665,12 +670,7 @@ mod tests {
         // Once the exports are released, the descriptor no longer reads.
         drop(exports);
         let again = ReceivedTensors::sort(
-            frame
-                .tensors
-                .iter()
-                .copied()
-                .zip(frame.tensor_data.clone())
-                .collect(),
+            entries(&frame),
             &negotiated,
             Role::Listener,
             &reader,
@@ -708,12 +708,7 @@ mod tests {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(frame.tensors[0].channel, ChannelKind::Cma);
-        let entries: Vec<_> = frame
-            .tensors
-            .iter()
-            .copied()
-            .zip(frame.tensor_data.clone())
-            .collect();
+        let entries = entries(&frame);
         let reader = Arc::new(PipeReader::default());
         let received =
             ReceivedTensors::sort(entries.clone(), &negotiated, Role::Connector, &reader, "w1")

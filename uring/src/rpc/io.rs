@@ -224,7 +224,11 @@ impl Io {
             io.spawn(Rc::clone(&io).accept_loop(listener));
         }
         loop {
-            let commands = io.shared.mailbox.recv().await;
+            let commands = io.shared.mailbox.pop_all().await;
+            if commands.is_empty() {
+                // Closed without a `Close` command: nothing more will come.
+                return;
+            }
             for command in commands {
                 match command {
                     Command::Call(call) => io.start_call(call),
@@ -1159,7 +1163,7 @@ impl Io {
         for pending in pending {
             self.fail_pending(pending, self.shut_down_error());
         }
-        for command in self.shared.mailbox.close() {
+        for command in self.shared.mailbox.close_and_take() {
             if let Command::Call(call) = command {
                 self.fail_unsent(call, self.shut_down_error());
             }

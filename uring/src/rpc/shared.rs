@@ -3,12 +3,9 @@
 //!
 //! Locks are held only for bookkeeping, never across I/O or a handler.
 
-use std::collections::{HashMap, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::task::{Context, Poll, Waker};
 
 use rdzv_core::device_map::DeviceMaps;
 use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, OfferError, TransportKind};
@@ -66,72 +63,8 @@ pub(crate) enum Command {
     Close { goodbye: bool },
 }
 
-#[derive(Default)]
-struct MailboxState {
-    queue: VecDeque<Command>,
-    waker: Option<Waker>,
-    closed: bool,
-}
-
-/// A multi-producer queue whose single consumer is a task on the I/O executor (glommio
-/// accepts wake-ups from other threads).
-#[derive(Default)]
-pub(crate) struct Mailbox {
-    state: Mutex<MailboxState>,
-}
-
-impl Mailbox {
-    fn lock(&self) -> MutexGuard<'_, MailboxState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues `command`; gives it back if the I/O thread has stopped.
-    #[allow(clippy::result_large_err)]
-    pub fn push(&self, command: Command) -> Result<(), Command> {
-        let waker = {
-            let mut state = self.lock();
-            if state.closed {
-                return Err(command);
-            }
-            state.queue.push_back(command);
-            state.waker.take()
-        };
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        Ok(())
-    }
-
-    /// Waits for commands and takes all of them.
-    pub fn recv(&self) -> impl Future<Output = VecDeque<Command>> + '_ {
-        Recv { mailbox: self }
-    }
-
-    /// Refuses further commands and returns those still queued.
-    pub fn close(&self) -> VecDeque<Command> {
-        let mut state = self.lock();
-        state.closed = true;
-        std::mem::take(&mut state.queue)
-    }
-}
-
-struct Recv<'a> {
-    mailbox: &'a Mailbox,
-}
-
-impl Future for Recv<'_> {
-    type Output = VecDeque<Command>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.mailbox.lock();
-        if state.queue.is_empty() {
-            state.waker = Some(cx.waker().clone());
-            Poll::Pending
-        } else {
-            Poll::Ready(std::mem::take(&mut state.queue))
-        }
-    }
-}
+/// The commands for the I/O thread: many threads push, its task takes them in batches.
+pub(crate) type Mailbox = crate::queue::Queue<Command>;
 
 /// The call counters and per-peer data, with `join`'s freeze.
 #[derive(Debug)]

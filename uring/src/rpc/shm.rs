@@ -28,12 +28,11 @@
 //! large tensors beside it; their descriptors travel in the frame).
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::os::fd::AsFd;
-use std::pin::Pin;
+
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
+
 use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
@@ -47,6 +46,7 @@ use super::transport::{
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
     Transport, TryRecv, Wake,
 };
+use crate::queue::Queue;
 use crate::transport::shm::{
     viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions, ShmReceiver,
     ShmSender,
@@ -866,135 +866,6 @@ impl Drop for ShmFrameReceiver {
     }
 }
 
-struct QueueState<T> {
-    items: VecDeque<T>,
-    waker: Option<Waker>,
-    closed: bool,
-}
-
-/// A queue between threads and one task on the executor: blocking pushes and pops for
-/// threads, an async pop for the task. Closing it refuses pushes; pops drain what is
-/// left, then see the end.
-struct Queue<T> {
-    state: Mutex<QueueState<T>>,
-    changed: Condvar,
-    bound: usize,
-    closed_flag: AtomicBool,
-}
-
-impl<T> Queue<T> {
-    fn new(bound: usize) -> Queue<T> {
-        Queue {
-            state: Mutex::new(QueueState {
-                items: VecDeque::new(),
-                waker: None,
-                closed: false,
-            }),
-            changed: Condvar::new(),
-            bound: bound.max(1),
-            closed_flag: AtomicBool::new(false),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, QueueState<T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn wake(&self, mut state: MutexGuard<'_, QueueState<T>>) {
-        let waker = state.waker.take();
-        drop(state);
-        self.changed.notify_all();
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-    }
-
-    /// Appends `item` (even past the bound); gives it back once closed.
-    fn push(&self, item: T) -> Result<(), T> {
-        let mut state = self.lock();
-        if state.closed {
-            return Err(item);
-        }
-        state.items.push_back(item);
-        self.wake(state);
-        Ok(())
-    }
-
-    /// Appends `item`, waiting while the queue is full; gives it back once closed.
-    fn push_blocking(&self, item: T) -> Result<(), T> {
-        let mut state = self.lock();
-        while !state.closed && state.items.len() >= self.bound {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
-        if state.closed {
-            return Err(item);
-        }
-        state.items.push_back(item);
-        self.wake(state);
-        Ok(())
-    }
-
-    /// The next item, waiting for one; `None` once closed and drained.
-    fn pop_blocking(&self) -> Option<T> {
-        let mut state = self.lock();
-        loop {
-            if let Some(item) = state.items.pop_front() {
-                self.wake(state);
-                return Some(item);
-            }
-            if state.closed {
-                return None;
-            }
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    fn try_pop(&self) -> Option<T> {
-        let mut state = self.lock();
-        let item = state.items.pop_front();
-        self.wake(state);
-        item
-    }
-
-    /// The next item, as a future for the executor's task.
-    fn pop(&self) -> impl Future<Output = Option<T>> + '_ {
-        Pop { queue: self }
-    }
-
-    fn close(&self) {
-        let mut state = self.lock();
-        state.closed = true;
-        self.closed_flag.store(true, Ordering::Release);
-        self.wake(state);
-    }
-
-    fn is_closed(&self) -> bool {
-        self.closed_flag.load(Ordering::Acquire)
-    }
-}
-
-struct Pop<'a, T> {
-    queue: &'a Queue<T>,
-}
-
-impl<T> Future for Pop<'_, T> {
-    type Output = Option<T>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        let mut state = self.queue.lock();
-        if let Some(item) = state.items.pop_front() {
-            drop(state);
-            self.queue.changed.notify_all();
-            return Poll::Ready(Some(item));
-        }
-        if state.closed {
-            return Poll::Ready(None);
-        }
-        state.waker = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1032,7 +903,7 @@ mod tests {
         }
     }
 
-    fn run<T: 'static>(f: impl Future<Output = T> + 'static) -> T {
+    fn run<T: 'static>(f: impl std::future::Future<Output = T> + 'static) -> T {
         glommio::LocalExecutorBuilder::default()
             .io_memory(1 << 20)
             .make()

@@ -23,17 +23,17 @@
 //! before any of them is freed.
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::pin::Pin;
+
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Mutex};
+
 use std::time::{Duration, Instant};
 
+use rdzv_uring::queue::Queue;
 use rdzv_uring::rpc::transport::OwnedFrame;
 
 use super::framing::{split_frame, FIN};
@@ -56,203 +56,14 @@ const IDLE_REPORT: Duration = Duration::from_secs(10);
 /// was delivered.
 const FINISHED: u8 = b'F';
 
-struct MailboxState<T> {
-    items: VecDeque<T>,
-    waker: Option<Waker>,
-    closed: bool,
-    /// Threads blocked in [`Mailbox::pop_blocking`] or [`Mailbox::wait_ready`]
-    /// (signalled only when there are).
-    sleepers: usize,
-    /// Set by [`Mailbox::kick`]: the next [`Mailbox::wait_ready`] returns at once.
-    kicked: bool,
-}
-
-/// A queue between the link's thread and one task on the executor, or one thread
-/// ([`pop_blocking`](Mailbox::pop_blocking), for a pipe served by a lane). Closing
-/// refuses pushes; pops drain what is left, then see the end.
-pub struct Mailbox<T> {
-    state: Mutex<MailboxState<T>>,
-    changed: Condvar,
-}
-
-impl<T> Mailbox<T> {
-    /// An empty, open mailbox.
-    pub fn new() -> Mailbox<T> {
-        Mailbox {
-            state: Mutex::new(MailboxState {
-                items: VecDeque::new(),
-                waker: None,
-                closed: false,
-                sleepers: 0,
-                kicked: false,
-            }),
-            changed: Condvar::new(),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, MailboxState<T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Appends `item`; gives it back once closed.
-    pub fn push(&self, item: T) -> Result<(), T> {
-        let mut state = self.lock();
-        if state.closed {
-            return Err(item);
-        }
-        state.items.push_back(item);
-        let waker = state.waker.take();
-        let sleeping = state.sleepers > 0;
-        drop(state);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        if sleeping {
-            self.changed.notify_all();
-        }
-        Ok(())
-    }
-
-    /// The next item, blocking the calling thread until one comes; `None` once closed
-    /// and drained.
-    pub fn pop_blocking(&self) -> Option<T> {
-        let mut state = self.lock();
-        loop {
-            if let Some(item) = state.items.pop_front() {
-                return Some(item);
-            }
-            if state.closed {
-                return None;
-            }
-            state.sleepers += 1;
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-            state.sleepers -= 1;
-        }
-    }
-
-    /// Blocks until an item is waiting, the mailbox is closed, [`kick`](Self::kick) was
-    /// called, or `timeout` passed; takes nothing.
-    pub fn wait_ready(&self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut state = self.lock();
-        while state.items.is_empty() && !state.closed && !state.kicked {
-            let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            state.sleepers += 1;
-            state = self
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-            state.sleepers -= 1;
-        }
-        state.kicked = false;
-    }
-
-    /// Wakes a thread in [`wait_ready`](Self::wait_ready) (or makes the next one return
-    /// at once).
-    pub fn kick(&self) {
-        let mut state = self.lock();
-        state.kicked = true;
-        let sleeping = state.sleepers > 0;
-        drop(state);
-        if sleeping {
-            self.changed.notify_all();
-        }
-    }
-
-    /// Whether nothing is waiting and the mailbox is open: a push will come, and signal.
-    pub fn is_idle(&self) -> bool {
-        let state = self.lock();
-        state.items.is_empty() && !state.closed
-    }
-
-    /// Closes and drops what is waiting: a blocked [`pop_blocking`](Self::pop_blocking)
-    /// sees the end at once.
-    pub fn close_and_clear(&self) {
-        let mut state = self.lock();
-        state.items.clear();
-        drop(state);
-        self.close();
-    }
-
-    /// The next item, if one is there.
-    pub fn try_pop(&self) -> Option<T> {
-        self.lock().items.pop_front()
-    }
-
-    /// Items waiting.
-    pub fn len(&self) -> usize {
-        self.lock().items.len()
-    }
-
-    /// Whether no item is waiting.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Refuses further pushes and wakes the waiting task.
-    pub fn close(&self) {
-        let mut state = self.lock();
-        state.closed = true;
-        let waker = state.waker.take();
-        let sleeping = state.sleepers > 0;
-        drop(state);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
-        if sleeping {
-            self.changed.notify_all();
-        }
-    }
-
-    /// Whether it was closed.
-    pub fn is_closed(&self) -> bool {
-        self.lock().closed
-    }
-
-    /// The next item, waiting for one; `None` once closed and drained.
-    pub fn pop(&self) -> impl Future<Output = Option<T>> + '_ {
-        Pop { mailbox: self }
-    }
-}
-
-impl<T> Default for Mailbox<T> {
-    fn default() -> Self {
-        Mailbox::new()
-    }
-}
-
-struct Pop<'a, T> {
-    mailbox: &'a Mailbox<T>,
-}
-
-impl<T> Future for Pop<'_, T> {
-    type Output = Option<T>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
-        let mut state = self.mailbox.lock();
-        if let Some(item) = state.items.pop_front() {
-            return Poll::Ready(Some(item));
-        }
-        if state.closed {
-            return Poll::Ready(None);
-        }
-        state.waker = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
 /// What the agent's halves and the link's thread share.
 pub struct Link {
     /// Frames to send, from the sending half.
-    pub outgoing: Mailbox<OwnedFrame>,
+    pub outgoing: Queue<OwnedFrame>,
     /// Messages received (or the link's failure), for the receiving half.
-    pub incoming: Mailbox<Result<Vec<u8>, String>>,
+    pub incoming: Queue<Result<Vec<u8>, String>>,
     /// How the sending direction ended: `Ok` once the `FIN` was delivered.
-    pub sent: Mailbox<Result<(), String>>,
+    pub sent: Queue<Result<(), String>>,
     /// Set when the receiving half is dropped: arriving messages are then discarded.
     receiver_gone: AtomicBool,
     /// Set by the thread when it stopped taking messages because `incoming` was full.
@@ -270,15 +81,22 @@ impl Link {
         wake_tx.set_nonblocking(true)?;
         wake_rx.set_nonblocking(true)?;
         Ok(Link {
-            outgoing: Mailbox::new(),
-            incoming: Mailbox::new(),
-            sent: Mailbox::new(),
+            outgoing: Queue::unbounded(),
+            incoming: Queue::unbounded(),
+            sent: Queue::unbounded(),
             receiver_gone: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
             failure: Mutex::new(None),
             wake_tx,
             wake_rx,
         })
+    }
+
+    /// Ends the sending direction: the thread sends what is queued, then the end of
+    /// the stream.
+    pub fn finish_sending(&self) {
+        self.outgoing.close();
+        self.wake();
     }
 
     /// Wakes the thread (it then looks at every queue).
@@ -622,22 +440,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mailbox_drains_after_close_and_refuses_pushes() {
-        let mailbox = Mailbox::new();
-        assert!(mailbox.push(1).is_ok());
-        assert!(mailbox.push(2).is_ok());
-        assert_eq!(mailbox.len(), 2);
-        mailbox.close();
-        assert!(mailbox.is_closed());
-        assert_eq!(mailbox.push(3), Err(3));
-        assert_eq!(mailbox.try_pop(), Some(1));
-        let rest = futures_lite_block_on(mailbox.pop());
-        assert_eq!(rest, Some(2));
-        assert_eq!(futures_lite_block_on(mailbox.pop()), None);
-        assert!(mailbox.is_empty());
-    }
-
-    #[test]
     fn wakeups_are_drained() {
         let link = Link::new().unwrap_or_else(|e| panic!("{e}"));
         for _ in 0..10_000 {
@@ -653,20 +455,5 @@ mod tests {
         assert_eq!(link.failure().as_deref(), Some("boom"));
         assert_eq!(link.incoming.try_pop(), Some(Err("boom".to_string())));
         assert!(link.outgoing.is_closed());
-    }
-
-    /// Polls a future that is ready without waiting (the mailbox's items are there).
-    fn futures_lite_block_on<F: Future>(future: F) -> F::Output {
-        let mut future = std::pin::pin!(future);
-        struct Noop;
-        impl std::task::Wake for Noop {
-            fn wake(self: Arc<Self>) {}
-        }
-        let waker = Waker::from(Arc::new(Noop));
-        let mut cx = Context::from_waker(&waker);
-        match future.as_mut().poll(&mut cx) {
-            Poll::Ready(out) => out,
-            Poll::Pending => panic!("the future is not ready"),
-        }
     }
 }

@@ -67,12 +67,13 @@ use rdzv_uring::rpc::transport::{
 use rdzv_uring::rpc::TransportError;
 
 use self::framing::{Assembler, Fed};
-use self::link::{Link, Mailbox};
+use self::link::Link;
 use super::channel::{ChannelOptions, IbvChannel};
 use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
 use super::{probe, IbvConfig, IbvNotViable, IbvViability};
 use crate::report::ErrorChain;
+use rdzv_uring::queue::Queue;
 
 /// The scheme of ibv listener addresses.
 pub const SCHEME: &str = "ibv://";
@@ -258,7 +259,7 @@ impl Transport for IbvTransport {
         let listener = TcpListener::bind(bind).map_err(listen_error)?;
         let address = format_address(listener.local_addr().map_err(listen_error)?);
         let listener = Arc::new(listener);
-        let queue = Arc::new(Mailbox::new());
+        let queue = Arc::new(Queue::unbounded());
         let (thread_listener, thread_queue) = (Arc::clone(&listener), Arc::clone(&queue));
         let (selection, options, shown) = (
             self.selection.clone(),
@@ -297,7 +298,7 @@ impl Transport for IbvTransport {
                 address: address.to_string(),
                 source,
             };
-            let done = Arc::new(Mailbox::new());
+            let done = Arc::new(Queue::unbounded());
             let thread_done = Arc::clone(&done);
             let (selection, options, peer) = (
                 self.selection.clone(),
@@ -331,7 +332,7 @@ type Accepted = io::Result<(Arc<Link>, String)>;
 /// own, so that a slow or broken peer delays no other.
 fn accept_thread(
     listener: &TcpListener,
-    queue: &Arc<Mailbox<Accepted>>,
+    queue: &Arc<Queue<Accepted>>,
     selection: &IbvSelection,
     options: &ChannelOptions,
     address: &str,
@@ -367,7 +368,7 @@ fn accept_thread(
 
 struct IbvListener {
     listener: Arc<TcpListener>,
-    queue: Arc<Mailbox<Accepted>>,
+    queue: Arc<Queue<Accepted>>,
     address: String,
 }
 
@@ -509,8 +510,7 @@ impl FrameSender for IbvFrameSender {
 
     fn close(&mut self) -> LocalBoxFuture<'_, ()> {
         Box::pin(async move {
-            self.link.outgoing.close();
-            self.link.wake();
+            self.link.finish_sending();
             // Until the queued frames and the end of the stream were read by the peer.
             if let Some(Err(e)) = self.link.sent.pop().await {
                 tracing::debug!(peer = %self.peer, error = %e, "an ibv pipe's sender failed");
@@ -563,8 +563,7 @@ impl Drop for IbvFrameSender {
     fn drop(&mut self) {
         if !self.detached {
             // The thread sends what is queued, then the end of the stream.
-            self.link.outgoing.close();
-            self.link.wake();
+            self.link.finish_sending();
         }
     }
 }
@@ -634,8 +633,7 @@ impl BlockingSender for IbvBlockingSender {
 
 impl Drop for IbvBlockingSender {
     fn drop(&mut self) {
-        self.link.outgoing.close();
-        self.link.wake();
+        self.link.finish_sending();
     }
 }
 
@@ -717,7 +715,7 @@ struct IbvStop {
 impl StopConnection for IbvStop {
     fn stop(&self) {
         self.link.outgoing.close();
-        self.link.incoming.close_and_clear();
+        drop(self.link.incoming.close_and_take());
         self.link.drop_receiver();
     }
 }
