@@ -251,6 +251,33 @@ impl<T> Queue<T> {
     }
 }
 
+/// Runs blocking `work` on a new thread named `name` and waits for its result without
+/// blocking the executor (a connect that may take seconds, say).
+///
+/// # Errors
+/// The thread could not be started, or it ended without a result (it panicked).
+pub async fn on_thread<T: Send + 'static>(
+    name: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> std::io::Result<T> {
+    /// Closes the queue when the thread ends, result or panic.
+    struct CloseOnDrop<T>(std::sync::Arc<Queue<T>>);
+    impl<T> Drop for CloseOnDrop<T> {
+        fn drop(&mut self) {
+            self.0.close();
+        }
+    }
+    let done = std::sync::Arc::new(Queue::new(1));
+    let thread_done = CloseOnDrop(std::sync::Arc::clone(&done));
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || {
+            let _ = thread_done.0.push(work());
+        })?;
+    let result = done.pop().await;
+    result.ok_or_else(|| std::io::Error::other(format!("the {name} thread stopped")))
+}
+
 struct Pop<'a, T> {
     queue: &'a Queue<T>,
 }
@@ -298,6 +325,13 @@ mod tests {
 
     fn block_on<F: Future>(future: F) -> F::Output {
         futures_lite::future::block_on(future)
+    }
+
+    #[test]
+    fn work_on_a_thread_comes_back() {
+        assert_eq!(block_on(on_thread("rdzv-test", || 6 * 7)).ok(), Some(42));
+        let died = block_on(on_thread("rdzv-test", || -> u8 { panic!("boom") }));
+        assert!(died.is_err_and(|e| e.to_string().contains("rdzv-test")));
     }
 
     #[test]

@@ -46,7 +46,7 @@ use super::transport::{
     IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
     Transport, TryRecv, Wake,
 };
-use crate::queue::Queue;
+use crate::queue::{on_thread, Queue};
 use crate::transport::shm::{
     viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions, ShmReceiver,
     ShmSender,
@@ -162,25 +162,18 @@ impl Transport for ShmTransport {
         Box::pin(async move {
             let addr = parse_address(address)?;
             let options = self.options.clone();
-            let done = Arc::new(Queue::new(1));
-            let thread_done = Arc::clone(&done);
             let connect_error = |source| TransportError::Connect {
                 address: address.to_string(),
                 source,
             };
-            std::thread::Builder::new()
-                .name("rdzv-shm-connect".into())
-                .spawn(move || {
-                    let _ = thread_done.push(ShmConnection::connect(&addr, options));
-                    thread_done.close();
-                })
-                .map_err(connect_error)?;
-            match done.pop().await {
-                Some(Ok(connection)) => Ok(ShmPipe::boxed(connection, address.to_string())),
-                Some(Err(e)) => Err(connect_error(shm_io(e))),
-                None => Err(connect_error(std::io::Error::other(
-                    "the connecting thread stopped",
-                ))),
+            let connected = on_thread("rdzv-shm-connect", move || {
+                ShmConnection::connect(&addr, options)
+            })
+            .await
+            .map_err(connect_error)?;
+            match connected {
+                Ok(connection) => Ok(ShmPipe::boxed(connection, address.to_string())),
+                Err(e) => Err(connect_error(shm_io(e))),
             }
         })
     }

@@ -73,7 +73,7 @@ use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
 use super::{probe, IbvConfig, IbvNotViable, IbvViability};
 use crate::report::ErrorChain;
-use rdzv_uring::queue::Queue;
+use rdzv_uring::queue::{on_thread, Queue};
 
 /// The scheme of ibv listener addresses.
 pub const SCHEME: &str = "ibv://";
@@ -298,29 +298,19 @@ impl Transport for IbvTransport {
                 address: address.to_string(),
                 source,
             };
-            let done = Arc::new(Queue::unbounded());
-            let thread_done = Arc::clone(&done);
             let (selection, options, peer) = (
                 self.selection.clone(),
                 self.options.clone(),
                 address.to_string(),
             );
-            std::thread::Builder::new()
-                .name("rdzv-ibv-connect".into())
-                .spawn(move || {
-                    let linked = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-                        .and_then(|stream| establish(stream, &selection, &options, &peer));
-                    let _ = thread_done.push(linked);
-                    thread_done.close();
-                })
-                .map_err(connect_error)?;
-            match done.pop().await {
-                Some(Ok(link)) => Ok(IbvPipe::boxed(link, address.to_string())),
-                Some(Err(e)) => Err(connect_error(e)),
-                None => Err(connect_error(io::Error::other(
-                    "the connecting thread stopped",
-                ))),
-            }
+            let link = on_thread("rdzv-ibv-connect", move || {
+                TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+                    .and_then(|stream| establish(stream, &selection, &options, &peer))
+            })
+            .await
+            .and_then(|linked| linked)
+            .map_err(connect_error)?;
+            Ok(IbvPipe::boxed(link, address.to_string()))
         })
     }
 }
