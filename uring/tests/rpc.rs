@@ -381,10 +381,12 @@ fn tensors_arrive_byte_for_byte() {
             .unwrap_or_default();
         assert!(data == pattern(len, len as u8), "{len} bytes differ");
     }
-    // A CUDA tensor has no channel in this build: a clear error, nothing sent.
+    // Without CUDA runtimes no channel serves a CUDA tensor: a clear error, nothing
+    // sent.
     let cuda = Message::default().with_tensor(Tensor {
         device: Device::cuda(0),
         data: vec![1],
+        memory: None,
     });
     let text = a
         .rpc_sync("bob", "echo", cuda)

@@ -258,6 +258,17 @@ impl ChannelKind {
             }
         }
     }
+
+    /// Whether a frame may name this channel for the bytes of a tensor between a
+    /// `source` and a `target` device of these types: the channels that
+    /// [`handle`](Self::handles) the pair, and, where `cuda_basic` serves it, the CPU
+    /// channels, which carry the host copy `cuda_basic` stages (see
+    /// [`Negotiated::carrier_for`](super::Negotiated::carrier_for)).
+    pub const fn carries(self, source: DeviceType, target: DeviceType) -> bool {
+        self.handles(source, target)
+            || (ChannelKind::CudaBasic.handles(source, target)
+                && self.handles(DeviceType::Cpu, DeviceType::Cpu))
+    }
 }
 
 impl Backend for ChannelKind {
@@ -551,6 +562,13 @@ mod tests {
         assert!(ChannelKind::CudaBasic.handles(DeviceType::Cuda, DeviceType::Cuda));
         assert!(!ChannelKind::Basic.handles(DeviceType::Cuda, DeviceType::Cuda));
         assert!(!ChannelKind::CudaIpc.handles(DeviceType::Cpu, DeviceType::Cuda));
+        // CPU channels carry cuda_basic's staged bytes; device channels carry nothing
+        // for a pair they do not handle.
+        assert!(ChannelKind::Cma.carries(DeviceType::Cuda, DeviceType::Cpu));
+        assert!(ChannelKind::Basic.carries(DeviceType::Cuda, DeviceType::Cuda));
+        assert!(ChannelKind::Mpt.carries(DeviceType::Cpu, DeviceType::Cpu));
+        assert!(!ChannelKind::CudaIpc.carries(DeviceType::Cpu, DeviceType::Cuda));
+        assert!(!ChannelKind::CudaXth.carries(DeviceType::Cpu, DeviceType::Cpu));
     }
 
     #[test]

@@ -222,6 +222,26 @@ impl Negotiated {
         }
     }
 
+    /// The channel whose bytes move a tensor between a `local` and a `remote` device of
+    /// these types on this pipe: the one negotiated for the pair, except that
+    /// `cuda_basic` stages through host memory and sends the staged bytes over the
+    /// pipe's CPU ↔ CPU channel (`basic`, the pipe's own frames, when none was
+    /// negotiated). `None` when no channel serves the pair.
+    pub fn carrier_for(
+        &self,
+        role: Role,
+        local: DeviceType,
+        remote: DeviceType,
+    ) -> Option<ChannelKind> {
+        match self.channel_for(role, local, remote)? {
+            ChannelKind::CudaBasic => Some(
+                self.channel_for(role, DeviceType::Cpu, DeviceType::Cpu)
+                    .unwrap_or(ChannelKind::Basic),
+            ),
+            other => Some(other),
+        }
+    }
+
     /// The channels used for at least one pair, each once, in [`ChannelKind::ALL`] order.
     pub fn channels_in_use(&self) -> impl Iterator<Item = ChannelKind> + '_ {
         ChannelKind::ALL

@@ -258,6 +258,63 @@ fn cuda_basic_never_serves_cpu_to_cpu() {
 }
 
 #[test]
+fn cuda_basic_is_carried_by_the_cpu_channel() {
+    // Both sides stage on the CPU side; only `b` holds CUDA memory.
+    let offer = |cuda: bool| {
+        let mut o = Offer::new();
+        o.add_transport(TransportKind::Tcp, 0, "tcp:*").unwrap();
+        o.add_channel(ChannelKind::Cma, 1200, DeviceDescriptors::cpu("host"))
+            .unwrap();
+        o.add_channel(ChannelKind::Basic, 1000, DeviceDescriptors::cpu("any"))
+            .unwrap();
+        let staged = DeviceDescriptors::cpu("staged");
+        let staged = if cuda {
+            staged.with(Cuda, "staged")
+        } else {
+            staged
+        };
+        o.add_channel(ChannelKind::CudaBasic, 0, staged).unwrap();
+        o
+    };
+    let (a, b) = (offer(false), offer(true));
+    let (decided, accepted) = handshake(&a, &b).unwrap();
+    assert_eq!(decided, accepted);
+    // `a` listens: its CPU memory to `b`'s CUDA memory goes over cuda_basic, whose
+    // bytes cma carries; `b` has no CUDA memory to receive into on `a`'s side.
+    assert_eq!(
+        decided.channel_for(Role::Listener, Cpu, Cuda),
+        Some(ChannelKind::CudaBasic)
+    );
+    assert_eq!(
+        decided.carrier_for(Role::Listener, Cpu, Cuda),
+        Some(ChannelKind::Cma)
+    );
+    assert_eq!(
+        decided.carrier_for(Role::Connector, Cuda, Cpu),
+        Some(ChannelKind::Cma)
+    );
+    assert_eq!(decided.carrier_for(Role::Listener, Cuda, Cuda), None);
+    assert_eq!(
+        decided.carrier_for(Role::Listener, Cpu, Cpu),
+        Some(ChannelKind::Cma)
+    );
+    // Without a CPU channel the staged bytes travel in the pipe's frames.
+    let mut c = Offer::new();
+    c.add_transport(TransportKind::Tcp, 0, "tcp:*").unwrap();
+    c.add_channel(
+        ChannelKind::CudaBasic,
+        0,
+        DeviceDescriptors::cpu("staged").with(Cuda, "staged"),
+    )
+    .unwrap();
+    let (decided, _) = handshake(&c, &c.clone()).unwrap();
+    assert_eq!(
+        decided.carrier_for(Role::Connector, Cuda, Cuda),
+        Some(ChannelKind::Basic)
+    );
+}
+
+#[test]
 fn offer_errors() {
     let mut o = Offer::new();
     o.add_transport(TransportKind::Tcp, 0, "tcp:*").unwrap();

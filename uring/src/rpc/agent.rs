@@ -33,7 +33,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
-use rdzv_core::device::Device;
+use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{
     create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
     GroupKind, WorkerDevices,
@@ -52,6 +52,7 @@ use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::calls::Calls;
 use super::client::RpcClient;
+use super::device::{DevicePlugin, Devices};
 use super::error::{RpcError, TransportError};
 use super::io::{Io, Job};
 use super::lane::{self, Lanes};
@@ -98,9 +99,15 @@ pub struct RpcOptions {
     /// `vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())]`. A plugin that is
     /// not viable here is left out with its reason logged. Default: none.
     pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
+    /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
+    /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
+    /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_basic`
+    /// (see [`super::device`]). A runtime that cannot open here (no driver, no GPU) is
+    /// left out with its reason logged. Default: none.
+    pub device_plugins: Vec<Arc<dyn DevicePlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
-    /// build runs (`xth`, `cma`, `mpt`, `basic`). Unknown names (and the CUDA channels,
-    /// not run by the agent yet) are errors; a channel that cannot work in this process
+    /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_basic`). Unknown names (and
+    /// `cuda_ipc`, `cuda_xth` and `cuda_gdr`, not run by the agent) are errors; a channel that cannot work in this process
     /// (cma under a seccomp policy or Yama `ptrace_scope` 3, ...) is left out with its
     /// reason logged, and so is `mpt` when this worker runs no tcp transport or injects
     /// faults.
@@ -118,7 +125,8 @@ pub struct RpcOptions {
     pub device_maps: DeviceMaps,
     /// The devices this worker uses (empty: derived from the maps).
     pub devices: Vec<Device>,
-    /// How many CUDA devices this worker has (for device-map validation).
+    /// How many CUDA devices this worker has (for device-map validation); 0 takes the
+    /// count from the CUDA device plugin, when one opened.
     pub device_count: u32,
     /// The address to listen on; `None` guesses it from the host name, falling back to
     /// 127.0.0.1 as PyTorch does.
@@ -175,6 +183,14 @@ impl std::fmt::Debug for RpcOptions {
                     .map(|p| p.kind())
                     .collect::<Vec<_>>(),
             )
+            .field(
+                "device_plugins",
+                &self
+                    .device_plugins
+                    .iter()
+                    .map(|p| p.device_type())
+                    .collect::<Vec<_>>(),
+            )
             .field("channels", &self.channels)
             .field("min_channel_bytes", &self.min_channel_bytes)
             .field("mpt_lanes", &self.mpt_lanes)
@@ -200,6 +216,7 @@ impl Default for RpcOptions {
             num_worker_threads: DEFAULT_NUM_WORKER_THREADS,
             transports: None,
             transport_plugins: Vec::new(),
+            device_plugins: Vec::new(),
             channels: None,
             min_channel_bytes: super::channels::DEFAULT_MIN_CHANNEL_BYTES,
             mpt_lanes: super::DEFAULT_MPT_LANES,
@@ -523,6 +540,13 @@ pub fn init_rpc(
             });
         }
     }
+    // The runtimes open whatever the channels: they also count the devices that the
+    // device maps are checked against.
+    let devices =
+        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
+            option: "device_plugins",
+            reason,
+        })?;
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
         if handler_name.starts_with(RESERVED_PREFIX)
@@ -578,6 +602,7 @@ pub fn init_rpc(
         shm,
         plugged,
         channels,
+        devices,
         handlers,
     };
     match world_size {
@@ -606,6 +631,8 @@ struct Start {
     plugged: Vec<(TransportKind, Box<dyn Transport + Send>)>,
     /// Highest priority first, with their domain descriptors.
     channels: Vec<(ChannelKind, i64, String)>,
+    /// The opened device runtimes.
+    devices: Devices,
     handlers: HashMap<String, Arc<dyn Handler>>,
 }
 
@@ -613,7 +640,13 @@ impl Start {
     fn devices(&self) -> WorkerDevices {
         WorkerDevices {
             name: self.me.name().to_string(),
-            device_count: self.options.device_count,
+            device_count: match (
+                self.options.device_count,
+                self.devices.runtime(DeviceType::Cuda),
+            ) {
+                (0, Some(cuda)) => u32::try_from(cuda.device_count()).unwrap_or(u32::MAX),
+                (count, _) => count,
+            },
             device_maps: self.options.device_maps.clone(),
             devices: self.options.devices.clone(),
         }
@@ -663,6 +696,7 @@ impl Start {
             shm,
             mut plugged,
             channels,
+            devices,
             handlers,
         } = self;
         let host = options.listen_host.unwrap_or_else(guess_host);
@@ -698,6 +732,7 @@ impl Start {
         let offer = OfferSpec {
             transports: offered,
             channels,
+            serves_cuda: devices.has_cuda(),
             min_channel_bytes: options.min_channel_bytes,
         };
         let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
@@ -727,6 +762,7 @@ impl Start {
             lanes: Mutex::new(Lanes::default()),
             lanes_enabled: options.fault_injection.is_empty(),
             mpt,
+            devices,
             wait_spin: options.wait_spin,
         });
         if world_size.is_none() {
@@ -810,6 +846,7 @@ fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
         shm: None,
         plugged: Vec::new(),
         channels: Vec::new(),
+        devices: Devices::default(),
         handlers: HashMap::new(),
     };
     let agent = start.start_agent(Some(world_size))?;
@@ -1696,7 +1733,8 @@ mod tests {
                 (ChannelKind::Xth, 1300),
                 (ChannelKind::Cma, 1200),
                 (ChannelKind::Mpt, 1100),
-                (ChannelKind::Basic, 1000)
+                (ChannelKind::Basic, 1000),
+                (ChannelKind::CudaBasic, 0)
             ])
         ));
         assert!(matches!(
@@ -1730,7 +1768,8 @@ mod tests {
             Ok([
                 (ChannelKind::Xth, _),
                 (ChannelKind::Mpt, _),
-                (ChannelKind::Basic, _)
+                (ChannelKind::Basic, _),
+                (ChannelKind::CudaBasic, _)
             ])
         ));
         let only_cma = ranked_channels(Some(&names(&["cma"])), no_cma);

@@ -292,8 +292,9 @@ pub(crate) fn reply(
         wire_len,
         ..
     } = frame;
+    let source = (reader, &shared.devices);
     let received =
-        match ReceivedTensors::sort(tensors, negotiated, Role::Connector, reader, &pending.peer) {
+        match ReceivedTensors::sort(tensors, negotiated, Role::Connector, source, &pending.peer) {
             Ok(received) => received,
             Err(e) => {
                 fail_pending(shared, pending, e);

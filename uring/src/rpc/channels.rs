@@ -34,6 +34,7 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
 
+use super::device::{Devices, CUDA_BASIC_DESCRIPTOR};
 use super::error::RpcError;
 use super::message::Tensor;
 use super::recycle;
@@ -124,11 +125,12 @@ fn read_in_slices(
 }
 
 /// The channels the RPC agent runs, in `ChannelKind::ALL` order.
-pub(crate) const RUNNABLE: [ChannelKind; 4] = [
+pub(crate) const RUNNABLE: [ChannelKind; 5] = [
     ChannelKind::Xth,
     ChannelKind::Cma,
     ChannelKind::Mpt,
     ChannelKind::Basic,
+    ChannelKind::CudaBasic,
 ];
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
@@ -143,6 +145,7 @@ pub(crate) fn domain_descriptor(kind: ChannelKind) -> Result<String, String> {
     match kind {
         ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
         ChannelKind::Mpt => Ok(MPT_DESCRIPTOR.to_string()),
+        ChannelKind::CudaBasic => Ok(CUDA_BASIC_DESCRIPTOR.to_string()),
         ChannelKind::Cma => cma::viability()
             .map(|domain| domain.as_str().to_string())
             .map_err(|e| e.to_string()),
@@ -380,10 +383,12 @@ enum Incoming {
     },
 }
 
-/// A received frame's tensors, in order; the out-of-band ones still have to be pulled.
+/// A received frame's tensors, in order; the out-of-band ones still have to be pulled,
+/// and those for a device other than the CPU staged into its memory.
 pub(crate) struct ReceivedTensors {
     items: Vec<Incoming>,
     reader: Arc<PipeReader>,
+    devices: Devices,
     peer: String,
 }
 
@@ -400,23 +405,39 @@ impl fmt::Debug for ReceivedTensors {
 impl ReceivedTensors {
     /// Sorts a frame's tensors (descriptor and data-section entry): inline ones are
     /// ready; each out-of-band one is checked against what was `negotiated` on this pipe
-    /// (this side playing `role`) and its descriptor decoded.
+    /// (this side playing `role`) and its descriptor decoded. A tensor for a device
+    /// other than the CPU (`cuda_basic`) needs that device's runtime in `devices`.
     ///
     /// # Errors
     /// [`RpcError::Channel`] for a channel that was not negotiated for the tensor's
-    /// devices, or a descriptor that does not decode or announces another length.
+    /// devices, a descriptor that does not decode or announces another length, or a
+    /// target device this worker has no runtime for.
     pub fn sort(
         tensors: Vec<(TensorDescriptor, Vec<u8>)>,
         negotiated: &Negotiated,
         role: Role,
-        reader: &Arc<PipeReader>,
+        (reader, devices): (&Arc<PipeReader>, &Devices),
         peer: &str,
     ) -> Result<ReceivedTensors, RpcError> {
         let mut items = Vec::with_capacity(tensors.len());
         for (index, (descriptor, data)) in tensors.into_iter().enumerate() {
             let device = descriptor.target;
+            if !device.is_cpu() && devices.runtime(device.kind()).is_none() {
+                return Err(RpcError::Channel {
+                    channel: ChannelKind::CudaBasic.name(),
+                    peer: peer.to_string(),
+                    reason: format!(
+                        "tensor {index}: this worker has no {} runtime to receive on {device}",
+                        device.kind()
+                    ),
+                });
+            }
             if descriptor.is_inline() {
-                items.push(Incoming::Ready(Tensor { device, data }));
+                items.push(Incoming::Ready(Tensor {
+                    device,
+                    data,
+                    memory: None,
+                }));
                 continue;
             }
             let channel = descriptor.channel;
@@ -425,8 +446,9 @@ impl ReceivedTensors {
                 peer: peer.to_string(),
                 reason: format!("tensor {index}: {reason}"),
             };
+            // cuda_basic's bytes come over the pipe's CPU channel.
             let agreed =
-                negotiated.channel_for(role, descriptor.target.kind(), descriptor.source.kind());
+                negotiated.carrier_for(role, descriptor.target.kind(), descriptor.source.kind());
             if agreed != Some(channel) {
                 return Err(refuse(format!(
                     "the peer used it, but this pipe negotiated {} for {} to {}",
@@ -478,18 +500,24 @@ impl ReceivedTensors {
         Ok(ReceivedTensors {
             items,
             reader: Arc::clone(reader),
+            devices: devices.clone(),
             peer: peer.to_string(),
         })
     }
 
-    /// How many bytes [`pull`](Self::pull) will copy.
+    /// How many bytes [`pull`](Self::pull) will copy: out-of-band tensors from the
+    /// peer, and tensors into device memory.
     pub fn pull_bytes(&self) -> u64 {
         self.items
             .iter()
-            .map(|item| match item {
-                Incoming::Ready(_) => 0,
-                Incoming::Cma { descriptor, .. } => descriptor.length,
-                Incoming::Xth { descriptor, .. } => descriptor.length,
+            .map(|item| {
+                let (device, pulled, len) = match item {
+                    Incoming::Ready(t) => (t.device, 0, t.data.len() as u64),
+                    Incoming::Cma { device, descriptor } => (*device, 1, descriptor.length),
+                    Incoming::Xth { device, descriptor } => (*device, 1, descriptor.length),
+                };
+                let staged = u64::from(!device.is_cpu());
+                (pulled + staged) * len
             })
             .fold(0u64, u64::saturating_add)
     }
@@ -512,6 +540,7 @@ impl ReceivedTensors {
         let ReceivedTensors {
             items,
             reader,
+            devices,
             peer,
         } = self;
         let mut tensors = Vec::with_capacity(items.len());
@@ -535,7 +564,11 @@ impl ReceivedTensors {
                             .map_err(|e| e.to_string())
                     })
                     .map_err(failed)?;
-                    Tensor { device, data }
+                    Tensor {
+                        device,
+                        data,
+                        memory: None,
+                    }
                 }
                 Incoming::Xth { device, descriptor } => {
                     let failed = |reason: String| RpcError::Channel {
@@ -551,10 +584,31 @@ impl ReceivedTensors {
                         xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
                     })
                     .map_err(failed)?;
-                    Tensor { device, data }
+                    Tensor {
+                        device,
+                        data,
+                        memory: None,
+                    }
                 }
             };
-            tensors.push(tensor);
+            tensors.push(if tensor.device.is_cpu() {
+                tensor
+            } else {
+                let index = tensors.len();
+                let (data, memory) =
+                    devices
+                        .stage_in(tensor.device, tensor.data)
+                        .map_err(|reason| RpcError::Channel {
+                            channel: ChannelKind::CudaBasic.name(),
+                            peer: peer.clone(),
+                            reason: format!("tensor {index}: {reason}"),
+                        })?;
+                Tensor {
+                    device: tensor.device,
+                    data,
+                    memory,
+                }
+            });
         }
         Ok(tensors)
     }
@@ -657,7 +711,7 @@ mod tests {
             entries(&frame),
             &negotiated,
             Role::Listener,
-            &reader,
+            (&reader, &Devices::default()),
             "peer",
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -673,7 +727,7 @@ mod tests {
             entries(&frame),
             &negotiated,
             Role::Listener,
-            &reader,
+            (&reader, &Devices::default()),
             "peer",
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -710,9 +764,14 @@ mod tests {
         assert_eq!(frame.tensors[0].channel, ChannelKind::Cma);
         let entries = entries(&frame);
         let reader = Arc::new(PipeReader::default());
-        let received =
-            ReceivedTensors::sort(entries.clone(), &negotiated, Role::Connector, &reader, "w1")
-                .unwrap_or_else(|e| panic!("{e}"));
+        let received = ReceivedTensors::sort(
+            entries.clone(),
+            &negotiated,
+            Role::Connector,
+            (&reader, &Devices::default()),
+            "w1",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         let tensors = received.pull().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             tensors.first().map(|t| t.data.clone()),
@@ -721,25 +780,43 @@ mod tests {
 
         // A channel this pipe did not negotiate is refused before anything is read.
         let basic_only = negotiate(&[(ChannelKind::Basic, "basic:any")]);
-        let err =
-            ReceivedTensors::sort(entries.clone(), &basic_only, Role::Connector, &reader, "w1")
-                .expect_err("not negotiated");
+        let err = ReceivedTensors::sort(
+            entries.clone(),
+            &basic_only,
+            Role::Connector,
+            (&reader, &Devices::default()),
+            "w1",
+        )
+        .expect_err("not negotiated");
         assert!(err.to_string().contains("negotiated basic"), "{err}");
 
         // A descriptor announcing another length is refused.
         let mut lying = entries.clone();
         lying[0].0.len += 1;
-        assert!(ReceivedTensors::sort(lying, &negotiated, Role::Connector, &reader, "w1").is_err());
+        assert!(ReceivedTensors::sort(
+            lying,
+            &negotiated,
+            Role::Connector,
+            (&reader, &Devices::default()),
+            "w1"
+        )
+        .is_err());
 
         // A descriptor naming another process than the pipe's is refused by name.
         let mut other = CmaDescriptor::decode(&entries[0].1).unwrap_or_else(|e| panic!("{e}"));
         other.process.pid = other.process.pid.wrapping_add(1);
         let mut forged = entries.clone();
         forged[0].1 = other.encode().to_vec();
-        let err = ReceivedTensors::sort(forged, &negotiated, Role::Connector, &reader, "w1")
-            .and_then(ReceivedTensors::pull)
-            .map(|_| ())
-            .expect_err("other process");
+        let err = ReceivedTensors::sort(
+            forged,
+            &negotiated,
+            Role::Connector,
+            (&reader, &Devices::default()),
+            "w1",
+        )
+        .and_then(ReceivedTensors::pull)
+        .map(|_| ())
+        .expect_err("other process");
         let text = err.to_string();
         assert!(
             text.contains("cma") && text.contains("w1") && text.contains("pid"),
@@ -752,10 +829,16 @@ mod tests {
         gone.process.start_time = gone.process.start_time.wrapping_add(1);
         let mut dead = entries;
         dead[0].1 = gone.encode().to_vec();
-        let err = ReceivedTensors::sort(dead, &negotiated, Role::Connector, &fresh, "w1")
-            .and_then(ReceivedTensors::pull)
-            .map(|_| ())
-            .expect_err("gone");
+        let err = ReceivedTensors::sort(
+            dead,
+            &negotiated,
+            Role::Connector,
+            (&fresh, &Devices::default()),
+            "w1",
+        )
+        .and_then(ReceivedTensors::pull)
+        .map(|_| ())
+        .expect_err("gone");
         let text = err.to_string();
         assert!(
             text.contains("cma") && text.contains("w1") && text.contains("gone"),

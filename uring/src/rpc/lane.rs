@@ -767,8 +767,9 @@ pub(crate) fn serve_request(
         payload: frame.payload,
         tensors: Vec::new(),
     };
+    let source = (reader, &shared.devices);
     let tensors =
-        match ReceivedTensors::sort(frame.tensors, negotiated, Role::Listener, reader, peer) {
+        match ReceivedTensors::sort(frame.tensors, negotiated, Role::Listener, source, peer) {
             Ok(tensors) => tensors,
             Err(e) => return respond(ctx.message_id, Err(e.to_string())),
         };
@@ -811,7 +812,8 @@ pub(crate) fn serve_request(
 
 /// Builds the frame's tensors: each tensor's target device is the device map's image
 /// of its device (or the same device), and it goes over the channel negotiated for the
-/// pair on the pipe (which this side plays as `role`; inline below `min_channel_bytes`,
+/// pair on the pipe (a `cuda_basic` tensor is first copied to host memory and then
+/// carried by the pipe's CPU channel; this side plays `role`; inline below `min_channel_bytes`,
 /// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
 /// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
 /// The frame must then pass the receiver's limits.
@@ -833,20 +835,32 @@ pub(crate) fn tensor_frame(
         }
     };
     let mut moved = ChannelBytes::default();
-    for tensor in tensors {
+    for (index, tensor) in tensors.into_iter().enumerate() {
         let target = map
             .as_ref()
             .and_then(|m| m.get(&tensor.device))
             .unwrap_or(tensor.device);
-        let Some(channel) = negotiated.channel_for(role, tensor.device.kind(), target.kind())
-        else {
+        let (source_kind, target_kind) = (tensor.device.kind(), target.kind());
+        let (Some(negotiated_channel), Some(carrier)) = (
+            negotiated.channel_for(role, source_kind, target_kind),
+            negotiated.carrier_for(role, source_kind, target_kind),
+        ) else {
             return Err(RpcError::NoChannel {
                 peer: peer.to_string(),
                 source_device: tensor.device.to_string(),
                 target_device: target.to_string(),
             });
         };
-        let channel = match channel {
+        // cuda_basic: the bytes in host memory, carried by the CPU channel.
+        let data = shared
+            .devices
+            .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
+            .map_err(|reason| RpcError::Channel {
+                channel: negotiated_channel.name(),
+                peer: peer.to_string(),
+                reason: format!("tensor {index}: {reason}"),
+            })?;
+        let channel = match carrier {
             ChannelKind::Mpt if !streams => ChannelKind::Basic,
             other => other,
         };
@@ -854,7 +868,7 @@ pub(crate) fn tensor_frame(
             frame,
             exports,
             &mut moved,
-            tensor.data,
+            data,
             tensor.device,
             target,
             channel,

@@ -18,15 +18,23 @@ use rdzv_core::device::Device;
 use rdzv_core::rpc::name::WorkerId;
 
 use super::client::RpcClient;
+use super::device::DeviceBuffer;
 use super::error::RpcError;
 
-/// A byte buffer that lives on a device.
+/// A tensor's bytes and the device they live on.
+///
+/// A CPU tensor holds its bytes in `data`. A tensor on another device (CUDA) holds a
+/// [`DeviceBuffer`] in `memory` instead, made by a device runtime plugged into the agent
+/// ([`RpcOptions::device_plugins`](super::RpcOptions::device_plugins)), and an empty
+/// `data`; received tensors on such a device come the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tensor {
     /// Where the bytes live.
     pub device: Device,
-    /// The bytes.
+    /// The bytes, for a CPU tensor.
     pub data: Vec<u8>,
+    /// The device memory, for a tensor on another device.
+    pub memory: Option<DeviceBuffer>,
 }
 
 impl Tensor {
@@ -35,7 +43,29 @@ impl Tensor {
         Tensor {
             device: Device::cpu(),
             data,
+            memory: None,
         }
+    }
+
+    /// A tensor in device memory, on the memory's device.
+    pub fn on_device(memory: DeviceBuffer) -> Tensor {
+        Tensor {
+            device: memory.device(),
+            data: Vec::new(),
+            memory: Some(memory),
+        }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.memory
+            .as_ref()
+            .map_or(self.data.len(), DeviceBuffer::len)
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -21,6 +21,7 @@
 //! | [`channels`] | which channels this process offers; tensors into frames (inline or exported) and back (pulled) |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //! | [`client`] | the calling half, a clonable handle for threads and handlers |
+//! | [`device`] | tensors in device memory, and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
 //!
@@ -41,14 +42,17 @@
 //! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
 //! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
-//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. The CUDA channels are not
-//! wired in yet; asking for them is an error that says so.
+//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. CUDA tensors move over
+//! `cuda_basic` (staged through host memory over the CPU channel) when a CUDA runtime is
+//! plugged in through [`DevicePlugin`] ([`RpcOptions::device_plugins`]); the other CUDA
+//! channels are not run by the agent, and asking for them is an error that says so.
 
 pub mod agent;
 pub mod backend;
 mod calls;
 pub mod channels;
 pub mod client;
+pub mod device;
 pub mod error;
 mod io;
 mod lane;
@@ -64,6 +68,7 @@ pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORK
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
+pub use device::{DeviceBuffer, DeviceMemory, DevicePlugin, DeviceRuntime};
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;

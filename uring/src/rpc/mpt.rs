@@ -139,8 +139,9 @@ impl MptLanes {
     }
 
     /// Reads the mpt tensors of `frame`, just received, into buffers of their own and
-    /// makes their entries inline. Each must be a CPU-to-CPU tensor for which the pipe
-    /// (this side playing `role`) negotiated mpt. An error leaves the lanes out of step:
+    /// makes their entries inline. Each must be a tensor whose bytes the pipe (this side
+    /// playing `role`) negotiated to carry over mpt (CPU to CPU, or staged by
+    /// `cuda_basic`). An error leaves the lanes out of step:
     /// the pipe must end.
     pub fn fill(
         &self,
@@ -160,8 +161,9 @@ impl MptLanes {
             if descriptor.channel != ChannelKind::Mpt {
                 continue;
             }
+            // mpt also carries cuda_basic's staged bytes.
             let agreed =
-                negotiated.channel_for(role, descriptor.source.kind(), descriptor.target.kind());
+                negotiated.carrier_for(role, descriptor.source.kind(), descriptor.target.kind());
             if agreed != Some(ChannelKind::Mpt) {
                 return Err(format!(
                     "the peer streamed a {} to {} tensor over mpt, which this pipe did not \

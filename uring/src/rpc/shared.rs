@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::DeviceMaps;
 use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, OfferError, TransportKind};
 use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
@@ -95,6 +96,8 @@ pub(crate) struct OfferSpec {
     pub transports: Vec<(TransportKind, i64, String)>,
     /// Each channel with its priority and its CPU domain descriptor.
     pub channels: Vec<(ChannelKind, i64, String)>,
+    /// Whether `cuda_basic` is also offered for CUDA memory (a CUDA runtime is open).
+    pub serves_cuda: bool,
     /// Tensors below this size go inline even where a channel was negotiated.
     pub min_channel_bytes: u64,
 }
@@ -107,7 +110,13 @@ impl OfferSpec {
             offer.add_transport(*kind, *priority, descriptor)?;
         }
         for (kind, priority, descriptor) in &self.channels {
-            offer.add_channel(*kind, *priority, DeviceDescriptors::cpu(descriptor))?;
+            let descriptors = DeviceDescriptors::cpu(descriptor);
+            let descriptors = if *kind == ChannelKind::CudaBasic && self.serves_cuda {
+                descriptors.with(DeviceType::Cuda, descriptor)
+            } else {
+                descriptors
+            };
+            offer.add_channel(*kind, *priority, descriptors)?;
         }
         Ok(offer)
     }
@@ -137,6 +146,8 @@ pub(crate) struct Shared {
     pub lanes_enabled: bool,
     /// The mpt lane listener and lane count, when this worker offers mpt.
     pub mpt: Option<super::mpt::MptSetup>,
+    /// The device runtimes (`cuda_basic`'s staging).
+    pub devices: super::device::Devices,
     /// `RpcOptions::wait_spin`.
     pub wait_spin: std::time::Duration,
 }

@@ -383,7 +383,8 @@ pub enum FrameError {
         /// The channel byte.
         byte: u8,
     },
-    /// A descriptor's channel cannot move data between its two device types.
+    /// A descriptor's channel cannot move data between its two device types (see
+    /// [`ChannelKind::carries`]).
     ChannelMismatch {
         /// The tensor.
         tensor: u32,
@@ -578,7 +579,7 @@ impl TensorDescriptor {
                 tensor: Some(tensor),
             });
         }
-        if self.channel.handles(self.source.kind(), self.target.kind()) {
+        if self.channel.carries(self.source.kind(), self.target.kind()) {
             Ok(())
         } else {
             Err(FrameError::ChannelMismatch {

@@ -301,9 +301,10 @@ fn encoders_refuse_what_decoders_reject() {
             tensor: Some(0)
         }))
     );
-    // A CPU channel cannot carry a CUDA tensor.
+    // A CUDA channel cannot carry a tensor from the CPU (a CPU channel can: it carries
+    // cuda_basic's staged copy).
     let mismatched = [TensorDescriptor {
-        channel: ChannelKind::Cma,
+        source: Device::CPU,
         ..cuda_ipc(1)
     }];
     let frame = OutgoingFrame::request(1, "f", b"", b"").with_tensors(&mismatched, &[b""]);
@@ -815,7 +816,7 @@ fn descriptor() -> impl Strategy<Value = TensorDescriptor> {
             |(source, target, channel, len, descriptor_len)| {
                 let channel = ChannelKind::ALL[channel];
                 channel
-                    .handles(source.kind(), target.kind())
+                    .carries(source.kind(), target.kind())
                     .then_some(TensorDescriptor {
                         source,
                         target,

@@ -1,0 +1,487 @@
+//! CUDA tensors through the RPC agent (`cuda_basic`) between two processes, on machines
+//! without a GPU: both workers plug in a device runtime whose "CUDA memory" is host
+//! memory ([`HostCuda`]). The agent cannot tell it from a GPU: it negotiates
+//! `cuda_basic`, has the sender's runtime copy tensors to the host, carries the bytes
+//! over the pipe's CPU channel (cma, mpt or inline) and has the receiver's runtime put
+//! them on the device the device map chose. The real runtime is
+//! `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
+//!
+//! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
+//! parent and child meet at a `file://` store.
+
+use std::any::Any;
+use std::process::{Child, Command};
+use std::sync::Arc;
+
+use rdzv_core::device::{Device, DeviceType};
+use rdzv_core::device_map::{DeviceMap, DeviceMaps};
+use rdzv_core::negotiate::ChannelKind;
+use rdzv_uring::rpc::{
+    init_rpc, CallContext, DeviceBuffer, DeviceMemory, DevicePlugin, DeviceRuntime, Message,
+    RpcAgent, RpcError, RpcOptions, Tensor,
+};
+
+mod common;
+
+use common::{finish, pattern, serve_until_joined};
+
+const CHILD_ENV: &str = "RDZV_RPC_CUDA_CHILD";
+const STORE_ENV: &str = "RDZV_RPC_CUDA_STORE";
+const CHANNELS_ENV: &str = "RDZV_RPC_CUDA_CHANNELS";
+const GPUS_ENV: &str = "RDZV_RPC_CUDA_GPUS";
+
+/// A tensor of this length fails to be received (the runtime's `copy_from_host`).
+const FAILS_TO_ARRIVE: usize = 13;
+/// A tensor of this length fails to leave (the runtime's `copy_to_host`).
+const FAILS_TO_LEAVE: usize = 17;
+
+/// "CUDA memory" that lives on the host.
+#[derive(Debug)]
+struct HostMemory {
+    device: Device,
+    bytes: Vec<u8>,
+}
+
+impl DeviceMemory for HostMemory {
+    fn device(&self) -> Device {
+        self.device
+    }
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A CUDA runtime with `gpus` devices of host memory.
+struct HostCuda {
+    gpus: u8,
+}
+
+impl DeviceRuntime for HostCuda {
+    fn device_count(&self) -> usize {
+        usize::from(self.gpus)
+    }
+
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+        let memory = memory
+            .downcast_ref::<HostMemory>()
+            .ok_or("not memory of this runtime")?;
+        if memory.bytes.len() == FAILS_TO_LEAVE {
+            return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device));
+        }
+        Ok(memory.bytes.clone())
+    }
+
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+        if !device.is_cuda() || !device.index().is_some_and(|i| i < self.gpus) {
+            return Err(format!("this process has no {device}"));
+        }
+        if bytes.len() == FAILS_TO_ARRIVE {
+            return Err(format!("fake cuMemAlloc: out of memory on {device}"));
+        }
+        Ok(gpu_tensor(device, bytes))
+    }
+}
+
+struct HostCudaPlugin(u8);
+
+impl DevicePlugin for HostCudaPlugin {
+    fn device_type(&self) -> DeviceType {
+        DeviceType::Cuda
+    }
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+        Ok(Arc::new(HostCuda { gpus: self.0 }))
+    }
+}
+
+fn gpu_tensor(device: Device, bytes: Vec<u8>) -> DeviceBuffer {
+    DeviceBuffer::new(HostMemory { device, bytes })
+}
+
+/// A tensor's bytes: a CPU tensor's, or those of its fake device memory.
+fn bytes_of(tensor: &Tensor) -> Result<&[u8], String> {
+    match &tensor.memory {
+        None if tensor.device.is_cpu() => Ok(&tensor.data),
+        None => Err(format!("a {} tensor without memory", tensor.device)),
+        Some(memory) => {
+            if memory.device() != tensor.device || !tensor.data.is_empty() {
+                return Err(format!("a {} tensor with {memory:?}", tensor.device));
+            }
+            memory
+                .downcast_ref::<HostMemory>()
+                .map(|m| m.bytes.as_slice())
+                .ok_or_else(|| "memory of another runtime".to_string())
+        }
+    }
+}
+
+/// Checks every request tensor against `pattern(len, seed)` (the seed is the payload's
+/// first byte), answers with "device len" per tensor, and sends the tensors back.
+fn inspect(_: &CallContext, m: Message) -> Result<Message, String> {
+    let seed = m.payload.first().copied().unwrap_or(0);
+    let mut seen = Vec::new();
+    for (i, tensor) in m.tensors.iter().enumerate() {
+        let bytes = bytes_of(tensor).map_err(|e| format!("tensor {i}: {e}"))?;
+        if bytes != pattern(bytes.len(), seed) {
+            return Err(format!("tensor {i} differs"));
+        }
+        seen.push(format!("{} {}", tensor.device, bytes.len()));
+    }
+    Ok(Message {
+        payload: seen.join(",").into_bytes(),
+        tensors: m.tensors,
+        ..Message::default()
+    })
+}
+
+/// Answers with one tensor on `cuda:1` of the length in the payload (8 bytes LE).
+fn make_on_gpu(_: &CallContext, m: Message) -> Result<Message, String> {
+    let len = m
+        .payload
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes);
+    let len = usize::try_from(len).map_err(|e| e.to_string())?;
+    let memory = gpu_tensor(Device::cuda(1), pattern(len, 7));
+    Ok(Message::default().with_tensor(Tensor::on_device(memory)))
+}
+
+fn options(url: &str, channels: Option<&str>, gpus: u8) -> RpcOptions {
+    let mut options = RpcOptions::new(url)
+        .with_handler("inspect", inspect)
+        .with_handler("make_on_gpu", make_on_gpu);
+    options.listen_host = Some([127, 0, 0, 1].into());
+    options.init_counter = Some(0);
+    options.num_worker_threads = 2;
+    options.transports = Some(vec!["tcp".into()]);
+    options.channels = channels.map(|list| list.split(',').map(str::to_string).collect());
+    if gpus > 0 {
+        options.device_plugins = vec![Arc::new(HostCudaPlugin(gpus))];
+    }
+    options
+}
+
+/// The parent's and the child's configuration.
+#[derive(Clone, Copy)]
+struct Setup<'a> {
+    /// `channels` of both sides (`None`: the default).
+    channels: Option<&'a str>,
+    /// The child's `channels`, when it differs.
+    child_channels: Option<&'a str>,
+    /// How many fake GPUs each side has (0: no device plugin).
+    parent_gpus: u8,
+    child_gpus: u8,
+    /// The parent's device map to the child.
+    map: &'a [(Device, Device)],
+}
+
+const GPU0_TO_GPU1: &[(Device, Device)] = &[(Device::cuda(0), Device::cuda(1))];
+
+/// In the child, serves as "peer" and never returns. In the parent, starts the child
+/// for `test` and the parent's agent ("main") with `setup`.
+fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        let url = std::env::var(STORE_ENV).unwrap_or_default();
+        let channels = std::env::var(CHANNELS_ENV).ok();
+        let gpus = std::env::var(GPUS_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let options = options(&url, channels.as_deref(), gpus);
+        serve_until_joined(init_rpc("peer", 1, Some(2), options));
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("file://{}", dir.path().join("store").display());
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    let mut command = Command::new(exe);
+    command
+        .args([test, "--exact", "--nocapture"])
+        .env(CHILD_ENV, "1")
+        .env(STORE_ENV, &url)
+        .env(GPUS_ENV, setup.child_gpus.to_string());
+    match setup.child_channels.or(setup.channels) {
+        Some(list) => command.env(CHANNELS_ENV, list),
+        None => command.env_remove(CHANNELS_ENV),
+    };
+    let child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut options = options(&url, setup.channels, setup.parent_gpus);
+    let mut maps = DeviceMaps::new();
+    maps.insert("peer", DeviceMap::from_iter(setup.map.iter().copied()));
+    options.device_maps = maps;
+    let agent =
+        init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
+    (agent, child, dir)
+}
+
+fn bytes_on(agent: &RpcAgent, channel: ChannelKind) -> u64 {
+    agent
+        .tensor_bytes_by_channel()
+        .into_iter()
+        .find(|&(kind, _)| kind == channel)
+        .map_or(0, |(_, bytes)| bytes)
+}
+
+/// Sends `tensors` (made with `pattern(len, seed)`) to the peer's `inspect`; returns
+/// what the peer saw and the tensors that came back.
+fn round_trip(agent: &RpcAgent, tensors: Vec<Tensor>, seed: u8) -> (String, Vec<Tensor>) {
+    let message = Message {
+        payload: vec![seed],
+        tensors,
+        ..Message::default()
+    };
+    let reply = agent
+        .rpc_sync("peer", "inspect", message)
+        .unwrap_or_else(|e| panic!("inspect: {e}"));
+    (
+        String::from_utf8_lossy(&reply.payload).into_owned(),
+        reply.tensors,
+    )
+}
+
+const SIZES: [usize; 4] = [0, 1, (1 << 20) + 3, 8 << 20];
+
+/// GPU tensors of every size from cuda:0 land on the peer's cuda:1 and come back on
+/// cuda:0 (the reverse map), byte for byte; a CPU tensor in the same message stays on
+/// the CPU. Then a tensor the peer makes on its cuda:1 arrives on cuda:0.
+fn gpu_to_gpu(agent: &RpcAgent) {
+    let seed = 42;
+    let mut tensors: Vec<Tensor> = SIZES
+        .iter()
+        .map(|&len| Tensor::on_device(gpu_tensor(Device::cuda(0), pattern(len, seed))))
+        .collect();
+    tensors.push(Tensor::cpu(pattern(5, seed)));
+    let (seen, back) = round_trip(agent, tensors, seed);
+    let expected: Vec<String> = SIZES
+        .iter()
+        .map(|len| format!("cuda:1 {len}"))
+        .chain(["cpu 5".to_string()])
+        .collect();
+    assert_eq!(seen, expected.join(","));
+    assert_eq!(back.len(), SIZES.len() + 1);
+    for (tensor, &len) in back.iter().zip(SIZES.iter().chain([5].iter())) {
+        let device = if len == 5 {
+            Device::cpu()
+        } else {
+            Device::cuda(0)
+        };
+        assert_eq!(tensor.device, device, "{len} bytes");
+        let bytes = bytes_of(tensor).unwrap_or_else(|e| panic!("{len} bytes: {e}"));
+        assert!(
+            bytes == pattern(len, seed),
+            "{len} bytes came back different"
+        );
+    }
+    let reply = agent
+        .rpc_sync(
+            "peer",
+            "make_on_gpu",
+            Message::from_payload((3u64 << 20).to_le_bytes()),
+        )
+        .unwrap_or_else(|e| panic!("make_on_gpu: {e}"));
+    let made = reply.tensors.first().expect("a tensor");
+    assert_eq!(made.device, Device::cuda(0));
+    assert!(bytes_of(made).is_ok_and(|b| b == pattern(3 << 20, 7)));
+}
+
+#[test]
+fn gpu_tensors_cross_over_cuda_basic_carried_by_cma() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_carried_by_cma", setup);
+    let cma = rdzv_uring::channel::cma::viability().is_ok();
+    gpu_to_gpu(&agent);
+    let carrier = agent.pipe_channel("peer");
+    if cma {
+        assert_eq!(carrier, Some(ChannelKind::Cma));
+        // The two large tensors went over cma, the small ones inline.
+        assert!(
+            bytes_on(&agent, ChannelKind::Cma) >= ((1 << 20) + 3 + (8 << 20)),
+            "{:?}",
+            agent.tensor_bytes_by_channel()
+        );
+    } else {
+        eprintln!("cma is not viable here; the staged bytes went over {carrier:?}");
+    }
+    finish(agent, child);
+}
+
+#[test]
+fn gpu_tensors_cross_over_cuda_basic_carried_by_mpt() {
+    let setup = Setup {
+        channels: Some("mpt,basic,cuda_basic"),
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_carried_by_mpt", setup);
+    gpu_to_gpu(&agent);
+    assert!(
+        bytes_on(&agent, ChannelKind::Mpt) >= ((1 << 20) + 3 + (8 << 20)),
+        "{:?}",
+        agent.tensor_bytes_by_channel()
+    );
+    finish(agent, child);
+}
+
+#[test]
+fn gpu_tensors_cross_over_cuda_basic_inline() {
+    let setup = Setup {
+        channels: Some("basic,cuda_basic"),
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_inline", setup);
+    gpu_to_gpu(&agent);
+    let by_channel = agent.tensor_bytes_by_channel();
+    assert!(
+        by_channel
+            .iter()
+            .all(|&(kind, _)| kind == ChannelKind::Basic),
+        "{by_channel:?}"
+    );
+    finish(agent, child);
+}
+
+/// A worker without a GPU runtime sends CPU tensors onto the peer's GPU (map
+/// `cpu → cuda:1`) and gets them back on the CPU.
+#[test]
+fn a_cpu_only_worker_reaches_a_gpu_worker() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 0,
+        child_gpus: 2,
+        map: &[(Device::cpu(), Device::cuda(1))],
+    };
+    let (agent, child, _dir) = start("a_cpu_only_worker_reaches_a_gpu_worker", setup);
+    let tensors = vec![Tensor::cpu(pattern(1 << 20, 9)), Tensor::cpu(Vec::new())];
+    let (seen, back) = round_trip(&agent, tensors, 9);
+    assert_eq!(seen, "cuda:1 1048576,cuda:1 0");
+    assert!(back.iter().all(|t| t.device.is_cpu() && t.memory.is_none()));
+    assert!(back[0].data == pattern(1 << 20, 9));
+    // A GPU tensor has nowhere to come from on this side: no runtime.
+    let gpu = Tensor::on_device(gpu_tensor(Device::cuda(0), vec![1, 2]));
+    let text = agent
+        .rpc_sync("peer", "inspect", Message::default().with_tensor(gpu))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(text.contains("no negotiated channel serves"), "{text}");
+    finish(agent, child);
+}
+
+/// A GPU worker sends to a worker without one (map `cuda:0 → cpu`): the peer gets CPU
+/// tensors, and the reverse map puts the replies back on cuda:0.
+#[test]
+fn a_gpu_worker_reaches_a_cpu_only_worker() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 1,
+        child_gpus: 0,
+        map: &[(Device::cuda(0), Device::cpu())],
+    };
+    let (agent, child, _dir) = start("a_gpu_worker_reaches_a_cpu_only_worker", setup);
+    let tensor = Tensor::on_device(gpu_tensor(Device::cuda(0), pattern(300_000, 3)));
+    let (seen, back) = round_trip(&agent, vec![tensor], 3);
+    assert_eq!(seen, "cpu 300000");
+    assert_eq!(back[0].device, Device::cuda(0));
+    assert!(bytes_of(&back[0]).is_ok_and(|b| b == pattern(300_000, 3)));
+    finish(agent, child);
+}
+
+/// What fails says what and where, and the pipe goes on working.
+#[test]
+fn staging_failures_fail_only_their_call() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("staging_failures_fail_only_their_call", setup);
+    let call = |tensor: Tensor| {
+        agent
+            .rpc_sync("peer", "inspect", Message::default().with_tensor(tensor))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    // The sender's runtime cannot copy the tensor out.
+    let text = call(Tensor::on_device(gpu_tensor(
+        Device::cuda(0),
+        vec![0; FAILS_TO_LEAVE],
+    )));
+    assert!(
+        text.contains("cuda_basic") && text.contains("fake cuMemcpyDtoH failed on cuda:0"),
+        "{text}"
+    );
+    // The receiver's runtime cannot allocate it.
+    let text = call(Tensor::on_device(gpu_tensor(
+        Device::cuda(0),
+        vec![0; FAILS_TO_ARRIVE],
+    )));
+    assert!(
+        text.contains("out of memory on cuda:1") && text.contains("tensor 0"),
+        "{text}"
+    );
+    // A CUDA tensor must hold device memory.
+    let text = call(Tensor {
+        device: Device::cuda(0),
+        data: vec![1, 2, 3],
+        memory: None,
+    });
+    assert!(text.contains("Tensor::on_device"), "{text}");
+    // Memory on another device than the tensor says.
+    let text = call(Tensor {
+        device: Device::cuda(0),
+        data: Vec::new(),
+        memory: Some(gpu_tensor(Device::cuda(1), vec![1])),
+    });
+    assert!(text.contains("its memory is on cuda:1"), "{text}");
+    // The pipe still works.
+    gpu_to_gpu(&agent);
+    finish(agent, child);
+}
+
+/// A peer that does not offer cuda_basic gets no GPU tensors, and the caller is told
+/// why; CPU tensors still flow.
+#[test]
+fn no_cuda_basic_on_the_peer_is_a_clear_error() {
+    let setup = Setup {
+        channels: None,
+        child_channels: Some("cma,basic"),
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("no_cuda_basic_on_the_peer_is_a_clear_error", setup);
+    let gpu = Tensor::on_device(gpu_tensor(Device::cuda(0), vec![1]));
+    match agent.rpc_sync("peer", "inspect", Message::default().with_tensor(gpu)) {
+        Err(RpcError::NoChannel {
+            source_device,
+            target_device,
+            ..
+        }) => assert_eq!(
+            (source_device.as_str(), target_device.as_str()),
+            ("cuda:0", "cuda:1")
+        ),
+        other => panic!("expected NoChannel, got {other:?}"),
+    }
+    let (seen, _) = round_trip(&agent, vec![Tensor::cpu(pattern(10, 1))], 1);
+    assert_eq!(seen, "cpu 10");
+    finish(agent, child);
+}
