@@ -10,11 +10,14 @@
 //! | [`XthDescriptor`](xth::XthDescriptor) | xth | read the export with this id in this process |
 //! | [`TransferAck`] | cma, xth | the receiver is done with a transfer |
 //! | [`MptDescriptor`](mpt::MptDescriptor), [`StripeHeader`](mpt::StripeHeader), [`LaneHello`](mpt::LaneHello) | mpt | which transfer, which stripe, which lane |
+//! | [`CudaIpcDescriptor`](cuda::CudaIpcDescriptor) | cuda_ipc | copy this range of the allocation behind this IPC handle, lent by that process |
+//! | [`CudaXthDescriptor`](cuda::CudaXthDescriptor) | cuda_xth | copy this device address range of this very process |
 //!
 //! Every record has a fixed size and starts with a 4-byte tag; decoding checks the
 //! length and the tag and never panics (the `channel_descriptors` fuzz target).
 
 pub mod cma;
+pub mod cuda;
 pub mod mpt;
 pub mod xth;
 

@@ -1,9 +1,10 @@
-//! The decoders of what a peer sends beside a pipe (`cma`, `xth` and `mpt` descriptors,
-//! transfer acks, `mpt` stripe headers and lane hellos) never panic, and whatever they
-//! accept encodes back to the very same bytes (a lane hello's index also lies in its
-//! set).
+//! The decoders of what a peer sends beside a pipe (`cma`, `xth`, `mpt`, `cuda_ipc` and
+//! `cuda_xth` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never
+//! panic, and whatever they accept encodes back to the very same bytes (a lane hello's
+//! index also lies in its set; a CUDA descriptor's range does not overflow).
 
 use crate::channel::cma::CmaDescriptor;
+use crate::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor};
 use crate::channel::mpt::{LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
@@ -36,6 +37,22 @@ pub fn channel_descriptors(data: &[u8]) {
             data,
             "mpt descriptor round trip"
         );
+    }
+    if let Ok(descriptor) = CudaIpcDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "cuda_ipc descriptor round trip"
+        );
+        assert!(descriptor.offset.checked_add(descriptor.length).is_some());
+    }
+    if let Ok(descriptor) = CudaXthDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "cuda_xth descriptor round trip"
+        );
+        assert!(descriptor.address.checked_add(descriptor.length).is_some());
     }
     if let Ok(hello) = LaneHello::decode(data) {
         assert_eq!(hello.encode().as_slice(), data, "mpt lane hello round trip");

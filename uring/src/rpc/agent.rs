@@ -101,16 +101,16 @@ pub struct RpcOptions {
     pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
     /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
     /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
-    /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_basic`
-    /// (see [`super::device`]). A runtime that cannot open here (no driver, no GPU) is
-    /// left out with its reason logged. Default: none.
+    /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_xth`,
+    /// `cuda_ipc` or `cuda_basic` (see [`super::device`]). A runtime that cannot open here
+    /// (no driver, no GPU) is left out with its reason logged. Default: none.
     pub device_plugins: Vec<Arc<dyn DevicePlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
-    /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_basic`). Unknown names (and
-    /// `cuda_ipc`, `cuda_xth` and `cuda_gdr`, not run by the agent) are errors; a channel that cannot work in this process
-    /// (cma under a seccomp policy or Yama `ptrace_scope` 3, ...) is left out with its
-    /// reason logged, and so is `mpt` when this worker runs no tcp transport or injects
-    /// faults.
+    /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_basic`).
+    /// Unknown names (and `cuda_gdr`, not run by the agent) are errors; a channel that
+    /// cannot work in this process (cma under a seccomp policy or Yama `ptrace_scope` 3,
+    /// `cuda_ipc` without a CUDA runtime that runs it, ...) is left out with its reason
+    /// logged, and so is `mpt` when this worker runs no tcp transport or injects faults.
     pub channels: Option<Vec<String>>,
     /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
     /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
@@ -516,10 +516,16 @@ pub fn init_rpc(
         .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
         .filter(|(kind, _)| transports.iter().any(|&(k, _)| k == *kind))
         .collect();
-    let mut channels = ranked_channels(
-        options.channels.as_deref(),
-        super::channels::domain_descriptor,
-    )?;
+    // The runtimes open whatever the channels: they also count the devices that the
+    // device maps are checked against.
+    let devices =
+        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
+            option: "device_plugins",
+            reason,
+        })?;
+    let mut channels = ranked_channels(options.channels.as_deref(), |kind| {
+        super::channels::domain_descriptor(kind, &devices)
+    })?;
     // mpt's lanes are served by lane threads over tcp.
     let mpt_reason = if !transports.iter().any(|&(k, _)| k == TransportKind::Tcp) {
         Some("this worker runs no tcp transport")
@@ -540,13 +546,7 @@ pub fn init_rpc(
             });
         }
     }
-    // The runtimes open whatever the channels: they also count the devices that the
-    // device maps are checked against.
-    let devices =
-        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
-            option: "device_plugins",
-            reason,
-        })?;
+
     let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
     for (handler_name, handler) in &options.handlers {
         if handler_name.starts_with(RESERVED_PREFIX)
@@ -1734,6 +1734,8 @@ mod tests {
                 (ChannelKind::Cma, 1200),
                 (ChannelKind::Mpt, 1100),
                 (ChannelKind::Basic, 1000),
+                (ChannelKind::CudaXth, 400),
+                (ChannelKind::CudaIpc, 300),
                 (ChannelKind::CudaBasic, 0)
             ])
         ));
@@ -1754,9 +1756,9 @@ mod tests {
             ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
             Err(RpcError::Backends { .. })
         ));
-        let cuda = ranked_channels(Some(&names(&["cuda_ipc", "basic"])), viable);
+        let cuda = ranked_channels(Some(&names(&["cuda_gdr", "basic"])), viable);
         let text = cuda.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.contains("cuda_ipc is not implemented"), "{text}");
+        assert!(text.contains("cuda_gdr is not implemented"), "{text}");
         // A channel that cannot work here is left out; if nothing is left, that is an
         // error that says why.
         let no_cma = |kind: ChannelKind| match kind {
@@ -1769,6 +1771,8 @@ mod tests {
                 (ChannelKind::Xth, _),
                 (ChannelKind::Mpt, _),
                 (ChannelKind::Basic, _),
+                (ChannelKind::CudaXth, _),
+                (ChannelKind::CudaIpc, _),
                 (ChannelKind::CudaBasic, _)
             ])
         ));

@@ -34,7 +34,7 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
 
-use super::device::{Devices, CUDA_BASIC_DESCRIPTOR};
+use super::device::{DeviceLoan, Devices, CUDA_BASIC_DESCRIPTOR};
 use super::error::RpcError;
 use super::message::Tensor;
 use super::recycle;
@@ -124,14 +124,22 @@ fn read_in_slices(
     })
 }
 
-/// The channels the RPC agent runs, in `ChannelKind::ALL` order.
-pub(crate) const RUNNABLE: [ChannelKind; 5] = [
+/// The channels the RPC agent runs, in `ChannelKind::ALL` order (the lending CUDA
+/// channels when a device runtime runs them: [`super::device`]).
+pub(crate) const RUNNABLE: [ChannelKind; 7] = [
     ChannelKind::Xth,
     ChannelKind::Cma,
     ChannelKind::Mpt,
     ChannelKind::Basic,
+    ChannelKind::CudaXth,
+    ChannelKind::CudaIpc,
     ChannelKind::CudaBasic,
 ];
+
+/// Whether `kind` lends device memory (see [`super::device`]).
+pub(crate) fn lends_device_memory(kind: ChannelKind) -> bool {
+    matches!(kind, ChannelKind::CudaXth | ChannelKind::CudaIpc)
+}
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
 /// use it (the connector chooses how many lanes to open).
@@ -140,9 +148,10 @@ pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 /// The domain descriptor of `kind` in this process, or why it cannot run here. For cma
 /// this runs TensorPipe's viability checks (and, under Yama `ptrace_scope` 1, lets any
 /// process of this user read this one: call it only for a channel that will be
-/// offered).
-pub(crate) fn domain_descriptor(kind: ChannelKind) -> Result<String, String> {
+/// offered). The lending CUDA channels' descriptors are their runtime's, in `devices`.
+pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<String, String> {
     match kind {
+        ChannelKind::CudaXth | ChannelKind::CudaIpc => devices.lending_descriptor(kind),
         ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
         ChannelKind::Mpt => Ok(MPT_DESCRIPTOR.to_string()),
         ChannelKind::CudaBasic => Ok(CUDA_BASIC_DESCRIPTOR.to_string()),
@@ -162,6 +171,8 @@ pub(crate) fn domain_descriptor(kind: ChannelKind) -> Result<String, String> {
 enum Export {
     Cma(CmaExport<Vec<u8>>),
     Xth(XthExport<Vec<u8>>),
+    /// Device memory (`cuda_xth`, `cuda_ipc`): only dropped, never recycled.
+    Device(DeviceLoan),
 }
 
 /// The buffers one frame lent to the peer, held until the peer is done with them
@@ -193,10 +204,11 @@ impl FrameExports {
     /// buffer that holds something else.
     pub fn recycle(mut self) {
         for export in self.exports.drain(..) {
-            recycle::give(match export {
-                Export::Cma(export) => export.abandon(),
-                Export::Xth(export) => export.abandon(),
-            });
+            match export {
+                Export::Cma(export) => recycle::give(export.abandon()),
+                Export::Xth(export) => recycle::give(export.abandon()),
+                Export::Device(loan) => drop(loan),
+            }
         }
     }
 }
@@ -208,6 +220,7 @@ impl Drop for FrameExports {
             match export {
                 Export::Cma(export) => drop(export.abandon()),
                 Export::Xth(export) => drop(export.abandon()),
+                Export::Device(loan) => drop(loan),
             }
         }
     }
@@ -334,6 +347,45 @@ pub(crate) fn add_tensor(
     Ok(())
 }
 
+/// Adds a `source` tensor's device `memory` to `frame`, lent over the device channel
+/// `channel` (`cuda_xth`, `cuda_ipc`) to `target`: its loan's descriptor goes into the
+/// frame and the loan joins `exports`. An empty tensor goes inline (there is nothing to
+/// lend). Counts the bytes into `moved`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_device_tensor(
+    frame: &mut OwnedFrame,
+    exports: &mut FrameExports,
+    moved: &mut ChannelBytes,
+    devices: &Devices,
+    memory: Option<&super::device::DeviceBuffer>,
+    (source, target): (Device, Device),
+    channel: ChannelKind,
+    peer: &str,
+) -> Result<(), RpcError> {
+    let len = memory.map_or(0, |m| m.len() as u64);
+    if len == 0 {
+        frame
+            .tensors
+            .push(TensorDescriptor::inline(source, target, 0));
+        frame.tensor_data.push(Vec::new());
+        return Ok(());
+    }
+    let loan = devices
+        .lend(channel, source, memory)
+        .map_err(|e| export_failed(channel, peer, e))?;
+    let descriptor_len = u8::try_from(loan.descriptor.len())
+        .map_err(|_| export_failed(channel, peer, "its descriptor is over 255 bytes"))?;
+    frame.tensors.push(TensorDescriptor {
+        channel,
+        channel_descriptor_len: descriptor_len,
+        ..TensorDescriptor::inline(source, target, len)
+    });
+    frame.tensor_data.push(loan.descriptor.clone());
+    exports.exports.push(Export::Device(loan));
+    moved.add(channel, len);
+    Ok(())
+}
+
 /// What a pipe reads from: the peer process behind its cma descriptors, opened on first
 /// use and then fixed for the pipe's life.
 #[derive(Debug, Default)]
@@ -380,6 +432,14 @@ enum Incoming {
     Xth {
         device: Device,
         descriptor: XthDescriptor,
+    },
+    /// Device memory lent over `channel` (`cuda_xth`, `cuda_ipc`), copied by this
+    /// worker's runtime.
+    Lent {
+        device: Device,
+        channel: ChannelKind,
+        len: u64,
+        descriptor: Vec<u8>,
     },
 }
 
@@ -494,6 +554,13 @@ impl ReceivedTensors {
                         "the peer streamed it, but this pipe has no mpt lanes".into(),
                     ))
                 }
+                // The runtime decodes and checks its own descriptors when it copies.
+                kind if lends_device_memory(kind) => items.push(Incoming::Lent {
+                    device,
+                    channel: kind,
+                    len: descriptor.len,
+                    descriptor: data,
+                }),
                 _ => return Err(refuse("this worker does not run this channel".into())),
             }
         }
@@ -515,6 +582,8 @@ impl ReceivedTensors {
                     Incoming::Ready(t) => (t.device, 0, t.data.len() as u64),
                     Incoming::Cma { device, descriptor } => (*device, 1, descriptor.length),
                     Incoming::Xth { device, descriptor } => (*device, 1, descriptor.length),
+                    // Copied device to device: no staging.
+                    Incoming::Lent { len, .. } => (Device::cpu(), 1, *len),
                 };
                 let staged = u64::from(!device.is_cpu());
                 (pulled + staged) * len
@@ -531,7 +600,8 @@ impl ReceivedTensors {
     }
 
     /// Reads every out-of-band tensor into a fresh buffer (blocking copies: cma's
-    /// `process_vm_readv`, xth's memcpy) and returns all tensors in order.
+    /// `process_vm_readv`, xth's memcpy, a device runtime's copy of lent device memory),
+    /// stages tensors for a device into its memory, and returns all tensors in order.
     ///
     /// # Errors
     /// [`RpcError::Channel`] naming the channel, the peer and why (the peer process is
@@ -589,6 +659,28 @@ impl ReceivedTensors {
                         data,
                         memory: None,
                     }
+                }
+                Incoming::Lent {
+                    device,
+                    channel,
+                    len,
+                    descriptor,
+                } => {
+                    let index = tensors.len();
+                    let memory =
+                        devices
+                            .borrow(channel, device, len, &descriptor)
+                            .map_err(|reason| RpcError::Channel {
+                                channel: channel.name(),
+                                peer: peer.clone(),
+                                reason: format!("tensor {index}: {reason}"),
+                            })?;
+                    tensors.push(Tensor {
+                        device,
+                        data: Vec::new(),
+                        memory: Some(memory),
+                    });
+                    continue;
                 }
             };
             tensors.push(if tensor.device.is_cpu() {
@@ -670,7 +762,8 @@ mod tests {
 
     #[test]
     fn small_tensors_stay_inline_and_large_ones_are_exported() {
-        let xth = domain_descriptor(ChannelKind::Xth).unwrap_or_else(|e| panic!("{e}"));
+        let xth = domain_descriptor(ChannelKind::Xth, &Devices::default())
+            .unwrap_or_else(|e| panic!("{e}"));
         let negotiated = negotiate(&[(ChannelKind::Xth, &xth), (ChannelKind::Basic, "basic:any")]);
         assert_eq!(
             cpu_channel(&negotiated, Role::Connector),
@@ -738,7 +831,7 @@ mod tests {
 
     #[test]
     fn cma_round_trip_and_refusals() {
-        let cma = match domain_descriptor(ChannelKind::Cma) {
+        let cma = match domain_descriptor(ChannelKind::Cma, &Devices::default()) {
             Ok(cma) => cma,
             Err(reason) => {
                 eprintln!("skipped: cma is not viable here: {reason}");
@@ -884,15 +977,18 @@ mod tests {
 
     #[test]
     fn unknown_channels_are_not_viable() {
+        let none = Devices::default();
         assert_eq!(
-            domain_descriptor(ChannelKind::Basic).as_deref(),
+            domain_descriptor(ChannelKind::Basic, &none).as_deref(),
             Ok(BASIC_DESCRIPTOR)
         );
         assert_eq!(
-            domain_descriptor(ChannelKind::Mpt).as_deref(),
+            domain_descriptor(ChannelKind::Mpt, &none).as_deref(),
             Ok(MPT_DESCRIPTOR)
         );
-        let err = domain_descriptor(ChannelKind::CudaIpc).expect_err("cuda_ipc is not run");
+        let err = domain_descriptor(ChannelKind::CudaGdr, &none).expect_err("cuda_gdr is not run");
         assert!(err.contains("not run"), "{err}");
+        let err = domain_descriptor(ChannelKind::CudaIpc, &none).expect_err("no runtime");
+        assert!(err.contains("device_plugins"), "{err}");
     }
 }

@@ -2,27 +2,39 @@
 //! outside this crate plugs into the agent: [`DevicePlugin`].
 //!
 //! This crate knows no GPU. A tensor on a device other than the CPU holds a
-//! [`DeviceBuffer`], a shared handle to memory the runtime owns ([`DeviceMemory`]), and
-//! the agent moves it with the `cuda_basic` channel: the sender's runtime copies it to
-//! host memory ([`DeviceRuntime::copy_to_host`]), the bytes travel like a CPU tensor's over
-//! the CPU channel the pipe negotiated (inline, `cma`, `xth` or `mpt`), and the
-//! receiver's runtime copies them into fresh memory on the target device
-//! ([`DeviceRuntime::copy_from_host`]), which the device map chose. So `cuda_basic` runs over
-//! every transport and gains from every CPU channel.
+//! [`DeviceBuffer`], a shared handle to memory the runtime owns ([`DeviceMemory`]). The
+//! agent moves it over one of two kinds of channel, whichever the pipe negotiated for the
+//! pair of device types (highest priority first: `cuda_xth` 400, `cuda_ipc` 300,
+//! `cuda_basic` 0):
+//!
+//! - **lending** (`cuda_xth` within one process, `cuda_ipc` between processes of one
+//!   host): the sender's runtime lends the memory ([`DeviceRuntime::lend`]) and the frame
+//!   carries the [`DeviceLoan`]'s descriptor; the receiver's runtime copies the lent
+//!   range into fresh memory on the target device ([`DeviceRuntime::borrow`]), device to
+//!   device, without the host. The loan is held like a `cma` buffer, by the rule of
+//!   `rdzv_core::rpc::lending`: a request's until its reply, a response's until the
+//!   caller's ack, and dropped unused when the pipe ends. A runtime offers these channels
+//!   through [`DeviceRuntime::lending_channels`].
+//! - **staging** (`cuda_basic`): the sender's runtime copies the tensor to host memory
+//!   ([`DeviceRuntime::copy_to_host`]), the bytes travel like a CPU tensor's over the CPU
+//!   channel the pipe negotiated (inline, `cma`, `xth` or `mpt`), and the receiver's
+//!   runtime copies them into fresh memory on the target device
+//!   ([`DeviceRuntime::copy_from_host`]). So `cuda_basic` runs over every transport and
+//!   gains from every CPU channel. Every worker offers it for CPU memory (the CPU side of
+//!   a CPU ↔ CUDA pair needs no GPU), and a worker with a CUDA runtime also for CUDA
+//!   memory.
 //!
 //! `rdzv_rdma::cuda::agent::CudaPlugin` is the CUDA runtime (cudarc, loaded at run time).
 //! A test can plug in a runtime that keeps "device" memory on the host: the agent cannot
-//! tell, which is how its part is tested on machines without a GPU.
-//!
-//! Negotiation: every worker offers `cuda_basic` for CPU memory (the CPU side of a CPU ↔
-//! CUDA pair needs no GPU), and a worker with a CUDA runtime also for CUDA memory. The
-//! other CUDA channels (`cuda_ipc`, `cuda_xth`, `cuda_gdr`) are not run by the agent.
+//! tell, which is how its part is tested on machines without a GPU. `cuda_gdr` is not
+//! run by the agent.
 
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
 use rdzv_core::device::{Device, DeviceType};
+use rdzv_core::negotiate::ChannelKind;
 
 /// Memory on a device, owned by a device runtime.
 pub trait DeviceMemory: Send + Sync + fmt::Debug + 'static {
@@ -103,23 +115,77 @@ pub trait DevicePlugin: Send + Sync {
     fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String>;
 }
 
-/// What the agent asks of an opened device runtime. Both calls block (they are
-/// synchronous copies) and may run on any thread.
+/// What the agent asks of an opened device runtime. Every call blocks (copies are
+/// synchronous) and may run on any thread.
 pub trait DeviceRuntime: Send + Sync {
     /// How many devices of its type this process sees.
     fn device_count(&self) -> usize;
 
-    /// Copies `memory` into host memory.
+    /// Copies `memory` into host memory (`cuda_basic`'s sending side).
     ///
     /// # Errors
     /// Why the copy failed; the call fails with it.
     fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String>;
 
-    /// Memory on `device` holding `bytes` (a received tensor).
+    /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side).
     ///
     /// # Errors
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String>;
+
+    /// The lending channels this runtime runs here (`cuda_xth`, `cuda_ipc`), each with
+    /// its domain descriptor (two workers use a channel when their descriptors match),
+    /// or why it cannot run here. Default: none.
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+        Vec::new()
+    }
+
+    /// Lends `memory` to the peer over `channel`: the descriptor the frame carries, and
+    /// what must live until the peer is done.
+    ///
+    /// # Errors
+    /// Why it cannot be lent (memory this runtime did not make, a driver error, ...).
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+        let _ = memory;
+        Err(format!(
+            "this device runtime does not lend memory over {channel}"
+        ))
+    }
+
+    /// Fresh memory on `device` holding a copy of the `len` bytes a peer lent over
+    /// `channel` with `descriptor` (untrusted bytes from the peer: check them).
+    ///
+    /// # Errors
+    /// Why the copy failed (a malformed descriptor, memory of another process, ...).
+    fn borrow(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let _ = (device, len, descriptor);
+        Err(format!(
+            "this device runtime does not borrow memory over {channel}"
+        ))
+    }
+}
+
+/// Device memory lent to a peer: the descriptor that tells the peer's runtime where it
+/// is, and what keeps it (and whatever lending it needed) alive until the peer is done.
+pub struct DeviceLoan {
+    /// What the frame carries for the tensor (at most 255 bytes).
+    pub descriptor: Vec<u8>,
+    /// Dropped when the loan ends: the peer read the memory, or the pipe ended.
+    pub hold: Box<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for DeviceLoan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceLoan")
+            .field("descriptor_len", &self.descriptor.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
@@ -186,6 +252,70 @@ impl Devices {
         self.cuda.is_some()
     }
 
+    /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`), or
+    /// why this worker cannot offer it.
+    pub fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
+        let runtime = self.cuda.as_ref().ok_or_else(|| {
+            format!("{kind} needs a CUDA runtime (RpcOptions::device_plugins), and none opened")
+        })?;
+        runtime
+            .lending_channels()
+            .into_iter()
+            .find(|(offered, _)| *offered == kind)
+            .map_or_else(
+                || Err(format!("the CUDA runtime does not run {kind}")),
+                |(_, descriptor)| descriptor,
+            )
+    }
+
+    /// Lends a `device` tensor's `memory` over `channel`.
+    pub fn lend(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        memory: Option<&DeviceBuffer>,
+    ) -> Result<DeviceLoan, String> {
+        let memory = checked_memory(device, memory)?;
+        let runtime = self.runtime(device.kind()).ok_or_else(|| {
+            format!(
+                "this worker has no {} runtime (RpcOptions::device_plugins)",
+                device.kind()
+            )
+        })?;
+        let loan = runtime.lend(channel, memory)?;
+        if loan.descriptor.len() > usize::from(u8::MAX) {
+            return Err(format!(
+                "the {} runtime made a {}-byte {channel} descriptor; a frame carries at most 255",
+                device.kind(),
+                loan.descriptor.len()
+            ));
+        }
+        Ok(loan)
+    }
+
+    /// The `len` bytes lent over `channel` with `descriptor`, copied onto `device`.
+    pub fn borrow(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let kind = device.kind();
+        let runtime = self
+            .runtime(kind)
+            .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
+        let memory = runtime.borrow(channel, device, len, descriptor)?;
+        if memory.device() != device || memory.len() as u64 != len {
+            return Err(format!(
+                "the {kind} runtime made {} bytes on {} for {len} bytes on {device}",
+                memory.len(),
+                memory.device()
+            ));
+        }
+        Ok(memory)
+    }
+
     /// The host bytes of a tensor that leaves on `cuda_basic`: a CPU tensor's own, a
     /// device tensor's copied by its runtime.
     pub fn stage_out(
@@ -194,36 +324,28 @@ impl Devices {
         data: Vec<u8>,
         memory: Option<&DeviceBuffer>,
     ) -> Result<Vec<u8>, String> {
-        match (device.kind(), memory) {
-            (DeviceType::Cpu, None) => Ok(data),
-            (DeviceType::Cpu, Some(_)) => Err(format!(
-                "a {device} tensor holds device memory; give CPU tensors their bytes in `data`"
-            )),
-            (kind, None) => Err(format!(
-                "the {device} tensor holds no device memory (a {kind} tensor is made with \
-                 Tensor::on_device)"
-            )),
-            (kind, Some(memory)) => {
-                if memory.device() != device {
-                    return Err(format!(
-                        "the tensor says {device}, but its memory is on {}",
-                        memory.device()
-                    ));
-                }
-                let runtime = self.runtime(kind).ok_or_else(|| {
-                    format!("this worker has no {kind} runtime (RpcOptions::device_plugins)")
-                })?;
-                let bytes = runtime.copy_to_host(memory)?;
-                if bytes.len() != memory.len() {
-                    return Err(format!(
-                        "the {kind} runtime copied {} bytes of a {}-byte tensor to the host",
-                        bytes.len(),
-                        memory.len()
-                    ));
-                }
-                Ok(bytes)
-            }
+        if device.is_cpu() {
+            return match memory {
+                None => Ok(data),
+                Some(_) => Err(format!(
+                    "a {device} tensor holds device memory; give CPU tensors their bytes in `data`"
+                )),
+            };
         }
+        let kind = device.kind();
+        let memory = checked_memory(device, memory)?;
+        let runtime = self.runtime(kind).ok_or_else(|| {
+            format!("this worker has no {kind} runtime (RpcOptions::device_plugins)")
+        })?;
+        let bytes = runtime.copy_to_host(memory)?;
+        if bytes.len() != memory.len() {
+            return Err(format!(
+                "the {kind} runtime copied {} bytes of a {}-byte tensor to the host",
+                bytes.len(),
+                memory.len()
+            ));
+        }
+        Ok(bytes)
     }
 
     /// A received tensor's bytes put on `device`: kept as they are for the CPU, copied
@@ -254,6 +376,24 @@ impl Devices {
     }
 }
 
+/// A device tensor's memory, which it must hold, on the device it names.
+fn checked_memory(device: Device, memory: Option<&DeviceBuffer>) -> Result<&DeviceBuffer, String> {
+    let memory = memory.ok_or_else(|| {
+        format!(
+            "the {device} tensor holds no device memory (a {} tensor is made with \
+             Tensor::on_device)",
+            device.kind()
+        )
+    })?;
+    if memory.device() != device {
+        return Err(format!(
+            "the tensor says {device}, but its memory is on {}",
+            memory.device()
+        ));
+    }
+    Ok(memory)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,7 +421,42 @@ mod tests {
         short_copy: bool,
     }
 
+    impl HostRuntime {
+        fn bytes(memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+            let memory = memory
+                .downcast_ref::<HostMemory>()
+                .ok_or("foreign memory")?;
+            Ok(memory.bytes.lock().map_err(|e| e.to_string())?.clone())
+        }
+    }
+
     impl DeviceRuntime for HostRuntime {
+        fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+            vec![
+                (ChannelKind::CudaIpc, Ok("cuda_ipc:here".into())),
+                (ChannelKind::CudaXth, Err("not in this test".into())),
+            ]
+        }
+        /// The descriptor is the bytes themselves (a short copy when `short_copy`).
+        fn lend(&self, _: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+            Ok(DeviceLoan {
+                descriptor: Self::bytes(memory)?,
+                hold: Box::new(memory.clone()),
+            })
+        }
+        fn borrow(
+            &self,
+            _: ChannelKind,
+            device: Device,
+            _: u64,
+            descriptor: &[u8],
+        ) -> Result<DeviceBuffer, String> {
+            let mut bytes = descriptor.to_vec();
+            if self.short_copy {
+                bytes.pop();
+            }
+            self.copy_from_host(device, bytes)
+        }
         fn device_count(&self) -> usize {
             2
         }
@@ -335,6 +510,64 @@ mod tests {
         assert!(err.contains("built in"), "{err}");
         assert!(!devices(Plugin(DeviceType::Cuda, Err("no driver"))).has_cuda());
         assert!(devices(Plugin(DeviceType::Cuda, Ok(false))).has_cuda());
+    }
+
+    #[test]
+    fn lending_is_checked_on_both_sides() {
+        let devices = devices(Plugin(DeviceType::Cuda, Ok(false)));
+        assert_eq!(
+            devices.lending_descriptor(ChannelKind::CudaIpc).as_deref(),
+            Ok("cuda_ipc:here")
+        );
+        let err = devices
+            .lending_descriptor(ChannelKind::CudaXth)
+            .expect_err("refused");
+        assert_eq!(err, "not in this test");
+        let err = devices
+            .lending_descriptor(ChannelKind::CudaGdr)
+            .expect_err("not run");
+        assert!(err.contains("does not run cuda_gdr"), "{err}");
+        let err = Devices::default()
+            .lending_descriptor(ChannelKind::CudaIpc)
+            .expect_err("no runtime");
+        assert!(err.contains("device_plugins"), "{err}");
+
+        let memory = DeviceBuffer::new(HostMemory {
+            device: cuda(0),
+            bytes: Mutex::new(vec![1, 2, 3]),
+        });
+        let loan = devices
+            .lend(ChannelKind::CudaIpc, cuda(0), Some(&memory))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loan.descriptor, vec![1, 2, 3]);
+        let copy = devices
+            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((copy.device(), copy.len()), (cuda(1), 3));
+        // The tensor must hold memory on its own device.
+        let err = devices
+            .lend(ChannelKind::CudaIpc, cuda(1), Some(&memory))
+            .expect_err("other device");
+        assert!(err.contains("its memory is on cuda:0"), "{err}");
+        let err = devices
+            .lend(ChannelKind::CudaIpc, cuda(0), None)
+            .expect_err("no memory");
+        assert!(err.contains("Tensor::on_device"), "{err}");
+        // A descriptor a frame cannot carry is refused.
+        let big = DeviceBuffer::new(HostMemory {
+            device: cuda(0),
+            bytes: Mutex::new(vec![0; 256]),
+        });
+        let err = devices
+            .lend(ChannelKind::CudaIpc, cuda(0), Some(&big))
+            .expect_err("too long");
+        assert!(err.contains("256-byte cuda_ipc descriptor"), "{err}");
+        // The receiver checks what its runtime made.
+        let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
+        let err = short
+            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .expect_err("short");
+        assert!(err.contains("made 2 bytes on cuda:1 for 3 bytes"), "{err}");
     }
 
     #[test]

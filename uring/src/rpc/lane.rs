@@ -48,7 +48,8 @@ use rdzv_core::rpc::name::WorkerId;
 
 use super::calls::{self, Pending, Reply};
 use super::channels::{
-    add_tensor, cpu_channel, ChannelBytes, FrameExports, PipeReader, ReceivedTensors,
+    add_device_tensor, add_tensor, cpu_channel, lends_device_memory, ChannelBytes, FrameExports,
+    PipeReader, ReceivedTensors,
 };
 use super::client::RpcClient;
 use super::error::RpcError;
@@ -812,8 +813,9 @@ pub(crate) fn serve_request(
 
 /// Builds the frame's tensors: each tensor's target device is the device map's image
 /// of its device (or the same device), and it goes over the channel negotiated for the
-/// pair on the pipe (a `cuda_basic` tensor is first copied to host memory and then
-/// carried by the pipe's CPU channel; this side plays `role`; inline below `min_channel_bytes`,
+/// pair on the pipe (a `cuda_xth` or `cuda_ipc` tensor's device memory is lent; a
+/// `cuda_basic` tensor is first copied to host memory and then carried by the pipe's CPU
+/// channel; this side plays `role`; inline below `min_channel_bytes`,
 /// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
 /// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
 /// The frame must then pass the receiver's limits.
@@ -851,6 +853,32 @@ pub(crate) fn tensor_frame(
                 target_device: target.to_string(),
             });
         };
+        // cuda_xth, cuda_ipc: the device memory is lent.
+        if lends_device_memory(carrier) {
+            add_device_tensor(
+                frame,
+                exports,
+                &mut moved,
+                &shared.devices,
+                tensor.memory.as_ref(),
+                (tensor.device, target),
+                carrier,
+                peer,
+            )
+            .map_err(|e| match e {
+                RpcError::Channel {
+                    channel,
+                    peer,
+                    reason,
+                } => RpcError::Channel {
+                    channel,
+                    peer,
+                    reason: format!("tensor {index}: {reason}"),
+                },
+                other => other,
+            })?;
+            continue;
+        }
         // cuda_basic: the bytes in host memory, carried by the CPU channel.
         let data = shared
             .devices

@@ -94,7 +94,9 @@ pub(crate) struct CallState {
 #[derive(Debug, Clone)]
 pub(crate) struct OfferSpec {
     pub transports: Vec<(TransportKind, i64, String)>,
-    /// Each channel with its priority and its CPU domain descriptor.
+    /// Each channel with its priority and its domain descriptor (for CPU memory; for
+    /// CUDA memory, `cuda_xth` and `cuda_ipc`, and `cuda_basic` too when
+    /// `serves_cuda`).
     pub channels: Vec<(ChannelKind, i64, String)>,
     /// Whether `cuda_basic` is also offered for CUDA memory (a CUDA runtime is open).
     pub serves_cuda: bool,
@@ -110,11 +112,12 @@ impl OfferSpec {
             offer.add_transport(*kind, *priority, descriptor)?;
         }
         for (kind, priority, descriptor) in &self.channels {
-            let descriptors = DeviceDescriptors::cpu(descriptor);
-            let descriptors = if *kind == ChannelKind::CudaBasic && self.serves_cuda {
-                descriptors.with(DeviceType::Cuda, descriptor)
-            } else {
-                descriptors
+            let descriptors = match kind {
+                ChannelKind::CudaBasic if self.serves_cuda => {
+                    DeviceDescriptors::cpu(descriptor).with(DeviceType::Cuda, descriptor)
+                }
+                ChannelKind::CudaXth | ChannelKind::CudaIpc => DeviceDescriptors::cuda(descriptor),
+                _ => DeviceDescriptors::cpu(descriptor),
             };
             offer.add_channel(*kind, *priority, descriptors)?;
         }

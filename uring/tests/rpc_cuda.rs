@@ -1,24 +1,33 @@
-//! CUDA tensors through the RPC agent (`cuda_basic`) between two processes, on machines
-//! without a GPU: both workers plug in a device runtime whose "CUDA memory" is host
-//! memory ([`HostCuda`]). The agent cannot tell it from a GPU: it negotiates
-//! `cuda_basic`, has the sender's runtime copy tensors to the host, carries the bytes
-//! over the pipe's CPU channel (cma, mpt or inline) and has the receiver's runtime put
-//! them on the device the device map chose. The real runtime is
-//! `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
+//! CUDA tensors through the RPC agent between two processes, on machines without a GPU:
+//! both workers plug in a device runtime whose "CUDA memory" is host memory
+//! ([`HostCuda`]). The agent cannot tell it from a GPU:
+//!
+//! - over `cuda_ipc` it has the sender's runtime lend the memory (the fake's "IPC
+//!   handle" is a file holding the bytes, removed when the loan ends) and the receiver's
+//!   runtime copy it onto the device the device map chose, and it holds each loan until
+//!   the peer is done (a request's until its reply, a response's until the ack);
+//! - over `cuda_basic` it has the sender's runtime copy tensors to the host, carries
+//!   the bytes over the pipe's CPU channel (cma, mpt or inline) and has the receiver's
+//!   runtime put them on the target device.
+//!
+//! The real runtime is `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
 //!
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
 //! parent and child meet at a `file://` store.
 
 use std::any::Any;
+use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceMemory, DevicePlugin, DeviceRuntime, Message,
-    RpcAgent, RpcError, RpcOptions, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
+    Message, RpcAgent, RpcError, RpcOptions, Tensor,
 };
 
 mod common;
@@ -30,10 +39,41 @@ const STORE_ENV: &str = "RDZV_RPC_CUDA_STORE";
 const CHANNELS_ENV: &str = "RDZV_RPC_CUDA_CHANNELS";
 const GPUS_ENV: &str = "RDZV_RPC_CUDA_GPUS";
 
-/// A tensor of this length fails to be received (the runtime's `copy_from_host`).
+/// A tensor of this length fails to be received (the runtime's `copy_from_host` and
+/// `borrow`).
 const FAILS_TO_ARRIVE: usize = 13;
-/// A tensor of this length fails to leave (the runtime's `copy_to_host`).
+/// A tensor of this length fails to leave (the runtime's `copy_to_host` and `lend`).
 const FAILS_TO_LEAVE: usize = 17;
+
+/// What starts a fake IPC descriptor; the rest is the path of the file holding the bytes.
+const FAKE_IPC: &str = "fake-ipc:";
+
+/// Where process `pid`'s fake IPC files are: one per live loan.
+fn loan_files(pid: u32) -> Vec<PathBuf> {
+    let prefix = format!("rdzv-fake-ipc-{pid}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .map(|entry| entry.path())
+                .filter(|path| {
+                    path.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(&prefix))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A loan of fake device memory: the file the peer copies from, removed when the loan
+/// ends.
+struct LoanFile(PathBuf);
+
+impl Drop for LoanFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
 
 /// "CUDA memory" that lives on the host.
 #[derive(Debug)]
@@ -72,6 +112,68 @@ impl DeviceRuntime for HostCuda {
             return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device));
         }
         Ok(memory.bytes.clone())
+    }
+
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+        vec![
+            (ChannelKind::CudaIpc, Ok("cuda_ipc:fake-host".to_string())),
+            (
+                ChannelKind::CudaXth,
+                Err("the fake runtime lends across processes only".to_string()),
+            ),
+        ]
+    }
+
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        if channel != ChannelKind::CudaIpc {
+            return Err(format!(
+                "asked to lend over {channel}, which was not offered"
+            ));
+        }
+        let memory = memory
+            .downcast_ref::<HostMemory>()
+            .ok_or("not memory of this runtime")?;
+        if memory.bytes.len() == FAILS_TO_LEAVE {
+            return Err(format!(
+                "fake cuIpcGetMemHandle failed on {}",
+                memory.device
+            ));
+        }
+        let path = std::env::temp_dir().join(format!(
+            "rdzv-fake-ipc-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, &memory.bytes).map_err(|e| e.to_string())?;
+        Ok(DeviceLoan {
+            descriptor: format!("{FAKE_IPC}{}", path.display()).into_bytes(),
+            hold: Box::new(LoanFile(path)),
+        })
+    }
+
+    fn borrow(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        if channel != ChannelKind::CudaIpc {
+            return Err(format!(
+                "asked to borrow over {channel}, which was not offered"
+            ));
+        }
+        let path = std::str::from_utf8(descriptor)
+            .ok()
+            .and_then(|d| d.strip_prefix(FAKE_IPC))
+            .ok_or("not a fake IPC descriptor")?;
+        // The loan is still held: the file is there until the peer gets its answer.
+        let bytes = std::fs::read(path).map_err(|e| format!("fake cuIpcOpenMemHandle: {e}"))?;
+        if bytes.len() as u64 != len {
+            return Err(format!("the loan holds {} bytes, not {len}", bytes.len()));
+        }
+        self.copy_from_host(device, bytes)
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
@@ -287,10 +389,98 @@ fn gpu_to_gpu(agent: &RpcAgent) {
     assert!(bytes_of(made).is_ok_and(|b| b == pattern(3 << 20, 7)));
 }
 
+/// GPU tensors go over cuda_ipc when both runtimes lend (the default ranking puts it
+/// above cuda_basic); every loan ends once the peer is done with it.
+#[test]
+fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends", setup);
+    gpu_to_gpu(&agent);
+    // Every non-empty request tensor was lent; the empty one went inline.
+    let lent: usize = SIZES.iter().sum();
+    assert!(
+        bytes_on(&agent, ChannelKind::CudaIpc) >= lent as u64,
+        "{:?}",
+        agent.tensor_bytes_by_channel()
+    );
+    assert_eq!(bytes_on(&agent, ChannelKind::CudaBasic), 0);
+    // Requests' loans end with their replies, responses' with the caller's acks.
+    assert_loans_end(&agent, &child);
+    finish(agent, child);
+}
+
+/// Waits (up to 10 s) until neither process holds a loan.
+fn assert_loans_end(agent: &RpcAgent, child: &Child) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let held: Vec<PathBuf> = [std::process::id(), child.id()]
+            .into_iter()
+            .flat_map(loan_files)
+            .collect();
+        if held.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "loans still held: {held:?} ({:?})",
+            agent.tensor_bytes_by_channel()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A tensor that cannot be lent, or cannot be copied by the receiver, fails only its
+/// call, saying what and where; no loan outlives it and the pipe goes on.
+#[test]
+fn lending_failures_fail_only_their_call() {
+    let setup = Setup {
+        channels: None,
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    };
+    let (agent, child, _dir) = start("lending_failures_fail_only_their_call", setup);
+    let call = |tensor: Tensor| {
+        agent
+            .rpc_sync("peer", "inspect", Message::default().with_tensor(tensor))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    let text = call(Tensor::on_device(gpu_tensor(
+        Device::cuda(0),
+        vec![0; FAILS_TO_LEAVE],
+    )));
+    assert!(
+        text.contains("cuda_ipc") && text.contains("fake cuIpcGetMemHandle failed on cuda:0"),
+        "{text}"
+    );
+    let text = call(Tensor::on_device(gpu_tensor(
+        Device::cuda(0),
+        vec![0; FAILS_TO_ARRIVE],
+    )));
+    assert!(
+        text.contains("cuda_ipc") && text.contains("out of memory on cuda:1"),
+        "{text}"
+    );
+    assert!(text.contains("tensor 0"), "{text}");
+    assert_loans_end(&agent, &child);
+    gpu_to_gpu(&agent);
+    assert_loans_end(&agent, &child);
+    finish(agent, child);
+}
+
 #[test]
 fn gpu_tensors_cross_over_cuda_basic_carried_by_cma() {
     let setup = Setup {
-        channels: None,
+        channels: Some("cma,basic,cuda_basic"),
         child_channels: None,
         parent_gpus: 2,
         child_gpus: 2,
@@ -406,7 +596,7 @@ fn a_gpu_worker_reaches_a_cpu_only_worker() {
 #[test]
 fn staging_failures_fail_only_their_call() {
     let setup = Setup {
-        channels: None,
+        channels: Some("cma,basic,cuda_basic"),
         child_channels: None,
         parent_gpus: 2,
         child_gpus: 2,

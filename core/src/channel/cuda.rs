@@ -1,0 +1,175 @@
+//! The descriptors of the CUDA channels that lend device memory to the peer, who copies
+//! out of it: `cuda_ipc` (another process of this host, through a CUDA IPC memory
+//! handle) and `cuda_xth` (this very process, by address).
+//!
+//! The sender keeps the memory unchanged until the peer says it is done (the lending
+//! rule of [`crate::rpc::lending`]). The receiver checks the exporting process before it
+//! touches anything: an IPC handle or a device address only means something to the
+//! process, or the host, that made it.
+
+use super::{DecodeError, FieldReader, FieldWriter, ProcessIdentity};
+
+/// What starts an encoded [`CudaIpcDescriptor`].
+const IPC_MAGIC: [u8; 4] = *b"RDCI";
+/// What starts an encoded [`CudaXthDescriptor`].
+const XTH_MAGIC: [u8; 4] = *b"RDCX";
+
+/// The size of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// Device memory of another process on this host, lent through a CUDA IPC memory handle
+/// of the allocation that holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CudaIpcDescriptor {
+    /// The exporting process.
+    pub process: ProcessIdentity,
+    /// `cuIpcGetMemHandle` of the allocation.
+    pub handle: [u8; IPC_HANDLE_LEN],
+    /// Where the tensor starts in the allocation.
+    pub offset: u64,
+    /// The tensor's length in bytes.
+    pub length: u64,
+    /// The exporter's device ordinal (for messages; the handle names the memory).
+    pub device: u32,
+}
+
+impl CudaIpcDescriptor {
+    /// The encoded size: a 4-byte tag, the process identity, the handle, then offset and
+    /// length (little-endian `u64`s) and the device (little-endian `u32`).
+    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + IPC_HANDLE_LEN + 20;
+
+    /// The wire form of this descriptor.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        let mut writer = FieldWriter::tagged(&mut out, &IPC_MAGIC);
+        writer.put(&self.process.encode());
+        writer.put(&self.handle);
+        writer.put(&self.offset.to_le_bytes());
+        writer.put(&self.length.to_le_bytes());
+        writer.put(&self.device.to_le_bytes());
+        out
+    }
+
+    /// Parses a descriptor produced by [`CudaIpcDescriptor::encode`].
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag, or an offset and length that overflow.
+    pub fn decode(bytes: &[u8]) -> Result<CudaIpcDescriptor, DecodeError> {
+        const WHAT: &str = "cuda_ipc descriptor";
+        let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &IPC_MAGIC)?;
+        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
+        let descriptor = CudaIpcDescriptor {
+            process: ProcessIdentity::decode(&identity),
+            handle: reader.take(),
+            offset: u64::from_le_bytes(reader.take()),
+            length: u64::from_le_bytes(reader.take()),
+            device: u32::from_le_bytes(reader.take()),
+        };
+        match descriptor.offset.checked_add(descriptor.length) {
+            Some(_) => Ok(descriptor),
+            None => Err(DecodeError::BadTag { what: WHAT }),
+        }
+    }
+}
+
+/// Device memory of this very process, lent by address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CudaXthDescriptor {
+    /// The exporting process: the receiver refuses any but itself.
+    pub process: ProcessIdentity,
+    /// The tensor's device address (`CUdeviceptr`, unified addressing).
+    pub address: u64,
+    /// The tensor's length in bytes.
+    pub length: u64,
+    /// The device ordinal the memory is on.
+    pub device: u32,
+}
+
+impl CudaXthDescriptor {
+    /// The encoded size: a 4-byte tag, the process identity, then address and length
+    /// (little-endian `u64`s) and the device (little-endian `u32`).
+    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 20;
+
+    /// The wire form of this descriptor.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        let mut writer = FieldWriter::tagged(&mut out, &XTH_MAGIC);
+        writer.put(&self.process.encode());
+        writer.put(&self.address.to_le_bytes());
+        writer.put(&self.length.to_le_bytes());
+        writer.put(&self.device.to_le_bytes());
+        out
+    }
+
+    /// Parses a descriptor produced by [`CudaXthDescriptor::encode`].
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag, or an address range that overflows.
+    pub fn decode(bytes: &[u8]) -> Result<CudaXthDescriptor, DecodeError> {
+        const WHAT: &str = "cuda_xth descriptor";
+        let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &XTH_MAGIC)?;
+        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
+        let descriptor = CudaXthDescriptor {
+            process: ProcessIdentity::decode(&identity),
+            address: u64::from_le_bytes(reader.take()),
+            length: u64::from_le_bytes(reader.take()),
+            device: u32::from_le_bytes(reader.take()),
+        };
+        match descriptor.address.checked_add(descriptor.length) {
+            Some(_) => Ok(descriptor),
+            None => Err(DecodeError::BadTag { what: WHAT }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ipc() -> CudaIpcDescriptor {
+        CudaIpcDescriptor {
+            process: super::super::tests::someone(),
+            handle: [7; IPC_HANDLE_LEN],
+            offset: 512,
+            length: 1 << 20,
+            device: 3,
+        }
+    }
+
+    fn xth() -> CudaXthDescriptor {
+        CudaXthDescriptor {
+            process: super::super::tests::someone(),
+            address: 0x7f00_0000_0000,
+            length: 4096,
+            device: 1,
+        }
+    }
+
+    #[test]
+    fn descriptors_round_trip_and_refuse_garbage() {
+        let (i, x) = (ipc(), xth());
+        assert_eq!(CudaIpcDescriptor::decode(&i.encode()), Ok(i));
+        assert_eq!(CudaXthDescriptor::decode(&x.encode()), Ok(x));
+        // Each refuses the other's encoding, short input and zeros.
+        assert!(CudaIpcDescriptor::decode(&x.encode()).is_err());
+        assert!(CudaXthDescriptor::decode(&i.encode()).is_err());
+        assert!(CudaIpcDescriptor::decode(&i.encode()[..100]).is_err());
+        assert!(CudaXthDescriptor::decode(&[0u8; CudaXthDescriptor::ENCODED_LEN]).is_err());
+        // Both fit a frame's one-byte descriptor length.
+        assert!(CudaIpcDescriptor::ENCODED_LEN <= usize::from(u8::MAX));
+    }
+
+    #[test]
+    fn ranges_that_overflow_are_refused() {
+        let wraps = CudaIpcDescriptor {
+            offset: u64::MAX,
+            ..ipc()
+        };
+        assert!(CudaIpcDescriptor::decode(&wraps.encode()).is_err());
+        let wraps = CudaXthDescriptor {
+            address: u64::MAX - 1,
+            ..xth()
+        };
+        assert!(CudaXthDescriptor::decode(&wraps.encode()).is_err());
+    }
+}
