@@ -78,6 +78,12 @@ pub enum CudaChannelError {
         /// The peer's error, as text.
         detail: String,
     },
+    /// CUDA memory was asked for on a device that is not a CUDA device.
+    #[error("{device} is not a CUDA device")]
+    NotCuda {
+        /// The device named.
+        device: String,
+    },
     /// The in-process peer of a `cuda_xth` channel is gone.
     #[error("the cuda_xth peer in this process hung up")]
     PeerGone,

@@ -15,7 +15,8 @@
 //! `ibv_reg_mr`-on-device-pointer route). The probe creates no context, allocates no
 //! memory and registers nothing.
 //!
-//! The channels that move CUDA tensors live in the submodules:
+//! The channels that move CUDA tensors live in the submodules, and [`agent`] plugs CUDA
+//! into the RPC agent (`cuda_xth`, `cuda_ipc` and `cuda_basic` for its tensors):
 //!
 //! - [`basic`]: `cuda_basic`, staging through a bounded pool of pinned host slots over any
 //!   CPU [`byte_channel::ByteChannel`] (pipeline in [`staging`]);
@@ -31,6 +32,7 @@
 //! (device, `cuMemAlloc` memory, pinned memory, events) and opens a device without ever
 //! panicking when the driver is absent.
 
+pub mod agent;
 pub mod basic;
 pub mod byte_channel;
 mod channel_error;

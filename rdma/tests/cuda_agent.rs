@@ -1,0 +1,225 @@
+//! CUDA tensors through the RPC agent with the real CUDA runtime ([`CudaPlugin`]):
+//!
+//! - two processes: GPU tensors of 0 B to 64 MiB go from `cuda:0` to the peer's `cuda:0`
+//!   and back over `cuda_ipc` (the default ranking), then over `cuda_basic` carried by
+//!   cma (`channels = cma,basic,cuda_basic`), checked byte for byte on the device by the
+//!   peer and on return; each prints its 64 MiB echo time;
+//! - two agents in one process: the same over `cuda_xth`.
+//!
+//! Every test needs a GPU and prints `SKIPPED <test>: <reason>` without one (or panics
+//! when `RDZV_REQUIRE_CUDA=1`, as on a lent GPU machine). The agent's side of these
+//! channels is also tested without a GPU, with a fake runtime, in
+//! `uring/tests/rpc_cuda.rs`. The peer process is this test binary, re-run with
+//! `RDZV_CUDA_AGENT_CHILD` set.
+
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdzv_core::device::Device;
+use rdzv_core::device_map::{DeviceMap, DeviceMaps};
+use rdzv_core::negotiate::ChannelKind;
+use rdzv_rdma::cuda::agent::{CudaMemory, CudaPlugin};
+use rdzv_uring::rpc::{
+    init_rpc, CallContext, DeviceBuffer, DevicePlugin, Message, RpcAgent, RpcOptions, Tensor,
+};
+
+const CHILD_ENV: &str = "RDZV_CUDA_AGENT_CHILD";
+const STORE_ENV: &str = "RDZV_CUDA_AGENT_STORE";
+const CHANNELS_ENV: &str = "RDZV_CUDA_AGENT_CHANNELS";
+const REQUIRE_ENV: &str = "RDZV_REQUIRE_CUDA";
+const SIZES: [usize; 4] = [0, 1, (1 << 20) + 3, 64 << 20];
+
+/// `false` when CUDA can be used here; otherwise prints why `test` is skipped (panics
+/// when `RDZV_REQUIRE_CUDA=1`).
+fn skipped(test: &str) -> bool {
+    let Err(reason) = CudaPlugin.open().map(|_| ()) else {
+        return false;
+    };
+    assert!(
+        std::env::var(REQUIRE_ENV).as_deref() != Ok("1"),
+        "{test}: {REQUIRE_ENV}=1 but CUDA is not usable: {reason}"
+    );
+    println!("SKIPPED {test}: {reason}");
+    true
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29) ^ seed ^ (i >> 13) as u8)
+        .collect()
+}
+
+/// The host copy of a CUDA tensor's memory.
+fn device_bytes(tensor: &Tensor) -> Result<Vec<u8>, String> {
+    let memory = tensor
+        .memory
+        .as_ref()
+        .ok_or_else(|| format!("a {} tensor without device memory", tensor.device))?;
+    let memory = memory
+        .downcast_ref::<CudaMemory>()
+        .ok_or("memory of another runtime")?;
+    memory.to_host().map_err(|e| e.to_string())
+}
+
+/// Checks each tensor on the device against `pattern(len, seed)` (the payload's first
+/// byte) and sends them back.
+fn check(_: &CallContext, m: Message) -> Result<Message, String> {
+    let seed = m.payload.first().copied().unwrap_or(0);
+    for (i, tensor) in m.tensors.iter().enumerate() {
+        if tensor.device != Device::cuda(0) {
+            return Err(format!("tensor {i} arrived on {}", tensor.device));
+        }
+        let bytes = device_bytes(tensor)?;
+        if bytes != pattern(bytes.len(), seed) {
+            return Err(format!("tensor {i} ({} bytes) differs", bytes.len()));
+        }
+    }
+    Ok(m)
+}
+
+fn options(url: &str, channels: Option<&str>) -> RpcOptions {
+    let mut options = RpcOptions::new(url).with_handler("check", check);
+    options.listen_host = Some([127, 0, 0, 1].into());
+    options.init_counter = Some(0);
+    options.num_worker_threads = 2;
+    options.rpc_timeout = Duration::from_secs(120);
+    options.transports = Some(vec!["tcp".into()]);
+    options.device_plugins = vec![Arc::new(CudaPlugin) as Arc<dyn DevicePlugin>];
+    options.channels = channels.map(|list| list.split(',').map(str::to_string).collect());
+    let mut maps = DeviceMaps::new();
+    maps.insert(
+        "peer",
+        DeviceMap::from_iter([(Device::cuda(0), Device::cuda(0))]),
+    );
+    options.device_maps = maps;
+    options
+}
+
+/// Sends every size to `peer` and checks what comes back; prints the 64 MiB echo time.
+fn round_trips(agent: &RpcAgent, channel: ChannelKind) {
+    let seed = 77;
+    for &len in &SIZES {
+        let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
+            .unwrap_or_else(|e| panic!("upload of {len} bytes: {e}"));
+        let tensor = Tensor::on_device(DeviceBuffer::new(memory));
+        let started = Instant::now();
+        let reply = agent
+            .rpc_sync(
+                "peer",
+                "check",
+                Message::from_payload(vec![seed]).with_tensor(tensor),
+            )
+            .unwrap_or_else(|e| panic!("{len} bytes over {channel}: {e}"));
+        let elapsed = started.elapsed();
+        let back = reply.tensors.first().expect("a tensor back");
+        assert_eq!(back.device, Device::cuda(0));
+        let bytes = device_bytes(back).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            bytes == pattern(len, seed),
+            "{len} bytes came back different"
+        );
+        if len == 64 << 20 {
+            let gbps = 2.0 * len as f64 / elapsed.as_secs_f64() / 1e9;
+            println!("{channel}: 64 MiB echo in {elapsed:?} ({gbps:.2} GB/s both ways)");
+        }
+    }
+    let moved = agent
+        .tensor_bytes_by_channel()
+        .into_iter()
+        .find(|&(kind, _)| kind == channel)
+        .map_or(0, |(_, bytes)| bytes);
+    assert!(
+        moved >= SIZES.iter().sum::<usize>() as u64,
+        "{:?}",
+        agent.tensor_bytes_by_channel()
+    );
+}
+
+/// In the child: serves as "peer" until the parent leaves, then exits.
+fn serve_if_child() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let url = std::env::var(STORE_ENV).unwrap_or_default();
+    let channels = std::env::var(CHANNELS_ENV).ok();
+    let agent = init_rpc("peer", 1, Some(2), options(&url, channels.as_deref()))
+        .unwrap_or_else(|e| panic!("child init: {e}"));
+    agent.join().unwrap_or_else(|e| panic!("child join: {e}"));
+    std::process::exit(0);
+}
+
+fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
+    serve_if_child();
+    if skipped(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("file://{}", dir.path().join("store").display());
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
+    let mut command = Command::new(exe);
+    command
+        .args([test, "--exact", "--nocapture"])
+        .env(CHILD_ENV, "1")
+        .env(STORE_ENV, &url);
+    if let Some(list) = channels {
+        command.env(CHANNELS_ENV, list);
+    }
+    let mut child: Child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
+    let agent = match init_rpc("main", 0, Some(2), options(&url, channels)) {
+        Ok(agent) => agent,
+        Err(e) => {
+            let _ = child.kill();
+            panic!("parent init: {e}");
+        }
+    };
+    round_trips(&agent, expected);
+    agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
+    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    assert!(status.success(), "the child failed: {status}");
+}
+
+#[test]
+fn cuda_tensors_cross_two_processes_over_cuda_ipc() {
+    two_processes(
+        "cuda_tensors_cross_two_processes_over_cuda_ipc",
+        None,
+        ChannelKind::CudaIpc,
+    );
+}
+
+#[test]
+fn cuda_tensors_cross_two_processes_over_cuda_basic() {
+    let carrier = if rdzv_uring::channel::cma::viability().is_ok() {
+        ChannelKind::Cma
+    } else {
+        ChannelKind::Basic
+    };
+    two_processes(
+        "cuda_tensors_cross_two_processes_over_cuda_basic",
+        Some("cma,basic,cuda_basic"),
+        carrier,
+    );
+}
+
+#[test]
+fn two_agents_in_one_process_use_cuda_xth() {
+    let test = "two_agents_in_one_process_use_cuda_xth";
+    if std::env::var_os(CHILD_ENV).is_some() || skipped(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("file://{}", dir.path().join("store").display());
+    let peer_url = url.clone();
+    let peer = std::thread::spawn(move || {
+        let agent = init_rpc("peer", 1, Some(2), options(&peer_url, None))
+            .unwrap_or_else(|e| panic!("peer init: {e}"));
+        agent.join().unwrap_or_else(|e| panic!("peer join: {e}"));
+    });
+    let agent = init_rpc("main", 0, Some(2), options(&url, None))
+        .unwrap_or_else(|e| panic!("main init: {e}"));
+    round_trips(&agent, ChannelKind::CudaXth);
+    agent.join().unwrap_or_else(|e| panic!("main join: {e}"));
+    peer.join()
+        .unwrap_or_else(|_| panic!("the peer thread panicked"));
+}
