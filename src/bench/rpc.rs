@@ -83,8 +83,10 @@ pub struct RpcBenchArgs {
     /// Default: each of them that both sides can run; the others are reported as skipped.
     #[arg(long = "transport", value_name = "TRANSPORT", value_delimiter = ',', value_parser = parse_transport)]
     transports: Vec<TransportKind>,
-    /// Channels for the tensors (basic, cma, xth, mpt, ...; repeat or comma-separate):
-    /// each transport is measured once per channel. Default: basic.
+    /// Channels for the tensors (basic, cma, xth, mpt, cuda_ipc, cuda_basic; repeat or
+    /// comma-separate): each transport is measured once per channel. A CUDA channel
+    /// echoes a tensor on cuda:0 of each side (skipped, with the reason, without CUDA).
+    /// Default: basic.
     #[arg(long = "channel", value_name = "CHANNEL", value_delimiter = ',', value_parser = parse_channel)]
     channels: Vec<ChannelKind>,
     /// Also measure device-to-device cuMemcpy bandwidth on this GPU (`cuda:N`), the limit

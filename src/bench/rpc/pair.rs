@@ -1,5 +1,7 @@
 //! The RPC rows of one (transport, channel) pair: rank 0's agent times `rpc_sync` echoes
-//! of one CPU tensor per payload size to rank 1 and checks every echo.
+//! of one tensor per payload size to rank 1 and checks every echo. The tensor is on the
+//! CPU, or for a CUDA channel on `cuda:0` of both sides (put there and read back outside
+//! the timed call).
 //!
 //! It first opens the pipe with an empty call and checks that the pipe runs on the
 //! transport asked for (both workers offer only that one, so anything else is a bug worth
@@ -9,22 +11,32 @@
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use rdzv_uring::rpc::{init_rpc, Message, RpcAgent, RpcOptions, Tensor};
+use rdzv_core::device::Device;
+use rdzv_core::device_map::DeviceMap;
+use rdzv_rdma::cuda::agent::CudaMemory;
+use rdzv_uring::rpc::{init_rpc, DeviceBuffer, Message, RpcAgent, RpcOptions, Tensor};
 
 use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
 use super::session::{Pair, ECHO, NAMES};
+use super::viability::is_cuda;
 use crate::cli::CliError;
 
 /// Starts rank 0's agent with `options`, measures every `(payload bytes, iterations)`,
 /// and leaves the group (also after a failure).
 pub(super) fn measure(
-    options: RpcOptions,
+    mut options: RpcOptions,
     pair: Pair,
     sizes: &[(usize, usize)],
     mode: RunMode,
     bar: &ProgressBar,
 ) -> Result<Vec<Row>, CliError> {
+    if is_cuda(pair.channel) {
+        let gpu = Device::cuda(0);
+        options
+            .device_maps
+            .insert(NAMES[1], DeviceMap::from_iter([(gpu, gpu)]));
+    }
     bar.set_message(format!("{pair}: joining"));
     let agent = init_rpc(NAMES[0], 0, Some(2), options).map_err(|e| format!("{pair}: {e}"))?;
     let measured = (|| {
@@ -60,12 +72,21 @@ fn echo_row(
     let payload = Payload::new(len);
     bar.set_message(format!("{pair} {}", human_size(len as u64)));
     let mut samples = Vec::with_capacity(iters);
+    let cuda = is_cuda(pair.channel);
     for iter in 0..=iters as u64 {
-        let message = Message::default().with_tensor(Tensor::cpu(payload.message(iter)));
+        let bytes = payload.message(iter);
+        let tensor = if cuda {
+            let memory = CudaMemory::upload(Device::cuda(0), &bytes).map_err(|e| e.to_string())?;
+            Tensor::on_device(DeviceBuffer::new(memory))
+        } else {
+            Tensor::cpu(bytes)
+        };
+        let message = Message::default().with_tensor(tensor);
         let started = Instant::now();
         let reply = agent.rpc_sync(NAMES[1], ECHO, message)?;
         let took = started.elapsed();
         match reply.tensors.as_slice() {
+            [tensor] if cuda => payload.check(iter, &echoed_from_device(tensor)?)?,
             [tensor] => payload.check(iter, &tensor.data)?,
             tensors => {
                 return Err(
@@ -86,4 +107,19 @@ fn echo_row(
         len as u64,
         samples,
     ))
+}
+
+/// The host copy of an echoed CUDA tensor.
+fn echoed_from_device(tensor: &Tensor) -> Result<Vec<u8>, String> {
+    let memory = tensor
+        .memory
+        .as_ref()
+        .and_then(|m| m.downcast_ref::<CudaMemory>())
+        .ok_or_else(|| {
+            format!(
+                "the echo came back as a {} tensor without CUDA memory",
+                tensor.device
+            )
+        })?;
+    memory.to_host().map_err(|e| e.to_string())
 }

@@ -200,6 +200,7 @@ pub(super) fn agent_options(
     options.transports = Some(vec![pair.transport.name().to_string()]);
     options.channels = Some(vec![pair.channel.name().to_string()]);
     options.transport_plugins = vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())];
+    options.device_plugins = vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
     options
 }
 

@@ -69,6 +69,9 @@ pub(super) fn agent_runs(transport: TransportKind, channel: ChannelKind) -> Resu
     options.transport_plugins = vec![std::sync::Arc::new(
         rdzv_rdma::ibv::transport::IbvPlugin::default(),
     )];
+    // The CUDA channels need the CUDA runtime: without a GPU it does not open, and the
+    // agent says so.
+    options.device_plugins = vec![std::sync::Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
     match init_rpc("rdzv-bench-probe", 0, Some(1), options) {
         Err(RpcError::InvalidOption { reason, .. }) => Err(reason),
         Err(e @ RpcError::Backends { .. }) => Err(error_chain(&e)),
@@ -82,9 +85,24 @@ pub(super) fn agent_runs(transport: TransportKind, channel: ChannelKind) -> Resu
     }
 }
 
-/// [`transport_here`], then [`agent_runs`].
+/// Whether `channel` moves CUDA tensors: its pair echoes a tensor on `cuda:0`.
+pub(super) fn is_cuda(channel: ChannelKind) -> bool {
+    matches!(
+        channel,
+        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr | ChannelKind::CudaBasic
+    )
+}
+
+/// [`transport_here`], for a CUDA channel whether CUDA works here, then [`agent_runs`].
+/// `cuda_xth` never runs: the benchmark's two sides are two processes.
 pub(super) fn pair_here(transport: TransportKind, channel: ChannelKind) -> Result<(), String> {
     transport_here(transport)?;
+    if channel == ChannelKind::CudaXth {
+        return Err("cuda_xth works within one process, and the two sides are two".into());
+    }
+    if is_cuda(channel) {
+        rdzv_rdma::cuda::agent::CudaRuntime::open()?;
+    }
     agent_runs(transport, channel)
 }
 
@@ -133,6 +151,22 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn cuda_pairs_run_only_with_cuda() {
+        let cuda = rdzv_rdma::cuda::agent::CudaRuntime::open();
+        for channel in [ChannelKind::CudaIpc, ChannelKind::CudaBasic] {
+            assert!(is_cuda(channel));
+            match (&cuda, pair_here(TransportKind::Tcp, channel)) {
+                (Ok(_), verdict) => verdict.unwrap(),
+                (Err(_), Ok(())) => panic!("{channel} ran without CUDA"),
+                (Err(_), Err(reason)) => assert!(reason.contains("CUDA is not viable"), "{reason}"),
+            }
+        }
+        let err = pair_here(TransportKind::Tcp, ChannelKind::CudaXth).unwrap_err();
+        assert!(err.contains("within one process"), "{err}");
+        assert!(!is_cuda(ChannelKind::Cma));
     }
 
     #[test]
