@@ -76,6 +76,8 @@ pub struct Link {
     receiver_gone: AtomicBool,
     /// Set by the thread when it stopped taking messages because `incoming` was full.
     stalled: AtomicBool,
+    /// Set to have the thread move the queue pair to the error state.
+    abort_requested: AtomicBool,
     /// Why the link failed, once it did.
     failure: Mutex<Option<String>>,
     /// Written to wake the thread; the thread's end is `wake_rx`.
@@ -94,6 +96,7 @@ impl Link {
             sent: Queue::unbounded(),
             receiver_gone: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
+            abort_requested: AtomicBool::new(false),
             failure: Mutex::new(None),
             wake_tx,
             wake_rx,
@@ -138,6 +141,15 @@ impl Link {
             return false;
         }
         true
+    }
+
+    /// Has the thread move the queue pair to the error state
+    /// ([`IbvChannel::abort`]), as a failing device or link would: the work requests
+    /// posted then complete with `IBV_WC_WR_FLUSH_ERR`, and the link fails with that
+    /// status. For tests of the error path.
+    pub fn abort_queue_pair(&self) {
+        self.abort_requested.store(true, Ordering::SeqCst);
+        self.wake();
     }
 
     /// Marks the receiving half as gone.
@@ -254,6 +266,9 @@ impl Driver {
             // Wake-ups are drained before the queues are read: one that comes later
             // keeps the socket readable, so `wait` returns at once.
             self.link.drain_wakeups();
+            if self.link.abort_requested.swap(false, Ordering::SeqCst) {
+                self.channel.abort().map_err(|e| chain(&e))?;
+            }
             // Receiving first: it takes the completions (credit acks among them), and
             // sending takes none, so nothing that arrives before `wait` is missed.
             let mut busy = self.receive_some()?;

@@ -442,6 +442,35 @@ impl Connection for IbvPipe {
     }
 }
 
+/// Moves one connection's queue pair to the error state, from any thread, as a failing
+/// device or link would (see [`Link::abort_queue_pair`]). A test hook.
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct QueuePairAbort {
+    link: Arc<Link>,
+}
+
+impl QueuePairAbort {
+    /// Has the link's thread move the queue pair to the error state; pending work then
+    /// fails with `IBV_WC_WR_FLUSH_ERR`.
+    pub fn abort(&self) {
+        self.link.abort_queue_pair();
+    }
+}
+
+/// The [`QueuePairAbort`] of an ibv connection's receiving half (given back with it), or
+/// the half, as `Any`, when it is not an ibv one. A test hook.
+#[doc(hidden)]
+pub fn queue_pair_abort(
+    receiver: Box<dyn FrameReceiver>,
+) -> Result<(Box<dyn FrameReceiver>, QueuePairAbort), Box<dyn std::any::Any>> {
+    let receiver = receiver.into_any().downcast::<IbvFrameReceiver>()?;
+    let abort = QueuePairAbort {
+        link: Arc::clone(&receiver.link),
+    };
+    Ok((receiver, abort))
+}
+
 /// Queues `frame` for the link's thread, which keeps its buffers until the peer read
 /// them; the bytes it puts on the wire.
 fn queue_frame(link: &Link, peer: &str, frame: OwnedFrame) -> Result<u64, TransportError> {
