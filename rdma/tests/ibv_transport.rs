@@ -4,20 +4,25 @@
 //! stop reads), more frames than the ring has credit for, and the end of the stream in
 //! each direction; a queue pair forced into the error state under frames in flight,
 //! which fails both ends' pending work promptly (the aborted end with
-//! `IBV_WC_WR_FLUSH_ERR`). Skipped (with the reason) on hosts without verbs; run by
-//! `rdma/softroce/run` in a Soft-RoCE VM, where a missing device fails them.
+//! `IBV_WC_WR_FLUSH_ERR`); and a hostile peer whose zero-copy message is larger than its
+//! frame header announced, refused before the receiver allocates it. Skipped (with the
+//! reason) on hosts without verbs; run by `rdma/softroce/run` in a Soft-RoCE VM, where a
+//! missing device fails them.
 
 mod verbs_env;
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::Read;
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
-use rdzv_rdma::ibv::channel::ChannelOptions;
-use rdzv_rdma::ibv::transport::{queue_pair_abort, IbvTransport, SCHEME};
+use rdzv_rdma::ibv::channel::{ChannelOptions, IbvChannel};
+use rdzv_rdma::ibv::transport::framing::{split_frame, SEPARATE_MIN};
+use rdzv_rdma::ibv::transport::{parse_address, queue_pair_abort, IbvTransport, SCHEME};
 use rdzv_uring::rpc::transport::{FrameReceiver, IncomingFrame, OwnedFrame, Transport};
 
 /// How long a failure may take to reach a pending receive or send: the link notices a
@@ -302,6 +307,72 @@ fn a_queue_pair_forced_into_error_fails_pending_frames() {
         b_tx.close().await;
         drop((a_tx, a_rx, b_tx, b_rx));
         assert!(started.elapsed() < PROMPT);
+        let _ = phase.send("done");
+    });
+}
+
+#[test]
+fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
+    let test = "a_part_larger_than_its_header_announced_is_refused_before_it_is_read";
+    let Some(selection) = verbs_env::selection_or_skip(test) else {
+        return;
+    };
+    let phase = watchdog();
+    run(async move {
+        let transport = IbvTransport::with_selection(
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            selection.clone(),
+            ChannelOptions::default(),
+        );
+        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+        let addr =
+            parse_address(listener.address()).unwrap_or_else(|e| panic!("listener address: {e}"));
+        let announced = 2 * SEPARATE_MIN;
+        let claimed = 1usize << 20;
+        let _ = phase.send("hostile peer");
+        // A bare channel: a first message announcing a 32 KiB payload, then a 1 MiB
+        // zero-copy message in its place.
+        let hostile = std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+            let mut channel =
+                IbvChannel::connect(&selection, &mut stream, &ChannelOptions::default())
+                    .unwrap_or_else(|e| panic!("hostile connect: {e}"));
+            let messages = split_frame(frame(1, announced, &[])).unwrap_or_default();
+            assert_eq!(messages.get(1).map(Vec::len), Some(announced));
+            let first = messages.first().cloned().unwrap_or_default();
+            channel.send(&first).unwrap_or_else(|e| panic!("{e}"));
+            channel
+                .send_buffer(Arc::new(vec![7u8; claimed]))
+                .unwrap_or_else(|e| panic!("{e}"));
+            // Until the receiver gives up: its link closes the bootstrap connection.
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+            let mut buf = [0u8; 16];
+            let _ = stream.read(&mut buf);
+        });
+        let server = listener
+            .accept()
+            .await
+            .unwrap_or_else(|e| panic!("accept: {e}"));
+        let (_tx, mut rx) = server.split();
+        let _ = phase.send("refusal");
+        let started = Instant::now();
+        let refused = match rx.recv(FrameLimits::DEFAULT).await {
+            Err(e) => e.to_string(),
+            Ok(got) => panic!("the hostile frame gave {got:?}"),
+        };
+        println!("after {:?}: {refused}", started.elapsed());
+        assert!(started.elapsed() < PROMPT);
+        for what in [
+            format!("large message of {claimed} bytes"),
+            format!("limit {announced}"),
+            format!("announced {announced} bytes"),
+        ] {
+            assert!(refused.contains(&what), "{what:?} not in {refused}");
+        }
+        let _ = phase.send("hostile peer ends");
+        hostile
+            .join()
+            .unwrap_or_else(|_| panic!("the hostile peer's thread panicked"));
         let _ = phase.send("done");
     });
 }
