@@ -2,20 +2,33 @@
 //! connection on one glommio executor (as the agent runs them), frames of every size
 //! byte for byte, both peers sending 8 MiB at each other at once (a large write must not
 //! stop reads), more frames than the ring has credit for, and the end of the stream in
-//! each direction. Skipped (with the reason) on hosts without verbs; run by
-//! `rdma/softroce/run` in a Soft-RoCE VM, where a missing device fails it.
+//! each direction; a queue pair forced into the error state under frames in flight,
+//! which fails both ends' pending work promptly (the aborted end with
+//! `IBV_WC_WR_FLUSH_ERR`); and a hostile peer whose zero-copy message is larger than its
+//! frame header announced, refused before the receiver allocates it. Skipped (with the
+//! reason) on hosts without verbs; run by `rdma/softroce/run` in a Soft-RoCE VM, where a
+//! missing device fails them.
 
 mod verbs_env;
 
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::Read;
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
-use rdzv_rdma::ibv::channel::ChannelOptions;
-use rdzv_rdma::ibv::transport::{IbvTransport, SCHEME};
-use rdzv_uring::rpc::transport::{FrameReceiver, OwnedFrame, Transport};
+use rdzv_rdma::ibv::channel::{ChannelOptions, IbvChannel};
+use rdzv_rdma::ibv::transport::framing::{split_frame, SEPARATE_MIN};
+use rdzv_rdma::ibv::transport::{parse_address, queue_pair_abort, IbvTransport, SCHEME};
+use rdzv_uring::rpc::transport::{FrameReceiver, IncomingFrame, OwnedFrame, Transport};
+
+/// How long a failure may take to reach a pending receive or send: the link notices a
+/// failed completion or the peer's gone bootstrap connection at once, so this only
+/// leaves room for a slow (emulated) machine.
+const PROMPT: Duration = Duration::from_secs(20);
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     (0..len)
@@ -47,6 +60,10 @@ async fn expect_frame(rx: &mut Box<dyn FrameReceiver>, want: &OwnedFrame) {
         .await
         .unwrap_or_else(|e| panic!("receiving frame {}: {e}", want.message_id))
         .unwrap_or_else(|| panic!("the stream ended before frame {}", want.message_id));
+    check_frame(&got, want);
+}
+
+fn check_frame(got: &IncomingFrame, want: &OwnedFrame) {
     assert_eq!(got.message_id, want.message_id);
     assert_eq!(got.kind, want.kind);
     assert_eq!(got.handler, want.handler);
@@ -188,6 +205,174 @@ fn frames_cross_the_ibv_seam_both_ways() {
             failed.as_deref().is_some_and(|t| t.contains("127.0.0.1:1")),
             "{failed:?}"
         );
+        let _ = phase.send("done");
+    });
+}
+
+#[test]
+fn a_queue_pair_forced_into_error_fails_pending_frames() {
+    let test = "a_queue_pair_forced_into_error_fails_pending_frames";
+    let Some(selection) = verbs_env::selection_or_skip(test) else {
+        return;
+    };
+    let phase = watchdog();
+    run(async move {
+        let transport = IbvTransport::with_selection(
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            selection,
+            ChannelOptions::default(),
+        );
+        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+        let address = listener.address().to_string();
+        let _ = phase.send("connect");
+        let (client, server) =
+            futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
+        let (mut a_tx, a_rx) = client.unwrap_or_else(|e| panic!("connect: {e}")).split();
+        let (mut b_tx, mut b_rx) = server.unwrap_or_else(|e| panic!("accept: {e}")).split();
+        let Ok((mut a_rx, abort)) = queue_pair_abort(a_rx) else {
+            panic!("the receiving half of an ibv connection is not an ibv one")
+        };
+
+        let _ = phase.send("both ways");
+        let request = frame(1, 10, &[100, 64 << 10]);
+        a_tx.send(request.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        expect_frame(&mut b_rx, &request).await;
+        let reply = frame(2, 10, &[]);
+        b_tx.send(reply.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        expect_frame(&mut a_rx, &reply).await;
+
+        let _ = phase.send("in flight");
+        // Requests with zero-copy tensors that the peer has not read (or not all),
+        // while A waits for a reply that never comes: its queue pair fails meanwhile.
+        let requests: Vec<OwnedFrame> = (10..14).map(|id| frame(id, 64, &[4 << 20])).collect();
+        for f in &requests {
+            a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        let started = Instant::now();
+        let (pending, ()) = futures_lite::future::zip(a_rx.recv(FrameLimits::DEFAULT), async {
+            glommio::timer::sleep(Duration::from_millis(100)).await;
+            abort.abort();
+        })
+        .await;
+        let a_took = started.elapsed();
+        let a_err = match pending {
+            Err(e) => e.to_string(),
+            Ok(got) => panic!("A's pending receive gave {got:?} instead of failing"),
+        };
+        println!("aborted side, after {a_took:?}: {a_err}");
+        assert!(a_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_err}");
+        assert!(
+            a_took < PROMPT,
+            "A's pending receive failed after {a_took:?}"
+        );
+        // Later sends fail at once, with the same status.
+        let sent = a_tx.send(frame(20, 1, &[])).await;
+        let a_send_err = sent.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(a_send_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_send_err:?}");
+
+        let _ = phase.send("peer");
+        // The peer: the frames that arrived whole are intact, then its pipe fails (it is
+        // not a graceful end), without waiting for any timer of the agent.
+        let started = Instant::now();
+        let mut intact = 0;
+        let b_err = loop {
+            match b_rx.recv(FrameLimits::DEFAULT).await {
+                Ok(Some(got)) => {
+                    let want = requests
+                        .get(intact)
+                        .unwrap_or_else(|| panic!("frame {} was never sent", got.message_id));
+                    check_frame(&got, want);
+                    intact += 1;
+                }
+                Ok(None) => panic!("the peer saw a graceful end after {intact} frames"),
+                Err(e) => break e.to_string(),
+            }
+        };
+        let b_took = started.elapsed();
+        println!("peer, after {b_took:?} and {intact} whole frames: {b_err}");
+        assert!(
+            b_took < PROMPT,
+            "the peer's receive failed after {b_took:?}"
+        );
+        assert!(b_tx.send(frame(21, 1, &[])).await.is_err());
+
+        let _ = phase.send("close");
+        // Closing and dropping the failed halves returns at once.
+        let started = Instant::now();
+        a_tx.close().await;
+        b_tx.close().await;
+        drop((a_tx, a_rx, b_tx, b_rx));
+        assert!(started.elapsed() < PROMPT);
+        let _ = phase.send("done");
+    });
+}
+
+#[test]
+fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
+    let test = "a_part_larger_than_its_header_announced_is_refused_before_it_is_read";
+    let Some(selection) = verbs_env::selection_or_skip(test) else {
+        return;
+    };
+    let phase = watchdog();
+    run(async move {
+        let transport = IbvTransport::with_selection(
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+            selection.clone(),
+            ChannelOptions::default(),
+        );
+        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+        let addr =
+            parse_address(listener.address()).unwrap_or_else(|e| panic!("listener address: {e}"));
+        let announced = 2 * SEPARATE_MIN;
+        let claimed = 1usize << 20;
+        let _ = phase.send("hostile peer");
+        // A bare channel: a first message announcing a 32 KiB payload, then a 1 MiB
+        // zero-copy message in its place.
+        let hostile = std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
+            let mut channel =
+                IbvChannel::connect(&selection, &mut stream, &ChannelOptions::default())
+                    .unwrap_or_else(|e| panic!("hostile connect: {e}"));
+            let messages = split_frame(frame(1, announced, &[])).unwrap_or_default();
+            assert_eq!(messages.get(1).map(Vec::len), Some(announced));
+            let first = messages.first().cloned().unwrap_or_default();
+            channel.send(&first).unwrap_or_else(|e| panic!("{e}"));
+            channel
+                .send_buffer(Arc::new(vec![7u8; claimed]))
+                .unwrap_or_else(|e| panic!("{e}"));
+            // Until the receiver gives up: its link closes the bootstrap connection.
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+            let mut buf = [0u8; 16];
+            let _ = stream.read(&mut buf);
+        });
+        let server = listener
+            .accept()
+            .await
+            .unwrap_or_else(|e| panic!("accept: {e}"));
+        let (_tx, mut rx) = server.split();
+        let _ = phase.send("refusal");
+        let started = Instant::now();
+        let refused = match rx.recv(FrameLimits::DEFAULT).await {
+            Err(e) => e.to_string(),
+            Ok(got) => panic!("the hostile frame gave {got:?}"),
+        };
+        println!("after {:?}: {refused}", started.elapsed());
+        assert!(started.elapsed() < PROMPT);
+        for what in [
+            format!("large message of {claimed} bytes"),
+            format!("limit {announced}"),
+            format!("announced {announced} bytes"),
+        ] {
+            assert!(refused.contains(&what), "{what:?} not in {refused}");
+        }
+        let _ = phase.send("hostile peer ends");
+        hostile
+            .join()
+            .unwrap_or_else(|_| panic!("the hostile peer's thread panicked"));
         let _ = phase.send("done");
     });
 }

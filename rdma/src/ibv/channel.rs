@@ -200,7 +200,8 @@ pub enum ChannelError {
     BadDescriptor {
         /// Announced length (0 when the descriptor did not parse).
         len: u64,
-        /// [`ChannelOptions::max_large_message`].
+        /// [`ChannelOptions::max_large_message`], or the smaller limit the caller gave
+        /// [`IbvChannel::try_recv_within`].
         max: u64,
         /// Ring bytes of the descriptor.
         descriptor_len: u32,
@@ -403,6 +404,28 @@ impl fmt::Debug for IbvChannel {
             .field("armed", &self.armed)
             .finish_non_exhaustive()
     }
+}
+
+/// The length of the zero-copy message that `source` announces, if the receiver may
+/// allocate that much: at most `max` bytes, addressable here, and not wrapping around the
+/// sender's address space. Called before anything is allocated for the message.
+///
+/// # Errors
+/// [`ChannelError::BadDescriptor`] with the announced length and `max`.
+pub(crate) fn admit_large(
+    source: &LargeDescriptor,
+    max: u64,
+    descriptor_len: u32,
+) -> Result<usize, ChannelError> {
+    let refused = ChannelError::BadDescriptor {
+        len: source.len,
+        max,
+        descriptor_len,
+    };
+    if source.len > max || source.addr.checked_add(source.len).is_none() {
+        return Err(refused);
+    }
+    usize::try_from(source.len).map_err(|_| refused)
 }
 
 fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ChannelError {
@@ -839,7 +862,21 @@ impl IbvChannel {
     /// # Errors
     /// As [`recv`](Self::recv).
     pub fn try_recv(&mut self) -> Result<Option<Vec<u8>>, ChannelError> {
-        match self.recv_deadline(Some((Instant::now(), Duration::ZERO))) {
+        self.try_recv_within(u64::MAX)
+    }
+
+    /// [`try_recv`](Self::try_recv), refusing a zero-copy message of more than
+    /// `max_large` bytes (or [`ChannelOptions::max_large_message`], if smaller) before
+    /// anything is allocated or registered for it. The caller gives the limit that what
+    /// it received so far allows for the *next* message (the RPC transport: the exact
+    /// length that a validated frame header announced); a message already being read was
+    /// checked against the limit given when its descriptor arrived.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv); [`ChannelError::BadDescriptor`] with the announced length
+    /// and the limit for a refused message.
+    pub fn try_recv_within(&mut self, max_large: u64) -> Result<Option<Vec<u8>>, ChannelError> {
+        match self.recv_deadline(Some((Instant::now(), Duration::ZERO)), max_large) {
             Ok(message) => Ok(Some(message)),
             Err(ChannelError::Timeout { .. }) => Ok(None),
             Err(e) => Err(e),
@@ -937,18 +974,19 @@ impl IbvChannel {
     /// Receives the next message, blocking until one arrives (and, for a zero-copy
     /// message, until its RDMA READ completed).
     pub fn recv(&mut self) -> Result<Vec<u8>, ChannelError> {
-        self.recv_deadline(None)
+        self.recv_deadline(None, u64::MAX)
     }
 
     /// [`recv`](Self::recv) giving up with [`ChannelError::Timeout`] after `timeout`. A
     /// zero-copy read under way continues, and the next `recv` returns its message.
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, ChannelError> {
-        self.recv_deadline(Some((Instant::now() + timeout, timeout)))
+        self.recv_deadline(Some((Instant::now() + timeout, timeout)), u64::MAX)
     }
 
     fn recv_deadline(
         &mut self,
         deadline: Option<(Instant, Duration)>,
+        max_large: u64,
     ) -> Result<Vec<u8>, ChannelError> {
         loop {
             if self.pending_read.is_some() {
@@ -979,19 +1017,15 @@ impl IbvChannel {
                         return Ok(out);
                     }
                     MessageImm::Descriptor(descriptor_len) => {
-                        let bad = |len| ChannelError::BadDescriptor {
-                            len,
-                            max: self.max_large_message,
-                            descriptor_len,
-                        };
-                        let source = LargeDescriptor::decode(&out).ok_or(bad(0))?;
-                        if source.len > self.max_large_message
-                            || usize::try_from(source.len).is_err()
-                            || source.addr.checked_add(source.len).is_none()
-                        {
-                            return Err(bad(source.len));
-                        }
-                        self.start_read(source)?;
+                        let max = max_large.min(self.max_large_message);
+                        let source =
+                            LargeDescriptor::decode(&out).ok_or(ChannelError::BadDescriptor {
+                                len: 0,
+                                max,
+                                descriptor_len,
+                            })?;
+                        let len = admit_large(&source, max, descriptor_len)?;
+                        self.start_read(source, len)?;
                         continue;
                     }
                 }
@@ -1022,13 +1056,9 @@ impl IbvChannel {
         self.registrations.len()
     }
 
-    /// Allocates and registers the destination of a zero-copy message and starts reading.
-    fn start_read(&mut self, source: LargeDescriptor) -> Result<(), ChannelError> {
-        let len = usize::try_from(source.len).map_err(|_| ChannelError::BadDescriptor {
-            len: source.len,
-            max: self.max_large_message,
-            descriptor_len: DESCRIPTOR_LEN as u32,
-        })?;
+    /// Allocates and registers the destination of a zero-copy message of `len` bytes
+    /// ([admitted](admit_large)) and starts reading.
+    fn start_read(&mut self, source: LargeDescriptor, len: usize) -> Result<(), ChannelError> {
         let mut buf = vec![0u8; len];
         let mr = if len == 0 {
             None

@@ -5,11 +5,13 @@
 //!
 //! - the first message is the frame's head (header and tensor descriptors, from
 //!   [`OwnedFrame::encode_head`]), the handler name, the metadata, and, in wire order,
-//!   every body part below [`SEPARATE_MIN`] bytes;
-//! - a separate part is the payload or an inline tensor's data of at least
-//!   [`SEPARATE_MIN`] bytes, alone in its message and in wire order: the channel moves it
-//!   zero-copy (the peer's RDMA READ lands in the `Vec` that becomes the received part), so
-//!   a large tensor is copied neither on the sending nor on the receiving side.
+//!   the body parts below [`SEPARATE_MIN`] bytes as long as they add up to at most
+//!   [`FIRST_PARTS_MAX`] bytes;
+//! - a separate part is the payload or a tensor's data-section entry of at least
+//!   [`SEPARATE_MIN`] bytes, or a smaller one that no longer fits the first message's
+//!   budget, alone in its message and in wire order: the channel moves a large one
+//!   zero-copy (the peer's RDMA READ lands in the `Vec` that becomes the received part),
+//!   so a large tensor is copied neither on the sending nor on the receiving side.
 //!
 //! Which parts are separate follows from the header and descriptors alone, so the
 //! receiver knows after the first message how many parts follow and how long each is. A
@@ -18,11 +20,21 @@
 //!
 //! The first message is checked with the core's [`FrameDecoder`] and the caller's
 //! [`FrameLimits`] before any part is accepted; a frame without separate parts is decoded
-//! by the core in full and converted with [`IncomingFrame::from_frame`]. This module moves
-//! no bytes over any wire and decides nothing about the frames' meaning.
+//! by the core in full and converted with [`IncomingFrame::from_frame`].
+//!
+//! What a peer can make this side allocate: the link's thread receives messages before
+//! any receiver sees them, so it keeps a [`ReceiveGate`] that says how large the next
+//! message may be *before* the channel allocates for it: a first message at most
+//! [`first_message_max`] of the limits (a few MiB under [`FrameLimits::DEFAULT`], however
+//! large the frame), and a separate part exactly the length that the frame's checked
+//! header announced. A peer that claims a 1 GiB part therefore gets it only after sending
+//! a header that announces it and passes the limits.
+//!
+//! This module moves no bytes over any wire and decides nothing about the frames'
+//! meaning.
 
 use rdzv_core::rpc::frame::{
-    Decoded, EncodeError, FrameDecoder, FrameError, FrameLimits, Header, TensorDescriptor,
+    Decoded, EncodeError, Frame, FrameDecoder, FrameError, FrameLimits, Header, TensorDescriptor,
     DESCRIPTOR_LEN, HEADER_LEN,
 };
 use rdzv_uring::rpc::transport::{IncomingFrame, OwnedFrame};
@@ -33,11 +45,53 @@ use rdzv_uring::rpc::TransportError;
 /// than registering memory.
 pub const SEPARATE_MIN: usize = super::super::channel::ZERO_COPY_THRESHOLD;
 
+/// The most bytes of body parts below [`SEPARATE_MIN`] that one first message carries;
+/// the small parts after them travel as separate messages (copied through the ring). It
+/// bounds a first message, which is received before its header is checked.
+pub const FIRST_PARTS_MAX: u64 = 1 << 20;
+
 /// The end-of-stream message: empty.
 pub const FIN: &[u8] = &[];
 
-fn is_separate(len: u64) -> bool {
-    len >= SEPARATE_MIN as u64
+/// Which body parts travel alone: decided from their lengths, in wire order (payload,
+/// then each tensor's data-section entry), the same way by the sender and the receiver.
+#[derive(Debug, Default)]
+struct Split {
+    /// Bytes of small parts placed in the first message so far.
+    small_in_first: u64,
+}
+
+impl Split {
+    /// Whether the next part, of `len` bytes, travels alone; if not, it is counted as
+    /// part of the first message.
+    fn separate(&mut self, len: u64) -> bool {
+        if len >= SEPARATE_MIN as u64 {
+            return true;
+        }
+        match self
+            .small_in_first
+            .checked_add(len)
+            .filter(|&n| n <= FIRST_PARTS_MAX)
+        {
+            Some(n) => {
+                self.small_in_first = n;
+                false
+            }
+            None => true,
+        }
+    }
+}
+
+/// The longest first message of a frame within `limits`: the head with the most tensors,
+/// the longest handler name and metadata, and [`FIRST_PARTS_MAX`] bytes of small parts
+/// (fewer when the limits allow less body).
+pub fn first_message_max(limits: &FrameLimits) -> u64 {
+    let body = limits.max_payload.saturating_add(limits.max_inline_bytes);
+    (HEADER_LEN as u64)
+        .saturating_add(u64::from(limits.max_tensors).saturating_mul(DESCRIPTOR_LEN as u64))
+        .saturating_add(u64::from(limits.max_handler_name))
+        .saturating_add(u64::from(limits.max_metadata))
+        .saturating_add(FIRST_PARTS_MAX.min(body))
 }
 
 /// The messages that carry `frame`, in order: the first message, then the separate parts.
@@ -57,8 +111,9 @@ pub fn split_frame(frame: OwnedFrame) -> Result<Vec<Vec<u8>>, EncodeError> {
     let mut first = head;
     first.extend_from_slice(handler.as_bytes());
     first.extend_from_slice(&metadata);
+    let mut split = Split::default();
     for part in std::iter::once(payload).chain(tensor_data) {
-        if is_separate(part.len() as u64) {
+        if split.separate(part.len() as u64) {
             separate.push(part);
         } else {
             first.extend_from_slice(&part);
@@ -204,11 +259,54 @@ pub fn decode_first(
     limits: FrameLimits,
     peer: &str,
 ) -> Result<FirstMessage, TransportError> {
+    let checked = match check_first(&first, limits, peer)? {
+        FirstCheck::Complete(frame) => {
+            return Ok(FirstMessage::Complete(IncomingFrame::from_frame(&frame)))
+        }
+        FirstCheck::Parts(checked) => checked,
+    };
+    let Parts {
+        header,
+        tensors,
+        mut expected,
+    } = checked;
+    expected.reverse();
+    Ok(FirstMessage::Pending(PendingFrame {
+        first,
+        header,
+        tensors,
+        expected,
+        parts: Vec::new(),
+        peer: peer.to_string(),
+    }))
+}
+
+/// What a checked first message says.
+enum FirstCheck<'a> {
+    /// The whole frame.
+    Complete(Frame<'a>),
+    /// The head of a frame whose separate parts follow.
+    Parts(Parts),
+}
+
+/// A checked head, and the lengths of the separate parts that follow, in order.
+struct Parts {
+    header: Header,
+    tensors: Vec<TensorDescriptor>,
+    expected: Vec<u64>,
+}
+
+/// [`decode_first`]'s checks, without taking the message.
+fn check_first<'a>(
+    first: &'a [u8],
+    limits: FrameLimits,
+    peer: &str,
+) -> Result<FirstCheck<'a>, TransportError> {
     let mut decoder = FrameDecoder::new(limits);
-    match decoder.decode(&first) {
+    match decoder.decode(first) {
         Err(source) => return Err(frame_error(peer, source)),
         Ok(Decoded::Complete(frame, used)) if used == first.len() => {
-            return Ok(FirstMessage::Complete(IncomingFrame::from_frame(&frame)))
+            return Ok(FirstCheck::Complete(frame))
         }
         Ok(Decoded::Complete(_, used)) => {
             return Err(invalid(
@@ -261,9 +359,10 @@ pub fn decode_first(
     }
     let mut expected = Vec::new();
     let mut in_first = named_end;
+    let mut split = Split::default();
     // A tensor's data-section entry: its bytes (basic) or its channel's descriptor.
     for len in std::iter::once(header.payload_len).chain(tensors.iter().map(|t| t.data_len())) {
-        if is_separate(len) {
+        if split.separate(len) {
             expected.push(len);
         } else {
             in_first = in_first.saturating_add(len);
@@ -279,15 +378,86 @@ pub fn decode_first(
             ),
         ));
     }
-    expected.reverse();
-    Ok(FirstMessage::Pending(PendingFrame {
-        first,
+    Ok(FirstCheck::Parts(Parts {
         header,
         tensors,
         expected,
-        parts: Vec::new(),
-        peer: peer.to_string(),
     }))
+}
+
+/// How large the next message of a link may be, and whether it fits the frame it
+/// belongs to: kept by the link's thread, which receives messages before any receiver
+/// checks them, so that the channel allocates for a message no more than what the frame
+/// limits and the frame's checked header allow (see the [module](self) docs).
+///
+/// It checks first messages against its own limits, which must be at least as wide as
+/// those the receivers use (the RPC agent's widest are [`FrameLimits::DEFAULT`]); the
+/// receivers check every frame again against theirs.
+#[derive(Debug)]
+pub struct ReceiveGate {
+    limits: FrameLimits,
+    /// The lengths of the separate parts still expected, the next one last.
+    expected: Vec<u64>,
+    peer: String,
+}
+
+impl ReceiveGate {
+    /// A gate for the messages from `peer`, between frames.
+    pub fn new(limits: FrameLimits, peer: &str) -> ReceiveGate {
+        ReceiveGate {
+            limits,
+            expected: Vec::new(),
+            peer: peer.to_string(),
+        }
+    }
+
+    /// The most bytes the next message may have: [`first_message_max`] between frames,
+    /// else the length the frame's header announced for its next separate part.
+    pub fn next_limit(&self) -> u64 {
+        match self.expected.last() {
+            Some(&len) => len,
+            None => first_message_max(&self.limits),
+        }
+    }
+
+    /// What the next message is, for an error about it.
+    pub fn expecting(&self) -> String {
+        match self.expected.last() {
+            Some(len) => format!(
+                "the next separate part of a frame, whose checked header announced {len} bytes"
+            ),
+            None => format!(
+                "the first message of a frame (at most {} bytes under the frame limits)",
+                first_message_max(&self.limits)
+            ),
+        }
+    }
+
+    /// Takes the next message (not the end of the stream): checks a first message and
+    /// notes the parts it announces, or checks a part's length.
+    ///
+    /// # Errors
+    /// As [`decode_first`] for a first message; [`TransportError::Io`] (invalid data)
+    /// for a part of another length than announced. The stream cannot go on after one.
+    pub fn observe(&mut self, message: &[u8]) -> Result<(), TransportError> {
+        match self.expected.pop() {
+            Some(len) if len == message.len() as u64 => Ok(()),
+            Some(len) => Err(invalid(
+                &self.peer,
+                format!(
+                    "an RDMA frame part of {} bytes arrived where {len} were announced",
+                    message.len()
+                ),
+            )),
+            None => {
+                if let FirstCheck::Parts(parts) = check_first(message, self.limits, &self.peer)? {
+                    self.expected = parts.expected;
+                    self.expected.reverse();
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 impl PendingFrame {
@@ -351,9 +521,10 @@ impl PendingFrame {
         }
         let mut parts = parts.into_iter();
         let mut at = HEADER_LEN.saturating_add(tensors.len().saturating_mul(DESCRIPTOR_LEN));
+        let mut split = Split::default();
         // `separable`: the payload and tensors may travel apart, the name and metadata never.
         let mut take = |len: u64, separable: bool| -> Result<Vec<u8>, TransportError> {
-            if separable && is_separate(len) {
+            if separable && split.separate(len) {
                 return parts.next().ok_or_else(|| TransportError::Truncated {
                     peer: peer.clone(),
                     have: first.len(),
@@ -422,12 +593,24 @@ mod tests {
         }
     }
 
-    /// Splits, then receives the messages in order.
+    /// Splits, then receives the messages in order, each admitted by a link's gate
+    /// first.
     fn round_trip(frame: &OwnedFrame, limits: FrameLimits) -> Result<IncomingFrame, String> {
         let messages = split_frame(frame.clone()).map_err(|e| e.to_string())?;
         let total: usize = messages.iter().map(Vec::len).sum();
         assert_eq!(total, frame.encoded_len());
         assert!(messages.iter().all(|m| !m.is_empty()));
+        let mut gate = ReceiveGate::new(FrameLimits::DEFAULT, "peer");
+        for (n, message) in messages.iter().enumerate() {
+            let limit = gate.next_limit();
+            assert!(message.len() as u64 <= limit, "message {n} over {limit}");
+            if n > 0 {
+                assert_eq!(message.len() as u64, limit, "part {n}");
+            }
+            gate.observe(message).map_err(|e| e.to_string())?;
+        }
+        // Between frames again.
+        assert_eq!(gate.next_limit(), first_message_max(&FrameLimits::DEFAULT));
         let mut messages = messages.into_iter();
         let first = messages.next().ok_or("no first message")?;
         match decode_first(first, limits, "peer").map_err(|e| e.to_string())? {
@@ -438,7 +621,6 @@ mod tests {
             FirstMessage::Pending(mut pending) => {
                 for part in messages {
                     assert!(!pending.is_complete());
-                    assert!(part.len() >= SEPARATE_MIN);
                     pending.push(part).map_err(|e| e.to_string())?;
                 }
                 assert!(pending.is_complete());
@@ -492,6 +674,153 @@ mod tests {
         assert_eq!(messages.len(), 3);
         let got = round_trip(&f, FrameLimits::DEFAULT).unwrap_or_else(|e| panic!("{e}"));
         check(&f, &got);
+    }
+
+    #[test]
+    fn many_small_parts_overflow_the_first_message_into_their_own() {
+        // 100 parts just below the zero-copy threshold: about 1.6 MiB of small parts.
+        let f = frame(SEPARATE_MIN - 1, &[SEPARATE_MIN - 1; 99]);
+        let messages = split_frame(f.clone()).unwrap_or_default();
+        let first = messages.first().map_or(0, Vec::len) as u64;
+        assert!(first <= first_message_max(&FrameLimits::DEFAULT), "{first}");
+        let fit = FIRST_PARTS_MAX as usize / (SEPARATE_MIN - 1);
+        assert_eq!(messages.len(), 1 + 100 - fit);
+        assert!(messages
+            .get(1..)
+            .unwrap_or_default()
+            .iter()
+            .all(|m| m.len() == SEPARATE_MIN - 1));
+        let got = round_trip(&f, FrameLimits::DEFAULT).unwrap_or_else(|e| panic!("{e}"));
+        check(&f, &got);
+    }
+
+    #[test]
+    fn a_first_message_is_bounded_by_the_limits_alone() {
+        let default = first_message_max(&FrameLimits::DEFAULT);
+        assert_eq!(
+            default,
+            HEADER_LEN as u64 + (64 << 10) * DESCRIPTOR_LEN as u64 + 1024 + (1 << 20) + (1 << 20)
+        );
+        assert!(default < 4 << 20, "{default}");
+        // A handshake: a header and at most 64 KiB of payload.
+        assert_eq!(
+            first_message_max(&FrameLimits::HANDSHAKE),
+            HEADER_LEN as u64 + (64 << 10)
+        );
+        let gate = ReceiveGate::new(FrameLimits::DEFAULT, "peer");
+        assert_eq!(gate.next_limit(), default);
+        let text = gate.expecting();
+        assert!(text.contains(&format!("at most {default} bytes")), "{text}");
+    }
+
+    #[test]
+    fn a_huge_part_is_refused_unless_a_checked_header_announced_it() {
+        use crate::ibv::channel::{admit_large, ChannelError};
+        use crate::ibv::wire::{LargeDescriptor, DESCRIPTOR_LEN as LARGE_DESCRIPTOR_LEN};
+        let claim = |len| LargeDescriptor {
+            addr: 0x1000,
+            len,
+            rkey: 7,
+        };
+        let descriptor_len = LARGE_DESCRIPTOR_LEN as u32;
+        let announced = 2 * SEPARATE_MIN as u64;
+        let f = frame(2 * SEPARATE_MIN, &[1 << 20]);
+        let messages = split_frame(f).unwrap_or_default();
+        let mut gate = ReceiveGate::new(FrameLimits::DEFAULT, "peer");
+
+        // Before any header: a zero-copy message claiming 1 TiB is refused on its claim
+        // alone (allocating it would abort this test), naming the claim and the limit.
+        let first_max = first_message_max(&FrameLimits::DEFAULT);
+        let refused = admit_large(&claim(1 << 40), gate.next_limit(), descriptor_len);
+        match &refused {
+            Err(ChannelError::BadDescriptor { len, max, .. }) => {
+                assert_eq!((*len, *max), (1 << 40, first_max));
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        let text = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            text.contains("1099511627776 bytes") && text.contains(&format!("limit {first_max}")),
+            "{text}"
+        );
+
+        // The header announces a 32 KiB payload: exactly that is admitted next.
+        let first = messages.first().cloned().unwrap_or_default();
+        assert!(admit_large(
+            &claim(first.len() as u64),
+            gate.next_limit(),
+            descriptor_len
+        )
+        .is_ok());
+        gate.observe(&first).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(gate.next_limit(), announced);
+        assert!(gate
+            .expecting()
+            .contains(&format!("announced {announced} bytes")));
+        let refused = admit_large(&claim(1 << 30), gate.next_limit(), descriptor_len);
+        assert!(
+            matches!(refused, Err(ChannelError::BadDescriptor { len, max, .. })
+                if len == 1 << 30 && max == announced),
+            "{refused:?}"
+        );
+        let text = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            text.contains("1073741824 bytes") && text.contains("limit 32768"),
+            "{text}"
+        );
+        assert_eq!(
+            admit_large(&claim(announced), gate.next_limit(), descriptor_len).ok(),
+            Some(announced as usize)
+        );
+        // A descriptor whose range wraps around the sender's address space.
+        let wrapping = LargeDescriptor {
+            addr: u64::MAX - 10,
+            ..claim(announced)
+        };
+        assert!(admit_large(&wrapping, gate.next_limit(), descriptor_len).is_err());
+
+        // A part shorter than announced (a ring message needs no admission) is refused
+        // when it arrives.
+        let mut short = ReceiveGate::new(FrameLimits::DEFAULT, "peer");
+        short.observe(&first).unwrap_or_else(|e| panic!("{e}"));
+        let e = short.observe(&[0; 100]).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref()
+                .is_some_and(|e| e.contains("100 bytes") && e.contains("32768 were announced")),
+            "{e:?}"
+        );
+
+        // The parts as announced, then the next frame's first message again.
+        for part in messages.get(1..).unwrap_or_default() {
+            assert_eq!(part.len() as u64, gate.next_limit());
+            gate.observe(part).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert_eq!(gate.next_limit(), first_max);
+    }
+
+    #[test]
+    fn a_header_claiming_a_part_over_the_limits_admits_nothing() {
+        // A first message whose header claims a 64 GiB payload: refused by the core's
+        // check of the header, so the part is never admitted.
+        let payload = SEPARATE_MIN as u64 + 1;
+        let messages = split_frame(frame(SEPARATE_MIN + 1, &[])).unwrap_or_default();
+        let mut first = messages.first().cloned().unwrap_or_default();
+        let at = first
+            .get(..HEADER_LEN)
+            .unwrap_or_default()
+            .windows(8)
+            .position(|w| w == payload.to_le_bytes())
+            .unwrap_or_else(|| panic!("no payload length in the header"));
+        first.splice(at..at + 8, (64u64 << 30).to_le_bytes());
+        let mut gate = ReceiveGate::new(FrameLimits::DEFAULT, "peer");
+        let e = gate.observe(&first).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref()
+                .is_some_and(|e| e.contains("of 68719476736 is over the limit of 1073741824")),
+            "{e:?}"
+        );
+        // Nothing was noted: the next message is bounded as a first message.
+        assert_eq!(gate.next_limit(), first_message_max(&FrameLimits::DEFAULT));
     }
 
     #[test]

@@ -17,6 +17,13 @@
 //! failed work completion fails the link with the verb and its status
 //! (`IBV_WC_RETRY_EXC_ERR`, ...).
 //!
+//! Receiving allocates only what the frames allow: before each message the thread asks
+//! its [`ReceiveGate`] how large the next one may be ([`IbvChannel::try_recv_within`]):
+//! a frame's first message is bounded by the frame limits alone, and a zero-copy part is
+//! allocated only once the first message's header, checked against the limits, announced
+//! exactly that length. A peer that claims more fails the link, with the claim and the
+//! limit, before anything is allocated for it.
+//!
 //! Ownership: a frame's buffers move into the channel (`Arc`), which keeps them, and
 //! their registrations, until the peer acknowledged reading them, whatever happens to the
 //! agent's futures; the queue pair is destroyed (when the thread drops the channel)
@@ -33,11 +40,12 @@ use std::sync::{Arc, Mutex};
 
 use std::time::{Duration, Instant};
 
+use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::queue::Queue;
 use rdzv_uring::rpc::transport::OwnedFrame;
 
-use super::framing::{split_frame, FIN};
-use crate::ibv::channel::IbvChannel;
+use super::framing::{split_frame, ReceiveGate, FIN};
+use crate::ibv::channel::{ChannelError, IbvChannel};
 use crate::report::ErrorChain;
 
 /// Messages waiting for the agent before the thread stops taking more from the channel
@@ -68,6 +76,8 @@ pub struct Link {
     receiver_gone: AtomicBool,
     /// Set by the thread when it stopped taking messages because `incoming` was full.
     stalled: AtomicBool,
+    /// Set to have the thread move the queue pair to the error state.
+    abort_requested: AtomicBool,
     /// Why the link failed, once it did.
     failure: Mutex<Option<String>>,
     /// Written to wake the thread; the thread's end is `wake_rx`.
@@ -86,6 +96,7 @@ impl Link {
             sent: Queue::unbounded(),
             receiver_gone: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
+            abort_requested: AtomicBool::new(false),
             failure: Mutex::new(None),
             wake_tx,
             wake_rx,
@@ -132,6 +143,15 @@ impl Link {
         true
     }
 
+    /// Has the thread move the queue pair to the error state
+    /// ([`IbvChannel::abort`]), as a failing device or link would: the work requests
+    /// posted then complete with `IBV_WC_WR_FLUSH_ERR`, and the link fails with that
+    /// status. For tests of the error path.
+    pub fn abort_queue_pair(&self) {
+        self.abort_requested.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
     /// Marks the receiving half as gone.
     pub fn drop_receiver(&self) {
         self.receiver_gone.store(true, Ordering::Release);
@@ -165,12 +185,19 @@ impl Link {
 }
 
 /// Starts the thread that drives `channel`, with `bootstrap` (the TCP connection the
-/// channel was set up over) kept open to see the peer go.
+/// channel was set up over) kept open to see the peer go. `limits` bound what the
+/// thread receives before the receivers check it (see [`ReceiveGate`]): at least as
+/// wide as any the receivers use.
 ///
 /// # Errors
 /// Creating the wake-up socket, making `bootstrap` non-blocking, or spawning the thread
 /// failed.
-pub fn start(channel: IbvChannel, bootstrap: TcpStream, peer: &str) -> io::Result<Arc<Link>> {
+pub fn start(
+    channel: IbvChannel,
+    bootstrap: TcpStream,
+    peer: &str,
+    limits: FrameLimits,
+) -> io::Result<Arc<Link>> {
     bootstrap.set_read_timeout(None)?;
     bootstrap.set_write_timeout(None)?;
     bootstrap.set_nonblocking(true)?;
@@ -180,6 +207,7 @@ pub fn start(channel: IbvChannel, bootstrap: TcpStream, peer: &str) -> io::Resul
         bootstrap,
         link: Arc::clone(&link),
         parts: VecDeque::new(),
+        gate: ReceiveGate::new(limits, peer),
         fin_posted: None,
         sent_done: false,
         fin_received: false,
@@ -215,6 +243,8 @@ struct Driver {
     link: Arc<Link>,
     /// The rest of the frame being sent.
     parts: VecDeque<Arc<Vec<u8>>>,
+    /// How large the next message received may be.
+    gate: ReceiveGate,
     /// When this side's `FIN` was posted.
     fin_posted: Option<Instant>,
     /// Whether the `FIN` was delivered and `F` written.
@@ -236,6 +266,9 @@ impl Driver {
             // Wake-ups are drained before the queues are read: one that comes later
             // keeps the socket readable, so `wait` returns at once.
             self.link.drain_wakeups();
+            if self.link.abort_requested.swap(false, Ordering::SeqCst) {
+                self.channel.abort().map_err(|e| chain(&e))?;
+            }
             // Receiving first: it takes the completions (credit acks among them), and
             // sending takes none, so nothing that arrives before `wait` is missed.
             let mut busy = self.receive_some()?;
@@ -387,7 +420,16 @@ impl Driver {
             if !gone && self.link.incoming_full() {
                 break;
             }
-            match self.channel.try_recv().map_err(|e| chain(&e))? {
+            let received = self
+                .channel
+                .try_recv_within(self.gate.next_limit())
+                .map_err(|e| match e {
+                    ChannelError::BadDescriptor { .. } => {
+                        format!("receiving {}: {}", self.gate.expecting(), chain(&e))
+                    }
+                    e => chain(&e),
+                })?;
+            match received {
                 None => break,
                 Some(message) if message.is_empty() => {
                     self.fin_received = true;
@@ -396,10 +438,15 @@ impl Driver {
                 }
                 Some(message) => {
                     busy = true;
+                    let checked = self.gate.observe(&message);
                     if !gone {
-                        // Refused only after a failure, which ends the thread anyway.
+                        // Refused only after a failure, which ends the thread anyway. A
+                        // message the gate refused goes too: the receiver reports its own
+                        // error for it, and then the link's failure.
                         let _ = self.link.incoming.push(Ok(message));
                     }
+                    // Nothing bounds the messages after one the gate refused.
+                    checked.map_err(|e| e.to_string())?;
                 }
             }
         }

@@ -30,10 +30,13 @@
 //!   fails stays on the bootstrap transport), `ibv:roce-v1:<GID prefix>` for RoCE v1
 //!   (one Ethernet segment). Device names, ports, MTUs and speeds do not matter: each
 //!   side uses its own, and the path MTU is the smaller one.
-//! - **Frames** ([`framing`]): a frame's head, name, metadata and small parts travel as
-//!   one message through the channel's ring; the payload and every tensor of at least
-//!   [`framing::SEPARATE_MIN`] bytes travel alone and zero-copy (the peer reads the
-//!   sender's buffer with RDMA READ into the buffer it hands to the agent).
+//! - **Frames** ([`framing`]): a frame's head, name, metadata and small parts (up to
+//!   [`framing::FIRST_PARTS_MAX`] bytes of them) travel as one first message; the
+//!   payload and every tensor of at least [`framing::SEPARATE_MIN`] bytes travel alone
+//!   and zero-copy (the peer reads the sender's buffer with RDMA READ into the buffer it
+//!   hands to the agent). A link allocates for a message no more than the frame limits
+//!   allow a first message, or, for a part, than its frame's checked header announced
+//!   ([`framing::ReceiveGate`]).
 //! - **Threads** ([`link`]): each connection's channel is driven by one thread, which
 //!   also owns every buffer posted to the NIC until the peer has read it; errors carry
 //!   the verb or the work completion's status (`IBV_WC_RETRY_EXC_ERR`, ...). A failed
@@ -129,10 +132,15 @@ pub fn parse_address(address: &str) -> Result<SocketAddr, TransportError> {
     Ok(addr)
 }
 
-/// The largest frame part the agent accepts ([`FrameLimits::DEFAULT`]'s payload and
-/// inline bounds).
+/// The widest limits the agent receives frames under: what a link's thread lets through
+/// before the agent checks a frame against the limits of the moment (see
+/// [`framing::ReceiveGate`]).
+pub const RECEIVE_LIMITS: FrameLimits = FrameLimits::DEFAULT;
+
+/// The largest frame part the agent accepts ([`RECEIVE_LIMITS`]' payload and inline
+/// bounds).
 const MAX_PART: u64 = {
-    let limits = FrameLimits::DEFAULT;
+    let limits = RECEIVE_LIMITS;
     if limits.max_payload > limits.max_inline_bytes {
         limits.max_payload
     } else {
@@ -172,9 +180,9 @@ impl IbvTransport {
         selection: IbvSelection,
         mut options: ChannelOptions,
     ) -> IbvTransport {
-        // A part of a frame (payload or one tensor) is received before the agent's
-        // decoder sees the whole frame: never accept one larger than a frame the agent
-        // would accept, so a peer's claim cannot make this side allocate more.
+        // A backstop: the link's thread admits a part only at the length a checked frame
+        // header announced (framing::ReceiveGate), never more than a frame the agent
+        // would accept.
         options.max_large_message = options.max_large_message.min(MAX_PART);
         let descriptor = domain_descriptor(&selection);
         IbvTransport {
@@ -238,7 +246,7 @@ fn establish(
     stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
     let channel = IbvChannel::connect(selection, &mut stream, options)
         .map_err(|e| io::Error::other(ErrorChain(&e).to_string()))?;
-    link::start(channel, stream, peer)
+    link::start(channel, stream, peer, RECEIVE_LIMITS)
 }
 
 impl Transport for IbvTransport {
@@ -432,6 +440,35 @@ impl Connection for IbvPipe {
             }),
         )
     }
+}
+
+/// Moves one connection's queue pair to the error state, from any thread, as a failing
+/// device or link would (see [`Link::abort_queue_pair`]). A test hook.
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct QueuePairAbort {
+    link: Arc<Link>,
+}
+
+impl QueuePairAbort {
+    /// Has the link's thread move the queue pair to the error state; pending work then
+    /// fails with `IBV_WC_WR_FLUSH_ERR`.
+    pub fn abort(&self) {
+        self.link.abort_queue_pair();
+    }
+}
+
+/// The [`QueuePairAbort`] of an ibv connection's receiving half (given back with it), or
+/// the half, as `Any`, when it is not an ibv one. A test hook.
+#[doc(hidden)]
+pub fn queue_pair_abort(
+    receiver: Box<dyn FrameReceiver>,
+) -> Result<(Box<dyn FrameReceiver>, QueuePairAbort), Box<dyn std::any::Any>> {
+    let receiver = receiver.into_any().downcast::<IbvFrameReceiver>()?;
+    let abort = QueuePairAbort {
+        link: Arc::clone(&receiver.link),
+    };
+    Ok((receiver, abort))
 }
 
 /// Queues `frame` for the link's thread, which keeps its buffers until the peer read
