@@ -102,14 +102,14 @@ pub struct RpcOptions {
     /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
     /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
     /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_xth`,
-    /// `cuda_ipc` or `cuda_basic` (see [`super::device`]). A runtime that cannot open here
+    /// `cuda_ipc`, `cuda_gdr` or `cuda_basic` (see [`super::device`]). A runtime that cannot open here
     /// (no driver, no GPU) is left out with its reason logged. Default: none.
     pub device_plugins: Vec<Arc<dyn DevicePlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
-    /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_basic`).
-    /// Unknown names (and `cuda_gdr`, not run by the agent) are errors; a channel that
-    /// cannot work in this process (cma under a seccomp policy or Yama `ptrace_scope` 3,
-    /// `cuda_ipc` without a CUDA runtime that runs it, ...) is left out with its reason
+    /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_gdr`,
+    /// `cuda_basic`). Unknown names are errors; a channel that cannot work in this
+    /// process (cma under a seccomp policy or Yama `ptrace_scope` 3, `cuda_ipc` without a
+    /// CUDA runtime that runs it, ...) is left out with its reason
     /// logged, and so is `mpt` when this worker runs no tcp transport or injects faults.
     pub channels: Option<Vec<String>>,
     /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
@@ -1736,6 +1736,7 @@ mod tests {
                 (ChannelKind::Basic, 1000),
                 (ChannelKind::CudaXth, 400),
                 (ChannelKind::CudaIpc, 300),
+                (ChannelKind::CudaGdr, 200),
                 (ChannelKind::CudaBasic, 0)
             ])
         ));
@@ -1756,9 +1757,8 @@ mod tests {
             ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
             Err(RpcError::Backends { .. })
         ));
-        let cuda = ranked_channels(Some(&names(&["cuda_gdr", "basic"])), viable);
-        let text = cuda.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.contains("cuda_gdr is not implemented"), "{text}");
+        let unknown = ranked_channels(Some(&names(&["cuda_magic", "basic"])), viable);
+        assert!(matches!(unknown, Err(RpcError::Backends { .. })));
         // A channel that cannot work here is left out; if nothing is left, that is an
         // error that says why.
         let no_cma = |kind: ChannelKind| match kind {
@@ -1773,6 +1773,7 @@ mod tests {
                 (ChannelKind::Basic, _),
                 (ChannelKind::CudaXth, _),
                 (ChannelKind::CudaIpc, _),
+                (ChannelKind::CudaGdr, _),
                 (ChannelKind::CudaBasic, _)
             ])
         ));

@@ -126,19 +126,23 @@ fn read_in_slices(
 
 /// The channels the RPC agent runs, in `ChannelKind::ALL` order (the lending CUDA
 /// channels when a device runtime runs them: [`super::device`]).
-pub(crate) const RUNNABLE: [ChannelKind; 7] = [
+pub(crate) const RUNNABLE: [ChannelKind; 8] = [
     ChannelKind::Xth,
     ChannelKind::Cma,
     ChannelKind::Mpt,
     ChannelKind::Basic,
     ChannelKind::CudaXth,
     ChannelKind::CudaIpc,
+    ChannelKind::CudaGdr,
     ChannelKind::CudaBasic,
 ];
 
 /// Whether `kind` lends device memory (see [`super::device`]).
 pub(crate) fn lends_device_memory(kind: ChannelKind) -> bool {
-    matches!(kind, ChannelKind::CudaXth | ChannelKind::CudaIpc)
+    matches!(
+        kind,
+        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr
+    )
 }
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
@@ -151,7 +155,9 @@ pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 /// offered). The lending CUDA channels' descriptors are their runtime's, in `devices`.
 pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<String, String> {
     match kind {
-        ChannelKind::CudaXth | ChannelKind::CudaIpc => devices.lending_descriptor(kind),
+        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => {
+            devices.lending_descriptor(kind)
+        }
         ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
         ChannelKind::Mpt => Ok(MPT_DESCRIPTOR.to_string()),
         ChannelKind::CudaBasic => Ok(CUDA_BASIC_DESCRIPTOR.to_string()),
@@ -161,6 +167,7 @@ pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<
         ChannelKind::Xth => xth::viability()
             .map(|domain| domain.as_str().to_string())
             .map_err(|e| format!("xth channel not viable: {e}")),
+        // Every channel is in `RUNNABLE`; nothing else asks.
         other => Err(format!(
             "channel {other} is not run by the RPC agent of this build"
         )),
@@ -986,8 +993,8 @@ mod tests {
             domain_descriptor(ChannelKind::Mpt, &none).as_deref(),
             Ok(MPT_DESCRIPTOR)
         );
-        let err = domain_descriptor(ChannelKind::CudaGdr, &none).expect_err("cuda_gdr is not run");
-        assert!(err.contains("not run"), "{err}");
+        let err = domain_descriptor(ChannelKind::CudaGdr, &none).expect_err("no runtime");
+        assert!(err.contains("device_plugins"), "{err}");
         let err = domain_descriptor(ChannelKind::CudaIpc, &none).expect_err("no runtime");
         assert!(err.contains("device_plugins"), "{err}");
     }

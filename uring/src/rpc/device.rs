@@ -5,10 +5,11 @@
 //! [`DeviceBuffer`], a shared handle to memory the runtime owns ([`DeviceMemory`]). The
 //! agent moves it over one of two kinds of channel, whichever the pipe negotiated for the
 //! pair of device types (highest priority first: `cuda_xth` 400, `cuda_ipc` 300,
-//! `cuda_basic` 0):
+//! `cuda_gdr` 200, `cuda_basic` 0):
 //!
 //! - **lending** (`cuda_xth` within one process, `cuda_ipc` between processes of one
-//!   host): the sender's runtime lends the memory ([`DeviceRuntime::lend`]) and the frame
+//!   host, `cuda_gdr` between hosts by GPUDirect RDMA): the sender's runtime lends the
+//!   memory ([`DeviceRuntime::lend`]) and the frame
 //!   carries the [`DeviceLoan`]'s descriptor; the receiver's runtime copies the lent
 //!   range into fresh memory on the target device ([`DeviceRuntime::borrow`]), device to
 //!   device, without the host. The loan is held like a `cma` buffer, by the rule of
@@ -26,8 +27,7 @@
 //!
 //! `rdzv_rdma::cuda::agent::CudaPlugin` is the CUDA runtime (cudarc, loaded at run time).
 //! A test can plug in a runtime that keeps "device" memory on the host: the agent cannot
-//! tell, which is how its part is tested on machines without a GPU. `cuda_gdr` is not
-//! run by the agent.
+//! tell, which is how its part is tested on machines without a GPU.
 
 use std::any::Any;
 use std::fmt;
@@ -133,8 +133,8 @@ pub trait DeviceRuntime: Send + Sync {
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String>;
 
-    /// The lending channels this runtime runs here (`cuda_xth`, `cuda_ipc`), each with
-    /// its domain descriptor (two workers use a channel when their descriptors match),
+    /// The lending channels this runtime runs here (`cuda_xth`, `cuda_ipc`, `cuda_gdr`),
+    /// each with its domain descriptor (two workers use a channel when their descriptors match),
     /// or why it cannot run here. Default: none.
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
         Vec::new()
@@ -252,8 +252,8 @@ impl Devices {
         self.cuda.is_some()
     }
 
-    /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`), or
-    /// why this worker cannot offer it.
+    /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`,
+    /// `cuda_gdr`), or why this worker cannot offer it.
     pub fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
         let runtime = self.cuda.as_ref().ok_or_else(|| {
             format!("{kind} needs a CUDA runtime (RpcOptions::device_plugins), and none opened")
@@ -527,6 +527,9 @@ mod tests {
             .lending_descriptor(ChannelKind::CudaGdr)
             .expect_err("not run");
         assert!(err.contains("does not run cuda_gdr"), "{err}");
+        assert!(crate::rpc::channels::lends_device_memory(
+            ChannelKind::CudaGdr
+        ));
         let err = Devices::default()
             .lending_descriptor(ChannelKind::CudaIpc)
             .expect_err("no runtime");

@@ -224,7 +224,7 @@ pub enum RpcError {
         reason: String,
     },
     /// A tensor cannot travel to the peer: no channel serves its devices.
-    #[error("cannot send a tensor from {source_device} to {target_device} on {peer}: no negotiated channel serves that pair (CPU tensors go over xth, cma, mpt or basic; a pair with a CUDA device needs cuda_xth, cuda_ipc or cuda_basic on both workers and a CUDA runtime, RpcOptions::device_plugins, on each side that holds CUDA memory)")]
+    #[error("cannot send a tensor from {source_device} to {target_device} on {peer}: no negotiated channel serves that pair (CPU tensors go over xth, cma, mpt or basic; a pair with a CUDA device needs cuda_xth, cuda_ipc, cuda_gdr or cuda_basic on both workers and a CUDA runtime, RpcOptions::device_plugins, on each side that holds CUDA memory)")]
     NoChannel {
         /// The peer.
         peer: String,

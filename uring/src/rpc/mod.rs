@@ -42,10 +42,11 @@
 //! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
 //! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
-//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. CUDA tensors move over
-//! `cuda_basic` (staged through host memory over the CPU channel) when a CUDA runtime is
-//! plugged in through [`DevicePlugin`] ([`RpcOptions::device_plugins`]); the other CUDA
-//! channels are not run by the agent, and asking for them is an error that says so.
+//! `rdzv_rdma::ibv::transport::IbvPlugin` provides `ibv`. CUDA tensors move when a CUDA
+//! runtime is plugged in through [`DevicePlugin`] ([`RpcOptions::device_plugins`];
+//! `rdzv_rdma::cuda::agent::CudaPlugin`): lent device to device over `cuda_xth`,
+//! `cuda_ipc` or `cuda_gdr` where the runtime runs them, or staged through host memory
+//! over the CPU channel (`cuda_basic`).
 
 pub mod agent;
 pub mod backend;

@@ -95,7 +95,7 @@ pub(crate) struct CallState {
 pub(crate) struct OfferSpec {
     pub transports: Vec<(TransportKind, i64, String)>,
     /// Each channel with its priority and its domain descriptor (for CPU memory; for
-    /// CUDA memory, `cuda_xth` and `cuda_ipc`, and `cuda_basic` too when
+    /// CUDA memory, `cuda_xth`, `cuda_ipc` and `cuda_gdr`, and `cuda_basic` too when
     /// `serves_cuda`).
     pub channels: Vec<(ChannelKind, i64, String)>,
     /// Whether `cuda_basic` is also offered for CUDA memory (a CUDA runtime is open).
@@ -116,7 +116,9 @@ impl OfferSpec {
                 ChannelKind::CudaBasic if self.serves_cuda => {
                     DeviceDescriptors::cpu(descriptor).with(DeviceType::Cuda, descriptor)
                 }
-                ChannelKind::CudaXth | ChannelKind::CudaIpc => DeviceDescriptors::cuda(descriptor),
+                ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => {
+                    DeviceDescriptors::cuda(descriptor)
+                }
                 _ => DeviceDescriptors::cpu(descriptor),
             };
             offer.add_channel(*kind, *priority, descriptors)?;
