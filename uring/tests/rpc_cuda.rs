@@ -393,14 +393,10 @@ fn gpu_to_gpu(agent: &RpcAgent) {
 /// above cuda_basic); every loan ends once the peer is done with it.
 #[test]
 fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
-    let setup = Setup {
-        channels: None,
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends", setup);
+    let (agent, child, _dir) = start(
+        "gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends",
+        two_gpus(None),
+    );
     gpu_to_gpu(&agent);
     // Every non-empty request tensor was lent; the empty one went inline.
     let lent: usize = SIZES.iter().sum();
@@ -413,6 +409,27 @@ fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
     // Requests' loans end with their replies, responses' with the caller's acks.
     assert_loans_end(&agent, &child);
     finish(agent, child);
+}
+
+/// Both sides with two fake GPUs, the parent's cuda:0 mapped to the peer's cuda:1, and
+/// `channels` on both.
+fn two_gpus(channels: Option<&str>) -> Setup<'_> {
+    Setup {
+        channels,
+        child_channels: None,
+        parent_gpus: 2,
+        child_gpus: 2,
+        map: GPU0_TO_GPU1,
+    }
+}
+
+/// The error of a call to the peer's `inspect` with `tensor` ("" if it succeeded).
+fn error_of(agent: &RpcAgent, tensor: Tensor) -> String {
+    agent
+        .rpc_sync("peer", "inspect", Message::default().with_tensor(tensor))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
 }
 
 /// Waits (up to 10 s) until neither process holds a loan.
@@ -439,21 +456,8 @@ fn assert_loans_end(agent: &RpcAgent, child: &Child) {
 /// call, saying what and where; no loan outlives it and the pipe goes on.
 #[test]
 fn lending_failures_fail_only_their_call() {
-    let setup = Setup {
-        channels: None,
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("lending_failures_fail_only_their_call", setup);
-    let call = |tensor: Tensor| {
-        agent
-            .rpc_sync("peer", "inspect", Message::default().with_tensor(tensor))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
-    };
+    let (agent, child, _dir) = start("lending_failures_fail_only_their_call", two_gpus(None));
+    let call = |tensor: Tensor| error_of(&agent, tensor);
     let text = call(Tensor::on_device(gpu_tensor(
         Device::cuda(0),
         vec![0; FAILS_TO_LEAVE],
@@ -479,14 +483,10 @@ fn lending_failures_fail_only_their_call() {
 
 #[test]
 fn gpu_tensors_cross_over_cuda_basic_carried_by_cma() {
-    let setup = Setup {
-        channels: Some("cma,basic,cuda_basic"),
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_carried_by_cma", setup);
+    let (agent, child, _dir) = start(
+        "gpu_tensors_cross_over_cuda_basic_carried_by_cma",
+        two_gpus(Some("cma,basic,cuda_basic")),
+    );
     let cma = rdzv_uring::channel::cma::viability().is_ok();
     gpu_to_gpu(&agent);
     let carrier = agent.pipe_channel("peer");
@@ -506,14 +506,10 @@ fn gpu_tensors_cross_over_cuda_basic_carried_by_cma() {
 
 #[test]
 fn gpu_tensors_cross_over_cuda_basic_carried_by_mpt() {
-    let setup = Setup {
-        channels: Some("mpt,basic,cuda_basic"),
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_carried_by_mpt", setup);
+    let (agent, child, _dir) = start(
+        "gpu_tensors_cross_over_cuda_basic_carried_by_mpt",
+        two_gpus(Some("mpt,basic,cuda_basic")),
+    );
     gpu_to_gpu(&agent);
     assert!(
         bytes_on(&agent, ChannelKind::Mpt) >= ((1 << 20) + 3 + (8 << 20)),
@@ -525,14 +521,10 @@ fn gpu_tensors_cross_over_cuda_basic_carried_by_mpt() {
 
 #[test]
 fn gpu_tensors_cross_over_cuda_basic_inline() {
-    let setup = Setup {
-        channels: Some("basic,cuda_basic"),
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("gpu_tensors_cross_over_cuda_basic_inline", setup);
+    let (agent, child, _dir) = start(
+        "gpu_tensors_cross_over_cuda_basic_inline",
+        two_gpus(Some("basic,cuda_basic")),
+    );
     gpu_to_gpu(&agent);
     let by_channel = agent.tensor_bytes_by_channel();
     assert!(
@@ -595,21 +587,11 @@ fn a_gpu_worker_reaches_a_cpu_only_worker() {
 /// What fails says what and where, and the pipe goes on working.
 #[test]
 fn staging_failures_fail_only_their_call() {
-    let setup = Setup {
-        channels: Some("cma,basic,cuda_basic"),
-        child_channels: None,
-        parent_gpus: 2,
-        child_gpus: 2,
-        map: GPU0_TO_GPU1,
-    };
-    let (agent, child, _dir) = start("staging_failures_fail_only_their_call", setup);
-    let call = |tensor: Tensor| {
-        agent
-            .rpc_sync("peer", "inspect", Message::default().with_tensor(tensor))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
-    };
+    let (agent, child, _dir) = start(
+        "staging_failures_fail_only_their_call",
+        two_gpus(Some("cma,basic,cuda_basic")),
+    );
+    let call = |tensor: Tensor| error_of(&agent, tensor);
     // The sender's runtime cannot copy the tensor out.
     let text = call(Tensor::on_device(gpu_tensor(
         Device::cuda(0),
