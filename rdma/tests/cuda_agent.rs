@@ -87,6 +87,13 @@ fn options(url: &str, channels: Option<&str>) -> RpcOptions {
     options.transports = Some(vec!["tcp".into()]);
     options.device_plugins = vec![Arc::new(CudaPlugin) as Arc<dyn DevicePlugin>];
     options.channels = channels.map(|list| list.split(',').map(str::to_string).collect());
+    options
+}
+
+/// The calling side's options: `options` with its cuda:0 mapped to the peer's cuda:0
+/// (the peer's reverse map comes from it).
+fn caller_options(url: &str, channels: Option<&str>) -> RpcOptions {
+    let mut options = options(url, channels);
     let mut maps = DeviceMaps::new();
     maps.insert(
         "peer",
@@ -166,7 +173,7 @@ fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
         command.env(CHANNELS_ENV, list);
     }
     let mut child: Child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-    let agent = match init_rpc("main", 0, Some(2), options(&url, channels)) {
+    let agent = match init_rpc("main", 0, Some(2), caller_options(&url, channels)) {
         Ok(agent) => agent,
         Err(e) => {
             let _ = child.kill();
@@ -216,7 +223,7 @@ fn two_agents_in_one_process_use_cuda_xth() {
             .unwrap_or_else(|e| panic!("peer init: {e}"));
         agent.join().unwrap_or_else(|e| panic!("peer join: {e}"));
     });
-    let agent = init_rpc("main", 0, Some(2), options(&url, None))
+    let agent = init_rpc("main", 0, Some(2), caller_options(&url, None))
         .unwrap_or_else(|e| panic!("main init: {e}"));
     round_trips(&agent, ChannelKind::CudaXth);
     agent.join().unwrap_or_else(|e| panic!("main join: {e}"));
