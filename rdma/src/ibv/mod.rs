@@ -15,6 +15,7 @@
 pub mod channel;
 pub mod config;
 pub mod discover;
+pub mod lending;
 pub mod regcache;
 pub mod ring;
 pub mod select;
