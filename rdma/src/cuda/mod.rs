@@ -38,6 +38,7 @@ pub mod byte_channel;
 mod channel_error;
 pub mod descriptor;
 pub mod gdr;
+pub mod gdr_lending;
 pub mod ipc;
 pub mod memory;
 pub mod peer_memory;
