@@ -2,16 +2,20 @@
 //! lends registered buffers, a borrower bootstraps a queue pair to it and fetches them
 //! with one-sided RDMA READs, byte for byte; a wrong key or a range outside the lent
 //! registration fails with the work completion status named, and nothing hangs. Lender
-//! and borrower are two threads with separate verbs domains (protection domains) and
-//! queue pairs. Skipped (with the reason) on hosts without verbs; run by
+//! and borrower are two processes (this binary runs itself as the lender, which hands
+//! its loans over as encoded `CudaGdrDescriptor`s), or two threads with separate verbs
+//! domains (protection domains) and queue pairs. Skipped (with the reason) on hosts without verbs; run by
 //! `rdma/softroce/run` in a Soft-RoCE VM, where a missing device fails them.
 
 mod verbs_env;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Read};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use rdzv_core::channel::cuda::CudaGdrDescriptor;
 use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, VerbsDomain};
 use rdzv_rdma::ibv::lending::{
     Borrower, HostRegion, LendingEndpoint, LendingError, LendingOptions,
@@ -97,6 +101,149 @@ fn lent_host_buffers_are_read_byte_for_byte() {
         .read_to_host(endpoint.local_addr(), 0, 0, 0)
         .expect("empty read");
     assert!(none.is_empty());
+}
+
+/// Set in the lender process that [`host_buffers_lent_by_another_process_are_read`]
+/// starts.
+const ENV_CHILD: &str = "RDZV_GDR_PATH_LENDER";
+/// What the lender process lends: (salt, length).
+const CHILD_LOANS: [(usize, usize); 3] = [(1, 1), (2, (1 << 20) + 3), (3, 8 << 20)];
+
+/// The lender process: lends [`CHILD_LOANS`], prints one hex `CudaGdrDescriptor` line per
+/// loan (`LOAN <hex>`), then `READY`, and keeps them until its stdin closes. Run only by
+/// the test below (it is ignored otherwise, and does nothing without its variable).
+#[test]
+#[ignore = "the lender process of host_buffers_lent_by_another_process_are_read"]
+fn lender_process() {
+    if std::env::var_os(ENV_CHILD).is_none() {
+        return;
+    }
+    let sel = verbs_env::selection_or_skip("lender_process").expect("a verbs device");
+    let endpoint = lender(&sel);
+    let process = rdzv_uring::channel::current_identity().expect("this process's identity");
+    let mut loans = Vec::new();
+    for (salt, len) in CHILD_LOANS {
+        let lent = HostRegion::from_bytes(
+            endpoint.domain(),
+            &pattern(len, salt),
+            AccessFlags::RemoteRead,
+        )
+        .expect("register the lent buffer");
+        let descriptor = CudaGdrDescriptor {
+            process,
+            endpoint_addr: CudaGdrDescriptor::encode_ip(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            endpoint_port: endpoint.local_addr().port(),
+            address: lent.addr(),
+            rkey: lent.rkey(),
+            length: len as u64,
+            device: 0,
+        };
+        let hex: String = descriptor
+            .encode()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        println!("LOAN {hex}");
+        loans.push(lent);
+    }
+    println!("READY");
+    let mut rest = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut rest);
+    drop(loans);
+}
+
+#[test]
+fn host_buffers_lent_by_another_process_are_read() {
+    let Some(sel) = verbs_env::selection_or_skip("host_buffers_lent_by_another_process_are_read")
+    else {
+        return;
+    };
+    let exe = std::env::current_exe().expect("this test binary");
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "lender_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV_CHILD, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the lender process");
+    let stdout = child.stdout.take().expect("the lender's stdout");
+    // libtest prints `test lender_process ... ` before the lender's own output, on the
+    // same line: look for the markers anywhere in a line.
+    let mut lines = BufReader::new(stdout).lines();
+    let mut descriptors = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.expect("a line from the lender");
+        if let Some((_, hex)) = line.split_once("LOAN ") {
+            let bytes: Vec<u8> = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex"))
+                .collect();
+            descriptors.push(CudaGdrDescriptor::decode(&bytes).expect("a cuda_gdr descriptor"));
+        } else if line.ends_with("READY") {
+            break;
+        }
+    }
+    // The rest of its output is drained, so that it never writes into a closed pipe.
+    let drain = thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    assert_eq!(
+        descriptors.len(),
+        CHILD_LOANS.len(),
+        "the lender lent everything"
+    );
+    let borrower = borrower(&sel);
+    for (lent, (salt, len)) in descriptors.iter().zip(CHILD_LOANS) {
+        assert_eq!(lent.process.pid, child.id(), "lent by the other process");
+        let at = SocketAddr::new(lent.endpoint_ip(), lent.endpoint_port);
+        let started = Instant::now();
+        let got = borrower
+            .read_to_host(at, lent.address, lent.rkey, lent.length as usize)
+            .unwrap_or_else(|e| panic!("read {len} bytes: {}", chain(&e)));
+        println!(
+            "read {len} bytes from pid {} in {:?}",
+            child.id(),
+            started.elapsed()
+        );
+        assert!(
+            got == pattern(len, salt),
+            "the {len} bytes read differ from those lent"
+        );
+    }
+    // A key the lender never handed out.
+    let first = descriptors[0];
+    let at = SocketAddr::new(first.endpoint_ip(), first.endpoint_port);
+    let err = borrower
+        .read_to_host(at, first.address, first.rkey ^ 0xffff_ff00, 1)
+        .expect_err("a wrong key");
+    assert_eq!(
+        status_of(&err),
+        Some("IBV_WC_REM_ACCESS_ERR"),
+        "{}",
+        chain(&err)
+    );
+    drop(child.stdin.take());
+    let deadline = Instant::now() + BOUND;
+    loop {
+        match child.try_wait().expect("wait for the lender") {
+            Some(status) => {
+                let rest = drain.join().expect("drain thread");
+                assert!(
+                    status.success(),
+                    "the lender process failed: {status}: {rest:?}"
+                );
+                break;
+            }
+            None if Instant::now() > deadline => {
+                let _ = child.kill();
+                panic!("the lender process did not end within {BOUND:?}");
+            }
+            None => thread::sleep(Duration::from_millis(50)),
+        }
+    }
 }
 
 #[test]
