@@ -131,9 +131,9 @@ pub enum LendingError {
 }
 
 /// A lender's endpoint: accepts queue pair bootstraps from borrowers, in one verbs domain
-/// where the lent memory is registered. Dropping it stops accepting and closes its queue
-/// pairs (within [`STOP_POLL`]-ish time); memory registered in its domain stays
-/// registered until its own registrations are dropped.
+/// where the lent memory is registered. Dropping it stops accepting, closes its queue
+/// pairs and waits for its threads (each looks at a stop flag every 50 ms); memory
+/// registered in its domain stays registered until its own registrations are dropped.
 pub struct LendingEndpoint {
     domain: VerbsDomain,
     local: SocketAddr,
