@@ -40,9 +40,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys;
-use rdzv_core::channel::cuda::{
-    CudaGdrDescriptor, CudaIpcDescriptor, CudaXthDescriptor, IPC_HANDLE_LEN,
-};
+use rdzv_core::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
@@ -346,34 +344,20 @@ impl DeviceRuntime for CudaRuntime {
             .to_vec(),
             ChannelKind::CudaGdr => {
                 let node = self.gdr_node()?;
-                let (address, rkey, hold) = if length == 0 {
-                    (own.allocation.range().ptr(), 0, None)
+                let address = own.allocation.range().ptr();
+                let registration = if length == 0 {
+                    None
                 } else {
                     let ordinal = ordinal(own.device)?;
-                    let registration = self.gdr_register(&node, ordinal, &own.allocation)?;
-                    (
-                        own.allocation.range().ptr(),
-                        registration.rkey(),
-                        Some(registration),
-                    )
+                    Some(self.gdr_register(&node, ordinal, &own.allocation)?)
                 };
-                let endpoint = node.advertised();
-                let descriptor = CudaGdrDescriptor {
-                    process: self.process()?,
-                    endpoint_addr: CudaGdrDescriptor::encode_ip(endpoint.ip()),
-                    endpoint_port: endpoint.port(),
-                    address,
-                    rkey,
-                    length,
-                    device,
-                }
-                .encode()
-                .to_vec();
+                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
+                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
                 // The registration goes before the memory (tuple fields drop in order);
                 // both live until the peer answered.
                 return Ok(DeviceLoan {
                     descriptor,
-                    hold: Box::new((hold, memory.clone())),
+                    hold: Box::new((registration, memory.clone())),
                 });
             }
             other => return Err(format!("the CUDA runtime does not lend over {other}")),
@@ -438,13 +422,7 @@ impl DeviceRuntime for CudaRuntime {
                 })
             }
             ChannelKind::CudaGdr => {
-                let lent = CudaGdrDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                if lent.length != len {
-                    return Err(format!(
-                        "the descriptor lends {} bytes, the frame says {len}",
-                        lent.length
-                    ));
-                }
+                let lent = gdr_lending::check_descriptor(descriptor, len)?;
                 let len =
                     usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"))?;
                 let gpu = self.gpu(device)?;
@@ -455,23 +433,7 @@ impl DeviceRuntime for CudaRuntime {
                 }
                 let node = self.gdr_node()?;
                 let registration = self.gdr_register(&node, target, &memory.allocation)?;
-                let lender = std::net::SocketAddr::new(lent.endpoint_ip(), lent.endpoint_port);
-                let filled = node
-                    .borrower()
-                    .read_into(
-                        lender,
-                        GdrTarget::new(registration, memory),
-                        lent.address,
-                        lent.rkey,
-                    )
-                    .map_err(|e| {
-                        format!(
-                            "cuda_gdr: reading {len} bytes lent by pid {} from CUDA device {}: {}",
-                            lent.process.pid,
-                            lent.device,
-                            ErrorChain(&e)
-                        )
-                    })?;
+                let filled = node.read(&lent, GdrTarget::new(registration, memory))?;
                 Ok(DeviceBuffer::new(filled.into_memory()))
             }
             other => Err(format!("the CUDA runtime does not borrow over {other}")),

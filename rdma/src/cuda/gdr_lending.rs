@@ -18,6 +18,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
+use rdzv_core::channel::cuda::CudaGdrDescriptor;
+use rdzv_core::channel::ProcessIdentity;
 use sideway::ibverbs::AccessFlags;
 
 use super::agent::CudaMemory;
@@ -85,6 +87,22 @@ pub fn bind_address(advertised: IpAddr) -> SocketAddr {
     }
 }
 
+/// The loan a peer's `descriptor` announces, checked against the frame's `len` (untrusted
+/// bytes: anything else is an error, never a panic).
+///
+/// # Errors
+/// A malformed descriptor, or one that lends another length than the frame says.
+pub fn check_descriptor(descriptor: &[u8], len: u64) -> Result<CudaGdrDescriptor, String> {
+    let lent = CudaGdrDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+    if lent.length != len {
+        return Err(format!(
+            "the cuda_gdr descriptor lends {} bytes, the frame says {len}",
+            lent.length
+        ));
+    }
+    Ok(lent)
+}
+
 /// One process's `cuda_gdr` node: the lending endpoint and the borrower, sharing one verbs
 /// domain (registrations of both sides live there).
 #[derive(Debug)]
@@ -130,6 +148,50 @@ impl GdrNode {
     /// The borrowing side.
     pub fn borrower(&self) -> &Borrower {
         &self.borrower
+    }
+
+    /// The descriptor of a loan by `process` of `length` bytes at `address`, registered
+    /// under `rkey` in this node's domain, on device `device`.
+    pub fn descriptor(
+        &self,
+        process: ProcessIdentity,
+        address: u64,
+        rkey: u32,
+        length: u64,
+        device: u32,
+    ) -> Vec<u8> {
+        CudaGdrDescriptor {
+            process,
+            endpoint_addr: CudaGdrDescriptor::encode_ip(self.advertised.ip()),
+            endpoint_port: self.advertised.port(),
+            address,
+            rkey,
+            length,
+            device,
+        }
+        .encode()
+        .to_vec()
+    }
+
+    /// Reads the loan `lent` (from [`check_descriptor`]) into `target`, registered in this
+    /// node's domain, and hands it back filled.
+    ///
+    /// # Errors
+    /// The read failed: the text names the lender, the verb and the work completion status
+    /// (e.g. `IBV_WC_REM_ACCESS_ERR`).
+    pub fn read<T: ReadTarget>(&self, lent: &CudaGdrDescriptor, target: T) -> Result<T, String> {
+        let lender = SocketAddr::new(lent.endpoint_ip(), lent.endpoint_port);
+        self.borrower
+            .read_into(lender, target, lent.address, lent.rkey)
+            .map_err(|e| {
+                format!(
+                    "cuda_gdr: reading {} bytes lent by pid {} from its device {}: {}",
+                    lent.length,
+                    lent.process.pid,
+                    lent.device,
+                    ErrorChain(&e)
+                )
+            })
     }
 }
 
@@ -184,6 +246,34 @@ unsafe impl ReadTarget for GdrTarget {
 mod tests {
     use super::*;
     use crate::cuda::viability::ChannelNotViable;
+
+    #[test]
+    fn descriptors_are_checked_against_the_frame() {
+        let lent = CudaGdrDescriptor {
+            process: ProcessIdentity {
+                boot_id: [1; 16],
+                pid_namespace: 2,
+                user_namespace: 3,
+                pid: 4,
+                start_time: 5,
+            },
+            endpoint_addr: CudaGdrDescriptor::encode_ip(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            endpoint_port: 4000,
+            address: 0x1000,
+            rkey: 9,
+            length: 64,
+            device: 0,
+        };
+        let bytes = lent.encode();
+        assert_eq!(check_descriptor(&bytes, 64), Ok(lent));
+        let reason = check_descriptor(&bytes, 65).unwrap_err();
+        assert!(
+            reason.contains("lends 64 bytes, the frame says 65"),
+            "{reason}"
+        );
+        assert!(check_descriptor(&bytes[1..], 64).is_err());
+        assert!(check_descriptor(b"cuda_gdr", 8).is_err());
+    }
 
     #[test]
     fn offered_only_when_viable_and_identified() {
