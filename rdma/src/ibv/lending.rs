@@ -132,7 +132,8 @@ pub enum LendingError {
 
 /// A lender's endpoint: accepts queue pair bootstraps from borrowers, in one verbs domain
 /// where the lent memory is registered. Dropping it stops accepting, closes its queue
-/// pairs and waits for its threads (each looks at a stop flag every 50 ms); memory
+/// pairs and waits for its threads (each looks at a stop flag every 50 ms, and one still
+/// bootstrapping a queue pair within the bootstrap timeout); memory
 /// registered in its domain stays registered until its own registrations are dropped.
 pub struct LendingEndpoint {
     domain: VerbsDomain,
