@@ -1,6 +1,7 @@
 //! The descriptors of the CUDA channels that lend device memory to the peer, who copies
 //! out of it: `cuda_ipc` (another process of this host, through a CUDA IPC memory
-//! handle) and `cuda_xth` (this very process, by address).
+//! handle), `cuda_xth` (this very process, by address) and `cuda_gdr` (any host, by a
+//! one-sided RDMA READ of memory registered with the lender's NIC).
 //!
 //! The sender keeps the memory unchanged until the peer says it is done (the lending
 //! rule of [`crate::rpc::lending`]). The receiver checks the exporting process before it
@@ -13,6 +14,8 @@ use super::{DecodeError, FieldReader, FieldWriter, ProcessIdentity};
 const IPC_MAGIC: [u8; 4] = *b"RDCI";
 /// What starts an encoded [`CudaXthDescriptor`].
 const XTH_MAGIC: [u8; 4] = *b"RDCX";
+/// What starts an encoded [`CudaGdrDescriptor`].
+const GDR_MAGIC: [u8; 4] = *b"RDCG";
 
 /// The size of a CUDA IPC memory handle (`CUipcMemHandle`).
 pub const IPC_HANDLE_LEN: usize = 64;
@@ -122,6 +125,92 @@ impl CudaXthDescriptor {
     }
 }
 
+/// Memory registered with the lender's RDMA NIC, for the peer to fetch with one RDMA
+/// READ over a queue pair it bootstraps through the lender's GDR endpoint (a TCP
+/// listener).
+///
+/// The borrower trusts none of it: the NIC refuses a READ outside the registration
+/// (`IBV_WC_REM_ACCESS_ERR`), and the decoder only refuses what cannot be meant (a range
+/// that wraps, port 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CudaGdrDescriptor {
+    /// The lending process.
+    pub process: ProcessIdentity,
+    /// The lender's GDR endpoint address: an IPv6 address, or an IPv4 one mapped into
+    /// IPv6 (`::ffff:a.b.c.d`); see [`CudaGdrDescriptor::endpoint_ip`].
+    pub endpoint_addr: [u8; 16],
+    /// The lender's GDR endpoint port (never 0).
+    pub endpoint_port: u16,
+    /// The lent memory's address in the lender's registration (the device address).
+    pub address: u64,
+    /// The registration's remote key.
+    pub rkey: u32,
+    /// The lent length in bytes.
+    pub length: u64,
+    /// The lender's device ordinal (for messages).
+    pub device: u32,
+}
+
+impl CudaGdrDescriptor {
+    /// The encoded size: a 4-byte tag, the process identity, the endpoint address (16
+    /// bytes) and port (little-endian `u16`), then address (`u64`), rkey (`u32`), length
+    /// (`u64`) and device (`u32`), little-endian.
+    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 16 + 2 + 24;
+
+    /// The endpoint address as an IP address (an IPv4-mapped one as IPv4).
+    pub fn endpoint_ip(&self) -> core::net::IpAddr {
+        core::net::Ipv6Addr::from(self.endpoint_addr).to_canonical()
+    }
+
+    /// The endpoint's encoded address for `ip` (IPv4 is mapped into IPv6).
+    pub fn encode_ip(ip: core::net::IpAddr) -> [u8; 16] {
+        match ip {
+            core::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            core::net::IpAddr::V6(v6) => v6.octets(),
+        }
+    }
+
+    /// The wire form of this descriptor.
+    pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut out = [0u8; Self::ENCODED_LEN];
+        let mut writer = FieldWriter::tagged(&mut out, &GDR_MAGIC);
+        writer.put(&self.process.encode());
+        writer.put(&self.endpoint_addr);
+        writer.put(&self.endpoint_port.to_le_bytes());
+        writer.put(&self.address.to_le_bytes());
+        writer.put(&self.rkey.to_le_bytes());
+        writer.put(&self.length.to_le_bytes());
+        writer.put(&self.device.to_le_bytes());
+        out
+    }
+
+    /// Parses a descriptor produced by [`CudaGdrDescriptor::encode`].
+    ///
+    /// # Errors
+    /// [`DecodeError`] for another length or tag, port 0, or an address range that
+    /// overflows.
+    pub fn decode(bytes: &[u8]) -> Result<CudaGdrDescriptor, DecodeError> {
+        const WHAT: &str = "cuda_gdr descriptor";
+        let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &GDR_MAGIC)?;
+        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
+        let descriptor = CudaGdrDescriptor {
+            process: ProcessIdentity::decode(&identity),
+            endpoint_addr: reader.take(),
+            endpoint_port: u16::from_le_bytes(reader.take()),
+            address: u64::from_le_bytes(reader.take()),
+            rkey: u32::from_le_bytes(reader.take()),
+            length: u64::from_le_bytes(reader.take()),
+            device: u32::from_le_bytes(reader.take()),
+        };
+        let range_ok = descriptor.address.checked_add(descriptor.length).is_some();
+        if range_ok && descriptor.endpoint_port != 0 {
+            Ok(descriptor)
+        } else {
+            Err(DecodeError::BadTag { what: WHAT })
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +232,55 @@ mod tests {
             length: 4096,
             device: 1,
         }
+    }
+
+    fn gdr() -> CudaGdrDescriptor {
+        CudaGdrDescriptor {
+            process: super::super::tests::someone(),
+            endpoint_addr: CudaGdrDescriptor::encode_ip(core::net::IpAddr::V4(
+                core::net::Ipv4Addr::new(10, 1, 2, 3),
+            )),
+            endpoint_port: 29_500,
+            address: 0x7f00_0000_1000,
+            rkey: 0xdead_beef,
+            length: (8 << 20) + 3,
+            device: 2,
+        }
+    }
+
+    #[test]
+    fn gdr_descriptor_round_trips_and_refuses_garbage() {
+        let g = gdr();
+        assert_eq!(CudaGdrDescriptor::decode(&g.encode()), Ok(g));
+        assert_eq!(
+            g.endpoint_ip(),
+            core::net::IpAddr::V4(core::net::Ipv4Addr::new(10, 1, 2, 3))
+        );
+        let v6 = core::net::IpAddr::V6(core::net::Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1));
+        let g6 = CudaGdrDescriptor {
+            endpoint_addr: CudaGdrDescriptor::encode_ip(v6),
+            ..g
+        };
+        assert_eq!(
+            CudaGdrDescriptor::decode(&g6.encode()).map(|d| d.endpoint_ip()),
+            Ok(v6)
+        );
+        // Other descriptors, short input, zeros, port 0 and a wrapping range are refused.
+        assert!(CudaGdrDescriptor::decode(&xth().encode()).is_err());
+        assert!(CudaXthDescriptor::decode(&g.encode()).is_err());
+        assert!(CudaGdrDescriptor::decode(&g.encode()[..50]).is_err());
+        assert!(CudaGdrDescriptor::decode(&[0u8; CudaGdrDescriptor::ENCODED_LEN]).is_err());
+        let no_port = CudaGdrDescriptor {
+            endpoint_port: 0,
+            ..g
+        };
+        assert!(CudaGdrDescriptor::decode(&no_port.encode()).is_err());
+        let wraps = CudaGdrDescriptor {
+            address: u64::MAX - 2,
+            ..g
+        };
+        assert!(CudaGdrDescriptor::decode(&wraps.encode()).is_err());
+        assert!(CudaGdrDescriptor::ENCODED_LEN <= usize::from(u8::MAX));
     }
 
     #[test]

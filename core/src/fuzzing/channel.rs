@@ -1,10 +1,10 @@
-//! The decoders of what a peer sends beside a pipe (`cma`, `xth`, `mpt`, `cuda_ipc` and
-//! `cuda_xth` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never
+//! The decoders of what a peer sends beside a pipe (`cma`, `xth`, `mpt`, `cuda_ipc`,
+//! `cuda_xth` and `cuda_gdr` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never
 //! panic, and whatever they accept encodes back to the very same bytes (a lane hello's
 //! index also lies in its set; a CUDA descriptor's range does not overflow).
 
 use crate::channel::cma::CmaDescriptor;
-use crate::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor};
+use crate::channel::cuda::{CudaGdrDescriptor, CudaIpcDescriptor, CudaXthDescriptor};
 use crate::channel::mpt::{LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
@@ -53,6 +53,15 @@ pub fn channel_descriptors(data: &[u8]) {
             "cuda_xth descriptor round trip"
         );
         assert!(descriptor.address.checked_add(descriptor.length).is_some());
+    }
+    if let Ok(descriptor) = CudaGdrDescriptor::decode(data) {
+        assert_eq!(
+            descriptor.encode().as_slice(),
+            data,
+            "cuda_gdr descriptor round trip"
+        );
+        assert!(descriptor.address.checked_add(descriptor.length).is_some());
+        assert_ne!(descriptor.endpoint_port, 0);
     }
     if let Ok(hello) = LaneHello::decode(data) {
         assert_eq!(hello.encode().as_slice(), data, "mpt lane hello round trip");

@@ -12,6 +12,16 @@
 //!   (`cuIpcOpenMemHandle`, with lazy peer access), copies device to device into fresh
 //!   memory on its target device and closes it again. The sender holds the memory until
 //!   the receiver answered (the agent's lending rule), so no event handle is needed;
+//! - `cuda_gdr` (another host, GPUDirect RDMA): a tensor's allocation is registered with
+//!   the NIC in the verbs domain of this process's GDR endpoint (a TCP listener that
+//!   bootstraps queue pairs, [`crate::ibv::lending`]); the descriptor names the endpoint,
+//!   the device address and the rkey, and the receiver reads the range into fresh memory
+//!   on its target device, registered in its own domain, with one RDMA READ. Offered only
+//!   when the probe finds it viable (CUDA, an active InfiniBand/RoCE port, a registration
+//!   path for every device); the node is started on first use. Each loan registers the
+//!   allocation anew and deregisters it when the loan ends (no cache: a freed allocation
+//!   must not leave a registration behind). Not run against a GPU and NIC here: the data
+//!   path is the host-memory one tested on Soft-RoCE, the CUDA side only compiles;
 //! - `cuda_basic`: synchronous copies to and from host memory.
 //!
 //! Every copy is synchronous: the receiving side's memory is complete when the agent
@@ -39,8 +49,12 @@ use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, Devi
 
 use super::channel_error::CudaChannelError;
 use super::descriptor::HostIdentity;
+use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
+use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::memory::{DeviceAllocation, Gpu};
-use super::viability::{self, CudaChannel};
+use super::viability::{self, ChannelVerdict, CudaChannel};
+use super::PeerMemory;
+use crate::ibv::IbvViability;
 use crate::report::ErrorChain;
 
 /// The CUDA device plugin of the RPC agent.
@@ -68,6 +82,14 @@ pub struct CudaRuntime {
     /// `cuda_xth`'s and `cuda_ipc`'s domain descriptors, or why they cannot run.
     xth: Result<String, String>,
     ipc: Result<String, String>,
+    /// `cuda_gdr`'s domain descriptor, or why it cannot run.
+    gdr: Result<String, String>,
+    /// Each device's registration path (from the probe), by ordinal.
+    gdr_paths: Vec<GdrPath>,
+    peer_memory: PeerMemory,
+    /// The GDR node, started on first use, and one registrar per device.
+    gdr_node: Mutex<Option<Arc<GdrNode>>>,
+    registrars: Mutex<Vec<Option<GdrRegistrar>>>,
 }
 
 impl CudaRuntime {
@@ -95,11 +117,25 @@ impl CudaRuntime {
                 (Err(e), _) | (_, Err(e)) => Err(format!("{channel} not viable: {e}")),
             },
         };
+        let gdr_verdict = report.verdict(CudaChannel::Gdr);
+        let gdr = gdr_lending::gdr_offer(
+            gdr_verdict,
+            process.as_ref().map(|_| ()).map_err(String::as_str),
+        );
+        let gdr_paths = match gdr_verdict {
+            Some(ChannelVerdict::Viable(paths)) => paths.clone(),
+            _ => Vec::new(),
+        };
         Ok(CudaRuntime {
             count,
             gpus: Mutex::new(vec![None; count]),
             xth: channel(CudaChannel::Xth, HostIdentity::xth_descriptor),
             ipc: channel(CudaChannel::Ipc, HostIdentity::ipc_descriptor),
+            gdr,
+            gdr_paths,
+            peer_memory: cuda.peer_memory,
+            gdr_node: Mutex::new(None),
+            registrars: Mutex::new((0..count).map(|_| None).collect()),
             process,
         })
     }
@@ -124,6 +160,73 @@ impl CudaRuntime {
 
     fn process(&self) -> Result<ProcessIdentity, String> {
         self.process.clone()
+    }
+
+    /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
+    /// offered.
+    fn gdr_node(&self) -> Result<Arc<GdrNode>, String> {
+        self.gdr.as_ref().map_err(Clone::clone)?;
+        let mut node = self.gdr_node.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(node) = node.as_ref() {
+            return Ok(Arc::clone(node));
+        }
+        let selection = match crate::ibv::probe_env() {
+            IbvViability::Viable(selection) => selection,
+            IbvViability::NotViable(reason) => {
+                return Err(format!(
+                    "cuda_gdr: no usable RDMA device: {}",
+                    ErrorChain(&reason)
+                ))
+            }
+        };
+        let configured = std::env::var(gdr_lending::ENV_GDR_ADDR).ok();
+        let advertised = gdr_lending::advertised_ip(configured.as_deref(), selection.gid)?;
+        let started = Arc::new(GdrNode::open(&selection, advertised)?);
+        tracing::info!(
+            endpoint = %started.advertised(),
+            device = %selection.device,
+            "cuda_gdr endpoint started"
+        );
+        *node = Some(Arc::clone(&started));
+        Ok(started)
+    }
+
+    /// A registration of the whole allocation `allocation` of device `ordinal` in the GDR
+    /// node's domain, held only by the caller (dropping it deregisters).
+    fn gdr_register(
+        &self,
+        node: &GdrNode,
+        ordinal: usize,
+        allocation: &DeviceAllocation,
+    ) -> Result<Arc<GdrRegistration>, String> {
+        let gpu = allocation.gpu().clone();
+        let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
+            format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
+        })?;
+        let mut registrars = self
+            .registrars
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let slot = registrars
+            .get_mut(ordinal)
+            .ok_or_else(|| format!("cuda_gdr: no CUDA device {ordinal}"))?;
+        let registrar = slot.get_or_insert_with(|| {
+            GdrRegistrar::new(
+                Arc::clone(node.domain().pd()),
+                &gpu,
+                path,
+                &self.peer_memory,
+                gdr_lending::gdr_access(),
+                1,
+            )
+        });
+        let registration = registrar
+            .register(allocation.range())
+            .map_err(|e| ErrorChain(&e).to_string());
+        // Nothing stays cached: the caller's handle is the only one, so the registration
+        // ends with the loan (or the read), before the allocation can be freed.
+        registrar.forget_all();
+        registration
     }
 
     /// Fresh memory on `device`, filled by `fill(destination address)` (a synchronous
@@ -213,6 +316,7 @@ impl DeviceRuntime for CudaRuntime {
         vec![
             (ChannelKind::CudaXth, self.xth.clone()),
             (ChannelKind::CudaIpc, self.ipc.clone()),
+            (ChannelKind::CudaGdr, self.gdr.clone()),
         ]
     }
 
@@ -238,6 +342,24 @@ impl DeviceRuntime for CudaRuntime {
             }
             .encode()
             .to_vec(),
+            ChannelKind::CudaGdr => {
+                let node = self.gdr_node()?;
+                let address = own.allocation.range().ptr();
+                let registration = if length == 0 {
+                    None
+                } else {
+                    let ordinal = ordinal(own.device)?;
+                    Some(self.gdr_register(&node, ordinal, &own.allocation)?)
+                };
+                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
+                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
+                // The registration goes before the memory (tuple fields drop in order);
+                // both live until the peer answered.
+                return Ok(DeviceLoan {
+                    descriptor,
+                    hold: Box::new((registration, memory.clone())),
+                });
+            }
             other => return Err(format!("the CUDA runtime does not lend over {other}")),
         };
         // The loan keeps the allocation: the peer reads it until it answers.
@@ -298,6 +420,21 @@ impl DeviceRuntime for CudaRuntime {
                     opened.check_holds(offset, len)?;
                     copy_and_wait(dst, opened.base + offset as u64, len, target)
                 })
+            }
+            ChannelKind::CudaGdr => {
+                let lent = gdr_lending::check_descriptor(descriptor, len)?;
+                let len =
+                    usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"))?;
+                let gpu = self.gpu(device)?;
+                let allocation = gpu.alloc(len).map_err(|e| ErrorChain(&e).to_string())?;
+                let memory = CudaMemory { device, allocation };
+                if len == 0 {
+                    return Ok(DeviceBuffer::new(memory));
+                }
+                let node = self.gdr_node()?;
+                let registration = self.gdr_register(&node, target, &memory.allocation)?;
+                let filled = node.read(&lent, GdrTarget::new(registration, memory))?;
+                Ok(DeviceBuffer::new(filled.into_memory()))
             }
             other => Err(format!("the CUDA runtime does not borrow over {other}")),
         }
@@ -470,7 +607,14 @@ mod tests {
                     .into_iter()
                     .map(|(kind, _)| kind)
                     .collect();
-                assert_eq!(kinds, [ChannelKind::CudaXth, ChannelKind::CudaIpc]);
+                assert_eq!(
+                    kinds,
+                    [
+                        ChannelKind::CudaXth,
+                        ChannelKind::CudaIpc,
+                        ChannelKind::CudaGdr
+                    ]
+                );
             }
             Err(reason) => {
                 eprintln!("CUDA is not usable here: {reason}");

@@ -16,7 +16,8 @@
 //! memory and registers nothing.
 //!
 //! The channels that move CUDA tensors live in the submodules, and [`agent`] plugs CUDA
-//! into the RPC agent (`cuda_xth`, `cuda_ipc` and `cuda_basic` for its tensors):
+//! into the RPC agent (`cuda_xth`, `cuda_ipc`, `cuda_gdr` and `cuda_basic` for its
+//! tensors):
 //!
 //! - [`basic`]: `cuda_basic`, staging through a bounded pool of pinned host slots over any
 //!   CPU [`byte_channel::ByteChannel`] (pipeline in [`staging`]);
@@ -25,7 +26,9 @@
 //! - [`ipc`]: `cuda_ipc`, between processes of one host through a sender-side staging
 //!   outbox whose IPC memory and event handles the receiver opens once;
 //! - [`gdr`]: `cuda_gdr`'s registration of device memory with a NIC (dma-buf, falling back
-//!   to peer memory); the RDMA data path over it is not built yet.
+//!   to peer memory), and [`gdr_lending`]: what the agent's runtime needs to lend and
+//!   borrow device memory over it (the RDMA data path is [`crate::ibv::lending`]; neither
+//!   has run on a GPU).
 //!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
 //! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
@@ -38,6 +41,7 @@ pub mod byte_channel;
 mod channel_error;
 pub mod descriptor;
 pub mod gdr;
+pub mod gdr_lending;
 pub mod ipc;
 pub mod memory;
 pub mod peer_memory;

@@ -38,8 +38,14 @@
 //! cached: for buffers sent once), [`IbvChannel::try_recv`], and [`IbvChannel::wait`],
 //! which sleeps on the completion channel *and* the caller's file descriptors.
 //!
-//! Not here: a shared receive queue across peers, receiving into caller-provided
-//! (pre-registered or device) memory, and reconnection.
+//! One-sided reads of memory the peer lent: [`IbvChannel::read_remote`] READs a range the
+//! peer registered (address and rkey, learnt out of band) into caller-registered memory
+//! (host or device). For that both sides' registrations must live in the protection
+//! domain of their queue pair: [`IbvChannel::connect_in`] makes the channel in a shared
+//! [`VerbsDomain`]. This is the data path of `cuda_gdr` ([`super::lending`]).
+//!
+//! Not here: a shared receive queue across peers, receiving ring messages into
+//! caller-provided memory, and reconnection.
 
 use std::alloc::{self, Layout};
 use std::collections::VecDeque;
@@ -92,6 +98,8 @@ pub const DEFAULT_RECV_SLOTS: u32 = 64;
 pub const ZERO_COPY_THRESHOLD: usize = 16 * 1024;
 /// Registrations kept by the sender's cache.
 pub const REGISTRATION_CACHE_ENTRIES: usize = 64;
+/// How long a failed [`IbvChannel::read_remote`] waits for its other READs to be flushed.
+pub const READ_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Inline data requested when creating the queue pair; the device may grant less.
 pub const REQUESTED_MAX_INLINE: u32 = 256;
 
@@ -227,11 +235,67 @@ pub enum ChannelError {
     Options(&'static str),
 }
 
+/// An opened verbs device and one protection domain on it, shared by the channels made
+/// with [`IbvChannel::connect_in`] and by the memory registered for one-sided READs
+/// through them (a READ names memory by a key of the target queue pair's protection
+/// domain). Clones share the device and the domain.
+#[derive(Clone)]
+pub struct VerbsDomain {
+    pd: Arc<ProtectionDomain>,
+    context: Arc<DeviceContext>,
+    device: String,
+}
+
+impl fmt::Debug for VerbsDomain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerbsDomain")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerbsDomain {
+    /// Opens `selection`'s device and allocates a protection domain on it.
+    ///
+    /// # Errors
+    /// The device is gone, or `ibv_open_device` or `ibv_alloc_pd` failed.
+    pub fn open(selection: &IbvSelection) -> Result<VerbsDomain, ChannelError> {
+        let dev = selection.device.as_str();
+        let list = DeviceList::new().map_err(|e| verb_err("ibv_get_device_list", dev, other(e)))?;
+        let device = list
+            .iter()
+            .find(|d| d.name() == dev)
+            .ok_or_else(|| ChannelError::DeviceNotFound { device: dev.into() })?;
+        let context = device
+            .open()
+            .map_err(|e| verb_err("ibv_open_device", dev, other(e)))?;
+        let pd = context
+            .alloc_pd()
+            .map_err(|e| verb_err("ibv_alloc_pd", dev, other(e)))?;
+        Ok(VerbsDomain {
+            pd,
+            context,
+            device: dev.to_owned(),
+        })
+    }
+
+    /// The protection domain (to register memory in it).
+    pub fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    /// The device's name.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+}
+
 /// Kinds of work request, in the top byte of `wr_id`.
 const WR_RECV: u64 = 1 << 56;
 const WR_DATA: u64 = 2 << 56;
 const WR_ACK: u64 = 3 << 56;
 const WR_READ: u64 = 4 << 56;
+const WR_REMOTE_READ: u64 = 5 << 56;
 const WR_KIND_MASK: u64 = 0xff << 56;
 
 /// Completions taken per `ibv_poll_cq` call.
@@ -368,6 +432,8 @@ pub struct IbvChannel {
     max_msg_size: u64,
     max_large_message: u64,
     outstanding_sends: u32,
+    /// One-sided READs of [`IbvChannel::read_remote`] posted and not completed.
+    remote_reads_in_flight: u32,
     /// Messages sent, and messages the peer acknowledged.
     sent_seq: u64,
     acked_seq: u64,
@@ -483,20 +549,46 @@ impl IbvChannel {
                 "ack_timeout must be 1 to 31 and retry_count 0 to 7",
             ));
         }
+        let domain = VerbsDomain::open(selection)?;
+        Self::connect_in(&domain, selection, bootstrap, options)
+    }
+
+    /// As [`connect`](Self::connect), with the queue pair in `domain`'s protection
+    /// domain, so that memory registered there ([`VerbsDomain::pd`]) can be the target of
+    /// the peer's one-sided READs ([`read_remote`](Self::read_remote)), and this side's
+    /// READs can land in it. `domain` must be opened on `selection`'s device.
+    pub fn connect_in<S: Read + Write + ?Sized>(
+        domain: &VerbsDomain,
+        selection: &IbvSelection,
+        bootstrap: &mut S,
+        options: &ChannelOptions,
+    ) -> Result<Self, ChannelError> {
+        if !options.ring_len.is_power_of_two()
+            || options.ring_len > MAX_RING_LEN
+            || (options.ring_len as usize) < DESCRIPTOR_LEN
+        {
+            return Err(ChannelError::Options(
+                "ring_len must be a power of two from 32 bytes to 1 GiB",
+            ));
+        }
+        if options.recv_slots == 0 || options.recv_slots > 4096 {
+            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
+        }
+        if options.ack_timeout == 0 || options.ack_timeout > 31 || options.retry_count > 7 {
+            return Err(ChannelError::Options(
+                "ack_timeout must be 1 to 31 and retry_count 0 to 7",
+            ));
+        }
+        if domain.device != selection.device {
+            return Err(ChannelError::Options(
+                "the verbs domain is open on another device than the selection's",
+            ));
+        }
         let dev = selection.device.as_str();
         let gid_index = u8::try_from(selection.gid_index)
             .map_err(|_| ChannelError::Options("GID index above 255"))?;
-        let list = DeviceList::new().map_err(|e| verb_err("ibv_get_device_list", dev, other(e)))?;
-        let device = list
-            .iter()
-            .find(|d| d.name() == dev)
-            .ok_or_else(|| ChannelError::DeviceNotFound { device: dev.into() })?;
-        let context = device
-            .open()
-            .map_err(|e| verb_err("ibv_open_device", dev, other(e)))?;
-        let pd = context
-            .alloc_pd()
-            .map_err(|e| verb_err("ibv_alloc_pd", dev, other(e)))?;
+        let context = Arc::clone(&domain.context);
+        let pd = Arc::clone(&domain.pd);
 
         let recv_ring = RingMemory::new(options.ring_len)?;
         let send_ring = RingMemory::new(options.ring_len)?;
@@ -600,6 +692,7 @@ impl IbvChannel {
             max_msg_size: u64::from(selection.max_msg_size.max(1)),
             max_large_message: options.max_large_message,
             outstanding_sends: 0,
+            remote_reads_in_flight: 0,
             sent_seq: 0,
             acked_seq: 0,
             arrived: VecDeque::new(),
@@ -1130,6 +1223,103 @@ impl IbvChannel {
         Some(buf)
     }
 
+    /// Reads `len` bytes at `remote_addr` of the peer's memory, registered there under
+    /// `rkey`, into `[local_addr, local_addr + len)` with one-sided RDMA READs (split at
+    /// the port's largest message), and returns once every READ has completed. The peer's
+    /// CPU takes no part; the ring protocol is untouched, so a channel can carry messages
+    /// and READs alike.
+    ///
+    /// # Errors
+    /// - [`ChannelError::Completion`] when a READ fails, naming the status: a wrong key or
+    ///   a range outside the peer's registration is `IBV_WC_REM_ACCESS_ERR`, a peer gone
+    ///   is `IBV_WC_RETRY_EXC_ERR`. The channel is failed from then on.
+    /// - [`ChannelError::Timeout`] after `timeout`: the queue pair is then moved to the
+    ///   error state and the READs still posted are flushed.
+    /// - [`ChannelError::Verb`] when posting fails, [`ChannelError::Options`] for a range
+    ///   that wraps around.
+    ///
+    /// # Safety
+    /// `[local_addr, local_addr + len)` must be memory registered under `lkey` in this
+    /// channel's protection domain with local write access, which nothing else reads or
+    /// writes until this returns. When it returns an error with
+    /// [`remote_reads_in_flight`](Self::remote_reads_in_flight) above zero (the flush did
+    /// not finish), the device may still write there: the memory must then never be
+    /// reused or freed.
+    pub unsafe fn read_remote(
+        &mut self,
+        lkey: u32,
+        local_addr: u64,
+        remote_addr: u64,
+        rkey: u32,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<(), ChannelError> {
+        self.check_failed()?;
+        if remote_addr.checked_add(len).is_none() || local_addr.checked_add(len).is_none() {
+            return Err(ChannelError::Options("the RDMA read range wraps around"));
+        }
+        let deadline = Some((Instant::now() + timeout, timeout));
+        let mut posted = 0u64;
+        let result = 'reading: loop {
+            while posted < len && self.outstanding_sends + 2 <= self.max_send_wr {
+                let chunk = (len - posted).min(self.max_msg_size).min(1 << 30);
+                let mut guard = self.qp.start_post_send();
+                let wr = guard
+                    .construct_wr(WR_REMOTE_READ, WorkRequestFlags::Signaled)
+                    .setup_read(rkey, remote_addr + posted);
+                // SAFETY: the caller guarantees the destination range is registered under
+                // `lkey` and untouched until every READ into it completed (or leaked).
+                unsafe { wr.setup_sge(lkey, local_addr + posted, chunk as u32) };
+                if let Err(e) = guard.post() {
+                    break 'reading Err(verb_err(
+                        "ibv_post_send (one-sided RDMA read)",
+                        &self.device,
+                        other(e),
+                    ));
+                }
+                posted += chunk;
+                self.remote_reads_in_flight += 1;
+                self.outstanding_sends += 1;
+            }
+            if posted == len && self.remote_reads_in_flight == 0 {
+                break Ok(());
+            }
+            if let Err(e) = self.check_failed() {
+                break Err(e);
+            }
+            if let Err(e) = self.progress(deadline, "RDMA read") {
+                break Err(e);
+            }
+        };
+        if result.is_err() && self.remote_reads_in_flight > 0 {
+            self.flush_remote_reads();
+        }
+        result
+    }
+
+    /// One-sided READs posted by [`read_remote`](Self::read_remote) whose completion has
+    /// not arrived (nonzero only after a failed or timed-out read whose flush did not
+    /// finish).
+    pub fn remote_reads_in_flight(&self) -> u32 {
+        self.remote_reads_in_flight
+    }
+
+    /// Moves the queue pair to the error state and takes completions until the posted
+    /// READs are flushed, for at most [`READ_FLUSH_TIMEOUT`].
+    fn flush_remote_reads(&mut self) {
+        if let Err(e) = self.abort() {
+            debug!(error = %e, "cannot move the queue pair to the error state");
+        }
+        let until = Instant::now() + READ_FLUSH_TIMEOUT;
+        while self.remote_reads_in_flight > 0 {
+            match self.progress(Some((until, READ_FLUSH_TIMEOUT)), "RDMA read flush") {
+                Err(ChannelError::Timeout { .. }) => break,
+                Err(ChannelError::Verb { .. }) => break,
+                _ => {}
+            }
+        }
+    }
+
     /// Moves the queue pair to the error state: pending work requests complete with
     /// `IBV_WC_WR_FLUSH_ERR`, and the peer's next transfers fail. Used to abort a
     /// connection (and by tests to exercise the error path).
@@ -1364,12 +1554,16 @@ impl IbvChannel {
         if kind != WR_RECV {
             self.outstanding_sends = self.outstanding_sends.saturating_sub(1);
         }
+        if kind == WR_REMOTE_READ {
+            self.remote_reads_in_flight = self.remote_reads_in_flight.saturating_sub(1);
+        }
         if wc.status != 0 {
             let operation = match kind {
                 WR_RECV => "receive (ibv_post_recv)",
                 WR_DATA => "RDMA write with immediate",
                 WR_ACK => "send with immediate (credit ack)",
                 WR_READ => "RDMA read (zero-copy receive)",
+                WR_REMOTE_READ => "RDMA read (one-sided)",
                 _ => "unknown work request",
             };
             let failure = CompletionFailure {

@@ -11,10 +11,15 @@
 //! The module is split so that the decisions are testable without hardware:
 //! [`config`] parses the user's choice, [`topology`] describes what the host has,
 //! [`select`] picks (pure), and [`discover`] fills the description from libibverbs.
+//!
+//! The data paths: [`channel`] (one RC queue pair with message rings, zero-copy large
+//! messages and one-sided reads), [`transport`] (the agent's `ibv` transport over it) and
+//! [`lending`] (memory lent to peers who READ it: `cuda_gdr`'s path).
 
 pub mod channel;
 pub mod config;
 pub mod discover;
+pub mod lending;
 pub mod regcache;
 pub mod ring;
 pub mod select;

@@ -1,0 +1,331 @@
+//! `cuda_gdr` in the CUDA runtime of the agent: device memory lent over GPUDirect RDMA.
+//!
+//! The lender registers the tensor's allocation with the NIC
+//! ([`GdrRegistrar`](super::gdr::GdrRegistrar)) in the verbs domain of its
+//! [`LendingEndpoint`], and the descriptor (`rdzv_core::channel::cuda::CudaGdrDescriptor`)
+//! tells the peer the endpoint's address, the device address, the rkey and the length. The
+//! borrower allocates memory on its target device, registers it in its own domain and
+//! reads the lent range into it with one RDMA READ ([`Borrower::read_into`]): NIC to NIC,
+//! device memory to device memory, without either host's memory or CPU in the data path.
+//! The data path itself is [`crate::ibv::lending`], tested with host memory on Soft-RoCE.
+//!
+//! This module holds what the runtime needs around it, in small pieces: whether to offer
+//! the channel ([`gdr_offer`]), which address peers reach the endpoint at
+//! ([`advertised_ip`]), the node (endpoint and borrower, [`GdrNode`]) and the registered
+//! device memory a read lands in ([`GdrTarget`]). None of it has run against a GPU and
+//! NIC (none on the development hosts): the decisions are unit-tested, the rest compiles.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use rdzv_core::channel::cuda::CudaGdrDescriptor;
+use rdzv_core::channel::ProcessIdentity;
+use sideway::ibverbs::AccessFlags;
+
+use super::agent::CudaMemory;
+use super::gdr::GdrRegistration;
+use super::viability::ChannelVerdict;
+use crate::ibv::channel::VerbsDomain;
+use crate::ibv::lending::{Borrower, LendingEndpoint, LendingOptions, ReadTarget};
+use crate::ibv::topology::Gid;
+use crate::ibv::IbvSelection;
+use crate::report::ErrorChain;
+
+/// The environment variable naming the IP address peers reach this process's GDR endpoint
+/// at (it wins over the address in a RoCE GID).
+pub const ENV_GDR_ADDR: &str = "RDZV_GDR_ADDR";
+
+/// What the registrations of `cuda_gdr` allow: the lender's peer READs them, the
+/// borrower's READs write into them.
+pub fn gdr_access() -> AccessFlags {
+    AccessFlags::LocalWrite | AccessFlags::RemoteRead
+}
+
+/// `cuda_gdr`'s offer: its domain descriptor when the probe found it viable and this
+/// process can be identified, else why not.
+pub fn gdr_offer(
+    verdict: Option<&ChannelVerdict>,
+    process_known: Result<(), &str>,
+) -> Result<String, String> {
+    match verdict {
+        Some(verdict @ ChannelVerdict::NotViable(_)) => Err(format!("cuda_gdr: {verdict}")),
+        None => Err("cuda_gdr: not assessed by the probe".to_owned()),
+        Some(ChannelVerdict::Viable(_)) => match process_known {
+            Ok(()) => Ok(super::descriptor::GDR_DESCRIPTOR.to_owned()),
+            Err(e) => Err(format!("cuda_gdr not viable: {e}")),
+        },
+    }
+}
+
+/// The address peers reach the GDR endpoint at: `configured` (the value of
+/// [`ENV_GDR_ADDR`]) when set, else the IPv4 address of a RoCE v2 GID (`::ffff:a.b.c.d`).
+/// InfiniBand GIDs carry no IP address: such hosts must set [`ENV_GDR_ADDR`].
+///
+/// # Errors
+/// A `configured` value that is not an IP address, or neither source gives one.
+pub fn advertised_ip(configured: Option<&str>, gid: Gid) -> Result<IpAddr, String> {
+    if let Some(text) = configured {
+        return text.trim().parse::<IpAddr>().map_err(|_| {
+            format!("{ENV_GDR_ADDR}={text:?} is not an IP address for the cuda_gdr endpoint")
+        });
+    }
+    gid.ipv4_mapped().map(IpAddr::V4).ok_or_else(|| {
+        format!(
+            "the RDMA port's GID {} holds no IPv4 address; set {ENV_GDR_ADDR} to this host's \
+             address for the cuda_gdr endpoint",
+            gid.to_ipv6()
+        )
+    })
+}
+
+/// Where the endpoint listens for peers that reach it at `advertised`: every address of
+/// the same family, any port.
+pub fn bind_address(advertised: IpAddr) -> SocketAddr {
+    match advertised {
+        IpAddr::V4(_) => SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+        IpAddr::V6(_) => SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    }
+}
+
+/// The loan a peer's `descriptor` announces, checked against the frame's `len` (untrusted
+/// bytes: anything else is an error, never a panic).
+///
+/// # Errors
+/// A malformed descriptor, or one that lends another length than the frame says.
+pub fn check_descriptor(descriptor: &[u8], len: u64) -> Result<CudaGdrDescriptor, String> {
+    let lent = CudaGdrDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+    if lent.length != len {
+        return Err(format!(
+            "the cuda_gdr descriptor lends {} bytes, the frame says {len}",
+            lent.length
+        ));
+    }
+    Ok(lent)
+}
+
+/// One process's `cuda_gdr` node: the lending endpoint and the borrower, sharing one verbs
+/// domain (registrations of both sides live there).
+#[derive(Debug)]
+pub struct GdrNode {
+    endpoint: LendingEndpoint,
+    advertised: SocketAddr,
+    borrower: Borrower,
+}
+
+impl GdrNode {
+    /// Opens `selection`'s device and starts the endpoint, reachable at `advertised`.
+    ///
+    /// # Errors
+    /// The device cannot be opened or the listener made (as text, for the agent).
+    pub fn open(selection: &IbvSelection, advertised: IpAddr) -> Result<GdrNode, String> {
+        let domain = VerbsDomain::open(selection).map_err(|e| ErrorChain(&e).to_string())?;
+        let options = LendingOptions::default();
+        let endpoint = LendingEndpoint::start(
+            selection,
+            domain.clone(),
+            bind_address(advertised),
+            &options,
+        )
+        .map_err(|e| ErrorChain(&e).to_string())?;
+        let advertised = SocketAddr::new(advertised, endpoint.local_addr().port());
+        Ok(GdrNode {
+            endpoint,
+            advertised,
+            borrower: Borrower::new(selection, domain, options),
+        })
+    }
+
+    /// The verbs domain both sides register in.
+    pub fn domain(&self) -> &VerbsDomain {
+        self.endpoint.domain()
+    }
+
+    /// The endpoint's address as peers reach it.
+    pub fn advertised(&self) -> SocketAddr {
+        self.advertised
+    }
+
+    /// The borrowing side.
+    pub fn borrower(&self) -> &Borrower {
+        &self.borrower
+    }
+
+    /// The descriptor of a loan by `process` of `length` bytes at `address`, registered
+    /// under `rkey` in this node's domain, on device `device`.
+    pub fn descriptor(
+        &self,
+        process: ProcessIdentity,
+        address: u64,
+        rkey: u32,
+        length: u64,
+        device: u32,
+    ) -> Vec<u8> {
+        CudaGdrDescriptor {
+            process,
+            endpoint_addr: CudaGdrDescriptor::encode_ip(self.advertised.ip()),
+            endpoint_port: self.advertised.port(),
+            address,
+            rkey,
+            length,
+            device,
+        }
+        .encode()
+        .to_vec()
+    }
+
+    /// Reads the loan `lent` (from [`check_descriptor`]) into `target`, registered in this
+    /// node's domain, and hands it back filled.
+    ///
+    /// # Errors
+    /// The read failed: the text names the lender, the verb and the work completion status
+    /// (e.g. `IBV_WC_REM_ACCESS_ERR`).
+    pub fn read<T: ReadTarget>(&self, lent: &CudaGdrDescriptor, target: T) -> Result<T, String> {
+        let lender = SocketAddr::new(lent.endpoint_ip(), lent.endpoint_port);
+        self.borrower
+            .read_into(lender, target, lent.address, lent.rkey)
+            .map_err(|e| {
+                format!(
+                    "cuda_gdr: reading {} bytes lent by pid {} from its device {}: {}",
+                    lent.length,
+                    lent.process.pid,
+                    lent.device,
+                    ErrorChain(&e)
+                )
+            })
+    }
+}
+
+/// Fresh device memory registered for a read to land in. Field order: the registration
+/// goes before the memory.
+#[derive(Debug)]
+pub struct GdrTarget {
+    registration: Arc<GdrRegistration>,
+    memory: CudaMemory,
+}
+
+impl GdrTarget {
+    /// `memory`, registered by `registration` (which must cover it, in the borrower's
+    /// domain, with local write access: [`gdr_access`]).
+    pub fn new(registration: Arc<GdrRegistration>, memory: CudaMemory) -> GdrTarget {
+        GdrTarget {
+            registration,
+            memory,
+        }
+    }
+
+    /// The memory, its registration released.
+    pub fn into_memory(self) -> CudaMemory {
+        let GdrTarget {
+            registration,
+            memory,
+        } = self;
+        drop(registration);
+        memory
+    }
+}
+
+// SAFETY: the registration covers the whole allocation (GdrRegistrar registers the
+// containing `cuMemAlloc` allocation) at its device addresses, in the domain it was made
+// for with local write access (`GdrTarget::new`'s contract); the target owns the allocation
+// and hands it out only by value.
+unsafe impl ReadTarget for GdrTarget {
+    fn lkey(&self) -> u32 {
+        self.registration.lkey()
+    }
+
+    fn addr(&self) -> u64 {
+        self.memory.allocation().range().ptr()
+    }
+
+    fn len(&self) -> u64 {
+        self.memory.allocation().len() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::viability::ChannelNotViable;
+
+    #[test]
+    fn descriptors_are_checked_against_the_frame() {
+        let lent = CudaGdrDescriptor {
+            process: ProcessIdentity {
+                boot_id: [1; 16],
+                pid_namespace: 2,
+                user_namespace: 3,
+                pid: 4,
+                start_time: 5,
+            },
+            endpoint_addr: CudaGdrDescriptor::encode_ip(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            endpoint_port: 4000,
+            address: 0x1000,
+            rkey: 9,
+            length: 64,
+            device: 0,
+        };
+        let bytes = lent.encode();
+        assert_eq!(check_descriptor(&bytes, 64), Ok(lent));
+        let reason = check_descriptor(&bytes, 65).unwrap_err();
+        assert!(
+            reason.contains("lends 64 bytes, the frame says 65"),
+            "{reason}"
+        );
+        assert!(check_descriptor(&bytes[1..], 64).is_err());
+        assert!(check_descriptor(b"cuda_gdr", 8).is_err());
+    }
+
+    #[test]
+    fn offered_only_when_viable_and_identified() {
+        let viable = ChannelVerdict::Viable(Vec::new());
+        assert_eq!(
+            gdr_offer(Some(&viable), Ok(())),
+            Ok("cuda_gdr:*".to_owned())
+        );
+        let no_nic =
+            ChannelVerdict::NotViable(ChannelNotViable::NoRdmaDevice("no device".to_owned()));
+        let reason = gdr_offer(Some(&no_nic), Ok(())).unwrap_err();
+        assert!(reason.starts_with("cuda_gdr: not viable:"), "{reason}");
+        assert!(reason.contains("no device"), "{reason}");
+        assert!(gdr_offer(None, Ok(())).is_err());
+        let reason = gdr_offer(Some(&viable), Err("no /proc")).unwrap_err();
+        assert!(reason.contains("no /proc"), "{reason}");
+    }
+
+    #[test]
+    fn the_endpoint_address_comes_from_the_environment_or_a_roce_gid() {
+        let mut roce = [0u8; 16];
+        roce[10] = 0xff;
+        roce[11] = 0xff;
+        roce[12..].copy_from_slice(&[192, 168, 7, 9]);
+        let roce = Gid(roce);
+        let mut ib = [0u8; 16];
+        ib[0] = 0xfe;
+        ib[1] = 0x80;
+        ib[15] = 1;
+        let ib = Gid(ib);
+        assert_eq!(
+            advertised_ip(None, roce),
+            Ok(IpAddr::V4(Ipv4Addr::new(192, 168, 7, 9)))
+        );
+        assert_eq!(
+            advertised_ip(Some(" 10.0.0.2 "), roce),
+            Ok(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)))
+        );
+        assert_eq!(
+            advertised_ip(Some("fd00::5"), ib),
+            Ok("fd00::5".parse::<IpAddr>().unwrap())
+        );
+        let reason = advertised_ip(None, ib).unwrap_err();
+        assert!(reason.contains(ENV_GDR_ADDR), "{reason}");
+        assert!(advertised_ip(Some("host.example"), roce).is_err());
+        assert_eq!(
+            bind_address("fd00::5".parse().unwrap()),
+            "[::]:0".parse().unwrap()
+        );
+        assert_eq!(
+            bind_address(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            "0.0.0.0:0".parse().unwrap()
+        );
+    }
+}
