@@ -36,7 +36,6 @@
 //! CPU side).
 
 use std::any::Any;
-use std::ffi::c_char;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cudarc::driver::sys;
@@ -263,6 +262,18 @@ fn ordinal(device: Device) -> Result<usize, String> {
     cuda_ordinal(device).map_err(|e| e.to_string())
 }
 
+/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
+/// (`len`).
+pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
+    if lent == len {
+        Ok(())
+    } else {
+        Err(format!(
+            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
+        ))
+    }
+}
+
 /// Memory a tensor lent: the runtime's own.
 fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, String> {
     memory.downcast_ref::<CudaMemory>().ok_or_else(|| {
@@ -381,12 +392,7 @@ impl DeviceRuntime for CudaRuntime {
         match channel {
             ChannelKind::CudaXth => {
                 let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                if lent.length != len {
-                    return Err(format!(
-                        "the descriptor lends {} bytes, the frame says {len}",
-                        lent.length
-                    ));
-                }
+                check_lent_length(channel, lent.length, len)?;
                 if lent.process != me {
                     return Err(format!(
                         "the memory was lent by pid {}, not by this process (pid {}): \
@@ -400,12 +406,7 @@ impl DeviceRuntime for CudaRuntime {
             }
             ChannelKind::CudaIpc => {
                 let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                if lent.length != len {
-                    return Err(format!(
-                        "the descriptor lends {} bytes, the frame says {len}",
-                        lent.length
-                    ));
-                }
+                check_lent_length(channel, lent.length, len)?;
                 if let Some(what) = me.mismatch(&lent.process) {
                     return Err(format!(
                         "the memory was lent by pid {} under another {what}: cuda_ipc works \
@@ -450,21 +451,7 @@ struct OpenedHandle {
 impl OpenedHandle {
     /// Opens `handle` in the current context (the target device's).
     fn open(handle: &[u8; IPC_HANDLE_LEN], ordinal: usize) -> Result<Self, CudaChannelError> {
-        let handle = sys::CUipcMemHandle {
-            reserved: handle.map(|b| b as c_char),
-        };
-        let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: the driver maps the exporter's allocation and writes its address into
-        // a live local; a handle that names nothing is rejected by the driver.
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                handle,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        }
-        .result()
-        .map_err(CudaChannelError::driver("cuIpcOpenMemHandle", ordinal))?;
+        let base = super::ipc::open_mem_handle(handle, ordinal)?;
         Ok(OpenedHandle { base, ordinal })
     }
 

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use rdzv_core::channel::cuda::CudaGdrDescriptor;
 use rdzv_core::channel::ProcessIdentity;
+use rdzv_core::negotiate::ChannelKind;
 use sideway::ibverbs::AccessFlags;
 
 use super::agent::CudaMemory;
@@ -94,12 +95,7 @@ pub fn bind_address(advertised: IpAddr) -> SocketAddr {
 /// A malformed descriptor, or one that lends another length than the frame says.
 pub fn check_descriptor(descriptor: &[u8], len: u64) -> Result<CudaGdrDescriptor, String> {
     let lent = CudaGdrDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-    if lent.length != len {
-        return Err(format!(
-            "the cuda_gdr descriptor lends {} bytes, the frame says {len}",
-            lent.length
-        ));
-    }
+    super::agent::check_lent_length(ChannelKind::CudaGdr, lent.length, len)?;
     Ok(lent)
 }
 

@@ -727,11 +727,15 @@ struct BoundInbox<'r, 's, 'd> {
     stream: &'s CudaStream,
 }
 
-fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannelError> {
-    let ordinal = gpu.ordinal();
-    gpu.bind()?;
+/// Maps the allocation behind an IPC memory `handle` into the current context (device
+/// `ordinal`'s, for errors), with lazy peer access; the caller closes it with
+/// `cuIpcCloseMemHandle`.
+pub(crate) fn open_mem_handle(
+    handle: &[u8; HANDLE_LEN],
+    ordinal: usize,
+) -> Result<sys::CUdeviceptr, CudaChannelError> {
     let handle = sys::CUipcMemHandle {
-        reserved: handle_chars(&info.mem_handle),
+        reserved: handle_chars(handle),
     };
     let mut base: sys::CUdeviceptr = 0;
     // SAFETY: the driver maps the exporter's allocation and writes its address into a
@@ -745,6 +749,13 @@ fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannel
     }
     .result()
     .map_err(CudaChannelError::driver("cuIpcOpenMemHandle", ordinal))?;
+    Ok(base)
+}
+
+fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannelError> {
+    let ordinal = gpu.ordinal();
+    gpu.bind()?;
+    let base = open_mem_handle(&info.mem_handle, ordinal)?;
     let mut opened = OpenedOutbox {
         gpu: gpu.clone(),
         key: (info.pid, info.outbox_id),
