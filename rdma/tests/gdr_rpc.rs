@@ -14,7 +14,6 @@
 
 mod verbs_env;
 
-use std::any::Any;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +25,7 @@ use rdzv_rdma::cuda::gdr_lending::{check_descriptor, GdrNode};
 use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
+    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostMemory,
     Message, RpcAgent, RpcOptions, Tensor,
 };
 use sideway::ibverbs::AccessFlags;
@@ -42,25 +41,6 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// "CUDA memory" on the host.
-#[derive(Debug)]
-struct HostMemory {
-    device: Device,
-    bytes: Vec<u8>,
-}
-
-impl DeviceMemory for HostMemory {
-    fn device(&self) -> Device {
-        self.device
-    }
-    fn len(&self) -> usize {
-        self.bytes.len()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 /// A one-device "CUDA" runtime whose lending channel is `cuda_gdr`, over a real GDR node.
 struct HostGdr {
     node: GdrNode,
@@ -70,7 +50,7 @@ impl HostGdr {
     fn bytes(memory: &DeviceBuffer) -> Result<&[u8], String> {
         memory
             .downcast_ref::<HostMemory>()
-            .map(|m| m.bytes.as_slice())
+            .map(|m| m.bytes())
             .ok_or_else(|| "not memory of this runtime".to_string())
     }
 }
@@ -85,7 +65,7 @@ impl DeviceRuntime for HostGdr {
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
-        Ok(DeviceBuffer::new(HostMemory { device, bytes }))
+        Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -214,10 +194,7 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
     let mut sent = 0u64;
     for (n, len) in SIZES.into_iter().enumerate() {
         let data = pattern(len, n as u8);
-        let memory = DeviceBuffer::new(HostMemory {
-            device: Device::cuda(0),
-            bytes: data.clone(),
-        });
+        let memory = DeviceBuffer::new(HostMemory::new(Device::cuda(0), data.clone()));
         let request = Message::from_payload(format!("{len}").into_bytes())
             .with_tensor(Tensor::on_device(memory));
         let reply = agent
@@ -228,7 +205,7 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
         let memory = tensor.memory.as_ref().expect("device memory");
         let got = memory
             .downcast_ref::<HostMemory>()
-            .map(|m| m.bytes.clone())
+            .map(|m| m.bytes().to_vec())
             .expect("memory of this runtime");
         assert!(
             got == data,

@@ -15,7 +15,6 @@
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
 //! parent and child meet at a `file://` store.
 
-use std::any::Any;
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +26,7 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    HostMemory, Message, RpcAgent, RpcError, RpcOptions, Tensor,
 };
 
 mod common;
@@ -75,25 +74,6 @@ impl Drop for LoanFile {
     }
 }
 
-/// "CUDA memory" that lives on the host.
-#[derive(Debug)]
-struct HostMemory {
-    device: Device,
-    bytes: Vec<u8>,
-}
-
-impl DeviceMemory for HostMemory {
-    fn device(&self) -> Device {
-        self.device
-    }
-    fn len(&self) -> usize {
-        self.bytes.len()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 /// A CUDA runtime with `gpus` devices of host memory.
 struct HostCuda {
     gpus: u8,
@@ -108,10 +88,10 @@ impl DeviceRuntime for HostCuda {
         let memory = memory
             .downcast_ref::<HostMemory>()
             .ok_or("not memory of this runtime")?;
-        if memory.bytes.len() == FAILS_TO_LEAVE {
-            return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device));
+        if memory.bytes().len() == FAILS_TO_LEAVE {
+            return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
         }
-        Ok(memory.bytes.clone())
+        Ok(memory.bytes().to_vec())
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -134,10 +114,10 @@ impl DeviceRuntime for HostCuda {
         let memory = memory
             .downcast_ref::<HostMemory>()
             .ok_or("not memory of this runtime")?;
-        if memory.bytes.len() == FAILS_TO_LEAVE {
+        if memory.bytes().len() == FAILS_TO_LEAVE {
             return Err(format!(
                 "fake cuIpcGetMemHandle failed on {}",
-                memory.device
+                memory.device()
             ));
         }
         let path = std::env::temp_dir().join(format!(
@@ -145,7 +125,7 @@ impl DeviceRuntime for HostCuda {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::write(&path, &memory.bytes).map_err(|e| e.to_string())?;
+        std::fs::write(&path, memory.bytes()).map_err(|e| e.to_string())?;
         Ok(DeviceLoan {
             descriptor: format!("{FAKE_IPC}{}", path.display()).into_bytes(),
             hold: Box::new(LoanFile(path)),
@@ -199,7 +179,7 @@ impl DevicePlugin for HostCudaPlugin {
 }
 
 fn gpu_tensor(device: Device, bytes: Vec<u8>) -> DeviceBuffer {
-    DeviceBuffer::new(HostMemory { device, bytes })
+    DeviceBuffer::new(HostMemory::new(device, bytes))
 }
 
 /// A tensor's bytes: a CPU tensor's, or those of its fake device memory.
@@ -213,7 +193,7 @@ fn bytes_of(tensor: &Tensor) -> Result<&[u8], String> {
             }
             memory
                 .downcast_ref::<HostMemory>()
-                .map(|m| m.bytes.as_slice())
+                .map(|m| m.bytes())
                 .ok_or_else(|| "memory of another runtime".to_string())
         }
     }

@@ -525,6 +525,29 @@ fn initial_psn() -> u32 {
     (nanos ^ std::process::id().rotate_left(12)) & MAX_24BIT
 }
 
+impl ChannelOptions {
+    /// Checks the options' ranges.
+    fn check(&self) -> Result<(), ChannelError> {
+        if !self.ring_len.is_power_of_two()
+            || self.ring_len > MAX_RING_LEN
+            || (self.ring_len as usize) < DESCRIPTOR_LEN
+        {
+            return Err(ChannelError::Options(
+                "ring_len must be a power of two from 32 bytes to 1 GiB",
+            ));
+        }
+        if self.recv_slots == 0 || self.recv_slots > 4096 {
+            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
+        }
+        if self.ack_timeout == 0 || self.ack_timeout > 31 || self.retry_count > 7 {
+            return Err(ChannelError::Options(
+                "ack_timeout must be 1 to 31 and retry_count 0 to 7",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl IbvChannel {
     /// Connects to the peer at the other end of `bootstrap`, which must call `connect` too
     /// (the exchange is symmetric). Blocks until both queue pairs are ready to send.
@@ -533,22 +556,7 @@ impl IbvChannel {
         bootstrap: &mut S,
         options: &ChannelOptions,
     ) -> Result<Self, ChannelError> {
-        if !options.ring_len.is_power_of_two()
-            || options.ring_len > MAX_RING_LEN
-            || (options.ring_len as usize) < DESCRIPTOR_LEN
-        {
-            return Err(ChannelError::Options(
-                "ring_len must be a power of two from 32 bytes to 1 GiB",
-            ));
-        }
-        if options.recv_slots == 0 || options.recv_slots > 4096 {
-            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
-        }
-        if options.ack_timeout == 0 || options.ack_timeout > 31 || options.retry_count > 7 {
-            return Err(ChannelError::Options(
-                "ack_timeout must be 1 to 31 and retry_count 0 to 7",
-            ));
-        }
+        options.check()?;
         let domain = VerbsDomain::open(selection)?;
         Self::connect_in(&domain, selection, bootstrap, options)
     }
@@ -563,22 +571,7 @@ impl IbvChannel {
         bootstrap: &mut S,
         options: &ChannelOptions,
     ) -> Result<Self, ChannelError> {
-        if !options.ring_len.is_power_of_two()
-            || options.ring_len > MAX_RING_LEN
-            || (options.ring_len as usize) < DESCRIPTOR_LEN
-        {
-            return Err(ChannelError::Options(
-                "ring_len must be a power of two from 32 bytes to 1 GiB",
-            ));
-        }
-        if options.recv_slots == 0 || options.recv_slots > 4096 {
-            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
-        }
-        if options.ack_timeout == 0 || options.ack_timeout > 31 || options.retry_count > 7 {
-            return Err(ChannelError::Options(
-                "ack_timeout must be 1 to 31 and retry_count 0 to 7",
-            ));
-        }
+        options.check()?;
         if domain.device != selection.device {
             return Err(ChannelError::Options(
                 "the verbs domain is open on another device than the selection's",

@@ -101,6 +101,40 @@ impl PartialEq for DeviceBuffer {
 
 impl Eq for DeviceBuffer {}
 
+/// "Device" memory that lives on the host: for runtimes and tests on machines without
+/// the device (the agent cannot tell it from real device memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMemory {
+    device: Device,
+    bytes: Vec<u8>,
+}
+
+impl HostMemory {
+    /// `bytes`, said to be on `device`.
+    pub fn new(device: Device, bytes: Vec<u8>) -> HostMemory {
+        HostMemory { device, bytes }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl DeviceMemory for HostMemory {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
 /// A device runtime built outside this crate, handed to the agent in
 /// `RpcOptions::device_plugins`.
 pub trait DevicePlugin: Send + Sync {
@@ -397,25 +431,6 @@ fn checked_memory(device: Device, memory: Option<&DeviceBuffer>) -> Result<&Devi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
-
-    #[derive(Debug)]
-    struct HostMemory {
-        device: Device,
-        bytes: Mutex<Vec<u8>>,
-    }
-
-    impl DeviceMemory for HostMemory {
-        fn device(&self) -> Device {
-            self.device
-        }
-        fn len(&self) -> usize {
-            self.bytes.lock().map_or(0, |b| b.len())
-        }
-        fn as_any(&self) -> &dyn Any {
-            self
-        }
-    }
 
     struct HostRuntime {
         short_copy: bool,
@@ -426,7 +441,7 @@ mod tests {
             let memory = memory
                 .downcast_ref::<HostMemory>()
                 .ok_or("foreign memory")?;
-            Ok(memory.bytes.lock().map_err(|e| e.to_string())?.clone())
+            Ok(memory.bytes().to_vec())
         }
     }
 
@@ -464,7 +479,7 @@ mod tests {
             let memory = memory
                 .downcast_ref::<HostMemory>()
                 .ok_or("foreign memory")?;
-            let mut bytes = memory.bytes.lock().map_err(|e| e.to_string())?.clone();
+            let mut bytes = memory.bytes().to_vec();
             if self.short_copy {
                 bytes.pop();
             }
@@ -474,10 +489,7 @@ mod tests {
             if device.index().unwrap_or(0) >= 2 {
                 return Err(format!("no {device}"));
             }
-            Ok(DeviceBuffer::new(HostMemory {
-                device,
-                bytes: Mutex::new(bytes),
-            }))
+            Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
         }
     }
 
@@ -535,10 +547,7 @@ mod tests {
             .expect_err("no runtime");
         assert!(err.contains("device_plugins"), "{err}");
 
-        let memory = DeviceBuffer::new(HostMemory {
-            device: cuda(0),
-            bytes: Mutex::new(vec![1, 2, 3]),
-        });
+        let memory = DeviceBuffer::new(HostMemory::new(cuda(0), vec![1, 2, 3]));
         let loan = devices
             .lend(ChannelKind::CudaIpc, cuda(0), Some(&memory))
             .unwrap_or_else(|e| panic!("{e}"));
@@ -557,10 +566,7 @@ mod tests {
             .expect_err("no memory");
         assert!(err.contains("Tensor::on_device"), "{err}");
         // A descriptor a frame cannot carry is refused.
-        let big = DeviceBuffer::new(HostMemory {
-            device: cuda(0),
-            bytes: Mutex::new(vec![0; 256]),
-        });
+        let big = DeviceBuffer::new(HostMemory::new(cuda(0), vec![0; 256]));
         let err = devices
             .lend(ChannelKind::CudaIpc, cuda(0), Some(&big))
             .expect_err("too long");
