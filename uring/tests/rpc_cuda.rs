@@ -455,6 +455,16 @@ fn lending_failures_fail_only_their_call() {
         "{text}"
     );
     assert!(text.contains("tensor 0"), "{text}");
+    // A CUDA tensor must hold device memory: its bytes are never dropped silently.
+    let text = call(Tensor {
+        device: Device::cuda(0),
+        data: vec![1, 2, 3],
+        memory: None,
+    });
+    assert!(
+        text.contains("cuda_ipc") && text.contains("Tensor::on_device"),
+        "{text}"
+    );
     assert_loans_end(&agent, &child);
     gpu_to_gpu(&agent);
     assert_loans_end(&agent, &child);

@@ -178,7 +178,7 @@ pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<
 enum Export {
     Cma(CmaExport<Vec<u8>>),
     Xth(XthExport<Vec<u8>>),
-    /// Device memory (`cuda_xth`, `cuda_ipc`): only dropped, never recycled.
+    /// Device memory (`cuda_xth`, `cuda_ipc`, `cuda_gdr`): only dropped, never recycled.
     Device(DeviceLoan),
 }
 
@@ -354,23 +354,28 @@ pub(crate) fn add_tensor(
     Ok(())
 }
 
-/// Adds a `source` tensor's device `memory` to `frame`, lent over the device channel
-/// `channel` (`cuda_xth`, `cuda_ipc`) to `target`: its loan's descriptor goes into the
-/// frame and the loan joins `exports`. An empty tensor goes inline (there is nothing to
-/// lend). Counts the bytes into `moved`.
+/// Adds tensor `index`'s device `memory` (on `source`) to `frame`, lent over the device
+/// channel `channel` (`cuda_xth`, `cuda_ipc`, `cuda_gdr`) to `target`: its loan's
+/// descriptor goes into the frame and the loan joins `exports`. Empty memory goes inline
+/// (there is nothing to lend); a tensor without device memory is an error. Counts the
+/// bytes into `moved`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_device_tensor(
     frame: &mut OwnedFrame,
     exports: &mut FrameExports,
     moved: &mut ChannelBytes,
     devices: &Devices,
-    memory: Option<&super::device::DeviceBuffer>,
+    (index, memory): (usize, Option<&super::device::DeviceBuffer>),
     (source, target): (Device, Device),
     channel: ChannelKind,
     peer: &str,
 ) -> Result<(), RpcError> {
-    let len = memory.map_or(0, |m| m.len() as u64);
-    if len == 0 {
+    let failed = |reason: &dyn fmt::Display| RpcError::Channel {
+        channel: channel.name(),
+        peer: peer.to_string(),
+        reason: format!("tensor {index}: cannot lend it: {reason}"),
+    };
+    if memory.is_some_and(|m| m.is_empty()) {
         frame
             .tensors
             .push(TensorDescriptor::inline(source, target, 0));
@@ -379,9 +384,10 @@ pub(crate) fn add_device_tensor(
     }
     let loan = devices
         .lend(channel, source, memory)
-        .map_err(|e| export_failed(channel, peer, e))?;
+        .map_err(|e| failed(&e))?;
+    let len = memory.map_or(0, |m| m.len() as u64);
     let descriptor_len = u8::try_from(loan.descriptor.len())
-        .map_err(|_| export_failed(channel, peer, "its descriptor is over 255 bytes"))?;
+        .map_err(|_| failed(&"its descriptor is over 255 bytes"))?;
     frame.tensors.push(TensorDescriptor {
         channel,
         channel_descriptor_len: descriptor_len,
@@ -440,8 +446,8 @@ enum Incoming {
         device: Device,
         descriptor: XthDescriptor,
     },
-    /// Device memory lent over `channel` (`cuda_xth`, `cuda_ipc`), copied by this
-    /// worker's runtime.
+    /// Device memory lent over `channel` (`cuda_xth`, `cuda_ipc`, `cuda_gdr`), copied by
+    /// this worker's runtime.
     Lent {
         device: Device,
         channel: ChannelKind,
@@ -490,8 +496,13 @@ impl ReceivedTensors {
         for (index, (descriptor, data)) in tensors.into_iter().enumerate() {
             let device = descriptor.target;
             if !device.is_cpu() && devices.runtime(device.kind()).is_none() {
+                let channel = if lends_device_memory(descriptor.channel) {
+                    descriptor.channel
+                } else {
+                    ChannelKind::CudaBasic
+                };
                 return Err(RpcError::Channel {
-                    channel: ChannelKind::CudaBasic.name(),
+                    channel: channel.name(),
                     peer: peer.to_string(),
                     reason: format!(
                         "tensor {index}: this worker has no {} runtime to receive on {device}",

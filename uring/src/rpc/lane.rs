@@ -813,7 +813,8 @@ pub(crate) fn serve_request(
 
 /// Builds the frame's tensors: each tensor's target device is the device map's image
 /// of its device (or the same device), and it goes over the channel negotiated for the
-/// pair on the pipe (a `cuda_xth` or `cuda_ipc` tensor's device memory is lent; a
+/// pair on the pipe (a `cuda_xth`, `cuda_ipc` or `cuda_gdr` tensor's device memory is
+/// lent; a
 /// `cuda_basic` tensor is first copied to host memory and then carried by the pipe's CPU
 /// channel; this side plays `role`; inline below `min_channel_bytes`,
 /// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
@@ -853,30 +854,18 @@ pub(crate) fn tensor_frame(
                 target_device: target.to_string(),
             });
         };
-        // cuda_xth, cuda_ipc: the device memory is lent.
+        // cuda_xth, cuda_ipc, cuda_gdr: the device memory is lent.
         if lends_device_memory(carrier) {
             add_device_tensor(
                 frame,
                 exports,
                 &mut moved,
                 &shared.devices,
-                tensor.memory.as_ref(),
+                (index, tensor.memory.as_ref()),
                 (tensor.device, target),
                 carrier,
                 peer,
-            )
-            .map_err(|e| match e {
-                RpcError::Channel {
-                    channel,
-                    peer,
-                    reason,
-                } => RpcError::Channel {
-                    channel,
-                    peer,
-                    reason: format!("tensor {index}: {reason}"),
-                },
-                other => other,
-            })?;
+            )?;
             continue;
         }
         // cuda_basic: the bytes in host memory, carried by the CPU channel.

@@ -151,7 +151,7 @@ pub(crate) struct Shared {
     pub lanes_enabled: bool,
     /// The mpt lane listener and lane count, when this worker offers mpt.
     pub mpt: Option<super::mpt::MptSetup>,
-    /// The device runtimes (`cuda_basic`'s staging).
+    /// The device runtimes (they lend, borrow and stage device memory).
     pub devices: super::device::Devices,
     /// `RpcOptions::wait_spin`.
     pub wait_spin: std::time::Duration,
