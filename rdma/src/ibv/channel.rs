@@ -233,6 +233,22 @@ pub enum ChannelError {
     /// The options are out of range.
     #[error("invalid RDMA channel options: {0}")]
     Options(&'static str),
+    /// The memory for an admitted message could not be allocated.
+    #[error("cannot allocate {len} bytes for a message from the RDMA peer")]
+    OutOfMemory {
+        /// The message's length.
+        len: usize,
+    },
+}
+
+/// `len` zeroed bytes, allocated fallibly: an admitted message of an impossible size is
+/// the channel's error, not an abort.
+fn zeroed(len: usize) -> Result<Vec<u8>, ChannelError> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len)
+        .map_err(|_| ChannelError::OutOfMemory { len })?;
+    buf.resize(len, 0);
+    Ok(buf)
 }
 
 /// An opened verbs device and one protection domain on it, shared by the channels made
@@ -1145,7 +1161,7 @@ impl IbvChannel {
     /// Allocates and registers the destination of a zero-copy message of `len` bytes
     /// ([admitted](admit_large)) and starts reading.
     fn start_read(&mut self, source: LargeDescriptor, len: usize) -> Result<(), ChannelError> {
-        let mut buf = vec![0u8; len];
+        let mut buf = zeroed(len)?;
         let mr = if len == 0 {
             None
         } else {
@@ -1609,6 +1625,17 @@ impl Drop for IbvChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_impossible_allocation_is_an_error() {
+        assert_eq!(zeroed(3).map_err(|e| e.to_string()), Ok(vec![0, 0, 0]));
+        let err = zeroed(usize::MAX).expect_err("cannot be allocated");
+        assert!(
+            err.to_string()
+                .contains(&format!("cannot allocate {} bytes", usize::MAX)),
+            "{err}"
+        );
+    }
 
     #[test]
     fn failure_display_names_the_status() {
