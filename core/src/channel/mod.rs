@@ -12,6 +12,7 @@
 //! | [`MptDescriptor`](mpt::MptDescriptor), [`StripeHeader`](mpt::StripeHeader), [`LaneHello`](mpt::LaneHello) | mpt | which transfer, which stripe, which lane |
 //! | [`CudaIpcDescriptor`](cuda::CudaIpcDescriptor) | cuda_ipc | copy this range of the allocation behind this IPC handle, lent by that process |
 //! | [`CudaXthDescriptor`](cuda::CudaXthDescriptor) | cuda_xth | copy this device address range of this very process |
+//! | [`CudaGdrDescriptor`](cuda::CudaGdrDescriptor) | cuda_gdr | RDMA-READ this range with this rkey, through the lender's GDR endpoint at this address |
 //!
 //! Every record has a fixed size and starts with a 4-byte tag; decoding checks the
 //! length and the tag and never panics (the `channel_descriptors` fuzz target).

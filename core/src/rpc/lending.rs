@@ -1,8 +1,9 @@
 //! When buffers lent to the peer come back: the rule both the executor's pipes and the
 //! thread-served lanes of `rdzv-uring` follow.
 //!
-//! A frame whose tensors travel out of band over a *pulling* channel (`cma`, `xth`: the
-//! receiver reads the sender's buffer) lends those buffers to the peer. The sender keeps
+//! A frame whose tensors travel out of band over a *pulling* channel (`cma`, `xth`, and
+//! for device memory `cuda_xth`, `cuda_ipc`, `cuda_gdr`: the receiver reads the sender's
+//! buffer) lends those buffers to the peer. The sender keeps
 //! them unchanged until the peer says it is done:
 //!
 //! - a **request**'s buffers come back with its reply (a `Response` or `Error` frame for
@@ -49,6 +50,17 @@ impl Lender {
 /// peer pulls it), as opposed to travelling in or right after the frame.
 pub const fn lends(channel: ChannelKind) -> bool {
     !matches!(channel, ChannelKind::Basic | ChannelKind::Mpt)
+}
+
+/// Whether `channel` lends *device* memory: the sender's device runtime lends the
+/// tensor's memory and the receiver's copies it device to device (`cuda_xth`,
+/// `cuda_ipc`, `cuda_gdr`). `cuda_basic` lends nothing of its own: its staged host copy
+/// travels over a CPU channel, which may lend it.
+pub const fn lends_device_memory(channel: ChannelKind) -> bool {
+    matches!(
+        channel,
+        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr
+    )
 }
 
 /// Whether the receiver of a frame of `kind` with these tensor descriptors must answer
@@ -198,6 +210,17 @@ mod tests {
         assert!(lends(ChannelKind::Cma) && lends(ChannelKind::Xth));
         assert!(lends(ChannelKind::CudaIpc));
         assert!(!lends(ChannelKind::Basic) && !lends(ChannelKind::Mpt));
+        // Device memory is lent exactly by the lending channels that serve CUDA memory
+        // only (cuda_basic also serves the CPU side: it stages).
+        for kind in ChannelKind::ALL {
+            let cuda_only = kind.device_types() == [crate::device::DeviceType::Cuda];
+            assert_eq!(
+                lends_device_memory(kind),
+                lends(kind) && cuda_only,
+                "{kind}"
+            );
+        }
+        assert!(!lends_device_memory(ChannelKind::CudaBasic));
         let cma = [tensor(ChannelKind::Basic), tensor(ChannelKind::Cma)];
         let streamed = [tensor(ChannelKind::Mpt), tensor(ChannelKind::Basic)];
         assert!(must_ack(FrameKind::Response, &cma));

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
+pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
 use super::device::{DeviceLoan, Devices, CUDA_BASIC_DESCRIPTOR};
 use super::error::RpcError;
@@ -136,14 +137,6 @@ pub(crate) const RUNNABLE: [ChannelKind; 8] = [
     ChannelKind::CudaGdr,
     ChannelKind::CudaBasic,
 ];
-
-/// Whether `kind` lends device memory (see [`super::device`]).
-pub(crate) fn lends_device_memory(kind: ChannelKind) -> bool {
-    matches!(
-        kind,
-        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr
-    )
-}
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
 /// use it (the connector chooses how many lanes to open).
