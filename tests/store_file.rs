@@ -12,7 +12,6 @@ mod store_base;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -297,8 +296,8 @@ const ROUNDS_PER_PROCESS: i64 = 100;
 /// one file, then the last handle of the world-size-2 store removes the file.
 #[test]
 fn two_processes_share_a_file_store() {
-    if let Ok(path) = std::env::var(CHILD_ENV) {
-        // Child: the second participant.
+    if let Some(path) = rdzv_test_support::peer_env(CHILD_ENV) {
+        // Child: the second participant (it exits if the parent goes away).
         let store = FileStore::new(PathBuf::from(path), Some(2)).unwrap();
         store.wait(&["go"], Some(Duration::from_secs(30))).unwrap();
         for _ in 0..ROUNDS_PER_PROCESS {
@@ -310,28 +309,23 @@ fn two_processes_share_a_file_store() {
     let dir = dir();
     let path = dir.path().join("store");
     let store = FileStore::new(&path, Some(2)).unwrap();
-    let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "two_processes_share_a_file_store", "--nocapture"])
-        .env(CHILD_ENV, &path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn child process");
+    let mut child = rdzv_test_support::Peer::spawn_test(
+        "two_processes_share_a_file_store",
+        &[],
+        &[(CHILD_ENV, &path)],
+    );
     store.set("go", b"1").unwrap();
     for _ in 0..ROUNDS_PER_PROCESS {
         store.add("counter", 1).unwrap();
     }
     let done = store.wait(&["child_done"], Some(Duration::from_secs(30)));
     if done.is_err() {
-        let _ = child.kill();
+        child.release();
     }
-    let output = child.wait_with_output().expect("wait for child");
+    let status = child.wait(Duration::from_secs(60));
     assert!(
-        done.is_ok() && output.status.success(),
-        "child failed ({done:?}): {}\n{}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+        done.is_ok() && status.success(),
+        "child failed ({done:?}): {status} (its output is above)"
     );
     assert_eq!(
         store.get("counter").unwrap(),

@@ -229,15 +229,15 @@ fn disconnect_mid_wait_leaves_no_waiter() {
 fn killed_client_process_mid_wait_leaves_no_waiter() {
     let server = seeded();
     let exe = env!("CARGO_BIN_EXE_rdzv");
-    let mut child = std::process::Command::new(exe)
+    let mut command = std::process::Command::new(exe);
+    command
         .args(["store", "--addr", &format!("127.0.0.1:{}", server.port())])
         .args(["wait", "never-set", "--timeout", "60"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+        .stderr(std::process::Stdio::null());
+    let mut child = rdzv_test_support::Peer::spawn("rdzv store wait", command);
     wait_until("the child waits", || server.stats().waiters == 1);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.child_mut().kill().unwrap();
+    child.wait(Duration::from_secs(30));
     wait_until("its waiter is gone", || server.stats().waiters == 0);
     still_serves(&server, "precious", b"kept");
 }

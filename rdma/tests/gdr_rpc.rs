@@ -162,6 +162,7 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
         return;
     };
     if std::env::var_os(CHILD_ENV).is_some() {
+        rdzv_test_support::exit_when_parent_gone();
         let url = std::env::var(STORE_ENV).unwrap_or_else(|_| panic!("{STORE_ENV} is not set"));
         let agent = init_rpc("peer", 1, Some(2), options(&url, &selection))
             .unwrap_or_else(|e| panic!("child init_rpc: {e}"));
@@ -170,13 +171,11 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = format!("file://{}", dir.path().join("store").display());
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = std::process::Command::new(exe)
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, &url)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let mut child = rdzv_test_support::Peer::spawn_test(
+        TEST,
+        &["--test-threads=1"],
+        &[(CHILD_ENV, "1"), (STORE_ENV, url.as_str())],
+    );
     let mut options = options(&url, &selection);
     let mut maps = DeviceMaps::new();
     maps.insert(
@@ -187,7 +186,7 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
     let agent = match init_rpc("main", 0, Some(2), options) {
         Ok(agent) => agent,
         Err(e) => {
-            let _ = child.kill();
+            drop(child);
             panic!("parent init_rpc: {e}");
         }
     };
@@ -219,6 +218,6 @@ fn cuda_tensors_move_over_cuda_gdr_between_two_processes() {
     assert!(on_gdr >= sent, "cuda_gdr carried {on_gdr} of {sent} bytes");
     assert_eq!(on_basic, 0, "nothing staged through cuda_basic");
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(Duration::from_secs(60));
     assert!(status.success(), "the child failed: {status}");
 }

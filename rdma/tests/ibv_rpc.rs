@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_rdma::ibv::transport::IbvPlugin;
+use rdzv_test_support::Peer;
 use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
 
 const CHILD_ENV: &str = "RDZV_IBV_RPC_CHILD";
@@ -96,18 +97,17 @@ fn check_metrics(agent: &RpcAgent, peer: &str, tensor_bytes: u64) {
 }
 
 /// Runs this test binary's `test` as the second worker.
-fn spawn_child(test: &str, url: &str) -> std::process::Child {
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    std::process::Command::new(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, "1")
-        .env(STORE_ENV, url)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"))
+fn spawn_child(test: &str, url: &str) -> Peer {
+    Peer::spawn_test(
+        test,
+        &["--test-threads=1"],
+        &[(CHILD_ENV, "1"), (STORE_ENV, url)],
+    )
 }
 
 /// The second worker: calls the first over ibv, then leaves with it.
 fn run_child() {
+    rdzv_test_support::exit_when_parent_gone();
     let url = std::env::var(STORE_ENV).unwrap_or_else(|_| panic!("{STORE_ENV} is not set"));
     let agent = init_rpc("child", 1, Some(2), options(&url))
         .unwrap_or_else(|e| panic!("child init_rpc: {e}"));
@@ -132,7 +132,7 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     let agent = match agent {
         Ok(agent) => agent,
         Err(e) => {
-            let _ = child.kill();
+            drop(child);
             panic!("parent init_rpc: {e}");
         }
     };
@@ -153,13 +153,14 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     assert!(reply.tensors.first().is_some_and(|t| t.data == data));
     assert_eq!(agent.pipe_transport("child"), Some(TransportKind::Ibv));
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(Duration::from_secs(60));
     assert!(status.success(), "the child failed: {status}");
 }
 
 /// The victim of [`a_killed_peer_fails_the_ibv_pipe_quickly`]: serves until its `die`
 /// handler kills it.
 fn run_victim() {
+    rdzv_test_support::exit_when_parent_gone();
     let url = std::env::var(STORE_ENV).unwrap_or_else(|_| panic!("{STORE_ENV} is not set"));
     let options = options(&url)
         .with_handler(
@@ -194,7 +195,7 @@ fn a_killed_peer_fails_the_ibv_pipe_quickly() {
     let agent = match init_rpc("survivor", 0, Some(2), options(&url)) {
         Ok(agent) => agent,
         Err(e) => {
-            let _ = child.kill();
+            drop(child);
             panic!("survivor init_rpc: {e}");
         }
     };
@@ -217,7 +218,7 @@ fn a_killed_peer_fails_the_ibv_pipe_quickly() {
             other => panic!("expected a broken pipe, got {other:?}"),
         }
     }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(Duration::from_secs(60));
     assert!(!status.success());
     assert!(agent.shutdown(false).is_ok());
 }

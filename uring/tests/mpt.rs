@@ -4,9 +4,9 @@
 //! checks every byte.
 
 use std::net::{TcpListener, TcpStream};
-use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use rdzv_test_support::Peer;
 use rdzv_uring::channel::mpt::{MptChannel, MptOptions};
 
 const CHILD_ENV: &str = "RDZV_MPT_CHILD";
@@ -21,7 +21,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 /// The child's side. Does nothing unless spawned by a test below.
 #[test]
 fn child_role() {
-    let Ok(role) = std::env::var(CHILD_ENV) else {
+    let Some(role) = rdzv_test_support::peer_env(CHILD_ENV) else {
         return;
     };
     let (addr, lanes) = role.rsplit_once('/').expect("addr/lanes");
@@ -42,11 +42,11 @@ fn child_role() {
 fn exchange(lanes: usize) -> f64 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
     let addr = listener.local_addr().expect("addr");
-    let mut child = Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{addr}/{lanes}"))
-        .spawn()
-        .expect("spawn the child");
+    let child = Peer::spawn_test(
+        "child_role",
+        &["--test-threads=1"],
+        &[(CHILD_ENV, format!("{addr}/{lanes}"))],
+    );
     let streams: Vec<TcpStream> = (0..lanes)
         .map(|_| listener.accept().expect("accept a lane").0)
         .collect();
@@ -62,7 +62,7 @@ fn exchange(lanes: usize) -> f64 {
             "transfer {id} of {len} bytes differs"
         );
     }
-    assert!(child.wait().expect("child").success(), "the child failed");
+    child.expect_success(Duration::from_secs(60));
     last
 }
 

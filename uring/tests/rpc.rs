@@ -868,6 +868,7 @@ fn dynamic_members_join_call_each_other_and_leave() {
 /// The child role of [`killed_peer_fails_pending_calls_quickly`]: rank 1, whose
 /// `die` handler kills the process.
 fn run_child() {
+    common::exit_when_parent_gone();
     let Ok(url) = std::env::var(STORE_ENV) else {
         std::process::exit(2)
     };
@@ -917,7 +918,7 @@ fn killed_peer_fails_pending_calls_quickly() {
             other => panic!("expected a broken pipe, got {other:?}"),
         }
     }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(common::PEER_EXIT_LIMIT);
     assert!(!status.success());
     // The next call tries a new pipe and fails at once: nobody listens any more.
     let text = agent

@@ -11,7 +11,7 @@
 //! and with cma, which is how `DEFAULT_MIN_CHANNEL_BYTES` was chosen, and the 64 MiB
 //! echo bandwidth.
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ use rdzv_uring::rpc::{
 
 mod common;
 
-use common::{echo, echo_tensor, finish, pattern, serve_until_joined};
+use common::{echo, echo_tensor, finish, pattern, serve_until_joined, Peer, PEER_EXIT_LIMIT};
 
 const CHILD_ENV: &str = "RDZV_RPC_CHAN_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_CHAN_STORE";
@@ -112,7 +112,7 @@ struct Setup<'a> {
 /// In the child process, serves as "peer" and never returns. In the parent, starts the
 /// child for `test` (this binary, running only that test) and the parent's agent
 /// ("main", rank 0) on a store in a fresh directory (returned: keep it alive).
-fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
+fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
     if std::env::var_os(CHILD_ENV).is_some() {
         run_child();
     }
@@ -136,9 +136,7 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
         Some(lanes) => command.env(MPT_LANES_ENV, lanes.to_string()),
         None => command.env_remove(MPT_LANES_ENV),
     };
-    let child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let child = Peer::spawn(format!("peer process for test {test}"), command);
     let mut options = options(&url, setup.parent_channels, setup.min_bytes);
     if let Some(lanes) = setup.parent_lanes {
         options.mpt_lanes = lanes;
@@ -541,7 +539,7 @@ fn a_peer_killed_while_mpt_streams_fails_the_call_quickly() {
             Err(e) => panic!("unexpected error: {e}"),
         }
     }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(PEER_EXIT_LIMIT);
     assert!(!status.success());
     assert!(agent.shutdown(false).is_ok());
 }
@@ -619,7 +617,7 @@ fn a_peer_killed_holding_lent_tensors_fails_the_call_quickly() {
         Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
         Err(e) => panic!("unexpected error: {e}"),
     }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(PEER_EXIT_LIMIT);
     assert!(!status.success());
     assert!(agent.shutdown(false).is_ok());
 }
@@ -658,7 +656,7 @@ fn echo_bandwidth_by_channel() {
     }
     // Two pairs at once, everything inline and everything over cma, their echoes
     // interleaved so that both see the same load.
-    let pairs: Vec<(&str, tempfile::TempDir, RpcAgent, Child)> = [("basic", u64::MAX), ("cma", 1)]
+    let pairs: Vec<(&str, tempfile::TempDir, RpcAgent, Peer)> = [("basic", u64::MAX), ("cma", 1)]
         .into_iter()
         .map(|(label, min_bytes)| {
             let (agent, child, dir) = start(

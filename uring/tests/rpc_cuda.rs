@@ -16,7 +16,7 @@
 //! parent and child meet at a `file://` store.
 
 use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ use rdzv_uring::rpc::{
 
 mod common;
 
-use common::{finish, pattern, serve_until_joined};
+use common::{finish, pattern, serve_until_joined, Peer};
 
 const CHILD_ENV: &str = "RDZV_RPC_CUDA_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_CUDA_STORE";
@@ -263,7 +263,7 @@ const GPU0_TO_GPU1: &[(Device, Device)] = &[(Device::cuda(0), Device::cuda(1))];
 
 /// In the child, serves as "peer" and never returns. In the parent, starts the child
 /// for `test` and the parent's agent ("main") with `setup`.
-fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
+fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
     if std::env::var_os(CHILD_ENV).is_some() {
         let url = std::env::var(STORE_ENV).unwrap_or_default();
         let channels = std::env::var(CHANNELS_ENV).ok();
@@ -287,9 +287,7 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Child, tempfile::TempDir) {
         Some(list) => command.env(CHANNELS_ENV, list),
         None => command.env_remove(CHANNELS_ENV),
     };
-    let child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the child: {e}"));
+    let child = Peer::spawn(format!("peer process for test {test}"), command);
     let mut options = options(&url, setup.channels, setup.parent_gpus);
     let mut maps = DeviceMaps::new();
     maps.insert("peer", DeviceMap::from_iter(setup.map.iter().copied()));
@@ -413,7 +411,7 @@ fn error_of(agent: &RpcAgent, tensor: Tensor) -> String {
 }
 
 /// Waits (up to 10 s) until neither process holds a loan.
-fn assert_loans_end(agent: &RpcAgent, child: &Child) {
+fn assert_loans_end(agent: &RpcAgent, child: &Peer) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let held: Vec<PathBuf> = [std::process::id(), child.id()]

@@ -4,7 +4,6 @@
 //! killed mid-call. The peer is this test binary re-run as a child process with
 //! `RDZV_RPC_SHM_CHILD` set; parent and child meet at a `file://` store.
 
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
@@ -12,7 +11,10 @@ use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOpt
 
 mod common;
 
-use common::{echo, echo_tensor, finish, pattern, serve_until_joined, sleep_ms, spawn_peer};
+use common::{
+    echo, echo_tensor, finish, pattern, serve_until_joined, sleep_ms, spawn_peer, Peer,
+    PEER_EXIT_LIMIT,
+};
 
 const CHILD_ENV: &str = "RDZV_RPC_SHM_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_SHM_STORE";
@@ -57,7 +59,7 @@ fn start(
     dir: &tempfile::TempDir,
     parent_transports: Option<&str>,
     child_transports: Option<&str>,
-) -> (RpcAgent, Child) {
+) -> (RpcAgent, Peer) {
     let url = format!("file://{}", dir.path().join("store").display());
     let mut env = vec![(CHILD_ENV, "1"), (STORE_ENV, url.as_str())];
     if let Some(list) = child_transports {
@@ -260,7 +262,7 @@ fn a_peer_killed_mid_call_over_shm_fails_pending_calls_quickly() {
             other => panic!("expected a broken pipe, got {other:?}"),
         }
     }
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
+    let status = child.wait(PEER_EXIT_LIMIT);
     assert!(!status.success());
     let errors = agent
         .network_data()

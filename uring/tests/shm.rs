@@ -7,11 +7,12 @@
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::os::fd::AsFd;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use rdzv_test_support::Peer;
 use rdzv_uring::transport::shm::{
     viability, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
 };
@@ -537,12 +538,14 @@ fn peer_on_another_host_is_rejected_with_a_reason() {
 
 // ---- two processes ----
 
-/// Starts this test binary as a peer acting out `role`, connecting to `addr`.
-fn spawn_child(role: &str, addr: &ShmAddr, capacity: usize) -> Child {
+/// Starts this test binary as a peer acting out `role`, connecting to `addr`. The peer
+/// exits when the returned [`Peer`] is dropped.
+fn spawn_child(role: &str, addr: &ShmAddr, capacity: usize) -> Peer {
     let ShmAddr::Abstract(name) = addr else {
         panic!("abstract address expected");
     };
-    Command::new(std::env::current_exe().expect("test binary path"))
+    let mut command = Command::new(std::env::current_exe().expect("test binary path"));
+    command
         .args([
             "child_process_entry",
             "--exact",
@@ -556,9 +559,8 @@ fn spawn_child(role: &str, addr: &ShmAddr, capacity: usize) -> Child {
             String::from_utf8(name.clone()).expect("utf-8 name"),
         )
         .env(CHILD_CAPACITY, capacity.to_string())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawn child test process")
+        .stdout(Stdio::null());
+    Peer::spawn(format!("shm peer process ({role})"), command)
 }
 
 /// The peer side of the multi-process tests. Ignored: the tests below run it in a child
@@ -570,6 +572,7 @@ fn child_process_entry() {
         eprintln!("child_process_entry: {CHILD_ROLE} unset; only the multi-process tests run this");
         return;
     };
+    rdzv_test_support::exit_when_parent_gone();
     let addr = ShmAddr::Abstract(std::env::var(CHILD_ADDR).unwrap().into_bytes());
     let capacity = std::env::var(CHILD_CAPACITY).unwrap().parse().unwrap();
     let mut conn =
@@ -600,7 +603,7 @@ fn child_process_entry() {
 #[test]
 fn two_processes_ping_pong_byte_for_byte() {
     let listener = ShmListener::bind(&unique_addr("pp"), ShmOptions::default()).unwrap();
-    let mut child = spawn_child("echo", listener.local_addr(), 2 << 20);
+    let child = spawn_child("echo", listener.local_addr(), 2 << 20);
     let mut conn = listener.accept().unwrap();
     assert_eq!(conn.peer_pid(), Some(child.id()));
     for i in 0..2_000u64 {
@@ -615,7 +618,7 @@ fn two_processes_ping_pong_byte_for_byte() {
         assert!(echoed == message, "round trip {i} ({len} bytes) corrupted");
     }
     drop(conn);
-    assert!(child.wait().unwrap().success());
+    child.expect_success(Duration::from_secs(60));
 }
 
 #[test]
@@ -626,9 +629,9 @@ fn peer_killed_mid_recv_fails_promptly() {
     assert_eq!(conn.recv().unwrap(), b"ready");
     let killed_at = thread::spawn(move || {
         thread::sleep(Duration::from_millis(200));
-        child.kill().unwrap();
+        child.child_mut().kill().unwrap();
         let at = Instant::now();
-        child.wait().unwrap();
+        child.wait(Duration::from_secs(60));
         at
     });
     let result = conn.recv();
@@ -653,8 +656,8 @@ fn sender_blocked_on_full_ring_fails_when_peer_is_killed() {
     assert_eq!(conn.recv().unwrap(), b"ready");
     let killer = thread::spawn(move || {
         thread::sleep(Duration::from_millis(200));
-        child.kill().unwrap();
-        child.wait().unwrap();
+        child.child_mut().kill().unwrap();
+        child.wait(Duration::from_secs(60));
     });
     let start = Instant::now();
     let result = (0..1000).try_for_each(|_| conn.send(&[7; 1000]));
@@ -666,9 +669,9 @@ fn sender_blocked_on_full_ring_fails_when_peer_is_killed() {
 #[test]
 fn messages_published_before_the_peer_exits_are_delivered() {
     let listener = ShmListener::bind(&unique_addr("exit"), ShmOptions::default()).unwrap();
-    let mut child = spawn_child("send-and-exit", listener.local_addr(), 2 << 20);
+    let child = spawn_child("send-and-exit", listener.local_addr(), 2 << 20);
     let mut conn = listener.accept().unwrap();
-    assert!(child.wait().unwrap().success());
+    child.expect_success(Duration::from_secs(60));
     for i in 0..3u8 {
         assert_eq!(conn.recv().unwrap(), vec![i; 100]);
     }

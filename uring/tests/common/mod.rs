@@ -5,7 +5,6 @@
 //! Each test binary compiles its own copy and uses part of it.
 #![allow(dead_code)]
 
-use std::process::{Child, Command};
 use std::thread;
 use std::time::Duration;
 
@@ -71,23 +70,22 @@ pub fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
         .map(|(_, v)| v)
 }
 
+pub use rdzv_test_support::{exit_when_parent_gone, Peer};
+
+/// How long a parent waits for its peer process to exit after both joined.
+pub const PEER_EXIT_LIMIT: Duration = Duration::from_secs(60);
+
 /// Starts this test binary again, running only `test`, with `env` set: the test sees
-/// its child variable and plays the peer instead of the parent.
-pub fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Child {
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
-    let mut command = Command::new(exe);
-    command.args([test, "--exact", "--nocapture"]);
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    command
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning the peer process for {test}: {e}"))
+/// its child variable and plays the peer instead of the parent. The peer exits as soon
+/// as the returned [`Peer`] is dropped (a panicking parent drops it while unwinding).
+pub fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Peer {
+    Peer::spawn_test(test, &[], env)
 }
 
 /// The peer process's life: serve until the parent's graceful shutdown, then exit 0
-/// (4 if `init_rpc` failed, 5 if `join` did).
+/// (4 if `init_rpc` failed, 5 if `join` did). It exits at once if the parent goes away.
 pub fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
+    exit_when_parent_gone();
     match agent {
         Ok(agent) => match agent.join() {
             Ok(()) => std::process::exit(0),
@@ -105,8 +103,7 @@ pub fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
 
 /// The graceful end of a parent and its peer process: both sides' `join`, and the
 /// child exits cleanly.
-pub fn finish(agent: RpcAgent, mut child: Child) {
+pub fn finish(agent: RpcAgent, child: Peer) {
     assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "child: {status}");
+    child.expect_success(PEER_EXIT_LIMIT);
 }
