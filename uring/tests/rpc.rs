@@ -654,6 +654,42 @@ fn broken_pipes_fail_their_calls_and_are_recreated() {
     join_both(a, b);
 }
 
+/// A pool handler that outlives its inbound pipe answers into the void: the response
+/// is dropped, and the agent keeps accepting, handshaking and answering. (The response
+/// used to bounce between the I/O thread and the lane registry forever, and the I/O
+/// thread never accepted again.)
+#[test]
+fn response_after_its_pipe_ended_does_not_stall_the_agent() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+    // Bob's handler is still running when bob drops the pipe it came on.
+    let pending = a.rpc_async("bob", "sleep", sleep_message(300));
+    thread::sleep(Duration::from_millis(100));
+    b.reset_pipes();
+    assert!(matches!(pending.wait(), Err(RpcError::PipeBroken { .. })));
+    // The handler answers now, on a pipe that no longer exists.
+    thread::sleep(Duration::from_millis(400));
+    // Alice's next call needs a new pipe: bob must accept and handshake it.
+    let started = Instant::now();
+    let reply = a.rpc_sync_with_timeout(
+        "bob",
+        "echo",
+        Message::from_payload(b"still here".to_vec()),
+        Some(Duration::from_secs(5)),
+    );
+    let elapsed = started.elapsed();
+    assert_eq!(
+        reply.map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"still here".to_vec())
+    );
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "the call took {elapsed:?}"
+    );
+    join_both(a, b);
+}
+
 #[test]
 fn metrics_count_calls_bytes_and_active_calls() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));

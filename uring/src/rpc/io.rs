@@ -431,8 +431,17 @@ impl Io {
         let state = self.state.borrow();
         let Some(inbound) = state.inbound.get(&pipe) else {
             drop(state);
-            // An inbound lane answers from this thread.
-            lane::respond(&self.shared, pipe, message_id, result);
+            // An inbound lane answers from this thread. A pipe that neither this thread
+            // nor the lanes know has ended while its handler ran (a reset, a crashed
+            // peer, a timeout): nobody is waiting for the response, so it is dropped.
+            // Handing it back to the lanes would bounce it through the mailbox forever.
+            if lane::respond_on_lane(&self.shared, pipe, message_id, result).is_some() {
+                tracing::debug!(
+                    pipe,
+                    message_id,
+                    "a response for a pipe that has ended is dropped"
+                );
+            }
             return;
         };
         let (tx, peer, negotiated) = (

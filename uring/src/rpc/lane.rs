@@ -671,16 +671,32 @@ pub(crate) fn respond(
     message_id: u64,
     result: Result<Message, String>,
 ) {
+    if let Some(result) = respond_on_lane(shared, pipe, message_id, result) {
+        // Not a lane: the I/O thread serves the pipe, or the pipe has ended (the I/O
+        // thread then drops the response rather than handing it back here).
+        let _ = shared.mailbox.push(Command::Respond {
+            pipe,
+            message_id,
+            result,
+        });
+    }
+}
+
+/// Answers on inbound lane `pipe` from this thread; gives the response back when no
+/// such lane is open.
+pub(crate) fn respond_on_lane(
+    shared: &Shared,
+    pipe: u64,
+    message_id: u64,
+    result: Result<Message, String>,
+) -> Option<Result<Message, String>> {
     let lane = lanes(shared).inbound(pipe);
     match lane {
-        Some(lane) => lane.respond(shared, message_id, result),
-        None => {
-            let _ = shared.mailbox.push(Command::Respond {
-                pipe,
-                message_id,
-                result,
-            });
+        Some(lane) => {
+            lane.respond(shared, message_id, result);
+            None
         }
+        None => Some(result),
     }
 }
 
