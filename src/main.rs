@@ -21,8 +21,62 @@ fn main() -> ExitCode {
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("rdzv: {e:#}");
+            eprintln!("rdzv: {}", error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `error` and every error in its `source()` chain, joined by ": " (`{e:#}` on a boxed
+/// error prints only the top one). A source whose text the message above it already
+/// contains is not repeated.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn the_whole_chain_is_printed_once() {
+        let io = Layer("connection refused", None);
+        let connect = Layer("cannot reach the store at 10.0.0.1:29500", Some(Box::new(io)));
+        let top = Layer("rank 3: rendezvous failed", Some(Box::new(connect)));
+        assert_eq!(
+            error_chain(&top),
+            "rank 3: rendezvous failed: cannot reach the store at 10.0.0.1:29500: connection refused"
+        );
+        // A message that already quotes its source does not repeat it.
+        let quoted = Layer(
+            "store: connection refused",
+            Some(Box::new(Layer("connection refused", None))),
+        );
+        assert_eq!(error_chain(&quoted), "store: connection refused");
     }
 }

@@ -1,14 +1,16 @@
 //! `rdzv-uring`: the runtime half of rdzv. It owns sockets, files, timers and threads,
 //! and drives the pure `rdzv-core` with them.
 //!
-//! - [`server`]: the TCPStore server on glommio (io_uring), byte-compatible with
-//!   PyTorch 2.15 clients.
+//! - [`server`]: the TCPStore server, byte-compatible with PyTorch's clients: its own
+//!   io_uring loop by default, glommio executors for `--threads N`.
 //! - [`store`]: the `Store` trait and its implementations: the TCP client, the file,
 //!   prefix and hash stores.
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
 //!   `file://` and registered schemes, driven by the core's plans.
-//! - [`rpc`]: the RPC agent (TensorPipe's), over the `tcp` transport.
+//! - [`rpc`]: the RPC agent (TensorPipe's): the `tcp` and `shm` transports here, `ibv`
+//!   and CUDA device runtimes plugged in from `rdzv-rdma`.
 //! - [`transport`]: byte-message transports for the RPC agent (`shm`).
+//! - [`host`]: what identifies this host, boot and namespaces (for same-host channels).
 //! - [`queue`]: the one queue between threads and executor tasks.
 //! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`, `mpt`); their wire records are `rdzv_core::channel`'s.
 #![warn(missing_docs)]

@@ -424,7 +424,7 @@ pub fn open_tcp_store(
 ) -> Result<Arc<dyn Store>, RendezvousError> {
     tracing::debug!(
         use_libuv = plan.use_libuv,
-        "use_libuv only picks PyTorch's server backend; rdzv has one (glommio)"
+        "use_libuv only picks PyTorch's server back-end; rdzv's server chooses its own event loop"
     );
     let mut options = TcpStoreOptions {
         host: plan.host.clone(),
