@@ -12,7 +12,9 @@ import sys
 
 
 def version(text):
-    return tuple(int(part) for part in text.split("."))
+    """`1.88` and `1.88.0` compare equal."""
+    parts = [int(part) for part in text.split(".")]
+    return tuple((parts + [0, 0, 0])[:3])
 
 
 def main():
