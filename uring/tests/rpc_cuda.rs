@@ -157,7 +157,7 @@ impl DeviceRuntime for HostCuda {
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
-        if !device.is_cuda() || !device.index().is_some_and(|i| i < self.gpus) {
+        if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
             return Err(format!("this process has no {device}"));
         }
         if bytes.len() == FAILS_TO_ARRIVE {

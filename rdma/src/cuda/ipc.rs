@@ -773,7 +773,7 @@ fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannel
         .map_err(CudaChannelError::driver("cuMemGetAddressRange", ordinal))?;
     let needed = (info.slot_count as u64).checked_mul(info.slot_len);
     let available = (mapped_base + mapped_len as u64).saturating_sub(base);
-    if !needed.is_some_and(|n| n <= available) {
+    if needed.is_none_or(|n| n > available) {
         return Err(CudaChannelError::protocol(
             "cuda_ipc outbox",
             format!(

@@ -351,7 +351,7 @@ impl RingMemory {
         let offset = offset as usize;
         if offset
             .checked_add(src.len())
-            .map_or(true, |end| end > self.layout.size())
+            .is_none_or(|end| end > self.layout.size())
         {
             return;
         }
@@ -368,7 +368,7 @@ impl RingMemory {
         let (offset, len) = (offset as usize, len as usize);
         if offset
             .checked_add(len)
-            .map_or(true, |end| end > self.layout.size())
+            .is_none_or(|end| end > self.layout.size())
         {
             return;
         }

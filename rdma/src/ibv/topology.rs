@@ -374,7 +374,7 @@ impl fmt::Display for PortSpeed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let total = self.total_mbps();
         write!(f, "{}x {} ({}", self.lanes, self.lane_rate, total / 1000)?;
-        if total % 1000 != 0 {
+        if !total.is_multiple_of(1000) {
             write!(f, ".{}", (total % 1000) / 100)?;
         }
         f.write_str(" Gb/s)")

@@ -446,7 +446,7 @@ mod tests {
             let d = LargeDescriptor { addr, len, rkey };
             prop_assert_eq!(LargeDescriptor::decode(&d.encode()), Some(d));
             let mut longer = d.encode().to_vec();
-            longer.extend(std::iter::repeat(0).take(extra + 1));
+            longer.extend(std::iter::repeat_n(0, extra + 1));
             prop_assert_eq!(LargeDescriptor::decode(&longer), None);
             prop_assert_eq!(LargeDescriptor::decode(&longer[..DESCRIPTOR_LEN - 1 - extra]), None);
         }

@@ -80,7 +80,7 @@ impl Calls {
         let timeout = pending.timeout;
         table.pending.insert(message_id, pending);
         if let Some(deadline) = table.timeouts.schedule(message_id, now, timeout) {
-            if earliest.map_or(true, |e| deadline < e) {
+            if earliest.is_none_or(|e| deadline < e) {
                 self.timer.notify_one();
             }
         }
@@ -110,10 +110,9 @@ impl Calls {
     /// or bogus reply, or one on another pipe than its call went out on.
     pub fn take_reply(&self, message_id: u64, pipe: u64) -> Option<Pending> {
         let mut table = self.lock();
-        if !table
+        if table
             .pending
-            .get(&message_id)
-            .is_some_and(|p| p.pipe == pipe)
+            .get(&message_id).is_none_or(|p| p.pipe != pipe)
         {
             return None;
         }

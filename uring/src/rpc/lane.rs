@@ -312,7 +312,7 @@ impl Lane {
                     }
                 }
                 round = round.wrapping_add(1);
-                if round % 64 == 0 && start.elapsed() >= spin {
+                if round.is_multiple_of(64) && start.elapsed() >= spin {
                     break;
                 }
             }

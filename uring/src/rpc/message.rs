@@ -277,7 +277,7 @@ impl Completion {
         let mut round = 0u32;
         while !self.done.load(Ordering::Acquire) {
             round = round.wrapping_add(1);
-            if round % 64 == 0 && start.elapsed() >= limit {
+            if round.is_multiple_of(64) && start.elapsed() >= limit {
                 return;
             }
             std::hint::spin_loop();

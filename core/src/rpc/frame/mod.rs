@@ -750,7 +750,7 @@ impl Header {
             kind: kind.unwrap_or(FrameKind::Request),
             field,
         };
-        let allows = |field| kind.map_or(true, |k| k.allows(field));
+        let allows = |field| kind.is_none_or(|k| k.allows(field));
         let message_id = le_u64(bytes, 8);
         if let Some(id) = message_id {
             if id != 0 && !allows(FrameField::MessageId) {
