@@ -6,8 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use rdzv_uring::store::tcp::TcpStore;
-use rdzv_uring::{ServerOptions, Store, StoreError, StoreServer};
+use rdzv_uring::{ServerOptions, StoreServer};
 
 /// Errors the CLI reports: one line on stderr, exit code 1.
 pub type CliError = Box<dyn std::error::Error + Send + Sync>;
@@ -48,12 +47,8 @@ enum RdmaOp {
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = false)]
 struct StoreArgs {
-    /// The store to talk to, as HOST:PORT (not needed for `serve`).
-    #[arg(long, global = true)]
-    addr: Option<String>,
-    /// Timeout for connecting and for blocking calls, in seconds.
-    #[arg(long, global = true, default_value_t = 30.0)]
-    connect_timeout: f64,
+    #[command(flatten)]
+    client: crate::store_client::ClientArgs,
     #[command(subcommand)]
     op: StoreOp,
 }
@@ -84,38 +79,11 @@ enum StoreOp {
         #[arg(long, default_value = "io-uring")]
         backend: rdzv_uring::Backend,
     },
-    /// Set KEY to VALUE.
-    Set { key: String, value: String },
-    /// Print the value of KEY (waits for it up to the timeout).
-    Get { key: String },
-    /// Add N to the counter KEY and print the result.
-    Add {
-        key: String,
-        #[arg(allow_hyphen_values = true)]
-        n: i64,
-    },
-    /// Wait until every KEY exists.
-    Wait {
-        #[arg(required = true)]
-        keys: Vec<String>,
-        /// Seconds to wait (default: the connect timeout).
-        #[arg(long)]
-        timeout: Option<f64>,
-    },
-    /// Print `true` if every KEY exists, else `false` (exit code 1).
-    Check {
-        #[arg(required = true)]
-        keys: Vec<String>,
-    },
-    /// Delete KEY; prints whether it existed.
-    Delete { key: String },
-    /// List the user keys.
-    Keys,
-    /// Print the number of keys (PyTorch counts internal keys too).
-    NumKeys,
+    #[command(flatten)]
+    Client(crate::store_client::ClientOp),
 }
 
-fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
+pub(crate) fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
     Duration::try_from_secs_f64(s)
         .map_err(|_| format!("{what} must be a non-negative number of seconds, got {s}").into())
 }
@@ -135,67 +103,17 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
 }
 
 fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
-    let timeout = seconds(args.connect_timeout, "--connect-timeout")?;
-    if let StoreOp::Serve {
-        host,
-        port,
-        threads,
-        pin,
-        spin_us,
-        backend,
-    } = args.op
-    {
-        return serve(host, port, threads, pin, spin_us, backend);
-    }
-    let addr = args
-        .addr
-        .ok_or("this command needs --addr HOST:PORT (the store to talk to)")?;
-    let (host, port) = split_addr(&addr)?;
-    let store = TcpStore::connect(&host, port, timeout)
-        .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
-    let mut stdout = std::io::stdout().lock();
     match args.op {
-        StoreOp::Serve { .. } => unreachable!("handled above"),
-        StoreOp::Set { key, value } => {
-            store.set(&key, value.as_bytes())?;
-            // SET has no reply; a round trip makes sure the server has applied it.
-            store.check(&[&key])?;
-        }
-        StoreOp::Get { key } => {
-            let value = store.get(&key)?;
-            stdout.write_all(&value)?;
-            stdout.write_all(b"\n")?;
-        }
-        StoreOp::Add { key, n } => writeln!(stdout, "{}", store.add(&key, n)?)?,
-        StoreOp::Wait { keys, timeout: t } => {
-            let t = t.map(|t| seconds(t, "--timeout")).transpose()?;
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            match store.wait(&refs, t) {
-                Ok(()) => {}
-                Err(e @ StoreError::Timeout { .. }) => {
-                    eprintln!("rdzv: timeout: {e}");
-                    return Ok(ExitCode::from(2));
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        StoreOp::Check { keys } => {
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let ready = store.check(&refs)?;
-            writeln!(stdout, "{ready}")?;
-            if !ready {
-                return Ok(ExitCode::FAILURE);
-            }
-        }
-        StoreOp::Delete { key } => writeln!(stdout, "{}", store.delete_key(&key)?)?,
-        StoreOp::Keys => {
-            for key in store.list_keys()? {
-                writeln!(stdout, "{key}")?;
-            }
-        }
-        StoreOp::NumKeys => writeln!(stdout, "{}", store.num_keys()?)?,
+        StoreOp::Serve {
+            host,
+            port,
+            threads,
+            pin,
+            spin_us,
+            backend,
+        } => serve(host, port, threads, pin, spin_us, backend),
+        StoreOp::Client(op) => crate::store_client::run(args.client, op),
     }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Splits `HOST:PORT` (or `[V6]:PORT`) and checks that it resolves.

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod store_client;
 
 use std::process::ExitCode;
 
@@ -66,7 +67,10 @@ mod tests {
     #[test]
     fn the_whole_chain_is_printed_once() {
         let io = Layer("connection refused", None);
-        let connect = Layer("cannot reach the store at 10.0.0.1:29500", Some(Box::new(io)));
+        let connect = Layer(
+            "cannot reach the store at 10.0.0.1:29500",
+            Some(Box::new(io)),
+        );
         let top = Layer("rank 3: rendezvous failed", Some(Box::new(connect)));
         assert_eq!(
             error_chain(&top),

@@ -91,6 +91,164 @@ fn store_subcommands_against_a_served_store() {
     assert_eq!(stdout(&o), "false\n");
 }
 
+/// Runs `rdzv store ARGS` with `env` added and `--addr` left out.
+fn store_env(env: &[(&str, &str)], args: &[&str]) -> Output {
+    Command::new(RDZV)
+        .arg("store")
+        .args(args)
+        .env_remove("RDZV_ADDR")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .envs(env.iter().copied())
+        .output()
+        .expect("run rdzv store")
+}
+
+#[test]
+fn every_store_operation_is_a_subcommand() {
+    let served = serve();
+    let a = served.addr.as_str();
+    let ok = |o: &Output| assert!(o.status.success(), "{o:?}");
+
+    ok(&store(a, &["multi-set", "x=1", "y=2"]));
+    assert_eq!(stdout(&store(a, &["multi-get", "x", "y"])), "1\n2\n");
+    assert_eq!(
+        stdout(&store(a, &["compare-set", "x", "1", "one"])),
+        "one\n"
+    );
+    assert_eq!(
+        stdout(&store(a, &["compare-set", "x", "1", "uno"])),
+        "one\n"
+    );
+    // A missing key with an empty EXPECTED is created.
+    assert_eq!(
+        stdout(&store(a, &["compare-set", "fresh", "", "new"])),
+        "new\n"
+    );
+    ok(&store(a, &["append", "x", "-more"]));
+    assert_eq!(stdout(&store(a, &["get", "x"])), "one-more\n");
+
+    ok(&store(a, &["queue", "push", "jobs", "first"]));
+    ok(&store(a, &["queue", "push", "jobs", "second"]));
+    assert_eq!(stdout(&store(a, &["queue", "len", "jobs"])), "2\n");
+    assert_eq!(stdout(&store(a, &["queue", "pop", "jobs"])), "first\n");
+    assert_eq!(stdout(&store(a, &["queue", "pop", "jobs"])), "second\n");
+    let o = store(a, &["queue", "pop", "jobs", "--no-wait"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("empty"),
+        "{o:?}"
+    );
+
+    ok(&store(a, &["barrier", "b", "--world-size", "1"]));
+    let o = store(
+        a,
+        &["barrier", "b2", "--world-size", "2", "--timeout", "0.2"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+
+    let o = store(a, &["ping", "--count", "3"]);
+    ok(&o);
+    assert_eq!(
+        stdout(&o)
+            .lines()
+            .filter(|l| l.starts_with("pong in "))
+            .count(),
+        3
+    );
+
+    let o = store(a, &["get", "nothing-here", "--no-wait"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(o.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("nothing-here"),
+        "{o:?}"
+    );
+
+    let o = store(a, &["keys", "--prefix", "f"]);
+    assert_eq!(stdout(&o), "fresh\n");
+}
+
+#[test]
+fn values_are_binary_safe_and_json_output_is_one_object_per_result() {
+    let served = serve();
+    let a = served.addr.as_str();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let binary: Vec<u8> = (0..=255u8).rev().collect();
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &binary).expect("write input");
+
+    let o = store(
+        a,
+        &[
+            "set",
+            "blob",
+            "--value-file",
+            input.to_str().expect("utf-8 path"),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let output = dir.path().join("out.bin");
+    let o = store(
+        a,
+        &["get", "blob", "--out", output.to_str().expect("utf-8 path")],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(std::fs::read(&output).expect("read output"), binary);
+
+    // --hex both ways.
+    let o = store(a, &["--hex", "set", "h", "00ff10"]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(stdout(&store(a, &["get", "h", "--hex"])), "00ff10\n");
+    let o = store(a, &["--hex", "set", "bad", "0g"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("not hex"),
+        "{o:?}"
+    );
+
+    // JSON: text values as text, others as base64, counts as numbers.
+    store(a, &["set", "t", "plain"]);
+    let o = store(a, &["-o", "json", "multi-get", "t", "h"]);
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{o:?}");
+    assert_eq!(lines[0]["key"], "t");
+    assert_eq!(lines[0]["value"], "plain");
+    assert_eq!(lines[1]["value_base64"], "AP8Q");
+    let o = store(a, &["add", "n", "7", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("json");
+    assert_eq!(v["value"], 7);
+    let o = store(a, &["check", "n", "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("json");
+    assert_eq!(v["ready"], true);
+}
+
+#[test]
+fn the_address_defaults_to_rdzv_addr_then_master_addr_and_port() {
+    let served = serve();
+    let a = served.addr.as_str();
+    let port = a.rsplit_once(':').map(|(_, p)| p).expect("HOST:PORT");
+    let o = store(a, &["set", "where", "here"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = store_env(&[("RDZV_ADDR", a)], &["get", "where"]);
+    assert_eq!(stdout(&o), "here\n", "{o:?}");
+    let o = store_env(
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)],
+        &["get", "where"],
+    );
+    assert_eq!(stdout(&o), "here\n", "{o:?}");
+    let o = store_env(&[], &["get", "where"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("RDZV_ADDR") && err.contains("MASTER_ADDR"),
+        "{err}"
+    );
+}
+
 #[test]
 fn errors_go_to_stderr_with_exit_code_1() {
     // Nothing listens on this port: a short connect timeout, then a clear error.

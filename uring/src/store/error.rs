@@ -98,3 +98,17 @@ pub enum StoreError {
     #[error("{0}")]
     InvalidArgument(String),
 }
+
+impl StoreError {
+    /// Whether the operation ran out of time (a wait, get, barrier or connect): the
+    /// caller may retry with a longer timeout, where other errors need a fix.
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Timeout { .. }
+                | StoreError::GetTimeout { .. }
+                | StoreError::BarrierTimeout { .. }
+                | StoreError::ConnectTimeout { .. }
+        )
+    }
+}

@@ -246,6 +246,25 @@ impl TcpStore {
         result
     }
 
+    /// One PING round trip: the server echoes a nonce.
+    ///
+    /// # Errors
+    /// I/O errors, and [`StoreError::Protocol`] when the echo is not the nonce sent.
+    pub fn ping(&self) -> Result<(), StoreError> {
+        let nonce = std::process::id() ^ 0x5244_5a56;
+        self.round_trip(
+            &Request::Ping { nonce },
+            reply(QueryType::Ping, 0),
+            Some(self.timeout().max(Duration::from_millis(1))),
+            |r| match r {
+                Response::Pong(got) if got == nonce => Ok(()),
+                other => Err(self.protocol(format!(
+                    "Ping failed, invalid value returned from server. Expected: {nonce}, Got: {other:?}"
+                ))),
+            },
+        )
+    }
+
     fn io(&self, op: &'static str, source: io::Error) -> StoreError {
         StoreError::Io {
             op,

@@ -1,0 +1,593 @@
+//! `rdzv store <op>`: every operation of the [`Store`] trait as a subcommand, the way
+//! etcdctl and redis-cli expose theirs.
+//!
+//! - **Address:** `--addr HOST:PORT`, else `RDZV_ADDR`, else `MASTER_ADDR:MASTER_PORT`
+//!   (what a torchrun worker already has in its environment).
+//! - **Binary-safe values:** a value comes from the command line, from `--value-file
+//!   PATH` (`-` for standard input), or as hex with `--hex`; `get --out PATH` writes
+//!   the raw bytes to a file.
+//! - **Output:** text by default (a value and a newline, as before), or `-o json`: one
+//!   JSON object per result on its own line; a value that is not UTF-8 is given as
+//!   `value_base64` instead of `value`.
+//! - **Exit codes:** 0 on success; 1 for an error, a missing key (`get --no-wait`) or a
+//!   failed `check`; 2 for a timeout.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use base64::Engine as _;
+use clap::{Args, Subcommand, ValueEnum};
+use rdzv_uring::store::tcp::TcpStore;
+use rdzv_uring::{Store, StoreError};
+use serde_json::{json, Map, Value};
+
+use crate::cli::{seconds, split_addr, CliError};
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// Values as they are, one per line; counts and flags as words.
+    #[default]
+    Text,
+    /// One JSON object per result, one per line.
+    Json,
+}
+
+/// Options every client operation shares.
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// The store, as HOST:PORT. Default: $RDZV_ADDR, else $MASTER_ADDR:$MASTER_PORT.
+    #[arg(long, global = true)]
+    pub addr: Option<String>,
+    /// Timeout for connecting and for blocking calls, in seconds.
+    #[arg(long, global = true, default_value_t = 30.0)]
+    pub connect_timeout: f64,
+    /// Values on the command line and in text output are hex (binary-safe).
+    #[arg(long, global = true)]
+    pub hex: bool,
+    /// Output format.
+    #[arg(
+        short = 'o',
+        long = "output",
+        global = true,
+        value_enum,
+        default_value_t
+    )]
+    pub output: Output,
+}
+
+/// A value to store: the argument, or the contents of `--value-file`.
+#[derive(Debug, Args)]
+pub struct ValueIn {
+    /// The value (hex with --hex). Omit it to use --value-file.
+    #[arg(required_unless_present = "value_file", allow_hyphen_values = true)]
+    value: Option<String>,
+    /// Read the value from this file (`-`: standard input), byte for byte.
+    #[arg(long, conflicts_with = "value")]
+    value_file: Option<PathBuf>,
+}
+
+/// One operation on a running store.
+#[derive(Debug, Subcommand)]
+pub enum ClientOp {
+    /// Set KEY to VALUE.
+    Set {
+        /// The key.
+        key: String,
+        #[command(flatten)]
+        value: ValueIn,
+    },
+    /// Print the value of KEY (waits for it up to the timeout, unless --no-wait).
+    Get {
+        /// The key.
+        key: String,
+        /// Answer at once: a missing key exits with code 1.
+        #[arg(long)]
+        no_wait: bool,
+        /// Write the raw value to this file instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Add N to the counter KEY and print the result.
+    Add {
+        /// The counter.
+        key: String,
+        /// How much to add (may be negative).
+        #[arg(allow_hyphen_values = true)]
+        n: i64,
+    },
+    /// Set KEY to DESIRED if it holds EXPECTED (or is missing and EXPECTED is empty);
+    /// print the value KEY holds afterwards.
+    CompareSet {
+        /// The key.
+        key: String,
+        /// The value KEY must hold (hex with --hex; "" for a missing key).
+        #[arg(allow_hyphen_values = true)]
+        expected: String,
+        /// The value to store (hex with --hex).
+        #[arg(allow_hyphen_values = true)]
+        desired: String,
+    },
+    /// Append VALUE to KEY (creating it).
+    Append {
+        /// The key.
+        key: String,
+        #[command(flatten)]
+        value: ValueIn,
+    },
+    /// Print the values of several keys, in order (waits for all of them).
+    MultiGet {
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Set several keys at once, given as KEY=VALUE.
+    MultiSet {
+        /// KEY=VALUE pairs (VALUE in hex with --hex).
+        #[arg(required = true)]
+        pairs: Vec<String>,
+    },
+    /// The queue operations of PyTorch's store.
+    #[command(subcommand)]
+    Queue(QueueOp),
+    /// Wait until WORLD_SIZE callers have reached the barrier KEY.
+    Barrier {
+        /// The barrier's key.
+        key: String,
+        /// How many callers the barrier waits for.
+        #[arg(long)]
+        world_size: i64,
+        /// Seconds to wait (default: the connect timeout).
+        #[arg(long)]
+        timeout: Option<f64>,
+    },
+    /// Measure a PING round trip to the server.
+    Ping {
+        /// How many pings.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    /// Wait until every KEY exists.
+    Wait {
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+        /// Seconds to wait (default: the connect timeout).
+        #[arg(long)]
+        timeout: Option<f64>,
+    },
+    /// Print `true` if every KEY exists, else `false` (exit code 1).
+    Check {
+        /// The keys.
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Delete KEY; prints whether it existed.
+    Delete {
+        /// The key.
+        key: String,
+    },
+    /// List the user keys.
+    Keys {
+        /// Only the keys that start with this.
+        #[arg(long)]
+        prefix: Option<String>,
+    },
+    /// Print the number of keys (PyTorch counts internal keys too).
+    NumKeys,
+}
+
+/// `rdzv store queue …`.
+#[derive(Debug, Subcommand)]
+pub enum QueueOp {
+    /// Push VALUE to the back of the queue KEY.
+    Push {
+        /// The queue.
+        key: String,
+        #[command(flatten)]
+        value: ValueIn,
+    },
+    /// Pop the front of the queue KEY (waits for an element unless --no-wait).
+    Pop {
+        /// The queue.
+        key: String,
+        /// Answer at once: an empty queue exits with code 1.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Print the length of the queue KEY.
+    Len {
+        /// The queue.
+        key: String,
+    },
+}
+
+/// The store's address: `--addr`, else `RDZV_ADDR`, else `MASTER_ADDR:MASTER_PORT`.
+pub fn resolve_addr(
+    addr: Option<String>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<String, CliError> {
+    if let Some(addr) = addr.or_else(|| env("RDZV_ADDR").filter(|a| !a.is_empty())) {
+        return Ok(addr);
+    }
+    match (env("MASTER_ADDR"), env("MASTER_PORT")) {
+        (Some(host), Some(port)) if !host.is_empty() && !port.is_empty() => {
+            Ok(if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            })
+        }
+        (Some(_), _) | (_, Some(_)) => Err("MASTER_ADDR and MASTER_PORT must both be set to \
+                                            name the store; or pass --addr HOST:PORT"
+            .into()),
+        _ => Err(
+            "this command needs the store's address: --addr HOST:PORT, or RDZV_ADDR, \
+                  or MASTER_ADDR and MASTER_PORT"
+                .into(),
+        ),
+    }
+}
+
+/// Runs one client operation.
+pub fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> {
+    let timeout = seconds(args.connect_timeout, "--connect-timeout")?;
+    let addr = resolve_addr(args.addr, |name| std::env::var(name).ok())?;
+    let (host, port) = split_addr(&addr)?;
+    let store = TcpStore::connect(&host, port, timeout)
+        .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
+    let out = Printer {
+        format: args.output,
+        hex: args.hex,
+    };
+    let input = Input { hex: args.hex };
+    let mut stdout = std::io::stdout().lock();
+    let code = execute(&store, op, &out, &input, &mut stdout)?;
+    stdout.flush()?;
+    Ok(code)
+}
+
+/// How values are read from the command line.
+struct Input {
+    hex: bool,
+}
+
+impl Input {
+    fn text(&self, text: &str, what: &str) -> Result<Vec<u8>, CliError> {
+        if self.hex {
+            decode_hex(text).ok_or_else(|| {
+                format!("{what} {text:?} is not hex (two digits per byte, as --hex asks)").into()
+            })
+        } else {
+            Ok(text.as_bytes().to_vec())
+        }
+    }
+
+    fn value(&self, value: ValueIn) -> Result<Vec<u8>, CliError> {
+        match (value.value, value.value_file) {
+            (Some(text), _) => self.text(&text, "the value"),
+            (None, Some(path)) if path.as_os_str() == "-" => {
+                let mut bytes = Vec::new();
+                std::io::stdin()
+                    .read_to_end(&mut bytes)
+                    .map_err(|e| format!("reading the value from standard input: {e}"))?;
+                Ok(bytes)
+            }
+            (None, Some(path)) => std::fs::read(&path)
+                .map_err(|e| format!("reading the value from {}: {e}", path.display()).into()),
+            (None, None) => Err("give a VALUE or --value-file PATH".into()),
+        }
+    }
+}
+
+/// How results are written.
+struct Printer {
+    format: Output,
+    hex: bool,
+}
+
+impl Printer {
+    /// A key's value: raw bytes (or hex) and a newline, or `{"key", "value"}`.
+    fn value(&self, w: &mut dyn Write, key: &str, value: &[u8]) -> std::io::Result<()> {
+        match self.format {
+            Output::Text if self.hex => writeln!(w, "{}", encode_hex(value)),
+            Output::Text => {
+                w.write_all(value)?;
+                w.write_all(b"\n")
+            }
+            Output::Json => {
+                let mut object = Map::new();
+                object.insert("key".into(), key.into());
+                insert_value(&mut object, value);
+                writeln!(w, "{}", Value::Object(object))
+            }
+        }
+    }
+
+    /// A result that is one word or number in text, and `fields` in JSON.
+    fn fact(
+        &self,
+        w: &mut dyn Write,
+        text: &dyn std::fmt::Display,
+        fields: Value,
+    ) -> std::io::Result<()> {
+        match self.format {
+            Output::Text => writeln!(w, "{text}"),
+            Output::Json => writeln!(w, "{fields}"),
+        }
+    }
+
+    /// An operation without a result: nothing in text, `{"ok": true, …}` in JSON.
+    fn done(&self, w: &mut dyn Write, fields: Value) -> std::io::Result<()> {
+        match self.format {
+            Output::Text => Ok(()),
+            Output::Json => {
+                let mut object = Map::new();
+                object.insert("ok".into(), true.into());
+                if let Value::Object(more) = fields {
+                    object.extend(more);
+                }
+                writeln!(w, "{}", Value::Object(object))
+            }
+        }
+    }
+}
+
+/// `value` as UTF-8 text, or as `value_base64` when it is not UTF-8.
+fn insert_value(object: &mut Map<String, Value>, value: &[u8]) {
+    match std::str::from_utf8(value) {
+        Ok(text) => object.insert("value".into(), text.into()),
+        Err(_) => object.insert(
+            "value_base64".into(),
+            base64::engine::general_purpose::STANDARD
+                .encode(value)
+                .into(),
+        ),
+    };
+}
+
+fn execute(
+    store: &TcpStore,
+    op: ClientOp,
+    out: &Printer,
+    input: &Input,
+    w: &mut dyn Write,
+) -> Result<ExitCode, CliError> {
+    match op {
+        ClientOp::Set { key, value } => {
+            store.set(&key, &input.value(value)?)?;
+            // SET has no reply; a round trip makes sure the server has applied it.
+            store.check(&[&key])?;
+            out.done(w, json!({ "key": key }))?;
+        }
+        ClientOp::Get {
+            key,
+            no_wait,
+            out: path,
+        } => {
+            if no_wait && !store.check(&[&key])? {
+                eprintln!("rdzv: key {key:?} is not in the store");
+                return Ok(ExitCode::FAILURE);
+            }
+            let value = match store.get(&key) {
+                Err(e) if e.is_timeout() => return timed_out(&e),
+                other => other?,
+            };
+            match path {
+                Some(path) => {
+                    std::fs::write(&path, &value)
+                        .map_err(|e| format!("writing the value to {}: {e}", path.display()))?;
+                    out.done(w, json!({ "key": key, "bytes": value.len() }))?;
+                }
+                None => out.value(w, &key, &value)?,
+            }
+        }
+        ClientOp::Add { key, n } => {
+            let total = store.add(&key, n)?;
+            out.fact(w, &total, json!({ "key": key, "value": total }))?;
+        }
+        ClientOp::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let expected = input.text(&expected, "EXPECTED")?;
+            let desired = input.text(&desired, "DESIRED")?;
+            let now = store.compare_set(&key, &expected, &desired)?;
+            out.value(w, &key, &now)?;
+        }
+        ClientOp::Append { key, value } => {
+            store.append(&key, &input.value(value)?)?;
+            out.done(w, json!({ "key": key }))?;
+        }
+        ClientOp::MultiGet { keys } => {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let values = match store.multi_get(&refs) {
+                Err(e) if e.is_timeout() => return timed_out(&e),
+                other => other?,
+            };
+            for (key, value) in keys.iter().zip(values) {
+                out.value(w, key, &value)?;
+            }
+        }
+        ClientOp::MultiSet { pairs } => {
+            let mut parsed = Vec::with_capacity(pairs.len());
+            for pair in &pairs {
+                let (key, value) = pair
+                    .split_once('=')
+                    .ok_or_else(|| format!("{pair:?} is not KEY=VALUE"))?;
+                parsed.push((key, input.text(value, "the value")?));
+            }
+            let refs: Vec<(&str, &[u8])> = parsed.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+            store.multi_set(&refs)?;
+            out.done(w, json!({ "keys": parsed.len() }))?;
+        }
+        ClientOp::Queue(QueueOp::Push { key, value }) => {
+            store.queue_push(&key, &input.value(value)?)?;
+            out.done(w, json!({ "key": key }))?;
+        }
+        ClientOp::Queue(QueueOp::Pop { key, no_wait }) => match store.queue_pop(&key, !no_wait) {
+            Ok(value) => out.value(w, &key, &value)?,
+            Err(StoreError::QueueEmpty) => {
+                eprintln!("rdzv: the queue {key:?} is empty");
+                return Ok(ExitCode::FAILURE);
+            }
+            Err(e) if e.is_timeout() => return timed_out(&e),
+            Err(e) => return Err(e.into()),
+        },
+        ClientOp::Queue(QueueOp::Len { key }) => {
+            let len = store.queue_len(&key)?;
+            out.fact(w, &len, json!({ "key": key, "len": len }))?;
+        }
+        ClientOp::Barrier {
+            key,
+            world_size,
+            timeout,
+        } => {
+            if world_size < 1 {
+                return Err(format!("--world-size must be at least 1, got {world_size}").into());
+            }
+            let t = timeout.map(|t| seconds(t, "--timeout")).transpose()?;
+            match store.barrier(&key, world_size, t) {
+                Ok(()) => out.done(w, json!({ "key": key, "world_size": world_size }))?,
+                Err(e) if e.is_timeout() => return timed_out(&e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        ClientOp::Ping { count } => {
+            for _ in 0..count.max(1) {
+                let started = Instant::now();
+                store.ping()?;
+                let us = started.elapsed().as_secs_f64() * 1e6;
+                out.fact(
+                    w,
+                    &format_args!("pong in {us:.1} µs"),
+                    json!({ "rtt_us": (us * 10.0).round() / 10.0 }),
+                )?;
+            }
+        }
+        ClientOp::Wait { keys, timeout } => {
+            let t = timeout.map(|t| seconds(t, "--timeout")).transpose()?;
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            match store.wait(&refs, t) {
+                Ok(()) => out.done(w, json!({ "keys": keys }))?,
+                Err(e) if e.is_timeout() => return timed_out(&e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        ClientOp::Check { keys } => {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let ready = store.check(&refs)?;
+            out.fact(w, &ready, json!({ "keys": keys, "ready": ready }))?;
+            if !ready {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        ClientOp::Delete { key } => {
+            let existed = store.delete_key(&key)?;
+            out.fact(w, &existed, json!({ "key": key, "deleted": existed }))?;
+        }
+        ClientOp::Keys { prefix } => {
+            let prefix = prefix.unwrap_or_default();
+            for key in store.list_keys()? {
+                if key.starts_with(&prefix) {
+                    out.fact(w, &key, json!({ "key": key }))?;
+                }
+            }
+        }
+        ClientOp::NumKeys => {
+            let n = store.num_keys()?;
+            out.fact(w, &n, json!({ "num_keys": n }))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A timeout: one line on stderr, exit code 2.
+fn timed_out(e: &StoreError) -> Result<ExitCode, CliError> {
+    eprintln!("rdzv: timeout: {e}");
+    Ok(ExitCode::from(2))
+}
+
+fn encode_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    let text = text.strip_prefix("0x").unwrap_or(text);
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_address_comes_from_the_flag_then_rdzv_addr_then_master() {
+        let all = [
+            ("RDZV_ADDR", "a:1"),
+            ("MASTER_ADDR", "m"),
+            ("MASTER_PORT", "2"),
+        ];
+        assert_eq!(
+            resolve_addr(Some("f:3".into()), env(&all)).ok(),
+            Some("f:3".into())
+        );
+        assert_eq!(resolve_addr(None, env(&all)).ok(), Some("a:1".into()));
+        assert_eq!(resolve_addr(None, env(&all[1..])).ok(), Some("m:2".into()));
+        let v6 = [("MASTER_ADDR", "::1"), ("MASTER_PORT", "29500")];
+        assert_eq!(
+            resolve_addr(None, env(&v6)).ok(),
+            Some("[::1]:29500".into())
+        );
+        let half = resolve_addr(None, env(&all[1..2])).map_err(|e| e.to_string());
+        assert!(
+            half.as_ref().is_err_and(|e| e.contains("MASTER_PORT")),
+            "{half:?}"
+        );
+        let none = resolve_addr(None, env(&[])).map_err(|e| e.to_string());
+        assert!(
+            none.as_ref().is_err_and(|e| e.contains("--addr")),
+            "{none:?}"
+        );
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_odd_or_foreign_text() {
+        let bytes = [0u8, 1, 0xfe, 0xff, b'a'];
+        assert_eq!(decode_hex(&encode_hex(&bytes)), Some(bytes.to_vec()));
+        assert_eq!(decode_hex("0x00ff"), Some(vec![0, 0xff]));
+        assert_eq!(decode_hex("abc"), None);
+        assert_eq!(decode_hex("zz"), None);
+        assert_eq!(decode_hex("é1"), None);
+    }
+
+    #[test]
+    fn json_values_are_text_or_base64() {
+        let mut object = Map::new();
+        insert_value(&mut object, b"plain");
+        assert_eq!(Value::Object(object).to_string(), r#"{"value":"plain"}"#);
+        let mut object = Map::new();
+        insert_value(&mut object, &[0xff, 0x00]);
+        assert_eq!(
+            Value::Object(object).to_string(),
+            r#"{"value_base64":"/wA="}"#
+        );
+    }
+}
