@@ -5,7 +5,7 @@ use std::net::ToSocketAddrs;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use rdzv_uring::{ServerOptions, StoreServer};
 
 /// Errors the CLI reports: one line on stderr, exit code 1.
@@ -15,8 +15,28 @@ pub type CliError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, Parser)]
 #[command(name = "rdzv", version, about, long_about = None)]
 pub struct Cli {
+    /// How log lines on stderr look (the level comes from RUST_LOG, default `warn`).
+    #[arg(long, global = true, value_enum, default_value_t)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The format of log lines.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per event.
+    Json,
+}
+
+impl Cli {
+    /// The log format asked for.
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -32,6 +52,17 @@ enum Command {
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
+    /// Print a shell completion script (e.g. `rdzv completions bash > /etc/bash_completion.d/rdzv`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), or write one page per command into --out-dir.
+    Man {
+        /// Write `rdzv.1` and a page per subcommand (`rdzv-store.1`, …) here.
+        #[arg(long)]
+        out_dir: Option<std::path::PathBuf>,
+    },
     /// Internal: one worker of `rdzv demo`.
     #[command(hide = true)]
     DemoWorker(crate::demo::WorkerArgs),
@@ -95,11 +126,35 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Demo(args) => crate::demo::run(args),
         Command::Bench(command) => crate::bench::run(command),
         Command::DemoWorker(args) => crate::demo::worker(args),
+        Command::Completions { shell } => {
+            // Into a buffer first: clap_complete panics on a failed write (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "rdzv", &mut script);
+            std::io::stdout().lock().write_all(&script)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Man { out_dir } => man(out_dir),
         Command::Rdma(RdmaOp::Probe) => {
             print!("{}", rdzv::rdma::ViabilityReport::probe_env());
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// `rdzv man`: the page of `rdzv` on stdout, or every page into `out_dir`.
+fn man(out_dir: Option<std::path::PathBuf>) -> Result<ExitCode, CliError> {
+    let command = Cli::command();
+    match out_dir {
+        None => clap_mangen::Man::new(command).render(&mut std::io::stdout().lock())?,
+        Some(dir) => {
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+            clap_mangen::generate_to(command, &dir)
+                .map_err(|e| format!("writing the man pages into {}: {e}", dir.display()))?;
+            println!("man pages written to {}", dir.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn store(args: StoreArgs) -> Result<ExitCode, CliError> {

@@ -321,3 +321,80 @@ fn rdma_probe_reports_without_panicking() {
     assert!(out.contains("ibv"), "{out}");
     assert!(out.contains("cuda"), "{out}");
 }
+
+#[test]
+fn completions_and_man_pages_come_from_the_clap_definitions() {
+    for (shell, marker) in [
+        ("bash", "_rdzv()"),
+        ("zsh", "#compdef rdzv"),
+        ("fish", "complete -c rdzv"),
+    ] {
+        let o = Command::new(RDZV)
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{shell}: {o:?}");
+        let script = stdout(&o);
+        assert!(script.contains(marker), "{shell}: {script:.200}");
+        assert!(
+            script.contains("compare-set"),
+            "{shell} completes the store subcommands"
+        );
+    }
+    let o = Command::new(RDZV).arg("man").output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains(".TH rdzv 1"), "{}", stdout(&o));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let o = Command::new(RDZV)
+        .args(["man", "--out-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    for page in [
+        "rdzv.1",
+        "rdzv-store.1",
+        "rdzv-store-serve.1",
+        "rdzv-store-queue-pop.1",
+    ] {
+        let text = std::fs::read_to_string(dir.path().join(page))
+            .unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(text.contains(".TH"), "{page}");
+    }
+}
+
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let o = Command::new(RDZV)
+        .args([
+            "--log-format",
+            "json",
+            "store",
+            "--addr",
+            "127.0.0.1:1",
+            "--connect-timeout",
+            "0.2",
+            "get",
+            "k",
+        ])
+        .env("RUST_LOG", "debug")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    let logs: Vec<serde_json::Value> = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert!(!logs.is_empty(), "no JSON log line in {err}");
+    assert!(logs
+        .iter()
+        .all(|l| l["level"].is_string() && l["fields"].is_object()));
+    // The error itself is still one plain line for people.
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("rdzv: cannot reach the store")),
+        "{err}"
+    );
+}

@@ -112,7 +112,8 @@ impl Calls {
         let mut table = self.lock();
         if table
             .pending
-            .get(&message_id).is_none_or(|p| p.pipe != pipe)
+            .get(&message_id)
+            .is_none_or(|p| p.pipe != pipe)
         {
             return None;
         }
