@@ -104,7 +104,10 @@ fn caller_options(url: &str, channels: Option<&str>) -> RpcOptions {
 }
 
 /// Sends every size to `peer` and checks what comes back; prints the 64 MiB echo time.
-fn round_trips(agent: &RpcAgent, channel: ChannelKind) {
+/// `inline_below`: `None` when `channel` lends device memory (every tensor goes over
+/// it); `Some(min_channel_bytes)` when it carries staged bytes (`cuda_basic` over a CPU
+/// channel), so that smaller tensors travel inline and are counted on `basic`.
+fn round_trips(agent: &RpcAgent, channel: ChannelKind, inline_below: Option<u64>) {
     let seed = 77;
     for &len in &SIZES {
         let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
@@ -131,15 +134,53 @@ fn round_trips(agent: &RpcAgent, channel: ChannelKind) {
             println!("{channel}: 64 MiB echo in {elapsed:?} ({gbps:.2} GB/s both ways)");
         }
     }
-    let moved = agent
-        .tensor_bytes_by_channel()
-        .into_iter()
-        .find(|&(kind, _)| kind == channel)
-        .map_or(0, |(_, bytes)| bytes);
-    assert!(
-        moved >= SIZES.iter().sum::<usize>() as u64,
-        "{:?}",
-        agent.tensor_bytes_by_channel()
+    let expected = expected_bytes(channel, inline_below);
+    let moved = agent.tensor_bytes_by_channel();
+    for &(kind, bytes) in &expected {
+        let counted = moved
+            .iter()
+            .find(|&&(moved_kind, _)| moved_kind == kind)
+            .map_or(0, |&(_, bytes)| bytes);
+        assert!(
+            counted >= bytes,
+            "{kind} moved {counted} bytes, expected at least {bytes}: {moved:?}"
+        );
+    }
+}
+
+/// The tensor bytes `round_trips` sends per channel (see its `inline_below`).
+fn expected_bytes(channel: ChannelKind, inline_below: Option<u64>) -> Vec<(ChannelKind, u64)> {
+    let (mut carried, mut inline) = (0u64, 0u64);
+    for &len in &SIZES {
+        let len = len as u64;
+        match inline_below {
+            Some(min) if len < min => inline += len,
+            _ => carried += len,
+        }
+    }
+    if channel == ChannelKind::Basic {
+        return vec![(channel, carried + inline)];
+    }
+    vec![(channel, carried), (ChannelKind::Basic, inline)]
+}
+
+/// Runs without a GPU: the expectation `cuda_basic` failed on the H100 (the 1-byte
+/// tensor went inline, `[(Cma, 68157443), (Basic, 1)]`).
+#[test]
+fn staged_tensors_below_min_channel_bytes_are_expected_inline() {
+    let min = options("", None).min_channel_bytes;
+    assert!(min > 1 && min <= (1 << 20) + 3, "SIZES no longer straddle {min}");
+    assert_eq!(
+        expected_bytes(ChannelKind::Cma, Some(min)),
+        [(ChannelKind::Cma, 68_157_443), (ChannelKind::Basic, 1)]
+    );
+    assert_eq!(
+        expected_bytes(ChannelKind::Basic, Some(min)),
+        [(ChannelKind::Basic, 68_157_444)]
+    );
+    assert_eq!(
+        expected_bytes(ChannelKind::CudaIpc, None),
+        [(ChannelKind::CudaIpc, 68_157_444), (ChannelKind::Basic, 0)]
     );
 }
 
@@ -156,7 +197,12 @@ fn serve_if_child() {
     std::process::exit(0);
 }
 
-fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
+fn two_processes(
+    test: &str,
+    channels: Option<&str>,
+    expected: ChannelKind,
+    inline_below: Option<u64>,
+) {
     serve_if_child();
     if skipped(test) {
         return;
@@ -180,7 +226,7 @@ fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
             panic!("parent init: {e}");
         }
     };
-    round_trips(&agent, expected);
+    round_trips(&agent, expected, inline_below);
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
     let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "the child failed: {status}");
@@ -192,6 +238,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_ipc() {
         "cuda_tensors_cross_two_processes_over_cuda_ipc",
         None,
         ChannelKind::CudaIpc,
+        None,
     );
 }
 
@@ -206,6 +253,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_basic() {
         "cuda_tensors_cross_two_processes_over_cuda_basic",
         Some("cma,basic,cuda_basic"),
         carrier,
+        Some(options("", None).min_channel_bytes),
     );
 }
 
@@ -225,7 +273,7 @@ fn two_agents_in_one_process_use_cuda_xth() {
     });
     let agent = init_rpc("main", 0, Some(2), caller_options(&url, None))
         .unwrap_or_else(|e| panic!("main init: {e}"));
-    round_trips(&agent, ChannelKind::CudaXth);
+    round_trips(&agent, ChannelKind::CudaXth, None);
     agent.join().unwrap_or_else(|e| panic!("main join: {e}"));
     peer.join()
         .unwrap_or_else(|_| panic!("the peer thread panicked"));
