@@ -38,11 +38,14 @@
 pub mod agent;
 pub mod basic;
 pub mod byte_channel;
+pub mod caching_allocator;
 mod channel_error;
+pub mod chunk_plan;
 pub mod descriptor;
 pub mod gdr;
 pub mod gdr_lending;
 pub mod ipc;
+pub mod ipc_mappings;
 pub mod memory;
 pub mod peer_memory;
 pub mod staging;
