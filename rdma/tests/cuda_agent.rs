@@ -169,7 +169,10 @@ fn expected_bytes(channel: ChannelKind, inline_below: Option<u64>) -> Vec<(Chann
 #[test]
 fn staged_tensors_below_min_channel_bytes_are_expected_inline() {
     let min = options("", None).min_channel_bytes;
-    assert!(min > 1 && min <= (1 << 20) + 3, "SIZES no longer straddle {min}");
+    assert!(
+        min > 1 && min <= (1 << 20) + 3,
+        "SIZES no longer straddle {min}"
+    );
     assert_eq!(
         expected_bytes(ChannelKind::Cma, Some(min)),
         [(ChannelKind::Cma, 68_157_443), (ChannelKind::Basic, 1)]

@@ -350,6 +350,7 @@ impl DeviceRuntime for CudaRuntime {
                 offset: 0,
                 length,
                 device,
+                base: own.allocation.range().ptr(),
             }
             .encode()
             .to_vec(),
