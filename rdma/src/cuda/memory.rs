@@ -13,11 +13,13 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::result;
 use cudarc::driver::safe::{CudaContext, CudaStream};
 use cudarc::driver::sys;
+
+use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 
 use super::channel_error::CudaChannelError;
 use super::{driver_library_present, panic_message, CudaNotViable};
@@ -241,6 +243,9 @@ pub struct DeviceAllocation {
     gpu: Gpu,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// Its CUDA IPC memory handle, made on first use: one handle per allocation, which
+    /// dies with it (so no handle outlives the memory it names).
+    ipc_handle: OnceLock<[u8; IPC_HANDLE_LEN]>,
 }
 
 impl DeviceAllocation {
@@ -257,6 +262,7 @@ impl DeviceAllocation {
             gpu: gpu.clone(),
             ptr,
             len,
+            ipc_handle: OnceLock::new(),
         })
     }
 
@@ -282,6 +288,28 @@ impl DeviceAllocation {
     /// The device it lives on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// The allocation's CUDA IPC memory handle (`cuIpcGetMemHandle`), made once and
+    /// cached for the allocation's life.
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaChannelError> {
+        if let Some(handle) = self.ipc_handle.get() {
+            return Ok(*handle);
+        }
+        self.gpu.bind()?;
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_LEN],
+        };
+        // SAFETY: `ptr` is a live `cuMemAlloc` pointer of the current context; the driver
+        // writes one handle into a live local.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) }
+            .result()
+            .map_err(CudaChannelError::driver(
+                "cuIpcGetMemHandle",
+                self.gpu.ordinal(),
+            ))?;
+        let handle = handle.reserved.map(|c| c as u8);
+        Ok(*self.ipc_handle.get_or_init(|| handle))
     }
 
     /// Copies `src` into the allocation (synchronous `cuMemcpyHtoD`); `src` must have the
