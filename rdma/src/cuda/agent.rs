@@ -71,7 +71,7 @@ use rdzv_uring::rpc::{
 
 use super::caching_allocator::{BackingAllocator, CachedBlock, CachingAllocator};
 use super::channel_error::CudaChannelError;
-use super::chunk_plan::{ChunkPlan, Step};
+use super::chunk_plan::{self, ChunkPlan, StagingCopies};
 use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
@@ -593,41 +593,14 @@ impl DeviceState {
             return Ok(out);
         }
         let mut slots = self.take_slots(plan.buffers_used())?;
-        let ordinal = self.gpu.ordinal();
-        let result = (|| {
-            self.gpu.bind()?;
-            for step in plan.steps() {
-                match step {
-                    Step::Issue { chunk, buffer } => {
-                        let (offset, len) = plan.range(chunk);
-                        let slot = &slots[buffer];
-                        let stream = self.stream();
-                        // SAFETY: the slot's buffer holds `chunk` ≥ `len` bytes and no
-                        // copy uses it (its previous chunk was finished); `src` is this
-                        // device's memory of at least `offset + len` bytes, alive for the
-                        // call. The copy is waited for (`Finish`) before the buffer is read.
-                        unsafe {
-                            sys::cuMemcpyDtoHAsync_v2(
-                                slot.buffer.as_ptr(),
-                                src.ptr() + offset as u64,
-                                len,
-                                stream.cu_stream(),
-                            )
-                        }
-                        .result()
-                        .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
-                        slot.event.record(stream)?;
-                    }
-                    Step::Finish { chunk, buffer } => {
-                        let (_, len) = plan.range(chunk);
-                        let slot = &mut slots[buffer];
-                        slot.event.synchronize()?;
-                        out.extend_from_slice(&slot.buffer.as_mut_slice()[..len]);
-                    }
-                }
-            }
-            Ok(())
-        })();
+        let result = self.gpu.bind().and_then(|()| {
+            let mut copies = DriverStaging {
+                state: self,
+                slots: &mut slots,
+                device: src,
+            };
+            chunk_plan::stage_out(&plan, &mut copies, &mut out)
+        });
         self.finish_slots(slots, &result);
         result.map(|()| out)
     }
@@ -646,37 +619,14 @@ impl DeviceState {
             return Ok(());
         }
         let mut slots = self.take_slots(plan.buffers_used())?;
-        let ordinal = self.gpu.ordinal();
-        let result = (|| {
-            self.gpu.bind()?;
-            for step in plan.steps() {
-                match step {
-                    Step::Issue { chunk, buffer } => {
-                        let (offset, len) = plan.range(chunk);
-                        let slot = &mut slots[buffer];
-                        slot.buffer.as_mut_slice()[..len]
-                            .copy_from_slice(&bytes[offset..offset + len]);
-                        let stream = self.stream();
-                        // SAFETY: the slot's buffer holds this chunk's `len` bytes and is
-                        // not touched again until its event completes (`Finish`); `dst`
-                        // is this device's memory of at least `offset + len` bytes.
-                        unsafe {
-                            sys::cuMemcpyHtoDAsync_v2(
-                                dst.ptr() + offset as u64,
-                                slot.buffer.as_ptr(),
-                                len,
-                                stream.cu_stream(),
-                            )
-                        }
-                        .result()
-                        .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
-                        slot.event.record(stream)?;
-                    }
-                    Step::Finish { buffer, .. } => slots[buffer].event.synchronize()?,
-                }
-            }
-            Ok(())
-        })();
+        let result = self.gpu.bind().and_then(|()| {
+            let mut copies = DriverStaging {
+                state: self,
+                slots: &mut slots,
+                device: dst,
+            };
+            chunk_plan::stage_in(&plan, &mut copies, bytes)
+        });
         self.finish_slots(slots, &result);
         result
     }
@@ -694,6 +644,94 @@ impl DeviceState {
             .filter(|slot| slot.event.synchronize().is_ok())
             .collect();
         self.give_back(idle);
+    }
+}
+
+/// A staged copy's driver side: pinned slots, the device range, asynchronous copies on
+/// the device's streams, one event per slot.
+struct DriverStaging<'a, 'r> {
+    state: &'a DeviceState,
+    slots: &'a mut [StagingSlot],
+    device: DeviceRange<'r>,
+}
+
+impl DriverStaging<'_, '_> {
+    /// The slot and the device address of `[offset, offset + len)`, checked.
+    fn place(
+        &self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(&StagingSlot, sys::CUdeviceptr), CudaChannelError> {
+        let slot = self
+            .slots
+            .get(buffer)
+            .filter(|slot| len <= slot.buffer.len());
+        match (slot, self.device.slice(offset, len)) {
+            (Some(slot), Some(range)) => Ok((slot, range.ptr())),
+            _ => Err(CudaChannelError::protocol(
+                "cuda_basic staging plan",
+                format!("{len} bytes at {offset} do not fit buffer {buffer} or the tensor"),
+            )),
+        }
+    }
+}
+
+impl StagingCopies for DriverStaging<'_, '_> {
+    type Error = CudaChannelError;
+
+    fn start_to_host(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        let ordinal = self.state.gpu.ordinal();
+        let (slot, src) = self.place(buffer, offset, len)?;
+        let stream = self.state.stream();
+        // SAFETY: the slot's pinned buffer holds at least `len` bytes and no copy uses it
+        // (the plan waited for its previous one); `src` is `len` bytes of this device's
+        // memory, alive for the whole staged copy. The buffer is read only after the
+        // slot's event, recorded next, completed.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(slot.buffer.as_ptr(), src, len, stream.cu_stream()) }
+            .result()
+            .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
+        slot.event.record(stream)
+    }
+
+    fn start_to_device(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        let ordinal = self.state.gpu.ordinal();
+        let (slot, dst) = self.place(buffer, offset, len)?;
+        let stream = self.state.stream();
+        // SAFETY: the slot's pinned buffer holds this chunk's `len` bytes and is not
+        // written again until its event, recorded next, completed; `dst` is `len` bytes
+        // of this device's memory, alive for the whole staged copy.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, slot.buffer.as_ptr(), len, stream.cu_stream()) }
+            .result()
+            .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
+        slot.event.record(stream)
+    }
+
+    fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
+        match self.slots.get(buffer) {
+            Some(slot) => slot.event.synchronize(),
+            None => Err(CudaChannelError::protocol(
+                "cuda_basic staging plan",
+                format!("no buffer {buffer}"),
+            )),
+        }
+    }
+
+    fn buffer(&mut self, buffer: usize) -> &mut [u8] {
+        match self.slots.get_mut(buffer) {
+            Some(slot) => slot.buffer.as_mut_slice(),
+            None => &mut [],
+        }
     }
 }
 

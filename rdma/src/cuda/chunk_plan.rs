@@ -7,7 +7,11 @@
 //! into (or out of) buffer `k % b`, then *finish* chunk k − (b − 1) (wait for its copy,
 //! then copy its bytes between the buffer and the caller's host memory). A buffer is
 //! issued again only after its previous chunk finished, and chunks finish in order.
-//! The agent's runtime runs the plan with CUDA events; this module moves no bytes.
+//!
+//! [`stage_out`] and [`stage_in`] run a plan over [`StagingCopies`]: the agent's runtime
+//! implements it with pinned buffers, asynchronous copies on its streams and one event
+//! per buffer; the tests with a fake whose copies land only when waited for, so that
+//! reading a buffer too early or reusing a busy one shows up as wrong bytes.
 
 /// One step of a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +86,88 @@ impl ChunkPlan {
     }
 }
 
+/// The copies a staged transfer needs, between a device range and a few host buffers.
+pub trait StagingCopies {
+    /// Why a copy failed.
+    type Error;
+    /// Starts copying `len` bytes at `offset` of the device range into buffer `buffer`.
+    ///
+    /// # Errors
+    /// The copy could not be started.
+    fn start_to_host(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+    /// Starts copying the first `len` bytes of buffer `buffer` to `offset` of the device
+    /// range.
+    ///
+    /// # Errors
+    /// The copy could not be started.
+    fn start_to_device(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+    /// Waits for buffer `buffer`'s last copy.
+    ///
+    /// # Errors
+    /// The copy failed.
+    fn wait(&mut self, buffer: usize) -> Result<(), Self::Error>;
+    /// Buffer `buffer`'s bytes; only called when no copy uses it.
+    fn buffer(&mut self, buffer: usize) -> &mut [u8];
+}
+
+/// Runs `plan` device to host: the tensor's bytes are appended to `out` in order.
+///
+/// # Errors
+/// The first failed copy (copies already started may still be running: wait for every
+/// buffer before reusing them).
+pub fn stage_out<C: StagingCopies>(
+    plan: &ChunkPlan,
+    copies: &mut C,
+    out: &mut Vec<u8>,
+) -> Result<(), C::Error> {
+    for step in plan.steps() {
+        match step {
+            Step::Issue { chunk, buffer } => {
+                let (offset, len) = plan.range(chunk);
+                copies.start_to_host(buffer, offset, len)?;
+            }
+            Step::Finish { chunk, buffer } => {
+                let (_, len) = plan.range(chunk);
+                copies.wait(buffer)?;
+                out.extend_from_slice(&copies.buffer(buffer)[..len]);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `plan` host to device: `bytes` (the plan's length) land in the device range.
+///
+/// # Errors
+/// As [`stage_out`].
+pub fn stage_in<C: StagingCopies>(
+    plan: &ChunkPlan,
+    copies: &mut C,
+    bytes: &[u8],
+) -> Result<(), C::Error> {
+    for step in plan.steps() {
+        match step {
+            Step::Issue { chunk, buffer } => {
+                let (offset, len) = plan.range(chunk);
+                copies.buffer(buffer)[..len].copy_from_slice(&bytes[offset..offset + len]);
+                copies.start_to_device(buffer, offset, len)?;
+            }
+            Step::Finish { buffer, .. } => copies.wait(buffer)?,
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +218,124 @@ mod tests {
                 },
             ]
         );
+    }
+
+    /// Fake asynchronous copies: a copy is only recorded when started and lands when its
+    /// buffer is waited for, so a buffer read before its wait holds stale bytes and a
+    /// buffer overwritten before its wait sends the wrong ones. Touching a busy buffer or
+    /// starting a second copy on it panics.
+    struct FakeCopies {
+        device: Vec<u8>,
+        buffers: Vec<Vec<u8>>,
+        pending: Vec<Option<(bool, usize, usize)>>,
+        fail_at: Option<usize>,
+        started: usize,
+    }
+
+    impl FakeCopies {
+        fn new(device: Vec<u8>, buffers: usize, chunk: usize) -> FakeCopies {
+            FakeCopies {
+                device,
+                buffers: vec![vec![0xee; chunk]; buffers],
+                pending: vec![None; buffers],
+                fail_at: None,
+                started: 0,
+            }
+        }
+
+        fn start(
+            &mut self,
+            buffer: usize,
+            to_host: bool,
+            offset: usize,
+            len: usize,
+        ) -> Result<(), String> {
+            assert!(
+                self.pending[buffer].is_none(),
+                "buffer {buffer} reused while busy"
+            );
+            if self.fail_at == Some(self.started) {
+                return Err(format!("copy {} failed", self.started));
+            }
+            self.started += 1;
+            self.pending[buffer] = Some((to_host, offset, len));
+            Ok(())
+        }
+    }
+
+    impl StagingCopies for FakeCopies {
+        type Error = String;
+        fn start_to_host(
+            &mut self,
+            buffer: usize,
+            offset: usize,
+            len: usize,
+        ) -> Result<(), String> {
+            self.start(buffer, true, offset, len)
+        }
+        fn start_to_device(
+            &mut self,
+            buffer: usize,
+            offset: usize,
+            len: usize,
+        ) -> Result<(), String> {
+            self.start(buffer, false, offset, len)
+        }
+        fn wait(&mut self, buffer: usize) -> Result<(), String> {
+            if let Some((to_host, offset, len)) = self.pending[buffer].take() {
+                if to_host {
+                    self.buffers[buffer][..len].copy_from_slice(&self.device[offset..offset + len]);
+                } else {
+                    self.device[offset..offset + len].copy_from_slice(&self.buffers[buffer][..len]);
+                }
+            }
+            Ok(())
+        }
+        fn buffer(&mut self, buffer: usize) -> &mut [u8] {
+            assert!(
+                self.pending[buffer].is_none(),
+                "buffer {buffer} touched while busy"
+            );
+            &mut self.buffers[buffer]
+        }
+    }
+
+    fn bytes(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+    }
+
+    #[test]
+    fn a_failed_copy_stops_the_transfer() {
+        let plan = ChunkPlan::new(100, 10, 2);
+        let mut copies = FakeCopies::new(bytes(100), 2, 10);
+        copies.fail_at = Some(4);
+        let mut out = Vec::new();
+        assert_eq!(
+            stage_out(&plan, &mut copies, &mut out),
+            Err("copy 4 failed".into())
+        );
+        assert!(out.len() < 100);
+    }
+
+    proptest! {
+        /// Staged out and staged in through the fake, every byte arrives in order, with
+        /// no buffer read early, overwritten early or reused while busy.
+        #[test]
+        fn staged_copies_move_every_byte_in_order(
+            len in 0usize..3000, chunk in 1usize..400, buffers in 1usize..4,
+        ) {
+            let plan = ChunkPlan::new(len, chunk, buffers);
+            let source = bytes(len);
+            let mut copies = FakeCopies::new(source.clone(), buffers, chunk);
+            let mut out = Vec::new();
+            prop_assert_eq!(stage_out(&plan, &mut copies, &mut out), Ok(()));
+            prop_assert!(out == source);
+
+            let mut copies = FakeCopies::new(vec![0; len], buffers, chunk);
+            prop_assert_eq!(stage_in(&plan, &mut copies, &source), Ok(()));
+            prop_assert!(copies.pending.iter().all(Option::is_none), "every copy waited for");
+            prop_assert!(copies.device == source);
+        }
     }
 
     proptest! {
