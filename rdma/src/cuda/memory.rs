@@ -237,6 +237,59 @@ pub fn copy_device_async(
     }
 }
 
+/// Enqueues a copy of the first `dst.len()` bytes of pinned `src` into `dst` on `stream`
+/// (`cuMemcpyHtoDAsync`). The buffer must not be written, nor `dst` used, until the
+/// stream's work up to here is done (wait with an event recorded after it).
+pub fn copy_to_device_async(
+    dst: DeviceRange<'_>,
+    src: &PinnedHostBuffer,
+    stream: &CudaStream,
+) -> Result<(), CudaChannelError> {
+    if dst.len() > src.len() {
+        return Err(CudaChannelError::LengthMismatch {
+            sent: src.len() as u64,
+            expected: dst.len() as u64,
+        });
+    }
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let ordinal = stream.context().ordinal();
+    Gpu::of_stream(stream).bind()?;
+    // SAFETY: `src` is pinned memory of at least `dst.len()` bytes owned by the caller,
+    // `dst` borrowed device memory of that length (its `DeviceRange` contract); the
+    // caller waits for the stream before touching either (this function's contract).
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.as_ptr(), dst.len(), stream.cu_stream()) }
+        .result()
+        .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))
+}
+
+/// Enqueues a copy of `src` into the first `src.len()` bytes of pinned `dst` on
+/// `stream` (`cuMemcpyDtoHAsync`). The buffer must not be read until the stream's work
+/// up to here is done.
+pub fn copy_to_host_async(
+    dst: &mut PinnedHostBuffer,
+    src: DeviceRange<'_>,
+    stream: &CudaStream,
+) -> Result<(), CudaChannelError> {
+    if src.len() > dst.len() {
+        return Err(CudaChannelError::LengthMismatch {
+            sent: src.len() as u64,
+            expected: dst.len() as u64,
+        });
+    }
+    if src.is_empty() {
+        return Ok(());
+    }
+    let ordinal = stream.context().ordinal();
+    Gpu::of_stream(stream).bind()?;
+    // SAFETY: as `copy_to_device_async`, the other way round; `dst` is borrowed
+    // exclusively for the call and read only after the stream's work is done.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_ptr(), src.ptr(), src.len(), stream.cu_stream()) }
+        .result()
+        .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))
+}
+
 /// Device memory from `cuMemAlloc`, freed with `cuMemFree` on drop.
 #[derive(Debug)]
 pub struct DeviceAllocation {
