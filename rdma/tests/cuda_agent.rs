@@ -4,7 +4,9 @@
 //!   and back over `cuda_ipc` (the default ranking), then over `cuda_basic` carried by
 //!   cma (`channels = cma,basic,cuda_basic`), checked byte for byte on the device by the
 //!   peer and on return; each prints its 64 MiB echo time;
-//! - two agents in one process: the same over `cuda_xth`.
+//! - two agents in one process: the same over `cuda_xth`;
+//! - two processes: 200 echoes of one 64 MiB tensor over `cuda_ipc`, then over
+//!   `cuda_basic`, leave the GPU's free memory flat once the caches are warm.
 //!
 //! Every test needs a GPU and prints `SKIPPED <test>: <reason>` without one (or panics
 //! when `RDZV_REQUIRE_CUDA=1`, as on a lent GPU machine). The agent's side of these
@@ -200,12 +202,9 @@ fn serve_if_child() {
     std::process::exit(0);
 }
 
-fn two_processes(
-    test: &str,
-    channels: Option<&str>,
-    expected: ChannelKind,
-    inline_below: Option<u64>,
-) {
+/// Runs `test` in this process (the parent, "main") against a child serving as
+/// "peer", both with `channels`: `run` makes the calls.
+fn two_processes(test: &str, channels: Option<&str>, run: impl FnOnce(&RpcAgent)) {
     serve_if_child();
     if skipped(test) {
         return;
@@ -229,10 +228,71 @@ fn two_processes(
             panic!("parent init: {e}");
         }
     };
-    round_trips(&agent, expected, inline_below);
+    run(&agent);
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
     let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
     assert!(status.success(), "the child failed: {status}");
+}
+
+/// Echoes the same 64 MiB tensor again and again (each reply is sent next) over
+/// `expected` and checks that device memory use stays flat once the caches are warm
+/// (the receivers' caching allocators and the borrowers' opened mappings).
+fn memory_stays_flat(agent: &RpcAgent, expected: ChannelKind) {
+    const WARM: usize = 5;
+    const ECHOES: usize = 200;
+    let len = 64 << 20;
+    let seed = 5;
+    let gpu = rdzv_rdma::cuda::memory::Gpu::open(0).unwrap_or_else(|e| panic!("{e}"));
+    let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
+        .unwrap_or_else(|e| panic!("upload: {e}"));
+    let mut tensor = Tensor::on_device(DeviceBuffer::new(memory));
+    let mut free_when_warm = 0;
+    let started = Instant::now();
+    for echo in 0..WARM + ECHOES {
+        if echo == WARM {
+            free_when_warm = gpu.memory_info().unwrap_or_else(|e| panic!("{e}")).0;
+        }
+        let reply = agent
+            .rpc_sync(
+                "peer",
+                "check",
+                Message::from_payload(vec![seed]).with_tensor(tensor),
+            )
+            .unwrap_or_else(|e| panic!("echo {echo} over {expected}: {e}"));
+        tensor = reply.tensors.into_iter().next().expect("a tensor back");
+    }
+    let free_at_end = gpu.memory_info().unwrap_or_else(|e| panic!("{e}")).0;
+    let drift = free_when_warm.saturating_sub(free_at_end);
+    println!(
+        "{expected}: {ECHOES} echoes of 64 MiB in {:?}; device memory free {} MiB when warm, {} MiB at the end",
+        started.elapsed(),
+        free_when_warm >> 20,
+        free_at_end >> 20
+    );
+    assert!(
+        drift <= 2 * len,
+        "{ECHOES} echoes took {} MiB more device memory",
+        drift >> 20
+    );
+    assert!(device_bytes(&tensor).is_ok_and(|b| b == pattern(len, seed)));
+}
+
+#[test]
+fn echoes_over_cuda_ipc_leave_device_memory_flat() {
+    two_processes(
+        "echoes_over_cuda_ipc_leave_device_memory_flat",
+        None,
+        |agent| memory_stays_flat(agent, ChannelKind::CudaIpc),
+    );
+}
+
+#[test]
+fn echoes_over_cuda_basic_leave_device_memory_flat() {
+    two_processes(
+        "echoes_over_cuda_basic_leave_device_memory_flat",
+        Some("cma,basic,cuda_basic"),
+        |agent| memory_stays_flat(agent, ChannelKind::CudaBasic),
+    );
 }
 
 #[test]
@@ -240,8 +300,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_ipc() {
     two_processes(
         "cuda_tensors_cross_two_processes_over_cuda_ipc",
         None,
-        ChannelKind::CudaIpc,
-        None,
+        |agent| round_trips(agent, ChannelKind::CudaIpc, None),
     );
 }
 
@@ -255,8 +314,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_basic() {
     two_processes(
         "cuda_tensors_cross_two_processes_over_cuda_basic",
         Some("cma,basic,cuda_basic"),
-        carrier,
-        Some(options("", None).min_channel_bytes),
+        |agent| round_trips(agent, carrier, Some(options("", None).min_channel_bytes)),
     );
 }
 

@@ -103,6 +103,9 @@ pub struct CudaOptions {
     /// The most `cuda_ipc` mappings a device keeps open (least recently used closed
     /// first).
     pub ipc_mappings_per_device: usize,
+    /// The most bytes those mappings may map (an open mapping keeps the lender's memory
+    /// alive even after the lender freed it).
+    pub ipc_mapped_bytes_per_device: usize,
 }
 
 impl Default for CudaOptions {
@@ -113,6 +116,7 @@ impl Default for CudaOptions {
             staging_buffers: 3,
             streams_per_device: 2,
             ipc_mappings_per_device: 256,
+            ipc_mapped_bytes_per_device: 4 << 30,
         }
     }
 }
@@ -479,6 +483,7 @@ impl DeviceState {
             mappings: Mutex::new(IpcMappings::new(
                 DriverOpener { gpu: gpu.clone() },
                 options.ipc_mappings_per_device,
+                options.ipc_mapped_bytes_per_device,
             )),
             staging: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
@@ -764,6 +769,10 @@ impl MappingOpener for DriverOpener {
         _ordinal: usize,
     ) -> Result<OpenedHandle, CudaChannelError> {
         OpenedHandle::open(&self.gpu, handle)
+    }
+
+    fn mapped_len(mapping: &OpenedHandle) -> usize {
+        mapping.len
     }
 }
 
@@ -1110,6 +1119,102 @@ mod tests {
             CudaOptions::with_cache_cap(None),
             Ok(CudaOptions::default())
         );
+    }
+
+    /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
+    /// printed) without CUDA; panics then when `RDZV_REQUIRE_CUDA=1`.
+    fn gpu_runtime(test: &str) -> Option<CudaRuntime> {
+        let options = CudaOptions {
+            staging_chunk_bytes: 64 << 10,
+            staging_buffers: 2,
+            ..CudaOptions::default()
+        };
+        match CudaRuntime::open_with(options) {
+            Ok(runtime) => Some(runtime),
+            Err(reason) => {
+                assert!(
+                    std::env::var("RDZV_REQUIRE_CUDA").as_deref() != Ok("1"),
+                    "{test}: RDZV_REQUIRE_CUDA=1 but {reason}"
+                );
+                println!("SKIPPED {test}: {reason}");
+                None
+            }
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed ^ (i >> 11) as u8)
+            .collect()
+    }
+
+    /// On a GPU: staged copies of more chunks than buffers come back byte for byte, and a
+    /// dropped tensor's block serves the next one of its class.
+    #[test]
+    fn staged_copies_and_cached_blocks_on_a_gpu() {
+        let Some(runtime) = gpu_runtime("staged_copies_and_cached_blocks_on_a_gpu") else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        for (seed, len) in [0usize, 1, 64 << 10, (64 << 10) + 1, (3 << 20) + 5]
+            .into_iter()
+            .enumerate()
+        {
+            let bytes = pattern(len, seed as u8);
+            let memory = runtime
+                .copy_from_host(cuda0, bytes.clone())
+                .unwrap_or_else(|e| panic!("{len} bytes to the device: {e}"));
+            assert_eq!(memory.len(), len);
+            let back = runtime
+                .copy_to_host(&memory)
+                .unwrap_or_else(|e| panic!("{len} bytes back: {e}"));
+            assert!(back == bytes, "{len} bytes came back different");
+            let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+            assert!(own.to_host().is_ok_and(|b| b == bytes));
+        }
+        let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+        drop(runtime.copy_from_host(cuda0, vec![1; 5 << 20]));
+        let before = state.allocator.stats();
+        for _ in 0..10 {
+            drop(runtime.copy_from_host(cuda0, vec![2; 5 << 20]));
+        }
+        let after = state.allocator.stats();
+        assert_eq!(
+            after.backing_allocations, before.backing_allocations,
+            "{after:?}"
+        );
+        assert_eq!(after.reuses, before.reuses + 10);
+    }
+
+    /// On a GPU: a tensor lent over cuda_xth is copied device to device on the
+    /// runtime's stream, and the copy is complete when `borrow` returns.
+    #[test]
+    fn xth_loans_are_copied_on_the_runtimes_stream() {
+        let Some(runtime) = gpu_runtime("xth_loans_are_copied_on_the_runtimes_stream") else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        let bytes = pattern((8 << 20) + 3, 9);
+        let lent =
+            DeviceBuffer::new(CudaMemory::upload(cuda0, &bytes).unwrap_or_else(|e| panic!("{e}")));
+        let loan = runtime
+            .lend(ChannelKind::CudaXth, &lent)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let copy = runtime
+            .borrow(
+                ChannelKind::CudaXth,
+                cuda0,
+                bytes.len() as u64,
+                &loan.descriptor,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        let own = copy.downcast_ref::<CudaMemory>().expect("CudaMemory");
+        assert!(own.to_host().is_ok_and(|b| b == bytes));
+        // A descriptor that lends another length is refused before any copy.
+        let err = runtime
+            .borrow(ChannelKind::CudaXth, cuda0, 5, &loan.descriptor)
+            .expect_err("wrong length");
+        assert!(err.contains("lends"), "{err}");
     }
 
     /// Without a driver (this crate's CI hosts) opening says why and never panics;

@@ -7,8 +7,9 @@
 //! the IPC handle it was opened from. The same handle at a known base is a hit. Another
 //! handle at a known base means the lender freed that allocation and the address was
 //! reused: the old mapping is closed and the new handle opened, so nothing is ever
-//! copied from a stale mapping. The cache is bounded: past its capacity the least
-//! recently used mapping is closed. A pipe's mappings are closed when the pipe ends
+//! copied from a stale mapping. The cache is bounded, in mappings and in bytes mapped
+//! (an open mapping keeps the lender's memory alive even after the lender freed it):
+//! past either bound the least recently used mappings are closed. A pipe's mappings are closed when the pipe ends
 //! ([`IpcMappings::close_pipe`]) and all of them when the runtime is dropped.
 //!
 //! A mapping is handed out as an `Arc`: one evicted while a copy still reads from it is
@@ -36,6 +37,9 @@ pub trait MappingOpener {
         handle: &[u8; IPC_HANDLE_LEN],
         ordinal: usize,
     ) -> Result<Self::Mapping, Self::Error>;
+
+    /// How many bytes `mapping` maps.
+    fn mapped_len(mapping: &Self::Mapping) -> usize;
 }
 
 /// Where a mapping belongs: the pipe, the lending process, the device it is opened on
@@ -63,11 +67,14 @@ pub struct MappingStats {
     pub recycled: u64,
     /// Mappings dropped to stay under the capacity.
     pub evicted: u64,
+    /// Bytes mapped by the open mappings.
+    pub mapped_bytes: usize,
 }
 
 struct Entry<M> {
     handle: [u8; IPC_HANDLE_LEN],
     mapping: Arc<M>,
+    len: usize,
     last_used: u64,
 }
 
@@ -75,6 +82,7 @@ struct Entry<M> {
 pub struct IpcMappings<O: MappingOpener> {
     opener: O,
     capacity: usize,
+    max_bytes: usize,
     entries: HashMap<MappingKey, Entry<O::Mapping>>,
     clock: u64,
     stats: MappingStats,
@@ -85,17 +93,20 @@ impl<O: MappingOpener> std::fmt::Debug for IpcMappings<O> {
         f.debug_struct("IpcMappings")
             .field("open", &self.entries.len())
             .field("capacity", &self.capacity)
+            .field("max_bytes", &self.max_bytes)
             .field("stats", &self.stats)
             .finish()
     }
 }
 
 impl<O: MappingOpener> IpcMappings<O> {
-    /// An empty cache keeping at most `capacity` (at least 1) mappings open.
-    pub fn new(opener: O, capacity: usize) -> Self {
+    /// An empty cache keeping at most `capacity` (at least 1) mappings open, and
+    /// mappings of at most `max_bytes` in all (beside the one in use).
+    pub fn new(opener: O, capacity: usize, max_bytes: usize) -> Self {
         IpcMappings {
             opener,
             capacity: capacity.max(1),
+            max_bytes,
             entries: HashMap::new(),
             clock: 0,
             stats: MappingStats::default(),
@@ -120,23 +131,36 @@ impl<O: MappingOpener> IpcMappings<O> {
                 return Ok(Arc::clone(&entry.mapping));
             }
             // The lender's address now belongs to another allocation.
-            self.entries.remove(&key);
+            self.remove(&key);
             self.stats.recycled += 1;
         }
-        if self.entries.len() >= self.capacity {
+        let mapping = Arc::new(self.opener.open(handle, key.device)?);
+        let len = O::mapped_len(&mapping);
+        self.stats.opens += 1;
+        // Make room: other mappings go, least recently used first.
+        while !self.entries.is_empty()
+            && (self.entries.len() >= self.capacity
+                || self.stats.mapped_bytes.saturating_add(len) > self.max_bytes)
+        {
             self.evict_least_recent();
         }
-        let mapping = Arc::new(self.opener.open(handle, key.device)?);
-        self.stats.opens += 1;
+        self.stats.mapped_bytes += len;
         self.entries.insert(
             key,
             Entry {
                 handle: *handle,
                 mapping: Arc::clone(&mapping),
+                len,
                 last_used: self.clock,
             },
         );
         Ok(mapping)
+    }
+
+    fn remove(&mut self, key: &MappingKey) {
+        if let Some(entry) = self.entries.remove(key) {
+            self.stats.mapped_bytes -= entry.len;
+        }
     }
 
     fn evict_least_recent(&mut self) {
@@ -146,7 +170,7 @@ impl<O: MappingOpener> IpcMappings<O> {
             .min_by_key(|(_, entry)| entry.last_used)
             .map(|(key, _)| *key);
         if let Some(key) = oldest {
-            self.entries.remove(&key);
+            self.remove(&key);
             self.stats.evicted += 1;
         }
     }
@@ -154,11 +178,13 @@ impl<O: MappingOpener> IpcMappings<O> {
     /// Closes every mapping borrowed on `pipe` (the pipe ended).
     pub fn close_pipe(&mut self, pipe: u64) {
         self.entries.retain(|key, _| key.pipe != pipe);
+        self.stats.mapped_bytes = self.entries.values().map(|entry| entry.len).sum();
     }
 
     /// Closes every mapping.
     pub fn close_all(&mut self) {
         self.entries.clear();
+        self.stats.mapped_bytes = 0;
     }
 
     /// How many mappings are open.
@@ -214,12 +240,16 @@ mod tests {
                 counts: Arc::clone(&self.0),
             })
         }
+        /// A handle's second byte says how many MiB it maps.
+        fn mapped_len(mapping: &FakeMapping) -> usize {
+            usize::from(mapping.handle[1]) << 20
+        }
     }
 
     fn cache(capacity: usize) -> (IpcMappings<FakeOpener>, Arc<Counts>) {
         let counts = Arc::new(Counts::default());
         (
-            IpcMappings::new(FakeOpener(Arc::clone(&counts)), capacity),
+            IpcMappings::new(FakeOpener(Arc::clone(&counts)), capacity, usize::MAX),
             counts,
         )
     }
@@ -307,6 +337,32 @@ mod tests {
         assert_eq!(counts(&opened), (3, 1), "0xa stayed");
         cache.get(key(1, 10, 0xb), &handle(2)).unwrap();
         assert_eq!(counts(&opened), (4, 2), "0xb was the one closed");
+    }
+
+    /// A handle of `id` mapping `mib` MiB.
+    fn sized(id: u8, mib: u8) -> [u8; IPC_HANDLE_LEN] {
+        let mut handle = handle(id);
+        handle[1] = mib;
+        handle
+    }
+
+    #[test]
+    fn past_the_byte_bound_the_least_recently_used_are_closed() {
+        let opened = Arc::new(Counts::default());
+        let mut cache = IpcMappings::new(FakeOpener(Arc::clone(&opened)), 100, 100 << 20);
+        cache.get(key(1, 10, 0xa), &sized(1, 40)).unwrap();
+        cache.get(key(1, 10, 0xb), &sized(2, 40)).unwrap();
+        cache.get(key(1, 10, 0xa), &sized(1, 40)).unwrap(); // 0xb is now the oldest
+        assert_eq!(cache.stats().mapped_bytes, 80 << 20);
+        cache.get(key(1, 10, 0xc), &sized(3, 40)).unwrap();
+        assert_eq!(counts(&opened), (3, 1), "0xb closed");
+        assert_eq!(cache.stats().mapped_bytes, 80 << 20);
+        // One mapping over the bound alone is still served (and kept, alone).
+        let big = cache.get(key(1, 10, 0xd), &sized(4, 200)).unwrap();
+        assert_eq!(big.handle, sized(4, 200));
+        assert_eq!((cache.len(), cache.stats().mapped_bytes), (1, 200 << 20));
+        cache.close_pipe(1);
+        assert_eq!(cache.stats().mapped_bytes, 0);
     }
 
     #[test]

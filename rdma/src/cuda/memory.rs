@@ -109,6 +109,12 @@ impl Gpu {
         DeviceAllocation::new(self, len)
     }
 
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(usize, usize), CudaChannelError> {
+        self.bind()?;
+        result::mem_get_info().map_err(CudaChannelError::driver("cuMemGetInfo", self.ordinal()))
+    }
+
     /// The device's PCI bus id (`cuDeviceGetPCIBusId`), e.g. `0000:3B:00.0`.
     pub fn pci_bus_id(&self) -> Result<String, CudaChannelError> {
         let mut buf = [0 as std::ffi::c_char; 32];
