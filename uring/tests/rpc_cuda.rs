@@ -15,10 +15,11 @@
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
 //! parent and child meet at a `file://` store.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdzv_core::device::{Device, DeviceType};
@@ -26,7 +27,7 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostMemory, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, Tensor,
 };
 
 mod common;
@@ -72,6 +73,14 @@ impl Drop for LoanFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
+}
+
+/// The pipes this process's runtimes borrowed on, and those they were told ended.
+static PIPES: Mutex<(BTreeSet<PipeId>, BTreeSet<PipeId>)> =
+    Mutex::new((BTreeSet::new(), BTreeSet::new()));
+
+fn pipes() -> std::sync::MutexGuard<'static, (BTreeSet<PipeId>, BTreeSet<PipeId>)> {
+    PIPES.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A CUDA runtime with `gpus` devices of host memory.
@@ -154,6 +163,32 @@ impl DeviceRuntime for HostCuda {
             return Err(format!("the loan holds {} bytes, not {len}", bytes.len()));
         }
         self.copy_from_host(device, bytes)
+    }
+
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let (borrowed, ended) = &mut *pipes();
+        assert!(
+            !ended.contains(&pipe),
+            "{pipe:?} borrowed on after it ended"
+        );
+        borrowed.insert(pipe);
+        self.borrow(channel, device, len, descriptor)
+    }
+
+    fn pipe_ended(&self, pipe: PipeId) {
+        let (borrowed, ended) = &mut *pipes();
+        assert!(
+            borrowed.contains(&pipe),
+            "{pipe:?} ended but never borrowed"
+        );
+        assert!(ended.insert(pipe), "{pipe:?} reported ended twice");
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
@@ -387,6 +422,14 @@ fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
     // Requests' loans end with their replies, responses' with the caller's acks.
     assert_loans_end(&agent, &child);
     finish(agent, child);
+    // The responses were borrowed on a pipe, and its end was reported once the agent
+    // shut down (so a runtime's per-pipe mappings are closed).
+    let (borrowed, ended) = &*pipes();
+    assert!(!borrowed.is_empty(), "the responses were borrowed");
+    assert_eq!(
+        borrowed, ended,
+        "every pipe that borrowed was reported ended"
+    );
 }
 
 /// Both sides with two fake GPUs, the parent's cuda:0 mapped to the peer's cuda:1, and

@@ -230,11 +230,11 @@ unsafe impl ReadTarget for GdrTarget {
     }
 
     fn addr(&self) -> u64 {
-        self.memory.allocation().range().ptr()
+        self.memory.range().ptr()
     }
 
     fn len(&self) -> u64 {
-        self.memory.allocation().len() as u64
+        self.memory.range().len() as u64
     }
 }
 

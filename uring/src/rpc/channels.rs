@@ -35,7 +35,7 @@ use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
 pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
-use super::device::{DeviceLoan, Devices, CUDA_BASIC_DESCRIPTOR};
+use super::device::{DeviceLoan, Devices, PipeId, CUDA_BASIC_DESCRIPTOR};
 use super::error::RpcError;
 use super::message::Tensor;
 use super::recycle;
@@ -393,13 +393,40 @@ pub(crate) fn add_device_tensor(
 }
 
 /// What a pipe reads from: the peer process behind its cma descriptors, opened on first
-/// use and then fixed for the pipe's life.
-#[derive(Debug, Default)]
+/// use and then fixed for the pipe's life; and the device runtimes that borrowed lent
+/// memory on it, told when it ends (dropped) so that they release what they kept for it.
+#[derive(Debug)]
 pub(crate) struct PipeReader {
     cma: Mutex<Option<Arc<CmaPeer>>>,
+    id: PipeId,
+    borrowed: std::sync::OnceLock<Devices>,
+}
+
+impl Default for PipeReader {
+    fn default() -> Self {
+        PipeReader {
+            cma: Mutex::new(None),
+            id: PipeId::next(),
+            borrowed: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl Drop for PipeReader {
+    fn drop(&mut self) {
+        if let Some(devices) = self.borrowed.get() {
+            devices.pipe_ended(self.id);
+        }
+    }
 }
 
 impl PipeReader {
+    /// The pipe's id, for the device runtimes; notes that `devices` borrowed on it.
+    fn borrowing_pipe(&self, devices: &Devices) -> PipeId {
+        let _ = self.borrowed.get_or_init(|| devices.clone());
+        self.id
+    }
+
     /// The cma peer for a descriptor naming `process`: the pipe's, opened now if it is the
     /// first. A descriptor naming another process than the pipe's first is refused.
     fn cma_peer(&self, process: &ProcessIdentity, peer: &str) -> Result<Arc<CmaPeer>, RpcError> {
@@ -678,14 +705,14 @@ impl ReceivedTensors {
                     descriptor,
                 } => {
                     let index = tensors.len();
-                    let memory =
-                        devices
-                            .borrow(channel, device, len, &descriptor)
-                            .map_err(|reason| RpcError::Channel {
-                                channel: channel.name(),
-                                peer: peer.clone(),
-                                reason: format!("tensor {index}: {reason}"),
-                            })?;
+                    let pipe = reader.borrowing_pipe(&devices);
+                    let memory = devices
+                        .borrow(pipe, channel, device, len, &descriptor)
+                        .map_err(|reason| RpcError::Channel {
+                            channel: channel.name(),
+                            peer: peer.clone(),
+                            reason: format!("tensor {index}: {reason}"),
+                        })?;
                     tensors.push(Tensor {
                         device,
                         data: Vec::new(),
@@ -725,6 +752,7 @@ pub(crate) fn cpu_channel(negotiated: &Negotiated, role: Role) -> Option<Channel
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rpc::device::{DevicePlugin, DeviceRuntime};
     use rdzv_core::negotiate::{
         accept_answer, answer_brochure, DeviceDescriptors, Offer, TransportKind,
     };
@@ -1001,5 +1029,65 @@ mod tests {
         assert!(err.contains("device_plugins"), "{err}");
         let err = domain_descriptor(ChannelKind::CudaIpc, &none).expect_err("no runtime");
         assert!(err.contains("device_plugins"), "{err}");
+    }
+
+    /// Counts the pipes the runtime was told ended.
+    #[derive(Default)]
+    struct EndCounting(Mutex<Vec<PipeId>>);
+
+    impl DeviceRuntime for EndCounting {
+        fn device_count(&self) -> usize {
+            1
+        }
+        fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<Vec<u8>, String> {
+            Err("unused".into())
+        }
+        fn copy_from_host(
+            &self,
+            _: Device,
+            _: Vec<u8>,
+        ) -> Result<crate::rpc::DeviceBuffer, String> {
+            Err("unused".into())
+        }
+        fn pipe_ended(&self, pipe: PipeId) {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(pipe);
+        }
+    }
+
+    struct Plugin(Arc<EndCounting>);
+
+    impl DevicePlugin for Plugin {
+        fn device_type(&self) -> DeviceType {
+            DeviceType::Cuda
+        }
+        fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+            Ok(Arc::clone(&self.0) as Arc<dyn DeviceRuntime>)
+        }
+    }
+
+    #[test]
+    fn a_pipe_that_borrowed_tells_the_runtime_when_it_ends() {
+        let runtime = Arc::new(EndCounting::default());
+        let plugin: Arc<dyn DevicePlugin> = Arc::new(Plugin(Arc::clone(&runtime)));
+        let devices = Devices::open(&[plugin]).unwrap_or_else(|e| panic!("{e}"));
+        let ended = |r: &EndCounting| r.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
+
+        let idle = PipeReader::default();
+        drop(idle);
+        assert!(
+            ended(&runtime).is_empty(),
+            "a pipe that borrowed nothing is not reported"
+        );
+
+        let reader = PipeReader::default();
+        let pipe = reader.borrowing_pipe(&devices);
+        assert_eq!(reader.borrowing_pipe(&devices), pipe, "one id per pipe");
+        let other = PipeReader::default();
+        assert_ne!(other.borrowing_pipe(&devices), pipe);
+        drop(reader);
+        assert_eq!(ended(&runtime), [pipe], "reported once, when it ends");
     }
 }

@@ -203,6 +203,50 @@ pub trait DeviceRuntime: Send + Sync {
             "this device runtime does not borrow memory over {channel}"
         ))
     }
+
+    /// As [`borrow`](Self::borrow), for a loan that arrived on pipe `pipe` (the agent
+    /// calls this one). A runtime that keeps what it opened for a peer (`cuda_ipc`'s
+    /// opened IPC mappings) may keep it until [`pipe_ended`](Self::pipe_ended) for that
+    /// pipe. Default: [`borrow`](Self::borrow).
+    ///
+    /// # Errors
+    /// As [`borrow`](Self::borrow).
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let _ = pipe;
+        self.borrow(channel, device, len, descriptor)
+    }
+
+    /// Pipe `pipe` ended: nothing more is borrowed on it, and what the runtime kept for
+    /// it can be released. Called once, after the last loan of that pipe was borrowed,
+    /// for pipes that borrowed anything. Default: nothing.
+    fn pipe_ended(&self, pipe: PipeId) {
+        let _ = pipe;
+    }
+}
+
+/// A pipe of this process, as the device runtimes see it: unique among the pipes of the
+/// process's agents (never reused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PipeId(u64);
+
+impl PipeId {
+    /// A new id.
+    pub(crate) fn next() -> PipeId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        PipeId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The id as a number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
 }
 
 /// Device memory lent to a peer: the descriptor that tells the peer's runtime where it
@@ -327,9 +371,11 @@ impl Devices {
         Ok(loan)
     }
 
-    /// The `len` bytes lent over `channel` with `descriptor`, copied onto `device`.
+    /// The `len` bytes lent over `channel` with `descriptor` on `pipe`, copied onto
+    /// `device`.
     pub fn borrow(
         &self,
+        pipe: PipeId,
         channel: ChannelKind,
         device: Device,
         len: u64,
@@ -339,7 +385,7 @@ impl Devices {
         let runtime = self
             .runtime(kind)
             .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
-        let memory = runtime.borrow(channel, device, len, descriptor)?;
+        let memory = runtime.borrow_on(pipe, channel, device, len, descriptor)?;
         if memory.device() != device || memory.len() as u64 != len {
             return Err(format!(
                 "the {kind} runtime made {} bytes on {} for {len} bytes on {device}",
@@ -348,6 +394,13 @@ impl Devices {
             ));
         }
         Ok(memory)
+    }
+
+    /// Tells the runtimes that `pipe` ended.
+    pub fn pipe_ended(&self, pipe: PipeId) {
+        if let Some(runtime) = &self.cuda {
+            runtime.pipe_ended(pipe);
+        }
     }
 
     /// The host bytes of a tensor that leaves on `cuda_basic`: a CPU tensor's own, a
@@ -553,7 +606,13 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(loan.descriptor, vec![1, 2, 3]);
         let copy = devices
-            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .borrow(
+                PipeId::next(),
+                ChannelKind::CudaIpc,
+                cuda(1),
+                3,
+                &loan.descriptor,
+            )
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((copy.device(), copy.len()), (cuda(1), 3));
         // The tensor must hold memory on its own device.
@@ -574,7 +633,13 @@ mod tests {
         // The receiver checks what its runtime made.
         let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
         let err = short
-            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .borrow(
+                PipeId::next(),
+                ChannelKind::CudaIpc,
+                cuda(1),
+                3,
+                &loan.descriptor,
+            )
             .expect_err("short");
         assert!(err.contains("made 2 bytes on cuda:1 for 3 bytes"), "{err}");
     }
