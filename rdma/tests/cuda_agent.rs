@@ -14,8 +14,10 @@
 //! `uring/tests/rpc_cuda.rs`. The peer process is this test binary, re-run with
 //! `RDZV_CUDA_AGENT_CHILD` set.
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::Arc;
+
+use rdzv_test_support::Peer;
 use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
@@ -194,6 +196,7 @@ fn serve_if_child() {
     if std::env::var_os(CHILD_ENV).is_none() {
         return;
     }
+    rdzv_test_support::exit_when_parent_gone();
     let url = std::env::var(STORE_ENV).unwrap_or_default();
     let channels = std::env::var(CHANNELS_ENV).ok();
     let agent = init_rpc("peer", 1, Some(2), options(&url, channels.as_deref()))
@@ -220,18 +223,13 @@ fn two_processes(test: &str, channels: Option<&str>, run: impl FnOnce(&RpcAgent)
     if let Some(list) = channels {
         command.env(CHANNELS_ENV, list);
     }
-    let mut child: Child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-    let agent = match init_rpc("main", 0, Some(2), caller_options(&url, channels)) {
-        Ok(agent) => agent,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("parent init: {e}");
-        }
-    };
+    // The child exits as soon as this Peer is dropped, also when this test panics.
+    let child = Peer::spawn(format!("peer process for test {test}"), command);
+    let agent = init_rpc("main", 0, Some(2), caller_options(&url, channels))
+        .unwrap_or_else(|e| panic!("parent init: {e}"));
     run(&agent);
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "the child failed: {status}");
+    child.expect_success(Duration::from_secs(120));
 }
 
 /// Echoes the same 64 MiB tensor again and again (each reply is sent next) over
