@@ -159,6 +159,30 @@ fn every_entry_point_on_a_loopback_pair() {
     assert_eq!(port.max_msg_sz, sel.max_msg_size);
     assert_eq!(Mtu::from_raw(port.active_mtu), sel.active_mtu);
     assert!(port.gid_tbl_len > 0);
+    // The extended context's query_port (found through the verbs_context tail before the
+    // context) and the exported compatibility symbol agree on every field both fill.
+    let (extended, compat) = context.query_port_both_ways(sel.port);
+    let compat = compat.expect("ibv_query_port (compatibility symbol)");
+    match extended {
+        Some(extended) => {
+            let extended = extended.expect("verbs_context query_port");
+            assert_eq!(extended, port);
+            assert_eq!(
+                rdzv_rdma::ibv::sys::PortAttr {
+                    active_speed_ex: extended.active_speed_ex,
+                    ..compat
+                },
+                extended
+            );
+        }
+        None => {
+            assert!(
+                !verbs_env::in_softroce_vm(),
+                "rdma-core's contexts are extended: verbs_context's query_port was not found"
+            );
+            assert_eq!(compat, port);
+        }
+    }
     let gid = context
         .query_gid(sel.port, sel.gid_index)
         .expect("ibv_query_gid");

@@ -1,6 +1,6 @@
 //! Reads the host's RDMA devices, ports and GIDs from libibverbs.
 //!
-//! This is the thin layer between libibverbs (through [`sys`](super::sys), which loads it
+//! This is the thin layer between libibverbs (through [`super::sys`], which loads it
 //! at run time) and the plain [`topology`](super::topology) description: it makes the verb
 //! calls (`ibv_get_device_list`, `ibv_open_device`, `ibv_query_device`, `ibv_query_port`,
 //! `ibv_query_gid`, `_ibv_query_gid_ex`) and converts their raw attribute fields, keeping

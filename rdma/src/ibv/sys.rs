@@ -1,7 +1,7 @@
 //! libibverbs, loaded at run time: the one place in `ibv` with `unsafe` code.
 //!
 //! Like NCCL's `ibvwrap` and TensorPipe's `IbvLib`, this module opens `libibverbs.so.1`
-//! with the dynamic loader the first time a verb is needed ([`verbs`]), looks up exactly the
+//! with the dynamic loader the first time a verb is needed (`verbs()`), looks up exactly the
 //! entry points rdzv calls, and writes down by hand the few struct layouts it touches. No C
 //! code is compiled and no header is read at build time: building rdzv needs Rust alone, and
 //! a host without rdma-core gets a clear "cannot be loaded" reason instead of a crash.
@@ -20,7 +20,7 @@
 //! inline` functions in `verbs.h` that call through the provider's table in the context
 //! (`context->ops`); `ibv_query_port` is a macro that prefers the extended context's
 //! `query_port` (which fills `active_speed_ex`) over the exported compatibility symbol. This
-//! module does what the header does: it reads `ops` from [`IbvContext`] and, when the
+//! module does what the header does: it reads `ops` from `struct ibv_context` and, when the
 //! context is extended (`abi_compat == UINTPTR_MAX`), the tail of `struct verbs_context`
 //! that sits just before it. The classic post API was chosen over the extended one
 //! (`ibv_qp_ex`, `ibv_wr_*`): it needs only the stable `ops` table (NCCL does the same),
@@ -883,6 +883,20 @@ pub struct PortAttr {
     pub link_layer: u8,
 }
 
+fn port_attr(raw: IbvPortAttr) -> PortAttr {
+    PortAttr {
+        state: raw.state,
+        active_mtu: raw.active_mtu,
+        gid_tbl_len: raw.gid_tbl_len,
+        max_msg_sz: raw.max_msg_sz,
+        lid: raw.lid,
+        active_width: raw.active_width,
+        active_speed: raw.active_speed,
+        active_speed_ex: raw.active_speed_ex,
+        link_layer: raw.link_layer,
+    }
+}
+
 impl Context {
     /// `ibv_query_device`: the number of physical ports.
     ///
@@ -948,18 +962,41 @@ impl Context {
             return Err(rc_error(rc));
         }
         // SAFETY: zero-initialised, then filled; every bit pattern of its integers is valid.
-        let raw = unsafe { attr.assume_init() };
-        Ok(PortAttr {
-            state: raw.state,
-            active_mtu: raw.active_mtu,
-            gid_tbl_len: raw.gid_tbl_len,
-            max_msg_sz: raw.max_msg_sz,
-            lid: raw.lid,
-            active_width: raw.active_width,
-            active_speed: raw.active_speed,
-            active_speed_ex: raw.active_speed_ex,
-            link_layer: raw.link_layer,
-        })
+        Ok(port_attr(unsafe { attr.assume_init() }))
+    }
+
+    /// Both ways of querying a port, for checking the layouts against the library: the
+    /// extended context's `query_port` (`None` when the context is not extended or the
+    /// provider has none), and the exported compatibility symbol.
+    #[doc(hidden)]
+    pub fn query_port_both_ways(
+        &self,
+        port: u8,
+    ) -> (Option<io::Result<PortAttr>>, io::Result<PortAttr>) {
+        let extended = self.query_port_op().map(|op| {
+            let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
+            // SAFETY: as in `query_port`.
+            let rc = unsafe {
+                op(
+                    self.ptr.as_ptr(),
+                    port,
+                    attr.as_mut_ptr(),
+                    mem::size_of::<IbvPortAttr>(),
+                )
+            };
+            // SAFETY: zero-initialised, then filled.
+            (rc == 0)
+                .then(|| port_attr(unsafe { attr.assume_init() }))
+                .ok_or_else(|| rc_error(rc))
+        });
+        let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
+        // SAFETY: as in `query_port`.
+        let rc = unsafe { (self.verbs.query_port)(self.ptr.as_ptr(), port, attr.as_mut_ptr()) };
+        // SAFETY: zero-initialised, then filled.
+        let compat = (rc == 0)
+            .then(|| port_attr(unsafe { attr.assume_init() }))
+            .ok_or_else(|| rc_error(rc));
+        (extended, compat)
     }
 
     /// `ibv_query_gid`: GID `index` of `port`.
