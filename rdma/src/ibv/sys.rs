@@ -1423,7 +1423,7 @@ impl HostRegion {
     pub fn write_at(&mut self, offset: usize, src: &[u8]) -> bool {
         if offset
             .checked_add(src.len())
-            .map_or(true, |end| end > self.len())
+            .is_none_or(|end| end > self.len())
         {
             return false;
         }
@@ -1442,7 +1442,7 @@ impl HostRegion {
     /// Appends `len` bytes from `offset` to `out`; false (nothing appended) when the range
     /// is not inside the region.
     pub fn read_at(&self, offset: usize, len: usize, out: &mut Vec<u8>) -> bool {
-        if offset.checked_add(len).map_or(true, |end| end > self.len()) {
+        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
             return false;
         }
         out.reserve(len);
