@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
-use rdzv_core::store::codec::Limits;
+use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::ConnId;
 
@@ -92,6 +92,8 @@ struct Conn {
     fd: OwnedFd,
     id: ConnId,
     input: ReadBuf,
+    /// Cuts `input` into requests, resuming a long key list where it stopped.
+    decoder: RequestDecoder,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
     /// Bytes handed to the kernel; it reads them until the send completes.
@@ -322,6 +324,7 @@ impl Server {
                 fd,
                 id,
                 input: ReadBuf::new(),
+                decoder: RequestDecoder::new(self.limits),
                 out: Vec::new(),
                 sending: Vec::new(),
                 sent: 0,
@@ -361,12 +364,12 @@ impl Server {
         let id = conn.id;
         let mut out = std::mem::take(&mut conn.out);
         let mut others = Vec::new();
-        let Some(Some(conn)) = self.conns.get(slot) else {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
         let (used, close) = serve_frames(
             &mut self.engine,
-            &self.limits,
+            &mut conn.decoder,
             id,
             &Peer(&conn.fd),
             conn.input.pending(),
