@@ -155,7 +155,7 @@ fn serve_buffered(
         |engine, out| owner.route_wakeups(engine, id, out),
     );
     owner.publish(&engine);
-    served
+    (served.used, served.close)
 }
 
 /// Accepts until `stop` is set. Polls the flag every 50 ms, so that shutdown needs no

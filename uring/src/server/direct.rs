@@ -31,7 +31,7 @@ use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::ConnId;
 
-use super::session::{serve_frames, ReadBuf};
+use super::session::{serve_frames, ReadBuf, Served};
 use super::StatsCells;
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -367,7 +367,7 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        let (used, close) = serve_frames(
+        let Served { used, close, .. } = serve_frames(
             &mut self.engine,
             &mut conn.decoder,
             id,

@@ -11,10 +11,21 @@ use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{ConnId, WaitResponse};
 
+/// What [`serve_frames`] did with a connection's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Served {
+    /// Bytes consumed (whole requests).
+    pub(super) used: usize,
+    /// The connection must be closed (bad input, or the engine refused it).
+    pub(super) close: bool,
+    /// At least this many more bytes must arrive before the next request is complete
+    /// (0 when nothing is pending): a caller may skip the engine until they have.
+    pub(super) needed: usize,
+}
+
 /// Serves every complete request at the start of `pending`, encoding replies into `out`.
 /// After each request `route_wakeups` hands out the wake-ups the engine owes (its own go
-/// into `out`). Returns how many bytes it consumed and whether the connection must be
-/// closed (bad input, or the engine refused it).
+/// into `out`).
 ///
 /// `decoder` is the connection's own: it remembers how far it walked a key list that is
 /// still arriving, so a long `WAIT` that comes in many pieces costs O(bytes) in all. The
@@ -28,18 +39,27 @@ pub(super) fn serve_frames(
     pending: &[u8],
     out: &mut Vec<u8>,
     mut route_wakeups: impl FnMut(&mut Engine, &mut Vec<u8>),
-) -> (usize, bool) {
+) -> Served {
     let mut used = 0;
+    let mut needed = 0;
+    let close = |used| Served {
+        used,
+        close: true,
+        needed: 0,
+    };
     while used < pending.len() {
         let request = match decoder.decode(&pending[used..]) {
             Ok(Decoded::Complete(request, n)) => {
                 used += n;
                 request
             }
-            Ok(Decoded::Partial(_)) => break,
+            Ok(Decoded::Partial(more)) => {
+                needed = more;
+                break;
+            }
             Err(error) => {
                 tracing::warn!(%peer, %error, "closing store connection: bad request");
-                return (used, true);
+                return close(used);
             }
         };
         match engine.handle_request(id, request) {
@@ -53,18 +73,22 @@ pub(super) fn serve_frames(
                         // Only an inconsistent QUEUE_POP reply fails to encode, and the
                         // engine never makes one. Close rather than send garbage.
                         tracing::error!(%peer, %error, "cannot encode a reply");
-                        return (used, true);
+                        return close(used);
                     }
                 }
             }
-            Err(close) => {
-                tracing::warn!(%peer, reason = %close, "closing store connection");
-                return (used, true);
+            Err(refusal) => {
+                tracing::warn!(%peer, reason = %refusal, "closing store connection");
+                return close(used);
             }
         }
         route_wakeups(engine, out);
     }
-    (used, false)
+    Served {
+        used,
+        close: false,
+        needed,
+    }
 }
 
 /// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
@@ -156,7 +180,7 @@ mod tests {
                 spare[..n].copy_from_slice(&rest[..n]);
                 input.filled += n;
                 rest = &rest[n..];
-                let (used, close) = serve_frames(
+                let Served { used, close, .. } = serve_frames(
                     &mut engine,
                     &mut decoder,
                     id,
@@ -195,7 +219,7 @@ mod tests {
         assert!(engine.connect(id));
         let mut decoder = RequestDecoder::new(Limits::default());
         let mut out = Vec::new();
-        let (used, close) = serve_frames(
+        let served = serve_frames(
             &mut engine,
             &mut decoder,
             id,
@@ -204,7 +228,7 @@ mod tests {
             &mut out,
             |_, _| {},
         );
-        assert_eq!((used, close), (0, true));
+        assert_eq!((served.used, served.close), (0, true));
     }
 
     #[test]
