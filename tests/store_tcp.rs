@@ -14,13 +14,15 @@ use rdzv::uring::store::PrefixStore;
 use rdzv::uring::{IoMode, ServerOptions, Store, StoreServer};
 
 fn server(io: IoMode) -> StoreServer {
-    StoreServer::start(ServerOptions {
+    let server = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
         io,
         ..ServerOptions::default()
     })
-    .expect("start server")
+    .expect("start server");
+    assert_eq!(server.io_mode(), io);
+    server
 }
 
 fn client(server: &StoreServer) -> TcpStore {
@@ -202,7 +204,7 @@ fn address_already_in_use(io: IoMode) {
 
 #[test]
 fn multitenancy_shares_one_server() {
-    let first = server(IoMode::default());
+    let first = server(IoMode::IoUring);
     let port = first.port();
     drop(first);
     // Two masters asking for the same port in one process share one server.

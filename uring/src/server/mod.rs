@@ -14,6 +14,7 @@
 //! the codec limits before any buffer grows, and a closed connection's waiters are
 //! removed from the engine.
 
+pub mod capacity;
 mod conn;
 mod direct;
 mod epoll;
@@ -167,6 +168,8 @@ pub(crate) struct StatsCells {
 
 struct Shared {
     addr: SocketAddr,
+    /// The event loop chosen (never `Auto`).
+    io: IoMode,
     stats: Arc<StatsCells>,
     stopping: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -260,6 +263,11 @@ impl StoreServer {
         }
         let shared = Arc::new(Shared {
             addr,
+            io: if epoll {
+                IoMode::Epoll
+            } else {
+                IoMode::IoUring
+            },
             stopping: Arc::new(AtomicBool::new(false)),
             stats: Arc::new(StatsCells::default()),
             threads: Mutex::new(Vec::new()),
@@ -427,6 +435,12 @@ impl StoreServer {
             waiters: cells.waiters.load(Ordering::Relaxed),
             keys: cells.keys.load(Ordering::Relaxed),
         }
+    }
+
+    /// The kernel interface the server runs on: [`IoMode::IoUring`] or
+    /// [`IoMode::Epoll`] ([`IoMode::Auto`] resolved at start).
+    pub fn io_mode(&self) -> IoMode {
+        self.shared.io
     }
 
     /// The port the server listens on.
