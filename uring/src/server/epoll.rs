@@ -94,6 +94,9 @@ struct Conn {
     /// Readiness seen and not yet used up (edge-triggered).
     readable: bool,
     writable: bool,
+    /// The peer's end of stream (or an error) was reported: read until `Ok(0)`, even
+    /// after a short read, since no further edge will come.
+    read_closed: bool,
 }
 
 impl Conn {
@@ -233,9 +236,11 @@ impl Loop {
                         if let Some(Some(conn)) = self.conns.get_mut(slot) {
                             conn.readable |= event.is_readable() || event.is_read_closed();
                             conn.writable |= event.is_writable() || event.is_write_closed();
+                            conn.read_closed |= event.is_read_closed();
                             if event.is_error() {
                                 conn.readable = true;
                                 conn.writable = true;
+                                conn.read_closed = true;
                             }
                             self.dirty.push(slot);
                         }
@@ -321,6 +326,7 @@ impl Loop {
                     sent: 0,
                     readable: true,
                     writable: true,
+                    read_closed: false,
                 });
                 self.live += 1;
                 self.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -383,11 +389,19 @@ impl Loop {
                 return Next::Again;
             }
             reads += 1;
-            match conn.stream.read(conn.input.spare()) {
+            let spare = conn.input.spare();
+            let room = spare.len();
+            match conn.stream.read(spare) {
                 Ok(0) => return Next::Close,
                 Ok(n) => {
                     conn.input.filled += n;
                     conn.arrived = conn.arrived.saturating_add(n);
+                    // A short read emptied the socket: the next bytes raise a new edge,
+                    // so no read is spent just to hear `WouldBlock` (as tokio does).
+                    // An end of stream already reported raises none: read on to it.
+                    if n < room && !conn.read_closed {
+                        conn.readable = false;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     conn.readable = false;
@@ -526,7 +540,15 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
     while conn.sent < conn.out.len() {
         match conn.stream.write(&conn.out[conn.sent..]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => conn.sent += n,
+            Ok(n) => {
+                let asked = conn.out.len() - conn.sent;
+                conn.sent += n;
+                if n < asked {
+                    // The socket buffer is full; a writable edge comes when it drains.
+                    conn.writable = false;
+                    break;
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 conn.writable = false;
                 break;

@@ -1,13 +1,18 @@
-//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring.
+//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring or epoll.
 //!
-//! With one executor (the default) the server is a single io_uring event loop
-//! ([`Backend::IoUring`], module `direct`); with `threads > 1`, or [`Backend::Glommio`],
-//! each glommio executor thread runs an accept loop and one task per connection (module
-//! `conn`). Either way a connection's bytes are cut into requests with
-//! `rdzv_core::store::codec`, handed to the single `rdzv_core::store::engine::Engine`,
-//! the replies encoded, and the wake-ups the engine owes other connections forwarded to
-//! them (module `session` holds what both share). Nothing here decides what a request
-//! means. See `ARCHITECTURE.md` for why one engine owner, and the numbers.
+//! [`IoMode`] picks the kernel interface; `Auto` (the default) uses io_uring unless the
+//! host refuses it, then epoll (module `io_mode`). On io_uring, one executor (the default)
+//! is a single event loop ([`Backend::IoUring`], module `direct`); with `threads > 1`,
+//! or [`Backend::Glommio`], each glommio executor thread runs an accept loop and one task
+//! per connection (module `conn`), and executor 0 owns the engine. On epoll (module
+//! `epoll`) N loops, one per CPU by default, each accept on their own `SO_REUSEPORT`
+//! listener and run their connections' requests to completion against one engine behind
+//! a lock (module `shared_engine`). Either way a connection's bytes are cut into requests
+//! by its own incremental `rdzv_core::store::codec::RequestDecoder`, handed to the
+//! `rdzv_core::store::engine::Engine`, the replies encoded, and the wake-ups the engine
+//! owes other connections forwarded to them (module `session` holds what all share).
+//! Nothing here decides what a request means. See `ARCHITECTURE.md` for the designs and
+//! the numbers.
 //!
 //! Bad input never costs another client anything: a decode error, a wrong magic or a
 //! non-VALIDATE first message closes only that connection, lengths are checked against
