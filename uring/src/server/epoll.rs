@@ -66,6 +66,15 @@ enum Phase {
     Flushing,
 }
 
+/// When `advance` writes what a connection is owed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    /// At once.
+    Now,
+    /// After every ready connection of this round was served.
+    Defer,
+}
+
 /// What a connection does next, as seen after it was served.
 enum Next {
     /// Wait for readiness.
@@ -127,6 +136,8 @@ struct Loop {
     dirty: Vec<usize>,
     /// Slots that yielded with more to read.
     again: Vec<usize>,
+    /// Slots with replies to write at the end of this round.
+    flush: Vec<usize>,
     /// Wake-ups from other loops, and for this loop's other connections.
     wakes: Vec<Wake>,
     accept_after: Option<Instant>,
@@ -184,6 +195,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
+        flush: Vec::new(),
         wakes: Vec::new(),
         accept_after: None,
         spin,
@@ -258,8 +270,14 @@ impl Loop {
                 self.wakes = wakes;
             }
             self.dirty.append(&mut self.again);
+            // Serve every ready connection, then write all the replies: the peers see
+            // one burst per round (as one io_uring submission gives them) instead of
+            // being woken between two reads.
             while let Some(slot) = self.dirty.pop() {
-                self.service(slot);
+                self.service(slot, Writes::Defer);
+            }
+            while let Some(slot) = self.flush.pop() {
+                self.service(slot, Writes::Now);
             }
         }
     }
@@ -350,8 +368,15 @@ impl Loop {
     }
 
     /// Reads, serves, writes one connection as far as it can go now.
-    fn service(&mut self, slot: usize) {
-        let next = self.advance(slot);
+    fn service(&mut self, slot: usize, writes: Writes) {
+        let next = self.advance(slot, writes);
+        if writes == Writes::Defer && !matches!(next, Next::Close) {
+            if let Some(Some(conn)) = self.conns.get(slot) {
+                if conn.unsent() > 0 && conn.writable {
+                    self.flush.push(slot);
+                }
+            }
+        }
         match next {
             Next::Wait => {}
             Next::Again => self.again.push(slot),
@@ -359,14 +384,14 @@ impl Loop {
         }
     }
 
-    fn advance(&mut self, slot: usize) -> Next {
+    fn advance(&mut self, slot: usize, writes: Writes) -> Next {
         let mut reads = 0;
         loop {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 return Next::Wait;
             };
             // Write first: it may lift the high-water mark.
-            if conn.unsent() > 0 && conn.writable {
+            if conn.unsent() > 0 && conn.writable && writes == Writes::Now {
                 match write_out(conn) {
                     Ok(()) => {}
                     Err(error) => {
