@@ -9,6 +9,10 @@
 //! to a connection of another loop crosses, through that loop's inbox and its
 //! `mio::Waker`.
 //!
+//! A round serves every ready connection (reads and requests), then writes every reply
+//! it produced: the peers get one burst per round, as one io_uring submission gives them,
+//! instead of being woken between two reads.
+//!
 //! Readiness is edge-triggered: a connection remembers that it may read or write more
 //! until a call says `WouldBlock`. A connection reads at most [`READS_PER_TURN`] times
 //! before the loop serves the others, and stops reading while more than
