@@ -2,7 +2,8 @@
 # PyTorch interop, both directions. Needs a Python with torch: PYTHON=/path/to/python.
 #   1. PyTorch's TCPStore client against `rdzv store serve` (every Store call).
 #   2. rdzv's CLI client against PyTorch's own server, libuv and legacy backends.
-#   3. A 4-rank gloo init_process_group + all_reduce with TORCHELASTIC_USE_AGENT_STORE=True
+#   3. Agent-store mode's PrefixStore("/worker/attempt_N") on both sides.
+#   4. A 4-rank gloo init_process_group + all_reduce with TORCHELASTIC_USE_AGENT_STORE=True
 #      whose store is `rdzv store serve`.
 # Usage: PYTHON=... RDZV=target/release/rdzv tests/pytorch/run.sh
 set -euo pipefail
@@ -42,5 +43,12 @@ done
 port=$(free_port)
 "$RDZV" store serve --host 127.0.0.1 --port "$port" >/dev/null 2>&1 & pids+=($!)
 sleep 0.5
+"$RDZV" store --addr "127.0.0.1:$port" set /worker/attempt_2/from_rdzv r
+"$PYTHON" "$here/agent_store_prefix.py" "$port" 2 2>&1 | grep -E 'OK|Error|error' | grep -v Warning
+[ "$("$RDZV" store --addr "127.0.0.1:$port" get /worker/attempt_2/from_torch)" = t ]
+
+port=$(free_port)
+"$RDZV" store serve --host 127.0.0.1 --port "$port" >/dev/null 2>&1 & pids+=($!)
+sleep 0.5
 "$PYTHON" "$here/gloo_agent_store.py" "$port" 2>&1 | grep -E 'OK|Error|error' | grep -v Warning
-echo "pytorch interop: 3 passed, 0 failed"
+echo "pytorch interop: 4 passed, 0 failed"

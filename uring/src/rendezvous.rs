@@ -10,12 +10,14 @@
 //! with `tcp`, `env` and `file`), and building the planned store, which opens sockets,
 //! may start a server and blocks until the peers have joined. Like PyTorch's
 //! `_create_c10d_store`, rank 0 hosts a multi-tenant server and every rank connects, or,
-//! in agent-store mode, every rank is a client of the agent's server. The C++ TCPStore's
+//! in agent-store mode, every rank is a client of the agent's server, seen through
+//! `PrefixStore("/worker/attempt_{TORCHELASTIC_RESTART_COUNT}", …)` as the plan says, so
+//! that rdzv and PyTorch ranks of one job share keys and a restarted job starts afresh. The C++ TCPStore's
 //! escape hatch is kept too: a rank that fails to bind the planned port continues as a
 //! client when `TORCHELASTIC_USE_AGENT_STORE` is truthy and `MASTER_PORT` names that port.
 //!
-//! It does not re-rendezvous (PyTorch's handlers refuse to as well), wrap stores in
-//! prefixes (callers such as process groups do that), or run the elastic rendezvous.
+//! It does not re-rendezvous (PyTorch's handlers refuse to as well), add prefixes of its
+//! own (callers such as process groups do that), or run the elastic rendezvous.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,7 +35,7 @@ use rdzv_core::url::RendezvousUrl;
 
 use crate::store::file::FileStore;
 use crate::store::tcp::{TcpStore, TcpStoreOptions};
-use crate::store::{Store, StoreError};
+use crate::store::{PrefixStore, Store, StoreError};
 
 /// The process environment, snapshotted once: the only place rdzv reads environment
 /// variables.
@@ -407,7 +409,8 @@ pub fn open_store(plan: &RendezvousPlan, env: &dyn Env) -> Result<Arc<dyn Store>
 }
 
 /// `_create_c10d_store` + the TCPStore constructor: in agent-store mode a plain client
-/// of the agent's server; else rank 0 hosts the (multi-tenant) server and connects to
+/// of the agent's server, wrapped in a [`PrefixStore`] with the plan's prefix
+/// (`/worker/attempt_N`); else rank 0 hosts the (multi-tenant) server and connects to
 /// it, and every other rank connects. With a fixed world size every rank counts itself
 /// in, and the host waits until all have, up to the plan's timeout.
 ///
@@ -448,8 +451,15 @@ pub fn open_tcp_store(
         port: plan.port,
         source,
     };
+    let wrap = |store: TcpStore| -> Arc<dyn Store> {
+        let store: Arc<dyn Store> = Arc::new(store);
+        match &plan.prefix {
+            Some(prefix) => Arc::new(PrefixStore::new(prefix.clone(), store)),
+            None => store,
+        }
+    };
     match TcpStore::new(options.clone()) {
-        Ok(store) => Ok(Arc::new(store)),
+        Ok(store) => Ok(wrap(store)),
         Err(source) if role == StoreRole::Server && is_addr_in_use(&source) => {
             if !agent_store_escape_hatch(env, plan.port) {
                 return Err(error(role, source));
@@ -464,7 +474,7 @@ pub fn open_tcp_store(
             );
             options.is_master = false;
             TcpStore::new(options)
-                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map(wrap)
                 .map_err(|source| error(StoreRole::FallbackClient, source))
         }
         Err(source) => Err(error(role, source)),

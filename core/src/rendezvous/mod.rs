@@ -35,8 +35,8 @@ pub use rewrite::{rewrite_with_node_params, NodeParams, RewriteError, RewrittenU
 
 #[cfg(feature = "alloc")]
 pub use plan::{
-    plan_env, plan_file, plan_static, plan_tcp, FileStorePlan, PlanError, RendezvousPlan,
-    StorePlan, TcpStorePlan, ValueOrigin,
+    agent_store_prefix, plan_env, plan_file, plan_static, plan_tcp, FileStorePlan, PlanError,
+    RendezvousPlan, StorePlan, TcpStorePlan, ValueOrigin,
 };
 #[cfg(feature = "alloc")]
 pub use registry::HandlerRegistry;
