@@ -15,6 +15,8 @@
 //! - `plan_static`, `plan_tcp`, `plan_env`, `plan_file` (with `alloc`, because plans own
 //!   their host and path strings): the bundled handlers' decisions.
 //! - [`use_libuv`] and [`use_agent_store`]: the two environment-driven switches.
+//! - `elastic` (with `alloc`): torchelastic's dynamic rendezvous as a state machine over
+//!   store operations, O(1) store work per node per join and per heartbeat.
 
 use core::fmt;
 use core::time::Duration;
@@ -22,6 +24,8 @@ use core::time::Duration;
 use crate::env::Env;
 use crate::url::RendezvousUrl;
 
+#[cfg(feature = "alloc")]
+pub mod elastic;
 pub(crate) mod python;
 mod registry;
 mod rewrite;
