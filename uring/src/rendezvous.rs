@@ -7,7 +7,7 @@
 //! and [`HandlerRegistry`] keeps the scheme → handler table with PyTorch's messages. This
 //! module owns what the core may not touch: the process environment (read only by
 //! [`ProcessEnv::snapshot`]), the process-global handler registry (a mutex, pre-populated
-//! with `tcp`, `env` and `file`), and building the planned store, which opens sockets,
+//! with `tcp`, `env`, `file` and `elastic`), and building the planned store, which opens sockets,
 //! may start a server and blocks until the peers have joined. Like PyTorch's
 //! `_create_c10d_store`, rank 0 hosts a multi-tenant server and every rank connects, or,
 //! in agent-store mode, every rank is a client of the agent's server, seen through
@@ -16,8 +16,10 @@
 //! escape hatch is kept too: a rank that fails to bind the planned port continues as a
 //! client when `TORCHELASTIC_USE_AGENT_STORE` is truthy and `MASTER_PORT` names that port.
 //!
-//! It does not re-rendezvous (PyTorch's handlers refuse to as well), add prefixes of its
-//! own (callers such as process groups do that), or run the elastic rendezvous.
+//! The static schemes do not re-rendezvous (PyTorch's handlers refuse to as well) or add
+//! prefixes of their own (callers such as process groups do that). `elastic://` is the
+//! dynamic rendezvous of [`elastic`]: its outcome carries a handle to follow the next
+//! rounds.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -36,6 +38,8 @@ use rdzv_core::url::RendezvousUrl;
 use crate::store::file::FileStore;
 use crate::store::tcp::{TcpStore, TcpStoreOptions};
 use crate::store::{PrefixStore, Store, StoreError};
+
+pub mod elastic;
 
 /// The process environment, snapshotted once: the only place rdzv reads environment
 /// variables.
@@ -117,8 +121,11 @@ pub struct Rendezvous {
     /// The number of processes, `None` when not fixed (PyTorch's `-1`).
     pub world_size: Option<u32>,
     /// The plan the store was built from; `None` for handlers that do not plan with
-    /// the core (custom ones).
+    /// the core (custom ones, `elastic://`).
     pub plan: Option<RendezvousPlan>,
+    /// For `elastic://`: the node's handle, to follow the next rounds (the store, rank and
+    /// world size above are the first round's), re-rendezvous, leave or shut down.
+    pub elastic: Option<Arc<elastic::ElasticRendezvous>>,
 }
 
 impl Rendezvous {
@@ -129,6 +136,7 @@ impl Rendezvous {
             rank,
             world_size,
             plan: None,
+            elastic: None,
         }
     }
 }
@@ -139,6 +147,7 @@ impl fmt::Debug for Rendezvous {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("plan", &self.plan)
+            .field("elastic", &self.elastic)
             .finish_non_exhaustive()
     }
 }
@@ -244,13 +253,14 @@ fn registry() -> MutexGuard<'static, HandlerRegistry<RendezvousHandler>> {
     REGISTRY
         .get_or_init(|| {
             let mut registry = HandlerRegistry::new();
-            let bundled: [(&str, RendezvousHandler); 3] = [
+            let bundled: [(&str, RendezvousHandler); 4] = [
                 ("tcp", Arc::new(tcp_rendezvous_handler)),
                 ("env", Arc::new(env_rendezvous_handler)),
                 ("file", Arc::new(file_rendezvous_handler)),
+                ("elastic", Arc::new(elastic::elastic_rendezvous_handler)),
             ];
             for (scheme, handler) in bundled {
-                // The registry starts empty, so the three distinct schemes all register.
+                // The registry starts empty, so the distinct schemes all register.
                 let _ = registry.register(scheme, handler);
             }
             Mutex::new(registry)
@@ -389,6 +399,7 @@ fn finish(plan: RendezvousPlan, env: &dyn Env) -> Result<Rendezvous, RendezvousE
         rank: plan.rank,
         world_size: plan.world_size,
         plan: Some(plan),
+        elastic: None,
     })
 }
 

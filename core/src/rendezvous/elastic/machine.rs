@@ -142,6 +142,7 @@ pub struct RoundOutcome {
 
 /// What happened; drain with [`ElasticNode::poll_event`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// This node is a member of a complete round.
     Complete(RoundOutcome),
