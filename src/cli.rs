@@ -33,6 +33,9 @@ enum Command {
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
+    /// Join an elastic rendezvous (elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX) as one node,
+    /// print each round it is a member of, and heartbeat until killed.
+    Rendezvous(crate::elastic_cli::RendezvousArgs),
     /// Internal: one worker of `rdzv demo`.
     #[command(hide = true)]
     DemoWorker(crate::demo::WorkerArgs),
@@ -127,6 +130,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Demo(args) => crate::demo::run(args),
         Command::Bench(command) => crate::bench::run(command),
         Command::DemoWorker(args) => crate::demo::worker(args),
+        Command::Rendezvous(args) => crate::elastic_cli::run(args),
         Command::Rdma(RdmaOp::Probe) => {
             print!("{}", rdzv::rdma::ViabilityReport::probe_env());
             Ok(ExitCode::SUCCESS)

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod elastic_cli;
 
 use std::process::ExitCode;
 
