@@ -46,8 +46,10 @@ const WAIT: Duration = Duration::from_secs(20);
 fn rounds_in_threads() {
     let server = server();
     let base = format!(
+        // A keep-alive timeout of 3 s: on a loaded machine nobody is declared dead by
+        // mistake, so rounds end only as the test makes them end.
         "elastic://127.0.0.1:{}/threads?nodes=2:6&last_call=300ms&keep_alive_interval=100ms\
-         &keep_alive_max_attempts=3&join_timeout=30s",
+         &keep_alive_max_attempts=30&join_timeout=30s",
         server.port()
     );
     let nodes: Vec<Rendezvous> = thread::scope(|scope| {
@@ -212,22 +214,27 @@ fn eight_processes_one_killed() {
     let victim_name = victim.name.clone();
     let killed_at = Instant::now();
     drop(victim); // SIGKILL
-    let mut round1 = Vec::new();
+                  // Done when the seven survivors' latest rounds are one round of seven. (On a loaded
+                  // machine a node may be declared dead wrongly and an extra round run; what matters
+                  // is the round without the victim.)
+    let mut latest: std::collections::HashMap<String, (u64, u32, u32)> = Default::default();
     let formed = collect(&rx, killed_at + Duration::from_secs(30), |r| {
-        assert_ne!(r.0, victim_name);
-        if r.1 == 1 {
-            assert_eq!(r.3, 7, "{r:?}");
-            round1.push(r.2);
-        }
-        round1.len() == 7
+        assert_ne!(r.0, victim_name, "the killed node reported {r:?}");
+        latest.insert(r.0.clone(), (r.1, r.2, r.3));
+        let rounds: Vec<_> = latest.values().collect();
+        rounds.len() == 7
+            && rounds
+                .iter()
+                .all(|(round, _, world)| *world == 7 && *round == rounds[0].0)
     });
     let took = killed_at.elapsed();
-    assert!(formed, "round 1 of 7 did not form: {round1:?}");
-    round1.sort_unstable();
-    assert_eq!(round1, [0, 1, 2, 3, 4, 5, 6]);
+    assert!(formed, "no round of the seven survivors: {latest:?}");
+    let mut ranks: Vec<u32> = latest.values().map(|(_, rank, _)| *rank).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2, 3, 4, 5, 6]);
     // Keep-alive timeout (600 ms), at most one interval late (200 ms), the last call
     // (300 ms), with slack for seven processes on a loaded two-core machine.
-    println!("round 1 of 7 formed {took:?} after the kill");
+    println!("the round of 7 formed {took:?} after the kill");
     assert!(took < Duration::from_secs(5), "{took:?}");
 }
 

@@ -649,6 +649,10 @@ impl ElasticNode {
         use StoreReply as R;
         let max = self.settings.nodes.max;
         let min = self.settings.nodes.min;
+        let step_kind = match step {
+            Step::Close { .. } => StepKind::Close,
+            _ => StepKind::Other,
+        };
         Ok(match (step, reply) {
             (Step::CheckClosed { round }, R::Checked(closed)) => {
                 if closed {
@@ -680,7 +684,9 @@ impl ElasticNode {
                 }
             },
             (Step::Announce { round, slot }, R::Set) => {
-                if slot == min {
+                // With min_nodes == max_nodes there is no last call, so no quorum key:
+                // the node with slot max_nodes closes the round on arrival.
+                if slot == min && min < max {
                     Step::SetQuorum { round, slot }
                 } else {
                     self.after_quorum(round, slot, now, slot < min)
@@ -754,11 +760,17 @@ impl ElasticNode {
             }
             (Step::Close { round, slot, .. }, R::Value(value))
             | (Step::ReadSize { round, slot }, R::Value(value)) => {
+                let closer = matches!(step_kind, StepKind::Close);
                 match parse_counter(value)
                     .ok()
                     .and_then(|n| u32::try_from(n).ok())
                 {
-                    Some(size) if size <= max => Step::QuorumAfterClose { round, slot, size },
+                    // The closer sets the quorum too, for nodes below min_nodes still
+                    // waiting on it (the node with slot min_nodes may have died).
+                    Some(size) if size <= max && closer && min < max => {
+                        Step::QuorumAfterClose { round, slot, size }
+                    }
+                    Some(size) if size <= max => self.decide(round, slot, size, now),
                     _ => {
                         let key = self.round_key(round, "size");
                         self.fail(self.bad_value(key, value));
@@ -852,19 +864,27 @@ impl ElasticNode {
     /// After the quorum: wait for the round's size (the last call), or close it at once
     /// when this node fills it; `below` means the quorum is not there yet.
     fn after_quorum(&self, round: u64, slot: u32, now: Instant, below: bool) -> Step {
-        if below {
-            Step::WaitQuorum { round, slot }
-        } else if slot >= self.settings.nodes.max {
+        let nodes = self.settings.nodes;
+        if slot >= nodes.max {
             Step::Close {
                 round,
                 slot,
-                size: self.settings.nodes.max,
+                size: nodes.max,
             }
+        } else if below && nodes.min < nodes.max {
+            Step::WaitQuorum { round, slot }
         } else {
+            // With min_nodes == max_nodes only the arrival of slot max_nodes closes the
+            // round: no last call.
+            let last_call = if nodes.min < nodes.max {
+                now.saturating_add(self.settings.last_call)
+            } else {
+                Instant::from_nanos(u64::MAX)
+            };
             Step::WaitSize {
                 round,
                 slot,
-                last_call: now.saturating_add(self.settings.last_call),
+                last_call,
             }
         }
     }
@@ -952,3 +972,9 @@ fn watched(m: &Member) -> u32 {
 
 /// A reply that does not answer the pending action.
 struct Mismatch;
+
+/// Whether the step answered was the closing compare-set.
+enum StepKind {
+    Close,
+    Other,
+}

@@ -45,9 +45,9 @@
 //! slot `(s − 1) mod N + 1`, so that a round of one, or one whose members all died, ends
 //! too.
 //!
-//! Store work per node: joining a round is `CHECK` + `ADD` + `SET` + one `WAIT` + one
-//! `GET` (+ one `SET` for the node with slot `min_nodes`, + `ADD 0`, `COMPARE_SET` and
-//! `SET` for the one closer). A heartbeat is two `ADD`s and one `CHECK`. A wait never
+//! Store work per node: joining a round is a `CHECK`, two `ADD`s (round hint, arrival), a
+//! `SET` (node id), one `WAIT` and one `GET`; the node with slot `min_nodes` adds a `SET`,
+//! and the one closer an `ADD 0`, a `COMPARE_SET` and a `SET`. A heartbeat is two `ADD`s and one `CHECK`. A wait never
 //! outlasts one keep-alive interval (so that a local event, or a shutdown seen only
 //! through `closed`, is handled within one interval): a wait that ends early is re-issued
 //! after a `CHECK` of `closed`. torchrun's c10d backend instead compare-sets one pickled
