@@ -68,7 +68,10 @@ fn rendezvous_command_prints_rounds_and_leaves_on_sigterm() {
     })
     .expect("server");
     let url = format!(
-        "elastic://127.0.0.1:{}/cli?nodes=2:3&last_call=300ms&keep_alive_interval=200ms",
+        // A generous keep-alive timeout (3 s): nobody is declared dead by a loaded machine,
+        // rounds here end only by leaving.
+        "elastic://127.0.0.1:{}/cli?nodes=2:3&last_call=300ms&keep_alive_interval=200ms\
+         &keep_alive_max_attempts=15",
         server.port()
     );
     let (tx, rx) = mpsc::channel();
@@ -132,4 +135,39 @@ fn rendezvous_command_refuses_bad_urls() {
         ),
         "{stderr}"
     );
+}
+
+#[test]
+fn bench_rendezvous_forms_one_round() {
+    // `rdzv bench rendezvous`: event-driven nodes on one loop, against an embedded server.
+    let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["bench", "rendezvous", "--nodes", "48"])
+        .args(["--keep-alive-ms", "100", "--heartbeat-secs", "0.5"])
+        .output()
+        .expect("run rdzv bench rendezvous");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("rdzv elastic rendezvous: 48 nodes, one round"),
+        "{stdout}"
+    );
+    // Join: CHECK, ADD (round hint), ADD (arrival), SET (node), WAIT and GET (or the
+    // closer's COMPARE_SET), and the first heartbeat's two ADDs: a constant, whatever N.
+    let join_max: u64 = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("store ops per node (join) "))
+        .and_then(|l| l.split(", max ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no join line in {stdout}"));
+    assert!(join_max <= 10, "{stdout}");
+    assert!(
+        stdout.contains("store ops per node per keep-alive interval"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("torchrun's c10d design"), "{stdout}");
 }
