@@ -478,16 +478,16 @@ pub(super) fn elastic_rendezvous_handler(
         .clone()
         .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
         .unwrap_or_else(default_node_id);
-    let store =
-        TcpStore::connect(&parsed.host, parsed.port, options.timeout).map_err(|source| {
-            RendezvousError::Store {
-                rank: 0,
-                role: super::StoreRole::Client,
-                host: parsed.host.clone(),
-                port: parsed.port,
-                source,
-            }
-        })?;
+    // No rank yet: the error names the node.
+    let store = TcpStore::connect(&parsed.host, parsed.port, options.timeout).map_err(|e| {
+        RendezvousError::Handler(
+            format!(
+                "elastic:// rendezvous: node '{node}' cannot connect to the store at {}:{}: {e}",
+                parsed.host, parsed.port
+            )
+            .into(),
+        )
+    })?;
     let join_timeout = parsed.settings.join_timeout;
     let handle = ElasticRendezvous::start(Arc::new(store), parsed.settings, node)
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;

@@ -651,6 +651,10 @@ enum Op {
     Join,
     /// Node `i % len`'s workers fail.
     Fail(usize),
+    /// Node `i % len` leaves.
+    Leave(usize),
+    /// Node `i % len` shuts the rendezvous down.
+    Shutdown(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -660,6 +664,12 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Kill),
         2 => Just(Op::Join),
         1 => any::<usize>().prop_map(Op::Fail),
+        1 => any::<usize>().prop_map(Op::Leave),
+        1 => (any::<usize>(), 0u8..8).prop_map(|(i, p)| if p == 0 {
+            Op::Shutdown(i)
+        } else {
+            Op::Step(i, 1)
+        }),
     ]
 }
 
@@ -700,6 +710,8 @@ proptest! {
                     joined += 1;
                 }
                 Op::Fail(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::WorkerFailed),
+                Op::Leave(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::Leave),
+                Op::Shutdown(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::Shutdown),
             }
             sim.check_agreement();
         }
