@@ -603,7 +603,7 @@ mod tests {
 
     #[test]
     fn bundled_schemes_are_registered_once() {
-        for scheme in ["tcp", "env", "file"] {
+        for scheme in ["tcp", "env", "file", "elastic"] {
             let error = register_rendezvous_handler(scheme, |_: &str, _: &dyn Env, _: &_| {
                 Err(RendezvousError::Unsupported("never called".into()))
             })

@@ -58,6 +58,10 @@
 //! round: it marks the round over, so that once the round closes its members go on to the
 //! next one at once.
 //!
+//! Keys of finished rounds are not deleted (a few per node per round): a long job with
+//! many re-rendezvous grows the store by that much, and a new job should use a new run
+//! id (as with torchrun, a closed run id stays closed).
+//!
 //! # Driving it
 //! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local
 //! events ([`ElasticNode::handle_local`]), take [`ElasticNode::poll_action`], perform it
