@@ -52,6 +52,9 @@ enum Command {
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
+    /// Join an elastic rendezvous (elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX) as one node,
+    /// print each round it is a member of, and heartbeat until killed.
+    Rendezvous(crate::elastic_cli::RendezvousArgs),
     /// Print a shell completion script (e.g. `rdzv completions bash > /etc/bash_completion.d/rdzv`).
     Completions {
         /// The shell.
@@ -136,6 +139,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Demo(args) => crate::demo::run(args),
         Command::Bench(command) => crate::bench::run(command),
         Command::DemoWorker(args) => crate::demo::worker(args),
+        Command::Rendezvous(args) => crate::elastic_cli::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: clap_complete panics on a failed write (a closed pipe).
             let mut script = Vec::new();
