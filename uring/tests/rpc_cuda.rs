@@ -15,7 +15,7 @@
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
 //! parent and child meet at a `file://` store.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +27,7 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, Tensor,
+    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, Tensor,
 };
 
 mod common;
@@ -75,17 +75,23 @@ impl Drop for LoanFile {
     }
 }
 
-/// The pipes this process's runtimes borrowed on, and those they were told ended.
-static PIPES: Mutex<(BTreeSet<PipeId>, BTreeSet<PipeId>)> =
-    Mutex::new((BTreeSet::new(), BTreeSet::new()));
+/// Borrowed and ended pipes.
+type Pipes = (BTreeSet<PipeId>, BTreeSet<PipeId>);
 
-fn pipes() -> std::sync::MutexGuard<'static, (BTreeSet<PipeId>, BTreeSet<PipeId>)> {
-    PIPES.lock().unwrap_or_else(PoisonError::into_inner)
+/// Per store URL (one per test, as tests run in parallel in one process): the pipes the
+/// runtimes of that test's agent borrowed on, and those they were told ended.
+static PIPES: Mutex<BTreeMap<String, Pipes>> = Mutex::new(BTreeMap::new());
+
+/// Runs `f` on the pipes of the agents of store `store`.
+fn with_pipes<T>(store: &str, f: impl FnOnce(&mut Pipes) -> T) -> T {
+    let mut all = PIPES.lock().unwrap_or_else(PoisonError::into_inner);
+    f(all.entry(store.to_string()).or_default())
 }
 
-/// A CUDA runtime with `gpus` devices of host memory.
+/// A CUDA runtime with `gpus` devices of host memory, for an agent of store `store`.
 struct HostCuda {
     gpus: u8,
+    store: String,
 }
 
 impl DeviceRuntime for HostCuda {
@@ -93,14 +99,14 @@ impl DeviceRuntime for HostCuda {
         usize::from(self.gpus)
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
         let memory = memory
             .downcast_ref::<HostMemory>()
             .ok_or("not memory of this runtime")?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
             return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
         }
-        Ok(memory.bytes().to_vec())
+        Ok(memory.bytes().to_vec().into())
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -173,22 +179,24 @@ impl DeviceRuntime for HostCuda {
         len: u64,
         descriptor: &[u8],
     ) -> Result<DeviceBuffer, String> {
-        let (borrowed, ended) = &mut *pipes();
-        assert!(
-            !ended.contains(&pipe),
-            "{pipe:?} borrowed on after it ended"
-        );
-        borrowed.insert(pipe);
+        with_pipes(&self.store, |(borrowed, ended)| {
+            assert!(
+                !ended.contains(&pipe),
+                "{pipe:?} borrowed on after it ended"
+            );
+            borrowed.insert(pipe);
+        });
         self.borrow(channel, device, len, descriptor)
     }
 
     fn pipe_ended(&self, pipe: PipeId) {
-        let (borrowed, ended) = &mut *pipes();
-        assert!(
-            borrowed.contains(&pipe),
-            "{pipe:?} ended but never borrowed"
-        );
-        assert!(ended.insert(pipe), "{pipe:?} reported ended twice");
+        with_pipes(&self.store, |(borrowed, ended)| {
+            assert!(
+                borrowed.contains(&pipe),
+                "{pipe:?} ended but never borrowed"
+            );
+            assert!(ended.insert(pipe), "{pipe:?} reported ended twice");
+        });
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
@@ -202,14 +210,17 @@ impl DeviceRuntime for HostCuda {
     }
 }
 
-struct HostCudaPlugin(u8);
+struct HostCudaPlugin(u8, String);
 
 impl DevicePlugin for HostCudaPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
     fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        Ok(Arc::new(HostCuda { gpus: self.0 }))
+        Ok(Arc::new(HostCuda {
+            gpus: self.0,
+            store: self.1.clone(),
+        }))
     }
 }
 
@@ -275,7 +286,7 @@ fn options(url: &str, channels: Option<&str>, gpus: u8) -> RpcOptions {
     options.transports = Some(vec!["tcp".into()]);
     options.channels = channels.map(|list| list.split(',').map(str::to_string).collect());
     if gpus > 0 {
-        options.device_plugins = vec![Arc::new(HostCudaPlugin(gpus))];
+        options.device_plugins = vec![Arc::new(HostCudaPlugin(gpus, url.to_string()))];
     }
     options
 }
@@ -310,7 +321,7 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
         serve_until_joined(init_rpc("peer", 1, Some(2), options));
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let url = format!("file://{}", dir.path().join("store").display());
+    let url = store_url(&dir);
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
     let mut command = Command::new(exe);
     command
@@ -330,6 +341,11 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
     let agent =
         init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
     (agent, child, dir)
+}
+
+/// The store URL of the test whose directory is `dir`.
+fn store_url(dir: &tempfile::TempDir) -> String {
+    format!("file://{}", dir.path().join("store").display())
 }
 
 fn bytes_on(agent: &RpcAgent, channel: ChannelKind) -> u64 {
@@ -406,7 +422,7 @@ fn gpu_to_gpu(agent: &RpcAgent) {
 /// above cuda_basic); every loan ends once the peer is done with it.
 #[test]
 fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
-    let (agent, child, _dir) = start(
+    let (agent, child, dir) = start(
         "gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends",
         two_gpus(None),
     );
@@ -423,8 +439,9 @@ fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
     assert_loans_end(&agent, &child);
     finish(agent, child);
     // The responses were borrowed on a pipe, and its end was reported once the agent
-    // shut down (so a runtime's per-pipe mappings are closed).
-    let (borrowed, ended) = &*pipes();
+    // shut down (so a runtime's per-pipe mappings are closed). Only this test's agent
+    // counts: the others of this process may still hold their pipes.
+    let (borrowed, ended) = with_pipes(&store_url(&dir), |pipes| pipes.clone());
     assert!(!borrowed.is_empty(), "the responses were borrowed");
     assert_eq!(
         borrowed, ended,

@@ -35,7 +35,7 @@ use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
 pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
-use super::device::{DeviceLoan, Devices, PipeId, CUDA_BASIC_DESCRIPTOR};
+use super::device::{DeviceLoan, Devices, HostBytes, PipeId, StagingIn, CUDA_BASIC_DESCRIPTOR};
 use super::error::RpcError;
 use super::message::Tensor;
 use super::recycle;
@@ -169,11 +169,14 @@ pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<
 
 /// A buffer lent to the peer over a channel.
 enum Export {
-    Cma(CmaExport<Vec<u8>>),
-    Xth(XthExport<Vec<u8>>),
+    Cma(CmaExport<HostBytes>),
+    Xth(XthExport<HostBytes>),
     /// Device memory (`cuda_xth`, `cuda_ipc`, `cuda_gdr`): only dropped, never recycled.
     Device(DeviceLoan),
 }
+
+/// A frame's tensors to push over mpt, by transfer id, in frame order.
+pub(crate) type Streamed = Vec<(u64, HostBytes)>;
 
 /// The buffers one frame lent to the peer, held until the peer is done with them
 /// (dropping the value releases them: the export is abandoned, which is right once the
@@ -182,7 +185,7 @@ enum Export {
 pub(crate) struct FrameExports {
     exports: Vec<Export>,
     /// Tensors to push over mpt after the frame, by transfer id, in frame order.
-    streamed: Vec<(u64, Vec<u8>)>,
+    streamed: Streamed,
 }
 
 impl FrameExports {
@@ -193,7 +196,7 @@ impl FrameExports {
 
     /// The tensors the frame sends over mpt, in frame order: the sender writes them on
     /// its mpt lanes right after the frame.
-    pub fn take_streamed(&mut self) -> Vec<(u64, Vec<u8>)> {
+    pub fn take_streamed(&mut self) -> Streamed {
         std::mem::take(&mut self.streamed)
     }
 
@@ -205,8 +208,8 @@ impl FrameExports {
     pub fn recycle(mut self) {
         for export in self.exports.drain(..) {
             match export {
-                Export::Cma(export) => recycle::give(export.abandon()),
-                Export::Xth(export) => recycle::give(export.abandon()),
+                Export::Cma(export) => recycle::give_all(vec![export.abandon()]),
+                Export::Xth(export) => recycle::give_all(vec![export.abandon()]),
                 Export::Device(loan) => drop(loan),
             }
         }
@@ -285,7 +288,7 @@ pub(crate) fn add_tensor(
     frame: &mut OwnedFrame,
     exports: &mut FrameExports,
     moved: &mut ChannelBytes,
-    data: Vec<u8>,
+    data: HostBytes,
     source: Device,
     target: Device,
     channel: ChannelKind,
@@ -298,7 +301,7 @@ pub(crate) fn add_tensor(
         frame
             .tensors
             .push(TensorDescriptor::inline(source, target, len));
-        frame.tensor_data.push(data);
+        frame.tensor_data.push(data.into_vec());
         moved.add(ChannelKind::Basic, len);
         return Ok(());
     }
@@ -664,6 +667,16 @@ impl ReceivedTensors {
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
+                    if !device.is_cpu() {
+                        let memory = pull_staged(&devices, device, len, |offset, part| {
+                            source
+                                .read_at(&descriptor, offset, part)
+                                .map_err(|e| e.to_string())
+                        })
+                        .map_err(|e| e.into_error(ChannelKind::Cma, tensors.len(), &peer))?;
+                        tensors.push(Tensor::on_device(memory));
+                        continue;
+                    }
                     let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
                     read_in_slices(&mut data, |offset, part| {
@@ -686,12 +699,18 @@ impl ReceivedTensors {
                     };
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+                    let read = |offset, part: &mut [u8]| {
+                        xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
+                    };
+                    if !device.is_cpu() {
+                        let memory = pull_staged(&devices, device, len, read)
+                            .map_err(|e| e.into_error(ChannelKind::Xth, tensors.len(), &peer))?;
+                        tensors.push(Tensor::on_device(memory));
+                        continue;
+                    }
                     let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
-                    read_in_slices(&mut data, |offset, part| {
-                        xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
-                    })
-                    .map_err(failed)?;
+                    read_in_slices(&mut data, read).map_err(failed)?;
                     Tensor {
                         device,
                         data,
@@ -742,6 +761,50 @@ impl ReceivedTensors {
         }
         Ok(tensors)
     }
+}
+
+/// Why a staged pull failed: reading from the peer, or the device runtime.
+#[derive(Debug)]
+enum PullFailed {
+    Read(String),
+    Staging(String),
+}
+
+impl PullFailed {
+    /// The error of tensor `index`, read over `channel` from `peer`.
+    fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> RpcError {
+        let (channel, reason) = match self {
+            PullFailed::Read(reason) => (channel, reason),
+            PullFailed::Staging(reason) => (ChannelKind::CudaBasic, reason),
+        };
+        RpcError::Channel {
+            channel: channel.name(),
+            peer: peer.to_string(),
+            reason: format!("tensor {index}: {reason}"),
+        }
+    }
+}
+
+/// Pulls a `len`-byte tensor for `device` (not the CPU) with `read(offset, part)`,
+/// chunk by chunk into the device runtime's staging ([`StagingIn`]): each chunk goes
+/// to the device as soon as it is read, while the next one is read. Dropping the
+/// staging on a failure lets the runtime take back what it held.
+fn pull_staged(
+    devices: &Devices,
+    device: Device,
+    len: usize,
+    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
+) -> Result<super::device::DeviceBuffer, PullFailed> {
+    let mut staging: StagingIn = devices
+        .receive_into(device, len)
+        .map_err(PullFailed::Staging)?;
+    for (k, offset, _) in staging.chunks() {
+        let buffer = staging.chunk_buffer(k).map_err(PullFailed::Staging)?;
+        read_in_slices(buffer, |at, part| read(offset as u64 + at, part))
+            .map_err(PullFailed::Read)?;
+        staging.chunk_filled(k).map_err(PullFailed::Staging)?;
+    }
+    staging.finish().map_err(PullFailed::Staging)
 }
 
 /// The channel the pipe uses between two CPUs, for the agent's per-peer accessor.
@@ -816,7 +879,7 @@ mod tests {
                 &mut frame,
                 &mut exports,
                 &mut moved,
-                data,
+                data.into(),
                 Device::cpu(),
                 Device::cpu(),
                 ChannelKind::Xth,
@@ -885,7 +948,7 @@ mod tests {
             &mut frame,
             &mut exports,
             &mut moved,
-            pattern(1 << 20),
+            pattern(1 << 20).into(),
             Device::cpu(),
             Device::cpu(),
             ChannelKind::Cma,
@@ -1039,7 +1102,7 @@ mod tests {
         fn device_count(&self) -> usize {
             1
         }
-        fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<Vec<u8>, String> {
+        fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<HostBytes, String> {
             Err("unused".into())
         }
         fn copy_from_host(
