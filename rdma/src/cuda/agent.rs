@@ -1383,11 +1383,17 @@ mod tests {
     /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
     /// printed) without CUDA; panics then when `RDZV_REQUIRE_CUDA=1`.
     fn gpu_runtime(test: &str) -> Option<CudaRuntime> {
-        let options = CudaOptions {
-            staging_chunk_bytes: 64 << 10,
-            staging_buffers: 2,
-            ..CudaOptions::default()
-        };
+        gpu_runtime_with(
+            test,
+            CudaOptions {
+                staging_chunk_bytes: 64 << 10,
+                staging_buffers: 2,
+                ..CudaOptions::default()
+            },
+        )
+    }
+
+    fn gpu_runtime_with(test: &str, options: CudaOptions) -> Option<CudaRuntime> {
         match CudaRuntime::open_with(options) {
             Ok(runtime) => Some(runtime),
             Err(reason) => {
@@ -1443,6 +1449,94 @@ mod tests {
             "{after:?}"
         );
         assert_eq!(after.reuses, before.reuses + 10);
+    }
+
+    /// On a GPU: a chunked receive lands every byte; a staged-out tensor is a pinned
+    /// block the channel reads in place, back in its cache when dropped (and reused);
+    /// one over the cap is staged into a `Vec`; a receive abandoned midway gives its
+    /// slots and memory back.
+    #[test]
+    fn pinned_staging_out_and_chunked_receives_on_a_gpu() {
+        let test = "pinned_staging_out_and_chunked_receives_on_a_gpu";
+        let Some(runtime) = gpu_runtime(test) else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+        for round in 0..2u8 {
+            for (seed, len) in [1usize, 64 << 10, (64 << 10) + 1, (3 << 20) + 5]
+                .into_iter()
+                .enumerate()
+            {
+                let bytes = pattern(len, seed as u8 + round);
+                let mut staging = runtime
+                    .receive_staged(cuda0, len)
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .expect("the CUDA runtime receives in chunks");
+                let chunk = staging.chunk_len();
+                for k in 0..len.div_ceil(chunk) {
+                    let buffer = staging
+                        .chunk_buffer(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                    let offset = k * chunk;
+                    buffer.copy_from_slice(&bytes[offset..offset + buffer.len()]);
+                    staging
+                        .chunk_filled(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                }
+                let memory = staging.finish().unwrap_or_else(|e| panic!("{len}: {e}"));
+                let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+                assert!(own.to_host().is_ok_and(|b| b == bytes), "{len} bytes in");
+                let out = runtime
+                    .copy_to_host(&memory)
+                    .unwrap_or_else(|e| panic!("{len} bytes out: {e}"));
+                assert!(out.is_staged(), "{len} bytes staged in pinned memory");
+                assert!(out == bytes, "{len} bytes out");
+                drop(out);
+                assert_eq!(state.pinned.stats().in_use, 0);
+            }
+        }
+        assert!(
+            state.pinned.stats().reuses >= 4,
+            "{:?}",
+            state.pinned.stats()
+        );
+
+        // Abandoned after two chunks: the slots and the memory go back.
+        let slots_before = lock(&state.staging).len();
+        let in_use_before = state.allocator.stats().in_use;
+        let mut staging = runtime
+            .receive_staged(cuda0, 1 << 20)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("chunked");
+        for k in 0..2 {
+            let buffer = staging.chunk_buffer(k).unwrap_or_else(|e| panic!("{e}"));
+            buffer.fill(k as u8);
+            staging.chunk_filled(k).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert!(staging.chunk_buffer(5).is_err(), "out of order");
+        drop(staging);
+        assert!(lock(&state.staging).len() >= slots_before);
+        assert_eq!(state.allocator.stats().in_use, in_use_before);
+
+        // Over the pinned cap: staged through the slots into a Vec.
+        let Some(capped) = gpu_runtime_with(
+            test,
+            CudaOptions {
+                staged_out_cap_bytes: 1024,
+                ..CudaOptions::default()
+            },
+        ) else {
+            return;
+        };
+        let bytes = pattern(64 << 10, 9);
+        let memory = capped
+            .copy_from_host(cuda0, bytes.clone())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = capped
+            .copy_to_host(&memory)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!out.is_staged() && out == bytes);
     }
 
     /// On a GPU: a tensor lent over cuda_xth is copied device to device on the
