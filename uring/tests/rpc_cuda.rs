@@ -6,9 +6,11 @@
 //!   handle" is a file holding the bytes, removed when the loan ends) and the receiver's
 //!   runtime copy it onto the device the device map chose, and it holds each loan until
 //!   the peer is done (a request's until its reply, a response's until the ack);
-//! - over `cuda_basic` it has the sender's runtime copy tensors to the host, carries
-//!   the bytes over the pipe's CPU channel (cma, mpt or inline) and has the receiver's
-//!   runtime put them on the target device.
+//! - over `cuda_basic` it has the sender's runtime copy tensors to the host (into
+//!   memory of the runtime's own, [`Pinned`], which the CPU channel reads in place),
+//!   carries the bytes over the pipe's CPU channel (cma, mpt or inline) and has the
+//!   receiver's runtime put them on the target device (chunk by chunk as a cma pull
+//!   reads them, [`ChunkedIn`]; whole when they came inline or over mpt).
 //!
 //! The real runtime is `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
 //!
@@ -27,7 +29,8 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, Tensor,
+    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, StagedBytes,
+    StagedReceive, Tensor,
 };
 
 mod common;
@@ -106,7 +109,8 @@ impl DeviceRuntime for HostCuda {
         if memory.bytes().len() == FAILS_TO_LEAVE {
             return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
         }
-        Ok(memory.bytes().to_vec().into())
+        // Staged into memory of the runtime's own, which the CPU channel reads in place.
+        Ok(HostBytes::staged(Pinned(memory.bytes().to_vec())))
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -199,6 +203,23 @@ impl DeviceRuntime for HostCuda {
         });
     }
 
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        Ok(Some(Box::new(ChunkedIn {
+            runtime: HostCuda {
+                gpus: self.gpus,
+                store: self.store.clone(),
+            },
+            device,
+            bytes: vec![0; len],
+            buffer: vec![0; CHUNK],
+            filled: 0,
+        })))
+    }
+
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
         if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
             return Err(format!("this process has no {device}"));
@@ -207,6 +228,54 @@ impl DeviceRuntime for HostCuda {
             return Err(format!("fake cuMemAlloc: out of memory on {device}"));
         }
         Ok(gpu_tensor(device, bytes))
+    }
+}
+
+/// The fake runtime's "pinned" memory holding a staged-out tensor.
+struct Pinned(Vec<u8>);
+
+impl StagedBytes for Pinned {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The fake runtime's chunk size for received tensors.
+const CHUNK: usize = 64 << 10;
+
+/// A tensor received by the fake runtime chunk by chunk through one buffer, each chunk
+/// "copied to the device" when filled.
+struct ChunkedIn {
+    runtime: HostCuda,
+    device: Device,
+    bytes: Vec<u8>,
+    buffer: Vec<u8>,
+    filled: usize,
+}
+
+impl StagedReceive for ChunkedIn {
+    fn chunk_len(&self) -> usize {
+        CHUNK
+    }
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+        if k != self.filled {
+            return Err(format!("chunk {k} asked for, {} expected", self.filled));
+        }
+        let len = CHUNK.min(self.bytes.len() - k * CHUNK);
+        Ok(&mut self.buffer[..len])
+    }
+    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+        let offset = k * CHUNK;
+        let len = CHUNK.min(self.bytes.len() - offset);
+        self.bytes[offset..offset + len].copy_from_slice(&self.buffer[..len]);
+        self.filled += 1;
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String> {
+        if self.filled != self.bytes.len().div_ceil(CHUNK) {
+            return Err("not every chunk was filled".into());
+        }
+        self.runtime.copy_from_host(self.device, self.bytes)
     }
 }
 
