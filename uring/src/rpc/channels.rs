@@ -301,7 +301,7 @@ pub(crate) fn add_tensor(
         frame
             .tensors
             .push(TensorDescriptor::inline(source, target, len));
-        frame.tensor_data.push(data.into_vec());
+        frame.tensor_data.push(data);
         moved.add(ChannelKind::Basic, len);
         return Ok(());
     }
@@ -324,7 +324,7 @@ pub(crate) fn add_tensor(
                 channel_descriptor_len: MptDescriptor::ENCODED_LEN as u8,
                 ..TensorDescriptor::inline(source, target, len)
             });
-            frame.tensor_data.push(descriptor);
+            frame.tensor_data.push(descriptor.into());
             exports.streamed.push((transfer_id, data));
             moved.add(channel, len);
             return Ok(());
@@ -344,7 +344,7 @@ pub(crate) fn add_tensor(
         channel_descriptor_len: descriptor_len,
         ..TensorDescriptor::inline(source, target, len)
     });
-    frame.tensor_data.push(descriptor);
+    frame.tensor_data.push(descriptor.into());
     exports.exports.push(export);
     moved.add(channel, len);
     Ok(())
@@ -375,7 +375,7 @@ pub(crate) fn add_device_tensor(
         frame
             .tensors
             .push(TensorDescriptor::inline(source, target, 0));
-        frame.tensor_data.push(Vec::new());
+        frame.tensor_data.push(HostBytes::default());
         return Ok(());
     }
     let loan = devices
@@ -389,7 +389,7 @@ pub(crate) fn add_device_tensor(
         channel_descriptor_len: descriptor_len,
         ..TensorDescriptor::inline(source, target, len)
     });
-    frame.tensor_data.push(loan.descriptor.clone());
+    frame.tensor_data.push(loan.descriptor.clone().into());
     exports.exports.push(Export::Device(loan));
     moved.add(channel, len);
     Ok(())
@@ -860,7 +860,7 @@ mod tests {
             .tensors
             .iter()
             .copied()
-            .zip(frame.tensor_data.clone())
+            .zip(frame.tensor_data.iter().map(|d| d.to_vec()))
             .collect()
     }
 
@@ -1608,11 +1608,10 @@ mod tests {
         assert_eq!(lock_books(&books).staged_out, 0);
     }
 
-    /// Over mpt, the staged bytes are streamed from where the runtime staged them, and
-    /// go back to it once pushed; inline, they are copied into the frame and go back
-    /// at once.
+    /// Over mpt the staged bytes are streamed, and inline they are written with the
+    /// frame, from where the runtime staged them; they go back to it once sent.
     #[test]
-    fn staged_bytes_stream_over_mpt_in_place_and_inline_as_a_copy() {
+    fn staged_bytes_stream_over_mpt_and_go_inline_in_place() {
         let (devices, books) = chunk_devices(64, 2, true);
         let source = pattern(500);
         let (frame, mut exports) = staged_frame(&devices, &source, ChannelKind::Mpt);
@@ -1626,7 +1625,15 @@ mod tests {
 
         let (frame, exports) = staged_frame(&devices, &source, ChannelKind::Basic);
         assert!(frame.tensors[0].is_inline() && exports.is_empty());
-        assert_eq!(frame.tensor_data[0], source);
+        assert!(frame.tensor_data[0].is_staged() && frame.tensor_data[0] == source);
+        let body: Vec<&[u8]> = frame.body().collect();
+        assert_eq!(
+            body.last().map(|part| part.as_ptr()),
+            Some(frame.tensor_data[0].as_ptr()),
+            "the frame writes the staged bytes themselves"
+        );
+        assert_eq!(lock_books(&books).staged_out, 1);
+        recycle::give_all(frame.tensor_data);
         assert_eq!(lock_books(&books).staged_out, 0);
     }
 }

@@ -257,6 +257,12 @@ impl PartialEq<Vec<u8>> for HostBytes {
     }
 }
 
+impl PartialEq<HostBytes> for Vec<u8> {
+    fn eq(&self, other: &HostBytes) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
 impl PartialEq<[u8]> for HostBytes {
     fn eq(&self, other: &[u8]) -> bool {
         self.as_slice() == other
