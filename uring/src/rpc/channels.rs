@@ -13,6 +13,11 @@
 //! released is the I/O thread's business (`io`): requests are pulled on the handler
 //! pool's thread before the handler runs, responses on a blocking thread when large.
 //!
+//! A `cuda_basic` tensor leaves as the [`HostBytes`] its device runtime staged it into,
+//! which the channels lend, stream or write inline where they are. One pulled over
+//! `cma` or `xth` for a device is read chunk by chunk into its runtime's staging
+//! (`Devices::receive_into`): each chunk goes to the device while the next is read.
+//!
 //! A receiver checks, before reading anything, that the channel a tensor names is the
 //! one negotiated for its device pair on this pipe, that the descriptor decodes and
 //! announces the tensor's length, and (cma) that every descriptor of a pipe names the
