@@ -213,8 +213,9 @@ impl FrameExports {
     pub fn recycle(mut self) {
         for export in self.exports.drain(..) {
             match export {
-                Export::Cma(export) => recycle::give_all(vec![export.abandon()]),
-                Export::Xth(export) => recycle::give_all(vec![export.abandon()]),
+                // Staged bytes go back to their device runtime.
+                Export::Cma(export) => export.abandon().into_owned().map_or((), recycle::give),
+                Export::Xth(export) => export.abandon().into_owned().map_or((), recycle::give),
                 Export::Device(loan) => drop(loan),
             }
         }
