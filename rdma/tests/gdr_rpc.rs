@@ -26,8 +26,8 @@ use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostMemory,
-    Message, RpcAgent, RpcOptions, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostBytes,
+    HostMemory, Message, RpcAgent, RpcOptions, Tensor,
 };
 
 const CHILD_ENV: &str = "RDZV_GDR_RPC_CHILD";
@@ -60,8 +60,8 @@ impl DeviceRuntime for HostGdr {
         1
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
-        Self::bytes(memory).map(<[u8]>::to_vec)
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+        Self::bytes(memory).map(|bytes| bytes.to_vec().into())
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {

@@ -25,9 +25,17 @@
 //!   allocation anew and deregisters it when the loan ends (no cache: a freed allocation
 //!   must not leave a registration behind). Not run against a GPU and NIC here: the data
 //!   path is the host-memory one tested on Soft-RoCE, the CUDA side only compiles;
-//! - `cuda_basic`: copies to and from host memory, staged through pinned buffers in
-//!   chunks ([`super::chunk_plan`]): the device copy of one chunk runs while the host
-//!   copies the previous one.
+//! - `cuda_basic`: copies to and from host memory through pinned buffers. Sending, the
+//!   tensor is copied device to host once, into a pinned block from a per-device cache
+//!   ([`CudaOptions::staged_out_cap_bytes`]), and the CPU channel reads that block where
+//!   it is (`HostBytes::staged`; the block goes back to the cache when the channel drops
+//!   it); a tensor that does not fit under the cap is staged in chunks into pageable
+//!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
+//!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
+//!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
+//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]); bytes that arrived whole
+//!   (inline, `mpt`) are staged in chunks ([`super::chunk_plan`]): the device copy of one
+//!   chunk runs while the host copies the previous one.
 //!
 //! **When a received tensor is ready.** Every copy runs on the runtime's own streams
 //! (a few per device) and is waited for with an event recorded after it, never with a
@@ -66,17 +74,20 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
 use rdzv_uring::rpc::{
-    DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, PipeId,
+    DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, PipeId,
+    StagedBytes, StagedReceive,
 };
 
 use super::caching_allocator::{BackingAllocator, CachedBlock, CachingAllocator};
 use super::channel_error::CudaChannelError;
-use super::chunk_plan::{self, ChunkPlan, StagingCopies};
+use super::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StagingCopies};
 use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::ipc_mappings::{IpcMappings, MappingKey, MappingOpener};
-use super::memory::{DeviceAllocation, DeviceRange, Gpu, PinnedHostBuffer, RawEvent};
+use super::memory::{
+    copy_to_host_async, DeviceAllocation, DeviceRange, Gpu, PinnedHostBuffer, RawEvent,
+};
 use super::viability::{self, ChannelVerdict, CudaChannel};
 use super::PeerMemory;
 use crate::ibv::IbvViability;
@@ -98,6 +109,11 @@ pub struct CudaOptions {
     pub staging_chunk_bytes: usize,
     /// Pinned buffers one staged copy cycles through (2 = double buffering).
     pub staging_buffers: usize,
+    /// The most bytes of pinned host memory one device holds for tensors on their way
+    /// out over `cuda_basic` (in use by the CPU channels plus cached). A tensor that
+    /// does not fit is staged in chunks into pageable memory instead (one more host
+    /// copy).
+    pub staged_out_cap_bytes: usize,
     /// Streams per device the copies are spread over.
     pub streams_per_device: usize,
     /// The most `cuda_ipc` mappings a device keeps open (least recently used closed
@@ -114,6 +130,7 @@ impl Default for CudaOptions {
             cache_cap_bytes: 8 << 30,
             staging_chunk_bytes: 4 << 20,
             staging_buffers: 3,
+            staged_out_cap_bytes: 2 << 30,
             streams_per_device: 2,
             ipc_mappings_per_device: 256,
             ipc_mapped_bytes_per_device: 4 << 30,
@@ -442,6 +459,7 @@ struct DeviceState {
     device: Device,
     mappings: Mutex<IpcMappings<DriverOpener>>,
     staging: Mutex<Vec<StagingSlot>>,
+    pinned: CachingAllocator<PinnedBacking>,
     events: Mutex<Vec<RawEvent>>,
     streams: Vec<Arc<CudaStream>>,
     next_stream: AtomicUsize,
@@ -486,6 +504,11 @@ impl DeviceState {
                 options.ipc_mapped_bytes_per_device,
             )),
             staging: Mutex::new(Vec::new()),
+            pinned: CachingAllocator::new(
+                format!("{device} (pinned host memory for cuda_basic)"),
+                PinnedBacking { gpu: gpu.clone() },
+                options.staged_out_cap_bytes,
+            ),
             events: Mutex::new(Vec::new()),
             streams,
             next_stream: AtomicUsize::new(0),
@@ -608,6 +631,41 @@ impl DeviceState {
         });
         self.finish_slots(slots, &result);
         result.map(|()| out)
+    }
+
+    /// Copies `src` (this device's) into a pinned block of its own from the device's
+    /// cache, for the CPU channel to read where it is; `None` when the block cannot be
+    /// had (the cap, or no pinned memory left) or `src` is empty.
+    fn stage_out_pinned(
+        &self,
+        src: DeviceRange<'_>,
+    ) -> Result<Option<PinnedBytes>, CudaChannelError> {
+        if src.is_empty() {
+            return Ok(None);
+        }
+        let mut block = match self.pinned.allocate(src.len()) {
+            Ok(block) => block,
+            Err(e) => {
+                tracing::debug!(
+                    error = %ErrorChain(&e),
+                    "cuda_basic stages this tensor through pageable memory"
+                );
+                return Ok(None);
+            }
+        };
+        let copied =
+            self.on_stream_and_wait(|stream| copy_to_host_async(block.block_mut(), src, stream));
+        match copied {
+            Ok(()) => Ok(Some(PinnedBytes {
+                block,
+                len: src.len(),
+            })),
+            Err(e) => {
+                // The copy may still be writing the block: never hand it out again.
+                std::mem::forget(block);
+                Err(e)
+            }
+        }
     }
 
     /// Copies `bytes` into `dst` (this device's, as long as `bytes`) through the pinned
@@ -740,6 +798,179 @@ impl StagingCopies for DriverStaging<'_, '_> {
     }
 }
 
+/// A tensor staged out into a pinned block: the bytes the CPU channel reads. Dropping
+/// it gives the block back to its device's cache.
+struct PinnedBytes {
+    block: CachedBlock<PinnedBacking>,
+    len: usize,
+}
+
+impl StagedBytes for PinnedBytes {
+    fn bytes(&self) -> &[u8] {
+        // The block is at least `len` long (its size class); its copy was waited for.
+        self.block
+            .block()
+            .as_slice()
+            .get(..self.len)
+            .unwrap_or_default()
+    }
+}
+
+/// `cuMemHostAlloc` blocks for a device's cache of staged-out tensors.
+struct PinnedBacking {
+    gpu: Gpu,
+}
+
+impl BackingAllocator for PinnedBacking {
+    type Block = PinnedHostBuffer;
+    type Error = CudaChannelError;
+
+    fn allocate(&mut self, len: usize) -> Result<PinnedHostBuffer, CudaChannelError> {
+        PinnedHostBuffer::new(&self.gpu, len)
+    }
+}
+
+/// The copies of a chunked receive ([`DriverStageIn`]): the device's pinned slots, and
+/// the fresh memory the tensor lands in.
+struct OwnedStaging {
+    state: Arc<DeviceState>,
+    slots: Vec<StagingSlot>,
+    memory: CudaMemory,
+}
+
+impl OwnedStaging {
+    fn driver(&mut self) -> DriverStaging<'_, '_> {
+        DriverStaging {
+            state: &self.state,
+            slots: &mut self.slots,
+            device: self.memory.range(),
+        }
+    }
+}
+
+impl StagingCopies for OwnedStaging {
+    type Error = CudaChannelError;
+
+    fn start_to_host(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        self.state.gpu.bind()?;
+        self.driver().start_to_host(buffer, offset, len)
+    }
+
+    fn start_to_device(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        // The agent's pull runs on any thread: make the device's context current.
+        self.state.gpu.bind()?;
+        self.driver().start_to_device(buffer, offset, len)
+    }
+
+    fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
+        self.driver().wait(buffer)
+    }
+
+    fn buffer(&mut self, buffer: usize) -> &mut [u8] {
+        match self.slots.get_mut(buffer) {
+            Some(slot) => slot.buffer.as_mut_slice(),
+            None => &mut [],
+        }
+    }
+}
+
+/// A tensor received over `cuda_basic` chunk by chunk (`DeviceRuntime::receive_staged`):
+/// each chunk's host-to-device copy starts as soon as the agent filled its pinned slot.
+/// Dropped unfinished, it waits for the copies it started, gives the slots back and the
+/// memory to the cache; a slot (or the memory) whose copy cannot be waited for is never
+/// reused (leaked).
+struct DriverStageIn {
+    staging: Option<ChunkedStageIn<OwnedStaging>>,
+    chunk: usize,
+}
+
+impl DriverStageIn {
+    fn staging(&mut self) -> Result<&mut ChunkedStageIn<OwnedStaging>, String> {
+        self.staging
+            .as_mut()
+            .ok_or_else(|| "this cuda_basic receive already finished".to_string())
+    }
+}
+
+impl StagedReceive for DriverStageIn {
+    fn chunk_len(&self) -> usize {
+        self.chunk
+    }
+
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+        self.staging()?
+            .chunk_buffer(k)
+            .map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+        self.staging()?
+            .chunk_filled(k)
+            .map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, String> {
+        // On an error, dropping `self` settles the copies.
+        self.staging()?
+            .finish()
+            .map_err(|e| ErrorChain(&e).to_string())?;
+        let Some(staging) = self.staging.take() else {
+            return Err("this cuda_basic receive already finished".into());
+        };
+        let OwnedStaging {
+            state,
+            slots,
+            memory,
+        } = staging.into_copies();
+        state.give_back(slots);
+        Ok(DeviceBuffer::new(memory))
+    }
+}
+
+impl Drop for DriverStageIn {
+    fn drop(&mut self) {
+        let Some(mut staging) = self.staging.take() else {
+            return;
+        };
+        let idle = staging.settle();
+        let OwnedStaging {
+            state,
+            slots,
+            memory,
+        } = staging.into_copies();
+        let mut all_idle = true;
+        let mut back = Vec::with_capacity(slots.len());
+        for (slot, idle) in slots
+            .into_iter()
+            .zip(idle.into_iter().chain(std::iter::repeat(true)))
+        {
+            if idle {
+                back.push(slot);
+            } else {
+                // A copy may still read it: never free or reuse it.
+                all_idle = false;
+                std::mem::forget(slot);
+            }
+        }
+        state.give_back(back);
+        if all_idle {
+            drop(memory);
+        } else {
+            std::mem::forget(memory);
+        }
+    }
+}
+
 /// `cuMemAlloc` blocks for a device's caching allocator.
 struct DeviceBacking {
     gpu: Gpu,
@@ -818,12 +1049,40 @@ impl DeviceRuntime for CudaRuntime {
         self.count
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
         let memory = own(memory)?;
         let state = self.device(memory.device)?;
-        state
-            .stage_out(memory.range())
-            .map_err(|e| ErrorChain(&e).to_string())
+        let staged = match state.stage_out_pinned(memory.range()) {
+            Ok(Some(pinned)) => Ok(HostBytes::staged(pinned)),
+            Ok(None) => state.stage_out(memory.range()).map(HostBytes::from),
+            Err(e) => Err(e),
+        };
+        staged.map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        let state = self.device(device)?;
+        let memory = state.alloc(len)?;
+        let plan = ChunkPlan::new(len, state.chunk, state.buffers);
+        let slots = state
+            .take_slots(plan.buffers_used())
+            .map_err(|e| ErrorChain(&e).to_string())?;
+        let chunk = state.chunk;
+        Ok(Some(Box::new(DriverStageIn {
+            staging: Some(ChunkedStageIn::new(
+                plan,
+                OwnedStaging {
+                    state,
+                    slots,
+                    memory,
+                },
+            )),
+            chunk,
+        })))
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
@@ -1124,11 +1383,17 @@ mod tests {
     /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
     /// printed) without CUDA; panics then when `RDZV_REQUIRE_CUDA=1`.
     fn gpu_runtime(test: &str) -> Option<CudaRuntime> {
-        let options = CudaOptions {
-            staging_chunk_bytes: 64 << 10,
-            staging_buffers: 2,
-            ..CudaOptions::default()
-        };
+        gpu_runtime_with(
+            test,
+            CudaOptions {
+                staging_chunk_bytes: 64 << 10,
+                staging_buffers: 2,
+                ..CudaOptions::default()
+            },
+        )
+    }
+
+    fn gpu_runtime_with(test: &str, options: CudaOptions) -> Option<CudaRuntime> {
         match CudaRuntime::open_with(options) {
             Ok(runtime) => Some(runtime),
             Err(reason) => {
@@ -1184,6 +1449,94 @@ mod tests {
             "{after:?}"
         );
         assert_eq!(after.reuses, before.reuses + 10);
+    }
+
+    /// On a GPU: a chunked receive lands every byte; a staged-out tensor is a pinned
+    /// block the channel reads in place, back in its cache when dropped (and reused);
+    /// one over the cap is staged into a `Vec`; a receive abandoned midway gives its
+    /// slots and memory back.
+    #[test]
+    fn pinned_staging_out_and_chunked_receives_on_a_gpu() {
+        let test = "pinned_staging_out_and_chunked_receives_on_a_gpu";
+        let Some(runtime) = gpu_runtime(test) else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+        for round in 0..2u8 {
+            for (seed, len) in [1usize, 64 << 10, (64 << 10) + 1, (3 << 20) + 5]
+                .into_iter()
+                .enumerate()
+            {
+                let bytes = pattern(len, seed as u8 + round);
+                let mut staging = runtime
+                    .receive_staged(cuda0, len)
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .expect("the CUDA runtime receives in chunks");
+                let chunk = staging.chunk_len();
+                for k in 0..len.div_ceil(chunk) {
+                    let buffer = staging
+                        .chunk_buffer(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                    let offset = k * chunk;
+                    buffer.copy_from_slice(&bytes[offset..offset + buffer.len()]);
+                    staging
+                        .chunk_filled(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                }
+                let memory = staging.finish().unwrap_or_else(|e| panic!("{len}: {e}"));
+                let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+                assert!(own.to_host().is_ok_and(|b| b == bytes), "{len} bytes in");
+                let out = runtime
+                    .copy_to_host(&memory)
+                    .unwrap_or_else(|e| panic!("{len} bytes out: {e}"));
+                assert!(out.is_staged(), "{len} bytes staged in pinned memory");
+                assert!(out == bytes, "{len} bytes out");
+                drop(out);
+                assert_eq!(state.pinned.stats().in_use, 0);
+            }
+        }
+        assert!(
+            state.pinned.stats().reuses >= 4,
+            "{:?}",
+            state.pinned.stats()
+        );
+
+        // Abandoned after two chunks: the slots and the memory go back.
+        let slots_before = lock(&state.staging).len();
+        let in_use_before = state.allocator.stats().in_use;
+        let mut staging = runtime
+            .receive_staged(cuda0, 1 << 20)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("chunked");
+        for k in 0..2 {
+            let buffer = staging.chunk_buffer(k).unwrap_or_else(|e| panic!("{e}"));
+            buffer.fill(k as u8);
+            staging.chunk_filled(k).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert!(staging.chunk_buffer(5).is_err(), "out of order");
+        drop(staging);
+        assert!(lock(&state.staging).len() >= slots_before);
+        assert_eq!(state.allocator.stats().in_use, in_use_before);
+
+        // Over the pinned cap: staged through the slots into a Vec.
+        let Some(capped) = gpu_runtime_with(
+            test,
+            CudaOptions {
+                staged_out_cap_bytes: 1024,
+                ..CudaOptions::default()
+            },
+        ) else {
+            return;
+        };
+        let bytes = pattern(64 << 10, 9);
+        let memory = capped
+            .copy_from_host(cuda0, bytes.clone())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = capped
+            .copy_to_host(&memory)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!out.is_staged() && out == bytes);
     }
 
     /// On a GPU: a tensor lent over cuda_xth is copied device to device on the

@@ -289,6 +289,14 @@ impl<A: BackingAllocator> CachedBlock<A> {
             .unwrap_or_else(|| unreachable!("a CachedBlock holds its block until dropped"))
     }
 
+    /// The block's memory, to write.
+    pub fn block_mut(&mut self) -> &mut A::Block {
+        // The block is taken only in `drop`.
+        self.block
+            .as_mut()
+            .unwrap_or_else(|| unreachable!("a CachedBlock holds its block until dropped"))
+    }
+
     /// The block's length: the request's size class.
     pub fn class(&self) -> usize {
         self.class

@@ -12,6 +12,11 @@
 //! implements it with pinned buffers, asynchronous copies on its streams and one event
 //! per buffer; the tests with a fake whose copies land only when waited for, so that
 //! reading a buffer too early or reusing a busy one shows up as wrong bytes.
+//!
+//! [`ChunkedStageIn`] runs the host-to-device half when the bytes arrive chunk by chunk
+//! (the agent's pull of a `cuda_basic` tensor over `cma` or `xth`): the caller fills
+//! chunk k's buffer, the copy of chunk k starts at once, and the buffer is handed out
+//! again (for chunk k + b) only after that copy was waited for.
 
 /// One step of a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +171,183 @@ pub fn stage_in<C: StagingCopies>(
         }
     }
     Ok(())
+}
+
+/// Why a [`ChunkedStageIn`] step failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StageInError<E> {
+    /// The caller asked for chunks out of order (a bug of the caller's).
+    OutOfOrder {
+        /// The chunk asked for.
+        asked: usize,
+        /// The chunk expected.
+        expected: usize,
+    },
+    /// Finished with chunks left unfilled.
+    Incomplete {
+        /// Chunks filled.
+        filled: usize,
+        /// Chunks in the plan.
+        chunks: usize,
+    },
+    /// A copy failed to start or complete.
+    Copy(E),
+}
+
+impl<E> From<E> for StageInError<E> {
+    fn from(error: E) -> Self {
+        StageInError::Copy(error)
+    }
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for StageInError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StageInError::OutOfOrder { asked, expected } => write!(
+                f,
+                "cuda_basic staging: chunk {asked} asked for, chunk {expected} expected next"
+            ),
+            StageInError::Incomplete { filled, chunks } => write!(
+                f,
+                "cuda_basic staging: finished after {filled} of {chunks} chunks"
+            ),
+            StageInError::Copy(error) => error.fmt(f),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for StageInError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StageInError::Copy(error) => error.source(),
+            _ => None,
+        }
+    }
+}
+
+/// A host-to-device transfer whose bytes arrive chunk by chunk (see the module docs):
+/// [`chunk_buffer`](Self::chunk_buffer), fill it,
+/// [`chunk_filled`](Self::chunk_filled), for each chunk in order, then
+/// [`finish`](Self::finish). After a failure, [`settle`](Self::settle) says which
+/// buffers no copy uses any more.
+#[derive(Debug)]
+pub struct ChunkedStageIn<C> {
+    plan: ChunkPlan,
+    copies: C,
+    /// Chunks filled (and their copies started).
+    filled: usize,
+    /// The chunk whose buffer is handed out.
+    handed: Option<usize>,
+    /// Per buffer: a copy was started and not waited for.
+    busy: Vec<bool>,
+}
+
+impl<C: StagingCopies> ChunkedStageIn<C> {
+    /// A transfer of `plan` through `copies`' buffers (at least `plan.buffers_used()`).
+    pub fn new(plan: ChunkPlan, copies: C) -> Self {
+        ChunkedStageIn {
+            busy: vec![false; plan.buffers_used()],
+            plan,
+            copies,
+            filled: 0,
+            handed: None,
+        }
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &ChunkPlan {
+        &self.plan
+    }
+
+    fn buffer_of(&self, k: usize) -> usize {
+        k % self.busy.len().max(1)
+    }
+
+    /// Chunk `k`'s buffer (exactly the chunk's length), once the copy that used it last
+    /// is done.
+    ///
+    /// # Errors
+    /// `k` is not the next chunk, or waiting for the buffer failed.
+    pub fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], StageInError<C::Error>> {
+        if k != self.filled || k >= self.plan.chunks() {
+            return Err(StageInError::OutOfOrder {
+                asked: k,
+                expected: self.filled,
+            });
+        }
+        let buffer = self.buffer_of(k);
+        if self.busy[buffer] {
+            self.copies.wait(buffer)?;
+            self.busy[buffer] = false;
+        }
+        self.handed = Some(k);
+        let (_, len) = self.plan.range(k);
+        Ok(&mut self.copies.buffer(buffer)[..len])
+    }
+
+    /// Chunk `k`'s buffer is filled: starts its copy to the device.
+    ///
+    /// # Errors
+    /// `k`'s buffer was not handed out last, or the copy could not be started.
+    pub fn chunk_filled(&mut self, k: usize) -> Result<(), StageInError<C::Error>> {
+        if self.handed != Some(k) {
+            return Err(StageInError::OutOfOrder {
+                asked: k,
+                expected: self.filled,
+            });
+        }
+        self.handed = None;
+        let buffer = self.buffer_of(k);
+        let (offset, len) = self.plan.range(k);
+        // Busy from here: a copy that failed to start may still have been queued.
+        self.busy[buffer] = true;
+        self.copies.start_to_device(buffer, offset, len)?;
+        self.filled += 1;
+        Ok(())
+    }
+
+    /// Every chunk is filled: waits for the copies still running.
+    ///
+    /// # Errors
+    /// Chunks left unfilled, or a copy failed.
+    pub fn finish(&mut self) -> Result<(), StageInError<C::Error>> {
+        if self.filled != self.plan.chunks() {
+            return Err(StageInError::Incomplete {
+                filled: self.filled,
+                chunks: self.plan.chunks(),
+            });
+        }
+        for buffer in 0..self.busy.len() {
+            if self.busy[buffer] {
+                self.copies.wait(buffer)?;
+                self.busy[buffer] = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every copy still running (after a failure, or to abandon the
+    /// transfer) and says, per buffer, whether it is idle now (`false`: its wait failed
+    /// and a copy may still use it).
+    pub fn settle(&mut self) -> Vec<bool> {
+        for buffer in 0..self.busy.len() {
+            if self.busy[buffer] && self.copies.wait(buffer).is_ok() {
+                self.busy[buffer] = false;
+            }
+        }
+        self.busy.iter().map(|busy| !busy).collect()
+    }
+
+    /// The copies, for their buffers.
+    pub fn copies_mut(&mut self) -> &mut C {
+        &mut self.copies
+    }
+
+    /// The copies back (call [`finish`](Self::finish) or [`settle`](Self::settle)
+    /// first: a copy may still use a buffer).
+    pub fn into_copies(self) -> C {
+        self.copies
+    }
 }
 
 #[cfg(test)]
@@ -333,6 +515,94 @@ mod tests {
 
             let mut copies = FakeCopies::new(vec![0; len], buffers, chunk);
             prop_assert_eq!(stage_in(&plan, &mut copies, &source), Ok(()));
+            prop_assert!(copies.pending.iter().all(Option::is_none), "every copy waited for");
+            prop_assert!(copies.device == source);
+        }
+    }
+
+    /// Fills every chunk of `source` through `staging`, in order, as the agent's pull
+    /// does.
+    fn fill_all(
+        staging: &mut ChunkedStageIn<FakeCopies>,
+        source: &[u8],
+    ) -> Result<(), StageInError<String>> {
+        for k in 0..staging.plan().chunks() {
+            let (offset, len) = staging.plan().range(k);
+            let buffer = staging.chunk_buffer(k)?;
+            assert_eq!(buffer.len(), len);
+            buffer.copy_from_slice(&source[offset..offset + len]);
+            staging.chunk_filled(k)?;
+        }
+        staging.finish()
+    }
+
+    #[test]
+    fn chunks_out_of_order_or_missing_are_refused() {
+        let plan = ChunkPlan::new(10, 4, 2);
+        let mut staging = ChunkedStageIn::new(plan, FakeCopies::new(vec![0; 10], 2, 4));
+        assert_eq!(
+            staging.chunk_buffer(1).map(|b| b.len()),
+            Err(StageInError::OutOfOrder {
+                asked: 1,
+                expected: 0
+            })
+        );
+        assert_eq!(
+            staging.chunk_filled(0),
+            Err(StageInError::OutOfOrder {
+                asked: 0,
+                expected: 0
+            })
+        );
+        assert!(staging.chunk_buffer(0).is_ok());
+        assert_eq!(staging.chunk_filled(0), Ok(()));
+        assert_eq!(
+            staging.finish(),
+            Err(StageInError::Incomplete {
+                filled: 1,
+                chunks: 3
+            })
+        );
+        assert_eq!(staging.settle(), [true, true]);
+        let text = StageInError::<String>::Incomplete {
+            filled: 1,
+            chunks: 3,
+        }
+        .to_string();
+        assert!(text.contains("after 1 of 3 chunks"), "{text}");
+    }
+
+    #[test]
+    fn a_failed_chunk_copy_fails_the_transfer_and_settles_every_buffer() {
+        let source = bytes(100);
+        for fail_at in 0..10 {
+            let plan = ChunkPlan::new(100, 10, 3);
+            let mut copies = FakeCopies::new(vec![0; 100], 3, 10);
+            copies.fail_at = Some(fail_at);
+            let mut staging = ChunkedStageIn::new(plan, copies);
+            assert_eq!(
+                fill_all(&mut staging, &source),
+                Err(StageInError::Copy(format!("copy {fail_at} failed")))
+            );
+            assert_eq!(staging.settle(), [true, true, true]);
+            assert!(staging.copies_mut().pending.iter().all(Option::is_none));
+        }
+    }
+
+    proptest! {
+        /// Chunk by chunk, every byte lands on the device, no buffer is handed out
+        /// while its copy may still read it (the fake panics), and nothing is left
+        /// running after `finish`.
+        #[test]
+        fn chunked_stage_in_moves_every_byte(
+            len in 0usize..3000, chunk in 1usize..400, buffers in 1usize..4,
+        ) {
+            let plan = ChunkPlan::new(len, chunk, buffers);
+            let source = bytes(len);
+            let copies = FakeCopies::new(vec![0; len], buffers, chunk);
+            let mut staging = ChunkedStageIn::new(plan, copies);
+            prop_assert_eq!(fill_all(&mut staging, &source), Ok(()));
+            let copies = staging.copies_mut();
             prop_assert!(copies.pending.iter().all(Option::is_none), "every copy waited for");
             prop_assert!(copies.device == source);
         }

@@ -485,6 +485,15 @@ impl PinnedHostBuffer {
         self.ptr.cast()
     }
 
+    /// The bytes, to read. Callers must not hold this while an asynchronous copy into
+    /// the buffer is in flight (the runtime waits for its event first).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised bytes owned by `self`; writes go
+        // through `&mut self` (`as_mut_slice`) or through an asynchronous copy that the
+        // caller waits for before reading (this method's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
     /// The bytes. Callers must not hold this while an asynchronous copy into or out of
     /// the buffer is in flight (the staging pipeline waits on the slot's event first).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -506,6 +515,10 @@ impl Drop for PinnedHostBuffer {
 
 // SAFETY: pinned host memory is ordinary process memory; `&mut self` guards access.
 unsafe impl Send for PinnedHostBuffer {}
+// SAFETY: through `&self` the bytes are only read (`as_slice`) or their address taken
+// (`as_ptr`, whose users enqueue copies under their own `unsafe` contract); writes in
+// safe code need `&mut self`. So shared references on several threads cannot race.
+unsafe impl Sync for PinnedHostBuffer {}
 
 /// A CUDA event created with explicit flags (`cuEventCreate`), destroyed on drop.
 #[derive(Debug)]

@@ -49,7 +49,7 @@ use rdzv_core::rpc::name::WorkerId;
 use super::calls::{self, Pending, Reply};
 use super::channels::{
     add_device_tensor, add_tensor, cpu_channel, lends_device_memory, ChannelBytes, FrameExports,
-    PipeReader, ReceivedTensors,
+    PipeReader, ReceivedTensors, Streamed,
 };
 use super::client::RpcClient;
 use super::error::RpcError;
@@ -601,7 +601,7 @@ impl Lane {
 
     /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
     /// tensors. The buffers the transport does not keep go back to the recycle pool.
-    fn send_with(&self, frame: OwnedFrame, streamed: Vec<(u64, Vec<u8>)>) -> Result<u64, String> {
+    fn send_with(&self, frame: OwnedFrame, streamed: Streamed) -> Result<u64, String> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
         let (sent, back) = sender.send_owned(frame).map_err(|e| e.to_string())?;
         if streamed.is_empty() {
