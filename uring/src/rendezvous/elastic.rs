@@ -192,7 +192,7 @@ impl ElasticRendezvous {
         let mut shared = lock(mutex);
         loop {
             if let Some(current) = &shared.current {
-                if after.map_or(true, |after| current.round > after) {
+                if after.is_none_or(|after| current.round > after) {
                     return Ok(current.clone());
                 }
             }
