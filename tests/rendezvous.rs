@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use rdzv::core::env::{EmptyEnv, Env};
 use rdzv::core::query::QueryView;
-use rdzv::core::rendezvous::{NodeParams, StorePlan, TcpStorePlan};
+use rdzv::core::rendezvous::{NodeParams, StorePlan, TcpStorePlan, ATTEMPT_PREFIX_VAR};
 use rdzv::core::url::RendezvousUrl;
 use rdzv::uring::rendezvous::{
     register_rendezvous_handler, rendezvous, rendezvous_with, Rendezvous, RendezvousError,
@@ -377,12 +377,37 @@ fn multi_tenant_reuse() {
 #[test]
 fn agent_store_mode_makes_every_rank_a_client() {
     // torchelastic: the agent hosts the server; with TORCHELASTIC_USE_AGENT_STORE=True
-    // rank 0 does not try to host, every rank connects to MASTER_ADDR:MASTER_PORT, and
-    // sees the store through PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}").
+    // rank 0 does not try to host and every rank connects to MASTER_ADDR:MASTER_PORT.
     let server = agent_server();
     let port = server.port().to_string();
+    // PyTorch 2.4 and later: the bare store, no restart count needed.
+    let bare: Vec<Rendezvous> = (0..2u32)
+        .map(|rank| {
+            let env = env(&[
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("RANK", &rank.to_string()),
+                ("WORLD_SIZE", "2"),
+            ]);
+            rdzv_env("env://", &env).expect("rendezvous")
+        })
+        .collect();
+    for r in &bare {
+        let plan = tcp_plan(r);
+        assert!(plan.agent_store && !plan.is_server && plan.prefix.is_none());
+    }
+    bare[0].store.set("bare", b"0").expect("set");
+    assert_eq!(bare[1].store.get("bare").expect("get"), b"0");
+    let agent = TcpStore::connect("127.0.0.1", server.port(), TEN_SECONDS).expect("agent");
+    assert_eq!(agent.get("bare").expect("get"), b"0");
+    assert!(agent.delete_key("bare").expect("delete"));
+
+    // Before 2.4 (RDZV_TORCHELASTIC_ATTEMPT_PREFIX=1): the store seen through
+    // PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}").
     let join = |rank: u32, attempt: &str| {
         let env = env(&[
+            (ATTEMPT_PREFIX_VAR, "1"),
             ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCHELASTIC_RESTART_COUNT", attempt),
             ("MASTER_ADDR", "127.0.0.1"),
@@ -401,7 +426,6 @@ fn agent_store_mode_makes_every_rank_a_client() {
     }
     // The agent (a plain client of its own server) sees what the ranks write under
     // prefix + "/" + key (c10d PrefixStore::joinKey), and nothing unprefixed.
-    let agent = TcpStore::connect("127.0.0.1", server.port(), TEN_SECONDS).expect("agent");
     ranks[0].store.set("from0", b"a").expect("set");
     ranks[1].store.set("from1", b"b").expect("set");
     assert_eq!(agent.get("/worker/attempt_0/from0").expect("get"), b"a");
@@ -428,6 +452,7 @@ fn agent_store_mode_makes_every_rank_a_client() {
 
     // Without the restart count it is an error naming the variable (Python: KeyError).
     let no_count = env(&[
+        (ATTEMPT_PREFIX_VAR, "1"),
         ("TORCHELASTIC_USE_AGENT_STORE", "True"),
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", &port),
@@ -498,8 +523,10 @@ fn bind_failure_escape_hatch() {
             ("MASTER_PORT", &port_text),
         ]);
         let r = rdzv_env(&url, &env).expect("continues as a client");
-        // "True" is Python's agent-store mode already; the others go through the hatch.
-        assert_eq!(tcp_plan(&r).is_server, truthy != "True", "{truthy}");
+        // Without MASTER_ADDR, even "True" is not Python's agent-store mode (PyTorch
+        // 2.15's _agent_store_serves compares the endpoint): every value goes through
+        // the C++ hatch.
+        assert!(tcp_plan(&r).is_server, "{truthy}");
         r.store.set(&format!("hatch/{truthy}"), b"1").expect("set");
     }
     let agent = TcpStore::connect("127.0.0.1", port, TEN_SECONDS).expect("agent");

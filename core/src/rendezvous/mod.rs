@@ -40,7 +40,7 @@ pub use rewrite::{rewrite_with_node_params, NodeParams, RewriteError, RewrittenU
 #[cfg(feature = "alloc")]
 pub use plan::{
     agent_store_prefix, plan_env, plan_file, plan_static, plan_tcp, FileStorePlan, PlanError,
-    RendezvousPlan, StorePlan, TcpStorePlan, ValueOrigin,
+    RendezvousPlan, StorePlan, TcpStorePlan, ValueOrigin, ATTEMPT_PREFIX_VAR,
 };
 #[cfg(feature = "alloc")]
 pub use registry::HandlerRegistry;

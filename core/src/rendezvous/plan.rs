@@ -78,10 +78,12 @@ pub struct TcpStorePlan {
     pub agent_store: bool,
     /// The prefix every key of the store lives under, `None` for the bare store.
     ///
-    /// In agent-store mode it is `/worker/attempt_{TORCHELASTIC_RESTART_COUNT}` (the
-    /// variable's text as set), as in `_create_c10d_store`: the store is then a
-    /// `PrefixStore(prefix, TCPStore(...))`, so that a key `k` is `prefix + "/" + k`, and
-    /// each restart of the job sees a fresh key space.
+    /// PyTorch 2.4 and later (checked in 2.11 and 2.15) use the bare store: the agent
+    /// makes a new TCPStore for every restart. Older PyTorch (the seeds'
+    /// `_create_c10d_store`) wrapped the agent's store in
+    /// `PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}")`; a job that mixes
+    /// rdzv ranks with such a PyTorch sets [`ATTEMPT_PREFIX_VAR`]`=1` to get the same
+    /// prefix (a key `k` is then `prefix + "/" + k`).
     pub prefix: Option<String>,
 }
 
@@ -95,6 +97,30 @@ pub fn agent_store_prefix(attempt: &str) -> String {
 }
 
 const AGENT_STORE_PREFIX: &str = "/worker/attempt_";
+
+/// `RDZV_TORCHELASTIC_ATTEMPT_PREFIX=1`: agent-store mode as PyTorch before 2.4 did it,
+/// every key under `/worker/attempt_{TORCHELASTIC_RESTART_COUNT}` (see
+/// [`TcpStorePlan::prefix`]).
+pub const ATTEMPT_PREFIX_VAR: &str = "RDZV_TORCHELASTIC_ATTEMPT_PREFIX";
+
+/// `_agent_store_serves(hostname, port)` of PyTorch 2.15: agent-store mode applies only
+/// to the agent's own `MASTER_ADDR:MASTER_PORT` (Python compares the strings, the port
+/// as `str(port)`); for any other endpoint no agent promised a server there.
+fn agent_store_serves<E: Env + ?Sized>(host: &str, port: u16, env: &E) -> bool {
+    use_agent_store(env)
+        && env.var("MASTER_ADDR") == Some(host)
+        && env
+            .var("MASTER_PORT")
+            .is_some_and(|text| is_decimal_of(text, port))
+}
+
+/// Whether `text` is exactly `str(port)`: the decimal digits, no sign, no leading zero.
+fn is_decimal_of(text: &str, port: u16) -> bool {
+    let canonical = !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit())
+        && (text == "0" || !text.starts_with('0'));
+    canonical && text.parse::<u16>() == Ok(port)
+}
 
 /// A FileStore as `_file_rendezvous_handler` would create it.
 #[non_exhaustive]
@@ -194,7 +220,8 @@ pub enum PlanError<'a> {
     },
     /// A TCPStore world size of 0.
     WorldSizeZero,
-    /// Agent-store mode without `TORCHELASTIC_RESTART_COUNT` (Python raises
+    /// Agent-store mode with the attempt prefix ([`ATTEMPT_PREFIX_VAR`]) but without
+    /// `TORCHELASTIC_RESTART_COUNT` (that PyTorch raised
     /// `KeyError: 'TORCHELASTIC_RESTART_COUNT'`).
     RestartCountMissing,
     /// The URL's scheme is not one of the bundled ones.
@@ -260,10 +287,11 @@ impl fmt::Display for PlanError<'_> {
             ),
             Self::WorldSizeZero => f.write_str("TCPStore world size cannot be 0"),
             Self::RestartCountMissing => f.write_str(
-                "KeyError: 'TORCHELASTIC_RESTART_COUNT': TORCHELASTIC_USE_AGENT_STORE=True \
-                 needs the restart count that the torchelastic agent sets for its workers; \
-                 set TORCHELASTIC_RESTART_COUNT (0 for the first attempt) or unset \
-                 TORCHELASTIC_USE_AGENT_STORE",
+                "KeyError: 'TORCHELASTIC_RESTART_COUNT': agent-store mode with \
+                 RDZV_TORCHELASTIC_ATTEMPT_PREFIX=1 needs the restart count that the \
+                 torchelastic agent sets for its workers; set TORCHELASTIC_RESTART_COUNT \
+                 (0 for the first attempt), or unset RDZV_TORCHELASTIC_ATTEMPT_PREFIX to \
+                 follow PyTorch 2.4 and later",
             ),
             Self::NoHandler(error) => error.fmt(f),
         }
@@ -351,8 +379,10 @@ fn rank_and_world_size<'a>(
 }
 
 /// `_create_c10d_store(host, port, rank, world_size, timeout, use_libuv)`, after its
-/// port check (callers turn their port into a `u16` first). In agent-store mode the
-/// restart count is read first, as Python reads it before creating the TCPStore.
+/// port check (callers turn their port into a `u16` first). Agent-store mode follows
+/// PyTorch 2.15 (only at the agent's own `MASTER_ADDR:MASTER_PORT`, the bare store);
+/// with [`ATTEMPT_PREFIX_VAR`] it follows PyTorch before 2.4 (the flag alone, and the
+/// restart count read first, before the TCPStore is made).
 fn c10d_store<E: Env + ?Sized>(
     host: String,
     port: u16,
@@ -362,8 +392,13 @@ fn c10d_store<E: Env + ?Sized>(
     use_libuv: bool,
     env: &E,
 ) -> Result<StorePlan, PlanError<'static>> {
-    let agent_store = use_agent_store(env);
-    let prefix = if agent_store {
+    let legacy = env.var(ATTEMPT_PREFIX_VAR) == Some("1");
+    let agent_store = if legacy {
+        use_agent_store(env)
+    } else {
+        agent_store_serves(&host, port, env)
+    };
+    let prefix = if agent_store && legacy {
         let attempt = env
             .var("TORCHELASTIC_RESTART_COUNT")
             .ok_or(PlanError::RestartCountMissing)?;
@@ -735,14 +770,56 @@ mod tests {
 
         let mut agent_vars = vars.to_vec();
         agent_vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
-        // _create_c10d_store reads os.environ["TORCHELASTIC_RESTART_COUNT"]: KeyError.
+        // PyTorch 2.4 and later: every rank is a client of the agent's bare store, and no
+        // restart count is needed.
+        let agent_plan = |prefix: Option<&str>| {
+            StorePlan::Tcp(TcpStorePlan {
+                host: "10.0.0.1".into(),
+                port: 29500,
+                is_server: false,
+                world_size: Some(2),
+                timeout: Duration::from_secs(5),
+                multi_tenant: false,
+                use_libuv: true,
+                agent_store: true,
+                prefix: prefix.map(Into::into),
+            })
+        };
+        let env = MapEnv::new(&agent_vars);
+        let plan = plan_env("env://", &env, Some(Duration::from_secs(5))).expect("ok");
+        assert_eq!(plan.store, agent_plan(None));
+        // PyTorch 2.15's _agent_store_serves: only at the agent's own endpoint (compared
+        // as strings, the port as str(port)); elsewhere rank 0 hosts as usual.
+        let url = "tcp://10.0.0.2:29500?rank=0&world_size=2";
+        let plan = plan_tcp(url, &env, None).expect("other host");
+        assert!(matches!(
+            plan.store,
+            StorePlan::Tcp(TcpStorePlan {
+                agent_store: false,
+                is_server: true,
+                ..
+            })
+        ));
+        for (text, port, same) in [
+            ("29500", 29500, true),
+            ("029500", 29500, false),
+            ("0", 0, true),
+            ("", 0, false),
+            ("+1", 1, false),
+        ] {
+            assert_eq!(is_decimal_of(text, port), same, "{text:?}");
+        }
+
+        // Before 2.4 (RDZV_TORCHELASTIC_ATTEMPT_PREFIX=1): _create_c10d_store read
+        // os.environ["TORCHELASTIC_RESTART_COUNT"], a KeyError when missing.
+        agent_vars.push((ATTEMPT_PREFIX_VAR, "1"));
         let env = MapEnv::new(&agent_vars);
         assert_eq!(
             error_text(plan_env("env://", &env, None)),
-            "KeyError: 'TORCHELASTIC_RESTART_COUNT': TORCHELASTIC_USE_AGENT_STORE=True needs \
-             the restart count that the torchelastic agent sets for its workers; set \
-             TORCHELASTIC_RESTART_COUNT (0 for the first attempt) or unset \
-             TORCHELASTIC_USE_AGENT_STORE"
+            "KeyError: 'TORCHELASTIC_RESTART_COUNT': agent-store mode with \
+             RDZV_TORCHELASTIC_ATTEMPT_PREFIX=1 needs the restart count that the torchelastic \
+             agent sets for its workers; set TORCHELASTIC_RESTART_COUNT (0 for the first \
+             attempt), or unset RDZV_TORCHELASTIC_ATTEMPT_PREFIX to follow PyTorch 2.4 and later"
         );
         // It is read before the TCPStore is made, so before the world size check.
         let zero: std::vec::Vec<_> = agent_vars
@@ -756,20 +833,7 @@ mod tests {
         agent_vars.push(("TORCHELASTIC_RESTART_COUNT", "3"));
         let env = MapEnv::new(&agent_vars);
         let plan = plan_env("env://", &env, Some(Duration::from_secs(5))).expect("ok");
-        assert_eq!(
-            plan.store,
-            StorePlan::Tcp(TcpStorePlan {
-                host: "10.0.0.1".into(),
-                port: 29500,
-                is_server: false,
-                world_size: Some(2),
-                timeout: Duration::from_secs(5),
-                multi_tenant: false,
-                use_libuv: true,
-                agent_store: true,
-                prefix: Some("/worker/attempt_3".into()),
-            })
-        );
+        assert_eq!(plan.store, agent_plan(Some("/worker/attempt_3")));
         // The count is formatted as read, unparsed, like Python's f-string; an empty
         // value is set (os.environ has it), so it is not an error.
         assert_eq!(agent_store_prefix("0"), "/worker/attempt_0");
