@@ -22,10 +22,12 @@
 //! anything but their receiver and their own lane's send lock, and a send only waits
 //! for the peer's reader.
 //!
-//! Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it lends
-//! until the reply (requests) or the caller's `Ack` (responses), by the core's
-//! `rdzv_core::rpc::lending` rule (a [`Ledger`] per lane), and pulls what it is
-//! lent on the thread that received the frame. Only lanes run `mpt` (see
+//! Each lane feeds the frames it reads to its side of the pipe's protocol, the core's
+//! `rdzv_core::rpc::pipe` machine ([`ClientPipe`] or [`InboundPipe`]), and executes
+//! what it says: which reply completes which call, which buffers come back, what to
+//! ack. Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it
+//! lends until the reply (requests) or the caller's `Ack` (responses), in its machine's
+//! ledger, and pulls what it is lent on the thread that received the frame. Only lanes run `mpt` (see
 //! [`super::mpt`]): a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
 //! lanes under its send lock, right after the frame, and reads them under its receive
 //! lock as soon as it has the frame.
@@ -36,15 +38,17 @@
 //! executor, where its rules live.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
-use rdzv_core::rpc::lending::{must_ack, Ledger, Lender};
 use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::pipe::{
+    ClientEvent, ClientPipe, Closed, InboundEvent, InboundPipe, PipeFrame, ReadError, Refusal,
+    Transmit,
+};
 
 use super::calls::{self, Pending, Reply};
 use super::channels::{
@@ -84,18 +88,45 @@ pub(crate) struct Lane {
     stop: Arc<dyn StopConnection>,
     /// Where the peer's out-of-band tensors are read from.
     reader: Arc<PipeReader>,
-    /// Buffers lent to the peer, by message id: a client lane's requests' (until their
-    /// reply), an inbound lane's responses' (until the caller's ack). Released when the
-    /// lane ends.
-    exports: Mutex<Ledger<FrameExports>>,
-    /// Set when the lane ends: a pull that overlapped its end may have read buffers the
-    /// peer released, so its result is refused.
-    ended: AtomicBool,
+    /// The pipe's protocol (core's `rpc::pipe`): which replies reach a call, what is
+    /// acked, and the buffers lent to the peer until their reply or ack (given up when
+    /// the lane ends).
+    machine: Mutex<Machine>,
     /// The side this lane plays in its pipe's negotiation.
     role: Role,
     /// The pipe's mpt lanes, when it negotiated mpt (set before the first frame is
     /// read or sent with mpt tensors).
     mpt: OnceLock<MptLanes>,
+}
+
+/// A lane's side of its pipe's protocol.
+enum Machine {
+    Client(ClientPipe<FrameExports>),
+    Inbound(InboundPipe<FrameExports>),
+}
+
+impl Machine {
+    fn is_ended(&self) -> bool {
+        match self {
+            Machine::Client(pipe) => pipe.is_ended(),
+            Machine::Inbound(pipe) => pipe.is_ended(),
+        }
+    }
+
+    /// The frames the protocol owes the peer.
+    fn transmits(&mut self) -> Vec<Transmit> {
+        let mut out = Vec::new();
+        loop {
+            let next = match self {
+                Machine::Client(pipe) => pipe.poll_transmit(),
+                Machine::Inbound(pipe) => pipe.poll_transmit(),
+            };
+            match next {
+                Some(transmit) => out.push(transmit),
+                None => return out,
+            }
+        }
+    }
 }
 
 /// Every lane of a worker.
@@ -163,8 +194,10 @@ impl Lane {
             wake,
             stop,
             reader: Arc::new(PipeReader::default()),
-            exports: Mutex::new(Ledger::new()),
-            ended: AtomicBool::new(false),
+            machine: Mutex::new(match role {
+                Role::Connector => Machine::Client(ClientPipe::new()),
+                Role::Listener => Machine::Inbound(InboundPipe::new()),
+            }),
             role,
             mpt: OnceLock::new(),
         })
@@ -198,20 +231,40 @@ impl Lane {
         self.receiver.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn exports(&self) -> MutexGuard<'_, Ledger<FrameExports>> {
-        self.exports.lock().unwrap_or_else(|p| p.into_inner())
+    fn machine(&self) -> MutexGuard<'_, Machine> {
+        self.machine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the lane ended: a pull that overlapped its end may have read buffers
+    /// the peer released.
+    fn is_ended(&self) -> bool {
+        self.machine().is_ended()
+    }
+
+    /// Sends what the protocol owes the peer (acks, a goodbye). A lane that cannot send
+    /// any more is ending: its end releases what the acks would have.
+    fn flush(&self) {
+        let transmits = self.machine().transmits();
+        for transmit in transmits {
+            let (kind, message_id) = transmit.frame();
+            let _ = self.send(OwnedFrame::empty(kind, message_id));
+        }
+    }
+
+    /// The caller is done with what reply `message_id` lent (read, or never to be
+    /// read): the ack goes out, unless the lane ended meanwhile.
+    fn done_reading(&self, message_id: u64) -> Result<(), ReadError> {
+        let done = match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.done_reading(message_id),
+            Machine::Inbound(_) => Err(ReadError::NotReading { message_id }),
+        };
+        self.flush();
+        done
     }
 
     /// The name of the channel this lane uses for CPU tensors, for errors.
     fn channel_name(&self, role: Role) -> &'static str {
         cpu_channel(&self.negotiated, role).map_or("basic", |c| c.name())
-    }
-
-    /// Tells the callee that the out-of-band tensors of its response `message_id` were
-    /// read (or will never be): it may release them.
-    fn ack(&self, message_id: u64) {
-        // A lane that cannot send any more is ending: its end releases them.
-        let _ = self.send(OwnedFrame::empty(FrameKind::Ack, message_id));
     }
 
     /// The next frame for the reader thread. A polled lane spins up to `spin` on the
@@ -330,54 +383,81 @@ impl Lane {
         }
     }
 
-    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends. A
-    /// reply releases its request's lent buffers (the callee read them before it
-    /// answered); a response's out-of-band tensors are pulled here, then acked.
+    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends. The
+    /// pipe's machine decides (core's `rpc::pipe`): a reply to a call sent on this lane
+    /// gives back what its request lent and completes the call; a response's
+    /// out-of-band tensors are pulled here, then acked; anything else is dropped (and
+    /// acked if it lent buffers).
     fn on_client_frame(&self, shared: &Shared, frame: IncomingFrame) -> Option<String> {
-        match frame.kind {
-            FrameKind::Response | FrameKind::Error => {
-                let message_id = frame.message_id;
-                let out_of_band = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
-                let released = self.exports().release(frame.kind, message_id);
-                let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
-                    tracing::debug!(message_id, "late or unknown reply dropped");
-                    if out_of_band {
-                        self.ack(message_id);
-                    }
-                    return None;
-                };
-                let peer = pending.peer.clone();
-                match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
-                    Reply::Done { ack } => {
-                        if ack {
-                            self.ack(message_id);
-                        }
-                    }
-                    Reply::Pull(job) => {
-                        let (completion, pulled) = job.pull();
-                        self.ack(message_id);
-                        let pulled = match pulled {
-                            Ok(_) if self.ended.load(Ordering::Acquire) => Err(RpcError::Channel {
-                                channel: self.channel_name(Role::Connector),
-                                peer,
-                                reason: "the pipe ended while the response's tensors were \
-                                         being read; the peer may have released them"
-                                    .into(),
-                            }),
-                            other => other,
-                        };
-                        calls::complete(shared, &completion, pulled);
-                    }
-                }
-                if let Some(released) = released {
-                    released.recycle();
-                }
-                None
+        let header = PipeFrame::new(
+            frame.kind,
+            frame.message_id,
+            frame.tensors.iter().map(|(d, _)| d),
+        );
+        let events = match &mut *self.machine() {
+            Machine::Client(pipe) => {
+                pipe.handle_frame(header);
+                std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
             }
-            FrameKind::Goodbye => Some("the peer said goodbye (it is shutting down)".to_string()),
-            other => Some(format!(
-                "the peer sent an unexpected {other} frame on a client pipe"
-            )),
+            Machine::Inbound(_) => return Some("a client frame on an inbound lane".into()),
+        };
+        self.flush();
+        let mut frame = Some(frame);
+        for event in events {
+            match event {
+                ClientEvent::Reply { released, lent, .. } => {
+                    if let Some(frame) = frame.take() {
+                        self.on_reply(shared, frame, lent);
+                    }
+                    // The callee answered, so it read what the request lent.
+                    if let Some(released) = released {
+                        released.recycle();
+                    }
+                }
+                ClientEvent::Unmatched { message_id, acked } => {
+                    tracing::debug!(
+                        message_id,
+                        acked,
+                        "a reply for no call on this pipe dropped"
+                    );
+                }
+                ClientEvent::Closed(why) => return Some(why.to_string()),
+            }
+        }
+        None
+    }
+
+    /// Completes the call reply `frame` answers (if it still waits: it may have timed
+    /// out); `lent`: the reply lent buffers, which are pulled (or not) and then acked.
+    fn on_reply(&self, shared: &Shared, frame: IncomingFrame, lent: bool) {
+        let message_id = frame.message_id;
+        let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
+            tracing::debug!(message_id, "late reply dropped");
+            if lent {
+                // Nobody reads its tensors: let the callee release them.
+                let _ = self.done_reading(message_id);
+            }
+            return;
+        };
+        let peer = pending.peer.clone();
+        match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
+            Reply::Done { .. } => {
+                if lent {
+                    let _ = self.done_reading(message_id);
+                }
+            }
+            Reply::Pull(job) => {
+                let (completion, pulled) = job.pull();
+                let pulled = match (self.done_reading(message_id), pulled) {
+                    (Err(ReadError::PipeEnded), Ok(_)) => Err(RpcError::Channel {
+                        channel: self.channel_name(Role::Connector),
+                        peer,
+                        reason: ReadError::PipeEnded.to_string(),
+                    }),
+                    (_, pulled) => pulled,
+                };
+                calls::complete(shared, &completion, pulled);
+            }
         }
     }
 
@@ -447,7 +527,7 @@ impl Lane {
             .claim(token, LANES_TIMEOUT)
             .map_err(|e| e.to_string())?;
         let lanes = MptLanes::new(streams)?;
-        if self.ended.load(Ordering::Acquire) {
+        if self.is_ended() {
             lanes.shutdown();
             return Err("the pipe ended while its mpt lanes were opened".into());
         }
@@ -552,9 +632,22 @@ impl Lane {
         }
         shared.calls_table.set_sent(message_id, sent_bytes(&frame));
         let streamed = exports.take_streamed();
-        if !exports.is_empty() {
-            // Held until the reply arrives or the lane ends.
-            drop(self.exports().lend(Lender::Request, message_id, exports));
+        // What it lends is held until the reply arrives or the lane ends.
+        let lent = (!exports.is_empty()).then_some(exports);
+        let accepted = match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.send_request(message_id, lent).map_err(|r| r.reason),
+            Machine::Inbound(_) => Err(Refusal::NotServing),
+        };
+        if let Err(refusal) = accepted {
+            // Never sent: this call alone fails (what it would have lent is dropped).
+            if let Some(pending) = shared.calls_table.take(message_id) {
+                let error = RpcError::PipeBroken {
+                    peer: self.peer.clone(),
+                    reason: refusal.to_string(),
+                };
+                calls::fail_pending(shared, pending, error);
+            }
+            return;
         }
         if let Err(reason) = self.send_with(frame, streamed) {
             self.end(shared, reason);
@@ -571,9 +664,17 @@ impl Lane {
             (Role::Listener, &self.negotiated, self.streams()),
         );
         let streamed = exports.take_streamed();
-        if !exports.is_empty() {
-            // Held until the caller's ack, or the lane's end.
-            drop(self.exports().lend(Lender::Response, message_id, exports));
+        // What it lends is held until the caller's ack, or the lane's end.
+        let lent = (!exports.is_empty()).then_some(exports);
+        let accepted = match &mut *self.machine() {
+            Machine::Inbound(pipe) => pipe.respond(message_id, lent).map_err(|r| r.reason),
+            Machine::Client(_) => Err(Refusal::NotServing),
+        };
+        if let Err(refusal) = accepted {
+            // The lane ended (or said goodbye) while the handler ran: nobody waits for
+            // the response here, and what it would have lent was never seen.
+            tracing::debug!(peer = %self.peer, message_id, %refusal, "an RPC response is dropped");
+            return;
         }
         let sent = self.send_with(frame, streamed);
         if let Err(reason) = sent {
@@ -584,7 +685,11 @@ impl Lane {
 
     /// Sends a goodbye (graceful shutdown); failures are expected then and ignored.
     pub fn goodbye(&self) {
-        let _ = self.send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+        match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.goodbye(),
+            Machine::Inbound(pipe) => pipe.goodbye(),
+        }
+        self.flush();
     }
 
     /// Ends the connection; the reader thread sees it and cleans up.
@@ -639,11 +744,13 @@ impl Lane {
                 lanes.inbound.remove(&self.id);
             }
         }
-        self.ended.store(true, Ordering::Release);
+        let ended = match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.end(),
+            Machine::Inbound(pipe) => pipe.end(),
+        };
         self.stop();
-        // Released last: the peer can no longer ask for them.
-        let lent = self.exports().end();
-        drop(lent);
+        // Given up last: the peer can no longer ask for them.
+        drop(ended.lent);
         for pending in shared.calls_table.take_pipe(self.id) {
             let error = RpcError::PipeBroken {
                 peer: self.peer.clone(),
@@ -717,32 +824,10 @@ fn client_reader(shared: &Arc<Shared>, lane: &Arc<Lane>) {
 }
 
 fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, jobs: &Sender<Job>) {
-    loop {
+    'read: loop {
         // Spinning here answers a waiting caller without a wake-up on this side.
-        match lane.next_frame(shared.wait_spin) {
-            Ok(Some(frame)) if frame.kind == FrameKind::Request => {
-                serve_request(
-                    shared,
-                    jobs,
-                    (lane.id, &lane.negotiated, &lane.reader),
-                    &lane.peer,
-                    peer_id,
-                    frame,
-                    |id, result| lane.respond(shared, id, result),
-                );
-            }
-            Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
-                // The caller read what the response lent: release it.
-                let released = lane.exports().release(frame.kind, frame.message_id);
-                if let Some(released) = released {
-                    released.recycle();
-                }
-            }
-            Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
-            Ok(Some(frame)) => {
-                tracing::warn!(peer = %lane.peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
-                break;
-            }
+        let frame = match lane.next_frame(shared.wait_spin) {
+            Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
                 if !shared.lock_calls().shutting_down {
@@ -750,9 +835,46 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
                 }
                 break;
             }
+        };
+        let header = PipeFrame::new(
+            frame.kind,
+            frame.message_id,
+            frame.tensors.iter().map(|(d, _)| d),
+        );
+        let events = match &mut *lane.machine() {
+            Machine::Inbound(pipe) => {
+                pipe.handle_frame(header);
+                std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
+            }
+            Machine::Client(_) => break,
+        };
+        let mut frame = Some(frame);
+        for event in events {
+            match event {
+                InboundEvent::Request { .. } => {
+                    if let Some(frame) = frame.take() {
+                        serve_request(
+                            shared,
+                            jobs,
+                            (lane.id, &lane.negotiated, &lane.reader),
+                            &lane.peer,
+                            peer_id,
+                            frame,
+                            |id, result| lane.respond(shared, id, result),
+                        );
+                    }
+                }
+                // The caller read what the response lent: reuse it.
+                InboundEvent::Release { buffers, .. } => buffers.recycle(),
+                InboundEvent::Closed(Closed::Goodbye) => break 'read,
+                InboundEvent::Closed(why) => {
+                    tracing::warn!(peer = %lane.peer, reason = %why, "an inbound RPC pipe is closed");
+                    break 'read;
+                }
+            }
         }
     }
-    // Leaves the registry, stops, and releases what responses lent.
+    // Leaves the registry, stops, and gives up what responses lent.
     lane.end(shared, "the inbound pipe ended".into());
 }
 
