@@ -35,8 +35,9 @@
 //! a frame, hands its kind, id and whether it lends ([`PipeFrame`]) to `handle_frame`,
 //! then drains `poll_event` (what to do: complete a call, pull, release, serve a
 //! request) and then `poll_transmit` (frames the protocol itself owes the peer: acks and
-//! goodbyes). Commands from the application are `send_request` / `respond`,
-//! `done_reading`, `goodbye` and `end`. Call deadlines belong to the runtime's call
+//! goodbyes). Commands from the application are `send_request` (and `unsent`, for a
+//! send that failed for one call alone) / `respond`, `done_reading`, `goodbye` and
+//! `end`. Call deadlines belong to the runtime's call
 //! table (see [`timeouts`](super::timeouts)).
 //!
 //! ```text
@@ -392,6 +393,19 @@ impl<T> ClientPipe<T> {
             Life::Ended => Refusal::Ended,
         };
         Err(Refused { reason, lent })
+    }
+
+    /// The request of call `message_id` did not go out after all (its send failed for
+    /// this call alone, as an injected fault does): the call leaves the pipe, and what
+    /// it would have lent comes back, never seen by the peer. `None` when the call is
+    /// not waiting on this pipe or lent nothing.
+    pub fn unsent(&mut self, message_id: u64) -> Option<T> {
+        if self.calls.get(&message_id) != Some(&CallState::Sent) {
+            return None;
+        }
+        self.calls.remove(&message_id);
+        // A reply is what releases a request's loan; none will come.
+        self.ledger.release(FrameKind::Response, message_id)
     }
 
     /// A frame arrived on this pipe. Drain [`poll_event`](Self::poll_event), then

@@ -529,8 +529,6 @@ pub fn init_rpc(
     // mpt's lanes are served by lane threads over tcp.
     let mpt_reason = if !transports.iter().any(|&(k, _)| k == TransportKind::Tcp) {
         Some("this worker runs no tcp transport")
-    } else if !options.fault_injection.is_empty() {
-        Some("fault injection keeps every pipe on the I/O thread, which does not run mpt")
     } else {
         None
     };
@@ -760,7 +758,7 @@ impl Start {
             offer,
             calls_table: Calls::new(),
             lanes: Mutex::new(Lanes::default()),
-            lanes_enabled: options.fault_injection.is_empty(),
+            faults: super::faults::Faults::new(&options.fault_injection),
             mpt,
             devices,
             wait_spin: options.wait_spin,

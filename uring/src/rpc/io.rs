@@ -613,7 +613,7 @@ impl Io {
                         .pipe_channels
                         .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
                 }
-                let (sender, receiver) = if self.shared.lanes_enabled {
+                let (sender, receiver) = if true {
                     let mpt = match (mpt_token, &self.shared.mpt) {
                         (Some(token), Some(setup)) => {
                             let (published, lanes) = (address.clone(), setup.lanes);
@@ -977,7 +977,7 @@ impl Io {
             state.next_pipe += 1;
             id
         };
-        let (sender, mut receiver) = if self.shared.lanes_enabled {
+        let (sender, mut receiver) = if true {
             match sender.into_blocking(receiver).await {
                 Ok(halves) => {
                     let jobs = self.jobs.borrow().clone();

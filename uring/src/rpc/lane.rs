@@ -34,8 +34,8 @@
 //!
 //! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
 //! lane that fails fails the calls sent on it and leaves the registry; the next call
-//! opens a new pipe through the executor. Fault injection keeps every pipe on the
-//! executor, where its rules live.
+//! opens a new pipe through the executor. Fault injection wraps a client lane's sender
+//! (`super::faults`), so faulty workers run lanes too.
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
@@ -97,6 +97,25 @@ pub(crate) struct Lane {
     /// The pipe's mpt lanes, when it negotiated mpt (set before the first frame is
     /// read or sent with mpt tensors).
     mpt: OnceLock<MptLanes>,
+}
+
+/// Why a lane could not send a frame.
+enum SendFailure {
+    /// Fault injection failed this request alone; the lane is fine.
+    Injected { handler: String },
+    /// The lane is broken: why.
+    Broken(String),
+}
+
+impl std::fmt::Display for SendFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendFailure::Injected { handler } => {
+                write!(f, "Send attempt failed intentionally for {handler}")
+            }
+            SendFailure::Broken(reason) => f.write_str(reason),
+        }
+    }
 }
 
 /// A lane's side of its pipe's protocol.
@@ -472,6 +491,10 @@ impl Lane {
         halves: BlockingHalves,
         mpt: Option<MptLanes>,
     ) -> Option<Arc<Lane>> {
+        let mut halves = halves;
+        if let Some(faults) = &shared.faults {
+            halves.sender = faults.wrap(halves.sender);
+        }
         let lane = Lane::new(id, peer, negotiated, halves, Role::Connector);
         if let Some(mpt) = mpt {
             let _ = lane.mpt.set(mpt);
@@ -649,8 +672,18 @@ impl Lane {
             }
             return;
         }
-        if let Err(reason) = self.send_with(frame, streamed) {
-            self.end(shared, reason);
+        match self.send_with(frame, streamed) {
+            Ok(_) => {}
+            // Fault injection: this request alone fails, as if it had not been sent.
+            Err(SendFailure::Injected { handler }) => {
+                if let Machine::Client(pipe) = &mut *self.machine() {
+                    drop(pipe.unsent(message_id));
+                }
+                if let Some(pending) = shared.calls_table.take(message_id) {
+                    calls::fail_pending(shared, pending, RpcError::InjectedFault { handler });
+                }
+            }
+            Err(SendFailure::Broken(reason)) => self.end(shared, reason),
         }
     }
 
@@ -700,15 +733,22 @@ impl Lane {
         }
     }
 
-    fn send(&self, frame: OwnedFrame) -> Result<u64, String> {
+    fn send(&self, frame: OwnedFrame) -> Result<u64, SendFailure> {
         self.send_with(frame, Vec::new())
     }
 
     /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
     /// tensors. The buffers the transport does not keep go back to the recycle pool.
-    fn send_with(&self, frame: OwnedFrame, streamed: Vec<(u64, Vec<u8>)>) -> Result<u64, String> {
+    fn send_with(
+        &self,
+        frame: OwnedFrame,
+        streamed: Vec<(u64, Vec<u8>)>,
+    ) -> Result<u64, SendFailure> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
-        let (sent, back) = sender.send_owned(frame).map_err(|e| e.to_string())?;
+        let (sent, back) = sender.send_owned(frame).map_err(|e| match e {
+            TransportError::InjectedFault { handler } => SendFailure::Injected { handler },
+            other => SendFailure::Broken(other.to_string()),
+        })?;
         if streamed.is_empty() {
             drop(sender);
             if let Some(back) = back {
@@ -725,7 +765,7 @@ impl Lane {
             recycle::give_all(back.tensor_data);
         }
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
-        pushed.map(|()| sent)
+        pushed.map(|()| sent).map_err(SendFailure::Broken)
     }
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
@@ -764,9 +804,6 @@ impl Lane {
 /// The client lane to `to`, if calls may take it (every tensor of `message` must go on
 /// the `basic` channel, which a lane carries in its frames).
 pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
-    if !shared.lanes_enabled {
-        return None;
-    }
     lanes(shared).client(to)
 }
 

@@ -55,6 +55,7 @@ pub mod channels;
 pub mod client;
 pub mod device;
 pub mod error;
+mod faults;
 mod io;
 mod lane;
 pub mod message;

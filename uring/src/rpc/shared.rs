@@ -146,9 +146,8 @@ pub(crate) struct Shared {
     pub calls_table: super::calls::Calls,
     /// The pipes served by threads.
     pub lanes: Mutex<super::lane::Lanes>,
-    /// Whether pipes may become lanes (not under fault injection, whose rules live on
-    /// the executor).
-    pub lanes_enabled: bool,
+    /// Faults to inject into client lanes' requests (tests), if any.
+    pub faults: Option<Arc<super::faults::Faults>>,
     /// The mpt lane listener and lane count, when this worker offers mpt.
     pub mpt: Option<super::mpt::MptSetup>,
     /// The device runtimes (they lend, borrow and stage device memory).

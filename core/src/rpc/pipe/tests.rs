@@ -754,6 +754,28 @@ fn done_reading_is_owed_once_per_lending_reply() {
     );
 }
 
+#[test]
+fn a_request_that_never_went_out_leaves_the_pipe_with_its_loan() {
+    let mut client = ClientPipe::<Token>::new();
+    assert_eq!(client.send_request(1, Some(10)), Ok(()));
+    assert_eq!(client.send_request(2, None), Ok(()));
+    assert_eq!(client.unsent(1), Some(10));
+    assert_eq!(client.unsent(1), None);
+    assert_eq!(client.unsent(2), None);
+    assert_eq!(client.calls_in_flight(), 0);
+    assert_eq!(client.lending(), 0);
+    // Its reply, should one come, answers nothing.
+    client.handle_frame(PipeFrame::bare(FrameKind::Response, 1));
+    assert_eq!(
+        client.poll_event(),
+        Some(ClientEvent::Unmatched {
+            message_id: 1,
+            acked: false
+        })
+    );
+    assert_eq!(client.end(), Ended { lent: vec![], calls: vec![] });
+}
+
 /// One step of a random run.
 #[derive(Debug, Clone)]
 enum Op {
