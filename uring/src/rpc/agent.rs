@@ -110,7 +110,7 @@ pub struct RpcOptions {
     /// `cuda_basic`). Unknown names are errors; a channel that cannot work in this
     /// process (cma under a seccomp policy or Yama `ptrace_scope` 3, `cuda_ipc` without a
     /// CUDA runtime that runs it, ...) is left out with its reason
-    /// logged, and so is `mpt` when this worker runs no tcp transport or injects faults.
+    /// logged, and so is `mpt` when this worker runs no tcp transport.
     pub channels: Option<Vec<String>>,
     /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
     /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
@@ -772,8 +772,7 @@ impl Start {
             Calls::start_timer(&shared)
                 .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
         );
-        let (io_thread, address) =
-            spawn_io(&shared, running, jobs_tx, options.fault_injection.clone())?;
+        let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
         // The mpt lane listener's address goes last: it is no transport.
         let address = match &shared.mpt {
             Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
@@ -1096,7 +1095,6 @@ fn spawn_io(
     shared: &Arc<Shared>,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
-    faults: FaultInjection,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
     let shared = Arc::clone(shared);
@@ -1133,7 +1131,7 @@ fn spawn_io(
                     .into_iter()
                     .map(|t| -> Box<dyn Transport> { t })
                     .collect();
-                Io::run(shared, transports, listeners, jobs, faults).await;
+                Io::run(shared, transports, listeners, jobs).await;
             });
         })
         .map_err(|e| RpcError::Executor(e.to_string()))?;

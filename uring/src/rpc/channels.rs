@@ -61,11 +61,6 @@ use crate::channel::ProcessIdentity;
 /// the extra thread hand-off and (for responses) the ack frame cost about 100–150 µs.
 pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 
-/// Responses whose out-of-band tensors add up to at least this many bytes are pulled on
-/// a blocking thread, not on the I/O thread: a copy this large (about 50 µs at
-/// 5 GB/s) would delay every other pipe.
-pub(crate) const PULL_OFF_THREAD_BYTES: u64 = 256 * 1024;
-
 /// Out-of-band tensors of at least this size are read by several threads at once, each
 /// a slice of at least [`PARALLEL_SLICE_MIN`] bytes: a fresh destination buffer is
 /// faulted in and filled in parallel (a fresh, huge-page-hinted 64 MiB buffer read over

@@ -63,7 +63,7 @@ use super::message::Completion;
 use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
 use super::mpt::{MptLanes, LANES_TIMEOUT};
 use super::recycle;
-use super::shared::{Call, Command, Shared};
+use super::shared::{Call, Shared};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
     TryRecv, Wake,
@@ -460,7 +460,7 @@ impl Lane {
         };
         let peer = pending.peer.clone();
         match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
-            Reply::Done { .. } => {
+            Reply::Done => {
                 if lent {
                     let _ = self.done_reading(message_id);
                 }
@@ -807,40 +807,23 @@ pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
     lanes(shared).client(to)
 }
 
-/// Sends response `result` on inbound pipe `pipe` from the current thread if that pipe
-/// is a lane; otherwise hands it to the I/O thread.
+/// Sends response `result` on inbound lane `pipe` from the current thread. A pipe that
+/// is no lane any more ended while the handler ran (a reset, a crashed peer, a
+/// timeout): nobody waits for the response there, so it is dropped.
 pub(crate) fn respond(
     shared: &Shared,
     pipe: u64,
     message_id: u64,
     result: Result<Message, String>,
 ) {
-    if let Some(result) = respond_on_lane(shared, pipe, message_id, result) {
-        // Not a lane: the I/O thread serves the pipe, or the pipe has ended (the I/O
-        // thread then drops the response rather than handing it back here).
-        let _ = shared.mailbox.push(Command::Respond {
-            pipe,
-            message_id,
-            result,
-        });
-    }
-}
-
-/// Answers on inbound lane `pipe` from this thread; gives the response back when no
-/// such lane is open.
-pub(crate) fn respond_on_lane(
-    shared: &Shared,
-    pipe: u64,
-    message_id: u64,
-    result: Result<Message, String>,
-) -> Option<Result<Message, String>> {
     let lane = lanes(shared).inbound(pipe);
     match lane {
-        Some(lane) => {
-            lane.respond(shared, message_id, result);
-            None
-        }
-        None => Some(result),
+        Some(lane) => lane.respond(shared, message_id, result),
+        None => tracing::debug!(
+            pipe,
+            message_id,
+            "a response for a pipe that has ended is dropped"
+        ),
     }
 }
 

@@ -52,12 +52,6 @@ pub(crate) struct Call {
 pub(crate) enum Command {
     /// Send a request.
     Call(Call),
-    /// Send the response (or error) to a request received on inbound pipe `pipe`.
-    Respond {
-        pipe: u64,
-        message_id: u64,
-        result: Result<Message, String>,
-    },
     /// Close every pipe; calls on them fail, later calls open new ones.
     ResetPipes,
     /// Close everything and stop; `goodbye` sends goodbye frames first.
