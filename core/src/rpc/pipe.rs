@@ -6,7 +6,7 @@
 //! accepted it (the *inbound* pipe) receives the peer's requests and sends this
 //! worker's responses. [`ClientPipe`] and [`InboundPipe`] are the two machines. Both
 //! are generic over `T`, what a lent buffer is to the runtime (as
-//! [`Ledger`](super::lending::Ledger) is), and own their pipe's ledger, so the rules
+//! [`Ledger`] is), and own their pipe's ledger, so the rules
 //! below hold per pipe by construction:
 //!
 //! - **A reply is accepted only on its own pipe.** A `Response` or `Error` answers a

@@ -2,8 +2,9 @@
 //! calls keyed by message id, one deadline-ordered timeout queue (the core's
 //! [`TimeoutQueue`]) and one timer thread that fails calls whose deadline passed.
 //!
-//! The I/O executor and the thread-served pipes ([`super::lane`]) both register calls
-//! here and take them out when their reply arrives, so that a reply, a timeout and a
+//! The I/O executor (for calls waiting for their pipe to open) and the lanes
+//! ([`super::lane`]) register calls here, and lanes take them out when their reply
+//! arrives, so that a reply, a timeout and a
 //! broken pipe agree on who completes a call: whoever removes it from the table. A call
 //! that timed out is gone from the table, so its late reply is dropped.
 //!

@@ -9,9 +9,11 @@
 //! the negotiated channel and `basic`: a tensor below the worker's
 //! [`min_channel_bytes`](super::RpcOptions::min_channel_bytes) goes inline, because an
 //! out-of-band transfer costs a descriptor, a system call (cma) or a table lookup (xth),
-//! and for responses an extra ack frame. Which thread runs a pull and when exports are
-//! released is the I/O thread's business (`io`): requests are pulled on the handler
-//! pool's thread before the handler runs, responses on a blocking thread when large.
+//! and for responses an extra ack frame. Which thread runs a pull is the lanes'
+//! business (`lane`): requests are pulled on the handler pool's thread before the
+//! handler runs (inline handlers: on the lane's reader), responses on the thread that
+//! received them; when exports are released is the core's pipe machine's
+//! (`rdzv_core::rpc::pipe`).
 //!
 //! A receiver checks, before reading anything, that the channel a tensor names is the
 //! one negotiated for its device pair on this pipe, that the descriptor decodes and

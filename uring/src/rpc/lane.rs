@@ -25,16 +25,16 @@
 //! Each lane feeds the frames it reads to its side of the pipe's protocol, the core's
 //! `rdzv_core::rpc::pipe` machine ([`ClientPipe`] or [`InboundPipe`]), and executes
 //! what it says: which reply completes which call, which buffers come back, what to
-//! ack. Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it
-//! lends until the reply (requests) or the caller's `Ack` (responses), in its machine's
-//! ledger, and pulls what it is lent on the thread that received the frame. Only lanes run `mpt` (see
-//! [`super::mpt`]): a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
+//! ack. Out-of-band tensors (cma, xth): a lane keeps what it lends until the reply
+//! (requests) or the caller's `Ack` (responses), in its machine's ledger, and pulls
+//! what it is lent on the thread that received the frame. `mpt` (see [`super::mpt`]):
+//! a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
 //! lanes under its send lock, right after the frame, and reads them under its receive
 //! lock as soon as it has the frame.
 //!
-//! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
-//! lane that fails fails the calls sent on it and leaves the registry; the next call
-//! opens a new pipe through the executor. Fault injection wraps a client lane's sender
+//! Lanes share the [`Calls`](super::calls::Calls) table and timer with the calls still
+//! waiting for their pipe to open. A lane that fails fails the calls sent on it and
+//! leaves the registry; the next call opens a new pipe through the executor. Fault injection wraps a client lane's sender
 //! (`super::faults`), so faulty workers run lanes too.
 
 use std::collections::HashMap;

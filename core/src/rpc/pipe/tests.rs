@@ -773,7 +773,13 @@ fn a_request_that_never_went_out_leaves_the_pipe_with_its_loan() {
             acked: false
         })
     );
-    assert_eq!(client.end(), Ended { lent: vec![], calls: vec![] });
+    assert_eq!(
+        client.end(),
+        Ended {
+            lent: vec![],
+            calls: vec![]
+        }
+    );
 }
 
 /// One step of a random run.
