@@ -54,8 +54,8 @@ use super::calls::Calls;
 use super::client::RpcClient;
 use super::device::{DevicePlugin, Devices};
 use super::error::{RpcError, TransportError};
-use super::io::{Io, Job};
-use super::lane::{self, Lanes};
+use super::io::Io;
+use super::lane::{Job, Lanes};
 use super::message::{default_wait_spin, mark_io_thread, run_handler, Handler, Message, RpcFuture};
 use super::mpt::MptSetup;
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
@@ -1066,7 +1066,7 @@ fn run_job(shared: &Shared, job: Job) {
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);
     }
     let Job {
-        pipe,
+        responder,
         ctx,
         message,
         tensors,
@@ -1088,7 +1088,7 @@ fn run_job(shared: &Shared, job: Job) {
         calls.metrics.calls.server_call_finished(false);
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_add(1);
     }
-    lane::respond(shared, pipe, ctx.message_id, result);
+    responder.respond(shared, ctx.message_id, result);
 }
 
 fn spawn_io(

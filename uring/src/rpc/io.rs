@@ -28,10 +28,10 @@ use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits
 use rdzv_core::rpc::name::WorkerId;
 
 use super::calls::{self, Pending};
-use super::channels::{cpu_channel, ReceivedTensors};
+use super::channels::cpu_channel;
 use super::error::RpcError;
-use super::lane::{self, Lane};
-use super::message::{CallContext, Completion, Message};
+use super::lane::{self, Job, Lane};
+use super::message::{Completion, Message};
 use super::mpt::{self, MptLanes};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
@@ -50,15 +50,6 @@ type OpenedPipe = (
 
 /// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
 type Accepted = (String, WorkerId, Negotiated, u64);
-
-/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
-/// to be pulled (out-of-band ones) on the pool's thread before the handler runs.
-pub(crate) struct Job {
-    pub pipe: u64,
-    pub ctx: CallContext,
-    pub message: Message,
-    pub tensors: ReceivedTensors,
-}
 
 /// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
 /// from the moment the I/O thread got the call, so a pipe that never opens cannot hold

@@ -58,7 +58,6 @@ use super::channels::{
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::error::TransportError;
-use super::io::Job;
 use super::message::Completion;
 use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
 use super::mpt::{MptLanes, LANES_TIMEOUT};
@@ -163,11 +162,6 @@ impl Lanes {
     /// The client lane to `peer`.
     pub fn client(&self, peer: &str) -> Option<Arc<Lane>> {
         self.client.get(peer).cloned()
-    }
-
-    /// The inbound lane `pipe`.
-    pub fn inbound(&self, pipe: u64) -> Option<Arc<Lane>> {
-        self.inbound.get(&pipe).cloned()
     }
 
     /// Closes the registry and takes every lane out (client lanes first).
@@ -807,23 +801,28 @@ pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
     lanes(shared).client(to)
 }
 
-/// Sends response `result` on inbound lane `pipe` from the current thread. A pipe that
-/// is no lane any more ended while the handler ran (a reset, a crashed peer, a
-/// timeout): nobody waits for the response there, so it is dropped.
-pub(crate) fn respond(
-    shared: &Shared,
-    pipe: u64,
-    message_id: u64,
-    result: Result<Message, String>,
-) {
-    let lane = lanes(shared).inbound(pipe);
-    match lane {
-        Some(lane) => lane.respond(shared, message_id, result),
-        None => tracing::debug!(
-            pipe,
-            message_id,
-            "a response for a pipe that has ended is dropped"
-        ),
+/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
+/// to be pulled (out-of-band ones) on the pool's thread before the handler runs; the
+/// response goes to `responder`.
+pub(crate) struct Job {
+    pub responder: Responder,
+    pub ctx: CallContext,
+    pub message: Message,
+    pub tensors: ReceivedTensors,
+}
+
+/// Where a request's response goes: the inbound lane it came on, captured when the
+/// request was dispatched, so that answering it looks nothing up. A lane that ended
+/// meanwhile (a reset, a crashed peer) refuses the response, which is dropped: nobody
+/// waits for it there.
+pub(crate) struct Responder {
+    lane: Arc<Lane>,
+}
+
+impl Responder {
+    /// Sends the response to request `message_id` from this thread.
+    pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
+        self.lane.respond(shared, message_id, result);
     }
 }
 
@@ -873,15 +872,7 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
             match event {
                 InboundEvent::Request { .. } => {
                     if let Some(frame) = frame.take() {
-                        serve_request(
-                            shared,
-                            jobs,
-                            (lane.id, &lane.negotiated, &lane.reader),
-                            &lane.peer,
-                            peer_id,
-                            frame,
-                            |id, result| lane.respond(shared, id, result),
-                        );
+                        serve_request(shared, jobs, lane, peer_id, frame);
                     }
                 }
                 // The caller read what the response lent: reuse it.
@@ -898,22 +889,21 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
     lane.end(shared, "the inbound pipe ended".into());
 }
 
-/// Serves a request that arrived on inbound pipe `pipe` (which negotiated `negotiated`
-/// and reads out-of-band tensors through `reader`): an inline handler runs here, after
-/// its tensors are pulled, and its result goes to `respond`; any other goes to the
-/// worker pool, which pulls the tensors and answers through [`respond`](self::respond).
-/// A request whose tensors cannot be read at all (a channel that was not negotiated, a
-/// bad descriptor) fails at once; with the pool gone the caller learns that this worker
-/// shut down.
-pub(crate) fn serve_request(
+/// Serves a request that arrived on inbound lane `lane` from the peer `peer_id`: an
+/// inline handler runs here, after its tensors are pulled, and its response goes out
+/// from here; any other goes to the worker pool, which pulls the tensors and answers
+/// through the job's [`Responder`]. A request whose tensors cannot be read at all (a
+/// channel that was not negotiated, a bad descriptor) fails at once; with the pool gone
+/// the caller learns that this worker shut down.
+fn serve_request(
     shared: &Arc<Shared>,
     jobs: &Sender<Job>,
-    (pipe, negotiated, reader): (u64, &Negotiated, &Arc<PipeReader>),
-    peer: &str,
+    lane: &Arc<Lane>,
     peer_id: WorkerId,
     frame: IncomingFrame,
-    respond: impl FnOnce(u64, Result<Message, String>),
 ) {
+    let (negotiated, reader, peer) = (&lane.negotiated, &lane.reader, lane.peer.as_str());
+    let respond = |id, result| lane.respond(shared, id, result);
     let ctx = CallContext {
         caller: peer.to_string(),
         caller_id: peer_id,
@@ -950,7 +940,9 @@ pub(crate) fn serve_request(
         return;
     }
     let job = Job {
-        pipe,
+        responder: Responder {
+            lane: Arc::clone(lane),
+        },
         ctx,
         message,
         tensors,
