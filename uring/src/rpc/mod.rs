@@ -14,6 +14,7 @@
 //! | `io` | the handshake thread: one glommio executor that accepts, connects, runs handshakes, then hands each pipe to a lane |
 //! | `lane` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`) |
 //! | `faults` | fault injection, a decorator on client lanes' senders |
+//! | `outgoing` | messages into frames: each tensor's channel, what a frame lends, the receivers' limits |
 //! | `mpt` | the `mpt` channel's extra connections per pipe, and when a pipe has them |
 //! | `calls` | every call in flight, and the one timer thread for their deadlines |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
@@ -61,6 +62,7 @@ mod io;
 mod lane;
 pub mod message;
 mod mpt;
+mod outgoing;
 mod recycle;
 mod shared;
 pub mod shm;
