@@ -256,6 +256,11 @@ impl Lane {
     /// any more is ending: its end releases what the acks would have.
     fn flush(&self) {
         let transmits = self.machine().transmits();
+        self.transmit(transmits);
+    }
+
+    /// Sends frames the protocol owes the peer (polled already).
+    fn transmit(&self, transmits: Vec<Transmit>) {
         for transmit in transmits {
             let (kind, message_id) = transmit.frame();
             let _ = self.send(OwnedFrame::empty(kind, message_id));
@@ -265,11 +270,15 @@ impl Lane {
     /// The caller is done with what reply `message_id` lent (read, or never to be
     /// read): the ack goes out, unless the lane ended meanwhile.
     fn done_reading(&self, message_id: u64) -> Result<(), ReadError> {
-        let done = match &mut *self.machine() {
-            Machine::Client(pipe) => pipe.done_reading(message_id),
-            Machine::Inbound(_) => Err(ReadError::NotReading { message_id }),
+        let (done, transmits) = {
+            let mut machine = self.machine();
+            let done = match &mut *machine {
+                Machine::Client(pipe) => pipe.done_reading(message_id),
+                Machine::Inbound(_) => Err(ReadError::NotReading { message_id }),
+            };
+            (done, machine.transmits())
         };
-        self.flush();
+        self.transmit(transmits);
         done
     }
 
@@ -405,14 +414,19 @@ impl Lane {
             frame.message_id,
             frame.tensors.iter().map(|(d, _)| d),
         );
-        let events = match &mut *self.machine() {
-            Machine::Client(pipe) => {
-                pipe.handle_frame(header);
-                std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
-            }
-            Machine::Inbound(_) => return Some("a client frame on an inbound lane".into()),
+        // One lock: the frame in, its events and the frames it owes the peer out.
+        let (events, transmits) = {
+            let mut machine = self.machine();
+            let events = match &mut *machine {
+                Machine::Client(pipe) => {
+                    pipe.handle_frame(header);
+                    std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
+                }
+                Machine::Inbound(_) => return Some("a client frame on an inbound lane".into()),
+            };
+            (events, machine.transmits())
         };
-        self.flush();
+        self.transmit(transmits);
         let mut frame = Some(frame);
         for event in events {
             match event {
