@@ -838,6 +838,41 @@ fn fault_injection_runs_on_lanes_and_lends_tensors() {
     join_both(faulty, fine);
 }
 
+/// A faulty worker runs lanes, so it also runs mpt (pushed stripes, nothing lent).
+#[test]
+fn fault_injection_runs_mpt() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut agents = start_group(&["faulty", "fine"], &store_url(&dir), |rank, mut o| {
+        o.channels = Some(vec!["mpt".into(), "basic".into()]);
+        if rank == 0 {
+            o.fault_injection.fail_handlers = vec!["sleep".into()];
+            o.fault_injection.num_fail_sends = 1;
+        }
+        o
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")));
+    let (Some(faulty), Some(fine)) = (agents.next(), agents.next()) else {
+        panic!("two agents expected")
+    };
+    let big = pattern(1 << 20, 3);
+    for (from, to) in [(&faulty, "fine"), (&fine, "faulty")] {
+        let reply = from
+            .rpc_sync(
+                to,
+                "echo",
+                Message::default().with_tensor(Tensor::cpu(big.clone())),
+            )
+            .map(|m| m.tensors.into_iter().map(|t| t.data).collect::<Vec<_>>())
+            .map_err(|e| e.to_string());
+        assert_eq!(reply, Ok(vec![big.clone()]));
+    }
+    assert_eq!(faulty.pipe_channel("fine"), Some(ChannelKind::Mpt));
+    assert!(faulty.rpc_sync("fine", "sleep", sleep_message(0)).is_err());
+    assert!(faulty.rpc_sync("fine", "sleep", sleep_message(0)).is_ok());
+    join_both(faulty, fine);
+}
+
 #[test]
 fn test_helpers_wait_for_flushes_and_node_failures() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
