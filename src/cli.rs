@@ -52,6 +52,9 @@ enum Command {
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
+    /// Join an elastic rendezvous (elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX) as one node,
+    /// print each round it is a member of, and heartbeat until killed.
+    Rendezvous(crate::elastic_cli::RendezvousArgs),
     /// Print a shell completion script (e.g. `rdzv completions bash > /etc/bash_completion.d/rdzv`).
     Completions {
         /// The shell.
@@ -95,9 +98,11 @@ enum StoreOp {
         /// Port to listen on (0 picks a free one).
         #[arg(long, default_value_t = rdzv_uring::server::DEFAULT_PORT)]
         port: u16,
-        /// Executor threads. One owns the key space; see ARCHITECTURE.md.
-        #[arg(long, default_value_t = 1)]
-        threads: usize,
+        /// Event loops (default: one on io_uring; on epoll one per CPU this process may
+        /// use, at most 16). More than one on io_uring runs glommio executors, one of
+        /// which owns the key space; see ARCHITECTURE.md.
+        #[arg(long)]
+        threads: Option<usize>,
         /// Pin executors to CPUs (slower on small VMs; off by default).
         #[arg(long)]
         pin: bool,
@@ -109,6 +114,14 @@ enum StoreOp {
         /// requests) or `glommio`. More threads always use glommio.
         #[arg(long, default_value = "io-uring")]
         backend: rdzv_uring::Backend,
+        /// Kernel interface: `io-uring`, `epoll`, or `auto` (io_uring unless the host
+        /// refuses it, as Docker's and RHEL 9's defaults do; then epoll, with a log line).
+        #[arg(long, default_value = "auto")]
+        io: rdzv_uring::IoMode,
+        /// Ranks expected to connect: warns at start when the listen backlog
+        /// (net.core.somaxconn) or the open-file limit cannot hold that many.
+        #[arg(long)]
+        world_size: Option<u64>,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
@@ -126,6 +139,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Demo(args) => crate::demo::run(args),
         Command::Bench(command) => crate::bench::run(command),
         Command::DemoWorker(args) => crate::demo::worker(args),
+        Command::Rendezvous(args) => crate::elastic_cli::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: clap_complete panics on a failed write (a closed pipe).
             let mut script = Vec::new();
@@ -166,7 +180,25 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             pin,
             spin_us,
             backend,
-        } => serve(host, port, threads, pin, spin_us, backend),
+            io,
+            world_size,
+        } => {
+            let options = ServerOptions {
+                host,
+                port,
+                threads: match threads {
+                    Some(0) => return Err("--threads must be at least 1".into()),
+                    Some(n) => n,
+                    None => 0,
+                },
+                pin,
+                spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
+                backend,
+                io,
+                ..ServerOptions::default()
+            };
+            serve(options, world_size)
+        }
         StoreOp::Client(op) => crate::store_client::run(args.client, op),
     }
 }
@@ -189,29 +221,35 @@ pub fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
     Ok((host, port))
 }
 
-fn serve(
-    host: Option<String>,
-    port: u16,
-    threads: usize,
-    pin: bool,
-    spin_us: u64,
-    backend: rdzv_uring::Backend,
-) -> Result<ExitCode, CliError> {
+fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
-    if threads == 0 {
-        return Err("--threads must be at least 1".into());
+    // One descriptor per rank: take all the kernel allows this process.
+    let open_files = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => {
+            tracing::info!(
+                limit,
+                "open-file limit (RLIMIT_NOFILE) raised to the hard limit"
+            );
+            Some(limit)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot raise the open-file limit (RLIMIT_NOFILE)");
+            rlimit::getrlimit(rlimit::Resource::NOFILE)
+                .ok()
+                .map(|(soft, _)| soft)
+        }
+    };
+    if let (Some(world_size), Some(open_files)) = (world_size, open_files) {
+        let somaxconn = rdzv_uring::server::listener::somaxconn();
+        for line in
+            rdzv_uring::server::capacity::capacity_shortfalls(world_size, somaxconn, open_files)
+        {
+            tracing::warn!("{line}");
+        }
     }
     // Block the signals before any thread starts, then wait for them here.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    let server = StoreServer::start(ServerOptions {
-        host,
-        port,
-        threads,
-        pin,
-        spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
-        backend,
-        ..ServerOptions::default()
-    })?;
+    let server = StoreServer::start(options)?;
     println!("listening on {}", server.local_addr());
     std::io::stdout().flush()?;
     if let Some(signal) = signals.forever().next() {

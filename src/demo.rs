@@ -99,6 +99,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             .args(["--timeout", &args.timeout.to_string()])
             // The agent-store mode of torchelastic: this process hosts the store.
             .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("TORCHELASTIC_RESTART_COUNT", "0")
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", server.port().to_string())
             .stdout(Stdio::piped())

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod demo;
+mod elastic_cli;
 mod store_client;
 
 use std::process::ExitCode;

@@ -191,22 +191,26 @@ fn a_local_run_and_the_cuda_limit_row() {
         assert!(measured.contains(&("tcp".into(), "basic".into(), size)));
         assert!(measured.contains(&("raw-tcp".into(), "-".into(), size)));
     }
-    // The CUDA limit row is measured, or skipped with the reason: never faked.
-    let cuda_rows = measured.iter().filter(|m| m.0 == "cuda-d2d").count();
-    let cuda_skip = lines
-        .iter()
-        .find(|l| l["transport"] == "cuda-d2d" && l.get("skipped").is_some());
-    match cuda_skip {
-        Some(skip) => {
-            assert_eq!(cuda_rows, 0);
-            eprintln!("the CUDA limit row was skipped: {}", skip["skipped"]);
+    // The CUDA limit rows are measured, or skipped with the reason: never faked. A 0-byte
+    // payload has only the device-to-device row.
+    for (limit, rows_when_measured) in [("cuda-d2d", 2), ("h2d-pinned", 1), ("d2h-pinned", 1)] {
+        let rows = measured.iter().filter(|m| m.0 == limit).count();
+        let skip = lines
+            .iter()
+            .find(|l| l["transport"] == limit && l.get("skipped").is_some());
+        match skip {
+            Some(skip) => {
+                assert_eq!(rows, 0, "{limit}");
+                eprintln!("the {limit} limit row was skipped: {}", skip["skipped"]);
+            }
+            None => assert_eq!(rows, rows_when_measured, "{limit}"),
         }
-        None => assert_eq!(cuda_rows, 2),
     }
     // Only tcp was asked for.
-    assert!(lines
-        .iter()
-        .all(|l| ["tcp", "raw-tcp", "cuda-d2d"].contains(&l["transport"].as_str().unwrap_or(""))));
+    assert!(lines.iter().all(|l| {
+        ["tcp", "raw-tcp", "cuda-d2d", "h2d-pinned", "d2h-pinned"]
+            .contains(&l["transport"].as_str().unwrap_or(""))
+    }));
 }
 
 #[test]

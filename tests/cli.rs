@@ -21,8 +21,13 @@ impl Drop for Served {
 }
 
 fn serve() -> Served {
+    serve_with(&[])
+}
+
+fn serve_with(extra: &[&str]) -> Served {
     let mut child = Command::new(RDZV)
         .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -50,6 +55,28 @@ fn store(addr: &str, args: &[&str]) -> Output {
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `--io epoll` with two loops, and the open-file limit raised and logged at start.
+#[test]
+fn serve_on_epoll_with_two_loops() {
+    let served = serve_with(&["--io", "epoll", "--threads", "2", "--world-size", "8"]);
+    let a = served.addr.as_str();
+    let o = store(a, &["set", "k", "v"]);
+    assert!(o.status.success(), "{o:?}");
+    for _ in 0..4 {
+        // New connections, spread over both loops.
+        assert_eq!(stdout(&store(a, &["get", "k"])), "v\n");
+    }
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--io", "kqueue"])
+        .output()
+        .expect("run rdzv store serve");
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("expected `auto`, `io-uring` or `epoll`"),
+        "{o:?}"
+    );
 }
 
 #[test]

@@ -27,7 +27,7 @@ fn pytorch_interop_both_directions() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("3 passed, 0 failed") || stdout.contains("skipped:"),
+        stdout.contains("5 passed, 0 failed") || stdout.contains("skipped:"),
         "{stdout}"
     );
 }

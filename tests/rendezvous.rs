@@ -377,32 +377,73 @@ fn multi_tenant_reuse() {
 #[test]
 fn agent_store_mode_makes_every_rank_a_client() {
     // torchelastic: the agent hosts the server; with TORCHELASTIC_USE_AGENT_STORE=True
-    // rank 0 does not try to host, every rank connects to MASTER_ADDR:MASTER_PORT.
+    // rank 0 does not try to host, every rank connects to MASTER_ADDR:MASTER_PORT, and
+    // sees the store through PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}").
     let server = agent_server();
     let port = server.port().to_string();
-    let ranks: Vec<Rendezvous> = (0..2u32)
-        .map(|rank| {
-            let env = env(&[
-                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
-                ("MASTER_ADDR", "127.0.0.1"),
-                ("MASTER_PORT", &port),
-                ("RANK", &rank.to_string()),
-                ("WORLD_SIZE", "2"),
-            ]);
-            rdzv_env("env://", &env).expect("rendezvous")
-        })
-        .collect();
+    let join = |rank: u32, attempt: &str| {
+        let env = env(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", attempt),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+            ("RANK", &rank.to_string()),
+            ("WORLD_SIZE", "2"),
+        ]);
+        rdzv_env("env://", &env).expect("rendezvous")
+    };
+    let ranks: Vec<Rendezvous> = (0..2u32).map(|rank| join(rank, "0")).collect();
     for (rank, r) in (0u32..).zip(&ranks) {
         assert_eq!((r.rank, r.world_size), (rank, Some(2)));
         let plan = tcp_plan(r);
         assert!(plan.agent_store && !plan.is_server && !plan.multi_tenant);
+        assert_eq!(plan.prefix.as_deref(), Some("/worker/attempt_0"));
     }
-    // The agent (a plain client of its own server) sees what the ranks write.
+    // The agent (a plain client of its own server) sees what the ranks write under
+    // prefix + "/" + key (c10d PrefixStore::joinKey), and nothing unprefixed.
     let agent = TcpStore::connect("127.0.0.1", server.port(), TEN_SECONDS).expect("agent");
     ranks[0].store.set("from0", b"a").expect("set");
     ranks[1].store.set("from1", b"b").expect("set");
-    assert_eq!(agent.get("from0").expect("get"), b"a");
-    assert_eq!(agent.get("from1").expect("get"), b"b");
+    assert_eq!(agent.get("/worker/attempt_0/from0").expect("get"), b"a");
+    assert_eq!(agent.get("/worker/attempt_0/from1").expect("get"), b"b");
+    assert!(!agent.check(&["from0"]).expect("check"));
+    let mut keys = agent.list_keys().expect("list_keys");
+    keys.sort();
+    assert_eq!(keys, ["/worker/attempt_0/from0", "/worker/attempt_0/from1"]);
+    // A rank's own view is unprefixed, and the agent's writes under the prefix reach it.
+    agent
+        .set("/worker/attempt_0/from_agent", b"c")
+        .expect("set");
+    assert_eq!(ranks[1].store.get("from_agent").expect("get"), b"c");
+    assert_eq!(ranks[0].store.add("counter", 2).expect("add"), 2);
+    assert_eq!(agent.add("/worker/attempt_0/counter", 1).expect("add"), 3);
+
+    // A restarted job (the agent bumps TORCHELASTIC_RESTART_COUNT) does not see the
+    // previous attempt's keys.
+    let restarted = join(0, "1");
+    assert!(!restarted.store.check(&["from0"]).expect("check"));
+    restarted.store.set("from0", b"again").expect("set");
+    assert_eq!(agent.get("/worker/attempt_1/from0").expect("get"), b"again");
+    assert_eq!(ranks[1].store.get("from0").expect("get"), b"a");
+
+    // Without the restart count it is an error naming the variable (Python: KeyError).
+    let no_count = env(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", &port),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+    ]);
+    let result = rdzv_env("env://", &no_count);
+    assert!(
+        matches!(result, Err(RendezvousError::Plan(_))),
+        "{result:?}"
+    );
+    let text = error_text(result);
+    assert!(
+        text.starts_with("KeyError: 'TORCHELASTIC_RESTART_COUNT'"),
+        "{text}"
+    );
 
     // The Python check is exact: "true" is not agent-store mode, so rank 0 tries to host
     // on the agent's port, and (MASTER_PORT differing) the bind failure is an error.
@@ -453,6 +494,7 @@ fn bind_failure_escape_hatch() {
     for truthy in ["1", "yes", "T", "true", "True"] {
         let env = env(&[
             ("TORCHELASTIC_USE_AGENT_STORE", truthy),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
             ("MASTER_PORT", &port_text),
         ]);
         let r = rdzv_env(&url, &env).expect("continues as a client");

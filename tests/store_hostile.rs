@@ -11,14 +11,18 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use rdzv::uring::store::tcp::TcpStore;
-use rdzv::uring::{ServerOptions, Store, StoreServer};
+use rdzv::uring::{IoMode, ServerOptions, Store, StoreServer};
+
+#[macro_use]
+mod store_io;
 
 const VALIDATE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
 
-fn server() -> StoreServer {
+fn server(io: IoMode) -> StoreServer {
     StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
+        io,
         ..ServerOptions::default()
     })
     .expect("start server")
@@ -68,8 +72,8 @@ fn still_serves(server: &StoreServer, key: &str, value: &[u8]) {
     assert_eq!(store.get(key).unwrap(), value);
 }
 
-fn seeded() -> StoreServer {
-    let server = server();
+fn seeded(io: IoMode) -> StoreServer {
+    let server = server(io);
     let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
     store.set("precious", b"kept").unwrap();
     server
@@ -83,27 +87,24 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-#[test]
-fn garbage_closes_only_that_connection() {
-    let server = seeded();
+fn garbage_closes_only_that_connection(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     assert!(closed_by_server(&mut s));
     still_serves(&server, "precious", b"kept");
 }
 
-#[test]
-fn wrong_magic_is_closed() {
-    let server = seeded();
+fn wrong_magic_is_closed(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     s.write_all(&[0x00, 0xde, 0xad, 0xbe, 0xef]).unwrap();
     assert!(closed_by_server(&mut s));
     still_serves(&server, "precious", b"kept");
 }
 
-#[test]
-fn first_message_must_be_validate() {
-    let server = seeded();
+fn first_message_must_be_validate(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     s.write_all(&get_frame(b"/precious")).unwrap();
     assert!(closed_by_server(&mut s));
@@ -115,9 +116,8 @@ fn first_message_must_be_validate() {
     still_serves(&server, "precious", b"kept");
 }
 
-#[test]
-fn requests_split_byte_by_byte_are_served() {
-    let server = seeded();
+fn requests_split_byte_by_byte_are_served(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     let mut stream = VALIDATE.to_vec();
     stream.extend_from_slice(&set_frame(b"/split", b"across segments"));
@@ -135,9 +135,8 @@ fn requests_split_byte_by_byte_are_served() {
     still_serves(&server, "split", b"across segments");
 }
 
-#[test]
-fn claimed_four_gigabytes_is_refused_at_once() {
-    let server = seeded();
+fn claimed_four_gigabytes_is_refused_at_once(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     s.write_all(&VALIDATE).unwrap();
     let mut f = vec![1u8];
@@ -163,9 +162,8 @@ fn claimed_four_gigabytes_is_refused_at_once() {
     still_serves(&server, "precious", b"kept");
 }
 
-#[test]
-fn truncated_frame_then_disconnect_loses_nothing() {
-    let server = seeded();
+fn truncated_frame_then_disconnect_loses_nothing(io: IoMode) {
+    let server = seeded(io);
     let mut s = raw(&server);
     s.write_all(&VALIDATE).unwrap();
     let frame = set_frame(b"/half", b"never completed");
@@ -176,9 +174,8 @@ fn truncated_frame_then_disconnect_loses_nothing() {
     assert_eq!(store.get("precious").unwrap(), b"kept");
 }
 
-#[test]
-fn slowloris_costs_other_clients_nothing() {
-    let server = seeded();
+fn slowloris_costs_other_clients_nothing(io: IoMode) {
+    let server = seeded(io);
     let mut slow = raw(&server);
     slow.write_all(&VALIDATE).unwrap();
     let frame = set_frame(b"/slow", b"value");
@@ -199,9 +196,8 @@ fn slowloris_costs_other_clients_nothing() {
     assert_eq!(&reply[8..], b"value");
 }
 
-#[test]
-fn disconnect_mid_wait_leaves_no_waiter() {
-    let server = seeded();
+fn disconnect_mid_wait_leaves_no_waiter(io: IoMode) {
+    let server = seeded(io);
     let mut sockets = Vec::new();
     for _ in 0..20 {
         let mut s = raw(&server);
@@ -225,9 +221,8 @@ fn disconnect_mid_wait_leaves_no_waiter() {
     assert_eq!(store.get("precious").unwrap(), b"kept");
 }
 
-#[test]
-fn killed_client_process_mid_wait_leaves_no_waiter() {
-    let server = seeded();
+fn killed_client_process_mid_wait_leaves_no_waiter(io: IoMode) {
+    let server = seeded(io);
     let exe = env!("CARGO_BIN_EXE_rdzv");
     let mut command = std::process::Command::new(exe);
     command
@@ -245,12 +240,12 @@ fn killed_client_process_mid_wait_leaves_no_waiter() {
 /// The same attacks against a server whose connections are spread over two executors
 /// (executor 1 forwards to the owner): each is repeated on several connections so that
 /// both executors see them.
-#[test]
-fn hostile_inputs_with_two_executors() {
+fn hostile_inputs_with_two_executors(io: IoMode) {
     let server = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
         threads: 2,
+        io,
         ..ServerOptions::default()
     })
     .expect("start server");
@@ -290,9 +285,8 @@ fn hostile_inputs_with_two_executors() {
 /// A client that pipelines requests and does not read the replies: the server stops
 /// reading it once its unsent replies pile up (bounded memory), keeps serving others,
 /// and delivers every reply in order once the client reads.
-#[test]
-fn a_client_that_never_reads_costs_others_nothing() {
-    let server = seeded();
+fn a_client_that_never_reads_costs_others_nothing(io: IoMode) {
+    let server = seeded(io);
     let value = vec![0x5a; 64 << 10];
     let store = TcpStore::connect("127.0.0.1", server.port(), Duration::from_secs(5)).unwrap();
     store.set("big", &value).unwrap();
@@ -326,3 +320,17 @@ fn a_client_that_never_reads_costs_others_nothing() {
     }
     pipelined.join().unwrap();
 }
+
+on_every_io!(
+    garbage_closes_only_that_connection,
+    wrong_magic_is_closed,
+    first_message_must_be_validate,
+    requests_split_byte_by_byte_are_served,
+    claimed_four_gigabytes_is_refused_at_once,
+    truncated_frame_then_disconnect_loses_nothing,
+    slowloris_costs_other_clients_nothing,
+    disconnect_mid_wait_leaves_no_waiter,
+    killed_client_process_mid_wait_leaves_no_waiter,
+    hostile_inputs_with_two_executors,
+    a_client_that_never_reads_costs_others_nothing,
+);

@@ -3,21 +3,26 @@
 //! own server on port 0, so they run in parallel.
 
 mod store_base;
+#[macro_use]
+mod store_io;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdzv::uring::store::tcp::{TcpStore, TcpStoreOptions};
 use rdzv::uring::store::PrefixStore;
-use rdzv::uring::{ServerOptions, Store, StoreServer};
+use rdzv::uring::{IoMode, ServerOptions, Store, StoreServer};
 
-fn server() -> StoreServer {
-    StoreServer::start(ServerOptions {
+fn server(io: IoMode) -> StoreServer {
+    let server = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
+        io,
         ..ServerOptions::default()
     })
-    .expect("start server")
+    .expect("start server");
+    assert_eq!(server.io_mode(), io);
+    server
 }
 
 fn client(server: &StoreServer) -> TcpStore {
@@ -36,16 +41,14 @@ fn all_base_tests(store: &dyn Store, num_keys_total: i64) {
     store_base::queues_nonblocking(store);
 }
 
-#[test]
-fn tcp_store_base_tests() {
-    let server = server();
+fn tcp_store_base_tests(io: IoMode) {
+    let server = server(io);
     let store = client(&server);
     all_base_tests(&store, 5);
 }
 
-#[test]
-fn prefix_tcp_store_base_tests() {
-    let server = server();
+fn prefix_tcp_store_base_tests(io: IoMode) {
+    let server = server(io);
     let store: Arc<dyn Store> = Arc::new(client(&server));
     let prefixed = PrefixStore::new("test_prefix", Arc::clone(&store));
     all_base_tests(&prefixed, 5);
@@ -55,27 +58,24 @@ fn prefix_tcp_store_base_tests() {
     assert!(listed.contains(&"key3".to_string()), "{listed:?}");
 }
 
-#[test]
-fn queue_pop_times_out() {
-    let server = server();
+fn queue_pop_times_out(io: IoMode) {
+    let server = server(io);
     let store = client(&server);
     store.set_timeout(Duration::from_millis(10));
     let err = store.queue_pop("non_existant", true).unwrap_err();
     assert!(err.to_string().contains("timeout"), "{err}");
 }
 
-#[test]
-fn clone_shares_the_store() {
-    let server = server();
+fn clone_shares_the_store(io: IoMode) {
+    let server = server(io);
     let a = client(&server);
     let b = a.clone_store().unwrap();
     a.set("foo", b"bar").unwrap();
     assert_eq!(b.get("foo").unwrap(), b"bar");
 }
 
-#[test]
-fn numkeys_delkeys() {
-    let server = server();
+fn numkeys_delkeys(io: IoMode) {
+    let server = server(io);
     let store = client(&server);
     assert_eq!(store.num_keys().unwrap(), 0);
     store.add("key", 1).unwrap();
@@ -99,9 +99,8 @@ fn numkeys_delkeys() {
     assert_eq!(store.get("key4").unwrap(), b"value4");
 }
 
-#[test]
-fn timeout_does_not_break_client() {
-    let server = server();
+fn timeout_does_not_break_client(io: IoMode) {
+    let server = server(io);
     let store = client(&server);
     store.set_timeout(Duration::from_millis(100));
     let started = Instant::now();
@@ -116,9 +115,8 @@ fn timeout_does_not_break_client() {
     assert_eq!(store.get("the_key").unwrap(), b"v");
 }
 
-#[test]
-fn multi_worker_with_fixed_world_size() {
-    let server = server();
+fn multi_worker_with_fixed_world_size(io: IoMode) {
+    let server = server(io);
     let port = server.port();
     let setter = client(&server);
     setter.set("key", b"value").unwrap();
@@ -145,9 +143,8 @@ fn multi_worker_with_fixed_world_size() {
     assert_eq!(setter.num_keys().unwrap(), 6);
 }
 
-#[test]
-fn wait_is_released_by_another_thread() {
-    let server = server();
+fn wait_is_released_by_another_thread(io: IoMode) {
+    let server = server(io);
     let port = server.port();
     let waiter = std::thread::spawn(move || {
         let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
@@ -159,9 +156,8 @@ fn wait_is_released_by_another_thread() {
     assert_eq!(waiter.join().unwrap(), b"value1");
 }
 
-#[test]
-fn list_keys_and_native_barrier() {
-    let server = server();
+fn list_keys_and_native_barrier(io: IoMode) {
+    let server = server(io);
     let store = client(&server);
     store.set("a", b"1").unwrap();
     store.set("b", b"2").unwrap();
@@ -189,12 +185,12 @@ fn list_keys_and_native_barrier() {
     assert_eq!(store.get("a").unwrap(), b"1");
 }
 
-#[test]
-fn address_already_in_use() {
-    let first = server();
+fn address_already_in_use(io: IoMode) {
+    let first = server(io);
     let err = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: first.port(),
+        io,
         ..ServerOptions::default()
     })
     .unwrap_err();
@@ -208,7 +204,7 @@ fn address_already_in_use() {
 
 #[test]
 fn multitenancy_shares_one_server() {
-    let first = server();
+    let first = server(IoMode::IoUring);
     let port = first.port();
     drop(first);
     // Two masters asking for the same port in one process share one server.
@@ -268,19 +264,19 @@ fn connect_to_nothing_times_out_with_pytorchs_message() {
     );
 }
 
-fn server_with_threads(threads: usize) -> StoreServer {
+fn server_with_threads(io: IoMode, threads: usize) -> StoreServer {
     StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
         threads,
+        io,
         ..ServerOptions::default()
     })
     .expect("start server")
 }
 
-#[test]
-fn base_tests_with_three_executors() {
-    let server = server_with_threads(3);
+fn base_tests_with_three_executors(io: IoMode) {
+    let server = server_with_threads(io, 3);
     // Several connections, so that SO_REUSEPORT spreads them over the executors.
     for _ in 0..6 {
         let store = client(&server);
@@ -292,9 +288,8 @@ fn base_tests_with_three_executors() {
     assert_eq!(store.get("three/key3").unwrap(), b"21");
 }
 
-#[test]
-fn waits_and_barriers_cross_executors() {
-    let server = server_with_threads(2);
+fn waits_and_barriers_cross_executors(io: IoMode) {
+    let server = server_with_threads(io, 2);
     let port = server.port();
     let ranks = 16;
     let handles: Vec<_> = (0..ranks)
@@ -323,10 +318,12 @@ fn waits_and_barriers_cross_executors() {
 /// io_uring loop: the same cases.
 #[test]
 fn base_tests_and_waits_on_the_glommio_backend() {
+    let io = IoMode::IoUring;
     let server = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
         backend: rdzv::uring::Backend::Glommio,
+        io,
         ..ServerOptions::default()
     })
     .expect("start server");
@@ -342,11 +339,10 @@ fn base_tests_and_waits_on_the_glommio_backend() {
     waiter.join().unwrap().unwrap();
 }
 
-/// Many connections of the io_uring loop waking each other: 64 ranks meet at a barrier
+/// Many connections waking each other: 64 ranks meet at a barrier
 /// twice, every rank counts itself, and nothing is left waiting.
-#[test]
-fn sixty_four_ranks_wake_each_other_on_the_io_uring_loop() {
-    let server = server();
+fn sixty_four_ranks_wake_each_other(io: IoMode) {
+    let server = server(io);
     let port = server.port();
     let ranks = 64;
     let handles: Vec<_> = (0..ranks)
@@ -370,9 +366,8 @@ fn sixty_four_ranks_wake_each_other_on_the_io_uring_loop() {
 
 /// Shutdown with clients connected and one waiting: it returns, and the clients see
 /// their connections closed rather than hanging.
-#[test]
-fn shutdown_with_connected_and_waiting_clients_returns() {
-    let server = server();
+fn shutdown_with_connected_and_waiting_clients_returns(io: IoMode) {
+    let server = server(io);
     let port = server.port();
     let idle = client(&server);
     idle.set("k", b"v").unwrap();
@@ -401,3 +396,20 @@ fn shutdown_with_connected_and_waiting_clients_returns() {
     );
     assert!(idle.get("k").is_err());
 }
+
+on_every_io!(
+    tcp_store_base_tests,
+    prefix_tcp_store_base_tests,
+    queue_pop_times_out,
+    clone_shares_the_store,
+    numkeys_delkeys,
+    timeout_does_not_break_client,
+    multi_worker_with_fixed_world_size,
+    wait_is_released_by_another_thread,
+    list_keys_and_native_barrier,
+    address_already_in_use,
+    base_tests_with_three_executors,
+    waits_and_barriers_cross_executors,
+    sixty_four_ranks_wake_each_other,
+    shutdown_with_connected_and_waiting_clients_returns,
+);

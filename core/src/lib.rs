@@ -10,7 +10,7 @@
 //! | [`url`] | how a rendezvous URL splits into parts (Python `urlparse` semantics) |
 //! | [`query`] | how a query string becomes key/value pairs (`_query_to_dict`) |
 //! | [`env`](mod@env) | the environment lookup seam the caller supplies |
-//! | [`rendezvous`] | URL rewriting, the handler registry and static `tcp`/`env`/`file` plans |
+//! | [`rendezvous`] | URL rewriting, the handler registry, static `tcp`/`env`/`file` plans and the elastic rendezvous state machine |
 //! | [`device`] | `cpu`, `cuda`, `cuda:N` devices |
 //! | [`channel`] | the tensor channels' wire records (cma/xth/mpt descriptors, acks, stripe headers, lane hellos) |
 //! | [`device_map`] | device-map validation, reverse maps and device lists (alloc) |

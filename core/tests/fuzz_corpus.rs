@@ -10,7 +10,7 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 7] = [
+const TARGETS: [(&str, Check); 8] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
@@ -18,6 +18,7 @@ const TARGETS: [(&str, Check); 7] = [
     ("file_log", fuzzing::file_log),
     ("rpc_frame", fuzzing::rpc_frame),
     ("channel_descriptors", fuzzing::channel_descriptors),
+    ("elastic", fuzzing::elastic),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

@@ -4,8 +4,9 @@
 //!
 //! It answers one question per technology: *can it be used on this host, and with what?*
 //!
-//! - [`ibv::probe`] checks that libibverbs loads (through sideway, which `dlopen`s rdma-core
-//!   at run time), that the kernel has verbs support, and picks a device, port and GID: by
+//! - [`ibv::probe`] checks that libibverbs loads ([`ibv::sys`] opens `libibverbs.so.1` at
+//!   run time, as NCCL and TensorPipe do, so building needs no rdma-core), that the kernel
+//!   has verbs support, and picks a device, port and GID: by
 //!   `RDZV_IB_DEVICE` / `RDZV_IB_PORT` / `RDZV_IB_GID_INDEX` (or [`ibv::IbvConfig`]), or else
 //!   the first device with an `ACTIVE` port, its RoCE v2 IPv4 GID on Ethernet or GID 0 and
 //!   its LID on InfiniBand. TensorPipe hard-codes device 0, port 1 and GID 0 instead. The

@@ -4,7 +4,9 @@
 //!   and back over `cuda_ipc` (the default ranking), then over `cuda_basic` carried by
 //!   cma (`channels = cma,basic,cuda_basic`), checked byte for byte on the device by the
 //!   peer and on return; each prints its 64 MiB echo time;
-//! - two agents in one process: the same over `cuda_xth`.
+//! - two agents in one process: the same over `cuda_xth`;
+//! - two processes: 200 echoes of one 64 MiB tensor over `cuda_ipc`, then over
+//!   `cuda_basic`, leave the GPU's free memory flat once the caches are warm.
 //!
 //! Every test needs a GPU and prints `SKIPPED <test>: <reason>` without one (or panics
 //! when `RDZV_REQUIRE_CUDA=1`, as on a lent GPU machine). The agent's side of these
@@ -12,8 +14,10 @@
 //! `uring/tests/rpc_cuda.rs`. The peer process is this test binary, re-run with
 //! `RDZV_CUDA_AGENT_CHILD` set.
 
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::Arc;
+
+use rdzv_test_support::Peer;
 use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
@@ -104,7 +108,10 @@ fn caller_options(url: &str, channels: Option<&str>) -> RpcOptions {
 }
 
 /// Sends every size to `peer` and checks what comes back; prints the 64 MiB echo time.
-fn round_trips(agent: &RpcAgent, channel: ChannelKind) {
+/// `inline_below`: `None` when `channel` lends device memory (every tensor goes over
+/// it); `Some(min_channel_bytes)` when it carries staged bytes (`cuda_basic` over a CPU
+/// channel), so that smaller tensors travel inline and are counted on `basic`.
+fn round_trips(agent: &RpcAgent, channel: ChannelKind, inline_below: Option<u64>) {
     let seed = 77;
     for &len in &SIZES {
         let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
@@ -131,15 +138,56 @@ fn round_trips(agent: &RpcAgent, channel: ChannelKind) {
             println!("{channel}: 64 MiB echo in {elapsed:?} ({gbps:.2} GB/s both ways)");
         }
     }
-    let moved = agent
-        .tensor_bytes_by_channel()
-        .into_iter()
-        .find(|&(kind, _)| kind == channel)
-        .map_or(0, |(_, bytes)| bytes);
+    let expected = expected_bytes(channel, inline_below);
+    let moved = agent.tensor_bytes_by_channel();
+    for &(kind, bytes) in &expected {
+        let counted = moved
+            .iter()
+            .find(|&&(moved_kind, _)| moved_kind == kind)
+            .map_or(0, |&(_, bytes)| bytes);
+        assert!(
+            counted >= bytes,
+            "{kind} moved {counted} bytes, expected at least {bytes}: {moved:?}"
+        );
+    }
+}
+
+/// The tensor bytes `round_trips` sends per channel (see its `inline_below`).
+fn expected_bytes(channel: ChannelKind, inline_below: Option<u64>) -> Vec<(ChannelKind, u64)> {
+    let (mut carried, mut inline) = (0u64, 0u64);
+    for &len in &SIZES {
+        let len = len as u64;
+        match inline_below {
+            Some(min) if len < min => inline += len,
+            _ => carried += len,
+        }
+    }
+    if channel == ChannelKind::Basic {
+        return vec![(channel, carried + inline)];
+    }
+    vec![(channel, carried), (ChannelKind::Basic, inline)]
+}
+
+/// Runs without a GPU: the expectation `cuda_basic` failed on the H100 (the 1-byte
+/// tensor went inline, `[(Cma, 68157443), (Basic, 1)]`).
+#[test]
+fn staged_tensors_below_min_channel_bytes_are_expected_inline() {
+    let min = options("", None).min_channel_bytes;
     assert!(
-        moved >= SIZES.iter().sum::<usize>() as u64,
-        "{:?}",
-        agent.tensor_bytes_by_channel()
+        min > 1 && min <= (1 << 20) + 3,
+        "SIZES no longer straddle {min}"
+    );
+    assert_eq!(
+        expected_bytes(ChannelKind::Cma, Some(min)),
+        [(ChannelKind::Cma, 68_157_443), (ChannelKind::Basic, 1)]
+    );
+    assert_eq!(
+        expected_bytes(ChannelKind::Basic, Some(min)),
+        [(ChannelKind::Basic, 68_157_444)]
+    );
+    assert_eq!(
+        expected_bytes(ChannelKind::CudaIpc, None),
+        [(ChannelKind::CudaIpc, 68_157_444), (ChannelKind::Basic, 0)]
     );
 }
 
@@ -148,6 +196,7 @@ fn serve_if_child() {
     if std::env::var_os(CHILD_ENV).is_none() {
         return;
     }
+    rdzv_test_support::exit_when_parent_gone();
     let url = std::env::var(STORE_ENV).unwrap_or_default();
     let channels = std::env::var(CHANNELS_ENV).ok();
     let agent = init_rpc("peer", 1, Some(2), options(&url, channels.as_deref()))
@@ -156,7 +205,9 @@ fn serve_if_child() {
     std::process::exit(0);
 }
 
-fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
+/// Runs `test` in this process (the parent, "main") against a child serving as
+/// "peer", both with `channels`: `run` makes the calls.
+fn two_processes(test: &str, channels: Option<&str>, run: impl FnOnce(&RpcAgent)) {
     serve_if_child();
     if skipped(test) {
         return;
@@ -172,18 +223,74 @@ fn two_processes(test: &str, channels: Option<&str>, expected: ChannelKind) {
     if let Some(list) = channels {
         command.env(CHANNELS_ENV, list);
     }
-    let mut child: Child = command.spawn().unwrap_or_else(|e| panic!("{e}"));
-    let agent = match init_rpc("main", 0, Some(2), caller_options(&url, channels)) {
-        Ok(agent) => agent,
-        Err(e) => {
-            let _ = child.kill();
-            panic!("parent init: {e}");
-        }
-    };
-    round_trips(&agent, expected);
+    // The child exits as soon as this Peer is dropped, also when this test panics.
+    let child = Peer::spawn(format!("peer process for test {test}"), command);
+    let agent = init_rpc("main", 0, Some(2), caller_options(&url, channels))
+        .unwrap_or_else(|e| panic!("parent init: {e}"));
+    run(&agent);
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
-    let status = child.wait().unwrap_or_else(|e| panic!("{e}"));
-    assert!(status.success(), "the child failed: {status}");
+    child.expect_success(Duration::from_secs(120));
+}
+
+/// Echoes the same 64 MiB tensor again and again (each reply is sent next) over
+/// `expected` and checks that device memory use stays flat once the caches are warm
+/// (the receivers' caching allocators and the borrowers' opened mappings).
+fn memory_stays_flat(agent: &RpcAgent, expected: ChannelKind) {
+    const WARM: usize = 5;
+    const ECHOES: usize = 200;
+    let len = 64 << 20;
+    let seed = 5;
+    let gpu = rdzv_rdma::cuda::memory::Gpu::open(0).unwrap_or_else(|e| panic!("{e}"));
+    let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
+        .unwrap_or_else(|e| panic!("upload: {e}"));
+    let mut tensor = Tensor::on_device(DeviceBuffer::new(memory));
+    let mut free_when_warm = 0;
+    let started = Instant::now();
+    for echo in 0..WARM + ECHOES {
+        if echo == WARM {
+            free_when_warm = gpu.memory_info().unwrap_or_else(|e| panic!("{e}")).0;
+        }
+        let reply = agent
+            .rpc_sync(
+                "peer",
+                "check",
+                Message::from_payload(vec![seed]).with_tensor(tensor),
+            )
+            .unwrap_or_else(|e| panic!("echo {echo} over {expected}: {e}"));
+        tensor = reply.tensors.into_iter().next().expect("a tensor back");
+    }
+    let free_at_end = gpu.memory_info().unwrap_or_else(|e| panic!("{e}")).0;
+    let drift = free_when_warm.saturating_sub(free_at_end);
+    println!(
+        "{expected}: {ECHOES} echoes of 64 MiB in {:?}; device memory free {} MiB when warm, {} MiB at the end",
+        started.elapsed(),
+        free_when_warm >> 20,
+        free_at_end >> 20
+    );
+    assert!(
+        drift <= 2 * len,
+        "{ECHOES} echoes took {} MiB more device memory",
+        drift >> 20
+    );
+    assert!(device_bytes(&tensor).is_ok_and(|b| b == pattern(len, seed)));
+}
+
+#[test]
+fn echoes_over_cuda_ipc_leave_device_memory_flat() {
+    two_processes(
+        "echoes_over_cuda_ipc_leave_device_memory_flat",
+        None,
+        |agent| memory_stays_flat(agent, ChannelKind::CudaIpc),
+    );
+}
+
+#[test]
+fn echoes_over_cuda_basic_leave_device_memory_flat() {
+    two_processes(
+        "echoes_over_cuda_basic_leave_device_memory_flat",
+        Some("cma,basic,cuda_basic"),
+        |agent| memory_stays_flat(agent, ChannelKind::CudaBasic),
+    );
 }
 
 #[test]
@@ -191,7 +298,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_ipc() {
     two_processes(
         "cuda_tensors_cross_two_processes_over_cuda_ipc",
         None,
-        ChannelKind::CudaIpc,
+        |agent| round_trips(agent, ChannelKind::CudaIpc, None),
     );
 }
 
@@ -205,7 +312,7 @@ fn cuda_tensors_cross_two_processes_over_cuda_basic() {
     two_processes(
         "cuda_tensors_cross_two_processes_over_cuda_basic",
         Some("cma,basic,cuda_basic"),
-        carrier,
+        |agent| round_trips(agent, carrier, Some(options("", None).min_channel_bytes)),
     );
 }
 
@@ -225,7 +332,7 @@ fn two_agents_in_one_process_use_cuda_xth() {
     });
     let agent = init_rpc("main", 0, Some(2), caller_options(&url, None))
         .unwrap_or_else(|e| panic!("main init: {e}"));
-    round_trips(&agent, ChannelKind::CudaXth);
+    round_trips(&agent, ChannelKind::CudaXth, None);
     agent.join().unwrap_or_else(|e| panic!("main join: {e}"));
     peer.join()
         .unwrap_or_else(|_| panic!("the peer thread panicked"));

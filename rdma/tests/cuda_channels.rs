@@ -12,7 +12,6 @@
 //! ```
 
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rdzv_rdma::cuda::basic::{CudaBasicChannel, PoolConfig};
@@ -224,7 +223,7 @@ fn cuda_xth_moves_bytes_within_the_process() {
 /// nothing unless the parent set the socket variable.
 #[test]
 fn cuda_ipc_child_process() {
-    let Ok(path) = std::env::var(SOCKET_ENV) else {
+    let Some(path) = rdzv_test_support::peer_env(SOCKET_ENV) else {
         return;
     };
     let gpu = Gpu::open(0).expect("child: open CUDA device 0");
@@ -256,17 +255,11 @@ fn cuda_ipc_moves_bytes_between_two_processes() {
     let path = dir.join("socket");
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).expect("bind");
-    let exe = std::env::current_exe().expect("current_exe");
-    let child = Command::new(exe)
-        .args([
-            "cuda_ipc_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(SOCKET_ENV, &path)
-        .spawn()
-        .expect("spawn the sending child");
+    let child = rdzv_test_support::Peer::spawn_test(
+        "cuda_ipc_child_process",
+        &["--test-threads=1"],
+        &[(SOCKET_ENV, &path)],
+    );
     let (socket, _) = listener.accept().expect("accept the child");
     let stream = gpu.new_stream().expect("stream");
     let mut receiver = CudaIpcReceiver::new(&gpu, StreamChannel::new(socket));
@@ -288,12 +281,7 @@ fn cuda_ipc_moves_bytes_between_two_processes() {
         stream.synchronize().expect("sync");
         row("cuda_ipc", len, iters, start.elapsed());
     }
-    let output = child.wait_with_output().expect("child exit");
-    assert!(
-        output.status.success(),
-        "the sending child failed: {:?}",
-        output.status
-    );
+    child.expect_success(Duration::from_secs(120));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -20,8 +20,8 @@ use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, VerbsDom
 use rdzv_rdma::ibv::lending::{
     Borrower, HostRegion, LendingEndpoint, LendingError, LendingOptions,
 };
+use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
-use sideway::ibverbs::AccessFlags;
 
 /// Far above what any of these takes, even on Soft-RoCE under TCG.
 const BOUND: Duration = Duration::from_secs(30);
@@ -70,7 +70,7 @@ fn lent_host_buffers_are_read_byte_for_byte() {
     let borrower = borrower(&sel);
     for (salt, len) in [1usize, (1 << 20) + 3, 8 << 20].into_iter().enumerate() {
         let bytes = pattern(len, salt);
-        let lent = HostRegion::from_bytes(endpoint.domain(), &bytes, AccessFlags::RemoteRead)
+        let lent = HostRegion::from_bytes(endpoint.domain(), &bytes, AccessFlags::REMOTE_READ)
             .expect("register the lent buffer");
         let started = Instant::now();
         let got = borrower
@@ -126,7 +126,7 @@ fn lender_process() {
         let lent = HostRegion::from_bytes(
             endpoint.domain(),
             &pattern(len, salt),
-            AccessFlags::RemoteRead,
+            AccessFlags::REMOTE_READ,
         )
         .expect("register the lent buffer");
         let descriptor = CudaGdrDescriptor {
@@ -255,7 +255,7 @@ fn a_wrong_key_or_range_fails_with_the_status_named_and_the_next_read_reconnects
     let borrower = borrower(&sel);
     let at = endpoint.local_addr();
     let bytes = pattern(4096, 9);
-    let lent = HostRegion::from_bytes(endpoint.domain(), &bytes, AccessFlags::RemoteRead)
+    let lent = HostRegion::from_bytes(endpoint.domain(), &bytes, AccessFlags::REMOTE_READ)
         .expect("register the lent buffer");
 
     let cases = [
@@ -356,26 +356,18 @@ fn read_remote_leaves_the_channel_protocol_intact() {
             u64::from_le_bytes(announced[..8].try_into().expect("8 bytes")),
             u32::from_le_bytes(announced[8..12].try_into().expect("4 bytes")),
         );
-        let target = HostRegion::new(&domain, len, AccessFlags::LocalWrite).expect("target");
-        // SAFETY: `target` is registered in `domain`, where the channel was made, with local
-        // write access, and is not touched until the call returns.
-        unsafe {
-            channel.read_remote(
-                sel_b_lkey(&target),
-                target.addr(),
-                remote,
-                rkey,
-                len as u64,
-                BOUND,
-            )
-        }
-        .expect("read_remote");
+        let target = HostRegion::new(&domain, len, AccessFlags::LOCAL_WRITE).expect("target");
+        // `target` is registered in `domain`, where the channel was made, with local write
+        // access; the channel hands it back when every READ completed.
+        let target = channel
+            .read_remote(target, remote, rkey, BOUND)
+            .expect("read_remote");
         channel.send(b"done").expect("send done");
         channel.flush(BOUND).expect("flush");
         target.to_vec()
     });
     let domain = VerbsDomain::open(&sel).expect("domain A");
-    let lent = HostRegion::from_bytes(&domain, &bytes, AccessFlags::RemoteRead).expect("lent");
+    let lent = HostRegion::from_bytes(&domain, &bytes, AccessFlags::REMOTE_READ).expect("lent");
     let (mut stream, _) = listener.accept().expect("accept bootstrap");
     let mut channel =
         IbvChannel::connect_in(&domain, &sel, &mut stream, &ChannelOptions::default())
@@ -386,11 +378,6 @@ fn read_remote_leaves_the_channel_protocol_intact() {
     assert_eq!(channel.recv_timeout(BOUND).expect("done"), b"done");
     let got = reader.join().expect("reader thread");
     assert!(got == bytes, "read_remote's bytes differ");
-}
-
-/// The local key of a read target (the trait method, named for the call above).
-fn sel_b_lkey(region: &HostRegion) -> u32 {
-    rdzv_rdma::ibv::lending::ReadTarget::lkey(region)
 }
 
 /// An error with its causes, as the agent reports it.

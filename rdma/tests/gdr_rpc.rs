@@ -23,12 +23,12 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_rdma::cuda::gdr_lending::{check_descriptor, GdrNode};
 use rdzv_rdma::ibv::lending::HostRegion;
+use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostMemory,
-    Message, RpcAgent, RpcOptions, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostBytes,
+    HostMemory, Message, RpcAgent, RpcOptions, Tensor,
 };
-use sideway::ibverbs::AccessFlags;
 
 const CHILD_ENV: &str = "RDZV_GDR_RPC_CHILD";
 const STORE_ENV: &str = "RDZV_GDR_RPC_STORE";
@@ -60,8 +60,8 @@ impl DeviceRuntime for HostGdr {
         1
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
-        Self::bytes(memory).map(<[u8]>::to_vec)
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+        Self::bytes(memory).map(|bytes| bytes.to_vec().into())
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
@@ -86,7 +86,7 @@ impl DeviceRuntime for HostGdr {
             None
         } else {
             Some(
-                HostRegion::from_bytes(self.node.domain(), bytes, AccessFlags::RemoteRead)
+                HostRegion::from_bytes(self.node.domain(), bytes, AccessFlags::REMOTE_READ)
                     .map_err(|e| e.to_string())?,
             )
         };
@@ -114,7 +114,7 @@ impl DeviceRuntime for HostGdr {
         if len == 0 {
             return self.copy_from_host(device, Vec::new());
         }
-        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LocalWrite)
+        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LOCAL_WRITE)
             .map_err(|e| e.to_string())?;
         let filled = self.node.read(&lent, target)?;
         self.copy_from_host(device, filled.to_vec())

@@ -48,7 +48,7 @@ fn frame(id: u64, payload: usize, tensors: &[usize]) -> OwnedFrame {
         tensor_data: tensors
             .iter()
             .enumerate()
-            .map(|(i, &len)| pattern(len, id * 10 + i as u64))
+            .map(|(i, &len)| pattern(len, id * 10 + i as u64).into())
             .collect(),
         ..OwnedFrame::empty(FrameKind::Request, id)
     }
@@ -75,7 +75,8 @@ fn check_frame(got: &IncomingFrame, want: &OwnedFrame) {
     );
     assert_eq!(got.wire_len, want.encoded_len() as u64);
     let datas: Vec<&Vec<u8>> = got.tensors.iter().map(|(_, d)| d).collect();
-    let wanted: Vec<&Vec<u8>> = want.tensor_data.iter().collect();
+    let wanted: Vec<&[u8]> = want.tensor_data.iter().map(|d| d.as_slice()).collect();
+    let datas: Vec<&[u8]> = datas.into_iter().map(Vec::as_slice).collect();
     assert!(datas == wanted, "tensors of frame {}", want.message_id);
 }
 

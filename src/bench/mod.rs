@@ -21,6 +21,7 @@ mod conn;
 mod cpu;
 mod latency;
 mod plot;
+mod rendezvous;
 mod report;
 mod rpc;
 mod storm;
@@ -65,6 +66,9 @@ pub enum BenchCommand {
     /// (--listen/--connect): `rpc_sync` echo latency and bandwidth per payload size for
     /// each transport side by side, next to a raw TCP ping-pong (see `bench::rpc`).
     Rpc(rpc::RpcBenchArgs),
+    /// N elastic-rendezvous nodes on one event loop against a store: time to one round,
+    /// store operations per node per join and per heartbeat, next to torchrun's design.
+    Rendezvous(rendezvous::RendezvousBenchArgs),
 }
 
 /// Options of `rdzv bench store`.
@@ -277,6 +281,7 @@ pub fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
             Ok(ExitCode::SUCCESS)
         }
         BenchCommand::Rpc(args) => rpc::run(args),
+        BenchCommand::Rendezvous(args) => rendezvous::run(args),
     }
 }
 

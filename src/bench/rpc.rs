@@ -1,7 +1,7 @@
 //! `rdzv bench rpc`: the RPC agent's echo latency and bandwidth per payload size, for each
 //! transport and channel side by side, next to a raw TCP ping-pong between the same two
 //! processes (the physical limit) and, with `--device cuda:N`, the GPU's device-to-device
-//! copy bandwidth (the CUDA limit).
+//! and pinned host↔device copy bandwidths (the CUDA limits).
 //!
 //! Two processes take part: a serving side (rank 1: it hosts the store, answers echoes
 //! and runs the raw echo server) and a measuring side (rank 0: it times). Locally the
@@ -18,7 +18,7 @@
 //! | `session` | the two sides, the plan/reply/done keys, the `rdzvbench://` rendezvous |
 //! | `pair` | rank 0's `rpc_sync` echoes over one transport and channel |
 //! | `raw` | the raw-tcp echo server and ping-pong |
-//! | `cuda` | the device-to-device `cuMemcpy` limit row |
+//! | `cuda` | the CUDA limit rows: device to device, pinned host to device and back |
 //! | `viability` | which transports and channels can run here, and why not |
 //! | `payload` | the bytes echoed and the check that they came back |
 //! | `row` | rows, skips, JSON and the side-by-side table |
@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use rdzv_core::device::Device;
+use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_uring::{ServerOptions, StoreServer};
 
@@ -70,7 +70,8 @@ and no measurement fields.";
 #[command(after_long_help = TWO_HOST_HELP)]
 pub struct RpcBenchArgs {
     /// Payload sizes, comma-separated, in bytes or with a K, M or G suffix (powers of 1024:
-    /// 4K, 64MiB). Default: 0,64M locally; 0,64,4K,64K,1M,16M,64M with --connect.
+    /// 4K, 64MiB). Default: 0,64M locally; 0,64,4K,64K,1M,16M,64M with --connect;
+    /// 0,4K,1M,16M,64M,256M with a CUDA channel.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Option<Vec<u64>>,
     /// Round trips per size for payloads under 1 MiB.
@@ -86,11 +87,13 @@ pub struct RpcBenchArgs {
     /// Channels for the tensors (basic, cma, xth, mpt, cuda_ipc, cuda_basic; repeat or
     /// comma-separate): each transport is measured once per channel. A CUDA channel
     /// echoes a tensor on cuda:0 of each side (skipped, with the reason, without CUDA).
-    /// Default: basic.
+    /// Default: basic. With a CUDA channel, the default sizes are 0, 4K, 1M, 16M, 64M
+    /// and 256M.
     #[arg(long = "channel", value_name = "CHANNEL", value_delimiter = ',', value_parser = parse_channel)]
     channels: Vec<ChannelKind>,
-    /// Also measure device-to-device cuMemcpy bandwidth on this GPU (`cuda:N`), the limit
-    /// for CUDA tensors; skipped, with the reason, when CUDA is not usable here.
+    /// Also measure the limits for CUDA tensors on this GPU (`cuda:N`): device-to-device
+    /// copies (`cuda-d2d`) and pinned host-to-device and device-to-host copies
+    /// (`h2d-pinned`, `d2h-pinned`); skipped, with the reason, when CUDA is not usable.
     #[arg(long, value_name = "cuda:N", value_parser = parse_cuda_device)]
     device: Option<u8>,
     /// Print one JSON object per row instead of a table (and no progress bar).
@@ -113,6 +116,8 @@ pub struct RpcBenchArgs {
 const LOCAL_SIZES: [u64; 2] = [0, 64 << 20];
 /// Payloads of a two-host run when `--sizes` is not given.
 const TWO_HOST_SIZES: [u64; 7] = [0, 64, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
+/// Payloads when `--sizes` is not given and a CUDA channel is measured.
+const CUDA_SIZES: [u64; 6] = [0, 4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20];
 /// How long the local serving side waits for the plan.
 const LOCAL_PLAN_WAIT: Duration = Duration::from_secs(60);
 const BAR: &str = "{msg:>28} [{bar:40}] {pos}/{len}";
@@ -196,7 +201,12 @@ fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
 
 /// `(payload bytes, iterations)` per size.
 fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, CliError> {
+    let cuda = args
+        .channels
+        .iter()
+        .any(|channel| channel.device_types().contains(&DeviceType::Cuda));
     let default: &[u64] = match mode {
+        _ if cuda => &CUDA_SIZES,
         RunMode::Local => &LOCAL_SIZES,
         RunMode::TwoHost => &TWO_HOST_SIZES,
     };
@@ -259,12 +269,16 @@ pub fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
     if let Some(ordinal) = args.device {
         let sizes = sizes(&args, mode)?;
         match cuda::not_viable(ordinal)? {
-            Some(reason) => skips.push(Skip {
-                transport: cuda::CUDA_D2D.into(),
-                channel: row::NO_CHANNEL.into(),
-                mode,
-                reason,
-            }),
+            Some(reason) => {
+                for limit in [cuda::CUDA_D2D, cuda::H2D_PINNED, cuda::D2H_PINNED] {
+                    skips.push(Skip {
+                        transport: limit.into(),
+                        channel: row::NO_CHANNEL.into(),
+                        mode,
+                        reason: reason.clone(),
+                    });
+                }
+            }
             None => {
                 let bar = progress_bar(args.json);
                 rows.extend(cuda::measure(ordinal, &sizes, mode, &bar)?);
@@ -454,6 +468,17 @@ mod tests {
         for bad in ["", "K", "-1", "4X", "2G", "99999999999999999999", "1.5M"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_cuda_channel_sweeps_4k_to_256m() {
+        for mode in [RunMode::Local, RunMode::TwoHost] {
+            let a = args(&["--channel", "cma,cuda_ipc"]).unwrap();
+            let swept: Vec<usize> = sizes(&a, mode).unwrap().iter().map(|&(s, _)| s).collect();
+            assert_eq!(swept, [0, 4 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]);
+        }
+        let a = args(&["--channel", "cuda_basic", "--sizes", "1M"]).unwrap();
+        assert_eq!(sizes(&a, RunMode::Local).unwrap(), vec![(1 << 20, 20)]);
     }
 
     #[test]

@@ -3,7 +3,8 @@ import os, sys, datetime
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
 def run(rank, world, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT="0")
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)

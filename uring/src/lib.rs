@@ -24,5 +24,5 @@ pub mod server;
 pub mod store;
 pub mod transport;
 
-pub use server::{Backend, ServerOptions, ServerStats, StoreServer};
+pub use server::{Backend, IoMode, ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};

@@ -7,15 +7,19 @@
 //! and [`HandlerRegistry`] keeps the scheme → handler table with PyTorch's messages. This
 //! module owns what the core may not touch: the process environment (read only by
 //! [`ProcessEnv::snapshot`]), the process-global handler registry (a mutex, pre-populated
-//! with `tcp`, `env` and `file`), and building the planned store, which opens sockets,
+//! with `tcp`, `env`, `file` and `elastic`), and building the planned store, which opens sockets,
 //! may start a server and blocks until the peers have joined. Like PyTorch's
 //! `_create_c10d_store`, rank 0 hosts a multi-tenant server and every rank connects, or,
-//! in agent-store mode, every rank is a client of the agent's server. The C++ TCPStore's
+//! in agent-store mode, every rank is a client of the agent's server, seen through
+//! `PrefixStore("/worker/attempt_{TORCHELASTIC_RESTART_COUNT}", …)` as the plan says, so
+//! that rdzv and PyTorch ranks of one job share keys and a restarted job starts afresh. The C++ TCPStore's
 //! escape hatch is kept too: a rank that fails to bind the planned port continues as a
 //! client when `TORCHELASTIC_USE_AGENT_STORE` is truthy and `MASTER_PORT` names that port.
 //!
-//! It does not re-rendezvous (PyTorch's handlers refuse to as well), wrap stores in
-//! prefixes (callers such as process groups do that), or run the elastic rendezvous.
+//! The static schemes do not re-rendezvous (PyTorch's handlers refuse to as well) or add
+//! prefixes of their own (callers such as process groups do that). `elastic://` is the
+//! dynamic rendezvous of [`elastic`]: its outcome carries a handle to follow the next
+//! rounds.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,7 +37,9 @@ use rdzv_core::url::RendezvousUrl;
 
 use crate::store::file::FileStore;
 use crate::store::tcp::{TcpStore, TcpStoreOptions};
-use crate::store::{Store, StoreError};
+use crate::store::{PrefixStore, Store, StoreError};
+
+pub mod elastic;
 
 /// The process environment, snapshotted once: the only place rdzv reads environment
 /// variables.
@@ -115,8 +121,11 @@ pub struct Rendezvous {
     /// The number of processes, `None` when not fixed (PyTorch's `-1`).
     pub world_size: Option<u32>,
     /// The plan the store was built from; `None` for handlers that do not plan with
-    /// the core (custom ones).
+    /// the core (custom ones, `elastic://`).
     pub plan: Option<RendezvousPlan>,
+    /// For `elastic://`: the node's handle, to follow the next rounds (the store, rank and
+    /// world size above are the first round's), re-rendezvous, leave or shut down.
+    pub elastic: Option<Arc<elastic::ElasticRendezvous>>,
 }
 
 impl Rendezvous {
@@ -127,6 +136,7 @@ impl Rendezvous {
             rank,
             world_size,
             plan: None,
+            elastic: None,
         }
     }
 }
@@ -137,6 +147,7 @@ impl fmt::Debug for Rendezvous {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("plan", &self.plan)
+            .field("elastic", &self.elastic)
             .finish_non_exhaustive()
     }
 }
@@ -242,13 +253,14 @@ fn registry() -> MutexGuard<'static, HandlerRegistry<RendezvousHandler>> {
     REGISTRY
         .get_or_init(|| {
             let mut registry = HandlerRegistry::new();
-            let bundled: [(&str, RendezvousHandler); 3] = [
+            let bundled: [(&str, RendezvousHandler); 4] = [
                 ("tcp", Arc::new(tcp_rendezvous_handler)),
                 ("env", Arc::new(env_rendezvous_handler)),
                 ("file", Arc::new(file_rendezvous_handler)),
+                ("elastic", Arc::new(elastic::elastic_rendezvous_handler)),
             ];
             for (scheme, handler) in bundled {
-                // The registry starts empty, so the three distinct schemes all register.
+                // The registry starts empty, so the distinct schemes all register.
                 let _ = registry.register(scheme, handler);
             }
             Mutex::new(registry)
@@ -387,6 +399,7 @@ fn finish(plan: RendezvousPlan, env: &dyn Env) -> Result<Rendezvous, RendezvousE
         rank: plan.rank,
         world_size: plan.world_size,
         plan: Some(plan),
+        elastic: None,
     })
 }
 
@@ -407,7 +420,8 @@ pub fn open_store(plan: &RendezvousPlan, env: &dyn Env) -> Result<Arc<dyn Store>
 }
 
 /// `_create_c10d_store` + the TCPStore constructor: in agent-store mode a plain client
-/// of the agent's server; else rank 0 hosts the (multi-tenant) server and connects to
+/// of the agent's server, wrapped in a [`PrefixStore`] with the plan's prefix
+/// (`/worker/attempt_N`); else rank 0 hosts the (multi-tenant) server and connects to
 /// it, and every other rank connects. With a fixed world size every rank counts itself
 /// in, and the host waits until all have, up to the plan's timeout.
 ///
@@ -448,8 +462,15 @@ pub fn open_tcp_store(
         port: plan.port,
         source,
     };
+    let wrap = |store: TcpStore| -> Arc<dyn Store> {
+        let store: Arc<dyn Store> = Arc::new(store);
+        match &plan.prefix {
+            Some(prefix) => Arc::new(PrefixStore::new(prefix.clone(), store)),
+            None => store,
+        }
+    };
     match TcpStore::new(options.clone()) {
-        Ok(store) => Ok(Arc::new(store)),
+        Ok(store) => Ok(wrap(store)),
         Err(source) if role == StoreRole::Server && is_addr_in_use(&source) => {
             if !agent_store_escape_hatch(env, plan.port) {
                 return Err(error(role, source));
@@ -464,7 +485,7 @@ pub fn open_tcp_store(
             );
             options.is_master = false;
             TcpStore::new(options)
-                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map(wrap)
                 .map_err(|source| error(StoreRole::FallbackClient, source))
         }
         Err(source) => Err(error(role, source)),
@@ -582,7 +603,7 @@ mod tests {
 
     #[test]
     fn bundled_schemes_are_registered_once() {
-        for scheme in ["tcp", "env", "file"] {
+        for scheme in ["tcp", "env", "file", "elastic"] {
             let error = register_rendezvous_handler(scheme, |_: &str, _: &dyn Env, _: &_| {
                 Err(RendezvousError::Unsupported("never called".into()))
             })

@@ -6,19 +6,22 @@
 //!   handle" is a file holding the bytes, removed when the loan ends) and the receiver's
 //!   runtime copy it onto the device the device map chose, and it holds each loan until
 //!   the peer is done (a request's until its reply, a response's until the ack);
-//! - over `cuda_basic` it has the sender's runtime copy tensors to the host, carries
-//!   the bytes over the pipe's CPU channel (cma, mpt or inline) and has the receiver's
-//!   runtime put them on the target device.
+//! - over `cuda_basic` it has the sender's runtime copy tensors to the host (into
+//!   memory of the runtime's own, [`Pinned`], which the CPU channel reads in place),
+//!   carries the bytes over the pipe's CPU channel (cma, mpt or inline) and has the
+//!   receiver's runtime put them on the target device (chunk by chunk as a cma pull
+//!   reads them, [`ChunkedIn`]; whole when they came inline or over mpt).
 //!
 //! The real runtime is `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
 //!
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
 //! parent and child meet at a `file://` store.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdzv_core::device::{Device, DeviceType};
@@ -26,7 +29,8 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostMemory, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, StagedBytes,
+    StagedReceive, Tensor,
 };
 
 mod common;
@@ -74,9 +78,23 @@ impl Drop for LoanFile {
     }
 }
 
-/// A CUDA runtime with `gpus` devices of host memory.
+/// Borrowed and ended pipes.
+type Pipes = (BTreeSet<PipeId>, BTreeSet<PipeId>);
+
+/// Per store URL (one per test, as tests run in parallel in one process): the pipes the
+/// runtimes of that test's agent borrowed on, and those they were told ended.
+static PIPES: Mutex<BTreeMap<String, Pipes>> = Mutex::new(BTreeMap::new());
+
+/// Runs `f` on the pipes of the agents of store `store`.
+fn with_pipes<T>(store: &str, f: impl FnOnce(&mut Pipes) -> T) -> T {
+    let mut all = PIPES.lock().unwrap_or_else(PoisonError::into_inner);
+    f(all.entry(store.to_string()).or_default())
+}
+
+/// A CUDA runtime with `gpus` devices of host memory, for an agent of store `store`.
 struct HostCuda {
     gpus: u8,
+    store: String,
 }
 
 impl DeviceRuntime for HostCuda {
@@ -84,14 +102,15 @@ impl DeviceRuntime for HostCuda {
         usize::from(self.gpus)
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
         let memory = memory
             .downcast_ref::<HostMemory>()
             .ok_or("not memory of this runtime")?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
             return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
         }
-        Ok(memory.bytes().to_vec())
+        // Staged into memory of the runtime's own, which the CPU channel reads in place.
+        Ok(HostBytes::staged(Pinned(memory.bytes().to_vec())))
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -156,6 +175,51 @@ impl DeviceRuntime for HostCuda {
         self.copy_from_host(device, bytes)
     }
 
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        with_pipes(&self.store, |(borrowed, ended)| {
+            assert!(
+                !ended.contains(&pipe),
+                "{pipe:?} borrowed on after it ended"
+            );
+            borrowed.insert(pipe);
+        });
+        self.borrow(channel, device, len, descriptor)
+    }
+
+    fn pipe_ended(&self, pipe: PipeId) {
+        with_pipes(&self.store, |(borrowed, ended)| {
+            assert!(
+                borrowed.contains(&pipe),
+                "{pipe:?} ended but never borrowed"
+            );
+            assert!(ended.insert(pipe), "{pipe:?} reported ended twice");
+        });
+    }
+
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        Ok(Some(Box::new(ChunkedIn {
+            runtime: HostCuda {
+                gpus: self.gpus,
+                store: self.store.clone(),
+            },
+            device,
+            bytes: vec![0; len],
+            buffer: vec![0; CHUNK],
+            filled: 0,
+        })))
+    }
+
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
         if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
             return Err(format!("this process has no {device}"));
@@ -167,14 +231,65 @@ impl DeviceRuntime for HostCuda {
     }
 }
 
-struct HostCudaPlugin(u8);
+/// The fake runtime's "pinned" memory holding a staged-out tensor.
+struct Pinned(Vec<u8>);
+
+impl StagedBytes for Pinned {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The fake runtime's chunk size for received tensors.
+const CHUNK: usize = 64 << 10;
+
+/// A tensor received by the fake runtime chunk by chunk through one buffer, each chunk
+/// "copied to the device" when filled.
+struct ChunkedIn {
+    runtime: HostCuda,
+    device: Device,
+    bytes: Vec<u8>,
+    buffer: Vec<u8>,
+    filled: usize,
+}
+
+impl StagedReceive for ChunkedIn {
+    fn chunk_len(&self) -> usize {
+        CHUNK
+    }
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+        if k != self.filled {
+            return Err(format!("chunk {k} asked for, {} expected", self.filled));
+        }
+        let len = CHUNK.min(self.bytes.len() - k * CHUNK);
+        Ok(&mut self.buffer[..len])
+    }
+    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+        let offset = k * CHUNK;
+        let len = CHUNK.min(self.bytes.len() - offset);
+        self.bytes[offset..offset + len].copy_from_slice(&self.buffer[..len]);
+        self.filled += 1;
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String> {
+        if self.filled != self.bytes.len().div_ceil(CHUNK) {
+            return Err("not every chunk was filled".into());
+        }
+        self.runtime.copy_from_host(self.device, self.bytes)
+    }
+}
+
+struct HostCudaPlugin(u8, String);
 
 impl DevicePlugin for HostCudaPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
     fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        Ok(Arc::new(HostCuda { gpus: self.0 }))
+        Ok(Arc::new(HostCuda {
+            gpus: self.0,
+            store: self.1.clone(),
+        }))
     }
 }
 
@@ -240,7 +355,7 @@ fn options(url: &str, channels: Option<&str>, gpus: u8) -> RpcOptions {
     options.transports = Some(vec!["tcp".into()]);
     options.channels = channels.map(|list| list.split(',').map(str::to_string).collect());
     if gpus > 0 {
-        options.device_plugins = vec![Arc::new(HostCudaPlugin(gpus))];
+        options.device_plugins = vec![Arc::new(HostCudaPlugin(gpus, url.to_string()))];
     }
     options
 }
@@ -275,7 +390,7 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
         serve_until_joined(init_rpc("peer", 1, Some(2), options));
     }
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let url = format!("file://{}", dir.path().join("store").display());
+    let url = store_url(&dir);
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("{e}"));
     let mut command = Command::new(exe);
     command
@@ -295,6 +410,11 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
     let agent =
         init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
     (agent, child, dir)
+}
+
+/// The store URL of the test whose directory is `dir`.
+fn store_url(dir: &tempfile::TempDir) -> String {
+    format!("file://{}", dir.path().join("store").display())
 }
 
 fn bytes_on(agent: &RpcAgent, channel: ChannelKind) -> u64 {
@@ -371,7 +491,7 @@ fn gpu_to_gpu(agent: &RpcAgent) {
 /// above cuda_basic); every loan ends once the peer is done with it.
 #[test]
 fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
-    let (agent, child, _dir) = start(
+    let (agent, child, dir) = start(
         "gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends",
         two_gpus(None),
     );
@@ -387,6 +507,15 @@ fn gpu_tensors_cross_over_cuda_ipc_and_every_loan_ends() {
     // Requests' loans end with their replies, responses' with the caller's acks.
     assert_loans_end(&agent, &child);
     finish(agent, child);
+    // The responses were borrowed on a pipe, and its end was reported once the agent
+    // shut down (so a runtime's per-pipe mappings are closed). Only this test's agent
+    // counts: the others of this process may still hold their pipes.
+    let (borrowed, ended) = with_pipes(&store_url(&dir), |pipes| pipes.clone());
+    assert!(!borrowed.is_empty(), "the responses were borrowed");
+    assert_eq!(
+        borrowed, ended,
+        "every pipe that borrowed was reported ended"
+    );
 }
 
 /// Both sides with two fake GPUs, the parent's cuda:0 mapped to the peer's cuda:1, and

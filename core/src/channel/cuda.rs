@@ -34,12 +34,17 @@ pub struct CudaIpcDescriptor {
     pub length: u64,
     /// The exporter's device ordinal (for messages; the handle names the memory).
     pub device: u32,
+    /// The allocation's base address in the exporter. A receiver that keeps opened
+    /// handles keys them by it: another handle at a known base means the exporter freed
+    /// that allocation and the address was reused, so the old mapping is stale.
+    pub base: u64,
 }
 
 impl CudaIpcDescriptor {
     /// The encoded size: a 4-byte tag, the process identity, the handle, then offset and
-    /// length (little-endian `u64`s) and the device (little-endian `u32`).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + IPC_HANDLE_LEN + 20;
+    /// length (little-endian `u64`s), the device (little-endian `u32`) and the base
+    /// (little-endian `u64`).
+    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + IPC_HANDLE_LEN + 28;
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
@@ -50,6 +55,7 @@ impl CudaIpcDescriptor {
         writer.put(&self.offset.to_le_bytes());
         writer.put(&self.length.to_le_bytes());
         writer.put(&self.device.to_le_bytes());
+        writer.put(&self.base.to_le_bytes());
         out
     }
 
@@ -67,6 +73,7 @@ impl CudaIpcDescriptor {
             offset: u64::from_le_bytes(reader.take()),
             length: u64::from_le_bytes(reader.take()),
             device: u32::from_le_bytes(reader.take()),
+            base: u64::from_le_bytes(reader.take()),
         };
         match descriptor.offset.checked_add(descriptor.length) {
             Some(_) => Ok(descriptor),
@@ -222,6 +229,7 @@ mod tests {
             offset: 512,
             length: 1 << 20,
             device: 3,
+            base: 0x7f00_0020_0000,
         }
     }
 

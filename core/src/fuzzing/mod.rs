@@ -7,6 +7,8 @@
 
 mod channel;
 mod codec;
+#[cfg(feature = "alloc")]
+mod elastic;
 mod file_log;
 mod query;
 #[cfg(feature = "alloc")]
@@ -15,6 +17,8 @@ mod url;
 
 pub use channel::channel_descriptors;
 pub use codec::{codec_request, codec_response};
+#[cfg(feature = "alloc")]
+pub use elastic::elastic;
 pub use file_log::file_log;
 pub use query::query;
 #[cfg(feature = "alloc")]

@@ -15,6 +15,8 @@
 //! - `plan_static`, `plan_tcp`, `plan_env`, `plan_file` (with `alloc`, because plans own
 //!   their host and path strings): the bundled handlers' decisions.
 //! - [`use_libuv`] and [`use_agent_store`]: the two environment-driven switches.
+//! - `elastic` (with `alloc`): torchelastic's dynamic rendezvous as a state machine over
+//!   store operations, O(1) store work per node per join and per heartbeat.
 
 use core::fmt;
 use core::time::Duration;
@@ -22,6 +24,8 @@ use core::time::Duration;
 use crate::env::Env;
 use crate::url::RendezvousUrl;
 
+#[cfg(feature = "alloc")]
+pub mod elastic;
 pub(crate) mod python;
 mod registry;
 mod rewrite;
@@ -35,8 +39,8 @@ pub use rewrite::{rewrite_with_node_params, NodeParams, RewriteError, RewrittenU
 
 #[cfg(feature = "alloc")]
 pub use plan::{
-    plan_env, plan_file, plan_static, plan_tcp, FileStorePlan, PlanError, RendezvousPlan,
-    StorePlan, TcpStorePlan, ValueOrigin,
+    agent_store_prefix, plan_env, plan_file, plan_static, plan_tcp, FileStorePlan, PlanError,
+    RendezvousPlan, StorePlan, TcpStorePlan, ValueOrigin,
 };
 #[cfg(feature = "alloc")]
 pub use registry::HandlerRegistry;

@@ -76,7 +76,25 @@ pub struct TcpStorePlan {
     /// Agent-store mode (`TORCHELASTIC_USE_AGENT_STORE=True`): the torchelastic agent
     /// already hosts the server, and every rank is a client.
     pub agent_store: bool,
+    /// The prefix every key of the store lives under, `None` for the bare store.
+    ///
+    /// In agent-store mode it is `/worker/attempt_{TORCHELASTIC_RESTART_COUNT}` (the
+    /// variable's text as set), as in `_create_c10d_store`: the store is then a
+    /// `PrefixStore(prefix, TCPStore(...))`, so that a key `k` is `prefix + "/" + k`, and
+    /// each restart of the job sees a fresh key space.
+    pub prefix: Option<String>,
 }
+
+/// The prefix of agent-store mode: `/worker/attempt_{attempt}`, `attempt` as written in
+/// `TORCHELASTIC_RESTART_COUNT` (Python formats the string it read, unparsed).
+pub fn agent_store_prefix(attempt: &str) -> String {
+    let mut prefix = String::with_capacity(AGENT_STORE_PREFIX.len() + attempt.len());
+    prefix.push_str(AGENT_STORE_PREFIX);
+    prefix.push_str(attempt);
+    prefix
+}
+
+const AGENT_STORE_PREFIX: &str = "/worker/attempt_";
 
 /// A FileStore as `_file_rendezvous_handler` would create it.
 #[non_exhaustive]
@@ -176,6 +194,9 @@ pub enum PlanError<'a> {
     },
     /// A TCPStore world size of 0.
     WorldSizeZero,
+    /// Agent-store mode without `TORCHELASTIC_RESTART_COUNT` (Python raises
+    /// `KeyError: 'TORCHELASTIC_RESTART_COUNT'`).
+    RestartCountMissing,
     /// The URL's scheme is not one of the bundled ones.
     NoHandler(NoHandler<'a>),
 }
@@ -238,6 +259,12 @@ impl fmt::Display for PlanError<'_> {
                 u32::MAX
             ),
             Self::WorldSizeZero => f.write_str("TCPStore world size cannot be 0"),
+            Self::RestartCountMissing => f.write_str(
+                "KeyError: 'TORCHELASTIC_RESTART_COUNT': TORCHELASTIC_USE_AGENT_STORE=True \
+                 needs the restart count that the torchelastic agent sets for its workers; \
+                 set TORCHELASTIC_RESTART_COUNT (0 for the first attempt) or unset \
+                 TORCHELASTIC_USE_AGENT_STORE",
+            ),
             Self::NoHandler(error) => error.fmt(f),
         }
     }
@@ -324,7 +351,8 @@ fn rank_and_world_size<'a>(
 }
 
 /// `_create_c10d_store(host, port, rank, world_size, timeout, use_libuv)`, after its
-/// port check (callers turn their port into a `u16` first).
+/// port check (callers turn their port into a `u16` first). In agent-store mode the
+/// restart count is read first, as Python reads it before creating the TCPStore.
 fn c10d_store<E: Env + ?Sized>(
     host: String,
     port: u16,
@@ -334,10 +362,18 @@ fn c10d_store<E: Env + ?Sized>(
     use_libuv: bool,
     env: &E,
 ) -> Result<StorePlan, PlanError<'static>> {
+    let agent_store = use_agent_store(env);
+    let prefix = if agent_store {
+        let attempt = env
+            .var("TORCHELASTIC_RESTART_COUNT")
+            .ok_or(PlanError::RestartCountMissing)?;
+        Some(agent_store_prefix(attempt))
+    } else {
+        None
+    };
     if world_size == Some(0) {
         return Err(PlanError::WorldSizeZero);
     }
-    let agent_store = use_agent_store(env);
     Ok(StorePlan::Tcp(TcpStorePlan {
         host,
         port,
@@ -347,6 +383,7 @@ fn c10d_store<E: Env + ?Sized>(
         multi_tenant: !agent_store,
         use_libuv: agent_store || use_libuv,
         agent_store,
+        prefix,
     }))
 }
 
@@ -511,6 +548,7 @@ mod tests {
             multi_tenant: true,
             use_libuv: true,
             agent_store: false,
+            prefix: None,
         }
     }
 
@@ -697,6 +735,25 @@ mod tests {
 
         let mut agent_vars = vars.to_vec();
         agent_vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        // _create_c10d_store reads os.environ["TORCHELASTIC_RESTART_COUNT"]: KeyError.
+        let env = MapEnv::new(&agent_vars);
+        assert_eq!(
+            error_text(plan_env("env://", &env, None)),
+            "KeyError: 'TORCHELASTIC_RESTART_COUNT': TORCHELASTIC_USE_AGENT_STORE=True needs \
+             the restart count that the torchelastic agent sets for its workers; set \
+             TORCHELASTIC_RESTART_COUNT (0 for the first attempt) or unset \
+             TORCHELASTIC_USE_AGENT_STORE"
+        );
+        // It is read before the TCPStore is made, so before the world size check.
+        let zero: std::vec::Vec<_> = agent_vars
+            .iter()
+            .map(|&(k, v)| if k == "WORLD_SIZE" { (k, "0") } else { (k, v) })
+            .collect();
+        assert_eq!(
+            plan_env("env://", &MapEnv::new(&zero), None),
+            Err(PlanError::RestartCountMissing)
+        );
+        agent_vars.push(("TORCHELASTIC_RESTART_COUNT", "3"));
         let env = MapEnv::new(&agent_vars);
         let plan = plan_env("env://", &env, Some(Duration::from_secs(5))).expect("ok");
         assert_eq!(
@@ -710,8 +767,21 @@ mod tests {
                 multi_tenant: false,
                 use_libuv: true,
                 agent_store: true,
+                prefix: Some("/worker/attempt_3".into()),
             })
         );
+        // The count is formatted as read, unparsed, like Python's f-string; an empty
+        // value is set (os.environ has it), so it is not an error.
+        assert_eq!(agent_store_prefix("0"), "/worker/attempt_0");
+        assert_eq!(agent_store_prefix(" 07"), "/worker/attempt_ 07");
+        let mut empty = agent_vars.clone();
+        empty.pop();
+        empty.push(("TORCHELASTIC_RESTART_COUNT", ""));
+        let plan = plan_env("env://", &MapEnv::new(&empty), None).expect("empty is set");
+        assert!(matches!(
+            plan.store,
+            StorePlan::Tcp(TcpStorePlan { prefix: Some(ref p), .. }) if p == "/worker/attempt_"
+        ));
     }
 
     #[test]

@@ -5,13 +5,16 @@
 //! The agent asks the runtime for three things (`rdzv_uring::rpc::device`):
 //!
 //! - `cuda_xth` (same process): a tensor is lent by its device address, and the receiver
-//!   copies it device to device (`cuMemcpy` over unified addressing, so across GPUs
+//!   copies it device to device (`cuMemcpyAsync` over unified addressing, so across GPUs
 //!   too);
-//! - `cuda_ipc` (another process of this host): a tensor is lent through a CUDA IPC
-//!   memory handle of its allocation (`cuIpcGetMemHandle`); the receiver opens it
-//!   (`cuIpcOpenMemHandle`, with lazy peer access), copies device to device into fresh
-//!   memory on its target device and closes it again. The sender holds the memory until
-//!   the receiver answered (the agent's lending rule), so no event handle is needed;
+//! - `cuda_ipc` (another process of this host): a tensor is lent through the CUDA IPC
+//!   memory handle of its allocation (`cuIpcGetMemHandle`, made once per allocation and
+//!   cached with it) and the allocation's base address. The receiver keeps what it opened
+//!   (`cuIpcOpenMemHandle`, with lazy peer access) per pipe, lending process, device and
+//!   base, for the pipe's life, bounded ([`super::ipc_mappings`]): another handle at a
+//!   known base means the address was reused, and the stale mapping is closed first. The
+//!   sender holds the memory until the receiver answered (the agent's lending rule), so
+//!   no event handle is needed;
 //! - `cuda_gdr` (another host, GPUDirect RDMA): a tensor's allocation is registered with
 //!   the NIC in the verbs domain of this process's GDR endpoint (a TCP listener that
 //!   bootstraps queue pairs, [`crate::ibv::lending`]); the descriptor names the endpoint,
@@ -22,13 +25,37 @@
 //!   allocation anew and deregisters it when the loan ends (no cache: a freed allocation
 //!   must not leave a registration behind). Not run against a GPU and NIC here: the data
 //!   path is the host-memory one tested on Soft-RoCE, the CUDA side only compiles;
-//! - `cuda_basic`: synchronous copies to and from host memory.
+//! - `cuda_basic`: copies to and from host memory through pinned buffers. Sending, the
+//!   tensor is copied device to host once, into a pinned block from a per-device cache
+//!   ([`CudaOptions::staged_out_cap_bytes`]), and the CPU channel reads that block where
+//!   it is (`HostBytes::staged`; the block goes back to the cache when the channel drops
+//!   it); a tensor that does not fit under the cap is staged in chunks into pageable
+//!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
+//!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
+//!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
+//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]); bytes that arrived whole
+//!   (inline, `mpt`) are staged in chunks ([`super::chunk_plan`]): the device copy of one
+//!   chunk runs while the host copies the previous one.
 //!
-//! Every copy is synchronous: the receiving side's memory is complete when the agent
-//! hands the tensor to its handler or caller. A sender must hand the agent memory whose
-//! producing work is complete (synchronise the stream that wrote it first), as with
-//! any synchronous `cuMemcpy`. Device memory comes from `cuMemAlloc` (not the
-//! stream-ordered pool), which CUDA IPC requires.
+//! **When a received tensor is ready.** Every copy runs on the runtime's own streams
+//! (a few per device) and is waited for with an event recorded after it, never with a
+//! device-wide synchronisation; the runtime hands a tensor to the agent only after that
+//! wait. So a received tensor's memory is complete when the agent hands it to a handler,
+//! or when `rpc_sync` (or the future's wait) returns it; no stream of the caller's needs
+//! to wait for anything. A sender must hand the agent memory whose producing work is
+//! complete (synchronise the stream that wrote it first).
+//!
+//! **Where received memory comes from.** A caching allocator per device
+//! ([`super::caching_allocator`], `cuMemAlloc` blocks in size classes, under a cap:
+//! [`CudaOptions::cache_cap_bytes`]). A received tensor's block goes back to the cache
+//! when the last handle to its memory is dropped, and is handed out again for the next
+//! tensor: work of the consumer's own that still reads or writes it must be complete by
+//! then (as before `cuMemFree`). Memory made with [`CudaMemory::alloc`] or
+//! [`CudaMemory::upload`] is the caller's own `cuMemAlloc` allocation, as before.
+//!
+//! Everything the runtime opened (mappings, events, streams, pinned buffers, cached
+//! blocks) is released when the agent drops it at shutdown; a pipe's mappings when the
+//! pipe ends (`DeviceRuntime::pipe_ended`).
 //!
 //! Opening the runtime never panics when the driver is absent: [`CudaPlugin`] probes
 //! first ([`super::probe`]) and reports why CUDA cannot be used, and the agent then
@@ -36,27 +63,103 @@
 //! CPU side).
 
 use std::any::Any;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use cudarc::driver::safe::CudaStream;
 use cudarc::driver::sys;
 use rdzv_core::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
-use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime};
+use rdzv_uring::rpc::{
+    DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, PipeId,
+    StagedBytes, StagedReceive,
+};
 
+use super::caching_allocator::{BackingAllocator, CachedBlock, CachingAllocator};
 use super::channel_error::CudaChannelError;
+use super::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StagingCopies};
 use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
-use super::memory::{DeviceAllocation, Gpu};
+use super::ipc_mappings::{IpcMappings, MappingKey, MappingOpener};
+use super::memory::{
+    copy_to_host_async, DeviceAllocation, DeviceRange, Gpu, PinnedHostBuffer, RawEvent,
+};
 use super::viability::{self, ChannelVerdict, CudaChannel};
 use super::PeerMemory;
 use crate::ibv::IbvViability;
 use crate::report::ErrorChain;
 
-/// The CUDA device plugin of the RPC agent.
+/// The environment variable that sets [`CudaOptions::cache_cap_bytes`] for
+/// [`CudaPlugin`] (a byte count).
+pub const ENV_CACHE_CAP: &str = "RDZV_CUDA_CACHE_CAP";
+
+/// How the CUDA runtime uses memory and streams. [`CudaPlugin`] takes the defaults
+/// (with [`ENV_CACHE_CAP`]); [`ConfiguredCudaPlugin`] takes these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The most bytes of received tensors' device memory one device's caching allocator
+    /// holds (in use plus cached). A tensor that does not fit while the others are alive
+    /// fails with an error naming the device, its size, the cap and the bytes in use.
+    pub cache_cap_bytes: usize,
+    /// `cuda_basic`'s staging chunk: the bytes one pinned buffer holds.
+    pub staging_chunk_bytes: usize,
+    /// Pinned buffers one staged copy cycles through (2 = double buffering).
+    pub staging_buffers: usize,
+    /// The most bytes of pinned host memory one device holds for tensors on their way
+    /// out over `cuda_basic` (in use by the CPU channels plus cached). A tensor that
+    /// does not fit is staged in chunks into pageable memory instead (one more host
+    /// copy).
+    pub staged_out_cap_bytes: usize,
+    /// Streams per device the copies are spread over.
+    pub streams_per_device: usize,
+    /// The most `cuda_ipc` mappings a device keeps open (least recently used closed
+    /// first).
+    pub ipc_mappings_per_device: usize,
+    /// The most bytes those mappings may map (an open mapping keeps the lender's memory
+    /// alive even after the lender freed it).
+    pub ipc_mapped_bytes_per_device: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            cache_cap_bytes: 8 << 30,
+            staging_chunk_bytes: 4 << 20,
+            staging_buffers: 3,
+            staged_out_cap_bytes: 2 << 30,
+            streams_per_device: 2,
+            ipc_mappings_per_device: 256,
+            ipc_mapped_bytes_per_device: 4 << 30,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The defaults, with the cap from [`ENV_CACHE_CAP`] when it is set.
+    ///
+    /// # Errors
+    /// [`ENV_CACHE_CAP`] is set but is not a byte count.
+    pub fn from_env() -> Result<CudaOptions, String> {
+        Self::with_cache_cap(std::env::var(ENV_CACHE_CAP).ok().as_deref())
+    }
+
+    /// The defaults, with the cap from `cap` (the value of [`ENV_CACHE_CAP`]) when given.
+    fn with_cache_cap(cap: Option<&str>) -> Result<CudaOptions, String> {
+        let mut options = CudaOptions::default();
+        if let Some(text) = cap {
+            options.cache_cap_bytes = text.trim().parse().map_err(|_| {
+                format!("{ENV_CACHE_CAP}={text:?} is not a byte count (e.g. 8589934592)")
+            })?;
+        }
+        Ok(options)
+    }
+}
+
+/// The CUDA device plugin of the RPC agent, with [`CudaOptions::from_env`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CudaPlugin;
 
@@ -66,7 +169,22 @@ impl DevicePlugin for CudaPlugin {
     }
 
     fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        CudaRuntime::open().map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+        let options = CudaOptions::from_env()?;
+        CudaRuntime::open_with(options).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    }
+}
+
+/// The CUDA device plugin of the RPC agent, with the given options.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConfiguredCudaPlugin(pub CudaOptions);
+
+impl DevicePlugin for ConfiguredCudaPlugin {
+    fn device_type(&self) -> DeviceType {
+        DeviceType::Cuda
+    }
+
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+        CudaRuntime::open_with(self.0).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
     }
 }
 
@@ -74,8 +192,9 @@ impl DevicePlugin for CudaPlugin {
 /// channels need to know about this process.
 #[derive(Debug)]
 pub struct CudaRuntime {
+    options: CudaOptions,
     count: usize,
-    gpus: Mutex<Vec<Option<Gpu>>>,
+    devices: Mutex<Vec<Option<Arc<DeviceState>>>>,
     /// This process, for the lending descriptors; `Err` when `/proc` could not say.
     process: Result<ProcessIdentity, String>,
     /// `cuda_xth`'s and `cuda_ipc`'s domain descriptors, or why they cannot run.
@@ -91,12 +210,24 @@ pub struct CudaRuntime {
     registrars: Mutex<Vec<Option<GdrRegistrar>>>,
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl CudaRuntime {
-    /// Probes CUDA and the channels' prerequisites.
+    /// Probes CUDA and the channels' prerequisites, with the default options.
     ///
     /// # Errors
     /// Why CUDA cannot be used here (no driver library, `cuInit` failed, no device).
     pub fn open() -> Result<CudaRuntime, String> {
+        Self::open_with(CudaOptions::default())
+    }
+
+    /// As [`open`](Self::open), with `options`.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, String> {
         let report = viability::probe();
         let cuda = report.facts.cuda.report().ok_or_else(|| {
             report.facts.cuda.reason().map_or_else(
@@ -126,8 +257,9 @@ impl CudaRuntime {
             _ => Vec::new(),
         };
         Ok(CudaRuntime {
+            options,
             count,
-            gpus: Mutex::new(vec![None; count]),
+            devices: Mutex::new((0..count).map(|_| None).collect()),
             xth: channel(CudaChannel::Xth, HostIdentity::xth_descriptor),
             ipc: channel(CudaChannel::Ipc, HostIdentity::ipc_descriptor),
             gdr,
@@ -140,21 +272,24 @@ impl CudaRuntime {
     }
 
     /// The opened device `device` (opened now if it is the first use).
-    fn gpu(&self, device: Device) -> Result<Gpu, String> {
+    fn device(&self, device: Device) -> Result<Arc<DeviceState>, String> {
         let ordinal = ordinal(device)?;
-        let mut gpus = self.gpus.lock().unwrap_or_else(PoisonError::into_inner);
-        let slot = gpus.get_mut(ordinal).ok_or_else(|| {
+        let mut devices = lock(&self.devices);
+        let slot = devices.get_mut(ordinal).ok_or_else(|| {
             format!(
                 "this process has no {device}: it sees {} CUDA device(s)",
                 self.count
             )
         })?;
-        if let Some(gpu) = slot {
-            return Ok(gpu.clone());
+        if let Some(state) = slot {
+            return Ok(Arc::clone(state));
         }
-        let gpu = Gpu::open(ordinal).map_err(|e| ErrorChain(&e).to_string())?;
-        *slot = Some(gpu.clone());
-        Ok(gpu)
+        let state = Arc::new(
+            DeviceState::open(device, ordinal, &self.options)
+                .map_err(|e| ErrorChain(&e).to_string())?,
+        );
+        *slot = Some(Arc::clone(&state));
+        Ok(state)
     }
 
     fn process(&self) -> Result<ProcessIdentity, String> {
@@ -165,7 +300,7 @@ impl CudaRuntime {
     /// offered.
     fn gdr_node(&self) -> Result<Arc<GdrNode>, String> {
         self.gdr.as_ref().map_err(Clone::clone)?;
-        let mut node = self.gdr_node.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut node = lock(&self.gdr_node);
         if let Some(node) = node.as_ref() {
             return Ok(Arc::clone(node));
         }
@@ -202,10 +337,7 @@ impl CudaRuntime {
         let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
             format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
         })?;
-        let mut registrars = self
-            .registrars
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut registrars = lock(&self.registrars);
         let slot = registrars
             .get_mut(ordinal)
             .ok_or_else(|| format!("cuda_gdr: no CUDA device {ordinal}"))?;
@@ -228,22 +360,650 @@ impl CudaRuntime {
         registration
     }
 
-    /// Fresh memory on `device`, filled by `fill(destination address)` (a synchronous
-    /// device copy), with the device's context current.
-    fn copy_into_new(
+    /// Lent memory copied into memory from `device`'s cache (`pipe`: where the loan
+    /// came from, `None` when the caller did not say).
+    fn borrow_from(
         &self,
+        pipe: Option<PipeId>,
+        channel: ChannelKind,
         device: Device,
         len: u64,
-        fill: impl FnOnce(sys::CUdeviceptr, usize) -> Result<(), CudaChannelError>,
+        descriptor: &[u8],
     ) -> Result<DeviceBuffer, String> {
-        let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"))?;
-        let gpu = self.gpu(device)?;
-        let allocation = gpu.alloc(len).map_err(|e| ErrorChain(&e).to_string())?;
-        if len > 0 {
-            gpu.bind().map_err(|e| ErrorChain(&e).to_string())?;
-            fill(allocation.range().ptr(), len).map_err(|e| ErrorChain(&e).to_string())?;
+        let me = self.process()?;
+        let target = ordinal(device)?;
+        let to_usize =
+            |len: u64| usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"));
+        match channel {
+            ChannelKind::CudaXth => {
+                let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                check_lent_length(channel, lent.length, len)?;
+                if lent.process != me {
+                    return Err(format!(
+                        "the memory was lent by pid {}, not by this process (pid {}): \
+                         cuda_xth works within one process",
+                        lent.process.pid, me.pid
+                    ));
+                }
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                state
+                    .copy_device(memory.range().ptr(), lent.address, memory.len())
+                    .map_err(|e| ErrorChain(&e).to_string())?;
+                Ok(DeviceBuffer::new(memory))
+            }
+            ChannelKind::CudaIpc => {
+                let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                check_lent_length(channel, lent.length, len)?;
+                if let Some(what) = me.mismatch(&lent.process) {
+                    return Err(format!(
+                        "the memory was lent by pid {} under another {what}: cuda_ipc works \
+                         between processes of one host",
+                        lent.process.pid
+                    ));
+                }
+                let offset = to_usize(lent.offset)?;
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                if memory.is_empty() {
+                    return Ok(DeviceBuffer::new(memory));
+                }
+                let copy = |mapping: &OpenedHandle| -> Result<(), CudaChannelError> {
+                    let src = mapping.holding(offset, memory.len())?;
+                    state.copy_device(memory.range().ptr(), src, memory.len())
+                };
+                let copied = match pipe {
+                    Some(pipe) => {
+                        let key = MappingKey {
+                            pipe: pipe.get(),
+                            peer: lent.process,
+                            device: target,
+                            base: lent.base,
+                        };
+                        state.gpu.bind().map_err(|e| ErrorChain(&e).to_string())?;
+                        let mapping = lock(&state.mappings)
+                            .get(key, &lent.handle)
+                            .map_err(|e| ErrorChain(&e).to_string())?;
+                        copy(&mapping)
+                    }
+                    None => {
+                        state.gpu.bind().map_err(|e| ErrorChain(&e).to_string())?;
+                        let mapping = OpenedHandle::open(&state.gpu, &lent.handle)
+                            .map_err(|e| ErrorChain(&e).to_string())?;
+                        copy(&mapping)
+                    }
+                };
+                copied.map_err(|e| ErrorChain(&e).to_string())?;
+                Ok(DeviceBuffer::new(memory))
+            }
+            ChannelKind::CudaGdr => {
+                let lent = gdr_lending::check_descriptor(descriptor, len)?;
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                if memory.is_empty() {
+                    return Ok(DeviceBuffer::new(memory));
+                }
+                let node = self.gdr_node()?;
+                let registration = self.gdr_register(&node, target, memory.allocation())?;
+                let filled = node.read(&lent, GdrTarget::new(registration, memory))?;
+                Ok(DeviceBuffer::new(filled.into_memory()))
+            }
+            other => Err(format!("the CUDA runtime does not borrow over {other}")),
         }
-        Ok(DeviceBuffer::new(CudaMemory { device, allocation }))
+    }
+}
+
+/// What the runtime keeps per opened device. Field order is drop order: mappings first,
+/// then the staging buffers and events, the streams, the cached blocks, the device.
+struct DeviceState {
+    device: Device,
+    mappings: Mutex<IpcMappings<DriverOpener>>,
+    staging: Mutex<Vec<StagingSlot>>,
+    pinned: CachingAllocator<PinnedBacking>,
+    events: Mutex<Vec<RawEvent>>,
+    streams: Vec<Arc<CudaStream>>,
+    next_stream: AtomicUsize,
+    allocator: CachingAllocator<DeviceBacking>,
+    chunk: usize,
+    buffers: usize,
+    gpu: Gpu,
+}
+
+impl std::fmt::Debug for DeviceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceState")
+            .field("device", &self.device)
+            .field("allocator", &self.allocator)
+            .field("mappings", &*lock(&self.mappings))
+            .field("streams", &self.streams.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pinned staging buffer and the event that says when its last copy is done.
+struct StagingSlot {
+    buffer: PinnedHostBuffer,
+    event: RawEvent,
+}
+
+impl DeviceState {
+    fn open(
+        device: Device,
+        ordinal: usize,
+        options: &CudaOptions,
+    ) -> Result<DeviceState, CudaChannelError> {
+        let gpu = Gpu::open(ordinal)?;
+        let streams = (0..options.streams_per_device.max(1))
+            .map(|_| gpu.new_stream())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DeviceState {
+            device,
+            mappings: Mutex::new(IpcMappings::new(
+                DriverOpener { gpu: gpu.clone() },
+                options.ipc_mappings_per_device,
+                options.ipc_mapped_bytes_per_device,
+            )),
+            staging: Mutex::new(Vec::new()),
+            pinned: CachingAllocator::new(
+                format!("{device} (pinned host memory for cuda_basic)"),
+                PinnedBacking { gpu: gpu.clone() },
+                options.staged_out_cap_bytes,
+            ),
+            events: Mutex::new(Vec::new()),
+            streams,
+            next_stream: AtomicUsize::new(0),
+            allocator: CachingAllocator::new(
+                device.to_string(),
+                DeviceBacking { gpu: gpu.clone() },
+                options.cache_cap_bytes,
+            ),
+            chunk: options.staging_chunk_bytes.max(1),
+            buffers: options.staging_buffers.max(1),
+            gpu,
+        })
+    }
+
+    /// The next of the device's streams.
+    fn stream(&self) -> &Arc<CudaStream> {
+        let index = self.next_stream.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        &self.streams[index]
+    }
+
+    /// `len` bytes from the device's cache (nothing for 0 bytes).
+    fn alloc(&self, len: usize) -> Result<CudaMemory, String> {
+        let storage = if len == 0 {
+            Storage::Own(self.gpu.alloc(0).map_err(|e| ErrorChain(&e).to_string())?)
+        } else {
+            Storage::Cached(
+                self.allocator
+                    .allocate(len)
+                    .map_err(|e| ErrorChain(&e).to_string())?,
+            )
+        };
+        Ok(CudaMemory {
+            device: self.device,
+            len,
+            storage,
+        })
+    }
+
+    /// Runs `enqueue` on one of the device's streams, then waits for it with an event:
+    /// only that stream's work up to here is waited for, never the whole device.
+    fn on_stream_and_wait(
+        &self,
+        enqueue: impl FnOnce(&CudaStream) -> Result<(), CudaChannelError>,
+    ) -> Result<(), CudaChannelError> {
+        self.gpu.bind()?;
+        let stream = self.stream();
+        enqueue(stream)?;
+        let event = match lock(&self.events).pop() {
+            Some(event) => event,
+            None => RawEvent::new(&self.gpu, false)?,
+        };
+        event.record(stream)?;
+        let waited = event.synchronize();
+        lock(&self.events).push(event);
+        waited
+    }
+
+    /// Copies `len` bytes from `src` (any device memory the driver can address: this
+    /// device's, another device's, an opened IPC mapping) into `dst` (this device's), and
+    /// waits for the copy.
+    fn copy_device(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let ordinal = self.gpu.ordinal();
+        self.on_stream_and_wait(|stream| {
+            // SAFETY: `dst` is a live allocation of at least `len` bytes on this device;
+            // `src` is mapped for `len` bytes (a lent allocation kept alive by its loan, or
+            // an opened IPC mapping held by the caller until this returns). Unified
+            // addressing lets the driver find both devices. The caller waits for the copy
+            // before either is released.
+            unsafe { sys::cuMemcpyAsync(dst, src, len, stream.cu_stream()) }
+                .result()
+                .map_err(CudaChannelError::driver("cuMemcpyAsync", ordinal))
+        })
+    }
+
+    /// `count` staging slots (made now if the pool has fewer idle).
+    fn take_slots(&self, count: usize) -> Result<Vec<StagingSlot>, CudaChannelError> {
+        let mut slots: Vec<StagingSlot> = {
+            let mut idle = lock(&self.staging);
+            let keep = idle.len().saturating_sub(count);
+            idle.split_off(keep)
+        };
+        while slots.len() < count {
+            slots.push(StagingSlot {
+                buffer: PinnedHostBuffer::new(&self.gpu, self.chunk)?,
+                event: RawEvent::new(&self.gpu, false)?,
+            });
+        }
+        Ok(slots)
+    }
+
+    /// Puts slots back (their copies were waited for).
+    fn give_back(&self, slots: Vec<StagingSlot>) {
+        lock(&self.staging).extend(slots);
+    }
+
+    /// Copies `src` (this device's) into host memory through the pinned slots: the
+    /// device-to-host copy of chunk k+1 runs while the host copies chunk k out.
+    fn stage_out(&self, src: DeviceRange<'_>) -> Result<Vec<u8>, CudaChannelError> {
+        let plan = ChunkPlan::new(src.len(), self.chunk, self.buffers);
+        let mut out = Vec::with_capacity(src.len());
+        if plan.chunks() == 0 {
+            return Ok(out);
+        }
+        let mut slots = self.take_slots(plan.buffers_used())?;
+        let result = self.gpu.bind().and_then(|()| {
+            let mut copies = DriverStaging {
+                state: self,
+                slots: &mut slots,
+                device: src,
+            };
+            chunk_plan::stage_out(&plan, &mut copies, &mut out)
+        });
+        self.finish_slots(slots, &result);
+        result.map(|()| out)
+    }
+
+    /// Copies `src` (this device's) into a pinned block of its own from the device's
+    /// cache, for the CPU channel to read where it is; `None` when the block cannot be
+    /// had (the cap, or no pinned memory left) or `src` is empty.
+    fn stage_out_pinned(
+        &self,
+        src: DeviceRange<'_>,
+    ) -> Result<Option<PinnedBytes>, CudaChannelError> {
+        if src.is_empty() {
+            return Ok(None);
+        }
+        let mut block = match self.pinned.allocate(src.len()) {
+            Ok(block) => block,
+            Err(e) => {
+                tracing::debug!(
+                    error = %ErrorChain(&e),
+                    "cuda_basic stages this tensor through pageable memory"
+                );
+                return Ok(None);
+            }
+        };
+        let copied =
+            self.on_stream_and_wait(|stream| copy_to_host_async(block.block_mut(), src, stream));
+        match copied {
+            Ok(()) => Ok(Some(PinnedBytes {
+                block,
+                len: src.len(),
+            })),
+            Err(e) => {
+                // The copy may still be writing the block: never hand it out again.
+                std::mem::forget(block);
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies `bytes` into `dst` (this device's, as long as `bytes`) through the pinned
+    /// slots: the host copy of chunk k+1 runs while chunk k goes host to device.
+    fn stage_in(&self, dst: DeviceRange<'_>, bytes: &[u8]) -> Result<(), CudaChannelError> {
+        if dst.len() != bytes.len() {
+            return Err(CudaChannelError::LengthMismatch {
+                sent: bytes.len() as u64,
+                expected: dst.len() as u64,
+            });
+        }
+        let plan = ChunkPlan::new(bytes.len(), self.chunk, self.buffers);
+        if plan.chunks() == 0 {
+            return Ok(());
+        }
+        let mut slots = self.take_slots(plan.buffers_used())?;
+        let result = self.gpu.bind().and_then(|()| {
+            let mut copies = DriverStaging {
+                state: self,
+                slots: &mut slots,
+                device: dst,
+            };
+            chunk_plan::stage_in(&plan, &mut copies, bytes)
+        });
+        self.finish_slots(slots, &result);
+        result
+    }
+
+    /// After a staged copy: on success the slots are idle and go back to the pool; after
+    /// an error a copy may still use one, so each is waited for first (and dropped if
+    /// that fails too).
+    fn finish_slots(&self, slots: Vec<StagingSlot>, result: &Result<(), CudaChannelError>) {
+        if result.is_ok() {
+            self.give_back(slots);
+            return;
+        }
+        let idle: Vec<StagingSlot> = slots
+            .into_iter()
+            .filter(|slot| slot.event.synchronize().is_ok())
+            .collect();
+        self.give_back(idle);
+    }
+}
+
+/// A staged copy's driver side: pinned slots, the device range, asynchronous copies on
+/// the device's streams, one event per slot.
+struct DriverStaging<'a, 'r> {
+    state: &'a DeviceState,
+    slots: &'a mut [StagingSlot],
+    device: DeviceRange<'r>,
+}
+
+impl DriverStaging<'_, '_> {
+    /// The slot and the device address of `[offset, offset + len)`, checked.
+    fn place(
+        &self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(&StagingSlot, sys::CUdeviceptr), CudaChannelError> {
+        let slot = self
+            .slots
+            .get(buffer)
+            .filter(|slot| len <= slot.buffer.len());
+        match (slot, self.device.slice(offset, len)) {
+            (Some(slot), Some(range)) => Ok((slot, range.ptr())),
+            _ => Err(CudaChannelError::protocol(
+                "cuda_basic staging plan",
+                format!("{len} bytes at {offset} do not fit buffer {buffer} or the tensor"),
+            )),
+        }
+    }
+}
+
+impl StagingCopies for DriverStaging<'_, '_> {
+    type Error = CudaChannelError;
+
+    fn start_to_host(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        let ordinal = self.state.gpu.ordinal();
+        let (slot, src) = self.place(buffer, offset, len)?;
+        let stream = self.state.stream();
+        // SAFETY: the slot's pinned buffer holds at least `len` bytes and no copy uses it
+        // (the plan waited for its previous one); `src` is `len` bytes of this device's
+        // memory, alive for the whole staged copy. The buffer is read only after the
+        // slot's event, recorded next, completed.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(slot.buffer.as_ptr(), src, len, stream.cu_stream()) }
+            .result()
+            .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
+        slot.event.record(stream)
+    }
+
+    fn start_to_device(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        let ordinal = self.state.gpu.ordinal();
+        let (slot, dst) = self.place(buffer, offset, len)?;
+        let stream = self.state.stream();
+        // SAFETY: the slot's pinned buffer holds this chunk's `len` bytes and is not
+        // written again until its event, recorded next, completed; `dst` is `len` bytes
+        // of this device's memory, alive for the whole staged copy.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, slot.buffer.as_ptr(), len, stream.cu_stream()) }
+            .result()
+            .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
+        slot.event.record(stream)
+    }
+
+    fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
+        match self.slots.get(buffer) {
+            Some(slot) => slot.event.synchronize(),
+            None => Err(CudaChannelError::protocol(
+                "cuda_basic staging plan",
+                format!("no buffer {buffer}"),
+            )),
+        }
+    }
+
+    fn buffer(&mut self, buffer: usize) -> &mut [u8] {
+        match self.slots.get_mut(buffer) {
+            Some(slot) => slot.buffer.as_mut_slice(),
+            None => &mut [],
+        }
+    }
+}
+
+/// A tensor staged out into a pinned block: the bytes the CPU channel reads. Dropping
+/// it gives the block back to its device's cache.
+struct PinnedBytes {
+    block: CachedBlock<PinnedBacking>,
+    len: usize,
+}
+
+impl StagedBytes for PinnedBytes {
+    fn bytes(&self) -> &[u8] {
+        // The block is at least `len` long (its size class); its copy was waited for.
+        self.block
+            .block()
+            .as_slice()
+            .get(..self.len)
+            .unwrap_or_default()
+    }
+}
+
+/// `cuMemHostAlloc` blocks for a device's cache of staged-out tensors.
+struct PinnedBacking {
+    gpu: Gpu,
+}
+
+impl BackingAllocator for PinnedBacking {
+    type Block = PinnedHostBuffer;
+    type Error = CudaChannelError;
+
+    fn allocate(&mut self, len: usize) -> Result<PinnedHostBuffer, CudaChannelError> {
+        PinnedHostBuffer::new(&self.gpu, len)
+    }
+}
+
+/// The copies of a chunked receive ([`DriverStageIn`]): the device's pinned slots, and
+/// the fresh memory the tensor lands in.
+struct OwnedStaging {
+    state: Arc<DeviceState>,
+    slots: Vec<StagingSlot>,
+    memory: CudaMemory,
+}
+
+impl OwnedStaging {
+    fn driver(&mut self) -> DriverStaging<'_, '_> {
+        DriverStaging {
+            state: &self.state,
+            slots: &mut self.slots,
+            device: self.memory.range(),
+        }
+    }
+}
+
+impl StagingCopies for OwnedStaging {
+    type Error = CudaChannelError;
+
+    fn start_to_host(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        self.state.gpu.bind()?;
+        self.driver().start_to_host(buffer, offset, len)
+    }
+
+    fn start_to_device(
+        &mut self,
+        buffer: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), CudaChannelError> {
+        // The agent's pull runs on any thread: make the device's context current.
+        self.state.gpu.bind()?;
+        self.driver().start_to_device(buffer, offset, len)
+    }
+
+    fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
+        self.driver().wait(buffer)
+    }
+
+    fn buffer(&mut self, buffer: usize) -> &mut [u8] {
+        match self.slots.get_mut(buffer) {
+            Some(slot) => slot.buffer.as_mut_slice(),
+            None => &mut [],
+        }
+    }
+}
+
+/// A tensor received over `cuda_basic` chunk by chunk (`DeviceRuntime::receive_staged`):
+/// each chunk's host-to-device copy starts as soon as the agent filled its pinned slot.
+/// Dropped unfinished, it waits for the copies it started, gives the slots back and the
+/// memory to the cache; a slot (or the memory) whose copy cannot be waited for is never
+/// reused (leaked).
+struct DriverStageIn {
+    staging: Option<ChunkedStageIn<OwnedStaging>>,
+    chunk: usize,
+}
+
+impl DriverStageIn {
+    fn staging(&mut self) -> Result<&mut ChunkedStageIn<OwnedStaging>, String> {
+        self.staging
+            .as_mut()
+            .ok_or_else(|| "this cuda_basic receive already finished".to_string())
+    }
+}
+
+impl StagedReceive for DriverStageIn {
+    fn chunk_len(&self) -> usize {
+        self.chunk
+    }
+
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+        self.staging()?
+            .chunk_buffer(k)
+            .map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+        self.staging()?
+            .chunk_filled(k)
+            .map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, String> {
+        // On an error, dropping `self` settles the copies.
+        self.staging()?
+            .finish()
+            .map_err(|e| ErrorChain(&e).to_string())?;
+        let Some(staging) = self.staging.take() else {
+            return Err("this cuda_basic receive already finished".into());
+        };
+        let OwnedStaging {
+            state,
+            slots,
+            memory,
+        } = staging.into_copies();
+        state.give_back(slots);
+        Ok(DeviceBuffer::new(memory))
+    }
+}
+
+impl Drop for DriverStageIn {
+    fn drop(&mut self) {
+        let Some(mut staging) = self.staging.take() else {
+            return;
+        };
+        let idle = staging.settle();
+        let OwnedStaging {
+            state,
+            slots,
+            memory,
+        } = staging.into_copies();
+        let mut all_idle = true;
+        let mut back = Vec::with_capacity(slots.len());
+        for (slot, idle) in slots
+            .into_iter()
+            .zip(idle.into_iter().chain(std::iter::repeat(true)))
+        {
+            if idle {
+                back.push(slot);
+            } else {
+                // A copy may still read it: never free or reuse it.
+                all_idle = false;
+                std::mem::forget(slot);
+            }
+        }
+        state.give_back(back);
+        if all_idle {
+            drop(memory);
+        } else {
+            std::mem::forget(memory);
+        }
+    }
+}
+
+/// `cuMemAlloc` blocks for a device's caching allocator.
+struct DeviceBacking {
+    gpu: Gpu,
+}
+
+impl BackingAllocator for DeviceBacking {
+    type Block = DeviceAllocation;
+    type Error = CudaChannelError;
+
+    fn allocate(&mut self, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
+        self.gpu.alloc(len)
+    }
+}
+
+/// Opens `cuda_ipc` handles on one device.
+struct DriverOpener {
+    gpu: Gpu,
+}
+
+impl MappingOpener for DriverOpener {
+    type Mapping = OpenedHandle;
+    type Error = CudaChannelError;
+
+    fn open(
+        &mut self,
+        handle: &[u8; IPC_HANDLE_LEN],
+        _ordinal: usize,
+    ) -> Result<OpenedHandle, CudaChannelError> {
+        OpenedHandle::open(&self.gpu, handle)
+    }
+
+    fn mapped_len(mapping: &OpenedHandle) -> usize {
+        mapping.len
     }
 }
 
@@ -284,42 +1044,53 @@ fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, String> {
     })
 }
 
-/// Synchronous device-to-device copy of `len` bytes, then a wait for the copy: the
-/// current context must be the destination's.
-fn copy_and_wait(
-    dst: sys::CUdeviceptr,
-    src: sys::CUdeviceptr,
-    len: usize,
-    ordinal: usize,
-) -> Result<(), CudaChannelError> {
-    // SAFETY: `dst` is a live allocation of at least `len` bytes in the current
-    // context; `src` is mapped for `len` bytes (an opened IPC handle, or a lent
-    // allocation of this process kept alive by its loan). Unified addressing lets the
-    // driver find both devices.
-    unsafe { sys::cuMemcpy(dst, src, len) }
-        .result()
-        .map_err(CudaChannelError::driver("cuMemcpy", ordinal))?;
-    // SAFETY: no arguments; waits for the current context's work, the copy included.
-    unsafe { sys::cuCtxSynchronize() }
-        .result()
-        .map_err(CudaChannelError::driver("cuCtxSynchronize", ordinal))
-}
-
 impl DeviceRuntime for CudaRuntime {
     fn device_count(&self) -> usize {
         self.count
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
-        own(memory)?
-            .to_host()
-            .map_err(|e| ErrorChain(&e).to_string())
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+        let memory = own(memory)?;
+        let state = self.device(memory.device)?;
+        let staged = match state.stage_out_pinned(memory.range()) {
+            Ok(Some(pinned)) => Ok(HostBytes::staged(pinned)),
+            Ok(None) => state.stage_out(memory.range()).map(HostBytes::from),
+            Err(e) => Err(e),
+        };
+        staged.map_err(|e| ErrorChain(&e).to_string())
+    }
+
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        let state = self.device(device)?;
+        let memory = state.alloc(len)?;
+        let plan = ChunkPlan::new(len, state.chunk, state.buffers);
+        let slots = state
+            .take_slots(plan.buffers_used())
+            .map_err(|e| ErrorChain(&e).to_string())?;
+        let chunk = state.chunk;
+        Ok(Some(Box::new(DriverStageIn {
+            staging: Some(ChunkedStageIn::new(
+                plan,
+                OwnedStaging {
+                    state,
+                    slots,
+                    memory,
+                },
+            )),
+            chunk,
+        })))
     }
 
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
-        let gpu = self.gpu(device)?;
-        let memory =
-            CudaMemory::upload_on(&gpu, device, &bytes).map_err(|e| ErrorChain(&e).to_string())?;
+        let state = self.device(device)?;
+        let memory = state.alloc(bytes.len())?;
+        state
+            .stage_in(memory.range(), &bytes)
+            .map_err(|e| ErrorChain(&e).to_string())?;
         Ok(DeviceBuffer::new(memory))
     }
 
@@ -334,11 +1105,11 @@ impl DeviceRuntime for CudaRuntime {
     fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
         let own = own(memory)?;
         let device = u32::from(own.device.index().unwrap_or(0));
-        let length = own.allocation.len() as u64;
+        let length = own.len as u64;
         let descriptor = match channel {
             ChannelKind::CudaXth => CudaXthDescriptor {
                 process: self.process()?,
-                address: own.allocation.range().ptr(),
+                address: own.range().ptr(),
                 length,
                 device,
             }
@@ -346,21 +1117,25 @@ impl DeviceRuntime for CudaRuntime {
             .to_vec(),
             ChannelKind::CudaIpc => CudaIpcDescriptor {
                 process: self.process()?,
-                handle: own.ipc_handle().map_err(|e| ErrorChain(&e).to_string())?,
+                handle: own
+                    .allocation()
+                    .ipc_handle()
+                    .map_err(|e| ErrorChain(&e).to_string())?,
                 offset: 0,
                 length,
                 device,
+                base: own.allocation().range().ptr(),
             }
             .encode()
             .to_vec(),
             ChannelKind::CudaGdr => {
                 let node = self.gdr_node()?;
-                let address = own.allocation.range().ptr();
+                let address = own.range().ptr();
                 let registration = if length == 0 {
                     None
                 } else {
                     let ordinal = ordinal(own.device)?;
-                    Some(self.gdr_register(&node, ordinal, &own.allocation)?)
+                    Some(self.gdr_register(&node, ordinal, own.allocation())?)
                 };
                 let rkey = registration.as_ref().map_or(0, |r| r.rkey());
                 let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
@@ -387,116 +1162,117 @@ impl DeviceRuntime for CudaRuntime {
         len: u64,
         descriptor: &[u8],
     ) -> Result<DeviceBuffer, String> {
-        let me = self.process()?;
-        let target = ordinal(device)?;
-        match channel {
-            ChannelKind::CudaXth => {
-                let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                check_lent_length(channel, lent.length, len)?;
-                if lent.process != me {
-                    return Err(format!(
-                        "the memory was lent by pid {}, not by this process (pid {}): \
-                         cuda_xth works within one process",
-                        lent.process.pid, me.pid
-                    ));
-                }
-                self.copy_into_new(device, len, |dst, len| {
-                    copy_and_wait(dst, lent.address, len, target)
-                })
+        self.borrow_from(None, channel, device, len, descriptor)
+    }
+
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        self.borrow_from(Some(pipe), channel, device, len, descriptor)
+    }
+
+    fn pipe_ended(&self, pipe: PipeId) {
+        let opened: Vec<Arc<DeviceState>> = lock(&self.devices).iter().flatten().cloned().collect();
+        for state in opened {
+            if state.gpu.bind().is_ok() {
+                lock(&state.mappings).close_pipe(pipe.get());
             }
-            ChannelKind::CudaIpc => {
-                let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                check_lent_length(channel, lent.length, len)?;
-                if let Some(what) = me.mismatch(&lent.process) {
-                    return Err(format!(
-                        "the memory was lent by pid {} under another {what}: cuda_ipc works \
-                         between processes of one host",
-                        lent.process.pid
-                    ));
-                }
-                let offset = usize::try_from(lent.offset)
-                    .map_err(|_| format!("offset {} does not fit here", lent.offset))?;
-                self.copy_into_new(device, len, |dst, len| {
-                    let opened = OpenedHandle::open(&lent.handle, target)?;
-                    opened.check_holds(offset, len)?;
-                    copy_and_wait(dst, opened.base + offset as u64, len, target)
-                })
-            }
-            ChannelKind::CudaGdr => {
-                let lent = gdr_lending::check_descriptor(descriptor, len)?;
-                let len =
-                    usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"))?;
-                let gpu = self.gpu(device)?;
-                let allocation = gpu.alloc(len).map_err(|e| ErrorChain(&e).to_string())?;
-                let memory = CudaMemory { device, allocation };
-                if len == 0 {
-                    return Ok(DeviceBuffer::new(memory));
-                }
-                let node = self.gdr_node()?;
-                let registration = self.gdr_register(&node, target, &memory.allocation)?;
-                let filled = node.read(&lent, GdrTarget::new(registration, memory))?;
-                Ok(DeviceBuffer::new(filled.into_memory()))
-            }
-            other => Err(format!("the CUDA runtime does not borrow over {other}")),
         }
     }
 }
 
 /// A peer's allocation mapped into this process by `cuIpcOpenMemHandle`, closed on drop.
 struct OpenedHandle {
+    gpu: Gpu,
     base: sys::CUdeviceptr,
-    ordinal: usize,
+    /// The mapped allocation's length.
+    len: usize,
 }
 
 impl OpenedHandle {
-    /// Opens `handle` in the current context (the target device's).
-    fn open(handle: &[u8; IPC_HANDLE_LEN], ordinal: usize) -> Result<Self, CudaChannelError> {
-        let base = super::ipc::open_mem_handle(handle, ordinal)?;
-        Ok(OpenedHandle { base, ordinal })
-    }
-
-    /// Checks that the mapping holds `[offset, offset + len)`: never trust the peer's
-    /// geometry.
-    fn check_holds(&self, offset: usize, len: usize) -> Result<(), CudaChannelError> {
+    /// Opens `handle` on `gpu` and reads how much it maps.
+    fn open(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<Self, CudaChannelError> {
+        gpu.bind()?;
+        let base = super::ipc::open_mem_handle(handle, gpu.ordinal())?;
+        let mut opened = OpenedHandle {
+            gpu: gpu.clone(),
+            base,
+            len: 0,
+        };
         let mut mapped_base: sys::CUdeviceptr = 0;
         let mut mapped_len: usize = 0;
         // SAFETY: `base` is a live mapping; the driver writes into two live locals.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut mapped_base, &mut mapped_len, self.base) }
+        unsafe { sys::cuMemGetAddressRange_v2(&mut mapped_base, &mut mapped_len, base) }
             .result()
             .map_err(CudaChannelError::driver(
                 "cuMemGetAddressRange",
-                self.ordinal,
+                gpu.ordinal(),
             ))?;
-        let fits = offset
-            .checked_add(len)
-            .is_some_and(|end| self.base == mapped_base && end <= mapped_len);
-        if fits {
-            Ok(())
-        } else {
-            Err(CudaChannelError::Protocol {
-                what: "cuda_ipc descriptor",
-                detail: format!(
-                    "it lends {len} bytes at offset {offset} of an allocation of {mapped_len}"
+        if mapped_base != base {
+            return Err(CudaChannelError::protocol(
+                "cuda_ipc descriptor",
+                "its handle maps to the middle of an allocation",
+            ));
+        }
+        opened.len = mapped_len;
+        Ok(opened)
+    }
+
+    /// The address of `[offset, offset + len)` in the mapping, checked against what it
+    /// maps: never trust the peer's geometry.
+    fn holding(&self, offset: usize, len: usize) -> Result<sys::CUdeviceptr, CudaChannelError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.base + offset as u64),
+            _ => Err(CudaChannelError::protocol(
+                "cuda_ipc descriptor",
+                format!(
+                    "it lends {len} bytes at offset {offset} of an allocation of {}",
+                    self.len
                 ),
-            })
+            )),
         }
     }
 }
 
 impl Drop for OpenedHandle {
     fn drop(&mut self) {
-        // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed once; every copy
-        // out of it was waited for.
-        let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `base` came from `cuIpcOpenMemHandle` in this device's context and is
+            // closed once; every copy out of it was waited for (a copy holds the mapping
+            // until its event completed).
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+        }
     }
 }
 
-/// A CUDA tensor's memory: one `cuMemAlloc` allocation on one device. Wrap it in a
-/// `DeviceBuffer` to make a tensor of it.
+// SAFETY: a mapped device address is valid from any thread once the context is current,
+// which `Drop` ensures; the struct is otherwise plain data.
+unsafe impl Send for OpenedHandle {}
+// SAFETY: shared access only reads the fields.
+unsafe impl Sync for OpenedHandle {}
+
+/// Where a [`CudaMemory`]'s bytes live.
+#[derive(Debug)]
+enum Storage {
+    /// An allocation of its own.
+    Own(DeviceAllocation),
+    /// A block of the runtime's caching allocator, back to it on drop.
+    Cached(CachedBlock<DeviceBacking>),
+}
+
+/// A CUDA tensor's memory: on one device, the start of a `cuMemAlloc` allocation (its
+/// own, or a block of the runtime's cache). Wrap it in a `DeviceBuffer` to make a
+/// tensor of it.
 #[derive(Debug)]
 pub struct CudaMemory {
     device: Device,
-    allocation: DeviceAllocation,
+    len: usize,
+    storage: Storage,
 }
 
 impl CudaMemory {
@@ -508,7 +1284,8 @@ impl CudaMemory {
         let gpu = Gpu::open(cuda_ordinal(device)?)?;
         Ok(CudaMemory {
             device,
-            allocation: gpu.alloc(len)?,
+            len,
+            storage: Storage::Own(gpu.alloc(len)?),
         })
     }
 
@@ -518,43 +1295,50 @@ impl CudaMemory {
     /// As [`alloc`](Self::alloc), or the copy failed.
     pub fn upload(device: Device, bytes: &[u8]) -> Result<CudaMemory, CudaChannelError> {
         let gpu = Gpu::open(cuda_ordinal(device)?)?;
-        Self::upload_on(&gpu, device, bytes)
-    }
-
-    fn upload_on(gpu: &Gpu, device: Device, bytes: &[u8]) -> Result<CudaMemory, CudaChannelError> {
         let mut allocation = gpu.alloc(bytes.len())?;
         allocation.copy_from_host(bytes)?;
-        Ok(CudaMemory { device, allocation })
+        Ok(CudaMemory {
+            device,
+            len: bytes.len(),
+            storage: Storage::Own(allocation),
+        })
     }
 
-    /// A host copy of the memory.
+    /// A host copy of the memory (a synchronous copy).
     ///
     /// # Errors
     /// The copy failed.
     pub fn to_host(&self) -> Result<Vec<u8>, CudaChannelError> {
-        let mut bytes = vec![0u8; self.allocation.len()];
-        self.allocation.copy_to_host(&mut bytes)?;
+        let mut bytes = vec![0u8; self.len];
+        if self.len == 0 {
+            return Ok(bytes);
+        }
+        let allocation = self.allocation();
+        allocation.gpu().bind()?;
+        // SAFETY: the range is `len` bytes of a live allocation of the current context;
+        // `bytes` is an exclusively borrowed host slice of that length; the call is
+        // synchronous.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut bytes, self.range().ptr()) }
+            .map_err(CudaChannelError::driver(
+                "cuMemcpyDtoH",
+                allocation.gpu().ordinal(),
+            ))?;
         Ok(bytes)
     }
 
-    /// The allocation (its device address range, for kernels and copies).
+    /// The allocation the memory starts (it may be longer than the tensor: a cached
+    /// block is a whole size class).
     pub fn allocation(&self) -> &DeviceAllocation {
-        &self.allocation
+        match &self.storage {
+            Storage::Own(allocation) => allocation,
+            Storage::Cached(block) => block.block(),
+        }
     }
 
-    /// The allocation's CUDA IPC memory handle.
-    fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaChannelError> {
-        let gpu = self.allocation.gpu();
-        gpu.bind()?;
-        let mut handle = sys::CUipcMemHandle {
-            reserved: [0; IPC_HANDLE_LEN],
-        };
-        // SAFETY: the allocation is a live `cuMemAlloc` pointer of the current context;
-        // the driver writes one handle into a live local.
-        unsafe { sys::cuIpcGetMemHandle(&mut handle, self.allocation.range().ptr()) }
-            .result()
-            .map_err(CudaChannelError::driver("cuIpcGetMemHandle", gpu.ordinal()))?;
-        Ok(handle.reserved.map(|c| c as u8))
+    /// The tensor's bytes: the first `len` of the allocation.
+    pub fn range(&self) -> DeviceRange<'_> {
+        let whole = self.allocation().range();
+        whole.slice(0, self.len).unwrap_or(whole)
     }
 }
 
@@ -564,7 +1348,7 @@ impl DeviceMemory for CudaMemory {
     }
 
     fn len(&self) -> usize {
-        self.allocation.len()
+        self.len
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -580,6 +1364,210 @@ mod tests {
     fn ordinals_are_cuda_only() {
         assert_eq!(ordinal(Device::cuda(3)), Ok(3));
         assert!(ordinal(Device::cpu()).is_err());
+    }
+
+    #[test]
+    fn the_cache_cap_is_a_byte_count() {
+        assert_eq!(
+            CudaOptions::with_cache_cap(Some(" 1048576\n")).map(|o| o.cache_cap_bytes),
+            Ok(1 << 20)
+        );
+        let err = CudaOptions::with_cache_cap(Some("lots")).expect_err("not a number");
+        assert!(err.contains(ENV_CACHE_CAP) && err.contains("lots"), "{err}");
+        assert_eq!(
+            CudaOptions::with_cache_cap(None),
+            Ok(CudaOptions::default())
+        );
+    }
+
+    /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
+    /// printed) without CUDA; panics then when `RDZV_REQUIRE_CUDA=1`.
+    fn gpu_runtime(test: &str) -> Option<CudaRuntime> {
+        gpu_runtime_with(
+            test,
+            CudaOptions {
+                staging_chunk_bytes: 64 << 10,
+                staging_buffers: 2,
+                ..CudaOptions::default()
+            },
+        )
+    }
+
+    fn gpu_runtime_with(test: &str, options: CudaOptions) -> Option<CudaRuntime> {
+        match CudaRuntime::open_with(options) {
+            Ok(runtime) => Some(runtime),
+            Err(reason) => {
+                assert!(
+                    std::env::var("RDZV_REQUIRE_CUDA").as_deref() != Ok("1"),
+                    "{test}: RDZV_REQUIRE_CUDA=1 but {reason}"
+                );
+                println!("SKIPPED {test}: {reason}");
+                None
+            }
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed ^ (i >> 11) as u8)
+            .collect()
+    }
+
+    /// On a GPU: staged copies of more chunks than buffers come back byte for byte, and a
+    /// dropped tensor's block serves the next one of its class.
+    #[test]
+    fn staged_copies_and_cached_blocks_on_a_gpu() {
+        let Some(runtime) = gpu_runtime("staged_copies_and_cached_blocks_on_a_gpu") else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        for (seed, len) in [0usize, 1, 64 << 10, (64 << 10) + 1, (3 << 20) + 5]
+            .into_iter()
+            .enumerate()
+        {
+            let bytes = pattern(len, seed as u8);
+            let memory = runtime
+                .copy_from_host(cuda0, bytes.clone())
+                .unwrap_or_else(|e| panic!("{len} bytes to the device: {e}"));
+            assert_eq!(memory.len(), len);
+            let back = runtime
+                .copy_to_host(&memory)
+                .unwrap_or_else(|e| panic!("{len} bytes back: {e}"));
+            assert!(back == bytes, "{len} bytes came back different");
+            let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+            assert!(own.to_host().is_ok_and(|b| b == bytes));
+        }
+        let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+        drop(runtime.copy_from_host(cuda0, vec![1; 5 << 20]));
+        let before = state.allocator.stats();
+        for _ in 0..10 {
+            drop(runtime.copy_from_host(cuda0, vec![2; 5 << 20]));
+        }
+        let after = state.allocator.stats();
+        assert_eq!(
+            after.backing_allocations, before.backing_allocations,
+            "{after:?}"
+        );
+        assert_eq!(after.reuses, before.reuses + 10);
+    }
+
+    /// On a GPU: a chunked receive lands every byte; a staged-out tensor is a pinned
+    /// block the channel reads in place, back in its cache when dropped (and reused);
+    /// one over the cap is staged into a `Vec`; a receive abandoned midway gives its
+    /// slots and memory back.
+    #[test]
+    fn pinned_staging_out_and_chunked_receives_on_a_gpu() {
+        let test = "pinned_staging_out_and_chunked_receives_on_a_gpu";
+        let Some(runtime) = gpu_runtime(test) else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+        for round in 0..2u8 {
+            for (seed, len) in [1usize, 64 << 10, (64 << 10) + 1, (3 << 20) + 5]
+                .into_iter()
+                .enumerate()
+            {
+                let bytes = pattern(len, seed as u8 + round);
+                let mut staging = runtime
+                    .receive_staged(cuda0, len)
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .expect("the CUDA runtime receives in chunks");
+                let chunk = staging.chunk_len();
+                for k in 0..len.div_ceil(chunk) {
+                    let buffer = staging
+                        .chunk_buffer(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                    let offset = k * chunk;
+                    buffer.copy_from_slice(&bytes[offset..offset + buffer.len()]);
+                    staging
+                        .chunk_filled(k)
+                        .unwrap_or_else(|e| panic!("{len} bytes, chunk {k}: {e}"));
+                }
+                let memory = staging.finish().unwrap_or_else(|e| panic!("{len}: {e}"));
+                let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+                assert!(own.to_host().is_ok_and(|b| b == bytes), "{len} bytes in");
+                let out = runtime
+                    .copy_to_host(&memory)
+                    .unwrap_or_else(|e| panic!("{len} bytes out: {e}"));
+                assert!(out.is_staged(), "{len} bytes staged in pinned memory");
+                assert!(out == bytes, "{len} bytes out");
+                drop(out);
+                assert_eq!(state.pinned.stats().in_use, 0);
+            }
+        }
+        assert!(
+            state.pinned.stats().reuses >= 4,
+            "{:?}",
+            state.pinned.stats()
+        );
+
+        // Abandoned after two chunks: the slots and the memory go back.
+        let slots_before = lock(&state.staging).len();
+        let in_use_before = state.allocator.stats().in_use;
+        let mut staging = runtime
+            .receive_staged(cuda0, 1 << 20)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("chunked");
+        for k in 0..2 {
+            let buffer = staging.chunk_buffer(k).unwrap_or_else(|e| panic!("{e}"));
+            buffer.fill(k as u8);
+            staging.chunk_filled(k).unwrap_or_else(|e| panic!("{e}"));
+        }
+        assert!(staging.chunk_buffer(5).is_err(), "out of order");
+        drop(staging);
+        assert!(lock(&state.staging).len() >= slots_before);
+        assert_eq!(state.allocator.stats().in_use, in_use_before);
+
+        // Over the pinned cap: staged through the slots into a Vec.
+        let Some(capped) = gpu_runtime_with(
+            test,
+            CudaOptions {
+                staged_out_cap_bytes: 1024,
+                ..CudaOptions::default()
+            },
+        ) else {
+            return;
+        };
+        let bytes = pattern(64 << 10, 9);
+        let memory = capped
+            .copy_from_host(cuda0, bytes.clone())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = capped
+            .copy_to_host(&memory)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(!out.is_staged() && out == bytes);
+    }
+
+    /// On a GPU: a tensor lent over cuda_xth is copied device to device on the
+    /// runtime's stream, and the copy is complete when `borrow` returns.
+    #[test]
+    fn xth_loans_are_copied_on_the_runtimes_stream() {
+        let Some(runtime) = gpu_runtime("xth_loans_are_copied_on_the_runtimes_stream") else {
+            return;
+        };
+        let cuda0 = Device::cuda(0);
+        let bytes = pattern((8 << 20) + 3, 9);
+        let lent =
+            DeviceBuffer::new(CudaMemory::upload(cuda0, &bytes).unwrap_or_else(|e| panic!("{e}")));
+        let loan = runtime
+            .lend(ChannelKind::CudaXth, &lent)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let copy = runtime
+            .borrow(
+                ChannelKind::CudaXth,
+                cuda0,
+                bytes.len() as u64,
+                &loan.descriptor,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        let own = copy.downcast_ref::<CudaMemory>().expect("CudaMemory");
+        assert!(own.to_host().is_ok_and(|b| b == bytes));
+        // A descriptor that lends another length is refused before any copy.
+        let err = runtime
+            .borrow(ChannelKind::CudaXth, cuda0, 5, &loan.descriptor)
+            .expect_err("wrong length");
+        assert!(err.contains("lends"), "{err}");
     }
 
     /// Without a driver (this crate's CI hosts) opening says why and never panics;

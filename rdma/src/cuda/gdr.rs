@@ -26,21 +26,16 @@
 use std::ffi::c_void;
 use std::fmt;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
-use sideway::ibverbs::memory_region::{
-    MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
-};
-use sideway::ibverbs::protection_domain::ProtectionDomain;
-use sideway::ibverbs::AccessFlags;
 
 use super::memory::{DeviceRange, Gpu};
 use super::{yes_no, CudaDevice, DriverVersion, PeerMemory};
 use crate::ibv::regcache::RegistrationCache;
+use crate::ibv::sys::{AccessFlags, MemoryRegion, ProtectionDomain};
 
 /// The first driver with `cuMemGetHandleForAddressRange` for dma-buf (CUDA 11.7).
 pub const DMA_BUF_MIN_DRIVER: DriverVersion = DriverVersion(11070);
@@ -228,7 +223,7 @@ pub enum GdrError {
 /// A registered device allocation.
 #[derive(Debug)]
 pub struct GdrRegistration {
-    mr: Arc<MemoryRegion>,
+    mr: MemoryRegion,
     path: GdrPath,
     base: u64,
     len: u64,
@@ -364,13 +359,13 @@ impl GdrRegistrar {
         // SAFETY: `[base, base + len)` is a live `cuMemAlloc` allocation (from
         // `cuMemGetAddressRange` on a borrowed buffer); with a peer-memory module the
         // kernel pins the GPU pages behind it. The MR keeps the PD alive.
-        let mr = unsafe { self.pd.reg_mr(base as usize, usize_len, self.access) }.map_err(|e| {
+        let mr = unsafe { self.pd.reg_mr(base, usize_len, self.access) }.map_err(|source| {
             GdrError::Register {
                 verb: "ibv_reg_mr",
                 path: GdrPath::PeerMemory,
                 ptr: base,
                 len,
-                source: verbs_io_error(e),
+                source,
             }
         })?;
         Ok(GdrRegistration {
@@ -381,7 +376,7 @@ impl GdrRegistrar {
         })
     }
 
-    fn register_dma_buf(&self, base: u64, len: u64) -> Result<Arc<MemoryRegion>, GdrError> {
+    fn register_dma_buf(&self, base: u64, len: u64) -> Result<MemoryRegion, GdrError> {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
         let page = u64::try_from(page).unwrap_or(4096);
@@ -425,31 +420,17 @@ impl GdrRegistrar {
         // kernel takes its own reference on the dma-buf, so `fd` may be closed afterwards
         // (as NCCL does), which dropping `OwnedFd` does.
         let mr = unsafe {
-            self.pd.reg_dmabuf_mr(
-                range.offset,
-                reg_len,
-                range.iova,
-                fd.as_raw_fd(),
-                self.access,
-            )
+            self.pd
+                .reg_dmabuf_mr(range.offset, reg_len, range.iova, fd.as_fd(), self.access)
         }
-        .map_err(|e| GdrError::Register {
+        .map_err(|source| GdrError::Register {
             verb: "ibv_reg_dmabuf_mr",
             path: GdrPath::DmaBuf,
             ptr: base,
             len,
-            source: verbs_io_error(e),
+            source,
         })?;
         Ok(mr)
-    }
-}
-
-/// The OS error behind a sideway registration error (keeping its errno for
-/// [`fall_back_to_peer_memory`]).
-fn verbs_io_error(err: RegisterMemoryRegionError) -> io::Error {
-    match err.0 {
-        RegisterMemoryRegionErrorKind::Ibverbs(source) => source,
-        other => io::Error::other(other.to_string()),
     }
 }
 
@@ -534,14 +515,10 @@ mod tests {
 
     #[test]
     fn verbs_errors_keep_their_errno_for_the_fallback() {
-        let unsupported = RegisterMemoryRegionError::from(RegisterMemoryRegionErrorKind::Ibverbs(
-            io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-        ));
-        let source = verbs_io_error(unsupported);
+        let source = io::Error::from_raw_os_error(libc::EOPNOTSUPP);
         assert!(fall_back_to_peer_memory(source.raw_os_error(), true));
-        let null =
-            RegisterMemoryRegionError::from(RegisterMemoryRegionErrorKind::UnexpectedNullPointer);
-        let source = verbs_io_error(null);
+        // A failure without an errno (the library could not be loaded) is not retried.
+        let source = io::Error::other("libibverbs.so.1 cannot be loaded");
         assert_eq!(source.raw_os_error(), None);
         assert!(!fall_back_to_peer_memory(source.raw_os_error(), true));
         let err = GdrError::Register {

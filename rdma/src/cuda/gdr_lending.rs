@@ -21,13 +21,13 @@ use std::sync::Arc;
 use rdzv_core::channel::cuda::CudaGdrDescriptor;
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_core::negotiate::ChannelKind;
-use sideway::ibverbs::AccessFlags;
 
 use super::agent::CudaMemory;
 use super::gdr::GdrRegistration;
 use super::viability::ChannelVerdict;
 use crate::ibv::channel::VerbsDomain;
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingOptions, ReadTarget};
+use crate::ibv::sys::AccessFlags;
 use crate::ibv::topology::Gid;
 use crate::ibv::IbvSelection;
 use crate::report::ErrorChain;
@@ -39,7 +39,7 @@ pub const ENV_GDR_ADDR: &str = "RDZV_GDR_ADDR";
 /// What the registrations of `cuda_gdr` allow: the lender's peer READs them, the
 /// borrower's READs write into them.
 pub fn gdr_access() -> AccessFlags {
-    AccessFlags::LocalWrite | AccessFlags::RemoteRead
+    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ
 }
 
 /// `cuda_gdr`'s offer: its domain descriptor when the probe found it viable and this
@@ -230,11 +230,11 @@ unsafe impl ReadTarget for GdrTarget {
     }
 
     fn addr(&self) -> u64 {
-        self.memory.allocation().range().ptr()
+        self.memory.range().ptr()
     }
 
     fn len(&self) -> u64 {
-        self.memory.allocation().len() as u64
+        self.memory.range().len() as u64
     }
 }
 

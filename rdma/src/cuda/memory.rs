@@ -13,11 +13,13 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::result;
 use cudarc::driver::safe::{CudaContext, CudaStream};
 use cudarc::driver::sys;
+
+use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 
 use super::channel_error::CudaChannelError;
 use super::{driver_library_present, panic_message, CudaNotViable};
@@ -105,6 +107,12 @@ impl Gpu {
     /// allocates nothing).
     pub fn alloc(&self, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
         DeviceAllocation::new(self, len)
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> Result<(usize, usize), CudaChannelError> {
+        self.bind()?;
+        result::mem_get_info().map_err(CudaChannelError::driver("cuMemGetInfo", self.ordinal()))
     }
 
     /// The device's PCI bus id (`cuDeviceGetPCIBusId`), e.g. `0000:3B:00.0`.
@@ -235,12 +243,68 @@ pub fn copy_device_async(
     }
 }
 
+/// Enqueues a copy of the first `dst.len()` bytes of pinned `src` into `dst` on `stream`
+/// (`cuMemcpyHtoDAsync`). The buffer must not be written, nor `dst` used, until the
+/// stream's work up to here is done (wait with an event recorded after it).
+pub fn copy_to_device_async(
+    dst: DeviceRange<'_>,
+    src: &PinnedHostBuffer,
+    stream: &CudaStream,
+) -> Result<(), CudaChannelError> {
+    if dst.len() > src.len() {
+        return Err(CudaChannelError::LengthMismatch {
+            sent: src.len() as u64,
+            expected: dst.len() as u64,
+        });
+    }
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let ordinal = stream.context().ordinal();
+    Gpu::of_stream(stream).bind()?;
+    // SAFETY: `src` is pinned memory of at least `dst.len()` bytes owned by the caller,
+    // `dst` borrowed device memory of that length (its `DeviceRange` contract); the
+    // caller waits for the stream before touching either (this function's contract).
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr(), src.as_ptr(), dst.len(), stream.cu_stream()) }
+        .result()
+        .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))
+}
+
+/// Enqueues a copy of `src` into the first `src.len()` bytes of pinned `dst` on
+/// `stream` (`cuMemcpyDtoHAsync`). The buffer must not be read until the stream's work
+/// up to here is done.
+pub fn copy_to_host_async(
+    dst: &mut PinnedHostBuffer,
+    src: DeviceRange<'_>,
+    stream: &CudaStream,
+) -> Result<(), CudaChannelError> {
+    if src.len() > dst.len() {
+        return Err(CudaChannelError::LengthMismatch {
+            sent: src.len() as u64,
+            expected: dst.len() as u64,
+        });
+    }
+    if src.is_empty() {
+        return Ok(());
+    }
+    let ordinal = stream.context().ordinal();
+    Gpu::of_stream(stream).bind()?;
+    // SAFETY: as `copy_to_device_async`, the other way round; `dst` is borrowed
+    // exclusively for the call and read only after the stream's work is done.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_ptr(), src.ptr(), src.len(), stream.cu_stream()) }
+        .result()
+        .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))
+}
+
 /// Device memory from `cuMemAlloc`, freed with `cuMemFree` on drop.
 #[derive(Debug)]
 pub struct DeviceAllocation {
     gpu: Gpu,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// Its CUDA IPC memory handle, made on first use: one handle per allocation, which
+    /// dies with it (so no handle outlives the memory it names).
+    ipc_handle: OnceLock<[u8; IPC_HANDLE_LEN]>,
 }
 
 impl DeviceAllocation {
@@ -257,6 +321,7 @@ impl DeviceAllocation {
             gpu: gpu.clone(),
             ptr,
             len,
+            ipc_handle: OnceLock::new(),
         })
     }
 
@@ -282,6 +347,28 @@ impl DeviceAllocation {
     /// The device it lives on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// The allocation's CUDA IPC memory handle (`cuIpcGetMemHandle`), made once and
+    /// cached for the allocation's life.
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaChannelError> {
+        if let Some(handle) = self.ipc_handle.get() {
+            return Ok(*handle);
+        }
+        self.gpu.bind()?;
+        let mut handle = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_LEN],
+        };
+        // SAFETY: `ptr` is a live `cuMemAlloc` pointer of the current context; the driver
+        // writes one handle into a live local.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) }
+            .result()
+            .map_err(CudaChannelError::driver(
+                "cuIpcGetMemHandle",
+                self.gpu.ordinal(),
+            ))?;
+        let handle = handle.reserved.map(|c| c as u8);
+        Ok(*self.ipc_handle.get_or_init(|| handle))
     }
 
     /// Copies `src` into the allocation (synchronous `cuMemcpyHtoD`); `src` must have the
@@ -398,6 +485,15 @@ impl PinnedHostBuffer {
         self.ptr.cast()
     }
 
+    /// The bytes, to read. Callers must not hold this while an asynchronous copy into
+    /// the buffer is in flight (the runtime waits for its event first).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised bytes owned by `self`; writes go
+        // through `&mut self` (`as_mut_slice`) or through an asynchronous copy that the
+        // caller waits for before reading (this method's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
     /// The bytes. Callers must not hold this while an asynchronous copy into or out of
     /// the buffer is in flight (the staging pipeline waits on the slot's event first).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -419,6 +515,10 @@ impl Drop for PinnedHostBuffer {
 
 // SAFETY: pinned host memory is ordinary process memory; `&mut self` guards access.
 unsafe impl Send for PinnedHostBuffer {}
+// SAFETY: through `&self` the bytes are only read (`as_slice`) or their address taken
+// (`as_ptr`, whose users enqueue copies under their own `unsafe` contract); writes in
+// safe code need `&mut self`. So shared references on several threads cannot race.
+unsafe impl Sync for PinnedHostBuffer {}
 
 /// A CUDA event created with explicit flags (`cuEventCreate`), destroyed on drop.
 #[derive(Debug)]

@@ -30,6 +30,11 @@
 //!   borrow device memory over it (the RDMA data path is [`crate::ibv::lending`]; neither
 //!   has run on a GPU).
 //!
+//! The agent's runtime keeps its bookkeeping in pure modules tested with fakes:
+//! [`caching_allocator`] (received tensors' device memory), [`ipc_mappings`] (the
+//! borrower's opened `cuda_ipc` mappings) and [`chunk_plan`] (`cuda_basic`'s staged
+//! copies through pinned buffers).
+//!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
 //! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
 //! (device, `cuMemAlloc` memory, pinned memory, events) and opens a device without ever
@@ -38,11 +43,14 @@
 pub mod agent;
 pub mod basic;
 pub mod byte_channel;
+pub mod caching_allocator;
 mod channel_error;
+pub mod chunk_plan;
 pub mod descriptor;
 pub mod gdr;
 pub mod gdr_lending;
 pub mod ipc;
+pub mod ipc_mappings;
 pub mod memory;
 pub mod peer_memory;
 pub mod staging;

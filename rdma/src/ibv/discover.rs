@@ -1,29 +1,25 @@
-//! Reads the host's RDMA devices, ports and GIDs from libibverbs, through sideway.
+//! Reads the host's RDMA devices, ports and GIDs from libibverbs.
 //!
-//! This is the thin layer between libibverbs and the plain [`topology`](super::topology)
-//! description: it makes the verb calls (`ibv_get_device_list`, `ibv_open_device`,
-//! `ibv_query_device_ex`, `ibv_query_port`, `ibv_query_gid`, `ibv_query_gid_type`) and
-//! converts their results, reading raw attribute fields instead of sideway's converters,
-//! which panic on values they do not know. It decides nothing about which port to use.
-//!
-//! sideway links `rdma-mummy-sys`, a shim that `dlopen`s `libibverbs.so.1` when the process
-//! starts. When that fails, every verb returns `EOPNOTSUPP` instead of crashing, so
-//! [`check_library`] asks the dynamic loader directly to give a precise reason.
+//! This is the thin layer between libibverbs (through [`super::sys`], which loads it
+//! at run time) and the plain [`topology`](super::topology) description: it makes the verb
+//! calls (`ibv_get_device_list`, `ibv_open_device`, `ibv_query_device`, `ibv_query_port`,
+//! `ibv_query_gid`, `_ibv_query_gid_ex`) and converts their raw attribute fields, keeping
+//! values it does not know as "unknown" rather than failing. It decides nothing about
+//! which port to use.
 
 use std::io;
 
-use sideway::ibverbs::device::{DeviceInfo, DeviceList};
-use sideway::ibverbs::device_context::DeviceContext;
 use tracing::{debug, warn};
 
 use crate::report::ErrorChain;
 
+use super::sys::{self, Context, DeviceList};
 use super::topology::{
     Gid, GidEntry, GidType, LinkLayer, Mtu, PortSpeed, PortState, RdmaDevice, RdmaPort,
 };
 
-/// The shared object rdma-mummy-sys loads at run time.
-pub const LIBIBVERBS: &str = "libibverbs.so.1";
+/// The shared object loaded at run time.
+pub const LIBIBVERBS: &str = sys::LIBIBVERBS;
 
 /// A failed verb call, with the device and port it was about.
 #[derive(Debug, thiserror::Error)]
@@ -114,49 +110,27 @@ pub struct Discovery {
     pub failures: Vec<IbvError>,
 }
 
-/// Whether the dynamic loader can load libibverbs, and if not, its error message.
+/// Whether the dynamic loader can load libibverbs (with every entry point rdzv uses), and
+/// if not, why.
 pub fn check_library() -> Result<(), String> {
-    use libloading::os::unix::{Library, RTLD_LAZY, RTLD_LOCAL};
-    // SAFETY: loading libibverbs runs its ELF constructors, which only initialise
-    // libibverbs' own globals and take no arguments from us. rdma-mummy-sys has already
-    // `dlopen`ed the same file at process start whenever it exists, so this normally only
-    // raises the reference count. Dropping the handle `dlclose`s it; no symbol or pointer
-    // obtained through this handle outlives it (we look nothing up).
-    let opened = unsafe { Library::open(Some(LIBIBVERBS), RTLD_LAZY | RTLD_LOCAL) };
-    match opened {
-        Ok(library) => {
-            drop(library);
-            Ok(())
-        }
-        Err(err) => Err(ErrorChain(&err).to_string()),
-    }
+    sys::check_library()
 }
 
 /// Lists the devices; `Err` only when the list itself cannot be had.
 pub fn discover() -> Result<Discovery, IbvError> {
-    let list = DeviceList::new().map_err(|err| IbvError::GetDeviceList {
-        source: match err.0 {
-            sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(source) => source,
-            other => io::Error::other(other),
-        },
-    })?;
+    let list = DeviceList::new().map_err(|source| IbvError::GetDeviceList { source })?;
     let mut discovery = Discovery::default();
     debug!(count = list.len(), "ibv_get_device_list");
     for index in 0..list.len() {
-        // `get` checks the index and the entry for NULL.
-        let Some(device) = list.get(index) else {
+        let Some(name) = list.name(index) else {
             continue;
         };
-        let name = device.name();
-        let context = match device.open() {
+        let context = match list.open(index) {
             Ok(context) => context,
-            Err(err) => {
+            Err(source) => {
                 discovery.failures.push(IbvError::OpenDevice {
                     device: name,
-                    source: match err.0 {
-                        sideway::ibverbs::device::OpenDeviceErrorKind::Ibverbs(source) => source,
-                        other => io::Error::other(other),
-                    },
+                    source,
                 });
                 continue;
             }
@@ -176,20 +150,13 @@ pub fn discover() -> Result<Discovery, IbvError> {
 }
 
 /// Reads one opened device; port-level failures leave the port out and are returned.
-fn read_device(
-    context: &DeviceContext,
-    name: String,
-) -> Result<(RdmaDevice, Vec<IbvError>), IbvError> {
-    let attr = context
-        .query_device()
-        .map_err(|err| IbvError::QueryDevice {
+fn read_device(context: &Context, name: String) -> Result<(RdmaDevice, Vec<IbvError>), IbvError> {
+    let port_count = context
+        .phys_port_cnt()
+        .map_err(|source| IbvError::QueryDevice {
             device: name.clone(),
-            source: match err.0 {
-                sideway::ibverbs::device_context::QueryDeviceErrorKind::Ibverbs(source) => source,
-                other => io::Error::other(other),
-            },
+            source,
         })?;
-    let port_count = attr.phys_port_cnt();
     let mut ports = Vec::with_capacity(usize::from(port_count));
     let mut failures = Vec::new();
     for number in 1..=port_count {
@@ -202,19 +169,14 @@ fn read_device(
     Ok((RdmaDevice { name, ports }, failures))
 }
 
-fn read_port(context: &DeviceContext, device: &str, number: u8) -> Result<RdmaPort, IbvError> {
-    let port_attr = context
+fn read_port(context: &Context, device: &str, number: u8) -> Result<RdmaPort, IbvError> {
+    let raw = context
         .query_port(number)
-        .map_err(|err| IbvError::QueryPort {
+        .map_err(|source| IbvError::QueryPort {
             device: device.to_owned(),
             port: number,
-            source: match err.source {
-                sideway::ibverbs::device_context::QueryPortErrorKind::Ibverbs(source) => source,
-                other => io::Error::other(other),
-            },
+            source,
         })?;
-    // Raw fields: sideway's `PortAttr` getters panic on values outside the ABI.
-    let raw = &port_attr.attr;
     let state = PortState::from_raw(raw.state);
     let link_layer = LinkLayer::from_raw(raw.link_layer);
     let gid_table_len = u32::try_from(raw.gid_tbl_len).unwrap_or(0);
@@ -245,12 +207,8 @@ fn read_port(context: &DeviceContext, device: &str, number: u8) -> Result<RdmaPo
     })
 }
 
-/// `ibv_query_gid_type`'s sysfs values.
-const GID_TYPE_SYSFS_IB_ROCE_V1: u32 = 0;
-const GID_TYPE_SYSFS_ROCE_V2: u32 = 1;
-
 fn read_gids(
-    context: &DeviceContext,
+    context: &Context,
     device: &str,
     port: u8,
     link_layer: LinkLayer,
@@ -260,16 +218,13 @@ fn read_gids(
     for index in 0..table_len {
         let gid = context
             .query_gid(port, index)
-            .map_err(|err| IbvError::QueryGid {
+            .map_err(|source| IbvError::QueryGid {
                 device: device.to_owned(),
                 port,
                 gid_index: index,
-                source: match err.source {
-                    sideway::ibverbs::device_context::QueryGidErrorKind::Ibverbs(source) => source,
-                    other => io::Error::other(other),
-                },
+                source,
             })?;
-        let gid = Gid(gid.raw);
+        let gid = Gid(gid);
         if gid.is_zero() {
             continue;
         }
@@ -277,16 +232,17 @@ fn read_gids(
             GidType::InfiniBand
         } else {
             match context.query_gid_type(port, index) {
-                Ok(GID_TYPE_SYSFS_IB_ROCE_V1) => GidType::RoceV1,
-                Ok(GID_TYPE_SYSFS_ROCE_V2) => GidType::RoceV2,
+                // On Ethernet, type 0 ("IB/RoCE v1" in sysfs) is RoCE v1.
+                Ok(sys::GID_TYPE_IB | sys::GID_TYPE_ROCE_V1) => GidType::RoceV1,
+                Ok(sys::GID_TYPE_ROCE_V2) => GidType::RoceV2,
                 Ok(other) => {
                     debug!(device, port, index, raw = other, "unknown GID type");
                     GidType::Unknown
                 }
                 Err(err) => {
-                    // Old libibverbs lack ibv_query_gid_type; the entry stays usable by
+                    // Old libibverbs lack _ibv_query_gid_ex; the entry stays usable by
                     // explicit index.
-                    debug!(device, port, index, error = %ErrorChain(&err), "ibv_query_gid_type failed");
+                    debug!(device, port, index, error = %err, "_ibv_query_gid_ex failed");
                     GidType::Unknown
                 }
             }

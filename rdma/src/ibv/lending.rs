@@ -20,23 +20,21 @@
 //! This module does not decide what is lent or when a loan ends (the agent's lending rule
 //! does), and does not encode descriptors (`rdzv_core::channel::cuda`).
 
-use std::alloc::{self, Layout};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use sideway::ibverbs::memory_region::MemoryRegion;
-use sideway::ibverbs::AccessFlags;
 use tracing::debug;
 
 use super::channel::{ChannelError, ChannelOptions, IbvChannel, VerbsDomain};
 use super::select::IbvSelection;
+use super::sys::AccessFlags;
+pub use super::sys::{HostRegion, ReadTarget};
 
 /// How often the endpoint's threads look at the stop flag.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -286,26 +284,6 @@ fn serve(
     drop(channel);
 }
 
-/// Memory a read may land in: registered in the borrower's domain with local write access.
-///
-/// # Safety
-/// `[addr(), addr() + len())` must be memory registered under `lkey()` in the
-/// [`Borrower`]'s domain with local write access, valid for as long as the value lives,
-/// and not read or written through anything but the value.
-pub unsafe trait ReadTarget: Send {
-    /// The registration's local key.
-    fn lkey(&self) -> u32;
-    /// Where the memory starts (the address the registration uses: a device address for
-    /// device memory).
-    fn addr(&self) -> u64;
-    /// Its length in bytes.
-    fn len(&self) -> u64;
-    /// Whether it is empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
 /// One cached connection to a lender: the queue pair, and the TCP stream whose close tells
 /// the lender to drop its end.
 struct Connection {
@@ -375,25 +353,16 @@ impl Borrower {
         }
         let connection = self.connection(lender)?;
         let mut guard = connection.lock().unwrap_or_else(PoisonError::into_inner);
-        // SAFETY: `target` guarantees (ReadTarget) that its range is registered in this
-        // borrower's domain, in which every cached channel is made, and is accessed by no
-        // one else; it is leaked below if READs into it may still be in flight.
-        let result = unsafe {
-            guard.channel.read_remote(
-                target.lkey(),
-                target.addr(),
-                remote_addr,
-                rkey,
-                len,
-                self.options.read_timeout,
-            )
-        };
+        // `target` is registered in this borrower's domain, in which every cached channel
+        // is made (ReadTarget); the channel leaks it if READs into it may still be in
+        // flight after a failure.
+        let result =
+            guard
+                .channel
+                .read_remote(target, remote_addr, rkey, self.options.read_timeout);
         match result {
-            Ok(()) => Ok(target),
+            Ok(target) => Ok(target),
             Err(source) => {
-                if guard.channel.remote_reads_in_flight() > 0 {
-                    std::mem::forget(target);
-                }
                 drop(guard);
                 self.forget(lender, &connection);
                 Err(LendingError::Read {
@@ -421,7 +390,7 @@ impl Borrower {
         if len == 0 {
             return Ok(Vec::new());
         }
-        let region = HostRegion::new(&self.domain, len, AccessFlags::LocalWrite)?;
+        let region = HostRegion::new(&self.domain, len, AccessFlags::LOCAL_WRITE)?;
         let region = self.read_into(lender, region, remote_addr, rkey)?;
         Ok(region.to_vec())
     }
@@ -479,33 +448,8 @@ impl Borrower {
     }
 }
 
-/// Page-aligned, zeroed host memory registered in a verbs domain: what host memory is
-/// lent from, and read into. Field order: the registration goes before the memory.
-pub struct HostRegion {
-    mr: Arc<MemoryRegion>,
-    memory: HostAllocation,
-}
-
-// SAFETY: a uniquely owned heap allocation and its registration; the memory is only
-// accessed through `&self`/`&mut self` methods, and the device only within reads that
-// `Borrower::read_into` waits for (or leaks the region).
-unsafe impl Send for HostRegion {}
-// SAFETY: `&self` methods only read the memory, and no device write is in flight while a
-// `&HostRegion` exists (reads take the region by value).
-unsafe impl Sync for HostRegion {}
-
-impl fmt::Debug for HostRegion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostRegion")
-            .field("addr", &format_args!("{:#x}", self.addr()))
-            .field("len", &self.memory.layout.size())
-            .field("rkey", &self.mr.rkey())
-            .finish()
-    }
-}
-
 impl HostRegion {
-    /// `len` (at least 1) zeroed bytes registered in `domain` with `access`.
+    /// `len` (at least 1) zeroed, page-aligned bytes registered in `domain` with `access`.
     ///
     /// # Errors
     /// [`LendingError::Register`] when `len` is 0, the memory cannot be allocated, or
@@ -515,29 +459,15 @@ impl HostRegion {
         len: usize,
         access: AccessFlags,
     ) -> Result<HostRegion, LendingError> {
-        let register_err = |source| LendingError::Register {
+        HostRegion::register(domain.pd(), len, access).map_err(|source| LendingError::Register {
             len,
             device: domain.device().to_owned(),
             source,
-        };
-        let invalid = |what: &str| register_err(io::Error::new(io::ErrorKind::InvalidInput, what));
-        let layout = Layout::from_size_align(len, 4096).map_err(|_| invalid("too large"))?;
-        if len == 0 {
-            return Err(invalid("an empty region cannot be registered"));
-        }
-        // SAFETY: the layout has a nonzero size.
-        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
-            .ok_or_else(|| register_err(io::Error::from(io::ErrorKind::OutOfMemory)))?;
-        let memory = HostAllocation { ptr, layout };
-        // SAFETY: the allocation outlives the registration (HostRegion's field order drops
-        // the registration first).
-        let mr = unsafe { domain.pd().reg_mr(ptr.as_ptr() as usize, len, access) }
-            .map_err(|e| register_err(io::Error::other(e)))?;
-        Ok(HostRegion { mr, memory })
+        })
     }
 
     /// A registered copy of `bytes` (at least one), for lending with `access` (e.g.
-    /// [`AccessFlags::RemoteRead`]).
+    /// [`AccessFlags::REMOTE_READ`]).
     ///
     /// # Errors
     /// As [`new`](Self::new).
@@ -546,72 +476,9 @@ impl HostRegion {
         bytes: &[u8],
         access: AccessFlags,
     ) -> Result<HostRegion, LendingError> {
-        let region = HostRegion::new(domain, bytes.len(), access)?;
-        // SAFETY: the region holds `bytes.len()` bytes and no work request uses it yet.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.memory.ptr.as_ptr(), bytes.len())
-        };
+        let mut region = HostRegion::new(domain, bytes.len(), access)?;
+        // No work request uses the region yet.
+        region.write_at(0, bytes);
         Ok(region)
-    }
-
-    /// The start address (what a READ names).
-    pub fn addr(&self) -> u64 {
-        self.memory.ptr.as_ptr() as u64
-    }
-
-    /// The length in bytes (never zero).
-    pub fn len(&self) -> usize {
-        self.memory.layout.size()
-    }
-
-    /// Always false: regions are never empty.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// The remote key, for a peer's READs.
-    pub fn rkey(&self) -> u32 {
-        self.mr.rkey()
-    }
-
-    /// A copy of the bytes.
-    pub fn to_vec(&self) -> Vec<u8> {
-        // SAFETY: the allocation holds `len` initialised (zeroed, then written) bytes, and
-        // no device write into it is in flight while `&self` exists (reads take the region
-        // by value and hand it back only when done).
-        unsafe { std::slice::from_raw_parts(self.memory.ptr.as_ptr(), self.len()) }.to_vec()
-    }
-}
-
-// SAFETY: the range is this region's allocation, registered under `lkey` in the domain it
-// was made in (a borrower must make it in its own domain with local write access); the
-// region owns it exclusively.
-unsafe impl ReadTarget for HostRegion {
-    fn lkey(&self) -> u32 {
-        self.mr.lkey()
-    }
-
-    fn addr(&self) -> u64 {
-        HostRegion::addr(self)
-    }
-
-    fn len(&self) -> u64 {
-        self.memory.layout.size() as u64
-    }
-}
-
-/// A page-aligned heap allocation, freed on drop (after the registration over it: field
-/// order of [`HostRegion`]).
-struct HostAllocation {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-impl Drop for HostAllocation {
-    fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `HostRegion::new`; the registration over it
-        // was dropped first, and no READ into it is in flight (a region that might still
-        // be written is leaked, never dropped).
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }

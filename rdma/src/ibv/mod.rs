@@ -15,6 +15,10 @@
 //! The data paths: [`channel`] (one RC queue pair with message rings, zero-copy large
 //! messages and one-sided reads), [`transport`] (the agent's `ibv` transport over it) and
 //! [`lending`] (memory lent to peers who READ it: `cuda_gdr`'s path).
+//!
+//! libibverbs itself is loaded at run time by [`sys`], the only module here with `unsafe`
+//! code; the rest deny it.
+#![deny(unsafe_code)]
 
 pub mod channel;
 pub mod config;
@@ -23,6 +27,7 @@ pub mod lending;
 pub mod regcache;
 pub mod ring;
 pub mod select;
+pub mod sys;
 pub mod topology;
 pub mod transport;
 pub mod wc_status;

@@ -1,17 +1,22 @@
-//! The CUDA limit row of `--device cuda:N`: device-to-device `cuMemcpy` bandwidth of each
-//! payload size on that GPU, measured in the same run as the RPC rows.
+//! The CUDA limit rows of `--device cuda:N`, measured in the same run as the RPC rows,
+//! for each payload size on that GPU:
 //!
-//! One sample copies a buffer to a second one and back (`cuMemcpyDtoDAsync` twice on one
-//! stream, then an event synchronisation), so that, like an echo, it moves the payload
-//! both ways and its bandwidth counts both directions. The copy is checked once per size
-//! (host → device, the two copies, device → host). The RPC agent does not move CUDA
-//! tensors yet, so there are no CUDA RPC rows to compare with; this module measures only
-//! the limit. Without a usable driver or device it reports why, never panics.
+//! - `cuda-d2d`: one sample copies a buffer to a second one and back
+//!   (`cuMemcpyDtoDAsync` twice on one stream, then an event synchronisation);
+//! - `h2d-pinned`: one sample copies pinned host memory (`cuMemHostAlloc`) to the device
+//!   twice (`cuMemcpyHtoDAsync`);
+//! - `d2h-pinned`: the same, device to pinned host memory (`cuMemcpyDtoHAsync`).
+//!
+//! So that, like an echo, a sample moves the payload twice, and a row's bandwidth counts
+//! both copies (for the pinned rows: the bandwidth of that one direction). Each copy is
+//! checked once per size. A 0-byte payload has only the `cuda-d2d` row. Without a usable driver or device it reports why, never panics.
 
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use rdzv_rdma::cuda::memory::{copy_device_async, Gpu, RawEvent};
+use rdzv_rdma::cuda::memory::{
+    copy_device_async, copy_to_device_async, copy_to_host_async, Gpu, PinnedHostBuffer, RawEvent,
+};
 use rdzv_rdma::cuda::CudaViability;
 
 use super::payload::Payload;
@@ -19,8 +24,12 @@ use super::row::{human_size, Row, RunMode, NO_CHANNEL};
 use super::viability::error_chain;
 use crate::cli::CliError;
 
-/// The transport name of the CUDA limit rows.
+/// The transport name of the device-to-device limit rows.
 pub(super) const CUDA_D2D: &str = "cuda-d2d";
+/// The transport name of the pinned host-to-device limit rows.
+pub(super) const H2D_PINNED: &str = "h2d-pinned";
+/// The transport name of the pinned device-to-host limit rows.
+pub(super) const D2H_PINNED: &str = "d2h-pinned";
 
 /// Why `cuda:ordinal` cannot be measured here, or `None` when it can. A device that the
 /// driver does not have is an error, not a skip.
@@ -43,7 +52,26 @@ pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, CliError> {
     }
 }
 
-/// One row per `(payload bytes, iterations)` on `cuda:ordinal`.
+/// Times `iters` samples of `sample` (after one unrecorded warm-up); each enqueues its
+/// copies and waits for them.
+fn samples(
+    iters: usize,
+    bar: &ProgressBar,
+    mut sample: impl FnMut() -> Result<(), CliError>,
+) -> Result<Vec<std::time::Duration>, CliError> {
+    let mut samples = Vec::with_capacity(iters);
+    for iter in 0..=iters {
+        let started = Instant::now();
+        sample()?;
+        if iter > 0 {
+            samples.push(started.elapsed());
+            bar.inc(1);
+        }
+    }
+    Ok(samples)
+}
+
+/// The rows of every limit, one per `(payload bytes, iterations)` on `cuda:ordinal`.
 pub(super) fn measure(
     ordinal: u8,
     sizes: &[(usize, usize)],
@@ -53,38 +81,75 @@ pub(super) fn measure(
     let gpu = Gpu::open(usize::from(ordinal))?;
     let stream = gpu.new_stream()?;
     let done = RawEvent::new(&gpu, false)?;
-    let mut rows = Vec::with_capacity(sizes.len());
+    let mut rows = Vec::with_capacity(3 * sizes.len());
     for &(len, iters) in sizes {
         let payload = Payload::new(len);
         let mut a = gpu.alloc(len)?;
         let b = gpu.alloc(len)?;
         a.copy_from_host(&payload.message(0))?;
-        bar.inc_length(iters as u64);
+        bar.inc_length(3 * iters as u64);
         bar.set_message(format!(
             "{CUDA_D2D} cuda:{ordinal} {}",
             human_size(len as u64)
         ));
-        let mut samples = Vec::with_capacity(iters);
-        // One unrecorded round warms the copy engines up.
-        for iter in 0..=iters {
-            let started = Instant::now();
-            copy_device_async(b.range(), &gpu, a.range(), &gpu, &stream)?;
-            copy_device_async(a.range(), &gpu, b.range(), &gpu, &stream)?;
+        let wait = || -> Result<(), CliError> {
             done.record(&stream)?;
             done.synchronize()?;
-            if iter > 0 {
-                samples.push(started.elapsed());
-                bar.inc(1);
-            }
-        }
+            Ok(())
+        };
+        let d2d = samples(iters, bar, || {
+            copy_device_async(b.range(), &gpu, a.range(), &gpu, &stream)?;
+            copy_device_async(a.range(), &gpu, b.range(), &gpu, &stream)?;
+            wait()
+        })?;
         let mut back = vec![0u8; len];
         a.copy_to_host(&mut back)?;
         payload
             .check(0, &back)
             .map_err(|e| format!("the device-to-device copy on cuda:{ordinal}: {e}"))?;
         rows.push(Row::from_samples(
-            CUDA_D2D, NO_CHANNEL, mode, len as u64, samples,
+            CUDA_D2D, NO_CHANNEL, mode, len as u64, d2d,
         ));
+        if len == 0 {
+            // Pinned memory of 0 bytes cannot be allocated, and nothing would move.
+            bar.inc(2 * iters as u64);
+            continue;
+        }
+        let mut host = PinnedHostBuffer::new(&gpu, len)?;
+        bar.set_message(format!(
+            "{H2D_PINNED} cuda:{ordinal} {}",
+            human_size(len as u64)
+        ));
+        let h2d = samples(iters, bar, || {
+            copy_to_device_async(b.range(), &host, &stream)?;
+            copy_to_device_async(b.range(), &host, &stream)?;
+            wait()
+        })?;
+        rows.push(Row::from_samples(
+            H2D_PINNED, NO_CHANNEL, mode, len as u64, h2d,
+        ));
+        bar.set_message(format!(
+            "{D2H_PINNED} cuda:{ordinal} {}",
+            human_size(len as u64)
+        ));
+        let d2h = samples(iters, bar, || {
+            copy_to_host_async(&mut host, b.range(), &stream)?;
+            copy_to_host_async(&mut host, b.range(), &stream)?;
+            wait()
+        })?;
+        rows.push(Row::from_samples(
+            D2H_PINNED, NO_CHANNEL, mode, len as u64, d2h,
+        ));
+        // The pinned copies are checked once: the payload to the device and back.
+        host.as_mut_slice().copy_from_slice(&payload.message(0));
+        copy_to_device_async(b.range(), &host, &stream)?;
+        wait()?;
+        host.as_mut_slice().fill(0);
+        copy_to_host_async(&mut host, b.range(), &stream)?;
+        wait()?;
+        payload
+            .check(0, host.as_mut_slice())
+            .map_err(|e| format!("the pinned copies on cuda:{ordinal}: {e}"))?;
     }
     Ok(rows)
 }
@@ -104,9 +169,11 @@ mod tests {
                 let bar =
                     ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::hidden());
                 let rows = measure(0, &[(0, 2), (1 << 20, 3)], RunMode::Local, &bar).unwrap();
-                assert_eq!(rows.len(), 2);
-                assert_eq!(rows[1].iters, 3);
-                assert!(rows[1].gbytes_per_s > 0.0);
+                let names: Vec<&str> = rows.iter().map(|r| r.transport.as_str()).collect();
+                assert_eq!(names, [CUDA_D2D, CUDA_D2D, H2D_PINNED, D2H_PINNED]);
+                assert!(rows[1..]
+                    .iter()
+                    .all(|r| r.iters == 3 && r.gbytes_per_s > 0.0));
             }
             Err(e) => panic!("device 0 of a viable driver: {e}"),
         }

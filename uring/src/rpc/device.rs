@@ -17,13 +17,18 @@
 //!   caller's ack, and dropped unused when the pipe ends. A runtime offers these channels
 //!   through [`DeviceRuntime::lending_channels`].
 //! - **staging** (`cuda_basic`): the sender's runtime copies the tensor to host memory
-//!   ([`DeviceRuntime::copy_to_host`]), the bytes travel like a CPU tensor's over the CPU
-//!   channel the pipe negotiated (inline, `cma`, `xth` or `mpt`), and the receiver's
-//!   runtime copies them into fresh memory on the target device
-//!   ([`DeviceRuntime::copy_from_host`]). So `cuda_basic` runs over every transport and
-//!   gains from every CPU channel. Every worker offers it for CPU memory (the CPU side of
-//!   a CPU ↔ CUDA pair needs no GPU), and a worker with a CUDA runtime also for CUDA
-//!   memory.
+//!   ([`DeviceRuntime::copy_to_host`]) that it owns ([`HostBytes`]: pinned buffers, say,
+//!   given back to the runtime when the channel is done with them), the bytes travel
+//!   like a CPU tensor's over the CPU channel the pipe negotiated (inline, `cma`, `xth`
+//!   or `mpt`), which reads them where they are, and the receiver's runtime copies them
+//!   into fresh memory on the target device. A runtime that can stage in chunks
+//!   ([`DeviceRuntime::receive_staged`], a [`StagedReceive`]) is handed each chunk as
+//!   soon as the `cma` or `xth` pull has read it, so the pull of chunk k+1 overlaps the
+//!   host-to-device copy of chunk k; otherwise (and for bytes that arrived inline or over
+//!   `mpt`) it gets all the bytes at once ([`DeviceRuntime::copy_from_host`]). So
+//!   `cuda_basic` runs over every transport and gains from every CPU channel. Every
+//!   worker offers it for CPU memory (the CPU side of a CPU ↔ CUDA pair needs no GPU),
+//!   and a worker with a CUDA runtime also for CUDA memory.
 //!
 //! `rdzv_rdma::cuda::agent::CudaPlugin` is the CUDA runtime (cudarc, loaded at run time).
 //! A test can plug in a runtime that keeps "device" memory on the host: the agent cannot
@@ -35,6 +40,8 @@ use std::sync::Arc;
 
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
+
+use crate::channel::StableBytes;
 
 /// Memory on a device, owned by a device runtime.
 pub trait DeviceMemory: Send + Sync + fmt::Debug + 'static {
@@ -135,6 +142,179 @@ impl DeviceMemory for HostMemory {
     }
 }
 
+/// Host memory a device runtime staged a tensor into, owned by the runtime (pinned
+/// buffers from its pool, say): see [`HostBytes::staged`].
+///
+/// Contract for implementors: [`bytes`](StagedBytes::bytes) returns the same slice on
+/// every call, and the bytes stay at that address, unchanged, while the value lives (a
+/// channel lends the address to the peer). Dropping the value gives the memory back to
+/// the runtime.
+pub trait StagedBytes: Send + Sync + 'static {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+/// A tensor's bytes in host memory, on their way out: a plain `Vec`, or memory a device
+/// runtime staged the tensor into ([`StagedBytes`]). The CPU channels read either where
+/// it is (inline frames, `cma`, `xth`, `mpt`), so a `cuda_basic` tensor is copied once,
+/// device to host, and never again on the sending side.
+pub struct HostBytes(HostRepr);
+
+enum HostRepr {
+    Owned(Vec<u8>),
+    Staged(Box<dyn StagedBytes>),
+}
+
+impl HostBytes {
+    /// Bytes a runtime staged into its own memory; dropping the value gives it back.
+    pub fn staged(bytes: impl StagedBytes) -> HostBytes {
+        HostBytes(HostRepr::Staged(Box::new(bytes)))
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match &self.0 {
+            HostRepr::Owned(bytes) => bytes,
+            HostRepr::Staged(staged) => staged.bytes(),
+        }
+    }
+
+    /// Whether a runtime's memory holds them (not a `Vec`).
+    pub fn is_staged(&self) -> bool {
+        matches!(self.0, HostRepr::Staged(_))
+    }
+
+    /// The `Vec`, when they are one (for the agent's recycled buffers); staged bytes are
+    /// dropped, which gives their memory back to the runtime.
+    pub fn into_owned(self) -> Option<Vec<u8>> {
+        match self.0 {
+            HostRepr::Owned(bytes) => Some(bytes),
+            HostRepr::Staged(_) => None,
+        }
+    }
+
+    /// The bytes as a `Vec`: the `Vec` they are, or a copy of staged bytes (which go back
+    /// to their runtime).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self.0 {
+            HostRepr::Owned(bytes) => bytes,
+            HostRepr::Staged(staged) => staged.bytes().to_vec(),
+        }
+    }
+}
+
+impl From<Vec<u8>> for HostBytes {
+    fn from(bytes: Vec<u8>) -> HostBytes {
+        HostBytes(HostRepr::Owned(bytes))
+    }
+}
+
+impl Default for HostBytes {
+    fn default() -> HostBytes {
+        HostBytes::from(Vec::new())
+    }
+}
+
+impl std::ops::Deref for HostBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl AsRef<[u8]> for HostBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl StableBytes for HostBytes {
+    fn stable_bytes(&self) -> &[u8] {
+        // A Vec's heap bytes do not move with it; staged bytes promise the same.
+        self.as_slice()
+    }
+}
+
+/// A copy; staged bytes are copied into a `Vec` (the copy holds no runtime memory).
+impl Clone for HostBytes {
+    fn clone(&self) -> HostBytes {
+        HostBytes::from(self.as_slice().to_vec())
+    }
+}
+
+impl PartialEq for HostBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for HostBytes {}
+
+impl PartialEq<Vec<u8>> for HostBytes {
+    fn eq(&self, other: &Vec<u8>) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl PartialEq<HostBytes> for Vec<u8> {
+    fn eq(&self, other: &HostBytes) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl PartialEq<[u8]> for HostBytes {
+    fn eq(&self, other: &[u8]) -> bool {
+        self.as_slice() == other
+    }
+}
+
+impl fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            HostRepr::Owned(bytes) => fmt::Debug::fmt(bytes, f),
+            HostRepr::Staged(staged) => f
+                .debug_struct("HostBytes")
+                .field("staged_len", &staged.bytes().len())
+                .finish(),
+        }
+    }
+}
+
+/// A tensor being received into device memory chunk by chunk (`cuda_basic`), made by
+/// [`DeviceRuntime::receive_staged`]. The agent asks for chunk 0's buffer, fills it,
+/// says so, then chunk 1's, and so on in order; the runtime starts each chunk's copy to
+/// the device as soon as it is filled, and hands out a buffer again only once the copy
+/// that used it is done. Chunk k is bytes `[k * chunk_len, min((k + 1) * chunk_len,
+/// len))` of the tensor.
+///
+/// Dropping it before [`finish`](Self::finish) abandons the tensor (the pull failed):
+/// the runtime waits for the copies it started and takes its buffers and the device
+/// memory back.
+pub trait StagedReceive: Send {
+    /// The length of every chunk but the last (at least 1).
+    fn chunk_len(&self) -> usize;
+
+    /// Chunk `k`'s buffer, exactly as long as the chunk, for the agent to fill; waits
+    /// until no copy uses it.
+    ///
+    /// # Errors
+    /// A chunk out of order, or why waiting for the buffer's previous copy failed.
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String>;
+
+    /// Chunk `k`'s buffer is filled: its copy to the device may start.
+    ///
+    /// # Errors
+    /// A chunk out of order, or why the copy could not be started.
+    fn chunk_filled(&mut self, k: usize) -> Result<(), String>;
+
+    /// Every chunk was filled: waits for the last copies and returns the memory.
+    ///
+    /// # Errors
+    /// Chunks left unfilled, or why a copy failed.
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String>;
+}
+
 /// A device runtime built outside this crate, handed to the agent in
 /// `RpcOptions::device_plugins`.
 pub trait DevicePlugin: Send + Sync {
@@ -155,17 +335,36 @@ pub trait DeviceRuntime: Send + Sync {
     /// How many devices of its type this process sees.
     fn device_count(&self) -> usize;
 
-    /// Copies `memory` into host memory (`cuda_basic`'s sending side).
+    /// Copies `memory` into host memory (`cuda_basic`'s sending side): a `Vec`, or the
+    /// runtime's own memory ([`HostBytes::staged`]), which the CPU channel reads where it
+    /// is and drops when the peer is done.
     ///
     /// # Errors
     /// Why the copy failed; the call fails with it.
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String>;
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String>;
 
-    /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side).
+    /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side, for bytes that
+    /// arrived whole: inline, over `mpt`, or from a runtime without
+    /// [`receive_staged`](Self::receive_staged)).
     ///
     /// # Errors
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String>;
+
+    /// Starts receiving a `len`-byte tensor onto `device` chunk by chunk
+    /// ([`StagedReceive`]), or `None` when this runtime takes received bytes only whole
+    /// ([`copy_from_host`](Self::copy_from_host)). Default: `None`.
+    ///
+    /// # Errors
+    /// Why memory or buffers for it cannot be had (no such device, out of memory, ...).
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        let _ = (device, len);
+        Ok(None)
+    }
 
     /// The lending channels this runtime runs here (`cuda_xth`, `cuda_ipc`, `cuda_gdr`),
     /// each with its domain descriptor (two workers use a channel when their descriptors match),
@@ -202,6 +401,50 @@ pub trait DeviceRuntime: Send + Sync {
         Err(format!(
             "this device runtime does not borrow memory over {channel}"
         ))
+    }
+
+    /// As [`borrow`](Self::borrow), for a loan that arrived on pipe `pipe` (the agent
+    /// calls this one). A runtime that keeps what it opened for a peer (`cuda_ipc`'s
+    /// opened IPC mappings) may keep it until [`pipe_ended`](Self::pipe_ended) for that
+    /// pipe. Default: [`borrow`](Self::borrow).
+    ///
+    /// # Errors
+    /// As [`borrow`](Self::borrow).
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let _ = pipe;
+        self.borrow(channel, device, len, descriptor)
+    }
+
+    /// Pipe `pipe` ended: nothing more is borrowed on it, and what the runtime kept for
+    /// it can be released. Called once, after the last loan of that pipe was borrowed,
+    /// for pipes that borrowed anything. Default: nothing.
+    fn pipe_ended(&self, pipe: PipeId) {
+        let _ = pipe;
+    }
+}
+
+/// A pipe of this process, as the device runtimes see it: unique among the pipes of the
+/// process's agents (never reused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PipeId(u64);
+
+impl PipeId {
+    /// A new id.
+    pub(crate) fn next() -> PipeId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        PipeId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The id as a number.
+    pub fn get(self) -> u64 {
+        self.0
     }
 }
 
@@ -327,9 +570,11 @@ impl Devices {
         Ok(loan)
     }
 
-    /// The `len` bytes lent over `channel` with `descriptor`, copied onto `device`.
+    /// The `len` bytes lent over `channel` with `descriptor` on `pipe`, copied onto
+    /// `device`.
     pub fn borrow(
         &self,
+        pipe: PipeId,
         channel: ChannelKind,
         device: Device,
         len: u64,
@@ -339,7 +584,7 @@ impl Devices {
         let runtime = self
             .runtime(kind)
             .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
-        let memory = runtime.borrow(channel, device, len, descriptor)?;
+        let memory = runtime.borrow_on(pipe, channel, device, len, descriptor)?;
         if memory.device() != device || memory.len() as u64 != len {
             return Err(format!(
                 "the {kind} runtime made {} bytes on {} for {len} bytes on {device}",
@@ -350,6 +595,13 @@ impl Devices {
         Ok(memory)
     }
 
+    /// Tells the runtimes that `pipe` ended.
+    pub fn pipe_ended(&self, pipe: PipeId) {
+        if let Some(runtime) = &self.cuda {
+            runtime.pipe_ended(pipe);
+        }
+    }
+
     /// The host bytes of a tensor that leaves on `cuda_basic`: a CPU tensor's own, a
     /// device tensor's copied by its runtime.
     pub fn stage_out(
@@ -357,10 +609,10 @@ impl Devices {
         device: Device,
         data: Vec<u8>,
         memory: Option<&DeviceBuffer>,
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<HostBytes, String> {
         if device.is_cpu() {
             return match memory {
-                None => Ok(data),
+                None => Ok(data.into()),
                 Some(_) => Err(format!(
                     "a {device} tensor holds device memory; give CPU tensors their bytes in `data`"
                 )),
@@ -380,6 +632,29 @@ impl Devices {
             ));
         }
         Ok(bytes)
+    }
+
+    /// Where a received `len`-byte tensor for `device` (not the CPU) is pulled into:
+    /// the runtime's chunks when it stages in chunks, else one host buffer handed to it
+    /// whole at the end.
+    pub fn receive_into(&self, device: Device, len: usize) -> Result<StagingIn, String> {
+        let kind = device.kind();
+        let runtime = self
+            .runtime(kind)
+            .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
+        let target = match runtime.receive_staged(device, len)? {
+            Some(chunked) if chunked.chunk_len() > 0 => Target::Chunked(chunked),
+            Some(_) => return Err(format!("the {kind} runtime stages in chunks of 0 bytes")),
+            None => Target::Whole {
+                runtime: Arc::clone(runtime),
+                bytes: Vec::new(),
+            },
+        };
+        Ok(StagingIn {
+            target,
+            device,
+            len,
+        })
     }
 
     /// A received tensor's bytes put on `device`: kept as they are for the CPU, copied
@@ -407,6 +682,109 @@ impl Devices {
             ));
         }
         Ok((Vec::new(), Some(memory)))
+    }
+}
+
+/// A received tensor on its way into device memory ([`Devices::receive_into`]): the
+/// pull fills its chunks in order ([`chunks`](Self::chunks),
+/// [`chunk_buffer`](Self::chunk_buffer), [`chunk_filled`](Self::chunk_filled)) and
+/// [`finish`](Self::finish) returns the memory, checked. Dropped unfinished, the runtime
+/// takes back what it holds for it.
+pub(crate) struct StagingIn {
+    target: Target,
+    device: Device,
+    len: usize,
+}
+
+enum Target {
+    /// The runtime's [`StagedReceive`].
+    Chunked(Box<dyn StagedReceive>),
+    /// One chunk, the whole tensor, handed to `copy_from_host` at the end.
+    Whole {
+        runtime: Arc<dyn DeviceRuntime>,
+        bytes: Vec<u8>,
+    },
+}
+
+impl fmt::Debug for StagingIn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StagingIn")
+            .field("device", &self.device)
+            .field("len", &self.len)
+            .field("chunked", &matches!(self.target, Target::Chunked(_)))
+            .finish()
+    }
+}
+
+impl StagingIn {
+    /// The chunks to fill, in order: `(k, offset, len)`.
+    pub fn chunks(&self) -> Vec<(usize, usize, usize)> {
+        let chunk = match &self.target {
+            Target::Chunked(chunked) => chunked.chunk_len().max(1),
+            Target::Whole { .. } => self.len.max(1),
+        };
+        (0..self.len.div_ceil(chunk))
+            .map(|k| {
+                let offset = k * chunk;
+                (k, offset, chunk.min(self.len - offset))
+            })
+            .collect()
+    }
+
+    /// Chunk `k`'s buffer to fill (checked to be as long as the chunk).
+    pub fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+        let Some(&(_, _, expected)) = self.chunks().get(k) else {
+            return Err(format!("no chunk {k} in a {}-byte tensor", self.len));
+        };
+        let kind = self.device.kind();
+        let buffer = match &mut self.target {
+            Target::Chunked(chunked) => chunked.chunk_buffer(k)?,
+            Target::Whole { bytes, .. } => {
+                *bytes = super::recycle::try_take(self.len).map_err(|e| e.to_string())?;
+                crate::channel::buffer::prefer_huge_pages(bytes);
+                bytes.as_mut_slice()
+            }
+        };
+        if buffer.len() != expected {
+            return Err(format!(
+                "the {kind} runtime gave a {}-byte buffer for chunk {k} of {expected} bytes",
+                buffer.len()
+            ));
+        }
+        Ok(buffer)
+    }
+
+    /// Chunk `k` is filled.
+    pub fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+        match &mut self.target {
+            Target::Chunked(chunked) => chunked.chunk_filled(k),
+            Target::Whole { .. } => Ok(()),
+        }
+    }
+
+    /// Every chunk is filled: the device memory, checked to be what was asked for.
+    pub fn finish(self) -> Result<DeviceBuffer, String> {
+        let StagingIn {
+            target,
+            device,
+            len,
+        } = self;
+        let memory = match target {
+            Target::Chunked(chunked) => chunked.finish()?,
+            Target::Whole { runtime, bytes } => {
+                let bytes = if len == 0 { Vec::new() } else { bytes };
+                runtime.copy_from_host(device, bytes)?
+            }
+        };
+        if memory.device() != device || memory.len() != len {
+            return Err(format!(
+                "the {} runtime made {} bytes on {} for {len} bytes on {device}",
+                device.kind(),
+                memory.len(),
+                memory.device()
+            ));
+        }
+        Ok(memory)
     }
 }
 
@@ -475,7 +853,7 @@ mod tests {
         fn device_count(&self) -> usize {
             2
         }
-        fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+        fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
             let memory = memory
                 .downcast_ref::<HostMemory>()
                 .ok_or("foreign memory")?;
@@ -483,7 +861,7 @@ mod tests {
             if self.short_copy {
                 bytes.pop();
             }
-            Ok(bytes)
+            Ok(bytes.into())
         }
         fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
             if device.index().unwrap_or(0) >= 2 {
@@ -553,7 +931,13 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(loan.descriptor, vec![1, 2, 3]);
         let copy = devices
-            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .borrow(
+                PipeId::next(),
+                ChannelKind::CudaIpc,
+                cuda(1),
+                3,
+                &loan.descriptor,
+            )
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((copy.device(), copy.len()), (cuda(1), 3));
         // The tensor must hold memory on its own device.
@@ -574,7 +958,13 @@ mod tests {
         // The receiver checks what its runtime made.
         let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
         let err = short
-            .borrow(ChannelKind::CudaIpc, cuda(1), 3, &loan.descriptor)
+            .borrow(
+                PipeId::next(),
+                ChannelKind::CudaIpc,
+                cuda(1),
+                3,
+                &loan.descriptor,
+            )
             .expect_err("short");
         assert!(err.contains("made 2 bytes on cuda:1 for 3 bytes"), "{err}");
     }
@@ -590,13 +980,16 @@ mod tests {
         assert_eq!((memory.device(), memory.len()), (cuda(1), 3));
         assert_eq!(memory, memory.clone());
         let out = devices.stage_out(cuda(1), Vec::new(), Some(&memory));
-        assert_eq!(out, Ok(vec![1, 2, 3]));
+        assert_eq!(out, Ok(vec![1, 2, 3].into()));
         // CPU tensors pass through.
         assert_eq!(
             devices.stage_in(Device::cpu(), vec![4]),
             Ok((vec![4], None))
         );
-        assert_eq!(devices.stage_out(Device::cpu(), vec![5], None), Ok(vec![5]));
+        assert_eq!(
+            devices.stage_out(Device::cpu(), vec![5], None),
+            Ok(vec![5].into())
+        );
         // Wrong shapes are refused with what to do.
         let err = devices
             .stage_out(cuda(0), vec![1], None)

@@ -51,7 +51,7 @@ use rdzv_core::rpc::pipe::{
 };
 
 use super::calls::{self, Pending, Reply};
-use super::channels::{cpu_channel, FrameExports, PipeReader, ReceivedTensors};
+use super::channels::{cpu_channel, FrameExports, PipeReader, ReceivedTensors, Streamed};
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::error::TransportError;
@@ -745,11 +745,7 @@ impl Lane {
 
     /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
     /// tensors. The buffers the transport does not keep go back to the recycle pool.
-    fn send_with(
-        &self,
-        frame: OwnedFrame,
-        streamed: Vec<(u64, Vec<u8>)>,
-    ) -> Result<u64, SendFailure> {
+    fn send_with(&self, frame: OwnedFrame, streamed: Streamed) -> Result<u64, SendFailure> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
         let (sent, back) = sender.send_owned(frame).map_err(|e| match e {
             TransportError::InjectedFault { handler } => SendFailure::Injected { handler },

@@ -73,7 +73,10 @@ pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORK
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
-pub use device::{DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostMemory};
+pub use device::{
+    DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, HostMemory,
+    PipeId, StagedBytes, StagedReceive,
+};
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;

@@ -29,6 +29,7 @@ use rdzv_core::negotiate::{ChannelKind, Negotiated, Role, TransportKind};
 use rdzv_core::rpc::frame::TensorDescriptor;
 
 use super::channels::cpu_channel;
+use super::device::HostBytes;
 use super::recycle;
 use super::transport::{IncomingFrame, ADDRESS_SEPARATOR};
 use crate::channel::mpt::{connect_lanes, LaneListener, MptChannel, MptDescriptor, MptOptions};
@@ -130,7 +131,7 @@ impl MptLanes {
 
     /// Writes a frame's mpt tensors, in order. The caller holds the pipe's send lock
     /// and has just sent the frame.
-    pub fn push(&self, streamed: &[(u64, Vec<u8>)]) -> Result<(), String> {
+    pub fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), String> {
         let mut send = self.send.lock().unwrap_or_else(PoisonError::into_inner);
         for (transfer_id, data) in streamed {
             send.send(*transfer_id, data).map_err(|e| e.to_string())?;

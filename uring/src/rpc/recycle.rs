@@ -111,10 +111,31 @@ pub fn give(buffer: Vec<u8>) {
     }
 }
 
+/// A sent tensor's buffer: a `Vec` to keep, or something else that is only dropped
+/// (bytes a device runtime staged go back to it).
+pub trait Recyclable {
+    /// The `Vec` to keep, if it is one.
+    fn into_recyclable(self) -> Option<Vec<u8>>;
+}
+
+impl Recyclable for Vec<u8> {
+    fn into_recyclable(self) -> Option<Vec<u8>> {
+        Some(self)
+    }
+}
+
+impl Recyclable for super::device::HostBytes {
+    fn into_recyclable(self) -> Option<Vec<u8>> {
+        self.into_owned()
+    }
+}
+
 /// Gives every tensor buffer of a sent frame back.
-pub fn give_all(buffers: Vec<Vec<u8>>) {
+pub fn give_all<B: Recyclable>(buffers: Vec<B>) {
     for buffer in buffers {
-        give(buffer);
+        if let Some(buffer) = buffer.into_recyclable() {
+            give(buffer);
+        }
     }
 }
 

@@ -891,7 +891,7 @@ mod tests {
                 Device::cpu(),
                 len as u64,
             )],
-            tensor_data: vec![data],
+            tensor_data: vec![data.into()],
             ..OwnedFrame::empty(FrameKind::Request, id)
         }
     }
@@ -931,7 +931,8 @@ mod tests {
                 assert_eq!(got.payload, b"payload".to_vec());
                 assert_eq!(got.wire_len, sent);
                 let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
-                assert!(data == frame.tensor_data.concat(), "tensor {id} differs");
+                let sent: Vec<u8> = frame.tensor_data.iter().flat_map(|d| d.to_vec()).collect();
+                assert!(data == sent, "tensor {id} differs");
             }
             // Several tensors, the largest (moved in place) in the middle.
             let parts = [
@@ -947,7 +948,7 @@ mod tests {
                     Device::cpu(),
                     part.len() as u64,
                 ));
-                many.tensor_data.push(part.clone());
+                many.tensor_data.push(part.clone().into());
             }
             tx.send(many).await.map_err(|e| e.to_string())?;
             let got = rx

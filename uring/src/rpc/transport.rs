@@ -57,6 +57,7 @@ use rdzv_core::rpc::frame::{
     EncodeError, Frame, FrameKind, FrameLimits, OutgoingFrame, TensorDescriptor,
 };
 
+use super::device::HostBytes;
 use super::error::TransportError;
 
 /// Separates the listeners' addresses in a worker's published address.
@@ -335,9 +336,10 @@ pub struct OwnedFrame {
     pub payload: Vec<u8>,
     /// One descriptor per tensor.
     pub tensors: Vec<TensorDescriptor>,
-    /// One entry per tensor, in order: the data of a `basic` tensor, the channel
-    /// descriptor of any other (the core frame's data section).
-    pub tensor_data: Vec<Vec<u8>>,
+    /// One entry per tensor, in order: the data of a `basic` tensor (a `cuda_basic`
+    /// tensor's where its runtime staged it: [`HostBytes`]), the channel descriptor of
+    /// any other (the core frame's data section).
+    pub tensor_data: Vec<HostBytes>,
 }
 
 impl OwnedFrame {
@@ -356,7 +358,7 @@ impl OwnedFrame {
 
     /// Runs `f` with the core's borrowed view of this frame.
     pub fn with_outgoing<R>(&self, f: impl FnOnce(&OutgoingFrame<'_>) -> R) -> R {
-        let data: Vec<&[u8]> = self.tensor_data.iter().map(Vec::as_slice).collect();
+        let data: Vec<&[u8]> = self.tensor_data.iter().map(HostBytes::as_slice).collect();
         let frame = OutgoingFrame {
             kind: self.kind,
             message_id: self.message_id,
@@ -397,7 +399,7 @@ impl OwnedFrame {
             self.payload.as_slice(),
         ]
         .into_iter()
-        .chain(self.tensor_data.iter().map(Vec::as_slice))
+        .chain(self.tensor_data.iter().map(HostBytes::as_slice))
     }
 }
 
@@ -462,7 +464,7 @@ mod tests {
                     ..TensorDescriptor::inline(Device::cpu(), Device::cpu(), 1 << 20)
                 },
             ],
-            tensor_data: vec![vec![9, 8, 7], vec![1, 2]],
+            tensor_data: vec![vec![9, 8, 7].into(), vec![1, 2].into()],
             ..OwnedFrame::empty(FrameKind::Request, 42)
         };
         let mut wire = frame
@@ -520,7 +522,7 @@ mod tests {
     fn inline_data_must_match_descriptors() {
         let frame = OwnedFrame {
             tensors: vec![TensorDescriptor::inline(Device::cpu(), Device::cpu(), 4)],
-            tensor_data: vec![vec![1]],
+            tensor_data: vec![vec![1].into()],
             ..OwnedFrame::empty(FrameKind::Request, 1)
         };
         assert!(frame.encode_head().is_err());

@@ -19,7 +19,7 @@ use futures_lite::{AsyncReadExt, AsyncWriteExt};
 use glommio::channels::local_channel::{self, LocalReceiver, LocalSender};
 use glommio::channels::shared_channel::{ConnectedReceiver, ConnectedSender};
 use glommio::net::{TcpListener, TcpStream};
-use rdzv_core::store::codec::{self, Decoded, Limits};
+use rdzv_core::store::codec::{Decoded, Limits, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{ConnId, WaitResponse};
 
@@ -138,6 +138,7 @@ impl Owner {
 /// encoding replies into `out` (see [`session::serve_frames`]).
 fn serve_buffered(
     owner: &Owner,
+    decoder: &mut RequestDecoder,
     id: ConnId,
     peer: &str,
     pending: &[u8],
@@ -146,7 +147,7 @@ fn serve_buffered(
     let mut engine = owner.engine.borrow_mut();
     let served = session::serve_frames(
         &mut engine,
-        &owner.limits,
+        decoder,
         id,
         &peer,
         pending,
@@ -154,7 +155,7 @@ fn serve_buffered(
         |engine, out| owner.route_wakeups(engine, id, out),
     );
     owner.publish(&engine);
-    served
+    (served.used, served.close)
 }
 
 /// Accepts until `stop` is set. Polls the flag every 50 ms, so that shutdown needs no
@@ -292,7 +293,10 @@ async fn relay(owner: Rc<Owner>, rx: ConnectedReceiver<ToOwner>) {
             }
             ToOwner::Frames(conn, frames) => {
                 let mut out = Vec::new();
-                let (_, close) = serve_buffered(&owner, conn, "forwarded", &frames, &mut out);
+                // Whole frames: a fresh decoder completes each at once.
+                let mut decoder = RequestDecoder::new(owner.limits);
+                let (_, close) =
+                    serve_buffered(&owner, &mut decoder, conn, "forwarded", &frames, &mut out);
                 if !out.is_empty() {
                     owner
                         .outbox
@@ -396,9 +400,11 @@ async fn run_local_conn(
 ) {
     let peer = peer_of(&stream);
     let mut input = ReadBuf::new();
+    let mut decoder = RequestDecoder::new(owner.limits);
     let mut out: Vec<u8> = Vec::with_capacity(256);
     loop {
-        let (used, close) = serve_buffered(owner, id, &peer, input.pending(), &mut out);
+        let (used, close) =
+            serve_buffered(owner, &mut decoder, id, &peer, input.pending(), &mut out);
         input.consume(used);
         // Wake-ups owed to other executors' connections leave with this batch.
         if !owner.outbox.borrow().is_empty() {
@@ -448,13 +454,14 @@ async fn run_remote_conn(
 ) {
     let peer = peer_of(&stream);
     let mut input = ReadBuf::new();
+    let mut decoder = RequestDecoder::new(limits);
     loop {
         // Cut whole frames; the owner decodes them again, knowing they are complete.
         let pending = input.pending();
         let mut used = 0;
         let mut bad = false;
         while used < pending.len() {
-            match codec::decode_request(&pending[used..], &limits) {
+            match decoder.decode(&pending[used..]) {
                 Ok(Decoded::Complete(_, n)) => used += n,
                 Ok(Decoded::Partial(_)) => break,
                 Err(error) => {

@@ -27,11 +27,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
-use rdzv_core::store::codec::Limits;
+use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::ConnId;
 
-use super::session::{serve_frames, ReadBuf};
+use super::session::{serve_frames, ReadBuf, Served};
 use super::StatsCells;
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -92,31 +92,86 @@ struct Conn {
     fd: OwnedFd,
     id: ConnId,
     input: ReadBuf,
+    /// Cuts `input` into requests, resuming a long key list where it stopped.
+    decoder: RequestDecoder,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
     /// Bytes handed to the kernel; it reads them until the send completes.
     sending: Vec<u8>,
     /// How much of `sending` has gone out.
     sent: usize,
+    /// A receive into `input` is in flight (the kernel owns its spare bytes).
     recv_busy: bool,
+    /// A send from `sending` is in flight (the kernel reads it).
     send_busy: bool,
-    /// No more reads: flush `out` (unless `abandon`), then close.
-    closing: bool,
-    /// Drop what is owed instead of flushing it (the peer is gone).
-    abandon: bool,
-    cancel_sent: bool,
-    /// Already removed from the engine.
-    left_engine: bool,
+    phase: Phase,
+}
+
+/// Where a connection is in its life. Every state but `Open` is out of the engine (the
+/// transition removes it, so its waiters never outlive it).
+///
+/// ```text
+///  accept ─► Open ─(bad input, refused, shutdown)─► Flushing ─(all sent)─► freed
+///             │                                        │
+///             └─(end of stream, socket error)─► Abandoned ◄─(socket error, drain over)
+///                                                 └─(nothing in flight)─► freed
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading requests and sending replies.
+    Open,
+    /// No more reads: send what is owed, then close. `recv_cancelled`: the pending
+    /// receive has been asked to stop.
+    Flushing { recv_cancelled: bool },
+    /// The peer is gone: what is owed is dropped; waits only for the kernel to finish
+    /// the operations in flight.
+    Abandoned { recv_cancelled: bool },
+}
+
+impl Phase {
+    /// The phase after a close of kind `how`: `Abandoned` is never undone, and a
+    /// cancelled receive stays cancelled.
+    fn closed(self, how: Close) -> Phase {
+        let recv_cancelled = self.recv_cancelled();
+        match (self, how) {
+            (Phase::Abandoned { .. }, _) | (_, Close::Abandon) => {
+                Phase::Abandoned { recv_cancelled }
+            }
+            (_, Close::Flush) => Phase::Flushing { recv_cancelled },
+        }
+    }
+
+    fn recv_cancelled(self) -> bool {
+        match self {
+            Phase::Open => false,
+            Phase::Flushing { recv_cancelled } | Phase::Abandoned { recv_cancelled } => {
+                recv_cancelled
+            }
+        }
+    }
 }
 
 impl Conn {
     /// Done when nothing is in flight and nothing more will be sent.
     fn finished(&self) -> bool {
-        self.closing
-            && !self.recv_busy
-            && !self.send_busy
-            && (self.abandon || (self.out.is_empty() && self.sent >= self.sending.len()))
+        let idle = !self.recv_busy && !self.send_busy;
+        match self.phase {
+            Phase::Open => false,
+            Phase::Flushing { .. } => {
+                idle && self.out.is_empty() && self.sent >= self.sending.len()
+            }
+            Phase::Abandoned { .. } => idle,
+        }
     }
+}
+
+/// How a connection stops being read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// Send what is owed first.
+    Flush,
+    /// Drop what is owed (the peer is gone, or time is up).
+    Abandon,
 }
 
 /// The peer's address for log lines, looked up only when a line is written.
@@ -322,15 +377,13 @@ impl Server {
                 fd,
                 id,
                 input: ReadBuf::new(),
+                decoder: RequestDecoder::new(self.limits),
                 out: Vec::new(),
                 sending: Vec::new(),
                 sent: 0,
                 recv_busy: false,
                 send_busy: false,
-                closing: false,
-                abandon: false,
-                cancel_sent: false,
-                left_engine: false,
+                phase: Phase::Open,
             });
             self.live += 1;
             self.dirty.push(slot);
@@ -349,11 +402,10 @@ impl Server {
                 tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection read failed");
             }
             // End of stream or an error: the peer is gone, nothing more can be sent.
-            conn.closing = true;
-            conn.abandon = true;
+            self.close(slot, Close::Abandon);
             return;
         }
-        if conn.closing {
+        if conn.phase != Phase::Open {
             // Read just before a close was decided: the bytes are not served.
             return;
         }
@@ -361,12 +413,12 @@ impl Server {
         let id = conn.id;
         let mut out = std::mem::take(&mut conn.out);
         let mut others = Vec::new();
-        let Some(Some(conn)) = self.conns.get(slot) else {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        let (used, close) = serve_frames(
+        let Served { used, close, .. } = serve_frames(
             &mut self.engine,
-            &self.limits,
+            &mut conn.decoder,
             id,
             &Peer(&conn.fd),
             conn.input.pending(),
@@ -384,13 +436,10 @@ impl Server {
         if let Some(Some(conn)) = self.conns.get_mut(slot) {
             conn.input.consume(used);
             conn.out = out;
-            if close {
-                conn.closing = true;
-            }
         }
         self.deliver(others);
         if close {
-            self.leave_engine(slot);
+            self.close(slot, Close::Flush);
         }
     }
 
@@ -399,7 +448,7 @@ impl Server {
         for (target, byte) in wakes {
             let slot = slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                if conn.id == target && !conn.abandon {
+                if conn.id == target && !matches!(conn.phase, Phase::Abandoned { .. }) {
                     conn.out.push(byte);
                     self.dirty.push(slot);
                 }
@@ -416,8 +465,7 @@ impl Server {
         if result < 0 {
             let error = io::Error::from_raw_os_error(-result);
             tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection write failed");
-            conn.closing = true;
-            conn.abandon = true;
+            self.close(slot, Close::Abandon);
             return;
         }
         conn.sent += result as usize;
@@ -427,16 +475,19 @@ impl Server {
         }
     }
 
-    /// Removes a closing connection from the engine (once), handing out the wake-ups
-    /// that releases.
-    fn leave_engine(&mut self, slot: usize) {
+    /// Stops reading a connection: out of the engine on leaving `Open` (handing out
+    /// the wake-ups that releases), then `Flushing`, or `Abandoned` (which `Flush` never
+    /// undoes).
+    fn close(&mut self, slot: usize, how: Close) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        if conn.left_engine {
+        let was = conn.phase;
+        conn.phase = was.closed(how);
+        self.dirty.push(slot);
+        if was != Phase::Open {
             return;
         }
-        conn.left_engine = true;
         let id = conn.id;
         self.engine.disconnect(id);
         let mut others = Vec::new();
@@ -452,13 +503,6 @@ impl Server {
     /// connection no longer needs, and frees finished connections.
     fn service_dirty(&mut self) -> io::Result<()> {
         while let Some(slot) = self.dirty.pop() {
-            let closing = match self.conns.get(slot) {
-                Some(Some(conn)) => conn.closing,
-                _ => continue,
-            };
-            if closing {
-                self.leave_engine(slot);
-            }
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
@@ -472,8 +516,16 @@ impl Server {
                 continue;
             }
             let fd = types::Fd(conn.fd.as_raw_fd());
-            if conn.closing && conn.recv_busy && !conn.cancel_sent {
-                conn.cancel_sent = true;
+            let phase = conn.phase;
+            if phase != Phase::Open && conn.recv_busy && !phase.recv_cancelled() {
+                conn.phase = match phase {
+                    Phase::Abandoned { .. } => Phase::Abandoned {
+                        recv_cancelled: true,
+                    },
+                    _ => Phase::Flushing {
+                        recv_cancelled: true,
+                    },
+                };
                 let entry = opcode::AsyncCancel::new(user_data(slot, Op::Recv))
                     .build()
                     .user_data(user_data(slot, Op::Cancel));
@@ -482,7 +534,7 @@ impl Server {
                 continue;
             }
             let unsent = conn.out.len() + conn.sending.len().saturating_sub(conn.sent);
-            if !conn.closing && !conn.recv_busy && unsent < OUT_HIGH_WATER {
+            if conn.phase == Phase::Open && !conn.recv_busy && unsent < OUT_HIGH_WATER {
                 let spare = conn.input.spare();
                 let len = u32::try_from(spare.len()).unwrap_or(u32::MAX);
                 let entry = opcode::Recv::new(fd, spare.as_mut_ptr(), len)
@@ -498,7 +550,8 @@ impl Server {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
-            if !conn.send_busy && !conn.abandon {
+            let abandoned = matches!(conn.phase, Phase::Abandoned { .. });
+            if !conn.send_busy && !abandoned {
                 if conn.sent >= conn.sending.len() && !conn.out.is_empty() {
                     std::mem::swap(&mut conn.out, &mut conn.sending);
                     conn.out.clear();
@@ -515,7 +568,7 @@ impl Server {
                     // `send_busy` and lives until the connection is `finished()`.
                     unsafe { self.push(&entry)? };
                 }
-            } else if conn.abandon && !conn.send_busy {
+            } else if abandoned && !conn.send_busy {
                 conn.out.clear();
                 conn.sending.clear();
                 conn.sent = 0;
@@ -542,10 +595,7 @@ impl Server {
         }
         // Every connection flushes what it owes, then closes.
         for slot in 0..self.conns.len() {
-            if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                conn.closing = true;
-                self.dirty.push(slot);
-            }
+            self.close(slot, Close::Flush);
         }
         self.service_dirty()
     }
@@ -557,11 +607,7 @@ impl Server {
         let deadline = Instant::now() + CANCEL_GRACE;
         loop {
             for slot in 0..self.conns.len() {
-                if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                    conn.closing = true;
-                    conn.abandon = true;
-                    self.dirty.push(slot);
-                }
+                self.close(slot, Close::Abandon);
             }
             let busy = self
                 .conns
@@ -631,6 +677,29 @@ mod tests {
         }
         assert_eq!(decode_user_data(0), None);
         assert_eq!(decode_user_data(0x99), None);
+    }
+
+    #[test]
+    fn closing_never_reopens_nor_unabandons() {
+        let flushing = Phase::Flushing {
+            recv_cancelled: false,
+        };
+        let abandoned = Phase::Abandoned {
+            recv_cancelled: false,
+        };
+        assert_eq!(Phase::Open.closed(Close::Flush), flushing);
+        assert_eq!(Phase::Open.closed(Close::Abandon), abandoned);
+        assert_eq!(flushing.closed(Close::Abandon), abandoned);
+        assert_eq!(abandoned.closed(Close::Flush), abandoned);
+        let cancelled = Phase::Flushing {
+            recv_cancelled: true,
+        };
+        assert_eq!(
+            cancelled.closed(Close::Abandon),
+            Phase::Abandoned {
+                recv_cancelled: true
+            }
+        );
     }
 
     #[test]

@@ -62,6 +62,25 @@ pub fn listen(addrs: &[SocketAddr], reuse_port: bool, backlog: i32) -> io::Resul
     ))
 }
 
+/// `count` listeners on one address: the first address of `addrs` that works, with
+/// `SO_REUSEPORT` when `count > 1` so that the kernel spreads connections over them.
+///
+/// A port that another server already listens on is refused even when that server set
+/// `SO_REUSEPORT` too (two rdzv servers, or a stale one): the port is first taken by a
+/// plain listener, which fails if anyone listens there, then released to the group.
+pub fn listen_group(addrs: &[SocketAddr], count: usize, backlog: i32) -> io::Result<Vec<Socket>> {
+    let probe = listen(addrs, false, backlog)?;
+    if count <= 1 {
+        return Ok(vec![probe]);
+    }
+    let addr = probe
+        .local_addr()?
+        .as_socket()
+        .ok_or_else(|| io::Error::other("listening socket has no address"))?;
+    drop(probe);
+    (0..count).map(|_| listen(&[addr], true, backlog)).collect()
+}
+
 fn listen_one(addr: SocketAddr, reuse_port: bool, backlog: i32) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     if addr.is_ipv6() {
@@ -97,6 +116,20 @@ mod tests {
             .to_string()
             .starts_with("The server socket has failed to listen on any local network address"));
         assert!(err.to_string().contains(&port.to_string()));
+    }
+
+    #[test]
+    fn a_group_shares_one_port_and_refuses_a_second_group() {
+        let addrs = candidate_addrs(Some("127.0.0.1"), 0).unwrap();
+        let group = listen_group(&addrs, 3, 16).unwrap();
+        let ports: Vec<u16> = group
+            .iter()
+            .map(|s| s.local_addr().unwrap().as_socket().unwrap().port())
+            .collect();
+        assert!(ports.iter().all(|&p| p == ports[0] && p != 0), "{ports:?}");
+        let again = candidate_addrs(Some("127.0.0.1"), ports[0]).unwrap();
+        let err = listen_group(&again, 2, 16).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
     }
 
     #[test]

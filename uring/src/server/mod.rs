@@ -1,23 +1,34 @@
-//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring.
+//! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring or epoll.
 //!
-//! With one executor (the default) the server is a single io_uring event loop
-//! ([`Backend::IoUring`], module `direct`); with `threads > 1`, or [`Backend::Glommio`],
-//! each glommio executor thread runs an accept loop and one task per connection (module
-//! `conn`). Either way a connection's bytes are cut into requests with
-//! `rdzv_core::store::codec`, handed to the single `rdzv_core::store::engine::Engine`,
-//! the replies encoded, and the wake-ups the engine owes other connections forwarded to
-//! them (module `session` holds what both share). Nothing here decides what a request
-//! means. See `ARCHITECTURE.md` for why one engine owner, and the numbers.
+//! [`IoMode`] picks the kernel interface; `Auto` (the default) uses io_uring unless the
+//! host refuses it, then epoll (module `io_mode`). On io_uring, one executor (the default)
+//! is a single event loop ([`Backend::IoUring`], module `direct`); with `threads > 1`,
+//! or [`Backend::Glommio`], each glommio executor thread runs an accept loop and one task
+//! per connection (module `conn`), and executor 0 owns the engine. On epoll (module
+//! `epoll`) N loops, one per CPU by default, each accept on their own `SO_REUSEPORT`
+//! listener and run their connections' requests to completion against one engine behind
+//! a lock (module `shared_engine`). Either way a connection's bytes are cut into requests
+//! by its own incremental `rdzv_core::store::codec::RequestDecoder`, handed to the
+//! `rdzv_core::store::engine::Engine`, the replies encoded, and the wake-ups the engine
+//! owes other connections forwarded to them (module `session` holds what all share).
+//! Nothing here decides what a request means. See `ARCHITECTURE.md` for the designs and
+//! the numbers.
 //!
 //! Bad input never costs another client anything: a decode error, a wrong magic or a
 //! non-VALIDATE first message closes only that connection, lengths are checked against
 //! the codec limits before any buffer grows, and a closed connection's waiters are
 //! removed from the engine.
 
+pub mod capacity;
 mod conn;
 mod direct;
+mod epoll;
+mod io_mode;
 pub mod listener;
 mod session;
+mod shared_engine;
+
+pub use io_mode::IoMode;
 
 use std::collections::HashMap;
 use std::io;
@@ -42,8 +53,11 @@ pub struct ServerOptions {
     pub host: Option<String>,
     /// Port; 0 picks a free one (see [`StoreServer::port`]).
     pub port: u16,
-    /// Executor threads. Executor 0 owns the key space; with more, the others accept
-    /// connections and forward their requests to it (see `ARCHITECTURE.md`).
+    /// Event loops. 0 (the default) picks per [`IoMode`]: one io_uring loop, or on
+    /// epoll one loop per CPU this process may use, at most [`DEFAULT_MAX_LOOPS`].
+    /// On io_uring more than one runs on glommio: executor 0 owns the key space and the
+    /// others accept connections and forward their requests to it; on epoll every loop
+    /// serves its own connections against the shared engine (see `ARCHITECTURE.md`).
     pub threads: usize,
     /// Pin the executor thread to a CPU. Off by default: pinned executors measured
     /// 5-10x worse on small VMs (see `ARCHITECTURE.md`).
@@ -60,10 +74,15 @@ pub struct ServerOptions {
     /// waking up when requests arrive back to back, and costs CPU only while the server
     /// is busy or was within this window; `None` sleeps at once.
     pub spin_before_park: Option<Duration>,
-    /// What runs the single-executor server (`threads == 1`); more executors always
-    /// run on glommio.
+    /// What runs the single-executor io_uring server (`threads <= 1`); more executors
+    /// always run on glommio.
     pub backend: Backend,
+    /// io_uring, epoll, or io_uring where the host allows it (the default).
+    pub io: IoMode,
 }
+
+/// Most epoll loops started when [`ServerOptions::threads`] is 0.
+pub const DEFAULT_MAX_LOOPS: usize = 16;
 
 /// The event loop behind a one-executor server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -96,13 +115,14 @@ impl Default for ServerOptions {
         ServerOptions {
             host: None,
             port: DEFAULT_PORT,
-            threads: 1,
+            threads: 0,
             pin: false,
             limits: Limits::default(),
             multi_tenant: false,
             drain_timeout: Duration::from_secs(5),
             spin_before_park: None,
             backend: Backend::default(),
+            io: IoMode::default(),
         }
     }
 }
@@ -153,6 +173,8 @@ pub(crate) struct StatsCells {
 
 struct Shared {
     addr: SocketAddr,
+    /// The event loop chosen (never `Auto`).
+    io: IoMode,
     stats: Arc<StatsCells>,
     stopping: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -207,23 +229,34 @@ impl StoreServer {
                     source,
                 }
             })?;
-        let threads = options.threads.max(1);
-        let reuse_port = threads > 1;
-        let first = listener::listen(&addrs, reuse_port, listener::REQUESTED_BACKLOG)
+        let epoll = match options.io {
+            IoMode::Epoll => true,
+            IoMode::IoUring => false,
+            IoMode::Auto => match io_mode::probe_io_uring() {
+                Ok(Ok(())) => false,
+                Ok(Err(io_mode::Refusal(why))) => {
+                    tracing::warn!("{why}; the store server runs on epoll instead");
+                    true
+                }
+                Err(e) => {
+                    return Err(ServerError::Executor(format!(
+                        "cannot create an io_uring: {e} (`--io epoll` runs without one)"
+                    )))
+                }
+            },
+        };
+        let threads = match (epoll, options.threads) {
+            (true, 0) => io_mode::default_loops(DEFAULT_MAX_LOOPS),
+            (true, n) => n.min(shared_engine::MAX_LOOPS),
+            (false, n) => n.max(1),
+        };
+        let sockets = listener::listen_group(&addrs, threads, listener::REQUESTED_BACKLOG)
             .map_err(|source| ServerError::Listen { source })?;
-        let addr = first
-            .local_addr()
-            .ok()
+        let addr = sockets
+            .first()
+            .and_then(|s| s.local_addr().ok())
             .and_then(|a| a.as_socket())
             .ok_or_else(|| ServerError::Executor("listening socket has no address".into()))?;
-        // The other executors listen on the very address the first one got.
-        let mut sockets = vec![first];
-        for _ in 1..threads {
-            sockets.push(
-                listener::listen(&[addr], true, listener::REQUESTED_BACKLOG)
-                    .map_err(|source| ServerError::Listen { source })?,
-            );
-        }
         match listener::somaxconn() {
             Some(max) if (max as i64) < listener::REQUESTED_BACKLOG as i64 => tracing::warn!(
                 somaxconn = max,
@@ -235,10 +268,22 @@ impl StoreServer {
         }
         let shared = Arc::new(Shared {
             addr,
+            io: if epoll {
+                IoMode::Epoll
+            } else {
+                IoMode::IoUring
+            },
             stopping: Arc::new(AtomicBool::new(false)),
             stats: Arc::new(StatsCells::default()),
             threads: Mutex::new(Vec::new()),
         });
+        if epoll {
+            let handles = start_epoll(options, sockets, &shared)?;
+            *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
+            tracing::info!(%addr, loops = threads, "store server listening (epoll)");
+            return Ok(StoreServer { shared });
+        }
+        let mut sockets = sockets;
         // Channels between the owner (executor 0) and each accepting executor.
         let mut to_owner_rx = Vec::new();
         let mut from_owner_tx = Vec::new();
@@ -397,6 +442,12 @@ impl StoreServer {
         }
     }
 
+    /// The kernel interface the server runs on: [`IoMode::IoUring`] or
+    /// [`IoMode::Epoll`] ([`IoMode::Auto`] resolved at start).
+    pub fn io_mode(&self) -> IoMode {
+        self.shared.io
+    }
+
     /// The port the server listens on.
     pub fn port(&self) -> u16 {
         self.shared.addr.port()
@@ -408,6 +459,55 @@ impl StoreServer {
     pub fn shutdown(&self) {
         shutdown_shared(&self.shared);
     }
+}
+
+/// Starts one epoll loop per socket, all sharing one engine.
+fn start_epoll(
+    options: &ServerOptions,
+    sockets: Vec<socket2::Socket>,
+    shared: &Arc<Shared>,
+) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let mut polls = Vec::new();
+    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
+    for _ in 0..sockets.len() {
+        let (poll, waker) = epoll::poller()
+            .map_err(|e| ServerError::Executor(format!("cannot create an epoll instance: {e}")))?;
+        polls.push(poll);
+        wakers.push(Box::new(waker));
+    }
+    let engine = Arc::new(shared_engine::SharedEngine::new(
+        wakers,
+        Arc::clone(&shared.stats),
+    ));
+    let mut handles = Vec::new();
+    for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
+        let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
+        let setup = epoll::LoopSetup {
+            index,
+            poll,
+            listener,
+            shared: Arc::clone(&engine),
+            limits: options.limits,
+            stats: Arc::clone(&shared.stats),
+            drain: options.drain_timeout,
+            spin: options.spin_before_park,
+        };
+        let stop = Arc::clone(&shared.stopping);
+        let spawned = std::thread::Builder::new()
+            .name(format!("rdzv-store-{index}"))
+            .spawn(move || epoll::serve(setup, &stop));
+        match spawned {
+            Ok(handle) => handles.push(handle),
+            Err(e) => {
+                shared.stopping.store(true, Ordering::Release);
+                handles.into_iter().for_each(|h| drop(h.join()));
+                return Err(ServerError::Executor(format!(
+                    "cannot start a store loop thread: {e}"
+                )));
+            }
+        }
+    }
+    Ok(handles)
 }
 
 /// Depth of each channel between executors.

@@ -7,34 +7,59 @@
 
 use std::fmt::Display;
 
-use rdzv_core::store::codec::{self, Decoded, Limits};
+use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{ConnId, WaitResponse};
 
+/// What [`serve_frames`] did with a connection's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Served {
+    /// Bytes consumed (whole requests).
+    pub(super) used: usize,
+    /// The connection must be closed (bad input, or the engine refused it).
+    pub(super) close: bool,
+    /// At least this many more bytes must arrive before the next request is complete
+    /// (0 when nothing is pending): a caller may skip the engine until they have.
+    pub(super) needed: usize,
+}
+
 /// Serves every complete request at the start of `pending`, encoding replies into `out`.
 /// After each request `route_wakeups` hands out the wake-ups the engine owes (its own go
-/// into `out`). Returns how many bytes it consumed and whether the connection must be
-/// closed (bad input, or the engine refused it).
+/// into `out`).
+///
+/// `decoder` is the connection's own: it remembers how far it walked a key list that is
+/// still arriving, so a long `WAIT` that comes in many pieces costs O(bytes) in all. The
+/// caller must drop exactly the consumed bytes from the front of its buffer before the
+/// next call (what [`ReadBuf::consume`] does).
 pub(super) fn serve_frames(
     engine: &mut Engine,
-    limits: &Limits,
+    decoder: &mut RequestDecoder,
     id: ConnId,
     peer: &dyn Display,
     pending: &[u8],
     out: &mut Vec<u8>,
     mut route_wakeups: impl FnMut(&mut Engine, &mut Vec<u8>),
-) -> (usize, bool) {
+) -> Served {
     let mut used = 0;
+    let mut needed = 0;
+    let close = |used| Served {
+        used,
+        close: true,
+        needed: 0,
+    };
     while used < pending.len() {
-        let request = match codec::decode_request(&pending[used..], limits) {
+        let request = match decoder.decode(&pending[used..]) {
             Ok(Decoded::Complete(request, n)) => {
                 used += n;
                 request
             }
-            Ok(Decoded::Partial(_)) => break,
+            Ok(Decoded::Partial(more)) => {
+                needed = more;
+                break;
+            }
             Err(error) => {
                 tracing::warn!(%peer, %error, "closing store connection: bad request");
-                return (used, true);
+                return close(used);
             }
         };
         match engine.handle_request(id, request) {
@@ -48,18 +73,22 @@ pub(super) fn serve_frames(
                         // Only an inconsistent QUEUE_POP reply fails to encode, and the
                         // engine never makes one. Close rather than send garbage.
                         tracing::error!(%peer, %error, "cannot encode a reply");
-                        return (used, true);
+                        return close(used);
                     }
                 }
             }
-            Err(close) => {
-                tracing::warn!(%peer, reason = %close, "closing store connection");
-                return (used, true);
+            Err(refusal) => {
+                tracing::warn!(%peer, reason = %refusal, "closing store connection");
+                return close(used);
             }
         }
         route_wakeups(engine, out);
     }
-    (used, false)
+    Served {
+        used,
+        close: false,
+        needed,
+    }
 }
 
 /// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
@@ -111,6 +140,96 @@ impl ReadBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdzv_core::store::codec::Limits;
+    use rdzv_core::store::{QueryType, VALIDATION_MAGIC};
+
+    /// A `WAIT` naming `count` keys, in PyTorch's framing.
+    fn wait_frame(count: usize) -> Vec<u8> {
+        let mut frame = vec![QueryType::Wait as u8];
+        frame.extend_from_slice(&(count as u64).to_le_bytes());
+        for i in 0..count {
+            let key = format!("k{i}");
+            frame.extend_from_slice(&(key.len() as u64).to_le_bytes());
+            frame.extend_from_slice(key.as_bytes());
+        }
+        frame
+    }
+
+    /// A 128 Ki-key `WAIT` arriving 64 bytes at a time, through a connection's read
+    /// buffer and decoder as a server loop drives them: the decoder walks each key once
+    /// (linear work), where re-parsing from the frame start on every piece would walk
+    /// about 128Ki x pieces / 2 = 10^10 keys.
+    #[test]
+    fn a_huge_wait_in_small_pieces_is_decoded_in_linear_work() {
+        let count = Limits::default().max_key_count as usize;
+        let mut frame = vec![QueryType::Validate as u8];
+        frame.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        frame.extend(wait_frame(count));
+        let mut engine = Engine::new();
+        let id = ConnId(1);
+        assert!(engine.connect(id));
+        let mut decoder = RequestDecoder::new(Limits::default());
+        let mut input = ReadBuf::new();
+        let mut out = Vec::new();
+        let mut calls = 0usize;
+        for piece in frame.chunks(64) {
+            let mut rest = piece;
+            while !rest.is_empty() {
+                let spare = input.spare();
+                let n = spare.len().min(rest.len());
+                spare[..n].copy_from_slice(&rest[..n]);
+                input.filled += n;
+                rest = &rest[n..];
+                let Served { used, close, .. } = serve_frames(
+                    &mut engine,
+                    &mut decoder,
+                    id,
+                    &"test",
+                    input.pending(),
+                    &mut out,
+                    |engine, own| {
+                        while let Some((_, wake)) = engine.poll_wakeup() {
+                            own.push(wake as u8);
+                        }
+                    },
+                );
+                assert!(!close, "the connection was closed");
+                input.consume(used);
+                calls += 1;
+            }
+        }
+        assert!(
+            calls > 10_000,
+            "the frame must arrive in many pieces: {calls}"
+        );
+        assert!(input.pending().is_empty(), "the whole WAIT was consumed");
+        assert!(out.is_empty(), "nothing is owed before a key is set");
+        assert_eq!(engine.waiter_count(), 1, "the WAIT is registered");
+        // Every key is walked exactly once (a piece that ends inside a key re-reads only
+        // that key's length prefix, which is not counted as an item).
+        assert_eq!(decoder.items_walked(), count as u64);
+    }
+
+    /// A request that is refused closes only its connection, and the decoder's error
+    /// reaches the caller as a close.
+    #[test]
+    fn bad_bytes_close_the_connection() {
+        let mut engine = Engine::new();
+        let id = ConnId(2);
+        assert!(engine.connect(id));
+        let mut decoder = RequestDecoder::new(Limits::default());
+        let mut out = Vec::new();
+        let served = serve_frames(
+            &mut engine,
+            &mut decoder,
+            id,
+            &"test",
+            &[0xff, 0, 0],
+            &mut out,
+            |_, _| {},
+        );
+        assert_eq!((served.used, served.close), (0, true));
+    }
 
     #[test]
     fn grows_only_for_a_request_larger_than_the_buffer() {

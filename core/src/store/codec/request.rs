@@ -70,6 +70,7 @@ pub fn decode_request<'b>(
 pub struct RequestDecoder {
     limits: Limits,
     progress: ListProgress,
+    items_walked: u64,
 }
 
 impl RequestDecoder {
@@ -78,6 +79,7 @@ impl RequestDecoder {
         RequestDecoder {
             limits,
             progress: ListProgress::NONE,
+            items_walked: 0,
         }
     }
 
@@ -89,11 +91,22 @@ impl RequestDecoder {
     /// Decodes one request from the start of `buf`, as [`decode_request`] does, resuming
     /// a list walk where the previous call stopped.
     pub fn decode<'b>(&mut self, buf: &'b [u8]) -> Result<Decoded<Request<'b>>, DecodeError> {
-        let parsed = parse(buf, &self.limits, &mut self.progress);
+        let mut walked = 0;
+        let parsed = parse_counted(buf, &self.limits, &mut self.progress, &mut walked);
+        self.items_walked = self.items_walked.saturating_add(walked as u64);
         if !matches!(parsed, Err(Stop::Partial(_))) {
             self.progress = ListProgress::NONE;
         }
         wire::finish(parsed)
+    }
+
+    /// How many list items (keys of a `CHECK`/`WAIT`/`MULTI_GET`, pairs of a
+    /// `MULTI_SET`) this decoder has parsed in all, counting an item again each time it
+    /// is walked. A measure of decoding work: for frames that arrive in pieces it stays
+    /// equal to the items received, where a stateless decoder walks each list again on
+    /// every call.
+    pub fn items_walked(&self) -> u64 {
+        self.items_walked
     }
 
     /// Forgets any partial progress (the caller's buffer no longer starts with the
@@ -115,21 +128,43 @@ fn parse<'b>(
     limits: &Limits,
     progress: &mut ListProgress,
 ) -> Result<(Request<'b>, usize), Stop> {
+    parse_counted(buf, limits, progress, &mut 0)
+}
+
+/// [`parse`], adding the list items it walked to `walked`.
+fn parse_counted<'b>(
+    buf: &'b [u8],
+    limits: &Limits,
+    progress: &mut ListProgress,
+    walked: &mut usize,
+) -> Result<(Request<'b>, usize), Stop> {
     let Some(query) = peek_query_type(buf)? else {
         return Err(Stop::Partial(1));
     };
     let mut r = Reader::new(buf, 1, query);
+    let parsed = fields(&mut r, query, limits, progress);
+    *walked = walked.saturating_add(r.items_walked());
+    parsed.map(|request| (request, r.pos()))
+}
+
+/// The fields of a `query` frame, after its type byte.
+fn fields<'b>(
+    r: &mut Reader<'b>,
+    query: QueryType,
+    limits: &Limits,
+    progress: &mut ListProgress,
+) -> Result<Request<'b>, Stop> {
     let request = match query {
         QueryType::Validate => Request::Validate { magic: r.u32(0)? },
         QueryType::Set => {
-            let key = key(&mut r, limits, LEN_WIDTH)?;
-            let value = value(&mut r, limits, Field::Value, 0)?;
+            let key = key(r, limits, LEN_WIDTH)?;
+            let value = value(r, limits, Field::Value, 0)?;
             Request::Set { key, value }
         }
         QueryType::CompareSet => {
-            let key = key(&mut r, limits, 2 * LEN_WIDTH)?;
-            let expected = value(&mut r, limits, Field::ExpectedValue, LEN_WIDTH)?;
-            let desired = value(&mut r, limits, Field::DesiredValue, 0)?;
+            let key = key(r, limits, 2 * LEN_WIDTH)?;
+            let expected = value(r, limits, Field::ExpectedValue, LEN_WIDTH)?;
+            let desired = value(r, limits, Field::DesiredValue, 0)?;
             Request::CompareSet {
                 key,
                 expected,
@@ -137,59 +172,59 @@ fn parse<'b>(
             }
         }
         QueryType::Get => Request::Get {
-            key: key(&mut r, limits, 0)?,
+            key: key(r, limits, 0)?,
         },
         QueryType::Add => {
-            let key = key(&mut r, limits, 8)?;
+            let key = key(r, limits, 8)?;
             Request::Add {
                 key,
                 delta: r.i64(0)?,
             }
         }
         QueryType::Check => Request::Check {
-            keys: key_list(&mut r, limits, progress)?,
+            keys: key_list(r, limits, progress)?,
         },
         QueryType::Wait => Request::Wait {
-            keys: key_list(&mut r, limits, progress)?,
+            keys: key_list(r, limits, progress)?,
         },
         QueryType::GetNumKeys => Request::GetNumKeys,
         QueryType::DeleteKey => Request::DeleteKey {
-            key: key(&mut r, limits, 0)?,
+            key: key(r, limits, 0)?,
         },
         QueryType::Append => {
-            let key = key(&mut r, limits, LEN_WIDTH)?;
-            let value = value(&mut r, limits, Field::Value, 0)?;
+            let key = key(r, limits, LEN_WIDTH)?;
+            let value = value(r, limits, Field::Value, 0)?;
             Request::Append { key, value }
         }
         QueryType::MultiGet => Request::MultiGet {
-            keys: key_list(&mut r, limits, progress)?,
+            keys: key_list(r, limits, progress)?,
         },
         QueryType::MultiSet => Request::MultiSet {
-            pairs: pair_list(&mut r, limits, progress)?,
+            pairs: pair_list(r, limits, progress)?,
         },
         QueryType::CancelWait => Request::CancelWait,
         QueryType::Ping => Request::Ping { nonce: r.u32(0)? },
         QueryType::QueuePush => {
-            let key = key(&mut r, limits, LEN_WIDTH)?;
-            let value = value(&mut r, limits, Field::Value, 0)?;
+            let key = key(r, limits, LEN_WIDTH)?;
+            let value = value(r, limits, Field::Value, 0)?;
             Request::QueuePush { key, value }
         }
         QueryType::QueuePop => Request::QueuePop {
-            key: key(&mut r, limits, 0)?,
+            key: key(r, limits, 0)?,
         },
         QueryType::QueueLen => Request::QueueLen {
-            key: key(&mut r, limits, 0)?,
+            key: key(r, limits, 0)?,
         },
         QueryType::ListKeys => Request::ListKeys,
         QueryType::Barrier => {
-            let key = key(&mut r, limits, 8)?;
+            let key = key(r, limits, 8)?;
             Request::Barrier {
                 key,
                 world_size: r.i64(0)?,
             }
         }
     };
-    Ok((request, r.pos()))
+    Ok(request)
 }
 
 fn key<'b>(r: &mut Reader<'b>, limits: &Limits, after: usize) -> Result<&'b [u8], Stop> {

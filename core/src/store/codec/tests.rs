@@ -324,6 +324,29 @@ fn every_split_point_is_partial_until_the_end() {
     }
 }
 
+/// A `CHECK` of 1000 keys fed one byte at a time: the decoder walks each key once, the
+/// total the stateless decoder spends on a single whole frame.
+#[test]
+fn request_decoder_walks_each_key_once() {
+    let count = 1000usize;
+    let mut frame = vec![QueryType::Check as u8];
+    frame.extend_from_slice(&(count as u64).to_le_bytes());
+    for i in 0..count {
+        let key = std::format!("key{i}");
+        frame.extend_from_slice(&(key.len() as u64).to_le_bytes());
+        frame.extend_from_slice(key.as_bytes());
+    }
+    let mut decoder = RequestDecoder::new(Limits::default());
+    for cut in 0..frame.len() {
+        assert!(matches!(
+            decoder.decode(&frame[..cut]),
+            Ok(Decoded::Partial(_))
+        ));
+    }
+    assert!(decoder.decode(&frame).unwrap().is_complete());
+    assert_eq!(decoder.items_walked(), count as u64);
+}
+
 #[test]
 fn partial_hints_are_exact_for_fixed_fields() {
     let limits = Limits::default();

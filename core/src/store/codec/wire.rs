@@ -43,6 +43,8 @@ pub(super) struct Reader<'b> {
     buf: &'b [u8],
     pos: usize,
     query: QueryType,
+    /// List items parsed by this reader (resumed items not counted).
+    items_walked: usize,
 }
 
 impl<'b> Reader<'b> {
@@ -52,12 +54,18 @@ impl<'b> Reader<'b> {
             buf,
             pos: pos.min(buf.len()),
             query,
+            items_walked: 0,
         }
     }
 
     /// Bytes consumed so far (the position in the buffer).
     pub(super) fn pos(&self) -> usize {
         self.pos
+    }
+
+    /// How many list items this reader parsed (items resumed past are not counted).
+    pub(super) fn items_walked(&self) -> usize {
+        self.items_walked
     }
 
     /// The query errors are reported against.
@@ -195,6 +203,7 @@ impl<'b> Reader<'b> {
                 }
             }
             done += 1;
+            self.items_walked += 1;
         }
         *progress = ListProgress::NONE;
         self.buf.get(start..self.pos).ok_or(Stop::Partial(1))

@@ -38,7 +38,7 @@ use rdzv_core::rpc::frame::{
     DESCRIPTOR_LEN, HEADER_LEN,
 };
 use rdzv_uring::rpc::transport::{IncomingFrame, OwnedFrame};
-use rdzv_uring::rpc::TransportError;
+use rdzv_uring::rpc::{HostBytes, TransportError};
 
 /// Body parts of at least this many bytes travel as separate, zero-copy messages: the
 /// channel's own zero-copy threshold, below which one copy through the ring is cheaper
@@ -112,6 +112,8 @@ pub fn split_frame(frame: OwnedFrame) -> Result<Vec<Vec<u8>>, EncodeError> {
     first.extend_from_slice(handler.as_bytes());
     first.extend_from_slice(&metadata);
     let mut split = Split::default();
+    // A tensor a device runtime staged (`cuda_basic`) is copied into a message here.
+    let tensor_data = tensor_data.into_iter().map(HostBytes::into_vec);
     for part in std::iter::once(payload).chain(tensor_data) {
         if split.separate(part.len() as u64) {
             separate.push(part);
@@ -587,7 +589,7 @@ mod tests {
             tensor_data: tensors
                 .iter()
                 .enumerate()
-                .map(|(i, &n)| fill(n, i))
+                .map(|(i, &n)| fill(n, i).into())
                 .collect(),
             ..OwnedFrame::empty(FrameKind::Request, 7)
         }

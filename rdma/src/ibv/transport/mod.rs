@@ -56,7 +56,7 @@ pub mod link;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -394,12 +394,10 @@ impl Drop for IbvListener {
     fn drop(&mut self) {
         self.queue.close();
         // Wakes the accept thread: accept on a shut-down socket fails at once.
-        // SAFETY: the descriptor is the listener's, open while `self.listener` lives.
-        let rc = unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        if rc != 0 {
+        if let Err(error) = crate::ibv::sys::shutdown_socket(self.listener.as_fd()) {
             tracing::debug!(
                 address = %self.address,
-                error = %io::Error::last_os_error(),
+                %error,
                 "shutting an ibv listener down failed"
             );
         }

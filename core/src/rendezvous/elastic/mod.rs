@@ -1,0 +1,374 @@
+//! The elastic rendezvous: torchelastic's `DynamicRendezvousHandler` semantics as a pure
+//! state machine over store operations, laid out so that a node's join and heartbeat cost
+//! O(1) store work however many nodes there are.
+//!
+//! # Semantics (PyTorch's, where it has them)
+//! - A rendezvous admits between `min_nodes` and `max_nodes` nodes (`nodes=1:4`, or
+//!   `nodes=4` for exactly four, as torchrun's `--nnodes`).
+//! - A round is open until it closes. Once `min_nodes` have arrived, a *last call* of
+//!   `last_call` runs; when it ends the round closes with everyone who arrived by then
+//!   (at most `max_nodes`). The node that arrives as number `max_nodes` closes it at once.
+//! - Ranks are dense, `0..world_size`, in arrival order; every member of a round gets the
+//!   same world size and round number, and the round's store prefix
+//!   `torch.rendezvous.{run_id}.{round}` (PyTorch's).
+//! - A node that arrives after the round closed is *waiting*: when the round has room
+//!   (`world_size < max_nodes`) it asks for the next round at once (PyTorch's wait list,
+//!   which makes every agent restart); when it is full it is a hot spare (PyTorch's
+//!   redundancy list) and joins the next round whenever that starts, without a timeout.
+//! - Members heartbeat every `keep_alive_interval`. A member that misses
+//!   `keep_alive_max_attempts` intervals is dead, and the round is over: the others rejoin
+//!   the next round without it. A member whose workers failed, that leaves, or that asks
+//!   to re-rendezvous ends the round the same way (torchelastic's restart).
+//! - `shutdown` closes the rendezvous for good; every node then fails with
+//!   `RendezvousClosedError`, as new joiners do. A node that is not part of a complete
+//!   round within `join_timeout` fails with `RendezvousTimeoutError`.
+//!
+//! # Key layout (every key under `rdzv.elastic.{run_id}/`)
+//! | key | operations | who |
+//! |---|---|---|
+//! | `closed` | `SET` once; `CHECK` | `shutdown`; every join and every tick checks it |
+//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1` | a hint: the lowest round that may still be open, for nodes that join late |
+//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (1-based); `ADD 0` reads the count | each joiner once; the closer once |
+//! | `{r}/node/{s}` | `SET` node id | each joiner once (for operators: who holds slot `s`) |
+//! | `{r}/quorum` | `SET` | the node with slot `min_nodes`, and the closer; nodes with a smaller slot `WAIT` on it |
+//! | `{r}/size` | `COMPARE_SET "" → N` | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
+//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched member's | each member once per keep-alive interval; a hot spare reads one member's |
+//! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
+//!
+//! Slot `s ≤ N` is rank `s − 1`; a slot above `N` is a waiting node. Because `size` is
+//! written once, every member reads the same `N`, and slots are distinct, ranks are the
+//! distinct numbers `0..N`. Liveness is a ring: the member at slot `s` reads the
+//! heartbeat counter of slot `s mod N + 1` and declares it dead when the counter has not
+//! moved for `keep_alive_interval × keep_alive_max_attempts` *of its own clock* (no
+//! timestamps are compared across machines). One dead member is enough to end the round,
+//! so one watcher per member suffices. A hot spare at slot `s > N` watches the member at
+//! slot `(s − 1) mod N + 1`, so that a round of one, or one whose members all died, ends
+//! too.
+//!
+//! Store work per node: joining a round is a `CHECK`, two `ADD`s (round hint, arrival), a
+//! `SET` (node id), one `WAIT` and one `GET`; the node with slot `min_nodes` adds a `SET`,
+//! and the one closer an `ADD 0`, a `COMPARE_SET` and a `SET`. A heartbeat is two `ADD`s and one `CHECK`. A wait never
+//! outlasts one keep-alive interval (so that a local event, or a shutdown seen only
+//! through `closed`, is handled within one interval): a wait that ends early is re-issued
+//! after a `CHECK` of `closed`. torchrun's c10d backend instead compare-sets one pickled
+//! blob of the whole state (O(N) bytes) for every join and every heartbeat, and re-reads
+//! it once a second while waiting, so its traffic grows with N².
+//!
+//! A node that times out or leaves while its round is still open stays counted in that
+//! round: it marks the round over, so that once the round closes its members go on to the
+//! next one at once.
+//!
+//! Keys of finished rounds are not deleted (a few per node per round): a long job with
+//! many re-rendezvous grows the store by that much, and a new job should use a new run
+//! id (as with torchrun, a closed run id stays closed).
+//!
+//! # Driving it
+//! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local
+//! events ([`ElasticNode::handle_local`]), take [`ElasticNode::poll_action`], perform it
+//! on the store and answer with [`ElasticNode::handle_reply`], then drain
+//! [`ElasticNode::poll_event`]. Exactly one action is outstanding at a time; a
+//! [`StoreAction::Wait`] carries its deadline (also [`ElasticNode::poll_timeout`]),
+//! answered with [`StoreReply::TimedOut`] when it passes.
+
+mod machine;
+#[cfg(test)]
+mod tests;
+
+use alloc::string::{String, ToString};
+use core::fmt;
+use core::time::Duration;
+
+use crate::query::{QueryError, QueryView};
+use crate::url::{PortError, RendezvousUrl, UrlError};
+
+pub use crate::rpc::timeouts::Instant;
+pub use machine::{
+    ElasticError, ElasticNode, Event, LocalEvent, RoundOutcome, StoreAction, StoreReply,
+};
+
+/// PyTorch's default join timeout (600 s).
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
+/// PyTorch's default last-call window (30 s).
+pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(30);
+/// PyTorch's default keep-alive interval (5 s).
+pub const DEFAULT_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// PyTorch's default number of missed keep-alives before a node is dead (3).
+pub const DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS: u32 = 3;
+/// torchelastic's c10d default port.
+pub const DEFAULT_PORT: u16 = 29400;
+
+/// `min_nodes..=max_nodes`, parsed from `MIN:MAX` or `N` (torchrun's `--nnodes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    /// The fewest nodes a round may close with.
+    pub min: u32,
+    /// The most nodes a round admits.
+    pub max: u32,
+}
+
+impl NodeRange {
+    /// A checked range.
+    ///
+    /// # Errors
+    /// [`SettingsError::MinNodes`] for 0, [`SettingsError::MaxNodes`] for `max < min`.
+    pub fn new(min: u32, max: u32) -> Result<Self, SettingsError<'static>> {
+        if min < 1 {
+            return Err(SettingsError::MinNodes { min });
+        }
+        if max < min {
+            return Err(SettingsError::MaxNodes { min, max });
+        }
+        Ok(NodeRange { min, max })
+    }
+
+    /// `parse_min_max_nnodes`: `"MIN:MAX"` or `"N"` (both ends equal).
+    ///
+    /// # Errors
+    /// [`SettingsError::NodesFormat`] when it is neither, else [`NodeRange::new`]'s.
+    pub fn parse(text: &str) -> Result<Self, SettingsError<'_>> {
+        let bad = SettingsError::NodesFormat { text };
+        let number = |t: &str| -> Result<u32, SettingsError<'_>> {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad);
+            }
+            t.parse().map_err(|_| bad)
+        };
+        let (min, max) = match text.split_once(':') {
+            Some((min, max)) => (number(min)?, number(max)?),
+            None => {
+                let n = number(text)?;
+                (n, n)
+            }
+        };
+        NodeRange::new(min, max)
+    }
+}
+
+/// What every node of one rendezvous must agree on, and its own timing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ElasticSettings {
+    /// The run id; it names the keys (`rdzv.elastic.{run_id}/…`).
+    pub run_id: String,
+    /// How many nodes a round admits.
+    pub nodes: NodeRange,
+    /// How long a node may take to become a member of a complete round.
+    pub join_timeout: Duration,
+    /// How long a round stays open once `min_nodes` have arrived.
+    pub last_call: Duration,
+    /// How often a member heartbeats.
+    pub keep_alive_interval: Duration,
+    /// How many intervals without a heartbeat make a member dead.
+    pub keep_alive_max_attempts: u32,
+}
+
+impl ElasticSettings {
+    /// PyTorch's defaults for `run_id` and `nodes`.
+    pub fn new(run_id: impl Into<String>, nodes: NodeRange) -> Self {
+        ElasticSettings {
+            run_id: run_id.into(),
+            nodes,
+            join_timeout: DEFAULT_JOIN_TIMEOUT,
+            last_call: DEFAULT_LAST_CALL,
+            keep_alive_interval: DEFAULT_KEEP_ALIVE_INTERVAL,
+            keep_alive_max_attempts: DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS,
+        }
+    }
+
+    /// How long a member's heartbeat counter may stand still before it is dead.
+    pub fn keep_alive_timeout(&self) -> Duration {
+        self.keep_alive_interval
+            .saturating_mul(self.keep_alive_max_attempts)
+    }
+
+    /// Checks what the constructor cannot: a non-empty run id and positive timeouts.
+    ///
+    /// # Errors
+    /// [`SettingsError::RunId`], [`SettingsError::NotPositive`].
+    pub fn check(&self) -> Result<(), SettingsError<'static>> {
+        if self.run_id.is_empty() {
+            return Err(SettingsError::RunId);
+        }
+        for (name, value) in [
+            ("join_timeout", self.join_timeout),
+            ("last_call", self.last_call),
+            ("keep_alive_interval", self.keep_alive_interval),
+        ] {
+            if value.is_zero() {
+                return Err(SettingsError::NotPositive { name });
+            }
+        }
+        if self.keep_alive_max_attempts == 0 {
+            return Err(SettingsError::NotPositive {
+                name: "keep_alive_max_attempts",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `elastic://host:port/run_id?nodes=2:8&last_call=5s&…`, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ElasticUrl {
+    /// The store's host.
+    pub host: String,
+    /// The store's port ([`DEFAULT_PORT`] when the URL has none).
+    pub port: u16,
+    /// The settings; `run_id` is the URL's path without its `/`.
+    pub settings: ElasticSettings,
+    /// `node_id`, if the query names one.
+    pub node_id: Option<String>,
+}
+
+impl ElasticUrl {
+    /// Parses the URL. Query keys: `nodes` (`MIN:MAX` or `N`, default `1:1`),
+    /// `join_timeout`, `last_call`, `keep_alive_interval` (durations: `500ms`, `5s`, `2m`,
+    /// or a bare number of seconds, as PyTorch's `*_timeout` configs),
+    /// `keep_alive_max_attempts`, `node_id`; `rank` and `world_size` (added by URL
+    /// rewriting) are ignored: the rendezvous assigns them.
+    ///
+    /// # Errors
+    /// [`SettingsError`] naming what is wrong.
+    pub fn parse(url: &str) -> Result<Self, SettingsError<'_>> {
+        let parsed = RendezvousUrl::parse(url).map_err(SettingsError::Url)?;
+        let host = parsed.hostname().ok_or(SettingsError::HostMissing)?;
+        let port = parsed
+            .port()
+            .map_err(SettingsError::Port)?
+            .unwrap_or(DEFAULT_PORT);
+        let run_id = parsed.path().trim_start_matches('/');
+        let query = QueryView::parse(parsed.query()).map_err(SettingsError::Query)?;
+        let nodes = NodeRange::parse(query.get("nodes").unwrap_or("1:1"))?;
+        let mut settings = ElasticSettings::new(run_id, nodes);
+        for (key, value) in query.iter() {
+            match key {
+                "join_timeout" => settings.join_timeout = parse_duration(key, value)?,
+                "last_call" => settings.last_call = parse_duration(key, value)?,
+                "keep_alive_interval" => settings.keep_alive_interval = parse_duration(key, value)?,
+                "keep_alive_max_attempts" => {
+                    settings.keep_alive_max_attempts = value
+                        .parse()
+                        .map_err(|_| SettingsError::BadValue { key, value })?
+                }
+                "nodes" | "node_id" | "rank" | "world_size" => {}
+                _ => return Err(SettingsError::UnknownKey { key }),
+            }
+        }
+        settings.check()?;
+        Ok(ElasticUrl {
+            host: host.to_string(),
+            port,
+            settings,
+            node_id: query.get("node_id").map(String::from),
+        })
+    }
+}
+
+/// `500ms`, `5s`, `2m` or a bare number of seconds.
+fn parse_duration<'a>(key: &'a str, value: &'a str) -> Result<Duration, SettingsError<'a>> {
+    let bad = SettingsError::BadValue { key, value };
+    let (digits, unit): (&str, fn(u64) -> Duration) = if let Some(d) = value.strip_suffix("ms") {
+        (d, Duration::from_millis)
+    } else if let Some(d) = value.strip_suffix('s') {
+        (d, Duration::from_secs)
+    } else if let Some(d) = value.strip_suffix('m') {
+        (d, |m| Duration::from_secs(m.saturating_mul(60)))
+    } else {
+        (value, Duration::from_secs)
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad);
+    }
+    digits.parse().map(unit).map_err(|_| bad)
+}
+
+/// Why elastic settings or an `elastic://` URL were refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SettingsError<'a> {
+    /// `nodes` is neither `MIN:MAX` nor `N`.
+    NodesFormat {
+        /// The text given.
+        text: &'a str,
+    },
+    /// `min_nodes` is 0.
+    MinNodes {
+        /// The value.
+        min: u32,
+    },
+    /// `max_nodes < min_nodes`.
+    MaxNodes {
+        /// `min_nodes`.
+        min: u32,
+        /// `max_nodes`.
+        max: u32,
+    },
+    /// The run id is empty.
+    RunId,
+    /// A timeout or count is zero.
+    NotPositive {
+        /// The setting.
+        name: &'static str,
+    },
+    /// The URL does not parse.
+    Url(UrlError<'a>),
+    /// The URL's port is not a number in 0..=65535.
+    Port(PortError<'a>),
+    /// The URL has no host.
+    HostMissing,
+    /// A query piece is not `key=value`.
+    Query(QueryError<'a>),
+    /// A query value does not parse.
+    BadValue {
+        /// The key.
+        key: &'a str,
+        /// The value.
+        value: &'a str,
+    },
+    /// A query key this rendezvous does not know.
+    UnknownKey {
+        /// The key.
+        key: &'a str,
+    },
+}
+
+impl fmt::Display for SettingsError<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NodesFormat { text } => write!(f, "nnodes={text} is not in \"MIN:MAX\" format"),
+            Self::MinNodes { min } => write!(
+                f,
+                "The minimum number of rendezvous nodes ({min}) must be greater than zero."
+            ),
+            Self::MaxNodes { min, max } => write!(
+                f,
+                "The maximum number of rendezvous nodes ({max}) must be greater than or equal \
+                 to the minimum number of rendezvous nodes ({min})."
+            ),
+            Self::RunId => f.write_str("The run id must be a non-empty string."),
+            Self::NotPositive { name } => {
+                write!(f, "The {name} of the elastic rendezvous must be positive.")
+            }
+            Self::Url(e) => e.fmt(f),
+            Self::Port(e) => e.fmt(f),
+            Self::HostMissing => f.write_str(
+                "elastic:// rendezvous: the URL names no store host (elastic://host:port/run_id)",
+            ),
+            Self::Query(e) => write!(f, "elastic:// rendezvous: {e}"),
+            Self::BadValue { key, value } => write!(
+                f,
+                "elastic:// rendezvous: {key}={value} is not valid (durations: 500ms, 5s, 2m, \
+                 or seconds; counts: a positive integer)"
+            ),
+            Self::UnknownKey { key } => write!(
+                f,
+                "elastic:// rendezvous: unknown query key {key} (known: nodes, join_timeout, \
+                 last_call, keep_alive_interval, keep_alive_max_attempts, node_id)"
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "std")]
+impl std::error::Error for SettingsError<'_> {}

@@ -1,0 +1,745 @@
+//! The elastic rendezvous under virtual time: several [`ElasticNode`]s driven against a
+//! plain in-memory model of the store (a `BTreeMap`, PyTorch's semantics for `add`,
+//! `compare_set` and `wait`), with nodes killed (never stepped again) and restarted.
+
+use alloc::collections::BTreeMap;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::time::Duration;
+use std::format;
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// A reply the model owns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reply {
+    Checked(bool),
+    Added(i64),
+    Set,
+    Value(Vec<u8>),
+    Waited,
+    TimedOut,
+}
+
+impl Reply {
+    fn as_reply(&self) -> StoreReply<'_> {
+        match self {
+            Reply::Checked(b) => StoreReply::Checked(*b),
+            Reply::Added(n) => StoreReply::Added(*n),
+            Reply::Set => StoreReply::Set,
+            Reply::Value(v) => StoreReply::Value(v),
+            Reply::Waited => StoreReply::Waited,
+            Reply::TimedOut => StoreReply::TimedOut,
+        }
+    }
+}
+
+/// The store model: what the TCPStore does, in a map.
+#[derive(Default)]
+struct Model {
+    kv: BTreeMap<String, Vec<u8>>,
+    ops: u64,
+}
+
+impl Model {
+    /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
+    fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<Reply> {
+        let reply = match action {
+            StoreAction::Check { key } => Reply::Checked(self.kv.contains_key(key)),
+            StoreAction::Add { key, delta } => {
+                let old = self
+                    .kv
+                    .get(key)
+                    .map_or(0, |v| core::str::from_utf8(v).unwrap().parse().unwrap());
+                let new: i64 = old + delta;
+                self.kv.insert(key.clone(), new.to_string().into_bytes());
+                Reply::Added(new)
+            }
+            StoreAction::Set { key, value } => {
+                self.kv.insert(key.clone(), value.clone());
+                Reply::Set
+            }
+            StoreAction::CompareSet {
+                key,
+                expected,
+                desired,
+            } => match self.kv.get(key) {
+                None if expected.is_empty() => {
+                    self.kv.insert(key.clone(), desired.clone());
+                    Reply::Value(desired.clone())
+                }
+                None => Reply::Value(expected.clone()),
+                Some(v) if v == expected => {
+                    self.kv.insert(key.clone(), desired.clone());
+                    Reply::Value(desired.clone())
+                }
+                Some(v) => Reply::Value(v.clone()),
+            },
+            StoreAction::Get { key } => Reply::Value(self.kv.get(key)?.clone()),
+            StoreAction::Wait { key, until } => {
+                if self.kv.contains_key(key) {
+                    Reply::Waited
+                } else if now >= *until {
+                    Reply::TimedOut
+                } else {
+                    return None;
+                }
+            }
+        };
+        self.ops += 1;
+        Some(reply)
+    }
+}
+
+struct SimNode {
+    machine: ElasticNode,
+    pending: Option<StoreAction>,
+    alive: bool,
+    events: Vec<Event>,
+    ops: u64,
+}
+
+struct Sim {
+    now: Instant,
+    store: Model,
+    nodes: Vec<SimNode>,
+    settings: ElasticSettings,
+}
+
+fn settings(min: u32, max: u32) -> ElasticSettings {
+    let mut s = ElasticSettings::new("job", NodeRange::new(min, max).unwrap());
+    s.join_timeout = Duration::from_secs(60);
+    s.last_call = Duration::from_secs(2);
+    s.keep_alive_interval = Duration::from_secs(1);
+    s.keep_alive_max_attempts = 3;
+    s
+}
+
+impl Sim {
+    fn new(settings: ElasticSettings) -> Self {
+        Sim {
+            now: Instant::ZERO,
+            store: Model::default(),
+            nodes: Vec::new(),
+            settings,
+        }
+    }
+
+    /// Adds a node that joins now; returns its index.
+    fn join(&mut self, name: &str) -> usize {
+        let mut machine = ElasticNode::new(self.settings.clone(), name);
+        machine.handle_local(LocalEvent::Join);
+        self.nodes.push(SimNode {
+            machine,
+            pending: None,
+            alive: true,
+            events: Vec::new(),
+            ops: 0,
+        });
+        self.nodes.len() - 1
+    }
+
+    /// Steps node `i` once if it can move; returns whether it did.
+    fn step(&mut self, i: usize) -> bool {
+        let now = self.now;
+        let node = &mut self.nodes[i];
+        if !node.alive {
+            return false;
+        }
+        if node.pending.is_none() {
+            node.pending = node.machine.poll_action(now);
+        }
+        let Some(action) = node.pending.as_ref() else {
+            return false;
+        };
+        let Some(reply) = self.store.apply(action, now) else {
+            return false;
+        };
+        node.pending = None;
+        node.ops += 1;
+        node.machine.handle_reply(reply.as_reply(), now);
+        while let Some(event) = node.machine.poll_event() {
+            node.events.push(event);
+        }
+        true
+    }
+
+    /// Steps every node round-robin until none can move, then advances time to the
+    /// earliest wait deadline; stops at `until`.
+    fn run_until(&mut self, until: Instant) {
+        loop {
+            let mut moved = false;
+            for i in 0..self.nodes.len() {
+                // Bounded per pass, so that no node starves the others.
+                for _ in 0..4 {
+                    if !self.step(i) {
+                        break;
+                    }
+                    moved = true;
+                }
+            }
+            if moved {
+                continue;
+            }
+            match self.next_deadline() {
+                Some(t) if t <= until => self.now = t.max(self.now),
+                _ => {
+                    self.now = until.max(self.now);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn run_for(&mut self, d: Duration) {
+        self.run_until(self.now.saturating_add(d));
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.nodes
+            .iter()
+            .filter(|n| n.alive)
+            .filter_map(|n| n.machine.poll_timeout())
+            .min()
+    }
+
+    fn completes(&self, i: usize) -> Vec<RoundOutcome> {
+        self.nodes[i]
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Complete(o) => Some(o.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn last_complete(&self, i: usize) -> Option<RoundOutcome> {
+        self.completes(i).pop()
+    }
+
+    fn kill(&mut self, i: usize) {
+        self.nodes[i].alive = false;
+    }
+
+    /// Every round's outcomes agree: one world size, distinct ranks below it.
+    fn check_agreement(&self) {
+        let mut rounds: BTreeMap<u64, (u32, Vec<u32>)> = BTreeMap::new();
+        for node in &self.nodes {
+            for event in &node.events {
+                if let Event::Complete(o) = event {
+                    let entry = rounds.entry(o.round).or_insert((o.world_size, Vec::new()));
+                    assert_eq!(
+                        entry.0, o.world_size,
+                        "round {} world sizes differ",
+                        o.round
+                    );
+                    assert!(o.rank < o.world_size, "{o:?}");
+                    assert!(
+                        !entry.1.contains(&o.rank),
+                        "round {} rank {} twice",
+                        o.round,
+                        o.rank
+                    );
+                    assert_eq!(o.store_prefix, format!("torch.rendezvous.job.{}", o.round));
+                    entry.1.push(o.rank);
+                }
+            }
+        }
+    }
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+#[test]
+fn fills_to_max_and_closes_at_once() {
+    let mut sim = Sim::new(settings(1, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_until(Instant::ZERO);
+    assert_eq!(
+        sim.now,
+        Instant::ZERO,
+        "no time passes: slot max closes the round"
+    );
+    let (oa, ob) = (sim.last_complete(a).unwrap(), sim.last_complete(b).unwrap());
+    assert_eq!((oa.round, oa.world_size, ob.world_size), (0, 2, 2));
+    assert_eq!(oa.rank + ob.rank, 1);
+    assert_eq!(oa.store_prefix, "torch.rendezvous.job.0");
+    // A third node is a hot spare of a full round and waits, without a timeout.
+    let c = sim.join("c");
+    sim.run_for(secs(600));
+    assert_eq!(
+        sim.nodes[c].events,
+        [Event::Waiting {
+            round: 0,
+            hot_spare: true
+        }]
+    );
+    assert_eq!(
+        sim.completes(a).len(),
+        1,
+        "a spare does not disturb the round"
+    );
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/node/3"], b"c");
+    sim.check_agreement();
+}
+
+#[test]
+fn last_call_after_min_nodes() {
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    sim.run_for(secs(30));
+    assert!(sim.nodes[a].events.is_empty(), "below min_nodes: open");
+    let b = sim.join("b");
+    sim.run_for(Duration::from_millis(1500));
+    assert!(sim.completes(a).is_empty(), "within the last call: open");
+    let c = sim.join("c");
+    sim.run_for(Duration::from_millis(1000));
+    for i in [a, b, c] {
+        assert_eq!(sim.last_complete(i).unwrap().world_size, 3, "node {i}");
+    }
+    // Ranks are in arrival order.
+    assert_eq!(sim.last_complete(c).unwrap().rank, 2);
+    sim.check_agreement();
+}
+
+#[test]
+fn wait_list_starts_the_next_round() {
+    let mut sim = Sim::new(settings(1, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(3));
+    assert_eq!(sim.last_complete(a).unwrap().world_size, 2);
+    let c = sim.join("c");
+    sim.run_for(secs(3));
+    assert_eq!(
+        sim.nodes[c].events[0],
+        Event::Waiting {
+            round: 0,
+            hot_spare: false
+        }
+    );
+    for i in [a, b] {
+        assert!(matches!(
+            &sim.nodes[i].events[1],
+            Event::RoundOver { round: 0, reason } if reason.contains("'c' is waiting")
+        ));
+    }
+    for i in [a, b, c] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (1, 3), "node {i}");
+    }
+    // A node joining now reads the round hint and lands in round 1's wait list.
+    assert_eq!(sim.store.kv["rdzv.elastic.job/round"], b"1");
+    sim.check_agreement();
+}
+
+#[test]
+fn dead_member_ends_the_round_within_the_keep_alive_timeout() {
+    let mut sim = Sim::new(settings(2, 8));
+    let nodes: Vec<usize> = (0..5).map(|i| sim.join(&format!("n{i}"))).collect();
+    sim.run_for(secs(3));
+    assert!(nodes
+        .iter()
+        .all(|&i| sim.last_complete(i).unwrap().world_size == 5));
+    let killed_at = sim.now;
+    sim.kill(nodes[2]);
+    sim.run_for(secs(10));
+    let survivors = [0, 1, 3, 4].map(|k| nodes[k]);
+    for &i in &survivors {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (1, 4), "node {i}");
+    }
+    // Detected within keep-alive timeout (3 s) + one interval, plus the last call (2 s).
+    let reasons: Vec<&String> = survivors
+        .iter()
+        .flat_map(|&i| &sim.nodes[i].events)
+        .filter_map(|e| match e {
+            Event::RoundOver { reason, .. } => Some(reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons.len(), 4);
+    assert!(
+        reasons[0].contains("rank 2 had no heartbeat for 3s"),
+        "{}",
+        reasons[0]
+    );
+    let formed = sim.store.kv.contains_key("rdzv.elastic.job/1/size");
+    assert!(formed && sim.now.saturating_duration_since(killed_at) <= secs(10));
+    sim.check_agreement();
+}
+
+#[test]
+fn dead_member_detected_in_bounded_time() {
+    // Measure precisely: step in small time slices until round 1 forms.
+    let mut sim = Sim::new(settings(2, 3));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    sim.run_for(Duration::ZERO);
+    assert!(nodes.iter().all(|&i| sim.last_complete(i).is_some()));
+    let killed_at = sim.now;
+    sim.kill(nodes[0]);
+    while sim.last_complete(nodes[1]).unwrap().round == 0 {
+        sim.run_for(Duration::from_millis(100));
+        assert!(sim.now.saturating_duration_since(killed_at) < secs(20));
+    }
+    let took = sim.now.saturating_duration_since(killed_at);
+    // keep-alive timeout 3 s, at most one interval late, then a 2 s last call.
+    assert!(
+        took <= secs(3 + 1 + 2) + Duration::from_millis(200),
+        "{took:?}"
+    );
+    assert!(took >= secs(3), "{took:?}");
+}
+
+#[test]
+fn flapping_rank_converges() {
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    let mut flapper = sim.join("f");
+    sim.run_for(secs(3));
+    for cycle in 0..4 {
+        sim.kill(flapper);
+        sim.run_for(Duration::from_millis(500 + 700 * cycle));
+        flapper = sim.join("f");
+        sim.run_for(secs(12));
+        let round = sim.last_complete(a).unwrap().round;
+        for i in [a, b, flapper] {
+            let o = sim.last_complete(i).unwrap();
+            assert_eq!(
+                (o.round, o.world_size),
+                (round, 3),
+                "cycle {cycle} node {i}"
+            );
+        }
+    }
+    sim.check_agreement();
+}
+
+#[test]
+fn worker_failure_and_leave_end_the_round() {
+    let mut sim = Sim::new(settings(1, 4));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    sim.run_for(secs(3));
+    sim.nodes[nodes[1]]
+        .machine
+        .handle_local(LocalEvent::WorkerFailed);
+    sim.run_for(secs(1));
+    for &i in &nodes {
+        assert!(sim.nodes[i].events.iter().any(|e| matches!(
+            e,
+            Event::RoundOver { round: 0, reason } if reason.contains("workers of node 'n1' failed")
+        )));
+    }
+    sim.run_for(secs(3));
+    assert!(nodes
+        .iter()
+        .all(|&i| sim.last_complete(i).unwrap().round == 1));
+    sim.nodes[nodes[0]].machine.handle_local(LocalEvent::Leave);
+    sim.run_for(secs(5));
+    assert_eq!(sim.nodes[nodes[0]].events.last(), Some(&Event::Left));
+    assert!(sim.nodes[nodes[0]].machine.is_done());
+    for &i in &nodes[1..] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (2, 2));
+    }
+    sim.check_agreement();
+}
+
+#[test]
+fn shutdown_closes_for_good() {
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(3));
+    sim.nodes[a].machine.handle_local(LocalEvent::Shutdown);
+    sim.run_for(secs(1));
+    assert_eq!(sim.nodes[a].events.last(), Some(&Event::ShutDown));
+    // b sees a's heartbeat stop, rejoins, and finds the rendezvous closed.
+    sim.run_for(secs(10));
+    let closed = ElasticError::Closed {
+        run_id: "job".into(),
+    };
+    assert_eq!(
+        sim.nodes[b].events.last(),
+        Some(&Event::Failed(closed.clone()))
+    );
+    assert!(closed.to_string().starts_with("RendezvousClosedError: "));
+    let c = sim.join("c");
+    sim.run_for(secs(1));
+    assert_eq!(sim.nodes[c].events, [Event::Failed(closed.clone())]);
+    assert_eq!(sim.nodes[c].ops, 1, "one CHECK");
+
+    // A node waiting in an open round is woken, not left to time out.
+    let mut sim = Sim::new(settings(3, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(5));
+    sim.nodes[a].machine.handle_local(LocalEvent::Shutdown);
+    sim.run_for(secs(2));
+    assert_eq!(sim.nodes[b].events.last(), Some(&Event::Failed(closed)));
+}
+
+#[test]
+fn join_timeout_is_rendezvous_timeout_error() {
+    let mut sim = Sim::new(settings(3, 3));
+    let a = sim.join("a");
+    sim.join("b");
+    sim.run_for(secs(59));
+    assert!(sim.nodes[a].events.is_empty());
+    sim.run_for(secs(2));
+    let Some(Event::Failed(error)) = sim.nodes[a].events.last() else {
+        panic!("{:?}", sim.nodes[a].events);
+    };
+    assert_eq!(
+        error.to_string(),
+        "RendezvousTimeoutError: node 'a' did not become a member of a complete round of \
+         rendezvous 'job' within the join timeout (60s); fewer than min_nodes nodes may have \
+         joined"
+    );
+    // The timed-out nodes marked the round over: if it closes with them, it ends at once.
+    assert!(sim.store.kv.contains_key("rdzv.elastic.job/0/over"));
+}
+
+#[test]
+fn store_work_per_node_is_constant() {
+    for n in [4u32, 64, 512] {
+        let mut sim = Sim::new(settings(n, n));
+        for i in 0..n {
+            sim.join(&format!("n{i}"));
+        }
+        sim.run_for(Duration::ZERO);
+        assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
+        // CHECK, ADD hint, ADD arrival, SET node, WAIT size, GET size, then the first
+        // heartbeat (ADD own, ADD neighbour's): 8. The one closer compare-sets the size
+        // instead of the wait and the get (with min_nodes < max_nodes the quorum key
+        // adds a SET for two nodes): at most 9.
+        let most = sim.nodes.iter().map(|node| node.ops).max().unwrap();
+        assert!(most <= 9, "n={n}: {most} operations for one node");
+        let typical = sim.nodes.iter().filter(|node| node.ops <= 8).count();
+        let ops: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
+        assert!(typical + 1 >= n as usize, "n={n}: {ops:?}");
+        let before: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
+        sim.run_for(secs(10));
+        for (node, before) in sim.nodes.iter().zip(before) {
+            // 10 intervals: per interval two ADDs and one WAIT.
+            assert!(node.ops - before <= 3 * 11, "n={n}: {}", node.ops - before);
+        }
+    }
+}
+
+#[test]
+fn misdriven_replies_fail_with_a_message() {
+    let mut node = ElasticNode::new(settings(1, 1), "a");
+    node.handle_local(LocalEvent::Join);
+    let action = node.poll_action(Instant::ZERO).unwrap();
+    assert_eq!(action.name(), "check");
+    assert_eq!(action.key(), "rdzv.elastic.job/closed");
+    assert_eq!(node.poll_action(Instant::ZERO), None, "one at a time");
+    node.handle_reply(StoreReply::Added(1), Instant::ZERO);
+    let Some(Event::Failed(error)) = node.poll_event() else {
+        panic!("misdriven")
+    };
+    assert_eq!(
+        error.to_string(),
+        "elastic rendezvous misdriven: the pending action is 'check' but the reply given is \
+         'added'"
+    );
+    assert!(node.is_done() && node.poll_action(Instant::ZERO).is_none());
+
+    // A foreign value in the size key.
+    let mut sim = Sim::new(settings(1, 2));
+    sim.store
+        .kv
+        .insert("rdzv.elastic.job/0/size".into(), b"lots".to_vec());
+    let a = sim.join("a");
+    sim.run_for(secs(1));
+    assert!(matches!(
+        &sim.nodes[a].events[..],
+        [Event::Failed(ElasticError::BadValue { key, .. })] if key == "rdzv.elastic.job/0/size"
+    ));
+}
+
+#[test]
+fn node_ranges_and_urls() {
+    assert_eq!(NodeRange::parse("1:4"), Ok(NodeRange { min: 1, max: 4 }));
+    assert_eq!(NodeRange::parse("3"), Ok(NodeRange { min: 3, max: 3 }));
+    for (text, message) in [
+        ("1:", "nnodes=1: is not in \"MIN:MAX\" format"),
+        ("a:2", "nnodes=a:2 is not in \"MIN:MAX\" format"),
+        ("1:2:3", "nnodes=1:2:3 is not in \"MIN:MAX\" format"),
+        (
+            "0:2",
+            "The minimum number of rendezvous nodes (0) must be greater than zero.",
+        ),
+        (
+            "4:2",
+            "The maximum number of rendezvous nodes (2) must be greater than or equal to the \
+             minimum number of rendezvous nodes (4).",
+        ),
+    ] {
+        assert_eq!(NodeRange::parse(text).unwrap_err().to_string(), message);
+    }
+    let url = ElasticUrl::parse(
+        "elastic://Host:1234/job7?nodes=2:8&last_call=5s&join_timeout=2m&keep_alive_interval=\
+         500ms&keep_alive_max_attempts=4&node_id=n1&rank=0",
+    )
+    .unwrap();
+    assert_eq!((url.host.as_str(), url.port), ("host", 1234));
+    assert_eq!(url.node_id.as_deref(), Some("n1"));
+    let s = &url.settings;
+    assert_eq!(s.run_id, "job7");
+    assert_eq!(s.nodes, NodeRange { min: 2, max: 8 });
+    assert_eq!(
+        (s.last_call, s.join_timeout, s.keep_alive_interval),
+        (secs(5), secs(120), Duration::from_millis(500))
+    );
+    assert_eq!(s.keep_alive_timeout(), secs(2));
+    let url = ElasticUrl::parse("elastic://h/j?last_call=7").unwrap();
+    assert_eq!(url.port, DEFAULT_PORT);
+    assert_eq!(url.settings.nodes, NodeRange { min: 1, max: 1 });
+    assert_eq!(url.settings.last_call, secs(7));
+    assert_eq!(url.settings.join_timeout, DEFAULT_JOIN_TIMEOUT);
+    for (text, message) in [
+        (
+            "elastic://h:1/?nodes=1",
+            "The run id must be a non-empty string.",
+        ),
+        (
+            "elastic://h:1/j?last_call=5x",
+            "elastic:// rendezvous: last_call=5x is not valid (durations: 500ms, 5s, 2m, or \
+             seconds; counts: a positive integer)",
+        ),
+        (
+            "elastic://h:1/j?last_call=0",
+            "The last_call of the elastic rendezvous must be positive.",
+        ),
+        (
+            "elastic://h:1/j?color=red",
+            "elastic:// rendezvous: unknown query key color (known: nodes, join_timeout, \
+             last_call, keep_alive_interval, keep_alive_max_attempts, node_id)",
+        ),
+        (
+            "elastic://:1/j",
+            "elastic:// rendezvous: the URL names no store host (elastic://host:port/run_id)",
+        ),
+    ] {
+        assert_eq!(
+            ElasticUrl::parse(text).unwrap_err().to_string(),
+            message,
+            "{text}"
+        );
+    }
+}
+
+/// What a random schedule does at one point.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Step node `i % len` up to this many times.
+    Step(usize, u8),
+    /// Let virtual time pass.
+    Sleep(u16),
+    /// Kill node `i % len`.
+    Kill(usize),
+    /// Start a new node.
+    Join,
+    /// Node `i % len`'s workers fail.
+    Fail(usize),
+    /// Node `i % len` leaves.
+    Leave(usize),
+    /// Node `i % len` shuts the rendezvous down.
+    Shutdown(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (any::<usize>(), 1u8..8).prop_map(|(i, n)| Op::Step(i, n)),
+        3 => (1u16..3000).prop_map(Op::Sleep),
+        1 => any::<usize>().prop_map(Op::Kill),
+        2 => Just(Op::Join),
+        1 => any::<usize>().prop_map(Op::Fail),
+        1 => any::<usize>().prop_map(Op::Leave),
+        1 => (any::<usize>(), 0u8..8).prop_map(|(i, p)| if p == 0 {
+            Op::Shutdown(i)
+        } else {
+            Op::Step(i, 1)
+        }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// Any interleaving of steps, sleeps, kills, joins and failures: every round's
+    /// members agree on the world size and hold distinct ranks `0..N`; and once the
+    /// schedule ends, the live nodes settle in one round together (if there are enough).
+    #[test]
+    fn any_interleaving_agrees(
+        min in 1u32..4,
+        extra in 0u32..3,
+        initial in 1usize..6,
+        ops in proptest::collection::vec(op(), 0..120),
+    ) {
+        let mut s = settings(min, min + extra);
+        s.join_timeout = secs(3600);
+        let mut sim = Sim::new(s);
+        for i in 0..initial {
+            sim.join(&format!("n{i}"));
+        }
+        let mut joined = initial;
+        for op in ops {
+            let len = sim.nodes.len();
+            match op {
+                Op::Step(i, n) => {
+                    for _ in 0..n {
+                        if !sim.step(i % len) {
+                            break;
+                        }
+                    }
+                }
+                Op::Sleep(ms) => sim.now = sim.now.saturating_add(Duration::from_millis(ms.into())),
+                Op::Kill(i) => sim.kill(i % len),
+                Op::Join => {
+                    sim.join(&format!("n{joined}"));
+                    joined += 1;
+                }
+                Op::Fail(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::WorkerFailed),
+                Op::Leave(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::Leave),
+                Op::Shutdown(i) => sim.nodes[i % len].machine.handle_local(LocalEvent::Shutdown),
+            }
+            sim.check_agreement();
+        }
+        sim.run_for(secs(60));
+        sim.check_agreement();
+        // Liveness: with at least min_nodes live nodes, a final round holds them all,
+        // (up to max_nodes; the rest are hot spares).
+        let live: Vec<usize> = (0..sim.nodes.len())
+            .filter(|&i| sim.nodes[i].alive && !sim.nodes[i].machine.is_done())
+            .collect();
+        if live.len() >= min as usize {
+            let last = live.iter().filter_map(|&i| sim.last_complete(i)).map(|o| o.round).max();
+            let members = live
+                .iter()
+                .filter(|&&i| sim.last_complete(i).map(|o| o.round) == last)
+                .count();
+            prop_assert_eq!(members, live.len().min((min + extra) as usize), "{:?}", last);
+        }
+    }
+}
+
+#[test]
+fn settings_check() {
+    let mut s = settings(1, 1);
+    assert_eq!(s.check(), Ok(()));
+    s.keep_alive_max_attempts = 0;
+    assert_eq!(
+        s.check().unwrap_err().to_string(),
+        "The keep_alive_max_attempts of the elastic rendezvous must be positive."
+    );
+}

@@ -1,0 +1,609 @@
+//! The store server on epoll (`mio`), thread-per-core: for hosts where io_uring is
+//! refused (Docker ≥ 25 and containerd 2 seccomp profiles, RHEL 9's
+//! `kernel.io_uring_disabled`), and for many cores.
+//!
+//! N loops each own a `SO_REUSEPORT` listener (the kernel spreads new connections over
+//! them) and the connections they accept, and run those connections' requests to
+//! completion against the one engine all loops share (`shared_engine`): read, lock,
+//! apply, unlock, write. Nothing hops to another thread on the way; only a wake-up owed
+//! to a connection of another loop crosses, through that loop's inbox and its
+//! `mio::Waker`.
+//!
+//! A round serves every ready connection (reads and requests), then writes every reply
+//! it produced: the peers get one burst per round, as one io_uring submission gives them,
+//! instead of being woken between two reads.
+//!
+//! Readiness is edge-triggered: a connection remembers that it may read or write more
+//! until a call says `WouldBlock`. A connection reads at most [`READS_PER_TURN`] times
+//! before the loop serves the others, and stops reading while more than
+//! [`OUT_HIGH_WATER`] bytes are owed to a peer that does not read.
+//!
+//! Shutdown: when the stop flag is seen (at least every 50 ms) the loop closes its
+//! listener, every connection leaves the engine and flushes what it owes, for up to
+//! `drain`; then the rest are dropped.
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+use rdzv_core::store::codec::{Limits, RequestDecoder};
+use rdzv_core::store::ConnId;
+
+use super::session::{serve_frames, ReadBuf, Served};
+use super::shared_engine::{self, SharedEngine, Wake, MAX_SLOTS};
+use super::StatsCells;
+
+/// The listener's token; connections use their slot.
+const LISTENER: Token = Token(usize::MAX - 1);
+/// The waker's token.
+const WAKER: Token = Token(usize::MAX - 2);
+/// How often the stop flag is looked at while nothing happens.
+const TICK: Duration = Duration::from_millis(50);
+/// A connection whose unsent replies exceed this stops being read until the peer reads
+/// them: a client that pipelines requests and never reads costs bounded memory.
+const OUT_HIGH_WATER: usize = 4 << 20;
+/// Reads one connection may do before the loop turns to the others.
+const READS_PER_TURN: usize = 16;
+/// After a failed accept (out of descriptors, say), wait this long before the next one.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+/// Readiness events taken per wait.
+const EVENTS: usize = 1024;
+
+/// Where a connection is in its life.
+///
+/// ```text
+///  accept ──► Open ──(bad input, refused, shutdown)──► Flushing ──(all sent)──► gone
+///              │                                           │
+///              └──────(end of stream, socket error)────────┴──────────────────► gone
+/// ```
+/// A connection leaves the engine when it stops being `Open`, so its waiters never
+/// outlive it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading requests, writing replies and wake-ups.
+    Open,
+    /// No more reads, out of the engine: write what is owed, then close.
+    Flushing,
+}
+
+/// When `advance` writes what a connection is owed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writes {
+    /// At once.
+    Now,
+    /// After every ready connection of this round was served.
+    Defer,
+}
+
+/// What a connection does next, as seen after it was served.
+enum Next {
+    /// Wait for readiness.
+    Wait,
+    /// Has more to read but yielded to the others: serve it again next round.
+    Again,
+    /// Close and forget it (nothing more will be written).
+    Close,
+}
+
+/// One client connection.
+struct Conn {
+    stream: TcpStream,
+    id: ConnId,
+    phase: Phase,
+    input: ReadBuf,
+    /// Cuts `input` into requests, resuming a long key list where it stopped.
+    decoder: RequestDecoder,
+    /// Bytes received since the last time the engine was asked (compared to `needed`).
+    arrived: usize,
+    /// At least this many bytes must arrive before the next request is complete.
+    needed: usize,
+    /// Bytes owed; `out[sent..]` is not written yet.
+    out: Vec<u8>,
+    sent: usize,
+    /// Readiness seen and not yet used up (edge-triggered).
+    readable: bool,
+    writable: bool,
+    /// The peer's end of stream (or an error) was reported: read until `Ok(0)`, even
+    /// after a short read, since no further edge will come.
+    read_closed: bool,
+}
+
+impl Conn {
+    fn unsent(&self) -> usize {
+        self.out.len() - self.sent
+    }
+
+    fn peer(&self) -> String {
+        self.stream
+            .peer_addr()
+            .map_or_else(|_| "?".to_string(), |a: SocketAddr| a.to_string())
+    }
+}
+
+/// One loop's state.
+struct Loop {
+    index: usize,
+    poll: Poll,
+    listener: Option<TcpListener>,
+    shared: Arc<SharedEngine>,
+    limits: Limits,
+    stats: Arc<StatsCells>,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    seq: u32,
+    live: usize,
+    /// Slots to serve this round (may repeat; serving is idempotent).
+    dirty: Vec<usize>,
+    /// Slots that yielded with more to read.
+    again: Vec<usize>,
+    /// Slots with replies to write at the end of this round.
+    flush: Vec<usize>,
+    /// Wake-ups from other loops, and for this loop's other connections.
+    wakes: Vec<Wake>,
+    accept_after: Option<Instant>,
+    spin: Option<Duration>,
+}
+
+/// Everything a loop thread needs.
+pub(super) struct LoopSetup {
+    pub(super) index: usize,
+    pub(super) poll: Poll,
+    pub(super) listener: TcpListener,
+    pub(super) shared: Arc<SharedEngine>,
+    pub(super) limits: Limits,
+    pub(super) stats: Arc<StatsCells>,
+    pub(super) drain: Duration,
+    pub(super) spin: Option<Duration>,
+}
+
+/// Makes a loop's poller and the waker other loops use to reach it.
+pub(super) fn poller() -> io::Result<(Poll, mio::Waker)> {
+    let poll = Poll::new()?;
+    let waker = mio::Waker::new(poll.registry(), WAKER)?;
+    Ok((poll, waker))
+}
+
+/// Serves until `stop` is set, then drains for up to `setup.drain`.
+pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
+    let LoopSetup {
+        index,
+        poll,
+        mut listener,
+        shared,
+        limits,
+        stats,
+        drain,
+        spin,
+    } = setup;
+    if let Err(error) = poll
+        .registry()
+        .register(&mut listener, LISTENER, Interest::READABLE)
+    {
+        tracing::error!(%error, loop_index = index, "cannot register the store listener");
+        return;
+    }
+    let mut server = Loop {
+        index,
+        poll,
+        listener: Some(listener),
+        shared,
+        limits,
+        stats,
+        conns: Vec::new(),
+        free: Vec::new(),
+        seq: 0,
+        live: 0,
+        dirty: Vec::new(),
+        again: Vec::new(),
+        flush: Vec::new(),
+        wakes: Vec::new(),
+        accept_after: None,
+        spin,
+    };
+    if let Err(error) = server.run(stop, drain) {
+        tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
+    }
+    server.close_all();
+}
+
+impl Loop {
+    fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
+        let mut events = Events::with_capacity(EVENTS);
+        let mut deadline = None;
+        let mut busy_until = Instant::now();
+        loop {
+            if deadline.is_none() && stop.load(Ordering::Acquire) {
+                self.begin_shutdown();
+                deadline = Some(Instant::now() + drain);
+            }
+            if let Some(deadline) = deadline {
+                if self.live == 0 || Instant::now() >= deadline {
+                    return Ok(());
+                }
+            }
+            let now = Instant::now();
+            let mut timeout = TICK;
+            if !self.again.is_empty() || now < busy_until {
+                timeout = Duration::ZERO;
+            }
+            if let Some(at) = self.accept_after {
+                timeout = timeout.min(at.saturating_duration_since(now));
+            }
+            match self.poll.poll(&mut events, Some(timeout)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if !events.is_empty() {
+                if let Some(spin) = self.spin {
+                    busy_until = Instant::now() + spin;
+                }
+            }
+            let mut woken = false;
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_after = Some(Instant::now()),
+                    WAKER => woken = true,
+                    Token(slot) => {
+                        if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                            conn.readable |= event.is_readable() || event.is_read_closed();
+                            conn.writable |= event.is_writable() || event.is_write_closed();
+                            conn.read_closed |= event.is_read_closed();
+                            if event.is_error() {
+                                conn.readable = true;
+                                conn.writable = true;
+                                conn.read_closed = true;
+                            }
+                            self.dirty.push(slot);
+                        }
+                    }
+                }
+            }
+            if self.accept_after.is_some_and(|at| Instant::now() >= at) {
+                self.accept();
+            }
+            if woken {
+                let mut wakes = std::mem::take(&mut self.wakes);
+                self.shared
+                    .turn(self.index, |_, router| router.take_inbox(&mut wakes));
+                self.deliver(&mut wakes);
+                self.wakes = wakes;
+            }
+            self.dirty.append(&mut self.again);
+            // Serve every ready connection, then write all the replies: the peers see
+            // one burst per round (as one io_uring submission gives them) instead of
+            // being woken between two reads.
+            while let Some(slot) = self.dirty.pop() {
+                self.service(slot, Writes::Defer);
+            }
+            while let Some(slot) = self.flush.pop() {
+                self.service(slot, Writes::Now);
+            }
+        }
+    }
+
+    /// Accepts until the backlog is empty (edge-triggered), or backs off after an error.
+    fn accept(&mut self) {
+        self.accept_after = None;
+        loop {
+            let Some(listener) = self.listener.as_ref() else {
+                return;
+            };
+            let (mut stream, _) = match listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
+                Err(error) => {
+                    // EMFILE and friends: the backlog still holds connections, and no
+                    // new edge will come for them: retry after a pause.
+                    tracing::warn!(%error, "accept failed");
+                    self.accept_after = Some(Instant::now() + ACCEPT_BACKOFF);
+                    return;
+                }
+            };
+            let slot = match self.free.pop() {
+                Some(slot) => slot,
+                None if self.conns.len() < MAX_SLOTS => {
+                    self.conns.push(None);
+                    self.conns.len() - 1
+                }
+                None => {
+                    tracing::warn!(
+                        "store loop {} holds {MAX_SLOTS} connections; refusing more",
+                        self.index
+                    );
+                    continue;
+                }
+            };
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "TCP_NODELAY failed");
+            }
+            if let Err(error) = self.poll.registry().register(
+                &mut stream,
+                Token(slot),
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                tracing::warn!(%error, "cannot register a store connection; closing it");
+                self.free.push(slot);
+                continue;
+            }
+            self.seq = self.seq.wrapping_add(1);
+            let id = shared_engine::conn_id(self.index, slot, self.seq);
+            self.shared.turn(self.index, |engine, _| engine.connect(id));
+            if let Some(entry) = self.conns.get_mut(slot) {
+                *entry = Some(Conn {
+                    stream,
+                    id,
+                    phase: Phase::Open,
+                    input: ReadBuf::new(),
+                    decoder: RequestDecoder::new(self.limits),
+                    arrived: 0,
+                    needed: 1,
+                    out: Vec::new(),
+                    sent: 0,
+                    readable: true,
+                    writable: true,
+                    read_closed: false,
+                });
+                self.live += 1;
+                self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                self.dirty.push(slot);
+            }
+        }
+    }
+
+    /// Appends wake-up bytes to the connections of this loop they are for, if those are
+    /// still there and open, and empties `wakes`.
+    fn deliver(&mut self, wakes: &mut Vec<Wake>) {
+        for (target, byte) in wakes.drain(..) {
+            let slot = shared_engine::slot_of(target);
+            if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                if conn.id == target && conn.phase == Phase::Open {
+                    conn.out.push(byte);
+                    self.dirty.push(slot);
+                }
+            }
+        }
+    }
+
+    /// Reads, serves, writes one connection as far as it can go now.
+    fn service(&mut self, slot: usize, writes: Writes) {
+        let next = self.advance(slot, writes);
+        if writes == Writes::Defer && !matches!(next, Next::Close) {
+            if let Some(Some(conn)) = self.conns.get(slot) {
+                if conn.unsent() > 0 && conn.writable {
+                    self.flush.push(slot);
+                }
+            }
+        }
+        match next {
+            Next::Wait => {}
+            Next::Again => self.again.push(slot),
+            Next::Close => self.close(slot),
+        }
+    }
+
+    fn advance(&mut self, slot: usize, writes: Writes) -> Next {
+        let mut reads = 0;
+        loop {
+            let Some(Some(conn)) = self.conns.get_mut(slot) else {
+                return Next::Wait;
+            };
+            // Write first: it may lift the high-water mark.
+            if conn.unsent() > 0 && conn.writable && writes == Writes::Now {
+                match write_out(conn) {
+                    Ok(()) => {}
+                    Err(error) => {
+                        tracing::debug!(peer = %conn.peer(), %error, "store connection write failed");
+                        return Next::Close;
+                    }
+                }
+            }
+            if conn.phase == Phase::Flushing {
+                return if conn.unsent() == 0 {
+                    Next::Close
+                } else {
+                    Next::Wait
+                };
+            }
+            if !conn.readable || conn.unsent() >= OUT_HIGH_WATER {
+                return Next::Wait;
+            }
+            if reads == READS_PER_TURN {
+                return Next::Again;
+            }
+            reads += 1;
+            let spare = conn.input.spare();
+            let room = spare.len();
+            match conn.stream.read(spare) {
+                Ok(0) => return Next::Close,
+                Ok(n) => {
+                    conn.input.filled += n;
+                    conn.arrived = conn.arrived.saturating_add(n);
+                    // A short read emptied the socket: the next bytes raise a new edge,
+                    // so no read is spent just to hear `WouldBlock` (as tokio does).
+                    // An end of stream already reported raises none: read on to it.
+                    if n < room && !conn.read_closed {
+                        conn.readable = false;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    conn.readable = false;
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    tracing::debug!(peer = %conn.peer(), %error, "store connection read failed");
+                    return Next::Close;
+                }
+            }
+            if conn.arrived >= conn.needed {
+                self.serve_input(slot);
+            } else {
+                // Not a whole request yet; make room if the buffer is full.
+                conn.input.consume(0);
+            }
+        }
+    }
+
+    /// Runs the whole requests a connection has through the engine.
+    fn serve_input(&mut self, slot: usize) {
+        let Loop {
+            conns,
+            shared,
+            wakes,
+            index,
+            ..
+        } = self;
+        let mut local = Vec::new();
+        let served = shared.turn(*index, |engine, router| {
+            // Wake-ups other loops owe this loop's connections go out before any reply
+            // decided after them.
+            router.take_inbox(wakes);
+            for &(target, byte) in wakes.iter() {
+                if let Some(Some(conn)) = conns.get_mut(shared_engine::slot_of(target)) {
+                    if conn.id == target && conn.phase == Phase::Open {
+                        conn.out.push(byte);
+                    }
+                }
+            }
+            let Some(Some(conn)) = conns.get_mut(slot) else {
+                return None;
+            };
+            let id = conn.id;
+            let peer = PeerOf(&conn.stream);
+            Some(serve_frames(
+                engine,
+                &mut conn.decoder,
+                id,
+                &peer,
+                conn.input.pending(),
+                &mut conn.out,
+                |engine, own| router.route(engine, id, own, &mut local),
+            ))
+        });
+        // The inbox's targets must be written too.
+        for (target, _) in self.wakes.drain(..) {
+            self.dirty.push(shared_engine::slot_of(target));
+        }
+        self.deliver(&mut local);
+        let Some(Served {
+            used,
+            close,
+            needed,
+        }) = served
+        else {
+            return;
+        };
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            return;
+        };
+        conn.input.consume(used);
+        conn.arrived = 0;
+        conn.needed = needed.max(1);
+        if close {
+            self.leave_engine(slot);
+        }
+    }
+
+    /// Takes an open connection out of the engine (its waiters go) and makes it flush.
+    fn leave_engine(&mut self, slot: usize) {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            return;
+        };
+        if conn.phase != Phase::Open {
+            return;
+        }
+        conn.phase = Phase::Flushing;
+        let id = conn.id;
+        let mut local = Vec::new();
+        let mut own = Vec::new();
+        self.shared.turn(self.index, |engine, router| {
+            engine.disconnect(id);
+            router.route(engine, id, &mut own, &mut local);
+        });
+        self.deliver(&mut local);
+        self.dirty.push(slot);
+    }
+
+    /// Forgets a connection: out of the engine, deregistered, closed.
+    fn close(&mut self, slot: usize) {
+        self.leave_engine(slot);
+        let Some(entry) = self.conns.get_mut(slot) else {
+            return;
+        };
+        if let Some(mut conn) = entry.take() {
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            self.free.push(slot);
+            self.live = self.live.saturating_sub(1);
+            self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn begin_shutdown(&mut self) {
+        if let Some(mut listener) = self.listener.take() {
+            let _ = self.poll.registry().deregister(&mut listener);
+        }
+        self.accept_after = None;
+        for slot in 0..self.conns.len() {
+            self.leave_engine(slot);
+        }
+    }
+
+    /// After the loop: every connection still here is dropped.
+    fn close_all(&mut self) {
+        for slot in 0..self.conns.len() {
+            self.close(slot);
+        }
+        tracing::debug!(loop_index = self.index, "store loop stopped");
+    }
+}
+
+/// Writes what is owed until done or the socket is full.
+fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while conn.sent < conn.out.len() {
+        match conn.stream.write(&conn.out[conn.sent..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                let asked = conn.out.len() - conn.sent;
+                conn.sent += n;
+                if n < asked {
+                    // The socket buffer is full; a writable edge comes when it drains.
+                    conn.writable = false;
+                    break;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                conn.writable = false;
+                break;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if conn.sent == conn.out.len() {
+        conn.out.clear();
+        conn.sent = 0;
+    } else if conn.sent > 64 * 1024 && conn.sent * 2 > conn.out.len() {
+        conn.out.drain(..conn.sent);
+        conn.sent = 0;
+    }
+    Ok(())
+}
+
+/// The peer's address for log lines, looked up only when a line is written.
+struct PeerOf<'a>(&'a TcpStream);
+
+impl std::fmt::Display for PeerOf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.peer_addr() {
+            Ok(addr) => write!(f, "{addr}"),
+            Err(_) => f.write_str("?"),
+        }
+    }
+}
