@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
+use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, FaultInjection, Inline, Message, RpcAgent, RpcError, RpcOptions, Tensor,
 };
@@ -787,6 +788,88 @@ fn fault_injection_fails_and_delays_chosen_handlers() {
         .copied()
         .unwrap_or_default();
     assert_eq!(data.total_errors, 2);
+    join_both(faulty, fine);
+}
+
+/// Fault injection wraps a lane's sender, so a faulty worker's pipes carry channels
+/// like any other: a request that lends a tensor and fails on purpose fails alone (the
+/// pipe stays, and its machine forgets the request), and the next ones lend, are
+/// answered and acked, both ways.
+#[test]
+fn fault_injection_runs_on_lanes_and_lends_tensors() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut agents = start_group(&["faulty", "fine"], &store_url(&dir), |rank, mut o| {
+        if rank == 0 {
+            o.fault_injection = FaultInjection {
+                fail_handlers: vec!["echo".into()],
+                num_fail_sends: 1,
+                delays: Vec::new(),
+            };
+        }
+        o
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")));
+    let (Some(faulty), Some(fine)) = (agents.next(), agents.next()) else {
+        panic!("two agents expected")
+    };
+    let big = pattern(2 << 20, 7);
+    let call = |agent: &RpcAgent, to: &str| {
+        agent
+            .rpc_sync(
+                to,
+                "echo",
+                Message::default().with_tensor(Tensor::cpu(big.clone())),
+            )
+            .map(|m| m.tensors.into_iter().map(|t| t.data).collect::<Vec<_>>())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        call(&faulty, "fine"),
+        Err("Send attempt failed intentionally for echo".to_string())
+    );
+    for _ in 0..3 {
+        assert_eq!(call(&faulty, "fine"), Ok(vec![big.clone()]));
+        assert_eq!(call(&fine, "faulty"), Ok(vec![big.clone()]));
+    }
+    // In one process the pipe lends over xth, both ways.
+    assert_eq!(faulty.pipe_channel("fine"), Some(ChannelKind::Xth));
+    assert_eq!(fine.pipe_channel("faulty"), Some(ChannelKind::Xth));
+    join_both(faulty, fine);
+}
+
+/// A faulty worker runs lanes, so it also runs mpt (pushed stripes, nothing lent).
+#[test]
+fn fault_injection_runs_mpt() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut agents = start_group(&["faulty", "fine"], &store_url(&dir), |rank, mut o| {
+        o.channels = Some(vec!["mpt".into(), "basic".into()]);
+        if rank == 0 {
+            o.fault_injection.fail_handlers = vec!["sleep".into()];
+            o.fault_injection.num_fail_sends = 1;
+        }
+        o
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|e| panic!("{e}")));
+    let (Some(faulty), Some(fine)) = (agents.next(), agents.next()) else {
+        panic!("two agents expected")
+    };
+    let big = pattern(1 << 20, 3);
+    for (from, to) in [(&faulty, "fine"), (&fine, "faulty")] {
+        let reply = from
+            .rpc_sync(
+                to,
+                "echo",
+                Message::default().with_tensor(Tensor::cpu(big.clone())),
+            )
+            .map(|m| m.tensors.into_iter().map(|t| t.data).collect::<Vec<_>>())
+            .map_err(|e| e.to_string());
+        assert_eq!(reply, Ok(vec![big.clone()]));
+    }
+    assert_eq!(faulty.pipe_channel("fine"), Some(ChannelKind::Mpt));
+    assert!(faulty.rpc_sync("fine", "sleep", sleep_message(0)).is_err());
+    assert!(faulty.rpc_sync("fine", "sleep", sleep_message(0)).is_ok());
     join_both(faulty, fine);
 }
 

@@ -148,6 +148,11 @@ impl<T> Ledger<T> {
             .collect()
     }
 
+    /// Whether `message_id` is lending.
+    pub fn is_lending(&self, message_id: u64) -> bool {
+        self.lent.contains_key(&message_id)
+    }
+
     /// How many frames are lending.
     pub fn len(&self) -> usize {
         self.lent.len()

@@ -7,6 +7,7 @@
 //! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
 //! | [`lending`] | when buffers lent to the peer (cma, xth) come back, and which replies are acked |
+//! | [`pipe`] | one pipe's protocol: which replies reach a call, what is acked, when lent buffers come back |
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
@@ -22,6 +23,7 @@ pub mod lending;
 pub mod membership;
 pub mod metrics;
 pub mod name;
+pub mod pipe;
 pub mod shutdown;
 pub mod store_keys;
 pub mod timeouts;

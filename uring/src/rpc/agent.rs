@@ -54,8 +54,8 @@ use super::calls::Calls;
 use super::client::RpcClient;
 use super::device::{DevicePlugin, Devices};
 use super::error::{RpcError, TransportError};
-use super::io::{Io, Job};
-use super::lane::{self, Lanes};
+use super::io::Io;
+use super::lane::{Job, Lanes};
 use super::message::{default_wait_spin, mark_io_thread, run_handler, Handler, Message, RpcFuture};
 use super::mpt::MptSetup;
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
@@ -110,7 +110,7 @@ pub struct RpcOptions {
     /// `cuda_basic`). Unknown names are errors; a channel that cannot work in this
     /// process (cma under a seccomp policy or Yama `ptrace_scope` 3, `cuda_ipc` without a
     /// CUDA runtime that runs it, ...) is left out with its reason
-    /// logged, and so is `mpt` when this worker runs no tcp transport or injects faults.
+    /// logged, and so is `mpt` when this worker runs no tcp transport.
     pub channels: Option<Vec<String>>,
     /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
     /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
@@ -529,8 +529,6 @@ pub fn init_rpc(
     // mpt's lanes are served by lane threads over tcp.
     let mpt_reason = if !transports.iter().any(|&(k, _)| k == TransportKind::Tcp) {
         Some("this worker runs no tcp transport")
-    } else if !options.fault_injection.is_empty() {
-        Some("fault injection keeps every pipe on the I/O thread, which does not run mpt")
     } else {
         None
     };
@@ -760,7 +758,7 @@ impl Start {
             offer,
             calls_table: Calls::new(),
             lanes: Mutex::new(Lanes::default()),
-            lanes_enabled: options.fault_injection.is_empty(),
+            faults: super::faults::Faults::new(&options.fault_injection),
             mpt,
             devices,
             wait_spin: options.wait_spin,
@@ -774,8 +772,7 @@ impl Start {
             Calls::start_timer(&shared)
                 .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
         );
-        let (io_thread, address) =
-            spawn_io(&shared, running, jobs_tx, options.fault_injection.clone())?;
+        let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
         // The mpt lane listener's address goes last: it is no transport.
         let address = match &shared.mpt {
             Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
@@ -1069,7 +1066,7 @@ fn run_job(shared: &Shared, job: Job) {
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);
     }
     let Job {
-        pipe,
+        responder,
         ctx,
         message,
         tensors,
@@ -1091,14 +1088,13 @@ fn run_job(shared: &Shared, job: Job) {
         calls.metrics.calls.server_call_finished(false);
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_add(1);
     }
-    lane::respond(shared, pipe, ctx.message_id, result);
+    responder.respond(shared, ctx.message_id, result);
 }
 
 fn spawn_io(
     shared: &Arc<Shared>,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
-    faults: FaultInjection,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
     let shared = Arc::clone(shared);
@@ -1135,7 +1131,7 @@ fn spawn_io(
                     .into_iter()
                     .map(|t| -> Box<dyn Transport> { t })
                     .collect();
-                Io::run(shared, transports, listeners, jobs, faults).await;
+                Io::run(shared, transports, listeners, jobs).await;
             });
         })
         .map_err(|e| RpcError::Executor(e.to_string()))?;

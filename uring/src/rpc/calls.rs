@@ -2,8 +2,9 @@
 //! calls keyed by message id, one deadline-ordered timeout queue (the core's
 //! [`TimeoutQueue`]) and one timer thread that fails calls whose deadline passed.
 //!
-//! The I/O executor and the thread-served pipes ([`super::lane`]) both register calls
-//! here and take them out when their reply arrives, so that a reply, a timeout and a
+//! The I/O executor (for calls waiting for their pipe to open) and the lanes
+//! ([`super::lane`]) register calls here, and lanes take them out when their reply
+//! arrives, so that a reply, a timeout and a
 //! broken pipe agree on who completes a call: whoever removes it from the table. A call
 //! that timed out is gone from the table, so its late reply is dropped.
 //!
@@ -15,7 +16,6 @@ use std::thread::JoinHandle;
 
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::frame::FrameKind;
-use rdzv_core::rpc::lending::must_ack;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
 use super::channels::{PipeReader, ReceivedTensors};
@@ -85,11 +85,6 @@ impl Calls {
             }
         }
         Ok(())
-    }
-
-    /// The peer of a pending call.
-    pub fn peer_of(&self, message_id: u64) -> Option<String> {
-        self.lock().pending.get(&message_id).map(|p| p.peer.clone())
     }
 
     /// Records how many bytes a pending call's request took on the wire.
@@ -219,10 +214,9 @@ pub(crate) fn fail_pending(shared: &Shared, pending: Pending, error: RpcError) {
 
 /// A reply matched to its call: what is left to do.
 pub(crate) enum Reply {
-    /// The call is completed. `ack`: the reply lent out-of-band tensors that will not
-    /// be read (an error while sorting them, or nobody waits for the result), so the
-    /// callee must be told it may release them.
-    Done { ack: bool },
+    /// The call is completed (a reply that lent out-of-band tensors is then done with
+    /// them: they were not read).
+    Done,
     /// The reply's out-of-band tensors must be read first ([`PullReply::pull`], which
     /// blocks), then acked, then the call completed.
     Pull(PullReply),
@@ -237,16 +231,6 @@ pub(crate) struct PullReply {
 }
 
 impl PullReply {
-    /// How many bytes the pull reads.
-    pub fn pull_bytes(&self) -> u64 {
-        self.received.pull_bytes()
-    }
-
-    /// The call's completion.
-    pub fn completion(&self) -> &Arc<Completion> {
-        &self.completion
-    }
-
     /// Reads the tensors (blocking); the completion and the call's result.
     pub fn pull(self) -> (Arc<Completion>, Result<Message, RpcError>) {
         let PullReply {
@@ -275,7 +259,6 @@ pub(crate) fn reply(
     negotiated: &Negotiated,
     reader: &Arc<PipeReader>,
 ) -> Reply {
-    let out_of_band = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
     if frame.kind != FrameKind::Response {
         let error = RpcError::Remote {
             peer: pending.peer.clone(),
@@ -283,7 +266,7 @@ pub(crate) fn reply(
             message: String::from_utf8_lossy(&frame.payload).into_owned(),
         };
         fail_pending(shared, pending, error);
-        return Reply::Done { ack: out_of_band };
+        return Reply::Done;
     }
     let IncomingFrame {
         metadata,
@@ -298,7 +281,7 @@ pub(crate) fn reply(
             Ok(received) => received,
             Err(e) => {
                 fail_pending(shared, pending, e);
-                return Reply::Done { ack: out_of_band };
+                return Reply::Done;
             }
         };
     shared.lock_calls().network.track_network_data(
@@ -309,7 +292,7 @@ pub(crate) fn reply(
     if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
         // Nobody waits for this result (`remote`): nothing to read, just release.
         complete(shared, &pending.completion, Ok(Message::default()));
-        return Reply::Done { ack: true };
+        return Reply::Done;
     }
     if !received.has_out_of_band() {
         let result = received.pull().map(|tensors| Message {
@@ -318,7 +301,7 @@ pub(crate) fn reply(
             tensors,
         });
         complete(shared, &pending.completion, result);
-        return Reply::Done { ack: false };
+        return Reply::Done;
     }
     Reply::Pull(PullReply {
         completion: pending.completion,

@@ -9,9 +9,11 @@
 //! the negotiated channel and `basic`: a tensor below the worker's
 //! [`min_channel_bytes`](super::RpcOptions::min_channel_bytes) goes inline, because an
 //! out-of-band transfer costs a descriptor, a system call (cma) or a table lookup (xth),
-//! and for responses an extra ack frame. Which thread runs a pull and when exports are
-//! released is the I/O thread's business (`io`): requests are pulled on the handler
-//! pool's thread before the handler runs, responses on a blocking thread when large.
+//! and for responses an extra ack frame. Which thread runs a pull is the lanes'
+//! business (`lane`): requests are pulled on the handler pool's thread before the
+//! handler runs (inline handlers: on the lane's reader), responses on the thread that
+//! received them; when exports are released is the core's pipe machine's
+//! (`rdzv_core::rpc::pipe`).
 //!
 //! A `cuda_basic` tensor leaves as the [`HostBytes`] its device runtime staged it into,
 //! which the channels lend, stream or write inline where they are. One pulled over
@@ -65,11 +67,6 @@ use crate::channel::ProcessIdentity;
 /// 3.2–3.6 ms; 64 MiB: 151–172 ms against 42–51 ms). The descriptor, the system call,
 /// the extra thread hand-off and (for responses) the ack frame cost about 100–150 µs.
 pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
-
-/// Responses whose out-of-band tensors add up to at least this many bytes are pulled on
-/// a blocking thread, not on the I/O thread: a copy this large (about 50 µs at
-/// 5 GB/s) would delay every other pipe.
-pub(crate) const PULL_OFF_THREAD_BYTES: u64 = 256 * 1024;
 
 /// Out-of-band tensors of at least this size are read by several threads at once, each
 /// a slice of at least [`PARALLEL_SLICE_MIN`] bytes: a fresh destination buffer is

@@ -94,6 +94,13 @@ pub enum TransportError {
         #[source]
         source: EncodeError,
     },
+    /// Fault injection ([`FaultInjection`](super::FaultInjection)) failed this send on
+    /// purpose; the connection is fine and only this request fails.
+    #[error("Send attempt failed intentionally for {handler}")]
+    InjectedFault {
+        /// The handler the request was for.
+        handler: String,
+    },
 }
 
 /// Why an RPC operation failed.

@@ -1,26 +1,16 @@
-//! The agent's I/O thread: one glommio executor that owns every pipe, the listener and
-//! the timeout timer.
+//! The agent's handshake thread: one glommio executor that accepts and opens pipes.
 //!
 //! Client pipes (one per destination, TensorPipe's `ClientPipe`) carry this worker's
 //! requests out and their responses back; inbound pipes carry peers' requests in and
-//! this worker's responses out. Each pipe has a reader task and a writer task, fed by a
-//! local channel, so that a long write never blocks reads. A pipe that fails or closes
-//! fails the calls pending on it and leaves the table; the next call to that peer opens
-//! a new one (PyTorch never re-creates a pipe).
-//!
-//! Tensors of at least `min_channel_bytes` go over the pipe's negotiated channel (cma,
-//! xth; see `super::channels`) instead of inline: the sender keeps each exported buffer
-//! until the peer is done with it. A request's exports are released when its reply (or
-//! error) arrives, even after the call timed out, or when its pipe fails; a response's
-//! when the caller's `Ack` frame arrives or the inbound pipe ends (the core's
-//! `rdzv_core::rpc::lending` rule, kept in a [`Ledger`]). The callee pulls a
-//! request's tensors on the handler pool's thread before the handler runs; the caller
-//! pulls a response's on the I/O thread when small and on glommio's blocking thread when
-//! large, then acks. A failed pull fails the call with the channel, the peer and why.
-//!
-//! Timeouts are the core's [`TimeoutQueue`], driven by one timer task that sleeps until
-//! the earliest deadline and is poked when a call is scheduled. A call that times out
-//! leaves the pending table, so its late response is dropped.
+//! this worker's responses out. This thread runs what comes before either carries a
+//! call: it accepts connections, connects, runs the hello/answer handshake (over the
+//! bootstrap transport, then again over the negotiated one: the upgrade) and opens a
+//! client pipe's mpt lanes; then it hands both halves of the connection to a lane
+//! ([`super::lane`]), whose threads carry every frame after that, driven by the core's
+//! pipe machine (`rdzv_core::rpc::pipe`). Calls made while their pipe opens wait here
+//! (their deadline runs in the call table from the start), and go out on the lane once
+//! it exists. A pipe that fails to open fails its calls; the next call to that peer
+//! opens a new one (PyTorch never re-creates a pipe).
 //!
 //! State lives in a `RefCell` that is never borrowed across an `.await`.
 
@@ -31,23 +21,17 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
-use glommio::channels::local_channel::{self, LocalSender};
 use glommio::task::JoinHandle;
 use rdzv_core::negotiate::{accept_answer, answer_brochure, Negotiated, Role};
-use rdzv_core::rpc::frame::{
-    decode_frame, decode_handshake, Decoded, FrameKind, FrameLimits, Handshake,
-};
-use rdzv_core::rpc::lending::{must_ack, Ledger, Lender};
+use rdzv_core::rpc::frame::FrameKind;
+use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
 use rdzv_core::rpc::name::WorkerId;
 
-use super::agent::FaultInjection;
-use super::calls::{self, Pending, Reply};
-use super::channels::{
-    cpu_channel, FrameExports, PipeReader, ReceivedTensors, PULL_OFF_THREAD_BYTES,
-};
+use super::calls::{self, Pending};
+use super::channels::cpu_channel;
 use super::error::RpcError;
-use super::lane::{self, Lane};
-use super::message::{CallContext, Completion, Message};
+use super::lane::{self, Job, Lane};
+use super::message::{Completion, Message};
 use super::mpt::{self, MptLanes};
 use super::shared::{Call, Command, Shared};
 use super::transport::{
@@ -67,15 +51,6 @@ type OpenedPipe = (
 /// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
 type Accepted = (String, WorkerId, Negotiated, u64);
 
-/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
-/// to be pulled (out-of-band ones) on the pool's thread before the handler runs.
-pub(crate) struct Job {
-    pub pipe: u64,
-    pub ctx: CallContext,
-    pub message: Message,
-    pub tensors: ReceivedTensors,
-}
-
 /// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
 /// from the moment the I/O thread got the call, so a pipe that never opens cannot hold
 /// a call past its timeout.
@@ -84,12 +59,6 @@ struct Outbound {
     handler: String,
     message: Message,
 }
-
-enum ClientPipe {
-    Connecting { id: u64, queued: Vec<Outbound> },
-    Ready(ReadyPipe),
-}
-
 /// Why a client pipe could not be opened; every call waiting for it fails with it.
 #[derive(Debug, Clone)]
 struct OpenFailure {
@@ -97,7 +66,6 @@ struct OpenFailure {
     reason: String,
     connecting: bool,
 }
-
 impl OpenFailure {
     fn to_error(&self, peer: &str) -> RpcError {
         if self.connecting {
@@ -115,36 +83,17 @@ impl OpenFailure {
     }
 }
 
-#[derive(Clone)]
-struct ReadyPipe {
+/// A client pipe being opened, with the calls waiting for it.
+struct Opening {
     id: u64,
-    tx: Rc<LocalSender<OwnedFrame>>,
-    negotiated: Negotiated,
-    /// Where this pipe's responses' out-of-band tensors are read from.
-    reader: Arc<PipeReader>,
-    /// Set when the pipe's reader stops: a pull that was running then may have read
-    /// buffers the peer released, so its result is refused.
-    ended: Rc<Cell<bool>>,
-}
-
-struct InboundPipe {
-    peer: String,
-    tx: Rc<LocalSender<OwnedFrame>>,
-    negotiated: Negotiated,
-    /// Where this pipe's requests' out-of-band tensors are read from.
-    reader: Arc<PipeReader>,
-    /// Buffers lent by responses on this pipe, by message id, until the caller acks.
-    exports: Ledger<FrameExports>,
+    queued: Vec<Outbound>,
 }
 
 #[derive(Default)]
 struct IoState {
-    client_pipes: HashMap<String, ClientPipe>,
-    inbound: HashMap<u64, InboundPipe>,
+    /// Client pipes being opened, by destination name (open ones are lanes).
+    opening: HashMap<String, Opening>,
     next_pipe: u64,
-    /// Buffers lent by requests, by message id, with the client pipe they went on; held
-    /// until the reply arrives or the pipe fails.
-    request_exports: Ledger<(u64, FrameExports)>,
 }
 
 pub(crate) struct Io {
@@ -158,43 +107,9 @@ pub(crate) struct Io {
     tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
     next_task: Cell<u64>,
     state: RefCell<IoState>,
-    writers: Rc<Cell<usize>>,
-    faults: Faults,
 }
 
-/// The fault injection state: how many sends of each failing handler failed so far.
-struct Faults {
-    config: FaultInjection,
-    failed: RefCell<HashMap<String, u32>>,
-}
-
-impl Faults {
-    /// Whether this send of a request to `handler` must fail (and counts it).
-    fn should_fail(&self, handler: &str) -> bool {
-        if !self.config.fail_handlers.iter().any(|h| h == handler) {
-            return false;
-        }
-        let mut failed = self.failed.borrow_mut();
-        let count = failed.entry(handler.to_string()).or_insert(0);
-        if *count < self.config.num_fail_sends {
-            *count += 1;
-            true
-        } else {
-            false
-        }
-    }
-
-    /// How long to hold a request to `handler` before sending it.
-    fn delay(&self, handler: &str) -> Option<Duration> {
-        self.config
-            .delays
-            .iter()
-            .find(|(h, _)| h == handler)
-            .map(|&(_, d)| d)
-    }
-}
-
-/// How long a graceful close waits for writers to flush their goodbyes.
+/// How long a graceful close waits for the lanes' goodbyes to go out.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
 
 impl Io {
@@ -205,7 +120,6 @@ impl Io {
         transports: Vec<Box<dyn Transport>>,
         listeners: Vec<Box<dyn Listener>>,
         jobs: Sender<Job>,
-        faults: FaultInjection,
     ) {
         let io = Rc::new(Io {
             shared,
@@ -214,11 +128,6 @@ impl Io {
             tasks: RefCell::new(HashMap::new()),
             next_task: Cell::new(0),
             state: RefCell::new(IoState::default()),
-            writers: Rc::new(Cell::new(0)),
-            faults: Faults {
-                config: faults,
-                failed: RefCell::new(HashMap::new()),
-            },
         });
         for listener in listeners {
             io.spawn(Rc::clone(&io).accept_loop(listener));
@@ -232,11 +141,6 @@ impl Io {
             for command in commands {
                 match command {
                     Command::Call(call) => io.start_call(call),
-                    Command::Respond {
-                        pipe,
-                        message_id,
-                        result,
-                    } => io.respond(pipe, message_id, result),
                     Command::ResetPipes => io.reset_pipes(),
                     Command::Close { goodbye } => {
                         io.close(goodbye).await;
@@ -291,12 +195,9 @@ impl Io {
             .peers
             .get(&call.peer)
             .map(|p| p.address.clone());
-        let address = match address {
-            Some(address) => address,
-            None => {
-                let name = call.peer.clone();
-                return self.fail_unsent(call, RpcError::UnknownWorker { name });
-            }
+        let Some(address) = address else {
+            let name = call.peer.clone();
+            return self.fail_unsent(call, RpcError::UnknownWorker { name });
         };
         let Call {
             message_id,
@@ -307,20 +208,19 @@ impl Io {
             completion,
         } = call;
         let mut state = self.state.borrow_mut();
-        let (pipe_id, ready, open) = match state.client_pipes.get(&peer) {
-            Some(ClientPipe::Ready(pipe)) => (pipe.id, Some(pipe.clone()), false),
-            Some(ClientPipe::Connecting { id, .. }) => (*id, None, false),
+        let (pipe_id, open) = match state.opening.get(&peer) {
+            Some(opening) => (opening.id, false),
             None => {
                 let id = state.next_pipe;
                 state.next_pipe += 1;
-                state.client_pipes.insert(
+                state.opening.insert(
                     peer.clone(),
-                    ClientPipe::Connecting {
+                    Opening {
                         id,
                         queued: Vec::new(),
                     },
                 );
-                (id, None, true)
+                (id, true)
             }
         };
         let pending = Pending {
@@ -336,134 +236,17 @@ impl Io {
             self.complete(&pending.completion, Err(self.shut_down_error()));
             return;
         }
-        let outbound = Outbound {
-            message_id,
-            handler,
-            message,
-        };
-        match ready {
-            Some(pipe) => {
-                drop(state);
-                self.send_call(outbound, &pipe);
-            }
-            None => {
-                if let Some(ClientPipe::Connecting { queued, .. }) =
-                    state.client_pipes.get_mut(&peer)
-                {
-                    queued.push(outbound);
-                }
-                drop(state);
-                if open {
-                    self.spawn(Rc::clone(self).connect(pipe_id, peer, address));
-                }
-            }
-        }
-    }
-
-    /// Sends a request whose call is pending (a call that timed out while its pipe
-    /// was opening is skipped).
-    fn send_call(self: &Rc<Self>, outbound: Outbound, pipe: &ReadyPipe) {
-        let Outbound {
-            message_id,
-            handler,
-            message,
-        } = outbound;
-        let Some(peer) = self.shared.calls_table.peer_of(message_id) else {
-            return;
-        };
-        let mut frame = OwnedFrame {
-            handler,
-            metadata: message.metadata,
-            payload: message.payload,
-            ..OwnedFrame::empty(FrameKind::Request, message_id)
-        };
-        let mut exports = FrameExports::default();
-        let built = lane::tensor_frame(
-            &self.shared,
-            &mut frame,
-            &mut exports,
-            message.tensors,
-            &peer,
-            // Executor pipes have no mpt lanes.
-            (Role::Connector, &pipe.negotiated, false),
-            false,
-        );
-        if let Err(e) = built {
-            // Nothing was sent: fail this call only.
-            if let Some(pending) = self.shared.calls_table.take(message_id) {
-                self.complete(&pending.completion, Err(e));
-            }
-            return;
-        }
-        self.shared
-            .calls_table
-            .set_sent(message_id, lane::sent_bytes(&frame));
-        if self.faults.should_fail(&frame.handler) {
-            if let Some(pending) = self.shared.calls_table.take(message_id) {
-                let handler = frame.handler.clone();
-                self.fail_pending(pending, RpcError::InjectedFault { handler });
-            }
-            return;
-        }
-        if !exports.is_empty() {
-            // Held until the reply arrives or the pipe fails.
-            self.state.borrow_mut().request_exports.lend(
-                Lender::Request,
+        if let Some(opening) = state.opening.get_mut(&peer) {
+            opening.queued.push(Outbound {
                 message_id,
-                (pipe.id, exports),
-            );
-        }
-        if let Some(delay) = self.faults.delay(&frame.handler) {
-            let tx = Rc::clone(&pipe.tx);
-            self.spawn(async move {
-                glommio::timer::sleep(delay).await;
-                // A pipe that closed meanwhile has failed the call already.
-                let _ = tx.try_send(frame);
+                handler,
+                message,
             });
-            return;
         }
-        if pipe.tx.try_send(frame).is_err() {
-            self.pipe_ended(pipe.id, &peer, "the pipe's writer stopped".into());
-        }
-    }
-
-    fn respond(&self, pipe: u64, message_id: u64, result: Result<Message, String>) {
-        let state = self.state.borrow();
-        let Some(inbound) = state.inbound.get(&pipe) else {
-            drop(state);
-            // An inbound lane answers from this thread. A pipe that neither this thread
-            // nor the lanes know has ended while its handler ran (a reset, a crashed
-            // peer, a timeout): nobody is waiting for the response, so it is dropped.
-            // Handing it back to the lanes would bounce it through the mailbox forever.
-            if lane::respond_on_lane(&self.shared, pipe, message_id, result).is_some() {
-                tracing::debug!(
-                    pipe,
-                    message_id,
-                    "a response for a pipe that has ended is dropped"
-                );
-            }
-            return;
-        };
-        let (tx, peer, negotiated) = (
-            Rc::clone(&inbound.tx),
-            inbound.peer.clone(),
-            inbound.negotiated,
-        );
         drop(state);
-        let (frame, exports) = lane::response_frame(
-            &self.shared,
-            message_id,
-            result,
-            &peer,
-            (Role::Listener, &negotiated, false),
-        );
-        if !exports.is_empty() {
-            // Held until the caller's ack, or the pipe's end.
-            if let Some(inbound) = self.state.borrow_mut().inbound.get_mut(&pipe) {
-                drop(inbound.exports.lend(Lender::Response, message_id, exports));
-            }
+        if open {
+            self.spawn(Rc::clone(self).connect(pipe_id, peer, address));
         }
-        let _ = tx.try_send(frame);
     }
 
     /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
@@ -475,21 +258,14 @@ impl Io {
         });
     }
 
-    /// Fails every call pending on client pipe `pipe` with `error()` and forgets the
-    /// pipe.
+    /// Fails every call pending on client pipe `pipe` (still opening) with `error()`
+    /// and forgets the pipe.
     fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
         {
             let mut state = self.state.borrow_mut();
-            let current = match state.client_pipes.get(peer) {
-                Some(ClientPipe::Ready(p)) => p.id == pipe,
-                Some(ClientPipe::Connecting { id, .. }) => *id == pipe,
-                None => false,
-            };
-            if current {
-                state.client_pipes.remove(peer);
+            if state.opening.get(peer).is_some_and(|o| o.id == pipe) {
+                state.opening.remove(peer);
             }
-            // The callee can no longer read what the pipe's requests lent it.
-            drop(state.request_exports.end_where(|(on, _)| *on == pipe));
         }
         for pending in self.shared.calls_table.take_pipe(pipe) {
             self.fail_pending(pending, error());
@@ -500,176 +276,68 @@ impl Io {
         calls::fail_pending(&self.shared, pending, error);
     }
 
-    /// A response or error arrived on client pipe `pipe`. Only a call sent on that pipe
-    /// can be answered there; anything else is late (timed out) or bogus and dropped.
-    /// Either way the request's lent buffers are released (the callee read them before
-    /// it answered), and a response's out-of-band tensors are pulled, then acked.
-    fn on_reply(self: &Rc<Self>, pipe: &ReadyPipe, frame: IncomingFrame) {
-        let message_id = frame.message_id;
-        let needs_ack = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
-        // Released once this reply is handled: freeing a large buffer (munmap) must not
-        // delay reading the response.
-        let released = self.state.borrow_mut().request_exports.release_if(
-            frame.kind,
-            message_id,
-            |(on, _)| *on == pipe.id,
-        );
-        let Some(pending) = self.shared.calls_table.take_reply(message_id, pipe.id) else {
-            tracing::debug!(message_id, "late or unknown reply dropped");
-            if needs_ack {
-                // Nobody reads its tensors: let the callee release them.
-                ack(pipe, message_id);
-            }
-            return;
-        };
-        let peer = pending.peer.clone();
-        let job = match calls::reply(&self.shared, pending, frame, &pipe.negotiated, &pipe.reader) {
-            Reply::Done { ack: needed } => {
-                if needed {
-                    ack(pipe, message_id);
-                }
-                if let Some((_, released)) = released {
-                    released.recycle();
-                }
-                return;
-            }
-            Reply::Pull(job) => job,
-        };
-        // Pull, ack, complete; if the task is cancelled (the agent closes) the guard
-        // fails the call instead of leaving its future hanging.
-        let guard = PullGuard {
-            io: Rc::clone(self),
-            completion: Some(Arc::clone(job.completion())),
-        };
-        let pipe = pipe.clone();
-        self.spawn(async move {
-            let mut guard = guard;
-            let (_, pulled) = if job.pull_bytes() >= PULL_OFF_THREAD_BYTES {
-                glommio::executor().spawn_blocking(move || job.pull()).await
-            } else {
-                job.pull()
-            };
-            ack(&pipe, message_id);
-            if let Some(completion) = guard.completion.take() {
-                let pulled = match pulled {
-                    Ok(_) if pipe.ended.get() => Err(RpcError::Channel {
-                        channel: pipe.channel_name(),
-                        peer,
-                        reason: "the pipe ended while the response's tensors were being read; \
-                                 the peer may have released them"
-                            .into(),
-                    }),
-                    other => other,
-                };
-                guard.io.complete(&completion, pulled);
-            }
-            // The callee answered, so it read what the request lent.
-            if let Some((_, released)) = released {
-                released.recycle();
-            }
-        });
+    /// Whether client pipe `id` to `peer` is still the one being opened (not reset or
+    /// closed meanwhile).
+    fn still_opening(&self, id: u64, peer: &str) -> bool {
+        self.state
+            .borrow()
+            .opening
+            .get(peer)
+            .is_some_and(|o| o.id == id)
     }
 
-    fn spawn_writer(
-        self: &Rc<Self>,
-        mut sender: Box<dyn FrameSender>,
-    ) -> Rc<LocalSender<OwnedFrame>> {
-        let (tx, rx) = local_channel::new_unbounded::<OwnedFrame>();
-        let writers = Rc::clone(&self.writers);
-        writers.set(writers.get() + 1);
-        self.spawn(async move {
-            while let Some(frame) = rx.recv().await {
-                if let Err(e) = sender.send(frame).await {
-                    tracing::debug!(error = %e, "RPC pipe write failed");
-                    break;
-                }
-            }
-            sender.close().await;
-            writers.set(writers.get().saturating_sub(1));
-        });
-        Rc::new(tx)
-    }
-
-    /// Opens client pipe `id` to `peer`: connect, handshake, then drain the queued calls.
-    /// Opens client pipe `id` to `peer`: connect, handshake, then send the queued calls.
+    /// Opens client pipe `id` to `peer`: connect, handshake, mpt lanes, then the pipe
+    /// becomes a lane and the queued calls go out on it.
     async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
-        match self.open_pipe(&peer, &address).await {
-            Ok((sender, receiver, negotiated, mpt_token)) => {
-                let current = matches!(
-                    self.state.borrow().client_pipes.get(&peer),
-                    Some(ClientPipe::Connecting { id: c, .. }) if *c == id
-                );
-                if !current {
-                    // Reset or closed while connecting: its calls failed already, and
-                    // dropping the halves closes the connection.
-                    return;
-                }
-                {
-                    let mut calls = self.shared.lock_calls();
-                    calls
-                        .pipe_transports
-                        .insert(peer.clone(), negotiated.transport);
-                    calls
-                        .pipe_channels
-                        .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
-                }
-                let (sender, receiver) = if self.shared.lanes_enabled {
-                    let mpt = match (mpt_token, &self.shared.mpt) {
-                        (Some(token), Some(setup)) => {
-                            let (published, lanes) = (address.clone(), setup.lanes);
-                            let opened = glommio::executor()
-                                .spawn_blocking(move || mpt::connect(&published, token, lanes))
-                                .await;
-                            match opened {
-                                Ok(lanes) => Some(lanes),
-                                Err(reason) => {
-                                    let reason = format!("cannot open its mpt lanes: {reason}");
-                                    tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
-                                    return self.fail_pipe(id, &peer, || RpcError::PipeBroken {
-                                        peer: peer.clone(),
-                                        reason: reason.clone(),
-                                    });
-                                }
-                            }
-                        }
-                        _ => None,
-                    };
-                    match sender.into_blocking(receiver).await {
-                        Ok(halves) => return self.client_lane(id, peer, negotiated, halves, mpt),
-                        Err(NotBlocking::Unsupported(sender, receiver)) => (sender, receiver),
-                        Err(NotBlocking::Failed(e)) => {
-                            return self.pipe_ended(id, &peer, e.to_string());
-                        }
-                    }
-                } else {
-                    (sender, receiver)
-                };
-                let tx = self.spawn_writer(sender);
-                let pipe = ReadyPipe {
-                    id,
-                    tx,
-                    negotiated,
-                    reader: Arc::new(PipeReader::default()),
-                    ended: Rc::new(Cell::new(false)),
-                };
-                let queued = match self
-                    .state
-                    .borrow_mut()
-                    .client_pipes
-                    .insert(peer.clone(), ClientPipe::Ready(pipe.clone()))
-                {
-                    Some(ClientPipe::Connecting { queued, .. }) => queued,
-                    _ => Vec::new(),
-                };
-                self.spawn(Rc::clone(&self).client_reader(pipe.clone(), peer, receiver));
-                for outbound in queued {
-                    self.send_call(outbound, &pipe);
-                }
-            }
+        let (sender, receiver, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await
+        {
+            Ok(opened) => opened,
             Err(failure) => {
                 tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
-                self.fail_pipe(id, &peer, || failure.to_error(&peer));
+                return self.fail_pipe(id, &peer, || failure.to_error(&peer));
             }
+        };
+        if !self.still_opening(id, &peer) {
+            // Reset or closed while connecting: its calls failed already, and dropping
+            // the halves closes the connection.
+            return;
+        }
+        {
+            let mut calls = self.shared.lock_calls();
+            calls
+                .pipe_transports
+                .insert(peer.clone(), negotiated.transport);
+            calls
+                .pipe_channels
+                .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
+        }
+        let mpt = match (mpt_token, &self.shared.mpt) {
+            (Some(token), Some(setup)) => {
+                let (published, lanes) = (address.clone(), setup.lanes);
+                let opened = glommio::executor()
+                    .spawn_blocking(move || mpt::connect(&published, token, lanes))
+                    .await;
+                match opened {
+                    Ok(lanes) => Some(lanes),
+                    Err(reason) => {
+                        let reason = format!("cannot open its mpt lanes: {reason}");
+                        tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
+                        return self.pipe_ended(id, &peer, reason);
+                    }
+                }
+            }
+            _ => None,
+        };
+        match sender.into_blocking(receiver).await {
+            Ok(halves) => self.client_lane(id, peer, negotiated, halves, mpt),
+            Err(NotBlocking::Unsupported(..)) => {
+                if let Some(mpt) = mpt {
+                    mpt.shutdown();
+                }
+                let reason = unthreaded(&negotiated);
+                self.pipe_ended(id, &peer, reason)
+            }
+            Err(NotBlocking::Failed(e)) => self.pipe_ended(id, &peer, e.to_string()),
         }
     }
 
@@ -683,11 +351,7 @@ impl Io {
         halves: BlockingHalves,
         mpt: Option<MptLanes>,
     ) {
-        let current = matches!(
-            self.state.borrow().client_pipes.get(&peer),
-            Some(ClientPipe::Connecting { id: c, .. }) if *c == id
-        );
-        if !current {
+        if !self.still_opening(id, &peer) {
             // Reset or closed while it was taken off the executor.
             halves.stop.stop();
             if let Some(mpt) = mpt {
@@ -695,17 +359,20 @@ impl Io {
             }
             return;
         }
-        // The lane is registered before the executor forgets the pipe, so that no call
+        // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
         let Some(lane) =
             Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves, mpt)
         else {
             return self.pipe_ended(id, &peer, "this worker is shutting down".into());
         };
-        let queued = match self.state.borrow_mut().client_pipes.remove(&peer) {
-            Some(ClientPipe::Connecting { queued, .. }) => queued,
-            _ => Vec::new(),
-        };
+        let queued = self
+            .state
+            .borrow_mut()
+            .opening
+            .remove(&peer)
+            .map(|o| o.queued)
+            .unwrap_or_default();
         for Outbound {
             message_id,
             handler,
@@ -715,7 +382,6 @@ impl Io {
             lane.send_request(&self.shared, message_id, handler, message);
         }
     }
-
     /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
     /// if a better transport was negotiated, the handshake again over that one, whose
     /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
@@ -851,33 +517,6 @@ impl Io {
         let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);
         Ok((sender, receiver, negotiated, mpt_token))
     }
-
-    async fn client_reader(
-        self: Rc<Self>,
-        pipe: ReadyPipe,
-        peer: String,
-        mut receiver: Box<dyn FrameReceiver>,
-    ) {
-        let id = pipe.id;
-        let reason = loop {
-            match receiver.recv(FrameLimits::DEFAULT).await {
-                Ok(Some(frame)) => match frame.kind {
-                    FrameKind::Response | FrameKind::Error => self.on_reply(&pipe, frame),
-                    FrameKind::Goodbye => {
-                        break "the peer said goodbye (it is shutting down)".to_string()
-                    }
-                    other => {
-                        break format!("the peer sent an unexpected {other} frame on a client pipe")
-                    }
-                },
-                Ok(None) => break "the peer closed the pipe".to_string(),
-                Err(e) => break e.to_string(),
-            }
-        };
-        pipe.ended.set(true);
-        self.pipe_ended(id, &peer, reason);
-    }
-
     async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
         loop {
             match listener.accept().await {
@@ -945,6 +584,7 @@ impl Io {
         }
     }
 
+    /// Answers a peer's hello; the pipe then becomes an inbound lane.
     async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
         let from = connection.peer().to_string();
         let (mut sender, mut receiver) = connection.split();
@@ -977,102 +617,30 @@ impl Io {
             state.next_pipe += 1;
             id
         };
-        let (sender, mut receiver) = if self.shared.lanes_enabled {
-            match sender.into_blocking(receiver).await {
-                Ok(halves) => {
-                    let jobs = self.jobs.borrow().clone();
-                    match jobs {
-                        Some(jobs) => Lane::start_inbound(
-                            &self.shared,
-                            pipe,
-                            (peer, peer_id),
-                            negotiated,
-                            halves,
-                            jobs,
-                            mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
-                        ),
-                        None => halves.stop.stop(),
-                    }
-                    return;
-                }
-                Err(NotBlocking::Unsupported(sender, receiver)) => (sender, receiver),
-                Err(NotBlocking::Failed(e)) => {
-                    tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
-                    return;
+        match sender.into_blocking(receiver).await {
+            Ok(halves) => {
+                let jobs = self.jobs.borrow().clone();
+                match jobs {
+                    Some(jobs) => Lane::start_inbound(
+                        &self.shared,
+                        pipe,
+                        (peer, peer_id),
+                        negotiated,
+                        halves,
+                        jobs,
+                        mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
+                    ),
+                    None => halves.stop.stop(),
                 }
             }
-        } else {
-            (sender, receiver)
-        };
-        let tx = self.spawn_writer(sender);
-        self.state.borrow_mut().inbound.insert(
-            pipe,
-            InboundPipe {
-                peer: peer.clone(),
-                tx,
-                negotiated,
-                reader: Arc::new(PipeReader::default()),
-                exports: Ledger::new(),
-            },
-        );
-        loop {
-            match receiver.recv(FrameLimits::DEFAULT).await {
-                Ok(Some(frame)) if frame.kind == FrameKind::Request => {
-                    self.dispatch(pipe, &peer, peer_id, frame)
-                }
-                Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
-                Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
-                    // The caller read the response's out-of-band tensors.
-                    let released = self
-                        .state
-                        .borrow_mut()
-                        .inbound
-                        .get_mut(&pipe)
-                        .and_then(|inbound| inbound.exports.release(frame.kind, frame.message_id));
-                    if let Some(released) = released {
-                        released.recycle();
-                    }
-                }
-                Ok(Some(frame)) => {
-                    tracing::warn!(%peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
-                    break;
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    let expected = self.shared.lock_calls().shutting_down;
-                    if !expected {
-                        tracing::debug!(%peer, error = %e, "inbound RPC pipe failed");
-                    }
-                    break;
-                }
+            Err(NotBlocking::Unsupported(mut sender, _)) => {
+                let reason = unthreaded(&negotiated);
+                tracing::warn!(%peer, %reason, "an inbound RPC pipe is refused");
+                sender.close().await;
             }
-        }
-        self.state.borrow_mut().inbound.remove(&pipe);
-    }
-
-    fn dispatch(&self, pipe: u64, peer: &str, peer_id: WorkerId, frame: IncomingFrame) {
-        let jobs = self.jobs.borrow().clone();
-        let respond = |message_id, result| self.respond(pipe, message_id, result);
-        let Some((negotiated, reader)) = self
-            .state
-            .borrow()
-            .inbound
-            .get(&pipe)
-            .map(|inbound| (inbound.negotiated, Arc::clone(&inbound.reader)))
-        else {
-            return;
-        };
-        match jobs {
-            Some(jobs) => lane::serve_request(
-                &self.shared,
-                &jobs,
-                (pipe, &negotiated, &reader),
-                peer,
-                peer_id,
-                frame,
-                respond,
-            ),
-            None => respond(frame.message_id, Err(self.shut_down_error().to_string())),
+            Err(NotBlocking::Failed(e)) => {
+                tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
+            }
         }
     }
 
@@ -1086,28 +654,16 @@ impl Io {
         for lane in lanes {
             lane.end(&self.shared, "this worker reset its pipes".into());
         }
-        let (client, inbound) = {
-            let mut state = self.state.borrow_mut();
-            let client: Vec<(String, ClientPipe)> = state.client_pipes.drain().collect();
-            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
-            (client, inbound)
-        };
-        drop(inbound);
-        for (peer, pipe) in client {
-            match pipe {
-                ClientPipe::Ready(ready) => {
-                    self.pipe_ended(ready.id, &peer, "this worker reset its pipes".into())
-                }
-                ClientPipe::Connecting { id, .. } => {
-                    self.pipe_ended(id, &peer, "this worker reset its pipes".into())
-                }
-            }
+        let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
+        for (peer, opening) in opening {
+            self.pipe_ended(opening.id, &peer, "this worker reset its pipes".into());
         }
     }
 
     async fn close(&self, goodbye: bool) {
-        // Every call still pending, on lanes or not, fails as shut down (before the
-        // lanes stop, whose readers would call it a broken pipe); the timer stops.
+        // Every call still pending, on lanes or waiting for one, fails as shut down
+        // (before the lanes stop, whose readers would call it a broken pipe); the timer
+        // stops.
         let pending = self.shared.calls_table.close();
         let lanes = self
             .shared
@@ -1136,39 +692,13 @@ impl Io {
                 }
             }
         }
+        // Each lane's reader thread sees its stop and ends the lane, which gives up
+        // what it lent once the connection is closed.
         for lane in &lanes {
             lane.stop();
         }
-        let (client, mut inbound, lent) = {
-            let mut state = self.state.borrow_mut();
-            let client: Vec<ClientPipe> = state.client_pipes.drain().map(|(_, p)| p).collect();
-            let inbound: Vec<InboundPipe> = state.inbound.drain().map(|(_, p)| p).collect();
-            let lent = state.request_exports.end();
-            (client, inbound, lent)
-        };
-        // Lent buffers are released last, once the pipes are closed, so that a peer
-        // still reading them sees its pipe end first (and refuses what it read).
-        let mut lent: Vec<FrameExports> = lent.into_iter().map(|(_, e)| e).collect();
-        for pipe in &mut inbound {
-            lent.extend(pipe.exports.end());
-        }
-        for pipe in client {
-            match pipe {
-                ClientPipe::Ready(ready) => {
-                    if goodbye {
-                        let _ = ready.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
-                    }
-                }
-                // Its calls are in `pending`, failed below.
-                ClientPipe::Connecting { .. } => {}
-            }
-        }
-        if goodbye {
-            for pipe in &inbound {
-                let _ = pipe.tx.try_send(OwnedFrame::empty(FrameKind::Goodbye, 0));
-            }
-        }
-        drop(inbound);
+        // The calls of pipes still opening are in `pending`, failed below.
+        self.state.borrow_mut().opening.clear();
         for pending in pending {
             self.fail_pending(pending, self.shut_down_error());
         }
@@ -1178,52 +708,22 @@ impl Io {
             }
         }
         self.jobs.borrow_mut().take();
-        if goodbye {
-            let deadline = std::time::Instant::now() + FLUSH_WAIT;
-            while self.writers.get() > 0 && std::time::Instant::now() < deadline {
-                glommio::timer::sleep(Duration::from_millis(1)).await;
-            }
-        }
         let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain().map(|(_, t)| t).collect();
         for task in &tasks {
             task.cancel();
         }
         // Let the executor drop the cancelled tasks (and close their sockets).
         glommio::timer::sleep(Duration::from_millis(1)).await;
-        drop(lent);
     }
 }
 
-impl ReadyPipe {
-    /// The name of the channel the pipe uses for CPU tensors, for errors.
-    fn channel_name(&self) -> &'static str {
-        cpu_channel(&self.negotiated, Role::Connector).map_or("basic", |c| c.name())
-    }
-}
-
-/// Fails a call whose response is being pulled if the pull's task is dropped before it
-/// completes the call (the agent closed).
-struct PullGuard {
-    io: Rc<Io>,
-    completion: Option<Arc<Completion>>,
-}
-
-impl Drop for PullGuard {
-    fn drop(&mut self) {
-        if let Some(completion) = self.completion.take() {
-            self.io
-                .complete(&completion, Err(self.io.shut_down_error()));
-        }
-    }
-}
-
-/// Tells the callee on `pipe` that the out-of-band tensors of its response
-/// `message_id` were read (or will never be): it may release them. A pipe that is
-/// gone needs no ack (its end releases them).
-fn ack(pipe: &ReadyPipe, message_id: u64) {
-    let _ = pipe
-        .tx
-        .try_send(OwnedFrame::empty(FrameKind::Ack, message_id));
+/// Why a pipe over a transport that cannot hand its connection to threads is refused.
+fn unthreaded(negotiated: &Negotiated) -> String {
+    format!(
+        "the {} transport cannot serve a pipe from threads (FrameSender::into_blocking), \
+         which every RPC pipe needs",
+        negotiated.transport
+    )
 }
 
 /// A handshake message as a frame.

@@ -22,44 +22,45 @@
 //! anything but their receiver and their own lane's send lock, and a send only waits
 //! for the peer's reader.
 //!
-//! Out-of-band tensors (cma, xth) work as on the executor: a lane keeps what it lends
-//! until the reply (requests) or the caller's `Ack` (responses), by the core's
-//! `rdzv_core::rpc::lending` rule (a [`Ledger`] per lane), and pulls what it is
-//! lent on the thread that received the frame. Only lanes run `mpt` (see
-//! [`super::mpt`]): a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
+//! Each lane feeds the frames it reads to its side of the pipe's protocol, the core's
+//! `rdzv_core::rpc::pipe` machine ([`ClientPipe`] or [`InboundPipe`]), and executes
+//! what it says: which reply completes which call, which buffers come back, what to
+//! ack. Out-of-band tensors (cma, xth): a lane keeps what it lends until the reply
+//! (requests) or the caller's `Ack` (responses), in its machine's ledger, and pulls
+//! what it is lent on the thread that received the frame. `mpt` (see [`super::mpt`]):
+//! a tcp lane that negotiated it pushes a frame's mpt tensors on its mpt
 //! lanes under its send lock, right after the frame, and reads them under its receive
 //! lock as soon as it has the frame.
 //!
-//! Lanes share the [`Calls`](super::calls::Calls) table and timer with executor pipes. A
-//! lane that fails fails the calls sent on it and leaves the registry; the next call
-//! opens a new pipe through the executor. Fault injection keeps every pipe on the
-//! executor, where its rules live.
+//! Lanes share the [`Calls`](super::calls::Calls) table and timer with the calls still
+//! waiting for their pipe to open. A lane that fails fails the calls sent on it and
+//! leaves the registry; the next call opens a new pipe through the executor. Fault injection wraps a client lane's sender
+//! (`super::faults`), so faulty workers run lanes too.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
-use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
-use rdzv_core::rpc::lending::{must_ack, Ledger, Lender};
+use rdzv_core::negotiate::{Negotiated, Role};
+use rdzv_core::rpc::frame::{FrameKind, FrameLimits};
 use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::pipe::{
+    ClientEvent, ClientPipe, Closed, InboundEvent, InboundPipe, PipeFrame, ReadError, Refusal,
+    Transmit,
+};
 
 use super::calls::{self, Pending, Reply};
-use super::channels::{
-    add_device_tensor, add_tensor, cpu_channel, lends_device_memory, ChannelBytes, FrameExports,
-    PipeReader, ReceivedTensors, Streamed,
-};
+use super::channels::{cpu_channel, FrameExports, PipeReader, ReceivedTensors, Streamed};
 use super::client::RpcClient;
 use super::error::RpcError;
 use super::error::TransportError;
-use super::io::Job;
 use super::message::Completion;
-use super::message::{mark_io_thread, run_handler, CallContext, Message, Tensor};
+use super::message::{mark_io_thread, run_handler, CallContext, Message};
 use super::mpt::{MptLanes, LANES_TIMEOUT};
+use super::outgoing::{response_frame, sent_bytes, tensor_frame};
 use super::recycle;
-use super::shared::{Call, Command, Shared};
+use super::shared::{Call, Shared};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
     TryRecv, Wake,
@@ -84,18 +85,64 @@ pub(crate) struct Lane {
     stop: Arc<dyn StopConnection>,
     /// Where the peer's out-of-band tensors are read from.
     reader: Arc<PipeReader>,
-    /// Buffers lent to the peer, by message id: a client lane's requests' (until their
-    /// reply), an inbound lane's responses' (until the caller's ack). Released when the
-    /// lane ends.
-    exports: Mutex<Ledger<FrameExports>>,
-    /// Set when the lane ends: a pull that overlapped its end may have read buffers the
-    /// peer released, so its result is refused.
-    ended: AtomicBool,
+    /// The pipe's protocol (core's `rpc::pipe`): which replies reach a call, what is
+    /// acked, and the buffers lent to the peer until their reply or ack (given up when
+    /// the lane ends).
+    machine: Mutex<Machine>,
     /// The side this lane plays in its pipe's negotiation.
     role: Role,
     /// The pipe's mpt lanes, when it negotiated mpt (set before the first frame is
     /// read or sent with mpt tensors).
     mpt: OnceLock<MptLanes>,
+}
+
+/// Why a lane could not send a frame.
+enum SendFailure {
+    /// Fault injection failed this request alone; the lane is fine.
+    Injected { handler: String },
+    /// The lane is broken: why.
+    Broken(String),
+}
+
+impl std::fmt::Display for SendFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendFailure::Injected { handler } => {
+                write!(f, "Send attempt failed intentionally for {handler}")
+            }
+            SendFailure::Broken(reason) => f.write_str(reason),
+        }
+    }
+}
+
+/// A lane's side of its pipe's protocol.
+enum Machine {
+    Client(ClientPipe<FrameExports>),
+    Inbound(InboundPipe<FrameExports>),
+}
+
+impl Machine {
+    fn is_ended(&self) -> bool {
+        match self {
+            Machine::Client(pipe) => pipe.is_ended(),
+            Machine::Inbound(pipe) => pipe.is_ended(),
+        }
+    }
+
+    /// The frames the protocol owes the peer.
+    fn transmits(&mut self) -> Vec<Transmit> {
+        let mut out = Vec::new();
+        loop {
+            let next = match self {
+                Machine::Client(pipe) => pipe.poll_transmit(),
+                Machine::Inbound(pipe) => pipe.poll_transmit(),
+            };
+            match next {
+                Some(transmit) => out.push(transmit),
+                None => return out,
+            }
+        }
+    }
 }
 
 /// Every lane of a worker.
@@ -113,11 +160,6 @@ impl Lanes {
     /// The client lane to `peer`.
     pub fn client(&self, peer: &str) -> Option<Arc<Lane>> {
         self.client.get(peer).cloned()
-    }
-
-    /// The inbound lane `pipe`.
-    pub fn inbound(&self, pipe: u64) -> Option<Arc<Lane>> {
-        self.inbound.get(&pipe).cloned()
     }
 
     /// Closes the registry and takes every lane out (client lanes first).
@@ -163,8 +205,10 @@ impl Lane {
             wake,
             stop,
             reader: Arc::new(PipeReader::default()),
-            exports: Mutex::new(Ledger::new()),
-            ended: AtomicBool::new(false),
+            machine: Mutex::new(match role {
+                Role::Connector => Machine::Client(ClientPipe::new()),
+                Role::Listener => Machine::Inbound(InboundPipe::new()),
+            }),
             role,
             mpt: OnceLock::new(),
         })
@@ -198,20 +242,49 @@ impl Lane {
         self.receiver.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn exports(&self) -> MutexGuard<'_, Ledger<FrameExports>> {
-        self.exports.lock().unwrap_or_else(|p| p.into_inner())
+    fn machine(&self) -> MutexGuard<'_, Machine> {
+        self.machine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the lane ended: a pull that overlapped its end may have read buffers
+    /// the peer released.
+    fn is_ended(&self) -> bool {
+        self.machine().is_ended()
+    }
+
+    /// Sends what the protocol owes the peer (acks, a goodbye). A lane that cannot send
+    /// any more is ending: its end releases what the acks would have.
+    fn flush(&self) {
+        let transmits = self.machine().transmits();
+        self.transmit(transmits);
+    }
+
+    /// Sends frames the protocol owes the peer (polled already).
+    fn transmit(&self, transmits: Vec<Transmit>) {
+        for transmit in transmits {
+            let (kind, message_id) = transmit.frame();
+            let _ = self.send(OwnedFrame::empty(kind, message_id));
+        }
+    }
+
+    /// The caller is done with what reply `message_id` lent (read, or never to be
+    /// read): the ack goes out, unless the lane ended meanwhile.
+    fn done_reading(&self, message_id: u64) -> Result<(), ReadError> {
+        let (done, transmits) = {
+            let mut machine = self.machine();
+            let done = match &mut *machine {
+                Machine::Client(pipe) => pipe.done_reading(message_id),
+                Machine::Inbound(_) => Err(ReadError::NotReading { message_id }),
+            };
+            (done, machine.transmits())
+        };
+        self.transmit(transmits);
+        done
     }
 
     /// The name of the channel this lane uses for CPU tensors, for errors.
     fn channel_name(&self, role: Role) -> &'static str {
         cpu_channel(&self.negotiated, role).map_or("basic", |c| c.name())
-    }
-
-    /// Tells the callee that the out-of-band tensors of its response `message_id` were
-    /// read (or will never be): it may release them.
-    fn ack(&self, message_id: u64) {
-        // A lane that cannot send any more is ending: its end releases them.
-        let _ = self.send(OwnedFrame::empty(FrameKind::Ack, message_id));
     }
 
     /// The next frame for the reader thread. A polled lane spins up to `spin` on the
@@ -330,54 +403,86 @@ impl Lane {
         }
     }
 
-    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends. A
-    /// reply releases its request's lent buffers (the callee read them before it
-    /// answered); a response's out-of-band tensors are pulled here, then acked.
+    /// A frame that arrived on this client lane; `Some(reason)` when the lane ends. The
+    /// pipe's machine decides (core's `rpc::pipe`): a reply to a call sent on this lane
+    /// gives back what its request lent and completes the call; a response's
+    /// out-of-band tensors are pulled here, then acked; anything else is dropped (and
+    /// acked if it lent buffers).
     fn on_client_frame(&self, shared: &Shared, frame: IncomingFrame) -> Option<String> {
-        match frame.kind {
-            FrameKind::Response | FrameKind::Error => {
-                let message_id = frame.message_id;
-                let out_of_band = must_ack(frame.kind, frame.tensors.iter().map(|(d, _)| d));
-                let released = self.exports().release(frame.kind, message_id);
-                let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
-                    tracing::debug!(message_id, "late or unknown reply dropped");
-                    if out_of_band {
-                        self.ack(message_id);
+        let header = PipeFrame::new(
+            frame.kind,
+            frame.message_id,
+            frame.tensors.iter().map(|(d, _)| d),
+        );
+        // One lock: the frame in, its events and the frames it owes the peer out.
+        let (events, transmits) = {
+            let mut machine = self.machine();
+            let events = match &mut *machine {
+                Machine::Client(pipe) => {
+                    pipe.handle_frame(header);
+                    std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
+                }
+                Machine::Inbound(_) => return Some("a client frame on an inbound lane".into()),
+            };
+            (events, machine.transmits())
+        };
+        self.transmit(transmits);
+        let mut frame = Some(frame);
+        for event in events {
+            match event {
+                ClientEvent::Reply { released, lent, .. } => {
+                    if let Some(frame) = frame.take() {
+                        self.on_reply(shared, frame, lent);
                     }
-                    return None;
-                };
-                let peer = pending.peer.clone();
-                match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
-                    Reply::Done { ack } => {
-                        if ack {
-                            self.ack(message_id);
-                        }
-                    }
-                    Reply::Pull(job) => {
-                        let (completion, pulled) = job.pull();
-                        self.ack(message_id);
-                        let pulled = match pulled {
-                            Ok(_) if self.ended.load(Ordering::Acquire) => Err(RpcError::Channel {
-                                channel: self.channel_name(Role::Connector),
-                                peer,
-                                reason: "the pipe ended while the response's tensors were \
-                                         being read; the peer may have released them"
-                                    .into(),
-                            }),
-                            other => other,
-                        };
-                        calls::complete(shared, &completion, pulled);
+                    // The callee answered, so it read what the request lent.
+                    if let Some(released) = released {
+                        released.recycle();
                     }
                 }
-                if let Some(released) = released {
-                    released.recycle();
+                ClientEvent::Unmatched { message_id, acked } => {
+                    tracing::debug!(
+                        message_id,
+                        acked,
+                        "a reply for no call on this pipe dropped"
+                    );
                 }
-                None
+                ClientEvent::Closed(why) => return Some(why.to_string()),
             }
-            FrameKind::Goodbye => Some("the peer said goodbye (it is shutting down)".to_string()),
-            other => Some(format!(
-                "the peer sent an unexpected {other} frame on a client pipe"
-            )),
+        }
+        None
+    }
+
+    /// Completes the call reply `frame` answers (if it still waits: it may have timed
+    /// out); `lent`: the reply lent buffers, which are pulled (or not) and then acked.
+    fn on_reply(&self, shared: &Shared, frame: IncomingFrame, lent: bool) {
+        let message_id = frame.message_id;
+        let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
+            tracing::debug!(message_id, "late reply dropped");
+            if lent {
+                // Nobody reads its tensors: let the callee release them.
+                let _ = self.done_reading(message_id);
+            }
+            return;
+        };
+        let peer = pending.peer.clone();
+        match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
+            Reply::Done => {
+                if lent {
+                    let _ = self.done_reading(message_id);
+                }
+            }
+            Reply::Pull(job) => {
+                let (completion, pulled) = job.pull();
+                let pulled = match (self.done_reading(message_id), pulled) {
+                    (Err(ReadError::PipeEnded), Ok(_)) => Err(RpcError::Channel {
+                        channel: self.channel_name(Role::Connector),
+                        peer,
+                        reason: ReadError::PipeEnded.to_string(),
+                    }),
+                    (_, pulled) => pulled,
+                };
+                calls::complete(shared, &completion, pulled);
+            }
         }
     }
 
@@ -392,6 +497,10 @@ impl Lane {
         halves: BlockingHalves,
         mpt: Option<MptLanes>,
     ) -> Option<Arc<Lane>> {
+        let mut halves = halves;
+        if let Some(faults) = &shared.faults {
+            halves.sender = faults.wrap(halves.sender);
+        }
         let lane = Lane::new(id, peer, negotiated, halves, Role::Connector);
         if let Some(mpt) = mpt {
             let _ = lane.mpt.set(mpt);
@@ -447,7 +556,7 @@ impl Lane {
             .claim(token, LANES_TIMEOUT)
             .map_err(|e| e.to_string())?;
         let lanes = MptLanes::new(streams)?;
-        if self.ended.load(Ordering::Acquire) {
+        if self.is_ended() {
             lanes.shutdown();
             return Err("the pipe ended while its mpt lanes were opened".into());
         }
@@ -552,12 +661,35 @@ impl Lane {
         }
         shared.calls_table.set_sent(message_id, sent_bytes(&frame));
         let streamed = exports.take_streamed();
-        if !exports.is_empty() {
-            // Held until the reply arrives or the lane ends.
-            drop(self.exports().lend(Lender::Request, message_id, exports));
+        // What it lends is held until the reply arrives or the lane ends.
+        let lent = (!exports.is_empty()).then_some(exports);
+        let accepted = match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.send_request(message_id, lent).map_err(|r| r.reason),
+            Machine::Inbound(_) => Err(Refusal::NotServing),
+        };
+        if let Err(refusal) = accepted {
+            // Never sent: this call alone fails (what it would have lent is dropped).
+            if let Some(pending) = shared.calls_table.take(message_id) {
+                let error = RpcError::PipeBroken {
+                    peer: self.peer.clone(),
+                    reason: refusal.to_string(),
+                };
+                calls::fail_pending(shared, pending, error);
+            }
+            return;
         }
-        if let Err(reason) = self.send_with(frame, streamed) {
-            self.end(shared, reason);
+        match self.send_with(frame, streamed) {
+            Ok(_) => {}
+            // Fault injection: this request alone fails, as if it had not been sent.
+            Err(SendFailure::Injected { handler }) => {
+                if let Machine::Client(pipe) = &mut *self.machine() {
+                    drop(pipe.unsent(message_id));
+                }
+                if let Some(pending) = shared.calls_table.take(message_id) {
+                    calls::fail_pending(shared, pending, RpcError::InjectedFault { handler });
+                }
+            }
+            Err(SendFailure::Broken(reason)) => self.end(shared, reason),
         }
     }
 
@@ -571,9 +703,17 @@ impl Lane {
             (Role::Listener, &self.negotiated, self.streams()),
         );
         let streamed = exports.take_streamed();
-        if !exports.is_empty() {
-            // Held until the caller's ack, or the lane's end.
-            drop(self.exports().lend(Lender::Response, message_id, exports));
+        // What it lends is held until the caller's ack, or the lane's end.
+        let lent = (!exports.is_empty()).then_some(exports);
+        let accepted = match &mut *self.machine() {
+            Machine::Inbound(pipe) => pipe.respond(message_id, lent).map_err(|r| r.reason),
+            Machine::Client(_) => Err(Refusal::NotServing),
+        };
+        if let Err(refusal) = accepted {
+            // The lane ended (or said goodbye) while the handler ran: nobody waits for
+            // the response here, and what it would have lent was never seen.
+            tracing::debug!(peer = %self.peer, message_id, %refusal, "an RPC response is dropped");
+            return;
         }
         let sent = self.send_with(frame, streamed);
         if let Err(reason) = sent {
@@ -584,7 +724,11 @@ impl Lane {
 
     /// Sends a goodbye (graceful shutdown); failures are expected then and ignored.
     pub fn goodbye(&self) {
-        let _ = self.send(OwnedFrame::empty(FrameKind::Goodbye, 0));
+        match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.goodbye(),
+            Machine::Inbound(pipe) => pipe.goodbye(),
+        }
+        self.flush();
     }
 
     /// Ends the connection; the reader thread sees it and cleans up.
@@ -595,15 +739,18 @@ impl Lane {
         }
     }
 
-    fn send(&self, frame: OwnedFrame) -> Result<u64, String> {
+    fn send(&self, frame: OwnedFrame) -> Result<u64, SendFailure> {
         self.send_with(frame, Vec::new())
     }
 
     /// Sends `frame` and then, under the same lock, the stripes of its `streamed` (mpt)
     /// tensors. The buffers the transport does not keep go back to the recycle pool.
-    fn send_with(&self, frame: OwnedFrame, streamed: Streamed) -> Result<u64, String> {
+    fn send_with(&self, frame: OwnedFrame, streamed: Streamed) -> Result<u64, SendFailure> {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
-        let (sent, back) = sender.send_owned(frame).map_err(|e| e.to_string())?;
+        let (sent, back) = sender.send_owned(frame).map_err(|e| match e {
+            TransportError::InjectedFault { handler } => SendFailure::Injected { handler },
+            other => SendFailure::Broken(other.to_string()),
+        })?;
         if streamed.is_empty() {
             drop(sender);
             if let Some(back) = back {
@@ -620,7 +767,7 @@ impl Lane {
             recycle::give_all(back.tensor_data);
         }
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
-        pushed.map(|()| sent)
+        pushed.map(|()| sent).map_err(SendFailure::Broken)
     }
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
@@ -639,11 +786,13 @@ impl Lane {
                 lanes.inbound.remove(&self.id);
             }
         }
-        self.ended.store(true, Ordering::Release);
+        let ended = match &mut *self.machine() {
+            Machine::Client(pipe) => pipe.end(),
+            Machine::Inbound(pipe) => pipe.end(),
+        };
         self.stop();
-        // Released last: the peer can no longer ask for them.
-        let lent = self.exports().end();
-        drop(lent);
+        // Given up last: the peer can no longer ask for them.
+        drop(ended.lent);
         for pending in shared.calls_table.take_pipe(self.id) {
             let error = RpcError::PipeBroken {
                 peer: self.peer.clone(),
@@ -657,46 +806,31 @@ impl Lane {
 /// The client lane to `to`, if calls may take it (every tensor of `message` must go on
 /// the `basic` channel, which a lane carries in its frames).
 pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
-    if !shared.lanes_enabled {
-        return None;
-    }
     lanes(shared).client(to)
 }
 
-/// Sends response `result` on inbound pipe `pipe` from the current thread if that pipe
-/// is a lane; otherwise hands it to the I/O thread.
-pub(crate) fn respond(
-    shared: &Shared,
-    pipe: u64,
-    message_id: u64,
-    result: Result<Message, String>,
-) {
-    if let Some(result) = respond_on_lane(shared, pipe, message_id, result) {
-        // Not a lane: the I/O thread serves the pipe, or the pipe has ended (the I/O
-        // thread then drops the response rather than handing it back here).
-        let _ = shared.mailbox.push(Command::Respond {
-            pipe,
-            message_id,
-            result,
-        });
-    }
+/// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
+/// to be pulled (out-of-band ones) on the pool's thread before the handler runs; the
+/// response goes to `responder`.
+pub(crate) struct Job {
+    pub responder: Responder,
+    pub ctx: CallContext,
+    pub message: Message,
+    pub tensors: ReceivedTensors,
 }
 
-/// Answers on inbound lane `pipe` from this thread; gives the response back when no
-/// such lane is open.
-pub(crate) fn respond_on_lane(
-    shared: &Shared,
-    pipe: u64,
-    message_id: u64,
-    result: Result<Message, String>,
-) -> Option<Result<Message, String>> {
-    let lane = lanes(shared).inbound(pipe);
-    match lane {
-        Some(lane) => {
-            lane.respond(shared, message_id, result);
-            None
-        }
-        None => Some(result),
+/// Where a request's response goes: the inbound lane it came on, captured when the
+/// request was dispatched, so that answering it looks nothing up. A lane that ended
+/// meanwhile (a reset, a crashed peer) refuses the response, which is dropped: nobody
+/// waits for it there.
+pub(crate) struct Responder {
+    lane: Arc<Lane>,
+}
+
+impl Responder {
+    /// Sends the response to request `message_id` from this thread.
+    pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
+        self.lane.respond(shared, message_id, result);
     }
 }
 
@@ -717,32 +851,10 @@ fn client_reader(shared: &Arc<Shared>, lane: &Arc<Lane>) {
 }
 
 fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, jobs: &Sender<Job>) {
-    loop {
+    'read: loop {
         // Spinning here answers a waiting caller without a wake-up on this side.
-        match lane.next_frame(shared.wait_spin) {
-            Ok(Some(frame)) if frame.kind == FrameKind::Request => {
-                serve_request(
-                    shared,
-                    jobs,
-                    (lane.id, &lane.negotiated, &lane.reader),
-                    &lane.peer,
-                    peer_id,
-                    frame,
-                    |id, result| lane.respond(shared, id, result),
-                );
-            }
-            Ok(Some(frame)) if frame.kind == FrameKind::Ack => {
-                // The caller read what the response lent: release it.
-                let released = lane.exports().release(frame.kind, frame.message_id);
-                if let Some(released) = released {
-                    released.recycle();
-                }
-            }
-            Ok(Some(frame)) if frame.kind == FrameKind::Goodbye => break,
-            Ok(Some(frame)) => {
-                tracing::warn!(peer = %lane.peer, kind = %frame.kind, "unexpected frame on an inbound RPC pipe");
-                break;
-            }
+        let frame = match lane.next_frame(shared.wait_spin) {
+            Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
                 if !shared.lock_calls().shutting_down {
@@ -750,28 +862,56 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
                 }
                 break;
             }
+        };
+        let header = PipeFrame::new(
+            frame.kind,
+            frame.message_id,
+            frame.tensors.iter().map(|(d, _)| d),
+        );
+        let events = match &mut *lane.machine() {
+            Machine::Inbound(pipe) => {
+                pipe.handle_frame(header);
+                std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
+            }
+            Machine::Client(_) => break,
+        };
+        let mut frame = Some(frame);
+        for event in events {
+            match event {
+                InboundEvent::Request { .. } => {
+                    if let Some(frame) = frame.take() {
+                        serve_request(shared, jobs, lane, peer_id, frame);
+                    }
+                }
+                // The caller read what the response lent: reuse it.
+                InboundEvent::Release { buffers, .. } => buffers.recycle(),
+                InboundEvent::Closed(Closed::Goodbye) => break 'read,
+                InboundEvent::Closed(why) => {
+                    tracing::warn!(peer = %lane.peer, reason = %why, "an inbound RPC pipe is closed");
+                    break 'read;
+                }
+            }
         }
     }
-    // Leaves the registry, stops, and releases what responses lent.
+    // Leaves the registry, stops, and gives up what responses lent.
     lane.end(shared, "the inbound pipe ended".into());
 }
 
-/// Serves a request that arrived on inbound pipe `pipe` (which negotiated `negotiated`
-/// and reads out-of-band tensors through `reader`): an inline handler runs here, after
-/// its tensors are pulled, and its result goes to `respond`; any other goes to the
-/// worker pool, which pulls the tensors and answers through [`respond`](self::respond).
-/// A request whose tensors cannot be read at all (a channel that was not negotiated, a
-/// bad descriptor) fails at once; with the pool gone the caller learns that this worker
-/// shut down.
-pub(crate) fn serve_request(
+/// Serves a request that arrived on inbound lane `lane` from the peer `peer_id`: an
+/// inline handler runs here, after its tensors are pulled, and its response goes out
+/// from here; any other goes to the worker pool, which pulls the tensors and answers
+/// through the job's [`Responder`]. A request whose tensors cannot be read at all (a
+/// channel that was not negotiated, a bad descriptor) fails at once; with the pool gone
+/// the caller learns that this worker shut down.
+fn serve_request(
     shared: &Arc<Shared>,
     jobs: &Sender<Job>,
-    (pipe, negotiated, reader): (u64, &Negotiated, &Arc<PipeReader>),
-    peer: &str,
+    lane: &Arc<Lane>,
     peer_id: WorkerId,
     frame: IncomingFrame,
-    respond: impl FnOnce(u64, Result<Message, String>),
 ) {
+    let (negotiated, reader, peer) = (&lane.negotiated, &lane.reader, lane.peer.as_str());
+    let respond = |id, result| lane.respond(shared, id, result);
     let ctx = CallContext {
         caller: peer.to_string(),
         caller_id: peer_id,
@@ -808,7 +948,9 @@ pub(crate) fn serve_request(
         return;
     }
     let job = Job {
-        pipe,
+        responder: Responder {
+            lane: Arc::clone(lane),
+        },
         ctx,
         message,
         tensors,
@@ -824,164 +966,5 @@ pub(crate) fn serve_request(
             job.0.ctx.message_id,
             Err(RpcError::ShutDown { name }.to_string()),
         );
-    }
-}
-
-/// Builds the frame's tensors: each tensor's target device is the device map's image
-/// of its device (or the same device), and it goes over the channel negotiated for the
-/// pair on the pipe (a `cuda_xth`, `cuda_ipc` or `cuda_gdr` tensor's device memory is
-/// lent; a
-/// `cuda_basic` tensor is first copied to host memory and then carried by the pipe's CPU
-/// channel; this side plays `role`; inline below `min_channel_bytes`,
-/// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
-/// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
-/// The frame must then pass the receiver's limits.
-pub(crate) fn tensor_frame(
-    shared: &Shared,
-    frame: &mut OwnedFrame,
-    exports: &mut FrameExports,
-    tensors: Vec<Tensor>,
-    peer: &str,
-    (role, negotiated, streams): (Role, &Negotiated, bool),
-    reverse: bool,
-) -> Result<(), RpcError> {
-    let map = {
-        let group = shared.group();
-        if reverse {
-            group.reverse_device_maps.get(peer).cloned()
-        } else {
-            group.device_maps.get(peer).cloned()
-        }
-    };
-    let mut moved = ChannelBytes::default();
-    for (index, tensor) in tensors.into_iter().enumerate() {
-        let target = map
-            .as_ref()
-            .and_then(|m| m.get(&tensor.device))
-            .unwrap_or(tensor.device);
-        let (source_kind, target_kind) = (tensor.device.kind(), target.kind());
-        let (Some(negotiated_channel), Some(carrier)) = (
-            negotiated.channel_for(role, source_kind, target_kind),
-            negotiated.carrier_for(role, source_kind, target_kind),
-        ) else {
-            return Err(RpcError::NoChannel {
-                peer: peer.to_string(),
-                source_device: tensor.device.to_string(),
-                target_device: target.to_string(),
-            });
-        };
-        // cuda_xth, cuda_ipc, cuda_gdr: the device memory is lent.
-        if lends_device_memory(carrier) {
-            add_device_tensor(
-                frame,
-                exports,
-                &mut moved,
-                &shared.devices,
-                (index, tensor.memory.as_ref()),
-                (tensor.device, target),
-                carrier,
-                peer,
-            )?;
-            continue;
-        }
-        // cuda_basic: the bytes in host memory, carried by the CPU channel.
-        let data = shared
-            .devices
-            .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
-            .map_err(|reason| RpcError::Channel {
-                channel: negotiated_channel.name(),
-                peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
-            })?;
-        let channel = match carrier {
-            ChannelKind::Mpt if !streams => ChannelKind::Basic,
-            other => other,
-        };
-        add_tensor(
-            frame,
-            exports,
-            &mut moved,
-            data,
-            tensor.device,
-            target,
-            channel,
-            shared.offer.min_channel_bytes,
-            peer,
-        )?;
-    }
-    moved.add_to(&mut shared.lock_calls().channel_bytes);
-    check_limits(frame).map_err(|source| RpcError::Encode {
-        peer: peer.to_string(),
-        source: Box::new(source),
-    })
-}
-
-/// The frame answering request `message_id` on an inbound pipe from `peer`, with the
-/// buffers it lends: the response, or an error frame with the handler's error (or why
-/// the response could not be built).
-pub(crate) fn response_frame(
-    shared: &Shared,
-    message_id: u64,
-    result: Result<Message, String>,
-    peer: &str,
-    pipe: (Role, &Negotiated, bool),
-) -> (OwnedFrame, FrameExports) {
-    let mut exports = FrameExports::default();
-    let frame = match result {
-        Ok(message) => {
-            let mut frame = OwnedFrame {
-                metadata: message.metadata,
-                payload: message.payload,
-                ..OwnedFrame::empty(FrameKind::Response, message_id)
-            };
-            match tensor_frame(
-                shared,
-                &mut frame,
-                &mut exports,
-                message.tensors,
-                peer,
-                pipe,
-                true,
-            ) {
-                Ok(()) => frame,
-                // Dropping the exports releases them: the frame is never sent.
-                Err(e) => {
-                    exports = FrameExports::default();
-                    error_frame(message_id, &format!("the response failed: {e}"))
-                }
-            }
-        }
-        Err(text) => error_frame(message_id, &text),
-    };
-    (frame, exports)
-}
-
-/// A frame's bytes on the wire plus those of its tensors that travel beside it.
-pub(crate) fn sent_bytes(frame: &OwnedFrame) -> u64 {
-    frame
-        .tensors
-        .iter()
-        .filter(|t| !t.is_inline())
-        .map(|t| t.len)
-        .fold(frame.encoded_len() as u64, u64::saturating_add)
-}
-
-/// An error frame carrying `text`.
-pub(crate) fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
-    OwnedFrame {
-        payload: text.as_bytes().to_vec(),
-        ..OwnedFrame::empty(FrameKind::Error, message_id)
-    }
-}
-
-/// Checks an outgoing frame against the limits every receiver applies
-/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
-/// making the peer drop the pipe: the core decoder checks every size in the header and
-/// the descriptors, which is all the head holds.
-pub(crate) fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
-    let head = frame.encode_head()?;
-    match rdzv_core::rpc::frame::decode_frame(&head, &FrameLimits::DEFAULT) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(EncodeError::from(e)),
     }
 }

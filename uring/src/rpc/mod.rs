@@ -11,8 +11,10 @@
 //! | module | does |
 //! |---|---|
 //! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
-//! | `io` | the I/O thread: one glommio executor that accepts, connects, runs handshakes and serves pipes that stay on it |
-//! | `lane` | pipes served by threads once their handshake is done (tcp, shm) |
+//! | `io` | the handshake thread: one glommio executor that accepts, connects, runs handshakes, then hands each pipe to a lane |
+//! | `lane` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`) |
+//! | `faults` | fault injection, a decorator on client lanes' senders |
+//! | `outgoing` | messages into frames: each tensor's channel, what a frame lends, the receivers' limits |
 //! | `mpt` | the `mpt` channel's extra connections per pipe, and when a pipe has them |
 //! | `calls` | every call in flight, and the one timer thread for their deadlines |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
@@ -25,11 +27,11 @@
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
 //!
-//! Threads: on a lane (tcp and shm pipes, see `lane`) a caller's thread sends its own
+//! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
-//! pipe completes the other calls and runs [`Inline`] handlers; otherwise calls go
-//! through a mailbox to the I/O thread
-//! (glommio, io_uring), which also accepts, connects and handshakes. One timer thread
+//! pipe completes the other calls and runs [`Inline`] handlers; a call whose pipe is
+//! not open yet goes through a mailbox to the I/O thread (glommio, io_uring), which
+//! accepts, connects and handshakes. One timer thread
 //! fails calls past their deadline; `num_worker_threads` threads run handlers and send
 //! their responses.
 //!
@@ -55,10 +57,12 @@ pub mod channels;
 pub mod client;
 pub mod device;
 pub mod error;
+mod faults;
 mod io;
 mod lane;
 pub mod message;
 mod mpt;
+mod outgoing;
 mod recycle;
 mod shared;
 pub mod shm;

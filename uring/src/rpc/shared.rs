@@ -52,12 +52,6 @@ pub(crate) struct Call {
 pub(crate) enum Command {
     /// Send a request.
     Call(Call),
-    /// Send the response (or error) to a request received on inbound pipe `pipe`.
-    Respond {
-        pipe: u64,
-        message_id: u64,
-        result: Result<Message, String>,
-    },
     /// Close every pipe; calls on them fail, later calls open new ones.
     ResetPipes,
     /// Close everything and stop; `goodbye` sends goodbye frames first.
@@ -146,9 +140,8 @@ pub(crate) struct Shared {
     pub calls_table: super::calls::Calls,
     /// The pipes served by threads.
     pub lanes: Mutex<super::lane::Lanes>,
-    /// Whether pipes may become lanes (not under fault injection, whose rules live on
-    /// the executor).
-    pub lanes_enabled: bool,
+    /// Faults to inject into client lanes' requests (tests), if any.
+    pub faults: Option<Arc<super::faults::Faults>>,
     /// The mpt lane listener and lane count, when this worker offers mpt.
     pub mpt: Option<super::mpt::MptSetup>,
     /// The device runtimes (they lend, borrow and stage device memory).

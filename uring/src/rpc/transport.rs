@@ -32,9 +32,9 @@
 //! the plugin's reason logged, when it is not viable) and then treats it like the
 //! built-in ones.
 //!
-//! A transport whose connections are blocking by nature can also hand a connection's
-//! halves over after the handshake ([`FrameSender::into_blocking`]): the agent then
-//! serves the pipe from threads (a "lane") instead of the executor. tcp does it with a
+//! Every transport hands a connection's halves over after the handshake
+//! ([`FrameSender::into_blocking`]): the agent then serves the pipe from threads (a
+//! "lane"); a transport that cannot is refused. tcp does it with a
 //! duplicate of the socket and the same framing code over blocking I/O; shm takes its
 //! halves back from the adapter threads.
 //!
@@ -285,8 +285,10 @@ pub trait FrameSender {
     fn close(&mut self) -> LocalBoxFuture<'_, ()>;
 
     /// Takes this half and `receiver` (the other half of the same connection) off the
-    /// executor, if the transport can serve them from threads; otherwise gives both
-    /// back unchanged. Bytes or frames the receiver already buffered are kept.
+    /// executor, to be served from threads; a transport that cannot gives both back
+    /// ([`NotBlocking::Unsupported`]), and the agent then refuses the pipe: every pipe
+    /// is served by threads after its handshake. Bytes or frames the receiver already
+    /// buffered are kept.
     fn into_blocking(
         self: Box<Self>,
         receiver: Box<dyn FrameReceiver>,
