@@ -9,12 +9,12 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use rdzv_uring::{ServerOptions, StoreServer};
 
 /// Errors the CLI reports: one line on stderr, exit code 1.
-pub type CliError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
 
 /// rdzv: rendezvous, key-value stores and tensor RPC, compatible with PyTorch's c10d.
 #[derive(Debug, Parser)]
 #[command(name = "rdzv", version, about, long_about = None)]
-pub struct Cli {
+pub(crate) struct Cli {
     /// How log lines on stderr look (the level comes from RUST_LOG, default `warn`).
     #[arg(long, global = true, value_enum, default_value_t)]
     log_format: LogFormat,
@@ -24,7 +24,7 @@ pub struct Cli {
 
 /// The format of log lines.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     /// Human-readable lines.
     #[default]
     Text,
@@ -34,7 +34,7 @@ pub enum LogFormat {
 
 impl Cli {
     /// The log format asked for.
-    pub fn log_format(&self) -> LogFormat {
+    pub(crate) fn log_format(&self) -> LogFormat {
         self.log_format
     }
 }
@@ -133,7 +133,7 @@ pub(crate) fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
 }
 
 /// Runs the parsed command.
-pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
+pub(crate) fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Store(args) => store(args),
         Command::Demo(args) => crate::demo::run(args),
@@ -204,7 +204,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
 }
 
 /// Splits `HOST:PORT` (or `[V6]:PORT`) and checks that it resolves.
-pub fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
+pub(crate) fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
     let (host, port) = addr
         .rsplit_once(':')
         .ok_or_else(|| format!("--addr must be HOST:PORT, got {addr:?}"))?;

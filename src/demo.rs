@@ -22,7 +22,7 @@ use crate::cli::CliError;
 
 /// Options of `rdzv demo`.
 #[derive(Debug, Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// Number of worker processes.
     #[arg(long, default_value_t = 4)]
     workers: u32,
@@ -33,7 +33,7 @@ pub struct DemoArgs {
 
 /// Options of one demo worker (internal).
 #[derive(Debug, Args)]
-pub struct WorkerArgs {
+pub(crate) struct WorkerArgs {
     /// The rendezvous URL.
     #[arg(long)]
     url: String,
@@ -73,7 +73,7 @@ fn parse_report(line: &str) -> Option<WorkerReport> {
 }
 
 /// Runs the demo.
-pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
+pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     if args.workers == 0 {
         return Err("--workers must be at least 1".into());
     }
@@ -175,7 +175,7 @@ pub fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
 }
 
 /// One worker: rendezvous, barrier, publish, all-gather, barrier; prints one report line.
-pub fn worker(args: WorkerArgs) -> Result<ExitCode, CliError> {
+pub(crate) fn worker(args: WorkerArgs) -> Result<ExitCode, CliError> {
     let t0 = Instant::now();
     let timeout = Duration::from_secs(args.timeout);
     let rdzv = rendezvous_with(

@@ -23,7 +23,7 @@ use crate::cli::CliError;
 
 /// Options of `rdzv rendezvous`.
 #[derive(Debug, Args)]
-pub struct RendezvousArgs {
+pub(crate) struct RendezvousArgs {
     /// elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX&last_call=30s&join_timeout=600s&
     /// keep_alive_interval=5s&keep_alive_max_attempts=3 (the store at HOST:PORT must be
     /// running, e.g. `rdzv store serve`).
@@ -37,7 +37,7 @@ pub struct RendezvousArgs {
 }
 
 /// Runs `rdzv rendezvous`.
-pub fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
+pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     let url = ElasticUrl::parse(&args.url).map_err(|e| format!("{}: {e}", args.url))?;
     let node = match (args.node_id, url.node_id.clone()) {
         (Some(_), Some(_)) => {

@@ -27,7 +27,7 @@ use crate::cli::{seconds, split_addr, CliError};
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
-pub enum Output {
+pub(crate) enum Output {
     /// Values as they are, one per line; counts and flags as words.
     #[default]
     Text,
@@ -37,7 +37,7 @@ pub enum Output {
 
 /// Options every client operation shares.
 #[derive(Debug, Args)]
-pub struct ClientArgs {
+pub(crate) struct ClientArgs {
     /// The store, as HOST:PORT. Default: $RDZV_ADDR, else $MASTER_ADDR:$MASTER_PORT.
     #[arg(long, global = true)]
     pub addr: Option<String>,
@@ -60,7 +60,7 @@ pub struct ClientArgs {
 
 /// A value to store: the argument, or the contents of `--value-file`.
 #[derive(Debug, Args)]
-pub struct ValueIn {
+pub(crate) struct ValueIn {
     /// The value (hex with --hex). Omit it to use --value-file.
     #[arg(required_unless_present = "value_file", allow_hyphen_values = true)]
     value: Option<String>,
@@ -71,7 +71,7 @@ pub struct ValueIn {
 
 /// One operation on a running store.
 #[derive(Debug, Subcommand)]
-pub enum ClientOp {
+pub(crate) enum ClientOp {
     /// Set KEY to VALUE.
     Set {
         /// The key.
@@ -181,7 +181,7 @@ pub enum ClientOp {
 
 /// `rdzv store queue …`.
 #[derive(Debug, Subcommand)]
-pub enum QueueOp {
+pub(crate) enum QueueOp {
     /// Push VALUE to the back of the queue KEY.
     Push {
         /// The queue.
@@ -205,7 +205,7 @@ pub enum QueueOp {
 }
 
 /// The store's address: `--addr`, else `RDZV_ADDR`, else `MASTER_ADDR:MASTER_PORT`.
-pub fn resolve_addr(
+pub(crate) fn resolve_addr(
     addr: Option<String>,
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<String, CliError> {
@@ -232,7 +232,7 @@ pub fn resolve_addr(
 }
 
 /// Runs one client operation.
-pub fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> {
+pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> {
     let timeout = seconds(args.connect_timeout, "--connect-timeout")?;
     let addr = resolve_addr(args.addr, |name| std::env::var(name).ok())?;
     let (host, port) = split_addr(&addr)?;

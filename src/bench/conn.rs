@@ -23,7 +23,7 @@ use super::BenchError;
 /// A decoded reply, reduced to what the load generators look at (no borrowed bytes, no
 /// allocation per reply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reply {
+pub(super) enum Reply {
     /// `PING`: the echoed nonce.
     Pong(u32),
     /// `ADD` (and other integer replies): the number.
@@ -56,7 +56,7 @@ impl Reply {
 
 /// What [`StoreConn::fill`] saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fill {
+pub(super) enum Fill {
     /// Everything readable was read; the socket is still open.
     Open,
     /// The server closed the connection (end of stream).
@@ -65,7 +65,7 @@ pub enum Fill {
 
 /// A non-blocking TCPStore client connection. See the [module docs](self).
 #[derive(Debug)]
-pub struct StoreConn {
+pub(super) struct StoreConn {
     stream: TcpStream,
     out: Vec<u8>,
     out_pos: usize,
@@ -81,7 +81,7 @@ const READ_CHUNK: usize = 16 * 1024;
 impl StoreConn {
     /// Starts a non-blocking connect to `addr`. Completion is reported by a writable
     /// event; check it with [`StoreConn::is_connected`].
-    pub fn connect(addr: SocketAddr, limits: Limits) -> io::Result<StoreConn> {
+    pub(super) fn connect(addr: SocketAddr, limits: Limits) -> io::Result<StoreConn> {
         let stream = TcpStream::connect(addr)?;
         Ok(StoreConn {
             stream,
@@ -95,13 +95,13 @@ impl StoreConn {
     }
 
     /// The socket, to register with a `mio::Poll`.
-    pub fn stream_mut(&mut self) -> &mut TcpStream {
+    pub(super) fn stream_mut(&mut self) -> &mut TcpStream {
         &mut self.stream
     }
 
     /// Whether the non-blocking connect has completed: `Ok(false)` while it is in
     /// progress, an error if it failed (refused, reset, timed out).
-    pub fn is_connected(&mut self) -> io::Result<bool> {
+    pub(super) fn is_connected(&mut self) -> io::Result<bool> {
         if let Some(error) = self.stream.take_error()? {
             return Err(error);
         }
@@ -118,7 +118,7 @@ impl StoreConn {
 
     /// Encodes `request` after whatever is still unsent and remembers the reply it will
     /// get, if any. Call [`StoreConn::flush`] to send it.
-    pub fn queue(&mut self, request: &Request<'_>) {
+    pub(super) fn queue(&mut self, request: &Request<'_>) {
         if self.out_pos == self.out.len() {
             self.out.clear();
             self.out_pos = 0;
@@ -131,17 +131,17 @@ impl StoreConn {
 
     /// How many replies are still owed.
     #[cfg(test)]
-    pub fn awaiting(&self) -> usize {
+    pub(super) fn awaiting(&self) -> usize {
         self.awaiting.len()
     }
 
     /// Whether queued bytes are still unsent (wait for a writable event).
-    pub fn has_unsent(&self) -> bool {
+    pub(super) fn has_unsent(&self) -> bool {
         self.out_pos < self.out.len()
     }
 
     /// Writes queued bytes until they are all sent or the socket would block.
-    pub fn flush(&mut self) -> io::Result<()> {
+    pub(super) fn flush(&mut self) -> io::Result<()> {
         while self.out_pos < self.out.len() {
             let unsent = self.out.get(self.out_pos..).unwrap_or_default();
             match self.stream.write(unsent) {
@@ -159,7 +159,7 @@ impl StoreConn {
 
     /// Reads everything readable into the input buffer, as edge-triggered readiness
     /// needs: until `WouldBlock`, a short read (the queue is drained), or end of stream.
-    pub fn fill(&mut self) -> io::Result<Fill> {
+    pub(super) fn fill(&mut self) -> io::Result<Fill> {
         let mut chunk = [0u8; READ_CHUNK];
         loop {
             match self.stream.read(&mut chunk) {
@@ -192,7 +192,7 @@ impl StoreConn {
     /// [`BenchError::Decode`] if the bytes are not a valid reply to the oldest request
     /// still owed one, [`BenchError::UnexpectedBytes`] if bytes arrived that answer
     /// nothing.
-    pub fn next_reply(&mut self) -> Result<Option<Reply>, BenchError> {
+    pub(super) fn next_reply(&mut self) -> Result<Option<Reply>, BenchError> {
         let unread = self.input.get(self.in_pos..).unwrap_or_default();
         let Some(&pending) = self.awaiting.front() else {
             return if unread.is_empty() {

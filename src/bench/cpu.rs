@@ -11,7 +11,7 @@ use std::time::Duration;
 
 /// Which process to read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Process {
+pub(super) enum Process {
     /// This process (`/proc/self/stat`).
     Current,
     /// Another process by pid.
@@ -32,7 +32,7 @@ impl Process {
 /// # Errors
 /// A message naming the file when it cannot be read (the process is gone, or this is
 /// not Linux) or does not parse.
-pub fn cpu_time(process: Process) -> Result<Duration, String> {
+pub(super) fn cpu_time(process: Process) -> Result<Duration, String> {
     let path = process.stat_path();
     let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
     let ticks = parse_stat_ticks(&text).ok_or_else(|| format!("cannot parse {path}"))?;
@@ -59,7 +59,7 @@ fn parse_stat_ticks(stat: &str) -> Option<u64> {
 }
 
 /// Microseconds of CPU per operation, or `None` when nothing was measured.
-pub fn us_per_op(cpu: Duration, ops: u64) -> Option<f64> {
+pub(super) fn us_per_op(cpu: Duration, ops: u64) -> Option<f64> {
     (ops > 0).then(|| cpu.as_secs_f64() * 1e6 / ops as f64)
 }
 

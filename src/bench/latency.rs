@@ -22,11 +22,11 @@ use rdzv_core::store::{QueryType, Request, VALIDATION_MAGIC};
 use super::BenchError;
 
 /// The reply to `ADD` is one little-endian `i64`.
-pub const ADD_REPLY_BYTES: usize = 8;
+pub(super) const ADD_REPLY_BYTES: usize = 8;
 
 /// A blocking store client that times `ADD(key, 1)` round trips.
 #[derive(Debug)]
-pub struct AddRoundTrip {
+pub(super) struct AddRoundTrip {
     stream: TcpStream,
     key: Vec<u8>,
     out: Vec<u8>,
@@ -37,7 +37,11 @@ pub struct AddRoundTrip {
 
 impl AddRoundTrip {
     /// Connects to `addr`, validates, and checks with a `PING` that the server answers.
-    pub fn connect(addr: SocketAddr, key: Vec<u8>, timeout: Duration) -> Result<Self, BenchError> {
+    pub(super) fn connect(
+        addr: SocketAddr,
+        key: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Self, BenchError> {
         let stream = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|source| BenchError::Connect { addr, source })?;
         let io = |source| BenchError::Io {
@@ -72,7 +76,7 @@ impl AddRoundTrip {
     }
 
     /// How many bytes one `ADD` request takes on the wire.
-    pub fn request_bytes(&self) -> usize {
+    pub(super) fn request_bytes(&self) -> usize {
         Request::Add {
             key: &self.key,
             delta: 1,
@@ -82,12 +86,12 @@ impl AddRoundTrip {
 
     /// The counter value of the last `ADD`.
     #[cfg(test)]
-    pub fn last_value(&self) -> i64 {
+    pub(super) fn last_value(&self) -> i64 {
         self.last
     }
 
     /// One `ADD(key, 1)`, timed.
-    pub fn round_trip(&mut self) -> Result<Duration, BenchError> {
+    pub(super) fn round_trip(&mut self) -> Result<Duration, BenchError> {
         let start = Instant::now();
         self.out.clear();
         Request::Add {
@@ -181,14 +185,17 @@ enum ResponseViewOwned {
 /// A loopback server that answers every `request_bytes` it reads with `reply_bytes`
 /// zero bytes: the least work a store could do for an `ADD`.
 #[derive(Debug)]
-pub struct EchoServer {
+pub(super) struct EchoServer {
     addr: SocketAddr,
     thread: Option<JoinHandle<()>>,
 }
 
 impl EchoServer {
     /// Starts it on `127.0.0.1` (an ephemeral port) for one client.
-    pub fn start(request_bytes: usize, reply_bytes: usize) -> Result<EchoServer, BenchError> {
+    pub(super) fn start(
+        request_bytes: usize,
+        reply_bytes: usize,
+    ) -> Result<EchoServer, BenchError> {
         let io = |source| BenchError::Io {
             what: "start the raw ping-pong server",
             source,
@@ -211,7 +218,7 @@ impl EchoServer {
     }
 
     /// Where it listens.
-    pub fn addr(&self) -> SocketAddr {
+    pub(super) fn addr(&self) -> SocketAddr {
         self.addr
     }
 }
@@ -245,7 +252,7 @@ fn serve_ping_pong(mut stream: TcpStream, request: usize, reply: usize) -> io::R
 
 /// The client half of the raw ping-pong.
 #[derive(Debug)]
-pub struct RawPingPong {
+pub(super) struct RawPingPong {
     stream: TcpStream,
     request: Vec<u8>,
     reply: Vec<u8>,
@@ -253,7 +260,7 @@ pub struct RawPingPong {
 
 impl RawPingPong {
     /// Connects to an [`EchoServer`] started with the same sizes.
-    pub fn connect(
+    pub(super) fn connect(
         addr: SocketAddr,
         request_bytes: usize,
         reply_bytes: usize,
@@ -275,7 +282,7 @@ impl RawPingPong {
     }
 
     /// One ping-pong, timed.
-    pub fn round_trip(&mut self) -> Result<Duration, BenchError> {
+    pub(super) fn round_trip(&mut self) -> Result<Duration, BenchError> {
         let start = Instant::now();
         self.stream
             .write_all(&self.request)

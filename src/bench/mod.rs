@@ -47,7 +47,7 @@ use report::{
 
 /// What `rdzv bench` measures.
 #[derive(Debug, Subcommand)]
-pub enum BenchCommand {
+pub(crate) enum BenchCommand {
     /// Measure a TCPStore server (rdzv's embedded one, or any at --addr): latency,
     /// throughput, connection storms, and a raw TCP baseline.
     Store(StoreBenchArgs),
@@ -73,7 +73,7 @@ pub enum BenchCommand {
 
 /// Options of `rdzv bench store`.
 #[derive(Debug, Args)]
-pub struct StoreBenchArgs {
+pub(crate) struct StoreBenchArgs {
     /// The store to measure, as HOST:PORT. Without it, an rdzv store server is started in
     /// this process on 127.0.0.1.
     #[arg(long, global = true)]
@@ -157,7 +157,7 @@ enum Mode {
 /// What can go wrong measuring a store.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum BenchError {
+pub(crate) enum BenchError {
     /// `--addr` did not resolve.
     #[error("cannot resolve the store address {addr}: {source}")]
     Resolve {
@@ -260,7 +260,7 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 }
 
 /// Runs `rdzv bench ...`.
-pub fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
+pub(crate) fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
     match command {
         BenchCommand::Store(args) => store(args),
         BenchCommand::Plot { input, out } => {

@@ -20,7 +20,7 @@ const COLORS: [RGBColor; 4] = [
 ];
 
 /// Draws `results` into an SVG at `path`.
-pub fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Result<(), BenchError> {
+pub(super) fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Result<(), BenchError> {
     if results.is_empty() {
         return Err(BenchError::Plot(
             "there are no throughput results to plot".into(),

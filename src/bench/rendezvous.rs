@@ -30,7 +30,7 @@ use crate::cli::CliError;
 
 /// Options of `rdzv bench rendezvous`.
 #[derive(Debug, Args)]
-pub struct RendezvousBenchArgs {
+pub(crate) struct RendezvousBenchArgs {
     /// How many nodes join (one round of exactly this many).
     #[arg(long, default_value_t = 1024)]
     nodes: u32,
@@ -302,7 +302,7 @@ fn now(epoch: StdInstant) -> Instant {
 }
 
 /// Runs `rdzv bench rendezvous`.
-pub fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
+pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
     if args.nodes == 0 {
         return Err("--nodes must be at least 1".into());
     }

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 /// Percentiles of a latency histogram recorded in nanoseconds, in microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LatencySummary {
+pub(super) struct LatencySummary {
     /// Mean.
     pub mean_us: f64,
     /// Median.
@@ -30,7 +30,7 @@ pub struct LatencySummary {
 
 impl LatencySummary {
     /// Summarises `histogram` (values in nanoseconds). All zeros if it is empty.
-    pub fn from_ns(histogram: &Histogram<u64>) -> LatencySummary {
+    pub(super) fn from_ns(histogram: &Histogram<u64>) -> LatencySummary {
         if histogram.is_empty() {
             return LatencySummary {
                 mean_us: 0.0,
@@ -55,7 +55,7 @@ impl LatencySummary {
 
 /// One connection's round trips (`latency` and `baseline` modes).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RoundTripResult {
+pub(super) struct RoundTripResult {
     /// What was measured: the store's address or label, or `raw-loopback`.
     pub target: String,
     /// `ADD` for the store, `ping-pong` for the raw baseline.
@@ -77,7 +77,7 @@ pub struct RoundTripResult {
 
 /// The store's round trip against the raw ping-pong, measured interleaved in one run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RoundTripRatio {
+pub(super) struct RoundTripRatio {
     /// The store.
     pub target: String,
     /// Store `ADD` median, microseconds.
@@ -96,7 +96,7 @@ pub struct RoundTripRatio {
 
 /// Many connections doing `ADD` + `GET` (`throughput` mode).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ThroughputResult {
+pub(super) struct ThroughputResult {
     /// The store.
     pub target: String,
     /// Concurrent connections.
@@ -123,7 +123,7 @@ pub struct ThroughputResult {
 
 /// A rendezvous storm (`storm` mode).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StormResult {
+pub(super) struct StormResult {
     /// The store.
     pub target: String,
     /// Ranks.
@@ -152,7 +152,7 @@ pub struct StormResult {
 
 impl StormResult {
     /// Whether every rank was released and the counter is exact.
-    pub fn succeeded(&self) -> bool {
+    pub(super) fn succeeded(&self) -> bool {
         self.released == self.ranks && self.failed == 0 && self.counter_ok
     }
 }
@@ -160,7 +160,7 @@ impl StormResult {
 /// One result, tagged with its mode in JSON (`"mode": "throughput"`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "mode", rename_all = "snake_case")]
-pub enum BenchResult {
+pub(super) enum BenchResult {
     /// `latency`: the store's `ADD` round trip.
     Latency(RoundTripResult),
     /// `baseline` (or `latency --compare-baseline`): the raw ping-pong.
@@ -174,7 +174,7 @@ pub enum BenchResult {
 }
 
 /// One JSON object per line, one per result.
-pub fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_json::Error> {
+pub(super) fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_json::Error> {
     let mut out = String::new();
     for result in results {
         out.push_str(&serde_json::to_string(result)?);
@@ -184,7 +184,7 @@ pub fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_json::Erro
 }
 
 /// The results as aligned tables, one per kind, in the order they first appear.
-pub fn to_table(results: &[BenchResult]) -> String {
+pub(super) fn to_table(results: &[BenchResult]) -> String {
     let mut out = String::new();
     let round_trips: Vec<&RoundTripResult> = results
         .iter()
@@ -473,7 +473,7 @@ mod tests {
 /// # Errors
 /// The line number and what is wrong with a line that is not JSON, or a `throughput`
 /// object that lacks a field.
-pub fn throughput_from_json_lines(text: &str) -> Result<Vec<ThroughputResult>, String> {
+pub(super) fn throughput_from_json_lines(text: &str) -> Result<Vec<ThroughputResult>, String> {
     let mut out = Vec::new();
     for (index, line) in text.lines().enumerate() {
         let line = line.trim();

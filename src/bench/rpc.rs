@@ -68,7 +68,7 @@ and no measurement fields.";
 /// Options of `rdzv bench rpc`.
 #[derive(Debug, Args)]
 #[command(after_long_help = TWO_HOST_HELP)]
-pub struct RpcBenchArgs {
+pub(crate) struct RpcBenchArgs {
     /// Payload sizes, comma-separated, in bytes or with a K, M or G suffix (powers of 1024:
     /// 4K, 64MiB). Default: 0,64M locally; 0,64,4K,64K,1M,16M,64M with --connect;
     /// 0,4K,1M,16M,64M,256M with a CUDA channel.
@@ -246,7 +246,7 @@ fn progress_bar(json: bool) -> ProgressBar {
 /// # Errors
 /// When an option is invalid, the other side cannot be started or reached, an agent
 /// cannot start, a call fails, or an echo comes back different from what was sent.
-pub fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
+pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
     if args.peer {
         return listen(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), Role::LocalPeer);
     }

@@ -32,7 +32,7 @@ use super::{new_histogram, BenchError};
 
 /// What one storm does.
 #[derive(Debug, Clone)]
-pub struct StormPlan {
+pub(super) struct StormPlan {
     /// The store.
     pub addr: SocketAddr,
     /// Ranks (concurrent connections).
@@ -45,7 +45,7 @@ pub struct StormPlan {
 
 impl StormPlan {
     /// The key every rank adds 1 to.
-    pub fn counter_key(&self) -> String {
+    pub(super) fn counter_key(&self) -> String {
         format!("{}/counter", self.key_prefix)
     }
 
@@ -56,7 +56,7 @@ impl StormPlan {
 
 /// What one storm measured.
 #[derive(Debug)]
-pub struct StormOutcome {
+pub(super) struct StormOutcome {
     /// From the first connect to the last release (or to the timeout), seconds.
     pub seconds: f64,
     /// From the first connect until every rank had its `PING` answered, if they all did.
@@ -121,7 +121,7 @@ struct Storm<'p> {
 
 /// Runs the storm and returns what it measured. Errors only for local failures
 /// (`epoll`); a rank's failures are counted in the outcome.
-pub fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
+pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
     let io = |what| move |source| BenchError::Io { what, source };
     let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
     let done_key = plan.done_key().into_bytes();
@@ -403,7 +403,7 @@ impl Storm<'_> {
 
 /// Reads the counter `key` back over a fresh blocking connection: `VALIDATE`, `GET`.
 /// `None` if the key holds something that is not a decimal number.
-pub fn read_counter(
+pub(super) fn read_counter(
     addr: SocketAddr,
     key: &str,
     timeout: Duration,

@@ -27,7 +27,7 @@ use super::{new_histogram, BenchError};
 
 /// What one throughput run does.
 #[derive(Debug, Clone)]
-pub struct ThroughputPlan {
+pub(super) struct ThroughputPlan {
     /// The store.
     pub addr: SocketAddr,
     /// Concurrent connections.
@@ -51,7 +51,7 @@ pub struct ThroughputPlan {
 
 /// What one throughput run measured.
 #[derive(Debug)]
-pub struct ThroughputOutcome {
+pub(super) struct ThroughputOutcome {
     /// Concurrent connections.
     pub conns: usize,
     /// Client threads.
@@ -69,7 +69,10 @@ pub struct ThroughputOutcome {
 }
 
 /// Connects `plan.conns` connections, runs the load, and returns what was measured.
-pub fn run(plan: &ThroughputPlan, progress: &ProgressBar) -> Result<ThroughputOutcome, BenchError> {
+pub(super) fn run(
+    plan: &ThroughputPlan,
+    progress: &ProgressBar,
+) -> Result<ThroughputOutcome, BenchError> {
     let conns = plan.conns.max(1);
     let threads = plan.threads.clamp(1, conns);
     let ready = connect_all(plan.addr, conns, plan.setup_timeout, progress)?;
@@ -181,7 +184,7 @@ fn duration_ms(d: Duration) -> u64 {
 /// `PING` answered. A server that accepts slowly (PyTorch's libuv server takes about
 /// 10 connections per second once hundreds are queued) only makes this take longer, up
 /// to `timeout`; the progress bar's message counts the ready connections.
-pub fn connect_all(
+pub(super) fn connect_all(
     addr: SocketAddr,
     n: usize,
     timeout: Duration,

@@ -12,7 +12,7 @@ use rdzv::uring::{Store, StoreError};
 
 /// `test_set_get_check`: counters, values, `check`, and a user key starting with `-`
 /// (which must not read as a FileStore tombstone).
-pub fn set_get_check(store: &dyn Store, num_keys_total: i64) {
+pub(crate) fn set_get_check(store: &dyn Store, num_keys_total: i64) {
     store.add("key", 1).unwrap();
     store.add("key", 2).unwrap();
     store.add("key", 3).unwrap();
@@ -42,7 +42,7 @@ pub fn set_get_check(store: &dyn Store, num_keys_total: i64) {
 }
 
 /// `test_compare_set`: the four cases.
-pub fn compare_set(store: &dyn Store) {
+pub(crate) fn compare_set(store: &dyn Store) {
     store.set("cs_key0", b"value0").unwrap();
     assert_eq!(store.get("cs_key0").unwrap(), b"value0");
     assert_eq!(
@@ -75,7 +75,7 @@ pub fn compare_set(store: &dyn Store) {
 
 /// `test_simple_wait`: a wait on a missing key times out with a message matching
 /// `[t -i]imeout`; after an `add` the wait returns.
-pub fn simple_wait(store: &dyn Store) {
+pub(crate) fn simple_wait(store: &dyn Store) {
     let err = store
         .wait(&["bad_key"], Some(Duration::from_millis(250)))
         .unwrap_err();
@@ -86,7 +86,7 @@ pub fn simple_wait(store: &dyn Store) {
 }
 
 /// `test_append`, including appends to a missing key.
-pub fn append(store: &dyn Store) {
+pub(crate) fn append(store: &dyn Store) {
     store.set("foo", b"po").unwrap();
     store.append("foo", b"tato").unwrap();
     store.append("bar", b"po").unwrap();
@@ -96,7 +96,7 @@ pub fn append(store: &dyn Store) {
 }
 
 /// `test_multi_set` and `test_multi_get`.
-pub fn multi_set_get(store: &dyn Store) {
+pub(crate) fn multi_set_get(store: &dyn Store) {
     store.multi_set(&[("m1", b"po"), ("m2", b"tato")]).unwrap();
     assert_eq!(store.get("m1").unwrap(), b"po");
     assert_eq!(store.get("m2").unwrap(), b"tato");
@@ -107,7 +107,7 @@ pub fn multi_set_get(store: &dyn Store) {
 }
 
 /// `test_clone`: a clone sees what the original wrote.
-pub fn clone_shares(store: &dyn Store) {
+pub(crate) fn clone_shares(store: &dyn Store) {
     let other = store.clone_store().unwrap();
     store.set("clone_foo", b"bar").unwrap();
     assert_eq!(other.get("clone_foo").unwrap(), b"bar");
@@ -116,7 +116,7 @@ pub fn clone_shares(store: &dyn Store) {
 }
 
 /// `test_queues`.
-pub fn queues(store: &dyn Store) {
+pub(crate) fn queues(store: &dyn Store) {
     assert!(!store.check(&["q"]).unwrap());
     assert_eq!(store.queue_len("q").unwrap(), 0);
     store.queue_push("q", b"1").unwrap();
@@ -131,7 +131,7 @@ pub fn queues(store: &dyn Store) {
 }
 
 /// `test_queues_nonblocking`.
-pub fn queues_nonblocking(store: &dyn Store) {
+pub(crate) fn queues_nonblocking(store: &dyn Store) {
     let err = store.queue_pop("foo", false).unwrap_err();
     assert!(matches!(err, StoreError::QueueEmpty), "{err:?}");
     assert!(err.to_string().contains("empty"), "{err}");
@@ -140,7 +140,7 @@ pub fn queues_nonblocking(store: &dyn Store) {
 }
 
 /// `test_queues_bidirectional`: two threads on clones exchange through queues `a`, `b`.
-pub fn queues_bidirectional(store: &dyn Store) {
+pub(crate) fn queues_bidirectional(store: &dyn Store) {
     let a = store.clone_store().unwrap();
     let b = store.clone_store().unwrap();
     let worker_a = thread::spawn(move || {
@@ -157,7 +157,7 @@ pub fn queues_bidirectional(store: &dyn Store) {
 }
 
 /// `test_queues_timeout`: a blocking pop on an empty queue fails with a timeout.
-pub fn queues_timeout(store: &dyn Store) {
+pub(crate) fn queues_timeout(store: &dyn Store) {
     store.set_timeout(Duration::from_millis(10));
     let err = store.queue_pop("non_existant", true).unwrap_err();
     assert!(err.to_string().contains("timeout"), "{err}");
@@ -165,7 +165,7 @@ pub fn queues_timeout(store: &dyn Store) {
 
 /// `TestMultiThreadedWait`: rank 0 waits for `key1` then reads it; rank 1 sets it.
 /// `stores` are the two ranks' handles (the same store twice, or two handles on it).
-pub fn multi_threaded_wait(rank0: Arc<dyn Store>, rank1: Arc<dyn Store>) {
+pub(crate) fn multi_threaded_wait(rank0: Arc<dyn Store>, rank1: Arc<dyn Store>) {
     let waiter = thread::spawn(move || {
         rank0.wait(&["key1"], Some(Duration::from_secs(2))).unwrap();
         rank0.get("key1").unwrap()
@@ -179,7 +179,7 @@ pub fn multi_threaded_wait(rank0: Arc<dyn Store>, rank1: Arc<dyn Store>) {
 }
 
 /// `Store::barrier`'s add-and-wait fallback, with `n` threads on clones.
-pub fn barrier(store: &dyn Store, n: usize) {
+pub(crate) fn barrier(store: &dyn Store, n: usize) {
     let handles: Vec<_> = (0..n)
         .map(|_| {
             let clone = store.clone_store().unwrap();

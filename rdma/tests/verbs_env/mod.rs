@@ -3,16 +3,16 @@
 use rdzv_rdma::ibv::{self, IbvSelection, IbvViability};
 
 /// Set by `rdma/softroce/run` inside the VM: a missing device is then a failure.
-pub const ENV_SOFTROCE: &str = "RDZV_SOFTROCE";
+pub(crate) const ENV_SOFTROCE: &str = "RDZV_SOFTROCE";
 
 /// Whether this process runs inside the Soft-RoCE test VM.
-pub fn in_softroce_vm() -> bool {
+pub(crate) fn in_softroce_vm() -> bool {
     std::env::var_os(ENV_SOFTROCE).is_some_and(|v| v == "1")
 }
 
 /// The probed device, or `None` after printing why `test` is skipped. Panics (fails the
 /// test) when the device is missing inside the Soft-RoCE VM.
-pub fn selection_or_skip(test: &str) -> Option<IbvSelection> {
+pub(crate) fn selection_or_skip(test: &str) -> Option<IbvSelection> {
     match ibv::probe_env() {
         IbvViability::Viable(selection) => Some(selection),
         not_viable => {

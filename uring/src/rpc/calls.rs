@@ -50,7 +50,7 @@ pub(crate) struct Calls {
 }
 
 impl Calls {
-    pub fn new() -> Calls {
+    pub(crate) fn new() -> Calls {
         Calls {
             table: Mutex::new(Table::default()),
             timer: Condvar::new(),
@@ -63,14 +63,14 @@ impl Calls {
     }
 
     /// Now, on the timeout queue's clock.
-    pub fn now(&self) -> Instant {
+    pub(crate) fn now(&self) -> Instant {
         Instant::from_duration(self.epoch.elapsed())
     }
 
     /// Adds a call with its timeout; gives it back if the table is closed (the agent is
     /// shutting down).
     #[allow(clippy::result_large_err)]
-    pub fn register(&self, message_id: u64, pending: Pending) -> Result<(), Pending> {
+    pub(crate) fn register(&self, message_id: u64, pending: Pending) -> Result<(), Pending> {
         let now = self.now();
         let mut table = self.lock();
         if table.closed {
@@ -88,14 +88,14 @@ impl Calls {
     }
 
     /// Records how many bytes a pending call's request took on the wire.
-    pub fn set_sent(&self, message_id: u64, bytes: u64) {
+    pub(crate) fn set_sent(&self, message_id: u64, bytes: u64) {
         if let Some(pending) = self.lock().pending.get_mut(&message_id) {
             pending.sent_bytes = bytes;
         }
     }
 
     /// Takes a call out (it failed before or while being sent).
-    pub fn take(&self, message_id: u64) -> Option<Pending> {
+    pub(crate) fn take(&self, message_id: u64) -> Option<Pending> {
         let mut table = self.lock();
         table.timeouts.cancel(message_id);
         table.pending.remove(&message_id)
@@ -103,7 +103,7 @@ impl Calls {
 
     /// Takes out the call a reply on pipe `pipe` answers; `None` for a late (timed out)
     /// or bogus reply, or one on another pipe than its call went out on.
-    pub fn take_reply(&self, message_id: u64, pipe: u64) -> Option<Pending> {
+    pub(crate) fn take_reply(&self, message_id: u64, pipe: u64) -> Option<Pending> {
         let mut table = self.lock();
         if table
             .pending
@@ -117,7 +117,7 @@ impl Calls {
     }
 
     /// Takes out every call sent on pipe `pipe`.
-    pub fn take_pipe(&self, pipe: u64) -> Vec<Pending> {
+    pub(crate) fn take_pipe(&self, pipe: u64) -> Vec<Pending> {
         let mut table = self.lock();
         let ids: Vec<u64> = table
             .pending
@@ -135,7 +135,7 @@ impl Calls {
 
     /// Closes the table (later registrations are refused), stops the timer and takes
     /// every call out.
-    pub fn close(&self) -> Vec<Pending> {
+    pub(crate) fn close(&self) -> Vec<Pending> {
         let mut table = self.lock();
         table.closed = true;
         table.timeouts = TimeoutQueue::new();
@@ -147,7 +147,7 @@ impl Calls {
 
     /// Starts the timer thread: it sleeps until the earliest deadline and fails the
     /// calls whose deadline passed, until [`close`](Self::close).
-    pub fn start_timer(shared: &Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
+    pub(crate) fn start_timer(shared: &Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
         let shared = Arc::clone(shared);
         std::thread::Builder::new()
             .name(format!("rdzv-rpc-timer-{}", shared.me.name()))
@@ -232,7 +232,7 @@ pub(crate) struct PullReply {
 
 impl PullReply {
     /// Reads the tensors (blocking); the completion and the call's result.
-    pub fn pull(self) -> (Arc<Completion>, Result<Message, RpcError>) {
+    pub(super) fn pull(self) -> (Arc<Completion>, Result<Message, RpcError>) {
         let PullReply {
             completion,
             metadata,

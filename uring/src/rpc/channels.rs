@@ -192,13 +192,13 @@ pub(crate) struct FrameExports {
 
 impl FrameExports {
     /// Whether the frame lent nothing.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.exports.is_empty()
     }
 
     /// The tensors the frame sends over mpt, in frame order: the sender writes them on
     /// its mpt lanes right after the frame.
-    pub fn take_streamed(&mut self) -> Streamed {
+    pub(crate) fn take_streamed(&mut self) -> Streamed {
         std::mem::take(&mut self.streamed)
     }
 
@@ -207,7 +207,7 @@ impl FrameExports {
     /// (`super::recycle`). Buffers released because the pipe ended are only dropped
     /// (plain `Drop`): a peer still reading then fails (EFAULT) instead of reading a
     /// buffer that holds something else.
-    pub fn recycle(mut self) {
+    pub(crate) fn recycle(mut self) {
         for export in self.exports.drain(..) {
             match export {
                 // Staged bytes go back to their device runtime.
@@ -252,19 +252,19 @@ impl ChannelBytes {
     }
 
     /// Adds these counts to `totals`.
-    pub fn add_to(&self, totals: &mut ChannelBytes) {
+    pub(crate) fn add_to(&self, totals: &mut ChannelBytes) {
         for kind in ChannelKind::ALL {
             totals.add(kind, self.get(kind));
         }
     }
 
     /// The bytes counted for `kind`.
-    pub fn get(&self, kind: ChannelKind) -> u64 {
+    pub(crate) fn get(&self, kind: ChannelKind) -> u64 {
         self.0.get(kind.index()).copied().unwrap_or(0)
     }
 
     /// Every channel with a non-zero count.
-    pub fn iter(&self) -> impl Iterator<Item = (ChannelKind, u64)> + '_ {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (ChannelKind, u64)> + '_ {
         ChannelKind::ALL
             .into_iter()
             .map(|kind| (kind, self.get(kind)))
@@ -511,7 +511,7 @@ impl ReceivedTensors {
     /// [`RpcError::Channel`] for a channel that was not negotiated for the tensor's
     /// devices, a descriptor that does not decode or announces another length, or a
     /// target device this worker has no runtime for.
-    pub fn sort(
+    pub(crate) fn sort(
         tensors: Vec<(TensorDescriptor, Vec<u8>)>,
         negotiated: &Negotiated,
         role: Role,
@@ -618,7 +618,7 @@ impl ReceivedTensors {
 
     /// How many bytes [`pull`](Self::pull) will copy: out-of-band tensors from the
     /// peer, and tensors into device memory.
-    pub fn pull_bytes(&self) -> u64 {
+    pub(crate) fn pull_bytes(&self) -> u64 {
         self.items
             .iter()
             .map(|item| {
@@ -637,7 +637,7 @@ impl ReceivedTensors {
 
     /// Whether any tensor travels out of band (so the sender waits for an ack or a
     /// reply).
-    pub fn has_out_of_band(&self) -> bool {
+    pub(crate) fn has_out_of_band(&self) -> bool {
         self.items
             .iter()
             .any(|item| !matches!(item, Incoming::Ready(_)))
@@ -650,7 +650,7 @@ impl ReceivedTensors {
     /// # Errors
     /// [`RpcError::Channel`] naming the channel, the peer and why (the peer process is
     /// gone, ptrace access was refused, the export no longer exists, ...).
-    pub fn pull(self) -> Result<Vec<Tensor>, RpcError> {
+    pub(crate) fn pull(self) -> Result<Vec<Tensor>, RpcError> {
         let ReceivedTensors {
             items,
             reader,

@@ -488,7 +488,7 @@ impl fmt::Debug for Devices {
 impl Devices {
     /// Opens the plugins: the first viable CUDA one is used, the others' reasons are
     /// logged. A plugin for the CPU is refused.
-    pub fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, String> {
+    pub(crate) fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, String> {
         let mut devices = Devices::default();
         for plugin in plugins {
             match plugin.device_type() {
@@ -517,7 +517,7 @@ impl Devices {
     }
 
     /// The runtime of `kind`'s devices (none for the CPU).
-    pub fn runtime(&self, kind: DeviceType) -> Option<&Arc<dyn DeviceRuntime>> {
+    pub(crate) fn runtime(&self, kind: DeviceType) -> Option<&Arc<dyn DeviceRuntime>> {
         match kind {
             DeviceType::Cuda => self.cuda.as_ref(),
             _ => None,
@@ -525,13 +525,13 @@ impl Devices {
     }
 
     /// Whether this worker has a CUDA runtime.
-    pub fn has_cuda(&self) -> bool {
+    pub(crate) fn has_cuda(&self) -> bool {
         self.cuda.is_some()
     }
 
     /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`,
     /// `cuda_gdr`), or why this worker cannot offer it.
-    pub fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
+    pub(crate) fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
         let runtime = self.cuda.as_ref().ok_or_else(|| {
             format!("{kind} needs a CUDA runtime (RpcOptions::device_plugins), and none opened")
         })?;
@@ -546,7 +546,7 @@ impl Devices {
     }
 
     /// Lends a `device` tensor's `memory` over `channel`.
-    pub fn lend(
+    pub(crate) fn lend(
         &self,
         channel: ChannelKind,
         device: Device,
@@ -572,7 +572,7 @@ impl Devices {
 
     /// The `len` bytes lent over `channel` with `descriptor` on `pipe`, copied onto
     /// `device`.
-    pub fn borrow(
+    pub(crate) fn borrow(
         &self,
         pipe: PipeId,
         channel: ChannelKind,
@@ -596,7 +596,7 @@ impl Devices {
     }
 
     /// Tells the runtimes that `pipe` ended.
-    pub fn pipe_ended(&self, pipe: PipeId) {
+    pub(crate) fn pipe_ended(&self, pipe: PipeId) {
         if let Some(runtime) = &self.cuda {
             runtime.pipe_ended(pipe);
         }
@@ -604,7 +604,7 @@ impl Devices {
 
     /// The host bytes of a tensor that leaves on `cuda_basic`: a CPU tensor's own, a
     /// device tensor's copied by its runtime.
-    pub fn stage_out(
+    pub(crate) fn stage_out(
         &self,
         device: Device,
         data: Vec<u8>,
@@ -637,7 +637,7 @@ impl Devices {
     /// Where a received `len`-byte tensor for `device` (not the CPU) is pulled into:
     /// the runtime's chunks when it stages in chunks, else one host buffer handed to it
     /// whole at the end.
-    pub fn receive_into(&self, device: Device, len: usize) -> Result<StagingIn, String> {
+    pub(crate) fn receive_into(&self, device: Device, len: usize) -> Result<StagingIn, String> {
         let kind = device.kind();
         let runtime = self
             .runtime(kind)
@@ -660,7 +660,7 @@ impl Devices {
     /// A received tensor's bytes put on `device`: kept as they are for the CPU, copied
     /// by the runtime otherwise. Returns the host bytes (empty for a device tensor) and
     /// the device memory.
-    pub fn stage_in(
+    pub(crate) fn stage_in(
         &self,
         device: Device,
         bytes: Vec<u8>,
@@ -718,7 +718,7 @@ impl fmt::Debug for StagingIn {
 
 impl StagingIn {
     /// The chunks to fill, in order: `(k, offset, len)`.
-    pub fn chunks(&self) -> Vec<(usize, usize, usize)> {
+    pub(crate) fn chunks(&self) -> Vec<(usize, usize, usize)> {
         let chunk = match &self.target {
             Target::Chunked(chunked) => chunked.chunk_len().max(1),
             Target::Whole { .. } => self.len.max(1),
@@ -732,7 +732,7 @@ impl StagingIn {
     }
 
     /// Chunk `k`'s buffer to fill (checked to be as long as the chunk).
-    pub fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    pub(crate) fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
         let Some(&(_, _, expected)) = self.chunks().get(k) else {
             return Err(format!("no chunk {k} in a {}-byte tensor", self.len));
         };
@@ -755,7 +755,7 @@ impl StagingIn {
     }
 
     /// Chunk `k` is filled.
-    pub fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    pub(crate) fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
         match &mut self.target {
             Target::Chunked(chunked) => chunked.chunk_filled(k),
             Target::Whole { .. } => Ok(()),
@@ -763,7 +763,7 @@ impl StagingIn {
     }
 
     /// Every chunk is filled: the device memory, checked to be what was asked for.
-    pub fn finish(self) -> Result<DeviceBuffer, String> {
+    pub(crate) fn finish(self) -> Result<DeviceBuffer, String> {
         let StagingIn {
             target,
             device,

@@ -27,7 +27,7 @@ pub(crate) struct Faults {
 
 impl Faults {
     /// The faults `config` asks for; `None` when it injects nothing.
-    pub fn new(config: &FaultInjection) -> Option<Arc<Faults>> {
+    pub(crate) fn new(config: &FaultInjection) -> Option<Arc<Faults>> {
         (!config.is_empty()).then(|| {
             Arc::new(Faults {
                 config: config.clone(),
@@ -61,7 +61,10 @@ impl Faults {
     }
 
     /// Wraps `sender` so that its requests suffer these faults.
-    pub fn wrap(self: &Arc<Self>, sender: Box<dyn BlockingSender>) -> Box<dyn BlockingSender> {
+    pub(crate) fn wrap(
+        self: &Arc<Self>,
+        sender: Box<dyn BlockingSender>,
+    ) -> Box<dyn BlockingSender> {
         Box::new(FaultySender {
             inner: sender,
             faults: Arc::clone(self),

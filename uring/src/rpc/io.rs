@@ -115,7 +115,7 @@ const FLUSH_WAIT: Duration = Duration::from_secs(2);
 impl Io {
     /// Runs the I/O side until a [`Command::Close`]; `listeners` (one per transport) are
     /// already bound.
-    pub async fn run(
+    pub(super) async fn run(
         shared: Arc<Shared>,
         transports: Vec<Box<dyn Transport>>,
         listeners: Vec<Box<dyn Listener>>,

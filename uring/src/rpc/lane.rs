@@ -158,12 +158,12 @@ pub(crate) struct Lanes {
 
 impl Lanes {
     /// The client lane to `peer`.
-    pub fn client(&self, peer: &str) -> Option<Arc<Lane>> {
+    pub(crate) fn client(&self, peer: &str) -> Option<Arc<Lane>> {
         self.client.get(peer).cloned()
     }
 
     /// Closes the registry and takes every lane out (client lanes first).
-    pub fn close(&mut self) -> Vec<Arc<Lane>> {
+    pub(crate) fn close(&mut self) -> Vec<Arc<Lane>> {
         self.closed = true;
         let mut all: Vec<Arc<Lane>> = self.client.drain().map(|(_, l)| l).collect();
         all.extend(self.inbound.drain().map(|(_, l)| l));
@@ -171,7 +171,7 @@ impl Lanes {
     }
 
     /// Takes every lane out; later lanes may start (pipes reset).
-    pub fn drain(&mut self) -> Vec<Arc<Lane>> {
+    pub(crate) fn drain(&mut self) -> Vec<Arc<Lane>> {
         let mut all: Vec<Arc<Lane>> = self.client.drain().map(|(_, l)| l).collect();
         all.extend(self.inbound.drain().map(|(_, l)| l));
         all
@@ -234,7 +234,7 @@ impl Lane {
     }
 
     /// Whether a waiting caller can read this lane itself.
-    pub fn is_polled(&self) -> bool {
+    pub(crate) fn is_polled(&self) -> bool {
         self.wake.is_some()
     }
 
@@ -350,7 +350,7 @@ impl Lane {
     /// A caller waiting for `completion` reads the lane itself for up to `spin` while
     /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
     /// at once on a lane that cannot be polled, or when another thread reads.
-    pub fn read_own_reply(&self, shared: &Shared, completion: &Completion, spin: Duration) {
+    pub(crate) fn read_own_reply(&self, shared: &Shared, completion: &Completion, spin: Duration) {
         let Some(wake) = &self.wake else { return };
         let start = Instant::now();
         while !completion.is_done_relaxed() && start.elapsed() < spin {
@@ -489,7 +489,7 @@ impl Lane {
     /// Starts client lane `id` to `peer` and its reader thread; `None` (the halves
     /// dropped, the connection closed) when the registry is closed or the thread cannot
     /// start.
-    pub fn start_client(
+    pub(crate) fn start_client(
         shared: &Arc<Shared>,
         id: u64,
         peer: String,
@@ -518,7 +518,7 @@ impl Lane {
     /// Starts inbound lane `id` from `peer` and its reader thread, which serves the
     /// peer's requests (non-inline ones through `jobs`). With `mpt_token`, the reader
     /// first claims the pipe's mpt lanes that the peer opened with that token.
-    pub fn start_inbound(
+    pub(crate) fn start_inbound(
         shared: &Arc<Shared>,
         id: u64,
         peer: (String, WorkerId),
@@ -598,7 +598,7 @@ impl Lane {
     }
 
     /// Sends a call's request on this lane, from the caller's thread.
-    pub fn call(self: &Arc<Self>, shared: &Shared, call: Call) {
+    pub(crate) fn call(self: &Arc<Self>, shared: &Shared, call: Call) {
         let Call {
             message_id,
             peer,
@@ -629,7 +629,7 @@ impl Lane {
 
     /// Sends the request of call `message_id`, already pending on this lane (a call
     /// that timed out meanwhile is skipped).
-    pub fn send_request(
+    pub(crate) fn send_request(
         &self,
         shared: &Shared,
         message_id: u64,
@@ -694,7 +694,12 @@ impl Lane {
     }
 
     /// Sends the response to request `message_id` of this inbound lane.
-    pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
+    pub(crate) fn respond(
+        &self,
+        shared: &Shared,
+        message_id: u64,
+        result: Result<Message, String>,
+    ) {
         let (frame, mut exports) = response_frame(
             shared,
             message_id,
@@ -723,7 +728,7 @@ impl Lane {
     }
 
     /// Sends a goodbye (graceful shutdown); failures are expected then and ignored.
-    pub fn goodbye(&self) {
+    pub(crate) fn goodbye(&self) {
         match &mut *self.machine() {
             Machine::Client(pipe) => pipe.goodbye(),
             Machine::Inbound(pipe) => pipe.goodbye(),
@@ -732,7 +737,7 @@ impl Lane {
     }
 
     /// Ends the connection; the reader thread sees it and cleans up.
-    pub fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.stop.stop();
         if let Some(mpt) = self.mpt.get() {
             mpt.shutdown();
@@ -772,7 +777,7 @@ impl Lane {
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
     /// connection stops and the calls sent on it fail with `reason`.
-    pub fn end(&self, shared: &Shared, reason: String) {
+    pub(crate) fn end(&self, shared: &Shared, reason: String) {
         {
             let mut lanes = lanes(shared);
             if lanes
@@ -829,7 +834,12 @@ pub(crate) struct Responder {
 
 impl Responder {
     /// Sends the response to request `message_id` from this thread.
-    pub fn respond(&self, shared: &Shared, message_id: u64, result: Result<Message, String>) {
+    pub(crate) fn respond(
+        &self,
+        shared: &Shared,
+        message_id: u64,
+        result: Result<Message, String>,
+    ) {
         self.lane.respond(shared, message_id, result);
     }
 }

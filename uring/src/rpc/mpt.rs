@@ -54,7 +54,7 @@ pub(crate) struct MptSetup {
 
 impl MptSetup {
     /// Starts the lane listener on `host`.
-    pub fn start(host: IpAddr, lanes: u16) -> std::io::Result<MptSetup> {
+    pub(crate) fn start(host: IpAddr, lanes: u16) -> std::io::Result<MptSetup> {
         Ok(MptSetup {
             listener: LaneListener::bind(host)?,
             lanes,
@@ -62,7 +62,7 @@ impl MptSetup {
     }
 
     /// The listener's entry in the published address.
-    pub fn published(&self) -> String {
+    pub(crate) fn published(&self) -> String {
         format!("{SCHEME}://{}", self.listener.address())
     }
 }
@@ -118,7 +118,7 @@ impl std::fmt::Debug for MptLanes {
 
 impl MptLanes {
     /// Lanes over `streams` (in index order, the same at both ends).
-    pub fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, String> {
+    pub(crate) fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, String> {
         let channel = MptChannel::new(streams, MptOptions::default()).map_err(|e| e.to_string())?;
         let (send, rest) = channel.split().map_err(|e| e.to_string())?;
         let (recv, stopper) = rest.split().map_err(|e| e.to_string())?;
@@ -131,7 +131,7 @@ impl MptLanes {
 
     /// Writes a frame's mpt tensors, in order. The caller holds the pipe's send lock
     /// and has just sent the frame.
-    pub fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), String> {
+    pub(crate) fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), String> {
         let mut send = self.send.lock().unwrap_or_else(PoisonError::into_inner);
         for (transfer_id, data) in streamed {
             send.send(*transfer_id, data).map_err(|e| e.to_string())?;
@@ -144,7 +144,7 @@ impl MptLanes {
     /// playing `role`) negotiated to carry over mpt (CPU to CPU, or staged by
     /// `cuda_basic`). An error leaves the lanes out of step:
     /// the pipe must end.
-    pub fn fill(
+    pub(crate) fn fill(
         &self,
         frame: &mut IncomingFrame,
         negotiated: &Negotiated,
@@ -192,7 +192,7 @@ impl MptLanes {
     }
 
     /// Shuts the lanes down: a transfer blocked on one fails at once.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.stopper.shutdown();
     }
 }

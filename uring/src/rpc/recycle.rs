@@ -14,11 +14,11 @@
 use std::sync::{Mutex, MutexGuard};
 
 /// Buffers smaller than this are not worth keeping (the allocator reuses them anyway).
-pub const MIN_RECYCLED: usize = 1 << 20;
+pub(super) const MIN_RECYCLED: usize = 1 << 20;
 /// At most this many buffers are kept.
-pub const MAX_KEPT: usize = 4;
+pub(super) const MAX_KEPT: usize = 4;
 /// At most this many bytes (of capacity) are kept.
-pub const MAX_KEPT_BYTES: usize = 1 << 30;
+pub(super) const MAX_KEPT_BYTES: usize = 1 << 30;
 
 static POOL: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
@@ -33,7 +33,7 @@ fn pool() -> MutexGuard<'static, Vec<Vec<u8>>> {
 ///
 /// # Errors
 /// [`AllocFailed`] when no recycled buffer fits and the allocator refuses `len` bytes.
-pub fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
+pub(super) fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
     if let Some(buffer) = take_recycled(len) {
         return Ok(buffer);
     }
@@ -43,7 +43,7 @@ pub fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
 /// The allocator refused a buffer of `len` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("cannot allocate a {len}-byte buffer for it (out of memory)")]
-pub struct AllocFailed {
+pub(super) struct AllocFailed {
     /// The size asked for.
     pub len: usize,
 }
@@ -100,7 +100,7 @@ fn take(len: usize) -> Vec<u8> {
 
 /// Keeps `buffer` for a later [`try_take`] if it is large and there is room; drops it
 /// otherwise.
-pub fn give(buffer: Vec<u8>) {
+pub(super) fn give(buffer: Vec<u8>) {
     if buffer.capacity() < MIN_RECYCLED {
         return;
     }
@@ -113,7 +113,7 @@ pub fn give(buffer: Vec<u8>) {
 
 /// A sent tensor's buffer: a `Vec` to keep, or something else that is only dropped
 /// (bytes a device runtime staged go back to it).
-pub trait Recyclable {
+pub(super) trait Recyclable {
     /// The `Vec` to keep, if it is one.
     fn into_recyclable(self) -> Option<Vec<u8>>;
 }
@@ -131,7 +131,7 @@ impl Recyclable for super::device::HostBytes {
 }
 
 /// Gives every tensor buffer of a sent frame back.
-pub fn give_all<B: Recyclable>(buffers: Vec<B>) {
+pub(super) fn give_all<B: Recyclable>(buffers: Vec<B>) {
     for buffer in buffers {
         if let Some(buffer) = buffer.into_recyclable() {
             give(buffer);

@@ -100,7 +100,7 @@ pub(crate) struct OfferSpec {
 
 impl OfferSpec {
     /// The core's offer, borrowing the descriptors.
-    pub fn offer(&self) -> Result<Offer<'_>, OfferError> {
+    pub(crate) fn offer(&self) -> Result<Offer<'_>, OfferError> {
         let mut offer = Offer::new();
         for (kind, priority, descriptor) in &self.transports {
             offer.add_transport(*kind, *priority, descriptor)?;
@@ -151,18 +151,18 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn lock_calls(&self) -> MutexGuard<'_, CallState> {
+    pub(crate) fn lock_calls(&self) -> MutexGuard<'_, CallState> {
         self.calls.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn next_message_id(&self) -> u64 {
+    pub(crate) fn next_message_id(&self) -> u64 {
         self.next_message_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Counts a new client call, waiting while `join` has the count frozen; on an I/O
     /// thread (an inline handler), where waiting would deadlock, returns `false` instead
     /// of waiting and counts nothing.
-    pub fn start_client_call(&self) -> bool {
+    pub(crate) fn start_client_call(&self) -> bool {
         let mut calls = self.lock_calls();
         if calls.frozen && on_io_thread() {
             return false;
@@ -175,7 +175,7 @@ impl Shared {
     }
 
     /// A client call completed (answered, failed or timed out).
-    pub fn finish_client_call(&self) {
+    pub(crate) fn finish_client_call(&self) {
         let mut calls = self.lock_calls();
         if calls.frozen {
             calls.deferred_finishes = calls.deferred_finishes.saturating_add(1);
@@ -192,7 +192,7 @@ impl Shared {
 
     /// Waits once on `calls_changed`, counted in `waiters` so that finishing calls
     /// only signal when someone waits.
-    pub fn wait_calls_changed<'a>(
+    pub(crate) fn wait_calls_changed<'a>(
         &self,
         mut calls: MutexGuard<'a, CallState>,
     ) -> MutexGuard<'a, CallState> {
@@ -205,7 +205,7 @@ impl Shared {
         calls
     }
 
-    pub fn handler(&self, name: &str) -> Option<Arc<dyn Handler>> {
+    pub(crate) fn handler(&self, name: &str) -> Option<Arc<dyn Handler>> {
         self.handlers
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -213,11 +213,11 @@ impl Shared {
             .map(Arc::clone)
     }
 
-    pub fn group(&self) -> RwLockReadGuard<'_, Group> {
+    pub(crate) fn group(&self) -> RwLockReadGuard<'_, Group> {
         self.group.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn group_mut(&self) -> RwLockWriteGuard<'_, Group> {
+    pub(crate) fn group_mut(&self) -> RwLockWriteGuard<'_, Group> {
         self.group.write().unwrap_or_else(|p| p.into_inner())
     }
 }

@@ -11,13 +11,13 @@ use std::time::Duration;
 use rdzv_uring::rpc::{CallContext, Message, RpcAgent, RpcError, Tensor};
 
 /// Answers with the request.
-pub fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
+pub(crate) fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(m)
 }
 
 /// Sleeps for the milliseconds in the payload's first 8 bytes (little-endian), then
 /// answers `slept`.
-pub fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
+pub(crate) fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
     let ms = m
         .payload
         .get(..8)
@@ -28,13 +28,13 @@ pub fn sleep_ms(_: &CallContext, m: Message) -> Result<Message, String> {
 }
 
 /// The request of [`sleep_ms`].
-pub fn sleep_message(ms: u64) -> Message {
+pub(crate) fn sleep_message(ms: u64) -> Message {
     Message::from_payload(ms.to_le_bytes().to_vec())
 }
 
 /// `len` bytes that differ with `seed` and do not repeat with a short period, so that a
 /// misplaced, dropped or duplicated chunk shows.
-pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| {
             (i as u8)
@@ -46,7 +46,7 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// Echoes one CPU tensor of `pattern(len, seed)` through `peer`'s `echo` handler and
 /// checks that the same bytes came back; panics naming `what` otherwise.
-pub fn echo_tensor(agent: &RpcAgent, peer: &str, len: usize, seed: u8, what: &str) {
+pub(crate) fn echo_tensor(agent: &RpcAgent, peer: &str, len: usize, seed: u8, what: &str) {
     let data = pattern(len, seed);
     let reply = agent
         .rpc_sync(
@@ -62,7 +62,7 @@ pub fn echo_tensor(agent: &RpcAgent, peer: &str, len: usize, seed: u8, what: &st
 }
 
 /// The value of one of the agent's metrics.
-pub fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
+pub(crate) fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
     agent
         .get_metrics()
         .into_iter()
@@ -70,21 +70,21 @@ pub fn metric(agent: &RpcAgent, key: &str) -> Option<String> {
         .map(|(_, v)| v)
 }
 
-pub use rdzv_test_support::{exit_when_parent_gone, Peer};
+pub(crate) use rdzv_test_support::{exit_when_parent_gone, Peer};
 
 /// How long a parent waits for its peer process to exit after both joined.
-pub const PEER_EXIT_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const PEER_EXIT_LIMIT: Duration = Duration::from_secs(60);
 
 /// Starts this test binary again, running only `test`, with `env` set: the test sees
 /// its child variable and plays the peer instead of the parent. The peer exits as soon
 /// as the returned [`Peer`] is dropped (a panicking parent drops it while unwinding).
-pub fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Peer {
+pub(crate) fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Peer {
     Peer::spawn_test(test, &[], env)
 }
 
 /// The peer process's life: serve until the parent's graceful shutdown, then exit 0
 /// (4 if `init_rpc` failed, 5 if `join` did). It exits at once if the parent goes away.
-pub fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
+pub(crate) fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
     exit_when_parent_gone();
     match agent {
         Ok(agent) => match agent.join() {
@@ -103,7 +103,7 @@ pub fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
 
 /// The graceful end of a parent and its peer process: both sides' `join`, and the
 /// child exits cleanly.
-pub fn finish(agent: RpcAgent, child: Peer) {
+pub(crate) fn finish(agent: RpcAgent, child: Peer) {
     assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
     child.expect_success(PEER_EXIT_LIMIT);
 }
