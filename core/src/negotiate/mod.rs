@@ -82,12 +82,16 @@
 
 mod kind;
 mod offer;
+#[cfg(feature = "alloc")]
+mod rank;
 
 pub use kind::{
     Backend, BackendClass, ChannelKind, OfferError, ParseKindError, Ranking, TransportKind,
     MAX_BACKENDS,
 };
 pub use offer::{Brochure, DeviceDescriptors, Offer, TransportSet};
+#[cfg(feature = "alloc")]
+pub use rank::{rank, RankError, Ranked, Refusable, Refused, MPT_NEEDS_TCP};
 
 use core::fmt;
 
