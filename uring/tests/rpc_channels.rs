@@ -367,6 +367,12 @@ fn unknown_and_unrun_channels_are_errors() {
             .map(|_| ())
             .expect_err("bad channels option");
         assert!(err.to_string().contains(expected), "{err}");
+        let checked = options(&url, Some(list), None).check().map(|_| ());
+        assert_eq!(
+            checked.map_err(|e| e.to_string()),
+            Err(err.to_string()),
+            "check() and init_rpc refuse {list} alike"
+        );
     }
     // mpt needs lane threads; a faulty worker runs lanes too (fault injection wraps
     // their senders), so it offers mpt.
@@ -385,6 +391,50 @@ fn unknown_and_unrun_channels_are_errors() {
             .map(|_| ())
             .expect_err("bad lane count");
         assert!(err.to_string().contains("mpt_lanes"), "{err}");
+    }
+}
+
+/// `RpcOptions::check` says what the started agent offers: its transports are the
+/// address's, in order, and mpt is offered exactly when the address lists mpt lanes.
+#[test]
+fn check_offers_what_init_rpc_starts() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return;
+    }
+    for (transports, channels) in [
+        (None, None),
+        (Some("tcp"), Some("mpt,basic")),
+        (Some("tcp"), Some("basic")),
+        (Some("shm,tcp"), None),
+    ] {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let url = format!("file://{}", dir.path().join("store").display());
+        let mut opts = options(&url, channels, None);
+        opts.transports = transports.map(|list| list.split(',').map(str::to_string).collect());
+        let offer = opts
+            .check()
+            .unwrap_or_else(|e| panic!("{transports:?}/{channels:?}: {e}"));
+        let agent = init_rpc("main", 0, Some(1), opts)
+            .unwrap_or_else(|e| panic!("{transports:?}/{channels:?}: {e}"));
+        let schemes: Vec<&str> = agent
+            .address()
+            .split(';')
+            .filter_map(|a| a.split("://").next())
+            .filter(|s| *s != "mpt")
+            .collect();
+        let offered: Vec<&str> = offer.transports.iter().map(|(k, _)| k.name()).collect();
+        assert_eq!(schemes, offered, "{}", agent.address());
+        let mpt = offer
+            .channels
+            .iter()
+            .any(|(k, _, _)| *k == ChannelKind::Mpt);
+        assert_eq!(
+            agent.address().contains("mpt://"),
+            mpt,
+            "{}",
+            agent.address()
+        );
+        assert!(agent.shutdown(false).is_ok());
     }
 }
 

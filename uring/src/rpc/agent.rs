@@ -38,7 +38,7 @@ use rdzv_core::device_map::{
     create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
     GroupKind, WorkerDevices,
 };
-use rdzv_core::negotiate::{Backend, ChannelKind, Ranking, TransportKind};
+use rdzv_core::negotiate::{rank, ChannelKind, RankError, Ranked, Ranking, TransportKind};
 use rdzv_core::rpc::membership::{decode_leave, JoinAnnouncement, GROUP_JOIN, GROUP_LEAVE};
 use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
@@ -241,6 +241,31 @@ impl RpcOptions {
         }
     }
 
+    /// What [`init_rpc`] would offer peers with these options in this process, or the
+    /// error it would give for them, without joining a group, listening or starting a
+    /// thread: the same probes (shm's host identity and a test allocation, the listed
+    /// transport plugins opened, the device runtimes, each listed channel's viability)
+    /// and the same ranking ([`rdzv_core::negotiate::rank`]). Transports and channels come
+    /// highest priority first; [`Ranked::refused`] says what was left out and why.
+    /// Options that need the group (`init_method`, device maps) are not checked.
+    ///
+    /// ```no_run
+    /// let mut options = rdzv_uring::rpc::RpcOptions::default();
+    /// options.channels = Some(vec!["cma".into(), "basic".into()]);
+    /// match options.check() {
+    ///     Ok(offer) => println!("offers {:?} and {:?}", offer.transports, offer.channels),
+    ///     Err(e) => eprintln!("init_rpc would fail: {e}"),
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`RpcError::Backends`] / [`RpcError::InvalidOption`] for unusable options,
+    /// [`RpcError::HandlerExists`] for a reserved or repeated handler name, exactly as
+    /// [`init_rpc`] gives them.
+    pub fn check(&self) -> Result<Ranked<String>, RpcError> {
+        probe(self).map(|probed| probed.offer)
+    }
+
     /// These options plus a handler registered under `name`.
     pub fn with_handler(mut self, name: impl Into<String>, handler: impl Handler) -> RpcOptions {
         self.handlers.push((name.into(), Arc::new(handler)));
@@ -248,40 +273,111 @@ impl RpcOptions {
     }
 }
 
-/// The transports this build runs, with their priorities (highest first), from the
-/// `transports` option. `shm` is left out, with its reason logged, when `shm_viable`
-/// says it cannot work here; so is a plugged-in transport whose `plugins` entry carries
-/// a reason (a plugged-in kind counts as implemented).
-fn ranked_transports(
-    names: Option<&[String]>,
-    shm_viable: Result<(), &str>,
-    plugins: &[(TransportKind, Option<&str>)],
-) -> Result<Vec<(TransportKind, i64)>, RpcError> {
-    let mut supported = vec![TransportKind::Shm, TransportKind::Tcp];
-    supported.extend(plugins.iter().map(|&(kind, _)| kind));
-    let mut usable = ranked(names, "transports", "transport", "wired into", &supported)?;
-    let not_viable = shm_viable
-        .err()
-        .map(|reason| (TransportKind::Shm, reason))
+/// `rank`'s refusal as the error `init_rpc` gives.
+fn rank_error(error: RankError) -> RpcError {
+    let option = error.option();
+    match error {
+        RankError::Names { source, .. } => RpcError::Backends {
+            option,
+            source: Box::new(source),
+        },
+        other => RpcError::InvalidOption {
+            option,
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// What probing the options found: the offer, and what was opened to make it.
+struct Probed {
+    offer: Ranked<String>,
+    /// The shm transport, when it is viable and offered.
+    shm: Option<ShmTransport>,
+    /// The plugged-in transports that are viable and offered.
+    plugged: Vec<(TransportKind, Box<dyn Transport + Send>)>,
+    devices: Devices,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+/// Checks the options that need no peer and probes what this process can run (shm, the
+/// listed transport plugins, the device runtimes, the channels), then lets the core
+/// rank the offer ([`rdzv_core::negotiate::rank`]). [`init_rpc`] and
+/// [`RpcOptions::check`] both start here.
+fn probe(options: &RpcOptions) -> Result<Probed, RpcError> {
+    if options.num_worker_threads == 0 {
+        return Err(RpcError::InvalidOption {
+            option: "num_worker_threads",
+            reason: "at least one thread must run handlers".into(),
+        });
+    }
+    if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
+        return Err(RpcError::InvalidOption {
+            option: "mpt_lanes",
+            reason: format!(
+                "{} lanes: a pipe opens 1 to {}",
+                options.mpt_lanes,
+                crate::channel::mpt::MAX_LANES
+            ),
+        });
+    }
+    // shm's viability: the host identity and a test allocation.
+    let shm = ShmTransport::new();
+    let plugged = open_plugins(options)?;
+    let mut here = vec![(
+        TransportKind::Shm,
+        shm.as_ref().map(|_| ()).map_err(ToString::to_string),
+    )];
+    here.extend(
+        plugged
+            .iter()
+            .map(|(kind, opened)| (*kind, opened.as_ref().map(|_| ()).map_err(Clone::clone))),
+    );
+    here.push((TransportKind::Tcp, Ok(())));
+    // The runtimes open whatever the channels: they also count the devices that the
+    // device maps are checked against.
+    let devices =
+        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
+            option: "device_plugins",
+            reason,
+        })?;
+    let offer = rank(
+        options.transports.as_deref(),
+        options.channels.as_deref(),
+        &here,
+        &super::channels::RUNNABLE,
+        |kind| super::channels::domain_descriptor(kind, &devices),
+    )
+    .map_err(rank_error)?;
+    for refused in &offer.refused {
+        tracing::info!(reason = %refused.reason, "the {} is not offered", refused.backend);
+    }
+    let offered = |kind: TransportKind| offer.transports.iter().any(|&(k, _)| k == kind);
+    let shm = shm.ok().filter(|_| offered(TransportKind::Shm));
+    let plugged = plugged
         .into_iter()
-        .chain(
-            plugins
-                .iter()
-                .filter_map(|&(kind, reason)| reason.map(|r| (kind, r))),
-        );
-    for (not_viable, reason) in not_viable {
-        if usable.iter().any(|&(kind, _)| kind == not_viable) {
-            tracing::info!(%reason, "the {not_viable} transport is not offered");
-            usable.retain(|&(kind, _)| kind != not_viable);
-            if usable.is_empty() {
-                return Err(RpcError::InvalidOption {
-                    option: "transports",
-                    reason: format!("no transport left: {reason}"),
-                });
-            }
+        .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
+        .filter(|(kind, _)| offered(*kind))
+        .collect();
+
+    let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
+    for (handler_name, handler) in &options.handlers {
+        if handler_name.starts_with(RESERVED_PREFIX)
+            || handlers
+                .insert(handler_name.clone(), Arc::clone(handler))
+                .is_some()
+        {
+            return Err(RpcError::HandlerExists {
+                name: handler_name.clone(),
+            });
         }
     }
-    Ok(usable)
+    Ok(Probed {
+        offer,
+        shm,
+        plugged,
+        devices,
+        handlers,
+    })
 }
 
 /// A plugged-in transport opened for this worker, or why it is not viable.
@@ -300,7 +396,7 @@ fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, RpcError> {
                 reason: format!("transport {kind} is built in and cannot be plugged in"),
             });
         }
-        // A bad option is reported by `ranked_transports`, with its reason.
+        // A bad option is reported by `rank`, with its reason.
         let listed = Ranking::<TransportKind>::from_option(options.transports.as_deref())
             .is_ok_and(|ranking| ranking.iter().any(|(k, _)| k == kind));
         if !listed || opened.iter().any(|(k, _)| *k == kind) {
@@ -310,85 +406,6 @@ fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, RpcError> {
         opened.push((kind, plugin.open(host)));
     }
     Ok(opened)
-}
-
-/// The channels this build runs, with their priorities (highest first) and domain
-/// descriptors, from the `channels` option. A channel that `viability` says cannot work
-/// here is left out, with its reason logged.
-fn ranked_channels(
-    names: Option<&[String]>,
-    viability: impl Fn(ChannelKind) -> Result<String, String>,
-) -> Result<Vec<(ChannelKind, i64, String)>, RpcError> {
-    let ranked = ranked(
-        names,
-        "channels",
-        "channel",
-        "implemented by",
-        &super::channels::RUNNABLE,
-    )?;
-    let mut usable = Vec::with_capacity(ranked.len());
-    let mut reasons = Vec::new();
-    for (kind, priority) in ranked {
-        match viability(kind) {
-            Ok(descriptor) => usable.push((kind, priority, descriptor)),
-            Err(reason) => {
-                tracing::info!(channel = %kind, %reason, "the channel is not offered");
-                reasons.push(reason);
-            }
-        }
-    }
-    if usable.is_empty() {
-        return Err(RpcError::InvalidOption {
-            option: "channels",
-            reason: format!("no channel left: {}", reasons.join("; ")),
-        });
-    }
-    Ok(usable)
-}
-
-/// The backends of one class in the option's order (or the default ranking), highest
-/// priority first, keeping those this build runs (`supported`): naming another is an
-/// error that says so.
-fn ranked<K: Backend>(
-    names: Option<&[String]>,
-    option: &'static str,
-    what: &str,
-    verb: &str,
-    supported: &[K],
-) -> Result<Vec<(K, i64)>, RpcError> {
-    let ranking = Ranking::<K>::from_option(names).map_err(|source| RpcError::Backends {
-        option,
-        source: Box::new(source),
-    })?;
-    let listed = || {
-        supported
-            .iter()
-            .map(|k| k.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let mut usable = Vec::new();
-    for (kind, priority) in ranking.iter() {
-        if supported.contains(&kind) {
-            usable.push((kind, priority));
-        } else if names.is_some() {
-            return Err(RpcError::InvalidOption {
-                option,
-                reason: format!(
-                    "{what} {kind} is not {verb} the RPC agent of this build; use {}",
-                    listed()
-                ),
-            });
-        }
-    }
-    if usable.is_empty() {
-        return Err(RpcError::InvalidOption {
-            option,
-            reason: format!("no {what} left; list {}", listed()),
-        });
-    }
-    usable.sort_by_key(|&(_, priority)| std::cmp::Reverse(priority));
-    Ok(usable)
 }
 
 /// PyTorch's `guessAddress`: an address of the host name that can be bound, else
@@ -479,84 +496,14 @@ pub fn init_rpc(
             });
         }
     }
-    if options.num_worker_threads == 0 {
-        return Err(RpcError::InvalidOption {
-            option: "num_worker_threads",
-            reason: "at least one thread must run handlers".into(),
-        });
-    }
-    if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
-        return Err(RpcError::InvalidOption {
-            option: "mpt_lanes",
-            reason: format!(
-                "{} lanes: a pipe opens 1 to {}",
-                options.mpt_lanes,
-                crate::channel::mpt::MAX_LANES
-            ),
-        });
-    }
-    // shm's viability: the host identity and a test allocation.
-    let shm = ShmTransport::new();
-    let shm_reason = shm.as_ref().err().map(ToString::to_string);
-    let plugged = open_plugins(&options)?;
-    let plugin_reasons: Vec<(TransportKind, Option<&str>)> = plugged
-        .iter()
-        .map(|(kind, opened)| (*kind, opened.as_ref().err().map(String::as_str)))
-        .collect();
-    let transports = ranked_transports(
-        options.transports.as_deref(),
-        shm_reason.as_deref().map_or(Ok(()), Err),
-        &plugin_reasons,
-    )?;
-    let shm = shm
-        .ok()
-        .filter(|_| transports.iter().any(|&(k, _)| k == TransportKind::Shm));
-    let plugged: Vec<(TransportKind, Box<dyn Transport + Send>)> = plugged
-        .into_iter()
-        .filter_map(|(kind, opened)| Some((kind, opened.ok()?)))
-        .filter(|(kind, _)| transports.iter().any(|&(k, _)| k == *kind))
-        .collect();
-    // The runtimes open whatever the channels: they also count the devices that the
-    // device maps are checked against.
-    let devices =
-        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
-            option: "device_plugins",
-            reason,
-        })?;
-    let mut channels = ranked_channels(options.channels.as_deref(), |kind| {
-        super::channels::domain_descriptor(kind, &devices)
-    })?;
-    // mpt's lanes are served by lane threads over tcp.
-    let mpt_reason = if !transports.iter().any(|&(k, _)| k == TransportKind::Tcp) {
-        Some("this worker runs no tcp transport")
-    } else {
-        None
-    };
-    if let Some(reason) = mpt_reason {
-        if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
-            tracing::info!(channel = %ChannelKind::Mpt, reason, "the channel is not offered");
-            channels.retain(|&(k, _, _)| k != ChannelKind::Mpt);
-        }
-        if channels.is_empty() {
-            return Err(RpcError::InvalidOption {
-                option: "channels",
-                reason: format!("no channel left: mpt is not offered because {reason}"),
-            });
-        }
-    }
-
-    let mut handlers: HashMap<String, Arc<dyn Handler>> = HashMap::new();
-    for (handler_name, handler) in &options.handlers {
-        if handler_name.starts_with(RESERVED_PREFIX)
-            || handlers
-                .insert(handler_name.clone(), Arc::clone(handler))
-                .is_some()
-        {
-            return Err(RpcError::HandlerExists {
-                name: handler_name.clone(),
-            });
-        }
-    }
+    let Probed {
+        offer,
+        shm,
+        plugged,
+        devices,
+        handlers,
+    } = probe(&options)?;
+    let (transports, channels) = (offer.transports, offer.channels);
 
     // A dynamic member builds its store as `_create_store_from_options` does: no world
     // size argument.
@@ -1588,6 +1535,49 @@ impl Drop for RpcAgent {
 mod tests {
     use super::*;
 
+    /// The transports `rank` offers (with `basic` as the only channel), as `init_rpc`
+    /// reports them.
+    fn ranked_transports(
+        names: Option<&[String]>,
+        shm_viable: Result<(), &str>,
+        plugins: &[(TransportKind, Option<&str>)],
+    ) -> Result<Vec<(TransportKind, i64)>, RpcError> {
+        let mut here = vec![(TransportKind::Shm, shm_viable.map_err(str::to_string))];
+        here.extend(
+            plugins
+                .iter()
+                .map(|&(kind, reason)| (kind, reason.map_or(Ok(()), |r| Err(r.to_string())))),
+        );
+        here.push((TransportKind::Tcp, Ok(())));
+        let basic = ["basic".to_string()];
+        rank(
+            names,
+            Some(&basic[..]),
+            &here,
+            &super::super::channels::RUNNABLE,
+            Ok::<_, String>,
+        )
+        .map(|offer| offer.transports)
+        .map_err(rank_error)
+    }
+
+    /// The channels `rank` offers (over tcp), as `init_rpc` reports them.
+    fn ranked_channels(
+        names: Option<&[String]>,
+        viability: impl Fn(ChannelKind) -> Result<String, String>,
+    ) -> Result<Vec<(ChannelKind, i64, String)>, RpcError> {
+        let here = [(TransportKind::Tcp, Ok(()))];
+        rank(
+            None,
+            names,
+            &here,
+            &super::super::channels::RUNNABLE,
+            viability,
+        )
+        .map(|offer| offer.channels)
+        .map_err(rank_error)
+    }
+
     #[test]
     fn transports_option() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
@@ -1780,6 +1770,75 @@ mod tests {
         // Descriptors come from the viability check.
         let offered = ranked_channels(Some(&names(&["xth"])), viable).unwrap_or_default();
         assert_eq!(offered, vec![(ChannelKind::Xth, 0, "xth:here".to_string())]);
+    }
+
+    #[test]
+    fn check_gives_the_error_init_rpc_gives() {
+        let bad: [fn(&mut RpcOptions); 7] = [
+            |o| o.channels = Some(vec!["carrier-pigeon".into()]),
+            |o| o.transports = Some(vec!["ibv".into()]),
+            |o| o.transports = Some(Vec::new()),
+            |o| o.channels = Some(vec!["cuda_ipc".into()]),
+            |o| o.num_worker_threads = 0,
+            |o| o.mpt_lanes = 0,
+            |o| {
+                o.transports = Some(vec!["shm".into()]);
+                o.channels = Some(vec!["mpt".into()]);
+            },
+        ];
+        for (i, spoil) in bad.iter().enumerate() {
+            let mut options = RpcOptions::new("file:///nonexistent");
+            options.listen_host = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            spoil(&mut options);
+            let checked = options.check().map(|_| ()).map_err(|e| e.to_string());
+            let started = init_rpc("w", 0, Some(1), options)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            assert!(checked.is_err(), "case {i}: check passed");
+            assert_eq!(checked, started, "case {i}");
+        }
+        let reserved = RpcOptions::new("file:///nonexistent").with_handler(
+            "__rdzv_group_join",
+            |_: &super::super::CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        );
+        assert!(matches!(
+            reserved.check(),
+            Err(RpcError::HandlerExists { .. })
+        ));
+    }
+
+    #[test]
+    fn check_offers_what_is_viable_by_priority() {
+        let mut options = RpcOptions::new("file:///nonexistent");
+        options.listen_host = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let offer = options
+            .check()
+            .unwrap_or_else(|e| panic!("default options: {e}"));
+        assert_eq!(offer.transports.last(), Some(&(TransportKind::Tcp, 0)));
+        assert!(offer
+            .channels
+            .iter()
+            .any(|(k, _, d)| *k == ChannelKind::Basic && !d.is_empty()));
+        for pair in offer.channels.windows(2) {
+            assert!(pair[0].1 > pair[1].1, "{:?}", offer.channels);
+        }
+        // No CUDA runtime was given: the lending CUDA channels are refused, saying why.
+        assert!(offer.refused.iter().any(|r| {
+            r.backend == rdzv_core::negotiate::Refusable::Channel(ChannelKind::CudaIpc)
+                && r.reason.contains("CUDA")
+        }));
+        options.transports = Some(vec!["tcp".into()]);
+        options.channels = Some(vec!["mpt".into(), "basic".into()]);
+        let offer = options.check().unwrap_or_else(|e| panic!("tcp, mpt: {e}"));
+        assert_eq!(offer.transports, vec![(TransportKind::Tcp, 0)]);
+        assert_eq!(
+            offer
+                .channels
+                .iter()
+                .map(|&(k, p, _)| (k, p))
+                .collect::<Vec<_>>(),
+            vec![(ChannelKind::Mpt, 1), (ChannelKind::Basic, 0)]
+        );
     }
 
     #[test]
