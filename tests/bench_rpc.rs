@@ -2,7 +2,8 @@
 //! processes on this host, and a local run, both with `--json`. The benchmark checks
 //! every echo byte for byte and fails otherwise, so a successful run with its rows is a
 //! run whose payloads round-tripped; these tests check the rows' fields, that every
-//! size was measured over tcp and raw-tcp, and that what cannot run says why.
+//! size was measured over tcp and raw-tcp (with the agent's default channels, and with
+//! `--channel basic`), and that what cannot run says why.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -120,6 +121,19 @@ fn check_rows(
     measured
 }
 
+/// The one channel the default list's rows of `transport` name.
+fn negotiated_channel(measured: &BTreeSet<(String, String, u64)>, transport: &str) -> String {
+    let channels: BTreeSet<&str> = measured
+        .iter()
+        .filter(|m| m.0 == transport)
+        .map(|m| m.1.as_str())
+        .collect();
+    match channels.into_iter().collect::<Vec<_>>().as_slice() {
+        [one] if ["xth", "cma", "mpt", "basic"].contains(one) => one.to_string(),
+        other => panic!("{transport} rows name channels {other:?}, not one CPU channel"),
+    }
+}
+
 #[test]
 fn two_host_mode_between_listen_and_connect() {
     let Some(mut listener) = listen() else { return };
@@ -140,9 +154,12 @@ fn two_host_mode_between_listen_and_connect() {
     ]);
     let lines = json_lines(&output);
     let measured = check_rows(&lines, "two-host", &sizes, (20, 3));
+    // No --channel: the agent's default list, and the rows name the channel the pipe
+    // negotiated (cma where it is viable, else mpt over tcp; never a CUDA one for CPU
+    // tensors).
+    let channel = negotiated_channel(&measured, "tcp");
     for size in sizes {
-        for transport in ["tcp", "raw-tcp"] {
-            let channel = if transport == "tcp" { "basic" } else { "-" };
+        for (transport, channel) in [("tcp", channel.as_str()), ("raw-tcp", "-")] {
             assert!(
                 measured.contains(&(transport.into(), channel.into(), size)),
                 "no {transport} row for {size} bytes: {lines:?}"
@@ -182,6 +199,8 @@ fn a_local_run_and_the_cuda_limit_row() {
         "10",
         "--transport",
         "tcp",
+        "--channel",
+        "basic",
         "--device",
         "cuda:0",
     ]);
@@ -219,14 +238,16 @@ fn the_table_puts_transports_side_by_side() {
     let text = String::from_utf8_lossy(&output.stdout);
     let mut lines = text.lines();
     let header = lines.next().expect("a header");
+    // The default channel list: columns name the channel each pipe negotiated.
     assert!(
-        header.contains("tcp/basic") && header.contains("raw-tcp"),
+        header.contains("tcp/") && header.contains("raw-tcp"),
         "{text}"
     );
+    assert!(!header.contains("tcp/default"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("0 B")), "{text}");
     // ibv runs, or the output says why it did not.
     assert!(
-        header.contains("ibv/basic") || text.contains("skipped ibv/basic: "),
+        header.contains("ibv/") || text.contains("skipped ibv/default: "),
         "{text}"
     );
 }

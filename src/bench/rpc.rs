@@ -46,7 +46,7 @@ use rdzv_uring::{ServerOptions, StoreServer};
 
 use crate::cli::CliError;
 use row::{RunMode, Skip};
-use session::{Measurement, Pair};
+use session::{Channels, Measurement, Pair};
 
 const TWO_HOST_HELP: &str = "\
 Two hosts (as with ib_write_bw):
@@ -87,8 +87,10 @@ pub(crate) struct RpcBenchArgs {
     /// Channels for the tensors (basic, cma, xth, mpt, cuda_ipc, cuda_basic; repeat or
     /// comma-separate): each transport is measured once per channel. A CUDA channel
     /// echoes a tensor on cuda:0 of each side (skipped, with the reason, without CUDA).
-    /// Default: basic. With a CUDA channel, the default sizes are 0, 4K, 1M, 16M, 64M
-    /// and 256M.
+    /// Default: the agent's own default list, as users get it (large tensors over cma
+    /// or xth where viable, else mpt over tcp, else inline); the rows then name the
+    /// channel the pipe negotiated. `--channel basic` measures inline tensors only.
+    /// With a CUDA channel, the default sizes are 0, 4K, 1M, 16M, 64M and 256M.
     #[arg(long = "channel", value_name = "CHANNEL", value_delimiter = ',', value_parser = parse_channel)]
     channels: Vec<ChannelKind>,
     /// Also measure the limits for CUDA tensors on this GPU (`cuda:N`): device-to-device
@@ -182,9 +184,9 @@ fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
         args.transports.clone()
     };
     let channels = if args.channels.is_empty() {
-        vec![ChannelKind::Basic]
+        vec![Channels::Default]
     } else {
-        args.channels.clone()
+        args.channels.iter().copied().map(Channels::Only).collect()
     };
     let mut pairs = Vec::new();
     for &transport in &transports {
@@ -496,7 +498,7 @@ mod tests {
                 .iter()
                 .map(|&transport| Pair {
                     transport,
-                    channel: ChannelKind::Basic
+                    channel: Channels::Default
                 })
                 .collect::<Vec<_>>()
         );
@@ -515,6 +517,9 @@ mod tests {
         .unwrap();
         let names: Vec<String> = pairs(&a).unwrap().iter().map(Pair::to_string).collect();
         assert_eq!(names, ["shm/basic", "shm/cma", "tcp/basic", "tcp/cma"]);
+        let a = args(&["--transport", "tcp"]).unwrap();
+        let names: Vec<String> = pairs(&a).unwrap().iter().map(Pair::to_string).collect();
+        assert_eq!(names, ["tcp/default"]);
         let a = args(&["--transport", "tcp", "--transport", "tcp"]).unwrap();
         assert!(pairs(&a).is_err());
         assert!(args(&["--transport", "carrier-pigeon"]).is_err());

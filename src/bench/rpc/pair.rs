@@ -5,7 +5,9 @@
 //!
 //! It first opens the pipe with an empty call and checks that the pipe runs on the
 //! transport asked for (both workers offer only that one, so anything else is a bug worth
-//! failing on). Each size gets one unrecorded warm-up echo. The agents and the protocol
+//! failing on). With the agent's default channel list, the rows name the channel the pipe
+//! negotiated for large CPU tensors (smaller ones travel inline, as for any user). Each
+//! size gets one unrecorded warm-up echo. The agents and the protocol
 //! are `rdzv_uring::rpc`'s; this module only calls and times.
 
 use std::time::Instant;
@@ -18,7 +20,7 @@ use rdzv_uring::rpc::{init_rpc, DeviceBuffer, Message, RpcAgent, RpcOptions, Ten
 
 use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
-use super::session::{Pair, ECHO, NAMES};
+use super::session::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
 use crate::cli::CliError;
 
@@ -50,9 +52,16 @@ pub(super) fn measure(
             )
             .into());
         }
+        // The default list: name the channel the pipe took for large CPU tensors.
+        let channel = match pair.channel {
+            Channels::Only(kind) => kind.name(),
+            Channels::Default => agent
+                .pipe_channel(NAMES[1])
+                .map_or(Channels::DEFAULT_NAME, |kind| kind.name()),
+        };
         sizes
             .iter()
-            .map(|&(len, iters)| echo_row(&agent, pair, len, iters, mode, bar))
+            .map(|&(len, iters)| echo_row(&agent, pair, channel, len, iters, mode, bar))
             .collect::<Result<Vec<_>, CliError>>()
     })();
     let joined = agent.join();
@@ -64,6 +73,7 @@ pub(super) fn measure(
 fn echo_row(
     agent: &RpcAgent,
     pair: Pair,
+    channel: &str,
     len: usize,
     iters: usize,
     mode: RunMode,
@@ -102,7 +112,7 @@ fn echo_row(
     }
     Ok(Row::from_samples(
         pair.transport.name(),
-        pair.channel.name(),
+        channel,
         mode,
         len as u64,
         samples,

@@ -13,7 +13,8 @@
 //!    per pair, whether it can run it too (and if not, why);
 //! 3. both then run one agent pair per pair both can run, in plan order, the k-th on the
 //!    store prefix `rpc_prefix_k` (so one store and one port serve every pair), each
-//!    worker offering only that transport and that channel; then the measuring side
+//!    worker offering only that transport and that channel (or the agent's own default
+//!    channel list, named `default` in the plan); then the measuring side
 //!    times the raw ping-pong and writes `rdzv-bench-rpc/done` (`ok`, or `failed: why`),
 //!    which ends the serving side.
 //!
@@ -53,8 +54,8 @@ const SCHEME: &str = "rdzvbench";
 const PLAN_KEY: &str = "rdzv-bench-rpc/plan";
 const REPLY_KEY: &str = "rdzv-bench-rpc/reply";
 const DONE_KEY: &str = "rdzv-bench-rpc/done";
-/// Bumped when the plan or the reply changes shape.
-const PROTOCOL: u32 = 1;
+/// Bumped when the plan or the reply changes shape (2: the `default` channel list).
+const PROTOCOL: u32 = 2;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the measuring side waits for the serving side's reply.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -65,11 +66,49 @@ const POLL: Duration = Duration::from_millis(200);
 /// Calls run for minutes at most (64 MiB echoes on a loaded host included).
 const RPC_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// A transport and the channel its tensors take.
+/// The channels a pair's agents offer: the agent's own default list (what users get
+/// from `init_rpc` without a `channels` option), or one channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Channels {
+    /// The agent's default list: large CPU tensors over xth or cma where viable, else
+    /// over mpt with tcp, else inline (`basic`).
+    Default,
+    /// Only this channel.
+    Only(ChannelKind),
+}
+
+impl Channels {
+    /// The name of [`Channels::Default`] in plans and skipped rows.
+    pub(super) const DEFAULT_NAME: &'static str = "default";
+
+    /// `default`, or the channel's name.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Channels::Default => Self::DEFAULT_NAME,
+            Channels::Only(kind) => kind.name(),
+        }
+    }
+
+    /// The agents' `channels` option.
+    pub(super) fn option(self) -> Option<Vec<String>> {
+        match self {
+            Channels::Default => None,
+            Channels::Only(kind) => Some(vec![kind.name().to_string()]),
+        }
+    }
+}
+
+impl fmt::Display for Channels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A transport and the channels its tensors may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Pair {
     pub(super) transport: TransportKind,
-    pub(super) channel: ChannelKind,
+    pub(super) channel: Channels,
 }
 
 impl fmt::Display for Pair {
@@ -97,10 +136,15 @@ impl PairSpec {
             .transport
             .parse()
             .map_err(|e| format!("unknown to this build: {e}"))?;
-        let channel = self
-            .channel
-            .parse()
-            .map_err(|e| format!("unknown to this build: {e}"))?;
+        let channel = if self.channel == Channels::DEFAULT_NAME {
+            Channels::Default
+        } else {
+            Channels::Only(
+                self.channel
+                    .parse()
+                    .map_err(|e| format!("unknown to this build: {e}"))?,
+            )
+        };
         Ok(Pair { transport, channel })
     }
 }
@@ -198,7 +242,7 @@ pub(super) fn agent_options(
     options.init_counter = Some(counter);
     options.rpc_timeout = RPC_TIMEOUT;
     options.transports = Some(vec![pair.transport.name().to_string()]);
-    options.channels = Some(vec![pair.channel.name().to_string()]);
+    options.channels = pair.channel.option();
     options.transport_plugins = vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())];
     options.device_plugins = vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
     options
@@ -493,7 +537,7 @@ mod tests {
             shm_domain: Some("shm:abc_1".into()),
             pairs: vec![PairSpec::of(Pair {
                 transport: TransportKind::Tcp,
-                channel: ChannelKind::Basic,
+                channel: Channels::Only(ChannelKind::Basic),
             })],
         };
         let bytes = serde_json::to_vec(&plan).unwrap();
@@ -522,7 +566,18 @@ mod tests {
             spec.parse().unwrap(),
             Pair {
                 transport: TransportKind::Tcp,
-                channel: ChannelKind::Basic
+                channel: Channels::Only(ChannelKind::Basic)
+            }
+        );
+        let spec = PairSpec {
+            transport: "shm".into(),
+            channel: "default".into(),
+        };
+        assert_eq!(
+            spec.parse().unwrap(),
+            Pair {
+                transport: TransportKind::Shm,
+                channel: Channels::Default
             }
         );
         let spec = PairSpec {

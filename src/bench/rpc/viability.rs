@@ -3,23 +3,21 @@
 //!
 //! A transport is first asked whether it works on this host at all (`shm`: shared memory
 //! and the host identity; `ibv`: `rdzv_rdma::ibv::probe_env`), then the RPC agent of this
-//! build is asked whether it runs that transport with that channel. The agent checks its
-//! `transports` and `channels` options before it rendezvouses, so [`agent_runs`] calls
-//! `init_rpc` with a URL whose scheme has no handler: the options are refused with the
-//! agent's own reason, or accepted and the call then fails at the rendezvous without
-//! having joined anything. Between two hosts `shm` is also refused when the two sides'
-//! shared-memory domains (boot id and network namespace) differ. This module does not
-//! measure or start anything that outlives a call.
+//! build is asked whether it runs that transport with those channels:
+//! [`RpcOptions::check`] gives what `init_rpc` would offer with the same options, or the
+//! agent's own reason for refusing them, without joining or starting anything. Between
+//! two hosts `shm` is also refused when the two sides' shared-memory domains (boot id
+//! and network namespace) differ. This module does not measure or start anything that
+//! outlives a call.
 
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
-use rdzv_uring::rpc::{init_rpc, RpcError, RpcOptions};
+use rdzv_uring::rpc::{RpcError, RpcOptions};
+
+use super::session::Channels;
 
 /// The transports measured when `--transport` is not given, in column order.
 pub(super) const DEFAULT_TRANSPORTS: [TransportKind; 3] =
     [TransportKind::Tcp, TransportKind::Shm, TransportKind::Ibv];
-
-/// A URL whose scheme no rendezvous handler serves (see the module documentation).
-const PROBE_URL: &str = "rdzvbenchprobe://127.0.0.1:1";
 
 /// `error` and its sources, joined with `: `.
 pub(super) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
@@ -59,12 +57,11 @@ pub(super) fn transport_here(transport: TransportKind) -> Result<(), String> {
     }
 }
 
-/// Whether this build's RPC agent runs `transport` with `channel`; its reason when not.
-pub(super) fn agent_runs(transport: TransportKind, channel: ChannelKind) -> Result<(), String> {
-    let mut options = RpcOptions::new(PROBE_URL);
+/// Whether this build's RPC agent runs `transport` with `channels`; its reason when not.
+pub(super) fn agent_runs(transport: TransportKind, channels: Channels) -> Result<(), String> {
+    let mut options = RpcOptions::default();
     options.transports = Some(vec![transport.name().to_string()]);
-    options.channels = Some(vec![channel.name().to_string()]);
-    options.num_worker_threads = 1;
+    options.channels = channels.option();
     options.listen_host = Some([127, 0, 0, 1].into());
     options.transport_plugins = vec![std::sync::Arc::new(
         rdzv_rdma::ibv::transport::IbvPlugin::default(),
@@ -72,32 +69,32 @@ pub(super) fn agent_runs(transport: TransportKind, channel: ChannelKind) -> Resu
     // The CUDA channels need the CUDA runtime: without a GPU it does not open, and the
     // agent says so.
     options.device_plugins = vec![std::sync::Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
-    match init_rpc("rdzv-bench-probe", 0, Some(1), options) {
+    match options.check() {
+        Ok(_) => Ok(()),
         Err(RpcError::InvalidOption { reason, .. }) => Err(reason),
-        Err(e @ RpcError::Backends { .. }) => Err(error_chain(&e)),
-        // The options passed; the rendezvous failed as intended.
-        Err(_) => Ok(()),
-        Ok(agent) => {
-            // Only if someone registered the probe's scheme: it ran, so it is runnable.
-            let _ = agent.shutdown(false);
-            Ok(())
-        }
+        Err(e) => Err(error_chain(&e)),
     }
 }
 
-/// Whether `channel` moves CUDA tensors: its pair echoes a tensor on `cuda:0`.
-pub(super) fn is_cuda(channel: ChannelKind) -> bool {
+/// Whether the pair moves CUDA tensors (one CUDA channel only): it echoes a tensor on
+/// `cuda:0`. The default list echoes CPU tensors.
+pub(super) fn is_cuda(channels: Channels) -> bool {
     matches!(
-        channel,
-        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr | ChannelKind::CudaBasic
+        channels,
+        Channels::Only(
+            ChannelKind::CudaXth
+                | ChannelKind::CudaIpc
+                | ChannelKind::CudaGdr
+                | ChannelKind::CudaBasic
+        )
     )
 }
 
 /// [`transport_here`], for a CUDA channel whether CUDA works here, then [`agent_runs`].
 /// `cuda_xth` never runs: the benchmark's two sides are two processes.
-pub(super) fn pair_here(transport: TransportKind, channel: ChannelKind) -> Result<(), String> {
+pub(super) fn pair_here(transport: TransportKind, channel: Channels) -> Result<(), String> {
     transport_here(transport)?;
-    if channel == ChannelKind::CudaXth {
+    if channel == Channels::Only(ChannelKind::CudaXth) {
         return Err("cuda_xth works within one process, and the two sides are two".into());
     }
     if is_cuda(channel) {
@@ -110,7 +107,7 @@ pub(super) fn pair_here(transport: TransportKind, channel: ChannelKind) -> Resul
 /// and for `shm` the same shared-memory domain on both sides.
 pub(super) fn pair_on_serving_side(
     transport: TransportKind,
-    channel: ChannelKind,
+    channel: Channels,
     measuring_shm_domain: Option<&str>,
 ) -> Result<(), String> {
     pair_here(transport, channel).map_err(|reason| format!("on the serving side: {reason}"))?;
@@ -132,7 +129,9 @@ mod tests {
     #[test]
     fn tcp_and_basic_always_run() {
         transport_here(TransportKind::Tcp).unwrap();
-        agent_runs(TransportKind::Tcp, ChannelKind::Basic).unwrap();
+        agent_runs(TransportKind::Tcp, Channels::Only(ChannelKind::Basic)).unwrap();
+        // The agent's default list always has basic to fall back on.
+        agent_runs(TransportKind::Tcp, Channels::Default).unwrap();
     }
 
     #[test]
@@ -143,7 +142,7 @@ mod tests {
             (TransportKind::Ibv, ChannelKind::Basic),
             (TransportKind::Tcp, ChannelKind::CudaGdr),
         ] {
-            if let Err(reason) = agent_runs(transport, channel) {
+            if let Err(reason) = agent_runs(transport, Channels::Only(channel)) {
                 assert!(!reason.is_empty());
                 assert!(
                     reason.contains(transport.name()) || reason.contains(channel.name()),
@@ -157,16 +156,20 @@ mod tests {
     fn cuda_pairs_run_only_with_cuda() {
         let cuda = rdzv_rdma::cuda::agent::CudaRuntime::open();
         for channel in [ChannelKind::CudaIpc, ChannelKind::CudaBasic] {
-            assert!(is_cuda(channel));
-            match (&cuda, pair_here(TransportKind::Tcp, channel)) {
+            assert!(is_cuda(Channels::Only(channel)));
+            match (
+                &cuda,
+                pair_here(TransportKind::Tcp, Channels::Only(channel)),
+            ) {
                 (Ok(_), verdict) => verdict.unwrap(),
                 (Err(_), Ok(())) => panic!("{channel} ran without CUDA"),
                 (Err(_), Err(reason)) => assert!(reason.contains("CUDA is not viable"), "{reason}"),
             }
         }
-        let err = pair_here(TransportKind::Tcp, ChannelKind::CudaXth).unwrap_err();
+        let err = pair_here(TransportKind::Tcp, Channels::Only(ChannelKind::CudaXth)).unwrap_err();
         assert!(err.contains("within one process"), "{err}");
-        assert!(!is_cuda(ChannelKind::Cma));
+        assert!(!is_cuda(Channels::Only(ChannelKind::Cma)));
+        assert!(!is_cuda(Channels::Default));
     }
 
     #[test]
@@ -183,12 +186,24 @@ mod tests {
             eprintln!("SKIP: shm is not viable here");
             return;
         };
-        pair_on_serving_side(TransportKind::Shm, ChannelKind::Basic, Some(&here)).unwrap();
-        let err = pair_on_serving_side(TransportKind::Shm, ChannelKind::Basic, Some("shm:other"))
-            .unwrap_err();
+        pair_on_serving_side(
+            TransportKind::Shm,
+            Channels::Only(ChannelKind::Basic),
+            Some(&here),
+        )
+        .unwrap();
+        let err = pair_on_serving_side(
+            TransportKind::Shm,
+            Channels::Only(ChannelKind::Basic),
+            Some("shm:other"),
+        )
+        .unwrap_err();
         assert!(err.contains("different hosts"), "{err}");
-        assert!(pair_on_serving_side(TransportKind::Shm, ChannelKind::Basic, None).is_err());
-        pair_on_serving_side(TransportKind::Tcp, ChannelKind::Basic, None).unwrap();
+        assert!(
+            pair_on_serving_side(TransportKind::Shm, Channels::Only(ChannelKind::Basic), None)
+                .is_err()
+        );
+        pair_on_serving_side(TransportKind::Tcp, Channels::Only(ChannelKind::Basic), None).unwrap();
     }
 
     #[test]
