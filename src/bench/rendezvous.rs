@@ -20,7 +20,8 @@ use clap::Args;
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 use rdzv_core::rendezvous::elastic::{
-    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, StoreAction, StoreReply,
+    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, OwnedStoreReply,
+    StoreAction,
 };
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
 use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
@@ -154,31 +155,9 @@ fn send_action(node: &mut Node, action: &StoreAction) {
 
 /// What a decoded reply means for the node's action.
 enum Answer {
-    Reply(OwnedReply),
+    Reply(OwnedStoreReply),
     /// A part of the CANCEL_WAIT exchange; nothing to hand the machine yet.
     Nothing,
-}
-
-enum OwnedReply {
-    Checked(bool),
-    Added(i64),
-    Set,
-    Value(Vec<u8>),
-    Waited,
-    TimedOut,
-}
-
-impl OwnedReply {
-    fn as_reply(&self) -> StoreReply<'_> {
-        match self {
-            Self::Checked(b) => StoreReply::Checked(*b),
-            Self::Added(n) => StoreReply::Added(*n),
-            Self::Set => StoreReply::Set,
-            Self::Value(v) => StoreReply::Value(v),
-            Self::Waited => StoreReply::Waited,
-            Self::TimedOut => StoreReply::TimedOut,
-        }
-    }
 }
 
 /// Decodes the next complete reply, if one is there.
@@ -199,10 +178,10 @@ fn next_answer(node: &mut Node, limits: &Limits) -> Result<Option<Answer>, Strin
         Ok(Decoded::Complete(view, used)) => {
             let answer = match view {
                 ResponseView::Check(c) => {
-                    Answer::Reply(OwnedReply::Checked(c == CheckResponse::Ready))
+                    Answer::Reply(OwnedStoreReply::Checked(c == CheckResponse::Ready))
                 }
-                ResponseView::Int(n) => Answer::Reply(OwnedReply::Added(n)),
-                ResponseView::Value(v) => Answer::Reply(OwnedReply::Value(v.to_vec())),
+                ResponseView::Int(n) => Answer::Reply(OwnedStoreReply::Added(n)),
+                ResponseView::Value(v) => Answer::Reply(OwnedStoreReply::Value(v.to_vec())),
                 ResponseView::Wait(w) => wait_answer(node, w),
                 other => return Err(format!("unexpected reply {other:?}")),
             };
@@ -220,7 +199,7 @@ fn next_answer(node: &mut Node, limits: &Limits) -> Result<Option<Answer>, Strin
 /// before it saw the cancel) and then WAIT_CANCELED.
 fn wait_answer(node: &mut Node, wait: WaitResponse) -> Answer {
     if !node.cancel_sent {
-        return Answer::Reply(OwnedReply::Waited);
+        return Answer::Reply(OwnedStoreReply::Waited);
     }
     match (wait, node.owed.len()) {
         (WaitResponse::StopWaiting, 2) => {
@@ -231,15 +210,15 @@ fn wait_answer(node: &mut Node, wait: WaitResponse) -> Answer {
             // The cancel's reply, in the wait's place: the wait's reply never comes.
             node.owed.pop_back();
             node.cancel_sent = false;
-            Answer::Reply(OwnedReply::TimedOut)
+            Answer::Reply(OwnedStoreReply::TimedOut)
         }
         _ => {
             node.cancel_sent = false;
             let released = std::mem::take(&mut node.released);
             Answer::Reply(if released {
-                OwnedReply::Waited
+                OwnedStoreReply::Waited
             } else {
-                OwnedReply::TimedOut
+                OwnedStoreReply::TimedOut
             })
         }
     }
@@ -271,7 +250,7 @@ fn step_node(
         send_action(node, &action);
         match action {
             // SET has no reply in the TCPStore protocol: done once queued.
-            StoreAction::Set { .. } => answer(node, &OwnedReply::Set, epoch),
+            StoreAction::Set { .. } => answer(node, &OwnedStoreReply::Set, epoch),
             StoreAction::Wait { until, .. } => {
                 node.wait_gen += 1;
                 timers.push(Reverse((until, i, node.wait_gen)));
@@ -285,7 +264,7 @@ fn step_node(
     }
 }
 
-fn answer(node: &mut Node, reply: &OwnedReply, epoch: StdInstant) {
+fn answer(node: &mut Node, reply: &OwnedStoreReply, epoch: StdInstant) {
     node.action = None;
     node.machine.handle_reply(reply.as_reply(), now(epoch));
     while let Some(event) = node.machine.poll_event() {

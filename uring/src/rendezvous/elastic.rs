@@ -27,7 +27,7 @@ use std::time::{Duration, Instant as StdInstant};
 use rdzv_core::env::Env;
 use rdzv_core::rendezvous::elastic::{
     ElasticError, ElasticNode, ElasticSettings, ElasticUrl, Event, Instant, LocalEvent,
-    RoundOutcome, StoreAction, StoreReply,
+    OwnedStoreReply, RoundOutcome, StoreAction,
 };
 
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
@@ -357,27 +357,27 @@ impl Driver {
         }
     }
 
-    fn perform(&self, action: &StoreAction) -> Result<Reply, StoreError> {
+    fn perform(&self, action: &StoreAction) -> Result<OwnedStoreReply, StoreError> {
         Ok(match action {
-            StoreAction::Check { key } => Reply::Checked(self.store.check(&[key])?),
-            StoreAction::Add { key, delta } => Reply::Added(self.store.add(key, *delta)?),
+            StoreAction::Check { key } => OwnedStoreReply::Checked(self.store.check(&[key])?),
+            StoreAction::Add { key, delta } => OwnedStoreReply::Added(self.store.add(key, *delta)?),
             StoreAction::Set { key, value } => {
                 self.store.set(key, value)?;
-                Reply::Set
+                OwnedStoreReply::Set
             }
             StoreAction::CompareSet {
                 key,
                 expected,
                 desired,
-            } => Reply::Value(self.store.compare_set(key, expected, desired)?),
-            StoreAction::Get { key } => Reply::Value(self.store.get(key)?),
+            } => OwnedStoreReply::Value(self.store.compare_set(key, expected, desired)?),
+            StoreAction::Get { key } => OwnedStoreReply::Value(self.store.get(key)?),
             StoreAction::Wait { key, until } => {
                 let left = until
                     .saturating_duration_since(self.now())
                     .max(Duration::from_millis(1));
                 match self.store.wait(&[key], Some(left)) {
-                    Ok(()) => Reply::Waited,
-                    Err(StoreError::Timeout { .. }) => Reply::TimedOut,
+                    Ok(()) => OwnedStoreReply::Waited,
+                    Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
                     Err(error) => return Err(error),
                 }
             }
@@ -421,29 +421,6 @@ impl Driver {
         shared.current = None;
         shared.ending = Some(ending);
         condvar.notify_all();
-    }
-}
-
-/// A store reply the driver owns.
-enum Reply {
-    Checked(bool),
-    Added(i64),
-    Set,
-    Value(Vec<u8>),
-    Waited,
-    TimedOut,
-}
-
-impl Reply {
-    fn as_reply(&self) -> StoreReply<'_> {
-        match self {
-            Reply::Checked(b) => StoreReply::Checked(*b),
-            Reply::Added(n) => StoreReply::Added(*n),
-            Reply::Set => StoreReply::Set,
-            Reply::Value(v) => StoreReply::Value(v),
-            Reply::Waited => StoreReply::Waited,
-            Reply::TimedOut => StoreReply::TimedOut,
-        }
     }
 }
 

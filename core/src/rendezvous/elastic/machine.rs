@@ -114,6 +114,38 @@ impl StoreReply<'_> {
     }
 }
 
+/// A [`StoreReply`] that owns its value, for a driver that keeps a reply past the
+/// buffer it was read into (a thread, an event loop, a test's store model).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OwnedStoreReply {
+    /// Whether the key exists.
+    Checked(bool),
+    /// The counter after the add.
+    Added(i64),
+    /// The set is done.
+    Set,
+    /// The value returned by `get` or `compare_set`.
+    Value(Vec<u8>),
+    /// The key exists.
+    Waited,
+    /// The wait's deadline passed first.
+    TimedOut,
+}
+
+impl OwnedStoreReply {
+    /// The reply to hand to [`ElasticNode::handle_reply`].
+    pub fn as_reply(&self) -> StoreReply<'_> {
+        match self {
+            Self::Checked(b) => StoreReply::Checked(*b),
+            Self::Added(n) => StoreReply::Added(*n),
+            Self::Set => StoreReply::Set,
+            Self::Value(v) => StoreReply::Value(v),
+            Self::Waited => StoreReply::Waited,
+            Self::TimedOut => StoreReply::TimedOut,
+        }
+    }
+}
+
 /// What the node's owner asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LocalEvent {

@@ -83,7 +83,8 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use machine::{
-    ElasticError, ElasticNode, Event, LocalEvent, RoundOutcome, StoreAction, StoreReply,
+    ElasticError, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction,
+    StoreReply,
 };
 
 /// PyTorch's default join timeout (600 s).

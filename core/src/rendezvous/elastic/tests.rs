@@ -12,30 +12,6 @@ use proptest::prelude::*;
 
 use super::*;
 
-/// A reply the model owns.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Reply {
-    Checked(bool),
-    Added(i64),
-    Set,
-    Value(Vec<u8>),
-    Waited,
-    TimedOut,
-}
-
-impl Reply {
-    fn as_reply(&self) -> StoreReply<'_> {
-        match self {
-            Reply::Checked(b) => StoreReply::Checked(*b),
-            Reply::Added(n) => StoreReply::Added(*n),
-            Reply::Set => StoreReply::Set,
-            Reply::Value(v) => StoreReply::Value(v),
-            Reply::Waited => StoreReply::Waited,
-            Reply::TimedOut => StoreReply::TimedOut,
-        }
-    }
-}
-
 /// The store model: what the TCPStore does, in a map.
 #[derive(Default)]
 struct Model {
@@ -45,9 +21,9 @@ struct Model {
 
 impl Model {
     /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
-    fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<Reply> {
+    fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<OwnedStoreReply> {
         let reply = match action {
-            StoreAction::Check { key } => Reply::Checked(self.kv.contains_key(key)),
+            StoreAction::Check { key } => OwnedStoreReply::Checked(self.kv.contains_key(key)),
             StoreAction::Add { key, delta } => {
                 let old = self
                     .kv
@@ -55,11 +31,11 @@ impl Model {
                     .map_or(0, |v| core::str::from_utf8(v).unwrap().parse().unwrap());
                 let new: i64 = old + delta;
                 self.kv.insert(key.clone(), new.to_string().into_bytes());
-                Reply::Added(new)
+                OwnedStoreReply::Added(new)
             }
             StoreAction::Set { key, value } => {
                 self.kv.insert(key.clone(), value.clone());
-                Reply::Set
+                OwnedStoreReply::Set
             }
             StoreAction::CompareSet {
                 key,
@@ -68,21 +44,21 @@ impl Model {
             } => match self.kv.get(key) {
                 None if expected.is_empty() => {
                     self.kv.insert(key.clone(), desired.clone());
-                    Reply::Value(desired.clone())
+                    OwnedStoreReply::Value(desired.clone())
                 }
-                None => Reply::Value(expected.clone()),
+                None => OwnedStoreReply::Value(expected.clone()),
                 Some(v) if v == expected => {
                     self.kv.insert(key.clone(), desired.clone());
-                    Reply::Value(desired.clone())
+                    OwnedStoreReply::Value(desired.clone())
                 }
-                Some(v) => Reply::Value(v.clone()),
+                Some(v) => OwnedStoreReply::Value(v.clone()),
             },
-            StoreAction::Get { key } => Reply::Value(self.kv.get(key)?.clone()),
+            StoreAction::Get { key } => OwnedStoreReply::Value(self.kv.get(key)?.clone()),
             StoreAction::Wait { key, until } => {
                 if self.kv.contains_key(key) {
-                    Reply::Waited
+                    OwnedStoreReply::Waited
                 } else if now >= *until {
-                    Reply::TimedOut
+                    OwnedStoreReply::TimedOut
                 } else {
                     return None;
                 }
