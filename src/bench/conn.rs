@@ -20,6 +20,22 @@ use rdzv_core::store::{CheckResponse, QueryType, Request, WaitResponse};
 
 use super::BenchError;
 
+/// `poll.poll`, reading an interruption by a signal (`EINTR`) as a wake-up with no
+/// events: the drivers loop and poll again, as they do after a timeout.
+pub(super) fn poll_events(
+    poll: &mut mio::Poll,
+    events: &mut mio::Events,
+    timeout: Option<std::time::Duration>,
+) -> io::Result<()> {
+    match poll.poll(events, timeout) {
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+            events.clear();
+            Ok(())
+        }
+        other => other,
+    }
+}
+
 /// A decoded reply, reduced to what the load generators look at (no borrowed bytes, no
 /// allocation per reply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -159,13 +159,14 @@ impl AddRoundTrip {
                     })
                 }
             }
-            let n = self
-                .stream
-                .read(&mut chunk)
-                .map_err(|source| BenchError::Io {
+            let n = match self.stream.read(&mut chunk) {
+                // A signal to this process (EINTR): read again.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                read => read.map_err(|source| BenchError::Io {
                     what: "read a reply",
                     source,
-                })?;
+                })?,
+            };
             if n == 0 {
                 return Err(BenchError::ServerClosed);
             }

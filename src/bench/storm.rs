@@ -171,7 +171,7 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
         if let Some(Reverse((due, _))) = storm.backoff.peek() {
             wait = wait.min(due.saturating_duration_since(now));
         }
-        poll.poll(&mut events, Some(wait))
+        super::conn::poll_events(&mut poll, &mut events, Some(wait))
             .map_err(io("wait for socket events"))?;
         for event in events.iter() {
             storm.on_event(event.token().0);

@@ -224,7 +224,8 @@ pub(super) fn connect_all(
                 seconds: timeout.as_secs_f64(),
             });
         }
-        poll.poll(
+        super::conn::poll_events(
+            &mut poll,
             &mut events,
             Some((deadline - now).min(Duration::from_millis(200))),
         )
@@ -391,7 +392,7 @@ fn drive(
             }
         }
         let wait = (end - now).min(Duration::from_millis(50));
-        poll.poll(&mut events, Some(wait))
+        super::conn::poll_events(&mut poll, &mut events, Some(wait))
             .map_err(io("wait for socket events"))?;
         for event in events.iter() {
             let Some(slot) = slots.get_mut(event.token().0) else {
