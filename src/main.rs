@@ -36,7 +36,7 @@ fn main() -> ExitCode {
 /// `error` and every error in its `source()` chain, joined by ": " (`{e:#}` on a boxed
 /// error prints only the top one). A source whose text the message above it already
 /// contains is not repeated.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

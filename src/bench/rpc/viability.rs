@@ -19,20 +19,7 @@ use super::session::Channels;
 pub(super) const DEFAULT_TRANSPORTS: [TransportKind; 3] =
     [TransportKind::Tcp, TransportKind::Shm, TransportKind::Ibv];
 
-/// `error` and its sources, joined with `: `.
-pub(super) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.ends_with(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
+pub(super) use crate::error_chain;
 
 /// This host's shared-memory domain (`shm:<boot id>_<net namespace>`), when shm works.
 pub(super) fn shm_domain() -> Option<String> {
