@@ -174,6 +174,25 @@ fn every_store_operation_is_a_subcommand() {
     );
     assert_eq!(o.status.code(), Some(2), "{o:?}");
 
+    let o = store(a, &["stats"]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(text.starts_with("connections  "), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("requests ") && l.contains(" VALIDATE ")),
+        "{text}"
+    );
+    let o = store(a, &["stats", "-o", "json"]);
+    ok(&o);
+    let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("stats json");
+    assert!(stats["connections"].as_u64() >= Some(1), "{stats}");
+    assert!(stats["keys"].as_u64() >= Some(2), "{stats}");
+    assert!(stats["requests"]["VALIDATE"].as_u64() >= Some(1), "{stats}");
+    assert!(stats["requests"]["STATS"].as_u64() >= Some(2), "{stats}");
+    assert!(stats["bytes_in"].as_u64() > Some(0), "{stats}");
+    assert!(stats["uptime_ms"].is_u64(), "{stats}");
+
     let o = store(a, &["ping", "--count", "3"]);
     ok(&o);
     assert_eq!(

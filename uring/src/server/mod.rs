@@ -222,6 +222,7 @@ impl StoreServer {
     }
 
     fn start_new(options: &ServerOptions) -> Result<StoreServer, ServerError> {
+        session::mark_started();
         let addrs =
             listener::candidate_addrs(options.host.as_deref(), options.port).map_err(|source| {
                 ServerError::Resolve {

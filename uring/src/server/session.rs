@@ -6,10 +6,29 @@
 //! call these; neither decides what a request means, and this module does no I/O.
 
 use std::fmt::Display;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
-use rdzv_core::store::{ConnId, WaitResponse};
+use rdzv_core::store::{ConnId, Response, WaitResponse};
+
+/// When the first store server of this process started: `STATS` reports uptime from
+/// here (the engine has no clock). For `rdzv store serve`, one server per process, that
+/// is the server's uptime.
+static STARTED: OnceLock<Instant> = OnceLock::new();
+
+/// Records the start of the first server (later calls change nothing).
+pub(super) fn mark_started() {
+    STARTED.get_or_init(Instant::now);
+}
+
+/// Milliseconds since [`mark_started`] (0 before it).
+pub(super) fn uptime_ms() -> u64 {
+    STARTED
+        .get()
+        .map_or(0, |started| started.elapsed().as_millis() as u64)
+}
 
 /// What [`serve_frames`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +70,7 @@ pub(super) fn serve_frames(
         let request = match decoder.decode(&pending[used..]) {
             Ok(Decoded::Complete(request, n)) => {
                 used += n;
+                engine.count_traffic(n as u64, 0);
                 request
             }
             Ok(Decoded::Partial(more)) => {
@@ -62,8 +82,12 @@ pub(super) fn serve_frames(
                 return close(used);
             }
         };
+        let before = out.len();
         match engine.handle_request(id, request) {
-            Ok(outcome) => {
+            Ok(mut outcome) => {
+                if let Some(Response::Stats(stats)) = &mut outcome.reply {
+                    stats.uptime_ms = uptime_ms();
+                }
                 // Own wake-ups first, then the reply (the engine's polling order).
                 for _ in 0..outcome.own_wakeups {
                     out.push(WaitResponse::StopWaiting as u8);
@@ -83,6 +107,7 @@ pub(super) fn serve_frames(
             }
         }
         route_wakeups(engine, out);
+        engine.count_traffic(0, out.len().saturating_sub(before) as u64);
     }
     Served {
         used,
