@@ -25,9 +25,16 @@ fn serve() -> Served {
 }
 
 fn serve_with(extra: &[&str]) -> Served {
-    let mut child = Command::new(RDZV)
+    let mut command = Command::new(RDZV);
+    command
         .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
-        .args(extra)
+        .args(extra);
+    serve_command(command)
+}
+
+/// Runs `command` (a `store serve`) and waits for its "listening on" line.
+fn serve_command(mut command: Command) -> Served {
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -51,6 +58,10 @@ fn store(addr: &str, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run rdzv store")
+}
+
+fn ok(o: &Output) {
+    assert!(o.status.success(), "{o:?}");
 }
 
 fn stdout(o: &Output) -> String {
@@ -441,6 +452,58 @@ fn json_logs_are_one_object_per_line() {
     assert!(
         err.lines()
             .any(|l| l.starts_with("rdzv: cannot reach the store")),
+        "{err}"
+    );
+}
+
+/// `--listen-fd N` serves on a socket the parent bound and left open across exec, and
+/// systemd's socket activation (fd 3, `LISTEN_PID` = the server's pid, set through
+/// `sh -c 'exec ...'` so the pid is the server's) does the same with two epoll loops
+/// sharing the one listener. A descriptor that is not a listening socket is refused
+/// with an error naming it.
+#[test]
+fn serve_on_an_inherited_listening_socket() {
+    use std::os::fd::AsRawFd;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address").to_string();
+    // Inherited by the children (and, harmlessly, by any other child spawned meanwhile).
+    rustix::io::fcntl_setfd(&listener, rustix::io::FdFlags::empty()).expect("clear FD_CLOEXEC");
+    let fd = listener.as_raw_fd();
+
+    let mut command = Command::new(RDZV);
+    command.args(["store", "serve", "--listen-fd", &fd.to_string()]);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr, "it serves on the inherited socket");
+    ok(&store(&addr, &["set", "k", "inherited"]));
+    assert_eq!(stdout(&store(&addr, &["get", "k"])), "inherited\n");
+    drop(served);
+
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!(
+            "exec 3<&{fd}; export LISTEN_PID=$$ LISTEN_FDS=1; \
+             exec \"$0\" store serve --io epoll --threads 2"
+        ))
+        .arg(RDZV);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr, "systemd's fd 3 is served");
+    ok(&store(&addr, &["set", "k", "activated"]));
+    for _ in 0..4 {
+        // New connections, accepted by either loop.
+        assert_eq!(stdout(&store(&addr, &["get", "k"])), "activated\n");
+    }
+    drop(served);
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--listen-fd", "0"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run rdzv store serve");
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("inherited file descriptor 0") && err.contains("is not a socket"),
         "{err}"
     );
 }

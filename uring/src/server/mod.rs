@@ -79,6 +79,11 @@ pub struct ServerOptions {
     pub backend: Backend,
     /// io_uring, epoll, or io_uring where the host allows it (the default).
     pub io: IoMode,
+    /// Serve on this inherited, already-listening TCP socket instead of binding `host`
+    /// and `port` (PyTorch's `master_listen_fd`; systemd socket activation). The server
+    /// accepts on duplicates of it, one per event loop, and leaves the descriptor itself
+    /// open. `multi_tenant` does not apply.
+    pub listen_fd: Option<std::os::fd::RawFd>,
 }
 
 /// Most epoll loops started when [`ServerOptions::threads`] is 0.
@@ -123,6 +128,7 @@ impl Default for ServerOptions {
             spin_before_park: None,
             backend: Backend::default(),
             io: IoMode::default(),
+            listen_fd: None,
         }
     }
 }
@@ -144,6 +150,15 @@ pub enum ServerError {
     #[error("{source}")]
     Listen {
         /// The bind/listen error, listing every address tried.
+        #[source]
+        source: io::Error,
+    },
+    /// The inherited socket of [`ServerOptions::listen_fd`] cannot be served on.
+    #[error("cannot serve on the inherited file descriptor {fd}: {source}")]
+    ListenFd {
+        /// The descriptor.
+        fd: std::os::fd::RawFd,
+        /// What is wrong with it.
         #[source]
         source: io::Error,
     },
@@ -201,7 +216,7 @@ impl StoreServer {
     /// Starts a server, or with `multi_tenant` returns the live one already serving
     /// `port` in this process.
     pub fn start(options: ServerOptions) -> Result<StoreServer, ServerError> {
-        if options.multi_tenant && options.port != 0 {
+        if options.multi_tenant && options.port != 0 && options.listen_fd.is_none() {
             let mut registry = tenants().lock().unwrap_or_else(|p| p.into_inner());
             if let Some(shared) = registry.get(&options.port).and_then(Weak::upgrade) {
                 if !shared.stopping.load(Ordering::Acquire) {
@@ -214,7 +229,7 @@ impl StoreServer {
             return Ok(server);
         }
         let server = Self::start_new(&options)?;
-        if options.multi_tenant {
+        if options.multi_tenant && options.listen_fd.is_none() {
             let mut registry = tenants().lock().unwrap_or_else(|p| p.into_inner());
             registry.insert(server.port(), Arc::downgrade(&server.shared));
         }
@@ -251,8 +266,12 @@ impl StoreServer {
             (true, n) => n.min(shared_engine::MAX_LOOPS),
             (false, n) => n.max(1),
         };
-        let sockets = listener::listen_group(&addrs, threads, listener::REQUESTED_BACKLOG)
-            .map_err(|source| ServerError::Listen { source })?;
+        let sockets = match options.listen_fd {
+            Some(fd) => listener::adopt_listener(fd, threads)
+                .map_err(|source| ServerError::ListenFd { fd, source })?,
+            None => listener::listen_group(&addrs, threads, listener::REQUESTED_BACKLOG)
+                .map_err(|source| ServerError::Listen { source })?,
+        };
         let addr = sockets
             .first()
             .and_then(|s| s.local_addr().ok())
