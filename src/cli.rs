@@ -127,6 +127,10 @@ enum StoreOp {
         /// activation (LISTEN_PID/LISTEN_FDS, fd 3) is used when set for this process.
         #[arg(long, value_name = "FD", conflicts_with = "host")]
         listen_fd: Option<i32>,
+        /// Serve Prometheus metrics (the STATS figures and request-duration histograms
+        /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics: Option<String>,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
@@ -188,7 +192,12 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             io,
             world_size,
             listen_fd,
+            metrics,
         } => {
+            let metrics = match metrics {
+                Some(addr) => Some(metrics_addr(&addr)?),
+                None => None,
+            };
             let listen_fd = match listen_fd {
                 Some(fd) => Some(fd),
                 None => systemd_listen_fd()?,
@@ -206,6 +215,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 backend,
                 io,
                 listen_fd,
+                metrics,
                 ..ServerOptions::default()
             };
             serve(options, world_size)
@@ -240,6 +250,16 @@ fn systemd_listen_fd() -> Result<Option<i32>, CliError> {
     }
     tracing::info!(fd, "serving on the socket systemd passed");
     Ok(Some(fd))
+}
+
+/// The address of `--metrics HOST:PORT` (the first the host resolves to).
+fn metrics_addr(addr: &str) -> Result<std::net::SocketAddr, CliError> {
+    let (host, port) = split_addr(addr).map_err(|e| format!("--metrics: {e}"))?;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .map_err(|e| format!("--metrics: cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--metrics: {host} resolves to no address").into())
 }
 
 /// Splits `HOST:PORT` (or `[V6]:PORT`) and checks that it resolves.
@@ -290,6 +310,9 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     let server = StoreServer::start(options)?;
     println!("listening on {}", server.local_addr());
+    if let Some(addr) = server.metrics_addr() {
+        println!("metrics on http://{addr}/metrics");
+    }
     std::io::stdout().flush()?;
     if let Some(signal) = signals.forever().next() {
         tracing::info!(signal, "stopping the store server");

@@ -486,7 +486,52 @@ fn stats_against_a_server_that_refuses_it_says_so() {
     );
 }
 
+/// `ServerOptions::metrics` serves `GET /metrics` over HTTP/1.1; every event loop
+/// records request durations and publishes its figures there.
+fn metrics_are_served_over_http(io: IoMode) {
+    use std::io::{Read, Write};
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        io,
+        metrics: Some("127.0.0.1:0".parse().unwrap()),
+        ..ServerOptions::default()
+    })
+    .expect("start server");
+    let metrics = server.metrics_addr().expect("metrics are served");
+    let store = client(&server);
+    for i in 0..3 {
+        store.set(&format!("k{i}"), b"v").unwrap();
+    }
+    let mut http = std::net::TcpStream::connect(metrics).expect("connect to metrics");
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut response = String::new();
+    http.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.contains("Content-Type: text/plain; version=0.0.4"),
+        "{response}"
+    );
+    let sample = |series: &str| {
+        response
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series} in\n{response}"))
+            .to_string()
+    };
+    assert_eq!(sample("rdzv_store_keys"), "3");
+    assert_eq!(sample("rdzv_store_connections"), "1");
+    assert_eq!(sample("rdzv_store_requests_total{query=\"SET\"}"), "3");
+    assert_eq!(
+        sample("rdzv_store_request_duration_seconds_count{query=\"SET\"}"),
+        "3"
+    );
+    server.shutdown();
+}
+
 on_every_io!(
+    metrics_are_served_over_http,
     stats_reports_connections_keys_waiters_and_requests,
     tcp_store_base_tests,
     prefix_tcp_store_base_tests,

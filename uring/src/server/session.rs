@@ -13,6 +13,8 @@ use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{ConnId, Response, WaitResponse};
 
+use super::metrics::Metrics;
+
 /// When the first store server of this process started: `STATS` reports uptime from
 /// here (the engine has no clock). For `rdzv store serve`, one server per process, that
 /// is the server's uptime.
@@ -50,7 +52,12 @@ pub(super) struct Served {
 /// still arriving, so a long `WAIT` that comes in many pieces costs O(bytes) in all. The
 /// caller must drop exactly the consumed bytes from the front of its buffer before the
 /// next call (what [`ReadBuf::consume`] does).
+///
+/// With `metrics` (`--metrics`), each request's handling time is recorded and the
+/// engine's figures are published after the batch.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn serve_frames(
+    metrics: Option<&Metrics>,
     engine: &mut Engine,
     decoder: &mut RequestDecoder,
     id: ConnId,
@@ -83,6 +90,7 @@ pub(super) fn serve_frames(
             }
         };
         let before = out.len();
+        let started = metrics.map(|_| (Instant::now(), request.query_type()));
         match engine.handle_request(id, request) {
             Ok(mut outcome) => {
                 if let Some(Response::Stats(stats)) = &mut outcome.reply {
@@ -108,6 +116,12 @@ pub(super) fn serve_frames(
         }
         route_wakeups(engine, out);
         engine.count_traffic(0, out.len().saturating_sub(before) as u64);
+        if let (Some(metrics), Some((started, query))) = (metrics, started) {
+            metrics.record(query, started.elapsed());
+        }
+    }
+    if let Some(metrics) = metrics {
+        metrics.publish(engine.stats());
     }
     Served {
         used,
@@ -206,6 +220,7 @@ mod tests {
                 input.filled += n;
                 rest = &rest[n..];
                 let Served { used, close, .. } = serve_frames(
+                    None,
                     &mut engine,
                     &mut decoder,
                     id,
@@ -245,6 +260,7 @@ mod tests {
         let mut decoder = RequestDecoder::new(Limits::default());
         let mut out = Vec::new();
         let served = serve_frames(
+            None,
             &mut engine,
             &mut decoder,
             id,
