@@ -500,6 +500,24 @@ fn serve_on_an_inherited_listening_socket() {
     }
     drop(served);
 
+    // Several glommio executors, each accepting on a duplicate of the one socket.
+    let mut command = Command::new(RDZV);
+    command.args([
+        "store",
+        "serve",
+        "--threads",
+        "2",
+        "--listen-fd",
+        &fd.to_string(),
+    ]);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr);
+    for i in 0..4 {
+        ok(&store(&addr, &["set", "k", &format!("glommio{i}")]));
+    }
+    assert_eq!(stdout(&store(&addr, &["get", "k"])), "glommio3\n");
+    drop(served);
+
     let o = Command::new(RDZV)
         .args(["store", "serve", "--listen-fd", "0"])
         .stdin(Stdio::null())
@@ -595,7 +613,10 @@ fn serve_metrics_in_prometheus_text_format() {
     let a = served.addr.clone();
     ok(&store(&a, &["set", "k", "v"]));
     ok(&store(&a, &["set", "k2", "v"]));
+    // SET has no reply: a GET of each key (which waits for it) makes sure both were
+    // served before the scrape.
     assert_eq!(stdout(&store(&a, &["get", "k"])), "v\n");
+    assert_eq!(stdout(&store(&a, &["get", "k2"])), "v\n");
 
     let (status, body) = http_get(metrics_addr, "/metrics");
     assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
