@@ -122,6 +122,15 @@ enum StoreOp {
         /// (net.core.somaxconn) or the open-file limit cannot hold that many.
         #[arg(long)]
         world_size: Option<u64>,
+        /// Serve on this inherited, already-listening TCP socket instead of binding
+        /// --host/--port (PyTorch's master_listen_fd). Without it, systemd socket
+        /// activation (LISTEN_PID/LISTEN_FDS, fd 3) is used when set for this process.
+        #[arg(long, value_name = "FD", conflicts_with = "host")]
+        listen_fd: Option<i32>,
+        /// Serve Prometheus metrics (the STATS figures and request-duration histograms
+        /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
+        #[arg(long, value_name = "HOST:PORT")]
+        metrics: Option<String>,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
@@ -182,7 +191,17 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             backend,
             io,
             world_size,
+            listen_fd,
+            metrics,
         } => {
+            let metrics = match metrics {
+                Some(addr) => Some(metrics_addr(&addr)?),
+                None => None,
+            };
+            let listen_fd = match listen_fd {
+                Some(fd) => Some(fd),
+                None => systemd_listen_fd()?,
+            };
             let options = ServerOptions {
                 host,
                 port,
@@ -195,12 +214,52 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
                 backend,
                 io,
+                listen_fd,
+                metrics,
                 ..ServerOptions::default()
             };
             serve(options, world_size)
         }
         StoreOp::Client(op) => crate::store_client::run(args.client, op),
     }
+}
+
+/// The socket systemd passed (fd 3) when `LISTEN_PID` names this process; the
+/// variables are then removed so that children do not take them for theirs
+/// (`sd_listen_fds(1)`).
+fn systemd_listen_fd() -> Result<Option<i32>, CliError> {
+    let pid = std::env::var("LISTEN_PID").ok();
+    let fds = std::env::var("LISTEN_FDS").ok();
+    let found = rdzv_uring::server::listener::systemd_listen_fd(
+        pid.as_deref(),
+        fds.as_deref(),
+        std::process::id(),
+    )
+    .map_err(|e| format!("systemd socket activation: {e}"))?;
+    let Some((fd, count)) = found else {
+        return Ok(None);
+    };
+    for name in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        std::env::remove_var(name);
+    }
+    if count > 1 {
+        tracing::warn!(
+            count,
+            "systemd passed {count} sockets; the store serves on the first (fd {fd}) only"
+        );
+    }
+    tracing::info!(fd, "serving on the socket systemd passed");
+    Ok(Some(fd))
+}
+
+/// The address of `--metrics HOST:PORT` (the first the host resolves to).
+fn metrics_addr(addr: &str) -> Result<std::net::SocketAddr, CliError> {
+    let (host, port) = split_addr(addr).map_err(|e| format!("--metrics: {e}"))?;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .map_err(|e| format!("--metrics: cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--metrics: {host} resolves to no address").into())
 }
 
 /// Splits `HOST:PORT` (or `[V6]:PORT`) and checks that it resolves.
@@ -251,6 +310,9 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     let server = StoreServer::start(options)?;
     println!("listening on {}", server.local_addr());
+    if let Some(addr) = server.metrics_addr() {
+        println!("metrics on http://{addr}/metrics");
+    }
     std::io::stdout().flush()?;
     if let Some(signal) = signals.forever().next() {
         tracing::info!(signal, "stopping the store server");

@@ -9,6 +9,9 @@
 //! - **Output:** text by default (a value and a newline, as before), or `-o json`: one
 //!   JSON object per result on its own line; a value that is not UTF-8 is given as
 //!   `value_base64` instead of `value`.
+//! - **Server counters:** `stats` sends rdzv's `STATS` query (type byte 0x52, outside
+//!   PyTorch's range); a PyTorch TCPStore closes the connection on it, which is reported
+//!   as "does not answer rdzv's STATS query".
 //! - **Exit codes:** 0 on success; 1 for an error, a missing key (`get --no-wait`) or a
 //!   failed `check`; 2 for a timeout.
 
@@ -19,6 +22,7 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use clap::{Args, Subcommand, ValueEnum};
+use rdzv_core::store::{QueryType, StoreStats};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{Store, StoreError};
 use serde_json::{json, Map, Value};
@@ -143,6 +147,10 @@ pub(crate) enum ClientOp {
         #[arg(long)]
         timeout: Option<f64>,
     },
+    /// Show the server's counters (rdzv's STATS query; PyTorch's TCPStore does not
+    /// answer it): connections, keys, waiters, queues, requests by query type, bytes in
+    /// and out, uptime.
+    Stats,
     /// Measure a PING round trip to the server.
     Ping {
         /// How many pings.
@@ -501,8 +509,54 @@ fn execute(
             let n = store.num_keys()?;
             out.fact(w, &n, json!({ "num_keys": n }))?;
         }
+        ClientOp::Stats => {
+            let stats = store.stats()?;
+            out.fact(w, &StatsText(&stats), stats_json(&stats))?;
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A `STATS` reply as one JSON object; `requests` names every query type.
+fn stats_json(stats: &StoreStats) -> Value {
+    let requests: Map<String, Value> = QueryType::ALL
+        .iter()
+        .map(|&query| (query.name().to_string(), stats.requests_of(query).into()))
+        .collect();
+    json!({
+        "connections": stats.connections,
+        "keys": stats.keys,
+        "waiters": stats.waiters,
+        "queues": stats.queues,
+        "bytes_in": stats.bytes_in,
+        "bytes_out": stats.bytes_out,
+        "uptime_ms": stats.uptime_ms,
+        "requests": requests,
+    })
+}
+
+/// A `STATS` reply as aligned `name value` lines; request counts only for the query
+/// types the server has seen.
+struct StatsText<'a>(&'a StoreStats);
+
+impl std::fmt::Display for StatsText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.0;
+        writeln!(f, "connections  {}", s.connections)?;
+        writeln!(f, "keys         {}", s.keys)?;
+        writeln!(f, "waiters      {}", s.waiters)?;
+        writeln!(f, "queues       {}", s.queues)?;
+        writeln!(f, "bytes_in     {}", s.bytes_in)?;
+        writeln!(f, "bytes_out    {}", s.bytes_out)?;
+        write!(f, "uptime       {:.3} s", s.uptime_ms as f64 / 1000.0)?;
+        for &query in &QueryType::ALL {
+            let n = s.requests_of(query);
+            if n > 0 {
+                write!(f, "\nrequests     {:<12} {n}", query.name())?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A timeout: one line on stderr, exit code 2.

@@ -11,6 +11,8 @@ const RDZV: &str = env!("CARGO_BIN_EXE_rdzv");
 struct Served {
     child: Child,
     addr: String,
+    /// The rest of the server's standard output.
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
 }
 
 impl Drop for Served {
@@ -25,24 +27,34 @@ fn serve() -> Served {
 }
 
 fn serve_with(extra: &[&str]) -> Served {
-    let mut child = Command::new(RDZV)
+    let mut command = Command::new(RDZV);
+    command
         .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
-        .args(extra)
+        .args(extra);
+    serve_command(command)
+}
+
+/// Runs `command` (a `store serve`) and waits for its "listening on" line.
+fn serve_command(mut command: Command) -> Served {
+    let mut child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn rdzv store serve");
     let stdout = child.stdout.take().expect("stdout");
     let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read first line");
+    let mut reader = BufReader::new(stdout);
+    reader.read_line(&mut line).expect("read first line");
     let addr = line
         .trim()
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
         .to_string();
-    Served { child, addr }
+    Served {
+        child,
+        addr,
+        lines: reader.lines(),
+    }
 }
 
 fn store(addr: &str, args: &[&str]) -> Output {
@@ -51,6 +63,10 @@ fn store(addr: &str, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run rdzv store")
+}
+
+fn ok(o: &Output) {
+    assert!(o.status.success(), "{o:?}");
 }
 
 fn stdout(o: &Output) -> String {
@@ -173,6 +189,25 @@ fn every_store_operation_is_a_subcommand() {
         &["barrier", "b2", "--world-size", "2", "--timeout", "0.2"],
     );
     assert_eq!(o.status.code(), Some(2), "{o:?}");
+
+    let o = store(a, &["stats"]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(text.starts_with("connections  "), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("requests ") && l.contains(" VALIDATE ")),
+        "{text}"
+    );
+    let o = store(a, &["stats", "-o", "json"]);
+    ok(&o);
+    let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("stats json");
+    assert!(stats["connections"].as_u64() >= Some(1), "{stats}");
+    assert!(stats["keys"].as_u64() >= Some(2), "{stats}");
+    assert!(stats["requests"]["VALIDATE"].as_u64() >= Some(1), "{stats}");
+    assert!(stats["requests"]["STATS"].as_u64() >= Some(2), "{stats}");
+    assert!(stats["bytes_in"].as_u64() > Some(0), "{stats}");
+    assert!(stats["uptime_ms"].is_u64(), "{stats}");
 
     let o = store(a, &["ping", "--count", "3"]);
     ok(&o);
@@ -424,4 +459,202 @@ fn json_logs_are_one_object_per_line() {
             .any(|l| l.starts_with("rdzv: cannot reach the store")),
         "{err}"
     );
+}
+
+/// `--listen-fd N` serves on a socket the parent bound and left open across exec, and
+/// systemd's socket activation (fd 3, `LISTEN_PID` = the server's pid, set through
+/// `sh -c 'exec ...'` so the pid is the server's) does the same with two epoll loops
+/// sharing the one listener. A descriptor that is not a listening socket is refused
+/// with an error naming it.
+#[test]
+fn serve_on_an_inherited_listening_socket() {
+    use std::os::fd::AsRawFd;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address").to_string();
+    // Inherited by the children (and, harmlessly, by any other child spawned meanwhile).
+    rustix::io::fcntl_setfd(&listener, rustix::io::FdFlags::empty()).expect("clear FD_CLOEXEC");
+    let fd = listener.as_raw_fd();
+
+    let mut command = Command::new(RDZV);
+    command.args(["store", "serve", "--listen-fd", &fd.to_string()]);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr, "it serves on the inherited socket");
+    ok(&store(&addr, &["set", "k", "inherited"]));
+    assert_eq!(stdout(&store(&addr, &["get", "k"])), "inherited\n");
+    drop(served);
+
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!(
+            "exec 3<&{fd}; export LISTEN_PID=$$ LISTEN_FDS=1; \
+             exec \"$0\" store serve --io epoll --threads 2"
+        ))
+        .arg(RDZV);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr, "systemd's fd 3 is served");
+    ok(&store(&addr, &["set", "k", "activated"]));
+    for _ in 0..4 {
+        // New connections, accepted by either loop.
+        assert_eq!(stdout(&store(&addr, &["get", "k"])), "activated\n");
+    }
+    drop(served);
+
+    // Several glommio executors, each accepting on a duplicate of the one socket.
+    let mut command = Command::new(RDZV);
+    command.args([
+        "store",
+        "serve",
+        "--threads",
+        "2",
+        "--listen-fd",
+        &fd.to_string(),
+    ]);
+    let served = serve_command(command);
+    assert_eq!(served.addr, addr);
+    for i in 0..4 {
+        ok(&store(&addr, &["set", "k", &format!("glommio{i}")]));
+    }
+    assert_eq!(stdout(&store(&addr, &["get", "k"])), "glommio3\n");
+    drop(served);
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--listen-fd", "0"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run rdzv store serve");
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("inherited file descriptor 0") && err.contains("is not a socket"),
+        "{err}"
+    );
+}
+
+/// One HTTP/1.1 GET over a raw socket: the status line and the body.
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics port");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\n\r\n"
+    )
+    .expect("send the request");
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .expect("read the response");
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no end of head in {response:?}"));
+    let status = head.lines().next().unwrap_or_default().to_string();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Length: "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no Content-Length in {head:?}"));
+    assert_eq!(length, body.len(), "Content-Length matches the body");
+    (status, body.to_string())
+}
+
+/// Parses Prometheus' text format: every sample line as (name with labels, value), and
+/// checks that each sample's family was declared with `# TYPE` before it.
+fn parse_prometheus(text: &str) -> Vec<(String, f64)> {
+    let mut declared = Vec::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut parts = rest.split_whitespace();
+            declared.push(parts.next().expect("family name").to_string());
+            let kind = parts.next().expect("family type");
+            assert!(["gauge", "counter", "histogram"].contains(&kind), "{line}");
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
+        let name = series.split('{').next().unwrap_or_default();
+        assert!(
+            declared.iter().any(|family| name == family
+                || name
+                    .strip_prefix(family.as_str())
+                    .is_some_and(|suffix| { ["_bucket", "_sum", "_count"].contains(&suffix) })),
+            "{name} has no # TYPE line before it"
+        );
+        samples.push((series.to_string(), value));
+    }
+    samples
+}
+
+/// `store serve --metrics 127.0.0.1:0` prints where it serves, and a scrape after some
+/// requests shows them: gauges, request counters, bytes and a duration histogram whose
+/// buckets are cumulative and end in `+Inf` = `_count`.
+#[test]
+fn serve_metrics_in_prometheus_text_format() {
+    let mut served = serve_with(&["--metrics", "127.0.0.1:0"]);
+    let line = served
+        .lines
+        .next()
+        .expect("a second line")
+        .expect("read it");
+    let url = line
+        .strip_prefix("metrics on http://")
+        .unwrap_or_else(|| panic!("unexpected line {line:?}"));
+    let metrics_addr = url.strip_suffix("/metrics").expect("the /metrics path");
+    let a = served.addr.clone();
+    ok(&store(&a, &["set", "k", "v"]));
+    ok(&store(&a, &["set", "k2", "v"]));
+    // SET has no reply: a GET of each key (which waits for it) makes sure both were
+    // served before the scrape.
+    assert_eq!(stdout(&store(&a, &["get", "k"])), "v\n");
+    assert_eq!(stdout(&store(&a, &["get", "k2"])), "v\n");
+
+    let (status, body) = http_get(metrics_addr, "/metrics");
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    let samples = parse_prometheus(&body);
+    let value = |series: &str| {
+        samples
+            .iter()
+            .find(|(name, _)| name == series)
+            .map(|&(_, v)| v)
+            .unwrap_or_else(|| panic!("no {series} in\n{body}"))
+    };
+    assert_eq!(value("rdzv_store_keys"), 2.0);
+    assert_eq!(value("rdzv_store_waiters"), 0.0);
+    assert_eq!(value("rdzv_store_requests_total{query=\"SET\"}"), 2.0);
+    assert!(value("rdzv_store_requests_total{query=\"VALIDATE\"}") >= 3.0);
+    assert!(value("rdzv_store_received_bytes_total") > 0.0);
+    assert!(value("rdzv_store_sent_bytes_total") > 0.0);
+    assert!(value("rdzv_store_uptime_seconds") >= 0.0);
+    let count = value("rdzv_store_request_duration_seconds_count{query=\"SET\"}");
+    assert_eq!(count, 2.0);
+    let buckets: Vec<f64> = samples
+        .iter()
+        .filter(|(name, _)| {
+            name.starts_with("rdzv_store_request_duration_seconds_bucket{query=\"SET\"")
+        })
+        .map(|&(_, v)| v)
+        .collect();
+    assert!(buckets.len() > 2, "{body}");
+    assert!(
+        buckets.windows(2).all(|w| w[0] <= w[1]),
+        "cumulative: {buckets:?}"
+    );
+    assert_eq!(
+        value("rdzv_store_request_duration_seconds_bucket{query=\"SET\",le=\"+Inf\"}"),
+        count
+    );
+    assert!(value("rdzv_store_request_duration_seconds_sum{query=\"SET\"}") > 0.0);
+
+    let (status, _) = http_get(metrics_addr, "/nothing");
+    assert_eq!(status, "HTTP/1.1 404 Not Found");
 }

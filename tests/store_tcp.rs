@@ -9,6 +9,7 @@ mod store_io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdzv::core::store::QueryType;
 use rdzv::uring::store::tcp::{TcpStore, TcpStoreOptions};
 use rdzv::uring::store::PrefixStore;
 use rdzv::uring::{IoMode, ServerOptions, Store, StoreServer};
@@ -397,7 +398,161 @@ fn shutdown_with_connected_and_waiting_clients_returns(io: IoMode) {
     assert!(idle.get("k").is_err());
 }
 
+/// rdzv's STATS query over real sockets: the figures follow what clients did, on every
+/// event loop (they share the engine's counters and the session's byte counting).
+fn stats_reports_connections_keys_waiters_and_requests(io: IoMode) {
+    let server = server(io);
+    let a = client(&server);
+    let b = client(&server);
+    a.set("one", b"1").unwrap();
+    a.set("two", b"2").unwrap();
+    assert_eq!(a.get("one").unwrap(), b"1");
+    a.queue_push("q", b"x").unwrap();
+    let waiter = std::thread::spawn(move || b.wait(&["released"], Some(Duration::from_secs(10))));
+    // The waiter is registered once the server counts it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let stats = loop {
+        let stats = a.stats().expect("stats");
+        if stats.waiters == 1 || Instant::now() > deadline {
+            break stats;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(stats.waiters, 1, "{stats:?}");
+    assert!(stats.connections >= 2, "{stats:?}");
+    // TcpStore keys carry PyTorch's prefix; the queue is not a key.
+    assert!(stats.keys >= 2, "{stats:?}");
+    assert_eq!(stats.queues, 1, "{stats:?}");
+    assert!(stats.requests_of(QueryType::Set) >= 2, "{stats:?}");
+    assert!(stats.requests_of(QueryType::Get) >= 1, "{stats:?}");
+    assert!(stats.requests_of(QueryType::Validate) >= 2, "{stats:?}");
+    assert!(stats.requests_of(QueryType::Stats) >= 1, "{stats:?}");
+    assert!(stats.bytes_in > 0 && stats.bytes_out > 0, "{stats:?}");
+    a.set("released", b"go").unwrap();
+    waiter.join().unwrap().expect("the waiter is released");
+    std::thread::sleep(Duration::from_millis(20));
+    let later = a.stats().expect("stats");
+    assert_eq!(later.waiters, 0, "{later:?}");
+    assert!(later.bytes_in > stats.bytes_in, "{later:?}");
+    assert!(later.requests_of(QueryType::Stats) > stats.requests_of(QueryType::Stats));
+    assert!(later.uptime_ms >= stats.uptime_ms);
+}
+
+/// A server that closes the connection on an unknown query (what PyTorch's TCPStore
+/// does) makes `stats()` fail at once with an error that says so, not hang.
+#[test]
+fn stats_against_a_server_that_refuses_it_says_so() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let refuser = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        // Answers what the client's connect sends (VALIDATE, PING), then does what
+        // PyTorch's TCPStore does with an unknown type byte: closes the connection.
+        loop {
+            let mut query = [0u8; 1];
+            conn.read_exact(&mut query).unwrap();
+            let mut word = [0u8; 4];
+            match QueryType::from_u8(query[0]) {
+                Some(QueryType::Validate) => conn.read_exact(&mut word).unwrap(),
+                Some(QueryType::Ping) => {
+                    conn.read_exact(&mut word).unwrap();
+                    conn.write_all(&word).unwrap();
+                }
+                other => {
+                    assert_eq!(other, Some(QueryType::Stats));
+                    break;
+                }
+            }
+        }
+        drop(conn);
+    });
+    let store = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).expect("connect");
+    let started = Instant::now();
+    let error = store
+        .stats()
+        .expect_err("the refusing server cannot answer STATS");
+    refuser.join().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "it must not hang"
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains("does not answer rdzv's STATS query")
+            && text.contains("is it PyTorch's TCPStore?")
+            && text.contains(&port.to_string()),
+        "{text}"
+    );
+}
+
+/// `ServerOptions::metrics` serves `GET /metrics` over HTTP/1.1; every event loop
+/// records request durations and publishes its figures there.
+fn metrics_are_served_over_http(io: IoMode) {
+    use std::io::{Read, Write};
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        io,
+        metrics: Some("127.0.0.1:0".parse().unwrap()),
+        ..ServerOptions::default()
+    })
+    .expect("start server");
+    let metrics = server.metrics_addr().expect("metrics are served");
+    let store = client(&server);
+    for i in 0..3 {
+        store.set(&format!("k{i}"), b"v").unwrap();
+    }
+    // SET has no reply; this round trip makes sure all three were served.
+    assert_eq!(store.get("k2").unwrap(), b"v");
+    let mut http = std::net::TcpStream::connect(metrics).expect("connect to metrics");
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut response = String::new();
+    http.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.contains("Content-Type: text/plain; version=0.0.4"),
+        "{response}"
+    );
+    let sample = |series: &str| {
+        response
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series} in\n{response}"))
+            .to_string()
+    };
+    assert_eq!(sample("rdzv_store_keys"), "3");
+    assert_eq!(sample("rdzv_store_connections"), "1");
+    assert_eq!(sample("rdzv_store_requests_total{query=\"SET\"}"), "3");
+    assert_eq!(
+        sample("rdzv_store_request_duration_seconds_count{query=\"SET\"}"),
+        "3"
+    );
+    server.shutdown();
+}
+
+/// With three executors (glommio on io_uring, three loops on epoll) `STATS` sees every
+/// connection's requests, whichever executor accepted it.
+fn stats_on_three_executors(io: IoMode) {
+    let server = server_with_threads(io, 3);
+    let clients: Vec<TcpStore> = (0..4).map(|_| client(&server)).collect();
+    for (i, store) in clients.iter().enumerate() {
+        store.set(&format!("k{i}"), b"v").unwrap();
+        // SET has no reply: a round trip on the same connection makes sure it was
+        // served before another connection asks.
+        assert_eq!(store.get(&format!("k{i}")).unwrap(), b"v");
+    }
+    let stats = clients[0].stats().expect("stats");
+    assert_eq!(stats.requests_of(QueryType::Set), 4, "{stats:?}");
+    assert_eq!(stats.keys, 4, "{stats:?}");
+    assert_eq!(stats.connections, 4, "{stats:?}");
+}
+
 on_every_io!(
+    stats_on_three_executors,
+    metrics_are_served_over_http,
+    stats_reports_connections_keys_waiters_and_requests,
     tcp_store_base_tests,
     prefix_tcp_store_base_tests,
     queue_pop_times_out,

@@ -79,7 +79,8 @@ use hashbrown::HashMap;
 
 use super::semantics::{self, CounterError, Decimal};
 use super::{
-    CheckResponse, ConnId, KeyList, QueryType, Request, Response, WaitResponse, VALIDATION_MAGIC,
+    CheckResponse, ConnId, KeyList, QueryType, Request, Response, StoreStats, WaitResponse,
+    VALIDATION_MAGIC,
 };
 
 #[cfg(test)]
@@ -230,6 +231,11 @@ pub struct Engine {
     own_wakeups: usize,
     /// The element the last `QUEUE_POP` removed; its reply borrows it.
     popped: Vec<u8>,
+    /// Requests handled, by [`QueryType::index`].
+    requests: [u64; QueryType::ALL.len()],
+    /// Bytes the runtime reported through [`Engine::count_traffic`].
+    bytes_in: u64,
+    bytes_out: u64,
 }
 
 impl Engine {
@@ -270,6 +276,8 @@ impl Engine {
             // The previous reply that borrowed it is gone; do not hold a large value.
             self.popped = Vec::new();
         }
+        let served = &mut self.requests[request.query_type().index()];
+        *served = served.saturating_add(1);
         let Some(state) = self.conns.get_mut(&conn) else {
             return Err(Close::UnknownConnection { conn });
         };
@@ -356,6 +364,28 @@ impl Engine {
     /// How many wake-ups wait to be polled.
     pub fn pending_wakeups(&self) -> usize {
         self.wakeups.len()
+    }
+
+    /// Adds to the traffic counters reported by `STATS`: request bytes decoded and reply
+    /// bytes encoded. The engine never sees bytes, so the runtime reports them.
+    pub fn count_traffic(&mut self, bytes_in: u64, bytes_out: u64) {
+        self.bytes_in = self.bytes_in.saturating_add(bytes_in);
+        self.bytes_out = self.bytes_out.saturating_add(bytes_out);
+    }
+
+    /// What `STATS` reports now. The engine has no clock: `uptime_ms` is 0, and the
+    /// runtime that owns the clock fills it in.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            connections: self.conns.len() as u64,
+            keys: self.kv.len() as u64,
+            waiters: self.waits.len() as u64,
+            queues: self.queues.len() as u64,
+            bytes_in: self.bytes_in,
+            bytes_out: self.bytes_out,
+            uptime_ms: 0,
+            requests: self.requests,
+        }
     }
 
     /// Applies a validated connection's request to the store; the reply is described,
@@ -448,6 +478,7 @@ impl Engine {
             Request::QueuePop { key } => self.queue_pop(key),
             Request::QueueLen { key } => Answer::Now(Response::Int(count(self.queue_len(key)))),
             Request::ListKeys => Answer::ListKeys,
+            Request::Stats => Answer::Now(Response::Stats(self.stats())),
             Request::Barrier { key, world_size } => {
                 let current = self.kv.get(key).map(Vec::as_slice);
                 let arrival = semantics::barrier_count(current)

@@ -56,11 +56,16 @@ pub enum QueryType {
     ListKeys = 17,
     /// `key`, `i64` world size; responds with [`WaitResponse::StopWaiting`], maybe later.
     Barrier = 18,
+    /// rdzv's extension, not PyTorch's: no payload; responds with the server's counters
+    /// ([`StoreStats`]). Its byte, `0x52` (`'R'`), is far above PyTorch's 0..=18 so that
+    /// PyTorch adding queries of its own does not collide with it; a PyTorch server
+    /// refuses it by closing the connection.
+    Stats = 0x52,
 }
 
 impl QueryType {
-    /// Every query type, in wire order.
-    pub const ALL: [QueryType; 19] = [
+    /// Every query type, in wire order: PyTorch's 19, then rdzv's `STATS`.
+    pub const ALL: [QueryType; 20] = [
         QueryType::Validate,
         QueryType::Set,
         QueryType::CompareSet,
@@ -80,14 +85,25 @@ impl QueryType {
         QueryType::QueueLen,
         QueryType::ListKeys,
         QueryType::Barrier,
+        QueryType::Stats,
     ];
 
-    /// The query type for a wire byte, or `None` if PyTorch 2.15 has no such query.
+    /// The query type for a wire byte, or `None` if neither PyTorch 2.15 nor rdzv has
+    /// such a query.
     pub const fn from_u8(byte: u8) -> Option<QueryType> {
-        if (byte as usize) < Self::ALL.len() {
-            Some(Self::ALL[byte as usize])
-        } else {
-            None
+        match byte {
+            0..=18 => Some(Self::ALL[byte as usize]),
+            0x52 => Some(QueryType::Stats),
+            _ => None,
+        }
+    }
+
+    /// A dense index (`0..ALL.len()`), for per-query tables such as
+    /// [`StoreStats::requests`].
+    pub const fn index(self) -> usize {
+        match self {
+            QueryType::Stats => 19,
+            other => other as usize,
         }
     }
 
@@ -118,6 +134,7 @@ impl QueryType {
             QueryType::QueueLen => "QUEUE_LEN",
             QueryType::ListKeys => "LIST_KEYS",
             QueryType::Barrier => "BARRIER",
+            QueryType::Stats => "STATS",
         }
     }
 }
@@ -406,6 +423,8 @@ pub enum Request<'a> {
         /// How many arrivals release it.
         world_size: i64,
     },
+    /// `STATS` (rdzv's extension, byte `0x52`): the server's counters.
+    Stats,
 }
 
 impl Request<'_> {
@@ -431,6 +450,7 @@ impl Request<'_> {
             Request::QueueLen { .. } => QueryType::QueueLen,
             Request::ListKeys => QueryType::ListKeys,
             Request::Barrier { .. } => QueryType::Barrier,
+            Request::Stats => QueryType::Stats,
         }
     }
 }
@@ -463,6 +483,77 @@ pub enum Response<'a> {
     /// `LIST_KEYS`: `i64` count, then the keys.
     #[cfg(feature = "alloc")]
     Keys(alloc::vec::Vec<&'a [u8]>),
+    /// `STATS` (rdzv's extension): `u64` n, then n `u64` counters.
+    Stats(StoreStats),
+}
+
+/// What a store server reports to rdzv's `STATS` query.
+///
+/// On the wire the reply is a `u64` count n followed by n little-endian `u64` counters, in
+/// the order of [`StoreStats::COUNTERS`]: connections, keys, waiters, queues, bytes in,
+/// bytes out, uptime in milliseconds, then requests served per query type in
+/// [`QueryType::ALL`] order. A decoder reads the counters it knows and skips any
+/// others, so a newer server can append counters without breaking older clients; a
+/// counter missing from a shorter reply reads as 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct StoreStats {
+    /// Open client connections.
+    pub connections: u64,
+    /// Keys in the key-value map (queues not counted).
+    pub keys: u64,
+    /// Pending `WAIT`/`BARRIER` requests.
+    pub waiters: u64,
+    /// Non-empty queues.
+    pub queues: u64,
+    /// Request bytes the server decoded.
+    pub bytes_in: u64,
+    /// Reply and wake-up bytes the server encoded.
+    pub bytes_out: u64,
+    /// Milliseconds since the server started.
+    pub uptime_ms: u64,
+    /// Requests served, indexed by [`QueryType::index`].
+    pub requests: [u64; QueryType::ALL.len()],
+}
+
+impl StoreStats {
+    /// How many counters this version sends: 7 figures, then one per query type.
+    pub const COUNTERS: usize = 7 + QueryType::ALL.len();
+
+    /// Requests served of one query type.
+    pub const fn requests_of(&self, query: QueryType) -> u64 {
+        self.requests[query.index()]
+    }
+
+    /// Counter number `index` in wire order (0 past the known counters).
+    pub const fn counter(&self, index: usize) -> u64 {
+        match index {
+            0 => self.connections,
+            1 => self.keys,
+            2 => self.waiters,
+            3 => self.queues,
+            4 => self.bytes_in,
+            5 => self.bytes_out,
+            6 => self.uptime_ms,
+            i if i < Self::COUNTERS => self.requests[i - 7],
+            _ => 0,
+        }
+    }
+
+    /// Sets counter number `index` in wire order; counters this version does not know
+    /// are ignored.
+    pub fn set_counter(&mut self, index: usize, value: u64) {
+        match index {
+            0 => self.connections = value,
+            1 => self.keys = value,
+            2 => self.waiters = value,
+            3 => self.queues = value,
+            4 => self.bytes_in = value,
+            5 => self.bytes_out = value,
+            6 => self.uptime_ms = value,
+            i if i < Self::COUNTERS => self.requests[i - 7] = value,
+            _ => {}
+        }
+    }
 }
 
 #[cfg(test)]
@@ -479,9 +570,13 @@ mod tests {
         for byte in 0..=255u8 {
             match QueryType::from_u8(byte) {
                 Some(q) => assert_eq!(q.as_u8(), byte),
-                None => assert!(byte > 18),
+                None => assert!(byte > 18 && byte != 0x52),
             }
         }
+        for (index, query) in QueryType::ALL.into_iter().enumerate() {
+            assert_eq!(query.index(), index);
+        }
+        assert_eq!(QueryType::from_u8(0x52), Some(QueryType::Stats));
         assert_eq!(QueryType::Barrier.as_u8(), 18);
         assert_eq!(QueryType::Ping.name(), "PING");
     }

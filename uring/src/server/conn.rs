@@ -146,6 +146,7 @@ fn serve_buffered(
 ) -> (usize, bool) {
     let mut engine = owner.engine.borrow_mut();
     let served = session::serve_frames(
+        owner.stats.metrics.as_ref(),
         &mut engine,
         decoder,
         id,

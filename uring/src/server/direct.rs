@@ -417,6 +417,7 @@ impl Server {
             return;
         };
         let Served { used, close, .. } = serve_frames(
+            self.stats.metrics.as_ref(),
             &mut self.engine,
             &mut conn.decoder,
             id,

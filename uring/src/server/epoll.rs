@@ -458,6 +458,7 @@ impl Loop {
             shared,
             wakes,
             index,
+            stats,
             ..
         } = self;
         let mut local = Vec::new();
@@ -478,6 +479,7 @@ impl Loop {
             let id = conn.id;
             let peer = PeerOf(&conn.stream);
             Some(serve_frames(
+                stats.metrics.as_ref(),
                 engine,
                 &mut conn.decoder,
                 id,

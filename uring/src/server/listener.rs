@@ -1,11 +1,106 @@
 //! The listening socket: created here (not by glommio) so that the backlog is the host's
 //! `somaxconn` rather than glommio's fixed 1024, and so that an unspecified host listens
 //! dual-stack on `[::]` like PyTorch's libuv server, falling back to `0.0.0.0`.
+//!
+//! A server can also take over a listening socket it inherited ([`adopt_listener`]):
+//! `rdzv store serve --listen-fd N` (PyTorch's `master_listen_fd`) or systemd socket
+//! activation ([`systemd_listen_fd`]). Every event loop then accepts on a duplicate of
+//! that one socket; the kernel hands each connection to one of them.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::os::fd::{BorrowedFd, RawFd};
 
-use socket2::{Domain, Protocol, Socket, Type};
+use socket2::{Domain, Protocol, SockRef, Socket, Type};
+
+/// The first descriptor systemd passes (`SD_LISTEN_FDS_START`).
+pub const SD_LISTEN_FDS_START: RawFd = 3;
+
+/// The descriptor systemd's socket activation passes to this process, from the values
+/// of `LISTEN_PID` and `LISTEN_FDS` (as `sd_listen_fds(3)` reads them): `Ok(None)` when
+/// they are unset or meant for another process (`LISTEN_PID` is not `my_pid`), fd 3 when
+/// `LISTEN_FDS` is 1 or more (only the first is served; more are logged by the caller),
+/// and an error saying what is wrong when they are set for this process but malformed.
+pub fn systemd_listen_fd(
+    listen_pid: Option<&str>,
+    listen_fds: Option<&str>,
+    my_pid: u32,
+) -> Result<Option<(RawFd, u32)>, String> {
+    let Some(pid) = listen_pid else {
+        return Ok(None);
+    };
+    match pid.trim().parse::<u32>() {
+        Ok(pid) if pid == my_pid => {}
+        Ok(_) => return Ok(None),
+        Err(_) => return Err(format!("LISTEN_PID={pid:?} is not a process id")),
+    }
+    let fds = listen_fds.unwrap_or("");
+    match fds.trim().parse::<u32>() {
+        Ok(0) => Err("LISTEN_FDS=0: systemd passed no socket to serve on".into()),
+        Ok(n) => Ok(Some((SD_LISTEN_FDS_START, n))),
+        Err(_) => Err(format!(
+            "LISTEN_FDS={fds:?} is not a number of sockets (LISTEN_PID names this process)"
+        )),
+    }
+}
+
+/// `count` sockets to accept on, all duplicates of the inherited listening socket `fd`,
+/// after checking that `fd` is an open, listening IPv4/IPv6 TCP socket. The inherited
+/// descriptor itself stays open and owned by the caller; the duplicates are made
+/// non-blocking (a flag the original shares) and close-on-exec.
+///
+/// Errors say which check failed and what to do, e.g. "fd 3 is not listening".
+pub fn adopt_listener(fd: RawFd, count: usize) -> io::Result<Vec<Socket>> {
+    let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
+    if fd < 0 {
+        return Err(invalid(format!("--listen-fd {fd}: not a file descriptor")));
+    }
+    // SAFETY: F_GETFD only reads the descriptor table; an fd that is not open fails with
+    // EBADF, which is what this checks before anything borrows it.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
+        return Err(invalid(format!(
+            "fd {fd} is not open in this process (was it inherited? the parent must clear \
+             FD_CLOEXEC on it)"
+        )));
+    }
+    // SAFETY: `fd` is open (checked just above) and stays open for this function: the
+    // caller owns it (it was inherited) and nothing here closes it; the sockets returned
+    // are duplicates with their own descriptors.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    let stat = rustix::fs::fstat(borrowed)?;
+    if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::Socket {
+        return Err(invalid(format!("fd {fd} is not a socket")));
+    }
+    let sock = SockRef::from(&borrowed);
+    let domain = sock.domain()?;
+    if domain != Domain::IPV4 && domain != Domain::IPV6 {
+        return Err(invalid(format!(
+            "fd {fd} is not an IPv4 or IPv6 socket ({domain:?}); the store serves TCP"
+        )));
+    }
+    let kind = sock.r#type()?;
+    if kind != Type::STREAM {
+        return Err(invalid(format!(
+            "fd {fd} is not a TCP (stream) socket ({kind:?})"
+        )));
+    }
+    if !sock.is_listener()? {
+        return Err(invalid(format!(
+            "fd {fd} is a TCP socket but is not listening: bind and listen() before passing it"
+        )));
+    }
+    let first = Socket::from(borrowed.try_clone_to_owned()?);
+    first.set_nonblocking(true)?;
+    first.set_cloexec(true)?;
+    let mut sockets = Vec::with_capacity(count.max(1));
+    for _ in 1..count.max(1) {
+        let more = first.try_clone()?;
+        more.set_cloexec(true)?;
+        sockets.push(more);
+    }
+    sockets.insert(0, first);
+    Ok(sockets)
+}
 
 /// The backlog we ask for; the kernel clamps it to `net.core.somaxconn`.
 pub const REQUESTED_BACKLOG: i32 = 65535;
@@ -130,6 +225,52 @@ mod tests {
         let again = candidate_addrs(Some("127.0.0.1"), ports[0]).unwrap();
         let err = listen_group(&again, 2, 16).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
+    }
+
+    #[test]
+    fn systemd_variables_name_fd_3_only_for_this_process() {
+        assert_eq!(systemd_listen_fd(None, Some("1"), 7), Ok(None));
+        assert_eq!(systemd_listen_fd(Some("8"), Some("1"), 7), Ok(None));
+        assert_eq!(systemd_listen_fd(Some("7"), Some("1"), 7), Ok(Some((3, 1))));
+        assert_eq!(systemd_listen_fd(Some("7"), Some("2"), 7), Ok(Some((3, 2))));
+        assert!(systemd_listen_fd(Some("7"), Some("0"), 7)
+            .unwrap_err()
+            .contains("LISTEN_FDS=0"));
+        assert!(systemd_listen_fd(Some("7"), None, 7)
+            .unwrap_err()
+            .contains("LISTEN_FDS"));
+        assert!(systemd_listen_fd(Some("x"), Some("1"), 7)
+            .unwrap_err()
+            .contains("LISTEN_PID"));
+    }
+
+    #[test]
+    fn adopts_a_listening_socket_and_refuses_anything_else() {
+        use std::os::fd::AsRawFd;
+        let listening = listen(&candidate_addrs(Some("127.0.0.1"), 0).unwrap(), false, 16).unwrap();
+        let adopted = adopt_listener(listening.as_raw_fd(), 3).unwrap();
+        assert_eq!(adopted.len(), 3);
+        for socket in &adopted {
+            assert_eq!(
+                socket.local_addr().unwrap(),
+                listening.local_addr().unwrap()
+            );
+            assert_ne!(socket.as_raw_fd(), listening.as_raw_fd());
+        }
+        let not_listening = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        let err = adopt_listener(not_listening.as_raw_fd(), 1).unwrap_err();
+        assert!(err.to_string().contains("is not listening"), "{err}");
+        let udp = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+        let err = adopt_listener(udp.as_raw_fd(), 1).unwrap_err();
+        assert!(err.to_string().contains("not a TCP"), "{err}");
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let err = adopt_listener(file.as_raw_fd(), 1).unwrap_err();
+        assert!(err.to_string().contains("is not a socket"), "{err}");
+        let err = adopt_listener(1_000_000, 1).unwrap_err();
+        assert!(err.to_string().contains("is not open"), "{err}");
+        let (unix, _) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = adopt_listener(unix.as_raw_fd(), 1).unwrap_err();
+        assert!(err.to_string().contains("not an IPv4 or IPv6"), "{err}");
     }
 
     #[test]

@@ -25,6 +25,7 @@ mod direct;
 mod epoll;
 mod io_mode;
 pub mod listener;
+mod metrics;
 mod session;
 mod shared_engine;
 
@@ -79,6 +80,15 @@ pub struct ServerOptions {
     pub backend: Backend,
     /// io_uring, epoll, or io_uring where the host allows it (the default).
     pub io: IoMode,
+    /// Serve on this inherited, already-listening TCP socket instead of binding `host`
+    /// and `port` (PyTorch's `master_listen_fd`; systemd socket activation). The server
+    /// accepts on duplicates of it, one per event loop, and leaves the descriptor itself
+    /// open. `multi_tenant` does not apply.
+    pub listen_fd: Option<std::os::fd::RawFd>,
+    /// Serve the server's figures and request-duration histograms in Prometheus' text
+    /// format at `http://ADDR/metrics` (port 0 picks one: [`StoreServer::metrics_addr`]).
+    /// Off by default; the loops record nothing for it then.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// Most epoll loops started when [`ServerOptions::threads`] is 0.
@@ -123,6 +133,8 @@ impl Default for ServerOptions {
             spin_before_park: None,
             backend: Backend::default(),
             io: IoMode::default(),
+            listen_fd: None,
+            metrics: None,
         }
     }
 }
@@ -144,6 +156,24 @@ pub enum ServerError {
     #[error("{source}")]
     Listen {
         /// The bind/listen error, listing every address tried.
+        #[source]
+        source: io::Error,
+    },
+    /// The `--metrics` address cannot be listened on.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The bind error.
+        #[source]
+        source: io::Error,
+    },
+    /// The inherited socket of [`ServerOptions::listen_fd`] cannot be served on.
+    #[error("cannot serve on the inherited file descriptor {fd}: {source}")]
+    ListenFd {
+        /// The descriptor.
+        fd: std::os::fd::RawFd,
+        /// What is wrong with it.
         #[source]
         source: io::Error,
     },
@@ -169,10 +199,14 @@ pub(crate) struct StatsCells {
     pub(crate) connections: AtomicUsize,
     pub(crate) waiters: AtomicUsize,
     pub(crate) keys: AtomicUsize,
+    /// What `--metrics` serves; `None` (nothing recorded) without it.
+    pub(crate) metrics: Option<metrics::Metrics>,
 }
 
 struct Shared {
     addr: SocketAddr,
+    /// The `--metrics` HTTP thread, if any.
+    metrics: Mutex<Option<metrics::MetricsServer>>,
     /// The event loop chosen (never `Auto`).
     io: IoMode,
     stats: Arc<StatsCells>,
@@ -201,7 +235,7 @@ impl StoreServer {
     /// Starts a server, or with `multi_tenant` returns the live one already serving
     /// `port` in this process.
     pub fn start(options: ServerOptions) -> Result<StoreServer, ServerError> {
-        if options.multi_tenant && options.port != 0 {
+        if options.multi_tenant && options.port != 0 && options.listen_fd.is_none() {
             let mut registry = tenants().lock().unwrap_or_else(|p| p.into_inner());
             if let Some(shared) = registry.get(&options.port).and_then(Weak::upgrade) {
                 if !shared.stopping.load(Ordering::Acquire) {
@@ -214,7 +248,7 @@ impl StoreServer {
             return Ok(server);
         }
         let server = Self::start_new(&options)?;
-        if options.multi_tenant {
+        if options.multi_tenant && options.listen_fd.is_none() {
             let mut registry = tenants().lock().unwrap_or_else(|p| p.into_inner());
             registry.insert(server.port(), Arc::downgrade(&server.shared));
         }
@@ -222,6 +256,7 @@ impl StoreServer {
     }
 
     fn start_new(options: &ServerOptions) -> Result<StoreServer, ServerError> {
+        session::mark_started();
         let addrs =
             listener::candidate_addrs(options.host.as_deref(), options.port).map_err(|source| {
                 ServerError::Resolve {
@@ -250,8 +285,12 @@ impl StoreServer {
             (true, n) => n.min(shared_engine::MAX_LOOPS),
             (false, n) => n.max(1),
         };
-        let sockets = listener::listen_group(&addrs, threads, listener::REQUESTED_BACKLOG)
-            .map_err(|source| ServerError::Listen { source })?;
+        let sockets = match options.listen_fd {
+            Some(fd) => listener::adopt_listener(fd, threads)
+                .map_err(|source| ServerError::ListenFd { fd, source })?,
+            None => listener::listen_group(&addrs, threads, listener::REQUESTED_BACKLOG)
+                .map_err(|source| ServerError::Listen { source })?,
+        };
         let addr = sockets
             .first()
             .and_then(|s| s.local_addr().ok())
@@ -274,9 +313,35 @@ impl StoreServer {
                 IoMode::IoUring
             },
             stopping: Arc::new(AtomicBool::new(false)),
-            stats: Arc::new(StatsCells::default()),
+            stats: Arc::new(StatsCells {
+                metrics: options.metrics.map(|_| metrics::Metrics::default()),
+                ..StatsCells::default()
+            }),
             threads: Mutex::new(Vec::new()),
+            metrics: Mutex::new(None),
         });
+        if let Some(metrics_addr) = options.metrics {
+            let stats = Arc::clone(&shared.stats);
+            let server = metrics::MetricsServer::start(metrics_addr, move || {
+                let cells = &stats;
+                cells.metrics.as_ref().map_or_else(String::new, |m| {
+                    m.render(
+                        session::uptime_ms(),
+                        [
+                            cells.connections.load(Ordering::Relaxed),
+                            cells.keys.load(Ordering::Relaxed),
+                            cells.waiters.load(Ordering::Relaxed),
+                        ],
+                    )
+                })
+            })
+            .map_err(|source| ServerError::Metrics {
+                addr: metrics_addr,
+                source,
+            })?;
+            tracing::info!(addr = %server.local_addr(), "serving metrics at /metrics");
+            *shared.metrics.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
+        }
         if epoll {
             let handles = start_epoll(options, sockets, &shared)?;
             *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
@@ -459,6 +524,16 @@ impl StoreServer {
     pub fn shutdown(&self) {
         shutdown_shared(&self.shared);
     }
+
+    /// Where `GET /metrics` is served, when [`ServerOptions::metrics`] was set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.shared
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(metrics::MetricsServer::local_addr)
+    }
 }
 
 /// Starts one epoll loop per socket, all sharing one engine.
@@ -530,6 +605,14 @@ enum Role {
 fn shutdown_shared(shared: &Shared) {
     // The accept loops poll this flag every 50 ms.
     shared.stopping.store(true, Ordering::Release);
+    if let Some(mut metrics) = shared
+        .metrics
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
+        metrics.stop();
+    }
     let handles = std::mem::take(&mut *shared.threads.lock().unwrap_or_else(|p| p.into_inner()));
     for handle in handles {
         if handle.thread().id() != std::thread::current().id() {

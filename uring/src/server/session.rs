@@ -6,10 +6,31 @@
 //! call these; neither decides what a request means, and this module does no I/O.
 
 use std::fmt::Display;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
-use rdzv_core::store::{ConnId, WaitResponse};
+use rdzv_core::store::{ConnId, Response, WaitResponse};
+
+use super::metrics::Metrics;
+
+/// When the first store server of this process started: `STATS` reports uptime from
+/// here (the engine has no clock). For `rdzv store serve`, one server per process, that
+/// is the server's uptime.
+static STARTED: OnceLock<Instant> = OnceLock::new();
+
+/// Records the start of the first server (later calls change nothing).
+pub(super) fn mark_started() {
+    STARTED.get_or_init(Instant::now);
+}
+
+/// Milliseconds since [`mark_started`] (0 before it).
+pub(super) fn uptime_ms() -> u64 {
+    STARTED
+        .get()
+        .map_or(0, |started| started.elapsed().as_millis() as u64)
+}
 
 /// What [`serve_frames`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +52,12 @@ pub(super) struct Served {
 /// still arriving, so a long `WAIT` that comes in many pieces costs O(bytes) in all. The
 /// caller must drop exactly the consumed bytes from the front of its buffer before the
 /// next call (what [`ReadBuf::consume`] does).
+///
+/// With `metrics` (`--metrics`), each request's handling time is recorded and the
+/// engine's figures are published after the batch.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn serve_frames(
+    metrics: Option<&Metrics>,
     engine: &mut Engine,
     decoder: &mut RequestDecoder,
     id: ConnId,
@@ -51,6 +77,7 @@ pub(super) fn serve_frames(
         let request = match decoder.decode(&pending[used..]) {
             Ok(Decoded::Complete(request, n)) => {
                 used += n;
+                engine.count_traffic(n as u64, 0);
                 request
             }
             Ok(Decoded::Partial(more)) => {
@@ -62,8 +89,13 @@ pub(super) fn serve_frames(
                 return close(used);
             }
         };
+        let before = out.len();
+        let started = metrics.map(|_| (Instant::now(), request.query_type()));
         match engine.handle_request(id, request) {
-            Ok(outcome) => {
+            Ok(mut outcome) => {
+                if let Some(Response::Stats(stats)) = &mut outcome.reply {
+                    stats.uptime_ms = uptime_ms();
+                }
                 // Own wake-ups first, then the reply (the engine's polling order).
                 for _ in 0..outcome.own_wakeups {
                     out.push(WaitResponse::StopWaiting as u8);
@@ -83,6 +115,13 @@ pub(super) fn serve_frames(
             }
         }
         route_wakeups(engine, out);
+        engine.count_traffic(0, out.len().saturating_sub(before) as u64);
+        if let (Some(metrics), Some((started, query))) = (metrics, started) {
+            metrics.record(query, started.elapsed());
+        }
+    }
+    if let Some(metrics) = metrics {
+        metrics.publish(engine.stats());
     }
     Served {
         used,
@@ -181,6 +220,7 @@ mod tests {
                 input.filled += n;
                 rest = &rest[n..];
                 let Served { used, close, .. } = serve_frames(
+                    None,
                     &mut engine,
                     &mut decoder,
                     id,
@@ -220,6 +260,7 @@ mod tests {
         let mut decoder = RequestDecoder::new(Limits::default());
         let mut out = Vec::new();
         let served = serve_frames(
+            None,
             &mut engine,
             &mut decoder,
             id,

@@ -69,6 +69,15 @@ pub enum StoreError {
         /// What was wrong.
         detail: String,
     },
+    /// The server closed the connection on an rdzv extension query, which is how
+    /// PyTorch's TCPStore refuses a query type it does not know.
+    #[error("the server at {peer} does not answer rdzv's {query} query (it closed the connection); is it PyTorch's TCPStore? Only an rdzv store server (`rdzv store serve`) answers it")]
+    Unsupported {
+        /// The peer address.
+        peer: String,
+        /// The query's name, e.g. `STATS`.
+        query: &'static str,
+    },
     /// A file store's file could not be used.
     #[error("{op} {}: {source}", path.display())]
     File {

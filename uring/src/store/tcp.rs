@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply};
-use rdzv_core::store::{QueryType, Request, Response, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::{QueryType, Request, Response, StoreStats, WaitResponse, VALIDATION_MAGIC};
 
 use super::{Store, StoreError, DEFAULT_TIMEOUT};
 use crate::server::{ServerOptions, StoreServer};
@@ -263,6 +263,45 @@ impl TcpStore {
                 ))),
             },
         )
+    }
+
+    /// Asks the server for its counters with rdzv's `STATS` query (connections, keys,
+    /// waiters, queues, traffic, uptime and requests per query type).
+    ///
+    /// # Errors
+    /// [`StoreError::Unsupported`] when the server closes the connection instead of
+    /// answering, as PyTorch's TCPStore does with a query type it does not know (the
+    /// connection is then unusable); I/O and protocol errors as for other requests.
+    pub fn stats(&self) -> Result<StoreStats, StoreError> {
+        let result = self.round_trip(
+            &Request::Stats,
+            reply(QueryType::Stats, 0),
+            Some(self.timeout().max(Duration::from_millis(1))),
+            |r| match r {
+                Response::Stats(stats) => Ok(stats),
+                other => Err(self.protocol(format!("unexpected STATS reply {other:?}"))),
+            },
+        );
+        result.map_err(|error| match error {
+            StoreError::Closed { peer } => StoreError::Unsupported {
+                peer,
+                query: QueryType::Stats.name(),
+            },
+            StoreError::Io { peer, source, .. }
+                if matches!(
+                    source.kind(),
+                    io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::BrokenPipe
+                        | io::ErrorKind::ConnectionAborted
+                ) =>
+            {
+                StoreError::Unsupported {
+                    peer,
+                    query: QueryType::Stats.name(),
+                }
+            }
+            other => other,
+        })
     }
 
     fn io(&self, op: &'static str, source: io::Error) -> StoreError {

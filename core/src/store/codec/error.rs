@@ -32,6 +32,8 @@ pub enum Field {
     ReplyKey,
     /// The key count of a `LIST_KEYS` reply.
     ReplyKeyCount,
+    /// The counter count of a `STATS` reply (rdzv's extension).
+    StatsCount,
 }
 
 impl Field {
@@ -47,6 +49,7 @@ impl Field {
             Field::ReplyValue => "reply value",
             Field::ReplyKey => "reply key",
             Field::ReplyKeyCount => "reply key count",
+            Field::StatsCount => "stats counter count",
         }
     }
 }
@@ -62,7 +65,8 @@ impl fmt::Display for Field {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DecodeError {
-    /// The first byte of a request is not a PyTorch 2.15 query type (0 to 18).
+    /// The first byte of a request is not a PyTorch 2.15 query type (0 to 18) nor rdzv's
+    /// `STATS` (0x52).
     UnknownQuery {
         /// The byte received.
         byte: u8,

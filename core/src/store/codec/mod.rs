@@ -13,6 +13,18 @@
 //! [`peek_query_type`]), and what a request does to the store belongs to the store
 //! engine (`store::engine`).
 //!
+//! # rdzv's `STATS` query
+//!
+//! One query is rdzv's own: `STATS`, type byte `0x52` (`'R'`) and no payload. Its byte
+//! sits far above PyTorch's 0..=18 so that PyTorch growing new queries does not collide
+//! with it. The reply is a `u64` count n, then n `u64` counters (all little-endian) in
+//! the order [`StoreStats::counter`] documents: connections, keys, waiters, queues,
+//! bytes in, bytes out, uptime (ms), then requests per query type in `QueryType::ALL`
+//! order. The decoder refuses n above [`MAX_STATS_COUNTERS`], reads the counters it
+//! knows and skips the rest, so newer servers may append counters. A PyTorch server
+//! does not know the byte and closes the connection, which a client should report as
+//! "not an rdzv server" rather than as a network failure.
+//!
 //! # Decoding bytes that arrive in pieces
 //!
 //! Decoders are push decoders in the style of `httparse`: the caller keeps its own
@@ -63,6 +75,7 @@
 //! [`Response::encode`]: super::message::Response::encode
 //! [`KeyList`]: super::message::KeyList
 //! [`PairList`]: super::message::PairList
+//! [`StoreStats::counter`]: super::message::StoreStats::counter
 
 mod error;
 mod request;
@@ -73,7 +86,10 @@ pub use error::{DecodeError, EncodeError, Field};
 pub use request::{decode_request, peek_query_type, RequestDecoder};
 #[cfg(feature = "alloc")]
 pub use response::decode_response;
-pub use response::{decode_response_view, PendingReply, ResponseDecoder, ResponseView, ValueList};
+pub use response::{
+    decode_response_view, PendingReply, ResponseDecoder, ResponseView, ValueList,
+    MAX_STATS_COUNTERS,
+};
 
 /// What a push decoder made of the bytes it was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Client → server frames: the server's push decoder and the client's encoder.
 //!
-//! This module decides the field layout of each of the 19 queries (PyTorch 2.15
+//! This module decides the field layout of each of the 19 queries (and rdzv's `STATS`) (PyTorch 2.15
 //! `TCPStore.cpp` on the client side, `TCPStoreLibUvBackend.cpp` on the server side) and
 //! which [`Limits`] apply to which field. It does not check the `VALIDATE` magic or that
 //! `VALIDATE` comes first: that is connection state, for which [`peek_query_type`]
@@ -223,6 +223,7 @@ fn fields<'b>(
                 world_size: r.i64(0)?,
             }
         }
+        QueryType::Stats => Request::Stats,
     };
     Ok(request)
 }
@@ -318,7 +319,7 @@ impl Emit for Request<'_> {
                 s.put(&(pairs.len() as i64).to_le_bytes());
                 s.put(pairs.encoded());
             }
-            Request::GetNumKeys | Request::CancelWait | Request::ListKeys => {}
+            Request::GetNumKeys | Request::CancelWait | Request::ListKeys | Request::Stats => {}
         }
     }
 }

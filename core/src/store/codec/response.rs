@@ -13,7 +13,9 @@ use alloc::vec::Vec;
 use super::error::{DecodeError, EncodeError, Field};
 use super::wire::{self, Emit, ListProgress, Reader, Sink, Stop};
 use super::{Decoded, Limits};
-use crate::store::message::{CheckResponse, KeyList, QueryType, Request, Response, WaitResponse};
+use crate::store::message::{
+    CheckResponse, KeyList, QueryType, Request, Response, StoreStats, WaitResponse,
+};
 
 /// The values of a `MULTI_GET` reply: n length-prefixed byte strings, the same wire
 /// shape as a [`KeyList`], validated and borrowed from the frame.
@@ -38,7 +40,14 @@ enum Shape {
     QueuePop,
     /// `i64` count, then that many length-prefixed keys.
     Keys,
+    /// `u64` count, then that many `u64` counters (rdzv's `STATS`).
+    Stats,
 }
+
+/// Most counters a `STATS` reply may claim. This version sends
+/// [`StoreStats::COUNTERS`]; the margin leaves newer servers room to add counters while a
+/// hostile count is refused before anything is waited for.
+pub const MAX_STATS_COUNTERS: u64 = 4096;
 
 /// The reply a client is waiting for: which query it answers and, for `MULTI_GET`, how
 /// many values it carries. Queries that get no reply (`VALIDATE`, `SET`, `APPEND`,
@@ -69,6 +78,7 @@ impl PendingReply {
             QueryType::MultiGet => Shape::Values(multi_get_keys),
             QueryType::QueuePop => Shape::QueuePop,
             QueryType::ListKeys => Shape::Keys,
+            QueryType::Stats => Shape::Stats,
         };
         Some(PendingReply { query, shape })
     }
@@ -114,6 +124,8 @@ pub enum ResponseView<'a> {
     },
     /// `LIST_KEYS`: the server's raw keys.
     Keys(KeyList<'a>),
+    /// `STATS` (rdzv's extension): the server's counters.
+    Stats(StoreStats),
 }
 
 #[cfg(feature = "alloc")]
@@ -132,6 +144,7 @@ impl<'a> ResponseView<'a> {
                 Response::QueuePop { len_before, value }
             }
             ResponseView::Keys(keys) => Response::Keys(collect(keys)),
+            ResponseView::Stats(stats) => Response::Stats(stats),
         }
     }
 }
@@ -291,6 +304,15 @@ fn parse<'b>(
             let encoded = r.list(count, &[(Field::ReplyKey, limits.max_key_len)], progress)?;
             ResponseView::Keys(KeyList::from_validated(count, encoded))
         }
+        Shape::Stats => {
+            let claimed = r.u64(0)?;
+            let count = r.check_count(Field::StatsCount, claimed, MAX_STATS_COUNTERS)?;
+            let mut stats = StoreStats::default();
+            for index in 0..count {
+                stats.set_counter(index, r.u64(8 * (count - index - 1))?);
+            }
+            ResponseView::Stats(stats)
+        }
     };
     Ok((view, r.pos()))
 }
@@ -304,6 +326,13 @@ fn check_queue_pop(len_before: i64, has_value: bool) -> Result<(), EncodeError> 
             len_before,
             has_value,
         })
+    }
+}
+
+fn emit_stats<S: Sink>(s: &mut S, stats: &StoreStats) {
+    s.put(&(StoreStats::COUNTERS as u64).to_le_bytes());
+    for index in 0..StoreStats::COUNTERS {
+        s.put(&stats.counter(index).to_le_bytes());
     }
 }
 
@@ -338,6 +367,7 @@ impl Emit for ResponseView<'_> {
                 s.put(&(keys.len() as i64).to_le_bytes());
                 s.put(keys.encoded());
             }
+            ResponseView::Stats(stats) => emit_stats(s, &stats),
         }
     }
 }
@@ -373,6 +403,7 @@ impl Emit for Response<'_> {
                     s.put_prefixed(key);
                 }
             }
+            Response::Stats(stats) => emit_stats(s, stats),
         }
     }
 }

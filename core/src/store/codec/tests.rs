@@ -541,7 +541,7 @@ fn negative_multi_set_count_is_an_error() {
 
 #[test]
 fn unknown_query_bytes_fail_on_the_first_byte() {
-    for byte in 19..=255u8 {
+    for byte in (19..=255u8).filter(|&byte| byte != QueryType::Stats.as_u8()) {
         let error = decode_request(&[byte], &Limits::default()).unwrap_err();
         assert_eq!(error, DecodeError::UnknownQuery { byte });
         assert_eq!(error.query(), None);
@@ -1035,6 +1035,7 @@ enum Model {
     QueuePop(Vec<u8>),
     QueueLen(Vec<u8>),
     ListKeys,
+    Stats,
     Barrier(Vec<u8>, i64),
 }
 
@@ -1073,6 +1074,7 @@ impl Model {
             Model::QueuePop(k) => cat(&[&[15], &s(k)]),
             Model::QueueLen(k) => cat(&[&[16], &s(k)]),
             Model::ListKeys => vec![17],
+            Model::Stats => vec![0x52],
             Model::Barrier(k, w) => cat(&[&[18], &s(k), &w.to_le_bytes()]),
         }
     }
@@ -1105,6 +1107,7 @@ impl Model {
             Request::QueuePop { key } => Model::QueuePop(v(key)),
             Request::QueueLen { key } => Model::QueueLen(v(key)),
             Request::ListKeys => Model::ListKeys,
+            Request::Stats => Model::Stats,
             Request::Barrier { key, world_size } => Model::Barrier(v(key), world_size),
         }
     }
@@ -1144,6 +1147,7 @@ fn model() -> impl Strategy<Value = Model> {
         bytes().prop_map(Model::QueuePop),
         bytes().prop_map(Model::QueueLen),
         Just(Model::ListKeys),
+        Just(Model::Stats),
         (bytes(), any::<i64>()).prop_map(|(k, w)| Model::Barrier(k, w)),
     ]
 }
@@ -1333,4 +1337,113 @@ fn pair_list_views_are_zero_copy() {
     };
     assert_eq!(list, PairList::new(1, &frame[9..]).unwrap());
     assert!(std::ptr::eq(list.encoded(), &frame[9..]));
+}
+
+// ---------------------------------------------------------------------------------------
+// rdzv's STATS extension.
+
+/// A STATS reply carrying `count` counters numbered 100, 101, ...
+fn stats_reply(count: u64) -> Vec<u8> {
+    let mut out = le64(count).to_vec();
+    for i in 0..count {
+        out.extend_from_slice(&le64(100 + i));
+    }
+    out
+}
+
+#[test]
+fn stats_request_is_one_byte_outside_pytorchs_range() {
+    let frame = hex("52");
+    assert_eq!(
+        decode_request(&frame, &Limits::default()),
+        Ok(Decoded::Complete(Request::Stats, 1))
+    );
+    assert_eq!(Request::Stats.encoded_len(), 1);
+    let mut out = [0u8; 1];
+    assert_eq!(Request::Stats.encode(&mut out), Ok(1));
+    assert_eq!(out, [0x52]);
+    assert_eq!(peek_query_type(&frame), Ok(Some(QueryType::Stats)));
+    assert!(QueryType::Stats.as_u8() > 18, "outside PyTorch's 0..=18");
+}
+
+#[test]
+fn stats_reply_round_trips_and_waits_for_every_byte() {
+    use crate::store::message::StoreStats;
+    let pending = pending(QueryType::Stats);
+    let limits = Limits::default();
+    let bytes = stats_reply(StoreStats::COUNTERS as u64);
+    let Ok(Decoded::Complete(ResponseView::Stats(stats), used)) =
+        decode_response_view(pending, &bytes, &limits)
+    else {
+        panic!("a whole STATS reply must decode");
+    };
+    assert_eq!(used, bytes.len());
+    assert_eq!(stats.connections, 100);
+    assert_eq!(stats.uptime_ms, 106);
+    assert_eq!(stats.requests_of(QueryType::Validate), 107);
+    assert_eq!(stats.requests_of(QueryType::Stats), 126);
+    // Canonical: encoding the decoded reply gives back the bytes.
+    let mut out = Vec::new();
+    Response::Stats(stats).encode_into(&mut out).unwrap();
+    assert_eq!(out, bytes);
+    // Every strict prefix is partial, with an exact hint once the count is in.
+    for cut in 0..bytes.len() {
+        match decode_response_view(pending, &bytes[..cut], &limits) {
+            Ok(Decoded::Partial(needed)) => {
+                assert!(needed >= 1);
+                if cut >= 8 {
+                    assert_eq!(needed, bytes.len() - cut, "hint at {cut}");
+                }
+            }
+            other => panic!("prefix of {cut} bytes gave {other:?}"),
+        }
+    }
+    // The resuming decoder agrees, fed in two pieces.
+    let mut decoder = ResponseDecoder::new(pending, limits);
+    assert!(matches!(
+        decoder.decode(&bytes[..13]),
+        Ok(Decoded::Partial(_))
+    ));
+    assert_eq!(
+        decoder.decode(&bytes),
+        Ok(Decoded::Complete(ResponseView::Stats(stats), bytes.len()))
+    );
+}
+
+#[test]
+fn stats_reply_tolerates_more_or_fewer_counters_and_refuses_a_huge_count() {
+    use crate::store::message::StoreStats;
+    let pending = pending(QueryType::Stats);
+    let limits = Limits::default();
+    // A newer server's extra counters are consumed and ignored.
+    let longer = stats_reply(StoreStats::COUNTERS as u64 + 3);
+    let Ok(Decoded::Complete(ResponseView::Stats(stats), used)) =
+        decode_response_view(pending, &longer, &limits)
+    else {
+        panic!("a longer STATS reply must decode");
+    };
+    assert_eq!(used, longer.len());
+    assert_eq!(stats.keys, 101);
+    // An older server's missing counters read as 0.
+    let shorter = stats_reply(2);
+    let Ok(Decoded::Complete(ResponseView::Stats(stats), 24)) =
+        decode_response_view(pending, &shorter, &limits)
+    else {
+        panic!("a shorter STATS reply must decode");
+    };
+    assert_eq!(
+        (stats.connections, stats.keys, stats.waiters),
+        (100, 101, 0)
+    );
+    // A hostile count is refused from its eight bytes.
+    let huge = le64(MAX_STATS_COUNTERS + 1);
+    assert_eq!(
+        decode_response_view(pending, &huge, &limits),
+        Err(DecodeError::CountOverLimit {
+            query: QueryType::Stats,
+            field: Field::StatsCount,
+            claimed: MAX_STATS_COUNTERS + 1,
+            limit: MAX_STATS_COUNTERS,
+        })
+    );
 }

@@ -110,6 +110,7 @@ enum Reply {
     Values(Vec<Vec<u8>>),
     QueuePop(i64, Option<Vec<u8>>),
     Keys(Vec<Vec<u8>>),
+    Stats(StoreStats),
 }
 
 fn owned(response: &Response<'_>) -> Reply {
@@ -124,6 +125,7 @@ fn owned(response: &Response<'_>) -> Reply {
             Reply::QueuePop(*len_before, value.map(<[u8]>::to_vec))
         }
         Response::Keys(keys) => Reply::Keys(keys.iter().map(|k| k.to_vec()).collect()),
+        Response::Stats(stats) => Reply::Stats(*stats),
     }
 }
 
@@ -1234,4 +1236,56 @@ fn engine_can_move_between_threads() {
     fn assert_send<T: Send>() {}
     assert_send::<Engine>();
     assert_send::<Close>();
+}
+
+/// `STATS` reports what the store holds and how many requests of each type it served
+/// (the request itself included); traffic is what the runtime reported.
+#[test]
+fn stats_counts_requests_and_reports_the_store() {
+    let mut engine = engine_with([1, 2]);
+    engine
+        .handle_request(
+            ConnId(1),
+            Request::Set {
+                key: b"a",
+                value: b"1",
+            },
+        )
+        .unwrap();
+    engine
+        .handle_request(
+            ConnId(1),
+            Request::QueuePush {
+                key: b"q",
+                value: b"x",
+            },
+        )
+        .unwrap();
+    let keys = encode_keys(&ks(&["missing"]));
+    engine
+        .handle_request(
+            ConnId(2),
+            Request::Wait {
+                keys: KeyList::new(1, &keys).unwrap(),
+            },
+        )
+        .unwrap();
+    engine.count_traffic(10, 3);
+    let outcome = engine.handle_request(ConnId(1), Request::Stats).unwrap();
+    let Some(Response::Stats(stats)) = outcome.reply else {
+        panic!("STATS must reply with the counters");
+    };
+    assert_eq!(
+        (stats.connections, stats.keys, stats.waiters, stats.queues),
+        (2, 1, 1, 1)
+    );
+    assert_eq!(
+        (stats.bytes_in, stats.bytes_out, stats.uptime_ms),
+        (10, 3, 0)
+    );
+    assert_eq!(stats.requests_of(QueryType::Validate), 2);
+    assert_eq!(stats.requests_of(QueryType::Set), 1);
+    assert_eq!(stats.requests_of(QueryType::Wait), 1);
+    assert_eq!(stats.requests_of(QueryType::Stats), 1);
+    assert_eq!(stats.requests_of(QueryType::Get), 0);
 }
