@@ -37,6 +37,19 @@
 //!   ([`RRefEvent::GaveUp`]). Every handler is idempotent: a duplicate or retried
 //!   message changes nothing and is acked again.
 //!
+//! - **Graceful shutdown** ([`RRefContext::release_all`], PyTorch's
+//!   `delAllUsersAndUnforkedOwners`): once nothing is pending, every user left is
+//!   deleted whatever the application holds, and the owner drops its own handles.
+//!   What cannot be settled is reported by [`RRefContext::leaks`], never dropped
+//!   silently.
+//!
+//! One deliberate difference from PyTorch: there the owner's value lives on in the
+//! Python `OwnerRRef` object after its `owners_` entry goes, so local references on the
+//! owner do not keep the entry. Here the runtime keeps values in a table keyed by
+//! [`RRefId`], so the owner's local handles keep the slot (and count in
+//! `num_owner_rrefs`) until they are dropped. With no local handle held the counts
+//! are PyTorch's.
+//!
 //! The machine assumes what a pipe gives: messages from one worker to another arrive in
 //! the order they were sent (a retry is a new send, behind the earlier ones), may be lost
 //! (then retried) or duplicated. That order is what keeps a late retried `FORK_REQUEST`
@@ -463,6 +476,9 @@ pub struct RRefContext {
     owners: BTreeMap<RRefId, OwnerRRef>,
     forks: BTreeMap<RRefId, BTreeSet<ForkId>>,
     users: BTreeMap<ForkId, User>,
+    /// Pending children (PyTorch's `pendingChildren_`): child fork -> the user here
+    /// that handed it out.
+    children: BTreeMap<ForkId, ForkId>,
     /// Control messages waiting for their ack.
     sends: BTreeMap<(ControlKind, ForkId), Pending>,
     events: VecDeque<RRefEvent>,
@@ -479,6 +495,7 @@ impl RRefContext {
             owners: BTreeMap::new(),
             forks: BTreeMap::new(),
             users: BTreeMap::new(),
+            children: BTreeMap::new(),
             sends: BTreeMap::new(),
             events: VecDeque::new(),
             transmits: VecDeque::new(),
@@ -628,6 +645,7 @@ impl RRefContext {
             Some(user) => {
                 if let Some(u) = self.users.get_mut(&user) {
                     u.pending_children.insert(fork);
+                    self.children.insert(fork, user);
                 }
             }
         }
@@ -748,14 +766,10 @@ impl RRefContext {
                     }
                     ControlKind::ChildAccept => {
                         // delPendingChild
-                        let mut parent = None;
-                        for (&user_fork, user) in self.users.iter_mut() {
-                            if user.rref == rref && user.pending_children.remove(&fork) {
-                                parent = Some(user_fork);
-                                break;
+                        if let Some(parent) = self.children.remove(&fork) {
+                            if let Some(user) = self.users.get_mut(&parent) {
+                                user.pending_children.remove(&fork);
                             }
-                        }
-                        if let Some(parent) = parent {
                             self.maybe_delete_user(now, parent);
                         }
                     }
@@ -925,6 +939,38 @@ impl RRefContext {
                 .users
                 .values()
                 .all(|u| u.confirmed && u.pending_children.is_empty())
+    }
+
+    /// Graceful shutdown, after [`is_settled`](Self::is_settled) (PyTorch's
+    /// `delAllUsersAndUnforkedOwners`): deletes every confirmed user without a pending
+    /// child, whatever handles the application still holds (`USER_DELETE` to each
+    /// owner), and drops this worker's own handles on the owner slots here, deleting
+    /// those no fork holds. The application's handles are then unknown here. Returns how
+    /// many users could not be released (pending, or with pending children); they are
+    /// in [`leaks`](Self::leaks). The runtime then waits, with a timeout, until
+    /// `num_owner_rrefs` is 0 and the machine is settled again (the owners have answered
+    /// every `USER_DELETE` and received those of the other workers).
+    pub fn release_all(&mut self, now: Instant) -> usize {
+        let forks: alloc::vec::Vec<ForkId> = self.users.keys().copied().collect();
+        let mut kept = 0;
+        for fork in forks {
+            if let Some(user) = self.users.get_mut(&fork) {
+                if user.confirmed && user.pending_children.is_empty() {
+                    user.handles = 0;
+                    self.maybe_delete_user(now, fork);
+                } else {
+                    kept += 1;
+                }
+            }
+        }
+        let owned: alloc::vec::Vec<RRefId> = self.owners.keys().copied().collect();
+        for rref in owned {
+            if let Some(slot) = self.owners.get_mut(&rref) {
+                slot.local_handles = 0;
+            }
+            self.maybe_delete_owner(rref);
+        }
+        kept
     }
 
     /// What is still unsettled, for the leak report at shutdown.

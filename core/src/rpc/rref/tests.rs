@@ -342,6 +342,23 @@ impl Net {
         }
     }
 
+    /// The application's handles on `w` are gone (released at shutdown): forget them
+    /// in the simulation and the model, then pump.
+    fn pump_forget(&mut self, w: WorkerId) {
+        self.held[idx(w)].clear();
+        for ((o, _), s) in self.model.slots.iter_mut() {
+            if *o == w {
+                s.1 = 0;
+            }
+        }
+        for ((o, _), u) in self.model.users.iter_mut() {
+            if *o == w && u.1 && u.3.is_empty() {
+                u.2 = 0;
+            }
+        }
+        self.pump();
+    }
+
     fn advance(&mut self, d: Duration) {
         self.now = self.now.saturating_add(d);
         for w in WORKERS {
@@ -666,6 +683,42 @@ fn duplicated_control_messages_are_idempotent() {
     net.drain();
     assert_eq!(net.deleted, [(B, h.rref)]);
     net.assert_empty();
+}
+
+#[test]
+fn graceful_shutdown_releases_what_the_application_still_holds() {
+    let mut net = Net::new();
+    let h = net.remote(A, B);
+    net.fork(A, h, C);
+    let own = net.remote(B, B);
+    net.clone_handle(A, 0);
+    // Not settled yet: the fork is pending, and releasing keeps what is pending.
+    assert!(!net.ctx[0].is_settled());
+    assert_eq!(net.ctx[0].release_all(net.now), 1);
+    assert!(matches!(
+        net.ctx[0].leaks().next(),
+        Some(Leak::PendingUser { owner: B, .. })
+    ));
+    net.drain();
+    for w in WORKERS {
+        assert!(net.ctx[idx(w)].is_settled());
+        net.ctx[idx(w)].release_all(net.now);
+        net.pump_forget(w);
+    }
+    net.drain();
+    let mut deleted = net.deleted.clone();
+    deleted.sort();
+    let mut want = [(B, h.rref), (B, own.rref)];
+    want.sort();
+    assert_eq!(deleted, want);
+    for w in WORKERS {
+        assert_eq!(net.ctx[idx(w)].debug_info(), DebugInfo::default());
+        assert_eq!(net.ctx[idx(w)].num_users(), 0);
+    }
+    assert!(matches!(
+        net.ctx[0].drop_handle(net.now, &h),
+        Err(RRefError::UnknownHandle { .. })
+    ));
 }
 
 #[test]
