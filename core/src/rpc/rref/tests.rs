@@ -897,3 +897,72 @@ proptest! {
         net.assert_empty();
     }
 }
+
+fn one_rref_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3usize, 0..4usize, 0..3usize).prop_map(|(a, h, b)| Op::Fork(a, h, b)),
+        1 => (0..3usize, 0..4usize).prop_map(|(a, h)| Op::Clone(a, h)),
+        3 => (0..3usize, 0..4usize).prop_map(|(a, h)| Op::Drop(a, h)),
+        6 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Deliver(a, b)),
+        1 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Duplicate(a, b)),
+        1 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Lose(a, b)),
+        2 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Starve(a, b)),
+        1 => (1..40u64).prop_map(Op::Advance),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// One RRef, forked along arbitrary chains between three workers, with the same
+    /// faults: a small state space, so deep orders (a fork reaching the owner before
+    /// the call that creates it, a parent's delete racing its child's request) are hit.
+    #[test]
+    fn model_one_rref(
+        to_self in any::<bool>(),
+        ops in proptest::collection::vec(one_rref_op(), 0..24),
+        late in (0..3usize, 0..3usize),
+    ) {
+        let mut net = Net::new();
+        // The machine is symmetric in the workers' ids, so A calling C (or itself)
+        // stands for every arrangement.
+        net.remote(A, if to_self { A } else { C });
+        for op in &ops {
+            net.apply(op);
+        }
+        // Let go of everything while one wire stays delayed to the very end.
+        for _ in 0..3 {
+            net.drop_all();
+            net.apply(&Op::Starve(late.0, late.1));
+        }
+        net.drain();
+        net.drop_all();
+        net.drain();
+        prop_assert_eq!(net.gave_up, 0);
+        net.assert_empty();
+    }
+}
+
+#[test]
+fn soak_many_rrefs_leave_every_table_empty() {
+    // 20,000 RRefs created, forked and dropped across three workers, in batches of 50
+    // left alive together, with every arrangement of caller, owner and child.
+    let mut net = Net::new();
+    for batch in 0..400u32 {
+        for i in 0..50u32 {
+            let n = batch * 50 + i;
+            let caller = WORKERS[(n % 3) as usize];
+            let owner = WORKERS[((n / 3) % 3) as usize];
+            let child = WORKERS[((n % 3 + 1 + (n / 9) % 2) % 3) as usize];
+            let h = net.remote(caller, owner);
+            net.fork(caller, h, child);
+        }
+        net.drop_all();
+        net.drain();
+        net.drop_all();
+        net.drain();
+    }
+    assert_eq!(net.model.values.len(), 20_000);
+    assert_eq!(net.deleted.len(), 20_000);
+    net.assert_empty();
+}
