@@ -35,7 +35,9 @@
 //!   again at `rpc_retry_duration * retry_backoff ^ attempt` after the previous try, at
 //!   most `max_retries` times ([`RetryOptions`]); then the machine gives up and says so
 //!   ([`RRefEvent::GaveUp`]). Every handler is idempotent: a duplicate or retried
-//!   message changes nothing and is acked again.
+//!   message changes nothing and is acked again. PyTorch resends only when the send
+//!   itself fails; here a message whose answer has not come by its retry time is sent
+//!   again too, which also covers a lost answer (a failed send simply goes unanswered).
 //!
 //! - **Graceful shutdown** ([`RRefContext::release_all`], PyTorch's
 //!   `delAllUsersAndUnforkedOwners`): once nothing is pending, every user left is
