@@ -966,3 +966,50 @@ fn soak_many_rrefs_leave_every_table_empty() {
     assert_eq!(net.deleted.len(), 20_000);
     net.assert_empty();
 }
+
+#[test]
+fn messages_and_fork_data_round_trip_through_postcard() {
+    let id = |w: WorkerId, n: u64| GloballyUniqueId {
+        created_on: w,
+        local_id: n,
+    };
+    let messages = [
+        RRefMessage::RemoteCall {
+            rref: id(A, 0),
+            fork: id(A, 1),
+        },
+        RRefMessage::RemoteRet {
+            rref: id(A, 0),
+            fork: id(A, 1),
+        },
+        RRefMessage::Control {
+            kind: ControlKind::ForkRequest,
+            rref: id(A, 0),
+            fork: id(B, u64::MAX),
+        },
+        RRefMessage::Ack {
+            kind: ControlKind::UserDelete,
+            rref: id(C, 7),
+            fork: id(B, 3),
+        },
+    ];
+    for m in messages {
+        let bytes = postcard::to_allocvec(&m).expect("encodes");
+        assert_eq!(postcard::from_bytes::<RRefMessage>(&bytes), Ok(m));
+        // A truncated message is an error, never a panic.
+        assert!(postcard::from_bytes::<RRefMessage>(&bytes[..bytes.len() - 1]).is_err());
+    }
+    let data = ForkData {
+        owner: B,
+        rref: id(A, 0),
+        fork: id(C, 9),
+        parent: C,
+    };
+    let bytes = postcard::to_allocvec(&data).expect("encodes");
+    assert_eq!(postcard::from_bytes::<ForkData>(&bytes), Ok(data));
+    assert!(postcard::from_bytes::<RRefMessage>(&[9, 0, 0]).is_err());
+    assert_eq!(
+        alloc::string::ToString::to_string(&ControlKind::ChildAccept),
+        "RREF_CHILD_ACCEPT"
+    );
+}
