@@ -6,7 +6,8 @@
 //! fork id unique to that copy. The owner deletes its value once no user and no local
 //! handle can reach it. The machine decides when that is, which control messages to send,
 //! and when to retry them; the runtime keeps the values (keyed by [`RRefId`]), moves the
-//! messages, and keeps time.
+//! messages, and keeps time. It does not fetch values (`to_here`), time out calls, or
+//! know what a handler is: those stay with the runtime's call table and handlers.
 //!
 //! # The rules (PyTorch's `docs/source/rpc/rref.rst`)
 //!
@@ -38,7 +39,9 @@
 //!   message changes nothing and is acked again. PyTorch resends only when the send
 //!   itself fails; here a message whose answer has not come by its retry time is sent
 //!   again too, which also covers a lost answer (a failed send simply goes unanswered).
-//!
+//! - **A fork that reaches the owner before the `RemoteCall` that creates its RRef**
+//!   (over another worker) makes an early slot ([`OwnerRRef::called`] false), which is
+//!   never deleted before the call arrives and counts its caller's fork.
 //! - **Graceful shutdown** ([`RRefContext::release_all`], PyTorch's
 //!   `delAllUsersAndUnforkedOwners`): once nothing is pending, every user left is
 //!   deleted whatever the application holds, and the owner drops its own handles.
