@@ -8,6 +8,7 @@
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
 //! | [`lending`] | when buffers lent to the peer (cma, xth) come back, and which replies are acked |
 //! | [`pipe`] | one pipe's protocol: which replies reach a call, what is acked, when lent buffers come back |
+//! | [`rref`] | the RRef reference-counting protocol: owners, users, forks, and when an owner value is deleted |
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
@@ -24,6 +25,7 @@ pub mod membership;
 pub mod metrics;
 pub mod name;
 pub mod pipe;
+pub mod rref;
 pub mod shutdown;
 pub mod store_keys;
 pub mod timeouts;
