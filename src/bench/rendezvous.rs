@@ -410,11 +410,13 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
         let wake = wake
             .unwrap_or(Duration::from_millis(100))
             .min(Duration::from_millis(100));
-        poll.poll(&mut events, Some(wake))
-            .map_err(|source| BenchError::Io {
+        // A signal's EINTR is a wake-up, not a failure (as in the other load generators).
+        super::conn::poll_events(&mut poll, &mut events, Some(wake)).map_err(|source| {
+            BenchError::Io {
                 what: "wait for socket events",
                 source,
-            })?;
+            }
+        })?;
         for event in &events {
             let i = event.token().0;
             let node = &mut nodes[i];
