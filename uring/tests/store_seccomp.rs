@@ -12,6 +12,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rdzv_uring::rpc::RpcOptions;
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{IoMode, ServerOptions, Store, StoreServer};
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
@@ -45,6 +46,7 @@ fn auto_falls_back_to_epoll_where_io_uring_is_refused() {
     });
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut probe = None;
+    let mut rpc = None;
     let (addr, io) = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx
@@ -54,6 +56,9 @@ fn auto_falls_back_to_epoll_where_io_uring_is_refused() {
         let after = |marker: &str| line.find(marker).map(|at| &line[at + marker.len()..]);
         if let Some(rest) = after("io_uring_setup under the filter: ") {
             probe = Some(rest.to_string());
+        }
+        if let Some(rest) = after("rpc under the filter: ") {
+            rpc = Some(rest.to_string());
         }
         if let Some(reason) = after("skipped: ") {
             // The kernel has no seccomp filters: nothing to test here.
@@ -73,6 +78,11 @@ fn auto_falls_back_to_epoll_where_io_uring_is_refused() {
         "the filter must refuse io_uring the way Docker's profile does"
     );
     assert_eq!(io, "epoll", "auto must fall back to epoll");
+    let rpc = rpc.unwrap_or_default();
+    assert!(
+        rpc.contains("this host refuses it") && rpc.contains("no epoll fallback"),
+        "init_rpc under the filter: {rpc}"
+    );
     let (host, port) = addr.rsplit_once(':').expect("host:port");
     let host = host.to_string();
     let port: u16 = port.parse().expect("port");
@@ -154,6 +164,17 @@ fn run_child() -> Result<(), String> {
         ..ServerOptions::default()
     })
     .map_err(|e| format!("start the server: {e}"))?;
+    // The RPC agent has no epoll fallback: init_rpc must say so, not fail obscurely.
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let url = format!("file://{}", dir.path().join("store").display());
+    let rpc = match rdzv_uring::rpc::init_rpc("solo", 0, Some(1), RpcOptions::new(&url)) {
+        Ok(agent) => {
+            let _ = agent.shutdown(false);
+            "started".to_string()
+        }
+        Err(e) => e.to_string(),
+    };
+    println!("rpc under the filter: {}", rpc.replace('\n', " "));
     println!(
         "listening on {} io={}",
         server.local_addr(),

@@ -1038,11 +1038,29 @@ fn run_job(shared: &Shared, job: Job) {
     responder.respond(shared, ctx.message_id, result);
 }
 
+/// `Some(reason)` when this host refuses io_uring, which the I/O thread's glommio
+/// executor needs (glommio panics there rather than returning an error): the store
+/// server falls back to epoll on such hosts, the agent's I/O thread has no fallback yet.
+fn io_uring_refused() -> Option<String> {
+    match crate::server::io_mode::probe_io_uring() {
+        Ok(Err(refusal)) => Some(format!(
+            "the RPC agent's I/O thread runs on io_uring, and this host refuses it ({}); \
+             allow io_uring_setup (e.g. a seccomp profile that permits it) to run the agent \
+             here; unlike the store server (`--io epoll`), the agent has no epoll fallback yet",
+            refusal.0
+        )),
+        _ => None,
+    }
+}
+
 fn spawn_io(
     shared: &Arc<Shared>,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
+    if let Some(reason) = io_uring_refused() {
+        return Err(RpcError::Executor(reason));
+    }
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
     let shared = Arc::clone(shared);
     let name = format!("rdzv-rpc-io-{}", shared.me.name());

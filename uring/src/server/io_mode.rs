@@ -49,7 +49,7 @@ impl std::fmt::Display for IoMode {
 
 /// Why io_uring cannot be used here.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Refusal(pub(super) String);
+pub(crate) struct Refusal(pub(crate) String);
 
 /// Whether the errno of a failed `io_uring_setup` means "not here" (fall back) rather
 /// than a fault to report.
@@ -68,7 +68,7 @@ fn disabled_sysctl() -> Option<u32> {
 
 /// Asks the kernel for a small ring. `Ok(Ok(()))`: io_uring works; `Ok(Err(refusal))`:
 /// this host refuses it (fall back); `Err`: it failed for another reason.
-pub(super) fn probe_io_uring() -> io::Result<Result<(), Refusal>> {
+pub(crate) fn probe_io_uring() -> io::Result<Result<(), Refusal>> {
     let sysctl = disabled_sysctl();
     if sysctl == Some(2) {
         return Ok(Err(Refusal(

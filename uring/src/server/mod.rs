@@ -23,7 +23,7 @@ pub mod capacity;
 mod conn;
 mod direct;
 mod epoll;
-mod io_mode;
+pub(crate) mod io_mode;
 pub mod listener;
 mod metrics;
 mod session;
