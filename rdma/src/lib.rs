@@ -49,12 +49,22 @@
 //! - CUDA channels exist ([`cuda::basic`], [`cuda::xth`], [`cuda::ipc`], and the
 //!   registration half of [`cuda::gdr`]) but are not yet plugged into the RPC agent; the
 //!   GPUDirect RDMA data path over [`ibv`] queue pairs is not written.
+//!
+//! # Where the `unsafe` code is
+//!
+//! Only in `sys` (not public): `sys::ibv` (libibverbs, re-exported as [`ibv::sys`]) and
+//! `sys::cuda` (the CUDA driver calls; its types are re-exported by [`cuda::memory`]).
+//! Every other module is built under `#![deny(unsafe_code)]` and uses their safe
+//! wrappers.
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 pub mod cuda;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ibv;
 mod report;
+#[allow(unsafe_code)]
+mod sys;
 
 pub use report::ViabilityReport;

@@ -67,7 +67,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::safe::CudaStream;
-use cudarc::driver::sys;
 use rdzv_core::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_core::device::{Device, DeviceType};
@@ -86,7 +85,8 @@ use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::ipc_mappings::{IpcMappings, MappingKey, MappingOpener};
 use super::memory::{
-    copy_to_host_async, DeviceAllocation, DeviceRange, Gpu, PinnedHostBuffer, RawEvent,
+    copy_unified_async, DeviceAllocation, DeviceRange, DeviceSource, Gpu, IpcMapping, RawEvent,
+    StagingBuffer,
 };
 use super::viability::{self, ChannelVerdict, CudaChannel};
 use super::PeerMemory;
@@ -387,8 +387,10 @@ impl CudaRuntime {
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
+                // Only read: the lender holds the memory until this side answered.
+                let src = DeviceSource::named_by_peer(lent.address, memory.len());
                 state
-                    .copy_device(memory.range().ptr(), lent.address, memory.len())
+                    .copy_device(memory.range(), src)
                     .map_err(|e| ErrorChain(&e).to_string())?;
                 Ok(DeviceBuffer::new(memory))
             }
@@ -410,7 +412,7 @@ impl CudaRuntime {
                 }
                 let copy = |mapping: &OpenedHandle| -> Result<(), CudaChannelError> {
                     let src = mapping.holding(offset, memory.len())?;
-                    state.copy_device(memory.range().ptr(), src, memory.len())
+                    state.copy_device(memory.range(), src)
                 };
                 let copied = match pipe {
                     Some(pipe) => {
@@ -458,7 +460,7 @@ impl CudaRuntime {
 struct DeviceState {
     device: Device,
     mappings: Mutex<IpcMappings<DriverOpener>>,
-    staging: Mutex<Vec<StagingSlot>>,
+    staging: Mutex<Vec<StagingBuffer>>,
     pinned: CachingAllocator<PinnedBacking>,
     events: Mutex<Vec<RawEvent>>,
     streams: Vec<Arc<CudaStream>>,
@@ -478,12 +480,6 @@ impl std::fmt::Debug for DeviceState {
             .field("streams", &self.streams.len())
             .finish_non_exhaustive()
     }
-}
-
-/// A pinned staging buffer and the event that says when its last copy is done.
-struct StagingSlot {
-    buffer: PinnedHostBuffer,
-    event: RawEvent,
 }
 
 impl DeviceState {
@@ -566,49 +562,35 @@ impl DeviceState {
         waited
     }
 
-    /// Copies `len` bytes from `src` (any device memory the driver can address: this
-    /// device's, another device's, an opened IPC mapping) into `dst` (this device's), and
-    /// waits for the copy.
+    /// Copies `src` (any device memory the driver can address: this device's, another
+    /// device's, an opened IPC mapping, held by the caller until this returns) into `dst`
+    /// (this device's, as long), and waits for the copy.
     fn copy_device(
         &self,
-        dst: sys::CUdeviceptr,
-        src: sys::CUdeviceptr,
-        len: usize,
+        dst: DeviceRange<'_>,
+        src: DeviceSource<'_>,
     ) -> Result<(), CudaChannelError> {
-        if len == 0 {
+        if src.is_empty() {
             return Ok(());
         }
-        let ordinal = self.gpu.ordinal();
-        self.on_stream_and_wait(|stream| {
-            // SAFETY: `dst` is a live allocation of at least `len` bytes on this device;
-            // `src` is mapped for `len` bytes (a lent allocation kept alive by its loan, or
-            // an opened IPC mapping held by the caller until this returns). Unified
-            // addressing lets the driver find both devices. The caller waits for the copy
-            // before either is released.
-            unsafe { sys::cuMemcpyAsync(dst, src, len, stream.cu_stream()) }
-                .result()
-                .map_err(CudaChannelError::driver("cuMemcpyAsync", ordinal))
-        })
+        self.on_stream_and_wait(|stream| copy_unified_async(dst, src, stream))
     }
 
     /// `count` staging slots (made now if the pool has fewer idle).
-    fn take_slots(&self, count: usize) -> Result<Vec<StagingSlot>, CudaChannelError> {
-        let mut slots: Vec<StagingSlot> = {
+    fn take_slots(&self, count: usize) -> Result<Vec<StagingBuffer>, CudaChannelError> {
+        let mut slots: Vec<StagingBuffer> = {
             let mut idle = lock(&self.staging);
             let keep = idle.len().saturating_sub(count);
             idle.split_off(keep)
         };
         while slots.len() < count {
-            slots.push(StagingSlot {
-                buffer: PinnedHostBuffer::new(&self.gpu, self.chunk)?,
-                event: RawEvent::new(&self.gpu, false)?,
-            });
+            slots.push(StagingBuffer::new(&self.gpu, self.chunk)?);
         }
         Ok(slots)
     }
 
     /// Puts slots back (their copies were waited for).
-    fn give_back(&self, slots: Vec<StagingSlot>) {
+    fn give_back(&self, slots: Vec<StagingBuffer>) {
         lock(&self.staging).extend(slots);
     }
 
@@ -653,8 +635,13 @@ impl DeviceState {
                 return Ok(None);
             }
         };
-        let copied =
-            self.on_stream_and_wait(|stream| copy_to_host_async(block.block_mut(), src, stream));
+        // The block's own event orders the wait: only this stream's work up to here.
+        let copied = self.gpu.bind().and_then(|()| {
+            let stream = self.stream();
+            let staged = block.block_mut();
+            staged.download(src.source(), stream)?;
+            staged.wait()
+        });
         match copied {
             Ok(()) => Ok(Some(PinnedBytes {
                 block,
@@ -697,41 +684,39 @@ impl DeviceState {
     /// After a staged copy: on success the slots are idle and go back to the pool; after
     /// an error a copy may still use one, so each is waited for first (and dropped if
     /// that fails too).
-    fn finish_slots(&self, slots: Vec<StagingSlot>, result: &Result<(), CudaChannelError>) {
+    fn finish_slots(&self, slots: Vec<StagingBuffer>, result: &Result<(), CudaChannelError>) {
         if result.is_ok() {
             self.give_back(slots);
             return;
         }
-        let idle: Vec<StagingSlot> = slots
+        let idle: Vec<StagingBuffer> = slots
             .into_iter()
-            .filter(|slot| slot.event.synchronize().is_ok())
+            .filter_map(|mut slot| slot.wait().is_ok().then_some(slot))
             .collect();
         self.give_back(idle);
     }
 }
 
 /// A staged copy's driver side: pinned slots, the device range, asynchronous copies on
-/// the device's streams, one event per slot.
+/// the device's streams, one event per slot (the slot's own).
 struct DriverStaging<'a, 'r> {
     state: &'a DeviceState,
-    slots: &'a mut [StagingSlot],
+    slots: &'a mut [StagingBuffer],
     device: DeviceRange<'r>,
 }
 
-impl DriverStaging<'_, '_> {
-    /// The slot and the device address of `[offset, offset + len)`, checked.
+impl<'r> DriverStaging<'_, 'r> {
+    /// The slot and the device range `[offset, offset + len)`, checked.
     fn place(
-        &self,
+        &mut self,
         buffer: usize,
         offset: usize,
         len: usize,
-    ) -> Result<(&StagingSlot, sys::CUdeviceptr), CudaChannelError> {
-        let slot = self
-            .slots
-            .get(buffer)
-            .filter(|slot| len <= slot.buffer.len());
-        match (slot, self.device.slice(offset, len)) {
-            (Some(slot), Some(range)) => Ok((slot, range.ptr())),
+    ) -> Result<(&mut StagingBuffer, DeviceRange<'r>), CudaChannelError> {
+        let range = self.device.slice(offset, len);
+        let slot = self.slots.get_mut(buffer).filter(|slot| len <= slot.len());
+        match (slot, range) {
+            (Some(slot), Some(range)) => Ok((slot, range)),
             _ => Err(CudaChannelError::protocol(
                 "cuda_basic staging plan",
                 format!("{len} bytes at {offset} do not fit buffer {buffer} or the tensor"),
@@ -749,17 +734,11 @@ impl StagingCopies for DriverStaging<'_, '_> {
         offset: usize,
         len: usize,
     ) -> Result<(), CudaChannelError> {
-        let ordinal = self.state.gpu.ordinal();
-        let (slot, src) = self.place(buffer, offset, len)?;
         let stream = self.state.stream();
-        // SAFETY: the slot's pinned buffer holds at least `len` bytes and no copy uses it
-        // (the plan waited for its previous one); `src` is `len` bytes of this device's
-        // memory, alive for the whole staged copy. The buffer is read only after the
-        // slot's event, recorded next, completed.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(slot.buffer.as_ptr(), src, len, stream.cu_stream()) }
-            .result()
-            .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
-        slot.event.record(stream)
+        let (slot, src) = self.place(buffer, offset, len)?;
+        // The tensor stays alive for the whole staged copy; the slot's bytes are fenced
+        // by its event until the plan waited for it.
+        slot.download(src.source(), stream)
     }
 
     fn start_to_device(
@@ -768,21 +747,14 @@ impl StagingCopies for DriverStaging<'_, '_> {
         offset: usize,
         len: usize,
     ) -> Result<(), CudaChannelError> {
-        let ordinal = self.state.gpu.ordinal();
-        let (slot, dst) = self.place(buffer, offset, len)?;
         let stream = self.state.stream();
-        // SAFETY: the slot's pinned buffer holds this chunk's `len` bytes and is not
-        // written again until its event, recorded next, completed; `dst` is `len` bytes
-        // of this device's memory, alive for the whole staged copy.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, slot.buffer.as_ptr(), len, stream.cu_stream()) }
-            .result()
-            .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
-        slot.event.record(stream)
+        let (slot, dst) = self.place(buffer, offset, len)?;
+        slot.upload(dst, stream)
     }
 
     fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
-        match self.slots.get(buffer) {
-            Some(slot) => slot.event.synchronize(),
+        match self.slots.get_mut(buffer) {
+            Some(slot) => slot.wait(),
             None => Err(CudaChannelError::protocol(
                 "cuda_basic staging plan",
                 format!("no buffer {buffer}"),
@@ -791,10 +763,10 @@ impl StagingCopies for DriverStaging<'_, '_> {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        match self.slots.get_mut(buffer) {
-            Some(slot) => slot.buffer.as_mut_slice(),
-            None => &mut [],
-        }
+        self.slots
+            .get_mut(buffer)
+            .and_then(StagingBuffer::bytes_mut)
+            .unwrap_or_default()
     }
 }
 
@@ -810,8 +782,8 @@ impl StagedBytes for PinnedBytes {
         // The block is at least `len` long (its size class); its copy was waited for.
         self.block
             .block()
-            .as_slice()
-            .get(..self.len)
+            .bytes()
+            .and_then(|bytes| bytes.get(..self.len))
             .unwrap_or_default()
     }
 }
@@ -822,11 +794,11 @@ struct PinnedBacking {
 }
 
 impl BackingAllocator for PinnedBacking {
-    type Block = PinnedHostBuffer;
+    type Block = StagingBuffer;
     type Error = CudaChannelError;
 
-    fn allocate(&mut self, len: usize) -> Result<PinnedHostBuffer, CudaChannelError> {
-        PinnedHostBuffer::new(&self.gpu, len)
+    fn allocate(&mut self, len: usize) -> Result<StagingBuffer, CudaChannelError> {
+        StagingBuffer::new(&self.gpu, len)
     }
 }
 
@@ -834,7 +806,7 @@ impl BackingAllocator for PinnedBacking {
 /// the fresh memory the tensor lands in.
 struct OwnedStaging {
     state: Arc<DeviceState>,
-    slots: Vec<StagingSlot>,
+    slots: Vec<StagingBuffer>,
     memory: CudaMemory,
 }
 
@@ -877,10 +849,10 @@ impl StagingCopies for OwnedStaging {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        match self.slots.get_mut(buffer) {
-            Some(slot) => slot.buffer.as_mut_slice(),
-            None => &mut [],
-        }
+        self.slots
+            .get_mut(buffer)
+            .and_then(StagingBuffer::bytes_mut)
+            .unwrap_or_default()
     }
 }
 
@@ -1188,8 +1160,7 @@ impl DeviceRuntime for CudaRuntime {
 
 /// A peer's allocation mapped into this process by `cuIpcOpenMemHandle`, closed on drop.
 struct OpenedHandle {
-    gpu: Gpu,
-    base: sys::CUdeviceptr,
+    mapping: IpcMapping,
     /// The mapped allocation's length.
     len: usize,
 }
@@ -1197,64 +1168,31 @@ struct OpenedHandle {
 impl OpenedHandle {
     /// Opens `handle` on `gpu` and reads how much it maps.
     fn open(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<Self, CudaChannelError> {
-        gpu.bind()?;
-        let base = super::ipc::open_mem_handle(handle, gpu.ordinal())?;
-        let mut opened = OpenedHandle {
-            gpu: gpu.clone(),
-            base,
-            len: 0,
-        };
-        let mut mapped_base: sys::CUdeviceptr = 0;
-        let mut mapped_len: usize = 0;
-        // SAFETY: `base` is a live mapping; the driver writes into two live locals.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut mapped_base, &mut mapped_len, base) }
-            .result()
-            .map_err(CudaChannelError::driver(
-                "cuMemGetAddressRange",
-                gpu.ordinal(),
-            ))?;
-        if mapped_base != base {
+        let mapping = IpcMapping::open(gpu, handle)?;
+        if !mapping.starts_its_allocation() {
             return Err(CudaChannelError::protocol(
                 "cuda_ipc descriptor",
                 "its handle maps to the middle of an allocation",
             ));
         }
-        opened.len = mapped_len;
-        Ok(opened)
+        let len = mapping.len();
+        Ok(OpenedHandle { mapping, len })
     }
 
-    /// The address of `[offset, offset + len)` in the mapping, checked against what it
-    /// maps: never trust the peer's geometry.
-    fn holding(&self, offset: usize, len: usize) -> Result<sys::CUdeviceptr, CudaChannelError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(self.base + offset as u64),
-            _ => Err(CudaChannelError::protocol(
+    /// `[offset, offset + len)` of the mapping, checked against what it maps: never
+    /// trust the peer's geometry.
+    fn holding(&self, offset: usize, len: usize) -> Result<DeviceSource<'_>, CudaChannelError> {
+        self.mapping.source().slice(offset, len).ok_or_else(|| {
+            CudaChannelError::protocol(
                 "cuda_ipc descriptor",
                 format!(
                     "it lends {len} bytes at offset {offset} of an allocation of {}",
                     self.len
                 ),
-            )),
-        }
+            )
+        })
     }
 }
-
-impl Drop for OpenedHandle {
-    fn drop(&mut self) {
-        if self.gpu.bind().is_ok() {
-            // SAFETY: `base` came from `cuIpcOpenMemHandle` in this device's context and is
-            // closed once; every copy out of it was waited for (a copy holds the mapping
-            // until its event completed).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
-        }
-    }
-}
-
-// SAFETY: a mapped device address is valid from any thread once the context is current,
-// which `Drop` ensures; the struct is otherwise plain data.
-unsafe impl Send for OpenedHandle {}
-// SAFETY: shared access only reads the fields.
-unsafe impl Sync for OpenedHandle {}
 
 /// Where a [`CudaMemory`]'s bytes live.
 #[derive(Debug)]
@@ -1313,16 +1251,7 @@ impl CudaMemory {
         if self.len == 0 {
             return Ok(bytes);
         }
-        let allocation = self.allocation();
-        allocation.gpu().bind()?;
-        // SAFETY: the range is `len` bytes of a live allocation of the current context;
-        // `bytes` is an exclusively borrowed host slice of that length; the call is
-        // synchronous.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut bytes, self.range().ptr()) }
-            .map_err(CudaChannelError::driver(
-                "cuMemcpyDtoH",
-                allocation.gpu().ordinal(),
-            ))?;
+        self.allocation().copy_prefix_to_host(&mut bytes)?;
         Ok(bytes)
     }
 

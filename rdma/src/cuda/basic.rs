@@ -13,11 +13,10 @@
 //! retry: an error leaves the byte channel in an unknown state and the pipe must be closed.
 
 use cudarc::driver::safe::CudaStream;
-use cudarc::driver::sys;
 
 use super::byte_channel::ByteChannel;
 use super::channel_error::CudaChannelError;
-use super::memory::{DeviceRange, Gpu, PinnedHostBuffer, RawEvent};
+use super::memory::{DeviceRange, Gpu, StagingBuffer};
 use super::staging::{self, StagingSide};
 
 /// Size and number of the staging slots of one direction.
@@ -57,8 +56,7 @@ impl Default for PoolConfig {
 #[derive(Debug)]
 pub struct PinnedPool {
     gpu: Gpu,
-    slots: Vec<PinnedHostBuffer>,
-    events: Vec<RawEvent>,
+    slots: Vec<StagingBuffer>,
     slot_len: usize,
 }
 
@@ -66,16 +64,12 @@ impl PinnedPool {
     /// Allocates the pool on `gpu`.
     pub fn new(gpu: &Gpu, config: PoolConfig) -> Result<PinnedPool, CudaChannelError> {
         let config = config.validate()?;
-        let mut slots = Vec::with_capacity(config.slots);
-        let mut events = Vec::with_capacity(config.slots);
-        for _ in 0..config.slots {
-            slots.push(PinnedHostBuffer::new(gpu, config.slot_len)?);
-            events.push(RawEvent::new(gpu, false)?);
-        }
+        let slots = (0..config.slots)
+            .map(|_| StagingBuffer::new(gpu, config.slot_len))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(PinnedPool {
             gpu: gpu.clone(),
             slots,
-            events,
             slot_len: config.slot_len,
         })
     }
@@ -89,19 +83,6 @@ impl PinnedPool {
     pub fn slot_len(&self) -> usize {
         self.slot_len
     }
-
-    /// Waits for every slot's last copy (before the pool may be dropped or reused).
-    fn drain(&self) -> Result<(), CudaChannelError> {
-        self.events.iter().try_for_each(RawEvent::synchronize)
-    }
-}
-
-impl Drop for PinnedPool {
-    fn drop(&mut self) {
-        // A failed transfer may leave copies in flight into pinned memory that is about to
-        // be freed: wait for them first.
-        let _ = self.drain();
-    }
 }
 
 /// The pool bound to one device buffer and stream for one transfer.
@@ -111,39 +92,26 @@ struct BoundPool<'p, 's, 'd> {
     device: DeviceRange<'d>,
 }
 
-impl BoundPool<'_, '_, '_> {
-    fn device_ptr(&self, offset: usize, len: usize) -> Result<sys::CUdeviceptr, CudaChannelError> {
-        self.device
-            .slice(offset, len)
-            .map(|r| r.ptr())
-            .ok_or_else(|| {
-                CudaChannelError::protocol(
-                    "cuda_basic chunk",
-                    format!(
-                        "{len} bytes at {offset} exceed the {}-byte device buffer",
-                        self.device.len()
-                    ),
-                )
-            })
+impl<'d> BoundPool<'_, '_, 'd> {
+    fn device_range(&self, offset: usize, len: usize) -> Result<DeviceRange<'d>, CudaChannelError> {
+        self.device.slice(offset, len).ok_or_else(|| {
+            CudaChannelError::protocol(
+                "cuda_basic chunk",
+                format!(
+                    "{len} bytes at {offset} exceed the {}-byte device buffer",
+                    self.device.len()
+                ),
+            )
+        })
     }
 
-    fn slot(&mut self, slot: usize, len: usize) -> Result<&mut PinnedHostBuffer, CudaChannelError> {
+    fn slot(&mut self, slot: usize, len: usize) -> Result<&mut StagingBuffer, CudaChannelError> {
         let slot_len = self.pool.slot_len;
         match self.pool.slots.get_mut(slot) {
             Some(buffer) if len <= slot_len => Ok(buffer),
             _ => Err(CudaChannelError::protocol(
                 "cuda_basic chunk",
                 format!("slot {slot} cannot hold {len} bytes"),
-            )),
-        }
-    }
-
-    fn record(&self, slot: usize) -> Result<(), CudaChannelError> {
-        match self.pool.events.get(slot) {
-            Some(event) => event.record(self.stream),
-            None => Err(CudaChannelError::protocol(
-                "cuda_basic chunk",
-                format!("no slot {slot}"),
             )),
         }
     }
@@ -164,19 +132,11 @@ impl StagingSide for BoundPool<'_, '_, '_> {
         offset: usize,
         len: usize,
     ) -> Result<(), CudaChannelError> {
-        let src = self.device_ptr(offset, len)?;
-        let stream = self.stream.cu_stream();
-        let ordinal = self.pool.gpu.ordinal();
-        let dst = self.slot(slot, len)?.as_ptr();
-        self.pool.gpu.bind()?;
-        // SAFETY: `src..src+len` lies inside the borrowed device range (checked above);
-        // `dst` is a pinned slot of at least `len` bytes that the pipeline does not touch
-        // until it has waited on the slot's event, recorded right after this copy; the
-        // pool outlives the copy (its drop waits on the events).
-        unsafe { sys::cuMemcpyDtoHAsync_v2(dst, src, len, stream) }
-            .result()
-            .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
-        self.record(slot)
+        // The slot is not touched until the pipeline waited for it (`wait_slot`), and
+        // the pool outlives the copy (a slot's drop waits for it).
+        let src = self.device_range(offset, len)?.source();
+        let stream = self.stream;
+        self.slot(slot, len)?.download(src, stream)
     }
 
     fn start_upload(
@@ -185,29 +145,27 @@ impl StagingSide for BoundPool<'_, '_, '_> {
         offset: usize,
         len: usize,
     ) -> Result<(), CudaChannelError> {
-        let dst = self.device_ptr(offset, len)?;
-        let stream = self.stream.cu_stream();
-        let ordinal = self.pool.gpu.ordinal();
-        let src = self.slot(slot, len)?.as_ptr();
-        self.pool.gpu.bind()?;
-        // SAFETY: as in `start_download`, with the roles of the two buffers swapped; the
-        // slot is not rewritten before its event (recorded next) has been waited on.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, len, stream) }
-            .result()
-            .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
-        self.record(slot)
+        let dst = self.device_range(offset, len)?;
+        let stream = self.stream;
+        self.slot(slot, len)?.upload(dst, stream)
     }
 
     fn wait_slot(&mut self, slot: usize) -> Result<(), CudaChannelError> {
-        match self.pool.events.get(slot) {
-            Some(event) => event.synchronize(),
+        match self.pool.slots.get_mut(slot) {
+            Some(buffer) => buffer.wait(),
             None => Ok(()),
         }
     }
 
     fn slot_bytes(&mut self, slot: usize, len: usize) -> Result<&mut [u8], CudaChannelError> {
         let buffer = self.slot(slot, len)?;
-        Ok(&mut buffer.as_mut_slice()[..len])
+        buffer.wait()?;
+        buffer
+            .bytes_mut()
+            .and_then(|bytes| bytes.get_mut(..len))
+            .ok_or_else(|| {
+                CudaChannelError::protocol("cuda_basic chunk", format!("slot {slot} is busy"))
+            })
     }
 }
 

@@ -8,9 +8,8 @@
 
 use std::io;
 
-use cudarc::driver::result::DriverError;
-
 use super::CudaNotViable;
+use crate::sys::cuda::DriverCode;
 
 /// A failed CUDA channel operation.
 #[derive(Debug, thiserror::Error)]
@@ -26,9 +25,9 @@ pub enum CudaChannelError {
         call: &'static str,
         /// Ordinal of the device whose context was current.
         device: usize,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// The CPU channel underneath failed.
     #[error("the CPU channel failed while {action}")]
@@ -98,12 +97,16 @@ pub enum CudaChannelError {
 }
 
 impl CudaChannelError {
-    /// A `Driver` error for `call` on `device`.
-    pub(crate) fn driver(call: &'static str, device: usize) -> impl FnOnce(DriverError) -> Self {
+    /// A `Driver` error for `call` on `device` (from cudarc's `DriverError` or a
+    /// [`DriverCode`]).
+    pub(crate) fn driver<E: Into<DriverCode>>(
+        call: &'static str,
+        device: usize,
+    ) -> impl FnOnce(E) -> Self {
         move |source| CudaChannelError::Driver {
             call,
             device,
-            source,
+            source: source.into(),
         }
     }
 
@@ -124,6 +127,8 @@ impl CudaChannelError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::ErrorChain;
+    use cudarc::driver::result::DriverError;
     use cudarc::driver::sys::CUresult;
 
     #[test]
@@ -132,6 +137,27 @@ mod tests {
             CUresult::CUDA_ERROR_INVALID_VALUE,
         ));
         assert_eq!(err.to_string(), "cuMemcpyDtoHAsync failed on CUDA device 3");
+        // The whole chain names the code and what to do, without calling the driver
+        // (there is none on most test hosts).
+        let chain = ErrorChain(&err).to_string();
+        assert!(
+            chain.starts_with(
+                "cuMemcpyDtoHAsync failed on CUDA device 3: CUDA_ERROR_INVALID_VALUE: "
+            ),
+            "{chain}"
+        );
+        assert!(
+            chain.contains("check the tensor's device and size"),
+            "{chain}"
+        );
+        let err = CudaChannelError::driver("cuMemAlloc", 0)(DriverCode(
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ));
+        assert!(
+            ErrorChain(&err).to_string().contains("RDZV_CUDA_CACHE_CAP"),
+            "{}",
+            ErrorChain(&err)
+        );
         let err = CudaChannelError::LengthMismatch {
             sent: 10,
             expected: 12,

@@ -23,19 +23,17 @@
 //! requests with the registration's keys on its own verbs connection. It has not been run
 //! against a GPU and NIC (none on the development hosts); only its decision logic is tested.
 
-use std::ffi::c_void;
 use std::fmt;
 use std::io;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-use cudarc::driver::result::DriverError;
-use cudarc::driver::sys;
+use cudarc::driver::sys::CUresult;
 
-use super::memory::{DeviceRange, Gpu};
+use super::memory::{DeviceRange, DriverCode, Gpu};
 use super::{yes_no, CudaDevice, DriverVersion, PeerMemory};
 use crate::ibv::regcache::RegistrationCache;
 use crate::ibv::sys::{AccessFlags, MemoryRegion, ProtectionDomain};
+use crate::sys::cuda::{page_size, AllocationExtent};
 
 /// The first driver with `cuMemGetHandleForAddressRange` for dma-buf (CUDA 11.7).
 pub const DMA_BUF_MIN_DRIVER: DriverVersion = DriverVersion(11070);
@@ -193,9 +191,9 @@ pub enum GdrError {
         ptr: u64,
         /// Length of the range.
         len: u64,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// A verbs registration failed.
     #[error("{verb} failed for [{ptr:#x}, +{len}) ({path})")]
@@ -294,11 +292,14 @@ impl GdrRegistrar {
         if let Some(hit) = self.cache.lookup(buffer.ptr(), buffer.len() as u64) {
             return Ok(Arc::clone(hit));
         }
-        let (base, len) = self.allocation_range(buffer)?;
-        let registration = Arc::new(self.register_range(base, len)?);
+        let extent = self.allocation_range(buffer)?;
+        let registration = Arc::new(self.register_range(extent)?);
         // Displaced registrations are dropped here; work requests using them hold their
         // own `Arc`.
-        drop(self.cache.insert(base, len, Arc::clone(&registration)));
+        drop(
+            self.cache
+                .insert(extent.base(), extent.len(), Arc::clone(&registration)),
+        );
         Ok(registration)
     }
 
@@ -313,7 +314,7 @@ impl GdrRegistrar {
         self.cache.len()
     }
 
-    fn allocation_range(&self, buffer: DeviceRange<'_>) -> Result<(u64, u64), GdrError> {
+    fn allocation_range(&self, buffer: DeviceRange<'_>) -> Result<AllocationExtent, GdrError> {
         let driver_err = |source| GdrError::Driver {
             call: "cuMemGetAddressRange",
             device: self.gpu.ordinal(),
@@ -323,19 +324,14 @@ impl GdrRegistrar {
         };
         self.gpu
             .bind()
-            .map_err(|_| driver_err(DriverError(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT)))?;
-        let mut base: sys::CUdeviceptr = 0;
-        let mut size: usize = 0;
-        // SAFETY: the driver writes one address and one size through live locals.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, buffer.ptr()) }
-            .result()
-            .map_err(driver_err)?;
-        Ok((base, size as u64))
+            .map_err(|_| driver_err(DriverCode(CUresult::CUDA_ERROR_INVALID_CONTEXT)))?;
+        AllocationExtent::of(buffer).map_err(driver_err)
     }
 
-    fn register_range(&self, base: u64, len: u64) -> Result<GdrRegistration, GdrError> {
+    fn register_range(&self, extent: AllocationExtent) -> Result<GdrRegistration, GdrError> {
+        let (base, len) = (extent.base(), extent.len());
         if self.path == GdrPath::DmaBuf {
-            match self.register_dma_buf(base, len) {
+            match self.register_dma_buf(extent) {
                 Ok(mr) => {
                     return Ok(GdrRegistration {
                         mr,
@@ -355,19 +351,16 @@ impl GdrRegistrar {
                 Err(err) => return Err(err),
             }
         }
-        let usize_len = usize::try_from(len).map_err(|_| GdrError::Empty)?;
-        // SAFETY: `[base, base + len)` is a live `cuMemAlloc` allocation (from
-        // `cuMemGetAddressRange` on a borrowed buffer); with a peer-memory module the
-        // kernel pins the GPU pages behind it. The MR keeps the PD alive.
-        let mr = unsafe { self.pd.reg_mr(base, usize_len, self.access) }.map_err(|source| {
-            GdrError::Register {
+        usize::try_from(len).map_err(|_| GdrError::Empty)?;
+        let mr = extent
+            .register_peer_memory(&self.pd, self.access)
+            .map_err(|source| GdrError::Register {
                 verb: "ibv_reg_mr",
                 path: GdrPath::PeerMemory,
                 ptr: base,
                 len,
                 source,
-            }
-        })?;
+            })?;
         Ok(GdrRegistration {
             mr,
             path: GdrPath::PeerMemory,
@@ -376,61 +369,34 @@ impl GdrRegistrar {
         })
     }
 
-    fn register_dma_buf(&self, base: u64, len: u64) -> Result<MemoryRegion, GdrError> {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        let page = u64::try_from(page).unwrap_or(4096);
-        let range = dma_buf_range(base, len, page)?;
+    fn register_dma_buf(&self, extent: AllocationExtent) -> Result<MemoryRegion, GdrError> {
+        let (base, len) = (extent.base(), extent.len());
+        let range = dma_buf_range(base, len, page_size())?;
         let export_len = usize::try_from(range.export_len).map_err(|_| GdrError::Empty)?;
         let reg_len = usize::try_from(range.len).map_err(|_| GdrError::Empty)?;
-        let mut fd: RawFd = -1;
-        // SAFETY: the driver writes one file descriptor (an `int`) through the pointer, a
-        // live local; the exported range is page-aligned as the call requires and lies in
-        // an allocation of this context (made current by `allocation_range`).
-        unsafe {
-            sys::cuMemGetHandleForAddressRange(
-                (&mut fd as *mut RawFd).cast::<c_void>(),
-                range.export_start,
-                export_len,
-                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        }
-        .result()
-        .map_err(|source| GdrError::Driver {
-            call: "cuMemGetHandleForAddressRange",
-            device: self.gpu.ordinal(),
-            ptr: range.export_start,
-            len: range.export_len,
-            source,
-        })?;
-        if fd < 0 {
-            return Err(GdrError::Driver {
+        // The exported range is page-aligned as the call requires, in an allocation of
+        // this context (made current by `allocation_range`).
+        let dma_buf = extent
+            .export_dma_buf(range.export_start, export_len)
+            .map_err(|source| GdrError::Driver {
                 call: "cuMemGetHandleForAddressRange",
                 device: self.gpu.ordinal(),
                 ptr: range.export_start,
                 len: range.export_len,
-                source: DriverError(sys::CUresult::CUDA_ERROR_INVALID_HANDLE),
-            });
-        }
-        // SAFETY: the driver just created `fd` for us; nobody else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: `fd` is a dma-buf for `[export_start, export_start + export_len)`, which
-        // contains `[offset, offset + len)`; `iova` has the page offset of `offset`. The
-        // kernel takes its own reference on the dma-buf, so `fd` may be closed afterwards
-        // (as NCCL does), which dropping `OwnedFd` does.
-        let mr = unsafe {
-            self.pd
-                .reg_dmabuf_mr(range.offset, reg_len, range.iova, fd.as_fd(), self.access)
-        }
-        .map_err(|source| GdrError::Register {
-            verb: "ibv_reg_dmabuf_mr",
-            path: GdrPath::DmaBuf,
-            ptr: base,
-            len,
-            source,
-        })?;
-        Ok(mr)
+                source,
+            })?;
+        // `[offset, offset + len)` lies in the exported range and `iova` has the page
+        // offset of `offset`; the kernel keeps its own reference on the dma-buf, whose
+        // descriptor is closed when `dma_buf` drops.
+        dma_buf
+            .register(&self.pd, range.offset, reg_len, range.iova, self.access)
+            .map_err(|source| GdrError::Register {
+                verb: "ibv_reg_dmabuf_mr",
+                path: GdrPath::DmaBuf,
+                ptr: base,
+                len,
+                source,
+            })
     }
 }
 

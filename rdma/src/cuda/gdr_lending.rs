@@ -209,6 +209,16 @@ impl GdrTarget {
         }
     }
 
+    /// The registration (for the crate's `ReadTarget` impl, in `sys::cuda`).
+    pub(crate) fn registration(&self) -> &GdrRegistration {
+        &self.registration
+    }
+
+    /// The memory the read lands in.
+    pub(crate) fn memory(&self) -> &CudaMemory {
+        &self.memory
+    }
+
     /// The memory, its registration released.
     pub fn into_memory(self) -> CudaMemory {
         let GdrTarget {
@@ -217,24 +227,6 @@ impl GdrTarget {
         } = self;
         drop(registration);
         memory
-    }
-}
-
-// SAFETY: the registration covers the whole allocation (GdrRegistrar registers the
-// containing `cuMemAlloc` allocation) at its device addresses, in the domain it was made
-// for with local write access (`GdrTarget::new`'s contract); the target owns the allocation
-// and hands it out only by value.
-unsafe impl ReadTarget for GdrTarget {
-    fn lkey(&self) -> u32 {
-        self.registration.lkey()
-    }
-
-    fn addr(&self) -> u64 {
-        self.memory.range().ptr()
-    }
-
-    fn len(&self) -> u64 {
-        self.memory.range().len() as u64
     }
 }
 

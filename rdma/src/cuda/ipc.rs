@@ -25,11 +25,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::safe::CudaStream;
-use cudarc::driver::sys;
 
 use super::byte_channel::ByteChannel;
 use super::channel_error::CudaChannelError;
-use super::memory::{copy_device_async, DeviceAllocation, DeviceRange, Gpu, RawEvent};
+use super::memory::{copy_device_async, DeviceAllocation, DeviceRange, Gpu, IpcMapping, RawEvent};
 use super::staging::chunks;
 
 /// Magic bytes that open a `cuda_ipc` transfer.
@@ -464,22 +463,6 @@ where
 
 static NEXT_OUTBOX_ID: AtomicU64 = AtomicU64::new(1);
 
-fn handle_bytes(raw: &[std::ffi::c_char; HANDLE_LEN]) -> [u8; HANDLE_LEN] {
-    let mut out = [0u8; HANDLE_LEN];
-    for (o, c) in out.iter_mut().zip(raw.iter()) {
-        *o = *c as u8;
-    }
-    out
-}
-
-fn handle_chars(bytes: &[u8; HANDLE_LEN]) -> [std::ffi::c_char; HANDLE_LEN] {
-    let mut out = [0 as std::ffi::c_char; HANDLE_LEN];
-    for (o, b) in out.iter_mut().zip(bytes.iter()) {
-        *o = *b as std::ffi::c_char;
-    }
-    out
-}
-
 /// A sender's staging outbox on one device.
 #[derive(Debug)]
 pub struct Outbox {
@@ -500,32 +483,13 @@ impl Outbox {
             .checked_mul(slot_len)
             .ok_or(CudaChannelError::InvalidPool { slots, slot_len })?;
         let memory = gpu.alloc(total)?;
-        gpu.bind()?;
-        let mut mem_handle = sys::CUipcMemHandle {
-            reserved: [0; HANDLE_LEN],
-        };
-        // SAFETY: the allocation is a live `cuMemAlloc` pointer of the current context;
-        // the driver writes one handle into a live local.
-        unsafe { sys::cuIpcGetMemHandle(&mut mem_handle, memory.range().ptr()) }
-            .result()
-            .map_err(CudaChannelError::driver("cuIpcGetMemHandle", gpu.ordinal()))?;
+        let mem_handle = memory.ipc_handle()?;
         let mut events = Vec::with_capacity(slots);
         let mut event_handles = Vec::with_capacity(slots);
         for _ in 0..slots {
+            // CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, as an exported event needs.
             let event = RawEvent::new(gpu, true)?;
-            let mut handle = sys::CUipcEventHandle {
-                reserved: [0; HANDLE_LEN],
-            };
-            // SAFETY: the event was created with CU_EVENT_INTERPROCESS |
-            // CU_EVENT_DISABLE_TIMING as the call requires; one handle is written into a
-            // live local.
-            unsafe { sys::cuIpcGetEventHandle(&mut handle, event.handle()) }
-                .result()
-                .map_err(CudaChannelError::driver(
-                    "cuIpcGetEventHandle",
-                    gpu.ordinal(),
-                ))?;
-            event_handles.push(handle_bytes(&handle.reserved));
+            event_handles.push(event.ipc_handle()?);
             events.push(event);
         }
         let info = OutboxInfo {
@@ -533,7 +497,7 @@ impl Outbox {
             outbox_id: NEXT_OUTBOX_ID.fetch_add(1, Ordering::Relaxed),
             slot_count: slots as u32,
             slot_len: slot_len as u64,
-            mem_handle: handle_bytes(&mem_handle.reserved),
+            mem_handle,
             event_handles,
         };
         Ok(Outbox {
@@ -662,23 +626,18 @@ impl<C: ByteChannel> CudaIpcSender<C> {
 /// A peer's outbox opened in this process.
 #[derive(Debug)]
 struct OpenedOutbox {
-    gpu: Gpu,
     key: (u32, u64),
-    base: sys::CUdeviceptr,
     slots: usize,
     slot_len: u64,
     events: Vec<RawEvent>,
+    /// Closed after the copies out of it completed (`Drop` waits for the events first).
+    mapping: IpcMapping,
 }
 
 impl Drop for OpenedOutbox {
     fn drop(&mut self) {
         for event in &self.events {
             let _ = event.synchronize();
-        }
-        if self.gpu.bind().is_ok() {
-            // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed once; the copies
-            // out of it have completed (events synchronised above).
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
         }
     }
 }
@@ -727,52 +686,11 @@ struct BoundInbox<'r, 's, 'd> {
     stream: &'s CudaStream,
 }
 
-/// Maps the allocation behind an IPC memory `handle` into the current context (device
-/// `ordinal`'s, for errors), with lazy peer access; the caller closes it with
-/// `cuIpcCloseMemHandle`.
-pub(crate) fn open_mem_handle(
-    handle: &[u8; HANDLE_LEN],
-    ordinal: usize,
-) -> Result<sys::CUdeviceptr, CudaChannelError> {
-    let handle = sys::CUipcMemHandle {
-        reserved: handle_chars(handle),
-    };
-    let mut base: sys::CUdeviceptr = 0;
-    // SAFETY: the driver maps the exporter's allocation and writes its address into a
-    // live local; a handle that names nothing is rejected by the driver.
-    unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut base,
-            handle,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    }
-    .result()
-    .map_err(CudaChannelError::driver("cuIpcOpenMemHandle", ordinal))?;
-    Ok(base)
-}
-
 fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannelError> {
-    let ordinal = gpu.ordinal();
-    gpu.bind()?;
-    let base = open_mem_handle(&info.mem_handle, ordinal)?;
-    let mut opened = OpenedOutbox {
-        gpu: gpu.clone(),
-        key: (info.pid, info.outbox_id),
-        base,
-        slots: info.slot_count as usize,
-        slot_len: info.slot_len,
-        events: Vec::with_capacity(info.event_handles.len()),
-    };
+    let mapping = IpcMapping::open(gpu, &info.mem_handle)?;
     // Never trust the peer's geometry: the mapping must hold every slot.
-    let mut mapped_base: sys::CUdeviceptr = 0;
-    let mut mapped_len: usize = 0;
-    // SAFETY: `base` is a live mapping; the driver writes into two live locals.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut mapped_base, &mut mapped_len, base) }
-        .result()
-        .map_err(CudaChannelError::driver("cuMemGetAddressRange", ordinal))?;
     let needed = (info.slot_count as u64).checked_mul(info.slot_len);
-    let available = (mapped_base + mapped_len as u64).saturating_sub(base);
+    let available = mapping.len() as u64;
     if needed.is_none_or(|n| n > available) {
         return Err(CudaChannelError::protocol(
             "cuda_ipc outbox",
@@ -782,19 +700,18 @@ fn open_outbox(gpu: &Gpu, info: &OutboxInfo) -> Result<OpenedOutbox, CudaChannel
             ),
         ));
     }
-    for raw in &info.event_handles {
-        let handle = sys::CUipcEventHandle {
-            reserved: handle_chars(raw),
-        };
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the driver opens the exporter's event and writes its handle into a
-        // live local.
-        unsafe { sys::cuIpcOpenEventHandle(&mut event, handle) }
-            .result()
-            .map_err(CudaChannelError::driver("cuIpcOpenEventHandle", ordinal))?;
-        opened.events.push(RawEvent::from_ipc(gpu, event));
-    }
-    Ok(opened)
+    let events = info
+        .event_handles
+        .iter()
+        .map(|handle| RawEvent::open_ipc(gpu, handle))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(OpenedOutbox {
+        key: (info.pid, info.outbox_id),
+        slots: info.slot_count as usize,
+        slot_len: info.slot_len,
+        events,
+        mapping,
+    })
 }
 
 impl InboxSide for BoundInbox<'_, '_, '_> {
@@ -825,15 +742,15 @@ impl InboxSide for BoundInbox<'_, '_, '_> {
             .events
             .get(slot)
             .ok_or_else(|| malformed(format!("no slot {slot}")))?;
-        let start = (slot as u64)
-            .checked_mul(opened.slot_len)
-            .and_then(|o| opened.base.checked_add(o))
-            .ok_or_else(|| malformed(format!("slot {slot} overflows")))?;
-        // SAFETY: `open_outbox` checked that the mapping holds `slots × slot_len` bytes,
-        // and `recv_ipc` that `slot < slots` and `len <= slot_len`; the mapping stays open
+        // `open_outbox` checked that the mapping holds `slots × slot_len` bytes, and
+        // `recv_ipc` that `slot < slots` and `len <= slot_len`; the mapping stays open
         // while `self.opened` holds it, and the sender does not refill the slot before our
         // acknowledgement, which follows the event recorded below.
-        let src = unsafe { DeviceRange::from_raw(start, len) };
+        let src = (slot as u64)
+            .checked_mul(opened.slot_len)
+            .and_then(|start| usize::try_from(start).ok())
+            .and_then(|start| opened.mapping.source().slice(start, len))
+            .ok_or_else(|| malformed(format!("slot {slot} overflows")))?;
         let dst = self
             .dst
             .slice(offset, len)

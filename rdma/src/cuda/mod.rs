@@ -37,8 +37,11 @@
 //!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
 //! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
-//! (device, `cuMemAlloc` memory, pinned memory, events) and opens a device without ever
-//! panicking when the driver is absent.
+//! (device, `cuMemAlloc` memory, pinned memory, events, IPC mappings) and opens a device
+//! without ever panicking when the driver is absent.
+//!
+//! No module here contains `unsafe` code: every CUDA driver call is made by the crate's
+//! `sys::cuda` module, whose safe types [`memory`] re-exports.
 
 pub mod agent;
 pub mod basic;
@@ -57,13 +60,15 @@ pub mod staging;
 pub mod viability;
 pub mod xth;
 
-use std::ffi::c_int;
 use std::fmt;
 
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
+use crate::sys::cuda as driver;
+
+pub use crate::sys::cuda::driver_library_present;
 pub use channel_error::CudaChannelError;
 pub use peer_memory::{PeerMemory, PeerMemoryClient};
 
@@ -317,15 +322,6 @@ impl fmt::Display for CudaViability {
     }
 }
 
-/// Whether cudarc can load the driver library. Never panics.
-pub fn driver_library_present() -> bool {
-    // SAFETY: `is_culib_present` `dlopen`s each candidate name of the CUDA driver library
-    // and closes it again, which runs the library's ELF constructors and destructors. That
-    // is exactly what loading the driver always does; the NVIDIA driver library is made to
-    // be `dlopen`ed, and no symbol from these handles is kept.
-    unsafe { sys::is_culib_present() }
-}
-
 /// Probes the CUDA driver and its devices. Never panics (unless the binary is built with
 /// `panic = "abort"`, where a panic inside cudarc cannot be caught; the library check that
 /// runs first still avoids the common one).
@@ -357,7 +353,7 @@ pub fn probe() -> CudaViability {
     }
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(text) = payload.downcast_ref::<&str>() {
         (*text).to_owned()
     } else if let Some(text) = payload.downcast_ref::<String>() {
@@ -391,12 +387,8 @@ fn probe_driver() -> Result<CudaReport, CudaNotViable> {
 }
 
 fn driver_version() -> Option<DriverVersion> {
-    let mut version: c_int = 0;
-    // SAFETY: `cuDriverGetVersion` writes one `int` through the pointer, which points to a
-    // live local; it may be called before or after `cuInit`.
-    let status = unsafe { sys::cuDriverGetVersion(&mut version) };
-    match status.result() {
-        Ok(()) => Some(DriverVersion(version)),
+    match driver::driver_version() {
+        Ok(version) => Some(DriverVersion(version)),
         Err(err) => {
             debug!(error = %err, "cuDriverGetVersion failed");
             None
@@ -409,14 +401,9 @@ fn read_device(ordinal: i32) -> Result<CudaDevice, CudaError> {
         result::device::get(ordinal).map_err(|source| CudaError::DeviceGet { ordinal, source })?;
     let name = result::device::get_name(device)
         .map_err(|source| CudaError::DeviceName { ordinal, source })?;
-    // SAFETY: `device` was returned by `cuDeviceGet` after a successful `cuInit`, which is
-    // what `total_mem` and `get_attribute` require.
-    let total_memory = unsafe { result::device::total_mem(device) }
+    let total_memory = driver::device_total_memory(device)
         .map_err(|source| CudaError::TotalMemory { ordinal, source })?;
-    let attribute = |attribute: CUdevice_attribute| {
-        // SAFETY: as above, `device` comes from `cuDeviceGet` after `cuInit`.
-        unsafe { result::device::get_attribute(device, attribute) }
-    };
+    let attribute = |attribute: CUdevice_attribute| driver::device_attribute(device, attribute);
     let required = |attr: CUdevice_attribute, attribute_name: &'static str| {
         attribute(attr).map_err(|source| CudaError::DeviceAttribute {
             ordinal,

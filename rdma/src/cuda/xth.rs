@@ -19,7 +19,7 @@ use std::sync::mpsc;
 use cudarc::driver::safe::CudaStream;
 
 use super::channel_error::CudaChannelError;
-use super::memory::{copy_device_async, DeviceRange, Gpu, RawEvent};
+use super::memory::{copy_device_async, DeviceRange, DeviceSource, Gpu, RawEvent};
 
 struct XthRequest {
     src_ptr: u64,
@@ -154,10 +154,10 @@ impl XthReceiver {
         }
         let gpu = Gpu::of_stream(stream);
         request.start.wait_on(stream)?;
-        // SAFETY: the sender borrowed `[src_ptr, src_ptr + len)` for the lifetime of its
+        // Only read: the sender borrowed `[src_ptr, src_ptr + len)` for the lifetime of its
         // `XthPending`, which does not end before the stop event recorded below has been
         // waited on (or synchronised on drop).
-        let src = unsafe { DeviceRange::from_raw(request.src_ptr, request.len) };
+        let src = DeviceSource::named_by_peer(request.src_ptr, request.len);
         copy_device_async(dst, &gpu, src, &request.src_gpu, stream)?;
         let stop = RawEvent::new(&gpu, false)?;
         stop.record(stream)?;

@@ -14,9 +14,7 @@
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use rdzv_rdma::cuda::memory::{
-    copy_device_async, copy_to_device_async, copy_to_host_async, Gpu, PinnedHostBuffer, RawEvent,
-};
+use rdzv_rdma::cuda::memory::{copy_device_async, Gpu, RawEvent, StagingBuffer};
 use rdzv_rdma::cuda::CudaViability;
 
 use super::payload::Payload;
@@ -115,15 +113,17 @@ pub(super) fn measure(
             bar.inc(2 * iters as u64);
             continue;
         }
-        let mut host = PinnedHostBuffer::new(&gpu, len)?;
+        // Pinned memory fenced by its own event: each copy records it, and the sample
+        // waits for it.
+        let mut host = StagingBuffer::new(&gpu, len)?;
         bar.set_message(format!(
             "{H2D_PINNED} cuda:{ordinal} {}",
             human_size(len as u64)
         ));
         let h2d = samples(iters, bar, || {
-            copy_to_device_async(b.range(), &host, &stream)?;
-            copy_to_device_async(b.range(), &host, &stream)?;
-            wait()
+            host.upload(b.range(), &stream)?;
+            host.upload(b.range(), &stream)?;
+            Ok(host.wait()?)
         })?;
         rows.push(Row::from_samples(
             H2D_PINNED, NO_CHANNEL, mode, len as u64, h2d,
@@ -133,22 +133,31 @@ pub(super) fn measure(
             human_size(len as u64)
         ));
         let d2h = samples(iters, bar, || {
-            copy_to_host_async(&mut host, b.range(), &stream)?;
-            copy_to_host_async(&mut host, b.range(), &stream)?;
-            wait()
+            host.download(b.range().source(), &stream)?;
+            host.download(b.range().source(), &stream)?;
+            Ok(host.wait()?)
         })?;
         rows.push(Row::from_samples(
             D2H_PINNED, NO_CHANNEL, mode, len as u64, d2h,
         ));
         // The pinned copies are checked once: the payload to the device and back.
-        host.as_mut_slice().copy_from_slice(&payload.message(0));
-        copy_to_device_async(b.range(), &host, &stream)?;
-        wait()?;
-        host.as_mut_slice().fill(0);
-        copy_to_host_async(&mut host, b.range(), &stream)?;
-        wait()?;
+        let idle = |host: &mut StagingBuffer| -> Result<(), CliError> {
+            host.wait()?;
+            Ok(())
+        };
+        idle(&mut host)?;
+        if let Some(bytes) = host.bytes_mut() {
+            bytes.copy_from_slice(&payload.message(0));
+        }
+        host.upload(b.range(), &stream)?;
+        idle(&mut host)?;
+        if let Some(bytes) = host.bytes_mut() {
+            bytes.fill(0);
+        }
+        host.download(b.range().source(), &stream)?;
+        idle(&mut host)?;
         payload
-            .check(0, host.as_mut_slice())
+            .check(0, host.bytes().unwrap_or_default())
             .map_err(|e| format!("the pinned copies on cuda:{ordinal}: {e}"))?;
     }
     Ok(rows)

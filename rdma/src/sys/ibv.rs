@@ -1,4 +1,5 @@
-//! libibverbs, loaded at run time: the one place in `ibv` with `unsafe` code.
+//! libibverbs, loaded at run time: with `sys::cuda`, the one place in the crate with
+//! `unsafe` code. Re-exported as `ibv::sys`.
 //!
 //! Like NCCL's `ibvwrap` and TensorPipe's `IbvLib`, this module opens `libibverbs.so.1`
 //! with the dynamic loader the first time a verb is needed (`verbs()`), looks up exactly the
@@ -38,7 +39,6 @@
 //! only ever read or written by Rust as raw bytes (any bit pattern is valid), never through
 //! a reference the device could invalidate. [`ReadTarget`] is the one contract a caller
 //! implements for memory the device writes into.
-#![allow(unsafe_code)]
 
 use std::alloc::{self, Layout};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -437,7 +437,7 @@ impl WorkCompletion {
     pub fn wr_id(&self) -> u64 {
         self.wr_id
     }
-    /// `ibv_wc.status` (0 is `IBV_WC_SUCCESS`; names in [`super::wc_status`]).
+    /// `ibv_wc.status` (0 is `IBV_WC_SUCCESS`; names in [`crate::ibv::wc_status`]).
     pub fn status(&self) -> u32 {
         self.status
     }
@@ -1617,7 +1617,7 @@ impl Drop for RegisteredVec {
     }
 }
 
-/// Memory an RDMA READ may land in ([`super::channel::IbvChannel::read_remote`]).
+/// Memory an RDMA READ may land in ([`crate::ibv::channel::IbvChannel::read_remote`]).
 ///
 /// # Safety
 /// `[addr(), addr() + len())` must be memory registered under `lkey()` with local write
