@@ -447,7 +447,9 @@ impl CudaRuntime {
                 }
                 let node = self.gdr_node()?;
                 let registration = self.gdr_register(&node, target, memory.allocation())?;
-                let filled = node.read(&lent, GdrTarget::new(registration, memory))?;
+                let target = GdrTarget::new(registration, memory)
+                    .map_err(|e| format!("cuda_gdr: {}", ErrorChain(&e)))?;
+                let filled = node.read(&lent, target)?;
                 Ok(DeviceBuffer::new(filled.into_memory()))
             }
             other => Err(format!("the CUDA runtime does not borrow over {other}")),

@@ -216,6 +216,18 @@ pub enum GdrError {
     /// The buffer is empty.
     #[error("cannot register an empty buffer")]
     Empty,
+    /// A registration was paired with memory it does not cover.
+    #[error("the registration of [{base:#x}, +{registered}) does not cover [{ptr:#x}, +{len}): register the memory's own allocation")]
+    NotCovered {
+        /// Start of the memory.
+        ptr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the registered range.
+        base: u64,
+        /// Length of the registered range.
+        registered: u64,
+    },
 }
 
 /// A registered device allocation.

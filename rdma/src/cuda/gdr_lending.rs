@@ -23,7 +23,7 @@ use rdzv_core::channel::ProcessIdentity;
 use rdzv_core::negotiate::ChannelKind;
 
 use super::agent::CudaMemory;
-use super::gdr::GdrRegistration;
+use super::gdr::{GdrError, GdrRegistration};
 use super::viability::ChannelVerdict;
 use crate::ibv::channel::VerbsDomain;
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingOptions, ReadTarget};
@@ -200,13 +200,31 @@ pub struct GdrTarget {
 }
 
 impl GdrTarget {
-    /// `memory`, registered by `registration` (which must cover it, in the borrower's
-    /// domain, with local write access: [`gdr_access`]).
-    pub fn new(registration: Arc<GdrRegistration>, memory: CudaMemory) -> GdrTarget {
-        GdrTarget {
+    /// `memory`, registered by `registration`, which must be in the borrower's domain
+    /// with local write access ([`gdr_access`]; otherwise the NIC fails the read) and
+    /// must cover it (checked: the NIC writes where the registration says).
+    ///
+    /// # Errors
+    /// [`GdrError::NotCovered`] when the registration does not cover the memory.
+    pub fn new(
+        registration: Arc<GdrRegistration>,
+        memory: CudaMemory,
+    ) -> Result<GdrTarget, GdrError> {
+        let range = memory.range();
+        let (base, registered) = registration.range();
+        let (ptr, len) = (range.ptr(), range.len() as u64);
+        if !covers((base, registered), (ptr, len)) {
+            return Err(GdrError::NotCovered {
+                ptr,
+                len,
+                base,
+                registered,
+            });
+        }
+        Ok(GdrTarget {
             registration,
             memory,
-        }
+        })
     }
 
     /// The registration (for the crate's `ReadTarget` impl, in `sys::cuda`).
@@ -230,10 +248,31 @@ impl GdrTarget {
     }
 }
 
+/// Whether `[base, base + registered)` holds `[ptr, ptr + len)` (no address overflows).
+fn covers((base, registered): (u64, u64), (ptr, len): (u64, u64)) -> bool {
+    match (base.checked_add(registered), ptr.checked_add(len)) {
+        (Some(reg_end), Some(end)) => ptr >= base && end <= reg_end,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cuda::viability::ChannelNotViable;
+
+    #[test]
+    fn a_target_must_lie_inside_its_registration() {
+        assert!(covers((0x1000, 0x100), (0x1000, 0x100)));
+        assert!(covers((0x1000, 0x100), (0x1080, 0x10)));
+        assert!(!covers((0x1000, 0x100), (0x0fff, 0x10)), "starts before");
+        assert!(!covers((0x1000, 0x100), (0x10f8, 0x10)), "ends after");
+        assert!(
+            !covers((u64::MAX - 4, 8), (u64::MAX - 4, 1)),
+            "overflowing registration"
+        );
+        assert!(!covers((0, u64::MAX), (u64::MAX, 2)), "overflowing target");
+    }
 
     #[test]
     fn descriptors_are_checked_against_the_frame() {

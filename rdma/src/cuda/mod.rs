@@ -62,11 +62,11 @@ pub mod xth;
 
 use std::fmt;
 
-use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
-use crate::sys::cuda as driver;
+use crate::sys::cuda::{self as driver, DriverCode};
 
 pub use crate::sys::cuda::driver_library_present;
 pub use channel_error::CudaChannelError;
@@ -223,7 +223,7 @@ pub enum CudaNotViable {
     NoDevices {
         /// The driver's error, when `cuInit` reported it.
         #[source]
-        source: Option<DriverError>,
+        source: Option<DriverCode>,
     },
     /// A driver call failed.
     #[error(transparent)]
@@ -243,43 +243,43 @@ pub enum CudaError {
     /// `cuInit` failed.
     #[error("cuInit failed")]
     Init {
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// `cuDeviceGetCount` failed.
     #[error("cuDeviceGetCount failed")]
     DeviceCount {
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// `cuDeviceGet` failed.
     #[error("cuDeviceGet failed for CUDA device {ordinal}")]
     DeviceGet {
         /// Device ordinal.
         ordinal: i32,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// `cuDeviceGetName` failed.
     #[error("cuDeviceGetName failed for CUDA device {ordinal}")]
     DeviceName {
         /// Device ordinal.
         ordinal: i32,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// `cuDeviceTotalMem` failed.
     #[error("cuDeviceTotalMem failed for CUDA device {ordinal}")]
     TotalMemory {
         /// Device ordinal.
         ordinal: i32,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
     /// `cuDeviceGetAttribute` failed for an attribute the probe cannot do without.
     #[error("cuDeviceGetAttribute({attribute}) failed for CUDA device {ordinal}")]
@@ -288,9 +288,9 @@ pub enum CudaError {
         ordinal: i32,
         /// Attribute name, e.g. `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`.
         attribute: &'static str,
-        /// The driver's error.
+        /// The driver's status: its name and what to do.
         #[source]
-        source: DriverError,
+        source: DriverCode,
     },
 }
 
@@ -368,12 +368,21 @@ fn probe_driver() -> Result<CudaReport, CudaNotViable> {
     match result::init() {
         Ok(()) => {}
         Err(err) if err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => {
-            return Err(CudaNotViable::NoDevices { source: Some(err) })
+            return Err(CudaNotViable::NoDevices {
+                source: Some(err.into()),
+            })
         }
-        Err(source) => return Err(CudaError::Init { source }.into()),
+        Err(source) => {
+            return Err(CudaError::Init {
+                source: source.into(),
+            }
+            .into())
+        }
     }
     let driver_version = driver_version();
-    let count = result::device::get_count().map_err(|source| CudaError::DeviceCount { source })?;
+    let count = result::device::get_count().map_err(|source| CudaError::DeviceCount {
+        source: source.into(),
+    })?;
     debug!(count, ?driver_version, "CUDA driver initialised");
     if count <= 0 {
         return Err(CudaNotViable::NoDevices { source: None });
@@ -397,10 +406,14 @@ fn driver_version() -> Option<DriverVersion> {
 }
 
 fn read_device(ordinal: i32) -> Result<CudaDevice, CudaError> {
-    let device =
-        result::device::get(ordinal).map_err(|source| CudaError::DeviceGet { ordinal, source })?;
-    let name = result::device::get_name(device)
-        .map_err(|source| CudaError::DeviceName { ordinal, source })?;
+    let device = result::device::get(ordinal).map_err(|source| CudaError::DeviceGet {
+        ordinal,
+        source: source.into(),
+    })?;
+    let name = result::device::get_name(device).map_err(|source| CudaError::DeviceName {
+        ordinal,
+        source: source.into(),
+    })?;
     let total_memory = driver::device_total_memory(device)
         .map_err(|source| CudaError::TotalMemory { ordinal, source })?;
     let attribute = |attribute: CUdevice_attribute| driver::device_attribute(device, attribute);

@@ -182,7 +182,7 @@ pub fn driver_library_present() -> bool {
 
 /// The installed driver's version (`cuDriverGetVersion`, `1000 * major + 10 * minor`).
 /// Only call once [`driver_library_present`] said yes (cudarc panics otherwise).
-pub(crate) fn driver_version() -> Result<c_int, DriverError> {
+pub(crate) fn driver_version() -> Result<c_int, DriverCode> {
     let mut version: c_int = 0;
     // SAFETY: `cuDriverGetVersion` writes one `int` through the pointer, which points to a
     // live local; it may be called before or after `cuInit`.
@@ -191,21 +191,21 @@ pub(crate) fn driver_version() -> Result<c_int, DriverError> {
 }
 
 /// A device's total memory in bytes (`cuDeviceTotalMem`).
-pub(crate) fn device_total_memory(device: sys::CUdevice) -> Result<usize, DriverError> {
+pub(crate) fn device_total_memory(device: sys::CUdevice) -> Result<usize, DriverCode> {
     // SAFETY: the call writes one `size_t` into cudarc's local; a device handle that names
     // no device, or a call before `cuInit`, is reported as an error code, not undefined
     // behaviour.
-    unsafe { result::device::total_mem(device) }
+    Ok(unsafe { result::device::total_mem(device) }?)
 }
 
 /// One attribute of a device (`cuDeviceGetAttribute`).
 pub(crate) fn device_attribute(
     device: sys::CUdevice,
     attribute: CUdevice_attribute,
-) -> Result<i32, DriverError> {
+) -> Result<i32, DriverCode> {
     // SAFETY: as `device_total_memory`: one `int` is written into cudarc's local, and an
     // unknown device or attribute is an error code.
-    unsafe { result::device::get_attribute(device, attribute) }
+    Ok(unsafe { result::device::get_attribute(device, attribute) }?)
 }
 
 // --- devices and memory ---------------------------------------------------------------
@@ -231,7 +231,7 @@ impl Gpu {
             Ok(Ok(ctx)) => Ok(Gpu { ctx }),
             Ok(Err(err)) if err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => {
                 Err(CudaChannelError::NotViable(CudaNotViable::NoDevices {
-                    source: Some(err),
+                    source: Some(err.into()),
                 }))
             }
             Ok(Err(source)) => Err(CudaChannelError::Driver {
@@ -1298,10 +1298,10 @@ impl DmaBuf {
     }
 }
 
-// SAFETY: the registration covers the whole allocation (GdrRegistrar registers the
-// containing `cuMemAlloc` allocation) at its device addresses, in the domain it was made
-// for with local write access (`GdrTarget::new`'s contract); the target owns the allocation
-// and hands it out only by value. The memory is device memory, so the NIC's writes never
+// SAFETY: the registration covers the memory (`GdrTarget::new` checks it; GdrRegistrar
+// registers the whole containing `cuMemAlloc` allocation) at its device addresses; a
+// registration of another domain or without local write access only makes the NIC fail
+// the read. The target owns the memory and hands it out only by value. The memory is device memory, so the NIC's writes never
 // land in host memory Rust holds.
 unsafe impl ReadTarget for GdrTarget {
     fn lkey(&self) -> u32 {
