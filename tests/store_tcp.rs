@@ -356,6 +356,42 @@ fn waits_released_from_another_loop(io: IoMode) {
     assert_eq!(setter.num_keys().unwrap(), waiters as i64);
 }
 
+/// Two loops that poll before they sleep (`--spin-us 50`): they serve, release waits
+/// across loops, and shut down with clients still connected, counting none left.
+fn spinning_loops_serve_and_shut_down(io: IoMode) {
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        threads: 2,
+        spin_before_park: Some(Duration::from_micros(50)),
+        io,
+        ..ServerOptions::default()
+    })
+    .expect("start server");
+    let stores: Vec<TcpStore> = (0..4).map(|_| client(&server)).collect();
+    all_base_tests(&stores[0], 5);
+    let port = server.port();
+    let waiter = std::thread::spawn(move || {
+        let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+        s.wait(&["spin/late"], Some(Duration::from_secs(10)))
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.stats().waiters == 0 {
+        assert!(Instant::now() < deadline, "the WAIT never registered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for store in &stores {
+        assert!(store.add("spin/count", 1).unwrap() > 0);
+    }
+    stores[3].set("spin/late", b"1").unwrap();
+    waiter.join().unwrap().expect("released");
+    assert_eq!(stores[1].add("spin/count", 0).unwrap(), 4);
+    let shutting = Instant::now();
+    server.shutdown();
+    assert!(shutting.elapsed() < Duration::from_secs(7));
+    assert_eq!(server.stats().connections, 0, "{:?}", server.stats());
+}
+
 /// Many connections waking each other: 64 ranks meet at a barrier
 /// twice, every rank counts itself, and nothing is left waiting.
 fn sixty_four_ranks_wake_each_other(io: IoMode) {
@@ -583,5 +619,6 @@ on_every_io!(
     waits_and_barriers_cross_executors,
     sixty_four_ranks_wake_each_other,
     waits_released_from_another_loop,
+    spinning_loops_serve_and_shut_down,
     shutdown_with_connected_and_waiting_clients_returns,
 );
