@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Throughput of rdzv's store server back-ends under the same load, interleaved round by
-# round: the one-executor io_uring loop (the default), one glommio executor, two glommio
-# executors (`--threads 2`), and the epoll loops (`--io epoll`, one per CPU, and one). Prints the medians, with the CPU time the server and
-# the load generator spend per operation (`--server-pid`).
+# Throughput of rdzv's store server event loops under the same load, interleaved round by
+# round: one io_uring loop (the default), two io_uring loops (`--threads 2`), and the
+# epoll loops (`--io epoll`, one per CPU, and one). Prints the medians, with the CPU time
+# the server and the load generator spend per operation (`--server-pid`).
 #
 # Usage: benches/compare_backends.sh [RDZV_BINARY] [ROUNDS] [SECS]
 # (build first: cargo build --release)
@@ -27,8 +27,8 @@ start() { # $1 = label, the rest = serve arguments; prints "label port pid"
     echo "$label ${line##*:} $!"
 }
 
-servers=("$(start io-uring --io io-uring)" "$(start glommio-1 --io io-uring --backend glommio)"
-         "$(start glommio-2 --io io-uring --threads 2)" "$(start epoll --io epoll)"
+servers=("$(start io-uring --io io-uring)" "$(start io-uring-2 --io io-uring --threads 2)"
+         "$(start epoll --io epoll)"
          "$(start epoll-1 --io epoll --threads 1)")
 for round in $(seq "$rounds"); do
     for server in "${servers[@]}"; do
@@ -45,7 +45,7 @@ def med(rs, key):
     values = [r[key] for r in rs if r.get(key) is not None]
     return statistics.median(values) if values else float("nan")
 print(f"{'server':<10} {'conns':>5} {'ops/s':>9} {'p99 µs':>8} {'server CPU µs/op':>17} {'client CPU µs/op':>17}")
-for label in ("io-uring", "glommio-1", "glommio-2", "epoll", "epoll-1"):
+for label in ("io-uring", "io-uring-2", "epoll", "epoll-1"):
     for conns in (1, 64, 512):
         rs = [r for r in rows if r["target"] == label and r["conns"] == conns]
         if rs:

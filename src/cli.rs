@@ -98,22 +98,19 @@ enum StoreOp {
         /// Port to listen on (0 picks a free one).
         #[arg(long, default_value_t = rdzv_uring::server::DEFAULT_PORT)]
         port: u16,
-        /// Event loops (default: one on io_uring; on epoll one per CPU this process may
-        /// use, at most 16). More than one on io_uring runs glommio executors, one of
-        /// which owns the key space; see ARCHITECTURE.md.
+        /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
+        /// sharing one store (default: one on io_uring; on epoll one per CPU this
+        /// process may use, at most 16); see ARCHITECTURE.md.
         #[arg(long)]
         threads: Option<usize>,
-        /// Pin executors to CPUs (slower on small VMs; off by default).
+        /// Pin loop i to the i-th CPU this process may use (slower on small VMs; off by
+        /// default).
         #[arg(long)]
         pin: bool,
-        /// Microseconds an idle executor keeps polling before it sleeps (0: sleep at
+        /// Microseconds an idle loop keeps polling before it sleeps (0: sleep at
         /// once). Saves the sleep/wake-up syscalls between back-to-back requests.
         #[arg(long, default_value_t = 0)]
         spin_us: u64,
-        /// Event loop of a one-thread server: `io-uring` (one system call per batch of
-        /// requests) or `glommio`. More threads always use glommio.
-        #[arg(long, default_value = "io-uring")]
-        backend: rdzv_uring::Backend,
         /// Kernel interface: `io-uring`, `epoll`, or `auto` (io_uring unless the host
         /// refuses it, as Docker's and RHEL 9's defaults do; then epoll, with a log line).
         #[arg(long, default_value = "auto")]
@@ -188,7 +185,6 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             threads,
             pin,
             spin_us,
-            backend,
             io,
             world_size,
             listen_fd,
@@ -212,7 +208,6 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 },
                 pin,
                 spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
-                backend,
                 io,
                 listen_fd,
                 metrics,

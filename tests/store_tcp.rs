@@ -315,29 +315,81 @@ fn waits_and_barriers_cross_executors(io: IoMode) {
     assert_eq!(server.stats().waiters, 0);
 }
 
-/// The one-executor server on glommio tasks (`--backend glommio`) instead of the default
-/// io_uring loop: the same cases.
-#[test]
-fn base_tests_and_waits_on_the_glommio_backend() {
-    let io = IoMode::IoUring;
+/// Wake-ups that cross loops: 16 connections WAIT on their own keys, and one more SETs
+/// them all. On two loops SO_REUSEPORT spreads the 17 connections by their ports, so
+/// some waiters (all but a 2^-16 chance) live on the loop the setter does not: their
+/// wake-ups go through that loop's inbox and wake it (its eventfd on io_uring, its
+/// `mio::Waker` on epoll). `STATS` and the server's counters see every loop's
+/// connections and waiters.
+fn waits_released_from_another_loop(io: IoMode) {
+    let server = server_with_threads(io, 2);
+    let port = server.port();
+    let waiters = 16;
+    let handles: Vec<_> = (0..waiters)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
+                s.wait(&[&format!("cross/{i}")], Some(Duration::from_secs(10)))
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.stats().waiters < waiters {
+        assert!(
+            Instant::now() < deadline,
+            "the waiters never registered: {:?}",
+            server.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let setter = client(&server);
+    let stats = setter.stats().expect("stats");
+    assert_eq!(stats.connections, waiters as u64 + 1, "{stats:?}");
+    assert_eq!(stats.waiters, waiters as u64, "{stats:?}");
+    for i in 0..waiters {
+        setter.set(&format!("cross/{i}"), b"1").unwrap();
+    }
+    for handle in handles {
+        handle.join().unwrap().expect("released by the SET");
+    }
+    assert_eq!(server.stats().waiters, 0);
+    assert_eq!(setter.num_keys().unwrap(), waiters as i64);
+}
+
+/// Two loops that poll before they sleep (`--spin-us 50`): they serve, release waits
+/// across loops, and shut down with clients still connected, counting none left.
+fn spinning_loops_serve_and_shut_down(io: IoMode) {
     let server = StoreServer::start(ServerOptions {
         host: Some("127.0.0.1".into()),
         port: 0,
-        backend: rdzv::uring::Backend::Glommio,
+        threads: 2,
+        spin_before_park: Some(Duration::from_micros(50)),
         io,
         ..ServerOptions::default()
     })
     .expect("start server");
-    let store = client(&server);
-    all_base_tests(&store, 5);
+    let stores: Vec<TcpStore> = (0..4).map(|_| client(&server)).collect();
+    all_base_tests(&stores[0], 5);
     let port = server.port();
     let waiter = std::thread::spawn(move || {
         let s = TcpStore::connect("127.0.0.1", port, Duration::from_secs(10)).unwrap();
-        s.wait(&["glommio/late"], Some(Duration::from_secs(10)))
+        s.wait(&["spin/late"], Some(Duration::from_secs(10)))
     });
-    std::thread::sleep(Duration::from_millis(50));
-    store.set("glommio/late", b"1").unwrap();
-    waiter.join().unwrap().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.stats().waiters == 0 {
+        assert!(Instant::now() < deadline, "the WAIT never registered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for store in &stores {
+        assert!(store.add("spin/count", 1).unwrap() > 0);
+    }
+    stores[3].set("spin/late", b"1").unwrap();
+    waiter.join().unwrap().expect("released");
+    assert_eq!(stores[1].add("spin/count", 0).unwrap(), 4);
+    let shutting = Instant::now();
+    server.shutdown();
+    assert!(shutting.elapsed() < Duration::from_secs(7));
+    assert_eq!(server.stats().connections, 0, "{:?}", server.stats());
 }
 
 /// Many connections waking each other: 64 ranks meet at a barrier
@@ -532,8 +584,8 @@ fn metrics_are_served_over_http(io: IoMode) {
     server.shutdown();
 }
 
-/// With three executors (glommio on io_uring, three loops on epoll) `STATS` sees every
-/// connection's requests, whichever executor accepted it.
+/// With three loops `STATS` sees every connection's requests, whichever loop accepted
+/// it.
 fn stats_on_three_executors(io: IoMode) {
     let server = server_with_threads(io, 3);
     let clients: Vec<TcpStore> = (0..4).map(|_| client(&server)).collect();
@@ -566,5 +618,7 @@ on_every_io!(
     base_tests_with_three_executors,
     waits_and_barriers_cross_executors,
     sixty_four_ranks_wake_each_other,
+    waits_released_from_another_loop,
+    spinning_loops_serve_and_shut_down,
     shutdown_with_connected_and_waiting_clients_returns,
 );

@@ -2,7 +2,8 @@
 //! and drives the pure `rdzv-core` with them.
 //!
 //! - [`server`]: the TCPStore server, byte-compatible with PyTorch's clients: its own
-//!   io_uring loop by default, glommio executors for `--threads N`.
+//!   event loops (`--threads N`) on io_uring, or on epoll where io_uring is refused,
+//!   sharing one engine.
 //! - [`store`]: the `Store` trait and its implementations: the TCP client, the file,
 //!   prefix and hash stores.
 //! - [`rendezvous`]: `rendezvous(url, rank, world_size)` for `tcp://`, `env://`,
@@ -24,5 +25,5 @@ pub mod server;
 pub mod store;
 pub mod transport;
 
-pub use server::{Backend, IoMode, ServerOptions, ServerStats, StoreServer};
+pub use server::{IoMode, ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};

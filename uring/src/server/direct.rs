@@ -1,19 +1,28 @@
-//! The single-executor store server as one io_uring event loop (the `io-uring` crate),
-//! without glommio's reactor.
+//! The store server on io_uring (the `io-uring` crate), thread-per-core: N loops, each
+//! with its own ring and its own `SO_REUSEPORT` listener, all sharing one engine
+//! (`shared_engine`), as the epoll loops do.
 //!
-//! Why it exists: for each sleep/wake cycle glommio makes about four `io_uring_enter`
-//! calls and arms and cancels a timeout, and a store server on a quiet connection sleeps
-//! and wakes once per request. Here the loop submits everything it owes (each
-//! connection's next receive and its replies) and waits for the next completion in one
-//! `io_uring_enter`, so one request costs one system call, and a busy server handles
-//! every ready connection per call. `ARCHITECTURE.md` has the measurements.
+//! Why its own loop rather than an async runtime: a runtime (glommio) makes about four
+//! `io_uring_enter` calls per sleep and wake-up and arms and cancels a timeout, and a
+//! store server on a quiet connection sleeps and wakes once per request. Here a loop
+//! submits everything it owes (each connection's next receive and its replies) and waits
+//! for the next completion in one `io_uring_enter`, so one request costs one system
+//! call, and a busy loop handles every ready connection per call. `ARCHITECTURE.md` has
+//! the measurements.
 //!
-//! The loop owns the engine and a table of connections. Every connection has at most
-//! one receive and one send in flight; the kernel reads from or writes into buffers the
-//! connection owns, and a connection is freed only after both operations completed, so
-//! no buffer is ever released while the kernel may still touch it. A connection that
-//! must close (bad input, the engine refused it, end of stream, a socket error) leaves
-//! the engine at once, so its waiters never linger; a pending receive is cancelled.
+//! A loop runs its connections' requests to completion itself: it locks the engine,
+//! applies the requests that arrived, and unlocks; nothing hops to another thread. Only a
+//! wake-up owed to a connection of another loop crosses: into that loop's inbox (under
+//! the lock), then the target loop is woken through its eventfd, on which it always has
+//! a poll in flight: once per turn however many wake-ups the turn routed to it. With one
+//! loop the lock is never contended and no eventfd is ever written.
+//!
+//! Every connection has at most one receive and one send in flight; the kernel reads
+//! from or writes into buffers the connection owns, and a connection is freed only after
+//! both operations completed, so no buffer is ever released while the kernel may still
+//! touch it. A connection that must close (bad input, the engine refused it, end of
+//! stream, a socket error) leaves the engine at once, so its waiters never linger; a
+//! pending receive is cancelled.
 //!
 //! Shutdown: when the stop flag is seen (checked at least every 50 ms) the loop stops
 //! accepting, gives every connection `drain` to flush what it owes, then cancels what is
@@ -21,17 +30,17 @@
 
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
-use rdzv_core::store::engine::Engine;
 use rdzv_core::store::ConnId;
 
 use super::session::{serve_frames, ReadBuf, Served};
+use super::shared_engine::{self, LoopWaker, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -60,6 +69,8 @@ enum Op {
     Recv = 2,
     Send = 3,
     Cancel = 4,
+    /// The loop's eventfd became readable: another loop routed wake-ups here.
+    Woken = 5,
 }
 
 fn user_data(slot: usize, op: Op) -> u64 {
@@ -72,42 +83,13 @@ fn decode_user_data(data: u64) -> Option<(usize, Op)> {
         2 => Op::Recv,
         3 => Op::Send,
         4 => Op::Cancel,
+        5 => Op::Woken,
         _ => return None,
     };
     Some((usize::try_from(data >> 8).ok()?, op))
 }
 
-/// Connection ids carry their slot in the low 32 bits and a sequence number above, so
-/// that a wake-up for a connection that is gone never reaches the slot's next occupant.
-fn conn_id(slot: usize, seq: u64) -> ConnId {
-    ConnId((seq << 32) | (slot as u64 & 0xffff_ffff))
-}
-
-fn slot_of(id: ConnId) -> usize {
-    (id.0 & 0xffff_ffff) as usize
-}
-
-/// One client connection.
-struct Conn {
-    fd: OwnedFd,
-    id: ConnId,
-    input: ReadBuf,
-    /// Cuts `input` into requests, resuming a long key list where it stopped.
-    decoder: RequestDecoder,
-    /// Bytes owed and not yet handed to the kernel.
-    out: Vec<u8>,
-    /// Bytes handed to the kernel; it reads them until the send completes.
-    sending: Vec<u8>,
-    /// How much of `sending` has gone out.
-    sent: usize,
-    /// A receive into `input` is in flight (the kernel owns its spare bytes).
-    recv_busy: bool,
-    /// A send from `sending` is in flight (the kernel reads it).
-    send_busy: bool,
-    phase: Phase,
-}
-
-/// Where a connection is in its life. Every state but `Open` is out of the engine (the
+/// Where a connection is in its life. Every phase but `Open` is out of the engine (the
 /// transition removes it, so its waiters never outlive it).
 ///
 /// ```text
@@ -116,51 +98,106 @@ struct Conn {
 ///             └─(end of stream, socket error)─► Abandoned ◄─(socket error, drain over)
 ///                                                 └─(nothing in flight)─► freed
 /// ```
+///
+/// What the kernel holds of the connection is apart from the phase, in [`Reading`] and
+/// [`Writing`]: a connection is freed only when both are idle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Reading requests and sending replies.
     Open,
-    /// No more reads: send what is owed, then close. `recv_cancelled`: the pending
-    /// receive has been asked to stop.
-    Flushing { recv_cancelled: bool },
+    /// No more reads: send what is owed, then close.
+    Flushing,
     /// The peer is gone: what is owed is dropped; waits only for the kernel to finish
     /// the operations in flight.
-    Abandoned { recv_cancelled: bool },
+    Abandoned,
 }
 
 impl Phase {
-    /// The phase after a close of kind `how`: `Abandoned` is never undone, and a
-    /// cancelled receive stays cancelled.
+    /// The phase after a close of kind `how`: `Abandoned` is never undone.
     fn closed(self, how: Close) -> Phase {
-        let recv_cancelled = self.recv_cancelled();
         match (self, how) {
-            (Phase::Abandoned { .. }, _) | (_, Close::Abandon) => {
-                Phase::Abandoned { recv_cancelled }
-            }
-            (_, Close::Flush) => Phase::Flushing { recv_cancelled },
+            (Phase::Abandoned, _) | (_, Close::Abandon) => Phase::Abandoned,
+            (_, Close::Flush) => Phase::Flushing,
         }
     }
+}
 
-    fn recv_cancelled(self) -> bool {
-        match self {
-            Phase::Open => false,
-            Phase::Flushing { recv_cancelled } | Phase::Abandoned { recv_cancelled } => {
-                recv_cancelled
-            }
-        }
+/// A connection's receive side.
+///
+/// ```text
+///  Idle ─(recv queued)─► InFlight ─(completion)─► Idle
+///                          └─(closing: cancel queued)─► Cancelling ─(completion)─► Idle
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// Nothing in flight.
+    Idle,
+    /// A receive into the input buffer's spare bytes is in flight (the kernel owns them).
+    InFlight,
+    /// In flight, and asked to stop (the connection is closing).
+    Cancelling,
+}
+
+/// A connection's send side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writing {
+    /// Nothing in flight.
+    Idle,
+    /// A send from `sending` is in flight (the kernel reads it).
+    InFlight,
+}
+
+/// The listener's state.
+///
+/// ```text
+///  Idle ─(accept queued)─► InFlight ─(completion)─► Idle
+///   │                         └─(shutdown: cancel queued)─► Cancelling ─(completion)─┐
+///   └─(shutdown)─► Stopped ◄────────────────────────────────────────────────────────┘
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Accepting {
+    Idle,
+    InFlight,
+    Cancelling,
+    Stopped,
+}
+
+impl Accepting {
+    fn in_flight(self) -> bool {
+        matches!(self, Accepting::InFlight | Accepting::Cancelling)
     }
+}
+
+/// One client connection.
+struct Conn {
+    fd: OwnedFd,
+    id: ConnId,
+    phase: Phase,
+    reading: Reading,
+    writing: Writing,
+    input: ReadBuf,
+    /// Cuts `input` into requests, resuming a long key list where it stopped.
+    decoder: RequestDecoder,
+    /// Bytes received since the engine was last asked (compared to `needed`).
+    arrived: usize,
+    /// At least this many bytes must arrive before the next request is complete.
+    needed: usize,
+    /// Bytes owed and not yet handed to the kernel.
+    out: Vec<u8>,
+    /// Bytes handed to the kernel; it reads them until the send completes.
+    sending: Vec<u8>,
+    /// How much of `sending` has gone out.
+    sent: usize,
 }
 
 impl Conn {
     /// Done when nothing is in flight and nothing more will be sent.
     fn finished(&self) -> bool {
-        let idle = !self.recv_busy && !self.send_busy;
+        let idle = self.reading == Reading::Idle && self.writing == Writing::Idle;
         match self.phase {
             Phase::Open => false,
-            Phase::Flushing { .. } => {
-                idle && self.out.is_empty() && self.sent >= self.sending.len()
-            }
-            Phase::Abandoned { .. } => idle,
+            Phase::Flushing => idle && self.out.is_empty() && self.sent >= self.sending.len(),
+            Phase::Abandoned => idle,
         }
     }
 }
@@ -190,59 +227,116 @@ impl fmt::Display for Peer<'_> {
     }
 }
 
-/// The loop's state.
-struct Server {
+/// Wakes a loop from another thread: a write to the eventfd the loop polls.
+pub(super) struct EventFdWaker(Arc<OwnedFd>);
+
+impl LoopWaker for EventFdWaker {
+    fn wake(&self) -> io::Result<()> {
+        match rustix::io::write(self.0.as_fd(), &1u64.to_ne_bytes()) {
+            // EAGAIN: the counter is saturated, so a wake-up is pending anyway.
+            Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// A loop's ring and the eventfd other loops wake it with.
+pub(super) struct Ring {
     ring: IoUring,
+    wake_fd: Arc<OwnedFd>,
+}
+
+/// Creates a loop's ring and the waker other loops use to reach it (the caller reports
+/// failure before saying the server is ready).
+pub(super) fn ring() -> io::Result<(Ring, EventFdWaker)> {
+    let ring = IoUring::builder()
+        .setup_cqsize(CQ_ENTRIES)
+        .build(SQ_ENTRIES)?;
+    let fd = rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?;
+    let wake_fd = Arc::new(fd);
+    Ok((
+        Ring {
+            ring,
+            wake_fd: Arc::clone(&wake_fd),
+        },
+        EventFdWaker(wake_fd),
+    ))
+}
+
+/// Everything a loop thread needs.
+pub(super) struct LoopSetup {
+    pub(super) index: usize,
+    pub(super) ring: Ring,
+    pub(super) listener: OwnedFd,
+    pub(super) shared: Arc<SharedEngine>,
+    pub(super) limits: Limits,
+    pub(super) stats: Arc<StatsCells>,
+    pub(super) drain: Duration,
+    /// Keep polling the completion queue this long after the last completion before
+    /// sleeping in the kernel (`--spin-us`); `None` sleeps at once.
+    pub(super) spin: Option<Duration>,
+}
+
+/// One loop's state.
+struct Server {
+    index: usize,
+    ring: IoUring,
+    wake_fd: Arc<OwnedFd>,
+    /// A poll on `wake_fd` is in flight.
+    wake_polled: bool,
     listener: OwnedFd,
-    engine: Engine,
+    accepting: Accepting,
+    accept_after: Instant,
+    shared: Arc<SharedEngine>,
     limits: Limits,
+    stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
-    /// Slots to look at after this batch of completions.
+    /// Slots to look at after this batch of completions (may repeat).
     dirty: Vec<usize>,
-    seq: u64,
+    seq: u32,
     live: usize,
-    accept_busy: bool,
-    accept_cancel_sent: bool,
-    accepting: bool,
-    accept_after: Instant,
-    stats: Arc<StatsCells>,
+    /// Wake-ups other loops routed here, being handed to their connections.
+    wakes: Vec<Wake>,
+    spin: Option<Duration>,
 }
 
-/// Creates the ring (the caller reports failure before saying the server is ready).
-pub(super) fn ring() -> io::Result<IoUring> {
-    IoUring::builder()
-        .setup_cqsize(CQ_ENTRIES)
-        .build(SQ_ENTRIES)
-}
-
-/// Serves `listener` until `stop` is set, then drains for up to `drain`.
-pub(super) fn serve(
-    ring: IoUring,
-    listener: OwnedFd,
-    limits: Limits,
-    drain: Duration,
-    stop: &AtomicBool,
-    stats: Arc<StatsCells>,
-) {
-    let mut server = Server {
-        ring,
+/// Serves until `stop` is set, then drains for up to `setup.drain`.
+pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
+    let LoopSetup {
+        index,
+        ring: Ring { ring, wake_fd },
         listener,
-        engine: Engine::new(),
+        shared,
         limits,
+        stats,
+        drain,
+        spin,
+    } = setup;
+    let mut server = Server {
+        index,
+        ring,
+        wake_fd,
+        wake_polled: false,
+        listener,
+        accepting: Accepting::Idle,
+        accept_after: Instant::now(),
+        shared,
+        limits,
+        stats,
         conns: Vec::new(),
         free: Vec::new(),
         dirty: Vec::new(),
         seq: 0,
         live: 0,
-        accept_busy: false,
-        accept_cancel_sent: false,
-        accepting: true,
-        accept_after: Instant::now(),
-        stats,
+        wakes: Vec::new(),
+        spin,
     };
     if let Err(error) = server.run(stop, drain) {
-        tracing::error!(%error, "store server event loop failed; closing every connection");
+        tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
     server.finish();
 }
@@ -250,29 +344,45 @@ pub(super) fn serve(
 impl Server {
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
         let mut drain_deadline = None;
+        let mut busy_until = None;
         loop {
             if drain_deadline.is_none() && stop.load(Ordering::Acquire) {
                 self.begin_shutdown()?;
                 drain_deadline = Some(Instant::now() + drain);
             }
             if let Some(deadline) = drain_deadline {
-                if (self.live == 0 && !self.accept_busy) || Instant::now() >= deadline {
+                if (self.live == 0 && !self.accepting.in_flight()) || Instant::now() >= deadline {
                     return Ok(());
                 }
             }
+            self.poll_wakes()?;
             self.maybe_accept()?;
-            self.wait()?;
-            self.complete()?;
+            let spinning = busy_until.is_some_and(|until| Instant::now() < until);
+            self.wait(spinning)?;
+            if self.complete()? > 0 {
+                if let Some(spin) = self.spin {
+                    busy_until = Some(Instant::now() + spin);
+                }
+            }
             self.service_dirty()?;
-            self.publish();
         }
     }
 
-    /// Submits what is queued and waits for one completion or the tick.
-    fn wait(&mut self) -> io::Result<()> {
-        let timeout = types::Timespec::from(TICK);
-        let args = types::SubmitArgs::new().timespec(&timeout);
-        match self.ring.submitter().submit_with_args(1, &args) {
+    /// Submits what is queued and waits for one completion or the tick; or, while
+    /// `spinning`, submits without waiting (and without a system call when nothing is
+    /// queued): the completion queue is in shared memory.
+    fn wait(&mut self, spinning: bool) -> io::Result<()> {
+        let result = if spinning {
+            if self.ring.submission().is_empty() {
+                return Ok(());
+            }
+            self.ring.submit()
+        } else {
+            let timeout = types::Timespec::from(TICK);
+            let args = types::SubmitArgs::new().timespec(&timeout);
+            self.ring.submitter().submit_with_args(1, &args)
+        };
+        match result {
             Ok(_) => Ok(()),
             Err(e) => match e.raw_os_error() {
                 // ETIME: the tick; EINTR: a signal; EBUSY: completions to reap first.
@@ -305,8 +415,23 @@ impl Server {
         }
     }
 
+    /// Keeps a poll on the eventfd in flight, so that another loop's wake reaches a
+    /// loop asleep in `io_uring_enter`.
+    fn poll_wakes(&mut self) -> io::Result<()> {
+        if self.wake_polled {
+            return Ok(());
+        }
+        let entry = opcode::PollAdd::new(types::Fd(self.wake_fd.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(user_data(0, Op::Woken));
+        // SAFETY: a poll points at no buffer.
+        unsafe { self.push(&entry)? };
+        self.wake_polled = true;
+        Ok(())
+    }
+
     fn maybe_accept(&mut self) -> io::Result<()> {
-        if !self.accepting || self.accept_busy || Instant::now() < self.accept_after {
+        if self.accepting != Accepting::Idle || Instant::now() < self.accept_after {
             return Ok(());
         }
         let entry = opcode::Accept::new(
@@ -319,12 +444,13 @@ impl Server {
         .user_data(user_data(0, Op::Accept));
         // SAFETY: no buffer: the peer address is not asked for.
         unsafe { self.push(&entry)? };
-        self.accept_busy = true;
+        self.accepting = Accepting::InFlight;
         Ok(())
     }
 
-    /// Reaps every completion there is.
-    fn complete(&mut self) -> io::Result<()> {
+    /// Reaps every completion there is; returns how many.
+    fn complete(&mut self) -> io::Result<usize> {
+        let mut reaped = 0;
         loop {
             let batch: Vec<(u64, i32)> = self
                 .ring
@@ -332,13 +458,15 @@ impl Server {
                 .map(|cqe| (cqe.user_data(), cqe.result()))
                 .collect();
             if batch.is_empty() {
-                return Ok(());
+                return Ok(reaped);
             }
+            reaped += batch.len();
             for (data, result) in batch {
                 match decode_user_data(data) {
                     Some((_, Op::Accept)) => self.accepted(result),
                     Some((slot, Op::Recv)) => self.received(slot, result),
                     Some((slot, Op::Send)) => self.sent(slot, result),
+                    Some((_, Op::Woken)) => self.woken(result),
                     Some((_, Op::Cancel)) | None => {}
                 }
             }
@@ -346,7 +474,11 @@ impl Server {
     }
 
     fn accepted(&mut self, result: i32) {
-        self.accept_busy = false;
+        let was = self.accepting;
+        self.accepting = match was {
+            Accepting::InFlight => Accepting::Idle,
+            _ => Accepting::Stopped,
+        };
         if result < 0 {
             let error = io::Error::from_raw_os_error(-result);
             if result != -libc::ECANCELED {
@@ -358,43 +490,75 @@ impl Server {
         // SAFETY: a successful accept completion's result is a new descriptor that
         // nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(result as RawFd) };
-        if !self.accepting {
+        if was != Accepting::InFlight {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None if self.conns.len() < MAX_SLOTS => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+            None => {
+                tracing::warn!(
+                    "store loop {} holds {MAX_SLOTS} connections; refusing more",
+                    self.index
+                );
+                return;
+            }
+        };
         if let Err(error) = socket2::SockRef::from(&fd).set_nodelay(true) {
             tracing::debug!(%error, "TCP_NODELAY failed");
         }
-        let slot = self.free.pop().unwrap_or_else(|| {
-            self.conns.push(None);
-            self.conns.len() - 1
-        });
-        self.seq += 1;
-        let id = conn_id(slot, self.seq);
-        self.engine.connect(id);
+        self.seq = self.seq.wrapping_add(1);
+        let id = shared_engine::conn_id(self.index, slot, self.seq);
+        self.shared.turn(self.index, |engine, _| engine.connect(id));
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
                 fd,
                 id,
+                phase: Phase::Open,
+                reading: Reading::Idle,
+                writing: Writing::Idle,
                 input: ReadBuf::new(),
                 decoder: RequestDecoder::new(self.limits),
+                arrived: 0,
+                needed: 1,
                 out: Vec::new(),
                 sending: Vec::new(),
                 sent: 0,
-                recv_busy: false,
-                send_busy: false,
-                phase: Phase::Open,
             });
             self.live += 1;
+            self.stats.connections.fetch_add(1, Ordering::Relaxed);
             self.dirty.push(slot);
         }
+    }
+
+    /// Another loop routed wake-ups here: empty the eventfd, then the inbox (in that
+    /// order, so that a wake-up routed in between is either taken now or raises the
+    /// eventfd again).
+    fn woken(&mut self, result: i32) {
+        self.wake_polled = false;
+        if result < 0 && result != -libc::ECANCELED {
+            let error = io::Error::from_raw_os_error(-result);
+            tracing::warn!(%error, loop_index = self.index, "polling the wake-up eventfd failed");
+        }
+        let mut count = [0u8; 8];
+        // Non-blocking: EAGAIN only says another reader was faster (there is none).
+        let _ = rustix::io::read(self.wake_fd.as_fd(), &mut count);
+        let mut wakes = std::mem::take(&mut self.wakes);
+        self.shared
+            .turn(self.index, |_, router| router.take_inbox(&mut wakes));
+        self.deliver(&mut wakes);
+        self.wakes = wakes;
     }
 
     fn received(&mut self, slot: usize, result: i32) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        conn.recv_busy = false;
+        conn.reading = Reading::Idle;
         self.dirty.push(slot);
         if result <= 0 {
             if result < 0 && result != -libc::ECANCELED {
@@ -409,47 +573,85 @@ impl Server {
             // Read just before a close was decided: the bytes are not served.
             return;
         }
-        conn.input.filled += result as usize;
-        let id = conn.id;
-        let mut out = std::mem::take(&mut conn.out);
-        let mut others = Vec::new();
+        let n = result as usize;
+        conn.input.filled += n;
+        conn.arrived = conn.arrived.saturating_add(n);
+        if conn.arrived >= conn.needed {
+            self.serve_input(slot);
+        } else {
+            // Not a whole request yet; make room if the buffer is full.
+            conn.input.consume(0);
+        }
+    }
+
+    /// Runs the whole requests a connection has through the engine.
+    fn serve_input(&mut self, slot: usize) {
+        let Server {
+            conns,
+            shared,
+            wakes,
+            index,
+            stats,
+            ..
+        } = self;
+        let mut local = Vec::new();
+        let served = shared.turn(*index, |engine, router| {
+            // Wake-ups other loops owe this loop's connections go out before any reply
+            // decided after them.
+            router.take_inbox(wakes);
+            for &(target, byte) in wakes.iter() {
+                if let Some(Some(conn)) = conns.get_mut(shared_engine::slot_of(target)) {
+                    if conn.id == target && conn.phase != Phase::Abandoned {
+                        conn.out.push(byte);
+                    }
+                }
+            }
+            let Some(Some(conn)) = conns.get_mut(slot) else {
+                return None;
+            };
+            let id = conn.id;
+            Some(serve_frames(
+                stats.metrics.as_ref(),
+                engine,
+                &mut conn.decoder,
+                id,
+                &Peer(&conn.fd),
+                conn.input.pending(),
+                &mut conn.out,
+                |engine, own| router.route(engine, id, own, &mut local),
+            ))
+        });
+        // The inbox's targets must be sent to too.
+        for (target, _) in self.wakes.drain(..) {
+            self.dirty.push(shared_engine::slot_of(target));
+        }
+        self.deliver(&mut local);
+        let Some(Served {
+            used,
+            close,
+            needed,
+        }) = served
+        else {
+            return;
+        };
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        let Served { used, close, .. } = serve_frames(
-            self.stats.metrics.as_ref(),
-            &mut self.engine,
-            &mut conn.decoder,
-            id,
-            &Peer(&conn.fd),
-            conn.input.pending(),
-            &mut out,
-            |engine, own| {
-                while let Some((target, wake)) = engine.poll_wakeup() {
-                    if target == id {
-                        own.push(wake as u8);
-                    } else {
-                        others.push((target, wake as u8));
-                    }
-                }
-            },
-        );
-        if let Some(Some(conn)) = self.conns.get_mut(slot) {
-            conn.input.consume(used);
-            conn.out = out;
-        }
-        self.deliver(others);
+        conn.input.consume(used);
+        conn.arrived = 0;
+        conn.needed = needed.max(1);
         if close {
             self.close(slot, Close::Flush);
         }
     }
 
-    /// Appends wake-up bytes to the connections they are for (if still there).
-    fn deliver(&mut self, wakes: Vec<(ConnId, u8)>) {
-        for (target, byte) in wakes {
-            let slot = slot_of(target);
+    /// Appends wake-up bytes to the connections of this loop they are for (if still
+    /// there and not abandoned), and empties `wakes`.
+    fn deliver(&mut self, wakes: &mut Vec<Wake>) {
+        for (target, byte) in wakes.drain(..) {
+            let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                if conn.id == target && !matches!(conn.phase, Phase::Abandoned { .. }) {
+                if conn.id == target && conn.phase != Phase::Abandoned {
                     conn.out.push(byte);
                     self.dirty.push(slot);
                 }
@@ -461,7 +663,7 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        conn.send_busy = false;
+        conn.writing = Writing::Idle;
         self.dirty.push(slot);
         if result < 0 {
             let error = io::Error::from_raw_os_error(-result);
@@ -490,14 +692,13 @@ impl Server {
             return;
         }
         let id = conn.id;
-        self.engine.disconnect(id);
-        let mut others = Vec::new();
-        while let Some((target, wake)) = self.engine.poll_wakeup() {
-            if target != id {
-                others.push((target, wake as u8));
-            }
-        }
-        self.deliver(others);
+        let mut own = Vec::new();
+        let mut local = Vec::new();
+        self.shared.turn(self.index, |engine, router| {
+            engine.disconnect(id);
+            router.route(engine, id, &mut own, &mut local);
+        });
+        self.deliver(&mut local);
     }
 
     /// Queues each touched connection's next receive and send, cancels what a closing
@@ -514,19 +715,12 @@ impl Server {
                 }
                 self.free.push(slot);
                 self.live = self.live.saturating_sub(1);
+                self.stats.connections.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
             let fd = types::Fd(conn.fd.as_raw_fd());
-            let phase = conn.phase;
-            if phase != Phase::Open && conn.recv_busy && !phase.recv_cancelled() {
-                conn.phase = match phase {
-                    Phase::Abandoned { .. } => Phase::Abandoned {
-                        recv_cancelled: true,
-                    },
-                    _ => Phase::Flushing {
-                        recv_cancelled: true,
-                    },
-                };
+            if conn.phase != Phase::Open && conn.reading == Reading::InFlight {
+                conn.reading = Reading::Cancelling;
                 let entry = opcode::AsyncCancel::new(user_data(slot, Op::Recv))
                     .build()
                     .user_data(user_data(slot, Op::Cancel));
@@ -535,44 +729,49 @@ impl Server {
                 continue;
             }
             let unsent = conn.out.len() + conn.sending.len().saturating_sub(conn.sent);
-            if conn.phase == Phase::Open && !conn.recv_busy && unsent < OUT_HIGH_WATER {
+            if conn.phase == Phase::Open && conn.reading == Reading::Idle && unsent < OUT_HIGH_WATER
+            {
                 let spare = conn.input.spare();
                 let len = u32::try_from(spare.len()).unwrap_or(u32::MAX);
                 let entry = opcode::Recv::new(fd, spare.as_mut_ptr(), len)
                     .build()
                     .user_data(user_data(slot, Op::Recv));
-                conn.recv_busy = true;
+                conn.reading = Reading::InFlight;
                 // SAFETY: `spare` is the unfilled tail of this connection's input
-                // buffer, which is neither read, resized nor freed while `recv_busy`
-                // (the connection is freed only when `finished()`, which needs both
-                // operations completed).
+                // buffer, which is neither read, resized nor freed while a receive is
+                // in flight (the connection is freed only when `finished()`, which needs
+                // both operations completed).
                 unsafe { self.push(&entry)? };
             }
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
-            let abandoned = matches!(conn.phase, Phase::Abandoned { .. });
-            if !conn.send_busy && !abandoned {
-                if conn.sent >= conn.sending.len() && !conn.out.is_empty() {
-                    std::mem::swap(&mut conn.out, &mut conn.sending);
+            match (conn.phase, conn.writing) {
+                (Phase::Abandoned, Writing::Idle) => {
                     conn.out.clear();
+                    conn.sending.clear();
                     conn.sent = 0;
                 }
-                if let Some(rest) = conn.sending.get(conn.sent..).filter(|r| !r.is_empty()) {
-                    let len = u32::try_from(rest.len()).unwrap_or(u32::MAX);
-                    let entry = opcode::Send::new(fd, rest.as_ptr(), len)
-                        .flags(libc::MSG_NOSIGNAL)
-                        .build()
-                        .user_data(user_data(slot, Op::Send));
-                    conn.send_busy = true;
-                    // SAFETY: `rest` lies in `sending`, which is not touched while
-                    // `send_busy` and lives until the connection is `finished()`.
-                    unsafe { self.push(&entry)? };
+                (Phase::Open | Phase::Flushing, Writing::Idle) => {
+                    if conn.sent >= conn.sending.len() && !conn.out.is_empty() {
+                        std::mem::swap(&mut conn.out, &mut conn.sending);
+                        conn.out.clear();
+                        conn.sent = 0;
+                    }
+                    if let Some(rest) = conn.sending.get(conn.sent..).filter(|r| !r.is_empty()) {
+                        let len = u32::try_from(rest.len()).unwrap_or(u32::MAX);
+                        let entry = opcode::Send::new(fd, rest.as_ptr(), len)
+                            .flags(libc::MSG_NOSIGNAL)
+                            .build()
+                            .user_data(user_data(slot, Op::Send));
+                        conn.writing = Writing::InFlight;
+                        // SAFETY: `rest` lies in `sending`, which is not touched while a
+                        // send is in flight and lives until the connection is
+                        // `finished()`.
+                        unsafe { self.push(&entry)? };
+                    }
                 }
-            } else if abandoned && !conn.send_busy {
-                conn.out.clear();
-                conn.sending.clear();
-                conn.sent = 0;
+                (_, Writing::InFlight) => {}
             }
             // A closing connection with nothing left in flight is freed next round.
             if let Some(Some(conn)) = self.conns.get(slot) {
@@ -585,14 +784,17 @@ impl Server {
     }
 
     fn begin_shutdown(&mut self) -> io::Result<()> {
-        self.accepting = false;
-        if self.accept_busy && !self.accept_cancel_sent {
-            self.accept_cancel_sent = true;
-            let entry = opcode::AsyncCancel::new(user_data(0, Op::Accept))
-                .build()
-                .user_data(user_data(0, Op::Cancel));
-            // SAFETY: a cancel points at no buffer.
-            unsafe { self.push(&entry)? };
+        match self.accepting {
+            Accepting::InFlight => {
+                self.accepting = Accepting::Cancelling;
+                let entry = opcode::AsyncCancel::new(user_data(0, Op::Accept))
+                    .build()
+                    .user_data(user_data(0, Op::Cancel));
+                // SAFETY: a cancel points at no buffer.
+                unsafe { self.push(&entry)? };
+            }
+            Accepting::Idle => self.accepting = Accepting::Stopped,
+            Accepting::Cancelling | Accepting::Stopped => {}
         }
         // Every connection flushes what it owes, then closes.
         for slot in 0..self.conns.len() {
@@ -603,7 +805,8 @@ impl Server {
 
     /// After the loop: cancel whatever is still in flight and wait (briefly) until the
     /// kernel has let go of every buffer; connections it has not let go of are leaked,
-    /// never freed under it.
+    /// never freed under it. (The eventfd poll holds no buffer: the ring's teardown
+    /// takes it.)
     fn finish(&mut self) {
         let deadline = Instant::now() + CANCEL_GRACE;
         loop {
@@ -614,23 +817,26 @@ impl Server {
                 .conns
                 .iter()
                 .flatten()
-                .any(|c| c.recv_busy || c.send_busy);
-            if !busy && !self.accept_busy {
+                .any(|c| c.reading != Reading::Idle || c.writing != Writing::Idle);
+            if !busy && !self.accepting.in_flight() {
+                // Free what the last round finished.
+                if self.service_dirty().is_err() {
+                    self.leak_the_rest();
+                }
                 break;
             }
             if Instant::now() >= deadline {
-                let stuck: Vec<Conn> = self.conns.drain(..).flatten().collect();
                 tracing::warn!(
-                    connections = stuck.len(),
+                    connections = self.conns.iter().flatten().count(),
                     "kernel operations did not complete after cancellation; leaking their buffers"
                 );
-                std::mem::forget(stuck);
+                self.leak_the_rest();
                 break;
             }
             // Sends are cancelled too: a peer that reads nothing must not hold us.
             for slot in 0..self.conns.len() {
                 if let Some(Some(conn)) = self.conns.get(slot) {
-                    if conn.send_busy {
+                    if conn.writing == Writing::InFlight {
                         let entry = opcode::AsyncCancel::new(user_data(slot, Op::Send))
                             .build()
                             .user_data(user_data(slot, Op::Cancel));
@@ -641,27 +847,27 @@ impl Server {
                     }
                 }
             }
-            if self.service_dirty().is_err() || self.wait().is_err() || self.complete().is_err() {
+            if self.service_dirty().is_err()
+                || self.wait(false).is_err()
+                || self.complete().is_err()
+            {
                 // The ring itself failed; nothing more can be waited for.
-                let stuck: Vec<Conn> = self.conns.drain(..).flatten().collect();
-                std::mem::forget(stuck);
+                self.leak_the_rest();
                 break;
             }
         }
-        self.live = self.conns.iter().flatten().count();
-        self.publish();
-        tracing::info!(unfinished = self.live, "store server stopped");
+        tracing::debug!(loop_index = self.index, "store loop stopped");
     }
 
-    /// Publishes the counts for [`super::StoreServer::stats`].
-    fn publish(&self) {
-        self.stats.connections.store(self.live, Ordering::Relaxed);
+    /// Gives up the connections the kernel may still hold: their buffers are leaked,
+    /// never freed under it.
+    fn leak_the_rest(&mut self) {
+        let stuck: Vec<Conn> = self.conns.drain(..).flatten().collect();
         self.stats
-            .waiters
-            .store(self.engine.waiter_count(), Ordering::Relaxed);
-        self.stats
-            .keys
-            .store(self.engine.num_keys(), Ordering::Relaxed);
+            .connections
+            .fetch_sub(stuck.len(), Ordering::Relaxed);
+        self.live = 0;
+        std::mem::forget(stuck);
     }
 }
 
@@ -672,7 +878,7 @@ mod tests {
     #[test]
     fn user_data_round_trips() {
         for slot in [0usize, 1, 4095, 1 << 40] {
-            for op in [Op::Accept, Op::Recv, Op::Send, Op::Cancel] {
+            for op in [Op::Accept, Op::Recv, Op::Send, Op::Cancel, Op::Woken] {
                 assert_eq!(decode_user_data(user_data(slot, op)), Some((slot, op)));
             }
         }
@@ -682,33 +888,73 @@ mod tests {
 
     #[test]
     fn closing_never_reopens_nor_unabandons() {
-        let flushing = Phase::Flushing {
-            recv_cancelled: false,
-        };
-        let abandoned = Phase::Abandoned {
-            recv_cancelled: false,
-        };
-        assert_eq!(Phase::Open.closed(Close::Flush), flushing);
-        assert_eq!(Phase::Open.closed(Close::Abandon), abandoned);
-        assert_eq!(flushing.closed(Close::Abandon), abandoned);
-        assert_eq!(abandoned.closed(Close::Flush), abandoned);
-        let cancelled = Phase::Flushing {
-            recv_cancelled: true,
-        };
-        assert_eq!(
-            cancelled.closed(Close::Abandon),
-            Phase::Abandoned {
-                recv_cancelled: true
-            }
-        );
+        assert_eq!(Phase::Open.closed(Close::Flush), Phase::Flushing);
+        assert_eq!(Phase::Open.closed(Close::Abandon), Phase::Abandoned);
+        assert_eq!(Phase::Flushing.closed(Close::Abandon), Phase::Abandoned);
+        assert_eq!(Phase::Flushing.closed(Close::Flush), Phase::Flushing);
+        assert_eq!(Phase::Abandoned.closed(Close::Flush), Phase::Abandoned);
     }
 
+    /// Two loops, each on its own port (so the test decides which loop serves which
+    /// connection): a `WAIT` on loop 1 is released by a `SET` on loop 0. The wake-up
+    /// crosses through loop 1's inbox and its eventfd, while loop 1 sleeps in
+    /// `io_uring_enter`; both loops' connections are counted.
     #[test]
-    fn conn_ids_differ_per_occupant_of_a_slot() {
-        let a = conn_id(7, 1);
-        let b = conn_id(7, 2);
-        assert_ne!(a, b);
-        assert_eq!(slot_of(a), 7);
-        assert_eq!(slot_of(b), 7);
+    fn a_wake_up_crosses_to_a_sleeping_loop() {
+        use crate::store::tcp::TcpStore;
+        use crate::store::Store;
+
+        let stats = Arc::new(StatsCells::default());
+        let mut rings = Vec::new();
+        let mut wakers: Vec<Box<dyn LoopWaker>> = Vec::new();
+        for _ in 0..2 {
+            let (ring, waker) = ring().expect("an io_uring");
+            rings.push(ring);
+            wakers.push(Box::new(waker));
+        }
+        let shared = Arc::new(SharedEngine::new(wakers, Arc::clone(&stats)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut ports = Vec::new();
+        let mut threads = Vec::new();
+        for (index, ring) in rings.into_iter().enumerate() {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            ports.push(listener.local_addr().unwrap().port());
+            let setup = LoopSetup {
+                index,
+                ring,
+                listener: listener.into(),
+                shared: Arc::clone(&shared),
+                limits: Limits::default(),
+                stats: Arc::clone(&stats),
+                drain: Duration::from_secs(1),
+                spin: None,
+            };
+            let stop = Arc::clone(&stop);
+            threads.push(std::thread::spawn(move || serve(setup, &stop)));
+        }
+        let timeout = Duration::from_secs(10);
+        let waiter_port = ports[1];
+        let waiter = std::thread::spawn(move || {
+            let store = TcpStore::connect("127.0.0.1", waiter_port, timeout).unwrap();
+            store.wait(&["crossing"], Some(timeout))
+        });
+        let deadline = Instant::now() + timeout;
+        while stats.waiters.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "the WAIT never registered");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let setter = TcpStore::connect("127.0.0.1", ports[0], timeout).unwrap();
+        assert_eq!(stats.connections.load(Ordering::Relaxed), 2);
+        setter.set("crossing", b"1").unwrap();
+        waiter
+            .join()
+            .unwrap()
+            .expect("the SET on loop 0 released the WAIT on loop 1");
+        assert_eq!(stats.waiters.load(Ordering::Relaxed), 0);
+        stop.store(true, Ordering::Release);
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!(stats.connections.load(Ordering::Relaxed), 0, "all closed");
     }
 }

@@ -1,5 +1,6 @@
-//! The listening socket: created here (not by glommio) so that the backlog is the host's
-//! `somaxconn` rather than glommio's fixed 1024, and so that an unspecified host listens
+//! The listening sockets: created here so that the backlog is the host's `somaxconn`
+//! (a runtime's default is often a fixed 1024), that every event loop gets its own
+//! `SO_REUSEPORT` listener on the one port, and so that an unspecified host listens
 //! dual-stack on `[::]` like PyTorch's libuv server, falling back to `0.0.0.0`.
 //!
 //! A server can also take over a listening socket it inherited ([`adopt_listener`]):
@@ -130,7 +131,7 @@ pub fn candidate_addrs(host: Option<&str>, port: u16) -> io::Result<Vec<SocketAd
 }
 
 /// Binds and listens on the first address of `addrs` that works. `reuse_port` lets
-/// several executors each own a listener on the same port.
+/// several event loops each own a listener on the same port.
 ///
 /// On failure the error lists every address tried, like PyTorch's "The server socket has
 /// failed to listen on any local network address." message.

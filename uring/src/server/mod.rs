@@ -1,13 +1,12 @@
 //! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring or epoll.
 //!
 //! [`IoMode`] picks the kernel interface; `Auto` (the default) uses io_uring unless the
-//! host refuses it, then epoll (module `io_mode`). On io_uring, one executor (the default)
-//! is a single event loop ([`Backend::IoUring`], module `direct`); with `threads > 1`,
-//! or [`Backend::Glommio`], each glommio executor thread runs an accept loop and one task
-//! per connection (module `conn`), and executor 0 owns the engine. On epoll (module
-//! `epoll`) N loops, one per CPU by default, each accept on their own `SO_REUSEPORT`
-//! listener and run their connections' requests to completion against one engine behind
-//! a lock (module `shared_engine`). Either way a connection's bytes are cut into requests
+//! host refuses it, then epoll (module `io_mode`). Either way the server is N event
+//! loops (module `direct` on io_uring, module `epoll` on `mio`), each on its own thread
+//! with its own `SO_REUSEPORT` listener, running its connections' requests to completion
+//! against one engine behind a short lock (module `shared_engine`); only a wake-up owed
+//! to another loop's connection crosses, batched. One io_uring loop is the default on
+//! io_uring, one loop per CPU on epoll. A connection's bytes are cut into requests
 //! by its own incremental `rdzv_core::store::codec::RequestDecoder`, handed to the
 //! `rdzv_core::store::engine::Engine`, the replies encoded, and the wake-ups the engine
 //! owes other connections forwarded to them (module `session` holds what all share).
@@ -20,7 +19,6 @@
 //! removed from the engine.
 
 pub mod capacity;
-mod conn;
 mod direct;
 mod epoll;
 pub(crate) mod io_mode;
@@ -34,14 +32,11 @@ pub use io_mode::IoMode;
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::IntoRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use glommio::channels::shared_channel;
-use glommio::{LocalExecutorBuilder, Placement};
 use rdzv_core::store::codec::Limits;
 
 /// PyTorch's default TCPStore port (`kDefaultPort`).
@@ -55,13 +50,11 @@ pub struct ServerOptions {
     /// Port; 0 picks a free one (see [`StoreServer::port`]).
     pub port: u16,
     /// Event loops. 0 (the default) picks per [`IoMode`]: one io_uring loop, or on
-    /// epoll one loop per CPU this process may use, at most [`DEFAULT_MAX_LOOPS`].
-    /// On io_uring more than one runs on glommio: executor 0 owns the key space and the
-    /// others accept connections and forward their requests to it; on epoll every loop
-    /// serves its own connections against the shared engine (see `ARCHITECTURE.md`).
+    /// epoll one loop per CPU this process may use, at most [`DEFAULT_MAX_LOOPS`]. Every
+    /// loop serves its own connections against the shared engine; at most 256.
     pub threads: usize,
-    /// Pin the executor thread to a CPU. Off by default: pinned executors measured
-    /// 5-10x worse on small VMs (see `ARCHITECTURE.md`).
+    /// Pin loop i to the i-th CPU this process may use. Off by default: pinned
+    /// executors measured 5-10x worse on small VMs (see `ARCHITECTURE.md`).
     pub pin: bool,
     /// Wire limits (PyTorch's libuv limits by default).
     pub limits: Limits,
@@ -70,14 +63,11 @@ pub struct ServerOptions {
     pub multi_tenant: bool,
     /// How long shutdown waits for connections to flush their replies.
     pub drain_timeout: Duration,
-    /// How long an idle executor keeps polling its rings before it sleeps in the kernel
-    /// (glommio's `spin_before_park`). Spinning saves the syscalls of going to sleep and
+    /// How long an idle loop keeps polling (its completion queue, or epoll without a
+    /// timeout) before it sleeps in the kernel. Spinning saves the syscalls of going to sleep and
     /// waking up when requests arrive back to back, and costs CPU only while the server
     /// is busy or was within this window; `None` sleeps at once.
     pub spin_before_park: Option<Duration>,
-    /// What runs the single-executor io_uring server (`threads <= 1`); more executors
-    /// always run on glommio.
-    pub backend: Backend,
     /// io_uring, epoll, or io_uring where the host allows it (the default).
     pub io: IoMode,
     /// Serve on this inherited, already-listening TCP socket instead of binding `host`
@@ -94,32 +84,6 @@ pub struct ServerOptions {
 /// Most epoll loops started when [`ServerOptions::threads`] is 0.
 pub const DEFAULT_MAX_LOOPS: usize = 16;
 
-/// The event loop behind a one-executor server.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// One io_uring loop on the `io-uring` crate: one system call per batch of
-    /// requests. The default: it measured faster at every connection count (see
-    /// `ARCHITECTURE.md`).
-    #[default]
-    IoUring,
-    /// glommio tasks, as with more executors.
-    Glommio,
-}
-
-impl std::str::FromStr for Backend {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "io-uring" | "io_uring" | "uring" => Ok(Backend::IoUring),
-            "glommio" => Ok(Backend::Glommio),
-            other => Err(format!(
-                "unknown server backend {other:?}: expected `io-uring` or `glommio`"
-            )),
-        }
-    }
-}
-
 impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
@@ -131,7 +95,6 @@ impl Default for ServerOptions {
             multi_tenant: false,
             drain_timeout: Duration::from_secs(5),
             spin_before_park: None,
-            backend: Backend::default(),
             io: IoMode::default(),
             listen_fd: None,
             metrics: None,
@@ -177,7 +140,7 @@ pub enum ServerError {
         #[source]
         source: io::Error,
     },
-    /// The executor thread could not start (io_uring unavailable, memlock too low...).
+    /// A loop could not start (io_uring unavailable, memlock too low, no thread...).
     #[error("cannot start the store executor: {0}")]
     Executor(String),
 }
@@ -193,7 +156,7 @@ pub struct ServerStats {
     pub keys: usize,
 }
 
-/// Counters the executor publishes after every batch of requests.
+/// Counters the loops publish as they serve.
 #[derive(Debug, Default)]
 pub(crate) struct StatsCells {
     pub(crate) connections: AtomicUsize,
@@ -282,8 +245,8 @@ impl StoreServer {
         };
         let threads = match (epoll, options.threads) {
             (true, 0) => io_mode::default_loops(DEFAULT_MAX_LOOPS),
-            (true, n) => n.min(shared_engine::MAX_LOOPS),
-            (false, n) => n.max(1),
+            (false, 0) => 1,
+            (_, n) => n.min(shared_engine::MAX_LOOPS),
         };
         let sockets = match options.listen_fd {
             Some(fd) => listener::adopt_listener(fd, threads)
@@ -348,147 +311,9 @@ impl StoreServer {
             tracing::info!(%addr, loops = threads, "store server listening (epoll)");
             return Ok(StoreServer { shared });
         }
-        let mut sockets = sockets;
-        // Channels between the owner (executor 0) and each accepting executor.
-        let mut to_owner_rx = Vec::new();
-        let mut from_owner_tx = Vec::new();
-        let mut remote_ends = Vec::new();
-        for _ in 1..threads {
-            let (up_tx, up_rx) = shared_channel::new_bounded::<conn::ToOwner>(CHANNEL_DEPTH);
-            let (down_tx, down_rx) = shared_channel::new_bounded::<conn::FromOwner>(CHANNEL_DEPTH);
-            to_owner_rx.push(up_rx);
-            from_owner_tx.push(down_tx);
-            remote_ends.push((up_tx, down_rx));
-        }
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-        let mut handles = Vec::new();
-        let mut remote_ends = remote_ends.into_iter();
-        if threads == 1 && options.backend == Backend::IoUring {
-            let socket = sockets
-                .pop()
-                .ok_or_else(|| ServerError::Executor("no listening socket was created".into()))?;
-            let (limits, drain) = (options.limits, options.drain_timeout);
-            let stop = Arc::clone(&shared.stopping);
-            let stats = Arc::clone(&shared.stats);
-            let ready = ready_tx.clone();
-            let spawned = std::thread::Builder::new()
-                .name("rdzv-store-0".into())
-                .spawn(move || match direct::ring() {
-                    Ok(ring) => {
-                        let _ = ready.send(Ok(()));
-                        direct::serve(ring, socket.into(), limits, drain, &stop, stats);
-                    }
-                    Err(e) => {
-                        let _ = ready.send(Err(format!("cannot create an io_uring: {e}")));
-                    }
-                })
-                .map_err(|e| ServerError::Executor(e.to_string()))?;
-            handles.push(spawned);
-            sockets.clear();
-        }
-        for (index, socket) in sockets.into_iter().enumerate() {
-            let fd = socket.into_raw_fd();
-            let limits = options.limits;
-            let drain = options.drain_timeout;
-            let spin_before_park = options.spin_before_park;
-            let placement = if options.pin {
-                Placement::Fixed(index % cpus)
-            } else {
-                Placement::Unbound
-            };
-            let stop = Arc::clone(&shared.stopping);
-            let stats = Arc::clone(&shared.stats);
-            let ready = ready_tx.clone();
-            let role = if index == 0 {
-                Role::Owner {
-                    from_remotes: std::mem::take(&mut to_owner_rx),
-                    to_remotes: std::mem::take(&mut from_owner_tx),
-                }
-            } else {
-                let (up, down) = remote_ends
-                    .next()
-                    .ok_or_else(|| ServerError::Executor("channel wiring".into()))?;
-                Role::Remote { up, down }
-            };
-            let name = format!("rdzv-store-{index}");
-            let spawned = std::thread::Builder::new()
-                .name(name.clone())
-                .spawn(move || {
-                    let mut builder = LocalExecutorBuilder::new(placement)
-                        .name(&name)
-                        .io_memory(1 << 20);
-                    if let Some(spin) = spin_before_park {
-                        builder = builder.spin_before_park(spin);
-                    }
-                    let built = builder.make();
-                    let executor = match built {
-                        Ok(ex) => ex,
-                        Err(e) => {
-                            let _ = ready.send(Err(e.to_string()));
-                            return;
-                        }
-                    };
-                    executor.run(async move {
-                        // SAFETY: `fd` is a listening socket created above; `into_raw_fd`
-                        // gave up its ownership, and this is the only place that takes it.
-                        let listener = unsafe {
-                            <glommio::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd)
-                        };
-                        let _ = ready.send(Ok(()));
-                        match role {
-                            Role::Owner {
-                                from_remotes,
-                                to_remotes,
-                            } => {
-                                let mut rx = Vec::new();
-                                for r in from_remotes {
-                                    rx.push(r.connect().await);
-                                }
-                                let mut tx = Vec::new();
-                                for t in to_remotes {
-                                    tx.push(t.connect().await);
-                                }
-                                conn::serve_owner(listener, limits, drain, stop, stats, rx, tx)
-                                    .await;
-                            }
-                            Role::Remote { up, down } => {
-                                let up = up.connect().await;
-                                let down = down.connect().await;
-                                conn::serve_remote(index, listener, limits, drain, stop, up, down)
-                                    .await;
-                            }
-                        }
-                    });
-                });
-            match spawned {
-                Ok(handle) => handles.push(handle),
-                Err(e) => {
-                    shared.stopping.store(true, Ordering::Release);
-                    return Err(ServerError::Executor(e.to_string()));
-                }
-            }
-        }
-        drop(ready_tx);
-        for _ in 0..handles.len() {
-            match ready_rx.recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    shared.stopping.store(true, Ordering::Release);
-                    handles.into_iter().for_each(|h| drop(h.join()));
-                    return Err(ServerError::Executor(e));
-                }
-                Err(_) => {
-                    shared.stopping.store(true, Ordering::Release);
-                    handles.into_iter().for_each(|h| drop(h.join()));
-                    return Err(ServerError::Executor(
-                        "executor thread exited during start".into(),
-                    ));
-                }
-            }
-        }
+        let handles = start_uring(options, sockets, &shared)?;
         *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
-        tracing::info!(%addr, "store server listening");
+        tracing::info!(%addr, loops = threads, "store server listening (io_uring)");
         Ok(StoreServer { shared })
     }
 
@@ -519,7 +344,7 @@ impl StoreServer {
     }
 
     /// Stops accepting, lets every connection flush the replies it owes (up to the drain
-    /// timeout), and waits for the executor to exit. Idempotent; every clone of a
+    /// timeout), and waits for the loops to exit. Idempotent; every clone of a
     /// multi-tenant handle shares the same server.
     pub fn shutdown(&self) {
         shutdown_shared(&self.shared);
@@ -568,9 +393,15 @@ fn start_epoll(
             spin: options.spin_before_park,
         };
         let stop = Arc::clone(&shared.stopping);
+        let pin = options.pin;
         let spawned = std::thread::Builder::new()
             .name(format!("rdzv-store-{index}"))
-            .spawn(move || epoll::serve(setup, &stop));
+            .spawn(move || {
+                if pin {
+                    pin_loop(index);
+                }
+                epoll::serve(setup, &stop)
+            });
         match spawned {
             Ok(handle) => handles.push(handle),
             Err(e) => {
@@ -585,21 +416,81 @@ fn start_epoll(
     Ok(handles)
 }
 
-/// Depth of each channel between executors.
-const CHANNEL_DEPTH: usize = 4096;
+/// Starts one io_uring loop per socket, all sharing one engine.
+fn start_uring(
+    options: &ServerOptions,
+    sockets: Vec<socket2::Socket>,
+    shared: &Arc<Shared>,
+) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let mut rings = Vec::new();
+    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
+    for _ in 0..sockets.len() {
+        let (ring, waker) = direct::ring()
+            .map_err(|e| ServerError::Executor(format!("cannot create an io_uring: {e}")))?;
+        rings.push(ring);
+        wakers.push(Box::new(waker));
+    }
+    let engine = Arc::new(shared_engine::SharedEngine::new(
+        wakers,
+        Arc::clone(&shared.stats),
+    ));
+    let mut handles = Vec::new();
+    for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
+        let setup = direct::LoopSetup {
+            index,
+            ring,
+            listener: socket.into(),
+            shared: Arc::clone(&engine),
+            limits: options.limits,
+            stats: Arc::clone(&shared.stats),
+            drain: options.drain_timeout,
+            spin: options.spin_before_park,
+        };
+        let stop = Arc::clone(&shared.stopping);
+        let pin = options.pin;
+        let spawned = std::thread::Builder::new()
+            .name(format!("rdzv-store-{index}"))
+            .spawn(move || {
+                if pin {
+                    pin_loop(index);
+                }
+                direct::serve(setup, &stop)
+            });
+        match spawned {
+            Ok(handle) => handles.push(handle),
+            Err(e) => {
+                shared.stopping.store(true, Ordering::Release);
+                handles.into_iter().for_each(|h| drop(h.join()));
+                return Err(ServerError::Executor(format!(
+                    "cannot start a store loop thread: {e}"
+                )));
+            }
+        }
+    }
+    Ok(handles)
+}
 
-/// What an executor thread does.
-enum Role {
-    /// Executor 0: owns the engine.
-    Owner {
-        from_remotes: Vec<shared_channel::SharedReceiver<conn::ToOwner>>,
-        to_remotes: Vec<shared_channel::SharedSender<conn::FromOwner>>,
-    },
-    /// Executors 1..: accept and forward.
-    Remote {
-        up: shared_channel::SharedSender<conn::ToOwner>,
-        down: shared_channel::SharedReceiver<conn::FromOwner>,
-    },
+/// Pins the calling loop thread to the `index`-th CPU this process may use (modulo
+/// their number); a failure is logged and the loop runs unpinned.
+fn pin_loop(index: usize) {
+    let allowed = match rustix::thread::sched_getaffinity(None) {
+        Ok(set) => set,
+        Err(error) => {
+            tracing::warn!(%error, loop_index = index, "cannot read the CPU affinity; the loop is not pinned");
+            return;
+        }
+    };
+    let cpus: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&cpu| allowed.is_set(cpu))
+        .collect();
+    let Some(&cpu) = cpus.get(index % cpus.len().max(1)) else {
+        return;
+    };
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    if let Err(error) = rustix::thread::sched_setaffinity(None, &set) {
+        tracing::warn!(%error, loop_index = index, cpu, "cannot pin the store loop; it runs unpinned");
+    }
 }
 
 fn shutdown_shared(shared: &Shared) {

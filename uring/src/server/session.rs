@@ -2,8 +2,8 @@
 //! a read buffer that grows only with bytes that really arrived, and the loop that cuts
 //! whole requests out of it, runs them through the engine and encodes the replies.
 //!
-//! Both server back-ends (`conn`, on glommio tasks, and `direct`, one io_uring loop)
-//! call these; neither decides what a request means, and this module does no I/O.
+//! Both event loops (`direct` on io_uring, `epoll` on `mio`) call these; neither
+//! decides what a request means, and this module does no I/O.
 
 use std::fmt::Display;
 use std::sync::OnceLock;
