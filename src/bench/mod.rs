@@ -518,7 +518,20 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                 );
             }
             let target = Target::open(args.addr.as_deref(), args.label)?;
-            let limit = ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK)?;
+            let limit = ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK)
+                .inspect_err(|e| {
+                    if let (BenchError::FdLimit { limit, .. }, true) =
+                        (e, target.embedded.is_some())
+                    {
+                        if *limit >= ranks as u64 + FD_SLACK {
+                            eprintln!(
+                                "note: the embedded server's sockets count against this \
+                                 process's limit too; a server of its own (`rdzv store serve`, \
+                                 then --addr) leaves {ranks} ranks within it"
+                            );
+                        }
+                    }
+                })?;
             if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
                 if (backlog as usize) < ranks {
                     eprintln!(
