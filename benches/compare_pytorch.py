@@ -10,7 +10,15 @@ the ratios (always rdzv / PyTorch), and whether the issue's goals are met:
   * throughput at 64 and 512 connections at least 3x PyTorch's, p99 at most a third;
   * one connection's ADD p50 at most 1.2x a raw loopback ping-pong of the same size
     (measured in the same run by `latency --compare-baseline`);
-  * a storm of 4096 ranks (ours only; PyTorch takes minutes) in under a second.
+  * a storm of 4096 ranks in under a second (by default ours only: see below);
+
+PyTorch's libuv server resolves every accepted peer's address (`getnameinfo`) inside
+its event loop; where the host's nameserver drops those PTR queries (the 2-vCPU
+development VM does), each costs up to 5 s and a storm of thousands takes minutes. To
+measure the server rather than the resolver there, run PyTorch with hosts resolved from
+/etc/hosts alone, e.g. PYTHON set to a wrapper (as root) doing
+`unshare -m sh -c 'mount --bind /tmp/nsswitch-files.conf /etc/nsswitch.conf && exec python "$@"' sh "$@"`
+with `hosts: files` in that file, and pass `--storm-ranks 4096,16384`.
 
 The PyTorch interpreter is $PYTHON (default `python3`). When `import torch` fails there,
 the script says so and exits 0: nothing in CI depends on torch.
