@@ -6,8 +6,14 @@
 //! any TCPStore server (rdzv's, PyTorch's libuv or legacy one). Each reply is decoded
 //! knowing the request it answers ([`PendingReply`]), in the order the requests were sent.
 //!
-//! It does not decide what to send next or when (the throughput and storm drivers do),
-//! and it never blocks: [`StoreConn::flush`] and [`StoreConn::fill`] stop at
+//! It also runs PyTorch's `CANCEL_WAIT` exchange for a `WAIT` whose deadline passed
+//! ([`StoreConn::cancel_wait`]): the server may release the wait just before it sees the
+//! cancel, so either `WAIT_CANCELED` comes alone, in the wait's place, or `STOP_WAITING`
+//! comes first and `WAIT_CANCELED` after it. The caller sees one reply to the `WAIT`
+//! either way: `STOP_WAITING` if it was released, `WAIT_CANCELED` if the cancel won.
+//!
+//! It does not decide what to send next or when (the throughput, storm and rendezvous
+//! drivers do), and it never blocks: [`StoreConn::flush`] and [`StoreConn::fill`] stop at
 //! `WouldBlock`, and the caller waits for the next readiness event.
 
 use std::collections::VecDeque;
@@ -58,7 +64,8 @@ pub(super) enum Reply {
 }
 
 impl Reply {
-    fn from_view(view: &ResponseView<'_>, query: QueryType) -> Reply {
+    /// The parts of `view`, the reply to `query`, that the load generators look at.
+    pub(super) fn from_view(view: &ResponseView<'_>, query: QueryType) -> Reply {
         match *view {
             ResponseView::Pong(nonce) => Reply::Pong(nonce),
             ResponseView::Int(n) => Reply::Int(n),
@@ -89,6 +96,19 @@ pub(super) struct StoreConn {
     in_pos: usize,
     awaiting: VecDeque<PendingReply>,
     limits: Limits,
+    cancel: Cancel,
+}
+
+/// Where the `CANCEL_WAIT` exchange stands (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cancel {
+    /// No `CANCEL_WAIT` is owed a reply.
+    None,
+    /// `CANCEL_WAIT` sent; the wait's reply has not come.
+    Sent,
+    /// `CANCEL_WAIT` sent, and the server released the wait before it saw it: its
+    /// `WAIT_CANCELED` is still to come.
+    ReleasedFirst,
 }
 
 /// Size of the stack buffer each `read` goes through.
@@ -107,6 +127,7 @@ impl StoreConn {
             in_pos: 0,
             awaiting: VecDeque::with_capacity(2),
             limits,
+            cancel: Cancel::None,
         })
     }
 
@@ -143,6 +164,22 @@ impl StoreConn {
         if let Some(pending) = PendingReply::for_request(request) {
             self.awaiting.push_back(pending);
         }
+    }
+
+    /// Cancels the connection's `WAIT` (its deadline passed): queues `CANCEL_WAIT` and
+    /// runs the exchange, so that the `WAIT` gets exactly one reply from
+    /// [`StoreConn::next_response`]: `STOP_WAITING` if the server released it before it
+    /// saw the cancel, `WAIT_CANCELED` if not. Does nothing while a cancel is under way.
+    pub(super) fn cancel_wait(&mut self) {
+        if self.cancel == Cancel::None {
+            self.queue(&Request::CancelWait);
+            self.cancel = Cancel::Sent;
+        }
+    }
+
+    /// Whether a `CANCEL_WAIT` is still owed its reply.
+    pub(super) fn cancelling(&self) -> bool {
+        self.cancel != Cancel::None
     }
 
     /// How many replies are still owed.
@@ -205,35 +242,99 @@ impl StoreConn {
     /// The next complete reply in the input buffer, or `None` if it has not all arrived.
     ///
     /// # Errors
+    /// As [`StoreConn::next_response`].
+    pub(super) fn next_reply(&mut self) -> Result<Option<Reply>, BenchError> {
+        self.next_response(Reply::from_view)
+    }
+
+    /// The next complete reply, handed to `read` with the query it answers (to copy out
+    /// what the caller needs), or `None` if it has not all arrived. The replies of a
+    /// cancelled `WAIT` come out as one (see [`StoreConn::cancel_wait`]).
+    ///
+    /// # Errors
     /// [`BenchError::Decode`] if the bytes are not a valid reply to the oldest request
     /// still owed one, [`BenchError::UnexpectedBytes`] if bytes arrived that answer
-    /// nothing.
-    pub(super) fn next_reply(&mut self) -> Result<Option<Reply>, BenchError> {
-        let unread = self.input.get(self.in_pos..).unwrap_or_default();
-        let Some(&pending) = self.awaiting.front() else {
-            return if unread.is_empty() {
-                Ok(None)
-            } else {
-                Err(BenchError::UnexpectedBytes { len: unread.len() })
+    /// nothing, [`BenchError::UnexpectedReply`] if a `CANCEL_WAIT` is not answered by
+    /// `WAIT_CANCELED`.
+    pub(super) fn next_response<T>(
+        &mut self,
+        read: impl FnOnce(&ResponseView<'_>, QueryType) -> T,
+    ) -> Result<Option<T>, BenchError> {
+        loop {
+            let unread = self.input.get(self.in_pos..).unwrap_or_default();
+            let Some(&pending) = self.awaiting.front() else {
+                return if unread.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(BenchError::UnexpectedBytes { len: unread.len() })
+                };
             };
-        };
-        match codec::decode_response_view(pending, unread, &self.limits) {
-            Ok(Decoded::Partial(_)) => Ok(None),
-            Ok(Decoded::Complete(view, used)) => {
-                let reply = Reply::from_view(&view, pending.query());
-                self.in_pos += used;
-                if self.in_pos == self.input.len() {
-                    self.input.clear();
-                    self.in_pos = 0;
+            let (view, used) = match codec::decode_response_view(pending, unread, &self.limits) {
+                Ok(Decoded::Partial(_)) => return Ok(None),
+                Ok(Decoded::Complete(view, used)) => (view, used),
+                Err(source) => {
+                    return Err(BenchError::Decode {
+                        query: pending.query().name(),
+                        source,
+                    })
                 }
-                self.awaiting.pop_front();
-                Ok(Some(reply))
-            }
-            Err(source) => Err(BenchError::Decode {
-                query: pending.query().name(),
-                source,
-            }),
+            };
+            let cancelled = match (self.cancel, pending.query(), view) {
+                (Cancel::None, ..) => None,
+                // The server released the wait before it saw the cancel: the cancel's
+                // WAIT_CANCELED follows; answer the wait then.
+                (Cancel::Sent, QueryType::Wait, ResponseView::Wait(WaitResponse::StopWaiting)) => {
+                    self.cancel = Cancel::ReleasedFirst;
+                    self.consume(used);
+                    continue;
+                }
+                // The cancel's reply, in the wait's place: the wait's never comes.
+                (Cancel::Sent, QueryType::Wait, ResponseView::Wait(WaitResponse::WaitCanceled)) => {
+                    if let Some(at) = self
+                        .awaiting
+                        .iter()
+                        .position(|p| p.query() == QueryType::CancelWait)
+                    {
+                        self.awaiting.remove(at);
+                    }
+                    Some(WaitResponse::WaitCanceled)
+                }
+                (_, QueryType::CancelWait, ResponseView::Wait(WaitResponse::WaitCanceled)) => {
+                    Some(if self.cancel == Cancel::ReleasedFirst {
+                        WaitResponse::StopWaiting
+                    } else {
+                        WaitResponse::WaitCanceled
+                    })
+                }
+                (_, QueryType::CancelWait, _) => {
+                    return Err(BenchError::UnexpectedReply {
+                        query: "CANCEL_WAIT",
+                        expected: "WAIT_CANCELED",
+                    })
+                }
+                // A reply to something else sent before the cancel.
+                _ => None,
+            };
+            let answer = match cancelled {
+                Some(wait) => {
+                    self.cancel = Cancel::None;
+                    read(&ResponseView::Wait(wait), QueryType::Wait)
+                }
+                None => read(&view, pending.query()),
+            };
+            self.consume(used);
+            return Ok(Some(answer));
         }
+    }
+
+    /// Drops the reply of `used` bytes at the front and the request it answered.
+    fn consume(&mut self, used: usize) {
+        self.in_pos += used;
+        if self.in_pos == self.input.len() {
+            self.input.clear();
+            self.in_pos = 0;
+        }
+        self.awaiting.pop_front();
     }
 }
 
@@ -357,6 +458,92 @@ mod tests {
                 other => panic!("expected a decode error, got {other:?}"),
             }
         }
+    }
+
+    /// A connection with a `WAIT` sent and cancelled, and the server's side of it.
+    fn cancelled_wait() -> (StoreConn, std::net::TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut conn =
+            StoreConn::connect(listener.local_addr().unwrap(), Limits::default()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        wait_connected(&mut conn);
+        conn.queue(&Request::Wait { keys: empty_keys() });
+        conn.cancel_wait();
+        conn.cancel_wait(); // a second cancel while one is under way sends nothing
+        assert!(conn.cancelling());
+        assert_eq!(conn.awaiting(), 2);
+        conn.flush().unwrap();
+        (conn, server)
+    }
+
+    /// Feeds `bytes` from the server and collects the replies until `want` came.
+    fn replies_after(
+        conn: &mut StoreConn,
+        server: &mut std::net::TcpStream,
+        bytes: &[u8],
+        want: usize,
+    ) -> Result<Vec<Reply>, BenchError> {
+        server.write_all(bytes).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen = Vec::new();
+        while seen.len() < want {
+            assert!(
+                Instant::now() < deadline,
+                "replies did not arrive: {seen:?}"
+            );
+            conn.fill().unwrap();
+            while let Some(reply) = conn.next_reply()? {
+                seen.push(reply);
+            }
+        }
+        Ok(seen)
+    }
+
+    #[test]
+    fn a_cancel_that_wins_answers_the_wait_with_wait_canceled_once() {
+        let (mut conn, mut server) = cancelled_wait();
+        // WAIT_CANCELED alone, in the wait's place; then a later ADD's reply.
+        conn.queue(&Request::Add {
+            key: b"/k",
+            delta: 1,
+        });
+        conn.flush().unwrap();
+        let mut bytes = vec![1u8];
+        bytes.extend_from_slice(&7i64.to_le_bytes());
+        let seen = replies_after(&mut conn, &mut server, &bytes, 2).unwrap();
+        assert_eq!(
+            seen,
+            [Reply::Wait(WaitResponse::WaitCanceled), Reply::Int(7)]
+        );
+        assert!(!conn.cancelling());
+        assert_eq!(conn.awaiting(), 0);
+    }
+
+    #[test]
+    fn a_release_before_the_cancel_answers_the_wait_with_stop_waiting_once() {
+        let (mut conn, mut server) = cancelled_wait();
+        // STOP_WAITING (the wait's), then WAIT_CANCELED (the cancel's).
+        let seen = replies_after(&mut conn, &mut server, &[0, 1], 1).unwrap();
+        assert_eq!(seen, [Reply::Wait(WaitResponse::StopWaiting)]);
+        assert!(!conn.cancelling());
+        assert_eq!(conn.awaiting(), 0);
+        assert_eq!(conn.next_reply().unwrap(), None);
+    }
+
+    #[test]
+    fn a_cancel_answered_by_stop_waiting_is_an_error() {
+        let (mut conn, mut server) = cancelled_wait();
+        let got = replies_after(&mut conn, &mut server, &[0, 0], 1);
+        assert!(
+            matches!(
+                got,
+                Err(BenchError::UnexpectedReply {
+                    query: "CANCEL_WAIT",
+                    ..
+                })
+            ),
+            "{got:?}"
+        );
     }
 
     fn empty_keys() -> rdzv_core::store::KeyList<'static> {

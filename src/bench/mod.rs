@@ -9,7 +9,8 @@
 //! - `throughput --conns 1,64,512 --secs S`: N connections doing `ADD` + `GET`, one
 //!   request in flight each, on an event-driven client (`--plot FILE.svg` draws the curve);
 //! - `storm --ranks N`: N ranks connect at once, `VALIDATE`, `PING`, `ADD` a counter, the
-//!   last sets `done`, all `WAIT`; checks every rank is released and the counter is N;
+//!   last sets `done`, all `WAIT`; checks every rank is released and the counter is N
+//!   (the ranks are spread over `--client-threads` epoll loops, one per core by default);
 //! - `baseline`: the raw loopback ping-pong alone.
 //!
 //! Results are tables (with progress bars on a terminal) or, with `--json`, one JSON
@@ -141,6 +142,10 @@ enum Mode {
         /// Seconds before giving up on ranks not yet released.
         #[arg(long, default_value_t = 60.0)]
         timeout_secs: f64,
+        /// Client threads the ranks are dealt to, each running one epoll loop (default:
+        /// the cores this process may use).
+        #[arg(long)]
+        client_threads: Option<usize>,
     },
     /// A raw TCP ping-pong over loopback, as many bytes each way as an ADD exchange:
     /// the floor for the store's round trip.
@@ -504,6 +509,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
         Mode::Storm {
             ranks,
             timeout_secs,
+            client_threads,
         } => {
             let timeout = seconds(timeout_secs, "--timeout-secs")?;
             if ranks == 0 {
@@ -512,7 +518,20 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                 );
             }
             let target = Target::open(args.addr.as_deref(), args.label)?;
-            let limit = ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK)?;
+            let limit = ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK)
+                .inspect_err(|e| {
+                    if let (BenchError::FdLimit { limit, .. }, true) =
+                        (e, target.embedded.is_some())
+                    {
+                        if *limit >= ranks as u64 + FD_SLACK {
+                            eprintln!(
+                                "note: the embedded server's sockets count against this \
+                                 process's limit too; a server of its own (`rdzv store serve`, \
+                                 then --addr) leaves {ranks} ranks within it"
+                            );
+                        }
+                    }
+                })?;
             if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
                 if (backlog as usize) < ranks {
                     eprintln!(
@@ -523,9 +542,20 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
                 }
             }
             tracing::info!(limit, ranks, "storm: open-file limit");
+            let threads = match client_threads {
+                Some(0) => {
+                    return Err(BenchError::InvalidArgument(
+                        "--client-threads must be at least 1".into(),
+                    )
+                    .into())
+                }
+                Some(n) => n,
+                None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            };
             let plan = storm::StormPlan {
                 addr: target.addr,
                 ranks,
+                threads,
                 timeout,
                 key_prefix: key_prefix("storm"),
             };
@@ -544,6 +574,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
             let result = StormResult {
                 target: target.label.clone(),
                 ranks,
+                client_threads: outcome.threads,
                 seconds: outcome.seconds,
                 all_connected_seconds: outcome.all_connected_seconds,
                 released: outcome.released,
@@ -772,6 +803,16 @@ mod tests {
             "rdzv",
             "bench",
             "store",
+            "storm",
+            "--ranks",
+            "16384",
+            "--client-threads",
+            "4",
+        ]);
+        cli(&[
+            "rdzv",
+            "bench",
+            "store",
             "latency",
             "--compare-baseline",
             "--secs",
@@ -790,6 +831,7 @@ mod tests {
         for args in [
             &["rdzv", "bench", "store", "throughput", "--conns", "0"][..],
             &["rdzv", "bench", "store", "storm", "--ranks", "0"],
+            &["rdzv", "bench", "store", "storm", "--client-threads", "0"],
             &["rdzv", "bench", "store", "latency", "--secs=-1"],
         ] {
             assert!(crate::cli::run(cli(args)).is_err(), "{args:?}");

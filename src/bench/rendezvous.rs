@@ -6,26 +6,26 @@
 //! heartbeat phase, the operations per node per keep-alive interval; then prints the same
 //! counts for torchrun's c10d design, computed from its algorithm.
 //!
-//! The protocol is the core's; this file only moves its requests (encoded by
+//! The protocol is the core's; this file only moves its requests over the load
+//! generators' connection (`bench::conn::StoreConn`: requests encoded by
 //! `rdzv_core::store::codec`, keys with PyTorch's `/` prefix, as `rdzv rendezvous` sends
-//! them) and implements a wait's deadline with PyTorch's CANCEL_WAIT exchange.
+//! them) and ends a wait at its deadline with the connection's CANCEL_WAIT exchange.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
-use std::io::{self, Read, Write};
+use std::collections::BinaryHeap;
 use std::process::ExitCode;
 use std::time::{Duration, Instant as StdInstant};
 
 use clap::Args;
-use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token};
 use rdzv_core::rendezvous::elastic::{
     ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, OwnedStoreReply,
     StoreAction,
 };
-use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
+use rdzv_core::store::codec::{Limits, ResponseView};
 use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
 
+use super::conn::{Fill, StoreConn};
 use super::BenchError;
 use crate::cli::CliError;
 
@@ -50,18 +50,10 @@ pub(crate) struct RendezvousBenchArgs {
 /// One simulated node.
 struct Node {
     machine: ElasticNode,
-    stream: TcpStream,
+    conn: StoreConn,
     connected: bool,
-    out: Vec<u8>,
-    out_pos: usize,
-    input: Vec<u8>,
-    /// Replies owed, oldest first.
-    owed: VecDeque<PendingReply>,
-    /// The action being performed; for a wait, whether CANCEL_WAIT was sent.
+    /// The action being performed.
     action: Option<StoreAction>,
-    cancel_sent: bool,
-    /// After a cancel: the server released the wait before it saw the cancel.
-    released: bool,
     /// A wait's generation, so that a stale timer does nothing.
     wait_gen: u64,
     ops: u64,
@@ -71,41 +63,16 @@ struct Node {
 }
 
 impl Node {
+    /// Queues `request`, counting it among the node's operations and request bytes.
     fn queue(&mut self, request: &Request<'_>) {
-        let before = self.out.len();
-        request.encode_into(&mut self.out);
-        self.bytes += (self.out.len() - before) as u64;
+        self.bytes += request.encoded_len() as u64;
         self.ops += 1;
-        if let Some(pending) = PendingReply::for_request(request) {
-            self.owed.push_back(pending);
-        }
+        self.conn.queue(request);
     }
 
-    fn flush(&mut self) -> io::Result<()> {
-        while self.out_pos < self.out.len() {
-            match self.stream.write(&self.out[self.out_pos..]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.out_pos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.out.clear();
-        self.out_pos = 0;
-        Ok(())
-    }
-
-    fn fill(&mut self) -> io::Result<bool> {
-        let mut chunk = [0u8; 4096];
-        loop {
-            match self.stream.read(&mut chunk) {
-                Ok(0) => return Ok(false),
-                Ok(n) => self.input.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
+    fn flush(&mut self) {
+        if let Err(e) = self.conn.flush() {
+            self.failed.get_or_insert(format!("send: {e}"));
         }
     }
 }
@@ -130,7 +97,10 @@ fn send_action(node: &mut Node, action: &StoreAction) {
     match action {
         StoreAction::Check { .. } | StoreAction::Wait { .. } => {
             let list = key_list(&key);
-            let keys = KeyList::new(1, &list).expect("one well-formed key");
+            let Some(keys) = KeyList::new(1, &list) else {
+                node.failed = Some(format!("cannot encode the key {:?}", action.key()));
+                return;
+            };
             if matches!(action, StoreAction::Check { .. }) {
                 node.queue(&Request::Check { keys });
             } else {
@@ -153,75 +123,17 @@ fn send_action(node: &mut Node, action: &StoreAction) {
     }
 }
 
-/// What a decoded reply means for the node's action.
-enum Answer {
-    Reply(OwnedStoreReply),
-    /// A part of the CANCEL_WAIT exchange; nothing to hand the machine yet.
-    Nothing,
-}
-
-/// Decodes the next complete reply, if one is there.
-fn next_answer(node: &mut Node, limits: &Limits) -> Result<Option<Answer>, String> {
-    let Some(&pending) = node.owed.front() else {
-        return if node.input.is_empty() {
-            Ok(None)
-        } else {
-            Err(format!(
-                "{} unexpected bytes from the server",
-                node.input.len()
-            ))
-        };
-    };
-    let (answer, used) = match codec::decode_response_view(pending, &node.input, limits) {
-        Ok(Decoded::Partial(_)) => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", pending.query().name())),
-        Ok(Decoded::Complete(view, used)) => {
-            let answer = match view {
-                ResponseView::Check(c) => {
-                    Answer::Reply(OwnedStoreReply::Checked(c == CheckResponse::Ready))
-                }
-                ResponseView::Int(n) => Answer::Reply(OwnedStoreReply::Added(n)),
-                ResponseView::Value(v) => Answer::Reply(OwnedStoreReply::Value(v.to_vec())),
-                ResponseView::Wait(w) => wait_answer(node, w),
-                other => return Err(format!("unexpected reply {other:?}")),
-            };
-            (answer, used)
-        }
-    };
-    node.owed.pop_front();
-    node.input.drain(..used);
-    Ok(Some(answer))
-}
-
-/// The WAIT / CANCEL_WAIT exchange. Without a cancel, STOP_WAITING answers the wait.
-/// After a cancel (replies owed: the wait's, then the cancel's), the server answers
-/// WAIT_CANCELED alone (the wait's reply never comes), or STOP_WAITING (it released us
-/// before it saw the cancel) and then WAIT_CANCELED.
-fn wait_answer(node: &mut Node, wait: WaitResponse) -> Answer {
-    if !node.cancel_sent {
-        return Answer::Reply(OwnedStoreReply::Waited);
-    }
-    match (wait, node.owed.len()) {
-        (WaitResponse::StopWaiting, 2) => {
-            node.released = true;
-            Answer::Nothing
-        }
-        (WaitResponse::WaitCanceled, 2) => {
-            // The cancel's reply, in the wait's place: the wait's reply never comes.
-            node.owed.pop_back();
-            node.cancel_sent = false;
-            Answer::Reply(OwnedStoreReply::TimedOut)
-        }
-        _ => {
-            node.cancel_sent = false;
-            let released = std::mem::take(&mut node.released);
-            Answer::Reply(if released {
-                OwnedStoreReply::Waited
-            } else {
-                OwnedStoreReply::TimedOut
-            })
-        }
-    }
+/// What a reply means for the node's machine. A cancelled wait's replies come out of
+/// the connection as one: `STOP_WAITING` (released) or `WAIT_CANCELED` (timed out).
+fn store_reply(view: &ResponseView<'_>) -> Result<OwnedStoreReply, String> {
+    Ok(match *view {
+        ResponseView::Check(c) => OwnedStoreReply::Checked(c == CheckResponse::Ready),
+        ResponseView::Int(n) => OwnedStoreReply::Added(n),
+        ResponseView::Value(v) => OwnedStoreReply::Value(v.to_vec()),
+        ResponseView::Wait(WaitResponse::StopWaiting) => OwnedStoreReply::Waited,
+        ResponseView::Wait(WaitResponse::WaitCanceled) => OwnedStoreReply::TimedOut,
+        ref other => return Err(format!("unexpected reply {other:?}")),
+    })
 }
 
 /// Hands the node's replies to its machine and sends what it asks next.
@@ -229,16 +141,18 @@ fn step_node(
     node: &mut Node,
     i: usize,
     epoch: StdInstant,
-    limits: &Limits,
     timers: &mut BinaryHeap<Reverse<(Instant, usize, u64)>>,
 ) {
     loop {
-        match next_answer(node, limits) {
-            Ok(Some(Answer::Reply(reply))) => answer(node, &reply, epoch),
-            Ok(Some(Answer::Nothing)) => {}
+        match node.conn.next_response(|view, _| store_reply(view)) {
+            Ok(Some(Ok(reply))) => answer(node, &reply, epoch),
             Ok(None) => break,
-            Err(e) => {
+            Ok(Some(Err(e))) => {
                 node.failed = Some(e);
+                return;
+            }
+            Err(e) => {
+                node.failed = Some(e.to_string());
                 return;
             }
         }
@@ -248,6 +162,9 @@ fn step_node(
             break;
         };
         send_action(node, &action);
+        if node.failed.is_some() {
+            return;
+        }
         match action {
             // SET has no reply in the TCPStore protocol: done once queued.
             StoreAction::Set { .. } => answer(node, &OwnedStoreReply::Set, epoch),
@@ -259,9 +176,7 @@ fn step_node(
             other => node.action = Some(other),
         }
     }
-    if let Err(e) = node.flush() {
-        node.failed = Some(format!("send: {e}"));
-    }
+    node.flush();
 }
 
 fn answer(node: &mut Node, reply: &OwnedStoreReply, epoch: StdInstant) {
@@ -301,7 +216,6 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
     let mut settings = ElasticSettings::new(run_id, NodeRange::new(n, n)?);
     settings.keep_alive_interval = interval;
     settings.join_timeout = Duration::from_secs(120);
-    let limits = Limits::PYTORCH;
 
     let mut poll = Poll::new().map_err(|source| BenchError::Io {
         what: "create an epoll instance",
@@ -309,11 +223,11 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
     })?;
     let mut nodes = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let mut stream =
-            TcpStream::connect(addr).map_err(|source| BenchError::Connect { addr, source })?;
+        let mut conn = StoreConn::connect(addr, Limits::PYTORCH)
+            .map_err(|source| BenchError::Connect { addr, source })?;
         poll.registry()
             .register(
-                &mut stream,
+                conn.stream_mut(),
                 Token(i as usize),
                 Interest::READABLE | Interest::WRITABLE,
             )
@@ -323,15 +237,9 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
             })?;
         nodes.push(Node {
             machine: ElasticNode::new(settings.clone(), format!("bench-node-{i}")),
-            stream,
+            conn,
             connected: false,
-            out: Vec::new(),
-            out_pos: 0,
-            input: Vec::new(),
-            owed: VecDeque::new(),
             action: None,
-            cancel_sent: false,
-            released: false,
             wait_gen: 0,
             ops: 0,
             bytes: 0,
@@ -356,10 +264,12 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
     loop {
         // Step every node that can move.
         while let Some(i) = ready.pop() {
-            let node = &mut nodes[i];
+            let Some(node) = nodes.get_mut(i) else {
+                continue;
+            };
             let was_complete = node.rank.is_some();
             if node.connected && node.failed.is_none() {
-                step_node(node, i, epoch, &limits, &mut timers);
+                step_node(node, i, epoch, &mut timers);
             }
             if !was_complete && node.rank.is_some() {
                 complete += 1;
@@ -391,15 +301,19 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
                 break;
             }
             timers.pop();
-            let node = &mut nodes[i];
+            let Some(node) = nodes.get_mut(i) else {
+                continue;
+            };
             if node.wait_gen == gen
-                && !node.cancel_sent
+                && !node.conn.cancelling()
                 && matches!(node.action, Some(StoreAction::Wait { .. }))
             {
-                node.queue(&Request::CancelWait);
-                node.cancel_sent = true;
-                if let Err(e) = node.flush() {
-                    node.failed = Some(format!("send: {e}"));
+                // Counted as an operation, as the heartbeat figures say.
+                node.ops += 1;
+                node.bytes += Request::CancelWait.encoded_len() as u64;
+                node.conn.cancel_wait();
+                node.flush();
+                if node.failed.is_some() {
                     ready.push(i);
                 }
             }
@@ -419,33 +333,32 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
         })?;
         for event in &events {
             let i = event.token().0;
-            let node = &mut nodes[i];
+            let Some(node) = nodes.get_mut(i) else {
+                continue;
+            };
             if !node.connected {
-                match node.stream.peer_addr() {
-                    Ok(_) => {
+                match node.conn.is_connected() {
+                    Ok(true) => {
                         node.connected = true;
-                        let _ = node.stream.set_nodelay(true);
                         // PyTorch's clients start with VALIDATE (no reply); servers
                         // close connections that do not. Connection setup, not counted.
-                        Request::Validate {
+                        node.conn.queue(&Request::Validate {
                             magic: VALIDATION_MAGIC,
-                        }
-                        .encode_into(&mut node.out);
+                        });
                     }
-                    Err(e) if e.kind() == io::ErrorKind::NotConnected => continue,
+                    Ok(false) => continue,
                     Err(e) => node.failed = Some(format!("connect: {e}")),
                 }
             }
-            if event.is_readable() {
-                match node.fill() {
-                    Ok(true) => {}
-                    Ok(false) => node.failed = Some("the server closed the connection".into()),
-                    Err(e) => node.failed = Some(format!("recv: {e}")),
+            node.flush();
+            match node.conn.fill() {
+                Ok(Fill::Open) => {}
+                Ok(Fill::Closed) => {
+                    node.failed
+                        .get_or_insert_with(|| "the server closed the connection".into());
                 }
-            }
-            if event.is_writable() {
-                if let Err(e) = node.flush() {
-                    node.failed = Some(format!("send: {e}"));
+                Err(e) => {
+                    node.failed.get_or_insert(format!("recv: {e}"));
                 }
             }
             ready.push(i);

@@ -128,6 +128,8 @@ pub(super) struct StormResult {
     pub target: String,
     /// Ranks.
     pub ranks: usize,
+    /// Client threads that drove them.
+    pub client_threads: usize,
     /// First connect to last release (the timeout if some rank never was), seconds.
     pub seconds: f64,
     /// First connect until every rank had its `PING` answered, seconds.
@@ -302,9 +304,10 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
             }
             let _ = writeln!(
                 out,
-                "storm of {} ranks on {}: {} in {:.3} s",
+                "storm of {} ranks on {} ({} client threads): {} in {:.3} s",
                 s.ranks,
                 s.target,
+                s.client_threads,
                 if s.succeeded() {
                     "all released"
                 } else {
@@ -385,6 +388,7 @@ mod tests {
             BenchResult::Storm(StormResult {
                 target: "rdzv".into(),
                 ranks: 4,
+                client_threads: 2,
                 seconds: 0.5,
                 all_connected_seconds: Some(0.1),
                 released: 4,
@@ -445,6 +449,7 @@ mod tests {
             BenchResult::Storm(StormResult {
                 target: "rdzv".into(),
                 ranks: 4,
+                client_threads: 2,
                 seconds: 9.0,
                 all_connected_seconds: None,
                 released: 3,

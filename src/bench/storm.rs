@@ -3,14 +3,17 @@
 //! Each rank does what a PyTorch rank does when a job starts: connect, `VALIDATE`,
 //! `PING`, `ADD(counter, 1)`; the rank whose `ADD` returns N sets `done`; every rank then
 //! `WAIT`s for `done`. The run ends when every rank has been released (or at the
-//! timeout). All N sockets are opened at once from one thread with one `epoll` loop
-//! (`mio`), so the client costs a few microseconds per rank and what is measured is the
-//! server's accept path and its wake-up fan-out, not 4096 client threads.
+//! timeout). The ranks are dealt round-robin to a few client threads (default: one per
+//! core the process may use), each opening its share of sockets at once and driving them
+//! with one `epoll` loop (`mio`). So the client costs a few microseconds per rank, 16384
+//! ranks cost 16384 sockets and not 16384 threads, and what is measured is the server's
+//! accept path and its wake-up fan-out.
 //!
 //! A connection that fails before its `ADD` was sent (refused, reset by a full listen
 //! queue) is retried with exponential backoff, as PyTorch's client does, and counted.
 //! One that fails after its `ADD` was sent is a failed rank: whether the server counted
-//! it is unknown, so it is not retried. The `ADD` results must be exactly 1..=N, each once.
+//! it is unknown, so it is not retried. The `ADD` results must be exactly 1..=N, each
+//! once, whichever thread saw them (the threads share one table of atomics).
 //!
 //! It does not read the counter back (see [`read_counter`], run by the caller) or decide
 //! how results are shown.
@@ -19,6 +22,8 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -37,6 +42,8 @@ pub(super) struct StormPlan {
     pub addr: SocketAddr,
     /// Ranks (concurrent connections).
     pub ranks: usize,
+    /// Client threads the ranks are dealt to (at least 1, at most `ranks`).
+    pub threads: usize,
     /// Give up on ranks not released by then.
     pub timeout: Duration,
     /// The counter is `{key_prefix}/counter`, the release key `{key_prefix}/done`.
@@ -57,6 +64,8 @@ impl StormPlan {
 /// What one storm measured.
 #[derive(Debug)]
 pub(super) struct StormOutcome {
+    /// Client threads that drove the ranks.
+    pub threads: usize,
     /// From the first connect to the last release (or to the timeout), seconds.
     pub seconds: f64,
     /// From the first connect until every rank had its `PING` answered, if they all did.
@@ -92,128 +101,189 @@ enum Phase {
 
 #[derive(Debug)]
 struct Rank {
+    /// The rank's number in the whole storm (its `PING` nonce); its slot in its thread's
+    /// table is its `mio` token.
+    index: usize,
     conn: Option<StoreConn>,
     phase: Phase,
     attempts: u32,
 }
 
-/// Shared state of the storm loop.
-struct Storm<'p> {
-    plan: &'p StormPlan,
-    counter_key: Vec<u8>,
-    done_key: Vec<u8>,
-    /// `done_key` as an encoded one-key list, for `WAIT`.
-    done_list: Vec<u8>,
-    ranks: Vec<Rank>,
-    seen_add: Vec<bool>,
-    add_results_ok: bool,
-    connected: usize,
-    released: usize,
-    failed: usize,
-    retries: u64,
-    first_error: Option<String>,
-    backoff: BinaryHeap<Reverse<(Instant, usize)>>,
-    start: Instant,
-    all_connected: Option<Instant>,
+/// What the client threads share: the `ADD` results seen, and counters for progress and
+/// the outcome. Each is touched once or twice per rank, so contention is negligible.
+struct Shared {
+    /// `seen_add[v - 1]`: some rank's `ADD` returned `v`.
+    seen_add: Vec<AtomicBool>,
+    /// No `ADD` result was out of range or seen twice.
+    add_results_ok: AtomicBool,
+    connected: AtomicUsize,
+    released: AtomicUsize,
+    failed: AtomicUsize,
+    retries: AtomicU64,
+    first_error: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn note_error(&self, message: String) {
+        if let Ok(mut first) = self.first_error.lock() {
+            first.get_or_insert(message);
+        }
+    }
+}
+
+/// What one client thread measured.
+struct ThreadOutcome {
+    /// When its last rank was released, if any was.
     last_release: Option<Instant>,
+    /// When the storm's last rank to connect did, if this thread saw it.
+    all_connected: Option<Instant>,
     release_ns: Histogram<u64>,
 }
 
+/// One client thread's share of the storm and its `epoll` loop.
+struct Storm<'p> {
+    plan: &'p StormPlan,
+    shared: &'p Shared,
+    counter_key: &'p [u8],
+    done_key: &'p [u8],
+    /// `done_key` as an encoded one-key list, for `WAIT`.
+    done_list: &'p [u8],
+    ranks: Vec<Rank>,
+    /// Ranks of this thread released or failed.
+    finished: usize,
+    backoff: BinaryHeap<Reverse<(Instant, usize)>>,
+    start: Instant,
+    outcome: ThreadOutcome,
+}
+
 /// Runs the storm and returns what it measured. Errors only for local failures
-/// (`epoll`); a rank's failures are counted in the outcome.
+/// (`epoll`, a panicked thread); a rank's failures are counted in the outcome. The
+/// progress bar follows the released ranks, its message the connected ones.
 pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+    let ranks = plan.ranks;
+    let threads = plan.threads.clamp(1, ranks.max(1));
+    let counter_key = plan.counter_key().into_bytes();
     let done_key = plan.done_key().into_bytes();
     let mut done_list = Vec::with_capacity(8 + done_key.len());
     done_list.extend_from_slice(&(done_key.len() as u64).to_le_bytes());
     done_list.extend_from_slice(&done_key);
-    let mut storm = Storm {
-        plan,
-        counter_key: plan.counter_key().into_bytes(),
-        done_key,
-        done_list,
-        ranks: (0..plan.ranks)
-            .map(|_| Rank {
-                conn: None,
-                phase: Phase::Backoff,
-                attempts: 0,
-            })
-            .collect(),
-        seen_add: vec![false; plan.ranks],
-        add_results_ok: true,
-        connected: 0,
-        released: 0,
-        failed: 0,
-        retries: 0,
-        first_error: None,
-        backoff: BinaryHeap::new(),
-        start: Instant::now(),
-        all_connected: None,
-        last_release: None,
-        release_ns: new_histogram()?,
+    let shared = Shared {
+        seen_add: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
+        add_results_ok: AtomicBool::new(true),
+        connected: AtomicUsize::new(0),
+        released: AtomicUsize::new(0),
+        failed: AtomicUsize::new(0),
+        retries: AtomicU64::new(0),
+        first_error: Mutex::new(None),
     };
-    progress.set_length(plan.ranks as u64);
+    progress.set_length(ranks as u64);
 
-    storm.start = Instant::now();
-    for index in 0..plan.ranks {
-        storm.start_connect(&poll, index);
-    }
-    let deadline = storm.start + plan.timeout;
-    let mut events = Events::with_capacity(4096);
-    let mut last_progress = storm.start;
-    while storm.released + storm.failed < plan.ranks {
-        let now = Instant::now();
-        if now >= deadline {
-            break;
-        }
-        let mut wait = (deadline - now).min(Duration::from_millis(50));
-        if let Some(Reverse((due, _))) = storm.backoff.peek() {
-            wait = wait.min(due.saturating_duration_since(now));
-        }
-        super::conn::poll_events(&mut poll, &mut events, Some(wait))
-            .map_err(io("wait for socket events"))?;
-        for event in events.iter() {
-            storm.on_event(event.token().0);
-        }
-        let now = Instant::now();
-        while let Some(Reverse((due, index))) = storm.backoff.peek().copied() {
-            if due > now {
+    let start = Instant::now();
+    let results: Vec<Result<ThreadOutcome, BenchError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|thread| {
+                let (shared, counter_key, done_key, done_list) =
+                    (&shared, &counter_key, &done_key, &done_list);
+                let share: Vec<usize> = (thread..ranks).step_by(threads).collect();
+                std::thread::Builder::new()
+                    .name(format!("storm-{thread}"))
+                    .spawn_scoped(scope, move || {
+                        let storm = Storm {
+                            plan,
+                            shared,
+                            counter_key,
+                            done_key,
+                            done_list,
+                            ranks: share
+                                .into_iter()
+                                .map(|index| Rank {
+                                    index,
+                                    conn: None,
+                                    phase: Phase::Backoff,
+                                    attempts: 0,
+                                })
+                                .collect(),
+                            finished: 0,
+                            backoff: BinaryHeap::new(),
+                            start,
+                            outcome: ThreadOutcome {
+                                last_release: None,
+                                all_connected: None,
+                                release_ns: new_histogram()?,
+                            },
+                        };
+                        storm.drive()
+                    })
+            })
+            .collect();
+        // Follow the shared counters until every thread is done.
+        loop {
+            let done = handles
+                .iter()
+                .all(|h| h.as_ref().map_or(true, |h| h.is_finished()));
+            progress.set_position(shared.released.load(Ordering::Relaxed) as u64);
+            progress.set_message(format!(
+                "connected {}",
+                shared.connected.load(Ordering::Relaxed)
+            ));
+            if done {
                 break;
             }
-            storm.backoff.pop();
-            storm.start_connect(&poll, index);
+            std::thread::sleep(Duration::from_millis(50));
         }
-        if now.duration_since(last_progress) >= Duration::from_millis(100) {
-            progress.set_position(storm.released as u64);
-            progress.set_message(format!("connected {}", storm.connected));
-            last_progress = now;
-        }
+        handles
+            .into_iter()
+            .map(|handle| match handle {
+                Ok(handle) => handle
+                    .join()
+                    .unwrap_or(Err(BenchError::ClientThreadPanicked)),
+                Err(source) => Err(BenchError::Io {
+                    what: "start a storm client thread",
+                    source,
+                }),
+            })
+            .collect()
+    });
+
+    let mut release_ns = new_histogram()?;
+    let mut last_release = None;
+    let mut all_connected = None;
+    for result in results {
+        let outcome = result?;
+        release_ns
+            .add(&outcome.release_ns)
+            .map_err(|e| BenchError::Histogram(format!("{e:?}")))?;
+        last_release = last_release.max(outcome.last_release);
+        all_connected = all_connected.or(outcome.all_connected);
     }
-    progress.set_position(storm.released as u64);
-    let end = storm.last_release.unwrap_or_else(Instant::now);
-    let pending = plan.ranks - storm.released - storm.failed;
+    let released = shared.released.load(Ordering::Relaxed);
+    let failed = shared.failed.load(Ordering::Relaxed);
+    let pending = ranks.saturating_sub(released + failed);
     if pending > 0 {
-        storm.note_error(format!(
+        shared.note_error(format!(
             "{pending} ranks were not released within {:.1} s",
             plan.timeout.as_secs_f64()
         ));
     }
+    let end = last_release.unwrap_or_else(Instant::now);
     Ok(StormOutcome {
+        threads,
         seconds: if pending > 0 {
             plan.timeout.as_secs_f64()
         } else {
-            end.duration_since(storm.start).as_secs_f64()
+            end.duration_since(start).as_secs_f64()
         },
-        all_connected_seconds: storm
-            .all_connected
-            .map(|t| t.duration_since(storm.start).as_secs_f64()),
-        released: storm.released,
-        failed: storm.failed + pending,
-        connect_retries: storm.retries,
-        add_results_ok: storm.add_results_ok && storm.seen_add.iter().all(|&seen| seen),
-        first_error: storm.first_error,
-        release_ns: storm.release_ns,
+        all_connected_seconds: all_connected.map(|t| t.duration_since(start).as_secs_f64()),
+        released,
+        failed: failed + pending,
+        connect_retries: shared.retries.load(Ordering::Relaxed),
+        add_results_ok: shared.add_results_ok.load(Ordering::Relaxed)
+            && shared
+                .seen_add
+                .iter()
+                .all(|seen| seen.load(Ordering::Relaxed)),
+        first_error: shared.first_error.into_inner().ok().flatten(),
+        release_ns,
     })
 }
 
@@ -230,72 +300,108 @@ fn backoff_delay(index: usize, attempt: u32) -> Duration {
 }
 
 impl Storm<'_> {
-    fn note_error(&mut self, message: String) {
-        if self.first_error.is_none() {
-            self.first_error = Some(message);
+    /// Opens every connection of this share at once and runs the `epoll` loop until each
+    /// rank is released or failed, or the timeout passes.
+    fn drive(mut self) -> Result<ThreadOutcome, BenchError> {
+        let io = |what| move |source| BenchError::Io { what, source };
+        let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+        for slot in 0..self.ranks.len() {
+            self.start_connect(&poll, slot);
         }
+        let deadline = self.start + self.plan.timeout;
+        let mut events = Events::with_capacity(4096);
+        while self.finished < self.ranks.len() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            let mut wait = (deadline - now).min(Duration::from_millis(50));
+            if let Some(Reverse((due, _))) = self.backoff.peek() {
+                wait = wait.min(due.saturating_duration_since(now));
+            }
+            super::conn::poll_events(&mut poll, &mut events, Some(wait))
+                .map_err(io("wait for socket events"))?;
+            for event in events.iter() {
+                self.on_event(event.token().0);
+            }
+            let now = Instant::now();
+            while let Some(Reverse((due, slot))) = self.backoff.peek().copied() {
+                if due > now {
+                    break;
+                }
+                self.backoff.pop();
+                self.start_connect(&poll, slot);
+            }
+        }
+        Ok(self.outcome)
     }
 
-    fn start_connect(&mut self, poll: &Poll, index: usize) {
+    fn start_connect(&mut self, poll: &Poll, slot: usize) {
         let addr = self.plan.addr;
         let result = StoreConn::connect(addr, Limits::default()).and_then(|mut conn| {
             poll.registry()
                 .register(
                     conn.stream_mut(),
-                    Token(index),
+                    Token(slot),
                     Interest::READABLE | Interest::WRITABLE,
                 )
                 .map(|()| conn)
         });
         match result {
             Ok(conn) => {
-                if let Some(rank) = self.ranks.get_mut(index) {
+                if let Some(rank) = self.ranks.get_mut(slot) {
                     rank.conn = Some(conn);
                     rank.phase = Phase::Connecting;
                 }
             }
-            Err(e) => self.retry(index, format!("connect to {addr}: {e}")),
+            Err(e) => self.retry(slot, format!("connect to {addr}: {e}")),
         }
     }
 
     /// A failure before `ADD`: close and try again after a backoff.
-    fn retry(&mut self, index: usize, why: String) {
-        let Some(rank) = self.ranks.get_mut(index) else {
+    fn retry(&mut self, slot: usize, why: String) {
+        let Some(rank) = self.ranks.get_mut(slot) else {
             return;
         };
         rank.conn = None;
         rank.phase = Phase::Backoff;
         rank.attempts = rank.attempts.saturating_add(1);
-        let delay = backoff_delay(index, rank.attempts);
-        self.retries += 1;
-        tracing::debug!(rank = index, attempt = rank.attempts, %why, "storm: retrying connect");
-        self.note_error(format!("rank {index} (retried): {why}"));
-        self.backoff.push(Reverse((Instant::now() + delay, index)));
+        let (index, attempts) = (rank.index, rank.attempts);
+        let delay = backoff_delay(index, attempts);
+        self.shared.retries.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(rank = index, attempt = attempts, %why, "storm: retrying connect");
+        self.shared
+            .note_error(format!("rank {index} (retried): {why}"));
+        self.backoff.push(Reverse((Instant::now() + delay, slot)));
     }
 
     /// A failure after `ADD` was sent: the rank is lost.
-    fn fail(&mut self, index: usize, why: String) {
-        if let Some(rank) = self.ranks.get_mut(index) {
-            rank.conn = None;
-            rank.phase = Phase::Failed;
-            self.failed += 1;
-        }
-        self.note_error(format!("rank {index}: {why}"));
+    fn fail(&mut self, slot: usize, why: String) {
+        let Some(rank) = self.ranks.get_mut(slot) else {
+            return;
+        };
+        rank.conn = None;
+        rank.phase = Phase::Failed;
+        let index = rank.index;
+        self.finished += 1;
+        self.shared.failed.fetch_add(1, Ordering::Relaxed);
+        self.shared.note_error(format!("rank {index}: {why}"));
     }
 
     /// A socket error: retried before `ADD`, fatal after.
-    fn lose(&mut self, index: usize, why: String) {
-        match self.ranks.get(index).map(|r| r.phase) {
-            Some(Phase::Connecting | Phase::Validating) => self.retry(index, why),
-            Some(Phase::Adding | Phase::Waiting) => self.fail(index, why),
+    fn lose(&mut self, slot: usize, why: String) {
+        match self.ranks.get(slot).map(|r| r.phase) {
+            Some(Phase::Connecting | Phase::Validating) => self.retry(slot, why),
+            Some(Phase::Adding | Phase::Waiting) => self.fail(slot, why),
             _ => {}
         }
     }
 
-    fn on_event(&mut self, index: usize) {
-        let Some(rank) = self.ranks.get_mut(index) else {
+    fn on_event(&mut self, slot: usize) {
+        let Some(rank) = self.ranks.get_mut(slot) else {
             return;
         };
+        let index = rank.index;
         let Some(conn) = rank.conn.as_mut() else {
             return;
         };
@@ -311,92 +417,106 @@ impl Storm<'_> {
                     });
                     rank.phase = Phase::Validating;
                 }
-                Err(e) => return self.lose(index, format!("connect: {e}")),
+                Err(e) => return self.lose(slot, format!("connect: {e}")),
             }
         }
         if let Err(e) = conn.flush() {
-            return self.lose(index, format!("send: {e}"));
+            return self.lose(slot, format!("send: {e}"));
         }
         let closed = match conn.fill() {
             Ok(fill) => fill == Fill::Closed,
-            Err(e) => return self.lose(index, format!("read: {e}")),
+            Err(e) => return self.lose(slot, format!("read: {e}")),
         };
         // Replies that arrived before a close still count.
         loop {
-            let Some(conn) = self.ranks.get_mut(index).and_then(|r| r.conn.as_mut()) else {
+            let Some(conn) = self.ranks.get_mut(slot).and_then(|r| r.conn.as_mut()) else {
                 return;
             };
             match conn.next_reply() {
-                Ok(Some(reply)) => self.on_reply(index, reply),
+                Ok(Some(reply)) => self.on_reply(slot, reply),
                 Ok(None) => break,
-                Err(e) => return self.lose(index, e.to_string()),
+                Err(e) => return self.lose(slot, e.to_string()),
             }
         }
         if closed {
-            self.lose(index, "the server closed the connection".into());
+            self.lose(slot, "the server closed the connection".into());
         }
     }
 
-    fn on_reply(&mut self, index: usize, reply: Reply) {
-        let ranks = self.ranks.len();
-        let Some(rank) = self.ranks.get_mut(index) else {
+    /// Records `ADD`'s result `value`: it must be in 1..=N and seen by no other rank.
+    fn check_add(&self, value: i64) {
+        let slot = usize::try_from(value)
+            .ok()
+            .and_then(|v| v.checked_sub(1))
+            .and_then(|i| self.shared.seen_add.get(i));
+        let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
+        if !fresh {
+            self.shared.add_results_ok.store(false, Ordering::Relaxed);
+        }
+    }
+
+    fn on_reply(&mut self, slot: usize, reply: Reply) {
+        let total = self.plan.ranks;
+        let phase = match self.ranks.get(slot) {
+            Some(rank) if rank.conn.is_some() => rank.phase,
+            _ => return,
+        };
+        if let (Phase::Adding, Reply::Int(value)) = (phase, reply) {
+            self.check_add(value);
+        }
+        let Some(rank) = self.ranks.get_mut(slot) else {
             return;
         };
+        let index = rank.index;
         let Some(conn) = rank.conn.as_mut() else {
             return;
         };
-        match (rank.phase, reply) {
+        match (phase, reply) {
             (Phase::Validating, Reply::Pong(nonce)) if nonce == index as u32 => {
                 conn.queue(&Request::Add {
-                    key: &self.counter_key,
+                    key: self.counter_key,
                     delta: 1,
                 });
                 rank.phase = Phase::Adding;
-                self.connected += 1;
-                if self.connected == ranks {
-                    self.all_connected = Some(Instant::now());
+                if self.shared.connected.fetch_add(1, Ordering::Relaxed) + 1 == total {
+                    self.outcome.all_connected = Some(Instant::now());
                 }
             }
             (Phase::Adding, Reply::Int(value)) => {
-                let slot = usize::try_from(value)
-                    .ok()
-                    .and_then(|v| v.checked_sub(1))
-                    .and_then(|i| self.seen_add.get_mut(i));
-                match slot {
-                    Some(seen) if !*seen => *seen = true,
-                    _ => self.add_results_ok = false,
-                }
-                if value == ranks as i64 {
+                if value == total as i64 {
                     conn.queue(&Request::Set {
-                        key: &self.done_key,
+                        key: self.done_key,
                         value: b"1",
                     });
                 }
-                match KeyList::new(1, &self.done_list) {
+                match KeyList::new(1, self.done_list) {
                     Some(keys) => conn.queue(&Request::Wait { keys }),
-                    None => return self.fail(index, "cannot encode the WAIT key".into()),
+                    None => return self.fail(slot, "cannot encode the WAIT key".into()),
                 }
                 rank.phase = Phase::Waiting;
             }
             (Phase::Waiting, Reply::Wait(WaitResponse::StopWaiting)) => {
+                // The connection stays open, as a real rank's store connection does,
+                // until the storm is over.
                 rank.phase = Phase::Released;
                 let now = Instant::now();
-                self.released += 1;
-                self.last_release = Some(now);
+                self.finished += 1;
+                self.shared.released.fetch_add(1, Ordering::Relaxed);
+                self.outcome.last_release = Some(now);
                 let ns =
                     u64::try_from(now.duration_since(self.start).as_nanos()).unwrap_or(u64::MAX);
-                self.release_ns.saturating_record(ns.max(1));
+                self.outcome.release_ns.saturating_record(ns.max(1));
                 return;
             }
             (phase, reply) => {
                 return self.lose(
-                    index,
+                    slot,
                     format!("unexpected reply {reply:?} in phase {phase:?}"),
                 );
             }
         }
         if let Err(e) = conn.flush() {
-            self.lose(index, format!("send: {e}"));
+            self.lose(slot, format!("send: {e}"));
         }
     }
 }
@@ -478,7 +598,10 @@ mod tests {
     }
 
     #[test]
-    fn a_small_storm_releases_every_rank_and_counts_exactly() {
+    fn a_storm_over_two_client_threads_releases_every_rank_and_counts_exactly() {
+        // 256 ranks and the embedded server's 256 sockets: more than a default soft
+        // limit of 1024 leaves once the other tests' sockets are counted.
+        let _ = rlimit::increase_nofile_limit(4096);
         let server = match rdzv_uring::StoreServer::start(rdzv_uring::ServerOptions {
             host: Some("127.0.0.1".into()),
             port: 0,
@@ -492,22 +615,51 @@ mod tests {
         };
         let plan = StormPlan {
             addr: server.local_addr(),
-            ranks: 64,
-            timeout: Duration::from_secs(20),
+            ranks: 256,
+            threads: 2,
+            timeout: Duration::from_secs(30),
             key_prefix: "/bench-test/storm".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        assert_eq!(outcome.released, 64, "{:?}", outcome.first_error);
+        assert_eq!(outcome.threads, 2);
+        assert_eq!(outcome.released, 256, "{:?}", outcome.first_error);
         assert_eq!(outcome.failed, 0);
         assert!(outcome.add_results_ok);
         assert!(outcome.all_connected_seconds.is_some());
-        assert_eq!(outcome.release_ns.len(), 64);
+        assert_eq!(outcome.release_ns.len(), 256);
         let counter = read_counter(
             server.local_addr(),
             &plan.counter_key(),
             Duration::from_secs(5),
         );
-        assert_eq!(counter.unwrap(), Some(64));
+        assert_eq!(counter.unwrap(), Some(256));
+        server.shutdown();
+    }
+
+    #[test]
+    fn more_threads_than_ranks_run_one_rank_each() {
+        let server = match rdzv_uring::StoreServer::start(rdzv_uring::ServerOptions {
+            host: Some("127.0.0.1".into()),
+            port: 0,
+            ..rdzv_uring::ServerOptions::default()
+        }) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("SKIP: cannot start the io_uring store server here: {e}");
+                return;
+            }
+        };
+        let plan = StormPlan {
+            addr: server.local_addr(),
+            ranks: 3,
+            threads: 8,
+            timeout: Duration::from_secs(20),
+            key_prefix: "/bench-test/storm3".into(),
+        };
+        let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
+        assert_eq!(outcome.threads, 3);
+        assert_eq!(outcome.released, 3, "{:?}", outcome.first_error);
+        assert!(outcome.add_results_ok);
         server.shutdown();
     }
 
@@ -521,6 +673,7 @@ mod tests {
         let plan = StormPlan {
             addr,
             ranks: 3,
+            threads: 2,
             timeout: Duration::from_millis(150),
             key_prefix: "/x".into(),
         };

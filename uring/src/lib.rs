@@ -17,6 +17,8 @@
 #![warn(missing_docs)]
 
 pub mod channel;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod host;
 pub mod queue;
 pub mod rendezvous;

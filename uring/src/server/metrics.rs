@@ -11,7 +11,9 @@
 //! none of this runs unless `--metrics` is given.
 //!
 //! It does not decide anything about requests, and it is no general HTTP server: one
-//! request per connection, `Connection: close`, heads of at most 8 KiB.
+//! request per connection, `Connection: close`, heads of at most 8 KiB. Reading a head
+//! ([`head_complete`]) and choosing the answer ([`route`]) are pure functions of the
+//! bytes received, fuzzed by `fuzz/fuzz_targets/metrics_http.rs`.
 
 use std::fmt::Write as _;
 use std::io::{self, Read, Write};
@@ -278,7 +280,63 @@ impl Drop for MetricsServer {
 }
 
 /// Longest request head read.
-const MAX_HEAD: usize = 8 * 1024;
+pub(crate) const MAX_HEAD: usize = 8 * 1024;
+
+/// What a request head is answered with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// `GET /metrics` (any query string): the figures.
+    Metrics,
+    /// `GET` of another path: 404.
+    NotFound,
+    /// Any other method, or no request line: 405.
+    MethodNotAllowed,
+    /// A head of [`MAX_HEAD`] bytes or more with no end: 431.
+    TooLarge,
+}
+
+impl Route {
+    /// The HTTP status line's code and reason, and the body (`None`: the metrics).
+    fn answer(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Route::Metrics => ("200 OK", None),
+            Route::NotFound => (
+                "404 Not Found",
+                Some("rdzv serves its metrics at /metrics\n"),
+            ),
+            Route::MethodNotAllowed => (
+                "405 Method Not Allowed",
+                Some("only GET /metrics is served\n"),
+            ),
+            Route::TooLarge => ("431 Request Header Fields Too Large", Some("")),
+        }
+    }
+}
+
+/// Whether `head` holds a whole request head: an empty line ends it (`\r\n\r\n`, or
+/// `\n\n` from lenient clients).
+pub(crate) fn head_complete(head: &[u8]) -> bool {
+    head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n")
+}
+
+/// The answer to the request head `head` (what was read of it: a client that closes
+/// early is answered from what it sent). Only the request line counts: `GET`, then a
+/// target whose path (before any `?`) is `/metrics`.
+pub(crate) fn route(head: &[u8]) -> Route {
+    if head.len() >= MAX_HEAD && !head_complete(head) {
+        return Route::TooLarge;
+    }
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    match (method, path) {
+        ("GET", "/metrics") => Route::Metrics,
+        ("GET", _) => Route::NotFound,
+        _ => Route::MethodNotAllowed,
+    }
+}
 
 /// Reads one request head and answers it.
 fn answer(mut stream: TcpStream, render: &dyn Fn() -> String) -> io::Result<()> {
@@ -287,33 +345,16 @@ fn answer(mut stream: TcpStream, render: &dyn Fn() -> String) -> io::Result<()> 
     stream.set_write_timeout(Some(Duration::from_secs(5)))?;
     let mut head = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && !head.windows(2).any(|w| w == b"\n\n") {
-        if head.len() >= MAX_HEAD {
-            return respond(&mut stream, "431 Request Header Fields Too Large", "");
-        }
+    while head.len() < MAX_HEAD && !head_complete(&head) {
         let n = stream.read(&mut chunk)?;
         if n == 0 {
             break;
         }
-        head.extend_from_slice(&chunk[..n]);
+        head.extend_from_slice(chunk.get(..n).unwrap_or_default());
     }
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    match (method, path) {
-        ("GET", "/metrics") => respond(&mut stream, "200 OK", &render()),
-        ("GET", _) => respond(
-            &mut stream,
-            "404 Not Found",
-            "rdzv serves its metrics at /metrics\n",
-        ),
-        _ => respond(
-            &mut stream,
-            "405 Method Not Allowed",
-            "only GET /metrics is served\n",
-        ),
+    match route(&head).answer() {
+        (status, Some(body)) => respond(&mut stream, status, body),
+        (status, None) => respond(&mut stream, status, &render()),
     }
 }
 
@@ -376,6 +417,71 @@ mod tests {
             !text.contains("duration_seconds_count{query=\"GET\"}"),
             "unseen query types have no histogram"
         );
+    }
+
+    #[test]
+    fn requests_are_routed_by_their_request_line() {
+        let cases: [(&[u8], Route); 9] = [
+            (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", Route::Metrics),
+            (b"GET /metrics?name[]=x HTTP/1.0\n\n", Route::Metrics),
+            (b"GET /metrics", Route::Metrics),
+            (b"GET / HTTP/1.1\r\n\r\n", Route::NotFound),
+            (b"GET /metricsx HTTP/1.1\r\n\r\n", Route::NotFound),
+            (b"POST /metrics HTTP/1.1\r\n\r\n", Route::MethodNotAllowed),
+            (b"get /metrics HTTP/1.1\r\n\r\n", Route::MethodNotAllowed),
+            (b"", Route::MethodNotAllowed),
+            (
+                b"\r\nGET /metrics HTTP/1.1\r\n\r\n",
+                Route::MethodNotAllowed,
+            ),
+        ];
+        for (head, want) in cases {
+            assert_eq!(route(head), want, "{:?}", String::from_utf8_lossy(head));
+        }
+        let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+        huge.resize(MAX_HEAD, b'a');
+        assert_eq!(route(&huge), Route::TooLarge);
+        huge.truncate(MAX_HEAD - 4);
+        huge.extend_from_slice(b"\r\n\r\n");
+        assert_eq!(
+            route(&huge),
+            Route::Metrics,
+            "a whole head of 8 KiB is served"
+        );
+    }
+
+    #[test]
+    fn heads_end_at_an_empty_line() {
+        assert!(head_complete(b"GET / HTTP/1.1\r\n\r\n"));
+        assert!(head_complete(b"GET / HTTP/1.1\n\n"));
+        assert!(!head_complete(b"GET / HTTP/1.1\r\nHost: x\r\n"));
+        assert!(!head_complete(b""));
+    }
+
+    #[test]
+    fn the_server_answers_each_route() {
+        let mut server =
+            MetricsServer::start("127.0.0.1:0".parse().unwrap(), || "figures\n".into()).unwrap();
+        let ask = |request: &[u8]| {
+            let mut stream = TcpStream::connect(server.local_addr()).unwrap();
+            stream.write_all(request).unwrap();
+            let mut reply = String::new();
+            stream.read_to_string(&mut reply).unwrap();
+            reply
+        };
+        let ok = ask(b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(
+            ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\nfigures\n"),
+            "{ok}"
+        );
+        assert!(ask(b"GET /x HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
+        assert!(ask(b"PUT /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+        // Exactly the limit, so that nothing is left unread (which would reset the
+        // connection before the reply is read).
+        let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+        huge.resize(MAX_HEAD, b'a');
+        assert!(ask(&huge).starts_with("HTTP/1.1 431 "));
+        server.stop();
     }
 
     #[test]

@@ -23,7 +23,7 @@ mod direct;
 mod epoll;
 pub(crate) mod io_mode;
 pub mod listener;
-mod metrics;
+pub(crate) mod metrics;
 mod session;
 mod shared_engine;
 
