@@ -337,3 +337,25 @@ fn two_agents_in_one_process_use_cuda_xth() {
     peer.join()
         .unwrap_or_else(|_| panic!("the peer thread panicked"));
 }
+
+/// The probe behind every CUDA channel's offer says why a channel is not viable (moved
+/// here from the standalone channels' tests): without CUDA each verdict carries its
+/// reason; under `RDZV_REQUIRE_CUDA=1` some channel must be viable.
+#[test]
+fn channel_viability_is_reported_with_reasons() {
+    let report = rdzv_rdma::cuda::viability::probe();
+    println!("{report}");
+    let any_viable = report.verdicts.iter().any(|(_, v)| v.is_viable());
+    if !any_viable {
+        assert!(
+            std::env::var(REQUIRE_ENV).as_deref() != Ok("1"),
+            "{REQUIRE_ENV}=1 but no CUDA channel is viable:\n{report}"
+        );
+        for (channel, verdict) in &report.verdicts {
+            assert!(
+                verdict.to_string().starts_with("not viable: "),
+                "{channel}: {verdict}"
+            );
+        }
+    }
+}
