@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
 
-use super::ipc::{DriverOpener, EventOpener, LoanEvent};
+use super::ipc::{DriverOpener, EventOpener, LoanEvent, LOAN_EVENTS_UP_FRONT};
 use super::staged::PinnedBacking;
 use super::tensor_memory::{CudaMemory, Storage};
 use super::{lock, CudaOptions};
@@ -66,7 +66,7 @@ impl DeviceState {
         let streams = (0..options.streams_per_device.max(1))
             .map(|_| gpu.new_stream())
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(DeviceState {
+        let state = DeviceState {
             device,
             opened_events: Mutex::new(IpcMappings::new(
                 EventOpener { gpu: gpu.clone() },
@@ -96,7 +96,9 @@ impl DeviceState {
             chunk: options.staging_chunk_bytes.max(1),
             buffers: options.staging_buffers.max(1),
             gpu,
-        })
+        };
+        state.prepare_loan_events(LOAN_EVENTS_UP_FRONT);
+        Ok(state)
     }
 
     /// The next of the device's streams.

@@ -39,7 +39,28 @@ pub(super) struct LoanEvent {
     handle: [u8; IPC_HANDLE_LEN],
 }
 
+/// Loan events a device makes when it is opened (TensorPipe makes its outbox's events up
+/// front too: creating an interprocess event while IPC handles are in use has been
+/// seen to stall in the driver). More are made when more loans are in flight.
+pub(super) const LOAN_EVENTS_UP_FRONT: usize = 8;
+
 impl DeviceState {
+    /// Fills the pool of loan events with `count`; one that cannot be made is left to
+    /// the first loan that needs it (which then reports the driver's error).
+    pub(super) fn prepare_loan_events(&self, count: usize) {
+        let mut made = Vec::with_capacity(count);
+        for _ in 0..count {
+            match self.take_loan_event() {
+                Ok(event) => made.push(event),
+                Err(e) => {
+                    tracing::debug!(error = %ErrorChain(&e), device = %self.device, "no cuda_ipc loan event made up front");
+                    break;
+                }
+            }
+        }
+        lock(&self.loan_events).extend(made);
+    }
+
     /// An idle loan event, made now if the pool has none.
     fn take_loan_event(&self) -> Result<LoanEvent, CudaChannelError> {
         if let Some(event) = lock(&self.loan_events).pop() {

@@ -2,6 +2,7 @@
 //! parsing.
 
 use super::*;
+use crate::cuda::memory::{Gpu, StagingBuffer};
 
 #[test]
 fn ordinals_are_cuda_only() {
@@ -239,4 +240,51 @@ fn opening_says_why_cuda_cannot_be_used() {
             assert!(reason.contains("CUDA is not viable"), "{reason}");
         }
     }
+}
+
+/// On a GPU: memory written asynchronously on a stream of the caller's and marked with
+/// `record_ready` (no synchronisation) is complete for every use the runtime makes of
+/// it: a `cuda_xth` loan, `cuda_basic`'s staging and `to_host`.
+#[test]
+fn a_ready_event_orders_the_runtimes_use_of_the_memory() {
+    let Some(runtime) = gpu_runtime("a_ready_event_orders_the_runtimes_use_of_the_memory") else {
+        return;
+    };
+    let cuda0 = Device::cuda(0);
+    let bytes = pattern((8 << 20) + 3, 5);
+    let gpu = Gpu::open(0).unwrap_or_else(|e| panic!("{e}"));
+    let stream = gpu.new_stream().unwrap_or_else(|e| panic!("{e}"));
+    let memory = CudaMemory::alloc(cuda0, bytes.len()).unwrap_or_else(|e| panic!("{e}"));
+    let mut staging = StagingBuffer::new(&gpu, bytes.len()).unwrap_or_else(|e| panic!("{e}"));
+    staging
+        .bytes_mut()
+        .expect("an idle staging buffer")
+        .copy_from_slice(&bytes);
+    staging
+        .upload(memory.range(), &stream)
+        .unwrap_or_else(|e| panic!("{e}"));
+    memory
+        .record_ready(&stream)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lent = DeviceBuffer::new(memory);
+    let loan = runtime
+        .lend(ChannelKind::CudaXth, &lent)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let copy = runtime
+        .borrow(
+            ChannelKind::CudaXth,
+            cuda0,
+            bytes.len() as u64,
+            &loan.descriptor,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let own = copy.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(own.to_host().is_ok_and(|b| b == bytes), "cuda_xth copy");
+    let staged = runtime
+        .copy_to_host(&lent)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(staged == bytes, "cuda_basic staging");
+    let own = lent.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(own.to_host().is_ok_and(|b| b == bytes), "to_host");
+    drop(staging);
 }
