@@ -41,6 +41,8 @@ pub(super) struct DeviceState {
     pub(super) allocator: CachingAllocator<DeviceBacking>,
     pub(super) chunk: usize,
     pub(super) buffers: usize,
+    /// [`CudaOptions::pending_hand_over`].
+    pub(super) pending_hand_over: bool,
     pub(super) gpu: Gpu,
 }
 
@@ -95,6 +97,7 @@ impl DeviceState {
             ),
             chunk: options.staging_chunk_bytes.max(1),
             buffers: options.staging_buffers.max(1),
+            pending_hand_over: options.pending_hand_over,
             gpu,
         };
         state.prepare_loan_events(LOAN_EVENTS_UP_FRONT);

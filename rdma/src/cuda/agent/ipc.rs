@@ -27,9 +27,7 @@ use super::tensor_memory::CudaMemory;
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::{MappingKey, MappingOpener};
 use crate::cuda::loan_events::{self, LoanStream};
-use crate::cuda::memory::{
-    copy_unified_async, DeviceRange, DeviceSource, Gpu, IpcMapping, RawEvent,
-};
+use crate::cuda::memory::{copy_unified_async, DeviceSource, Gpu, IpcMapping, RawEvent};
 use crate::report::ErrorChain;
 
 /// An interprocess event of the lender's pool, with its IPC handle.
@@ -157,7 +155,7 @@ pub(super) fn borrow(
     state.gpu.bind()?;
     let copy = |mapping: &OpenedHandle, event: &RawEvent| -> Result<(), CudaChannelError> {
         let src = mapping.holding(how.offset, memory.len)?;
-        copy_after_loan(state, memory.range(), src, event)
+        copy_after_loan(state, memory, src, event)
     };
     match how.pipe {
         Some(pipe) => {
@@ -179,19 +177,26 @@ pub(super) fn borrow(
     }
 }
 
-/// The borrower's copy on one of the device's streams, ordered by the loan's event
-/// ([`loan_events::copy_after_loan`]), then waited for with an event of this process.
+/// The borrower's copy into `memory` on one of the device's streams, ordered by the
+/// loan's event ([`loan_events::copy_after_loan`]), then waited for with an event of
+/// this process; or, with [`super::CudaOptions::pending_hand_over`], left running with
+/// that event as the memory's ready event.
 fn copy_after_loan(
     state: &DeviceState,
-    dst: DeviceRange<'_>,
+    memory: &CudaMemory,
     src: DeviceSource<'_>,
     loan: &RawEvent,
 ) -> Result<(), CudaChannelError> {
     let done = state.take_event()?;
     let mut stream = DriverStream(state.stream());
+    let dst = memory.range();
     loan_events::copy_after_loan(&mut stream, loan, &done, |s| {
         copy_unified_async(dst, src, s.0)
     })?;
+    if state.pending_hand_over {
+        memory.set_ready(done);
+        return Ok(());
+    }
     // The tensor is complete when the agent hands it over.
     done.synchronize()?;
     lock(&state.events).push(done);

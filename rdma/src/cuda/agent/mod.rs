@@ -49,7 +49,10 @@
 //! to wait for anything. A sender hands the agent memory whose producing work is
 //! complete, or says where it completes with [`CudaMemory::record_ready`] (the memory's
 //! ready event, recorded on the producer's stream): `cuda_ipc` then orders the peer's
-//! copy after it on the GPU, and the other channels wait for that one event.
+//! copy after it on the GPU, and the other channels wait for that one event. With
+//! [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` is handed over
+//! at once, its copy still running, with the copy's event as its ready event: async
+//! users wait on that instead ([`CudaMemory::wait_ready_on`]).
 //!
 //! **Where received memory comes from.** A caching allocator per device
 //! ([`super::caching_allocator`], `cuMemAlloc` blocks in size classes, under a cap:
@@ -105,8 +108,13 @@ pub use tensor_memory::CudaMemory;
 /// [`CudaPlugin`] (a byte count).
 pub const ENV_CACHE_CAP: &str = "RDZV_CUDA_CACHE_CAP";
 
+/// The environment variable that sets [`CudaOptions::pending_hand_over`] for
+/// [`CudaPlugin`] (`1` or `0`).
+pub const ENV_PENDING_HAND_OVER: &str = "RDZV_CUDA_PENDING_HAND_OVER";
+
 /// How the CUDA runtime uses memory and streams. [`CudaPlugin`] takes the defaults
-/// (with [`ENV_CACHE_CAP`]); [`ConfiguredCudaPlugin`] takes these.
+/// (with [`ENV_CACHE_CAP`] and [`ENV_PENDING_HAND_OVER`]); [`ConfiguredCudaPlugin`]
+/// takes these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaOptions {
     /// The most bytes of received tensors' device memory one device's caching allocator
@@ -130,6 +138,12 @@ pub struct CudaOptions {
     /// The most bytes those mappings may map (an open mapping keeps the lender's memory
     /// alive even after the lender freed it).
     pub ipc_mapped_bytes_per_device: usize,
+    /// Hand a tensor received over `cuda_ipc` to the agent while its copy may still run
+    /// (no host wait at all on the data path): users order their work after the memory's
+    /// ready event ([`CudaMemory::wait_ready_on`], [`CudaMemory::wait_ready`]); the
+    /// runtime's own uses do so themselves, and dropping the memory waits for it. Off
+    /// by default: a received tensor is complete when it is handed over.
+    pub pending_hand_over: bool,
 }
 
 impl Default for CudaOptions {
@@ -142,17 +156,23 @@ impl Default for CudaOptions {
             streams_per_device: 2,
             ipc_mappings_per_device: 256,
             ipc_mapped_bytes_per_device: 4 << 30,
+            pending_hand_over: false,
         }
     }
 }
 
 impl CudaOptions {
-    /// The defaults, with the cap from [`ENV_CACHE_CAP`] when it is set.
+    /// The defaults, with the cap from [`ENV_CACHE_CAP`] and the hand-over from
+    /// [`ENV_PENDING_HAND_OVER`] when they are set.
     ///
     /// # Errors
-    /// [`ENV_CACHE_CAP`] is set but is not a byte count.
+    /// A variable is set to something it cannot mean.
     pub fn from_env() -> Result<CudaOptions, String> {
-        Self::with_cache_cap(std::env::var(ENV_CACHE_CAP).ok().as_deref())
+        let mut options = Self::with_cache_cap(std::env::var(ENV_CACHE_CAP).ok().as_deref())?;
+        if let Ok(text) = std::env::var(ENV_PENDING_HAND_OVER) {
+            options.pending_hand_over = pending_hand_over(&text)?;
+        }
+        Ok(options)
     }
 
     /// The defaults, with the cap from `cap` (the value of [`ENV_CACHE_CAP`]) when given.
@@ -164,6 +184,18 @@ impl CudaOptions {
             })?;
         }
         Ok(options)
+    }
+}
+
+/// [`CudaOptions::pending_hand_over`] from the value of [`ENV_PENDING_HAND_OVER`].
+fn pending_hand_over(text: &str) -> Result<bool, String> {
+    match text.trim() {
+        "1" | "true" | "yes" => Ok(true),
+        "0" | "false" | "no" | "" => Ok(false),
+        _ => Err(format!(
+            "{ENV_PENDING_HAND_OVER}={text:?} is neither 1 (hand received tensors over with \
+             their copy running) nor 0"
+        )),
     }
 }
 

@@ -39,7 +39,8 @@ pub(super) enum Storage {
 pub struct CudaMemory {
     pub(super) device: Device,
     pub(super) len: usize,
-    storage: Storage,
+    /// Taken only in `drop`, to leak it when a copy may still write it.
+    storage: Option<Storage>,
     /// Recorded after the work that produces the bytes, if the producer said so.
     ready: Mutex<Option<RawEvent>>,
 }
@@ -50,7 +51,7 @@ impl CudaMemory {
         CudaMemory {
             device,
             len,
-            storage,
+            storage: Some(storage),
             ready: Mutex::new(None),
         }
     }
@@ -95,6 +96,11 @@ impl CudaMemory {
             Some(event) => event.synchronize(),
             None => Ok(()),
         }
+    }
+
+    /// Makes `event` (recorded after the copy that fills the memory) its ready event.
+    pub(super) fn set_ready(&self, event: RawEvent) {
+        *lock(&self.ready) = Some(event);
     }
 
     /// The ready event, held while the guard lives.
@@ -143,7 +149,12 @@ impl CudaMemory {
     /// The allocation the memory starts (it may be longer than the tensor: a cached
     /// block is a whole size class).
     pub fn allocation(&self) -> &DeviceAllocation {
-        match &self.storage {
+        // The storage is taken only in `drop`.
+        let storage = self
+            .storage
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a CudaMemory holds its storage until dropped"));
+        match storage {
             Storage::Own(allocation) => allocation,
             Storage::Cached(block) => block.block(),
         }
@@ -153,6 +164,30 @@ impl CudaMemory {
     pub fn range(&self) -> DeviceRange<'_> {
         let whole = self.allocation().range();
         whole.slice(0, self.len).unwrap_or(whole)
+    }
+}
+
+/// Memory whose ready event is pending (a copy into it, or a producer, may still write
+/// it) is waited for before it is freed or goes back to the cache; if that wait fails it
+/// is leaked, never reused under a running copy.
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        let ready = self
+            .ready
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(event) = ready else {
+            return;
+        };
+        if let Err(e) = event.synchronize() {
+            tracing::warn!(
+                error = %crate::report::ErrorChain(&e),
+                device = %self.device,
+                "a CUDA tensor's ready event cannot be waited for: its memory is leaked"
+            );
+            std::mem::forget(self.storage.take());
+        }
     }
 }
 

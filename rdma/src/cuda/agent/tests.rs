@@ -11,6 +11,18 @@ fn ordinals_are_cuda_only() {
 }
 
 #[test]
+fn the_pending_hand_over_is_a_yes_or_no() {
+    assert_eq!(pending_hand_over(" 1\n"), Ok(true));
+    assert_eq!(pending_hand_over("0"), Ok(false));
+    assert_eq!(pending_hand_over(""), Ok(false));
+    let err = pending_hand_over("maybe").expect_err("neither");
+    assert!(
+        err.contains(ENV_PENDING_HAND_OVER) && err.contains("maybe"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_cache_cap_is_a_byte_count() {
     assert_eq!(
         CudaOptions::with_cache_cap(Some(" 1048576\n")).map(|o| o.cache_cap_bytes),
