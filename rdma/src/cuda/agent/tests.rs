@@ -3,37 +3,12 @@
 
 use super::*;
 use crate::cuda::memory::{Gpu, StagingBuffer};
+use rdzv_uring::rpc::DevicePlugin;
 
 #[test]
 fn ordinals_are_cuda_only() {
     assert_eq!(ordinal(Device::cuda(3)), Ok(3));
     assert!(ordinal(Device::cpu()).is_err());
-}
-
-#[test]
-fn the_pending_hand_over_is_a_yes_or_no() {
-    assert_eq!(pending_hand_over(" 1\n"), Ok(true));
-    assert_eq!(pending_hand_over("0"), Ok(false));
-    assert_eq!(pending_hand_over(""), Ok(false));
-    let err = pending_hand_over("maybe").expect_err("neither");
-    assert!(
-        err.contains(ENV_PENDING_HAND_OVER) && err.contains("maybe"),
-        "{err}"
-    );
-}
-
-#[test]
-fn the_cache_cap_is_a_byte_count() {
-    assert_eq!(
-        CudaOptions::with_cache_cap(Some(" 1048576\n")).map(|o| o.cache_cap_bytes),
-        Ok(1 << 20)
-    );
-    let err = CudaOptions::with_cache_cap(Some("lots")).expect_err("not a number");
-    assert!(err.contains(ENV_CACHE_CAP) && err.contains("lots"), "{err}");
-    assert_eq!(
-        CudaOptions::with_cache_cap(None),
-        Ok(CudaOptions::default())
-    );
 }
 
 /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
