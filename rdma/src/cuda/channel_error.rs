@@ -65,6 +65,15 @@ pub enum CudaChannelError {
         /// The device named.
         device: String,
     },
+    /// An event recorded by another process did not complete in time (that process may
+    /// have died with the work queued).
+    #[error("a CUDA event of {what} did not complete within {waited:?}: the peer process may have died with its copy queued")]
+    EventTimeout {
+        /// Whose event, e.g. `a cuda_ipc loan`.
+        what: &'static str,
+        /// How long it was waited for.
+        waited: std::time::Duration,
+    },
     /// cudarc panicked inside a driver call (e.g. a symbol missing from an old driver).
     #[error("the CUDA driver bindings panicked in {call}: {message}")]
     Panicked {
@@ -139,6 +148,15 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "length mismatch: the sender transfers 10 bytes but the receiving buffer holds 12"
+        );
+        let err = CudaChannelError::EventTimeout {
+            what: "a cuda_ipc loan",
+            waited: std::time::Duration::from_secs(60),
+        };
+        assert_eq!(
+            err.to_string(),
+            "a CUDA event of a cuda_ipc loan did not complete within 60s: the peer process \
+             may have died with its copy queued"
         );
     }
 }

@@ -14,7 +14,8 @@
 //! 3. **release** ([`settle_loan`]): the lending rule ends the loan with the reply or the
 //!    ack, which the borrower sends after step 2 returned; the lender then waits (on the
 //!    host, for this one event) for the event's last record, the borrower's copy, before
-//!    the memory or the event is used again. It is usually complete already.
+//!    the memory or the event is used again. It is usually complete already; the
+//!    runtime bounds the wait, since a borrower that died may never finish.
 //!
 //! A CUDA event wait applies to the record made last before the wait was issued; the
 //! steps above only issue a wait after the record it must see. This module issues no

@@ -15,6 +15,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::channel::cuda::{CudaIpcDescriptor, IPC_HANDLE_LEN};
@@ -214,11 +215,24 @@ fn event_key(handle: &[u8; IPC_HANDLE_LEN]) -> u64 {
 /// A runtime stream, as [`loan_events`] drives it.
 struct DriverStream<'a>(&'a CudaStream);
 
+/// How long a loan's release waits for the borrower's record before it gives up on the
+/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Only the lender's release waits on the host ([`loan_events::settle_loan`]), for an
+/// event the borrower records: bounded by [`SETTLE_TIMEOUT`].
 impl loan_events::LoanEvent for RawEvent {
     type Error = CudaChannelError;
 
     fn host_wait(&self) -> Result<(), CudaChannelError> {
-        self.synchronize()
+        if self.wait_for(SETTLE_TIMEOUT)? {
+            Ok(())
+        } else {
+            Err(CudaChannelError::EventTimeout {
+                what: "a cuda_ipc loan",
+                waited: SETTLE_TIMEOUT,
+            })
+        }
     }
 }
 
