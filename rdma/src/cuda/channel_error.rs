@@ -1,8 +1,9 @@
 //! The error every CUDA channel operation returns.
 //!
 //! One variant per kind of failing call: a CUDA driver call (named, with the device), a
-//! malformed or inconsistent descriptor from the peer, and a panic caught inside cudarc. This module decides nothing
-//! about retries or fallbacks: a failed transfer is reported to the caller, who fails the
+//! malformed or inconsistent descriptor from the peer, an event of another process that
+//! never completes, and a panic caught inside cudarc. This module decides nothing about
+//! retries or fallbacks: a failed transfer is reported to the caller, who fails the
 //! pipe's pending work.
 
 use super::CudaNotViable;
@@ -67,7 +68,10 @@ pub enum CudaChannelError {
     },
     /// An event recorded by another process did not complete in time (that process may
     /// have died with the work queued).
-    #[error("a CUDA event of {what} did not complete within {waited:?}: the peer process may have died with its copy queued")]
+    #[error(
+        "a CUDA event of {what} did not complete within {waited:?}: the peer process may \
+         have died with its copy queued"
+    )]
     EventTimeout {
         /// Whose event, e.g. `a cuda_ipc loan`.
         what: &'static str,

@@ -52,7 +52,11 @@ impl DeviceState {
             match self.take_loan_event() {
                 Ok(event) => made.push(event),
                 Err(e) => {
-                    tracing::debug!(error = %ErrorChain(&e), device = %self.device, "no cuda_ipc loan event made up front");
+                    tracing::debug!(
+                        error = %ErrorChain(&e),
+                        device = %self.device,
+                        "no cuda_ipc loan event made up front"
+                    );
                     break;
                 }
             }
