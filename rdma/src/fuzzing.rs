@@ -1,5 +1,4 @@
-//! The checks behind this crate's cargo-fuzz targets (`fuzz/fuzz_targets/ibv_wire.rs`,
-//! `cuda_wire.rs`),
+//! The checks behind this crate's cargo-fuzz target (`fuzz/fuzz_targets/ibv_wire.rs`),
 //! public so that `rdma/tests/fuzz_corpus.rs` replays the committed seeds and random
 //! inputs through exactly the same assertions in every `cargo test`.
 //!
@@ -38,44 +37,5 @@ pub fn ibv_wire(data: &[u8]) {
         let imm = u32::from_be_bytes(word);
         let message = MessageImm::decode(imm);
         assert_eq!(message.encode(), imm, "every immediate round-trips");
-    }
-}
-
-/// Feeds `data` to the parsers of the CUDA channels' control messages (`cuda_ipc`
-/// messages, the `cuda_basic` transfer header).
-///
-/// # Panics
-/// When a parser breaks its contract (that is the finding).
-pub fn cuda_wire(data: &[u8]) {
-    use crate::cuda::ipc::IpcMessage;
-    use crate::cuda::staging::{decode_basic_header, encode_basic_header, BASIC_HEADER_LEN};
-
-    if let Ok(Some((message, used))) = IpcMessage::decode(data) {
-        assert!(
-            used <= data.len(),
-            "consumed {used} of {} bytes",
-            data.len()
-        );
-        let encoded = message.encode();
-        assert_eq!(
-            encoded.len(),
-            used,
-            "a message re-encodes to what was consumed"
-        );
-        match IpcMessage::decode(&encoded) {
-            Ok(Some((again, n))) => {
-                assert_eq!(again, message);
-                assert_eq!(n, encoded.len());
-            }
-            other => panic!("a re-encoded message does not decode: {other:?}"),
-        }
-    }
-    if let Some(header) = data
-        .get(..BASIC_HEADER_LEN)
-        .and_then(|b| <&[u8; BASIC_HEADER_LEN]>::try_from(b).ok())
-    {
-        if let Ok(total) = decode_basic_header(header) {
-            assert_eq!(&encode_basic_header(total), header);
-        }
     }
 }

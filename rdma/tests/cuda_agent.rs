@@ -6,7 +6,9 @@
 //!   peer and on return; each prints its 64 MiB echo time;
 //! - two agents in one process: the same over `cuda_xth`;
 //! - two processes: 200 echoes of one 64 MiB tensor over `cuda_ipc`, then over
-//!   `cuda_basic`, leave the GPU's free memory flat once the caches are warm.
+//!   `cuda_basic`, leave the GPU's free memory flat once the caches are warm;
+//! - two processes, both runtimes handing received tensors over with their copy still
+//!   running (`CudaOptions::pending_hand_over`): the sizes and the echoes over `cuda_ipc`.
 //!
 //! Every test needs a GPU and prints `SKIPPED <test>: <reason>` without one (or panics
 //! when `RDZV_REQUIRE_CUDA=1`, as on a lent GPU machine). The agent's side of these
@@ -23,7 +25,9 @@ use std::time::{Duration, Instant};
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
-use rdzv_rdma::cuda::agent::{CudaMemory, CudaPlugin};
+use rdzv_rdma::cuda::agent::{
+    ConfiguredCudaPlugin, CudaMemory, CudaOptions, CudaPlugin, ENV_PENDING_HAND_OVER,
+};
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DevicePlugin, Message, RpcAgent, RpcOptions, Tensor,
 };
@@ -208,6 +212,17 @@ fn serve_if_child() {
 /// Runs `test` in this process (the parent, "main") against a child serving as
 /// "peer", both with `channels`: `run` makes the calls.
 fn two_processes(test: &str, channels: Option<&str>, run: impl FnOnce(&RpcAgent)) {
+    two_processes_with(test, channels, false, run);
+}
+
+/// As [`two_processes`]; with `pending`, both runtimes hand received `cuda_ipc` tensors
+/// over with their copy still running (`CudaOptions::pending_hand_over`).
+fn two_processes_with(
+    test: &str,
+    channels: Option<&str>,
+    pending: bool,
+    run: impl FnOnce(&RpcAgent),
+) {
     serve_if_child();
     if skipped(test) {
         return;
@@ -223,10 +238,17 @@ fn two_processes(test: &str, channels: Option<&str>, run: impl FnOnce(&RpcAgent)
     if let Some(list) = channels {
         command.env(CHANNELS_ENV, list);
     }
+    command.env(ENV_PENDING_HAND_OVER, if pending { "1" } else { "0" });
     // The child exits as soon as this Peer is dropped, also when this test panics.
     let child = Peer::spawn(format!("peer process for test {test}"), command);
-    let agent = init_rpc("main", 0, Some(2), caller_options(&url, channels))
-        .unwrap_or_else(|e| panic!("parent init: {e}"));
+    let mut options = caller_options(&url, channels);
+    let cuda = CudaOptions {
+        pending_hand_over: pending,
+        ..CudaOptions::from_env().unwrap_or_else(|e| panic!("{e}"))
+    };
+    options.device_plugins = vec![Arc::new(ConfiguredCudaPlugin(cuda)) as Arc<dyn DevicePlugin>];
+    let agent =
+        init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
     run(&agent);
     agent.join().unwrap_or_else(|e| panic!("parent join: {e}"));
     child.expect_success(Duration::from_secs(120));
@@ -302,6 +324,18 @@ fn cuda_tensors_cross_two_processes_over_cuda_ipc() {
     );
 }
 
+/// As above, both runtimes handing received tensors over while their copy may still
+/// run: the handler's and the caller's `to_host` wait for the ready event, each loan's
+/// release for the borrower's record of its IPC event.
+#[test]
+fn cuda_tensors_cross_two_processes_over_cuda_ipc_handed_over_pending() {
+    let test = "cuda_tensors_cross_two_processes_over_cuda_ipc_handed_over_pending";
+    two_processes_with(test, None, true, |agent| {
+        round_trips(agent, ChannelKind::CudaIpc, None);
+        memory_stays_flat(agent, ChannelKind::CudaIpc);
+    });
+}
+
 #[test]
 fn cuda_tensors_cross_two_processes_over_cuda_basic() {
     let carrier = if rdzv_uring::channel::cma::viability().is_ok() {
@@ -336,4 +370,26 @@ fn two_agents_in_one_process_use_cuda_xth() {
     agent.join().unwrap_or_else(|e| panic!("main join: {e}"));
     peer.join()
         .unwrap_or_else(|_| panic!("the peer thread panicked"));
+}
+
+/// The probe behind every CUDA channel's offer says why a channel is not viable (moved
+/// here from the standalone channels' tests): without CUDA each verdict carries its
+/// reason; under `RDZV_REQUIRE_CUDA=1` some channel must be viable.
+#[test]
+fn channel_viability_is_reported_with_reasons() {
+    let report = rdzv_rdma::cuda::viability::probe();
+    println!("{report}");
+    let any_viable = report.verdicts.iter().any(|(_, v)| v.is_viable());
+    if !any_viable {
+        assert!(
+            std::env::var(REQUIRE_ENV).as_deref() != Ok("1"),
+            "{REQUIRE_ENV}=1 but no CUDA channel is viable:\n{report}"
+        );
+        for (channel, verdict) in &report.verdicts {
+            assert!(
+                verdict.to_string().starts_with("not viable: "),
+                "{channel}: {verdict}"
+            );
+        }
+    }
 }

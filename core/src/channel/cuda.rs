@@ -38,13 +38,19 @@ pub struct CudaIpcDescriptor {
     /// handles keys them by it: another handle at a known base means the exporter freed
     /// that allocation and the address was reused, so the old mapping is stale.
     pub base: u64,
+    /// `cuIpcGetEventHandle` of an interprocess event the lender recorded after the work
+    /// that produced the bytes: the receiver's stream waits on it before its copy, then
+    /// records it again after the copy, and the lender waits on that record before the
+    /// memory is used again (the lending rule's ack says when to look).
+    pub event: [u8; IPC_HANDLE_LEN],
 }
 
 impl CudaIpcDescriptor {
-    /// The encoded size: a 4-byte tag, the process identity, the handle, then offset and
-    /// length (little-endian `u64`s), the device (little-endian `u32`) and the base
-    /// (little-endian `u64`).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + IPC_HANDLE_LEN + 28;
+    /// The encoded size: a 4-byte tag, the process identity, the memory handle, then
+    /// offset and length (little-endian `u64`s), the device (little-endian `u32`), the
+    /// base (little-endian `u64`) and the event handle.
+    pub const ENCODED_LEN: usize =
+        4 + ProcessIdentity::ENCODED_LEN + IPC_HANDLE_LEN + 28 + IPC_HANDLE_LEN;
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
@@ -56,6 +62,7 @@ impl CudaIpcDescriptor {
         writer.put(&self.length.to_le_bytes());
         writer.put(&self.device.to_le_bytes());
         writer.put(&self.base.to_le_bytes());
+        writer.put(&self.event);
         out
     }
 
@@ -74,6 +81,7 @@ impl CudaIpcDescriptor {
             length: u64::from_le_bytes(reader.take()),
             device: u32::from_le_bytes(reader.take()),
             base: u64::from_le_bytes(reader.take()),
+            event: reader.take(),
         };
         match descriptor.offset.checked_add(descriptor.length) {
             Some(_) => Ok(descriptor),
@@ -230,6 +238,7 @@ mod tests {
             length: 1 << 20,
             device: 3,
             base: 0x7f00_0020_0000,
+            event: [9; IPC_HANDLE_LEN],
         }
     }
 

@@ -1,12 +1,10 @@
 //! The error every CUDA channel operation returns.
 //!
-//! One variant per kind of failing call: a CUDA driver call (named, with the device), the
-//! CPU byte channel underneath (with what it was doing), a malformed or inconsistent
-//! message from the peer, and a panic caught inside cudarc. This module decides nothing
-//! about retries or fallbacks: a failed transfer is reported to the caller, who fails the
+//! One variant per kind of failing call: a CUDA driver call (named, with the device), a
+//! malformed or inconsistent descriptor from the peer, an event of another process that
+//! never completes, and a panic caught inside cudarc. This module decides nothing about
+//! retries or fallbacks: a failed transfer is reported to the caller, who fails the
 //! pipe's pending work.
-
-use std::io;
 
 use super::CudaNotViable;
 use crate::sys::cuda::DriverCode;
@@ -29,15 +27,6 @@ pub enum CudaChannelError {
         #[source]
         source: DriverCode,
     },
-    /// The CPU channel underneath failed.
-    #[error("the CPU channel failed while {action}")]
-    Cpu {
-        /// What the channel was doing, e.g. `sending a staged chunk`.
-        action: &'static str,
-        /// The I/O error.
-        #[source]
-        source: io::Error,
-    },
     /// The peer sent bytes that do not form a valid message of this channel.
     #[error("malformed {what} from the peer: {detail}")]
     Protocol {
@@ -54,7 +43,7 @@ pub enum CudaChannelError {
         /// Bytes the receiver expected.
         expected: u64,
     },
-    /// A staging pool was configured with no slot or empty slots.
+    /// A staging buffer or pool was asked for with no bytes.
     #[error("invalid staging pool: {slots} slot(s) of {slot_len} bytes")]
     InvalidPool {
         /// Number of slots.
@@ -66,16 +55,10 @@ pub enum CudaChannelError {
     /// events can only be recorded on streams of their own context).
     #[error("the stream belongs to CUDA device {stream_device} but this endpoint's staging memory and events are on device {endpoint_device}")]
     WrongDevice {
-        /// Device of the endpoint's pool or outbox.
+        /// Device of the memory or events.
         endpoint_device: usize,
         /// Device of the stream passed in.
         stream_device: usize,
-    },
-    /// The peer reported that its side of the transfer failed.
-    #[error("the receiving side failed: {detail}")]
-    PeerFailed {
-        /// The peer's error, as text.
-        detail: String,
     },
     /// CUDA memory was asked for on a device that is not a CUDA device.
     #[error("{device} is not a CUDA device")]
@@ -83,9 +66,18 @@ pub enum CudaChannelError {
         /// The device named.
         device: String,
     },
-    /// The in-process peer of a `cuda_xth` channel is gone.
-    #[error("the cuda_xth peer in this process hung up")]
-    PeerGone,
+    /// An event recorded by another process did not complete in time (that process may
+    /// have died with the work queued).
+    #[error(
+        "a CUDA event of {what} did not complete within {waited:?}: the peer process may \
+         have died with its copy queued"
+    )]
+    EventTimeout {
+        /// Whose event, e.g. `a cuda_ipc loan`.
+        what: &'static str,
+        /// How long it was waited for.
+        waited: std::time::Duration,
+    },
     /// cudarc panicked inside a driver call (e.g. a symbol missing from an old driver).
     #[error("the CUDA driver bindings panicked in {call}: {message}")]
     Panicked {
@@ -108,11 +100,6 @@ impl CudaChannelError {
             device,
             source: source.into(),
         }
-    }
-
-    /// A `Cpu` error while doing `action`.
-    pub(crate) fn cpu(action: &'static str) -> impl FnOnce(io::Error) -> Self {
-        move |source| CudaChannelError::Cpu { action, source }
     }
 
     /// A `Protocol` error about `what`.
@@ -166,12 +153,14 @@ mod tests {
             err.to_string(),
             "length mismatch: the sender transfers 10 bytes but the receiving buffer holds 12"
         );
-        let err = CudaChannelError::cpu("sending a staged chunk")(io::Error::from(
-            io::ErrorKind::BrokenPipe,
-        ));
+        let err = CudaChannelError::EventTimeout {
+            what: "a cuda_ipc loan",
+            waited: std::time::Duration::from_secs(60),
+        };
         assert_eq!(
             err.to_string(),
-            "the CPU channel failed while sending a staged chunk"
+            "a CUDA event of a cuda_ipc loan did not complete within 60s: the peer process \
+             may have died with its copy queued"
         );
     }
 }

@@ -15,25 +15,17 @@
 //! `ibv_reg_mr`-on-device-pointer route). The probe creates no context, allocates no
 //! memory and registers nothing.
 //!
-//! The channels that move CUDA tensors live in the submodules, and [`agent`] plugs CUDA
-//! into the RPC agent (`cuda_xth`, `cuda_ipc`, `cuda_gdr` and `cuda_basic` for its
-//! tensors):
+//! [`agent`] is the one implementation of the CUDA channels (`cuda_xth`, `cuda_ipc`,
+//! `cuda_gdr` and `cuda_basic`): the RPC agent's CUDA runtime. [`gdr`] registers device
+//! memory with a NIC for `cuda_gdr` (dma-buf, falling back to peer memory), and
+//! [`gdr_lending`] is what the runtime needs to lend and borrow over it (the RDMA data
+//! path is [`crate::ibv::lending`]).
 //!
-//! - [`basic`]: `cuda_basic`, staging through a bounded pool of pinned host slots over any
-//!   CPU [`byte_channel::ByteChannel`] (pipeline in [`staging`]);
-//! - [`xth`]: `cuda_xth`, device copies between two endpoints of one process, ordered by
-//!   a start and a stop event;
-//! - [`ipc`]: `cuda_ipc`, between processes of one host through a sender-side staging
-//!   outbox whose IPC memory and event handles the receiver opens once;
-//! - [`gdr`]: `cuda_gdr`'s registration of device memory with a NIC (dma-buf, falling back
-//!   to peer memory), and [`gdr_lending`]: what the agent's runtime needs to lend and
-//!   borrow device memory over it (the RDMA data path is [`crate::ibv::lending`]; neither
-//!   has run on a GPU).
-//!
-//! The agent's runtime keeps its bookkeeping in pure modules tested with fakes:
+//! The runtime keeps its bookkeeping in pure modules tested with fakes:
 //! [`caching_allocator`] (received tensors' device memory), [`ipc_mappings`] (the
-//! borrower's opened `cuda_ipc` mappings) and [`chunk_plan`] (`cuda_basic`'s staged
-//! copies through pinned buffers).
+//! borrower's opened `cuda_ipc` mappings and events), [`loan_events`] (the order in which
+//! a `cuda_ipc` loan's lender, borrower and release use its IPC event) and [`chunk_plan`]
+//! (`cuda_basic`'s staged copies through pinned buffers).
 //!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
 //! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
@@ -44,21 +36,17 @@
 //! `sys::cuda` module, whose safe types [`memory`] re-exports.
 
 pub mod agent;
-pub mod basic;
-pub mod byte_channel;
 pub mod caching_allocator;
 mod channel_error;
 pub mod chunk_plan;
 pub mod descriptor;
 pub mod gdr;
 pub mod gdr_lending;
-pub mod ipc;
 pub mod ipc_mappings;
+pub mod loan_events;
 pub mod memory;
 pub mod peer_memory;
-pub mod staging;
 pub mod viability;
-pub mod xth;
 
 use std::fmt;
 

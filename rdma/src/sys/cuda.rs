@@ -1057,6 +1057,38 @@ impl RawEvent {
             self.gpu.ordinal(),
         ))
     }
+    /// Whether the recorded work is done (`cuEventQuery`), without blocking.
+    pub fn query(&self) -> Result<bool, CudaChannelError> {
+        self.gpu.bind()?;
+        // SAFETY: the event is live.
+        match unsafe { result::event::query(self.event) } {
+            Ok(()) => Ok(true),
+            Err(err) if err.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(err) => Err(CudaChannelError::driver("cuEventQuery", self.gpu.ordinal())(err)),
+        }
+    }
+
+    /// Waits at most `timeout` for the recorded work (polling `cuEventQuery`, yielding
+    /// the thread, then sleeping up to 1 ms between polls): whether it is done. For an
+    /// event another process records, whose work might never end if that process dies.
+    pub fn wait_for(&self, timeout: std::time::Duration) -> Result<bool, CudaChannelError> {
+        let started = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(1);
+        loop {
+            if self.query()? {
+                return Ok(true);
+            }
+            if started.elapsed() >= timeout {
+                return Ok(false);
+            }
+            if pause < std::time::Duration::from_micros(50) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+            }
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+    }
 }
 
 impl Drop for RawEvent {

@@ -1,0 +1,505 @@
+//! The CUDA runtime of the RPC agent: [`CudaPlugin`], handed to
+//! `rdzv_uring::rpc::RpcOptions::device_plugins`, and [`CudaMemory`], the device memory
+//! of CUDA tensors (`rdzv_uring::rpc::Tensor::on_device(DeviceBuffer::new(memory))`).
+//!
+//! The agent asks the runtime for three things (`rdzv_uring::rpc::device`):
+//!
+//! - `cuda_xth` (same process): a tensor is lent by its device address, and the receiver
+//!   copies it device to device (`cuMemcpyAsync` over unified addressing, so across GPUs
+//!   too);
+//! - `cuda_ipc` (another process of this host): a tensor is lent through the CUDA IPC
+//!   memory handle of its allocation (`cuIpcGetMemHandle`, made once per allocation and
+//!   cached with it) and the allocation's base address. The receiver keeps what it opened
+//!   (`cuIpcOpenMemHandle`, with lazy peer access) per pipe, lending process, device and
+//!   base, for the pipe's life, bounded ([`super::ipc_mappings`]): another handle at a
+//!   known base means the address was reused, and the stale mapping is closed first.
+//!   Completion crosses the two processes as a CUDA IPC event ([`super::loan_events`],
+//!   `ipc`): the lender records a pooled interprocess event after the memory's ready
+//!   event and sends its handle; the receiver's stream waits on it (no host wait for the
+//!   producer), copies, and records it again; the lender holds the memory until the
+//!   receiver answered (the agent's lending rule), then waits for that record before it
+//!   lets go of the memory and reuses the event;
+//! - `cuda_gdr` (another host, GPUDirect RDMA): a tensor's allocation is registered with
+//!   the NIC in the verbs domain of this process's GDR endpoint (a TCP listener that
+//!   bootstraps queue pairs, [`crate::ibv::lending`]); the descriptor names the endpoint,
+//!   the device address and the rkey, and the receiver reads the range into fresh memory
+//!   on its target device, registered in its own domain, with one RDMA READ. Offered only
+//!   when the probe finds it viable (CUDA, an active InfiniBand/RoCE port, a registration
+//!   path for every device); the node is started on first use. Each loan registers the
+//!   allocation anew and deregisters it when the loan ends (no cache: a freed allocation
+//!   must not leave a registration behind). Not run against a GPU and NIC here: the data
+//!   path is the host-memory one tested on Soft-RoCE, the CUDA side only compiles;
+//! - `cuda_basic`: copies to and from host memory through pinned buffers. Sending, the
+//!   tensor is copied device to host once, into a pinned block from a per-device cache
+//!   ([`CudaOptions::staged_out_cap_bytes`]), and the CPU channel reads that block where
+//!   it is (`HostBytes::staged`; the block goes back to the cache when the channel drops
+//!   it); a tensor that does not fit under the cap is staged in chunks into pageable
+//!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
+//!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
+//!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
+//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]); bytes that arrived whole
+//!   (inline, `mpt`) are staged in chunks ([`super::chunk_plan`]): the device copy of one
+//!   chunk runs while the host copies the previous one.
+//!
+//! **When a received tensor is ready.** Every copy runs on the runtime's own streams
+//! (a few per device) and is waited for with an event recorded after it, never with a
+//! device-wide synchronisation; the runtime hands a tensor to the agent only after that
+//! wait. So a received tensor's memory is complete when the agent hands it to a handler,
+//! or when `rpc_sync` (or the future's wait) returns it; no stream of the caller's needs
+//! to wait for anything. A sender hands the agent memory whose producing work is
+//! complete, or says where it completes with [`CudaMemory::record_ready`] (the memory's
+//! ready event, recorded on the producer's stream): `cuda_ipc` then orders the peer's
+//! copy after it on the GPU, and the other channels wait for that one event. With
+//! [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` is handed over
+//! at once, its copy still running, with the copy's event as its ready event: async
+//! users wait on that instead ([`CudaMemory::wait_ready_on`]).
+//!
+//! **Where received memory comes from.** A caching allocator per device
+//! ([`super::caching_allocator`], `cuMemAlloc` blocks in size classes, under a cap:
+//! [`CudaOptions::cache_cap_bytes`]). A received tensor's block goes back to the cache
+//! when the last handle to its memory is dropped, and is handed out again for the next
+//! tensor: work of the consumer's own that still reads or writes it must be complete by
+//! then (as before `cuMemFree`). Memory made with [`CudaMemory::alloc`] or
+//! [`CudaMemory::upload`] is the caller's own `cuMemAlloc` allocation, as before.
+//!
+//! Everything the runtime opened (mappings, events, streams, pinned buffers, cached
+//! blocks) is released when the agent drops it at shutdown; a pipe's mappings and opened
+//! events when the pipe ends (`DeviceRuntime::pipe_ended`).
+//!
+//! The files: this one (the runtime and its `DeviceRuntime` side), `options` (options
+//! and plugins), `device` (per-device state and copies), `ipc` (`cuda_ipc`'s two
+//! sides), `staged` (`cuda_basic`'s), `tensor_memory` ([`CudaMemory`]).
+//!
+//! Opening the runtime never panics when the driver is absent: [`CudaPlugin`] probes
+//! first ([`super::probe`]) and reports why CUDA cannot be used, and the agent then
+//! serves CUDA pairs with nothing (a CPU-only worker still offers `cuda_basic` for its
+//! CPU side).
+
+mod device;
+mod ipc;
+mod options;
+mod staged;
+mod tensor_memory;
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use rdzv_core::channel::cuda::{CudaIpcDescriptor, CudaXthDescriptor};
+use rdzv_core::channel::ProcessIdentity;
+use rdzv_core::device::Device;
+use rdzv_core::negotiate::ChannelKind;
+use rdzv_uring::channel::current_identity;
+use rdzv_uring::rpc::{
+    DeviceBuffer, DeviceLoan, DeviceMemory, DeviceRuntime, HostBytes, PipeId, StagedReceive,
+};
+
+use super::channel_error::CudaChannelError;
+use super::descriptor::HostIdentity;
+use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
+use super::gdr_lending::{self, GdrNode, GdrTarget};
+use super::memory::{DeviceAllocation, DeviceSource};
+use super::viability::{self, ChannelVerdict, CudaChannel};
+use super::PeerMemory;
+use crate::ibv::IbvViability;
+use crate::report::ErrorChain;
+use device::DeviceState;
+pub use options::{
+    ConfiguredCudaPlugin, CudaOptions, CudaPlugin, ENV_CACHE_CAP, ENV_PENDING_HAND_OVER,
+};
+pub use tensor_memory::CudaMemory;
+
+/// An opened CUDA runtime: the devices, opened on first use, and what the lending
+/// channels need to know about this process.
+#[derive(Debug)]
+pub struct CudaRuntime {
+    options: CudaOptions,
+    count: usize,
+    devices: Mutex<Vec<Option<Arc<DeviceState>>>>,
+    /// This process, for the lending descriptors; `Err` when `/proc` could not say.
+    process: Result<ProcessIdentity, String>,
+    /// `cuda_xth`'s and `cuda_ipc`'s domain descriptors, or why they cannot run.
+    xth: Result<String, String>,
+    ipc: Result<String, String>,
+    /// `cuda_gdr`'s domain descriptor, or why it cannot run.
+    gdr: Result<String, String>,
+    /// Each device's registration path (from the probe), by ordinal.
+    gdr_paths: Vec<GdrPath>,
+    peer_memory: PeerMemory,
+    /// The GDR node, started on first use, and one registrar per device.
+    gdr_node: Mutex<Option<Arc<GdrNode>>>,
+    registrars: Mutex<Vec<Option<GdrRegistrar>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CudaRuntime {
+    /// Probes CUDA and the channels' prerequisites, with the default options.
+    ///
+    /// # Errors
+    /// Why CUDA cannot be used here (no driver library, `cuInit` failed, no device).
+    pub fn open() -> Result<CudaRuntime, String> {
+        Self::open_with(CudaOptions::default())
+    }
+
+    /// As [`open`](Self::open), with `options`.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, String> {
+        let report = viability::probe();
+        let cuda = report.facts.cuda.report().ok_or_else(|| {
+            report.facts.cuda.reason().map_or_else(
+                || "CUDA is not viable".to_string(),
+                |reason| format!("CUDA is not viable: {}", ErrorChain(reason)),
+            )
+        })?;
+        let count = cuda.devices.len();
+        let process = current_identity().map_err(|e| ErrorChain(&e).to_string());
+        let host = HostIdentity::current().map_err(|e| format!("cannot identify this host: {e}"));
+        let channel = |channel: CudaChannel, descriptor: fn(&HostIdentity) -> String| match report
+            .verdict(channel)
+        {
+            Some(verdict) if !verdict.is_viable() => Err(format!("{channel}: {verdict}")),
+            _ => match (&host, &process) {
+                (Ok(host), Ok(_)) => Ok(descriptor(host)),
+                (Err(e), _) | (_, Err(e)) => Err(format!("{channel} not viable: {e}")),
+            },
+        };
+        let gdr_verdict = report.verdict(CudaChannel::Gdr);
+        let gdr = gdr_lending::gdr_offer(
+            gdr_verdict,
+            process.as_ref().map(|_| ()).map_err(String::as_str),
+        );
+        let gdr_paths = match gdr_verdict {
+            Some(ChannelVerdict::Viable(paths)) => paths.clone(),
+            _ => Vec::new(),
+        };
+        Ok(CudaRuntime {
+            options,
+            count,
+            devices: Mutex::new((0..count).map(|_| None).collect()),
+            xth: channel(CudaChannel::Xth, HostIdentity::xth_descriptor),
+            ipc: channel(CudaChannel::Ipc, HostIdentity::ipc_descriptor),
+            gdr,
+            gdr_paths,
+            peer_memory: cuda.peer_memory,
+            gdr_node: Mutex::new(None),
+            registrars: Mutex::new((0..count).map(|_| None).collect()),
+            process,
+        })
+    }
+
+    /// The opened device `device` (opened now if it is the first use).
+    fn device(&self, device: Device) -> Result<Arc<DeviceState>, String> {
+        let ordinal = ordinal(device)?;
+        let mut devices = lock(&self.devices);
+        let slot = devices.get_mut(ordinal).ok_or_else(|| {
+            format!(
+                "this process has no {device}: it sees {} CUDA device(s)",
+                self.count
+            )
+        })?;
+        if let Some(state) = slot {
+            return Ok(Arc::clone(state));
+        }
+        let state = Arc::new(
+            DeviceState::open(device, ordinal, &self.options)
+                .map_err(|e| ErrorChain(&e).to_string())?,
+        );
+        *slot = Some(Arc::clone(&state));
+        Ok(state)
+    }
+
+    fn process(&self) -> Result<ProcessIdentity, String> {
+        self.process.clone()
+    }
+
+    /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
+    /// offered.
+    fn gdr_node(&self) -> Result<Arc<GdrNode>, String> {
+        self.gdr.as_ref().map_err(Clone::clone)?;
+        let mut node = lock(&self.gdr_node);
+        if let Some(node) = node.as_ref() {
+            return Ok(Arc::clone(node));
+        }
+        let selection = match crate::ibv::probe_env() {
+            IbvViability::Viable(selection) => selection,
+            IbvViability::NotViable(reason) => {
+                return Err(format!(
+                    "cuda_gdr: no usable RDMA device: {}",
+                    ErrorChain(&reason)
+                ))
+            }
+        };
+        let configured = std::env::var(gdr_lending::ENV_GDR_ADDR).ok();
+        let advertised = gdr_lending::advertised_ip(configured.as_deref(), selection.gid)?;
+        let started = Arc::new(GdrNode::open(&selection, advertised)?);
+        tracing::info!(
+            endpoint = %started.advertised(),
+            device = %selection.device,
+            "cuda_gdr endpoint started"
+        );
+        *node = Some(Arc::clone(&started));
+        Ok(started)
+    }
+
+    /// A registration of the whole allocation `allocation` of device `ordinal` in the GDR
+    /// node's domain, held only by the caller (dropping it deregisters).
+    fn gdr_register(
+        &self,
+        node: &GdrNode,
+        ordinal: usize,
+        allocation: &DeviceAllocation,
+    ) -> Result<Arc<GdrRegistration>, String> {
+        let gpu = allocation.gpu().clone();
+        let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
+            format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
+        })?;
+        let mut registrars = lock(&self.registrars);
+        let slot = registrars
+            .get_mut(ordinal)
+            .ok_or_else(|| format!("cuda_gdr: no CUDA device {ordinal}"))?;
+        let registrar = slot.get_or_insert_with(|| {
+            GdrRegistrar::new(
+                Arc::clone(node.domain().pd()),
+                &gpu,
+                path,
+                &self.peer_memory,
+                gdr_lending::gdr_access(),
+                1,
+            )
+        });
+        let registration = registrar
+            .register(allocation.range())
+            .map_err(|e| ErrorChain(&e).to_string());
+        // Nothing stays cached: the caller's handle is the only one, so the registration
+        // ends with the loan (or the read), before the allocation can be freed.
+        registrar.forget_all();
+        registration
+    }
+
+    /// Lent memory copied into memory from `device`'s cache (`pipe`: where the loan
+    /// came from, `None` when the caller did not say).
+    fn borrow_from(
+        &self,
+        pipe: Option<PipeId>,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let me = self.process()?;
+        let target = ordinal(device)?;
+        let to_usize =
+            |len: u64| usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"));
+        match channel {
+            ChannelKind::CudaXth => {
+                let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                check_lent_length(channel, lent.length, len)?;
+                if lent.process != me {
+                    return Err(format!(
+                        "the memory was lent by pid {}, not by this process (pid {}): \
+                         cuda_xth works within one process",
+                        lent.process.pid, me.pid
+                    ));
+                }
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                // Only read: the lender holds the memory until this side answered.
+                let src = DeviceSource::named_by_peer(lent.address, memory.len());
+                state
+                    .copy_device(memory.range(), src)
+                    .map_err(|e| ErrorChain(&e).to_string())?;
+                Ok(DeviceBuffer::new(memory))
+            }
+            ChannelKind::CudaIpc => {
+                let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                check_lent_length(channel, lent.length, len)?;
+                if let Some(what) = me.mismatch(&lent.process) {
+                    return Err(format!(
+                        "the memory was lent by pid {} under another {what}: cuda_ipc works \
+                         between processes of one host",
+                        lent.process.pid
+                    ));
+                }
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                if memory.is_empty() {
+                    return Ok(DeviceBuffer::new(memory));
+                }
+                let how = ipc::Borrowing {
+                    pipe,
+                    lent: &lent,
+                    offset: to_usize(lent.offset)?,
+                    target,
+                };
+                ipc::borrow(&state, how, &memory).map_err(|e| ErrorChain(&e).to_string())?;
+                Ok(DeviceBuffer::new(memory))
+            }
+            ChannelKind::CudaGdr => {
+                let lent = gdr_lending::check_descriptor(descriptor, len)?;
+                let state = self.device(device)?;
+                let memory = state.alloc(to_usize(len)?)?;
+                if memory.is_empty() {
+                    return Ok(DeviceBuffer::new(memory));
+                }
+                let node = self.gdr_node()?;
+                let registration = self.gdr_register(&node, target, memory.allocation())?;
+                let target = GdrTarget::new(registration, memory)
+                    .map_err(|e| format!("cuda_gdr: {}", ErrorChain(&e)))?;
+                let filled = node.read(&lent, target)?;
+                Ok(DeviceBuffer::new(filled.into_memory()))
+            }
+            other => Err(format!("the CUDA runtime does not borrow over {other}")),
+        }
+    }
+}
+
+/// The ordinal of a CUDA device (`cuda` alone is device 0).
+fn cuda_ordinal(device: Device) -> Result<usize, CudaChannelError> {
+    if !device.is_cuda() {
+        return Err(CudaChannelError::NotCuda {
+            device: device.to_string(),
+        });
+    }
+    Ok(usize::from(device.index().unwrap_or(0)))
+}
+
+/// As [`cuda_ordinal`], for the agent's string errors.
+fn ordinal(device: Device) -> Result<usize, String> {
+    cuda_ordinal(device).map_err(|e| e.to_string())
+}
+
+/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
+/// (`len`).
+pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
+    if lent == len {
+        Ok(())
+    } else {
+        Err(format!(
+            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
+        ))
+    }
+}
+
+/// Memory a tensor lent: the runtime's own.
+fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, String> {
+    memory.downcast_ref::<CudaMemory>().ok_or_else(|| {
+        format!(
+            "the {} tensor's memory was not made by rdzv_rdma's CUDA runtime (CudaMemory)",
+            memory.device()
+        )
+    })
+}
+
+impl DeviceRuntime for CudaRuntime {
+    fn device_count(&self) -> usize {
+        self.count
+    }
+
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+        let memory = own(memory)?;
+        self.device(memory.device)?.copy_to_host(memory)
+    }
+
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+        self.device(device)?.receive_staged(len).map(Some)
+    }
+
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+        self.device(device)?.copy_from_host(&bytes)
+    }
+
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+        vec![
+            (ChannelKind::CudaXth, self.xth.clone()),
+            (ChannelKind::CudaIpc, self.ipc.clone()),
+            (ChannelKind::CudaGdr, self.gdr.clone()),
+        ]
+    }
+
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+        let own = own(memory)?;
+        let device = u32::from(own.device.index().unwrap_or(0));
+        let length = own.len as u64;
+        if channel == ChannelKind::CudaIpc {
+            // Ordered after the producer on the GPU, through the loan's event.
+            return ipc::lend(&self.device(own.device)?, self.process()?, memory, own);
+        }
+        // The peer's copy (cuda_xth) or NIC (cuda_gdr) reads it once this returns.
+        own.wait_ready().map_err(|e| ErrorChain(&e).to_string())?;
+        let descriptor = match channel {
+            ChannelKind::CudaXth => CudaXthDescriptor {
+                process: self.process()?,
+                address: own.range().ptr(),
+                length,
+                device,
+            }
+            .encode()
+            .to_vec(),
+            ChannelKind::CudaGdr => {
+                let node = self.gdr_node()?;
+                let address = own.range().ptr();
+                let registration = if length == 0 {
+                    None
+                } else {
+                    let ordinal = ordinal(own.device)?;
+                    Some(self.gdr_register(&node, ordinal, own.allocation())?)
+                };
+                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
+                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
+                // The registration goes before the memory (tuple fields drop in order);
+                // both live until the peer answered.
+                return Ok(DeviceLoan {
+                    descriptor,
+                    hold: Box::new((registration, memory.clone())),
+                });
+            }
+            other => return Err(format!("the CUDA runtime does not lend over {other}")),
+        };
+        // The loan keeps the allocation: the peer reads it until it answers.
+        Ok(DeviceLoan {
+            descriptor,
+            hold: Box::new(memory.clone()),
+        })
+    }
+
+    fn borrow(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        self.borrow_from(None, channel, device, len, descriptor)
+    }
+
+    fn borrow_on(
+        &self,
+        pipe: PipeId,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        self.borrow_from(Some(pipe), channel, device, len, descriptor)
+    }
+
+    fn pipe_ended(&self, pipe: PipeId) {
+        let opened: Vec<Arc<DeviceState>> = lock(&self.devices).iter().flatten().cloned().collect();
+        for state in opened {
+            if state.gpu.bind().is_ok() {
+                lock(&state.opened_events).close_pipe(pipe.get());
+                lock(&state.mappings).close_pipe(pipe.get());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

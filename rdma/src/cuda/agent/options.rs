@@ -1,0 +1,165 @@
+//! How the runtime is configured ([`CudaOptions`], from the environment for
+//! [`CudaPlugin`]) and the two plugins that open it for the agent.
+
+use std::sync::Arc;
+
+use rdzv_core::device::DeviceType;
+use rdzv_uring::rpc::{DevicePlugin, DeviceRuntime};
+
+use super::CudaRuntime;
+
+/// The environment variable that sets [`CudaOptions::cache_cap_bytes`] for
+/// [`CudaPlugin`] (a byte count).
+pub const ENV_CACHE_CAP: &str = "RDZV_CUDA_CACHE_CAP";
+
+/// The environment variable that sets [`CudaOptions::pending_hand_over`] for
+/// [`CudaPlugin`] (`1` or `0`).
+pub const ENV_PENDING_HAND_OVER: &str = "RDZV_CUDA_PENDING_HAND_OVER";
+
+/// How the CUDA runtime uses memory and streams. [`CudaPlugin`] takes the defaults
+/// (with [`ENV_CACHE_CAP`] and [`ENV_PENDING_HAND_OVER`]); [`ConfiguredCudaPlugin`]
+/// takes these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// The most bytes of received tensors' device memory one device's caching allocator
+    /// holds (in use plus cached). A tensor that does not fit while the others are alive
+    /// fails with an error naming the device, its size, the cap and the bytes in use.
+    pub cache_cap_bytes: usize,
+    /// `cuda_basic`'s staging chunk: the bytes one pinned buffer holds.
+    pub staging_chunk_bytes: usize,
+    /// Pinned buffers one staged copy cycles through (2 = double buffering).
+    pub staging_buffers: usize,
+    /// The most bytes of pinned host memory one device holds for tensors on their way
+    /// out over `cuda_basic` (in use by the CPU channels plus cached). A tensor that
+    /// does not fit is staged in chunks into pageable memory instead (one more host
+    /// copy).
+    pub staged_out_cap_bytes: usize,
+    /// Streams per device the copies are spread over.
+    pub streams_per_device: usize,
+    /// The most `cuda_ipc` mappings a device keeps open (least recently used closed
+    /// first).
+    pub ipc_mappings_per_device: usize,
+    /// The most bytes those mappings may map (an open mapping keeps the lender's memory
+    /// alive even after the lender freed it).
+    pub ipc_mapped_bytes_per_device: usize,
+    /// Hand a tensor received over `cuda_ipc` to the agent while its copy may still run
+    /// (no host wait at all on the data path): users order their work after the memory's
+    /// ready event ([`wait_ready_on`](super::CudaMemory::wait_ready_on),
+    /// [`wait_ready`](super::CudaMemory::wait_ready)); the
+    /// runtime's own uses do so themselves, and dropping the memory waits for it. Off
+    /// by default: a received tensor is complete when it is handed over.
+    pub pending_hand_over: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            cache_cap_bytes: 8 << 30,
+            staging_chunk_bytes: 4 << 20,
+            staging_buffers: 3,
+            staged_out_cap_bytes: 2 << 30,
+            streams_per_device: 2,
+            ipc_mappings_per_device: 256,
+            ipc_mapped_bytes_per_device: 4 << 30,
+            pending_hand_over: false,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The defaults, with the cap from [`ENV_CACHE_CAP`] and the hand-over from
+    /// [`ENV_PENDING_HAND_OVER`] when they are set.
+    ///
+    /// # Errors
+    /// A variable is set to something it cannot mean.
+    pub fn from_env() -> Result<CudaOptions, String> {
+        let mut options = Self::with_cache_cap(std::env::var(ENV_CACHE_CAP).ok().as_deref())?;
+        if let Ok(text) = std::env::var(ENV_PENDING_HAND_OVER) {
+            options.pending_hand_over = pending_hand_over(&text)?;
+        }
+        Ok(options)
+    }
+
+    /// The defaults, with the cap from `cap` (the value of [`ENV_CACHE_CAP`]) when given.
+    fn with_cache_cap(cap: Option<&str>) -> Result<CudaOptions, String> {
+        let mut options = CudaOptions::default();
+        if let Some(text) = cap {
+            options.cache_cap_bytes = text.trim().parse().map_err(|_| {
+                format!("{ENV_CACHE_CAP}={text:?} is not a byte count (e.g. 8589934592)")
+            })?;
+        }
+        Ok(options)
+    }
+}
+
+/// [`CudaOptions::pending_hand_over`] from the value of [`ENV_PENDING_HAND_OVER`].
+fn pending_hand_over(text: &str) -> Result<bool, String> {
+    match text.trim() {
+        "1" | "true" | "yes" => Ok(true),
+        "0" | "false" | "no" | "" => Ok(false),
+        _ => Err(format!(
+            "{ENV_PENDING_HAND_OVER}={text:?} is neither 1 (hand received tensors over with \
+             their copy running) nor 0"
+        )),
+    }
+}
+
+/// The CUDA device plugin of the RPC agent, with [`CudaOptions::from_env`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CudaPlugin;
+
+impl DevicePlugin for CudaPlugin {
+    fn device_type(&self) -> DeviceType {
+        DeviceType::Cuda
+    }
+
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+        let options = CudaOptions::from_env()?;
+        CudaRuntime::open_with(options).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    }
+}
+
+/// The CUDA device plugin of the RPC agent, with the given options.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConfiguredCudaPlugin(pub CudaOptions);
+
+impl DevicePlugin for ConfiguredCudaPlugin {
+    fn device_type(&self) -> DeviceType {
+        DeviceType::Cuda
+    }
+
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+        CudaRuntime::open_with(self.0).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pending_hand_over_is_a_yes_or_no() {
+        assert_eq!(pending_hand_over(" 1\n"), Ok(true));
+        assert_eq!(pending_hand_over("0"), Ok(false));
+        assert_eq!(pending_hand_over(""), Ok(false));
+        let err = pending_hand_over("maybe").expect_err("neither");
+        assert!(
+            err.contains(ENV_PENDING_HAND_OVER) && err.contains("maybe"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_cache_cap_is_a_byte_count() {
+        assert_eq!(
+            CudaOptions::with_cache_cap(Some(" 1048576\n")).map(|o| o.cache_cap_bytes),
+            Ok(1 << 20)
+        );
+        let err = CudaOptions::with_cache_cap(Some("lots")).expect_err("not a number");
+        assert!(err.contains(ENV_CACHE_CAP) && err.contains("lots"), "{err}");
+        assert_eq!(
+            CudaOptions::with_cache_cap(None),
+            Ok(CudaOptions::default())
+        );
+    }
+}

@@ -1,0 +1,206 @@
+//! [`CudaMemory`], a CUDA tensor's memory, and its ready event: the point on a stream
+//! after which its bytes are complete.
+
+use std::any::Any;
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::driver::safe::CudaStream;
+use rdzv_core::device::Device;
+use rdzv_uring::rpc::DeviceMemory;
+
+use super::device::DeviceBacking;
+use super::{cuda_ordinal, lock};
+use crate::cuda::caching_allocator::CachedBlock;
+use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::memory::{DeviceAllocation, DeviceRange, Gpu, RawEvent};
+
+/// Where a [`CudaMemory`]'s bytes live.
+#[derive(Debug)]
+pub(super) enum Storage {
+    /// An allocation of its own.
+    Own(DeviceAllocation),
+    /// A block of the runtime's caching allocator, back to it on drop.
+    Cached(CachedBlock<DeviceBacking>),
+}
+
+/// A CUDA tensor's memory: on one device, the start of a `cuMemAlloc` allocation (its
+/// own, or a block of the runtime's cache). Wrap it in a `DeviceBuffer` to make a
+/// tensor of it.
+///
+/// **Ready event.** Memory written by work on a stream of the caller's can say so with
+/// [`record_ready`](Self::record_ready) instead of synchronising that stream before the
+/// agent sends it: the runtime then orders its own use after that point on the GPU
+/// (`cuda_ipc`'s loan event is recorded after it, so the receiver's copy waits for the
+/// producer without any host waiting), or waits for that one event (`cuda_xth`,
+/// `cuda_gdr`, [`to_host`](Self::to_host)). Memory without a ready event must be
+/// complete when the agent is handed it. Memory the runtime hands over (a received
+/// tensor) is complete: its copy was waited for.
+#[derive(Debug)]
+pub struct CudaMemory {
+    pub(super) device: Device,
+    pub(super) len: usize,
+    /// Taken only in `drop`, to leak it when a copy may still write it.
+    storage: Option<Storage>,
+    /// Recorded after the work that produces the bytes, if the producer said so.
+    ready: Mutex<Option<RawEvent>>,
+}
+
+impl CudaMemory {
+    /// Memory of `len` bytes in `storage` on `device`, complete.
+    pub(super) fn new(device: Device, len: usize, storage: Storage) -> CudaMemory {
+        CudaMemory {
+            device,
+            len,
+            storage: Some(storage),
+            ready: Mutex::new(None),
+        }
+    }
+
+    /// Marks the bytes as produced by the work enqueued so far on `stream` (a stream of
+    /// this memory's device): records the memory's ready event there, replacing an
+    /// earlier one. Later users of the memory order themselves after it.
+    ///
+    /// # Errors
+    /// `stream` belongs to another device, or the driver refused the event.
+    pub fn record_ready(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+        let gpu = self.allocation().gpu();
+        gpu.check_stream(stream)?;
+        let mut ready = lock(&self.ready);
+        if ready.is_none() {
+            *ready = Some(RawEvent::new(gpu, false)?);
+        }
+        match ready.as_ref() {
+            Some(event) => event.record(stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes `stream` wait (on the GPU) for the bytes to be complete: for the producer's
+    /// ready event, if it recorded one.
+    ///
+    /// # Errors
+    /// The driver's.
+    pub fn wait_ready_on(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+        match lock(&self.ready).as_ref() {
+            Some(event) => event.wait_on(stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Blocks until the bytes are complete (the ready event, if any).
+    ///
+    /// # Errors
+    /// The driver's.
+    pub fn wait_ready(&self) -> Result<(), CudaChannelError> {
+        match lock(&self.ready).as_ref() {
+            Some(event) => event.synchronize(),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes `event` (recorded after the copy that fills the memory) its ready event.
+    pub(super) fn set_ready(&self, event: RawEvent) {
+        *lock(&self.ready) = Some(event);
+    }
+
+    /// The ready event, held while the guard lives.
+    pub(super) fn ready_event(&self) -> MutexGuard<'_, Option<RawEvent>> {
+        lock(&self.ready)
+    }
+
+    /// `len` bytes of uninitialised memory on `device` (a CUDA device).
+    ///
+    /// # Errors
+    /// No such device, no driver, or out of memory.
+    pub fn alloc(device: Device, len: usize) -> Result<CudaMemory, CudaChannelError> {
+        let gpu = Gpu::open(cuda_ordinal(device)?)?;
+        Ok(CudaMemory::new(device, len, Storage::Own(gpu.alloc(len)?)))
+    }
+
+    /// Memory on `device` holding a copy of `bytes`.
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc), or the copy failed.
+    pub fn upload(device: Device, bytes: &[u8]) -> Result<CudaMemory, CudaChannelError> {
+        let gpu = Gpu::open(cuda_ordinal(device)?)?;
+        let mut allocation = gpu.alloc(bytes.len())?;
+        allocation.copy_from_host(bytes)?;
+        Ok(CudaMemory::new(
+            device,
+            bytes.len(),
+            Storage::Own(allocation),
+        ))
+    }
+
+    /// A host copy of the memory (a synchronous copy, after the ready event).
+    ///
+    /// # Errors
+    /// The copy failed.
+    pub fn to_host(&self) -> Result<Vec<u8>, CudaChannelError> {
+        let mut bytes = vec![0u8; self.len];
+        if self.len == 0 {
+            return Ok(bytes);
+        }
+        self.wait_ready()?;
+        self.allocation().copy_prefix_to_host(&mut bytes)?;
+        Ok(bytes)
+    }
+
+    /// The allocation the memory starts (it may be longer than the tensor: a cached
+    /// block is a whole size class).
+    pub fn allocation(&self) -> &DeviceAllocation {
+        // The storage is taken only in `drop`.
+        let storage = self
+            .storage
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a CudaMemory holds its storage until dropped"));
+        match storage {
+            Storage::Own(allocation) => allocation,
+            Storage::Cached(block) => block.block(),
+        }
+    }
+
+    /// The tensor's bytes: the first `len` of the allocation.
+    pub fn range(&self) -> DeviceRange<'_> {
+        let whole = self.allocation().range();
+        whole.slice(0, self.len).unwrap_or(whole)
+    }
+}
+
+/// Memory whose ready event is pending (a copy into it, or a producer, may still write
+/// it) is waited for before it is freed or goes back to the cache; if that wait fails it
+/// is leaked, never reused under a running copy.
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        let ready = self
+            .ready
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let Some(event) = ready else {
+            return;
+        };
+        if let Err(e) = event.synchronize() {
+            tracing::warn!(
+                error = %crate::report::ErrorChain(&e),
+                device = %self.device,
+                "a CUDA tensor's ready event cannot be waited for: its memory is leaked"
+            );
+            std::mem::forget(self.storage.take());
+        }
+    }
+}
+
+impl DeviceMemory for CudaMemory {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
