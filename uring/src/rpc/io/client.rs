@@ -7,15 +7,15 @@ use std::rc::Rc;
 use rdzv_core::negotiate::{accept_answer, Negotiated, Role};
 use rdzv_core::rpc::frame::{FrameLimits, Handshake};
 
-use super::super::channels::cpu_channel;
-use super::super::error::RpcError;
-use super::super::lane::Lane;
-use super::super::mpt::{self, MptLanes};
-use super::super::transport::{
-    address_for, BlockingHalves, FrameReceiver, FrameSender, NotBlocking, Transport,
-};
 use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
+use crate::rpc::channels::cpu_channel;
+use crate::rpc::error::RpcError;
+use crate::rpc::lane::Lane;
+use crate::rpc::mpt::{self, MptLanes};
+use crate::rpc::transport::{
+    address_for, BlockingHalves, FrameReceiver, FrameSender, NotBlocking, Transport,
+};
 
 /// A pipe's halves after the handshake, what it negotiated, and the token to open its
 /// mpt lanes with (when it has them).
@@ -28,11 +28,12 @@ type OpenedPipe = (
 
 /// Why a client pipe could not be opened; every call waiting for it fails with it.
 #[derive(Debug, Clone)]
-pub(super) struct OpenFailure {
+struct OpenFailure {
     address: String,
     reason: String,
     connecting: bool,
 }
+
 impl OpenFailure {
     fn to_error(&self, peer: &str) -> RpcError {
         if self.connecting {

@@ -8,10 +8,10 @@ use rdzv_core::negotiate::{answer_brochure, Negotiated, Role};
 use rdzv_core::rpc::frame::{FrameLimits, Handshake};
 use rdzv_core::rpc::name::WorkerId;
 
-use super::super::lane::Lane;
-use super::super::mpt;
-use super::super::transport::{Connection, IncomingFrame, Listener, NotBlocking, OwnedFrame};
 use super::{handshake_frame, unthreaded, with_handshake, Io};
+use crate::rpc::lane::Lane;
+use crate::rpc::mpt;
+use crate::rpc::transport::{Connection, IncomingFrame, Listener, NotBlocking, OwnedFrame};
 
 /// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
 type Accepted = (String, WorkerId, Negotiated, u64);

@@ -19,15 +19,15 @@ use std::sync::Arc;
 
 use rdzv_core::rpc::frame::FrameLimits;
 
-use super::super::error::TransportError;
-use super::super::recycle;
-use super::super::transport::{
-    FrameReceiver, FrameSender, IncomingFrame, IntoBlocking, LocalBoxFuture, NotBlocking,
-    OwnedFrame,
-};
 use super::decode::decode_message;
 use super::{blocking, RECEIVE_POLL, RECEIVE_QUEUE};
 use crate::queue::Queue;
+use crate::rpc::error::TransportError;
+use crate::rpc::recycle;
+use crate::rpc::transport::{
+    FrameReceiver, FrameSender, IncomingFrame, IntoBlocking, LocalBoxFuture, NotBlocking,
+    OwnedFrame,
+};
 use crate::transport::shm::{ShmError, ShmReceiver, ShmSender};
 
 /// What the sending thread reports when it stops: its half, or why it failed.

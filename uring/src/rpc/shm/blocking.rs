@@ -10,14 +10,14 @@ use std::time::Duration;
 
 use rdzv_core::rpc::frame::FrameLimits;
 
-use super::super::error::TransportError;
-use super::super::transport::{
-    poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
-    StopConnection, TryRecv, Wake,
-};
 use super::adapter::{send_frame, Received};
 use super::decode::decode_message;
 use super::{shm_io, RECEIVE_POLL};
+use crate::rpc::error::TransportError;
+use crate::rpc::transport::{
+    poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
+    StopConnection, TryRecv, Wake,
+};
 use crate::transport::shm::{ShmError, ShmReceiver, ShmSender};
 
 /// The halves of a pipe whose adapter threads handed `sender` and `receiver` back, with

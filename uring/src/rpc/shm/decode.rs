@@ -3,10 +3,10 @@
 
 use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
 
-use super::super::error::TransportError;
-use super::super::transport::IncomingFrame;
 use super::adapter::Received;
 use super::shm_io;
+use crate::rpc::error::TransportError;
+use crate::rpc::transport::IncomingFrame;
 use crate::transport::shm::ShmError;
 
 /// One received shm message (or the receiving error) as a frame: `Ok(None)` when the peer

@@ -8,13 +8,13 @@ use std::time::Duration;
 use futures_lite::io::AssertAsync;
 use rdzv_core::rpc::frame::{Decoded, FrameDecoder, FrameLimits};
 
-use super::super::error::TransportError;
-use super::super::transport::{
+use super::framing::{TcpReceiver, TcpSender, READ_CHUNK};
+use super::{AsyncReceiver, AsyncSender};
+use crate::rpc::error::TransportError;
+use crate::rpc::transport::{
     poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
     StopConnection, TryRecv, Wake,
 };
-use super::framing::{TcpReceiver, TcpSender, READ_CHUNK};
-use super::{AsyncReceiver, AsyncSender};
 
 /// The halves served by threads: the same code over a blocking socket.
 type ThreadSender = TcpSender<AssertAsync<std::net::TcpStream>>;

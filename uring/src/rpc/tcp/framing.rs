@@ -18,10 +18,10 @@ use rdzv_core::rpc::frame::{
     Decoded, FrameDecoder, FrameLimits, Header, TensorDescriptor, DESCRIPTOR_LEN, HEADER_LEN,
 };
 
-use super::super::error::TransportError;
-use super::super::recycle;
-use super::super::transport::{IncomingFrame, OwnedFrame};
 use super::COALESCE_LIMIT;
+use crate::rpc::error::TransportError;
+use crate::rpc::recycle;
+use crate::rpc::transport::{IncomingFrame, OwnedFrame};
 
 /// How much the receive buffer asks the kernel for at least.
 pub(super) const READ_CHUNK: usize = 64 * 1024;
