@@ -270,4 +270,104 @@ mod tests {
         assert!(parse_address("uv://127.0.0.1:1").is_err());
         assert!(parse_address("tcp://localhost").is_err());
     }
+
+    fn tensor_frame(id: u64, len: usize) -> OwnedFrame {
+        use rdzv_core::device::Device;
+        use rdzv_core::rpc::frame::{FrameKind, TensorDescriptor};
+        OwnedFrame {
+            handler: "echo".into(),
+            payload: vec![id as u8; 5],
+            tensors: vec![TensorDescriptor::inline(
+                Device::cpu(),
+                Device::cpu(),
+                len as u64,
+            )],
+            tensor_data: vec![(0..len)
+                .map(|i| (i % 251) as u8 ^ id as u8)
+                .collect::<Vec<_>>()
+                .into()],
+            ..OwnedFrame::empty(FrameKind::Request, id)
+        }
+    }
+
+    fn same(got: &IncomingFrame, want: &OwnedFrame) -> bool {
+        let data: Vec<u8> = want.tensor_data.iter().flat_map(|d| d.to_vec()).collect();
+        got.message_id == want.message_id
+            && got.payload == want.payload
+            && got.tensors.first().map(|t| &t.1) == Some(&data)
+            && got.wire_len == want.encoded_len() as u64
+    }
+
+    /// Frames on the executor (through the buffer and read directly), then the pipe
+    /// taken off it with a frame already buffered, which the blocking half delivers.
+    #[test]
+    fn frames_cross_on_the_executor_and_after_into_blocking() {
+        let executor =
+            crate::rpc::transport::LocalExecutor::new().unwrap_or_else(|e| panic!("{e}"));
+        let outcome = executor.run(async {
+            let transport = TcpTransport::new([127, 0, 0, 1].into());
+            let listener = transport.listen().map_err(|e| e.to_string())?;
+            let (client, server) =
+                futures_lite::future::zip(transport.connect(listener.address()), listener.accept())
+                    .await;
+            let (mut tx, mut client_rx) = client.map_err(|e| e.to_string())?.split();
+            let (server_tx, mut rx) = server.map_err(|e| e.to_string())?.split();
+            for (id, len) in [(1u64, 0usize), (2, 100), (3, 3 << 20)] {
+                let frame = tensor_frame(id, len);
+                let sent = tx.send(frame.clone()).await.map_err(|e| e.to_string())?;
+                assert_eq!(sent, frame.encoded_len() as u64);
+                let got = rx
+                    .recv(FrameLimits::DEFAULT)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                assert!(got.is_some_and(|got| same(&got, &frame)), "frame {id}");
+            }
+            // Two small frames in one write's worth: the second is buffered by the
+            // executor's receiver when the pipe is taken off it.
+            let (first, second) = (tensor_frame(4, 10), tensor_frame(5, 20));
+            tx.send(first.clone()).await.map_err(|e| e.to_string())?;
+            tx.send(second.clone()).await.map_err(|e| e.to_string())?;
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            let got = rx
+                .recv(FrameLimits::DEFAULT)
+                .await
+                .map_err(|e| e.to_string())?;
+            assert!(got.is_some_and(|got| same(&got, &first)));
+            let mut halves = match server_tx.into_blocking(rx).await {
+                Ok(halves) => halves,
+                Err(_) => return Err("into_blocking failed".to_string()),
+            };
+            let got = halves
+                .receiver
+                .recv(FrameLimits::DEFAULT)
+                .map_err(|e| e.to_string())?;
+            assert!(
+                got.is_some_and(|got| same(&got, &second)),
+                "the buffered frame"
+            );
+            let reply = tensor_frame(6, 1 << 20);
+            halves.sender.send(&reply).map_err(|e| e.to_string())?;
+            let got = client_rx
+                .recv(FrameLimits::DEFAULT)
+                .await
+                .map_err(|e| e.to_string())?;
+            assert!(
+                got.is_some_and(|got| same(&got, &reply)),
+                "the lane's reply"
+            );
+            // Stopping the lane ends the stream for the peer.
+            halves.stop.stop();
+            let end = client_rx.recv(FrameLimits::DEFAULT).await;
+            assert!(matches!(end, Ok(None)), "{end:?}");
+            Ok::<(), String>(())
+        });
+        assert_eq!(outcome, Ok(()));
+    }
+
+    #[test]
+    fn listening_off_the_executor_is_an_error_not_a_panic() {
+        let refused = TcpTransport::new([127, 0, 0, 1].into()).listen();
+        let text = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("LocalExecutor"), "{text}");
+    }
 }
