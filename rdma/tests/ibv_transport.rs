@@ -1,5 +1,5 @@
 //! The `ibv` transport behind the agent's seam, without the agent: a listener and a
-//! connection on one glommio executor (as the agent runs them), frames of every size
+//! connection on one `LocalExecutor` (as the agent runs them), frames of every size
 //! byte for byte, both peers sending 8 MiB at each other at once (a large write must not
 //! stop reads), more frames than the ring has credit for, and the end of the stream in
 //! each direction; a queue pair forced into the error state under frames in flight,
@@ -23,7 +23,9 @@ use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
 use rdzv_rdma::ibv::channel::{ChannelOptions, IbvChannel};
 use rdzv_rdma::ibv::transport::framing::{split_frame, SEPARATE_MIN};
 use rdzv_rdma::ibv::transport::{parse_address, queue_pair_abort, IbvTransport, SCHEME};
-use rdzv_uring::rpc::transport::{FrameReceiver, IncomingFrame, OwnedFrame, Transport};
+use rdzv_uring::rpc::transport::{
+    FrameReceiver, IncomingFrame, LocalExecutor, OwnedFrame, Transport,
+};
 
 /// How long a failure may take to reach a pending receive or send: the link notices a
 /// failed completion or the peer's gone bootstrap connection at once, so this only
@@ -102,10 +104,9 @@ fn watchdog() -> std::sync::mpsc::Sender<&'static str> {
     tx
 }
 
-fn run<T: 'static>(f: impl Future<Output = T> + 'static) -> T {
-    glommio::LocalExecutorBuilder::default()
-        .io_memory(1 << 20)
-        .make()
+/// Runs `f` on the executor the agent runs the seam's futures on.
+fn run<T>(f: impl Future<Output = T>) -> T {
+    LocalExecutor::new()
         .map(|executor| executor.run(f))
         .unwrap_or_else(|e| panic!("executor: {e}"))
 }
@@ -255,7 +256,7 @@ fn a_queue_pair_forced_into_error_fails_pending_frames() {
         }
         let started = Instant::now();
         let (pending, ()) = futures_lite::future::zip(a_rx.recv(FrameLimits::DEFAULT), async {
-            glommio::timer::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             abort.abort();
         })
         .await;

@@ -4,15 +4,16 @@
 //! The test re-runs this test binary as a child that installs such a filter (with the
 //! `seccompiler` crate) on itself, checks that io_uring really is refused, and starts a
 //! store server with the default options. The parent then talks to that server like any
-//! client. The child dies with the parent (`PR_SET_PDEATHSIG`) and exits when the parent
-//! closes its stdin.
+//! client. The child also starts two RPC agents (whose I/O threads need no io_uring) and
+//! makes a call with a tensor between them. The child dies with the parent
+//! (`PR_SET_PDEATHSIG`) and exits when the parent closes its stdin.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rdzv_uring::rpc::RpcOptions;
+use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcOptions, Tensor};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{IoMode, ServerOptions, Store, StoreServer};
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
@@ -78,10 +79,10 @@ fn auto_falls_back_to_epoll_where_io_uring_is_refused() {
         "the filter must refuse io_uring the way Docker's profile does"
     );
     assert_eq!(io, "epoll", "auto must fall back to epoll");
-    let rpc = rpc.unwrap_or_default();
-    assert!(
-        rpc.contains("this host refuses it") && rpc.contains("no epoll fallback"),
-        "init_rpc under the filter: {rpc}"
+    assert_eq!(
+        rpc.as_deref(),
+        Some("a 1 MiB tensor went there and back"),
+        "two RPC agents under the filter"
     );
     let (host, port) = addr.rsplit_once(':').expect("host:port");
     let host = host.to_string();
@@ -164,16 +165,7 @@ fn run_child() -> Result<(), String> {
         ..ServerOptions::default()
     })
     .map_err(|e| format!("start the server: {e}"))?;
-    // The RPC agent has no epoll fallback: init_rpc must say so, not fail obscurely.
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let url = format!("file://{}", dir.path().join("store").display());
-    let rpc = match rdzv_uring::rpc::init_rpc("solo", 0, Some(1), RpcOptions::new(&url)) {
-        Ok(agent) => {
-            let _ = agent.shutdown(false);
-            "started".to_string()
-        }
-        Err(e) => e.to_string(),
-    };
+    let rpc = rpc_round_trip().unwrap_or_else(|e| format!("failed: {e}"));
     println!("rpc under the filter: {}", rpc.replace('\n', " "));
     println!(
         "listening on {} io={}",
@@ -186,4 +178,44 @@ fn run_child() -> Result<(), String> {
     let _ = std::io::stdin().read_to_end(&mut sink);
     server.shutdown();
     Ok(())
+}
+
+/// Two agents (default transports and channels, as users get them) and one `rpc_sync`
+/// with a tensor between them, then both leave gracefully.
+fn rpc_round_trip() -> Result<String, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let url = format!("file://{}", dir.path().join("store").display());
+    let start = |name: &'static str, rank: u32| {
+        let mut options = RpcOptions::new(&url).with_handler(
+            "echo",
+            |_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        );
+        options.listen_host = Some([127, 0, 0, 1].into());
+        // Both agents live in this process: one store prefix for the group.
+        options.init_counter = Some(0);
+        std::thread::spawn(move || init_rpc(name, rank, Some(2), options))
+    };
+    let (alice, bob) = (start("alice", 0), start("bob", 1));
+    let started = |h: std::thread::JoinHandle<Result<RpcAgent, _>>, name: &str| {
+        h.join()
+            .map_err(|_| format!("{name}'s init_rpc panicked"))?
+            .map_err(|e| format!("{name}'s init_rpc: {e}"))
+    };
+    let alice = started(alice, "alice")?;
+    let bob = started(bob, "bob")?;
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let request = Message::from_payload(b"hi".to_vec()).with_tensor(Tensor::cpu(data.clone()));
+    let reply = alice
+        .rpc_sync("bob", "echo", request)
+        .map_err(|e| format!("rpc_sync: {e}"))?;
+    if reply.payload != b"hi" || reply.tensors.first().map(|t| &t.data) != Some(&data) {
+        return Err("the reply differs from the request".into());
+    }
+    let leaving = std::thread::spawn(move || bob.join().map_err(|e| e.to_string()));
+    alice.join().map_err(|e| format!("alice's join: {e}"))?;
+    leaving
+        .join()
+        .map_err(|_| "bob's join panicked".to_string())?
+        .map_err(|e| format!("bob's join: {e}"))?;
+    Ok("a 1 MiB tensor went there and back".into())
 }

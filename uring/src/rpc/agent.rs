@@ -32,7 +32,6 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use glommio::{LocalExecutorBuilder, Placement};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{
     create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMaps,
@@ -61,7 +60,7 @@ use super::mpt::MptSetup;
 use super::shared::{CallState, Command, Group, Mailbox, OfferSpec, Peer, Shared};
 use super::shm::ShmTransport;
 use super::tcp::TcpTransport;
-use super::transport::{join_addresses, Transport, TransportPlugin};
+use super::transport::{join_addresses, LocalExecutor, Transport, TransportPlugin};
 use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
@@ -1038,40 +1037,19 @@ fn run_job(shared: &Shared, job: Job) {
     responder.respond(shared, ctx.message_id, result);
 }
 
-/// `Some(reason)` when this host refuses io_uring, which the I/O thread's glommio
-/// executor needs (glommio panics there rather than returning an error): the store
-/// server falls back to epoll on such hosts, the agent's I/O thread has no fallback yet.
-fn io_uring_refused() -> Option<String> {
-    match crate::server::io_mode::probe_io_uring() {
-        Ok(Err(refusal)) => Some(format!(
-            "the RPC agent's I/O thread runs on io_uring, and this host refuses it ({}); \
-             allow io_uring_setup (e.g. a seccomp profile that permits it) to run the agent \
-             here; unlike the store server (`--io epoll`), the agent has no epoll fallback yet",
-            refusal.0
-        )),
-        _ => None,
-    }
-}
-
 fn spawn_io(
     shared: &Arc<Shared>,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
 ) -> Result<(JoinHandle<()>, String), RpcError> {
-    if let Some(reason) = io_uring_refused() {
-        return Err(RpcError::Executor(reason));
-    }
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
     let shared = Arc::clone(shared);
     let name = format!("rdzv-rpc-io-{}", shared.me.name());
     let handle = std::thread::Builder::new()
-        .name(name.clone())
+        .name(name)
         .spawn(move || {
             mark_io_thread();
-            let built = LocalExecutorBuilder::new(Placement::Unbound)
-                .name(&name)
-                .io_memory(1 << 20)
-                .make();
+            let built = LocalExecutor::new();
             let executor = match built {
                 Ok(executor) => executor,
                 Err(e) => {

@@ -1,18 +1,21 @@
-//! The agent's handshake thread: one glommio executor that accepts and opens pipes.
+//! The agent's handshake thread: one executor ([`LocalExecutor`], a current-thread tokio
+//! runtime on epoll: it needs no io_uring) that accepts and opens pipes.
 //!
 //! Client pipes (one per destination, TensorPipe's `ClientPipe`) carry this worker's
 //! requests out and their responses back; inbound pipes carry peers' requests in and
 //! this worker's responses out. This thread runs what comes before either carries a
-//! call: it accepts connections, connects, runs the hello/answer handshake (over the
-//! bootstrap transport, then again over the negotiated one: the upgrade) and opens a
-//! client pipe's mpt lanes; then it hands both halves of the connection to a lane
-//! ([`super::lane`]), whose threads carry every frame after that, driven by the core's
-//! pipe machine (`rdzv_core::rpc::pipe`). Calls made while their pipe opens wait here
-//! (their deadline runs in the call table from the start), and go out on the lane once
-//! it exists. A pipe that fails to open fails its calls; the next call to that peer
-//! opens a new one (PyTorch never re-creates a pipe).
+//! call: it accepts connections ([`inbound`]), connects ([`client`]), runs the
+//! hello/answer handshake (over the bootstrap transport, then again over the negotiated
+//! one: the upgrade) and opens a client pipe's mpt lanes; then it hands both halves of
+//! the connection to a lane ([`super::lane`]), whose threads carry every frame after
+//! that, driven by the core's pipe machine (`rdzv_core::rpc::pipe`). Calls made while
+//! their pipe opens wait here (their deadline runs in the call table from the start),
+//! and go out on the lane once it exists. A pipe that fails to open fails its calls; the
+//! next call to that peer opens a new one (PyTorch never re-creates a pipe).
 //!
 //! State lives in a `RefCell` that is never borrowed across an `.await`.
+//!
+//! [`LocalExecutor`]: super::transport::LocalExecutor
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -21,35 +24,20 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
-use glommio::task::JoinHandle;
-use rdzv_core::negotiate::{accept_answer, answer_brochure, Negotiated, Role};
+use rdzv_core::negotiate::Negotiated;
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
-use rdzv_core::rpc::name::WorkerId;
+use tokio::task::JoinHandle;
 
 use super::calls::{self, Pending};
-use super::channels::cpu_channel;
 use super::error::RpcError;
-use super::lane::{self, Job, Lane};
+use super::lane::{self, Job};
 use super::message::{Completion, Message};
-use super::mpt::{self, MptLanes};
 use super::shared::{Call, Command, Shared};
-use super::transport::{
-    address_for, BlockingHalves, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener,
-    NotBlocking, OwnedFrame, Transport,
-};
+use super::transport::{IncomingFrame, Listener, OwnedFrame, Transport};
 
-/// A pipe's halves after the handshake, what it negotiated, and the token to open its
-/// mpt lanes with (when it has them).
-type OpenedPipe = (
-    Box<dyn FrameSender>,
-    Box<dyn FrameReceiver>,
-    Negotiated,
-    Option<u64>,
-);
-
-/// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
-type Accepted = (String, WorkerId, Negotiated, u64);
+mod client;
+mod inbound;
 
 /// A call's request, waiting for its pipe; its [`Pending`] entry (and timeout) exists
 /// from the moment the I/O thread got the call, so a pipe that never opens cannot hold
@@ -58,29 +46,6 @@ struct Outbound {
     message_id: u64,
     handler: String,
     message: Message,
-}
-/// Why a client pipe could not be opened; every call waiting for it fails with it.
-#[derive(Debug, Clone)]
-struct OpenFailure {
-    address: String,
-    reason: String,
-    connecting: bool,
-}
-impl OpenFailure {
-    fn to_error(&self, peer: &str) -> RpcError {
-        if self.connecting {
-            RpcError::Connect {
-                peer: peer.to_string(),
-                address: self.address.clone(),
-                reason: self.reason.clone(),
-            }
-        } else {
-            RpcError::Handshake {
-                peer: peer.to_string(),
-                reason: self.reason.clone(),
-            }
-        }
-    }
 }
 
 /// A client pipe being opened, with the calls waiting for it.
@@ -102,8 +67,8 @@ pub(crate) struct Io {
     transports: Vec<Box<dyn Transport>>,
     /// Taken (dropped) at close, which lets the pool's threads exit.
     jobs: RefCell<Option<Sender<Job>>>,
-    /// Every running task but the main loop, to cancel at close (an executor that
-    /// returns does not drop the tasks left on it).
+    /// Every running task but the main loop, to cancel at close (so that their sockets
+    /// close before the agent's shutdown returns, not when the executor goes).
     tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
     next_task: Cell<u64>,
     state: RefCell<IoState>,
@@ -156,11 +121,10 @@ impl Io {
         let id = self.next_task.get();
         self.next_task.set(id + 1);
         let io = Rc::clone(self);
-        let handle = glommio::spawn_local(async move {
+        let handle = tokio::task::spawn_local(async move {
             task.await;
             io.tasks.borrow_mut().remove(&id);
-        })
-        .detach();
+        });
         self.tasks.borrow_mut().insert(id, handle);
     }
 
@@ -286,364 +250,6 @@ impl Io {
             .is_some_and(|o| o.id == id)
     }
 
-    /// Opens client pipe `id` to `peer`: connect, handshake, mpt lanes, then the pipe
-    /// becomes a lane and the queued calls go out on it.
-    async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
-        let (sender, receiver, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await
-        {
-            Ok(opened) => opened,
-            Err(failure) => {
-                tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
-                return self.fail_pipe(id, &peer, || failure.to_error(&peer));
-            }
-        };
-        if !self.still_opening(id, &peer) {
-            // Reset or closed while connecting: its calls failed already, and dropping
-            // the halves closes the connection.
-            return;
-        }
-        {
-            let mut calls = self.shared.lock_calls();
-            calls
-                .pipe_transports
-                .insert(peer.clone(), negotiated.transport);
-            calls
-                .pipe_channels
-                .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
-        }
-        let mpt = match (mpt_token, &self.shared.mpt) {
-            (Some(token), Some(setup)) => {
-                let (published, lanes) = (address.clone(), setup.lanes);
-                let opened = glommio::executor()
-                    .spawn_blocking(move || mpt::connect(&published, token, lanes))
-                    .await;
-                match opened {
-                    Ok(lanes) => Some(lanes),
-                    Err(reason) => {
-                        let reason = format!("cannot open its mpt lanes: {reason}");
-                        tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
-                        return self.pipe_ended(id, &peer, reason);
-                    }
-                }
-            }
-            _ => None,
-        };
-        match sender.into_blocking(receiver).await {
-            Ok(halves) => self.client_lane(id, peer, negotiated, halves, mpt),
-            Err(NotBlocking::Unsupported(..)) => {
-                if let Some(mpt) = mpt {
-                    mpt.shutdown();
-                }
-                let reason = unthreaded(&negotiated);
-                self.pipe_ended(id, &peer, reason)
-            }
-            Err(NotBlocking::Failed(e)) => self.pipe_ended(id, &peer, e.to_string()),
-        }
-    }
-
-    /// Client pipe `id` to `peer` becomes a lane; the calls queued while it opened go
-    /// out on it.
-    fn client_lane(
-        &self,
-        id: u64,
-        peer: String,
-        negotiated: Negotiated,
-        halves: BlockingHalves,
-        mpt: Option<MptLanes>,
-    ) {
-        if !self.still_opening(id, &peer) {
-            // Reset or closed while it was taken off the executor.
-            halves.stop.stop();
-            if let Some(mpt) = mpt {
-                mpt.shutdown();
-            }
-            return;
-        }
-        // The lane is registered before this thread forgets the pipe, so that no call
-        // in between opens another one.
-        let Some(lane) =
-            Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves, mpt)
-        else {
-            return self.pipe_ended(id, &peer, "this worker is shutting down".into());
-        };
-        let queued = self
-            .state
-            .borrow_mut()
-            .opening
-            .remove(&peer)
-            .map(|o| o.queued)
-            .unwrap_or_default();
-        for Outbound {
-            message_id,
-            handler,
-            message,
-        } in queued
-        {
-            lane.send_request(&self.shared, message_id, handler, message);
-        }
-    }
-    /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
-    /// if a better transport was negotiated, the handshake again over that one, whose
-    /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
-    /// connection carries the pipe (without mpt lanes: the peer's side of it did not
-    /// negotiate tcp).
-    async fn open_pipe(&self, peer: &str, address: &str) -> Result<OpenedPipe, OpenFailure> {
-        let Some(bootstrap) = self.transports.last() else {
-            return Err(OpenFailure {
-                address: address.to_string(),
-                reason: "this worker runs no transport".into(),
-                connecting: true,
-            });
-        };
-        let (mut sender, receiver, negotiated, mpt_token) =
-            self.handshake_over(&**bootstrap, peer, address).await?;
-        if negotiated.transport == bootstrap.kind() {
-            return Ok((sender, receiver, negotiated, mpt_token));
-        }
-        let upgraded = match self
-            .transports
-            .iter()
-            .find(|t| t.kind() == negotiated.transport)
-        {
-            Some(better) => self
-                .handshake_over(&**better, peer, address)
-                .await
-                .and_then(|(s, r, n, t)| {
-                    if n.transport == better.kind() {
-                        Ok((s, r, n, t))
-                    } else {
-                        Err(OpenFailure {
-                            address: address.to_string(),
-                            reason: format!(
-                                "the handshake over {} negotiated {}",
-                                better.kind(),
-                                n.transport
-                            ),
-                            connecting: false,
-                        })
-                    }
-                }),
-            None => Err(OpenFailure {
-                address: address.to_string(),
-                reason: format!(
-                    "negotiated {}, which this worker does not run",
-                    negotiated.transport
-                ),
-                connecting: false,
-            }),
-        };
-        match upgraded {
-            Ok(pipe) => {
-                sender.close().await;
-                Ok(pipe)
-            }
-            Err(failure) => {
-                tracing::warn!(
-                    %peer,
-                    transport = %negotiated.transport,
-                    reason = %failure.reason,
-                    "upgrading an RPC pipe failed; it stays on {}",
-                    bootstrap.kind()
-                );
-                let negotiated = Negotiated {
-                    transport: bootstrap.kind(),
-                    ..negotiated
-                };
-                Ok((sender, receiver, negotiated, None))
-            }
-        }
-    }
-
-    /// Connects with `transport` to its listener in the peer's published `address` and
-    /// runs the hello/answer handshake. The token comes back when the pipe is to open
-    /// mpt lanes with it.
-    async fn handshake_over(
-        &self,
-        transport: &dyn Transport,
-        peer: &str,
-        address: &str,
-    ) -> Result<OpenedPipe, OpenFailure> {
-        let Some(address) = address_for(address, transport.kind()) else {
-            return Err(OpenFailure {
-                address: address.to_string(),
-                reason: format!("the worker publishes no {} address", transport.kind()),
-                connecting: true,
-            });
-        };
-        let failure = |connecting: bool, reason: String| OpenFailure {
-            address: address.to_string(),
-            reason,
-            connecting,
-        };
-        let connection = transport
-            .connect(address)
-            .await
-            .map_err(|e| failure(true, e.to_string()))?;
-        let (mut sender, mut receiver) = connection.split();
-        let handshake = |reason: String| failure(false, reason);
-        let offer = self
-            .shared
-            .offer
-            .offer()
-            .map_err(|e| handshake(e.to_string()))?;
-        let lanes_token = mpt::new_token();
-        let hello = Handshake::Hello {
-            name: self.name(),
-            id: self.shared.me.id(),
-            brochure: offer.brochure(),
-            lanes_token,
-        };
-        sender
-            .send(handshake_frame(&hello).map_err(handshake)?)
-            .await
-            .map_err(|e| handshake(e.to_string()))?;
-        let reply = receiver
-            .recv(FrameLimits::HANDSHAKE)
-            .await
-            .map_err(|e| handshake(e.to_string()))?
-            .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
-        let negotiated = with_handshake(&reply, |message| match message {
-            Handshake::Answer { name, answer, .. } if name == peer => {
-                accept_answer(&offer, &answer).map_err(|e| e.to_string())
-            }
-            Handshake::Answer { name, .. } => Err(format!(
-                "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
-            )),
-            Handshake::Refused { reason } => Err(format!("refused: {reason}")),
-            Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
-        })
-        .and_then(|r| r)
-        .map_err(handshake)?;
-        let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);
-        Ok((sender, receiver, negotiated, mpt_token))
-    }
-    async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
-        loop {
-            match listener.accept().await {
-                Ok(connection) => {
-                    self.spawn(Rc::clone(&self).serve_inbound(connection));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "RPC accept failed");
-                    glommio::timer::sleep(Duration::from_millis(10)).await;
-                }
-            }
-        }
-    }
-
-    /// Answers a peer's hello; `Ok` carries the peer's name and id and the decision.
-    fn answer_hello(
-        &self,
-        hello: &IncomingFrame,
-        from: &str,
-    ) -> (Result<Accepted, String>, Option<OwnedFrame>) {
-        let offer = match self.shared.offer.offer() {
-            Ok(offer) => offer,
-            Err(e) => return (Err(e.to_string()), None),
-        };
-        let decided = with_handshake(hello, |handshake| match handshake {
-            Handshake::Hello {
-                name,
-                id,
-                brochure,
-                lanes_token,
-            } => {
-                let known = self.shared.group().peers.get(name).map(|p| p.id);
-                // A dynamic group's newcomer connects before the members know it.
-                if known != Some(id) && !self.shared.dynamic {
-                    return Err(format!(
-                        "worker {name} with id {id} is not a member of this group"
-                    ));
-                }
-                let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
-                let reply = Handshake::Answer {
-                    name: self.name(),
-                    id: self.shared.me.id(),
-                    answer,
-                };
-                let frame = handshake_frame(&reply)?;
-                Ok((
-                    name.to_string(),
-                    id,
-                    answer.negotiated(),
-                    lanes_token,
-                    frame,
-                ))
-            }
-            _ => Err("the first frame of a pipe must be a hello".to_string()),
-        });
-        match decided {
-            Ok(Ok((name, id, negotiated, token, frame))) => {
-                (Ok((name, id, negotiated, token)), Some(frame))
-            }
-            Ok(Err(reason)) => {
-                let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
-                (Err(reason), refusal)
-            }
-            Err(e) => (Err(format!("bad handshake from {from}: {e}")), None),
-        }
-    }
-
-    /// Answers a peer's hello; the pipe then becomes an inbound lane.
-    async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
-        let from = connection.peer().to_string();
-        let (mut sender, mut receiver) = connection.split();
-        let hello = match receiver.recv(FrameLimits::HANDSHAKE).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::debug!(%from, error = %e, "bad RPC handshake");
-                return;
-            }
-        };
-        let (decided, reply) = self.answer_hello(&hello, &from);
-        if let Some(reply) = reply {
-            if let Err(e) = sender.send(reply).await {
-                tracing::debug!(%from, error = %e, "sending the RPC handshake answer failed");
-                return;
-            }
-        }
-        let (peer, peer_id, negotiated, lanes_token) = match decided {
-            Ok(d) => d,
-            Err(reason) => {
-                tracing::warn!(%from, %reason, "refused an RPC pipe");
-                sender.close().await;
-                return;
-            }
-        };
-        let pipe = {
-            let mut state = self.state.borrow_mut();
-            let id = state.next_pipe;
-            state.next_pipe += 1;
-            id
-        };
-        match sender.into_blocking(receiver).await {
-            Ok(halves) => {
-                let jobs = self.jobs.borrow().clone();
-                match jobs {
-                    Some(jobs) => Lane::start_inbound(
-                        &self.shared,
-                        pipe,
-                        (peer, peer_id),
-                        negotiated,
-                        halves,
-                        jobs,
-                        mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
-                    ),
-                    None => halves.stop.stop(),
-                }
-            }
-            Err(NotBlocking::Unsupported(mut sender, _)) => {
-                let reason = unthreaded(&negotiated);
-                tracing::warn!(%peer, %reason, "an inbound RPC pipe is refused");
-                sender.close().await;
-            }
-            Err(NotBlocking::Failed(e)) => {
-                tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
-            }
-        }
-    }
-
     fn reset_pipes(&self) {
         let lanes = self
             .shared
@@ -688,7 +294,7 @@ impl Io {
             if spawned.is_ok() {
                 let deadline = std::time::Instant::now() + FLUSH_WAIT;
                 while done_rx.try_recv().is_err() && std::time::Instant::now() < deadline {
-                    glommio::timer::sleep(Duration::from_millis(1)).await;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             }
         }
@@ -710,10 +316,10 @@ impl Io {
         self.jobs.borrow_mut().take();
         let tasks: Vec<JoinHandle<()>> = self.tasks.borrow_mut().drain().map(|(_, t)| t).collect();
         for task in &tasks {
-            task.cancel();
+            task.abort();
         }
         // Let the executor drop the cancelled tasks (and close their sockets).
-        glommio::timer::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 

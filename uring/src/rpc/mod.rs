@@ -11,14 +11,14 @@
 //! | module | does |
 //! |---|---|
 //! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
-//! | `io` | the handshake thread: one glommio executor that accepts, connects, runs handshakes, then hands each pipe to a lane |
+//! | `io` | the handshake thread: one executor (tokio, current-thread, epoll) that accepts, connects, runs handshakes, then hands each pipe to a lane |
 //! | `lane` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`) |
 //! | `faults` | fault injection, a decorator on client lanes' senders |
 //! | `outgoing` | messages into frames: each tensor's channel, what a frame lends, the receivers' limits |
 //! | `mpt` | the `mpt` channel's extra connections per pipe, and when a pipe has them |
 //! | `calls` | every call in flight, and the one timer thread for their deadlines |
 //! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
-//! | [`tcp`] | the `tcp` transport on glommio, and on a blocking socket for lanes |
+//! | [`tcp`] | the `tcp` transport on tokio's sockets for the handshake, and on the blocking socket for lanes |
 //! | [`shm`] | the `shm` transport: shared-memory rings |
 //! | [`channels`] | which channels this process offers; tensors into frames (inline or exported) and back (pulled) |
 //! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
@@ -30,8 +30,9 @@
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
 //! pipe completes the other calls and runs [`Inline`] handlers; a call whose pipe is
-//! not open yet goes through a mailbox to the I/O thread (glommio, io_uring), which
-//! accepts, connects and handshakes. One timer thread
+//! not open yet goes through a mailbox to the I/O thread (a current-thread tokio
+//! runtime on epoll: the agent needs no io_uring), which accepts, connects and
+//! handshakes. One timer thread
 //! fails calls past their deadline; `num_worker_threads` threads run handlers and send
 //! their responses.
 //!

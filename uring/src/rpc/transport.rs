@@ -8,11 +8,12 @@
 //! [`FrameReceiver`] so that a large write never stops reads (both peers writing 64 MiB
 //! at each other must not deadlock).
 //!
-//! Every method runs on the agent's I/O executor (glommio) and returns a local future.
-//! How the three transports fit:
+//! Every method runs on the agent's I/O executor ([`LocalExecutor`]: a current-thread
+//! tokio runtime on epoll, no io_uring) and returns a local future. How the three
+//! transports fit:
 //!
-//! * **tcp** ([`super::tcp`]): glommio sockets for the handshake, then a duplicate of
-//!   the socket in blocking mode for the lane (the same framing code over either); the
+//! * **tcp** ([`super::tcp`]): tokio sockets for the handshake, then the same socket in
+//!   blocking mode for the lane (the same framing code over either); the
 //!   core frame header is the length header, limits are checked before anything is
 //!   allocated.
 //! * **shm** ([`super::shm`] over `crate::transport::shm`): its connection is blocking
@@ -34,8 +35,8 @@
 //!
 //! Every transport hands a connection's halves over after the handshake
 //! ([`FrameSender::into_blocking`]): the agent then serves the pipe from threads (a
-//! "lane"); a transport that cannot is refused. tcp does it with a
-//! duplicate of the socket and the same framing code over blocking I/O; shm takes its
+//! "lane"); a transport that cannot is refused. tcp does it with the socket taken off
+//! the runtime and the same framing code over blocking I/O; shm takes its
 //! halves back from the adapter threads.
 //!
 //! A tensor on a channel other than `basic` reaches the seam only as its channel
@@ -59,6 +60,9 @@ use rdzv_core::rpc::frame::{
 
 use super::device::HostBytes;
 use super::error::TransportError;
+
+mod executor;
+pub use executor::LocalExecutor;
 
 /// Separates the listeners' addresses in a worker's published address.
 pub const ADDRESS_SEPARATOR: char = ';';

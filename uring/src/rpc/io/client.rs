@@ -1,0 +1,288 @@
+//! Client pipes: connect to a peer, run the hello/answer handshake (over the bootstrap
+//! transport, then over the negotiated one: the upgrade), open the mpt lanes, and turn
+//! the pipe into a lane that takes the calls queued while it opened.
+
+use std::rc::Rc;
+
+use rdzv_core::negotiate::{accept_answer, Negotiated, Role};
+use rdzv_core::rpc::frame::{FrameLimits, Handshake};
+
+use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
+use crate::queue::on_thread;
+use crate::rpc::channels::cpu_channel;
+use crate::rpc::error::RpcError;
+use crate::rpc::lane::Lane;
+use crate::rpc::mpt::{self, MptLanes};
+use crate::rpc::transport::{
+    address_for, BlockingHalves, FrameReceiver, FrameSender, NotBlocking, Transport,
+};
+
+/// A pipe's halves after the handshake, what it negotiated, and the token to open its
+/// mpt lanes with (when it has them).
+type OpenedPipe = (
+    Box<dyn FrameSender>,
+    Box<dyn FrameReceiver>,
+    Negotiated,
+    Option<u64>,
+);
+
+/// Why a client pipe could not be opened; every call waiting for it fails with it.
+#[derive(Debug, Clone)]
+struct OpenFailure {
+    address: String,
+    reason: String,
+    connecting: bool,
+}
+
+impl OpenFailure {
+    fn to_error(&self, peer: &str) -> RpcError {
+        if self.connecting {
+            RpcError::Connect {
+                peer: peer.to_string(),
+                address: self.address.clone(),
+                reason: self.reason.clone(),
+            }
+        } else {
+            RpcError::Handshake {
+                peer: peer.to_string(),
+                reason: self.reason.clone(),
+            }
+        }
+    }
+}
+
+impl Io {
+    /// Opens client pipe `id` to `peer`: connect, handshake, mpt lanes, then the pipe
+    /// becomes a lane and the queued calls go out on it.
+    pub(super) async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
+        let (sender, receiver, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await
+        {
+            Ok(opened) => opened,
+            Err(failure) => {
+                tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
+                return self.fail_pipe(id, &peer, || failure.to_error(&peer));
+            }
+        };
+        if !self.still_opening(id, &peer) {
+            // Reset or closed while connecting: its calls failed already, and dropping
+            // the halves closes the connection.
+            return;
+        }
+        {
+            let mut calls = self.shared.lock_calls();
+            calls
+                .pipe_transports
+                .insert(peer.clone(), negotiated.transport);
+            calls
+                .pipe_channels
+                .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
+        }
+        let mpt = match (mpt_token, &self.shared.mpt) {
+            (Some(token), Some(setup)) => {
+                let (published, lanes) = (address.clone(), setup.lanes);
+                let opened = on_thread("rdzv-rpc-mpt-connect", move || {
+                    mpt::connect(&published, token, lanes)
+                })
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+                match opened {
+                    Ok(lanes) => Some(lanes),
+                    Err(reason) => {
+                        let reason = format!("cannot open its mpt lanes: {reason}");
+                        tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
+                        return self.pipe_ended(id, &peer, reason);
+                    }
+                }
+            }
+            _ => None,
+        };
+        match sender.into_blocking(receiver).await {
+            Ok(halves) => self.client_lane(id, peer, negotiated, halves, mpt),
+            Err(NotBlocking::Unsupported(..)) => {
+                if let Some(mpt) = mpt {
+                    mpt.shutdown();
+                }
+                let reason = unthreaded(&negotiated);
+                self.pipe_ended(id, &peer, reason)
+            }
+            Err(NotBlocking::Failed(e)) => self.pipe_ended(id, &peer, e.to_string()),
+        }
+    }
+
+    /// Client pipe `id` to `peer` becomes a lane; the calls queued while it opened go
+    /// out on it.
+    fn client_lane(
+        &self,
+        id: u64,
+        peer: String,
+        negotiated: Negotiated,
+        halves: BlockingHalves,
+        mpt: Option<MptLanes>,
+    ) {
+        if !self.still_opening(id, &peer) {
+            // Reset or closed while it was taken off the executor.
+            halves.stop.stop();
+            if let Some(mpt) = mpt {
+                mpt.shutdown();
+            }
+            return;
+        }
+        // The lane is registered before this thread forgets the pipe, so that no call
+        // in between opens another one.
+        let Some(lane) =
+            Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves, mpt)
+        else {
+            return self.pipe_ended(id, &peer, "this worker is shutting down".into());
+        };
+        let queued = self
+            .state
+            .borrow_mut()
+            .opening
+            .remove(&peer)
+            .map(|o| o.queued)
+            .unwrap_or_default();
+        for Outbound {
+            message_id,
+            handler,
+            message,
+        } in queued
+        {
+            lane.send_request(&self.shared, message_id, handler, message);
+        }
+    }
+    /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
+    /// if a better transport was negotiated, the handshake again over that one, whose
+    /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
+    /// connection carries the pipe (without mpt lanes: the peer's side of it did not
+    /// negotiate tcp).
+    async fn open_pipe(&self, peer: &str, address: &str) -> Result<OpenedPipe, OpenFailure> {
+        let Some(bootstrap) = self.transports.last() else {
+            return Err(OpenFailure {
+                address: address.to_string(),
+                reason: "this worker runs no transport".into(),
+                connecting: true,
+            });
+        };
+        let (mut sender, receiver, negotiated, mpt_token) =
+            self.handshake_over(&**bootstrap, peer, address).await?;
+        if negotiated.transport == bootstrap.kind() {
+            return Ok((sender, receiver, negotiated, mpt_token));
+        }
+        let upgraded = match self
+            .transports
+            .iter()
+            .find(|t| t.kind() == negotiated.transport)
+        {
+            Some(better) => self
+                .handshake_over(&**better, peer, address)
+                .await
+                .and_then(|(s, r, n, t)| {
+                    if n.transport == better.kind() {
+                        Ok((s, r, n, t))
+                    } else {
+                        Err(OpenFailure {
+                            address: address.to_string(),
+                            reason: format!(
+                                "the handshake over {} negotiated {}",
+                                better.kind(),
+                                n.transport
+                            ),
+                            connecting: false,
+                        })
+                    }
+                }),
+            None => Err(OpenFailure {
+                address: address.to_string(),
+                reason: format!(
+                    "negotiated {}, which this worker does not run",
+                    negotiated.transport
+                ),
+                connecting: false,
+            }),
+        };
+        match upgraded {
+            Ok(pipe) => {
+                sender.close().await;
+                Ok(pipe)
+            }
+            Err(failure) => {
+                tracing::warn!(
+                    %peer,
+                    transport = %negotiated.transport,
+                    reason = %failure.reason,
+                    "upgrading an RPC pipe failed; it stays on {}",
+                    bootstrap.kind()
+                );
+                let negotiated = Negotiated {
+                    transport: bootstrap.kind(),
+                    ..negotiated
+                };
+                Ok((sender, receiver, negotiated, None))
+            }
+        }
+    }
+
+    /// Connects with `transport` to its listener in the peer's published `address` and
+    /// runs the hello/answer handshake. The token comes back when the pipe is to open
+    /// mpt lanes with it.
+    async fn handshake_over(
+        &self,
+        transport: &dyn Transport,
+        peer: &str,
+        address: &str,
+    ) -> Result<OpenedPipe, OpenFailure> {
+        let Some(address) = address_for(address, transport.kind()) else {
+            return Err(OpenFailure {
+                address: address.to_string(),
+                reason: format!("the worker publishes no {} address", transport.kind()),
+                connecting: true,
+            });
+        };
+        let failure = |connecting: bool, reason: String| OpenFailure {
+            address: address.to_string(),
+            reason,
+            connecting,
+        };
+        let connection = transport
+            .connect(address)
+            .await
+            .map_err(|e| failure(true, e.to_string()))?;
+        let (mut sender, mut receiver) = connection.split();
+        let handshake = |reason: String| failure(false, reason);
+        let offer = self
+            .shared
+            .offer
+            .offer()
+            .map_err(|e| handshake(e.to_string()))?;
+        let lanes_token = mpt::new_token();
+        let hello = Handshake::Hello {
+            name: self.name(),
+            id: self.shared.me.id(),
+            brochure: offer.brochure(),
+            lanes_token,
+        };
+        sender
+            .send(handshake_frame(&hello).map_err(handshake)?)
+            .await
+            .map_err(|e| handshake(e.to_string()))?;
+        let reply = receiver
+            .recv(FrameLimits::HANDSHAKE)
+            .await
+            .map_err(|e| handshake(e.to_string()))?
+            .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
+        let negotiated = with_handshake(&reply, |message| match message {
+            Handshake::Answer { name, answer, .. } if name == peer => {
+                accept_answer(&offer, &answer).map_err(|e| e.to_string())
+            }
+            Handshake::Answer { name, .. } => Err(format!(
+                "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
+            )),
+            Handshake::Refused { reason } => Err(format!("refused: {reason}")),
+            Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
+        })
+        .and_then(|r| r)
+        .map_err(handshake)?;
+        let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);
+        Ok((sender, receiver, negotiated, mpt_token))
+    }
+}

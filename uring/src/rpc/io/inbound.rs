@@ -1,0 +1,146 @@
+//! Inbound pipes: accept a peer's connection, answer its hello (or refuse it), and turn
+//! the pipe into an inbound lane.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use rdzv_core::negotiate::{answer_brochure, Negotiated, Role};
+use rdzv_core::rpc::frame::{FrameLimits, Handshake};
+use rdzv_core::rpc::name::WorkerId;
+
+use super::{handshake_frame, unthreaded, with_handshake, Io};
+use crate::rpc::lane::Lane;
+use crate::rpc::mpt;
+use crate::rpc::transport::{Connection, IncomingFrame, Listener, NotBlocking, OwnedFrame};
+
+/// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
+type Accepted = (String, WorkerId, Negotiated, u64);
+
+impl Io {
+    pub(super) async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
+        loop {
+            match listener.accept().await {
+                Ok(connection) => {
+                    self.spawn(Rc::clone(&self).serve_inbound(connection));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "RPC accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Answers a peer's hello; `Ok` carries the peer's name and id and the decision.
+    fn answer_hello(
+        &self,
+        hello: &IncomingFrame,
+        from: &str,
+    ) -> (Result<Accepted, String>, Option<OwnedFrame>) {
+        let offer = match self.shared.offer.offer() {
+            Ok(offer) => offer,
+            Err(e) => return (Err(e.to_string()), None),
+        };
+        let decided = with_handshake(hello, |handshake| match handshake {
+            Handshake::Hello {
+                name,
+                id,
+                brochure,
+                lanes_token,
+            } => {
+                let known = self.shared.group().peers.get(name).map(|p| p.id);
+                // A dynamic group's newcomer connects before the members know it.
+                if known != Some(id) && !self.shared.dynamic {
+                    return Err(format!(
+                        "worker {name} with id {id} is not a member of this group"
+                    ));
+                }
+                let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
+                let reply = Handshake::Answer {
+                    name: self.name(),
+                    id: self.shared.me.id(),
+                    answer,
+                };
+                let frame = handshake_frame(&reply)?;
+                Ok((
+                    name.to_string(),
+                    id,
+                    answer.negotiated(),
+                    lanes_token,
+                    frame,
+                ))
+            }
+            _ => Err("the first frame of a pipe must be a hello".to_string()),
+        });
+        match decided {
+            Ok(Ok((name, id, negotiated, token, frame))) => {
+                (Ok((name, id, negotiated, token)), Some(frame))
+            }
+            Ok(Err(reason)) => {
+                let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
+                (Err(reason), refusal)
+            }
+            Err(e) => (Err(format!("bad handshake from {from}: {e}")), None),
+        }
+    }
+
+    /// Answers a peer's hello; the pipe then becomes an inbound lane.
+    async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
+        let from = connection.peer().to_string();
+        let (mut sender, mut receiver) = connection.split();
+        let hello = match receiver.recv(FrameLimits::HANDSHAKE).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "bad RPC handshake");
+                return;
+            }
+        };
+        let (decided, reply) = self.answer_hello(&hello, &from);
+        if let Some(reply) = reply {
+            if let Err(e) = sender.send(reply).await {
+                tracing::debug!(%from, error = %e, "sending the RPC handshake answer failed");
+                return;
+            }
+        }
+        let (peer, peer_id, negotiated, lanes_token) = match decided {
+            Ok(d) => d,
+            Err(reason) => {
+                tracing::warn!(%from, %reason, "refused an RPC pipe");
+                sender.close().await;
+                return;
+            }
+        };
+        let pipe = {
+            let mut state = self.state.borrow_mut();
+            let id = state.next_pipe;
+            state.next_pipe += 1;
+            id
+        };
+        match sender.into_blocking(receiver).await {
+            Ok(halves) => {
+                let jobs = self.jobs.borrow().clone();
+                match jobs {
+                    Some(jobs) => Lane::start_inbound(
+                        &self.shared,
+                        pipe,
+                        (peer, peer_id),
+                        negotiated,
+                        halves,
+                        jobs,
+                        mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
+                    ),
+                    None => halves.stop.stop(),
+                }
+            }
+            Err(NotBlocking::Unsupported(mut sender, _)) => {
+                let reason = unthreaded(&negotiated);
+                tracing::warn!(%peer, %reason, "an inbound RPC pipe is refused");
+                sender.close().await;
+            }
+            Err(NotBlocking::Failed(e)) => {
+                tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
+            }
+        }
+    }
+}

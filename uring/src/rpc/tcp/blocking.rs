@@ -1,0 +1,207 @@
+//! A tcp pipe served by threads (a lane): the socket taken off the I/O executor and put
+//! in blocking mode, with the same framing code; a poll on the socket and an eventfd
+//! for the reader thread's sleep, and `shutdown(2)` to stop it from any thread.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_lite::io::AssertAsync;
+use rdzv_core::rpc::frame::{Decoded, FrameDecoder, FrameLimits};
+
+use super::framing::{TcpReceiver, TcpSender, READ_CHUNK};
+use super::{AsyncReceiver, AsyncSender};
+use crate::rpc::error::TransportError;
+use crate::rpc::transport::{
+    poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
+    StopConnection, TryRecv, Wake,
+};
+
+/// The halves served by threads: the same code over a blocking socket.
+type ThreadSender = TcpSender<AssertAsync<std::net::TcpStream>>;
+type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
+
+/// How long a blocking send may make no progress before the pipe counts as broken: a
+/// peer whose process stopped reading must not hold a caller's thread forever.
+const STALLED_SEND: Duration = Duration::from_secs(30);
+
+/// Stops a thread-served TCP pipe: `shutdown(2)` both ways wakes its reader.
+struct TcpStop(std::net::TcpStream);
+
+impl StopConnection for TcpStop {
+    fn stop(&self) {
+        // Fails only on a socket that is no longer connected: then it is stopped already.
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Takes a connection's halves off the executor: the socket, rejoined from tokio's
+/// halves and set blocking, carries the bytes the receiver already buffered.
+pub(super) fn thread_halves(
+    sender: AsyncSender,
+    receiver: AsyncReceiver,
+) -> Result<BlockingHalves, TransportError> {
+    let peer = Arc::clone(&sender.peer);
+    let io_error = |op, source| TransportError::Io {
+        op,
+        peer: peer.to_string(),
+        source,
+    };
+    let TcpSender { write, scratch, .. } = sender;
+    let TcpReceiver {
+        buf, filled, read, ..
+    } = receiver;
+    let stream = read
+        .into_inner()
+        .reunite(write.into_inner())
+        .map_err(|_| {
+            io_error(
+                "rejoin the socket halves of",
+                std::io::Error::other("the halves belong to different sockets"),
+            )
+        })?
+        .into_std()
+        .map_err(|e| io_error("take off the executor the socket of", e))?;
+    stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_write_timeout(Some(STALLED_SEND)))
+        .map_err(|e| io_error("configure the socket of", e))?;
+    let stop = stream
+        .try_clone()
+        .map_err(|e| io_error("duplicate the socket of", e))?;
+    let writer = stream
+        .try_clone()
+        .map_err(|e| io_error("duplicate the socket of", e))?;
+    let wake = TcpWake {
+        socket: std::os::fd::OwnedFd::from(
+            stream
+                .try_clone()
+                .map_err(|e| io_error("duplicate the socket of", e))?,
+        ),
+        kick: rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| io_error("create an eventfd for", e.into()))?,
+    };
+    Ok(BlockingHalves {
+        sender: Box::new(TcpSender {
+            write: AssertAsync::new(writer),
+            peer: Arc::clone(&peer),
+            scratch,
+        }),
+        receiver: Box::new(TcpReceiver {
+            read: AssertAsync::new(stream),
+            peer,
+            buf,
+            filled,
+        }),
+        stop: Arc::new(TcpStop(stop)),
+        wake: Some(Arc::new(wake)),
+    })
+}
+
+impl BlockingSender for ThreadSender {
+    fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+        futures_lite::future::block_on(self.send_frame(frame))
+    }
+}
+
+impl ThreadReceiver {
+    /// The first buffered frame, if it is complete.
+    fn buffered_frame(
+        &mut self,
+        limits: FrameLimits,
+    ) -> Result<Option<IncomingFrame>, TransportError> {
+        if self.filled == 0 {
+            return Ok(None);
+        }
+        let mut decoder = FrameDecoder::new(limits);
+        match decoder.decode(self.pending()) {
+            Ok(Decoded::Complete(frame, used)) => {
+                let incoming = IncomingFrame::from_frame(&frame);
+                self.consume(used);
+                Ok(Some(incoming))
+            }
+            Ok(Decoded::Partial(_)) => Ok(None),
+            Err(source) => Err(TransportError::Frame {
+                peer: self.peer.to_string(),
+                source,
+            }),
+        }
+    }
+}
+
+impl BlockingReceiver for ThreadReceiver {
+    fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
+        futures_lite::future::block_on(self.recv_frame(limits))
+    }
+
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
+        if let Some(frame) = self.buffered_frame(limits)? {
+            return Ok(TryRecv::Frame(frame));
+        }
+        if self.buf.len() < self.filled.saturating_add(READ_CHUNK) {
+            self.buf.resize(self.filled.saturating_add(READ_CHUNK), 0);
+        }
+        let spare = self.buf.get_mut(self.filled..).unwrap_or_default();
+        let read = rustix::net::recv(self.read.get_ref(), spare, rustix::net::RecvFlags::DONTWAIT);
+        match read {
+            Ok((0, _)) if self.filled == 0 => return Ok(TryRecv::Closed),
+            Ok((0, _)) => {
+                return Err(TransportError::Truncated {
+                    peer: self.peer.to_string(),
+                    have: self.filled,
+                })
+            }
+            Ok((n, _)) => self.filled += n,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) if self.filled == 0 => {
+                return Ok(TryRecv::Empty)
+            }
+            // Part of a frame is here: below, wait for the rest.
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+            Err(errno) => {
+                return Err(TransportError::Io {
+                    op: "receive from",
+                    peer: self.peer.to_string(),
+                    source: errno.into(),
+                })
+            }
+        }
+        if let Some(frame) = self.buffered_frame(limits)? {
+            return Ok(TryRecv::Frame(frame));
+        }
+        // A frame is arriving: the rest is on its way, wait for it.
+        Ok(match self.recv(limits)? {
+            Some(frame) => TryRecv::Frame(frame),
+            None => TryRecv::Closed,
+        })
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        // The socket's readiness is level-triggered: only buffered bytes need a look now.
+        Ok(self.filled == 0)
+    }
+}
+
+/// Sleeps on a thread-served TCP pipe's socket, and on an eventfd that kicks it.
+struct TcpWake {
+    socket: std::os::fd::OwnedFd,
+    kick: std::os::fd::OwnedFd,
+}
+
+impl Wake for TcpWake {
+    fn wait(&self, timeout: Duration) -> bool {
+        use std::os::fd::AsFd;
+        let [_, kick] = poll_two(self.socket.as_fd(), self.kick.as_fd(), timeout);
+        if kick.contains(rustix::event::PollFlags::IN) {
+            let mut counter = [0u8; 8];
+            let _ = rustix::io::read(&self.kick, &mut counter);
+        }
+        // The end of the stream is seen by receiving it.
+        false
+    }
+
+    fn kick(&self) {
+        let _ = rustix::io::write(&self.kick, &1u64.to_ne_bytes());
+    }
+}
