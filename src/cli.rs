@@ -99,8 +99,8 @@ enum StoreOp {
         #[arg(long, default_value_t = rdzv_uring::server::DEFAULT_PORT)]
         port: u16,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
-        /// sharing one store (default: one on io_uring; on epoll one per CPU this
-        /// process may use, at most 16); see ARCHITECTURE.md.
+        /// sharing one store (default: one per CPU this process may use, at most 16;
+        /// one on hosts of 2 CPUs or fewer); see ARCHITECTURE.md.
         #[arg(long)]
         threads: Option<usize>,
         /// Pin loop i to the i-th CPU this process may use (slower on small VMs; off by

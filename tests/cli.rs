@@ -45,11 +45,16 @@ fn serve_command(mut command: Command) -> Served {
     let mut line = String::new();
     let mut reader = BufReader::new(stdout);
     reader.read_line(&mut line).expect("read first line");
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
+    let Some(addr) = line.trim().strip_prefix("listening on ").map(str::to_string) else {
+        // Say why: the server's stderr (it has exited, or will once killed).
+        let _ = child.kill();
+        let mut stderr = String::new();
+        if let Some(mut err) = child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut err, &mut stderr);
+        }
+        let status = child.wait();
+        panic!("unexpected first line {line:?} from {command:?} ({status:?}); stderr:\n{stderr}");
+    };
     Served {
         child,
         addr,

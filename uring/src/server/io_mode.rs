@@ -94,13 +94,30 @@ pub(crate) fn probe_io_uring() -> io::Result<Result<(), Refusal>> {
     }
 }
 
-/// How many loops an epoll server runs by default: the CPUs this process may run on
+/// Hosts with at most this many CPUs run one loop by default.
+///
+/// There the store's clients share the server's CPUs: on the 2-vCPU development VM,
+/// with the load generator on the same host, one io_uring loop served 8–10% more ops/s
+/// than two at 64 and 512 connections, at the same latency (ARCHITECTURE.md).
+pub(super) const SMALL_HOST_CPUS: usize = 2;
+
+/// How many loops a server runs by default: one per CPU this process may run on
 /// (`sched_getaffinity`, and a cgroup CPU quota, as `available_parallelism` reads them),
-/// at most `cap`.
+/// at most `cap`; one on a host of at most [`SMALL_HOST_CPUS`].
 pub(super) fn default_loops(cap: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, cap.max(1))
+    loops_for(
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cap,
+    )
+}
+
+/// [`default_loops`] for a host with `cpus` CPUs.
+fn loops_for(cpus: usize, cap: usize) -> usize {
+    if cpus <= SMALL_HOST_CPUS {
+        1
+    } else {
+        cpus.clamp(1, cap.max(1))
+    }
 }
 
 #[cfg(test)]
@@ -127,9 +144,15 @@ mod tests {
     }
 
     #[test]
-    fn default_loops_is_capped_and_at_least_one() {
+    fn default_loops_is_one_per_cpu_capped_and_one_on_small_hosts() {
         assert_eq!(default_loops(1), 1);
         assert!((1..=16).contains(&default_loops(16)));
         assert_eq!(default_loops(0), 1);
+        assert_eq!(loops_for(1, 16), 1);
+        assert_eq!(loops_for(2, 16), 1);
+        assert_eq!(loops_for(3, 16), 3);
+        assert_eq!(loops_for(16, 16), 16);
+        assert_eq!(loops_for(128, 16), 16);
+        assert_eq!(loops_for(64, 0), 1);
     }
 }

@@ -49,9 +49,10 @@ pub struct ServerOptions {
     pub host: Option<String>,
     /// Port; 0 picks a free one (see [`StoreServer::port`]).
     pub port: u16,
-    /// Event loops. 0 (the default) picks per [`IoMode`]: one io_uring loop, or on
-    /// epoll one loop per CPU this process may use, at most [`DEFAULT_MAX_LOOPS`]. Every
-    /// loop serves its own connections against the shared engine; at most 256.
+    /// Event loops. 0 (the default) runs one per CPU this process may use, at most
+    /// [`DEFAULT_MAX_LOOPS`], and one on a host of 2 CPUs or fewer (its clients share
+    /// them), on io_uring and epoll alike. Every loop serves its own connections against
+    /// the shared engine; at most 256.
     pub threads: usize,
     /// Pin loop i to the i-th CPU this process may use. Off by default: pinned
     /// executors measured 5-10x worse on small VMs (see `ARCHITECTURE.md`).
@@ -243,10 +244,9 @@ impl StoreServer {
                 }
             },
         };
-        let threads = match (epoll, options.threads) {
-            (true, 0) => io_mode::default_loops(DEFAULT_MAX_LOOPS),
-            (false, 0) => 1,
-            (_, n) => n.min(shared_engine::MAX_LOOPS),
+        let threads = match options.threads {
+            0 => io_mode::default_loops(DEFAULT_MAX_LOOPS),
+            n => n.min(shared_engine::MAX_LOOPS),
         };
         let sockets = match options.listen_fd {
             Some(fd) => listener::adopt_listener(fd, threads)
