@@ -2,9 +2,13 @@
 # torchrun through `rdzv store serve`: two torchrun "nodes" of two workers each on this
 # host, with the c10d rendezvous backend on rdzv's store (`--rdzv-conf=is_host=false`),
 # a gloo all_reduce in every worker; then the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
-# (A third mode, `restart`, makes the last rank fail in attempt 0 under `--max-restarts=1`;
-# on the 2-core development machine attempt 1 failed in gloo the same way with PyTorch's
-# own c10d store as with rdzv's, so it is not run by default: `RESTART=1` runs it.)
+# (A third mode, `restart`, makes the last rank fail in attempt 0 under `--max-restarts=1`.
+# It depends on timing inside torchrun, with PyTorch's own c10d store as with rdzv's, so
+# it is not run by default: `RESTART=1` runs it. On the 2-core development machine
+# (2026-11-25, PyTorch 2.15) one run passed, node 1's workers restarted as attempt 1 and
+# joined node 0's attempt-0 workers in their all_reduce, since 2.4+ no longer prefixes
+# the agent store by attempt; the run before failed with node 0's agent raising
+# RendezvousClosedError while re-rendezvousing, after node 1's restarted workers failed.)
 # Every store request goes through store_trace_proxy.py, and the operations and key
 # shapes each mode sent are printed. Needs a Python with torch (PYTHON=...); never in CI.
 # Usage: PYTHON=... RDZV=target/release/rdzv tests/pytorch/torchrun.sh
