@@ -62,14 +62,18 @@ mod io;
 mod lane;
 pub mod message;
 mod mpt;
+pub mod options;
 mod outgoing;
+mod pool;
 mod recycle;
 mod shared;
 pub mod shm;
+mod startup;
 pub mod tcp;
+mod token;
 pub mod transport;
 
-pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use agent::RpcAgent;
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
@@ -80,4 +84,6 @@ pub use device::{
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
+pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use startup::init_rpc;
 pub use transport::TransportPlugin;
