@@ -17,9 +17,11 @@ use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 use crate::rpc::client::RpcClient;
 use crate::rpc::error::store_error;
 use crate::rpc::error::RpcError;
-use crate::rpc::message::{Handler, Message, RpcFuture};
+use crate::rpc::handler::Handler;
+use crate::rpc::lane::Shared;
+use crate::rpc::mailbox::Command;
+use crate::rpc::message::{Message, RpcFuture};
 use crate::rpc::options::RESERVED_PREFIX;
-use crate::rpc::shared::{Command, Shared};
 use crate::rpc::token::{acquire_token, release_token};
 use crate::store::Store;
 
@@ -31,6 +33,8 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// The agent: make calls, register handlers, read metrics, shut down.
 pub struct RpcAgent {
     pub(crate) shared: Arc<Shared>,
+    /// `None` for a dynamic group.
+    pub(crate) world_size: Option<u32>,
     pub(crate) client: RpcClient,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) keys: RpcKeys,
@@ -44,7 +48,7 @@ impl std::fmt::Debug for RpcAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RpcAgent")
             .field("me", &self.shared.me)
-            .field("world_size", &self.shared.world_size)
+            .field("world_size", &self.world_size)
             .field("address", &self.address)
             .finish()
     }
@@ -58,7 +62,7 @@ impl RpcAgent {
 
     /// The group's size.
     pub fn world_size(&self) -> Option<u32> {
-        self.shared.world_size
+        self.world_size
     }
 
     /// The address peers reach this worker at: its listeners' addresses, highest
@@ -71,6 +75,7 @@ impl RpcAgent {
     pub fn worker_infos(&self) -> Vec<WorkerInfo> {
         let mut infos: Vec<WorkerInfo> = self
             .shared
+            .registry
             .group()
             .peers
             .iter()
@@ -86,11 +91,7 @@ impl RpcAgent {
     /// [`RpcError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
     /// are the agent's own).
     pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), RpcError> {
-        let mut handlers = self
-            .shared
-            .handlers
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut handlers = self.shared.registry.handlers_mut();
         if handlers.contains_key(name) || name.starts_with(RESERVED_PREFIX) {
             return Err(RpcError::HandlerExists {
                 name: name.to_string(),
@@ -158,7 +159,7 @@ impl RpcAgent {
     /// between workers on one host unless `transports` leaves it out, else `tcp`);
     /// `None` before the first call to `peer`.
     pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
-        self.shared.lock_calls().pipe_transports.get(peer).copied()
+        self.shared.counters.pipe_transport(peer)
     }
 
     /// The channel that the last pipe this worker opened to `peer` uses for CPU tensors
@@ -166,26 +167,21 @@ impl RpcAgent {
     /// between processes of one host that pass its checks, else `basic`); `None` before
     /// the first call to `peer`, or when no channel serves CPU tensors on that pipe.
     pub fn pipe_channel(&self, peer: &str) -> Option<ChannelKind> {
-        self.shared
-            .lock_calls()
-            .pipe_channels
-            .get(peer)
-            .copied()
-            .flatten()
+        self.shared.counters.pipe_channel(peer)
     }
 
     /// Tensor bytes this worker has sent (in requests and responses) per channel, for
     /// every channel that moved any.
     pub fn tensor_bytes_by_channel(&self) -> Vec<(ChannelKind, u64)> {
-        self.shared.lock_calls().channel_bytes.iter().collect()
+        self.shared.counters.channel_bytes()
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,
     /// `agent.server_active_calls`, ...) with their values as text, in a fixed order.
     pub fn get_metrics(&self) -> Vec<(String, String)> {
-        let calls = self.shared.lock_calls();
-        calls
-            .metrics
+        self.shared
+            .counters
+            .metrics(&self.shared.gate)
             .metrics()
             .map(|(key, value)| (key.to_string(), value.to_string()))
             .collect()
@@ -193,7 +189,7 @@ impl RpcAgent {
 
     /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
     pub fn network_data(&self) -> NetworkData {
-        self.shared.lock_calls().network.clone()
+        self.shared.counters.network()
     }
 
     /// PyTorch's `wait_until_node_failure` test helper: probes `peer` every 100 ms until
@@ -222,15 +218,7 @@ impl RpcAgent {
     /// # Errors
     /// [`RpcError::FlushTimeout`] naming the calls left after `timeout`.
     pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), RpcError> {
-        let mut calls = self.shared.lock_calls();
-        calls.waiters += 1;
-        let (mut calls, _) = self
-            .shared
-            .calls_changed
-            .wait_timeout_while(calls, timeout, |c| c.metrics.calls.client_active() > 0)
-            .unwrap_or_else(|p| p.into_inner());
-        calls.waiters -= 1;
-        match calls.metrics.calls.client_active() {
+        match self.shared.gate.await_flushed(timeout) {
             0 => Ok(()),
             pending => Err(RpcError::FlushTimeout { pending }),
         }
@@ -301,7 +289,7 @@ impl RpcAgent {
             .next_barrier_id
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let Some(world_size) = self.shared.world_size else {
+        let Some(world_size) = self.world_size else {
             return self.run_leave();
         };
         let mut join = Join::new(self.keys.clone(), world_size, first, true);
@@ -317,13 +305,7 @@ impl RpcAgent {
     }
 
     fn release_calls(&self) {
-        let mut calls = self.shared.lock_calls();
-        calls.frozen = false;
-        for _ in 0..std::mem::take(&mut calls.deferred_finishes) {
-            calls.metrics.calls.client_call_finished();
-        }
-        drop(calls);
-        self.shared.calls_changed.notify_all();
+        self.shared.gate.release();
     }
 
     /// A dynamic member's graceful leave, under the group token: tell every other
@@ -335,6 +317,7 @@ impl RpcAgent {
         let left = (|| {
             let others: Vec<String> = self
                 .shared
+                .registry
                 .group()
                 .peers
                 .keys()
@@ -372,23 +355,16 @@ impl RpcAgent {
         loop {
             let done = match join.poll_action() {
                 Action::AwaitNoClientCalls => {
-                    let mut calls = self.shared.lock_calls();
-                    while calls.metrics.calls.client_active() > 0 {
-                        calls = self.shared.wait_calls_changed(calls);
-                    }
+                    self.shared.gate.await_no_client_calls();
                     Done::NoClientCalls
                 }
-                Action::HoldClientCalls => {
-                    let mut calls = self.shared.lock_calls();
-                    calls.frozen = true;
-                    Done::Held(calls.metrics.calls.client_active())
-                }
+                Action::HoldClientCalls => Done::Held(self.shared.gate.hold()),
                 Action::ReleaseClientCalls => {
                     self.release_calls();
                     Done::Released
                 }
                 Action::MarkShuttingDown => {
-                    self.shared.lock_calls().shutting_down = true;
+                    self.shared.gate.mark_shutting_down();
                     Done::Marked
                 }
                 Action::StoreAdd { key, delta } => Done::Added(

@@ -46,7 +46,6 @@ use super::device::{DeviceLoan, Devices, HostBytes, PipeId, StagingIn, CUDA_BASI
 use super::error::RpcError;
 use super::message::Tensor;
 use super::recycle;
-use super::shared::BASIC_DESCRIPTOR;
 use super::transport::OwnedFrame;
 use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{self, CmaDescriptor, CmaExport, CmaPeer};
@@ -54,6 +53,9 @@ use crate::channel::mpt::MptDescriptor;
 use crate::channel::next_transfer_id;
 use crate::channel::xth::{self, XthDescriptor, XthExport};
 use crate::channel::ProcessIdentity;
+
+/// The domain descriptor of the basic channel: it runs over any transport.
+pub(crate) const BASIC_DESCRIPTOR: &str = "basic:any";
 
 /// Tensors smaller than this travel inline (`basic`) even where `cma` or `xth` was
 /// negotiated.

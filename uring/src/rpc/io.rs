@@ -27,13 +27,14 @@ use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
 use rdzv_core::rpc::name::WorkerId;
 
-use super::calls::{self, Pending};
+use super::calls::Pending;
 use super::channels::cpu_channel;
 use super::error::RpcError;
+use super::lane::Shared;
 use super::lane::{self, Job, Lane};
+use super::mailbox::{Call, Command};
 use super::message::{Completion, Message};
 use super::mpt::{self, MptLanes};
-use super::shared::{Call, Command, Shared};
 use super::transport::{
     address_for, BlockingHalves, Connection, FrameReceiver, FrameSender, IncomingFrame, Listener,
     NotBlocking, OwnedFrame, Transport,
@@ -175,7 +176,7 @@ impl Io {
     }
 
     fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
-        calls::complete(&self.shared, completion, result);
+        self.shared.calls_table.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
@@ -191,6 +192,7 @@ impl Io {
         }
         let address = self
             .shared
+            .registry
             .group()
             .peers
             .get(&call.peer)
@@ -273,7 +275,7 @@ impl Io {
     }
 
     fn fail_pending(&self, pending: Pending, error: RpcError) {
-        calls::fail_pending(&self.shared, pending, error);
+        self.shared.calls_table.fail(pending, error);
     }
 
     /// Whether client pipe `id` to `peer` is still the one being opened (not reset or
@@ -302,15 +304,11 @@ impl Io {
             // the halves closes the connection.
             return;
         }
-        {
-            let mut calls = self.shared.lock_calls();
-            calls
-                .pipe_transports
-                .insert(peer.clone(), negotiated.transport);
-            calls
-                .pipe_channels
-                .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
-        }
+        self.shared.counters.pipe_opened(
+            &peer,
+            negotiated.transport,
+            cpu_channel(&negotiated, Role::Connector),
+        );
         let mpt = match (mpt_token, &self.shared.mpt) {
             (Some(token), Some(setup)) => {
                 let (published, lanes) = (address.clone(), setup.lanes);
@@ -548,7 +546,7 @@ impl Io {
                 brochure,
                 lanes_token,
             } => {
-                let known = self.shared.group().peers.get(name).map(|p| p.id);
+                let known = self.shared.registry.group().peers.get(name).map(|p| p.id);
                 // A dynamic group's newcomer connects before the members know it.
                 if known != Some(id) && !self.shared.dynamic {
                     return Err(format!(

@@ -9,7 +9,8 @@ use rdzv_core::device::Device;
 use rdzv_core::device_map::DeviceMaps;
 
 use crate::rpc::device::DevicePlugin;
-use crate::rpc::message::{default_wait_spin, Handler};
+use crate::rpc::handler::Handler;
+use crate::rpc::message::default_wait_spin;
 use crate::rpc::transport::TransportPlugin;
 
 /// PyTorch's default handler pool size (`numWorkerThreads`).

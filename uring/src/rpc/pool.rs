@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::rpc::error::RpcError;
+use crate::rpc::handler::run_handler;
 use crate::rpc::lane::Job;
-use crate::rpc::message::{run_handler, Message};
-use crate::rpc::shared::Shared;
+use crate::rpc::lane::Shared;
+use crate::rpc::message::Message;
 
 pub(crate) fn spawn_pool(
     shared: &Arc<Shared>,
@@ -37,10 +38,7 @@ pub(crate) fn spawn_pool(
 }
 
 fn run_job(shared: &Shared, job: Job) {
-    {
-        let mut calls = shared.lock_calls();
-        calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);
-    }
+    shared.counters.worker_busy();
     let Job {
         responder,
         ctx,
@@ -48,7 +46,7 @@ fn run_job(shared: &Shared, job: Job) {
         tensors,
     } = job;
     // Out-of-band tensors are read here, off the I/O thread, before the handler runs.
-    let result = match (tensors.pull(), shared.handler(&ctx.handler)) {
+    let result = match (tensors.pull(), shared.registry.handler(&ctx.handler)) {
         (Err(e), _) => Err(e.to_string()),
         (Ok(tensors), Some(handler)) => {
             run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
@@ -59,10 +57,7 @@ fn run_job(shared: &Shared, job: Job) {
             shared.me.name()
         )),
     };
-    {
-        let mut calls = shared.lock_calls();
-        calls.metrics.calls.server_call_finished(false);
-        calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_add(1);
-    }
+    shared.gate.server_call_finished();
+    shared.counters.worker_idle();
     responder.respond(shared, ctx.message_id, result);
 }

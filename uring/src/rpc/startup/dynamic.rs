@@ -15,7 +15,7 @@ use crate::rpc::agent::RpcAgent;
 use crate::rpc::error::store_error;
 use crate::rpc::error::RpcError;
 use crate::rpc::message::Message;
-use crate::rpc::shared::{Group, Peer, Shared};
+use crate::rpc::registry::{Group, Peer, Registry};
 
 /// A dynamic member's join, under the group token: claim the rank, read the members,
 /// check device maps, start, tell every member, then list this worker.
@@ -69,7 +69,7 @@ pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
             address: agent.address.clone(),
         },
     );
-    *agent.shared.group_mut() = Group {
+    *agent.shared.registry.group_mut() = Group {
         peers,
         device_maps,
         reverse_device_maps,
@@ -101,21 +101,21 @@ pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
     Ok(agent)
 }
 
-/// `_update_group_membership` for joins and leaves, as handlers that hold the agent
-/// weakly (the agent owns its handlers).
-pub(super) fn register_membership_handlers(shared: &Arc<Shared>) {
-    let weak = Arc::downgrade(shared);
+/// `_update_group_membership` for joins and leaves, as handlers of worker `me` that hold
+/// the registry weakly (the registry owns its handlers).
+pub(super) fn register_membership_handlers(registry: &Arc<Registry>, me: &str) {
+    let weak = Arc::downgrade(registry);
+    let me = me.to_string();
     let join = move |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> {
-        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let registry = weak.upgrade().ok_or("the agent is gone")?;
         let JoinAnnouncement {
             name,
             id,
             address,
             devices,
         } = JoinAnnouncement::decode(&m.payload)?;
-        let me = shared.me.name().to_string();
         let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
-        let mut group = shared.group_mut();
+        let mut group = registry.group_mut();
         group.peers.insert(
             name.clone(),
             Peer {
@@ -128,11 +128,11 @@ pub(super) fn register_membership_handlers(shared: &Arc<Shared>) {
         }
         Ok(Message::default())
     };
-    let weak = Arc::downgrade(shared);
+    let weak = Arc::downgrade(registry);
     let leave = move |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> {
-        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        let registry = weak.upgrade().ok_or("the agent is gone")?;
         let name = decode_leave(&m.payload)?.to_string();
-        let mut group = shared.group_mut();
+        let mut group = registry.group_mut();
         group.peers.remove(&name);
         let kept: DeviceMaps = group
             .reverse_device_maps
@@ -143,7 +143,7 @@ pub(super) fn register_membership_handlers(shared: &Arc<Shared>) {
         group.reverse_device_maps = kept;
         Ok(Message::default())
     };
-    let mut handlers = shared.handlers.write().unwrap_or_else(|p| p.into_inner());
+    let mut handlers = registry.handlers_mut();
     handlers.insert(GROUP_JOIN.to_string(), Arc::new(join));
     handlers.insert(GROUP_LEAVE.to_string(), Arc::new(leave));
 }

@@ -8,8 +8,8 @@ use glommio::{LocalExecutorBuilder, Placement};
 use crate::rpc::error::RpcError;
 use crate::rpc::io::Io;
 use crate::rpc::lane::Job;
+use crate::rpc::lane::Shared;
 use crate::rpc::message::mark_io_thread;
-use crate::rpc::shared::Shared;
 use crate::rpc::transport::{join_addresses, Transport};
 
 /// `Some(reason)` when this host refuses io_uring, which the I/O thread's glommio

@@ -30,12 +30,11 @@ mod static_init;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
 use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::WorkerDevices;
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
-use rdzv_core::rpc::metrics::{AgentMetrics, NetworkData};
 use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::store_keys::{
     check_static_group, decode_worker_devices, encode_worker_devices, membership_token,
@@ -50,16 +49,21 @@ use self::static_init::init_static;
 use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use crate::rpc::agent::RpcAgent;
 use crate::rpc::calls::Calls;
-use crate::rpc::client::RpcClient;
+use crate::rpc::client::{Caller, RpcClient};
+use crate::rpc::counters::{Counters, JoinGate};
 use crate::rpc::device::Devices;
 use crate::rpc::error::store_error;
 use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::handler::Handler;
+use crate::rpc::lane::Shared;
 use crate::rpc::lane::{Job, Lanes};
-use crate::rpc::message::Handler;
+use crate::rpc::mailbox::Mailbox;
 use crate::rpc::mpt::MptSetup;
+use crate::rpc::offer::OfferSpec;
 use crate::rpc::options::RpcOptions;
+use crate::rpc::outgoing::Framer;
 use crate::rpc::pool::spawn_pool;
-use crate::rpc::shared::{CallState, Group, Mailbox, OfferSpec, Shared};
+use crate::rpc::registry::Registry;
 use crate::rpc::shm::ShmTransport;
 use crate::rpc::tcp::TcpTransport;
 use crate::rpc::token::{acquire_token, release_token};
@@ -281,32 +285,35 @@ impl Start {
             transports: offered,
             channels,
             serves_cuda: devices.has_cuda(),
-            min_channel_bytes: options.min_channel_bytes,
         };
         let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
+        let registry = Arc::new(Registry::new(handlers));
+        let gate = Arc::new(JoinGate::default());
+        let counters = Arc::new(Counters::new(pool_size));
+        let calls_table = Arc::new(Calls::new(
+            me.name(),
+            Arc::clone(&gate),
+            Arc::clone(&counters),
+            devices.clone(),
+        ));
+        let framer = Framer {
+            registry: Arc::clone(&registry),
+            devices: devices.clone(),
+            min_channel_bytes: options.min_channel_bytes,
+            counters: Arc::clone(&counters),
+        };
         let shared = Arc::new(Shared {
             me: me.clone(),
-            world_size,
-            group: RwLock::new(Group::default()),
             dynamic: world_size.is_none(),
-            handlers: RwLock::new(handlers),
+            registry,
             mailbox: Mailbox::default(),
-            calls: Mutex::new(CallState {
-                metrics: AgentMetrics::new(pool_size),
-                network: NetworkData::new(),
-                frozen: false,
-                deferred_finishes: 0,
-                shutting_down: false,
-                pipe_transports: HashMap::new(),
-                waiters: 0,
-                pipe_channels: HashMap::new(),
-                channel_bytes: Default::default(),
-            }),
-            calls_changed: Condvar::new(),
+            gate,
+            counters,
             next_message_id: AtomicU64::new(1),
             default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
             offer,
-            calls_table: Calls::new(),
+            calls_table,
+            framer,
             lanes: Mutex::new(Lanes::default()),
             faults: crate::rpc::faults::Faults::new(&options.fault_injection),
             mpt,
@@ -314,12 +321,14 @@ impl Start {
             wait_spin: options.wait_spin,
         });
         if world_size.is_none() {
-            register_membership_handlers(&shared);
+            register_membership_handlers(&shared.registry, me.name());
         }
         let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
         let mut workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
         workers.push(
-            Calls::start_timer(&shared)
+            shared
+                .calls_table
+                .start_timer()
                 .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
         );
         let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
@@ -330,7 +339,8 @@ impl Start {
         };
         let agent = RpcAgent {
             shared: Arc::clone(&shared),
-            client: RpcClient::new(Arc::clone(&shared)),
+            client: RpcClient::new(Arc::clone(&shared) as Arc<dyn Caller>),
+            world_size,
             store: Arc::clone(&store),
             keys: keys.clone(),
             io_thread: Mutex::new(Some(io_thread)),

@@ -10,7 +10,7 @@ use rdzv_core::negotiate::{rank, RankError, Ranked, Ranking, TransportKind};
 
 use crate::rpc::device::Devices;
 use crate::rpc::error::RpcError;
-use crate::rpc::message::Handler;
+use crate::rpc::handler::Handler;
 use crate::rpc::options::{RpcOptions, RESERVED_PREFIX};
 use crate::rpc::shm::ShmTransport;
 use crate::rpc::transport::Transport;

@@ -13,7 +13,7 @@ use crate::rpc::device::Devices;
 use crate::rpc::error::store_error;
 use crate::rpc::error::RpcError;
 use crate::rpc::options::RpcOptions;
-use crate::rpc::shared::{Group, Peer};
+use crate::rpc::registry::{Group, Peer};
 
 pub(super) fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
     let me = start.me.clone();
@@ -73,7 +73,7 @@ pub(super) fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, Rpc
         };
         peers.insert(peer_name.clone(), Peer { id: *id, address });
     }
-    *agent.shared.group_mut() = Group {
+    *agent.shared.registry.group_mut() = Group {
         peers,
         device_maps,
         reverse_device_maps: setup.reverse_device_maps,
