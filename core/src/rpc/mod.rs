@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`name`] | which worker names and ids are valid; [`WorkerInfo`](name::WorkerInfo) |
 //! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
+//! | [`address`] | a worker's published address: its listeners' addresses, joined and looked up |
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
 //! | [`lending`] | when buffers lent to the peer (cma, xth) come back, and which replies are acked |
 //! | [`pipe`] | one pipe's protocol: which replies reach a call, what is acked, when lent buffers come back |
@@ -18,6 +19,7 @@
 //! The runtime (`rdzv-uring`) owns sockets, the store client, clocks and threads: it moves
 //! bytes and keeps time, and asks these modules what to do.
 
+pub mod address;
 pub mod backend;
 pub mod frame;
 pub mod lending;

@@ -10,7 +10,8 @@ use crate::rpc::io::Io;
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
 use crate::rpc::message::mark_io_thread;
-use crate::rpc::transport::{join_addresses, Transport};
+use crate::rpc::transport::Transport;
+use rdzv_core::rpc::address::join_addresses;
 
 /// `Some(reason)` when this host refuses io_uring, which the I/O thread's glommio
 /// executor needs (glommio panics there rather than returning an error): the store

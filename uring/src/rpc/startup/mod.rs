@@ -67,9 +67,10 @@ use crate::rpc::registry::Registry;
 use crate::rpc::shm::ShmTransport;
 use crate::rpc::tcp::TcpTransport;
 use crate::rpc::token::{acquire_token, release_token};
-use crate::rpc::transport::{join_addresses, Transport};
+use crate::rpc::transport::Transport;
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
+use rdzv_core::rpc::address::join_addresses;
 
 /// `_init_counter`: the `n` of `rpc_prefix_n`, counting `init_rpc` calls in the process.
 static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
