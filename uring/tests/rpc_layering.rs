@@ -41,8 +41,9 @@ const LAYERS: &[&str] = &[
     "dispatch",
     "io",
     "pool",
-    // The group token, the handle, start-up, the backend registry.
-    "token",
+    // One driver for the core's store-step machines, the handle, start-up, the
+    // backend registry.
+    "drive",
     "agent",
     "startup",
     "backend",

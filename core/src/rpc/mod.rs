@@ -13,6 +13,7 @@
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
+//! | [`token`] | the dynamic group's store token, taken and given back around a join or leave, as machines over the same operations |
 //! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
 //! | [`backend`] | the RPC backend registry (`register_backend`) |
 //!
@@ -31,3 +32,4 @@ pub mod rref;
 pub mod shutdown;
 pub mod store_keys;
 pub mod timeouts;
+pub mod token;

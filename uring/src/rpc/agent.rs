@@ -11,18 +11,17 @@ use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::membership::GROUP_LEAVE;
 use rdzv_core::rpc::metrics::NetworkData;
 use rdzv_core::rpc::name::WorkerInfo;
-use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
+use rdzv_core::rpc::shutdown::{Join, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
 use crate::rpc::client::RpcClient;
-use crate::rpc::error::store_error;
+use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::RpcError;
 use crate::rpc::handler::Handler;
 use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
 use crate::rpc::message::{Message, RpcFuture};
 use crate::rpc::options::RESERVED_PREFIX;
-use crate::rpc::token::{acquire_token, release_token};
 use crate::store::Store;
 
 /// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
@@ -293,7 +292,12 @@ impl RpcAgent {
             return self.run_leave();
         };
         let mut join = Join::new(self.keys.clone(), world_size, first, true);
-        let result = self.drive_join(&mut join);
+        let result = drive(
+            &*self.store,
+            Some(&self.shared.gate),
+            self.shared.me.name(),
+            &mut join,
+        );
         *self
             .next_barrier_id
             .lock()
@@ -313,7 +317,7 @@ impl RpcAgent {
     fn run_leave(&self) -> Result<(), RpcError> {
         let me = self.shared.me.clone();
         let token = membership_token(me.name(), Membership::Leave);
-        acquire_token(&*self.store, &self.keys, &token)?;
+        acquire_token(&*self.store, &self.keys, &token, me.name())?;
         let left = (|| {
             let others: Vec<String> = self
                 .shared
@@ -332,118 +336,12 @@ impl RpcAgent {
                 )?;
             }
             let mut leave = Leave::new(&self.keys, me.clone());
-            self.drive_join(&mut leave)
+            drive(&*self.store, Some(&self.shared.gate), me.name(), &mut leave)
         })();
         if left.is_err() {
             self.release_calls();
         }
-        release_token(&*self.store, &self.keys, &token).and(left)
-    }
-
-    fn drive_join(&self, join: &mut impl Protocol) -> Result<(), RpcError> {
-        enum Done {
-            NoClientCalls,
-            Held(u32),
-            Released,
-            Marked,
-            Added(i64),
-            Set,
-            Waited,
-            Got(Vec<u8>),
-        }
-        let name = self.shared.me.name().to_string();
-        loop {
-            let done = match join.poll_action() {
-                Action::AwaitNoClientCalls => {
-                    self.shared.gate.await_no_client_calls();
-                    Done::NoClientCalls
-                }
-                Action::HoldClientCalls => Done::Held(self.shared.gate.hold()),
-                Action::ReleaseClientCalls => {
-                    self.release_calls();
-                    Done::Released
-                }
-                Action::MarkShuttingDown => {
-                    self.shared.gate.mark_shutting_down();
-                    Done::Marked
-                }
-                Action::StoreAdd { key, delta } => Done::Added(
-                    self.store
-                        .add(key, delta)
-                        .map_err(store_error("add", key))?,
-                ),
-                Action::StoreSet { key, value } => {
-                    self.store
-                        .set(key, value)
-                        .map_err(store_error("set", key))?;
-                    Done::Set
-                }
-                Action::StoreWait { key } => {
-                    self.store
-                        .wait(&[key], None)
-                        .map_err(store_error("wait", key))?;
-                    Done::Waited
-                }
-                Action::StoreGet { key } => {
-                    Done::Got(self.store.get(key).map_err(store_error("get", key))?)
-                }
-                Action::Done => return Ok(()),
-                Action::Failed => {
-                    return Err(match join.error() {
-                        Some(e) => RpcError::Join {
-                            name,
-                            source: Box::new(e.clone()),
-                        },
-                        None => RpcError::ShutDown { name },
-                    })
-                }
-            };
-            let outcome = match &done {
-                Done::NoClientCalls => Outcome::NoClientCalls,
-                Done::Held(n) => Outcome::ClientCallsHeld(*n),
-                Done::Released => Outcome::Released,
-                Done::Marked => Outcome::MarkedShuttingDown,
-                Done::Added(v) => Outcome::Added(*v),
-                Done::Set => Outcome::Set,
-                Done::Waited => Outcome::Waited,
-                Done::Got(v) => Outcome::Got(v),
-            };
-            join.handle(outcome).map_err(|source| RpcError::Join {
-                name: name.clone(),
-                source: Box::new(source),
-            })?;
-        }
-    }
-}
-
-/// The two shutdown machines of the core, driven alike.
-trait Protocol {
-    fn poll_action(&self) -> Action<'_>;
-    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError>;
-    fn error(&self) -> Option<&JoinError>;
-}
-
-impl Protocol for Join {
-    fn poll_action(&self) -> Action<'_> {
-        Join::poll_action(self)
-    }
-    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
-        Join::handle(self, outcome)
-    }
-    fn error(&self) -> Option<&JoinError> {
-        Join::error(self)
-    }
-}
-
-impl Protocol for Leave {
-    fn poll_action(&self) -> Action<'_> {
-        Leave::poll_action(self)
-    }
-    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
-        Leave::handle(self, outcome)
-    }
-    fn error(&self) -> Option<&JoinError> {
-        Leave::error(self)
+        release_token(&*self.store, &self.keys, &token, me.name()).and(left)
     }
 }
 

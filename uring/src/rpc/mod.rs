@@ -21,7 +21,7 @@
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
 //! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
 //! | pipes | `lane`, `dispatch`, `io`, `pool` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `Shared`, the pieces the lane layer assembles; how a call reaches its lane or the mailbox; the handshake thread (one glommio executor: accept, connect, handshake, then a lane); the worker pool |
-//! | group | `token`, [`agent`], `startup`, [`backend`] | the dynamic group's store token; the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
+//! | group | `drive`, [`agent`], `startup`, [`backend`] | one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //!
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
@@ -54,6 +54,7 @@ pub mod client;
 mod counters;
 pub mod device;
 mod dispatch;
+mod drive;
 pub mod error;
 mod faults;
 pub mod handler;
@@ -71,7 +72,6 @@ mod registry;
 pub mod shm;
 mod startup;
 pub mod tcp;
-mod token;
 pub mod transport;
 
 pub use agent::RpcAgent;

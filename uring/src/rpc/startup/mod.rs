@@ -52,6 +52,7 @@ use crate::rpc::calls::Calls;
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::counters::{Counters, JoinGate};
 use crate::rpc::device::Devices;
+use crate::rpc::drive::{acquire_token, release_token};
 use crate::rpc::error::store_error;
 use crate::rpc::error::{RpcError, TransportError};
 use crate::rpc::handler::Handler;
@@ -66,7 +67,6 @@ use crate::rpc::pool::spawn_pool;
 use crate::rpc::registry::Registry;
 use crate::rpc::shm::ShmTransport;
 use crate::rpc::tcp::TcpTransport;
-use crate::rpc::token::{acquire_token, release_token};
 use crate::rpc::transport::Transport;
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
@@ -162,10 +162,11 @@ pub fn init_rpc(
         Some(world_size) => init_static(start, world_size),
         None => {
             let token = membership_token(start.me.name(), Membership::Join);
-            acquire_token(&*start.store, &start.keys, &token)?;
+            acquire_token(&*start.store, &start.keys, &token, start.me.name())?;
             let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+            let name = start.me.name().to_string();
             let joined = join_dynamic(start);
-            release_token(&*store, &keys, &token).and(joined)
+            release_token(&*store, &keys, &token, &name).and(joined)
         }
     }
 }
