@@ -271,17 +271,37 @@ mod tests {
     }
 
     #[test]
-    fn a_new_call_waits_for_the_thaw() {
+    fn a_call_started_around_a_release_is_counted_once() {
         let gate = std::sync::Arc::new(JoinGate::default());
         gate.hold();
         let caller = {
             let gate = std::sync::Arc::clone(&gate);
             std::thread::spawn(move || gate.start_client_call())
         };
-        // The caller cannot count its call while held; once released it does.
+        // Whether the caller waited for the thaw or came after it, it counts once.
         gate.release();
         assert_eq!(caller.join().ok(), Some(true));
         assert_eq!(gate.counts().client_active(), 1);
+    }
+
+    #[test]
+    fn an_io_thread_is_refused_instead_of_waiting_while_held() {
+        let gate = std::sync::Arc::new(JoinGate::default());
+        gate.hold();
+        let on_io = {
+            let gate = std::sync::Arc::clone(&gate);
+            std::thread::spawn(move || {
+                crate::rpc::message::mark_io_thread();
+                gate.start_client_call()
+            })
+        };
+        assert_eq!(
+            on_io.join().ok(),
+            Some(false),
+            "waiting would deadlock join"
+        );
+        assert_eq!(gate.counts().client_active(), 0);
+        gate.release();
     }
 
     #[test]
