@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`name`] | which worker names and ids are valid; [`WorkerInfo`](name::WorkerInfo) |
 //! | [`store_keys`] | the agent's store keys and values, and the checks on what it reads back |
+//! | [`address`] | a worker's published address: its listeners' addresses, joined and looked up |
 //! | [`frame`] | the frame format on one pipe, and the handshake inside it |
 //! | [`lending`] | when buffers lent to the peer (cma, xth) come back, and which replies are acked |
 //! | [`pipe`] | one pipe's protocol: which replies reach a call, what is acked, when lent buffers come back |
@@ -12,12 +13,14 @@
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
+//! | [`token`] | the dynamic group's store token, taken and given back around a join or leave, as machines over the same operations |
 //! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
 //! | [`backend`] | the RPC backend registry (`register_backend`) |
 //!
 //! The runtime (`rdzv-uring`) owns sockets, the store client, clocks and threads: it moves
 //! bytes and keeps time, and asks these modules what to do.
 
+pub mod address;
 pub mod backend;
 pub mod frame;
 pub mod lending;
@@ -29,3 +32,4 @@ pub mod rref;
 pub mod shutdown;
 pub mod store_keys;
 pub mod timeouts;
+pub mod token;

@@ -82,6 +82,22 @@ pub enum Action<'a> {
         /// The key.
         key: &'a str,
     },
+    /// `store.compare_set(key, expected, desired)`; answer [`Outcome::Compared`] with the
+    /// value it returns (used by [`super::token`]).
+    StoreCompareSet {
+        /// The key.
+        key: &'a str,
+        /// The value it must hold for the set to happen.
+        expected: &'a [u8],
+        /// The value set.
+        desired: &'a [u8],
+    },
+    /// Let this much time pass before the next action (a retry's back-off); answer
+    /// [`Outcome::Paused`].
+    Pause {
+        /// How long, in milliseconds.
+        millis: u64,
+    },
     /// Finished.
     Done,
     /// Failed; [`Join::error`] / [`Leave::error`] says why. Nothing more will happen.
@@ -100,6 +116,8 @@ impl Action<'_> {
             Action::StoreSet { .. } => "store set",
             Action::StoreWait { .. } => "store wait",
             Action::StoreGet { .. } => "store get",
+            Action::StoreCompareSet { .. } => "store compare_set",
+            Action::Pause { .. } => "pause",
             Action::Done => "done",
             Action::Failed => "failed",
         }
@@ -125,6 +143,10 @@ pub enum Outcome<'a> {
     Waited,
     /// The key's value.
     Got(&'a [u8]),
+    /// The value a compare-set returned.
+    Compared(&'a [u8]),
+    /// The pause is over.
+    Paused,
 }
 
 impl Outcome<'_> {
@@ -139,6 +161,8 @@ impl Outcome<'_> {
             Outcome::Set => "set",
             Outcome::Waited => "waited",
             Outcome::Got(_) => "got",
+            Outcome::Compared(_) => "compared",
+            Outcome::Paused => "paused",
         }
     }
 }

@@ -10,8 +10,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rdzv_core::rpc::backend::{BackendRegistry, FAULTY_TENSORPIPE, TENSORPIPE};
 
-use super::agent::{init_rpc, RpcAgent, RpcOptions};
+use super::agent::RpcAgent;
 use super::error::RpcError;
+use super::options::RpcOptions;
+use super::startup::init_rpc;
 
 /// What a backend does: `init_rpc(name, rank, world_size, options)`.
 pub type BackendInit = fn(&str, u32, Option<u32>, RpcOptions) -> Result<RpcAgent, RpcError>;

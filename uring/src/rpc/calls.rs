@@ -19,9 +19,10 @@ use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
 use super::channels::{PipeReader, ReceivedTensors};
+use super::counters::{Counters, JoinGate};
+use super::device::Devices;
 use super::error::RpcError;
 use super::message::{Completion, Message};
-use super::shared::Shared;
 use super::transport::IncomingFrame;
 
 /// A call sent (or about to be) on pipe `pipe`, waiting for its reply.
@@ -41,20 +42,36 @@ struct Table {
     closed: bool,
 }
 
-/// The pending calls and their timer.
+/// The pending calls and their timer, with what completing a call touches: the call
+/// count (`gate`), the network data (`counters`) and the device runtimes that received
+/// tensors may live in.
 pub(crate) struct Calls {
     table: Mutex<Table>,
     /// Signalled when the earliest deadline may have moved earlier, or at close.
     timer: Condvar,
     epoch: std::time::Instant,
+    /// This worker's name, for logs.
+    worker: String,
+    gate: Arc<JoinGate>,
+    counters: Arc<Counters>,
+    devices: Devices,
 }
 
 impl Calls {
-    pub(crate) fn new() -> Calls {
+    pub(crate) fn new(
+        worker: &str,
+        gate: Arc<JoinGate>,
+        counters: Arc<Counters>,
+        devices: Devices,
+    ) -> Calls {
         Calls {
             table: Mutex::new(Table::default()),
             timer: Condvar::new(),
             epoch: std::time::Instant::now(),
+            worker: worker.to_string(),
+            gate,
+            counters,
+            devices,
         }
     }
 
@@ -147,14 +164,14 @@ impl Calls {
 
     /// Starts the timer thread: it sleeps until the earliest deadline and fails the
     /// calls whose deadline passed, until [`close`](Self::close).
-    pub(crate) fn start_timer(shared: &Arc<Shared>) -> std::io::Result<JoinHandle<()>> {
-        let shared = Arc::clone(shared);
+    pub(crate) fn start_timer(self: &Arc<Self>) -> std::io::Result<JoinHandle<()>> {
+        let calls = Arc::clone(self);
         std::thread::Builder::new()
-            .name(format!("rdzv-rpc-timer-{}", shared.me.name()))
-            .spawn(move || shared.calls_table.run_timer(&shared))
+            .name(format!("rdzv-rpc-timer-{}", self.worker))
+            .spawn(move || calls.run_timer())
     }
 
-    fn run_timer(&self, shared: &Shared) {
+    fn run_timer(&self) {
         let mut table = self.lock();
         loop {
             if table.closed {
@@ -171,7 +188,7 @@ impl Calls {
                 drop(table);
                 for pending in expired {
                     let error = RpcError::from(pending.timeout.error());
-                    fail_pending(shared, pending, error);
+                    self.fail(pending, error);
                 }
                 table = self.lock();
                 continue;
@@ -188,28 +205,6 @@ impl Calls {
             };
         }
     }
-}
-
-/// Completes a call and uncounts it. A failure nobody will see (the future was dropped,
-/// as `remote` does) is logged.
-pub(crate) fn complete(
-    shared: &Shared,
-    completion: &Arc<Completion>,
-    result: Result<Message, RpcError>,
-) {
-    if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
-        tracing::warn!(worker = %shared.me.name(), error = %e, "an RPC whose result nobody waits for failed");
-    }
-    completion.complete_then(result, || shared.finish_client_call());
-}
-
-/// Fails a call, counting a network error against its peer.
-pub(crate) fn fail_pending(shared: &Shared, pending: Pending, error: RpcError) {
-    shared
-        .lock_calls()
-        .network
-        .track_network_error(pending.sent_bytes, &pending.peer);
-    complete(shared, &pending.completion, Err(error));
 }
 
 /// A reply matched to its call: what is left to do.
@@ -248,65 +243,88 @@ impl PullReply {
     }
 }
 
-/// Handles the reply `frame` to call `pending`, which came on a pipe that negotiated
-/// `negotiated` and reads out-of-band tensors through `reader`: an error frame fails
-/// the call with the callee's text; a response completes it, unless it lent
-/// out-of-band tensors, which must be pulled first.
-pub(crate) fn reply(
-    shared: &Shared,
-    pending: Pending,
-    frame: IncomingFrame,
-    negotiated: &Negotiated,
-    reader: &Arc<PipeReader>,
-) -> Reply {
-    if frame.kind != FrameKind::Response {
-        let error = RpcError::Remote {
-            peer: pending.peer.clone(),
-            handler: pending.handler.clone(),
-            message: String::from_utf8_lossy(&frame.payload).into_owned(),
-        };
-        fail_pending(shared, pending, error);
-        return Reply::Done;
+impl Calls {
+    /// Completes a call and uncounts it. A failure nobody will see (the future was dropped,
+    /// as `remote` does) is logged.
+    pub(crate) fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+        if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
+            tracing::warn!(worker = %self.worker, error = %e, "an RPC whose result nobody waits for failed");
+        }
+        completion.complete_then(result, || self.gate.finish_client_call());
     }
-    let IncomingFrame {
-        metadata,
-        payload,
-        tensors,
-        wire_len,
-        ..
-    } = frame;
-    let source = (reader, &shared.devices);
-    let received =
-        match ReceivedTensors::sort(tensors, negotiated, Role::Connector, source, &pending.peer) {
-            Ok(received) => received,
-            Err(e) => {
-                fail_pending(shared, pending, e);
-                return Reply::Done;
-            }
-        };
-    shared.lock_calls().network.track_network_data(
-        pending.sent_bytes,
-        wire_len.saturating_add(received.pull_bytes()),
-        &pending.peer,
-    );
-    if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
-        // Nobody waits for this result (`remote`): nothing to read, just release.
-        complete(shared, &pending.completion, Ok(Message::default()));
-        return Reply::Done;
+
+    /// Fails a call, counting a network error against its peer.
+    pub(crate) fn fail(&self, pending: Pending, error: RpcError) {
+        self.counters
+            .network_error(pending.sent_bytes, &pending.peer);
+        self.complete(&pending.completion, Err(error));
     }
-    if !received.has_out_of_band() {
-        let result = received.pull().map(|tensors| Message {
+
+    /// Handles the reply `frame` to call `pending`, which came on a pipe that negotiated
+    /// `negotiated` and reads out-of-band tensors through `reader`: an error frame fails
+    /// the call with the callee's text; a response completes it, unless it lent
+    /// out-of-band tensors, which must be pulled first.
+    pub(crate) fn reply(
+        &self,
+        pending: Pending,
+        frame: IncomingFrame,
+        negotiated: &Negotiated,
+        reader: &Arc<PipeReader>,
+    ) -> Reply {
+        if frame.kind != FrameKind::Response {
+            let error = RpcError::Remote {
+                peer: pending.peer.clone(),
+                handler: pending.handler.clone(),
+                message: String::from_utf8_lossy(&frame.payload).into_owned(),
+            };
+            self.fail(pending, error);
+            return Reply::Done;
+        }
+        let IncomingFrame {
             metadata,
             payload,
             tensors,
-        });
-        complete(shared, &pending.completion, result);
-        return Reply::Done;
+            wire_len,
+            ..
+        } = frame;
+        let source = (reader, &self.devices);
+        let received = match ReceivedTensors::sort(
+            tensors,
+            negotiated,
+            Role::Connector,
+            source,
+            &pending.peer,
+        ) {
+            Ok(received) => received,
+            Err(e) => {
+                self.fail(pending, e);
+                return Reply::Done;
+            }
+        };
+        self.counters.network_data(
+            pending.sent_bytes,
+            wire_len.saturating_add(received.pull_bytes()),
+            &pending.peer,
+        );
+        if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
+            // Nobody waits for this result (`remote`): nothing to read, just release.
+            self.complete(&pending.completion, Ok(Message::default()));
+            return Reply::Done;
+        }
+        if !received.has_out_of_band() {
+            let result = received.pull().map(|tensors| Message {
+                metadata,
+                payload,
+                tensors,
+            });
+            self.complete(&pending.completion, result);
+            return Reply::Done;
+        }
+        Reply::Pull(PullReply {
+            completion: pending.completion,
+            metadata,
+            payload,
+            received,
+        })
     }
-    Reply::Pull(PullReply {
-        completion: pending.completion,
-        metadata,
-        payload,
-        received,
-    })
 }

@@ -7,36 +7,58 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::rpc::name::WorkerInfo;
-use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::error::RpcError;
-use super::lane::{self, Lane};
 use super::message::{on_io_thread, Message, RpcFuture};
-use super::shared::{Call, Command, Shared};
+
+/// What sends a client's calls: the agent's lanes and I/O thread (`super::dispatch`).
+/// The client knows nothing of pipes.
+pub(crate) trait Caller: Send + Sync + 'static {
+    /// The worker the calls come from.
+    fn worker_info(&self) -> &WorkerInfo;
+
+    /// Starts a call (`None`: the agent's default timeout).
+    fn call(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> RpcFuture;
+
+    /// Makes a call and waits for its result; never called on an I/O thread.
+    fn call_and_wait(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<Message, RpcError>;
+}
 
 /// Makes calls through an agent. Clone it freely; calls made after the agent shut down
 /// fail with [`RpcError::ShutDown`].
 #[derive(Clone)]
 pub struct RpcClient {
-    shared: Arc<Shared>,
+    caller: Arc<dyn Caller>,
 }
 
 impl std::fmt::Debug for RpcClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RpcClient")
-            .field("me", &self.shared.me)
+            .field("me", self.caller.worker_info())
             .finish()
     }
 }
 
 impl RpcClient {
-    pub(crate) fn new(shared: Arc<Shared>) -> RpcClient {
-        RpcClient { shared }
+    pub(crate) fn new(caller: Arc<dyn Caller>) -> RpcClient {
+        RpcClient { caller }
     }
 
     /// The worker the calls come from.
     pub fn worker_info(&self) -> &WorkerInfo {
-        &self.shared.me
+        self.caller.worker_info()
     }
 
     /// `rpc_async(to, handler, message)` with the agent's default timeout.
@@ -54,56 +76,7 @@ impl RpcClient {
         message: Message,
         timeout: Option<Duration>,
     ) -> RpcFuture {
-        self.call(to, handler, message, timeout).0
-    }
-
-    /// Starts a call; the lane it went on, if it went on one.
-    fn call(
-        &self,
-        to: &str,
-        handler: &str,
-        message: Message,
-        timeout: Option<Duration>,
-    ) -> (RpcFuture, Option<Arc<Lane>>) {
-        let (future, completion) = RpcFuture::with_spin(self.shared.wait_spin);
-        let known = self.shared.group().peers.contains_key(to);
-        if !known {
-            completion.complete(Err(RpcError::UnknownWorker {
-                name: to.to_string(),
-            }));
-            return (future, None);
-        }
-        if !self.shared.start_client_call() {
-            // An inline handler called while `join` holds the count frozen: waiting for
-            // the thaw here would stop the I/O thread that `join` needs.
-            completion.complete(Err(RpcError::ShutDown {
-                name: self.shared.me.name().to_string(),
-            }));
-            return (future, None);
-        }
-        let call = Call {
-            message_id: self.shared.next_message_id(),
-            peer: to.to_string(),
-            handler: handler.to_string(),
-            message,
-            timeout: timeout.map_or(self.shared.default_timeout, RpcTimeout::from_duration),
-            completion,
-        };
-        // A pipe served by threads takes the request from this thread; otherwise the
-        // I/O thread sends it.
-        if let Some(lane) = lane::client_lane(&self.shared, to) {
-            lane.call(&self.shared, call);
-            return (future, Some(lane));
-        }
-        if let Err(Command::Call(call)) = self.shared.mailbox.push(Command::Call(call)) {
-            call.completion.complete_then(
-                Err(RpcError::ShutDown {
-                    name: self.shared.me.name().to_string(),
-                }),
-                || self.shared.finish_client_call(),
-            );
-        }
-        (future, None)
+        self.caller.call(to, handler, message, timeout)
     }
 
     /// `rpc_sync(to, handler, message)`: calls and waits.
@@ -130,15 +103,7 @@ impl RpcClient {
             // Checked before sending: the call must not go out if its wait cannot happen.
             return Err(RpcError::BlockingInline);
         }
-        let (future, lane) = self.call(to, handler, message, timeout);
-        match lane {
-            // On a polled lane (shm) the caller reads its reply itself for a while.
-            Some(lane) if lane.is_polled() => {
-                lane.read_own_reply(&self.shared, future.completion(), self.shared.wait_spin);
-                future.wait_sleeping()
-            }
-            _ => future.wait(),
-        }
+        self.caller.call_and_wait(to, handler, message, timeout)
     }
 
     /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still

@@ -313,3 +313,15 @@ boxed_from! {
     TransportError => Transport,
     RpcTimeoutError => Timeout,
 }
+
+/// Turns a store failure of `op` on `key` into [`RpcError::Store`].
+pub(crate) fn store_error<'k>(
+    op: &'static str,
+    key: &'k str,
+) -> impl FnOnce(crate::store::StoreError) -> RpcError + 'k {
+    move |source| RpcError::Store {
+        op,
+        key: key.to_string(),
+        source: Box::new(source),
+    }
+}

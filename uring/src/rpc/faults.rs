@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use rdzv_core::rpc::frame::FrameKind;
 
-use super::agent::FaultInjection;
 use super::error::TransportError;
+use super::options::FaultInjection;
 use super::transport::{BlockingSender, OwnedFrame};
 
 /// A worker's fault injection: what to inject, and how many sends of each failing

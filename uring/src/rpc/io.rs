@@ -29,11 +29,12 @@ use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
 use tokio::task::JoinHandle;
 
-use super::calls::{self, Pending};
+use super::calls::Pending;
 use super::error::RpcError;
+use super::lane::Shared;
 use super::lane::{self, Job};
+use super::mailbox::{Call, Command};
 use super::message::{Completion, Message};
-use super::shared::{Call, Command, Shared};
 use super::transport::{IncomingFrame, Listener, OwnedFrame, Transport};
 
 mod client;
@@ -139,7 +140,7 @@ impl Io {
     }
 
     fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
-        calls::complete(&self.shared, completion, result);
+        self.shared.calls_table.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
@@ -155,6 +156,7 @@ impl Io {
         }
         let address = self
             .shared
+            .registry
             .group()
             .peers
             .get(&call.peer)
@@ -237,7 +239,7 @@ impl Io {
     }
 
     fn fail_pending(&self, pending: Pending, error: RpcError) {
-        calls::fail_pending(&self.shared, pending, error);
+        self.shared.calls_table.fail(pending, error);
     }
 
     /// Whether client pipe `id` to `peer` is still the one being opened (not reset or

@@ -50,21 +50,25 @@ use rdzv_core::rpc::pipe::{
     Transmit,
 };
 
-use super::calls::{self, Pending, Reply};
+use super::calls::{Pending, Reply};
 use super::channels::{cpu_channel, FrameExports, PipeReader, ReceivedTensors, Streamed};
-use super::client::RpcClient;
+use super::client::{Caller, RpcClient};
 use super::error::RpcError;
 use super::error::TransportError;
+use super::handler::{run_handler, CallContext};
+use super::mailbox::Call;
 use super::message::Completion;
-use super::message::{mark_io_thread, run_handler, CallContext, Message};
+use super::message::{mark_io_thread, Message};
 use super::mpt::{MptLanes, LANES_TIMEOUT};
 use super::outgoing::{response_frame, sent_bytes, tensor_frame};
 use super::recycle;
-use super::shared::{Call, Shared};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
     TryRecv, Wake,
 };
+
+mod shared;
+pub(crate) use shared::Shared;
 
 /// How long a polled lane's reader sleeps before it looks again; it wakes at once on
 /// the peer's signal, a kick, the peer's end or a stop, so this only bounds the cost of
@@ -465,7 +469,10 @@ impl Lane {
             return;
         };
         let peer = pending.peer.clone();
-        match calls::reply(shared, pending, frame, &self.negotiated, &self.reader) {
+        match shared
+            .calls_table
+            .reply(pending, frame, &self.negotiated, &self.reader)
+        {
             Reply::Done => {
                 if lent {
                     let _ = self.done_reading(message_id);
@@ -481,7 +488,7 @@ impl Lane {
                     }),
                     (_, pulled) => pulled,
                 };
-                calls::complete(shared, &completion, pulled);
+                shared.calls_table.complete(&completion, pulled);
             }
         }
     }
@@ -617,11 +624,9 @@ impl Lane {
         };
         if let Err(pending) = shared.calls_table.register(message_id, pending) {
             let name = shared.me.name().to_string();
-            calls::complete(
-                shared,
-                &pending.completion,
-                Err(RpcError::ShutDown { name }),
-            );
+            shared
+                .calls_table
+                .complete(&pending.completion, Err(RpcError::ShutDown { name }));
             return;
         }
         self.send_request(shared, message_id, handler, message);
@@ -644,7 +649,7 @@ impl Lane {
         };
         let mut exports = FrameExports::default();
         let built = tensor_frame(
-            shared,
+            &shared.framer,
             &mut frame,
             &mut exports,
             message.tensors,
@@ -655,7 +660,7 @@ impl Lane {
         if let Err(e) = built {
             // Nothing was sent: this call alone fails.
             if let Some(pending) = shared.calls_table.take(message_id) {
-                calls::complete(shared, &pending.completion, Err(e));
+                shared.calls_table.complete(&pending.completion, Err(e));
             }
             return;
         }
@@ -674,7 +679,7 @@ impl Lane {
                     peer: self.peer.clone(),
                     reason: refusal.to_string(),
                 };
-                calls::fail_pending(shared, pending, error);
+                shared.calls_table.fail(pending, error);
             }
             return;
         }
@@ -686,7 +691,9 @@ impl Lane {
                     drop(pipe.unsent(message_id));
                 }
                 if let Some(pending) = shared.calls_table.take(message_id) {
-                    calls::fail_pending(shared, pending, RpcError::InjectedFault { handler });
+                    shared
+                        .calls_table
+                        .fail(pending, RpcError::InjectedFault { handler });
                 }
             }
             Err(SendFailure::Broken(reason)) => self.end(shared, reason),
@@ -701,7 +708,7 @@ impl Lane {
         result: Result<Message, String>,
     ) {
         let (frame, mut exports) = response_frame(
-            shared,
+            &shared.framer,
             message_id,
             result,
             &self.peer,
@@ -803,7 +810,7 @@ impl Lane {
                 peer: self.peer.clone(),
                 reason: reason.clone(),
             };
-            calls::fail_pending(shared, pending, error);
+            shared.calls_table.fail(pending, error);
         }
     }
 }
@@ -867,7 +874,7 @@ fn inbound_reader(shared: &Arc<Shared>, lane: &Arc<Lane>, peer_id: WorkerId, job
             Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
-                if !shared.lock_calls().shutting_down {
+                if !shared.gate.is_shutting_down() {
                     tracing::debug!(peer = %lane.peer, error = %e, "inbound RPC pipe failed");
                 }
                 break;
@@ -927,7 +934,7 @@ fn serve_request(
         caller_id: peer_id,
         handler: frame.handler,
         message_id: frame.message_id,
-        client: RpcClient::new(Arc::clone(shared)),
+        client: RpcClient::new(Arc::clone(shared) as Arc<dyn Caller>),
     };
     let message = Message {
         metadata: frame.metadata,
@@ -940,8 +947,12 @@ fn serve_request(
             Ok(tensors) => tensors,
             Err(e) => return respond(ctx.message_id, Err(e.to_string())),
         };
-    shared.lock_calls().metrics.calls.server_call_started();
-    if let Some(handler) = shared.handler(&ctx.handler).filter(|h| h.runs_inline()) {
+    shared.gate.server_call_started();
+    if let Some(handler) = shared
+        .registry
+        .handler(&ctx.handler)
+        .filter(|h| h.runs_inline())
+    {
         let message_id = ctx.message_id;
         let result = tensors
             .pull()
@@ -949,11 +960,7 @@ fn serve_request(
             .and_then(|tensors| {
                 run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
             });
-        shared
-            .lock_calls()
-            .metrics
-            .calls
-            .server_call_finished(false);
+        shared.gate.server_call_finished();
         respond(message_id, result);
         return;
     }
@@ -966,11 +973,7 @@ fn serve_request(
         tensors,
     };
     if let Err(job) = jobs.send(job) {
-        shared
-            .lock_calls()
-            .metrics
-            .calls
-            .server_call_finished(false);
+        shared.gate.server_call_finished();
         let name = shared.me.name().to_string();
         respond(
             job.0.ctx.message_id,

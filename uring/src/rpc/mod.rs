@@ -8,24 +8,20 @@
 //! handshake, transport and channel negotiation, timeouts, the `join` barrier protocol,
 //! metrics. This module owns the threads, sockets, store client and clock.
 //!
-//! | module | does |
-//! |---|---|
-//! | [`agent`] | `init_rpc`, the user-facing handle, the worker pool, `join`/`shutdown` |
-//! | `io` | the handshake thread: one executor (tokio, current-thread, epoll) that accepts, connects, runs handshakes, then hands each pipe to a lane |
-//! | `lane` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`) |
-//! | `faults` | fault injection, a decorator on client lanes' senders |
-//! | `outgoing` | messages into frames: each tensor's channel, what a frame lends, the receivers' limits |
-//! | `mpt` | the `mpt` channel's extra connections per pipe, and when a pipe has them |
-//! | `calls` | every call in flight, and the one timer thread for their deadlines |
-//! | [`transport`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`] |
-//! | [`tcp`] | the `tcp` transport on tokio's sockets for the handshake, and on the blocking socket for lanes |
-//! | [`shm`] | the `shm` transport: shared-memory rings |
-//! | [`channels`] | which channels this process offers; tensors into frames (inline or exported) and back (pulled) |
-//! | [`backend`] | the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
-//! | [`client`] | the calling half, a clonable handle for threads and handlers |
-//! | [`device`] | tensors in device memory, and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
-//! | [`message`] | messages, handlers, futures |
-//! | [`error`] | errors |
+//! The modules form layers, lowest first; each names only modules below it
+//! (`uring/tests/rpc_layering.rs` checks this from the sources):
+//!
+//! | layer | modules | do |
+//! |---|---|---|
+//! | memory | [`error`], `recycle`, [`device`] | errors; recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
+//! | calls | [`message`], [`client`], [`handler`] | messages and futures; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`] |
+//! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
+//! | tensors | [`channels`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
+//! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
+//! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
+//! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
+//! | pipes | `lane`, `dispatch`, `io`, `pool` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `Shared`, the pieces the lane layer assembles; how a call reaches its lane or the mailbox; the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane); the worker pool |
+//! | group | `drive`, [`agent`], `startup`, [`backend`] | one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //!
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
@@ -56,21 +52,30 @@ pub mod backend;
 mod calls;
 pub mod channels;
 pub mod client;
+mod counters;
 pub mod device;
+mod dispatch;
+mod drive;
 pub mod error;
 mod faults;
+pub mod handler;
 mod io;
 mod lane;
+mod mailbox;
 pub mod message;
 mod mpt;
+mod offer;
+pub mod options;
 mod outgoing;
+mod pool;
 mod recycle;
-mod shared;
+mod registry;
 pub mod shm;
+mod startup;
 pub mod tcp;
 pub mod transport;
 
-pub use agent::{init_rpc, FaultInjection, RpcAgent, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use agent::RpcAgent;
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
@@ -79,6 +84,9 @@ pub use device::{
     PipeId, StagedBytes, StagedReceive,
 };
 pub use error::{RpcError, TransportError};
-pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
+pub use handler::{CallContext, Handler, Inline};
+pub use message::{Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
+pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use startup::init_rpc;
 pub use transport::TransportPlugin;

@@ -26,12 +26,13 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role, TransportKind};
+use rdzv_core::rpc::address::after_scheme;
 use rdzv_core::rpc::frame::TensorDescriptor;
 
 use super::channels::cpu_channel;
 use super::device::HostBytes;
 use super::recycle;
-use super::transport::{IncomingFrame, ADDRESS_SEPARATOR};
+use super::transport::IncomingFrame;
 use crate::channel::mpt::{connect_lanes, LaneListener, MptChannel, MptDescriptor, MptOptions};
 
 /// The scheme of a lane listener's address in a worker's published address.
@@ -84,9 +85,7 @@ pub(crate) fn new_token() -> u64 {
 
 /// The lane listener's address in a worker's published address.
 pub(crate) fn lane_address(published: &str) -> Result<SocketAddr, String> {
-    let entry = published
-        .split(ADDRESS_SEPARATOR)
-        .find_map(|a| a.strip_prefix(SCHEME)?.strip_prefix("://"))
+    let entry = after_scheme(published, SCHEME)
         .ok_or_else(|| format!("the worker publishes no {SCHEME} address ('{published}')"))?;
     entry
         .parse()

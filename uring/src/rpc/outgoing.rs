@@ -4,16 +4,30 @@
 //! frame passes every receiver's limits. Used by the lanes (`super::lane`) as they send;
 //! what happens to lent buffers afterwards is the pipe machine's (`rdzv_core::rpc::pipe`).
 
+use std::sync::Arc;
+
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
 
 use super::channels::{
     add_device_tensor, add_tensor, lends_device_memory, ChannelBytes, FrameExports,
 };
+use super::counters::Counters;
+use super::device::Devices;
 use super::error::RpcError;
 use super::message::{Message, Tensor};
-use super::shared::Shared;
+use super::registry::Registry;
 use super::transport::OwnedFrame;
+
+/// What building a frame reads and counts: the group's device maps, the device
+/// runtimes, the inline threshold, and the bytes each channel moved.
+pub(crate) struct Framer {
+    pub registry: Arc<Registry>,
+    pub devices: Devices,
+    /// Tensors below this size go inline even where a channel was negotiated.
+    pub min_channel_bytes: u64,
+    pub counters: Arc<Counters>,
+}
 
 /// Builds the frame's tensors: each tensor's target device is the device map's image
 /// of its device (or the same device), and it goes over the channel negotiated for the
@@ -25,7 +39,7 @@ use super::transport::OwnedFrame;
 /// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
 /// The frame must then pass the receiver's limits.
 pub(crate) fn tensor_frame(
-    shared: &Shared,
+    framer: &Framer,
     frame: &mut OwnedFrame,
     exports: &mut FrameExports,
     tensors: Vec<Tensor>,
@@ -34,7 +48,7 @@ pub(crate) fn tensor_frame(
     reverse: bool,
 ) -> Result<(), RpcError> {
     let map = {
-        let group = shared.group();
+        let group = framer.registry.group();
         if reverse {
             group.reverse_device_maps.get(peer).cloned()
         } else {
@@ -64,7 +78,7 @@ pub(crate) fn tensor_frame(
                 frame,
                 exports,
                 &mut moved,
-                &shared.devices,
+                &framer.devices,
                 (index, tensor.memory.as_ref()),
                 (tensor.device, target),
                 carrier,
@@ -73,7 +87,7 @@ pub(crate) fn tensor_frame(
             continue;
         }
         // cuda_basic: the bytes in host memory, carried by the CPU channel.
-        let data = shared
+        let data = framer
             .devices
             .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
             .map_err(|reason| RpcError::Channel {
@@ -93,11 +107,11 @@ pub(crate) fn tensor_frame(
             tensor.device,
             target,
             channel,
-            shared.offer.min_channel_bytes,
+            framer.min_channel_bytes,
             peer,
         )?;
     }
-    moved.add_to(&mut shared.lock_calls().channel_bytes);
+    framer.counters.add_channel_bytes(&moved);
     check_limits(frame).map_err(|source| RpcError::Encode {
         peer: peer.to_string(),
         source: Box::new(source),
@@ -108,7 +122,7 @@ pub(crate) fn tensor_frame(
 /// buffers it lends: the response, or an error frame with the handler's error (or why
 /// the response could not be built).
 pub(crate) fn response_frame(
-    shared: &Shared,
+    framer: &Framer,
     message_id: u64,
     result: Result<Message, String>,
     peer: &str,
@@ -123,7 +137,7 @@ pub(crate) fn response_frame(
                 ..OwnedFrame::empty(FrameKind::Response, message_id)
             };
             match tensor_frame(
-                shared,
+                framer,
                 &mut frame,
                 &mut exports,
                 message.tensors,

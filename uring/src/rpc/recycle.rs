@@ -124,12 +124,6 @@ impl Recyclable for Vec<u8> {
     }
 }
 
-impl Recyclable for super::device::HostBytes {
-    fn into_recyclable(self) -> Option<Vec<u8>> {
-        self.into_owned()
-    }
-}
-
 /// Gives every tensor buffer of a sent frame back.
 pub(super) fn give_all<B: Recyclable>(buffers: Vec<B>) {
     for buffer in buffers {

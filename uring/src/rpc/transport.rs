@@ -64,31 +64,8 @@ use super::error::TransportError;
 mod executor;
 pub use executor::LocalExecutor;
 
-/// Separates the listeners' addresses in a worker's published address.
-pub const ADDRESS_SEPARATOR: char = ';';
-
-/// A worker's published address: its listeners' addresses (each `scheme://...`, the
-/// scheme being the transport's name), highest priority first, joined by
-/// [`ADDRESS_SEPARATOR`].
-pub fn join_addresses<'a>(addresses: impl IntoIterator<Item = &'a str>) -> String {
-    let mut joined = String::new();
-    for address in addresses {
-        if !joined.is_empty() {
-            joined.push(ADDRESS_SEPARATOR);
-        }
-        joined.push_str(address);
-    }
-    joined
-}
-
-/// The address of `kind`'s listener in a worker's published address, if it has one.
-pub fn address_for(published: &str, kind: TransportKind) -> Option<&str> {
-    published.split(ADDRESS_SEPARATOR).find(|address| {
-        address
-            .strip_prefix(kind.name())
-            .is_some_and(|rest| rest.starts_with("://"))
-    })
-}
+/// The published-address format is the core's.
+pub use rdzv_core::rpc::address::{address_for, join_addresses, ADDRESS_SEPARATOR};
 
 /// A boxed future that stays on the executor that made it.
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;

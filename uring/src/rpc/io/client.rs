@@ -68,15 +68,11 @@ impl Io {
             // the halves closes the connection.
             return;
         }
-        {
-            let mut calls = self.shared.lock_calls();
-            calls
-                .pipe_transports
-                .insert(peer.clone(), negotiated.transport);
-            calls
-                .pipe_channels
-                .insert(peer.clone(), cpu_channel(&negotiated, Role::Connector));
-        }
+        self.shared.counters.pipe_opened(
+            &peer,
+            negotiated.transport,
+            cpu_channel(&negotiated, Role::Connector),
+        );
         let mpt = match (mpt_token, &self.shared.mpt) {
             (Some(token), Some(setup)) => {
                 let (published, lanes) = (address.clone(), setup.lanes);

@@ -48,7 +48,7 @@ impl Io {
                 brochure,
                 lanes_token,
             } => {
-                let known = self.shared.group().peers.get(name).map(|p| p.id);
+                let known = self.shared.registry.group().peers.get(name).map(|p| p.id);
                 // A dynamic group's newcomer connects before the members know it.
                 if known != Some(id) && !self.shared.dynamic {
                     return Err(format!(

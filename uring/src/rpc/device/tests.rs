@@ -1,0 +1,216 @@
+//! The runtimes' seam with a fake runtime that keeps "device" memory on the host.
+
+use std::sync::Arc;
+
+use rdzv_core::device::{Device, DeviceType};
+use rdzv_core::negotiate::ChannelKind;
+
+use super::*;
+
+struct HostRuntime {
+    short_copy: bool,
+}
+
+impl HostRuntime {
+    fn bytes(memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+        let memory = memory
+            .downcast_ref::<HostMemory>()
+            .ok_or("foreign memory")?;
+        Ok(memory.bytes().to_vec())
+    }
+}
+
+impl DeviceRuntime for HostRuntime {
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+        vec![
+            (ChannelKind::CudaIpc, Ok("cuda_ipc:here".into())),
+            (ChannelKind::CudaXth, Err("not in this test".into())),
+        ]
+    }
+    /// The descriptor is the bytes themselves (a short copy when `short_copy`).
+    fn lend(&self, _: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+        Ok(DeviceLoan {
+            descriptor: Self::bytes(memory)?,
+            hold: Box::new(memory.clone()),
+        })
+    }
+    fn borrow(
+        &self,
+        _: ChannelKind,
+        device: Device,
+        _: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, String> {
+        let mut bytes = descriptor.to_vec();
+        if self.short_copy {
+            bytes.pop();
+        }
+        self.copy_from_host(device, bytes)
+    }
+    fn device_count(&self) -> usize {
+        2
+    }
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+        let memory = memory
+            .downcast_ref::<HostMemory>()
+            .ok_or("foreign memory")?;
+        let mut bytes = memory.bytes().to_vec();
+        if self.short_copy {
+            bytes.pop();
+        }
+        Ok(bytes.into())
+    }
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+        if device.index().unwrap_or(0) >= 2 {
+            return Err(format!("no {device}"));
+        }
+        Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
+    }
+}
+
+struct Plugin(DeviceType, Result<bool, &'static str>);
+
+impl DevicePlugin for Plugin {
+    fn device_type(&self) -> DeviceType {
+        self.0
+    }
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+        match self.1 {
+            Ok(short_copy) => Ok(Arc::new(HostRuntime { short_copy })),
+            Err(reason) => Err(reason.to_string()),
+        }
+    }
+}
+
+fn cuda(index: u8) -> Device {
+    Device::cuda(index)
+}
+
+fn devices(plugin: Plugin) -> Devices {
+    Devices::open(&[Arc::new(plugin)]).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn a_cpu_plugin_is_refused_and_an_unusable_one_leaves_cuda_out() {
+    let cpu: Arc<dyn DevicePlugin> = Arc::new(Plugin(DeviceType::Cpu, Ok(false)));
+    let err = Devices::open(&[cpu]).expect_err("cpu is built in");
+    assert!(err.contains("built in"), "{err}");
+    assert!(!devices(Plugin(DeviceType::Cuda, Err("no driver"))).has_cuda());
+    assert!(devices(Plugin(DeviceType::Cuda, Ok(false))).has_cuda());
+}
+
+#[test]
+fn lending_is_checked_on_both_sides() {
+    let devices = devices(Plugin(DeviceType::Cuda, Ok(false)));
+    assert_eq!(
+        devices.lending_descriptor(ChannelKind::CudaIpc).as_deref(),
+        Ok("cuda_ipc:here")
+    );
+    let err = devices
+        .lending_descriptor(ChannelKind::CudaXth)
+        .expect_err("refused");
+    assert_eq!(err, "not in this test");
+    let err = devices
+        .lending_descriptor(ChannelKind::CudaGdr)
+        .expect_err("not run");
+    assert!(err.contains("does not run cuda_gdr"), "{err}");
+    let err = Devices::default()
+        .lending_descriptor(ChannelKind::CudaIpc)
+        .expect_err("no runtime");
+    assert!(err.contains("device_plugins"), "{err}");
+
+    let memory = DeviceBuffer::new(HostMemory::new(cuda(0), vec![1, 2, 3]));
+    let loan = devices
+        .lend(ChannelKind::CudaIpc, cuda(0), Some(&memory))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(loan.descriptor, vec![1, 2, 3]);
+    let copy = devices
+        .borrow(
+            PipeId::next(),
+            ChannelKind::CudaIpc,
+            cuda(1),
+            3,
+            &loan.descriptor,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((copy.device(), copy.len()), (cuda(1), 3));
+    // The tensor must hold memory on its own device.
+    let err = devices
+        .lend(ChannelKind::CudaIpc, cuda(1), Some(&memory))
+        .expect_err("other device");
+    assert!(err.contains("its memory is on cuda:0"), "{err}");
+    let err = devices
+        .lend(ChannelKind::CudaIpc, cuda(0), None)
+        .expect_err("no memory");
+    assert!(err.contains("Tensor::on_device"), "{err}");
+    // A descriptor a frame cannot carry is refused.
+    let big = DeviceBuffer::new(HostMemory::new(cuda(0), vec![0; 256]));
+    let err = devices
+        .lend(ChannelKind::CudaIpc, cuda(0), Some(&big))
+        .expect_err("too long");
+    assert!(err.contains("256-byte cuda_ipc descriptor"), "{err}");
+    // The receiver checks what its runtime made.
+    let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
+    let err = short
+        .borrow(
+            PipeId::next(),
+            ChannelKind::CudaIpc,
+            cuda(1),
+            3,
+            &loan.descriptor,
+        )
+        .expect_err("short");
+    assert!(err.contains("made 2 bytes on cuda:1 for 3 bytes"), "{err}");
+}
+
+#[test]
+fn staging_round_trips_and_checks_what_the_runtime_returns() {
+    let devices = devices(Plugin(DeviceType::Cuda, Ok(false)));
+    let (host, memory) = devices
+        .stage_in(cuda(1), vec![1, 2, 3])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(host.is_empty());
+    let memory = memory.expect("device memory");
+    assert_eq!((memory.device(), memory.len()), (cuda(1), 3));
+    assert_eq!(memory, memory.clone());
+    let out = devices.stage_out(cuda(1), Vec::new(), Some(&memory));
+    assert_eq!(out, Ok(vec![1, 2, 3].into()));
+    // CPU tensors pass through.
+    assert_eq!(
+        devices.stage_in(Device::cpu(), vec![4]),
+        Ok((vec![4], None))
+    );
+    assert_eq!(
+        devices.stage_out(Device::cpu(), vec![5], None),
+        Ok(vec![5].into())
+    );
+    // Wrong shapes are refused with what to do.
+    let err = devices
+        .stage_out(cuda(0), vec![1], None)
+        .expect_err("no memory");
+    assert!(err.contains("Tensor::on_device"), "{err}");
+    let err = devices
+        .stage_out(cuda(0), Vec::new(), Some(&memory))
+        .expect_err("memory on another device");
+    assert!(err.contains("its memory is on cuda:1"), "{err}");
+    let err = devices
+        .stage_out(Device::cpu(), Vec::new(), Some(&memory))
+        .expect_err("cpu with memory");
+    assert!(err.contains("holds device memory"), "{err}");
+    let err = devices.stage_in(cuda(5), vec![1]).expect_err("no cuda:5");
+    assert_eq!(err, "no cuda:5");
+
+    let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
+    let err = short
+        .stage_out(cuda(1), Vec::new(), Some(&memory))
+        .expect_err("short copy");
+    assert!(err.contains("copied 2 bytes of a 3-byte tensor"), "{err}");
+
+    let none = Devices::default();
+    let err = none.stage_in(cuda(0), vec![1]).expect_err("no runtime");
+    assert!(err.contains("no cuda runtime"), "{err}");
+    let err = none
+        .stage_out(cuda(1), Vec::new(), Some(&memory))
+        .expect_err("no runtime");
+    assert!(err.contains("device_plugins"), "{err}");
+}

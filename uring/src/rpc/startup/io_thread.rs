@@ -1,0 +1,68 @@
+//! The I/O thread's start: its executor, its listeners, the address they make.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::rpc::error::RpcError;
+use crate::rpc::io::Io;
+use crate::rpc::lane::Job;
+use crate::rpc::lane::Shared;
+use crate::rpc::message::mark_io_thread;
+use crate::rpc::transport::{LocalExecutor, Transport};
+use rdzv_core::rpc::address::join_addresses;
+
+pub(super) fn spawn_io(
+    shared: &Arc<Shared>,
+    transports: Vec<Box<dyn Transport + Send>>,
+    jobs: std::sync::mpsc::Sender<Job>,
+) -> Result<(JoinHandle<()>, String), RpcError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
+    let shared = Arc::clone(shared);
+    let name = format!("rdzv-rpc-io-{}", shared.me.name());
+    let handle = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            mark_io_thread();
+            let built = LocalExecutor::new();
+            let executor = match built {
+                Ok(executor) => executor,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(RpcError::Executor(e.to_string())));
+                    return;
+                }
+            };
+            executor.run(async move {
+                let mut listeners = Vec::with_capacity(transports.len());
+                for transport in &transports {
+                    match transport.listen() {
+                        Ok(listener) => listeners.push(listener),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(RpcError::from(e)));
+                            return;
+                        }
+                    }
+                }
+                let address = join_addresses(listeners.iter().map(|l| l.address()));
+                let _ = ready_tx.send(Ok(address));
+                let transports = transports
+                    .into_iter()
+                    .map(|t| -> Box<dyn Transport> { t })
+                    .collect();
+                Io::run(shared, transports, listeners, jobs).await;
+            });
+        })
+        .map_err(|e| RpcError::Executor(e.to_string()))?;
+    match ready_rx.recv() {
+        Ok(Ok(address)) => Ok((handle, address)),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = handle.join();
+            Err(RpcError::Executor(
+                "the I/O thread exited during start".into(),
+            ))
+        }
+    }
+}

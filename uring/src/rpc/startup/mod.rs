@@ -1,0 +1,387 @@
+//! [`init_rpc`]: the group's start-up through the store, up to a running [`RpcAgent`].
+//! The static group's steps are `static_init`'s, the dynamic group's `dynamic`'s; `probe`
+//! checks the options first, `io_thread` starts the I/O thread.
+//!
+//! Start-up (static group, PyTorch's `_tensorpipe_init_backend_handler` plus the agent's
+//! constructor and `startImpl`): rendezvous through `init_method`; claim
+//! `rpcIsStaticGroup`; publish `names/{rank}` and read every other rank's name (duplicate
+//! names fail); publish this worker's `(name, device_count, device_maps, devices)` under
+//! `devices/{rank}` (PyTorch gathers it with a process group; rdzv uses the store) and
+//! check every worker's maps with the core; start the I/O thread and listen on the
+//! lowest-priority transport (the bootstrap one); publish `addrs/{name}`, read every
+//! peer's address; then a store barrier.
+//!
+//! Dynamic groups (no world size; PyTorch's `_group_membership_management` and
+//! `_update_group_membership`): under the store token `RpcGroupManagementToken`, a
+//! newcomer claims `names/{rank}`, reads `_ALL_WORKER_INFOS`, checks device maps as a
+//! dynamic group, starts, tells every member (a reserved `__rdzv_group_join` call
+//! carrying its name, id, address and devices), then lists itself. Leaving (graceful
+//! shutdown) takes the token, tells every other member (`__rdzv_group_leave`), then runs
+//! the core's `Leave`. Unlike PyTorch, a leave drops only the leaver's reverse device
+//! map on the others, not all of them, and device information travels through the store
+//! (`devices/{rank}`) instead of `_get_device_infos` calls.
+//!
+
+mod dynamic;
+mod io_thread;
+pub(crate) mod probe;
+mod static_init;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rdzv_core::device::DeviceType;
+use rdzv_core::device_map::WorkerDevices;
+use rdzv_core::negotiate::{ChannelKind, TransportKind};
+use rdzv_core::rpc::name::WorkerInfo;
+use rdzv_core::rpc::store_keys::{
+    check_static_group, decode_worker_devices, encode_worker_devices, membership_token,
+    static_group_value, Membership, RpcKeys,
+};
+use rdzv_core::rpc::timeouts::RpcTimeout;
+
+use self::dynamic::{join_dynamic, register_membership_handlers};
+use self::io_thread::spawn_io;
+use self::probe::{guess_host, probe, Probed};
+use self::static_init::init_static;
+use crate::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
+use crate::rpc::agent::RpcAgent;
+use crate::rpc::calls::Calls;
+use crate::rpc::client::{Caller, RpcClient};
+use crate::rpc::counters::{Counters, JoinGate};
+use crate::rpc::device::Devices;
+use crate::rpc::drive::{acquire_token, release_token};
+use crate::rpc::error::store_error;
+use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::handler::Handler;
+use crate::rpc::lane::Shared;
+use crate::rpc::lane::{Job, Lanes};
+use crate::rpc::mailbox::Mailbox;
+use crate::rpc::mpt::MptSetup;
+use crate::rpc::offer::OfferSpec;
+use crate::rpc::options::RpcOptions;
+use crate::rpc::outgoing::Framer;
+use crate::rpc::pool::spawn_pool;
+use crate::rpc::registry::Registry;
+use crate::rpc::shm::ShmTransport;
+use crate::rpc::tcp::TcpTransport;
+use crate::rpc::transport::Transport;
+use crate::store::Store;
+use rdzv_core::rendezvous::NodeParams;
+use rdzv_core::rpc::address::join_addresses;
+
+/// `_init_counter`: the `n` of `rpc_prefix_n`, counting `init_rpc` calls in the process.
+static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// `rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)`:
+/// joins the group and starts the agent. With a world size (static group) it blocks
+/// until every worker of the group has started (a store barrier); without one it joins
+/// a dynamic group (the rendezvous must allow that, e.g. `tcp://`).
+///
+/// # Errors
+/// [`RpcError::InvalidWorker`] for a bad name or rank; [`RpcError::Backends`] /
+/// [`RpcError::InvalidOption`] for unusable options (unknown transport or channel names,
+/// no worker threads); [`RpcError::DuplicateId`] for a dynamic member whose rank is
+/// taken; [`RpcError::Rendezvous`] and [`RpcError::Store`]
+/// when the store cannot be reached; [`RpcError::MixedGroup`], [`RpcError::Names`]
+/// (duplicate names) and [`RpcError::DeviceMaps`] when the group is inconsistent;
+/// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails.
+pub fn init_rpc(
+    name: &str,
+    rank: u32,
+    world_size: Option<u32>,
+    options: RpcOptions,
+) -> Result<RpcAgent, RpcError> {
+    let me =
+        WorkerInfo::new(name, i64::from(rank)).map_err(|e| RpcError::InvalidWorker(Box::new(e)))?;
+    if let Some(world_size) = world_size {
+        if rank >= world_size {
+            return Err(RpcError::InvalidOption {
+                option: "rank",
+                reason: format!("rank {rank} is not below the world size {world_size}"),
+            });
+        }
+    }
+    let Probed {
+        offer,
+        shm,
+        plugged,
+        devices,
+        handlers,
+    } = probe(&options)?;
+    let (transports, channels) = (offer.transports, offer.channels);
+
+    // A dynamic member builds its store as `_create_store_from_options` does: no world
+    // size argument.
+    let params = match world_size {
+        Some(world_size) => NodeParams::Given {
+            rank: Some(rank),
+            world_size: Some(world_size),
+        },
+        None => NodeParams::Inferred { rank: Some(rank) },
+    };
+    let rdzv = rendezvous_with(
+        &options.init_method,
+        params,
+        &ProcessEnv::snapshot(),
+        &RendezvousOptions::default(),
+    )
+    .map_err(|source| RpcError::Rendezvous {
+        init_method: options.init_method.clone(),
+        source: Box::new(source),
+    })?;
+    let store = rdzv.store;
+    let counter = options
+        .init_counter
+        .unwrap_or_else(|| INIT_COUNTER.fetch_add(1, Ordering::Relaxed));
+    let keys = RpcKeys::new(counter);
+
+    // rpcIsStaticGroup.
+    let is_static = world_size.is_some();
+    let key = keys.is_static_group();
+    let returned = store
+        .compare_set(&key, b"", static_group_value(is_static))
+        .map_err(store_error("compare_set", &key))?;
+    check_static_group(is_static, &returned)?;
+
+    let start = Start {
+        me,
+        options,
+        store,
+        keys,
+        transports,
+        shm,
+        plugged,
+        channels,
+        devices,
+        handlers,
+    };
+    match world_size {
+        Some(world_size) => init_static(start, world_size),
+        None => {
+            let token = membership_token(start.me.name(), Membership::Join);
+            acquire_token(&*start.store, &start.keys, &token, start.me.name())?;
+            let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
+            let name = start.me.name().to_string();
+            let joined = join_dynamic(start);
+            release_token(&*store, &keys, &token, &name).and(joined)
+        }
+    }
+}
+
+/// What both kinds of group start from.
+pub(super) struct Start {
+    pub(super) me: WorkerInfo,
+    pub(super) options: RpcOptions,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) keys: RpcKeys,
+    /// Highest priority first.
+    pub(super) transports: Vec<(TransportKind, i64)>,
+    /// The shm transport, when it is viable and offered.
+    pub(super) shm: Option<ShmTransport>,
+    /// The plugged-in transports that are viable and offered.
+    pub(super) plugged: Vec<(TransportKind, Box<dyn Transport + Send>)>,
+    /// Highest priority first, with their domain descriptors.
+    pub(super) channels: Vec<(ChannelKind, i64, String)>,
+    /// The opened device runtimes.
+    pub(super) devices: Devices,
+    pub(super) handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Start {
+    pub(super) fn devices(&self) -> WorkerDevices {
+        WorkerDevices {
+            name: self.me.name().to_string(),
+            device_count: match (
+                self.options.device_count,
+                self.devices.runtime(DeviceType::Cuda),
+            ) {
+                (0, Some(cuda)) => u32::try_from(cuda.device_count()).unwrap_or(u32::MAX),
+                (count, _) => count,
+            },
+            device_maps: self.options.device_maps.clone(),
+            devices: self.options.devices.clone(),
+        }
+    }
+
+    pub(super) fn devices_key(&self, rank: u32) -> String {
+        self.keys.devices(rank)
+    }
+
+    /// Publishes this worker's device information under `devices/{rank}`.
+    pub(super) fn publish_devices(&self) -> Result<(), RpcError> {
+        let rank = self.rank();
+        let encoded = encode_worker_devices(&self.devices())
+            .map_err(|reason| RpcError::BadDeviceInfo { rank, reason })?;
+        let key = self.devices_key(rank);
+        self.store
+            .set(&key, &encoded)
+            .map_err(store_error("set", &key))
+    }
+
+    /// Reads a worker's device information.
+    pub(super) fn read_devices(&self, rank: u32) -> Result<WorkerDevices, RpcError> {
+        let key = self.devices_key(rank);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        decode_worker_devices(&value).map_err(|reason| RpcError::BadDeviceInfo { rank, reason })
+    }
+
+    pub(super) fn rank(&self) -> u32 {
+        u32::try_from(self.me.id().get()).unwrap_or(0)
+    }
+
+    /// Reads a worker's published address.
+    pub(super) fn read_address(&self, name: &str) -> Result<String, RpcError> {
+        let key = self.keys.address(name);
+        let value = self.store.get(&key).map_err(store_error("get", &key))?;
+        Ok(String::from_utf8_lossy(&value).into_owned())
+    }
+
+    /// Starts the pool and the I/O thread, and publishes this worker's address.
+    pub(super) fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, RpcError> {
+        let Start {
+            me,
+            options,
+            store,
+            keys,
+            transports,
+            shm,
+            mut plugged,
+            channels,
+            devices,
+            handlers,
+        } = self;
+        let host = options.listen_host.unwrap_or_else(guess_host);
+        // Highest priority first; the last one is the bootstrap transport.
+        let mut running: Vec<Box<dyn Transport + Send>> = Vec::new();
+        let mut offered = Vec::new();
+        for &(kind, priority) in &transports {
+            let transport: Box<dyn Transport + Send> = match kind {
+                TransportKind::Tcp => Box::new(TcpTransport::new(host)),
+                TransportKind::Shm => match &shm {
+                    Some(shm) => Box::new(shm.clone()),
+                    None => continue,
+                },
+                other => match plugged.iter().position(|(k, _)| *k == other) {
+                    Some(at) => plugged.swap_remove(at).1,
+                    None => continue,
+                },
+            };
+            offered.push((kind, priority, transport.domain_descriptor().to_string()));
+            running.push(transport);
+        }
+        let mpt = if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
+            let started = MptSetup::start(host, options.mpt_lanes).map_err(|source| {
+                RpcError::from(TransportError::Listen {
+                    address: format!("mpt://{}", SocketAddr::new(host, 0)),
+                    source,
+                })
+            })?;
+            Some(started)
+        } else {
+            None
+        };
+        let offer = OfferSpec {
+            transports: offered,
+            channels,
+            serves_cuda: devices.has_cuda(),
+        };
+        let pool_size = u32::try_from(options.num_worker_threads).unwrap_or(u32::MAX);
+        let registry = Arc::new(Registry::new(handlers));
+        let gate = Arc::new(JoinGate::default());
+        let counters = Arc::new(Counters::new(pool_size));
+        let calls_table = Arc::new(Calls::new(
+            me.name(),
+            Arc::clone(&gate),
+            Arc::clone(&counters),
+            devices.clone(),
+        ));
+        let framer = Framer {
+            registry: Arc::clone(&registry),
+            devices: devices.clone(),
+            min_channel_bytes: options.min_channel_bytes,
+            counters: Arc::clone(&counters),
+        };
+        let shared = Arc::new(Shared {
+            me: me.clone(),
+            dynamic: world_size.is_none(),
+            registry,
+            mailbox: Mailbox::default(),
+            gate,
+            counters,
+            next_message_id: AtomicU64::new(1),
+            default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
+            offer,
+            calls_table,
+            framer,
+            lanes: Mutex::new(Lanes::default()),
+            faults: crate::rpc::faults::Faults::new(&options.fault_injection),
+            mpt,
+            devices,
+            wait_spin: options.wait_spin,
+        });
+        if world_size.is_none() {
+            register_membership_handlers(&shared.registry, me.name());
+        }
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+        let mut workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        workers.push(
+            shared
+                .calls_table
+                .start_timer()
+                .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
+        );
+        let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
+        // The mpt lane listener's address goes last: it is no transport.
+        let address = match &shared.mpt {
+            Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
+            None => address,
+        };
+        let agent = RpcAgent {
+            shared: Arc::clone(&shared),
+            client: RpcClient::new(Arc::clone(&shared) as Arc<dyn Caller>),
+            world_size,
+            store: Arc::clone(&store),
+            keys: keys.clone(),
+            io_thread: Mutex::new(Some(io_thread)),
+            workers: Mutex::new(workers),
+            address: address.clone(),
+            next_barrier_id: Mutex::new(1),
+        };
+        let key = keys.address(me.name());
+        store
+            .set(&key, address.as_bytes())
+            .map_err(store_error("set", &key))?;
+        Ok(agent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rpc::message::Message;
+
+    #[test]
+    fn bad_names_and_ranks_fail_before_any_io() {
+        let bad = init_rpc(
+            "no spaces",
+            0,
+            Some(1),
+            RpcOptions::new("file:///nonexistent"),
+        );
+        assert!(matches!(bad, Err(RpcError::InvalidWorker(_))));
+        let bad = init_rpc("w", 2, Some(2), RpcOptions::new("file:///nonexistent"));
+        assert!(matches!(
+            bad,
+            Err(RpcError::InvalidOption { option: "rank", .. })
+        ));
+        let reserved = RpcOptions::new("file:///nonexistent").with_handler(
+            "__rdzv_group_join",
+            |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> { Ok(m) },
+        );
+        let bad = init_rpc("w", 0, Some(1), reserved);
+        assert!(matches!(bad, Err(RpcError::HandlerExists { .. })));
+    }
+}
