@@ -40,6 +40,7 @@ use alloc::string::String;
 use core::fmt;
 
 use super::name::WorkerInfo;
+use super::startup::StartupGroup;
 use super::store_keys::{remove_worker_info, BarrierKeys, RpcKeys, WorkerInfosError};
 use crate::device::RejectedInput;
 use crate::store::semantics::parse_counter;
@@ -98,6 +99,45 @@ pub enum Action<'a> {
         /// How long, in milliseconds.
         millis: u64,
     },
+    /// `store.wait(keys, timeout)`; answer [`Outcome::Waited`], or
+    /// [`Outcome::TimedOut`] when the timeout passed first (used by
+    /// [`super::startup`]).
+    StoreWaitAll {
+        /// The keys, all of which must exist.
+        keys: &'a [String],
+        /// How long to wait, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// `store.check([key])`; answer [`Outcome::Checked`].
+    StoreCheck {
+        /// The key.
+        key: &'a str,
+    },
+    /// `store.barrier(key, world_size)`; answer [`Outcome::PassedBarrier`].
+    StoreBarrier {
+        /// The barrier key.
+        key: &'a str,
+        /// How many workers must arrive.
+        world_size: i64,
+    },
+    /// Start the agent (its threads and listeners); answer [`Outcome::Listening`] with
+    /// the address it publishes.
+    Listen,
+    /// Hand the group to the running agent; answer [`Outcome::Installed`].
+    InstallGroup {
+        /// The group.
+        group: &'a StartupGroup,
+    },
+    /// Call `method` on worker `to` with `payload` and wait for its answer; answer
+    /// [`Outcome::Called`].
+    Call {
+        /// The worker called.
+        to: &'a str,
+        /// The method (a reserved handler name).
+        method: &'a str,
+        /// The request payload.
+        payload: &'a [u8],
+    },
     /// Finished.
     Done,
     /// Failed; [`Join::error`] / [`Leave::error`] says why. Nothing more will happen.
@@ -118,6 +158,12 @@ impl Action<'_> {
             Action::StoreGet { .. } => "store get",
             Action::StoreCompareSet { .. } => "store compare_set",
             Action::Pause { .. } => "pause",
+            Action::StoreWaitAll { .. } => "store wait (with a timeout)",
+            Action::StoreCheck { .. } => "store check",
+            Action::StoreBarrier { .. } => "store barrier",
+            Action::Listen => "listen",
+            Action::InstallGroup { .. } => "install the group",
+            Action::Call { .. } => "call",
             Action::Done => "done",
             Action::Failed => "failed",
         }
@@ -147,6 +193,18 @@ pub enum Outcome<'a> {
     Compared(&'a [u8]),
     /// The pause is over.
     Paused,
+    /// A [`Action::StoreWaitAll`] ran out of time.
+    TimedOut,
+    /// Whether the checked key exists.
+    Checked(bool),
+    /// Every worker arrived at the barrier.
+    PassedBarrier,
+    /// The agent runs and publishes this address.
+    Listening(&'a str),
+    /// The agent holds the group.
+    Installed,
+    /// The call returned.
+    Called,
 }
 
 impl Outcome<'_> {
@@ -163,6 +221,12 @@ impl Outcome<'_> {
             Outcome::Got(_) => "got",
             Outcome::Compared(_) => "compared",
             Outcome::Paused => "paused",
+            Outcome::TimedOut => "timed out",
+            Outcome::Checked(_) => "checked",
+            Outcome::PassedBarrier => "passed the barrier",
+            Outcome::Listening(_) => "listening",
+            Outcome::Installed => "installed",
+            Outcome::Called => "called",
         }
     }
 }
