@@ -1,43 +1,106 @@
 //! One driver for the core's machines over store operations: `join`'s and a dynamic
 //! member's leave (`rdzv_core::rpc::shutdown`), and the group token's acquire and
-//! release (`rdzv_core::rpc::token`). [`drive`] runs each [`Action`] against the store,
-//! the call gate or the clock and hands the [`Outcome`] back, until the machine is done
-//! or fails. The protocols themselves are the core's.
+//! release (`rdzv_core::rpc::token`), and the group's start-up
+//! (`rdzv_core::rpc::startup`). [`drive`] runs each [`Action`] against the store, the
+//! call gate, the starting agent ([`StartHost`]) or the clock and hands the [`Outcome`]
+//! back, until the machine is done or fails. The protocols themselves are the core's.
 
 use std::time::Duration;
 
 use rdzv_core::rpc::shutdown::{Action, Join, JoinError, Leave, Outcome};
+use rdzv_core::rpc::startup::{DynamicJoin, StartupError, StartupGroup, StaticInit};
 use rdzv_core::rpc::store_keys::RpcKeys;
 use rdzv_core::rpc::token::{TokenAcquire, TokenRelease};
 
 use super::counters::JoinGate;
 use super::error::{store_error, RpcError};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// A core machine over store operations, driven alike.
 pub(crate) trait StoreMachine {
+    /// Why it fails.
+    type Error: Clone;
     fn poll_action(&self) -> Action<'_>;
-    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError>;
-    fn error(&self) -> Option<&JoinError>;
+    fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), Self::Error>;
+    fn error(&self) -> Option<&Self::Error>;
+    /// The error for an action this driver has nothing to run with.
+    fn unexpected(expected: &'static str, got: &'static str) -> Self::Error;
+    /// The machine's error as the agent reports it, for worker `worker`.
+    fn rpc_error(error: Self::Error, worker: &str) -> RpcError;
 }
 
 macro_rules! store_machine {
-    ($($machine:ty),*) => {$(
+    ($error:ty, $unexpected:path, $rpc_error:expr; $($machine:ty),*) => {$(
         impl StoreMachine for $machine {
+            type Error = $error;
             fn poll_action(&self) -> Action<'_> {
                 <$machine>::poll_action(self)
             }
-            fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), JoinError> {
+            fn handle(&mut self, outcome: Outcome<'_>) -> Result<(), $error> {
                 <$machine>::handle(self, outcome)
             }
-            fn error(&self) -> Option<&JoinError> {
+            fn error(&self) -> Option<&$error> {
                 <$machine>::error(self)
+            }
+            fn unexpected(expected: &'static str, got: &'static str) -> $error {
+                $unexpected { expected, got }
+            }
+            fn rpc_error(error: $error, worker: &str) -> RpcError {
+                $rpc_error(error, worker)
             }
         }
     )*};
 }
 
-store_machine!(Join, Leave, TokenAcquire, TokenRelease);
+fn join_error(source: JoinError, worker: &str) -> RpcError {
+    RpcError::Join {
+        name: worker.to_string(),
+        source: Box::new(source),
+    }
+}
+
+/// A start-up error as the variant `init_rpc` has always reported for it.
+fn startup_error(source: StartupError, _worker: &str) -> RpcError {
+    match source {
+        StartupError::Names(e) => e.into(),
+        StartupError::DuplicateId(e) => e.into(),
+        StartupError::WorkerList(e) => e.into(),
+        StartupError::DeviceMaps(e) => e.into(),
+        StartupError::BadDeviceInfo { rank, reason } => RpcError::BadDeviceInfo { rank, reason },
+        StartupError::WorldSize { world_size } => RpcError::InvalidOption {
+            option: "world_size",
+            reason: format!("{world_size} workers exceed the worker id range"),
+        },
+        other => RpcError::Startup(Box::new(other)),
+    }
+}
+
+store_machine!(JoinError, JoinError::UnexpectedOutcome, join_error; Join, Leave, TokenAcquire, TokenRelease);
+store_machine!(StartupError, StartupError::UnexpectedOutcome, startup_error; StaticInit, DynamicJoin);
+
+/// What a start-up machine asks of the agent it starts.
+pub(crate) trait StartHost {
+    /// Starts the agent; returns the address it publishes.
+    fn listen(&mut self) -> Result<String, RpcError>;
+    /// Hands the group to the running agent.
+    fn install(&mut self, group: &StartupGroup) -> Result<(), RpcError>;
+    /// Calls `method` on worker `to` with `payload`.
+    fn call(&mut self, to: &str, method: &str, payload: &[u8]) -> Result<(), RpcError>;
+}
+
+/// Runs a start-up machine for worker `worker` to its end, with `host` for what is not
+/// a store operation.
+///
+/// # Errors
+/// As [`drive`], and whatever `host` fails with.
+pub(crate) fn drive_start<M: StoreMachine>(
+    store: &dyn Store,
+    host: &mut dyn StartHost,
+    worker: &str,
+    machine: &mut M,
+) -> Result<(), RpcError> {
+    run(store, None, Some(host), worker, machine)
+}
 
 /// Runs `machine` for worker `worker` to its end: store actions on `store`, call-count
 /// actions on `gate` (only `join` and a leave ask for them, and only they are given a
@@ -47,11 +110,21 @@ store_machine!(Join, Leave, TokenAcquire, TokenRelease);
 /// [`RpcError::Store`] when a store operation fails; [`RpcError::Join`] when the machine
 /// fails (or an action has nothing to run it); [`RpcError::ShutDown`] when it fails
 /// without saying why.
-pub(crate) fn drive(
+pub(crate) fn drive<M: StoreMachine>(
     store: &dyn Store,
     gate: Option<&JoinGate>,
     worker: &str,
-    machine: &mut impl StoreMachine,
+    machine: &mut M,
+) -> Result<(), RpcError> {
+    run(store, gate, None, worker, machine)
+}
+
+fn run<M: StoreMachine>(
+    store: &dyn Store,
+    gate: Option<&JoinGate>,
+    mut host: Option<&mut dyn StartHost>,
+    worker: &str,
+    machine: &mut M,
 ) -> Result<(), RpcError> {
     enum Done {
         NoClientCalls,
@@ -64,18 +137,27 @@ pub(crate) fn drive(
         Got(Vec<u8>),
         Compared(Vec<u8>),
         Paused,
+        TimedOut,
+        Checked(bool),
+        PassedBarrier,
+        Listening(String),
+        Installed,
+        Called,
     }
-    let failed = |source: JoinError| RpcError::Join {
-        name: worker.to_string(),
-        source: Box::new(source),
-    };
+    let failed = |source: M::Error| M::rpc_error(source, worker);
     loop {
         let action = machine.poll_action();
         let needs_gate = || {
-            failed(JoinError::UnexpectedOutcome {
-                expected: action.name(),
-                got: "nothing: this machine runs without the call gate",
-            })
+            failed(M::unexpected(
+                action.name(),
+                "nothing: this machine runs without the call gate",
+            ))
+        };
+        let needs_host = || {
+            failed(M::unexpected(
+                action.name(),
+                "nothing: this machine runs without a starting agent",
+            ))
         };
         let done = match action {
             Action::AwaitNoClientCalls => {
@@ -116,6 +198,41 @@ pub(crate) fn drive(
                 std::thread::sleep(Duration::from_millis(millis));
                 Done::Paused
             }
+            Action::StoreWaitAll { keys, timeout_ms } => {
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let timeout = Duration::from_millis(timeout_ms);
+                match store.wait(&keys, Some(timeout)) {
+                    Ok(()) => Done::Waited,
+                    Err(StoreError::Timeout { .. } | StoreError::GetTimeout { .. }) => {
+                        Done::TimedOut
+                    }
+                    Err(e) => return Err(store_error("wait", &keys.join(", "))(e)),
+                }
+            }
+            Action::StoreCheck { key } => {
+                Done::Checked(store.check(&[key]).map_err(store_error("check", key))?)
+            }
+            Action::StoreBarrier { key, world_size } => {
+                store
+                    .barrier(key, world_size, None)
+                    .map_err(store_error("barrier", key))?;
+                Done::PassedBarrier
+            }
+            Action::Listen => Done::Listening(host.as_mut().ok_or_else(needs_host)?.listen()?),
+            Action::InstallGroup { group } => {
+                host.as_mut().ok_or_else(needs_host)?.install(group)?;
+                Done::Installed
+            }
+            Action::Call {
+                to,
+                method,
+                payload,
+            } => {
+                host.as_mut()
+                    .ok_or_else(needs_host)?
+                    .call(to, method, payload)?;
+                Done::Called
+            }
             Action::Done => return Ok(()),
             Action::Failed => {
                 return Err(match machine.error() {
@@ -137,6 +254,12 @@ pub(crate) fn drive(
             Done::Got(v) => Outcome::Got(v),
             Done::Compared(v) => Outcome::Compared(v),
             Done::Paused => Outcome::Paused,
+            Done::TimedOut => Outcome::TimedOut,
+            Done::Checked(b) => Outcome::Checked(*b),
+            Done::PassedBarrier => Outcome::PassedBarrier,
+            Done::Listening(a) => Outcome::Listening(a),
+            Done::Installed => Outcome::Installed,
+            Done::Called => Outcome::Called,
         };
         machine.handle(outcome).map_err(failed)?;
     }

@@ -283,6 +283,9 @@ pub enum RpcError {
         /// This worker's name.
         name: String,
     },
+    /// The group's start-up failed (workers that did not publish in time).
+    #[error(transparent)]
+    Startup(Box<rdzv_core::rpc::startup::StartupError>),
     /// The graceful shutdown protocol failed.
     #[error("graceful RPC shutdown of worker {name} failed: {source}")]
     Join {

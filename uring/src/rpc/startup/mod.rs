@@ -23,6 +23,7 @@
 //!
 
 mod dynamic;
+mod host;
 mod io_thread;
 pub(crate) mod probe;
 mod static_init;
@@ -37,8 +38,7 @@ use rdzv_core::device_map::WorkerDevices;
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::store_keys::{
-    check_static_group, decode_worker_devices, encode_worker_devices, membership_token,
-    static_group_value, Membership, RpcKeys,
+    check_static_group, membership_token, static_group_value, Membership, RpcKeys,
 };
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
@@ -206,40 +206,7 @@ impl Start {
         }
     }
 
-    pub(super) fn devices_key(&self, rank: u32) -> String {
-        self.keys.devices(rank)
-    }
-
-    /// Publishes this worker's device information under `devices/{rank}`.
-    pub(super) fn publish_devices(&self) -> Result<(), RpcError> {
-        let rank = self.rank();
-        let encoded = encode_worker_devices(&self.devices())
-            .map_err(|reason| RpcError::BadDeviceInfo { rank, reason })?;
-        let key = self.devices_key(rank);
-        self.store
-            .set(&key, &encoded)
-            .map_err(store_error("set", &key))
-    }
-
-    /// Reads a worker's device information.
-    pub(super) fn read_devices(&self, rank: u32) -> Result<WorkerDevices, RpcError> {
-        let key = self.devices_key(rank);
-        let value = self.store.get(&key).map_err(store_error("get", &key))?;
-        decode_worker_devices(&value).map_err(|reason| RpcError::BadDeviceInfo { rank, reason })
-    }
-
-    pub(super) fn rank(&self) -> u32 {
-        u32::try_from(self.me.id().get()).unwrap_or(0)
-    }
-
-    /// Reads a worker's published address.
-    pub(super) fn read_address(&self, name: &str) -> Result<String, RpcError> {
-        let key = self.keys.address(name);
-        let value = self.store.get(&key).map_err(store_error("get", &key))?;
-        Ok(String::from_utf8_lossy(&value).into_owned())
-    }
-
-    /// Starts the pool and the I/O thread, and publishes this worker's address.
+    /// Starts the pool and the I/O thread; the start-up machine publishes the address.
     pub(super) fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, RpcError> {
         let Start {
             me,
@@ -350,10 +317,6 @@ impl Start {
             address: address.clone(),
             next_barrier_id: Mutex::new(1),
         };
-        let key = keys.address(me.name());
-        store
-            .set(&key, address.as_bytes())
-            .map_err(store_error("set", &key))?;
         Ok(agent)
     }
 }
