@@ -284,3 +284,104 @@ pub(crate) fn release_token(
 ) -> Result<(), RpcError> {
     drive(store, None, worker, &mut TokenRelease::new(keys, token))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use rdzv_core::device_map::{DeviceMaps, WorkerDevices};
+    use rdzv_core::rpc::name::WorkerInfo;
+    use rdzv_core::rpc::startup::{Stage, StartupError, StartupGroup, StaticInit};
+    use rdzv_core::rpc::store_keys::RpcKeys;
+
+    use super::{drive, drive_start, StartHost};
+    use crate::rpc::error::RpcError;
+    use crate::store::hash::HashStore;
+    use crate::store::Store;
+
+    #[derive(Default)]
+    struct Recorder {
+        installed: Option<StartupGroup>,
+    }
+
+    impl StartHost for Recorder {
+        fn listen(&mut self) -> Result<String, RpcError> {
+            Ok("tcp://127.0.0.1:1".to_string())
+        }
+        fn install(&mut self, group: &StartupGroup) -> Result<(), RpcError> {
+            self.installed = Some(group.clone());
+            Ok(())
+        }
+        fn call(&mut self, _: &str, _: &str, _: &[u8]) -> Result<(), RpcError> {
+            Ok(())
+        }
+    }
+
+    fn devices(name: &str) -> WorkerDevices {
+        WorkerDevices {
+            name: name.to_string(),
+            device_count: 0,
+            device_maps: DeviceMaps::new(),
+            devices: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_lone_static_worker_starts_and_meets_itself_at_the_barrier() {
+        let store = HashStore::new();
+        let keys = RpcKeys::new(0);
+        let me = WorkerInfo::new("solo", 0).unwrap_or_else(|e| panic!("{e}"));
+        let mut init = StaticInit::new(&keys, &me, 1, devices("solo"), 1_000);
+        let mut host = Recorder::default();
+        drive_start(&store, &mut host, "solo", &mut init).unwrap_or_else(|e| panic!("{e}"));
+        let group = host.installed.unwrap_or_default();
+        assert_eq!(group.peers.len(), 1);
+        assert_eq!(
+            store.get(&keys.address("solo")).ok().as_deref(),
+            Some(&b"tcp://127.0.0.1:1"[..])
+        );
+    }
+
+    #[test]
+    fn a_store_timeout_becomes_an_error_naming_the_missing_ranks() {
+        let store = HashStore::new();
+        store.set_timeout(Duration::from_millis(50));
+        let keys = RpcKeys::new(0);
+        let me = WorkerInfo::new("w0", 0).unwrap_or_else(|e| panic!("{e}"));
+        let mut init = StaticInit::new(&keys, &me, 3, devices("w0"), 50);
+        // Rank 2 published its name; rank 1 never started.
+        store
+            .set(
+                &keys.rank_name(rdzv_core::rpc::name::WorkerId::from(2)),
+                b"w2",
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        let error = drive_start(&store, &mut Recorder::default(), "w0", &mut init);
+        match error {
+            Err(RpcError::Startup(e)) => {
+                assert_eq!(
+                    *e,
+                    StartupError::Timeout {
+                        stage: Stage::Names,
+                        missing: vec![1],
+                        timeout_ms: 50,
+                    }
+                );
+            }
+            other => panic!("expected a start-up timeout, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_start_up_machine_without_a_host_fails_saying_so() {
+        let store = HashStore::new();
+        let keys = RpcKeys::new(0);
+        let me = WorkerInfo::new("solo", 0).unwrap_or_else(|e| panic!("{e}"));
+        let mut init = StaticInit::new(&keys, &me, 1, devices("solo"), 1_000);
+        let text = drive(&store, None, "solo", &mut init)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(text.contains("without a starting agent"), "{text}");
+    }
+}
