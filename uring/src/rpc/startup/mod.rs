@@ -1,6 +1,8 @@
 //! [`init_rpc`]: the group's start-up through the store, up to a running [`RpcAgent`].
-//! The static group's steps are `static_init`'s, the dynamic group's `dynamic`'s; `probe`
-//! checks the options first, `io_thread` starts the I/O thread.
+//! The protocols are the core's machines (`rdzv_core::rpc::startup::{StaticInit,
+//! DynamicJoin}`), driven by `drive`; `static_init` and `dynamic` run them, `host` starts
+//! the agent when they ask, `probe` checks the options first, `io_thread` starts the I/O
+//! thread.
 //!
 //! Start-up (static group, PyTorch's `_tensorpipe_init_backend_handler` plus the agent's
 //! constructor and `startImpl`): rendezvous through `init_method`; claim
@@ -87,7 +89,9 @@ static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// taken; [`RpcError::Rendezvous`] and [`RpcError::Store`]
 /// when the store cannot be reached; [`RpcError::MixedGroup`], [`RpcError::Names`]
 /// (duplicate names) and [`RpcError::DeviceMaps`] when the group is inconsistent;
-/// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails.
+/// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails;
+/// [`RpcError::Startup`] when other workers do not publish within the store timeout
+/// (it names their ranks).
 pub fn init_rpc(
     name: &str,
     rank: u32,
