@@ -608,7 +608,6 @@ pub struct DynamicJoin {
     addresses: Vec<String>,
     key: String,
     value: Vec<u8>,
-    empty: [u8; 0],
     group: StartupGroup,
     step: JoinStep,
     error: Option<StartupError>,
@@ -627,7 +626,6 @@ impl DynamicJoin {
             addresses: Vec::new(),
             key: keys.rank_name(me.id()),
             value: me.name().as_bytes().to_vec(),
-            empty: [],
             group: StartupGroup::default(),
             step: JoinStep::ClaimRank,
             error: None,
@@ -639,14 +637,14 @@ impl DynamicJoin {
         match self.step {
             JoinStep::ClaimRank => Action::StoreCompareSet {
                 key: &self.key,
-                expected: &self.empty,
+                expected: b"",
                 desired: &self.value,
             },
             // compare_set from "" to "" reads the list, creating it empty if missing.
             JoinStep::ReadList => Action::StoreCompareSet {
                 key: &self.key,
-                expected: &self.empty,
-                desired: &self.empty,
+                expected: b"",
+                desired: b"",
             },
             JoinStep::PublishDevices | JoinStep::PublishAddress | JoinStep::ListMe => {
                 Action::StoreSet {
