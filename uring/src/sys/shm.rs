@@ -137,6 +137,7 @@ impl Mapping {
     }
 
     /// The header atomics.
+    #[inline]
     pub(crate) fn header(&self) -> &RingHeader {
         // SAFETY: the mapping is at least HEADER_LEN bytes, page-aligned (so aligned for
         // RingHeader, whose size and alignment are asserted <= HEADER_LEN above), readable
@@ -147,12 +148,14 @@ impl Mapping {
     }
 
     /// Bytes in the data region.
+    #[inline]
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
     /// Copies `dst.len()` bytes of the data region from `offset` into `dst`; `None`
     /// (nothing copied) when that range is not inside the data region.
+    #[inline]
     pub(crate) fn read(&self, offset: usize, dst: &mut [u8]) -> Option<()> {
         let src = self.data_range(offset, dst.len())?;
         // SAFETY: `data_range` checked that `offset..offset + dst.len()` lies inside the
@@ -166,6 +169,7 @@ impl Mapping {
 
     /// Copies `src` into the data region from `offset`; `None` (nothing copied) when
     /// that range is not inside the data region.
+    #[inline]
     pub(crate) fn write(&self, offset: usize, src: &[u8]) -> Option<()> {
         let dst = self.data_range(offset, src.len())?;
         // SAFETY: as in `read`: the destination range lies inside the data region of this
@@ -176,6 +180,7 @@ impl Mapping {
     }
 
     /// A pointer to `len` bytes of the data region from `offset`, if they are inside it.
+    #[inline]
     fn data_range(&self, offset: usize, len: usize) -> Option<NonNull<u8>> {
         let end = offset.checked_add(len)?;
         if end > self.capacity {

@@ -109,11 +109,13 @@ impl Segment {
     }
 
     /// The header atomics.
+    #[inline]
     pub(crate) fn header(&self) -> &RingHeader {
         self.mapping.header()
     }
 
     /// Bytes in the data region.
+    #[inline]
     pub(crate) fn capacity(&self) -> usize {
         self.mapping.capacity()
     }
