@@ -84,6 +84,37 @@ impl RpcAgent {
         infos
     }
 
+    /// `rpc.get_worker_infos()`: [`worker_infos`](Self::worker_infos).
+    pub fn get_worker_infos(&self) -> Vec<WorkerInfo> {
+        self.worker_infos()
+    }
+
+    /// `rpc.get_worker_info(name)`: the member named `name` (this worker included).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`] if no member has that name.
+    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, RpcError> {
+        let group = self.shared.registry.group();
+        group
+            .peers
+            .get(name)
+            .and_then(|peer| WorkerInfo::with_id(name, peer.id).ok())
+            .ok_or_else(|| RpcError::UnknownWorker {
+                name: name.to_string(),
+            })
+    }
+
+    /// The member whose id is `id` (PyTorch's `agent.get_worker_info(id)`).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorkerId`] if no member has that id.
+    pub fn get_worker_info_by_id(&self, id: i64) -> Result<WorkerInfo, RpcError> {
+        self.worker_infos()
+            .into_iter()
+            .find(|w| i64::from(w.id().get()) == id)
+            .ok_or(RpcError::UnknownWorkerId { id })
+    }
+
     /// Registers `handler` under `name`; peers calling `name` before this get an error.
     ///
     /// # Errors
@@ -237,6 +268,39 @@ impl RpcAgent {
         self.shutdown(true)
     }
 
+    /// The agent's `join(shutdown)`. With `shutdown`, a graceful
+    /// [`shutdown`](Self::shutdown). Without: waits until no worker of the group has a
+    /// call in flight (the same barriers as a graceful shutdown, every worker must call
+    /// it), then goes on serving: calls may be made again at once, and the agent is shut
+    /// down later. In a dynamic group, where members come and go, it waits only for this
+    /// worker's own calls.
+    ///
+    /// # Errors
+    /// [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails (the agent keeps
+    /// running), or as [`shutdown`](Self::shutdown).
+    pub fn join_with(&self, shutdown: bool) -> Result<(), RpcError> {
+        if shutdown {
+            return self.shutdown(true);
+        }
+        let running = self
+            .io_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !running {
+            return Err(RpcError::ShutDown {
+                name: self.shared.me.name().to_string(),
+            });
+        }
+        match self.world_size {
+            Some(world_size) => self.run_join_rounds(world_size, false),
+            None => {
+                self.shared.gate.await_no_client_calls();
+                Ok(())
+            }
+        }
+    }
+
     /// `rpc.shutdown(graceful)`. Graceful: wait until this worker has no calls in flight,
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
@@ -284,14 +348,19 @@ impl RpcAgent {
     }
 
     fn run_join(&self) -> Result<(), RpcError> {
+        let Some(world_size) = self.world_size else {
+            return self.run_leave();
+        };
+        self.run_join_rounds(world_size, true)
+    }
+
+    /// Core's `join` rounds over the store, from the next barrier id on.
+    fn run_join_rounds(&self, world_size: u32, shutdown: bool) -> Result<(), RpcError> {
         let first = *self
             .next_barrier_id
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let Some(world_size) = self.world_size else {
-            return self.run_leave();
-        };
-        let mut join = Join::new(self.keys.clone(), world_size, first, true);
+        let mut join = Join::new(self.keys.clone(), world_size, first, shutdown);
         let result = drive(
             &*self.store,
             Some(&self.shared.gate),

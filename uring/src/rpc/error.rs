@@ -185,6 +185,18 @@ pub enum RpcError {
         /// The name asked for.
         name: String,
     },
+    /// No worker of that id is in the group.
+    #[error("unknown worker id {id}: no member of this RPC group has it")]
+    UnknownWorkerId {
+        /// The id asked for.
+        id: i64,
+    },
+    /// A future's callback ([`RpcFuture::then`](super::RpcFuture::then)) panicked.
+    #[error("an RPC future's callback panicked: {what}")]
+    CallbackPanicked {
+        /// The panic's text.
+        what: String,
+    },
     /// A handler with that name is registered already.
     #[error("an RPC handler named {name} is already registered")]
     HandlerExists {

@@ -85,7 +85,7 @@ pub use device::{
 };
 pub use error::{RpcError, TransportError};
 pub use handler::{CallContext, Handler, Inline};
-pub use message::{Message, RpcFuture, Tensor};
+pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
 pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use startup::init_rpc;

@@ -1,0 +1,173 @@
+//! The RPC API beside the calls, with real agents over tcp on a `file://` store: worker
+//! infos by name and id, futures chained with `then` and gathered with `wait_all` /
+//! `collect_all` over real calls, and `join(shutdown = false)` (the group waits for every
+//! call, then goes on serving) before a graceful shutdown.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use rdzv_uring::rpc::{collect_all, init_rpc, wait_all, Message, RpcAgent, RpcError, RpcOptions};
+
+mod common;
+
+use common::{echo, sleep_message, sleep_ms};
+
+fn options(url: &str) -> RpcOptions {
+    let mut options = RpcOptions::new(url)
+        .with_handler("echo", echo)
+        .with_handler("sleep", sleep_ms);
+    options.listen_host = Some([127, 0, 0, 1].into());
+    options.init_counter = Some(0);
+    options.num_worker_threads = 2;
+    options.transports = Some(vec!["tcp".into()]);
+    options
+}
+
+fn pair(dir: &tempfile::TempDir) -> (RpcAgent, RpcAgent) {
+    let url = format!("file://{}", dir.path().join("store").display());
+    let b = {
+        let url = url.clone();
+        thread::spawn(move || init_rpc("bob", 1, Some(2), options(&url)))
+    };
+    let a = init_rpc("alice", 0, Some(2), options(&url)).unwrap_or_else(|e| panic!("alice: {e}"));
+    let b = b
+        .join()
+        .unwrap_or_else(|_| panic!("bob's init panicked"))
+        .unwrap_or_else(|e| panic!("bob: {e}"));
+    (a, b)
+}
+
+/// Runs `f` on both agents at once (a group barrier), `a` on this thread.
+fn both<T: Send + 'static>(
+    a: RpcAgent,
+    b: RpcAgent,
+    f: impl Fn(&RpcAgent) -> T + Send + Copy + 'static,
+) -> (RpcAgent, RpcAgent, T, T) {
+    let t = thread::spawn(move || {
+        let r = f(&b);
+        (b, r)
+    });
+    let ra = f(&a);
+    let (b, rb) = t.join().unwrap_or_else(|_| panic!("bob's thread panicked"));
+    (a, b, ra, rb)
+}
+
+#[test]
+fn worker_infos_by_name_and_id() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let bob = a.get_worker_info("bob").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((bob.name(), bob.id().get()), ("bob", 1));
+    let alice = b.get_worker_info_by_id(0).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&alice, a.worker_info());
+    assert_eq!(
+        a.get_worker_info("alice").ok().as_ref(),
+        Some(a.worker_info())
+    );
+    let names: Vec<String> = a
+        .get_worker_infos()
+        .iter()
+        .map(|w| w.name().to_string())
+        .collect();
+    assert_eq!(names, ["alice", "bob"]);
+    assert_eq!(
+        a.get_worker_info("carol").map_err(|e| e.to_string()),
+        Err("unknown destination worker carol: it is not a member of this RPC group".into())
+    );
+    assert_eq!(
+        a.get_worker_info_by_id(7).map_err(|e| e.to_string()),
+        Err("unknown worker id 7: no member of this RPC group has it".into())
+    );
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+}
+
+#[test]
+fn futures_chain_and_gather_over_real_calls() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let chained = a
+        .rpc_async("bob", "echo", Message::from_payload(b"ping".to_vec()))
+        .then(|r| {
+            r.map(|mut m| {
+                m.payload.extend_from_slice(b"-then");
+                m
+            })
+        });
+    assert_eq!(
+        chained.wait().map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"ping-then".to_vec())
+    );
+    // A remote error travels through `then` and is the first error of `wait_all`.
+    let futures = vec![
+        a.rpc_async("bob", "sleep", sleep_message(50)),
+        a.rpc_async("bob", "no_such_handler", Message::default())
+            .then(|r| r),
+        a.rpc_async("bob", "echo", Message::from_payload(vec![1])),
+    ];
+    let first = wait_all(futures).map(|_| ()).map_err(|e| e.to_string());
+    assert!(
+        first
+            .as_ref()
+            .is_err_and(|e| e.contains("no RPC handler named no_such_handler")),
+        "{first:?}"
+    );
+    let all = collect_all(
+        (0u8..8)
+            .map(|i| a.rpc_async("bob", "echo", Message::from_payload(vec![i])))
+            .collect(),
+    )
+    .wait();
+    let payloads: Result<Vec<u8>, String> = all
+        .into_iter()
+        .map(|r| r.map(|m| m.payload[0]).map_err(|e| e.to_string()))
+        .collect();
+    assert_eq!(payloads, Ok((0u8..8).collect()));
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+}
+
+#[test]
+fn join_without_shutdown_waits_for_the_group_then_serves_on() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    // Bob's call to alice is in flight when both join: alice's join waits for it too.
+    let slow = b.rpc_async("alice", "sleep", sleep_message(300));
+    let started = Instant::now();
+    let (a, b, ra, rb) = both(a, b, |agent| {
+        agent.join_with(false).map_err(|e| e.to_string())
+    });
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "join returned after {:?}, before bob's call to alice finished",
+        started.elapsed()
+    );
+    assert!(slow.is_done(), "no call may be in flight after the join");
+    assert_eq!(
+        slow.wait().map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"slept".to_vec())
+    );
+    // Not shut down: calls go on both ways, and a second join (new barriers) works.
+    for (from, to) in [(&a, "bob"), (&b, "alice")] {
+        assert_eq!(
+            from.rpc_sync(to, "echo", Message::from_payload(b"again".to_vec()))
+                .map(|m| m.payload)
+                .map_err(|e| e.to_string()),
+            Ok(b"again".to_vec())
+        );
+    }
+    let (a, b, ra, rb) = both(a, b, |agent| {
+        agent.join_with(false).map_err(|e| e.to_string())
+    });
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+    let (a, _b, ra, rb) = both(a, b, |agent| {
+        agent.join_with(true).map_err(|e| e.to_string())
+    });
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+    assert!(matches!(
+        a.rpc_sync("bob", "echo", Message::default()),
+        Err(RpcError::ShutDown { .. })
+    ));
+    assert!(matches!(a.join_with(false), Err(RpcError::ShutDown { .. })));
+}
