@@ -171,3 +171,37 @@ fn join_without_shutdown_waits_for_the_group_then_serves_on() {
     ));
     assert!(matches!(a.join_with(false), Err(RpcError::ShutDown { .. })));
 }
+
+#[test]
+fn handler_queue_wait_is_measured_while_profiling_is_on() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    const KEY: &str = "agent.gil_average_wait_time_us";
+    let wait_metric = |agent: &RpcAgent| {
+        agent
+            .get_metrics()
+            .into_iter()
+            .find(|(key, _)| key == KEY)
+            .map(|(_, value)| value)
+    };
+    assert_eq!(wait_metric(&b), None, "listed only while profiling is on");
+    b.enable_wait_profiling(true);
+    assert_eq!(wait_metric(&b).as_deref(), Some("0.000000"));
+    // Bob's pool has 2 threads: of 4 calls of 150 ms sent at once, 2 wait ~150 ms for a
+    // thread, so the average wait is ~75 ms.
+    let calls = (0..4)
+        .map(|_| a.rpc_async("bob", "sleep", sleep_message(150)))
+        .collect();
+    assert!(wait_all(calls).is_ok());
+    let average: f64 = wait_metric(&b)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {KEY} in {:?}", b.get_metrics()));
+    assert!(
+        (30_000.0..2_000_000.0).contains(&average),
+        "average queue wait {average} µs; about 75,000 expected"
+    );
+    b.enable_wait_profiling(false);
+    assert_eq!(wait_metric(&b), None);
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+}

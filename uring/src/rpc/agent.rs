@@ -217,6 +217,16 @@ impl RpcAgent {
             .collect()
     }
 
+    /// Turns the handler queue wait metric on or off (PyTorch's
+    /// `agent.enable_gil_profiling`). While on, [`get_metrics`](Self::get_metrics) also
+    /// lists `agent.gil_average_wait_time_us`: the average time, in µs, a request handed
+    /// to the worker pool waited for a pool thread (PyTorch measures the wait for the
+    /// GIL there; ours is the queue wait). Switching it off forgets what was measured.
+    /// Inline handlers run where the request arrived and are not counted.
+    pub fn enable_wait_profiling(&self, on: bool) {
+        self.shared.counters.enable_wait_profiling(on);
+    }
+
     /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
     pub fn network_data(&self) -> NetworkData {
         self.shared.counters.network()

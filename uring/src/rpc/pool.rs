@@ -38,13 +38,16 @@ pub(crate) fn spawn_pool(
 }
 
 fn run_job(shared: &Shared, job: Job) {
-    shared.counters.worker_busy();
     let Job {
         responder,
         ctx,
         message,
         tensors,
+        queued,
     } = job;
+    // The handler queue wait (PyTorch's `agent.gil_average_wait_time_us`, measured
+    // there around taking the GIL): from the hand-off to this thread taking the job.
+    shared.counters.worker_busy(queued.elapsed());
     // Out-of-band tensors are read here, off the I/O thread, before the handler runs.
     let result = match (tensors.pull(), shared.registry.handler(&ctx.handler)) {
         (Err(e), _) => Err(e.to_string()),
