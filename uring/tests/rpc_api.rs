@@ -6,11 +6,13 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdzv_uring::rpc::{collect_all, init_rpc, wait_all, Message, RpcAgent, RpcError, RpcOptions};
+use rdzv_uring::rpc::{
+    collect_all, init_rpc, wait_all, Async, CallContext, Message, RpcAgent, RpcError, RpcOptions,
+};
 
 mod common;
 
-use common::{echo, sleep_message, sleep_ms};
+use common::{echo, metric, sleep_message, sleep_ms};
 
 fn options(url: &str) -> RpcOptions {
     let mut options = RpcOptions::new(url)
@@ -202,6 +204,66 @@ fn handler_queue_wait_is_measured_while_profiling_is_on() {
     );
     b.enable_wait_profiling(false);
     assert_eq!(wait_metric(&b), None);
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+}
+
+#[test]
+fn async_handlers_free_the_pool_and_are_counted_until_they_answer() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    // Bob answers with alice's own (slow) answer to a nested call, chained.
+    let relay = Async(|ctx: &CallContext, m: Message| {
+        ctx.client.rpc_async(&ctx.caller, "sleep", m).then(|r| {
+            r.map(|mut m| {
+                m.payload.extend_from_slice(b"-relayed");
+                m
+            })
+        })
+    });
+    let fail = Async(|ctx: &CallContext, _: Message| {
+        ctx.client
+            .rpc_async(&ctx.caller, "no_such_handler", Message::default())
+    });
+    assert!(b.register_handler("relay_later", relay).is_ok());
+    assert!(b.register_handler("fail_later", fail).is_ok());
+    let pending = a.rpc_async("bob", "relay_later", sleep_message(400));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&b, "agent.server_active_async_calls").as_deref() != Some("1") {
+        assert!(Instant::now() < deadline, "{:?}", b.get_metrics());
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        metric(&b, "agent.server_active_calls").as_deref(),
+        Some("1")
+    );
+    // The pool thread is free while the answer is pending.
+    assert_eq!(metric(&b, "agent.num_idle_threads").as_deref(), Some("2"));
+    assert_eq!(
+        pending.wait().map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"slept-relayed".to_vec())
+    );
+    assert_eq!(
+        metric(&b, "agent.server_active_async_calls").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        metric(&b, "agent.server_active_calls").as_deref(),
+        Some("0")
+    );
+    let failed = a
+        .rpc_sync("bob", "fail_later", Message::default())
+        .map_err(|e| e.to_string());
+    assert!(
+        failed
+            .as_ref()
+            .is_err_and(|e| e.contains("no RPC handler named no_such_handler")),
+        "{failed:?}"
+    );
+    assert_eq!(
+        metric(&b, "agent.server_active_async_calls").as_deref(),
+        Some("0")
+    );
     let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
     assert_eq!((ra, rb), (Ok(()), Ok(())));
 }

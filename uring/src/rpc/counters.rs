@@ -207,6 +207,16 @@ impl JoinGate {
         self.lock().calls.server_call_finished(false);
     }
 
+    /// A request's handler will answer later (an async handler's future).
+    pub(crate) fn server_call_went_async(&self) {
+        self.lock().calls.server_call_went_async();
+    }
+
+    /// A request whose handler answered later was answered.
+    pub(crate) fn async_server_call_finished(&self) {
+        self.lock().calls.server_call_finished(true);
+    }
+
     /// The call counts.
     pub(crate) fn counts(&self) -> CallCounters {
         self.lock().calls

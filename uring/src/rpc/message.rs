@@ -364,7 +364,7 @@ impl RpcFuture {
 
     /// Hands the result to `callback` when the call completes: at once on this thread if
     /// it has, else on the thread that completes it.
-    fn on_done(self, callback: impl FnOnce(Result<Message, RpcError>) + Send + 'static) {
+    pub(crate) fn on_done(self, callback: impl FnOnce(Result<Message, RpcError>) + Send + 'static) {
         let ready = {
             let mut slot = self.cell.lock();
             if slot.done {

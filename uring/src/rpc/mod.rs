@@ -14,7 +14,7 @@
 //! | layer | modules | do |
 //! |---|---|---|
 //! | memory | [`error`], `recycle`, [`device`] | errors; recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
-//! | calls | [`message`], [`client`], [`handler`] | messages and futures; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`] |
+//! | calls | [`message`], [`client`], [`handler`] | messages and futures; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
 //! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
 //! | tensors | [`channels`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
 //! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
@@ -84,7 +84,7 @@ pub use device::{
     PipeId, StagedBytes, StagedReceive,
 };
 pub use error::{RpcError, TransportError};
-pub use handler::{CallContext, Handler, Inline};
+pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
 pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
