@@ -1,7 +1,9 @@
 //! The RPC API beside the calls, with real agents over tcp on a `file://` store: worker
 //! infos by name and id, futures chained with `then` and gathered with `wait_all` /
-//! `collect_all` over real calls, and `join(shutdown = false)` (the group waits for every
-//! call, then goes on serving) before a graceful shutdown.
+//! `collect_all` over real calls, async handlers and their metric, the handler queue
+//! wait metric, `join(shutdown = false)` (the group waits for every call, then goes on
+//! serving) before a graceful shutdown, and timeouts of both naming who never joined
+//! (a peer process that never shuts down, through `rdzv-test-support`'s `Peer`).
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -137,7 +139,7 @@ fn join_without_shutdown_waits_for_the_group_then_serves_on() {
     let slow = b.rpc_async("alice", "sleep", sleep_message(300));
     let started = Instant::now();
     let (a, b, ra, rb) = both(a, b, |agent| {
-        agent.join_with(false).map_err(|e| e.to_string())
+        agent.join_with(false, None).map_err(|e| e.to_string())
     });
     assert_eq!((ra, rb), (Ok(()), Ok(())));
     assert!(
@@ -160,18 +162,21 @@ fn join_without_shutdown_waits_for_the_group_then_serves_on() {
         );
     }
     let (a, b, ra, rb) = both(a, b, |agent| {
-        agent.join_with(false).map_err(|e| e.to_string())
+        agent.join_with(false, None).map_err(|e| e.to_string())
     });
     assert_eq!((ra, rb), (Ok(()), Ok(())));
     let (a, _b, ra, rb) = both(a, b, |agent| {
-        agent.join_with(true).map_err(|e| e.to_string())
+        agent.join_with(true, None).map_err(|e| e.to_string())
     });
     assert_eq!((ra, rb), (Ok(()), Ok(())));
     assert!(matches!(
         a.rpc_sync("bob", "echo", Message::default()),
         Err(RpcError::ShutDown { .. })
     ));
-    assert!(matches!(a.join_with(false), Err(RpcError::ShutDown { .. })));
+    assert!(matches!(
+        a.join_with(false, None),
+        Err(RpcError::ShutDown { .. })
+    ));
 }
 
 #[test]
@@ -266,4 +271,119 @@ fn async_handlers_free_the_pool_and_are_counted_until_they_answer() {
     );
     let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
     assert_eq!((ra, rb), (Ok(()), Ok(())));
+}
+
+const CHILD_ENV: &str = "RDZV_RPC_API_TEST_CHILD";
+const STORE_ENV: &str = "RDZV_RPC_API_TEST_STORE";
+
+/// The peer of [`a_graceful_shutdown_that_times_out_names_who_never_joined`]: serves
+/// and never shuts down; it exits when the parent is gone.
+fn serve_without_joining() -> ! {
+    common::exit_when_parent_gone();
+    let Ok(url) = std::env::var(STORE_ENV) else {
+        std::process::exit(2)
+    };
+    match init_rpc("lazy", 1, Some(2), options(&url)) {
+        Ok(agent) => {
+            thread::sleep(Duration::from_secs(60));
+            drop(agent);
+            std::process::exit(3);
+        }
+        Err(e) => {
+            eprintln!("child init failed: {e}");
+            std::process::exit(4);
+        }
+    }
+}
+
+#[test]
+fn a_graceful_shutdown_that_times_out_names_who_never_joined() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        serve_without_joining();
+    }
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("file://{}", dir.path().join("store").display());
+    let child = common::spawn_peer(
+        "a_graceful_shutdown_that_times_out_names_who_never_joined",
+        &[(CHILD_ENV, "1"), (STORE_ENV, &url)],
+    );
+    let agent =
+        init_rpc("eager", 0, Some(2), options(&url)).unwrap_or_else(|e| panic!("parent init: {e}"));
+    assert!(agent.rpc_sync("lazy", "echo", Message::default()).is_ok());
+    let started = Instant::now();
+    let result = agent.shutdown_with_timeout(true, Duration::from_millis(800));
+    let elapsed = started.elapsed();
+    assert!(
+        (Duration::from_millis(700)..Duration::from_secs(5)).contains(&elapsed),
+        "{elapsed:?}"
+    );
+    match &result {
+        Err(RpcError::JoinTimeout { name, missing, .. }) => {
+            assert_eq!(
+                (name.as_str(), missing.as_slice()),
+                ("eager", &["lazy".to_string()][..])
+            );
+        }
+        other => panic!("expected a join timeout, got {other:?}"),
+    }
+    // It closed anyway.
+    assert!(matches!(
+        agent.rpc_sync("lazy", "echo", Message::default()),
+        Err(RpcError::ShutDown { .. })
+    ));
+    drop(child);
+}
+
+#[test]
+fn a_join_that_times_out_names_the_workers_missing_from_the_barrier() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let started = Instant::now();
+    let result = a.join_with(false, Some(Duration::from_millis(500)));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let text = result.map_err(|e| e.to_string()).err().unwrap_or_default();
+    assert_eq!(
+        text,
+        "graceful RPC shutdown of worker alice timed out after 500ms: workers that did not \
+         reach the shutdown barrier: bob; shut them down too (every worker of the group must \
+         call it)"
+    );
+    // Not shut down: alice still calls bob. The barriers are out of step now, so the
+    // group ends without them.
+    assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+    assert!(a.shutdown(false).is_ok());
+    assert!(b.shutdown(false).is_ok());
+}
+
+#[test]
+fn a_timed_shutdown_with_its_own_call_in_flight_closes_and_fails_the_call() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    let pending = a.rpc_async("bob", "sleep", sleep_message(10_000));
+    let started = Instant::now();
+    let text = a
+        .shutdown_with_timeout(true, Duration::from_millis(300))
+        .map_err(|e| e.to_string())
+        .err()
+        .unwrap_or_default();
+    assert_eq!(
+        text,
+        "graceful RPC shutdown of worker alice timed out after 300ms: every worker reached \
+         the shutdown barrier, but calls were still in flight; give it more time or find the \
+         call that does not end"
+    );
+    assert_eq!(
+        pending.wait().map_err(|e| e.to_string()).err().as_deref(),
+        Some("the RPC agent of worker alice is shut down; the call did not complete")
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(b.shutdown(false).is_ok());
 }

@@ -15,8 +15,9 @@ use rdzv_core::rpc::shutdown::{Join, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
 use crate::rpc::client::RpcClient;
+use crate::rpc::deadline::DeadlineStore;
 use crate::rpc::drive::{acquire_token, drive, release_token};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::{store_error, RpcError};
 use crate::rpc::handler::Handler;
 use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
@@ -278,8 +279,9 @@ impl RpcAgent {
         self.shutdown(true)
     }
 
-    /// The agent's `join(shutdown)`. With `shutdown`, a graceful
-    /// [`shutdown`](Self::shutdown). Without: waits until no worker of the group has a
+    /// The agent's `join(shutdown, timeout)`. With `shutdown`, a graceful
+    /// [`shutdown_with_timeout`](Self::shutdown_with_timeout) (or
+    /// [`shutdown`](Self::shutdown) without a timeout). Without: waits until no worker of the group has a
     /// call in flight (the same barriers as a graceful shutdown, every worker must call
     /// it), then goes on serving: calls may be made again at once, and the agent is shut
     /// down later. In a dynamic group, where members come and go, it waits only for this
@@ -287,10 +289,11 @@ impl RpcAgent {
     ///
     /// # Errors
     /// [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails (the agent keeps
-    /// running), or as [`shutdown`](Self::shutdown).
-    pub fn join_with(&self, shutdown: bool) -> Result<(), RpcError> {
+    /// running), [`RpcError::JoinTimeout`] naming the workers that never joined when
+    /// `timeout` passes first, or as [`shutdown`](Self::shutdown).
+    pub fn join_with(&self, shutdown: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
         if shutdown {
-            return self.shutdown(true);
+            return self.shutdown_by(true, timeout);
         }
         let running = self
             .io_thread
@@ -303,11 +306,17 @@ impl RpcAgent {
             });
         }
         match self.world_size {
-            Some(world_size) => self.run_join_rounds(world_size, false),
-            None => {
-                self.shared.gate.await_no_client_calls();
-                Ok(())
-            }
+            Some(world_size) => self.run_join_rounds(world_size, false, timeout),
+            None => match timeout {
+                None => {
+                    self.shared.gate.await_no_client_calls();
+                    Ok(())
+                }
+                Some(timeout) => match self.shared.gate.await_flushed(timeout) {
+                    0 => Ok(()),
+                    _ => Err(self.join_timeout(timeout, Vec::new())),
+                },
+            },
         }
     }
 
@@ -321,6 +330,21 @@ impl RpcAgent {
     /// [`RpcError::Store`] or [`RpcError::Join`] if the graceful protocol fails; the
     /// agent is closed anyway.
     pub fn shutdown(&self, graceful: bool) -> Result<(), RpcError> {
+        self.shutdown_by(graceful, None)
+    }
+
+    /// `rpc.shutdown(graceful, timeout)`: [`shutdown`](Self::shutdown), whose graceful
+    /// protocol gives up after `timeout` (then the agent closes at once, as if not
+    /// graceful, and pending futures fail with [`RpcError::ShutDown`]).
+    ///
+    /// # Errors
+    /// [`RpcError::JoinTimeout`] when `timeout` passed first, naming the workers that
+    /// never reached the shutdown barrier; otherwise as [`shutdown`](Self::shutdown).
+    pub fn shutdown_with_timeout(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
+        self.shutdown_by(graceful, Some(timeout))
+    }
+
+    fn shutdown_by(&self, graceful: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
         let running = self
             .io_thread
             .lock()
@@ -329,7 +353,11 @@ impl RpcAgent {
         if !running {
             return Ok(());
         }
-        let protocol = if graceful { self.run_join() } else { Ok(()) };
+        let protocol = if graceful {
+            self.run_join(timeout)
+        } else {
+            Ok(())
+        };
         self.close(graceful && protocol.is_ok());
         protocol
     }
@@ -357,26 +385,47 @@ impl RpcAgent {
         // Otherwise a handler may still be running; its thread exits when it returns.
     }
 
-    fn run_join(&self) -> Result<(), RpcError> {
+    fn run_join(&self, timeout: Option<Duration>) -> Result<(), RpcError> {
         let Some(world_size) = self.world_size else {
             return self.run_leave();
         };
-        self.run_join_rounds(world_size, true)
+        self.run_join_rounds(world_size, true, timeout)
     }
 
-    /// Core's `join` rounds over the store, from the next barrier id on.
-    fn run_join_rounds(&self, world_size: u32, shutdown: bool) -> Result<(), RpcError> {
+    /// Core's `join` rounds over the store, from the next barrier id on; with a
+    /// `timeout`, every wait (this worker's calls, the store's barriers) ends by it.
+    fn run_join_rounds(
+        &self,
+        world_size: u32,
+        shutdown: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(), RpcError> {
         let first = *self
             .next_barrier_id
             .lock()
             .unwrap_or_else(|p| p.into_inner());
+        let me = self.shared.me.name();
+        let entry = self.keys.join_entry(first, me);
+        self.store
+            .set(&entry, b"")
+            .map_err(store_error("set", &entry))?;
         let mut join = Join::new(self.keys.clone(), world_size, first, shutdown);
-        let result = drive(
-            &*self.store,
-            Some(&self.shared.gate),
-            self.shared.me.name(),
-            &mut join,
-        );
+        let result = match timeout {
+            None => drive(&*self.store, Some(&self.shared.gate), me, &mut join),
+            Some(timeout) => {
+                let deadline = Instant::now() + timeout;
+                if self.shared.gate.await_flushed(timeout) > 0 {
+                    return Err(self.join_timeout(timeout, Vec::new()));
+                }
+                let store = DeadlineStore::new(&*self.store, deadline);
+                match drive(&store, Some(&self.shared.gate), me, &mut join) {
+                    Err(_) if store.expired() => {
+                        Err(self.join_timeout(timeout, self.missing_from_join(first)))
+                    }
+                    result => result,
+                }
+            }
+        };
         *self
             .next_barrier_id
             .lock()
@@ -385,6 +434,28 @@ impl RpcAgent {
             self.release_calls();
         }
         result
+    }
+
+    /// The other members that never entered the join whose first barrier is `first`.
+    fn missing_from_join(&self, first: u64) -> Vec<String> {
+        let me = self.shared.me.name();
+        self.worker_infos()
+            .into_iter()
+            .map(|w| w.name().to_string())
+            .filter(|name| name != me)
+            .filter(|name| {
+                let key = self.keys.join_entry(first, name);
+                !matches!(self.store.check(&[&key]), Ok(true))
+            })
+            .collect()
+    }
+
+    fn join_timeout(&self, timeout: Duration, missing: Vec<String>) -> RpcError {
+        RpcError::JoinTimeout {
+            name: self.shared.me.name().to_string(),
+            timeout,
+            missing,
+        }
     }
 
     fn release_calls(&self) {

@@ -2,6 +2,7 @@
 //! option involved and, where there is one, what to do about it.
 
 use std::io;
+use std::time::Duration;
 
 use rdzv_core::device_map::DeviceMapError;
 use rdzv_core::negotiate::OfferError;
@@ -295,6 +296,17 @@ pub enum RpcError {
         /// This worker's name.
         name: String,
     },
+    /// A graceful shutdown or `join` with a timeout ran out of time.
+    #[error("graceful RPC shutdown of worker {name} timed out after {timeout:?}: {}", join_waiting_text(.missing))]
+    JoinTimeout {
+        /// This worker's name.
+        name: String,
+        /// The timeout.
+        timeout: Duration,
+        /// The workers that never reached the shutdown barrier (empty: all did, and
+        /// calls were still in flight).
+        missing: Vec<String>,
+    },
     /// The graceful shutdown protocol failed.
     #[error("graceful RPC shutdown of worker {name} failed: {source}")]
     Join {
@@ -327,6 +339,17 @@ boxed_from! {
 }
 
 /// Turns a store failure of `op` on `key` into [`RpcError::Store`].
+fn join_waiting_text(missing: &[String]) -> String {
+    if missing.is_empty() {
+        "every worker reached the shutdown barrier, but calls were still in flight; give it more time or find the call that does not end".to_string()
+    } else {
+        format!(
+            "workers that did not reach the shutdown barrier: {}; shut them down too (every worker of the group must call it)",
+            missing.join(", ")
+        )
+    }
+}
+
 pub(crate) fn store_error<'k>(
     op: &'static str,
     key: &'k str,

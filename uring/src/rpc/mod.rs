@@ -21,7 +21,7 @@
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
 //! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
 //! | pipes | `lane`, `dispatch`, `io`, `pool` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `Shared`, the pieces the lane layer assembles; how a call reaches its lane or the mailbox; the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane); the worker pool |
-//! | group | `drive`, [`agent`], `startup`, [`backend`] | one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
+//! | group | `deadline`, `drive`, [`agent`], `startup`, [`backend`] | a store whose waits end by a shutdown's deadline; one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //!
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
@@ -53,6 +53,7 @@ mod calls;
 pub mod channels;
 pub mod client;
 mod counters;
+mod deadline;
 pub mod device;
 mod dispatch;
 mod drive;
