@@ -9,7 +9,7 @@ use crate::rpc::error::RpcError;
 use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
-use crate::rpc::message::Message;
+use crate::rpc::message::{on_io_thread, Message};
 
 pub(crate) fn spawn_pool(
     shared: &Arc<Shared>,
@@ -73,8 +73,33 @@ fn run_job(shared: &Arc<Shared>, job: Job) {
             shared.counters.worker_idle();
             let shared = Arc::clone(shared);
             future.on_done(move |result| {
-                shared.gate.async_server_call_finished();
-                responder.respond(&shared, message_id, result.map_err(|e| e.to_string()));
+                let send = move || {
+                    shared.gate.async_server_call_finished();
+                    responder.respond(&shared, message_id, result.map_err(|e| e.to_string()));
+                };
+                // The future may complete on the I/O thread (a nested call that failed
+                // while its pipe was opening); a response's blocking send must not stall
+                // the handshakes there, so it leaves from a thread of its own.
+                if !on_io_thread() {
+                    return send();
+                }
+                let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+                let spawned = std::thread::Builder::new()
+                    .name("rdzv-rpc-respond".into())
+                    .spawn(move || {
+                        if let Ok(send) = rx.recv() {
+                            send();
+                        }
+                    });
+                match spawned {
+                    Ok(_) => {
+                        let _ = tx.send(Box::new(send));
+                    }
+                    Err(e) => {
+                        tracing::debug!(%e, "no thread for an async response; sent from the I/O thread");
+                        send();
+                    }
+                }
             });
         }
     }
