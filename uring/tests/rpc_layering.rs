@@ -43,6 +43,7 @@ const LAYERS: &[&str] = &[
     "pool",
     // One driver for the core's store-step machines, the handle, start-up, the
     // backend registry.
+    "deadline",
     "drive",
     "agent",
     "startup",

@@ -150,6 +150,17 @@ impl RpcKeys {
         }
     }
 
+    /// `{prefix}/shutdown/JOINING_{b}/{worker}`: set (empty) by `worker` as it enters a
+    /// join whose first barrier is `b` (rdzv's, not PyTorch's). The barriers only count
+    /// arrivals; a join that times out names the members whose key is missing as the
+    /// workers that never reached it.
+    pub fn join_entry(&self, first_barrier_id: u64, worker: &str) -> String {
+        format!(
+            "{}/shutdown/JOINING_{first_barrier_id}/{worker}",
+            self.prefix
+        )
+    }
+
     /// `{prefix}/rpcIsStaticGroup`.
     pub fn is_static_group(&self) -> String {
         join_key(&self.prefix, IS_STATIC_GROUP)
@@ -610,6 +621,10 @@ mod tests {
         assert_eq!(b.process_count, "rpc_prefix_0/shutdown/PROCESS_COUNT_ID_1");
         assert_eq!(b.active_calls, "rpc_prefix_0/shutdown/ACTIVE_CALLS_ID_1");
         assert_eq!(b.ready, "rpc_prefix_0/shutdown/READY_ID_1");
+        assert_eq!(
+            keys.join_entry(4, "worker1"),
+            "rpc_prefix_0/shutdown/JOINING_4/worker1"
+        );
         assert_eq!(keys.is_static_group(), "rpc_prefix_0/rpcIsStaticGroup");
         assert_eq!(
             keys.group_management_token(),

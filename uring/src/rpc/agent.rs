@@ -15,8 +15,9 @@ use rdzv_core::rpc::shutdown::{Join, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
 use crate::rpc::client::RpcClient;
+use crate::rpc::deadline::DeadlineStore;
 use crate::rpc::drive::{acquire_token, drive, release_token};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::{store_error, RpcError};
 use crate::rpc::handler::Handler;
 use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
@@ -82,6 +83,37 @@ impl RpcAgent {
             .collect();
         infos.sort_by_key(|w| w.id().get());
         infos
+    }
+
+    /// `rpc.get_worker_infos()`: [`worker_infos`](Self::worker_infos).
+    pub fn get_worker_infos(&self) -> Vec<WorkerInfo> {
+        self.worker_infos()
+    }
+
+    /// `rpc.get_worker_info(name)`: the member named `name` (this worker included).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`] if no member has that name.
+    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, RpcError> {
+        let group = self.shared.registry.group();
+        group
+            .peers
+            .get(name)
+            .and_then(|peer| WorkerInfo::with_id(name, peer.id).ok())
+            .ok_or_else(|| RpcError::UnknownWorker {
+                name: name.to_string(),
+            })
+    }
+
+    /// The member whose id is `id` (PyTorch's `agent.get_worker_info(id)`).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorkerId`] if no member has that id.
+    pub fn get_worker_info_by_id(&self, id: i64) -> Result<WorkerInfo, RpcError> {
+        self.worker_infos()
+            .into_iter()
+            .find(|w| i64::from(w.id().get()) == id)
+            .ok_or(RpcError::UnknownWorkerId { id })
     }
 
     /// Registers `handler` under `name`; peers calling `name` before this get an error.
@@ -186,6 +218,16 @@ impl RpcAgent {
             .collect()
     }
 
+    /// Turns the handler queue wait metric on or off (PyTorch's
+    /// `agent.enable_gil_profiling`). While on, [`get_metrics`](Self::get_metrics) also
+    /// lists `agent.gil_average_wait_time_us`: the average time, in µs, a request handed
+    /// to the worker pool waited for a pool thread (PyTorch measures the wait for the
+    /// GIL there; ours is the queue wait). Switching it off forgets what was measured.
+    /// Inline handlers run where the request arrived and are not counted.
+    pub fn enable_wait_profiling(&self, on: bool) {
+        self.shared.counters.enable_wait_profiling(on);
+    }
+
     /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
     pub fn network_data(&self) -> NetworkData {
         self.shared.counters.network()
@@ -237,6 +279,47 @@ impl RpcAgent {
         self.shutdown(true)
     }
 
+    /// The agent's `join(shutdown, timeout)`. With `shutdown`, a graceful
+    /// [`shutdown_with_timeout`](Self::shutdown_with_timeout) (or
+    /// [`shutdown`](Self::shutdown) without a timeout). Without: waits until no worker of the group has a
+    /// call in flight (the same barriers as a graceful shutdown, every worker must call
+    /// it), then goes on serving: calls may be made again at once, and the agent is shut
+    /// down later. In a dynamic group, where members come and go, it waits only for this
+    /// worker's own calls.
+    ///
+    /// # Errors
+    /// [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails (the agent keeps
+    /// running), [`RpcError::JoinTimeout`] naming the workers that never joined when
+    /// `timeout` passes first, or as [`shutdown`](Self::shutdown).
+    pub fn join_with(&self, shutdown: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
+        if shutdown {
+            return self.shutdown_by(true, timeout);
+        }
+        let running = self
+            .io_thread
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if !running {
+            return Err(RpcError::ShutDown {
+                name: self.shared.me.name().to_string(),
+            });
+        }
+        match self.world_size {
+            Some(world_size) => self.run_join_rounds(world_size, false, timeout),
+            None => match timeout {
+                None => {
+                    self.shared.gate.await_no_client_calls();
+                    Ok(())
+                }
+                Some(timeout) => match self.shared.gate.await_flushed(timeout) {
+                    0 => Ok(()),
+                    _ => Err(self.join_timeout(timeout, Vec::new())),
+                },
+            },
+        }
+    }
+
     /// `rpc.shutdown(graceful)`. Graceful: wait until this worker has no calls in flight,
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
@@ -247,6 +330,21 @@ impl RpcAgent {
     /// [`RpcError::Store`] or [`RpcError::Join`] if the graceful protocol fails; the
     /// agent is closed anyway.
     pub fn shutdown(&self, graceful: bool) -> Result<(), RpcError> {
+        self.shutdown_by(graceful, None)
+    }
+
+    /// `rpc.shutdown(graceful, timeout)`: [`shutdown`](Self::shutdown), whose graceful
+    /// protocol gives up after `timeout` (then the agent closes at once, as if not
+    /// graceful, and pending futures fail with [`RpcError::ShutDown`]).
+    ///
+    /// # Errors
+    /// [`RpcError::JoinTimeout`] when `timeout` passed first, naming the workers that
+    /// never reached the shutdown barrier; otherwise as [`shutdown`](Self::shutdown).
+    pub fn shutdown_with_timeout(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
+        self.shutdown_by(graceful, Some(timeout))
+    }
+
+    fn shutdown_by(&self, graceful: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
         let running = self
             .io_thread
             .lock()
@@ -255,7 +353,11 @@ impl RpcAgent {
         if !running {
             return Ok(());
         }
-        let protocol = if graceful { self.run_join() } else { Ok(()) };
+        let protocol = if graceful {
+            self.run_join(timeout)
+        } else {
+            Ok(())
+        };
         self.close(graceful && protocol.is_ok());
         protocol
     }
@@ -283,21 +385,47 @@ impl RpcAgent {
         // Otherwise a handler may still be running; its thread exits when it returns.
     }
 
-    fn run_join(&self) -> Result<(), RpcError> {
+    fn run_join(&self, timeout: Option<Duration>) -> Result<(), RpcError> {
+        let Some(world_size) = self.world_size else {
+            return self.run_leave();
+        };
+        self.run_join_rounds(world_size, true, timeout)
+    }
+
+    /// Core's `join` rounds over the store, from the next barrier id on; with a
+    /// `timeout`, every wait (this worker's calls, the store's barriers) ends by it.
+    fn run_join_rounds(
+        &self,
+        world_size: u32,
+        shutdown: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(), RpcError> {
         let first = *self
             .next_barrier_id
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let Some(world_size) = self.world_size else {
-            return self.run_leave();
+        let me = self.shared.me.name();
+        let entry = self.keys.join_entry(first, me);
+        self.store
+            .set(&entry, b"")
+            .map_err(store_error("set", &entry))?;
+        let mut join = Join::new(self.keys.clone(), world_size, first, shutdown);
+        let result = match timeout {
+            None => drive(&*self.store, Some(&self.shared.gate), me, &mut join),
+            Some(timeout) => {
+                let deadline = Instant::now() + timeout;
+                if self.shared.gate.await_flushed(timeout) > 0 {
+                    return Err(self.join_timeout(timeout, Vec::new()));
+                }
+                let store = DeadlineStore::new(&*self.store, deadline);
+                match drive(&store, Some(&self.shared.gate), me, &mut join) {
+                    Err(_) if store.expired() => {
+                        Err(self.join_timeout(timeout, self.missing_from_join(first)))
+                    }
+                    result => result,
+                }
+            }
         };
-        let mut join = Join::new(self.keys.clone(), world_size, first, true);
-        let result = drive(
-            &*self.store,
-            Some(&self.shared.gate),
-            self.shared.me.name(),
-            &mut join,
-        );
         *self
             .next_barrier_id
             .lock()
@@ -306,6 +434,28 @@ impl RpcAgent {
             self.release_calls();
         }
         result
+    }
+
+    /// The other members that never entered the join whose first barrier is `first`.
+    fn missing_from_join(&self, first: u64) -> Vec<String> {
+        let me = self.shared.me.name();
+        self.worker_infos()
+            .into_iter()
+            .map(|w| w.name().to_string())
+            .filter(|name| name != me)
+            .filter(|name| {
+                let key = self.keys.join_entry(first, name);
+                !matches!(self.store.check(&[&key]), Ok(true))
+            })
+            .collect()
+    }
+
+    fn join_timeout(&self, timeout: Duration, missing: Vec<String>) -> RpcError {
+        RpcError::JoinTimeout {
+            name: self.shared.me.name().to_string(),
+            timeout,
+            missing,
+        }
     }
 
     fn release_calls(&self) {

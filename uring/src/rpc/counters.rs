@@ -101,10 +101,21 @@ impl Counters {
         self.lock().pipe_channels.get(peer).copied().flatten()
     }
 
-    /// A pool thread took a job.
-    pub(crate) fn worker_busy(&self) {
+    /// A pool thread took a job that waited `queued` for it (recorded while wait
+    /// profiling is on).
+    pub(crate) fn worker_busy(&self, queued: Duration) {
         let mut tallies = self.lock();
         tallies.metrics.num_idle_threads = tallies.metrics.num_idle_threads.saturating_sub(1);
+        if tallies.metrics.wait_profiling_enabled() {
+            let micros = u64::try_from(queued.as_micros()).unwrap_or(u64::MAX);
+            tallies.metrics.add_wait_time_us(micros);
+        }
+    }
+
+    /// Turns the handler queue wait metric on (keeping what was measured) or off
+    /// (forgetting it).
+    pub(crate) fn enable_wait_profiling(&self, on: bool) {
+        self.lock().metrics.enable_wait_profiling(on);
     }
 
     /// A pool thread finished its job.
@@ -194,6 +205,16 @@ impl JoinGate {
     /// A request from a peer was answered.
     pub(crate) fn server_call_finished(&self) {
         self.lock().calls.server_call_finished(false);
+    }
+
+    /// A request's handler will answer later (an async handler's future).
+    pub(crate) fn server_call_went_async(&self) {
+        self.lock().calls.server_call_went_async();
+    }
+
+    /// A request whose handler answered later was answered.
+    pub(crate) fn async_server_call_finished(&self) {
+        self.lock().calls.server_call_finished(true);
     }
 
     /// The call counts.
@@ -307,10 +328,25 @@ mod tests {
     #[test]
     fn metrics_carry_the_gate_counts_and_idle_threads() {
         let (counters, gate) = (Counters::new(4), JoinGate::default());
-        counters.worker_busy();
+        counters.worker_busy(Duration::from_micros(40));
         gate.server_call_started();
         let metrics = counters.metrics(&gate);
         assert_eq!(metrics.num_idle_threads, 3);
+        assert!(!metrics.wait_profiling_enabled(), "off until switched on");
+        counters.enable_wait_profiling(true);
+        counters.worker_idle();
+        counters.worker_busy(Duration::from_micros(10));
+        counters.worker_busy(Duration::from_micros(30));
+        let waits: Vec<_> = counters
+            .metrics(&gate)
+            .metrics()
+            .filter(|(key, _)| *key == "agent.gil_average_wait_time_us")
+            .map(|(_, value)| value.to_string())
+            .collect();
+        assert_eq!(waits, ["20.000000"]);
+        counters.enable_wait_profiling(false);
+        assert!(!counters.metrics(&gate).wait_profiling_enabled());
+        counters.worker_idle();
         assert_eq!(metrics.calls.server_active(), 1);
         counters.pipe_opened("b", TransportKind::Tcp, None);
         assert_eq!(counters.pipe_transport("b"), Some(TransportKind::Tcp));

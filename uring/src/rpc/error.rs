@@ -2,6 +2,7 @@
 //! option involved and, where there is one, what to do about it.
 
 use std::io;
+use std::time::Duration;
 
 use rdzv_core::device_map::DeviceMapError;
 use rdzv_core::negotiate::OfferError;
@@ -185,6 +186,18 @@ pub enum RpcError {
         /// The name asked for.
         name: String,
     },
+    /// No worker of that id is in the group.
+    #[error("unknown worker id {id}: no member of this RPC group has it")]
+    UnknownWorkerId {
+        /// The id asked for.
+        id: i64,
+    },
+    /// A future's callback ([`RpcFuture::then`](super::RpcFuture::then)) panicked.
+    #[error("an RPC future's callback panicked: {what}")]
+    CallbackPanicked {
+        /// The panic's text.
+        what: String,
+    },
     /// A handler with that name is registered already.
     #[error("an RPC handler named {name} is already registered")]
     HandlerExists {
@@ -286,6 +299,17 @@ pub enum RpcError {
     /// The group's start-up failed (workers that did not publish in time).
     #[error(transparent)]
     Startup(Box<rdzv_core::rpc::startup::StartupError>),
+    /// A graceful shutdown or `join` with a timeout ran out of time.
+    #[error("graceful RPC shutdown of worker {name} timed out after {timeout:?}: {}", join_waiting_text(.missing))]
+    JoinTimeout {
+        /// This worker's name.
+        name: String,
+        /// The timeout.
+        timeout: Duration,
+        /// The workers that never reached the shutdown barrier (empty: all did, and
+        /// calls were still in flight).
+        missing: Vec<String>,
+    },
     /// The graceful shutdown protocol failed.
     #[error("graceful RPC shutdown of worker {name} failed: {source}")]
     Join {
@@ -318,6 +342,17 @@ boxed_from! {
 }
 
 /// Turns a store failure of `op` on `key` into [`RpcError::Store`].
+fn join_waiting_text(missing: &[String]) -> String {
+    if missing.is_empty() {
+        "every worker reached the shutdown barrier, but calls were still in flight; give it more time or find the call that does not end".to_string()
+    } else {
+        format!(
+            "workers that did not reach the shutdown barrier: {}; shut them down too (every worker of the group must call it)",
+            missing.join(", ")
+        )
+    }
+}
+
 pub(crate) fn store_error<'k>(
     op: &'static str,
     key: &'k str,

@@ -6,7 +6,7 @@
 use rdzv_core::rpc::name::WorkerId;
 
 use super::client::RpcClient;
-use super::message::Message;
+use super::message::{Message, RpcFuture};
 
 /// Who called a handler, and a client for calls the handler makes itself (nested calls
 /// count as this worker's client calls, so `join` waits for them too).
@@ -40,6 +40,47 @@ pub trait Handler: Send + Sync + 'static {
     fn runs_inline(&self) -> bool {
         false
     }
+
+    /// Answers `request` now or later: the worker pool calls this, and the default
+    /// answers now with [`call`](Handler::call). An [`Async`] handler answers later.
+    fn reply(&self, ctx: &CallContext, request: Message) -> Reply {
+        Reply::Now(self.call(ctx, request))
+    }
+}
+
+/// A handler's answer, as the worker pool sees it.
+#[derive(Debug)]
+pub enum Reply {
+    /// The response (or the error text), ready.
+    Now(Result<Message, String>),
+    /// A future of the response: the pool thread goes on to the next request, and the
+    /// response is sent when the future completes (an error as its text).
+    Later(RpcFuture),
+}
+
+/// A handler that answers later (PyTorch's `@rpc.functions.async_execution`): it
+/// returns an [`RpcFuture`] at once, typically of a nested call
+/// (`ctx.client.rpc_async(...)`, perhaps chained with [`RpcFuture::then`]), and the pool
+/// thread is free for the next request while it is pending. The response is sent from
+/// the thread that completes the future. While pending, the request is counted in
+/// `agent.server_active_async_calls` (and in `agent.server_active_calls`).
+///
+/// Run inline (inside [`Inline`]) or through [`call`](Handler::call), it waits for its
+/// future.
+#[derive(Debug, Clone, Copy)]
+pub struct Async<F>(pub F);
+
+impl<F> Handler for Async<F>
+where
+    F: Fn(&CallContext, Message) -> RpcFuture + Send + Sync + 'static,
+{
+    fn call(&self, ctx: &CallContext, request: Message) -> Result<Message, String> {
+        (self.0)(ctx, request).wait().map_err(|e| e.to_string())
+    }
+
+    fn reply(&self, ctx: &CallContext, request: Message) -> Reply {
+        Reply::Later((self.0)(ctx, request))
+    }
 }
 
 /// A handler that runs on the agent's I/O thread, for short non-blocking work (an echo,
@@ -70,14 +111,26 @@ pub(crate) fn run_handler(
     message: Message,
 ) -> Result<Message, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.call(ctx, message)))
-        .unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-text panic".to_string());
-            Err(format!("handler {} panicked: {what}", ctx.handler))
-        })
+        .unwrap_or_else(|panic| Err(panic_text(ctx, panic.as_ref())))
+}
+
+/// [`run_handler`] for the worker pool: the handler may answer later.
+pub(crate) fn run_handler_reply(
+    handler: &dyn Handler,
+    ctx: &CallContext,
+    message: Message,
+) -> Reply {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.reply(ctx, message)))
+        .unwrap_or_else(|panic| Reply::Now(Err(panic_text(ctx, panic.as_ref()))))
+}
+
+fn panic_text(ctx: &CallContext, panic: &(dyn std::any::Any + Send)) -> String {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".to_string());
+    format!("handler {} panicked: {what}", ctx.handler)
 }
 
 impl<F> Handler for F
@@ -91,6 +144,8 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::rpc::message::Tensor;
 
@@ -103,5 +158,74 @@ mod tests {
         let m = Message::from_payload(b"x".to_vec()).with_tensor(Tensor::cpu(vec![1, 2]));
         assert_eq!(m.tensors.len(), 1);
         let _: &dyn Handler = &echo;
+    }
+
+    /// A caller whose calls echo at once.
+    struct Echoes(rdzv_core::rpc::name::WorkerInfo);
+
+    impl crate::rpc::client::Caller for Echoes {
+        fn worker_info(&self) -> &rdzv_core::rpc::name::WorkerInfo {
+            &self.0
+        }
+        fn call(&self, _: &str, _: &str, m: Message, _: Option<Duration>) -> RpcFuture {
+            RpcFuture::ready(Ok(m))
+        }
+        fn call_and_wait(
+            &self,
+            _: &str,
+            _: &str,
+            m: Message,
+            _: Option<Duration>,
+        ) -> Result<Message, crate::rpc::RpcError> {
+            Ok(m)
+        }
+    }
+
+    fn context() -> CallContext {
+        let me = rdzv_core::rpc::name::WorkerInfo::new("b", 1).unwrap_or_else(|e| panic!("{e}"));
+        CallContext {
+            caller: "a".into(),
+            caller_id: WorkerId::from(0),
+            handler: "h".into(),
+            message_id: 1,
+            client: RpcClient::new(std::sync::Arc::new(Echoes(me))),
+        }
+    }
+
+    #[test]
+    fn async_handlers_answer_later_and_wait_when_called_directly() {
+        let relay = Async(|ctx: &CallContext, m: Message| {
+            ctx.client.rpc_async(&ctx.caller, "echo", m).then(|r| {
+                r.map(|mut m| {
+                    m.payload.push(9);
+                    m
+                })
+            })
+        });
+        let ctx = context();
+        match run_handler_reply(&relay, &ctx, Message::from_payload(vec![1])) {
+            Reply::Later(future) => {
+                assert_eq!(future.wait().map(|m| m.payload).ok(), Some(vec![1, 9]));
+            }
+            Reply::Now(r) => panic!("answered now: {r:?}"),
+        }
+        assert_eq!(
+            relay.call(&ctx, Message::default()).map(|m| m.payload),
+            Ok(vec![9])
+        );
+        let sync = |_: &CallContext, m: Message| -> Result<Message, String> { Ok(m) };
+        assert!(matches!(
+            run_handler_reply(&sync, &ctx, Message::default()),
+            Reply::Now(Ok(_))
+        ));
+    }
+
+    #[test]
+    fn an_async_handler_that_panics_answers_now_with_the_text() {
+        let boom = Async(|_: &CallContext, _: Message| -> RpcFuture { panic!("async boom") });
+        match run_handler_reply(&boom, &context(), Message::default()) {
+            Reply::Now(Err(text)) => assert_eq!(text, "handler h panicked: async boom"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -829,6 +829,8 @@ pub(crate) struct Job {
     pub ctx: CallContext,
     pub message: Message,
     pub tensors: ReceivedTensors,
+    /// When it was handed to the pool (the handler queue wait starts here).
+    pub queued: Instant,
 }
 
 /// Where a request's response goes: the inbound lane it came on, captured when the
@@ -971,6 +973,7 @@ fn serve_request(
         ctx,
         message,
         tensors,
+        queued: Instant::now(),
     };
     if let Err(job) = jobs.send(job) {
         shared.gate.server_call_finished();

@@ -113,9 +113,29 @@ fn blocking_on_io_thread() -> Option<RpcError> {
     on_io_thread().then_some(RpcError::BlockingInline)
 }
 
+/// What runs with a future's result instead of a waiter ([`RpcFuture::then`] and the
+/// combinators): it owns the result.
+type OnDone = Box<dyn FnOnce(Result<Message, RpcError>) + Send>;
+
+/// The callback slot, debug-printable.
+#[derive(Default)]
+struct Callback(Option<OnDone>);
+
+impl std::fmt::Debug for Callback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Callback(set)"
+        } else {
+            "Callback(none)"
+        })
+    }
+}
+
 #[derive(Debug, Default)]
 struct Slot {
     result: Option<Result<Message, RpcError>>,
+    /// Set by [`RpcFuture::on_done`]: takes the result when the future completes.
+    callback: Callback,
     done: bool,
     waker: Option<Waker>,
     /// Threads asleep on `ready` (completing signals only if there are any: a signal
@@ -153,17 +173,28 @@ impl Completion {
         result: Result<Message, RpcError>,
         first: impl FnOnce(),
     ) -> bool {
-        let (waker, sleepers) = {
+        let (waker, sleepers, callback) = {
             let mut slot = self.lock();
             if slot.done {
                 return false;
             }
             first();
             slot.done = true;
-            slot.result = Some(result);
+            let callback = slot.callback.0.take();
+            let result = match callback {
+                Some(callback) => Some((callback, result)),
+                None => {
+                    slot.result = Some(result);
+                    None
+                }
+            };
             self.done.store(true, Ordering::Release);
-            (slot.waker.take(), slot.sleepers)
+            (slot.waker.take(), slot.sleepers, result)
         };
+        // Outside the lock: a callback may complete other futures, or chain on this one.
+        if let Some((callback, result)) = callback {
+            callback(result);
+        }
         if sleepers > 0 {
             self.ready.notify_all();
         }
@@ -323,6 +354,185 @@ impl RpcFuture {
     }
 }
 
+impl RpcFuture {
+    /// A future completed already with `result`.
+    pub fn ready(result: Result<Message, RpcError>) -> RpcFuture {
+        let (future, cell) = Self::with_spin(Duration::ZERO);
+        cell.complete(result);
+        future
+    }
+
+    /// Hands the result to `callback` when the call completes: at once on this thread if
+    /// it has, else on the thread that completes it.
+    pub(crate) fn on_done(self, callback: impl FnOnce(Result<Message, RpcError>) + Send + 'static) {
+        let ready = {
+            let mut slot = self.cell.lock();
+            if slot.done {
+                Some(slot.result.take().unwrap_or_else(|| Err(taken())))
+            } else {
+                slot.callback.0 = Some(Box::new(callback));
+                return;
+            }
+        };
+        if let Some(result) = ready {
+            callback(result);
+        }
+    }
+
+    /// `torch.futures.Future.then`: a future of what `callback` makes of this call's
+    /// result (a value or an error, so a callback can recover from an error or turn a
+    /// value into one). The callback runs once, when the call completes: on the thread
+    /// that completes it (for a remote call, the agent's I/O or lane thread, so it must
+    /// be short and must not block: a blocking wait there fails with
+    /// [`RpcError::BlockingInline`]), or at once on this thread if the call has completed
+    /// already. A panic in the callback fails the new future with
+    /// [`RpcError::CallbackPanicked`].
+    pub fn then<F>(self, callback: F) -> RpcFuture
+    where
+        F: FnOnce(Result<Message, RpcError>) -> Result<Message, RpcError> + Send + 'static,
+    {
+        let (next, cell) = Self::with_spin(self.cell.spin);
+        self.on_done(move |result| {
+            let outcome =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(result)))
+                    .unwrap_or_else(|panic| {
+                        let what = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "a non-text panic".to_string());
+                        Err(RpcError::CallbackPanicked { what })
+                    });
+            cell.complete(outcome);
+        });
+        next
+    }
+}
+
+/// `torch.futures.collect_all`: one future that completes when every one of `futures`
+/// has, with each one's result in the same order (errors included: nothing is lost).
+pub fn collect_all(futures: Vec<RpcFuture>) -> AllFuture {
+    let shared = Arc::new(AllShared {
+        state: Mutex::new(AllState {
+            results: futures.iter().map(|_| None).collect(),
+            left: futures.len(),
+            waker: None,
+        }),
+        ready: Condvar::new(),
+    });
+    for (index, future) in futures.into_iter().enumerate() {
+        let shared = Arc::clone(&shared);
+        future.on_done(move |result| shared.put(index, result));
+    }
+    AllFuture { shared }
+}
+
+/// `torch.futures.wait_all`: waits until every one of `futures` completes and returns
+/// their values in order.
+///
+/// # Errors
+/// The error of the first future in `futures`' order that failed (every future is
+/// waited for first, as in PyTorch).
+pub fn wait_all(futures: Vec<RpcFuture>) -> Result<Vec<Message>, RpcError> {
+    collect_all(futures).wait().into_iter().collect()
+}
+
+#[derive(Debug)]
+struct AllState {
+    results: Vec<Option<Result<Message, RpcError>>>,
+    left: usize,
+    waker: Option<Waker>,
+}
+
+#[derive(Debug)]
+struct AllShared {
+    state: Mutex<AllState>,
+    ready: Condvar,
+}
+
+impl AllShared {
+    fn lock(&self) -> MutexGuard<'_, AllState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn put(&self, index: usize, result: Result<Message, RpcError>) {
+        let waker = {
+            let mut state = self.lock();
+            if let Some(slot) = state.results.get_mut(index) {
+                *slot = Some(result);
+            }
+            state.left = state.left.saturating_sub(1);
+            if state.left > 0 {
+                return;
+            }
+            state.waker.take()
+        };
+        self.ready.notify_all();
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    fn take(state: &mut AllState) -> Vec<Result<Message, RpcError>> {
+        state
+            .results
+            .iter_mut()
+            .map(|r| r.take().unwrap_or_else(|| Err(taken())))
+            .collect()
+    }
+}
+
+/// The result of [`collect_all`]: every future's result, in order, once all completed.
+/// Wait for it from any thread or `.await` it in any executor.
+#[derive(Debug)]
+#[must_use = "the results are only seen through the future"]
+pub struct AllFuture {
+    shared: Arc<AllShared>,
+}
+
+impl AllFuture {
+    /// Whether every future has completed.
+    pub fn is_done(&self) -> bool {
+        self.shared.lock().left == 0
+    }
+
+    /// Blocks until every future completes; their results, in order. On an agent I/O
+    /// thread (an inline handler) a wait that would block returns
+    /// [`RpcError::BlockingInline`] for each unfinished future instead.
+    pub fn wait(self) -> Vec<Result<Message, RpcError>> {
+        let mut state = self.shared.lock();
+        if state.left > 0 && on_io_thread() {
+            return state
+                .results
+                .iter_mut()
+                .map(|r| r.take().unwrap_or(Err(RpcError::BlockingInline)))
+                .collect();
+        }
+        while state.left > 0 {
+            state = self
+                .shared
+                .ready
+                .wait(state)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        AllShared::take(&mut state)
+    }
+}
+
+impl Future for AllFuture {
+    type Output = Vec<Result<Message, RpcError>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.shared.lock();
+        if state.left == 0 {
+            Poll::Ready(AllShared::take(&mut state))
+        } else {
+            state.waker = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+}
+
 impl Future for RpcFuture {
     type Output = Result<Message, RpcError>;
 
@@ -378,6 +588,133 @@ mod tests {
         assert_eq!(
             text.ok().flatten().as_deref(),
             Some("the RPC agent of worker w is shut down; the call did not complete")
+        );
+    }
+
+    fn payload(result: Result<Message, RpcError>) -> Result<Vec<u8>, String> {
+        result.map(|m| m.payload).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn then_chains_run_in_order_on_the_completing_thread() {
+        let (future, cell) = RpcFuture::new();
+        let chained = future
+            .then(|r| {
+                r.map(|mut m| {
+                    m.payload.push(2);
+                    m
+                })
+            })
+            .then(|r| {
+                r.map(|mut m| {
+                    m.payload.push(3);
+                    m
+                })
+            });
+        assert!(!chained.is_done());
+        let completer =
+            std::thread::spawn(move || cell.complete(Ok(Message::from_payload(vec![1]))));
+        assert_eq!(completer.join().ok(), Some(true));
+        assert_eq!(payload(chained.wait()), Ok(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn then_on_a_completed_future_runs_at_once() {
+        let chained = RpcFuture::ready(Ok(Message::from_payload(vec![5])))
+            .then(|r| r.map(|m| Message::from_payload(vec![m.payload[0] * 2])));
+        assert!(chained.is_done());
+        assert_eq!(payload(chained.wait()), Ok(vec![10]));
+    }
+
+    #[test]
+    fn errors_propagate_through_then_and_can_be_recovered() {
+        let (future, cell) = RpcFuture::new();
+        let passed = future.then(|r| r);
+        cell.complete(Err(RpcError::ShutDown { name: "w".into() }));
+        assert_eq!(
+            payload(passed.wait()).err().as_deref(),
+            Some("the RPC agent of worker w is shut down; the call did not complete")
+        );
+        let recovered = RpcFuture::ready(Err(RpcError::BlockingInline))
+            .then(|r| Ok(Message::from_payload(vec![u8::from(r.is_err())])));
+        assert_eq!(payload(recovered.wait()), Ok(vec![1]));
+    }
+
+    #[test]
+    fn a_panicking_callback_fails_the_next_future() {
+        let failed = RpcFuture::ready(Ok(Message::default())).then(|_| panic!("boom"));
+        let text = payload(failed.wait()).err();
+        assert_eq!(
+            text.as_deref(),
+            Some("an RPC future's callback panicked: boom")
+        );
+    }
+
+    #[test]
+    fn collect_all_keeps_every_result_in_order() {
+        let (a, cell_a) = RpcFuture::new();
+        let (b, cell_b) = RpcFuture::new();
+        let c = RpcFuture::ready(Ok(Message::from_payload(vec![3])));
+        let all = collect_all(vec![a, b, c]);
+        assert!(!all.is_done());
+        cell_b.complete(Err(RpcError::FlushTimeout { pending: 1 }));
+        assert!(!all.is_done());
+        let t = std::thread::spawn(move || cell_a.complete(Ok(Message::from_payload(vec![1]))));
+        let results: Vec<_> = all.wait().into_iter().map(payload).collect();
+        assert_eq!(t.join().ok(), Some(true));
+        assert_eq!(results.len(), 3);
+        assert_eq!(results[0], Ok(vec![1]));
+        assert!(results[1]
+            .as_ref()
+            .is_err_and(|e| e.contains("1 pending futures")));
+        assert_eq!(results[2], Ok(vec![3]));
+        assert!(collect_all(Vec::new()).wait().is_empty());
+    }
+
+    #[test]
+    fn collect_all_can_be_awaited() {
+        let (a, cell) = RpcFuture::new();
+        let t = std::thread::spawn(move || futures_lite::future::block_on(collect_all(vec![a])));
+        std::thread::sleep(Duration::from_millis(10));
+        cell.complete(Ok(Message::from_payload(vec![9])));
+        let got = t
+            .join()
+            .ok()
+            .map(|v| v.into_iter().map(payload).collect::<Vec<_>>());
+        assert_eq!(got, Some(vec![Ok(vec![9])]));
+    }
+
+    #[test]
+    fn wait_all_returns_values_or_the_first_error_in_order() {
+        let ok = wait_all(vec![
+            RpcFuture::ready(Ok(Message::from_payload(vec![1]))),
+            RpcFuture::ready(Ok(Message::from_payload(vec![2]))),
+        ]);
+        let payloads: Result<Vec<_>, _> = ok.map(|v| v.into_iter().map(|m| m.payload).collect());
+        assert_eq!(
+            payloads.map_err(|e| e.to_string()),
+            Ok(vec![vec![1], vec![2]])
+        );
+        let (late, cell) = RpcFuture::new();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            cell.complete(Err(RpcError::ShutDown {
+                name: "late".into(),
+            }))
+        });
+        let first = wait_all(vec![
+            RpcFuture::ready(Ok(Message::default())),
+            RpcFuture::ready(Err(RpcError::FlushTimeout { pending: 2 })),
+            late,
+        ]);
+        assert_eq!(
+            t.join().ok(),
+            Some(true),
+            "wait_all waited for every future"
+        );
+        assert_eq!(
+            first.err().map(|e| e.to_string()).as_deref(),
+            Some("Timed out waiting to flush pending futures, had 2 pending futures")
         );
     }
 }

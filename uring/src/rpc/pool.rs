@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::rpc::error::RpcError;
-use crate::rpc::handler::run_handler;
+use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
-use crate::rpc::message::Message;
+use crate::rpc::message::{on_io_thread, Message};
 
 pub(crate) fn spawn_pool(
     shared: &Arc<Shared>,
@@ -37,27 +37,70 @@ pub(crate) fn spawn_pool(
     Ok(handles)
 }
 
-fn run_job(shared: &Shared, job: Job) {
-    shared.counters.worker_busy();
+fn run_job(shared: &Arc<Shared>, job: Job) {
     let Job {
         responder,
         ctx,
         message,
         tensors,
+        queued,
     } = job;
+    // The handler queue wait (PyTorch's `agent.gil_average_wait_time_us`, measured
+    // there around taking the GIL): from the hand-off to this thread taking the job.
+    shared.counters.worker_busy(queued.elapsed());
     // Out-of-band tensors are read here, off the I/O thread, before the handler runs.
-    let result = match (tensors.pull(), shared.registry.handler(&ctx.handler)) {
-        (Err(e), _) => Err(e.to_string()),
+    let reply = match (tensors.pull(), shared.registry.handler(&ctx.handler)) {
+        (Err(e), _) => Reply::Now(Err(e.to_string())),
         (Ok(tensors), Some(handler)) => {
-            run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
+            run_handler_reply(handler.as_ref(), &ctx, Message { tensors, ..message })
         }
-        (Ok(_), None) => Err(format!(
+        (Ok(_), None) => Reply::Now(Err(format!(
             "no RPC handler named {} is registered on worker {}; register it before peers call it",
             ctx.handler,
             shared.me.name()
-        )),
+        ))),
     };
-    shared.gate.server_call_finished();
-    shared.counters.worker_idle();
-    responder.respond(shared, ctx.message_id, result);
+    let message_id = ctx.message_id;
+    match reply {
+        Reply::Now(result) => {
+            shared.gate.server_call_finished();
+            shared.counters.worker_idle();
+            responder.respond(shared, message_id, result);
+        }
+        Reply::Later(future) => {
+            // The pool thread goes on; the response leaves when the future completes.
+            shared.gate.server_call_went_async();
+            shared.counters.worker_idle();
+            let shared = Arc::clone(shared);
+            future.on_done(move |result| {
+                let send = move || {
+                    shared.gate.async_server_call_finished();
+                    responder.respond(&shared, message_id, result.map_err(|e| e.to_string()));
+                };
+                // The future may complete on the I/O thread (a nested call that failed
+                // while its pipe was opening); a response's blocking send must not stall
+                // the handshakes there, so it leaves from a thread of its own.
+                if !on_io_thread() {
+                    return send();
+                }
+                let (tx, rx) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+                let spawned = std::thread::Builder::new()
+                    .name("rdzv-rpc-respond".into())
+                    .spawn(move || {
+                        if let Ok(send) = rx.recv() {
+                            send();
+                        }
+                    });
+                match spawned {
+                    Ok(_) => {
+                        let _ = tx.send(Box::new(send));
+                    }
+                    Err(e) => {
+                        tracing::debug!(%e, "no thread for an async response; sent from the I/O thread");
+                        send();
+                    }
+                }
+            });
+        }
+    }
 }
