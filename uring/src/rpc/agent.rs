@@ -144,6 +144,10 @@ pub struct RpcOptions {
     /// it sleeps: a reply that arrives meanwhile costs no wake-up. Default 50 µs on hosts
     /// with two or more CPUs, zero on one; set zero where threads outnumber CPUs.
     pub wait_spin: Duration,
+    /// How RRef control messages (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`,
+    /// `RREF_USER_DELETE`) are retried: PyTorch's `RpcRetryOptions` (1 s, backoff 1.5,
+    /// 5 retries). A graceful `join` waits for RRefs at most this long twice over.
+    pub rref_retry: rdzv_core::rpc::rref::RetryOptions,
 }
 
 /// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
@@ -200,6 +204,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("listen_host", &self.listen_host)
             .field("init_counter", &self.init_counter)
             .field("fault_injection", &self.fault_injection)
+            .field("rref_retry", &self.rref_retry)
             .field(
                 "handlers",
                 &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -228,6 +233,7 @@ impl Default for RpcOptions {
             handlers: Vec::new(),
             fault_injection: FaultInjection::default(),
             wait_spin: default_wait_spin(),
+            rref_retry: rdzv_core::rpc::rref::RetryOptions::default(),
         }
     }
 }
@@ -709,7 +715,9 @@ impl Start {
             mpt,
             devices,
             wait_spin: options.wait_spin,
+            rrefs: super::rref::RRefs::new(me.id(), options.rref_retry),
         });
+        super::rref::register_handlers(&shared);
         if world_size.is_none() {
             register_membership_handlers(&shared);
         }
@@ -1211,11 +1219,16 @@ impl RpcAgent {
             .rpc_sync_with_timeout(to, handler, message, timeout)
     }
 
-    /// [`RpcClient::remote`].
+    /// [`RpcClient::remote`]: an [`RRef`](super::RRef) to the handler's result on `to`.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
+    /// [`RpcError::UnknownWorker`], at once.
+    pub fn remote(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+    ) -> Result<super::RRef, RpcError> {
         self.client.remote(to, handler, message)
     }
 
@@ -1315,7 +1328,9 @@ impl RpcAgent {
         self.shutdown(true)
     }
 
-    /// `rpc.shutdown(graceful)`. Graceful: wait until this worker has no calls in flight,
+    /// `rpc.shutdown(graceful)`. Graceful: settle this worker's RRefs first (wait until
+    /// its users are confirmed, release them, report leaks by owner: see
+    /// [`rref_shutdown_report`](Self::rref_shutdown_report)); wait until this worker has no calls in flight,
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
     /// close. Not graceful: close at once. Either way every pending future fails with
@@ -1333,7 +1348,12 @@ impl RpcAgent {
         if !running {
             return Ok(());
         }
-        let protocol = if graceful { self.run_join() } else { Ok(()) };
+        let protocol = if graceful {
+            super::rref::settle_for_join(&self.shared);
+            self.run_join()
+        } else {
+            Ok(())
+        };
         self.close(graceful && protocol.is_ok());
         protocol
     }

@@ -34,6 +34,11 @@ impl RpcClient {
         RpcClient { shared }
     }
 
+    /// The agent's shared state (for `rref`).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// The worker the calls come from.
     pub fn worker_info(&self) -> &WorkerInfo {
         &self.shared.me
@@ -141,17 +146,21 @@ impl RpcClient {
         }
     }
 
-    /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still
-    /// counts as in flight until it completes, so [`join`](super::RpcAgent::join) waits for it; a
-    /// failure is only logged and counted in the peer's network data.
+    /// `remote(to, handler, message)`: runs `handler` on `to`, which keeps its result,
+    /// and returns at once an [`RRef`](super::RRef) to it (`to_here` fetches it). The
+    /// call counts as in flight until the handler finished, so
+    /// [`join`](super::RpcAgent::join) waits for it. Dropping the RRef at once makes
+    /// this fire-and-forget.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
-        let future = self.rpc_async(to, handler, message);
-        if future.is_done() {
-            return future.wait().map(|_| ());
-        }
-        Ok(())
+    /// [`RpcError::UnknownWorker`] at once; later failures (the call's, the handler's)
+    /// come out of [`RRef::to_here`](super::RRef::to_here).
+    pub fn remote(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+    ) -> Result<super::RRef, RpcError> {
+        super::rref::remote(&self.shared, to, handler, message, None)
     }
 }

@@ -26,6 +26,7 @@
 //! | [`device`] | tensors in device memory, and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | [`message`] | messages, handlers, futures |
 //! | [`error`] | errors |
+//! | [`rref`] | remote references: `remote()`'s [`RRef`], `to_here`, forks, the core's RRef machine driven over reserved handlers |
 //!
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
 //! request and, in `rpc_sync`, reads its own reply for a while; one reader thread per
@@ -64,6 +65,7 @@ pub mod message;
 mod mpt;
 mod outgoing;
 mod recycle;
+pub mod rref;
 mod shared;
 pub mod shm;
 pub mod tcp;
@@ -80,4 +82,6 @@ pub use device::{
 pub use error::{RpcError, TransportError};
 pub use message::{CallContext, Handler, Inline, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
+pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
+pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};
 pub use transport::TransportPlugin;

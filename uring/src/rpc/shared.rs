@@ -148,6 +148,8 @@ pub(crate) struct Shared {
     pub devices: super::device::Devices,
     /// `RpcOptions::wait_spin`.
     pub wait_spin: std::time::Duration,
+    /// The RRefs: the core's machine, the owner's values, the pump.
+    pub rrefs: super::rref::RRefs,
 }
 
 impl Shared {

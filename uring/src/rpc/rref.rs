@@ -1,0 +1,1274 @@
+//! Remote references ([`RRef`], PyTorch's `RRef`) on the agent: `remote()` returns one at
+//! once, the owner keeps the handler's value, `to_here` fetches it, and an RRef travels
+//! to a third worker as a fork. Every rule of the reference counting is core's
+//! [`RRefContext`] (`rdzv_core::rpc::rref`); this module holds that machine behind one
+//! lock, keeps the owner's values, moves the machine's messages and keeps its time.
+//!
+//! **How the messages travel.** Each machine message is an ordinary call of the agent
+//! to a reserved handler (`__rdzv_rref_*`), its postcard bytes (core's
+//! [`wire`](rdzv_core::rpc::rref::wire)) in the payload, rather than a new frame kind:
+//! calls already have pipes, timeouts, the `join` count and fault injection, and a
+//! new frame kind would have to be taught to every lane, the pipe machine and the
+//! faulty sender, which other work is rewriting. The cost is a response frame per
+//! message, which the protocol uses: a control message's `Ack` rides back in its
+//! call's response (so answering never needs a call of its own, even while `join`
+//! holds this worker's calls). The control handlers run [`Inline`](super::Inline) on
+//! the inbound lane, so messages from one worker are handled in the order they were
+//! sent, which the machine assumes. There is one handler name per message kind
+//! (`__rdzv_rref_fork_request`, `__rdzv_rref_child_accept`, `__rdzv_rref_user_delete`,
+//! `__rdzv_rref_remote_ret`), so fault injection can fail each, by PyTorch's names
+//! (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`; see [`fault_alias`]).
+//!
+//! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
+//! RRef's ids in front of the payload; the owner's handler (on the worker pool) feeds
+//! the machine the `RemoteCall` (the slot exists and `RemoteRet` goes back at once),
+//! then runs `handler` and keeps its result (value or error text) keyed by RRef id.
+//! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
+//! is not there yet the handler waits for it on its pool thread, for at most the
+//! caller's timeout. `remote()` to this worker itself runs the handler on a thread of
+//! its own. An RRef goes to another worker as bytes made by [`RRef::fork_to`], which
+//! the receiver turns back into an RRef with [`RpcClient::rref_from_fork`] (an RRef is
+//! not a field of [`Message`]).
+//!
+//! **The pump.** One thread per agent, started with the first RRef, sends what the
+//! machine asks for, polls those calls' futures (their wakers wake it), feeds back the
+//! acks and the failures of `remote()` calls, and calls `handle_timeout` when
+//! `poll_timeout` says. It holds the agent weakly and ends with it.
+//!
+//! **Shutdown.** A graceful `join` first [`settle_for_join`]s: it waits until every
+//! user this worker holds is confirmed and every control message answered, releases
+//! every user left (`release_all`), waits until the owners here are released too, and
+//! then reports whatever could not be settled, by count and owner, in the log and in
+//! [`RpcAgent::rref_shutdown_report`](super::RpcAgent::rref_shutdown_report).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::rref::wire::{FetchRequest, RemoteCallHeader, WireKind};
+use rdzv_core::rpc::rref::{
+    ControlKind, DebugInfo, ForkData, ForkId, Leak, RRefContext, RRefEvent, RRefHandle, RRefId,
+    RRefMessage, RetryOptions, Transmit, ValueOutcome,
+};
+use rdzv_core::rpc::timeouts::Instant;
+
+use super::client::RpcClient;
+use super::error::RpcError;
+use super::message::{run_handler, CallContext, Inline, Message, RpcFuture};
+use super::shared::Shared;
+
+/// The `remote()` call.
+pub(crate) const REMOTE: &str = "__rdzv_rref_remote";
+/// `to_here`.
+pub(crate) const FETCH: &str = "__rdzv_rref_fetch";
+/// The owner's `RemoteRet`.
+pub(crate) const REMOTE_RET: &str = "__rdzv_rref_remote_ret";
+/// `RREF_FORK_REQUEST`.
+pub(crate) const FORK_REQUEST: &str = "__rdzv_rref_fork_request";
+/// `RREF_CHILD_ACCEPT`.
+pub(crate) const CHILD_ACCEPT: &str = "__rdzv_rref_child_accept";
+/// `RREF_USER_DELETE`.
+pub(crate) const USER_DELETE: &str = "__rdzv_rref_user_delete";
+/// An `Ack` sent on its own (the machine's acks normally ride in responses).
+pub(crate) const ACK: &str = "__rdzv_rref_ack";
+/// A worker's debug counts, for `wait_until_owners_and_forks_on_rank`.
+pub(crate) const DEBUG_INFO: &str = "__rdzv_rref_debug_info";
+
+/// The longest the pump sleeps without a reason to wake.
+const PUMP_IDLE: Duration = Duration::from_millis(500);
+/// How often the test helpers poll.
+const HELPER_POLL: Duration = Duration::from_millis(20);
+
+fn control_handler(kind: ControlKind) -> &'static str {
+    match kind {
+        ControlKind::ForkRequest => FORK_REQUEST,
+        ControlKind::ChildAccept => CHILD_ACCEPT,
+        ControlKind::UserDelete => USER_DELETE,
+    }
+}
+
+/// PyTorch's message-type name for a reserved RRef handler, which fault injection
+/// ([`FaultInjection::fail_handlers`](super::FaultInjection::fail_handlers)) may use
+/// instead of the handler name: `RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`,
+/// `RREF_USER_DELETE`.
+pub(crate) fn fault_alias(handler: &str) -> Option<&'static str> {
+    [
+        ControlKind::ForkRequest,
+        ControlKind::ChildAccept,
+        ControlKind::UserDelete,
+    ]
+    .into_iter()
+    .find(|&kind| control_handler(kind) == handler)
+    .map(ControlKind::name)
+}
+
+/// What the pump is waiting for on a call it sent (or was handed).
+#[derive(Debug, Clone, Copy)]
+enum Sent {
+    /// A control message to this worker: its response holds the `Ack`.
+    Control { to: WorkerId },
+    /// A `remote()` call: its failure fails the RRef's `to_here`.
+    RemoteCall { rref: RRefId },
+    /// Anything else: a failure is only logged (the machine retries what matters).
+    Plain,
+}
+
+/// Wakes the pump: a condition variable with a flag, and a [`Waker`] for futures.
+#[derive(Debug, Default)]
+struct Signal {
+    woken: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Signal {
+    fn notify(&self) {
+        *self.woken.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.cv.notify_one();
+    }
+
+    fn wait(&self, timeout: Duration) {
+        let woken = self.woken.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut woken, _) = self
+            .cv
+            .wait_timeout_while(woken, timeout, |w| !*w)
+            .unwrap_or_else(|p| p.into_inner());
+        *woken = false;
+    }
+}
+
+impl Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.notify();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.notify();
+    }
+}
+
+/// One thing a graceful shutdown could not settle, with the owner's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RRefLeak {
+    /// The owner (for an unanswered message: the worker it went to).
+    pub owner: String,
+    /// What leaks, in words (the RRef and fork ids, and why).
+    pub what: String,
+    /// The core's record of it.
+    pub leak: Leak,
+}
+
+/// What a graceful shutdown left of the RRefs: PyTorch's leak check, reported by count
+/// and owner rather than raised.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RRefShutdownReport {
+    /// Users, forks and messages that were never settled.
+    pub leaks: Vec<RRefLeak>,
+    /// Owner values here that other workers still referenced when the wait ended.
+    pub owner_rrefs_left: usize,
+    /// The counts when the wait ended.
+    pub debug_info: DebugInfo,
+}
+
+impl RRefShutdownReport {
+    /// Whether everything was settled.
+    pub fn is_clean(&self) -> bool {
+        self.leaks.is_empty() && self.owner_rrefs_left == 0
+    }
+
+    /// Leaks by owner name.
+    pub fn by_owner(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for leak in &self.leaks {
+            *counts.entry(leak.owner.clone()).or_insert(0) += 1;
+        }
+        counts
+    }
+}
+
+struct State {
+    machine: RRefContext,
+    /// The owner's values: the handler's message, or its error text.
+    values: HashMap<RRefId, Result<Message, String>>,
+    /// `remote()` calls of this worker that failed, by RRef.
+    failed: HashMap<RRefId, String>,
+    /// Messages for the pump to send.
+    outbox: VecDeque<Transmit>,
+    /// Futures for the pump to watch (`remote()` calls).
+    handed: Vec<(Sent, RpcFuture)>,
+    pump_started: bool,
+    report: Option<RRefShutdownReport>,
+}
+
+/// One worker's RRefs: the machine, the owner's values, the pump's signal.
+pub(crate) struct RRefs {
+    state: Mutex<State>,
+    /// Signalled after every change of the machine or the values.
+    changed: Condvar,
+    signal: Arc<Signal>,
+    epoch: std::time::Instant,
+    retry: RetryOptions,
+}
+
+impl RRefs {
+    /// The RRefs of worker `me`, retrying control messages as `retry` says.
+    pub(crate) fn new(me: WorkerId, retry: RetryOptions) -> RRefs {
+        RRefs {
+            state: Mutex::new(State {
+                machine: RRefContext::new(me, retry),
+                values: HashMap::new(),
+                failed: HashMap::new(),
+                outbox: VecDeque::new(),
+                handed: Vec::new(),
+                pump_started: false,
+                report: None,
+            }),
+            changed: Condvar::new(),
+            signal: Arc::new(Signal::default()),
+            epoch: std::time::Instant::now(),
+            retry,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_duration(self.epoch.elapsed())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the state, then applies the machine's events, queues its messages
+    /// (keeping back the `Ack` that `reply_to` names, which is returned), signals
+    /// waiters and wakes the pump if there is anything to send.
+    fn with<R>(
+        &self,
+        reply_to: Option<(WorkerId, ControlKind, ForkId)>,
+        f: impl FnOnce(&mut State, Instant) -> R,
+    ) -> (R, Option<RRefMessage>) {
+        let now = self.now();
+        let mut state = self.lock();
+        let result = f(&mut state, now);
+        let reply = drain(&mut state, reply_to);
+        let wake = !state.outbox.is_empty() || !state.handed.is_empty();
+        drop(state);
+        self.changed.notify_all();
+        if wake {
+            self.signal.notify();
+        }
+        (result, reply)
+    }
+
+    fn update<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
+        self.with(None, f).0
+    }
+
+    /// PyTorch's debug counts.
+    pub(crate) fn debug_info(&self) -> DebugInfo {
+        self.lock().machine.debug_info()
+    }
+
+    /// The report of the last graceful shutdown.
+    pub(crate) fn report(&self) -> Option<RRefShutdownReport> {
+        self.lock().report.clone()
+    }
+
+    /// Keeps a finished handler's result for `rref`, unless nothing references it.
+    fn store_value(&self, rref: RRefId, result: Result<Message, String>) {
+        self.update(|state, _| {
+            if state.machine.value_ready(rref, result.is_ok()) == ValueOutcome::Store {
+                state.values.insert(rref, result);
+            }
+        });
+    }
+
+    /// Waits until the owner's value of `rref` exists (its clone, or the handler's
+    /// error text), at most until `deadline` (`None`: no limit).
+    fn wait_value(
+        &self,
+        rref: RRefId,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Result<Message, String>, ()> {
+        let mut state = self.lock();
+        loop {
+            if let Some(value) = state.values.get(&rref) {
+                return Ok(value.clone());
+            }
+            state = match deadline {
+                None => self.changed.wait(state).unwrap_or_else(|p| p.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(());
+                    }
+                    self.changed
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Waits until `done` holds for the state, at most `timeout`; whether it held.
+    fn wait_for(&self, timeout: Duration, done: impl Fn(&State) -> bool) -> bool {
+        let state = self.lock();
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, timeout, |s| !done(s))
+            .unwrap_or_else(|p| p.into_inner());
+        done(&state)
+    }
+
+    /// The longest a control message keeps being retried: the sum of its waits.
+    fn retry_window(&self) -> Duration {
+        (0..=self.retry.max_retries.min(64))
+            .map(|attempt| self.retry.delay(attempt))
+            .fold(Duration::ZERO, Duration::saturating_add)
+    }
+
+    /// Starts the pump if it is not running.
+    fn ensure_pump(&self, shared: &Arc<Shared>) {
+        {
+            let mut state = self.lock();
+            if state.pump_started {
+                return;
+            }
+            state.pump_started = true;
+        }
+        let weak = Arc::downgrade(shared);
+        let signal = Arc::clone(&self.signal);
+        let spawned = std::thread::Builder::new()
+            .name("rdzv-rref-pump".into())
+            .spawn(move || pump(&weak, &signal));
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the RRef pump thread; RRef control messages will not be sent");
+            self.lock().pump_started = false;
+        }
+    }
+}
+
+/// Applies the machine's events and moves its messages to the outbox, except the `Ack`
+/// named by `reply_to`, which is returned.
+fn drain(
+    state: &mut State,
+    reply_to: Option<(WorkerId, ControlKind, ForkId)>,
+) -> Option<RRefMessage> {
+    while let Some(event) = state.machine.poll_event() {
+        match event {
+            RRefEvent::DeleteValue { rref } => {
+                state.values.remove(&rref);
+            }
+            RRefEvent::Confirmed { .. } => {}
+            RRefEvent::GaveUp { to, kind, fork } => tracing::warn!(
+                to = to.get(),
+                %kind,
+                %fork,
+                "gave up retrying an RRef control message; what it protected leaks and is reported at shutdown"
+            ),
+        }
+    }
+    let mut reply = None;
+    while let Some(transmit) = state.machine.poll_transmit() {
+        match (reply_to, transmit.message) {
+            (
+                Some((to, kind, fork)),
+                RRefMessage::Ack {
+                    kind: k, fork: f, ..
+                },
+            ) if transmit.to == to && k == kind && f == fork => {
+                reply = Some(transmit.message);
+            }
+            _ => state.outbox.push_back(transmit),
+        }
+    }
+    reply
+}
+
+/// The name of worker `id`, if it is in the group.
+fn worker_name(shared: &Shared, id: WorkerId) -> Option<String> {
+    shared
+        .group()
+        .peers
+        .iter()
+        .find(|(_, peer)| peer.id == id)
+        .map(|(name, _)| name.clone())
+}
+
+fn worker_id(shared: &Shared, name: &str) -> Result<WorkerId, RpcError> {
+    shared
+        .group()
+        .peers
+        .get(name)
+        .map(|peer| peer.id)
+        .ok_or_else(|| RpcError::UnknownWorker {
+            name: name.to_string(),
+        })
+}
+
+/// The pump: sends what the machine asks for, watches those calls, keeps time.
+fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
+    let waker = Waker::from(Arc::clone(signal));
+    let mut cx = Context::from_waker(&waker);
+    let mut flight: Vec<(Sent, RpcFuture)> = Vec::new();
+    loop {
+        let sleep = {
+            let Some(shared) = weak.upgrade() else {
+                return;
+            };
+            let rrefs = &shared.rrefs;
+            let (outbox, handed) = {
+                let mut state = rrefs.lock();
+                (
+                    std::mem::take(&mut state.outbox),
+                    std::mem::take(&mut state.handed),
+                )
+            };
+            flight.extend(handed);
+            for transmit in outbox {
+                if let Some(sent) = send(&shared, transmit) {
+                    flight.push(sent);
+                }
+            }
+            let mut done = Vec::new();
+            flight.retain_mut(|(sent, future)| match Pin::new(future).poll(&mut cx) {
+                Poll::Ready(result) => {
+                    done.push((*sent, result));
+                    false
+                }
+                Poll::Pending => true,
+            });
+            let next = rrefs.update(|state, now| {
+                for (sent, result) in done {
+                    on_sent(state, now, sent, result);
+                }
+                state.machine.handle_timeout(now);
+                state.machine.poll_timeout()
+            });
+            let more = !rrefs.lock().outbox.is_empty();
+            match next {
+                _ if more => Duration::ZERO,
+                Some(at) => at.saturating_duration_since(rrefs.now()).min(PUMP_IDLE),
+                None => PUMP_IDLE,
+            }
+        };
+        if !sleep.is_zero() {
+            signal.wait(sleep);
+        }
+    }
+}
+
+/// Sends one machine message as a call; the future to watch.
+fn send(shared: &Arc<Shared>, transmit: Transmit) -> Option<(Sent, RpcFuture)> {
+    let Some(to) = worker_name(shared, transmit.to) else {
+        tracing::debug!(
+            to = transmit.to.get(),
+            "an RRef message for a worker that left the group is dropped"
+        );
+        return None;
+    };
+    let (handler, sent) = match transmit.message.wire_kind() {
+        WireKind::Control(kind) => (control_handler(kind), Sent::Control { to: transmit.to }),
+        WireKind::RemoteRet => (REMOTE_RET, Sent::Plain),
+        WireKind::Ack => (ACK, Sent::Plain),
+        // The `remote()` call itself carries it; the machine never asks for it.
+        WireKind::RemoteCall => return None,
+    };
+    let payload = match transmit.message.to_bytes() {
+        Ok(payload) => payload,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot encode an RRef message");
+            return None;
+        }
+    };
+    let future =
+        RpcClient::new(Arc::clone(shared)).rpc_async(&to, handler, Message::from_payload(payload));
+    Some((sent, future))
+}
+
+/// A call the pump sent (or was handed) completed.
+fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, RpcError>) {
+    match (sent, result) {
+        (Sent::Control { to }, Ok(reply)) => match RRefMessage::from_bytes(&reply.payload) {
+            Ok(ack @ RRefMessage::Ack { .. }) => state.machine.handle_message(now, to, ack),
+            Ok(other) => tracing::warn!(
+                ?other,
+                "an RRef control message was answered with something other than its Ack"
+            ),
+            Err(e) => tracing::warn!(error = %e, "an RRef control message's answer is malformed"),
+        },
+        (Sent::RemoteCall { rref }, Err(e)) => {
+            state.failed.insert(rref, e.to_string());
+        }
+        (Sent::Control { .. } | Sent::Plain, Err(e)) => {
+            // The machine sends a control message again at its retry time.
+            tracing::debug!(error = %e, "an RRef message was not delivered");
+        }
+        (Sent::RemoteCall { .. } | Sent::Plain, Ok(_)) => {}
+    }
+}
+
+/// Registers the reserved handlers (the agent owns its handlers; they hold it weakly).
+pub(crate) fn register_handlers(shared: &Arc<Shared>) {
+    let mut handlers = shared.handlers.write().unwrap_or_else(|p| p.into_inner());
+    let weak = Arc::downgrade(shared);
+    let message = move |ctx: &CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        on_message(&shared, ctx, &m)
+    };
+    let message: Arc<dyn super::Handler> = Arc::new(Inline(message));
+    for name in [REMOTE_RET, FORK_REQUEST, CHILD_ACCEPT, USER_DELETE, ACK] {
+        handlers.insert(name.to_string(), Arc::clone(&message));
+    }
+    let weak = Arc::downgrade(shared);
+    let remote = move |ctx: &CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        on_remote(&shared, ctx, m)
+    };
+    handlers.insert(REMOTE.to_string(), Arc::new(remote));
+    let weak = Arc::downgrade(shared);
+    let fetch = move |_: &CallContext, m: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        on_fetch(&shared, &m)
+    };
+    handlers.insert(FETCH.to_string(), Arc::new(fetch));
+    let weak = Arc::downgrade(shared);
+    let debug = move |_: &CallContext, _: Message| -> Result<Message, String> {
+        let shared = weak.upgrade().ok_or("the agent is gone")?;
+        Ok(Message::from_payload(encode_counts(
+            &shared.rrefs.debug_info(),
+        )))
+    };
+    handlers.insert(DEBUG_INFO.to_string(), Arc::new(Inline(debug)));
+}
+
+/// A machine message from `ctx.caller_id`; a control message's `Ack` is the response.
+fn on_message(shared: &Arc<Shared>, ctx: &CallContext, m: &Message) -> Result<Message, String> {
+    let message = RRefMessage::from_bytes(&m.payload).map_err(|e| e.to_string())?;
+    let from = ctx.caller_id;
+    let reply_to = match message {
+        RRefMessage::Control { kind, fork, .. } => Some((from, kind, fork)),
+        RRefMessage::RemoteCall { .. } => {
+            return Err("a RemoteCall travels in the remote() call, not alone".into())
+        }
+        _ => None,
+    };
+    let ((), ack) = shared.rrefs.with(reply_to, |state, now| {
+        state.machine.handle_message(now, from, message);
+    });
+    shared.rrefs.ensure_pump(shared);
+    match ack {
+        Some(ack) => ack
+            .to_bytes()
+            .map(Message::from_payload)
+            .map_err(|e| e.to_string()),
+        None => Ok(Message::default()),
+    }
+}
+
+/// The owner's side of `remote()`: the slot, `RemoteRet`, then the handler's value.
+fn on_remote(shared: &Arc<Shared>, ctx: &CallContext, m: Message) -> Result<Message, String> {
+    let (header, payload) = RemoteCallHeader::split(&m.payload).map_err(|e| e.to_string())?;
+    let RemoteCallHeader {
+        rref,
+        fork,
+        handler,
+    } = header;
+    let payload = payload.to_vec();
+    let from = ctx.caller_id;
+    shared.rrefs.update(|state, now| {
+        state
+            .machine
+            .handle_message(now, from, RRefMessage::RemoteCall { rref, fork });
+    });
+    shared.rrefs.ensure_pump(shared);
+    let request = Message { payload, ..m };
+    let result = run_user_handler(shared, ctx, &handler, request);
+    shared.rrefs.store_value(rref, result);
+    Ok(Message::default())
+}
+
+/// Runs the application's `handler` for a `remote()` call.
+fn run_user_handler(
+    shared: &Shared,
+    ctx: &CallContext,
+    handler: &str,
+    request: Message,
+) -> Result<Message, String> {
+    let found = (!handler.starts_with("__rdzv_"))
+        .then(|| shared.handler(handler))
+        .flatten();
+    let Some(found) = found else {
+        return Err(format!(
+            "no RPC handler named {handler} is registered on worker {}; register it before \
+             peers call remote() with it",
+            shared.me.name()
+        ));
+    };
+    let ctx = CallContext {
+        handler: handler.to_string(),
+        ..ctx.clone()
+    };
+    run_handler(found.as_ref(), &ctx, request)
+}
+
+/// `to_here` on the owner: the value, waiting for it as the request allows.
+fn on_fetch(shared: &Shared, m: &Message) -> Result<Message, String> {
+    let request = FetchRequest::from_bytes(&m.payload).map_err(|e| e.to_string())?;
+    let wait = Duration::from_millis(request.wait_ms);
+    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
+    match shared.rrefs.wait_value(request.rref, deadline) {
+        Ok(value) => value,
+        Err(()) => Err(format!(
+            "the value of RRef {} is not ready on its owner {} after {wait:?}: its remote() \
+             handler is still running, or its call never arrived",
+            request.rref,
+            shared.me.name()
+        )),
+    }
+}
+
+fn encode_counts(info: &DebugInfo) -> Vec<u8> {
+    [
+        info.num_owner_rrefs,
+        info.num_pending_futures,
+        info.num_pending_users,
+        info.num_forks,
+    ]
+    .iter()
+    .flat_map(|&n| (n as u64).to_le_bytes())
+    .collect()
+}
+
+fn decode_counts(bytes: &[u8]) -> Option<DebugInfo> {
+    let mut numbers = bytes
+        .chunks_exact(8)
+        .map(|c| <[u8; 8]>::try_from(c).ok().map(u64::from_le_bytes));
+    let mut next = || {
+        numbers
+            .next()
+            .flatten()
+            .and_then(|n| usize::try_from(n).ok())
+    };
+    let info = DebugInfo {
+        num_owner_rrefs: next()?,
+        num_pending_futures: next()?,
+        num_pending_users: next()?,
+        num_forks: next()?,
+    };
+    (bytes.len() == 32).then_some(info)
+}
+
+/// A remote reference: to a value on its owner, returned by `remote()` at once.
+///
+/// Clone it for another local reference; drop the last one and the owner learns
+/// (`RREF_USER_DELETE`). Send it to another worker with [`fork_to`](RRef::fork_to).
+pub struct RRef {
+    shared: Arc<Shared>,
+    handle: RRefHandle,
+    owner: String,
+}
+
+/// PyTorch's name for an RRef held by a worker that is not its owner; [`RRef`] is
+/// either.
+pub type UserRRef = RRef;
+
+impl std::fmt::Debug for RRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RRef")
+            .field("rref", &self.handle.rref)
+            .field("owner", &self.owner)
+            .field("fork", &self.handle.fork)
+            .finish()
+    }
+}
+
+impl Clone for RRef {
+    fn clone(&self) -> RRef {
+        let shared = &self.shared;
+        let handle = self.handle;
+        shared.rrefs.update(|state, _| {
+            if let Err(e) = state.machine.clone_handle(&handle) {
+                // After a graceful shutdown released it: the copy is as stale as this.
+                tracing::debug!(error = %e, "cloning a released RRef");
+            }
+        });
+        RRef {
+            shared: Arc::clone(shared),
+            handle,
+            owner: self.owner.clone(),
+        }
+    }
+}
+
+impl Drop for RRef {
+    fn drop(&mut self) {
+        let handle = self.handle;
+        self.shared.rrefs.update(|state, now| {
+            // Released by a graceful shutdown already: nothing to drop.
+            let _ = state.machine.drop_handle(now, &handle);
+        });
+    }
+}
+
+impl RRef {
+    fn rref_error(&self, reason: String) -> RpcError {
+        RpcError::RRef {
+            rref: self.handle.rref.to_string(),
+            owner: self.owner.clone(),
+            reason,
+        }
+    }
+
+    /// The owner's worker name (`owner_name()`).
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// The owner's worker id (`owner().id`).
+    pub fn owner_id(&self) -> WorkerId {
+        self.handle.owner
+    }
+
+    /// The RRef's id (PyTorch's `GloballyUniqueId`).
+    pub fn id(&self) -> RRefId {
+        self.handle.rref
+    }
+
+    /// Whether this worker owns the value.
+    pub fn is_owner(&self) -> bool {
+        self.handle.is_owner()
+    }
+
+    /// Whether the owner has confirmed this user (always true on the owner).
+    pub fn confirmed_by_owner(&self) -> bool {
+        self.shared
+            .rrefs
+            .lock()
+            .machine
+            .confirmed_by_owner(&self.handle)
+    }
+
+    /// The value, on the owner: `None` while the handler runs (or on a user).
+    ///
+    /// # Errors
+    /// [`RpcError::RRef`] with the handler's error, if it failed.
+    pub fn local_value(&self) -> Option<Result<Message, RpcError>> {
+        if !self.is_owner() {
+            return None;
+        }
+        let value = self
+            .shared
+            .rrefs
+            .lock()
+            .values
+            .get(&self.handle.rref)
+            .cloned()?;
+        Some(value.map_err(|e| self.rref_error(format!("its handler failed: {e}"))))
+    }
+
+    /// Fetches the value (payload and tensors) from the owner, waiting for it at most
+    /// `timeout` (zero: no limit).
+    ///
+    /// # Errors
+    /// [`RpcError::RRef`], naming the owner: the `remote()` call failed, its handler
+    /// failed, the value was not ready in time, or the owner could not be reached (a
+    /// dead owner fails at once with the pipe's error).
+    pub fn to_here(&self, timeout: Duration) -> Result<Message, RpcError> {
+        let rrefs = &self.shared.rrefs;
+        let deadline = (!timeout.is_zero()).then(|| std::time::Instant::now() + timeout);
+        if self.is_owner() {
+            return match rrefs.wait_value(self.handle.rref, deadline) {
+                Ok(value) => value.map_err(|e| self.rref_error(format!("its handler failed: {e}"))),
+                Err(()) => {
+                    Err(self.rref_error(format!("the value is not ready after {timeout:?}")))
+                }
+            };
+        }
+        if let Some(failed) = rrefs.lock().failed.get(&self.handle.rref) {
+            return Err(self.rref_error(format!(
+                "the remote() call that creates it failed: {failed}"
+            )));
+        }
+        let request = FetchRequest {
+            rref: self.handle.rref,
+            wait_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+        .to_bytes()
+        .map_err(|e| self.rref_error(e.to_string()))?;
+        let client = RpcClient::new(Arc::clone(&self.shared));
+        let call_timeout = if timeout.is_zero() {
+            Some(Duration::ZERO)
+        } else {
+            // The owner answers "not ready" at `timeout`; the call's own limit is a bit
+            // later so that this answer, not a bare timeout, is what arrives.
+            Some(timeout + Duration::from_millis(200))
+        };
+        client
+            .rpc_sync_with_timeout(
+                &self.owner,
+                FETCH,
+                Message::from_payload(request),
+                call_timeout,
+            )
+            .map_err(|e| match e {
+                RpcError::Remote { message, .. } => self.rref_error(message),
+                other => self.rref_error(format!("to_here could not reach the owner: {other}")),
+            })
+    }
+
+    /// Passes this RRef to worker `to` (pickling it): bytes to put inside a message to
+    /// `to`, which turns them back into an RRef with [`RpcClient::rref_from_fork`]. The
+    /// bytes must reach `to` and be turned back exactly once: until then this RRef is
+    /// held for them (a user's fork is pending until its child accepts).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`] for a worker not in the group; [`RpcError::RRef`]
+    /// for this worker itself (clone the RRef instead) or a released RRef.
+    pub fn fork_to(&self, to: &str) -> Result<Vec<u8>, RpcError> {
+        let to_id = worker_id(&self.shared, to)?;
+        let handle = self.handle;
+        let data = self
+            .shared
+            .rrefs
+            .update(|state, _| state.machine.fork(&handle, to_id))
+            .map_err(|e| self.rref_error(e.to_string()))?;
+        data.to_bytes().map_err(|e| self.rref_error(e.to_string()))
+    }
+}
+
+impl RpcClient {
+    /// [`remote`](Self::remote) with a timeout for the call (`None`: the agent's
+    /// default; zero: none); past it, `to_here` fails with the timeout.
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`], at once.
+    pub fn remote_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<RRef, RpcError> {
+        remote(self.shared(), to, handler, message, timeout)
+    }
+
+    /// Turns the bytes of [`RRef::fork_to`], received in a message, back into an RRef
+    /// (unpickling it). Call it once per fork, in the handler that received them.
+    ///
+    /// # Errors
+    /// [`RpcError::RRef`] for bytes that are no fork, a fork whose owner is not in the
+    /// group, or one received twice.
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+        from_fork(self.shared(), bytes)
+    }
+
+    /// This worker's RRef counts (`_rref_context_get_debug_info`).
+    pub fn rref_debug_info(&self) -> DebugInfo {
+        self.shared().rrefs.debug_info()
+    }
+}
+
+impl super::RpcAgent {
+    /// [`RpcClient::remote_with_timeout`].
+    ///
+    /// # Errors
+    /// As there.
+    pub fn remote_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<RRef, RpcError> {
+        self.client()
+            .remote_with_timeout(to, handler, message, timeout)
+    }
+
+    /// [`RpcClient::rref_from_fork`].
+    ///
+    /// # Errors
+    /// As there.
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+        self.client().rref_from_fork(bytes)
+    }
+
+    /// `_rref_context_get_debug_info()`: `num_owner_rrefs`, `num_pending_futures`,
+    /// `num_pending_users`, `num_forks`.
+    pub fn rref_debug_info(&self) -> DebugInfo {
+        self.client().rref_debug_info()
+    }
+
+    /// `rref_debug_info` as PyTorch's text keys and values.
+    pub fn rref_debug_info_map(&self) -> Vec<(String, String)> {
+        let info = self.rref_debug_info();
+        [
+            ("num_owner_rrefs", info.num_owner_rrefs),
+            ("num_pending_futures", info.num_pending_futures),
+            ("num_pending_users", info.num_pending_users),
+            ("num_forks", info.num_forks),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    /// PyTorch's `get_num_owners_and_forks` for worker `rank` (over RPC unless it is
+    /// this worker).
+    ///
+    /// # Errors
+    /// The call's error.
+    pub fn get_num_owners_and_forks(&self, rank: WorkerId) -> Result<(usize, usize), RpcError> {
+        let info = debug_info_of(self.client().shared(), rank)?;
+        Ok((info.num_owner_rrefs, info.num_forks))
+    }
+
+    /// PyTorch's `dist_utils.wait_until_owners_and_forks_on_rank`: polls worker `rank`
+    /// until it has `num_owners` owner RRefs and `num_forks` forks.
+    ///
+    /// # Errors
+    /// [`RpcError::RRefWait`] with the counts seen last after `timeout`, or a call's
+    /// error.
+    pub fn wait_until_owners_and_forks_on_rank(
+        &self,
+        num_owners: usize,
+        num_forks: usize,
+        rank: WorkerId,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
+        wait_until_owners_and_forks_on_rank(
+            self.client().shared(),
+            num_owners,
+            num_forks,
+            rank,
+            timeout,
+        )
+    }
+
+    /// PyTorch's `dist_utils.wait_until_pending_futures_and_users_flushed`: no RRef
+    /// control message unanswered, no user unconfirmed, no call in flight here.
+    ///
+    /// # Errors
+    /// [`RpcError::RRefWait`] with what was left after `timeout`.
+    pub fn wait_until_pending_futures_and_users_flushed(
+        &self,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
+        wait_until_pending_futures_and_users_flushed(self.client().shared(), timeout)
+    }
+
+    /// What the last graceful shutdown left of the RRefs (PyTorch's leak check, by
+    /// count and owner; also logged); `None` before one.
+    pub fn rref_shutdown_report(&self) -> Option<RRefShutdownReport> {
+        self.client().shared().rrefs.report()
+    }
+}
+
+/// `remote(to, handler, message)` (see the module documentation).
+pub(crate) fn remote(
+    shared: &Arc<Shared>,
+    to: &str,
+    handler: &str,
+    message: Message,
+    timeout: Option<Duration>,
+) -> Result<RRef, RpcError> {
+    let to_id = worker_id(shared, to)?;
+    let rrefs = &shared.rrefs;
+    rrefs.ensure_pump(shared);
+    let handle = rrefs.update(|state, _| state.machine.remote(to_id));
+    let rref = RRef {
+        shared: Arc::clone(shared),
+        handle,
+        owner: to.to_string(),
+    };
+    let Some(fork) = handle.fork else {
+        run_locally(shared, handle.rref, handler, message)?;
+        return Ok(rref);
+    };
+    let header = RemoteCallHeader {
+        rref: handle.rref,
+        fork,
+        handler: handler.to_string(),
+    };
+    let payload = header
+        .prepend(&message.payload)
+        .map_err(|e| rref.rref_error(e.to_string()))?;
+    let future = RpcClient::new(Arc::clone(shared)).rpc_async_with_timeout(
+        to,
+        REMOTE,
+        Message { payload, ..message },
+        timeout,
+    );
+    rrefs.update(|state, _| {
+        state
+            .handed
+            .push((Sent::RemoteCall { rref: handle.rref }, future));
+    });
+    Ok(rref)
+}
+
+/// `remote()` to this worker itself: the handler runs on a thread of its own.
+fn run_locally(
+    shared: &Arc<Shared>,
+    rref: RRefId,
+    handler: &str,
+    message: Message,
+) -> Result<(), RpcError> {
+    let ctx = CallContext {
+        caller: shared.me.name().to_string(),
+        caller_id: shared.me.id(),
+        handler: handler.to_string(),
+        message_id: 0,
+        client: RpcClient::new(Arc::clone(shared)),
+    };
+    let owner = Arc::clone(shared);
+    let handler = handler.to_string();
+    std::thread::Builder::new()
+        .name("rdzv-rref-local".into())
+        .spawn(move || {
+            let result = run_user_handler(&owner, &ctx, &handler, message);
+            owner.rrefs.store_value(rref, result);
+        })
+        .map(drop)
+        .map_err(|e| RpcError::Executor(format!("RRef local handler thread: {e}")))
+}
+
+/// Turns the bytes of [`RRef::fork_to`] back into an RRef on this worker.
+pub(crate) fn from_fork(shared: &Arc<Shared>, bytes: &[u8]) -> Result<RRef, RpcError> {
+    let data = ForkData::from_bytes(bytes).map_err(|e| RpcError::RRef {
+        rref: "?".into(),
+        owner: "?".into(),
+        reason: e.to_string(),
+    })?;
+    let owner = worker_name(shared, data.owner).ok_or_else(|| RpcError::RRef {
+        rref: data.rref.to_string(),
+        owner: format!("worker id {}", data.owner.get()),
+        reason: "its owner is not a member of this RPC group".into(),
+    })?;
+    shared.rrefs.ensure_pump(shared);
+    let handle = shared
+        .rrefs
+        .update(|state, now| state.machine.receive_fork(now, data))
+        .map_err(|e| RpcError::RRef {
+            rref: data.rref.to_string(),
+            owner: owner.clone(),
+            reason: e.to_string(),
+        })?;
+    Ok(RRef {
+        shared: Arc::clone(shared),
+        handle,
+        owner,
+    })
+}
+
+/// The debug counts of worker `rank`, asked over RPC (this worker's own, locally).
+pub(crate) fn debug_info_of(shared: &Arc<Shared>, rank: WorkerId) -> Result<DebugInfo, RpcError> {
+    if rank == shared.me.id() {
+        return Ok(shared.rrefs.debug_info());
+    }
+    let name = worker_name(shared, rank).ok_or_else(|| RpcError::UnknownWorker {
+        name: format!("rank {}", rank.get()),
+    })?;
+    let reply =
+        RpcClient::new(Arc::clone(shared)).rpc_sync(&name, DEBUG_INFO, Message::default())?;
+    decode_counts(&reply.payload).ok_or_else(|| RpcError::Remote {
+        peer: name,
+        handler: DEBUG_INFO.into(),
+        message: format!("{} bytes are not four counts", reply.payload.len()),
+    })
+}
+
+/// PyTorch's `wait_until_owners_and_forks_on_rank`.
+pub(crate) fn wait_until_owners_and_forks_on_rank(
+    shared: &Arc<Shared>,
+    num_owners: usize,
+    num_forks: usize,
+    rank: WorkerId,
+    timeout: Duration,
+) -> Result<(), RpcError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let info = debug_info_of(shared, rank)?;
+        if info.num_owner_rrefs == num_owners && info.num_forks == num_forks {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(RpcError::RRefWait {
+                reason: format!(
+                    "Timed out waiting {timeout:?} for {num_owners} owners and {num_forks} forks \
+                     on rank {}, had {} owners and {} forks",
+                    rank.get(),
+                    info.num_owner_rrefs,
+                    info.num_forks
+                ),
+            });
+        }
+        std::thread::sleep(HELPER_POLL);
+    }
+}
+
+/// PyTorch's `wait_until_pending_futures_and_users_flushed`: no RRef control message
+/// unanswered, no user unconfirmed, and no call in flight on this worker.
+pub(crate) fn wait_until_pending_futures_and_users_flushed(
+    shared: &Shared,
+    timeout: Duration,
+) -> Result<(), RpcError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let info = shared.rrefs.debug_info();
+        let calls = shared.lock_calls().metrics.calls.client_active();
+        if info.num_pending_futures == 0 && info.num_pending_users == 0 && calls == 0 {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(RpcError::RRefWait {
+                reason: format!(
+                    "Timed out waiting {timeout:?} to flush pending futures and users, had {} \
+                     pending RRef futures, {} pending users and {calls} calls in flight",
+                    info.num_pending_futures, info.num_pending_users
+                ),
+            });
+        }
+        std::thread::sleep(HELPER_POLL);
+    }
+}
+
+/// A graceful shutdown's RRef part (see the module documentation). Each wait lasts at
+/// most as long as a control message keeps being retried.
+pub(crate) fn settle_for_join(shared: &Arc<Shared>) -> RRefShutdownReport {
+    let rrefs = &shared.rrefs;
+    let window = rrefs.retry_window();
+    rrefs.wait_for(window, |s| s.machine.is_settled() && s.outbox.is_empty());
+    rrefs.update(|state, now| state.machine.release_all(now));
+    rrefs.wait_for(window, |s| {
+        s.machine.is_settled() && s.outbox.is_empty() && s.machine.debug_info().num_owner_rrefs == 0
+    });
+    let report = {
+        let mut state = rrefs.lock();
+        let leaks = state
+            .machine
+            .leaks()
+            .map(|leak| describe(shared, leak))
+            .collect();
+        let debug_info = state.machine.debug_info();
+        let report = RRefShutdownReport {
+            leaks,
+            owner_rrefs_left: debug_info.num_owner_rrefs,
+            debug_info,
+        };
+        state.report = Some(report.clone());
+        report
+    };
+    if !report.is_clean() {
+        for (owner, count) in report.by_owner() {
+            tracing::warn!(
+                worker = shared.me.name(),
+                owner = %owner,
+                count,
+                "RRefs leak at shutdown: never confirmed or never answered by their owner"
+            );
+        }
+        if report.owner_rrefs_left > 0 {
+            tracing::warn!(
+                worker = shared.me.name(),
+                count = report.owner_rrefs_left,
+                "owner RRefs still referenced by other workers at shutdown"
+            );
+        }
+    }
+    report
+}
+
+fn describe(shared: &Shared, leak: Leak) -> RRefLeak {
+    let name =
+        |id: WorkerId| worker_name(shared, id).unwrap_or_else(|| format!("worker id {}", id.get()));
+    let (owner, what) = match leak {
+        Leak::PendingUser { owner, rref, fork } => (
+            name(owner),
+            format!("user {fork} of RRef {rref} was never confirmed by its owner"),
+        ),
+        Leak::PendingChild { owner, rref, child } => (
+            name(owner),
+            format!("fork {child} of RRef {rref} was never accepted by its child"),
+        ),
+        Leak::Unanswered { to, kind, fork } => (
+            name(to),
+            format!("{kind} for fork {fork} was never answered"),
+        ),
+    };
+    RRefLeak { owner, what, leak }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_injection_names_the_control_messages_as_pytorch() {
+        assert_eq!(fault_alias(FORK_REQUEST), Some("RREF_FORK_REQUEST"));
+        assert_eq!(fault_alias(CHILD_ACCEPT), Some("RREF_CHILD_ACCEPT"));
+        assert_eq!(fault_alias(USER_DELETE), Some("RREF_USER_DELETE"));
+        assert_eq!(fault_alias(REMOTE_RET), None);
+        assert_eq!(fault_alias("echo"), None);
+    }
+
+    #[test]
+    fn counts_round_trip_and_bad_bytes_are_refused() {
+        let info = DebugInfo {
+            num_owner_rrefs: 3,
+            num_pending_futures: 1,
+            num_pending_users: 0,
+            num_forks: 7,
+        };
+        assert_eq!(decode_counts(&encode_counts(&info)), Some(info));
+        assert_eq!(decode_counts(&[0; 31]), None);
+        assert_eq!(decode_counts(&[0; 40]), None);
+    }
+
+    #[test]
+    fn the_ack_named_is_kept_back_for_the_response() {
+        let owner = WorkerId::from(1);
+        let child = WorkerId::from(2);
+        let rref = RRefId {
+            created_on: WorkerId::from(0),
+            local_id: 0,
+        };
+        let fork = ForkId {
+            created_on: WorkerId::from(0),
+            local_id: 1,
+        };
+        let mut state = State {
+            machine: RRefContext::new(owner, RetryOptions::default()),
+            values: HashMap::new(),
+            failed: HashMap::new(),
+            outbox: VecDeque::new(),
+            handed: Vec::new(),
+            pump_started: false,
+            report: None,
+        };
+        let now = Instant::from_nanos(0);
+        state.machine.handle_message(
+            now,
+            child,
+            RRefMessage::Control {
+                kind: ControlKind::ForkRequest,
+                rref,
+                fork,
+            },
+        );
+        let reply = drain(&mut state, Some((child, ControlKind::ForkRequest, fork)));
+        assert_eq!(
+            reply,
+            Some(RRefMessage::Ack {
+                kind: ControlKind::ForkRequest,
+                rref,
+                fork
+            })
+        );
+        assert!(state.outbox.is_empty());
+        assert_eq!(state.machine.debug_info().num_forks, 1);
+    }
+}
