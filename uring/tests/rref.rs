@@ -340,6 +340,27 @@ fn owner_user_and_fork_arrangements() {
     drop(rref);
     expect_counts(&agent, 0, 0, 1, "a user dropped before its value existed");
 
+    // to_here before the value exists: the owner answers when it does (or says it is
+    // not ready when the wait is over).
+    let rref = agent
+        .remote("w1", "slow", Message::default())
+        .unwrap_or_else(|e| panic!("remote: {e}"));
+    let early = rref
+        .to_here(Duration::from_millis(20))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        early.contains("not ready") && early.contains("w1"),
+        "{early}"
+    );
+    let value = rref
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here of a slow value: {e}"));
+    assert_eq!(value.payload, b"slow");
+    drop(rref);
+    expect_counts(&agent, 0, 0, 1, "the slow value dropped");
+
     // A failing handler: to_here says why, and where.
     let rref = agent
         .remote("w1", "fail", Message::default())
@@ -433,4 +454,28 @@ fn owner_killed_to_here_fails_fast_naming_the_owner() {
     );
     drop(rref);
     assert_eq!(agent.shutdown(false).map_err(|e| e.to_string()), Ok(()));
+}
+
+#[test]
+fn join_reports_what_leaks_by_owner() {
+    // Short retries (the fault options), so that join's waits end soon.
+    let (agent, peers, _dir) = start("join_reports_what_leaks_by_owner", 2, true);
+    let rref = agent
+        .remote("w1", "make", make_message(16, 1))
+        .unwrap_or_else(|e| panic!("remote: {e}"));
+    wait_confirmed(&rref);
+    // A fork whose bytes never reach w1: its child never accepts, so w0's user is held.
+    let _lost = rref.fork_to("w1").unwrap_or_else(|e| panic!("fork: {e}"));
+    drop(rref);
+    assert_eq!(agent.join().map_err(|e| e.to_string()), Ok(()));
+    let report = agent
+        .rref_shutdown_report()
+        .unwrap_or_else(|| panic!("no shutdown report after join"));
+    assert!(!report.is_clean());
+    assert_eq!(report.by_owner().get("w1"), Some(&1), "{report:?}");
+    let what = report.leaks.first().map(|l| l.what.as_str()).unwrap_or("");
+    assert!(what.contains("never accepted by its child"), "{what}");
+    for peer in peers {
+        peer.expect_success(PEER_EXIT_LIMIT);
+    }
 }

@@ -1016,6 +1016,9 @@ fn spawn_pool(
 }
 
 fn run_job(shared: &Shared, job: Job) {
+    let Some(job) = super::rref::take_fetch(shared, job) else {
+        return;
+    };
     {
         let mut calls = shared.lock_calls();
         calls.metrics.num_idle_threads = calls.metrics.num_idle_threads.saturating_sub(1);

@@ -24,8 +24,8 @@
 //! the machine the `RemoteCall` (the slot exists and `RemoteRet` goes back at once),
 //! then runs `handler` and keeps its result (value or error text) keyed by RRef id.
 //! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
-//! is not there yet the handler waits for it on its pool thread, for at most the
-//! caller's timeout. `remote()` to this worker itself runs the handler on a thread of
+//! is not there yet the request waits for it without holding a pool thread (an async
+//! server call, answered when the value is stored or the caller's timeout is over). `remote()` to this worker itself runs the handler on a thread of
 //! its own. An RRef goes to another worker as bytes made by [`RRef::fork_to`], which
 //! the receiver turns back into an RRef with [`RpcClient::rref_from_fork`] (an RRef is
 //! not a field of [`Message`]).
@@ -58,6 +58,7 @@ use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::RpcClient;
 use super::error::RpcError;
+use super::lane::{Job, Responder};
 use super::message::{run_handler, CallContext, Inline, Message, RpcFuture};
 use super::shared::Shared;
 
@@ -111,8 +112,13 @@ pub(crate) fn fault_alias(handler: &str) -> Option<&'static str> {
 enum Sent {
     /// A control message to this worker: its response holds the `Ack`.
     Control { to: WorkerId },
-    /// A `remote()` call: its failure fails the RRef's `to_here`.
-    RemoteCall { rref: RRefId },
+    /// A `remote()` call to worker `to`: its failure fails the RRef's `to_here`, and its
+    /// answer confirms the user as `RemoteRet` does (in case that message was lost).
+    RemoteCall {
+        rref: RRefId,
+        fork: ForkId,
+        to: WorkerId,
+    },
     /// Anything else: a failure is only logged (the machine retries what matters).
     Plain,
 }
@@ -201,6 +207,18 @@ struct State {
     handed: Vec<(Sent, RpcFuture)>,
     pump_started: bool,
     report: Option<RRefShutdownReport>,
+    /// `to_here` requests waiting on this owner for their value.
+    waiters: Vec<Waiter>,
+}
+
+/// A `to_here` request answered when its value exists, or when its wait is over; it
+/// holds no pool thread meanwhile (the call counts as an async server call).
+struct Waiter {
+    rref: RRefId,
+    responder: Responder,
+    message_id: u64,
+    deadline: Option<std::time::Instant>,
+    wait: Duration,
 }
 
 /// One worker's RRefs: the machine, the owner's values, the pump's signal.
@@ -225,6 +243,7 @@ impl RRefs {
                 handed: Vec::new(),
                 pump_started: false,
                 report: None,
+                waiters: Vec::new(),
             }),
             changed: Condvar::new(),
             signal: Arc::new(Signal::default()),
@@ -276,13 +295,41 @@ impl RRefs {
         self.lock().report.clone()
     }
 
-    /// Keeps a finished handler's result for `rref`, unless nothing references it.
-    fn store_value(&self, rref: RRefId, result: Result<Message, String>) {
-        self.update(|state, _| {
+    /// Keeps a finished handler's result for `rref`, unless nothing references it, and
+    /// answers the `to_here` requests waiting for it.
+    fn store_value(&self, shared: &Shared, rref: RRefId, result: Result<Message, String>) {
+        let answered = self.update(|state, _| {
+            let (ready, waiting): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut state.waiters)
+                .into_iter()
+                .partition(|w| w.rref == rref);
+            state.waiters = waiting;
             if state.machine.value_ready(rref, result.is_ok()) == ValueOutcome::Store {
-                state.values.insert(rref, result);
+                state.values.insert(rref, result.clone());
             }
+            ready
         });
+        for waiter in answered {
+            answer(shared, waiter, result.clone());
+        }
+    }
+
+    /// Answers the `to_here` requests whose wait is over; the earliest wait left.
+    fn expire_waiters(&self, shared: &Shared) -> Option<std::time::Instant> {
+        let now = std::time::Instant::now();
+        let (expired, next) = {
+            let mut state = self.lock();
+            let (expired, waiting): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut state.waiters)
+                .into_iter()
+                .partition(|w| w.deadline.is_some_and(|d| d <= now));
+            state.waiters = waiting;
+            let next = state.waiters.iter().filter_map(|w| w.deadline).min();
+            (expired, next)
+        };
+        for waiter in expired {
+            let error = not_ready(shared, waiter.rref, waiter.wait);
+            answer(shared, waiter, Err(error));
+        }
+        next
     }
 
     /// Waits until the owner's value of `rref` exists (its clone, or the handler's
@@ -349,6 +396,71 @@ impl RRefs {
             self.lock().pump_started = false;
         }
     }
+}
+
+/// Sends a deferred `to_here`'s answer.
+fn answer(shared: &Shared, waiter: Waiter, result: Result<Message, String>) {
+    shared.lock_calls().metrics.calls.server_call_finished(true);
+    waiter.responder.respond(shared, waiter.message_id, result);
+}
+
+fn not_ready(shared: &Shared, rref: RRefId, wait: Duration) -> String {
+    format!(
+        "the value of RRef {rref} is not ready on its owner {} after {wait:?}: its remote() \
+         handler is still running, or its call never arrived",
+        shared.me.name()
+    )
+}
+
+/// The worker pool's hook for `to_here` on the owner: a request whose value exists is
+/// answered at once; one whose value does not yet waits without a pool thread (an async
+/// server call) until [`RRefs::store_value`] or its deadline. Every other job is given
+/// back to run as usual.
+pub(crate) fn take_fetch(shared: &Shared, job: Job) -> Option<Job> {
+    if job.ctx.handler != FETCH {
+        return Some(job);
+    }
+    let Job {
+        responder,
+        ctx,
+        message,
+        ..
+    } = job;
+    let finish_now = |result| {
+        shared
+            .lock_calls()
+            .metrics
+            .calls
+            .server_call_finished(false);
+        responder.respond(shared, ctx.message_id, result);
+    };
+    let request = match FetchRequest::from_bytes(&message.payload) {
+        Ok(request) => request,
+        Err(e) => {
+            finish_now(Err(e.to_string()));
+            return None;
+        }
+    };
+    let wait = Duration::from_millis(request.wait_ms);
+    let mut state = shared.rrefs.lock();
+    if let Some(value) = state.values.get(&request.rref).cloned() {
+        drop(state);
+        finish_now(value);
+        return None;
+    }
+    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
+    shared.lock_calls().metrics.calls.server_call_went_async();
+    state.waiters.push(Waiter {
+        rref: request.rref,
+        responder,
+        message_id: ctx.message_id,
+        deadline,
+        wait,
+    });
+    drop(state);
+    // The pump keeps the deadline.
+    shared.rrefs.signal.notify();
+    None
 }
 
 /// Applies the machine's events and moves its messages to the outbox, except the `Ack`
@@ -448,11 +560,18 @@ fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
                 state.machine.handle_timeout(now);
                 state.machine.poll_timeout()
             });
+            let waiter = rrefs
+                .expire_waiters(&shared)
+                .map(|at| at.saturating_duration_since(std::time::Instant::now()));
             let more = !rrefs.lock().outbox.is_empty();
-            match next {
+            let retry = next.map(|at| at.saturating_duration_since(rrefs.now()));
+            match (retry, waiter) {
                 _ if more => Duration::ZERO,
-                Some(at) => at.saturating_duration_since(rrefs.now()).min(PUMP_IDLE),
-                None => PUMP_IDLE,
+                (Some(a), Some(b)) => a.min(b).min(PUMP_IDLE).max(Duration::from_micros(100)),
+                (Some(a), None) | (None, Some(a)) => {
+                    a.min(PUMP_IDLE).max(Duration::from_micros(100))
+                }
+                (None, None) => PUMP_IDLE,
             }
         };
         if !sleep.is_zero() {
@@ -500,14 +619,20 @@ fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, 
             ),
             Err(e) => tracing::warn!(error = %e, "an RRef control message's answer is malformed"),
         },
-        (Sent::RemoteCall { rref }, Err(e)) => {
+        (Sent::RemoteCall { rref, .. }, Err(e)) => {
             state.failed.insert(rref, e.to_string());
+        }
+        (Sent::RemoteCall { rref, fork, to }, Ok(_)) => {
+            // The owner handled the call before answering it: as good as `RemoteRet`.
+            state
+                .machine
+                .handle_message(now, to, RRefMessage::RemoteRet { rref, fork });
         }
         (Sent::Control { .. } | Sent::Plain, Err(e)) => {
             // The machine sends a control message again at its retry time.
             tracing::debug!(error = %e, "an RRef message was not delivered");
         }
-        (Sent::RemoteCall { .. } | Sent::Plain, Ok(_)) => {}
+        (Sent::Plain, Ok(_)) => {}
     }
 }
 
@@ -587,7 +712,7 @@ fn on_remote(shared: &Arc<Shared>, ctx: &CallContext, m: Message) -> Result<Mess
     shared.rrefs.ensure_pump(shared);
     let request = Message { payload, ..m };
     let result = run_user_handler(shared, ctx, &handler, request);
-    shared.rrefs.store_value(rref, result);
+    shared.rrefs.store_value(shared, rref, result);
     Ok(Message::default())
 }
 
@@ -615,19 +740,15 @@ fn run_user_handler(
     run_handler(found.as_ref(), &ctx, request)
 }
 
-/// `to_here` on the owner: the value, waiting for it as the request allows.
+/// `to_here` on the owner, where the pool's hook ([`take_fetch`]) did not serve it: the
+/// value, waiting for it on this thread as the request allows.
 fn on_fetch(shared: &Shared, m: &Message) -> Result<Message, String> {
     let request = FetchRequest::from_bytes(&m.payload).map_err(|e| e.to_string())?;
     let wait = Duration::from_millis(request.wait_ms);
     let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
     match shared.rrefs.wait_value(request.rref, deadline) {
         Ok(value) => value,
-        Err(()) => Err(format!(
-            "the value of RRef {} is not ready on its owner {} after {wait:?}: its remote() \
-             handler is still running, or its call never arrived",
-            request.rref,
-            shared.me.name()
-        )),
+        Err(()) => Err(not_ready(shared, request.rref, wait)),
     }
 }
 
@@ -1003,9 +1124,14 @@ pub(crate) fn remote(
         timeout,
     );
     rrefs.update(|state, _| {
-        state
-            .handed
-            .push((Sent::RemoteCall { rref: handle.rref }, future));
+        state.handed.push((
+            Sent::RemoteCall {
+                rref: handle.rref,
+                fork,
+                to: to_id,
+            },
+            future,
+        ));
     });
     Ok(rref)
 }
@@ -1030,7 +1156,7 @@ fn run_locally(
         .name("rdzv-rref-local".into())
         .spawn(move || {
             let result = run_user_handler(&owner, &ctx, &handler, message);
-            owner.rrefs.store_value(rref, result);
+            owner.rrefs.store_value(&owner, rref, result);
         })
         .map(drop)
         .map_err(|e| RpcError::Executor(format!("RRef local handler thread: {e}")))
@@ -1248,6 +1374,7 @@ mod tests {
             handed: Vec::new(),
             pump_started: false,
             report: None,
+            waiters: Vec::new(),
         };
         let now = Instant::from_nanos(0);
         state.machine.handle_message(
