@@ -121,6 +121,27 @@ fn options(url: &str, faults: bool) -> RpcOptions {
                 Ok(Message::default())
             },
         )
+        // Turns every fork in the payload (each with a 2-byte length) into an RRef and
+        // drops it at once.
+        .with_handler(
+            "take_and_drop",
+            |ctx: &CallContext, m: Message| -> Result<Message, String> {
+                let mut rest = m.payload.as_slice();
+                while let [a, b, tail @ ..] = rest {
+                    let len = usize::from(u16::from_le_bytes([*a, *b]));
+                    let fork = tail.get(..len).ok_or("short fork")?;
+                    drop(ctx.client.rref_from_fork(fork).map_err(|e| e.to_string())?);
+                    rest = tail.get(len..).unwrap_or_default();
+                }
+                Ok(Message::default())
+            },
+        )
+        .with_handler(
+            "rss",
+            |_: &CallContext, _: Message| -> Result<Message, String> {
+                Ok(Message::from_payload(rss_kib().to_le_bytes().to_vec()))
+            },
+        )
         // The owner's own RRef, forked to the worker named in the payload (key "own"),
         // then dropped here.
         .with_handler(
@@ -166,6 +187,19 @@ fn options(url: &str, faults: bool) -> RpcOptions {
         };
     }
     options
+}
+
+/// This process's resident set, in KiB (0 where /proc is unreadable).
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 /// In a child: serves as `w{rank}` until the parent's join, and exits.
@@ -478,4 +512,81 @@ fn join_reports_what_leaks_by_owner() {
     for peer in peers {
         peer.expect_success(PEER_EXIT_LIMIT);
     }
+}
+
+/// How many RRefs the soak makes (`RDZV_RREF_SOAK`; the figure is 100000).
+fn soak_count() -> usize {
+    std::env::var("RDZV_RREF_SOAK")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1000)
+}
+
+#[test]
+fn soak_of_rrefs_created_forked_and_dropped_leaves_every_table_empty() {
+    let (agent, peers, _dir) = start(
+        "soak_of_rrefs_created_forked_and_dropped_leaves_every_table_empty",
+        3,
+        false,
+    );
+    let total = soak_count();
+    let batch = 100;
+    let rss = |to: &str| {
+        let reply = call(&agent, to, "rss", Message::default());
+        <[u8; 8]>::try_from(reply.payload.as_slice()).map_or(0, u64::from_le_bytes)
+    };
+    let mut first = None;
+    let started = Instant::now();
+    let mut made = 0;
+    while made < total {
+        let n = batch.min(total - made);
+        // Owners alternate between w1 and w2; each RRef is forked to the other one.
+        let (owner, third) = if (made / batch) % 2 == 0 {
+            ("w1", "w2")
+        } else {
+            ("w2", "w1")
+        };
+        let rrefs: Vec<RRef> = (0..n)
+            .map(|i| {
+                agent
+                    .remote(owner, "make", make_message(8, i as u8))
+                    .unwrap_or_else(|e| panic!("remote {}: {e}", made + i))
+            })
+            .collect();
+        let mut forks = Vec::new();
+        for rref in &rrefs {
+            let fork = rref.fork_to(third).unwrap_or_else(|e| panic!("fork: {e}"));
+            forks.extend_from_slice(&u16::try_from(fork.len()).unwrap_or(0).to_le_bytes());
+            forks.extend_from_slice(&fork);
+        }
+        call(&agent, third, "take_and_drop", Message::from_payload(forks));
+        drop(rrefs);
+        made += n;
+        if first.is_none() {
+            for r in [1, 2] {
+                expect_counts(&agent, 0, 0, r, "after the first batch");
+            }
+            first = Some((rss("w1"), rss("w2"), rss_kib()));
+        }
+    }
+    for r in 0..3 {
+        expect_counts(&agent, 0, 0, r, "after the soak");
+    }
+    let elapsed = started.elapsed();
+    let last = (rss("w1"), rss("w2"), rss_kib());
+    let first = first.unwrap_or(last);
+    println!(
+        "soak: {total} RRefs in {elapsed:?}; resident KiB after the first batch {first:?}, at the end {last:?}"
+    );
+    // Flat: every table is empty, so what grew is the allocator's slack, not the RRefs.
+    let grew = [
+        last.0.saturating_sub(first.0),
+        last.1.saturating_sub(first.1),
+        last.2.saturating_sub(first.2),
+    ];
+    assert!(
+        grew.iter().all(|&g| g < 32 * 1024),
+        "memory grew by {grew:?} KiB over {total} RRefs"
+    );
+    finish(agent, peers, 3);
 }
