@@ -30,6 +30,7 @@ const CHILD_ENV: &str = "RDZV_RREF_CHILD";
 const STORE_ENV: &str = "RDZV_RREF_STORE";
 const WORLD_ENV: &str = "RDZV_RREF_WORLD";
 const FAULTS_ENV: &str = "RDZV_RREF_FAULTS";
+const TRANSPORT_ENV: &str = "RDZV_RREF_TRANSPORT";
 
 /// How long a count or a value may take to arrive.
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -78,7 +79,7 @@ fn split_key(payload: &[u8]) -> Result<(String, &[u8]), String> {
     Ok((String::from_utf8_lossy(key).into_owned(), rest))
 }
 
-fn options(url: &str, faults: bool) -> RpcOptions {
+fn options(url: &str, faults: bool, transport: Option<&str>) -> RpcOptions {
     let mut options = RpcOptions::new(url)
         .with_handler("make", make)
         .with_handler(
@@ -164,6 +165,7 @@ fn options(url: &str, faults: bool) -> RpcOptions {
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 4;
+    options.transports = transport.map(|t| vec![t.to_string()]);
     if faults {
         options.fault_injection = FaultInjection {
             fail_handlers: vec![
@@ -218,12 +220,22 @@ fn run_child() -> ! {
         &format!("w{rank}"),
         rank,
         Some(world),
-        options(&url, faults),
+        options(&url, faults, std::env::var(TRANSPORT_ENV).ok().as_deref()),
     ))
 }
 
 /// Starts `world - 1` children for `test` and the parent `w0`.
 fn start(test: &str, world: u32, faults: bool) -> (RpcAgent, Vec<Peer>, tempfile::TempDir) {
+    start_over(test, world, faults, None)
+}
+
+/// [`start`] with every worker offering only `transport`, if given.
+fn start_over(
+    test: &str,
+    world: u32,
+    faults: bool,
+    transport: Option<&str>,
+) -> (RpcAgent, Vec<Peer>, tempfile::TempDir) {
     if std::env::var_os(CHILD_ENV).is_some() {
         run_child();
     }
@@ -243,10 +255,14 @@ fn start(test: &str, world: u32, faults: bool) -> (RpcAgent, Vec<Peer>, tempfile
             } else {
                 command.env_remove(FAULTS_ENV);
             }
+            match transport {
+                Some(t) => command.env(TRANSPORT_ENV, t),
+                None => command.env_remove(TRANSPORT_ENV),
+            };
             Peer::spawn(format!("w{rank} for test {test}"), command)
         })
         .collect();
-    let agent = init_rpc("w0", 0, Some(world), options(&url, faults))
+    let agent = init_rpc("w0", 0, Some(world), options(&url, faults, transport))
         .unwrap_or_else(|e| panic!("w0 init: {e}"));
     (agent, peers, dir)
 }
@@ -259,7 +275,10 @@ fn call(agent: &RpcAgent, to: &str, handler: &str, m: Message) -> Message {
 
 fn expect_counts(agent: &RpcAgent, owners: usize, forks: usize, on: i16, what: &str) {
     if let Err(e) = agent.wait_until_owners_and_forks_on_rank(owners, forks, rank(on), PATIENCE) {
-        panic!("{what}: {e}");
+        let all: Vec<_> = (0..3)
+            .map(|r| agent.rref_debug_info_of(rank(r)).map_err(|e| e.to_string()))
+            .collect();
+        panic!("{what}: {e}; every worker's counts: {all:?}");
     }
 }
 
@@ -589,4 +608,36 @@ fn soak_of_rrefs_created_forked_and_dropped_leaves_every_table_empty() {
         "memory grew by {grew:?} KiB over {total} RRefs"
     );
     finish(agent, peers, 3);
+}
+
+#[test]
+fn to_here_of_a_16_mib_tensor_over_each_transport() {
+    let test = "to_here_of_a_16_mib_tensor_over_each_transport";
+    if std::env::var_os(CHILD_ENV).is_some() {
+        run_child();
+    }
+    let shm = rdzv_uring::rpc::shm::ShmTransport::new().err();
+    for transport in ["tcp", "shm"] {
+        if transport == "shm" {
+            if let Some(why) = &shm {
+                println!("skipping to_here over shm: {why}");
+                continue;
+            }
+        }
+        let (agent, peers, _dir) = start_over(test, 2, false, Some(transport));
+        let len = 16 << 20;
+        let rref = agent
+            .remote("w1", "make", make_message(len as u64, 11))
+            .unwrap_or_else(|e| panic!("remote over {transport}: {e}"));
+        let value = rref
+            .to_here(PATIENCE)
+            .unwrap_or_else(|e| panic!("to_here over {transport}: {e}"));
+        check_tensor(&value, len, 11, transport);
+        assert_eq!(
+            agent.pipe_transport("w1").map(|k| k.name()),
+            Some(transport)
+        );
+        drop(rref);
+        finish(agent, peers, 2);
+    }
 }

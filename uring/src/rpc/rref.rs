@@ -41,7 +41,7 @@
 //! then reports whatever could not be settled, by count and owner, in the log and in
 //! [`RpcAgent::rref_shutdown_report`](super::RpcAgent::rref_shutdown_report).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -58,7 +58,7 @@ use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::RpcClient;
 use super::error::RpcError;
-use super::lane::{Job, Responder};
+use super::lane::{self, Job, Responder};
 use super::message::{run_handler, CallContext, Inline, Message, RpcFuture};
 use super::shared::Shared;
 
@@ -522,10 +522,20 @@ fn worker_id(shared: &Shared, name: &str) -> Result<WorkerId, RpcError> {
 }
 
 /// The pump: sends what the machine asks for, watches those calls, keeps time.
+///
+/// Messages to one worker must arrive in the order they were sent. A call made while
+/// the pipe to its peer is not open yet goes through the I/O thread, and a later call
+/// made once the pipe is open goes straight onto it and can overtake the first (a
+/// `FORK_REQUEST` held up there would then count a fork again after its
+/// `USER_DELETE`). So while a call to a worker without an open pipe is in flight, the
+/// pump holds back every later message to that worker, in order.
 fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
     let waker = Waker::from(Arc::clone(signal));
     let mut cx = Context::from_waker(&waker);
-    let mut flight: Vec<(Sent, RpcFuture)> = Vec::new();
+    // Each call with the worker it opened a pipe to, if it went out without one.
+    let mut flight: Vec<(Sent, RpcFuture, Option<WorkerId>)> = Vec::new();
+    let mut opening: HashSet<WorkerId> = HashSet::new();
+    let mut held: VecDeque<Transmit> = VecDeque::new();
     loop {
         let sleep = {
             let Some(shared) = weak.upgrade() else {
@@ -539,20 +549,38 @@ fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
                     std::mem::take(&mut state.handed),
                 )
             };
-            flight.extend(handed);
-            for transmit in outbox {
-                if let Some(sent) = send(&shared, transmit) {
-                    flight.push(sent);
+            flight.extend(
+                handed
+                    .into_iter()
+                    .map(|(sent, future)| (sent, future, None)),
+            );
+            held.extend(outbox);
+            for transmit in std::mem::take(&mut held) {
+                if opening.contains(&transmit.to) {
+                    held.push_back(transmit);
+                    continue;
+                }
+                let to = transmit.to;
+                if let Some((sent, future, opened)) = send(&shared, transmit) {
+                    if opened {
+                        opening.insert(to);
+                    }
+                    flight.push((sent, future, opened.then_some(to)));
                 }
             }
             let mut done = Vec::new();
-            flight.retain_mut(|(sent, future)| match Pin::new(future).poll(&mut cx) {
-                Poll::Ready(result) => {
-                    done.push((*sent, result));
-                    false
-                }
-                Poll::Pending => true,
-            });
+            flight.retain_mut(
+                |(sent, future, opened)| match Pin::new(future).poll(&mut cx) {
+                    Poll::Ready(result) => {
+                        if let Some(to) = opened {
+                            opening.remove(to);
+                        }
+                        done.push((*sent, result));
+                        false
+                    }
+                    Poll::Pending => true,
+                },
+            );
             let next = rrefs.update(|state, now| {
                 for (sent, result) in done {
                     on_sent(state, now, sent, result);
@@ -563,7 +591,8 @@ fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
             let waiter = rrefs
                 .expire_waiters(&shared)
                 .map(|at| at.saturating_duration_since(std::time::Instant::now()));
-            let more = !rrefs.lock().outbox.is_empty();
+            let sendable = held.iter().any(|t| !opening.contains(&t.to));
+            let more = sendable || !rrefs.lock().outbox.is_empty();
             let retry = next.map(|at| at.saturating_duration_since(rrefs.now()));
             match (retry, waiter) {
                 _ if more => Duration::ZERO,
@@ -580,8 +609,9 @@ fn pump(weak: &Weak<Shared>, signal: &Arc<Signal>) {
     }
 }
 
-/// Sends one machine message as a call; the future to watch.
-fn send(shared: &Arc<Shared>, transmit: Transmit) -> Option<(Sent, RpcFuture)> {
+/// Sends one machine message as a call: the future to watch, and whether the call went
+/// out with no pipe open to its peer.
+fn send(shared: &Arc<Shared>, transmit: Transmit) -> Option<(Sent, RpcFuture, bool)> {
     let Some(to) = worker_name(shared, transmit.to) else {
         tracing::debug!(
             to = transmit.to.get(),
@@ -603,9 +633,10 @@ fn send(shared: &Arc<Shared>, transmit: Transmit) -> Option<(Sent, RpcFuture)> {
             return None;
         }
     };
+    let opening = lane::client_lane(shared, &to).is_none();
     let future =
         RpcClient::new(Arc::clone(shared)).rpc_async(&to, handler, Message::from_payload(payload));
-    Some((sent, future))
+    Some((sent, future, opening))
 }
 
 /// A call the pump sent (or was handed) completed.
@@ -1035,6 +1066,14 @@ impl super::RpcAgent {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
+    }
+
+    /// The RRef counts of worker `rank` (over RPC unless it is this worker).
+    ///
+    /// # Errors
+    /// The call's error.
+    pub fn rref_debug_info_of(&self, rank: WorkerId) -> Result<DebugInfo, RpcError> {
+        debug_info_of(self.client().shared(), rank)
     }
 
     /// PyTorch's `get_num_owners_and_forks` for worker `rank` (over RPC unless it is
