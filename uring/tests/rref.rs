@@ -137,6 +137,20 @@ fn options(url: &str, faults: bool, transport: Option<&str>) -> RpcOptions {
                 Ok(Message::default())
             },
         )
+        // Forks the RRef held under the key to the worker named after it, which holds it
+        // under "chain".
+        .with_handler(
+            "forward",
+            |ctx: &CallContext, m: Message| -> Result<Message, String> {
+                let (key, to) = split_key(&m.payload)?;
+                let to = String::from_utf8_lossy(to).into_owned();
+                let rref = held().get(&key).cloned().ok_or("no such RRef held")?;
+                let fork = rref.fork_to(&to).map_err(|e| e.to_string())?;
+                ctx.client
+                    .rpc_sync(&to, "hold", keyed("chain", &fork))
+                    .map_err(|e| e.to_string())
+            },
+        )
         .with_handler(
             "rss",
             |_: &CallContext, _: Message| -> Result<Message, String> {
@@ -360,6 +374,28 @@ fn owner_user_and_fork_arrangements() {
 
     // A user forks to a third worker.
     user_forks_to_a_third_worker(&agent, 9);
+
+    // A fork of a fork: w0's user goes to w2, which passes it on back to w0.
+    let rref = agent
+        .remote("w1", "make", make_message(256, 6))
+        .unwrap_or_else(|e| panic!("remote: {e}"));
+    let fork = rref.fork_to("w2").unwrap_or_else(|e| panic!("fork: {e}"));
+    call(&agent, "w2", "hold", keyed("b", &fork));
+    drop(rref);
+    call(&agent, "w2", "forward", keyed("b", b"w0"));
+    call(&agent, "w2", "drop", keyed("b", &[]));
+    let chained = held()
+        .remove("chain")
+        .unwrap_or_else(|| panic!("w2's fork never reached w0"));
+    assert!(!chained.is_owner());
+    wait_confirmed(&chained);
+    expect_counts(&agent, 1, 1, 1, "only the forwarded fork is left");
+    let value = chained
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here of a fork of a fork: {e}"));
+    check_tensor(&value, 256, 6, "to_here of a fork of a fork");
+    drop(chained);
+    expect_counts(&agent, 0, 0, 1, "the forwarded fork dropped");
 
     // The owner forks its own RRef to a user, and drops its handle.
     call(
