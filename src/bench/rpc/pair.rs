@@ -7,8 +7,9 @@
 //! transport asked for (both workers offer only that one, so anything else is a bug worth
 //! failing on). With the agent's default channel list, the rows name the channel the pipe
 //! negotiated for large CPU tensors (smaller ones travel inline, as for any user). Each
-//! size gets one unrecorded warm-up echo. For CPU pairs, `remote(echo)` + `to_here` rows
-//! (0 B and 1 MiB) follow, beside the `rpc_sync` ones. The agents and the protocol
+//! size gets one unrecorded warm-up echo. For CPU pairs, the sizes 0 B and 1 MiB (when
+//! measured: `--sizes 0,1M`) also get a `remote(echo)` + `to_here` row, under the
+//! transport `"{transport} rref"`. The agents and the protocol
 //! are `rdzv_uring::rpc`'s; this module only calls and times.
 
 use std::time::Instant;
@@ -65,7 +66,7 @@ pub(super) fn measure(
             .map(|&(len, iters)| echo_row(&agent, pair, channel, len, iters, mode, bar))
             .collect::<Result<Vec<_>, CliError>>()?;
         if !is_cuda(pair.channel) {
-            for (len, iters) in rref_sizes(sizes) {
+            for &(len, iters) in sizes.iter().filter(|&&(len, _)| RREF_SIZES.contains(&len)) {
                 rows.push(rref_row(&agent, pair, channel, len, iters, mode, bar)?);
             }
         }
@@ -126,23 +127,12 @@ fn echo_row(
     ))
 }
 
-/// The `remote + to_here` rows: 0 B and 1 MiB, with the iterations `sizes` gives small
-/// and large payloads.
-fn rref_sizes(sizes: &[(usize, usize)]) -> [(usize, usize); 2] {
-    const MIB: usize = 1 << 20;
-    let small = sizes
-        .iter()
-        .find(|&&(l, _)| l < MIB)
-        .map_or(200, |&(_, i)| i);
-    let big = sizes
-        .iter()
-        .find(|&&(l, _)| l >= MIB)
-        .map_or(20, |&(_, i)| i);
-    [(0, small), (MIB, big)]
-}
+/// The payload sizes that also get a `remote + to_here` row, when they are measured.
+const RREF_SIZES: [usize; 2] = [0, 1 << 20];
 
 /// Times `remote(echo)` followed by `to_here` (the RRef's value fetched from rank 1),
-/// beside the `rpc_sync` rows, as `"{channel} remote+to_here"`.
+/// beside the `rpc_sync` rows, with the transport named `"{transport} rref"` (its own
+/// column; the channel is the echo rows' one).
 fn rref_row(
     agent: &RpcAgent,
     pair: Pair,
@@ -174,8 +164,8 @@ fn rref_row(
         }
     }
     Ok(Row::from_samples(
-        pair.transport.name(),
-        &format!("{channel} remote+to_here"),
+        &format!("{} rref", pair.transport.name()),
+        channel,
         mode,
         len as u64,
         samples,
