@@ -12,12 +12,15 @@
 //! faulty sender, which other work is rewriting. The cost is a response frame per
 //! message, which the protocol uses: a control message's `Ack` rides back in its
 //! call's response (so answering never needs a call of its own, even while `join`
-//! holds this worker's calls). The control handlers run [`Inline`](super::Inline) on
+//! holds this worker's calls). The control handlers run [`Inline`] on
 //! the inbound lane, so messages from one worker are handled in the order they were
-//! sent, which the machine assumes. There is one handler name per message kind
+//! sent, which the machine assumes (the pump, the only sender of machine messages,
+//! holds back messages to a worker while a call to it is still opening the pipe, see
+//! `pump`; what is not covered is a pipe that breaks with messages in flight while
+//! the next pipe already delivers). There is one handler name per message kind
 //! (`__rdzv_rref_fork_request`, `__rdzv_rref_child_accept`, `__rdzv_rref_user_delete`,
 //! `__rdzv_rref_remote_ret`), so fault injection can fail each, by PyTorch's names
-//! (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`; see [`fault_alias`]).
+//! (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`; see `fault_alias`).
 //!
 //! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
 //! RRef's ids in front of the payload; the owner's handler (on the worker pool) feeds
@@ -41,7 +44,7 @@
 //! | `handle` | [`RRef`] and `remote()`: what the application holds and calls |
 //! | `debug` | debug counts, the `dist_utils` waits, `join`'s settling and leak report |
 //!
-//! **Shutdown.** A graceful `join` first [`settle_for_join`]s: it waits until every
+//! **Shutdown.** A graceful `join` first settles RRefs (`settle_for_join`): it waits until every
 //! user this worker holds is confirmed and every control message answered, releases
 //! every user left (`release_all`), waits until the owners here are released too, and
 //! then reports whatever could not be settled, by count and owner, in the log and in
