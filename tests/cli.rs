@@ -45,7 +45,11 @@ fn serve_command(mut command: Command) -> Served {
     let mut line = String::new();
     let mut reader = BufReader::new(stdout);
     reader.read_line(&mut line).expect("read first line");
-    let Some(addr) = line.trim().strip_prefix("listening on ").map(str::to_string) else {
+    let Some(addr) = line
+        .trim()
+        .strip_prefix("listening on ")
+        .map(str::to_string)
+    else {
         // Say why: the server's stderr (it has exited, or will once killed).
         let _ = child.kill();
         let mut stderr = String::new();

@@ -196,6 +196,17 @@ impl JoinGate {
         self.lock().calls.server_call_finished(false);
     }
 
+    /// A request from a peer will be answered later, without holding a thread (an
+    /// async server call, such as a `to_here` waiting for its value).
+    pub(crate) fn server_call_went_async(&self) {
+        self.lock().calls.server_call_went_async();
+    }
+
+    /// A request that went async was answered.
+    pub(crate) fn async_server_call_finished(&self) {
+        self.lock().calls.server_call_finished(true);
+    }
+
     /// The call counts.
     pub(crate) fn counts(&self) -> CallCounters {
         self.lock().calls
