@@ -14,7 +14,15 @@
 //! - [`host`]: what identifies this host, boot and namespaces (for same-host channels).
 //! - [`queue`]: the one queue between threads and executor tasks.
 //! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`, `mpt`); their wire records are `rdzv_core::channel`'s.
+//!
+//! # Where the `unsafe` code is
+//!
+//! Only in `sys` (not public): the io_uring whose operations own their buffers, the
+//! shared-memory segment mapping, `process_vm_readv`, the huge-page hint, a fallible
+//! zeroed allocation and inherited descriptors. Every other module is built under
+//! `#![deny(unsafe_code)]` and uses their safe wrappers.
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 pub mod channel;
 #[doc(hidden)]
@@ -25,6 +33,8 @@ pub mod rendezvous;
 pub mod rpc;
 pub mod server;
 pub mod store;
+#[allow(unsafe_code)]
+mod sys;
 pub mod transport;
 
 pub use server::{IoMode, ServerOptions, ServerStats, StoreServer};

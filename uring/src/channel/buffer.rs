@@ -76,8 +76,6 @@ impl StableBytes for Rc<[u8]> {
 /// faulted in during the copy; smaller ones are usually recycled heap memory, already
 /// faulted in, where the hint only invites compaction.
 pub const HUGE_PAGE_HINT_MIN: usize = 32 << 20;
-/// The transparent huge page size on x86-64 and arm64 (4 KiB base pages).
-const HUGE_PAGE: usize = 2 << 20;
 
 /// Asks the kernel to back the 2 MiB-aligned interior of `buffer` with transparent huge
 /// pages (`madvise(MADV_HUGEPAGE)`), before a channel writes a large tensor into it.
@@ -92,31 +90,7 @@ pub fn prefer_huge_pages(buffer: &mut [u8]) {
     if buffer.len() < HUGE_PAGE_HINT_MIN {
         return;
     }
-    let start = buffer.as_mut_ptr() as usize;
-    let Some(end) = start.checked_add(buffer.len()) else {
-        return;
-    };
-    let Some(first) = start
-        .checked_add(HUGE_PAGE - 1)
-        .map(|a| a & !(HUGE_PAGE - 1))
-    else {
-        return;
-    };
-    let last = end & !(HUGE_PAGE - 1);
-    if last <= first {
-        return;
-    }
-    // SAFETY: `first..last` lies inside `buffer`, which this function borrows
-    // exclusively, and is page-aligned. MADV_HUGEPAGE only changes how the kernel backs
-    // the range later (it neither frees nor changes any byte, nor the mapping's
-    // permissions), so no reference into the buffer is invalidated.
-    let advised = unsafe {
-        rustix::mm::madvise(
-            first as *mut std::ffi::c_void,
-            last - first,
-            rustix::mm::Advice::LinuxHugepage,
-        )
-    };
+    let advised = crate::sys::memory::advise_huge_pages(buffer);
     if let Err(errno) = advised {
         tracing::debug!(%errno, "madvise(MADV_HUGEPAGE) failed; the copy faults 4 KiB pages");
     }

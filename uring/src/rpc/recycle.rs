@@ -37,7 +37,7 @@ pub(super) fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
     if let Some(buffer) = take_recycled(len) {
         return Ok(buffer);
     }
-    zeroed(len).ok_or(AllocFailed { len })
+    crate::sys::memory::try_zeroed(len).ok_or(AllocFailed { len })
 }
 
 /// The allocator refused a buffer of `len` bytes.
@@ -46,25 +46,6 @@ pub(super) fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
 pub(super) struct AllocFailed {
     /// The size asked for.
     pub len: usize,
-}
-
-/// A fresh zeroed buffer of `len` bytes, or `None` if the allocator refuses. Like
-/// `vec![0; len]` (calloc: the kernel's zero pages, nothing written) but fallible, which
-/// std offers no safe way to do.
-fn zeroed(len: usize) -> Option<Vec<u8>> {
-    if len == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
-    // SAFETY: `layout` has a non-zero size (`len > 0`), as `alloc_zeroed` requires.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` u8s
-    // (align 1, size `len`), all `len` bytes are initialised (zeroed), and the Vec takes
-    // sole ownership with capacity and length `len`: what `from_raw_parts` requires.
-    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }
 
 /// A recycled buffer of exactly `len` bytes, if one is large enough.

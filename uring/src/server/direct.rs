@@ -17,31 +17,32 @@
 //! a poll in flight: once per turn however many wake-ups the turn routed to it. With one
 //! loop the lock is never contended and no eventfd is ever written.
 //!
-//! Every connection has at most one receive and one send in flight; the kernel reads
-//! from or writes into buffers the connection owns, and a connection is freed only after
-//! both operations completed, so no buffer is ever released while the kernel may still
-//! touch it. A connection that must close (bad input, the engine refused it, end of
+//! Every connection has at most one receive and one send in flight. The ring
+//! (`crate::sys::uring`) owns the buffer of each operation until its completion hands it
+//! back, so no buffer is ever touched or released while the kernel may still use it; a
+//! connection is freed only after both operations completed. A connection that must close (bad input, the engine refused it, end of
 //! stream, a socket error) leaves the engine at once, so its waiters never linger; a
 //! pending receive is cancelled.
 //!
 //! Shutdown: when the stop flag is seen (checked at least every 50 ms) the loop stops
 //! accepting, gives every connection `drain` to flush what it owes, then cancels what is
-//! left and waits for the kernel to let go of the buffers.
+//! left and waits for the kernel to let go of the buffers (what it never lets go of, the
+//! ring leaks rather than frees).
 
 use std::fmt;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types, IoUring};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
 use super::session::{serve_frames, ReadBuf, Served};
 use super::shared_engine::{self, LoopWaker, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
+use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
 /// full queue is submitted and refilled, so this bounds only the batch size.
@@ -60,34 +61,6 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// operations before it gives their buffers up for lost (leaks them) rather than free
 /// memory the kernel might still write.
 const CANCEL_GRACE: Duration = Duration::from_secs(1);
-
-/// What a completion is for, in the low byte of its user data; the connection's slot is
-/// in the bits above.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    Accept = 1,
-    Recv = 2,
-    Send = 3,
-    Cancel = 4,
-    /// The loop's eventfd became readable: another loop routed wake-ups here.
-    Woken = 5,
-}
-
-fn user_data(slot: usize, op: Op) -> u64 {
-    ((slot as u64) << 8) | op as u64
-}
-
-fn decode_user_data(data: u64) -> Option<(usize, Op)> {
-    let op = match data & 0xff {
-        1 => Op::Accept,
-        2 => Op::Recv,
-        3 => Op::Send,
-        4 => Op::Cancel,
-        5 => Op::Woken,
-        _ => return None,
-    };
-    Some((usize::try_from(data >> 8).ok()?, op))
-}
 
 /// Where a connection is in its life. Every phase but `Open` is out of the engine (the
 /// transition removes it, so its waiters never outlive it).
@@ -122,29 +95,80 @@ impl Phase {
     }
 }
 
-/// A connection's receive side.
+/// A connection's receive side: the input buffer is the connection's while `Idle`, and
+/// the ring's while a receive is in flight (it comes back with the completion).
 ///
 /// ```text
 ///  Idle ─(recv queued)─► InFlight ─(completion)─► Idle
 ///                          └─(closing: cancel queued)─► Cancelling ─(completion)─► Idle
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Reading {
-    /// Nothing in flight.
-    Idle,
-    /// A receive into the input buffer's spare bytes is in flight (the kernel owns them).
-    InFlight,
+    /// Nothing in flight: the received bytes not yet served.
+    Idle(ReadBuf),
+    /// A receive into the input buffer's spare bytes is in flight.
+    InFlight(OpId),
     /// In flight, and asked to stop (the connection is closing).
     Cancelling,
 }
 
-/// A connection's send side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl Reading {
+    fn is_idle(&self) -> bool {
+        matches!(self, Reading::Idle(_))
+    }
+
+    /// The input buffer, to hand to a receive; `None` (unchanged) unless idle.
+    fn take_idle(&mut self) -> Option<ReadBuf> {
+        match std::mem::replace(self, Reading::Cancelling) {
+            Reading::Idle(input) => Some(input),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+}
+
+/// Replies handed to the kernel, and how much of them went out.
+#[derive(Default)]
+struct Outgoing {
+    bytes: Vec<u8>,
+    sent: usize,
+}
+
+impl Outgoing {
+    /// Bytes not yet sent.
+    fn unsent(&self) -> usize {
+        self.bytes.len().saturating_sub(self.sent)
+    }
+}
+
+impl SendBuf for Outgoing {
+    fn send_from(&self) -> (&Vec<u8>, usize) {
+        (&self.bytes, self.sent)
+    }
+}
+
+/// A connection's send side: the bytes being sent are the ring's while a send is in
+/// flight.
 enum Writing {
     /// Nothing in flight.
-    Idle,
-    /// A send from `sending` is in flight (the kernel reads it).
-    InFlight,
+    Idle(Outgoing),
+    /// A send is in flight, of `unsent` bytes.
+    InFlight { op: OpId, unsent: usize },
+}
+
+impl Writing {
+    fn is_idle(&self) -> bool {
+        matches!(self, Writing::Idle(_))
+    }
+
+    /// Bytes handed to the kernel and not yet known to be sent.
+    fn unsent(&self) -> usize {
+        match self {
+            Writing::Idle(outgoing) => outgoing.unsent(),
+            Writing::InFlight { unsent, .. } => *unsent,
+        }
+    }
 }
 
 /// The listener's state.
@@ -157,26 +181,25 @@ enum Writing {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Accepting {
     Idle,
-    InFlight,
+    InFlight(OpId),
     Cancelling,
     Stopped,
 }
 
 impl Accepting {
     fn in_flight(self) -> bool {
-        matches!(self, Accepting::InFlight | Accepting::Cancelling)
+        matches!(self, Accepting::InFlight(_) | Accepting::Cancelling)
     }
 }
 
 /// One client connection.
 struct Conn {
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     id: ConnId,
     phase: Phase,
     reading: Reading,
     writing: Writing,
-    input: ReadBuf,
-    /// Cuts `input` into requests, resuming a long key list where it stopped.
+    /// Cuts the input into requests, resuming a long key list where it stopped.
     decoder: RequestDecoder,
     /// Bytes received since the engine was last asked (compared to `needed`).
     arrived: usize,
@@ -184,19 +207,15 @@ struct Conn {
     needed: usize,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
-    /// Bytes handed to the kernel; it reads them until the send completes.
-    sending: Vec<u8>,
-    /// How much of `sending` has gone out.
-    sent: usize,
 }
 
 impl Conn {
     /// Done when nothing is in flight and nothing more will be sent.
     fn finished(&self) -> bool {
-        let idle = self.reading == Reading::Idle && self.writing == Writing::Idle;
+        let idle = self.reading.is_idle() && self.writing.is_idle();
         match self.phase {
             Phase::Open => false,
-            Phase::Flushing => idle && self.out.is_empty() && self.sent >= self.sending.len(),
+            Phase::Flushing => idle && self.out.is_empty() && self.writing.unsent() == 0,
             Phase::Abandoned => idle,
         }
     }
@@ -242,16 +261,14 @@ impl LoopWaker for EventFdWaker {
 
 /// A loop's ring and the eventfd other loops wake it with.
 pub(super) struct Ring {
-    ring: IoUring,
+    ring: Uring<ReadBuf, Outgoing>,
     wake_fd: Arc<OwnedFd>,
 }
 
 /// Creates a loop's ring and the waker other loops use to reach it (the caller reports
 /// failure before saying the server is ready).
 pub(super) fn ring() -> io::Result<(Ring, EventFdWaker)> {
-    let ring = IoUring::builder()
-        .setup_cqsize(CQ_ENTRIES)
-        .build(SQ_ENTRIES)?;
+    let ring = Uring::new(SQ_ENTRIES, CQ_ENTRIES)?;
     let fd = rustix::event::eventfd(
         0,
         rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
@@ -283,11 +300,11 @@ pub(super) struct LoopSetup {
 /// One loop's state.
 struct Server {
     index: usize,
-    ring: IoUring,
+    ring: Uring<ReadBuf, Outgoing>,
     wake_fd: Arc<OwnedFd>,
     /// A poll on `wake_fd` is in flight.
     wake_polled: bool,
-    listener: OwnedFd,
+    listener: Arc<OwnedFd>,
     accepting: Accepting,
     accept_after: Instant,
     shared: Arc<SharedEngine>,
@@ -302,6 +319,8 @@ struct Server {
     /// Wake-ups other loops routed here, being handed to their connections.
     wakes: Vec<Wake>,
     spin: Option<Duration>,
+    /// Scratch for a batch of completions.
+    completions: Vec<Completion<ReadBuf, Outgoing>>,
 }
 
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
@@ -321,7 +340,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         ring,
         wake_fd,
         wake_polled: false,
-        listener,
+        listener: Arc::new(listener),
         accepting: Accepting::Idle,
         accept_after: Instant::now(),
         shared,
@@ -334,6 +353,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         live: 0,
         wakes: Vec::new(),
         spin,
+        completions: Vec::new(),
     };
     if let Err(error) = server.run(stop, drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
@@ -347,7 +367,7 @@ impl Server {
         let mut busy_until = None;
         loop {
             if drain_deadline.is_none() && stop.load(Ordering::Acquire) {
-                self.begin_shutdown()?;
+                self.begin_shutdown();
                 drain_deadline = Some(Instant::now() + drain);
             }
             if let Some(deadline) = drain_deadline {
@@ -355,16 +375,16 @@ impl Server {
                     return Ok(());
                 }
             }
-            self.poll_wakes()?;
-            self.maybe_accept()?;
+            self.poll_wakes();
+            self.maybe_accept();
             let spinning = busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
-            if self.complete()? > 0 {
+            if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
                 }
             }
-            self.service_dirty()?;
+            self.service_dirty();
         }
     }
 
@@ -372,125 +392,69 @@ impl Server {
     /// `spinning`, submits without waiting (and without a system call when nothing is
     /// queued): the completion queue is in shared memory.
     fn wait(&mut self, spinning: bool) -> io::Result<()> {
-        let result = if spinning {
-            if self.ring.submission().is_empty() {
-                return Ok(());
-            }
+        if spinning {
             self.ring.submit()
         } else {
-            let timeout = types::Timespec::from(TICK);
-            let args = types::SubmitArgs::new().timespec(&timeout);
-            self.ring.submitter().submit_with_args(1, &args)
-        };
-        match result {
-            Ok(_) => Ok(()),
-            Err(e) => match e.raw_os_error() {
-                // ETIME: the tick; EINTR: a signal; EBUSY: completions to reap first.
-                Some(libc::ETIME | libc::EINTR | libc::EBUSY) => Ok(()),
-                _ => Err(e),
-            },
-        }
-    }
-
-    /// Queues `entry`, submitting the queue first when it is full.
-    ///
-    /// # Safety
-    /// Every buffer `entry` points to must stay valid, and not be moved or freed, until
-    /// its completion has been reaped.
-    unsafe fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
-        loop {
-            // SAFETY: the caller guarantees the buffers' lifetime (this function's
-            // contract).
-            if unsafe { self.ring.submission().push(entry) }.is_ok() {
-                return Ok(());
-            }
-            match self.ring.submit() {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EINTR)) => {
-                    // The completion queue is full: reap before submitting more.
-                    self.complete()?;
-                }
-                Err(e) => return Err(e),
-            }
+            self.ring.submit_and_wait(TICK)
         }
     }
 
     /// Keeps a poll on the eventfd in flight, so that another loop's wake reaches a
     /// loop asleep in `io_uring_enter`.
-    fn poll_wakes(&mut self) -> io::Result<()> {
+    fn poll_wakes(&mut self) {
         if self.wake_polled {
-            return Ok(());
+            return;
         }
-        let entry = opcode::PollAdd::new(types::Fd(self.wake_fd.as_raw_fd()), libc::POLLIN as u32)
-            .build()
-            .user_data(user_data(0, Op::Woken));
-        // SAFETY: a poll points at no buffer.
-        unsafe { self.push(&entry)? };
+        self.ring.poll_readable(&self.wake_fd);
         self.wake_polled = true;
-        Ok(())
     }
 
-    fn maybe_accept(&mut self) -> io::Result<()> {
+    fn maybe_accept(&mut self) {
         if self.accepting != Accepting::Idle || Instant::now() < self.accept_after {
-            return Ok(());
+            return;
         }
-        let entry = opcode::Accept::new(
-            types::Fd(self.listener.as_raw_fd()),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        )
-        .flags(libc::SOCK_CLOEXEC)
-        .build()
-        .user_data(user_data(0, Op::Accept));
-        // SAFETY: no buffer: the peer address is not asked for.
-        unsafe { self.push(&entry)? };
-        self.accepting = Accepting::InFlight;
-        Ok(())
+        let op = self.ring.accept(&self.listener);
+        self.accepting = Accepting::InFlight(op);
     }
 
     /// Reaps every completion there is; returns how many.
-    fn complete(&mut self) -> io::Result<usize> {
+    fn complete(&mut self) -> usize {
+        let mut batch = std::mem::take(&mut self.completions);
         let mut reaped = 0;
-        loop {
-            let batch: Vec<(u64, i32)> = self
-                .ring
-                .completion()
-                .map(|cqe| (cqe.user_data(), cqe.result()))
-                .collect();
-            if batch.is_empty() {
-                return Ok(reaped);
-            }
+        while self.ring.reap(&mut batch) > 0 {
             reaped += batch.len();
-            for (data, result) in batch {
-                match decode_user_data(data) {
-                    Some((_, Op::Accept)) => self.accepted(result),
-                    Some((slot, Op::Recv)) => self.received(slot, result),
-                    Some((slot, Op::Send)) => self.sent(slot, result),
-                    Some((_, Op::Woken)) => self.woken(result),
-                    Some((_, Op::Cancel)) | None => {}
+            for completion in batch.drain(..) {
+                match completion {
+                    Completion::Accepted { result, .. } => self.accepted(result),
+                    Completion::Received { token, result, buf } => {
+                        self.received(token, result, buf)
+                    }
+                    Completion::Sent { token, result, buf } => self.sent(token, result, buf),
+                    Completion::Polled { result, .. } => self.woken(result),
                 }
             }
         }
+        self.completions = batch;
+        reaped
     }
 
-    fn accepted(&mut self, result: i32) {
+    fn accepted(&mut self, result: io::Result<OwnedFd>) {
         let was = self.accepting;
         self.accepting = match was {
-            Accepting::InFlight => Accepting::Idle,
+            Accepting::InFlight(_) => Accepting::Idle,
             _ => Accepting::Stopped,
         };
-        if result < 0 {
-            let error = io::Error::from_raw_os_error(-result);
-            if result != -libc::ECANCELED {
-                tracing::warn!(%error, "accept failed");
-                self.accept_after = Instant::now() + ACCEPT_BACKOFF;
+        let fd = match result {
+            Ok(fd) => fd,
+            Err(error) => {
+                if error.raw_os_error() != Some(libc::ECANCELED) {
+                    tracing::warn!(%error, "accept failed");
+                    self.accept_after = Instant::now() + ACCEPT_BACKOFF;
+                }
+                return;
             }
-            return;
-        }
-        // SAFETY: a successful accept completion's result is a new descriptor that
-        // nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(result as RawFd) };
-        if was != Accepting::InFlight {
+        };
+        if !matches!(was, Accepting::InFlight(_)) {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
@@ -516,18 +480,15 @@ impl Server {
         self.shared.turn(self.index, |engine, _| engine.connect(id));
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
-                fd,
+                fd: Arc::new(fd),
                 id,
                 phase: Phase::Open,
-                reading: Reading::Idle,
-                writing: Writing::Idle,
-                input: ReadBuf::new(),
+                reading: Reading::Idle(ReadBuf::new()),
+                writing: Writing::Idle(Outgoing::default()),
                 decoder: RequestDecoder::new(self.limits),
                 arrived: 0,
                 needed: 1,
                 out: Vec::new(),
-                sending: Vec::new(),
-                sent: 0,
             });
             self.live += 1;
             self.stats.connections.fetch_add(1, Ordering::Relaxed);
@@ -538,11 +499,12 @@ impl Server {
     /// Another loop routed wake-ups here: empty the eventfd, then the inbox (in that
     /// order, so that a wake-up routed in between is either taken now or raises the
     /// eventfd again).
-    fn woken(&mut self, result: i32) {
+    fn woken(&mut self, result: io::Result<()>) {
         self.wake_polled = false;
-        if result < 0 && result != -libc::ECANCELED {
-            let error = io::Error::from_raw_os_error(-result);
-            tracing::warn!(%error, loop_index = self.index, "polling the wake-up eventfd failed");
+        if let Err(error) = result {
+            if error.raw_os_error() != Some(libc::ECANCELED) {
+                tracing::warn!(%error, loop_index = self.index, "polling the wake-up eventfd failed");
+            }
         }
         let mut count = [0u8; 8];
         // Non-blocking: EAGAIN only says another reader was faster (there is none).
@@ -554,33 +516,39 @@ impl Server {
         self.wakes = wakes;
     }
 
-    fn received(&mut self, slot: usize, result: i32) {
+    fn received(&mut self, slot: usize, result: io::Result<usize>, mut input: ReadBuf) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        conn.reading = Reading::Idle;
         self.dirty.push(slot);
-        if result <= 0 {
-            if result < 0 && result != -libc::ECANCELED {
-                let error = io::Error::from_raw_os_error(-result);
-                tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection read failed");
+        let n = match result {
+            Ok(n) if n > 0 => n,
+            result => {
+                conn.reading = Reading::Idle(input);
+                if let Err(error) = result {
+                    if error.raw_os_error() != Some(libc::ECANCELED) {
+                        tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection read failed");
+                    }
+                }
+                // End of stream or an error: the peer is gone, nothing more can be sent.
+                self.close(slot, Close::Abandon);
+                return;
             }
-            // End of stream or an error: the peer is gone, nothing more can be sent.
-            self.close(slot, Close::Abandon);
-            return;
-        }
+        };
         if conn.phase != Phase::Open {
             // Read just before a close was decided: the bytes are not served.
+            conn.reading = Reading::Idle(input);
             return;
         }
-        let n = result as usize;
-        conn.input.filled += n;
+        input.filled += n;
         conn.arrived = conn.arrived.saturating_add(n);
         if conn.arrived >= conn.needed {
+            conn.reading = Reading::Idle(input);
             self.serve_input(slot);
         } else {
             // Not a whole request yet; make room if the buffer is full.
-            conn.input.consume(0);
+            input.consume(0);
+            conn.reading = Reading::Idle(input);
         }
     }
 
@@ -609,6 +577,9 @@ impl Server {
             let Some(Some(conn)) = conns.get_mut(slot) else {
                 return None;
             };
+            let Reading::Idle(input) = &conn.reading else {
+                return None;
+            };
             let id = conn.id;
             Some(serve_frames(
                 stats.metrics.as_ref(),
@@ -616,7 +587,7 @@ impl Server {
                 &mut conn.decoder,
                 id,
                 &Peer(&conn.fd),
-                conn.input.pending(),
+                input.pending(),
                 &mut conn.out,
                 |engine, own| router.route(engine, id, own, &mut local),
             ))
@@ -637,7 +608,9 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        conn.input.consume(used);
+        if let Reading::Idle(input) = &mut conn.reading {
+            input.consume(used);
+        }
         conn.arrived = 0;
         conn.needed = needed.max(1);
         if close {
@@ -659,22 +632,25 @@ impl Server {
         }
     }
 
-    fn sent(&mut self, slot: usize, result: i32) {
+    fn sent(&mut self, slot: usize, result: io::Result<usize>, mut outgoing: Outgoing) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        conn.writing = Writing::Idle;
         self.dirty.push(slot);
-        if result < 0 {
-            let error = io::Error::from_raw_os_error(-result);
-            tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection write failed");
-            self.close(slot, Close::Abandon);
-            return;
-        }
-        conn.sent += result as usize;
-        if conn.sent >= conn.sending.len() {
-            conn.sending.clear();
-            conn.sent = 0;
+        match result {
+            Ok(n) => {
+                outgoing.sent += n;
+                if outgoing.unsent() == 0 {
+                    outgoing.bytes.clear();
+                    outgoing.sent = 0;
+                }
+                conn.writing = Writing::Idle(outgoing);
+            }
+            Err(error) => {
+                conn.writing = Writing::Idle(outgoing);
+                tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection write failed");
+                self.close(slot, Close::Abandon);
+            }
         }
     }
 
@@ -703,7 +679,7 @@ impl Server {
 
     /// Queues each touched connection's next receive and send, cancels what a closing
     /// connection no longer needs, and frees finished connections.
-    fn service_dirty(&mut self) -> io::Result<()> {
+    fn service_dirty(&mut self) {
         while let Some(slot) = self.dirty.pop() {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
@@ -718,80 +694,52 @@ impl Server {
                 self.stats.connections.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
-            let fd = types::Fd(conn.fd.as_raw_fd());
-            if conn.phase != Phase::Open && conn.reading == Reading::InFlight {
-                conn.reading = Reading::Cancelling;
-                let entry = opcode::AsyncCancel::new(user_data(slot, Op::Recv))
-                    .build()
-                    .user_data(user_data(slot, Op::Cancel));
-                // SAFETY: a cancel points at no buffer.
-                unsafe { self.push(&entry)? };
-                continue;
+            if conn.phase != Phase::Open {
+                if let Reading::InFlight(op) = conn.reading {
+                    conn.reading = Reading::Cancelling;
+                    self.ring.cancel(op);
+                    continue;
+                }
             }
-            let unsent = conn.out.len() + conn.sending.len().saturating_sub(conn.sent);
-            if conn.phase == Phase::Open && conn.reading == Reading::Idle && unsent < OUT_HIGH_WATER
-            {
-                let spare = conn.input.spare();
-                let len = u32::try_from(spare.len()).unwrap_or(u32::MAX);
-                let entry = opcode::Recv::new(fd, spare.as_mut_ptr(), len)
-                    .build()
-                    .user_data(user_data(slot, Op::Recv));
-                conn.reading = Reading::InFlight;
-                // SAFETY: `spare` is the unfilled tail of this connection's input
-                // buffer, which is neither read, resized nor freed while a receive is
-                // in flight (the connection is freed only when `finished()`, which needs
-                // both operations completed).
-                unsafe { self.push(&entry)? };
+            let unsent = conn.out.len() + conn.writing.unsent();
+            if conn.phase == Phase::Open && unsent < OUT_HIGH_WATER {
+                if let Some(input) = conn.reading.take_idle() {
+                    conn.reading = Reading::InFlight(self.ring.recv(&conn.fd, input, slot));
+                }
             }
-            let Some(Some(conn)) = self.conns.get_mut(slot) else {
-                continue;
-            };
-            match (conn.phase, conn.writing) {
-                (Phase::Abandoned, Writing::Idle) => {
+            match (conn.phase, &mut conn.writing) {
+                (Phase::Abandoned, Writing::Idle(outgoing)) => {
                     conn.out.clear();
-                    conn.sending.clear();
-                    conn.sent = 0;
+                    outgoing.bytes.clear();
+                    outgoing.sent = 0;
                 }
-                (Phase::Open | Phase::Flushing, Writing::Idle) => {
-                    if conn.sent >= conn.sending.len() && !conn.out.is_empty() {
-                        std::mem::swap(&mut conn.out, &mut conn.sending);
+                (Phase::Open | Phase::Flushing, Writing::Idle(outgoing)) => {
+                    if outgoing.unsent() == 0 && !conn.out.is_empty() {
+                        std::mem::swap(&mut conn.out, &mut outgoing.bytes);
                         conn.out.clear();
-                        conn.sent = 0;
+                        outgoing.sent = 0;
                     }
-                    if let Some(rest) = conn.sending.get(conn.sent..).filter(|r| !r.is_empty()) {
-                        let len = u32::try_from(rest.len()).unwrap_or(u32::MAX);
-                        let entry = opcode::Send::new(fd, rest.as_ptr(), len)
-                            .flags(libc::MSG_NOSIGNAL)
-                            .build()
-                            .user_data(user_data(slot, Op::Send));
-                        conn.writing = Writing::InFlight;
-                        // SAFETY: `rest` lies in `sending`, which is not touched while a
-                        // send is in flight and lives until the connection is
-                        // `finished()`.
-                        unsafe { self.push(&entry)? };
+                    let unsent = outgoing.unsent();
+                    if unsent > 0 {
+                        let outgoing = std::mem::take(outgoing);
+                        let op = self.ring.send(&conn.fd, outgoing, slot);
+                        conn.writing = Writing::InFlight { op, unsent };
                     }
                 }
-                (_, Writing::InFlight) => {}
+                (_, Writing::InFlight { .. }) => {}
             }
             // A closing connection with nothing left in flight is freed next round.
-            if let Some(Some(conn)) = self.conns.get(slot) {
-                if conn.finished() {
-                    self.dirty.push(slot);
-                }
+            if conn.finished() {
+                self.dirty.push(slot);
             }
         }
-        Ok(())
     }
 
-    fn begin_shutdown(&mut self) -> io::Result<()> {
+    fn begin_shutdown(&mut self) {
         match self.accepting {
-            Accepting::InFlight => {
+            Accepting::InFlight(op) => {
                 self.accepting = Accepting::Cancelling;
-                let entry = opcode::AsyncCancel::new(user_data(0, Op::Accept))
-                    .build()
-                    .user_data(user_data(0, Op::Cancel));
-                // SAFETY: a cancel points at no buffer.
-                unsafe { self.push(&entry)? };
+                self.ring.cancel(op);
             }
             Accepting::Idle => self.accepting = Accepting::Stopped,
             Accepting::Cancelling | Accepting::Stopped => {}
@@ -800,13 +748,13 @@ impl Server {
         for slot in 0..self.conns.len() {
             self.close(slot, Close::Flush);
         }
-        self.service_dirty()
+        self.service_dirty();
     }
 
     /// After the loop: cancel whatever is still in flight and wait (briefly) until the
-    /// kernel has let go of every buffer; connections it has not let go of are leaked,
-    /// never freed under it. (The eventfd poll holds no buffer: the ring's teardown
-    /// takes it.)
+    /// kernel has let go of every buffer. Connections it has not let go of are dropped;
+    /// the ring keeps (and, when it is dropped, leaks) what the kernel still holds.
+    /// (The eventfd poll holds no buffer.)
     fn finish(&mut self) {
         let deadline = Instant::now() + CANCEL_GRACE;
         loop {
@@ -817,12 +765,10 @@ impl Server {
                 .conns
                 .iter()
                 .flatten()
-                .any(|c| c.reading != Reading::Idle || c.writing != Writing::Idle);
+                .any(|c| !c.reading.is_idle() || !c.writing.is_idle());
             if !busy && !self.accepting.in_flight() {
                 // Free what the last round finished.
-                if self.service_dirty().is_err() {
-                    self.leak_the_rest();
-                }
+                self.service_dirty();
                 break;
             }
             if Instant::now() >= deadline {
@@ -830,61 +776,38 @@ impl Server {
                     connections = self.conns.iter().flatten().count(),
                     "kernel operations did not complete after cancellation; leaking their buffers"
                 );
-                self.leak_the_rest();
+                self.drop_the_rest();
                 break;
             }
             // Sends are cancelled too: a peer that reads nothing must not hold us.
-            for slot in 0..self.conns.len() {
-                if let Some(Some(conn)) = self.conns.get(slot) {
-                    if conn.writing == Writing::InFlight {
-                        let entry = opcode::AsyncCancel::new(user_data(slot, Op::Send))
-                            .build()
-                            .user_data(user_data(slot, Op::Cancel));
-                        // SAFETY: a cancel points at no buffer.
-                        if unsafe { self.push(&entry) }.is_err() {
-                            break;
-                        }
-                    }
+            for conn in self.conns.iter().flatten() {
+                if let Writing::InFlight { op, .. } = conn.writing {
+                    self.ring.cancel(op);
                 }
             }
-            if self.service_dirty().is_err()
-                || self.wait(false).is_err()
-                || self.complete().is_err()
-            {
+            self.service_dirty();
+            if self.wait(false).is_err() {
                 // The ring itself failed; nothing more can be waited for.
-                self.leak_the_rest();
+                self.drop_the_rest();
                 break;
             }
+            self.complete();
         }
         tracing::debug!(loop_index = self.index, "store loop stopped");
     }
 
-    /// Gives up the connections the kernel may still hold: their buffers are leaked,
-    /// never freed under it.
-    fn leak_the_rest(&mut self) {
-        let stuck: Vec<Conn> = self.conns.drain(..).flatten().collect();
-        self.stats
-            .connections
-            .fetch_sub(stuck.len(), Ordering::Relaxed);
+    /// Gives up the connections the kernel may still hold: the ring keeps their
+    /// buffers (leaked with it if never completed), the rest is freed.
+    fn drop_the_rest(&mut self) {
+        let stuck = self.conns.drain(..).flatten().count();
+        self.stats.connections.fetch_sub(stuck, Ordering::Relaxed);
         self.live = 0;
-        std::mem::forget(stuck);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn user_data_round_trips() {
-        for slot in [0usize, 1, 4095, 1 << 40] {
-            for op in [Op::Accept, Op::Recv, Op::Send, Op::Cancel, Op::Woken] {
-                assert_eq!(decode_user_data(user_data(slot, op)), Some((slot, op)));
-            }
-        }
-        assert_eq!(decode_user_data(0), None);
-        assert_eq!(decode_user_data(0x99), None);
-    }
 
     #[test]
     fn closing_never_reopens_nor_unabandons() {

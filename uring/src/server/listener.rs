@@ -56,18 +56,19 @@ pub fn adopt_listener(fd: RawFd, count: usize) -> io::Result<Vec<Socket>> {
     if fd < 0 {
         return Err(invalid(format!("--listen-fd {fd}: not a file descriptor")));
     }
-    // SAFETY: F_GETFD only reads the descriptor table; an fd that is not open fails with
-    // EBADF, which is what this checks before anything borrows it.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1 {
-        return Err(invalid(format!(
-            "fd {fd} is not open in this process (was it inherited? the parent must clear \
-             FD_CLOEXEC on it)"
-        )));
-    }
-    // SAFETY: `fd` is open (checked just above) and stays open for this function: the
-    // caller owns it (it was inherited) and nothing here closes it; the sockets returned
-    // are duplicates with their own descriptors.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    crate::sys::fd::with_inherited(fd, |borrowed| adopt_borrowed(borrowed, fd, count))
+        .unwrap_or_else(|| {
+            Err(invalid(format!(
+                "fd {fd} is not open in this process (was it inherited? the parent must \
+                 clear FD_CLOEXEC on it)"
+            )))
+        })
+}
+
+/// [`adopt_listener`]'s checks and duplicates, on the open descriptor `borrowed`
+/// (number `fd`).
+fn adopt_borrowed(borrowed: BorrowedFd<'_>, fd: RawFd, count: usize) -> io::Result<Vec<Socket>> {
+    let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
     let stat = rustix::fs::fstat(borrowed)?;
     if rustix::fs::FileType::from_raw_mode(stat.st_mode) != rustix::fs::FileType::Socket {
         return Err(invalid(format!("fd {fd} is not a socket")));

@@ -176,6 +176,13 @@ impl ReadBuf {
     }
 }
 
+/// The io_uring loop receives into the spare bytes, after `filled`.
+impl crate::sys::uring::RecvBuf for ReadBuf {
+    fn recv_into(&mut self) -> (&mut Vec<u8>, usize) {
+        (&mut self.buf, self.filled)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

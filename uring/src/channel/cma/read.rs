@@ -10,7 +10,9 @@
 //! sides alike. The planning ([`plan_batch`], [`advance`]) is pure and tested apart from
 //! the syscall. This module does not check who the peer is; the caller does.
 
-use std::io;
+use std::io::{self, IoSliceMut};
+
+use crate::sys::process::{read_process_memory, RemoteRange};
 
 /// The most bytes one `process_vm_readv` call moves (Linux's `MAX_RW_COUNT` on 4 KiB
 /// pages).
@@ -105,50 +107,36 @@ pub(crate) fn read_pieces(pid: libc::pid_t, pieces: &mut [Piece<'_>]) -> Result<
         if spans.is_empty() {
             return Ok(());
         }
+        // Spans name pieces in increasing order, each at most once, so walking the
+        // pieces once lends each span its own disjoint borrow.
         let mut local = Vec::with_capacity(spans.len());
         let mut remote = Vec::with_capacity(spans.len());
+        let mut rest = pieces.iter_mut().enumerate();
         for span in &spans {
-            let Some(piece) = pieces.get_mut(span.piece) else {
+            let piece = rest.find(|(index, _)| *index == span.piece).map(|(_, p)| p);
+            let Some(piece) = piece else {
                 return Err(ReadFailure {
                     at: cursor,
                     source: None,
                 });
             };
+            // The remote address is only a number to the kernel, which validates it
+            // against the peer's mappings; wrapping is caught there (EFAULT).
+            remote.push(RemoteRange {
+                address: piece.remote.wrapping_add(span.start as u64),
+                len: span.len,
+            });
             let Some(target) = piece.local.get_mut(span.start..span.start + span.len) else {
                 return Err(ReadFailure {
                     at: cursor,
                     source: None,
                 });
             };
-            local.push(libc::iovec {
-                iov_base: target.as_mut_ptr().cast(),
-                iov_len: target.len(),
-            });
-            // The remote address is only a number to the kernel, which validates it
-            // against the peer's mappings; wrapping is caught there (EFAULT).
-            let address = piece.remote.wrapping_add(span.start as u64);
-            remote.push(libc::iovec {
-                iov_base: address as usize as *mut libc::c_void,
-                iov_len: span.len,
-            });
+            local.push(IoSliceMut::new(target));
         }
-        // SAFETY: `local` holds at most IOV_MAX iovecs, each pointing into a distinct
-        // `&mut [u8]` that this function borrows exclusively for the call (spans of one
-        // piece never overlap, distinct pieces are distinct borrows), with lengths
-        // within those slices; the kernel writes only there. The remote iovecs are
-        // addresses in the peer, which the kernel checks (EFAULT) and never
-        // dereferences in this process. Both arrays outlive the call.
-        let moved = unsafe {
-            libc::process_vm_readv(
-                pid,
-                local.as_ptr(),
-                local.len() as libc::c_ulong,
-                remote.as_ptr(),
-                remote.len() as libc::c_ulong,
-                0,
-            )
-        };
-        match usize::try_from(moved) {
+        let moved = read_process_memory(pid, &mut local, &remote);
+        drop(local);
+        match moved {
             Ok(0) => {
                 return Err(ReadFailure {
                     at: cursor,
@@ -156,10 +144,10 @@ pub(crate) fn read_pieces(pid: libc::pid_t, pieces: &mut [Piece<'_>]) -> Result<
                 })
             }
             Ok(moved) => cursor = advance(&lengths, cursor, moved),
-            Err(_) => {
+            Err(error) => {
                 return Err(ReadFailure {
                     at: cursor,
-                    source: Some(io::Error::last_os_error()),
+                    source: Some(error),
                 })
             }
         }

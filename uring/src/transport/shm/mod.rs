@@ -4,7 +4,7 @@
 //!
 //! - **Segments** (`segment`): each side creates its *inbox*, a sealed memfd (2 MiB of
 //!   ring by default) with a header page of atomics, and maps the peer's inbox as its
-//!   outbox. The only `unsafe` code of the transport lives there.
+//!   outbox. The mapping itself is `crate::sys::shm` (the crate's `unsafe` code).
 //! - **Ring** (`ring`): a single-producer single-consumer ring of length-prefixed
 //!   records that wrap; messages larger than the ring are cut into fragments and
 //!   reassembled. Everything read from shared memory is untrusted and bounds-checked: a
