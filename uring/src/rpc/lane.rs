@@ -36,35 +36,31 @@
 //! waiting for their pipe to open. A lane that fails fails the calls sent on it and
 //! leaves the registry; the next call opens a new pipe through the executor. Fault injection wraps a client lane's sender
 //! (`super::faults`), so faulty workers run lanes too.
+//!
+//! | file | does |
+//! |---|---|
+//! | this one | the [`Lane`], its pipe machine, the registry of lanes ([`Lanes`]), starting a lane's reader thread and ending a lane |
+//! | `send` | requests from callers' threads, responses, the protocol's acks and goodbyes |
+//! | `receive` | the reader's next frame, a caller reading its own reply, a client lane's replies |
+//! | `serve` | an inbound lane's requests: inline handlers, [`Job`]s for the pool, [`Responder`] |
+//! | `shared` | [`Shared`], the pieces lanes, the I/O thread and the pool reach |
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdzv_core::negotiate::{Negotiated, Role};
-use rdzv_core::rpc::frame::{FrameKind, FrameLimits};
 use rdzv_core::rpc::name::WorkerId;
-use rdzv_core::rpc::pipe::{
-    ClientEvent, ClientPipe, Closed, InboundEvent, InboundPipe, PipeFrame, ReadError, Refusal,
-    Transmit,
-};
+use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
-use super::calls::{Pending, Reply};
-use super::channels::{cpu_channel, FrameExports, PipeReader, ReceivedTensors, Streamed};
-use super::client::{Caller, RpcClient};
+use super::channels::{cpu_channel, FrameExports, PipeReader};
 use super::error::RpcError;
 use super::error::TransportError;
-use super::handler::{run_handler, CallContext};
-use super::mailbox::Call;
-use super::message::Completion;
-use super::message::{mark_io_thread, Message};
+use super::message::mark_io_thread;
 use super::mpt::{MptLanes, LANES_TIMEOUT};
-use super::outgoing::{response_frame, sent_bytes, tensor_frame};
-use super::recycle;
 use super::transport::{
-    BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame, StopConnection,
-    TryRecv, Wake,
+    BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, StopConnection, Wake,
 };
 
 mod receive;

@@ -3,7 +3,18 @@
 //! and a client lane's frames fed to the pipe's machine: replies complete their calls,
 //! lent tensors are pulled, then acked.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdzv_core::negotiate::Role;
+use rdzv_core::rpc::frame::FrameLimits;
+use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
+
+use super::{Lane, Machine, Shared, WAKE_POLL};
+use crate::rpc::calls::Reply;
+use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::message::Completion;
+use crate::rpc::transport::{IncomingFrame, TryRecv};
 
 impl Lane {
     /// The caller is done with what reply `message_id` lent (read, or never to be

@@ -2,7 +2,21 @@
 //! response from the thread that ran it, and the frames the pipe's protocol owes the
 //! peer (acks, goodbyes), each under the lane's send lock with its mpt stripes.
 
-use super::*;
+use std::sync::Arc;
+
+use rdzv_core::negotiate::Role;
+use rdzv_core::rpc::frame::FrameKind;
+use rdzv_core::rpc::pipe::{Refusal, Transmit};
+
+use super::{Lane, Machine, SendFailure, Shared};
+use crate::rpc::calls::Pending;
+use crate::rpc::channels::{FrameExports, Streamed};
+use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::mailbox::Call;
+use crate::rpc::message::Message;
+use crate::rpc::outgoing::{response_frame, sent_bytes, tensor_frame};
+use crate::rpc::recycle;
+use crate::rpc::transport::OwnedFrame;
 
 impl Lane {
     /// Sends what the protocol owes the peer (acks, a goodbye). A lane that cannot send

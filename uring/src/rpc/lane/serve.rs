@@ -2,7 +2,20 @@
 //! itself and hands the others to the worker pool as [`Job`]s, whose [`Responder`]
 //! sends the response on the lane the request came on.
 
-use super::*;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use rdzv_core::negotiate::Role;
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
+
+use super::{Lane, Machine, Shared};
+use crate::rpc::channels::ReceivedTensors;
+use crate::rpc::client::{Caller, RpcClient};
+use crate::rpc::error::RpcError;
+use crate::rpc::handler::{run_handler, CallContext};
+use crate::rpc::message::Message;
+use crate::rpc::transport::IncomingFrame;
 
 /// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
 /// to be pulled (out-of-band ones) on the pool's thread before the handler runs; the
