@@ -82,7 +82,12 @@ impl Lane {
                                     peer: self.peer.clone(),
                                     source: std::io::Error::new(
                                         std::io::ErrorKind::ConnectionAborted,
-                                        "the peer process is gone",
+                                        // The control socket closed with the ring
+                                        // not closed: the peer process died, or the
+                                        // peer (or this side) stopped the pipe.
+                                        "the pipe's control socket closed without a \
+                                         goodbye (the peer process is gone, or the pipe \
+                                         was stopped)",
                                     ),
                                 }),
                             };
