@@ -225,10 +225,19 @@ fn a_local_run_and_the_cuda_limit_row() {
             None => assert_eq!(rows, rows_when_measured, "{limit}"),
         }
     }
+    // 0 B also gets a remote + to_here row.
+    assert!(measured.contains(&("tcp rref".into(), "basic".into(), 0)));
     // Only tcp was asked for.
     assert!(lines.iter().all(|l| {
-        ["tcp", "raw-tcp", "cuda-d2d", "h2d-pinned", "d2h-pinned"]
-            .contains(&l["transport"].as_str().unwrap_or(""))
+        [
+            "tcp",
+            "tcp rref",
+            "raw-tcp",
+            "cuda-d2d",
+            "h2d-pinned",
+            "d2h-pinned",
+        ]
+        .contains(&l["transport"].as_str().unwrap_or(""))
     }));
 }
 

@@ -15,6 +15,7 @@ const LAYERS: &[&str] = &[
     "device",
     // What a call carries, who makes calls, what answers them.
     "message",
+    "rref",
     "client",
     "handler",
     // The transport seam and the built-in transports.
@@ -40,6 +41,9 @@ const LAYERS: &[&str] = &[
     "lane",
     "dispatch",
     "io",
+    // The agent's RRefs: core's machine driven over reserved handlers (above the pipes
+    // it sends on; the pool hands it `to_here` requests).
+    "rref_runtime",
     "pool",
     // One driver for the core's store-step machines, the handle, start-up, the
     // backend registry.

@@ -99,6 +99,7 @@ use super::timeouts::Instant;
 
 #[cfg(test)]
 mod tests;
+pub mod wire;
 
 /// A globally unique id (PyTorch's `GloballyUniqueId`): the worker that made it and a
 /// number local to that worker. RRef ids and fork ids are both of this kind.

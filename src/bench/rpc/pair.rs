@@ -7,7 +7,9 @@
 //! transport asked for (both workers offer only that one, so anything else is a bug worth
 //! failing on). With the agent's default channel list, the rows name the channel the pipe
 //! negotiated for large CPU tensors (smaller ones travel inline, as for any user). Each
-//! size gets one unrecorded warm-up echo. The agents and the protocol
+//! size gets one unrecorded warm-up echo. For CPU pairs, the sizes 0 B and 1 MiB (when
+//! measured: `--sizes 0,1M`) also get a `remote(echo)` + `to_here` row, under the
+//! transport `"{transport} rref"`. The agents and the protocol
 //! are `rdzv_uring::rpc`'s; this module only calls and times.
 
 use std::time::Instant;
@@ -41,7 +43,7 @@ pub(super) fn measure(
     }
     bar.set_message(format!("{pair}: joining"));
     let agent = init_rpc(NAMES[0], 0, Some(2), options).map_err(|e| format!("{pair}: {e}"))?;
-    let measured = (|| {
+    let measured = (|| -> Result<Vec<Row>, CliError> {
         agent.rpc_sync(NAMES[1], ECHO, Message::default())?;
         let running = agent.pipe_transport(NAMES[1]);
         if running != Some(pair.transport) {
@@ -59,10 +61,16 @@ pub(super) fn measure(
                 .pipe_channel(NAMES[1])
                 .map_or(Channels::DEFAULT_NAME, |kind| kind.name()),
         };
-        sizes
+        let mut rows = sizes
             .iter()
             .map(|&(len, iters)| echo_row(&agent, pair, channel, len, iters, mode, bar))
-            .collect::<Result<Vec<_>, CliError>>()
+            .collect::<Result<Vec<_>, CliError>>()?;
+        if !is_cuda(pair.channel) {
+            for &(len, iters) in sizes.iter().filter(|&&(len, _)| RREF_SIZES.contains(&len)) {
+                rows.push(rref_row(&agent, pair, channel, len, iters, mode, bar)?);
+            }
+        }
+        Ok(rows)
     })();
     let joined = agent.join();
     let rows = measured.map_err(|e| format!("{pair}: {e}"))?;
@@ -118,6 +126,54 @@ fn echo_row(
         samples,
     ))
 }
+
+/// The payload sizes that also get a `remote + to_here` row, when they are measured.
+const RREF_SIZES: [usize; 2] = [0, 1 << 20];
+
+/// Times `remote(echo)` followed by `to_here` (the RRef's value fetched from rank 1),
+/// beside the `rpc_sync` rows, with the transport named `"{transport} rref"` (its own
+/// column; the channel is the echo rows' one).
+fn rref_row(
+    agent: &RpcAgent,
+    pair: Pair,
+    channel: &str,
+    len: usize,
+    iters: usize,
+    mode: RunMode,
+    bar: &ProgressBar,
+) -> Result<Row, CliError> {
+    let payload = Payload::new(len);
+    bar.set_message(format!("{pair} rref {}", human_size(len as u64)));
+    let mut samples = Vec::with_capacity(iters);
+    for iter in 0..=iters as u64 {
+        let message = Message::default().with_tensor(Tensor::cpu(payload.message(iter)));
+        let started = Instant::now();
+        let rref = agent.remote(NAMES[1], ECHO, message)?;
+        let value = rref.to_here(RREF_WAIT)?;
+        let took = started.elapsed();
+        match value.tensors.as_slice() {
+            [tensor] => payload.check(iter, &tensor.data)?,
+            tensors => {
+                return Err(
+                    format!("to_here returned {} tensors instead of 1", tensors.len()).into(),
+                )
+            }
+        }
+        if iter > 0 {
+            samples.push(took);
+        }
+    }
+    Ok(Row::from_samples(
+        &format!("{} rref", pair.transport.name()),
+        channel,
+        mode,
+        len as u64,
+        samples,
+    ))
+}
+
+/// How long `to_here` waits for the owner's value.
+const RREF_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The host copy of an echoed CUDA tensor.
 fn echoed_from_device(tensor: &Tensor) -> Result<Vec<u8>, String> {

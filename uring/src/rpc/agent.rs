@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::membership::GROUP_LEAVE;
 use rdzv_core::rpc::metrics::NetworkData;
-use rdzv_core::rpc::name::WorkerInfo;
+use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
+use rdzv_core::rpc::rref::DebugInfo;
 use rdzv_core::rpc::shutdown::{Join, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
@@ -23,6 +24,8 @@ use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
 use crate::rpc::message::{Message, RpcFuture};
 use crate::rpc::options::RESERVED_PREFIX;
+use crate::rpc::rref::{RRef, RRefShutdownReport};
+use crate::rpc::rref_runtime::{self, RRefs};
 use crate::store::Store;
 
 /// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
@@ -33,6 +36,8 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// The agent: make calls, register handlers, read metrics, shut down.
 pub struct RpcAgent {
     pub(crate) shared: Arc<Shared>,
+    /// The RRef runtime (also behind `shared.rrefs`).
+    pub(crate) rrefs: Arc<RRefs>,
     /// `None` for a dynamic group.
     pub(crate) world_size: Option<u32>,
     pub(crate) client: RpcClient,
@@ -178,12 +183,113 @@ impl RpcAgent {
             .rpc_sync_with_timeout(to, handler, message, timeout)
     }
 
-    /// [`RpcClient::remote`].
+    /// [`RpcClient::remote`]: an [`RRef`] to the handler's result on `to`.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
+    /// [`RpcError::UnknownWorker`], at once.
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, RpcError> {
         self.client.remote(to, handler, message)
+    }
+
+    /// [`RpcClient::remote_with_timeout`].
+    ///
+    /// # Errors
+    /// As there.
+    pub fn remote_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<RRef, RpcError> {
+        self.client
+            .remote_with_timeout(to, handler, message, timeout)
+    }
+
+    /// [`RpcClient::rref_from_fork`].
+    ///
+    /// # Errors
+    /// As there.
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+        self.client.rref_from_fork(bytes)
+    }
+
+    /// `_rref_context_get_debug_info()`: `num_owner_rrefs`, `num_pending_futures`,
+    /// `num_pending_users`, `num_forks`.
+    pub fn rref_debug_info(&self) -> DebugInfo {
+        self.client.rref_debug_info()
+    }
+
+    /// `rref_debug_info` as PyTorch's text keys and values.
+    pub fn rref_debug_info_map(&self) -> Vec<(String, String)> {
+        let info = self.rref_debug_info();
+        [
+            ("num_owner_rrefs", info.num_owner_rrefs),
+            ("num_pending_futures", info.num_pending_futures),
+            ("num_pending_users", info.num_pending_users),
+            ("num_forks", info.num_forks),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    /// The RRef counts of worker `rank` (over RPC unless it is this worker).
+    ///
+    /// # Errors
+    /// The call's error.
+    pub fn rref_debug_info_of(&self, rank: WorkerId) -> Result<DebugInfo, RpcError> {
+        rref_runtime::debug_info_of(&self.rrefs, rank)
+    }
+
+    /// PyTorch's `get_num_owners_and_forks` for worker `rank` (over RPC unless it is
+    /// this worker).
+    ///
+    /// # Errors
+    /// The call's error.
+    pub fn get_num_owners_and_forks(&self, rank: WorkerId) -> Result<(usize, usize), RpcError> {
+        let info = self.rref_debug_info_of(rank)?;
+        Ok((info.num_owner_rrefs, info.num_forks))
+    }
+
+    /// PyTorch's `dist_utils.wait_until_owners_and_forks_on_rank`: polls worker `rank`
+    /// until it has `num_owners` owner RRefs and `num_forks` forks.
+    ///
+    /// # Errors
+    /// [`RpcError::RRefWait`] with the counts seen last after `timeout`, or a call's
+    /// error.
+    pub fn wait_until_owners_and_forks_on_rank(
+        &self,
+        num_owners: usize,
+        num_forks: usize,
+        rank: WorkerId,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
+        rref_runtime::wait_until_owners_and_forks_on_rank(
+            &self.rrefs,
+            num_owners,
+            num_forks,
+            rank,
+            timeout,
+        )
+    }
+
+    /// PyTorch's `dist_utils.wait_until_pending_futures_and_users_flushed`: no RRef
+    /// control message unanswered, no user unconfirmed, no call in flight here.
+    ///
+    /// # Errors
+    /// [`RpcError::RRefWait`] with what was left after `timeout`.
+    pub fn wait_until_pending_futures_and_users_flushed(
+        &self,
+        timeout: Duration,
+    ) -> Result<(), RpcError> {
+        rref_runtime::wait_until_pending_futures_and_users_flushed(&self.rrefs, timeout)
+    }
+
+    /// What the last graceful shutdown left of the RRefs (PyTorch's leak check, by
+    /// count and owner; also logged); `None` before one.
+    pub fn rref_shutdown_report(&self) -> Option<RRefShutdownReport> {
+        self.rrefs.report()
     }
 
     /// The transport that the last pipe this worker opened to `peer` runs on (`shm`
@@ -320,7 +426,10 @@ impl RpcAgent {
         }
     }
 
-    /// `rpc.shutdown(graceful)`. Graceful: wait until this worker has no calls in flight,
+    /// `rpc.shutdown(graceful)`. Graceful: settle this worker's RRefs first (wait until
+    /// its users are confirmed, release them, report leaks by owner: see
+    /// [`rref_shutdown_report`](Self::rref_shutdown_report)); wait until this worker has
+    /// no calls in flight,
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
     /// close. Not graceful: close at once. Either way every pending future fails with
@@ -354,6 +463,7 @@ impl RpcAgent {
             return Ok(());
         }
         let protocol = if graceful {
+            rref_runtime::settle_for_join(&self.rrefs);
             self.run_join(timeout)
         } else {
             Ok(())

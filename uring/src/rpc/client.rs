@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::rpc::name::WorkerInfo;
+use rdzv_core::rpc::rref::DebugInfo;
 
 use super::error::RpcError;
 use super::message::{on_io_thread, Message, RpcFuture};
+use super::rref::{RRef, RRefRuntime};
 
-/// What sends a client's calls: the agent's lanes and I/O thread (`super::dispatch`).
-/// The client knows nothing of pipes.
+/// What sends a client's calls: the agent's lanes and I/O thread (`super::dispatch`),
+/// and its RRef runtime. The client knows nothing of pipes.
 pub(crate) trait Caller: Send + Sync + 'static {
     /// The worker the calls come from.
     fn worker_info(&self) -> &WorkerInfo;
@@ -34,6 +36,9 @@ pub(crate) trait Caller: Send + Sync + 'static {
         message: Message,
         timeout: Option<Duration>,
     ) -> Result<Message, RpcError>;
+
+    /// The agent's RRef runtime, which `remote()` and received forks go through.
+    fn rrefs(&self) -> Arc<dyn RRefRuntime>;
 }
 
 /// Makes calls through an agent. Clone it freely; calls made after the agent shut down
@@ -106,17 +111,46 @@ impl RpcClient {
         self.caller.call_and_wait(to, handler, message, timeout)
     }
 
-    /// Fire-and-forget: runs `handler` on `to` and drops its result. The call still
-    /// counts as in flight until it completes, so [`join`](super::RpcAgent::join) waits for it; a
-    /// failure is only logged and counted in the peer's network data.
+    /// `remote(to, handler, message)`: runs `handler` on `to`, which keeps its result,
+    /// and returns at once an [`RRef`] to it (`to_here` fetches it). The
+    /// call counts as in flight until the handler finished, so
+    /// [`join`](super::RpcAgent::join) waits for it. Dropping the RRef at once makes
+    /// this fire-and-forget.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] or [`RpcError::ShutDown`], at once.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<(), RpcError> {
-        let future = self.rpc_async(to, handler, message);
-        if future.is_done() {
-            return future.wait().map(|_| ());
-        }
-        Ok(())
+    /// [`RpcError::UnknownWorker`] at once; later failures (the call's, the handler's)
+    /// come out of [`RRef::to_here`].
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, RpcError> {
+        self.remote_with_timeout(to, handler, message, None)
+    }
+
+    /// [`remote`](Self::remote) with a timeout for the call (`None`: the agent's
+    /// default; zero: none); past it, `to_here` fails with the timeout.
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorker`], at once.
+    pub fn remote_with_timeout(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<RRef, RpcError> {
+        self.caller.rrefs().remote(to, handler, message, timeout)
+    }
+
+    /// Turns the bytes of [`RRef::fork_to`], received in a message, back into an RRef
+    /// (unpickling it). Call it once per fork, in the handler that received them.
+    ///
+    /// # Errors
+    /// [`RpcError::RRef`] for bytes that are no fork, a fork whose owner is not in the
+    /// group, or one received twice.
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+        self.caller.rrefs().from_fork(bytes)
+    }
+
+    /// This worker's RRef counts (`_rref_context_get_debug_info`).
+    pub fn rref_debug_info(&self) -> DebugInfo {
+        self.caller.rrefs().debug_info()
     }
 }

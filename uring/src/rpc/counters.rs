@@ -207,12 +207,13 @@ impl JoinGate {
         self.lock().calls.server_call_finished(false);
     }
 
-    /// A request's handler will answer later (an async handler's future).
+    /// A request from a peer will be answered later, without holding a thread (an
+    /// async server call, such as a `to_here` waiting for its value).
     pub(crate) fn server_call_went_async(&self) {
         self.lock().calls.server_call_went_async();
     }
 
-    /// A request whose handler answered later was answered.
+    /// A request that went async was answered.
     pub(crate) fn async_server_call_finished(&self) {
         self.lock().calls.server_call_finished(true);
     }

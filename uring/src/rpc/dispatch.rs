@@ -14,6 +14,7 @@ use super::error::RpcError;
 use super::lane::{self, Lane, Shared};
 use super::mailbox::{Call, Command};
 use super::message::{Message, RpcFuture};
+use super::rref::RRefRuntime;
 
 impl Caller for Shared {
     fn worker_info(&self) -> &WorkerInfo {
@@ -46,6 +47,10 @@ impl Caller for Shared {
             }
             _ => future.wait(),
         }
+    }
+
+    fn rrefs(&self) -> Arc<dyn RRefRuntime> {
+        Arc::clone(&self.rrefs)
     }
 }
 

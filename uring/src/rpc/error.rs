@@ -310,6 +310,24 @@ pub enum RpcError {
         /// calls were still in flight).
         missing: Vec<String>,
     },
+    /// An RRef could not be used: its value could not be fetched, its `remote()` call or
+    /// handler failed, or it cannot be forked or received.
+    #[error("RRef {rref} owned by {owner}: {reason}")]
+    RRef {
+        /// The RRef's id.
+        rref: String,
+        /// Its owner's worker name.
+        owner: String,
+        /// Why.
+        reason: String,
+    },
+    /// An RRef test helper (`wait_until_owners_and_forks_on_rank`,
+    /// `wait_until_pending_futures_and_users_flushed`) ran out of time.
+    #[error("{reason}")]
+    RRefWait {
+        /// PyTorch's text, with the counts seen last.
+        reason: String,
+    },
     /// The graceful shutdown protocol failed.
     #[error("graceful RPC shutdown of worker {name} failed: {source}")]
     Join {

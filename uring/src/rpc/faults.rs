@@ -38,7 +38,13 @@ impl Faults {
 
     /// Whether this send of a request to `handler` must fail (and counts it).
     fn should_fail(&self, handler: &str) -> bool {
-        if !self.config.fail_handlers.iter().any(|h| h == handler) {
+        let alias = rdzv_core::rpc::rref::wire::control_message_name(handler);
+        if !self
+            .config
+            .fail_handlers
+            .iter()
+            .any(|h| h == handler || Some(h.as_str()) == alias)
+        {
             return false;
         }
         let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());

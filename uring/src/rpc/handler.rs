@@ -179,6 +179,9 @@ mod tests {
         ) -> Result<Message, crate::rpc::RpcError> {
             Ok(m)
         }
+        fn rrefs(&self) -> std::sync::Arc<dyn crate::rpc::rref::RRefRuntime> {
+            panic!("these handler tests make no RRefs")
+        }
     }
 
     fn context() -> CallContext {

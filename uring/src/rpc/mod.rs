@@ -14,13 +14,14 @@
 //! | layer | modules | do |
 //! |---|---|---|
 //! | memory | [`error`], `recycle`, [`device`] | errors; recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
-//! | calls | [`message`], [`client`], [`handler`] | messages and futures; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
+//! | calls | [`message`], [`rref`], [`client`], [`handler`] | messages and futures; the application's [`RRef`], which reaches the RRef runtime through the `RRefRuntime` seam; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
 //! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
 //! | tensors | [`channels`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
 //! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
 //! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
-//! | pipes | `lane`, `dispatch`, `io`, `pool` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `Shared`, the pieces the lane layer assembles; how a call reaches its lane or the mailbox; the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane); the worker pool |
+//! | pipes | `lane`, `dispatch`, `io` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `Shared`, the pieces the lane layer assembles; how a call reaches its lane or the mailbox; the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane) |
+//! | serving | `rref_runtime`, `pool` | the agent's RRefs: core's RRef machine behind one lock, the owner's values, the reserved `__rdzv_rref_*` handlers, the pump thread that sends the machine's messages, `to_here` waits (the pool hands them over), `join`'s settling and leak report; the worker pool |
 //! | group | `deadline`, `drive`, [`agent`], `startup`, [`backend`] | a store whose waits end by a shutdown's deadline; one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //!
 //! Threads: on a lane (every pipe, see `lane`) a caller's thread sends its own
@@ -71,6 +72,8 @@ mod outgoing;
 mod pool;
 mod recycle;
 mod registry;
+pub mod rref;
+mod rref_runtime;
 pub mod shm;
 mod startup;
 pub mod tcp;
@@ -89,5 +92,7 @@ pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;
 pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
+pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
+pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};
 pub use startup::init_rpc;
 pub use transport::TransportPlugin;

@@ -83,6 +83,10 @@ pub struct RpcOptions {
     /// it sleeps: a reply that arrives meanwhile costs no wake-up. Default 50 µs on hosts
     /// with two or more CPUs, zero on one; set zero where threads outnumber CPUs.
     pub wait_spin: Duration,
+    /// How RRef control messages (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`,
+    /// `RREF_USER_DELETE`) are retried: PyTorch's `RpcRetryOptions` (1 s, backoff 1.5,
+    /// 5 retries). A graceful `join` waits for RRefs at most this long twice over.
+    pub rref_retry: rdzv_core::rpc::rref::RetryOptions,
 }
 
 /// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
@@ -139,6 +143,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("listen_host", &self.listen_host)
             .field("init_counter", &self.init_counter)
             .field("fault_injection", &self.fault_injection)
+            .field("rref_retry", &self.rref_retry)
             .field(
                 "handlers",
                 &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -167,6 +172,7 @@ impl Default for RpcOptions {
             handlers: Vec::new(),
             fault_injection: FaultInjection::default(),
             wait_spin: default_wait_spin(),
+            rref_retry: rdzv_core::rpc::rref::RetryOptions::default(),
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The worker pool: `num_worker_threads` threads that run handlers and send their
-//! responses.
+//! responses. A `to_here` on the owner is the RRef runtime's to answer, now or once its
+//! value exists (`rref_runtime::take_fetch`), without holding a pool thread.
 
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
@@ -10,9 +11,11 @@ use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
 use crate::rpc::message::{on_io_thread, Message};
+use crate::rpc::rref_runtime::{take_fetch, RRefs};
 
 pub(crate) fn spawn_pool(
     shared: &Arc<Shared>,
+    rrefs: &Arc<RRefs>,
     jobs: Receiver<Job>,
     threads: usize,
 ) -> Result<Vec<JoinHandle<()>>, RpcError> {
@@ -21,6 +24,7 @@ pub(crate) fn spawn_pool(
     for index in 0..threads {
         let jobs = Arc::clone(&jobs);
         let shared = Arc::clone(shared);
+        let rrefs = Arc::clone(rrefs);
         let handle = std::thread::Builder::new()
             .name(format!("rdzv-rpc-worker-{index}"))
             .spawn(move || loop {
@@ -29,7 +33,9 @@ pub(crate) fn spawn_pool(
                     receiver.recv()
                 };
                 let Ok(job) = job else { return };
-                run_job(&shared, job);
+                if let Some(job) = take_fetch(&rrefs, &shared, job) {
+                    run_job(&shared, job);
+                }
             })
             .map_err(|e| RpcError::Executor(format!("worker thread: {e}")))?;
         handles.push(handle);

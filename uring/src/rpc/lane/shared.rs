@@ -21,6 +21,7 @@ use crate::rpc::mpt::MptSetup;
 use crate::rpc::offer::OfferSpec;
 use crate::rpc::outgoing::Framer;
 use crate::rpc::registry::Registry;
+use crate::rpc::rref::RRefRuntime;
 
 /// What the lanes, the I/O thread and the pool share.
 pub(crate) struct Shared {
@@ -48,6 +49,9 @@ pub(crate) struct Shared {
     pub devices: Devices,
     /// `RpcOptions::wait_spin`.
     pub wait_spin: Duration,
+    /// The RRef runtime, which `remote()` and forks go through (the `rref` module's
+    /// seam; the runtime itself sits above the lanes).
+    pub rrefs: Arc<dyn RRefRuntime>,
 }
 
 impl Shared {

@@ -260,12 +260,33 @@ fn receive_thread(
             other => other,
         };
         let last = received.is_err();
-        if messages.push_blocking(received).is_err() || last {
+        if queue(messages, received, hand_back).is_err() || last {
             messages.close();
             return None;
         }
     }
 }
+
+/// Queues `received`, waiting while the queue holds [`RECEIVE_QUEUE`] messages, but not
+/// once `hand_back` is set: the executor drains the queue only after the half is back,
+/// so waiting for room then would never end (a burst of requests right after the
+/// handshake filled it). Past the bound, the message joins what is handed over.
+fn queue(
+    messages: &Queue<Received>,
+    received: Received,
+    hand_back: &AtomicBool,
+) -> Result<(), Received> {
+    while messages.len() >= RECEIVE_QUEUE && !hand_back.load(Ordering::Acquire) {
+        if messages.is_closed() {
+            return Err(received);
+        }
+        std::thread::sleep(FULL_POLL);
+    }
+    messages.push(received)
+}
+
+/// How often a receiving thread facing a full queue looks for room or a hand-back.
+const FULL_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl FrameReceiver for ShmFrameReceiver {
     fn recv(
@@ -300,5 +321,83 @@ impl Drop for ShmFrameReceiver {
     fn drop(&mut self) {
         // The thread sees it within `RECEIVE_POLL` and drops its half.
         self.messages.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use rdzv_core::rpc::frame::FrameKind;
+
+    use super::super::ShmTransport;
+    use super::*;
+    use crate::rpc::transport::{LocalExecutor, Transport};
+
+    /// A burst larger than the receiving queue arrives between the handshake and the
+    /// hand-over (a caller's first calls on a pipe the peer has not taken off its
+    /// executor yet): the half still comes back, with every message, in order.
+    #[test]
+    fn a_full_queue_does_not_stop_the_hand_over() {
+        const BURST: u64 = RECEIVE_QUEUE as u64 + 36;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let outcome = LocalExecutor::new()
+                .map_err(|e| e.to_string())
+                .and_then(|executor| {
+                    executor.run(async {
+                        let transport = ShmTransport::new().map_err(|e| e.to_string())?;
+                        let listener = transport.listen().map_err(|e| e.to_string())?;
+                        let address = listener.address().to_string();
+                        let (client, server) = futures_lite::future::zip(
+                            transport.connect(&address),
+                            listener.accept(),
+                        )
+                        .await;
+                        let (mut tx, _client_rx) = client.map_err(|e| e.to_string())?.split();
+                        let (server_tx, rx) = server.map_err(|e| e.to_string())?.split();
+                        for id in 1..=BURST {
+                            tx.send(OwnedFrame::empty(FrameKind::Request, id))
+                                .await
+                                .map_err(|e| e.to_string())?;
+                        }
+                        // Until the receiving thread waits for room.
+                        let rx = rx
+                            .into_any()
+                            .downcast::<ShmFrameReceiver>()
+                            .map_err(|_| "not an shm receiver")?;
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        while rx.messages.len() < RECEIVE_QUEUE {
+                            if Instant::now() > deadline {
+                                return Err("the receiving queue never filled".to_string());
+                            }
+                            std::thread::yield_now();
+                        }
+                        let halves = match server_tx.into_blocking(rx).await {
+                            Ok(halves) => halves,
+                            Err(NotBlocking::Failed(e)) => return Err(e.to_string()),
+                            Err(NotBlocking::Unsupported(..)) => {
+                                return Err("shm halves refused to block".into())
+                            }
+                        };
+                        let mut receiver = halves.receiver;
+                        for id in 1..=BURST {
+                            let frame = receiver
+                                .recv(FrameLimits::DEFAULT)
+                                .map_err(|e| e.to_string())?
+                                .ok_or("early end")?;
+                            if frame.message_id != id {
+                                return Err(format!("got {} for {id}", frame.message_id));
+                            }
+                        }
+                        Ok::<(), String>(())
+                    })
+                });
+            let _ = done_tx.send(outcome);
+        });
+        let outcome = done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| Err("the hand-over hangs".to_string()));
+        assert_eq!(outcome, Ok(()));
     }
 }

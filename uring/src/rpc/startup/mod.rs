@@ -67,6 +67,7 @@ use crate::rpc::options::RpcOptions;
 use crate::rpc::outgoing::Framer;
 use crate::rpc::pool::spawn_pool;
 use crate::rpc::registry::Registry;
+use crate::rpc::rref_runtime::{register_handlers as register_rref_handlers, RRefs};
 use crate::rpc::shm::ShmTransport;
 use crate::rpc::tcp::TcpTransport;
 use crate::rpc::transport::Transport;
@@ -275,29 +276,44 @@ impl Start {
             min_channel_bytes: options.min_channel_bytes,
             counters: Arc::clone(&counters),
         };
-        let shared = Arc::new(Shared {
-            me: me.clone(),
-            dynamic: world_size.is_none(),
-            registry,
-            mailbox: Mailbox::default(),
-            gate,
-            counters,
-            next_message_id: AtomicU64::new(1),
-            default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
-            offer,
-            calls_table,
-            framer,
-            lanes: Mutex::new(Lanes::default()),
-            faults: crate::rpc::faults::Faults::new(&options.fault_injection),
-            mpt,
-            devices,
-            wait_spin: options.wait_spin,
+        let mut rrefs = None;
+        let shared = Arc::new_cyclic(|agent| {
+            let runtime = Arc::new(RRefs::new(
+                me.clone(),
+                Arc::clone(&registry),
+                Arc::clone(&gate),
+                agent.clone(),
+                options.rref_retry,
+            ));
+            rrefs = Some(Arc::clone(&runtime));
+            Shared {
+                me: me.clone(),
+                dynamic: world_size.is_none(),
+                registry,
+                mailbox: Mailbox::default(),
+                gate,
+                counters,
+                next_message_id: AtomicU64::new(1),
+                default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
+                offer,
+                calls_table,
+                framer,
+                lanes: Mutex::new(Lanes::default()),
+                faults: crate::rpc::faults::Faults::new(&options.fault_injection),
+                mpt,
+                devices,
+                wait_spin: options.wait_spin,
+                rrefs: runtime,
+            }
         });
+        let rrefs =
+            rrefs.ok_or_else(|| RpcError::Executor("the RRef runtime was not built".into()))?;
+        register_rref_handlers(&rrefs);
         if world_size.is_none() {
             register_membership_handlers(&shared.registry, me.name());
         }
         let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
-        let mut workers = spawn_pool(&shared, jobs_rx, options.num_worker_threads)?;
+        let mut workers = spawn_pool(&shared, &rrefs, jobs_rx, options.num_worker_threads)?;
         workers.push(
             shared
                 .calls_table
@@ -312,6 +328,7 @@ impl Start {
         };
         let agent = RpcAgent {
             shared: Arc::clone(&shared),
+            rrefs,
             client: RpcClient::new(Arc::clone(&shared) as Arc<dyn Caller>),
             world_size,
             store: Arc::clone(&store),

@@ -1,0 +1,415 @@
+//! The agent's RRef runtime: `remote()` returns an [`RRef`] at once, the owner keeps the
+//! handler's value, `to_here` fetches it, and an RRef travels to a third worker as a
+//! fork. Every rule of the reference counting is core's [`RRefContext`]
+//! (`rdzv_core::rpc::rref`); this module holds that machine behind one lock, keeps the
+//! owner's values, moves the machine's messages and keeps its time. The application's
+//! handle is [`super::rref`], which reaches this runtime through the
+//! [`RRefRuntime`] seam.
+//!
+//! **How the messages travel.** Each machine message is an ordinary call of the agent
+//! to a reserved handler (`__rdzv_rref_*`, core's `wire::handler` names), its postcard bytes
+//! (core's [`wire`](rdzv_core::rpc::rref::wire)) in the payload, rather than a new frame
+//! kind: calls already have pipes, timeouts, the `join` count and fault injection, and
+//! a new frame kind would have to be taught to every lane, the pipe machine and the
+//! faulty sender. The cost is a response frame per message, which the protocol uses: a
+//! control message's `Ack` rides back in its call's response (so answering never needs
+//! a call of its own, even while `join` holds this worker's calls). The control
+//! handlers run [`Inline`](super::handler::Inline) on the inbound lane, so messages from
+//! one worker are handled in the order they were sent, which the machine assumes (the
+//! pump, the only sender of machine messages, holds back messages to a worker while a
+//! call to it is still opening the pipe, see `pump`; what is not covered is a pipe that
+//! breaks with messages in flight while the next pipe already delivers). There is one
+//! handler name per message kind, so fault injection can fail each, by PyTorch's names
+//! (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`; see core's
+//! `control_message_name`).
+//!
+//! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
+//! RRef's ids in front of the payload; the owner's handler (on the worker pool) feeds
+//! the machine the `RemoteCall` (the slot exists and `RemoteRet` goes back at once),
+//! then runs `handler` and keeps its result (value or error text) keyed by RRef id.
+//! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
+//! is not there yet the request waits for it without holding a pool thread (an async
+//! server call, answered when the value is stored or the caller's timeout is over).
+//! `remote()` to this worker itself runs the handler on a thread of its own. An RRef
+//! goes to another worker as bytes made by [`RRef::fork_to`], which the receiver turns
+//! back into an RRef with [`RpcClient::rref_from_fork`] (an RRef is not a field of
+//! [`Message`]).
+//!
+//! **The pump.** One thread per agent, started with the first RRef, sends what the
+//! machine asks for, polls those calls' futures (their wakers wake it), feeds back the
+//! acks and the failures of `remote()` calls, and calls `handle_timeout` when
+//! `poll_timeout` says. It holds the runtime weakly and ends with the agent.
+//!
+//! | module | does |
+//! |---|---|
+//! | this one | the machine behind its lock, the owner's values, the waits on them |
+//! | `users` | the [`RRefRuntime`] seam: `remote()`, forks, `to_here`, local drops |
+//! | `serve` | the reserved handlers, and the pool's hook for `to_here` on the owner |
+//! | `pump` | the thread that sends the machine's messages and keeps its time |
+//! | `debug` | debug counts, the `dist_utils` waits, `join`'s settling and leak report |
+//!
+//! **Shutdown.** A graceful `join` first settles RRefs (`settle_for_join`): it waits
+//! until every user this worker holds is confirmed and every control message answered,
+//! releases every user left (`release_all`), waits until the owners here are released
+//! too, and then reports whatever could not be settled, by count and owner, in the log
+//! and in `RpcAgent::rref_shutdown_report`.
+//!
+//! **Ordering.** The runtime holds the agent's pieces it needs (the group and handlers,
+//! the call counts) and the agent itself only weakly: an [`RRef`] kept after its agent
+//! is gone fails its calls with [`RpcError::ShutDown`] instead of keeping the agent
+//! alive.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
+use rdzv_core::rpc::rref::{
+    ControlKind, DebugInfo, ForkId, RRefContext, RRefEvent, RRefId, RRefMessage, RetryOptions,
+    Transmit, ValueOutcome,
+};
+use rdzv_core::rpc::timeouts::Instant;
+
+use super::client::{Caller, RpcClient};
+use super::counters::JoinGate;
+use super::error::RpcError;
+use super::lane::{Responder, Shared};
+use super::message::{Message, RpcFuture};
+use super::registry::Registry;
+use super::rref::{RRef, RRefRuntime, RRefShutdownReport};
+
+mod debug;
+mod pump;
+mod serve;
+mod users;
+
+pub(crate) use debug::{
+    debug_info_of, settle_for_join, wait_until_owners_and_forks_on_rank,
+    wait_until_pending_futures_and_users_flushed,
+};
+pub(crate) use serve::{register_handlers, take_fetch};
+
+use pump::{Sent, Signal};
+
+/// How often the test helpers poll.
+const HELPER_POLL: Duration = Duration::from_millis(20);
+
+struct State {
+    machine: RRefContext,
+    /// The owner's values: the handler's message, or its error text.
+    values: HashMap<RRefId, Result<Message, String>>,
+    /// `remote()` calls of this worker that failed, by RRef.
+    failed: HashMap<RRefId, String>,
+    /// Messages for the pump to send.
+    outbox: VecDeque<Transmit>,
+    /// Futures for the pump to watch (`remote()` calls).
+    handed: Vec<(Sent, RpcFuture)>,
+    pump_started: bool,
+    report: Option<RRefShutdownReport>,
+    /// `to_here` requests waiting on this owner for their value.
+    waiters: Vec<Waiter>,
+}
+
+impl State {
+    fn new(me: WorkerId, retry: RetryOptions) -> State {
+        State {
+            machine: RRefContext::new(me, retry),
+            values: HashMap::new(),
+            failed: HashMap::new(),
+            outbox: VecDeque::new(),
+            handed: Vec::new(),
+            pump_started: false,
+            report: None,
+            waiters: Vec::new(),
+        }
+    }
+}
+
+/// A `to_here` request answered when its value exists, or when its wait is over; it
+/// holds no pool thread meanwhile (the call counts as an async server call).
+struct Waiter {
+    rref: RRefId,
+    responder: Responder,
+    message_id: u64,
+    deadline: Option<std::time::Instant>,
+    wait: Duration,
+}
+
+/// One worker's RRefs: the machine, the owner's values, the pump's signal.
+pub(crate) struct RRefs {
+    me: WorkerInfo,
+    /// The group (names and ids) and the handlers.
+    registry: Arc<Registry>,
+    /// The call counts (`to_here` waits are async server calls).
+    gate: Arc<JoinGate>,
+    /// The agent, for calls and responses; gone once the agent is.
+    agent: Weak<Shared>,
+    state: Mutex<State>,
+    /// Signalled after every change of the machine or the values.
+    changed: Condvar,
+    signal: Arc<Signal>,
+    epoch: std::time::Instant,
+    retry: RetryOptions,
+}
+
+impl RRefs {
+    /// The RRefs of worker `me` in the agent `agent` (being built: start-up makes both
+    /// at once), retrying control messages as `retry` says.
+    pub(crate) fn new(
+        me: WorkerInfo,
+        registry: Arc<Registry>,
+        gate: Arc<JoinGate>,
+        agent: Weak<Shared>,
+        retry: RetryOptions,
+    ) -> RRefs {
+        RRefs {
+            state: Mutex::new(State::new(me.id(), retry)),
+            me,
+            registry,
+            gate,
+            agent,
+            changed: Condvar::new(),
+            signal: Arc::new(Signal::default()),
+            epoch: std::time::Instant::now(),
+            retry,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        Instant::from_duration(self.epoch.elapsed())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The agent, unless it is gone.
+    fn agent(&self) -> Result<Arc<Shared>, RpcError> {
+        self.agent.upgrade().ok_or_else(|| RpcError::ShutDown {
+            name: self.me.name().to_string(),
+        })
+    }
+
+    /// A client of the agent.
+    fn client(&self) -> Result<RpcClient, RpcError> {
+        Ok(RpcClient::new(self.agent()? as Arc<dyn Caller>))
+    }
+
+    /// Runs `f` on the state, then applies the machine's events, queues its messages
+    /// (keeping back the `Ack` that `reply_to` names, which is returned), signals
+    /// waiters and wakes the pump if there is anything to send.
+    fn with<R>(
+        &self,
+        reply_to: Option<(WorkerId, ControlKind, ForkId)>,
+        f: impl FnOnce(&mut State, Instant) -> R,
+    ) -> (R, Option<RRefMessage>) {
+        let now = self.now();
+        let mut state = self.lock();
+        let result = f(&mut state, now);
+        let reply = drain(&mut state, reply_to);
+        let wake = !state.outbox.is_empty() || !state.handed.is_empty();
+        drop(state);
+        self.changed.notify_all();
+        if wake {
+            self.signal.notify();
+        }
+        (result, reply)
+    }
+
+    fn update<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
+        self.with(None, f).0
+    }
+
+    /// The report of the last graceful shutdown.
+    pub(crate) fn report(&self) -> Option<RRefShutdownReport> {
+        self.lock().report.clone()
+    }
+
+    /// Keeps a finished handler's result for `rref`, unless nothing references it, and
+    /// answers the `to_here` requests waiting for it.
+    fn store_value(&self, rref: RRefId, result: Result<Message, String>) {
+        let answered = self.update(|state, _| {
+            let (ready, waiting): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut state.waiters)
+                .into_iter()
+                .partition(|w| w.rref == rref);
+            state.waiters = waiting;
+            if state.machine.value_ready(rref, result.is_ok()) == ValueOutcome::Store {
+                state.values.insert(rref, result.clone());
+            }
+            ready
+        });
+        for waiter in answered {
+            self.answer(waiter, result.clone());
+        }
+    }
+
+    /// Answers the `to_here` requests whose wait is over; the earliest wait left.
+    fn expire_waiters(&self) -> Option<std::time::Instant> {
+        let now = std::time::Instant::now();
+        let (expired, next) = {
+            let mut state = self.lock();
+            let (expired, waiting): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut state.waiters)
+                .into_iter()
+                .partition(|w| w.deadline.is_some_and(|d| d <= now));
+            state.waiters = waiting;
+            let next = state.waiters.iter().filter_map(|w| w.deadline).min();
+            (expired, next)
+        };
+        for waiter in expired {
+            let error = self.not_ready(waiter.rref, waiter.wait);
+            self.answer(waiter, Err(error));
+        }
+        next
+    }
+
+    /// Sends a deferred `to_here`'s answer (an async server call ends).
+    fn answer(&self, waiter: Waiter, result: Result<Message, String>) {
+        self.gate.async_server_call_finished();
+        match self.agent.upgrade() {
+            Some(agent) => waiter.responder.respond(&agent, waiter.message_id, result),
+            // The agent is gone, and its pipes with it: nobody waits for the answer.
+            None => drop(waiter),
+        }
+    }
+
+    fn not_ready(&self, rref: RRefId, wait: Duration) -> String {
+        format!(
+            "the value of RRef {rref} is not ready on its owner {} after {wait:?}: its \
+             remote() handler is still running, or its call never arrived",
+            self.me.name()
+        )
+    }
+
+    /// Waits until the owner's value of `rref` exists (its clone, or the handler's
+    /// error text), at most until `deadline` (`None`: no limit).
+    fn wait_value(
+        &self,
+        rref: RRefId,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Result<Message, String>, ()> {
+        let mut state = self.lock();
+        loop {
+            if let Some(value) = state.values.get(&rref) {
+                return Ok(value.clone());
+            }
+            state = match deadline {
+                None => self.changed.wait(state).unwrap_or_else(|p| p.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(());
+                    }
+                    self.changed
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+        }
+    }
+
+    /// Waits until `done` holds for the state, at most `timeout`; whether it held.
+    fn wait_for(&self, timeout: Duration, done: impl Fn(&State) -> bool) -> bool {
+        let state = self.lock();
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, timeout, |s| !done(s))
+            .unwrap_or_else(|p| p.into_inner());
+        done(&state)
+    }
+
+    /// The longest a control message keeps being retried: the sum of its waits.
+    fn retry_window(&self) -> Duration {
+        (0..=self.retry.max_retries.min(64))
+            .map(|attempt| self.retry.delay(attempt))
+            .fold(Duration::ZERO, Duration::saturating_add)
+    }
+
+    /// The name of worker `id`, if it is in the group.
+    fn worker_name(&self, id: WorkerId) -> Option<String> {
+        self.registry
+            .group()
+            .peers
+            .iter()
+            .find(|(_, peer)| peer.id == id)
+            .map(|(name, _)| name.clone())
+    }
+}
+
+/// Applies the machine's events and moves its messages to the outbox, except the `Ack`
+/// named by `reply_to`, which is returned.
+fn drain(
+    state: &mut State,
+    reply_to: Option<(WorkerId, ControlKind, ForkId)>,
+) -> Option<RRefMessage> {
+    while let Some(event) = state.machine.poll_event() {
+        match event {
+            RRefEvent::DeleteValue { rref } => {
+                state.values.remove(&rref);
+            }
+            RRefEvent::Confirmed { .. } => {}
+            RRefEvent::GaveUp { to, kind, fork } => tracing::warn!(
+                to = to.get(),
+                %kind,
+                %fork,
+                "gave up retrying an RRef control message; what it protected leaks and is reported at shutdown"
+            ),
+        }
+    }
+    let mut reply = None;
+    while let Some(transmit) = state.machine.poll_transmit() {
+        match (reply_to, transmit.message) {
+            (
+                Some((to, kind, fork)),
+                RRefMessage::Ack {
+                    kind: k, fork: f, ..
+                },
+            ) if transmit.to == to && k == kind && f == fork => {
+                reply = Some(transmit.message);
+            }
+            _ => state.outbox.push_back(transmit),
+        }
+    }
+    reply
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ack_named_is_kept_back_for_the_response() {
+        let owner = WorkerId::from(1);
+        let child = WorkerId::from(2);
+        let rref = RRefId {
+            created_on: WorkerId::from(0),
+            local_id: 0,
+        };
+        let fork = ForkId {
+            created_on: WorkerId::from(0),
+            local_id: 1,
+        };
+        let mut state = State::new(owner, RetryOptions::default());
+        let now = Instant::from_nanos(0);
+        state.machine.handle_message(
+            now,
+            child,
+            RRefMessage::Control {
+                kind: ControlKind::ForkRequest,
+                rref,
+                fork,
+            },
+        );
+        let reply = drain(&mut state, Some((child, ControlKind::ForkRequest, fork)));
+        assert_eq!(
+            reply,
+            Some(RRefMessage::Ack {
+                kind: ControlKind::ForkRequest,
+                rref,
+                fork
+            })
+        );
+        assert!(state.outbox.is_empty());
+        assert_eq!(state.machine.debug_info().num_forks, 1);
+    }
+}

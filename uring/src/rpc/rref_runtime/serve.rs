@@ -1,0 +1,228 @@
+//! The owner's and receiver's side: the reserved handlers that take the machine's
+//! messages, `remote()` calls and `to_here` fetches, and the worker pool's hook that
+//! answers a fetch later instead of holding a pool thread.
+
+use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
+
+use super::*;
+use crate::rpc::handler::{run_handler, CallContext, Handler, Inline};
+use crate::rpc::lane::Job;
+
+/// Registers the reserved handlers (the agent owns its handlers; they hold the runtime
+/// weakly).
+pub(crate) fn register_handlers(rrefs: &Arc<RRefs>) {
+    let mut handlers = rrefs.registry.handlers_mut();
+    let weak = Arc::downgrade(rrefs);
+    let message = move |ctx: &CallContext, m: Message| -> Result<Message, String> {
+        let rrefs = weak.upgrade().ok_or("the agent is gone")?;
+        on_message(&rrefs, ctx, &m)
+    };
+    let message: Arc<dyn Handler> = Arc::new(Inline(message));
+    for name in [
+        handler::REMOTE_RET,
+        handler::FORK_REQUEST,
+        handler::CHILD_ACCEPT,
+        handler::USER_DELETE,
+        handler::ACK,
+    ] {
+        handlers.insert(name.to_string(), Arc::clone(&message));
+    }
+    let weak = Arc::downgrade(rrefs);
+    let remote = move |ctx: &CallContext, m: Message| -> Result<Message, String> {
+        let rrefs = weak.upgrade().ok_or("the agent is gone")?;
+        on_remote(&rrefs, ctx, m)
+    };
+    handlers.insert(handler::REMOTE.to_string(), Arc::new(remote));
+    let weak = Arc::downgrade(rrefs);
+    let fetch = move |_: &CallContext, m: Message| -> Result<Message, String> {
+        let rrefs = weak.upgrade().ok_or("the agent is gone")?;
+        on_fetch(&rrefs, &m)
+    };
+    handlers.insert(handler::FETCH.to_string(), Arc::new(fetch));
+    let weak = Arc::downgrade(rrefs);
+    let debug = move |_: &CallContext, _: Message| -> Result<Message, String> {
+        let rrefs = weak.upgrade().ok_or("the agent is gone")?;
+        Ok(Message::from_payload(encode_counts(&rrefs.debug_info())))
+    };
+    handlers.insert(handler::DEBUG_INFO.to_string(), Arc::new(Inline(debug)));
+}
+
+/// A machine message from `ctx.caller_id`; a control message's `Ack` is the response.
+fn on_message(rrefs: &Arc<RRefs>, ctx: &CallContext, m: &Message) -> Result<Message, String> {
+    let message = RRefMessage::from_bytes(&m.payload).map_err(|e| e.to_string())?;
+    let from = ctx.caller_id;
+    let reply_to = match message {
+        RRefMessage::Control { kind, fork, .. } => Some((from, kind, fork)),
+        RRefMessage::RemoteCall { .. } => {
+            return Err("a RemoteCall travels in the remote() call, not alone".into())
+        }
+        _ => None,
+    };
+    let ((), ack) = rrefs.with(reply_to, |state, now| {
+        state.machine.handle_message(now, from, message);
+    });
+    rrefs.ensure_pump();
+    match ack {
+        Some(ack) => ack
+            .to_bytes()
+            .map(Message::from_payload)
+            .map_err(|e| e.to_string()),
+        None => Ok(Message::default()),
+    }
+}
+
+/// The owner's side of `remote()`: the slot, `RemoteRet`, then the handler's value.
+fn on_remote(rrefs: &Arc<RRefs>, ctx: &CallContext, m: Message) -> Result<Message, String> {
+    let (header, payload) = RemoteCallHeader::split(&m.payload).map_err(|e| e.to_string())?;
+    let RemoteCallHeader {
+        rref,
+        fork,
+        handler,
+    } = header;
+    let payload = payload.to_vec();
+    let from = ctx.caller_id;
+    rrefs.update(|state, now| {
+        state
+            .machine
+            .handle_message(now, from, RRefMessage::RemoteCall { rref, fork });
+    });
+    rrefs.ensure_pump();
+    let request = Message { payload, ..m };
+    let result = run_user_handler(rrefs, ctx, &handler, request);
+    rrefs.store_value(rref, result);
+    Ok(Message::default())
+}
+
+/// Runs the application's `handler` for a `remote()` call.
+pub(super) fn run_user_handler(
+    rrefs: &RRefs,
+    ctx: &CallContext,
+    handler: &str,
+    request: Message,
+) -> Result<Message, String> {
+    let found = (!handler.starts_with("__rdzv_"))
+        .then(|| rrefs.registry.handler(handler))
+        .flatten();
+    let Some(found) = found else {
+        return Err(format!(
+            "no RPC handler named {handler} is registered on worker {}; register it before \
+             peers call remote() with it",
+            rrefs.me.name()
+        ));
+    };
+    let ctx = CallContext {
+        handler: handler.to_string(),
+        ..ctx.clone()
+    };
+    run_handler(found.as_ref(), &ctx, request)
+}
+
+/// `to_here` on the owner, where the pool's hook ([`take_fetch`]) did not serve it: the
+/// value, waiting for it on this thread as the request allows.
+fn on_fetch(rrefs: &RRefs, m: &Message) -> Result<Message, String> {
+    let request = FetchRequest::from_bytes(&m.payload).map_err(|e| e.to_string())?;
+    let wait = Duration::from_millis(request.wait_ms);
+    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
+    match rrefs.wait_value(request.rref, deadline) {
+        Ok(value) => value,
+        Err(()) => Err(rrefs.not_ready(request.rref, wait)),
+    }
+}
+
+/// The worker pool's hook for `to_here` on the owner: a request whose value exists is
+/// answered at once; one whose value does not yet waits without a pool thread (an async
+/// server call) until the value is stored or its deadline. Every other job is given
+/// back to run as usual.
+pub(crate) fn take_fetch(rrefs: &RRefs, shared: &Shared, job: Job) -> Option<Job> {
+    if job.ctx.handler != handler::FETCH {
+        return Some(job);
+    }
+    let Job {
+        responder,
+        ctx,
+        message,
+        ..
+    } = job;
+    let finish_now = |result| {
+        shared.gate.server_call_finished();
+        responder.respond(shared, ctx.message_id, result);
+    };
+    let request = match FetchRequest::from_bytes(&message.payload) {
+        Ok(request) => request,
+        Err(e) => {
+            finish_now(Err(e.to_string()));
+            return None;
+        }
+    };
+    let wait = Duration::from_millis(request.wait_ms);
+    let mut state = rrefs.lock();
+    if let Some(value) = state.values.get(&request.rref).cloned() {
+        drop(state);
+        finish_now(value);
+        return None;
+    }
+    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
+    shared.gate.server_call_went_async();
+    state.waiters.push(Waiter {
+        rref: request.rref,
+        responder,
+        message_id: ctx.message_id,
+        deadline,
+        wait,
+    });
+    drop(state);
+    // The pump keeps the deadline.
+    rrefs.signal.notify();
+    None
+}
+
+/// The four debug counts as the `DEBUG_INFO` handler's answer.
+fn encode_counts(info: &DebugInfo) -> Vec<u8> {
+    [
+        info.num_owner_rrefs,
+        info.num_pending_futures,
+        info.num_pending_users,
+        info.num_forks,
+    ]
+    .iter()
+    .flat_map(|&n| (n as u64).to_le_bytes())
+    .collect()
+}
+
+/// Reads [`encode_counts`]' bytes; `None` unless they are exactly four counts.
+pub(super) fn decode_counts(bytes: &[u8]) -> Option<DebugInfo> {
+    let mut numbers = bytes
+        .chunks_exact(8)
+        .map(|c| <[u8; 8]>::try_from(c).ok().map(u64::from_le_bytes));
+    let mut next = || {
+        numbers
+            .next()
+            .flatten()
+            .and_then(|n| usize::try_from(n).ok())
+    };
+    let info = DebugInfo {
+        num_owner_rrefs: next()?,
+        num_pending_futures: next()?,
+        num_pending_users: next()?,
+        num_forks: next()?,
+    };
+    (bytes.len() == 32).then_some(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_round_trip_and_bad_bytes_are_refused() {
+        let info = DebugInfo {
+            num_owner_rrefs: 3,
+            num_pending_futures: 1,
+            num_pending_users: 0,
+            num_forks: 7,
+        };
+        assert_eq!(decode_counts(&encode_counts(&info)), Some(info));
+        assert_eq!(decode_counts(&[0; 31]), None);
+        assert_eq!(decode_counts(&[0; 40]), None);
+    }
+}

@@ -1,0 +1,198 @@
+//! The [`RRefRuntime`] seam: what an application's [`RRef`] and `remote()` do to this
+//! worker's machine. Each call feeds the machine and leaves the sending to the pump.
+
+use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
+use rdzv_core::rpc::rref::{ForkData, RRefHandle};
+
+use super::serve::run_user_handler;
+use super::*;
+use crate::rpc::handler::CallContext;
+
+impl RRefRuntime for RRefs {
+    fn remote(
+        self: Arc<Self>,
+        to: &str,
+        handler: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<RRef, RpcError> {
+        let to_id = self.worker_id(to)?;
+        self.ensure_pump();
+        let handle = self.update(|state, _| state.machine.remote(to_id));
+        let rref = RRef::new(
+            Arc::clone(&self) as Arc<dyn RRefRuntime>,
+            handle,
+            to.to_string(),
+        );
+        let Some(fork) = handle.fork else {
+            self.run_locally(handle.rref, handler, message)?;
+            return Ok(rref);
+        };
+        let header = RemoteCallHeader {
+            rref: handle.rref,
+            fork,
+            handler: handler.to_string(),
+        };
+        let payload = header
+            .prepend(&message.payload)
+            .map_err(|e| rref.rref_error(e.to_string()))?;
+        let future = self.client()?.rpc_async_with_timeout(
+            to,
+            handler::REMOTE,
+            Message { payload, ..message },
+            timeout,
+        );
+        self.update(|state, _| {
+            state.handed.push((
+                Sent::RemoteCall {
+                    rref: handle.rref,
+                    fork,
+                    to: to_id,
+                },
+                future,
+            ));
+        });
+        Ok(rref)
+    }
+
+    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError> {
+        let data = ForkData::from_bytes(bytes).map_err(|e| RpcError::RRef {
+            rref: "?".into(),
+            owner: "?".into(),
+            reason: e.to_string(),
+        })?;
+        let owner = self.worker_name(data.owner).ok_or_else(|| RpcError::RRef {
+            rref: data.rref.to_string(),
+            owner: format!("worker id {}", data.owner.get()),
+            reason: "its owner is not a member of this RPC group".into(),
+        })?;
+        self.ensure_pump();
+        let handle = self
+            .update(|state, now| state.machine.receive_fork(now, data))
+            .map_err(|e| RpcError::RRef {
+                rref: data.rref.to_string(),
+                owner: owner.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(RRef::new(self as Arc<dyn RRefRuntime>, handle, owner))
+    }
+
+    fn debug_info(&self) -> DebugInfo {
+        self.lock().machine.debug_info()
+    }
+
+    fn clone_handle(&self, handle: &RRefHandle) {
+        self.update(|state, _| {
+            if let Err(e) = state.machine.clone_handle(handle) {
+                // After a graceful shutdown released it: the copy is as stale as this.
+                tracing::debug!(error = %e, "cloning a released RRef");
+            }
+        });
+    }
+
+    fn drop_handle(&self, handle: &RRefHandle) {
+        self.update(|state, now| {
+            // Released by a graceful shutdown already: nothing to drop.
+            let _ = state.machine.drop_handle(now, handle);
+        });
+    }
+
+    fn confirmed_by_owner(&self, handle: &RRefHandle) -> bool {
+        self.lock().machine.confirmed_by_owner(handle)
+    }
+
+    fn local_value(&self, rref: RRefId) -> Option<Result<Message, String>> {
+        self.lock().values.get(&rref).cloned()
+    }
+
+    fn to_here(
+        &self,
+        handle: &RRefHandle,
+        owner: &str,
+        timeout: Duration,
+    ) -> Result<Message, String> {
+        let deadline = (!timeout.is_zero()).then(|| std::time::Instant::now() + timeout);
+        if handle.is_owner() {
+            return match self.wait_value(handle.rref, deadline) {
+                Ok(value) => value.map_err(|e| format!("its handler failed: {e}")),
+                Err(()) => Err(format!("the value is not ready after {timeout:?}")),
+            };
+        }
+        if let Some(failed) = self.lock().failed.get(&handle.rref) {
+            return Err(format!(
+                "the remote() call that creates it failed: {failed}"
+            ));
+        }
+        let request = FetchRequest {
+            rref: handle.rref,
+            wait_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+        .to_bytes()
+        .map_err(|e| e.to_string())?;
+        let call_timeout = if timeout.is_zero() {
+            Some(Duration::ZERO)
+        } else {
+            // The owner answers "not ready" at `timeout`; the call's own limit is a bit
+            // later so that this answer, not a bare timeout, is what arrives.
+            Some(timeout + Duration::from_millis(200))
+        };
+        let client = self
+            .client()
+            .map_err(|e| format!("to_here could not reach the owner: {e}"))?;
+        client
+            .rpc_sync_with_timeout(
+                owner,
+                handler::FETCH,
+                Message::from_payload(request),
+                call_timeout,
+            )
+            .map_err(|e| match e {
+                RpcError::Remote { message, .. } => message,
+                other => format!("to_here could not reach the owner: {other}"),
+            })
+    }
+
+    fn worker_id(&self, name: &str) -> Result<WorkerId, RpcError> {
+        self.registry
+            .group()
+            .peers
+            .get(name)
+            .map(|peer| peer.id)
+            .ok_or_else(|| RpcError::UnknownWorker {
+                name: name.to_string(),
+            })
+    }
+
+    fn fork(&self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, String> {
+        self.update(|state, _| state.machine.fork(handle, to))
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl RRefs {
+    /// `remote()` to this worker itself: the handler runs on a thread of its own.
+    fn run_locally(
+        self: &Arc<Self>,
+        rref: RRefId,
+        handler: &str,
+        message: Message,
+    ) -> Result<(), RpcError> {
+        let ctx = CallContext {
+            caller: self.me.name().to_string(),
+            caller_id: self.me.id(),
+            handler: handler.to_string(),
+            message_id: 0,
+            client: self.client()?,
+        };
+        let owner = Arc::clone(self);
+        let handler = handler.to_string();
+        std::thread::Builder::new()
+            .name("rdzv-rref-local".into())
+            .spawn(move || {
+                let result = run_user_handler(&owner, &ctx, &handler, message);
+                owner.store_value(rref, result);
+            })
+            .map(drop)
+            .map_err(|e| RpcError::Executor(format!("RRef local handler thread: {e}")))
+    }
+}
