@@ -5,7 +5,7 @@
 //! This module decides nothing and sends nothing: every rule of the reference counting
 //! is core's machine (`rdzv_core::rpc::rref`), and the agent's runtime that drives it
 //! (`rref_runtime`: the owner's values, the reserved handlers, the pump) sits above the
-//! pipes. An [`RRef`] reaches that runtime through the [`RRefRuntime`] seam, as an
+//! pipes. An [`RRef`] reaches that runtime through the `RRefRuntime` seam, as an
 //! [`RpcClient`](super::RpcClient) reaches its pipes through `Caller`, so that the
 //! handle can live in the calls layer, beside the futures.
 
