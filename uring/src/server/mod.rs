@@ -5,8 +5,8 @@
 //! loops (module `direct` on io_uring, module `epoll` on `mio`), each on its own thread
 //! with its own `SO_REUSEPORT` listener, running its connections' requests to completion
 //! against one engine behind a short lock (module `shared_engine`); only a wake-up owed
-//! to another loop's connection crosses, batched. One io_uring loop is the default on
-//! io_uring, one loop per CPU on epoll. A connection's bytes are cut into requests
+//! to another loop's connection crosses, batched. The default is one loop per CPU (at most
+//! 16), and one on hosts of 2 CPUs or fewer. A connection's bytes are cut into requests
 //! by its own incremental `rdzv_core::store::codec::RequestDecoder`, handed to the
 //! `rdzv_core::store::engine::Engine`, the replies encoded, and the wake-ups the engine
 //! owes other connections forwarded to them (module `session` holds what all share).
