@@ -897,7 +897,29 @@ fn test_helpers_wait_for_flushes_and_node_failures() {
     assert!(a
         .wait_until_node_failure("bob", Duration::from_millis(300))
         .is_none());
+    let bob = i64::from(b.worker_info().id().get());
+    assert!(matches!(
+        a.wait_until_node_failure_on_rank(bob, "(", Duration::from_secs(1)),
+        Err(RpcError::InvalidOption { .. })
+    ));
+    assert!(matches!(
+        a.wait_until_node_failure_on_rank(99, ".*", Duration::from_secs(1)),
+        Err(RpcError::UnknownWorkerId { id: 99 })
+    ));
     assert!(b.shutdown(false).is_ok());
+    // By rank, with PyTorch's `expected_error_regex`: failures that do not match are
+    // ignored until the time is up, and one that matches is returned as text.
+    let unmatched = a.wait_until_node_failure_on_rank(
+        bob,
+        "^no error reads like this$",
+        Duration::from_millis(300),
+    );
+    assert!(matches!(unmatched, Ok(None)), "{unmatched:?}");
+    let matched = a.wait_until_node_failure_on_rank(bob, "(?i)bob", Duration::from_secs(10));
+    assert!(
+        matches!(&matched, Ok(Some(text)) if text.to_lowercase().contains("bob")),
+        "{matched:?}"
+    );
     let failure = a.wait_until_node_failure("bob", Duration::from_secs(10));
     assert!(
         matches!(

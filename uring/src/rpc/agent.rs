@@ -252,6 +252,42 @@ impl RpcAgent {
         }
     }
 
+    /// PyTorch's `wait_until_node_failure(rank, expected_error_regex)` test helper: probes
+    /// the worker of id `rank` every 100 ms until a call to it fails with an error whose
+    /// text matches `expected_error_regex` (a `regex` pattern, searched as Python's
+    /// `re.search` does; `".*"` takes any failure), and returns that text. Failures that
+    /// do not match are ignored and probing goes on, as in PyTorch. `Ok(None)` if no
+    /// matching failure came within `timeout` (PyTorch has no timeout and loops on).
+    ///
+    /// # Errors
+    /// [`RpcError::UnknownWorkerId`] for an id outside the group,
+    /// [`RpcError::InvalidOption`] for a pattern that does not compile.
+    pub fn wait_until_node_failure_on_rank(
+        &self,
+        rank: i64,
+        expected_error_regex: &str,
+        timeout: Duration,
+    ) -> Result<Option<String>, RpcError> {
+        let peer = self.get_worker_info_by_id(rank)?;
+        let pattern =
+            regex::Regex::new(expected_error_regex).map_err(|e| RpcError::InvalidOption {
+                option: "expected_error_regex",
+                reason: format!("{expected_error_regex:?} is not a valid regular expression: {e}"),
+            })?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(failure) = self.wait_until_node_failure(peer.name(), left) else {
+                return Ok(None);
+            };
+            let text = failure.to_string();
+            if pattern.is_match(&text) {
+                return Ok(Some(text));
+            }
+            std::thread::sleep(NODE_PROBE_INTERVAL.min(left));
+        }
+    }
+
     /// PyTorch's `wait_until_pending_futures_and_users_flushed` test helper: waits until
     /// this worker has no call in flight.
     ///
