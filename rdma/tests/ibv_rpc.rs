@@ -10,7 +10,7 @@
 
 mod verbs_env;
 
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
@@ -23,6 +23,30 @@ const STORE_ENV: &str = "RDZV_IBV_RPC_STORE";
 const TEST: &str = "two_processes_negotiate_ibv_and_echo_tensors";
 const KILL_TEST: &str = "a_killed_peer_fails_the_ibv_pipe_quickly";
 const SIZES: [usize; 4] = [0, 1, 1 << 20, 8 << 20];
+
+/// Set in the parent when the child says its round trips are done (`child_done`), so the
+/// parent's `reset_pipes` never ends a pipe under one of the child's calls (a reset
+/// fails the calls in flight on the pipes it drops).
+static CHILD_DONE: Mutex<bool> = Mutex::new(false);
+static CHILD_DONE_CHANGED: Condvar = Condvar::new();
+
+fn child_done(_: &CallContext, message: Message) -> Result<Message, String> {
+    *CHILD_DONE.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    CHILD_DONE_CHANGED.notify_all();
+    Ok(message)
+}
+
+/// Waits until the child's round trips are done.
+fn await_child_done(timeout: Duration) {
+    let done = CHILD_DONE.lock().unwrap_or_else(|p| p.into_inner());
+    let (done, _) = CHILD_DONE_CHANGED
+        .wait_timeout_while(done, timeout, |done| !*done)
+        .unwrap_or_else(|p| p.into_inner());
+    assert!(
+        *done,
+        "the child did not finish its round trips within {timeout:?}"
+    );
+}
 
 fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(m)
@@ -113,6 +137,9 @@ fn run_child() {
         .unwrap_or_else(|e| panic!("child init_rpc: {e}"));
     let sent = round_trips(&agent, "parent", 100);
     check_metrics(&agent, "parent", sent);
+    agent
+        .rpc_sync("parent", "child_done", Message::default())
+        .unwrap_or_else(|e| panic!("telling the parent the round trips are done: {e}"));
     agent.join().unwrap_or_else(|e| panic!("child join: {e}"));
 }
 
@@ -128,7 +155,12 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let url = format!("file://{}", dir.path().join("store").display());
     let mut child = spawn_child(TEST, &url);
-    let agent = init_rpc("parent", 0, Some(2), options(&url));
+    let agent = init_rpc(
+        "parent",
+        0,
+        Some(2),
+        options(&url).with_handler("child_done", child_done),
+    );
     let agent = match agent {
         Ok(agent) => agent,
         Err(e) => {
@@ -140,6 +172,7 @@ fn two_processes_negotiate_ibv_and_echo_tensors() {
     check_metrics(&agent, "child", sent);
     // Reconnect covers ibv: after the pipes are dropped, the next call opens a new
     // one, which negotiates ibv again (a fresh queue pair) and moves the same bytes.
+    await_child_done(Duration::from_secs(120));
     agent.reset_pipes();
     std::thread::sleep(Duration::from_millis(100));
     let data = pattern(1 << 20, 99);
