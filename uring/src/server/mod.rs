@@ -379,7 +379,7 @@ fn start_epoll(
         wakers,
         Arc::clone(&shared.stats),
     ));
-    let mut handles = Vec::new();
+    let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
         let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
         let setup = epoll::LoopSetup {
@@ -393,27 +393,9 @@ fn start_epoll(
             spin: options.spin_before_park,
         };
         let stop = Arc::clone(&shared.stopping);
-        let pin = options.pin;
-        let spawned = std::thread::Builder::new()
-            .name(format!("rdzv-store-{index}"))
-            .spawn(move || {
-                if pin {
-                    pin_loop(index);
-                }
-                epoll::serve(setup, &stop)
-            });
-        match spawned {
-            Ok(handle) => handles.push(handle),
-            Err(e) => {
-                shared.stopping.store(true, Ordering::Release);
-                handles.into_iter().for_each(|h| drop(h.join()));
-                return Err(ServerError::Executor(format!(
-                    "cannot start a store loop thread: {e}"
-                )));
-            }
-        }
+        loops.push(Box::new(move || epoll::serve(setup, &stop)));
     }
-    Ok(handles)
+    spawn_loops(loops, options.pin, shared)
 }
 
 /// Starts one io_uring loop per socket, all sharing one engine.
@@ -434,7 +416,7 @@ fn start_uring(
         wakers,
         Arc::clone(&shared.stats),
     ));
-    let mut handles = Vec::new();
+    let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
         let setup = direct::LoopSetup {
             index,
@@ -447,14 +429,30 @@ fn start_uring(
             spin: options.spin_before_park,
         };
         let stop = Arc::clone(&shared.stopping);
-        let pin = options.pin;
+        loops.push(Box::new(move || direct::serve(setup, &stop)));
+    }
+    spawn_loops(loops, options.pin, shared)
+}
+
+/// One event loop's thread body (io_uring or epoll).
+type LoopBody = Box<dyn FnOnce() + Send>;
+
+/// Runs each loop on its own thread `rdzv-store-{index}` (pinned with `pin`). If a thread
+/// cannot start, the loops already running are stopped and joined.
+fn spawn_loops(
+    loops: Vec<LoopBody>,
+    pin: bool,
+    shared: &Arc<Shared>,
+) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let mut handles = Vec::with_capacity(loops.len());
+    for (index, body) in loops.into_iter().enumerate() {
         let spawned = std::thread::Builder::new()
             .name(format!("rdzv-store-{index}"))
             .spawn(move || {
                 if pin {
                     pin_loop(index);
                 }
-                direct::serve(setup, &stop)
+                body()
             });
         match spawned {
             Ok(handle) => handles.push(handle),
