@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
-use super::session::{serve_frames, ReadBuf, Served};
+use super::session::{ReadBuf, Served};
 use super::shared_engine::{self, LoopWaker, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
@@ -207,6 +207,35 @@ struct Conn {
     needed: usize,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
+}
+
+impl shared_engine::LoopConn for Conn {
+    fn id(&self) -> ConnId {
+        self.id
+    }
+
+    fn takes_wakes(&self) -> bool {
+        self.phase != Phase::Abandoned
+    }
+
+    fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.out
+    }
+
+    fn serve_with<R>(
+        &mut self,
+        serve: impl FnOnce(shared_engine::ServeParts<'_>) -> R,
+    ) -> Option<R> {
+        let Reading::Idle(input) = &self.reading else {
+            return None;
+        };
+        Some(serve(shared_engine::ServeParts {
+            decoder: &mut self.decoder,
+            pending: input.pending(),
+            out: &mut self.out,
+            peer: &Peer(&self.fd),
+        }))
+    }
 }
 
 impl Conn {
@@ -563,35 +592,15 @@ impl Server {
             ..
         } = self;
         let mut local = Vec::new();
-        let served = shared.turn(*index, |engine, router| {
-            // Wake-ups other loops owe this loop's connections go out before any reply
-            // decided after them.
-            router.take_inbox(wakes);
-            for &(target, byte) in wakes.iter() {
-                if let Some(Some(conn)) = conns.get_mut(shared_engine::slot_of(target)) {
-                    if conn.id == target && conn.phase != Phase::Abandoned {
-                        conn.out.push(byte);
-                    }
-                }
-            }
-            let Some(Some(conn)) = conns.get_mut(slot) else {
-                return None;
-            };
-            let Reading::Idle(input) = &conn.reading else {
-                return None;
-            };
-            let id = conn.id;
-            Some(serve_frames(
-                stats.metrics.as_ref(),
-                engine,
-                &mut conn.decoder,
-                id,
-                &Peer(&conn.fd),
-                input.pending(),
-                &mut conn.out,
-                |engine, own| router.route(engine, id, own, &mut local),
-            ))
-        });
+        let served = shared_engine::serve_turn(
+            shared,
+            *index,
+            stats.metrics.as_ref(),
+            conns,
+            wakes,
+            slot,
+            &mut local,
+        );
         // The inbox's targets must be sent to too.
         for (target, _) in self.wakes.drain(..) {
             self.dirty.push(shared_engine::slot_of(target));
@@ -621,15 +630,7 @@ impl Server {
     /// Appends wake-up bytes to the connections of this loop they are for (if still
     /// there and not abandoned), and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        for (target, byte) in wakes.drain(..) {
-            let slot = shared_engine::slot_of(target);
-            if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                if conn.id == target && conn.phase != Phase::Abandoned {
-                    conn.out.push(byte);
-                    self.dirty.push(slot);
-                }
-            }
-        }
+        shared_engine::deliver_wakes(&mut self.conns, wakes, &mut self.dirty);
     }
 
     fn sent(&mut self, slot: usize, result: io::Result<usize>, mut outgoing: Outgoing) {

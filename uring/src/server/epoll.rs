@@ -33,7 +33,7 @@ use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
-use super::session::{serve_frames, ReadBuf, Served};
+use super::session::{ReadBuf, Served};
 use super::shared_engine::{self, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
 
@@ -110,6 +110,32 @@ struct Conn {
     /// The peer's end of stream (or an error) was reported: read until `Ok(0)`, even
     /// after a short read, since no further edge will come.
     read_closed: bool,
+}
+
+impl shared_engine::LoopConn for Conn {
+    fn id(&self) -> ConnId {
+        self.id
+    }
+
+    fn takes_wakes(&self) -> bool {
+        self.phase == Phase::Open
+    }
+
+    fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.out
+    }
+
+    fn serve_with<R>(
+        &mut self,
+        serve: impl FnOnce(shared_engine::ServeParts<'_>) -> R,
+    ) -> Option<R> {
+        Some(serve(shared_engine::ServeParts {
+            decoder: &mut self.decoder,
+            pending: self.input.pending(),
+            out: &mut self.out,
+            peer: &PeerOf(&self.stream),
+        }))
+    }
 }
 
 impl Conn {
@@ -360,15 +386,7 @@ impl Loop {
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
     /// still there and open, and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        for (target, byte) in wakes.drain(..) {
-            let slot = shared_engine::slot_of(target);
-            if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                if conn.id == target && conn.phase == Phase::Open {
-                    conn.out.push(byte);
-                    self.dirty.push(slot);
-                }
-            }
-        }
+        shared_engine::deliver_wakes(&mut self.conns, wakes, &mut self.dirty);
     }
 
     /// Reads, serves, writes one connection as far as it can go now.
@@ -462,33 +480,15 @@ impl Loop {
             ..
         } = self;
         let mut local = Vec::new();
-        let served = shared.turn(*index, |engine, router| {
-            // Wake-ups other loops owe this loop's connections go out before any reply
-            // decided after them.
-            router.take_inbox(wakes);
-            for &(target, byte) in wakes.iter() {
-                if let Some(Some(conn)) = conns.get_mut(shared_engine::slot_of(target)) {
-                    if conn.id == target && conn.phase == Phase::Open {
-                        conn.out.push(byte);
-                    }
-                }
-            }
-            let Some(Some(conn)) = conns.get_mut(slot) else {
-                return None;
-            };
-            let id = conn.id;
-            let peer = PeerOf(&conn.stream);
-            Some(serve_frames(
-                stats.metrics.as_ref(),
-                engine,
-                &mut conn.decoder,
-                id,
-                &peer,
-                conn.input.pending(),
-                &mut conn.out,
-                |engine, own| router.route(engine, id, own, &mut local),
-            ))
-        });
+        let served = shared_engine::serve_turn(
+            shared,
+            *index,
+            stats.metrics.as_ref(),
+            conns,
+            wakes,
+            slot,
+            &mut local,
+        );
         // The inbox's targets must be written too.
         for (target, _) in self.wakes.drain(..) {
             self.dirty.push(shared_engine::slot_of(target));

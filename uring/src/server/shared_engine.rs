@@ -13,15 +13,21 @@
 //! woken connection is the one that sent the request, or lives on the same loop)
 //! crosses nothing.
 //!
-//! This module does no socket I/O and decides nothing about requests.
+//! This module does no socket I/O and decides nothing about requests: [`serve_turn`],
+//! the step both loops take for a connection with input, hands its requests to
+//! `session::serve_frames`.
 
+use std::fmt::Display;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
+use rdzv_core::store::codec::RequestDecoder;
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::ConnId;
 
+use super::metrics::Metrics;
+use super::session;
 use super::StatsCells;
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
@@ -126,6 +132,94 @@ impl Router<'_> {
                     self.to_wake[owner / 64] |= 1 << (owner % 64);
                 }
                 inbox.push((target, byte));
+            }
+        }
+    }
+}
+
+/// What the shared serve step needs of a loop's connection; the io_uring and epoll loops
+/// each implement it for their own `Conn`.
+pub(super) trait LoopConn {
+    /// The connection's id (its slot, loop and sequence number).
+    fn id(&self) -> ConnId;
+    /// Whether wake-up bytes may still be appended to its output (an io_uring
+    /// connection takes them until it is abandoned, an epoll one while it is open).
+    fn takes_wakes(&self) -> bool;
+    /// Bytes owed and not yet handed to the kernel.
+    fn out(&mut self) -> &mut Vec<u8>;
+    /// Runs `serve` over the connection's decoder, unconsumed input, output and peer;
+    /// `None` when the connection is not reading now (its buffer is with the kernel).
+    fn serve_with<R>(&mut self, serve: impl FnOnce(ServeParts<'_>) -> R) -> Option<R>;
+}
+
+/// The parts of a connection that [`serve_turn`] runs its requests with.
+pub(super) struct ServeParts<'a> {
+    /// Cuts the input into requests, resuming a long key list where it stopped.
+    pub(super) decoder: &'a mut RequestDecoder,
+    /// The unconsumed input.
+    pub(super) pending: &'a [u8],
+    /// Where the replies go.
+    pub(super) out: &'a mut Vec<u8>,
+    /// The peer, for logs.
+    pub(super) peer: &'a dyn Display,
+}
+
+/// One loop's turn for the connection in `slot`, the same on io_uring and epoll: with the
+/// engine locked, first the wake-ups other loops routed here (into `wakes`, and onto the
+/// output of their connections, so they go out before any reply decided after them),
+/// then the connection's whole requests. Wake-ups owed to this loop's other connections
+/// come back in `local`; `None` when the slot holds no reading connection.
+pub(super) fn serve_turn<C: LoopConn>(
+    shared: &SharedEngine,
+    me: usize,
+    metrics: Option<&Metrics>,
+    conns: &mut [Option<C>],
+    wakes: &mut Vec<Wake>,
+    slot: usize,
+    local: &mut Vec<Wake>,
+) -> Option<session::Served> {
+    shared.turn(me, |engine, router| {
+        router.take_inbox(wakes);
+        for &(target, byte) in wakes.iter() {
+            if let Some(Some(conn)) = conns.get_mut(slot_of(target)) {
+                if conn.id() == target && conn.takes_wakes() {
+                    conn.out().push(byte);
+                }
+            }
+        }
+        let Some(Some(conn)) = conns.get_mut(slot) else {
+            return None;
+        };
+        let id = conn.id();
+        conn.serve_with(|parts| {
+            session::serve_frames(
+                metrics,
+                engine,
+                parts.decoder,
+                id,
+                parts.peer,
+                parts.pending,
+                parts.out,
+                |engine, own| router.route(engine, id, own, local),
+            )
+        })
+    })
+}
+
+/// Appends each wake-up byte in `wakes` to the connection of this loop it is for (if it
+/// is still there and takes wake-ups), empties `wakes`, and returns the slots written
+/// to through `dirty`.
+pub(super) fn deliver_wakes<C: LoopConn>(
+    conns: &mut [Option<C>],
+    wakes: &mut Vec<Wake>,
+    dirty: &mut Vec<usize>,
+) {
+    for (target, byte) in wakes.drain(..) {
+        let slot = slot_of(target);
+        if let Some(Some(conn)) = conns.get_mut(slot) {
+            if conn.id() == target && conn.takes_wakes() {
+                conn.out().push(byte);
+                dirty.push(slot);
             }
         }
     }
