@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
-use super::session::{ReadBuf, Served};
+use super::session::ReadBuf;
 use super::shared_engine::{self, LoopWaker, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
@@ -220,6 +220,14 @@ impl shared_engine::LoopConn for Conn {
 
     fn out(&mut self) -> &mut Vec<u8> {
         &mut self.out
+    }
+
+    fn served(&mut self, used: usize, needed: usize) {
+        if let Reading::Idle(input) = &mut self.reading {
+            input.consume(used);
+        }
+        self.arrived = 0;
+        self.needed = needed.max(1);
     }
 
     fn serve_with<R>(
@@ -587,42 +595,13 @@ impl Server {
             conns,
             shared,
             wakes,
+            dirty,
             index,
             stats,
             ..
         } = self;
-        let mut local = Vec::new();
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            conns,
-            wakes,
-            slot,
-            &mut local,
-        );
-        // The inbox's targets must be sent to too.
-        for (target, _) in self.wakes.drain(..) {
-            self.dirty.push(shared_engine::slot_of(target));
-        }
-        self.deliver(&mut local);
-        let Some(Served {
-            used,
-            close,
-            needed,
-        }) = served
-        else {
-            return;
-        };
-        let Some(Some(conn)) = self.conns.get_mut(slot) else {
-            return;
-        };
-        if let Reading::Idle(input) = &mut conn.reading {
-            input.consume(used);
-        }
-        conn.arrived = 0;
-        conn.needed = needed.max(1);
-        if close {
+        let metrics = stats.metrics.as_ref();
+        if shared_engine::serve_turn(shared, *index, metrics, conns, wakes, dirty, slot) {
             self.close(slot, Close::Flush);
         }
     }

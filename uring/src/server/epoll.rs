@@ -33,7 +33,7 @@ use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
-use super::session::{ReadBuf, Served};
+use super::session::ReadBuf;
 use super::shared_engine::{self, SharedEngine, Wake, MAX_SLOTS};
 use super::StatsCells;
 
@@ -123,6 +123,12 @@ impl shared_engine::LoopConn for Conn {
 
     fn out(&mut self) -> &mut Vec<u8> {
         &mut self.out
+    }
+
+    fn served(&mut self, used: usize, needed: usize) {
+        self.input.consume(used);
+        self.arrived = 0;
+        self.needed = needed.max(1);
     }
 
     fn serve_with<R>(
@@ -475,40 +481,13 @@ impl Loop {
             conns,
             shared,
             wakes,
+            dirty,
             index,
             stats,
             ..
         } = self;
-        let mut local = Vec::new();
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            conns,
-            wakes,
-            slot,
-            &mut local,
-        );
-        // The inbox's targets must be written too.
-        for (target, _) in self.wakes.drain(..) {
-            self.dirty.push(shared_engine::slot_of(target));
-        }
-        self.deliver(&mut local);
-        let Some(Served {
-            used,
-            close,
-            needed,
-        }) = served
-        else {
-            return;
-        };
-        let Some(Some(conn)) = self.conns.get_mut(slot) else {
-            return;
-        };
-        conn.input.consume(used);
-        conn.arrived = 0;
-        conn.needed = needed.max(1);
-        if close {
+        let metrics = stats.metrics.as_ref();
+        if shared_engine::serve_turn(shared, *index, metrics, conns, wakes, dirty, slot) {
             self.leave_engine(slot);
         }
     }

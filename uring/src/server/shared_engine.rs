@@ -150,6 +150,9 @@ pub(super) trait LoopConn {
     /// Runs `serve` over the connection's decoder, unconsumed input, output and peer;
     /// `None` when the connection is not reading now (its buffer is with the kernel).
     fn serve_with<R>(&mut self, serve: impl FnOnce(ServeParts<'_>) -> R) -> Option<R>;
+    /// Drops the `used` bytes just served from the front of the input, and notes that
+    /// at least `needed` more must arrive before the next request is whole.
+    fn served(&mut self, used: usize, needed: usize);
 }
 
 /// The parts of a connection that [`serve_turn`] runs its requests with.
@@ -165,20 +168,23 @@ pub(super) struct ServeParts<'a> {
 }
 
 /// One loop's turn for the connection in `slot`, the same on io_uring and epoll: with the
-/// engine locked, first the wake-ups other loops routed here (into `wakes`, and onto the
-/// output of their connections, so they go out before any reply decided after them),
-/// then the connection's whole requests. Wake-ups owed to this loop's other connections
-/// come back in `local`; `None` when the slot holds no reading connection.
+/// engine locked, first the wake-ups other loops routed here (onto the output of their
+/// connections, so they go out before any reply decided after them), then the
+/// connection's whole requests; after the unlock, the wake-ups owed to this loop's other
+/// connections. Every slot written to is pushed onto `dirty`. Returns whether the
+/// connection must be closed (bad input, or the engine refused it).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn serve_turn<C: LoopConn>(
     shared: &SharedEngine,
     me: usize,
     metrics: Option<&Metrics>,
     conns: &mut [Option<C>],
     wakes: &mut Vec<Wake>,
+    dirty: &mut Vec<usize>,
     slot: usize,
-    local: &mut Vec<Wake>,
-) -> Option<session::Served> {
-    shared.turn(me, |engine, router| {
+) -> bool {
+    let mut local = Vec::new();
+    let served = shared.turn(me, |engine, router| {
         router.take_inbox(wakes);
         for &(target, byte) in wakes.iter() {
             if let Some(Some(conn)) = conns.get_mut(slot_of(target)) {
@@ -200,10 +206,21 @@ pub(super) fn serve_turn<C: LoopConn>(
                 parts.peer,
                 parts.pending,
                 parts.out,
-                |engine, own| router.route(engine, id, own, local),
+                |engine, own| router.route(engine, id, own, &mut local),
             )
         })
-    })
+    });
+    // The inbox's targets must be written to too.
+    dirty.extend(wakes.drain(..).map(|(target, _)| slot_of(target)));
+    deliver_wakes(conns, &mut local, dirty);
+    let Some(served) = served else {
+        return false;
+    };
+    let Some(Some(conn)) = conns.get_mut(slot) else {
+        return false;
+    };
+    conn.served(served.used, served.needed);
+    served.close
 }
 
 /// Appends each wake-up byte in `wakes` to the connection of this loop it is for (if it
