@@ -40,7 +40,7 @@ use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
 use super::session::ReadBuf;
-use super::shared_engine::{self, LoopWaker, SharedEngine, Wake, MAX_SLOTS};
+use super::shared_engine::{self, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
@@ -495,19 +495,9 @@ impl Server {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
-        let slot = match self.free.pop() {
-            Some(slot) => slot,
-            None if self.conns.len() < MAX_SLOTS => {
-                self.conns.push(None);
-                self.conns.len() - 1
-            }
-            None => {
-                tracing::warn!(
-                    "store loop {} holds {MAX_SLOTS} connections; refusing more",
-                    self.index
-                );
-                return;
-            }
+        let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
+        else {
+            return;
         };
         if let Err(error) = socket2::SockRef::from(&fd).set_nodelay(true) {
             tracing::debug!(%error, "TCP_NODELAY failed");

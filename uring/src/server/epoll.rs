@@ -34,7 +34,7 @@ use rdzv_core::store::codec::{Limits, RequestDecoder};
 use rdzv_core::store::ConnId;
 
 use super::session::ReadBuf;
-use super::shared_engine::{self, SharedEngine, Wake, MAX_SLOTS};
+use super::shared_engine::{self, SharedEngine, Wake};
 use super::StatsCells;
 
 /// The listener's token; connections use their slot.
@@ -338,19 +338,9 @@ impl Loop {
                     return;
                 }
             };
-            let slot = match self.free.pop() {
-                Some(slot) => slot,
-                None if self.conns.len() < MAX_SLOTS => {
-                    self.conns.push(None);
-                    self.conns.len() - 1
-                }
-                None => {
-                    tracing::warn!(
-                        "store loop {} holds {MAX_SLOTS} connections; refusing more",
-                        self.index
-                    );
-                    continue;
-                }
+            let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
+            else {
+                continue;
             };
             if let Err(error) = stream.set_nodelay(true) {
                 tracing::debug!(%error, "TCP_NODELAY failed");

@@ -223,6 +223,24 @@ pub(super) fn serve_turn<C: LoopConn>(
     served.close
 }
 
+/// A free slot in a loop's connection table: a freed one, or a new one at the end;
+/// `None` (with a warning) when loop `me` holds [`MAX_SLOTS`] connections already.
+pub(super) fn free_slot<C>(
+    free: &mut Vec<usize>,
+    conns: &mut Vec<Option<C>>,
+    me: usize,
+) -> Option<usize> {
+    if let Some(slot) = free.pop() {
+        return Some(slot);
+    }
+    if conns.len() < MAX_SLOTS {
+        conns.push(None);
+        return Some(conns.len() - 1);
+    }
+    tracing::warn!("store loop {me} holds {MAX_SLOTS} connections; refusing more");
+    None
+}
+
 /// Appends each wake-up byte in `wakes` to the connection of this loop it is for (if it
 /// is still there and takes wake-ups), empties `wakes`, and returns the slots written
 /// to through `dirty`.
