@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use rdzv_uring::server::IdleSpin;
 use rdzv_uring::{ServerOptions, StoreServer};
 
 /// Errors the CLI reports: one line on stderr, exit code 1.
@@ -109,8 +110,9 @@ enum StoreOp {
         pin: bool,
         /// Microseconds an idle loop keeps polling before it sleeps (0: sleep at
         /// once). Saves the sleep/wake-up syscalls between back-to-back requests.
-        #[arg(long, default_value_t = 0)]
-        spin_us: u64,
+        /// Default: 50 where CPUs are spare (at least 4, and twice the loops), else 0.
+        #[arg(long)]
+        spin_us: Option<u64>,
         /// Kernel interface: `io-uring`, `epoll`, or `auto` (io_uring unless the host
         /// refuses it, as Docker's and RHEL 9's defaults do; then epoll, with a log line).
         #[arg(long, default_value = "auto")]
@@ -207,7 +209,11 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                     None => 0,
                 },
                 pin,
-                spin_before_park: (spin_us > 0).then(|| Duration::from_micros(spin_us)),
+                spin_before_park: match spin_us {
+                    None => IdleSpin::Auto,
+                    Some(0) => IdleSpin::Off,
+                    Some(us) => IdleSpin::For(Duration::from_micros(us)),
+                },
                 io,
                 listen_fd,
                 metrics,

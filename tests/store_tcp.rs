@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdzv::core::store::QueryType;
+use rdzv::uring::server::IdleSpin;
 use rdzv::uring::store::tcp::{TcpStore, TcpStoreOptions};
 use rdzv::uring::store::PrefixStore;
 use rdzv::uring::{IoMode, ServerOptions, Store, StoreServer};
@@ -363,7 +364,7 @@ fn spinning_loops_serve_and_shut_down(io: IoMode) {
         host: Some("127.0.0.1".into()),
         port: 0,
         threads: 2,
-        spin_before_park: Some(Duration::from_micros(50)),
+        spin_before_park: IdleSpin::For(Duration::from_micros(50)),
         io,
         ..ServerOptions::default()
     })
