@@ -69,7 +69,10 @@ fn make(_: &CallContext, m: Message) -> Result<Message, String> {
 
 /// Whether `m` carries `pattern(len, seed)`.
 fn carries(m: &Message, len: usize, seed: u8) -> bool {
-    m.tensors.len() == 1 && m.tensors.first().is_some_and(|t| t.data == pattern(len, seed))
+    m.tensors.len() == 1
+        && m.tensors
+            .first()
+            .is_some_and(|t| t.data == pattern(len, seed))
 }
 
 /// In `w2`: turns the fork in the payload (after a seed byte) into an RRef, fetches its
@@ -132,9 +135,7 @@ fn run_child(rank: u32) {
     let agent = init_rpc(&format!("w{rank}"), rank, Some(3), options(&url))
         .unwrap_or_else(|e| panic!("w{rank} init_rpc: {e}"));
     let agent = AGENT.get_or_init(|| Arc::new(agent));
-    agent
-        .join()
-        .unwrap_or_else(|e| panic!("w{rank} join: {e}"));
+    agent.join().unwrap_or_else(|e| panic!("w{rank} join: {e}"));
 }
 
 fn expect_counts(agent: &RpcAgent, owners: usize, forks: usize, rank: i16, what: &str) {
@@ -182,7 +183,10 @@ fn to_here_of_64_mib_over_ibv_between_three_workers() {
     let value = rref
         .to_here(PATIENCE)
         .unwrap_or_else(|e| panic!("to_here from w1: {e}"));
-    println!("w0: to_here of {LEN} bytes from w1 in {:?}", started.elapsed());
+    println!(
+        "w0: to_here of {LEN} bytes from w1 in {:?}",
+        started.elapsed()
+    );
     assert_eq!(value.payload, b"made");
     assert!(
         carries(&value, LEN, 7),

@@ -1030,6 +1030,11 @@ impl RRefContext {
         }
     }
 
+    /// Whether the user `fork` is still held on this worker (it is gone once deleted).
+    pub fn holds_user(&self, fork: ForkId) -> bool {
+        self.users.contains_key(&fork)
+    }
+
     /// Users held on this worker (confirmed or not).
     pub fn num_users(&self) -> usize {
         self.users.len()
