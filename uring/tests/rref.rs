@@ -672,6 +672,41 @@ fn a_failed_remote_call_leaves_no_pending_user_and_no_leak() {
     drop(rref);
     expect_counts(&agent, 0, 0, 1, "a timed-out call's value dropped");
 
+    // The call times out in the owner's queue (its 4 pool threads busy): the caller's
+    // delete reaches the owner before a pool thread takes the call, which must count
+    // nothing then.
+    let busy: Vec<_> = (0..4)
+        .map(|_| agent.rpc_async("w1", "slow", Message::default()))
+        .collect();
+    let rref = agent
+        .remote_with_timeout(
+            "w1",
+            "make",
+            make_message(16, 2),
+            Some(Duration::from_millis(50)),
+        )
+        .unwrap_or_else(|e| panic!("remote: {e}"));
+    let deadline = Instant::now() + PATIENCE;
+    while agent.rref_debug_info().num_pending_users > 0 {
+        assert!(Instant::now() < deadline, "the queued call never failed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !busy.iter().any(|call| call.is_done()),
+        "the pool was not busy"
+    );
+    drop(rref);
+    for call in busy {
+        assert!(call.wait().is_ok());
+    }
+    expect_counts(
+        &agent,
+        0,
+        0,
+        1,
+        "a call that timed out in the owner's queue",
+    );
+
     // A handler the owner does not have, and a handler that fails: the call itself
     // succeeds (the user is confirmed), and to_here returns the owner's error.
     for (handler, says) in [

@@ -33,6 +33,13 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
         timeout: Option<Duration>,
     ) -> Result<RRef, RpcError>;
 
+    /// A `remote()` call from worker `caller` arrived, with its request `payload`: the
+    /// owner's machine takes its `RemoteCall` now, in the order the pipe delivered it,
+    /// before the worker pool runs its handler, so that the caller's later messages on
+    /// that pipe (its `USER_DELETE` after a call that timed out in the pool's queue) are
+    /// handled after it, as core's machine assumes.
+    fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]);
+
     /// Turns the bytes of [`RRef::fork_to`] back into an RRef on this worker.
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError>;
 

@@ -24,9 +24,12 @@
 //! `control_message_name`).
 //!
 //! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
-//! RRef's ids in front of the payload; the owner's handler (on the worker pool) feeds
-//! the machine the `RemoteCall` (the slot exists and `RemoteRet` goes back at once),
-//! then runs `handler` and keeps its result (value or error text) keyed by RRef id.
+//! RRef's ids in front of the payload. The owner feeds its machine the `RemoteCall`
+//! when the request arrives, in pipe order, through the seam's `remote_call_arrived`
+//! (the slot exists and `RemoteRet` goes back at once): the caller's later control
+//! messages on that pipe are handled inline, and must not overtake the call while it
+//! waits in the pool's queue. The reserved handler, on the worker pool, then runs
+//! `handler` and keeps its result (value or error text) keyed by RRef id.
 //! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
 //! is not there yet the request waits for it without holding a pool thread (an async
 //! server call, answered when the value is stored or the caller's timeout is over).

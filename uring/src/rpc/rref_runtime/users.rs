@@ -71,6 +71,20 @@ impl RRefRuntime for RRefs {
         Ok(rref)
     }
 
+    fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]) {
+        // A header that does not parse fails the call when the pool runs it.
+        let Ok((header, _)) = RemoteCallHeader::split(payload) else {
+            return;
+        };
+        let (rref, fork) = (header.rref, header.fork);
+        self.update(|state, now| {
+            state
+                .machine
+                .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
+        });
+        self.ensure_pump();
+    }
+
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError> {
         let data = ForkData::from_bytes(bytes).map_err(|e| RpcError::RRef {
             rref: "?".into(),
