@@ -623,7 +623,7 @@ fn a_failed_remote_call_leaves_no_pending_user_and_no_leak() {
         None,
         |mut options| {
             options.fault_injection = FaultInjection {
-                fail_handlers: vec!["__rdzv_rref_remote".into()],
+                fail_handlers: vec!["PYTHON_REMOTE_CALL".into()],
                 num_fail_sends: 1,
                 delays: Vec::new(),
             };
