@@ -3,7 +3,9 @@
 //! `collect_all` over real calls, async handlers and their metric, the handler queue
 //! wait metric, `join(shutdown = false)` (the group waits for every call, then goes on
 //! serving) before a graceful shutdown, and timeouts of both naming who never joined
-//! (a peer process that never shuts down, through `rdzv-test-support`'s `Peer`).
+//! (a peer process that never shuts down, through `rdzv-test-support`'s `Peer`); after
+//! a timed-out join or graceful shutdown, a second graceful call fails at once saying
+//! to shut down with `shutdown(false)`, unless the join timed out before its barriers.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -352,11 +354,62 @@ fn a_join_that_times_out_names_the_workers_missing_from_the_barrier() {
          reach the shutdown barrier: bob; shut them down too (every worker of the group must \
          call it)"
     );
-    // Not shut down: alice still calls bob. The barriers are out of step now, so the
-    // group ends without them.
+    // Not shut down: alice still calls bob.
     assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+    // Alice's barriers are out of step now: another join fails at once, saying what to
+    // do, instead of waiting for ever.
+    let started = Instant::now();
+    for again in [
+        a.join_without_shutdown(None),
+        a.join_with(false, Some(Duration::from_secs(30))),
+    ] {
+        let text = again.map_err(|e| e.to_string()).err().unwrap_or_default();
+        assert!(
+            text.contains("out of step") && text.contains("shutdown(false)"),
+            "{text}"
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(a.rpc_sync("bob", "echo", Message::default()).is_ok());
+    // So does a graceful shutdown, which closes the agent without the group; asked
+    // again, it says the same rather than that all went well.
+    for _ in 0..2 {
+        assert!(matches!(a.join(), Err(RpcError::Join { .. })));
+    }
+    assert!(matches!(
+        a.rpc_sync("bob", "echo", Message::default()),
+        Err(RpcError::ShutDown { .. })
+    ));
+    // The group ends without its barriers.
     assert!(a.shutdown(false).is_ok());
     assert!(b.shutdown(false).is_ok());
+}
+
+#[test]
+fn a_join_that_times_out_on_its_own_calls_may_be_tried_again() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    // Alice's own call is still in flight when her wait ends: she entered no barrier,
+    // so her barriers are still in step with bob's.
+    let pending = a.rpc_async("bob", "sleep", sleep_message(400));
+    let timed_out = a.join_without_shutdown(Some(Duration::from_millis(50)));
+    assert!(
+        matches!(timed_out, Err(RpcError::JoinTimeout { .. })),
+        "{timed_out:?}"
+    );
+    assert!(pending.wait().is_ok());
+    let (a, b, ra, rb) = both(a, b, |agent| {
+        agent
+            .join_without_shutdown(Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())
+    });
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
 }
 
 #[test]
@@ -385,5 +438,17 @@ fn a_timed_shutdown_with_its_own_call_in_flight_closes_and_fails_the_call() {
         "{:?}",
         started.elapsed()
     );
+    // Asked again for a graceful shutdown, alice says hers gave up (not that all went
+    // well); a non-graceful one has nothing left to do.
+    let again = a
+        .join()
+        .map_err(|e| e.to_string())
+        .err()
+        .unwrap_or_default();
+    assert!(
+        again.contains("gave up") && again.contains("shutdown(false)"),
+        "{again}"
+    );
+    assert!(a.shutdown(false).is_ok());
     assert!(b.shutdown(false).is_ok());
 }

@@ -42,6 +42,20 @@
 //! - **A fork that reaches the owner before the `RemoteCall` that creates its RRef**
 //!   (over another worker) makes an early slot ([`OwnerRRef::called`] false), which is
 //!   never deleted before the call arrives and counts its caller's fork.
+//! - **A failed `remote()` call** (PyTorch's `confirmPendingUser` with an error,
+//!   [`RRefContext::remote_failed`]): the error goes on the user, which stops being
+//!   pending ([`UserState::Failed`]: not confirmed by its owner, never counted as a
+//!   pending user or a leak, and refused as a fork, as PyTorch's `prepareChildFork`
+//!   refuses a timed-out RRef). Dropped, it still sends `USER_DELETE`, with retries, as
+//!   PyTorch's `delUser` does: the call may have reached the owner before it failed (a
+//!   timeout, a broken pipe), and `delForkOfOwner` is idempotent if it did not. That
+//!   delete is the caller's last word on the call: the caller's own fork (the one fork
+//!   whose id, like its RRef's, was made by the worker sending the delete) arrives after
+//!   the call on the same ordered wire, so if the call has not arrived by then it never
+//!   will, and an early slot waiting for it is released (it counts as called). This is
+//!   best effort, as in PyTorch: a call still queued behind a pipe that was opening when
+//!   it failed can reach the owner after the delete, and its slot then stays until the
+//!   owner's graceful shutdown reports it.
 //! - **Graceful shutdown** ([`RRefContext::release_all`], PyTorch's
 //!   `delAllUsersAndUnforkedOwners`): once nothing is pending, every user left is
 //!   deleted whatever the application holds, and the owner drops its own handles.
@@ -259,6 +273,18 @@ pub enum ValueState {
     Error,
 }
 
+/// Where a user stands with its owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserState {
+    /// Waiting for the owner's confirmation (PyTorch's `pendingUsers_`).
+    Pending,
+    /// Confirmed by the owner (`confirmed_by_owner()`).
+    Confirmed,
+    /// Its `remote()` call failed ([`RRefContext::remote_failed`]): never confirmed, no
+    /// longer pending, and not forked further.
+    Failed,
+}
+
 /// One owner slot (PyTorch's `OwnerRRef` in `owners_`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OwnerRRef {
@@ -268,7 +294,9 @@ pub struct OwnerRRef {
     pub local_handles: u32,
     /// Whether the slot is live: created here by `remote()` to oneself, or its
     /// `RemoteCall` arrived. A slot made early by a fork arriving back at the owner
-    /// before the call is kept until the call arrives (the call's fork counts it then).
+    /// before the call is kept until the call arrives (the call's fork counts it then),
+    /// or until the caller's `USER_DELETE` of its own fork says it never will (a failed
+    /// call).
     pub called: bool,
 }
 
@@ -388,6 +416,12 @@ pub enum RRefError {
         /// The fork.
         fork: ForkId,
     },
+    /// A fork of a user whose `remote()` call failed (PyTorch's `prepareChildFork`
+    /// refuses a timed-out RRef the same way).
+    CreationFailed {
+        /// The RRef.
+        rref: RRefId,
+    },
 }
 
 impl fmt::Display for RRefError {
@@ -409,6 +443,12 @@ impl fmt::Display for RRefError {
                     "fork {fork} was received twice; a fork is delivered once"
                 )
             }
+            RRefError::CreationFailed { rref } => write!(
+                f,
+                "RRef creation via rpc.remote() failed for RRef {rref}, and it is possible \
+                 that the RRef on the owner node does not exist: it cannot be forked; \
+                 call remote() again"
+            ),
         }
     }
 }
@@ -455,7 +495,7 @@ struct User {
     rref: RRefId,
     owner: WorkerId,
     handles: u32,
-    confirmed: bool,
+    state: UserState,
     /// Forks handed out by this user, waiting for their child's accept.
     pending_children: BTreeSet<ForkId>,
     /// For an unconfirmed child: the parent to accept to once confirmed (`None` for a
@@ -552,7 +592,7 @@ impl RRefContext {
                 rref,
                 owner: to,
                 handles: 1,
-                confirmed: false,
+                state: UserState::Pending,
                 pending_children: BTreeSet::new(),
                 parent: None,
             },
@@ -621,8 +661,47 @@ impl RRefContext {
     pub fn confirmed_by_owner(&self, handle: &RRefHandle) -> bool {
         match handle.fork {
             None => true,
-            Some(fork) => self.users.get(&fork).is_some_and(|u| u.confirmed),
+            Some(fork) => self
+                .users
+                .get(&fork)
+                .is_some_and(|u| u.state == UserState::Confirmed),
         }
+    }
+
+    /// Where the user `handle` stands with its owner; `None` on the owner or for a
+    /// handle not held here.
+    pub fn user_state(&self, handle: &RRefHandle) -> Option<UserState> {
+        let user = self.users.get(&handle.fork?)?;
+        (user.rref == handle.rref).then_some(user.state)
+    }
+
+    /// The `remote()` call that created the user `fork` of `rref` failed (PyTorch's
+    /// `confirmPendingUser` with an error: `handleError` marks the RRef, and
+    /// `delPendingUser` removes the pending user). A pending user becomes
+    /// [`UserState::Failed`]; one the owner confirmed already (its `RemoteRet` came
+    /// before the call failed, e.g. timed out) fails too, so that `to_here` and forks
+    /// say so. Either way it is deleted like a confirmed user once dropped (see the
+    /// module documentation). Nothing happens for a fork that is not this worker's own
+    /// `remote()` user, or is already gone.
+    pub fn remote_failed(&mut self, now: Instant, rref: RRefId, fork: ForkId) {
+        if !Self::is_callers_fork(self.me, rref, fork) {
+            return;
+        }
+        let Some(user) = self.users.get_mut(&fork) else {
+            return;
+        };
+        if user.rref != rref || user.state == UserState::Failed {
+            return;
+        }
+        user.state = UserState::Failed;
+        self.maybe_delete_user(now, fork);
+    }
+
+    /// Whether `fork` is the fork a `remote()` call of worker `caller` made for `rref`:
+    /// the only user whose fork id, like its RRef id, was made by the worker holding it
+    /// (every other user's fork id was made by its parent, another worker).
+    fn is_callers_fork(caller: WorkerId, rref: RRefId, fork: ForkId) -> bool {
+        rref.created_on == caller && fork.created_on == caller && fork != rref
     }
 
     /// Passes `handle` inside a message to worker `to` (pickling an RRef): the data to
@@ -631,11 +710,15 @@ impl RRefContext {
     ///
     /// # Errors
     /// [`RRefError::UnknownHandle`] if it is not held here; [`RRefError::ForkToSelf`]
-    /// if `to` is this worker.
+    /// if `to` is this worker; [`RRefError::CreationFailed`] if its `remote()` call
+    /// failed.
     pub fn fork(&mut self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, RRefError> {
         self.handles_mut(handle)?;
         if to == self.me {
             return Err(RRefError::ForkToSelf { rref: handle.rref });
+        }
+        if self.user_state(handle) == Some(UserState::Failed) {
+            return Err(RRefError::CreationFailed { rref: handle.rref });
         }
         let fork = self.gen_id();
         let data = ForkData {
@@ -700,7 +783,11 @@ impl RRefContext {
                 rref: data.rref,
                 owner: data.owner,
                 handles: 1,
-                confirmed,
+                state: if confirmed {
+                    UserState::Confirmed
+                } else {
+                    UserState::Pending
+                },
                 pending_children: BTreeSet::new(),
                 parent: (!confirmed).then_some(data.parent),
             },
@@ -780,6 +867,13 @@ impl RRefContext {
                         }
                     }
                     ControlKind::UserDelete => {
+                        // The caller's own delete comes after its call on this wire:
+                        // a slot still waiting for that call waits no more.
+                        if Self::is_callers_fork(from, rref, fork) {
+                            if let Some(slot) = self.owners.get_mut(&rref) {
+                                slot.called = true;
+                            }
+                        }
                         // delForkOfOwner
                         if let Some(set) = self.forks.get_mut(&rref) {
                             set.remove(&fork);
@@ -813,10 +907,10 @@ impl RRefContext {
         let Some(user) = self.users.get_mut(&fork) else {
             return;
         };
-        if user.confirmed || user.rref != rref {
+        if user.state != UserState::Pending || user.rref != rref {
             return;
         }
-        user.confirmed = true;
+        user.state = UserState::Confirmed;
         let parent = user.parent.take();
         self.events.push_back(RRefEvent::Confirmed { rref, fork });
         if let Some(parent) = parent {
@@ -829,7 +923,8 @@ impl RRefContext {
         let Some(user) = self.users.get(&fork) else {
             return;
         };
-        if user.handles > 0 || !user.confirmed || !user.pending_children.is_empty() {
+        if user.handles > 0 || user.state == UserState::Pending || !user.pending_children.is_empty()
+        {
             return;
         }
         let (owner, rref) = (user.owner, user.rref);
@@ -926,9 +1021,18 @@ impl RRefContext {
         DebugInfo {
             num_owner_rrefs: self.owners.len(),
             num_pending_futures: self.sends.len(),
-            num_pending_users: self.users.values().filter(|u| !u.confirmed).count(),
+            num_pending_users: self
+                .users
+                .values()
+                .filter(|u| u.state == UserState::Pending)
+                .count(),
             num_forks: self.forks.values().map(BTreeSet::len).sum(),
         }
+    }
+
+    /// Whether the user `fork` is still held on this worker (it is gone once deleted).
+    pub fn holds_user(&self, fork: ForkId) -> bool {
+        self.users.contains_key(&fork)
     }
 
     /// Users held on this worker (confirmed or not).
@@ -944,7 +1048,7 @@ impl RRefContext {
             && self
                 .users
                 .values()
-                .all(|u| u.confirmed && u.pending_children.is_empty())
+                .all(|u| u.state != UserState::Pending && u.pending_children.is_empty())
     }
 
     /// Graceful shutdown, after [`is_settled`](Self::is_settled) (PyTorch's
@@ -961,7 +1065,7 @@ impl RRefContext {
         let mut kept = 0;
         for fork in forks {
             if let Some(user) = self.users.get_mut(&fork) {
-                if user.confirmed && user.pending_children.is_empty() {
+                if user.state != UserState::Pending && user.pending_children.is_empty() {
                     user.handles = 0;
                     self.maybe_delete_user(now, fork);
                 } else {
@@ -982,7 +1086,7 @@ impl RRefContext {
     /// What is still unsettled, for the leak report at shutdown.
     pub fn leaks(&self) -> impl Iterator<Item = Leak> + '_ {
         let users = self.users.iter().flat_map(|(&fork, u)| {
-            let pending = (!u.confirmed).then_some(Leak::PendingUser {
+            let pending = (u.state == UserState::Pending).then_some(Leak::PendingUser {
                 owner: u.owner,
                 rref: u.rref,
                 fork,

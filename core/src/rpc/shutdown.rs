@@ -261,6 +261,9 @@ pub enum JoinError {
     },
     /// The dynamic group's worker list could not be read or changed.
     WorkerList(WorkerInfosError),
+    /// A join refused because an earlier one stopped part-way, or a graceful shutdown
+    /// gave up ([`JoinSequence`]).
+    OutOfStep(OutOfStep),
 }
 
 impl fmt::Display for JoinError {
@@ -285,6 +288,7 @@ impl fmt::Display for JoinError {
                  {world_size}: another agent is using the same store keys"
             ),
             JoinError::WorkerList(e) => e.fmt(f),
+            JoinError::OutOfStep(e) => e.fmt(f),
         }
     }
 }
@@ -630,5 +634,8 @@ impl Leave {
     }
 }
 
+mod sequence;
 #[cfg(test)]
 mod tests;
+
+pub use sequence::{JoinSequence, OutOfStep};

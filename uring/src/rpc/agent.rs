@@ -12,7 +12,7 @@ use rdzv_core::rpc::membership::GROUP_LEAVE;
 use rdzv_core::rpc::metrics::NetworkData;
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::rref::DebugInfo;
-use rdzv_core::rpc::shutdown::{Join, Leave};
+use rdzv_core::rpc::shutdown::{Join, JoinSequence, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
 use crate::rpc::client::RpcClient;
@@ -28,6 +28,7 @@ use crate::rpc::rref::{RRef, RRefShutdownReport};
 use crate::rpc::rref_runtime::{self, RRefs};
 use crate::store::Store;
 
+mod join;
 mod rrefs;
 
 /// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
@@ -36,6 +37,33 @@ const NODE_PROBE: &str = "__rdzv_node_probe";
 const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The agent: make calls, register handlers, read metrics, shut down.
+///
+/// # Joining and shutting down, beside PyTorch
+///
+/// | PyTorch | here | what it does |
+/// |---|---|---|
+/// | `rpc.shutdown()`, `rpc.shutdown(graceful=True)` | [`join`](Self::join), [`shutdown(true)`](Self::shutdown) | settles this worker's RRefs, waits until no worker of the group has a call in flight, says goodbye and closes |
+/// | `rpc.shutdown(graceful=True, timeout=t)` | [`shutdown_with_timeout(true, t)`](Self::shutdown_with_timeout) | the same, giving up after `t`: then it closes at once and says which workers never joined |
+/// | `rpc.shutdown(graceful=False)` | [`shutdown(false)`](Self::shutdown) | closes now; pending futures fail with [`RpcError::ShutDown`] |
+/// | `agent.join(shutdown=False)` | [`join_without_shutdown(None)`](Self::join_without_shutdown) | waits until no worker of the group has a call in flight (every worker must call it), then goes on serving |
+/// | `agent.join(shutdown=False, timeout=t)` | [`join_without_shutdown(Some(t))`](Self::join_without_shutdown) | the same, giving up after `t` (PyTorch's `TensorPipeAgent` ignores its timeout) |
+/// | `agent.join(shutdown=True, timeout=t)` | [`join_with(true, t)`](Self::join_with) | a graceful shutdown: unlike PyTorch's agent-level `join`, it also settles RRefs first, as `rpc.shutdown` does before calling it |
+///
+/// [`join_with(shutdown, timeout)`](Self::join_with) is PyTorch's `join` spelled as it
+/// is there. In a dynamic group (no world size) the graceful forms leave the group;
+/// `join_without_shutdown` waits only for this worker's own calls (PyTorch's agent
+/// leaves the group on any `join`).
+///
+/// **After a join or graceful shutdown that timed out or failed.** A graceful shutdown
+/// closes the agent anyway (as PyTorch's `rpc.shutdown` does in its `finally`). A
+/// [`join_without_shutdown`](Self::join_without_shutdown) that stops part-way keeps the
+/// agent serving, but this worker's barriers are then out of step with the group's
+/// (core's [`JoinSequence`]): every later join or graceful shutdown fails at once with
+/// [`RpcError::Join`] (core's `JoinError::OutOfStep`) instead of waiting for ever, and
+/// the group must end with `shutdown(false)` on every worker. A join that timed out
+/// while still waiting for this worker's own calls entered no barrier and may be tried
+/// again. A graceful call on an agent whose graceful shutdown gave up says so too,
+/// rather than reporting success; `shutdown(false)` after any of these succeeds.
 pub struct RpcAgent {
     pub(crate) shared: Arc<Shared>,
     /// The RRef runtime (also behind `shared.rrefs`).
@@ -48,7 +76,8 @@ pub struct RpcAgent {
     pub(crate) io_thread: Mutex<Option<JoinHandle<()>>>,
     pub(crate) workers: Mutex<Vec<JoinHandle<()>>>,
     pub(crate) address: String,
-    pub(crate) next_barrier_id: Mutex<u64>,
+    /// Where this worker's join barriers stand (core's [`JoinSequence`]).
+    pub(crate) join_sequence: Mutex<JoinSequence>,
 }
 
 impl std::fmt::Debug for RpcAgent {
@@ -314,7 +343,9 @@ impl RpcAgent {
         self.shutdown(true)
     }
 
-    /// The agent's `join(shutdown, timeout)`. With `shutdown`, a graceful
+    /// The agent's `join(shutdown, timeout)`, spelled as in PyTorch (see the table on
+    /// [`RpcAgent`]; [`join_without_shutdown`](Self::join_without_shutdown) is the clearer
+    /// name for `shutdown = false`). With `shutdown`, a graceful
     /// [`shutdown_with_timeout`](Self::shutdown_with_timeout) (or
     /// [`shutdown`](Self::shutdown) without a timeout). Without: waits until no worker of the group has a
     /// call in flight (the same barriers as a graceful shutdown, every worker must call
@@ -325,7 +356,9 @@ impl RpcAgent {
     /// # Errors
     /// [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails (the agent keeps
     /// running), [`RpcError::JoinTimeout`] naming the workers that never joined when
-    /// `timeout` passes first, or as [`shutdown`](Self::shutdown).
+    /// `timeout` passes first, or as [`shutdown`](Self::shutdown). After either, if the
+    /// join had entered its barriers, every later join fails at once with
+    /// [`RpcError::Join`] saying to shut down with `shutdown(false)` (see [`RpcAgent`]).
     pub fn join_with(&self, shutdown: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
         if shutdown {
             return self.shutdown_by(true, timeout);
@@ -362,11 +395,14 @@ impl RpcAgent {
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
     /// close. Not graceful: close at once. Either way every pending future fails with
-    /// [`RpcError::ShutDown`] rather than hang. Calling it again does nothing.
+    /// [`RpcError::ShutDown`] rather than hang. Calling it again does nothing, except
+    /// that a graceful call after a graceful shutdown or join that gave up fails (see
+    /// [`RpcAgent`]).
     ///
     /// # Errors
     /// [`RpcError::Store`] or [`RpcError::Join`] if the graceful protocol fails; the
-    /// agent is closed anyway.
+    /// agent is closed anyway. [`RpcError::Join`] at once, closing the agent without the
+    /// group, if an earlier join stopped part-way or a graceful shutdown gave up.
     pub fn shutdown(&self, graceful: bool) -> Result<(), RpcError> {
         self.shutdown_by(graceful, None)
     }
@@ -389,14 +425,25 @@ impl RpcAgent {
             .unwrap_or_else(|p| p.into_inner())
             .is_some();
         if !running {
-            return Ok(());
+            return if graceful {
+                self.join_start().map(drop)
+            } else {
+                Ok(())
+            };
         }
         let protocol = if graceful {
-            rref_runtime::settle_for_join(&self.rrefs);
-            self.run_join(timeout)
+            let deadline = timeout.map(|t| Instant::now() + t);
+            self.join_start().and_then(|_| {
+                rref_runtime::settle_for_join(&self.rrefs, deadline);
+                self.run_join(deadline.map(|d| d.saturating_duration_since(Instant::now())))
+                    .map_err(|e| join::timeout_as_asked(e, timeout))
+            })
         } else {
             Ok(())
         };
+        if graceful && protocol.is_err() {
+            self.join_gave_up();
+        }
         self.close(graceful && protocol.is_ok());
         protocol
     }
@@ -439,10 +486,7 @@ impl RpcAgent {
         shutdown: bool,
         timeout: Option<Duration>,
     ) -> Result<(), RpcError> {
-        let first = *self
-            .next_barrier_id
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let first = self.join_start()?;
         let me = self.shared.me.name();
         let entry = self.keys.join_entry(first, me);
         self.store
@@ -465,10 +509,7 @@ impl RpcAgent {
                 }
             }
         };
-        *self
-            .next_barrier_id
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = join.next_barrier_id();
+        self.join_finished(first, join.next_barrier_id(), result.is_ok());
         if result.is_err() {
             self.release_calls();
         }

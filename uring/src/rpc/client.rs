@@ -119,7 +119,10 @@ impl RpcClient {
     ///
     /// # Errors
     /// [`RpcError::UnknownWorker`] at once; later failures (the call's, the handler's)
-    /// come out of [`RRef::to_here`].
+    /// come out of [`RRef::to_here`], naming the owner. A failed call (the owner not
+    /// reached, the send refused, a timeout) leaves no pending user: the RRef is
+    /// marked failed, [`RRef::fork_to`] refuses it, and dropping it still tells the
+    /// owner, as PyTorch's best-effort handling of a failed `rpc.remote()` does.
     pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, RpcError> {
         self.remote_with_timeout(to, handler, message, None)
     }

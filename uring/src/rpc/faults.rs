@@ -5,7 +5,9 @@
 //! Only requests are touched: the first `num_fail_sends` requests to each handler in
 //! `fail_handlers` fail with [`TransportError::InjectedFault`] (the lane fails that call
 //! alone), and a request to a handler in `delays` is held that long before it is sent
-//! (the sending thread sleeps, as PyTorch's `pipeWrite` does).
+//! (the sending thread sleeps, as PyTorch's `pipeWrite` does). The agent's own RRef
+//! calls may be named by PyTorch's message types instead (`RREF_USER_DELETE`,
+//! `PYTHON_REMOTE_CALL`, ...: core's `message_type_names`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -38,13 +40,7 @@ impl Faults {
 
     /// Whether this send of a request to `handler` must fail (and counts it).
     fn should_fail(&self, handler: &str) -> bool {
-        let alias = rdzv_core::rpc::rref::wire::control_message_name(handler);
-        if !self
-            .config
-            .fail_handlers
-            .iter()
-            .any(|h| h == handler || Some(h.as_str()) == alias)
-        {
+        if !self.config.fail_handlers.iter().any(|h| names(h, handler)) {
             return false;
         }
         let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
@@ -62,7 +58,7 @@ impl Faults {
         self.config
             .delays
             .iter()
-            .find(|(h, _)| h == handler)
+            .find(|(h, _)| names(h, handler))
             .map(|&(_, d)| d)
     }
 
@@ -76,6 +72,13 @@ impl Faults {
             faults: Arc::clone(self),
         })
     }
+}
+
+/// Whether `name`, from the fault options, names the handler `handler`: the handler's
+/// own name, or one of PyTorch's message-type names for what it carries
+/// (`RREF_USER_DELETE`, `PYTHON_REMOTE_CALL`, ...; core's `message_type_names`).
+fn names(name: &str, handler: &str) -> bool {
+    name == handler || rdzv_core::rpc::rref::wire::message_type_names(handler).contains(&name)
 }
 
 /// A blocking sender whose requests suffer [`Faults`].
@@ -178,5 +181,26 @@ mod tests {
                 (FrameKind::Request, "slow".to_string()),
             ]
         );
+    }
+
+    #[test]
+    fn pytorch_message_type_names_choose_the_agents_own_calls() {
+        use rdzv_core::rpc::rref::wire::handler;
+        let faults = Faults::new(&FaultInjection {
+            fail_handlers: vec!["PYTHON_REMOTE_CALL".into(), "RREF_USER_DELETE".into()],
+            num_fail_sends: 1,
+            delays: vec![("SCRIPT_RREF_FETCH_CALL".into(), Duration::from_millis(20))],
+        })
+        .unwrap_or_else(|| panic!("faults expected"));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut sender = faults.wrap(Box::new(Counting(Arc::clone(&seen))));
+        for name in [handler::REMOTE, handler::USER_DELETE] {
+            assert!(sender.send(&request(name)).is_err(), "{name}");
+            assert!(sender.send(&request(name)).is_ok(), "{name}");
+        }
+        assert!(sender.send(&request(handler::FORK_REQUEST)).is_ok());
+        let started = std::time::Instant::now();
+        assert!(sender.send(&request(handler::FETCH)).is_ok());
+        assert!(started.elapsed() >= Duration::from_millis(20));
     }
 }

@@ -90,7 +90,10 @@ pub struct RpcOptions {
 }
 
 /// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
-/// type): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
+/// type; the agent's own RRef calls also by PyTorch's message-type names:
+/// `RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`, `REMOTE_RET`,
+/// `PYTHON_REMOTE_CALL`/`SCRIPT_REMOTE_CALL`, `PYTHON_RREF_FETCH_CALL`/
+/// `SCRIPT_RREF_FETCH_CALL`): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
 /// with "Send attempt failed intentionally for {handler}" instead of being sent, and
 /// requests to a handler in `delays` are held that long before they are sent. The
 /// default injects nothing.

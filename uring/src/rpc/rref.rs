@@ -33,6 +33,13 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
         timeout: Option<Duration>,
     ) -> Result<RRef, RpcError>;
 
+    /// A `remote()` call from worker `caller` arrived, with its request `payload`: the
+    /// owner's machine takes its `RemoteCall` now, in the order the pipe delivered it,
+    /// before the worker pool runs its handler, so that the caller's later messages on
+    /// that pipe (its `USER_DELETE` after a call that timed out in the pool's queue) are
+    /// handled after it, as core's machine assumes.
+    fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]);
+
     /// Turns the bytes of [`RRef::fork_to`] back into an RRef on this worker.
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError>;
 
@@ -147,7 +154,9 @@ impl RRef {
         self.handle.is_owner()
     }
 
-    /// Whether the owner has confirmed this user (always true on the owner).
+    /// Whether the owner has confirmed this user (always true on the owner; never for
+    /// a user whose `remote()` call failed, which unlike PyTorch's is not reported as
+    /// confirmed, though it is no longer pending either).
     pub fn confirmed_by_owner(&self) -> bool {
         self.runtime.confirmed_by_owner(&self.handle)
     }
@@ -168,9 +177,10 @@ impl RRef {
     /// `timeout` (zero: no limit).
     ///
     /// # Errors
-    /// [`RpcError::RRef`], naming the owner: the `remote()` call failed, its handler
-    /// failed, the value was not ready in time, or the owner could not be reached (a
-    /// dead owner fails at once with the pipe's error).
+    /// [`RpcError::RRef`], naming the owner: the `remote()` call failed ("RRef creation
+    /// via rpc.remote() failed", as PyTorch words it), its handler failed, the value
+    /// was not ready in time, or the owner could not be reached (a dead owner fails at
+    /// once with the pipe's error).
     pub fn to_here(&self, timeout: Duration) -> Result<Message, RpcError> {
         self.runtime
             .to_here(&self.handle, &self.owner, timeout)
@@ -185,7 +195,8 @@ impl RRef {
     ///
     /// # Errors
     /// [`RpcError::UnknownWorker`] for a worker not in the group; [`RpcError::RRef`]
-    /// for this worker itself (clone the RRef instead) or a released RRef.
+    /// for this worker itself (clone the RRef instead), a released RRef, or one whose
+    /// `remote()` call failed.
     pub fn fork_to(&self, to: &str) -> Result<Vec<u8>, RpcError> {
         let to_id = self.runtime.worker_id(to)?;
         let data = self

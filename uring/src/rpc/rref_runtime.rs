@@ -24,13 +24,28 @@
 //! `control_message_name`).
 //!
 //! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
-//! RRef's ids in front of the payload; the owner's handler (on the worker pool) feeds
-//! the machine the `RemoteCall` (the slot exists and `RemoteRet` goes back at once),
-//! then runs `handler` and keeps its result (value or error text) keyed by RRef id.
+//! RRef's ids in front of the payload. The owner feeds its machine the `RemoteCall`
+//! when the request arrives, in pipe order, through the seam's `remote_call_arrived`
+//! (the slot exists and `RemoteRet` goes back at once): the caller's later control
+//! messages on that pipe are handled inline, and must not overtake the call while it
+//! waits in the pool's queue. The reserved handler, on the worker pool, then runs
+//! `handler` and keeps its result (value or error text) keyed by RRef id.
 //! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
 //! is not there yet the request waits for it without holding a pool thread (an async
 //! server call, answered when the value is stored or the caller's timeout is over).
-//! `remote()` to this worker itself runs the handler on a thread of its own. An RRef
+//! `remote()` to this worker itself runs the handler on a thread of its own.
+//!
+//! **A failed `remote()` call** (the call itself, not its handler: the owner could not
+//! be reached, the send failed, the call timed out) is PyTorch's best-effort error
+//! handling: the failure is recorded on the user (core's `remote_failed`, and its text
+//! here), so the user stops being pending and `join` does not wait for it or report it;
+//! `to_here` and `fork_to` then fail with it, naming the owner; dropping the RRef still
+//! sends `USER_DELETE`, in case the call reached the owner before failing. A failure
+//! known when `remote()` returns (a send that failed at once, as fault injection's) is
+//! recorded before it returns; one that comes later is recorded by the pump, and a
+//! `to_here` already under way then fails with the owner's answer or its timeout, and
+//! says that the call failed if it knows by then. A failing *handler* is not a failed
+//! call: the owner keeps its error as the value, and `to_here` returns it. An RRef
 //! goes to another worker as bytes made by [`RRef::fork_to`], which the receiver turns
 //! back into an RRef with [`RpcClient::rref_from_fork`] (an RRef is not a field of
 //! [`Message`]).
@@ -98,8 +113,9 @@ struct State {
     machine: RRefContext,
     /// The owner's values: the handler's message, or its error text.
     values: HashMap<RRefId, Result<Message, String>>,
-    /// `remote()` calls of this worker that failed, by RRef.
-    failed: HashMap<RRefId, String>,
+    /// Why the `remote()` call of each user here whose call failed did so, by fork
+    /// (kept while the machine holds the user).
+    failed: HashMap<ForkId, String>,
     /// Messages for the pump to send.
     outbox: VecDeque<Transmit>,
     /// Futures for the pump to watch (`remote()` calls).
@@ -355,6 +371,10 @@ fn drain(
                 "gave up retrying an RRef control message; what it protected leaks and is reported at shutdown"
             ),
         }
+    }
+    if !state.failed.is_empty() {
+        let machine = &state.machine;
+        state.failed.retain(|fork, _| machine.holds_user(*fork));
     }
     let mut reply = None;
     while let Some(transmit) = state.machine.poll_transmit() {

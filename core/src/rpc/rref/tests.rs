@@ -1,6 +1,7 @@
 //! Unit tests of each rule, and a model test over a simulated network of three workers.
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::vec;
 use alloc::vec::Vec;
 
 use proptest::prelude::*;
@@ -37,6 +38,9 @@ struct Net {
     gave_up: usize,
     /// Drops so far per (kind, fork), to stay within the retries.
     drops: BTreeMap<(ControlKind, ForkId), u32>,
+    /// Every `remote()` user (worker, fork), and those whose call failed.
+    callers: BTreeSet<(WorkerId, ForkId)>,
+    failed: BTreeSet<ForkId>,
     model: Model,
 }
 
@@ -79,6 +83,8 @@ impl Net {
             confirmed: BTreeSet::new(),
             gave_up: 0,
             drops: BTreeMap::new(),
+            callers: BTreeSet::new(),
+            failed: BTreeSet::new(),
             model: Model::default(),
         }
     }
@@ -92,6 +98,7 @@ impl Net {
                 self.model.values.insert(h.rref, false);
             }
             Some(fork) => {
+                self.callers.insert((from, fork));
                 self.model
                     .users
                     .insert((from, fork), (h.rref, false, 1, BTreeSet::new()));
@@ -226,6 +233,12 @@ impl Net {
                     }
                 }
                 ControlKind::UserDelete => {
+                    // The caller's own delete: its call has arrived, or never will.
+                    let callers = rref.created_on == from && fork.created_on == from;
+                    if let Some(s) = m.slots.get_mut(&(to, rref)).filter(|_| callers) {
+                        s.0 = true;
+                        m.values.entry(rref).or_insert(false);
+                    }
                     if let Some(set) = m.forks.get_mut(&(to, rref)) {
                         set.remove(&fork);
                         if set.is_empty() {
@@ -235,7 +248,6 @@ impl Net {
                 }
             },
             RRefMessage::Ack { kind, fork, .. } => {
-                let _ = from;
                 m.sends.remove(&(to, kind, fork));
             }
         }
@@ -581,6 +593,76 @@ fn fork_back_to_the_owner_before_its_remote_call() {
 }
 
 #[test]
+fn a_failed_remote_call_is_no_longer_pending_and_is_deleted_when_dropped() {
+    for lost in [true, false] {
+        let mut net = Net::new();
+        let h = net.remote(A, B);
+        net.fail_remote(A, h, lost);
+        let a = &net.ctx[0];
+        assert_eq!(a.user_state(&h), Some(UserState::Failed));
+        assert!(!a.confirmed_by_owner(&h));
+        assert_eq!(a.debug_info().num_pending_users, 0);
+        assert!(a.is_settled());
+        assert_eq!(a.leaks().count(), 0);
+        assert_eq!(
+            net.ctx[0].fork(&h, C),
+            Err(RRefError::CreationFailed { rref: h.rref })
+        );
+        // A late call (not lost) confirms nothing: the failure stays.
+        net.drain();
+        assert_eq!(net.ctx[0].user_state(&h), Some(UserState::Failed));
+        // Dropped, it tells the owner, which deletes what the call made, if anything.
+        net.drop_handle(A, 0);
+        assert_eq!(net.ctx[0].debug_info().num_pending_futures, 1);
+        net.drain();
+        let made: &[(WorkerId, RRefId)] = if lost { &[] } else { &[(B, h.rref)] };
+        assert_eq!(net.deleted, made, "lost: {lost}");
+        net.assert_empty();
+    }
+}
+
+#[test]
+fn the_callers_delete_releases_an_early_slot_whose_call_was_lost() {
+    // A forks its user back to the owner C, then its call fails without reaching C:
+    // the fork makes an early slot on C, which A's delete releases.
+    let mut net = Net::new();
+    let h = net.remote(A, C);
+    net.fork(A, h, C);
+    net.fail_remote(A, h, true);
+    net.drain();
+    assert_eq!(net.ctx[2].owner_rref(h.rref).map(|o| o.called), Some(false));
+    net.drop_handle(C, 0);
+    assert_eq!(
+        net.ctx[2].debug_info().num_owner_rrefs,
+        1,
+        "waits for the call"
+    );
+    net.drop_handle(A, 0);
+    net.drain();
+    assert_eq!(net.deleted, [(C, h.rref)]);
+    net.assert_empty();
+}
+
+#[test]
+fn a_remote_failure_of_a_fork_or_an_unknown_user_changes_nothing() {
+    let mut net = Net::new();
+    let h = net.remote(A, C);
+    net.fork(A, h, B);
+    net.drain();
+    let at_b = *net.held[1].last().expect("B holds the fork");
+    let fork = at_b.fork.expect("a user");
+    // B's user was not made by B's remote(): no failure applies to it.
+    net.ctx[1].remote_failed(net.now, h.rref, fork);
+    assert_eq!(net.ctx[1].user_state(&at_b), Some(UserState::Confirmed));
+    net.ctx[0].remote_failed(net.now, h.rref, fork);
+    net.pump();
+    net.drop_all();
+    net.drain();
+    assert_eq!(net.deleted, [(C, h.rref)]);
+    net.assert_empty();
+}
+
+#[test]
 fn every_arrangement_of_three_workers() {
     for &caller in &WORKERS {
         for &owner in &WORKERS {
@@ -783,6 +865,9 @@ enum Op {
     /// Delivers everything but the wire a -> b, which stays delayed.
     Starve(usize, usize),
     Advance(u64),
+    /// The `remote()` call of worker a's user h fails; `true`: it never left (it is
+    /// taken off the wire if still there), else it may still arrive.
+    FailRemote(usize, usize, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -797,10 +882,32 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Lose(a, b)),
         2 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Starve(a, b)),
         2 => (1..40u64).prop_map(Op::Advance),
+        1 => (0..3usize, 0..8usize, any::<bool>()).prop_map(|(a, h, l)| Op::FailRemote(a, h, l)),
     ]
 }
 
 impl Net {
+    /// The `remote()` call of `w`'s user `h` failed; `lost`: it never reached the
+    /// owner.
+    fn fail_remote(&mut self, w: WorkerId, h: RRefHandle, lost: bool) {
+        let Some(fork) = h.fork else {
+            return;
+        };
+        if !self.callers.contains(&(w, fork)) || !self.failed.insert(fork) {
+            return;
+        }
+        if lost {
+            self.wires[idx(w)][idx(h.owner)].retain(|m| {
+                !matches!(m, Wire::Rref(RRefMessage::RemoteCall { rref, .. }, _) if *rref == h.rref)
+            });
+        }
+        self.ctx[idx(w)].remote_failed(self.now, h.rref, fork);
+        if let Some(u) = self.model.users.get_mut(&(w, fork)) {
+            u.1 = true;
+        }
+        self.pump();
+    }
+
     fn apply(&mut self, op: &Op) {
         match *op {
             Op::Remote(a, b) => {
@@ -812,6 +919,13 @@ impl Net {
                     return;
                 }
                 let handle = self.held[a][h % self.held[a].len()];
+                if self.ctx[a].user_state(&handle) == Some(UserState::Failed) {
+                    assert_eq!(
+                        self.ctx[a].fork(&handle, to),
+                        Err(RRefError::CreationFailed { rref: handle.rref })
+                    );
+                    return;
+                }
                 self.fork(from, handle, to);
             }
             Op::Clone(a, h) => {
@@ -873,6 +987,11 @@ impl Net {
                 }
             }
             Op::Advance(ms) => self.advance(Duration::from_millis(ms)),
+            Op::FailRemote(a, h, lost) => {
+                if let Some(&handle) = self.held[a].get(h % self.held[a].len().max(1)) {
+                    self.fail_remote(WORKERS[a], handle, lost);
+                }
+            }
         }
     }
 }
@@ -908,6 +1027,7 @@ fn one_rref_op() -> impl Strategy<Value = Op> {
         1 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Lose(a, b)),
         2 => (0..3usize, 0..3usize).prop_map(|(a, b)| Op::Starve(a, b)),
         1 => (1..40u64).prop_map(Op::Advance),
+        1 => (0..3usize, 0..4usize, any::<bool>()).prop_map(|(a, h, l)| Op::FailRemote(a, h, l)),
     ]
 }
 

@@ -143,6 +143,24 @@ pub fn control_message_name(handler: &str) -> Option<&'static str> {
     .map(ControlKind::name)
 }
 
+/// PyTorch's message-type names of what calls to `handler` carry, which fault injection
+/// accepts in place of the handler name (PyTorch's faulty agent's `messages_to_fail`
+/// and `messages_to_delay`): the three control messages, `REMOTE_RET`, the `remote()`
+/// call (`PYTHON_REMOTE_CALL` and `SCRIPT_REMOTE_CALL`: one call carries both kinds
+/// here) and `to_here` (`PYTHON_RREF_FETCH_CALL`, `SCRIPT_RREF_FETCH_CALL`); none for
+/// any other handler.
+pub fn message_type_names(handler: &str) -> &'static [&'static str] {
+    match handler {
+        handler::REMOTE => &["PYTHON_REMOTE_CALL", "SCRIPT_REMOTE_CALL"],
+        handler::FETCH => &["PYTHON_RREF_FETCH_CALL", "SCRIPT_RREF_FETCH_CALL"],
+        handler::REMOTE_RET => &["REMOTE_RET"],
+        handler::FORK_REQUEST => &["RREF_FORK_REQUEST"],
+        handler::CHILD_ACCEPT => &["RREF_CHILD_ACCEPT"],
+        handler::USER_DELETE => &["RREF_USER_DELETE"],
+        _ => &[],
+    }
+}
+
 impl RRefMessage {
     /// The call that carries it.
     pub const fn wire_kind(&self) -> WireKind {
@@ -336,6 +354,21 @@ mod tests {
         );
         assert_eq!(control_message_name(handler::REMOTE_RET), None);
         assert_eq!(control_message_name("echo"), None);
+        for kind in [
+            ControlKind::ForkRequest,
+            ControlKind::ChildAccept,
+            ControlKind::UserDelete,
+        ] {
+            let handler = WireKind::Control(kind).handler();
+            assert_eq!(message_type_names(handler), [kind.name()]);
+        }
+        assert_eq!(
+            message_type_names(handler::REMOTE),
+            ["PYTHON_REMOTE_CALL", "SCRIPT_REMOTE_CALL"]
+        );
+        assert!(message_type_names(handler::FETCH).contains(&"SCRIPT_RREF_FETCH_CALL"));
+        assert_eq!(message_type_names(handler::REMOTE_RET), ["REMOTE_RET"]);
+        assert!(message_type_names("echo").is_empty());
     }
 
     #[test]

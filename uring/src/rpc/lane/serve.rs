@@ -152,6 +152,9 @@ fn serve_request(
         respond(message_id, result);
         return;
     }
+    if ctx.handler == rdzv_core::rpc::rref::wire::handler::REMOTE {
+        Arc::clone(&shared.rrefs).remote_call_arrived(peer_id, &message.payload);
+    }
     let job = Job {
         responder: Responder {
             lane: Arc::clone(lane),

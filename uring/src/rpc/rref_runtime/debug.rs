@@ -85,14 +85,24 @@ pub(crate) fn wait_until_pending_futures_and_users_flushed(
 }
 
 /// A graceful shutdown's RRef part (see the module documentation). Each wait lasts at
-/// most as long as a control message keeps being retried.
-pub(crate) fn settle_for_join(rrefs: &RRefs) -> RRefShutdownReport {
-    let window = rrefs.retry_window();
-    rrefs.wait_for(window, |s| s.machine.is_settled() && s.outbox.is_empty());
+/// most as long as a control message keeps being retried, and ends by `deadline` (the
+/// shutdown's timeout), if given.
+pub(crate) fn settle_for_join(
+    rrefs: &RRefs,
+    deadline: Option<std::time::Instant>,
+) -> RRefShutdownReport {
+    let window = || {
+        let window = rrefs.retry_window();
+        match deadline {
+            Some(d) => window.min(d.saturating_duration_since(std::time::Instant::now())),
+            None => window,
+        }
+    };
+    rrefs.wait_for(window(), |s| s.machine.is_settled() && s.outbox.is_empty());
     rrefs.update(|state, now| state.machine.release_all(now));
     // Users that could not settle above never will: wait for the deletes just sent
     // and for the other workers' deletes of the values here.
-    rrefs.wait_for(window, |s| {
+    rrefs.wait_for(window(), |s| {
         let info = s.machine.debug_info();
         s.outbox.is_empty() && info.num_pending_futures == 0 && info.num_owner_rrefs == 0
     });

@@ -210,6 +210,18 @@ fn send(rrefs: &RRefs, agent: &Arc<Shared>, transmit: Transmit) -> Option<(Sent,
     Some((sent, future, opening))
 }
 
+/// The `remote()` call that made the user `fork` of `rref` failed with `error`.
+pub(super) fn remote_failed(
+    state: &mut State,
+    now: Instant,
+    rref: RRefId,
+    fork: ForkId,
+    error: &RpcError,
+) {
+    state.failed.insert(fork, error.to_string());
+    state.machine.remote_failed(now, rref, fork);
+}
+
 /// A call the pump sent (or was handed) completed.
 fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, RpcError>) {
     match (sent, result) {
@@ -221,9 +233,7 @@ fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, 
             ),
             Err(e) => tracing::warn!(error = %e, "an RRef control message's answer is malformed"),
         },
-        (Sent::RemoteCall { rref, .. }, Err(e)) => {
-            state.failed.insert(rref, e.to_string());
-        }
+        (Sent::RemoteCall { rref, fork, .. }, Err(e)) => remote_failed(state, now, rref, fork, &e),
         (Sent::RemoteCall { rref, fork, to }, Ok(_)) => {
             // The owner handled the call before answering it: as good as `RemoteRet`.
             state

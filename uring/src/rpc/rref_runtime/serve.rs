@@ -71,22 +71,12 @@ fn on_message(rrefs: &Arc<RRefs>, ctx: &CallContext, m: &Message) -> Result<Mess
     }
 }
 
-/// The owner's side of `remote()`: the slot, `RemoteRet`, then the handler's value.
+/// The owner's side of `remote()`, on the pool: the handler's value. The slot and
+/// `RemoteRet` came first, when the request arrived (`remote_call_arrived`).
 fn on_remote(rrefs: &Arc<RRefs>, ctx: &CallContext, m: Message) -> Result<Message, String> {
     let (header, payload) = RemoteCallHeader::split(&m.payload).map_err(|e| e.to_string())?;
-    let RemoteCallHeader {
-        rref,
-        fork,
-        handler,
-    } = header;
+    let RemoteCallHeader { rref, handler, .. } = header;
     let payload = payload.to_vec();
-    let from = ctx.caller_id;
-    rrefs.update(|state, now| {
-        state
-            .machine
-            .handle_message(now, from, RRefMessage::RemoteCall { rref, fork });
-    });
-    rrefs.ensure_pump();
     let request = Message { payload, ..m };
     let result = run_user_handler(rrefs, ctx, &handler, request);
     rrefs.store_value(rref, result);

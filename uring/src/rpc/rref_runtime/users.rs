@@ -2,8 +2,9 @@
 //! worker's machine. Each call feeds the machine and leaves the sending to the pump.
 
 use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
-use rdzv_core::rpc::rref::{ForkData, RRefHandle};
+use rdzv_core::rpc::rref::{ForkData, RRefError, RRefHandle};
 
+use super::pump::remote_failed;
 use super::serve::run_user_handler;
 use super::*;
 use crate::rpc::handler::CallContext;
@@ -42,17 +43,46 @@ impl RRefRuntime for RRefs {
             Message { payload, ..message },
             timeout,
         );
-        self.update(|state, _| {
-            state.handed.push((
-                Sent::RemoteCall {
-                    rref: handle.rref,
-                    fork,
-                    to: to_id,
-                },
-                future,
-            ));
-        });
+        let sent = Sent::RemoteCall {
+            rref: handle.rref,
+            fork,
+            to: to_id,
+        };
+        if future.is_done() {
+            // Failed at once (a send refused before it left, as fault injection's): the
+            // RRef comes back already failed, as in PyTorch, rather than a moment later.
+            if let Err(e) = future.wait() {
+                self.update(|state, now| remote_failed(state, now, handle.rref, fork, &e));
+            } else {
+                self.update(|state, now| {
+                    state.machine.handle_message(
+                        now,
+                        to_id,
+                        RRefMessage::RemoteRet {
+                            rref: handle.rref,
+                            fork,
+                        },
+                    );
+                });
+            }
+            return Ok(rref);
+        }
+        self.update(|state, _| state.handed.push((sent, future)));
         Ok(rref)
+    }
+
+    fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]) {
+        // A header that does not parse fails the call when the pool runs it.
+        let Ok((header, _)) = RemoteCallHeader::split(payload) else {
+            return;
+        };
+        let (rref, fork) = (header.rref, header.fork);
+        self.update(|state, now| {
+            state
+                .machine
+                .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
+        });
+        self.ensure_pump();
     }
 
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError> {
@@ -118,10 +148,11 @@ impl RRefRuntime for RRefs {
                 Err(()) => Err(format!("the value is not ready after {timeout:?}")),
             };
         }
-        if let Some(failed) = self.lock().failed.get(&handle.rref) {
-            return Err(format!(
-                "the remote() call that creates it failed: {failed}"
-            ));
+        let Some(fork) = handle.fork else {
+            return Err("an RRef with no fork is its owner's".into());
+        };
+        if let Some(error) = self.creation_failure(fork) {
+            return Err(error);
         }
         let request = FetchRequest {
             rref: handle.rref,
@@ -146,9 +177,15 @@ impl RRefRuntime for RRefs {
                 Message::from_payload(request),
                 call_timeout,
             )
-            .map_err(|e| match e {
-                RpcError::Remote { message, .. } => message,
-                other => format!("to_here could not reach the owner: {other}"),
+            .map_err(|e| {
+                // The call that creates it may have failed meanwhile: that is the reason.
+                if let Some(error) = self.creation_failure(fork) {
+                    return error;
+                }
+                match e {
+                    RpcError::Remote { message, .. } => message,
+                    other => format!("to_here could not reach the owner: {other}"),
+                }
             })
     }
 
@@ -165,11 +202,31 @@ impl RRefRuntime for RRefs {
 
     fn fork(&self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, String> {
         self.update(|state, _| state.machine.fork(handle, to))
-            .map_err(|e| e.to_string())
+            .map_err(|e| {
+                let failure = handle.fork.and_then(|fork| self.creation_failure(fork));
+                match (e, failure) {
+                    (RRefError::CreationFailed { .. }, Some(why)) => {
+                        format!("it cannot be forked: {why}")
+                    }
+                    (e, _) => e.to_string(),
+                }
+            })
     }
 }
 
 impl RRefs {
+    /// Why the `remote()` call that made the user `fork` failed, as `to_here` says it
+    /// (PyTorch: "RRef creation via rpc.remote() timed out, and it is possible that the
+    /// RRef on the owner node does not exist"); `None` unless it failed.
+    fn creation_failure(&self, fork: ForkId) -> Option<String> {
+        let state = self.lock();
+        let error = state.failed.get(&fork)?;
+        Some(format!(
+            "RRef creation via rpc.remote() failed ({error}), and it is possible that the \
+             RRef on the owner node does not exist; call remote() again"
+        ))
+    }
+
     /// `remote()` to this worker itself: the handler runs on a thread of its own.
     fn run_locally(
         self: &Arc<Self>,

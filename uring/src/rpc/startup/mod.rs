@@ -39,6 +39,7 @@ use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::WorkerDevices;
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::name::WorkerInfo;
+use rdzv_core::rpc::shutdown::JoinSequence;
 use rdzv_core::rpc::store_keys::{
     check_static_group, membership_token, static_group_value, Membership, RpcKeys,
 };
@@ -336,7 +337,7 @@ impl Start {
             io_thread: Mutex::new(Some(io_thread)),
             workers: Mutex::new(workers),
             address: address.clone(),
-            next_barrier_id: Mutex::new(1),
+            join_sequence: Mutex::new(JoinSequence::new()),
         };
         Ok(agent)
     }
