@@ -9,7 +9,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdzv_uring::rpc::{
-    collect_all, init_rpc, wait_all, Async, CallContext, Message, RpcAgent, RpcError, RpcOptions,
+    collect_all, init_rpc, wait_all, Async, CallContext, CallError, Message, RpcAgent, RpcOptions,
+    ShutdownError,
 };
 
 mod common;
@@ -171,11 +172,11 @@ fn join_without_shutdown_waits_for_the_group_then_serves_on() {
     assert_eq!((ra, rb), (Ok(()), Ok(())));
     assert!(matches!(
         a.rpc_sync("bob", "echo", Message::default()),
-        Err(RpcError::ShutDown { .. })
+        Err(CallError::ShutDown { .. })
     ));
     assert!(matches!(
         a.join_with(false, None),
-        Err(RpcError::ShutDown { .. })
+        Err(ShutdownError::ShutDown { .. })
     ));
 }
 
@@ -318,7 +319,9 @@ fn a_graceful_shutdown_that_times_out_names_who_never_joined() {
         "{elapsed:?}"
     );
     match &result {
-        Err(RpcError::JoinTimeout { name, missing, .. }) => {
+        Err(e @ ShutdownError::JoinTimeout { name, missing, .. }) => {
+            assert!(e.is_timeout());
+            assert_eq!(e.missing_workers(), &["lazy".to_string()][..]);
             assert_eq!(
                 (name.as_str(), missing.as_slice()),
                 ("eager", &["lazy".to_string()][..])
@@ -329,7 +332,7 @@ fn a_graceful_shutdown_that_times_out_names_who_never_joined() {
     // It closed anyway.
     assert!(matches!(
         agent.rpc_sync("lazy", "echo", Message::default()),
-        Err(RpcError::ShutDown { .. })
+        Err(CallError::ShutDown { .. })
     ));
     drop(child);
 }

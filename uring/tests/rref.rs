@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, FaultInjection, Message, RRef, RRefRetryOptions, RpcAgent, RpcError,
+    init_rpc, CallContext, CallError, FaultInjection, Message, RRef, RRefRetryOptions, RpcAgent,
     RpcOptions, Tensor,
 };
 
@@ -531,7 +531,7 @@ fn owner_killed_to_here_fails_fast_naming_the_owner() {
     };
     assert!(matches!(
         rref.to_here(Duration::from_secs(60)),
-        Err(RpcError::RRef { .. })
+        Err(CallError::RRef { .. })
     ));
     assert!(
         text.contains("w1"),

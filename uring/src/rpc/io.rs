@@ -30,7 +30,7 @@ use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits
 use tokio::task::JoinHandle;
 
 use super::calls::Pending;
-use super::error::RpcError;
+use super::error::{CallError, UsageError};
 use super::lane::Shared;
 use super::lane::{self, Job};
 use super::mailbox::{Call, Command};
@@ -133,18 +133,18 @@ impl Io {
         self.shared.me.name()
     }
 
-    fn shut_down_error(&self) -> RpcError {
-        RpcError::ShutDown {
+    fn shut_down_error(&self) -> CallError {
+        CallError::ShutDown {
             name: self.name().to_string(),
         }
     }
 
-    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, CallError>) {
         self.shared.calls_table.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
-    fn fail_unsent(&self, call: Call, error: RpcError) {
+    fn fail_unsent(&self, call: Call, error: CallError) {
         self.complete(&call.completion, Err(error));
     }
 
@@ -163,7 +163,7 @@ impl Io {
             .map(|p| p.address.clone());
         let Some(address) = address else {
             let name = call.peer.clone();
-            return self.fail_unsent(call, RpcError::UnknownWorker { name });
+            return self.fail_unsent(call, UsageError::UnknownWorker { name }.into());
         };
         let Call {
             message_id,
@@ -218,7 +218,7 @@ impl Io {
     /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
     /// forgets the pipe.
     fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
-        self.fail_pipe(pipe, peer, || RpcError::PipeBroken {
+        self.fail_pipe(pipe, peer, || CallError::PipeBroken {
             peer: peer.to_string(),
             reason: reason.clone(),
         });
@@ -226,7 +226,7 @@ impl Io {
 
     /// Fails every call pending on client pipe `pipe` (still opening) with `error()`
     /// and forgets the pipe.
-    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
+    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> CallError) {
         {
             let mut state = self.state.borrow_mut();
             if state.opening.get(peer).is_some_and(|o| o.id == pipe) {
@@ -238,7 +238,7 @@ impl Io {
         }
     }
 
-    fn fail_pending(&self, pending: Pending, error: RpcError) {
+    fn fail_pending(&self, pending: Pending, error: CallError) {
         self.shared.calls_table.fail(pending, error);
     }
 

@@ -55,7 +55,7 @@ use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
 use super::channels::{cpu_channel, FrameExports, PipeReader};
-use super::error::RpcError;
+use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
 use super::mpt::{MptLanes, LANES_TIMEOUT};
@@ -406,7 +406,7 @@ impl Lane {
         // Given up last: the peer can no longer ask for them.
         drop(ended.lent);
         for pending in shared.calls_table.take_pipe(self.id) {
-            let error = RpcError::PipeBroken {
+            let error = CallError::PipeBroken {
                 peer: self.peer.clone(),
                 reason: reason.clone(),
             };

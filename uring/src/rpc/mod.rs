@@ -87,7 +87,10 @@ pub use device::{
     DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, HostMemory,
     PipeId, StagedBytes, StagedReceive,
 };
-pub use error::{RpcError, TransportError};
+pub use error::{
+    CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError, TransportError,
+    UsageError,
+};
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;

@@ -56,7 +56,7 @@
 //!
 //! **Ordering.** The runtime holds the agent's pieces it needs (the group and handlers,
 //! the call counts) and the agent itself only weakly: an [`RRef`] kept after its agent
-//! is gone fails its calls with [`RpcError::ShutDown`] instead of keeping the agent
+//! is gone fails its calls with [`CallError::ShutDown`] instead of keeping the agent
 //! alive.
 
 use std::collections::{HashMap, VecDeque};
@@ -72,11 +72,11 @@ use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
-use super::error::RpcError;
+use super::error::{CallError, CallErrorKind, UsageError};
 use super::lane::{Responder, Shared};
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
-use super::rref::{RRef, RRefRuntime, RRefShutdownReport};
+use super::rref::{RRef, RRefFailure, RRefRuntime, RRefShutdownReport};
 
 mod debug;
 mod pump;
@@ -99,7 +99,7 @@ struct State {
     /// The owner's values: the handler's message, or its error text.
     values: HashMap<RRefId, Result<Message, String>>,
     /// `remote()` calls of this worker that failed, by RRef.
-    failed: HashMap<RRefId, String>,
+    failed: HashMap<RRefId, (CallErrorKind, String)>,
     /// Messages for the pump to send.
     outbox: VecDeque<Transmit>,
     /// Futures for the pump to watch (`remote()` calls).
@@ -184,14 +184,14 @@ impl RRefs {
     }
 
     /// The agent, unless it is gone.
-    fn agent(&self) -> Result<Arc<Shared>, RpcError> {
-        self.agent.upgrade().ok_or_else(|| RpcError::ShutDown {
+    fn agent(&self) -> Result<Arc<Shared>, CallError> {
+        self.agent.upgrade().ok_or_else(|| CallError::ShutDown {
             name: self.me.name().to_string(),
         })
     }
 
     /// A client of the agent.
-    fn client(&self) -> Result<RpcClient, RpcError> {
+    fn client(&self) -> Result<RpcClient, CallError> {
         Ok(RpcClient::new(self.agent()? as Arc<dyn Caller>))
     }
 

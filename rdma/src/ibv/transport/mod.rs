@@ -11,7 +11,7 @@
 //! options.transports = Some(vec!["ibv".into(), "tcp".into()]);
 //! options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
 //! let agent = init_rpc("worker0", 0, Some(2), options)?;
-//! # Ok::<(), rdzv_uring::rpc::RpcError>(())
+//! # Ok::<(), rdzv_uring::rpc::InitError>(())
 //! ```
 //!
 //! - **Viability**: [`IbvPlugin::open`](rdzv_uring::rpc::transport::TransportPlugin::open)

@@ -10,7 +10,7 @@ use rdzv_core::rpc::frame::{FrameLimits, Handshake};
 use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
 use crate::rpc::channels::cpu_channel;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::lane::Lane;
 use crate::rpc::mpt::{self, MptLanes};
 use crate::rpc::transport::{
@@ -35,15 +35,15 @@ struct OpenFailure {
 }
 
 impl OpenFailure {
-    fn to_error(&self, peer: &str) -> RpcError {
+    fn to_error(&self, peer: &str) -> CallError {
         if self.connecting {
-            RpcError::Connect {
+            CallError::Connect {
                 peer: peer.to_string(),
                 address: self.address.clone(),
                 reason: self.reason.clone(),
             }
         } else {
-            RpcError::Handshake {
+            CallError::Handshake {
                 peer: peer.to_string(),
                 reason: self.reason.clone(),
             }

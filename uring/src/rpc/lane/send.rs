@@ -11,7 +11,7 @@ use rdzv_core::rpc::pipe::{Refusal, Transmit};
 use super::{Lane, Machine, SendFailure, Shared};
 use crate::rpc::calls::Pending;
 use crate::rpc::channels::{FrameExports, Streamed};
-use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::Message;
 use crate::rpc::outgoing::{response_frame, sent_bytes, tensor_frame};
@@ -56,7 +56,7 @@ impl Lane {
             let name = shared.me.name().to_string();
             shared
                 .calls_table
-                .complete(&pending.completion, Err(RpcError::ShutDown { name }));
+                .complete(&pending.completion, Err(CallError::ShutDown { name }));
             return;
         }
         self.send_request(shared, message_id, handler, message);
@@ -105,7 +105,7 @@ impl Lane {
         if let Err(refusal) = accepted {
             // Never sent: this call alone fails (what it would have lent is dropped).
             if let Some(pending) = shared.calls_table.take(message_id) {
-                let error = RpcError::PipeBroken {
+                let error = CallError::PipeBroken {
                     peer: self.peer.clone(),
                     reason: refusal.to_string(),
                 };
@@ -121,9 +121,11 @@ impl Lane {
                     drop(pipe.unsent(message_id));
                 }
                 if let Some(pending) = shared.calls_table.take(message_id) {
-                    shared
-                        .calls_table
-                        .fail(pending, RpcError::InjectedFault { handler });
+                    let error = CallError::InjectedFault {
+                        peer: pending.peer.clone(),
+                        handler,
+                    };
+                    shared.calls_table.fail(pending, error);
                 }
             }
             Err(SendFailure::Broken(reason)) => self.end(shared, reason),

@@ -211,7 +211,7 @@ fn send(rrefs: &RRefs, agent: &Arc<Shared>, transmit: Transmit) -> Option<(Sent,
 }
 
 /// A call the pump sent (or was handed) completed.
-fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, RpcError>) {
+fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, CallError>) {
     match (sent, result) {
         (Sent::Control { to }, Ok(reply)) => match RRefMessage::from_bytes(&reply.payload) {
             Ok(ack @ RRefMessage::Ack { .. }) => state.machine.handle_message(now, to, ack),
@@ -222,7 +222,7 @@ fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, 
             Err(e) => tracing::warn!(error = %e, "an RRef control message's answer is malformed"),
         },
         (Sent::RemoteCall { rref, .. }, Err(e)) => {
-            state.failed.insert(rref, e.to_string());
+            state.failed.insert(rref, (e.kind(), e.to_string()));
         }
         (Sent::RemoteCall { rref, fork, to }, Ok(_)) => {
             // The owner handled the call before answering it: as good as `RemoteRet`.

@@ -15,8 +15,8 @@ impl RRefRuntime for RRefs {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<RRef, RpcError> {
-        let to_id = self.worker_id(to)?;
+    ) -> Result<RRef, CallError> {
+        let to_id = self.worker_id(to).map_err(CallError::Usage)?;
         self.ensure_pump();
         let handle = self.update(|state, _| state.machine.remote(to_id));
         let rref = RRef::new(
@@ -35,7 +35,7 @@ impl RRefRuntime for RRefs {
         };
         let payload = header
             .prepend(&message.payload)
-            .map_err(|e| rref.rref_error(e.to_string()))?;
+            .map_err(|e| rref.call_error(CallErrorKind::Encode, e.to_string()))?;
         let future = self.client()?.rpc_async_with_timeout(
             to,
             handler::REMOTE,
@@ -55,21 +55,23 @@ impl RRefRuntime for RRefs {
         Ok(rref)
     }
 
-    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError> {
-        let data = ForkData::from_bytes(bytes).map_err(|e| RpcError::RRef {
+    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, UsageError> {
+        let data = ForkData::from_bytes(bytes).map_err(|e| UsageError::RRef {
             rref: "?".into(),
             owner: "?".into(),
             reason: e.to_string(),
         })?;
-        let owner = self.worker_name(data.owner).ok_or_else(|| RpcError::RRef {
-            rref: data.rref.to_string(),
-            owner: format!("worker id {}", data.owner.get()),
-            reason: "its owner is not a member of this RPC group".into(),
-        })?;
+        let owner = self
+            .worker_name(data.owner)
+            .ok_or_else(|| UsageError::RRef {
+                rref: data.rref.to_string(),
+                owner: format!("worker id {}", data.owner.get()),
+                reason: "its owner is not a member of this RPC group".into(),
+            })?;
         self.ensure_pump();
         let handle = self
             .update(|state, now| state.machine.receive_fork(now, data))
-            .map_err(|e| RpcError::RRef {
+            .map_err(|e| UsageError::RRef {
                 rref: data.rref.to_string(),
                 owner: owner.clone(),
                 reason: e.to_string(),
@@ -110,17 +112,23 @@ impl RRefRuntime for RRefs {
         handle: &RRefHandle,
         owner: &str,
         timeout: Duration,
-    ) -> Result<Message, String> {
+    ) -> Result<Message, RRefFailure> {
+        let failed = |kind, reason| RRefFailure { kind, reason };
         let deadline = (!timeout.is_zero()).then(|| std::time::Instant::now() + timeout);
         if handle.is_owner() {
             return match self.wait_value(handle.rref, deadline) {
-                Ok(value) => value.map_err(|e| format!("its handler failed: {e}")),
-                Err(()) => Err(format!("the value is not ready after {timeout:?}")),
+                Ok(value) => value
+                    .map_err(|e| failed(CallErrorKind::Remote, format!("its handler failed: {e}"))),
+                Err(()) => Err(failed(
+                    CallErrorKind::Timeout,
+                    format!("the value is not ready after {timeout:?}"),
+                )),
             };
         }
-        if let Some(failed) = self.lock().failed.get(&handle.rref) {
-            return Err(format!(
-                "the remote() call that creates it failed: {failed}"
+        if let Some((kind, failure)) = self.lock().failed.get(&handle.rref) {
+            return Err(failed(
+                *kind,
+                format!("the remote() call that creates it failed: {failure}"),
             ));
         }
         let request = FetchRequest {
@@ -128,7 +136,7 @@ impl RRefRuntime for RRefs {
             wait_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .to_bytes()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| failed(CallErrorKind::Encode, e.to_string()))?;
         let call_timeout = if timeout.is_zero() {
             Some(Duration::ZERO)
         } else {
@@ -136,9 +144,9 @@ impl RRefRuntime for RRefs {
             // later so that this answer, not a bare timeout, is what arrives.
             Some(timeout + Duration::from_millis(200))
         };
-        let client = self
-            .client()
-            .map_err(|e| format!("to_here could not reach the owner: {e}"))?;
+        let unreachable =
+            |e: CallError| failed(e.kind(), format!("to_here could not reach the owner: {e}"));
+        let client = self.client().map_err(unreachable)?;
         client
             .rpc_sync_with_timeout(
                 owner,
@@ -147,18 +155,18 @@ impl RRefRuntime for RRefs {
                 call_timeout,
             )
             .map_err(|e| match e {
-                RpcError::Remote { message, .. } => message,
-                other => format!("to_here could not reach the owner: {other}"),
+                CallError::Remote { message, .. } => failed(CallErrorKind::Remote, message),
+                other => unreachable(other),
             })
     }
 
-    fn worker_id(&self, name: &str) -> Result<WorkerId, RpcError> {
+    fn worker_id(&self, name: &str) -> Result<WorkerId, UsageError> {
         self.registry
             .group()
             .peers
             .get(name)
             .map(|peer| peer.id)
-            .ok_or_else(|| RpcError::UnknownWorker {
+            .ok_or_else(|| UsageError::UnknownWorker {
                 name: name.to_string(),
             })
     }
@@ -176,7 +184,7 @@ impl RRefs {
         rref: RRefId,
         handler: &str,
         message: Message,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), CallError> {
         let ctx = CallContext {
             caller: self.me.name().to_string(),
             caller_id: self.me.id(),
@@ -193,6 +201,9 @@ impl RRefs {
                 owner.store_value(rref, result);
             })
             .map(drop)
-            .map_err(|e| RpcError::Executor(format!("RRef local handler thread: {e}")))
+            .map_err(|source| CallError::Resources {
+                what: "the RRef local handler thread",
+                source,
+            })
     }
 }

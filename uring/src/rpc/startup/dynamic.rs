@@ -11,14 +11,14 @@ use super::host::AgentHost;
 use super::Start;
 use crate::rpc::agent::RpcAgent;
 use crate::rpc::drive::drive_start;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 use crate::rpc::message::Message;
 use crate::rpc::registry::{Peer, Registry};
 
 /// A dynamic member's join, under the group token: the core's `DynamicJoin` (claim the
 /// rank, read the members, check device maps, start, tell every member, list this
 /// worker) driven against the store.
-pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
+pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, InitError> {
     let me = start.me.clone();
     let store = Arc::clone(&start.store);
     let mut machine = DynamicJoin::new(&start.keys, &me, start.devices());
