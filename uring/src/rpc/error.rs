@@ -120,7 +120,7 @@ pub enum TransportError {
     },
     /// A plugged-in transport cannot run in this process (no device, no library); the
     /// agent leaves it out and says why.
-    #[error("the {transport} transport is not available here: {source}")]
+    #[error("the {transport} transport is not viable here: {source}")]
     Unavailable {
         /// The transport.
         transport: TransportKind,

@@ -214,10 +214,10 @@ impl TransportPlugin for IbvPlugin {
         TransportKind::Ibv
     }
 
-    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
+    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
         let config = match &self.config {
             Some(config) => config.clone(),
-            None => IbvConfig::from_process_env().map_err(|e| not_viable(&e.into()))?,
+            None => IbvConfig::from_process_env().map_err(|e| not_viable(e.into()))?,
         };
         match probe(&config) {
             IbvViability::Viable(selection) => Ok(Box::new(IbvTransport::with_selection(
@@ -225,13 +225,16 @@ impl TransportPlugin for IbvPlugin {
                 selection,
                 self.options.clone(),
             ))),
-            IbvViability::NotViable(reason) => Err(not_viable(&reason)),
+            IbvViability::NotViable(reason) => Err(not_viable(reason)),
         }
     }
 }
 
-fn not_viable(reason: &IbvNotViable) -> String {
-    format!("RDMA (ibverbs) is not viable: {}", ErrorChain(reason))
+fn not_viable(reason: IbvNotViable) -> TransportError {
+    TransportError::Unavailable {
+        transport: TransportKind::Ibv,
+        source: Box::new(reason),
+    }
 }
 
 /// Sets the queue pair up over `stream` and starts its link.
@@ -863,9 +866,10 @@ mod tests {
                 assert_eq!(transport.kind(), TransportKind::Ibv);
                 assert!(transport.domain_descriptor().starts_with("ibv:"));
             }
-            Err(reason) => {
+            Err(error) => {
+                let reason = error.to_string();
                 assert!(
-                    reason.starts_with("RDMA (ibverbs) is not viable: "),
+                    reason.starts_with("the ibv transport is not viable here: "),
                     "{reason}"
                 );
                 println!("ibv not viable here: {reason}");
@@ -882,9 +886,10 @@ mod tests {
         let reason = missing
             .open(IpAddr::V4(Ipv4Addr::LOCALHOST))
             .err()
+            .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(
-            reason.starts_with("RDMA (ibverbs) is not viable: "),
+            reason.starts_with("the ibv transport is not viable here: "),
             "{reason}"
         );
         assert!(IbvTransport::new(

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rdzv_core::negotiate::{rank, RankError, Ranked, Ranking, TransportKind};
 
 use crate::rpc::device::Devices;
-use crate::rpc::error::InitError;
+use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
 use crate::rpc::options::{RpcOptions, RESERVED_PREFIX};
 use crate::rpc::shm::ShmTransport;
@@ -96,11 +96,12 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
         TransportKind::Shm,
         shm.as_ref().map(|_| ()).map_err(ToString::to_string),
     )];
-    here.extend(
-        plugged
-            .iter()
-            .map(|(kind, opened)| (*kind, opened.as_ref().map(|_| ()).map_err(Clone::clone))),
-    );
+    here.extend(plugged.iter().map(|(kind, opened)| {
+        (
+            *kind,
+            opened.as_ref().map(|_| ()).map_err(ToString::to_string),
+        )
+    }));
     here.push((TransportKind::Tcp, Ok(())));
     // The runtimes open whatever the channels: they also count the devices that the
     // device maps are checked against.
@@ -150,7 +151,10 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
 }
 
 /// A plugged-in transport opened for this worker, or why it is not viable.
-type Plugged = (TransportKind, Result<Box<dyn Transport + Send>, String>);
+type Plugged = (
+    TransportKind,
+    Result<Box<dyn Transport + Send>, TransportError>,
+);
 
 /// Opens the plugins whose kind the `transports` option may offer (all of them when it
 /// is `None`), first plugin of a kind only.
@@ -317,8 +321,11 @@ mod tests {
             self.0
         }
 
-        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
-            self.1.map_err(str::to_string)?;
+        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
+            self.1.map_err(|reason| TransportError::Unavailable {
+                transport: self.0,
+                source: reason.into(),
+            })?;
             Ok(Box::new(TcpTransport::new(host)))
         }
     }
@@ -363,7 +370,7 @@ mod tests {
         let opened = open_plugins(&options).unwrap_or_default();
         assert!(matches!(
             opened.as_slice(),
-            [(TransportKind::Ibv, Err(reason))] if reason == "no verbs here"
+            [(TransportKind::Ibv, Err(reason))] if reason.to_string() == "the ibv transport is not viable here: no verbs here"
         ));
         options.transports = Some(vec!["tcp".into()]);
         assert!(open_plugins(&options).is_ok_and(|o| o.is_empty()));
