@@ -26,7 +26,10 @@ use std::time::Duration;
 
 use rdzv_core::negotiate::Negotiated;
 use rdzv_core::rpc::frame::FrameKind;
-use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
+use rdzv_core::rpc::frame::{
+    decode_frame, decode_handshake, Decoded, EncodeError, FrameError, FrameLimits, Handshake,
+    HandshakeError,
+};
 use tokio::task::JoinHandle;
 
 use super::calls::Pending;
@@ -334,12 +337,29 @@ fn unthreaded(negotiated: &Negotiated) -> String {
     )
 }
 
+/// Why a handshake frame could not be made or read.
+#[derive(Debug, thiserror::Error)]
+enum HandshakeFrameError {
+    /// The handshake message could not be encoded.
+    #[error("cannot encode the handshake: {0}")]
+    Encode(#[source] EncodeError),
+    /// The frame is not a valid frame.
+    #[error("{0}")]
+    Frame(#[source] FrameError),
+    /// The frame ended early.
+    #[error("the handshake frame is incomplete")]
+    Incomplete,
+    /// The frame's payload is not a handshake message.
+    #[error("{0}")]
+    Handshake(#[source] HandshakeError),
+}
+
 /// A handshake message as a frame.
-fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
+fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, HandshakeFrameError> {
     let mut bytes = Vec::new();
     handshake
         .encode_to_vec(&mut bytes)
-        .map_err(|e| e.to_string())?;
+        .map_err(HandshakeFrameError::Encode)?;
     let payload = bytes
         .get(rdzv_core::rpc::frame::HEADER_LEN..)
         .unwrap_or_default()
@@ -355,18 +375,18 @@ fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
 fn with_handshake<T>(
     frame: &IncomingFrame,
     f: impl FnOnce(Handshake<'_>) -> T,
-) -> Result<T, String> {
+) -> Result<T, HandshakeFrameError> {
     let owned = OwnedFrame {
         payload: frame.payload.clone(),
         ..OwnedFrame::empty(frame.kind, frame.message_id)
     };
-    let mut wire = owned.encode_head().map_err(|e| e.to_string())?;
+    let mut wire = owned.encode_head().map_err(HandshakeFrameError::Encode)?;
     wire.extend_from_slice(&owned.payload);
     match decode_frame(&wire, &FrameLimits::HANDSHAKE) {
-        Ok(Decoded::Complete(decoded, _)) => {
-            decode_handshake(&decoded).map(f).map_err(|e| e.to_string())
-        }
-        Ok(Decoded::Partial(_)) => Err("the handshake frame is incomplete".into()),
-        Err(e) => Err(e.to_string()),
+        Ok(Decoded::Complete(decoded, _)) => decode_handshake(&decoded)
+            .map(f)
+            .map_err(HandshakeFrameError::Handshake),
+        Ok(Decoded::Partial(_)) => Err(HandshakeFrameError::Incomplete),
+        Err(e) => Err(HandshakeFrameError::Frame(e)),
     }
 }

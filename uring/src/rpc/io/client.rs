@@ -80,7 +80,8 @@ impl Io {
                     mpt::connect(&published, token, lanes)
                 })
                 .await
-                .unwrap_or_else(|e| Err(e.to_string()));
+                .map_err(|e| e.to_string())
+                .and_then(|opened| opened.map_err(|e| e.to_string()));
                 match opened {
                     Ok(lanes) => Some(lanes),
                     Err(reason) => {
@@ -258,7 +259,7 @@ impl Io {
             lanes_token,
         };
         sender
-            .send(handshake_frame(&hello).map_err(handshake)?)
+            .send(handshake_frame(&hello).map_err(|e| handshake(e.to_string()))?)
             .await
             .map_err(|e| handshake(e.to_string()))?;
         let reply = receiver
@@ -276,6 +277,7 @@ impl Io {
             Handshake::Refused { reason } => Err(format!("refused: {reason}")),
             Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
         })
+        .map_err(|e| e.to_string())
         .and_then(|r| r)
         .map_err(handshake)?;
         let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);

@@ -14,6 +14,7 @@ use crate::rpc::channels::{FrameExports, Streamed};
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::Message;
+use crate::rpc::mpt::LanesError;
 use crate::rpc::outgoing::{response_frame, sent_bytes, tensor_frame};
 use crate::rpc::recycle;
 use crate::rpc::transport::OwnedFrame;
@@ -200,13 +201,15 @@ impl Lane {
         }
         let pushed = match self.mpt.get() {
             Some(mpt) => mpt.push(&streamed),
-            None => Err("the frame has mpt tensors, but the pipe has no mpt lanes".into()),
+            None => Err(LanesError::NoLanes),
         };
         drop(sender);
         if let Some(back) = back {
             recycle::give_all(back.tensor_data);
         }
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
-        pushed.map(|()| sent).map_err(SendFailure::Broken)
+        pushed
+            .map(|()| sent)
+            .map_err(|e| SendFailure::Broken(e.to_string()))
     }
 }
