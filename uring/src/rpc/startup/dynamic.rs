@@ -41,7 +41,7 @@ pub(super) fn register_membership_handlers(registry: &Arc<Registry>, me: &str) {
             id,
             address,
             devices,
-        } = JoinAnnouncement::decode(&m.payload)?;
+        } = JoinAnnouncement::decode(&m.payload).map_err(|e| e.to_string())?;
         let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
         let mut group = registry.group_mut();
         group.peers.insert(
@@ -59,7 +59,9 @@ pub(super) fn register_membership_handlers(registry: &Arc<Registry>, me: &str) {
     let weak = Arc::downgrade(registry);
     let leave = move |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> {
         let registry = weak.upgrade().ok_or("the agent is gone")?;
-        let name = decode_leave(&m.payload)?.to_string();
+        let name = decode_leave(&m.payload)
+            .map_err(|e| e.to_string())?
+            .to_string();
         let mut group = registry.group_mut();
         group.peers.remove(&name);
         let kept: DeviceMaps = group
