@@ -120,7 +120,7 @@ pub enum TransportError {
     },
     /// A plugged-in transport cannot run in this process (no device, no library); the
     /// agent leaves it out and says why.
-    #[error("the {transport} transport is not viable here: {source}")]
+    #[error("the {transport} transport is not viable here: {}", chain(source.as_ref()))]
     Unavailable {
         /// The transport.
         transport: TransportKind,
@@ -128,6 +128,22 @@ pub enum TransportError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+/// `error` and its sources joined by ": ", each source left out whose text the text before
+/// it has already (a plugin's error whose `Display` leaves its cause to the chain).
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// A store operation of the start-up or shutdown protocol failed.
@@ -249,6 +265,22 @@ mod tests {
         let text = timeout.to_string();
         assert_eq!(RpcError::from(timeout).to_string(), text);
         assert!(!RpcError::from(protocol).is_retryable());
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("no device")]
+    struct NoDevice(#[source] io::Error);
+
+    #[test]
+    fn an_unavailable_plugin_transport_says_why_with_the_whole_chain() {
+        let error = TransportError::Unavailable {
+            transport: TransportKind::Ibv,
+            source: Box::new(NoDevice(io::Error::other("ENODEV"))),
+        };
+        assert_eq!(
+            error.to_string(),
+            "the ibv transport is not viable here: no device: ENODEV"
+        );
     }
 
     #[test]
