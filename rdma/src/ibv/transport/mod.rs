@@ -70,7 +70,7 @@ use rdzv_uring::rpc::transport::{
 use rdzv_uring::rpc::TransportError;
 
 use self::framing::{Assembler, Fed};
-use self::link::Link;
+use self::link::{Link, LinkError};
 use super::channel::{ChannelOptions, IbvChannel};
 use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
@@ -496,13 +496,14 @@ fn queue_frame(link: &Link, peer: &str, frame: OwnedFrame) -> Result<u64, Transp
 }
 
 fn stopped(link: &Link, peer: &str) -> TransportError {
-    let reason = link
-        .failure()
-        .unwrap_or_else(|| "the pipe is closed".to_string());
+    let source = match link.failure() {
+        Some(failure) => io::Error::new(io::ErrorKind::BrokenPipe, failure),
+        None => io::Error::new(io::ErrorKind::BrokenPipe, "the pipe is closed"),
+    };
     TransportError::Io {
         op: "send to",
         peer: peer.to_string(),
-        source: io::Error::new(io::ErrorKind::BrokenPipe, reason),
+        source,
     }
 }
 
@@ -510,7 +511,7 @@ fn stopped(link: &Link, peer: &str) -> TransportError {
 fn link_message(
     link: &Link,
     peer: &str,
-    message: Option<Result<Vec<u8>, String>>,
+    message: Option<Result<Vec<u8>, LinkError>>,
 ) -> Result<Option<Vec<u8>>, TransportError> {
     link.took_message();
     match message {
