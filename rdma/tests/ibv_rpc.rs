@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::negotiate::TransportKind;
 use rdzv_rdma::ibv::transport::IbvPlugin;
 use rdzv_test_support::Peer;
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
+use rdzv_uring::rpc::{init_rpc, CallContext, CallError, Message, RpcAgent, RpcOptions, Tensor};
 
 const CHILD_ENV: &str = "RDZV_IBV_RPC_CHILD";
 const STORE_ENV: &str = "RDZV_IBV_RPC_STORE";
@@ -244,7 +244,7 @@ fn a_killed_peer_fails_the_ibv_pipe_quickly() {
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
     for result in [died, slept] {
         match result {
-            Err(RpcError::PipeBroken { peer, reason }) => {
+            Err(CallError::PipeBroken { peer, reason }) => {
                 println!("broken pipe: {reason}");
                 assert_eq!(peer, "victim");
             }

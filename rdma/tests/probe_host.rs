@@ -23,11 +23,11 @@ fn ibv_probe_reports_the_specific_reason() {
     let outcome = ibv::probe(&IbvConfig::default());
     println!("ibv probe: {outcome}");
     match &outcome {
-        IbvViability::NotViable(IbvNotViable::LibraryUnavailable { library, detail }) => {
+        IbvViability::NotViable(IbvNotViable::LibraryUnavailable { library, source }) => {
             assert_eq!(*library, "libibverbs.so.1");
             assert!(
-                detail.contains("libibverbs.so.1"),
-                "loader message: {detail}"
+                source.to_string().contains("libibverbs.so.1"),
+                "loader message: {source}"
             );
         }
         IbvViability::NotViable(IbvNotViable::KernelWithoutVerbs { source }) => {

@@ -27,18 +27,40 @@ impl Process {
     }
 }
 
+/// Why a process's CPU time could not be had.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CpuTimeError {
+    /// The stat file cannot be read (the process is gone, or this is not Linux).
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stat file does not have the fields expected.
+    #[error("cannot parse {path}")]
+    Parse { path: String },
+    /// The kernel gives no tick rate to convert with.
+    #[error("the kernel reports 0 clock ticks per second")]
+    NoClockTicks,
+}
+
 /// User plus system CPU time of every thread of `process` so far.
 ///
 /// # Errors
-/// A message naming the file when it cannot be read (the process is gone, or this is
-/// not Linux) or does not parse.
-pub(super) fn cpu_time(process: Process) -> Result<Duration, String> {
+/// [`CpuTimeError`], naming the file when it cannot be read or does not parse.
+pub(super) fn cpu_time(process: Process) -> Result<Duration, CpuTimeError> {
     let path = process.stat_path();
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let ticks = parse_stat_ticks(&text).ok_or_else(|| format!("cannot parse {path}"))?;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(source) => return Err(CpuTimeError::Read { path, source }),
+    };
+    let Some(ticks) = parse_stat_ticks(&text) else {
+        return Err(CpuTimeError::Parse { path });
+    };
     let per_second = rustix::param::clock_ticks_per_second();
     if per_second == 0 {
-        return Err("the kernel reports 0 clock ticks per second".into());
+        return Err(CpuTimeError::NoClockTicks);
     }
     let nanos = u128::from(ticks) * 1_000_000_000 / u128::from(per_second);
     Ok(Duration::from_nanos(
@@ -92,7 +114,10 @@ mod tests {
         }
         let after = cpu_time(Process::Current).expect("own stat");
         assert!(after >= before, "{before:?} -> {after:?}");
-        assert!(cpu_time(Process::Pid(u32::MAX)).is_err());
+        assert!(matches!(
+            cpu_time(Process::Pid(u32::MAX)),
+            Err(CpuTimeError::Read { .. })
+        ));
     }
 
     #[test]

@@ -221,7 +221,7 @@ pub(crate) enum BenchError {
     ServerClosed,
     /// CPU accounting (`--server-pid`) could not read a process's CPU time.
     #[error("cannot measure CPU time: {0}")]
-    CpuTime(String),
+    CpuTime(#[source] cpu::CpuTimeError),
     /// Not every connection was ready in time.
     #[error("only {ready} of {wanted} connections were ready after {seconds:.1} s")]
     SetupTimeout {

@@ -12,7 +12,8 @@ use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, FaultInjection, Inline, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    init_rpc, CallContext, CallError, CallErrorKind, FaultInjection, InitError, Inline, Message,
+    RpcAgent, RpcOptions, Tensor, UsageError,
 };
 
 mod common;
@@ -98,7 +99,7 @@ fn start_group(
     names: &[&str],
     url: &str,
     configure: impl Fn(usize, RpcOptions) -> RpcOptions,
-) -> Vec<Result<RpcAgent, RpcError>> {
+) -> Vec<Result<RpcAgent, InitError>> {
     let world = names.len() as u32;
     let handles: Vec<_> = names
         .iter()
@@ -195,8 +196,11 @@ fn round_trips_payloads_handlers_and_errors() {
 
     // Handler errors and panics come back as remote errors; unknown names are errors.
     let failed = a.rpc_sync("bob", "fail", Message::default());
+    assert!(failed
+        .as_ref()
+        .is_err_and(|e| e.is_remote() && !e.is_retryable()));
     match failed {
-        Err(RpcError::Remote {
+        Err(CallError::Remote {
             peer,
             handler,
             message,
@@ -217,13 +221,28 @@ fn round_trips_payloads_handlers_and_errors() {
         "{text}"
     );
     let unknown = a.rpc_sync("carol", "echo", Message::default());
-    assert!(matches!(unknown, Err(RpcError::UnknownWorker { .. })));
+    match &unknown {
+        Err(e) => {
+            assert!(e.is_usage() && !e.is_retryable(), "{e:?}");
+            assert_eq!(e.kind(), CallErrorKind::Usage);
+            assert_eq!(e.peer(), Some("carol"));
+            assert!(matches!(
+                e.usage(),
+                Some(UsageError::UnknownWorker { name }) if name == "carol"
+            ));
+        }
+        Ok(_) => panic!("a call to an unknown worker succeeded"),
+    }
+    assert!(matches!(
+        a.get_worker_info("carol"),
+        Err(UsageError::UnknownWorker { .. })
+    ));
     // A handler registered later is reachable.
     b.register_handler("late", echo)
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(
         b.register_handler("late", echo),
-        Err(RpcError::HandlerExists { .. })
+        Err(UsageError::HandlerExists { .. })
     ));
     assert!(a.rpc_sync("bob", "late", Message::default()).is_ok());
     // Fire and forget.
@@ -433,7 +452,7 @@ fn inconsistent_device_maps_fail_on_every_worker() {
     });
     for (rank, result) in results.into_iter().enumerate() {
         match result {
-            Err(RpcError::DeviceMaps(e)) => {
+            Err(InitError::DeviceMaps(e)) => {
                 let text = e.to_string();
                 assert!(
                     text.starts_with(
@@ -451,10 +470,22 @@ fn inconsistent_device_maps_fail_on_every_worker() {
 fn unusable_options_fail_before_the_rendezvous() {
     let mut options = RpcOptions::new("file:///nonexistent/never/created");
     options.transports = Some(vec!["carrier-pigeon".into()]);
-    let text = init_rpc("w", 0, Some(1), options)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let error = init_rpc("w", 0, Some(1), options).err();
+    // An `InitError` about configuration: retrying cannot help.
+    assert!(
+        error
+            .as_ref()
+            .is_some_and(|e| e.is_configuration() && !e.is_retryable()),
+        "{error:?}"
+    );
+    assert!(matches!(
+        error,
+        Some(InitError::Backends {
+            option: "transports",
+            ..
+        })
+    ));
+    let text = error.map(|e| e.to_string()).unwrap_or_default();
     assert!(
         text.starts_with("invalid RPC option transports: "),
         "{text}"
@@ -493,7 +524,14 @@ fn timeouts_fail_with_pytorchs_text_and_late_replies_are_dropped() {
         Some(Duration::from_millis(100)),
     );
     let elapsed = started.elapsed();
-    let text = result.err().map(|e| e.to_string()).unwrap_or_default();
+    let error = result.err();
+    assert!(
+        error
+            .as_ref()
+            .is_some_and(|e| e.is_timeout() && e.is_retryable() && e.peer() == Some("bob")),
+        "{error:?}"
+    );
+    let text = error.map(|e| e.to_string()).unwrap_or_default();
     assert_eq!(
         text,
         "RPC ran for more than set timeout (100 ms) and will now be marked with an error"
@@ -582,7 +620,10 @@ fn graceful_join_waits_for_calls_in_flight() {
     );
     // After shutdown every call fails at once, and a second shutdown does nothing.
     let after = a.rpc_sync("bob", "echo", Message::default());
-    assert!(matches!(after, Err(RpcError::ShutDown { .. })), "{after:?}");
+    assert!(
+        matches!(after, Err(CallError::ShutDown { .. })),
+        "{after:?}"
+    );
     assert!(a.shutdown(true).is_ok());
     assert!(b.shutdown(false).is_ok());
 }
@@ -640,7 +681,7 @@ fn broken_pipes_fail_their_calls_and_are_recreated() {
     let result = pending.wait();
     assert!(started.elapsed() < Duration::from_secs(1));
     match result {
-        Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "bob"),
+        Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "bob"),
         other => panic!("expected a broken pipe, got {other:?}"),
     }
     let text = a
@@ -668,7 +709,7 @@ fn response_after_its_pipe_ended_does_not_stall_the_agent() {
     let pending = a.rpc_async("bob", "sleep", sleep_message(300));
     thread::sleep(Duration::from_millis(100));
     b.reset_pipes();
-    assert!(matches!(pending.wait(), Err(RpcError::PipeBroken { .. })));
+    assert!(matches!(pending.wait(), Err(CallError::PipeBroken { .. })));
     // The handler answers now, on a pipe that no longer exists.
     thread::sleep(Duration::from_millis(400));
     // Alice's next call needs a new pipe: bob must accept and handshake it.
@@ -900,11 +941,11 @@ fn test_helpers_wait_for_flushes_and_node_failures() {
     let bob = i64::from(b.worker_info().id().get());
     assert!(matches!(
         a.wait_until_node_failure_on_rank(bob, "(", Duration::from_secs(1)),
-        Err(RpcError::InvalidOption { .. })
+        Err(UsageError::InvalidArgument { .. })
     ));
     assert!(matches!(
         a.wait_until_node_failure_on_rank(99, ".*", Duration::from_secs(1)),
-        Err(RpcError::UnknownWorkerId { id: 99 })
+        Err(UsageError::UnknownWorkerId { id: 99 })
     ));
     assert!(b.shutdown(false).is_ok());
     // By rank, with PyTorch's `expected_error_regex`: failures that do not match are
@@ -925,7 +966,9 @@ fn test_helpers_wait_for_flushes_and_node_failures() {
         matches!(
             failure,
             Some(
-                RpcError::PipeBroken { .. } | RpcError::Connect { .. } | RpcError::Handshake { .. }
+                CallError::PipeBroken { .. }
+                    | CallError::Connect { .. }
+                    | CallError::Handshake { .. }
             )
         ),
         "{failure:?}"
@@ -999,7 +1042,7 @@ fn dynamic_members_join_call_each_other_and_leave() {
     assert_eq!(member_names(&third), ["first", "third"]);
     assert!(matches!(
         first.rpc_sync("second", "echo", Message::default()),
-        Err(RpcError::UnknownWorker { .. })
+        Err(CallError::Usage(UsageError::UnknownWorker { .. }))
     ));
     assert!(first.rpc_sync("third", "echo", Message::default()).is_ok());
     assert!(third.join().is_ok());
@@ -1055,7 +1098,12 @@ fn killed_peer_fails_pending_calls_quickly() {
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
     for result in [died, first] {
         match result {
-            Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "victim"),
+            Err(e @ CallError::PipeBroken { .. }) => {
+                // A killed peer is worth a retry: the next call opens a new pipe.
+                assert!(e.is_retryable(), "{e:?}");
+                assert_eq!(e.kind(), CallErrorKind::PipeBroken);
+                assert_eq!(e.peer(), Some("victim"));
+            }
             other => panic!("expected a broken pipe, got {other:?}"),
         }
     }

@@ -11,7 +11,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdzv_uring::rpc::{
-    collect_all, init_rpc, wait_all, Async, CallContext, Message, RpcAgent, RpcError, RpcOptions,
+    collect_all, init_rpc, wait_all, Async, CallContext, CallError, Message, RpcAgent, RpcOptions,
+    ShutdownError,
 };
 
 mod common;
@@ -173,11 +174,11 @@ fn join_without_shutdown_waits_for_the_group_then_serves_on() {
     assert_eq!((ra, rb), (Ok(()), Ok(())));
     assert!(matches!(
         a.rpc_sync("bob", "echo", Message::default()),
-        Err(RpcError::ShutDown { .. })
+        Err(CallError::ShutDown { .. })
     ));
     assert!(matches!(
         a.join_with(false, None),
-        Err(RpcError::ShutDown { .. })
+        Err(ShutdownError::ShutDown { .. })
     ));
 }
 
@@ -320,7 +321,9 @@ fn a_graceful_shutdown_that_times_out_names_who_never_joined() {
         "{elapsed:?}"
     );
     match &result {
-        Err(RpcError::JoinTimeout { name, missing, .. }) => {
+        Err(e @ ShutdownError::JoinTimeout { name, missing, .. }) => {
+            assert!(e.is_timeout());
+            assert_eq!(e.missing_workers(), &["lazy".to_string()][..]);
             assert_eq!(
                 (name.as_str(), missing.as_slice()),
                 ("eager", &["lazy".to_string()][..])
@@ -331,7 +334,7 @@ fn a_graceful_shutdown_that_times_out_names_who_never_joined() {
     // It closed anyway.
     assert!(matches!(
         agent.rpc_sync("lazy", "echo", Message::default()),
-        Err(RpcError::ShutDown { .. })
+        Err(CallError::ShutDown { .. })
     ));
     drop(child);
 }
@@ -378,11 +381,11 @@ fn a_join_that_times_out_names_the_workers_missing_from_the_barrier() {
     // So does a graceful shutdown, which closes the agent without the group; asked
     // again, it says the same rather than that all went well.
     for _ in 0..2 {
-        assert!(matches!(a.join(), Err(RpcError::Join { .. })));
+        assert!(matches!(a.join(), Err(ShutdownError::Join { .. })));
     }
     assert!(matches!(
         a.rpc_sync("bob", "echo", Message::default()),
-        Err(RpcError::ShutDown { .. })
+        Err(CallError::ShutDown { .. })
     ));
     // The group ends without its barriers.
     assert!(a.shutdown(false).is_ok());
@@ -398,7 +401,7 @@ fn a_join_that_times_out_on_its_own_calls_may_be_tried_again() {
     let pending = a.rpc_async("bob", "sleep", sleep_message(400));
     let timed_out = a.join_without_shutdown(Some(Duration::from_millis(50)));
     assert!(
-        matches!(timed_out, Err(RpcError::JoinTimeout { .. })),
+        matches!(timed_out, Err(ShutdownError::JoinTimeout { .. })),
         "{timed_out:?}"
     );
     assert!(pending.wait().is_ok());

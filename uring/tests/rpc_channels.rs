@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor,
+    init_rpc, CallContext, CallError, Message, RpcAgent, RpcOptions, Tensor,
     DEFAULT_MIN_CHANNEL_BYTES,
 };
 
@@ -338,7 +338,7 @@ fn channel_priorities_must_agree() {
         },
     );
     match agent.rpc_sync("peer", "echo", Message::default()) {
-        Err(RpcError::Handshake { peer, reason }) => {
+        Err(CallError::Handshake { peer, reason }) => {
             assert_eq!(peer, "peer");
             assert!(
                 reason.contains("Inconsistent channel selection"),
@@ -581,13 +581,13 @@ fn a_peer_killed_while_mpt_streams_fails_the_call_quickly() {
     let elapsed = started.elapsed();
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
     match died {
-        Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
+        Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
         other => panic!("expected a broken pipe, got {other:?}"),
     }
     for other in others {
         match other {
             Ok(reply) => assert_eq!(reply.payload, (64u64 << 20).to_le_bytes().to_vec()),
-            Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
+            Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
             Err(e) => panic!("unexpected error: {e}"),
         }
     }
@@ -660,13 +660,13 @@ fn a_peer_killed_holding_lent_tensors_fails_the_call_quickly() {
     let elapsed = started.elapsed();
     assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
     match died {
-        Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
+        Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
         other => panic!("expected a broken pipe, got {other:?}"),
     }
     // The other call either finished before the peer died or failed with it.
     match other {
         Ok(reply) => assert_eq!(reply.payload, (64u64 << 20).to_le_bytes().to_vec()),
-        Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
+        Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
         Err(e) => panic!("unexpected error: {e}"),
     }
     let status = child.wait(PEER_EXIT_LIMIT);

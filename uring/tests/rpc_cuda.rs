@@ -28,8 +28,8 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, StagedBytes,
+    init_rpc, CallContext, CallError, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin,
+    DeviceRuntime, HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcOptions, StagedBytes,
     StagedReceive, Tensor,
 };
 
@@ -760,7 +760,7 @@ fn no_cuda_basic_on_the_peer_is_a_clear_error() {
     let (agent, child, _dir) = start("no_cuda_basic_on_the_peer_is_a_clear_error", setup);
     let gpu = Tensor::on_device(gpu_tensor(Device::cuda(0), vec![1]));
     match agent.rpc_sync("peer", "inspect", Message::default().with_tensor(gpu)) {
-        Err(RpcError::NoChannel {
+        Err(CallError::NoChannel {
             source_device,
             target_device,
             ..

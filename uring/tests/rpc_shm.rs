@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
-use rdzv_uring::rpc::{init_rpc, CallContext, Message, RpcAgent, RpcError, RpcOptions, Tensor};
+use rdzv_uring::rpc::{init_rpc, CallContext, CallError, Message, RpcAgent, RpcOptions, Tensor};
 
 mod common;
 
@@ -258,7 +258,7 @@ fn a_peer_killed_mid_call_over_shm_fails_pending_calls_quickly() {
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
     for result in [died, first] {
         match result {
-            Err(RpcError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
+            Err(CallError::PipeBroken { peer, .. }) => assert_eq!(peer, "peer"),
             other => panic!("expected a broken pipe, got {other:?}"),
         }
     }

@@ -27,6 +27,7 @@ pub fn rpc_frame(data: &[u8]) {
     if let Ok(announcement) = crate::rpc::membership::JoinAnnouncement::decode(data) {
         let again = announcement
             .encode()
+            .map_err(crate::rpc::membership::MembershipError::Malformed)
             .and_then(|bytes| crate::rpc::membership::JoinAnnouncement::decode(&bytes));
         assert_eq!(again.as_ref(), Ok(&announcement));
     }

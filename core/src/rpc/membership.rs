@@ -7,11 +7,11 @@
 //! bytes are exactly one message and the name is a valid worker name, so a peer's
 //! garbage is an error, never a panic or a bogus member. Nothing here sends anything.
 
-use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
+use core::fmt;
 
-use super::name::{validate_worker_name, validate_worker_name_bytes, WorkerId};
+use super::name::{validate_worker_name, validate_worker_name_bytes, NameError, WorkerId};
 use crate::device_map::WorkerDevices;
 
 /// The internal handler that receives a [`JoinAnnouncement`].
@@ -41,36 +41,65 @@ impl JoinAnnouncement {
     /// The payload bytes.
     ///
     /// # Errors
-    /// postcard's message (not expected for these types).
-    pub fn encode(&self) -> Result<Vec<u8>, String> {
-        postcard::to_allocvec(self).map_err(|e| format!("{e}"))
+    /// postcard's error (not expected for these types).
+    pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
+        postcard::to_allocvec(self)
     }
 
     /// Reads a payload: exactly one announcement with a valid worker name.
     ///
     /// # Errors
-    /// What is wrong with the bytes.
-    pub fn decode(payload: &[u8]) -> Result<JoinAnnouncement, String> {
-        let (announcement, rest): (JoinAnnouncement, &[u8]) = postcard::take_from_bytes(payload)
-            .map_err(|e| format!("bad join announcement: {e}"))?;
+    /// [`MembershipError`]: what is wrong with the bytes.
+    pub fn decode(payload: &[u8]) -> Result<JoinAnnouncement, MembershipError> {
+        let (announcement, rest): (JoinAnnouncement, &[u8]) =
+            postcard::take_from_bytes(payload).map_err(MembershipError::Malformed)?;
         if !rest.is_empty() {
-            return Err(format!(
-                "bad join announcement: {} bytes after the message",
-                rest.len()
-            ));
+            return Err(MembershipError::TrailingBytes { count: rest.len() });
         }
-        validate_worker_name(&announcement.name)
-            .map_err(|e| format!("bad join announcement: {e}"))?;
+        validate_worker_name(&announcement.name).map_err(MembershipError::JoinName)?;
         Ok(announcement)
     }
 }
 
+/// A join or leave announcement that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MembershipError {
+    /// The join announcement is not postcard of a [`JoinAnnouncement`].
+    Malformed(postcard::Error),
+    /// Bytes follow the join announcement.
+    TrailingBytes {
+        /// How many.
+        count: usize,
+    },
+    /// The joining worker's name is invalid.
+    JoinName(NameError),
+    /// The leave announcement is not a valid worker name.
+    LeaveName(NameError),
+}
+
+impl fmt::Display for MembershipError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MembershipError::Malformed(e) => write!(f, "bad join announcement: {e}"),
+            MembershipError::TrailingBytes { count } => {
+                write!(f, "bad join announcement: {count} bytes after the message")
+            }
+            MembershipError::JoinName(e) => write!(f, "bad join announcement: {e}"),
+            MembershipError::LeaveName(e) => write!(f, "bad leave announcement: {e}"),
+        }
+    }
+}
+
+#[cfg(feature = "std")]
+impl std::error::Error for MembershipError {}
+
 /// Reads a [`GROUP_LEAVE`] payload: the leaving worker's name.
 ///
 /// # Errors
-/// The payload is not a valid worker name.
-pub fn decode_leave(payload: &[u8]) -> Result<&str, String> {
-    validate_worker_name_bytes(payload).map_err(|e| format!("bad leave announcement: {e}"))
+/// [`MembershipError::LeaveName`]: the payload is not a valid worker name.
+pub fn decode_leave(payload: &[u8]) -> Result<&str, MembershipError> {
+    validate_worker_name_bytes(payload).map_err(MembershipError::LeaveName)
 }
 
 #[cfg(test)]
@@ -108,7 +137,15 @@ mod tests {
         bad.name = "a b".to_string();
         assert!(JoinAnnouncement::decode(&bad.encode().unwrap()).is_err());
         assert_eq!(decode_leave(b"w1"), Ok("w1"));
-        assert!(decode_leave(b"").is_err());
+        assert!(matches!(
+            decode_leave(b""),
+            Err(MembershipError::LeaveName(_))
+        ));
+        let text = JoinAnnouncement::decode(&[0xff; 7])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(text.starts_with("bad join announcement: "), "{text}");
         assert!(decode_leave(&[0xff]).is_err());
     }
 }

@@ -370,8 +370,11 @@ impl StaticInit {
                         self.value = value;
                         StaticStep::PublishDevices
                     }
-                    Err(reason) => {
-                        self.error = Some(StartupError::BadDeviceInfo { rank, reason });
+                    Err(e) => {
+                        self.error = Some(StartupError::BadDeviceInfo {
+                            rank,
+                            reason: e.to_string(),
+                        });
                         StaticStep::Failed
                     }
                 }
@@ -512,7 +515,10 @@ impl StaticInit {
                         }
                         Ok(self.get_step(Stage::Devices, at + 1))
                     }
-                    Err(reason) => Err(StartupError::BadDeviceInfo { rank, reason }),
+                    Err(e) => Err(StartupError::BadDeviceInfo {
+                        rank,
+                        reason: e.to_string(),
+                    }),
                 }
             }
             (StaticStep::Listen, Outcome::Listening(address)) => {
@@ -727,7 +733,10 @@ impl DynamicJoin {
                         self.members_devices.push(devices);
                         self.devices_step(at + 1)
                     }
-                    Err(reason) => Err(StartupError::BadDeviceInfo { rank, reason }),
+                    Err(e) => Err(StartupError::BadDeviceInfo {
+                        rank,
+                        reason: e.to_string(),
+                    }),
                 }
             }
             (JoinStep::GetAddress(at), Outcome::Got(value)) => {
@@ -752,9 +761,9 @@ impl DynamicJoin {
                                 self.value = payload;
                                 self.announce_step(0)
                             }
-                            Err(reason) => Err(StartupError::BadDeviceInfo {
+                            Err(e) => Err(StartupError::BadDeviceInfo {
                                 rank: rank_of(self.me.id()),
-                                reason,
+                                reason: e.to_string(),
                             }),
                         }
                     }
@@ -799,8 +808,11 @@ impl DynamicJoin {
         self.list = String::from_utf8_lossy(list).into_owned();
         let rank = rank_of(self.me.id());
         self.key = self.keys.devices(rank);
-        self.value = encode_worker_devices(&self.mine)
-            .map_err(|reason| StartupError::BadDeviceInfo { rank, reason })?;
+        self.value =
+            encode_worker_devices(&self.mine).map_err(|e| StartupError::BadDeviceInfo {
+                rank,
+                reason: e.to_string(),
+            })?;
         Ok(JoinStep::PublishDevices)
     }
 

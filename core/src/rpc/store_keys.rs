@@ -193,9 +193,9 @@ impl RpcKeys {
 /// The value of [`RpcKeys::devices`]: postcard bytes of the worker's [`WorkerDevices`].
 ///
 /// # Errors
-/// postcard's message (it cannot fail for these types short of running out of memory).
-pub fn encode_worker_devices(devices: &WorkerDevices) -> Result<Vec<u8>, String> {
-    postcard::to_allocvec(devices).map_err(|e| format!("{e}"))
+/// postcard's error (it cannot fail for these types short of running out of memory).
+pub fn encode_worker_devices(devices: &WorkerDevices) -> Result<Vec<u8>, postcard::Error> {
+    postcard::to_allocvec(devices)
 }
 
 /// Reads a value written by [`encode_worker_devices`]; anything else is an error, never
@@ -203,8 +203,8 @@ pub fn encode_worker_devices(devices: &WorkerDevices) -> Result<Vec<u8>, String>
 ///
 /// # Errors
 /// What postcard found wrong with the bytes.
-pub fn decode_worker_devices(value: &[u8]) -> Result<WorkerDevices, String> {
-    postcard::from_bytes(value).map_err(|e| format!("{e}"))
+pub fn decode_worker_devices(value: &[u8]) -> Result<WorkerDevices, postcard::Error> {
+    postcard::from_bytes(value)
 }
 
 /// The value written under `rpcIsStaticGroup`.

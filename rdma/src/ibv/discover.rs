@@ -112,7 +112,10 @@ pub struct Discovery {
 
 /// Whether the dynamic loader can load libibverbs (with every entry point rdzv uses), and
 /// if not, why.
-pub fn check_library() -> Result<(), String> {
+///
+/// # Errors
+/// [`sys::LibraryError`]: the loader's message, or the missing entry point.
+pub fn check_library() -> Result<(), sys::LibraryError> {
     sys::check_library()
 }
 

@@ -78,12 +78,13 @@ impl IbvViability {
 #[non_exhaustive]
 pub enum IbvNotViable {
     /// The dynamic loader cannot load libibverbs (rdma-core is not installed).
-    #[error("{library} cannot be loaded (is rdma-core / libibverbs installed?): {detail}")]
+    #[error("{library} cannot be loaded (is rdma-core / libibverbs installed?)")]
     LibraryUnavailable {
         /// The shared object that was tried.
         library: &'static str,
-        /// The loader's message.
-        detail: String,
+        /// The loader's message, or the missing entry point.
+        #[source]
+        source: crate::sys::ibv::LibraryError,
     },
     /// libibverbs is loaded but reports that the kernel has no verbs support (`ENOSYS`: no
     /// `ib_uverbs`, or a kernel built without InfiniBand).
@@ -170,9 +171,9 @@ pub fn probe_env() -> IbvViability {
 }
 
 fn probe_inner(config: &IbvConfig) -> Result<IbvSelection, IbvNotViable> {
-    discover::check_library().map_err(|detail| IbvNotViable::LibraryUnavailable {
+    discover::check_library().map_err(|source| IbvNotViable::LibraryUnavailable {
         library: discover::LIBIBVERBS,
-        detail,
+        source,
     })?;
     let discovery = match discover::discover() {
         Ok(discovery) => discovery,

@@ -614,11 +614,35 @@ struct Verbs {
     _library: libloading::Library,
 }
 
-static VERBS: OnceLock<Result<Verbs, String>> = OnceLock::new();
+/// Why libibverbs cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LibraryError {
+    /// The dynamic loader cannot load it.
+    #[error("{detail}")]
+    Load {
+        /// The path or name tried.
+        path: String,
+        /// The loader's message (it names the path).
+        detail: String,
+    },
+    /// It loads, but lacks an entry point rdzv needs.
+    #[error("{library} has no symbol {symbol}: {detail} (rdma-core too old?)")]
+    MissingSymbol {
+        /// The library's name.
+        library: &'static str,
+        /// The symbol.
+        symbol: &'static str,
+        /// The loader's message.
+        detail: String,
+    },
+}
 
-/// libibverbs, loaded on first use; the loader's (or a missing symbol's) message when it
-/// cannot be loaded. The outcome is cached for the life of the process.
-fn verbs() -> Result<&'static Verbs, String> {
+static VERBS: OnceLock<Result<Verbs, LibraryError>> = OnceLock::new();
+
+/// libibverbs, loaded on first use; why not when it cannot be loaded. The outcome is
+/// cached for the life of the process.
+fn verbs() -> Result<&'static Verbs, LibraryError> {
     VERBS
         .get_or_init(|| Verbs::load(LIBIBVERBS))
         .as_ref()
@@ -628,8 +652,8 @@ fn verbs() -> Result<&'static Verbs, String> {
 /// Whether libibverbs can be loaded (and has every entry point rdzv needs); if not, why.
 ///
 /// # Errors
-/// The dynamic loader's message, or the missing symbol.
-pub fn check_library() -> Result<(), String> {
+/// [`LibraryError`]: the dynamic loader's message, or the missing symbol.
+pub fn check_library() -> Result<(), LibraryError> {
     verbs().map(|_| ())
 }
 
@@ -639,7 +663,7 @@ pub fn check_library() -> Result<(), String> {
 ///
 /// # Errors
 /// As [`check_library`].
-pub fn check_library_at(path: &str) -> Result<(), String> {
+pub fn check_library_at(path: &str) -> Result<(), LibraryError> {
     Verbs::load(path).map(|_| ())
 }
 
@@ -652,10 +676,11 @@ macro_rules! symbol {
         match symbol {
             Ok(symbol) => *symbol,
             Err(err) => {
-                return Err(format!(
-                    "{} has no symbol {}: {err} (rdma-core too old?)",
-                    LIBIBVERBS, $name
-                ))
+                return Err(LibraryError::MissingSymbol {
+                    library: LIBIBVERBS,
+                    symbol: $name,
+                    detail: err.to_string(),
+                })
             }
         }
     }};
@@ -670,11 +695,14 @@ macro_rules! optional_symbol {
 }
 
 impl Verbs {
-    fn load(path: &str) -> Result<Verbs, String> {
+    fn load(path: &str) -> Result<Verbs, LibraryError> {
         // SAFETY: loading libibverbs runs its ELF constructors, which only initialise
         // libibverbs' own globals. Provider libraries are loaded by libibverbs itself later.
-        let library = unsafe { libloading::Library::new(path) }
-            .map_err(|err| crate::report::ErrorChain(&err).to_string())?;
+        let library =
+            unsafe { libloading::Library::new(path) }.map_err(|err| LibraryError::Load {
+                path: path.to_string(),
+                detail: crate::report::ErrorChain(&err).to_string(),
+            })?;
         Ok(Verbs {
             get_device_list: symbol!(library, "ibv_get_device_list"),
             free_device_list: symbol!(library, "ibv_free_device_list"),
@@ -2305,14 +2333,32 @@ mod tests {
     #[test]
     fn a_missing_library_is_an_error_not_a_panic() {
         let err = check_library_at("/nonexistent/libibverbs.so.1").unwrap_err();
-        assert!(err.contains("/nonexistent/libibverbs.so.1"), "{err}");
+        assert!(matches!(err, LibraryError::Load { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("/nonexistent/libibverbs.so.1"),
+            "{err}"
+        );
     }
 
     #[test]
     fn a_library_without_the_verbs_names_the_missing_symbol() {
         // libc loads, but has no ibv_get_device_list.
         let err = check_library_at("libc.so.6").unwrap_err();
-        assert!(err.contains("has no symbol ibv_get_device_list"), "{err}");
+        assert!(
+            matches!(
+                err,
+                LibraryError::MissingSymbol {
+                    symbol: "ibv_get_device_list",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("has no symbol ibv_get_device_list"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -34,13 +34,13 @@ impl Payload {
 
     /// Whether `echoed` is exactly what iteration `iter` sent; the error says where it
     /// differs.
-    pub(super) fn check(&self, iter: u64, echoed: &[u8]) -> Result<(), String> {
+    pub(super) fn check(&self, iter: u64, echoed: &[u8]) -> Result<(), EchoMismatch> {
         if echoed.len() != self.base.len() {
-            return Err(format!(
-                "the echo of iteration {iter} returned {} bytes instead of {}",
-                echoed.len(),
-                self.base.len()
-            ));
+            return Err(EchoMismatch::Length {
+                iter,
+                got: echoed.len(),
+                sent: self.base.len(),
+            });
         }
         let stamp = iter.to_le_bytes();
         let n = echoed.len().min(STAMP);
@@ -55,11 +55,23 @@ impl Payload {
             .zip(echoed)
             .position(|(a, b)| a != b)
             .unwrap_or(0);
-        Err(format!(
-            "the echo of iteration {iter} ({} bytes) differs from what was sent at byte {at}",
-            echoed.len()
-        ))
+        Err(EchoMismatch::Bytes {
+            iter,
+            len: echoed.len(),
+            at,
+        })
     }
+}
+
+/// An echo that is not what was sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum EchoMismatch {
+    /// It has another length.
+    #[error("the echo of iteration {iter} returned {got} bytes instead of {sent}")]
+    Length { iter: u64, got: usize, sent: usize },
+    /// It differs at byte `at`.
+    #[error("the echo of iteration {iter} ({len} bytes) differs from what was sent at byte {at}")]
+    Bytes { iter: u64, len: usize, at: usize },
 }
 
 #[cfg(test)]
@@ -87,9 +99,20 @@ mod tests {
         let mut bytes = payload.message(5);
         bytes[700] ^= 1;
         let err = payload.check(5, &bytes).unwrap_err();
-        assert!(err.contains("byte 700"), "{err}");
+        assert_eq!(
+            err,
+            EchoMismatch::Bytes {
+                iter: 5,
+                len: 1000,
+                at: 700
+            }
+        );
+        assert!(err.to_string().contains("byte 700"), "{err}");
         let bytes = payload.message(5);
         let err = payload.check(5, &bytes[..999]).unwrap_err();
-        assert!(err.contains("999 bytes instead of 1000"), "{err}");
+        assert!(
+            err.to_string().contains("999 bytes instead of 1000"),
+            "{err}"
+        );
     }
 }

@@ -11,7 +11,7 @@
 //! outlives a call.
 
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
-use rdzv_uring::rpc::{RpcError, RpcOptions};
+use rdzv_uring::rpc::{InitError, RpcOptions};
 
 use super::session::Channels;
 
@@ -58,7 +58,7 @@ pub(super) fn agent_runs(transport: TransportKind, channels: Channels) -> Result
     options.device_plugins = vec![std::sync::Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
     match options.check() {
         Ok(_) => Ok(()),
-        Err(RpcError::InvalidOption { reason, .. }) => Err(reason),
+        Err(InitError::InvalidOption { reason, .. }) => Err(reason),
         Err(e) => Err(error_chain(&e)),
     }
 }

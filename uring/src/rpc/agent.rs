@@ -18,7 +18,7 @@ use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 use crate::rpc::client::RpcClient;
 use crate::rpc::deadline::DeadlineStore;
 use crate::rpc::drive::{acquire_token, drive, release_token};
-use crate::rpc::error::{store_error, RpcError};
+use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
 use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
@@ -44,7 +44,7 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// |---|---|---|
 /// | `rpc.shutdown()`, `rpc.shutdown(graceful=True)` | [`join`](Self::join), [`shutdown(true)`](Self::shutdown) | settles this worker's RRefs, waits until no worker of the group has a call in flight, says goodbye and closes |
 /// | `rpc.shutdown(graceful=True, timeout=t)` | [`shutdown_with_timeout(true, t)`](Self::shutdown_with_timeout) | the same, giving up after `t`: then it closes at once and says which workers never joined |
-/// | `rpc.shutdown(graceful=False)` | [`shutdown(false)`](Self::shutdown) | closes now; pending futures fail with [`RpcError::ShutDown`] |
+/// | `rpc.shutdown(graceful=False)` | [`shutdown(false)`](Self::shutdown) | closes now; pending futures fail with [`CallError::ShutDown`] |
 /// | `agent.join(shutdown=False)` | [`join_without_shutdown(None)`](Self::join_without_shutdown) | waits until no worker of the group has a call in flight (every worker must call it), then goes on serving |
 /// | `agent.join(shutdown=False, timeout=t)` | [`join_without_shutdown(Some(t))`](Self::join_without_shutdown) | the same, giving up after `t` (PyTorch's `TensorPipeAgent` ignores its timeout) |
 /// | `agent.join(shutdown=True, timeout=t)` | [`join_with(true, t)`](Self::join_with) | a graceful shutdown: unlike PyTorch's agent-level `join`, it also settles RRefs first, as `rpc.shutdown` does before calling it |
@@ -59,7 +59,7 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// [`join_without_shutdown`](Self::join_without_shutdown) that stops part-way keeps the
 /// agent serving, but this worker's barriers are then out of step with the group's
 /// (core's [`JoinSequence`]): every later join or graceful shutdown fails at once with
-/// [`RpcError::Join`] (core's `JoinError::OutOfStep`) instead of waiting for ever, and
+/// [`ShutdownError::Join`] (core's `JoinError::OutOfStep`) instead of waiting for ever, and
 /// the group must end with `shutdown(false)` on every worker. A join that timed out
 /// while still waiting for this worker's own calls entered no barrier and may be tried
 /// again. A graceful call on an agent whose graceful shutdown gave up says so too,
@@ -129,14 +129,14 @@ impl RpcAgent {
     /// `rpc.get_worker_info(name)`: the member named `name` (this worker included).
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] if no member has that name.
-    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, RpcError> {
+    /// [`UsageError::UnknownWorker`] if no member has that name.
+    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, UsageError> {
         let group = self.shared.registry.group();
         group
             .peers
             .get(name)
             .and_then(|peer| WorkerInfo::with_id(name, peer.id).ok())
-            .ok_or_else(|| RpcError::UnknownWorker {
+            .ok_or_else(|| UsageError::UnknownWorker {
                 name: name.to_string(),
             })
     }
@@ -144,23 +144,23 @@ impl RpcAgent {
     /// The member whose id is `id` (PyTorch's `agent.get_worker_info(id)`).
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorkerId`] if no member has that id.
-    pub fn get_worker_info_by_id(&self, id: i64) -> Result<WorkerInfo, RpcError> {
+    /// [`UsageError::UnknownWorkerId`] if no member has that id.
+    pub fn get_worker_info_by_id(&self, id: i64) -> Result<WorkerInfo, UsageError> {
         self.worker_infos()
             .into_iter()
             .find(|w| i64::from(w.id().get()) == id)
-            .ok_or(RpcError::UnknownWorkerId { id })
+            .ok_or(UsageError::UnknownWorkerId { id })
     }
 
     /// Registers `handler` under `name`; peers calling `name` before this get an error.
     ///
     /// # Errors
-    /// [`RpcError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
+    /// [`UsageError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
     /// are the agent's own).
-    pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), RpcError> {
+    pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), UsageError> {
         let mut handlers = self.shared.registry.handlers_mut();
         if handlers.contains_key(name) || name.starts_with(RESERVED_PREFIX) {
-            return Err(RpcError::HandlerExists {
+            return Err(UsageError::HandlerExists {
                 name: name.to_string(),
             });
         }
@@ -195,7 +195,12 @@ impl RpcAgent {
     ///
     /// # Errors
     /// As the future of [`rpc_async`](Self::rpc_async).
-    pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
+    pub fn rpc_sync(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+    ) -> Result<Message, CallError> {
         self.client.rpc_sync(to, handler, message)
     }
 
@@ -209,7 +214,7 @@ impl RpcAgent {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<Message, RpcError> {
+    ) -> Result<Message, CallError> {
         self.client
             .rpc_sync_with_timeout(to, handler, message, timeout)
     }
@@ -265,7 +270,7 @@ impl RpcAgent {
     /// a call to it fails for a reason other than the handler (broken pipe, refused
     /// connection, timeout) and returns that error; `None` if `peer` still answers after
     /// `timeout`.
-    pub fn wait_until_node_failure(&self, peer: &str, timeout: Duration) -> Option<RpcError> {
+    pub fn wait_until_node_failure(&self, peer: &str, timeout: Duration) -> Option<CallError> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -274,7 +279,7 @@ impl RpcAgent {
             }
             // No handler has this name: an answer (a remote error) means `peer` is alive.
             match self.rpc_sync_with_timeout(peer, NODE_PROBE, Message::default(), Some(left)) {
-                Ok(_) | Err(RpcError::Remote { .. }) => {}
+                Ok(_) | Err(CallError::Remote { .. }) => {}
                 Err(e) => return Some(e),
             }
             std::thread::sleep(NODE_PROBE_INTERVAL.min(left));
@@ -289,18 +294,18 @@ impl RpcAgent {
     /// matching failure came within `timeout` (PyTorch has no timeout and loops on).
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorkerId`] for an id outside the group,
-    /// [`RpcError::InvalidOption`] for a pattern that does not compile.
+    /// [`UsageError::UnknownWorkerId`] for an id outside the group,
+    /// [`UsageError::InvalidArgument`] for a pattern that does not compile.
     pub fn wait_until_node_failure_on_rank(
         &self,
         rank: i64,
         expected_error_regex: &str,
         timeout: Duration,
-    ) -> Result<Option<String>, RpcError> {
+    ) -> Result<Option<String>, UsageError> {
         let peer = self.get_worker_info_by_id(rank)?;
         let pattern =
-            regex::Regex::new(expected_error_regex).map_err(|e| RpcError::InvalidOption {
-                option: "expected_error_regex",
+            regex::Regex::new(expected_error_regex).map_err(|e| UsageError::InvalidArgument {
+                argument: "expected_error_regex",
                 reason: format!("{expected_error_regex:?} is not a valid regular expression: {e}"),
             })?;
         let deadline = Instant::now() + timeout;
@@ -321,16 +326,16 @@ impl RpcAgent {
     /// this worker has no call in flight.
     ///
     /// # Errors
-    /// [`RpcError::FlushTimeout`] naming the calls left after `timeout`.
-    pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), RpcError> {
+    /// [`CallError::FlushTimeout`] naming the calls left after `timeout`.
+    pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), CallError> {
         match self.shared.gate.await_flushed(timeout) {
             0 => Ok(()),
-            pending => Err(RpcError::FlushTimeout { pending }),
+            pending => Err(CallError::FlushTimeout { pending }),
         }
     }
 
     /// Closes every pipe now (e.g. after a network change): calls in flight on them fail
-    /// with [`RpcError::PipeBroken`], and the next call to each peer opens a new pipe.
+    /// with [`CallError::PipeBroken`], and the next call to each peer opens a new pipe.
     pub fn reset_pipes(&self) {
         let _ = self.shared.mailbox.push(Command::ResetPipes);
     }
@@ -339,7 +344,7 @@ impl RpcAgent {
     ///
     /// # Errors
     /// As [`shutdown`](Self::shutdown).
-    pub fn join(&self) -> Result<(), RpcError> {
+    pub fn join(&self) -> Result<(), ShutdownError> {
         self.shutdown(true)
     }
 
@@ -354,12 +359,16 @@ impl RpcAgent {
     /// worker's own calls.
     ///
     /// # Errors
-    /// [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails (the agent keeps
-    /// running), [`RpcError::JoinTimeout`] naming the workers that never joined when
+    /// [`ShutdownError::Store`] or [`ShutdownError::Join`] if the protocol fails (the agent keeps
+    /// running), [`ShutdownError::JoinTimeout`] naming the workers that never joined when
     /// `timeout` passes first, or as [`shutdown`](Self::shutdown). After either, if the
     /// join had entered its barriers, every later join fails at once with
-    /// [`RpcError::Join`] saying to shut down with `shutdown(false)` (see [`RpcAgent`]).
-    pub fn join_with(&self, shutdown: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
+    /// [`ShutdownError::Join`] saying to shut down with `shutdown(false)` (see [`RpcAgent`]).
+    pub fn join_with(
+        &self,
+        shutdown: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(), ShutdownError> {
         if shutdown {
             return self.shutdown_by(true, timeout);
         }
@@ -369,7 +378,7 @@ impl RpcAgent {
             .unwrap_or_else(|p| p.into_inner())
             .is_some();
         if !running {
-            return Err(RpcError::ShutDown {
+            return Err(ShutdownError::ShutDown {
                 name: self.shared.me.name().to_string(),
             });
         }
@@ -395,30 +404,34 @@ impl RpcAgent {
     /// then run the store barriers that sum every worker's in-flight calls until the
     /// total is zero (the core's `join` protocol), then say goodbye on every pipe and
     /// close. Not graceful: close at once. Either way every pending future fails with
-    /// [`RpcError::ShutDown`] rather than hang. Calling it again does nothing, except
+    /// [`CallError::ShutDown`] rather than hang. Calling it again does nothing, except
     /// that a graceful call after a graceful shutdown or join that gave up fails (see
     /// [`RpcAgent`]).
     ///
     /// # Errors
-    /// [`RpcError::Store`] or [`RpcError::Join`] if the graceful protocol fails; the
-    /// agent is closed anyway. [`RpcError::Join`] at once, closing the agent without the
+    /// [`ShutdownError::Store`] or [`ShutdownError::Join`] if the graceful protocol fails; the
+    /// agent is closed anyway. [`ShutdownError::Join`] at once, closing the agent without the
     /// group, if an earlier join stopped part-way or a graceful shutdown gave up.
-    pub fn shutdown(&self, graceful: bool) -> Result<(), RpcError> {
+    pub fn shutdown(&self, graceful: bool) -> Result<(), ShutdownError> {
         self.shutdown_by(graceful, None)
     }
 
     /// `rpc.shutdown(graceful, timeout)`: [`shutdown`](Self::shutdown), whose graceful
     /// protocol gives up after `timeout` (then the agent closes at once, as if not
-    /// graceful, and pending futures fail with [`RpcError::ShutDown`]).
+    /// graceful, and pending futures fail with [`CallError::ShutDown`]).
     ///
     /// # Errors
-    /// [`RpcError::JoinTimeout`] when `timeout` passed first, naming the workers that
+    /// [`ShutdownError::JoinTimeout`] when `timeout` passed first, naming the workers that
     /// never reached the shutdown barrier; otherwise as [`shutdown`](Self::shutdown).
-    pub fn shutdown_with_timeout(&self, graceful: bool, timeout: Duration) -> Result<(), RpcError> {
+    pub fn shutdown_with_timeout(
+        &self,
+        graceful: bool,
+        timeout: Duration,
+    ) -> Result<(), ShutdownError> {
         self.shutdown_by(graceful, Some(timeout))
     }
 
-    fn shutdown_by(&self, graceful: bool, timeout: Option<Duration>) -> Result<(), RpcError> {
+    fn shutdown_by(&self, graceful: bool, timeout: Option<Duration>) -> Result<(), ShutdownError> {
         let running = self
             .io_thread
             .lock()
@@ -471,7 +484,7 @@ impl RpcAgent {
         // Otherwise a handler may still be running; its thread exits when it returns.
     }
 
-    fn run_join(&self, timeout: Option<Duration>) -> Result<(), RpcError> {
+    fn run_join(&self, timeout: Option<Duration>) -> Result<(), ShutdownError> {
         let Some(world_size) = self.world_size else {
             return self.run_leave();
         };
@@ -485,7 +498,7 @@ impl RpcAgent {
         world_size: u32,
         shutdown: bool,
         timeout: Option<Duration>,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), ShutdownError> {
         let first = self.join_start()?;
         let me = self.shared.me.name();
         let entry = self.keys.join_entry(first, me);
@@ -530,8 +543,8 @@ impl RpcAgent {
             .collect()
     }
 
-    fn join_timeout(&self, timeout: Duration, missing: Vec<String>) -> RpcError {
-        RpcError::JoinTimeout {
+    fn join_timeout(&self, timeout: Duration, missing: Vec<String>) -> ShutdownError {
+        ShutdownError::JoinTimeout {
             name: self.shared.me.name().to_string(),
             timeout,
             missing,
@@ -544,11 +557,11 @@ impl RpcAgent {
 
     /// A dynamic member's graceful leave, under the group token: tell every other
     /// member, then the core's `Leave` (no calls in flight, unlist, mark shutting down).
-    fn run_leave(&self) -> Result<(), RpcError> {
+    fn run_leave(&self) -> Result<(), ShutdownError> {
         let me = self.shared.me.clone();
         let token = membership_token(me.name(), Membership::Leave);
-        acquire_token(&*self.store, &self.keys, &token, me.name())?;
-        let left = (|| {
+        acquire_token::<ShutdownError>(&*self.store, &self.keys, &token, me.name())?;
+        let left = (|| -> Result<(), ShutdownError> {
             let others: Vec<String> = self
                 .shared
                 .registry

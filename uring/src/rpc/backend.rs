@@ -11,12 +11,12 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use rdzv_core::rpc::backend::{BackendRegistry, FAULTY_TENSORPIPE, TENSORPIPE};
 
 use super::agent::RpcAgent;
-use super::error::RpcError;
+use super::error::InitError;
 use super::options::RpcOptions;
 use super::startup::init_rpc;
 
 /// What a backend does: `init_rpc(name, rank, world_size, options)`.
-pub type BackendInit = fn(&str, u32, Option<u32>, RpcOptions) -> Result<RpcAgent, RpcError>;
+pub type BackendInit = fn(&str, u32, Option<u32>, RpcOptions) -> Result<RpcAgent, InitError>;
 
 fn registry() -> MutexGuard<'static, BackendRegistry<BackendInit>> {
     static REGISTRY: OnceLock<Mutex<BackendRegistry<BackendInit>>> = OnceLock::new();
@@ -36,11 +36,11 @@ fn registry() -> MutexGuard<'static, BackendRegistry<BackendInit>> {
 /// `rpc.backend_registry.register_backend(name, ...)`.
 ///
 /// # Errors
-/// [`RpcError::Backend`] ("RPC backend {name}: already registered") if the name is taken.
-pub fn register_backend(name: &str, init: BackendInit) -> Result<(), RpcError> {
+/// [`InitError::Backend`] ("RPC backend {name}: already registered") if the name is taken.
+pub fn register_backend(name: &str, init: BackendInit) -> Result<(), InitError> {
     registry()
         .register_backend(name, init)
-        .map_err(|e| RpcError::Backend(e.to_string()))
+        .map_err(|e| InitError::Backend(e.to_string()))
 }
 
 /// `rpc.backend_registry.backend_registered(name)`.
@@ -57,7 +57,7 @@ pub fn backend_names() -> Vec<String> {
 /// registered as `backend`.
 ///
 /// # Errors
-/// [`RpcError::Backend`] ("Argument backend must be a member of BackendType") for an
+/// [`InitError::Backend`] ("Argument backend must be a member of BackendType") for an
 /// unknown backend, else the backend's errors.
 pub fn init_rpc_with_backend(
     backend: &str,
@@ -65,11 +65,11 @@ pub fn init_rpc_with_backend(
     rank: u32,
     world_size: Option<u32>,
     options: RpcOptions,
-) -> Result<RpcAgent, RpcError> {
+) -> Result<RpcAgent, InitError> {
     // Release the registry before starting: init blocks until the whole group is up.
     let init = *registry()
         .backend(backend)
-        .map_err(|e| RpcError::Backend(e.to_string()))?;
+        .map_err(|e| InitError::Backend(e.to_string()))?;
     init(name, rank, world_size, options)
 }
 
@@ -77,8 +77,8 @@ pub fn init_rpc_with_backend(
 mod tests {
     use super::*;
 
-    fn refuse(_: &str, _: u32, _: Option<u32>, _: RpcOptions) -> Result<RpcAgent, RpcError> {
-        Err(RpcError::Backend("refused by the test backend".into()))
+    fn refuse(_: &str, _: u32, _: Option<u32>, _: RpcOptions) -> Result<RpcAgent, InitError> {
+        Err(InitError::Backend("refused by the test backend".into()))
     }
 
     #[test]

@@ -21,7 +21,7 @@ use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 use super::channels::{PipeReader, ReceivedTensors};
 use super::counters::{Counters, JoinGate};
 use super::device::Devices;
-use super::error::RpcError;
+use super::error::CallError;
 use super::message::{Completion, Message};
 use super::transport::IncomingFrame;
 
@@ -187,7 +187,10 @@ impl Calls {
             if !expired.is_empty() {
                 drop(table);
                 for pending in expired {
-                    let error = RpcError::from(pending.timeout.error());
+                    let error = CallError::Timeout {
+                        peer: pending.peer.clone(),
+                        error: pending.timeout.error(),
+                    };
                     self.fail(pending, error);
                 }
                 table = self.lock();
@@ -227,7 +230,7 @@ pub(crate) struct PullReply {
 
 impl PullReply {
     /// Reads the tensors (blocking); the completion and the call's result.
-    pub(super) fn pull(self) -> (Arc<Completion>, Result<Message, RpcError>) {
+    pub(super) fn pull(self) -> (Arc<Completion>, Result<Message, CallError>) {
         let PullReply {
             completion,
             metadata,
@@ -246,7 +249,11 @@ impl PullReply {
 impl Calls {
     /// Completes a call and uncounts it. A failure nobody will see (the future was dropped,
     /// as `remote` does) is logged.
-    pub(crate) fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+    pub(crate) fn complete(
+        &self,
+        completion: &Arc<Completion>,
+        result: Result<Message, CallError>,
+    ) {
         if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
             tracing::warn!(worker = %self.worker, error = %e, "an RPC whose result nobody waits for failed");
         }
@@ -254,7 +261,7 @@ impl Calls {
     }
 
     /// Fails a call, counting a network error against its peer.
-    pub(crate) fn fail(&self, pending: Pending, error: RpcError) {
+    pub(crate) fn fail(&self, pending: Pending, error: CallError) {
         self.counters
             .network_error(pending.sent_bytes, &pending.peer);
         self.complete(&pending.completion, Err(error));
@@ -272,7 +279,7 @@ impl Calls {
         reader: &Arc<PipeReader>,
     ) -> Reply {
         if frame.kind != FrameKind::Response {
-            let error = RpcError::Remote {
+            let error = CallError::Remote {
                 peer: pending.peer.clone(),
                 handler: pending.handler.clone(),
                 message: String::from_utf8_lossy(&frame.payload).into_owned(),

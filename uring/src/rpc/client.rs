@@ -9,7 +9,7 @@ use std::time::Duration;
 use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::rref::DebugInfo;
 
-use super::error::RpcError;
+use super::error::{CallError, UsageError};
 use super::message::{on_io_thread, Message, RpcFuture};
 use super::rref::{RRef, RRefRuntime};
 
@@ -35,14 +35,14 @@ pub(crate) trait Caller: Send + Sync + 'static {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<Message, RpcError>;
+    ) -> Result<Message, CallError>;
 
     /// The agent's RRef runtime, which `remote()` and received forks go through.
     fn rrefs(&self) -> Arc<dyn RRefRuntime>;
 }
 
 /// Makes calls through an agent. Clone it freely; calls made after the agent shut down
-/// fail with [`RpcError::ShutDown`].
+/// fail with [`CallError::ShutDown`].
 #[derive(Clone)]
 pub struct RpcClient {
     caller: Arc<dyn Caller>,
@@ -88,7 +88,12 @@ impl RpcClient {
     ///
     /// # Errors
     /// As the future of [`rpc_async`](Self::rpc_async).
-    pub fn rpc_sync(&self, to: &str, handler: &str, message: Message) -> Result<Message, RpcError> {
+    pub fn rpc_sync(
+        &self,
+        to: &str,
+        handler: &str,
+        message: Message,
+    ) -> Result<Message, CallError> {
         self.rpc_sync_with_timeout(to, handler, message, None)
     }
 
@@ -103,10 +108,10 @@ impl RpcClient {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<Message, RpcError> {
+    ) -> Result<Message, CallError> {
         if on_io_thread() {
             // Checked before sending: the call must not go out if its wait cannot happen.
-            return Err(RpcError::BlockingInline);
+            return Err(UsageError::BlockingInline.into());
         }
         self.caller.call_and_wait(to, handler, message, timeout)
     }
@@ -118,12 +123,13 @@ impl RpcClient {
     /// this fire-and-forget.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] at once; later failures (the call's, the handler's)
-    /// come out of [`RRef::to_here`], naming the owner. A failed call (the owner not
-    /// reached, the send refused, a timeout) leaves no pending user: the RRef is
-    /// marked failed, [`RRef::fork_to`] refuses it, and dropping it still tells the
-    /// owner, as PyTorch's best-effort handling of a failed `rpc.remote()` does.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, RpcError> {
+    /// [`UsageError::UnknownWorker`] (in [`CallError::Usage`]) or [`CallError::ShutDown`]
+    /// at once; later failures (the call's, the handler's) come out of
+    /// [`RRef::to_here`], naming the owner. A failed call (the owner not reached, the
+    /// send refused, a timeout) leaves no pending user: the RRef is marked failed,
+    /// [`RRef::fork_to`] refuses it, and dropping it still tells the owner, as PyTorch's
+    /// best-effort handling of a failed `rpc.remote()` does.
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, CallError> {
         self.remote_with_timeout(to, handler, message, None)
     }
 
@@ -131,14 +137,14 @@ impl RpcClient {
     /// default; zero: none); past it, `to_here` fails with the timeout.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`], at once.
+    /// As [`remote`](Self::remote).
     pub fn remote_with_timeout(
         &self,
         to: &str,
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<RRef, RpcError> {
+    ) -> Result<RRef, CallError> {
         self.caller.rrefs().remote(to, handler, message, timeout)
     }
 
@@ -146,9 +152,9 @@ impl RpcClient {
     /// (unpickling it). Call it once per fork, in the handler that received them.
     ///
     /// # Errors
-    /// [`RpcError::RRef`] for bytes that are no fork, a fork whose owner is not in the
+    /// [`UsageError::RRef`] for bytes that are no fork, a fork whose owner is not in the
     /// group, or one received twice.
-    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, UsageError> {
         self.caller.rrefs().from_fork(bytes)
     }
 

@@ -10,7 +10,7 @@ use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::timeouts::RpcTimeout;
 
 use super::client::Caller;
-use super::error::RpcError;
+use super::error::{CallError, UsageError};
 use super::lane::{self, Lane, Shared};
 use super::mailbox::{Call, Command};
 use super::message::{Message, RpcFuture};
@@ -37,7 +37,7 @@ impl Caller for Shared {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<Message, RpcError> {
+    ) -> Result<Message, CallError> {
         let (future, lane) = start(self, to, handler, message, timeout);
         match lane {
             // On a polled lane (shm) the caller reads its reply itself for a while.
@@ -65,15 +65,15 @@ fn start(
     let (future, completion) = RpcFuture::with_spin(shared.wait_spin);
     let known = shared.registry.group().peers.contains_key(to);
     if !known {
-        completion.complete(Err(RpcError::UnknownWorker {
+        completion.complete(Err(CallError::Usage(UsageError::UnknownWorker {
             name: to.to_string(),
-        }));
+        })));
         return (future, None);
     }
     if !shared.gate.start_client_call() {
         // An inline handler called while `join` holds the count frozen: waiting for
         // the thaw here would stop the I/O thread that `join` needs.
-        completion.complete(Err(RpcError::ShutDown {
+        completion.complete(Err(CallError::ShutDown {
             name: shared.me.name().to_string(),
         }));
         return (future, None);
@@ -94,7 +94,7 @@ fn start(
     }
     if let Err(Command::Call(call)) = shared.mailbox.push(Command::Call(call)) {
         call.completion.complete_then(
-            Err(RpcError::ShutDown {
+            Err(CallError::ShutDown {
                 name: shared.me.name().to_string(),
             }),
             || shared.gate.finish_client_call(),

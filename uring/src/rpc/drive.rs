@@ -13,7 +13,7 @@ use rdzv_core::rpc::store_keys::RpcKeys;
 use rdzv_core::rpc::token::{TokenAcquire, TokenRelease};
 
 use super::counters::JoinGate;
-use super::error::{store_error, RpcError};
+use super::error::{store_error, InitError, ShutdownError, StoreOpError};
 use crate::store::{Store, StoreError};
 
 /// A core machine over store operations, driven alike.
@@ -25,12 +25,19 @@ pub(crate) trait StoreMachine {
     fn error(&self) -> Option<&Self::Error>;
     /// The error for an action this driver has nothing to run with.
     fn unexpected(expected: &'static str, got: &'static str) -> Self::Error;
-    /// The machine's error as the agent reports it, for worker `worker`.
-    fn rpc_error(error: Self::Error, worker: &str) -> RpcError;
+}
+
+/// An agent error that a machine's failure (`Src`) turns into: [`InitError`] for the
+/// start-up and the token, [`ShutdownError`] for `join`, a leave and the token.
+pub(crate) trait MachineFailure<Src>: From<StoreOpError> {
+    /// The machine's error, for worker `worker`.
+    fn machine(source: Src, worker: &str) -> Self;
+    /// A machine that failed without saying why.
+    fn no_reason(worker: &str) -> Self;
 }
 
 macro_rules! store_machine {
-    ($error:ty, $unexpected:path, $rpc_error:expr; $($machine:ty),*) => {$(
+    ($error:ty, $unexpected:path; $($machine:ty),*) => {$(
         impl StoreMachine for $machine {
             type Error = $error;
             fn poll_action(&self) -> Action<'_> {
@@ -45,47 +52,75 @@ macro_rules! store_machine {
             fn unexpected(expected: &'static str, got: &'static str) -> $error {
                 $unexpected { expected, got }
             }
-            fn rpc_error(error: $error, worker: &str) -> RpcError {
-                $rpc_error(error, worker)
-            }
         }
     )*};
 }
 
-fn join_error(source: JoinError, worker: &str) -> RpcError {
-    RpcError::Join {
-        name: worker.to_string(),
-        source: Box::new(source),
+store_machine!(JoinError, JoinError::UnexpectedOutcome; Join, Leave, TokenAcquire, TokenRelease);
+store_machine!(StartupError, StartupError::UnexpectedOutcome; StaticInit, DynamicJoin);
+
+impl MachineFailure<JoinError> for ShutdownError {
+    fn machine(source: JoinError, worker: &str) -> Self {
+        ShutdownError::Join {
+            name: worker.to_string(),
+            source: Box::new(source),
+        }
+    }
+    fn no_reason(worker: &str) -> Self {
+        ShutdownError::ShutDown {
+            name: worker.to_string(),
+        }
+    }
+}
+
+/// The group token, taken at a dynamic member's start.
+impl MachineFailure<JoinError> for InitError {
+    fn machine(source: JoinError, worker: &str) -> Self {
+        InitError::Membership {
+            name: worker.to_string(),
+            source: Box::new(source),
+        }
+    }
+    fn no_reason(worker: &str) -> Self {
+        InitError::Executor(format!(
+            "the start-up of worker {worker} failed without saying why (a bug)"
+        ))
     }
 }
 
 /// A start-up error as the variant `init_rpc` has always reported for it.
-fn startup_error(source: StartupError, _worker: &str) -> RpcError {
-    match source {
-        StartupError::Names(e) => e.into(),
-        StartupError::DuplicateId(e) => e.into(),
-        StartupError::WorkerList(e) => e.into(),
-        StartupError::DeviceMaps(e) => e.into(),
-        StartupError::BadDeviceInfo { rank, reason } => RpcError::BadDeviceInfo { rank, reason },
-        StartupError::WorldSize { world_size } => RpcError::InvalidOption {
-            option: "world_size",
-            reason: format!("{world_size} workers exceed the worker id range"),
-        },
-        other => RpcError::Startup(Box::new(other)),
+impl MachineFailure<StartupError> for InitError {
+    fn machine(source: StartupError, _worker: &str) -> Self {
+        match source {
+            StartupError::Names(e) => e.into(),
+            StartupError::DuplicateId(e) => e.into(),
+            StartupError::WorkerList(e) => e.into(),
+            StartupError::DeviceMaps(e) => e.into(),
+            StartupError::BadDeviceInfo { rank, reason } => {
+                InitError::BadDeviceInfo { rank, reason }
+            }
+            StartupError::WorldSize { world_size } => InitError::InvalidOption {
+                option: "world_size",
+                reason: format!("{world_size} workers exceed the worker id range"),
+            },
+            other => InitError::Startup(Box::new(other)),
+        }
+    }
+    fn no_reason(worker: &str) -> Self {
+        <InitError as MachineFailure<JoinError>>::no_reason(worker)
     }
 }
 
-store_machine!(JoinError, JoinError::UnexpectedOutcome, join_error; Join, Leave, TokenAcquire, TokenRelease);
-store_machine!(StartupError, StartupError::UnexpectedOutcome, startup_error; StaticInit, DynamicJoin);
-
 /// What a start-up machine asks of the agent it starts.
 pub(crate) trait StartHost {
+    /// Why it fails ([`InitError`] for the agent's start).
+    type Error;
     /// Starts the agent; returns the address it publishes.
-    fn listen(&mut self) -> Result<String, RpcError>;
+    fn listen(&mut self) -> Result<String, Self::Error>;
     /// Hands the group to the running agent.
-    fn install(&mut self, group: &StartupGroup) -> Result<(), RpcError>;
+    fn install(&mut self, group: &StartupGroup) -> Result<(), Self::Error>;
     /// Calls `method` on worker `to` with `payload`.
-    fn call(&mut self, to: &str, method: &str, payload: &[u8]) -> Result<(), RpcError>;
+    fn call(&mut self, to: &str, method: &str, payload: &[u8]) -> Result<(), Self::Error>;
 }
 
 /// Runs a start-up machine for worker `worker` to its end, with `host` for what is not
@@ -93,12 +128,16 @@ pub(crate) trait StartHost {
 ///
 /// # Errors
 /// As [`drive`], and whatever `host` fails with.
-pub(crate) fn drive_start<M: StoreMachine>(
+pub(crate) fn drive_start<M, E>(
     store: &dyn Store,
-    host: &mut dyn StartHost,
+    host: &mut dyn StartHost<Error = E>,
     worker: &str,
     machine: &mut M,
-) -> Result<(), RpcError> {
+) -> Result<(), E>
+where
+    M: StoreMachine,
+    E: MachineFailure<M::Error>,
+{
     run(store, None, Some(host), worker, machine)
 }
 
@@ -107,25 +146,32 @@ pub(crate) fn drive_start<M: StoreMachine>(
 /// gate), pauses on this thread.
 ///
 /// # Errors
-/// [`RpcError::Store`] when a store operation fails; [`RpcError::Join`] when the machine
-/// fails (or an action has nothing to run it); [`RpcError::ShutDown`] when it fails
-/// without saying why.
-pub(crate) fn drive<M: StoreMachine>(
+/// A [`StoreOpError`] when a store operation fails; the machine's error when it fails
+/// (or an action has nothing to run it), each as `E` has it.
+pub(crate) fn drive<M, E>(
     store: &dyn Store,
     gate: Option<&JoinGate>,
     worker: &str,
     machine: &mut M,
-) -> Result<(), RpcError> {
+) -> Result<(), E>
+where
+    M: StoreMachine,
+    E: MachineFailure<M::Error>,
+{
     run(store, gate, None, worker, machine)
 }
 
-fn run<M: StoreMachine>(
+fn run<M, E>(
     store: &dyn Store,
     gate: Option<&JoinGate>,
-    mut host: Option<&mut dyn StartHost>,
+    mut host: Option<&mut dyn StartHost<Error = E>>,
     worker: &str,
     machine: &mut M,
-) -> Result<(), RpcError> {
+) -> Result<(), E>
+where
+    M: StoreMachine,
+    E: MachineFailure<M::Error>,
+{
     enum Done {
         NoClientCalls,
         Held(u32),
@@ -144,7 +190,7 @@ fn run<M: StoreMachine>(
         Installed,
         Called,
     }
-    let failed = |source: M::Error| M::rpc_error(source, worker);
+    let failed = |source: M::Error| E::machine(source, worker);
     loop {
         let action = machine.poll_action();
         let needs_gate = || {
@@ -206,7 +252,7 @@ fn run<M: StoreMachine>(
                     Err(StoreError::Timeout { .. } | StoreError::GetTimeout { .. }) => {
                         Done::TimedOut
                     }
-                    Err(e) => return Err(store_error("wait", &keys.join(", "))(e)),
+                    Err(e) => return Err(store_error("wait", &keys.join(", "))(e).into()),
                 }
             }
             Action::StoreCheck { key } => {
@@ -237,9 +283,7 @@ fn run<M: StoreMachine>(
             Action::Failed => {
                 return Err(match machine.error() {
                     Some(e) => failed(e.clone()),
-                    None => RpcError::ShutDown {
-                        name: worker.to_string(),
-                    },
+                    None => E::no_reason(worker),
                 })
             }
         };
@@ -266,22 +310,22 @@ fn run<M: StoreMachine>(
 }
 
 /// `_group_membership_management`'s acquire, for worker `worker`.
-pub(crate) fn acquire_token(
+pub(crate) fn acquire_token<E: MachineFailure<JoinError>>(
     store: &dyn Store,
     keys: &RpcKeys,
     token: &str,
     worker: &str,
-) -> Result<(), RpcError> {
+) -> Result<(), E> {
     drive(store, None, worker, &mut TokenAcquire::new(keys, token))
 }
 
 /// `_group_membership_management`'s release, for worker `worker`.
-pub(crate) fn release_token(
+pub(crate) fn release_token<E: MachineFailure<JoinError>>(
     store: &dyn Store,
     keys: &RpcKeys,
     token: &str,
     worker: &str,
-) -> Result<(), RpcError> {
+) -> Result<(), E> {
     drive(store, None, worker, &mut TokenRelease::new(keys, token))
 }
 
@@ -295,7 +339,7 @@ mod tests {
     use rdzv_core::rpc::store_keys::RpcKeys;
 
     use super::{drive, drive_start, StartHost};
-    use crate::rpc::error::RpcError;
+    use crate::rpc::error::InitError;
     use crate::store::hash::HashStore;
     use crate::store::Store;
 
@@ -305,14 +349,15 @@ mod tests {
     }
 
     impl StartHost for Recorder {
-        fn listen(&mut self) -> Result<String, RpcError> {
+        type Error = InitError;
+        fn listen(&mut self) -> Result<String, InitError> {
             Ok("tcp://127.0.0.1:1".to_string())
         }
-        fn install(&mut self, group: &StartupGroup) -> Result<(), RpcError> {
+        fn install(&mut self, group: &StartupGroup) -> Result<(), InitError> {
             self.installed = Some(group.clone());
             Ok(())
         }
-        fn call(&mut self, _: &str, _: &str, _: &[u8]) -> Result<(), RpcError> {
+        fn call(&mut self, _: &str, _: &str, _: &[u8]) -> Result<(), InitError> {
             Ok(())
         }
     }
@@ -358,7 +403,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         let error = drive_start(&store, &mut Recorder::default(), "w0", &mut init);
         match error {
-            Err(RpcError::Startup(e)) => {
+            Err(InitError::Startup(e)) => {
                 assert_eq!(
                     *e,
                     StartupError::Timeout {
@@ -378,7 +423,7 @@ mod tests {
         let keys = RpcKeys::new(0);
         let me = WorkerInfo::new("solo", 0).unwrap_or_else(|e| panic!("{e}"));
         let mut init = StaticInit::new(&keys, &me, 1, devices("solo"), 1_000);
-        let text = drive(&store, None, "solo", &mut init)
+        let text = drive::<_, InitError>(&store, None, "solo", &mut init)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();

@@ -26,7 +26,7 @@ pub struct CallContext {
 
 /// A function peers can call by name. It runs on the agent's worker pool (or, if
 /// [`runs_inline`](Handler::runs_inline), on its I/O thread); an `Err` travels back to
-/// the caller as the text of [`RpcError::Remote`](super::RpcError::Remote), and so does a panic.
+/// the caller as the text of [`CallError::Remote`](super::CallError::Remote), and so does a panic.
 pub trait Handler: Send + Sync + 'static {
     /// Answers `request`.
     ///
@@ -176,7 +176,7 @@ mod tests {
             _: &str,
             m: Message,
             _: Option<Duration>,
-        ) -> Result<Message, crate::rpc::RpcError> {
+        ) -> Result<Message, crate::rpc::CallError> {
             Ok(m)
         }
         fn rrefs(&self) -> std::sync::Arc<dyn crate::rpc::rref::RRefRuntime> {

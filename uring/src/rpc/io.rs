@@ -26,11 +26,14 @@ use std::time::Duration;
 
 use rdzv_core::negotiate::Negotiated;
 use rdzv_core::rpc::frame::FrameKind;
-use rdzv_core::rpc::frame::{decode_frame, decode_handshake, Decoded, FrameLimits, Handshake};
+use rdzv_core::rpc::frame::{
+    decode_frame, decode_handshake, Decoded, EncodeError, FrameError, FrameLimits, Handshake,
+    HandshakeError,
+};
 use tokio::task::JoinHandle;
 
 use super::calls::Pending;
-use super::error::RpcError;
+use super::error::{CallError, UsageError};
 use super::lane::Shared;
 use super::lane::{self, Job};
 use super::mailbox::{Call, Command};
@@ -133,18 +136,18 @@ impl Io {
         self.shared.me.name()
     }
 
-    fn shut_down_error(&self) -> RpcError {
-        RpcError::ShutDown {
+    fn shut_down_error(&self) -> CallError {
+        CallError::ShutDown {
             name: self.name().to_string(),
         }
     }
 
-    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, RpcError>) {
+    fn complete(&self, completion: &Arc<Completion>, result: Result<Message, CallError>) {
         self.shared.calls_table.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
-    fn fail_unsent(&self, call: Call, error: RpcError) {
+    fn fail_unsent(&self, call: Call, error: CallError) {
         self.complete(&call.completion, Err(error));
     }
 
@@ -163,7 +166,7 @@ impl Io {
             .map(|p| p.address.clone());
         let Some(address) = address else {
             let name = call.peer.clone();
-            return self.fail_unsent(call, RpcError::UnknownWorker { name });
+            return self.fail_unsent(call, UsageError::UnknownWorker { name }.into());
         };
         let Call {
             message_id,
@@ -218,7 +221,7 @@ impl Io {
     /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
     /// forgets the pipe.
     fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
-        self.fail_pipe(pipe, peer, || RpcError::PipeBroken {
+        self.fail_pipe(pipe, peer, || CallError::PipeBroken {
             peer: peer.to_string(),
             reason: reason.clone(),
         });
@@ -226,7 +229,7 @@ impl Io {
 
     /// Fails every call pending on client pipe `pipe` (still opening) with `error()`
     /// and forgets the pipe.
-    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> RpcError) {
+    fn fail_pipe(&self, pipe: u64, peer: &str, error: impl Fn() -> CallError) {
         {
             let mut state = self.state.borrow_mut();
             if state.opening.get(peer).is_some_and(|o| o.id == pipe) {
@@ -238,7 +241,7 @@ impl Io {
         }
     }
 
-    fn fail_pending(&self, pending: Pending, error: RpcError) {
+    fn fail_pending(&self, pending: Pending, error: CallError) {
         self.shared.calls_table.fail(pending, error);
     }
 
@@ -334,12 +337,29 @@ fn unthreaded(negotiated: &Negotiated) -> String {
     )
 }
 
+/// Why a handshake frame could not be made or read.
+#[derive(Debug, thiserror::Error)]
+enum HandshakeFrameError {
+    /// The handshake message could not be encoded.
+    #[error("cannot encode the handshake: {0}")]
+    Encode(#[source] EncodeError),
+    /// The frame is not a valid frame.
+    #[error("{0}")]
+    Frame(#[source] FrameError),
+    /// The frame ended early.
+    #[error("the handshake frame is incomplete")]
+    Incomplete,
+    /// The frame's payload is not a handshake message.
+    #[error("{0}")]
+    Handshake(#[source] HandshakeError),
+}
+
 /// A handshake message as a frame.
-fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
+fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, HandshakeFrameError> {
     let mut bytes = Vec::new();
     handshake
         .encode_to_vec(&mut bytes)
-        .map_err(|e| e.to_string())?;
+        .map_err(HandshakeFrameError::Encode)?;
     let payload = bytes
         .get(rdzv_core::rpc::frame::HEADER_LEN..)
         .unwrap_or_default()
@@ -355,18 +375,18 @@ fn handshake_frame(handshake: &Handshake<'_>) -> Result<OwnedFrame, String> {
 fn with_handshake<T>(
     frame: &IncomingFrame,
     f: impl FnOnce(Handshake<'_>) -> T,
-) -> Result<T, String> {
+) -> Result<T, HandshakeFrameError> {
     let owned = OwnedFrame {
         payload: frame.payload.clone(),
         ..OwnedFrame::empty(frame.kind, frame.message_id)
     };
-    let mut wire = owned.encode_head().map_err(|e| e.to_string())?;
+    let mut wire = owned.encode_head().map_err(HandshakeFrameError::Encode)?;
     wire.extend_from_slice(&owned.payload);
     match decode_frame(&wire, &FrameLimits::HANDSHAKE) {
-        Ok(Decoded::Complete(decoded, _)) => {
-            decode_handshake(&decoded).map(f).map_err(|e| e.to_string())
-        }
-        Ok(Decoded::Partial(_)) => Err("the handshake frame is incomplete".into()),
-        Err(e) => Err(e.to_string()),
+        Ok(Decoded::Complete(decoded, _)) => decode_handshake(&decoded)
+            .map(f)
+            .map_err(HandshakeFrameError::Handshake),
+        Ok(Decoded::Partial(_)) => Err(HandshakeFrameError::Incomplete),
+        Err(e) => Err(HandshakeFrameError::Frame(e)),
     }
 }

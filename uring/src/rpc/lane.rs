@@ -55,10 +55,10 @@ use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
 use super::channels::{cpu_channel, FrameExports, PipeReader};
-use super::error::RpcError;
+use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
-use super::mpt::{MptLanes, LANES_TIMEOUT};
+use super::mpt::{LanesError, MptLanes, LANES_TIMEOUT};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, StopConnection, Wake,
 };
@@ -315,7 +315,7 @@ impl Lane {
                 if let Some(token) = mpt_token {
                     if let Err(reason) = lane.claim_mpt(shared, token) {
                         tracing::warn!(peer = %lane.peer, %reason, "an inbound RPC pipe's mpt lanes did not arrive");
-                        return lane.end(shared, reason);
+                        return lane.end(shared, reason.to_string());
                     }
                 }
                 inbound_reader(shared, lane, peer_id, &jobs);
@@ -324,18 +324,18 @@ impl Lane {
     }
 
     /// Takes the mpt lanes the peer opened for this pipe with `token`.
-    fn claim_mpt(&self, shared: &Shared, token: u64) -> Result<(), String> {
+    fn claim_mpt(&self, shared: &Shared, token: u64) -> Result<(), LanesError> {
         let Some(setup) = &shared.mpt else {
-            return Err("this worker runs no mpt lane listener".into());
+            return Err(LanesError::NoListener);
         };
         let streams = setup
             .listener
             .claim(token, LANES_TIMEOUT)
-            .map_err(|e| e.to_string())?;
+            .map_err(|source| LanesError::Claim { source })?;
         let lanes = MptLanes::new(streams)?;
         if self.is_ended() {
             lanes.shutdown();
-            return Err("the pipe ended while its mpt lanes were opened".into());
+            return Err(LanesError::PipeEnded);
         }
         let _ = self.mpt.set(lanes);
         Ok(())
@@ -406,7 +406,7 @@ impl Lane {
         // Given up last: the peer can no longer ask for them.
         drop(ended.lent);
         for pending in shared.calls_table.take_pipe(self.id) {
-            let error = RpcError::PipeBroken {
+            let error = CallError::PipeBroken {
                 peer: self.peer.clone(),
                 reason: reason.clone(),
             };

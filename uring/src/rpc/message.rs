@@ -16,7 +16,7 @@ use std::time::Duration;
 use rdzv_core::device::Device;
 
 use super::device::DeviceBuffer;
-use super::error::RpcError;
+use super::error::{CallError, UsageError};
 
 /// A tensor's bytes and the device they live on.
 ///
@@ -109,13 +109,13 @@ pub(crate) fn mark_io_thread() {
 }
 
 /// The error of a blocking wait on an I/O thread, if this is one.
-fn blocking_on_io_thread() -> Option<RpcError> {
-    on_io_thread().then_some(RpcError::BlockingInline)
+fn blocking_on_io_thread() -> Option<CallError> {
+    on_io_thread().then_some(CallError::Usage(UsageError::BlockingInline))
 }
 
 /// What runs with a future's result instead of a waiter ([`RpcFuture::then`] and the
 /// combinators): it owns the result.
-type OnDone = Box<dyn FnOnce(Result<Message, RpcError>) + Send>;
+type OnDone = Box<dyn FnOnce(Result<Message, CallError>) + Send>;
 
 /// The callback slot, debug-printable.
 #[derive(Default)]
@@ -133,7 +133,7 @@ impl std::fmt::Debug for Callback {
 
 #[derive(Debug, Default)]
 struct Slot {
-    result: Option<Result<Message, RpcError>>,
+    result: Option<Result<Message, CallError>>,
     /// Set by [`RpcFuture::on_done`]: takes the result when the future completes.
     callback: Callback,
     done: bool,
@@ -161,7 +161,7 @@ impl Completion {
 
     /// Completes the future; returns `false` (and drops `result`) if it was completed
     /// already.
-    pub(crate) fn complete(&self, result: Result<Message, RpcError>) -> bool {
+    pub(crate) fn complete(&self, result: Result<Message, CallError>) -> bool {
         self.complete_then(result, || {})
     }
 
@@ -170,7 +170,7 @@ impl Completion {
     /// its result never sees the call still counted).
     pub(crate) fn complete_then(
         &self,
-        result: Result<Message, RpcError>,
+        result: Result<Message, CallError>,
         first: impl FnOnce(),
     ) -> bool {
         let (waker, sleepers, callback) = {
@@ -255,11 +255,8 @@ pub struct RpcFuture {
 }
 
 /// The error of a future whose result was taken already (polled after completion).
-fn taken() -> RpcError {
-    RpcError::InvalidOption {
-        option: "RpcFuture",
-        reason: "the result was taken already (polled after it completed)".into(),
-    }
+fn taken() -> CallError {
+    UsageError::FutureTaken.into()
 }
 
 impl RpcFuture {
@@ -290,8 +287,8 @@ impl RpcFuture {
     /// Blocks until the call completes and returns its result.
     ///
     /// # Errors
-    /// The call's [`RpcError`].
-    pub fn wait(self) -> Result<Message, RpcError> {
+    /// The call's [`CallError`].
+    pub fn wait(self) -> Result<Message, CallError> {
         if !on_io_thread() {
             self.cell.spin_until_done(self.cell.spin);
         }
@@ -304,7 +301,7 @@ impl RpcFuture {
     }
 
     /// [`wait`](Self::wait) without its spin (the caller spun already).
-    pub(crate) fn wait_sleeping(self) -> Result<Message, RpcError> {
+    pub(crate) fn wait_sleeping(self) -> Result<Message, CallError> {
         let mut slot = self.cell.lock();
         if !slot.done {
             if let Some(error) = blocking_on_io_thread() {
@@ -329,7 +326,7 @@ impl RpcFuture {
     /// # Errors
     /// `Err(self)` when `timeout` passed first.
     #[allow(clippy::result_large_err)]
-    pub fn wait_timeout(self, timeout: Duration) -> Result<Result<Message, RpcError>, RpcFuture> {
+    pub fn wait_timeout(self, timeout: Duration) -> Result<Result<Message, CallError>, RpcFuture> {
         if !self.is_done() {
             if let Some(error) = blocking_on_io_thread() {
                 return Ok(Err(error));
@@ -356,7 +353,7 @@ impl RpcFuture {
 
 impl RpcFuture {
     /// A future completed already with `result`.
-    pub fn ready(result: Result<Message, RpcError>) -> RpcFuture {
+    pub fn ready(result: Result<Message, CallError>) -> RpcFuture {
         let (future, cell) = Self::with_spin(Duration::ZERO);
         cell.complete(result);
         future
@@ -364,7 +361,10 @@ impl RpcFuture {
 
     /// Hands the result to `callback` when the call completes: at once on this thread if
     /// it has, else on the thread that completes it.
-    pub(crate) fn on_done(self, callback: impl FnOnce(Result<Message, RpcError>) + Send + 'static) {
+    pub(crate) fn on_done(
+        self,
+        callback: impl FnOnce(Result<Message, CallError>) + Send + 'static,
+    ) {
         let ready = {
             let mut slot = self.cell.lock();
             if slot.done {
@@ -384,12 +384,12 @@ impl RpcFuture {
     /// value into one). The callback runs once, when the call completes: on the thread
     /// that completes it (for a remote call, the agent's I/O or lane thread, so it must
     /// be short and must not block: a blocking wait there fails with
-    /// [`RpcError::BlockingInline`]), or at once on this thread if the call has completed
+    /// [`UsageError::BlockingInline`]), or at once on this thread if the call has completed
     /// already. A panic in the callback fails the new future with
-    /// [`RpcError::CallbackPanicked`].
+    /// [`UsageError::CallbackPanicked`].
     pub fn then<F>(self, callback: F) -> RpcFuture
     where
-        F: FnOnce(Result<Message, RpcError>) -> Result<Message, RpcError> + Send + 'static,
+        F: FnOnce(Result<Message, CallError>) -> Result<Message, CallError> + Send + 'static,
     {
         let (next, cell) = Self::with_spin(self.cell.spin);
         self.on_done(move |result| {
@@ -401,7 +401,7 @@ impl RpcFuture {
                             .map(|s| s.to_string())
                             .or_else(|| panic.downcast_ref::<String>().cloned())
                             .unwrap_or_else(|| "a non-text panic".to_string());
-                        Err(RpcError::CallbackPanicked { what })
+                        Err(UsageError::CallbackPanicked { what }.into())
                     });
             cell.complete(outcome);
         });
@@ -433,13 +433,13 @@ pub fn collect_all(futures: Vec<RpcFuture>) -> AllFuture {
 /// # Errors
 /// The error of the first future in `futures`' order that failed (every future is
 /// waited for first, as in PyTorch).
-pub fn wait_all(futures: Vec<RpcFuture>) -> Result<Vec<Message>, RpcError> {
+pub fn wait_all(futures: Vec<RpcFuture>) -> Result<Vec<Message>, CallError> {
     collect_all(futures).wait().into_iter().collect()
 }
 
 #[derive(Debug)]
 struct AllState {
-    results: Vec<Option<Result<Message, RpcError>>>,
+    results: Vec<Option<Result<Message, CallError>>>,
     left: usize,
     waker: Option<Waker>,
 }
@@ -455,7 +455,7 @@ impl AllShared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn put(&self, index: usize, result: Result<Message, RpcError>) {
+    fn put(&self, index: usize, result: Result<Message, CallError>) {
         let waker = {
             let mut state = self.lock();
             if let Some(slot) = state.results.get_mut(index) {
@@ -473,7 +473,7 @@ impl AllShared {
         }
     }
 
-    fn take(state: &mut AllState) -> Vec<Result<Message, RpcError>> {
+    fn take(state: &mut AllState) -> Vec<Result<Message, CallError>> {
         state
             .results
             .iter_mut()
@@ -498,14 +498,14 @@ impl AllFuture {
 
     /// Blocks until every future completes; their results, in order. On an agent I/O
     /// thread (an inline handler) a wait that would block returns
-    /// [`RpcError::BlockingInline`] for each unfinished future instead.
-    pub fn wait(self) -> Vec<Result<Message, RpcError>> {
+    /// [`UsageError::BlockingInline`] for each unfinished future instead.
+    pub fn wait(self) -> Vec<Result<Message, CallError>> {
         let mut state = self.shared.lock();
         if state.left > 0 && on_io_thread() {
             return state
                 .results
                 .iter_mut()
-                .map(|r| r.take().unwrap_or(Err(RpcError::BlockingInline)))
+                .map(|r| r.take().unwrap_or(Err(UsageError::BlockingInline.into())))
                 .collect();
         }
         while state.left > 0 {
@@ -520,7 +520,7 @@ impl AllFuture {
 }
 
 impl Future for AllFuture {
-    type Output = Vec<Result<Message, RpcError>>;
+    type Output = Vec<Result<Message, CallError>>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.shared.lock();
@@ -534,7 +534,7 @@ impl Future for AllFuture {
 }
 
 impl Future for RpcFuture {
-    type Output = Result<Message, RpcError>;
+    type Output = Result<Message, CallError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut slot = self.cell.lock();

@@ -13,7 +13,7 @@
 //!
 //! | layer | modules | do |
 //! |---|---|---|
-//! | memory | [`error`], `recycle`, [`device`] | errors; recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
+//! | memory | [`error`], `recycle`, [`device`] | errors by what the caller can do ([`InitError`], [`CallError`], [`ShutdownError`], [`UsageError`]); recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | calls | [`message`], [`rref`], [`client`], [`handler`] | messages and futures; the application's [`RRef`], which reaches the RRef runtime through the `RRefRuntime` seam; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
 //! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
 //! | tensors | [`channels`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
@@ -87,7 +87,10 @@ pub use device::{
     DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, HostMemory,
     PipeId, StagedBytes, StagedReceive,
 };
-pub use error::{RpcError, TransportError};
+pub use error::{
+    CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError, TransportError,
+    UsageError,
+};
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
 pub use mpt::DEFAULT_MPT_LANES;

@@ -33,7 +33,82 @@ use super::channels::cpu_channel;
 use super::device::HostBytes;
 use super::recycle;
 use super::transport::IncomingFrame;
-use crate::channel::mpt::{connect_lanes, LaneListener, MptChannel, MptDescriptor, MptOptions};
+use crate::channel::mpt::{
+    connect_lanes, LaneListener, MptChannel, MptDescriptor, MptError, MptOptions,
+};
+
+/// Why a pipe's mpt lanes failed: one variant per step, each naming what it needs.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LanesError {
+    /// The peer's published address has no lane listener.
+    #[error("the worker publishes no {SCHEME} address ('{published}')")]
+    NoAddress { published: String },
+    /// The lane listener's address is malformed.
+    #[error("bad {SCHEME} address '{entry}': expected <ip>:<port>")]
+    BadAddress { entry: String },
+    /// Connecting the lanes to the peer failed.
+    #[error("cannot connect mpt lanes to {address}: {source}")]
+    Connect {
+        address: SocketAddr,
+        #[source]
+        source: MptError,
+    },
+    /// This worker has no lane listener to claim lanes from.
+    #[error("this worker runs no mpt lane listener")]
+    NoListener,
+    /// The lanes the peer opened for the pipe did not arrive.
+    #[error("{source}")]
+    Claim {
+        #[source]
+        source: MptError,
+    },
+    /// The lanes could not be set up (split into a send and a receive end).
+    #[error("{source}")]
+    Open {
+        #[source]
+        source: MptError,
+    },
+    /// The pipe ended while its lanes were being opened.
+    #[error("the pipe ended while its mpt lanes were opened")]
+    PipeEnded,
+    /// A frame has mpt tensors, but its pipe has no lanes.
+    #[error("the frame has mpt tensors, but the pipe has no mpt lanes")]
+    NoLanes,
+    /// Writing a tensor's stripes failed.
+    #[error("{source}")]
+    Send {
+        #[source]
+        source: MptError,
+    },
+    /// Reading a tensor's stripes failed.
+    #[error("{source}")]
+    Receive {
+        #[source]
+        source: MptError,
+    },
+    /// The peer streamed a tensor that this pipe did not negotiate mpt for.
+    #[error("the peer streamed a {source_kind} to {target_kind} tensor over mpt, which this pipe did not negotiate for it")]
+    NotNegotiated {
+        source_kind: rdzv_core::device::DeviceType,
+        target_kind: rdzv_core::device::DeviceType,
+    },
+    /// An mpt tensor's descriptor does not decode.
+    #[error("mpt tensor: {source}")]
+    Descriptor {
+        #[source]
+        source: rdzv_core::channel::DecodeError,
+    },
+    /// An mpt tensor is larger than this process can address.
+    #[error("an mpt tensor does not fit in memory")]
+    TooLarge,
+    /// No buffer for an mpt tensor.
+    #[error("mpt tensor of {len} bytes: {source}")]
+    Alloc {
+        len: usize,
+        #[source]
+        source: recycle::AllocFailed,
+    },
+}
 
 /// The scheme of a lane listener's address in a worker's published address.
 pub(crate) const SCHEME: &str = "mpt";
@@ -84,18 +159,20 @@ pub(crate) fn new_token() -> u64 {
 }
 
 /// The lane listener's address in a worker's published address.
-pub(crate) fn lane_address(published: &str) -> Result<SocketAddr, String> {
-    let entry = after_scheme(published, SCHEME)
-        .ok_or_else(|| format!("the worker publishes no {SCHEME} address ('{published}')"))?;
-    entry
-        .parse()
-        .map_err(|_| format!("bad {SCHEME} address '{entry}': expected <ip>:<port>"))
+pub(crate) fn lane_address(published: &str) -> Result<SocketAddr, LanesError> {
+    let entry = after_scheme(published, SCHEME).ok_or_else(|| LanesError::NoAddress {
+        published: published.to_string(),
+    })?;
+    entry.parse().map_err(|_| LanesError::BadAddress {
+        entry: entry.to_string(),
+    })
 }
 
 /// Opens the connector's lanes of a pipe to the worker that published `published`.
-pub(crate) fn connect(published: &str, token: u64, lanes: u16) -> Result<MptLanes, String> {
+pub(crate) fn connect(published: &str, token: u64, lanes: u16) -> Result<MptLanes, LanesError> {
     let address = lane_address(published)?;
-    let streams = connect_lanes(address, token, lanes, LANES_TIMEOUT).map_err(|e| e.to_string())?;
+    let streams = connect_lanes(address, token, lanes, LANES_TIMEOUT)
+        .map_err(|source| LanesError::Connect { address, source })?;
     MptLanes::new(streams)
 }
 
@@ -117,10 +194,11 @@ impl std::fmt::Debug for MptLanes {
 
 impl MptLanes {
     /// Lanes over `streams` (in index order, the same at both ends).
-    pub(crate) fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, String> {
-        let channel = MptChannel::new(streams, MptOptions::default()).map_err(|e| e.to_string())?;
-        let (send, rest) = channel.split().map_err(|e| e.to_string())?;
-        let (recv, stopper) = rest.split().map_err(|e| e.to_string())?;
+    pub(crate) fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, LanesError> {
+        let open = |source| LanesError::Open { source };
+        let channel = MptChannel::new(streams, MptOptions::default()).map_err(open)?;
+        let (send, rest) = channel.split().map_err(open)?;
+        let (recv, stopper) = rest.split().map_err(open)?;
         Ok(MptLanes {
             send: Mutex::new(send),
             recv: Mutex::new(recv),
@@ -130,10 +208,11 @@ impl MptLanes {
 
     /// Writes a frame's mpt tensors, in order. The caller holds the pipe's send lock
     /// and has just sent the frame.
-    pub(crate) fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), String> {
+    pub(crate) fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), LanesError> {
         let mut send = self.send.lock().unwrap_or_else(PoisonError::into_inner);
         for (transfer_id, data) in streamed {
-            send.send(*transfer_id, data).map_err(|e| e.to_string())?;
+            send.send(*transfer_id, data)
+                .map_err(|source| LanesError::Send { source })?;
         }
         Ok(())
     }
@@ -148,7 +227,7 @@ impl MptLanes {
         frame: &mut IncomingFrame,
         negotiated: &Negotiated,
         role: Role,
-    ) -> Result<(), String> {
+    ) -> Result<(), LanesError> {
         if !frame
             .tensors
             .iter()
@@ -165,22 +244,19 @@ impl MptLanes {
             let agreed =
                 negotiated.carrier_for(role, descriptor.source.kind(), descriptor.target.kind());
             if agreed != Some(ChannelKind::Mpt) {
-                return Err(format!(
-                    "the peer streamed a {} to {} tensor over mpt, which this pipe did not \
-                     negotiate for it",
-                    descriptor.source.kind(),
-                    descriptor.target.kind()
-                ));
+                return Err(LanesError::NotNegotiated {
+                    source_kind: descriptor.source.kind(),
+                    target_kind: descriptor.target.kind(),
+                });
             }
             let transfer_id = MptDescriptor::decode(data)
-                .map_err(|e| format!("mpt tensor: {e}"))?
+                .map_err(|source| LanesError::Descriptor { source })?
                 .transfer_id;
-            let len = usize::try_from(descriptor.len)
-                .map_err(|_| "an mpt tensor does not fit in memory".to_string())?;
+            let len = usize::try_from(descriptor.len).map_err(|_| LanesError::TooLarge)?;
             let mut bytes =
-                recycle::try_take(len).map_err(|e| format!("mpt tensor of {len} bytes: {e}"))?;
+                recycle::try_take(len).map_err(|source| LanesError::Alloc { len, source })?;
             recv.recv(transfer_id, &mut bytes)
-                .map_err(|e| e.to_string())?;
+                .map_err(|source| LanesError::Receive { source })?;
             *descriptor =
                 TensorDescriptor::inline(descriptor.source, descriptor.target, descriptor.len);
             *data = bytes;
@@ -205,9 +281,13 @@ mod tests {
         let setup =
             MptSetup::start(IpAddr::from([127, 0, 0, 1]), 2).unwrap_or_else(|e| panic!("{e}"));
         let published = format!("shm://@x;tcp://127.0.0.1:1;{}", setup.published());
-        assert_eq!(lane_address(&published), Ok(setup.listener.address()));
+        assert!(matches!(lane_address(&published), Ok(a) if a == setup.listener.address()));
         let err = lane_address("tcp://127.0.0.1:1").expect_err("no mpt entry");
-        assert!(err.contains("no mpt address"), "{err}");
+        assert!(err.to_string().contains("no mpt address"), "{err}");
+        assert!(matches!(
+            lane_address("mpt://nonsense"),
+            Err(LanesError::BadAddress { .. })
+        ));
         assert!(lane_address("mpt://nonsense").is_err());
     }
 

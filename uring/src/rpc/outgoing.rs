@@ -14,7 +14,7 @@ use super::channels::{
 };
 use super::counters::Counters;
 use super::device::Devices;
-use super::error::RpcError;
+use super::error::CallError;
 use super::message::{Message, Tensor};
 use super::registry::Registry;
 use super::transport::OwnedFrame;
@@ -46,7 +46,7 @@ pub(crate) fn tensor_frame(
     peer: &str,
     (role, negotiated, streams): (Role, &Negotiated, bool),
     reverse: bool,
-) -> Result<(), RpcError> {
+) -> Result<(), CallError> {
     let map = {
         let group = framer.registry.group();
         if reverse {
@@ -66,7 +66,7 @@ pub(crate) fn tensor_frame(
             negotiated.channel_for(role, source_kind, target_kind),
             negotiated.carrier_for(role, source_kind, target_kind),
         ) else {
-            return Err(RpcError::NoChannel {
+            return Err(CallError::NoChannel {
                 peer: peer.to_string(),
                 source_device: tensor.device.to_string(),
                 target_device: target.to_string(),
@@ -90,7 +90,7 @@ pub(crate) fn tensor_frame(
         let data = framer
             .devices
             .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
-            .map_err(|reason| RpcError::Channel {
+            .map_err(|reason| CallError::Channel {
                 channel: negotiated_channel.name(),
                 peer: peer.to_string(),
                 reason: format!("tensor {index}: {reason}"),
@@ -112,7 +112,7 @@ pub(crate) fn tensor_frame(
         )?;
     }
     framer.counters.add_channel_bytes(&moved);
-    check_limits(frame).map_err(|source| RpcError::Encode {
+    check_limits(frame).map_err(|source| CallError::Encode {
         peer: peer.to_string(),
         source: Box::new(source),
     })

@@ -6,7 +6,7 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
@@ -18,7 +18,7 @@ pub(crate) fn spawn_pool(
     rrefs: &Arc<RRefs>,
     jobs: Receiver<Job>,
     threads: usize,
-) -> Result<Vec<JoinHandle<()>>, RpcError> {
+) -> Result<Vec<JoinHandle<()>>, InitError> {
     let jobs = Arc::new(Mutex::new(jobs));
     let mut handles = Vec::with_capacity(threads);
     for index in 0..threads {
@@ -37,7 +37,7 @@ pub(crate) fn spawn_pool(
                     run_job(&shared, job);
                 }
             })
-            .map_err(|e| RpcError::Executor(format!("worker thread: {e}")))?;
+            .map_err(|e| InitError::Executor(format!("worker thread: {e}")))?;
         handles.push(handle);
     }
     Ok(handles)

@@ -43,7 +43,7 @@ pub(super) fn try_take(len: usize) -> Result<Vec<u8>, AllocFailed> {
 /// The allocator refused a buffer of `len` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("cannot allocate a {len}-byte buffer for it (out of memory)")]
-pub(super) struct AllocFailed {
+pub(crate) struct AllocFailed {
     /// The size asked for.
     pub len: usize,
 }

@@ -16,12 +16,13 @@ use std::time::Duration;
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::rref::{DebugInfo, ForkData, Leak, RRefHandle, RRefId};
 
-use super::error::RpcError;
+use super::error::{CallError, CallErrorKind, UsageError};
 use super::message::Message;
 
 /// What an [`RRef`] and `remote()` need of the agent's RRef runtime
 /// (`rref_runtime::RRefs` implements it). Errors that are about one RRef come back as
-/// text, which the handle wraps in [`RpcError::RRef`] with the RRef's id and owner.
+/// text (with their kind, for `to_here`), which the handle wraps in
+/// [`CallError::RRef`] or [`UsageError::RRef`] with the RRef's id and owner.
 pub(crate) trait RRefRuntime: Send + Sync + 'static {
     /// `remote(to, handler, message)` with a call timeout (`None`: the agent's
     /// default).
@@ -31,7 +32,7 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<RRef, RpcError>;
+    ) -> Result<RRef, CallError>;
 
     /// A `remote()` call from worker `caller` arrived, with its request `payload`: the
     /// owner's machine takes its `RemoteCall` now, in the order the pipe delivered it,
@@ -41,7 +42,7 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
     fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]);
 
     /// Turns the bytes of [`RRef::fork_to`] back into an RRef on this worker.
-    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError>;
+    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, UsageError>;
 
     /// This worker's RRef counts.
     fn debug_info(&self) -> DebugInfo;
@@ -65,13 +66,22 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
         handle: &RRefHandle,
         owner: &str,
         timeout: Duration,
-    ) -> Result<Message, String>;
+    ) -> Result<Message, RRefFailure>;
 
     /// The id of worker `name`.
-    fn worker_id(&self, name: &str) -> Result<WorkerId, RpcError>;
+    fn worker_id(&self, name: &str) -> Result<WorkerId, UsageError>;
 
     /// Forks `handle` to worker `to`.
     fn fork(&self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, String>;
+}
+
+/// Why `to_here` failed, for the handle to wrap: what kind of failure, in words.
+#[derive(Debug)]
+pub(crate) struct RRefFailure {
+    /// The kind of the failure (the call's, when the owner could not be reached).
+    pub(crate) kind: CallErrorKind,
+    /// What failed.
+    pub(crate) reason: String,
 }
 
 /// A remote reference: to a value on its owner, returned by `remote()` at once.
@@ -125,9 +135,19 @@ impl RRef {
         }
     }
 
-    /// [`RpcError::RRef`] about this RRef.
-    pub(crate) fn rref_error(&self, reason: String) -> RpcError {
-        RpcError::RRef {
+    /// [`CallError::RRef`] about this RRef.
+    pub(crate) fn call_error(&self, kind: CallErrorKind, reason: String) -> CallError {
+        CallError::RRef {
+            rref: self.handle.rref.to_string(),
+            owner: self.owner.clone(),
+            reason,
+            kind,
+        }
+    }
+
+    /// [`UsageError::RRef`] about this RRef.
+    fn usage_error(&self, reason: String) -> UsageError {
+        UsageError::RRef {
             rref: self.handle.rref.to_string(),
             owner: self.owner.clone(),
             reason,
@@ -164,27 +184,31 @@ impl RRef {
     /// The value, on the owner: `None` while the handler runs (or on a user).
     ///
     /// # Errors
-    /// [`RpcError::RRef`] with the handler's error, if it failed.
-    pub fn local_value(&self) -> Option<Result<Message, RpcError>> {
+    /// [`CallError::RRef`] (kind [`CallErrorKind::Remote`]) with the handler's error, if
+    /// it failed.
+    pub fn local_value(&self) -> Option<Result<Message, CallError>> {
         if !self.is_owner() {
             return None;
         }
         let value = self.runtime.local_value(self.handle.rref)?;
-        Some(value.map_err(|e| self.rref_error(format!("its handler failed: {e}"))))
+        Some(value.map_err(|e| {
+            self.call_error(CallErrorKind::Remote, format!("its handler failed: {e}"))
+        }))
     }
 
     /// Fetches the value (payload and tensors) from the owner, waiting for it at most
     /// `timeout` (zero: no limit).
     ///
     /// # Errors
-    /// [`RpcError::RRef`], naming the owner: the `remote()` call failed ("RRef creation
-    /// via rpc.remote() failed", as PyTorch words it), its handler failed, the value
-    /// was not ready in time, or the owner could not be reached (a dead owner fails at
-    /// once with the pipe's error).
-    pub fn to_here(&self, timeout: Duration) -> Result<Message, RpcError> {
+    /// [`CallError::RRef`], naming the owner, whose [`kind`](CallError::kind) says what
+    /// failed: the `remote()` call ("RRef creation via rpc.remote() failed", as PyTorch
+    /// words it; the call's own kind), its handler ([`CallErrorKind::Remote`]), the value
+    /// was not ready in time ([`CallErrorKind::Timeout`]), or the owner could not be
+    /// reached (a dead owner fails at once with the pipe's error and kind).
+    pub fn to_here(&self, timeout: Duration) -> Result<Message, CallError> {
         self.runtime
             .to_here(&self.handle, &self.owner, timeout)
-            .map_err(|reason| self.rref_error(reason))
+            .map_err(|failure| self.call_error(failure.kind, failure.reason))
     }
 
     /// Passes this RRef to worker `to` (pickling it): bytes to put inside a message to
@@ -194,16 +218,16 @@ impl RRef {
     /// (a user's fork is pending until its child accepts).
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`] for a worker not in the group; [`RpcError::RRef`]
+    /// [`UsageError::UnknownWorker`] for a worker not in the group; [`UsageError::RRef`]
     /// for this worker itself (clone the RRef instead), a released RRef, or one whose
     /// `remote()` call failed.
-    pub fn fork_to(&self, to: &str) -> Result<Vec<u8>, RpcError> {
+    pub fn fork_to(&self, to: &str) -> Result<Vec<u8>, UsageError> {
         let to_id = self.runtime.worker_id(to)?;
         let data = self
             .runtime
             .fork(&self.handle, to_id)
-            .map_err(|reason| self.rref_error(reason))?;
-        data.to_bytes().map_err(|e| self.rref_error(e.to_string()))
+            .map_err(|reason| self.usage_error(reason))?;
+        data.to_bytes().map_err(|e| self.usage_error(e.to_string()))
     }
 }
 

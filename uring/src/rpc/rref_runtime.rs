@@ -71,7 +71,7 @@
 //!
 //! **Ordering.** The runtime holds the agent's pieces it needs (the group and handlers,
 //! the call counts) and the agent itself only weakly: an [`RRef`] kept after its agent
-//! is gone fails its calls with [`RpcError::ShutDown`] instead of keeping the agent
+//! is gone fails its calls with [`CallError::ShutDown`] instead of keeping the agent
 //! alive.
 
 use std::collections::{HashMap, VecDeque};
@@ -87,11 +87,11 @@ use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
-use super::error::RpcError;
+use super::error::{CallError, CallErrorKind, UsageError};
 use super::lane::{Responder, Shared};
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
-use super::rref::{RRef, RRefRuntime, RRefShutdownReport};
+use super::rref::{RRef, RRefFailure, RRefRuntime, RRefShutdownReport};
 
 mod debug;
 mod pump;
@@ -113,9 +113,9 @@ struct State {
     machine: RRefContext,
     /// The owner's values: the handler's message, or its error text.
     values: HashMap<RRefId, Result<Message, String>>,
-    /// Why the `remote()` call of each user here whose call failed did so, by fork
-    /// (kept while the machine holds the user).
-    failed: HashMap<ForkId, String>,
+    /// Why the `remote()` call of each user here whose call failed did so (its kind and
+    /// text), by fork (kept while the machine holds the user).
+    failed: HashMap<ForkId, (CallErrorKind, String)>,
     /// Messages for the pump to send.
     outbox: VecDeque<Transmit>,
     /// Futures for the pump to watch (`remote()` calls).
@@ -200,14 +200,14 @@ impl RRefs {
     }
 
     /// The agent, unless it is gone.
-    fn agent(&self) -> Result<Arc<Shared>, RpcError> {
-        self.agent.upgrade().ok_or_else(|| RpcError::ShutDown {
+    fn agent(&self) -> Result<Arc<Shared>, CallError> {
+        self.agent.upgrade().ok_or_else(|| CallError::ShutDown {
             name: self.me.name().to_string(),
         })
     }
 
     /// A client of the agent.
-    fn client(&self) -> Result<RpcClient, RpcError> {
+    fn client(&self) -> Result<RpcClient, CallError> {
         Ok(RpcClient::new(self.agent()? as Arc<dyn Caller>))
     }
 

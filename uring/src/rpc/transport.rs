@@ -106,9 +106,10 @@ pub trait TransportPlugin: Send + Sync {
     /// The transport for a worker listening on `host`.
     ///
     /// # Errors
-    /// Why the transport is not viable in this process (the agent logs it and leaves
-    /// the transport out).
-    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String>;
+    /// [`TransportError::Unavailable`], with the plugin's own error as its source, when
+    /// the transport is not viable in this process (the agent logs it and leaves the
+    /// transport out).
+    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError>;
 }
 
 /// A listening endpoint.

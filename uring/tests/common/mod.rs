@@ -8,7 +8,7 @@
 use std::thread;
 use std::time::Duration;
 
-use rdzv_uring::rpc::{CallContext, Message, RpcAgent, RpcError, Tensor};
+use rdzv_uring::rpc::{CallContext, InitError, Message, RpcAgent, Tensor};
 
 /// Answers with the request.
 pub(crate) fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
@@ -84,7 +84,7 @@ pub(crate) fn spawn_peer(test: &str, env: &[(&str, &str)]) -> Peer {
 
 /// The peer process's life: serve until the parent's graceful shutdown, then exit 0
 /// (4 if `init_rpc` failed, 5 if `join` did). It exits at once if the parent goes away.
-pub(crate) fn serve_until_joined(agent: Result<RpcAgent, RpcError>) -> ! {
+pub(crate) fn serve_until_joined(agent: Result<RpcAgent, InitError>) -> ! {
     exit_when_parent_gone();
     match agent {
         Ok(agent) => match agent.join() {

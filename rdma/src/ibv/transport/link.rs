@@ -40,13 +40,63 @@ use std::sync::{Arc, Mutex};
 
 use std::time::{Duration, Instant};
 
-use rdzv_core::rpc::frame::FrameLimits;
+use rdzv_core::rpc::frame::{EncodeError, FrameLimits};
 use rdzv_uring::queue::Queue;
 use rdzv_uring::rpc::transport::OwnedFrame;
+use rdzv_uring::rpc::TransportError;
 
 use super::framing::{split_frame, ReceiveGate, FIN};
 use crate::ibv::channel::{ChannelError, IbvChannel};
 use crate::report::ErrorChain;
+
+/// Why a link failed: one variant per way, each with the channel's error where there is
+/// one (shared: the failure goes to both halves).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// Moving the queue pair to the error state (on request) failed.
+    #[error("{}", ErrorChain(.0.as_ref()))]
+    Abort(#[source] Arc<ChannelError>),
+    /// Waiting for completions or wake-ups failed.
+    #[error("{}", ErrorChain(.0.as_ref()))]
+    Wait(#[source] Arc<ChannelError>),
+    /// A frame could not be split into messages.
+    #[error("{}", ErrorChain(.0.as_ref()))]
+    Split(#[source] Arc<EncodeError>),
+    /// Posting a message failed.
+    #[error("{}", ErrorChain(.0.as_ref()))]
+    Send(#[source] Arc<ChannelError>),
+    /// Taking an arrived message failed; `expecting` is what the frame allowed next,
+    /// for a descriptor the peer should not have sent.
+    #[error("{}{}", .expecting.as_deref().map(|e| format!("receiving {e}: ")).unwrap_or_default(), ErrorChain(.source.as_ref()))]
+    Receive {
+        /// What the frame allowed next, for a bad descriptor.
+        expecting: Option<String>,
+        /// The channel's error.
+        #[source]
+        source: Arc<ChannelError>,
+    },
+    /// A message broke the frame limits.
+    #[error("{0}")]
+    Refused(#[source] Arc<TransportError>),
+    /// The bootstrap connection ended without the peer's `F`.
+    #[error("the peer dropped the RDMA connection without ending it (its process is gone?)")]
+    PeerGone,
+    /// The peer ended, but its `FIN` did not arrive within [`FIN_GRACE`].
+    #[error("the peer ended the RDMA connection but its last message did not arrive within {FIN_GRACE:?}")]
+    LastMessageLate,
+    /// The peer ended before this side ended its stream.
+    #[error("the peer closed the RDMA connection before this side ended its stream")]
+    ClosedEarly,
+    /// The peer did not read the last zero-copy buffers within [`LINGER`].
+    #[error(
+        "the peer did not read this side's last {in_flight} zero-copy messages within {LINGER:?}"
+    )]
+    Linger {
+        /// Zero-copy messages still unread.
+        in_flight: usize,
+    },
+}
 
 /// Messages waiting for the agent before the thread stops taking more from the channel
 /// (the peer then waits for ring credit).
@@ -69,9 +119,9 @@ pub struct Link {
     /// Frames to send, from the sending half.
     pub outgoing: Queue<OwnedFrame>,
     /// Messages received (or the link's failure), for the receiving half.
-    pub incoming: Queue<Result<Vec<u8>, String>>,
+    pub incoming: Queue<Result<Vec<u8>, LinkError>>,
     /// How the sending direction ended: `Ok` once the `FIN` was delivered.
-    pub sent: Queue<Result<(), String>>,
+    pub sent: Queue<Result<(), LinkError>>,
     /// Set when the receiving half is dropped: arriving messages are then discarded.
     receiver_gone: AtomicBool,
     /// Set by the thread when it stopped taking messages because `incoming` was full.
@@ -79,7 +129,7 @@ pub struct Link {
     /// Set to have the thread move the queue pair to the error state.
     abort_requested: AtomicBool,
     /// Why the link failed, once it did.
-    failure: Mutex<Option<String>>,
+    failure: Mutex<Option<LinkError>>,
     /// Written to wake the thread; the thread's end is `wake_rx`.
     wake_tx: UnixStream,
     wake_rx: UnixStream,
@@ -163,14 +213,14 @@ impl Link {
     }
 
     /// Why the link failed, if it did.
-    pub fn failure(&self) -> Option<String> {
+    pub fn failure(&self) -> Option<LinkError> {
         self.failure
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
 
-    fn fail(&self, reason: String) {
+    fn fail(&self, reason: LinkError) {
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.clone());
         let _ = self.incoming.push(Err(reason.clone()));
         let _ = self.sent.push(Err(reason));
@@ -256,18 +306,16 @@ struct Driver {
     bootstrap_ended: Option<Instant>,
 }
 
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    ErrorChain(e).to_string()
-}
-
 impl Driver {
-    fn run(&mut self) -> Result<(), String> {
+    fn run(&mut self) -> Result<(), LinkError> {
         loop {
             // Wake-ups are drained before the queues are read: one that comes later
             // keeps the socket readable, so `wait` returns at once.
             self.link.drain_wakeups();
             if self.link.abort_requested.swap(false, Ordering::SeqCst) {
-                self.channel.abort().map_err(|e| chain(&e))?;
+                self.channel
+                    .abort()
+                    .map_err(|e| LinkError::Abort(Arc::new(e)))?;
             }
             // Receiving first: it takes the completions (credit acks among them), and
             // sending takes none, so nothing that arrives before `wait` is missed.
@@ -281,24 +329,15 @@ impl Driver {
                 let late = ended.elapsed() >= FIN_GRACE;
                 if !self.fin_received {
                     if !self.peer_finished {
-                        return Err("the peer dropped the RDMA connection without ending it \
-                                    (its process is gone?)"
-                            .into());
+                        return Err(LinkError::PeerGone);
                     }
                     if late {
-                        return Err(format!(
-                            "the peer ended the RDMA connection but its last message did not \
-                             arrive within {FIN_GRACE:?}"
-                        ));
+                        return Err(LinkError::LastMessageLate);
                     }
                 } else if self.sent_done {
                     return Ok(());
                 } else if !self.link.outgoing.is_closed() || late {
-                    return Err(
-                        "the peer closed the RDMA connection before this side ended \
-                                its stream"
-                            .into(),
-                    );
+                    return Err(LinkError::ClosedEarly);
                 }
             }
             if self.sent_done && (self.fin_received || self.link.receiver_gone()) {
@@ -306,11 +345,9 @@ impl Driver {
             }
             if let Some(posted) = self.fin_posted {
                 if !self.sent_done && posted.elapsed() >= LINGER {
-                    return Err(format!(
-                        "the peer did not read this side's last {} zero-copy messages within \
-                         {LINGER:?}",
-                        self.channel.large_in_flight()
-                    ));
+                    return Err(LinkError::Linger {
+                        in_flight: self.channel.large_in_flight(),
+                    });
                 }
             }
             if busy {
@@ -333,7 +370,7 @@ impl Driver {
                 self.channel
                     .wait(&[wake, self.bootstrap.as_fd()], Some(timeout))
             };
-            waited.map_err(|e| chain(&e))?;
+            waited.map_err(|e| LinkError::Wait(Arc::new(e)))?;
             if since.elapsed() >= IDLE_REPORT {
                 tracing::trace!(
                     parts = self.parts.len(),
@@ -350,7 +387,7 @@ impl Driver {
     }
 
     /// Posts what the peer's ring has credit for; `true` if anything was posted.
-    fn send_some(&mut self) -> Result<bool, String> {
+    fn send_some(&mut self) -> Result<bool, LinkError> {
         let mut busy = false;
         loop {
             if self.parts.is_empty() {
@@ -358,7 +395,8 @@ impl Driver {
                 let closed = self.link.outgoing.is_closed();
                 match self.link.outgoing.try_pop() {
                     Some(frame) => {
-                        let messages = split_frame(frame).map_err(|e| chain(&e))?;
+                        let messages =
+                            split_frame(frame).map_err(|e| LinkError::Split(Arc::new(e)))?;
                         self.parts = messages.into_iter().map(Arc::new).collect();
                         continue;
                     }
@@ -366,7 +404,7 @@ impl Driver {
                         match self
                             .channel
                             .try_send_owned(Arc::new(FIN.to_vec()))
-                            .map_err(|e| chain(&e))?
+                            .map_err(|e| LinkError::Send(Arc::new(e)))?
                         {
                             Ok(()) => {
                                 self.fin_posted = Some(Instant::now());
@@ -382,7 +420,11 @@ impl Driver {
             let Some(part) = self.parts.pop_front() else {
                 break;
             };
-            match self.channel.try_send_owned(part).map_err(|e| chain(&e))? {
+            match self
+                .channel
+                .try_send_owned(part)
+                .map_err(|e| LinkError::Send(Arc::new(e)))?
+            {
                 Ok(()) => busy = true,
                 Err(part) => {
                     self.parts.push_front(part);
@@ -413,7 +455,7 @@ impl Driver {
     }
 
     /// Takes arrived messages while the agent has room for them; `true` if any came.
-    fn receive_some(&mut self) -> Result<bool, String> {
+    fn receive_some(&mut self) -> Result<bool, LinkError> {
         let mut busy = false;
         while !self.fin_received {
             let gone = self.link.receiver_gone();
@@ -423,11 +465,10 @@ impl Driver {
             let received = self
                 .channel
                 .try_recv_within(self.gate.next_limit())
-                .map_err(|e| match e {
-                    ChannelError::BadDescriptor { .. } => {
-                        format!("receiving {}: {}", self.gate.expecting(), chain(&e))
-                    }
-                    e => chain(&e),
+                .map_err(|e| LinkError::Receive {
+                    expecting: matches!(e, ChannelError::BadDescriptor { .. })
+                        .then(|| self.gate.expecting()),
+                    source: Arc::new(e),
                 })?;
             match received {
                 None => break,
@@ -446,7 +487,7 @@ impl Driver {
                         let _ = self.link.incoming.push(Ok(message));
                     }
                     // Nothing bounds the messages after one the gate refused.
-                    checked.map_err(|e| e.to_string())?;
+                    checked.map_err(|e| LinkError::Refused(Arc::new(e)))?;
                 }
             }
         }
@@ -498,9 +539,16 @@ mod tests {
             (&link.wake_rx).read(&mut buf),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock
         ));
-        link.fail("boom".into());
-        assert_eq!(link.failure().as_deref(), Some("boom"));
-        assert_eq!(link.incoming.try_pop(), Some(Err("boom".to_string())));
+        link.fail(LinkError::PeerGone);
+        assert!(matches!(link.failure(), Some(LinkError::PeerGone)));
+        assert!(matches!(
+            link.incoming.try_pop(),
+            Some(Err(LinkError::PeerGone))
+        ));
+        assert_eq!(
+            LinkError::PeerGone.to_string(),
+            "the peer dropped the RDMA connection without ending it (its process is gone?)"
+        );
         assert!(link.outgoing.is_closed());
     }
 }

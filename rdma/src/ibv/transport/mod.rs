@@ -11,7 +11,7 @@
 //! options.transports = Some(vec!["ibv".into(), "tcp".into()]);
 //! options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
 //! let agent = init_rpc("worker0", 0, Some(2), options)?;
-//! # Ok::<(), rdzv_uring::rpc::RpcError>(())
+//! # Ok::<(), rdzv_uring::rpc::InitError>(())
 //! ```
 //!
 //! - **Viability**: [`IbvPlugin::open`](rdzv_uring::rpc::transport::TransportPlugin::open)
@@ -70,7 +70,7 @@ use rdzv_uring::rpc::transport::{
 use rdzv_uring::rpc::TransportError;
 
 use self::framing::{Assembler, Fed};
-use self::link::Link;
+use self::link::{Link, LinkError};
 use super::channel::{ChannelOptions, IbvChannel};
 use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
@@ -214,10 +214,10 @@ impl TransportPlugin for IbvPlugin {
         TransportKind::Ibv
     }
 
-    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
+    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
         let config = match &self.config {
             Some(config) => config.clone(),
-            None => IbvConfig::from_process_env().map_err(|e| not_viable(&e.into()))?,
+            None => IbvConfig::from_process_env().map_err(|e| not_viable(e.into()))?,
         };
         match probe(&config) {
             IbvViability::Viable(selection) => Ok(Box::new(IbvTransport::with_selection(
@@ -225,13 +225,16 @@ impl TransportPlugin for IbvPlugin {
                 selection,
                 self.options.clone(),
             ))),
-            IbvViability::NotViable(reason) => Err(not_viable(&reason)),
+            IbvViability::NotViable(reason) => Err(not_viable(reason)),
         }
     }
 }
 
-fn not_viable(reason: &IbvNotViable) -> String {
-    format!("RDMA (ibverbs) is not viable: {}", ErrorChain(reason))
+fn not_viable(reason: IbvNotViable) -> TransportError {
+    TransportError::Unavailable {
+        transport: TransportKind::Ibv,
+        source: Box::new(reason),
+    }
 }
 
 /// Sets the queue pair up over `stream` and starts its link.
@@ -493,13 +496,14 @@ fn queue_frame(link: &Link, peer: &str, frame: OwnedFrame) -> Result<u64, Transp
 }
 
 fn stopped(link: &Link, peer: &str) -> TransportError {
-    let reason = link
-        .failure()
-        .unwrap_or_else(|| "the pipe is closed".to_string());
+    let source = match link.failure() {
+        Some(failure) => io::Error::new(io::ErrorKind::BrokenPipe, failure),
+        None => io::Error::new(io::ErrorKind::BrokenPipe, "the pipe is closed"),
+    };
     TransportError::Io {
         op: "send to",
         peer: peer.to_string(),
-        source: io::Error::new(io::ErrorKind::BrokenPipe, reason),
+        source,
     }
 }
 
@@ -507,7 +511,7 @@ fn stopped(link: &Link, peer: &str) -> TransportError {
 fn link_message(
     link: &Link,
     peer: &str,
-    message: Option<Result<Vec<u8>, String>>,
+    message: Option<Result<Vec<u8>, LinkError>>,
 ) -> Result<Option<Vec<u8>>, TransportError> {
     link.took_message();
     match message {
@@ -863,9 +867,10 @@ mod tests {
                 assert_eq!(transport.kind(), TransportKind::Ibv);
                 assert!(transport.domain_descriptor().starts_with("ibv:"));
             }
-            Err(reason) => {
+            Err(error) => {
+                let reason = error.to_string();
                 assert!(
-                    reason.starts_with("RDMA (ibverbs) is not viable: "),
+                    reason.starts_with("the ibv transport is not viable here: "),
                     "{reason}"
                 );
                 println!("ibv not viable here: {reason}");
@@ -882,9 +887,10 @@ mod tests {
         let reason = missing
             .open(IpAddr::V4(Ipv4Addr::LOCALHOST))
             .err()
+            .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(
-            reason.starts_with("RDMA (ibverbs) is not viable: "),
+            reason.starts_with("the ibv transport is not viable here: "),
             "{reason}"
         );
         assert!(IbvTransport::new(

@@ -13,13 +13,13 @@ impl RpcAgent {
     /// [`join_with(false, timeout)`](Self::join_with).
     ///
     /// # Errors
-    /// [`RpcError::JoinTimeout`] naming the workers that never joined, when `timeout`
-    /// passes first; [`RpcError::Store`] or [`RpcError::Join`] if the protocol fails;
-    /// [`RpcError::ShutDown`] after a shutdown. After a timeout or a failure inside the
+    /// [`ShutdownError::JoinTimeout`] naming the workers that never joined, when `timeout`
+    /// passes first; [`ShutdownError::Store`] or [`ShutdownError::Join`] if the protocol fails;
+    /// [`ShutdownError::ShutDown`] after a shutdown. After a timeout or a failure inside the
     /// barriers, every later join or graceful shutdown fails at once with
-    /// [`RpcError::Join`] (the barriers are out of step): end the group with
+    /// [`ShutdownError::Join`] (the barriers are out of step): end the group with
     /// [`shutdown(false)`](Self::shutdown) on every worker.
-    pub fn join_without_shutdown(&self, timeout: Option<Duration>) -> Result<(), RpcError> {
+    pub fn join_without_shutdown(&self, timeout: Option<Duration>) -> Result<(), ShutdownError> {
         self.join_with(false, timeout)
     }
 
@@ -28,10 +28,10 @@ impl RpcAgent {
     }
 
     /// The barrier id a join starts at, or why no join may run.
-    pub(super) fn join_start(&self) -> Result<u64, RpcError> {
+    pub(super) fn join_start(&self) -> Result<u64, ShutdownError> {
         self.join_sequence()
             .start()
-            .map_err(|source| RpcError::Join {
+            .map_err(|source| ShutdownError::Join {
                 name: self.shared.me.name().to_string(),
                 source: Box::new(source),
             })
@@ -50,13 +50,15 @@ impl RpcAgent {
 
 /// A graceful shutdown's timeout error names the timeout its caller gave, not what was
 /// left of it once the RRefs were settled.
-pub(super) fn timeout_as_asked(error: RpcError, asked: Option<Duration>) -> RpcError {
+pub(super) fn timeout_as_asked(error: ShutdownError, asked: Option<Duration>) -> ShutdownError {
     match (error, asked) {
-        (RpcError::JoinTimeout { name, missing, .. }, Some(timeout)) => RpcError::JoinTimeout {
-            name,
-            timeout,
-            missing,
-        },
+        (ShutdownError::JoinTimeout { name, missing, .. }, Some(timeout)) => {
+            ShutdownError::JoinTimeout {
+                name,
+                timeout,
+                missing,
+            }
+        }
         (error, _) => error,
     }
 }

@@ -7,8 +7,8 @@ impl RpcAgent {
     /// [`RpcClient::remote`]: an [`RRef`] to the handler's result on `to`.
     ///
     /// # Errors
-    /// [`RpcError::UnknownWorker`], at once.
-    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, RpcError> {
+    /// As [`RpcClient::remote`]: misuse or a shut down agent, at once.
+    pub fn remote(&self, to: &str, handler: &str, message: Message) -> Result<RRef, CallError> {
         self.client.remote(to, handler, message)
     }
 
@@ -22,7 +22,7 @@ impl RpcAgent {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<RRef, RpcError> {
+    ) -> Result<RRef, CallError> {
         self.client
             .remote_with_timeout(to, handler, message, timeout)
     }
@@ -31,7 +31,7 @@ impl RpcAgent {
     ///
     /// # Errors
     /// As there.
-    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, RpcError> {
+    pub fn rref_from_fork(&self, bytes: &[u8]) -> Result<RRef, UsageError> {
         self.client.rref_from_fork(bytes)
     }
 
@@ -59,7 +59,7 @@ impl RpcAgent {
     ///
     /// # Errors
     /// The call's error.
-    pub fn rref_debug_info_of(&self, rank: WorkerId) -> Result<DebugInfo, RpcError> {
+    pub fn rref_debug_info_of(&self, rank: WorkerId) -> Result<DebugInfo, CallError> {
         rref_runtime::debug_info_of(&self.rrefs, rank)
     }
 
@@ -68,7 +68,7 @@ impl RpcAgent {
     ///
     /// # Errors
     /// The call's error.
-    pub fn get_num_owners_and_forks(&self, rank: WorkerId) -> Result<(usize, usize), RpcError> {
+    pub fn get_num_owners_and_forks(&self, rank: WorkerId) -> Result<(usize, usize), CallError> {
         let info = self.rref_debug_info_of(rank)?;
         Ok((info.num_owner_rrefs, info.num_forks))
     }
@@ -77,7 +77,7 @@ impl RpcAgent {
     /// until it has `num_owners` owner RRefs and `num_forks` forks.
     ///
     /// # Errors
-    /// [`RpcError::RRefWait`] with the counts seen last after `timeout`, or a call's
+    /// [`CallError::RRefWait`] with the counts seen last after `timeout`, or a call's
     /// error.
     pub fn wait_until_owners_and_forks_on_rank(
         &self,
@@ -85,7 +85,7 @@ impl RpcAgent {
         num_forks: usize,
         rank: WorkerId,
         timeout: Duration,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), CallError> {
         rref_runtime::wait_until_owners_and_forks_on_rank(
             &self.rrefs,
             num_owners,
@@ -99,11 +99,11 @@ impl RpcAgent {
     /// control message unanswered, no user unconfirmed, no call in flight here.
     ///
     /// # Errors
-    /// [`RpcError::RRefWait`] with what was left after `timeout`.
+    /// [`CallError::RRefWait`] with what was left after `timeout`.
     pub fn wait_until_pending_futures_and_users_flushed(
         &self,
         timeout: Duration,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), CallError> {
         rref_runtime::wait_until_pending_futures_and_users_flushed(&self.rrefs, timeout)
     }
 

@@ -13,7 +13,7 @@ use crate::channel::mpt::MptDescriptor;
 use crate::channel::next_transfer_id;
 use crate::channel::xth::XthExport;
 use crate::rpc::device::{DeviceLoan, Devices, HostBytes};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::recycle;
 use crate::rpc::transport::OwnedFrame;
 
@@ -89,8 +89,8 @@ impl fmt::Debug for FrameExports {
 }
 
 /// Why a tensor could not be put into a frame.
-fn export_failed(kind: ChannelKind, peer: &str, reason: impl fmt::Display) -> RpcError {
-    RpcError::Channel {
+fn export_failed(kind: ChannelKind, peer: &str, reason: impl fmt::Display) -> CallError {
+    CallError::Channel {
         channel: kind.name(),
         peer: peer.to_string(),
         reason: format!("cannot export the tensor: {reason}"),
@@ -113,7 +113,7 @@ pub(crate) fn add_tensor(
     channel: ChannelKind,
     min_channel_bytes: u64,
     peer: &str,
-) -> Result<(), RpcError> {
+) -> Result<(), CallError> {
     let len = data.len() as u64;
     let out_of_band = channel != ChannelKind::Basic && len > 0 && len >= min_channel_bytes;
     if !out_of_band {
@@ -184,8 +184,8 @@ pub(crate) fn add_device_tensor(
     (source, target): (Device, Device),
     channel: ChannelKind,
     peer: &str,
-) -> Result<(), RpcError> {
-    let failed = |reason: &dyn fmt::Display| RpcError::Channel {
+) -> Result<(), CallError> {
+    let failed = |reason: &dyn fmt::Display| CallError::Channel {
         channel: channel.name(),
         peer: peer.to_string(),
         reason: format!("tensor {index}: cannot lend it: {reason}"),

@@ -15,7 +15,7 @@ use crate::channel::cma::{CmaDescriptor, CmaPeer};
 use crate::channel::xth::{self, XthDescriptor};
 use crate::channel::ProcessIdentity;
 use crate::rpc::device::{Devices, PipeId, StagingIn};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
 
@@ -115,13 +115,13 @@ impl PipeReader {
 
     /// The cma peer for a descriptor naming `process`: the pipe's, opened now if it is the
     /// first. A descriptor naming another process than the pipe's first is refused.
-    fn cma_peer(&self, process: &ProcessIdentity, peer: &str) -> Result<Arc<CmaPeer>, RpcError> {
+    fn cma_peer(&self, process: &ProcessIdentity, peer: &str) -> Result<Arc<CmaPeer>, CallError> {
         let mut slot = self.cma.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(open) = slot.as_ref() {
             if open.process() == process {
                 return Ok(Arc::clone(open));
             }
-            return Err(RpcError::Channel {
+            return Err(CallError::Channel {
                 channel: ChannelKind::Cma.name(),
                 peer: peer.to_string(),
                 reason: format!(
@@ -131,7 +131,7 @@ impl PipeReader {
                 ),
             });
         }
-        let opened = Arc::new(CmaPeer::open(process).map_err(|e| RpcError::Channel {
+        let opened = Arc::new(CmaPeer::open(process).map_err(|e| CallError::Channel {
             channel: ChannelKind::Cma.name(),
             peer: peer.to_string(),
             reason: e.to_string(),
@@ -188,7 +188,7 @@ impl ReceivedTensors {
     /// other than the CPU (`cuda_basic`) needs that device's runtime in `devices`.
     ///
     /// # Errors
-    /// [`RpcError::Channel`] for a channel that was not negotiated for the tensor's
+    /// [`CallError::Channel`] for a channel that was not negotiated for the tensor's
     /// devices, a descriptor that does not decode or announces another length, or a
     /// target device this worker has no runtime for.
     pub(crate) fn sort(
@@ -197,7 +197,7 @@ impl ReceivedTensors {
         role: Role,
         (reader, devices): (&Arc<PipeReader>, &Devices),
         peer: &str,
-    ) -> Result<ReceivedTensors, RpcError> {
+    ) -> Result<ReceivedTensors, CallError> {
         let mut items = Vec::with_capacity(tensors.len());
         for (index, (descriptor, data)) in tensors.into_iter().enumerate() {
             let device = descriptor.target;
@@ -207,7 +207,7 @@ impl ReceivedTensors {
                 } else {
                     ChannelKind::CudaBasic
                 };
-                return Err(RpcError::Channel {
+                return Err(CallError::Channel {
                     channel: channel.name(),
                     peer: peer.to_string(),
                     reason: format!(
@@ -225,7 +225,7 @@ impl ReceivedTensors {
                 continue;
             }
             let channel = descriptor.channel;
-            let refuse = |reason: String| RpcError::Channel {
+            let refuse = |reason: String| CallError::Channel {
                 channel: channel.name(),
                 peer: peer.to_string(),
                 reason: format!("tensor {index}: {reason}"),
@@ -328,9 +328,9 @@ impl ReceivedTensors {
     /// stages tensors for a device into its memory, and returns all tensors in order.
     ///
     /// # Errors
-    /// [`RpcError::Channel`] naming the channel, the peer and why (the peer process is
+    /// [`CallError::Channel`] naming the channel, the peer and why (the peer process is
     /// gone, ptrace access was refused, the export no longer exists, ...).
-    pub(crate) fn pull(self) -> Result<Vec<Tensor>, RpcError> {
+    pub(crate) fn pull(self) -> Result<Vec<Tensor>, CallError> {
         let ReceivedTensors {
             items,
             reader,
@@ -342,7 +342,7 @@ impl ReceivedTensors {
             let tensor = match item {
                 Incoming::Ready(tensor) => tensor,
                 Incoming::Cma { device, descriptor } => {
-                    let failed = |reason: String| RpcError::Channel {
+                    let failed = |reason: String| CallError::Channel {
                         channel: ChannelKind::Cma.name(),
                         peer: peer.clone(),
                         reason,
@@ -375,7 +375,7 @@ impl ReceivedTensors {
                     }
                 }
                 Incoming::Xth { device, descriptor } => {
-                    let failed = |reason: String| RpcError::Channel {
+                    let failed = |reason: String| CallError::Channel {
                         channel: ChannelKind::Xth.name(),
                         peer: peer.clone(),
                         reason,
@@ -410,7 +410,7 @@ impl ReceivedTensors {
                     let pipe = reader.borrowing_pipe(&devices);
                     let memory = devices
                         .borrow(pipe, channel, device, len, &descriptor)
-                        .map_err(|reason| RpcError::Channel {
+                        .map_err(|reason| CallError::Channel {
                             channel: channel.name(),
                             peer: peer.clone(),
                             reason: format!("tensor {index}: {reason}"),
@@ -430,7 +430,7 @@ impl ReceivedTensors {
                 let (data, memory) =
                     devices
                         .stage_in(tensor.device, tensor.data)
-                        .map_err(|reason| RpcError::Channel {
+                        .map_err(|reason| CallError::Channel {
                             channel: ChannelKind::CudaBasic.name(),
                             peer: peer.clone(),
                             reason: format!("tensor {index}: {reason}"),
@@ -455,12 +455,12 @@ enum PullFailed {
 
 impl PullFailed {
     /// The error of tensor `index`, read over `channel` from `peer`.
-    fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> RpcError {
+    fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> CallError {
         let (channel, reason) = match self {
             PullFailed::Read(reason) => (channel, reason),
             PullFailed::Staging(reason) => (ChannelKind::CudaBasic, reason),
         };
-        RpcError::Channel {
+        CallError::Channel {
             channel: channel.name(),
             peer: peer.to_string(),
             reason: format!("tensor {index}: {reason}"),

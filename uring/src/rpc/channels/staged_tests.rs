@@ -9,7 +9,7 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 
 use crate::rpc::device::{Devices, HostBytes, CUDA_BASIC_DESCRIPTOR};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
 use crate::rpc::transport::OwnedFrame;
@@ -291,7 +291,7 @@ fn pull_with(
     frame: &OwnedFrame,
     negotiated: &Negotiated,
     devices: &Devices,
-) -> Result<Vec<Tensor>, RpcError> {
+) -> Result<Vec<Tensor>, CallError> {
     let reader = Arc::new(PipeReader::default());
     ReceivedTensors::sort(
         entries(frame),

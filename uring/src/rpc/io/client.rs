@@ -10,7 +10,7 @@ use rdzv_core::rpc::frame::{FrameLimits, Handshake};
 use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
 use crate::rpc::channels::cpu_channel;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::lane::Lane;
 use crate::rpc::mpt::{self, MptLanes};
 use crate::rpc::transport::{
@@ -35,15 +35,15 @@ struct OpenFailure {
 }
 
 impl OpenFailure {
-    fn to_error(&self, peer: &str) -> RpcError {
+    fn to_error(&self, peer: &str) -> CallError {
         if self.connecting {
-            RpcError::Connect {
+            CallError::Connect {
                 peer: peer.to_string(),
                 address: self.address.clone(),
                 reason: self.reason.clone(),
             }
         } else {
-            RpcError::Handshake {
+            CallError::Handshake {
                 peer: peer.to_string(),
                 reason: self.reason.clone(),
             }
@@ -80,7 +80,8 @@ impl Io {
                     mpt::connect(&published, token, lanes)
                 })
                 .await
-                .unwrap_or_else(|e| Err(e.to_string()));
+                .map_err(|e| e.to_string())
+                .and_then(|opened| opened.map_err(|e| e.to_string()));
                 match opened {
                     Ok(lanes) => Some(lanes),
                     Err(reason) => {
@@ -258,7 +259,7 @@ impl Io {
             lanes_token,
         };
         sender
-            .send(handshake_frame(&hello).map_err(handshake)?)
+            .send(handshake_frame(&hello).map_err(|e| handshake(e.to_string()))?)
             .await
             .map_err(|e| handshake(e.to_string()))?;
         let reply = receiver
@@ -276,6 +277,7 @@ impl Io {
             Handshake::Refused { reason } => Err(format!("refused: {reason}")),
             Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
         })
+        .map_err(|e| e.to_string())
         .and_then(|r| r)
         .map_err(handshake)?;
         let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);

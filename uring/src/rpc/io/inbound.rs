@@ -61,7 +61,7 @@ impl Io {
                     id: self.shared.me.id(),
                     answer,
                 };
-                let frame = handshake_frame(&reply)?;
+                let frame = handshake_frame(&reply).map_err(|e| e.to_string())?;
                 Ok((
                     name.to_string(),
                     id,

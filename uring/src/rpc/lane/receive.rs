@@ -12,7 +12,7 @@ use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
 
 use super::{Lane, Machine, Shared, WAKE_POLL};
 use crate::rpc::calls::Reply;
-use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::message::Completion;
 use crate::rpc::transport::{IncomingFrame, TryRecv};
 
@@ -230,7 +230,7 @@ impl Lane {
             Reply::Pull(job) => {
                 let (completion, pulled) = job.pull();
                 let pulled = match (self.done_reading(message_id), pulled) {
-                    (Err(ReadError::PipeEnded), Ok(_)) => Err(RpcError::Channel {
+                    (Err(ReadError::PipeEnded), Ok(_)) => Err(CallError::Channel {
                         channel: self.channel_name(Role::Connector),
                         peer,
                         reason: ReadError::PipeEnded.to_string(),

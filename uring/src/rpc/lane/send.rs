@@ -11,9 +11,10 @@ use rdzv_core::rpc::pipe::{Refusal, Transmit};
 use super::{Lane, Machine, SendFailure, Shared};
 use crate::rpc::calls::Pending;
 use crate::rpc::channels::{FrameExports, Streamed};
-use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::Message;
+use crate::rpc::mpt::LanesError;
 use crate::rpc::outgoing::{response_frame, sent_bytes, tensor_frame};
 use crate::rpc::recycle;
 use crate::rpc::transport::OwnedFrame;
@@ -56,7 +57,7 @@ impl Lane {
             let name = shared.me.name().to_string();
             shared
                 .calls_table
-                .complete(&pending.completion, Err(RpcError::ShutDown { name }));
+                .complete(&pending.completion, Err(CallError::ShutDown { name }));
             return;
         }
         self.send_request(shared, message_id, handler, message);
@@ -105,7 +106,7 @@ impl Lane {
         if let Err(refusal) = accepted {
             // Never sent: this call alone fails (what it would have lent is dropped).
             if let Some(pending) = shared.calls_table.take(message_id) {
-                let error = RpcError::PipeBroken {
+                let error = CallError::PipeBroken {
                     peer: self.peer.clone(),
                     reason: refusal.to_string(),
                 };
@@ -121,9 +122,11 @@ impl Lane {
                     drop(pipe.unsent(message_id));
                 }
                 if let Some(pending) = shared.calls_table.take(message_id) {
-                    shared
-                        .calls_table
-                        .fail(pending, RpcError::InjectedFault { handler });
+                    let error = CallError::InjectedFault {
+                        peer: pending.peer.clone(),
+                        handler,
+                    };
+                    shared.calls_table.fail(pending, error);
                 }
             }
             Err(SendFailure::Broken(reason)) => self.end(shared, reason),
@@ -198,13 +201,15 @@ impl Lane {
         }
         let pushed = match self.mpt.get() {
             Some(mpt) => mpt.push(&streamed),
-            None => Err("the frame has mpt tensors, but the pipe has no mpt lanes".into()),
+            None => Err(LanesError::NoLanes),
         };
         drop(sender);
         if let Some(back) = back {
             recycle::give_all(back.tensor_data);
         }
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
-        pushed.map(|()| sent).map_err(SendFailure::Broken)
+        pushed
+            .map(|()| sent)
+            .map_err(|e| SendFailure::Broken(e.to_string()))
     }
 }

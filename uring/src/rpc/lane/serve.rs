@@ -13,7 +13,7 @@ use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
 use super::{Lane, Machine, Shared};
 use crate::rpc::channels::ReceivedTensors;
 use crate::rpc::client::{Caller, RpcClient};
-use crate::rpc::error::RpcError;
+use crate::rpc::error::CallError;
 use crate::rpc::handler::{run_handler, CallContext};
 use crate::rpc::message::Message;
 use crate::rpc::transport::IncomingFrame;
@@ -169,7 +169,7 @@ fn serve_request(
         let name = shared.me.name().to_string();
         respond(
             job.0.ctx.message_id,
-            Err(RpcError::ShutDown { name }.to_string()),
+            Err(CallError::ShutDown { name }.to_string()),
         );
     }
 }

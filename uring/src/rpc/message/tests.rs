@@ -32,7 +32,7 @@ fn await_in_another_executor() {
     let (future, cell) = RpcFuture::new();
     let t = std::thread::spawn(move || futures_lite::future::block_on(future));
     std::thread::sleep(Duration::from_millis(10));
-    cell.complete(Err(RpcError::ShutDown { name: "w".into() }));
+    cell.complete(Err(CallError::ShutDown { name: "w".into() }));
     let text = t.join().map(|r| r.map_err(|e| e.to_string()).err());
     assert_eq!(
         text.ok().flatten().as_deref(),
@@ -40,7 +40,7 @@ fn await_in_another_executor() {
     );
 }
 
-fn payload(result: Result<Message, RpcError>) -> Result<Vec<u8>, String> {
+fn payload(result: Result<Message, CallError>) -> Result<Vec<u8>, String> {
     result.map(|m| m.payload).map_err(|e| e.to_string())
 }
 
@@ -78,12 +78,12 @@ fn then_on_a_completed_future_runs_at_once() {
 fn errors_propagate_through_then_and_can_be_recovered() {
     let (future, cell) = RpcFuture::new();
     let passed = future.then(|r| r);
-    cell.complete(Err(RpcError::ShutDown { name: "w".into() }));
+    cell.complete(Err(CallError::ShutDown { name: "w".into() }));
     assert_eq!(
         payload(passed.wait()).err().as_deref(),
         Some("the RPC agent of worker w is shut down; the call did not complete")
     );
-    let recovered = RpcFuture::ready(Err(RpcError::BlockingInline))
+    let recovered = RpcFuture::ready(Err(UsageError::BlockingInline.into()))
         .then(|r| Ok(Message::from_payload(vec![u8::from(r.is_err())])));
     assert_eq!(payload(recovered.wait()), Ok(vec![1]));
 }
@@ -105,7 +105,7 @@ fn collect_all_keeps_every_result_in_order() {
     let c = RpcFuture::ready(Ok(Message::from_payload(vec![3])));
     let all = collect_all(vec![a, b, c]);
     assert!(!all.is_done());
-    cell_b.complete(Err(RpcError::FlushTimeout { pending: 1 }));
+    cell_b.complete(Err(CallError::FlushTimeout { pending: 1 }));
     assert!(!all.is_done());
     let t = std::thread::spawn(move || cell_a.complete(Ok(Message::from_payload(vec![1]))));
     let results: Vec<_> = all.wait().into_iter().map(payload).collect();
@@ -146,13 +146,13 @@ fn wait_all_returns_values_or_the_first_error_in_order() {
     let (late, cell) = RpcFuture::new();
     let t = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(5));
-        cell.complete(Err(RpcError::ShutDown {
+        cell.complete(Err(CallError::ShutDown {
             name: "late".into(),
         }))
     });
     let first = wait_all(vec![
         RpcFuture::ready(Ok(Message::default())),
-        RpcFuture::ready(Err(RpcError::FlushTimeout { pending: 2 })),
+        RpcFuture::ready(Err(CallError::FlushTimeout { pending: 2 })),
         late,
     ]);
     assert_eq!(

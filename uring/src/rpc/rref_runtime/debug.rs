@@ -10,19 +10,19 @@ use super::*;
 use crate::rpc::rref::RRefLeak;
 
 /// The debug counts of worker `rank`, asked over RPC (this worker's own, locally).
-pub(crate) fn debug_info_of(rrefs: &RRefs, rank: WorkerId) -> Result<DebugInfo, RpcError> {
+pub(crate) fn debug_info_of(rrefs: &RRefs, rank: WorkerId) -> Result<DebugInfo, CallError> {
     if rank == rrefs.me.id() {
         return Ok(rrefs.debug_info());
     }
-    let name = rrefs
-        .worker_name(rank)
-        .ok_or_else(|| RpcError::UnknownWorker {
+    let name = rrefs.worker_name(rank).ok_or_else(|| {
+        CallError::Usage(UsageError::UnknownWorker {
             name: format!("rank {}", rank.get()),
-        })?;
+        })
+    })?;
     let reply = rrefs
         .client()?
         .rpc_sync(&name, handler::DEBUG_INFO, Message::default())?;
-    decode_counts(&reply.payload).ok_or_else(|| RpcError::Remote {
+    decode_counts(&reply.payload).ok_or_else(|| CallError::Remote {
         peer: name,
         handler: handler::DEBUG_INFO.into(),
         message: format!("{} bytes are not four counts", reply.payload.len()),
@@ -36,7 +36,7 @@ pub(crate) fn wait_until_owners_and_forks_on_rank(
     num_forks: usize,
     rank: WorkerId,
     timeout: Duration,
-) -> Result<(), RpcError> {
+) -> Result<(), CallError> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
         let info = debug_info_of(rrefs, rank)?;
@@ -44,7 +44,7 @@ pub(crate) fn wait_until_owners_and_forks_on_rank(
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            return Err(RpcError::RRefWait {
+            return Err(CallError::RRefWait {
                 reason: format!(
                     "Timed out waiting {timeout:?} for {num_owners} owners and {num_forks} forks \
                      on rank {}, had {} owners and {} forks",
@@ -63,7 +63,7 @@ pub(crate) fn wait_until_owners_and_forks_on_rank(
 pub(crate) fn wait_until_pending_futures_and_users_flushed(
     rrefs: &RRefs,
     timeout: Duration,
-) -> Result<(), RpcError> {
+) -> Result<(), CallError> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
         let info = rrefs.debug_info();
@@ -72,7 +72,7 @@ pub(crate) fn wait_until_pending_futures_and_users_flushed(
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            return Err(RpcError::RRefWait {
+            return Err(CallError::RRefWait {
                 reason: format!(
                     "Timed out waiting {timeout:?} to flush pending futures and users, had {} \
                      pending RRef futures, {} pending users and {calls} calls in flight",

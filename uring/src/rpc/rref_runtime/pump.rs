@@ -216,14 +216,14 @@ pub(super) fn remote_failed(
     now: Instant,
     rref: RRefId,
     fork: ForkId,
-    error: &RpcError,
+    error: &CallError,
 ) {
-    state.failed.insert(fork, error.to_string());
+    state.failed.insert(fork, (error.kind(), error.to_string()));
     state.machine.remote_failed(now, rref, fork);
 }
 
 /// A call the pump sent (or was handed) completed.
-fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, RpcError>) {
+fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, CallError>) {
     match (sent, result) {
         (Sent::Control { to }, Ok(reply)) => match RRefMessage::from_bytes(&reply.payload) {
             Ok(ack @ RRefMessage::Ack { .. }) => state.machine.handle_message(now, to, ack),

@@ -16,8 +16,8 @@ impl RRefRuntime for RRefs {
         handler: &str,
         message: Message,
         timeout: Option<Duration>,
-    ) -> Result<RRef, RpcError> {
-        let to_id = self.worker_id(to)?;
+    ) -> Result<RRef, CallError> {
+        let to_id = self.worker_id(to).map_err(CallError::Usage)?;
         self.ensure_pump();
         let handle = self.update(|state, _| state.machine.remote(to_id));
         let rref = RRef::new(
@@ -36,7 +36,7 @@ impl RRefRuntime for RRefs {
         };
         let payload = header
             .prepend(&message.payload)
-            .map_err(|e| rref.rref_error(e.to_string()))?;
+            .map_err(|e| rref.call_error(CallErrorKind::Encode, e.to_string()))?;
         let future = self.client()?.rpc_async_with_timeout(
             to,
             handler::REMOTE,
@@ -85,21 +85,23 @@ impl RRefRuntime for RRefs {
         self.ensure_pump();
     }
 
-    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, RpcError> {
-        let data = ForkData::from_bytes(bytes).map_err(|e| RpcError::RRef {
+    fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, UsageError> {
+        let data = ForkData::from_bytes(bytes).map_err(|e| UsageError::RRef {
             rref: "?".into(),
             owner: "?".into(),
             reason: e.to_string(),
         })?;
-        let owner = self.worker_name(data.owner).ok_or_else(|| RpcError::RRef {
-            rref: data.rref.to_string(),
-            owner: format!("worker id {}", data.owner.get()),
-            reason: "its owner is not a member of this RPC group".into(),
-        })?;
+        let owner = self
+            .worker_name(data.owner)
+            .ok_or_else(|| UsageError::RRef {
+                rref: data.rref.to_string(),
+                owner: format!("worker id {}", data.owner.get()),
+                reason: "its owner is not a member of this RPC group".into(),
+            })?;
         self.ensure_pump();
         let handle = self
             .update(|state, now| state.machine.receive_fork(now, data))
-            .map_err(|e| RpcError::RRef {
+            .map_err(|e| UsageError::RRef {
                 rref: data.rref.to_string(),
                 owner: owner.clone(),
                 reason: e.to_string(),
@@ -140,16 +142,24 @@ impl RRefRuntime for RRefs {
         handle: &RRefHandle,
         owner: &str,
         timeout: Duration,
-    ) -> Result<Message, String> {
+    ) -> Result<Message, RRefFailure> {
+        let failed = |kind, reason| RRefFailure { kind, reason };
         let deadline = (!timeout.is_zero()).then(|| std::time::Instant::now() + timeout);
         if handle.is_owner() {
             return match self.wait_value(handle.rref, deadline) {
-                Ok(value) => value.map_err(|e| format!("its handler failed: {e}")),
-                Err(()) => Err(format!("the value is not ready after {timeout:?}")),
+                Ok(value) => value
+                    .map_err(|e| failed(CallErrorKind::Remote, format!("its handler failed: {e}"))),
+                Err(()) => Err(failed(
+                    CallErrorKind::Timeout,
+                    format!("the value is not ready after {timeout:?}"),
+                )),
             };
         }
         let Some(fork) = handle.fork else {
-            return Err("an RRef with no fork is its owner's".into());
+            return Err(failed(
+                CallErrorKind::Usage,
+                "an RRef with no fork is its owner's".into(),
+            ));
         };
         if let Some(error) = self.creation_failure(fork) {
             return Err(error);
@@ -159,7 +169,7 @@ impl RRefRuntime for RRefs {
             wait_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .to_bytes()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| failed(CallErrorKind::Encode, e.to_string()))?;
         let call_timeout = if timeout.is_zero() {
             Some(Duration::ZERO)
         } else {
@@ -167,9 +177,9 @@ impl RRefRuntime for RRefs {
             // later so that this answer, not a bare timeout, is what arrives.
             Some(timeout + Duration::from_millis(200))
         };
-        let client = self
-            .client()
-            .map_err(|e| format!("to_here could not reach the owner: {e}"))?;
+        let unreachable =
+            |e: CallError| failed(e.kind(), format!("to_here could not reach the owner: {e}"));
+        let client = self.client().map_err(unreachable)?;
         client
             .rpc_sync_with_timeout(
                 owner,
@@ -183,19 +193,19 @@ impl RRefRuntime for RRefs {
                     return error;
                 }
                 match e {
-                    RpcError::Remote { message, .. } => message,
-                    other => format!("to_here could not reach the owner: {other}"),
+                    CallError::Remote { message, .. } => failed(CallErrorKind::Remote, message),
+                    other => unreachable(other),
                 }
             })
     }
 
-    fn worker_id(&self, name: &str) -> Result<WorkerId, RpcError> {
+    fn worker_id(&self, name: &str) -> Result<WorkerId, UsageError> {
         self.registry
             .group()
             .peers
             .get(name)
             .map(|peer| peer.id)
-            .ok_or_else(|| RpcError::UnknownWorker {
+            .ok_or_else(|| UsageError::UnknownWorker {
                 name: name.to_string(),
             })
     }
@@ -206,7 +216,7 @@ impl RRefRuntime for RRefs {
                 let failure = handle.fork.and_then(|fork| self.creation_failure(fork));
                 match (e, failure) {
                     (RRefError::CreationFailed { .. }, Some(why)) => {
-                        format!("it cannot be forked: {why}")
+                        format!("it cannot be forked: {}", why.reason)
                     }
                     (e, _) => e.to_string(),
                 }
@@ -218,13 +228,16 @@ impl RRefs {
     /// Why the `remote()` call that made the user `fork` failed, as `to_here` says it
     /// (PyTorch: "RRef creation via rpc.remote() timed out, and it is possible that the
     /// RRef on the owner node does not exist"); `None` unless it failed.
-    fn creation_failure(&self, fork: ForkId) -> Option<String> {
+    fn creation_failure(&self, fork: ForkId) -> Option<RRefFailure> {
         let state = self.lock();
-        let error = state.failed.get(&fork)?;
-        Some(format!(
-            "RRef creation via rpc.remote() failed ({error}), and it is possible that the \
-             RRef on the owner node does not exist; call remote() again"
-        ))
+        let (kind, error) = state.failed.get(&fork)?;
+        Some(RRefFailure {
+            kind: *kind,
+            reason: format!(
+                "RRef creation via rpc.remote() failed ({error}), and it is possible that the \
+                 RRef on the owner node does not exist; call remote() again"
+            ),
+        })
     }
 
     /// `remote()` to this worker itself: the handler runs on a thread of its own.
@@ -233,7 +246,7 @@ impl RRefs {
         rref: RRefId,
         handler: &str,
         message: Message,
-    ) -> Result<(), RpcError> {
+    ) -> Result<(), CallError> {
         let ctx = CallContext {
             caller: self.me.name().to_string(),
             caller_id: self.me.id(),
@@ -250,6 +263,9 @@ impl RRefs {
                 owner.store_value(rref, result);
             })
             .map(drop)
-            .map_err(|e| RpcError::Executor(format!("RRef local handler thread: {e}")))
+            .map_err(|source| CallError::Resources {
+                what: "the RRef local handler thread",
+                source,
+            })
     }
 }

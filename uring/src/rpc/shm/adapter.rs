@@ -165,7 +165,8 @@ impl FrameSender for ShmFrameSender {
                 None => return Err(failed("the sending thread stopped".into())),
             };
             let (shm_receiver, leftover) = receiver.hand_back().await.map_err(failed)?;
-            blocking::thread_halves(sender, shm_receiver, leftover, peer.clone()).map_err(failed)
+            blocking::thread_halves(sender, shm_receiver, leftover, peer.clone())
+                .map_err(NotBlocking::Failed)
         })
     }
 }

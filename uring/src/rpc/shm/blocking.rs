@@ -27,21 +27,25 @@ pub(super) fn thread_halves(
     receiver: ShmReceiver,
     leftover: VecDeque<Received>,
     peer: Arc<str>,
-) -> Result<BlockingHalves, String> {
+) -> Result<BlockingHalves, TransportError> {
+    let duplicate = |op: &'static str| {
+        let peer = peer.to_string();
+        move |source| TransportError::Io { op, peer, source }
+    };
     let control = sender
         .control_fd()
         .try_clone_to_owned()
-        .map_err(|e| format!("duplicating the control socket: {e}"))?;
+        .map_err(duplicate("duplicate the control socket of the shm pipe to"))?;
     let stopped = Arc::new(AtomicBool::new(false));
     let wake = ShmWake {
         data: receiver
             .data_event_fd()
             .try_clone_to_owned()
-            .map_err(|e| format!("duplicating the data eventfd: {e}"))?,
+            .map_err(duplicate("duplicate the data eventfd of the shm pipe to"))?,
         control: receiver
             .control_fd()
             .try_clone_to_owned()
-            .map_err(|e| format!("duplicating the control socket: {e}"))?,
+            .map_err(duplicate("duplicate the control socket of the shm pipe to"))?,
     };
     Ok(BlockingHalves {
         sender: Box::new(ShmThreadSender {

@@ -11,14 +11,14 @@ use super::host::AgentHost;
 use super::Start;
 use crate::rpc::agent::RpcAgent;
 use crate::rpc::drive::drive_start;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 use crate::rpc::message::Message;
 use crate::rpc::registry::{Peer, Registry};
 
 /// A dynamic member's join, under the group token: the core's `DynamicJoin` (claim the
 /// rank, read the members, check device maps, start, tell every member, list this
 /// worker) driven against the store.
-pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, RpcError> {
+pub(super) fn join_dynamic(start: Start) -> Result<RpcAgent, InitError> {
     let me = start.me.clone();
     let store = Arc::clone(&start.store);
     let mut machine = DynamicJoin::new(&start.keys, &me, start.devices());
@@ -41,7 +41,7 @@ pub(super) fn register_membership_handlers(registry: &Arc<Registry>, me: &str) {
             id,
             address,
             devices,
-        } = JoinAnnouncement::decode(&m.payload)?;
+        } = JoinAnnouncement::decode(&m.payload).map_err(|e| e.to_string())?;
         let reverse = create_reverse_mapping(&me, std::slice::from_ref(&devices));
         let mut group = registry.group_mut();
         group.peers.insert(
@@ -59,7 +59,9 @@ pub(super) fn register_membership_handlers(registry: &Arc<Registry>, me: &str) {
     let weak = Arc::downgrade(registry);
     let leave = move |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> {
         let registry = weak.upgrade().ok_or("the agent is gone")?;
-        let name = decode_leave(&m.payload)?.to_string();
+        let name = decode_leave(&m.payload)
+            .map_err(|e| e.to_string())?
+            .to_string();
         let mut group = registry.group_mut();
         group.peers.remove(&name);
         let kept: DeviceMaps = group

@@ -7,7 +7,7 @@ use rdzv_core::rpc::startup::StartupGroup;
 use super::Start;
 use crate::rpc::agent::RpcAgent;
 use crate::rpc::drive::StartHost;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 use crate::rpc::message::Message;
 use crate::rpc::registry::{Group, Peer};
 
@@ -29,24 +29,26 @@ impl AgentHost {
         }
     }
 
-    fn agent(&self) -> Result<&RpcAgent, RpcError> {
+    fn agent(&self) -> Result<&RpcAgent, InitError> {
         self.agent.as_ref().ok_or_else(|| {
-            RpcError::Executor("start-up used the agent before starting it (a bug)".into())
+            InitError::Executor("start-up used the agent before starting it (a bug)".into())
         })
     }
 
     /// The started agent, once the machine is done.
-    pub(super) fn into_agent(self) -> Result<RpcAgent, RpcError> {
+    pub(super) fn into_agent(self) -> Result<RpcAgent, InitError> {
         self.agent.ok_or_else(|| {
-            RpcError::Executor("start-up finished without starting the agent (a bug)".into())
+            InitError::Executor("start-up finished without starting the agent (a bug)".into())
         })
     }
 }
 
 impl StartHost for AgentHost {
-    fn listen(&mut self) -> Result<String, RpcError> {
+    type Error = InitError;
+
+    fn listen(&mut self) -> Result<String, InitError> {
         let start = self.start.take().ok_or_else(|| {
-            RpcError::Executor("start-up asked to start the agent twice (a bug)".into())
+            InitError::Executor("start-up asked to start the agent twice (a bug)".into())
         })?;
         let agent = start.start_agent(self.world_size)?;
         let address = agent.address.clone();
@@ -54,7 +56,7 @@ impl StartHost for AgentHost {
         Ok(address)
     }
 
-    fn install(&mut self, group: &StartupGroup) -> Result<(), RpcError> {
+    fn install(&mut self, group: &StartupGroup) -> Result<(), InitError> {
         let peers = group
             .peers
             .iter()
@@ -76,9 +78,10 @@ impl StartHost for AgentHost {
         Ok(())
     }
 
-    fn call(&mut self, to: &str, method: &str, payload: &[u8]) -> Result<(), RpcError> {
+    fn call(&mut self, to: &str, method: &str, payload: &[u8]) -> Result<(), InitError> {
         self.agent()?
             .rpc_sync(to, method, Message::from_payload(payload.to_vec()))
             .map(|_| ())
+            .map_err(InitError::from)
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 use crate::rpc::io::Io;
 use crate::rpc::lane::Job;
 use crate::rpc::lane::Shared;
@@ -15,8 +15,8 @@ pub(super) fn spawn_io(
     shared: &Arc<Shared>,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
-) -> Result<(JoinHandle<()>, String), RpcError> {
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, RpcError>>();
+) -> Result<(JoinHandle<()>, String), InitError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, InitError>>();
     let shared = Arc::clone(shared);
     let name = format!("rdzv-rpc-io-{}", shared.me.name());
     let handle = std::thread::Builder::new()
@@ -27,7 +27,7 @@ pub(super) fn spawn_io(
             let executor = match built {
                 Ok(executor) => executor,
                 Err(e) => {
-                    let _ = ready_tx.send(Err(RpcError::Executor(e.to_string())));
+                    let _ = ready_tx.send(Err(InitError::Executor(e.to_string())));
                     return;
                 }
             };
@@ -37,7 +37,7 @@ pub(super) fn spawn_io(
                     match transport.listen() {
                         Ok(listener) => listeners.push(listener),
                         Err(e) => {
-                            let _ = ready_tx.send(Err(RpcError::from(e)));
+                            let _ = ready_tx.send(Err(InitError::from(e)));
                             return;
                         }
                     }
@@ -51,7 +51,7 @@ pub(super) fn spawn_io(
                 Io::run(shared, transports, listeners, jobs).await;
             });
         })
-        .map_err(|e| RpcError::Executor(e.to_string()))?;
+        .map_err(|e| InitError::Executor(e.to_string()))?;
     match ready_rx.recv() {
         Ok(Ok(address)) => Ok((handle, address)),
         Ok(Err(e)) => {
@@ -60,7 +60,7 @@ pub(super) fn spawn_io(
         }
         Err(_) => {
             let _ = handle.join();
-            Err(RpcError::Executor(
+            Err(InitError::Executor(
                 "the I/O thread exited during start".into(),
             ))
         }

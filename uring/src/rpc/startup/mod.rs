@@ -57,7 +57,7 @@ use crate::rpc::counters::{Counters, JoinGate};
 use crate::rpc::device::Devices;
 use crate::rpc::drive::{acquire_token, release_token};
 use crate::rpc::error::store_error;
-use crate::rpc::error::{RpcError, TransportError};
+use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
 use crate::rpc::lane::Shared;
 use crate::rpc::lane::{Job, Lanes};
@@ -85,26 +85,27 @@ static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// a dynamic group (the rendezvous must allow that, e.g. `tcp://`).
 ///
 /// # Errors
-/// [`RpcError::InvalidWorker`] for a bad name or rank; [`RpcError::Backends`] /
-/// [`RpcError::InvalidOption`] for unusable options (unknown transport or channel names,
-/// no worker threads); [`RpcError::DuplicateId`] for a dynamic member whose rank is
-/// taken; [`RpcError::Rendezvous`] and [`RpcError::Store`]
-/// when the store cannot be reached; [`RpcError::MixedGroup`], [`RpcError::Names`]
-/// (duplicate names) and [`RpcError::DeviceMaps`] when the group is inconsistent;
-/// [`RpcError::Transport`] / [`RpcError::Executor`] when listening fails;
-/// [`RpcError::Startup`] when other workers do not publish within the store timeout
+/// An [`InitError`]: [`InitError::InvalidWorker`] for a bad name or rank;
+/// [`InitError::Backends`] / [`InitError::InvalidOption`] for unusable options (unknown
+/// transport or channel names, no worker threads); [`InitError::DuplicateId`] for a
+/// dynamic member whose rank is taken; [`InitError::Rendezvous`] and [`InitError::Store`]
+/// when the store cannot be reached (these, and a start-up timeout, are
+/// [`InitError::is_retryable`]); [`InitError::MixedGroup`], [`InitError::Names`]
+/// (duplicate names) and [`InitError::DeviceMaps`] when the group is inconsistent;
+/// [`InitError::Transport`] / [`InitError::Executor`] when listening fails;
+/// [`InitError::Startup`] when other workers do not publish within the store timeout
 /// (it names their ranks).
 pub fn init_rpc(
     name: &str,
     rank: u32,
     world_size: Option<u32>,
     options: RpcOptions,
-) -> Result<RpcAgent, RpcError> {
-    let me =
-        WorkerInfo::new(name, i64::from(rank)).map_err(|e| RpcError::InvalidWorker(Box::new(e)))?;
+) -> Result<RpcAgent, InitError> {
+    let me = WorkerInfo::new(name, i64::from(rank))
+        .map_err(|e| InitError::InvalidWorker(Box::new(e)))?;
     if let Some(world_size) = world_size {
         if rank >= world_size {
-            return Err(RpcError::InvalidOption {
+            return Err(InitError::InvalidOption {
                 option: "rank",
                 reason: format!("rank {rank} is not below the world size {world_size}"),
             });
@@ -134,7 +135,7 @@ pub fn init_rpc(
         &ProcessEnv::snapshot(),
         &RendezvousOptions::default(),
     )
-    .map_err(|source| RpcError::Rendezvous {
+    .map_err(|source| InitError::Rendezvous {
         init_method: options.init_method.clone(),
         source: Box::new(source),
     })?;
@@ -168,7 +169,7 @@ pub fn init_rpc(
         Some(world_size) => init_static(start, world_size),
         None => {
             let token = membership_token(start.me.name(), Membership::Join);
-            acquire_token(&*start.store, &start.keys, &token, start.me.name())?;
+            acquire_token::<InitError>(&*start.store, &start.keys, &token, start.me.name())?;
             let (store, keys) = (Arc::clone(&start.store), start.keys.clone());
             let name = start.me.name().to_string();
             let joined = join_dynamic(start);
@@ -213,7 +214,7 @@ impl Start {
     }
 
     /// Starts the pool and the I/O thread; the start-up machine publishes the address.
-    pub(super) fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, RpcError> {
+    pub(super) fn start_agent(self, world_size: Option<u32>) -> Result<RpcAgent, InitError> {
         let Start {
             me,
             options,
@@ -247,7 +248,7 @@ impl Start {
         }
         let mpt = if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
             let started = MptSetup::start(host, options.mpt_lanes).map_err(|source| {
-                RpcError::from(TransportError::Listen {
+                InitError::from(TransportError::Listen {
                     address: format!("mpt://{}", SocketAddr::new(host, 0)),
                     source,
                 })
@@ -308,7 +309,7 @@ impl Start {
             }
         });
         let rrefs =
-            rrefs.ok_or_else(|| RpcError::Executor("the RRef runtime was not built".into()))?;
+            rrefs.ok_or_else(|| InitError::Executor("the RRef runtime was not built".into()))?;
         register_rref_handlers(&rrefs);
         if world_size.is_none() {
             register_membership_handlers(&shared.registry, me.name());
@@ -319,7 +320,7 @@ impl Start {
             shared
                 .calls_table
                 .start_timer()
-                .map_err(|e| RpcError::Executor(format!("timer thread: {e}")))?,
+                .map_err(|e| InitError::Executor(format!("timer thread: {e}")))?,
         );
         let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
         // The mpt lane listener's address goes last: it is no transport.
@@ -356,17 +357,17 @@ mod tests {
             Some(1),
             RpcOptions::new("file:///nonexistent"),
         );
-        assert!(matches!(bad, Err(RpcError::InvalidWorker(_))));
+        assert!(matches!(bad, Err(InitError::InvalidWorker(_))));
         let bad = init_rpc("w", 2, Some(2), RpcOptions::new("file:///nonexistent"));
         assert!(matches!(
             bad,
-            Err(RpcError::InvalidOption { option: "rank", .. })
+            Err(InitError::InvalidOption { option: "rank", .. })
         ));
         let reserved = RpcOptions::new("file:///nonexistent").with_handler(
             "__rdzv_group_join",
             |_: &crate::rpc::CallContext, m: Message| -> Result<Message, String> { Ok(m) },
         );
         let bad = init_rpc("w", 0, Some(1), reserved);
-        assert!(matches!(bad, Err(RpcError::HandlerExists { .. })));
+        assert!(matches!(bad, Err(InitError::HandlerExists { .. })));
     }
 }

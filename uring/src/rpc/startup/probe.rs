@@ -9,7 +9,7 @@ use std::sync::Arc;
 use rdzv_core::negotiate::{rank, RankError, Ranked, Ranking, TransportKind};
 
 use crate::rpc::device::Devices;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
 use crate::rpc::options::{RpcOptions, RESERVED_PREFIX};
 use crate::rpc::shm::ShmTransport;
@@ -34,23 +34,23 @@ impl RpcOptions {
     /// ```
     ///
     /// # Errors
-    /// [`RpcError::Backends`] / [`RpcError::InvalidOption`] for unusable options,
-    /// [`RpcError::HandlerExists`] for a reserved or repeated handler name, exactly as
+    /// [`InitError::Backends`] / [`InitError::InvalidOption`] for unusable options,
+    /// [`InitError::HandlerExists`] for a reserved or repeated handler name, exactly as
     /// [`init_rpc`](crate::rpc::init_rpc) gives them.
-    pub fn check(&self) -> Result<Ranked<String>, RpcError> {
+    pub fn check(&self) -> Result<Ranked<String>, InitError> {
         probe(self).map(|probed| probed.offer)
     }
 }
 
 /// `rank`'s refusal as the error `init_rpc` gives.
-fn rank_error(error: RankError) -> RpcError {
+fn rank_error(error: RankError) -> InitError {
     let option = error.option();
     match error {
-        RankError::Names { source, .. } => RpcError::Backends {
+        RankError::Names { source, .. } => InitError::Backends {
             option,
             source: Box::new(source),
         },
-        other => RpcError::InvalidOption {
+        other => InitError::InvalidOption {
             option,
             reason: other.to_string(),
         },
@@ -72,15 +72,15 @@ pub(crate) struct Probed {
 /// listed transport plugins, the device runtimes, the channels), then lets the core
 /// rank the offer ([`rdzv_core::negotiate::rank`]). [`init_rpc`](crate::rpc::init_rpc) and
 /// [`RpcOptions::check`] both start here.
-pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, RpcError> {
+pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
     if options.num_worker_threads == 0 {
-        return Err(RpcError::InvalidOption {
+        return Err(InitError::InvalidOption {
             option: "num_worker_threads",
             reason: "at least one thread must run handlers".into(),
         });
     }
     if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
-        return Err(RpcError::InvalidOption {
+        return Err(InitError::InvalidOption {
             option: "mpt_lanes",
             reason: format!(
                 "{} lanes: a pipe opens 1 to {}",
@@ -96,16 +96,17 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, RpcError> {
         TransportKind::Shm,
         shm.as_ref().map(|_| ()).map_err(ToString::to_string),
     )];
-    here.extend(
-        plugged
-            .iter()
-            .map(|(kind, opened)| (*kind, opened.as_ref().map(|_| ()).map_err(Clone::clone))),
-    );
+    here.extend(plugged.iter().map(|(kind, opened)| {
+        (
+            *kind,
+            opened.as_ref().map(|_| ()).map_err(ToString::to_string),
+        )
+    }));
     here.push((TransportKind::Tcp, Ok(())));
     // The runtimes open whatever the channels: they also count the devices that the
     // device maps are checked against.
     let devices =
-        Devices::open(&options.device_plugins).map_err(|reason| RpcError::InvalidOption {
+        Devices::open(&options.device_plugins).map_err(|reason| InitError::InvalidOption {
             option: "device_plugins",
             reason,
         })?;
@@ -135,7 +136,7 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, RpcError> {
                 .insert(handler_name.clone(), Arc::clone(handler))
                 .is_some()
         {
-            return Err(RpcError::HandlerExists {
+            return Err(InitError::HandlerExists {
                 name: handler_name.clone(),
             });
         }
@@ -150,17 +151,20 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, RpcError> {
 }
 
 /// A plugged-in transport opened for this worker, or why it is not viable.
-type Plugged = (TransportKind, Result<Box<dyn Transport + Send>, String>);
+type Plugged = (
+    TransportKind,
+    Result<Box<dyn Transport + Send>, TransportError>,
+);
 
 /// Opens the plugins whose kind the `transports` option may offer (all of them when it
 /// is `None`), first plugin of a kind only.
-fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, RpcError> {
+fn open_plugins(options: &RpcOptions) -> Result<Vec<Plugged>, InitError> {
     let mut opened: Vec<Plugged> = Vec::new();
     let mut host = None;
     for plugin in &options.transport_plugins {
         let kind = plugin.kind();
         if matches!(kind, TransportKind::Tcp | TransportKind::Shm) {
-            return Err(RpcError::InvalidOption {
+            return Err(InitError::InvalidOption {
                 option: "transport_plugins",
                 reason: format!("transport {kind} is built in and cannot be plugged in"),
             });
@@ -216,7 +220,7 @@ mod tests {
         names: Option<&[String]>,
         shm_viable: Result<(), &str>,
         plugins: &[(TransportKind, Option<&str>)],
-    ) -> Result<Vec<(TransportKind, i64)>, RpcError> {
+    ) -> Result<Vec<(TransportKind, i64)>, InitError> {
         let mut here = vec![(TransportKind::Shm, shm_viable.map_err(str::to_string))];
         here.extend(
             plugins
@@ -240,7 +244,7 @@ mod tests {
     fn ranked_channels(
         names: Option<&[String]>,
         viability: impl Fn(ChannelKind) -> Result<String, String>,
-    ) -> Result<Vec<(ChannelKind, i64, String)>, RpcError> {
+    ) -> Result<Vec<(ChannelKind, i64, String)>, InitError> {
         let here = [(TransportKind::Tcp, Ok(()))];
         rank(
             None,
@@ -279,16 +283,16 @@ mod tests {
             Ok([(TransportKind::Shm, _)])
         ));
         let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])), viable, &[]);
-        assert!(matches!(unknown, Err(RpcError::Backends { .. })));
+        assert!(matches!(unknown, Err(InitError::Backends { .. })));
         let text = unknown.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("carrier-pigeon"), "{text}");
         assert!(matches!(
             ranked_transports(Some(&names(&["ibv", "tcp"])), viable, &[]),
-            Err(RpcError::InvalidOption { .. })
+            Err(InitError::InvalidOption { .. })
         ));
         assert!(matches!(
             ranked_transports(Some(&names(&[])), viable, &[]),
-            Err(RpcError::InvalidOption { .. })
+            Err(InitError::InvalidOption { .. })
         ));
     }
 
@@ -317,8 +321,11 @@ mod tests {
             self.0
         }
 
-        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, String> {
-            self.1.map_err(str::to_string)?;
+        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
+            self.1.map_err(|reason| TransportError::Unavailable {
+                transport: self.0,
+                source: reason.into(),
+            })?;
             Ok(Box::new(TcpTransport::new(host)))
         }
     }
@@ -363,7 +370,7 @@ mod tests {
         let opened = open_plugins(&options).unwrap_or_default();
         assert!(matches!(
             opened.as_slice(),
-            [(TransportKind::Ibv, Err(reason))] if reason == "no verbs here"
+            [(TransportKind::Ibv, Err(reason))] if reason.to_string() == "the ibv transport is not viable here: no verbs here"
         ));
         options.transports = Some(vec!["tcp".into()]);
         assert!(open_plugins(&options).is_ok_and(|o| o.is_empty()));
@@ -374,7 +381,7 @@ mod tests {
         options.transport_plugins = vec![Arc::new(FakePlugin(TransportKind::Tcp, Ok(())))];
         assert!(matches!(
             open_plugins(&options),
-            Err(RpcError::InvalidOption {
+            Err(InitError::InvalidOption {
                 option: "transport_plugins",
                 ..
             })
@@ -385,7 +392,7 @@ mod tests {
     fn channels_option() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let viable = |kind: ChannelKind| Ok(format!("{kind}:here"));
-        let kinds = |r: Result<Vec<(ChannelKind, i64, String)>, RpcError>| {
+        let kinds = |r: Result<Vec<(ChannelKind, i64, String)>, InitError>| {
             r.map(|v| v.into_iter().map(|(k, p, _)| (k, p)).collect::<Vec<_>>())
         };
         assert!(matches!(
@@ -411,15 +418,15 @@ mod tests {
         ));
         assert!(matches!(
             ranked_channels(Some(&names(&["basic", "basic"])), viable),
-            Err(RpcError::Backends { .. })
+            Err(InitError::Backends { .. })
         ));
         // Unknown names, and channels this build does not run, are errors.
         assert!(matches!(
             ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
-            Err(RpcError::Backends { .. })
+            Err(InitError::Backends { .. })
         ));
         let unknown = ranked_channels(Some(&names(&["cuda_magic", "basic"])), viable);
-        assert!(matches!(unknown, Err(RpcError::Backends { .. })));
+        assert!(matches!(unknown, Err(InitError::Backends { .. })));
         // A channel that cannot work here is left out; if nothing is left, that is an
         // error that says why.
         let no_cma = |kind: ChannelKind| match kind {
@@ -478,7 +485,7 @@ mod tests {
         );
         assert!(matches!(
             reserved.check(),
-            Err(RpcError::HandlerExists { .. })
+            Err(InitError::HandlerExists { .. })
         ));
     }
 

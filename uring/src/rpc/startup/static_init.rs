@@ -9,9 +9,9 @@ use super::host::AgentHost;
 use super::Start;
 use crate::rpc::agent::RpcAgent;
 use crate::rpc::drive::drive_start;
-use crate::rpc::error::RpcError;
+use crate::rpc::error::InitError;
 
-pub(super) fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, RpcError> {
+pub(super) fn init_static(start: Start, world_size: u32) -> Result<RpcAgent, InitError> {
     let me = start.me.clone();
     let store = Arc::clone(&start.store);
     // Each wait for the other workers lasts what one blocking store call may.

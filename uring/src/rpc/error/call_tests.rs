@@ -1,0 +1,241 @@
+//! Every kind of [`CallError`]: its kind, whether it is retryable, its peer, its text.
+
+use rdzv_core::rpc::frame::EncodeError;
+use rdzv_core::rpc::timeouts::RpcTimeoutError;
+
+use super::{CallError, CallErrorKind};
+use crate::rpc::error::{RpcError, UsageError};
+
+fn peer() -> String {
+    "bob".to_string()
+}
+
+/// One error of every variant, with the kind, retryability and peer it must report.
+fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> {
+    use CallErrorKind as K;
+    vec![
+        (
+            CallError::Timeout {
+                peer: peer(),
+                error: RpcTimeoutError { timeout_ms: 50 },
+            },
+            K::Timeout,
+            true,
+            Some("bob"),
+        ),
+        (
+            CallError::Remote {
+                peer: peer(),
+                handler: "echo".into(),
+                message: "boom".into(),
+            },
+            K::Remote,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::Connect {
+                peer: peer(),
+                address: "tcp://127.0.0.1:1".into(),
+                reason: "refused".into(),
+            },
+            K::Connect,
+            true,
+            Some("bob"),
+        ),
+        (
+            CallError::Handshake {
+                peer: peer(),
+                reason: "no common transport".into(),
+            },
+            K::Handshake,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::PipeBroken {
+                peer: peer(),
+                reason: "reset".into(),
+            },
+            K::PipeBroken,
+            true,
+            Some("bob"),
+        ),
+        (
+            CallError::NoChannel {
+                peer: peer(),
+                source_device: "cuda:0".into(),
+                target_device: "cpu".into(),
+            },
+            K::NoChannel,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::Channel {
+                channel: "cma",
+                peer: peer(),
+                reason: "the peer process is gone".into(),
+            },
+            K::Channel,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::Encode {
+                peer: peer(),
+                source: Box::new(EncodeError::DataCount {
+                    expected: 2,
+                    given: 1,
+                }),
+            },
+            K::Encode,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::InjectedFault {
+                peer: peer(),
+                handler: "echo".into(),
+            },
+            K::InjectedFault,
+            true,
+            Some("bob"),
+        ),
+        (
+            CallError::ShutDown { name: "me".into() },
+            K::ShutDown,
+            false,
+            None,
+        ),
+        (
+            CallError::FlushTimeout { pending: 3 },
+            K::Timeout,
+            true,
+            None,
+        ),
+        (
+            CallError::RRefWait {
+                reason: "still 2 owners".into(),
+            },
+            K::Timeout,
+            true,
+            None,
+        ),
+        (
+            CallError::RRef {
+                rref: "GloballyUniqueId(1, 2)".into(),
+                owner: peer(),
+                reason: "its handler failed: boom".into(),
+                kind: K::Remote,
+            },
+            K::Remote,
+            false,
+            Some("bob"),
+        ),
+        (
+            CallError::RRef {
+                rref: "GloballyUniqueId(1, 2)".into(),
+                owner: peer(),
+                reason: "to_here could not reach the owner".into(),
+                kind: K::PipeBroken,
+            },
+            K::PipeBroken,
+            true,
+            Some("bob"),
+        ),
+        (
+            CallError::Resources {
+                what: "a thread",
+                source: std::io::Error::other("no memory"),
+            },
+            K::Resources,
+            false,
+            None,
+        ),
+        (
+            UsageError::UnknownWorker { name: peer() }.into(),
+            K::Usage,
+            false,
+            Some("bob"),
+        ),
+        (UsageError::BlockingInline.into(), K::Usage, false, None),
+    ]
+}
+
+#[test]
+fn every_kind_reports_its_kind_retryability_and_peer() {
+    for (error, kind, retryable, peer) in every_error() {
+        assert_eq!(error.kind(), kind, "{error:?}");
+        assert_eq!(error.is_retryable(), retryable, "{error:?}");
+        assert_eq!(error.peer(), peer, "{error:?}");
+        assert_eq!(
+            error.is_timeout(),
+            kind == CallErrorKind::Timeout,
+            "{error:?}"
+        );
+        assert_eq!(
+            error.is_remote(),
+            kind == CallErrorKind::Remote,
+            "{error:?}"
+        );
+        assert_eq!(error.is_usage(), kind == CallErrorKind::Usage, "{error:?}");
+        assert_eq!(
+            error.usage().is_some(),
+            matches!(error, CallError::Usage(_))
+        );
+        assert!(!error.to_string().is_empty());
+        // The umbrella keeps the text and the rule.
+        let text = error.to_string();
+        let any = RpcError::from(error);
+        assert_eq!(any.to_string(), text);
+        assert_eq!(any.is_retryable(), retryable);
+    }
+}
+
+#[test]
+fn the_retry_rule_is_the_documented_one() {
+    use CallErrorKind as K;
+    let retryable = [K::Timeout, K::PipeBroken, K::Connect, K::InjectedFault];
+    let not = [
+        K::Remote,
+        K::Handshake,
+        K::NoChannel,
+        K::Channel,
+        K::Encode,
+        K::ShutDown,
+        K::Resources,
+        K::Usage,
+    ];
+    assert!(retryable.iter().all(|k| k.is_retryable()));
+    assert!(not.iter().all(|k| !k.is_retryable()));
+}
+
+#[test]
+fn pytorch_texts_are_kept() {
+    let timeout = CallError::Timeout {
+        peer: peer(),
+        error: RpcTimeoutError { timeout_ms: 50 },
+    };
+    assert_eq!(
+        timeout.to_string(),
+        "RPC ran for more than set timeout (50 ms) and will now be marked with an error"
+    );
+    let injected = CallError::InjectedFault {
+        peer: peer(),
+        handler: "echo".into(),
+    };
+    assert_eq!(
+        injected.to_string(),
+        "Send attempt failed intentionally for echo"
+    );
+    assert_eq!(
+        CallError::FlushTimeout { pending: 2 }.to_string(),
+        "Timed out waiting to flush pending futures, had 2 pending futures"
+    );
+    let usage = CallError::from(UsageError::UnknownWorker { name: peer() });
+    assert_eq!(
+        usage.to_string(),
+        UsageError::UnknownWorker { name: peer() }.to_string()
+    );
+}
