@@ -28,9 +28,9 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime,
-    HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError, RpcOptions, StagedBytes,
-    StagedReceive, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceLoan, DeviceMemory, DeviceOp,
+    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError,
+    RpcOptions, StagedBytes, StagedReceive, Tensor,
 };
 
 mod common;
@@ -102,12 +102,15 @@ impl DeviceRuntime for HostCuda {
         usize::from(self.gpus)
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("not memory of this runtime")?;
+            .ok_or_else(|| DeviceError::new(DeviceOp::CopyToHost, "not memory of this runtime"))?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
-            return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
+            return Err(DeviceError::new(
+                DeviceOp::CopyToHost,
+                format!("fake cuMemcpyDtoH failed on {}", memory.device()),
+            ));
         }
         // Staged into memory of the runtime's own, which the CPU channel reads in place.
         Ok(HostBytes::staged(Pinned(memory.bytes().to_vec())))
@@ -123,28 +126,29 @@ impl DeviceRuntime for HostCuda {
         ]
     }
 
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let failed = |why: String| DeviceError::new(DeviceOp::Lend, why);
         if channel != ChannelKind::CudaIpc {
-            return Err(format!(
+            return Err(failed(format!(
                 "asked to lend over {channel}, which was not offered"
-            ));
+            )));
         }
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("not memory of this runtime")?;
+            .ok_or_else(|| failed("not memory of this runtime".into()))?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
-            return Err(format!(
+            return Err(failed(format!(
                 "fake cuIpcGetMemHandle failed on {}",
                 memory.device()
-            ));
+            )));
         }
         let path = std::env::temp_dir().join(format!(
             "rdzv-fake-ipc-{}-{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::write(&path, memory.bytes()).map_err(|e| e.to_string())?;
+        std::fs::write(&path, memory.bytes()).map_err(|e| DeviceError::new(DeviceOp::Lend, e))?;
         Ok(DeviceLoan {
             descriptor: format!("{FAKE_IPC}{}", path.display()).into_bytes(),
             hold: Box::new(LoanFile(path)),
@@ -157,20 +161,25 @@ impl DeviceRuntime for HostCuda {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
+        let failed = |why: String| DeviceError::new(DeviceOp::Borrow, why);
         if channel != ChannelKind::CudaIpc {
-            return Err(format!(
+            return Err(failed(format!(
                 "asked to borrow over {channel}, which was not offered"
-            ));
+            )));
         }
         let path = std::str::from_utf8(descriptor)
             .ok()
             .and_then(|d| d.strip_prefix(FAKE_IPC))
-            .ok_or("not a fake IPC descriptor")?;
+            .ok_or_else(|| failed("not a fake IPC descriptor".into()))?;
         // The loan is still held: the file is there until the peer gets its answer.
-        let bytes = std::fs::read(path).map_err(|e| format!("fake cuIpcOpenMemHandle: {e}"))?;
+        let bytes =
+            std::fs::read(path).map_err(|e| failed(format!("fake cuIpcOpenMemHandle: {e}")))?;
         if bytes.len() as u64 != len {
-            return Err(format!("the loan holds {} bytes, not {len}", bytes.len()));
+            return Err(failed(format!(
+                "the loan holds {} bytes, not {len}",
+                bytes.len()
+            )));
         }
         self.copy_from_host(device, bytes)
     }
@@ -182,7 +191,7 @@ impl DeviceRuntime for HostCuda {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         with_pipes(&self.store, |(borrowed, ended)| {
             assert!(
                 !ended.contains(&pipe),
@@ -207,7 +216,7 @@ impl DeviceRuntime for HostCuda {
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
         Ok(Some(Box::new(ChunkedIn {
             runtime: HostCuda {
                 gpus: self.gpus,
@@ -220,12 +229,15 @@ impl DeviceRuntime for HostCuda {
         })))
     }
 
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
+        let failed = |why: String| DeviceError::new(DeviceOp::CopyFromHost, why);
         if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
-            return Err(format!("this process has no {device}"));
+            return Err(failed(format!("this process has no {device}")));
         }
         if bytes.len() == FAILS_TO_ARRIVE {
-            return Err(format!("fake cuMemAlloc: out of memory on {device}"));
+            return Err(failed(format!(
+                "fake cuMemAlloc: out of memory on {device}"
+            )));
         }
         Ok(gpu_tensor(device, bytes))
     }
@@ -257,23 +269,29 @@ impl StagedReceive for ChunkedIn {
     fn chunk_len(&self) -> usize {
         CHUNK
     }
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
         if k != self.filled {
-            return Err(format!("chunk {k} asked for, {} expected", self.filled));
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("chunk {k} asked for, {} expected", self.filled),
+            ));
         }
         let len = CHUNK.min(self.bytes.len() - k * CHUNK);
         Ok(&mut self.buffer[..len])
     }
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
         let offset = k * CHUNK;
         let len = CHUNK.min(self.bytes.len() - offset);
         self.bytes[offset..offset + len].copy_from_slice(&self.buffer[..len]);
         self.filled += 1;
         Ok(())
     }
-    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String> {
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
         if self.filled != self.bytes.len().div_ceil(CHUNK) {
-            return Err("not every chunk was filled".into());
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "not every chunk was filled",
+            ));
         }
         self.runtime.copy_from_host(self.device, self.bytes)
     }
@@ -285,7 +303,7 @@ impl DevicePlugin for HostCudaPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         Ok(Arc::new(HostCuda {
             gpus: self.0,
             store: self.1.clone(),
@@ -569,8 +587,12 @@ fn lending_failures_fail_only_their_call() {
         Device::cuda(0),
         vec![0; FAILS_TO_LEAVE],
     )));
+    // What failed, where (the device and channel), then the runtime's reason.
     assert!(
-        text.contains("cuda_ipc") && text.contains("fake cuIpcGetMemHandle failed on cuda:0"),
+        text.contains(
+            "tensor 0: cannot lend a tensor on cuda:0 over cuda_ipc: fake cuIpcGetMemHandle \
+             failed on cuda:0"
+        ),
         "{text}"
     );
     let text = call(Tensor::on_device(gpu_tensor(
@@ -715,7 +737,10 @@ fn staging_failures_fail_only_their_call() {
         vec![0; FAILS_TO_LEAVE],
     )));
     assert!(
-        text.contains("cuda_basic") && text.contains("fake cuMemcpyDtoH failed on cuda:0"),
+        text.contains(
+            "tensor 0: cannot copy a tensor to the host on cuda:0 over cuda_basic: fake \
+             cuMemcpyDtoH failed on cuda:0"
+        ),
         "{text}"
     );
     // The receiver's runtime cannot allocate it.

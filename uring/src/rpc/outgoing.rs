@@ -90,10 +90,10 @@ pub(crate) fn tensor_frame(
         let data = framer
             .devices
             .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
-            .map_err(|reason| RpcError::Channel {
+            .map_err(|e| RpcError::Channel {
                 channel: negotiated_channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
+                reason: format!("tensor {index}: {}", e.report()),
             })?;
         let channel = match carrier {
             ChannelKind::Mpt if !streams => ChannelKind::Basic,

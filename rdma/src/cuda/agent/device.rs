@@ -12,14 +12,13 @@ use rdzv_core::device::Device;
 use super::ipc::{DriverOpener, EventOpener, LoanEvent, LOAN_EVENTS_UP_FRONT};
 use super::staged::PinnedBacking;
 use super::tensor_memory::{CudaMemory, Storage};
-use super::{lock, CudaOptions};
+use super::{lock, Cause, CudaOptions};
 use crate::cuda::caching_allocator::{BackingAllocator, CachingAllocator};
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
 use crate::cuda::memory::{
     copy_unified_async, DeviceAllocation, DeviceRange, DeviceSource, Gpu, RawEvent, StagingBuffer,
 };
-use crate::report::ErrorChain;
 
 /// What the runtime keeps per opened device. Field order is drop order: opened events
 /// and mappings first, then the staging buffers and events, the streams, the cached
@@ -111,15 +110,11 @@ impl DeviceState {
     }
 
     /// `len` bytes from the device's cache (nothing for 0 bytes).
-    pub(super) fn alloc(&self, len: usize) -> Result<CudaMemory, String> {
+    pub(super) fn alloc(&self, len: usize) -> Result<CudaMemory, Cause> {
         let storage = if len == 0 {
-            Storage::Own(self.gpu.alloc(0).map_err(|e| ErrorChain(&e).to_string())?)
+            Storage::Own(self.gpu.alloc(0)?)
         } else {
-            Storage::Cached(
-                self.allocator
-                    .allocate(len)
-                    .map_err(|e| ErrorChain(&e).to_string())?,
-            )
+            Storage::Cached(self.allocator.allocate(len)?)
         };
         Ok(CudaMemory::new(self.device, len, storage))
     }

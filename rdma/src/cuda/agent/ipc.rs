@@ -82,16 +82,15 @@ pub(super) fn lend(
     process: ProcessIdentity,
     memory: &DeviceBuffer,
     own: &CudaMemory,
-) -> Result<DeviceLoan, String> {
-    let failed = |e: CudaChannelError| ErrorChain(&e).to_string();
-    let handle = own.allocation().ipc_handle().map_err(failed)?;
-    let event = state.take_loan_event().map_err(failed)?;
-    state.gpu.bind().map_err(failed)?;
+) -> Result<DeviceLoan, CudaChannelError> {
+    let handle = own.allocation().ipc_handle()?;
+    let event = state.take_loan_event()?;
+    state.gpu.bind()?;
     {
         let ready = own.ready_event();
         let mut stream = DriverStream(state.stream());
         // On failure the event is dropped: it may hold a half-made record.
-        loan_events::fence_loan(&mut stream, ready.as_ref(), &event.event).map_err(failed)?;
+        loan_events::fence_loan(&mut stream, ready.as_deref(), &event.event)?;
     }
     let descriptor = CudaIpcDescriptor {
         process,

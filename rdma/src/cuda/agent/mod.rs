@@ -89,7 +89,8 @@ use rdzv_core::device::Device;
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
 use rdzv_uring::rpc::{
-    DeviceBuffer, DeviceLoan, DeviceMemory, DeviceRuntime, HostBytes, PipeId, StagedReceive,
+    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp,
+    DeviceRuntime, HostBytes, PipeId, StagedReceive,
 };
 
 use super::channel_error::CudaChannelError;
@@ -128,6 +129,11 @@ pub struct CudaRuntime {
     gdr_node: Mutex<Option<Arc<GdrNode>>>,
     registrars: Mutex<Vec<Option<GdrRegistrar>>>,
 }
+
+/// Why a step of the runtime failed: a typed error of this crate (a
+/// [`CudaChannelError`], whose chain names the driver call, its `CUresult` and what to
+/// do), or a text; it becomes the source of the seam's `DeviceError`.
+type Cause = DeviceErrorSource;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -191,8 +197,8 @@ impl CudaRuntime {
     }
 
     /// The opened device `device` (opened now if it is the first use).
-    fn device(&self, device: Device) -> Result<Arc<DeviceState>, String> {
-        let ordinal = ordinal(device)?;
+    fn device(&self, device: Device) -> Result<Arc<DeviceState>, Cause> {
+        let ordinal = cuda_ordinal(device)?;
         let mut devices = lock(&self.devices);
         let slot = devices.get_mut(ordinal).ok_or_else(|| {
             format!(
@@ -203,21 +209,18 @@ impl CudaRuntime {
         if let Some(state) = slot {
             return Ok(Arc::clone(state));
         }
-        let state = Arc::new(
-            DeviceState::open(device, ordinal, &self.options)
-                .map_err(|e| ErrorChain(&e).to_string())?,
-        );
+        let state = Arc::new(DeviceState::open(device, ordinal, &self.options)?);
         *slot = Some(Arc::clone(&state));
         Ok(state)
     }
 
-    fn process(&self) -> Result<ProcessIdentity, String> {
-        self.process.clone()
+    fn process(&self) -> Result<ProcessIdentity, Cause> {
+        self.process.clone().map_err(Cause::from)
     }
 
     /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
     /// offered.
-    fn gdr_node(&self) -> Result<Arc<GdrNode>, String> {
+    fn gdr_node(&self) -> Result<Arc<GdrNode>, Cause> {
         self.gdr.as_ref().map_err(Clone::clone)?;
         let mut node = lock(&self.gdr_node);
         if let Some(node) = node.as_ref() {
@@ -226,10 +229,9 @@ impl CudaRuntime {
         let selection = match crate::ibv::probe_env() {
             IbvViability::Viable(selection) => selection,
             IbvViability::NotViable(reason) => {
-                return Err(format!(
-                    "cuda_gdr: no usable RDMA device: {}",
-                    ErrorChain(&reason)
-                ))
+                return Err(
+                    format!("cuda_gdr: no usable RDMA device: {}", ErrorChain(&reason)).into(),
+                )
             }
         };
         let configured = std::env::var(gdr_lending::ENV_GDR_ADDR).ok();
@@ -251,7 +253,7 @@ impl CudaRuntime {
         node: &GdrNode,
         ordinal: usize,
         allocation: &DeviceAllocation,
-    ) -> Result<Arc<GdrRegistration>, String> {
+    ) -> Result<Arc<GdrRegistration>, Cause> {
         let gpu = allocation.gpu().clone();
         let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
             format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
@@ -270,9 +272,7 @@ impl CudaRuntime {
                 1,
             )
         });
-        let registration = registrar
-            .register(allocation.range())
-            .map_err(|e| ErrorChain(&e).to_string());
+        let registration = registrar.register(allocation.range()).map_err(Cause::from);
         // Nothing stays cached: the caller's handle is the only one, so the registration
         // ends with the loan (or the read), before the allocation can be freed.
         registrar.forget_all();
@@ -288,40 +288,40 @@ impl CudaRuntime {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, Cause> {
         let me = self.process()?;
-        let target = ordinal(device)?;
+        let target = cuda_ordinal(device)?;
         let to_usize =
             |len: u64| usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"));
         match channel {
             ChannelKind::CudaXth => {
-                let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                let lent = CudaXthDescriptor::decode(descriptor)?;
                 check_lent_length(channel, lent.length, len)?;
                 if lent.process != me {
                     return Err(format!(
                         "the memory was lent by pid {}, not by this process (pid {}): \
                          cuda_xth works within one process",
                         lent.process.pid, me.pid
-                    ));
+                    )
+                    .into());
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
                 // Only read: the lender holds the memory until this side answered.
                 let src = DeviceSource::named_by_peer(lent.address, memory.len());
-                state
-                    .copy_device(memory.range(), src)
-                    .map_err(|e| ErrorChain(&e).to_string())?;
+                state.copy_device(memory.range(), src)?;
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaIpc => {
-                let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
+                let lent = CudaIpcDescriptor::decode(descriptor)?;
                 check_lent_length(channel, lent.length, len)?;
                 if let Some(what) = me.mismatch(&lent.process) {
                     return Err(format!(
                         "the memory was lent by pid {} under another {what}: cuda_ipc works \
                          between processes of one host",
                         lent.process.pid
-                    ));
+                    )
+                    .into());
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
@@ -334,7 +334,7 @@ impl CudaRuntime {
                     offset: to_usize(lent.offset)?,
                     target,
                 };
-                ipc::borrow(&state, how, &memory).map_err(|e| ErrorChain(&e).to_string())?;
+                ipc::borrow(&state, how, &memory)?;
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaGdr => {
@@ -346,93 +346,34 @@ impl CudaRuntime {
                 }
                 let node = self.gdr_node()?;
                 let registration = self.gdr_register(&node, target, memory.allocation())?;
-                let target = GdrTarget::new(registration, memory)
-                    .map_err(|e| format!("cuda_gdr: {}", ErrorChain(&e)))?;
+                let target = GdrTarget::new(registration, memory)?;
                 let filled = node.read(&lent, target)?;
                 Ok(DeviceBuffer::new(filled.into_memory()))
             }
-            other => Err(format!("the CUDA runtime does not borrow over {other}")),
+            other => Err(format!("the CUDA runtime does not borrow over {other}").into()),
         }
     }
-}
 
-/// The ordinal of a CUDA device (`cuda` alone is device 0).
-fn cuda_ordinal(device: Device) -> Result<usize, CudaChannelError> {
-    if !device.is_cuda() {
-        return Err(CudaChannelError::NotCuda {
-            device: device.to_string(),
-        });
-    }
-    Ok(usize::from(device.index().unwrap_or(0)))
-}
-
-/// As [`cuda_ordinal`], for the agent's string errors.
-fn ordinal(device: Device) -> Result<usize, String> {
-    cuda_ordinal(device).map_err(|e| e.to_string())
-}
-
-/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
-/// (`len`).
-pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
-    if lent == len {
-        Ok(())
-    } else {
-        Err(format!(
-            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
-        ))
-    }
-}
-
-/// Memory a tensor lent: the runtime's own.
-fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, String> {
-    memory.downcast_ref::<CudaMemory>().ok_or_else(|| {
-        format!(
-            "the {} tensor's memory was not made by rdzv_rdma's CUDA runtime (CudaMemory)",
-            memory.device()
-        )
-    })
-}
-
-impl DeviceRuntime for CudaRuntime {
-    fn device_count(&self) -> usize {
-        self.count
-    }
-
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
-        let memory = own(memory)?;
-        self.device(memory.device)?.copy_to_host(memory)
-    }
-
-    fn receive_staged(
+    /// Lends `memory` over `channel` (the seam's `lend`).
+    fn lend_memory(
         &self,
-        device: Device,
-        len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
-        self.device(device)?.receive_staged(len).map(Some)
-    }
-
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
-        self.device(device)?.copy_from_host(&bytes)
-    }
-
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
-        vec![
-            (ChannelKind::CudaXth, self.xth.clone()),
-            (ChannelKind::CudaIpc, self.ipc.clone()),
-            (ChannelKind::CudaGdr, self.gdr.clone()),
-        ]
-    }
-
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+        channel: ChannelKind,
+        memory: &DeviceBuffer,
+    ) -> Result<DeviceLoan, Cause> {
         let own = own(memory)?;
         let device = u32::from(own.device.index().unwrap_or(0));
         let length = own.len as u64;
         if channel == ChannelKind::CudaIpc {
             // Ordered after the producer on the GPU, through the loan's event.
-            return ipc::lend(&self.device(own.device)?, self.process()?, memory, own);
+            return Ok(ipc::lend(
+                &self.device(own.device)?,
+                self.process()?,
+                memory,
+                own,
+            )?);
         }
         // The peer's copy (cuda_xth) or NIC (cuda_gdr) reads it once this returns.
-        own.wait_ready().map_err(|e| ErrorChain(&e).to_string())?;
+        own.wait_ready()?;
         let descriptor = match channel {
             ChannelKind::CudaXth => CudaXthDescriptor {
                 process: self.process()?,
@@ -448,7 +389,7 @@ impl DeviceRuntime for CudaRuntime {
                 let registration = if length == 0 {
                     None
                 } else {
-                    let ordinal = ordinal(own.device)?;
+                    let ordinal = cuda_ordinal(own.device)?;
                     Some(self.gdr_register(&node, ordinal, own.allocation())?)
                 };
                 let rkey = registration.as_ref().map_or(0, |r| r.rkey());
@@ -460,7 +401,7 @@ impl DeviceRuntime for CudaRuntime {
                     hold: Box::new((registration, memory.clone())),
                 });
             }
-            other => return Err(format!("the CUDA runtime does not lend over {other}")),
+            other => return Err(format!("the CUDA runtime does not lend over {other}").into()),
         };
         // The loan keeps the allocation: the peer reads it until it answers.
         Ok(DeviceLoan {
@@ -469,14 +410,111 @@ impl DeviceRuntime for CudaRuntime {
         })
     }
 
+    /// The seam's error for `operation` on `device` (over `channel`), because of `cause`.
+    fn failed(
+        operation: DeviceOp,
+        device: Device,
+        channel: Option<ChannelKind>,
+    ) -> impl FnOnce(Cause) -> DeviceError {
+        move |cause| {
+            let error = DeviceError::new(operation, cause).on(device);
+            match channel {
+                Some(channel) => error.over(channel),
+                None => error,
+            }
+        }
+    }
+}
+
+/// The ordinal of a CUDA device (`cuda` alone is device 0).
+fn cuda_ordinal(device: Device) -> Result<usize, CudaChannelError> {
+    if !device.is_cuda() {
+        return Err(CudaChannelError::NotCuda {
+            device: device.to_string(),
+        });
+    }
+    Ok(usize::from(device.index().unwrap_or(0)))
+}
+
+/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
+/// (`len`).
+pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
+    if lent == len {
+        Ok(())
+    } else {
+        Err(format!(
+            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
+        ))
+    }
+}
+
+/// Memory a tensor lent: the runtime's own.
+fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, Cause> {
+    memory.downcast_ref::<CudaMemory>().ok_or_else(|| {
+        format!(
+            "the {} tensor's memory was not made by rdzv_rdma's CUDA runtime (CudaMemory)",
+            memory.device()
+        )
+        .into()
+    })
+}
+
+impl DeviceRuntime for CudaRuntime {
+    fn device_count(&self) -> usize {
+        self.count
+    }
+
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        let own = own(memory).map_err(failed)?;
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        let state = self.device(own.device).map_err(failed)?;
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        state.copy_to_host(own).map_err(|e| failed(e.into()))
+    }
+
+    fn receive_staged(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.receive_staged(len))
+            .map(Some)
+            .map_err(Self::failed(DeviceOp::ReceiveStaged, device, None))
+    }
+
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.copy_from_host(&bytes))
+            .map_err(Self::failed(DeviceOp::CopyFromHost, device, None))
+    }
+
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+        vec![
+            (ChannelKind::CudaXth, self.xth.clone()),
+            (ChannelKind::CudaIpc, self.ipc.clone()),
+            (ChannelKind::CudaGdr, self.gdr.clone()),
+        ]
+    }
+
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
+        self.lend_memory(channel, memory).map_err(Self::failed(
+            DeviceOp::Lend,
+            memory.device(),
+            Some(channel),
+        ))
+    }
+
     fn borrow(
         &self,
         channel: ChannelKind,
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         self.borrow_from(None, channel, device, len, descriptor)
+            .map_err(Self::failed(DeviceOp::Borrow, device, Some(channel)))
     }
 
     fn borrow_on(
@@ -486,8 +524,9 @@ impl DeviceRuntime for CudaRuntime {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         self.borrow_from(Some(pipe), channel, device, len, descriptor)
+            .map_err(Self::failed(DeviceOp::Borrow, device, Some(channel)))
     }
 
     fn pipe_ended(&self, pipe: PipeId) {

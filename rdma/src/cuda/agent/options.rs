@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use rdzv_core::device::DeviceType;
-use rdzv_uring::rpc::{DevicePlugin, DeviceRuntime};
+use rdzv_uring::rpc::{DeviceError, DeviceOp, DevicePlugin, DeviceRuntime};
 
 use super::CudaRuntime;
 
@@ -113,9 +113,9 @@ impl DevicePlugin for CudaPlugin {
         DeviceType::Cuda
     }
 
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        let options = CudaOptions::from_env()?;
-        CudaRuntime::open_with(options).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
+        let options = CudaOptions::from_env().map_err(|e| DeviceError::new(DeviceOp::Open, e))?;
+        ConfiguredCudaPlugin(options).open()
     }
 }
 
@@ -128,8 +128,10 @@ impl DevicePlugin for ConfiguredCudaPlugin {
         DeviceType::Cuda
     }
 
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        CudaRuntime::open_with(self.0).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
+        CudaRuntime::open_with(self.0)
+            .map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+            .map_err(|e| DeviceError::new(DeviceOp::Open, e))
     }
 }
 

@@ -7,8 +7,8 @@ use rdzv_uring::rpc::DevicePlugin;
 
 #[test]
 fn ordinals_are_cuda_only() {
-    assert_eq!(ordinal(Device::cuda(3)), Ok(3));
-    assert!(ordinal(Device::cpu()).is_err());
+    assert_eq!(cuda_ordinal(Device::cuda(3)).ok(), Some(3));
+    assert!(cuda_ordinal(Device::cpu()).is_err());
 }
 
 /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
@@ -197,8 +197,13 @@ fn xth_loans_are_copied_on_the_runtimes_stream() {
     // A descriptor that lends another length is refused before any copy.
     let err = runtime
         .borrow(ChannelKind::CudaXth, cuda0, 5, &loan.descriptor)
-        .expect_err("wrong length");
-    assert!(err.contains("lends"), "{err}");
+        .expect_err("wrong length")
+        .report();
+    assert!(
+        err.starts_with("cannot copy a lent tensor on cuda:0 over cuda_xth: ")
+            && err.contains("lends"),
+        "{err}"
+    );
 }
 
 /// Without a driver (this crate's CI hosts) opening says why and never panics;
@@ -222,9 +227,14 @@ fn opening_says_why_cuda_cannot_be_used() {
                 ]
             );
         }
-        Err(reason) => {
+        Err(e) => {
+            let reason = e.report();
             eprintln!("CUDA is not usable here: {reason}");
-            assert!(reason.contains("CUDA is not viable"), "{reason}");
+            assert!(
+                reason.starts_with("cannot open the device runtime: CUDA is not viable"),
+                "{reason}"
+            );
+            assert_eq!(e.operation(), DeviceOp::Open);
         }
     }
 }

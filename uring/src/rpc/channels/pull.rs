@@ -14,7 +14,7 @@ use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{CmaDescriptor, CmaPeer};
 use crate::channel::xth::{self, XthDescriptor};
 use crate::channel::ProcessIdentity;
-use crate::rpc::device::{Devices, PipeId, StagingIn};
+use crate::rpc::device::{DeviceError, Devices, PipeId, StagingIn};
 use crate::rpc::error::RpcError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
@@ -410,10 +410,10 @@ impl ReceivedTensors {
                     let pipe = reader.borrowing_pipe(&devices);
                     let memory = devices
                         .borrow(pipe, channel, device, len, &descriptor)
-                        .map_err(|reason| RpcError::Channel {
+                        .map_err(|e| RpcError::Channel {
                             channel: channel.name(),
                             peer: peer.clone(),
-                            reason: format!("tensor {index}: {reason}"),
+                            reason: format!("tensor {index}: {}", e.report()),
                         })?;
                     tensors.push(Tensor {
                         device,
@@ -427,14 +427,13 @@ impl ReceivedTensors {
                 tensor
             } else {
                 let index = tensors.len();
-                let (data, memory) =
-                    devices
-                        .stage_in(tensor.device, tensor.data)
-                        .map_err(|reason| RpcError::Channel {
-                            channel: ChannelKind::CudaBasic.name(),
-                            peer: peer.clone(),
-                            reason: format!("tensor {index}: {reason}"),
-                        })?;
+                let (data, memory) = devices.stage_in(tensor.device, tensor.data).map_err(|e| {
+                    RpcError::Channel {
+                        channel: ChannelKind::CudaBasic.name(),
+                        peer: peer.clone(),
+                        reason: format!("tensor {index}: {}", e.report()),
+                    }
+                })?;
                 Tensor {
                     device: tensor.device,
                     data,
@@ -450,7 +449,8 @@ impl ReceivedTensors {
 #[derive(Debug)]
 enum PullFailed {
     Read(String),
-    Staging(String),
+    /// The device runtime's error (turned into text for the agent's error for now).
+    Staging(DeviceError),
 }
 
 impl PullFailed {
@@ -458,7 +458,7 @@ impl PullFailed {
     fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> RpcError {
         let (channel, reason) = match self {
             PullFailed::Read(reason) => (channel, reason),
-            PullFailed::Staging(reason) => (ChannelKind::CudaBasic, reason),
+            PullFailed::Staging(e) => (ChannelKind::CudaBasic, e.report()),
         };
         RpcError::Channel {
             channel: channel.name(),

@@ -10,7 +10,7 @@ use rdzv_core::rpc::frame::TensorDescriptor;
 
 use crate::channel::cma::CmaDescriptor;
 use crate::channel::xth::XthDescriptor;
-use crate::rpc::device::{Devices, HostBytes, PipeId};
+use crate::rpc::device::{DeviceError, DeviceOp, Devices, HostBytes, PipeId};
 use crate::rpc::transport::OwnedFrame;
 
 use super::*;
@@ -301,11 +301,15 @@ impl DeviceRuntime for EndCounting {
     fn device_count(&self) -> usize {
         1
     }
-    fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<HostBytes, String> {
-        Err("unused".into())
+    fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        Err(DeviceError::new(DeviceOp::CopyToHost, "unused"))
     }
-    fn copy_from_host(&self, _: Device, _: Vec<u8>) -> Result<crate::rpc::DeviceBuffer, String> {
-        Err("unused".into())
+    fn copy_from_host(
+        &self,
+        _: Device,
+        _: Vec<u8>,
+    ) -> Result<crate::rpc::DeviceBuffer, DeviceError> {
+        Err(DeviceError::new(DeviceOp::CopyFromHost, "unused"))
     }
     fn pipe_ended(&self, pipe: PipeId) {
         self.0
@@ -321,7 +325,7 @@ impl DevicePlugin for Plugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         Ok(Arc::clone(&self.0) as Arc<dyn DeviceRuntime>)
     }
 }

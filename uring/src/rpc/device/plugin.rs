@@ -1,5 +1,5 @@
 //! The seam for device runtimes: [`DevicePlugin`] opens a [`DeviceRuntime`], which lends,
-//! borrows and stages device memory.
+//! borrows and stages device memory. Every call fails with a [`DeviceError`].
 
 use std::any::Any;
 use std::fmt;
@@ -8,7 +8,9 @@ use std::sync::Arc;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
-use super::{DeviceBuffer, HostBytes};
+use super::{DeviceBuffer, DeviceError, DeviceOp, HostBytes};
+#[cfg(doc)]
+use super::DeviceMemory;
 
 /// A tensor being received into device memory chunk by chunk (`cuda_basic`), made by
 /// [`DeviceRuntime::receive_staged`]. The agent asks for chunk 0's buffer, fills it,
@@ -29,19 +31,19 @@ pub trait StagedReceive: Send {
     ///
     /// # Errors
     /// A chunk out of order, or why waiting for the buffer's previous copy failed.
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String>;
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError>;
 
     /// Chunk `k`'s buffer is filled: its copy to the device may start.
     ///
     /// # Errors
     /// A chunk out of order, or why the copy could not be started.
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String>;
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError>;
 
     /// Every chunk was filled: waits for the last copies and returns the memory.
     ///
     /// # Errors
     /// Chunks left unfilled, or why a copy failed.
-    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String>;
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError>;
 }
 
 /// A device runtime built outside this crate, handed to the agent in
@@ -53,13 +55,16 @@ pub trait DevicePlugin: Send + Sync {
     /// Opens the runtime: once per `init_rpc`.
     ///
     /// # Errors
-    /// Why the devices cannot be used in this process (no driver, no device, ...): the
-    /// agent logs it and offers `cuda_basic` for CPU memory only.
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String>;
+    /// Why the devices cannot be used in this process (no driver, no device, ...;
+    /// [`DeviceOp::Open`]): the agent logs it and offers `cuda_basic` for CPU memory only.
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError>;
 }
 
-/// What the agent asks of an opened device runtime. Every call blocks (copies are
-/// synchronous) and may run on any thread.
+/// What the agent asks of an opened device runtime. Every call blocks until its work is
+/// started, may run on any thread, and fails with a [`DeviceError`] (the operation, the
+/// device, the channel, and the runtime's own error as the source). Memory it returns is
+/// complete, unless it says otherwise through [`DeviceMemory::is_ready`]
+/// (a pending hand-over: its copy still running).
 pub trait DeviceRuntime: Send + Sync {
     /// How many devices of its type this process sees.
     fn device_count(&self) -> usize;
@@ -70,7 +75,7 @@ pub trait DeviceRuntime: Send + Sync {
     ///
     /// # Errors
     /// Why the copy failed; the call fails with it.
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String>;
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError>;
 
     /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side, for bytes that
     /// arrived whole: inline, over `mpt`, or from a runtime without
@@ -78,7 +83,7 @@ pub trait DeviceRuntime: Send + Sync {
     ///
     /// # Errors
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String>;
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError>;
 
     /// Starts receiving a `len`-byte tensor onto `device` chunk by chunk
     /// ([`StagedReceive`]), or `None` when this runtime takes received bytes only whole
@@ -90,7 +95,7 @@ pub trait DeviceRuntime: Send + Sync {
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
         let _ = (device, len);
         Ok(None)
     }
@@ -107,11 +112,13 @@ pub trait DeviceRuntime: Send + Sync {
     ///
     /// # Errors
     /// Why it cannot be lent (memory this runtime did not make, a driver error, ...).
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
-        let _ = memory;
-        Err(format!(
-            "this device runtime does not lend memory over {channel}"
-        ))
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
+        Err(DeviceError::new(
+            DeviceOp::Lend,
+            format!("this device runtime does not lend memory over {channel}"),
+        )
+        .on(memory.device())
+        .over(channel))
     }
 
     /// Fresh memory on `device` holding a copy of the `len` bytes a peer lent over
@@ -125,11 +132,14 @@ pub trait DeviceRuntime: Send + Sync {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
-        let _ = (device, len, descriptor);
-        Err(format!(
-            "this device runtime does not borrow memory over {channel}"
-        ))
+    ) -> Result<DeviceBuffer, DeviceError> {
+        let _ = (len, descriptor);
+        Err(DeviceError::new(
+            DeviceOp::Borrow,
+            format!("this device runtime does not borrow memory over {channel}"),
+        )
+        .on(device)
+        .over(channel))
     }
 
     /// As [`borrow`](Self::borrow), for a loan that arrived on pipe `pipe` (the agent
@@ -146,7 +156,7 @@ pub trait DeviceRuntime: Send + Sync {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         let _ = pipe;
         self.borrow(channel, device, len, descriptor)
     }
