@@ -16,9 +16,7 @@ use super::{lock, Cause, CudaOptions};
 use crate::cuda::caching_allocator::{BackingAllocator, CachingAllocator};
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
-use crate::cuda::memory::{
-    copy_unified_async, DeviceAllocation, DeviceRange, DeviceSource, Gpu, RawEvent, StagingBuffer,
-};
+use crate::cuda::memory::{DeviceAllocation, Gpu, RawEvent, StagingBuffer};
 
 /// What the runtime keeps per opened device. Field order is drop order: opened events
 /// and mappings first, then the staging buffers and events, the streams, the cached
@@ -119,22 +117,6 @@ impl DeviceState {
         Ok(CudaMemory::new(self.device, len, storage))
     }
 
-    /// Runs `enqueue` on one of the device's streams, then waits for it with an event:
-    /// only that stream's work up to here is waited for, never the whole device.
-    fn on_stream_and_wait(
-        &self,
-        enqueue: impl FnOnce(&CudaStream) -> Result<(), CudaChannelError>,
-    ) -> Result<(), CudaChannelError> {
-        self.gpu.bind()?;
-        let stream = self.stream();
-        enqueue(stream)?;
-        let event = self.take_event()?;
-        event.record(stream)?;
-        let waited = event.synchronize();
-        lock(&self.events).push(event);
-        waited
-    }
-
     /// One of this process's own events (made now if none is idle); the caller gives it
     /// back to `events` once it waited for it.
     pub(super) fn take_event(&self) -> Result<RawEvent, CudaChannelError> {
@@ -142,20 +124,6 @@ impl DeviceState {
             Some(event) => Ok(event),
             None => RawEvent::new(&self.gpu, false),
         }
-    }
-
-    /// Copies `src` (any device memory the driver can address: this device's, another
-    /// device's, an opened IPC mapping, held by the caller until this returns) into `dst`
-    /// (this device's, as long), and waits for the copy.
-    pub(super) fn copy_device(
-        &self,
-        dst: DeviceRange<'_>,
-        src: DeviceSource<'_>,
-    ) -> Result<(), CudaChannelError> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.on_stream_and_wait(|stream| copy_unified_async(dst, src, stream))
     }
 }
 

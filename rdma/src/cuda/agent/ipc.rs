@@ -198,7 +198,7 @@ fn copy_after_loan(
         copy_unified_async(dst, src, s.0)
     })?;
     if state.pending_hand_over {
-        memory.set_ready(done);
+        memory.set_ready(Arc::new(done));
         return Ok(());
     }
     // The tensor is complete when the agent hands it over.
@@ -216,11 +216,12 @@ fn event_key(handle: &[u8; IPC_HANDLE_LEN]) -> u64 {
 }
 
 /// A runtime stream, as [`loan_events`] drives it.
-struct DriverStream<'a>(&'a CudaStream);
+pub(super) struct DriverStream<'a>(pub(super) &'a CudaStream);
 
 /// How long a loan's release waits for the borrower's record before it gives up on the
-/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish
+/// (`cuda_xth`'s release waits as long for its borrower).
+pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Only the lender's release waits on the host ([`loan_events::settle_loan`]), for an
 /// event the borrower records: bounded by [`SETTLE_TIMEOUT`].

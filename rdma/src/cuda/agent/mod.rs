@@ -6,7 +6,11 @@
 //!
 //! - `cuda_xth` (same process): a tensor is lent by its device address, and the receiver
 //!   copies it device to device (`cuMemcpyAsync` over unified addressing, so across GPUs
-//!   too);
+//!   too). Completion crosses the two agents through the process's loan table
+//!   ([`super::xth_loans`], `xth`): the lender records a fence after the memory's ready
+//!   event, the receiver's stream waits on it (no host wait for the producer), copies and
+//!   records an event of its own, which the lender waits for before it lets go of the
+//!   memory;
 //! - `cuda_ipc` (another process of this host): a tensor is lent through the CUDA IPC
 //!   memory handle of its allocation (`cuIpcGetMemHandle`, made once per allocation and
 //!   cached with it) and the allocation's base address. The receiver keeps what it opened
@@ -48,11 +52,14 @@
 //! or when `rpc_sync` (or the future's wait) returns it; no stream of the caller's needs
 //! to wait for anything. A sender hands the agent memory whose producing work is
 //! complete, or says where it completes with [`CudaMemory::record_ready`] (the memory's
-//! ready event, recorded on the producer's stream): `cuda_ipc` then orders the peer's
-//! copy after it on the GPU, and the other channels wait for that one event. With
-//! [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` is handed over
-//! at once, its copy still running, with the copy's event as its ready event: async
-//! users wait on that instead ([`CudaMemory::wait_ready_on`]).
+//! ready event, recorded on the producer's stream): `cuda_ipc` and `cuda_xth` then order
+//! the peer's copy after it on the GPU, and the other channels wait for that one event.
+//! With [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` or
+//! `cuda_xth` is handed over at once, its copy still running, with the copy's event as
+//! its ready event: async users ask `Tensor::is_ready` or block in `Tensor::wait_ready`
+//! (`cuEventQuery` on that event, through `DeviceMemory`), or order a stream of theirs
+//! after it without blocking ([`CudaMemory::wait_ready_on`]). Reading the bytes without
+//! either races with the copy.
 //!
 //! **Where received memory comes from.** A caching allocator per device
 //! ([`super::caching_allocator`], `cuMemAlloc` blocks in size classes, under a cap:
@@ -68,7 +75,10 @@
 //!
 //! The files: this one (the runtime and its `DeviceRuntime` side), `options` (options
 //! and plugins), `device` (per-device state and copies), `ipc` (`cuda_ipc`'s two
-//! sides), `staged` (`cuda_basic`'s), `tensor_memory` ([`CudaMemory`]).
+//! sides), `xth` (`cuda_xth`'s), `staged` (`cuda_basic`'s), `tensor_memory`
+//! ([`CudaMemory`]). Every `DeviceRuntime` call fails with the seam's `DeviceError`,
+//! whose source is this crate's [`CudaChannelError`] (with the driver's `DriverCode`)
+//! where the driver failed.
 //!
 //! Opening the runtime never panics when the driver is absent: [`CudaPlugin`] probes
 //! first ([`super::probe`]) and reports why CUDA cannot be used, and the agent then
@@ -80,6 +90,7 @@ mod ipc;
 mod options;
 mod staged;
 mod tensor_memory;
+mod xth;
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -97,7 +108,7 @@ use super::channel_error::CudaChannelError;
 use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
-use super::memory::{DeviceAllocation, DeviceSource};
+use super::memory::DeviceAllocation;
 use super::viability::{self, ChannelVerdict, CudaChannel};
 use super::PeerMemory;
 use crate::ibv::IbvViability;
@@ -307,9 +318,9 @@ impl CudaRuntime {
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
-                // Only read: the lender holds the memory until this side answered.
-                let src = DeviceSource::named_by_peer(lent.address, memory.len());
-                state.copy_device(memory.range(), src)?;
+                if !memory.is_empty() {
+                    xth::borrow(&state, &lent, &memory)?;
+                }
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaIpc => {
@@ -363,26 +374,22 @@ impl CudaRuntime {
         let own = own(memory)?;
         let device = u32::from(own.device.index().unwrap_or(0));
         let length = own.len as u64;
-        if channel == ChannelKind::CudaIpc {
-            // Ordered after the producer on the GPU, through the loan's event.
-            return Ok(ipc::lend(
-                &self.device(own.device)?,
-                self.process()?,
-                memory,
-                own,
-            )?);
-        }
-        // The peer's copy (cuda_xth) or NIC (cuda_gdr) reads it once this returns.
-        own.wait_ready()?;
-        let descriptor = match channel {
-            ChannelKind::CudaXth => CudaXthDescriptor {
-                process: self.process()?,
-                address: own.range().ptr(),
-                length,
-                device,
+        // Ordered after the producer on the GPU, through the loan's event (cuda_ipc) or
+        // fence (cuda_xth).
+        match channel {
+            ChannelKind::CudaIpc => {
+                let state = self.device(own.device)?;
+                return Ok(ipc::lend(&state, self.process()?, memory, own)?);
             }
-            .encode()
-            .to_vec(),
+            ChannelKind::CudaXth => {
+                let state = self.device(own.device)?;
+                return Ok(xth::lend(&state, self.process()?, memory, own)?);
+            }
+            _ => {}
+        }
+        // The peer's NIC (cuda_gdr) reads it once this returns.
+        own.wait_ready()?;
+        match channel {
             ChannelKind::CudaGdr => {
                 let node = self.gdr_node()?;
                 let address = own.range().ptr();
@@ -396,18 +403,13 @@ impl CudaRuntime {
                 let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
                 // The registration goes before the memory (tuple fields drop in order);
                 // both live until the peer answered.
-                return Ok(DeviceLoan {
+                Ok(DeviceLoan {
                     descriptor,
                     hold: Box::new((registration, memory.clone())),
-                });
+                })
             }
-            other => return Err(format!("the CUDA runtime does not lend over {other}").into()),
-        };
-        // The loan keeps the allocation: the peer reads it until it answers.
-        Ok(DeviceLoan {
-            descriptor,
-            hold: Box::new(memory.clone()),
-        })
+            other => Err(format!("the CUDA runtime does not lend over {other}").into()),
+        }
     }
 
     /// The seam's error for `operation` on `device` (over `channel`), because of `cause`.

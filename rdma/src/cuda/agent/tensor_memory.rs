@@ -116,8 +116,8 @@ impl CudaMemory {
     }
 
     /// Makes `event` (recorded after the copy that fills the memory) its ready event.
-    pub(super) fn set_ready(&self, event: RawEvent) {
-        *lock(&self.ready) = Some(Arc::new(event));
+    pub(super) fn set_ready(&self, event: Arc<RawEvent>) {
+        *lock(&self.ready) = Some(event);
     }
 
     /// `len` bytes of uninitialised memory on `device` (a CUDA device).

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
-use super::{DeviceBuffer, DeviceError, DeviceOp, HostBytes};
 #[cfg(doc)]
 use super::DeviceMemory;
+use super::{DeviceBuffer, DeviceError, DeviceOp, HostBytes};
 
 /// A tensor being received into device memory chunk by chunk (`cuda_basic`), made by
 /// [`DeviceRuntime::receive_staged`]. The agent asks for chunk 0's buffer, fills it,
