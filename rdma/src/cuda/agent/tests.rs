@@ -285,3 +285,54 @@ fn a_ready_event_orders_the_runtimes_use_of_the_memory() {
     assert!(own.to_host().is_ok_and(|b| b == bytes), "to_host");
     drop(staging);
 }
+
+/// On a GPU, with the pending hand-over: a tensor borrowed over cuda_xth is handed over
+/// with its copy running; `is_ready`/`wait_ready_for` (what `Tensor::wait_ready` asks)
+/// say when it is complete, and the lender's release waits for the copy. A second
+/// borrow of the same loan is refused (each loan is copied once).
+#[test]
+fn xth_pending_hand_over_is_ready_when_its_event_says_so() {
+    let test = "xth_pending_hand_over_is_ready_when_its_event_says_so";
+    let Some(runtime) = gpu_runtime_with(
+        test,
+        CudaOptions {
+            pending_hand_over: true,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    let cuda0 = Device::cuda(0);
+    let bytes = pattern((64 << 20) + 3, 2);
+    let lent =
+        DeviceBuffer::new(CudaMemory::upload(cuda0, &bytes).unwrap_or_else(|e| panic!("{e}")));
+    let loan = runtime
+        .lend(ChannelKind::CudaXth, &lent)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    let copy = runtime
+        .borrow(
+            ChannelKind::CudaXth,
+            cuda0,
+            bytes.len() as u64,
+            &loan.descriptor,
+        )
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    let ready = copy
+        .wait_ready(std::time::Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    assert!(ready, "the copy did not complete in 30 s");
+    assert!(copy.is_ready().unwrap_or(false));
+    let own = copy.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(own.to_host().is_ok_and(|b| b == bytes));
+    let again = runtime
+        .borrow(
+            ChannelKind::CudaXth,
+            cuda0,
+            bytes.len() as u64,
+            &loan.descriptor,
+        )
+        .expect_err("claimed already")
+        .report();
+    assert!(again.contains("no loan of"), "{again}");
+    drop(loan);
+}
