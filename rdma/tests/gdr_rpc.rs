@@ -26,8 +26,8 @@ use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin,
-    DeviceRuntime, HostBytes, HostMemory, Message, RpcAgent, RpcOptions, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
+    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, RpcAgent, RpcOptions, Tensor,
 };
 
 const CHILD_ENV: &str = "RDZV_GDR_RPC_CHILD";
@@ -129,17 +129,16 @@ impl HostGdr {
         channel: ChannelKind,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<Vec<u8>, DeviceErrorSource> {
         if channel != ChannelKind::CudaGdr {
-            return Err(format!("asked to borrow over {channel}, not offered"));
+            return Err(format!("asked to borrow over {channel}, not offered").into());
         }
         let lent = check_descriptor(descriptor, len)?;
-        let len = usize::try_from(len).map_err(|e| e.to_string())?;
+        let len = usize::try_from(len)?;
         if len == 0 {
             return Ok(Vec::new());
         }
-        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LOCAL_WRITE)
-            .map_err(|e| e.to_string())?;
+        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LOCAL_WRITE)?;
         let filled = self.node.read(&lent, target)?;
         Ok(filled.to_vec())
     }

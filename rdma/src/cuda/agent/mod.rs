@@ -307,7 +307,7 @@ impl CudaRuntime {
         match channel {
             ChannelKind::CudaXth => {
                 let lent = CudaXthDescriptor::decode(descriptor)?;
-                check_lent_length(channel, lent.length, len)?;
+                check_lent_length("cuda_xth descriptor", lent.length, len)?;
                 if lent.process != me {
                     return Err(format!(
                         "the memory was lent by pid {}, not by this process (pid {}): \
@@ -325,7 +325,7 @@ impl CudaRuntime {
             }
             ChannelKind::CudaIpc => {
                 let lent = CudaIpcDescriptor::decode(descriptor)?;
-                check_lent_length(channel, lent.length, len)?;
+                check_lent_length("cuda_ipc descriptor", lent.length, len)?;
                 if let Some(what) = me.mismatch(&lent.process) {
                     return Err(format!(
                         "the memory was lent by pid {} under another {what}: cuda_ipc works \
@@ -438,14 +438,15 @@ fn cuda_ordinal(device: Device) -> Result<usize, CudaChannelError> {
     Ok(usize::from(device.index().unwrap_or(0)))
 }
 
-/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
-/// (`len`).
-pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
+/// Checks that a descriptor (`what`: `cuda_xth descriptor`, ...) lends as many bytes
+/// (`lent`) as the frame says (`len`).
+fn check_lent_length(what: &'static str, lent: u64, len: u64) -> Result<(), CudaChannelError> {
     if lent == len {
         Ok(())
     } else {
-        Err(format!(
-            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
+        Err(CudaChannelError::protocol(
+            what,
+            format!("it lends {lent} bytes, the frame says {len}"),
         ))
     }
 }
