@@ -29,8 +29,8 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceLoan, DeviceMemory, DeviceOp,
-    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcError,
-    RpcOptions, StagedBytes, StagedReceive, Tensor,
+    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PartBuffer, PartedReceive, PipeId,
+    RpcAgent, RpcError, RpcOptions, StagedBytes, StagedReceive, Tensor,
 };
 
 mod common;
@@ -47,6 +47,10 @@ const GPUS_ENV: &str = "RDZV_RPC_CUDA_GPUS";
 const FAILS_TO_ARRIVE: usize = 13;
 /// A tensor of this length fails to leave (the runtime's `copy_to_host` and `lend`).
 const FAILS_TO_LEAVE: usize = 17;
+
+/// A tensor of this length arrives over mpt, but the runtime fails it when its parts
+/// are finished (a failed copy): only its call fails.
+const FAILS_IN_PARTS: usize = 300_001;
 
 /// What starts a fake IPC descriptor; the rest is the path of the file holding the bytes.
 const FAKE_IPC: &str = "fake-ipc:";
@@ -229,6 +233,28 @@ impl DeviceRuntime for HostCuda {
         })))
     }
 
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
+        if len == FAILS_TO_ARRIVE {
+            // Refused: the agent reads the bytes whole, and `copy_from_host` fails them.
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "fake cuMemAlloc: out of memory",
+            ));
+        }
+        Ok(Some(Box::new(PartsIn {
+            runtime: HostCuda {
+                gpus: self.gpus,
+                store: self.store.clone(),
+            },
+            device,
+            memory: Mutex::new((vec![0; len], 0)),
+        })))
+    }
+
     fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
         let failed = |why: String| DeviceError::new(DeviceOp::CopyFromHost, why);
         if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
@@ -294,6 +320,89 @@ impl StagedReceive for ChunkedIn {
             ));
         }
         self.runtime.copy_from_host(self.device, self.bytes)
+    }
+}
+
+/// Parts of received tensors the fake runtime took (`cuda_basic` over mpt), in this
+/// process.
+static PARTS_TAKEN: AtomicU64 = AtomicU64::new(0);
+
+/// A tensor received by the fake runtime in parts from mpt's lane threads, each "copied
+/// to the device" (into place) when filled; the byte count catches overlaps and gaps.
+struct PartsIn {
+    runtime: HostCuda,
+    device: Device,
+    /// The memory, and the bytes filled so far.
+    memory: Mutex<(Vec<u8>, usize)>,
+}
+
+/// A part's host buffer.
+struct Part {
+    offset: usize,
+    bytes: Vec<u8>,
+}
+
+impl PartBuffer for Part {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl PartedReceive for PartsIn {
+    fn part_len(&self) -> usize {
+        CHUNK
+    }
+    fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError> {
+        let total = self
+            .memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .len();
+        let crosses = offset / CHUNK != (offset + len).saturating_sub(1) / CHUNK;
+        if offset + len > total || crosses {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("part {offset}+{len} of a {total}-byte tensor is out of place"),
+            ));
+        }
+        PARTS_TAKEN.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(Part {
+            offset,
+            bytes: vec![0xaa; len],
+        }))
+    }
+    fn part_filled(&self, part: Box<dyn PartBuffer>) -> Result<(), DeviceError> {
+        let part = part
+            .into_any()
+            .downcast::<Part>()
+            .map_err(|_| DeviceError::new(DeviceOp::ReceiveStaged, "a part of another runtime"))?;
+        let mut memory = self.memory.lock().unwrap_or_else(PoisonError::into_inner);
+        memory.0[part.offset..part.offset + part.bytes.len()].copy_from_slice(&part.bytes);
+        memory.1 += part.bytes.len();
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
+        let (bytes, filled) = self
+            .memory
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        if bytes.len() == FAILS_IN_PARTS {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "fake cuMemcpyHtoDAsync failed",
+            ));
+        }
+        if filled != bytes.len() {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("{filled} of {} bytes filled", bytes.len()),
+            ));
+        }
+        self.runtime.copy_from_host(self.device, bytes)
     }
 }
 
@@ -649,12 +758,30 @@ fn gpu_tensors_cross_over_cuda_basic_carried_by_mpt() {
         "gpu_tensors_cross_over_cuda_basic_carried_by_mpt",
         two_gpus(Some("mpt,basic,cuda_basic")),
     );
+    let parts_before = PARTS_TAKEN.load(Ordering::Relaxed);
     gpu_to_gpu(&agent);
     assert!(
         bytes_on(&agent, ChannelKind::Mpt) >= ((1 << 20) + 3 + (8 << 20)),
         "{:?}",
         agent.tensor_bytes_by_channel()
     );
+    // The replies' stripes went piece by piece into the runtime's parts (8 MiB in 64 KiB
+    // parts alone is 128), never whole.
+    let parts = PARTS_TAKEN.load(Ordering::Relaxed) - parts_before;
+    assert!(parts >= 128 + 16, "{parts} parts");
+    // A tensor whose parts the receiver's runtime fails fails its call only, saying
+    // what and where; the lanes stay in step and the pipe goes on.
+    let text = error_of(
+        &agent,
+        Tensor::on_device(gpu_tensor(Device::cuda(0), vec![0; FAILS_IN_PARTS])),
+    );
+    assert!(
+        text.contains("tensor 0")
+            && text.contains("on cuda:1 over cuda_basic")
+            && text.contains("fake cuMemcpyHtoDAsync failed"),
+        "{text}"
+    );
+    gpu_to_gpu(&agent);
     finish(agent, child);
 }
 

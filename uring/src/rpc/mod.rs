@@ -85,7 +85,8 @@ pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
 pub use device::{
     DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
-    DeviceRuntime, HostBytes, HostMemory, PipeId, StagedBytes, StagedReceive,
+    DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId, StagedBytes,
+    StagedReceive,
 };
 pub use error::{RpcError, TransportError};
 pub use handler::{Async, CallContext, Handler, Inline, Reply};

@@ -2,6 +2,7 @@
 //! their channel ([`ReceivedTensors::pull`]), in parallel slices when large, chunk by
 //! chunk into a device runtime's staging for a device.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -12,9 +13,10 @@ pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
 use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{CmaDescriptor, CmaPeer};
+use crate::channel::mpt::MptDescriptor;
 use crate::channel::xth::{self, XthDescriptor};
 use crate::channel::ProcessIdentity;
-use crate::rpc::device::{DeviceError, Devices, PipeId, StagingIn};
+use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
 use crate::rpc::error::RpcError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
@@ -86,6 +88,9 @@ pub(crate) struct PipeReader {
     cma: Mutex<Option<Arc<CmaPeer>>>,
     id: PipeId,
     borrowed: std::sync::OnceLock<Devices>,
+    /// Device tensors the pipe's mpt lanes received into device memory as their frame
+    /// arrived (`cuda_basic` over mpt), by transfer id, until the frame is sorted.
+    arrived: Mutex<HashMap<u64, Result<DeviceBuffer, DeviceError>>>,
 }
 
 impl Default for PipeReader {
@@ -94,6 +99,7 @@ impl Default for PipeReader {
             cma: Mutex::new(None),
             id: PipeId::next(),
             borrowed: std::sync::OnceLock::new(),
+            arrived: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -107,6 +113,23 @@ impl Drop for PipeReader {
 }
 
 impl PipeReader {
+    /// Keeps what mpt transfer `transfer_id` of a frame just received became on a device
+    /// (its memory, or why the runtime failed it), for [`ReceivedTensors::sort`].
+    pub(crate) fn arrived(&self, transfer_id: u64, memory: Result<DeviceBuffer, DeviceError>) {
+        self.arrived
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(transfer_id, memory);
+    }
+
+    /// What mpt transfer `transfer_id` became on a device, if it arrived that way.
+    fn take_arrived(&self, transfer_id: u64) -> Option<Result<DeviceBuffer, DeviceError>> {
+        self.arrived
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&transfer_id)
+    }
+
     /// The pipe's id, for the device runtimes; notes that `devices` borrowed on it.
     pub(super) fn borrowing_pipe(&self, devices: &Devices) -> PipeId {
         let _ = self.borrowed.get_or_init(|| devices.clone());
@@ -271,12 +294,31 @@ impl ReceivedTensors {
                     });
                 }
                 // Its stripes are read off the lanes as the frame arrives, which turns
-                // the entry into an inline one; one still here came on a pipe that has
-                // no lanes.
+                // the entry into an inline one, or (a device tensor whose runtime takes
+                // parts) into device memory kept by the reader; one still here otherwise
+                // came on a pipe that has no lanes.
                 ChannelKind::Mpt => {
-                    return Err(refuse(
-                        "the peer streamed it, but this pipe has no mpt lanes".into(),
-                    ))
+                    let arrived = MptDescriptor::decode(&data)
+                        .ok()
+                        .and_then(|d| reader.take_arrived(d.transfer_id));
+                    let memory = arrived
+                        .ok_or_else(|| {
+                            refuse("the peer streamed it, but this pipe has no mpt lanes".into())
+                        })?
+                        .map_err(|e| RpcError::Channel {
+                            channel: ChannelKind::CudaBasic.name(),
+                            peer: peer.to_string(),
+                            reason: format!("tensor {index}: {}", e.report()),
+                        })?;
+                    if memory.device() != device || memory.len() as u64 != descriptor.len {
+                        return Err(refuse(format!(
+                            "its stripes became {} bytes on {}, the frame says {} on {device}",
+                            memory.len(),
+                            memory.device(),
+                            descriptor.len
+                        )));
+                    }
+                    items.push(Incoming::Ready(Tensor::on_device(memory)));
                 }
                 // The runtime decodes and checks its own descriptors when it copies.
                 kind if lends_device_memory(kind) => items.push(Incoming::Lent {
@@ -423,7 +465,7 @@ impl ReceivedTensors {
                     continue;
                 }
             };
-            tensors.push(if tensor.device.is_cpu() {
+            tensors.push(if tensor.device.is_cpu() || tensor.memory.is_some() {
                 tensor
             } else {
                 let index = tensors.len();

@@ -24,8 +24,11 @@
 //!   into fresh memory on the target device. A runtime that can stage in chunks
 //!   ([`DeviceRuntime::receive_staged`], a [`StagedReceive`]) is handed each chunk as
 //!   soon as the `cma` or `xth` pull has read it, so the pull of chunk k+1 overlaps the
-//!   host-to-device copy of chunk k; otherwise (and for bytes that arrived inline or over
-//!   `mpt`) it gets all the bytes at once ([`DeviceRuntime::copy_from_host`]). So
+//!   host-to-device copy of chunk k. Bytes carried by `mpt` arrive in stripes read by
+//!   several lane threads at once: a runtime that takes parts in any order
+//!   ([`DeviceRuntime::receive_parts`], a [`PartedReceive`]) is handed each piece of a
+//!   stripe as soon as its lane read it. Otherwise (and for bytes that arrived inline) it
+//!   gets all the bytes at once ([`DeviceRuntime::copy_from_host`]). So
 //!   `cuda_basic` runs over every transport and gains from every CPU channel. Every
 //!   worker offers it for CPU memory (the CPU side of a CPU ↔ CUDA pair needs no GPU),
 //!   and a worker with a CUDA runtime also for CUDA memory.
@@ -48,6 +51,7 @@
 
 mod error;
 mod host;
+mod parts;
 mod plugin;
 mod runtimes;
 #[cfg(test)]
@@ -62,7 +66,9 @@ use rdzv_core::device::Device;
 
 pub use error::{DeviceError, DeviceErrorSource, DeviceOp};
 pub use host::{HostBytes, StagedBytes};
-pub use plugin::{DeviceLoan, DevicePlugin, DeviceRuntime, PipeId, StagedReceive};
+pub use plugin::{
+    DeviceLoan, DevicePlugin, DeviceRuntime, PartBuffer, PartedReceive, PipeId, StagedReceive,
+};
 pub(crate) use runtimes::{Devices, StagingIn, CUDA_BASIC_DESCRIPTOR};
 
 /// Memory on a device, owned by a device runtime.

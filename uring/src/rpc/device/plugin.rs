@@ -46,6 +46,52 @@ pub trait StagedReceive: Send {
     fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError>;
 }
 
+/// A tensor received into device memory in parts that arrive in any order and from
+/// several threads at once (`cuda_basic` carried by `mpt`, whose stripes are read by one
+/// thread per lane), made by [`DeviceRuntime::receive_parts`].
+///
+/// A reading thread asks for a buffer for the part it is about to read
+/// ([`part`](Self::part): `len` bytes at `offset`, never crossing a multiple of
+/// [`part_len`](Self::part_len), so a part lies within one chunk), reads into it and
+/// hands it back ([`part_filled`](Self::part_filled)): the runtime starts that part's
+/// copy to the device at once, to its place in the tensor, and hands the buffer out again
+/// only once that copy is done (so `part` may wait). Parts never overlap, and together
+/// cover the tensor once. Dropping it before [`finish`](Self::finish) abandons the
+/// tensor: the runtime waits for the copies it started and takes its buffers back.
+pub trait PartedReceive: Send + Sync {
+    /// The longest part (at least 1): a staging buffer's length.
+    fn part_len(&self) -> usize;
+
+    /// A buffer for the `len` bytes at `offset` of the tensor, exactly `len` long, for
+    /// the caller to fill; waits until one is free.
+    ///
+    /// # Errors
+    /// A part out of bounds or crossing a chunk, or why no buffer can be had.
+    fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError>;
+
+    /// `part` is filled: its copy to the device may start.
+    ///
+    /// # Errors
+    /// Why the copy could not be started.
+    fn part_filled(&self, part: Box<dyn PartBuffer>) -> Result<(), DeviceError>;
+
+    /// Every part was filled: waits for the last copies and returns the memory.
+    ///
+    /// # Errors
+    /// Bytes left unfilled, or why a copy failed.
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError>;
+}
+
+/// A device runtime's host buffer that one part of a tensor is read into
+/// ([`PartedReceive::part`]).
+pub trait PartBuffer: Send {
+    /// The part's bytes, to fill.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Itself, for the runtime that made it to take back
+    /// ([`PartedReceive::part_filled`]).
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
+}
+
 /// A device runtime built outside this crate, handed to the agent in
 /// `RpcOptions::device_plugins`.
 pub trait DevicePlugin: Send + Sync {
@@ -96,6 +142,23 @@ pub trait DeviceRuntime: Send + Sync {
         device: Device,
         len: usize,
     ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
+        let _ = (device, len);
+        Ok(None)
+    }
+
+    /// Starts receiving a `len`-byte tensor onto `device` in parts that arrive in any
+    /// order ([`PartedReceive`]: `cuda_basic` over `mpt`), or `None` when this runtime
+    /// takes such bytes only whole ([`copy_from_host`](Self::copy_from_host)). Default:
+    /// `None`.
+    ///
+    /// # Errors
+    /// Why memory or buffers for it cannot be had; the agent then reads the bytes whole
+    /// and hands them to [`copy_from_host`](Self::copy_from_host).
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
         let _ = (device, len);
         Ok(None)
     }

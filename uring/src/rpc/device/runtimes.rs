@@ -388,7 +388,7 @@ fn staging_failed(device: Device, why: String) -> DeviceError {
 }
 
 /// Checks that a runtime made `len` bytes on `device`: a runtime's bug otherwise.
-fn check_made(device: Device, len: u64, memory: &DeviceBuffer) -> Result<(), String> {
+pub(super) fn check_made(device: Device, len: u64, memory: &DeviceBuffer) -> Result<(), String> {
     if memory.device() == device && memory.len() as u64 == len {
         return Ok(());
     }
