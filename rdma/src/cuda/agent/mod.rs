@@ -41,9 +41,12 @@
 //!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
 //!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
 //!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
-//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]); bytes that arrived whole
-//!   (inline, `mpt`) are staged in chunks ([`super::chunk_plan`]): the device copy of one
-//!   chunk runs while the host copies the previous one.
+//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]). Carried by `mpt`, whose
+//!   lanes read their stripes at once, each piece of a stripe is read into a pinned slot
+//!   and copied to its place on the device as soon as its lane read it, in any order
+//!   (`DeviceRuntime::receive_parts`, `parts`); bytes that arrived whole (inline) are
+//!   staged in chunks ([`super::chunk_plan`]): the device copy of one chunk runs while
+//!   the host copies the previous one.
 //!
 //! **When a received tensor is ready.** Every copy runs on the runtime's own streams
 //! (a few per device) and is waited for with an event recorded after it, never with a
@@ -75,7 +78,7 @@
 //!
 //! The files: this one (the runtime and its `DeviceRuntime` side), `options` (options
 //! and plugins), `device` (per-device state and copies), `ipc` (`cuda_ipc`'s two
-//! sides), `xth` (`cuda_xth`'s), `staged` (`cuda_basic`'s), `tensor_memory`
+//! sides), `xth` (`cuda_xth`'s), `staged` and `parts` (`cuda_basic`'s), `tensor_memory`
 //! ([`CudaMemory`]). Every `DeviceRuntime` call fails with the seam's `DeviceError`,
 //! whose source is this crate's [`CudaChannelError`] (with the driver's `DriverCode`)
 //! where the driver failed.
@@ -88,6 +91,7 @@
 mod device;
 mod ipc;
 mod options;
+mod parts;
 mod staged;
 mod tensor_memory;
 mod xth;
@@ -101,7 +105,7 @@ use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
 use rdzv_uring::rpc::{
     DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp,
-    DeviceRuntime, HostBytes, PipeId, StagedReceive,
+    DeviceRuntime, HostBytes, PartedReceive, PipeId, StagedReceive,
 };
 
 use super::channel_error::CudaChannelError;
@@ -483,6 +487,17 @@ impl DeviceRuntime for CudaRuntime {
     ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
         self.device(device)
             .and_then(|state| state.receive_staged(len))
+            .map(Some)
+            .map_err(Self::failed(DeviceOp::ReceiveStaged, device, None))
+    }
+
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.receive_parts(len))
             .map(Some)
             .map_err(Self::failed(DeviceOp::ReceiveStaged, device, None))
     }

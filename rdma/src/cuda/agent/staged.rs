@@ -75,8 +75,17 @@ impl DeviceState {
         Ok(slots)
     }
 
+    /// One staging slot (from the pool, or made now).
+    pub(super) fn take_slot(&self) -> Result<StagingBuffer, CudaChannelError> {
+        let mut slots = self.take_slots(1)?;
+        slots.pop().ok_or(CudaChannelError::InvalidPool {
+            slots: 0,
+            slot_len: self.chunk,
+        })
+    }
+
     /// Puts slots back (their copies were waited for).
-    fn give_back(&self, slots: Vec<StagingBuffer>) {
+    pub(super) fn give_back(&self, slots: Vec<StagingBuffer>) {
         lock(&self.staging).extend(slots);
     }
 

@@ -336,3 +336,62 @@ fn xth_pending_hand_over_is_ready_when_its_event_says_so() {
     assert!(again.contains("no loan of"), "{again}");
     drop(loan);
 }
+
+/// On a GPU: a tensor received in parts from several threads at once, as mpt's lanes
+/// hand them over (each lane its own stripe, piece by piece), lands byte for byte; one
+/// abandoned midway gives its slots and memory back.
+#[test]
+fn parts_from_several_threads_land_on_a_gpu() {
+    let Some(runtime) = gpu_runtime("parts_from_several_threads_land_on_a_gpu") else {
+        return;
+    };
+    let cuda0 = Device::cuda(0);
+    let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+    let len = (3 << 20) + 5;
+    let bytes = pattern(len, 4);
+    let parted = runtime
+        .receive_parts(cuda0, len)
+        .unwrap_or_else(|e| panic!("{}", e.report()))
+        .expect("the CUDA runtime receives in parts");
+    let chunk = parted.part_len();
+    let stripes = rdzv_core::channel::mpt::stripes(len, 3, 1 << 20);
+    std::thread::scope(|s| {
+        for stripe in stripes {
+            let (parted, bytes) = (&parted, &bytes);
+            s.spawn(move || {
+                for (offset, n) in rdzv_core::channel::mpt::pieces(stripe, chunk) {
+                    let mut part = parted
+                        .part(offset, n)
+                        .unwrap_or_else(|e| panic!("{}", e.report()));
+                    part.bytes_mut().copy_from_slice(&bytes[offset..offset + n]);
+                    parted
+                        .part_filled(part)
+                        .unwrap_or_else(|e| panic!("{}", e.report()));
+                }
+            });
+        }
+    });
+    let memory = parted.finish().unwrap_or_else(|e| panic!("{}", e.report()));
+    let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(
+        own.to_host().is_ok_and(|b| b == bytes),
+        "parts landed wrong"
+    );
+
+    // Abandoned after one part: slots and memory go back.
+    let in_use = state.allocator.stats().in_use;
+    let parted = runtime
+        .receive_parts(cuda0, len)
+        .unwrap_or_else(|e| panic!("{}", e.report()))
+        .expect("parts");
+    let mut part = parted
+        .part(0, chunk)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    part.bytes_mut().fill(1);
+    parted
+        .part_filled(part)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    assert!(parted.part(chunk - 1, 2).is_err(), "crosses a chunk");
+    drop(parted);
+    assert_eq!(state.allocator.stats().in_use, in_use);
+}

@@ -1,0 +1,280 @@
+//! `cuda_basic` carried by `mpt`: a received tensor staged in parts that arrive in any
+//! order, from one thread per lane ([`DriverPartsIn`], the runtime's `PartedReceive`).
+//!
+//! Each part lies within one staging chunk (the agent cuts stripes at multiples of
+//! [`part_len`](PartedReceive::part_len)). A lane takes a pinned slot from the tensor's
+//! small pool, waits for that slot's last copy (its event), reads the part into it, and
+//! hands it back: the part's host-to-device copy is enqueued at once, to its offset in the
+//! tensor, and the slot goes back to the pool with that copy in flight. So the copies of
+//! the pieces already read run while the lanes read on, and at most as many parts as
+//! the pool has slots are in flight. A slot taken and never filled (a lane that failed)
+//! goes back too, so the other lanes never wait for it forever.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+use rdzv_core::device::Device;
+use rdzv_core::negotiate::ChannelKind;
+use rdzv_uring::rpc::{DeviceBuffer, DeviceError, DeviceOp, PartBuffer, PartedReceive};
+
+use super::device::DeviceState;
+use super::tensor_memory::CudaMemory;
+use super::Cause;
+use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::memory::StagingBuffer;
+
+/// The fewest slots a parted receive cycles through: one per lane of the default four,
+/// so that no lane waits for another's copy before its own first piece.
+const MIN_SLOTS: usize = 4;
+
+/// A tensor's pinned slots: idle ones (their last copy may still be in flight), and how
+/// many were made (at most `max`).
+#[derive(Debug)]
+struct SlotPool {
+    state: Mutex<Slots>,
+    returned: Condvar,
+    max: usize,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    idle: Vec<StagingBuffer>,
+    made: usize,
+}
+
+impl SlotPool {
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn put_back(&self, slot: StagingBuffer) {
+        self.slots().idle.push(slot);
+        self.returned.notify_one();
+    }
+}
+
+/// A part's slot, on its way from [`DriverPartsIn::part`] to
+/// [`DriverPartsIn::part_filled`]; back to the pool if dropped unfilled.
+struct DriverPart {
+    slot: Option<StagingBuffer>,
+    offset: usize,
+    len: usize,
+    pool: Arc<SlotPool>,
+}
+
+impl PartBuffer for DriverPart {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        self.slot
+            .as_mut()
+            .and_then(StagingBuffer::bytes_mut)
+            .and_then(|bytes| bytes.get_mut(..len))
+            .unwrap_or_default()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send> {
+        self
+    }
+}
+
+impl Drop for DriverPart {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.pool.put_back(slot);
+        }
+    }
+}
+
+/// A tensor received onto one device in parts (see the module docs).
+pub(super) struct DriverPartsIn {
+    state: Arc<DeviceState>,
+    /// Taken by `finish`.
+    memory: Option<CudaMemory>,
+    pool: Arc<SlotPool>,
+    /// Bytes whose copy was enqueued.
+    filled: AtomicUsize,
+}
+
+impl DeviceState {
+    /// `cuda_basic`'s receiving side over mpt: fresh memory for `len` bytes, filled in
+    /// parts of at most a staging chunk.
+    pub(super) fn receive_parts(
+        self: Arc<Self>,
+        len: usize,
+    ) -> Result<Box<dyn PartedReceive>, Cause> {
+        let memory = self.alloc(len)?;
+        let max = self.buffers.max(MIN_SLOTS);
+        Ok(Box::new(DriverPartsIn {
+            state: self,
+            memory: Some(memory),
+            pool: Arc::new(SlotPool {
+                state: Mutex::new(Slots::default()),
+                returned: Condvar::new(),
+                max,
+            }),
+            filled: AtomicUsize::new(0),
+        }))
+    }
+}
+
+impl DriverPartsIn {
+    fn device(&self) -> Device {
+        self.state.device
+    }
+
+    fn failed(&self, why: impl Into<Cause>) -> DeviceError {
+        DeviceError::new(DeviceOp::ReceiveStaged, why)
+            .on(self.device())
+            .over(ChannelKind::CudaBasic)
+    }
+
+    /// An idle slot: one of the pool's, a new one while fewer than `max` were made, or
+    /// the next one given back.
+    fn take_slot(&self) -> Result<StagingBuffer, DeviceError> {
+        let mut slots = self.pool.slots();
+        loop {
+            if let Some(slot) = slots.idle.pop() {
+                return Ok(slot);
+            }
+            if slots.made < self.pool.max {
+                slots.made += 1;
+                drop(slots);
+                let made = self.state.take_slot().map_err(|e| self.failed(e));
+                if made.is_err() {
+                    self.pool.slots().made -= 1;
+                }
+                return made;
+            }
+            slots = self
+                .pool
+                .returned
+                .wait(slots)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Waits for every slot's copy and gives the slots to the device's pool; whether
+    /// every wait succeeded (a slot whose wait failed is leaked: a copy may still use it).
+    fn settle(&self) -> bool {
+        let idle = std::mem::take(&mut self.pool.slots().idle);
+        let mut back = Vec::with_capacity(idle.len());
+        let mut all = true;
+        for mut slot in idle {
+            match slot.wait() {
+                Ok(()) => back.push(slot),
+                Err(_) => {
+                    all = false;
+                    std::mem::forget(slot);
+                }
+            }
+        }
+        self.state.give_back(back);
+        all
+    }
+}
+
+impl PartedReceive for DriverPartsIn {
+    fn part_len(&self) -> usize {
+        self.state.chunk
+    }
+
+    fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError> {
+        let total = self.memory.as_ref().map_or(0, |m| m.len);
+        let chunk = self.state.chunk;
+        let end = offset.checked_add(len).filter(|&end| end <= total);
+        if len == 0 || end.is_none() || offset / chunk != (offset + len - 1) / chunk {
+            return Err(self.failed(format!(
+                "part {offset}+{len} of a {total}-byte tensor is empty, out of bounds or \
+                 crosses a {chunk}-byte chunk (a bug of the caller's)"
+            )));
+        }
+        let mut slot = self.take_slot()?;
+        if let Err(e) = self.state.gpu.bind().and_then(|()| slot.wait()) {
+            // Its copy may still run: never reuse it.
+            std::mem::forget(slot);
+            return Err(self.failed(e));
+        }
+        Ok(Box::new(DriverPart {
+            slot: Some(slot),
+            offset,
+            len,
+            pool: Arc::clone(&self.pool),
+        }))
+    }
+
+    fn part_filled(&self, part: Box<dyn PartBuffer>) -> Result<(), DeviceError> {
+        let mut part = part
+            .into_any()
+            .downcast::<DriverPart>()
+            .map_err(|_| self.failed("a part this receive did not hand out"))?;
+        let (offset, len) = (part.offset, part.len);
+        let memory = self
+            .memory
+            .as_ref()
+            .ok_or_else(|| self.failed("this receive already finished"))?;
+        let dst = memory
+            .range()
+            .slice(offset, len)
+            .ok_or_else(|| self.failed(format!("part {offset}+{len} out of bounds")))?;
+        let Some(slot) = part.slot.as_mut() else {
+            return Err(self.failed("a part without its slot"));
+        };
+        // The slot goes back to the pool (on drop) with its copy in flight.
+        let copied = self
+            .state
+            .gpu
+            .bind()
+            .and_then(|()| slot.upload(dst, self.state.stream()));
+        copied.map_err(|e: CudaChannelError| self.failed(e))?;
+        self.filled.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
+        let total = self.memory.as_ref().map_or(0, |m| m.len);
+        let filled = self.filled.load(Ordering::Relaxed);
+        if filled != total {
+            return Err(self.failed(format!(
+                "finished after {filled} of {total} bytes were filled"
+            )));
+        }
+        let (made, idle) = {
+            let slots = self.pool.slots();
+            (slots.made, slots.idle.len())
+        };
+        if made != idle {
+            return Err(self.failed("finished while a part was still out"));
+        }
+        if !self.settle() {
+            return Err(
+                self.failed("a staging copy cannot be waited for; the tensor's memory is leaked")
+            );
+        }
+        let memory = self
+            .memory
+            .take()
+            .ok_or_else(|| self.failed("this receive already finished"))?;
+        Ok(DeviceBuffer::new(memory))
+    }
+}
+
+/// Dropped unfinished (or after a failed `finish`): waits for the copies it started and
+/// gives the slots and the memory back; if a wait fails the memory is leaked, never
+/// reused under a running copy.
+impl Drop for DriverPartsIn {
+    fn drop(&mut self) {
+        let Some(memory) = self.memory.take() else {
+            return;
+        };
+        if self.settle() {
+            drop(memory);
+        } else {
+            tracing::warn!(
+                device = %self.state.device,
+                "a cuda_basic staging copy cannot be waited for: the tensor's memory is leaked"
+            );
+            std::mem::forget(memory);
+        }
+    }
+}
