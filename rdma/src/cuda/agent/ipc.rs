@@ -224,7 +224,7 @@ pub(super) struct DriverStream<'a>(pub(super) &'a CudaStream);
 pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Only the lender's release waits on the host ([`loan_events::settle_loan`]), for an
-/// event the borrower records: bounded by [`SETTLE_TIMEOUT`].
+/// event the borrower records: bounded by `SETTLE_TIMEOUT`.
 impl loan_events::LoanEvent for RawEvent {
     type Error = CudaChannelError;
 
