@@ -123,7 +123,10 @@ impl PipeReader {
     }
 
     /// What mpt transfer `transfer_id` became on a device, if it arrived that way.
-    fn take_arrived(&self, transfer_id: u64) -> Option<Result<DeviceBuffer, DeviceError>> {
+    pub(super) fn take_arrived(
+        &self,
+        transfer_id: u64,
+    ) -> Option<Result<DeviceBuffer, DeviceError>> {
         self.arrived
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -215,6 +218,30 @@ impl ReceivedTensors {
     /// devices, a descriptor that does not decode or announces another length, or a
     /// target device this worker has no runtime for.
     pub(crate) fn sort(
+        tensors: Vec<(TensorDescriptor, Vec<u8>)>,
+        negotiated: &Negotiated,
+        role: Role,
+        source: (&Arc<PipeReader>, &Devices),
+        peer: &str,
+    ) -> Result<ReceivedTensors, RpcError> {
+        // What the frame's mpt lanes already put in device memory, dropped if the frame
+        // is refused (the memory would otherwise wait for the pipe's end).
+        let streamed: Vec<u64> = tensors
+            .iter()
+            .filter(|(descriptor, _)| descriptor.channel == ChannelKind::Mpt)
+            .filter_map(|(_, data)| MptDescriptor::decode(data).ok())
+            .map(|d| d.transfer_id)
+            .collect();
+        let sorted = Self::sort_in_order(tensors, negotiated, role, source, peer);
+        if sorted.is_err() {
+            for transfer_id in streamed {
+                drop(source.0.take_arrived(transfer_id));
+            }
+        }
+        sorted
+    }
+
+    fn sort_in_order(
         tensors: Vec<(TensorDescriptor, Vec<u8>)>,
         negotiated: &Negotiated,
         role: Role,

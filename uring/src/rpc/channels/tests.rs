@@ -352,3 +352,58 @@ fn a_pipe_that_borrowed_tells_the_runtime_when_it_ends() {
     drop(reader);
     assert_eq!(ended(&runtime), [pipe], "reported once, when it ends");
 }
+
+/// Device memory the mpt lanes received for a frame waits in the pipe's reader until
+/// the frame is sorted; a refused frame drops it rather than leaving it to the pipe's end.
+#[test]
+fn a_refused_frame_drops_what_its_mpt_lanes_received() {
+    use crate::channel::mpt::MptDescriptor;
+    use crate::rpc::device::{DeviceBuffer, HostMemory};
+    let negotiated = negotiate(&[
+        (ChannelKind::Mpt, "mpt:tcp"),
+        (ChannelKind::Basic, "basic:any"),
+    ]);
+    let reader = Arc::new(PipeReader::default());
+    let streamed = |transfer_id: u64| {
+        let data = MptDescriptor { transfer_id }.encode().to_vec();
+        let descriptor = TensorDescriptor {
+            channel: ChannelKind::Mpt,
+            channel_descriptor_len: data.len() as u8,
+            ..TensorDescriptor::inline(Device::cpu(), Device::cpu(), 4)
+        };
+        (descriptor, data)
+    };
+    let memory = || {
+        Ok(DeviceBuffer::new(HostMemory::new(
+            Device::cpu(),
+            vec![9; 4],
+        )))
+    };
+    // Sorted: the tensor is the memory the lanes put there.
+    reader.arrived(7, memory());
+    let received = ReceivedTensors::sort(
+        vec![streamed(7)],
+        &negotiated,
+        Role::Connector,
+        (&reader, &Devices::default()),
+        "w1",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let tensors = received.pull().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(tensors.first().map(|t| t.len()), Some(4));
+    assert!(reader.take_arrived(7).is_none());
+    // Refused (its first tensor names a channel not negotiated): the memory goes.
+    reader.arrived(8, memory());
+    let mut cma = streamed(0);
+    cma.0.channel = ChannelKind::Cma;
+    let err = ReceivedTensors::sort(
+        vec![cma, streamed(8)],
+        &negotiated,
+        Role::Connector,
+        (&reader, &Devices::default()),
+        "w1",
+    )
+    .expect_err("cma was not negotiated");
+    assert!(err.to_string().contains("tensor 0"), "{err}");
+    assert!(reader.take_arrived(8).is_none(), "left for the pipe's end");
+}
