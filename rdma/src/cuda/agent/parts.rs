@@ -143,6 +143,8 @@ impl DriverPartsIn {
                 let made = self.state.take_slot().map_err(|e| self.failed(e));
                 if made.is_err() {
                     self.pool.slots().made -= 1;
+                    // A waiter may make one now (and fail with the reason itself).
+                    self.pool.returned.notify_one();
                 }
                 return made;
             }
