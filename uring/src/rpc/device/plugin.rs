@@ -124,8 +124,8 @@ pub trait DeviceRuntime: Send + Sync {
     fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError>;
 
     /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side, for bytes that
-    /// arrived whole: inline, over `mpt`, or from a runtime without
-    /// [`receive_staged`](Self::receive_staged)).
+    /// arrived whole: inline, or over `cma`, `xth` or `mpt` to a runtime without
+    /// [`receive_staged`](Self::receive_staged) or [`receive_parts`](Self::receive_parts)).
     ///
     /// # Errors
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
