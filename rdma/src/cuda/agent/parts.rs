@@ -29,28 +29,76 @@ use crate::cuda::memory::StagingBuffer;
 const MIN_SLOTS: usize = 4;
 
 /// A tensor's pinned slots: idle ones (their last copy may still be in flight), and how
-/// many were made (at most `max`).
+/// many were made (at most `max`). Generic so that its waiting is tested without a GPU.
 #[derive(Debug)]
-struct SlotPool {
-    state: Mutex<Slots>,
+struct SlotPool<T> {
+    state: Mutex<Slots<T>>,
     returned: Condvar,
     max: usize,
 }
 
-#[derive(Debug, Default)]
-struct Slots {
-    idle: Vec<StagingBuffer>,
+#[derive(Debug)]
+struct Slots<T> {
+    idle: Vec<T>,
     made: usize,
 }
 
-impl SlotPool {
-    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+impl<T> SlotPool<T> {
+    fn new(max: usize) -> SlotPool<T> {
+        SlotPool {
+            state: Mutex::new(Slots {
+                idle: Vec::new(),
+                made: 0,
+            }),
+            returned: Condvar::new(),
+            max: max.max(1),
+        }
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots<T>> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn put_back(&self, slot: StagingBuffer) {
+    /// An idle slot: one of the pool's, one from `make` while fewer than `max` were
+    /// made, or the next one given back (waiting for it).
+    fn take<E>(&self, make: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+        let mut slots = self.slots();
+        loop {
+            if let Some(slot) = slots.idle.pop() {
+                return Ok(slot);
+            }
+            if slots.made < self.max {
+                slots.made += 1;
+                drop(slots);
+                let made = make();
+                if made.is_err() {
+                    self.slots().made -= 1;
+                    // A waiter may make one now (and fail with the reason itself).
+                    self.returned.notify_one();
+                }
+                return made;
+            }
+            slots = self
+                .returned
+                .wait(slots)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn put_back(&self, slot: T) {
         self.slots().idle.push(slot);
         self.returned.notify_one();
+    }
+
+    /// Whether every slot made is back.
+    fn all_back(&self) -> bool {
+        let slots = self.slots();
+        slots.made == slots.idle.len()
+    }
+
+    /// The idle slots, taken out.
+    fn drain(&self) -> Vec<T> {
+        std::mem::take(&mut self.slots().idle)
     }
 }
 
@@ -60,7 +108,7 @@ struct DriverPart {
     slot: Option<StagingBuffer>,
     offset: usize,
     len: usize,
-    pool: Arc<SlotPool>,
+    pool: Arc<SlotPool<StagingBuffer>>,
 }
 
 impl PartBuffer for DriverPart {
@@ -91,7 +139,7 @@ pub(super) struct DriverPartsIn {
     state: Arc<DeviceState>,
     /// Taken by `finish`.
     memory: Option<CudaMemory>,
-    pool: Arc<SlotPool>,
+    pool: Arc<SlotPool<StagingBuffer>>,
     /// Bytes whose copy was enqueued.
     filled: AtomicUsize,
 }
@@ -108,11 +156,7 @@ impl DeviceState {
         Ok(Box::new(DriverPartsIn {
             state: self,
             memory: Some(memory),
-            pool: Arc::new(SlotPool {
-                state: Mutex::new(Slots::default()),
-                returned: Condvar::new(),
-                max,
-            }),
+            pool: Arc::new(SlotPool::new(max)),
             filled: AtomicUsize::new(0),
         }))
     }
@@ -129,37 +173,17 @@ impl DriverPartsIn {
             .over(ChannelKind::CudaBasic)
     }
 
-    /// An idle slot: one of the pool's, a new one while fewer than `max` were made, or
-    /// the next one given back.
+    /// An idle slot of the pool (made from the device's staging slots when needed).
     fn take_slot(&self) -> Result<StagingBuffer, DeviceError> {
-        let mut slots = self.pool.slots();
-        loop {
-            if let Some(slot) = slots.idle.pop() {
-                return Ok(slot);
-            }
-            if slots.made < self.pool.max {
-                slots.made += 1;
-                drop(slots);
-                let made = self.state.take_slot().map_err(|e| self.failed(e));
-                if made.is_err() {
-                    self.pool.slots().made -= 1;
-                    // A waiter may make one now (and fail with the reason itself).
-                    self.pool.returned.notify_one();
-                }
-                return made;
-            }
-            slots = self
-                .pool
-                .returned
-                .wait(slots)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
+        self.pool
+            .take(|| self.state.take_slot())
+            .map_err(|e| self.failed(e))
     }
 
     /// Waits for every slot's copy and gives the slots to the device's pool; whether
     /// every wait succeeded (a slot whose wait failed is leaked: a copy may still use it).
     fn settle(&self) -> bool {
-        let idle = std::mem::take(&mut self.pool.slots().idle);
+        let idle = self.pool.drain();
         let mut back = Vec::with_capacity(idle.len());
         let mut all = true;
         for mut slot in idle {
@@ -241,11 +265,7 @@ impl PartedReceive for DriverPartsIn {
                 "finished after {filled} of {total} bytes were filled"
             )));
         }
-        let (made, idle) = {
-            let slots = self.pool.slots();
-            (slots.made, slots.idle.len())
-        };
-        if made != idle {
+        if !self.pool.all_back() {
             return Err(self.failed("finished while a part was still out"));
         }
         if !self.settle() {
@@ -278,5 +298,60 @@ impl Drop for DriverPartsIn {
             );
             std::mem::forget(memory);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_pool_makes_up_to_its_max_then_hands_back_what_returns() {
+        let pool = SlotPool::new(2);
+        let made = AtomicUsize::new(0);
+        let make = || -> Result<usize, String> { Ok(made.fetch_add(1, Ordering::Relaxed)) };
+        let (a, b) = (pool.take(make), pool.take(make));
+        assert_eq!((a.clone(), b.clone()), (Ok(0), Ok(1)));
+        assert!(!pool.all_back());
+        // A third lane waits until a slot comes back, and gets that one.
+        std::thread::scope(|s| {
+            let third = s.spawn(|| pool.take(make));
+            std::thread::sleep(Duration::from_millis(20));
+            pool.put_back(b.unwrap_or_default());
+            assert_eq!(third.join().ok(), Some(Ok(1)));
+        });
+        assert_eq!(made.load(Ordering::Relaxed), 2, "made past the max");
+        pool.put_back(a.unwrap_or_default());
+        pool.put_back(1);
+        assert!(pool.all_back());
+        assert_eq!(pool.drain().len(), 2);
+    }
+
+    #[test]
+    fn a_slot_that_cannot_be_made_frees_its_place_and_wakes_a_waiter() {
+        let pool: SlotPool<u8> = SlotPool::new(1);
+        let first = pool.take(|| Err::<u8, _>("no pinned memory"));
+        assert_eq!(first, Err("no pinned memory"));
+        // Its place is free again: the next take makes one.
+        assert_eq!(pool.take(|| Ok::<_, &str>(5)), Ok(5));
+        // A waiter blocked on a full pool wakes when a make fails, and tries itself.
+        let pool: SlotPool<u8> = SlotPool::new(1);
+        let (started, go) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            let maker = s.spawn(|| {
+                pool.take(|| {
+                    started.wait();
+                    go.wait();
+                    Err::<u8, _>("cuMemHostAlloc failed")
+                })
+            });
+            started.wait();
+            let waiter = s.spawn(|| pool.take(|| Ok::<_, &str>(7)));
+            std::thread::sleep(Duration::from_millis(20));
+            go.wait();
+            assert_eq!(maker.join().ok(), Some(Err("cuMemHostAlloc failed")));
+            assert_eq!(waiter.join().ok(), Some(Ok(7)));
+        });
     }
 }
