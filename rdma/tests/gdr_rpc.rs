@@ -26,8 +26,8 @@ use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostBytes,
-    HostMemory, Message, RpcAgent, RpcOptions, Tensor,
+    init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
+    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, RpcAgent, RpcOptions, Tensor,
 };
 
 const CHILD_ENV: &str = "RDZV_GDR_RPC_CHILD";
@@ -60,11 +60,13 @@ impl DeviceRuntime for HostGdr {
         1
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
-        Self::bytes(memory).map(|bytes| bytes.to_vec().into())
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        Self::bytes(memory)
+            .map(|bytes| bytes.to_vec().into())
+            .map_err(|e| DeviceError::new(DeviceOp::CopyToHost, e))
     }
 
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
         Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
     }
 
@@ -75,7 +77,30 @@ impl DeviceRuntime for HostGdr {
         )]
     }
 
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
+        self.lend_bytes(channel, memory)
+            .map_err(|e| DeviceError::new(DeviceOp::Lend, e))
+    }
+
+    fn borrow(
+        &self,
+        channel: ChannelKind,
+        device: Device,
+        len: u64,
+        descriptor: &[u8],
+    ) -> Result<DeviceBuffer, DeviceError> {
+        self.borrow_bytes(channel, len, descriptor)
+            .map_err(|e| DeviceError::new(DeviceOp::Borrow, e))
+            .and_then(|bytes| self.copy_from_host(device, bytes))
+    }
+}
+
+impl HostGdr {
+    fn lend_bytes(
+        &self,
+        channel: ChannelKind,
+        memory: &DeviceBuffer,
+    ) -> Result<DeviceLoan, String> {
         if channel != ChannelKind::CudaGdr {
             return Err(format!("asked to lend over {channel}, not offered"));
         }
@@ -99,25 +124,23 @@ impl DeviceRuntime for HostGdr {
         })
     }
 
-    fn borrow(
+    fn borrow_bytes(
         &self,
         channel: ChannelKind,
-        device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<Vec<u8>, DeviceErrorSource> {
         if channel != ChannelKind::CudaGdr {
-            return Err(format!("asked to borrow over {channel}, not offered"));
+            return Err(format!("asked to borrow over {channel}, not offered").into());
         }
         let lent = check_descriptor(descriptor, len)?;
-        let len = usize::try_from(len).map_err(|e| e.to_string())?;
+        let len = usize::try_from(len)?;
         if len == 0 {
-            return self.copy_from_host(device, Vec::new());
+            return Ok(Vec::new());
         }
-        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LOCAL_WRITE)
-            .map_err(|e| e.to_string())?;
+        let target = HostRegion::new(self.node.domain(), len, AccessFlags::LOCAL_WRITE)?;
         let filled = self.node.read(&lent, target)?;
-        self.copy_from_host(device, filled.to_vec())
+        Ok(filled.to_vec())
     }
 }
 
@@ -127,8 +150,9 @@ impl DevicePlugin for HostGdrPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        let node = GdrNode::open(&self.0, IpAddr::V4(Ipv4Addr::LOCALHOST))?;
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
+        let node = GdrNode::open(&self.0, IpAddr::V4(Ipv4Addr::LOCALHOST))
+            .map_err(|e| DeviceError::new(DeviceOp::Open, e))?;
         Ok(Arc::new(HostGdr { node }))
     }
 }

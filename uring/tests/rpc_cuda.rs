@@ -28,9 +28,9 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, CallError, DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin,
-    DeviceRuntime, HostBytes, HostMemory, Message, PipeId, RpcAgent, RpcOptions, StagedBytes,
-    StagedReceive, Tensor,
+    init_rpc, CallContext, CallError, DeviceBuffer, DeviceError, DeviceLoan, DeviceMemory,
+    DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PartBuffer,
+    PartedReceive, PipeId, RpcAgent, RpcOptions, StagedBytes, StagedReceive, Tensor,
 };
 
 mod common;
@@ -47,6 +47,10 @@ const GPUS_ENV: &str = "RDZV_RPC_CUDA_GPUS";
 const FAILS_TO_ARRIVE: usize = 13;
 /// A tensor of this length fails to leave (the runtime's `copy_to_host` and `lend`).
 const FAILS_TO_LEAVE: usize = 17;
+
+/// A tensor of this length arrives over mpt, but the runtime fails it when its parts
+/// are finished (a failed copy): only its call fails.
+const FAILS_IN_PARTS: usize = 300_001;
 
 /// What starts a fake IPC descriptor; the rest is the path of the file holding the bytes.
 const FAKE_IPC: &str = "fake-ipc:";
@@ -102,12 +106,15 @@ impl DeviceRuntime for HostCuda {
         usize::from(self.gpus)
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("not memory of this runtime")?;
+            .ok_or_else(|| DeviceError::new(DeviceOp::CopyToHost, "not memory of this runtime"))?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
-            return Err(format!("fake cuMemcpyDtoH failed on {}", memory.device()));
+            return Err(DeviceError::new(
+                DeviceOp::CopyToHost,
+                format!("fake cuMemcpyDtoH failed on {}", memory.device()),
+            ));
         }
         // Staged into memory of the runtime's own, which the CPU channel reads in place.
         Ok(HostBytes::staged(Pinned(memory.bytes().to_vec())))
@@ -123,28 +130,29 @@ impl DeviceRuntime for HostCuda {
         ]
     }
 
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let failed = |why: String| DeviceError::new(DeviceOp::Lend, why);
         if channel != ChannelKind::CudaIpc {
-            return Err(format!(
+            return Err(failed(format!(
                 "asked to lend over {channel}, which was not offered"
-            ));
+            )));
         }
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("not memory of this runtime")?;
+            .ok_or_else(|| failed("not memory of this runtime".into()))?;
         if memory.bytes().len() == FAILS_TO_LEAVE {
-            return Err(format!(
+            return Err(failed(format!(
                 "fake cuIpcGetMemHandle failed on {}",
                 memory.device()
-            ));
+            )));
         }
         let path = std::env::temp_dir().join(format!(
             "rdzv-fake-ipc-{}-{}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::write(&path, memory.bytes()).map_err(|e| e.to_string())?;
+        std::fs::write(&path, memory.bytes()).map_err(|e| DeviceError::new(DeviceOp::Lend, e))?;
         Ok(DeviceLoan {
             descriptor: format!("{FAKE_IPC}{}", path.display()).into_bytes(),
             hold: Box::new(LoanFile(path)),
@@ -157,20 +165,25 @@ impl DeviceRuntime for HostCuda {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
+        let failed = |why: String| DeviceError::new(DeviceOp::Borrow, why);
         if channel != ChannelKind::CudaIpc {
-            return Err(format!(
+            return Err(failed(format!(
                 "asked to borrow over {channel}, which was not offered"
-            ));
+            )));
         }
         let path = std::str::from_utf8(descriptor)
             .ok()
             .and_then(|d| d.strip_prefix(FAKE_IPC))
-            .ok_or("not a fake IPC descriptor")?;
+            .ok_or_else(|| failed("not a fake IPC descriptor".into()))?;
         // The loan is still held: the file is there until the peer gets its answer.
-        let bytes = std::fs::read(path).map_err(|e| format!("fake cuIpcOpenMemHandle: {e}"))?;
+        let bytes =
+            std::fs::read(path).map_err(|e| failed(format!("fake cuIpcOpenMemHandle: {e}")))?;
         if bytes.len() as u64 != len {
-            return Err(format!("the loan holds {} bytes, not {len}", bytes.len()));
+            return Err(failed(format!(
+                "the loan holds {} bytes, not {len}",
+                bytes.len()
+            )));
         }
         self.copy_from_host(device, bytes)
     }
@@ -182,7 +195,7 @@ impl DeviceRuntime for HostCuda {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         with_pipes(&self.store, |(borrowed, ended)| {
             assert!(
                 !ended.contains(&pipe),
@@ -207,7 +220,7 @@ impl DeviceRuntime for HostCuda {
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
         Ok(Some(Box::new(ChunkedIn {
             runtime: HostCuda {
                 gpus: self.gpus,
@@ -220,12 +233,37 @@ impl DeviceRuntime for HostCuda {
         })))
     }
 
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
+        if len == FAILS_TO_ARRIVE {
+            // Refused: the agent reads the bytes whole, and `copy_from_host` fails them.
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "fake cuMemAlloc: out of memory",
+            ));
+        }
+        Ok(Some(Box::new(PartsIn {
+            runtime: HostCuda {
+                gpus: self.gpus,
+                store: self.store.clone(),
+            },
+            device,
+            memory: Mutex::new((vec![0; len], 0)),
+        })))
+    }
+
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
+        let failed = |why: String| DeviceError::new(DeviceOp::CopyFromHost, why);
         if !device.is_cuda() || device.index().is_none_or(|i| i >= self.gpus) {
-            return Err(format!("this process has no {device}"));
+            return Err(failed(format!("this process has no {device}")));
         }
         if bytes.len() == FAILS_TO_ARRIVE {
-            return Err(format!("fake cuMemAlloc: out of memory on {device}"));
+            return Err(failed(format!(
+                "fake cuMemAlloc: out of memory on {device}"
+            )));
         }
         Ok(gpu_tensor(device, bytes))
     }
@@ -257,25 +295,114 @@ impl StagedReceive for ChunkedIn {
     fn chunk_len(&self) -> usize {
         CHUNK
     }
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
         if k != self.filled {
-            return Err(format!("chunk {k} asked for, {} expected", self.filled));
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("chunk {k} asked for, {} expected", self.filled),
+            ));
         }
         let len = CHUNK.min(self.bytes.len() - k * CHUNK);
         Ok(&mut self.buffer[..len])
     }
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
         let offset = k * CHUNK;
         let len = CHUNK.min(self.bytes.len() - offset);
         self.bytes[offset..offset + len].copy_from_slice(&self.buffer[..len]);
         self.filled += 1;
         Ok(())
     }
-    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String> {
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
         if self.filled != self.bytes.len().div_ceil(CHUNK) {
-            return Err("not every chunk was filled".into());
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "not every chunk was filled",
+            ));
         }
         self.runtime.copy_from_host(self.device, self.bytes)
+    }
+}
+
+/// Parts of received tensors the fake runtime took (`cuda_basic` over mpt), in this
+/// process.
+static PARTS_TAKEN: AtomicU64 = AtomicU64::new(0);
+
+/// A tensor received by the fake runtime in parts from mpt's lane threads, each "copied
+/// to the device" (into place) when filled; the byte count catches overlaps and gaps.
+struct PartsIn {
+    runtime: HostCuda,
+    device: Device,
+    /// The memory, and the bytes filled so far.
+    memory: Mutex<(Vec<u8>, usize)>,
+}
+
+/// A part's host buffer.
+struct Part {
+    offset: usize,
+    bytes: Vec<u8>,
+}
+
+impl PartBuffer for Part {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl PartedReceive for PartsIn {
+    fn part_len(&self) -> usize {
+        CHUNK
+    }
+    fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError> {
+        let total = self
+            .memory
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .len();
+        let crosses = offset / CHUNK != (offset + len).saturating_sub(1) / CHUNK;
+        if offset + len > total || crosses {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("part {offset}+{len} of a {total}-byte tensor is out of place"),
+            ));
+        }
+        PARTS_TAKEN.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(Part {
+            offset,
+            bytes: vec![0xaa; len],
+        }))
+    }
+    fn part_filled(&self, part: Box<dyn PartBuffer>) -> Result<(), DeviceError> {
+        let part = part
+            .into_any()
+            .downcast::<Part>()
+            .map_err(|_| DeviceError::new(DeviceOp::ReceiveStaged, "a part of another runtime"))?;
+        let mut memory = self.memory.lock().unwrap_or_else(PoisonError::into_inner);
+        memory.0[part.offset..part.offset + part.bytes.len()].copy_from_slice(&part.bytes);
+        memory.1 += part.bytes.len();
+        Ok(())
+    }
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
+        let (bytes, filled) = self
+            .memory
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        if bytes.len() == FAILS_IN_PARTS {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "fake cuMemcpyHtoDAsync failed",
+            ));
+        }
+        if filled != bytes.len() {
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("{filled} of {} bytes filled", bytes.len()),
+            ));
+        }
+        self.runtime.copy_from_host(self.device, bytes)
     }
 }
 
@@ -285,7 +412,7 @@ impl DevicePlugin for HostCudaPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         Ok(Arc::new(HostCuda {
             gpus: self.0,
             store: self.1.clone(),
@@ -569,8 +696,12 @@ fn lending_failures_fail_only_their_call() {
         Device::cuda(0),
         vec![0; FAILS_TO_LEAVE],
     )));
+    // What failed, where (the device and channel), then the runtime's reason.
     assert!(
-        text.contains("cuda_ipc") && text.contains("fake cuIpcGetMemHandle failed on cuda:0"),
+        text.contains(
+            "tensor 0: cannot lend a tensor on cuda:0 over cuda_ipc: fake cuIpcGetMemHandle \
+             failed on cuda:0"
+        ),
         "{text}"
     );
     let text = call(Tensor::on_device(gpu_tensor(
@@ -627,12 +758,30 @@ fn gpu_tensors_cross_over_cuda_basic_carried_by_mpt() {
         "gpu_tensors_cross_over_cuda_basic_carried_by_mpt",
         two_gpus(Some("mpt,basic,cuda_basic")),
     );
+    let parts_before = PARTS_TAKEN.load(Ordering::Relaxed);
     gpu_to_gpu(&agent);
     assert!(
         bytes_on(&agent, ChannelKind::Mpt) >= ((1 << 20) + 3 + (8 << 20)),
         "{:?}",
         agent.tensor_bytes_by_channel()
     );
+    // The replies' stripes went piece by piece into the runtime's parts (8 MiB in 64 KiB
+    // parts alone is 128), never whole.
+    let parts = PARTS_TAKEN.load(Ordering::Relaxed) - parts_before;
+    assert!(parts >= 128 + 16, "{parts} parts");
+    // A tensor whose parts the receiver's runtime fails fails its call only, saying
+    // what and where; the lanes stay in step and the pipe goes on.
+    let text = error_of(
+        &agent,
+        Tensor::on_device(gpu_tensor(Device::cuda(0), vec![0; FAILS_IN_PARTS])),
+    );
+    assert!(
+        text.contains("tensor 0")
+            && text.contains("on cuda:1 over cuda_basic")
+            && text.contains("fake cuMemcpyHtoDAsync failed"),
+        "{text}"
+    );
+    gpu_to_gpu(&agent);
     finish(agent, child);
 }
 
@@ -715,7 +864,10 @@ fn staging_failures_fail_only_their_call() {
         vec![0; FAILS_TO_LEAVE],
     )));
     assert!(
-        text.contains("cuda_basic") && text.contains("fake cuMemcpyDtoH failed on cuda:0"),
+        text.contains(
+            "tensor 0: cannot copy a tensor to the host on cuda:0 over cuda_basic: fake \
+             cuMemcpyDtoH failed on cuda:0"
+        ),
         "{text}"
     );
     // The receiver's runtime cannot allocate it.

@@ -32,6 +32,29 @@ pub fn stripes(len: usize, lanes: usize, min_stripe_len: usize) -> Vec<(usize, u
     out
 }
 
+/// How a receiver reads the stripe `(offset, len)` into a device runtime's staging
+/// buffers of `piece_len` bytes (`cuda_basic` carried by mpt): consecutive pieces
+/// `(offset, len)`, none crossing a multiple of `piece_len` in the tensor, so that a
+/// piece lies within one of the tensor's chunks whichever lane reads it. An empty stripe
+/// has no pieces.
+pub fn pieces(
+    (offset, len): (usize, usize),
+    piece_len: usize,
+) -> impl Iterator<Item = (usize, usize)> {
+    let piece_len = piece_len.max(1);
+    let end = offset.saturating_add(len);
+    let mut at = offset;
+    core::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let boundary = (at / piece_len).saturating_add(1).saturating_mul(piece_len);
+        let piece = (at, boundary.min(end) - at);
+        at = boundary.min(end);
+        Some(piece)
+    })
+}
+
 /// A stripe header as sent before the stripe's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StripeHeader {
@@ -180,7 +203,29 @@ mod tests {
         );
     }
 
+    #[test]
+    fn pieces_stop_at_every_multiple_of_the_piece_length() {
+        let cut = |stripe, piece| pieces(stripe, piece).collect::<Vec<_>>();
+        assert_eq!(cut((0, 10), 4), [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(cut((3, 10), 4), [(3, 1), (4, 4), (8, 4), (12, 1)]);
+        assert_eq!(cut((8, 4), 4), [(8, 4)]);
+        assert!(cut((5, 0), 4).is_empty());
+        assert_eq!(cut((2, 3), 0), [(2, 1), (3, 1), (4, 1)]);
+    }
+
     proptest! {
+        #[test]
+        fn pieces_partition_a_stripe(offset in 0usize..100_000, len in 0usize..100_000, piece in 1usize..5_000) {
+            let mut next = offset;
+            for (at, n) in pieces((offset, len), piece) {
+                prop_assert_eq!(at, next);
+                prop_assert!(n > 0 && n <= piece);
+                prop_assert_eq!(at / piece, (at + n - 1) / piece, "crosses a multiple");
+                next += n;
+            }
+            prop_assert_eq!(next, offset + len);
+        }
+
         #[test]
         fn stripes_partition(len in 0usize..1_000_000, lanes in 1usize..16, min in 0usize..10_000) {
             let plan = stripes(len, lanes, min);

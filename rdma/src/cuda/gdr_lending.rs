@@ -20,17 +20,66 @@ use std::sync::Arc;
 
 use rdzv_core::channel::cuda::CudaGdrDescriptor;
 use rdzv_core::channel::ProcessIdentity;
-use rdzv_core::negotiate::ChannelKind;
 
 use super::agent::CudaMemory;
 use super::gdr::{GdrError, GdrRegistration};
 use super::viability::ChannelVerdict;
-use crate::ibv::channel::VerbsDomain;
-use crate::ibv::lending::{Borrower, LendingEndpoint, LendingOptions, ReadTarget};
+use crate::ibv::channel::{ChannelError, VerbsDomain};
+use crate::ibv::lending::{Borrower, LendingEndpoint, LendingError, LendingOptions, ReadTarget};
 use crate::ibv::sys::AccessFlags;
 use crate::ibv::topology::Gid;
 use crate::ibv::IbvSelection;
-use crate::report::ErrorChain;
+
+/// Why `cuda_gdr` could not start, or a loan over it could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GdrLendingError {
+    /// [`ENV_GDR_ADDR`] is set to something that is not an IP address.
+    #[error("{ENV_GDR_ADDR}={value:?} is not an IP address for the cuda_gdr endpoint")]
+    BadAddress {
+        /// The variable's value.
+        value: String,
+    },
+    /// The RDMA port's GID holds no IPv4 address (InfiniBand) and none was configured.
+    #[error(
+        "the RDMA port's GID {gid} holds no IPv4 address; set {ENV_GDR_ADDR} to this \
+         host's address for the cuda_gdr endpoint"
+    )]
+    NoAddress {
+        /// The GID, as an IPv6 address.
+        gid: Ipv6Addr,
+    },
+    /// The peer's descriptor does not decode.
+    #[error("malformed cuda_gdr descriptor from the peer")]
+    Descriptor(#[source] rdzv_core::channel::DecodeError),
+    /// The descriptor lends another length than the frame says.
+    #[error("the cuda_gdr descriptor lends {lent} bytes, the frame says {len}")]
+    LengthMismatch {
+        /// Bytes the descriptor lends.
+        lent: u64,
+        /// Bytes the frame announces.
+        len: u64,
+    },
+    /// The RDMA device could not be opened for the node.
+    #[error("cuda_gdr: cannot open the RDMA device")]
+    Device(#[source] Box<ChannelError>),
+    /// The lending endpoint could not start.
+    #[error("cuda_gdr: cannot start the lending endpoint")]
+    Endpoint(#[source] Box<LendingError>),
+    /// The RDMA READ of a loan failed.
+    #[error("cuda_gdr: reading {length} bytes lent by pid {pid} from its device {device}")]
+    Read {
+        /// Bytes lent.
+        length: u64,
+        /// The lender's process id.
+        pid: u32,
+        /// The lender's device ordinal.
+        device: u32,
+        /// The verb and its work completion status (e.g. `IBV_WC_REM_ACCESS_ERR`).
+        #[source]
+        source: Box<LendingError>,
+    },
+}
 
 /// The environment variable naming the IP address peers reach this process's GDR endpoint
 /// at (it wins over the address in a RoCE GID).
@@ -64,19 +113,18 @@ pub fn gdr_offer(
 ///
 /// # Errors
 /// A `configured` value that is not an IP address, or neither source gives one.
-pub fn advertised_ip(configured: Option<&str>, gid: Gid) -> Result<IpAddr, String> {
+pub fn advertised_ip(configured: Option<&str>, gid: Gid) -> Result<IpAddr, GdrLendingError> {
     if let Some(text) = configured {
-        return text.trim().parse::<IpAddr>().map_err(|_| {
-            format!("{ENV_GDR_ADDR}={text:?} is not an IP address for the cuda_gdr endpoint")
-        });
+        return text
+            .trim()
+            .parse::<IpAddr>()
+            .map_err(|_| GdrLendingError::BadAddress {
+                value: text.to_owned(),
+            });
     }
-    gid.ipv4_mapped().map(IpAddr::V4).ok_or_else(|| {
-        format!(
-            "the RDMA port's GID {} holds no IPv4 address; set {ENV_GDR_ADDR} to this host's \
-             address for the cuda_gdr endpoint",
-            gid.to_ipv6()
-        )
-    })
+    gid.ipv4_mapped()
+        .map(IpAddr::V4)
+        .ok_or_else(|| GdrLendingError::NoAddress { gid: gid.to_ipv6() })
 }
 
 /// Where the endpoint listens for peers that reach it at `advertised`: every address of
@@ -93,9 +141,14 @@ pub fn bind_address(advertised: IpAddr) -> SocketAddr {
 ///
 /// # Errors
 /// A malformed descriptor, or one that lends another length than the frame says.
-pub fn check_descriptor(descriptor: &[u8], len: u64) -> Result<CudaGdrDescriptor, String> {
-    let lent = CudaGdrDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-    super::agent::check_lent_length(ChannelKind::CudaGdr, lent.length, len)?;
+pub fn check_descriptor(descriptor: &[u8], len: u64) -> Result<CudaGdrDescriptor, GdrLendingError> {
+    let lent = CudaGdrDescriptor::decode(descriptor).map_err(GdrLendingError::Descriptor)?;
+    if lent.length != len {
+        return Err(GdrLendingError::LengthMismatch {
+            lent: lent.length,
+            len,
+        });
+    }
     Ok(lent)
 }
 
@@ -112,9 +165,11 @@ impl GdrNode {
     /// Opens `selection`'s device and starts the endpoint, reachable at `advertised`.
     ///
     /// # Errors
-    /// The device cannot be opened or the listener made (as text, for the agent).
-    pub fn open(selection: &IbvSelection, advertised: IpAddr) -> Result<GdrNode, String> {
-        let domain = VerbsDomain::open(selection).map_err(|e| ErrorChain(&e).to_string())?;
+    /// The device cannot be opened ([`GdrLendingError::Device`]) or the listener made
+    /// ([`GdrLendingError::Endpoint`]).
+    pub fn open(selection: &IbvSelection, advertised: IpAddr) -> Result<GdrNode, GdrLendingError> {
+        let domain =
+            VerbsDomain::open(selection).map_err(|e| GdrLendingError::Device(Box::new(e)))?;
         let options = LendingOptions::default();
         let endpoint = LendingEndpoint::start(
             selection,
@@ -122,7 +177,7 @@ impl GdrNode {
             bind_address(advertised),
             &options,
         )
-        .map_err(|e| ErrorChain(&e).to_string())?;
+        .map_err(|e| GdrLendingError::Endpoint(Box::new(e)))?;
         let advertised = SocketAddr::new(advertised, endpoint.local_addr().port());
         Ok(GdrNode {
             endpoint,
@@ -173,20 +228,21 @@ impl GdrNode {
     /// node's domain, and hands it back filled.
     ///
     /// # Errors
-    /// The read failed: the text names the lender, the verb and the work completion status
-    /// (e.g. `IBV_WC_REM_ACCESS_ERR`).
-    pub fn read<T: ReadTarget>(&self, lent: &CudaGdrDescriptor, target: T) -> Result<T, String> {
+    /// [`GdrLendingError::Read`]: it names the lender, and its source the verb and the
+    /// work completion status (e.g. `IBV_WC_REM_ACCESS_ERR`).
+    pub fn read<T: ReadTarget>(
+        &self,
+        lent: &CudaGdrDescriptor,
+        target: T,
+    ) -> Result<T, GdrLendingError> {
         let lender = SocketAddr::new(lent.endpoint_ip(), lent.endpoint_port);
         self.borrower
             .read_into(lender, target, lent.address, lent.rkey)
-            .map_err(|e| {
-                format!(
-                    "cuda_gdr: reading {} bytes lent by pid {} from its device {}: {}",
-                    lent.length,
-                    lent.process.pid,
-                    lent.device,
-                    ErrorChain(&e)
-                )
+            .map_err(|source| GdrLendingError::Read {
+                length: lent.length,
+                pid: lent.process.pid,
+                device: lent.device,
+                source: Box::new(source),
             })
     }
 }
@@ -292,8 +348,8 @@ mod tests {
             device: 0,
         };
         let bytes = lent.encode();
-        assert_eq!(check_descriptor(&bytes, 64), Ok(lent));
-        let reason = check_descriptor(&bytes, 65).unwrap_err();
+        assert_eq!(check_descriptor(&bytes, 64).ok(), Some(lent));
+        let reason = check_descriptor(&bytes, 65).unwrap_err().to_string();
         assert!(
             reason.contains("lends 64 bytes, the frame says 65"),
             "{reason}"
@@ -332,18 +388,18 @@ mod tests {
         ib[15] = 1;
         let ib = Gid(ib);
         assert_eq!(
-            advertised_ip(None, roce),
-            Ok(IpAddr::V4(Ipv4Addr::new(192, 168, 7, 9)))
+            advertised_ip(None, roce).ok(),
+            Some(IpAddr::V4(Ipv4Addr::new(192, 168, 7, 9)))
         );
         assert_eq!(
-            advertised_ip(Some(" 10.0.0.2 "), roce),
-            Ok(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)))
+            advertised_ip(Some(" 10.0.0.2 "), roce).ok(),
+            Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)))
         );
         assert_eq!(
-            advertised_ip(Some("fd00::5"), ib),
-            Ok("fd00::5".parse::<IpAddr>().unwrap())
+            advertised_ip(Some("fd00::5"), ib).ok(),
+            Some("fd00::5".parse::<IpAddr>().unwrap())
         );
-        let reason = advertised_ip(None, ib).unwrap_err();
+        let reason = advertised_ip(None, ib).unwrap_err().to_string();
         assert!(reason.contains(ENV_GDR_ADDR), "{reason}");
         assert!(advertised_ip(Some("host.example"), roce).is_err());
         assert_eq!(

@@ -24,7 +24,8 @@
 //! The runtime keeps its bookkeeping in pure modules tested with fakes:
 //! [`caching_allocator`] (received tensors' device memory), [`ipc_mappings`] (the
 //! borrower's opened `cuda_ipc` mappings and events), [`loan_events`] (the order in which
-//! a `cuda_ipc` loan's lender, borrower and release use its IPC event) and [`chunk_plan`]
+//! a `cuda_ipc` loan's lender, borrower and release use its IPC event), [`xth_loans`]
+//! (the same for `cuda_xth`, within one process) and [`chunk_plan`]
 //! (`cuda_basic`'s staged copies through pinned buffers).
 //!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
@@ -40,6 +41,8 @@ pub mod caching_allocator;
 mod channel_error;
 pub mod chunk_plan;
 pub mod descriptor;
+#[cfg(test)]
+mod fake_gpu;
 pub mod gdr;
 pub mod gdr_lending;
 pub mod ipc_mappings;
@@ -47,6 +50,7 @@ pub mod loan_events;
 pub mod memory;
 pub mod peer_memory;
 pub mod viability;
+pub mod xth_loans;
 
 use std::fmt;
 

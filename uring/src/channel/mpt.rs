@@ -32,7 +32,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use rdzv_core::channel::mpt::{
-    stripes, LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN,
+    pieces, stripes, LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN,
 };
 
 /// Tuning of the channel.
@@ -103,6 +103,20 @@ pub enum MptError {
         expected: (usize, usize),
         /// What arrived, described.
         got: String,
+    },
+    /// The [`StripeSink`] a transfer was received into refused a piece.
+    #[error("mpt lane {lane}: the receiving side cannot take bytes {offset}..{end} of transfer {transfer_id}: {reason}")]
+    Sink {
+        /// The lane index.
+        lane: usize,
+        /// The transfer.
+        transfer_id: u64,
+        /// Where the piece starts in the transfer.
+        offset: usize,
+        /// Where it ends.
+        end: usize,
+        /// Why (the sink's words).
+        reason: String,
     },
     /// A lane's thread panicked (a bug, reported instead of propagated).
     #[error("mpt lane {lane} thread panicked")]
@@ -558,36 +572,7 @@ impl MptChannel {
             .enumerate();
         run_lanes(work, |lane, stream, ((offset, len), part)| {
             let peer = || peers.get(lane).cloned().unwrap_or_default();
-            let mut raw = [0u8; STRIPE_HEADER_LEN];
-            stream.read_exact(&mut raw).map_err(|source| MptError::Io {
-                lane,
-                peer: peer(),
-                action: "receiving a stripe header",
-                source,
-            })?;
-            let expected = StripeHeader {
-                transfer_id,
-                offset: offset as u64,
-                len: len as u64,
-            };
-            match StripeHeader::decode(&raw) {
-                Some(header) if header == expected => {}
-                other => {
-                    return Err(MptError::UnexpectedStripe {
-                        lane,
-                        peer: peer(),
-                        transfer_id,
-                        expected: (offset, len),
-                        got: match other {
-                            Some(h) => format!(
-                                "transfer {} offset {} length {}",
-                                h.transfer_id, h.offset, h.len
-                            ),
-                            None => "bytes that are no stripe header".into(),
-                        },
-                    })
-                }
-            }
+            read_stripe_header(stream, lane, peer, transfer_id, (offset, len))?;
             stream.read_exact(part).map_err(|source| MptError::Io {
                 lane,
                 peer: peer(),
@@ -595,6 +580,117 @@ impl MptChannel {
                 source,
             })
         })
+    }
+}
+
+/// Where [`MptChannel::recv_with`] puts a transfer's bytes instead of one buffer: pieces
+/// of at most [`piece_len`](Self::piece_len) bytes, none crossing a multiple of it
+/// ([`pieces`]), each taken from the sink, filled by the lane that reads it and given
+/// back. Lanes read on threads of their own, so pieces are taken and given back from
+/// several threads at once and in any order (within one lane, in order).
+pub trait StripeSink: Sync {
+    /// What one piece is read into.
+    type Piece: Send;
+    /// The longest piece (at least 1).
+    fn piece_len(&self) -> usize;
+    /// A piece for the `len` bytes at `offset` of the transfer (may wait for room).
+    ///
+    /// # Errors
+    /// Why the bytes cannot be taken: the transfer fails with [`MptError::Sink`].
+    fn take(&self, offset: usize, len: usize) -> Result<Self::Piece, String>;
+    /// The piece's bytes, exactly as long as it was asked for.
+    fn bytes<'p>(&self, piece: &'p mut Self::Piece) -> &'p mut [u8];
+    /// The piece is filled.
+    ///
+    /// # Errors
+    /// As [`take`](Self::take).
+    fn put(&self, piece: Self::Piece) -> Result<(), String>;
+}
+
+impl MptChannel {
+    /// Receives transfer `transfer_id` of `len` bytes into `sink`, each lane's stripe
+    /// piece by piece as it arrives.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv), and [`MptError::Sink`] when the sink refuses a piece (the
+    /// lane is then out of step: end the channel).
+    pub fn recv_with<S: StripeSink>(
+        &mut self,
+        transfer_id: u64,
+        len: usize,
+        sink: &S,
+    ) -> Result<(), MptError> {
+        let plan = self.plan(len, transfer_id)?;
+        let peers = &self.peers;
+        let piece_len = sink.piece_len();
+        let work = self.lanes.iter_mut().zip(plan).enumerate();
+        run_lanes(work, |lane, stream, stripe| {
+            let peer = || peers.get(lane).cloned().unwrap_or_default();
+            read_stripe_header(stream, lane, peer, transfer_id, stripe)?;
+            for (offset, n) in pieces(stripe, piece_len) {
+                let refused = |reason| MptError::Sink {
+                    lane,
+                    transfer_id,
+                    offset,
+                    end: offset + n,
+                    reason,
+                };
+                let mut piece = sink.take(offset, n).map_err(refused)?;
+                let bytes = sink.bytes(&mut piece);
+                if bytes.len() != n {
+                    return Err(refused(format!(
+                        "it gave a {}-byte buffer for {n} bytes",
+                        bytes.len()
+                    )));
+                }
+                stream.read_exact(bytes).map_err(|source| MptError::Io {
+                    lane,
+                    peer: peer(),
+                    action: "receiving a stripe",
+                    source,
+                })?;
+                sink.put(piece).map_err(refused)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Reads lane `lane`'s stripe header and checks it is `(offset, len)` of `transfer_id`.
+fn read_stripe_header(
+    stream: &mut TcpStream,
+    lane: usize,
+    peer: impl Fn() -> String,
+    transfer_id: u64,
+    (offset, len): (usize, usize),
+) -> Result<(), MptError> {
+    let mut raw = [0u8; STRIPE_HEADER_LEN];
+    stream.read_exact(&mut raw).map_err(|source| MptError::Io {
+        lane,
+        peer: peer(),
+        action: "receiving a stripe header",
+        source,
+    })?;
+    let expected = StripeHeader {
+        transfer_id,
+        offset: offset as u64,
+        len: len as u64,
+    };
+    match StripeHeader::decode(&raw) {
+        Some(header) if header == expected => Ok(()),
+        other => Err(MptError::UnexpectedStripe {
+            lane,
+            peer: peer(),
+            transfer_id,
+            expected: (offset, len),
+            got: match other {
+                Some(h) => format!(
+                    "transfer {} offset {} length {}",
+                    h.transfer_id, h.offset, h.len
+                ),
+                None => "bytes that are no stripe header".into(),
+            },
+        }),
     }
 }
 
@@ -629,6 +725,9 @@ fn run_lanes<'s, T: Send>(
         result
     })
 }
+
+#[cfg(test)]
+mod sink_tests;
 
 #[cfg(test)]
 mod tests {

@@ -55,6 +55,7 @@ use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
 use super::channels::{cpu_channel, FrameExports, PipeReader};
+use super::device::Devices;
 use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
@@ -91,6 +92,8 @@ pub(crate) struct Lane {
     stop: Arc<dyn StopConnection>,
     /// Where the peer's out-of-band tensors are read from.
     reader: Arc<PipeReader>,
+    /// The worker's device runtimes (mpt reads device tensors' stripes into them).
+    devices: Devices,
     /// The pipe's protocol (core's `rpc::pipe`): which replies reach a call, what is
     /// acked, and the buffers lent to the peer until their reply or ack (given up when
     /// the lane ends).
@@ -194,7 +197,7 @@ impl Lane {
         peer: String,
         negotiated: Negotiated,
         halves: BlockingHalves,
-        role: Role,
+        (role, devices): (Role, Devices),
     ) -> Arc<Lane> {
         let BlockingHalves {
             sender,
@@ -211,6 +214,7 @@ impl Lane {
             wake,
             stop,
             reader: Arc::new(PipeReader::default()),
+            devices,
             machine: Mutex::new(match role {
                 Role::Connector => Machine::Client(ClientPipe::new()),
                 Role::Listener => Machine::Inbound(InboundPipe::new()),
@@ -231,12 +235,16 @@ impl Lane {
             // Refused per tensor when the frame is served: no lane carries them.
             return Ok(());
         };
-        mpt.fill(frame, &self.negotiated, self.role)
-            .map_err(|reason| TransportError::Io {
-                op: "receive mpt tensors from",
-                peer: self.peer.clone(),
-                source: std::io::Error::other(reason),
-            })
+        mpt.fill(
+            frame,
+            (&self.negotiated, self.role),
+            (&self.reader, &self.devices),
+        )
+        .map_err(|reason| TransportError::Io {
+            op: "receive mpt tensors from",
+            peer: self.peer.clone(),
+            source: std::io::Error::other(reason),
+        })
     }
 
     /// Whether a waiting caller can read this lane itself.
@@ -278,7 +286,13 @@ impl Lane {
         if let Some(faults) = &shared.faults {
             halves.sender = faults.wrap(halves.sender);
         }
-        let lane = Lane::new(id, peer, negotiated, halves, Role::Connector);
+        let lane = Lane::new(
+            id,
+            peer,
+            negotiated,
+            halves,
+            (Role::Connector, shared.devices.clone()),
+        );
         if let Some(mpt) = mpt {
             let _ = lane.mpt.set(mpt);
         }
@@ -305,7 +319,13 @@ impl Lane {
         mpt_token: Option<u64>,
     ) {
         let (name, peer_id) = peer;
-        let lane = Lane::new(id, name, negotiated, halves, Role::Listener);
+        let lane = Lane::new(
+            id,
+            name,
+            negotiated,
+            halves,
+            (Role::Listener, shared.devices.clone()),
+        );
         let registered = Arc::clone(&lane);
         Lane::start(
             shared,

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use rdzv_core::device::Device;
 
-use super::device::DeviceBuffer;
+use super::device::{DeviceBuffer, DeviceError};
 use super::error::{CallError, UsageError};
 
 /// A tensor's bytes and the device they live on.
@@ -24,6 +24,18 @@ use super::error::{CallError, UsageError};
 /// [`DeviceBuffer`] in `memory` instead, made by a device runtime plugged into the agent
 /// ([`RpcOptions::device_plugins`](super::RpcOptions::device_plugins)), and an empty
 /// `data`; received tensors on such a device come the same way.
+///
+/// **When a received tensor is ready.** A CPU tensor's bytes are complete when the
+/// agent hands it over (to a handler, or from `rpc_sync` and the future's wait). So is a
+/// device tensor's, unless its runtime hands tensors over with their copy still running
+/// (`rdzv_rdma`'s `CudaOptions::pending_hand_over`, for `cuda_ipc` and `cuda_xth`): then
+/// [`is_ready`](Self::is_ready) says whether the copy is done, and
+/// [`wait_ready`](Self::wait_ready) blocks until it is. Reading the bytes before that
+/// (on the host, or on a stream not ordered after the memory's ready event) may see
+/// them half copied. CUDA users who would rather not block order their own stream after
+/// the copy on the GPU: `memory.downcast_ref::<CudaMemory>()`, then
+/// `CudaMemory::wait_ready_on(stream)`. Dropping the tensor is always safe: the runtime
+/// waits for the copy before it reuses the memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tensor {
     /// Where the bytes live.
@@ -63,6 +75,28 @@ impl Tensor {
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether its bytes are complete now: always for a CPU tensor; for device memory,
+    /// its runtime's answer ([`DeviceBuffer::is_ready`]). See the type's docs.
+    ///
+    /// # Errors
+    /// The runtime cannot tell (a driver error, naming the device).
+    pub fn is_ready(&self) -> Result<bool, DeviceError> {
+        self.memory
+            .as_ref()
+            .map_or(Ok(true), DeviceBuffer::is_ready)
+    }
+
+    /// Blocks until its bytes are complete, at most `timeout`: whether they are (at
+    /// once for a CPU tensor).
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    pub fn wait_ready(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        self.memory
+            .as_ref()
+            .map_or(Ok(true), |memory| memory.wait_ready(timeout))
     }
 }
 

@@ -84,8 +84,9 @@ pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
 pub use device::{
-    DeviceBuffer, DeviceLoan, DeviceMemory, DevicePlugin, DeviceRuntime, HostBytes, HostMemory,
-    PipeId, StagedBytes, StagedReceive,
+    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
+    DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId, StagedBytes,
+    StagedReceive,
 };
 pub use error::{
     CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError, TransportError,

@@ -29,8 +29,8 @@ use rdzv_core::negotiate::{ChannelKind, Negotiated, Role, TransportKind};
 use rdzv_core::rpc::address::after_scheme;
 use rdzv_core::rpc::frame::TensorDescriptor;
 
-use super::channels::cpu_channel;
-use super::device::HostBytes;
+use super::channels::{cpu_channel, PipeReader};
+use super::device::{Devices, HostBytes};
 use super::recycle;
 use super::transport::IncomingFrame;
 use crate::channel::mpt::{
@@ -220,13 +220,17 @@ impl MptLanes {
     /// Reads the mpt tensors of `frame`, just received, into buffers of their own and
     /// makes their entries inline. Each must be a tensor whose bytes the pipe (this side
     /// playing `role`) negotiated to carry over mpt (CPU to CPU, or staged by
-    /// `cuda_basic`). An error leaves the lanes out of step:
-    /// the pipe must end.
+    /// `cuda_basic`). A tensor for a device whose runtime takes parts in any order
+    /// (`Devices::receive_parts`) is read piece by piece into the runtime's staging
+    /// instead, each piece going to the device while the lanes read on, and its memory
+    /// (or the runtime's error, which fails only its call) is left with `reader` for
+    /// the frame's sort; its entry stays an mpt one. An error leaves the lanes out of
+    /// step: the pipe must end.
     pub(crate) fn fill(
         &self,
         frame: &mut IncomingFrame,
-        negotiated: &Negotiated,
-        role: Role,
+        (negotiated, role): (&Negotiated, Role),
+        (reader, devices): (&PipeReader, &Devices),
     ) -> Result<(), LanesError> {
         if !frame
             .tensors
@@ -253,6 +257,24 @@ impl MptLanes {
                 .map_err(|source| LanesError::Descriptor { source })?
                 .transfer_id;
             let len = usize::try_from(descriptor.len).map_err(|_| LanesError::TooLarge)?;
+            let parts = if descriptor.target.is_cpu() {
+                None
+            } else {
+                // A runtime that cannot take parts now gets the bytes whole later.
+                devices
+                    .receive_parts(descriptor.target, len)
+                    .unwrap_or_else(|e| {
+                        tracing::debug!(error = %e.report(), "mpt tensor staged whole");
+                        None
+                    })
+            };
+            if let Some(parts) = parts {
+                recv.recv_with(transfer_id, len, &parts)
+                    .map_err(|source| LanesError::Receive { source })?;
+                reader.arrived(transfer_id, parts.finish());
+                frame.wire_len = frame.wire_len.saturating_add(descriptor.len);
+                continue;
+            }
             let mut bytes =
                 recycle::try_take(len).map_err(|source| LanesError::Alloc { len, source })?;
             recv.recv(transfer_id, &mut bytes)

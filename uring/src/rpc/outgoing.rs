@@ -90,10 +90,10 @@ pub(crate) fn tensor_frame(
         let data = framer
             .devices
             .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
-            .map_err(|reason| CallError::Channel {
+            .map_err(|e| CallError::Channel {
                 channel: negotiated_channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
+                reason: format!("tensor {index}: {}", e.report()),
             })?;
         let channel = match carrier {
             ChannelKind::Mpt if !streams => ChannelKind::Basic,

@@ -12,14 +12,11 @@ use rdzv_core::device::Device;
 use super::ipc::{DriverOpener, EventOpener, LoanEvent, LOAN_EVENTS_UP_FRONT};
 use super::staged::PinnedBacking;
 use super::tensor_memory::{CudaMemory, Storage};
-use super::{lock, CudaOptions};
+use super::{lock, Cause, CudaOptions};
 use crate::cuda::caching_allocator::{BackingAllocator, CachingAllocator};
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
-use crate::cuda::memory::{
-    copy_unified_async, DeviceAllocation, DeviceRange, DeviceSource, Gpu, RawEvent, StagingBuffer,
-};
-use crate::report::ErrorChain;
+use crate::cuda::memory::{DeviceAllocation, Gpu, RawEvent, StagingBuffer};
 
 /// What the runtime keeps per opened device. Field order is drop order: opened events
 /// and mappings first, then the staging buffers and events, the streams, the cached
@@ -111,33 +108,13 @@ impl DeviceState {
     }
 
     /// `len` bytes from the device's cache (nothing for 0 bytes).
-    pub(super) fn alloc(&self, len: usize) -> Result<CudaMemory, String> {
+    pub(super) fn alloc(&self, len: usize) -> Result<CudaMemory, Cause> {
         let storage = if len == 0 {
-            Storage::Own(self.gpu.alloc(0).map_err(|e| ErrorChain(&e).to_string())?)
+            Storage::Own(self.gpu.alloc(0)?)
         } else {
-            Storage::Cached(
-                self.allocator
-                    .allocate(len)
-                    .map_err(|e| ErrorChain(&e).to_string())?,
-            )
+            Storage::Cached(self.allocator.allocate(len)?)
         };
         Ok(CudaMemory::new(self.device, len, storage))
-    }
-
-    /// Runs `enqueue` on one of the device's streams, then waits for it with an event:
-    /// only that stream's work up to here is waited for, never the whole device.
-    fn on_stream_and_wait(
-        &self,
-        enqueue: impl FnOnce(&CudaStream) -> Result<(), CudaChannelError>,
-    ) -> Result<(), CudaChannelError> {
-        self.gpu.bind()?;
-        let stream = self.stream();
-        enqueue(stream)?;
-        let event = self.take_event()?;
-        event.record(stream)?;
-        let waited = event.synchronize();
-        lock(&self.events).push(event);
-        waited
     }
 
     /// One of this process's own events (made now if none is idle); the caller gives it
@@ -147,20 +124,6 @@ impl DeviceState {
             Some(event) => Ok(event),
             None => RawEvent::new(&self.gpu, false),
         }
-    }
-
-    /// Copies `src` (any device memory the driver can address: this device's, another
-    /// device's, an opened IPC mapping, held by the caller until this returns) into `dst`
-    /// (this device's, as long), and waits for the copy.
-    pub(super) fn copy_device(
-        &self,
-        dst: DeviceRange<'_>,
-        src: DeviceSource<'_>,
-    ) -> Result<(), CudaChannelError> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.on_stream_and_wait(|stream| copy_unified_async(dst, src, stream))
     }
 }
 

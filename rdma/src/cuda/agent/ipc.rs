@@ -82,16 +82,15 @@ pub(super) fn lend(
     process: ProcessIdentity,
     memory: &DeviceBuffer,
     own: &CudaMemory,
-) -> Result<DeviceLoan, String> {
-    let failed = |e: CudaChannelError| ErrorChain(&e).to_string();
-    let handle = own.allocation().ipc_handle().map_err(failed)?;
-    let event = state.take_loan_event().map_err(failed)?;
-    state.gpu.bind().map_err(failed)?;
+) -> Result<DeviceLoan, CudaChannelError> {
+    let handle = own.allocation().ipc_handle()?;
+    let event = state.take_loan_event()?;
+    state.gpu.bind()?;
     {
         let ready = own.ready_event();
         let mut stream = DriverStream(state.stream());
         // On failure the event is dropped: it may hold a half-made record.
-        loan_events::fence_loan(&mut stream, ready.as_ref(), &event.event).map_err(failed)?;
+        loan_events::fence_loan(&mut stream, ready.as_deref(), &event.event)?;
     }
     let descriptor = CudaIpcDescriptor {
         process,
@@ -199,7 +198,7 @@ fn copy_after_loan(
         copy_unified_async(dst, src, s.0)
     })?;
     if state.pending_hand_over {
-        memory.set_ready(done);
+        memory.set_ready(Arc::new(done));
         return Ok(());
     }
     // The tensor is complete when the agent hands it over.
@@ -217,14 +216,15 @@ fn event_key(handle: &[u8; IPC_HANDLE_LEN]) -> u64 {
 }
 
 /// A runtime stream, as [`loan_events`] drives it.
-struct DriverStream<'a>(&'a CudaStream);
+pub(super) struct DriverStream<'a>(pub(super) &'a CudaStream);
 
 /// How long a loan's release waits for the borrower's record before it gives up on the
-/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish.
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish
+/// (`cuda_xth`'s release waits as long for its borrower).
+pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Only the lender's release waits on the host ([`loan_events::settle_loan`]), for an
-/// event the borrower records: bounded by [`SETTLE_TIMEOUT`].
+/// event the borrower records: bounded by `SETTLE_TIMEOUT`.
 impl loan_events::LoanEvent for RawEvent {
     type Error = CudaChannelError;
 

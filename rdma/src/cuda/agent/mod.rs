@@ -6,7 +6,11 @@
 //!
 //! - `cuda_xth` (same process): a tensor is lent by its device address, and the receiver
 //!   copies it device to device (`cuMemcpyAsync` over unified addressing, so across GPUs
-//!   too);
+//!   too). Completion crosses the two agents through the process's loan table
+//!   ([`super::xth_loans`], `xth`): the lender records a fence after the memory's ready
+//!   event, the receiver's stream waits on it (no host wait for the producer), copies and
+//!   records an event of its own, which the lender waits for before it lets go of the
+//!   memory;
 //! - `cuda_ipc` (another process of this host): a tensor is lent through the CUDA IPC
 //!   memory handle of its allocation (`cuIpcGetMemHandle`, made once per allocation and
 //!   cached with it) and the allocation's base address. The receiver keeps what it opened
@@ -37,9 +41,12 @@
 //!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
 //!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
 //!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
-//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]); bytes that arrived whole
-//!   (inline, `mpt`) are staged in chunks ([`super::chunk_plan`]): the device copy of one
-//!   chunk runs while the host copies the previous one.
+//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]). Carried by `mpt`, whose
+//!   lanes read their stripes at once, each piece of a stripe is read into a pinned slot
+//!   and copied to its place on the device as soon as its lane read it, in any order
+//!   (`DeviceRuntime::receive_parts`, `parts`); bytes that arrived whole (inline) are
+//!   staged in chunks ([`super::chunk_plan`]): the device copy of one chunk runs while
+//!   the host copies the previous one.
 //!
 //! **When a received tensor is ready.** Every copy runs on the runtime's own streams
 //! (a few per device) and is waited for with an event recorded after it, never with a
@@ -48,11 +55,14 @@
 //! or when `rpc_sync` (or the future's wait) returns it; no stream of the caller's needs
 //! to wait for anything. A sender hands the agent memory whose producing work is
 //! complete, or says where it completes with [`CudaMemory::record_ready`] (the memory's
-//! ready event, recorded on the producer's stream): `cuda_ipc` then orders the peer's
-//! copy after it on the GPU, and the other channels wait for that one event. With
-//! [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` is handed over
-//! at once, its copy still running, with the copy's event as its ready event: async
-//! users wait on that instead ([`CudaMemory::wait_ready_on`]).
+//! ready event, recorded on the producer's stream): `cuda_ipc` and `cuda_xth` then order
+//! the peer's copy after it on the GPU, and the other channels wait for that one event.
+//! With [`CudaOptions::pending_hand_over`], a tensor received over `cuda_ipc` or
+//! `cuda_xth` is handed over at once, its copy still running, with the copy's event as
+//! its ready event: async users ask `Tensor::is_ready` or block in `Tensor::wait_ready`
+//! (`cuEventQuery` on that event, through `DeviceMemory`), or order a stream of theirs
+//! after it without blocking ([`CudaMemory::wait_ready_on`]). Reading the bytes without
+//! either races with the copy.
 //!
 //! **Where received memory comes from.** A caching allocator per device
 //! ([`super::caching_allocator`], `cuMemAlloc` blocks in size classes, under a cap:
@@ -68,7 +78,10 @@
 //!
 //! The files: this one (the runtime and its `DeviceRuntime` side), `options` (options
 //! and plugins), `device` (per-device state and copies), `ipc` (`cuda_ipc`'s two
-//! sides), `staged` (`cuda_basic`'s), `tensor_memory` ([`CudaMemory`]).
+//! sides), `xth` (`cuda_xth`'s), `staged` and `parts` (`cuda_basic`'s), `tensor_memory`
+//! ([`CudaMemory`]). Every `DeviceRuntime` call fails with the seam's `DeviceError`,
+//! whose source is this crate's [`CudaChannelError`] (with the driver's `DriverCode`)
+//! where the driver failed.
 //!
 //! Opening the runtime never panics when the driver is absent: [`CudaPlugin`] probes
 //! first ([`super::probe`]) and reports why CUDA cannot be used, and the agent then
@@ -78,8 +91,10 @@
 mod device;
 mod ipc;
 mod options;
+mod parts;
 mod staged;
 mod tensor_memory;
+mod xth;
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -89,14 +104,15 @@ use rdzv_core::device::Device;
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
 use rdzv_uring::rpc::{
-    DeviceBuffer, DeviceLoan, DeviceMemory, DeviceRuntime, HostBytes, PipeId, StagedReceive,
+    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp,
+    DeviceRuntime, HostBytes, PartedReceive, PipeId, StagedReceive,
 };
 
 use super::channel_error::CudaChannelError;
 use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
-use super::memory::{DeviceAllocation, DeviceSource};
+use super::memory::DeviceAllocation;
 use super::viability::{self, ChannelVerdict, CudaChannel};
 use super::PeerMemory;
 use crate::ibv::IbvViability;
@@ -128,6 +144,11 @@ pub struct CudaRuntime {
     gdr_node: Mutex<Option<Arc<GdrNode>>>,
     registrars: Mutex<Vec<Option<GdrRegistrar>>>,
 }
+
+/// Why a step of the runtime failed: a typed error of this crate (a
+/// [`CudaChannelError`], whose chain names the driver call, its `CUresult` and what to
+/// do), or a text; it becomes the source of the seam's `DeviceError`.
+type Cause = DeviceErrorSource;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -191,8 +212,8 @@ impl CudaRuntime {
     }
 
     /// The opened device `device` (opened now if it is the first use).
-    fn device(&self, device: Device) -> Result<Arc<DeviceState>, String> {
-        let ordinal = ordinal(device)?;
+    fn device(&self, device: Device) -> Result<Arc<DeviceState>, Cause> {
+        let ordinal = cuda_ordinal(device)?;
         let mut devices = lock(&self.devices);
         let slot = devices.get_mut(ordinal).ok_or_else(|| {
             format!(
@@ -203,21 +224,18 @@ impl CudaRuntime {
         if let Some(state) = slot {
             return Ok(Arc::clone(state));
         }
-        let state = Arc::new(
-            DeviceState::open(device, ordinal, &self.options)
-                .map_err(|e| ErrorChain(&e).to_string())?,
-        );
+        let state = Arc::new(DeviceState::open(device, ordinal, &self.options)?);
         *slot = Some(Arc::clone(&state));
         Ok(state)
     }
 
-    fn process(&self) -> Result<ProcessIdentity, String> {
-        self.process.clone()
+    fn process(&self) -> Result<ProcessIdentity, Cause> {
+        self.process.clone().map_err(Cause::from)
     }
 
     /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
     /// offered.
-    fn gdr_node(&self) -> Result<Arc<GdrNode>, String> {
+    fn gdr_node(&self) -> Result<Arc<GdrNode>, Cause> {
         self.gdr.as_ref().map_err(Clone::clone)?;
         let mut node = lock(&self.gdr_node);
         if let Some(node) = node.as_ref() {
@@ -226,10 +244,9 @@ impl CudaRuntime {
         let selection = match crate::ibv::probe_env() {
             IbvViability::Viable(selection) => selection,
             IbvViability::NotViable(reason) => {
-                return Err(format!(
-                    "cuda_gdr: no usable RDMA device: {}",
-                    ErrorChain(&reason)
-                ))
+                return Err(
+                    format!("cuda_gdr: no usable RDMA device: {}", ErrorChain(&reason)).into(),
+                )
             }
         };
         let configured = std::env::var(gdr_lending::ENV_GDR_ADDR).ok();
@@ -251,7 +268,7 @@ impl CudaRuntime {
         node: &GdrNode,
         ordinal: usize,
         allocation: &DeviceAllocation,
-    ) -> Result<Arc<GdrRegistration>, String> {
+    ) -> Result<Arc<GdrRegistration>, Cause> {
         let gpu = allocation.gpu().clone();
         let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
             format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
@@ -270,9 +287,7 @@ impl CudaRuntime {
                 1,
             )
         });
-        let registration = registrar
-            .register(allocation.range())
-            .map_err(|e| ErrorChain(&e).to_string());
+        let registration = registrar.register(allocation.range()).map_err(Cause::from);
         // Nothing stays cached: the caller's handle is the only one, so the registration
         // ends with the loan (or the read), before the allocation can be freed.
         registrar.forget_all();
@@ -288,40 +303,40 @@ impl CudaRuntime {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, Cause> {
         let me = self.process()?;
-        let target = ordinal(device)?;
+        let target = cuda_ordinal(device)?;
         let to_usize =
             |len: u64| usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"));
         match channel {
             ChannelKind::CudaXth => {
-                let lent = CudaXthDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                check_lent_length(channel, lent.length, len)?;
+                let lent = CudaXthDescriptor::decode(descriptor)?;
+                check_lent_length("cuda_xth descriptor", lent.length, len)?;
                 if lent.process != me {
                     return Err(format!(
                         "the memory was lent by pid {}, not by this process (pid {}): \
                          cuda_xth works within one process",
                         lent.process.pid, me.pid
-                    ));
+                    )
+                    .into());
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
-                // Only read: the lender holds the memory until this side answered.
-                let src = DeviceSource::named_by_peer(lent.address, memory.len());
-                state
-                    .copy_device(memory.range(), src)
-                    .map_err(|e| ErrorChain(&e).to_string())?;
+                if !memory.is_empty() {
+                    xth::borrow(&state, &lent, &memory)?;
+                }
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaIpc => {
-                let lent = CudaIpcDescriptor::decode(descriptor).map_err(|e| e.to_string())?;
-                check_lent_length(channel, lent.length, len)?;
+                let lent = CudaIpcDescriptor::decode(descriptor)?;
+                check_lent_length("cuda_ipc descriptor", lent.length, len)?;
                 if let Some(what) = me.mismatch(&lent.process) {
                     return Err(format!(
                         "the memory was lent by pid {} under another {what}: cuda_ipc works \
                          between processes of one host",
                         lent.process.pid
-                    ));
+                    )
+                    .into());
                 }
                 let state = self.device(device)?;
                 let memory = state.alloc(to_usize(len)?)?;
@@ -334,7 +349,7 @@ impl CudaRuntime {
                     offset: to_usize(lent.offset)?,
                     target,
                 };
-                ipc::borrow(&state, how, &memory).map_err(|e| ErrorChain(&e).to_string())?;
+                ipc::borrow(&state, how, &memory)?;
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaGdr => {
@@ -346,12 +361,73 @@ impl CudaRuntime {
                 }
                 let node = self.gdr_node()?;
                 let registration = self.gdr_register(&node, target, memory.allocation())?;
-                let target = GdrTarget::new(registration, memory)
-                    .map_err(|e| format!("cuda_gdr: {}", ErrorChain(&e)))?;
+                let target = GdrTarget::new(registration, memory)?;
                 let filled = node.read(&lent, target)?;
                 Ok(DeviceBuffer::new(filled.into_memory()))
             }
-            other => Err(format!("the CUDA runtime does not borrow over {other}")),
+            other => Err(format!("the CUDA runtime does not borrow over {other}").into()),
+        }
+    }
+
+    /// Lends `memory` over `channel` (the seam's `lend`).
+    fn lend_memory(
+        &self,
+        channel: ChannelKind,
+        memory: &DeviceBuffer,
+    ) -> Result<DeviceLoan, Cause> {
+        let own = own(memory)?;
+        let device = u32::from(own.device.index().unwrap_or(0));
+        let length = own.len as u64;
+        // Ordered after the producer on the GPU, through the loan's event (cuda_ipc) or
+        // fence (cuda_xth).
+        match channel {
+            ChannelKind::CudaIpc => {
+                let state = self.device(own.device)?;
+                return Ok(ipc::lend(&state, self.process()?, memory, own)?);
+            }
+            ChannelKind::CudaXth => {
+                let state = self.device(own.device)?;
+                return Ok(xth::lend(&state, self.process()?, memory, own)?);
+            }
+            _ => {}
+        }
+        // The peer's NIC (cuda_gdr) reads it once this returns.
+        own.wait_ready()?;
+        match channel {
+            ChannelKind::CudaGdr => {
+                let node = self.gdr_node()?;
+                let address = own.range().ptr();
+                let registration = if length == 0 {
+                    None
+                } else {
+                    let ordinal = cuda_ordinal(own.device)?;
+                    Some(self.gdr_register(&node, ordinal, own.allocation())?)
+                };
+                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
+                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
+                // The registration goes before the memory (tuple fields drop in order);
+                // both live until the peer answered.
+                Ok(DeviceLoan {
+                    descriptor,
+                    hold: Box::new((registration, memory.clone())),
+                })
+            }
+            other => Err(format!("the CUDA runtime does not lend over {other}").into()),
+        }
+    }
+
+    /// The seam's error for `operation` on `device` (over `channel`), because of `cause`.
+    fn failed(
+        operation: DeviceOp,
+        device: Device,
+        channel: Option<ChannelKind>,
+    ) -> impl FnOnce(Cause) -> DeviceError {
+        move |cause| {
+            let error = DeviceError::new(operation, cause).on(device);
+            match channel {
+                Some(channel) => error.over(channel),
+                None => error,
+            }
         }
     }
 }
@@ -366,30 +442,27 @@ fn cuda_ordinal(device: Device) -> Result<usize, CudaChannelError> {
     Ok(usize::from(device.index().unwrap_or(0)))
 }
 
-/// As [`cuda_ordinal`], for the agent's string errors.
-fn ordinal(device: Device) -> Result<usize, String> {
-    cuda_ordinal(device).map_err(|e| e.to_string())
-}
-
-/// Checks that a `channel` descriptor lends as many bytes (`lent`) as the frame says
-/// (`len`).
-pub(crate) fn check_lent_length(channel: ChannelKind, lent: u64, len: u64) -> Result<(), String> {
+/// Checks that a descriptor (`what`: `cuda_xth descriptor`, ...) lends as many bytes
+/// (`lent`) as the frame says (`len`).
+fn check_lent_length(what: &'static str, lent: u64, len: u64) -> Result<(), CudaChannelError> {
     if lent == len {
         Ok(())
     } else {
-        Err(format!(
-            "the {channel} descriptor lends {lent} bytes, the frame says {len}"
+        Err(CudaChannelError::protocol(
+            what,
+            format!("it lends {lent} bytes, the frame says {len}"),
         ))
     }
 }
 
 /// Memory a tensor lent: the runtime's own.
-fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, String> {
+fn own(memory: &DeviceBuffer) -> Result<&CudaMemory, Cause> {
     memory.downcast_ref::<CudaMemory>().ok_or_else(|| {
         format!(
             "the {} tensor's memory was not made by rdzv_rdma's CUDA runtime (CudaMemory)",
             memory.device()
         )
+        .into()
     })
 }
 
@@ -398,21 +471,41 @@ impl DeviceRuntime for CudaRuntime {
         self.count
     }
 
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
-        let memory = own(memory)?;
-        self.device(memory.device)?.copy_to_host(memory)
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        let own = own(memory).map_err(failed)?;
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        let state = self.device(own.device).map_err(failed)?;
+        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        state.copy_to_host(own).map_err(|e| failed(e.into()))
     }
 
     fn receive_staged(
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
-        self.device(device)?.receive_staged(len).map(Some)
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.receive_staged(len))
+            .map(Some)
+            .map_err(Self::failed(DeviceOp::ReceiveStaged, device, None))
     }
 
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
-        self.device(device)?.copy_from_host(&bytes)
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.receive_parts(len))
+            .map(Some)
+            .map_err(Self::failed(DeviceOp::ReceiveStaged, device, None))
+    }
+
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
+        self.device(device)
+            .and_then(|state| state.copy_from_host(&bytes))
+            .map_err(Self::failed(DeviceOp::CopyFromHost, device, None))
     }
 
     fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
@@ -423,50 +516,12 @@ impl DeviceRuntime for CudaRuntime {
         ]
     }
 
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
-        let own = own(memory)?;
-        let device = u32::from(own.device.index().unwrap_or(0));
-        let length = own.len as u64;
-        if channel == ChannelKind::CudaIpc {
-            // Ordered after the producer on the GPU, through the loan's event.
-            return ipc::lend(&self.device(own.device)?, self.process()?, memory, own);
-        }
-        // The peer's copy (cuda_xth) or NIC (cuda_gdr) reads it once this returns.
-        own.wait_ready().map_err(|e| ErrorChain(&e).to_string())?;
-        let descriptor = match channel {
-            ChannelKind::CudaXth => CudaXthDescriptor {
-                process: self.process()?,
-                address: own.range().ptr(),
-                length,
-                device,
-            }
-            .encode()
-            .to_vec(),
-            ChannelKind::CudaGdr => {
-                let node = self.gdr_node()?;
-                let address = own.range().ptr();
-                let registration = if length == 0 {
-                    None
-                } else {
-                    let ordinal = ordinal(own.device)?;
-                    Some(self.gdr_register(&node, ordinal, own.allocation())?)
-                };
-                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
-                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
-                // The registration goes before the memory (tuple fields drop in order);
-                // both live until the peer answered.
-                return Ok(DeviceLoan {
-                    descriptor,
-                    hold: Box::new((registration, memory.clone())),
-                });
-            }
-            other => return Err(format!("the CUDA runtime does not lend over {other}")),
-        };
-        // The loan keeps the allocation: the peer reads it until it answers.
-        Ok(DeviceLoan {
-            descriptor,
-            hold: Box::new(memory.clone()),
-        })
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
+        self.lend_memory(channel, memory).map_err(Self::failed(
+            DeviceOp::Lend,
+            memory.device(),
+            Some(channel),
+        ))
     }
 
     fn borrow(
@@ -475,8 +530,9 @@ impl DeviceRuntime for CudaRuntime {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         self.borrow_from(None, channel, device, len, descriptor)
+            .map_err(Self::failed(DeviceOp::Borrow, device, Some(channel)))
     }
 
     fn borrow_on(
@@ -486,8 +542,9 @@ impl DeviceRuntime for CudaRuntime {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         self.borrow_from(Some(pipe), channel, device, len, descriptor)
+            .map_err(Self::failed(DeviceOp::Borrow, device, Some(channel)))
     }
 
     fn pipe_ended(&self, pipe: PipeId) {

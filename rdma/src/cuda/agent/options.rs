@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use rdzv_core::device::DeviceType;
-use rdzv_uring::rpc::{DevicePlugin, DeviceRuntime};
+use rdzv_uring::rpc::{DeviceError, DeviceOp, DevicePlugin, DeviceRuntime};
 
 use super::CudaRuntime;
 
@@ -42,12 +42,13 @@ pub struct CudaOptions {
     /// The most bytes those mappings may map (an open mapping keeps the lender's memory
     /// alive even after the lender freed it).
     pub ipc_mapped_bytes_per_device: usize,
-    /// Hand a tensor received over `cuda_ipc` to the agent while its copy may still run
-    /// (no host wait at all on the data path): users order their work after the memory's
-    /// ready event ([`wait_ready_on`](super::CudaMemory::wait_ready_on),
-    /// [`wait_ready`](super::CudaMemory::wait_ready)); the
-    /// runtime's own uses do so themselves, and dropping the memory waits for it. Off
-    /// by default: a received tensor is complete when it is handed over.
+    /// Hand a tensor received over `cuda_ipc` or `cuda_xth` to the agent while its copy
+    /// may still run (no host wait at all on the data path): users ask
+    /// `Tensor::is_ready` / `Tensor::wait_ready` (`rdzv_uring::rpc`), or order their
+    /// work after the memory's ready event on the GPU
+    /// ([`wait_ready_on`](super::CudaMemory::wait_ready_on)); the runtime's own uses do
+    /// so themselves, and dropping the memory waits for it. Off by default: a received
+    /// tensor is complete when it is handed over.
     pub pending_hand_over: bool,
 }
 
@@ -113,9 +114,9 @@ impl DevicePlugin for CudaPlugin {
         DeviceType::Cuda
     }
 
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        let options = CudaOptions::from_env()?;
-        CudaRuntime::open_with(options).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
+        let options = CudaOptions::from_env().map_err(|e| DeviceError::new(DeviceOp::Open, e))?;
+        ConfiguredCudaPlugin(options).open()
     }
 }
 
@@ -128,8 +129,10 @@ impl DevicePlugin for ConfiguredCudaPlugin {
         DeviceType::Cuda
     }
 
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
-        CudaRuntime::open_with(self.0).map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
+        CudaRuntime::open_with(self.0)
+            .map(|runtime| Arc::new(runtime) as Arc<dyn DeviceRuntime>)
+            .map_err(|e| DeviceError::new(DeviceOp::Open, e))
     }
 }
 

@@ -5,37 +5,35 @@
 
 use std::sync::Arc;
 
-use rdzv_uring::rpc::{DeviceBuffer, HostBytes, StagedBytes, StagedReceive};
+use rdzv_core::device::Device;
+use rdzv_core::negotiate::ChannelKind;
+use rdzv_uring::rpc::{DeviceBuffer, DeviceError, DeviceOp, HostBytes, StagedBytes, StagedReceive};
 
 use super::device::DeviceState;
-use super::lock;
 use super::tensor_memory::CudaMemory;
+use super::{lock, Cause};
 use crate::cuda::caching_allocator::{BackingAllocator, CachedBlock};
 use crate::cuda::channel_error::CudaChannelError;
-use crate::cuda::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StagingCopies};
+use crate::cuda::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
 use crate::cuda::memory::{DeviceRange, Gpu, StagingBuffer};
 use crate::report::ErrorChain;
 
 impl DeviceState {
     /// `cuda_basic`'s sending side: `memory` (this device's, complete once its ready
     /// event fired) in a pinned block of the cache, or else in a `Vec`.
-    pub(super) fn copy_to_host(&self, memory: &CudaMemory) -> Result<HostBytes, String> {
-        memory
-            .wait_ready()
-            .map_err(|e| ErrorChain(&e).to_string())?;
-        let staged = match self.stage_out_pinned(memory.range()) {
+    pub(super) fn copy_to_host(&self, memory: &CudaMemory) -> Result<HostBytes, CudaChannelError> {
+        memory.wait_ready()?;
+        match self.stage_out_pinned(memory.range()) {
             Ok(Some(pinned)) => Ok(HostBytes::staged(pinned)),
             Ok(None) => self.stage_out(memory.range()).map(HostBytes::from),
             Err(e) => Err(e),
-        };
-        staged.map_err(|e| ErrorChain(&e).to_string())
+        }
     }
 
     /// `cuda_basic`'s receiving side for bytes that arrived whole.
-    pub(super) fn copy_from_host(&self, bytes: &[u8]) -> Result<DeviceBuffer, String> {
+    pub(super) fn copy_from_host(&self, bytes: &[u8]) -> Result<DeviceBuffer, Cause> {
         let memory = self.alloc(bytes.len())?;
-        self.stage_in(memory.range(), bytes)
-            .map_err(|e| ErrorChain(&e).to_string())?;
+        self.stage_in(memory.range(), bytes)?;
         Ok(DeviceBuffer::new(memory))
     }
 
@@ -44,14 +42,14 @@ impl DeviceState {
     pub(super) fn receive_staged(
         self: Arc<Self>,
         len: usize,
-    ) -> Result<Box<dyn StagedReceive>, String> {
+    ) -> Result<Box<dyn StagedReceive>, Cause> {
         let memory = self.alloc(len)?;
         let plan = ChunkPlan::new(len, self.chunk, self.buffers);
-        let slots = self
-            .take_slots(plan.buffers_used())
-            .map_err(|e| ErrorChain(&e).to_string())?;
+        let slots = self.take_slots(plan.buffers_used())?;
         let chunk = self.chunk;
+        let device = self.device;
         Ok(Box::new(DriverStageIn {
+            device,
             staging: Some(ChunkedStageIn::new(
                 plan,
                 OwnedStaging {
@@ -77,8 +75,17 @@ impl DeviceState {
         Ok(slots)
     }
 
+    /// One staging slot (from the pool, or made now).
+    pub(super) fn take_slot(&self) -> Result<StagingBuffer, CudaChannelError> {
+        let mut slots = self.take_slots(1)?;
+        slots.pop().ok_or(CudaChannelError::InvalidPool {
+            slots: 0,
+            slot_len: self.chunk,
+        })
+    }
+
     /// Puts slots back (their copies were waited for).
-    fn give_back(&self, slots: Vec<StagingBuffer>) {
+    pub(super) fn give_back(&self, slots: Vec<StagingBuffer>) {
         lock(&self.staging).extend(slots);
     }
 
@@ -350,16 +357,29 @@ impl StagingCopies for OwnedStaging {
 /// memory to the cache; a slot (or the memory) whose copy cannot be waited for is never
 /// reused (leaked).
 struct DriverStageIn {
+    device: Device,
     staging: Option<ChunkedStageIn<OwnedStaging>>,
     chunk: usize,
 }
 
 impl DriverStageIn {
-    fn staging(&mut self) -> Result<&mut ChunkedStageIn<OwnedStaging>, String> {
-        self.staging
-            .as_mut()
-            .ok_or_else(|| "this cuda_basic receive already finished".to_string())
+    fn staging(&mut self) -> Result<&mut ChunkedStageIn<OwnedStaging>, DeviceError> {
+        let device = self.device;
+        self.staging.as_mut().ok_or_else(|| {
+            DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "this cuda_basic receive already finished (a bug of the caller's)",
+            )
+            .on(device)
+        })
     }
+}
+
+/// The error of a failed chunk step on `device`.
+fn chunk_failed(device: Device, error: StageInError<CudaChannelError>) -> DeviceError {
+    DeviceError::new(DeviceOp::ReceiveStaged, error)
+        .on(device)
+        .over(ChannelKind::CudaBasic)
 }
 
 impl StagedReceive for DriverStageIn {
@@ -367,26 +387,32 @@ impl StagedReceive for DriverStageIn {
         self.chunk
     }
 
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
+        let device = self.device;
         self.staging()?
             .chunk_buffer(k)
-            .map_err(|e| ErrorChain(&e).to_string())
+            .map_err(|e| chunk_failed(device, e))
     }
 
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
+        let device = self.device;
         self.staging()?
             .chunk_filled(k)
-            .map_err(|e| ErrorChain(&e).to_string())
+            .map_err(|e| chunk_failed(device, e))
     }
 
-    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, String> {
+    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
         // On an error, dropping `self` settles the copies.
+        let device = self.device;
         self.staging()?
             .finish()
-            .map_err(|e| ErrorChain(&e).to_string())?;
-        let Some(staging) = self.staging.take() else {
-            return Err("this cuda_basic receive already finished".into());
-        };
+            .map_err(|e| chunk_failed(device, e))?;
+        let staging = self.staging.take().ok_or_else(|| {
+            DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "this cuda_basic receive already finished",
+            )
+        })?;
         let OwnedStaging {
             state,
             slots,

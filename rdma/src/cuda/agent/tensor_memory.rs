@@ -2,11 +2,12 @@
 //! after which its bytes are complete.
 
 use std::any::Any;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
-use rdzv_uring::rpc::DeviceMemory;
+use rdzv_uring::rpc::{DeviceError, DeviceMemory, DeviceOp};
 
 use super::device::DeviceBacking;
 use super::{cuda_ordinal, lock};
@@ -33,16 +34,26 @@ pub(super) enum Storage {
 /// (`cuda_ipc`'s loan event is recorded after it, so the receiver's copy waits for the
 /// producer without any host waiting), or waits for that one event (`cuda_xth`,
 /// `cuda_gdr`, [`to_host`](Self::to_host)). Memory without a ready event must be
-/// complete when the agent is handed it. Memory the runtime hands over (a received
-/// tensor) is complete: its copy was waited for.
+/// complete when the agent is handed it.
+///
+/// Memory the runtime hands over (a received tensor) is complete: its copy was waited
+/// for; except with [`CudaOptions::pending_hand_over`](super::CudaOptions), where a
+/// tensor received over `cuda_ipc` or `cuda_xth` is handed over with its copy running
+/// and that copy's event as its ready event. Then
+/// [`is_ready`](DeviceMemory::is_ready) (`cuEventQuery`) and
+/// [`wait_ready_for`](DeviceMemory::wait_ready_for) say when the bytes are complete
+/// (`rdzv_uring::rpc::Tensor::is_ready` and `wait_ready` ask the same), and
+/// [`wait_ready_on`](Self::wait_ready_on) orders a stream of the consumer's after the copy
+/// without blocking. Reading the bytes before either is a race with the copy.
 #[derive(Debug)]
 pub struct CudaMemory {
     pub(super) device: Device,
     pub(super) len: usize,
     /// Taken only in `drop`, to leak it when a copy may still write it.
     storage: Option<Storage>,
-    /// Recorded after the work that produces the bytes, if the producer said so.
-    ready: Mutex<Option<RawEvent>>,
+    /// Recorded after the work that produces the bytes (the producer's, or the copy's
+    /// that fills received memory), if there is any to wait for.
+    ready: Mutex<Option<Arc<RawEvent>>>,
 }
 
 impl CudaMemory {
@@ -66,13 +77,19 @@ impl CudaMemory {
         let gpu = self.allocation().gpu();
         gpu.check_stream(stream)?;
         let mut ready = lock(&self.ready);
-        if ready.is_none() {
-            *ready = Some(RawEvent::new(gpu, false)?);
+        // An event someone else still holds (a wait in progress) is left to them.
+        if ready.as_mut().and_then(Arc::get_mut).is_none() {
+            *ready = Some(Arc::new(RawEvent::new(gpu, false)?));
         }
         match ready.as_ref() {
             Some(event) => event.record(stream),
             None => Ok(()),
         }
+    }
+
+    /// The ready event, if any (held by the caller, not under the lock, while it waits).
+    pub(super) fn ready_event(&self) -> Option<Arc<RawEvent>> {
+        lock(&self.ready).clone()
     }
 
     /// Makes `stream` wait (on the GPU) for the bytes to be complete: for the producer's
@@ -81,7 +98,7 @@ impl CudaMemory {
     /// # Errors
     /// The driver's.
     pub fn wait_ready_on(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
-        match lock(&self.ready).as_ref() {
+        match self.ready_event() {
             Some(event) => event.wait_on(stream),
             None => Ok(()),
         }
@@ -92,20 +109,15 @@ impl CudaMemory {
     /// # Errors
     /// The driver's.
     pub fn wait_ready(&self) -> Result<(), CudaChannelError> {
-        match lock(&self.ready).as_ref() {
+        match self.ready_event() {
             Some(event) => event.synchronize(),
             None => Ok(()),
         }
     }
 
     /// Makes `event` (recorded after the copy that fills the memory) its ready event.
-    pub(super) fn set_ready(&self, event: RawEvent) {
+    pub(super) fn set_ready(&self, event: Arc<RawEvent>) {
         *lock(&self.ready) = Some(event);
-    }
-
-    /// The ready event, held while the guard lives.
-    pub(super) fn ready_event(&self) -> MutexGuard<'_, Option<RawEvent>> {
-        lock(&self.ready)
     }
 
     /// `len` bytes of uninitialised memory on `device` (a CUDA device).
@@ -202,5 +214,19 @@ impl DeviceMemory for CudaMemory {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+
+    /// `cuEventQuery` on the ready event; ready when there is none.
+    fn is_ready(&self) -> Result<bool, DeviceError> {
+        self.ready_event()
+            .map_or(Ok(true), |event| event.query())
+            .map_err(|e| DeviceError::new(DeviceOp::WaitReady, e).on(self.device))
+    }
+
+    /// Polls the ready event until it completed or `timeout` passed.
+    fn wait_ready_for(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        self.ready_event()
+            .map_or(Ok(true), |event| event.wait_for(timeout))
+            .map_err(|e| DeviceError::new(DeviceOp::WaitReady, e).on(self.device))
     }
 }

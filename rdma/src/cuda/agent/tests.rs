@@ -7,8 +7,8 @@ use rdzv_uring::rpc::DevicePlugin;
 
 #[test]
 fn ordinals_are_cuda_only() {
-    assert_eq!(ordinal(Device::cuda(3)), Ok(3));
-    assert!(ordinal(Device::cpu()).is_err());
+    assert_eq!(cuda_ordinal(Device::cuda(3)).ok(), Some(3));
+    assert!(cuda_ordinal(Device::cpu()).is_err());
 }
 
 /// The runtime with small staging chunks on `cuda:0`, or `None` (with the reason
@@ -197,8 +197,13 @@ fn xth_loans_are_copied_on_the_runtimes_stream() {
     // A descriptor that lends another length is refused before any copy.
     let err = runtime
         .borrow(ChannelKind::CudaXth, cuda0, 5, &loan.descriptor)
-        .expect_err("wrong length");
-    assert!(err.contains("lends"), "{err}");
+        .expect_err("wrong length")
+        .report();
+    assert!(
+        err.starts_with("cannot copy a lent tensor on cuda:0 over cuda_xth: ")
+            && err.contains("lends"),
+        "{err}"
+    );
 }
 
 /// Without a driver (this crate's CI hosts) opening says why and never panics;
@@ -222,9 +227,14 @@ fn opening_says_why_cuda_cannot_be_used() {
                 ]
             );
         }
-        Err(reason) => {
+        Err(e) => {
+            let reason = e.report();
             eprintln!("CUDA is not usable here: {reason}");
-            assert!(reason.contains("CUDA is not viable"), "{reason}");
+            assert!(
+                reason.starts_with("cannot open the device runtime: CUDA is not viable"),
+                "{reason}"
+            );
+            assert_eq!(e.operation(), DeviceOp::Open);
         }
     }
 }
@@ -274,4 +284,114 @@ fn a_ready_event_orders_the_runtimes_use_of_the_memory() {
     let own = lent.downcast_ref::<CudaMemory>().expect("CudaMemory");
     assert!(own.to_host().is_ok_and(|b| b == bytes), "to_host");
     drop(staging);
+}
+
+/// On a GPU, with the pending hand-over: a tensor borrowed over cuda_xth is handed over
+/// with its copy running; `is_ready`/`wait_ready_for` (what `Tensor::wait_ready` asks)
+/// say when it is complete, and the lender's release waits for the copy. A second
+/// borrow of the same loan is refused (each loan is copied once).
+#[test]
+fn xth_pending_hand_over_is_ready_when_its_event_says_so() {
+    let test = "xth_pending_hand_over_is_ready_when_its_event_says_so";
+    let Some(runtime) = gpu_runtime_with(
+        test,
+        CudaOptions {
+            pending_hand_over: true,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    let cuda0 = Device::cuda(0);
+    let bytes = pattern((64 << 20) + 3, 2);
+    let lent =
+        DeviceBuffer::new(CudaMemory::upload(cuda0, &bytes).unwrap_or_else(|e| panic!("{e}")));
+    let loan = runtime
+        .lend(ChannelKind::CudaXth, &lent)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    let copy = runtime
+        .borrow(
+            ChannelKind::CudaXth,
+            cuda0,
+            bytes.len() as u64,
+            &loan.descriptor,
+        )
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    let ready = copy
+        .wait_ready(std::time::Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    assert!(ready, "the copy did not complete in 30 s");
+    assert!(copy.is_ready().unwrap_or(false));
+    let own = copy.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(own.to_host().is_ok_and(|b| b == bytes));
+    let again = runtime
+        .borrow(
+            ChannelKind::CudaXth,
+            cuda0,
+            bytes.len() as u64,
+            &loan.descriptor,
+        )
+        .expect_err("claimed already")
+        .report();
+    assert!(again.contains("no loan of"), "{again}");
+    drop(loan);
+}
+
+/// On a GPU: a tensor received in parts from several threads at once, as mpt's lanes
+/// hand them over (each lane its own stripe, piece by piece), lands byte for byte; one
+/// abandoned midway gives its slots and memory back.
+#[test]
+fn parts_from_several_threads_land_on_a_gpu() {
+    let Some(runtime) = gpu_runtime("parts_from_several_threads_land_on_a_gpu") else {
+        return;
+    };
+    let cuda0 = Device::cuda(0);
+    let state = runtime.device(cuda0).unwrap_or_else(|e| panic!("{e}"));
+    let len = (3 << 20) + 5;
+    let bytes = pattern(len, 4);
+    let parted = runtime
+        .receive_parts(cuda0, len)
+        .unwrap_or_else(|e| panic!("{}", e.report()))
+        .expect("the CUDA runtime receives in parts");
+    let chunk = parted.part_len();
+    let stripes = rdzv_core::channel::mpt::stripes(len, 3, 1 << 20);
+    std::thread::scope(|s| {
+        for stripe in stripes {
+            let (parted, bytes) = (&parted, &bytes);
+            s.spawn(move || {
+                for (offset, n) in rdzv_core::channel::mpt::pieces(stripe, chunk) {
+                    let mut part = parted
+                        .part(offset, n)
+                        .unwrap_or_else(|e| panic!("{}", e.report()));
+                    part.bytes_mut().copy_from_slice(&bytes[offset..offset + n]);
+                    parted
+                        .part_filled(part)
+                        .unwrap_or_else(|e| panic!("{}", e.report()));
+                }
+            });
+        }
+    });
+    let memory = parted.finish().unwrap_or_else(|e| panic!("{}", e.report()));
+    let own = memory.downcast_ref::<CudaMemory>().expect("CudaMemory");
+    assert!(
+        own.to_host().is_ok_and(|b| b == bytes),
+        "parts landed wrong"
+    );
+
+    // Abandoned after one part: slots and memory go back.
+    let in_use = state.allocator.stats().in_use;
+    let parted = runtime
+        .receive_parts(cuda0, len)
+        .unwrap_or_else(|e| panic!("{}", e.report()))
+        .expect("parts");
+    let mut part = parted
+        .part(0, chunk)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    part.bytes_mut().fill(1);
+    parted
+        .part_filled(part)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    assert!(parted.part(chunk - 1, 2).is_err(), "crosses a chunk");
+    drop(parted);
+    assert_eq!(state.allocator.stats().in_use, in_use);
 }

@@ -188,7 +188,7 @@ pub(crate) fn add_device_tensor(
     let failed = |reason: &dyn fmt::Display| CallError::Channel {
         channel: channel.name(),
         peer: peer.to_string(),
-        reason: format!("tensor {index}: cannot lend it: {reason}"),
+        reason: format!("tensor {index}: {reason}"),
     };
     if memory.is_some_and(|m| m.is_empty()) {
         frame
@@ -199,10 +199,10 @@ pub(crate) fn add_device_tensor(
     }
     let loan = devices
         .lend(channel, source, memory)
-        .map_err(|e| failed(&e))?;
+        .map_err(|e| failed(&e.report()))?;
     let len = memory.map_or(0, |m| m.len() as u64);
     let descriptor_len = u8::try_from(loan.descriptor.len())
-        .map_err(|_| failed(&"its descriptor is over 255 bytes"))?;
+        .map_err(|_| failed(&"cannot lend it: its descriptor is over 255 bytes"))?;
     frame.tensors.push(TensorDescriptor {
         channel,
         channel_descriptor_len: descriptor_len,

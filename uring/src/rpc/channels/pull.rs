@@ -2,6 +2,7 @@
 //! their channel ([`ReceivedTensors::pull`]), in parallel slices when large, chunk by
 //! chunk into a device runtime's staging for a device.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -12,9 +13,10 @@ pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
 use crate::channel::buffer::prefer_huge_pages;
 use crate::channel::cma::{CmaDescriptor, CmaPeer};
+use crate::channel::mpt::MptDescriptor;
 use crate::channel::xth::{self, XthDescriptor};
 use crate::channel::ProcessIdentity;
-use crate::rpc::device::{Devices, PipeId, StagingIn};
+use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
 use crate::rpc::error::CallError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
@@ -86,6 +88,9 @@ pub(crate) struct PipeReader {
     cma: Mutex<Option<Arc<CmaPeer>>>,
     id: PipeId,
     borrowed: std::sync::OnceLock<Devices>,
+    /// Device tensors the pipe's mpt lanes received into device memory as their frame
+    /// arrived (`cuda_basic` over mpt), by transfer id, until the frame is sorted.
+    arrived: Mutex<HashMap<u64, Result<DeviceBuffer, DeviceError>>>,
 }
 
 impl Default for PipeReader {
@@ -94,6 +99,7 @@ impl Default for PipeReader {
             cma: Mutex::new(None),
             id: PipeId::next(),
             borrowed: std::sync::OnceLock::new(),
+            arrived: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -107,6 +113,26 @@ impl Drop for PipeReader {
 }
 
 impl PipeReader {
+    /// Keeps what mpt transfer `transfer_id` of a frame just received became on a device
+    /// (its memory, or why the runtime failed it), for [`ReceivedTensors::sort`].
+    pub(crate) fn arrived(&self, transfer_id: u64, memory: Result<DeviceBuffer, DeviceError>) {
+        self.arrived
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(transfer_id, memory);
+    }
+
+    /// What mpt transfer `transfer_id` became on a device, if it arrived that way.
+    pub(super) fn take_arrived(
+        &self,
+        transfer_id: u64,
+    ) -> Option<Result<DeviceBuffer, DeviceError>> {
+        self.arrived
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&transfer_id)
+    }
+
     /// The pipe's id, for the device runtimes; notes that `devices` borrowed on it.
     pub(super) fn borrowing_pipe(&self, devices: &Devices) -> PipeId {
         let _ = self.borrowed.get_or_init(|| devices.clone());
@@ -195,6 +221,30 @@ impl ReceivedTensors {
         tensors: Vec<(TensorDescriptor, Vec<u8>)>,
         negotiated: &Negotiated,
         role: Role,
+        source: (&Arc<PipeReader>, &Devices),
+        peer: &str,
+    ) -> Result<ReceivedTensors, CallError> {
+        // What the frame's mpt lanes already put in device memory, dropped if the frame
+        // is refused (the memory would otherwise wait for the pipe's end).
+        let streamed: Vec<u64> = tensors
+            .iter()
+            .filter(|(descriptor, _)| descriptor.channel == ChannelKind::Mpt)
+            .filter_map(|(_, data)| MptDescriptor::decode(data).ok())
+            .map(|d| d.transfer_id)
+            .collect();
+        let sorted = Self::sort_in_order(tensors, negotiated, role, source, peer);
+        if sorted.is_err() {
+            for transfer_id in streamed {
+                drop(source.0.take_arrived(transfer_id));
+            }
+        }
+        sorted
+    }
+
+    fn sort_in_order(
+        tensors: Vec<(TensorDescriptor, Vec<u8>)>,
+        negotiated: &Negotiated,
+        role: Role,
         (reader, devices): (&Arc<PipeReader>, &Devices),
         peer: &str,
     ) -> Result<ReceivedTensors, CallError> {
@@ -271,12 +321,31 @@ impl ReceivedTensors {
                     });
                 }
                 // Its stripes are read off the lanes as the frame arrives, which turns
-                // the entry into an inline one; one still here came on a pipe that has
-                // no lanes.
+                // the entry into an inline one, or (a device tensor whose runtime takes
+                // parts) into device memory kept by the reader; one still here otherwise
+                // came on a pipe that has no lanes.
                 ChannelKind::Mpt => {
-                    return Err(refuse(
-                        "the peer streamed it, but this pipe has no mpt lanes".into(),
-                    ))
+                    let arrived = MptDescriptor::decode(&data)
+                        .ok()
+                        .and_then(|d| reader.take_arrived(d.transfer_id));
+                    let memory = arrived
+                        .ok_or_else(|| {
+                            refuse("the peer streamed it, but this pipe has no mpt lanes".into())
+                        })?
+                        .map_err(|e| CallError::Channel {
+                            channel: ChannelKind::CudaBasic.name(),
+                            peer: peer.to_string(),
+                            reason: format!("tensor {index}: {}", e.report()),
+                        })?;
+                    if memory.device() != device || memory.len() as u64 != descriptor.len {
+                        return Err(refuse(format!(
+                            "its stripes became {} bytes on {}, the frame says {} on {device}",
+                            memory.len(),
+                            memory.device(),
+                            descriptor.len
+                        )));
+                    }
+                    items.push(Incoming::Ready(Tensor::on_device(memory)));
                 }
                 // The runtime decodes and checks its own descriptors when it copies.
                 kind if lends_device_memory(kind) => items.push(Incoming::Lent {
@@ -410,10 +479,10 @@ impl ReceivedTensors {
                     let pipe = reader.borrowing_pipe(&devices);
                     let memory = devices
                         .borrow(pipe, channel, device, len, &descriptor)
-                        .map_err(|reason| CallError::Channel {
+                        .map_err(|e| CallError::Channel {
                             channel: channel.name(),
                             peer: peer.clone(),
-                            reason: format!("tensor {index}: {reason}"),
+                            reason: format!("tensor {index}: {}", e.report()),
                         })?;
                     tensors.push(Tensor {
                         device,
@@ -423,18 +492,17 @@ impl ReceivedTensors {
                     continue;
                 }
             };
-            tensors.push(if tensor.device.is_cpu() {
+            tensors.push(if tensor.device.is_cpu() || tensor.memory.is_some() {
                 tensor
             } else {
                 let index = tensors.len();
-                let (data, memory) =
-                    devices
-                        .stage_in(tensor.device, tensor.data)
-                        .map_err(|reason| CallError::Channel {
-                            channel: ChannelKind::CudaBasic.name(),
-                            peer: peer.clone(),
-                            reason: format!("tensor {index}: {reason}"),
-                        })?;
+                let (data, memory) = devices.stage_in(tensor.device, tensor.data).map_err(|e| {
+                    CallError::Channel {
+                        channel: ChannelKind::CudaBasic.name(),
+                        peer: peer.clone(),
+                        reason: format!("tensor {index}: {}", e.report()),
+                    }
+                })?;
                 Tensor {
                     device: tensor.device,
                     data,
@@ -450,7 +518,8 @@ impl ReceivedTensors {
 #[derive(Debug)]
 enum PullFailed {
     Read(String),
-    Staging(String),
+    /// The device runtime's error (turned into text for the agent's error for now).
+    Staging(DeviceError),
 }
 
 impl PullFailed {
@@ -458,7 +527,7 @@ impl PullFailed {
     fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> CallError {
         let (channel, reason) = match self {
             PullFailed::Read(reason) => (channel, reason),
-            PullFailed::Staging(reason) => (ChannelKind::CudaBasic, reason),
+            PullFailed::Staging(e) => (ChannelKind::CudaBasic, e.report()),
         };
         CallError::Channel {
             channel: channel.name(),

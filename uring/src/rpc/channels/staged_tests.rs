@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 
-use crate::rpc::device::{Devices, HostBytes, CUDA_BASIC_DESCRIPTOR};
+use crate::rpc::device::{DeviceError, DeviceOp, Devices, HostBytes, CUDA_BASIC_DESCRIPTOR};
 use crate::rpc::error::CallError;
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
@@ -106,9 +106,12 @@ impl StagedReceive for FakeReceive {
     fn chunk_len(&self) -> usize {
         self.chunk
     }
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
         if k != self.next {
-            return Err(format!("chunk {k} out of order"));
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("chunk {k} out of order"),
+            ));
         }
         let buffer = k % self.buffers.len();
         self.complete(buffer);
@@ -120,9 +123,12 @@ impl StagedReceive for FakeReceive {
         self.buffers[buffer].fill(0xee);
         Ok(&mut self.buffers[buffer][..len])
     }
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
         if lock_books(&self.books).fail_chunk == Some(k) {
-            return Err(format!("fake cuMemcpyHtoDAsync failed for chunk {k}"));
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                format!("fake cuMemcpyHtoDAsync failed for chunk {k}"),
+            ));
         }
         let buffer = k % self.buffers.len();
         let offset = k * self.chunk;
@@ -135,12 +141,15 @@ impl StagedReceive for FakeReceive {
         self.next += 1;
         Ok(())
     }
-    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, String> {
+    fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
         for buffer in 0..self.buffers.len() {
             self.complete(buffer);
         }
         if self.next != self.memory.len().div_ceil(self.chunk) {
-            return Err("not every chunk was filled".into());
+            return Err(DeviceError::new(
+                DeviceOp::ReceiveStaged,
+                "not every chunk was filled",
+            ));
         }
         let memory = std::mem::take(&mut self.memory);
         Ok(DeviceBuffer::new(HostMemory::new(self.device, memory)))
@@ -160,24 +169,24 @@ impl DeviceRuntime for ChunkRuntime {
     fn device_count(&self) -> usize {
         1
     }
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("foreign memory")?;
+            .ok_or_else(|| DeviceError::new(DeviceOp::CopyToHost, "foreign memory"))?;
         lock_books(&self.books).staged_out += 1;
         Ok(HostBytes::staged(FakePinned {
             bytes: memory.bytes().to_vec(),
             books: Arc::clone(&self.books),
         }))
     }
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
         Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
     }
     fn receive_staged(
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
         if !self.chunked {
             return Ok(None);
         }
@@ -200,7 +209,7 @@ impl DevicePlugin for ChunkPlugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         Ok(Arc::clone(&self.0) as Arc<dyn DeviceRuntime>)
     }
 }

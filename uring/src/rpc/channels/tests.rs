@@ -10,7 +10,7 @@ use rdzv_core::rpc::frame::TensorDescriptor;
 
 use crate::channel::cma::CmaDescriptor;
 use crate::channel::xth::XthDescriptor;
-use crate::rpc::device::{Devices, HostBytes, PipeId};
+use crate::rpc::device::{DeviceError, DeviceOp, Devices, HostBytes, PipeId};
 use crate::rpc::transport::OwnedFrame;
 
 use super::*;
@@ -301,11 +301,15 @@ impl DeviceRuntime for EndCounting {
     fn device_count(&self) -> usize {
         1
     }
-    fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<HostBytes, String> {
-        Err("unused".into())
+    fn copy_to_host(&self, _: &crate::rpc::DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        Err(DeviceError::new(DeviceOp::CopyToHost, "unused"))
     }
-    fn copy_from_host(&self, _: Device, _: Vec<u8>) -> Result<crate::rpc::DeviceBuffer, String> {
-        Err("unused".into())
+    fn copy_from_host(
+        &self,
+        _: Device,
+        _: Vec<u8>,
+    ) -> Result<crate::rpc::DeviceBuffer, DeviceError> {
+        Err(DeviceError::new(DeviceOp::CopyFromHost, "unused"))
     }
     fn pipe_ended(&self, pipe: PipeId) {
         self.0
@@ -321,7 +325,7 @@ impl DevicePlugin for Plugin {
     fn device_type(&self) -> DeviceType {
         DeviceType::Cuda
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         Ok(Arc::clone(&self.0) as Arc<dyn DeviceRuntime>)
     }
 }
@@ -347,4 +351,59 @@ fn a_pipe_that_borrowed_tells_the_runtime_when_it_ends() {
     assert_ne!(other.borrowing_pipe(&devices), pipe);
     drop(reader);
     assert_eq!(ended(&runtime), [pipe], "reported once, when it ends");
+}
+
+/// Device memory the mpt lanes received for a frame waits in the pipe's reader until
+/// the frame is sorted; a refused frame drops it rather than leaving it to the pipe's end.
+#[test]
+fn a_refused_frame_drops_what_its_mpt_lanes_received() {
+    use crate::channel::mpt::MptDescriptor;
+    use crate::rpc::device::{DeviceBuffer, HostMemory};
+    let negotiated = negotiate(&[
+        (ChannelKind::Mpt, "mpt:tcp"),
+        (ChannelKind::Basic, "basic:any"),
+    ]);
+    let reader = Arc::new(PipeReader::default());
+    let streamed = |transfer_id: u64| {
+        let data = MptDescriptor { transfer_id }.encode().to_vec();
+        let descriptor = TensorDescriptor {
+            channel: ChannelKind::Mpt,
+            channel_descriptor_len: data.len() as u8,
+            ..TensorDescriptor::inline(Device::cpu(), Device::cpu(), 4)
+        };
+        (descriptor, data)
+    };
+    let memory = || {
+        Ok(DeviceBuffer::new(HostMemory::new(
+            Device::cpu(),
+            vec![9; 4],
+        )))
+    };
+    // Sorted: the tensor is the memory the lanes put there.
+    reader.arrived(7, memory());
+    let received = ReceivedTensors::sort(
+        vec![streamed(7)],
+        &negotiated,
+        Role::Connector,
+        (&reader, &Devices::default()),
+        "w1",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let tensors = received.pull().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(tensors.first().map(|t| t.len()), Some(4));
+    assert!(reader.take_arrived(7).is_none());
+    // Refused (its first tensor names a channel not negotiated): the memory goes.
+    reader.arrived(8, memory());
+    let mut cma = streamed(0);
+    cma.0.channel = ChannelKind::Cma;
+    let err = ReceivedTensors::sort(
+        vec![cma, streamed(8)],
+        &negotiated,
+        Role::Connector,
+        (&reader, &Devices::default()),
+        "w1",
+    )
+    .expect_err("cma was not negotiated");
+    assert!(err.to_string().contains("tensor 0"), "{err}");
+    assert!(reader.take_arrived(8).is_none(), "left for the pipe's end");
 }

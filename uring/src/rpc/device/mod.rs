@@ -24,17 +24,34 @@
 //!   into fresh memory on the target device. A runtime that can stage in chunks
 //!   ([`DeviceRuntime::receive_staged`], a [`StagedReceive`]) is handed each chunk as
 //!   soon as the `cma` or `xth` pull has read it, so the pull of chunk k+1 overlaps the
-//!   host-to-device copy of chunk k; otherwise (and for bytes that arrived inline or over
-//!   `mpt`) it gets all the bytes at once ([`DeviceRuntime::copy_from_host`]). So
+//!   host-to-device copy of chunk k. Bytes carried by `mpt` arrive in stripes read by
+//!   several lane threads at once: a runtime that takes parts in any order
+//!   ([`DeviceRuntime::receive_parts`], a [`PartedReceive`]) is handed each piece of a
+//!   stripe as soon as its lane read it. Otherwise (and for bytes that arrived inline) it
+//!   gets all the bytes at once ([`DeviceRuntime::copy_from_host`]). So
 //!   `cuda_basic` runs over every transport and gains from every CPU channel. Every
 //!   worker offers it for CPU memory (the CPU side of a CPU ↔ CUDA pair needs no GPU),
 //!   and a worker with a CUDA runtime also for CUDA memory.
+//!
+//! **When a received tensor is ready.** A runtime may hand the agent memory whose copy
+//! is still running (`rdzv_rdma`'s `CudaOptions::pending_hand_over`: `cuda_ipc` and
+//! `cuda_xth` then never wait on the host). Such memory says so through
+//! [`DeviceMemory::is_ready`] and [`DeviceMemory::wait_ready_for`] (on the tensor:
+//! `Tensor::is_ready`, `Tensor::wait_ready`); a consumer that reads the bytes on the host,
+//! or on a stream the runtime does not know, waits first, or orders its stream after
+//! the memory's ready event (CUDA: `CudaMemory::wait_ready_on`). Memory that does not
+//! say otherwise is complete when it is handed over, and CPU tensors always are.
+//!
+//! Every call of the seam fails with a [`DeviceError`]: the operation, the device, the
+//! channel where there is one, and the runtime's own error as its source.
 //!
 //! `rdzv_rdma::cuda::agent::CudaPlugin` is the CUDA runtime (cudarc, loaded at run time).
 //! A test can plug in a runtime that keeps "device" memory on the host: the agent cannot
 //! tell, which is how its part is tested on machines without a GPU.
 
+mod error;
 mod host;
+mod parts;
 mod plugin;
 mod runtimes;
 #[cfg(test)]
@@ -43,11 +60,15 @@ mod tests;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rdzv_core::device::Device;
 
+pub use error::{DeviceError, DeviceErrorSource, DeviceOp};
 pub use host::{HostBytes, StagedBytes};
-pub use plugin::{DeviceLoan, DevicePlugin, DeviceRuntime, PipeId, StagedReceive};
+pub use plugin::{
+    DeviceLoan, DevicePlugin, DeviceRuntime, PartBuffer, PartedReceive, PipeId, StagedReceive,
+};
 pub(crate) use runtimes::{Devices, StagingIn, CUDA_BASIC_DESCRIPTOR};
 
 /// Memory on a device, owned by a device runtime.
@@ -62,6 +83,27 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug + 'static {
     }
     /// Itself, for the runtime that made it to downcast.
     fn as_any(&self) -> &dyn Any;
+
+    /// Whether the bytes are complete now: no copy into the memory, nor the producer
+    /// that said so, is still running. Memory a runtime hands over with its copy still
+    /// running (a received tensor under a pending hand-over) answers `false` until the
+    /// copy is done. Default: always ready.
+    ///
+    /// # Errors
+    /// The runtime cannot tell (a driver error): the bytes must not be trusted.
+    fn is_ready(&self) -> Result<bool, DeviceError> {
+        Ok(true)
+    }
+
+    /// Blocks until the bytes are complete, or `timeout` passed: whether they are.
+    /// Default: always ready at once.
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    fn wait_ready_for(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        let _ = timeout;
+        Ok(true)
+    }
 }
 
 /// A shared handle to a tensor's device memory. Clones share the memory; two handles
@@ -88,6 +130,27 @@ impl DeviceBuffer {
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// Whether the bytes are complete now ([`DeviceMemory::is_ready`]).
+    ///
+    /// # Errors
+    /// The runtime cannot tell; the error names the device.
+    pub fn is_ready(&self) -> Result<bool, DeviceError> {
+        self.0
+            .is_ready()
+            .map_err(|e| e.located(self.device(), None))
+    }
+
+    /// Blocks until the bytes are complete, at most `timeout`: whether they are
+    /// ([`DeviceMemory::wait_ready_for`]).
+    ///
+    /// # Errors
+    /// As [`is_ready`](Self::is_ready).
+    pub fn wait_ready(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        self.0
+            .wait_ready_for(timeout)
+            .map_err(|e| e.located(self.device(), None))
     }
 
     /// The memory.

@@ -1,5 +1,5 @@
 //! The seam for device runtimes: [`DevicePlugin`] opens a [`DeviceRuntime`], which lends,
-//! borrows and stages device memory.
+//! borrows and stages device memory. Every call fails with a [`DeviceError`].
 
 use std::any::Any;
 use std::fmt;
@@ -8,7 +8,9 @@ use std::sync::Arc;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
-use super::{DeviceBuffer, HostBytes};
+#[cfg(doc)]
+use super::DeviceMemory;
+use super::{DeviceBuffer, DeviceError, DeviceOp, HostBytes};
 
 /// A tensor being received into device memory chunk by chunk (`cuda_basic`), made by
 /// [`DeviceRuntime::receive_staged`]. The agent asks for chunk 0's buffer, fills it,
@@ -29,19 +31,65 @@ pub trait StagedReceive: Send {
     ///
     /// # Errors
     /// A chunk out of order, or why waiting for the buffer's previous copy failed.
-    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String>;
+    fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError>;
 
     /// Chunk `k`'s buffer is filled: its copy to the device may start.
     ///
     /// # Errors
     /// A chunk out of order, or why the copy could not be started.
-    fn chunk_filled(&mut self, k: usize) -> Result<(), String>;
+    fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError>;
 
     /// Every chunk was filled: waits for the last copies and returns the memory.
     ///
     /// # Errors
     /// Chunks left unfilled, or why a copy failed.
-    fn finish(self: Box<Self>) -> Result<DeviceBuffer, String>;
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError>;
+}
+
+/// A tensor received into device memory in parts that arrive in any order and from
+/// several threads at once (`cuda_basic` carried by `mpt`, whose stripes are read by one
+/// thread per lane), made by [`DeviceRuntime::receive_parts`].
+///
+/// A reading thread asks for a buffer for the part it is about to read
+/// ([`part`](Self::part): `len` bytes at `offset`, never crossing a multiple of
+/// [`part_len`](Self::part_len), so a part lies within one chunk), reads into it and
+/// hands it back ([`part_filled`](Self::part_filled)): the runtime starts that part's
+/// copy to the device at once, to its place in the tensor, and hands the buffer out again
+/// only once that copy is done (so `part` may wait). Parts never overlap, and together
+/// cover the tensor once. Dropping it before [`finish`](Self::finish) abandons the
+/// tensor: the runtime waits for the copies it started and takes its buffers back.
+pub trait PartedReceive: Send + Sync {
+    /// The longest part (at least 1): a staging buffer's length.
+    fn part_len(&self) -> usize;
+
+    /// A buffer for the `len` bytes at `offset` of the tensor, exactly `len` long, for
+    /// the caller to fill; waits until one is free.
+    ///
+    /// # Errors
+    /// A part out of bounds or crossing a chunk, or why no buffer can be had.
+    fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError>;
+
+    /// `part` is filled: its copy to the device may start.
+    ///
+    /// # Errors
+    /// Why the copy could not be started.
+    fn part_filled(&self, part: Box<dyn PartBuffer>) -> Result<(), DeviceError>;
+
+    /// Every part was filled: waits for the last copies and returns the memory.
+    ///
+    /// # Errors
+    /// Bytes left unfilled, or why a copy failed.
+    fn finish(self: Box<Self>) -> Result<DeviceBuffer, DeviceError>;
+}
+
+/// A device runtime's host buffer that one part of a tensor is read into
+/// ([`PartedReceive::part`]).
+pub trait PartBuffer: Send {
+    /// The part's bytes, to fill.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Itself, for the runtime that made it to take back
+    /// ([`PartedReceive::part_filled`]).
+    fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
 }
 
 /// A device runtime built outside this crate, handed to the agent in
@@ -53,13 +101,16 @@ pub trait DevicePlugin: Send + Sync {
     /// Opens the runtime: once per `init_rpc`.
     ///
     /// # Errors
-    /// Why the devices cannot be used in this process (no driver, no device, ...): the
-    /// agent logs it and offers `cuda_basic` for CPU memory only.
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String>;
+    /// Why the devices cannot be used in this process (no driver, no device, ...;
+    /// [`DeviceOp::Open`]): the agent logs it and offers `cuda_basic` for CPU memory only.
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError>;
 }
 
-/// What the agent asks of an opened device runtime. Every call blocks (copies are
-/// synchronous) and may run on any thread.
+/// What the agent asks of an opened device runtime. Every call blocks until its work is
+/// started, may run on any thread, and fails with a [`DeviceError`] (the operation, the
+/// device, the channel, and the runtime's own error as the source). Memory it returns is
+/// complete, unless it says otherwise through [`DeviceMemory::is_ready`]
+/// (a pending hand-over: its copy still running).
 pub trait DeviceRuntime: Send + Sync {
     /// How many devices of its type this process sees.
     fn device_count(&self) -> usize;
@@ -70,15 +121,15 @@ pub trait DeviceRuntime: Send + Sync {
     ///
     /// # Errors
     /// Why the copy failed; the call fails with it.
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String>;
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError>;
 
     /// Memory on `device` holding `bytes` (`cuda_basic`'s receiving side, for bytes that
-    /// arrived whole: inline, over `mpt`, or from a runtime without
-    /// [`receive_staged`](Self::receive_staged)).
+    /// arrived whole: inline, or over `cma`, `xth` or `mpt` to a runtime without
+    /// [`receive_staged`](Self::receive_staged) or [`receive_parts`](Self::receive_parts)).
     ///
     /// # Errors
     /// Why it cannot be allocated or filled (no such device, out of memory, ...).
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String>;
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError>;
 
     /// Starts receiving a `len`-byte tensor onto `device` chunk by chunk
     /// ([`StagedReceive`]), or `None` when this runtime takes received bytes only whole
@@ -90,7 +141,24 @@ pub trait DeviceRuntime: Send + Sync {
         &self,
         device: Device,
         len: usize,
-    ) -> Result<Option<Box<dyn StagedReceive>>, String> {
+    ) -> Result<Option<Box<dyn StagedReceive>>, DeviceError> {
+        let _ = (device, len);
+        Ok(None)
+    }
+
+    /// Starts receiving a `len`-byte tensor onto `device` in parts that arrive in any
+    /// order ([`PartedReceive`]: `cuda_basic` over `mpt`), or `None` when this runtime
+    /// takes such bytes only whole ([`copy_from_host`](Self::copy_from_host)). Default:
+    /// `None`.
+    ///
+    /// # Errors
+    /// Why memory or buffers for it cannot be had; the agent then reads the bytes whole
+    /// and hands them to [`copy_from_host`](Self::copy_from_host).
+    fn receive_parts(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<Option<Box<dyn PartedReceive>>, DeviceError> {
         let _ = (device, len);
         Ok(None)
     }
@@ -107,11 +175,13 @@ pub trait DeviceRuntime: Send + Sync {
     ///
     /// # Errors
     /// Why it cannot be lent (memory this runtime did not make, a driver error, ...).
-    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
-        let _ = memory;
-        Err(format!(
-            "this device runtime does not lend memory over {channel}"
-        ))
+    fn lend(&self, channel: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
+        Err(DeviceError::new(
+            DeviceOp::Lend,
+            format!("this device runtime does not lend memory over {channel}"),
+        )
+        .on(memory.device())
+        .over(channel))
     }
 
     /// Fresh memory on `device` holding a copy of the `len` bytes a peer lent over
@@ -125,11 +195,14 @@ pub trait DeviceRuntime: Send + Sync {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
-        let _ = (device, len, descriptor);
-        Err(format!(
-            "this device runtime does not borrow memory over {channel}"
-        ))
+    ) -> Result<DeviceBuffer, DeviceError> {
+        let _ = (len, descriptor);
+        Err(DeviceError::new(
+            DeviceOp::Borrow,
+            format!("this device runtime does not borrow memory over {channel}"),
+        )
+        .on(device)
+        .over(channel))
     }
 
     /// As [`borrow`](Self::borrow), for a loan that arrived on pipe `pipe` (the agent
@@ -146,7 +219,7 @@ pub trait DeviceRuntime: Send + Sync {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         let _ = pipe;
         self.borrow(channel, device, len, descriptor)
     }

@@ -8,7 +8,8 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
 use super::{
-    DeviceBuffer, DeviceLoan, DevicePlugin, DeviceRuntime, HostBytes, PipeId, StagedReceive,
+    DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin, DeviceRuntime, HostBytes,
+    PipeId, StagedReceive,
 };
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
@@ -49,7 +50,8 @@ impl Devices {
                         );
                         devices.cuda = Some(runtime);
                     }
-                    Err(reason) => {
+                    Err(e) => {
+                        let reason = e.report();
                         tracing::info!(%reason, "CUDA is not usable; cuda_basic serves CPU memory only");
                     }
                 },
@@ -97,21 +99,28 @@ impl Devices {
         channel: ChannelKind,
         device: Device,
         memory: Option<&DeviceBuffer>,
-    ) -> Result<DeviceLoan, String> {
-        let memory = checked_memory(device, memory)?;
+    ) -> Result<DeviceLoan, DeviceError> {
+        let failed = |why: String| {
+            DeviceError::new(DeviceOp::Lend, why)
+                .on(device)
+                .over(channel)
+        };
+        let memory = checked_memory(device, memory).map_err(failed)?;
         let runtime = self.runtime(device.kind()).ok_or_else(|| {
-            format!(
+            failed(format!(
                 "this worker has no {} runtime (RpcOptions::device_plugins)",
                 device.kind()
-            )
+            ))
         })?;
-        let loan = runtime.lend(channel, memory)?;
+        let loan = runtime
+            .lend(channel, memory)
+            .map_err(|e| e.located(device, Some(channel)))?;
         if loan.descriptor.len() > usize::from(u8::MAX) {
-            return Err(format!(
+            return Err(failed(format!(
                 "the {} runtime made a {}-byte {channel} descriptor; a frame carries at most 255",
                 device.kind(),
                 loan.descriptor.len()
-            ));
+            )));
         }
         Ok(loan)
     }
@@ -125,19 +134,19 @@ impl Devices {
         device: Device,
         len: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
-        let kind = device.kind();
+    ) -> Result<DeviceBuffer, DeviceError> {
+        let failed = |why: String| {
+            DeviceError::new(DeviceOp::Borrow, why)
+                .on(device)
+                .over(channel)
+        };
         let runtime = self
-            .runtime(kind)
-            .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
-        let memory = runtime.borrow_on(pipe, channel, device, len, descriptor)?;
-        if memory.device() != device || memory.len() as u64 != len {
-            return Err(format!(
-                "the {kind} runtime made {} bytes on {} for {len} bytes on {device}",
-                memory.len(),
-                memory.device()
-            ));
-        }
+            .runtime(device.kind())
+            .ok_or_else(|| failed(no_runtime(device)))?;
+        let memory = runtime
+            .borrow_on(pipe, channel, device, len, descriptor)
+            .map_err(|e| e.located(device, Some(channel)))?;
+        check_made(device, len, &memory).map_err(failed)?;
         Ok(memory)
     }
 
@@ -155,27 +164,36 @@ impl Devices {
         device: Device,
         data: Vec<u8>,
         memory: Option<&DeviceBuffer>,
-    ) -> Result<HostBytes, String> {
+    ) -> Result<HostBytes, DeviceError> {
+        let failed = |why: String| {
+            DeviceError::new(DeviceOp::CopyToHost, why)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        };
         if device.is_cpu() {
             return match memory {
                 None => Ok(data.into()),
-                Some(_) => Err(format!(
+                Some(_) => Err(failed(format!(
                     "a {device} tensor holds device memory; give CPU tensors their bytes in `data`"
-                )),
+                ))),
             };
         }
         let kind = device.kind();
-        let memory = checked_memory(device, memory)?;
+        let memory = checked_memory(device, memory).map_err(failed)?;
         let runtime = self.runtime(kind).ok_or_else(|| {
-            format!("this worker has no {kind} runtime (RpcOptions::device_plugins)")
+            failed(format!(
+                "this worker has no {kind} runtime (RpcOptions::device_plugins)"
+            ))
         })?;
-        let bytes = runtime.copy_to_host(memory)?;
+        let bytes = runtime
+            .copy_to_host(memory)
+            .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
         if bytes.len() != memory.len() {
-            return Err(format!(
+            return Err(failed(format!(
                 "the {kind} runtime copied {} bytes of a {}-byte tensor to the host",
                 bytes.len(),
                 memory.len()
-            ));
+            )));
         }
         Ok(bytes)
     }
@@ -183,14 +201,26 @@ impl Devices {
     /// Where a received `len`-byte tensor for `device` (not the CPU) is pulled into:
     /// the runtime's chunks when it stages in chunks, else one host buffer handed to it
     /// whole at the end.
-    pub(crate) fn receive_into(&self, device: Device, len: usize) -> Result<StagingIn, String> {
+    pub(crate) fn receive_into(
+        &self,
+        device: Device,
+        len: usize,
+    ) -> Result<StagingIn, DeviceError> {
         let kind = device.kind();
         let runtime = self
             .runtime(kind)
-            .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
-        let target = match runtime.receive_staged(device, len)? {
+            .ok_or_else(|| staging_failed(device, no_runtime(device)))?;
+        let chunked = runtime
+            .receive_staged(device, len)
+            .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
+        let target = match chunked {
             Some(chunked) if chunked.chunk_len() > 0 => Target::Chunked(chunked),
-            Some(_) => return Err(format!("the {kind} runtime stages in chunks of 0 bytes")),
+            Some(_) => {
+                return Err(staging_failed(
+                    device,
+                    format!("the {kind} runtime stages in chunks of 0 bytes"),
+                ))
+            }
             None => Target::Whole {
                 runtime: Arc::clone(runtime),
                 bytes: Vec::new(),
@@ -210,23 +240,24 @@ impl Devices {
         &self,
         device: Device,
         bytes: Vec<u8>,
-    ) -> Result<(Vec<u8>, Option<DeviceBuffer>), String> {
+    ) -> Result<(Vec<u8>, Option<DeviceBuffer>), DeviceError> {
         let kind = device.kind();
         if kind == DeviceType::Cpu {
             return Ok((bytes, None));
         }
+        let failed = |why: String| {
+            DeviceError::new(DeviceOp::CopyFromHost, why)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        };
         let runtime = self
             .runtime(kind)
-            .ok_or_else(|| format!("this worker has no {kind} runtime to receive on {device}"))?;
-        let len = bytes.len();
-        let memory = runtime.copy_from_host(device, bytes)?;
-        if memory.device() != device || memory.len() != len {
-            return Err(format!(
-                "the {kind} runtime made {} bytes on {} for {len} bytes on {device}",
-                memory.len(),
-                memory.device()
-            ));
-        }
+            .ok_or_else(|| failed(no_runtime(device)))?;
+        let len = bytes.len() as u64;
+        let memory = runtime
+            .copy_from_host(device, bytes)
+            .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
+        check_made(device, len, &memory).map_err(failed)?;
         Ok((Vec::new(), Some(memory)))
     }
 }
@@ -278,60 +309,95 @@ impl StagingIn {
     }
 
     /// Chunk `k`'s buffer to fill (checked to be as long as the chunk).
-    pub(crate) fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], String> {
+    pub(crate) fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
+        let device = self.device;
         let Some(&(_, _, expected)) = self.chunks().get(k) else {
-            return Err(format!("no chunk {k} in a {}-byte tensor", self.len));
+            return Err(staging_failed(
+                device,
+                format!("no chunk {k} in a {}-byte tensor", self.len),
+            ));
         };
-        let kind = self.device.kind();
         let buffer = match &mut self.target {
-            Target::Chunked(chunked) => chunked.chunk_buffer(k)?,
+            Target::Chunked(chunked) => chunked
+                .chunk_buffer(k)
+                .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?,
             Target::Whole { bytes, .. } => {
-                *bytes = crate::rpc::recycle::try_take(self.len).map_err(|e| e.to_string())?;
+                *bytes = crate::rpc::recycle::try_take(self.len)
+                    .map_err(|e| DeviceError::new(DeviceOp::ReceiveStaged, e).on(device))?;
                 crate::channel::buffer::prefer_huge_pages(bytes);
                 bytes.as_mut_slice()
             }
         };
         if buffer.len() != expected {
-            return Err(format!(
-                "the {kind} runtime gave a {}-byte buffer for chunk {k} of {expected} bytes",
-                buffer.len()
+            return Err(staging_failed(
+                device,
+                format!(
+                    "the {} runtime gave a {}-byte buffer for chunk {k} of {expected} bytes",
+                    device.kind(),
+                    buffer.len()
+                ),
             ));
         }
         Ok(buffer)
     }
 
     /// Chunk `k` is filled.
-    pub(crate) fn chunk_filled(&mut self, k: usize) -> Result<(), String> {
+    pub(crate) fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
+        let device = self.device;
         match &mut self.target {
-            Target::Chunked(chunked) => chunked.chunk_filled(k),
+            Target::Chunked(chunked) => chunked
+                .chunk_filled(k)
+                .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic))),
             Target::Whole { .. } => Ok(()),
         }
     }
 
     /// Every chunk is filled: the device memory, checked to be what was asked for.
-    pub(crate) fn finish(self) -> Result<DeviceBuffer, String> {
+    pub(crate) fn finish(self) -> Result<DeviceBuffer, DeviceError> {
         let StagingIn {
             target,
             device,
             len,
         } = self;
         let memory = match target {
-            Target::Chunked(chunked) => chunked.finish()?,
+            Target::Chunked(chunked) => chunked.finish(),
             Target::Whole { runtime, bytes } => {
                 let bytes = if len == 0 { Vec::new() } else { bytes };
-                runtime.copy_from_host(device, bytes)?
+                runtime.copy_from_host(device, bytes)
             }
-        };
-        if memory.device() != device || memory.len() != len {
-            return Err(format!(
-                "the {} runtime made {} bytes on {} for {len} bytes on {device}",
-                device.kind(),
-                memory.len(),
-                memory.device()
-            ));
         }
+        .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
+        check_made(device, len as u64, &memory).map_err(|why| staging_failed(device, why))?;
         Ok(memory)
     }
+}
+
+/// Why there is nothing to receive on `device` with.
+fn no_runtime(device: Device) -> String {
+    format!(
+        "this worker has no {} runtime to receive on {device} (RpcOptions::device_plugins)",
+        device.kind()
+    )
+}
+
+/// A chunk-by-chunk receive onto `device` failed, for `why`.
+fn staging_failed(device: Device, why: String) -> DeviceError {
+    DeviceError::new(DeviceOp::ReceiveStaged, why)
+        .on(device)
+        .over(ChannelKind::CudaBasic)
+}
+
+/// Checks that a runtime made `len` bytes on `device`: a runtime's bug otherwise.
+pub(super) fn check_made(device: Device, len: u64, memory: &DeviceBuffer) -> Result<(), String> {
+    if memory.device() == device && memory.len() as u64 == len {
+        return Ok(());
+    }
+    Err(format!(
+        "the {} runtime made {} bytes on {} for {len} bytes on {device}",
+        device.kind(),
+        memory.len(),
+        memory.device()
+    ))
 }
 
 /// A device tensor's memory, which it must hold, on the device it names.

@@ -12,10 +12,10 @@ struct HostRuntime {
 }
 
 impl HostRuntime {
-    fn bytes(memory: &DeviceBuffer) -> Result<Vec<u8>, String> {
+    fn bytes(memory: &DeviceBuffer, op: DeviceOp) -> Result<Vec<u8>, DeviceError> {
         let memory = memory
             .downcast_ref::<HostMemory>()
-            .ok_or("foreign memory")?;
+            .ok_or_else(|| DeviceError::new(op, "foreign memory"))?;
         Ok(memory.bytes().to_vec())
     }
 }
@@ -28,9 +28,9 @@ impl DeviceRuntime for HostRuntime {
         ]
     }
     /// The descriptor is the bytes themselves (a short copy when `short_copy`).
-    fn lend(&self, _: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, String> {
+    fn lend(&self, _: ChannelKind, memory: &DeviceBuffer) -> Result<DeviceLoan, DeviceError> {
         Ok(DeviceLoan {
-            descriptor: Self::bytes(memory)?,
+            descriptor: Self::bytes(memory, DeviceOp::Lend)?,
             hold: Box::new(memory.clone()),
         })
     }
@@ -40,7 +40,7 @@ impl DeviceRuntime for HostRuntime {
         device: Device,
         _: u64,
         descriptor: &[u8],
-    ) -> Result<DeviceBuffer, String> {
+    ) -> Result<DeviceBuffer, DeviceError> {
         let mut bytes = descriptor.to_vec();
         if self.short_copy {
             bytes.pop();
@@ -50,19 +50,19 @@ impl DeviceRuntime for HostRuntime {
     fn device_count(&self) -> usize {
         2
     }
-    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, String> {
-        let memory = memory
-            .downcast_ref::<HostMemory>()
-            .ok_or("foreign memory")?;
-        let mut bytes = memory.bytes().to_vec();
+    fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
+        let mut bytes = Self::bytes(memory, DeviceOp::CopyToHost)?;
         if self.short_copy {
             bytes.pop();
         }
         Ok(bytes.into())
     }
-    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, String> {
+    fn copy_from_host(&self, device: Device, bytes: Vec<u8>) -> Result<DeviceBuffer, DeviceError> {
         if device.index().unwrap_or(0) >= 2 {
-            return Err(format!("no {device}"));
+            return Err(DeviceError::new(
+                DeviceOp::CopyFromHost,
+                format!("no {device}"),
+            ));
         }
         Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
     }
@@ -74,10 +74,10 @@ impl DevicePlugin for Plugin {
     fn device_type(&self) -> DeviceType {
         self.0
     }
-    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, String> {
+    fn open(&self) -> Result<Arc<dyn DeviceRuntime>, DeviceError> {
         match self.1 {
             Ok(short_copy) => Ok(Arc::new(HostRuntime { short_copy })),
-            Err(reason) => Err(reason.to_string()),
+            Err(reason) => Err(DeviceError::new(DeviceOp::Open, reason)),
         }
     }
 }
@@ -137,17 +137,20 @@ fn lending_is_checked_on_both_sides() {
     // The tensor must hold memory on its own device.
     let err = devices
         .lend(ChannelKind::CudaIpc, cuda(1), Some(&memory))
-        .expect_err("other device");
+        .expect_err("other device")
+        .report();
     assert!(err.contains("its memory is on cuda:0"), "{err}");
     let err = devices
         .lend(ChannelKind::CudaIpc, cuda(0), None)
-        .expect_err("no memory");
+        .expect_err("no memory")
+        .report();
     assert!(err.contains("Tensor::on_device"), "{err}");
     // A descriptor a frame cannot carry is refused.
     let big = DeviceBuffer::new(HostMemory::new(cuda(0), vec![0; 256]));
     let err = devices
         .lend(ChannelKind::CudaIpc, cuda(0), Some(&big))
-        .expect_err("too long");
+        .expect_err("too long")
+        .report();
     assert!(err.contains("256-byte cuda_ipc descriptor"), "{err}");
     // The receiver checks what its runtime made.
     let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
@@ -159,7 +162,8 @@ fn lending_is_checked_on_both_sides() {
             3,
             &loan.descriptor,
         )
-        .expect_err("short");
+        .expect_err("short")
+        .report();
     assert!(err.contains("made 2 bytes on cuda:1 for 3 bytes"), "{err}");
 }
 
@@ -174,43 +178,58 @@ fn staging_round_trips_and_checks_what_the_runtime_returns() {
     assert_eq!((memory.device(), memory.len()), (cuda(1), 3));
     assert_eq!(memory, memory.clone());
     let out = devices.stage_out(cuda(1), Vec::new(), Some(&memory));
-    assert_eq!(out, Ok(vec![1, 2, 3].into()));
+    assert_eq!(out.ok(), Some(vec![1, 2, 3].into()));
     // CPU tensors pass through.
     assert_eq!(
-        devices.stage_in(Device::cpu(), vec![4]),
-        Ok((vec![4], None))
+        devices.stage_in(Device::cpu(), vec![4]).ok(),
+        Some((vec![4], None))
     );
     assert_eq!(
-        devices.stage_out(Device::cpu(), vec![5], None),
-        Ok(vec![5].into())
+        devices.stage_out(Device::cpu(), vec![5], None).ok(),
+        Some(vec![5].into())
     );
     // Wrong shapes are refused with what to do.
     let err = devices
         .stage_out(cuda(0), vec![1], None)
-        .expect_err("no memory");
+        .expect_err("no memory")
+        .report();
     assert!(err.contains("Tensor::on_device"), "{err}");
     let err = devices
         .stage_out(cuda(0), Vec::new(), Some(&memory))
-        .expect_err("memory on another device");
+        .expect_err("memory on another device")
+        .report();
     assert!(err.contains("its memory is on cuda:1"), "{err}");
     let err = devices
         .stage_out(Device::cpu(), Vec::new(), Some(&memory))
-        .expect_err("cpu with memory");
+        .expect_err("cpu with memory")
+        .report();
     assert!(err.contains("holds device memory"), "{err}");
-    let err = devices.stage_in(cuda(5), vec![1]).expect_err("no cuda:5");
-    assert_eq!(err, "no cuda:5");
+    let err = devices
+        .stage_in(cuda(5), vec![1])
+        .expect_err("no cuda:5")
+        .report();
+    // The runtime's reason, after what failed and where (the agent filled both in).
+    assert_eq!(
+        err,
+        "cannot put a received tensor on the device on cuda:5 over cuda_basic: no cuda:5"
+    );
 
     let short = self::devices(Plugin(DeviceType::Cuda, Ok(true)));
     let err = short
         .stage_out(cuda(1), Vec::new(), Some(&memory))
-        .expect_err("short copy");
+        .expect_err("short copy")
+        .report();
     assert!(err.contains("copied 2 bytes of a 3-byte tensor"), "{err}");
 
     let none = Devices::default();
-    let err = none.stage_in(cuda(0), vec![1]).expect_err("no runtime");
+    let err = none
+        .stage_in(cuda(0), vec![1])
+        .expect_err("no runtime")
+        .report();
     assert!(err.contains("no cuda runtime"), "{err}");
     let err = none
         .stage_out(cuda(1), Vec::new(), Some(&memory))
-        .expect_err("no runtime");
+        .expect_err("no runtime")
+        .report();
     assert!(err.contains("device_plugins"), "{err}");
 }

@@ -1,4 +1,5 @@
 use super::*;
+use std::sync::Condvar;
 
 #[test]
 fn first_completion_wins_and_late_ones_are_dropped() {
@@ -164,4 +165,128 @@ fn wait_all_returns_values_or_the_first_error_in_order() {
         first.err().map(|e| e.to_string()).as_deref(),
         Some("Timed out waiting to flush pending futures, had 2 pending futures")
     );
+}
+
+/// "Device" memory whose copy lands only when the test says so, as a runtime's
+/// pending hand-over leaves it: the bytes read before that are the stale ones.
+#[derive(Debug)]
+struct Landing {
+    bytes: Mutex<Vec<u8>>,
+    pending: Mutex<Option<Vec<u8>>>,
+    landed: Condvar,
+    broken: bool,
+}
+
+impl Landing {
+    fn new(copied: Vec<u8>) -> Landing {
+        Landing {
+            bytes: Mutex::new(vec![0; copied.len()]),
+            pending: Mutex::new(Some(copied)),
+            landed: Condvar::new(),
+            broken: false,
+        }
+    }
+
+    /// The copy completes.
+    fn land(&self) {
+        if let Some(copied) = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            *self.bytes.lock().unwrap_or_else(|p| p.into_inner()) = copied;
+        }
+        self.landed.notify_all();
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl crate::rpc::device::DeviceMemory for Landing {
+    fn device(&self) -> Device {
+        Device::cuda(1)
+    }
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn is_ready(&self) -> Result<bool, DeviceError> {
+        if self.broken {
+            return Err(DeviceError::new(
+                crate::rpc::device::DeviceOp::WaitReady,
+                "fake cuEventQuery: CUDA_ERROR_LAUNCH_FAILED",
+            ));
+        }
+        Ok(self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none())
+    }
+    fn wait_ready_for(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let (pending, _) = self
+            .landed
+            .wait_timeout_while(pending, timeout, |p| p.is_some())
+            .unwrap_or_else(|p| p.into_inner());
+        Ok(pending.is_none())
+    }
+}
+
+#[test]
+fn a_tensor_handed_over_with_its_copy_running_says_when_it_is_ready() {
+    let tensor = Tensor::on_device(DeviceBuffer::new(Landing::new(vec![7; 4])));
+    fn landing(t: &Tensor) -> Option<&Landing> {
+        t.memory.as_ref()?.downcast_ref()
+    }
+    let seen = |t: &Tensor| landing(t).map(Landing::bytes);
+    // Not ready: a consumer that reads now sees the bytes half copied (the hazard).
+    assert_eq!(tensor.is_ready().ok(), Some(false));
+    assert_eq!(
+        tensor.wait_ready(Duration::from_millis(1)).ok(),
+        Some(false)
+    );
+    assert_eq!(seen(&tensor), Some(vec![0; 4]));
+    // A consumer that waits sees the bytes once the copy lands.
+    let consumer = {
+        let tensor = tensor.clone();
+        std::thread::spawn(move || {
+            let ready = tensor.wait_ready(Duration::from_secs(30)).ok();
+            (ready, landing(&tensor).map(Landing::bytes))
+        })
+    };
+    landing(&tensor).map(Landing::land);
+    let (ready, bytes) = consumer.join().unwrap_or((None, None));
+    assert_eq!((ready, bytes), (Some(true), Some(vec![7; 4])));
+    assert_eq!(tensor.is_ready().ok(), Some(true));
+    // A CPU tensor is always ready.
+    let cpu = Tensor::cpu(vec![1, 2]);
+    assert_eq!(cpu.is_ready().ok(), Some(true));
+    assert_eq!(cpu.wait_ready(Duration::ZERO).ok(), Some(true));
+}
+
+#[test]
+fn a_runtime_that_cannot_tell_readiness_names_the_device() {
+    let broken = Landing {
+        broken: true,
+        ..Landing::new(vec![1])
+    };
+    let tensor = Tensor::on_device(DeviceBuffer::new(broken));
+    let err = tensor.is_ready().expect_err("the driver failed");
+    assert_eq!(
+        err.report(),
+        "cannot wait for a tensor's bytes to be complete on cuda:1: fake cuEventQuery: \
+         CUDA_ERROR_LAUNCH_FAILED"
+    );
+    // Memory that says nothing of readiness is ready when handed over.
+    let plain = Tensor::on_device(DeviceBuffer::new(crate::rpc::device::HostMemory::new(
+        Device::cuda(0),
+        vec![1],
+    )));
+    assert_eq!(plain.is_ready().ok(), Some(true));
 }
