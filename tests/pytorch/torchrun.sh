@@ -13,13 +13,14 @@
 # (rendezvous.py: "We create a new TCPStore for every retry", which the shared store
 # does not do). Gloo's keys (`/default_pg/0//cpu//0/RANK`, each rank's address) from
 # attempt 0 are still there in attempt 1, so whichever ranks start first read the dead
-# ranks' addresses: connectFullMesh fails ("Connection refused"), or attempt-1 ranks
-# pair with still-living attempt-0 ranks and time out in all_reduce, and after the
-# failing node's last restart its launcher closes the rendezvous, so the other agent
-# then raises RendezvousClosedError. Which of these happens depends on which node's
-# workers import torch faster. PyTorch issues #135712 and #167288 report the same with
-# NCCL. `stale_worker_store.py` shows it without torchrun or rdzv. With the share
-# disabled, worker rank 0 hosts a new TCPStore in every round, on a port its agent
+# ranks' addresses: connectFullMesh fails ("Connection refused"), or some ranks get
+# through init while others wait on a dead address and all_reduce times out (seen
+# here: ranks 2-3 "Timed out waiting 60000ms", ranks 0-1 stuck until killed). After
+# the failing node's last restart its launcher closes the rendezvous, so the other
+# agent, if it re-rendezvouses, raises RendezvousClosedError (the failure seen on
+# 2026-11-25). Which happens depends on which node's workers start first. PyTorch
+# issues #135712 and #167288 report the same with NCCL; `stale_worker_store.py` shows
+# it without torchrun or rdzv. With the share disabled, worker rank 0 hosts a new TCPStore in every round, on a port its agent
 # publishes under the round's prefix, so no attempt sees another's keys.
 # Every store request goes through store_trace_proxy.py, and the operations and key
 # shapes each mode sent are printed. Needs a Python with torch (PYTHON=...); never in CI.
