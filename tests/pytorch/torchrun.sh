@@ -20,8 +20,9 @@
 # agent, if it re-rendezvouses, raises RendezvousClosedError (the failure seen on
 # 2026-11-25). Which happens depends on which node's workers start first. PyTorch
 # issues #135712 and #167288 report the same with NCCL; `stale_worker_store.py` shows
-# it without torchrun or rdzv. With the share disabled, worker rank 0 hosts a new TCPStore in every round, on a port its agent
-# publishes under the round's prefix, so no attempt sees another's keys.
+# it without torchrun or rdzv. With the share disabled, worker rank 0 hosts a new
+# TCPStore in every round, on a port its agent publishes under the round's prefix, so
+# no attempt sees another's keys.
 # Every store request goes through store_trace_proxy.py, and the operations and key
 # shapes each mode sent are printed. Needs a Python with torch (PYTHON=...); never in CI.
 # Usage: PYTHON=... RDZV=target/release/rdzv [RESTART=1|only] [KEEP=1 (keep the logs)] \
