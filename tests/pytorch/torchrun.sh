@@ -2,16 +2,31 @@
 # torchrun through `rdzv store serve`: two torchrun "nodes" of two workers each on this
 # host, with the c10d rendezvous backend on rdzv's store (`--rdzv-conf=is_host=false`),
 # a gloo all_reduce in every worker; then the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
-# (A third mode, `restart`, makes the last rank fail in attempt 0 under `--max-restarts=1`.
-# It depends on timing inside torchrun, with PyTorch's own c10d store as with rdzv's, so
-# it is not run by default: `RESTART=1` runs it. On the 2-core development machine
-# (2026-11-25, PyTorch 2.15) one run passed, node 1's workers restarted as attempt 1 and
-# joined node 0's attempt-0 workers in their all_reduce, since 2.4+ no longer prefixes
-# the agent store by attempt; the run before failed with node 0's agent raising
-# RendezvousClosedError while re-rendezvousing, after node 1's restarted workers failed.)
+# A third mode, `restart` (`RESTART=1`, or `RESTART=only` for it alone), makes the last
+# rank exit in attempt 0 under `--max-restarts=1`: its agent restarts its workers and
+# re-rendezvouses, the other agent sees it on the wait list and restarts its own (a
+# membership change, not counted as a retry), and all four ranks must finish in round 1.
+# It runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, because torchrun's default (2.4+,
+# checked in 2.15's dynamic_rendezvous.py) cannot restart reliably, with rdzv's store or
+# PyTorch's own: node rank 0's agent creates the workers' TCPStore once and hands the
+# same one to every attempt, and the workers no longer prefix it by attempt
+# (rendezvous.py: "We create a new TCPStore for every retry", which the shared store
+# does not do). Gloo's keys (`/default_pg/0//cpu//0/RANK`, each rank's address) from
+# attempt 0 are still there in attempt 1, so whichever ranks start first read the dead
+# ranks' addresses: connectFullMesh fails ("Connection refused"), or some ranks get
+# through init while others wait on a dead address and all_reduce times out (seen
+# here: ranks 2-3 "Timed out waiting 60000ms", ranks 0-1 stuck until killed). After
+# the failing node's last restart its launcher closes the rendezvous, so the other
+# agent, if it re-rendezvouses, raises RendezvousClosedError (the failure seen on
+# 2026-11-25). Which happens depends on which node's workers start first. PyTorch
+# issues #135712 and #167288 report the same with NCCL; `stale_worker_store.py` shows
+# it without torchrun or rdzv. With the share disabled, worker rank 0 hosts a new
+# TCPStore in every round, on a port its agent publishes under the round's prefix, so
+# no attempt sees another's keys.
 # Every store request goes through store_trace_proxy.py, and the operations and key
 # shapes each mode sent are printed. Needs a Python with torch (PYTHON=...); never in CI.
-# Usage: PYTHON=... RDZV=target/release/rdzv tests/pytorch/torchrun.sh
+# Usage: PYTHON=... RDZV=target/release/rdzv [RESTART=1|only] [KEEP=1 (keep the logs)] \
+#   tests/pytorch/torchrun.sh
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -21,9 +36,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     exit 0
 fi
 TORCHRUN="$(dirname "$PYTHON")/torchrun"
-work="$(mktemp -d)"
+work="$(mktemp -d)"; [ -n "${KEEP:-}" ] && echo "logs in $work"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; [ -n "${KEEP:-}" ] || rm -rf "$work"; }
 trap cleanup EXIT
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -53,13 +68,25 @@ run_mode() {
         "$work/$name".node*.log | sort | sed 's/^/   /' || true
     echo "   store operations (count, query, key shape):"
     sed -E 's/^[0-9]+ //; s/[0-9]+/N/g' "$log" | sort | uniq -c | sort -rn | sed 's/^/   /'
+    if [ "$name" = restart ]; then
+        # The restart must really have happened: rank 3 failed in attempt 0 and
+        # finished in attempt 1 (its node's restart count), in a world of four.
+        grep -q 'rank 3: failing on purpose in attempt 0' "$work/$name".node*.log || ok=0
+        grep -q 'OK rank=3 world=4 attempt=1' "$work/$name".node*.log || ok=0
+    fi
     if [ $ok = 1 ] && [ "$done_ranks" = 4 ]; then passed=$((passed + 1)); else
         tail -n 30 "$work/$name".node*.log; fi
 }
 
-run_mode shared
-run_mode not_shared TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-modes=2
-if [ "${RESTART:-0}" = 1 ]; then run_mode restart FAIL_ONCE=1; modes=3; fi
+modes=0
+if [ "${RESTART:-0}" != only ]; then
+    run_mode shared
+    run_mode not_shared TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    modes=2
+fi
+if [ "${RESTART:-0}" != 0 ]; then
+    run_mode restart TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FAIL_ONCE=1
+    modes=$((modes + 1))
+fi
 echo "torchrun through rdzv: $passed passed, $((modes - passed)) failed"
 [ "$passed" = "$modes" ]

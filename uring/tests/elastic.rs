@@ -214,9 +214,10 @@ fn eight_processes_one_killed() {
     let victim_name = victim.name.clone();
     let killed_at = Instant::now();
     drop(victim); // SIGKILL
-                  // Done when the seven survivors' latest rounds are one round of seven. (On a loaded
-                  // machine a node may be declared dead wrongly and an extra round run; what matters
-                  // is the round without the victim.)
+
+    // Done when the seven survivors' latest rounds are one round of seven. (On a loaded
+    // machine a node may be declared dead wrongly and an extra round run; what matters
+    // is the round without the victim.)
     let mut latest: std::collections::HashMap<String, (u64, u32, u32)> = Default::default();
     let formed = collect(&rx, killed_at + Duration::from_secs(30), |r| {
         assert_ne!(r.0, victim_name, "the killed node reported {r:?}");

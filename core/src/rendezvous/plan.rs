@@ -78,12 +78,16 @@ pub struct TcpStorePlan {
     pub agent_store: bool,
     /// The prefix every key of the store lives under, `None` for the bare store.
     ///
-    /// PyTorch 2.4 and later (checked in 2.11 and 2.15) use the bare store: the agent
-    /// makes a new TCPStore for every restart. Older PyTorch (the seeds'
-    /// `_create_c10d_store`) wrapped the agent's store in
+    /// PyTorch 2.4 and later (checked in 2.11 and 2.15) use the bare store, saying the
+    /// agent makes a new TCPStore for every restart (2.15's c10d rendezvous handler in
+    /// fact keeps one for the whole job unless `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`,
+    /// so a restart sees the previous attempt's keys: README, "Restarts"). Older
+    /// PyTorch (the seeds' `_create_c10d_store`) wrapped the agent's store in
     /// `PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}")`; a job that mixes
     /// rdzv ranks with such a PyTorch sets [`ATTEMPT_PREFIX_VAR`]`=1` to get the same
-    /// prefix (a key `k` is then `prefix + "/" + k`).
+    /// prefix (a key `k` is then `prefix + "/" + k`). The restart count is per node
+    /// (only the node whose worker failed counts a restart), so that prefix matches
+    /// across nodes only while they have restarted equally often, as in that PyTorch.
     pub prefix: Option<String>,
 }
 
