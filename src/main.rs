@@ -33,22 +33,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// `error` and every error in its `source()` chain, joined by ": " (`{e:#}` on a boxed
-/// error prints only the top one). A source whose text the message above it already
-/// contains is not repeated.
-pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let line = cause.to_string();
-        if !text.contains(&line) {
-            text.push_str(": ");
-            text.push_str(&line);
-        }
-        source = cause.source();
-    }
-    text
-}
+/// `error` and every error in its `source()` chain on one line (`{e:#}` on a boxed error
+/// prints only the top one).
+pub(crate) use rdzv::uring::rpc::error_chain;
 
 #[cfg(test)]
 mod tests {

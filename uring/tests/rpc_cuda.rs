@@ -699,7 +699,7 @@ fn lending_failures_fail_only_their_call() {
     // What failed, where (the device and channel), then the runtime's reason.
     assert!(
         text.contains(
-            "tensor 0: cannot lend a tensor on cuda:0 over cuda_ipc: fake cuIpcGetMemHandle \
+            "tensor 0 over the cuda_ipc channel with peer: cannot lend a tensor on cuda:0 over cuda_ipc: fake cuIpcGetMemHandle \
              failed on cuda:0"
         ),
         "{text}"
@@ -865,7 +865,7 @@ fn staging_failures_fail_only_their_call() {
     )));
     assert!(
         text.contains(
-            "tensor 0: cannot copy a tensor to the host on cuda:0 over cuda_basic: fake \
+            "tensor 0 over the cuda_basic channel with peer: cannot copy a tensor to the host on cuda:0 over cuda_basic: fake \
              cuMemcpyDtoH failed on cuda:0"
         ),
         "{text}"

@@ -120,7 +120,7 @@ pub enum TransportError {
     },
     /// A plugged-in transport cannot run in this process (no device, no library); the
     /// agent leaves it out and says why.
-    #[error("the {transport} transport is not viable here: {}", chain(source.as_ref()))]
+    #[error("the {transport} transport is not viable here: {}", error_chain(source.as_ref()))]
     Unavailable {
         /// The transport.
         transport: TransportKind,
@@ -130,9 +130,11 @@ pub enum TransportError {
     },
 }
 
-/// `error` and its sources joined by ": ", each source left out whose text the text before
-/// it has already (a plugin's error whose `Display` leaves its cause to the chain).
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+/// `error` and every error in its `source()` chain, joined by ": ", each source left out
+/// whose text the text before it has already (an error that quotes its cause, or is
+/// `transparent`). `{e}` prints only the top error; this is the one place the agent, its
+/// plugins and the CLI turn a whole chain into one line.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

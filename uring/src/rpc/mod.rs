@@ -89,8 +89,8 @@ pub use device::{
     StagedReceive,
 };
 pub use error::{
-    CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError, TransportError,
-    UsageError,
+    error_chain, CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError,
+    TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

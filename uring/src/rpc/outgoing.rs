@@ -90,10 +90,11 @@ pub(crate) fn tensor_frame(
         let data = framer
             .devices
             .stage_out(tensor.device, tensor.data, tensor.memory.as_ref())
-            .map_err(|e| CallError::Channel {
+            .map_err(|e| CallError::Device {
                 channel: negotiated_channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {}", e.report()),
+                index,
+                source: Box::new(e),
             })?;
         let channel = match carrier {
             ChannelKind::Mpt if !streams => ChannelKind::Basic,

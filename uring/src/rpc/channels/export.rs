@@ -199,7 +199,12 @@ pub(crate) fn add_device_tensor(
     }
     let loan = devices
         .lend(channel, source, memory)
-        .map_err(|e| failed(&e.report()))?;
+        .map_err(|e| CallError::Device {
+            channel: channel.name(),
+            peer: peer.to_string(),
+            index,
+            source: Box::new(e),
+        })?;
     let len = memory.map_or(0, |m| m.len() as u64);
     let descriptor_len = u8::try_from(loan.descriptor.len())
         .map_err(|_| failed(&"cannot lend it: its descriptor is over 255 bytes"))?;

@@ -332,10 +332,11 @@ impl ReceivedTensors {
                         .ok_or_else(|| {
                             refuse("the peer streamed it, but this pipe has no mpt lanes".into())
                         })?
-                        .map_err(|e| CallError::Channel {
+                        .map_err(|e| CallError::Device {
                             channel: ChannelKind::CudaBasic.name(),
                             peer: peer.to_string(),
-                            reason: format!("tensor {index}: {}", e.report()),
+                            index,
+                            source: Box::new(e),
                         })?;
                     if memory.device() != device || memory.len() as u64 != descriptor.len {
                         return Err(refuse(format!(
@@ -479,10 +480,11 @@ impl ReceivedTensors {
                     let pipe = reader.borrowing_pipe(&devices);
                     let memory = devices
                         .borrow(pipe, channel, device, len, &descriptor)
-                        .map_err(|e| CallError::Channel {
+                        .map_err(|e| CallError::Device {
                             channel: channel.name(),
                             peer: peer.clone(),
-                            reason: format!("tensor {index}: {}", e.report()),
+                            index,
+                            source: Box::new(e),
                         })?;
                     tensors.push(Tensor {
                         device,
@@ -497,10 +499,11 @@ impl ReceivedTensors {
             } else {
                 let index = tensors.len();
                 let (data, memory) = devices.stage_in(tensor.device, tensor.data).map_err(|e| {
-                    CallError::Channel {
+                    CallError::Device {
                         channel: ChannelKind::CudaBasic.name(),
                         peer: peer.clone(),
-                        reason: format!("tensor {index}: {}", e.report()),
+                        index,
+                        source: Box::new(e),
                     }
                 })?;
                 Tensor {
@@ -518,21 +521,25 @@ impl ReceivedTensors {
 #[derive(Debug)]
 enum PullFailed {
     Read(String),
-    /// The device runtime's error (turned into text for the agent's error for now).
+    /// The device runtime's error.
     Staging(DeviceError),
 }
 
 impl PullFailed {
     /// The error of tensor `index`, read over `channel` from `peer`.
     fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> CallError {
-        let (channel, reason) = match self {
-            PullFailed::Read(reason) => (channel, reason),
-            PullFailed::Staging(e) => (ChannelKind::CudaBasic, e.report()),
-        };
-        CallError::Channel {
-            channel: channel.name(),
-            peer: peer.to_string(),
-            reason: format!("tensor {index}: {reason}"),
+        match self {
+            PullFailed::Read(reason) => CallError::Channel {
+                channel: channel.name(),
+                peer: peer.to_string(),
+                reason: format!("tensor {index}: {reason}"),
+            },
+            PullFailed::Staging(e) => CallError::Device {
+                channel: ChannelKind::CudaBasic.name(),
+                peer: peer.to_string(),
+                index,
+                source: Box::new(e),
+            },
         }
     }
 }

@@ -140,14 +140,7 @@ impl DeviceError {
     /// The whole error on one line: what failed and where, then every cause, each after
     /// a `": "` (the last usually says what to do).
     pub fn report(&self) -> String {
-        let mut text = self.to_string();
-        let mut cause: Option<&(dyn Error + 'static)> = Some(&*self.source);
-        while let Some(error) = cause {
-            text.push_str(": ");
-            text.push_str(&error.to_string());
-            cause = error.source();
-        }
-        text
+        crate::rpc::error::error_chain(self)
     }
 }
 

@@ -126,6 +126,21 @@ pub enum CallError {
         /// Why.
         reason: String,
     },
+    /// A device runtime failed to move tensor `index` (staging it, lending or borrowing
+    /// its memory, copying it): the runtime's own error, a
+    /// [`DeviceError`](crate::rpc::DeviceError), is the source.
+    #[error("tensor {index} over the {channel} channel with {peer}: {}", super::error_chain(source.as_ref()))]
+    Device {
+        /// The channel.
+        channel: &'static str,
+        /// The peer worker.
+        peer: String,
+        /// The tensor's index in its message.
+        index: usize,
+        /// The device runtime's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// The request or response could not be framed.
     #[error("cannot encode the RPC message for {peer}: {source}")]
     Encode {
@@ -202,7 +217,7 @@ impl CallError {
             CallError::Handshake { .. } => CallErrorKind::Handshake,
             CallError::PipeBroken { .. } => CallErrorKind::PipeBroken,
             CallError::NoChannel { .. } => CallErrorKind::NoChannel,
-            CallError::Channel { .. } => CallErrorKind::Channel,
+            CallError::Channel { .. } | CallError::Device { .. } => CallErrorKind::Channel,
             CallError::Encode { .. } => CallErrorKind::Encode,
             CallError::InjectedFault { .. } => CallErrorKind::InjectedFault,
             CallError::ShutDown { .. } => CallErrorKind::ShutDown,
@@ -253,6 +268,7 @@ impl CallError {
             | CallError::PipeBroken { peer, .. }
             | CallError::NoChannel { peer, .. }
             | CallError::Channel { peer, .. }
+            | CallError::Device { peer, .. }
             | CallError::Encode { peer, .. }
             | CallError::InjectedFault { peer, .. } => Some(peer),
             CallError::RRef { owner, .. } => Some(owner),

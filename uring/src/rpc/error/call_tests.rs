@@ -82,6 +82,17 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             Some("bob"),
         ),
         (
+            CallError::Device {
+                channel: "cuda_ipc",
+                peer: peer(),
+                index: 2,
+                source: Box::new(std::io::Error::other("cuIpcGetMemHandle failed")),
+            },
+            K::Channel,
+            false,
+            Some("bob"),
+        ),
+        (
             CallError::Encode {
                 peer: peer(),
                 source: Box::new(EncodeError::DataCount {
@@ -237,5 +248,28 @@ fn pytorch_texts_are_kept() {
     assert_eq!(
         usage.to_string(),
         UsageError::UnknownWorker { name: peer() }.to_string()
+    );
+}
+
+#[test]
+fn a_device_failure_names_the_tensor_and_keeps_the_runtime_error_as_its_source() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot lend a tensor on cuda:0 over cuda_ipc")]
+    struct Lend(#[source] std::io::Error);
+    let error = CallError::Device {
+        channel: "cuda_ipc",
+        peer: peer(),
+        index: 1,
+        source: Box::new(Lend(std::io::Error::other("CUDA_ERROR_OUT_OF_MEMORY"))),
+    };
+    assert_eq!(
+        error.to_string(),
+        "tensor 1 over the cuda_ipc channel with bob: cannot lend a tensor on cuda:0 over \
+         cuda_ipc: CUDA_ERROR_OUT_OF_MEMORY"
+    );
+    let source = std::error::Error::source(&error).map(ToString::to_string);
+    assert_eq!(
+        source.as_deref(),
+        Some("cannot lend a tensor on cuda:0 over cuda_ipc")
     );
 }
