@@ -12,9 +12,9 @@ use rdzv_core::rpc::frame::TensorDescriptor;
 pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
 use crate::channel::buffer::prefer_huge_pages;
-use crate::channel::cma::{CmaDescriptor, CmaPeer};
+use crate::channel::cma::{CmaDescriptor, CmaError, CmaPeer};
 use crate::channel::mpt::MptDescriptor;
-use crate::channel::xth::{self, XthDescriptor};
+use crate::channel::xth::{self, XthDescriptor, XthError};
 use crate::channel::ProcessIdentity;
 use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
 use crate::rpc::error::CallError;
@@ -420,24 +420,25 @@ impl ReceivedTensors {
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
-                    if !device.is_cpu() {
-                        let memory = pull_staged(&devices, device, len, |offset, part| {
-                            source
-                                .read_at(&descriptor, offset, part)
-                                .map_err(|e| e.to_string())
+                    let released = Released::default();
+                    let read = |offset, part: &mut [u8]| {
+                        source.read_at(&descriptor, offset, part).map_err(|e| {
+                            released.note(matches!(e, CmaError::BadAddress { .. }));
+                            e.to_string()
                         })
-                        .map_err(|e| e.into_error(ChannelKind::Cma, tensors.len(), &peer))?;
+                    };
+                    let index = tensors.len();
+                    if !device.is_cpu() {
+                        let memory = pull_staged(&devices, device, len, read).map_err(|e| {
+                            released.or(e.into_error(ChannelKind::Cma, index, &peer), &peer)
+                        })?;
                         tensors.push(Tensor::on_device(memory));
                         continue;
                     }
                     let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
-                    read_in_slices(&mut data, |offset, part| {
-                        source
-                            .read_at(&descriptor, offset, part)
-                            .map_err(|e| e.to_string())
-                    })
-                    .map_err(failed)?;
+                    read_in_slices(&mut data, read)
+                        .map_err(|reason| released.or(failed(reason), &peer))?;
                     Tensor {
                         device,
                         data,
@@ -452,18 +453,25 @@ impl ReceivedTensors {
                     };
                     let len = usize::try_from(descriptor.length)
                         .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+                    let released = Released::default();
                     let read = |offset, part: &mut [u8]| {
-                        xth::read_at(&descriptor, offset, part).map_err(|e| e.to_string())
+                        xth::read_at(&descriptor, offset, part).map_err(|e| {
+                            released.note(matches!(e, XthError::UnknownTransfer { .. }));
+                            e.to_string()
+                        })
                     };
+                    let index = tensors.len();
                     if !device.is_cpu() {
-                        let memory = pull_staged(&devices, device, len, read)
-                            .map_err(|e| e.into_error(ChannelKind::Xth, tensors.len(), &peer))?;
+                        let memory = pull_staged(&devices, device, len, read).map_err(|e| {
+                            released.or(e.into_error(ChannelKind::Xth, index, &peer), &peer)
+                        })?;
                         tensors.push(Tensor::on_device(memory));
                         continue;
                     }
                     let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
                     prefer_huge_pages(&mut data);
-                    read_in_slices(&mut data, read).map_err(failed)?;
+                    read_in_slices(&mut data, read)
+                        .map_err(|reason| released.or(failed(reason), &peer))?;
                     Tensor {
                         device,
                         data,
@@ -514,6 +522,37 @@ impl ReceivedTensors {
             });
         }
         Ok(tensors)
+    }
+}
+
+/// Whether a read failed because the lender no longer holds the buffer (cma: its pages
+/// are unmapped, `EFAULT`; xth: the transfer is gone). A lender releases what it lent
+/// only after the ack, or when its pipe ends, so such a read overlapped the end of the
+/// pipe on the lender's side (a reset, a shutdown): the call failed with the pipe, not
+/// the channel, and the next call opens a new pipe.
+#[derive(Default)]
+struct Released(std::sync::atomic::AtomicBool);
+
+impl Released {
+    fn note(&self, released: bool) {
+        if released {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// `error`, or a broken pipe saying the peer released the tensor (keeping `error`'s
+    /// text) when a read found it released.
+    fn or(&self, error: CallError, peer: &str) -> CallError {
+        if !self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            return error;
+        }
+        CallError::PipeBroken {
+            peer: peer.to_string(),
+            reason: format!(
+                "{peer} released a tensor it lent while it was read, which it does only when \
+                 its end of the pipe ends or is reset ({error})"
+            ),
+        }
     }
 }
 

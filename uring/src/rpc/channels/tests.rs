@@ -128,6 +128,13 @@ fn small_tensors_stay_inline_and_large_ones_are_exported() {
     let err = again.pull().map(|_| ()).expect_err("released export");
     let text = err.to_string();
     assert!(text.contains("xth") && text.contains("peer"), "{text}");
+    // A lender releases what it lent only when its pipe ends: the call failed with the
+    // pipe, and may be made again.
+    assert_eq!(err.kind(), crate::rpc::CallErrorKind::PipeBroken, "{text}");
+    assert!(
+        err.is_retryable() && text.contains("released a tensor it lent"),
+        "{text}"
+    );
 }
 
 #[test]
