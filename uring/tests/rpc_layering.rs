@@ -23,7 +23,7 @@ const LAYERS: &[&str] = &[
     "tcp",
     "shm",
     // Tensors into and out of frames, mpt's extra connections.
-    "channels",
+    "tensors",
     "mpt",
     // Options (their defaults are the modules' above) and the fault-injection decorator
     // they configure.

@@ -18,11 +18,11 @@ use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::timeouts::{Instant, RpcTimeout, TimeoutQueue};
 
-use super::channels::{PipeReader, ReceivedTensors};
 use super::counters::{Counters, JoinGate};
 use super::device::Devices;
 use super::error::CallError;
 use super::message::{Completion, Message};
+use super::tensors::{PipeReader, ReceivedTensors};
 use super::transport::IncomingFrame;
 
 /// A call sent (or about to be) on pipe `pipe`, waiting for its reply.

@@ -14,8 +14,8 @@ use std::time::Duration;
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::metrics::{AgentMetrics, CallCounters, NetworkData};
 
-use super::channels::ChannelBytes;
 use super::message::on_io_thread;
+use super::tensors::ChannelBytes;
 
 #[derive(Debug)]
 struct Tallies {

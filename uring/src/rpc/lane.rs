@@ -54,12 +54,12 @@ use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
-use super::channels::{cpu_channel, FrameExports, PipeReader};
 use super::device::Devices;
 use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
 use super::mpt::{LanesError, MptLanes, LANES_TIMEOUT};
+use super::tensors::{cpu_channel, FrameExports, PipeReader};
 use super::transport::{
     BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, StopConnection, Wake,
 };

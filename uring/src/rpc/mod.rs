@@ -16,7 +16,7 @@
 //! | memory | [`error`], `recycle`, [`device`] | errors by what the caller can do ([`InitError`], [`CallError`], [`ShutdownError`], [`UsageError`]); recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | calls | [`message`], [`rref`], [`client`], [`handler`] | messages and futures; the application's [`RRef`], which reaches the RRef runtime through the `RRefRuntime` seam; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
 //! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
-//! | tensors | [`channels`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
+//! | tensors | [`tensors`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
 //! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
 //! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
@@ -51,7 +51,6 @@
 pub mod agent;
 pub mod backend;
 mod calls;
-pub mod channels;
 pub mod client;
 mod counters;
 mod deadline;
@@ -77,11 +76,11 @@ mod rref_runtime;
 pub mod shm;
 mod startup;
 pub mod tcp;
+pub mod tensors;
 pub mod transport;
 
 pub use agent::RpcAgent;
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
-pub use channels::DEFAULT_MIN_CHANNEL_BYTES;
 pub use client::RpcClient;
 pub use device::{
     DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
@@ -99,4 +98,5 @@ pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
 pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};
 pub use startup::init_rpc;
+pub use tensors::DEFAULT_MIN_CHANNEL_BYTES;
 pub use transport::TransportPlugin;

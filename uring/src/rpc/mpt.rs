@@ -29,9 +29,9 @@ use rdzv_core::negotiate::{ChannelKind, Negotiated, Role, TransportKind};
 use rdzv_core::rpc::address::after_scheme;
 use rdzv_core::rpc::frame::TensorDescriptor;
 
-use super::channels::{cpu_channel, PipeReader};
 use super::device::{Devices, HostBytes};
 use super::recycle;
+use super::tensors::{cpu_channel, PipeReader};
 use super::transport::IncomingFrame;
 use crate::channel::mpt::{
     connect_lanes, LaneListener, MptChannel, MptDescriptor, MptError, MptOptions,

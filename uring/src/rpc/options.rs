@@ -58,7 +58,7 @@ pub struct RpcOptions {
     pub mpt_lanes: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
     /// `basic` channel) even where `cma`, `xth` or `mpt` was negotiated. Default
-    /// [`DEFAULT_MIN_CHANNEL_BYTES`](crate::rpc::channels::DEFAULT_MIN_CHANNEL_BYTES).
+    /// [`DEFAULT_MIN_CHANNEL_BYTES`](crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES).
     pub min_channel_bytes: u64,
     /// Per destination worker: where this worker's tensors land there.
     pub device_maps: DeviceMaps,
@@ -165,7 +165,7 @@ impl Default for RpcOptions {
             transport_plugins: Vec::new(),
             device_plugins: Vec::new(),
             channels: None,
-            min_channel_bytes: crate::rpc::channels::DEFAULT_MIN_CHANNEL_BYTES,
+            min_channel_bytes: crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES,
             mpt_lanes: crate::rpc::DEFAULT_MPT_LANES,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),

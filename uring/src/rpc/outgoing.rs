@@ -9,14 +9,14 @@ use std::sync::Arc;
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
 
-use super::channels::{
-    add_device_tensor, add_tensor, lends_device_memory, ChannelBytes, FrameExports,
-};
 use super::counters::Counters;
 use super::device::Devices;
 use super::error::CallError;
 use super::message::{Message, Tensor};
 use super::registry::Registry;
+use super::tensors::{
+    add_device_tensor, add_tensor, lends_device_memory, ChannelBytes, FrameExports,
+};
 use super::transport::OwnedFrame;
 
 /// What building a frame reads and counts: the group's device maps, the device

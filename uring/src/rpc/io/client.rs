@@ -9,10 +9,10 @@ use rdzv_core::rpc::frame::{FrameLimits, Handshake};
 
 use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
-use crate::rpc::channels::cpu_channel;
 use crate::rpc::error::CallError;
 use crate::rpc::lane::Lane;
 use crate::rpc::mpt::{self, MptLanes};
+use crate::rpc::tensors::cpu_channel;
 use crate::rpc::transport::{
     address_for, BlockingHalves, FrameReceiver, FrameSender, NotBlocking, Transport,
 };

@@ -10,13 +10,13 @@ use rdzv_core::rpc::pipe::{Refusal, Transmit};
 
 use super::{Lane, Machine, SendFailure, Shared};
 use crate::rpc::calls::Pending;
-use crate::rpc::channels::{FrameExports, Streamed};
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::Message;
 use crate::rpc::mpt::LanesError;
 use crate::rpc::outgoing::{response_frame, sent_bytes, tensor_frame};
 use crate::rpc::recycle;
+use crate::rpc::tensors::{FrameExports, Streamed};
 use crate::rpc::transport::OwnedFrame;
 
 impl Lane {

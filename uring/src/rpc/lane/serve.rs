@@ -11,11 +11,11 @@ use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
 
 use super::{Lane, Machine, Shared};
-use crate::rpc::channels::ReceivedTensors;
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::error::CallError;
 use crate::rpc::handler::{run_handler, CallContext};
 use crate::rpc::message::Message;
+use crate::rpc::tensors::ReceivedTensors;
 use crate::rpc::transport::IncomingFrame;
 
 /// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,

@@ -114,8 +114,8 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
         options.transports.as_deref(),
         options.channels.as_deref(),
         &here,
-        &crate::rpc::channels::RUNNABLE,
-        |kind| crate::rpc::channels::domain_descriptor(kind, &devices),
+        &crate::rpc::tensors::RUNNABLE,
+        |kind| crate::rpc::tensors::domain_descriptor(kind, &devices),
     )
     .map_err(rank_error)?;
     for refused in &offer.refused {
@@ -233,7 +233,7 @@ mod tests {
             names,
             Some(&basic[..]),
             &here,
-            &crate::rpc::channels::RUNNABLE,
+            &crate::rpc::tensors::RUNNABLE,
             Ok::<_, String>,
         )
         .map(|offer| offer.transports)
@@ -250,7 +250,7 @@ mod tests {
             None,
             names,
             &here,
-            &crate::rpc::channels::RUNNABLE,
+            &crate::rpc::tensors::RUNNABLE,
             viability,
         )
         .map(|offer| offer.channels)

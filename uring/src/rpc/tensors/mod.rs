@@ -1,5 +1,5 @@
-//! The agent's tensor channels: which channels this process can offer (with their domain
-//! descriptors), how an outgoing tensor becomes a frame entry (inline bytes, or a
+//! Tensors in frames: which of the agent's tensor channels this process can offer (with
+//! their domain descriptors), how an outgoing tensor becomes a frame entry (inline bytes, or a
 //! channel descriptor plus an export kept until the peer is done), and how a received
 //! frame's channel descriptors become tensors again (the pull).
 //!
