@@ -12,6 +12,9 @@
 //!   receiver's runtime put them on the target device (chunk by chunk as a cma pull
 //!   reads them, [`ChunkedIn`]; whole when they came inline or over mpt).
 //!
+//! The same holds for the value of a `remote()` call fetched with `to_here`: the owner
+//! answers the fetch as it does a reply, devices mapped alike.
+//!
 //! The real runtime is `rdzv_rdma::cuda::agent::CudaPlugin`, tested where a GPU is lent.
 //!
 //! The peer is this test binary re-run as a child with `RDZV_RPC_CUDA_CHILD` set;
@@ -27,6 +30,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
+use rdzv_core::rpc::name::WorkerId;
 use rdzv_uring::rpc::{
     init_rpc, CallContext, CallError, DeviceBuffer, DeviceError, DeviceLoan, DeviceMemory,
     DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PartBuffer,
@@ -93,6 +97,16 @@ static PIPES: Mutex<BTreeMap<String, Pipes>> = Mutex::new(BTreeMap::new());
 fn with_pipes<T>(store: &str, f: impl FnOnce(&mut Pipes) -> T) -> T {
     let mut all = PIPES.lock().unwrap_or_else(PoisonError::into_inner);
     f(all.entry(store.to_string()).or_default())
+}
+
+/// Per store URL: the bytes the runtimes of that test's agent borrowed (copied from
+/// the peer's loans).
+static BORROWED: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+/// The bytes the runtimes of the agents of store `store` borrowed so far.
+fn borrowed_bytes(store: &str) -> u64 {
+    let all = BORROWED.lock().unwrap_or_else(PoisonError::into_inner);
+    all.get(store).copied().unwrap_or(0)
 }
 
 /// A CUDA runtime with `gpus` devices of host memory, for an agent of store `store`.
@@ -185,6 +199,11 @@ impl DeviceRuntime for HostCuda {
                 bytes.len()
             )));
         }
+        *BORROWED
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(self.store.clone())
+            .or_default() += len;
         self.copy_from_host(device, bytes)
     }
 
@@ -472,10 +491,40 @@ fn make_on_gpu(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(Message::default().with_tensor(Tensor::on_device(memory)))
 }
 
+/// The tensors of [`make_value`]'s answer: (device on the peer, length).
+const VALUE_TENSORS: [(Device, usize); 4] = [
+    (Device::cuda(0), 1000),
+    (Device::cuda(0), 64 << 20),
+    (Device::cpu(), 5),
+    (Device::cuda(1), (1 << 20) + 3),
+];
+
+/// Answers with the payload "value" and [`VALUE_TENSORS`], each `pattern(len, seed)`
+/// (the seed is the request's first byte): device tensors on both GPUs and a CPU one.
+fn make_value(_: &CallContext, m: Message) -> Result<Message, String> {
+    let seed = m.payload.first().copied().unwrap_or(0);
+    let tensors = VALUE_TENSORS
+        .iter()
+        .map(|&(device, len)| {
+            if device.is_cpu() {
+                Tensor::cpu(pattern(len, seed))
+            } else {
+                Tensor::on_device(gpu_tensor(device, pattern(len, seed)))
+            }
+        })
+        .collect();
+    Ok(Message {
+        payload: b"value".to_vec(),
+        tensors,
+        ..Message::default()
+    })
+}
+
 fn options(url: &str, channels: Option<&str>, gpus: u8) -> RpcOptions {
     let mut options = RpcOptions::new(url)
         .with_handler("inspect", inspect)
-        .with_handler("make_on_gpu", make_on_gpu);
+        .with_handler("make_on_gpu", make_on_gpu)
+        .with_handler("make_value", make_value);
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 2;
@@ -924,5 +973,129 @@ fn no_cuda_basic_on_the_peer_is_a_clear_error() {
     }
     let (seen, _) = round_trip(&agent, vec![Tensor::cpu(pattern(10, 1))], 1);
     assert_eq!(seen, "cpu 10");
+    finish(agent, child);
+}
+
+/// Three GPUs a side, the parent's cuda:0, cuda:1 and cuda:2 being the peer's cuda:1,
+/// cuda:2 and cuda:0: the reverse map (the peer's cuda:0 on the parent's cuda:2, its
+/// cuda:1 on cuda:0) differs from no map and from the parent's map itself, so an answer
+/// mapped either way would show.
+const GPUS_ROTATED: &[(Device, Device)] = &[
+    (Device::cuda(0), Device::cuda(1)),
+    (Device::cuda(1), Device::cuda(2)),
+    (Device::cuda(2), Device::cuda(0)),
+];
+
+/// The parent's setup for the `to_here` tests: [`GPUS_ROTATED`], `channels` on both.
+fn rotated(channels: Option<&str>) -> Setup<'_> {
+    Setup {
+        parent_gpus: 3,
+        child_gpus: 3,
+        map: GPUS_ROTATED,
+        ..two_gpus(channels)
+    }
+}
+
+/// How long an RRef's value or counts may take.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// Checks a [`make_value`] answer made with `seed`: its payload, and each tensor's
+/// bytes and device, that of the peer's mapped by the reverse of [`GPUS_ROTATED`].
+fn check_value(value: &Message, seed: u8, what: &str) {
+    assert_eq!(value.payload, b"value", "{what}");
+    let devices: Vec<Device> = value.tensors.iter().map(|t| t.device).collect();
+    let expected: Vec<Device> = VALUE_TENSORS
+        .iter()
+        .map(|&(device, _)| match device.index() {
+            Some(0) => Device::cuda(2),
+            Some(1) => Device::cuda(0),
+            _ => device,
+        })
+        .collect();
+    assert_eq!(devices, expected, "{what}: the devices");
+    for (i, (tensor, &(_, len))) in value.tensors.iter().zip(VALUE_TENSORS.iter()).enumerate() {
+        let bytes = bytes_of(tensor).unwrap_or_else(|e| panic!("{what}: tensor {i}: {e}"));
+        assert!(
+            bytes == pattern(len, seed),
+            "{what}: tensor {i} ({len} bytes on {}) came back different",
+            tensor.device
+        );
+    }
+}
+
+/// `remote()` of a handler whose value holds device tensors (1000 bytes and 64 MiB on
+/// the peer's cuda:0, 1 MiB + 3 on its cuda:1) and a CPU tensor: `to_here` returns the
+/// payload and the tensors, each on the device an `rpc_sync` reply of the same handler
+/// puts it (the reverse device map), byte for byte, twice (the owner keeps the value);
+/// once the RRef is dropped, the owner's counts go back to zero and no loan is left.
+fn to_here_of_device_tensors(agent: &RpcAgent, child: &Peer, seed: u8) {
+    let reply = agent
+        .rpc_sync("peer", "make_value", Message::from_payload([seed]))
+        .unwrap_or_else(|e| panic!("rpc_sync make_value: {e}"));
+    check_value(&reply, seed, "rpc_sync's reply");
+    let rref = agent
+        .remote("peer", "make_value", Message::from_payload([seed]))
+        .unwrap_or_else(|e| panic!("remote make_value: {e}"));
+    let value = rref
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here: {e}"));
+    let devices = |m: &Message| m.tensors.iter().map(|t| t.device).collect::<Vec<_>>();
+    assert_eq!(devices(&value), devices(&reply), "to_here and rpc_sync");
+    check_value(&value, seed, "to_here");
+    drop(value);
+    let again = rref
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here again: {e}"));
+    check_value(&again, seed, "the second to_here");
+    drop(again);
+    agent
+        .wait_until_owners_and_forks_on_rank(1, 1, WorkerId::from(1), PATIENCE)
+        .unwrap_or_else(|e| panic!("one user of one value on the peer: {e}"));
+    drop(rref);
+    for rank in [1, 0] {
+        agent
+            .wait_until_owners_and_forks_on_rank(0, 0, WorkerId::from(rank), PATIENCE)
+            .unwrap_or_else(|e| panic!("the RRef dropped, on rank {rank}: {e}"));
+    }
+    assert_loans_end(agent, child);
+}
+
+/// [`to_here_of_device_tensors`] over cuda_ipc: the owner lends the value's device
+/// memory as it does a reply's, and every loan ends.
+#[test]
+fn to_here_of_device_tensors_over_cuda_ipc() {
+    let setup = rotated(None);
+    let (agent, child, dir) = start("to_here_of_device_tensors_over_cuda_ipc", setup);
+    to_here_of_device_tensors(&agent, &child, 21);
+    // Every device tensor of the rpc_sync reply and of both to_here answers was lent by
+    // the peer and borrowed here.
+    let device_bytes: usize = VALUE_TENSORS
+        .iter()
+        .filter(|(device, _)| device.is_cuda())
+        .map(|&(_, len)| len)
+        .sum();
+    assert_eq!(
+        borrowed_bytes(&store_url(&dir)),
+        3 * device_bytes as u64,
+        "bytes borrowed over cuda_ipc"
+    );
+    finish(agent, child);
+}
+
+/// [`to_here_of_device_tensors`] over cuda_basic, the staged bytes carried by cma (or
+/// inline where cma is not viable).
+#[test]
+fn to_here_of_device_tensors_over_cuda_basic() {
+    let setup = rotated(Some("cma,basic,cuda_basic"));
+    let (agent, child, dir) = start("to_here_of_device_tensors_over_cuda_basic", setup);
+    to_here_of_device_tensors(&agent, &child, 22);
+    // Staged through host memory, nothing lent.
+    assert_eq!(borrowed_bytes(&store_url(&dir)), 0);
+    let carrier = agent.pipe_channel("peer");
+    if rdzv_uring::channel::cma::viability().is_ok() {
+        assert_eq!(carrier, Some(ChannelKind::Cma));
+    } else {
+        eprintln!("cma is not viable here; the staged bytes went over {carrier:?}");
+    }
     finish(agent, child);
 }
