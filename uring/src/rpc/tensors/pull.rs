@@ -412,71 +412,33 @@ impl ReceivedTensors {
             let tensor = match item {
                 Incoming::Ready(tensor) => tensor,
                 Incoming::Cma { device, descriptor } => {
-                    let failed = |reason: String| CallError::Channel {
-                        channel: ChannelKind::Cma.name(),
-                        peer: peer.clone(),
-                        reason,
-                    };
-                    let len = usize::try_from(descriptor.length)
-                        .map_err(|_| failed("the tensor does not fit in memory".into()))?;
                     let source = reader.cma_peer(&descriptor.process, &peer)?;
-                    let released = Released::default();
                     let read = |offset, part: &mut [u8]| {
-                        source.read_at(&descriptor, offset, part).map_err(|e| {
-                            released.note(matches!(e, CmaError::BadAddress { .. }));
-                            e.to_string()
-                        })
+                        source
+                            .read_at(&descriptor, offset, part)
+                            .map_err(|e| (matches!(e, CmaError::BadAddress { .. }), e.to_string()))
                     };
-                    let index = tensors.len();
-                    if !device.is_cpu() {
-                        let memory = pull_staged(&devices, device, len, read).map_err(|e| {
-                            released.or(e.into_error(ChannelKind::Cma, index, &peer), &peer)
-                        })?;
-                        tensors.push(Tensor::on_device(memory));
-                        continue;
-                    }
-                    let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
-                    prefer_huge_pages(&mut data);
-                    read_in_slices(&mut data, read)
-                        .map_err(|reason| released.or(failed(reason), &peer))?;
-                    Tensor {
-                        device,
-                        data,
-                        memory: None,
-                    }
+                    let pull = Pull {
+                        devices: &devices,
+                        channel: ChannelKind::Cma,
+                        index: tensors.len(),
+                        peer: &peer,
+                    };
+                    pull.read(device, descriptor.length, read)?
                 }
                 Incoming::Xth { device, descriptor } => {
-                    let failed = |reason: String| CallError::Channel {
-                        channel: ChannelKind::Xth.name(),
-                        peer: peer.clone(),
-                        reason,
-                    };
-                    let len = usize::try_from(descriptor.length)
-                        .map_err(|_| failed("the tensor does not fit in memory".into()))?;
-                    let released = Released::default();
                     let read = |offset, part: &mut [u8]| {
                         xth::read_at(&descriptor, offset, part).map_err(|e| {
-                            released.note(matches!(e, XthError::UnknownTransfer { .. }));
-                            e.to_string()
+                            (matches!(e, XthError::UnknownTransfer { .. }), e.to_string())
                         })
                     };
-                    let index = tensors.len();
-                    if !device.is_cpu() {
-                        let memory = pull_staged(&devices, device, len, read).map_err(|e| {
-                            released.or(e.into_error(ChannelKind::Xth, index, &peer), &peer)
-                        })?;
-                        tensors.push(Tensor::on_device(memory));
-                        continue;
-                    }
-                    let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
-                    prefer_huge_pages(&mut data);
-                    read_in_slices(&mut data, read)
-                        .map_err(|reason| released.or(failed(reason), &peer))?;
-                    Tensor {
-                        device,
-                        data,
-                        memory: None,
-                    }
+                    let pull = Pull {
+                        devices: &devices,
+                        channel: ChannelKind::Xth,
+                        index: tensors.len(),
+                        peer: &peer,
+                    };
+                    pull.read(device, descriptor.length, read)?
                 }
                 Incoming::Lent {
                     device,
@@ -525,34 +487,70 @@ impl ReceivedTensors {
     }
 }
 
-/// Whether a read failed because the lender no longer holds the buffer (cma: its pages
-/// are unmapped, `EFAULT`; xth: the transfer is gone). A lender releases what it lent
-/// only after the ack, or when its pipe ends, so such a read overlapped the end of the
-/// pipe on the lender's side (a reset, a shutdown): the call failed with the pipe, not
-/// the channel, and the next call opens a new pipe.
-#[derive(Default)]
-struct Released(std::sync::atomic::AtomicBool);
+/// One tensor read from the peer over `channel` (cma or xth), into host memory or, for a
+/// device, chunk by chunk into its runtime's staging.
+struct Pull<'a> {
+    devices: &'a Devices,
+    channel: ChannelKind,
+    index: usize,
+    peer: &'a str,
+}
 
-impl Released {
-    fn note(&self, released: bool) {
-        if released {
-            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+impl Pull<'_> {
+    /// Reads `length` bytes for `device` with `read(offset, part)`, whose error says
+    /// whether the lender no longer holds the buffer (cma: its pages are unmapped,
+    /// `EFAULT`; xth: the transfer is gone). A lender releases what it lent only after
+    /// the ack, or when its pipe ends, so such a read overlapped the end of the pipe on
+    /// the lender's side (a reset, a shutdown): the call fails with the pipe
+    /// ([`CallError::PipeBroken`], retryable), not the channel.
+    fn read(
+        &self,
+        device: Device,
+        length: u64,
+        read: impl Fn(u64, &mut [u8]) -> Result<(), (bool, String)> + Sync,
+    ) -> Result<Tensor, CallError> {
+        let released = std::sync::atomic::AtomicBool::new(false);
+        let read = |offset, part: &mut [u8]| {
+            read(offset, part).map_err(|(gone, reason)| {
+                if gone {
+                    released.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                reason
+            })
+        };
+        let or_released = |error: CallError| {
+            if !released.load(std::sync::atomic::Ordering::Relaxed) {
+                return error;
+            }
+            CallError::PipeBroken {
+                peer: self.peer.to_string(),
+                reason: format!(
+                    "{} released a tensor it lent while it was read, which it does only when \
+                     its end of the pipe ends or is reset ({error})",
+                    self.peer
+                ),
+            }
+        };
+        let failed = |reason: String| CallError::Channel {
+            channel: self.channel.name(),
+            peer: self.peer.to_string(),
+            reason,
+        };
+        let len = usize::try_from(length)
+            .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+        if !device.is_cpu() {
+            let memory = pull_staged(self.devices, device, len, read)
+                .map_err(|e| or_released(e.into_error(self.channel, self.index, self.peer)))?;
+            return Ok(Tensor::on_device(memory));
         }
-    }
-
-    /// `error`, or a broken pipe saying the peer released the tensor (keeping `error`'s
-    /// text) when a read found it released.
-    fn or(&self, error: CallError, peer: &str) -> CallError {
-        if !self.0.load(std::sync::atomic::Ordering::Relaxed) {
-            return error;
-        }
-        CallError::PipeBroken {
-            peer: peer.to_string(),
-            reason: format!(
-                "{peer} released a tensor it lent while it was read, which it does only when \
-                 its end of the pipe ends or is reset ({error})"
-            ),
-        }
+        let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
+        prefer_huge_pages(&mut data);
+        read_in_slices(&mut data, read).map_err(|reason| or_released(failed(reason)))?;
+        Ok(Tensor {
+            device,
+            data,
+            memory: None,
+        })
     }
 }
 
