@@ -8,7 +8,11 @@
 //! - two processes: 200 echoes of one 64 MiB tensor over `cuda_ipc`, then over
 //!   `cuda_basic`, leave the GPU's free memory flat once the caches are warm;
 //! - two processes, both runtimes handing received tensors over with their copy still
-//!   running (`CudaOptions::pending_hand_over`): the sizes and the echoes over `cuda_ipc`.
+//!   running (`CudaOptions::pending_hand_over`): the sizes and the echoes over `cuda_ipc`;
+//! - two processes: `to_here` of an RRef whose value holds CUDA tensors (1000 B and
+//!   64 MiB) arrives as `rpc_sync`'s reply of the same handler does, twice, over
+//!   `cuda_ipc` and over `cuda_basic`, and the owner's counts go back to zero once the
+//!   RRef is dropped.
 //!
 //! Every test needs a GPU and prints `SKIPPED <test>: <reason>` without one (or panics
 //! when `RDZV_REQUIRE_CUDA=1`, as on a lent GPU machine). The agent's side of these
@@ -25,6 +29,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
+use rdzv_core::rpc::name::WorkerId;
 use rdzv_rdma::cuda::agent::{
     ConfiguredCudaPlugin, CudaMemory, CudaOptions, CudaPlugin, ENV_PENDING_HAND_OVER,
 };
@@ -86,8 +91,26 @@ fn check(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(m)
 }
 
+/// The sizes of the CUDA tensors [`make_value`] answers with.
+const VALUE_SIZES: [usize; 2] = [1000, 64 << 20];
+
+/// Answers with the payload "value" and a tensor on cuda:0 of each of [`VALUE_SIZES`],
+/// `pattern(len, seed)` (the seed is the request's first byte).
+fn make_value(_: &CallContext, m: Message) -> Result<Message, String> {
+    let seed = m.payload.first().copied().unwrap_or(0);
+    let mut value = Message::from_payload(b"value".to_vec());
+    for len in VALUE_SIZES {
+        let memory = CudaMemory::upload(Device::cuda(0), &pattern(len, seed))
+            .map_err(|e| format!("upload of {len} bytes: {e}"))?;
+        value = value.with_tensor(Tensor::on_device(DeviceBuffer::new(memory)));
+    }
+    Ok(value)
+}
+
 fn options(url: &str, channels: Option<&str>) -> RpcOptions {
-    let mut options = RpcOptions::new(url).with_handler("check", check);
+    let mut options = RpcOptions::new(url)
+        .with_handler("check", check)
+        .with_handler("make_value", make_value);
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 2;
@@ -347,6 +370,94 @@ fn cuda_tensors_cross_two_processes_over_cuda_basic() {
         "cuda_tensors_cross_two_processes_over_cuda_basic",
         Some("cma,basic,cuda_basic"),
         |agent| round_trips(agent, carrier, Some(options("", None).min_channel_bytes)),
+    );
+}
+
+/// How long an RRef's value or counts may take.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Checks a [`make_value`] answer made with `seed`: its payload, and each tensor's
+/// device (the peer's cuda:0 mapped back to this cuda:0) and bytes on the device.
+fn check_value(value: &Message, seed: u8, what: &str) {
+    assert_eq!(value.payload, b"value", "{what}");
+    let devices: Vec<Device> = value.tensors.iter().map(|t| t.device).collect();
+    assert_eq!(
+        devices,
+        [Device::cuda(0); VALUE_SIZES.len()],
+        "{what}: the devices"
+    );
+    for (i, (tensor, &len)) in value.tensors.iter().zip(VALUE_SIZES.iter()).enumerate() {
+        let bytes = device_bytes(tensor).unwrap_or_else(|e| panic!("{what}: tensor {i}: {e}"));
+        assert!(
+            bytes == pattern(len, seed),
+            "{what}: tensor {i} ({len} bytes on {}) came back different",
+            tensor.device
+        );
+    }
+}
+
+/// `remote()` of [`make_value`] on the peer: `to_here` returns the payload and the CUDA
+/// tensors, each on the device an `rpc_sync` reply of the same handler puts it (the
+/// reverse device map), byte for byte, twice (the owner keeps the value); once the RRef
+/// is dropped, the counts go back to zero on both ranks.
+fn to_here_of_cuda_tensors(agent: &RpcAgent, seed: u8) {
+    let reply = agent
+        .rpc_sync("peer", "make_value", Message::from_payload(vec![seed]))
+        .unwrap_or_else(|e| panic!("rpc_sync make_value: {e}"));
+    check_value(&reply, seed, "rpc_sync's reply");
+    let rref = agent
+        .remote("peer", "make_value", Message::from_payload(vec![seed]))
+        .unwrap_or_else(|e| panic!("remote make_value: {e}"));
+    let started = Instant::now();
+    let value = rref
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here: {e}"));
+    println!("to_here of 1000 B + 64 MiB in {:?}", started.elapsed());
+    let devices = |m: &Message| m.tensors.iter().map(|t| t.device).collect::<Vec<_>>();
+    assert_eq!(devices(&value), devices(&reply), "to_here and rpc_sync");
+    check_value(&value, seed, "to_here");
+    drop(value);
+    let again = rref
+        .to_here(PATIENCE)
+        .unwrap_or_else(|e| panic!("to_here again: {e}"));
+    check_value(&again, seed, "the second to_here");
+    drop(again);
+    agent
+        .wait_until_owners_and_forks_on_rank(1, 1, WorkerId::from(1), PATIENCE)
+        .unwrap_or_else(|e| panic!("one user of one value on the peer: {e}"));
+    drop(rref);
+    for rank in [1, 0] {
+        agent
+            .wait_until_owners_and_forks_on_rank(0, 0, WorkerId::from(rank), PATIENCE)
+            .unwrap_or_else(|e| panic!("the RRef dropped, on rank {rank}: {e}"));
+    }
+}
+
+/// [`to_here_of_cuda_tensors`] over `cuda_ipc` (the default ranking): the owner lends
+/// the value's device memory as it does a reply's.
+#[test]
+fn to_here_of_cuda_tensors_over_cuda_ipc() {
+    two_processes("to_here_of_cuda_tensors_over_cuda_ipc", None, |agent| {
+        to_here_of_cuda_tensors(agent, 31);
+    });
+}
+
+/// [`to_here_of_cuda_tensors`] over `cuda_basic`, the staged bytes carried by cma (or
+/// inline where cma is not viable).
+#[test]
+fn to_here_of_cuda_tensors_over_cuda_basic() {
+    two_processes(
+        "to_here_of_cuda_tensors_over_cuda_basic",
+        Some("cma,basic,cuda_basic"),
+        |agent| {
+            to_here_of_cuda_tensors(agent, 32);
+            let carrier = agent.pipe_channel("peer");
+            if rdzv_uring::channel::cma::viability().is_ok() {
+                assert_eq!(carrier, Some(ChannelKind::Cma));
+            } else {
+                println!("cma is not viable here; the staged bytes went over {carrier:?}");
+            }
+        },
     );
 }
 
