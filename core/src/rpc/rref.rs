@@ -52,7 +52,9 @@
 //!   delete is the caller's last word on the call: the caller's own fork (the one fork
 //!   whose id, like its RRef's, was made by the worker sending the delete) arrives after
 //!   the call on the same ordered wire, so if the call has not arrived by then it never
-//!   will, and an early slot waiting for it is released (it counts as called). This is
+//!   will, and an early slot waiting for it is released (it counts as called; a slot a
+//!   fork makes only after that delete starts as called: the owner remembers the
+//!   abandoned call, up to [`MAX_ABANDONED_CALLS`]). This is
 //!   best effort, as in PyTorch: a call still queued behind a pipe that was opening when
 //!   it failed can reach the owner after the delete, and its slot then stays until the
 //!   owner's graceful shutdown reports it.
@@ -529,7 +531,17 @@ pub struct RRefContext {
     sends: BTreeMap<(ControlKind, ForkId), Pending>,
     events: VecDeque<RRefEvent>,
     transmits: VecDeque<Transmit>,
+    /// RRefs owned here whose caller's own `USER_DELETE` arrived before anything made
+    /// their slot: their `RemoteCall` never will, so a slot that a fork makes later
+    /// starts as called (at most [`MAX_ABANDONED_CALLS`], the oldest ids forgotten first).
+    abandoned_calls: BTreeSet<RRefId>,
 }
+
+/// How many [`RRefContext`] remembers of the calls their callers gave up on before any
+/// fork reached the owner (a failed `remote()` leaves one until a fork of it arrives or
+/// the context is released). Forgetting one only risks that a fork still in flight
+/// then keeps its slot until the graceful shutdown reports it.
+pub const MAX_ABANDONED_CALLS: usize = 4096;
 
 impl RRefContext {
     /// The context of worker `me`.
@@ -545,6 +557,7 @@ impl RRefContext {
             sends: BTreeMap::new(),
             events: VecDeque::new(),
             transmits: VecDeque::new(),
+            abandoned_calls: BTreeSet::new(),
         }
     }
 
@@ -753,11 +766,13 @@ impl RRefContext {
             return Err(RRefError::ForkToSelf { rref: data.rref });
         }
         if data.owner == self.me {
-            // The phantom fork: not counted; the parent's hold is released at once.
-            let slot = self.owners.entry(data.rref).or_insert(OwnerRRef {
+            // The phantom fork: not counted; the parent's hold is released at once. A
+            // slot made here before its call counts as called if the caller gave up.
+            let abandoned = &mut self.abandoned_calls;
+            let slot = self.owners.entry(data.rref).or_insert_with(|| OwnerRRef {
                 value: ValueState::Pending,
                 local_handles: 0,
-                called: false,
+                called: abandoned.remove(&data.rref),
             });
             slot.local_handles = slot.local_handles.saturating_add(1);
             self.send_control(
@@ -833,6 +848,7 @@ impl RRefContext {
     pub fn handle_message(&mut self, now: Instant, from: WorkerId, message: RRefMessage) {
         match message {
             RRefMessage::RemoteCall { rref, fork } => {
+                self.abandoned_calls.remove(&rref);
                 self.owners
                     .entry(rref)
                     .or_insert(OwnerRRef {
@@ -872,6 +888,11 @@ impl RRefContext {
                         if Self::is_callers_fork(from, rref, fork) {
                             if let Some(slot) = self.owners.get_mut(&rref) {
                                 slot.called = true;
+                            } else if self.abandoned_calls.insert(rref)
+                                && self.abandoned_calls.len() > MAX_ABANDONED_CALLS
+                            {
+                                // No slot yet: a fork of it may still be on its way here.
+                                self.abandoned_calls.pop_first();
                             }
                         }
                         // delForkOfOwner
@@ -1061,6 +1082,7 @@ impl RRefContext {
     /// `num_owner_rrefs` is 0 and the machine is settled again (the owners have answered
     /// every `USER_DELETE` and received those of the other workers).
     pub fn release_all(&mut self, now: Instant) -> usize {
+        self.abandoned_calls.clear();
         let forks: alloc::vec::Vec<ForkId> = self.users.keys().copied().collect();
         let mut kept = 0;
         for fork in forks {

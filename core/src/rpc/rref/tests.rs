@@ -59,6 +59,9 @@ struct Model {
     sends: BTreeSet<(WorkerId, ControlKind, ForkId)>,
     /// Every RRef whose slot went live, and whether it was deleted.
     values: BTreeMap<RRefId, bool>,
+    /// (owner, rref): the caller's own delete arrived before any slot: the call never
+    /// will, so a slot a fork makes later is live at once.
+    abandoned: BTreeSet<(WorkerId, RRefId)>,
 }
 
 fn options() -> RetryOptions {
@@ -189,11 +192,14 @@ impl Net {
                     .expect("a fork delivered once");
                 self.held[idx(to)].push(h);
                 if h.is_owner() {
-                    let s = self
-                        .model
-                        .slots
-                        .entry((to, data.rref))
-                        .or_insert((false, 0));
+                    let m = &mut self.model;
+                    let s = m.slots.entry((to, data.rref)).or_insert_with(|| {
+                        let called = m.abandoned.remove(&(to, data.rref));
+                        if called {
+                            m.values.entry(data.rref).or_insert(false);
+                        }
+                        (called, 0)
+                    });
                     s.1 += 1;
                 } else {
                     self.model.users.insert(
@@ -215,6 +221,7 @@ impl Net {
         let m = &mut self.model;
         match message {
             RRefMessage::RemoteCall { rref, fork } => {
+                m.abandoned.remove(&(to, rref));
                 let s = m.slots.entry((to, rref)).or_insert((false, 0));
                 s.0 = true;
                 m.values.entry(rref).or_insert(false);
@@ -235,9 +242,13 @@ impl Net {
                 ControlKind::UserDelete => {
                     // The caller's own delete: its call has arrived, or never will.
                     let callers = rref.created_on == from && fork.created_on == from;
-                    if let Some(s) = m.slots.get_mut(&(to, rref)).filter(|_| callers) {
-                        s.0 = true;
-                        m.values.entry(rref).or_insert(false);
+                    if callers {
+                        if let Some(s) = m.slots.get_mut(&(to, rref)) {
+                            s.0 = true;
+                            m.values.entry(rref).or_insert(false);
+                        } else {
+                            m.abandoned.insert((to, rref));
+                        }
                     }
                     if let Some(set) = m.forks.get_mut(&(to, rref)) {
                         set.remove(&fork);
