@@ -113,18 +113,13 @@ impl fmt::Display for ViabilityReport {
     }
 }
 
-/// Displays an error followed by each of its sources, joined with `": "`.
+/// Displays an error followed by each of its sources, joined with `": "` (the agent's one
+/// `error_chain`: a source whose text is already there is not repeated).
 pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
+        f.write_str(&rdzv_uring::rpc::error_chain(self.0))
     }
 }
 

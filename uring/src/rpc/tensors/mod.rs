@@ -70,16 +70,7 @@ pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 
 /// The channels the RPC agent runs, in `ChannelKind::ALL` order (the lending CUDA
 /// channels when a device runtime runs them: [`super::device`]).
-pub(crate) const RUNNABLE: [ChannelKind; 8] = [
-    ChannelKind::Xth,
-    ChannelKind::Cma,
-    ChannelKind::Mpt,
-    ChannelKind::Basic,
-    ChannelKind::CudaXth,
-    ChannelKind::CudaIpc,
-    ChannelKind::CudaGdr,
-    ChannelKind::CudaBasic,
-];
+pub(crate) const RUNNABLE: [ChannelKind; ChannelKind::COUNT] = ChannelKind::ALL;
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
 /// use it (the connector chooses how many lanes to open).
