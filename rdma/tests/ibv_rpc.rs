@@ -10,7 +10,7 @@
 
 mod verbs_env;
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::TransportKind;
@@ -59,7 +59,7 @@ fn options(url: &str) -> RpcOptions {
     options.num_worker_threads = 2;
     options.rpc_timeout = Duration::from_secs(120);
     options.transports = Some(vec!["ibv".into(), "tcp".into()]);
-    options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
+    options.transport_plugins = vec![IbvPlugin::default().into()];
     options
 }
 

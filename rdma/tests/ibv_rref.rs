@@ -124,7 +124,7 @@ fn options(url: &str) -> RpcOptions {
     options.num_worker_threads = 4;
     options.rpc_timeout = PATIENCE;
     options.transports = Some(vec!["ibv".into(), "tcp".into()]);
-    options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
+    options.transport_plugins = vec![IbvPlugin::default().into()];
     options
 }
 

@@ -1,5 +1,5 @@
-//! The `ibv` transport behind the agent's seam, without the agent: a listener and a
-//! connection on one `LocalExecutor` (as the agent runs them), frames of every size
+//! The `ibv` transport behind the agent's seam, without the agent: accepted and
+//! connected on one `LocalExecutor` (as the agent runs them), frames of every size
 //! byte for byte, both peers sending 8 MiB at each other at once (a large write must not
 //! stop reads), more frames than the ring has credit for, and the end of the stream in
 //! each direction; a queue pair forced into the error state under frames in flight,
@@ -11,7 +11,6 @@
 
 mod verbs_env;
 
-use std::future::Future;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::sync::Arc;
@@ -24,7 +23,7 @@ use rdzv_rdma::ibv::channel::{ChannelOptions, IbvChannel};
 use rdzv_rdma::ibv::transport::framing::{split_frame, SEPARATE_MIN};
 use rdzv_rdma::ibv::transport::{parse_address, queue_pair_abort, IbvTransport, SCHEME};
 use rdzv_uring::rpc::transport::{
-    FrameReceiver, IncomingFrame, LocalExecutor, OwnedFrame, Transport,
+    Connection, FrameReceiver, FrameSender, IncomingFrame, LocalExecutor, OwnedFrame, Transport,
 };
 
 /// How long a failure may take to reach a pending receive or send: the link notices a
@@ -56,10 +55,9 @@ fn frame(id: u64, payload: usize, tensors: &[usize]) -> OwnedFrame {
     }
 }
 
-async fn expect_frame(rx: &mut Box<dyn FrameReceiver>, want: &OwnedFrame) {
+fn expect_frame(rx: &mut Box<dyn FrameReceiver>, want: &OwnedFrame) {
     let got = rx
         .recv(FrameLimits::DEFAULT)
-        .await
         .unwrap_or_else(|e| panic!("receiving frame {}: {e}", want.message_id))
         .unwrap_or_else(|| panic!("the stream ended before frame {}", want.message_id));
     check_frame(&got, want);
@@ -105,10 +103,32 @@ fn watchdog() -> std::sync::mpsc::Sender<&'static str> {
 }
 
 /// Runs `f` on the executor the agent runs the seam's futures on.
-fn run<T>(f: impl Future<Output = T>) -> T {
+fn run<T>(f: impl std::future::Future<Output = T>) -> T {
     LocalExecutor::new()
         .map(|executor| executor.run(f))
         .unwrap_or_else(|e| panic!("executor: {e}"))
+}
+
+/// Listens, then connects to itself: (the connecting side, the accepting side).
+fn pair(transport: &mut IbvTransport) -> (Connection, Connection) {
+    let address = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+    assert!(address.starts_with(SCHEME), "{address}");
+    let transport = &*transport;
+    run(async move {
+        let (client, server) =
+            futures_lite::future::zip(transport.connect(&address), transport.accept()).await;
+        (
+            client.unwrap_or_else(|e| panic!("connect: {e}")),
+            server.unwrap_or_else(|e| panic!("accept: {e}")),
+        )
+    })
+}
+
+/// Sends `frame` (queued for the link's thread: it does not wait for the peer).
+fn send(tx: &mut Box<dyn FrameSender>, frame: &OwnedFrame) -> u64 {
+    tx.send_owned(frame.clone())
+        .unwrap_or_else(|e| panic!("sending frame {}: {e}", frame.message_id))
+        .0
 }
 
 #[test]
@@ -124,91 +144,79 @@ fn frames_cross_the_ibv_seam_both_ways() {
             .with_writer(std::io::stdout)
             .try_init();
     }
-    run(async move {
-        let transport = IbvTransport::with_selection(
-            IpAddr::V4(Ipv4Addr::LOCALHOST),
-            selection,
-            // A small ring: credits run out and the ring wraps.
-            ChannelOptions {
-                ring_len: 4096,
-                recv_slots: 8,
-                ..ChannelOptions::default()
-            },
-        );
-        assert_eq!(transport.kind(), TransportKind::Ibv);
-        assert!(transport.domain_descriptor().starts_with("ibv:"));
-        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
-        let address = listener.address().to_string();
-        assert!(address.starts_with(SCHEME), "{address}");
-        let _ = phase.send("connect");
-        let (client, server) =
-            futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
-        let (mut a_tx, mut a_rx) = client.unwrap_or_else(|e| panic!("connect: {e}")).split();
-        let (mut b_tx, mut b_rx) = server.unwrap_or_else(|e| panic!("accept: {e}")).split();
+    let mut transport = IbvTransport::with_selection(
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        selection,
+        // A small ring: credits run out and the ring wraps.
+        ChannelOptions {
+            ring_len: 4096,
+            recv_slots: 8,
+            ..ChannelOptions::default()
+        },
+    );
+    assert_eq!(transport.kind(), TransportKind::Ibv);
+    assert!(transport.domain_descriptor().starts_with("ibv:"));
+    let _ = phase.send("connect");
+    let (a, b) = pair(&mut transport);
+    let (mut a_tx, mut a_rx, mut b_tx, mut b_rx) = (a.sender, a.receiver, b.sender, b.receiver);
 
-        // Every size class, one direction.
-        let frames = [
-            frame(1, 0, &[]),
-            frame(2, 1, &[0, 1]),
-            frame(3, 20_000, &[3000, 1 << 20]),
-            frame(4, 5, &[8 << 20]),
-        ];
-        let _ = phase.send("one direction");
-        for f in &frames {
-            let sent = a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(sent, f.encoded_len() as u64);
-        }
-        for f in &frames {
-            expect_frame(&mut b_rx, f).await;
-        }
+    // Every size class, one direction.
+    let frames = [
+        frame(1, 0, &[]),
+        frame(2, 1, &[0, 1]),
+        frame(3, 20_000, &[3000, 1 << 20]),
+        frame(4, 5, &[8 << 20]),
+    ];
+    let _ = phase.send("one direction");
+    for f in &frames {
+        assert_eq!(send(&mut a_tx, f), f.encoded_len() as u64);
+    }
+    for f in &frames {
+        expect_frame(&mut b_rx, f);
+    }
 
-        let _ = phase.send("both directions");
-        // Both sides send 8 MiB and many small frames at once, then read.
-        let big_a = frame(10, 0, &[8 << 20]);
-        let big_b = frame(20, 0, &[8 << 20]);
-        let small: Vec<OwnedFrame> = (100..140).map(|id| frame(id, 700, &[900])).collect();
-        for f in std::iter::once(&big_a).chain(&small) {
-            a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
-        }
-        for f in std::iter::once(&big_b).chain(&small) {
-            b_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
-        }
-        for f in std::iter::once(&big_a).chain(&small) {
-            expect_frame(&mut b_rx, f).await;
-        }
-        for f in std::iter::once(&big_b).chain(&small) {
-            expect_frame(&mut a_rx, f).await;
-        }
+    let _ = phase.send("both directions");
+    // Both sides send 8 MiB and many small frames at once, then read.
+    let big_a = frame(10, 0, &[8 << 20]);
+    let big_b = frame(20, 0, &[8 << 20]);
+    let small: Vec<OwnedFrame> = (100..140).map(|id| frame(id, 700, &[900])).collect();
+    for f in std::iter::once(&big_a).chain(&small) {
+        send(&mut a_tx, f);
+    }
+    for f in std::iter::once(&big_b).chain(&small) {
+        send(&mut b_tx, f);
+    }
+    for f in std::iter::once(&big_a).chain(&small) {
+        expect_frame(&mut b_rx, f);
+    }
+    for f in std::iter::once(&big_b).chain(&small) {
+        expect_frame(&mut a_rx, f);
+    }
 
-        let _ = phase.send("ends");
-        // The end of one direction; the other still works; then the other ends.
-        a_tx.close().await;
-        assert!(matches!(b_rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
-        assert!(matches!(b_rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
-        let last = frame(30, 3, &[40_000]);
-        b_tx.send(last.clone())
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        expect_frame(&mut a_rx, &last).await;
-        // Limits apply before a frame is accepted.
-        b_tx.send(frame(31, 0, &[16]))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(a_rx.recv(FrameLimits::HANDSHAKE).await.is_err());
-        let _ = phase.send("second end");
-        b_tx.close().await;
-        drop((a_tx, a_rx, b_tx, b_rx));
-        let _ = phase.send("refused connection");
+    let _ = phase.send("ends");
+    // The end of one direction (the sender dropped); the other still works; then the
+    // other ends.
+    drop(a_tx);
+    assert!(matches!(b_rx.recv(FrameLimits::DEFAULT), Ok(None)));
+    assert!(matches!(b_rx.recv(FrameLimits::DEFAULT), Ok(None)));
+    let last = frame(30, 3, &[40_000]);
+    send(&mut b_tx, &last);
+    expect_frame(&mut a_rx, &last);
+    // Limits apply before a frame is accepted.
+    send(&mut b_tx, &frame(31, 0, &[16]));
+    assert!(a_rx.recv(FrameLimits::HANDSHAKE).is_err());
+    let _ = phase.send("second end");
+    drop((a_rx, b_tx, b_rx));
+    let _ = phase.send("refused connection");
 
-        // Connecting to a port nobody listens on fails with the address.
-        let dead = format!("{SCHEME}127.0.0.1:1");
-        let failed = transport.connect(&dead).await.err().map(|e| e.to_string());
-        assert!(
-            failed.as_deref().is_some_and(|t| t.contains("127.0.0.1:1")),
-            "{failed:?}"
-        );
-        let _ = phase.send("done");
-    });
+    // Connecting to a port nobody listens on fails with the address.
+    let dead = format!("{SCHEME}127.0.0.1:1");
+    let failed = run(transport.connect(&dead)).err().map(|e| e.to_string());
+    assert!(
+        failed.as_deref().is_some_and(|t| t.contains("127.0.0.1:1")),
+        "{failed:?}"
+    );
+    let _ = phase.send("done");
 }
 
 #[test]
@@ -218,99 +226,88 @@ fn a_queue_pair_forced_into_error_fails_pending_frames() {
         return;
     };
     let phase = watchdog();
-    run(async move {
-        let transport = IbvTransport::with_selection(
-            IpAddr::V4(Ipv4Addr::LOCALHOST),
-            selection,
-            ChannelOptions::default(),
-        );
-        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
-        let address = listener.address().to_string();
-        let _ = phase.send("connect");
-        let (client, server) =
-            futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
-        let (mut a_tx, a_rx) = client.unwrap_or_else(|e| panic!("connect: {e}")).split();
-        let (mut b_tx, mut b_rx) = server.unwrap_or_else(|e| panic!("accept: {e}")).split();
-        let Ok((mut a_rx, abort)) = queue_pair_abort(a_rx) else {
-            panic!("the receiving half of an ibv connection is not an ibv one")
-        };
+    let mut transport = IbvTransport::with_selection(
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        selection,
+        ChannelOptions::default(),
+    );
+    let _ = phase.send("connect");
+    let (a, b) = pair(&mut transport);
+    let (mut a_tx, mut a_rx, mut b_tx, mut b_rx) = (a.sender, a.receiver, b.sender, b.receiver);
+    let Some(abort) = queue_pair_abort(&*a_rx) else {
+        panic!("the receiving half of an ibv connection is not an ibv one")
+    };
 
-        let _ = phase.send("both ways");
-        let request = frame(1, 10, &[100, 64 << 10]);
-        a_tx.send(request.clone())
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        expect_frame(&mut b_rx, &request).await;
-        let reply = frame(2, 10, &[]);
-        b_tx.send(reply.clone())
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        expect_frame(&mut a_rx, &reply).await;
+    let _ = phase.send("both ways");
+    let request = frame(1, 10, &[100, 64 << 10]);
+    send(&mut a_tx, &request);
+    expect_frame(&mut b_rx, &request);
+    let reply = frame(2, 10, &[]);
+    send(&mut b_tx, &reply);
+    expect_frame(&mut a_rx, &reply);
 
-        let _ = phase.send("in flight");
-        // Requests with zero-copy tensors that the peer has not read (or not all),
-        // while A waits for a reply that never comes: its queue pair fails meanwhile.
-        let requests: Vec<OwnedFrame> = (10..14).map(|id| frame(id, 64, &[4 << 20])).collect();
-        for f in &requests {
-            a_tx.send(f.clone()).await.unwrap_or_else(|e| panic!("{e}"));
-        }
-        let started = Instant::now();
-        let (pending, ()) = futures_lite::future::zip(a_rx.recv(FrameLimits::DEFAULT), async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            abort.abort();
-        })
-        .await;
-        let a_took = started.elapsed();
-        let a_err = match pending {
-            Err(e) => e.to_string(),
-            Ok(got) => panic!("A's pending receive gave {got:?} instead of failing"),
-        };
-        println!("aborted side, after {a_took:?}: {a_err}");
-        assert!(a_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_err}");
-        assert!(
-            a_took < PROMPT,
-            "A's pending receive failed after {a_took:?}"
-        );
-        // Later sends fail at once, with the same status.
-        let sent = a_tx.send(frame(20, 1, &[])).await;
-        let a_send_err = sent.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(a_send_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_send_err:?}");
-
-        let _ = phase.send("peer");
-        // The peer: the frames that arrived whole are intact, then its pipe fails (it is
-        // not a graceful end), without waiting for any timer of the agent.
-        let started = Instant::now();
-        let mut intact = 0;
-        let b_err = loop {
-            match b_rx.recv(FrameLimits::DEFAULT).await {
-                Ok(Some(got)) => {
-                    let want = requests
-                        .get(intact)
-                        .unwrap_or_else(|| panic!("frame {} was never sent", got.message_id));
-                    check_frame(&got, want);
-                    intact += 1;
-                }
-                Ok(None) => panic!("the peer saw a graceful end after {intact} frames"),
-                Err(e) => break e.to_string(),
-            }
-        };
-        let b_took = started.elapsed();
-        println!("peer, after {b_took:?} and {intact} whole frames: {b_err}");
-        assert!(
-            b_took < PROMPT,
-            "the peer's receive failed after {b_took:?}"
-        );
-        assert!(b_tx.send(frame(21, 1, &[])).await.is_err());
-
-        let _ = phase.send("close");
-        // Closing and dropping the failed halves returns at once.
-        let started = Instant::now();
-        a_tx.close().await;
-        b_tx.close().await;
-        drop((a_tx, a_rx, b_tx, b_rx));
-        assert!(started.elapsed() < PROMPT);
-        let _ = phase.send("done");
+    let _ = phase.send("in flight");
+    // Requests with zero-copy tensors that the peer has not read (or not all), while A
+    // waits for a reply that never comes: its queue pair fails meanwhile.
+    let requests: Vec<OwnedFrame> = (10..14).map(|id| frame(id, 64, &[4 << 20])).collect();
+    for f in &requests {
+        send(&mut a_tx, f);
+    }
+    let started = Instant::now();
+    let aborting = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        abort.abort();
     });
+    let pending = a_rx.recv(FrameLimits::DEFAULT);
+    let a_took = started.elapsed();
+    let _ = aborting.join();
+    let a_err = match pending {
+        Err(e) => e.to_string(),
+        Ok(got) => panic!("A's pending receive gave {got:?} instead of failing"),
+    };
+    println!("aborted side, after {a_took:?}: {a_err}");
+    assert!(a_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_err}");
+    assert!(
+        a_took < PROMPT,
+        "A's pending receive failed after {a_took:?}"
+    );
+    // Later sends fail at once, with the same status.
+    let sent = a_tx.send(&frame(20, 1, &[]));
+    let a_send_err = sent.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(a_send_err.contains("IBV_WC_WR_FLUSH_ERR"), "{a_send_err:?}");
+
+    let _ = phase.send("peer");
+    // The peer: the frames that arrived whole are intact, then its pipe fails (it is not
+    // a graceful end), without waiting for any timer of the agent.
+    let started = Instant::now();
+    let mut intact = 0;
+    let b_err = loop {
+        match b_rx.recv(FrameLimits::DEFAULT) {
+            Ok(Some(got)) => {
+                let want = requests
+                    .get(intact)
+                    .unwrap_or_else(|| panic!("frame {} was never sent", got.message_id));
+                check_frame(&got, want);
+                intact += 1;
+            }
+            Ok(None) => panic!("the peer saw a graceful end after {intact} frames"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    let b_took = started.elapsed();
+    println!("peer, after {b_took:?} and {intact} whole frames: {b_err}");
+    assert!(
+        b_took < PROMPT,
+        "the peer's receive failed after {b_took:?}"
+    );
+    assert!(b_tx.send(&frame(21, 1, &[])).is_err());
+
+    let _ = phase.send("close");
+    // Dropping the failed halves returns at once.
+    let started = Instant::now();
+    drop((a_tx, a_rx, b_tx, b_rx, a.control, b.control));
+    assert!(started.elapsed() < PROMPT);
+    let _ = phase.send("done");
 }
 
 #[test]
@@ -320,15 +317,14 @@ fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
         return;
     };
     let phase = watchdog();
-    run(async move {
-        let transport = IbvTransport::with_selection(
-            IpAddr::V4(Ipv4Addr::LOCALHOST),
-            selection.clone(),
-            ChannelOptions::default(),
-        );
-        let listener = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
-        let addr =
-            parse_address(listener.address()).unwrap_or_else(|e| panic!("listener address: {e}"));
+    let mut transport = IbvTransport::with_selection(
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        selection.clone(),
+        ChannelOptions::default(),
+    );
+    let address = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
+    let addr = parse_address(&address).unwrap_or_else(|e| panic!("listener address: {e}"));
+    {
         let announced = 2 * SEPARATE_MIN;
         let claimed = 1usize << 20;
         let _ = phase.send("hostile peer");
@@ -351,14 +347,10 @@ fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
             let mut buf = [0u8; 16];
             let _ = stream.read(&mut buf);
         });
-        let server = listener
-            .accept()
-            .await
-            .unwrap_or_else(|e| panic!("accept: {e}"));
-        let (_tx, mut rx) = server.split();
+        let mut server = run(transport.accept()).unwrap_or_else(|e| panic!("accept: {e}"));
         let _ = phase.send("refusal");
         let started = Instant::now();
-        let refused = match rx.recv(FrameLimits::DEFAULT).await {
+        let refused = match server.receiver.recv(FrameLimits::DEFAULT) {
             Err(e) => e.to_string(),
             Ok(got) => panic!("the hostile frame gave {got:?}"),
         };
@@ -376,5 +368,5 @@ fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
             .join()
             .unwrap_or_else(|_| panic!("the hostile peer's thread panicked"));
         let _ = phase.send("done");
-    });
+    }
 }

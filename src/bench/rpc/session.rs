@@ -243,7 +243,7 @@ pub(super) fn agent_options(
     options.rpc_timeout = RPC_TIMEOUT;
     options.transports = Some(vec![pair.transport.name().to_string()]);
     options.channels = pair.channel.option();
-    options.transport_plugins = vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())];
+    options.transport_plugins = vec![rdzv_rdma::ibv::transport::IbvPlugin::default().into()];
     options.device_plugins = vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];
     options
 }

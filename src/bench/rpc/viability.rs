@@ -50,9 +50,7 @@ pub(super) fn agent_runs(transport: TransportKind, channels: Channels) -> Result
     options.transports = Some(vec![transport.name().to_string()]);
     options.channels = channels.option();
     options.listen_host = Some([127, 0, 0, 1].into());
-    options.transport_plugins = vec![std::sync::Arc::new(
-        rdzv_rdma::ibv::transport::IbvPlugin::default(),
-    )];
+    options.transport_plugins = vec![rdzv_rdma::ibv::transport::IbvPlugin::default().into()];
     // The CUDA channels need the CUDA runtime: without a GPU it does not open, and the
     // agent says so.
     options.device_plugins = vec![std::sync::Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)];

@@ -40,12 +40,12 @@ impl Caller for Shared {
     ) -> Result<Message, CallError> {
         let (future, lane) = start(self, to, handler, message, timeout);
         match lane {
-            // On a polled lane (shm) the caller reads its reply itself for a while.
-            Some(lane) if lane.is_polled() => {
+            // On a lane the caller reads its reply itself for a while.
+            Some(lane) => {
                 lane.read_own_reply(self, future.completion(), self.wait_spin);
                 future.wait_sleeping()
             }
-            _ => future.wait(),
+            None => future.wait(),
         }
     }
 

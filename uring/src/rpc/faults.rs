@@ -17,7 +17,7 @@ use rdzv_core::rpc::frame::FrameKind;
 
 use super::error::TransportError;
 use super::options::FaultInjection;
-use super::transport::{BlockingSender, OwnedFrame};
+use super::transport::{FrameSender, OwnedFrame};
 
 /// A worker's fault injection: what to inject, and how many sends of each failing
 /// handler failed so far (shared by all its lanes).
@@ -63,10 +63,7 @@ impl Faults {
     }
 
     /// Wraps `sender` so that its requests suffer these faults.
-    pub(crate) fn wrap(
-        self: &Arc<Self>,
-        sender: Box<dyn BlockingSender>,
-    ) -> Box<dyn BlockingSender> {
+    pub(crate) fn wrap(self: &Arc<Self>, sender: Box<dyn FrameSender>) -> Box<dyn FrameSender> {
         Box::new(FaultySender {
             inner: sender,
             faults: Arc::clone(self),
@@ -83,7 +80,7 @@ fn names(name: &str, handler: &str) -> bool {
 
 /// A blocking sender whose requests suffer [`Faults`].
 struct FaultySender {
-    inner: Box<dyn BlockingSender>,
+    inner: Box<dyn FrameSender>,
     faults: Arc<Faults>,
 }
 
@@ -105,7 +102,7 @@ impl FaultySender {
     }
 }
 
-impl BlockingSender for FaultySender {
+impl FrameSender for FaultySender {
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
         self.inject(frame)?;
         self.inner.send(frame)
@@ -127,7 +124,7 @@ mod tests {
     /// Counts what reaches the wrapped sender.
     struct Counting(Arc<Mutex<Vec<(FrameKind, String)>>>);
 
-    impl BlockingSender for Counting {
+    impl FrameSender for Counting {
         fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
             self.0
                 .lock()

@@ -6,9 +6,12 @@
 //! this worker's responses out. This thread runs what comes before either carries a
 //! call: it accepts connections ([`inbound`]), connects ([`client`]), runs the
 //! hello/answer handshake (over the bootstrap transport, then again over the negotiated
-//! one: the upgrade) and opens a client pipe's mpt lanes; then it hands both halves of
-//! the connection to a lane ([`super::lane`]), whose threads carry every frame after
-//! that, driven by the core's pipe machine (`rdzv_core::rpc::pipe`). Calls made while
+//! one: the upgrade) and opens a client pipe's mpt lanes; then it hands the connection
+//! to a lane ([`super::lane`]), whose threads carry every frame after that, driven by
+//! the core's pipe machine (`rdzv_core::rpc::pipe`). Connections come from the
+//! transports already served by threads: a handshake's frames are small and go out at
+//! once, and the wait for the peer's runs on a thread of its own (bounded by
+//! [`HANDSHAKE_TIMEOUT`], and stopped when the agent closes). Calls made while
 //! their pipe opens wait here (their deadline runs in the call table from the start),
 //! and go out on the lane once it exists. A pipe that fails to open fails its calls; the
 //! next call to that peer opens a new one (PyTorch never re-creates a pipe).
@@ -24,7 +27,6 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdzv_core::negotiate::Negotiated;
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, EncodeError, FrameError, FrameLimits, Handshake,
@@ -38,7 +40,8 @@ use super::lane::Shared;
 use super::lane::{self, Job};
 use super::mailbox::{Call, Command};
 use super::message::{Completion, Message};
-use super::transport::{IncomingFrame, Listener, OwnedFrame, Transport};
+use super::transport::{recv_within, Connection, Control, IncomingFrame, OwnedFrame, Transport};
+use crate::queue::on_thread;
 
 mod client;
 mod inbound;
@@ -63,6 +66,9 @@ struct IoState {
     /// Client pipes being opened, by destination name (open ones are lanes).
     opening: HashMap<String, Opening>,
     next_pipe: u64,
+    /// The connections whose handshake frame a thread waits for, stopped at close.
+    handshaking: HashMap<u64, Arc<dyn Control>>,
+    next_handshake: u64,
 }
 
 pub(crate) struct Io {
@@ -80,14 +86,14 @@ pub(crate) struct Io {
 
 /// How long a graceful close waits for the lanes' goodbyes to go out.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
+/// How long a pipe waits for the peer's handshake frame (hello or answer).
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Io {
-    /// Runs the I/O side until a [`Command::Close`]; `listeners` (one per transport) are
-    /// already bound.
+    /// Runs the I/O side until a [`Command::Close`]; every transport is listening.
     pub(super) async fn run(
         shared: Arc<Shared>,
         transports: Vec<Box<dyn Transport>>,
-        listeners: Vec<Box<dyn Listener>>,
         jobs: Sender<Job>,
     ) {
         let io = Rc::new(Io {
@@ -98,8 +104,8 @@ impl Io {
             next_task: Cell::new(0),
             state: RefCell::new(IoState::default()),
         });
-        for listener in listeners {
-            io.spawn(Rc::clone(&io).accept_loop(listener));
+        for index in 0..io.transports.len() {
+            io.spawn(Rc::clone(&io).accept_loop(index));
         }
         loop {
             let commands = io.shared.mailbox.pop_all().await;
@@ -308,8 +314,16 @@ impl Io {
         for lane in &lanes {
             lane.stop();
         }
-        // The calls of pipes still opening are in `pending`, failed below.
-        self.state.borrow_mut().opening.clear();
+        // The calls of pipes still opening are in `pending`, failed below; handshakes
+        // waiting on threads end.
+        let handshaking: Vec<Arc<dyn Control>> = {
+            let mut state = self.state.borrow_mut();
+            state.opening.clear();
+            state.handshaking.drain().map(|(_, c)| c).collect()
+        };
+        for control in handshaking {
+            control.stop();
+        }
         for pending in pending {
             self.fail_pending(pending, self.shut_down_error());
         }
@@ -328,13 +342,46 @@ impl Io {
     }
 }
 
-/// Why a pipe over a transport that cannot hand its connection to threads is refused.
-fn unthreaded(negotiated: &Negotiated) -> String {
-    format!(
-        "the {} transport cannot serve a pipe from threads (FrameSender::into_blocking), \
-         which every RPC pipe needs",
-        negotiated.transport
-    )
+impl Io {
+    /// Waits on a thread of its own for the next frame of `connection` (a handshake
+    /// frame, under the handshake limits) for up to [`HANDSHAKE_TIMEOUT`]; `None` when
+    /// the peer closed it. The agent's close stops the wait.
+    async fn receive_handshake(
+        &self,
+        mut connection: Connection,
+    ) -> Result<(Connection, Option<IncomingFrame>), HandshakeWaitError> {
+        let id = {
+            let mut state = self.state.borrow_mut();
+            let id = state.next_handshake;
+            state.next_handshake += 1;
+            state
+                .handshaking
+                .insert(id, Arc::clone(&connection.control));
+            id
+        };
+        let received = on_thread("rdzv-rpc-handshake", move || {
+            let frame = recv_within(&mut connection, FrameLimits::HANDSHAKE, HANDSHAKE_TIMEOUT);
+            (connection, frame)
+        })
+        .await;
+        self.state.borrow_mut().handshaking.remove(&id);
+        match received {
+            Ok((connection, Ok(frame))) => Ok((connection, frame)),
+            Ok((_, Err(e))) => Err(HandshakeWaitError::Receive(e)),
+            Err(e) => Err(HandshakeWaitError::Thread(e)),
+        }
+    }
+}
+
+/// Why no handshake frame came.
+#[derive(Debug, thiserror::Error)]
+enum HandshakeWaitError {
+    /// Receiving failed (or timed out).
+    #[error("{0}")]
+    Receive(#[source] super::error::TransportError),
+    /// The thread that waits could not run.
+    #[error("cannot run the handshake's thread: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Why a handshake frame could not be made or read.

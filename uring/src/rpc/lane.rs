@@ -1,15 +1,13 @@
 //! Pipes served by threads ("lanes"): the fast path of a call.
 //!
-//! Once a pipe's handshake is done on the I/O executor, its transport hands its halves
-//! over ([`FrameSender::into_blocking`](super::transport::FrameSender::into_blocking):
-//! tcp over a duplicated socket, shm's rings, ibv's queues to its link thread) and the
-//! pipe becomes a lane:
+//! Once a pipe's handshake is done, its connection ([`Connection`]: tcp's blocking socket,
+//! shm's rings, ibv's queues to its link thread) becomes a lane:
 //!
 //! * a caller's thread encodes and sends its own request under the lane's send lock:
 //!   no hand-off to the I/O thread and no wake-up of it;
 //! * a caller waiting in `rpc_sync` then reads the lane itself (a non-blocking `recv`,
 //!   or the shm ring) for `RpcOptions::wait_spin`, while the lane's reader thread sleeps
-//!   in `poll(2)` without holding the receiver ([`Wake`]); the reply then costs no
+//!   on its [`Control`] without holding the receiver; the reply then costs no
 //!   thread wake-up at all;
 //! * the reader thread receives everything else: on a client lane it completes the
 //!   calls replies answer (async calls, and sync ones past their spin); on an inbound
@@ -60,9 +58,7 @@ use super::error::TransportError;
 use super::message::mark_io_thread;
 use super::mpt::{LanesError, MptLanes, LANES_TIMEOUT};
 use super::tensors::{cpu_channel, FrameExports, PipeReader};
-use super::transport::{
-    BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, StopConnection, Wake,
-};
+use super::transport::{Connection, Control, FrameReceiver, FrameSender, IncomingFrame};
 
 mod receive;
 mod send;
@@ -83,13 +79,13 @@ pub(crate) struct Lane {
     pub id: u64,
     pub peer: String,
     pub negotiated: Negotiated,
-    sender: Mutex<Box<dyn BlockingSender>>,
-    /// The receiving half: held by the reader thread while it receives, and, on a
-    /// polled lane (`wake`), by a caller reading its own reply while the reader sleeps.
-    receiver: Mutex<Box<dyn BlockingReceiver>>,
-    /// How the reader thread of a polled lane sleeps without holding `receiver`.
-    wake: Option<Arc<dyn Wake>>,
-    stop: Arc<dyn StopConnection>,
+    sender: Mutex<Box<dyn FrameSender>>,
+    /// The receiving half: held by the reader thread while it receives, and by a
+    /// caller reading its own reply while the reader sleeps.
+    receiver: Mutex<Box<dyn FrameReceiver>>,
+    /// How the reader thread sleeps without holding `receiver`, is woken, and how the
+    /// connection is stopped.
+    control: Arc<dyn Control>,
     /// Where the peer's out-of-band tensors are read from.
     reader: Arc<PipeReader>,
     /// The worker's device runtimes (mpt reads device tensors' stripes into them).
@@ -196,23 +192,22 @@ impl Lane {
         id: u64,
         peer: String,
         negotiated: Negotiated,
-        halves: BlockingHalves,
+        connection: Connection,
         (role, devices): (Role, Devices),
     ) -> Arc<Lane> {
-        let BlockingHalves {
+        let Connection {
             sender,
             receiver,
-            stop,
-            wake,
-        } = halves;
+            control,
+            ..
+        } = connection;
         Arc::new(Lane {
             id,
             peer,
             negotiated,
             sender: Mutex::new(sender),
             receiver: Mutex::new(receiver),
-            wake,
-            stop,
+            control,
             reader: Arc::new(PipeReader::default()),
             devices,
             machine: Mutex::new(match role {
@@ -247,12 +242,7 @@ impl Lane {
         })
     }
 
-    /// Whether a waiting caller can read this lane itself.
-    pub(crate) fn is_polled(&self) -> bool {
-        self.wake.is_some()
-    }
-
-    fn receiver(&self) -> MutexGuard<'_, Box<dyn BlockingReceiver>> {
+    fn receiver(&self) -> MutexGuard<'_, Box<dyn FrameReceiver>> {
         self.receiver.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -279,18 +269,18 @@ impl Lane {
         id: u64,
         peer: String,
         negotiated: Negotiated,
-        halves: BlockingHalves,
+        connection: Connection,
         mpt: Option<MptLanes>,
     ) -> Option<Arc<Lane>> {
-        let mut halves = halves;
+        let mut connection = connection;
         if let Some(faults) = &shared.faults {
-            halves.sender = faults.wrap(halves.sender);
+            connection.sender = faults.wrap(connection.sender);
         }
         let lane = Lane::new(
             id,
             peer,
             negotiated,
-            halves,
+            connection,
             (Role::Connector, shared.devices.clone()),
         );
         if let Some(mpt) = mpt {
@@ -314,7 +304,7 @@ impl Lane {
         id: u64,
         peer: (String, WorkerId),
         negotiated: Negotiated,
-        halves: BlockingHalves,
+        connection: Connection,
         jobs: Sender<Job>,
         mpt_token: Option<u64>,
     ) {
@@ -323,7 +313,7 @@ impl Lane {
             id,
             name,
             negotiated,
-            halves,
+            connection,
             (Role::Listener, shared.devices.clone()),
         );
         let registered = Arc::clone(&lane);
@@ -372,7 +362,7 @@ impl Lane {
         {
             let mut lanes = lanes(shared);
             if lanes.closed {
-                lane.stop.stop();
+                lane.control.stop();
                 return false;
             }
             register(&mut lanes);
@@ -396,7 +386,7 @@ impl Lane {
 
     /// Ends the connection; the reader thread sees it and cleans up.
     pub(crate) fn stop(&self) {
-        self.stop.stop();
+        self.control.stop();
         if let Some(mpt) = self.mpt.get() {
             mpt.shutdown();
         }

@@ -15,7 +15,7 @@
 //! |---|---|---|
 //! | memory | [`error`], `recycle`, [`device`] | errors by what the caller can do ([`InitError`], [`CallError`], [`ShutdownError`], [`UsageError`]); recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | calls | [`message`], [`rref`], [`client`], [`handler`] | messages and futures; the application's [`RRef`], which reaches the RRef runtime through the `RRefRuntime` seam; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
-//! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam (see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp` on tokio's sockets for the handshake and on blocking sockets for lanes; `shm` rings |
+//! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam, four traits (an endpoint, a connection's sender, receiver and control; see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp`, connected by tokio, then blocking sockets; `shm` rings |
 //! | tensors | [`tensors`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
 //! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
@@ -29,7 +29,8 @@
 //! pipe completes the other calls and runs [`Inline`] handlers; a call whose pipe is
 //! not open yet goes through a mailbox to the I/O thread (a current-thread tokio
 //! runtime on epoll: the agent needs no io_uring), which accepts, connects and
-//! handshakes. One timer thread
+//! handshakes (each handshake's wait for the peer's frame on a short-lived thread).
+//! One timer thread
 //! fails calls past their deadline; `num_worker_threads` threads run handlers and send
 //! their responses.
 //!

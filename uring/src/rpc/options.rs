@@ -35,9 +35,9 @@ pub struct RpcOptions {
     /// plugin.
     pub transports: Option<Vec<String>>,
     /// Transports implemented outside this crate, e.g. `rdzv_rdma`'s ibv:
-    /// `vec![Arc::new(rdzv_rdma::ibv::transport::IbvPlugin::default())]`. A plugin that is
+    /// `vec![rdzv_rdma::ibv::transport::IbvPlugin::default().into()]`. A plugin that is
     /// not viable here is left out with its reason logged. Default: none.
-    pub transport_plugins: Vec<Arc<dyn TransportPlugin>>,
+    pub transport_plugins: Vec<TransportPlugin>,
     /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
     /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
     /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_xth`,

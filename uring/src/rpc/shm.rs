@@ -1,13 +1,9 @@
 //! The `shm` transport behind the seam: [`crate::transport::shm`]'s blocking
-//! connections, each half driven by a thread of its own that hands frames to and from
-//! the agent's executor through a queue (`adapter`).
+//! connections, served by threads from the start (`blocking`).
 //!
-//! - A listener runs one accept thread (the shm bootstrap, memfds over `SCM_RIGHTS`,
-//!   happens there) and queues the connections for [`Listener::accept`].
-//! - A connection's halves are each served by an adapter thread during the handshake
-//!   (`adapter`); a message must be exactly one frame (`decode`).
-//! - Once the pipe's handshake is done, [`FrameSender::into_blocking`] takes both halves
-//!   back from their threads and the agent serves the pipe as a lane (`blocking`).
+//! - Listening runs one accept thread (the shm bootstrap, memfds over `SCM_RIGHTS`,
+//!   happens there) and queues the connections for [`Transport::accept`].
+//! - A message is exactly one frame (`decode`).
 //!
 //! Addresses are `shm://@<abstract name>` (or `shm://<socket path>`). The domain
 //! descriptor is [`viability`]'s `shm:<boot_id>_<netns>`: two workers negotiate shm only
@@ -24,34 +20,27 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 
 use super::error::TransportError;
-use super::transport::{
-    Connection, FrameReceiver, FrameSender, Listener, LocalBoxFuture, Transport,
-};
+use super::transport::{Connection, LocalBoxFuture, Transport};
 use crate::queue::{on_thread, Queue};
 use crate::transport::shm::{
     viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
 };
 
-mod adapter;
 mod blocking;
 mod decode;
 
-use adapter::{ShmFrameReceiver, ShmFrameSender};
-
 /// The scheme of shm addresses.
 pub const SCHEME: &str = "shm://";
-/// How many received messages wait for the agent before the receiving thread stops
-/// reading (the peer then waits for room in its ring).
-const RECEIVE_QUEUE: usize = 64;
-/// How often a blocked receiving thread checks whether its half was dropped, handed back
-/// or stopped.
+/// How often a blocked receiving thread checks whether its pipe was stopped.
 const RECEIVE_POLL: Duration = Duration::from_millis(10);
 
 /// Shared memory between processes on one host.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ShmTransport {
     descriptor: String,
     options: ShmOptions,
+    /// Once [`Transport::listen`] ran.
+    listening: Option<Listening>,
 }
 
 impl ShmTransport {
@@ -73,6 +62,7 @@ impl ShmTransport {
         Ok(ShmTransport {
             descriptor,
             options,
+            listening: None,
         })
     }
 }
@@ -114,7 +104,7 @@ impl Transport for ShmTransport {
         &self.descriptor
     }
 
-    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+    fn listen(&mut self) -> Result<String, TransportError> {
         let listener = ShmListener::bind_unnamed(self.options.clone()).map_err(|e| {
             TransportError::Listen {
                 address: "an unnamed shm socket".into(),
@@ -134,17 +124,45 @@ impl Transport for ShmTransport {
                 address: address.clone(),
                 source,
             })?;
-        Ok(Box::new(ShmTransportListener {
+        self.listening = Some(Listening {
             listener,
             queue,
-            address,
-        }))
+            address: address.clone(),
+        });
+        Ok(address)
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
+        Box::pin(async move {
+            let Some(listening) = &self.listening else {
+                return Err(TransportError::Accept {
+                    address: "shm".into(),
+                    source: std::io::Error::other("the transport is not listening"),
+                });
+            };
+            let accept_error = |source| TransportError::Accept {
+                address: listening.address.clone(),
+                source,
+            };
+            match listening.queue.pop().await {
+                Some(Ok(connection)) => {
+                    let peer = connection
+                        .peer_pid()
+                        .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
+                    blocking::connection(connection, peer)
+                }
+                Some(Err(e)) => Err(accept_error(shm_io(e))),
+                None => Err(accept_error(std::io::Error::other(
+                    "the listener is closed",
+                ))),
+            }
+        })
     }
 
     fn connect<'a>(
         &'a self,
         address: &'a str,
-    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+    ) -> LocalBoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let addr = parse_address(address)?;
             let options = self.options.clone();
@@ -158,7 +176,7 @@ impl Transport for ShmTransport {
             .await
             .map_err(connect_error)?;
             match connected {
-                Ok(connection) => Ok(ShmPipe::boxed(connection, address.to_string())),
+                Ok(connection) => blocking::connection(connection, address.to_string()),
                 Err(e) => Err(connect_error(shm_io(e))),
             }
         })
@@ -194,40 +212,15 @@ fn accept_thread(
     }
 }
 
-struct ShmTransportListener {
+/// A listening shm transport: its socket, the accept thread's queue, its address.
+#[derive(Debug)]
+struct Listening {
     listener: Arc<ShmListener>,
     queue: Arc<Queue<Result<ShmConnection, ShmError>>>,
     address: String,
 }
 
-impl Listener for ShmTransportListener {
-    fn address(&self) -> &str {
-        &self.address
-    }
-
-    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
-        Box::pin(async move {
-            let accept_error = |source| TransportError::Accept {
-                address: self.address.clone(),
-                source,
-            };
-            match self.queue.pop().await {
-                Some(Ok(connection)) => {
-                    let peer = connection
-                        .peer_pid()
-                        .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
-                    Ok(ShmPipe::boxed(connection, peer))
-                }
-                Some(Err(e)) => Err(accept_error(shm_io(e))),
-                None => Err(accept_error(std::io::Error::other(
-                    "the listener is closed",
-                ))),
-            }
-        })
-    }
-}
-
-impl Drop for ShmTransportListener {
+impl Drop for Listening {
     fn drop(&mut self) {
         self.queue.close();
         // Wakes the accept thread: accept on a shut-down socket fails at once.
@@ -237,37 +230,10 @@ impl Drop for ShmTransportListener {
     }
 }
 
-struct ShmPipe {
-    connection: ShmConnection,
-    peer: String,
-}
-
-impl ShmPipe {
-    fn boxed(connection: ShmConnection, peer: String) -> Box<dyn Connection> {
-        Box::new(ShmPipe { connection, peer })
-    }
-}
-
-impl Connection for ShmPipe {
-    fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
-        let ShmPipe { connection, peer } = *self;
-        let (sender, receiver) = connection.split();
-        let peer: Arc<str> = Arc::from(peer.as_str());
-        (
-            Box::new(ShmFrameSender::start(sender, Arc::clone(&peer))),
-            Box::new(ShmFrameReceiver::start(receiver, peer)),
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rpc::transport::{LocalExecutor, OwnedFrame};
+    use crate::rpc::transport::{IncomingFrame, LocalExecutor, OwnedFrame};
     use decode::IN_PLACE_MIN;
     use rdzv_core::device::Device;
     use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
@@ -309,79 +275,121 @@ mod tests {
             .unwrap_or_else(|e| panic!("executor: {e}"))
     }
 
-    #[test]
-    fn frames_cross_the_seam_both_ways_and_the_end_is_seen() {
-        let outcome = run(async {
-            let transport = ShmTransport::new().map_err(|e| e.to_string())?;
+    /// A connected pair, accepted and connected on the executor.
+    fn pair() -> Result<(Connection, Connection), String> {
+        run(async {
+            let mut transport = ShmTransport::new().map_err(|e| e.to_string())?;
             assert_eq!(transport.kind(), TransportKind::Shm);
             assert!(transport.domain_descriptor().starts_with("shm:"));
-            let listener = transport.listen().map_err(|e| e.to_string())?;
-            let address = listener.address().to_string();
+            let address = transport.listen().map_err(|e| e.to_string())?;
             assert!(address.starts_with(SCHEME), "{address}");
             let (client, server) =
-                futures_lite::future::zip(transport.connect(&address), listener.accept()).await;
-            let (mut tx, mut client_rx) = client.map_err(|e| e.to_string())?.split();
-            let (mut server_tx, mut rx) = server.map_err(|e| e.to_string())?.split();
-            for (id, len) in [(1u64, 0usize), (2, 1), (3, 1 << 20), (4, 5 << 20)] {
+                futures_lite::future::zip(transport.connect(&address), transport.accept()).await;
+            Ok((
+                client.map_err(|e| e.to_string())?,
+                server.map_err(|e| e.to_string())?,
+            ))
+        })
+    }
+
+    fn expect(got: Result<Option<IncomingFrame>, TransportError>) -> IncomingFrame {
+        match got {
+            Ok(Some(frame)) => frame,
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn frames_cross_the_seam_both_ways_and_the_end_is_seen() {
+        let (mut client, mut server) = pair().unwrap_or_else(|e| panic!("{e}"));
+        let sizes = [(1u64, 0usize), (2, 1), (3, 1 << 20), (4, 5 << 20)];
+        // Several tensors, the largest (moved in place) in the middle.
+        let parts = [
+            vec![1u8, 2, 3],
+            vec![9u8; IN_PLACE_MIN + 5],
+            Vec::new(),
+            vec![4u8; 70_000],
+        ];
+        let mut many = OwnedFrame::empty(FrameKind::Request, 6);
+        for part in &parts {
+            many.tensors.push(TensorDescriptor::inline(
+                Device::cpu(),
+                Device::cpu(),
+                part.len() as u64,
+            ));
+            many.tensor_data.push(part.clone().into());
+        }
+        let sending = std::thread::spawn(move || {
+            let mut sent = Vec::new();
+            for (id, len) in sizes {
                 let frame = tensor_frame(id, len);
-                let sent = tx.send(frame.clone()).await.map_err(|e| e.to_string())?;
-                assert_eq!(sent, frame.encoded_len() as u64);
-                let got = rx
-                    .recv(FrameLimits::DEFAULT)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or("early end")?;
-                assert_eq!(got.message_id, id);
-                assert_eq!(got.handler, "echo");
-                assert_eq!(got.payload, b"payload".to_vec());
-                assert_eq!(got.wire_len, sent);
-                let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
-                let sent: Vec<u8> = frame.tensor_data.iter().flat_map(|d| d.to_vec()).collect();
-                assert!(data == sent, "tensor {id} differs");
+                sent.push(client.sender.send(&frame).map_err(|e| e.to_string())?);
             }
-            // Several tensors, the largest (moved in place) in the middle.
-            let parts = [
-                vec![1u8, 2, 3],
-                vec![9u8; IN_PLACE_MIN + 5],
-                Vec::new(),
-                vec![4u8; 70_000],
-            ];
-            let mut many = OwnedFrame::empty(FrameKind::Request, 6);
-            for part in &parts {
-                many.tensors.push(TensorDescriptor::inline(
-                    Device::cpu(),
-                    Device::cpu(),
-                    part.len() as u64,
-                ));
-                many.tensor_data.push(part.clone().into());
-            }
-            tx.send(many).await.map_err(|e| e.to_string())?;
-            let got = rx
-                .recv(FrameLimits::DEFAULT)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("early end")?;
-            let datas: Vec<Vec<u8>> = got.tensors.into_iter().map(|t| t.1).collect();
-            assert!(datas == parts, "tensors differ");
-            server_tx
-                .send(OwnedFrame::empty(FrameKind::Goodbye, 0))
-                .await
-                .map_err(|e| e.to_string())?;
-            let goodbye = client_rx.recv(FrameLimits::DEFAULT).await;
-            assert!(matches!(goodbye, Ok(Some(f)) if f.kind == FrameKind::Goodbye));
-            // Limits apply: a request is too big for the handshake limits.
-            tx.send(tensor_frame(5, 16))
-                .await
-                .map_err(|e| e.to_string())?;
-            assert!(rx.recv(FrameLimits::HANDSHAKE).await.is_err());
-            tx.close().await;
-            drop(tx);
-            // The end of the stream, after which the receiver stays ended.
-            assert!(matches!(rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
-            assert!(matches!(rx.recv(FrameLimits::DEFAULT).await, Ok(None)));
-            Ok::<(), String>(())
+            client.sender.send(&many).map_err(|e| e.to_string())?;
+            Ok::<_, String>((client, sent))
         });
-        assert_eq!(outcome, Ok(()));
+        let mut wire = Vec::new();
+        for (id, len) in sizes {
+            let got = expect(server.receiver.recv(FrameLimits::DEFAULT));
+            assert_eq!(got.message_id, id);
+            assert_eq!(got.handler, "echo");
+            assert_eq!(got.payload, b"payload".to_vec());
+            wire.push(got.wire_len);
+            let data = got.tensors.first().map(|t| t.1.clone()).unwrap_or_default();
+            let want: Vec<u8> = tensor_frame(id, len)
+                .tensor_data
+                .iter()
+                .flat_map(|d| d.to_vec())
+                .collect();
+            assert!(data == want, "tensor {id} differs");
+        }
+        let got = expect(server.receiver.recv(FrameLimits::DEFAULT));
+        let datas: Vec<Vec<u8>> = got.tensors.into_iter().map(|t| t.1).collect();
+        assert!(datas == parts, "tensors differ");
+        let (mut client, sent) = sending
+            .join()
+            .unwrap_or_else(|_| Err("the sender panicked".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(wire, sent);
+        server
+            .sender
+            .send(&OwnedFrame::empty(FrameKind::Goodbye, 0))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let goodbye = crate::rpc::transport::recv_within(
+            &mut client,
+            FrameLimits::DEFAULT,
+            std::time::Duration::from_secs(10),
+        );
+        assert!(matches!(goodbye, Ok(Some(f)) if f.kind == FrameKind::Goodbye));
+        // Limits apply: a request is too big for the handshake limits.
+        client
+            .sender
+            .send(&tensor_frame(5, 16))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(server.receiver.recv(FrameLimits::HANDSHAKE).is_err());
+        // After an invalid frame the receiver stays ended.
+        assert!(matches!(
+            server.receiver.recv(FrameLimits::DEFAULT),
+            Ok(None)
+        ));
+    }
+
+    #[test]
+    fn a_dropped_sender_or_a_stop_ends_the_stream() {
+        let (client, mut server) = pair().unwrap_or_else(|e| panic!("{e}"));
+        drop(client.sender);
+        assert!(matches!(
+            server.receiver.recv(FrameLimits::DEFAULT),
+            Ok(None)
+        ));
+        let (mut client, server) = pair().unwrap_or_else(|e| panic!("{e}"));
+        server.control.stop();
+        let end = crate::rpc::transport::recv_within(
+            &mut client,
+            FrameLimits::DEFAULT,
+            std::time::Duration::from_secs(10),
+        );
+        assert!(matches!(end, Ok(None)), "{end:?}");
     }
 
     #[test]

@@ -1,34 +1,24 @@
 //! The `tcp` transport: `TCP_NODELAY` sockets whose frames are the core's frame format,
 //! whose fixed header is the length header.
 //!
-//! A pipe's handshake runs on the agent's I/O executor, over tokio's sockets (epoll, no
-//! io_uring); its lane then gets the same socket in blocking mode (`blocking`). Both
-//! use one framing code (`framing`: limits checked before anything is allocated, large
-//! inline tensors read straight into their own buffers, small frames coalesced into one
-//! write).
+//! tokio connects and accepts on the agent's handshake executor (epoll, no io_uring); the
+//! socket is then put in blocking mode and served by threads (`blocking`), the handshake
+//! as the lane after it, with one framing code (`framing`: limits checked before anything
+//! is allocated, large inline tensors read straight into their own buffers, small frames
+//! coalesced into one write).
 //!
 //! This module decides nothing about what frames mean.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
 
 use rdzv_core::negotiate::TransportKind;
-use rdzv_core::rpc::frame::FrameLimits;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_util::compat::{Compat, TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
 use super::error::TransportError;
-use super::recycle;
-use super::transport::{
-    Connection, FrameReceiver, FrameSender, IncomingFrame, IntoBlocking, Listener, LocalBoxFuture,
-    NotBlocking, OwnedFrame, Transport,
-};
+use super::transport::{Connection, LocalBoxFuture, Transport};
 
 mod blocking;
 mod framing;
-
-use framing::{TcpReceiver, TcpSender};
 
 /// The scheme of tcp addresses.
 pub const SCHEME: &str = "tcp://";
@@ -40,15 +30,20 @@ pub const COALESCE_LIMIT: usize = 64 * 1024;
 const BACKLOG: i32 = 1024;
 
 /// TCP, listening on one host address.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct TcpTransport {
     host: IpAddr,
+    /// Once [`Transport::listen`] ran: the socket and its address.
+    listening: Option<(TcpListener, String)>,
 }
 
 impl TcpTransport {
     /// A transport that listens on `host` (port chosen by the kernel).
     pub fn new(host: IpAddr) -> TcpTransport {
-        TcpTransport { host }
+        TcpTransport {
+            host,
+            listening: None,
+        }
     }
 }
 
@@ -106,152 +101,50 @@ impl Transport for TcpTransport {
         DOMAIN_DESCRIPTOR
     }
 
-    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+    fn listen(&mut self) -> Result<String, TransportError> {
         let wanted = SocketAddr::new(self.host, 0);
         let listen_error = |source| TransportError::Listen {
             address: wanted.to_string(),
             source,
         };
         let listener = bind(wanted).map_err(listen_error)?;
-        let local = listener.local_addr().map_err(listen_error)?;
-        Ok(Box::new(TcpTransportListener {
-            listener,
-            address: format_address(local),
-        }))
+        let address = format_address(listener.local_addr().map_err(listen_error)?);
+        self.listening = Some((listener, address.clone()));
+        Ok(address)
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
+        Box::pin(async move {
+            let Some((listener, address)) = &self.listening else {
+                return Err(TransportError::Accept {
+                    address: format!("{SCHEME}{}:?", self.host),
+                    source: std::io::Error::other("the transport is not listening"),
+                });
+            };
+            let accept_error = |source| TransportError::Accept {
+                address: address.clone(),
+                source,
+            };
+            let (stream, peer) = listener.accept().await.map_err(accept_error)?;
+            let stream = stream.into_std().map_err(accept_error)?;
+            blocking::connection(stream, format_address(peer))
+        })
     }
 
     fn connect<'a>(
         &'a self,
         address: &'a str,
-    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+    ) -> LocalBoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let addr = parse_address(address)?;
-            let stream =
-                TcpStream::connect(addr)
-                    .await
-                    .map_err(|source| TransportError::Connect {
-                        address: address.to_string(),
-                        source,
-                    })?;
-            Ok(TcpConnection::boxed(stream, address.to_string()))
+            let connect_error = |source| TransportError::Connect {
+                address: address.to_string(),
+                source,
+            };
+            let stream = TcpStream::connect(addr).await.map_err(connect_error)?;
+            let stream = stream.into_std().map_err(connect_error)?;
+            blocking::connection(stream, address.to_string())
         })
-    }
-}
-
-struct TcpTransportListener {
-    listener: TcpListener,
-    address: String,
-}
-
-impl Listener for TcpTransportListener {
-    fn address(&self) -> &str {
-        &self.address
-    }
-
-    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
-        Box::pin(async move {
-            let (stream, peer) =
-                self.listener
-                    .accept()
-                    .await
-                    .map_err(|source| TransportError::Accept {
-                        address: self.address.clone(),
-                        source,
-                    })?;
-            Ok(TcpConnection::boxed(stream, format_address(peer)))
-        })
-    }
-}
-
-struct TcpConnection {
-    stream: TcpStream,
-    peer: String,
-}
-
-impl TcpConnection {
-    fn boxed(stream: TcpStream, peer: String) -> Box<dyn Connection> {
-        if let Err(e) = stream.set_nodelay(true) {
-            tracing::debug!(%peer, error = %e, "TCP_NODELAY failed");
-        }
-        Box::new(TcpConnection { stream, peer })
-    }
-}
-
-impl Connection for TcpConnection {
-    fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
-        let (read, write) = self.stream.into_split();
-        let peer: Arc<str> = Arc::from(self.peer.as_str());
-        (
-            Box::new(TcpSender {
-                write: write.compat_write(),
-                peer: Arc::clone(&peer),
-                scratch: Vec::new(),
-            }),
-            Box::new(TcpReceiver {
-                read: read.compat(),
-                peer,
-                buf: Vec::new(),
-                filled: 0,
-            }),
-        )
-    }
-}
-
-/// The executor's halves.
-type AsyncSender = TcpSender<Compat<OwnedWriteHalf>>;
-type AsyncReceiver = TcpReceiver<Compat<OwnedReadHalf>>;
-
-impl FrameSender for AsyncSender {
-    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async move {
-            let sent = self.send_frame(&frame).await;
-            recycle::give_all(frame.tensor_data);
-            sent
-        })
-    }
-
-    fn close(&mut self) -> LocalBoxFuture<'_, ()> {
-        Box::pin(async move {
-            use futures_lite::io::AsyncWriteExt;
-            if let Err(e) = self.write.close().await {
-                tracing::debug!(peer = %self.peer, error = %e, "closing a TCP pipe failed");
-            }
-        })
-    }
-
-    fn into_blocking(
-        self: Box<Self>,
-        receiver: Box<dyn FrameReceiver>,
-    ) -> LocalBoxFuture<'static, IntoBlocking> {
-        Box::pin(async move {
-            match receiver.into_any().downcast::<AsyncReceiver>() {
-                Ok(receiver) => {
-                    blocking::thread_halves(*self, *receiver).map_err(NotBlocking::Failed)
-                }
-                Err(_) => Err(NotBlocking::Failed(TransportError::Io {
-                    op: "take off the executor the pipe to",
-                    peer: self.peer.to_string(),
-                    source: std::io::Error::other("the halves belong to different transports"),
-                })),
-            }
-        })
-    }
-}
-
-impl FrameReceiver for AsyncReceiver {
-    fn recv(
-        &mut self,
-        limits: FrameLimits,
-    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
-        Box::pin(self.recv_frame(limits))
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
     }
 }
 
@@ -270,6 +163,9 @@ mod tests {
         assert!(parse_address("uv://127.0.0.1:1").is_err());
         assert!(parse_address("tcp://localhost").is_err());
     }
+
+    use crate::rpc::transport::{IncomingFrame, OwnedFrame, TryRecv};
+    use rdzv_core::rpc::frame::FrameLimits;
 
     fn tensor_frame(id: u64, len: usize) -> OwnedFrame {
         use rdzv_core::device::Device;
@@ -298,70 +194,84 @@ mod tests {
             && got.wire_len == want.encoded_len() as u64
     }
 
-    /// Frames on the executor (through the buffer and read directly), then the pipe
-    /// taken off it with a frame already buffered, which the blocking half delivers.
-    #[test]
-    fn frames_cross_on_the_executor_and_after_into_blocking() {
-        let executor =
-            crate::rpc::transport::LocalExecutor::new().unwrap_or_else(|e| panic!("{e}"));
-        let outcome = executor.run(async {
-            let transport = TcpTransport::new([127, 0, 0, 1].into());
-            let listener = transport.listen().map_err(|e| e.to_string())?;
+    /// A connected pair over loopback, accepted and connected on the executor.
+    pub(super) fn pair() -> Result<(Connection, Connection), String> {
+        let executor = crate::rpc::transport::LocalExecutor::new().map_err(|e| e.to_string())?;
+        executor.run(async {
+            let mut transport = TcpTransport::new([127, 0, 0, 1].into());
+            let address = transport.listen().map_err(|e| e.to_string())?;
             let (client, server) =
-                futures_lite::future::zip(transport.connect(listener.address()), listener.accept())
-                    .await;
-            let (mut tx, mut client_rx) = client.map_err(|e| e.to_string())?.split();
-            let (server_tx, mut rx) = server.map_err(|e| e.to_string())?.split();
-            for (id, len) in [(1u64, 0usize), (2, 100), (3, 3 << 20)] {
-                let frame = tensor_frame(id, len);
-                let sent = tx.send(frame.clone()).await.map_err(|e| e.to_string())?;
-                assert_eq!(sent, frame.encoded_len() as u64);
-                let got = rx
-                    .recv(FrameLimits::DEFAULT)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                assert!(got.is_some_and(|got| same(&got, &frame)), "frame {id}");
+                futures_lite::future::zip(transport.connect(&address), transport.accept()).await;
+            Ok((
+                client.map_err(|e| e.to_string())?,
+                server.map_err(|e| e.to_string())?,
+            ))
+        })
+    }
+
+    /// Frames of every size cross both ways (through the buffer and read directly,
+    /// polled and blocking), and a stop ends the stream for the peer.
+    #[test]
+    fn frames_cross_both_ways_and_stop_ends_the_stream() {
+        let (mut client, mut server) = pair().unwrap_or_else(|e| panic!("{e}"));
+        let frames: Vec<OwnedFrame> = [(1u64, 0usize), (2, 100), (3, 3 << 20), (4, 10), (5, 20)]
+            .into_iter()
+            .map(|(id, len)| tensor_frame(id, len))
+            .collect();
+        let sent = frames.clone();
+        let sending = std::thread::spawn(move || {
+            for frame in &sent {
+                let n = client.sender.send(frame).map_err(|e| e.to_string())?;
+                assert_eq!(n, frame.encoded_len() as u64);
             }
-            // Two small frames in one write's worth: the second is buffered by the
-            // executor's receiver when the pipe is taken off it.
-            let (first, second) = (tensor_frame(4, 10), tensor_frame(5, 20));
-            tx.send(first.clone()).await.map_err(|e| e.to_string())?;
-            tx.send(second.clone()).await.map_err(|e| e.to_string())?;
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            let got = rx
-                .recv(FrameLimits::DEFAULT)
-                .await
-                .map_err(|e| e.to_string())?;
-            assert!(got.is_some_and(|got| same(&got, &first)));
-            let mut halves = match server_tx.into_blocking(rx).await {
-                Ok(halves) => halves,
-                Err(_) => return Err("into_blocking failed".to_string()),
-            };
-            let got = halves
-                .receiver
-                .recv(FrameLimits::DEFAULT)
-                .map_err(|e| e.to_string())?;
-            assert!(
-                got.is_some_and(|got| same(&got, &second)),
-                "the buffered frame"
-            );
-            let reply = tensor_frame(6, 1 << 20);
-            halves.sender.send(&reply).map_err(|e| e.to_string())?;
-            let got = client_rx
-                .recv(FrameLimits::DEFAULT)
-                .await
-                .map_err(|e| e.to_string())?;
-            assert!(
-                got.is_some_and(|got| same(&got, &reply)),
-                "the lane's reply"
-            );
-            // Stopping the lane ends the stream for the peer.
-            halves.stop.stop();
-            let end = client_rx.recv(FrameLimits::DEFAULT).await;
-            assert!(matches!(end, Ok(None)), "{end:?}");
-            Ok::<(), String>(())
+            Ok::<_, String>(client)
         });
-        assert_eq!(outcome, Ok(()));
+        for (i, frame) in frames.iter().enumerate() {
+            let got = if i % 2 == 0 {
+                server.receiver.recv(FrameLimits::DEFAULT)
+            } else {
+                crate::rpc::transport::recv_within(
+                    &mut server,
+                    FrameLimits::DEFAULT,
+                    std::time::Duration::from_secs(10),
+                )
+            };
+            let got = got.unwrap_or_else(|e| panic!("frame {i}: {e}"));
+            assert!(got.is_some_and(|got| same(&got, frame)), "frame {i}");
+        }
+        let mut client = sending
+            .join()
+            .unwrap_or_else(|_| Err("the sender panicked".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let reply = tensor_frame(6, 1 << 20);
+        let replying = {
+            let reply = reply.clone();
+            std::thread::spawn(move || {
+                server
+                    .sender
+                    .send(&reply)
+                    .map(|_| server)
+                    .map_err(|e| e.to_string())
+            })
+        };
+        let got = client.receiver.recv(FrameLimits::DEFAULT);
+        assert!(
+            matches!(&got, Ok(Some(got)) if same(got, &reply)),
+            "the reply: {got:?}"
+        );
+        let server = replying
+            .join()
+            .unwrap_or_else(|_| Err("the replier panicked".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        // Nothing more is there: a poll finds nothing.
+        assert!(matches!(
+            client.receiver.try_recv(FrameLimits::DEFAULT),
+            Ok(TryRecv::Empty)
+        ));
+        // Stopping one side ends the stream for the peer.
+        server.control.stop();
+        let end = client.receiver.recv(FrameLimits::DEFAULT);
+        assert!(matches!(end, Ok(None)), "{end:?}");
     }
 
     #[test]

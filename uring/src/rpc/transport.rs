@@ -1,57 +1,57 @@
 //! The transport seam: what the agent needs from a way of moving frames between two
-//! processes, and nothing more.
+//! processes, and nothing more. Four traits:
 //!
-//! A [`Transport`] has a kind, a *domain descriptor* (two endpoints can use it only if
-//! their descriptors are equal: see `rdzv_core::negotiate`), can [`listen`] (giving the
-//! address string peers connect to) and can [`connect`] to such an address. A
-//! [`Connection`] moves whole frames and [`split`]s into a [`FrameSender`] and a
-//! [`FrameReceiver`] so that a large write never stops reads (both peers writing 64 MiB
-//! at each other must not deadlock).
+//! - [`Transport`]: an endpoint, in quinn's `Endpoint` shape. It has a kind and a
+//!   *domain descriptor* (two endpoints can use it only if their descriptors are equal:
+//!   see `rdzv_core::negotiate`), [`listen`]s once (giving the address peers connect
+//!   to), then [`accept`]s and [`connect`]s. Both give a [`Connection`]: its three
+//!   halves, which different threads use at once.
+//! - [`FrameSender`]: sends whole frames, blocking, from whichever thread holds the
+//!   pipe's send lock.
+//! - [`FrameReceiver`]: receives whole frames on the pipe's reader thread, or, polled
+//!   without system calls, on a caller's thread waiting for its reply.
+//! - [`Control`]: what any thread may do to the connection without either half: sleep
+//!   until the receiver has something ([`Control::wait`]), wake that sleeper
+//!   ([`Control::kick`]), and end the connection both ways ([`Control::stop`]).
 //!
-//! Every method runs on the agent's I/O executor ([`LocalExecutor`]: a current-thread
-//! tokio runtime on epoll, no io_uring) and returns a local future. How the three
-//! transports fit:
+//! A transport built outside this crate (`rdzv_rdma`'s ibv) comes in as a
+//! [`TransportPlugin`]: a kind and the function that opens the transport.
 //!
-//! * **tcp** ([`super::tcp`]): tokio sockets for the handshake, then the same socket in
-//!   blocking mode for the lane (the same framing code over either); the
-//!   core frame header is the length header, limits are checked before anything is
-//!   allocated.
-//! * **shm** ([`super::shm`] over `crate::transport::shm`): its connection is blocking
-//!   and already split into sender and receiver halves; until the pipe becomes a lane, an
-//!   adapter runs each half on its own thread and hands frames over through a channel,
-//!   so the halves map one to one onto [`FrameSender`] and [`FrameReceiver`]. Its domain descriptor is its viability
-//!   (boot id plus network namespace).
-//! * **ibv** (`rdzv_rdma::ibv::transport`, plugged in through [`TransportPlugin`]):
-//!   [`FrameSender::send`] takes the [`OwnedFrame`] *by value*, so the transport keeps
-//!   the payload and tensor buffers (registered on the fly) until the peer has read
-//!   them, and sends them zero-copy; the receiver learns every size from the header and
-//!   descriptors (the core frame format puts them first), so the peer's RDMA READs land
-//!   straight in the [`IncomingFrame`]'s buffers.
+//! `accept` and `connect` run on the agent's handshake executor ([`LocalExecutor`]: a
+//! current-thread tokio runtime on epoll, no io_uring) and return local futures; what
+//! they return is already served by threads. The handshake that follows runs on those
+//! halves (`super::io`), and the same halves then carry the pipe as a lane. How the
+//! three transports fit:
 //!
-//! A crate that depends on this one adds a transport with a [`TransportPlugin`] in
-//! `RpcOptions::transport_plugins`: the agent opens it at start (or leaves it out, with
-//! the plugin's reason logged, when it is not viable) and then treats it like the
-//! built-in ones.
-//!
-//! Every transport hands a connection's halves over after the handshake
-//! ([`FrameSender::into_blocking`]): the agent then serves the pipe from threads (a
-//! "lane"); a transport that cannot is refused. tcp does it with the socket taken off
-//! the runtime and the same framing code over blocking I/O; shm takes its
-//! halves back from the adapter threads.
+//! * **tcp** ([`super::tcp`]): tokio connects and accepts; the socket is then put in
+//!   blocking mode, with the framing code (limits checked before anything is allocated),
+//!   a poll on the socket and an eventfd for [`Control::wait`], and `shutdown(2)` for
+//!   [`Control::stop`].
+//! * **shm** ([`super::shm`] over `crate::transport::shm`): its connections are blocking
+//!   and already split into sender and receiver; an accept thread runs the bootstrap
+//!   (memfds over `SCM_RIGHTS`). Its domain descriptor is its viability (boot id plus
+//!   network namespace).
+//! * **ibv** (`rdzv_rdma::ibv::transport`): [`FrameSender::send_owned`] takes the
+//!   [`OwnedFrame`] *by value*, so the transport keeps the payload and tensor buffers
+//!   (registered on the fly) until the peer has read them, and sends them zero-copy; the
+//!   receiver learns every size from the header and descriptors (the core frame format
+//!   puts them first), so the peer's RDMA READs land straight in the
+//!   [`IncomingFrame`]'s buffers.
 //!
 //! A tensor on a channel other than `basic` reaches the seam only as its channel
 //! descriptor (an entry of the frame's data section); the agent moves its bytes
-//! (`super::channels`). The seam does not negotiate (the agent does, with the core),
+//! (`super::tensors`). The seam does not negotiate (the agent does, with the core),
 //! retry, or know about calls, peers' names or timeouts.
 //!
 //! [`listen`]: Transport::listen
+//! [`accept`]: Transport::accept
 //! [`connect`]: Transport::connect
-//! [`split`]: Connection::split
 
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{
@@ -70,7 +70,8 @@ pub use rdzv_core::rpc::address::{address_for, join_addresses, ADDRESS_SEPARATOR
 /// A boxed future that stays on the executor that made it.
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 
-/// A way to move frames between processes.
+/// A way to move frames between processes: one endpoint, which listens on one address
+/// and connects to others.
 pub trait Transport {
     /// Which transport this is.
     fn kind(&self) -> TransportKind;
@@ -79,73 +80,107 @@ pub trait Transport {
     /// equal.
     fn domain_descriptor(&self) -> &str;
 
-    /// Starts listening; the listener's [`address`](Listener::address) is what peers pass
-    /// to [`connect`](Transport::connect).
+    /// Starts listening (once; on the executor); the address peers pass to
+    /// [`connect`](Transport::connect), e.g. `tcp://10.0.0.1:40123`. Dropping the
+    /// transport stops listening.
     ///
     /// # Errors
     /// [`TransportError::Listen`].
-    fn listen(&self) -> Result<Box<dyn Listener>, TransportError>;
+    fn listen(&mut self) -> Result<String, TransportError>;
+
+    /// The next incoming connection.
+    ///
+    /// # Errors
+    /// [`TransportError::Accept`], also when [`listen`](Transport::listen) was not
+    /// called.
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>>;
 
     /// Connects to a listener's address.
+    ///
+    /// # Errors
+    /// [`TransportError::Connect`] or [`TransportError::BadAddress`].
     fn connect<'a>(
         &'a self,
         address: &'a str,
-    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>>;
+    ) -> LocalBoxFuture<'a, Result<Connection, TransportError>>;
 }
 
 /// A transport built outside this crate (e.g. `rdzv_rdma`'s ibv), handed to the agent
-/// in `RpcOptions::transport_plugins`.
+/// in `RpcOptions::transport_plugins`: its kind, and how to open it.
 ///
-/// The agent calls [`open`](TransportPlugin::open) once per `init_rpc` when the plugin's
-/// kind is among the transports it may offer; a plugin for a kind this crate implements
-/// itself (`tcp`, `shm`) is refused.
-pub trait TransportPlugin: Send + Sync {
+/// The agent opens it once per `init_rpc` when its kind is among the transports it may
+/// offer; a plugin for a kind this crate implements itself (`tcp`, `shm`) is refused.
+#[derive(Clone)]
+pub struct TransportPlugin {
+    kind: TransportKind,
+    open: Arc<OpenTransport>,
+}
+
+/// How a [`TransportPlugin`] opens its transport for a worker listening on a host.
+type OpenTransport =
+    dyn Fn(IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> + Send + Sync;
+
+impl TransportPlugin {
+    /// A plugin of `kind` that `open`s the transport for a worker listening on a host.
+    /// `open` fails with [`TransportError::Unavailable`], the plugin's own error as its
+    /// source, when the transport is not viable in this process (the agent logs it and
+    /// leaves the transport out).
+    pub fn new(
+        kind: TransportKind,
+        open: impl Fn(IpAddr) -> Result<Box<dyn Transport + Send>, TransportError>
+            + Send
+            + Sync
+            + 'static,
+    ) -> TransportPlugin {
+        TransportPlugin {
+            kind,
+            open: Arc::new(open),
+        }
+    }
+
     /// Which transport the plugin provides.
-    fn kind(&self) -> TransportKind;
+    pub fn kind(&self) -> TransportKind {
+        self.kind
+    }
 
     /// The transport for a worker listening on `host`.
     ///
     /// # Errors
-    /// [`TransportError::Unavailable`], with the plugin's own error as its source, when
-    /// the transport is not viable in this process (the agent logs it and leaves the
-    /// transport out).
-    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError>;
+    /// [`TransportError::Unavailable`] when it is not viable here.
+    pub fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
+        (self.open)(host)
+    }
 }
 
-/// A listening endpoint.
-pub trait Listener {
-    /// The address peers connect to, e.g. `tcp://10.0.0.1:40123`.
-    fn address(&self) -> &str;
-
-    /// The next incoming connection.
-    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>>;
+impl std::fmt::Debug for TransportPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.kind)
+    }
 }
 
-/// An open connection that moves whole frames.
-pub trait Connection {
+/// An open connection, already served by threads: any thread may send under the
+/// pipe's lock, one thread receives at a time, and any thread may use the [`Control`].
+pub struct Connection {
     /// The peer's address, for messages.
-    fn peer(&self) -> &str;
-
-    /// Splits into independent halves.
-    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>);
+    pub peer: String,
+    /// Sends whole frames, blocking.
+    pub sender: Box<dyn FrameSender>,
+    /// Receives whole frames, blocking or polled.
+    pub receiver: Box<dyn FrameReceiver>,
+    /// Sleeps on, wakes and stops the connection from any thread.
+    pub control: Arc<dyn Control>,
 }
 
-/// The halves of a connection taken off the executor, for a pipe served by threads
-/// (the agent's "lanes"): any thread may send under the pipe's lock, one thread receives,
-/// and [`stop`](BlockingHalves::stop) wakes that thread from any other.
-pub struct BlockingHalves {
-    /// Sends whole frames, blocking.
-    pub sender: Box<dyn BlockingSender>,
-    /// Receives whole frames, blocking.
-    pub receiver: Box<dyn BlockingReceiver>,
-    /// Ends the connection both ways from any thread.
-    pub stop: Arc<dyn StopConnection>,
-    /// For a receiver that can be polled: how its reader thread sleeps.
-    pub wake: Option<Arc<dyn Wake>>,
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Sends whole frames from whichever thread holds it.
-pub trait BlockingSender: Send {
+pub trait FrameSender: Send {
     /// Sends `frame`, blocking until the transport no longer needs its buffers; the bytes
     /// put on the wire.
     ///
@@ -167,12 +202,10 @@ pub trait BlockingSender: Send {
     }
 }
 
-/// Receives whole frames on the pipe's reader thread.
-///
-/// A receiver whose halves come with a [`Wake`] can also be polled without system
+/// Receives whole frames: blocking on the pipe's reader thread, or polled without system
 /// calls ([`try_recv`](Self::try_recv)), so that a caller waiting for its reply can read
-/// it itself while the reader thread sleeps on the [`Wake`].
-pub trait BlockingReceiver: Send {
+/// it itself while the reader thread sleeps on [`Control::wait`].
+pub trait FrameReceiver: Send {
     /// The next frame (checked against `limits` before its buffers are allocated);
     /// `Ok(None)` when the peer closed the connection between frames or the connection
     /// was stopped.
@@ -185,20 +218,15 @@ pub trait BlockingReceiver: Send {
     ///
     /// # Errors
     /// As [`recv`](Self::recv).
-    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
-        let _ = limits;
-        Ok(TryRecv::Empty)
-    }
+    fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError>;
 
-    /// Announces that the reader is about to sleep on the [`Wake`]: `true` when armed
-    /// (nothing is there; the peer signals the next frame), `false` when a frame or the
-    /// end is already there (not armed).
+    /// Announces that the reader is about to sleep on [`Control::wait`]: `true` when
+    /// armed (nothing is there; the peer signals the next frame), `false` when a frame or
+    /// the end is already there (not armed).
     ///
     /// # Errors
     /// When the connection failed.
-    fn arm(&mut self) -> Result<bool, TransportError> {
-        Ok(false)
-    }
+    fn arm(&mut self) -> Result<bool, TransportError>;
 
     /// Withdraws [`arm`](Self::arm) after waking.
     fn disarm(&mut self) {}
@@ -206,9 +234,15 @@ pub trait BlockingReceiver: Send {
     /// Withdraws [`arm`](Self::arm) without consuming the wake-up signal, for a reader
     /// that polls with [`try_recv`](Self::try_recv) meanwhile.
     fn withdraw(&mut self) {}
+
+    /// This half as `Any`, for a transport's own test hooks.
+    #[doc(hidden)]
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
-/// What [`BlockingReceiver::try_recv`] found.
+/// What [`FrameReceiver::try_recv`] found.
 #[derive(Debug)]
 pub enum TryRecv {
     /// A whole frame.
@@ -219,12 +253,73 @@ pub enum TryRecv {
     Closed,
 }
 
+/// What any thread may do to a connection without holding either half.
+pub trait Control: Send + Sync {
+    /// Blocks until the peer signalled (after [`FrameReceiver::arm`]),
+    /// [`kick`](Self::kick) was called, the peer is gone, or `timeout` passed; `true`
+    /// when the peer's process is gone (what it sent before may still be there to
+    /// receive).
+    fn wait(&self, timeout: Duration) -> bool;
+
+    /// Wakes the thread in [`wait`](Self::wait).
+    fn kick(&self);
+
+    /// Ends the connection both ways (idempotent): the receiver returns, later sends
+    /// fail, and the peer sees the end of the stream.
+    fn stop(&self);
+}
+
+/// The next frame of `connection` within `timeout` (polled: the receiver sleeps on the
+/// control between looks), `Ok(None)` when the peer closed it, and a timeout error when
+/// nothing came: a pipe's handshake waits with this, on a thread of its own.
+///
+/// # Errors
+/// As [`FrameReceiver::recv`], and [`TransportError::Io`] with `TimedOut`.
+pub fn recv_within(
+    connection: &mut Connection,
+    limits: FrameLimits,
+    timeout: Duration,
+) -> Result<Option<IncomingFrame>, TransportError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match connection.receiver.try_recv(limits)? {
+            TryRecv::Frame(frame) => return Ok(Some(frame)),
+            TryRecv::Closed => return Ok(None),
+            TryRecv::Empty => {}
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(TransportError::Io {
+                op: "receive from",
+                peer: connection.peer.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no frame within {timeout:?}"),
+                ),
+            });
+        }
+        if connection.receiver.arm()? {
+            let gone = connection.control.wait(left.min(POLL_SLICE));
+            connection.receiver.disarm();
+            if gone {
+                return match connection.receiver.try_recv(limits)? {
+                    TryRecv::Frame(frame) => Ok(Some(frame)),
+                    _ => Ok(None),
+                };
+            }
+        }
+    }
+}
+
+/// The longest single sleep of [`recv_within`]: a missed signal costs at most this.
+const POLL_SLICE: Duration = Duration::from_millis(50);
+
 /// Waits up to `timeout` until `first` or `second` is readable (or hung up); the events
 /// of each. An interrupted or failed wait returns no events: callers look again.
 pub(crate) fn poll_two(
     first: std::os::fd::BorrowedFd<'_>,
     second: std::os::fd::BorrowedFd<'_>,
-    timeout: std::time::Duration,
+    timeout: Duration,
 ) -> [rustix::event::PollFlags; 2] {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let mut fds = [
@@ -236,70 +331,6 @@ pub(crate) fn poll_two(
         Ok(_) => [fds[0].revents(), fds[1].revents()],
         Err(_) => [PollFlags::empty(); 2],
     }
-}
-
-/// Waits for a polled receiver's next frame without holding the receiver, and wakes
-/// such a waiter.
-pub trait Wake: Send + Sync {
-    /// Blocks until the peer signalled (after [`BlockingReceiver::arm`]), [`kick`](
-    /// Self::kick) was called, the peer is gone, or `timeout` passed; `true` when the
-    /// peer's process is gone (what it sent before may still be there to receive).
-    fn wait(&self, timeout: std::time::Duration) -> bool;
-
-    /// Wakes the waiter.
-    fn kick(&self);
-}
-
-/// Ends a blocking connection from any thread: the receiver returns, later sends fail,
-/// and the peer sees the end of the stream.
-pub trait StopConnection: Send + Sync {
-    /// Stops the connection (idempotent).
-    fn stop(&self);
-}
-
-/// The sending half of a connection.
-pub trait FrameSender {
-    /// Sends one frame; resolves to the bytes put on the wire once the transport no longer
-    /// needs the frame's buffers.
-    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>>;
-
-    /// Closes the sending direction (the peer's receiver sees the end of the stream).
-    fn close(&mut self) -> LocalBoxFuture<'_, ()>;
-
-    /// Takes this half and `receiver` (the other half of the same connection) off the
-    /// executor, to be served from threads; a transport that cannot gives both back
-    /// ([`NotBlocking::Unsupported`]), and the agent then refuses the pipe: every pipe
-    /// is served by threads after its handshake. Bytes or frames the receiver already
-    /// buffered are kept.
-    fn into_blocking(
-        self: Box<Self>,
-        receiver: Box<dyn FrameReceiver>,
-    ) -> LocalBoxFuture<'static, IntoBlocking>;
-}
-
-/// What [`FrameSender::into_blocking`] gives.
-pub type IntoBlocking = Result<BlockingHalves, NotBlocking>;
-
-/// Why a connection stays on the executor.
-pub enum NotBlocking {
-    /// The transport serves its connections only on the executor: here are its halves.
-    Unsupported(Box<dyn FrameSender>, Box<dyn FrameReceiver>),
-    /// Taking the halves off failed; the connection is gone.
-    Failed(TransportError),
-}
-
-/// The receiving half of a connection.
-pub trait FrameReceiver {
-    /// The next frame, checked against `limits` before its buffers are allocated;
-    /// `Ok(None)` when the peer closed the connection between frames.
-    fn recv(
-        &mut self,
-        limits: FrameLimits,
-    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>>;
-
-    /// This half as [`Any`](std::any::Any), so that its own transport's
-    /// [`FrameSender::into_blocking`] can take it back.
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any>;
 }
 
 /// A frame to send, owning its parts so a transport can keep them until its write

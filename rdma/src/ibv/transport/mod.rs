@@ -3,19 +3,18 @@
 //! the agent with [`IbvPlugin`].
 //!
 //! ```no_run
-//! use std::sync::Arc;
 //! use rdzv_rdma::ibv::transport::IbvPlugin;
 //! use rdzv_uring::rpc::{init_rpc, RpcOptions};
 //!
 //! let mut options = RpcOptions::new("env://");
 //! options.transports = Some(vec!["ibv".into(), "tcp".into()]);
-//! options.transport_plugins = vec![Arc::new(IbvPlugin::default())];
+//! options.transport_plugins = vec![IbvPlugin::default().into()];
 //! let agent = init_rpc("worker0", 0, Some(2), options)?;
 //! # Ok::<(), rdzv_uring::rpc::InitError>(())
 //! ```
 //!
-//! - **Viability**: [`IbvPlugin::open`](rdzv_uring::rpc::transport::TransportPlugin::open)
-//!   runs [`probe`](super::probe) with the plugin's [`IbvConfig`] (default: the
+//! - **Viability**: [`IbvPlugin::open`] (what its
+//!   [`TransportPlugin`] runs) runs [`probe`] with the plugin's [`IbvConfig`] (default: the
 //!   `RDZV_IB_DEVICE` / `RDZV_IB_PORT` / `RDZV_IB_GID_INDEX` environment); when RDMA is not
 //!   viable (libibverbs missing, a kernel without verbs, no active port, ...) it returns
 //!   the probe's reason, which the agent logs before leaving ibv out.
@@ -41,11 +40,11 @@
 //!   also owns every buffer posted to the NIC until the peer has read it; errors carry
 //!   the verb or the work completion's status (`IBV_WC_RETRY_EXC_ERR`, ...). A failed
 //!   link fails the pipe, and the agent re-creates it on the next call, as for tcp.
-//! - **Lanes**: after the handshake the agent takes the pipe off its executor
-//!   (`into_blocking`): callers' threads queue their frames for the link's thread
-//!   directly (handing over the buffers, which stay owned until read). The lane is
-//!   polled: a caller in `rpc_sync` takes its reply off the link's queue of received
-//!   messages itself while the lane's reader thread sleeps on that queue.
+//! - **Lanes**: a connection is served by threads from the start: callers' threads
+//!   queue their frames for the link's thread directly (handing over the buffers,
+//!   which stay owned until read). The receiver is polled: a caller in `rpc_sync` takes
+//!   its reply off the link's queue of received messages itself while the lane's
+//!   reader thread sleeps on that queue.
 //!
 //! Not here: one shared completion queue or receive queue for all of a worker's pipes
 //! (each pipe has its own queue pair, rings and thread), receiving into caller-provided
@@ -63,9 +62,8 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
-    BlockingHalves, BlockingReceiver, BlockingSender, Connection, FrameReceiver, FrameSender,
-    IncomingFrame, IntoBlocking, Listener, LocalBoxFuture, NotBlocking, OwnedFrame, StopConnection,
-    Transport, TransportPlugin, TryRecv, Wake,
+    Connection, Control, FrameReceiver, FrameSender, IncomingFrame, LocalBoxFuture, OwnedFrame,
+    Transport, TransportPlugin, TryRecv,
 };
 use rdzv_uring::rpc::TransportError;
 
@@ -149,12 +147,14 @@ const MAX_PART: u64 = {
 };
 
 /// The `ibv` transport: RC queue pairs on the selected device, port and GID.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct IbvTransport {
     host: IpAddr,
     selection: IbvSelection,
     options: ChannelOptions,
     descriptor: String,
+    /// Once [`Transport::listen`] ran.
+    listening: Option<Listening>,
 }
 
 impl IbvTransport {
@@ -190,6 +190,7 @@ impl IbvTransport {
             selection,
             options,
             descriptor,
+            listening: None,
         }
     }
 
@@ -199,7 +200,8 @@ impl IbvTransport {
     }
 }
 
-/// The [`TransportPlugin`] that gives the RPC agent the `ibv` transport.
+/// What gives the RPC agent the `ibv` transport: as a [`TransportPlugin`]
+/// (`IbvPlugin::default().into()`) in `RpcOptions::transport_plugins`.
 #[derive(Debug, Clone, Default)]
 pub struct IbvPlugin {
     /// The device, port and GID to use; `None` reads `RDZV_IB_DEVICE`, `RDZV_IB_PORT` and
@@ -209,12 +211,13 @@ pub struct IbvPlugin {
     pub options: ChannelOptions,
 }
 
-impl TransportPlugin for IbvPlugin {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Ibv
-    }
-
-    fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
+impl IbvPlugin {
+    /// The transport for a worker listening on `host`.
+    ///
+    /// # Errors
+    /// [`TransportError::Unavailable`], with the probe's [`IbvNotViable`] as its source,
+    /// when RDMA is not viable here.
+    pub fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
         let config = match &self.config {
             Some(config) => config.clone(),
             None => IbvConfig::from_process_env().map_err(|e| not_viable(e.into()))?,
@@ -227,6 +230,12 @@ impl TransportPlugin for IbvPlugin {
             ))),
             IbvViability::NotViable(reason) => Err(not_viable(reason)),
         }
+    }
+}
+
+impl From<IbvPlugin> for TransportPlugin {
+    fn from(plugin: IbvPlugin) -> TransportPlugin {
+        TransportPlugin::new(TransportKind::Ibv, move |host| plugin.open(host))
     }
 }
 
@@ -261,7 +270,7 @@ impl Transport for IbvTransport {
         &self.descriptor
     }
 
-    fn listen(&self) -> Result<Box<dyn Listener>, TransportError> {
+    fn listen(&mut self) -> Result<String, TransportError> {
         let bind = SocketAddr::new(self.host, 0);
         let listen_error = |source| TransportError::Listen {
             address: format_address(bind),
@@ -292,17 +301,38 @@ impl Transport for IbvTransport {
                 address: address.clone(),
                 source,
             })?;
-        Ok(Box::new(IbvListener {
+        self.listening = Some(Listening {
             listener,
             queue,
-            address,
-        }))
+            address: address.clone(),
+        });
+        Ok(address)
+    }
+
+    fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
+        Box::pin(async move {
+            let Some(listening) = &self.listening else {
+                return Err(TransportError::Accept {
+                    address: format!("{SCHEME}{}:?", self.host),
+                    source: io::Error::other("the transport is not listening"),
+                });
+            };
+            let accept_error = |source| TransportError::Accept {
+                address: listening.address.clone(),
+                source,
+            };
+            match listening.queue.pop().await {
+                Some(Ok((link, peer))) => Ok(connection(link, peer)),
+                Some(Err(e)) => Err(accept_error(e)),
+                None => Err(accept_error(io::Error::other("the listener is closed"))),
+            }
+        })
     }
 
     fn connect<'a>(
         &'a self,
         address: &'a str,
-    ) -> LocalBoxFuture<'a, Result<Box<dyn Connection>, TransportError>> {
+    ) -> LocalBoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let addr = parse_address(address)?;
             let connect_error = |source| TransportError::Connect {
@@ -321,7 +351,7 @@ impl Transport for IbvTransport {
             .await
             .and_then(|linked| linked)
             .map_err(connect_error)?;
-            Ok(IbvPipe::boxed(link, address.to_string()))
+            Ok(connection(link, address.to_string()))
         })
     }
 }
@@ -367,33 +397,15 @@ fn accept_thread(
     }
 }
 
-struct IbvListener {
+/// A listening ibv transport: its socket, the accept thread's queue, its address.
+#[derive(Debug)]
+struct Listening {
     listener: Arc<TcpListener>,
     queue: Arc<Queue<Accepted>>,
     address: String,
 }
 
-impl Listener for IbvListener {
-    fn address(&self) -> &str {
-        &self.address
-    }
-
-    fn accept(&self) -> LocalBoxFuture<'_, Result<Box<dyn Connection>, TransportError>> {
-        Box::pin(async move {
-            let accept_error = |source| TransportError::Accept {
-                address: self.address.clone(),
-                source,
-            };
-            match self.queue.pop().await {
-                Some(Ok((link, peer))) => Ok(IbvPipe::boxed(link, peer)),
-                Some(Err(e)) => Err(accept_error(e)),
-                None => Err(accept_error(io::Error::other("the listener is closed"))),
-            }
-        })
-    }
-}
-
-impl Drop for IbvListener {
+impl Drop for Listening {
     fn drop(&mut self) {
         self.queue.close();
         // Wakes the accept thread: accept on a shut-down socket fails at once.
@@ -407,39 +419,22 @@ impl Drop for IbvListener {
     }
 }
 
-struct IbvPipe {
-    link: Arc<Link>,
-    peer: String,
-}
-
-impl IbvPipe {
-    fn boxed(link: Arc<Link>, peer: String) -> Box<dyn Connection> {
-        Box::new(IbvPipe { link, peer })
-    }
-}
-
-impl Connection for IbvPipe {
-    fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    fn split(self: Box<Self>) -> (Box<dyn FrameSender>, Box<dyn FrameReceiver>) {
-        let IbvPipe { link, peer } = *self;
-        let assembler = Assembler::new(&peer);
-        let peer: Arc<str> = Arc::from(peer.as_str());
-        (
-            Box::new(IbvFrameSender {
-                link: Arc::clone(&link),
-                peer: Arc::clone(&peer),
-                detached: false,
-            }),
-            Box::new(IbvFrameReceiver {
-                link,
-                peer,
-                assembler,
-                detached: false,
-            }),
-        )
+/// A set-up link as a connection: callers' threads queue frames for the link's thread,
+/// the reader takes what it received.
+fn connection(link: Arc<Link>, peer: String) -> Connection {
+    let shared: Arc<str> = Arc::from(peer.as_str());
+    Connection {
+        sender: Box::new(IbvSender {
+            link: Arc::clone(&link),
+            peer: Arc::clone(&shared),
+        }),
+        receiver: Box::new(IbvReceiver {
+            link: Arc::clone(&link),
+            assembler: Assembler::new(&peer),
+            peer: shared,
+        }),
+        control: Arc::new(IbvControl { link }),
+        peer,
     }
 }
 
@@ -459,17 +454,14 @@ impl QueuePairAbort {
     }
 }
 
-/// The [`QueuePairAbort`] of an ibv connection's receiving half (given back with it), or
-/// the half, as `Any`, when it is not an ibv one. A test hook.
+/// The [`QueuePairAbort`] of an ibv connection's receiving half; `None` when it is not
+/// an ibv one. A test hook.
 #[doc(hidden)]
-pub fn queue_pair_abort(
-    receiver: Box<dyn FrameReceiver>,
-) -> Result<(Box<dyn FrameReceiver>, QueuePairAbort), Box<dyn std::any::Any>> {
-    let receiver = receiver.into_any().downcast::<IbvFrameReceiver>()?;
-    let abort = QueuePairAbort {
+pub fn queue_pair_abort(receiver: &dyn FrameReceiver) -> Option<QueuePairAbort> {
+    let receiver = receiver.as_any()?.downcast_ref::<IbvReceiver>()?;
+    Some(QueuePairAbort {
         link: Arc::clone(&receiver.link),
-    };
-    Ok((receiver, abort))
+    })
 }
 
 /// Queues `frame` for the link's thread, which keeps its buffers until the peer read
@@ -525,126 +517,13 @@ fn link_message(
     }
 }
 
-struct IbvFrameSender {
-    link: Arc<Link>,
-    peer: Arc<str>,
-    /// Set when the link moved to a lane's halves: dropping this one then ends nothing.
-    detached: bool,
-}
-
-impl FrameSender for IbvFrameSender {
-    fn send(&mut self, frame: OwnedFrame) -> LocalBoxFuture<'_, Result<u64, TransportError>> {
-        Box::pin(async move { queue_frame(&self.link, &self.peer, frame) })
-    }
-
-    fn close(&mut self) -> LocalBoxFuture<'_, ()> {
-        Box::pin(async move {
-            self.link.finish_sending();
-            // Until the queued frames and the end of the stream were read by the peer.
-            if let Some(Err(e)) = self.link.sent.pop().await {
-                tracing::debug!(peer = %self.peer, error = %e, "an ibv pipe's sender failed");
-            }
-        })
-    }
-
-    fn into_blocking(
-        mut self: Box<Self>,
-        receiver: Box<dyn FrameReceiver>,
-    ) -> LocalBoxFuture<'static, IntoBlocking> {
-        // The link's thread keeps driving the queue pair; the lane's threads queue
-        // frames for it and take what it received, without the executor in between.
-        Box::pin(async move {
-            let mut receiver = match receiver.into_any().downcast::<IbvFrameReceiver>() {
-                Ok(receiver) => receiver,
-                Err(_) => {
-                    return Err(NotBlocking::Failed(TransportError::Io {
-                        op: "take off the executor",
-                        peer: self.peer.to_string(),
-                        source: io::Error::other("the receiving half is not an ibv one"),
-                    }))
-                }
-            };
-            self.detached = true;
-            receiver.detached = true;
-            let link = Arc::clone(&self.link);
-            let peer = Arc::clone(&self.peer);
-            let assembler = std::mem::replace(&mut receiver.assembler, Assembler::new(&peer));
-            Ok(BlockingHalves {
-                sender: Box::new(IbvBlockingSender {
-                    link: Arc::clone(&link),
-                    peer: Arc::clone(&peer),
-                }),
-                receiver: Box::new(IbvBlockingReceiver {
-                    link: Arc::clone(&link),
-                    peer,
-                    assembler,
-                }),
-                stop: Arc::new(IbvStop {
-                    link: Arc::clone(&link),
-                }),
-                wake: Some(Arc::new(IbvWake { link })),
-            })
-        })
-    }
-}
-
-impl Drop for IbvFrameSender {
-    fn drop(&mut self) {
-        if !self.detached {
-            // The thread sends what is queued, then the end of the stream.
-            self.link.finish_sending();
-        }
-    }
-}
-
-struct IbvFrameReceiver {
-    link: Arc<Link>,
-    peer: Arc<str>,
-    /// Holds a frame in progress across awaits, so that a dropped `recv` loses nothing.
-    assembler: Assembler,
-    /// Set when the link moved to a lane's halves.
-    detached: bool,
-}
-
-impl FrameReceiver for IbvFrameReceiver {
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
-    }
-
-    fn recv(
-        &mut self,
-        limits: FrameLimits,
-    ) -> LocalBoxFuture<'_, Result<Option<IncomingFrame>, TransportError>> {
-        Box::pin(async move {
-            while !self.assembler.ended() {
-                let message = self.link.incoming.pop().await;
-                let message = link_message(&self.link, &self.peer, message);
-                match self.assembler.feed(message, limits)? {
-                    Fed::Frame(frame) => return Ok(Some(frame)),
-                    Fed::More => {}
-                    Fed::End => break,
-                }
-            }
-            Ok(None)
-        })
-    }
-}
-
-impl Drop for IbvFrameReceiver {
-    fn drop(&mut self) {
-        if !self.detached {
-            self.link.drop_receiver();
-        }
-    }
-}
-
-/// A lane's sending half: any thread queues frames for the link's thread.
-struct IbvBlockingSender {
+/// The sending half: any thread queues frames for the link's thread.
+struct IbvSender {
     link: Arc<Link>,
     peer: Arc<str>,
 }
 
-impl BlockingSender for IbvBlockingSender {
+impl FrameSender for IbvSender {
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
         // Only small frames come this way (acks, goodbyes): the lane hands over the
         // frames it owns with `send_owned`.
@@ -660,20 +539,25 @@ impl BlockingSender for IbvBlockingSender {
     }
 }
 
-impl Drop for IbvBlockingSender {
+impl Drop for IbvSender {
     fn drop(&mut self) {
         self.link.finish_sending();
     }
 }
 
-/// A lane's receiving half: its reader thread blocks on the link's queue.
-struct IbvBlockingReceiver {
+/// The receiving half: its reader thread blocks on the link's queue, or a caller polls
+/// it.
+struct IbvReceiver {
     link: Arc<Link>,
     peer: Arc<str>,
     assembler: Assembler,
 }
 
-impl BlockingReceiver for IbvBlockingReceiver {
+impl FrameReceiver for IbvReceiver {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
         while !self.assembler.ended() {
             let message = self.link.incoming.pop_blocking();
@@ -712,12 +596,20 @@ impl BlockingReceiver for IbvBlockingReceiver {
     }
 }
 
-/// How a lane's reader sleeps until the link's thread hands it a message.
-struct IbvWake {
+impl Drop for IbvReceiver {
+    fn drop(&mut self) {
+        self.link.drop_receiver();
+    }
+}
+
+/// How a reader sleeps until the link's thread hands it a message, and how the link
+/// ends from any thread: queued frames still go, then the end of the stream; the
+/// reader sees the end at once.
+struct IbvControl {
     link: Arc<Link>,
 }
 
-impl Wake for IbvWake {
+impl Control for IbvControl {
     fn wait(&self, timeout: Duration) -> bool {
         self.link.incoming.wait_ready(timeout);
         // A gone peer shows as a failure message or the end of the queue.
@@ -727,21 +619,7 @@ impl Wake for IbvWake {
     fn kick(&self) {
         self.link.incoming.kick();
     }
-}
 
-impl Drop for IbvBlockingReceiver {
-    fn drop(&mut self) {
-        self.link.drop_receiver();
-    }
-}
-
-/// Ends a lane's link from any thread: queued frames still go, then the end of the
-/// stream; the reader sees the end at once.
-struct IbvStop {
-    link: Arc<Link>,
-}
-
-impl StopConnection for IbvStop {
     fn stop(&self) {
         self.link.outgoing.close();
         drop(self.link.incoming.close_and_take());
@@ -860,7 +738,7 @@ mod tests {
     #[test]
     fn not_viable_here_says_why() {
         // On hosts with a verbs device this checks nothing but the kind.
-        let plugin = IbvPlugin::default();
+        let plugin = TransportPlugin::from(IbvPlugin::default());
         assert_eq!(plugin.kind(), TransportKind::Ibv);
         match plugin.open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
             Ok(transport) => {

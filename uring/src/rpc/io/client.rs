@@ -5,26 +5,19 @@
 use std::rc::Rc;
 
 use rdzv_core::negotiate::{accept_answer, Negotiated, Role};
-use rdzv_core::rpc::frame::{FrameLimits, Handshake};
+use rdzv_core::rpc::frame::Handshake;
 
-use super::{handshake_frame, unthreaded, with_handshake, Io, Outbound};
+use super::{handshake_frame, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
 use crate::rpc::error::CallError;
 use crate::rpc::lane::Lane;
 use crate::rpc::mpt::{self, MptLanes};
 use crate::rpc::tensors::cpu_channel;
-use crate::rpc::transport::{
-    address_for, BlockingHalves, FrameReceiver, FrameSender, NotBlocking, Transport,
-};
+use crate::rpc::transport::{address_for, Connection, Transport};
 
-/// A pipe's halves after the handshake, what it negotiated, and the token to open its
-/// mpt lanes with (when it has them).
-type OpenedPipe = (
-    Box<dyn FrameSender>,
-    Box<dyn FrameReceiver>,
-    Negotiated,
-    Option<u64>,
-);
+/// A pipe's connection after the handshake, what it negotiated, and the token to open
+/// its mpt lanes with (when it has them).
+type OpenedPipe = (Connection, Negotiated, Option<u64>);
 
 /// Why a client pipe could not be opened; every call waiting for it fails with it.
 #[derive(Debug, Clone)]
@@ -55,8 +48,7 @@ impl Io {
     /// Opens client pipe `id` to `peer`: connect, handshake, mpt lanes, then the pipe
     /// becomes a lane and the queued calls go out on it.
     pub(super) async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
-        let (sender, receiver, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await
-        {
+        let (connection, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await {
             Ok(opened) => opened,
             Err(failure) => {
                 tracing::debug!(%peer, reason = %failure.reason, "opening an RPC pipe failed");
@@ -93,17 +85,7 @@ impl Io {
             }
             _ => None,
         };
-        match sender.into_blocking(receiver).await {
-            Ok(halves) => self.client_lane(id, peer, negotiated, halves, mpt),
-            Err(NotBlocking::Unsupported(..)) => {
-                if let Some(mpt) = mpt {
-                    mpt.shutdown();
-                }
-                let reason = unthreaded(&negotiated);
-                self.pipe_ended(id, &peer, reason)
-            }
-            Err(NotBlocking::Failed(e)) => self.pipe_ended(id, &peer, e.to_string()),
-        }
+        self.client_lane(id, peer, negotiated, connection, mpt);
     }
 
     /// Client pipe `id` to `peer` becomes a lane; the calls queued while it opened go
@@ -113,12 +95,12 @@ impl Io {
         id: u64,
         peer: String,
         negotiated: Negotiated,
-        halves: BlockingHalves,
+        connection: Connection,
         mpt: Option<MptLanes>,
     ) {
         if !self.still_opening(id, &peer) {
-            // Reset or closed while it was taken off the executor.
-            halves.stop.stop();
+            // Reset or closed while its mpt lanes opened.
+            connection.control.stop();
             if let Some(mpt) = mpt {
                 mpt.shutdown();
             }
@@ -127,7 +109,7 @@ impl Io {
         // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
         let Some(lane) =
-            Lane::start_client(&self.shared, id, peer.clone(), negotiated, halves, mpt)
+            Lane::start_client(&self.shared, id, peer.clone(), negotiated, connection, mpt)
         else {
             return self.pipe_ended(id, &peer, "this worker is shutting down".into());
         };
@@ -147,6 +129,7 @@ impl Io {
             lane.send_request(&self.shared, message_id, handler, message);
         }
     }
+
     /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
     /// if a better transport was negotiated, the handshake again over that one, whose
     /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
@@ -160,10 +143,10 @@ impl Io {
                 connecting: true,
             });
         };
-        let (mut sender, receiver, negotiated, mpt_token) =
+        let (connection, negotiated, mpt_token) =
             self.handshake_over(&**bootstrap, peer, address).await?;
         if negotiated.transport == bootstrap.kind() {
-            return Ok((sender, receiver, negotiated, mpt_token));
+            return Ok((connection, negotiated, mpt_token));
         }
         let upgraded = match self
             .transports
@@ -173,9 +156,9 @@ impl Io {
             Some(better) => self
                 .handshake_over(&**better, peer, address)
                 .await
-                .and_then(|(s, r, n, t)| {
+                .and_then(|(c, n, t)| {
                     if n.transport == better.kind() {
-                        Ok((s, r, n, t))
+                        Ok((c, n, t))
                     } else {
                         Err(OpenFailure {
                             address: address.to_string(),
@@ -199,7 +182,8 @@ impl Io {
         };
         match upgraded {
             Ok(pipe) => {
-                sender.close().await;
+                // The bootstrap connection closes; the peer's side of it ends quietly.
+                drop(connection);
                 Ok(pipe)
             }
             Err(failure) => {
@@ -214,7 +198,7 @@ impl Io {
                     transport: bootstrap.kind(),
                     ..negotiated
                 };
-                Ok((sender, receiver, negotiated, None))
+                Ok((connection, negotiated, None))
             }
         }
     }
@@ -240,11 +224,10 @@ impl Io {
             reason,
             connecting,
         };
-        let connection = transport
+        let mut connection = transport
             .connect(address)
             .await
             .map_err(|e| failure(true, e.to_string()))?;
-        let (mut sender, mut receiver) = connection.split();
         let handshake = |reason: String| failure(false, reason);
         let offer = self
             .shared
@@ -258,14 +241,17 @@ impl Io {
             brochure: offer.brochure(),
             lanes_token,
         };
-        sender
-            .send(handshake_frame(&hello).map_err(|e| handshake(e.to_string()))?)
+        let hello = handshake_frame(&hello).map_err(|e| handshake(e.to_string()))?;
+        // A small frame into a fresh connection: the send does not wait for the peer.
+        connection
+            .sender
+            .send(&hello)
+            .map_err(|e| handshake(e.to_string()))?;
+        let (connection, reply) = self
+            .receive_handshake(connection)
             .await
             .map_err(|e| handshake(e.to_string()))?;
-        let reply = receiver
-            .recv(FrameLimits::HANDSHAKE)
-            .await
-            .map_err(|e| handshake(e.to_string()))?
+        let reply = reply
             .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
         let negotiated = with_handshake(&reply, |message| match message {
             Handshake::Answer { name, answer, .. } if name == peer => {
@@ -281,6 +267,6 @@ impl Io {
         .and_then(|r| r)
         .map_err(handshake)?;
         let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);
-        Ok((sender, receiver, negotiated, mpt_token))
+        Ok((connection, negotiated, mpt_token))
     }
 }

@@ -5,21 +5,25 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use rdzv_core::negotiate::{answer_brochure, Negotiated, Role};
-use rdzv_core::rpc::frame::{FrameLimits, Handshake};
+use rdzv_core::rpc::frame::Handshake;
 use rdzv_core::rpc::name::WorkerId;
 
-use super::{handshake_frame, unthreaded, with_handshake, Io};
+use super::{handshake_frame, with_handshake, Io};
 use crate::rpc::lane::Lane;
 use crate::rpc::mpt;
-use crate::rpc::transport::{Connection, IncomingFrame, Listener, NotBlocking, OwnedFrame};
+use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
 
 /// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
 type Accepted = (String, WorkerId, Negotiated, u64);
 
 impl Io {
-    pub(super) async fn accept_loop(self: Rc<Self>, listener: Box<dyn Listener>) {
+    /// Accepts connections of transport `index` until the agent closes.
+    pub(super) async fn accept_loop(self: Rc<Self>, index: usize) {
+        let Some(transport) = self.transports.get(index) else {
+            return;
+        };
         loop {
-            match listener.accept().await {
+            match transport.accept().await {
                 Ok(connection) => {
                     self.spawn(Rc::clone(&self).serve_inbound(connection));
                 }
@@ -85,12 +89,11 @@ impl Io {
     }
 
     /// Answers a peer's hello; the pipe then becomes an inbound lane.
-    async fn serve_inbound(self: Rc<Self>, connection: Box<dyn Connection>) {
-        let from = connection.peer().to_string();
-        let (mut sender, mut receiver) = connection.split();
-        let hello = match receiver.recv(FrameLimits::HANDSHAKE).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return,
+    async fn serve_inbound(self: Rc<Self>, connection: Connection) {
+        let from = connection.peer.clone();
+        let (mut connection, hello) = match self.receive_handshake(connection).await {
+            Ok((connection, Some(frame))) => (connection, frame),
+            Ok((_, None)) => return,
             Err(e) => {
                 tracing::debug!(%from, error = %e, "bad RPC handshake");
                 return;
@@ -98,7 +101,9 @@ impl Io {
         };
         let (decided, reply) = self.answer_hello(&hello, &from);
         if let Some(reply) = reply {
-            if let Err(e) = sender.send(reply).await {
+            // A small frame into a connection whose peer waits for it: the send does
+            // not wait.
+            if let Err(e) = connection.sender.send(&reply) {
                 tracing::debug!(%from, error = %e, "sending the RPC handshake answer failed");
                 return;
             }
@@ -106,8 +111,8 @@ impl Io {
         let (peer, peer_id, negotiated, lanes_token) = match decided {
             Ok(d) => d,
             Err(reason) => {
+                // Dropping the connection closes it after the refusal.
                 tracing::warn!(%from, %reason, "refused an RPC pipe");
-                sender.close().await;
                 return;
             }
         };
@@ -117,30 +122,18 @@ impl Io {
             state.next_pipe += 1;
             id
         };
-        match sender.into_blocking(receiver).await {
-            Ok(halves) => {
-                let jobs = self.jobs.borrow().clone();
-                match jobs {
-                    Some(jobs) => Lane::start_inbound(
-                        &self.shared,
-                        pipe,
-                        (peer, peer_id),
-                        negotiated,
-                        halves,
-                        jobs,
-                        mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
-                    ),
-                    None => halves.stop.stop(),
-                }
-            }
-            Err(NotBlocking::Unsupported(mut sender, _)) => {
-                let reason = unthreaded(&negotiated);
-                tracing::warn!(%peer, %reason, "an inbound RPC pipe is refused");
-                sender.close().await;
-            }
-            Err(NotBlocking::Failed(e)) => {
-                tracing::debug!(%peer, error = %e, "an inbound RPC pipe failed");
-            }
+        let jobs = self.jobs.borrow().clone();
+        match jobs {
+            Some(jobs) => Lane::start_inbound(
+                &self.shared,
+                pipe,
+                (peer, peer_id),
+                negotiated,
+                connection,
+                jobs,
+                mpt::uses_mpt(&negotiated, Role::Listener).then_some(lanes_token),
+            ),
+            None => connection.control.stop(),
         }
     }
 }

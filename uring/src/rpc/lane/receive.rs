@@ -32,21 +32,14 @@ impl Lane {
         done
     }
 
-    /// The next frame for the reader thread. A polled lane spins up to `spin` on the
-    /// ring, then sleeps on its wake *without* holding the receiver, so that a caller
-    /// may read meanwhile; any other lane receives, blocking.
+    /// The next frame for the reader thread: it spins up to `spin` polling the
+    /// receiver, then sleeps on the lane's control *without* holding the receiver, so
+    /// that a caller may read meanwhile.
     pub(super) fn next_frame(
         &self,
         spin: Duration,
     ) -> Result<Option<IncomingFrame>, TransportError> {
-        let Some(wake) = &self.wake else {
-            let mut receiver = self.receiver();
-            let mut frame = receiver.recv(FrameLimits::DEFAULT)?;
-            if let Some(frame) = &mut frame {
-                self.fill(frame)?;
-            }
-            return Ok(frame);
-        };
+        let wake = &self.control;
         let start = Instant::now();
         let mut spinning = !spin.is_zero();
         loop {
@@ -102,9 +95,9 @@ impl Lane {
 
     /// A caller waiting for `completion` reads the lane itself for up to `spin` while
     /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
-    /// at once on a lane that cannot be polled, or when another thread reads.
+    /// at once when another thread reads.
     pub(crate) fn read_own_reply(&self, shared: &Shared, completion: &Completion, spin: Duration) {
-        let Some(wake) = &self.wake else { return };
+        let wake = &self.control;
         let start = Instant::now();
         while !completion.is_done_relaxed() && start.elapsed() < spin {
             let Ok(mut receiver) = self.receiver.try_lock() else {

@@ -1,68 +1,88 @@
-//! An shm pipe served by threads (a lane): both halves taken back from the adapter
-//! threads; blocking sends, polling of the ring by a waiting caller ([`TryRecv`]), and a
-//! [`Wake`] on the data eventfd and the control socket (whose end means the peer process
-//! is gone) for the lane's reader thread.
+//! An shm pipe served by threads: blocking sends, polling of the ring by a waiting
+//! caller ([`TryRecv`]), and a [`Control`] on the data eventfd and the control socket
+//! (whose end means the peer process is gone) for the reader thread's sleep and for
+//! stopping the pipe.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::rpc::frame::FrameLimits;
 
-use super::adapter::{send_frame, Received};
 use super::decode::decode_message;
 use super::{shm_io, RECEIVE_POLL};
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::{
-    poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
-    StopConnection, TryRecv, Wake,
+    poll_two, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, OwnedFrame, TryRecv,
 };
-use crate::transport::shm::{ShmError, ShmReceiver, ShmSender};
+use crate::transport::shm::{ShmConnection, ShmError, ShmReceiver, ShmSender};
 
-/// The halves of a pipe whose adapter threads handed `sender` and `receiver` back, with
-/// the messages the receiving thread had queued (`leftover`).
-pub(super) fn thread_halves(
-    sender: ShmSender,
-    receiver: ShmReceiver,
-    leftover: VecDeque<Received>,
-    peer: Arc<str>,
-) -> Result<BlockingHalves, TransportError> {
+/// A received shm message: a whole message, or why the ring failed.
+pub(super) type Received = Result<Vec<u8>, ShmError>;
+
+/// An shm connection as a connection served by threads.
+pub(super) fn connection(
+    connection: ShmConnection,
+    peer: String,
+) -> Result<Connection, TransportError> {
+    let (sender, receiver) = connection.split();
     let duplicate = |op: &'static str| {
-        let peer = peer.to_string();
+        let peer = peer.clone();
         move |source| TransportError::Io { op, peer, source }
     };
-    let control = sender
-        .control_fd()
-        .try_clone_to_owned()
-        .map_err(duplicate("duplicate the control socket of the shm pipe to"))?;
-    let stopped = Arc::new(AtomicBool::new(false));
-    let wake = ShmWake {
+    let control = ShmControl {
+        socket: sender
+            .control_fd()
+            .try_clone_to_owned()
+            .map_err(duplicate("duplicate the control socket of the shm pipe to"))?,
         data: receiver
             .data_event_fd()
             .try_clone_to_owned()
             .map_err(duplicate("duplicate the data eventfd of the shm pipe to"))?,
-        control: receiver
+        peer_end: receiver
             .control_fd()
             .try_clone_to_owned()
             .map_err(duplicate("duplicate the control socket of the shm pipe to"))?,
+        stopped: Arc::new(AtomicBool::new(false)),
     };
-    Ok(BlockingHalves {
+    let shared: Arc<str> = Arc::from(peer.as_str());
+    Ok(Connection {
         sender: Box::new(ShmThreadSender {
             sender,
             buf: Vec::new(),
-            peer: Arc::clone(&peer),
+            peer: Arc::clone(&shared),
         }),
         receiver: Box::new(ShmThreadReceiver {
             receiver,
-            leftover,
-            peer,
-            stopped: Arc::clone(&stopped),
+            peer: shared,
+            stopped: Arc::clone(&control.stopped),
             ended: false,
         }),
-        stop: Arc::new(ShmStop { control, stopped }),
-        wake: Some(Arc::new(wake)),
+        control: Arc::new(control),
+        peer,
     })
+}
+
+/// Encodes `frame` into `buf` and sends it as one shm message.
+fn send_frame(
+    sender: &mut ShmSender,
+    frame: &OwnedFrame,
+    buf: &mut Vec<u8>,
+) -> Result<(), ShmError> {
+    let head = frame.encode_head().map_err(|e| ShmError::Handshake {
+        detail: format!("cannot encode a frame: {e}"),
+    })?;
+    buf.clear();
+    buf.reserve(frame.encoded_len());
+    buf.extend_from_slice(&head);
+    for part in frame.body() {
+        buf.extend_from_slice(part);
+    }
+    sender.send(buf)?;
+    if buf.capacity() > (1 << 20) {
+        *buf = Vec::new();
+    }
+    Ok(())
 }
 
 /// The sending half of a thread-served shm pipe.
@@ -72,7 +92,7 @@ struct ShmThreadSender {
     peer: Arc<str>,
 }
 
-impl BlockingSender for ShmThreadSender {
+impl FrameSender for ShmThreadSender {
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
         send_frame(&mut self.sender, frame, &mut self.buf).map_err(|e| TransportError::Io {
             op: "send to",
@@ -83,32 +103,27 @@ impl BlockingSender for ShmThreadSender {
     }
 }
 
-/// The receiving half of a thread-served shm pipe: first what the adapter thread had
-/// received, then the ring.
+/// The receiving half of a thread-served shm pipe.
 struct ShmThreadReceiver {
     receiver: ShmReceiver,
-    leftover: VecDeque<Received>,
     peer: Arc<str>,
     stopped: Arc<AtomicBool>,
     ended: bool,
 }
 
-impl BlockingReceiver for ShmThreadReceiver {
+impl FrameReceiver for ShmThreadReceiver {
     fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
         if self.ended {
             return Ok(TryRecv::Closed);
         }
-        let received = match self.leftover.pop_front() {
-            Some(received) => received,
-            None => match self.receiver.try_recv() {
-                Ok(Some(message)) => Ok(message),
-                Ok(None) if self.stopped.load(Ordering::Acquire) => {
-                    self.ended = true;
-                    return Ok(TryRecv::Closed);
-                }
-                Ok(None) => return Ok(TryRecv::Empty),
-                Err(e) => Err(e),
-            },
+        let received: Received = match self.receiver.try_recv() {
+            Ok(Some(message)) => Ok(message),
+            Ok(None) if self.stopped.load(Ordering::Acquire) => {
+                self.ended = true;
+                return Ok(TryRecv::Closed);
+            }
+            Ok(None) => return Ok(TryRecv::Empty),
+            Err(e) => Err(e),
         };
         match decode_message(received, limits, &self.peer) {
             Ok(Some(frame)) => Ok(TryRecv::Frame(frame)),
@@ -124,7 +139,7 @@ impl BlockingReceiver for ShmThreadReceiver {
     }
 
     fn arm(&mut self) -> Result<bool, TransportError> {
-        if self.ended || !self.leftover.is_empty() || self.stopped.load(Ordering::Acquire) {
+        if self.ended || self.stopped.load(Ordering::Acquire) {
             return Ok(false);
         }
         self.receiver
@@ -145,18 +160,15 @@ impl BlockingReceiver for ShmThreadReceiver {
         if self.ended {
             return Ok(None);
         }
-        let received = match self.leftover.pop_front() {
-            Some(received) => received,
-            None => loop {
-                if self.stopped.load(Ordering::Acquire) {
-                    self.ended = true;
-                    return Ok(None);
-                }
-                match self.receiver.recv_timeout(RECEIVE_POLL) {
-                    Err(ShmError::Timeout { .. }) => continue,
-                    other => break other,
-                }
-            },
+        let received = loop {
+            if self.stopped.load(Ordering::Acquire) {
+                self.ended = true;
+                return Ok(None);
+            }
+            match self.receiver.recv_timeout(RECEIVE_POLL) {
+                Err(ShmError::Timeout { .. }) => continue,
+                other => break other,
+            }
         };
         let decoded = decode_message(received, limits, &self.peer);
         if !matches!(decoded, Ok(Some(_))) {
@@ -176,16 +188,22 @@ impl ShmThreadReceiver {
     }
 }
 
-/// Sleeps on a thread-served shm pipe's data eventfd and control socket.
-struct ShmWake {
+/// Sleeps on a thread-served shm pipe's data eventfd and the peer's end of the control
+/// socket, and stops the pipe: the control socket is shut down (the peer sees the close)
+/// and the receiver sees the flag within [`RECEIVE_POLL`].
+struct ShmControl {
+    /// This side's control socket, shut down to stop.
+    socket: std::os::fd::OwnedFd,
     data: std::os::fd::OwnedFd,
-    control: std::os::fd::OwnedFd,
+    /// The control socket as the receiver watches it: readable means its end.
+    peer_end: std::os::fd::OwnedFd,
+    stopped: Arc<AtomicBool>,
 }
 
-impl Wake for ShmWake {
+impl Control for ShmControl {
     fn wait(&self, timeout: Duration) -> bool {
         use std::os::fd::AsFd;
-        let [_, control] = poll_two(self.data.as_fd(), self.control.as_fd(), timeout);
+        let [_, control] = poll_two(self.data.as_fd(), self.peer_end.as_fd(), timeout);
         // Nothing is ever sent on the control socket: readable means its end.
         control.intersects(
             rustix::event::PollFlags::IN
@@ -198,19 +216,10 @@ impl Wake for ShmWake {
         // Fails only when the counter would overflow: it is signalled then anyway.
         let _ = rustix::io::write(&self.data, &1u64.to_ne_bytes());
     }
-}
 
-/// Stops a thread-served shm pipe: the control socket is shut down (the peer sees the
-/// close) and the receiver sees the flag within [`RECEIVE_POLL`].
-struct ShmStop {
-    control: std::os::fd::OwnedFd,
-    stopped: Arc<AtomicBool>,
-}
-
-impl StopConnection for ShmStop {
     fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
         // Fails only on a socket already shut down.
-        let _ = rustix::net::shutdown(&self.control, rustix::net::Shutdown::Both);
+        let _ = rustix::net::shutdown(&self.socket, rustix::net::Shutdown::Both);
     }
 }

@@ -3,7 +3,7 @@
 
 use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
 
-use super::adapter::Received;
+use super::blocking::Received;
 use super::shm_io;
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::IncomingFrame;

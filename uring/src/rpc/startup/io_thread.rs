@@ -1,4 +1,5 @@
-//! The I/O thread's start: its executor, its listeners, the address they make.
+//! The I/O thread's start: its executor, its transports listening, the address they
+//! make.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -32,23 +33,23 @@ pub(super) fn spawn_io(
                 }
             };
             executor.run(async move {
-                let mut listeners = Vec::with_capacity(transports.len());
-                for transport in &transports {
+                let mut transports = transports;
+                let mut addresses = Vec::with_capacity(transports.len());
+                for transport in &mut transports {
                     match transport.listen() {
-                        Ok(listener) => listeners.push(listener),
+                        Ok(address) => addresses.push(address),
                         Err(e) => {
                             let _ = ready_tx.send(Err(InitError::from(e)));
                             return;
                         }
                     }
                 }
-                let address = join_addresses(listeners.iter().map(|l| l.address()));
-                let _ = ready_tx.send(Ok(address));
+                let _ = ready_tx.send(Ok(join_addresses(addresses.iter().map(String::as_str))));
                 let transports = transports
                     .into_iter()
                     .map(|t| -> Box<dyn Transport> { t })
                     .collect();
-                Io::run(shared, transports, listeners, jobs).await;
+                Io::run(shared, transports, jobs).await;
             });
         })
         .map_err(|e| InitError::Executor(e.to_string()))?;

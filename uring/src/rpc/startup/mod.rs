@@ -221,7 +221,7 @@ impl Start {
             store,
             keys,
             transports,
-            shm,
+            mut shm,
             mut plugged,
             channels,
             devices,
@@ -234,8 +234,8 @@ impl Start {
         for &(kind, priority) in &transports {
             let transport: Box<dyn Transport + Send> = match kind {
                 TransportKind::Tcp => Box::new(TcpTransport::new(host)),
-                TransportKind::Shm => match &shm {
-                    Some(shm) => Box::new(shm.clone()),
+                TransportKind::Shm => match shm.take() {
+                    Some(shm) => Box::new(shm),
                     None => continue,
                 },
                 other => match plugged.iter().position(|(k, _)| *k == other) {

@@ -314,20 +314,15 @@ mod tests {
         assert!(text.contains("boot_id"), "{text}");
     }
 
-    struct FakePlugin(TransportKind, Result<(), &'static str>);
-
-    impl TransportPlugin for FakePlugin {
-        fn kind(&self) -> TransportKind {
-            self.0
-        }
-
-        fn open(&self, host: IpAddr) -> Result<Box<dyn Transport + Send>, TransportError> {
-            self.1.map_err(|reason| TransportError::Unavailable {
-                transport: self.0,
+    /// A plugin of `kind` that opens a tcp transport, or is not viable with `reason`.
+    fn fake_plugin(kind: TransportKind, viable: Result<(), &'static str>) -> TransportPlugin {
+        TransportPlugin::new(kind, move |host| {
+            viable.map_err(|reason| TransportError::Unavailable {
+                transport: kind,
                 source: reason.into(),
             })?;
             Ok(Box::new(TcpTransport::new(host)))
-        }
+        })
     }
 
     #[test]
@@ -361,8 +356,8 @@ mod tests {
         let mut options = RpcOptions::new("file:///nonexistent");
         options.listen_host = Some(IpAddr::V4(Ipv4Addr::LOCALHOST));
         options.transport_plugins = vec![
-            Arc::new(FakePlugin(TransportKind::Ibv, Err("no verbs here"))),
-            Arc::new(FakePlugin(TransportKind::Ibv, Ok(()))),
+            fake_plugin(TransportKind::Ibv, Err("no verbs here")),
+            fake_plugin(TransportKind::Ibv, Ok(())),
         ];
         let debug = format!("{options:?}");
         assert!(debug.contains("transport_plugins: [Ibv, Ibv]"), "{debug}");
@@ -375,10 +370,10 @@ mod tests {
         options.transports = Some(vec!["tcp".into()]);
         assert!(open_plugins(&options).is_ok_and(|o| o.is_empty()));
         options.transports = Some(vec!["ibv".into(), "tcp".into()]);
-        options.transport_plugins = vec![Arc::new(FakePlugin(TransportKind::Ibv, Ok(())))];
+        options.transport_plugins = vec![fake_plugin(TransportKind::Ibv, Ok(()))];
         assert!(open_plugins(&options)
             .is_ok_and(|o| matches!(o.as_slice(), [(TransportKind::Ibv, Ok(_))])));
-        options.transport_plugins = vec![Arc::new(FakePlugin(TransportKind::Tcp, Ok(())))];
+        options.transport_plugins = vec![fake_plugin(TransportKind::Tcp, Ok(()))];
         assert!(matches!(
             open_plugins(&options),
             Err(InitError::InvalidOption {

@@ -1,6 +1,6 @@
-//! A tcp pipe served by threads (a lane): the socket taken off the I/O executor and put
-//! in blocking mode, with the same framing code; a poll on the socket and an eventfd
-//! for the reader thread's sleep, and `shutdown(2)` to stop it from any thread.
+//! A tcp pipe served by threads: the socket in blocking mode, with the framing code; a
+//! poll on the socket and an eventfd for the reader thread's sleep, and `shutdown(2)` to
+//! stop it from any thread.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,14 +9,12 @@ use futures_lite::io::AssertAsync;
 use rdzv_core::rpc::frame::{Decoded, FrameDecoder, FrameLimits};
 
 use super::framing::{TcpReceiver, TcpSender, READ_CHUNK};
-use super::{AsyncReceiver, AsyncSender};
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::{
-    poll_two, BlockingHalves, BlockingReceiver, BlockingSender, IncomingFrame, OwnedFrame,
-    StopConnection, TryRecv, Wake,
+    poll_two, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, OwnedFrame, TryRecv,
 };
 
-/// The halves served by threads: the same code over a blocking socket.
+/// The halves served by threads: the framing code over a blocking socket.
 type ThreadSender = TcpSender<AssertAsync<std::net::TcpStream>>;
 type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
 
@@ -24,83 +22,57 @@ type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
 /// peer whose process stopped reading must not hold a caller's thread forever.
 const STALLED_SEND: Duration = Duration::from_secs(30);
 
-/// Stops a thread-served TCP pipe: `shutdown(2)` both ways wakes its reader.
-struct TcpStop(std::net::TcpStream);
-
-impl StopConnection for TcpStop {
-    fn stop(&self) {
-        // Fails only on a socket that is no longer connected: then it is stopped already.
-        let _ = self.0.shutdown(std::net::Shutdown::Both);
-    }
-}
-
-/// Takes a connection's halves off the executor: the socket, rejoined from tokio's
-/// halves and set blocking, carries the bytes the receiver already buffered.
-pub(super) fn thread_halves(
-    sender: AsyncSender,
-    receiver: AsyncReceiver,
-) -> Result<BlockingHalves, TransportError> {
-    let peer = Arc::clone(&sender.peer);
+/// A connected socket (taken off the executor that connected or accepted it) as a
+/// connection served by threads.
+pub(super) fn connection(
+    stream: std::net::TcpStream,
+    peer: String,
+) -> Result<Connection, TransportError> {
     let io_error = |op, source| TransportError::Io {
         op,
-        peer: peer.to_string(),
+        peer: peer.clone(),
         source,
     };
-    let TcpSender { write, scratch, .. } = sender;
-    let TcpReceiver {
-        buf, filled, read, ..
-    } = receiver;
-    let stream = read
-        .into_inner()
-        .reunite(write.into_inner())
-        .map_err(|_| {
-            io_error(
-                "rejoin the socket halves of",
-                std::io::Error::other("the halves belong to different sockets"),
-            )
-        })?
-        .into_std()
-        .map_err(|e| io_error("take off the executor the socket of", e))?;
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "TCP_NODELAY failed");
+    }
     stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_write_timeout(Some(STALLED_SEND)))
         .map_err(|e| io_error("configure the socket of", e))?;
-    let stop = stream
-        .try_clone()
-        .map_err(|e| io_error("duplicate the socket of", e))?;
-    let writer = stream
-        .try_clone()
-        .map_err(|e| io_error("duplicate the socket of", e))?;
-    let wake = TcpWake {
-        socket: std::os::fd::OwnedFd::from(
-            stream
-                .try_clone()
-                .map_err(|e| io_error("duplicate the socket of", e))?,
-        ),
+    let duplicate = |stream: &std::net::TcpStream| {
+        stream
+            .try_clone()
+            .map_err(|e| io_error("duplicate the socket of", e))
+    };
+    let (writer, socket) = (duplicate(&stream)?, duplicate(&stream)?);
+    let control = TcpControl {
+        socket,
         kick: rustix::event::eventfd(
             0,
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )
         .map_err(|e| io_error("create an eventfd for", e.into()))?,
     };
-    Ok(BlockingHalves {
+    let shared: Arc<str> = Arc::from(peer.as_str());
+    Ok(Connection {
         sender: Box::new(TcpSender {
             write: AssertAsync::new(writer),
-            peer: Arc::clone(&peer),
-            scratch,
+            peer: Arc::clone(&shared),
+            scratch: Vec::new(),
         }),
         receiver: Box::new(TcpReceiver {
             read: AssertAsync::new(stream),
-            peer,
-            buf,
-            filled,
+            peer: shared,
+            buf: Vec::new(),
+            filled: 0,
         }),
-        stop: Arc::new(TcpStop(stop)),
-        wake: Some(Arc::new(wake)),
+        control: Arc::new(control),
+        peer,
     })
 }
 
-impl BlockingSender for ThreadSender {
+impl FrameSender for ThreadSender {
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
         futures_lite::future::block_on(self.send_frame(frame))
     }
@@ -131,7 +103,7 @@ impl ThreadReceiver {
     }
 }
 
-impl BlockingReceiver for ThreadReceiver {
+impl FrameReceiver for ThreadReceiver {
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
         futures_lite::future::block_on(self.recv_frame(limits))
     }
@@ -183,13 +155,14 @@ impl BlockingReceiver for ThreadReceiver {
     }
 }
 
-/// Sleeps on a thread-served TCP pipe's socket, and on an eventfd that kicks it.
-struct TcpWake {
-    socket: std::os::fd::OwnedFd,
+/// Sleeps on a thread-served TCP pipe's socket and on an eventfd that kicks it, and
+/// stops the pipe with `shutdown(2)` both ways (which also wakes its reader).
+struct TcpControl {
+    socket: std::net::TcpStream,
     kick: std::os::fd::OwnedFd,
 }
 
-impl Wake for TcpWake {
+impl Control for TcpControl {
     fn wait(&self, timeout: Duration) -> bool {
         use std::os::fd::AsFd;
         let [_, kick] = poll_two(self.socket.as_fd(), self.kick.as_fd(), timeout);
@@ -203,5 +176,10 @@ impl Wake for TcpWake {
 
     fn kick(&self) {
         let _ = rustix::io::write(&self.kick, &1u64.to_ne_bytes());
+    }
+
+    fn stop(&self) {
+        // Fails only on a socket that is no longer connected: then it is stopped already.
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
     }
 }

@@ -4,8 +4,8 @@
 //! It is a current-thread tokio runtime (epoll through mio, and tokio's timer) with a
 //! [`LocalSet`](tokio::task::LocalSet), so that the seam's futures need not be `Send`.
 //! It needs no io_uring: the agent runs where a seccomp profile refuses `io_uring_setup`
-//! (Docker ≥ 25, containerd 2). The data path does not run here: after its handshake
-//! every pipe is served by threads ([`FrameSender::into_blocking`](super::FrameSender)).
+//! (Docker ≥ 25, containerd 2). Only accepting and connecting run here: every connection
+//! is served by threads ([`Connection`](super::Connection)).
 
 use std::future::Future;
 
