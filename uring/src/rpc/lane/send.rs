@@ -8,7 +8,7 @@ use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::pipe::{Refusal, Transmit};
 
-use super::{Lane, Machine, SendFailure, Shared};
+use super::{Lane, LaneContext, Machine, SendFailure};
 use crate::rpc::calls::Pending;
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
@@ -36,7 +36,7 @@ impl Lane {
     }
 
     /// Sends a call's request on this lane, from the caller's thread.
-    pub(crate) fn call(self: &Arc<Self>, shared: &Shared, call: Call) {
+    pub(crate) fn call(self: &Arc<Self>, ctx: &LaneContext, call: Call) {
         let Call {
             message_id,
             peer,
@@ -53,21 +53,20 @@ impl Lane {
             timeout,
             completion,
         };
-        if let Err(pending) = shared.calls_table.register(message_id, pending) {
-            let name = shared.me.name().to_string();
-            shared
-                .calls_table
+        if let Err(pending) = ctx.calls.register(message_id, pending) {
+            let name = ctx.me.name().to_string();
+            ctx.calls
                 .complete(&pending.completion, Err(CallError::ShutDown { name }));
             return;
         }
-        self.send_request(shared, message_id, handler, message);
+        self.send_request(ctx, message_id, handler, message);
     }
 
     /// Sends the request of call `message_id`, already pending on this lane (a call
     /// that timed out meanwhile is skipped).
     pub(crate) fn send_request(
         &self,
-        shared: &Shared,
+        ctx: &LaneContext,
         message_id: u64,
         handler: String,
         message: Message,
@@ -80,7 +79,7 @@ impl Lane {
         };
         let mut exports = FrameExports::default();
         let built = tensor_frame(
-            &shared.framer,
+            &self.framer,
             &mut frame,
             &mut exports,
             message.tensors,
@@ -90,12 +89,12 @@ impl Lane {
         );
         if let Err(e) = built {
             // Nothing was sent: this call alone fails.
-            if let Some(pending) = shared.calls_table.take(message_id) {
-                shared.calls_table.complete(&pending.completion, Err(e));
+            if let Some(pending) = ctx.calls.take(message_id) {
+                ctx.calls.complete(&pending.completion, Err(e));
             }
             return;
         }
-        shared.calls_table.set_sent(message_id, sent_bytes(&frame));
+        ctx.calls.set_sent(message_id, sent_bytes(&frame));
         let streamed = exports.take_streamed();
         // What it lends is held until the reply arrives or the lane ends.
         let lent = (!exports.is_empty()).then_some(exports);
@@ -105,12 +104,12 @@ impl Lane {
         };
         if let Err(refusal) = accepted {
             // Never sent: this call alone fails (what it would have lent is dropped).
-            if let Some(pending) = shared.calls_table.take(message_id) {
+            if let Some(pending) = ctx.calls.take(message_id) {
                 let error = CallError::PipeBroken {
                     peer: self.peer.clone(),
                     reason: refusal.to_string(),
                 };
-                shared.calls_table.fail(pending, error);
+                ctx.calls.fail(pending, error);
             }
             return;
         }
@@ -121,27 +120,22 @@ impl Lane {
                 if let Machine::Client(pipe) = &mut *self.machine() {
                     drop(pipe.unsent(message_id));
                 }
-                if let Some(pending) = shared.calls_table.take(message_id) {
+                if let Some(pending) = ctx.calls.take(message_id) {
                     let error = CallError::InjectedFault {
                         peer: pending.peer.clone(),
                         handler,
                     };
-                    shared.calls_table.fail(pending, error);
+                    ctx.calls.fail(pending, error);
                 }
             }
-            Err(SendFailure::Broken(reason)) => self.end(shared, reason),
+            Err(SendFailure::Broken(reason)) => self.end(ctx, reason),
         }
     }
 
     /// Sends the response to request `message_id` of this inbound lane.
-    pub(crate) fn respond(
-        &self,
-        shared: &Shared,
-        message_id: u64,
-        result: Result<Message, String>,
-    ) {
+    pub(crate) fn respond(&self, message_id: u64, result: Result<Message, String>) {
         let (frame, mut exports) = response_frame(
-            &shared.framer,
+            &self.framer,
             message_id,
             result,
             &self.peer,
