@@ -22,6 +22,7 @@ use crate::rpc::dispatch::Dispatch;
 use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
+use crate::rpc::lane::LaneContext;
 use crate::rpc::mailbox::Command;
 use crate::rpc::message::{Message, RpcFuture};
 use crate::rpc::options::RESERVED_PREFIX;
@@ -71,6 +72,8 @@ pub struct RpcAgent {
     pub(crate) dispatch: Arc<Dispatch>,
     /// Metrics, network data and channel bytes.
     pub(crate) counters: Arc<Counters>,
+    /// What the I/O thread starts lanes with (the mpt listener closes at shutdown).
+    pub(crate) lanes: Arc<LaneContext>,
     /// The RRef runtime (also behind `dispatch.rrefs`).
     pub(crate) rrefs: Arc<RRefs>,
     /// `None` for a dynamic group.
@@ -475,7 +478,7 @@ impl RpcAgent {
         if let Some(io) = io {
             let _ = io.join();
         }
-        if let Some(mpt) = &self.dispatch.lanes.mpt {
+        if let Some(mpt) = &self.lanes.mpt {
             mpt.listener.close();
         }
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));

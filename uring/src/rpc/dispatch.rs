@@ -4,7 +4,7 @@
 //! `rpc_sync` reads its own reply for a while.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdzv_core::rpc::name::WorkerInfo;
@@ -13,7 +13,7 @@ use rdzv_core::rpc::timeouts::RpcTimeout;
 use super::client::Caller;
 use super::counters::JoinGate;
 use super::error::{CallError, UsageError};
-use super::lane::{self, Lane, LaneContext};
+use super::lane::{self, Lane, Lanes};
 use super::mailbox::{Call, Command, Mailbox};
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
@@ -28,8 +28,10 @@ pub(crate) struct Dispatch {
     pub gate: Arc<JoinGate>,
     /// The message ids and default timeout of this worker's calls.
     pub ids: CallIds,
-    /// The lanes a call may go on (and the calls table they register it in).
-    pub lanes: Arc<LaneContext>,
+    /// The lanes a call may go on.
+    pub lanes: Arc<Mutex<Lanes>>,
+    /// `RpcOptions::wait_spin`: how long a caller spins on its reply.
+    pub wait_spin: Duration,
     /// Calls whose pipe is not open yet go to the I/O thread through it.
     pub mailbox: Arc<Mailbox>,
     /// The RRef runtime, which `remote()` and forks go through (the `rref` module's
@@ -90,8 +92,7 @@ impl Caller for Dispatch {
         match lane {
             // On a polled lane (shm) the caller reads its reply itself for a while.
             Some(lane) if lane.is_polled() => {
-                let spin = self.lanes.wait_spin;
-                lane.read_own_reply(&self.lanes, future.completion(), spin);
+                lane.read_own_reply(future.completion(), self.wait_spin);
                 future.wait_sleeping()
             }
             _ => future.wait(),
@@ -111,7 +112,7 @@ fn start(
     message: Message,
     timeout: Option<Duration>,
 ) -> (RpcFuture, Option<Arc<Lane>>) {
-    let (future, completion) = RpcFuture::with_spin(dispatch.lanes.wait_spin);
+    let (future, completion) = RpcFuture::with_spin(dispatch.wait_spin);
     let known = dispatch.registry.group().peers.contains_key(to);
     if !known {
         completion.complete(Err(CallError::Usage(UsageError::UnknownWorker {
@@ -138,7 +139,7 @@ fn start(
     // A pipe served by threads takes the request from this thread; otherwise the
     // I/O thread sends it.
     if let Some(lane) = lane::client_lane(&dispatch.lanes, to) {
-        lane.call(&dispatch.lanes, call);
+        lane.call(dispatch.me.name(), call);
         return (future, Some(lane));
     }
     if let Err(Command::Call(call)) = dispatch.mailbox.push(Command::Call(call)) {

@@ -198,8 +198,8 @@ impl Io {
 
     fn start_call(self: &Rc<Self>, call: Call) {
         // A lane opened since the caller looked: the call goes there.
-        if let Some(lane) = lane::client_lane(&self.lanes, &call.peer) {
-            lane.call(&self.lanes, call);
+        if let Some(lane) = lane::client_lane(&self.lanes.lanes, &call.peer) {
+            lane.call(self.name(), call);
             return;
         }
         let address = self
@@ -300,14 +300,9 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
-        let lanes = self
-            .lanes
-            .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain();
+        let lanes = lane::lock(&self.lanes.lanes).drain();
         for lane in lanes {
-            lane.end(&self.lanes, "this worker reset its pipes".into());
+            lane.end("this worker reset its pipes".into());
         }
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
@@ -320,12 +315,7 @@ impl Io {
         // (before the lanes stop, whose readers would call it a broken pipe); the timer
         // stops.
         let pending = self.lanes.calls.close();
-        let lanes = self
-            .lanes
-            .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .close();
+        let lanes = lane::lock(&self.lanes.lanes).close();
         if goodbye && !lanes.is_empty() {
             // Goodbyes go out from a thread of their own: a send may wait for a slow
             // peer, and the executor must not. After FLUSH_WAIT the lanes stop anyway

@@ -47,18 +47,19 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
+use super::calls::Calls;
 use super::device::Devices;
 use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
-use super::mpt::{LanesError, MptLanes, LANES_TIMEOUT};
+use super::mpt::{LanesError, MptLanes, MptSetup, LANES_TIMEOUT};
 use super::outgoing::Framer;
 use super::tensors::{cpu_channel, FrameExports, PipeReader};
 use super::transport::{
@@ -97,6 +98,10 @@ pub(crate) struct Lane {
     devices: Devices,
     /// Builds the frames this lane sends (requests and responses).
     framer: Arc<Framer>,
+    /// The calls in flight: those sent on this lane wait there for their reply.
+    calls: Arc<Calls>,
+    /// The registry of lanes, which this lane leaves when it ends.
+    registry: Weak<Mutex<Lanes>>,
     /// The pipe's protocol (core's `rpc::pipe`): which replies reach a call, what is
     /// acked, and the buffers lent to the peer until their reply or ack (given up when
     /// the lane ends).
@@ -190,8 +195,9 @@ impl Lanes {
     }
 }
 
-fn lanes(ctx: &LaneContext) -> MutexGuard<'_, Lanes> {
-    ctx.lanes.lock().unwrap_or_else(|p| p.into_inner())
+/// The registry of lanes, locked.
+pub(crate) fn lock(lanes: &Mutex<Lanes>) -> MutexGuard<'_, Lanes> {
+    lanes.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Lane {
@@ -220,6 +226,8 @@ impl Lane {
             reader: Arc::new(PipeReader::default()),
             devices: ctx.devices.clone(),
             framer: Arc::clone(&ctx.framer),
+            calls: Arc::clone(&ctx.calls),
+            registry: Arc::downgrade(&ctx.lanes),
             machine: Mutex::new(match role {
                 Role::Connector => Machine::Client(ClientPipe::new()),
                 Role::Listener => Machine::Inbound(InboundPipe::new()),
@@ -321,25 +329,28 @@ impl Lane {
         let lane = Lane::new(id, name, negotiated, halves, ctx, Role::Listener);
         let registered = Arc::clone(&lane);
         let server = Arc::clone(server);
+        let spin = ctx.wait_spin;
+        // The mpt listener, which only a lane that negotiated mpt reads.
+        let mpt = mpt_token.and(ctx.mpt.clone());
         Lane::start(
             ctx,
             &lane,
             move |lanes| lanes.inbound.insert(id, registered),
-            move |ctx, lane| {
+            move |lane| {
                 if let Some(token) = mpt_token {
-                    if let Err(reason) = lane.claim_mpt(ctx, token) {
+                    if let Err(reason) = lane.claim_mpt(mpt.as_deref(), token) {
                         tracing::warn!(peer = %lane.peer, %reason, "an inbound RPC pipe's mpt lanes did not arrive");
-                        return lane.end(ctx, reason.to_string());
+                        return lane.end(reason.to_string());
                     }
                 }
-                inbound_reader((ctx, &server), lane, peer_id, &jobs);
+                inbound_reader(&server, spin, lane, peer_id, &jobs);
             },
         );
     }
 
     /// Takes the mpt lanes the peer opened for this pipe with `token`.
-    fn claim_mpt(&self, ctx: &LaneContext, token: u64) -> Result<(), LanesError> {
-        let Some(setup) = &ctx.mpt else {
+    fn claim_mpt(&self, setup: Option<&MptSetup>, token: u64) -> Result<(), LanesError> {
+        let Some(setup) = setup else {
             return Err(LanesError::NoListener);
         };
         let streams = setup
@@ -358,13 +369,13 @@ impl Lane {
     /// Registers `lane` (with `register`, unless the registry is closed) and starts its
     /// reader thread running `read`; `false` (the lane stopped) when either fails.
     fn start(
-        ctx: &Arc<LaneContext>,
+        ctx: &LaneContext,
         lane: &Arc<Lane>,
         register: impl FnOnce(&mut Lanes) -> Option<Arc<Lane>>,
-        read: impl FnOnce(&Arc<LaneContext>, &Arc<Lane>) + Send + 'static,
+        read: impl FnOnce(&Arc<Lane>) + Send + 'static,
     ) -> bool {
         {
-            let mut lanes = lanes(ctx);
+            let mut lanes = lock(&ctx.lanes);
             if lanes.closed {
                 lane.stop.stop();
                 return false;
@@ -372,17 +383,16 @@ impl Lane {
             register(&mut lanes);
         }
         let thread_lane = Arc::clone(lane);
-        let thread_ctx = Arc::clone(ctx);
         let spawned = std::thread::Builder::new()
             .name(format!("rdzv-rpc-lane-{}", lane.id))
             .spawn(move || {
                 mark_io_thread();
-                read(&thread_ctx, &thread_lane);
+                read(&thread_lane);
             });
         match spawned {
             Ok(_) => true,
             Err(e) => {
-                lane.end(ctx, format!("cannot start its reader thread: {e}"));
+                lane.end(format!("cannot start its reader thread: {e}"));
                 false
             }
         }
@@ -398,9 +408,10 @@ impl Lane {
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
     /// connection stops and the calls sent on it fail with `reason`.
-    pub(crate) fn end(&self, ctx: &LaneContext, reason: String) {
-        {
-            let mut lanes = lanes(ctx);
+    pub(crate) fn end(&self, reason: String) {
+        // Gone only with the agent's lane context, whose registry is then gone too.
+        if let Some(registry) = self.registry.upgrade() {
+            let mut lanes = lock(&registry);
             if lanes
                 .client
                 .get(&self.peer)
@@ -419,18 +430,18 @@ impl Lane {
         self.stop();
         // Given up last: the peer can no longer ask for them.
         drop(ended.lent);
-        for pending in ctx.calls.take_pipe(self.id) {
+        for pending in self.calls.take_pipe(self.id) {
             let error = CallError::PipeBroken {
                 peer: self.peer.clone(),
                 reason: reason.clone(),
             };
-            ctx.calls.fail(pending, error);
+            self.calls.fail(pending, error);
         }
     }
 }
 
 /// The client lane to `to`, if calls may take it (every tensor of `message` must go on
 /// the `basic` channel, which a lane carries in its frames).
-pub(crate) fn client_lane(ctx: &LaneContext, to: &str) -> Option<Arc<Lane>> {
-    lanes(ctx).client(to)
+pub(crate) fn client_lane(lanes: &Mutex<Lanes>, to: &str) -> Option<Arc<Lane>> {
+    lock(lanes).client(to)
 }

@@ -143,7 +143,7 @@ impl Io {
             message,
         } in queued
         {
-            lane.send_request(&self.lanes, message_id, handler, message);
+            lane.send_request(message_id, handler, message);
         }
     }
     /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,

@@ -10,7 +10,7 @@ use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
 
-use super::{Lane, LaneContext, Machine, WAKE_POLL};
+use super::{Lane, Machine, WAKE_POLL};
 use crate::rpc::calls::Reply;
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::message::Completion;
@@ -103,12 +103,7 @@ impl Lane {
     /// A caller waiting for `completion` reads the lane itself for up to `spin` while
     /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
     /// at once on a lane that cannot be polled, or when another thread reads.
-    pub(crate) fn read_own_reply(
-        &self,
-        ctx: &LaneContext,
-        completion: &Completion,
-        spin: Duration,
-    ) {
+    pub(crate) fn read_own_reply(&self, completion: &Completion, spin: Duration) {
         let Some(wake) = &self.wake else { return };
         let start = Instant::now();
         while !completion.is_done_relaxed() && start.elapsed() < spin {
@@ -127,7 +122,7 @@ impl Lane {
                             ended = Some(e.to_string());
                             break;
                         }
-                        if let Some(reason) = self.on_client_frame(ctx, frame) {
+                        if let Some(reason) = self.on_client_frame(frame) {
                             ended = Some(reason);
                             break;
                         }
@@ -155,7 +150,7 @@ impl Lane {
                 wake.kick();
             }
             if let Some(reason) = ended {
-                self.end(ctx, reason);
+                self.end(reason);
             }
             return;
         }
@@ -166,11 +161,7 @@ impl Lane {
     /// gives back what its request lent and completes the call; a response's
     /// out-of-band tensors are pulled here, then acked; anything else is dropped (and
     /// acked if it lent buffers).
-    pub(super) fn on_client_frame(
-        &self,
-        ctx: &LaneContext,
-        frame: IncomingFrame,
-    ) -> Option<String> {
+    pub(super) fn on_client_frame(&self, frame: IncomingFrame) -> Option<String> {
         let header = PipeFrame::new(
             frame.kind,
             frame.message_id,
@@ -194,7 +185,7 @@ impl Lane {
             match event {
                 ClientEvent::Reply { released, lent, .. } => {
                     if let Some(frame) = frame.take() {
-                        self.on_reply(ctx, frame, lent);
+                        self.on_reply(frame, lent);
                     }
                     // The callee answered, so it read what the request lent.
                     if let Some(released) = released {
@@ -216,9 +207,9 @@ impl Lane {
 
     /// Completes the call reply `frame` answers (if it still waits: it may have timed
     /// out); `lent`: the reply lent buffers, which are pulled (or not) and then acked.
-    pub(super) fn on_reply(&self, ctx: &LaneContext, frame: IncomingFrame, lent: bool) {
+    pub(super) fn on_reply(&self, frame: IncomingFrame, lent: bool) {
         let message_id = frame.message_id;
-        let Some(pending) = ctx.calls.take_reply(message_id, self.id) else {
+        let Some(pending) = self.calls.take_reply(message_id, self.id) else {
             tracing::debug!(message_id, "late reply dropped");
             if lent {
                 // Nobody reads its tensors: let the callee release them.
@@ -227,7 +218,7 @@ impl Lane {
             return;
         };
         let peer = pending.peer.clone();
-        match ctx
+        match self
             .calls
             .reply(pending, frame, &self.negotiated, &self.reader)
         {
@@ -246,18 +237,18 @@ impl Lane {
                     }),
                     (_, pulled) => pulled,
                 };
-                ctx.calls.complete(&completion, pulled);
+                self.calls.complete(&completion, pulled);
             }
         }
     }
 }
 
-pub(super) fn client_reader(ctx: &Arc<LaneContext>, lane: &Arc<Lane>) {
+pub(super) fn client_reader(lane: &Arc<Lane>) {
     let reason = loop {
         // The client side does not spin: a waiting caller reads itself (polled lanes).
         match lane.next_frame(Duration::ZERO) {
             Ok(Some(frame)) => {
-                if let Some(reason) = lane.on_client_frame(ctx, frame) {
+                if let Some(reason) = lane.on_client_frame(frame) {
                     break reason;
                 }
             }
@@ -265,5 +256,5 @@ pub(super) fn client_reader(ctx: &Arc<LaneContext>, lane: &Arc<Lane>) {
             Err(e) => break e.to_string(),
         }
     };
-    lane.end(ctx, reason);
+    lane.end(reason);
 }

@@ -4,13 +4,13 @@
 
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
 
-use super::{Lane, LaneContext, Machine};
+use super::{Lane, Machine};
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::counters::JoinGate;
 use crate::rpc::error::CallError;
@@ -62,14 +62,15 @@ impl Responder {
 }
 
 pub(super) fn inbound_reader(
-    (ctx, server): (&LaneContext, &Server),
+    server: &Server,
+    spin: Duration,
     lane: &Arc<Lane>,
     peer_id: WorkerId,
     jobs: &Sender<Job>,
 ) {
     'read: loop {
         // Spinning here answers a waiting caller without a wake-up on this side.
-        let frame = match lane.next_frame(ctx.wait_spin) {
+        let frame = match lane.next_frame(spin) {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
@@ -110,7 +111,7 @@ pub(super) fn inbound_reader(
         }
     }
     // Leaves the registry, stops, and gives up what responses lent.
-    lane.end(ctx, "the inbound pipe ended".into());
+    lane.end("the inbound pipe ended".into());
 }
 
 /// Serves a request that arrived on inbound lane `lane` from the peer `peer_id`: an

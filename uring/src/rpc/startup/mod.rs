@@ -254,7 +254,7 @@ impl Start {
                     source,
                 })
             })?;
-            Some(started)
+            Some(Arc::new(started))
         } else {
             None
         };
@@ -280,10 +280,9 @@ impl Start {
             counters: Arc::clone(&counters),
         });
         let lanes = Arc::new(LaneContext {
-            me: me.clone(),
             calls: calls_table,
             framer,
-            lanes: Mutex::new(Lanes::default()),
+            lanes: Arc::new(Mutex::new(Lanes::default())),
             faults: crate::rpc::faults::Faults::new(&options.fault_injection),
             mpt,
             devices,
@@ -305,7 +304,8 @@ impl Start {
                 registry: Arc::clone(&registry),
                 gate: Arc::clone(&gate),
                 ids: CallIds::new(RpcTimeout::from_duration(options.rpc_timeout)),
-                lanes: Arc::clone(&lanes),
+                lanes: Arc::clone(&lanes.lanes),
+                wait_spin: options.wait_spin,
                 mailbox: Arc::clone(&mailbox),
                 rrefs: runtime,
             }
@@ -357,6 +357,7 @@ impl Start {
         let agent = RpcAgent {
             dispatch: Arc::clone(&dispatch),
             counters,
+            lanes,
             rrefs,
             client: RpcClient::new(dispatch as Arc<dyn Caller>),
             world_size,
