@@ -43,7 +43,7 @@
 //! | `send` | requests from callers' threads, responses, the protocol's acks and goodbyes |
 //! | `receive` | the reader's next frame, a caller reading its own reply, a client lane's replies |
 //! | `serve` | an inbound lane's requests: inline handlers, [`Job`]s for the pool, [`Responder`] |
-//! | `context` | [`LaneContext`], what the lane layer uses (the lanes, the calls in flight, the framer, devices, mpt, faults, the spin) |
+//! | `context` | [`LaneContext`], what starting a lane takes (the registry of lanes, the calls in flight, the framer, devices, mpt, faults, the spin); a lane keeps the registry (weakly), the calls and the framer, so it sends, answers and ends with nothing passed in |
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
@@ -288,7 +288,7 @@ impl Lane {
     /// dropped, the connection closed) when the registry is closed or the thread cannot
     /// start.
     pub(crate) fn start_client(
-        ctx: &Arc<LaneContext>,
+        ctx: &LaneContext,
         id: u64,
         peer: String,
         negotiated: Negotiated,
@@ -317,7 +317,7 @@ impl Lane {
     /// peer's requests with `server` (non-inline ones through `jobs`). With `mpt_token`,
     /// the reader first claims the pipe's mpt lanes that the peer opened with that token.
     pub(crate) fn start_inbound(
-        (ctx, server): (&Arc<LaneContext>, &Arc<Server>),
+        (ctx, server): (&LaneContext, &Arc<Server>),
         id: u64,
         peer: (String, WorkerId),
         negotiated: Negotiated,
