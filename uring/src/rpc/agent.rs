@@ -22,9 +22,9 @@ use crate::rpc::dispatch::Dispatch;
 use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
-use crate::rpc::lane::LaneContext;
 use crate::rpc::mailbox::Command;
 use crate::rpc::message::{Message, RpcFuture};
+use crate::rpc::mpt::MptSetup;
 use crate::rpc::options::RESERVED_PREFIX;
 use crate::rpc::rref::{RRef, RRefShutdownReport};
 use crate::rpc::rref_runtime::{self, RRefs};
@@ -67,13 +67,12 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// again. A graceful call on an agent whose graceful shutdown gave up says so too,
 /// rather than reporting success; `shutdown(false)` after any of these succeeds.
 pub struct RpcAgent {
-    /// How calls start (this worker, the group and handlers, the call counts, the lanes,
-    /// the I/O thread's mailbox).
+    /// How calls start: this worker, the group and handlers, call counts, the mailbox.
     pub(crate) dispatch: Arc<Dispatch>,
     /// Metrics, network data and channel bytes.
     pub(crate) counters: Arc<Counters>,
-    /// What the I/O thread starts lanes with (the mpt listener closes at shutdown).
-    pub(crate) lanes: Arc<LaneContext>,
+    /// The mpt lane listener (closed at shutdown), when this worker offers mpt.
+    pub(crate) mpt: Option<Arc<MptSetup>>,
     /// The RRef runtime (also behind `dispatch.rrefs`).
     pub(crate) rrefs: Arc<RRefs>,
     /// `None` for a dynamic group.
@@ -478,7 +477,7 @@ impl RpcAgent {
         if let Some(io) = io {
             let _ = io.join();
         }
-        if let Some(mpt) = &self.lanes.mpt {
+        if let Some(mpt) = &self.mpt {
             mpt.listener.close();
         }
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
@@ -586,12 +585,8 @@ impl RpcAgent {
                 )?;
             }
             let mut leave = Leave::new(&self.keys, me.clone());
-            drive(
-                &*self.store,
-                Some(&self.dispatch.gate),
-                me.name(),
-                &mut leave,
-            )
+            let gate = Some(&*self.dispatch.gate);
+            drive(&*self.store, gate, me.name(), &mut leave)
         })();
         if left.is_err() {
             self.release_calls();

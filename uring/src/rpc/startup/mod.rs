@@ -357,7 +357,7 @@ impl Start {
         let agent = RpcAgent {
             dispatch: Arc::clone(&dispatch),
             counters,
-            lanes,
+            mpt: lanes.mpt.clone(),
             rrefs,
             client: RpcClient::new(dispatch as Arc<dyn Caller>),
             world_size,
