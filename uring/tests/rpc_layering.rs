@@ -163,7 +163,7 @@ fn rpc_modules_form_layers_without_a_cycle() {
         let module = parts[0].clone();
         let (super_is_rpc, super_super_is_rpc) = match parts.len() {
             1 => (true, false),
-            // `startup/mod.rs` is `startup`; `lane/shared.rs` is a child of `lane`.
+            // `startup/mod.rs` is `startup`; `lane/context.rs` is a child of `lane`.
             2 if parts[1] == "mod" => (true, false),
             2 => (false, true),
             _ => (false, false),

@@ -16,13 +16,15 @@ use rdzv_core::rpc::shutdown::{Join, JoinSequence, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
 use crate::rpc::client::RpcClient;
+use crate::rpc::counters::Counters;
 use crate::rpc::deadline::DeadlineStore;
+use crate::rpc::dispatch::Dispatch;
 use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
-use crate::rpc::lane::Shared;
 use crate::rpc::mailbox::Command;
 use crate::rpc::message::{Message, RpcFuture};
+use crate::rpc::mpt::MptSetup;
 use crate::rpc::options::RESERVED_PREFIX;
 use crate::rpc::rref::{RRef, RRefShutdownReport};
 use crate::rpc::rref_runtime::{self, RRefs};
@@ -65,8 +67,13 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// again. A graceful call on an agent whose graceful shutdown gave up says so too,
 /// rather than reporting success; `shutdown(false)` after any of these succeeds.
 pub struct RpcAgent {
-    pub(crate) shared: Arc<Shared>,
-    /// The RRef runtime (also behind `shared.rrefs`).
+    /// How calls start: this worker, the group and handlers, call counts, the mailbox.
+    pub(crate) dispatch: Arc<Dispatch>,
+    /// Metrics, network data and channel bytes.
+    pub(crate) counters: Arc<Counters>,
+    /// The mpt lane listener (closed at shutdown), when this worker offers mpt.
+    pub(crate) mpt: Option<Arc<MptSetup>>,
+    /// The RRef runtime (also behind `dispatch.rrefs`).
     pub(crate) rrefs: Arc<RRefs>,
     /// `None` for a dynamic group.
     pub(crate) world_size: Option<u32>,
@@ -83,7 +90,7 @@ pub struct RpcAgent {
 impl std::fmt::Debug for RpcAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RpcAgent")
-            .field("me", &self.shared.me)
+            .field("me", &self.dispatch.me)
             .field("world_size", &self.world_size)
             .field("address", &self.address)
             .finish()
@@ -93,7 +100,7 @@ impl std::fmt::Debug for RpcAgent {
 impl RpcAgent {
     /// This worker.
     pub fn worker_info(&self) -> &WorkerInfo {
-        &self.shared.me
+        &self.dispatch.me
     }
 
     /// The group's size.
@@ -110,7 +117,7 @@ impl RpcAgent {
     /// Every member of the group, this worker included, in id order.
     pub fn worker_infos(&self) -> Vec<WorkerInfo> {
         let mut infos: Vec<WorkerInfo> = self
-            .shared
+            .dispatch
             .registry
             .group()
             .peers
@@ -131,7 +138,7 @@ impl RpcAgent {
     /// # Errors
     /// [`UsageError::UnknownWorker`] if no member has that name.
     pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo, UsageError> {
-        let group = self.shared.registry.group();
+        let group = self.dispatch.registry.group();
         group
             .peers
             .get(name)
@@ -158,7 +165,7 @@ impl RpcAgent {
     /// [`UsageError::HandlerExists`] if the name is taken (names starting with `__rdzv_`
     /// are the agent's own).
     pub fn register_handler(&self, name: &str, handler: impl Handler) -> Result<(), UsageError> {
-        let mut handlers = self.shared.registry.handlers_mut();
+        let mut handlers = self.dispatch.registry.handlers_mut();
         if handlers.contains_key(name) || name.starts_with(RESERVED_PREFIX) {
             return Err(UsageError::HandlerExists {
                 name: name.to_string(),
@@ -223,7 +230,7 @@ impl RpcAgent {
     /// between workers on one host unless `transports` leaves it out, else `tcp`);
     /// `None` before the first call to `peer`.
     pub fn pipe_transport(&self, peer: &str) -> Option<TransportKind> {
-        self.shared.counters.pipe_transport(peer)
+        self.counters.pipe_transport(peer)
     }
 
     /// The channel that the last pipe this worker opened to `peer` uses for CPU tensors
@@ -231,21 +238,20 @@ impl RpcAgent {
     /// between processes of one host that pass its checks, else `basic`); `None` before
     /// the first call to `peer`, or when no channel serves CPU tensors on that pipe.
     pub fn pipe_channel(&self, peer: &str) -> Option<ChannelKind> {
-        self.shared.counters.pipe_channel(peer)
+        self.counters.pipe_channel(peer)
     }
 
     /// Tensor bytes this worker has sent (in requests and responses) per channel, for
     /// every channel that moved any.
     pub fn tensor_bytes_by_channel(&self) -> Vec<(ChannelKind, u64)> {
-        self.shared.counters.channel_bytes()
+        self.counters.channel_bytes()
     }
 
     /// `get_metrics()`: PyTorch's agent keys (`agent.client_active_calls`,
     /// `agent.server_active_calls`, ...) with their values as text, in a fixed order.
     pub fn get_metrics(&self) -> Vec<(String, String)> {
-        self.shared
-            .counters
-            .metrics(&self.shared.gate)
+        self.counters
+            .metrics(&self.dispatch.gate)
             .metrics()
             .map(|(key, value)| (key.to_string(), value.to_string()))
             .collect()
@@ -258,12 +264,12 @@ impl RpcAgent {
     /// GIL there; ours is the queue wait). Switching it off forgets what was measured.
     /// Inline handlers run where the request arrived and are not counted.
     pub fn enable_wait_profiling(&self, on: bool) {
-        self.shared.counters.enable_wait_profiling(on);
+        self.counters.enable_wait_profiling(on);
     }
 
     /// Per-peer network data: calls made to each peer, bytes sent and received, errors.
     pub fn network_data(&self) -> NetworkData {
-        self.shared.counters.network()
+        self.counters.network()
     }
 
     /// PyTorch's `wait_until_node_failure` test helper: probes `peer` every 100 ms until
@@ -328,7 +334,7 @@ impl RpcAgent {
     /// # Errors
     /// [`CallError::FlushTimeout`] naming the calls left after `timeout`.
     pub fn wait_until_pending_futures_flushed(&self, timeout: Duration) -> Result<(), CallError> {
-        match self.shared.gate.await_flushed(timeout) {
+        match self.dispatch.gate.await_flushed(timeout) {
             0 => Ok(()),
             pending => Err(CallError::FlushTimeout { pending }),
         }
@@ -337,7 +343,7 @@ impl RpcAgent {
     /// Closes every pipe now (e.g. after a network change): calls in flight on them fail
     /// with [`CallError::PipeBroken`], and the next call to each peer opens a new pipe.
     pub fn reset_pipes(&self) {
-        let _ = self.shared.mailbox.push(Command::ResetPipes);
+        let _ = self.dispatch.mailbox.push(Command::ResetPipes);
     }
 
     /// Graceful shutdown: `shutdown(true)`.
@@ -379,17 +385,17 @@ impl RpcAgent {
             .is_some();
         if !running {
             return Err(ShutdownError::ShutDown {
-                name: self.shared.me.name().to_string(),
+                name: self.dispatch.me.name().to_string(),
             });
         }
         match self.world_size {
             Some(world_size) => self.run_join_rounds(world_size, false, timeout),
             None => match timeout {
                 None => {
-                    self.shared.gate.await_no_client_calls();
+                    self.dispatch.gate.await_no_client_calls();
                     Ok(())
                 }
-                Some(timeout) => match self.shared.gate.await_flushed(timeout) {
+                Some(timeout) => match self.dispatch.gate.await_flushed(timeout) {
                     0 => Ok(()),
                     _ => Err(self.join_timeout(timeout, Vec::new())),
                 },
@@ -462,7 +468,7 @@ impl RpcAgent {
     }
 
     fn close(&self, goodbye: bool) {
-        let _ = self.shared.mailbox.push(Command::Close { goodbye });
+        let _ = self.dispatch.mailbox.push(Command::Close { goodbye });
         let io = self
             .io_thread
             .lock()
@@ -471,7 +477,7 @@ impl RpcAgent {
         if let Some(io) = io {
             let _ = io.join();
         }
-        if let Some(mpt) = &self.shared.mpt {
+        if let Some(mpt) = &self.mpt {
             mpt.listener.close();
         }
         let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
@@ -500,21 +506,21 @@ impl RpcAgent {
         timeout: Option<Duration>,
     ) -> Result<(), ShutdownError> {
         let first = self.join_start()?;
-        let me = self.shared.me.name();
+        let me = self.dispatch.me.name();
         let entry = self.keys.join_entry(first, me);
         self.store
             .set(&entry, b"")
             .map_err(store_error("set", &entry))?;
         let mut join = Join::new(self.keys.clone(), world_size, first, shutdown);
         let result = match timeout {
-            None => drive(&*self.store, Some(&self.shared.gate), me, &mut join),
+            None => drive(&*self.store, Some(&self.dispatch.gate), me, &mut join),
             Some(timeout) => {
                 let deadline = Instant::now() + timeout;
-                if self.shared.gate.await_flushed(timeout) > 0 {
+                if self.dispatch.gate.await_flushed(timeout) > 0 {
                     return Err(self.join_timeout(timeout, Vec::new()));
                 }
                 let store = DeadlineStore::new(&*self.store, deadline);
-                match drive(&store, Some(&self.shared.gate), me, &mut join) {
+                match drive(&store, Some(&self.dispatch.gate), me, &mut join) {
                     Err(_) if store.expired() => {
                         Err(self.join_timeout(timeout, self.missing_from_join(first)))
                     }
@@ -531,7 +537,7 @@ impl RpcAgent {
 
     /// The other members that never entered the join whose first barrier is `first`.
     fn missing_from_join(&self, first: u64) -> Vec<String> {
-        let me = self.shared.me.name();
+        let me = self.dispatch.me.name();
         self.worker_infos()
             .into_iter()
             .map(|w| w.name().to_string())
@@ -545,25 +551,25 @@ impl RpcAgent {
 
     fn join_timeout(&self, timeout: Duration, missing: Vec<String>) -> ShutdownError {
         ShutdownError::JoinTimeout {
-            name: self.shared.me.name().to_string(),
+            name: self.dispatch.me.name().to_string(),
             timeout,
             missing,
         }
     }
 
     fn release_calls(&self) {
-        self.shared.gate.release();
+        self.dispatch.gate.release();
     }
 
     /// A dynamic member's graceful leave, under the group token: tell every other
     /// member, then the core's `Leave` (no calls in flight, unlist, mark shutting down).
     fn run_leave(&self) -> Result<(), ShutdownError> {
-        let me = self.shared.me.clone();
+        let me = self.dispatch.me.clone();
         let token = membership_token(me.name(), Membership::Leave);
         acquire_token::<ShutdownError>(&*self.store, &self.keys, &token, me.name())?;
         let left = (|| -> Result<(), ShutdownError> {
             let others: Vec<String> = self
-                .shared
+                .dispatch
                 .registry
                 .group()
                 .peers
@@ -579,7 +585,8 @@ impl RpcAgent {
                 )?;
             }
             let mut leave = Leave::new(&self.keys, me.clone());
-            drive(&*self.store, Some(&self.shared.gate), me.name(), &mut leave)
+            let gate = Some(&*self.dispatch.gate);
+            drive(&*self.store, gate, me.name(), &mut leave)
         })();
         if left.is_err() {
             self.release_calls();

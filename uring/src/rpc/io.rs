@@ -32,14 +32,17 @@ use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, EncodeError, FrameError, FrameLimits, Handshake,
     HandshakeError,
 };
+use rdzv_core::rpc::name::WorkerInfo;
 use tokio::task::JoinHandle;
 
 use super::calls::Pending;
+use super::counters::Counters;
 use super::error::{CallError, UsageError};
-use super::lane::Shared;
-use super::lane::{self, Job};
-use super::mailbox::{Call, Command};
+use super::lane::{self, Job, LaneContext, Server};
+use super::mailbox::{Call, Command, Mailbox};
 use super::message::{Completion, Message};
+use super::offer::OfferSpec;
+use super::registry::Registry;
 use super::transport::{recv_within, Connection, Control, IncomingFrame, OwnedFrame, Transport};
 use crate::queue::on_thread;
 
@@ -71,8 +74,33 @@ struct IoState {
     next_handshake: u64,
 }
 
+/// What the I/O thread reads and feeds, from start-up.
+pub(crate) struct IoPieces {
+    pub me: WorkerInfo,
+    /// Members join and leave (no world size): a hello from a stranger is accepted.
+    pub dynamic: bool,
+    pub offer: OfferSpec,
+    /// The group (peers' addresses and ids).
+    pub registry: Arc<Registry>,
+    /// Commands for this thread.
+    pub mailbox: Arc<Mailbox>,
+    /// Pipe counts and negotiated choices.
+    pub counters: Arc<Counters>,
+    /// Where opened pipes go, and the calls table.
+    pub lanes: Arc<LaneContext>,
+    /// What inbound lanes serve requests with.
+    pub server: Arc<Server>,
+}
+
 pub(crate) struct Io {
-    shared: Arc<Shared>,
+    me: WorkerInfo,
+    dynamic: bool,
+    offer: OfferSpec,
+    registry: Arc<Registry>,
+    mailbox: Arc<Mailbox>,
+    counters: Arc<Counters>,
+    lanes: Arc<LaneContext>,
+    server: Arc<Server>,
     /// Highest priority first; the last one bootstraps every pipe.
     transports: Vec<Box<dyn Transport>>,
     /// Taken (dropped) at close, which lets the pool's threads exit.
@@ -92,12 +120,29 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 impl Io {
     /// Runs the I/O side until a [`Command::Close`]; every transport is listening.
     pub(super) async fn run(
-        shared: Arc<Shared>,
+        pieces: IoPieces,
         transports: Vec<Box<dyn Transport>>,
         jobs: Sender<Job>,
     ) {
+        let IoPieces {
+            me,
+            dynamic,
+            offer,
+            registry,
+            mailbox,
+            counters,
+            lanes,
+            server,
+        } = pieces;
         let io = Rc::new(Io {
-            shared,
+            me,
+            dynamic,
+            offer,
+            registry,
+            mailbox,
+            counters,
+            lanes,
+            server,
             transports,
             jobs: RefCell::new(Some(jobs)),
             tasks: RefCell::new(HashMap::new()),
@@ -108,7 +153,7 @@ impl Io {
             io.spawn(Rc::clone(&io).accept_loop(index));
         }
         loop {
-            let commands = io.shared.mailbox.pop_all().await;
+            let commands = io.mailbox.pop_all().await;
             if commands.is_empty() {
                 // Closed without a `Close` command: nothing more will come.
                 return;
@@ -139,7 +184,7 @@ impl Io {
     }
 
     fn name(&self) -> &str {
-        self.shared.me.name()
+        self.me.name()
     }
 
     fn shut_down_error(&self) -> CallError {
@@ -149,7 +194,7 @@ impl Io {
     }
 
     fn complete(&self, completion: &Arc<Completion>, result: Result<Message, CallError>) {
-        self.shared.calls_table.complete(completion, result);
+        self.lanes.calls.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
@@ -159,12 +204,11 @@ impl Io {
 
     fn start_call(self: &Rc<Self>, call: Call) {
         // A lane opened since the caller looked: the call goes there.
-        if let Some(lane) = lane::client_lane(&self.shared, &call.peer) {
-            lane.call(&self.shared, call);
+        if let Some(lane) = lane::client_lane(&self.lanes.lanes, &call.peer) {
+            lane.call(self.name(), call);
             return;
         }
         let address = self
-            .shared
             .registry
             .group()
             .peers
@@ -206,7 +250,7 @@ impl Io {
             timeout,
             completion,
         };
-        if let Err(pending) = self.shared.calls_table.register(message_id, pending) {
+        if let Err(pending) = self.lanes.calls.register(message_id, pending) {
             drop(state);
             self.complete(&pending.completion, Err(self.shut_down_error()));
             return;
@@ -242,13 +286,13 @@ impl Io {
                 state.opening.remove(peer);
             }
         }
-        for pending in self.shared.calls_table.take_pipe(pipe) {
+        for pending in self.lanes.calls.take_pipe(pipe) {
             self.fail_pending(pending, error());
         }
     }
 
     fn fail_pending(&self, pending: Pending, error: CallError) {
-        self.shared.calls_table.fail(pending, error);
+        self.lanes.calls.fail(pending, error);
     }
 
     /// Whether client pipe `id` to `peer` is still the one being opened (not reset or
@@ -262,14 +306,9 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
-        let lanes = self
-            .shared
-            .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain();
+        let lanes = lane::lock(&self.lanes.lanes).drain();
         for lane in lanes {
-            lane.end(&self.shared, "this worker reset its pipes".into());
+            lane.end("this worker reset its pipes".into());
         }
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
@@ -281,13 +320,8 @@ impl Io {
         // Every call still pending, on lanes or waiting for one, fails as shut down
         // (before the lanes stop, whose readers would call it a broken pipe); the timer
         // stops.
-        let pending = self.shared.calls_table.close();
-        let lanes = self
-            .shared
-            .lanes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .close();
+        let pending = self.lanes.calls.close();
+        let lanes = lane::lock(&self.lanes.lanes).close();
         if goodbye && !lanes.is_empty() {
             // Goodbyes go out from a thread of their own: a send may wait for a slow
             // peer, and the executor must not. After FLUSH_WAIT the lanes stop anyway
@@ -327,7 +361,7 @@ impl Io {
         for pending in pending {
             self.fail_pending(pending, self.shut_down_error());
         }
-        for command in self.shared.mailbox.close_and_take() {
+        for command in self.mailbox.close_and_take() {
             if let Command::Call(call) = command {
                 self.fail_unsent(call, self.shut_down_error());
             }

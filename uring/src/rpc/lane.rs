@@ -41,33 +41,35 @@
 //! | `send` | requests from callers' threads, responses, the protocol's acks and goodbyes |
 //! | `receive` | the reader's next frame, a caller reading its own reply, a client lane's replies |
 //! | `serve` | an inbound lane's requests: inline handlers, [`Job`]s for the pool, [`Responder`] |
-//! | `shared` | [`Shared`], the pieces lanes, the I/O thread and the pool reach |
+//! | `context` | [`LaneContext`], what starting a lane takes (the registry of lanes, the calls in flight, the framer, devices, mpt, faults, the spin); a lane keeps the registry (weakly), the calls and the framer, so it sends, answers and ends with nothing passed in |
 
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
+use super::calls::Calls;
 use super::device::Devices;
 use super::error::CallError;
 use super::error::TransportError;
 use super::message::mark_io_thread;
-use super::mpt::{LanesError, MptLanes, LANES_TIMEOUT};
+use super::mpt::{LanesError, MptLanes, MptSetup, LANES_TIMEOUT};
+use super::outgoing::Framer;
 use super::tensors::{cpu_channel, FrameExports, PipeReader};
 use super::transport::{Connection, Control, FrameReceiver, FrameSender, IncomingFrame};
 
+mod context;
 mod receive;
 mod send;
 mod serve;
-mod shared;
+pub(crate) use context::LaneContext;
 use receive::client_reader;
 use serve::inbound_reader;
-pub(crate) use serve::{Job, Responder};
-pub(crate) use shared::Shared;
+pub(crate) use serve::{Job, Responder, Server};
 
 /// How long a polled lane's reader sleeps before it looks again; it wakes at once on
 /// the peer's signal, a kick, the peer's end or a stop, so this only bounds the cost of
@@ -90,6 +92,12 @@ pub(crate) struct Lane {
     reader: Arc<PipeReader>,
     /// The worker's device runtimes (mpt reads device tensors' stripes into them).
     devices: Devices,
+    /// Builds the frames this lane sends (requests and responses).
+    framer: Arc<Framer>,
+    /// The calls in flight: those sent on this lane wait there for their reply.
+    calls: Arc<Calls>,
+    /// The registry of lanes, which this lane leaves when it ends.
+    registry: Weak<Mutex<Lanes>>,
     /// The pipe's protocol (core's `rpc::pipe`): which replies reach a call, what is
     /// acked, and the buffers lent to the peer until their reply or ack (given up when
     /// the lane ends).
@@ -183,8 +191,9 @@ impl Lanes {
     }
 }
 
-fn lanes(shared: &Shared) -> MutexGuard<'_, Lanes> {
-    shared.lanes.lock().unwrap_or_else(|p| p.into_inner())
+/// The registry of lanes, locked.
+pub(crate) fn lock(lanes: &Mutex<Lanes>) -> MutexGuard<'_, Lanes> {
+    lanes.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Lane {
@@ -193,7 +202,8 @@ impl Lane {
         peer: String,
         negotiated: Negotiated,
         connection: Connection,
-        (role, devices): (Role, Devices),
+        ctx: &LaneContext,
+        role: Role,
     ) -> Arc<Lane> {
         let Connection {
             sender,
@@ -209,7 +219,10 @@ impl Lane {
             receiver: Mutex::new(receiver),
             control,
             reader: Arc::new(PipeReader::default()),
-            devices,
+            devices: ctx.devices.clone(),
+            framer: Arc::clone(&ctx.framer),
+            calls: Arc::clone(&ctx.calls),
+            registry: Arc::downgrade(&ctx.lanes),
             machine: Mutex::new(match role {
                 Role::Connector => Machine::Client(ClientPipe::new()),
                 Role::Listener => Machine::Inbound(InboundPipe::new()),
@@ -265,7 +278,7 @@ impl Lane {
     /// dropped, the connection closed) when the registry is closed or the thread cannot
     /// start.
     pub(crate) fn start_client(
-        shared: &Arc<Shared>,
+        ctx: &LaneContext,
         id: u64,
         peer: String,
         negotiated: Negotiated,
@@ -273,22 +286,16 @@ impl Lane {
         mpt: Option<MptLanes>,
     ) -> Option<Arc<Lane>> {
         let mut connection = connection;
-        if let Some(faults) = &shared.faults {
+        if let Some(faults) = &ctx.faults {
             connection.sender = faults.wrap(connection.sender);
         }
-        let lane = Lane::new(
-            id,
-            peer,
-            negotiated,
-            connection,
-            (Role::Connector, shared.devices.clone()),
-        );
+        let lane = Lane::new(id, peer, negotiated, connection, ctx, Role::Connector);
         if let Some(mpt) = mpt {
             let _ = lane.mpt.set(mpt);
         }
         let registered = Arc::clone(&lane);
         Lane::start(
-            shared,
+            ctx,
             &lane,
             move |lanes| lanes.client.insert(registered.peer.clone(), registered),
             client_reader,
@@ -297,10 +304,10 @@ impl Lane {
     }
 
     /// Starts inbound lane `id` from `peer` and its reader thread, which serves the
-    /// peer's requests (non-inline ones through `jobs`). With `mpt_token`, the reader
-    /// first claims the pipe's mpt lanes that the peer opened with that token.
+    /// peer's requests with `server` (non-inline ones through `jobs`). With `mpt_token`,
+    /// the reader first claims the pipe's mpt lanes that the peer opened with that token.
     pub(crate) fn start_inbound(
-        shared: &Arc<Shared>,
+        (ctx, server): (&LaneContext, &Arc<Server>),
         id: u64,
         peer: (String, WorkerId),
         negotiated: Negotiated,
@@ -309,33 +316,31 @@ impl Lane {
         mpt_token: Option<u64>,
     ) {
         let (name, peer_id) = peer;
-        let lane = Lane::new(
-            id,
-            name,
-            negotiated,
-            connection,
-            (Role::Listener, shared.devices.clone()),
-        );
+        let lane = Lane::new(id, name, negotiated, connection, ctx, Role::Listener);
         let registered = Arc::clone(&lane);
+        let server = Arc::clone(server);
+        let spin = ctx.wait_spin;
+        // The mpt listener, which only a lane that negotiated mpt reads.
+        let mpt = mpt_token.and(ctx.mpt.clone());
         Lane::start(
-            shared,
+            ctx,
             &lane,
             move |lanes| lanes.inbound.insert(id, registered),
-            move |shared, lane| {
+            move |lane| {
                 if let Some(token) = mpt_token {
-                    if let Err(reason) = lane.claim_mpt(shared, token) {
+                    if let Err(reason) = lane.claim_mpt(mpt.as_deref(), token) {
                         tracing::warn!(peer = %lane.peer, %reason, "an inbound RPC pipe's mpt lanes did not arrive");
-                        return lane.end(shared, reason.to_string());
+                        return lane.end(reason.to_string());
                     }
                 }
-                inbound_reader(shared, lane, peer_id, &jobs);
+                inbound_reader(&server, spin, lane, peer_id, &jobs);
             },
         );
     }
 
     /// Takes the mpt lanes the peer opened for this pipe with `token`.
-    fn claim_mpt(&self, shared: &Shared, token: u64) -> Result<(), LanesError> {
-        let Some(setup) = &shared.mpt else {
+    fn claim_mpt(&self, setup: Option<&MptSetup>, token: u64) -> Result<(), LanesError> {
+        let Some(setup) = setup else {
             return Err(LanesError::NoListener);
         };
         let streams = setup
@@ -354,13 +359,13 @@ impl Lane {
     /// Registers `lane` (with `register`, unless the registry is closed) and starts its
     /// reader thread running `read`; `false` (the lane stopped) when either fails.
     fn start(
-        shared: &Arc<Shared>,
+        ctx: &LaneContext,
         lane: &Arc<Lane>,
         register: impl FnOnce(&mut Lanes) -> Option<Arc<Lane>>,
-        read: impl FnOnce(&Arc<Shared>, &Arc<Lane>) + Send + 'static,
+        read: impl FnOnce(&Arc<Lane>) + Send + 'static,
     ) -> bool {
         {
-            let mut lanes = lanes(shared);
+            let mut lanes = lock(&ctx.lanes);
             if lanes.closed {
                 lane.control.stop();
                 return false;
@@ -368,17 +373,16 @@ impl Lane {
             register(&mut lanes);
         }
         let thread_lane = Arc::clone(lane);
-        let thread_shared = Arc::clone(shared);
         let spawned = std::thread::Builder::new()
             .name(format!("rdzv-rpc-lane-{}", lane.id))
             .spawn(move || {
                 mark_io_thread();
-                read(&thread_shared, &thread_lane);
+                read(&thread_lane);
             });
         match spawned {
             Ok(_) => true,
             Err(e) => {
-                lane.end(shared, format!("cannot start its reader thread: {e}"));
+                lane.end(format!("cannot start its reader thread: {e}"));
                 false
             }
         }
@@ -394,9 +398,10 @@ impl Lane {
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
     /// connection stops and the calls sent on it fail with `reason`.
-    pub(crate) fn end(&self, shared: &Shared, reason: String) {
-        {
-            let mut lanes = lanes(shared);
+    pub(crate) fn end(&self, reason: String) {
+        // Gone only with the agent's lane context, whose registry is then gone too.
+        if let Some(registry) = self.registry.upgrade() {
+            let mut lanes = lock(&registry);
             if lanes
                 .client
                 .get(&self.peer)
@@ -415,18 +420,18 @@ impl Lane {
         self.stop();
         // Given up last: the peer can no longer ask for them.
         drop(ended.lent);
-        for pending in shared.calls_table.take_pipe(self.id) {
+        for pending in self.calls.take_pipe(self.id) {
             let error = CallError::PipeBroken {
                 peer: self.peer.clone(),
                 reason: reason.clone(),
             };
-            shared.calls_table.fail(pending, error);
+            self.calls.fail(pending, error);
         }
     }
 }
 
 /// The client lane to `to`, if calls may take it (every tensor of `message` must go on
 /// the `basic` channel, which a lane carries in its frames).
-pub(crate) fn client_lane(shared: &Shared, to: &str) -> Option<Arc<Lane>> {
-    lanes(shared).client(to)
+pub(crate) fn client_lane(lanes: &Mutex<Lanes>, to: &str) -> Option<Arc<Lane>> {
+    lock(lanes).client(to)
 }

@@ -6,25 +6,36 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use crate::rpc::counters::{Counters, JoinGate};
 use crate::rpc::error::InitError;
 use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
-use crate::rpc::lane::Shared;
 use crate::rpc::message::{on_io_thread, Message};
+use crate::rpc::registry::Registry;
 use crate::rpc::rref_runtime::{take_fetch, RRefs};
 
+/// What the pool's threads read: the handlers, the server call counts, the pool's
+/// counters (busy threads, queue wait), and the RRef runtime (`to_here` on the owner).
+pub(crate) struct Pool {
+    /// This worker's name (in errors).
+    pub name: String,
+    pub registry: Arc<Registry>,
+    pub gate: Arc<JoinGate>,
+    pub counters: Arc<Counters>,
+    pub rrefs: Arc<RRefs>,
+}
+
 pub(crate) fn spawn_pool(
-    shared: &Arc<Shared>,
-    rrefs: &Arc<RRefs>,
+    pool: Pool,
     jobs: Receiver<Job>,
     threads: usize,
 ) -> Result<Vec<JoinHandle<()>>, InitError> {
+    let pool = Arc::new(pool);
     let jobs = Arc::new(Mutex::new(jobs));
     let mut handles = Vec::with_capacity(threads);
     for index in 0..threads {
         let jobs = Arc::clone(&jobs);
-        let shared = Arc::clone(shared);
-        let rrefs = Arc::clone(rrefs);
+        let pool = Arc::clone(&pool);
         let handle = std::thread::Builder::new()
             .name(format!("rdzv-rpc-worker-{index}"))
             .spawn(move || loop {
@@ -33,8 +44,8 @@ pub(crate) fn spawn_pool(
                     receiver.recv()
                 };
                 let Ok(job) = job else { return };
-                if let Some(job) = take_fetch(&rrefs, &shared, job) {
-                    run_job(&shared, job);
+                if let Some(job) = take_fetch(&pool.rrefs, &pool.gate, job) {
+                    run_job(&pool, job);
                 }
             })
             .map_err(|e| InitError::Executor(format!("worker thread: {e}")))?;
@@ -43,7 +54,7 @@ pub(crate) fn spawn_pool(
     Ok(handles)
 }
 
-fn run_job(shared: &Arc<Shared>, job: Job) {
+fn run_job(pool: &Pool, job: Job) {
     let Job {
         responder,
         ctx,
@@ -53,35 +64,34 @@ fn run_job(shared: &Arc<Shared>, job: Job) {
     } = job;
     // The handler queue wait (PyTorch's `agent.gil_average_wait_time_us`, measured
     // there around taking the GIL): from the hand-off to this thread taking the job.
-    shared.counters.worker_busy(queued.elapsed());
+    pool.counters.worker_busy(queued.elapsed());
     // Out-of-band tensors are read here, off the I/O thread, before the handler runs.
-    let reply = match (tensors.pull(), shared.registry.handler(&ctx.handler)) {
+    let reply = match (tensors.pull(), pool.registry.handler(&ctx.handler)) {
         (Err(e), _) => Reply::Now(Err(e.to_string())),
         (Ok(tensors), Some(handler)) => {
             run_handler_reply(handler.as_ref(), &ctx, Message { tensors, ..message })
         }
         (Ok(_), None) => Reply::Now(Err(format!(
             "no RPC handler named {} is registered on worker {}; register it before peers call it",
-            ctx.handler,
-            shared.me.name()
+            ctx.handler, pool.name
         ))),
     };
     let message_id = ctx.message_id;
     match reply {
         Reply::Now(result) => {
-            shared.gate.server_call_finished();
-            shared.counters.worker_idle();
-            responder.respond(shared, message_id, result);
+            pool.gate.server_call_finished();
+            pool.counters.worker_idle();
+            responder.respond(message_id, result);
         }
         Reply::Later(future) => {
             // The pool thread goes on; the response leaves when the future completes.
-            shared.gate.server_call_went_async();
-            shared.counters.worker_idle();
-            let shared = Arc::clone(shared);
+            pool.gate.server_call_went_async();
+            pool.counters.worker_idle();
+            let gate = Arc::clone(&pool.gate);
             future.on_done(move |result| {
                 let send = move || {
-                    shared.gate.async_server_call_finished();
-                    responder.respond(&shared, message_id, result.map_err(|e| e.to_string()));
+                    gate.async_server_call_finished();
+                    responder.respond(message_id, result.map_err(|e| e.to_string()));
                 };
                 // The future may complete on the I/O thread (a nested call that failed
                 // while its pipe was opening); a response's blocking send must not stall

@@ -70,9 +70,9 @@
 //! and in `RpcAgent::rref_shutdown_report`.
 //!
 //! **Ordering.** The runtime holds the agent's pieces it needs (the group and handlers,
-//! the call counts) and the agent itself only weakly: an [`RRef`] kept after its agent
-//! is gone fails its calls with [`CallError::ShutDown`] instead of keeping the agent
-//! alive.
+//! the call counts) and the agent's dispatcher (what it calls through) only weakly: an
+//! [`RRef`] kept after its agent is gone fails its calls with [`CallError::ShutDown`]
+//! instead of keeping the agent alive.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
@@ -87,8 +87,9 @@ use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
+use super::dispatch::Dispatch;
 use super::error::{CallError, CallErrorKind, UsageError};
-use super::lane::{Responder, Shared};
+use super::lane::Responder;
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
 use super::rref::{RRef, RRefFailure, RRefRuntime, RRefShutdownReport};
@@ -158,8 +159,8 @@ pub(crate) struct RRefs {
     registry: Arc<Registry>,
     /// The call counts (`to_here` waits are async server calls).
     gate: Arc<JoinGate>,
-    /// The agent, for calls and responses; gone once the agent is.
-    agent: Weak<Shared>,
+    /// The agent's dispatcher, for calls; gone once the agent is.
+    dispatch: Weak<Dispatch>,
     state: Mutex<State>,
     /// Signalled after every change of the machine or the values.
     changed: Condvar,
@@ -169,13 +170,13 @@ pub(crate) struct RRefs {
 }
 
 impl RRefs {
-    /// The RRefs of worker `me` in the agent `agent` (being built: start-up makes both
-    /// at once), retrying control messages as `retry` says.
+    /// The RRefs of worker `me` in the agent whose dispatcher is `dispatch` (being
+    /// built: start-up makes both at once), retrying control messages as `retry` says.
     pub(crate) fn new(
         me: WorkerInfo,
         registry: Arc<Registry>,
         gate: Arc<JoinGate>,
-        agent: Weak<Shared>,
+        dispatch: Weak<Dispatch>,
         retry: RetryOptions,
     ) -> RRefs {
         RRefs {
@@ -183,7 +184,7 @@ impl RRefs {
             me,
             registry,
             gate,
-            agent,
+            dispatch,
             changed: Condvar::new(),
             signal: Arc::new(Signal::default()),
             epoch: std::time::Instant::now(),
@@ -200,8 +201,8 @@ impl RRefs {
     }
 
     /// The agent, unless it is gone.
-    fn agent(&self) -> Result<Arc<Shared>, CallError> {
-        self.agent.upgrade().ok_or_else(|| CallError::ShutDown {
+    fn agent(&self) -> Result<Arc<Dispatch>, CallError> {
+        self.dispatch.upgrade().ok_or_else(|| CallError::ShutDown {
             name: self.me.name().to_string(),
         })
     }
@@ -281,8 +282,8 @@ impl RRefs {
     /// Sends a deferred `to_here`'s answer (an async server call ends).
     fn answer(&self, waiter: Waiter, result: Result<Message, String>) {
         self.gate.async_server_call_finished();
-        match self.agent.upgrade() {
-            Some(agent) => waiter.responder.respond(&agent, waiter.message_id, result),
+        match self.dispatch.upgrade() {
+            Some(_agent) => waiter.responder.respond(waiter.message_id, result),
             // The agent is gone, and its pipes with it: nobody waits for the answer.
             None => drop(waiter),
         }

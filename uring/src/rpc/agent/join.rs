@@ -32,7 +32,7 @@ impl RpcAgent {
         self.join_sequence()
             .start()
             .map_err(|source| ShutdownError::Join {
-                name: self.shared.me.name().to_string(),
+                name: self.dispatch.me.name().to_string(),
                 source: Box::new(source),
             })
     }

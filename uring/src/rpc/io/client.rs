@@ -60,12 +60,12 @@ impl Io {
             // the halves closes the connection.
             return;
         }
-        self.shared.counters.pipe_opened(
+        self.counters.pipe_opened(
             &peer,
             negotiated.transport,
             cpu_channel(&negotiated, Role::Connector),
         );
-        let mpt = match (mpt_token, &self.shared.mpt) {
+        let mpt = match (mpt_token, &self.lanes.mpt) {
             (Some(token), Some(setup)) => {
                 let (published, lanes) = (address.clone(), setup.lanes);
                 let opened = on_thread("rdzv-rpc-mpt-connect", move || {
@@ -109,7 +109,7 @@ impl Io {
         // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
         let Some(lane) =
-            Lane::start_client(&self.shared, id, peer.clone(), negotiated, connection, mpt)
+            Lane::start_client(&self.lanes, id, peer.clone(), negotiated, connection, mpt)
         else {
             return self.pipe_ended(id, &peer, "this worker is shutting down".into());
         };
@@ -126,7 +126,7 @@ impl Io {
             message,
         } in queued
         {
-            lane.send_request(&self.shared, message_id, handler, message);
+            lane.send_request(message_id, handler, message);
         }
     }
 
@@ -229,15 +229,11 @@ impl Io {
             .await
             .map_err(|e| failure(true, e.to_string()))?;
         let handshake = |reason: String| failure(false, reason);
-        let offer = self
-            .shared
-            .offer
-            .offer()
-            .map_err(|e| handshake(e.to_string()))?;
+        let offer = self.offer.offer().map_err(|e| handshake(e.to_string()))?;
         let lanes_token = mpt::new_token();
         let hello = Handshake::Hello {
             name: self.name(),
-            id: self.shared.me.id(),
+            id: self.me.id(),
             brochure: offer.brochure(),
             lanes_token,
         };

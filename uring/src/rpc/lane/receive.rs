@@ -10,7 +10,7 @@ use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
 
-use super::{Lane, Machine, Shared, WAKE_POLL};
+use super::{Lane, Machine, WAKE_POLL};
 use crate::rpc::calls::Reply;
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::message::Completion;
@@ -96,7 +96,7 @@ impl Lane {
     /// A caller waiting for `completion` reads the lane itself for up to `spin` while
     /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
     /// at once when another thread reads.
-    pub(crate) fn read_own_reply(&self, shared: &Shared, completion: &Completion, spin: Duration) {
+    pub(crate) fn read_own_reply(&self, completion: &Completion, spin: Duration) {
         let wake = &self.control;
         let start = Instant::now();
         while !completion.is_done_relaxed() && start.elapsed() < spin {
@@ -115,7 +115,7 @@ impl Lane {
                             ended = Some(e.to_string());
                             break;
                         }
-                        if let Some(reason) = self.on_client_frame(shared, frame) {
+                        if let Some(reason) = self.on_client_frame(frame) {
                             ended = Some(reason);
                             break;
                         }
@@ -143,7 +143,7 @@ impl Lane {
                 wake.kick();
             }
             if let Some(reason) = ended {
-                self.end(shared, reason);
+                self.end(reason);
             }
             return;
         }
@@ -154,7 +154,7 @@ impl Lane {
     /// gives back what its request lent and completes the call; a response's
     /// out-of-band tensors are pulled here, then acked; anything else is dropped (and
     /// acked if it lent buffers).
-    pub(super) fn on_client_frame(&self, shared: &Shared, frame: IncomingFrame) -> Option<String> {
+    pub(super) fn on_client_frame(&self, frame: IncomingFrame) -> Option<String> {
         let header = PipeFrame::new(
             frame.kind,
             frame.message_id,
@@ -178,7 +178,7 @@ impl Lane {
             match event {
                 ClientEvent::Reply { released, lent, .. } => {
                     if let Some(frame) = frame.take() {
-                        self.on_reply(shared, frame, lent);
+                        self.on_reply(frame, lent);
                     }
                     // The callee answered, so it read what the request lent.
                     if let Some(released) = released {
@@ -200,9 +200,9 @@ impl Lane {
 
     /// Completes the call reply `frame` answers (if it still waits: it may have timed
     /// out); `lent`: the reply lent buffers, which are pulled (or not) and then acked.
-    pub(super) fn on_reply(&self, shared: &Shared, frame: IncomingFrame, lent: bool) {
+    pub(super) fn on_reply(&self, frame: IncomingFrame, lent: bool) {
         let message_id = frame.message_id;
-        let Some(pending) = shared.calls_table.take_reply(message_id, self.id) else {
+        let Some(pending) = self.calls.take_reply(message_id, self.id) else {
             tracing::debug!(message_id, "late reply dropped");
             if lent {
                 // Nobody reads its tensors: let the callee release them.
@@ -211,8 +211,8 @@ impl Lane {
             return;
         };
         let peer = pending.peer.clone();
-        match shared
-            .calls_table
+        match self
+            .calls
             .reply(pending, frame, &self.negotiated, &self.reader)
         {
             Reply::Done => {
@@ -230,18 +230,18 @@ impl Lane {
                     }),
                     (_, pulled) => pulled,
                 };
-                shared.calls_table.complete(&completion, pulled);
+                self.calls.complete(&completion, pulled);
             }
         }
     }
 }
 
-pub(super) fn client_reader(shared: &Arc<Shared>, lane: &Arc<Lane>) {
+pub(super) fn client_reader(lane: &Arc<Lane>) {
     let reason = loop {
         // The client side does not spin: a waiting caller reads itself (polled lanes).
         match lane.next_frame(Duration::ZERO) {
             Ok(Some(frame)) => {
-                if let Some(reason) = lane.on_client_frame(shared, frame) {
+                if let Some(reason) = lane.on_client_frame(frame) {
                     break reason;
                 }
             }
@@ -249,5 +249,5 @@ pub(super) fn client_reader(shared: &Arc<Shared>, lane: &Arc<Lane>) {
             Err(e) => break e.to_string(),
         }
     };
-    lane.end(shared, reason);
+    lane.end(reason);
 }

@@ -8,7 +8,7 @@ use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::pipe::{Refusal, Transmit};
 
-use super::{Lane, Machine, SendFailure, Shared};
+use super::{Lane, Machine, SendFailure};
 use crate::rpc::calls::Pending;
 use crate::rpc::error::{CallError, TransportError};
 use crate::rpc::mailbox::Call;
@@ -36,7 +36,8 @@ impl Lane {
     }
 
     /// Sends a call's request on this lane, from the caller's thread.
-    pub(crate) fn call(self: &Arc<Self>, shared: &Shared, call: Call) {
+    /// `me`: this worker's name, for the error if the calls table is closed.
+    pub(crate) fn call(self: &Arc<Self>, me: &str, call: Call) {
         let Call {
             message_id,
             peer,
@@ -53,25 +54,18 @@ impl Lane {
             timeout,
             completion,
         };
-        if let Err(pending) = shared.calls_table.register(message_id, pending) {
-            let name = shared.me.name().to_string();
-            shared
-                .calls_table
+        if let Err(pending) = self.calls.register(message_id, pending) {
+            let name = me.to_string();
+            self.calls
                 .complete(&pending.completion, Err(CallError::ShutDown { name }));
             return;
         }
-        self.send_request(shared, message_id, handler, message);
+        self.send_request(message_id, handler, message);
     }
 
     /// Sends the request of call `message_id`, already pending on this lane (a call
     /// that timed out meanwhile is skipped).
-    pub(crate) fn send_request(
-        &self,
-        shared: &Shared,
-        message_id: u64,
-        handler: String,
-        message: Message,
-    ) {
+    pub(crate) fn send_request(&self, message_id: u64, handler: String, message: Message) {
         let mut frame = OwnedFrame {
             handler,
             metadata: message.metadata,
@@ -80,7 +74,7 @@ impl Lane {
         };
         let mut exports = FrameExports::default();
         let built = tensor_frame(
-            &shared.framer,
+            &self.framer,
             &mut frame,
             &mut exports,
             message.tensors,
@@ -90,12 +84,12 @@ impl Lane {
         );
         if let Err(e) = built {
             // Nothing was sent: this call alone fails.
-            if let Some(pending) = shared.calls_table.take(message_id) {
-                shared.calls_table.complete(&pending.completion, Err(e));
+            if let Some(pending) = self.calls.take(message_id) {
+                self.calls.complete(&pending.completion, Err(e));
             }
             return;
         }
-        shared.calls_table.set_sent(message_id, sent_bytes(&frame));
+        self.calls.set_sent(message_id, sent_bytes(&frame));
         let streamed = exports.take_streamed();
         // What it lends is held until the reply arrives or the lane ends.
         let lent = (!exports.is_empty()).then_some(exports);
@@ -105,12 +99,12 @@ impl Lane {
         };
         if let Err(refusal) = accepted {
             // Never sent: this call alone fails (what it would have lent is dropped).
-            if let Some(pending) = shared.calls_table.take(message_id) {
+            if let Some(pending) = self.calls.take(message_id) {
                 let error = CallError::PipeBroken {
                     peer: self.peer.clone(),
                     reason: refusal.to_string(),
                 };
-                shared.calls_table.fail(pending, error);
+                self.calls.fail(pending, error);
             }
             return;
         }
@@ -121,27 +115,22 @@ impl Lane {
                 if let Machine::Client(pipe) = &mut *self.machine() {
                     drop(pipe.unsent(message_id));
                 }
-                if let Some(pending) = shared.calls_table.take(message_id) {
+                if let Some(pending) = self.calls.take(message_id) {
                     let error = CallError::InjectedFault {
                         peer: pending.peer.clone(),
                         handler,
                     };
-                    shared.calls_table.fail(pending, error);
+                    self.calls.fail(pending, error);
                 }
             }
-            Err(SendFailure::Broken(reason)) => self.end(shared, reason),
+            Err(SendFailure::Broken(reason)) => self.end(reason),
         }
     }
 
     /// Sends the response to request `message_id` of this inbound lane.
-    pub(crate) fn respond(
-        &self,
-        shared: &Shared,
-        message_id: u64,
-        result: Result<Message, String>,
-    ) {
+    pub(crate) fn respond(&self, message_id: u64, result: Result<Message, String>) {
         let (frame, mut exports) = response_frame(
-            &shared.framer,
+            &self.framer,
             message_id,
             result,
             &self.peer,

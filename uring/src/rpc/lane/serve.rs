@@ -4,19 +4,35 @@
 
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
 
-use super::{Lane, Machine, Shared};
+use super::{Lane, Machine};
 use crate::rpc::client::{Caller, RpcClient};
+use crate::rpc::counters::JoinGate;
 use crate::rpc::error::CallError;
 use crate::rpc::handler::{run_handler, CallContext};
 use crate::rpc::message::Message;
+use crate::rpc::registry::Registry;
+use crate::rpc::rref::RRefRuntime;
 use crate::rpc::tensors::ReceivedTensors;
 use crate::rpc::transport::IncomingFrame;
+
+/// What an inbound lane serves requests with, beyond its [`LaneContext`]: the
+/// handlers, the server call counts (`join` waits for them), the RRef runtime (told of
+/// each `remote()` as it arrives) and the client that handlers call through.
+pub(crate) struct Server {
+    /// This worker's name (in errors).
+    pub name: String,
+    pub registry: Arc<Registry>,
+    pub gate: Arc<JoinGate>,
+    pub rrefs: Arc<dyn RRefRuntime>,
+    /// What a handler's [`CallContext::client`] calls through.
+    pub caller: Arc<dyn Caller>,
+}
 
 /// A request for the worker pool. `message` has no tensors yet: they are in `tensors`,
 /// to be pulled (out-of-band ones) on the pool's thread before the handler runs; the
@@ -40,29 +56,25 @@ pub(crate) struct Responder {
 
 impl Responder {
     /// Sends the response to request `message_id` from this thread.
-    pub(crate) fn respond(
-        &self,
-        shared: &Shared,
-        message_id: u64,
-        result: Result<Message, String>,
-    ) {
-        self.lane.respond(shared, message_id, result);
+    pub(crate) fn respond(&self, message_id: u64, result: Result<Message, String>) {
+        self.lane.respond(message_id, result);
     }
 }
 
 pub(super) fn inbound_reader(
-    shared: &Arc<Shared>,
+    server: &Server,
+    spin: Duration,
     lane: &Arc<Lane>,
     peer_id: WorkerId,
     jobs: &Sender<Job>,
 ) {
     'read: loop {
         // Spinning here answers a waiting caller without a wake-up on this side.
-        let frame = match lane.next_frame(shared.wait_spin) {
+        let frame = match lane.next_frame(spin) {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
             Err(e) => {
-                if !shared.gate.is_shutting_down() {
+                if !server.gate.is_shutting_down() {
                     tracing::debug!(peer = %lane.peer, error = %e, "inbound RPC pipe failed");
                 }
                 break;
@@ -85,7 +97,7 @@ pub(super) fn inbound_reader(
             match event {
                 InboundEvent::Request { .. } => {
                     if let Some(frame) = frame.take() {
-                        serve_request(shared, jobs, lane, peer_id, frame);
+                        serve_request(server, jobs, lane, peer_id, frame);
                     }
                 }
                 // The caller read what the response lent: reuse it.
@@ -99,7 +111,7 @@ pub(super) fn inbound_reader(
         }
     }
     // Leaves the registry, stops, and gives up what responses lent.
-    lane.end(shared, "the inbound pipe ended".into());
+    lane.end("the inbound pipe ended".into());
 }
 
 /// Serves a request that arrived on inbound lane `lane` from the peer `peer_id`: an
@@ -109,34 +121,34 @@ pub(super) fn inbound_reader(
 /// channel that was not negotiated, a bad descriptor) fails at once; with the pool gone
 /// the caller learns that this worker shut down.
 fn serve_request(
-    shared: &Arc<Shared>,
+    server: &Server,
     jobs: &Sender<Job>,
     lane: &Arc<Lane>,
     peer_id: WorkerId,
     frame: IncomingFrame,
 ) {
     let (negotiated, reader, peer) = (&lane.negotiated, &lane.reader, lane.peer.as_str());
-    let respond = |id, result| lane.respond(shared, id, result);
+    let respond = |id, result| lane.respond(id, result);
     let ctx = CallContext {
         caller: peer.to_string(),
         caller_id: peer_id,
         handler: frame.handler,
         message_id: frame.message_id,
-        client: RpcClient::new(Arc::clone(shared) as Arc<dyn Caller>),
+        client: RpcClient::new(Arc::clone(&server.caller)),
     };
     let message = Message {
         metadata: frame.metadata,
         payload: frame.payload,
         tensors: Vec::new(),
     };
-    let source = (reader, &shared.devices);
+    let source = (reader, &lane.devices);
     let tensors =
         match ReceivedTensors::sort(frame.tensors, negotiated, Role::Listener, source, peer) {
             Ok(tensors) => tensors,
             Err(e) => return respond(ctx.message_id, Err(e.to_string())),
         };
-    shared.gate.server_call_started();
-    if let Some(handler) = shared
+    server.gate.server_call_started();
+    if let Some(handler) = server
         .registry
         .handler(&ctx.handler)
         .filter(|h| h.runs_inline())
@@ -148,12 +160,12 @@ fn serve_request(
             .and_then(|tensors| {
                 run_handler(handler.as_ref(), &ctx, Message { tensors, ..message })
             });
-        shared.gate.server_call_finished();
+        server.gate.server_call_finished();
         respond(message_id, result);
         return;
     }
     if ctx.handler == rdzv_core::rpc::rref::wire::handler::REMOTE {
-        Arc::clone(&shared.rrefs).remote_call_arrived(peer_id, &message.payload);
+        Arc::clone(&server.rrefs).remote_call_arrived(peer_id, &message.payload);
     }
     let job = Job {
         responder: Responder {
@@ -165,8 +177,8 @@ fn serve_request(
         queued: Instant::now(),
     };
     if let Err(job) = jobs.send(job) {
-        shared.gate.server_call_finished();
-        let name = shared.me.name().to_string();
+        server.gate.server_call_finished();
+        let name = server.name.clone();
         respond(
             job.0.ctx.message_id,
             Err(CallError::ShutDown { name }.to_string()),

@@ -9,7 +9,6 @@ use std::task::{Context, Poll, Wake, Waker};
 use rdzv_core::rpc::rref::wire::WireKind;
 
 use super::*;
-use crate::rpc::lane;
 
 /// The longest the pump sleeps without a reason to wake.
 const PUMP_IDLE: Duration = Duration::from_millis(500);
@@ -106,7 +105,7 @@ fn pump(weak: &Weak<RRefs>, signal: &Arc<Signal>) {
             let Some(rrefs) = weak.upgrade() else {
                 return;
             };
-            let Some(agent) = rrefs.agent.upgrade() else {
+            let Some(agent) = rrefs.dispatch.upgrade() else {
                 return;
             };
             let (outbox, handed) = {
@@ -179,7 +178,11 @@ fn pump(weak: &Weak<RRefs>, signal: &Arc<Signal>) {
 
 /// Sends one machine message as a call: the future to watch, and whether the call went
 /// out with no pipe open to its peer.
-fn send(rrefs: &RRefs, agent: &Arc<Shared>, transmit: Transmit) -> Option<(Sent, RpcFuture, bool)> {
+fn send(
+    rrefs: &RRefs,
+    agent: &Arc<Dispatch>,
+    transmit: Transmit,
+) -> Option<(Sent, RpcFuture, bool)> {
     let Some(to) = rrefs.worker_name(transmit.to) else {
         tracing::debug!(
             to = transmit.to.get(),
@@ -201,7 +204,7 @@ fn send(rrefs: &RRefs, agent: &Arc<Shared>, transmit: Transmit) -> Option<(Sent,
             return None;
         }
     };
-    let opening = lane::client_lane(agent, &to).is_none();
+    let opening = !agent.has_lane(&to);
     let future = RpcClient::new(Arc::clone(agent) as Arc<dyn Caller>).rpc_async(
         &to,
         kind.handler(),

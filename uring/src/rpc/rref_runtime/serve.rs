@@ -123,7 +123,7 @@ fn on_fetch(rrefs: &RRefs, m: &Message) -> Result<Message, String> {
 /// answered at once; one whose value does not yet waits without a pool thread (an async
 /// server call) until the value is stored or its deadline. Every other job is given
 /// back to run as usual.
-pub(crate) fn take_fetch(rrefs: &RRefs, shared: &Shared, job: Job) -> Option<Job> {
+pub(crate) fn take_fetch(rrefs: &RRefs, gate: &JoinGate, job: Job) -> Option<Job> {
     if job.ctx.handler != handler::FETCH {
         return Some(job);
     }
@@ -134,8 +134,8 @@ pub(crate) fn take_fetch(rrefs: &RRefs, shared: &Shared, job: Job) -> Option<Job
         ..
     } = job;
     let finish_now = |result| {
-        shared.gate.server_call_finished();
-        responder.respond(shared, ctx.message_id, result);
+        gate.server_call_finished();
+        responder.respond(ctx.message_id, result);
     };
     let request = match FetchRequest::from_bytes(&message.payload) {
         Ok(request) => request,
@@ -152,7 +152,7 @@ pub(crate) fn take_fetch(rrefs: &RRefs, shared: &Shared, job: Job) -> Option<Job
         return None;
     }
     let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
-    shared.gate.server_call_went_async();
+    gate.server_call_went_async();
     state.waiters.push(Waiter {
         rref: request.rref,
         responder,

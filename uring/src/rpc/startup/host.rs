@@ -70,7 +70,7 @@ impl StartHost for AgentHost {
                 )
             })
             .collect();
-        *self.agent()?.shared.registry.group_mut() = Group {
+        *self.agent()?.dispatch.registry.group_mut() = Group {
             peers,
             device_maps: self.device_maps.clone(),
             reverse_device_maps: group.reverse_device_maps.clone(),

@@ -1,25 +1,22 @@
 //! The I/O thread's start: its executor, its transports listening, the address they
 //! make.
 
-use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::rpc::error::InitError;
-use crate::rpc::io::Io;
+use crate::rpc::io::{Io, IoPieces};
 use crate::rpc::lane::Job;
-use crate::rpc::lane::Shared;
 use crate::rpc::message::mark_io_thread;
 use crate::rpc::transport::{LocalExecutor, Transport};
 use rdzv_core::rpc::address::join_addresses;
 
 pub(super) fn spawn_io(
-    shared: &Arc<Shared>,
+    pieces: IoPieces,
     transports: Vec<Box<dyn Transport + Send>>,
     jobs: std::sync::mpsc::Sender<Job>,
 ) -> Result<(JoinHandle<()>, String), InitError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, InitError>>();
-    let shared = Arc::clone(shared);
-    let name = format!("rdzv-rpc-io-{}", shared.me.name());
+    let name = format!("rdzv-rpc-io-{}", pieces.me.name());
     let handle = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
@@ -49,7 +46,7 @@ pub(super) fn spawn_io(
                     .into_iter()
                     .map(|t| -> Box<dyn Transport> { t })
                     .collect();
-                Io::run(shared, transports, jobs).await;
+                Io::run(pieces, transports, jobs).await;
             });
         })
         .map_err(|e| InitError::Executor(e.to_string()))?;

@@ -55,18 +55,19 @@ use crate::rpc::calls::Calls;
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::counters::{Counters, JoinGate};
 use crate::rpc::device::Devices;
+use crate::rpc::dispatch::{CallIds, Dispatch};
 use crate::rpc::drive::{acquire_token, release_token};
 use crate::rpc::error::store_error;
 use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
-use crate::rpc::lane::Shared;
-use crate::rpc::lane::{Job, Lanes};
+use crate::rpc::io::IoPieces;
+use crate::rpc::lane::{Job, LaneContext, Lanes, Server};
 use crate::rpc::mailbox::Mailbox;
 use crate::rpc::mpt::MptSetup;
 use crate::rpc::offer::OfferSpec;
 use crate::rpc::options::RpcOptions;
 use crate::rpc::outgoing::Framer;
-use crate::rpc::pool::spawn_pool;
+use crate::rpc::pool::{spawn_pool, Pool};
 use crate::rpc::registry::Registry;
 use crate::rpc::rref_runtime::{register_handlers as register_rref_handlers, RRefs};
 use crate::rpc::shm::ShmTransport;
@@ -253,7 +254,7 @@ impl Start {
                     source,
                 })
             })?;
-            Some(started)
+            Some(Arc::new(started))
         } else {
             None
         };
@@ -272,14 +273,24 @@ impl Start {
             Arc::clone(&counters),
             devices.clone(),
         ));
-        let framer = Framer {
+        let framer = Arc::new(Framer {
             registry: Arc::clone(&registry),
             devices: devices.clone(),
             min_channel_bytes: options.min_channel_bytes,
             counters: Arc::clone(&counters),
-        };
+        });
+        let lanes = Arc::new(LaneContext {
+            calls: calls_table,
+            framer,
+            lanes: Arc::new(Mutex::new(Lanes::default())),
+            faults: crate::rpc::faults::Faults::new(&options.fault_injection),
+            mpt,
+            devices,
+            wait_spin: options.wait_spin,
+        });
+        let mailbox = Arc::new(Mailbox::default());
         let mut rrefs = None;
-        let shared = Arc::new_cyclic(|agent| {
+        let dispatch = Arc::new_cyclic(|agent| {
             let runtime = Arc::new(RRefs::new(
                 me.clone(),
                 Arc::clone(&registry),
@@ -288,23 +299,14 @@ impl Start {
                 options.rref_retry,
             ));
             rrefs = Some(Arc::clone(&runtime));
-            Shared {
+            Dispatch {
                 me: me.clone(),
-                dynamic: world_size.is_none(),
-                registry,
-                mailbox: Mailbox::default(),
-                gate,
-                counters,
-                next_message_id: AtomicU64::new(1),
-                default_timeout: RpcTimeout::from_duration(options.rpc_timeout),
-                offer,
-                calls_table,
-                framer,
-                lanes: Mutex::new(Lanes::default()),
-                faults: crate::rpc::faults::Faults::new(&options.fault_injection),
-                mpt,
-                devices,
+                registry: Arc::clone(&registry),
+                gate: Arc::clone(&gate),
+                ids: CallIds::new(RpcTimeout::from_duration(options.rpc_timeout)),
+                lanes: Arc::clone(&lanes.lanes),
                 wait_spin: options.wait_spin,
+                mailbox: Arc::clone(&mailbox),
                 rrefs: runtime,
             }
         });
@@ -312,26 +314,52 @@ impl Start {
             rrefs.ok_or_else(|| InitError::Executor("the RRef runtime was not built".into()))?;
         register_rref_handlers(&rrefs);
         if world_size.is_none() {
-            register_membership_handlers(&shared.registry, me.name());
+            register_membership_handlers(&registry, me.name());
         }
         let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
-        let mut workers = spawn_pool(&shared, &rrefs, jobs_rx, options.num_worker_threads)?;
+        let pool = Pool {
+            name: me.name().to_string(),
+            registry: Arc::clone(&registry),
+            gate: Arc::clone(&gate),
+            counters: Arc::clone(&counters),
+            rrefs: Arc::clone(&rrefs),
+        };
+        let mut workers = spawn_pool(pool, jobs_rx, options.num_worker_threads)?;
         workers.push(
-            shared
-                .calls_table
+            lanes
+                .calls
                 .start_timer()
                 .map_err(|e| InitError::Executor(format!("timer thread: {e}")))?,
         );
-        let (io_thread, address) = spawn_io(&shared, running, jobs_tx)?;
+        let server = Arc::new(Server {
+            name: me.name().to_string(),
+            registry: Arc::clone(&registry),
+            gate: Arc::clone(&gate),
+            rrefs: Arc::clone(&dispatch.rrefs),
+            caller: Arc::clone(&dispatch) as Arc<dyn Caller>,
+        });
+        let pieces = IoPieces {
+            me: me.clone(),
+            dynamic: world_size.is_none(),
+            offer,
+            registry,
+            mailbox,
+            counters: Arc::clone(&counters),
+            lanes: Arc::clone(&lanes),
+            server,
+        };
+        let (io_thread, address) = spawn_io(pieces, running, jobs_tx)?;
         // The mpt lane listener's address goes last: it is no transport.
-        let address = match &shared.mpt {
+        let address = match &lanes.mpt {
             Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
             None => address,
         };
         let agent = RpcAgent {
-            shared: Arc::clone(&shared),
+            dispatch: Arc::clone(&dispatch),
+            counters,
+            mpt: lanes.mpt.clone(),
             rrefs,
-            client: RpcClient::new(Arc::clone(&shared) as Arc<dyn Caller>),
+            client: RpcClient::new(dispatch as Arc<dyn Caller>),
             world_size,
             store: Arc::clone(&store),
             keys: keys.clone(),
