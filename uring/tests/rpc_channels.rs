@@ -340,6 +340,7 @@ fn channel_priorities_must_agree() {
     match agent.rpc_sync("peer", "echo", Message::default()) {
         Err(CallError::Handshake { peer, reason }) => {
             assert_eq!(peer, "peer");
+            let reason = reason.to_string();
             assert!(
                 reason.contains("Inconsistent channel selection"),
                 "{reason}"

@@ -183,6 +183,9 @@ impl fmt::Display for Closed {
     }
 }
 
+#[cfg(feature = "std")]
+impl std::error::Error for Closed {}
+
 /// What the runtime must do after a client pipe handled a frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum ClientEvent<T> {
@@ -259,6 +262,9 @@ impl fmt::Display for ReadError {
     }
 }
 
+#[cfg(feature = "std")]
+impl std::error::Error for ReadError {}
+
 /// Why a request or response may not go out on a pipe; the buffers it would have lent
 /// come back in [`Refused::lent`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,6 +291,9 @@ impl fmt::Display for Refusal {
         })
     }
 }
+
+#[cfg(feature = "std")]
+impl std::error::Error for Refusal {}
 
 /// A refused send: why, and the buffers it would have lent, back to the runtime.
 #[derive(Debug, PartialEq, Eq)]

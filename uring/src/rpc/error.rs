@@ -25,11 +25,13 @@ use crate::store::StoreError;
 
 mod call;
 mod init;
+mod pipe;
 mod shutdown;
 mod usage;
 
 pub use call::{CallError, CallErrorKind};
 pub use init::InitError;
+pub use pipe::{PipeFailure, SharedCause};
 pub use shutdown::ShutdownError;
 pub use usage::UsageError;
 
@@ -234,7 +236,7 @@ mod tests {
             .starts_with("RPC store get of key rpc/0/key failed: "));
         let call = InitError::from(CallError::PipeBroken {
             peer: "bob".into(),
-            reason: "reset".into(),
+            reason: PipeFailure::Reset,
         });
         assert!(call.is_retryable());
         let usage_call = InitError::from(CallError::from(UsageError::BlockingInline));

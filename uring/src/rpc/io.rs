@@ -37,7 +37,7 @@ use tokio::task::JoinHandle;
 
 use super::calls::Pending;
 use super::counters::Counters;
-use super::error::{CallError, UsageError};
+use super::error::{CallError, PipeFailure, UsageError};
 use super::lane::{self, Job, LaneContext, Server};
 use super::mailbox::{Call, Command, Mailbox};
 use super::message::{Completion, Message};
@@ -270,7 +270,7 @@ impl Io {
 
     /// Fails every call pending on client pipe `pipe` with a broken-pipe error and
     /// forgets the pipe.
-    fn pipe_ended(&self, pipe: u64, peer: &str, reason: String) {
+    fn pipe_ended(&self, pipe: u64, peer: &str, reason: PipeFailure) {
         self.fail_pipe(pipe, peer, || CallError::PipeBroken {
             peer: peer.to_string(),
             reason: reason.clone(),
@@ -308,11 +308,11 @@ impl Io {
     fn reset_pipes(&self) {
         let lanes = lane::lock(&self.lanes.lanes).drain();
         for lane in lanes {
-            lane.end("this worker reset its pipes".into());
+            lane.end(PipeFailure::Reset);
         }
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
-            self.pipe_ended(opening.id, &peer, "this worker reset its pipes".into());
+            self.pipe_ended(opening.id, &peer, PipeFailure::Reset);
         }
     }
 
@@ -383,7 +383,7 @@ impl Io {
     async fn receive_handshake(
         &self,
         mut connection: Connection,
-    ) -> Result<(Connection, Option<IncomingFrame>), HandshakeWaitError> {
+    ) -> Result<(Connection, Option<IncomingFrame>), PipeFailure> {
         let id = {
             let mut state = self.state.borrow_mut();
             let id = state.next_handshake;
@@ -401,22 +401,16 @@ impl Io {
         self.state.borrow_mut().handshaking.remove(&id);
         match received {
             Ok((connection, Ok(frame))) => Ok((connection, frame)),
-            Ok((_, Err(e))) => Err(HandshakeWaitError::Receive(e)),
-            Err(e) => Err(HandshakeWaitError::Thread(e)),
+            Ok((_, Err(e))) => Err(PipeFailure::transport(e)),
+            Err(e) => Err(PipeFailure::local(HandshakeThreadError(e))),
         }
     }
 }
 
-/// Why no handshake frame came.
+/// The thread that waits for a handshake frame could not run.
 #[derive(Debug, thiserror::Error)]
-enum HandshakeWaitError {
-    /// Receiving failed (or timed out).
-    #[error("{0}")]
-    Receive(#[source] super::error::TransportError),
-    /// The thread that waits could not run.
-    #[error("cannot run the handshake's thread: {0}")]
-    Thread(#[source] std::io::Error),
-}
+#[error("cannot run the handshake's thread: {0}")]
+struct HandshakeThreadError(#[source] std::io::Error);
 
 /// Why a handshake frame could not be made or read.
 #[derive(Debug, thiserror::Error)]

@@ -54,8 +54,8 @@ use rdzv_core::rpc::pipe::{ClientPipe, InboundPipe, Transmit};
 
 use super::calls::Calls;
 use super::device::Devices;
-use super::error::CallError;
 use super::error::TransportError;
+use super::error::{CallError, PipeFailure};
 use super::message::mark_io_thread;
 use super::mpt::{LanesError, MptLanes, MptSetup, LANES_TIMEOUT};
 use super::outgoing::Framer;
@@ -114,7 +114,7 @@ enum SendFailure {
     /// Fault injection failed this request alone; the lane is fine.
     Injected { handler: String },
     /// The lane is broken: why.
-    Broken(String),
+    Broken(PipeFailure),
 }
 
 impl std::fmt::Display for SendFailure {
@@ -123,10 +123,20 @@ impl std::fmt::Display for SendFailure {
             SendFailure::Injected { handler } => {
                 write!(f, "Send attempt failed intentionally for {handler}")
             }
-            SendFailure::Broken(reason) => f.write_str(reason),
+            SendFailure::Broken(reason) => reason.fmt(f),
         }
     }
 }
+
+/// A lane's reader thread could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot start its reader thread: {0}")]
+struct ReaderThreadError(#[source] std::io::Error);
+
+/// A frame for the other side of a pipe reached a lane (a bug of this runtime).
+#[derive(Debug, thiserror::Error)]
+#[error("a client frame on an inbound lane")]
+struct WrongSide;
 
 /// A lane's side of its pipe's protocol.
 enum Machine {
@@ -330,7 +340,7 @@ impl Lane {
                 if let Some(token) = mpt_token {
                     if let Err(reason) = lane.claim_mpt(mpt.as_deref(), token) {
                         tracing::warn!(peer = %lane.peer, %reason, "an inbound RPC pipe's mpt lanes did not arrive");
-                        return lane.end(reason.to_string());
+                        return lane.end(PipeFailure::local(reason));
                     }
                 }
                 inbound_reader(&server, spin, lane, peer_id, &jobs);
@@ -382,7 +392,7 @@ impl Lane {
         match spawned {
             Ok(_) => true,
             Err(e) => {
-                lane.end(format!("cannot start its reader thread: {e}"));
+                lane.end(PipeFailure::local(ReaderThreadError(e)));
                 false
             }
         }
@@ -398,7 +408,7 @@ impl Lane {
 
     /// The lane failed or closed: it leaves the registry (if it is still there), its
     /// connection stops and the calls sent on it fail with `reason`.
-    pub(crate) fn end(&self, reason: String) {
+    pub(crate) fn end(&self, reason: PipeFailure) {
         // Gone only with the agent's lane context, whose registry is then gone too.
         if let Some(registry) = self.registry.upgrade() {
             let mut lanes = lock(&registry);

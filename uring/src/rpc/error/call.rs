@@ -5,7 +5,7 @@
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::UsageError;
+use super::{PipeFailure, UsageError};
 
 /// What kind of failure a [`CallError`] is: small, `Copy`, for matching and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -85,8 +85,9 @@ pub enum CallError {
         peer: String,
         /// Its published address.
         address: String,
-        /// What the transport said.
-        reason: String,
+        /// Why.
+        #[source]
+        reason: PipeFailure,
     },
     /// The pipe handshake with the peer failed.
     #[error("RPC pipe handshake with {peer} failed: {reason}")]
@@ -94,7 +95,8 @@ pub enum CallError {
         /// The peer.
         peer: String,
         /// Why.
-        reason: String,
+        #[source]
+        reason: PipeFailure,
     },
     /// The pipe broke while the call was in flight; the next call re-creates it.
     #[error("the RPC pipe to {peer} broke while the call was in flight: {reason}; the next call to {peer} opens a new pipe")]
@@ -102,7 +104,8 @@ pub enum CallError {
         /// The peer.
         peer: String,
         /// Why.
-        reason: String,
+        #[source]
+        reason: PipeFailure,
     },
     /// A tensor cannot travel to the peer: no channel serves its devices.
     #[error("cannot send a tensor from {source_device} to {target_device} on {peer}: no negotiated channel serves that pair (CPU tensors go over xth, cma, mpt or basic; a pair with a CUDA device needs cuda_xth, cuda_ipc, cuda_gdr or cuda_basic on both workers and a CUDA runtime, RpcOptions::device_plugins, on each side that holds CUDA memory)")]

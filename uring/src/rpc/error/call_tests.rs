@@ -4,7 +4,7 @@ use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
 use super::{CallError, CallErrorKind};
-use crate::rpc::error::{RpcError, UsageError};
+use crate::rpc::error::{PipeFailure, RpcError, UsageError};
 
 fn peer() -> String {
     "bob".to_string()
@@ -37,7 +37,7 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::Connect {
                 peer: peer(),
                 address: "tcp://127.0.0.1:1".into(),
-                reason: "refused".into(),
+                reason: PipeFailure::Closed,
             },
             K::Connect,
             true,
@@ -46,7 +46,7 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
         (
             CallError::Handshake {
                 peer: peer(),
-                reason: "no common transport".into(),
+                reason: PipeFailure::Refused("no common transport".into()),
             },
             K::Handshake,
             false,
@@ -55,7 +55,7 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
         (
             CallError::PipeBroken {
                 peer: peer(),
-                reason: "reset".into(),
+                reason: PipeFailure::Reset,
             },
             K::PipeBroken,
             true,

@@ -4,14 +4,14 @@
 
 use std::rc::Rc;
 
-use rdzv_core::negotiate::{accept_answer, Negotiated, Role};
+use rdzv_core::negotiate::{accept_answer, Negotiated, Role, TransportKind};
 use rdzv_core::rpc::frame::Handshake;
 
 use super::{handshake_frame, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
-use crate::rpc::error::CallError;
+use crate::rpc::error::{CallError, PipeFailure};
 use crate::rpc::lane::Lane;
-use crate::rpc::mpt::{self, MptLanes};
+use crate::rpc::mpt::{self, LanesError, MptLanes};
 use crate::rpc::tensors::cpu_channel;
 use crate::rpc::transport::{address_for, Connection, Transport};
 
@@ -23,8 +23,37 @@ type OpenedPipe = (Connection, Negotiated, Option<u64>);
 #[derive(Debug, Clone)]
 struct OpenFailure {
     address: String,
-    reason: String,
+    reason: PipeFailure,
     connecting: bool,
+}
+
+/// What this side found wrong while it opened a pipe.
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    /// No transport runs here.
+    #[error("this worker runs no transport")]
+    NoTransport,
+    /// The peer's published address has none for the transport.
+    #[error("the worker publishes no {0} address")]
+    NoAddress(TransportKind),
+    /// The upgrade's handshake negotiated yet another transport.
+    #[error("the handshake over {over} negotiated {negotiated}")]
+    UpgradeMismatch {
+        over: TransportKind,
+        negotiated: TransportKind,
+    },
+    /// The bootstrap handshake negotiated a transport this worker does not run.
+    #[error("negotiated {0}, which this worker does not run")]
+    NotRun(TransportKind),
+    /// The peer answered a hello with a hello.
+    #[error("the peer sent a hello, not an answer")]
+    HelloNotAnswer,
+    /// The pipe's mpt lanes could not be opened.
+    #[error("cannot open its mpt lanes: {0}")]
+    Mpt(#[source] LanesError),
+    /// The thread that opens them could not run.
+    #[error("cannot open its mpt lanes: {0}")]
+    MptThread(#[source] std::io::Error),
 }
 
 impl OpenFailure {
@@ -72,14 +101,13 @@ impl Io {
                     mpt::connect(&published, token, lanes)
                 })
                 .await
-                .map_err(|e| e.to_string())
-                .and_then(|opened| opened.map_err(|e| e.to_string()));
+                .map_err(OpenError::MptThread)
+                .and_then(|opened| opened.map_err(OpenError::Mpt));
                 match opened {
                     Ok(lanes) => Some(lanes),
-                    Err(reason) => {
-                        let reason = format!("cannot open its mpt lanes: {reason}");
-                        tracing::debug!(%peer, %reason, "opening an RPC pipe failed");
-                        return self.pipe_ended(id, &peer, reason);
+                    Err(error) => {
+                        tracing::debug!(%peer, reason = %error, "opening an RPC pipe failed");
+                        return self.pipe_ended(id, &peer, PipeFailure::local(error));
                     }
                 }
             }
@@ -111,7 +139,7 @@ impl Io {
         let Some(lane) =
             Lane::start_client(&self.lanes, id, peer.clone(), negotiated, connection, mpt)
         else {
-            return self.pipe_ended(id, &peer, "this worker is shutting down".into());
+            return self.pipe_ended(id, &peer, PipeFailure::ShuttingDown);
         };
         let queued = self
             .state
@@ -139,7 +167,7 @@ impl Io {
         let Some(bootstrap) = self.transports.last() else {
             return Err(OpenFailure {
                 address: address.to_string(),
-                reason: "this worker runs no transport".into(),
+                reason: PipeFailure::local(OpenError::NoTransport),
                 connecting: true,
             });
         };
@@ -162,21 +190,17 @@ impl Io {
                     } else {
                         Err(OpenFailure {
                             address: address.to_string(),
-                            reason: format!(
-                                "the handshake over {} negotiated {}",
-                                better.kind(),
-                                n.transport
-                            ),
+                            reason: PipeFailure::handshake(OpenError::UpgradeMismatch {
+                                over: better.kind(),
+                                negotiated: n.transport,
+                            }),
                             connecting: false,
                         })
                     }
                 }),
             None => Err(OpenFailure {
                 address: address.to_string(),
-                reason: format!(
-                    "negotiated {}, which this worker does not run",
-                    negotiated.transport
-                ),
+                reason: PipeFailure::handshake(OpenError::NotRun(negotiated.transport)),
                 connecting: false,
             }),
         };
@@ -215,11 +239,11 @@ impl Io {
         let Some(address) = address_for(address, transport.kind()) else {
             return Err(OpenFailure {
                 address: address.to_string(),
-                reason: format!("the worker publishes no {} address", transport.kind()),
+                reason: PipeFailure::local(OpenError::NoAddress(transport.kind())),
                 connecting: true,
             });
         };
-        let failure = |connecting: bool, reason: String| OpenFailure {
+        let failure = |connecting: bool, reason: PipeFailure| OpenFailure {
             address: address.to_string(),
             reason,
             connecting,
@@ -227,9 +251,12 @@ impl Io {
         let mut connection = transport
             .connect(address)
             .await
-            .map_err(|e| failure(true, e.to_string()))?;
-        let handshake = |reason: String| failure(false, reason);
-        let offer = self.offer.offer().map_err(|e| handshake(e.to_string()))?;
+            .map_err(|e| failure(true, PipeFailure::transport(e)))?;
+        let handshake = |reason: PipeFailure| failure(false, reason);
+        let offer = self
+            .offer
+            .offer()
+            .map_err(|e| handshake(PipeFailure::local(e)))?;
         let lanes_token = mpt::new_token();
         let hello = Handshake::Hello {
             name: self.name(),
@@ -237,29 +264,30 @@ impl Io {
             brochure: offer.brochure(),
             lanes_token,
         };
-        let hello = handshake_frame(&hello).map_err(|e| handshake(e.to_string()))?;
+        let hello = handshake_frame(&hello).map_err(|e| handshake(PipeFailure::handshake(e)))?;
         // A small frame into a fresh connection: the send does not wait for the peer.
         connection
             .sender
             .send(&hello)
-            .map_err(|e| handshake(e.to_string()))?;
+            .map_err(|e| handshake(PipeFailure::transport(e)))?;
         let (connection, reply) = self
             .receive_handshake(connection)
             .await
-            .map_err(|e| handshake(e.to_string()))?;
-        let reply = reply
-            .ok_or_else(|| handshake("the peer closed the pipe during the handshake".into()))?;
+            .map_err(handshake)?;
+        let reply = reply.ok_or_else(|| handshake(PipeFailure::ClosedInHandshake))?;
         let negotiated = with_handshake(&reply, |message| match message {
             Handshake::Answer { name, answer, .. } if name == peer => {
-                accept_answer(&offer, &answer).map_err(|e| e.to_string())
+                accept_answer(&offer, &answer).map_err(PipeFailure::handshake)
             }
-            Handshake::Answer { name, .. } => Err(format!(
-                "the worker at {address} is {name}, not {peer}; the group's addresses are stale"
-            )),
-            Handshake::Refused { reason } => Err(format!("refused: {reason}")),
-            Handshake::Hello { .. } => Err("the peer sent a hello, not an answer".into()),
+            Handshake::Answer { name, .. } => Err(PipeFailure::WrongPeer {
+                address: address.to_string(),
+                found: name.to_string(),
+                expected: peer.to_string(),
+            }),
+            Handshake::Refused { reason } => Err(PipeFailure::Refused(reason.to_string())),
+            Handshake::Hello { .. } => Err(PipeFailure::handshake(OpenError::HelloNotAnswer)),
         })
-        .map_err(|e| e.to_string())
+        .map_err(PipeFailure::handshake)
         .and_then(|r| r)
         .map_err(handshake)?;
         let mpt_token = mpt::uses_mpt(&negotiated, Role::Connector).then_some(lanes_token);

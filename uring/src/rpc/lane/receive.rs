@@ -10,9 +10,9 @@ use rdzv_core::negotiate::Role;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
 
-use super::{Lane, Machine, WAKE_POLL};
+use super::{Lane, Machine, WrongSide, WAKE_POLL};
 use crate::rpc::calls::Reply;
-use crate::rpc::error::{CallError, TransportError};
+use crate::rpc::error::{CallError, PipeFailure, TransportError};
 use crate::rpc::message::Completion;
 use crate::rpc::transport::{IncomingFrame, TryRecv};
 
@@ -112,7 +112,7 @@ impl Lane {
                 match receiver.try_recv(FrameLimits::DEFAULT) {
                     Ok(TryRecv::Frame(mut frame)) => {
                         if let Err(e) = self.fill(&mut frame) {
-                            ended = Some(e.to_string());
+                            ended = Some(PipeFailure::transport(e));
                             break;
                         }
                         if let Some(reason) = self.on_client_frame(frame) {
@@ -122,11 +122,11 @@ impl Lane {
                     }
                     Ok(TryRecv::Empty) => std::hint::spin_loop(),
                     Ok(TryRecv::Closed) => {
-                        ended = Some("the peer closed the pipe".to_string());
+                        ended = Some(PipeFailure::Closed);
                         break;
                     }
                     Err(e) => {
-                        ended = Some(e.to_string());
+                        ended = Some(PipeFailure::transport(e));
                         break;
                     }
                 }
@@ -154,7 +154,7 @@ impl Lane {
     /// gives back what its request lent and completes the call; a response's
     /// out-of-band tensors are pulled here, then acked; anything else is dropped (and
     /// acked if it lent buffers).
-    pub(super) fn on_client_frame(&self, frame: IncomingFrame) -> Option<String> {
+    pub(super) fn on_client_frame(&self, frame: IncomingFrame) -> Option<PipeFailure> {
         let header = PipeFrame::new(
             frame.kind,
             frame.message_id,
@@ -168,7 +168,7 @@ impl Lane {
                     pipe.handle_frame(header);
                     std::iter::from_fn(|| pipe.poll_event()).collect::<Vec<_>>()
                 }
-                Machine::Inbound(_) => return Some("a client frame on an inbound lane".into()),
+                Machine::Inbound(_) => return Some(PipeFailure::protocol(WrongSide)),
             };
             (events, machine.transmits())
         };
@@ -192,7 +192,7 @@ impl Lane {
                         "a reply for no call on this pipe dropped"
                     );
                 }
-                ClientEvent::Closed(why) => return Some(why.to_string()),
+                ClientEvent::Closed(why) => return Some(PipeFailure::protocol(why)),
             }
         }
         None
@@ -245,8 +245,8 @@ pub(super) fn client_reader(lane: &Arc<Lane>) {
                     break reason;
                 }
             }
-            Ok(None) => break "the peer closed the pipe".to_string(),
-            Err(e) => break e.to_string(),
+            Ok(None) => break PipeFailure::Closed,
+            Err(e) => break PipeFailure::transport(e),
         }
     };
     lane.end(reason);

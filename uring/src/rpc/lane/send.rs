@@ -10,7 +10,7 @@ use rdzv_core::rpc::pipe::{Refusal, Transmit};
 
 use super::{Lane, Machine, SendFailure};
 use crate::rpc::calls::Pending;
-use crate::rpc::error::{CallError, TransportError};
+use crate::rpc::error::{CallError, PipeFailure, TransportError};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::Message;
 use crate::rpc::mpt::LanesError;
@@ -102,7 +102,7 @@ impl Lane {
             if let Some(pending) = self.calls.take(message_id) {
                 let error = CallError::PipeBroken {
                     peer: self.peer.clone(),
-                    reason: refusal.to_string(),
+                    reason: PipeFailure::protocol(refusal),
                 };
                 self.calls.fail(pending, error);
             }
@@ -179,7 +179,7 @@ impl Lane {
         let mut sender = self.sender.lock().unwrap_or_else(|p| p.into_inner());
         let (sent, back) = sender.send_owned(frame).map_err(|e| match e {
             TransportError::InjectedFault { handler } => SendFailure::Injected { handler },
-            other => SendFailure::Broken(other.to_string()),
+            other => SendFailure::Broken(PipeFailure::transport(other)),
         })?;
         if streamed.is_empty() {
             drop(sender);
@@ -199,6 +199,6 @@ impl Lane {
         recycle::give_all(streamed.into_iter().map(|(_, data)| data).collect());
         pushed
             .map(|()| sent)
-            .map_err(|e| SendFailure::Broken(e.to_string()))
+            .map_err(|e| SendFailure::Broken(PipeFailure::local(e)))
     }
 }

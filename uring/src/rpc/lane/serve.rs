@@ -13,7 +13,7 @@ use rdzv_core::rpc::pipe::{Closed, InboundEvent, PipeFrame};
 use super::{Lane, Machine};
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::counters::JoinGate;
-use crate::rpc::error::CallError;
+use crate::rpc::error::{CallError, PipeFailure};
 use crate::rpc::handler::{run_handler, CallContext};
 use crate::rpc::message::Message;
 use crate::rpc::registry::Registry;
@@ -111,7 +111,8 @@ pub(super) fn inbound_reader(
         }
     }
     // Leaves the registry, stops, and gives up what responses lent.
-    lane.end("the inbound pipe ended".into());
+    // An inbound lane has no calls of this worker pending on it.
+    lane.end(PipeFailure::Closed);
 }
 
 /// Serves a request that arrived on inbound lane `lane` from the peer `peer_id`: an

@@ -17,7 +17,7 @@ use crate::channel::mpt::MptDescriptor;
 use crate::channel::xth::{self, XthDescriptor, XthError};
 use crate::channel::ProcessIdentity;
 use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
-use crate::rpc::error::CallError;
+use crate::rpc::error::{CallError, PipeFailure};
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
 
@@ -524,11 +524,10 @@ impl Pull<'_> {
             }
             CallError::PipeBroken {
                 peer: self.peer.to_string(),
-                reason: format!(
-                    "{} released a tensor it lent while it was read, which it does only when \
-                     its end of the pipe ends or is reset ({error})",
-                    self.peer
-                ),
+                reason: PipeFailure::protocol(ReleasedWhileRead {
+                    peer: self.peer.to_string(),
+                    read: error,
+                }),
             }
         };
         let failed = |reason: String| CallError::Channel {
@@ -601,4 +600,17 @@ fn pull_staged(
         staging.chunk_filled(k).map_err(PullFailed::Staging)?;
     }
     staging.finish().map_err(PullFailed::Staging)
+}
+
+/// The peer released a tensor it lent while this side read it: its end of the pipe
+/// ended or was reset, so the read's own failure is a consequence.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{peer} released a tensor it lent while it was read, which it does only when its end \
+     of the pipe ends or is reset ({read})"
+)]
+struct ReleasedWhileRead {
+    peer: String,
+    #[source]
+    read: CallError,
 }

@@ -1,0 +1,122 @@
+//! [`PipeFailure`]: why a pipe to a peer could not open, or ended under calls in flight.
+
+use std::sync::Arc;
+
+use super::TransportError;
+
+/// A cause shared by every call that fails with it.
+pub type SharedCause = Arc<dyn std::error::Error + Send + Sync>;
+
+/// Why a pipe to a peer could not open, or ended with calls in flight: the reason of
+/// [`CallError::Connect`](super::CallError::Connect),
+/// [`CallError::Handshake`](super::CallError::Handshake) and
+/// [`CallError::PipeBroken`](super::CallError::PipeBroken). One failure fails every call
+/// waiting on the pipe, so it is `Clone` and its sources are shared.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipeFailure {
+    /// The connection failed: connecting, sending or receiving.
+    #[error("{0}")]
+    Transport(#[source] Arc<TransportError>),
+    /// The peer closed the pipe without a goodbye (its process may be gone).
+    #[error("the peer closed the pipe")]
+    Closed,
+    /// The peer closed the pipe before it answered the handshake.
+    #[error("the peer closed the pipe during the handshake")]
+    ClosedInHandshake,
+    /// This worker reset its pipes (`RpcAgent::reset_pipes`).
+    #[error("this worker reset its pipes")]
+    Reset,
+    /// This worker is shutting down.
+    #[error("this worker is shutting down")]
+    ShuttingDown,
+    /// The peer refused the pipe, with its reason as it sent it.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The worker at the peer's published address is another one: the group's
+    /// addresses are stale.
+    #[error("the worker at {address} is {found}, not {expected}; the group's addresses are stale")]
+    WrongPeer {
+        /// The address connected to.
+        address: String,
+        /// Who answered.
+        found: String,
+        /// Who was expected.
+        expected: String,
+    },
+    /// The handshake failed: a frame that is not a valid handshake, or a negotiation
+    /// the two workers' offers do not allow.
+    #[error("{0}")]
+    Handshake(#[source] SharedCause),
+    /// The pipe's protocol ended it or refused a frame on it (core's `rpc::pipe`).
+    #[error("{0}")]
+    Protocol(#[source] SharedCause),
+    /// This worker could not run the pipe: no transport or address for the peer, a
+    /// thread that could not start, its mpt lanes.
+    #[error("{0}")]
+    Local(#[source] SharedCause),
+}
+
+impl PipeFailure {
+    /// A transport failure.
+    pub(crate) fn transport(error: TransportError) -> PipeFailure {
+        PipeFailure::Transport(Arc::new(error))
+    }
+
+    /// A handshake failure caused by `error`.
+    pub(crate) fn handshake(error: impl std::error::Error + Send + Sync + 'static) -> PipeFailure {
+        PipeFailure::Handshake(Arc::new(error))
+    }
+
+    /// A protocol failure caused by `error`.
+    pub(crate) fn protocol(error: impl std::error::Error + Send + Sync + 'static) -> PipeFailure {
+        PipeFailure::Protocol(Arc::new(error))
+    }
+
+    /// A local failure caused by `error`.
+    pub(crate) fn local(error: impl std::error::Error + Send + Sync + 'static) -> PipeFailure {
+        PipeFailure::Local(Arc::new(error))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rpc::error::{error_chain, CallError};
+
+    #[test]
+    fn a_pipe_failure_reads_once_through_the_call_error() {
+        let io = std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused by the kernel",
+        );
+        let error = CallError::Connect {
+            peer: "w1".into(),
+            address: "tcp://10.0.0.2:4000".into(),
+            reason: PipeFailure::transport(TransportError::Connect {
+                address: "tcp://10.0.0.2:4000".into(),
+                source: io,
+            }),
+        };
+        let text = error_chain(&error);
+        assert!(
+            text.starts_with("cannot open an RPC pipe to w1 at tcp://10.0.0.2:4000: "),
+            "{text}"
+        );
+        assert!(text.contains("refused by the kernel"), "{text}");
+        assert_eq!(text.matches("refused by the kernel").count(), 1, "{text}");
+        assert!(text.ends_with("is w1 still running?"), "{text}");
+        let broken = CallError::PipeBroken {
+            peer: "w1".into(),
+            reason: PipeFailure::protocol(rdzv_core::rpc::pipe::Refusal::Closing),
+        };
+        let text = error_chain(&broken);
+        assert!(text.contains("(this worker said goodbye)"), "{text}");
+        assert_eq!(text.matches("said goodbye").count(), 1, "{text}");
+        let source = std::error::Error::source(&broken).map(ToString::to_string);
+        assert_eq!(
+            source.as_deref(),
+            Some("the pipe is closing (this worker said goodbye)")
+        );
+    }
+}
