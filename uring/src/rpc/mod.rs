@@ -88,8 +88,8 @@ pub use device::{
     StagedReceive,
 };
 pub use error::{
-    error_chain, CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError,
-    TransportError, UsageError,
+    error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, InitError, RpcError,
+    ShutdownError, StoreOpError, TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

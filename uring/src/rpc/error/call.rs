@@ -5,7 +5,7 @@
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::UsageError;
+use super::{ChannelFailure, UsageError};
 
 /// What kind of failure a [`CallError`] is: small, `Copy`, for matching and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -116,15 +116,19 @@ pub enum CallError {
     },
     /// Moving a tensor over a channel failed: exporting it, or pulling it from the peer
     /// (the peer process is gone, the kernel refused the read, the descriptor is stale
-    /// or was not negotiated, a device runtime's copy failed: its text is the reason).
-    #[error("tensor transfer over the {channel} channel with {peer} failed: {reason}")]
+    /// or was not negotiated): [`ChannelFailure`] says which, with the channel's own
+    /// error as its source.
+    #[error("tensor transfer over the {channel} channel with {peer} failed: {}{}", tensor_prefix(*index), super::error_chain(reason))]
     Channel {
         /// The channel.
         channel: &'static str,
         /// The peer worker.
         peer: String,
+        /// The tensor's index in its message, when one tensor failed.
+        index: Option<usize>,
         /// Why.
-        reason: String,
+        #[source]
+        reason: ChannelFailure,
     },
     /// A device runtime failed to move tensor `index` (staging it, lending or borrowing
     /// its memory, copying it): the runtime's own error, a
@@ -288,6 +292,11 @@ impl CallError {
             _ => None,
         }
     }
+}
+
+/// "tensor 3: " for tensor 3, nothing when no one tensor failed.
+fn tensor_prefix(index: Option<usize>) -> String {
+    index.map_or_else(String::new, |index| format!("tensor {index}: "))
 }
 
 #[cfg(test)]

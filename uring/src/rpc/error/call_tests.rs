@@ -4,7 +4,7 @@ use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
 use super::{CallError, CallErrorKind};
-use crate::rpc::error::{RpcError, UsageError};
+use crate::rpc::error::{error_chain, ChannelFailure, RpcError, UsageError};
 
 fn peer() -> String {
     "bob".to_string()
@@ -75,7 +75,8 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::Channel {
                 channel: "cma",
                 peer: peer(),
-                reason: "the peer process is gone".into(),
+                index: Some(1),
+                reason: ChannelFailure::NoLanes,
             },
             K::Channel,
             false,
@@ -271,5 +272,41 @@ fn a_device_failure_names_the_tensor_and_keeps_the_runtime_error_as_its_source()
     assert_eq!(
         source.as_deref(),
         Some("cannot lend a tensor on cuda:0 over cuda_ipc")
+    );
+}
+
+#[test]
+fn a_channel_failure_says_which_tensor_and_prints_its_cause_once() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("process_vm_readv from pid 7 failed")]
+    struct Read(#[source] std::io::Error);
+    let error = CallError::Channel {
+        channel: "cma",
+        peer: peer(),
+        index: Some(3),
+        reason: ChannelFailure::read(Read(std::io::Error::other("ESRCH"))),
+    };
+    let text = "tensor transfer over the cma channel with bob failed: tensor 3: \
+                process_vm_readv from pid 7 failed: ESRCH";
+    assert_eq!(error.to_string(), text);
+    assert_eq!(error_chain(&error), text);
+    // The channel's own error stays reachable for a caller that inspects it.
+    let reason = std::error::Error::source(&error).expect("the reason");
+    let read = std::error::Error::source(reason).expect("the read error");
+    assert!(read.downcast_ref::<Read>().is_some());
+    // A check of the agent's own has no source and no tensor prefix when none is named.
+    let refused = CallError::Channel {
+        channel: "xth",
+        peer: peer(),
+        index: None,
+        reason: ChannelFailure::LengthMismatch {
+            announced: 5,
+            frame: 6,
+        },
+    };
+    assert_eq!(
+        refused.to_string(),
+        "tensor transfer over the xth channel with bob failed: its descriptor announces 5 \
+         bytes, the frame 6"
     );
 }

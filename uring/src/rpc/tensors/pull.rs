@@ -17,7 +17,7 @@ use crate::channel::mpt::MptDescriptor;
 use crate::channel::xth::{self, XthDescriptor, XthError};
 use crate::channel::ProcessIdentity;
 use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
-use crate::rpc::error::CallError;
+use crate::rpc::error::{CallError, ChannelCause, ChannelFailure};
 use crate::rpc::message::Tensor;
 use crate::rpc::recycle;
 
@@ -37,8 +37,8 @@ const PARALLEL_PULL_THREADS: usize = 4;
 /// error wins.
 pub(super) fn read_in_slices(
     dst: &mut [u8],
-    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
-) -> Result<(), String> {
+    read: impl Fn(u64, &mut [u8]) -> Result<(), ChannelCause> + Sync,
+) -> Result<(), ChannelCause> {
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
         .min(PARALLEL_PULL_THREADS)
@@ -62,7 +62,7 @@ pub(super) fn read_in_slices(
             let started = std::thread::Builder::new()
                 .name("rdzv-rpc-pull".into())
                 .spawn_scoped(scope, move || read(offset, part))
-                .map_err(|e| format!("cannot start a thread to read with: {e}"));
+                .map_err(|source| ChannelCause::from(SpawnFailed(source)));
             running.push(started);
         }
         let mut result = read(last_offset, last);
@@ -79,6 +79,11 @@ pub(super) fn read_in_slices(
         result
     })
 }
+
+/// A thread to read a slice of a tensor with could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot start a thread to read with: {0}")]
+struct SpawnFailed(#[source] std::io::Error);
 
 /// What a pipe reads from: the peer process behind its cma descriptors, opened on first
 /// use and then fixed for the pipe's life; and the device runtimes that borrowed lent
@@ -150,17 +155,18 @@ impl PipeReader {
             return Err(CallError::Channel {
                 channel: ChannelKind::Cma.name(),
                 peer: peer.to_string(),
-                reason: format!(
-                    "a descriptor names pid {}, but this pipe reads from pid {}",
-                    process.pid,
-                    open.process().pid
-                ),
+                index: None,
+                reason: ChannelFailure::OtherProcess {
+                    named: process.pid,
+                    reading: open.process().pid,
+                },
             });
         }
         let opened = Arc::new(CmaPeer::open(process).map_err(|e| CallError::Channel {
             channel: ChannelKind::Cma.name(),
             peer: peer.to_string(),
-            reason: e.to_string(),
+            index: None,
+            reason: ChannelFailure::OpenPeer(e),
         })?);
         *slot = Some(Arc::clone(&opened));
         Ok(opened)
@@ -260,10 +266,11 @@ impl ReceivedTensors {
                 return Err(CallError::Channel {
                     channel: channel.name(),
                     peer: peer.to_string(),
-                    reason: format!(
-                        "tensor {index}: this worker has no {} runtime to receive on {device}",
-                        device.kind()
-                    ),
+                    index: Some(index),
+                    reason: ChannelFailure::NoRuntime {
+                        kind: device.kind(),
+                        device,
+                    },
                 });
             }
             if descriptor.is_inline() {
@@ -275,32 +282,32 @@ impl ReceivedTensors {
                 continue;
             }
             let channel = descriptor.channel;
-            let refuse = |reason: String| CallError::Channel {
+            let refuse = |reason: ChannelFailure| CallError::Channel {
                 channel: channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
+                index: Some(index),
+                reason,
             };
             // cuda_basic's bytes come over the pipe's CPU channel.
             let agreed =
                 negotiated.carrier_for(role, descriptor.target.kind(), descriptor.source.kind());
             if agreed != Some(channel) {
-                return Err(refuse(format!(
-                    "the peer used it, but this pipe negotiated {} for {} to {}",
-                    agreed.map_or("no channel", ChannelKind::name),
-                    descriptor.source.kind(),
-                    descriptor.target.kind()
-                )));
+                return Err(refuse(ChannelFailure::NotNegotiated {
+                    agreed,
+                    from: descriptor.source.kind(),
+                    to: descriptor.target.kind(),
+                }));
             }
             let length_mismatch = |announced: u64| {
-                refuse(format!(
-                    "its descriptor announces {announced} bytes, the frame {}",
-                    descriptor.len
-                ))
+                refuse(ChannelFailure::LengthMismatch {
+                    announced,
+                    frame: descriptor.len,
+                })
             };
             match channel {
                 ChannelKind::Cma => {
-                    let decoded =
-                        CmaDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    let decoded = CmaDescriptor::decode(&data)
+                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
                     if decoded.length != descriptor.len {
                         return Err(length_mismatch(decoded.length));
                     }
@@ -310,8 +317,8 @@ impl ReceivedTensors {
                     });
                 }
                 ChannelKind::Xth => {
-                    let decoded =
-                        XthDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    let decoded = XthDescriptor::decode(&data)
+                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
                     if decoded.length != descriptor.len {
                         return Err(length_mismatch(decoded.length));
                     }
@@ -329,9 +336,7 @@ impl ReceivedTensors {
                         .ok()
                         .and_then(|d| reader.take_arrived(d.transfer_id));
                     let memory = arrived
-                        .ok_or_else(|| {
-                            refuse("the peer streamed it, but this pipe has no mpt lanes".into())
-                        })?
+                        .ok_or_else(|| refuse(ChannelFailure::NoLanes))?
                         .map_err(|e| CallError::Device {
                             channel: ChannelKind::CudaBasic.name(),
                             peer: peer.to_string(),
@@ -339,12 +344,12 @@ impl ReceivedTensors {
                             source: Box::new(e),
                         })?;
                     if memory.device() != device || memory.len() as u64 != descriptor.len {
-                        return Err(refuse(format!(
-                            "its stripes became {} bytes on {}, the frame says {} on {device}",
-                            memory.len(),
-                            memory.device(),
-                            descriptor.len
-                        )));
+                        return Err(refuse(ChannelFailure::StripesMismatch {
+                            len: memory.len(),
+                            device: memory.device(),
+                            expected_len: descriptor.len,
+                            expected_device: device,
+                        }));
                     }
                     items.push(Incoming::Ready(Tensor::on_device(memory)));
                 }
@@ -355,7 +360,7 @@ impl ReceivedTensors {
                     len: descriptor.len,
                     descriptor: data,
                 }),
-                _ => return Err(refuse("this worker does not run this channel".into())),
+                _ => return Err(refuse(ChannelFailure::NotRun)),
             }
         }
         Ok(ReceivedTensors {
@@ -416,7 +421,7 @@ impl ReceivedTensors {
                     let read = |offset, part: &mut [u8]| {
                         source
                             .read_at(&descriptor, offset, part)
-                            .map_err(|e| (matches!(e, CmaError::BadAddress { .. }), e.to_string()))
+                            .map_err(|e| (matches!(e, CmaError::BadAddress { .. }), e.into()))
                     };
                     let pull = Pull {
                         devices: &devices,
@@ -428,9 +433,8 @@ impl ReceivedTensors {
                 }
                 Incoming::Xth { device, descriptor } => {
                     let read = |offset, part: &mut [u8]| {
-                        xth::read_at(&descriptor, offset, part).map_err(|e| {
-                            (matches!(e, XthError::UnknownTransfer { .. }), e.to_string())
-                        })
+                        xth::read_at(&descriptor, offset, part)
+                            .map_err(|e| (matches!(e, XthError::UnknownTransfer { .. }), e.into()))
                     };
                     let pull = Pull {
                         devices: &devices,
@@ -507,7 +511,7 @@ impl Pull<'_> {
         &self,
         device: Device,
         length: u64,
-        read: impl Fn(u64, &mut [u8]) -> Result<(), (bool, String)> + Sync,
+        read: impl Fn(u64, &mut [u8]) -> Result<(), (bool, ChannelCause)> + Sync,
     ) -> Result<Tensor, CallError> {
         let released = std::sync::atomic::AtomicBool::new(false);
         let read = |offset, part: &mut [u8]| {
@@ -531,21 +535,23 @@ impl Pull<'_> {
                 ),
             }
         };
-        let failed = |reason: String| CallError::Channel {
+        let failed = |reason: ChannelFailure| CallError::Channel {
             channel: self.channel.name(),
             peer: self.peer.to_string(),
+            index: None,
             reason,
         };
-        let len = usize::try_from(length)
-            .map_err(|_| failed("the tensor does not fit in memory".into()))?;
+        let len = usize::try_from(length).map_err(|_| failed(ChannelFailure::TooLarge))?;
         if !device.is_cpu() {
             let memory = pull_staged(self.devices, device, len, read)
                 .map_err(|e| or_released(e.into_error(self.channel, self.index, self.peer)))?;
             return Ok(Tensor::on_device(memory));
         }
-        let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
+        let mut data =
+            recycle::try_take(len).map_err(|e| failed(ChannelFailure::Allocate { len: e.len }))?;
         prefer_huge_pages(&mut data);
-        read_in_slices(&mut data, read).map_err(|reason| or_released(failed(reason)))?;
+        read_in_slices(&mut data, read)
+            .map_err(|source| or_released(failed(ChannelFailure::Read { source })))?;
         Ok(Tensor {
             device,
             data,
@@ -557,7 +563,7 @@ impl Pull<'_> {
 /// Why a staged pull failed: reading from the peer, or the device runtime.
 #[derive(Debug)]
 enum PullFailed {
-    Read(String),
+    Read(ChannelCause),
     /// The device runtime's error.
     Staging(DeviceError),
 }
@@ -566,10 +572,11 @@ impl PullFailed {
     /// The error of tensor `index`, read over `channel` from `peer`.
     fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> CallError {
         match self {
-            PullFailed::Read(reason) => CallError::Channel {
+            PullFailed::Read(source) => CallError::Channel {
                 channel: channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
+                index: Some(index),
+                reason: ChannelFailure::Read { source },
             },
             PullFailed::Staging(e) => CallError::Device {
                 channel: ChannelKind::CudaBasic.name(),
@@ -589,7 +596,7 @@ fn pull_staged(
     devices: &Devices,
     device: Device,
     len: usize,
-    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
+    read: impl Fn(u64, &mut [u8]) -> Result<(), ChannelCause> + Sync,
 ) -> Result<crate::rpc::device::DeviceBuffer, PullFailed> {
     let mut staging: StagingIn = devices
         .receive_into(device, len)
