@@ -84,8 +84,8 @@ pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use device::{
     DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
-    DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId, StagedBytes,
-    StagedReceive,
+    DeviceRuntime, DevicesError, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId,
+    StagedBytes, StagedReceive,
 };
 pub use error::{
     error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, InitError, RpcError,

@@ -15,6 +15,23 @@ use super::{
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
 pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";
 
+/// Why the device plugins given in `RpcOptions::device_plugins` cannot be used (the
+/// agent does not start). A CUDA plugin that fails to open is no such error: the agent
+/// logs why and serves CPU memory only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DevicesError {
+    /// A plugin for the CPU, which is built in.
+    #[error("the CPU is built in and cannot be plugged in")]
+    BuiltIn,
+    /// A plugin for a device type the agent takes no runtime for.
+    #[error("device type {kind} cannot be plugged in")]
+    NotPluggable {
+        /// The plugin's device type.
+        kind: DeviceType,
+    },
+}
+
 /// The opened runtimes of one worker.
 #[derive(Clone, Default)]
 pub(crate) struct Devices {
@@ -35,7 +52,10 @@ impl fmt::Debug for Devices {
 impl Devices {
     /// Opens the plugins: the first viable CUDA one is used, the others' reasons are
     /// logged. A plugin for the CPU is refused.
-    pub(crate) fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, String> {
+    ///
+    /// # Errors
+    /// [`DevicesError`] for a plugin of a device type that cannot be plugged in.
+    pub(crate) fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, DevicesError> {
         let mut devices = Devices::default();
         for plugin in plugins {
             match plugin.device_type() {
@@ -55,10 +75,8 @@ impl Devices {
                         tracing::info!(%reason, "CUDA is not usable; cuda_basic serves CPU memory only");
                     }
                 },
-                DeviceType::Cpu => {
-                    return Err("the CPU is built in and cannot be plugged in".into());
-                }
-                other => return Err(format!("device type {other} cannot be plugged in")),
+                DeviceType::Cpu => return Err(DevicesError::BuiltIn),
+                other => return Err(DevicesError::NotPluggable { kind: other }),
             }
         }
         Ok(devices)

@@ -94,7 +94,15 @@ fn devices(plugin: Plugin) -> Devices {
 fn a_cpu_plugin_is_refused_and_an_unusable_one_leaves_cuda_out() {
     let cpu: Arc<dyn DevicePlugin> = Arc::new(Plugin(DeviceType::Cpu, Ok(false)));
     let err = Devices::open(&[cpu]).expect_err("cpu is built in");
-    assert!(err.contains("built in"), "{err}");
+    assert_eq!(err, DevicesError::BuiltIn);
+    // init_rpc's error names the option and keeps the refusal as its source.
+    let init = crate::rpc::InitError::DevicePlugins(err);
+    assert!(init.is_configuration() && !init.is_retryable());
+    assert_eq!(
+        init.to_string(),
+        "invalid RPC option device_plugins: the CPU is built in and cannot be plugged in"
+    );
+    assert!(std::error::Error::source(&init).is_some());
     assert!(!devices(Plugin(DeviceType::Cuda, Err("no driver"))).has_cuda());
     assert!(devices(Plugin(DeviceType::Cuda, Ok(false))).has_cuda());
 }

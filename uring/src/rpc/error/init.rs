@@ -13,6 +13,7 @@ use rdzv_core::rpc::store_keys::{
 
 use super::{CallError, StoreOpError, TransportError};
 use crate::rendezvous::RendezvousError;
+use crate::rpc::device::DevicesError;
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,9 @@ pub enum InitError {
         /// What is wrong and what to use instead.
         reason: String,
     },
+    /// `RpcOptions::device_plugins` holds a plugin the agent cannot take.
+    #[error("invalid RPC option device_plugins: {0}")]
+    DevicePlugins(#[source] DevicesError),
     /// A handler given in the options is reserved or given twice.
     #[error("an RPC handler named {name} is already registered")]
     HandlerExists {
@@ -145,6 +149,7 @@ impl InitError {
             self,
             InitError::InvalidWorker(_)
                 | InitError::InvalidOption { .. }
+                | InitError::DevicePlugins(_)
                 | InitError::HandlerExists { .. }
                 | InitError::Backend(_)
                 | InitError::Backends { .. }
