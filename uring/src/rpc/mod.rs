@@ -83,9 +83,9 @@ pub use agent::RpcAgent;
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use device::{
-    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
-    DeviceRuntime, DevicesError, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId,
-    StagedBytes, StagedReceive,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory,
+    DeviceOp, DevicePlugin, DeviceRuntime, DevicesError, HostBytes, HostMemory, PartBuffer,
+    PartedReceive, PipeId, StagedBytes, StagedReceive, UnavailableReason,
 };
 pub use error::{
     error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, InitError, RpcError,

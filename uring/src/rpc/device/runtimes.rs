@@ -8,8 +8,8 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
 use super::{
-    DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin, DeviceRuntime, HostBytes,
-    PipeId, StagedReceive,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin,
+    DeviceRuntime, HostBytes, PipeId, StagedReceive, UnavailableReason,
 };
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
@@ -36,6 +36,8 @@ pub enum DevicesError {
 #[derive(Clone, Default)]
 pub(crate) struct Devices {
     cuda: Option<Arc<dyn DeviceRuntime>>,
+    /// Why the CUDA plugin did not open, when one was given and failed.
+    cuda_refused: Option<Arc<DeviceError>>,
 }
 
 impl fmt::Debug for Devices {
@@ -73,6 +75,7 @@ impl Devices {
                     Err(e) => {
                         let reason = e.report();
                         tracing::info!(%reason, "CUDA is not usable; cuda_basic serves CPU memory only");
+                        devices.cuda_refused = Some(Arc::new(e));
                     }
                 },
                 DeviceType::Cpu => return Err(DevicesError::BuiltIn),
@@ -97,16 +100,24 @@ impl Devices {
 
     /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`,
     /// `cuda_gdr`), or why this worker cannot offer it.
-    pub(crate) fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
-        let runtime = self.cuda.as_ref().ok_or_else(|| {
-            format!("{kind} needs a CUDA runtime (RpcOptions::device_plugins), and none opened")
-        })?;
+    pub(crate) fn lending_descriptor(
+        &self,
+        kind: ChannelKind,
+    ) -> Result<String, ChannelUnavailable> {
+        let Some(runtime) = self.cuda.as_ref() else {
+            return Err(match &self.cuda_refused {
+                Some(refused) => {
+                    ChannelUnavailable::new(kind, UnavailableReason::NoRuntime, Arc::clone(refused))
+                }
+                None => ChannelUnavailable::bare(kind, UnavailableReason::NoRuntime),
+            });
+        };
         runtime
             .lending_channels()
             .into_iter()
             .find(|(offered, _)| *offered == kind)
             .map_or_else(
-                || Err(format!("the CUDA runtime does not run {kind}")),
+                || Err(ChannelUnavailable::bare(kind, UnavailableReason::NotRun)),
                 |(_, descriptor)| descriptor,
             )
     }
