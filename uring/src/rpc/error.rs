@@ -33,7 +33,7 @@ mod usage;
 
 pub use call::{CallError, CallErrorKind};
 pub use channel::{ChannelCause, ChannelFailure};
-pub use init::InitError;
+pub use init::{DevicesError, InitError};
 pub use shutdown::ShutdownError;
 pub use usage::UsageError;
 

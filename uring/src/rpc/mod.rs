@@ -84,12 +84,12 @@ pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use device::{
     ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory,
-    DeviceOp, DevicePlugin, DeviceRuntime, DevicesError, HostBytes, HostMemory, PartBuffer,
-    PartedReceive, PipeId, StagedBytes, StagedReceive, UnavailableReason,
+    DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive,
+    PipeId, StagedBytes, StagedReceive, UnavailableReason,
 };
 pub use error::{
-    error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, InitError, RpcError,
-    ShutdownError, StoreOpError, TransportError, UsageError,
+    error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, DevicesError, InitError,
+    RpcError, ShutdownError, StoreOpError, TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

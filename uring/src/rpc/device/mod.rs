@@ -69,7 +69,6 @@ pub use host::{HostBytes, StagedBytes};
 pub use plugin::{
     DeviceLoan, DevicePlugin, DeviceRuntime, PartBuffer, PartedReceive, PipeId, StagedReceive,
 };
-pub use runtimes::DevicesError;
 pub(crate) use runtimes::{Devices, StagingIn, CUDA_BASIC_DESCRIPTOR};
 
 /// Memory on a device, owned by a device runtime.

@@ -11,26 +11,10 @@ use super::{
     ChannelUnavailable, DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin,
     DeviceRuntime, HostBytes, PipeId, StagedReceive, UnavailableReason,
 };
+use crate::rpc::error::DevicesError;
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
 pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";
-
-/// Why the device plugins given in `RpcOptions::device_plugins` cannot be used (the
-/// agent does not start). A CUDA plugin that fails to open is no such error: the agent
-/// logs why and serves CPU memory only.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DevicesError {
-    /// A plugin for the CPU, which is built in.
-    #[error("the CPU is built in and cannot be plugged in")]
-    BuiltIn,
-    /// A plugin for a device type the agent takes no runtime for.
-    #[error("device type {kind} cannot be plugged in")]
-    NotPluggable {
-        /// The plugin's device type.
-        kind: DeviceType,
-    },
-}
 
 /// The opened runtimes of one worker.
 #[derive(Clone, Default)]

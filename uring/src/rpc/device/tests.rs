@@ -101,7 +101,7 @@ fn devices(plugin: Plugin) -> Devices {
 fn a_cpu_plugin_is_refused_and_an_unusable_one_leaves_cuda_out() {
     let cpu: Arc<dyn DevicePlugin> = Arc::new(Plugin(DeviceType::Cpu, Ok(false)));
     let err = Devices::open(&[cpu]).expect_err("cpu is built in");
-    assert_eq!(err, DevicesError::BuiltIn);
+    assert_eq!(err, crate::rpc::error::DevicesError::BuiltIn);
     // init_rpc's error names the option and keeps the refusal as its source.
     let init = crate::rpc::InitError::DevicePlugins(err);
     assert!(init.is_configuration() && !init.is_retryable());

@@ -2,6 +2,7 @@
 //! what to fix: an option, the rendezvous, the store, the group's consistency, or this
 //! host's resources.
 
+use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::DeviceMapError;
 use rdzv_core::negotiate::OfferError;
 use rdzv_core::rpc::name::WorkerInfoError;
@@ -13,7 +14,6 @@ use rdzv_core::rpc::store_keys::{
 
 use super::{CallError, StoreOpError, TransportError};
 use crate::rendezvous::RendezvousError;
-use crate::rpc::device::DevicesError;
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -155,4 +155,21 @@ impl InitError {
                 | InitError::Backends { .. }
         )
     }
+}
+
+/// Why the device plugins given in `RpcOptions::device_plugins` cannot be used (the
+/// agent does not start). A CUDA plugin that fails to open is no such error: the agent
+/// logs why and serves CPU memory only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DevicesError {
+    /// A plugin for the CPU, which is built in.
+    #[error("the CPU is built in and cannot be plugged in")]
+    BuiltIn,
+    /// A plugin for a device type the agent takes no runtime for.
+    #[error("device type {kind} cannot be plugged in")]
+    NotPluggable {
+        /// The plugin's device type.
+        kind: DeviceType,
+    },
 }
