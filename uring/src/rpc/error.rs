@@ -31,7 +31,7 @@ mod init;
 mod shutdown;
 mod usage;
 
-pub use call::{CallError, CallErrorKind};
+pub use call::{CallError, CallErrorKind, RRefWaitTimeout};
 pub use channel::{ChannelCause, ChannelFailure};
 pub use init::{DevicesError, InitError};
 pub use shutdown::ShutdownError;

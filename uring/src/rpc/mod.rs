@@ -89,7 +89,7 @@ pub use device::{
 };
 pub use error::{
     error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, DevicesError, InitError,
-    RpcError, ShutdownError, StoreOpError, TransportError, UsageError,
+    RRefWaitTimeout, RpcError, ShutdownError, StoreOpError, TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

@@ -2,6 +2,8 @@
 //! `to_here`, a handler's own calls), with [`CallErrorKind`] saying what the caller can
 //! do about it.
 
+use std::time::Duration;
+
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
@@ -52,6 +54,41 @@ impl CallErrorKind {
                 | CallErrorKind::InjectedFault
         )
     }
+}
+
+/// What an RRef test helper waited for and the counts it saw last, when it ran out of
+/// time (PyTorch's texts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RRefWaitTimeout {
+    /// `wait_until_owners_and_forks_on_rank`.
+    #[error("Timed out waiting {timeout:?} for {owners} owners and {forks} forks on rank {rank}, had {had_owners} owners and {had_forks} forks")]
+    OwnersAndForks {
+        /// How long it waited.
+        timeout: Duration,
+        /// The owner RRefs waited for.
+        owners: usize,
+        /// The forks waited for.
+        forks: usize,
+        /// The rank asked.
+        rank: i16,
+        /// The owner RRefs it had last.
+        had_owners: usize,
+        /// The forks it had last.
+        had_forks: usize,
+    },
+    /// `wait_until_pending_futures_and_users_flushed`.
+    #[error("Timed out waiting {timeout:?} to flush pending futures and users, had {futures} pending RRef futures, {users} pending users and {calls} calls in flight")]
+    Flush {
+        /// How long it waited.
+        timeout: Duration,
+        /// RRef control messages unanswered last.
+        futures: usize,
+        /// Users unconfirmed last.
+        users: usize,
+        /// Calls in flight last.
+        calls: u32,
+    },
 }
 
 /// Why a call failed. [`kind`](Self::kind) classifies it; [`is_retryable`](
@@ -177,11 +214,8 @@ pub enum CallError {
     },
     /// An RRef test helper (`wait_until_owners_and_forks_on_rank`,
     /// `wait_until_pending_futures_and_users_flushed`) ran out of time.
-    #[error("{reason}")]
-    RRefWait {
-        /// PyTorch's text, with the counts seen last.
-        reason: String,
-    },
+    #[error(transparent)]
+    RRefWait(RRefWaitTimeout),
     /// An RRef's value could not be had: its `remote()` call or handler failed, it was
     /// not ready in time, or the owner could not be reached. `kind` is that failure's.
     #[error("RRef {rref} owned by {owner}: {reason}")]
@@ -213,9 +247,9 @@ impl CallError {
     /// What kind of failure this is.
     pub fn kind(&self) -> CallErrorKind {
         match self {
-            CallError::Timeout { .. }
-            | CallError::FlushTimeout { .. }
-            | CallError::RRefWait { .. } => CallErrorKind::Timeout,
+            CallError::Timeout { .. } | CallError::FlushTimeout { .. } | CallError::RRefWait(_) => {
+                CallErrorKind::Timeout
+            }
             CallError::Remote { .. } => CallErrorKind::Remote,
             CallError::Connect { .. } => CallErrorKind::Connect,
             CallError::Handshake { .. } => CallErrorKind::Handshake,
@@ -279,7 +313,7 @@ impl CallError {
             CallError::Usage(e) => e.peer(),
             CallError::ShutDown { .. }
             | CallError::FlushTimeout { .. }
-            | CallError::RRefWait { .. }
+            | CallError::RRefWait(_)
             | CallError::Resources { .. } => None,
         }
     }

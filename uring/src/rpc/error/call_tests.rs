@@ -3,7 +3,7 @@
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::{CallError, CallErrorKind};
+use super::{CallError, CallErrorKind, RRefWaitTimeout};
 use crate::rpc::error::{error_chain, ChannelFailure, RpcError, UsageError};
 
 fn peer() -> String {
@@ -127,9 +127,12 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             None,
         ),
         (
-            CallError::RRefWait {
-                reason: "still 2 owners".into(),
-            },
+            CallError::RRefWait(RRefWaitTimeout::Flush {
+                timeout: std::time::Duration::from_millis(20),
+                futures: 1,
+                users: 0,
+                calls: 2,
+            }),
             K::Timeout,
             true,
             None,
@@ -244,6 +247,18 @@ fn pytorch_texts_are_kept() {
     assert_eq!(
         CallError::FlushTimeout { pending: 2 }.to_string(),
         "Timed out waiting to flush pending futures, had 2 pending futures"
+    );
+    let wait = CallError::RRefWait(RRefWaitTimeout::OwnersAndForks {
+        timeout: std::time::Duration::from_millis(1500),
+        owners: 2,
+        forks: 1,
+        rank: 3,
+        had_owners: 1,
+        had_forks: 0,
+    });
+    assert_eq!(
+        wait.to_string(),
+        "Timed out waiting 1.5s for 2 owners and 1 forks on rank 3, had 1 owners and 0 forks"
     );
     let usage = CallError::from(UsageError::UnknownWorker { name: peer() });
     assert_eq!(
