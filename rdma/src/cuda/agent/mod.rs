@@ -119,7 +119,8 @@ use crate::ibv::IbvViability;
 use crate::report::ErrorChain;
 use device::DeviceState;
 pub use options::{
-    ConfiguredCudaPlugin, CudaOptions, CudaPlugin, ENV_CACHE_CAP, ENV_PENDING_HAND_OVER,
+    ConfiguredCudaPlugin, CudaOpenError, CudaOptions, CudaOptionsError, CudaPlugin, ENV_CACHE_CAP,
+    ENV_PENDING_HAND_OVER,
 };
 pub use tensor_memory::CudaMemory;
 
@@ -159,7 +160,7 @@ impl CudaRuntime {
     ///
     /// # Errors
     /// Why CUDA cannot be used here (no driver library, `cuInit` failed, no device).
-    pub fn open() -> Result<CudaRuntime, String> {
+    pub fn open() -> Result<CudaRuntime, CudaOpenError> {
         Self::open_with(CudaOptions::default())
     }
 
@@ -167,14 +168,14 @@ impl CudaRuntime {
     ///
     /// # Errors
     /// As [`open`](Self::open).
-    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, String> {
+    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, CudaOpenError> {
         let report = viability::probe();
-        let cuda = report.facts.cuda.report().ok_or_else(|| {
-            report.facts.cuda.reason().map_or_else(
-                || "CUDA is not viable".to_string(),
-                |reason| format!("CUDA is not viable: {}", ErrorChain(reason)),
-            )
-        })?;
+        let cuda = match report.facts.cuda {
+            super::CudaViability::Viable(ref cuda) => cuda,
+            super::CudaViability::NotViable(reason) => {
+                return Err(CudaOpenError::NotViable(reason))
+            }
+        };
         let count = cuda.devices.len();
         let process = current_identity().map_err(|e| ErrorChain(&e).to_string());
         let host = HostIdentity::current().map_err(|e| format!("cannot identify this host: {e}"));
