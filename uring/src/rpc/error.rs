@@ -28,12 +28,14 @@ use crate::store::StoreError;
 mod call;
 mod channel;
 mod init;
+mod rref;
 mod shutdown;
 mod usage;
 
 pub use call::{CallError, CallErrorKind, RRefWaitTimeout};
 pub use channel::{ChannelCause, ChannelFailure};
 pub use init::{DevicesError, InitError};
+pub use rref::RRefFailure;
 pub use shutdown::ShutdownError;
 pub use usage::UsageError;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::{ChannelFailure, UsageError};
+use super::{ChannelFailure, RRefFailure, UsageError};
 
 /// What kind of failure a [`CallError`] is: small, `Copy`, for matching and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -217,7 +217,8 @@ pub enum CallError {
     #[error(transparent)]
     RRefWait(RRefWaitTimeout),
     /// An RRef's value could not be had: its `remote()` call or handler failed, it was
-    /// not ready in time, or the owner could not be reached. `kind` is that failure's.
+    /// not ready in time, or the owner could not be reached ([`RRefFailure`], whose
+    /// kind is this error's).
     #[error("RRef {rref} owned by {owner}: {reason}")]
     RRef {
         /// The RRef's id.
@@ -225,9 +226,8 @@ pub enum CallError {
         /// Its owner's worker name.
         owner: String,
         /// Why.
-        reason: String,
-        /// What kind of failure it was.
-        kind: CallErrorKind,
+        #[source]
+        reason: RRefFailure,
     },
     /// A thread the call needed could not start.
     #[error("cannot start {what}: {source}")]
@@ -259,7 +259,7 @@ impl CallError {
             CallError::Encode { .. } => CallErrorKind::Encode,
             CallError::InjectedFault { .. } => CallErrorKind::InjectedFault,
             CallError::ShutDown { .. } => CallErrorKind::ShutDown,
-            CallError::RRef { kind, .. } => *kind,
+            CallError::RRef { reason, .. } => reason.kind(),
             CallError::Resources { .. } => CallErrorKind::Resources,
             CallError::Usage(_) => CallErrorKind::Usage,
         }

@@ -4,7 +4,7 @@ use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
 use super::{CallError, CallErrorKind, RRefWaitTimeout};
-use crate::rpc::error::{error_chain, ChannelFailure, RpcError, UsageError};
+use crate::rpc::error::{error_chain, ChannelFailure, RRefFailure, RpcError, UsageError};
 
 fn peer() -> String {
     "bob".to_string()
@@ -141,8 +141,9 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::RRef {
                 rref: "GloballyUniqueId(1, 2)".into(),
                 owner: peer(),
-                reason: "its handler failed: boom".into(),
-                kind: K::Remote,
+                reason: RRefFailure::Handler {
+                    message: "boom".into(),
+                },
             },
             K::Remote,
             false,
@@ -152,8 +153,12 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::RRef {
                 rref: "GloballyUniqueId(1, 2)".into(),
                 owner: peer(),
-                reason: "to_here could not reach the owner".into(),
-                kind: K::PipeBroken,
+                reason: RRefFailure::Unreachable {
+                    source: Box::new(CallError::PipeBroken {
+                        peer: peer(),
+                        reason: "reset".into(),
+                    }),
+                },
             },
             K::PipeBroken,
             true,
@@ -324,4 +329,38 @@ fn a_channel_failure_says_which_tensor_and_prints_its_cause_once() {
         "tensor transfer over the xth channel with bob failed: its descriptor announces 5 \
          bytes, the frame 6"
     );
+}
+
+#[test]
+fn an_rref_failure_has_its_call_as_source_and_kind() {
+    let remote = CallError::Timeout {
+        peer: peer(),
+        error: RpcTimeoutError { timeout_ms: 50 },
+    };
+    let error = CallError::RRef {
+        rref: "GloballyUniqueId(1, 2)".into(),
+        owner: peer(),
+        reason: RRefFailure::CreationFailed {
+            source: std::sync::Arc::new(remote),
+        },
+    };
+    assert!(error.is_timeout() && error.is_retryable());
+    let text = "RRef GloballyUniqueId(1, 2) owned by bob: RRef creation via rpc.remote() failed \
+                (RPC ran for more than set timeout (50 ms) and will now be marked with an \
+                error), and it is possible that the RRef on the owner node does not exist; \
+                call remote() again";
+    assert_eq!(error.to_string(), text);
+    assert_eq!(error_chain(&error), text);
+    let reason = std::error::Error::source(&error).expect("the reason");
+    let call = std::error::Error::source(reason).expect("the remote() call");
+    // The remote() call's own error, shared by every to_here that reports it.
+    let call = call
+        .downcast_ref::<std::sync::Arc<CallError>>()
+        .expect("the call's CallError");
+    assert!(call.is_timeout());
+    let not_ready = RRefFailure::NotReady {
+        timeout: std::time::Duration::from_millis(30),
+    };
+    assert_eq!(not_ready.kind(), CallErrorKind::Timeout);
+    assert_eq!(not_ready.to_string(), "the value is not ready after 30ms");
 }
