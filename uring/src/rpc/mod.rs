@@ -85,7 +85,7 @@ pub use client::RpcClient;
 pub use device::{
     ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory,
     DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive,
-    PipeId, StagedBytes, StagedReceive, UnavailableReason,
+    PipeId, StagedBytes, StagedReceive, TensorMemoryError, UnavailableReason,
 };
 pub use error::{
     error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, DevicesError, InitError,

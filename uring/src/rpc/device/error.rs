@@ -241,6 +241,41 @@ impl Error for ChannelUnavailable {
     }
 }
 
+/// What the agent found wrong with a device tensor's memory, as the source of the
+/// [`DeviceError`] of the operation that met it: a tensor made without its memory or
+/// with memory on another device (fix how the tensor is made), or a runtime that made
+/// other memory than it was asked for (a runtime's bug).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorMemoryError {
+    /// A device tensor without device memory.
+    #[error("the {device} tensor holds no device memory (a {} tensor is made with Tensor::on_device)", device.kind())]
+    Missing {
+        /// The device the tensor names.
+        device: Device,
+    },
+    /// A tensor whose memory is on another device than the one it names.
+    #[error("the tensor says {device}, but its memory is on {memory}")]
+    OtherDevice {
+        /// The device the tensor names.
+        device: Device,
+        /// The device its memory is on.
+        memory: Device,
+    },
+    /// A runtime made memory of another length or on another device than asked.
+    #[error("the {} runtime made {made} bytes on {made_on} for {len} bytes on {device}", device.kind())]
+    Made {
+        /// The device asked for.
+        device: Device,
+        /// The length asked for.
+        len: u64,
+        /// The length made.
+        made: usize,
+        /// The device it was made on.
+        made_on: Device,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

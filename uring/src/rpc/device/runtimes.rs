@@ -8,8 +8,9 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
 use super::{
-    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin,
-    DeviceRuntime, HostBytes, PipeId, StagedReceive, UnavailableReason,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
+    DevicePlugin, DeviceRuntime, HostBytes, PipeId, StagedReceive, TensorMemoryError,
+    UnavailableReason,
 };
 use crate::rpc::error::DevicesError;
 
@@ -118,7 +119,8 @@ impl Devices {
                 .on(device)
                 .over(channel)
         };
-        let memory = checked_memory(device, memory).map_err(failed)?;
+        let memory = checked_memory(device, memory)
+            .map_err(|e| DeviceError::new(DeviceOp::Lend, e).on(device).over(channel))?;
         let runtime = self.runtime(device.kind()).ok_or_else(|| {
             failed(format!(
                 "this worker has no {} runtime (RpcOptions::device_plugins)",
@@ -159,7 +161,11 @@ impl Devices {
         let memory = runtime
             .borrow_on(pipe, channel, device, len, descriptor)
             .map_err(|e| e.located(device, Some(channel)))?;
-        check_made(device, len, &memory).map_err(failed)?;
+        check_made(device, len, &memory).map_err(|e| {
+            DeviceError::new(DeviceOp::Borrow, e)
+                .on(device)
+                .over(channel)
+        })?;
         Ok(memory)
     }
 
@@ -192,7 +198,11 @@ impl Devices {
             };
         }
         let kind = device.kind();
-        let memory = checked_memory(device, memory).map_err(failed)?;
+        let memory = checked_memory(device, memory).map_err(|e| {
+            DeviceError::new(DeviceOp::CopyToHost, e)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        })?;
         let runtime = self.runtime(kind).ok_or_else(|| {
             failed(format!(
                 "this worker has no {kind} runtime (RpcOptions::device_plugins)"
@@ -270,7 +280,11 @@ impl Devices {
         let memory = runtime
             .copy_from_host(device, bytes)
             .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
-        check_made(device, len, &memory).map_err(failed)?;
+        check_made(device, len, &memory).map_err(|e| {
+            DeviceError::new(DeviceOp::CopyFromHost, e)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        })?;
         Ok((Vec::new(), Some(memory)))
     }
 }
@@ -394,39 +408,40 @@ fn no_runtime(device: Device) -> String {
 }
 
 /// A chunk-by-chunk receive onto `device` failed, for `why`.
-fn staging_failed(device: Device, why: String) -> DeviceError {
+fn staging_failed(device: Device, why: impl Into<DeviceErrorSource>) -> DeviceError {
     DeviceError::new(DeviceOp::ReceiveStaged, why)
         .on(device)
         .over(ChannelKind::CudaBasic)
 }
 
 /// Checks that a runtime made `len` bytes on `device`: a runtime's bug otherwise.
-pub(super) fn check_made(device: Device, len: u64, memory: &DeviceBuffer) -> Result<(), String> {
+pub(super) fn check_made(
+    device: Device,
+    len: u64,
+    memory: &DeviceBuffer,
+) -> Result<(), TensorMemoryError> {
     if memory.device() == device && memory.len() as u64 == len {
         return Ok(());
     }
-    Err(format!(
-        "the {} runtime made {} bytes on {} for {len} bytes on {device}",
-        device.kind(),
-        memory.len(),
-        memory.device()
-    ))
+    Err(TensorMemoryError::Made {
+        device,
+        len,
+        made: memory.len(),
+        made_on: memory.device(),
+    })
 }
 
 /// A device tensor's memory, which it must hold, on the device it names.
-fn checked_memory(device: Device, memory: Option<&DeviceBuffer>) -> Result<&DeviceBuffer, String> {
-    let memory = memory.ok_or_else(|| {
-        format!(
-            "the {device} tensor holds no device memory (a {} tensor is made with \
-             Tensor::on_device)",
-            device.kind()
-        )
-    })?;
+fn checked_memory(
+    device: Device,
+    memory: Option<&DeviceBuffer>,
+) -> Result<&DeviceBuffer, TensorMemoryError> {
+    let memory = memory.ok_or(TensorMemoryError::Missing { device })?;
     if memory.device() != device {
-        return Err(format!(
-            "the tensor says {device}, but its memory is on {}",
-            memory.device()
-        ));
+        return Err(TensorMemoryError::OtherDevice {
+            device,
+            memory: memory.device(),
+        });
     }
     Ok(memory)
 }

@@ -176,8 +176,11 @@ fn lending_is_checked_on_both_sides() {
     assert!(err.contains("its memory is on cuda:0"), "{err}");
     let err = devices
         .lend(ChannelKind::CudaIpc, cuda(0), None)
-        .expect_err("no memory")
-        .report();
+        .expect_err("no memory");
+    // The check is a typed source a caller can match on.
+    let why = std::error::Error::source(&err).and_then(|e| e.downcast_ref::<TensorMemoryError>());
+    assert_eq!(why, Some(&TensorMemoryError::Missing { device: cuda(0) }));
+    let err = err.report();
     assert!(err.contains("Tensor::on_device"), "{err}");
     // A descriptor a frame cannot carry is refused.
     let big = DeviceBuffer::new(HostMemory::new(cuda(0), vec![0; 256]));
