@@ -37,8 +37,8 @@
 //!
 //! **A failed `remote()` call** (the call itself, not its handler: the owner could not
 //! be reached, the send failed, the call timed out) is PyTorch's best-effort error
-//! handling: the failure is recorded on the user (core's `remote_failed`, and the
-//! call's error here), so the user stops being pending and `join` does not wait for it or report it;
+//! handling: the failure is recorded on the user (core's `remote_failed`, and its error
+//! here), so the user stops being pending and `join` does not wait for it or report it;
 //! `to_here` and `fork_to` then fail with it, naming the owner; dropping the RRef still
 //! sends `USER_DELETE`, in case the call reached the owner before failing. A failure
 //! known when `remote()` returns (a send that failed at once, as fault injection's) is
