@@ -26,8 +26,9 @@ use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
-    DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, RpcAgent, RpcOptions, Tensor,
+    init_rpc, CallContext, ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource,
+    DeviceLoan, DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, RpcAgent,
+    RpcOptions, Tensor,
 };
 
 const CHILD_ENV: &str = "RDZV_GDR_RPC_CHILD";
@@ -70,7 +71,7 @@ impl DeviceRuntime for HostGdr {
         Ok(DeviceBuffer::new(HostMemory::new(device, bytes)))
     }
 
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, ChannelUnavailable>)> {
         vec![(
             ChannelKind::CudaGdr,
             Ok(rdzv_rdma::cuda::descriptor::GDR_DESCRIPTOR.to_string()),

@@ -32,9 +32,10 @@ use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_uring::rpc::{
-    init_rpc, CallContext, CallError, DeviceBuffer, DeviceError, DeviceLoan, DeviceMemory,
-    DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message, PartBuffer,
-    PartedReceive, PipeId, RpcAgent, RpcOptions, StagedBytes, StagedReceive, Tensor,
+    init_rpc, CallContext, CallError, ChannelUnavailable, DeviceBuffer, DeviceError, DeviceLoan,
+    DeviceMemory, DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, Message,
+    PartBuffer, PartedReceive, PipeId, RpcAgent, RpcOptions, StagedBytes, StagedReceive, Tensor,
+    UnavailableReason,
 };
 
 mod common;
@@ -134,12 +135,16 @@ impl DeviceRuntime for HostCuda {
         Ok(HostBytes::staged(Pinned(memory.bytes().to_vec())))
     }
 
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, ChannelUnavailable>)> {
         vec![
             (ChannelKind::CudaIpc, Ok("cuda_ipc:fake-host".to_string())),
             (
                 ChannelKind::CudaXth,
-                Err("the fake runtime lends across processes only".to_string()),
+                Err(ChannelUnavailable::new(
+                    ChannelKind::CudaXth,
+                    UnavailableReason::NotViable,
+                    "the fake runtime lends across processes only",
+                )),
             ),
         ]
     }

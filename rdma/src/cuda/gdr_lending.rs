@@ -23,7 +23,7 @@ use rdzv_core::channel::ProcessIdentity;
 
 use super::agent::CudaMemory;
 use super::gdr::{GdrError, GdrRegistration};
-use super::viability::ChannelVerdict;
+use super::viability::{ChannelVerdict, CudaChannel, LendingRefused};
 use crate::ibv::channel::{ChannelError, VerbsDomain};
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingError, LendingOptions, ReadTarget};
 use crate::ibv::sys::AccessFlags;
@@ -93,16 +93,27 @@ pub fn gdr_access() -> AccessFlags {
 
 /// `cuda_gdr`'s offer: its domain descriptor when the probe found it viable and this
 /// process can be identified, else why not.
+///
+/// # Errors
+/// [`LendingRefused`]: the probe's verdict, or the process's identity that could not be
+/// read.
 pub fn gdr_offer(
     verdict: Option<&ChannelVerdict>,
     process_known: Result<(), &str>,
-) -> Result<String, String> {
+) -> Result<String, LendingRefused> {
+    let channel = CudaChannel::Gdr;
     match verdict {
-        Some(verdict @ ChannelVerdict::NotViable(_)) => Err(format!("cuda_gdr: {verdict}")),
-        None => Err("cuda_gdr: not assessed by the probe".to_owned()),
+        Some(ChannelVerdict::NotViable(reason)) => Err(LendingRefused::NotViable {
+            channel,
+            reason: reason.clone(),
+        }),
+        None => Err(LendingRefused::NotAssessed { channel }),
         Some(ChannelVerdict::Viable(_)) => match process_known {
             Ok(()) => Ok(super::descriptor::GDR_DESCRIPTOR.to_owned()),
-            Err(e) => Err(format!("cuda_gdr not viable: {e}")),
+            Err(e) => Err(LendingRefused::Unidentified {
+                channel,
+                reason: e.to_owned(),
+            }),
         },
     }
 }
@@ -367,12 +378,18 @@ mod tests {
         );
         let no_nic =
             ChannelVerdict::NotViable(ChannelNotViable::NoRdmaDevice("no device".to_owned()));
-        let reason = gdr_offer(Some(&no_nic), Ok(())).unwrap_err();
+        let reason = gdr_offer(Some(&no_nic), Ok(())).unwrap_err().to_string();
         assert!(reason.starts_with("cuda_gdr: not viable:"), "{reason}");
         assert!(reason.contains("no device"), "{reason}");
-        assert!(gdr_offer(None, Ok(())).is_err());
+        assert_eq!(
+            gdr_offer(None, Ok(())),
+            Err(LendingRefused::NotAssessed {
+                channel: CudaChannel::Gdr
+            })
+        );
         let reason = gdr_offer(Some(&viable), Err("no /proc")).unwrap_err();
-        assert!(reason.contains("no /proc"), "{reason}");
+        assert!(matches!(reason, LendingRefused::Unidentified { .. }));
+        assert!(reason.to_string().contains("no /proc"), "{reason}");
     }
 
     #[test]

@@ -95,6 +95,37 @@ pub enum ChannelNotViable {
     NoRegistrationPath(#[from] GdrPathError),
 }
 
+/// Why the CUDA runtime does not offer a lending channel (`cuda_xth`, `cuda_ipc`,
+/// `cuda_gdr`): the source of the agent's `ChannelUnavailable` for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LendingRefused {
+    /// The probe found the channel not viable here.
+    #[error("{channel}: not viable: {reason}")]
+    NotViable {
+        /// The channel.
+        channel: CudaChannel,
+        /// Why.
+        #[source]
+        reason: ChannelNotViable,
+    },
+    /// The probe did not assess the channel.
+    #[error("{channel}: not assessed by the probe")]
+    NotAssessed {
+        /// The channel.
+        channel: CudaChannel,
+    },
+    /// This process or host could not be identified, which the channel's descriptors
+    /// name.
+    #[error("{channel} not viable: {reason}")]
+    Unidentified {
+        /// The channel.
+        channel: CudaChannel,
+        /// What reading `/proc` said.
+        reason: String,
+    },
+}
+
 /// What [`assess`] found for one channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChannelVerdict {

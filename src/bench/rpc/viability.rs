@@ -83,7 +83,7 @@ pub(super) fn pair_here(transport: TransportKind, channel: Channels) -> Result<(
         return Err("cuda_xth works within one process, and the two sides are two".into());
     }
     if is_cuda(channel) {
-        rdzv_rdma::cuda::agent::CudaRuntime::open()?;
+        rdzv_rdma::cuda::agent::CudaRuntime::open().map_err(|e| e.to_string())?;
     }
     agent_runs(transport, channel)
 }

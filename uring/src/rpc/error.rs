@@ -14,7 +14,9 @@
 //! returns the specific one. [`TransportError`] is the transport seam's, formatted here
 //! once. Each variant names the peer, key or option involved and, where there is one,
 //! what to do about it. The only errors that stay text are a handler's, which travel on
-//! the wire, and a device runtime's, which reach a [`CallError::Channel`] as its reason.
+//! the wire. A channel's failure is a [`ChannelFailure`] in [`CallError::Channel`], a
+//! device runtime's a [`DeviceError`](crate::rpc::DeviceError) in [`CallError::Device`],
+//! each with the underlying error as its source.
 
 use std::io;
 
@@ -24,14 +26,18 @@ use rdzv_core::rpc::frame::{EncodeError, FrameError};
 use crate::store::StoreError;
 
 mod call;
+mod channel;
 mod init;
 mod pipe;
+mod rref;
 mod shutdown;
 mod usage;
 
-pub use call::{CallError, CallErrorKind};
-pub use init::InitError;
+pub use call::{CallError, CallErrorKind, RRefWaitTimeout};
+pub use channel::{ChannelCause, ChannelFailure};
+pub use init::{DevicesError, InitError};
 pub use pipe::{PipeFailure, SharedCause};
+pub use rref::RRefFailure;
 pub use shutdown::ShutdownError;
 pub use usage::UsageError;
 

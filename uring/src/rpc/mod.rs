@@ -84,13 +84,14 @@ pub use agent::RpcAgent;
 pub use backend::{backend_registered, init_rpc_with_backend, register_backend};
 pub use client::RpcClient;
 pub use device::{
-    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp, DevicePlugin,
-    DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive, PipeId, StagedBytes,
-    StagedReceive,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory,
+    DeviceOp, DevicePlugin, DeviceRuntime, HostBytes, HostMemory, PartBuffer, PartedReceive,
+    PipeId, StagedBytes, StagedReceive, TensorMemoryError, UnavailableReason,
 };
 pub use error::{
-    error_chain, CallError, CallErrorKind, InitError, RpcError, ShutdownError, StoreOpError,
-    TransportError, UsageError,
+    error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, DevicesError, InitError,
+    RRefFailure, RRefWaitTimeout, RpcError, ShutdownError, StoreOpError, TransportError,
+    UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

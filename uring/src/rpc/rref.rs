@@ -16,7 +16,7 @@ use std::time::Duration;
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::rref::{DebugInfo, ForkData, Leak, RRefHandle, RRefId};
 
-use super::error::{CallError, CallErrorKind, UsageError};
+use super::error::{CallError, RRefFailure, UsageError};
 use super::message::Message;
 
 /// What an [`RRef`] and `remote()` need of the agent's RRef runtime
@@ -75,15 +75,6 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
     fn fork(&self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, String>;
 }
 
-/// Why `to_here` failed, for the handle to wrap: what kind of failure, in words.
-#[derive(Debug)]
-pub(crate) struct RRefFailure {
-    /// The kind of the failure (the call's, when the owner could not be reached).
-    pub(crate) kind: CallErrorKind,
-    /// What failed.
-    pub(crate) reason: String,
-}
-
 /// A remote reference: to a value on its owner, returned by `remote()` at once.
 ///
 /// Clone it for another local reference; drop the last one and the owner learns
@@ -136,12 +127,11 @@ impl RRef {
     }
 
     /// [`CallError::RRef`] about this RRef.
-    pub(crate) fn call_error(&self, kind: CallErrorKind, reason: String) -> CallError {
+    pub(crate) fn call_error(&self, reason: RRefFailure) -> CallError {
         CallError::RRef {
             rref: self.handle.rref.to_string(),
             owner: self.owner.clone(),
             reason,
-            kind,
         }
     }
 
@@ -184,16 +174,14 @@ impl RRef {
     /// The value, on the owner: `None` while the handler runs (or on a user).
     ///
     /// # Errors
-    /// [`CallError::RRef`] (kind [`CallErrorKind::Remote`]) with the handler's error, if
+    /// [`CallError::RRef`] (kind [`CallErrorKind::Remote`](crate::rpc::CallErrorKind::Remote)) with the handler's error, if
     /// it failed.
     pub fn local_value(&self) -> Option<Result<Message, CallError>> {
         if !self.is_owner() {
             return None;
         }
         let value = self.runtime.local_value(self.handle.rref)?;
-        Some(value.map_err(|e| {
-            self.call_error(CallErrorKind::Remote, format!("its handler failed: {e}"))
-        }))
+        Some(value.map_err(|e| self.call_error(RRefFailure::Handler { message: e })))
     }
 
     /// Fetches the value (payload and tensors) from the owner, waiting for it at most
@@ -202,13 +190,13 @@ impl RRef {
     /// # Errors
     /// [`CallError::RRef`], naming the owner, whose [`kind`](CallError::kind) says what
     /// failed: the `remote()` call ("RRef creation via rpc.remote() failed", as PyTorch
-    /// words it; the call's own kind), its handler ([`CallErrorKind::Remote`]), the value
-    /// was not ready in time ([`CallErrorKind::Timeout`]), or the owner could not be
+    /// words it; the call's own kind), its handler ([`CallErrorKind::Remote`](crate::rpc::CallErrorKind::Remote)), the value
+    /// was not ready in time ([`CallErrorKind::Timeout`](crate::rpc::CallErrorKind::Timeout)), or the owner could not be
     /// reached (a dead owner fails at once with the pipe's error and kind).
     pub fn to_here(&self, timeout: Duration) -> Result<Message, CallError> {
         self.runtime
             .to_here(&self.handle, &self.owner, timeout)
-            .map_err(|failure| self.call_error(failure.kind, failure.reason))
+            .map_err(|failure| self.call_error(failure))
     }
 
     /// Passes this RRef to worker `to` (pickling it): bytes to put inside a message to

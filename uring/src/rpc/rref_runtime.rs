@@ -37,7 +37,7 @@
 //!
 //! **A failed `remote()` call** (the call itself, not its handler: the owner could not
 //! be reached, the send failed, the call timed out) is PyTorch's best-effort error
-//! handling: the failure is recorded on the user (core's `remote_failed`, and its text
+//! handling: the failure is recorded on the user (core's `remote_failed`, and its error
 //! here), so the user stops being pending and `join` does not wait for it or report it;
 //! `to_here` and `fork_to` then fail with it, naming the owner; dropping the RRef still
 //! sends `USER_DELETE`, in case the call reached the owner before failing. A failure
@@ -88,11 +88,11 @@ use rdzv_core::rpc::timeouts::Instant;
 use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
 use super::dispatch::Dispatch;
-use super::error::{CallError, CallErrorKind, UsageError};
+use super::error::{CallError, RRefFailure, UsageError};
 use super::lane::Responder;
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
-use super::rref::{RRef, RRefFailure, RRefRuntime, RRefShutdownReport};
+use super::rref::{RRef, RRefRuntime, RRefShutdownReport};
 
 mod debug;
 mod pump;
@@ -114,9 +114,10 @@ struct State {
     machine: RRefContext,
     /// The owner's values: the handler's message, or its error text.
     values: HashMap<RRefId, Result<Message, String>>,
-    /// Why the `remote()` call of each user here whose call failed did so (its kind and
-    /// text), by fork (kept while the machine holds the user).
-    failed: HashMap<ForkId, (CallErrorKind, String)>,
+    /// Why the `remote()` call of each user here whose call failed did so (the call's
+    /// error, the source of every `to_here` that reports it), by fork (kept while the
+    /// machine holds the user).
+    failed: HashMap<ForkId, Arc<CallError>>,
     /// Messages for the pump to send.
     outbox: VecDeque<Transmit>,
     /// Futures for the pump to watch (`remote()` calls).

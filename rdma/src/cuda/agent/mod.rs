@@ -104,8 +104,8 @@ use rdzv_core::device::Device;
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::channel::current_identity;
 use rdzv_uring::rpc::{
-    DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory, DeviceOp,
-    DeviceRuntime, HostBytes, PartedReceive, PipeId, StagedReceive,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceMemory,
+    DeviceOp, DeviceRuntime, HostBytes, PartedReceive, PipeId, StagedReceive, UnavailableReason,
 };
 
 use super::channel_error::CudaChannelError;
@@ -113,13 +113,14 @@ use super::descriptor::HostIdentity;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::memory::DeviceAllocation;
-use super::viability::{self, ChannelVerdict, CudaChannel};
+use super::viability::{self, ChannelVerdict, CudaChannel, LendingRefused};
 use super::PeerMemory;
 use crate::ibv::IbvViability;
 use crate::report::ErrorChain;
 use device::DeviceState;
 pub use options::{
-    ConfiguredCudaPlugin, CudaOptions, CudaPlugin, ENV_CACHE_CAP, ENV_PENDING_HAND_OVER,
+    ConfiguredCudaPlugin, CudaOpenError, CudaOptions, CudaOptionsError, CudaPlugin, ENV_CACHE_CAP,
+    ENV_PENDING_HAND_OVER,
 };
 pub use tensor_memory::CudaMemory;
 
@@ -133,10 +134,10 @@ pub struct CudaRuntime {
     /// This process, for the lending descriptors; `Err` when `/proc` could not say.
     process: Result<ProcessIdentity, String>,
     /// `cuda_xth`'s and `cuda_ipc`'s domain descriptors, or why they cannot run.
-    xth: Result<String, String>,
-    ipc: Result<String, String>,
+    xth: Result<String, LendingRefused>,
+    ipc: Result<String, LendingRefused>,
     /// `cuda_gdr`'s domain descriptor, or why it cannot run.
-    gdr: Result<String, String>,
+    gdr: Result<String, LendingRefused>,
     /// Each device's registration path (from the probe), by ordinal.
     gdr_paths: Vec<GdrPath>,
     peer_memory: PeerMemory,
@@ -159,7 +160,7 @@ impl CudaRuntime {
     ///
     /// # Errors
     /// Why CUDA cannot be used here (no driver library, `cuInit` failed, no device).
-    pub fn open() -> Result<CudaRuntime, String> {
+    pub fn open() -> Result<CudaRuntime, CudaOpenError> {
         Self::open_with(CudaOptions::default())
     }
 
@@ -167,24 +168,30 @@ impl CudaRuntime {
     ///
     /// # Errors
     /// As [`open`](Self::open).
-    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, String> {
+    pub fn open_with(options: CudaOptions) -> Result<CudaRuntime, CudaOpenError> {
         let report = viability::probe();
-        let cuda = report.facts.cuda.report().ok_or_else(|| {
-            report.facts.cuda.reason().map_or_else(
-                || "CUDA is not viable".to_string(),
-                |reason| format!("CUDA is not viable: {}", ErrorChain(reason)),
-            )
-        })?;
+        let cuda = match report.facts.cuda {
+            super::CudaViability::Viable(ref cuda) => cuda,
+            super::CudaViability::NotViable(reason) => {
+                return Err(CudaOpenError::NotViable(reason))
+            }
+        };
         let count = cuda.devices.len();
         let process = current_identity().map_err(|e| ErrorChain(&e).to_string());
         let host = HostIdentity::current().map_err(|e| format!("cannot identify this host: {e}"));
         let channel = |channel: CudaChannel, descriptor: fn(&HostIdentity) -> String| match report
             .verdict(channel)
         {
-            Some(verdict) if !verdict.is_viable() => Err(format!("{channel}: {verdict}")),
+            Some(ChannelVerdict::NotViable(reason)) => Err(LendingRefused::NotViable {
+                channel,
+                reason: reason.clone(),
+            }),
             _ => match (&host, &process) {
                 (Ok(host), Ok(_)) => Ok(descriptor(host)),
-                (Err(e), _) | (_, Err(e)) => Err(format!("{channel} not viable: {e}")),
+                (Err(e), _) | (_, Err(e)) => Err(LendingRefused::Unidentified {
+                    channel,
+                    reason: e.clone(),
+                }),
             },
         };
         let gdr_verdict = report.verdict(CudaChannel::Gdr);
@@ -236,7 +243,9 @@ impl CudaRuntime {
     /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
     /// offered.
     fn gdr_node(&self) -> Result<Arc<GdrNode>, Cause> {
-        self.gdr.as_ref().map_err(Clone::clone)?;
+        self.gdr
+            .as_ref()
+            .map_err(|refused| Cause::from(refused.clone()))?;
         let mut node = lock(&self.gdr_node);
         if let Some(node) = node.as_ref() {
             return Ok(Arc::clone(node));
@@ -508,11 +517,17 @@ impl DeviceRuntime for CudaRuntime {
             .map_err(Self::failed(DeviceOp::CopyFromHost, device, None))
     }
 
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, ChannelUnavailable>)> {
+        let offer = |kind: ChannelKind, descriptor: &Result<String, LendingRefused>| {
+            let descriptor = descriptor.clone().map_err(|refused| {
+                ChannelUnavailable::new(kind, UnavailableReason::NotViable, refused)
+            });
+            (kind, descriptor)
+        };
         vec![
-            (ChannelKind::CudaXth, self.xth.clone()),
-            (ChannelKind::CudaIpc, self.ipc.clone()),
-            (ChannelKind::CudaGdr, self.gdr.clone()),
+            offer(ChannelKind::CudaXth, &self.xth),
+            offer(ChannelKind::CudaIpc, &self.ipc),
+            offer(ChannelKind::CudaGdr, &self.gdr),
         ]
     }
 

@@ -7,6 +7,8 @@ use rdzv_core::device::DeviceType;
 use rdzv_uring::rpc::{DeviceError, DeviceOp, DevicePlugin, DeviceRuntime};
 
 use super::CudaRuntime;
+use crate::cuda::CudaNotViable;
+use crate::report::ErrorChain;
 
 /// The environment variable that sets [`CudaOptions::cache_cap_bytes`] for
 /// [`CudaPlugin`] (a byte count).
@@ -73,7 +75,7 @@ impl CudaOptions {
     ///
     /// # Errors
     /// A variable is set to something it cannot mean.
-    pub fn from_env() -> Result<CudaOptions, String> {
+    pub fn from_env() -> Result<CudaOptions, CudaOptionsError> {
         let mut options = Self::with_cache_cap(std::env::var(ENV_CACHE_CAP).ok().as_deref())?;
         if let Ok(text) = std::env::var(ENV_PENDING_HAND_OVER) {
             options.pending_hand_over = pending_hand_over(&text)?;
@@ -82,27 +84,61 @@ impl CudaOptions {
     }
 
     /// The defaults, with the cap from `cap` (the value of [`ENV_CACHE_CAP`]) when given.
-    fn with_cache_cap(cap: Option<&str>) -> Result<CudaOptions, String> {
+    fn with_cache_cap(cap: Option<&str>) -> Result<CudaOptions, CudaOptionsError> {
         let mut options = CudaOptions::default();
         if let Some(text) = cap {
-            options.cache_cap_bytes = text.trim().parse().map_err(|_| {
-                format!("{ENV_CACHE_CAP}={text:?} is not a byte count (e.g. 8589934592)")
-            })?;
+            options.cache_cap_bytes =
+                text.trim()
+                    .parse()
+                    .map_err(|_| CudaOptionsError::CacheCap {
+                        value: text.to_owned(),
+                    })?;
         }
         Ok(options)
     }
 }
 
 /// [`CudaOptions::pending_hand_over`] from the value of [`ENV_PENDING_HAND_OVER`].
-fn pending_hand_over(text: &str) -> Result<bool, String> {
+fn pending_hand_over(text: &str) -> Result<bool, CudaOptionsError> {
     match text.trim() {
         "1" | "true" | "yes" => Ok(true),
         "0" | "false" | "no" | "" => Ok(false),
-        _ => Err(format!(
-            "{ENV_PENDING_HAND_OVER}={text:?} is neither 1 (hand received tensors over with \
-             their copy running) nor 0"
-        )),
+        _ => Err(CudaOptionsError::PendingHandOver {
+            value: text.to_owned(),
+        }),
     }
+}
+
+/// An environment variable of [`CudaOptions::from_env`] is set to something it cannot
+/// mean: fix or unset it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaOptionsError {
+    /// [`ENV_CACHE_CAP`] is not a byte count.
+    #[error("{}={value:?} is not a byte count (e.g. 8589934592)", ENV_CACHE_CAP)]
+    CacheCap {
+        /// The variable's value.
+        value: String,
+    },
+    /// [`ENV_PENDING_HAND_OVER`] is neither yes nor no.
+    #[error(
+        "{}={value:?} is neither 1 (hand received tensors over with their copy running) nor 0",
+        ENV_PENDING_HAND_OVER
+    )]
+    PendingHandOver {
+        /// The variable's value.
+        value: String,
+    },
+}
+
+/// Why the CUDA runtime cannot open in this process ([`CudaRuntime::open`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaOpenError {
+    /// The CUDA probe found CUDA unusable (no driver library, `cuInit` failed, no
+    /// device).
+    #[error("CUDA is not viable: {}", ErrorChain(.0))]
+    NotViable(#[source] CudaNotViable),
 }
 
 /// The CUDA device plugin of the RPC agent, with [`CudaOptions::from_env`].
@@ -146,6 +182,13 @@ mod tests {
         assert_eq!(pending_hand_over("0"), Ok(false));
         assert_eq!(pending_hand_over(""), Ok(false));
         let err = pending_hand_over("maybe").expect_err("neither");
+        assert_eq!(
+            err,
+            CudaOptionsError::PendingHandOver {
+                value: "maybe".into()
+            }
+        );
+        let err = err.to_string();
         assert!(
             err.contains(ENV_PENDING_HAND_OVER) && err.contains("maybe"),
             "{err}"
@@ -158,8 +201,13 @@ mod tests {
             CudaOptions::with_cache_cap(Some(" 1048576\n")).map(|o| o.cache_cap_bytes),
             Ok(1 << 20)
         );
-        let err = CudaOptions::with_cache_cap(Some("lots")).expect_err("not a number");
-        assert!(err.contains(ENV_CACHE_CAP) && err.contains("lots"), "{err}");
+        let err = CudaOptions::with_cache_cap(Some("lots"))
+            .expect_err("not a number")
+            .to_string();
+        assert_eq!(
+            err,
+            "RDZV_CUDA_CACHE_CAP=\"lots\" is not a byte count (e.g. 8589934592)"
+        );
         assert_eq!(
             CudaOptions::with_cache_cap(None),
             Ok(CudaOptions::default())

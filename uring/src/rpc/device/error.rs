@@ -10,6 +10,7 @@
 
 use std::error::Error;
 use std::fmt;
+use std::sync::Arc;
 
 use rdzv_core::device::Device;
 use rdzv_core::negotiate::ChannelKind;
@@ -144,6 +145,137 @@ impl DeviceError {
     }
 }
 
+/// Why a lending channel is not offered (the "not here" side of
+/// [`DeviceRuntime::lending_channels`](super::DeviceRuntime::lending_channels)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UnavailableReason {
+    /// This worker has no runtime for the channel's devices (none was given in
+    /// `RpcOptions::device_plugins`, or it did not open: the source says why).
+    NoRuntime,
+    /// The runtime does not run the channel at all.
+    NotRun,
+    /// The runtime runs it, but not here: a prerequisite is missing (a driver feature,
+    /// an RDMA device, this process's or host's identity); the source says which.
+    NotViable,
+}
+
+/// A lending channel cannot run here: which, why ([`reason`](Self::reason)), and the
+/// runtime's own error as the source where there is one. It is `Clone` (a runtime
+/// decides once, when it opens, and answers every ask the same), so the source is
+/// shared.
+#[derive(Debug, Clone)]
+pub struct ChannelUnavailable {
+    channel: ChannelKind,
+    reason: UnavailableReason,
+    source: Option<Arc<dyn Error + Send + Sync + 'static>>,
+}
+
+impl ChannelUnavailable {
+    /// `channel` is not offered, for `reason`, caused by `source` (an error, or a
+    /// `String`/`&str` saying why and what to do).
+    pub fn new(
+        channel: ChannelKind,
+        reason: UnavailableReason,
+        source: impl Into<DeviceErrorSource>,
+    ) -> ChannelUnavailable {
+        ChannelUnavailable {
+            channel,
+            reason,
+            source: Some(Arc::from(source.into())),
+        }
+    }
+
+    /// `channel` is not offered, for `reason`, with nothing more to say.
+    pub fn bare(channel: ChannelKind, reason: UnavailableReason) -> ChannelUnavailable {
+        ChannelUnavailable {
+            channel,
+            reason,
+            source: None,
+        }
+    }
+
+    /// The channel.
+    pub fn channel(&self) -> ChannelKind {
+        self.channel
+    }
+
+    /// Why it is not offered.
+    pub fn reason(&self) -> UnavailableReason {
+        self.reason
+    }
+}
+
+impl fmt::Display for ChannelUnavailable {
+    /// A missing or refusing runtime says so (then the cause, if any); a channel not
+    /// viable here is its cause's text, which names the channel.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let channel = self.channel;
+        let cause = self
+            .source
+            .as_deref()
+            .map(|source| crate::rpc::error::error_chain(source));
+        match (self.reason, cause) {
+            (UnavailableReason::NotViable, Some(cause)) => return f.write_str(&cause),
+            (UnavailableReason::NotViable, None) => write!(f, "{channel} is not viable here")?,
+            (UnavailableReason::NoRuntime, _) => write!(
+                f,
+                "{channel} needs a CUDA runtime (RpcOptions::device_plugins), and none opened"
+            )?,
+            (UnavailableReason::NotRun, _) => write!(f, "the CUDA runtime does not run {channel}")?,
+        }
+        match self.source.as_deref() {
+            Some(source) if self.reason != UnavailableReason::NotViable => {
+                write!(f, ": {}", crate::rpc::error::error_chain(source))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Error for ChannelUnavailable {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn Error + 'static))
+    }
+}
+
+/// What the agent found wrong with a device tensor's memory, as the source of the
+/// [`DeviceError`] of the operation that met it: a tensor made without its memory or
+/// with memory on another device (fix how the tensor is made), or a runtime that made
+/// other memory than it was asked for (a runtime's bug).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorMemoryError {
+    /// A device tensor without device memory.
+    #[error("the {device} tensor holds no device memory (a {} tensor is made with Tensor::on_device)", device.kind())]
+    Missing {
+        /// The device the tensor names.
+        device: Device,
+    },
+    /// A tensor whose memory is on another device than the one it names.
+    #[error("the tensor says {device}, but its memory is on {memory}")]
+    OtherDevice {
+        /// The device the tensor names.
+        device: Device,
+        /// The device its memory is on.
+        memory: Device,
+    },
+    /// A runtime made memory of another length or on another device than asked.
+    #[error("the {} runtime made {made} bytes on {made_on} for {len} bytes on {device}", device.kind())]
+    Made {
+        /// The device asked for.
+        device: Device,
+        /// The length asked for.
+        len: u64,
+        /// The length made.
+        made: usize,
+        /// The device it was made on.
+        made_on: Device,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +306,39 @@ mod tests {
         let source = err.source().expect("a source");
         assert!(source.downcast_ref::<Driver>().is_some());
         assert_eq!(err.operation(), DeviceOp::Borrow);
+    }
+
+    #[test]
+    fn an_unavailable_channel_says_why_once_and_keeps_its_cause() {
+        let no_runtime =
+            ChannelUnavailable::bare(ChannelKind::CudaIpc, UnavailableReason::NoRuntime);
+        assert_eq!(
+            no_runtime.to_string(),
+            "cuda_ipc needs a CUDA runtime (RpcOptions::device_plugins), and none opened"
+        );
+        assert!(no_runtime.source().is_none());
+        let refused = DeviceError::new(DeviceOp::Open, Driver(Code));
+        let no_runtime =
+            ChannelUnavailable::new(ChannelKind::CudaGdr, UnavailableReason::NoRuntime, refused);
+        let text = "cuda_gdr needs a CUDA runtime (RpcOptions::device_plugins), and none \
+                    opened: cannot open the device runtime: cuMemAlloc failed on CUDA device \
+                    1: CUDA_ERROR_OUT_OF_MEMORY: free tensors or lower RDZV_CUDA_CACHE_CAP";
+        assert_eq!(no_runtime.to_string(), text);
+        assert_eq!(crate::rpc::error::error_chain(&no_runtime), text);
+        let source = no_runtime.clone().source().map(ToString::to_string);
+        assert_eq!(source.as_deref(), Some("cannot open the device runtime"));
+        let not_viable = ChannelUnavailable::new(
+            ChannelKind::CudaXth,
+            UnavailableReason::NotViable,
+            "cuda_xth: not viable: no device",
+        );
+        assert_eq!(not_viable.to_string(), "cuda_xth: not viable: no device");
+        assert_eq!(not_viable.reason(), UnavailableReason::NotViable);
+        assert_eq!(not_viable.channel(), ChannelKind::CudaXth);
+        assert_eq!(
+            ChannelUnavailable::bare(ChannelKind::CudaGdr, UnavailableReason::NotRun).to_string(),
+            "the CUDA runtime does not run cuda_gdr"
+        );
     }
 
     #[test]

@@ -64,7 +64,10 @@ use std::time::Duration;
 
 use rdzv_core::device::Device;
 
-pub use error::{DeviceError, DeviceErrorSource, DeviceOp};
+pub use error::{
+    ChannelUnavailable, DeviceError, DeviceErrorSource, DeviceOp, TensorMemoryError,
+    UnavailableReason,
+};
 pub use host::{HostBytes, StagedBytes};
 pub use plugin::{
     DeviceLoan, DevicePlugin, DeviceRuntime, PartBuffer, PartedReceive, PipeId, StagedReceive,

@@ -10,7 +10,7 @@ use rdzv_core::negotiate::ChannelKind;
 
 #[cfg(doc)]
 use super::DeviceMemory;
-use super::{DeviceBuffer, DeviceError, DeviceOp, HostBytes};
+use super::{ChannelUnavailable, DeviceBuffer, DeviceError, DeviceOp, HostBytes};
 
 /// A tensor being received into device memory chunk by chunk (`cuda_basic`), made by
 /// [`DeviceRuntime::receive_staged`]. The agent asks for chunk 0's buffer, fills it,
@@ -165,8 +165,10 @@ pub trait DeviceRuntime: Send + Sync {
 
     /// The lending channels this runtime runs here (`cuda_xth`, `cuda_ipc`, `cuda_gdr`),
     /// each with its domain descriptor (two workers use a channel when their descriptors match),
-    /// or why it cannot run here. Default: none.
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+    /// or why it cannot run here ([`ChannelUnavailable`], usually
+    /// [`UnavailableReason::NotViable`](super::UnavailableReason::NotViable) with the
+    /// runtime's own error as the source). Default: none.
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, ChannelUnavailable>)> {
         Vec::new()
     }
 

@@ -8,9 +8,11 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
 use super::{
-    DeviceBuffer, DeviceError, DeviceLoan, DeviceOp, DevicePlugin, DeviceRuntime, HostBytes,
-    PipeId, StagedReceive,
+    ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
+    DevicePlugin, DeviceRuntime, HostBytes, PipeId, StagedReceive, TensorMemoryError,
+    UnavailableReason,
 };
+use crate::rpc::error::DevicesError;
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
 pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";
@@ -19,6 +21,8 @@ pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";
 #[derive(Clone, Default)]
 pub(crate) struct Devices {
     cuda: Option<Arc<dyn DeviceRuntime>>,
+    /// Why the CUDA plugin did not open, when one was given and failed.
+    cuda_refused: Option<Arc<DeviceError>>,
 }
 
 impl fmt::Debug for Devices {
@@ -35,7 +39,10 @@ impl fmt::Debug for Devices {
 impl Devices {
     /// Opens the plugins: the first viable CUDA one is used, the others' reasons are
     /// logged. A plugin for the CPU is refused.
-    pub(crate) fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, String> {
+    ///
+    /// # Errors
+    /// [`DevicesError`] for a plugin of a device type that cannot be plugged in.
+    pub(crate) fn open(plugins: &[Arc<dyn DevicePlugin>]) -> Result<Devices, DevicesError> {
         let mut devices = Devices::default();
         for plugin in plugins {
             match plugin.device_type() {
@@ -53,12 +60,11 @@ impl Devices {
                     Err(e) => {
                         let reason = e.report();
                         tracing::info!(%reason, "CUDA is not usable; cuda_basic serves CPU memory only");
+                        devices.cuda_refused = Some(Arc::new(e));
                     }
                 },
-                DeviceType::Cpu => {
-                    return Err("the CPU is built in and cannot be plugged in".into());
-                }
-                other => return Err(format!("device type {other} cannot be plugged in")),
+                DeviceType::Cpu => return Err(DevicesError::BuiltIn),
+                other => return Err(DevicesError::NotPluggable { kind: other }),
             }
         }
         Ok(devices)
@@ -79,16 +85,24 @@ impl Devices {
 
     /// The domain descriptor of the lending channel `kind` (`cuda_xth`, `cuda_ipc`,
     /// `cuda_gdr`), or why this worker cannot offer it.
-    pub(crate) fn lending_descriptor(&self, kind: ChannelKind) -> Result<String, String> {
-        let runtime = self.cuda.as_ref().ok_or_else(|| {
-            format!("{kind} needs a CUDA runtime (RpcOptions::device_plugins), and none opened")
-        })?;
+    pub(crate) fn lending_descriptor(
+        &self,
+        kind: ChannelKind,
+    ) -> Result<String, ChannelUnavailable> {
+        let Some(runtime) = self.cuda.as_ref() else {
+            return Err(match &self.cuda_refused {
+                Some(refused) => {
+                    ChannelUnavailable::new(kind, UnavailableReason::NoRuntime, Arc::clone(refused))
+                }
+                None => ChannelUnavailable::bare(kind, UnavailableReason::NoRuntime),
+            });
+        };
         runtime
             .lending_channels()
             .into_iter()
             .find(|(offered, _)| *offered == kind)
             .map_or_else(
-                || Err(format!("the CUDA runtime does not run {kind}")),
+                || Err(ChannelUnavailable::bare(kind, UnavailableReason::NotRun)),
                 |(_, descriptor)| descriptor,
             )
     }
@@ -105,7 +119,8 @@ impl Devices {
                 .on(device)
                 .over(channel)
         };
-        let memory = checked_memory(device, memory).map_err(failed)?;
+        let memory = checked_memory(device, memory)
+            .map_err(|e| DeviceError::new(DeviceOp::Lend, e).on(device).over(channel))?;
         let runtime = self.runtime(device.kind()).ok_or_else(|| {
             failed(format!(
                 "this worker has no {} runtime (RpcOptions::device_plugins)",
@@ -146,7 +161,11 @@ impl Devices {
         let memory = runtime
             .borrow_on(pipe, channel, device, len, descriptor)
             .map_err(|e| e.located(device, Some(channel)))?;
-        check_made(device, len, &memory).map_err(failed)?;
+        check_made(device, len, &memory).map_err(|e| {
+            DeviceError::new(DeviceOp::Borrow, e)
+                .on(device)
+                .over(channel)
+        })?;
         Ok(memory)
     }
 
@@ -179,7 +198,11 @@ impl Devices {
             };
         }
         let kind = device.kind();
-        let memory = checked_memory(device, memory).map_err(failed)?;
+        let memory = checked_memory(device, memory).map_err(|e| {
+            DeviceError::new(DeviceOp::CopyToHost, e)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        })?;
         let runtime = self.runtime(kind).ok_or_else(|| {
             failed(format!(
                 "this worker has no {kind} runtime (RpcOptions::device_plugins)"
@@ -257,7 +280,11 @@ impl Devices {
         let memory = runtime
             .copy_from_host(device, bytes)
             .map_err(|e| e.located(device, Some(ChannelKind::CudaBasic)))?;
-        check_made(device, len, &memory).map_err(failed)?;
+        check_made(device, len, &memory).map_err(|e| {
+            DeviceError::new(DeviceOp::CopyFromHost, e)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
+        })?;
         Ok((Vec::new(), Some(memory)))
     }
 }
@@ -381,39 +408,40 @@ fn no_runtime(device: Device) -> String {
 }
 
 /// A chunk-by-chunk receive onto `device` failed, for `why`.
-fn staging_failed(device: Device, why: String) -> DeviceError {
+fn staging_failed(device: Device, why: impl Into<DeviceErrorSource>) -> DeviceError {
     DeviceError::new(DeviceOp::ReceiveStaged, why)
         .on(device)
         .over(ChannelKind::CudaBasic)
 }
 
 /// Checks that a runtime made `len` bytes on `device`: a runtime's bug otherwise.
-pub(super) fn check_made(device: Device, len: u64, memory: &DeviceBuffer) -> Result<(), String> {
+pub(super) fn check_made(
+    device: Device,
+    len: u64,
+    memory: &DeviceBuffer,
+) -> Result<(), TensorMemoryError> {
     if memory.device() == device && memory.len() as u64 == len {
         return Ok(());
     }
-    Err(format!(
-        "the {} runtime made {} bytes on {} for {len} bytes on {device}",
-        device.kind(),
-        memory.len(),
-        memory.device()
-    ))
+    Err(TensorMemoryError::Made {
+        device,
+        len,
+        made: memory.len(),
+        made_on: memory.device(),
+    })
 }
 
 /// A device tensor's memory, which it must hold, on the device it names.
-fn checked_memory(device: Device, memory: Option<&DeviceBuffer>) -> Result<&DeviceBuffer, String> {
-    let memory = memory.ok_or_else(|| {
-        format!(
-            "the {device} tensor holds no device memory (a {} tensor is made with \
-             Tensor::on_device)",
-            device.kind()
-        )
-    })?;
+fn checked_memory(
+    device: Device,
+    memory: Option<&DeviceBuffer>,
+) -> Result<&DeviceBuffer, TensorMemoryError> {
+    let memory = memory.ok_or(TensorMemoryError::Missing { device })?;
     if memory.device() != device {
-        return Err(format!(
-            "the tensor says {device}, but its memory is on {}",
-            memory.device()
-        ));
+        return Err(TensorMemoryError::OtherDevice {
+            device,
+            memory: memory.device(),
+        });
     }
     Ok(memory)
 }

@@ -21,10 +21,17 @@ impl HostRuntime {
 }
 
 impl DeviceRuntime for HostRuntime {
-    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, String>)> {
+    fn lending_channels(&self) -> Vec<(ChannelKind, Result<String, ChannelUnavailable>)> {
         vec![
             (ChannelKind::CudaIpc, Ok("cuda_ipc:here".into())),
-            (ChannelKind::CudaXth, Err("not in this test".into())),
+            (
+                ChannelKind::CudaXth,
+                Err(ChannelUnavailable::new(
+                    ChannelKind::CudaXth,
+                    UnavailableReason::NotViable,
+                    "not in this test",
+                )),
+            ),
         ]
     }
     /// The descriptor is the bytes themselves (a short copy when `short_copy`).
@@ -94,7 +101,15 @@ fn devices(plugin: Plugin) -> Devices {
 fn a_cpu_plugin_is_refused_and_an_unusable_one_leaves_cuda_out() {
     let cpu: Arc<dyn DevicePlugin> = Arc::new(Plugin(DeviceType::Cpu, Ok(false)));
     let err = Devices::open(&[cpu]).expect_err("cpu is built in");
-    assert!(err.contains("built in"), "{err}");
+    assert_eq!(err, crate::rpc::error::DevicesError::BuiltIn);
+    // init_rpc's error names the option and keeps the refusal as its source.
+    let init = crate::rpc::InitError::DevicePlugins(err);
+    assert!(init.is_configuration() && !init.is_retryable());
+    assert_eq!(
+        init.to_string(),
+        "invalid RPC option device_plugins: the CPU is built in and cannot be plugged in"
+    );
+    assert!(std::error::Error::source(&init).is_some());
     assert!(!devices(Plugin(DeviceType::Cuda, Err("no driver"))).has_cuda());
     assert!(devices(Plugin(DeviceType::Cuda, Ok(false))).has_cuda());
 }
@@ -103,21 +118,40 @@ fn a_cpu_plugin_is_refused_and_an_unusable_one_leaves_cuda_out() {
 fn lending_is_checked_on_both_sides() {
     let devices = devices(Plugin(DeviceType::Cuda, Ok(false)));
     assert_eq!(
-        devices.lending_descriptor(ChannelKind::CudaIpc).as_deref(),
-        Ok("cuda_ipc:here")
+        devices
+            .lending_descriptor(ChannelKind::CudaIpc)
+            .ok()
+            .as_deref(),
+        Some("cuda_ipc:here")
     );
     let err = devices
         .lending_descriptor(ChannelKind::CudaXth)
         .expect_err("refused");
-    assert_eq!(err, "not in this test");
+    assert_eq!(err.reason(), UnavailableReason::NotViable);
+    assert_eq!(err.to_string(), "not in this test");
     let err = devices
         .lending_descriptor(ChannelKind::CudaGdr)
         .expect_err("not run");
-    assert!(err.contains("does not run cuda_gdr"), "{err}");
+    assert_eq!(err.reason(), UnavailableReason::NotRun);
+    assert!(err.to_string().contains("does not run cuda_gdr"), "{err}");
     let err = Devices::default()
         .lending_descriptor(ChannelKind::CudaIpc)
         .expect_err("no runtime");
-    assert!(err.contains("device_plugins"), "{err}");
+    assert_eq!(err.reason(), UnavailableReason::NoRuntime);
+    assert!(err.to_string().contains("device_plugins"), "{err}");
+    // A plugin that failed to open is the cause of the channels it leaves out.
+    let unusable: Arc<dyn DevicePlugin> = Arc::new(Plugin(DeviceType::Cuda, Err("no driver")));
+    let err = Devices::open(&[unusable])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .lending_descriptor(ChannelKind::CudaIpc)
+        .expect_err("no runtime");
+    assert_eq!(err.reason(), UnavailableReason::NoRuntime);
+    assert!(
+        err.to_string()
+            .ends_with("and none opened: cannot open the device runtime: no driver"),
+        "{err}"
+    );
+    assert!(std::error::Error::source(&err).is_some());
 
     let memory = DeviceBuffer::new(HostMemory::new(cuda(0), vec![1, 2, 3]));
     let loan = devices
@@ -142,8 +176,11 @@ fn lending_is_checked_on_both_sides() {
     assert!(err.contains("its memory is on cuda:0"), "{err}");
     let err = devices
         .lend(ChannelKind::CudaIpc, cuda(0), None)
-        .expect_err("no memory")
-        .report();
+        .expect_err("no memory");
+    // The check is a typed source a caller can match on.
+    let why = std::error::Error::source(&err).and_then(|e| e.downcast_ref::<TensorMemoryError>());
+    assert_eq!(why, Some(&TensorMemoryError::Missing { device: cuda(0) }));
+    let err = err.report();
     assert!(err.contains("Tensor::on_device"), "{err}");
     // A descriptor a frame cannot carry is refused.
     let big = DeviceBuffer::new(HostMemory::new(cuda(0), vec![0; 256]));

@@ -2,10 +2,12 @@
 //! `to_here`, a handler's own calls), with [`CallErrorKind`] saying what the caller can
 //! do about it.
 
+use std::time::Duration;
+
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::{PipeFailure, UsageError};
+use super::{ChannelFailure, PipeFailure, RRefFailure, UsageError};
 
 /// What kind of failure a [`CallError`] is: small, `Copy`, for matching and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -52,6 +54,41 @@ impl CallErrorKind {
                 | CallErrorKind::InjectedFault
         )
     }
+}
+
+/// What an RRef test helper waited for and the counts it saw last, when it ran out of
+/// time (PyTorch's texts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RRefWaitTimeout {
+    /// `wait_until_owners_and_forks_on_rank`.
+    #[error("Timed out waiting {timeout:?} for {owners} owners and {forks} forks on rank {rank}, had {had_owners} owners and {had_forks} forks")]
+    OwnersAndForks {
+        /// How long it waited.
+        timeout: Duration,
+        /// The owner RRefs waited for.
+        owners: usize,
+        /// The forks waited for.
+        forks: usize,
+        /// The rank asked.
+        rank: i16,
+        /// The owner RRefs it had last.
+        had_owners: usize,
+        /// The forks it had last.
+        had_forks: usize,
+    },
+    /// `wait_until_pending_futures_and_users_flushed`.
+    #[error("Timed out waiting {timeout:?} to flush pending futures and users, had {futures} pending RRef futures, {users} pending users and {calls} calls in flight")]
+    Flush {
+        /// How long it waited.
+        timeout: Duration,
+        /// RRef control messages unanswered last.
+        futures: usize,
+        /// Users unconfirmed last.
+        users: usize,
+        /// Calls in flight last.
+        calls: u32,
+    },
 }
 
 /// Why a call failed. [`kind`](Self::kind) classifies it; [`is_retryable`](
@@ -119,15 +156,19 @@ pub enum CallError {
     },
     /// Moving a tensor over a channel failed: exporting it, or pulling it from the peer
     /// (the peer process is gone, the kernel refused the read, the descriptor is stale
-    /// or was not negotiated, a device runtime's copy failed: its text is the reason).
-    #[error("tensor transfer over the {channel} channel with {peer} failed: {reason}")]
+    /// or was not negotiated): [`ChannelFailure`] says which, with the channel's own
+    /// error as its source.
+    #[error("tensor transfer over the {channel} channel with {peer} failed: {}{}", tensor_prefix(*index), super::error_chain(reason))]
     Channel {
         /// The channel.
         channel: &'static str,
         /// The peer worker.
         peer: String,
+        /// The tensor's index in its message, when one tensor failed.
+        index: Option<usize>,
         /// Why.
-        reason: String,
+        #[source]
+        reason: ChannelFailure,
     },
     /// A device runtime failed to move tensor `index` (staging it, lending or borrowing
     /// its memory, copying it): the runtime's own error, a
@@ -176,13 +217,11 @@ pub enum CallError {
     },
     /// An RRef test helper (`wait_until_owners_and_forks_on_rank`,
     /// `wait_until_pending_futures_and_users_flushed`) ran out of time.
-    #[error("{reason}")]
-    RRefWait {
-        /// PyTorch's text, with the counts seen last.
-        reason: String,
-    },
+    #[error(transparent)]
+    RRefWait(RRefWaitTimeout),
     /// An RRef's value could not be had: its `remote()` call or handler failed, it was
-    /// not ready in time, or the owner could not be reached. `kind` is that failure's.
+    /// not ready in time, or the owner could not be reached ([`RRefFailure`], whose
+    /// kind is this error's).
     #[error("RRef {rref} owned by {owner}: {reason}")]
     RRef {
         /// The RRef's id.
@@ -190,9 +229,8 @@ pub enum CallError {
         /// Its owner's worker name.
         owner: String,
         /// Why.
-        reason: String,
-        /// What kind of failure it was.
-        kind: CallErrorKind,
+        #[source]
+        reason: RRefFailure,
     },
     /// A thread the call needed could not start.
     #[error("cannot start {what}: {source}")]
@@ -212,9 +250,9 @@ impl CallError {
     /// What kind of failure this is.
     pub fn kind(&self) -> CallErrorKind {
         match self {
-            CallError::Timeout { .. }
-            | CallError::FlushTimeout { .. }
-            | CallError::RRefWait { .. } => CallErrorKind::Timeout,
+            CallError::Timeout { .. } | CallError::FlushTimeout { .. } | CallError::RRefWait(_) => {
+                CallErrorKind::Timeout
+            }
             CallError::Remote { .. } => CallErrorKind::Remote,
             CallError::Connect { .. } => CallErrorKind::Connect,
             CallError::Handshake { .. } => CallErrorKind::Handshake,
@@ -224,7 +262,7 @@ impl CallError {
             CallError::Encode { .. } => CallErrorKind::Encode,
             CallError::InjectedFault { .. } => CallErrorKind::InjectedFault,
             CallError::ShutDown { .. } => CallErrorKind::ShutDown,
-            CallError::RRef { kind, .. } => *kind,
+            CallError::RRef { reason, .. } => reason.kind(),
             CallError::Resources { .. } => CallErrorKind::Resources,
             CallError::Usage(_) => CallErrorKind::Usage,
         }
@@ -278,7 +316,7 @@ impl CallError {
             CallError::Usage(e) => e.peer(),
             CallError::ShutDown { .. }
             | CallError::FlushTimeout { .. }
-            | CallError::RRefWait { .. }
+            | CallError::RRefWait(_)
             | CallError::Resources { .. } => None,
         }
     }
@@ -291,6 +329,11 @@ impl CallError {
             _ => None,
         }
     }
+}
+
+/// "tensor 3: " for tensor 3, nothing when no one tensor failed.
+fn tensor_prefix(index: Option<usize>) -> String {
+    index.map_or_else(String::new, |index| format!("tensor {index}: "))
 }
 
 #[cfg(test)]

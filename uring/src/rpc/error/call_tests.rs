@@ -3,8 +3,10 @@
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::{CallError, CallErrorKind};
-use crate::rpc::error::{PipeFailure, RpcError, UsageError};
+use super::{CallError, CallErrorKind, RRefWaitTimeout};
+use crate::rpc::error::{
+    error_chain, ChannelFailure, PipeFailure, RRefFailure, RpcError, UsageError,
+};
 
 fn peer() -> String {
     "bob".to_string()
@@ -75,7 +77,8 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::Channel {
                 channel: "cma",
                 peer: peer(),
-                reason: "the peer process is gone".into(),
+                index: Some(1),
+                reason: ChannelFailure::NoLanes,
             },
             K::Channel,
             false,
@@ -126,9 +129,12 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             None,
         ),
         (
-            CallError::RRefWait {
-                reason: "still 2 owners".into(),
-            },
+            CallError::RRefWait(RRefWaitTimeout::Flush {
+                timeout: std::time::Duration::from_millis(20),
+                futures: 1,
+                users: 0,
+                calls: 2,
+            }),
             K::Timeout,
             true,
             None,
@@ -137,8 +143,9 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::RRef {
                 rref: "GloballyUniqueId(1, 2)".into(),
                 owner: peer(),
-                reason: "its handler failed: boom".into(),
-                kind: K::Remote,
+                reason: RRefFailure::Handler {
+                    message: "boom".into(),
+                },
             },
             K::Remote,
             false,
@@ -148,8 +155,12 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
             CallError::RRef {
                 rref: "GloballyUniqueId(1, 2)".into(),
                 owner: peer(),
-                reason: "to_here could not reach the owner".into(),
-                kind: K::PipeBroken,
+                reason: RRefFailure::Unreachable {
+                    source: Box::new(CallError::PipeBroken {
+                        peer: peer(),
+                        reason: PipeFailure::Reset,
+                    }),
+                },
             },
             K::PipeBroken,
             true,
@@ -244,6 +255,18 @@ fn pytorch_texts_are_kept() {
         CallError::FlushTimeout { pending: 2 }.to_string(),
         "Timed out waiting to flush pending futures, had 2 pending futures"
     );
+    let wait = CallError::RRefWait(RRefWaitTimeout::OwnersAndForks {
+        timeout: std::time::Duration::from_millis(1500),
+        owners: 2,
+        forks: 1,
+        rank: 3,
+        had_owners: 1,
+        had_forks: 0,
+    });
+    assert_eq!(
+        wait.to_string(),
+        "Timed out waiting 1.5s for 2 owners and 1 forks on rank 3, had 1 owners and 0 forks"
+    );
     let usage = CallError::from(UsageError::UnknownWorker { name: peer() });
     assert_eq!(
         usage.to_string(),
@@ -272,4 +295,74 @@ fn a_device_failure_names_the_tensor_and_keeps_the_runtime_error_as_its_source()
         source.as_deref(),
         Some("cannot lend a tensor on cuda:0 over cuda_ipc")
     );
+}
+
+#[test]
+fn a_channel_failure_says_which_tensor_and_prints_its_cause_once() {
+    #[derive(Debug, thiserror::Error)]
+    #[error("process_vm_readv from pid 7 failed")]
+    struct Read(#[source] std::io::Error);
+    let error = CallError::Channel {
+        channel: "cma",
+        peer: peer(),
+        index: Some(3),
+        reason: ChannelFailure::read(Read(std::io::Error::other("ESRCH"))),
+    };
+    let text = "tensor transfer over the cma channel with bob failed: tensor 3: \
+                process_vm_readv from pid 7 failed: ESRCH";
+    assert_eq!(error.to_string(), text);
+    assert_eq!(error_chain(&error), text);
+    // The channel's own error stays reachable for a caller that inspects it.
+    let reason = std::error::Error::source(&error).expect("the reason");
+    let read = std::error::Error::source(reason).expect("the read error");
+    assert!(read.downcast_ref::<Read>().is_some());
+    // A check of the agent's own has no source and no tensor prefix when none is named.
+    let refused = CallError::Channel {
+        channel: "xth",
+        peer: peer(),
+        index: None,
+        reason: ChannelFailure::LengthMismatch {
+            announced: 5,
+            frame: 6,
+        },
+    };
+    assert_eq!(
+        refused.to_string(),
+        "tensor transfer over the xth channel with bob failed: its descriptor announces 5 \
+         bytes, the frame 6"
+    );
+}
+
+#[test]
+fn an_rref_failure_has_its_call_as_source_and_kind() {
+    let remote = CallError::Timeout {
+        peer: peer(),
+        error: RpcTimeoutError { timeout_ms: 50 },
+    };
+    let error = CallError::RRef {
+        rref: "GloballyUniqueId(1, 2)".into(),
+        owner: peer(),
+        reason: RRefFailure::CreationFailed {
+            source: std::sync::Arc::new(remote),
+        },
+    };
+    assert!(error.is_timeout() && error.is_retryable());
+    let text = "RRef GloballyUniqueId(1, 2) owned by bob: RRef creation via rpc.remote() failed \
+                (RPC ran for more than set timeout (50 ms) and will now be marked with an \
+                error), and it is possible that the RRef on the owner node does not exist; \
+                call remote() again";
+    assert_eq!(error.to_string(), text);
+    assert_eq!(error_chain(&error), text);
+    let reason = std::error::Error::source(&error).expect("the reason");
+    let call = std::error::Error::source(reason).expect("the remote() call");
+    // The remote() call's own error, shared by every to_here that reports it.
+    let call = call
+        .downcast_ref::<std::sync::Arc<CallError>>()
+        .expect("the call's CallError");
+    assert!(call.is_timeout());
+    let not_ready = RRefFailure::NotReady {
+        timeout: std::time::Duration::from_millis(30),
+    };
+    assert_eq!(not_ready.kind(), CallErrorKind::Timeout);
+    assert_eq!(not_ready.to_string(), "the value is not ready after 30ms");
 }

@@ -2,6 +2,7 @@
 //! what to fix: an option, the rendezvous, the store, the group's consistency, or this
 //! host's resources.
 
+use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::DeviceMapError;
 use rdzv_core::negotiate::OfferError;
 use rdzv_core::rpc::name::WorkerInfoError;
@@ -29,6 +30,9 @@ pub enum InitError {
         /// What is wrong and what to use instead.
         reason: String,
     },
+    /// `RpcOptions::device_plugins` holds a plugin the agent cannot take.
+    #[error("invalid RPC option device_plugins: {0}")]
+    DevicePlugins(#[source] DevicesError),
     /// A handler given in the options is reserved or given twice.
     #[error("an RPC handler named {name} is already registered")]
     HandlerExists {
@@ -145,9 +149,27 @@ impl InitError {
             self,
             InitError::InvalidWorker(_)
                 | InitError::InvalidOption { .. }
+                | InitError::DevicePlugins(_)
                 | InitError::HandlerExists { .. }
                 | InitError::Backend(_)
                 | InitError::Backends { .. }
         )
     }
+}
+
+/// Why the device plugins given in `RpcOptions::device_plugins` cannot be used (the
+/// agent does not start). A CUDA plugin that fails to open is no such error: the agent
+/// logs why and serves CPU memory only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DevicesError {
+    /// A plugin for the CPU, which is built in.
+    #[error("the CPU is built in and cannot be plugged in")]
+    BuiltIn,
+    /// A plugin for a device type the agent takes no runtime for.
+    #[error("device type {kind} cannot be plugged in")]
+    NotPluggable {
+        /// The plugin's device type.
+        kind: DeviceType,
+    },
 }

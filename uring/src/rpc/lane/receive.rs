@@ -12,7 +12,7 @@ use rdzv_core::rpc::pipe::{ClientEvent, PipeFrame, ReadError};
 
 use super::{Lane, Machine, WrongSide, WAKE_POLL};
 use crate::rpc::calls::Reply;
-use crate::rpc::error::{CallError, PipeFailure, TransportError};
+use crate::rpc::error::{CallError, ChannelFailure, PipeFailure, TransportError};
 use crate::rpc::message::Completion;
 use crate::rpc::transport::{IncomingFrame, TryRecv};
 
@@ -226,7 +226,8 @@ impl Lane {
                     (Err(ReadError::PipeEnded), Ok(_)) => Err(CallError::Channel {
                         channel: self.channel_name(Role::Connector),
                         peer,
-                        reason: ReadError::PipeEnded.to_string(),
+                        index: None,
+                        reason: ChannelFailure::Unread(ReadError::PipeEnded),
                     }),
                     (_, pulled) => pulled,
                 };

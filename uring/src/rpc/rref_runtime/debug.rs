@@ -7,6 +7,7 @@ use rdzv_core::rpc::rref::Leak;
 
 use super::serve::decode_counts;
 use super::*;
+use crate::rpc::error::RRefWaitTimeout;
 use crate::rpc::rref::RRefLeak;
 
 /// The debug counts of worker `rank`, asked over RPC (this worker's own, locally).
@@ -44,15 +45,14 @@ pub(crate) fn wait_until_owners_and_forks_on_rank(
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            return Err(CallError::RRefWait {
-                reason: format!(
-                    "Timed out waiting {timeout:?} for {num_owners} owners and {num_forks} forks \
-                     on rank {}, had {} owners and {} forks",
-                    rank.get(),
-                    info.num_owner_rrefs,
-                    info.num_forks
-                ),
-            });
+            return Err(CallError::RRefWait(RRefWaitTimeout::OwnersAndForks {
+                timeout,
+                owners: num_owners,
+                forks: num_forks,
+                rank: rank.get(),
+                had_owners: info.num_owner_rrefs,
+                had_forks: info.num_forks,
+            }));
         }
         std::thread::sleep(HELPER_POLL);
     }
@@ -72,13 +72,12 @@ pub(crate) fn wait_until_pending_futures_and_users_flushed(
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
-            return Err(CallError::RRefWait {
-                reason: format!(
-                    "Timed out waiting {timeout:?} to flush pending futures and users, had {} \
-                     pending RRef futures, {} pending users and {calls} calls in flight",
-                    info.num_pending_futures, info.num_pending_users
-                ),
-            });
+            return Err(CallError::RRefWait(RRefWaitTimeout::Flush {
+                timeout,
+                futures: info.num_pending_futures,
+                users: info.num_pending_users,
+                calls,
+            }));
         }
         std::thread::sleep(HELPER_POLL);
     }

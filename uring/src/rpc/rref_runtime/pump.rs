@@ -219,9 +219,9 @@ pub(super) fn remote_failed(
     now: Instant,
     rref: RRefId,
     fork: ForkId,
-    error: &CallError,
+    error: CallError,
 ) {
-    state.failed.insert(fork, (error.kind(), error.to_string()));
+    state.failed.insert(fork, Arc::new(error));
     state.machine.remote_failed(now, rref, fork);
 }
 
@@ -236,7 +236,7 @@ fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, 
             ),
             Err(e) => tracing::warn!(error = %e, "an RRef control message's answer is malformed"),
         },
-        (Sent::RemoteCall { rref, fork, .. }, Err(e)) => remote_failed(state, now, rref, fork, &e),
+        (Sent::RemoteCall { rref, fork, .. }, Err(e)) => remote_failed(state, now, rref, fork, e),
         (Sent::RemoteCall { rref, fork, to }, Ok(_)) => {
             // The owner handled the call before answering it: as good as `RemoteRet`.
             state

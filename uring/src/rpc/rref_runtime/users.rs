@@ -36,7 +36,7 @@ impl RRefRuntime for RRefs {
         };
         let payload = header
             .prepend(&message.payload)
-            .map_err(|e| rref.call_error(CallErrorKind::Encode, e.to_string()))?;
+            .map_err(|e| rref.call_error(RRefFailure::Encode(e)))?;
         let future = self.client()?.rpc_async_with_timeout(
             to,
             handler::REMOTE,
@@ -52,7 +52,7 @@ impl RRefRuntime for RRefs {
             // Failed at once (a send refused before it left, as fault injection's): the
             // RRef comes back already failed, as in PyTorch, rather than a moment later.
             if let Err(e) = future.wait() {
-                self.update(|state, now| remote_failed(state, now, handle.rref, fork, &e));
+                self.update(|state, now| remote_failed(state, now, handle.rref, fork, e));
             } else {
                 self.update(|state, now| {
                     state.machine.handle_message(
@@ -143,23 +143,15 @@ impl RRefRuntime for RRefs {
         owner: &str,
         timeout: Duration,
     ) -> Result<Message, RRefFailure> {
-        let failed = |kind, reason| RRefFailure { kind, reason };
         let deadline = (!timeout.is_zero()).then(|| std::time::Instant::now() + timeout);
         if handle.is_owner() {
             return match self.wait_value(handle.rref, deadline) {
-                Ok(value) => value
-                    .map_err(|e| failed(CallErrorKind::Remote, format!("its handler failed: {e}"))),
-                Err(()) => Err(failed(
-                    CallErrorKind::Timeout,
-                    format!("the value is not ready after {timeout:?}"),
-                )),
+                Ok(value) => value.map_err(|message| RRefFailure::Handler { message }),
+                Err(()) => Err(RRefFailure::NotReady { timeout }),
             };
         }
         let Some(fork) = handle.fork else {
-            return Err(failed(
-                CallErrorKind::Usage,
-                "an RRef with no fork is its owner's".into(),
-            ));
+            return Err(RRefFailure::NoFork);
         };
         if let Some(error) = self.creation_failure(fork) {
             return Err(error);
@@ -169,7 +161,7 @@ impl RRefRuntime for RRefs {
             wait_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
         }
         .to_bytes()
-        .map_err(|e| failed(CallErrorKind::Encode, e.to_string()))?;
+        .map_err(RRefFailure::Encode)?;
         let call_timeout = if timeout.is_zero() {
             Some(Duration::ZERO)
         } else {
@@ -177,8 +169,9 @@ impl RRefRuntime for RRefs {
             // later so that this answer, not a bare timeout, is what arrives.
             Some(timeout + Duration::from_millis(200))
         };
-        let unreachable =
-            |e: CallError| failed(e.kind(), format!("to_here could not reach the owner: {e}"));
+        let unreachable = |e: CallError| RRefFailure::Unreachable {
+            source: Box::new(e),
+        };
         let client = self.client().map_err(unreachable)?;
         client
             .rpc_sync_with_timeout(
@@ -193,7 +186,7 @@ impl RRefRuntime for RRefs {
                     return error;
                 }
                 match e {
-                    CallError::Remote { message, .. } => failed(CallErrorKind::Remote, message),
+                    CallError::Remote { message, .. } => RRefFailure::Owner { message },
                     other => unreachable(other),
                 }
             })
@@ -216,7 +209,7 @@ impl RRefRuntime for RRefs {
                 let failure = handle.fork.and_then(|fork| self.creation_failure(fork));
                 match (e, failure) {
                     (RRefError::CreationFailed { .. }, Some(why)) => {
-                        format!("it cannot be forked: {}", why.reason)
+                        format!("it cannot be forked: {why}")
                     }
                     (e, _) => e.to_string(),
                 }
@@ -230,13 +223,9 @@ impl RRefs {
     /// RRef on the owner node does not exist"); `None` unless it failed.
     fn creation_failure(&self, fork: ForkId) -> Option<RRefFailure> {
         let state = self.lock();
-        let (kind, error) = state.failed.get(&fork)?;
-        Some(RRefFailure {
-            kind: *kind,
-            reason: format!(
-                "RRef creation via rpc.remote() failed ({error}), and it is possible that the \
-                 RRef on the owner node does not exist; call remote() again"
-            ),
+        let error = state.failed.get(&fork)?;
+        Some(RRefFailure::CreationFailed {
+            source: Arc::clone(error),
         })
     }
 

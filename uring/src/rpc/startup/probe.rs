@@ -105,11 +105,7 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
     here.push((TransportKind::Tcp, Ok(())));
     // The runtimes open whatever the channels: they also count the devices that the
     // device maps are checked against.
-    let devices =
-        Devices::open(&options.device_plugins).map_err(|reason| InitError::InvalidOption {
-            option: "device_plugins",
-            reason,
-        })?;
+    let devices = Devices::open(&options.device_plugins).map_err(InitError::DevicePlugins)?;
     let offer = rank(
         options.transports.as_deref(),
         options.channels.as_deref(),

@@ -13,7 +13,7 @@ use crate::channel::mpt::MptDescriptor;
 use crate::channel::next_transfer_id;
 use crate::channel::xth::XthExport;
 use crate::rpc::device::{DeviceLoan, Devices, HostBytes};
-use crate::rpc::error::CallError;
+use crate::rpc::error::{CallError, ChannelFailure};
 use crate::rpc::recycle;
 use crate::rpc::transport::OwnedFrame;
 
@@ -89,11 +89,19 @@ impl fmt::Debug for FrameExports {
 }
 
 /// Why a tensor could not be put into a frame.
-fn export_failed(kind: ChannelKind, peer: &str, reason: impl fmt::Display) -> CallError {
+fn export_failed(kind: ChannelKind, peer: &str, reason: ChannelFailure) -> CallError {
     CallError::Channel {
         channel: kind.name(),
         peer: peer.to_string(),
-        reason: format!("cannot export the tensor: {reason}"),
+        index: None,
+        reason,
+    }
+}
+
+/// A channel's error exporting a tensor.
+fn export_error(source: impl std::error::Error + Send + Sync + 'static) -> ChannelFailure {
+    ChannelFailure::Export {
+        source: Box::new(source),
     }
 }
 
@@ -126,12 +134,14 @@ pub(crate) fn add_tensor(
     }
     let (export, descriptor) = match channel {
         ChannelKind::Cma => {
-            let export = CmaExport::new(data).map_err(|e| export_failed(channel, peer, e))?;
+            let export =
+                CmaExport::new(data).map_err(|e| export_failed(channel, peer, export_error(e)))?;
             let descriptor = export.descriptor().encode().to_vec();
             (Export::Cma(export), descriptor)
         }
         ChannelKind::Xth => {
-            let export = XthExport::new(data).map_err(|e| export_failed(channel, peer, e))?;
+            let export =
+                XthExport::new(data).map_err(|e| export_failed(channel, peer, export_error(e)))?;
             let descriptor = export.descriptor().encode().to_vec();
             (Export::Xth(export), descriptor)
         }
@@ -148,16 +158,10 @@ pub(crate) fn add_tensor(
             moved.add(channel, len);
             return Ok(());
         }
-        other => {
-            return Err(export_failed(
-                other,
-                peer,
-                "the RPC agent of this build does not run this channel",
-            ))
-        }
+        other => return Err(export_failed(other, peer, ChannelFailure::ExportNotRun)),
     };
     let descriptor_len = u8::try_from(descriptor.len())
-        .map_err(|_| export_failed(channel, peer, "its descriptor is over 255 bytes"))?;
+        .map_err(|_| export_failed(channel, peer, ChannelFailure::ExportDescriptorTooLong))?;
     frame.tensors.push(TensorDescriptor {
         channel,
         channel_descriptor_len: descriptor_len,
@@ -185,10 +189,11 @@ pub(crate) fn add_device_tensor(
     channel: ChannelKind,
     peer: &str,
 ) -> Result<(), CallError> {
-    let failed = |reason: &dyn fmt::Display| CallError::Channel {
+    let failed = |reason: ChannelFailure| CallError::Channel {
         channel: channel.name(),
         peer: peer.to_string(),
-        reason: format!("tensor {index}: {reason}"),
+        index: Some(index),
+        reason,
     };
     if memory.is_some_and(|m| m.is_empty()) {
         frame
@@ -207,7 +212,7 @@ pub(crate) fn add_device_tensor(
         })?;
     let len = memory.map_or(0, |m| m.len() as u64);
     let descriptor_len = u8::try_from(loan.descriptor.len())
-        .map_err(|_| failed(&"cannot lend it: its descriptor is over 255 bytes"))?;
+        .map_err(|_| failed(ChannelFailure::LoanDescriptorTooLong))?;
     frame.tensors.push(TensorDescriptor {
         channel,
         channel_descriptor_len: descriptor_len,

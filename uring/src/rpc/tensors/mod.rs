@@ -82,9 +82,9 @@ pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 /// offered). The lending CUDA channels' descriptors are their runtime's, in `devices`.
 pub(crate) fn domain_descriptor(kind: ChannelKind, devices: &Devices) -> Result<String, String> {
     match kind {
-        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => {
-            devices.lending_descriptor(kind)
-        }
+        ChannelKind::CudaXth | ChannelKind::CudaIpc | ChannelKind::CudaGdr => devices
+            .lending_descriptor(kind)
+            .map_err(|e| crate::rpc::error::error_chain(&e)),
         ChannelKind::Basic => Ok(BASIC_DESCRIPTOR.to_string()),
         ChannelKind::Mpt => Ok(MPT_DESCRIPTOR.to_string()),
         ChannelKind::CudaBasic => Ok(CUDA_BASIC_DESCRIPTOR.to_string()),

@@ -1,171 +1,32 @@
 //! Received tensors out of a frame: inline bytes taken, out-of-band ones pulled over
 //! their channel ([`ReceivedTensors::pull`]), in parallel slices when large, chunk by
 //! chunk into a device runtime's staging for a device.
+//!
+//! What a pipe reads from is its [`PipeReader`] (`reader`); how one tensor's bytes are
+//! read is `read`.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use rdzv_core::device::Device;
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
 use rdzv_core::rpc::frame::TensorDescriptor;
 pub(crate) use rdzv_core::rpc::lending::lends_device_memory;
 
-use crate::channel::buffer::prefer_huge_pages;
-use crate::channel::cma::{CmaDescriptor, CmaError, CmaPeer};
+use crate::channel::cma::{CmaDescriptor, CmaError};
 use crate::channel::mpt::MptDescriptor;
 use crate::channel::xth::{self, XthDescriptor, XthError};
-use crate::channel::ProcessIdentity;
-use crate::rpc::device::{DeviceBuffer, DeviceError, Devices, PipeId, StagingIn};
-use crate::rpc::error::{CallError, PipeFailure};
+use crate::rpc::device::Devices;
+use crate::rpc::error::{CallError, ChannelFailure};
 use crate::rpc::message::Tensor;
-use crate::rpc::recycle;
 
-/// Out-of-band tensors of at least this size are read by several threads at once, each
-/// a slice of at least [`PARALLEL_SLICE_MIN`] bytes: a fresh destination buffer is
-/// faulted in and filled in parallel (a fresh, huge-page-hinted 64 MiB buffer read over
-/// cma on this project's 2-vCPU VM, best of 5: 17.6 ms with one thread, 10.3 ms with
-/// two).
-pub(super) const PARALLEL_PULL_MIN: usize = 8 << 20;
-/// The smallest slice one pulling thread reads.
-const PARALLEL_SLICE_MIN: usize = 4 << 20;
-/// The most threads one tensor's pull uses.
-const PARALLEL_PULL_THREADS: usize = 4;
+mod read;
+mod reader;
 
-/// Fills `dst` with `read(offset, slice)` calls: for large buffers several slices at
-/// once, the last on the calling thread and the others on scoped threads. The first
-/// error wins.
-pub(super) fn read_in_slices(
-    dst: &mut [u8],
-    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
-) -> Result<(), String> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(PARALLEL_PULL_THREADS)
-        .min(dst.len() / PARALLEL_SLICE_MIN);
-    if dst.len() < PARALLEL_PULL_MIN || threads < 2 {
-        return read(0, dst);
-    }
-    let slice = dst.len().div_ceil(threads);
-    let read = &read;
-    std::thread::scope(|scope| {
-        let mut parts: Vec<(u64, &mut [u8])> = dst
-            .chunks_mut(slice)
-            .enumerate()
-            .map(|(index, part)| ((index * slice) as u64, part))
-            .collect();
-        let Some((last_offset, last)) = parts.pop() else {
-            return Ok(());
-        };
-        let mut running = Vec::with_capacity(parts.len());
-        for (offset, part) in parts {
-            let started = std::thread::Builder::new()
-                .name("rdzv-rpc-pull".into())
-                .spawn_scoped(scope, move || read(offset, part))
-                .map_err(|e| format!("cannot start a thread to read with: {e}"));
-            running.push(started);
-        }
-        let mut result = read(last_offset, last);
-        for started in running {
-            let outcome = started.and_then(|handle| {
-                handle
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            });
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        result
-    })
-}
-
-/// What a pipe reads from: the peer process behind its cma descriptors, opened on first
-/// use and then fixed for the pipe's life; and the device runtimes that borrowed lent
-/// memory on it, told when it ends (dropped) so that they release what they kept for it.
-#[derive(Debug)]
-pub(crate) struct PipeReader {
-    cma: Mutex<Option<Arc<CmaPeer>>>,
-    id: PipeId,
-    borrowed: std::sync::OnceLock<Devices>,
-    /// Device tensors the pipe's mpt lanes received into device memory as their frame
-    /// arrived (`cuda_basic` over mpt), by transfer id, until the frame is sorted.
-    arrived: Mutex<HashMap<u64, Result<DeviceBuffer, DeviceError>>>,
-}
-
-impl Default for PipeReader {
-    fn default() -> Self {
-        PipeReader {
-            cma: Mutex::new(None),
-            id: PipeId::next(),
-            borrowed: std::sync::OnceLock::new(),
-            arrived: Mutex::new(HashMap::new()),
-        }
-    }
-}
-
-impl Drop for PipeReader {
-    fn drop(&mut self) {
-        if let Some(devices) = self.borrowed.get() {
-            devices.pipe_ended(self.id);
-        }
-    }
-}
-
-impl PipeReader {
-    /// Keeps what mpt transfer `transfer_id` of a frame just received became on a device
-    /// (its memory, or why the runtime failed it), for [`ReceivedTensors::sort`].
-    pub(crate) fn arrived(&self, transfer_id: u64, memory: Result<DeviceBuffer, DeviceError>) {
-        self.arrived
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(transfer_id, memory);
-    }
-
-    /// What mpt transfer `transfer_id` became on a device, if it arrived that way.
-    pub(super) fn take_arrived(
-        &self,
-        transfer_id: u64,
-    ) -> Option<Result<DeviceBuffer, DeviceError>> {
-        self.arrived
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&transfer_id)
-    }
-
-    /// The pipe's id, for the device runtimes; notes that `devices` borrowed on it.
-    pub(super) fn borrowing_pipe(&self, devices: &Devices) -> PipeId {
-        let _ = self.borrowed.get_or_init(|| devices.clone());
-        self.id
-    }
-
-    /// The cma peer for a descriptor naming `process`: the pipe's, opened now if it is the
-    /// first. A descriptor naming another process than the pipe's first is refused.
-    fn cma_peer(&self, process: &ProcessIdentity, peer: &str) -> Result<Arc<CmaPeer>, CallError> {
-        let mut slot = self.cma.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(open) = slot.as_ref() {
-            if open.process() == process {
-                return Ok(Arc::clone(open));
-            }
-            return Err(CallError::Channel {
-                channel: ChannelKind::Cma.name(),
-                peer: peer.to_string(),
-                reason: format!(
-                    "a descriptor names pid {}, but this pipe reads from pid {}",
-                    process.pid,
-                    open.process().pid
-                ),
-            });
-        }
-        let opened = Arc::new(CmaPeer::open(process).map_err(|e| CallError::Channel {
-            channel: ChannelKind::Cma.name(),
-            peer: peer.to_string(),
-            reason: e.to_string(),
-        })?);
-        *slot = Some(Arc::clone(&opened));
-        Ok(opened)
-    }
-}
+use read::Pull;
+#[cfg(test)]
+pub(super) use read::{read_in_slices, PARALLEL_PULL_MIN};
+pub(crate) use reader::PipeReader;
 
 /// A received tensor: its bytes, or where to pull them from.
 enum Incoming {
@@ -260,10 +121,11 @@ impl ReceivedTensors {
                 return Err(CallError::Channel {
                     channel: channel.name(),
                     peer: peer.to_string(),
-                    reason: format!(
-                        "tensor {index}: this worker has no {} runtime to receive on {device}",
-                        device.kind()
-                    ),
+                    index: Some(index),
+                    reason: ChannelFailure::NoRuntime {
+                        kind: device.kind(),
+                        device,
+                    },
                 });
             }
             if descriptor.is_inline() {
@@ -275,32 +137,32 @@ impl ReceivedTensors {
                 continue;
             }
             let channel = descriptor.channel;
-            let refuse = |reason: String| CallError::Channel {
+            let refuse = |reason: ChannelFailure| CallError::Channel {
                 channel: channel.name(),
                 peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
+                index: Some(index),
+                reason,
             };
             // cuda_basic's bytes come over the pipe's CPU channel.
             let agreed =
                 negotiated.carrier_for(role, descriptor.target.kind(), descriptor.source.kind());
             if agreed != Some(channel) {
-                return Err(refuse(format!(
-                    "the peer used it, but this pipe negotiated {} for {} to {}",
-                    agreed.map_or("no channel", ChannelKind::name),
-                    descriptor.source.kind(),
-                    descriptor.target.kind()
-                )));
+                return Err(refuse(ChannelFailure::NotNegotiated {
+                    agreed,
+                    from: descriptor.source.kind(),
+                    to: descriptor.target.kind(),
+                }));
             }
             let length_mismatch = |announced: u64| {
-                refuse(format!(
-                    "its descriptor announces {announced} bytes, the frame {}",
-                    descriptor.len
-                ))
+                refuse(ChannelFailure::LengthMismatch {
+                    announced,
+                    frame: descriptor.len,
+                })
             };
             match channel {
                 ChannelKind::Cma => {
-                    let decoded =
-                        CmaDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    let decoded = CmaDescriptor::decode(&data)
+                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
                     if decoded.length != descriptor.len {
                         return Err(length_mismatch(decoded.length));
                     }
@@ -310,8 +172,8 @@ impl ReceivedTensors {
                     });
                 }
                 ChannelKind::Xth => {
-                    let decoded =
-                        XthDescriptor::decode(&data).map_err(|e| refuse(e.to_string()))?;
+                    let decoded = XthDescriptor::decode(&data)
+                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
                     if decoded.length != descriptor.len {
                         return Err(length_mismatch(decoded.length));
                     }
@@ -329,9 +191,7 @@ impl ReceivedTensors {
                         .ok()
                         .and_then(|d| reader.take_arrived(d.transfer_id));
                     let memory = arrived
-                        .ok_or_else(|| {
-                            refuse("the peer streamed it, but this pipe has no mpt lanes".into())
-                        })?
+                        .ok_or_else(|| refuse(ChannelFailure::NoLanes))?
                         .map_err(|e| CallError::Device {
                             channel: ChannelKind::CudaBasic.name(),
                             peer: peer.to_string(),
@@ -339,12 +199,12 @@ impl ReceivedTensors {
                             source: Box::new(e),
                         })?;
                     if memory.device() != device || memory.len() as u64 != descriptor.len {
-                        return Err(refuse(format!(
-                            "its stripes became {} bytes on {}, the frame says {} on {device}",
-                            memory.len(),
-                            memory.device(),
-                            descriptor.len
-                        )));
+                        return Err(refuse(ChannelFailure::StripesMismatch {
+                            len: memory.len(),
+                            device: memory.device(),
+                            expected_len: descriptor.len,
+                            expected_device: device,
+                        }));
                     }
                     items.push(Incoming::Ready(Tensor::on_device(memory)));
                 }
@@ -355,7 +215,7 @@ impl ReceivedTensors {
                     len: descriptor.len,
                     descriptor: data,
                 }),
-                _ => return Err(refuse("this worker does not run this channel".into())),
+                _ => return Err(refuse(ChannelFailure::NotRun)),
             }
         }
         Ok(ReceivedTensors {
@@ -416,7 +276,7 @@ impl ReceivedTensors {
                     let read = |offset, part: &mut [u8]| {
                         source
                             .read_at(&descriptor, offset, part)
-                            .map_err(|e| (matches!(e, CmaError::BadAddress { .. }), e.to_string()))
+                            .map_err(|e| (matches!(e, CmaError::BadAddress { .. }), e.into()))
                     };
                     let pull = Pull {
                         devices: &devices,
@@ -428,9 +288,8 @@ impl ReceivedTensors {
                 }
                 Incoming::Xth { device, descriptor } => {
                     let read = |offset, part: &mut [u8]| {
-                        xth::read_at(&descriptor, offset, part).map_err(|e| {
-                            (matches!(e, XthError::UnknownTransfer { .. }), e.to_string())
-                        })
+                        xth::read_at(&descriptor, offset, part)
+                            .map_err(|e| (matches!(e, XthError::UnknownTransfer { .. }), e.into()))
                     };
                     let pull = Pull {
                         devices: &devices,
@@ -485,132 +344,4 @@ impl ReceivedTensors {
         }
         Ok(tensors)
     }
-}
-
-/// One tensor read from the peer over `channel` (cma or xth), into host memory or, for a
-/// device, chunk by chunk into its runtime's staging.
-struct Pull<'a> {
-    devices: &'a Devices,
-    channel: ChannelKind,
-    index: usize,
-    peer: &'a str,
-}
-
-impl Pull<'_> {
-    /// Reads `length` bytes for `device` with `read(offset, part)`, whose error says
-    /// whether the lender no longer holds the buffer (cma: its pages are unmapped,
-    /// `EFAULT`; xth: the transfer is gone). A lender releases what it lent only after
-    /// the ack, or when its pipe ends, so such a read overlapped the end of the pipe on
-    /// the lender's side (a reset, a shutdown): the call fails with the pipe
-    /// ([`CallError::PipeBroken`], retryable), not the channel.
-    fn read(
-        &self,
-        device: Device,
-        length: u64,
-        read: impl Fn(u64, &mut [u8]) -> Result<(), (bool, String)> + Sync,
-    ) -> Result<Tensor, CallError> {
-        let released = std::sync::atomic::AtomicBool::new(false);
-        let read = |offset, part: &mut [u8]| {
-            read(offset, part).map_err(|(gone, reason)| {
-                if gone {
-                    released.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                reason
-            })
-        };
-        let or_released = |error: CallError| {
-            if !released.load(std::sync::atomic::Ordering::Relaxed) {
-                return error;
-            }
-            CallError::PipeBroken {
-                peer: self.peer.to_string(),
-                reason: PipeFailure::protocol(ReleasedWhileRead {
-                    peer: self.peer.to_string(),
-                    read: error,
-                }),
-            }
-        };
-        let failed = |reason: String| CallError::Channel {
-            channel: self.channel.name(),
-            peer: self.peer.to_string(),
-            reason,
-        };
-        let len = usize::try_from(length)
-            .map_err(|_| failed("the tensor does not fit in memory".into()))?;
-        if !device.is_cpu() {
-            let memory = pull_staged(self.devices, device, len, read)
-                .map_err(|e| or_released(e.into_error(self.channel, self.index, self.peer)))?;
-            return Ok(Tensor::on_device(memory));
-        }
-        let mut data = recycle::try_take(len).map_err(|e| failed(e.to_string()))?;
-        prefer_huge_pages(&mut data);
-        read_in_slices(&mut data, read).map_err(|reason| or_released(failed(reason)))?;
-        Ok(Tensor {
-            device,
-            data,
-            memory: None,
-        })
-    }
-}
-
-/// Why a staged pull failed: reading from the peer, or the device runtime.
-#[derive(Debug)]
-enum PullFailed {
-    Read(String),
-    /// The device runtime's error.
-    Staging(DeviceError),
-}
-
-impl PullFailed {
-    /// The error of tensor `index`, read over `channel` from `peer`.
-    fn into_error(self, channel: ChannelKind, index: usize, peer: &str) -> CallError {
-        match self {
-            PullFailed::Read(reason) => CallError::Channel {
-                channel: channel.name(),
-                peer: peer.to_string(),
-                reason: format!("tensor {index}: {reason}"),
-            },
-            PullFailed::Staging(e) => CallError::Device {
-                channel: ChannelKind::CudaBasic.name(),
-                peer: peer.to_string(),
-                index,
-                source: Box::new(e),
-            },
-        }
-    }
-}
-
-/// Pulls a `len`-byte tensor for `device` (not the CPU) with `read(offset, part)`,
-/// chunk by chunk into the device runtime's staging ([`StagingIn`]): each chunk goes
-/// to the device as soon as it is read, while the next one is read. Dropping the
-/// staging on a failure lets the runtime take back what it held.
-fn pull_staged(
-    devices: &Devices,
-    device: Device,
-    len: usize,
-    read: impl Fn(u64, &mut [u8]) -> Result<(), String> + Sync,
-) -> Result<crate::rpc::device::DeviceBuffer, PullFailed> {
-    let mut staging: StagingIn = devices
-        .receive_into(device, len)
-        .map_err(PullFailed::Staging)?;
-    for (k, offset, _) in staging.chunks() {
-        let buffer = staging.chunk_buffer(k).map_err(PullFailed::Staging)?;
-        read_in_slices(buffer, |at, part| read(offset as u64 + at, part))
-            .map_err(PullFailed::Read)?;
-        staging.chunk_filled(k).map_err(PullFailed::Staging)?;
-    }
-    staging.finish().map_err(PullFailed::Staging)
-}
-
-/// The peer released a tensor it lent while this side read it: its end of the pipe
-/// ended or was reset, so the read's own failure is a consequence.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "{peer} released a tensor it lent while it was read, which it does only when its end \
-     of the pipe ends or is reset ({read})"
-)]
-struct ReleasedWhileRead {
-    peer: String,
-    #[source]
-    read: CallError,
 }

@@ -274,7 +274,7 @@ fn slices_cover_the_buffer_once() {
     let mut dst = vec![0u8; 2 * PARALLEL_PULL_MIN];
     let failed = read_in_slices(&mut dst, |offset, _| {
         if offset > 0 {
-            Err(format!("slice at {offset} failed"))
+            Err(format!("slice at {offset} failed").into())
         } else {
             Ok(())
         }
