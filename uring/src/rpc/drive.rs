@@ -81,10 +81,8 @@ impl MachineFailure<JoinError> for InitError {
             source: Box::new(source),
         }
     }
-    fn no_reason(worker: &str) -> Self {
-        InitError::Executor(format!(
-            "the start-up of worker {worker} failed without saying why (a bug)"
-        ))
+    fn no_reason(_worker: &str) -> Self {
+        InitError::Internal("the group token's machine failed without saying why")
     }
 }
 

@@ -48,7 +48,10 @@ pub(crate) fn spawn_pool(
                     run_job(&pool, job);
                 }
             })
-            .map_err(|e| InitError::Executor(format!("worker thread: {e}")))?;
+            .map_err(|source| InitError::Thread {
+                thread: "worker threads",
+                source,
+            })?;
         handles.push(handle);
     }
     Ok(handles)

@@ -5,6 +5,7 @@
 use rdzv_core::device::DeviceType;
 use rdzv_core::device_map::DeviceMapError;
 use rdzv_core::negotiate::OfferError;
+use rdzv_core::rpc::backend::{AlreadyRegistered, UnknownBackend};
 use rdzv_core::rpc::name::WorkerInfoError;
 use rdzv_core::rpc::shutdown::JoinError;
 use rdzv_core::rpc::startup::StartupError;
@@ -39,9 +40,12 @@ pub enum InitError {
         /// The name.
         name: String,
     },
-    /// The RPC backend registry refused (unknown backend, name already registered).
+    /// The RPC backend registry refused: the name is already registered.
     #[error("{0}")]
-    Backend(String),
+    Backend(#[source] AlreadyRegistered),
+    /// No RPC backend of that name is registered.
+    #[error("{0}")]
+    UnknownBackend(#[source] UnknownBackend),
     /// The `transports` or `channels` option names an unknown or repeated backend.
     #[error("invalid RPC option {option}: {source}")]
     Backends {
@@ -86,9 +90,19 @@ pub enum InitError {
     /// The group's device maps are inconsistent.
     #[error(transparent)]
     DeviceMaps(Box<DeviceMapError>),
-    /// A thread of the agent (I/O, pool, timer) could not start.
-    #[error("cannot start the RPC I/O thread: {0}")]
-    Executor(String),
+    /// A thread of the agent (its I/O thread and executor, the worker pool, the timer)
+    /// could not start.
+    #[error("cannot start the RPC {thread}: {source}")]
+    Thread {
+        /// Which thread.
+        thread: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The agent's start-up broke one of its own rules: a bug of rdzv, to report.
+    #[error("the RPC agent's start-up failed: {0} (a bug of rdzv; please report it)")]
+    Internal(&'static str),
     /// Listening failed.
     #[error(transparent)]
     Transport(Box<TransportError>),
@@ -152,6 +166,7 @@ impl InitError {
                 | InitError::DevicePlugins(_)
                 | InitError::HandlerExists { .. }
                 | InitError::Backend(_)
+                | InitError::UnknownBackend(_)
                 | InitError::Backends { .. }
         )
     }

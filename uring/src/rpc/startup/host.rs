@@ -30,16 +30,15 @@ impl AgentHost {
     }
 
     fn agent(&self) -> Result<&RpcAgent, InitError> {
-        self.agent.as_ref().ok_or_else(|| {
-            InitError::Executor("start-up used the agent before starting it (a bug)".into())
-        })
+        self.agent
+            .as_ref()
+            .ok_or_else(|| InitError::Internal("it used the agent before starting it"))
     }
 
     /// The started agent, once the machine is done.
     pub(super) fn into_agent(self) -> Result<RpcAgent, InitError> {
-        self.agent.ok_or_else(|| {
-            InitError::Executor("start-up finished without starting the agent (a bug)".into())
-        })
+        self.agent
+            .ok_or_else(|| InitError::Internal("it finished without starting the agent"))
     }
 }
 
@@ -47,9 +46,10 @@ impl StartHost for AgentHost {
     type Error = InitError;
 
     fn listen(&mut self) -> Result<String, InitError> {
-        let start = self.start.take().ok_or_else(|| {
-            InitError::Executor("start-up asked to start the agent twice (a bug)".into())
-        })?;
+        let start = self
+            .start
+            .take()
+            .ok_or_else(|| InitError::Internal("it asked to start the agent twice"))?;
         let agent = start.start_agent(self.world_size)?;
         let address = agent.address.clone();
         self.agent = Some(agent);

@@ -25,7 +25,10 @@ pub(super) fn spawn_io(
             let executor = match built {
                 Ok(executor) => executor,
                 Err(e) => {
-                    let _ = ready_tx.send(Err(InitError::Executor(e.to_string())));
+                    let _ = ready_tx.send(Err(InitError::Thread {
+                        thread: "I/O executor",
+                        source: e,
+                    }));
                     return;
                 }
             };
@@ -49,7 +52,10 @@ pub(super) fn spawn_io(
                 Io::run(pieces, transports, jobs).await;
             });
         })
-        .map_err(|e| InitError::Executor(e.to_string()))?;
+        .map_err(|source| InitError::Thread {
+            thread: "I/O thread",
+            source,
+        })?;
     match ready_rx.recv() {
         Ok(Ok(address)) => Ok((handle, address)),
         Ok(Err(e)) => {
@@ -58,9 +64,7 @@ pub(super) fn spawn_io(
         }
         Err(_) => {
             let _ = handle.join();
-            Err(InitError::Executor(
-                "the I/O thread exited during start".into(),
-            ))
+            Err(InitError::Internal("the I/O thread exited during start"))
         }
     }
 }

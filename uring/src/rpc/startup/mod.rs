@@ -93,7 +93,7 @@ static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// when the store cannot be reached (these, and a start-up timeout, are
 /// [`InitError::is_retryable`]); [`InitError::MixedGroup`], [`InitError::Names`]
 /// (duplicate names) and [`InitError::DeviceMaps`] when the group is inconsistent;
-/// [`InitError::Transport`] / [`InitError::Executor`] when listening fails;
+/// [`InitError::Transport`] / [`InitError::Thread`] when listening fails;
 /// [`InitError::Startup`] when other workers do not publish within the store timeout
 /// (it names their ranks).
 pub fn init_rpc(
@@ -310,8 +310,7 @@ impl Start {
                 rrefs: runtime,
             }
         });
-        let rrefs =
-            rrefs.ok_or_else(|| InitError::Executor("the RRef runtime was not built".into()))?;
+        let rrefs = rrefs.ok_or(InitError::Internal("the RRef runtime was not built"))?;
         register_rref_handlers(&rrefs);
         if world_size.is_none() {
             register_membership_handlers(&registry, me.name());
@@ -329,7 +328,10 @@ impl Start {
             lanes
                 .calls
                 .start_timer()
-                .map_err(|e| InitError::Executor(format!("timer thread: {e}")))?,
+                .map_err(|source| InitError::Thread {
+                    thread: "timer thread",
+                    source,
+                })?,
         );
         let server = Arc::new(Server {
             name: me.name().to_string(),
