@@ -90,8 +90,8 @@ pub use device::{
 };
 pub use error::{
     error_chain, CallError, CallErrorKind, ChannelCause, ChannelFailure, DevicesError, InitError,
-    RRefFailure, RRefWaitTimeout, RpcError, ShutdownError, StoreOpError, TransportError,
-    UsageError,
+    PipeFailure, RRefFailure, RRefWaitTimeout, RpcError, SharedCause, ShutdownError, StoreOpError,
+    TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};

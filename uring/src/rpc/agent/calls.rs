@@ -11,7 +11,7 @@ const NODE_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 impl RpcAgent {
     /// A handle that makes calls through this agent, for other threads and for
-    /// handlers (see [`CallContext::client`](super::CallContext::client)).
+    /// handlers (see [`CallContext::client`](crate::rpc::CallContext::client)).
     pub fn client(&self) -> RpcClient {
         self.client.clone()
     }
