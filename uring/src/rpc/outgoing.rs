@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use rdzv_core::negotiate::{ChannelKind, Negotiated, Role};
-use rdzv_core::rpc::frame::{EncodeError, FrameKind, FrameLimits};
+use rdzv_core::rpc::frame::{FrameKind, FrameLimits};
 
 use super::counters::Counters;
 use super::device::Devices;
@@ -113,10 +113,12 @@ pub(crate) fn tensor_frame(
         )?;
     }
     framer.counters.add_channel_bytes(&moved);
-    check_limits(frame).map_err(|source| CallError::Encode {
-        peer: peer.to_string(),
-        source: Box::new(source),
-    })
+    frame
+        .check(&FrameLimits::DEFAULT)
+        .map_err(|source| CallError::Encode {
+            peer: peer.to_string(),
+            source: Box::new(source),
+        })
 }
 
 /// The frame answering request `message_id` on an inbound pipe from `peer`, with the
@@ -150,11 +152,11 @@ pub(crate) fn response_frame(
                 // Dropping the exports releases them: the frame is never sent.
                 Err(e) => {
                     exports = FrameExports::default();
-                    error_frame(message_id, &format!("the response failed: {e}"))
+                    OwnedFrame::error(message_id, &format!("the response failed: {e}"))
                 }
             }
         }
-        Err(text) => error_frame(message_id, &text),
+        Err(text) => OwnedFrame::error(message_id, &text),
     };
     (frame, exports)
 }
@@ -167,24 +169,4 @@ pub(crate) fn sent_bytes(frame: &OwnedFrame) -> u64 {
         .filter(|t| !t.is_inline())
         .map(|t| t.len)
         .fold(frame.encoded_len() as u64, u64::saturating_add)
-}
-
-/// An error frame carrying `text`.
-pub(crate) fn error_frame(message_id: u64, text: &str) -> OwnedFrame {
-    OwnedFrame {
-        payload: text.as_bytes().to_vec(),
-        ..OwnedFrame::empty(FrameKind::Error, message_id)
-    }
-}
-
-/// Checks an outgoing frame against the limits every receiver applies
-/// ([`FrameLimits::DEFAULT`]), so that an oversized message fails alone instead of
-/// making the peer drop the pipe: the core decoder checks every size in the header and
-/// the descriptors, which is all the head holds.
-pub(crate) fn check_limits(frame: &OwnedFrame) -> Result<(), EncodeError> {
-    let head = frame.encode_head()?;
-    match rdzv_core::rpc::frame::decode_frame(&head, &FrameLimits::DEFAULT) {
-        Ok(_) => Ok(()),
-        Err(e) => Err(EncodeError::from(e)),
-    }
 }

@@ -54,9 +54,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
-use rdzv_core::rpc::frame::{
-    EncodeError, Frame, FrameKind, FrameLimits, OutgoingFrame, TensorDescriptor,
-};
+use rdzv_core::rpc::frame::FrameLimits;
 
 use super::device::HostBytes;
 use super::error::TransportError;
@@ -334,185 +332,16 @@ pub(crate) fn poll_two(
 }
 
 /// A frame to send, owning its parts so a transport can keep them until its write
-/// completes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnedFrame {
-    /// The kind.
-    pub kind: FrameKind,
-    /// The message id.
-    pub message_id: u64,
-    /// The handler name (requests).
-    pub handler: String,
-    /// The metadata.
-    pub metadata: Vec<u8>,
-    /// The payload (the error text for errors, the postcard handshake for handshakes).
-    pub payload: Vec<u8>,
-    /// One descriptor per tensor.
-    pub tensors: Vec<TensorDescriptor>,
-    /// One entry per tensor, in order: the data of a `basic` tensor (a `cuda_basic`
-    /// tensor's where its runtime staged it: [`HostBytes`]), the channel descriptor of
-    /// any other (the core frame's data section).
-    pub tensor_data: Vec<HostBytes>,
-}
+/// completes: the core's, whose data-section entries are [`HostBytes`] (a `cuda_basic`
+/// tensor's where its runtime staged it).
+pub type OwnedFrame = rdzv_core::rpc::frame::OwnedFrame<HostBytes>;
 
-impl OwnedFrame {
-    /// A frame of `kind` with every part empty.
-    pub fn empty(kind: FrameKind, message_id: u64) -> OwnedFrame {
-        OwnedFrame {
-            kind,
-            message_id,
-            handler: String::new(),
-            metadata: Vec::new(),
-            payload: Vec::new(),
-            tensors: Vec::new(),
-            tensor_data: Vec::new(),
-        }
-    }
-
-    /// Runs `f` with the core's borrowed view of this frame.
-    pub fn with_outgoing<R>(&self, f: impl FnOnce(&OutgoingFrame<'_>) -> R) -> R {
-        let data: Vec<&[u8]> = self.tensor_data.iter().map(HostBytes::as_slice).collect();
-        let frame = OutgoingFrame {
-            kind: self.kind,
-            message_id: self.message_id,
-            handler: &self.handler,
-            metadata: &self.metadata,
-            payload: &self.payload,
-            tensors: &self.tensors,
-            tensor_data: &data,
-        };
-        f(&frame)
-    }
-
-    /// The whole frame's size on the wire.
-    pub fn encoded_len(&self) -> usize {
-        self.with_outgoing(|frame| frame.encoded_len())
-    }
-
-    /// Checks the frame and writes its header and descriptors (the rest follows as the
-    /// frame's own buffers).
-    ///
-    /// # Errors
-    /// [`EncodeError`] if the core would not decode the frame.
-    pub fn encode_head(&self) -> Result<Vec<u8>, EncodeError> {
-        self.with_outgoing(|frame| {
-            let mut head = vec![0; frame.head_len()];
-            frame.encode_head(&mut head).map(|n| {
-                head.truncate(n);
-                head
-            })
-        })
-    }
-
-    /// The buffers that follow the head, in wire order.
-    pub fn body(&self) -> impl Iterator<Item = &[u8]> + '_ {
-        [
-            self.handler.as_bytes(),
-            self.metadata.as_slice(),
-            self.payload.as_slice(),
-        ]
-        .into_iter()
-        .chain(self.tensor_data.iter().map(HostBytes::as_slice))
-    }
-}
-
-/// A received frame, owning its parts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IncomingFrame {
-    /// The kind.
-    pub kind: FrameKind,
-    /// The message id.
-    pub message_id: u64,
-    /// The handler name.
-    pub handler: String,
-    /// The metadata.
-    pub metadata: Vec<u8>,
-    /// The payload.
-    pub payload: Vec<u8>,
-    /// Each tensor's descriptor and data-section entry: its bytes for a `basic` tensor,
-    /// its channel descriptor for any other (the agent fetches the bytes over the
-    /// channel).
-    pub tensors: Vec<(TensorDescriptor, Vec<u8>)>,
-    /// The frame's size on the wire, plus the stripes of its mpt tensors once a lane
-    /// has read them.
-    pub wire_len: u64,
-}
-
-impl IncomingFrame {
-    /// Copies a decoded frame out of the receive buffer.
-    pub fn from_frame(frame: &Frame<'_>) -> IncomingFrame {
-        IncomingFrame {
-            kind: frame.kind(),
-            message_id: frame.message_id(),
-            handler: frame.handler().to_string(),
-            metadata: frame.metadata().to_vec(),
-            payload: frame.payload().to_vec(),
-            tensors: frame
-                .tensors_with_data()
-                .map(|(descriptor, data)| (descriptor, data.bytes().to_vec()))
-                .collect(),
-            wire_len: frame.as_bytes().len() as u64,
-        }
-    }
-}
+/// A received frame, owning its parts (the core's).
+pub use rdzv_core::rpc::frame::IncomingFrame;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rdzv_core::device::Device;
-    use rdzv_core::negotiate::ChannelKind;
-    use rdzv_core::rpc::frame::{decode_frame, Decoded};
-
-    #[test]
-    fn owned_frame_round_trips_through_the_core_decoder() {
-        let frame = OwnedFrame {
-            handler: "echo".into(),
-            metadata: vec![1],
-            payload: b"hello".to_vec(),
-            tensors: vec![
-                TensorDescriptor::inline(Device::cpu(), Device::cpu(), 3),
-                TensorDescriptor {
-                    channel: ChannelKind::Cma,
-                    channel_descriptor_len: 2,
-                    ..TensorDescriptor::inline(Device::cpu(), Device::cpu(), 1 << 20)
-                },
-            ],
-            tensor_data: vec![vec![9, 8, 7].into(), vec![1, 2].into()],
-            ..OwnedFrame::empty(FrameKind::Request, 42)
-        };
-        let mut wire = frame
-            .encode_head()
-            .map_err(|e| e.to_string())
-            .unwrap_or_default();
-        for part in frame.body() {
-            wire.extend_from_slice(part);
-        }
-        assert_eq!(wire.len(), frame.encoded_len());
-        let decoded = match decode_frame(&wire, &FrameLimits::DEFAULT) {
-            Ok(Decoded::Complete(f, n)) => {
-                assert_eq!(n, wire.len());
-                Ok::<_, String>(IncomingFrame::from_frame(&f))
-            }
-            other => Err(format!("{other:?}")),
-        };
-        let decoded = decoded.unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(decoded.kind, FrameKind::Request);
-        assert_eq!(decoded.message_id, 42);
-        assert_eq!(decoded.handler, "echo");
-        assert_eq!(decoded.metadata, vec![1]);
-        assert_eq!(decoded.payload, b"hello".to_vec());
-        assert_eq!(decoded.tensors.len(), 2);
-        assert_eq!(
-            decoded.tensors.first().map(|t| t.1.clone()),
-            Some(vec![9, 8, 7])
-        );
-        // A channel tensor's entry is its channel descriptor.
-        assert_eq!(
-            decoded.tensors.get(1).map(|t| (t.0.channel, t.1.clone())),
-            Some((ChannelKind::Cma, vec![1, 2]))
-        );
-        assert_eq!(decoded.wire_len, wire.len() as u64);
-    }
 
     #[test]
     fn published_addresses_carry_every_listener() {
@@ -529,15 +358,5 @@ mod tests {
         assert_eq!(address_for("tcp://10.0.0.1:4000", TransportKind::Shm), None);
         assert_eq!(address_for("tcpx://1", TransportKind::Tcp), None);
         assert_eq!(join_addresses(["tcp://1.2.3.4:5"]), "tcp://1.2.3.4:5");
-    }
-
-    #[test]
-    fn inline_data_must_match_descriptors() {
-        let frame = OwnedFrame {
-            tensors: vec![TensorDescriptor::inline(Device::cpu(), Device::cpu(), 4)],
-            tensor_data: vec![vec![1].into()],
-            ..OwnedFrame::empty(FrameKind::Request, 1)
-        };
-        assert!(frame.encode_head().is_err());
     }
 }

@@ -86,14 +86,19 @@
 //! descriptors it already checked, so a frame that arrives in many pieces costs O(new
 //! bytes) to decode. Nothing is allocated while decoding.
 //!
+//! Runtimes hold frames as [`OwnedFrame`] (to send, generic over their buffers) and
+//! [`IncomingFrame`] (received), which go through the same encoder and decoder.
+//!
 //! This module does not read or write sockets, pick channels (see
 //! [`crate::negotiate`]) or move out-of-band tensor data.
 
 mod handshake;
+mod owned;
 #[cfg(test)]
 mod tests;
 
 pub use handshake::{decode_handshake, Handshake, HandshakeError};
+pub use owned::{IncomingFrame, OwnedFrame};
 
 use alloc::vec::Vec;
 use core::fmt;
