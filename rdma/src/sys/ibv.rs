@@ -2314,18 +2314,6 @@ pub fn comp_channel_fd(channel: &CompChannel) -> BorrowedFd<'_> {
     unsafe { BorrowedFd::borrow_raw(channel.as_raw_fd()) }
 }
 
-/// `shutdown(fd, SHUT_RDWR)`: wakes a thread blocked in `accept` on a listener.
-///
-/// # Errors
-/// `shutdown`'s errno.
-pub fn shutdown_socket(fd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: the descriptor is open (borrowed); shutdown takes no pointers.
-    if unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

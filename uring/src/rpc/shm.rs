@@ -13,14 +13,12 @@
 //! tensors go through the ring like everything else (the `cma` and `xth` channels move
 //! large tensors beside it; their descriptors travel in the frame).
 
-use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
 
 use super::error::TransportError;
-use super::transport::{Connection, LocalBoxFuture, Transport};
+use super::transport::{not_listening, Connection, Listening, LocalBoxFuture, Transport};
 use crate::queue::{on_thread, Queue};
 use crate::transport::shm::{
     viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
@@ -39,8 +37,8 @@ const RECEIVE_POLL: Duration = Duration::from_millis(10);
 pub struct ShmTransport {
     descriptor: String,
     options: ShmOptions,
-    /// Once [`Transport::listen`] ran.
-    listening: Option<Listening>,
+    /// Once [`Transport::listen`] ran: the accept thread's connections (or errors).
+    listening: Option<Listening<Result<ShmConnection, ShmError>>>,
 }
 
 impl ShmTransport {
@@ -112,49 +110,33 @@ impl Transport for ShmTransport {
             }
         })?;
         let address = format_address(listener.local_addr());
-        let listener = Arc::new(listener);
-        let queue = Arc::new(Queue::new(usize::MAX));
-        let thread_listener = Arc::clone(&listener);
-        let thread_queue = Arc::clone(&queue);
         let shown = address.clone();
-        std::thread::Builder::new()
-            .name("rdzv-shm-accept".into())
-            .spawn(move || accept_thread(&thread_listener, &thread_queue, &shown))
-            .map_err(|source| TransportError::Listen {
-                address: address.clone(),
-                source,
-            })?;
-        self.listening = Some(Listening {
+        self.listening = Some(Listening::start(
+            "rdzv-shm-accept",
             listener,
-            queue,
-            address: address.clone(),
-        });
+            address.clone(),
+            move |listener, queue| accept_thread(listener, queue, &shown),
+        )?);
         Ok(address)
     }
 
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
             let Some(listening) = &self.listening else {
-                return Err(TransportError::Accept {
-                    address: "shm".into(),
-                    source: std::io::Error::other("the transport is not listening"),
-                });
+                return Err(not_listening("shm"));
             };
-            let accept_error = |source| TransportError::Accept {
-                address: listening.address.clone(),
-                source,
-            };
-            match listening.queue.pop().await {
+            match listening.next().await {
                 Some(Ok(connection)) => {
                     let peer = connection
                         .peer_pid()
                         .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
                     blocking::connection(connection, peer)
                 }
-                Some(Err(e)) => Err(accept_error(shm_io(e))),
-                None => Err(accept_error(std::io::Error::other(
-                    "the listener is closed",
-                ))),
+                Some(Err(e)) => Err(TransportError::Accept {
+                    address: listening.address().to_string(),
+                    source: shm_io(e),
+                }),
+                None => Err(listening.closed()),
             }
         })
     }
@@ -208,24 +190,6 @@ fn accept_thread(
         }
         if queue.push(accepted).is_err() {
             return;
-        }
-    }
-}
-
-/// A listening shm transport: its socket, the accept thread's queue, its address.
-#[derive(Debug)]
-struct Listening {
-    listener: Arc<ShmListener>,
-    queue: Arc<Queue<Result<ShmConnection, ShmError>>>,
-    address: String,
-}
-
-impl Drop for Listening {
-    fn drop(&mut self) {
-        self.queue.close();
-        // Wakes the accept thread: accept on a shut-down socket fails at once.
-        if let Err(e) = rustix::net::shutdown(self.listener.as_fd(), rustix::net::Shutdown::Both) {
-            tracing::debug!(address = %self.address, error = %e, "shutting an shm listener down failed");
         }
     }
 }

@@ -55,15 +55,14 @@ pub mod link;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
-    Connection, Control, FrameReceiver, FrameSender, IncomingFrame, LocalBoxFuture, OwnedFrame,
-    Transport, TransportPlugin, TryRecv,
+    not_listening, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, Listening,
+    LocalBoxFuture, OwnedFrame, Transport, TransportPlugin, TryRecv,
 };
 use rdzv_uring::rpc::TransportError;
 
@@ -153,8 +152,8 @@ pub struct IbvTransport {
     selection: IbvSelection,
     options: ChannelOptions,
     descriptor: String,
-    /// Once [`Transport::listen`] ran.
-    listening: Option<Listening>,
+    /// Once [`Transport::listen`] ran: the accept thread's set-up links (or errors).
+    listening: Option<Listening<Accepted>>,
 }
 
 impl IbvTransport {
@@ -278,53 +277,32 @@ impl Transport for IbvTransport {
         };
         let listener = TcpListener::bind(bind).map_err(listen_error)?;
         let address = format_address(listener.local_addr().map_err(listen_error)?);
-        let listener = Arc::new(listener);
-        let queue = Arc::new(Queue::unbounded());
-        let (thread_listener, thread_queue) = (Arc::clone(&listener), Arc::clone(&queue));
         let (selection, options, shown) = (
             self.selection.clone(),
             self.options.clone(),
             address.clone(),
         );
-        std::thread::Builder::new()
-            .name("rdzv-ibv-accept".into())
-            .spawn(move || {
-                accept_thread(
-                    &thread_listener,
-                    &thread_queue,
-                    &selection,
-                    &options,
-                    &shown,
-                )
-            })
-            .map_err(|source| TransportError::Listen {
-                address: address.clone(),
-                source,
-            })?;
-        self.listening = Some(Listening {
+        self.listening = Some(Listening::start(
+            "rdzv-ibv-accept",
             listener,
-            queue,
-            address: address.clone(),
-        });
+            address.clone(),
+            move |listener, queue| accept_thread(listener, queue, &selection, &options, &shown),
+        )?);
         Ok(address)
     }
 
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
             let Some(listening) = &self.listening else {
-                return Err(TransportError::Accept {
-                    address: format!("{SCHEME}{}:?", self.host),
-                    source: io::Error::other("the transport is not listening"),
-                });
+                return Err(not_listening("ibv"));
             };
-            let accept_error = |source| TransportError::Accept {
-                address: listening.address.clone(),
-                source,
-            };
-            match listening.queue.pop().await {
+            match listening.next().await {
                 Some(Ok((link, peer))) => Ok(connection(link, peer)),
-                Some(Err(e)) => Err(accept_error(e)),
-                None => Err(accept_error(io::Error::other("the listener is closed"))),
+                Some(Err(source)) => Err(TransportError::Accept {
+                    address: listening.address().to_string(),
+                    source,
+                }),
+                None => Err(listening.closed()),
             }
         })
     }
@@ -393,28 +371,6 @@ fn accept_thread(
                 tracing::debug!(%address, error = %e, "ibv accept failed");
                 std::thread::sleep(Duration::from_millis(10));
             }
-        }
-    }
-}
-
-/// A listening ibv transport: its socket, the accept thread's queue, its address.
-#[derive(Debug)]
-struct Listening {
-    listener: Arc<TcpListener>,
-    queue: Arc<Queue<Accepted>>,
-    address: String,
-}
-
-impl Drop for Listening {
-    fn drop(&mut self) {
-        self.queue.close();
-        // Wakes the accept thread: accept on a shut-down socket fails at once.
-        if let Err(error) = crate::ibv::sys::shutdown_socket(self.listener.as_fd()) {
-            tracing::debug!(
-                address = %self.address,
-                %error,
-                "shutting an ibv listener down failed"
-            );
         }
     }
 }
