@@ -93,15 +93,7 @@ pub(crate) struct IoPieces {
 }
 
 pub(crate) struct Io {
-    me: WorkerInfo,
-    dynamic: bool,
-    offer: OfferSpec,
-    registry: Arc<Registry>,
-    mailbox: Arc<Mailbox>,
-    counters: Arc<Counters>,
-    lanes: Arc<LaneContext>,
-    server: Arc<Server>,
-    /// Highest priority first; the last one bootstraps every pipe.
+    pieces: IoPieces,
     transports: Vec<Box<dyn Transport>>,
     /// Taken (dropped) at close, which lets the pool's threads exit.
     jobs: RefCell<Option<Sender<Job>>>,
@@ -124,25 +116,8 @@ impl Io {
         transports: Vec<Box<dyn Transport>>,
         jobs: Sender<Job>,
     ) {
-        let IoPieces {
-            me,
-            dynamic,
-            offer,
-            registry,
-            mailbox,
-            counters,
-            lanes,
-            server,
-        } = pieces;
         let io = Rc::new(Io {
-            me,
-            dynamic,
-            offer,
-            registry,
-            mailbox,
-            counters,
-            lanes,
-            server,
+            pieces,
             transports,
             jobs: RefCell::new(Some(jobs)),
             tasks: RefCell::new(HashMap::new()),
@@ -153,7 +128,7 @@ impl Io {
             io.spawn(Rc::clone(&io).accept_loop(index));
         }
         loop {
-            let commands = io.mailbox.pop_all().await;
+            let commands = io.pieces.mailbox.pop_all().await;
             if commands.is_empty() {
                 // Closed without a `Close` command: nothing more will come.
                 return;
@@ -184,7 +159,7 @@ impl Io {
     }
 
     fn name(&self) -> &str {
-        self.me.name()
+        self.pieces.me.name()
     }
 
     fn shut_down_error(&self) -> CallError {
@@ -194,7 +169,7 @@ impl Io {
     }
 
     fn complete(&self, completion: &Arc<Completion>, result: Result<Message, CallError>) {
-        self.lanes.calls.complete(completion, result);
+        self.pieces.lanes.calls.complete(completion, result);
     }
 
     /// Completes a call that never reached the pending table.
@@ -204,11 +179,12 @@ impl Io {
 
     fn start_call(self: &Rc<Self>, call: Call) {
         // A lane opened since the caller looked: the call goes there.
-        if let Some(lane) = lane::client_lane(&self.lanes.lanes, &call.peer) {
+        if let Some(lane) = lane::client_lane(&self.pieces.lanes.lanes, &call.peer) {
             lane.call(self.name(), call);
             return;
         }
         let address = self
+            .pieces
             .registry
             .group()
             .peers
@@ -250,7 +226,7 @@ impl Io {
             timeout,
             completion,
         };
-        if let Err(pending) = self.lanes.calls.register(message_id, pending) {
+        if let Err(pending) = self.pieces.lanes.calls.register(message_id, pending) {
             drop(state);
             self.complete(&pending.completion, Err(self.shut_down_error()));
             return;
@@ -286,13 +262,13 @@ impl Io {
                 state.opening.remove(peer);
             }
         }
-        for pending in self.lanes.calls.take_pipe(pipe) {
+        for pending in self.pieces.lanes.calls.take_pipe(pipe) {
             self.fail_pending(pending, error());
         }
     }
 
     fn fail_pending(&self, pending: Pending, error: CallError) {
-        self.lanes.calls.fail(pending, error);
+        self.pieces.lanes.calls.fail(pending, error);
     }
 
     /// Whether client pipe `id` to `peer` is still the one being opened (not reset or
@@ -306,7 +282,7 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
-        let lanes = lane::lock(&self.lanes.lanes).drain();
+        let lanes = lane::lock(&self.pieces.lanes.lanes).drain();
         for lane in lanes {
             lane.end(PipeFailure::Reset);
         }
@@ -320,8 +296,8 @@ impl Io {
         // Every call still pending, on lanes or waiting for one, fails as shut down
         // (before the lanes stop, whose readers would call it a broken pipe); the timer
         // stops.
-        let pending = self.lanes.calls.close();
-        let lanes = lane::lock(&self.lanes.lanes).close();
+        let pending = self.pieces.lanes.calls.close();
+        let lanes = lane::lock(&self.pieces.lanes.lanes).close();
         if goodbye && !lanes.is_empty() {
             // Goodbyes go out from a thread of their own: a send may wait for a slow
             // peer, and the executor must not. After FLUSH_WAIT the lanes stop anyway
@@ -361,7 +337,7 @@ impl Io {
         for pending in pending {
             self.fail_pending(pending, self.shut_down_error());
         }
-        for command in self.mailbox.close_and_take() {
+        for command in self.pieces.mailbox.close_and_take() {
             if let Command::Call(call) = command {
                 self.fail_unsent(call, self.shut_down_error());
             }

@@ -89,12 +89,12 @@ impl Io {
             // the halves closes the connection.
             return;
         }
-        self.counters.pipe_opened(
+        self.pieces.counters.pipe_opened(
             &peer,
             negotiated.transport,
             cpu_channel(&negotiated, Role::Connector),
         );
-        let mpt = match (mpt_token, &self.lanes.mpt) {
+        let mpt = match (mpt_token, &self.pieces.lanes.mpt) {
             (Some(token), Some(setup)) => {
                 let (published, lanes) = (address.clone(), setup.lanes);
                 let opened = on_thread("rdzv-rpc-mpt-connect", move || {
@@ -136,9 +136,14 @@ impl Io {
         }
         // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
-        let Some(lane) =
-            Lane::start_client(&self.lanes, id, peer.clone(), negotiated, connection, mpt)
-        else {
+        let Some(lane) = Lane::start_client(
+            &self.pieces.lanes,
+            id,
+            peer.clone(),
+            negotiated,
+            connection,
+            mpt,
+        ) else {
             return self.pipe_ended(id, &peer, PipeFailure::ShuttingDown);
         };
         let queued = self
@@ -254,13 +259,14 @@ impl Io {
             .map_err(|e| failure(true, PipeFailure::transport(e)))?;
         let handshake = |reason: PipeFailure| failure(false, reason);
         let offer = self
+            .pieces
             .offer
             .offer()
             .map_err(|e| handshake(PipeFailure::local(e)))?;
         let lanes_token = mpt::new_token();
         let hello = Handshake::Hello {
             name: self.name(),
-            id: self.me.id(),
+            id: self.pieces.me.id(),
             brochure: offer.brochure(),
             lanes_token,
         };

@@ -41,7 +41,7 @@ impl Io {
         hello: &IncomingFrame,
         from: &str,
     ) -> (Result<Accepted, String>, Option<OwnedFrame>) {
-        let offer = match self.offer.offer() {
+        let offer = match self.pieces.offer.offer() {
             Ok(offer) => offer,
             Err(e) => return (Err(e.to_string()), None),
         };
@@ -52,9 +52,9 @@ impl Io {
                 brochure,
                 lanes_token,
             } => {
-                let known = self.registry.group().peers.get(name).map(|p| p.id);
+                let known = self.pieces.registry.group().peers.get(name).map(|p| p.id);
                 // A dynamic group's newcomer connects before the members know it.
-                if known != Some(id) && !self.dynamic {
+                if known != Some(id) && !self.pieces.dynamic {
                     return Err(format!(
                         "worker {name} with id {id} is not a member of this group"
                     ));
@@ -62,7 +62,7 @@ impl Io {
                 let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
                 let reply = Handshake::Answer {
                     name: self.name(),
-                    id: self.me.id(),
+                    id: self.pieces.me.id(),
                     answer,
                 };
                 let frame = handshake_frame(&reply).map_err(|e| e.to_string())?;
@@ -125,7 +125,7 @@ impl Io {
         let jobs = self.jobs.borrow().clone();
         match jobs {
             Some(jobs) => Lane::start_inbound(
-                (&self.lanes, &self.server),
+                (&self.pieces.lanes, &self.pieces.server),
                 pipe,
                 (peer, peer_id),
                 negotiated,
