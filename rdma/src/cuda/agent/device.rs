@@ -18,6 +18,22 @@ use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
 use crate::cuda::memory::{DeviceAllocation, Gpu, RawEvent, StagingBuffer};
 
+/// A loan whose borrower's copy cannot be waited for: a copy may still read its memory,
+/// so the memory is never freed or reused (leaked), with a warning naming `channel`.
+pub(super) fn leak_unsettled(
+    memory: &mut Option<rdzv_uring::rpc::DeviceBuffer>,
+    device: Device,
+    channel: &str,
+    error: &(dyn std::error::Error + 'static),
+) {
+    tracing::warn!(
+        error = %crate::report::ErrorChain(error),
+        %device,
+        "a {channel} loan's copy cannot be waited for: its memory is leaked"
+    );
+    std::mem::forget(memory.take());
+}
+
 /// What the runtime keeps per opened device. Field order is drop order: opened events
 /// and mappings first, then the staging buffers and events, the streams, the cached
 /// blocks, the device.

@@ -22,7 +22,7 @@ use rdzv_core::channel::cuda::{CudaIpcDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, PipeId};
 
-use super::device::DeviceState;
+use super::device::{leak_unsettled, DeviceState};
 use super::lock;
 use super::tensor_memory::CudaMemory;
 use crate::cuda::channel_error::CudaChannelError;
@@ -128,14 +128,7 @@ impl Drop for IpcLoan {
         };
         match loan_events::settle_loan(&event.event) {
             Ok(()) => lock(&self.state.loan_events).push(event),
-            Err(e) => {
-                tracing::warn!(
-                    error = %ErrorChain(&e),
-                    device = %self.state.device,
-                    "a cuda_ipc loan's event cannot be waited for: its memory is leaked"
-                );
-                std::mem::forget(self.memory.take());
-            }
+            Err(e) => leak_unsettled(&mut self.memory, self.state.device, "cuda_ipc", &e),
         }
     }
 }

@@ -18,7 +18,7 @@ use rdzv_core::channel::cuda::CudaXthDescriptor;
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan};
 
-use super::device::DeviceState;
+use super::device::{leak_unsettled, DeviceState};
 use super::ipc::{DriverStream, SETTLE_TIMEOUT};
 use super::lock;
 use super::tensor_memory::CudaMemory;
@@ -26,7 +26,6 @@ use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::loan_events;
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
 use crate::cuda::xth_loans::{self, XthKey, XthLoan, XthLoans};
-use crate::report::ErrorChain;
 
 /// The `cuda_xth` loans of this process (every agent's runtime lends and borrows here:
 /// the channel never leaves the process).
@@ -95,14 +94,7 @@ impl Drop for XthHold {
                     lock(&self.state.events).push(fence);
                 }
             }
-            Err(e) => {
-                tracing::warn!(
-                    error = %ErrorChain(&e),
-                    device = %self.state.device,
-                    "a cuda_xth loan's copy cannot be waited for: its memory is leaked"
-                );
-                std::mem::forget(self.memory.take());
-            }
+            Err(e) => leak_unsettled(&mut self.memory, self.state.device, "cuda_xth", &e),
         }
     }
 }

@@ -160,27 +160,22 @@ impl ReceivedTensors {
                 })
             };
             match channel {
-                ChannelKind::Cma => {
-                    let decoded = CmaDescriptor::decode(&data)
-                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
-                    if decoded.length != descriptor.len {
-                        return Err(length_mismatch(decoded.length));
+                ChannelKind::Cma | ChannelKind::Xth => {
+                    let decoded = if channel == ChannelKind::Cma {
+                        CmaDescriptor::decode(&data).map(|descriptor| {
+                            (descriptor.length, Incoming::Cma { device, descriptor })
+                        })
+                    } else {
+                        XthDescriptor::decode(&data).map(|descriptor| {
+                            (descriptor.length, Incoming::Xth { device, descriptor })
+                        })
+                    };
+                    let (length, item) =
+                        decoded.map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
+                    if length != descriptor.len {
+                        return Err(length_mismatch(length));
                     }
-                    items.push(Incoming::Cma {
-                        device,
-                        descriptor: decoded,
-                    });
-                }
-                ChannelKind::Xth => {
-                    let decoded = XthDescriptor::decode(&data)
-                        .map_err(|e| refuse(ChannelFailure::BadDescriptor(e)))?;
-                    if decoded.length != descriptor.len {
-                        return Err(length_mismatch(decoded.length));
-                    }
-                    items.push(Incoming::Xth {
-                        device,
-                        descriptor: decoded,
-                    });
+                    items.push(item);
                 }
                 // Its stripes are read off the lanes as the frame arrives, which turns
                 // the entry into an inline one, or (a device tensor whose runtime takes

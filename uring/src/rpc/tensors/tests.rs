@@ -61,6 +61,32 @@ pub(super) fn entries(frame: &OwnedFrame) -> Vec<(TensorDescriptor, Vec<u8>)> {
         .collect()
 }
 
+/// Why `entries` are refused as the client side of `negotiated`, from `w1`, reading
+/// through `reader`: when sorting them, or (`pull`) when pulling them.
+fn refusal(
+    entries: Vec<(TensorDescriptor, Vec<u8>)>,
+    negotiated: &Negotiated,
+    reader: &Arc<PipeReader>,
+    pull: bool,
+) -> String {
+    let sorted = ReceivedTensors::sort(
+        entries,
+        negotiated,
+        Role::Connector,
+        (reader, &Devices::default()),
+        "w1",
+    );
+    let result = if pull {
+        sorted.and_then(ReceivedTensors::pull).map(|_| ())
+    } else {
+        sorted.map(|_| ())
+    };
+    match result {
+        Err(e) => e.to_string(),
+        Ok(()) => panic!("the tensors were accepted"),
+    }
+}
+
 #[test]
 fn small_tensors_stay_inline_and_large_ones_are_exported() {
     let xth =
@@ -181,44 +207,20 @@ fn cma_round_trip_and_refusals() {
 
     // A channel this pipe did not negotiate is refused before anything is read.
     let basic_only = negotiate(&[(ChannelKind::Basic, "basic:any")]);
-    let err = ReceivedTensors::sort(
-        entries.clone(),
-        &basic_only,
-        Role::Connector,
-        (&reader, &Devices::default()),
-        "w1",
-    )
-    .expect_err("not negotiated");
-    assert!(err.to_string().contains("negotiated basic"), "{err}");
+    let err = refusal(entries.clone(), &basic_only, &reader, false);
+    assert!(err.contains("negotiated basic"), "{err}");
 
     // A descriptor announcing another length is refused.
     let mut lying = entries.clone();
     lying[0].0.len += 1;
-    assert!(ReceivedTensors::sort(
-        lying,
-        &negotiated,
-        Role::Connector,
-        (&reader, &Devices::default()),
-        "w1"
-    )
-    .is_err());
+    refusal(lying, &negotiated, &reader, false);
 
     // A descriptor naming another process than the pipe's is refused by name.
     let mut other = CmaDescriptor::decode(&entries[0].1).unwrap_or_else(|e| panic!("{e}"));
     other.process.pid = other.process.pid.wrapping_add(1);
     let mut forged = entries.clone();
     forged[0].1 = other.encode().to_vec();
-    let err = ReceivedTensors::sort(
-        forged,
-        &negotiated,
-        Role::Connector,
-        (&reader, &Devices::default()),
-        "w1",
-    )
-    .and_then(ReceivedTensors::pull)
-    .map(|_| ())
-    .expect_err("other process");
-    let text = err.to_string();
+    let text = refusal(forged, &negotiated, &reader, true);
     assert!(
         text.contains("cma") && text.contains("w1") && text.contains("pid"),
         "{text}"
@@ -230,17 +232,7 @@ fn cma_round_trip_and_refusals() {
     gone.process.start_time = gone.process.start_time.wrapping_add(1);
     let mut dead = entries;
     dead[0].1 = gone.encode().to_vec();
-    let err = ReceivedTensors::sort(
-        dead,
-        &negotiated,
-        Role::Connector,
-        (&fresh, &Devices::default()),
-        "w1",
-    )
-    .and_then(ReceivedTensors::pull)
-    .map(|_| ())
-    .expect_err("gone");
-    let text = err.to_string();
+    let text = refusal(dead, &negotiated, &fresh, true);
     assert!(
         text.contains("cma") && text.contains("w1") && text.contains("gone"),
         "{text}"
@@ -403,14 +395,7 @@ fn a_refused_frame_drops_what_its_mpt_lanes_received() {
     reader.arrived(8, memory());
     let mut cma = streamed(0);
     cma.0.channel = ChannelKind::Cma;
-    let err = ReceivedTensors::sort(
-        vec![cma, streamed(8)],
-        &negotiated,
-        Role::Connector,
-        (&reader, &Devices::default()),
-        "w1",
-    )
-    .expect_err("cma was not negotiated");
-    assert!(err.to_string().contains("tensor 0"), "{err}");
+    let err = refusal(vec![cma, streamed(8)], &negotiated, &reader, false);
+    assert!(err.contains("tensor 0"), "{err}");
     assert!(reader.take_arrived(8).is_none(), "left for the pipe's end");
 }
