@@ -51,19 +51,11 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// The request of `make`: the length (8 bytes) and the seed.
 fn make_message(len: usize, seed: u8) -> Message {
-    let mut payload = (len as u64).to_le_bytes().to_vec();
-    payload.push(seed);
-    Message::from_payload(payload)
+    Message::from_payload(rdzv_test_support::make_request(len as u64, seed))
 }
 
 fn make(_: &CallContext, m: Message) -> Result<Message, String> {
-    let len = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    let len = usize::try_from(len).map_err(|e| e.to_string())?;
-    let seed = m.payload.get(8).copied().unwrap_or(0);
+    let (len, seed) = rdzv_test_support::parse_make_request(&m.payload)?;
     Ok(Message::from_payload(b"made".to_vec()).with_tensor(Tensor::cpu(pattern(len, seed))))
 }
 

@@ -233,3 +233,37 @@ mod tests {
         peer.expect_success(Duration::from_secs(30));
     }
 }
+
+/// The payload of a test handler's request for a generated tensor (the `make` handlers
+/// of the RPC tests): the length as 8 little-endian bytes, then the pattern's seed.
+pub fn make_request(len: u64, seed: u8) -> Vec<u8> {
+    let mut payload = len.to_le_bytes().to_vec();
+    payload.push(seed);
+    payload
+}
+
+/// The length (the payload's first 8 little-endian bytes; 0 when it has fewer) and the
+/// seed (the 9th byte; 0 when absent) of a [`make_request`].
+///
+/// # Errors
+/// When the length does not fit this process's address space.
+pub fn parse_make_request(payload: &[u8]) -> Result<(usize, u8), String> {
+    let len = payload
+        .get(..8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes);
+    let len = usize::try_from(len).map_err(|e| format!("a length of {len} bytes: {e}"))?;
+    Ok((len, payload.get(8).copied().unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod make_request_tests {
+    use super::*;
+
+    #[test]
+    fn a_make_request_round_trips() {
+        assert_eq!(parse_make_request(&make_request(4096, 7)), Ok((4096, 7)));
+        assert_eq!(parse_make_request(&[]), Ok((0, 0)));
+        assert_eq!(parse_make_request(&5u64.to_le_bytes()), Ok((5, 0)));
+    }
+}

@@ -34,13 +34,7 @@ const MPT_LANES_ENV: &str = "RDZV_RPC_CHAN_MPT_LANES";
 /// Returns a fresh tensor of the requested size (8 little-endian bytes) and pattern
 /// seed (the 9th byte): a response whose tensor the caller did not send.
 fn make(_: &CallContext, m: Message) -> Result<Message, String> {
-    let len = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    let seed = m.payload.get(8).copied().unwrap_or(0);
-    let len = usize::try_from(len).map_err(|e| e.to_string())?;
+    let (len, seed) = rdzv_test_support::parse_make_request(&m.payload)?;
     Ok(Message::default().with_tensor(Tensor::cpu(pattern(len, seed))))
 }
 
@@ -209,8 +203,7 @@ fn exercise(agent: &RpcAgent, peer: &str) {
         .collect();
     assert_eq!(reply.payload, expected);
     for (len, seed) in SIZES.into_iter().zip(20u8..) {
-        let mut payload = (len as u64).to_le_bytes().to_vec();
-        payload.push(seed);
+        let payload = rdzv_test_support::make_request(len as u64, seed);
         let reply = agent
             .rpc_sync(peer, "make", Message::from_payload(payload))
             .unwrap_or_else(|e| panic!("make {len}: {e}"));

@@ -486,12 +486,7 @@ fn inspect(_: &CallContext, m: Message) -> Result<Message, String> {
 
 /// Answers with one tensor on `cuda:1` of the length in the payload (8 bytes LE).
 fn make_on_gpu(_: &CallContext, m: Message) -> Result<Message, String> {
-    let len = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    let len = usize::try_from(len).map_err(|e| e.to_string())?;
+    let (len, _) = rdzv_test_support::parse_make_request(&m.payload)?;
     let memory = gpu_tensor(Device::cuda(1), pattern(len, 7));
     Ok(Message::default().with_tensor(Tensor::on_device(memory)))
 }

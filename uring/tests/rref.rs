@@ -55,19 +55,11 @@ fn rank(r: i16) -> WorkerId {
 
 /// The request of `make`: a tensor of `len` bytes of `pattern(len, seed)`.
 fn make_message(len: u64, seed: u8) -> Message {
-    let mut payload = len.to_le_bytes().to_vec();
-    payload.push(seed);
-    Message::from_payload(payload)
+    Message::from_payload(rdzv_test_support::make_request(len, seed))
 }
 
 fn make(_: &CallContext, m: Message) -> Result<Message, String> {
-    let len = m
-        .payload
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    let seed = m.payload.get(8).copied().unwrap_or(0);
-    let len = usize::try_from(len).map_err(|e| e.to_string())?;
+    let (len, seed) = rdzv_test_support::parse_make_request(&m.payload)?;
     Ok(Message::from_payload(b"made".to_vec()).with_tensor(Tensor::cpu(pattern(len, seed))))
 }
 
