@@ -2,7 +2,7 @@
 //! chunk into a fake device runtime, failures in the middle, streamed over mpt.
 
 use super::export::Export;
-use super::tests::{entries, pattern};
+use super::tests::{entries, negotiate_with, pattern};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rdzv_core::device::{Device, DeviceType};
@@ -18,9 +18,7 @@ use super::*;
 use crate::rpc::device::{
     DeviceBuffer, DevicePlugin, DeviceRuntime, HostMemory, StagedBytes, StagedReceive,
 };
-use rdzv_core::negotiate::{
-    accept_answer, answer_brochure, DeviceDescriptors, Offer, TransportKind,
-};
+use rdzv_core::negotiate::DeviceDescriptors;
 use rdzv_core::rpc::frame::FrameKind;
 
 /// What the fake staging runtime did, in order.
@@ -230,35 +228,14 @@ fn chunk_devices(chunk: usize, buffers: usize, chunked: bool) -> (Devices, Arc<M
 
 /// Both ends offering `kind` (CPU memory) and `cuda_basic` for CPU and CUDA memory.
 fn negotiate_cuda_basic(kind: ChannelKind, descriptor: &str) -> Negotiated {
-    let build = || {
-        let mut offer = Offer::new();
-        offer
-            .add_transport(TransportKind::Tcp, 0, "tcp:*")
-            .map_err(|e| e.to_string())?;
-        offer
-            .add_channel(
-                kind,
-                kind.default_priority(),
-                DeviceDescriptors::cpu(descriptor),
-            )
-            .map_err(|e| e.to_string())?;
-        offer
-            .add_channel(
-                ChannelKind::CudaBasic,
-                ChannelKind::CudaBasic.default_priority(),
-                DeviceDescriptors::cpu(CUDA_BASIC_DESCRIPTOR)
-                    .with(DeviceType::Cuda, CUDA_BASIC_DESCRIPTOR),
-            )
-            .map_err(|e| e.to_string())?;
-        Ok::<_, String>(offer)
-    };
-    let (listener, connector) = match (build(), build()) {
-        (Ok(l), Ok(c)) => (l, c),
-        (Err(e), _) | (_, Err(e)) => panic!("offer: {e}"),
-    };
-    let answer =
-        answer_brochure(&listener, &connector.brochure()).unwrap_or_else(|e| panic!("{e}"));
-    accept_answer(&connector, &answer).unwrap_or_else(|e| panic!("{e}"))
+    negotiate_with(&[
+        (kind, DeviceDescriptors::cpu(descriptor)),
+        (
+            ChannelKind::CudaBasic,
+            DeviceDescriptors::cpu(CUDA_BASIC_DESCRIPTOR)
+                .with(DeviceType::Cuda, CUDA_BASIC_DESCRIPTOR),
+        ),
+    ])
 }
 
 /// A `cuda:0` tensor of `bytes` staged out by `devices` and put in a frame over

@@ -22,18 +22,23 @@ use rdzv_core::rpc::frame::FrameKind;
 
 /// Both ends of a pipe offering `channels` (kind, descriptor) and tcp.
 pub(super) fn negotiate(channels: &[(ChannelKind, &str)]) -> Negotiated {
+    let channels: Vec<_> = channels
+        .iter()
+        .map(|&(kind, descriptor)| (kind, DeviceDescriptors::cpu(descriptor)))
+        .collect();
+    negotiate_with(&channels)
+}
+
+/// Both ends of a pipe offering `channels` (kind, descriptors by device) and tcp.
+pub(super) fn negotiate_with(channels: &[(ChannelKind, DeviceDescriptors<'_>)]) -> Negotiated {
     let build = || {
         let mut offer = Offer::new();
         offer
             .add_transport(TransportKind::Tcp, 0, "tcp:*")
             .map_err(|e| e.to_string())?;
-        for &(kind, descriptor) in channels {
+        for (kind, descriptors) in channels {
             offer
-                .add_channel(
-                    kind,
-                    kind.default_priority(),
-                    DeviceDescriptors::cpu(descriptor),
-                )
+                .add_channel(*kind, kind.default_priority(), *descriptors)
                 .map_err(|e| e.to_string())?;
         }
         Ok::<_, String>(offer)
