@@ -9,8 +9,8 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use rdzv_uring::server::IdleSpin;
 use rdzv_uring::{ServerOptions, StoreServer};
 
-/// Errors the CLI reports: one line on stderr, exit code 1.
-pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use crate::args::{seconds, split_addr};
+pub(crate) use crate::error::CliError;
 
 /// rdzv: rendezvous, key-value stores and tensor RPC, compatible with PyTorch's c10d.
 #[derive(Debug, Parser)]
@@ -133,11 +133,6 @@ enum StoreOp {
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
-}
-
-pub(crate) fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
-    Duration::try_from_secs_f64(s)
-        .map_err(|_| format!("{what} must be a non-negative number of seconds, got {s}").into())
 }
 
 /// Runs the parsed command.
@@ -264,23 +259,6 @@ fn metrics_addr(addr: &str) -> Result<std::net::SocketAddr, CliError> {
 }
 
 /// Splits `HOST:PORT` (or `[V6]:PORT`) and checks that it resolves.
-pub(crate) fn split_addr(addr: &str) -> Result<(String, u16), CliError> {
-    let (host, port) = addr
-        .rsplit_once(':')
-        .ok_or_else(|| format!("--addr must be HOST:PORT, got {addr:?}"))?;
-    let port: u16 = port
-        .parse()
-        .map_err(|_| format!("port must have value from 0 to 65535 but was {port}."))?;
-    let host = host
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .to_string();
-    (host.as_str(), port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?;
-    Ok((host, port))
-}
-
 fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, CliError> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     // One descriptor per rank: take all the kernel allows this process.

@@ -18,7 +18,7 @@ use rdzv_core::rendezvous::NodeParams;
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use rdzv_uring::{ServerOptions, StoreServer};
 
-use crate::cli::CliError;
+use crate::error::CliError;
 
 /// Options of `rdzv demo`.
 #[derive(Debug, Args)]

@@ -19,7 +19,7 @@ use rdzv_core::rendezvous::elastic::ElasticUrl;
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
 use rdzv_uring::store::tcp::TcpStore;
 
-use crate::cli::CliError;
+use crate::error::CliError;
 
 /// Options of `rdzv rendezvous`.
 #[derive(Debug, Args)]

@@ -1,9 +1,11 @@
 //! The `rdzv` command line: run a store, talk to one, and see rendezvous work.
 
+mod args;
 mod bench;
 mod cli;
 mod demo;
 mod elastic_cli;
+mod error;
 mod store_client;
 
 use std::process::ExitCode;

@@ -27,7 +27,8 @@ use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{Store, StoreError};
 use serde_json::{json, Map, Value};
 
-use crate::cli::{seconds, split_addr, CliError};
+use crate::args::{seconds, split_addr};
+use crate::error::CliError;
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]

@@ -41,7 +41,7 @@ use rdzv_core::store::codec::DecodeError;
 use rdzv_core::store::Request;
 use rdzv_uring::{ServerOptions, StoreServer};
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use report::{
     BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
 };
@@ -770,9 +770,31 @@ mod tests {
         }
     }
 
-    fn cli(args: &[&str]) -> crate::cli::Cli {
+    /// `rdzv bench ...` as the command line parses it (`cli::Command::Bench` holds a
+    /// [`BenchCommand`] as its subcommand), without naming `cli`, which is above `bench`.
+    #[derive(Debug, clap::Parser)]
+    #[command(name = "rdzv")]
+    struct Cli {
+        #[command(subcommand)]
+        command: TopCommand,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum TopCommand {
+        #[command(subcommand)]
+        Bench(BenchCommand),
+    }
+
+    fn cli(args: &[&str]) -> Cli {
         use clap::Parser as _;
-        crate::cli::Cli::try_parse_from(args).expect("arguments parse")
+        Cli::try_parse_from(args).expect("arguments parse")
+    }
+
+    /// Runs a parsed `rdzv bench` command as `cli::run` does.
+    fn run_cli(cli: Cli) -> Result<ExitCode, CliError> {
+        match cli.command {
+            TopCommand::Bench(command) => run(command),
+        }
     }
 
     #[test]
@@ -819,11 +841,8 @@ mod tests {
             "2",
         ]);
         cli(&["rdzv", "bench", "store", "baseline", "--label", "x"]);
-        assert!(crate::cli::Cli::try_parse_from(["rdzv", "bench", "store"]).is_err());
-        assert!(crate::cli::Cli::try_parse_from([
-            "rdzv", "bench", "store", "storm", "--ranks", "x"
-        ])
-        .is_err());
+        assert!(Cli::try_parse_from(["rdzv", "bench", "store"]).is_err());
+        assert!(Cli::try_parse_from(["rdzv", "bench", "store", "storm", "--ranks", "x"]).is_err());
     }
 
     #[test]
@@ -834,7 +853,7 @@ mod tests {
             &["rdzv", "bench", "store", "storm", "--client-threads", "0"],
             &["rdzv", "bench", "store", "latency", "--secs=-1"],
         ] {
-            assert!(crate::cli::run(cli(args)).is_err(), "{args:?}");
+            assert!(run_cli(cli(args)).is_err(), "{args:?}");
         }
     }
 
@@ -850,7 +869,7 @@ mod tests {
             eprintln!("SKIP: cannot start the io_uring store server here");
             return;
         }
-        let code = crate::cli::run(cli(&[
+        let code = run_cli(cli(&[
             "rdzv", "bench", "store", "--json", "storm", "--ranks", "16",
         ]))
         .unwrap();

@@ -27,7 +27,7 @@ use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION
 
 use super::conn::{Fill, StoreConn};
 use super::BenchError;
-use crate::cli::CliError;
+use crate::error::CliError;
 
 /// The size of torchrun's c10d rendezvous state per node, in bytes: the
 /// `_RendezvousState` of PyTorch 2.15's `dynamic_rendezvous.py` with N participants and

@@ -44,7 +44,7 @@ use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_uring::{ServerOptions, StoreServer};
 
-use crate::cli::CliError;
+use crate::error::CliError;
 use row::{RunMode, Skip};
 use session::{Channels, Measurement, Pair};
 

@@ -9,7 +9,7 @@
 use alloc::vec::Vec;
 use core::time::Duration;
 
-use crate::fuzzing::url::utf8_prefix;
+use super::utf8_prefix;
 use crate::fuzzing::{check_display, split_point};
 use crate::rendezvous::elastic::{
     ElasticNode, ElasticSettings, ElasticUrl, Instant, LocalEvent, NodeRange, StoreAction,

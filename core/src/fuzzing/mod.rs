@@ -25,9 +25,10 @@ pub use query::query;
 pub use rpc_frame::rpc_frame;
 pub use url::url;
 
+use core::fmt::{self, Write};
+
 /// Asserts that an error's `Display` writes a non-empty message (without allocating).
 pub(crate) fn check_display(error: &impl core::fmt::Display) {
-    use core::fmt::Write;
     struct Count(usize);
     impl Write for Count {
         fn write_str(&mut self, s: &str) -> core::fmt::Result {
@@ -46,4 +47,41 @@ pub(crate) fn split_point(data: &[u8]) -> usize {
         acc.wrapping_mul(31).wrapping_add(usize::from(b))
     });
     sum % (data.len() + 1)
+}
+
+/// A writer that compares what it is given with an expected text.
+struct Expect<'a> {
+    rest: &'a str,
+    matches: bool,
+}
+
+impl Write for Expect<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        match self.rest.strip_prefix(s) {
+            Some(rest) if self.matches => self.rest = rest,
+            _ => self.matches = false,
+        }
+        Ok(())
+    }
+}
+
+/// Whether `value` displays as exactly `expected`.
+pub(crate) fn displays_as(value: &dyn fmt::Display, expected: &str) -> bool {
+    let mut expect = Expect {
+        rest: expected,
+        matches: true,
+    };
+    let written = write!(expect, "{value}").is_ok();
+    written && expect.matches && expect.rest.is_empty()
+}
+
+/// The longest valid UTF-8 prefix of `data`.
+pub(crate) fn utf8_prefix(data: &[u8]) -> &str {
+    match core::str::from_utf8(data) {
+        Ok(text) => text,
+        Err(error) => data
+            .get(..error.valid_up_to())
+            .and_then(|valid| core::str::from_utf8(valid).ok())
+            .unwrap_or(""),
+    }
 }

@@ -6,7 +6,7 @@
 //! views (view and, with `alloc`, `QueryDict`) agree with each other and with "a later key
 //! wins, the first position stays".
 
-use crate::fuzzing::url::utf8_prefix;
+use super::utf8_prefix;
 use crate::query::{pairs, QueryView};
 
 /// Splits `data` as a rendezvous query string and checks the invariants.
@@ -61,7 +61,7 @@ pub fn query(data: &[u8]) {
                 let dict = crate::query::QueryDict::parse(text).expect("same checks as the view");
                 assert!(dict.iter().eq(view.iter()));
                 let joined = dict.to_string();
-                assert!(crate::fuzzing::url::displays_as(&view, &joined));
+                assert!(super::displays_as(&view, &joined));
                 // Joining the dictionary gives a query with the same dictionary.
                 let again = QueryView::parse(&joined).expect("a joined dictionary parses");
                 assert!(again.iter().eq(view.iter()));

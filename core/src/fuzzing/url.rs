@@ -6,49 +6,11 @@
 //! with the same parts and the new `rank`/`world_size`; and (with `alloc`) planning never
 //! panics.
 
-use core::fmt::{self, Write};
-
+use super::{displays_as, utf8_prefix};
 use crate::env::MapEnv;
 use crate::query::QueryView;
 use crate::rendezvous::{rewrite_with_node_params, NodeParams};
 use crate::url::{RendezvousUrl, UrlError};
-
-/// A writer that compares what it is given with an expected text.
-struct Expect<'a> {
-    rest: &'a str,
-    matches: bool,
-}
-
-impl Write for Expect<'_> {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        match self.rest.strip_prefix(s) {
-            Some(rest) if self.matches => self.rest = rest,
-            _ => self.matches = false,
-        }
-        Ok(())
-    }
-}
-
-/// Whether `value` displays as exactly `expected`.
-pub(crate) fn displays_as(value: &dyn fmt::Display, expected: &str) -> bool {
-    let mut expect = Expect {
-        rest: expected,
-        matches: true,
-    };
-    let written = write!(expect, "{value}").is_ok();
-    written && expect.matches && expect.rest.is_empty()
-}
-
-/// The longest valid UTF-8 prefix of `data`.
-pub(crate) fn utf8_prefix(data: &[u8]) -> &str {
-    match core::str::from_utf8(data) {
-        Ok(text) => text,
-        Err(error) => data
-            .get(..error.valid_up_to())
-            .and_then(|valid| core::str::from_utf8(valid).ok())
-            .unwrap_or(""),
-    }
-}
 
 /// Parses `data` as a rendezvous URL and checks the invariants every input must keep.
 pub fn url(data: &[u8]) {

@@ -13,6 +13,7 @@
 //! | [`timeouts`] | which call times out next (`rpc_timeout`) |
 //! | [`membership`] | the join/leave announcements of a dynamic group |
 //! | [`startup`] | the static group's start-up and a dynamic newcomer's join, as state machines over the same operations |
+//! | [`step`] | nothing: the actions the store-step machines ask for, their outcomes, and the group start-up hands over |
 //! | [`shutdown`] | the graceful-shutdown (`join`) barrier protocol, as a state machine over store operations |
 //! | [`token`] | the dynamic group's store token, taken and given back around a join or leave, as machines over the same operations |
 //! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
@@ -32,6 +33,7 @@ pub mod pipe;
 pub mod rref;
 pub mod shutdown;
 pub mod startup;
+pub mod step;
 pub mod store_keys;
 pub mod timeouts;
 pub mod token;

@@ -1,5 +1,5 @@
 //! The group's start-up as state machines over store operations, in the vocabulary of
-//! [`super::shutdown`] ([`Action`] / [`Outcome`]).
+//! [`super::step`] ([`Action`] / [`Outcome`]).
 //!
 //! [`StaticInit`] (a world size was given; PyTorch's `_tensorpipe_init_backend_handler`
 //! with the agent's constructor and `startImpl`):
@@ -32,42 +32,16 @@ use core::fmt;
 
 use super::membership::{JoinAnnouncement, GROUP_JOIN};
 use super::name::{WorkerId, WorkerInfo};
-pub use super::shutdown::{Action, Outcome};
+pub use super::step::{Action, GroupPeer, Outcome, StartupGroup};
 use super::store_keys::{
     append_worker_info, check_rank_claim, decode_worker_devices, encode_worker_devices,
     parse_worker_infos, static_ranks_to_fetch, DuplicateWorkerId, NameTable, NameTableError,
     RpcKeys, WorkerInfosError,
 };
-use crate::device::Device;
 use crate::device_map::{
     create_reverse_mapping, exchange_and_check_device_maps, validate_device_maps, DeviceMapError,
     DeviceMaps, GroupKind, WorkerDevices,
 };
-
-/// One worker of the group, as start-up found it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GroupPeer {
-    /// Its name.
-    pub name: String,
-    /// Its id (rank).
-    pub id: WorkerId,
-    /// Its published address.
-    pub address: String,
-    /// Its devices and device maps.
-    pub devices: WorkerDevices,
-}
-
-/// What start-up gathers: every worker (this one included), in id order for a static
-/// group and in list order (this worker last) for a dynamic one.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct StartupGroup {
-    /// The workers.
-    pub peers: Vec<GroupPeer>,
-    /// The maps for sending responses, keyed by the worker whose requests they answer.
-    pub reverse_device_maps: DeviceMaps,
-    /// The devices this worker's agent uses (static groups; empty for a dynamic one).
-    pub devices: Vec<Device>,
-}
 
 /// What a start-up wait was for, for errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

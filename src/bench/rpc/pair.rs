@@ -24,7 +24,7 @@ use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
 use super::session::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
-use crate::cli::CliError;
+use crate::error::CliError;
 
 /// Starts rank 0's agent with `options`, measures every `(payload bytes, iterations)`,
 /// and leaves the group (also after a failure).

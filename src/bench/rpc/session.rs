@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use super::raw::{self, RawEchoServer};
 use super::row::{Row, RunMode, Skip};
 use super::viability::{pair_here, pair_on_serving_side, shm_domain};
-use crate::cli::CliError;
+use crate::error::CliError;
 
 /// The worker names: rank 0 measures, rank 1 serves.
 pub(super) const NAMES: [&str; 2] = ["bench-rpc-0", "bench-rpc-1"];

@@ -11,6 +11,7 @@ use alloc::vec::Vec;
 use proptest::prelude::*;
 
 use super::*;
+use crate::device::Device;
 use crate::device_map::DeviceMap;
 use crate::rpc::store_keys::{membership_token, Membership};
 use crate::rpc::token::{TokenAcquire, TokenRelease};
