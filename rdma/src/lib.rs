@@ -61,6 +61,7 @@
 #![deny(unsafe_code)]
 
 pub mod cuda;
+mod error_chain;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ibv;

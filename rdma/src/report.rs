@@ -7,6 +7,7 @@
 use std::fmt;
 
 use crate::cuda::{self, yes_no, CudaViability};
+use crate::error_chain::ErrorChain;
 use crate::ibv::{self, IbvConfig, IbvViability};
 
 /// Result of probing both RDMA (ibverbs) and CUDA on this host.
@@ -110,16 +111,6 @@ impl fmt::Display for ViabilityReport {
             writeln!(f, "{key}: {value}")?;
         }
         Ok(())
-    }
-}
-
-/// Displays an error followed by each of its sources, joined with `": "` (the agent's one
-/// `error_chain`: a source whose text is already there is not repeated).
-pub(crate) struct ErrorChain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for ErrorChain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&rdzv_uring::rpc::error_chain(self.0))
     }
 }
 

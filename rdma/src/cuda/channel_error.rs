@@ -114,7 +114,7 @@ impl CudaChannelError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::ErrorChain;
+    use crate::error_chain::ErrorChain;
     use cudarc::driver::result::DriverError;
     use cudarc::driver::sys::CUresult;
 

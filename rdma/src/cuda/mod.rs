@@ -41,8 +41,6 @@ pub mod caching_allocator;
 mod channel_error;
 pub mod chunk_plan;
 pub mod descriptor;
-#[cfg(test)]
-mod fake_gpu;
 pub mod gdr;
 pub mod gdr_lending;
 pub mod ipc_mappings;
@@ -308,7 +306,7 @@ impl fmt::Display for CudaViability {
                 Ok(())
             }
             CudaViability::NotViable(reason) => {
-                write!(f, "not viable: {}", crate::report::ErrorChain(reason))
+                write!(f, "not viable: {}", crate::error_chain::ErrorChain(reason))
             }
         }
     }
@@ -339,7 +337,7 @@ pub fn probe() -> CudaViability {
             CudaViability::Viable(report)
         }
         Err(reason) => {
-            info!(reason = %crate::report::ErrorChain(&reason), "CUDA not viable");
+            info!(reason = %crate::error_chain::ErrorChain(&reason), "CUDA not viable");
             CudaViability::NotViable(reason)
         }
     }

@@ -172,7 +172,7 @@ pub fn assess(channel: CudaChannel, facts: &ChannelFacts) -> ChannelVerdict {
         }
         CudaViability::NotViable(reason) => {
             return ChannelVerdict::NotViable(ChannelNotViable::Cuda(
-                crate::report::ErrorChain(reason).to_string(),
+                crate::error_chain::ErrorChain(reason).to_string(),
             ))
         }
     };
@@ -255,7 +255,7 @@ pub fn probe() -> ChannelsReport {
                 RdmaFact::Usable(format!("{} port {}", selection.device, selection.port))
             }
             crate::ibv::IbvViability::NotViable(reason) => {
-                RdmaFact::Unusable(crate::report::ErrorChain(&reason).to_string())
+                RdmaFact::Unusable(crate::error_chain::ErrorChain(&reason).to_string())
             }
         }
     } else {

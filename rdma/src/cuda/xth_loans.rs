@@ -276,7 +276,7 @@ pub fn copy_lent<S: LoanStream>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::fake_gpu::{Event, Gpu, Op, Stream};
+    use crate::cuda::loan_events::fake_gpu::{Event, Gpu, Op, Stream};
     use crate::cuda::loan_events::fence_loan;
     use std::sync::atomic::{AtomicBool, Ordering};
 

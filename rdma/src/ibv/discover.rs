@@ -11,7 +11,7 @@ use std::io;
 
 use tracing::{debug, warn};
 
-use crate::report::ErrorChain;
+use crate::error_chain::ErrorChain;
 
 use super::sys::{self, Context, DeviceList};
 use super::topology::{

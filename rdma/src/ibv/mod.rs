@@ -111,7 +111,7 @@ impl fmt::Display for IbvViability {
         match self {
             IbvViability::Viable(selection) => write!(f, "viable: {selection}"),
             IbvViability::NotViable(reason) => {
-                write!(f, "not viable: {}", crate::report::ErrorChain(reason))
+                write!(f, "not viable: {}", crate::error_chain::ErrorChain(reason))
             }
         }
     }
@@ -149,7 +149,7 @@ pub fn probe(config: &IbvConfig) -> IbvViability {
     match &outcome {
         Ok(selection) => info!(%selection, "RDMA (ibverbs) viable"),
         Err(reason) => {
-            info!(reason = %crate::report::ErrorChain(reason), "RDMA (ibverbs) not viable")
+            info!(reason = %crate::error_chain::ErrorChain(reason), "RDMA (ibverbs) not viable")
         }
     }
     match outcome {
@@ -325,7 +325,7 @@ mod tests {
             matches!(&reason, IbvNotViable::Verbs(IbvError::OpenDevice { device, .. }) if device == "mlx5_0"),
             "{reason}"
         );
-        let text = crate::report::ErrorChain(&reason).to_string();
+        let text = crate::error_chain::ErrorChain(&reason).to_string();
         assert!(
             text.starts_with("ibv_open_device failed for RDMA device mlx5_0: "),
             "{text}"

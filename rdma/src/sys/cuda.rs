@@ -930,7 +930,7 @@ impl Drop for StagingBuffer {
     fn drop(&mut self) {
         if let Err(err) = self.wait() {
             tracing::warn!(
-                error = %crate::report::ErrorChain(&err),
+                error = %crate::error_chain::ErrorChain(&err),
                 "a pinned staging buffer's copy cannot be waited for: the buffer is leaked"
             );
             return;

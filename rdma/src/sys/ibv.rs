@@ -701,7 +701,7 @@ impl Verbs {
         let library =
             unsafe { libloading::Library::new(path) }.map_err(|err| LibraryError::Load {
                 path: path.to_string(),
-                detail: crate::report::ErrorChain(&err).to_string(),
+                detail: crate::error_chain::ErrorChain(&err).to_string(),
             })?;
         Ok(Verbs {
             get_device_list: symbol!(library, "ibv_get_device_list"),

@@ -1,7 +1,8 @@
 //! What the runtime keeps per opened device ([`DeviceState`]): its streams, its pools of
 //! events, its caches (received memory, pinned buffers, opened `cuda_ipc` mappings and
 //! events), and the copies every channel shares. The `cuda_basic` side is in
-//! [`super::staged`], the `cuda_ipc` side in [`super::ipc`].
+//! [`super::staged`], the `cuda_ipc` side in [`super::ipc`]; the driver adapters its
+//! caches are built from in [`super::driver`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,30 +10,15 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
 
-use super::ipc::{DriverOpener, EventOpener, LoanEvent, LOAN_EVENTS_UP_FRONT};
-use super::staged::PinnedBacking;
+use super::driver::{
+    DeviceBacking, DriverOpener, EventOpener, LoanEvent, PinnedBacking, LOAN_EVENTS_UP_FRONT,
+};
 use super::tensor_memory::{CudaMemory, Storage};
 use super::{lock, Cause, CudaOptions};
-use crate::cuda::caching_allocator::{BackingAllocator, CachingAllocator};
+use crate::cuda::caching_allocator::CachingAllocator;
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
-use crate::cuda::memory::{DeviceAllocation, Gpu, RawEvent, StagingBuffer};
-
-/// A loan whose borrower's copy cannot be waited for: a copy may still read its memory,
-/// so the memory is never freed or reused (leaked), with a warning naming `channel`.
-pub(super) fn leak_unsettled(
-    memory: &mut Option<rdzv_uring::rpc::DeviceBuffer>,
-    device: Device,
-    channel: &str,
-    error: &(dyn std::error::Error + 'static),
-) {
-    tracing::warn!(
-        error = %crate::report::ErrorChain(error),
-        %device,
-        "a {channel} loan's copy cannot be waited for: its memory is leaked"
-    );
-    std::mem::forget(memory.take());
-}
+use crate::cuda::memory::{Gpu, RawEvent, StagingBuffer};
 
 /// What the runtime keeps per opened device. Field order is drop order: opened events
 /// and mappings first, then the staging buffers and events, the streams, the cached
@@ -140,20 +126,5 @@ impl DeviceState {
             Some(event) => Ok(event),
             None => RawEvent::new(&self.gpu, false),
         }
-    }
-}
-
-/// `cuMemAlloc` blocks for a device's caching allocator.
-#[derive(Debug)]
-pub(super) struct DeviceBacking {
-    gpu: Gpu,
-}
-
-impl BackingAllocator for DeviceBacking {
-    type Block = DeviceAllocation;
-    type Error = CudaChannelError;
-
-    fn allocate(&mut self, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
-        self.gpu.alloc(len)
     }
 }

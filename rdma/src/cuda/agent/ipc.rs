@@ -15,33 +15,20 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use std::time::Duration;
 
-use cudarc::driver::safe::CudaStream;
 use rdzv_core::channel::cuda::{CudaIpcDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, PipeId};
 
-use super::device::{leak_unsettled, DeviceState};
+use super::device::DeviceState;
+use super::driver::{leak_unsettled, DriverStream, LoanEvent, OpenedHandle};
 use super::lock;
 use super::tensor_memory::CudaMemory;
 use crate::cuda::channel_error::CudaChannelError;
-use crate::cuda::ipc_mappings::{MappingKey, MappingOpener};
-use crate::cuda::loan_events::{self, LoanStream};
-use crate::cuda::memory::{copy_unified_async, DeviceSource, Gpu, IpcMapping, RawEvent};
-use crate::report::ErrorChain;
-
-/// An interprocess event of the lender's pool, with its IPC handle.
-#[derive(Debug)]
-pub(super) struct LoanEvent {
-    event: RawEvent,
-    handle: [u8; IPC_HANDLE_LEN],
-}
-
-/// Loan events a device makes when it is opened (TensorPipe makes its outbox's events up
-/// front too: creating an interprocess event while IPC handles are in use has been
-/// seen to stall in the driver). More are made when more loans are in flight.
-pub(super) const LOAN_EVENTS_UP_FRONT: usize = 8;
+use crate::cuda::ipc_mappings::MappingKey;
+use crate::cuda::loan_events::{self};
+use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
+use crate::error_chain::ErrorChain;
 
 impl DeviceState {
     /// Fills the pool of loan events with `count`; one that cannot be made is left to
@@ -208,138 +195,10 @@ fn event_key(handle: &[u8; IPC_HANDLE_LEN]) -> u64 {
     hasher.finish()
 }
 
-/// A runtime stream, as [`loan_events`] drives it.
-pub(super) struct DriverStream<'a>(pub(super) &'a CudaStream);
-
-/// How long a loan's release waits for the borrower's record before it gives up on the
-/// memory (leaks it): a copy takes milliseconds, a borrower that died may never finish
-/// (`cuda_xth`'s release waits as long for its borrower).
-pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Only the lender's release waits on the host ([`loan_events::settle_loan`]), for an
-/// event the borrower records: bounded by `SETTLE_TIMEOUT`.
-impl loan_events::LoanEvent for RawEvent {
-    type Error = CudaChannelError;
-
-    fn host_wait(&self) -> Result<(), CudaChannelError> {
-        if self.wait_for(SETTLE_TIMEOUT)? {
-            Ok(())
-        } else {
-            Err(CudaChannelError::EventTimeout {
-                what: "a cuda_ipc loan",
-                waited: SETTLE_TIMEOUT,
-            })
-        }
-    }
-}
-
-impl LoanStream for DriverStream<'_> {
-    type Error = CudaChannelError;
-    type Event = RawEvent;
-
-    fn wait(&mut self, event: &RawEvent) -> Result<(), CudaChannelError> {
-        event.wait_on(self.0)
-    }
-
-    fn record(&mut self, event: &RawEvent) -> Result<(), CudaChannelError> {
-        event.record(self.0)
-    }
-
-    fn drain(&mut self) -> Result<(), CudaChannelError> {
-        let ordinal = self.0.context().ordinal();
-        self.0
-            .synchronize()
-            .map_err(CudaChannelError::driver("cuStreamSynchronize", ordinal))
-    }
-}
-
-/// Opens `cuda_ipc` memory handles on one device.
-#[derive(Debug)]
-pub(super) struct DriverOpener {
-    pub(super) gpu: Gpu,
-}
-
-impl MappingOpener for DriverOpener {
-    type Mapping = OpenedHandle;
-    type Error = CudaChannelError;
-
-    fn open(
-        &mut self,
-        handle: &[u8; IPC_HANDLE_LEN],
-        _ordinal: usize,
-    ) -> Result<OpenedHandle, CudaChannelError> {
-        OpenedHandle::open(&self.gpu, handle)
-    }
-
-    fn mapped_len(mapping: &OpenedHandle) -> usize {
-        mapping.len
-    }
-}
-
-/// Opens `cuda_ipc` loan events on one device (`cuIpcOpenEventHandle`); dropping one
-/// destroys this process's handle to it.
-#[derive(Debug)]
-pub(super) struct EventOpener {
-    pub(super) gpu: Gpu,
-}
-
-impl MappingOpener for EventOpener {
-    type Mapping = RawEvent;
-    type Error = CudaChannelError;
-
-    fn open(
-        &mut self,
-        handle: &[u8; IPC_HANDLE_LEN],
-        _ordinal: usize,
-    ) -> Result<RawEvent, CudaChannelError> {
-        RawEvent::open_ipc(&self.gpu, handle)
-    }
-
-    fn mapped_len(_: &RawEvent) -> usize {
-        0
-    }
-}
-
-/// A peer's allocation mapped into this process by `cuIpcOpenMemHandle`, closed on drop.
-pub(super) struct OpenedHandle {
-    mapping: IpcMapping,
-    /// The mapped allocation's length.
-    len: usize,
-}
-
-impl OpenedHandle {
-    /// Opens `handle` on `gpu` and reads how much it maps.
-    pub(super) fn open(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<Self, CudaChannelError> {
-        let mapping = IpcMapping::open(gpu, handle)?;
-        if !mapping.starts_its_allocation() {
-            return Err(CudaChannelError::protocol(
-                "cuda_ipc descriptor",
-                "its handle maps to the middle of an allocation",
-            ));
-        }
-        let len = mapping.len();
-        Ok(OpenedHandle { mapping, len })
-    }
-
-    /// `[offset, offset + len)` of the mapping, checked against what it maps: never
-    /// trust the peer's geometry.
-    fn holding(&self, offset: usize, len: usize) -> Result<DeviceSource<'_>, CudaChannelError> {
-        self.mapping.source().slice(offset, len).ok_or_else(|| {
-            CudaChannelError::protocol(
-                "cuda_ipc descriptor",
-                format!(
-                    "it lends {len} bytes at offset {offset} of an allocation of {}",
-                    self.len
-                ),
-            )
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::ipc_mappings::IpcMappings;
+    use crate::cuda::ipc_mappings::{IpcMappings, MappingOpener};
 
     /// Counts opens; an "event" is its handle's first byte.
     struct Counting(u64);

@@ -89,6 +89,7 @@
 //! CPU side).
 
 mod device;
+mod driver;
 mod ipc;
 mod options;
 mod parts;
@@ -115,8 +116,8 @@ use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::memory::DeviceAllocation;
 use super::viability::{self, ChannelVerdict, CudaChannel, LendingRefused};
 use super::PeerMemory;
+use crate::error_chain::ErrorChain;
 use crate::ibv::IbvViability;
-use crate::report::ErrorChain;
 use device::DeviceState;
 pub use options::{
     ConfiguredCudaPlugin, CudaOpenError, CudaOptions, CudaOptionsError, CudaPlugin, ENV_CACHE_CAP,

@@ -8,7 +8,7 @@ use rdzv_uring::rpc::{DeviceError, DeviceOp, DevicePlugin, DeviceRuntime};
 
 use super::CudaRuntime;
 use crate::cuda::CudaNotViable;
-use crate::report::ErrorChain;
+use crate::error_chain::ErrorChain;
 
 /// The environment variable that sets [`CudaOptions::cache_cap_bytes`] for
 /// [`CudaPlugin`] (a byte count).

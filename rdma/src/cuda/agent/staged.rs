@@ -10,13 +10,14 @@ use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceError, DeviceOp, HostBytes, StagedBytes, StagedReceive};
 
 use super::device::DeviceState;
+use super::driver::PinnedBacking;
 use super::tensor_memory::CudaMemory;
 use super::{lock, Cause};
-use crate::cuda::caching_allocator::{BackingAllocator, CachedBlock};
+use crate::cuda::caching_allocator::CachedBlock;
 use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
-use crate::cuda::memory::{DeviceRange, Gpu, StagingBuffer};
-use crate::report::ErrorChain;
+use crate::cuda::memory::{DeviceRange, StagingBuffer};
+use crate::error_chain::ErrorChain;
 
 impl DeviceState {
     /// `cuda_basic`'s sending side: `memory` (this device's, complete once its ready
@@ -280,20 +281,6 @@ impl StagedBytes for PinnedBytes {
             .bytes()
             .and_then(|bytes| bytes.get(..self.len))
             .unwrap_or_default()
-    }
-}
-
-/// `cuMemHostAlloc` blocks for a device's cache of staged-out tensors.
-pub(super) struct PinnedBacking {
-    pub(super) gpu: Gpu,
-}
-
-impl BackingAllocator for PinnedBacking {
-    type Block = StagingBuffer;
-    type Error = CudaChannelError;
-
-    fn allocate(&mut self, len: usize) -> Result<StagingBuffer, CudaChannelError> {
-        StagingBuffer::new(&self.gpu, len)
     }
 }
 

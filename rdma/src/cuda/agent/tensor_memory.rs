@@ -9,7 +9,7 @@ use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
 use rdzv_uring::rpc::{DeviceError, DeviceMemory, DeviceOp};
 
-use super::device::DeviceBacking;
+use super::driver::DeviceBacking;
 use super::{cuda_ordinal, lock};
 use crate::cuda::caching_allocator::CachedBlock;
 use crate::cuda::channel_error::CudaChannelError;
@@ -194,7 +194,7 @@ impl Drop for CudaMemory {
         };
         if let Err(e) = event.synchronize() {
             tracing::warn!(
-                error = %crate::report::ErrorChain(&e),
+                error = %crate::error_chain::ErrorChain(&e),
                 device = %self.device,
                 "a CUDA tensor's ready event cannot be waited for: its memory is leaked"
             );

@@ -18,8 +18,8 @@ use rdzv_core::channel::cuda::CudaXthDescriptor;
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan};
 
-use super::device::{leak_unsettled, DeviceState};
-use super::ipc::{DriverStream, SETTLE_TIMEOUT};
+use super::device::DeviceState;
+use super::driver::{leak_unsettled, DriverStream, SETTLE_TIMEOUT};
 use super::lock;
 use super::tensor_memory::CudaMemory;
 use crate::cuda::channel_error::CudaChannelError;

@@ -46,8 +46,8 @@ use rdzv_uring::rpc::transport::OwnedFrame;
 use rdzv_uring::rpc::TransportError;
 
 use super::framing::{split_frame, ReceiveGate, FIN};
+use crate::error_chain::ErrorChain;
 use crate::ibv::channel::{ChannelError, IbvChannel};
-use crate::report::ErrorChain;
 
 /// Why a link failed: one variant per way, each with the channel's error where there is
 /// one (shared: the failure goes to both halves).

@@ -72,7 +72,7 @@ use super::channel::{ChannelOptions, IbvChannel};
 use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
 use super::{probe, IbvConfig, IbvNotViable, IbvViability};
-use crate::report::ErrorChain;
+use crate::error_chain::ErrorChain;
 use rdzv_uring::queue::{on_thread, Queue};
 
 /// The scheme of ibv listener addresses.

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
-use super::loan_events::{LoanEvent, LoanStream};
+use super::{LoanEvent, LoanStream};
 
 /// One operation queued on a fake stream.
 #[derive(Debug, Clone)]

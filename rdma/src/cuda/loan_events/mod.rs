@@ -112,9 +112,12 @@ pub fn settle_loan<E: LoanEvent>(loan: &E) -> Result<(), E::Error> {
 }
 
 #[cfg(test)]
+pub(crate) mod fake_gpu;
+
+#[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::fake_gpu::{Event, Gpu, Op, Stream};
+    use crate::cuda::loan_events::fake_gpu::{Event, Gpu, Op, Stream};
 
     /// The producer's write on the user's stream, its ready event, the loan fenced on the
     /// lender's runtime stream.
