@@ -23,12 +23,14 @@ use rdzv_core::channel::ProcessIdentity;
 
 use super::agent::CudaMemory;
 use super::gdr::{GdrError, GdrRegistration};
+use super::memory::{CoveredDeviceMemory, DeviceRange};
 use super::viability::{ChannelVerdict, CudaChannel, LendingRefused};
 use crate::ibv::channel::{ChannelError, VerbsDomain};
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingError, LendingOptions, ReadTarget};
 use crate::ibv::sys::AccessFlags;
 use crate::ibv::topology::Gid;
 use crate::ibv::IbvSelection;
+use crate::sys::cuda::{DeviceRegistration, OwnedDeviceMemory};
 
 /// Why `cuda_gdr` could not start, or a loan over it could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -258,15 +260,27 @@ impl GdrNode {
     }
 }
 
-/// Fresh device memory registered for a read to land in. Field order: the registration
-/// goes before the memory.
-#[derive(Debug)]
-pub struct GdrTarget {
-    registration: Arc<GdrRegistration>,
-    memory: CudaMemory,
+/// Fresh device memory registered for a read to land in (the registration goes before
+/// the memory; the `ReadTarget` impl is `sys::cuda`'s, beside the coverage check).
+pub type GdrTarget = CoveredDeviceMemory<Arc<GdrRegistration>, CudaMemory>;
+
+impl DeviceRegistration for Arc<GdrRegistration> {
+    fn lkey(&self) -> u32 {
+        GdrRegistration::lkey(self)
+    }
+
+    fn registered(&self) -> (u64, u64) {
+        self.range()
+    }
 }
 
-impl GdrTarget {
+impl OwnedDeviceMemory for CudaMemory {
+    fn device_range(&self) -> DeviceRange<'_> {
+        self.range()
+    }
+}
+
+impl CoveredDeviceMemory<Arc<GdrRegistration>, CudaMemory> {
     /// `memory`, registered by `registration`, which must be in the borrower's domain
     /// with local write access ([`gdr_access`]; otherwise the NIC fails the read) and
     /// must cover it (checked: the NIC writes where the registration says).
@@ -277,49 +291,21 @@ impl GdrTarget {
         registration: Arc<GdrRegistration>,
         memory: CudaMemory,
     ) -> Result<GdrTarget, GdrError> {
-        let range = memory.range();
-        let (base, registered) = registration.range();
-        let (ptr, len) = (range.ptr(), range.len() as u64);
-        if !covers((base, registered), (ptr, len)) {
-            return Err(GdrError::NotCovered {
+        CoveredDeviceMemory::covering(registration, memory).map_err(
+            |(_, _, (base, registered), (ptr, len))| GdrError::NotCovered {
                 ptr,
                 len,
                 base,
                 registered,
-            });
-        }
-        Ok(GdrTarget {
-            registration,
-            memory,
-        })
-    }
-
-    /// The registration (for the crate's `ReadTarget` impl, in `sys::cuda`).
-    pub(crate) fn registration(&self) -> &GdrRegistration {
-        &self.registration
-    }
-
-    /// The memory the read lands in.
-    pub(crate) fn memory(&self) -> &CudaMemory {
-        &self.memory
+            },
+        )
     }
 
     /// The memory, its registration released.
     pub fn into_memory(self) -> CudaMemory {
-        let GdrTarget {
-            registration,
-            memory,
-        } = self;
+        let (registration, memory) = self.into_parts();
         drop(registration);
         memory
-    }
-}
-
-/// Whether `[base, base + registered)` holds `[ptr, ptr + len)` (no address overflows).
-fn covers((base, registered): (u64, u64), (ptr, len): (u64, u64)) -> bool {
-    match (base.checked_add(registered), ptr.checked_add(len)) {
-        (Some(reg_end), Some(end)) => ptr >= base && end <= reg_end,
-        _ => false,
     }
 }
 
@@ -327,6 +313,7 @@ fn covers((base, registered): (u64, u64), (ptr, len): (u64, u64)) -> bool {
 mod tests {
     use super::*;
     use crate::cuda::viability::ChannelNotViable;
+    use crate::sys::cuda::covers;
 
     #[test]
     fn a_target_must_lie_inside_its_registration() {

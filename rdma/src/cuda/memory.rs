@@ -11,6 +11,6 @@
 //! bytes on its own and decides no protocol.
 
 pub use crate::sys::cuda::{
-    copy_device_async, copy_unified_async, DeviceAllocation, DeviceRange, DeviceSource, DriverCode,
-    Gpu, IpcMapping, PinnedHostBuffer, RawEvent, StagingBuffer,
+    copy_device_async, copy_unified_async, CoveredDeviceMemory, DeviceAllocation, DeviceRange,
+    DeviceSource, DriverCode, Gpu, IpcMapping, PinnedHostBuffer, RawEvent, StagingBuffer,
 };

@@ -38,9 +38,9 @@
 
 pub mod agent;
 pub mod caching_allocator;
-mod channel_error;
 pub mod chunk_plan;
 pub mod descriptor;
+pub(crate) mod error;
 pub mod gdr;
 pub mod gdr_lending;
 pub mod ipc_mappings;
@@ -56,10 +56,10 @@ use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
-use crate::sys::cuda::{self as driver, DriverCode};
+use crate::sys::cuda::{self as driver, panic_message};
 
 pub use crate::sys::cuda::driver_library_present;
-pub use channel_error::CudaChannelError;
+pub use error::{CudaChannelError, CudaError, CudaNotViable};
 pub use peer_memory::{PeerMemory, PeerMemoryClient};
 
 /// Outcome of [`probe`].
@@ -201,89 +201,6 @@ impl fmt::Display for GibiBytes {
     }
 }
 
-/// Why CUDA cannot be used on this host.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CudaNotViable {
-    /// No loadable CUDA driver library (`libcuda.so`, `libcuda.so.1`, ...).
-    #[error("the CUDA driver library (libcuda) cannot be loaded: no NVIDIA driver is installed or it is not on the loader path")]
-    DriverLibraryMissing,
-    /// The driver loaded but reports no device (`CUDA_ERROR_NO_DEVICE`, or a count of 0).
-    #[error("no CUDA device found")]
-    NoDevices {
-        /// The driver's error, when `cuInit` reported it.
-        #[source]
-        source: Option<DriverCode>,
-    },
-    /// A driver call failed.
-    #[error(transparent)]
-    Driver(#[from] CudaError),
-    /// cudarc panicked while calling the driver (e.g. a symbol missing from an old driver).
-    #[error("the CUDA driver bindings panicked: {message}")]
-    Panicked {
-        /// The panic message.
-        message: String,
-    },
-}
-
-/// A failed CUDA driver call, with the device it was about.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CudaError {
-    /// `cuInit` failed.
-    #[error("cuInit failed")]
-    Init {
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-    /// `cuDeviceGetCount` failed.
-    #[error("cuDeviceGetCount failed")]
-    DeviceCount {
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-    /// `cuDeviceGet` failed.
-    #[error("cuDeviceGet failed for CUDA device {ordinal}")]
-    DeviceGet {
-        /// Device ordinal.
-        ordinal: i32,
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-    /// `cuDeviceGetName` failed.
-    #[error("cuDeviceGetName failed for CUDA device {ordinal}")]
-    DeviceName {
-        /// Device ordinal.
-        ordinal: i32,
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-    /// `cuDeviceTotalMem` failed.
-    #[error("cuDeviceTotalMem failed for CUDA device {ordinal}")]
-    TotalMemory {
-        /// Device ordinal.
-        ordinal: i32,
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-    /// `cuDeviceGetAttribute` failed for an attribute the probe cannot do without.
-    #[error("cuDeviceGetAttribute({attribute}) failed for CUDA device {ordinal}")]
-    DeviceAttribute {
-        /// Device ordinal.
-        ordinal: i32,
-        /// Attribute name, e.g. `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`.
-        attribute: &'static str,
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
-}
-
 impl fmt::Display for CudaViability {
     /// `viable: driver 12.8, 1 device(s), peer memory none` or `not viable: <reason>`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -340,16 +257,6 @@ pub fn probe() -> CudaViability {
             info!(reason = %crate::error_chain::ErrorChain(&reason), "CUDA not viable");
             CudaViability::NotViable(reason)
         }
-    }
-}
-
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(text) = payload.downcast_ref::<&str>() {
-        (*text).to_owned()
-    } else if let Some(text) = payload.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "non-string panic payload".to_owned()
     }
 }
 

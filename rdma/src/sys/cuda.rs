@@ -18,7 +18,7 @@
 //! # What makes the wrappers safe
 //! - Device memory is written only through a [`DeviceRange`], made safely from memory this
 //!   crate owns ([`DeviceAllocation::range`]) and otherwise only by the `unsafe`
-//!   [`DeviceRange::from_raw`]. A copy that only *reads* device memory takes a
+//!   `DeviceRange::from_raw` (private to `sys`). A copy that only *reads* device memory takes a
 //!   [`DeviceSource`], which may also name an address a peer sent: the driver checks that
 //!   it lies in mapped memory and fails the copy otherwise, and reading memory never
 //!   invalidates anything Rust holds.
@@ -31,141 +31,33 @@
 //! This module decides no protocol: the channels and the agent's runtime do.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::fmt;
 use std::io;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::result;
 use cudarc::driver::safe::{CudaContext, CudaStream};
 use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
 
 use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 
 use super::ibv::{AccessFlags, MemoryRegion, ProtectionDomain, ReadTarget};
-use crate::cuda::gdr_lending::GdrTarget;
-use crate::cuda::{panic_message, CudaChannelError, CudaNotViable};
+use crate::cuda::error::{CudaChannelError, CudaNotViable};
 
 // --- errors ---------------------------------------------------------------------------
 
-/// A CUDA driver status other than `CUDA_SUCCESS`: its name and what to do about it.
-///
-/// Unlike cudarc's `DriverError`, whose `Display` asks the driver for a description (and
-/// panics when libcuda is not loaded), formatting this never calls the driver.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DriverCode(pub CUresult);
+pub use super::driver_code::DriverCode;
 
-impl DriverCode {
-    /// The code's name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
-    pub fn name(self) -> String {
-        format!("{:?}", self.0)
-    }
-
-    /// What the user can do about it.
-    pub fn advice(self) -> &'static str {
-        use CUresult as R;
-        match self.0 {
-            R::CUDA_SUCCESS => "no error",
-            R::CUDA_ERROR_OUT_OF_MEMORY => {
-                "the device (or pinned host memory) is exhausted: free tensors, lower \
-                 RDZV_CUDA_CACHE_CAP, or stop other processes using this GPU"
-            }
-            R::CUDA_ERROR_NOT_INITIALIZED | R::CUDA_ERROR_DEINITIALIZED => {
-                "the driver is not initialised or is shutting down: do not use CUDA \
-                 tensors after the process began to exit"
-            }
-            R::CUDA_ERROR_NO_DEVICE | R::CUDA_ERROR_INVALID_DEVICE => {
-                "no such CUDA device is visible: check CUDA_VISIBLE_DEVICES and nvidia-smi"
-            }
-            R::CUDA_ERROR_DEVICE_UNAVAILABLE | R::CUDA_ERROR_CONTEXT_ALREADY_IN_USE => {
-                "the device is busy or in exclusive-process mode: check nvidia-smi's \
-                 compute mode and other processes on this GPU"
-            }
-            R::CUDA_ERROR_INVALID_CONTEXT | R::CUDA_ERROR_CONTEXT_IS_DESTROYED => {
-                "no usable context was current: this is a bug in rdzv, please report it"
-            }
-            R::CUDA_ERROR_INVALID_VALUE => {
-                "the driver refused an argument (an address outside any allocation, or a \
-                 length past its end): check the tensor's device and size"
-            }
-            R::CUDA_ERROR_INVALID_HANDLE => {
-                "the handle names no live object: the lending process may have freed the \
-                 memory or exited"
-            }
-            R::CUDA_ERROR_MAP_FAILED | R::CUDA_ERROR_ALREADY_MAPPED => {
-                "the CUDA IPC mapping failed: both processes must see the device and the \
-                 lender must still hold the memory; use cuda_basic otherwise"
-            }
-            R::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED
-            | R::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED
-            | R::CUDA_ERROR_TOO_MANY_PEERS => {
-                "these GPUs cannot reach each other directly: use cuda_basic between them"
-            }
-            R::CUDA_ERROR_NOT_SUPPORTED => {
-                "this driver, device or system does not support the operation (e.g. CUDA \
-                 IPC under MPS, dma-buf with the proprietary kernel modules): use another \
-                 channel"
-            }
-            R::CUDA_ERROR_NOT_PERMITTED | R::CUDA_ERROR_OPERATING_SYSTEM => {
-                "the operating system refused: check the container's limits (ulimit -l for \
-                 pinned memory, access to /dev/nvidia*)"
-            }
-            R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
-            | R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE
-            | R::CUDA_ERROR_STUB_LIBRARY => {
-                "the driver library does not match the kernel module (or is a stub): \
-                 reinstall the NVIDIA driver, or reboot after upgrading it"
-            }
-            R::CUDA_ERROR_NOT_FOUND => {
-                "the driver lacks this entry point: upgrade the NVIDIA driver"
-            }
-            R::CUDA_ERROR_NOT_READY => "the work is still running: wait for its event",
-            R::CUDA_ERROR_ILLEGAL_ADDRESS
-            | R::CUDA_ERROR_LAUNCH_FAILED
-            | R::CUDA_ERROR_ECC_UNCORRECTABLE
-            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
-            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
-            | R::CUDA_ERROR_MISALIGNED_ADDRESS
-            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
-            | R::CUDA_ERROR_INVALID_PC
-            | R::CUDA_ERROR_ASSERT
-            | R::CUDA_ERROR_LAUNCH_TIMEOUT
-            | R::CUDA_ERROR_NVLINK_UNCORRECTABLE => {
-                "work on this device faulted and its context is unusable: restart the \
-                 process (compute-sanitizer finds the faulting kernel)"
-            }
-            R::CUDA_ERROR_MPS_CONNECTION_FAILED
-            | R::CUDA_ERROR_MPS_RPC_FAILURE
-            | R::CUDA_ERROR_MPS_SERVER_NOT_READY
-            | R::CUDA_ERROR_MPS_MAX_CLIENTS_REACHED
-            | R::CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED
-            | R::CUDA_ERROR_MPS_CLIENT_TERMINATED => {
-                "the MPS server failed or is full: check nvidia-cuda-mps-control"
-            }
-            _ => "see the CUDA driver API documentation of this code",
-        }
-    }
-}
-
-impl fmt::Display for DriverCode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}: {}", self.0, self.advice())
-    }
-}
-
-impl fmt::Debug for DriverCode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.0)
-    }
-}
-
-impl std::error::Error for DriverCode {}
-
-impl From<DriverError> for DriverCode {
-    fn from(err: DriverError) -> Self {
-        DriverCode(err.0)
+/// The text of a panic caught around a cudarc call.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "non-string panic payload".to_owned()
     }
 }
 
@@ -347,7 +239,7 @@ impl<'a> DeviceRange<'a> {
     /// `[ptr, ptr + len)` must be device memory (or memory the CUDA driver can address,
     /// such as managed memory) that stays allocated, and is not written by anyone else
     /// while a transfer uses it, for `'a`.
-    pub unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange<'a> {
+    pub(in crate::sys) unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange<'a> {
         DeviceRange {
             ptr,
             len,
@@ -1330,28 +1222,98 @@ impl DmaBuf {
     }
 }
 
-// SAFETY: the registration covers the memory (`GdrTarget::new` checks it; GdrRegistrar
+/// A registration an RDMA READ target uses: its local key and the device address range it
+/// registers. Implemented in this crate only by registrations the NIC made of whole
+/// `cuMemAlloc` allocations (`crate::cuda::gdr::GdrRegistration`).
+pub(crate) trait DeviceRegistration {
+    /// The local key.
+    fn lkey(&self) -> u32;
+    /// The registered `(base, len)` device address range.
+    fn registered(&self) -> (u64, u64);
+}
+
+/// Device memory an RDMA READ target owns. Implemented in this crate only by owners of
+/// device memory from the driver (`crate::cuda::agent::CudaMemory`).
+pub(crate) trait OwnedDeviceMemory {
+    /// The memory's device range.
+    fn device_range(&self) -> DeviceRange<'_>;
+}
+
+/// Device memory and a registration that covers it: what an RDMA READ of device memory
+/// lands in (`crate::cuda::gdr_lending::GdrTarget`). The check that the registration
+/// covers the memory is made here, beside the `unsafe impl` that relies on it. Field
+/// order: the registration goes before the memory.
+#[derive(Debug)]
+pub struct CoveredDeviceMemory<R, M> {
+    registration: R,
+    memory: M,
+}
+
+impl<R, M> CoveredDeviceMemory<R, M> {
+    /// `memory` under `registration`, or both back (with the ranges, `(base, registered)`
+    /// and `(ptr, len)`) when the registration does not cover the memory.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn covering(
+        registration: R,
+        memory: M,
+    ) -> Result<Self, (R, M, (u64, u64), (u64, u64))>
+    where
+        R: DeviceRegistration,
+        M: OwnedDeviceMemory,
+    {
+        let range = memory.device_range();
+        let (ptr, len) = (range.ptr(), range.len() as u64);
+        let registered = registration.registered();
+        if !covers(registered, (ptr, len)) {
+            return Err((registration, memory, registered, (ptr, len)));
+        }
+        Ok(CoveredDeviceMemory {
+            registration,
+            memory,
+        })
+    }
+}
+
+impl<R, M> CoveredDeviceMemory<R, M> {
+    /// The registration and the memory, apart.
+    pub(crate) fn into_parts(self) -> (R, M) {
+        (self.registration, self.memory)
+    }
+}
+
+/// Whether `[base, base + registered)` holds `[ptr, ptr + len)` (no address overflows).
+pub(crate) fn covers((base, registered): (u64, u64), (ptr, len): (u64, u64)) -> bool {
+    match (base.checked_add(registered), ptr.checked_add(len)) {
+        (Some(reg_end), Some(end)) => ptr >= base && end <= reg_end,
+        _ => false,
+    }
+}
+
+// SAFETY: the registration covers the memory (`covering` checks it; GdrRegistrar
 // registers the whole containing `cuMemAlloc` allocation) at its device addresses; a
 // registration of another domain or without local write access only makes the NIC fail
-// the read. The target owns the memory and hands it out only by value. The memory is device memory, so the NIC's writes never
-// land in host memory Rust holds.
-unsafe impl ReadTarget for GdrTarget {
+// the read. The target owns the memory and hands it out only by value. The memory is
+// device memory, so the NIC's writes never land in host memory Rust holds.
+unsafe impl<R: DeviceRegistration + Send, M: OwnedDeviceMemory + Send> ReadTarget
+    for CoveredDeviceMemory<R, M>
+{
     fn lkey(&self) -> u32 {
-        self.registration().lkey()
+        self.registration.lkey()
     }
 
     fn addr(&self) -> u64 {
-        self.memory().range().ptr()
+        self.memory.device_range().ptr()
     }
 
     fn len(&self) -> u64 {
-        self.memory().range().len() as u64
+        self.memory.device_range().len() as u64
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cudarc::driver::result::DriverError;
 
     #[test]
     fn device_range_slices_are_checked() {

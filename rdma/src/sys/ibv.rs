@@ -32,7 +32,7 @@
 //! Every libibverbs object is an RAII type ([`Context`], [`ProtectionDomain`],
 //! [`MemoryRegion`], [`CompChannel`], [`CompletionQueue`], [`QueuePair`]) that keeps its
 //! parents alive through an `Arc` and is destroyed in `Drop`. Registering arbitrary
-//! addresses is `unsafe` ([`ProtectionDomain::reg_mr`]); the safe registrations
+//! addresses is `unsafe` and private to `sys` (`ProtectionDomain::reg_mr`); the safe registrations
 //! ([`HostRegion`], [`SharedRegistration`], [`RegisteredVec`]) own their memory for as long
 //! as the device may touch it. Posting work requests is safe: the device checks every key
 //! against a registration and fails the work request otherwise, and registered memory is
@@ -1174,7 +1174,7 @@ impl ProtectionDomain {
     /// # Safety
     /// The range must stay mapped until the returned region is dropped (deregistered), and
     /// if `access` lets the device write it, no Rust reference may view it meanwhile.
-    pub unsafe fn reg_mr(
+    pub(in crate::sys) unsafe fn reg_mr(
         self: &Arc<Self>,
         addr: u64,
         len: usize,
@@ -1201,7 +1201,7 @@ impl ProtectionDomain {
     /// # Safety
     /// `fd` must be a dma-buf covering `[offset, offset + len)`, whose memory stays
     /// allocated until the region is dropped.
-    pub unsafe fn reg_dmabuf_mr(
+    pub(in crate::sys) unsafe fn reg_dmabuf_mr(
         self: &Arc<Self>,
         offset: u64,
         len: usize,

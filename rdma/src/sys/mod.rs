@@ -13,4 +13,5 @@
 //! those invariants. This module decides no protocol.
 
 pub(crate) mod cuda;
+pub(crate) mod driver_code;
 pub mod ibv;

@@ -16,7 +16,7 @@ use super::driver::{
 use super::tensor_memory::{CudaMemory, Storage};
 use super::{lock, Cause, CudaOptions};
 use crate::cuda::caching_allocator::CachingAllocator;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::ipc_mappings::IpcMappings;
 use crate::cuda::memory::{Gpu, RawEvent, StagingBuffer};
 

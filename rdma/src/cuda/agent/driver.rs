@@ -15,7 +15,7 @@ use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 use rdzv_core::device::Device;
 
 use crate::cuda::caching_allocator::BackingAllocator;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::ipc_mappings::MappingOpener;
 use crate::cuda::loan_events::{self, LoanStream};
 use crate::cuda::memory::{

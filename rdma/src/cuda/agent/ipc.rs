@@ -24,7 +24,7 @@ use super::device::DeviceState;
 use super::driver::{leak_unsettled, DriverStream, LoanEvent, OpenedHandle};
 use super::lock;
 use super::tensor_memory::CudaMemory;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::ipc_mappings::MappingKey;
 use crate::cuda::loan_events::{self};
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};

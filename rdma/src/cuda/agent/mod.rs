@@ -109,8 +109,8 @@ use rdzv_uring::rpc::{
     DeviceOp, DeviceRuntime, HostBytes, PartedReceive, PipeId, StagedReceive, UnavailableReason,
 };
 
-use super::channel_error::CudaChannelError;
 use super::descriptor::HostIdentity;
+use super::error::CudaChannelError;
 use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
 use super::gdr_lending::{self, GdrNode, GdrTarget};
 use super::memory::DeviceAllocation;

@@ -21,7 +21,7 @@ use rdzv_uring::rpc::{DeviceBuffer, DeviceError, DeviceOp, PartBuffer, PartedRec
 use super::device::DeviceState;
 use super::tensor_memory::CudaMemory;
 use super::Cause;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::memory::StagingBuffer;
 
 /// The fewest slots a parted receive cycles through: one per lane of the default four,

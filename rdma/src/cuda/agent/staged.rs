@@ -14,8 +14,8 @@ use super::driver::PinnedBacking;
 use super::tensor_memory::CudaMemory;
 use super::{lock, Cause};
 use crate::cuda::caching_allocator::CachedBlock;
-use crate::cuda::channel_error::CudaChannelError;
 use crate::cuda::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::memory::{DeviceRange, StagingBuffer};
 use crate::error_chain::ErrorChain;
 

@@ -12,7 +12,7 @@ use rdzv_uring::rpc::{DeviceError, DeviceMemory, DeviceOp};
 use super::driver::DeviceBacking;
 use super::{cuda_ordinal, lock};
 use crate::cuda::caching_allocator::CachedBlock;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::memory::{DeviceAllocation, DeviceRange, Gpu, RawEvent};
 
 /// Where a [`CudaMemory`]'s bytes live.

@@ -22,7 +22,7 @@ use super::device::DeviceState;
 use super::driver::{leak_unsettled, DriverStream, SETTLE_TIMEOUT};
 use super::lock;
 use super::tensor_memory::CudaMemory;
-use crate::cuda::channel_error::CudaChannelError;
+use crate::cuda::error::CudaChannelError;
 use crate::cuda::loan_events;
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
 use crate::cuda::xth_loans::{self, XthKey, XthLoan, XthLoans};

@@ -1,13 +1,97 @@
-//! The error every CUDA channel operation returns.
+//! The CUDA layer's errors: why CUDA cannot be used on this host ([`CudaNotViable`], a
+//! probe's failed driver call [`CudaError`]) and the error every CUDA channel operation
+//! returns ([`CudaChannelError`]).
 //!
-//! One variant per kind of failing call: a CUDA driver call (named, with the device), a
+//! For a channel operation, one variant per kind of failing call: a CUDA driver call (named, with the device), a
 //! malformed or inconsistent descriptor from the peer, an event of another process that
 //! never completes, and a panic caught inside cudarc. This module decides nothing about
 //! retries or fallbacks: a failed transfer is reported to the caller, who fails the
 //! pipe's pending work.
 
-use super::CudaNotViable;
-use crate::sys::cuda::DriverCode;
+use crate::sys::driver_code::DriverCode;
+
+/// Why CUDA cannot be used on this host.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaNotViable {
+    /// No loadable CUDA driver library (`libcuda.so`, `libcuda.so.1`, ...).
+    #[error("the CUDA driver library (libcuda) cannot be loaded: no NVIDIA driver is installed or it is not on the loader path")]
+    DriverLibraryMissing,
+    /// The driver loaded but reports no device (`CUDA_ERROR_NO_DEVICE`, or a count of 0).
+    #[error("no CUDA device found")]
+    NoDevices {
+        /// The driver's error, when `cuInit` reported it.
+        #[source]
+        source: Option<DriverCode>,
+    },
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] CudaError),
+    /// cudarc panicked while calling the driver (e.g. a symbol missing from an old driver).
+    #[error("the CUDA driver bindings panicked: {message}")]
+    Panicked {
+        /// The panic message.
+        message: String,
+    },
+}
+
+/// A failed CUDA driver call, with the device it was about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// `cuInit` failed.
+    #[error("cuInit failed")]
+    Init {
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// `cuDeviceGetCount` failed.
+    #[error("cuDeviceGetCount failed")]
+    DeviceCount {
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// `cuDeviceGet` failed.
+    #[error("cuDeviceGet failed for CUDA device {ordinal}")]
+    DeviceGet {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// `cuDeviceGetName` failed.
+    #[error("cuDeviceGetName failed for CUDA device {ordinal}")]
+    DeviceName {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// `cuDeviceTotalMem` failed.
+    #[error("cuDeviceTotalMem failed for CUDA device {ordinal}")]
+    TotalMemory {
+        /// Device ordinal.
+        ordinal: i32,
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// `cuDeviceGetAttribute` failed for an attribute the probe cannot do without.
+    #[error("cuDeviceGetAttribute({attribute}) failed for CUDA device {ordinal}")]
+    DeviceAttribute {
+        /// Device ordinal.
+        ordinal: i32,
+        /// Attribute name, e.g. `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`.
+        attribute: &'static str,
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+}
 
 /// A failed CUDA channel operation.
 #[derive(Debug, thiserror::Error)]
