@@ -18,7 +18,7 @@
 //! # What makes the wrappers safe
 //! - Device memory is written only through a [`DeviceRange`], made safely from memory this
 //!   crate owns ([`DeviceAllocation::range`]) and otherwise only by the `unsafe`
-//!   `DeviceRange::from_raw` (private to `sys`). A copy that only *reads* device memory takes a
+//!   `DeviceRange::from_raw` (in `sys`'s tests only). A copy that only *reads* device memory takes a
 //!   [`DeviceSource`], which may also name an address a peer sent: the driver checks that
 //!   it lies in mapped memory and fails the copy otherwise, and reading memory never
 //!   invalidates anything Rust holds.
@@ -239,6 +239,7 @@ impl<'a> DeviceRange<'a> {
     /// `[ptr, ptr + len)` must be device memory (or memory the CUDA driver can address,
     /// such as managed memory) that stays allocated, and is not written by anyone else
     /// while a transfer uses it, for `'a`.
+    #[cfg(test)]
     pub(in crate::sys) unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange<'a> {
         DeviceRange {
             ptr,
