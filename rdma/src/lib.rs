@@ -24,7 +24,7 @@
 //!
 //! # Moving bytes over verbs
 //!
-//! [`ibv::channel::IbvChannel`] connects one RC queue pair to a peer over any
+//! [`ibv::connection::IbvConnection`] connects one RC queue pair to a peer over any
 //! `Read + Write` bootstrap stream (connection record: [`ibv::wire`]), sends small messages
 //! through a registered ring per direction with RDMA write-with-immediate, credit acks and
 //! inline data ([`ibv::ring`] holds the placement and credit logic), and large ones

@@ -16,7 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdzv_core::channel::cuda::CudaGdrDescriptor;
-use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, VerbsDomain};
+use rdzv_rdma::ibv::connection::{ConnectionError, ConnectionOptions, IbvConnection, VerbsDomain};
 use rdzv_rdma::ibv::lending::{
     Borrower, HostRegion, LendingEndpoint, LendingError, LendingOptions,
 };
@@ -54,7 +54,7 @@ fn borrower(sel: &IbvSelection) -> Borrower {
 fn status_of(err: &LendingError) -> Option<&'static str> {
     match err {
         LendingError::Read {
-            source: ChannelError::Completion(failure),
+            source: ConnectionError::Completion(failure),
             ..
         } => failure.status_name(),
         _ => None,
@@ -332,7 +332,7 @@ fn unreachable_or_silent_lenders_fail_within_the_bootstrap_timeout() {
     holder.join().expect("holder thread");
 }
 
-/// `IbvChannel::read_remote` directly, on a channel that also carries ring messages: the
+/// `IbvConnection::read_remote` directly, on a channel that also carries ring messages: the
 /// read lands byte for byte and the message protocol goes on afterwards.
 #[test]
 fn read_remote_leaves_the_channel_protocol_intact() {
@@ -349,7 +349,7 @@ fn read_remote_leaves_the_channel_protocol_intact() {
         let domain = VerbsDomain::open(&sel_b).expect("domain B");
         let mut stream = TcpStream::connect(addr).expect("connect bootstrap");
         let mut channel =
-            IbvChannel::connect_in(&domain, &sel_b, &mut stream, &ChannelOptions::default())
+            IbvConnection::connect_in(&domain, &sel_b, &mut stream, &ConnectionOptions::default())
                 .expect("connect B");
         let announced = channel.recv_timeout(BOUND).expect("address and key");
         let (remote, rkey) = (
@@ -370,7 +370,7 @@ fn read_remote_leaves_the_channel_protocol_intact() {
     let lent = HostRegion::from_bytes(&domain, &bytes, AccessFlags::REMOTE_READ).expect("lent");
     let (mut stream, _) = listener.accept().expect("accept bootstrap");
     let mut channel =
-        IbvChannel::connect_in(&domain, &sel, &mut stream, &ChannelOptions::default())
+        IbvConnection::connect_in(&domain, &sel, &mut stream, &ConnectionOptions::default())
             .expect("connect A");
     let mut announce = lent.addr().to_le_bytes().to_vec();
     announce.extend_from_slice(&lent.rkey().to_le_bytes());

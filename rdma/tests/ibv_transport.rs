@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::device::Device;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::{FrameKind, FrameLimits, TensorDescriptor};
-use rdzv_rdma::ibv::channel::{ChannelOptions, IbvChannel};
+use rdzv_rdma::ibv::connection::{ConnectionOptions, IbvConnection};
 use rdzv_rdma::ibv::transport::framing::{split_frame, SEPARATE_MIN};
 use rdzv_rdma::ibv::transport::{parse_address, queue_pair_abort, IbvTransport, SCHEME};
 use rdzv_uring::rpc::transport::{
@@ -148,10 +148,10 @@ fn frames_cross_the_ibv_seam_both_ways() {
         IpAddr::V4(Ipv4Addr::LOCALHOST),
         selection,
         // A small ring: credits run out and the ring wraps.
-        ChannelOptions {
+        ConnectionOptions {
             ring_len: 4096,
             recv_slots: 8,
-            ..ChannelOptions::default()
+            ..ConnectionOptions::default()
         },
     );
     assert_eq!(transport.kind(), TransportKind::Ibv);
@@ -229,7 +229,7 @@ fn a_queue_pair_forced_into_error_fails_pending_frames() {
     let mut transport = IbvTransport::with_selection(
         IpAddr::V4(Ipv4Addr::LOCALHOST),
         selection,
-        ChannelOptions::default(),
+        ConnectionOptions::default(),
     );
     let _ = phase.send("connect");
     let (a, b) = pair(&mut transport);
@@ -320,7 +320,7 @@ fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
     let mut transport = IbvTransport::with_selection(
         IpAddr::V4(Ipv4Addr::LOCALHOST),
         selection.clone(),
-        ChannelOptions::default(),
+        ConnectionOptions::default(),
     );
     let address = transport.listen().unwrap_or_else(|e| panic!("listen: {e}"));
     let addr = parse_address(&address).unwrap_or_else(|e| panic!("listener address: {e}"));
@@ -333,7 +333,7 @@ fn a_part_larger_than_its_header_announced_is_refused_before_it_is_read() {
         let hostile = std::thread::spawn(move || {
             let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("{e}"));
             let mut channel =
-                IbvChannel::connect(&selection, &mut stream, &ChannelOptions::default())
+                IbvConnection::connect(&selection, &mut stream, &ConnectionOptions::default())
                     .unwrap_or_else(|e| panic!("hostile connect: {e}"));
             let messages = split_frame(frame(1, announced, &[])).unwrap_or_default();
             assert_eq!(messages.get(1).map(Vec::len), Some(announced));

@@ -25,7 +25,7 @@ use super::agent::CudaMemory;
 use super::gdr::{GdrError, GdrRegistration};
 use super::memory::{CoveredDeviceMemory, DeviceRange};
 use super::viability::{ChannelVerdict, CudaChannel, LendingRefused};
-use crate::ibv::channel::{ChannelError, VerbsDomain};
+use crate::ibv::connection::{ConnectionError, VerbsDomain};
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingError, LendingOptions, ReadTarget};
 use crate::ibv::sys::AccessFlags;
 use crate::ibv::topology::Gid;
@@ -64,7 +64,7 @@ pub enum GdrLendingError {
     },
     /// The RDMA device could not be opened for the node.
     #[error("cuda_gdr: cannot open the RDMA device")]
-    Device(#[source] Box<ChannelError>),
+    Device(#[source] Box<ConnectionError>),
     /// The lending endpoint could not start.
     #[error("cuda_gdr: cannot start the lending endpoint")]
     Endpoint(#[source] Box<LendingError>),

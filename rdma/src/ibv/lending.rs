@@ -3,7 +3,7 @@
 //! same code moves host memory (and is tested that way on Soft-RoCE).
 //!
 //! - The lender runs a [`LendingEndpoint`]: a TCP listener whose accepted connections
-//!   each bootstrap an RC queue pair ([`IbvChannel::connect_in`], in the endpoint's
+//!   each bootstrap an RC queue pair ([`IbvConnection::connect_in`], in the endpoint's
 //!   [`VerbsDomain`]) and keep it until the peer closes the TCP connection or the
 //!   endpoint stops. The lender registers what it lends in that domain ([`HostRegion`]
 //!   for host memory, `crate::cuda::gdr::GdrRegistrar` on [`VerbsDomain::pd`] for device
@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use tracing::debug;
 
-use super::channel::{ChannelError, ChannelOptions, IbvChannel, VerbsDomain};
+use super::connection::{ConnectionError, ConnectionOptions, IbvConnection, VerbsDomain};
 use super::select::IbvSelection;
 use super::sys::AccessFlags;
 pub use super::sys::{HostRegion, ReadTarget};
@@ -57,12 +57,12 @@ impl Default for LendingOptions {
     }
 }
 
-/// The channel options of a lending connection: no ring traffic, so small rings.
-fn channel_options() -> ChannelOptions {
-    ChannelOptions {
+/// The connection options of a lending connection: no ring traffic, so small rings.
+fn connection_options() -> ConnectionOptions {
+    ConnectionOptions {
         ring_len: 4096,
         recv_slots: 4,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     }
 }
 
@@ -95,7 +95,7 @@ pub enum LendingError {
         lender: SocketAddr,
         /// Why.
         #[source]
-        source: ChannelError,
+        source: ConnectionError,
     },
     /// Host memory could not be registered.
     #[error("cannot register {len} bytes of host memory on RDMA device {device}")]
@@ -124,7 +124,7 @@ pub enum LendingError {
         len: u64,
         /// Why.
         #[source]
-        source: ChannelError,
+        source: ConnectionError,
     },
 }
 
@@ -253,13 +253,14 @@ fn serve(
         debug!(%peer, error = %e, "cannot set up a lending connection");
         return;
     }
-    let channel = match IbvChannel::connect_in(domain, selection, &mut stream, &channel_options()) {
-        Ok(channel) => channel,
-        Err(e) => {
-            debug!(%peer, error = %e, "lending queue pair setup failed");
-            return;
-        }
-    };
+    let channel =
+        match IbvConnection::connect_in(domain, selection, &mut stream, &connection_options()) {
+            Ok(channel) => channel,
+            Err(e) => {
+                debug!(%peer, error = %e, "lending queue pair setup failed");
+                return;
+            }
+        };
     debug!(%peer, qpn = channel.qp_number(), "lending queue pair ready");
     if let Err(e) = stream.set_read_timeout(Some(STOP_POLL)) {
         debug!(%peer, error = %e, "cannot poll the lending connection");
@@ -287,7 +288,7 @@ fn serve(
 /// One cached connection to a lender: the queue pair, and the TCP stream whose close tells
 /// the lender to drop its end.
 struct Connection {
-    channel: IbvChannel,
+    channel: IbvConnection,
     _stream: TcpStream,
 }
 
@@ -354,7 +355,7 @@ impl Borrower {
         let connection = self.connection(lender)?;
         let mut guard = connection.lock().unwrap_or_else(PoisonError::into_inner);
         // `target` is registered in this borrower's domain, in which every cached channel
-        // is made (ReadTarget); the channel leaks it if READs into it may still be in
+        // is made (ReadTarget); the connection leaks it if READs into it may still be in
         // flight after a failure.
         let result =
             guard
@@ -413,11 +414,11 @@ impl Borrower {
             .and_then(|()| stream.set_write_timeout(Some(timeout)))
             .and_then(|()| stream.set_nodelay(true))
             .map_err(connect_err)?;
-        let channel = IbvChannel::connect_in(
+        let channel = IbvConnection::connect_in(
             &self.domain,
             &self.selection,
             &mut stream,
-            &channel_options(),
+            &connection_options(),
         )
         .map_err(|source| LendingError::Bootstrap { lender, source })?;
         debug!(%lender, qpn = channel.qp_number(), "borrowing queue pair ready");

@@ -12,15 +12,15 @@
 //! [`config`] parses the user's choice, [`topology`] describes what the host has,
 //! [`select`] picks (pure), and [`discover`] fills the description from libibverbs.
 //!
-//! The data paths: [`channel`] (one RC queue pair with message rings, zero-copy large
+//! The data paths: [`connection`] (one RC queue pair with message rings, zero-copy large
 //! messages and one-sided reads), [`transport`] (the agent's `ibv` transport over it) and
 //! [`lending`] (memory lent to peers who READ it: `cuda_gdr`'s path).
 //!
 //! libibverbs itself is loaded at run time by [`sys`] (the crate's `sys::ibv`, re-exported
 //! here): the crate's `unsafe` code lives under `sys` alone, and the rest denies it.
 
-pub mod channel;
 pub mod config;
+pub mod connection;
 pub mod discover;
 pub mod lending;
 pub mod regcache;

@@ -1645,7 +1645,7 @@ impl Drop for RegisteredVec {
     }
 }
 
-/// Memory an RDMA READ may land in ([`crate::ibv::channel::IbvChannel::read_remote`]).
+/// Memory an RDMA READ may land in ([`crate::ibv::connection::IbvConnection::read_remote`]).
 ///
 /// # Safety
 /// `[addr(), addr() + len())` must be memory registered under `lkey()` with local write

@@ -1,4 +1,4 @@
-//! How one RPC frame becomes channel messages on an [`IbvChannel`](super::super::channel::IbvChannel),
+//! How one RPC frame becomes messages on an [`IbvConnection`](super::super::connection::IbvConnection),
 //! and back.
 //!
 //! A frame travels as a *first message* followed by zero or more *separate parts*:
@@ -9,7 +9,7 @@
 //!   [`FIRST_PARTS_MAX`] bytes;
 //! - a separate part is the payload or a tensor's data-section entry of at least
 //!   [`SEPARATE_MIN`] bytes, or a smaller one that no longer fits the first message's
-//!   budget, alone in its message and in wire order: the channel moves a large one
+//!   budget, alone in its message and in wire order: the connection moves a large one
 //!   zero-copy (the peer's RDMA READ lands in the `Vec` that becomes the received part),
 //!   so a large tensor is copied neither on the sending nor on the receiving side.
 //!
@@ -24,7 +24,7 @@
 //!
 //! What a peer can make this side allocate: the link's thread receives messages before
 //! any receiver sees them, so it keeps a [`ReceiveGate`] that says how large the next
-//! message may be *before* the channel allocates for it: a first message at most
+//! message may be *before* the connection allocates for it: a first message at most
 //! [`first_message_max`] of the limits (a few MiB under [`FrameLimits::DEFAULT`], however
 //! large the frame), and a separate part exactly the length that the frame's checked
 //! header announced. A peer that claims a 1 GiB part therefore gets it only after sending
@@ -41,9 +41,9 @@ use rdzv_uring::rpc::transport::{IncomingFrame, OwnedFrame};
 use rdzv_uring::rpc::{HostBytes, TransportError};
 
 /// Body parts of at least this many bytes travel as separate, zero-copy messages: the
-/// channel's own zero-copy threshold, below which one copy through the ring is cheaper
+/// connection's own zero-copy threshold, below which one copy through the ring is cheaper
 /// than registering memory.
-pub const SEPARATE_MIN: usize = super::super::channel::ZERO_COPY_THRESHOLD;
+pub const SEPARATE_MIN: usize = super::super::connection::ZERO_COPY_THRESHOLD;
 
 /// The most bytes of body parts below [`SEPARATE_MIN`] that one first message carries;
 /// the small parts after them travel as separate messages (copied through the ring). It
@@ -362,7 +362,7 @@ fn check_first<'a>(
     let mut expected = Vec::new();
     let mut in_first = named_end;
     let mut split = Split::default();
-    // A tensor's data-section entry: its bytes (basic) or its channel's descriptor.
+    // A tensor's data-section entry: its bytes (basic) or its connection's descriptor.
     for len in std::iter::once(header.payload_len).chain(tensors.iter().map(|t| t.data_len())) {
         if split.separate(len) {
             expected.push(len);
@@ -389,7 +389,7 @@ fn check_first<'a>(
 
 /// How large the next message of a link may be, and whether it fits the frame it
 /// belongs to: kept by the link's thread, which receives messages before any receiver
-/// checks them, so that the channel allocates for a message no more than what the frame
+/// checks them, so that the connection allocates for a message no more than what the frame
 /// limits and the frame's checked header allow (see the [module](self) docs).
 ///
 /// It checks first messages against its own limits, which must be at least as wide as
@@ -717,7 +717,7 @@ mod tests {
 
     #[test]
     fn a_huge_part_is_refused_unless_a_checked_header_announced_it() {
-        use crate::ibv::channel::{admit_large, ChannelError};
+        use crate::ibv::connection::{admit_large, ConnectionError};
         use crate::ibv::wire::{LargeDescriptor, DESCRIPTOR_LEN as LARGE_DESCRIPTOR_LEN};
         let claim = |len| LargeDescriptor {
             addr: 0x1000,
@@ -735,7 +735,7 @@ mod tests {
         let first_max = first_message_max(&FrameLimits::DEFAULT);
         let refused = admit_large(&claim(1 << 40), gate.next_limit(), descriptor_len);
         match &refused {
-            Err(ChannelError::BadDescriptor { len, max, .. }) => {
+            Err(ConnectionError::BadDescriptor { len, max, .. }) => {
                 assert_eq!((*len, *max), (1 << 40, first_max));
             }
             other => panic!("expected a refusal, got {other:?}"),
@@ -761,7 +761,7 @@ mod tests {
             .contains(&format!("announced {announced} bytes")));
         let refused = admit_large(&claim(1 << 30), gate.next_limit(), descriptor_len);
         assert!(
-            matches!(refused, Err(ChannelError::BadDescriptor { len, max, .. })
+            matches!(refused, Err(ConnectionError::BadDescriptor { len, max, .. })
                 if len == 1 << 30 && max == announced),
             "{refused:?}"
         );

@@ -1,10 +1,10 @@
-//! The thread that owns one connection's [`IbvChannel`] and moves frames between it and
+//! The thread that owns one connection's [`IbvConnection`] and moves frames between it and
 //! the agent's executor.
 //!
-//! The channel is blocking and not split into halves, so one thread drives both
-//! directions with the channel's non-blocking calls: it posts the parts of queued frames
+//! The connection is blocking and not split into halves, so one thread drives both
+//! directions with the connection's non-blocking calls: it posts the parts of queued frames
 //! while the peer's ring has credit, takes arrived messages while the agent's receive
-//! queue has room, and otherwise sleeps in [`IbvChannel::wait`] on the completion
+//! queue has room, and otherwise sleeps in [`IbvConnection::wait`] on the completion
 //! channel, a wake-up socket (the agent queued a frame, read one, or dropped a half) and
 //! the TCP bootstrap connection. A large write therefore never stops reads.
 //!
@@ -12,21 +12,21 @@
 //! the last frame; once every send has completed and the peer has read every zero-copy
 //! buffer, the thread writes one byte (`F`) on the bootstrap connection. A peer's `F`
 //! followed by the end of the bootstrap connection is a graceful end (its `FIN` is in
-//! the channel); the end of the bootstrap connection without `F` means the peer's process
+//! the connection); the end of the bootstrap connection without `F` means the peer's process
 //! is gone, and the link fails at once instead of waiting for the RDMA retry timers. A
 //! failed work completion fails the link with the verb and its status
 //! (`IBV_WC_RETRY_EXC_ERR`, ...).
 //!
 //! Receiving allocates only what the frames allow: before each message the thread asks
-//! its [`ReceiveGate`] how large the next one may be ([`IbvChannel::try_recv_within`]):
+//! its [`ReceiveGate`] how large the next one may be ([`IbvConnection::try_recv_within`]):
 //! a frame's first message is bounded by the frame limits alone, and a zero-copy part is
 //! allocated only once the first message's header, checked against the limits, announced
 //! exactly that length. A peer that claims more fails the link, with the claim and the
 //! limit, before anything is allocated for it.
 //!
-//! Ownership: a frame's buffers move into the channel (`Arc`), which keeps them, and
+//! Ownership: a frame's buffers move into the connection (`Arc`), which keeps them, and
 //! their registrations, until the peer acknowledged reading them, whatever happens to the
-//! agent's futures; the queue pair is destroyed (when the thread drops the channel)
+//! agent's futures; the queue pair is destroyed (when the thread drops the connection)
 //! before any of them is freed.
 
 use std::collections::VecDeque;
@@ -47,34 +47,34 @@ use rdzv_uring::rpc::TransportError;
 
 use super::framing::{split_frame, ReceiveGate, FIN};
 use crate::error_chain::ErrorChain;
-use crate::ibv::channel::{ChannelError, IbvChannel};
+use crate::ibv::connection::{ConnectionError, IbvConnection};
 
-/// Why a link failed: one variant per way, each with the channel's error where there is
+/// Why a link failed: one variant per way, each with the connection's error where there is
 /// one (shared: the failure goes to both halves).
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum LinkError {
     /// Moving the queue pair to the error state (on request) failed.
     #[error("{}", ErrorChain(.0.as_ref()))]
-    Abort(#[source] Arc<ChannelError>),
+    Abort(#[source] Arc<ConnectionError>),
     /// Waiting for completions or wake-ups failed.
     #[error("{}", ErrorChain(.0.as_ref()))]
-    Wait(#[source] Arc<ChannelError>),
+    Wait(#[source] Arc<ConnectionError>),
     /// A frame could not be split into messages.
     #[error("{}", ErrorChain(.0.as_ref()))]
     Split(#[source] Arc<EncodeError>),
     /// Posting a message failed.
     #[error("{}", ErrorChain(.0.as_ref()))]
-    Send(#[source] Arc<ChannelError>),
+    Send(#[source] Arc<ConnectionError>),
     /// Taking an arrived message failed; `expecting` is what the frame allowed next,
     /// for a descriptor the peer should not have sent.
     #[error("{}{}", .expecting.as_deref().map(|e| format!("receiving {e}: ")).unwrap_or_default(), ErrorChain(.source.as_ref()))]
     Receive {
         /// What the frame allowed next, for a bad descriptor.
         expecting: Option<String>,
-        /// The channel's error.
+        /// The connection's error.
         #[source]
-        source: Arc<ChannelError>,
+        source: Arc<ConnectionError>,
     },
     /// A message broke the frame limits.
     #[error("{0}")]
@@ -98,7 +98,7 @@ pub enum LinkError {
     },
 }
 
-/// Messages waiting for the agent before the thread stops taking more from the channel
+/// Messages waiting for the agent before the thread stops taking more from the connection
 /// (the peer then waits for ring credit).
 pub const INCOMING_BOUND: usize = 64;
 /// How long a peer that announced its end (`F`) may take for its `FIN` to arrive.
@@ -194,7 +194,7 @@ impl Link {
     }
 
     /// Has the thread move the queue pair to the error state
-    /// ([`IbvChannel::abort`]), as a failing device or link would: the work requests
+    /// ([`IbvConnection::abort`]), as a failing device or link would: the work requests
     /// posted then complete with `IBV_WC_WR_FLUSH_ERR`, and the link fails with that
     /// status. For tests of the error path.
     pub fn abort_queue_pair(&self) {
@@ -243,7 +243,7 @@ impl Link {
 /// Creating the wake-up socket, making `bootstrap` non-blocking, or spawning the thread
 /// failed.
 pub fn start(
-    channel: IbvChannel,
+    channel: IbvConnection,
     bootstrap: TcpStream,
     peer: &str,
     limits: FrameLimits,
@@ -276,7 +276,7 @@ pub fn start(
                     driver.link.fail(reason);
                 }
             }
-            // The queue pair goes (with the channel) before the bootstrap connection
+            // The queue pair goes (with the connection) before the bootstrap connection
             // closes, so the peer sees the end only once nothing is posted here.
             let Driver {
                 channel, bootstrap, ..
@@ -288,7 +288,7 @@ pub fn start(
 }
 
 struct Driver {
-    channel: IbvChannel,
+    channel: IbvConnection,
     bootstrap: TcpStream,
     link: Arc<Link>,
     /// The rest of the frame being sent.
@@ -466,7 +466,7 @@ impl Driver {
                 .channel
                 .try_recv_within(self.gate.next_limit())
                 .map_err(|e| LinkError::Receive {
-                    expecting: matches!(e, ChannelError::BadDescriptor { .. })
+                    expecting: matches!(e, ConnectionError::BadDescriptor { .. })
                         .then(|| self.gate.expecting()),
                     source: Arc::new(e),
                 })?;

@@ -1,5 +1,5 @@
 //! The `ibv` transport of the RPC agent: the agent's transport seam
-//! (`rdzv_uring::rpc::transport`) over an RC queue pair ([`IbvChannel`]), plugged into
+//! (`rdzv_uring::rpc::transport`) over an RC queue pair ([`IbvConnection`]), plugged into
 //! the agent with [`IbvPlugin`].
 //!
 //! ```no_run
@@ -20,7 +20,7 @@
 //!   the probe's reason, which the agent logs before leaving ibv out.
 //! - **Addresses**: a listener is a TCP socket on the agent's host, published as
 //!   `ibv://<ip>:<port>` (`ibv://[v6]:port` for IPv6). A connection is a TCP connection to
-//!   it, over which [`IbvChannel::connect`] exchanges the queue pairs' records; it stays
+//!   it, over which [`IbvConnection::connect`] exchanges the queue pairs' records; it stays
 //!   open afterwards only to see the peer go.
 //! - **Domain descriptor** ([`domain_descriptor`]): two workers negotiate ibv only when
 //!   their ports can address each other: `ibv:ib:<subnet prefix>` for InfiniBand (LID
@@ -68,7 +68,7 @@ use rdzv_uring::rpc::TransportError;
 
 use self::framing::{Assembler, Fed};
 use self::link::{Link, LinkError};
-use super::channel::{ChannelOptions, IbvChannel};
+use super::connection::{ConnectionOptions, IbvConnection};
 use super::select::IbvSelection;
 use super::topology::{GidType, LinkLayer};
 use super::{probe, IbvConfig, IbvNotViable, IbvViability};
@@ -150,7 +150,7 @@ const MAX_PART: u64 = {
 pub struct IbvTransport {
     host: IpAddr,
     selection: IbvSelection,
-    options: ChannelOptions,
+    options: ConnectionOptions,
     descriptor: String,
     /// Once [`Transport::listen`] ran: the accept thread's set-up links (or errors).
     listening: Option<Listening<Accepted>>,
@@ -167,7 +167,7 @@ impl IbvTransport {
             IbvViability::Viable(selection) => Ok(Self::with_selection(
                 host,
                 selection,
-                ChannelOptions::default(),
+                ConnectionOptions::default(),
             )),
             IbvViability::NotViable(reason) => Err(reason),
         }
@@ -177,7 +177,7 @@ impl IbvTransport {
     pub fn with_selection(
         host: IpAddr,
         selection: IbvSelection,
-        mut options: ChannelOptions,
+        mut options: ConnectionOptions,
     ) -> IbvTransport {
         // A backstop: the link's thread admits a part only at the length a checked frame
         // header announced (framing::ReceiveGate), never more than a frame the agent
@@ -206,8 +206,8 @@ pub struct IbvPlugin {
     /// The device, port and GID to use; `None` reads `RDZV_IB_DEVICE`, `RDZV_IB_PORT` and
     /// `RDZV_IB_GID_INDEX` when the agent starts.
     pub config: Option<IbvConfig>,
-    /// The channels' tunables.
-    pub options: ChannelOptions,
+    /// The connections' tunables.
+    pub options: ConnectionOptions,
 }
 
 impl IbvPlugin {
@@ -249,13 +249,13 @@ fn not_viable(reason: IbvNotViable) -> TransportError {
 fn establish(
     mut stream: TcpStream,
     selection: &IbvSelection,
-    options: &ChannelOptions,
+    options: &ConnectionOptions,
     peer: &str,
 ) -> io::Result<Arc<Link>> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(SETUP_TIMEOUT))?;
     stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
-    let channel = IbvChannel::connect(selection, &mut stream, options)
+    let channel = IbvConnection::connect(selection, &mut stream, options)
         .map_err(|e| io::Error::other(ErrorChain(&e).to_string()))?;
     link::start(channel, stream, peer, RECEIVE_LIMITS)
 }
@@ -343,7 +343,7 @@ fn accept_thread(
     listener: &TcpListener,
     queue: &Arc<Queue<Accepted>>,
     selection: &IbvSelection,
-    options: &ChannelOptions,
+    options: &ConnectionOptions,
     address: &str,
 ) {
     loop {
@@ -610,12 +610,12 @@ mod tests {
         let transport = IbvTransport::with_selection(
             IpAddr::from([127, 0, 0, 1]),
             selection(LinkLayer::InfiniBand, GidType::InfiniBand, gid),
-            ChannelOptions::default(),
+            ConnectionOptions::default(),
         );
         assert_eq!(transport.options.max_large_message, 1 << 30);
-        let small = ChannelOptions {
+        let small = ConnectionOptions {
             max_large_message: 4096,
-            ..ChannelOptions::default()
+            ..ConnectionOptions::default()
         };
         let transport = IbvTransport::with_selection(
             IpAddr::from([127, 0, 0, 1]),

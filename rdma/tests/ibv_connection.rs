@@ -10,17 +10,19 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdzv_rdma::ibv::channel::{ChannelError, ChannelOptions, IbvChannel, ZERO_COPY_THRESHOLD};
+use rdzv_rdma::ibv::connection::{
+    ConnectionError, ConnectionOptions, IbvConnection, ZERO_COPY_THRESHOLD,
+};
 use rdzv_rdma::ibv::wc_status::{WC_RETRY_EXC_ERR, WC_WR_FLUSH_ERR};
 use rdzv_rdma::ibv::IbvSelection;
 
 const LONG: Duration = Duration::from_secs(60);
 
-/// Runs `a` and `b` on two threads, each with a channel connected to the other's.
-fn pair<A, B, RA, RB>(selection: &IbvSelection, options: ChannelOptions, a: A, b: B) -> (RA, RB)
+/// Runs `a` and `b` on two threads, each with a connection connected to the other's.
+fn pair<A, B, RA, RB>(selection: &IbvSelection, options: ConnectionOptions, a: A, b: B) -> (RA, RB)
 where
-    A: FnOnce(IbvChannel) -> RA + Send + 'static,
-    B: FnOnce(IbvChannel) -> RB + Send + 'static,
+    A: FnOnce(IbvConnection) -> RA + Send + 'static,
+    B: FnOnce(IbvConnection) -> RB + Send + 'static,
     RA: Send + 'static,
     RB: Send + 'static,
 {
@@ -29,11 +31,11 @@ where
     let (sel_b, opt_b) = (selection.clone(), options.clone());
     let peer = thread::spawn(move || {
         let mut stream = TcpStream::connect(addr).expect("connect bootstrap");
-        let channel = IbvChannel::connect(&sel_b, &mut stream, &opt_b).expect("connect B");
+        let channel = IbvConnection::connect(&sel_b, &mut stream, &opt_b).expect("connect B");
         b(channel)
     });
     let (mut stream, _) = listener.accept().expect("accept bootstrap");
-    let channel = IbvChannel::connect(selection, &mut stream, &options).expect("connect A");
+    let channel = IbvConnection::connect(selection, &mut stream, &options).expect("connect A");
     let ra = a(channel);
     let rb = peer.join().expect("peer thread panicked");
     (ra, rb)
@@ -54,7 +56,7 @@ fn connects_and_moves_small_messages_both_ways() {
     let sizes = [0usize, 1, 7, 64, 200, 1000, 4000, 65536];
     let ((max_inline, peer_qpn), b_qpn) = pair(
         &sel,
-        ChannelOptions::default(),
+        ConnectionOptions::default(),
         move |mut a| {
             for (n, &len) in sizes.iter().enumerate() {
                 a.send(&pattern(n, len)).unwrap();
@@ -68,7 +70,7 @@ fn connects_and_moves_small_messages_both_ways() {
             let too_big = vec![0u8; a.max_message_len() + 1];
             assert!(matches!(
                 a.send(&too_big),
-                Err(ChannelError::MessageTooLarge { .. })
+                Err(ConnectionError::MessageTooLarge { .. })
             ));
             (a.max_inline(), a.peer().qpn)
         },
@@ -91,10 +93,10 @@ fn ring_wraps_around_byte_for_byte() {
     let Some(sel) = verbs_env::selection_or_skip("ring_wraps_around") else {
         return;
     };
-    let options = ChannelOptions {
+    let options = ConnectionOptions {
         ring_len: 4096,
         recv_slots: 8,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     };
     // Sizes prime to the ring length, inline and staged, so that messages straddle the
     // end of the ring at many offsets.
@@ -129,10 +131,10 @@ fn sender_blocks_on_credits_and_loses_nothing() {
     let Some(sel) = verbs_env::selection_or_skip("sender_blocks_on_credits") else {
         return;
     };
-    let options = ChannelOptions {
+    let options = ConnectionOptions {
         ring_len: 4096,
         recv_slots: 4,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     };
     let count = 40;
     let stall = Duration::from_millis(400);
@@ -146,7 +148,7 @@ fn sender_blocks_on_credits_and_loses_nothing() {
             loop {
                 match a.send_timeout(&pattern(first_burst, 1500), Duration::from_millis(100)) {
                     Ok(()) => first_burst += 1,
-                    Err(ChannelError::Timeout {
+                    Err(ConnectionError::Timeout {
                         operation: "send", ..
                     }) => break,
                     Err(err) => panic!("{err}"),
@@ -194,10 +196,10 @@ fn queue_pair_forced_to_error_fails_pending_work() {
     let Some(sel) = verbs_env::selection_or_skip("queue_pair_forced_to_error") else {
         return;
     };
-    let options = ChannelOptions {
+    let options = ConnectionOptions {
         ack_timeout: 10,
         retry_count: 1,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     };
     let (a_err, b_err) = pair(
         &sel,
@@ -226,12 +228,12 @@ fn queue_pair_forced_to_error_fails_pending_work() {
         },
     );
     println!("aborted side: {a_err}\npeer: {b_err}");
-    let ChannelError::Completion(a_fail) = &a_err else {
+    let ConnectionError::Completion(a_fail) = &a_err else {
         panic!("expected a completion failure, got {a_err}")
     };
     assert_eq!(a_fail.status, WC_WR_FLUSH_ERR, "{a_err}");
     assert!(a_err.to_string().contains("IBV_WC_WR_FLUSH_ERR"), "{a_err}");
-    let ChannelError::Completion(b_fail) = &b_err else {
+    let ConnectionError::Completion(b_fail) = &b_err else {
         panic!("expected a completion failure, got {b_err}")
     };
     assert_eq!(b_fail.operation, "RDMA write with immediate");
@@ -243,9 +245,9 @@ fn large_messages_go_zero_copy_and_stay_owned_until_read() {
     let Some(sel) = verbs_env::selection_or_skip("large_messages_go_zero_copy") else {
         return;
     };
-    let options = ChannelOptions {
+    let options = ConnectionOptions {
         ring_len: 4096,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     };
     // Above the threshold, above the ring but below the threshold, odd sizes, and one
     // buffer sent twice (a registration cache hit).
@@ -262,7 +264,7 @@ fn large_messages_go_zero_copy_and_stay_owned_until_read() {
         options,
         move |mut a| {
             let buffers: Vec<Arc<Vec<u8>>> = expected.into_iter().map(Arc::new).collect();
-            // The receiver is not reading yet: the channel must hold the buffers.
+            // The receiver is not reading yet: the connection must hold the buffers.
             for buf in buffers.iter().take(sizes.len()) {
                 a.send_buffer(Arc::clone(buf)).unwrap();
             }
@@ -270,7 +272,7 @@ fn large_messages_go_zero_copy_and_stay_owned_until_read() {
             // Same allocation again: served from the registration cache.
             a.send_buffer(Arc::clone(&buffers[2])).unwrap();
             assert_eq!(a.cached_registrations(), sizes.len());
-            // The caller gives up its handles; the channel still owns the memory.
+            // The caller gives up its handles; the connection still owns the memory.
             drop(buffers);
             a.flush(LONG).unwrap();
             assert_eq!(a.large_in_flight(), 0);
@@ -297,9 +299,9 @@ fn receiver_refuses_an_oversized_zero_copy_message() {
     let Some(sel) = verbs_env::selection_or_skip("receiver_refuses_oversized") else {
         return;
     };
-    let options = ChannelOptions {
+    let options = ConnectionOptions {
         max_large_message: 1 << 20,
-        ..ChannelOptions::default()
+        ..ConnectionOptions::default()
     };
     let (_, err) = pair(
         &sel,
@@ -310,7 +312,7 @@ fn receiver_refuses_an_oversized_zero_copy_message() {
         |mut b| b.recv_timeout(LONG).unwrap_err(),
     );
     assert!(
-        matches!(err, ChannelError::BadDescriptor { len, max, .. } if len == 2 << 20 && max == 1 << 20),
+        matches!(err, ConnectionError::BadDescriptor { len, max, .. } if len == 2 << 20 && max == 1 << 20),
         "{err}"
     );
 }
@@ -335,13 +337,13 @@ fn idle_receiver_sleeps_on_the_completion_channel_and_wakes() {
     let idle = Duration::from_millis(600);
     let ((waited, cpu, timed_out_cpu), ()) = pair(
         &sel,
-        ChannelOptions::default(),
+        ConnectionOptions::default(),
         move |mut a| {
             // Nothing arrives: the timeout is honoured without spinning all along.
             let cpu0 = thread_cpu_time();
             assert!(matches!(
                 a.recv_timeout(Duration::from_millis(300)),
-                Err(ChannelError::Timeout {
+                Err(ConnectionError::Timeout {
                     operation: "recv",
                     ..
                 })

@@ -1,30 +1,30 @@
 //! One RC queue pair connected to a peer, moving small messages through registered rings.
 //!
-//! [`IbvChannel::connect`] opens the selected device, creates a protection domain, a
+//! [`IbvConnection::connect`] opens the selected device, creates a protection domain, a
 //! completion queue with a completion channel, an RC queue pair and two registered rings
 //! (a receive ring the peer writes into, and a send staging ring that mirrors the peer's),
 //! exchanges [`ConnectionInfo`] over any `Read + Write`
 //! bootstrap stream and moves the queue pair through INIT → RTR → RTS.
 //!
-//! Messages: [`IbvChannel::send`] places a message in the peer's ring (see
+//! Messages: [`IbvConnection::send`] places a message in the peer's ring (see
 //! [`ring`](super::ring)) with one RDMA write-with-immediate whose immediate is the length
 //! (two writes when it wraps), inline when it fits the queue pair's `max_inline_data`, and
 //! otherwise staged in the registered send ring. It blocks while the peer's ring or receive
 //! slots are full: credits come back as zero-byte sends-with-immediate carrying the count
-//! of messages the peer consumed. [`IbvChannel::recv`] copies the next message out of the
+//! of messages the peer consumed. [`IbvConnection::recv`] copies the next message out of the
 //! receive ring and acknowledges.
 //!
-//! Completions are busy-polled for [`ChannelOptions::spin`], then the channel arms the
+//! Completions are busy-polled for [`ConnectionOptions::spin`], then the connection arms the
 //! completion queue and sleeps on the completion channel's file descriptor. A failed work
-//! completion fails the channel for good, with the operation and the status name (for
+//! completion fails the connection for good, with the operation and the status name (for
 //! example `IBV_WC_RETRY_EXC_ERR`); every later call returns the same error.
 //!
-//! Ownership: the rings are owned by the channel and registered for its whole life; the
+//! Ownership: the rings are owned by the connection and registered for its whole life; the
 //! queue pair is destroyed first on drop, so the device never touches freed memory. Inline
 //! sends copy the caller's bytes into the work request, so no caller buffer is ever held by
 //! the device after `send` returns.
 //!
-//! Large messages are zero-copy: [`IbvChannel::send_buffer`] takes shared ownership of the
+//! Large messages are zero-copy: [`IbvConnection::send_buffer`] takes shared ownership of the
 //! caller's buffer, registers it (through a [`RegistrationCache`] keyed by address range)
 //! and sends only a [`LargeDescriptor`] through the ring; the receiver fetches the bytes
 //! with RDMA READ straight into the `Vec` it returns, then acknowledges. The sender keeps
@@ -34,14 +34,14 @@
 //!
 //! Event loops that also wait for other things (the RPC transport's driver thread, in
 //! [`transport`](super::transport)) use the non-blocking calls instead:
-//! [`IbvChannel::try_send_owned`] (zero-copy above the threshold, registration not
-//! cached: for buffers sent once), [`IbvChannel::try_recv`], and [`IbvChannel::wait`],
+//! [`IbvConnection::try_send_owned`] (zero-copy above the threshold, registration not
+//! cached: for buffers sent once), [`IbvConnection::try_recv`], and [`IbvConnection::wait`],
 //! which sleeps on the completion channel *and* the caller's file descriptors.
 //!
-//! One-sided reads of memory the peer lent: [`IbvChannel::read_remote`] READs a range the
+//! One-sided reads of memory the peer lent: [`IbvConnection::read_remote`] READs a range the
 //! peer registered (address and rkey, learnt out of band) into caller-registered memory
 //! (host or device). For that both sides' registrations must live in the protection
-//! domain of their queue pair: [`IbvChannel::connect_in`] makes the channel in a shared
+//! domain of their queue pair: [`IbvConnection::connect_in`] makes the connection in a shared
 //! [`VerbsDomain`]. This is the data path of `cuda_gdr` ([`super::lending`]).
 //!
 //! Not here: a shared receive queue across peers, receiving ring messages into
@@ -75,7 +75,7 @@ use super::wire::{
 pub const DEFAULT_RING_LEN: u32 = 64 * 1024;
 /// Default receive slots (messages in flight per direction).
 pub const DEFAULT_RECV_SLOTS: u32 = 64;
-/// Messages of at least this many bytes given to [`IbvChannel::send_buffer`] go zero-copy
+/// Messages of at least this many bytes given to [`IbvConnection::send_buffer`] go zero-copy
 /// (descriptor in the ring, data by RDMA READ); smaller ones are copied through the ring.
 ///
 /// 16 KiB is where, on InfiniBand and RoCE NICs, one registration-cache hit plus a READ
@@ -86,19 +86,19 @@ pub const DEFAULT_RECV_SLOTS: u32 = 64;
 pub const ZERO_COPY_THRESHOLD: usize = 16 * 1024;
 /// Registrations kept by the sender's cache.
 pub const REGISTRATION_CACHE_ENTRIES: usize = 64;
-/// How long a failed [`IbvChannel::read_remote`] waits for its other READs to be flushed.
+/// How long a failed [`IbvConnection::read_remote`] waits for its other READs to be flushed.
 pub const READ_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Inline data requested when creating the queue pair; the device may grant less.
 pub const REQUESTED_MAX_INLINE: u32 = 256;
 
-/// Tunables of one channel.
+/// Tunables of one connection.
 #[derive(Debug, Clone)]
-pub struct ChannelOptions {
+pub struct ConnectionOptions {
     /// Receive ring size in bytes (a power of two): the largest message.
     pub ring_len: u32,
     /// Receive work requests for messages (messages in flight per direction).
     pub recv_slots: u32,
-    /// How long to busy-poll the completion queue before sleeping on the channel.
+    /// How long to busy-poll the completion queue before sleeping on the connection.
     pub spin: Duration,
     /// Local ACK timeout exponent (`4.096 µs × 2^timeout`), 1 to 31.
     pub ack_timeout: u8,
@@ -108,9 +108,9 @@ pub struct ChannelOptions {
     pub max_large_message: u64,
 }
 
-impl Default for ChannelOptions {
+impl Default for ConnectionOptions {
     fn default() -> Self {
-        ChannelOptions {
+        ConnectionOptions {
             ring_len: DEFAULT_RING_LEN,
             recv_slots: DEFAULT_RECV_SLOTS,
             spin: Duration::from_micros(50),
@@ -158,10 +158,10 @@ impl fmt::Display for CompletionFailure {
     }
 }
 
-/// Errors of an [`IbvChannel`].
+/// Errors of an [`IbvConnection`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ChannelError {
+pub enum ConnectionError {
     /// The selected device is not in the device list any more.
     #[error("RDMA device {device} is not present")]
     DeviceNotFound {
@@ -185,7 +185,7 @@ pub enum ChannelError {
     /// The final synchronisation over the bootstrap stream failed.
     #[error("RDMA connection setup: the peer did not confirm over the bootstrap stream")]
     Bootstrap(#[source] io::Error),
-    /// A work completion failed; the channel is unusable from then on.
+    /// A work completion failed; the connection is unusable from then on.
     #[error("{0}")]
     Completion(CompletionFailure),
     /// The peer broke the ring protocol.
@@ -196,13 +196,13 @@ pub enum ChannelError {
     BadDescriptor {
         /// Announced length (0 when the descriptor did not parse).
         len: u64,
-        /// [`ChannelOptions::max_large_message`], or the smaller limit the caller gave
-        /// [`IbvChannel::try_recv_within`].
+        /// [`ConnectionOptions::max_large_message`], or the smaller limit the caller gave
+        /// [`IbvConnection::try_recv_within`].
         max: u64,
         /// Ring bytes of the descriptor.
         descriptor_len: u32,
     },
-    /// The message is larger than the peer's ring (use [`IbvChannel::send_buffer`]).
+    /// The message is larger than the peer's ring (use [`IbvConnection::send_buffer`]).
     #[error("a {len}-byte message exceeds the RDMA ring size of {max} bytes")]
     MessageTooLarge {
         /// Message length.
@@ -230,17 +230,17 @@ pub enum ChannelError {
 }
 
 /// `len` zeroed bytes, allocated fallibly: an admitted message of an impossible size is
-/// the channel's error, not an abort.
-fn zeroed(len: usize) -> Result<Vec<u8>, ChannelError> {
+/// the connection's error, not an abort.
+fn zeroed(len: usize) -> Result<Vec<u8>, ConnectionError> {
     let mut buf = Vec::new();
     buf.try_reserve_exact(len)
-        .map_err(|_| ChannelError::OutOfMemory { len })?;
+        .map_err(|_| ConnectionError::OutOfMemory { len })?;
     buf.resize(len, 0);
     Ok(buf)
 }
 
-/// An opened verbs device and one protection domain on it, shared by the channels made
-/// with [`IbvChannel::connect_in`] and by the memory registered for one-sided READs
+/// An opened verbs device and one protection domain on it, shared by the connections made
+/// with [`IbvConnection::connect_in`] and by the memory registered for one-sided READs
 /// through them (a READ names memory by a key of the target queue pair's protection
 /// domain). Clones share the device and the domain.
 #[derive(Clone)]
@@ -263,12 +263,12 @@ impl VerbsDomain {
     ///
     /// # Errors
     /// The device is gone, or `ibv_open_device` or `ibv_alloc_pd` failed.
-    pub fn open(selection: &IbvSelection) -> Result<VerbsDomain, ChannelError> {
+    pub fn open(selection: &IbvSelection) -> Result<VerbsDomain, ConnectionError> {
         let dev = selection.device.as_str();
         let list = DeviceList::new().map_err(|e| verb_err("ibv_get_device_list", dev, e))?;
         let index = list
             .find(dev)
-            .ok_or_else(|| ChannelError::DeviceNotFound { device: dev.into() })?;
+            .ok_or_else(|| ConnectionError::DeviceNotFound { device: dev.into() })?;
         let context = list
             .open(index)
             .map_err(|e| verb_err("ibv_open_device", dev, e))?;
@@ -321,7 +321,7 @@ struct LargeSend {
     _region: Arc<CachedRegion>,
 }
 
-/// An RDMA READ of a large message into memory the channel owns until it completes.
+/// An RDMA READ of a large message into memory the connection owns until it completes.
 struct PendingRead {
     /// Destination, written by the device and handed back once every READ completed;
     /// `None` for an empty message.
@@ -338,7 +338,7 @@ struct PendingRead {
 /// Field order is drop order: the queue pair goes first (the device stops touching the
 /// rings), then the completion queue and channel, then the memory regions, then the ring
 /// memory itself.
-pub struct IbvChannel {
+pub struct IbvConnection {
     qp: QueuePair,
     cq: Arc<CompletionQueue>,
     comp_channel: Arc<CompChannel>,
@@ -360,7 +360,7 @@ pub struct IbvChannel {
     max_msg_size: u64,
     max_large_message: u64,
     outstanding_sends: u32,
-    /// One-sided READs of [`IbvChannel::read_remote`] posted and not completed.
+    /// One-sided READs of [`IbvConnection::read_remote`] posted and not completed.
     remote_reads_in_flight: u32,
     /// Messages sent, and messages the peer acknowledged.
     sent_seq: u64,
@@ -374,9 +374,9 @@ pub struct IbvChannel {
     failure: Option<CompletionFailure>,
 }
 
-impl fmt::Debug for IbvChannel {
+impl fmt::Debug for IbvConnection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IbvChannel")
+        f.debug_struct("IbvConnection")
             .field("device", &self.device)
             .field("qpn", &self.qpn)
             .field("peer", &self.peer)
@@ -405,13 +405,13 @@ impl fmt::Debug for IbvChannel {
 /// sender's address space. Called before anything is allocated for the message.
 ///
 /// # Errors
-/// [`ChannelError::BadDescriptor`] with the announced length and `max`.
+/// [`ConnectionError::BadDescriptor`] with the announced length and `max`.
 pub(crate) fn admit_large(
     source: &LargeDescriptor,
     max: u64,
     descriptor_len: u32,
-) -> Result<usize, ChannelError> {
-    let refused = ChannelError::BadDescriptor {
+) -> Result<usize, ConnectionError> {
+    let refused = ConnectionError::BadDescriptor {
         len: source.len,
         max,
         descriptor_len,
@@ -422,8 +422,8 @@ pub(crate) fn admit_large(
     usize::try_from(source.len).map_err(|_| refused)
 }
 
-fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ChannelError {
-    ChannelError::Verb {
+fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ConnectionError {
+    ConnectionError::Verb {
         verb,
         device: device.to_owned(),
         source: source.into(),
@@ -450,22 +450,24 @@ fn initial_psn() -> u32 {
     (nanos ^ std::process::id().rotate_left(12)) & MAX_24BIT
 }
 
-impl ChannelOptions {
+impl ConnectionOptions {
     /// Checks the options' ranges.
-    fn check(&self) -> Result<(), ChannelError> {
+    fn check(&self) -> Result<(), ConnectionError> {
         if !self.ring_len.is_power_of_two()
             || self.ring_len > MAX_RING_LEN
             || (self.ring_len as usize) < DESCRIPTOR_LEN
         {
-            return Err(ChannelError::Options(
+            return Err(ConnectionError::Options(
                 "ring_len must be a power of two from 32 bytes to 1 GiB",
             ));
         }
         if self.recv_slots == 0 || self.recv_slots > 4096 {
-            return Err(ChannelError::Options("recv_slots must be from 1 to 4096"));
+            return Err(ConnectionError::Options(
+                "recv_slots must be from 1 to 4096",
+            ));
         }
         if self.ack_timeout == 0 || self.ack_timeout > 31 || self.retry_count > 7 {
-            return Err(ChannelError::Options(
+            return Err(ConnectionError::Options(
                 "ack_timeout must be 1 to 31 and retry_count 0 to 7",
             ));
         }
@@ -473,14 +475,14 @@ impl ChannelOptions {
     }
 }
 
-impl IbvChannel {
+impl IbvConnection {
     /// Connects to the peer at the other end of `bootstrap`, which must call `connect` too
     /// (the exchange is symmetric). Blocks until both queue pairs are ready to send.
     pub fn connect<S: Read + Write + ?Sized>(
         selection: &IbvSelection,
         bootstrap: &mut S,
-        options: &ChannelOptions,
-    ) -> Result<Self, ChannelError> {
+        options: &ConnectionOptions,
+    ) -> Result<Self, ConnectionError> {
         options.check()?;
         let domain = VerbsDomain::open(selection)?;
         Self::connect_in(&domain, selection, bootstrap, options)
@@ -494,17 +496,17 @@ impl IbvChannel {
         domain: &VerbsDomain,
         selection: &IbvSelection,
         bootstrap: &mut S,
-        options: &ChannelOptions,
-    ) -> Result<Self, ChannelError> {
+        options: &ConnectionOptions,
+    ) -> Result<Self, ConnectionError> {
         options.check()?;
         if domain.device != selection.device {
-            return Err(ChannelError::Options(
+            return Err(ConnectionError::Options(
                 "the verbs domain is open on another device than the selection's",
             ));
         }
         let dev = selection.device.as_str();
         let gid_index = u8::try_from(selection.gid_index)
-            .map_err(|_| ChannelError::Options("GID index above 255"))?;
+            .map_err(|_| ConnectionError::Options("GID index above 255"))?;
         let context = Arc::clone(&domain.context);
         let pd = Arc::clone(&domain.pd);
 
@@ -558,7 +560,7 @@ impl IbvChannel {
         )
         .map_err(|e| verb_err("ibv_modify_qp(INIT)", dev, e))?;
 
-        let mut channel = IbvChannel {
+        let mut channel = IbvConnection {
             qp,
             cq,
             comp_channel,
@@ -660,7 +662,7 @@ impl IbvChannel {
             .write_all(&byte)
             .and_then(|()| bootstrap.flush())
             .and_then(|()| bootstrap.read_exact(&mut byte))
-            .map_err(ChannelError::Bootstrap)?;
+            .map_err(ConnectionError::Bootstrap)?;
         debug!(device = dev, qpn, max_inline, "RDMA channel ready");
         Ok(channel)
     }
@@ -685,7 +687,7 @@ impl IbvChannel {
         &self.peer
     }
 
-    /// The failure that ended the channel, if any.
+    /// The failure that ended the connection, if any.
     pub fn failure(&self) -> Option<&CompletionFailure> {
         self.failure.as_ref()
     }
@@ -693,23 +695,23 @@ impl IbvChannel {
     /// Sends one message through the ring (copied), blocking while the peer's ring has no
     /// room for it. Messages above [`max_message_len`](Self::max_message_len) need
     /// [`send_buffer`](Self::send_buffer).
-    pub fn send(&mut self, msg: &[u8]) -> Result<(), ChannelError> {
+    pub fn send(&mut self, msg: &[u8]) -> Result<(), ConnectionError> {
         self.send_ring_message(msg, false, None)
     }
 
-    /// [`send`](Self::send), giving up with [`ChannelError::Timeout`] when no credit comes
+    /// [`send`](Self::send), giving up with [`ConnectionError::Timeout`] when no credit comes
     /// back within `timeout`. Nothing is sent then.
-    pub fn send_timeout(&mut self, msg: &[u8], timeout: Duration) -> Result<(), ChannelError> {
+    pub fn send_timeout(&mut self, msg: &[u8], timeout: Duration) -> Result<(), ConnectionError> {
         self.send_ring_message(msg, false, Some((Instant::now() + timeout, timeout)))
     }
 
     /// Sends `buf`, zero-copy when it has at least [`ZERO_COPY_THRESHOLD`] bytes or does
     /// not fit the ring: the buffer is registered (or found in the registration cache) and
-    /// the peer reads it with RDMA READ. The channel keeps `buf` alive and registered until
+    /// the peer reads it with RDMA READ. The connection keeps `buf` alive and registered until
     /// the peer acknowledges the message, whatever the caller does with its own handle.
     /// Blocks only for ring credit, like [`send`](Self::send); [`flush`](Self::flush) waits
     /// for the peer to have read everything.
-    pub fn send_buffer<B>(&mut self, buf: Arc<B>) -> Result<(), ChannelError>
+    pub fn send_buffer<B>(&mut self, buf: Arc<B>) -> Result<(), ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
@@ -721,7 +723,7 @@ impl IbvChannel {
         &mut self,
         buf: Arc<B>,
         timeout: Duration,
-    ) -> Result<(), ChannelError>
+    ) -> Result<(), ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
@@ -732,7 +734,7 @@ impl IbvChannel {
         &mut self,
         buf: Arc<B>,
         deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ChannelError>
+    ) -> Result<(), ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
@@ -760,7 +762,7 @@ impl IbvChannel {
         &mut self,
         buf: Arc<B>,
         cached: bool,
-    ) -> Result<Arc<CachedRegion>, ChannelError>
+    ) -> Result<Arc<CachedRegion>, ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
@@ -791,7 +793,7 @@ impl IbvChannel {
         descriptor: LargeDescriptor,
         region: Arc<CachedRegion>,
         deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         self.send_ring_message(&descriptor.encode(), true, deadline)?;
         self.large_in_flight.push_back(LargeSend {
             seq: self.sent_seq - 1,
@@ -815,8 +817,8 @@ impl IbvChannel {
     /// read it. For buffers sent once, such as the RPC transport's frames.
     ///
     /// # Errors
-    /// The channel's failure, or a failed verb.
-    pub fn try_send_owned<B>(&mut self, buf: Arc<B>) -> Result<Result<(), Arc<B>>, ChannelError>
+    /// The connection's failure, or a failed verb.
+    pub fn try_send_owned<B>(&mut self, buf: Arc<B>) -> Result<Result<(), Arc<B>>, ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
@@ -847,24 +849,24 @@ impl IbvChannel {
     ///
     /// # Errors
     /// As [`recv`](Self::recv).
-    pub fn try_recv(&mut self) -> Result<Option<Vec<u8>>, ChannelError> {
+    pub fn try_recv(&mut self) -> Result<Option<Vec<u8>>, ConnectionError> {
         self.try_recv_within(u64::MAX)
     }
 
     /// [`try_recv`](Self::try_recv), refusing a zero-copy message of more than
-    /// `max_large` bytes (or [`ChannelOptions::max_large_message`], if smaller) before
+    /// `max_large` bytes (or [`ConnectionOptions::max_large_message`], if smaller) before
     /// anything is allocated or registered for it. The caller gives the limit that what
     /// it received so far allows for the *next* message (the RPC transport: the exact
     /// length that a validated frame header announced); a message already being read was
     /// checked against the limit given when its descriptor arrived.
     ///
     /// # Errors
-    /// As [`recv`](Self::recv); [`ChannelError::BadDescriptor`] with the announced length
+    /// As [`recv`](Self::recv); [`ConnectionError::BadDescriptor`] with the announced length
     /// and the limit for a refused message.
-    pub fn try_recv_within(&mut self, max_large: u64) -> Result<Option<Vec<u8>>, ChannelError> {
+    pub fn try_recv_within(&mut self, max_large: u64) -> Result<Option<Vec<u8>>, ConnectionError> {
         match self.recv_deadline(Some((Instant::now(), Duration::ZERO)), max_large) {
             Ok(message) => Ok(Some(message)),
-            Err(ChannelError::Timeout { .. }) => Ok(None),
+            Err(ConnectionError::Timeout { .. }) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -876,16 +878,16 @@ impl IbvChannel {
 
     /// Sleeps until a work completion arrives, one of `also` becomes readable, or
     /// `timeout` passes (`None`: no limit), after busy-polling for
-    /// [`ChannelOptions::spin`]. Completions it takes are handled; the caller then tries
+    /// [`ConnectionOptions::spin`]. Completions it takes are handled; the caller then tries
     /// its sends and receives again. Returns at once when a completion was waiting.
     ///
     /// # Errors
-    /// The channel's failure, or a failed verb or `poll`.
+    /// The connection's failure, or a failed verb or `poll`.
     pub fn wait(
         &mut self,
         also: &[BorrowedFd<'_>],
         timeout: Option<Duration>,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         self.check_failed()?;
         let deadline = timeout.map(|t| Instant::now() + t);
         let spin_until = Instant::now() + self.spin;
@@ -911,7 +913,7 @@ impl IbvChannel {
     }
 
     /// Asks for an event on the completion channel at the next completion.
-    fn arm(&mut self) -> Result<(), ChannelError> {
+    fn arm(&mut self) -> Result<(), ConnectionError> {
         self.cq
             .req_notify()
             .map_err(|e| verb_err("ibv_req_notify_cq", &self.device, e))?;
@@ -924,12 +926,12 @@ impl IbvChannel {
         msg: &[u8],
         descriptor: bool,
         deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         self.check_failed()?;
         let len = u32::try_from(msg.len())
             .ok()
             .filter(|&len| len <= self.tx.ring_len())
-            .ok_or(ChannelError::MessageTooLarge {
+            .ok_or(ConnectionError::MessageTooLarge {
                 len: msg.len(),
                 max: self.tx.ring_len(),
             })?;
@@ -953,13 +955,13 @@ impl IbvChannel {
 
     /// Receives the next message, blocking until one arrives (and, for a zero-copy
     /// message, until its RDMA READ completed).
-    pub fn recv(&mut self) -> Result<Vec<u8>, ChannelError> {
+    pub fn recv(&mut self) -> Result<Vec<u8>, ConnectionError> {
         self.recv_deadline(None, u64::MAX)
     }
 
-    /// [`recv`](Self::recv) giving up with [`ChannelError::Timeout`] after `timeout`. A
+    /// [`recv`](Self::recv) giving up with [`ConnectionError::Timeout`] after `timeout`. A
     /// zero-copy read under way continues, and the next `recv` returns its message.
-    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, ChannelError> {
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<Vec<u8>, ConnectionError> {
         self.recv_deadline(Some((Instant::now() + timeout, timeout)), u64::MAX)
     }
 
@@ -967,7 +969,7 @@ impl IbvChannel {
         &mut self,
         deadline: Option<(Instant, Duration)>,
         max_large: u64,
-    ) -> Result<Vec<u8>, ChannelError> {
+    ) -> Result<Vec<u8>, ConnectionError> {
         loop {
             if self.pending_read.is_some() {
                 self.check_failed()?;
@@ -1002,12 +1004,13 @@ impl IbvChannel {
                     }
                     MessageImm::Descriptor(descriptor_len) => {
                         let max = max_large.min(self.max_large_message);
-                        let source =
-                            LargeDescriptor::decode(&out).ok_or(ChannelError::BadDescriptor {
+                        let source = LargeDescriptor::decode(&out).ok_or(
+                            ConnectionError::BadDescriptor {
                                 len: 0,
                                 max,
                                 descriptor_len,
-                            })?;
+                            },
+                        )?;
                         let len = admit_large(&source, max, descriptor_len)?;
                         self.start_read(source, len)?;
                         continue;
@@ -1020,8 +1023,8 @@ impl IbvChannel {
     }
 
     /// Waits until every posted send has completed and the peer has read every zero-copy
-    /// message (reporting the channel's failure, if any).
-    pub fn flush(&mut self, timeout: Duration) -> Result<(), ChannelError> {
+    /// message (reporting the connection's failure, if any).
+    pub fn flush(&mut self, timeout: Duration) -> Result<(), ConnectionError> {
         let deadline = Some((Instant::now() + timeout, timeout));
         while self.outstanding_sends > 0 || !self.large_in_flight.is_empty() {
             self.check_failed()?;
@@ -1042,14 +1045,14 @@ impl IbvChannel {
 
     /// Allocates and registers the destination of a zero-copy message of `len` bytes
     /// ([admitted](admit_large)) and starts reading.
-    fn start_read(&mut self, source: LargeDescriptor, len: usize) -> Result<(), ChannelError> {
+    fn start_read(&mut self, source: LargeDescriptor, len: usize) -> Result<(), ConnectionError> {
         let buf = zeroed(len)?;
         let buf = if len == 0 {
             None
         } else {
             // The Vec moves into `pending_read` and is only handed out after every READ
             // into it has completed, or freed after the queue pair is destroyed (field
-            // order of IbvChannel).
+            // order of IbvConnection).
             Some(
                 RegisteredVec::register(&self.pd, buf)
                     .map_err(|e| verb_err("ibv_reg_mr (zero-copy receive)", &self.device, e))?,
@@ -1065,7 +1068,7 @@ impl IbvChannel {
     }
 
     /// Posts READs for the rest of the pending message, as far as the send queue allows.
-    fn pump_read(&mut self) -> Result<(), ChannelError> {
+    fn pump_read(&mut self) -> Result<(), ConnectionError> {
         let Some(pending) = self.pending_read.as_mut() else {
             return Ok(());
         };
@@ -1079,7 +1082,7 @@ impl IbvChannel {
                 .min(self.max_msg_size)
                 .min(1 << 30);
             // The destination range lies inside `pending.buf`, registered under `lkey` and
-            // owned by the channel until this READ completes.
+            // owned by the connection until this READ completes.
             self.qp
                 .post_send(&[SendRequest {
                     wr_id: WR_READ,
@@ -1120,19 +1123,19 @@ impl IbvChannel {
     }
 
     /// Reads `target.len()` bytes at `remote_addr` of the peer's memory, registered there
-    /// under `rkey`, into `target` (memory registered in this channel's protection domain
+    /// under `rkey`, into `target` (memory registered in this connection's protection domain
     /// with local write access: [`ReadTarget`]) with one-sided RDMA READs (split at the
     /// port's largest message), and hands `target` back once every READ has completed. The
-    /// peer's CPU takes no part; the ring protocol is untouched, so a channel can carry
+    /// peer's CPU takes no part; the ring protocol is untouched, so a connection can carry
     /// messages and READs alike.
     ///
     /// # Errors
-    /// - [`ChannelError::Completion`] when a READ fails, naming the status: a wrong key or
+    /// - [`ConnectionError::Completion`] when a READ fails, naming the status: a wrong key or
     ///   a range outside the peer's registration is `IBV_WC_REM_ACCESS_ERR`, a peer gone
-    ///   is `IBV_WC_RETRY_EXC_ERR`. The channel is failed from then on.
-    /// - [`ChannelError::Timeout`] after `timeout`: the queue pair is then moved to the
+    ///   is `IBV_WC_RETRY_EXC_ERR`. The connection is failed from then on.
+    /// - [`ConnectionError::Timeout`] after `timeout`: the queue pair is then moved to the
     ///   error state and the READs still posted are flushed.
-    /// - [`ChannelError::Verb`] when posting fails, [`ChannelError::Options`] for a range
+    /// - [`ConnectionError::Verb`] when posting fails, [`ConnectionError::Options`] for a range
     ///   that wraps around.
     ///
     /// On an error after which READs may still be in flight
@@ -1144,7 +1147,7 @@ impl IbvChannel {
         remote_addr: u64,
         rkey: u32,
         timeout: Duration,
-    ) -> Result<T, ChannelError> {
+    ) -> Result<T, ConnectionError> {
         let result = self.read_remote_into(&target, remote_addr, rkey, timeout);
         match result {
             Ok(()) => Ok(target),
@@ -1163,11 +1166,11 @@ impl IbvChannel {
         remote_addr: u64,
         rkey: u32,
         timeout: Duration,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         self.check_failed()?;
         let (lkey, local_addr, len) = (target.lkey(), target.addr(), target.len());
         if remote_addr.checked_add(len).is_none() || local_addr.checked_add(len).is_none() {
-            return Err(ChannelError::Options("the RDMA read range wraps around"));
+            return Err(ConnectionError::Options("the RDMA read range wraps around"));
         }
         let deadline = Some((Instant::now() + timeout, timeout));
         let mut posted = 0u64;
@@ -1231,8 +1234,8 @@ impl IbvChannel {
         let until = Instant::now() + READ_FLUSH_TIMEOUT;
         while self.remote_reads_in_flight > 0 {
             match self.progress(Some((until, READ_FLUSH_TIMEOUT)), "RDMA read flush") {
-                Err(ChannelError::Timeout { .. }) => break,
-                Err(ChannelError::Verb { .. }) => break,
+                Err(ConnectionError::Timeout { .. }) => break,
+                Err(ConnectionError::Verb { .. }) => break,
                 _ => {}
             }
         }
@@ -1241,20 +1244,20 @@ impl IbvChannel {
     /// Moves the queue pair to the error state: pending work requests complete with
     /// `IBV_WC_WR_FLUSH_ERR`, and the peer's next transfers fail. Used to abort a
     /// connection (and by tests to exercise the error path).
-    pub fn abort(&mut self) -> Result<(), ChannelError> {
+    pub fn abort(&mut self) -> Result<(), ConnectionError> {
         self.qp
             .to_error()
             .map_err(|e| verb_err("ibv_modify_qp(ERR)", &self.device, e))
     }
 
-    fn check_failed(&self) -> Result<(), ChannelError> {
+    fn check_failed(&self) -> Result<(), ConnectionError> {
         match &self.failure {
-            Some(failure) => Err(ChannelError::Completion(failure.clone())),
+            Some(failure) => Err(ConnectionError::Completion(failure.clone())),
             None => Ok(()),
         }
     }
 
-    fn post_recv(&mut self) -> Result<(), ChannelError> {
+    fn post_recv(&mut self) -> Result<(), ConnectionError> {
         // No scatter list: write-with-immediate and zero-byte sends carry no payload.
         self.qp
             .post_recv_empty(WR_RECV)
@@ -1266,7 +1269,7 @@ impl IbvChannel {
         placement: Placement,
         msg: &[u8],
         imm: MessageImm,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         let (offset, first_len) = placement.first;
         let (head, tail) = msg.split_at((first_len as usize).min(msg.len()));
         let inline = head.len().max(tail.len()) <= self.max_inline as usize;
@@ -1334,7 +1337,7 @@ impl IbvChannel {
         Ok(())
     }
 
-    fn post_ack(&mut self, count: u32) -> Result<(), ChannelError> {
+    fn post_ack(&mut self, count: u32) -> Result<(), ConnectionError> {
         self.qp
             .post_send(&[SendRequest {
                 wr_id: WR_ACK,
@@ -1352,7 +1355,7 @@ impl IbvChannel {
         &mut self,
         deadline: Option<(Instant, Duration)>,
         operation: &'static str,
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         let spin_until = Instant::now() + self.spin;
         loop {
             if self.poll_once()? > 0 {
@@ -1361,7 +1364,7 @@ impl IbvChannel {
             let now = Instant::now();
             if let Some((at, after)) = deadline {
                 if now >= at {
-                    return Err(ChannelError::Timeout { operation, after });
+                    return Err(ConnectionError::Timeout { operation, after });
                 }
             }
             if now < spin_until {
@@ -1383,7 +1386,7 @@ impl IbvChannel {
         &mut self,
         deadline: Option<Instant>,
         also: &[BorrowedFd<'_>],
-    ) -> Result<(), ChannelError> {
+    ) -> Result<(), ConnectionError> {
         let timeout_ms = match deadline {
             None => -1,
             Some(at) => {
@@ -1399,7 +1402,7 @@ impl IbvChannel {
         if !ready.is_some_and(|ready| ready.first().copied().unwrap_or(false)) {
             return Ok(());
         }
-        // The channel is non-blocking, so this finds nothing if the event was already
+        // The connection is non-blocking, so this finds nothing if the event was already
         // taken.
         if self.comp_channel.get_event() {
             self.armed = false;
@@ -1420,7 +1423,7 @@ impl IbvChannel {
     }
 
     /// Polls the CQ once and handles what it returned; the number of completions.
-    fn poll_once(&mut self) -> Result<usize, ChannelError> {
+    fn poll_once(&mut self) -> Result<usize, ConnectionError> {
         let mut wcs = [WorkCompletion::default(); POLL_BATCH];
         let n = self
             .cq
@@ -1438,7 +1441,7 @@ impl IbvChannel {
         }
     }
 
-    fn handle_completion(&mut self, wc: &WorkCompletion) -> Result<(), ChannelError> {
+    fn handle_completion(&mut self, wc: &WorkCompletion) -> Result<(), ConnectionError> {
         let kind = wc.wr_id() & WR_KIND_MASK;
         if kind != WR_RECV {
             self.outstanding_sends = self.outstanding_sends.saturating_sub(1);
@@ -1464,7 +1467,7 @@ impl IbvChannel {
             };
             debug!(%failure, "RDMA work completion failed");
             let failure = self.failure.get_or_insert(failure).clone();
-            return Err(ChannelError::Completion(failure));
+            return Err(ConnectionError::Completion(failure));
         }
         if kind == WR_READ {
             if let Some(pending) = self.pending_read.as_mut() {
@@ -1494,7 +1497,7 @@ impl IbvChannel {
     }
 }
 
-impl Drop for IbvChannel {
+impl Drop for IbvConnection {
     fn drop(&mut self) {
         // Unacknowledged CQ events would make ibv_destroy_cq wait forever.
         self.ack_events();
