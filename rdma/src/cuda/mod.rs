@@ -38,17 +38,14 @@
 
 pub mod agent;
 pub mod caching_allocator;
-pub mod chunk_plan;
 pub mod descriptor;
 pub(crate) mod error;
 pub mod gdr;
 pub mod gdr_lending;
-pub mod ipc_mappings;
 pub mod loan_events;
 pub mod memory;
 pub mod peer_memory;
 pub mod viability;
-pub mod xth_loans;
 
 use std::fmt;
 
@@ -59,6 +56,9 @@ use tracing::{debug, info};
 use crate::sys::cuda::{self as driver, panic_message};
 
 pub use crate::sys::cuda::driver_library_present;
+pub use agent::basic::chunk_plan;
+pub use agent::ipc::mappings as ipc_mappings;
+pub use agent::xth::loans as xth_loans;
 pub use error::{CudaChannelError, CudaError, CudaNotViable};
 pub use peer_memory::{PeerMemory, PeerMemoryClient};
 

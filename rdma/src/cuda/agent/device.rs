@@ -1,7 +1,7 @@
 //! What the runtime keeps per opened device ([`DeviceState`]): its streams, its pools of
 //! events, its caches (received memory, pinned buffers, opened `cuda_ipc` mappings and
 //! events), and the copies every channel shares. The `cuda_basic` side is in
-//! [`super::staged`], the `cuda_ipc` side in [`super::ipc`]; the driver adapters its
+//! [`super::basic`], the `cuda_ipc` side in [`super::ipc`]; the driver adapters its
 //! caches are built from in [`super::driver`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,9 +15,9 @@ use super::driver::{
 };
 use super::tensor_memory::{CudaMemory, Storage};
 use super::{lock, Cause, CudaOptions};
+use crate::cuda::agent::ipc::mappings::IpcMappings;
 use crate::cuda::caching_allocator::CachingAllocator;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::ipc_mappings::IpcMappings;
 use crate::cuda::memory::{Gpu, RawEvent, StagingBuffer};
 
 /// What the runtime keeps per opened device. Field order is drop order: opened events

@@ -1,12 +1,12 @@
 //! The runtime's adapters over the CUDA driver, below the device state and the channels:
 //! what the generic caches ([`crate::cuda::caching_allocator`],
-//! [`crate::cuda::ipc_mappings`]) and the loan-event rules ([`crate::cuda::loan_events`])
+//! [`crate::cuda::agent::ipc::mappings`]) and the loan-event rules ([`crate::cuda::loan_events`])
 //! are driven with on a real GPU (blocks from `cuMemAlloc` and `cuMemHostAlloc`, opened
 //! IPC handles and events, a runtime stream), the pool entry of a `cuda_ipc` loan event,
 //! and the one way an unsettled loan's memory is given up.
 //!
 //! It decides no channel's protocol: `cuda_ipc`, `cuda_xth` and `cuda_basic` (in
-//! [`super::ipc`], [`super::xth`], [`super::staged`]) decide when these are used.
+//! [`super::ipc`], [`super::xth`], [`super::basic`]) decide when these are used.
 
 use std::time::Duration;
 
@@ -14,9 +14,9 @@ use cudarc::driver::safe::CudaStream;
 use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 use rdzv_core::device::Device;
 
+use crate::cuda::agent::ipc::mappings::MappingOpener;
 use crate::cuda::caching_allocator::BackingAllocator;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::ipc_mappings::MappingOpener;
 use crate::cuda::loan_events::{self, LoanStream};
 use crate::cuda::memory::{
     DeviceAllocation, DeviceSource, Gpu, IpcMapping, RawEvent, StagingBuffer,

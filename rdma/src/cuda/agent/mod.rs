@@ -7,7 +7,7 @@
 //! - `cuda_xth` (same process): a tensor is lent by its device address, and the receiver
 //!   copies it device to device (`cuMemcpyAsync` over unified addressing, so across GPUs
 //!   too). Completion crosses the two agents through the process's loan table
-//!   ([`super::xth_loans`], `xth`): the lender records a fence after the memory's ready
+//!   ([`xth::loans`], `xth`): the lender records a fence after the memory's ready
 //!   event, the receiver's stream waits on it (no host wait for the producer), copies and
 //!   records an event of its own, which the lender waits for before it lets go of the
 //!   memory;
@@ -15,7 +15,7 @@
 //!   memory handle of its allocation (`cuIpcGetMemHandle`, made once per allocation and
 //!   cached with it) and the allocation's base address. The receiver keeps what it opened
 //!   (`cuIpcOpenMemHandle`, with lazy peer access) per pipe, lending process, device and
-//!   base, for the pipe's life, bounded ([`super::ipc_mappings`]): another handle at a
+//!   base, for the pipe's life, bounded ([`ipc::mappings`]): another handle at a
 //!   known base means the address was reused, and the stale mapping is closed first.
 //!   Completion crosses the two processes as a CUDA IPC event ([`super::loan_events`],
 //!   `ipc`): the lender records a pooled interprocess event after the memory's ready
@@ -41,11 +41,11 @@
 //!   memory instead. Receiving over `cma` or `xth`, the agent pulls the bytes chunk by
 //!   chunk into the runtime's pinned staging buffers (`DeviceRuntime::receive_staged`),
 //!   and each chunk's host-to-device copy starts as soon as it is filled, while the next
-//!   chunk is pulled ([`super::chunk_plan::ChunkedStageIn`]). Carried by `mpt`, whose
+//!   chunk is pulled ([`basic::chunk_plan::ChunkedStageIn`]). Carried by `mpt`, whose
 //!   lanes read their stripes at once, each piece of a stripe is read into a pinned slot
 //!   and copied to its place on the device as soon as its lane read it, in any order
 //!   (`DeviceRuntime::receive_parts`, `parts`); bytes that arrived whole (inline) are
-//!   staged in chunks ([`super::chunk_plan`]): the device copy of one chunk runs while
+//!   staged in chunks ([`basic::chunk_plan`]): the device copy of one chunk runs while
 //!   the host copies the previous one.
 //!
 //! **When a received tensor is ready.** Every copy runs on the runtime's own streams
@@ -88,14 +88,14 @@
 //! serves CUDA pairs with nothing (a CPU-only worker still offers `cuda_basic` for its
 //! CPU side).
 
+pub(crate) mod basic;
 mod device;
 mod driver;
-mod ipc;
+pub(crate) mod ipc;
 mod options;
 mod parts;
-mod staged;
 mod tensor_memory;
-mod xth;
+pub(crate) mod xth;
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 

@@ -8,9 +8,11 @@
 //! record (the borrower's, after its copy) and puts the event back in the pool.
 //!
 //! **Borrowing** ([`borrow`]): the mapping and the event are opened once per pipe, peer
-//! and device ([`crate::cuda::ipc_mappings`]: a new handle at a known base is a recycled
+//! and device ([`crate::cuda::agent::ipc::mappings`]: a new handle at a known base is a recycled
 //! address, reopened); the copy waits on the lender's event on the GPU, then records it
 //! and an event of this process, which is waited for before the tensor is handed over.
+
+pub mod mappings;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -24,8 +26,8 @@ use super::device::DeviceState;
 use super::driver::{leak_unsettled, DriverStream, LoanEvent, OpenedHandle};
 use super::lock;
 use super::tensor_memory::CudaMemory;
+use crate::cuda::agent::ipc::mappings::MappingKey;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::ipc_mappings::MappingKey;
 use crate::cuda::loan_events::{self};
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
 use crate::error_chain::ErrorChain;
@@ -198,7 +200,7 @@ fn event_key(handle: &[u8; IPC_HANDLE_LEN]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::ipc_mappings::{IpcMappings, MappingOpener};
+    use crate::cuda::agent::ipc::mappings::{IpcMappings, MappingOpener};
 
     /// Counts opens; an "event" is its handle's first byte.
     struct Counting(u64);

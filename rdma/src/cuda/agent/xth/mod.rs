@@ -1,4 +1,4 @@
-//! `cuda_xth`'s two sides in the runtime: the driver half of [`crate::cuda::xth_loans`].
+//! `cuda_xth`'s two sides in the runtime: the driver half of [`crate::cuda::agent::xth::loans`].
 //!
 //! **Lending** ([`lend`]): a runtime stream waits for the memory's ready event and
 //! records a fence (an event of this process's pool); the loan is registered in the
@@ -11,6 +11,8 @@
 //! event of this process after the copy. That event is waited for before the tensor is
 //! handed over, or, with [`super::CudaOptions::pending_hand_over`], becomes the
 //! received memory's ready event and the tensor is handed over with its copy running.
+
+pub mod loans;
 
 use std::sync::Arc;
 
@@ -25,7 +27,7 @@ use super::tensor_memory::CudaMemory;
 use crate::cuda::error::CudaChannelError;
 use crate::cuda::loan_events;
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
-use crate::cuda::xth_loans::{self, XthKey, XthLoan, XthLoans};
+use loans::{XthKey, XthLoan, XthLoans};
 
 /// The `cuda_xth` loans of this process (every agent's runtime lends and borrows here:
 /// the channel never leaves the process).
@@ -129,7 +131,7 @@ pub(super) fn borrow(
     let src = DeviceSource::named_by_peer(lent.address, memory.len);
     let dst = memory.range();
     let mut stream = DriverStream(state.stream());
-    xth_loans::copy_lent(&mut stream, &loan, &done, |s| {
+    loans::copy_lent(&mut stream, &loan, &done, |s| {
         copy_unified_async(dst, src, s.0)
     })?;
     let done = Arc::new(done);

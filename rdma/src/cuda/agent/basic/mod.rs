@@ -1,7 +1,9 @@
 //! `cuda_basic`'s side of the runtime: tensors staged out through pinned blocks the CPU
 //! channel reads in place (or, over the cap, through the pinned slots into a `Vec`),
 //! and received chunk by chunk ([`DriverStageIn`]) or whole through the slots. The
-//! schedules are [`crate::cuda::chunk_plan`]'s; this file is their driver half.
+//! schedules are [`crate::cuda::agent::basic::chunk_plan`]'s; this file is their driver half.
+
+pub mod chunk_plan;
 
 use std::sync::Arc;
 
@@ -14,10 +16,10 @@ use super::driver::PinnedBacking;
 use super::tensor_memory::CudaMemory;
 use super::{lock, Cause};
 use crate::cuda::caching_allocator::CachedBlock;
-use crate::cuda::chunk_plan::{self, ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
 use crate::cuda::error::CudaChannelError;
 use crate::cuda::memory::{DeviceRange, StagingBuffer};
 use crate::error_chain::ErrorChain;
+use chunk_plan::{ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
 
 impl DeviceState {
     /// `cuda_basic`'s sending side: `memory` (this device's, complete once its ready

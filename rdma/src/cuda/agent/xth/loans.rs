@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::loan_events::{LoanEvent, LoanStream};
+use crate::cuda::loan_events::{LoanEvent, LoanStream};
 
 /// What a `cuda_xth` descriptor names: the lent memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
