@@ -9,7 +9,7 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use rdzv_uring::server::IdleSpin;
 use rdzv_uring::{ServerOptions, StoreServer};
 
-pub(crate) use crate::args::{seconds, split_addr};
+pub(crate) use crate::args::split_addr;
 pub(crate) use crate::error::CliError;
 
 /// rdzv: rendezvous, key-value stores and tensor RPC, compatible with PyTorch's c10d.
