@@ -8,7 +8,7 @@
 //! retries or fallbacks: a failed transfer is reported to the caller, who fails the
 //! pipe's pending work.
 
-use crate::sys::driver_code::DriverCode;
+use crate::sys::driver_code::{CudaCallError, DriverCode};
 
 /// Why CUDA cannot be used on this host.
 #[derive(Debug, thiserror::Error)]
@@ -191,6 +191,47 @@ impl CudaChannelError {
         CudaChannelError::Protocol {
             what,
             detail: detail.into(),
+        }
+    }
+}
+
+/// `sys::cuda`'s error, mapped variant by variant (the texts are the same).
+impl From<CudaCallError> for CudaChannelError {
+    fn from(error: CudaCallError) -> Self {
+        match error {
+            CudaCallError::DriverLibraryMissing => {
+                CudaChannelError::NotViable(CudaNotViable::DriverLibraryMissing)
+            }
+            CudaCallError::NoDevices { source } => {
+                CudaChannelError::NotViable(CudaNotViable::NoDevices {
+                    source: Some(source),
+                })
+            }
+            CudaCallError::Driver {
+                call,
+                device,
+                source,
+            } => CudaChannelError::Driver {
+                call,
+                device,
+                source,
+            },
+            CudaCallError::LengthMismatch { sent, expected } => {
+                CudaChannelError::LengthMismatch { sent, expected }
+            }
+            CudaCallError::InvalidPool { slots, slot_len } => {
+                CudaChannelError::InvalidPool { slots, slot_len }
+            }
+            CudaCallError::WrongDevice {
+                endpoint_device,
+                stream_device,
+            } => CudaChannelError::WrongDevice {
+                endpoint_device,
+                stream_device,
+            },
+            CudaCallError::Panicked { call, message } => {
+                CudaChannelError::Panicked { call, message }
+            }
         }
     }
 }

@@ -11,6 +11,7 @@
 //! bytes on its own and decides no protocol.
 
 pub use crate::sys::cuda::{
-    copy_device_async, copy_unified_async, CoveredDeviceMemory, DeviceAllocation, DeviceRange,
-    DeviceSource, DriverCode, Gpu, IpcMapping, PinnedHostBuffer, RawEvent, StagingBuffer,
+    copy_device_async, copy_unified_async, CoveredDeviceMemory, CudaCallError, DeviceAllocation,
+    DeviceRange, DeviceSource, DriverCode, Gpu, IpcMapping, PinnedHostBuffer, RawEvent,
+    StagingBuffer,
 };

@@ -31,6 +31,7 @@
 //! This module decides no protocol: the channels and the agent's runtime do.
 
 use std::ffi::{c_char, c_int, c_void};
+use std::fmt::Write as _;
 use std::io;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -44,11 +45,10 @@ use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
 use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 
 use super::ibv::{AccessFlags, MemoryRegion, ProtectionDomain, ReadTarget};
-use crate::cuda::error::{CudaChannelError, CudaNotViable};
 
 // --- errors ---------------------------------------------------------------------------
 
-pub use super::driver_code::DriverCode;
+pub use super::driver_code::{CudaCallError, DriverCode};
 
 /// The text of a panic caught around a cudarc call.
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -59,6 +59,19 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "non-string panic payload".to_owned()
     }
+}
+
+/// Formats a 16-byte device UUID as `nvidia-smi` does: `GPU-8-4-4-4-12` lowercase hex. Other
+/// lengths are written as plain hex after `GPU-`.
+pub fn format_gpu_uuid(bytes: &[u8]) -> String {
+    let mut out = String::from("GPU-");
+    for (i, b) in bytes.iter().enumerate() {
+        if bytes.len() == 16 && matches!(i, 4 | 6 | 8 | 10) {
+            out.push('-');
+        }
+        let _ = write!(out, "{b:02x}");
+    }
+    out
 }
 
 // --- the probe's queries --------------------------------------------------------------
@@ -111,27 +124,23 @@ pub struct Gpu {
 
 impl Gpu {
     /// Opens device `ordinal` (its primary context). Never panics: without the driver
-    /// library it returns [`CudaChannelError::NotViable`], and a panic inside cudarc is
-    /// returned as [`CudaChannelError::Panicked`].
-    pub fn open(ordinal: usize) -> Result<Gpu, CudaChannelError> {
+    /// library it returns [`CudaCallError::DriverLibraryMissing`], and a panic inside cudarc is
+    /// returned as [`CudaCallError::Panicked`].
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaCallError> {
         if !driver_library_present() {
-            return Err(CudaChannelError::NotViable(
-                CudaNotViable::DriverLibraryMissing,
-            ));
+            return Err(CudaCallError::DriverLibraryMissing);
         }
         match std::panic::catch_unwind(|| CudaContext::new(ordinal)) {
             Ok(Ok(ctx)) => Ok(Gpu { ctx }),
             Ok(Err(err)) if err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => {
-                Err(CudaChannelError::NotViable(CudaNotViable::NoDevices {
-                    source: Some(err.into()),
-                }))
+                Err(CudaCallError::NoDevices { source: err.into() })
             }
-            Ok(Err(source)) => Err(CudaChannelError::Driver {
+            Ok(Err(source)) => Err(CudaCallError::Driver {
                 call: "cuDevicePrimaryCtxRetain",
                 device: ordinal,
                 source: source.into(),
             }),
-            Err(payload) => Err(CudaChannelError::Panicked {
+            Err(payload) => Err(CudaCallError::Panicked {
                 call: "CudaContext::new",
                 message: panic_message(payload.as_ref()),
             }),
@@ -156,18 +165,18 @@ impl Gpu {
     }
 
     /// A new non-blocking stream on this device.
-    pub fn new_stream(&self) -> Result<Arc<CudaStream>, CudaChannelError> {
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, CudaCallError> {
         self.ctx
             .new_stream()
-            .map_err(CudaChannelError::driver("cuStreamCreate", self.ordinal()))
+            .map_err(CudaCallError::driver("cuStreamCreate", self.ordinal()))
     }
 
     /// Checks that `stream` belongs to this device's context.
-    pub fn check_stream(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+    pub fn check_stream(&self, stream: &CudaStream) -> Result<(), CudaCallError> {
         if stream.context().cu_ctx() == self.ctx.cu_ctx() {
             Ok(())
         } else {
-            Err(CudaChannelError::WrongDevice {
+            Err(CudaCallError::WrongDevice {
                 endpoint_device: self.ordinal(),
                 stream_device: stream.context().ordinal(),
             })
@@ -175,36 +184,33 @@ impl Gpu {
     }
 
     /// Makes this device's context current on the calling thread.
-    pub fn bind(&self) -> Result<(), CudaChannelError> {
+    pub fn bind(&self) -> Result<(), CudaCallError> {
         self.ctx
             .bind_to_thread()
-            .map_err(CudaChannelError::driver("cuCtxSetCurrent", self.ordinal()))
+            .map_err(CudaCallError::driver("cuCtxSetCurrent", self.ordinal()))
     }
 
     /// Allocates `len` bytes of device memory with `cuMemAlloc` (a zero-length request
     /// allocates nothing).
-    pub fn alloc(&self, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
+    pub fn alloc(&self, len: usize) -> Result<DeviceAllocation, CudaCallError> {
         DeviceAllocation::new(self, len)
     }
 
     /// Free and total device memory in bytes (`cuMemGetInfo`).
-    pub fn memory_info(&self) -> Result<(usize, usize), CudaChannelError> {
+    pub fn memory_info(&self) -> Result<(usize, usize), CudaCallError> {
         self.bind()?;
-        result::mem_get_info().map_err(CudaChannelError::driver("cuMemGetInfo", self.ordinal()))
+        result::mem_get_info().map_err(CudaCallError::driver("cuMemGetInfo", self.ordinal()))
     }
 
     /// The device's PCI bus id (`cuDeviceGetPCIBusId`), e.g. `0000:3B:00.0`.
-    pub fn pci_bus_id(&self) -> Result<String, CudaChannelError> {
+    pub fn pci_bus_id(&self) -> Result<String, CudaCallError> {
         let mut buf = [0 as std::ffi::c_char; 32];
         // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes into
         // `buf`, which is a live local array of that length; the device handle comes from
         // the context, created after `cuInit`.
         unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), 32, self.ctx.cu_device()) }
             .result()
-            .map_err(CudaChannelError::driver(
-                "cuDeviceGetPCIBusId",
-                self.ordinal(),
-            ))?;
+            .map_err(CudaCallError::driver("cuDeviceGetPCIBusId", self.ordinal()))?;
         let bytes: Vec<u8> = buf
             .iter()
             .take_while(|c| **c != 0)
@@ -214,13 +220,13 @@ impl Gpu {
     }
 
     /// The device's UUID, formatted as NVIDIA does (`GPU-xxxxxxxx-xxxx-...`).
-    pub fn uuid(&self) -> Result<String, CudaChannelError> {
+    pub fn uuid(&self) -> Result<String, CudaCallError> {
         let uuid = self
             .ctx
             .uuid()
-            .map_err(CudaChannelError::driver("cuDeviceGetUuid", self.ordinal()))?;
+            .map_err(CudaCallError::driver("cuDeviceGetUuid", self.ordinal()))?;
         let bytes: Vec<u8> = uuid.bytes.iter().map(|b| *b as u8).collect();
-        Ok(crate::cuda::descriptor::format_gpu_uuid(&bytes))
+        Ok(format_gpu_uuid(&bytes))
     }
 }
 
@@ -367,10 +373,10 @@ pub fn copy_device_async<'s>(
     src: impl Into<DeviceSource<'s>>,
     src_gpu: &Gpu,
     stream: &CudaStream,
-) -> Result<(), CudaChannelError> {
+) -> Result<(), CudaCallError> {
     let src = src.into();
     if dst.len() != src.len() {
-        return Err(CudaChannelError::LengthMismatch {
+        return Err(CudaCallError::LengthMismatch {
             sent: src.len() as u64,
             expected: dst.len() as u64,
         });
@@ -386,7 +392,7 @@ pub fn copy_device_async<'s>(
         // is not mapped. The stream is live (held by the caller).
         unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), src.len(), stream.cu_stream()) }
             .result()
-            .map_err(CudaChannelError::driver("cuMemcpyDtoDAsync", ordinal))
+            .map_err(CudaCallError::driver("cuMemcpyDtoDAsync", ordinal))
     } else {
         // SAFETY: as above, each range in its own context, both contexts live (held by the
         // `Gpu`s).
@@ -401,7 +407,7 @@ pub fn copy_device_async<'s>(
             )
         }
         .result()
-        .map_err(CudaChannelError::driver("cuMemcpyPeerAsync", ordinal))
+        .map_err(CudaCallError::driver("cuMemcpyPeerAsync", ordinal))
     }
 }
 
@@ -413,9 +419,9 @@ pub fn copy_unified_async(
     dst: DeviceRange<'_>,
     src: DeviceSource<'_>,
     stream: &CudaStream,
-) -> Result<(), CudaChannelError> {
+) -> Result<(), CudaCallError> {
     if dst.len() != src.len() {
-        return Err(CudaChannelError::LengthMismatch {
+        return Err(CudaCallError::LengthMismatch {
             sent: src.len() as u64,
             expected: dst.len() as u64,
         });
@@ -428,7 +434,7 @@ pub fn copy_unified_async(
     // caller's); `src` is only read, and the driver fails the copy if it is not mapped.
     unsafe { sys::cuMemcpyAsync(dst.ptr(), src.ptr(), src.len(), stream.cu_stream()) }
         .result()
-        .map_err(CudaChannelError::driver(
+        .map_err(CudaCallError::driver(
             "cuMemcpyAsync",
             stream.context().ordinal(),
         ))
@@ -446,14 +452,14 @@ pub struct DeviceAllocation {
 }
 
 impl DeviceAllocation {
-    fn new(gpu: &Gpu, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
+    fn new(gpu: &Gpu, len: usize) -> Result<DeviceAllocation, CudaCallError> {
         let ptr = if len == 0 {
             0
         } else {
             gpu.bind()?;
             // SAFETY: the device's context is current; `cuMemAlloc` only returns memory.
             unsafe { result::malloc_sync(len) }
-                .map_err(CudaChannelError::driver("cuMemAlloc", gpu.ordinal()))?
+                .map_err(CudaCallError::driver("cuMemAlloc", gpu.ordinal()))?
         };
         Ok(DeviceAllocation {
             gpu: gpu.clone(),
@@ -489,7 +495,7 @@ impl DeviceAllocation {
 
     /// The allocation's CUDA IPC memory handle (`cuIpcGetMemHandle`), made once and
     /// cached for the allocation's life.
-    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaChannelError> {
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaCallError> {
         if let Some(handle) = self.ipc_handle.get() {
             return Ok(*handle);
         }
@@ -501,7 +507,7 @@ impl DeviceAllocation {
         // writes one handle into a live local.
         unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) }
             .result()
-            .map_err(CudaChannelError::driver(
+            .map_err(CudaCallError::driver(
                 "cuIpcGetMemHandle",
                 self.gpu.ordinal(),
             ))?;
@@ -511,9 +517,9 @@ impl DeviceAllocation {
 
     /// Copies `src` into the allocation (synchronous `cuMemcpyHtoD`); `src` must have the
     /// allocation's length.
-    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), CudaChannelError> {
+    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), CudaCallError> {
         if src.len() != self.len {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaCallError::LengthMismatch {
                 sent: src.len() as u64,
                 expected: self.len as u64,
             });
@@ -525,14 +531,14 @@ impl DeviceAllocation {
         // SAFETY: `self.ptr` is a live allocation of `src.len()` bytes; `src` is a valid
         // host slice; the call is synchronous.
         unsafe { result::memcpy_htod_sync(self.ptr, src) }
-            .map_err(CudaChannelError::driver("cuMemcpyHtoD", self.gpu.ordinal()))
+            .map_err(CudaCallError::driver("cuMemcpyHtoD", self.gpu.ordinal()))
     }
 
     /// Copies the allocation into `dst` (synchronous `cuMemcpyDtoH`); `dst` must have the
     /// allocation's length.
-    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), CudaChannelError> {
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), CudaCallError> {
         if dst.len() != self.len {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaCallError::LengthMismatch {
                 sent: self.len as u64,
                 expected: dst.len() as u64,
             });
@@ -542,9 +548,9 @@ impl DeviceAllocation {
 
     /// Copies the allocation's first `dst.len()` bytes into `dst` (synchronous
     /// `cuMemcpyDtoH`); `dst` may not be longer than the allocation.
-    pub fn copy_prefix_to_host(&self, dst: &mut [u8]) -> Result<(), CudaChannelError> {
+    pub fn copy_prefix_to_host(&self, dst: &mut [u8]) -> Result<(), CudaCallError> {
         if dst.len() > self.len {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaCallError::LengthMismatch {
                 sent: self.len as u64,
                 expected: dst.len() as u64,
             });
@@ -557,7 +563,7 @@ impl DeviceAllocation {
         // above); `dst` is a valid, exclusively borrowed host slice; the call is
         // synchronous.
         unsafe { result::memcpy_dtoh_sync(dst, self.ptr) }
-            .map_err(CudaChannelError::driver("cuMemcpyDtoH", self.gpu.ordinal()))
+            .map_err(CudaCallError::driver("cuMemcpyDtoH", self.gpu.ordinal()))
     }
 }
 
@@ -592,9 +598,9 @@ pub struct PinnedHostBuffer {
 
 impl PinnedHostBuffer {
     /// Allocates `len` (> 0) bytes of pinned host memory, zeroed.
-    pub fn new(gpu: &Gpu, len: usize) -> Result<PinnedHostBuffer, CudaChannelError> {
+    pub fn new(gpu: &Gpu, len: usize) -> Result<PinnedHostBuffer, CudaCallError> {
         if len == 0 {
-            return Err(CudaChannelError::InvalidPool {
+            return Err(CudaCallError::InvalidPool {
                 slots: 1,
                 slot_len: 0,
             });
@@ -603,10 +609,10 @@ impl PinnedHostBuffer {
         // SAFETY: the context is current; the driver returns `len` bytes of host memory or
         // an error.
         let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(CudaChannelError::driver("cuMemHostAlloc", gpu.ordinal()))?
+            .map_err(CudaCallError::driver("cuMemHostAlloc", gpu.ordinal()))?
             .cast::<u8>();
         if ptr.is_null() {
-            return Err(CudaChannelError::Driver {
+            return Err(CudaCallError::Driver {
                 call: "cuMemHostAlloc",
                 device: gpu.ordinal(),
                 source: DriverCode(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
@@ -685,7 +691,7 @@ pub struct StagingBuffer {
 
 impl StagingBuffer {
     /// `len` (> 0) bytes of pinned host memory on `gpu`, zeroed, and their event.
-    pub fn new(gpu: &Gpu, len: usize) -> Result<StagingBuffer, CudaChannelError> {
+    pub fn new(gpu: &Gpu, len: usize) -> Result<StagingBuffer, CudaCallError> {
         Ok(StagingBuffer {
             buffer: ManuallyDrop::new(PinnedHostBuffer::new(gpu, len)?),
             event: RawEvent::new(gpu, false)?,
@@ -716,9 +722,9 @@ impl StagingBuffer {
         &mut self,
         src: DeviceSource<'_>,
         stream: &CudaStream,
-    ) -> Result<(), CudaChannelError> {
+    ) -> Result<(), CudaCallError> {
         if src.len() > self.len() {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaCallError::LengthMismatch {
                 sent: src.len() as u64,
                 expected: self.len() as u64,
             });
@@ -743,7 +749,7 @@ impl StagingBuffer {
             )
         }
         .result()
-        .map_err(CudaChannelError::driver("cuMemcpyDtoHAsync", ordinal))?;
+        .map_err(CudaCallError::driver("cuMemcpyDtoHAsync", ordinal))?;
         self.event.record(stream)
     }
 
@@ -754,9 +760,9 @@ impl StagingBuffer {
         &mut self,
         dst: DeviceRange<'_>,
         stream: &CudaStream,
-    ) -> Result<(), CudaChannelError> {
+    ) -> Result<(), CudaCallError> {
         if dst.len() > self.len() {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaCallError::LengthMismatch {
                 sent: self.len() as u64,
                 expected: dst.len() as u64,
             });
@@ -781,14 +787,14 @@ impl StagingBuffer {
             )
         }
         .result()
-        .map_err(CudaChannelError::driver("cuMemcpyHtoDAsync", ordinal))?;
+        .map_err(CudaCallError::driver("cuMemcpyHtoDAsync", ordinal))?;
         self.event.record(stream)
     }
 
     /// Makes `stream` wait for the copy in flight, if any, so that the event recorded after
     /// the next copy also covers it (the pipelines wait before reusing a buffer, so only
     /// back-to-back copies such as the bench's limit rows get here).
-    fn order_after_last_copy(&mut self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+    fn order_after_last_copy(&mut self, stream: &CudaStream) -> Result<(), CudaCallError> {
         if self.in_flight {
             self.event.wait_on(stream)?;
         }
@@ -796,7 +802,7 @@ impl StagingBuffer {
     }
 
     /// Waits for the last copy (`cuEventSynchronize`); nothing when none is in flight.
-    pub fn wait(&mut self) -> Result<(), CudaChannelError> {
+    pub fn wait(&mut self) -> Result<(), CudaCallError> {
         if self.in_flight {
             self.event.synchronize()?;
             self.in_flight = false;
@@ -843,7 +849,7 @@ pub struct RawEvent {
 impl RawEvent {
     /// An event without timing; `interprocess` adds `CU_EVENT_INTERPROCESS` so that
     /// `cuIpcGetEventHandle` can export it.
-    pub fn new(gpu: &Gpu, interprocess: bool) -> Result<RawEvent, CudaChannelError> {
+    pub fn new(gpu: &Gpu, interprocess: bool) -> Result<RawEvent, CudaCallError> {
         let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         if interprocess {
             flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
@@ -853,7 +859,7 @@ impl RawEvent {
         // SAFETY: the context is current; the driver writes one handle into `event`.
         unsafe { sys::cuEventCreate(&mut event, flags) }
             .result()
-            .map_err(CudaChannelError::driver("cuEventCreate", gpu.ordinal()))?;
+            .map_err(CudaCallError::driver("cuEventCreate", gpu.ordinal()))?;
         Ok(RawEvent {
             gpu: gpu.clone(),
             event,
@@ -862,10 +868,7 @@ impl RawEvent {
 
     /// Opens another process's interprocess event from its IPC handle
     /// (`cuIpcOpenEventHandle`), in `gpu`'s context.
-    pub fn open_ipc(
-        gpu: &Gpu,
-        handle: &[u8; IPC_HANDLE_LEN],
-    ) -> Result<RawEvent, CudaChannelError> {
+    pub fn open_ipc(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<RawEvent, CudaCallError> {
         gpu.bind()?;
         let handle = sys::CUipcEventHandle {
             reserved: handle_chars(handle),
@@ -875,10 +878,7 @@ impl RawEvent {
         // local; a handle that names no event is refused with an error code.
         unsafe { sys::cuIpcOpenEventHandle(&mut event, handle) }
             .result()
-            .map_err(CudaChannelError::driver(
-                "cuIpcOpenEventHandle",
-                gpu.ordinal(),
-            ))?;
+            .map_err(CudaCallError::driver("cuIpcOpenEventHandle", gpu.ordinal()))?;
         Ok(RawEvent {
             gpu: gpu.clone(),
             event,
@@ -887,7 +887,7 @@ impl RawEvent {
 
     /// The event's IPC handle (`cuIpcGetEventHandle`); the event must have been created
     /// `interprocess`.
-    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaChannelError> {
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaCallError> {
         self.gpu.bind()?;
         let mut handle = sys::CUipcEventHandle {
             reserved: [0; IPC_HANDLE_LEN],
@@ -896,7 +896,7 @@ impl RawEvent {
         // live local, and refuses an event made without `CU_EVENT_INTERPROCESS`.
         unsafe { sys::cuIpcGetEventHandle(&mut handle, self.event) }
             .result()
-            .map_err(CudaChannelError::driver(
+            .map_err(CudaCallError::driver(
                 "cuIpcGetEventHandle",
                 self.gpu.ordinal(),
             ))?;
@@ -909,24 +909,20 @@ impl RawEvent {
     }
 
     /// Records the work issued so far on `stream` (`cuEventRecord`).
-    pub fn record(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+    pub fn record(&self, stream: &CudaStream) -> Result<(), CudaCallError> {
         self.gpu.bind()?;
         // SAFETY: both handles are live: the event is owned by `self`, the stream by the
         // caller's `Arc`.
-        unsafe { result::event::record(self.event, stream.cu_stream()) }.map_err(
-            CudaChannelError::driver("cuEventRecord", self.gpu.ordinal()),
-        )
+        unsafe { result::event::record(self.event, stream.cu_stream()) }
+            .map_err(CudaCallError::driver("cuEventRecord", self.gpu.ordinal()))
     }
 
     /// Makes `stream` wait for the work this event recorded (`cuStreamWaitEvent`).
-    pub fn wait_on(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<(), CudaCallError> {
         stream
             .context()
             .bind_to_thread()
-            .map_err(CudaChannelError::driver(
-                "cuCtxSetCurrent",
-                self.gpu.ordinal(),
-            ))?;
+            .map_err(CudaCallError::driver("cuCtxSetCurrent", self.gpu.ordinal()))?;
         // SAFETY: both handles are live; waiting on an event of another context is allowed.
         unsafe {
             result::stream::wait_event(
@@ -935,36 +931,38 @@ impl RawEvent {
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
         }
-        .map_err(CudaChannelError::driver(
+        .map_err(CudaCallError::driver(
             "cuStreamWaitEvent",
             stream.context().ordinal(),
         ))
     }
 
     /// Blocks the calling thread until the recorded work is done (`cuEventSynchronize`).
-    pub fn synchronize(&self) -> Result<(), CudaChannelError> {
+    pub fn synchronize(&self) -> Result<(), CudaCallError> {
         self.gpu.bind()?;
         // SAFETY: the event is live.
-        unsafe { result::event::synchronize(self.event) }.map_err(CudaChannelError::driver(
+        unsafe { result::event::synchronize(self.event) }.map_err(CudaCallError::driver(
             "cuEventSynchronize",
             self.gpu.ordinal(),
         ))
     }
     /// Whether the recorded work is done (`cuEventQuery`), without blocking.
-    pub fn query(&self) -> Result<bool, CudaChannelError> {
+    pub fn query(&self) -> Result<bool, CudaCallError> {
         self.gpu.bind()?;
         // SAFETY: the event is live.
         match unsafe { result::event::query(self.event) } {
             Ok(()) => Ok(true),
             Err(err) if err.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(err) => Err(CudaChannelError::driver("cuEventQuery", self.gpu.ordinal())(err)),
+            Err(err) => Err(CudaCallError::driver("cuEventQuery", self.gpu.ordinal())(
+                err,
+            )),
         }
     }
 
     /// Waits at most `timeout` for the recorded work (polling `cuEventQuery`, yielding
     /// the thread, then sleeping up to 1 ms between polls): whether it is done. For an
     /// event another process records, whose work might never end if that process dies.
-    pub fn wait_for(&self, timeout: std::time::Duration) -> Result<bool, CudaChannelError> {
+    pub fn wait_for(&self, timeout: std::time::Duration) -> Result<bool, CudaCallError> {
         let started = std::time::Instant::now();
         let mut pause = std::time::Duration::from_micros(1);
         loop {
@@ -1026,7 +1024,7 @@ pub struct IpcMapping {
 impl IpcMapping {
     /// Opens `handle` in `gpu`'s context and reads the extent of the allocation it maps.
     /// A handle that names nothing is refused by the driver.
-    pub fn open(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcMapping, CudaChannelError> {
+    pub fn open(gpu: &Gpu, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcMapping, CudaCallError> {
         gpu.bind()?;
         let ordinal = gpu.ordinal();
         let raw = sys::CUipcMemHandle {
@@ -1043,7 +1041,7 @@ impl IpcMapping {
             )
         }
         .result()
-        .map_err(CudaChannelError::driver("cuIpcOpenMemHandle", ordinal))?;
+        .map_err(CudaCallError::driver("cuIpcOpenMemHandle", ordinal))?;
         // From here on, dropping `mapping` closes it.
         let mut mapping = IpcMapping {
             gpu: gpu.clone(),
@@ -1057,7 +1055,7 @@ impl IpcMapping {
         // is a live mapping of the current context.
         unsafe { sys::cuMemGetAddressRange_v2(&mut allocation_base, &mut allocation_len, base) }
             .result()
-            .map_err(CudaChannelError::driver("cuMemGetAddressRange", ordinal))?;
+            .map_err(CudaCallError::driver("cuMemGetAddressRange", ordinal))?;
         mapping.allocation_base = allocation_base;
         mapping.allocation_len = allocation_len;
         Ok(mapping)
@@ -1408,7 +1406,7 @@ mod tests {
             return;
         }
         match Gpu::open(0) {
-            Err(CudaChannelError::NotViable(CudaNotViable::DriverLibraryMissing)) => {}
+            Err(CudaCallError::DriverLibraryMissing) => {}
             other => panic!("expected DriverLibraryMissing, got {other:?}"),
         }
     }

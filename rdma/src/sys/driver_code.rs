@@ -1,6 +1,8 @@
-//! The CUDA driver's result code ([`DriverCode`]): the `sys` layer's own error for a
-//! driver call, with the code's name and what to do about it. A leaf: it names nothing
-//! else of the crate, so the CUDA errors above `sys` can carry it as their source.
+//! The `sys` layer's own CUDA errors: the driver's result code ([`DriverCode`], with the
+//! code's name and what to do about it) and [`CudaCallError`], what a call of
+//! `sys::cuda` returns (the call, its device and its code, or the check that refused it
+//! before the driver was called). `crate::cuda::error` maps it into the channels' error
+//! with the same text. A leaf: it names nothing else of the crate.
 
 use std::fmt;
 
@@ -123,5 +125,83 @@ impl std::error::Error for DriverCode {}
 impl From<DriverError> for DriverCode {
     fn from(err: DriverError) -> Self {
         DriverCode(err.0)
+    }
+}
+
+/// A failed call of `sys::cuda`, with the texts of the `crate::cuda::CudaChannelError`
+/// variant it maps to.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaCallError {
+    /// No loadable CUDA driver library.
+    #[error(
+        "CUDA is not usable on this host: the CUDA driver library (libcuda) cannot be \
+         loaded: no NVIDIA driver is installed or it is not on the loader path"
+    )]
+    DriverLibraryMissing,
+    /// The driver reports no device.
+    #[error("CUDA is not usable on this host: no CUDA device found")]
+    NoDevices {
+        /// The driver's status.
+        #[source]
+        source: DriverCode,
+    },
+    /// A CUDA driver call failed.
+    #[error("{call} failed on CUDA device {device}")]
+    Driver {
+        /// The driver entry point, e.g. `cuMemcpyDtoHAsync`.
+        call: &'static str,
+        /// Ordinal of the device whose context was current.
+        device: usize,
+        /// The driver's status: its name and what to do.
+        #[source]
+        source: DriverCode,
+    },
+    /// A copy's source and destination differ in length.
+    #[error("length mismatch: the sender transfers {sent} bytes but the receiving buffer holds {expected}")]
+    LengthMismatch {
+        /// Bytes of the source.
+        sent: u64,
+        /// Bytes of the destination.
+        expected: u64,
+    },
+    /// A staging buffer was asked for with no bytes.
+    #[error("invalid staging pool: {slots} slot(s) of {slot_len} bytes")]
+    InvalidPool {
+        /// Number of slots.
+        slots: usize,
+        /// Bytes per slot.
+        slot_len: usize,
+    },
+    /// A stream of one device was given for memory or events of another.
+    #[error("the stream belongs to CUDA device {stream_device} but this endpoint's staging memory and events are on device {endpoint_device}")]
+    WrongDevice {
+        /// Device of the memory or events.
+        endpoint_device: usize,
+        /// Device of the stream passed in.
+        stream_device: usize,
+    },
+    /// cudarc panicked inside a driver call.
+    #[error("the CUDA driver bindings panicked in {call}: {message}")]
+    Panicked {
+        /// What was being called.
+        call: &'static str,
+        /// The panic message.
+        message: String,
+    },
+}
+
+impl CudaCallError {
+    /// A `Driver` error for `call` on `device` (from cudarc's `DriverError` or a
+    /// [`DriverCode`]).
+    pub(crate) fn driver<E: Into<DriverCode>>(
+        call: &'static str,
+        device: usize,
+    ) -> impl FnOnce(E) -> Self {
+        move |source| CudaCallError::Driver {
+            call,
+            device,
+            source: source.into(),
+        }
     }
 }

@@ -124,7 +124,7 @@ impl DeviceState {
     pub(super) fn take_event(&self) -> Result<RawEvent, CudaChannelError> {
         match lock(&self.events).pop() {
             Some(event) => Ok(event),
-            None => RawEvent::new(&self.gpu, false),
+            None => RawEvent::new(&self.gpu, false).map_err(CudaChannelError::from),
         }
     }
 }

@@ -80,11 +80,11 @@ impl LoanStream for DriverStream<'_> {
     type Event = RawEvent;
 
     fn wait(&mut self, event: &RawEvent) -> Result<(), CudaChannelError> {
-        event.wait_on(self.0)
+        event.wait_on(self.0).map_err(CudaChannelError::from)
     }
 
     fn record(&mut self, event: &RawEvent) -> Result<(), CudaChannelError> {
-        event.record(self.0)
+        event.record(self.0).map_err(CudaChannelError::from)
     }
 
     fn drain(&mut self) -> Result<(), CudaChannelError> {
@@ -134,7 +134,7 @@ impl MappingOpener for EventOpener {
         handle: &[u8; IPC_HANDLE_LEN],
         _ordinal: usize,
     ) -> Result<RawEvent, CudaChannelError> {
-        RawEvent::open_ipc(&self.gpu, handle)
+        RawEvent::open_ipc(&self.gpu, handle).map_err(CudaChannelError::from)
     }
 
     fn mapped_len(_: &RawEvent) -> usize {
@@ -193,7 +193,7 @@ impl BackingAllocator for DeviceBacking {
     type Error = CudaChannelError;
 
     fn allocate(&mut self, len: usize) -> Result<DeviceAllocation, CudaChannelError> {
-        self.gpu.alloc(len)
+        self.gpu.alloc(len).map_err(CudaChannelError::from)
     }
 }
 
@@ -207,6 +207,6 @@ impl BackingAllocator for PinnedBacking {
     type Error = CudaChannelError;
 
     fn allocate(&mut self, len: usize) -> Result<StagingBuffer, CudaChannelError> {
-        StagingBuffer::new(&self.gpu, len)
+        StagingBuffer::new(&self.gpu, len).map_err(CudaChannelError::from)
     }
 }

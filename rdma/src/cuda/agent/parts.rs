@@ -216,7 +216,13 @@ impl PartedReceive for DriverPartsIn {
             )));
         }
         let mut slot = self.take_slot()?;
-        if let Err(e) = self.state.gpu.bind().and_then(|()| slot.wait()) {
+        if let Err(e) = self
+            .state
+            .gpu
+            .bind()
+            .and_then(|()| slot.wait())
+            .map_err(CudaChannelError::from)
+        {
             // Its copy may still run: never reuse it.
             std::mem::forget(slot);
             return Err(self.failed(e));
@@ -252,7 +258,7 @@ impl PartedReceive for DriverPartsIn {
             .gpu
             .bind()
             .and_then(|()| slot.upload(dst, self.state.stream()));
-        copied.map_err(|e: CudaChannelError| self.failed(e))?;
+        copied.map_err(|e| self.failed(CudaChannelError::from(e)))?;
         self.filled.fetch_add(len, Ordering::Relaxed);
         Ok(())
     }

@@ -82,7 +82,7 @@ impl CudaMemory {
             *ready = Some(Arc::new(RawEvent::new(gpu, false)?));
         }
         match ready.as_ref() {
-            Some(event) => event.record(stream),
+            Some(event) => event.record(stream).map_err(CudaChannelError::from),
             None => Ok(()),
         }
     }
@@ -99,7 +99,7 @@ impl CudaMemory {
     /// The driver's.
     pub fn wait_ready_on(&self, stream: &CudaStream) -> Result<(), CudaChannelError> {
         match self.ready_event() {
-            Some(event) => event.wait_on(stream),
+            Some(event) => event.wait_on(stream).map_err(CudaChannelError::from),
             None => Ok(()),
         }
     }
@@ -110,7 +110,7 @@ impl CudaMemory {
     /// The driver's.
     pub fn wait_ready(&self) -> Result<(), CudaChannelError> {
         match self.ready_event() {
-            Some(event) => event.synchronize(),
+            Some(event) => event.synchronize().map_err(CudaChannelError::from),
             None => Ok(()),
         }
     }

@@ -101,14 +101,18 @@ impl DeviceState {
             return Ok(out);
         }
         let mut slots = self.take_slots(plan.buffers_used())?;
-        let result = self.gpu.bind().and_then(|()| {
-            let mut copies = DriverStaging {
-                state: self,
-                slots: &mut slots,
-                device: src,
-            };
-            chunk_plan::stage_out(&plan, &mut copies, &mut out)
-        });
+        let result = self
+            .gpu
+            .bind()
+            .map_err(CudaChannelError::from)
+            .and_then(|()| {
+                let mut copies = DriverStaging {
+                    state: self,
+                    slots: &mut slots,
+                    device: src,
+                };
+                chunk_plan::stage_out(&plan, &mut copies, &mut out)
+            });
         self.finish_slots(slots, &result);
         result.map(|()| out)
     }
@@ -134,12 +138,16 @@ impl DeviceState {
             }
         };
         // The block's own event orders the wait: only this stream's work up to here.
-        let copied = self.gpu.bind().and_then(|()| {
-            let stream = self.stream();
-            let staged = block.block_mut();
-            staged.download(src.source(), stream)?;
-            staged.wait()
-        });
+        let copied = self
+            .gpu
+            .bind()
+            .map_err(CudaChannelError::from)
+            .and_then(|()| {
+                let stream = self.stream();
+                let staged = block.block_mut();
+                staged.download(src.source(), stream)?;
+                staged.wait().map_err(CudaChannelError::from)
+            });
         match copied {
             Ok(()) => Ok(Some(PinnedBytes {
                 block,
@@ -167,14 +175,18 @@ impl DeviceState {
             return Ok(());
         }
         let mut slots = self.take_slots(plan.buffers_used())?;
-        let result = self.gpu.bind().and_then(|()| {
-            let mut copies = DriverStaging {
-                state: self,
-                slots: &mut slots,
-                device: dst,
-            };
-            chunk_plan::stage_in(&plan, &mut copies, bytes)
-        });
+        let result = self
+            .gpu
+            .bind()
+            .map_err(CudaChannelError::from)
+            .and_then(|()| {
+                let mut copies = DriverStaging {
+                    state: self,
+                    slots: &mut slots,
+                    device: dst,
+                };
+                chunk_plan::stage_in(&plan, &mut copies, bytes)
+            });
         self.finish_slots(slots, &result);
         result
     }
@@ -237,6 +249,7 @@ impl StagingCopies for DriverStaging<'_, '_> {
         // The tensor stays alive for the whole staged copy; the slot's bytes are fenced
         // by its event until the plan waited for it.
         slot.download(src.source(), stream)
+            .map_err(CudaChannelError::from)
     }
 
     fn start_to_device(
@@ -247,12 +260,12 @@ impl StagingCopies for DriverStaging<'_, '_> {
     ) -> Result<(), CudaChannelError> {
         let stream = self.state.stream();
         let (slot, dst) = self.place(buffer, offset, len)?;
-        slot.upload(dst, stream)
+        slot.upload(dst, stream).map_err(CudaChannelError::from)
     }
 
     fn wait(&mut self, buffer: usize) -> Result<(), CudaChannelError> {
         match self.slots.get_mut(buffer) {
-            Some(slot) => slot.wait(),
+            Some(slot) => slot.wait().map_err(CudaChannelError::from),
             None => Err(CudaChannelError::protocol(
                 "cuda_basic staging plan",
                 format!("no buffer {buffer}"),

@@ -177,7 +177,7 @@ fn copy_after_loan(
     let mut stream = DriverStream(state.stream());
     let dst = memory.range();
     loan_events::copy_after_loan(&mut stream, loan, &done, |s| {
-        copy_unified_async(dst, src, s.0)
+        copy_unified_async(dst, src, s.0).map_err(CudaChannelError::from)
     })?;
     if state.pending_hand_over {
         memory.set_ready(Arc::new(done));

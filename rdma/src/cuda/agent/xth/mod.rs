@@ -119,7 +119,11 @@ pub(super) fn borrow(
             ),
         )
     })?;
-    let started = state.gpu.bind().and_then(|()| state.take_event());
+    let started = state
+        .gpu
+        .bind()
+        .map_err(CudaChannelError::from)
+        .and_then(|()| state.take_event());
     let done = match started {
         Ok(done) => done,
         Err(e) => {
@@ -132,7 +136,7 @@ pub(super) fn borrow(
     let dst = memory.range();
     let mut stream = DriverStream(state.stream());
     loans::copy_lent(&mut stream, &loan, &done, |s| {
-        copy_unified_async(dst, src, s.0)
+        copy_unified_async(dst, src, s.0).map_err(CudaChannelError::from)
     })?;
     let done = Arc::new(done);
     memory.set_ready(Arc::clone(&done));
@@ -141,5 +145,5 @@ pub(super) fn borrow(
         return Ok(());
     }
     // The tensor is complete when the agent hands it over.
-    done.synchronize()
+    done.synchronize().map_err(CudaChannelError::from)
 }
