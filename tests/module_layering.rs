@@ -5,9 +5,11 @@
 //! printing it. The graph's nodes are the modules that have a file (an inline `mod x { }`
 //! is part of its file's module); a file's `mod x;` declarations give the tree. Its edges
 //! are the paths a file's code names: `crate::…`, `super::…`, `self::…` and the paths
-//! that start with one of the module's own children, each resolved through the tree and
-//! through the `pub use` re-exports it meets (a `pub use` is a facade, not a use: it adds
-//! no edge of its own). Comments, strings and `$crate` macro paths are not read.
+//! that start with one of the module's own children (in `use` items, `pub use` included,
+//! and in code), each resolved through the tree and through the `pub use` re-exports it
+//! meets, so a name reaches the module that defines it. A use of an ancestor's own items
+//! (`super::Item`) is no edge: the ancestor encloses the module. Comments, strings and
+//! `$crate` macro paths are not read.
 //!
 //! It deliberately does not check the order of layers inside a crate (`uring`'s RPC
 //! modules have that, in `uring/tests/rpc_layering.rs`), names brought in by `use
@@ -78,10 +80,6 @@ struct Module {
     children: BTreeSet<String>,
     /// `pub use` items: the name they give, and the path they name (absolute in the crate).
     reexports: BTreeMap<String, ModPath>,
-    /// `pub use x::*`: the modules (absolute) whose names this one re-exports.
-    globs: Vec<ModPath>,
-    /// Byte ranges of `pub use …;` items, which add no edge.
-    reexport_spans: Vec<(usize, usize)>,
     /// Byte ranges of inline `mod x { … }` blocks, for `super::` inside them.
     inline: Vec<(usize, usize)>,
 }
@@ -383,37 +381,23 @@ fn read_crate(root_file: &Path) -> BTreeMap<ModPath, Module> {
     let paths: Vec<ModPath> = modules.keys().cloned().collect();
     for path in &paths {
         let code = modules[path].code.clone();
-        let mut spans = Vec::new();
         let mut reexports = BTreeMap::new();
-        let mut globs = Vec::new();
         for at in path_words(&code, "pub") {
-            let rest = &code[at + 3..];
-            let mut rest_at = at + 3;
-            let trimmed = rest.trim_start();
-            rest_at += rest.len() - trimmed.len();
-            let mut rest = trimmed;
+            let mut rest = code[at + 3..].trim_start();
             if let Some(vis) = rest.strip_prefix('(') {
                 let close = vis.find(')').unwrap_or(0) + 2;
-                rest_at += close;
-                rest = &rest[close..];
-                let t = rest.trim_start();
-                rest_at += rest.len() - t.len();
-                rest = t;
+                rest = rest[close..].trim_start();
             }
             let Some(item) = rest.strip_prefix("use ") else {
                 continue;
             };
-            let end = rest_at + 4 + item.find(';').unwrap_or(item.len());
-            spans.push((at, end));
             let item = item[..item.find(';').unwrap_or(item.len())].trim();
             for (segments, alias) in use_tree(item) {
                 let Some(absolute) = absolute(&modules, path, at, &segments) else {
                     continue;
                 };
+                // A glob re-export names no single item; its uses resolve to the module.
                 if absolute.last().map(String::as_str) == Some("*") {
-                    let mut module = absolute.clone();
-                    module.pop();
-                    globs.push(module);
                     continue;
                 }
                 let name = alias.unwrap_or_else(|| absolute.last().cloned().unwrap_or_default());
@@ -423,9 +407,7 @@ fn read_crate(root_file: &Path) -> BTreeMap<ModPath, Module> {
             }
         }
         let module = modules.get_mut(path).expect("known");
-        module.reexport_spans = spans;
         module.reexports = reexports;
-        module.globs = globs;
     }
     modules
 }
@@ -641,7 +623,11 @@ fn workspace_graph() -> (
     BTreeMap<String, BTreeSet<String>>,
     BTreeMap<String, PathBuf>,
 ) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // `RDZV_LAYERING_ROOT` points the check at another checkout (e.g. to see that it
+    // finds the circles of an older commit).
+    let root = std::env::var_os("RDZV_LAYERING_ROOT")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    let root = root.as_path();
     let mut graph = BTreeMap::new();
     let mut files = BTreeMap::new();
     for (krate, file) in CRATES {
