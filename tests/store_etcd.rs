@@ -59,7 +59,10 @@ impl Member {
             format!("--listen-client-urls=http://127.0.0.1:{}", self.client),
             format!("--advertise-client-urls=http://127.0.0.1:{}", self.client),
             format!("--listen-peer-urls=http://127.0.0.1:{}", self.peer),
-            format!("--initial-advertise-peer-urls=http://127.0.0.1:{}", self.peer),
+            format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{}",
+                self.peer
+            ),
             format!("--initial-cluster={cluster}"),
             "--initial-cluster-state=new".into(),
             "--initial-cluster-token=rdzv-test".into(),
@@ -162,7 +165,9 @@ impl Cluster {
 
 /// The battery's cluster: `RDZV_ETCD_ENDPOINTS`, or one member for this test binary.
 fn shared_endpoints() -> Result<Vec<String>, String> {
-    static SHARED: OnceLock<Result<(Vec<String>, Option<Cluster>), String>> = OnceLock::new();
+    /// The endpoints, and the member this binary started (kept alive until it exits).
+    type Shared = Result<(Vec<String>, Option<Cluster>), String>;
+    static SHARED: OnceLock<Shared> = OnceLock::new();
     let shared = SHARED.get_or_init(|| {
         if let Ok(list) = std::env::var(ENDPOINTS_VAR) {
             let endpoints: Vec<String> = list
@@ -174,10 +179,15 @@ fn shared_endpoints() -> Result<Vec<String>, String> {
         }
         match Cluster::start(1) {
             Some(cluster) => Ok((cluster.endpoints(), Some(cluster))),
-            None => Err(format!("{ENDPOINTS_VAR} is not set and no etcd binary is on PATH")),
+            None => Err(format!(
+                "{ENDPOINTS_VAR} is not set and no etcd binary is on PATH"
+            )),
         }
     });
-    shared.as_ref().map(|(e, _)| e.clone()).map_err(Clone::clone)
+    shared
+        .as_ref()
+        .map(|(e, _)| e.clone())
+        .map_err(Clone::clone)
 }
 
 /// A store on the shared cluster under a prefix of its own, or `None` after printing
@@ -325,7 +335,11 @@ fn failover_when_the_first_endpoint_is_down() {
     store.set("k", b"v").unwrap();
     assert_eq!(store.get("k").unwrap(), b"v");
     assert_eq!(store.add("n", 3).unwrap(), 3);
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -378,12 +392,18 @@ fn whole_cluster_stopped_every_op_fails_naming_etcd_within_its_timeout() {
     for member in &mut cluster.members {
         member.kill();
     }
-    type Op<'a> = (&'a str, Box<dyn Fn(&EtcdStore) -> Result<(), StoreError> + 'a>);
+    type Op<'a> = (
+        &'a str,
+        Box<dyn Fn(&EtcdStore) -> Result<(), StoreError> + 'a>,
+    );
     let ops: Vec<Op> = vec![
         ("set", Box::new(|s| s.set("k", b"w"))),
         ("get", Box::new(|s| s.get("k").map(drop))),
         ("add", Box::new(|s| s.add("n", 1).map(drop))),
-        ("compare_set", Box::new(|s| s.compare_set("k", b"v", b"x").map(drop))),
+        (
+            "compare_set",
+            Box::new(|s| s.compare_set("k", b"v", b"x").map(drop)),
+        ),
         ("check", Box::new(|s| s.check(&["k"]).map(drop))),
         ("wait", Box::new(|s| s.wait(&["k"], None))),
         ("delete_key", Box::new(|s| s.delete_key("k").map(drop))),
@@ -402,10 +422,58 @@ fn whole_cluster_stopped_every_op_fails_naming_etcd_within_its_timeout() {
         let took = started.elapsed();
         let text = err.to_string();
         assert!(text.contains("etcd"), "{name}: {text}");
-        assert!(text.contains(&cluster.members[0].endpoint()), "{name}: {text}");
-        assert!(took < limit + Duration::from_secs(2), "{name} took {took:?}");
+        assert!(
+            text.contains(&cluster.members[0].endpoint()),
+            "{name}: {text}"
+        );
+        assert!(
+            took < limit + Duration::from_secs(2),
+            "{name} took {took:?}"
+        );
     }
     let (result, took) = waiting.join().unwrap();
     assert!(result.is_err(), "{result:?}");
-    assert!(took < limit + Duration::from_secs(3), "the wait took {took:?}");
+    assert!(
+        took < limit + Duration::from_secs(3),
+        "the wait took {took:?}"
+    );
+}
+
+#[test]
+fn cli_runs_store_subcommands_against_etcd() {
+    let endpoints = match shared_endpoints() {
+        Ok(e) => e,
+        Err(why) => return eprintln!("SKIPPED cli_runs_store_subcommands_against_etcd: {why}"),
+    };
+    let addr = format!(
+        "etcd://{}/rdzv-test/cli/{:x}",
+        endpoints.join(","),
+        fastrand_u64()
+    );
+    let rdzv = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+            .args(["store", "--addr", &addr, "--connect-timeout", "5"])
+            .args(args)
+            .output()
+            .expect("run rdzv");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    assert_eq!(rdzv(&["set", "k", "v"]).0, Some(0));
+    assert_eq!(rdzv(&["get", "k"]).1, "v\n");
+    assert_eq!(rdzv(&["add", "n", "2"]).1, "2\n");
+    assert_eq!(rdzv(&["add", "n", "3"]).1, "5\n");
+    assert_eq!(rdzv(&["compare-set", "k", "v", "w"]).1, "w\n");
+    assert_eq!(rdzv(&["keys"]).1, "k\nn\n");
+    assert_eq!(rdzv(&["num-keys"]).1, "2\n");
+    assert_eq!(rdzv(&["queue", "push", "q", "e"]).0, Some(0));
+    assert_eq!(rdzv(&["queue", "pop", "q"]).1, "e\n");
+    let (code, _, err) = rdzv(&["wait", "missing", "--timeout", "0.3"]);
+    assert_eq!(code, Some(2), "{err}");
+    let (code, _, err) = rdzv(&["stats"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("etcdctl"), "{err}");
 }

@@ -102,7 +102,9 @@ pub enum EtcdError {
         key: String,
     },
     /// An `etcd://` address could not be read.
-    #[error("bad etcd address {addr:?}: {detail}; expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX")]
+    #[error(
+        "bad etcd address {addr:?}: {detail}; expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX"
+    )]
     BadAddress {
         /// The address given.
         addr: String,

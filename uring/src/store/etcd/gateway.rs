@@ -328,7 +328,7 @@ impl Gateway {
                 Attempt::Next(err) => last = Some(err),
             }
             index = (index + 1) % count;
-            if attempts as usize % count == 0 {
+            if (attempts as usize).is_multiple_of(count) {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let jitter = backoff.mul_f64(0.5 + fastrand::f64() * 0.5);
                 std::thread::sleep(jitter.min(left));

@@ -155,8 +155,12 @@ fn range_op(key: &[u8], end: Option<&[u8]>, count_only: bool) -> Value {
 /// still missing).
 fn unchanged(key: &[u8], current: &Current) -> Value {
     match current {
-        None => json!({"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}),
-        Some((_, revision)) => json!({"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()}),
+        None => {
+            json!({"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+        }
+        Some((_, revision)) => {
+            json!({"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision.to_string()})
+        }
     }
 }
 
@@ -244,7 +248,10 @@ impl EtcdStore {
         if bytes > self.config.max_request_bytes {
             return Err(self.error(EtcdError::TooLarge {
                 op,
-                key: pairs.first().map(|(k, _)| k.to_string()).unwrap_or_default(),
+                key: pairs
+                    .first()
+                    .map(|(k, _)| k.to_string())
+                    .unwrap_or_default(),
                 bytes,
                 limit: self.config.max_request_bytes,
             }));
@@ -428,12 +435,7 @@ impl EtcdStore {
         }
     }
 
-    fn wait_for(
-        &self,
-        keys: &[&str],
-        kv_only: bool,
-        timeout: Duration,
-    ) -> Result<(), StoreError> {
+    fn wait_for(&self, keys: &[&str], kv_only: bool, timeout: Duration) -> Result<(), StoreError> {
         let fulls = keys
             .iter()
             .map(|k| self.key(k))
@@ -508,16 +510,12 @@ impl Store for EtcdStore {
         // First try assumes the key is missing: a new counter costs one transaction.
         self.update(key, Some(None), Retry::OnlyIfUnsent, |current| {
             let value = current.as_ref().map(|(v, _)| v.as_slice());
-            let new = semantics::add_counter(value, delta).map_err(|e| {
-                StoreError::NotACounter {
+            let new =
+                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
                     key: key.to_string(),
                     detail: e.to_string(),
-                }
-            })?;
-            Ok((
-                Some(semantics::Decimal::new(new).as_bytes().to_vec()),
-                new,
-            ))
+                })?;
+            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
         })
     }
 
@@ -588,7 +586,13 @@ impl Store for EtcdStore {
             let left = timeout.saturating_sub(started.elapsed());
             self.wait_present(keys, &fulls, true, left)?;
             let ops = fulls.iter().map(|f| range_op(f, None, false)).collect();
-            let reply = self.txn(vec![], ops, vec![], Retry::Idempotent, self.request_deadline())?;
+            let reply = self.txn(
+                vec![],
+                ops,
+                vec![],
+                Retry::Idempotent,
+                self.request_deadline(),
+            )?;
             let values: Option<Vec<Vec<u8>>> = reply
                 .responses
                 .iter()
@@ -609,8 +613,14 @@ impl Store for EtcdStore {
             .iter()
             .map(|(k, v)| Ok(put_op(&self.key(k)?, v)))
             .collect::<Result<Vec<_>, StoreError>>()?;
-        self.txn(vec![], ops, vec![], Retry::Idempotent, self.request_deadline())
-            .map(drop)
+        self.txn(
+            vec![],
+            ops,
+            vec![],
+            Retry::Idempotent,
+            self.request_deadline(),
+        )
+        .map(drop)
     }
 
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -781,6 +791,9 @@ mod tests {
         let err = store.set("k", b"v").unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(3));
         let text = err.to_string();
-        assert!(text.contains("etcd") && text.contains("127.0.0.1:2"), "{text}");
+        assert!(
+            text.contains("etcd") && text.contains("127.0.0.1:2"),
+            "{text}"
+        );
     }
 }
