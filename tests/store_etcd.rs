@@ -477,3 +477,77 @@ fn cli_runs_store_subcommands_against_etcd() {
     assert_eq!(code, Some(1));
     assert!(err.contains("etcdctl"), "{err}");
 }
+
+/// The index of the member that leads, asked of each member's `/v3/maintenance/status`.
+fn leader(cluster: &Cluster) -> Option<usize> {
+    use std::io::{Read, Write};
+    let status = |endpoint: &str| -> Option<serde_json::Value> {
+        let mut stream = std::net::TcpStream::connect(endpoint).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        let request = format!(
+            "POST /v3/maintenance/status HTTP/1.0\r\nHost: {endpoint}\r\nContent-Length: 2\r\n\r\n{{}}"
+        );
+        stream.write_all(request.as_bytes()).ok()?;
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).ok()?;
+        serde_json::from_str(reply.split_once("\r\n\r\n")?.1).ok()
+    };
+    cluster.members.iter().position(|m| {
+        status(&m.endpoint()).is_some_and(|s| {
+            s["leader"].as_str().is_some() && s["leader"] == s["header"]["member_id"]
+        })
+    })
+}
+
+#[test]
+fn leader_killed_while_clients_write_they_carry_on() {
+    let Some(mut cluster) = Cluster::start(3) else {
+        return eprintln!(
+            "SKIPPED leader_killed_while_clients_write_they_carry_on: no etcd binary on PATH"
+        );
+    };
+    let Some(victim) = leader(&cluster) else {
+        panic!("no member says it leads");
+    };
+    let mut config = EtcdConfig::new(cluster.endpoints(), "leader");
+    config.request_timeout = Duration::from_secs(10);
+    // Start on the leader, so that its death cuts the client's own connection.
+    config.endpoints.rotate_left(victim);
+    let store = Arc::new(EtcdStore::new(config));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+        thread::spawn(move || {
+            let (mut sets, mut adds, mut unknown) = (0, 0, 0);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                store.set(&format!("k{sets}"), b"v").unwrap();
+                sets += 1;
+                match store.add("n", 1) {
+                    Ok(_) => adds += 1,
+                    // A lost answer is reported, never resent (it could count twice).
+                    Err(err) if err.to_string().contains("may or may not") => unknown += 1,
+                    Err(err) => panic!("add failed: {err}"),
+                }
+            }
+            (sets, adds, unknown)
+        })
+    };
+    thread::sleep(Duration::from_millis(300));
+    cluster.members[victim].kill();
+    let killed = Instant::now();
+    // Writes go on after an election among the two left.
+    let before = store.add("after-kill", 1).unwrap();
+    assert_eq!(before, 1);
+    thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sets, adds, unknown) = writer.join().unwrap();
+    assert!(killed.elapsed() < Duration::from_secs(10));
+    assert!(sets > 0 && adds > 0);
+    let counted = store.get("n").unwrap();
+    let counted: i64 = String::from_utf8_lossy(&counted).parse().unwrap();
+    assert!(
+        (adds..=adds + unknown).contains(&counted),
+        "{counted} counted for {adds} adds and {unknown} unknown"
+    );
+    assert!(store.check(&[&format!("k{}", sets - 1)]).unwrap());
+}

@@ -35,6 +35,17 @@ pub enum EtcdError {
         #[source]
         source: ureq::Error,
     },
+    /// A request was cut off after it was sent (a copy of a [`EtcdError::Transport`],
+    /// kept as the cause of an [`EtcdError::OutcomeUnknown`]).
+    #[error("etcd at {endpoint}: {op} was cut off after it was sent: {detail}")]
+    Interrupted {
+        /// The member (`host:port`).
+        endpoint: String,
+        /// What was asked.
+        op: &'static str,
+        /// The transport's error, as text.
+        detail: String,
+    },
     /// A member's reply was not the JSON the gateway sends.
     #[error("etcd at {endpoint}: {op}: unreadable reply: {detail}")]
     BadReply {
@@ -63,12 +74,10 @@ pub enum EtcdError {
     },
     /// A write that is not idempotent failed after it was sent: etcd may have applied it.
     /// It is not retried, since applying an `add` twice would count twice.
-    #[error("etcd {op} on key {key}: the request reached etcd but no answer came back, so it may or may not have been applied; read the key to find out: {source}")]
+    #[error("etcd {op}: the request reached etcd but failed without a definite answer, so it may or may not have been applied (read the key to find out): {source}")]
     OutcomeUnknown {
         /// What was asked.
         op: &'static str,
-        /// The user key.
-        key: String,
         /// What went wrong after the request was sent.
         #[source]
         source: Box<EtcdError>,
@@ -111,4 +120,40 @@ pub enum EtcdError {
         /// What was wrong.
         detail: &'static str,
     },
+}
+
+impl EtcdError {
+    /// A copy to keep as the cause of a later error (a transport error, which cannot be
+    /// cloned, becomes [`EtcdError::Interrupted`] with its text).
+    pub(crate) fn clone_for_report(&self) -> EtcdError {
+        match self {
+            EtcdError::Server {
+                endpoint,
+                op,
+                code,
+                status,
+                message,
+            } => EtcdError::Server {
+                endpoint: endpoint.clone(),
+                op,
+                code: *code,
+                status: *status,
+                message: message.clone(),
+            },
+            EtcdError::Transport {
+                endpoint,
+                op,
+                source,
+            } => EtcdError::Interrupted {
+                endpoint: endpoint.clone(),
+                op,
+                detail: source.to_string(),
+            },
+            other => EtcdError::Interrupted {
+                endpoint: String::new(),
+                op: "request",
+                detail: other.to_string(),
+            },
+        }
+    }
 }

@@ -35,11 +35,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Whether a request may be sent again when its first try may have been applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Retry {
-    /// Reads, puts of a fixed value, deletes, compare-on-revision writes whose retry
-    /// fails its compare harmlessly: always retried.
+    /// Reads, puts of a fixed value, deletes: always resent.
     Idempotent,
-    /// Writes that must not happen twice: retried only when etcd surely did not see them.
-    OnlyIfUnsent,
+    /// A transaction whose compare lets at most one of its copies apply (the key's
+    /// `mod_revision` or `create_revision` is unchanged): resent too, but when a resent
+    /// copy's compare fails, the caller cannot tell whether the lost first copy applied,
+    /// so [`Gateway::call`] reports that it resent after an ambiguous failure.
+    Conditional,
 }
 
 /// The endpoints of one etcd cluster and the HTTP agent (keep-alive pool) to reach them.
@@ -256,6 +258,22 @@ fn unsent(err: &ureq::Error) -> bool {
     }
 }
 
+/// Whether etcd refused a request before proposing it to raft, so that sending it again
+/// cannot apply it twice: ResourceExhausted ("too many requests"), or Unavailable for a
+/// member without a leader, not yet capable, unhealthy, or a learner.
+fn refused_before_proposal(code: i64, message: &str) -> bool {
+    code == 8
+        || (code == 14
+            && [
+                "no leader",
+                "not capable",
+                "unhealthy cluster",
+                "not supported for learner",
+            ]
+            .iter()
+            .any(|m| message.contains(m)))
+}
+
 /// What one try on one member came to.
 enum Attempt<T> {
     Done(T),
@@ -371,9 +389,23 @@ impl Gateway {
         op: &'static str,
         path: &str,
         body: &Value,
-        retry: Retry,
         deadline: Instant,
     ) -> Result<T, EtcdError> {
+        self.call_with(op, path, body, Retry::Idempotent, deadline)
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Gateway::call`], also returning the failure after which the request was resent
+    /// when an earlier copy may have been applied (only [`Retry::Conditional`] ones are).
+    pub(crate) fn call_with<T: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        path: &str,
+        body: &Value,
+        retry: Retry,
+        deadline: Instant,
+    ) -> Result<(T, Option<EtcdError>), EtcdError> {
+        let mut ambiguous: Option<EtcdError> = None;
         let body = body.to_string();
         self.with_failover(op, deadline, |endpoint, timeout| {
             let transport = |source| EtcdError::Transport {
@@ -381,12 +413,18 @@ impl Gateway {
                 op,
                 source,
             };
+            // A failure after the request left: resend it, remembering (for a
+            // conditional transaction) that the first copy may have applied.
+            let mut after_send = |err: EtcdError| {
+                if retry == Retry::Conditional {
+                    ambiguous = Some(err.clone_for_report());
+                }
+                Attempt::Next(err)
+            };
             let mut reply = match self.post(endpoint, path, body.as_bytes(), timeout) {
                 Ok(reply) => reply,
-                Err(err) if unsent(&err) || retry == Retry::Idempotent => {
-                    return Attempt::Next(transport(err))
-                }
-                Err(err) => return Attempt::Fail(transport(err)),
+                Err(err) if unsent(&err) => return Attempt::Next(transport(err)),
+                Err(err) => return after_send(transport(err)),
             };
             let status = reply.status().as_u16();
             let text = match reply
@@ -396,8 +434,7 @@ impl Gateway {
                 .read_to_vec()
             {
                 Ok(text) => text,
-                Err(err) if retry == Retry::Idempotent => return Attempt::Next(transport(err)),
-                Err(err) => return Attempt::Fail(transport(err)),
+                Err(err) => return after_send(transport(err)),
             };
             let bad = |detail: String| EtcdError::BadReply {
                 endpoint: endpoint.to_string(),
@@ -407,22 +444,22 @@ impl Gateway {
             if status != 200 {
                 let Ok(err) = serde_json::from_slice::<GatewayErrorBody>(&text) else {
                     let shown = String::from_utf8_lossy(text.get(..200).unwrap_or(&text));
-                    return Attempt::Next(bad(format!("HTTP {status}: {shown}")));
+                    return after_send(bad(format!("HTTP {status}: {shown}")));
                 };
-                let code = err.code;
+                let (code, message) = (err.code, err.text());
+                let refused = refused_before_proposal(code, &message);
                 let err = EtcdError::Server {
                     endpoint: endpoint.to_string(),
                     op,
                     code,
                     status,
-                    message: err.text(),
+                    message,
                 };
-                // gRPC codes: 14 Unavailable (no leader, not ready), 8 ResourceExhausted
-                // (too many requests) are refusals before the request was proposed; 4
-                // DeadlineExceeded ("request timed out") may have been applied.
                 return match code {
-                    14 | 8 => Attempt::Next(err),
-                    4 if retry == Retry::Idempotent => Attempt::Next(err),
+                    _ if refused => Attempt::Next(err),
+                    // Unavailable ("request timed out", "server stopped", "leader
+                    // changed") and DeadlineExceeded: the request may have been applied.
+                    14 | 4 => after_send(err),
                     _ => Attempt::Fail(err),
                 };
             }
@@ -431,6 +468,7 @@ impl Gateway {
                 Err(err) => Attempt::Fail(bad(err.to_string())),
             }
         })
+        .map(|reply| (reply, ambiguous))
     }
 
     /// Opens a watch stream with one `create_request` per `(key, range_end)`, all from
@@ -491,6 +529,24 @@ mod tests {
         assert_eq!(prefix_end(b"/a/"), b"/a0");
         assert_eq!(prefix_end(b"a\xff"), b"b");
         assert_eq!(prefix_end(b"\xff\xff"), b"\0");
+    }
+
+    #[test]
+    fn only_refusals_before_raft_are_safe_to_resend() {
+        assert!(refused_before_proposal(14, "etcdserver: no leader"));
+        assert!(refused_before_proposal(8, "etcdserver: too many requests"));
+        assert!(!refused_before_proposal(
+            14,
+            "etcdserver: request timed out"
+        ));
+        assert!(!refused_before_proposal(
+            14,
+            "etcdserver: request timed out, possibly due to previous leader failure"
+        ));
+        assert!(!refused_before_proposal(
+            3,
+            "etcdserver: request is too large"
+        ));
     }
 
     #[test]

@@ -30,9 +30,11 @@
 //! - Values larger than etcd's request limit (`--max-request-bytes`, 1.5 MiB by default)
 //!   and MULTI_SET/MULTI_GET over more than `--max-txn-ops` keys (128) are refused with an
 //!   error naming the limit, where the TCP store would accept them.
-//! - An ADD, APPEND or QUEUE_POP whose answer is lost after etcd received it fails with
-//!   [`EtcdError::OutcomeUnknown`] instead of being retried, since a retry could apply it
-//!   twice. Everything else is retried on another member until its deadline.
+//! - ADD, APPEND and QUEUE_POP are compare-guarded transactions, so when an answer is
+//!   lost (a member died, "request timed out") the same transaction is sent again: at most
+//!   one copy can apply. If the resent copy's compare fails, the lost one may be what
+//!   changed the key, and the call fails with [`EtcdError::OutcomeUnknown`] rather than
+//!   risk counting twice. Everything else is retried on another member until its deadline.
 //!
 //! Not here: leases and the elastic rendezvous (they build on the same [`gateway`]).
 
@@ -272,7 +274,7 @@ impl EtcdStore {
 
     fn range(&self, body: Value, deadline: Instant) -> Result<RangeReply, StoreError> {
         self.gateway
-            .call("range", "/v3/kv/range", &body, Retry::Idempotent, deadline)
+            .call("range", "/v3/kv/range", &body, deadline)
             .map_err(|e| self.error(e))
     }
 
@@ -281,13 +283,34 @@ impl EtcdStore {
         compare: Vec<Value>,
         success: Vec<Value>,
         failure: Vec<Value>,
-        retry: Retry,
         deadline: Instant,
     ) -> Result<TxnReply, StoreError> {
+        self.conditional_txn(compare, success, failure, Retry::Idempotent, deadline)
+            .map(|(reply, _)| reply)
+    }
+
+    /// A transaction, and whether it had to be resent after a copy that may have applied
+    /// (see [`Retry::Conditional`]): if so and its compare failed, the lost copy may be
+    /// what changed the key, and the caller reports [`EtcdError::OutcomeUnknown`].
+    fn conditional_txn(
+        &self,
+        compare: Vec<Value>,
+        success: Vec<Value>,
+        failure: Vec<Value>,
+        retry: Retry,
+        deadline: Instant,
+    ) -> Result<(TxnReply, Option<EtcdError>), StoreError> {
         let body = json!({"compare": compare, "success": success, "failure": failure});
         self.gateway
-            .call("txn", "/v3/kv/txn", &body, retry, deadline)
+            .call_with("txn", "/v3/kv/txn", &body, retry, deadline)
             .map_err(|e| self.error(e))
+    }
+
+    fn unknown(&self, op: &'static str, cause: EtcdError) -> StoreError {
+        self.error(EtcdError::OutcomeUnknown {
+            op,
+            source: Box::new(cause),
+        })
     }
 
     fn read(&self, full: &[u8], deadline: Instant) -> Result<(Current, i64), StoreError> {
@@ -300,6 +323,7 @@ impl EtcdStore {
     /// the failed transaction) and decides again. Returns the value last decided on.
     fn update<T>(
         &self,
+        op: &'static str,
         key: &str,
         mut current: Option<Current>,
         retry: Retry,
@@ -317,7 +341,7 @@ impl EtcdStore {
                 return Ok(result);
             };
             self.check_size("write", &[(key, &value)])?;
-            let reply = self.txn(
+            let (reply, resent) = self.conditional_txn(
                 vec![unchanged(&full, &known)],
                 vec![put_op(&full, &value)],
                 vec![range_op(&full, None, false)],
@@ -326,6 +350,9 @@ impl EtcdStore {
             )?;
             if reply.succeeded {
                 return Ok(result);
+            }
+            if let (Retry::Conditional, Some(cause)) = (retry, resent) {
+                return Err(self.unknown(op, cause));
             }
             current = Some(first(
                 reply
@@ -350,7 +377,7 @@ impl EtcdStore {
                     range_op(full, end.as_deref(), true)
                 })
                 .collect();
-            let reply = self.txn(vec![], ops, vec![], Retry::Idempotent, deadline)?;
+            let reply = self.txn(vec![], ops, vec![], deadline)?;
             revision = revision.min(reply.header.revision);
             present.extend(reply.responses.iter().map(|r| {
                 r.response_range
@@ -508,7 +535,7 @@ impl Store for EtcdStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         // First try assumes the key is missing: a new counter costs one transaction.
-        self.update(key, Some(None), Retry::OnlyIfUnsent, |current| {
+        self.update("add", key, Some(None), Retry::Conditional, |current| {
             let value = current.as_ref().map(|(v, _)| v.as_slice());
             let new =
                 semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
@@ -527,12 +554,18 @@ impl Store for EtcdStore {
     ) -> Result<Vec<u8>, StoreError> {
         // With an empty `expected`, first assume the key is missing (one transaction).
         let first_guess = expected.is_empty().then_some(None);
-        self.update(key, first_guess, Retry::Idempotent, |current| {
-            let value = current.as_ref().map(|(v, _)| v.as_slice());
-            let outcome = semantics::compare_set(value, expected, desired);
-            let write = outcome.writes().then(|| desired.to_vec());
-            Ok((write, outcome.reply().to_vec()))
-        })
+        self.update(
+            "compare_set",
+            key,
+            first_guess,
+            Retry::Idempotent,
+            |current| {
+                let value = current.as_ref().map(|(v, _)| v.as_slice());
+                let outcome = semantics::compare_set(value, expected, desired);
+                let write = outcome.writes().then(|| desired.to_vec());
+                Ok((write, outcome.reply().to_vec()))
+            },
+        )
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
@@ -555,7 +588,6 @@ impl Store for EtcdStore {
                 "deleterange",
                 "/v3/kv/deleterange",
                 &json!({"key": b64(&full)}),
-                Retry::Idempotent,
                 self.request_deadline(),
             )
             .map_err(|e| self.error(e))?;
@@ -567,7 +599,7 @@ impl Store for EtcdStore {
     }
 
     fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.update(key, Some(None), Retry::OnlyIfUnsent, |current| {
+        self.update("append", key, Some(None), Retry::Conditional, |current| {
             let mut new = current.as_ref().map(|(v, _)| v.clone()).unwrap_or_default();
             new.extend_from_slice(value);
             Ok((Some(new), ()))
@@ -586,13 +618,7 @@ impl Store for EtcdStore {
             let left = timeout.saturating_sub(started.elapsed());
             self.wait_present(keys, &fulls, true, left)?;
             let ops = fulls.iter().map(|f| range_op(f, None, false)).collect();
-            let reply = self.txn(
-                vec![],
-                ops,
-                vec![],
-                Retry::Idempotent,
-                self.request_deadline(),
-            )?;
+            let reply = self.txn(vec![], ops, vec![], self.request_deadline())?;
             let values: Option<Vec<Vec<u8>>> = reply
                 .responses
                 .iter()
@@ -613,14 +639,8 @@ impl Store for EtcdStore {
             .iter()
             .map(|(k, v)| Ok(put_op(&self.key(k)?, v)))
             .collect::<Result<Vec<_>, StoreError>>()?;
-        self.txn(
-            vec![],
-            ops,
-            vec![],
-            Retry::Idempotent,
-            self.request_deadline(),
-        )
-        .map(drop)
+        self.txn(vec![], ops, vec![], self.request_deadline())
+            .map(drop)
     }
 
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -633,7 +653,6 @@ impl Store for EtcdStore {
             vec![unchanged(&element, &None)],
             vec![put_op(&element, value)],
             vec![],
-            Retry::Idempotent,
             self.request_deadline(),
         )
         .map(drop)
@@ -654,15 +673,19 @@ impl Store for EtcdStore {
                 let compare = json!({"key": b64(&front.key), "target": "CREATE",
                     "result": "EQUAL", "create_revision": front.create_revision.to_string()});
                 let delete = json!({"request_delete_range": {"key": b64(&front.key)}});
-                let popped = self.txn(
+                let (popped, resent) = self.conditional_txn(
                     vec![compare],
                     vec![delete],
                     vec![],
-                    Retry::OnlyIfUnsent,
+                    Retry::Conditional,
                     self.request_deadline(),
                 )?;
                 if popped.succeeded {
                     return Ok(front.value.clone());
+                }
+                if let Some(cause) = resent {
+                    // The element is gone: our lost first copy may have taken it.
+                    return Err(self.unknown("queue_pop", cause));
                 }
                 // Another pop took it: try the next element.
                 continue;
@@ -735,12 +758,11 @@ impl Store for EtcdStore {
     }
 
     fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
-        let mut config = self.config.clone();
-        config.timeout = self.timeout();
-        let clone = EtcdStore::new(config);
         Ok(Box::new(EtcdStore {
             gateway: self.gateway.duplicate(),
-            ..clone
+            config: self.config.clone(),
+            prefix: self.prefix.clone(),
+            timeout: Mutex::new(self.timeout()),
         }))
     }
 }
