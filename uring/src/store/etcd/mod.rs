@@ -552,12 +552,36 @@ impl Store for EtcdStore {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
-        // With an empty `expected`, first assume the key is missing (one transaction).
-        let first_guess = expected.is_empty().then_some(None);
+        // One transaction in the common cases: an empty `expected` first assumes the key
+        // is missing; otherwise etcd compares the value itself. A failed compare brings
+        // back the current value, and the semantics decide from it.
+        let first_guess = if expected.is_empty() {
+            None
+        } else {
+            self.check_size("compare_set", &[(key, desired)])?;
+            let full = self.key(key)?;
+            let compare = json!({"key": b64(&full), "target": "VALUE", "result": "EQUAL",
+                "value": b64(expected)});
+            let reply = self.txn(
+                vec![compare],
+                vec![put_op(&full, desired)],
+                vec![range_op(&full, None, false)],
+                self.request_deadline(),
+            )?;
+            if reply.succeeded {
+                return Ok(desired.to_vec());
+            }
+            Some(first(
+                reply
+                    .responses
+                    .first()
+                    .and_then(|r| r.response_range.as_ref()),
+            ))
+        };
         self.update(
             "compare_set",
             key,
-            first_guess,
+            first_guess.or(Some(None)),
             Retry::Idempotent,
             |current| {
                 let value = current.as_ref().map(|(v, _)| v.as_slice());
