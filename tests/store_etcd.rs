@@ -310,6 +310,20 @@ battery! {
         assert!(len > 1_500_000, "only {len} bytes fit");
         assert_eq!(s.get("big").unwrap().len(), len);
     };
+    waits_racing_sets_lose_none => |s: EtcdStore| {
+        // A set landing between a wait's check and its watch must still release it: the
+        // watch starts at the revision after the check.
+        let setter = s.clone_store().unwrap();
+        let handle = thread::spawn(move || {
+            for i in 0..30 {
+                setter.set(&format!("race{i}"), b"1").unwrap();
+            }
+        });
+        for i in 0..30 {
+            s.wait(&[&format!("race{i}")], Some(Duration::from_secs(5))).unwrap();
+        }
+        handle.join().unwrap();
+    };
     prefixes_keep_stores_apart => |s: EtcdStore| {
         let other = store("prefixes_keep_stores_apart_other").unwrap();
         s.set("k", b"mine").unwrap();
