@@ -54,13 +54,23 @@ start() {
 }
 
 stop() {
-    local dir="$1"
+    local dir="$1" pids=() pid
     for pidfile in "$dir"/e*.pid; do
         [ -e "$pidfile" ] || continue
-        kill "$(cat "$pidfile")" 2>/dev/null || true
+        pids+=("$(cat "$pidfile")")
         rm -f "$pidfile"
     done
-    wait 2>/dev/null || true
+    ((${#pids[@]})) || return 0
+    kill "${pids[@]}" 2>/dev/null || true
+    # The members are not this shell's children: poll until they are gone (a member
+    # handing over leadership can take seconds), then, after 3 s, kill what is left.
+    for _ in $(seq 30); do
+        local alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        ((alive)) || break
+        sleep 0.1
+    done
+    kill -KILL "${pids[@]}" 2>/dev/null || true
     rm -rf "$dir"/e*.data
 }
 
