@@ -310,6 +310,22 @@ battery! {
         assert!(len > 1_500_000, "only {len} bytes fit");
         assert_eq!(s.get("big").unwrap().len(), len);
     };
+    adds_after_another_handle_wrote_see_its_value => |s: EtcdStore| {
+        // A handle's remembered counter is only a guess: another handle's writes win.
+        let other = s.clone_store().unwrap();
+        assert_eq!(s.add("c", 1).unwrap(), 1);
+        other.set("c", b"100").unwrap();
+        assert_eq!(s.add("c", 1).unwrap(), 101);
+        other.set("c", b"text").unwrap();
+        let err = s.add("c", 1).unwrap_err();
+        assert!(matches!(err, StoreError::NotACounter { .. }), "{err:?}");
+        assert!(other.delete_key("c").unwrap());
+        assert_eq!(s.add("c", 5).unwrap(), 5);
+        s.append("a", b"x").unwrap();
+        other.set("a", b"y").unwrap();
+        s.append("a", b"z").unwrap();
+        assert_eq!(other.get("a").unwrap(), b"yz");
+    };
     waits_racing_sets_lose_none => |s: EtcdStore| {
         // A set landing between a wait's check and its watch must still release it: the
         // watch starts at the revision after the check.

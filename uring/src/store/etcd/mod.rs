@@ -41,8 +41,9 @@
 pub mod error;
 pub(crate) mod gateway;
 
+use std::collections::HashMap;
 use std::io;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use rdzv_core::store::semantics;
@@ -59,6 +60,8 @@ pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1536 * 1024;
 pub const DEFAULT_MAX_TXN_OPS: usize = 128;
 /// Room left in a request for everything but keys and values (field tags, lengths).
 const REQUEST_OVERHEAD: usize = 512;
+/// Keys whose last value an [`EtcdStore`] handle remembers for its next update.
+const LAST_SEEN_KEYS: usize = 256;
 /// Keys read per page by NUM_KEYS and LIST_KEYS.
 const PAGE: i64 = 1000;
 
@@ -136,10 +139,25 @@ pub struct EtcdStore {
     /// `/PREFIX/`.
     prefix: Vec<u8>,
     timeout: Mutex<Duration>,
+    /// The value and `mod_revision` this handle last wrote or saw for keys it updated
+    /// (ADD, APPEND), the first guess of the next update: a counter this handle alone
+    /// advances costs one transaction. A stale guess only fails its compare.
+    last_seen: Mutex<LastSeen>,
 }
 
 /// A key's current value and revision, as a range found it (`None`: missing).
 type Current = Option<(Vec<u8>, i64)>;
+
+/// What an [`EtcdStore`] handle last saw of keys it updated: value and `mod_revision`.
+type LastSeen = HashMap<Vec<u8>, (Vec<u8>, i64)>;
+
+/// Where an update starts.
+enum First {
+    /// Guess that the key is missing (one transaction for a new key).
+    GuessMissing,
+    /// From the value a transaction just returned.
+    Known(Current),
+}
 
 fn put_op(key: &[u8], value: &[u8]) -> Value {
     json!({"request_put": {"key": b64(key), "value": b64(value)}})
@@ -182,6 +200,7 @@ impl EtcdStore {
         EtcdStore {
             gateway: Gateway::new(config.endpoints.clone()),
             timeout: Mutex::new(config.timeout),
+            last_seen: Mutex::new(HashMap::new()),
             prefix,
             config,
         }
@@ -321,22 +340,42 @@ impl EtcdStore {
     /// An optimistic read-modify-write of one key: `decide` maps the current value to
     /// `Ok(Some(new value))` to write, or `Ok(None)` to stop; a conflict re-reads (from
     /// the failed transaction) and decides again. Returns the value last decided on.
+    /// Conditional updates (ADD, APPEND) guess from what this handle last saw.
     fn update<T>(
         &self,
         op: &'static str,
         key: &str,
-        mut current: Option<Current>,
+        first_step: First,
         retry: Retry,
         mut decide: impl FnMut(&Current) -> Result<(Option<Vec<u8>>, T), StoreError>,
     ) -> Result<T, StoreError> {
         let full = self.key(key)?;
         let deadline = self.request_deadline();
+        // A guess (remembered, or "missing") is only ever confirmed by a write's compare:
+        // a decision not to write, or an error, is taken again on a fresh read.
+        let (mut current, mut guessed) = match first_step {
+            First::GuessMissing => (Some(None), true),
+            First::Known(known) => (Some(known), false),
+        };
+        if retry == Retry::Conditional {
+            if let Some(seen) = self.last_seen().get(&full) {
+                current = Some(Some(seen.clone()));
+                guessed = true;
+            }
+        }
         loop {
             let known = match current.take() {
                 Some(known) => known,
                 None => self.read(&full, deadline)?.0,
             };
-            let (write, result) = decide(&known)?;
+            let decided = decide(&known);
+            let (write, result) = match decided {
+                Err(_) | Ok((None, _)) if guessed => {
+                    guessed = false;
+                    continue;
+                }
+                other => other?,
+            };
             let Some(value) = write else {
                 return Ok(result);
             };
@@ -349,17 +388,43 @@ impl EtcdStore {
                 deadline,
             )?;
             if reply.succeeded {
+                // The transaction's revision is the key's new `mod_revision`.
+                self.remember(full, Some((value, reply.header.revision)));
                 return Ok(result);
             }
             if let (Retry::Conditional, Some(cause)) = (retry, resent) {
+                self.remember(full, None);
                 return Err(self.unknown(op, cause));
             }
+            guessed = false;
             current = Some(first(
                 reply
                     .responses
                     .first()
                     .and_then(|r| r.response_range.as_ref()),
             ));
+        }
+    }
+
+    fn last_seen(&self) -> MutexGuard<'_, LastSeen> {
+        self.last_seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Remembers (or, with `None`, forgets) what `full` holds, keeping the map bounded.
+    fn remember(&self, full: Vec<u8>, seen: Option<(Vec<u8>, i64)>) {
+        let mut last_seen = self.last_seen();
+        match seen {
+            Some(seen) => {
+                if last_seen.len() >= LAST_SEEN_KEYS && !last_seen.contains_key(&full) {
+                    last_seen.clear();
+                }
+                last_seen.insert(full, seen);
+            }
+            None => {
+                last_seen.remove(&full);
+            }
         }
     }
 
@@ -535,15 +600,21 @@ impl Store for EtcdStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         // First try assumes the key is missing: a new counter costs one transaction.
-        self.update("add", key, Some(None), Retry::Conditional, |current| {
-            let value = current.as_ref().map(|(v, _)| v.as_slice());
-            let new =
-                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
-                    key: key.to_string(),
-                    detail: e.to_string(),
-                })?;
-            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
-        })
+        self.update(
+            "add",
+            key,
+            First::GuessMissing,
+            Retry::Conditional,
+            |current| {
+                let value = current.as_ref().map(|(v, _)| v.as_slice());
+                let new =
+                    semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
+                        key: key.to_string(),
+                        detail: e.to_string(),
+                    })?;
+                Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
+            },
+        )
     }
 
     fn compare_set(
@@ -555,8 +626,8 @@ impl Store for EtcdStore {
         // One transaction in the common cases: an empty `expected` first assumes the key
         // is missing; otherwise etcd compares the value itself. A failed compare brings
         // back the current value, and the semantics decide from it.
-        let first_guess = if expected.is_empty() {
-            None
+        let first_step = if expected.is_empty() {
+            First::GuessMissing
         } else {
             self.check_size("compare_set", &[(key, desired)])?;
             let full = self.key(key)?;
@@ -571,7 +642,7 @@ impl Store for EtcdStore {
             if reply.succeeded {
                 return Ok(desired.to_vec());
             }
-            Some(first(
+            First::Known(first(
                 reply
                     .responses
                     .first()
@@ -581,7 +652,7 @@ impl Store for EtcdStore {
         self.update(
             "compare_set",
             key,
-            first_guess.or(Some(None)),
+            first_step,
             Retry::Idempotent,
             |current| {
                 let value = current.as_ref().map(|(v, _)| v.as_slice());
@@ -623,11 +694,17 @@ impl Store for EtcdStore {
     }
 
     fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.update("append", key, Some(None), Retry::Conditional, |current| {
-            let mut new = current.as_ref().map(|(v, _)| v.clone()).unwrap_or_default();
-            new.extend_from_slice(value);
-            Ok((Some(new), ()))
-        })
+        self.update(
+            "append",
+            key,
+            First::GuessMissing,
+            Retry::Conditional,
+            |current| {
+                let mut new = current.as_ref().map(|(v, _)| v.clone()).unwrap_or_default();
+                new.extend_from_slice(value);
+                Ok((Some(new), ()))
+            },
+        )
     }
 
     fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
@@ -768,17 +845,11 @@ impl Store for EtcdStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self
-            .timeout
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self.timeout.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self
-            .timeout
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = timeout;
+        *self.timeout.lock().unwrap_or_else(PoisonError::into_inner) = timeout;
     }
 
     fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
@@ -787,6 +858,7 @@ impl Store for EtcdStore {
             config: self.config.clone(),
             prefix: self.prefix.clone(),
             timeout: Mutex::new(self.timeout()),
+            last_seen: Mutex::new(HashMap::new()),
         }))
     }
 }
