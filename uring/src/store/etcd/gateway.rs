@@ -5,8 +5,11 @@
 //! answers that it cannot serve now (gRPC `Unavailable`, `ResourceExhausted`), is left for
 //! the next endpoint; after a full turn over the endpoints it backs off (25 ms doubling to
 //! 500 ms, jittered) until the caller's deadline. A request that may have been applied
-//! (its answer was lost, or etcd timed out) is retried only when the caller says it is
-//! idempotent. The member that served last is tried first next time.
+//! (its answer was lost, or etcd timed out) is resent too: callers send only idempotent
+//! requests or compare-guarded transactions ([`Retry::Conditional`]), and for the latter
+//! the gateway reports the lost copy so that a failed compare is not taken as someone
+//! else's write. etcd's refusals of the request itself (InvalidArgument and the like)
+//! fail at once. The member that served last is tried first next time.
 //!
 //! It knows etcd's wire format (base64 keys and values, 64-bit integers as JSON strings,
 //! fields left out when zero) and nothing about the c10d store built on it.

@@ -1,7 +1,7 @@
 //! [`EtcdStore`]: the c10d [`Store`] over an etcd v3 cluster, for stores that must outlive
 //! any one machine.
 //!
-//! It speaks etcd's JSON gateway ([`gateway`]) and maps each operation onto etcd's own
+//! It speaks etcd's JSON gateway (its `gateway` module) and maps each operation onto etcd's own
 //! primitives, keeping PyTorch's meaning as `rdzv_core::store::semantics` states it
 //! (compare_set's four cases, counters as decimal text, what counts as present):
 //!
@@ -36,7 +36,7 @@
 //!   changed the key, and the call fails with [`EtcdError::OutcomeUnknown`] rather than
 //!   risk counting twice. Everything else is retried on another member until its deadline.
 //!
-//! Not here: leases and the elastic rendezvous (they build on the same [`gateway`]).
+//! Not here: leases and the elastic rendezvous (they build on the same `gateway`).
 
 pub mod error;
 pub(crate) mod gateway;
