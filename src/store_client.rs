@@ -23,6 +23,7 @@ use std::time::Instant;
 use base64::Engine as _;
 use clap::{Args, Subcommand, ValueEnum};
 use rdzv_core::store::{QueryType, StoreStats};
+use rdzv_uring::store::etcd::{EtcdConfig, EtcdStore};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{Store, StoreError};
 use serde_json::{json, Map, Value};
@@ -43,7 +44,8 @@ pub(crate) enum Output {
 /// Options every client operation shares.
 #[derive(Debug, Args)]
 pub(crate) struct ClientArgs {
-    /// The store, as HOST:PORT. Default: $RDZV_ADDR, else $MASTER_ADDR:$MASTER_PORT.
+    /// The store, as HOST:PORT, or etcd://HOST:PORT[,HOST:PORT...]/PREFIX for a store
+    /// kept in etcd. Default: $RDZV_ADDR, else $MASTER_ADDR:$MASTER_PORT.
     #[arg(long, global = true)]
     pub addr: Option<String>,
     /// Timeout for connecting and for blocking calls, in seconds.
@@ -240,20 +242,41 @@ pub(crate) fn resolve_addr(
     }
 }
 
+/// The store a command talks to.
+enum Opened {
+    /// An rdzv store server or PyTorch's TCPStore.
+    Tcp(TcpStore),
+    /// A store kept in etcd (`etcd://…`).
+    Etcd(EtcdStore),
+}
+
 /// Runs one client operation.
 pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> {
     let timeout = seconds(args.connect_timeout, "--connect-timeout")?;
     let addr = resolve_addr(args.addr, |name| std::env::var(name).ok())?;
-    let (host, port) = split_addr(&addr)?;
-    let store = TcpStore::connect(&host, port, timeout)
-        .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
+    // `etcd://HOST:PORT[,HOST:PORT…]/PREFIX`: the store kept in an etcd cluster.
+    let opened = if addr.starts_with("etcd://") {
+        let mut config = EtcdConfig::parse(&addr).map_err(|e| e.to_string())?;
+        config.timeout = timeout;
+        config.request_timeout = timeout;
+        Opened::Etcd(EtcdStore::new(config))
+    } else {
+        let (host, port) = split_addr(&addr)?;
+        let store = TcpStore::connect(&host, port, timeout)
+            .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
+        Opened::Tcp(store)
+    };
+    let (store, tcp): (&dyn Store, _) = match &opened {
+        Opened::Tcp(tcp) => (tcp, Some(tcp)),
+        Opened::Etcd(etcd) => (etcd, None),
+    };
     let out = Printer {
         format: args.output,
         hex: args.hex,
     };
     let input = Input { hex: args.hex };
     let mut stdout = std::io::stdout().lock();
-    let code = execute(&store, op, &out, &input, &mut stdout)?;
+    let code = execute(store, tcp, op, &out, &input, &mut stdout)?;
     stdout.flush()?;
     Ok(code)
 }
@@ -358,7 +381,8 @@ fn insert_value(object: &mut Map<String, Value>, value: &[u8]) {
 }
 
 fn execute(
-    store: &TcpStore,
+    store: &dyn Store,
+    tcp: Option<&TcpStore>,
     op: ClientOp,
     out: &Printer,
     input: &Input,
@@ -468,7 +492,11 @@ fn execute(
         ClientOp::Ping { count } => {
             for _ in 0..count.max(1) {
                 let started = Instant::now();
-                store.ping()?;
+                match tcp {
+                    Some(tcp) => tcp.ping()?,
+                    // etcd: one linearizable read (a count-only range) is the round trip.
+                    None => drop(store.check(&["rdzv-ping"])?),
+                }
                 let us = started.elapsed().as_secs_f64() * 1e6;
                 out.fact(
                     w,
@@ -511,7 +539,11 @@ fn execute(
             out.fact(w, &n, json!({ "num_keys": n }))?;
         }
         ClientOp::Stats => {
-            let stats = store.stats()?;
+            let tcp = tcp.ok_or(
+                "stats is the rdzv store server's STATS query; for etcd, ask etcd: \
+                 ETCDCTL_API=3 etcdctl --endpoints=... endpoint status -w table",
+            )?;
+            let stats = tcp.stats()?;
             out.fact(w, &StatsText(&stats), stats_json(&stats))?;
         }
     }

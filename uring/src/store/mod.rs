@@ -8,6 +8,7 @@
 //! barrier keys) is decided in `rdzv_core::store`; this module only moves bytes.
 
 pub mod error;
+pub mod etcd;
 pub mod file;
 pub mod hash;
 pub mod prefix;
