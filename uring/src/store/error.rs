@@ -89,6 +89,22 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// A FileStore file is damaged in the middle: a record's length field claims more
+    /// bytes than follow, yet whole records lie behind it, so it is no torn tail. Nothing
+    /// is cut or appended.
+    #[error("FileStore {} is corrupt at offset {offset}: the record there claims {claimed} bytes but only {present} follow, and a whole record starts at offset {record_at}, so this is no record a crashed writer left at the end. Nothing was cut or written; keys from offset {offset} on are unreadable. Restore the file from a copy, or repair the record at offset {offset} by hand", path.display())]
+    CorruptFile {
+        /// The store file.
+        path: PathBuf,
+        /// Where the bad record starts (the end of the last whole record before it).
+        offset: u64,
+        /// The length its header claims.
+        claimed: u64,
+        /// The bytes from it to the end of the file.
+        present: u64,
+        /// Where the first whole record behind it starts.
+        record_at: u64,
+    },
     /// The counter at a key does not hold a decimal integer.
     #[error("value of key {key} is not an integer counter: {detail}")]
     NotACounter {
