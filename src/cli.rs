@@ -93,12 +93,17 @@ enum StoreOp {
     /// Run a TCPStore server until SIGINT/SIGTERM. Prints `listening on HOST:PORT` once
     /// it accepts connections.
     Serve {
+        /// Listen on HOST:PORT (default: $RDZV_ADDR if set, else --host and --port).
+        /// Refused, never ignored, when it cannot be bound or --host, --port or a
+        /// listening socket also say where to listen.
+        #[arg(long, value_name = "HOST:PORT")]
+        addr: Option<String>,
         /// Address to listen on (default: all interfaces, IPv6 and IPv4).
         #[arg(long)]
         host: Option<String>,
-        /// Port to listen on (0 picks a free one).
-        #[arg(long, default_value_t = rdzv_uring::server::DEFAULT_PORT)]
-        port: u16,
+        /// Port to listen on (0 picks a free one) [default: 29500].
+        #[arg(long)]
+        port: Option<u16>,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
         /// sharing one store (default: one per CPU this process may use, at most 16;
         /// one on hosts of 2 CPUs or fewer); see ARCHITECTURE.md.
@@ -130,9 +135,84 @@ enum StoreOp {
         /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
         #[arg(long, value_name = "HOST:PORT")]
         metrics: Option<String>,
+        /// The client flags, declared here under their own ids so that the `store`
+        /// group's global client flags are not propagated to `serve` (clap skips an id
+        /// a subcommand already has): hidden from `serve --help`, refused if given.
+        #[command(flatten)]
+        client_flags: NotForServe,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
+}
+
+/// The store client's flags as `serve` sees them: never shown, refused when given.
+#[derive(Debug, Args)]
+struct NotForServe {
+    #[arg(long, hide = true)]
+    connect_timeout: Option<f64>,
+    #[arg(long, hide = true)]
+    hex: bool,
+    #[arg(short = 'o', long = "output", value_enum, hide = true)]
+    output: Option<crate::store_client::Output>,
+}
+
+impl NotForServe {
+    /// The first client flag given to `serve`, if any.
+    fn given(&self) -> Option<&'static str> {
+        if self.connect_timeout.is_some() {
+            Some("--connect-timeout")
+        } else if self.hex {
+            Some("--hex")
+        } else if self.output.is_some() {
+            Some("--output")
+        } else {
+            None
+        }
+    }
+}
+
+/// Where `serve` listens: `--addr`, `RDZV_ADDR`, or `--host`/`--port`; `None` for the
+/// host means all interfaces. Two sources that both say where are refused, never
+/// silently ranked.
+fn serve_address(
+    addr: Option<String>,
+    host: Option<String>,
+    port: Option<u16>,
+    listen_fd: bool,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(Option<String>, u16), CliError> {
+    let (addr, source) = match addr {
+        Some(addr) => (Some(addr), "--addr"),
+        None => (env("RDZV_ADDR").filter(|a| !a.is_empty()), "RDZV_ADDR"),
+    };
+    let Some(addr) = addr else {
+        return Ok((host, port.unwrap_or(rdzv_uring::server::DEFAULT_PORT)));
+    };
+    let also = if host.is_some() {
+        Some("--host")
+    } else if port.is_some() {
+        Some("--port")
+    } else if listen_fd {
+        Some("a listening socket (--listen-fd or systemd's LISTEN_FDS)")
+    } else {
+        None
+    };
+    if let Some(also) = also {
+        return Err(format!(
+            "{source} ({addr}) and {also} both say where `store serve` listens; give one \
+             (unset RDZV_ADDR to use --host/--port)"
+        )
+        .into());
+    }
+    if addr.contains("://") {
+        return Err(format!(
+            "{source} ({addr}): `store serve` listens on HOST:PORT; a URL names a store to \
+             connect to"
+        )
+        .into());
+    }
+    let (host, port) = split_addr(&addr).map_err(|e| format!("{source}: {e}"))?;
+    Ok((Some(host), port))
 }
 
 pub(crate) fn seconds(s: f64, what: &str) -> Result<Duration, CliError> {
@@ -182,6 +262,7 @@ fn man(out_dir: Option<std::path::PathBuf>) -> Result<ExitCode, CliError> {
 fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
     match args.op {
         StoreOp::Serve {
+            addr,
             host,
             port,
             threads,
@@ -191,7 +272,15 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             world_size,
             listen_fd,
             metrics,
+            client_flags,
         } => {
+            if let Some(flag) = client_flags.given() {
+                return Err(format!(
+                    "{flag} is a client flag; `store serve` does not take it (see `rdzv store \
+                     serve --help`)"
+                )
+                .into());
+            }
             let metrics = match metrics {
                 Some(addr) => Some(metrics_addr(&addr)?),
                 None => None,
@@ -200,6 +289,9 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 Some(fd) => Some(fd),
                 None => systemd_listen_fd()?,
             };
+            let (host, port) = serve_address(addr, host, port, listen_fd.is_some(), |name| {
+                std::env::var(name).ok()
+            })?;
             let options = ServerOptions {
                 host,
                 port,
@@ -320,4 +412,85 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
     }
     server.shutdown();
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn serve_listens_where_one_source_says() {
+        let none = env(&[]);
+        let dflt = rdzv_uring::server::DEFAULT_PORT;
+        assert_eq!(
+            serve_address(None, None, None, false, &none).unwrap(),
+            (None, dflt)
+        );
+        assert_eq!(
+            serve_address(Some("127.0.0.1:7".into()), None, None, false, &none).unwrap(),
+            (Some("127.0.0.1".into()), 7)
+        );
+        let rdzv = env(&[("RDZV_ADDR", "[::1]:9")]);
+        assert_eq!(
+            serve_address(None, None, None, false, &rdzv).unwrap(),
+            (Some("::1".into()), 9)
+        );
+        // --addr wins over the environment: it is the more explicit of the two.
+        assert_eq!(
+            serve_address(Some("127.0.0.1:7".into()), None, None, false, &rdzv).unwrap(),
+            (Some("127.0.0.1".into()), 7)
+        );
+        for (host, port, fd) in [
+            (Some("h".to_string()), None, false),
+            (None, Some(1), false),
+            (None, None, true),
+        ] {
+            let err = serve_address(None, host, port, fd, &rdzv)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("RDZV_ADDR") && err.contains("both say"),
+                "{err}"
+            );
+        }
+        let err = serve_address(Some("etcd://h:2379".into()), None, None, false, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("HOST:PORT"), "{err}");
+        assert!(serve_address(Some("nocolon".into()), None, None, false, &none).is_err());
+    }
+
+    #[test]
+    fn serve_help_shows_only_server_flags() {
+        let mut command = Cli::command();
+        let store = command.find_subcommand_mut("store").expect("store");
+        let serve = store.find_subcommand_mut("serve").expect("serve");
+        let help = serve.render_long_help().to_string();
+        for client in ["--connect-timeout", "--hex", "--output"] {
+            assert!(!help.contains(client), "{client} in serve --help:\n{help}");
+        }
+        assert!(help.contains("--addr") && help.contains("--port"), "{help}");
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn client_flags_given_to_serve_are_refused() {
+        for args in [
+            &["rdzv", "store", "serve", "--hex"][..],
+            &["rdzv", "store", "--connect-timeout", "3", "serve"],
+            &["rdzv", "store", "-o", "json", "serve"],
+        ] {
+            let cli = Cli::try_parse_from(args).expect("parses");
+            let err = run(cli).unwrap_err().to_string();
+            assert!(err.contains("client flag"), "{args:?}: {err}");
+        }
+    }
 }

@@ -30,7 +30,8 @@ fn serve_with(extra: &[&str]) -> Served {
     let mut command = Command::new(RDZV);
     command
         .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
-        .args(extra);
+        .args(extra)
+        .env_remove("RDZV_ADDR");
     serve_command(command)
 }
 
@@ -342,6 +343,9 @@ fn errors_go_to_stderr_with_exit_code_1() {
     assert!(o.stdout.is_empty());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("cannot reach the store"), "{err}");
+    // The real cause, said plainly; never a name lookup that did not fail.
+    assert!(err.contains("connection refused"), "{err}");
+    assert!(!err.contains("no address"), "{err}");
     let o = store("not-an-address", &["get", "x"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("HOST:PORT"));
@@ -667,4 +671,85 @@ fn serve_metrics_in_prometheus_text_format() {
 
     let (status, _) = http_get(metrics_addr, "/nothing");
     assert_eq!(status, "HTTP/1.1 404 Not Found");
+}
+
+/// `serve --addr H:P` and `RDZV_ADDR` bind where they say (they were silently ignored);
+/// with --host as well, or unbindable, they are refused.
+#[test]
+fn serve_binds_where_addr_and_rdzv_addr_say() {
+    let mut command = Command::new(RDZV);
+    command
+        .args(["store", "serve", "--addr", "127.0.0.1:0"])
+        .env_remove("RDZV_ADDR");
+    let served = serve_command(command);
+    assert!(served.addr.starts_with("127.0.0.1:"), "{}", served.addr);
+    assert!(!served.addr.ends_with(":29500"), "{}", served.addr);
+    drop(served);
+
+    let mut command = Command::new(RDZV);
+    command
+        .args(["store", "serve"])
+        .env("RDZV_ADDR", "127.0.0.1:0");
+    let served = serve_command(command);
+    assert!(served.addr.starts_with("127.0.0.1:"), "{}", served.addr);
+    drop(served);
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--host", "127.0.0.1"])
+        .env("RDZV_ADDR", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("RDZV_ADDR") && err.contains("--host"), "{err}");
+
+    // An address this host does not have: refused, not bound elsewhere.
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--addr", "192.0.2.1:0"])
+        .env_remove("RDZV_ADDR")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).contains("listening on"),
+        "{o:?}"
+    );
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--addr") && help.contains("--port"), "{help}");
+    for client in ["--connect-timeout", "--hex", "--output"] {
+        assert!(!help.contains(client), "{client} in serve --help:\n{help}");
+    }
+}
+
+/// A value over the server's limit is refused by the client before it is sent, naming the
+/// limit; `add` on a value that is not an integer, which the server answers by closing
+/// the connection, is explained, with where to look.
+#[test]
+fn refusals_are_explained() {
+    let served = serve();
+    let a = served.addr.as_str();
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big");
+    std::fs::write(&big, vec![b'x'; 8 * 1024 * 1024 + 1]).unwrap();
+    let o = store(a, &["set", "big", "--value-file", big.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("exceeds the limit of 8388608"), "{err}");
+    assert!(err.contains("not sent"), "{err}");
+    assert!(!err.contains("reset by peer"), "{err}");
+
+    ok(&store(a, &["set", "word", "hello"]));
+    let o = store(a, &["add", "word", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not an integer"), "{err}");
+    assert!(err.contains("log"), "{err}");
+    assert!(!err.contains("Did the remote server shutdown"), "{err}");
+    // The server is still there for everyone else.
+    assert_eq!(stdout(&store(a, &["get", "word"])), "hello\n");
 }

@@ -105,6 +105,15 @@ pub enum StoreError {
         /// Where the first whole record behind it starts.
         record_at: u64,
     },
+    /// A request is over a limit the server decodes with, so it was not sent: the server
+    /// would close the connection on it (PyTorch's protocol has no error reply).
+    #[error("{limit}: not sent to {peer}, whose server would close the connection on it. Split the value (or the key list), or raise the limit on the server and on this client alike")]
+    OverLimit {
+        /// The server address.
+        peer: String,
+        /// Which field, its length or count, and the limit.
+        limit: rdzv_core::store::codec::DecodeError,
+    },
     /// The counter at a key does not hold a decimal integer.
     #[error("value of key {key} is not an integer counter: {detail}")]
     NotACounter {

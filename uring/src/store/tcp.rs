@@ -235,7 +235,7 @@ impl TcpStore {
         f: impl FnOnce(Response<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let mut conn = self.lock();
-        send(&mut conn, request, &self.peer)?;
+        send(&mut conn, request, &self.options.limits, &self.peer)?;
         conn.stream
             .set_read_timeout(read_timeout)
             .map_err(|source| self.io("set timeout on", source))?;
@@ -350,7 +350,7 @@ impl TcpStore {
         timed_out: impl FnOnce() -> StoreError,
     ) -> Result<(), StoreError> {
         let mut conn = self.lock();
-        send(&mut conn, request, &self.peer)?;
+        send(&mut conn, request, &self.options.limits, &self.peer)?;
         // A zero timeout means "do not wait" (PyTorch TCPStore); the socket API needs a
         // non-zero value, so use the smallest one.
         let wait_for = timeout.max(Duration::from_millis(1));
@@ -386,7 +386,7 @@ impl TcpStore {
     /// The CANCEL_WAIT dance of PyTorch's `doWait`: the server may have released us
     /// just before it saw the cancel, so a STOP_WAITING may come first.
     fn cancel_wait(&self, conn: &mut Conn) -> Result<(), StoreError> {
-        send(conn, &Request::CancelWait, &self.peer)?;
+        send(conn, &Request::CancelWait, &self.options.limits, &self.peer)?;
         conn.stream
             .set_read_timeout(Some(self.timeout().max(Duration::from_millis(1))))
             .map_err(|source| self.io("set timeout on", source))?;
@@ -439,7 +439,18 @@ fn encode_key_list(keys: &[String]) -> Vec<u8> {
     out
 }
 
-fn send(conn: &mut Conn, request: &Request<'_>, peer: &str) -> Result<(), StoreError> {
+fn send(
+    conn: &mut Conn,
+    request: &Request<'_>,
+    limits: &Limits,
+    peer: &str,
+) -> Result<(), StoreError> {
+    request
+        .check_limits(limits)
+        .map_err(|limit| StoreError::OverLimit {
+            peer: peer.to_string(),
+            limit,
+        })?;
     conn.out.clear();
     request.encode_into(&mut conn.out);
     let Conn { stream, out, .. } = conn;
@@ -527,40 +538,77 @@ fn connect_validated(
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     let mut tries = 0u32;
+    // The last failure of an attempt that ran: an attempt cut off by the deadline before
+    // it tried anything must not replace the real cause (ECONNREFUSED, say).
+    let mut last_error = None;
     loop {
         tries += 1;
-        let last_error = match try_connect(host, port, deadline) {
+        match try_connect(host, port, deadline) {
             Ok(ok) => return Ok(ok),
-            Err(e) => e,
-        };
+            Err(Attempt::Failed(e)) => last_error = Some(e),
+            Err(Attempt::NoTimeLeft) => {}
+        }
         let now = Instant::now();
-        if now >= deadline {
+        // Leave the next attempt some time of its own: one started at the deadline
+        // could not even connect.
+        let left = deadline.saturating_duration_since(now);
+        if left < MIN_ATTEMPT {
             return Err(StoreError::ConnectTimeout {
                 host: host.to_string(),
                 port,
                 ms: timeout.as_millis(),
-                last_error,
+                last_error: last_error.unwrap_or_else(|| {
+                    format!("no attempt could run within the timeout ({tries} tried)")
+                }),
             });
         }
-        let delay = backoff.next_delay().min(deadline - now);
+        let delay = backoff.next_delay().min(left - MIN_ATTEMPT);
         tracing::debug!(
             host,
             port,
             tries,
             delay_ms = delay.as_millis() as u64,
-            error = %last_error,
+            error = last_error.as_deref().unwrap_or(""),
             "TCP client failed to connect/validate; retrying"
         );
         std::thread::sleep(delay);
     }
 }
 
-fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String), String> {
+/// The least time a connect attempt is started with; less than this left before the
+/// deadline ends the retries with the last real error.
+const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// Why one connect attempt failed.
+enum Attempt {
+    /// It ran and failed: the cause, for the final error.
+    Failed(String),
+    /// The deadline passed before it could try an address.
+    NoTimeLeft,
+}
+
+/// One failed connect, said so that a refusal reads as one (never as a name lookup).
+fn connect_failure(addr: &SocketAddr, e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::ConnectionRefused => format!(
+            "{addr}: connection refused (nothing listens there: is the store server running, on this port?)"
+        ),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+            format!("{addr}: connect timed out (no answer: a firewall, or a host that is down?)")
+        }
+        _ => format!("{addr}: {e}"),
+    }
+}
+
+fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String), Attempt> {
     let trimmed = host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = (trimmed, port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .map_err(|e| Attempt::Failed(format!("cannot resolve {host}: {e}")))?
         .collect();
+    if addrs.is_empty() {
+        return Err(Attempt::Failed(format!("{host} resolves to no address")));
+    }
     let mut errors = Vec::new();
     for addr in addrs {
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -570,16 +618,20 @@ fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String
         match StdTcpStream::connect_timeout(&addr, remaining) {
             Ok(stream) => match handshake(stream, remaining) {
                 Ok(conn) => return Ok((conn, addr.to_string())),
-                Err(e) => errors.push(format!("{addr}: {e}")),
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => errors.push(format!(
+                    "{addr}: the server closed the connection during the handshake (VALIDATE, PING): \
+                     is it a TCPStore, and does it accept this client (see its log)?"
+                )),
+                Err(e) => errors.push(format!("{addr}: handshake: {e}")),
             },
-            Err(e) => errors.push(format!("{addr}: {e}")),
+            Err(e) => errors.push(connect_failure(&addr, &e)),
         }
     }
-    Err(if errors.is_empty() {
-        format!("no address for {host}")
+    if errors.is_empty() {
+        Err(Attempt::NoTimeLeft)
     } else {
-        errors.join("; ")
-    })
+        Err(Attempt::Failed(errors.join("; ")))
+    }
 }
 
 fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
@@ -626,6 +678,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
@@ -729,6 +782,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
@@ -762,7 +816,12 @@ impl Store for TcpStore {
         let list = rdzv_core::store::PairList::new(pairs.len(), &encoded)
             .ok_or_else(|| self.protocol("pair list encoding"))?;
         let mut conn = self.lock();
-        send(&mut conn, &Request::MultiSet { pairs: list }, &self.peer)
+        send(
+            &mut conn,
+            &Request::MultiSet { pairs: list },
+            &self.options.limits,
+            &self.peer,
+        )
     }
 
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -774,6 +833,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
