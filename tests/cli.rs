@@ -567,7 +567,12 @@ fn http_get(addr: &str, path: &str) -> (String, String) {
     let status = head.lines().next().unwrap_or_default().to_string();
     let length: usize = head
         .lines()
-        .find_map(|l| l.strip_prefix("Content-Length: "))
+        // Header names are case-insensitive (hyper writes them in lower case).
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(name, _)| name.eq_ignore_ascii_case("content-length"))
+                .map(|(_, n)| n)
+        })
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("no Content-Length in {head:?}"));
     assert_eq!(length, body.len(), "Content-Length matches the body");
@@ -648,6 +653,10 @@ fn serve_metrics_in_prometheus_text_format() {
     assert!(value("rdzv_store_requests_total{query=\"VALIDATE\"}") >= 3.0);
     assert!(value("rdzv_store_received_bytes_total") > 0.0);
     assert!(value("rdzv_store_sent_bytes_total") > 0.0);
+    // The server process's own figures, as Prometheus' client libraries name them.
+    assert!(value("process_resident_memory_bytes") > 0.0);
+    assert!(value("process_open_fds") >= 3.0);
+    assert!(value("process_cpu_seconds_total") >= 0.0);
     assert!(value("rdzv_store_uptime_seconds") >= 0.0);
     let count = value("rdzv_store_request_duration_seconds_count{query=\"SET\"}");
     assert_eq!(count, 2.0);
