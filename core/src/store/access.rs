@@ -53,7 +53,7 @@
 //! allowlist (see README's Security section).
 
 use core::fmt;
-use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use core::net::{IpAddr, Ipv4Addr};
 use core::str::FromStr;
 
 use alloc::vec::Vec;

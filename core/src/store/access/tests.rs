@@ -2,6 +2,7 @@ use super::*;
 use crate::store::codec::{decode_request, Decoded, Limits};
 use alloc::string::{String, ToString};
 use alloc::vec;
+use core::net::Ipv6Addr;
 use proptest::prelude::*;
 
 fn ip(s: &str) -> IpAddr {
