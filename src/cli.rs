@@ -135,6 +135,14 @@ enum StoreOp {
         /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
         #[arg(long, value_name = "HOST:PORT")]
         metrics: Option<String>,
+        /// Admit only peers in these networks (CIDR,...; IPv4 and IPv6; an IPv4-mapped
+        /// peer matches its IPv4 network); others are closed at accept.
+        #[arg(long, value_name = "CIDR,...")]
+        allow: Option<String>,
+        /// Require rdzv's AUTH query with a token from this file, each token optionally
+        /// bound to a key prefix (format: README, Security). PyTorch clients are refused.
+        #[arg(long, value_name = "PATH")]
+        token_file: Option<std::path::PathBuf>,
         /// The client flags, declared here under their own ids so that the `store`
         /// group's global client flags are not propagated to `serve` (clap skips an id
         /// a subcommand already has): hidden from `serve --help`, refused if given.
@@ -154,6 +162,30 @@ struct NotForServe {
     hex: bool,
     #[arg(short = 'o', long = "output", value_enum, hide = true)]
     output: Option<crate::store_client::Output>,
+}
+
+/// `serve --allow` and `serve --token-file`: parsed and checked (core's
+/// `store::access`), but the server loops do not enforce them yet, so `serve` refuses to
+/// start with them rather than serve unprotected while claiming protection.
+fn access_flags(allow: Option<&str>, token_file: Option<&std::path::Path>) -> Result<(), CliError> {
+    use rdzv_core::store::access::{Allowlist, TokenTable};
+    if allow.is_none() && token_file.is_none() {
+        return Ok(());
+    }
+    if let Some(allow) = allow {
+        Allowlist::parse(allow)?;
+    }
+    if let Some(path) = token_file {
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+        TokenTable::parse(&bytes).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+    }
+    Err(
+        "--allow and --token-file are valid, but this build's store server does not enforce \
+         them yet (see README, Security); refusing to start rather than serve without the \
+         protection asked for"
+            .into(),
+    )
 }
 
 impl NotForServe {
@@ -272,6 +304,8 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             world_size,
             listen_fd,
             metrics,
+            allow,
+            token_file,
             client_flags,
         } => {
             if let Some(flag) = client_flags.given() {
@@ -281,6 +315,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 )
                 .into());
             }
+            access_flags(allow.as_deref(), token_file.as_deref())?;
             let metrics = match metrics {
                 Some(addr) => Some(metrics_addr(&addr)?),
                 None => None,

@@ -23,7 +23,7 @@ use std::time::Instant;
 use base64::Engine as _;
 use clap::{Args, Subcommand, ValueEnum};
 use rdzv_core::store::{QueryType, StoreStats};
-use rdzv_uring::store::tcp::TcpStore;
+use rdzv_uring::store::tcp::{StoreToken, TcpStore, TcpStoreOptions};
 use rdzv_uring::{Store, StoreError};
 use serde_json::{json, Map, Value};
 
@@ -49,6 +49,10 @@ pub(crate) struct ClientArgs {
     // No clap default: `store serve` must tell a flag given from one left out (cli.rs).
     #[arg(long, global = true)]
     pub connect_timeout: Option<f64>,
+    /// Send the first token of this file in rdzv's AUTH query, for a server with tokens
+    /// (default: $RDZV_TOKEN, else the file $RDZV_TOKEN_FILE; else none).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
     /// Values on the command line and in text output are hex (binary-safe).
     #[arg(long, global = true)]
     pub hex: bool,
@@ -242,8 +246,17 @@ pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> 
     )?;
     let addr = resolve_addr(args.addr, |name| std::env::var(name).ok())?;
     let (host, port) = split_addr(&addr)?;
-    let store = TcpStore::connect(&host, port, timeout)
-        .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
+    let mut options = TcpStoreOptions::client(host, port);
+    options.timeout = timeout;
+    options.token = match &args.token_file {
+        Some(path) => Some(StoreToken::from_file(path)?),
+        None => None,
+    };
+    let store = TcpStore::new(options).map_err(|e| match e {
+        // Says what to do by itself; the address is in it.
+        StoreError::TokenRefused { .. } => CliError::from(e),
+        e => format!("cannot reach the store at {addr}: {e}").into(),
+    })?;
     let out = Printer {
         format: args.output.unwrap_or_default(),
         hex: args.hex,

@@ -762,3 +762,47 @@ fn refusals_are_explained() {
     // The server is still there for everyone else.
     assert_eq!(stdout(&store(a, &["get", "word"])), "hello\n");
 }
+
+/// `serve --allow` / `--token-file` are checked, and refused while the server does not
+/// enforce them; a client's `--token-file` is sent, and a server without tokens refuses it
+/// with a sentence that says so.
+#[test]
+fn access_flags_are_checked_and_never_silently_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "# job 1\nf0H3kd8Jq2LmZp5Vw9XyTb1C /job1/\n").unwrap();
+    let serve = |args: &[&str]| {
+        Command::new(RDZV)
+            .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .env_remove("RDZV_ADDR")
+            .output()
+            .unwrap()
+    };
+    let o = serve(&["--allow", "10.0.0.0/8,nonsense"]);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("entry 2"),
+        "{o:?}"
+    );
+    let o = serve(&[
+        "--allow",
+        "127.0.0.0/8",
+        "--token-file",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("does not enforce"), "{err}");
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("listening on"));
+
+    let served = serve_with(&[]);
+    let o = store(
+        &served.addr,
+        &["--token-file", tokens.to_str().unwrap(), "get", "k"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("refused this client's token"), "{err}");
+    assert!(!err.contains("f0H3kd8Jq2LmZp5Vw9XyTb1C"), "{err}");
+}

@@ -114,6 +114,13 @@ pub enum StoreError {
         /// Which field, its length or count, and the limit.
         limit: rdzv_core::store::codec::DecodeError,
     },
+    /// The server closed the connection on rdzv's `AUTH` query: the token is not in its
+    /// token file, or the server takes no tokens.
+    #[error("the store server at {peer} refused this client's token (it closed the connection on rdzv's AUTH query): the token is not in the server's --token-file, or the server takes no tokens (PyTorch's, or rdzv without --token-file; then unset RDZV_TOKEN / RDZV_TOKEN_FILE). The server's log says which")]
+    TokenRefused {
+        /// The server address.
+        peer: String,
+    },
     /// The counter at a key does not hold a decimal integer.
     #[error("value of key {key} is not an integer counter: {detail}")]
     NotACounter {

@@ -16,7 +16,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply};
+use rdzv_core::store::codec::{self, AuthRequest, Decoded, Limits, PendingReply, AUTH_ACCEPTED};
 use rdzv_core::store::{QueryType, Request, Response, StoreStats, WaitResponse, VALIDATION_MAGIC};
 
 use super::{Store, StoreError, DEFAULT_TIMEOUT};
@@ -47,6 +47,60 @@ pub struct TcpStoreOptions {
     pub multi_tenant: bool,
     /// Wire limits applied to the server's replies.
     pub limits: Limits,
+    /// The token sent in rdzv's `AUTH` query right after connecting, to a server with
+    /// tokens (`store serve --token-file`). `None`: `RDZV_TOKEN`, else the first token of
+    /// the file `RDZV_TOKEN_FILE`, else no `AUTH` (PyTorch's handshake).
+    pub token: Option<StoreToken>,
+}
+
+/// A shared-secret token for a store server with tokens. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoreToken(String);
+
+impl std::fmt::Debug for StoreToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreToken(<redacted>)")
+    }
+}
+
+impl StoreToken {
+    /// A token given as text; it must be one a token file may hold (16 to 256 printable
+    /// ASCII characters, no spaces).
+    pub fn new(token: impl Into<String>) -> Result<StoreToken, StoreError> {
+        let token = token.into();
+        rdzv_core::store::access::client_token(token.as_bytes())
+            .map_err(|e| StoreError::InvalidArgument(format!("the store token: {e}")))?;
+        Ok(StoreToken(token.trim().to_string()))
+    }
+
+    /// The first token of a token file (a job can be given its own line of the server's
+    /// file: `TOKEN [PREFIX]`, `#` comments).
+    pub fn from_file(path: &std::path::Path) -> Result<StoreToken, StoreError> {
+        let bytes = std::fs::read(path).map_err(|source| StoreError::File {
+            op: "read the token file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let token = rdzv_core::store::access::client_token(&bytes).map_err(|e| {
+            StoreError::InvalidArgument(format!("token file {}: {e}", path.display()))
+        })?;
+        Ok(StoreToken(token.to_string()))
+    }
+
+    /// `RDZV_TOKEN`, else the file named by `RDZV_TOKEN_FILE`, else `None`.
+    pub fn from_env() -> Result<Option<StoreToken>, StoreError> {
+        if let Some(token) = std::env::var("RDZV_TOKEN").ok().filter(|t| !t.is_empty()) {
+            return StoreToken::new(token).map(Some);
+        }
+        match std::env::var_os("RDZV_TOKEN_FILE").filter(|p| !p.is_empty()) {
+            Some(path) => StoreToken::from_file(std::path::Path::new(&path)).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
 }
 
 impl TcpStoreOptions {
@@ -61,6 +115,7 @@ impl TcpStoreOptions {
             timeout: DEFAULT_TIMEOUT,
             multi_tenant: false,
             limits: Limits::PYTORCH,
+            token: None,
         }
     }
 }
@@ -171,7 +226,12 @@ impl TcpStore {
         } else {
             None
         };
-        let (conn, peer) = connect_validated(&options.host, options.port, options.timeout)?;
+        let token = match options.token.clone() {
+            Some(token) => Some(token),
+            None => StoreToken::from_env()?,
+        };
+        let (conn, peer) =
+            connect_validated(&options.host, options.port, options.timeout, token.as_ref())?;
         let store = TcpStore {
             conn: Mutex::new(conn),
             peer,
@@ -534,6 +594,7 @@ fn connect_validated(
     host: &str,
     port: u16,
     timeout: Duration,
+    token: Option<&StoreToken>,
 ) -> Result<(Conn, String), StoreError> {
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
@@ -543,10 +604,12 @@ fn connect_validated(
     let mut last_error = None;
     loop {
         tries += 1;
-        match try_connect(host, port, deadline) {
+        match try_connect(host, port, deadline, token) {
             Ok(ok) => return Ok(ok),
             Err(Attempt::Failed(e)) => last_error = Some(e),
             Err(Attempt::NoTimeLeft) => {}
+            // Trying again would send the same token: stop now.
+            Err(Attempt::TokenRefused(peer)) => return Err(StoreError::TokenRefused { peer }),
         }
         let now = Instant::now();
         // Leave the next attempt some time of its own: one started at the deadline
@@ -585,6 +648,8 @@ enum Attempt {
     Failed(String),
     /// The deadline passed before it could try an address.
     NoTimeLeft,
+    /// The server at this address closed the connection on the `AUTH` query.
+    TokenRefused(String),
 }
 
 /// One failed connect, said so that a refusal reads as one (never as a name lookup).
@@ -600,7 +665,12 @@ fn connect_failure(addr: &SocketAddr, e: &io::Error) -> String {
     }
 }
 
-fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String), Attempt> {
+fn try_connect(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+    token: Option<&StoreToken>,
+) -> Result<(Conn, String), Attempt> {
     let trimmed = host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = (trimmed, port)
         .to_socket_addrs()
@@ -616,13 +686,16 @@ fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String
             break;
         }
         match StdTcpStream::connect_timeout(&addr, remaining) {
-            Ok(stream) => match handshake(stream, remaining) {
+            Ok(stream) => match handshake(stream, remaining, token) {
                 Ok(conn) => return Ok((conn, addr.to_string())),
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => errors.push(format!(
+                Err(Handshake::TokenRefused) => {
+                    return Err(Attempt::TokenRefused(addr.to_string()))
+                }
+                Err(Handshake::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => errors.push(format!(
                     "{addr}: the server closed the connection during the handshake (VALIDATE, PING): \
                      is it a TCPStore, and does it accept this client (see its log)?"
                 )),
-                Err(e) => errors.push(format!("{addr}: handshake: {e}")),
+                Err(Handshake::Io(e)) => errors.push(format!("{addr}: handshake: {e}")),
             },
             Err(e) => errors.push(connect_failure(&addr, &e)),
         }
@@ -634,7 +707,27 @@ fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String
     }
 }
 
-fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
+/// Why a handshake failed.
+enum Handshake {
+    /// The server closed the connection instead of accepting the `AUTH` token.
+    TokenRefused,
+    /// Anything else.
+    Io(io::Error),
+}
+
+impl From<io::Error> for Handshake {
+    fn from(e: io::Error) -> Self {
+        Handshake::Io(e)
+    }
+}
+
+/// `AUTH` (with a token), then `VALIDATE` and `PING`, in one write; checks the `AUTH`
+/// reply byte and the echoed nonce.
+fn handshake(
+    stream: StdTcpStream,
+    timeout: Duration,
+    token: Option<&StoreToken>,
+) -> Result<Conn, Handshake> {
     stream.set_nodelay(true)?;
     let mut conn = Conn {
         stream,
@@ -644,6 +737,12 @@ fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
     };
     let nonce = std::process::id();
     let mut frame = Vec::with_capacity(10);
+    if let Some(token) = token {
+        AuthRequest {
+            token: token.as_bytes(),
+        }
+        .encode_into(&mut frame);
+    }
     Request::Validate {
         magic: VALIDATION_MAGIC,
     }
@@ -652,17 +751,40 @@ fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
     conn.stream.write_all(&frame)?;
     conn.stream
         .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+    if token.is_some() {
+        let mut accepted = [0u8; 1];
+        match conn.stream.read_exact(&mut accepted) {
+            Ok(()) if accepted[0] == AUTH_ACCEPTED => {}
+            Ok(()) => {
+                return Err(Handshake::Io(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("AUTH reply byte {} is not AUTH_ACCEPTED (0)", accepted[0]),
+                )))
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                return Err(Handshake::TokenRefused)
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut echo = [0u8; 4];
     conn.stream.read_exact(&mut echo)?;
     let got = u32::from_le_bytes(echo);
     if got != nonce {
         let _ = conn.stream.shutdown(Shutdown::Both);
-        return Err(io::Error::new(
+        return Err(Handshake::Io(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
                 "Ping failed, invalid value returned from server. Expected: {nonce}, Got: {got}"
             ),
-        ));
+        )));
     }
     conn.stream.set_read_timeout(None)?;
     Ok(conn)
