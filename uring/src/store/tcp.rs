@@ -1049,6 +1049,49 @@ impl Store for TcpStore {
 mod tests {
     use super::*;
 
+    /// Nothing listens: the error says "connection refused" after the timeout, and the
+    /// last retry does not replace that cause with one that ran out of time.
+    #[test]
+    fn a_refused_connect_says_so_after_the_timeout() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        for ms in [1, 35, 250] {
+            let started = Instant::now();
+            let err = TcpStore::connect("127.0.0.1", port, Duration::from_millis(ms)).unwrap_err();
+            match &err {
+                StoreError::ConnectTimeout { last_error, .. } => {
+                    assert!(last_error.contains("connection refused"), "{ms} ms: {err}");
+                    assert!(!last_error.contains("no address"), "{err}");
+                }
+                other => panic!("{ms} ms: {other}"),
+            }
+            assert!(started.elapsed() < Duration::from_millis(ms) + Duration::from_secs(1));
+        }
+    }
+
+    #[test]
+    fn over_limit_requests_are_not_sent() {
+        let limits = Limits::PYTORCH;
+        let big = vec![0u8; 8 * 1024 * 1024 + 1];
+        let err = Request::Set {
+            key: b"/k",
+            value: &big,
+        }
+        .check_limits(&limits)
+        .unwrap_err();
+        let shown = StoreError::OverLimit {
+            peer: "h:1".into(),
+            limit: err,
+        }
+        .to_string();
+        assert!(
+            shown.contains("SET value length 8388609 exceeds the limit of 8388608"),
+            "{shown}"
+        );
+    }
+
     #[test]
     fn backoff_grows_with_jitter_and_caps() {
         let mut b = Backoff::new();
