@@ -131,16 +131,19 @@ enum StoreOp {
         /// activation (LISTEN_PID/LISTEN_FDS, fd 3) is used when set for this process.
         #[arg(long, value_name = "FD", conflicts_with = "host")]
         listen_fd: Option<i32>,
-        /// Serve Prometheus metrics (the STATS figures and request-duration histograms
-        /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
+        /// Serve Prometheus metrics (the STATS figures, request-duration histograms per
+        /// query type, and the process's CPU, memory and descriptors) at
+        /// http://HOST:PORT/metrics; prints `metrics on ...`.
         #[arg(long, value_name = "HOST:PORT")]
         metrics: Option<String>,
         /// Admit only peers in these networks (CIDR,...; IPv4 and IPv6; an IPv4-mapped
-        /// peer matches its IPv4 network); others are closed at accept.
+        /// peer matches its IPv4 network); others are closed at accept. Not enforced by
+        /// this build yet: checked, then serve refuses to start.
         #[arg(long, value_name = "CIDR,...")]
         allow: Option<String>,
         /// Require rdzv's AUTH query with a token from this file, each token optionally
         /// bound to a key prefix (format: README, Security). PyTorch clients are refused.
+        /// Not enforced by this build yet: checked, then serve refuses to start.
         #[arg(long, value_name = "PATH")]
         token_file: Option<std::path::PathBuf>,
         /// The client flags, declared here under their own ids so that the `store`
