@@ -93,12 +93,17 @@ enum StoreOp {
     /// Run a TCPStore server until SIGINT/SIGTERM. Prints `listening on HOST:PORT` once
     /// it accepts connections.
     Serve {
+        /// Listen on HOST:PORT (default: $RDZV_ADDR if set, else --host and --port).
+        /// Refused, never ignored, when it cannot be bound or --host, --port or a
+        /// listening socket also say where to listen.
+        #[arg(long, value_name = "HOST:PORT")]
+        addr: Option<String>,
         /// Address to listen on (default: all interfaces, IPv6 and IPv4).
         #[arg(long)]
         host: Option<String>,
-        /// Port to listen on (0 picks a free one).
-        #[arg(long, default_value_t = rdzv_uring::server::DEFAULT_PORT)]
-        port: u16,
+        /// Port to listen on (0 picks a free one) [default: 29500].
+        #[arg(long)]
+        port: Option<u16>,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
         /// sharing one store (default: one per CPU this process may use, at most 16;
         /// one on hosts of 2 CPUs or fewer); see ARCHITECTURE.md.
@@ -126,13 +131,123 @@ enum StoreOp {
         /// activation (LISTEN_PID/LISTEN_FDS, fd 3) is used when set for this process.
         #[arg(long, value_name = "FD", conflicts_with = "host")]
         listen_fd: Option<i32>,
-        /// Serve Prometheus metrics (the STATS figures and request-duration histograms
-        /// per query type) at http://HOST:PORT/metrics; prints `metrics on ...`.
+        /// Serve Prometheus metrics (the STATS figures, request-duration histograms per
+        /// query type, and the process's CPU, memory and descriptors) at
+        /// http://HOST:PORT/metrics; prints `metrics on ...`.
         #[arg(long, value_name = "HOST:PORT")]
         metrics: Option<String>,
+        /// Admit only peers in these networks (CIDR,...; IPv4 and IPv6; an IPv4-mapped
+        /// peer matches its IPv4 network); others are closed at accept. Not enforced by
+        /// this build yet: checked, then serve refuses to start.
+        #[arg(long, value_name = "CIDR,...")]
+        allow: Option<String>,
+        /// Require rdzv's AUTH query with a token from this file, each token optionally
+        /// bound to a key prefix (format: README, Security). PyTorch clients are refused.
+        /// Not enforced by this build yet: checked, then serve refuses to start.
+        #[arg(long, value_name = "PATH")]
+        token_file: Option<std::path::PathBuf>,
+        /// The client flags, declared here under their own ids so that the `store`
+        /// group's global client flags are not propagated to `serve` (clap skips an id
+        /// a subcommand already has): hidden from `serve --help`, refused if given.
+        #[command(flatten)]
+        client_flags: NotForServe,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
+}
+
+/// The store client's flags as `serve` sees them: never shown, refused when given.
+#[derive(Debug, Args)]
+struct NotForServe {
+    #[arg(long, hide = true)]
+    connect_timeout: Option<f64>,
+    #[arg(long, hide = true)]
+    hex: bool,
+    #[arg(short = 'o', long = "output", value_enum, hide = true)]
+    output: Option<crate::store_client::Output>,
+}
+
+/// `serve --allow` and `serve --token-file`: parsed and checked (core's
+/// `store::access`), but the server loops do not enforce them yet, so `serve` refuses to
+/// start with them rather than serve unprotected while claiming protection.
+fn access_flags(allow: Option<&str>, token_file: Option<&std::path::Path>) -> Result<(), CliError> {
+    use rdzv_core::store::access::{Allowlist, TokenTable};
+    if allow.is_none() && token_file.is_none() {
+        return Ok(());
+    }
+    if let Some(allow) = allow {
+        Allowlist::parse(allow)?;
+    }
+    if let Some(path) = token_file {
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+        TokenTable::parse(&bytes).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+    }
+    Err(
+        "--allow and --token-file are valid, but this build's store server does not enforce \
+         them yet (see README, Security); refusing to start rather than serve without the \
+         protection asked for"
+            .into(),
+    )
+}
+
+impl NotForServe {
+    /// The first client flag given to `serve`, if any.
+    fn given(&self) -> Option<&'static str> {
+        if self.connect_timeout.is_some() {
+            Some("--connect-timeout")
+        } else if self.hex {
+            Some("--hex")
+        } else if self.output.is_some() {
+            Some("--output")
+        } else {
+            None
+        }
+    }
+}
+
+/// Where `serve` listens: `--addr`, `RDZV_ADDR`, or `--host`/`--port`; `None` for the
+/// host means all interfaces. Two sources that both say where are refused, never
+/// silently ranked.
+fn serve_address(
+    addr: Option<String>,
+    host: Option<String>,
+    port: Option<u16>,
+    listen_fd: bool,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<(Option<String>, u16), CliError> {
+    let (addr, source) = match addr {
+        Some(addr) => (Some(addr), "--addr"),
+        None => (env("RDZV_ADDR").filter(|a| !a.is_empty()), "RDZV_ADDR"),
+    };
+    let Some(addr) = addr else {
+        return Ok((host, port.unwrap_or(rdzv_uring::server::DEFAULT_PORT)));
+    };
+    let also = if host.is_some() {
+        Some("--host")
+    } else if port.is_some() {
+        Some("--port")
+    } else if listen_fd {
+        Some("a listening socket (--listen-fd or systemd's LISTEN_FDS)")
+    } else {
+        None
+    };
+    if let Some(also) = also {
+        return Err(format!(
+            "{source} ({addr}) and {also} both say where `store serve` listens; give one \
+             (unset RDZV_ADDR to use --host/--port)"
+        )
+        .into());
+    }
+    if addr.contains("://") {
+        return Err(format!(
+            "{source} ({addr}): `store serve` listens on HOST:PORT; a URL names a store to \
+             connect to"
+        )
+        .into());
+    }
+    let (host, port) = split_addr(&addr).map_err(|e| format!("{source}: {e}"))?;
+    Ok((Some(host), port))
 }
 
 /// Runs the parsed command.
@@ -177,6 +292,7 @@ fn man(out_dir: Option<std::path::PathBuf>) -> Result<ExitCode, CliError> {
 fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
     match args.op {
         StoreOp::Serve {
+            addr,
             host,
             port,
             threads,
@@ -186,7 +302,18 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             world_size,
             listen_fd,
             metrics,
+            allow,
+            token_file,
+            client_flags,
         } => {
+            if let Some(flag) = client_flags.given() {
+                return Err(format!(
+                    "{flag} is a client flag; `store serve` does not take it (see `rdzv store \
+                     serve --help`)"
+                )
+                .into());
+            }
+            access_flags(allow.as_deref(), token_file.as_deref())?;
             let metrics = match metrics {
                 Some(addr) => Some(metrics_addr(&addr)?),
                 None => None,
@@ -195,6 +322,9 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 Some(fd) => Some(fd),
                 None => systemd_listen_fd()?,
             };
+            let (host, port) = serve_address(addr, host, port, listen_fd.is_some(), |name| {
+                std::env::var(name).ok()
+            })?;
             let options = ServerOptions {
                 host,
                 port,
@@ -298,4 +428,85 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
     }
     server.shutdown();
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn serve_listens_where_one_source_says() {
+        let none = env(&[]);
+        let dflt = rdzv_uring::server::DEFAULT_PORT;
+        assert_eq!(
+            serve_address(None, None, None, false, &none).unwrap(),
+            (None, dflt)
+        );
+        assert_eq!(
+            serve_address(Some("127.0.0.1:7".into()), None, None, false, &none).unwrap(),
+            (Some("127.0.0.1".into()), 7)
+        );
+        let rdzv = env(&[("RDZV_ADDR", "[::1]:9")]);
+        assert_eq!(
+            serve_address(None, None, None, false, &rdzv).unwrap(),
+            (Some("::1".into()), 9)
+        );
+        // --addr wins over the environment: it is the more explicit of the two.
+        assert_eq!(
+            serve_address(Some("127.0.0.1:7".into()), None, None, false, &rdzv).unwrap(),
+            (Some("127.0.0.1".into()), 7)
+        );
+        for (host, port, fd) in [
+            (Some("h".to_string()), None, false),
+            (None, Some(1), false),
+            (None, None, true),
+        ] {
+            let err = serve_address(None, host, port, fd, &rdzv)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("RDZV_ADDR") && err.contains("both say"),
+                "{err}"
+            );
+        }
+        let err = serve_address(Some("etcd://h:2379".into()), None, None, false, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("HOST:PORT"), "{err}");
+        assert!(serve_address(Some("nocolon".into()), None, None, false, &none).is_err());
+    }
+
+    #[test]
+    fn serve_help_shows_only_server_flags() {
+        let mut command = Cli::command();
+        let store = command.find_subcommand_mut("store").expect("store");
+        let serve = store.find_subcommand_mut("serve").expect("serve");
+        let help = serve.render_long_help().to_string();
+        for client in ["--connect-timeout", "--hex", "--output"] {
+            assert!(!help.contains(client), "{client} in serve --help:\n{help}");
+        }
+        assert!(help.contains("--addr") && help.contains("--port"), "{help}");
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn client_flags_given_to_serve_are_refused() {
+        for args in [
+            &["rdzv", "store", "serve", "--hex"][..],
+            &["rdzv", "store", "--connect-timeout", "3", "serve"],
+            &["rdzv", "store", "-o", "json", "serve"],
+        ] {
+            let cli = Cli::try_parse_from(args).expect("parses");
+            let err = run(cli).unwrap_err().to_string();
+            assert!(err.contains("client flag"), "{args:?}: {err}");
+        }
+    }
 }

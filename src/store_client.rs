@@ -24,7 +24,7 @@ use base64::Engine as _;
 use clap::{Args, Subcommand, ValueEnum};
 use rdzv_core::store::{QueryType, StoreStats};
 use rdzv_uring::store::etcd::{EtcdConfig, EtcdStore};
-use rdzv_uring::store::tcp::TcpStore;
+use rdzv_uring::store::tcp::{StoreToken, TcpStore, TcpStoreOptions};
 use rdzv_uring::{Store, StoreError};
 use serde_json::{json, Map, Value};
 
@@ -48,21 +48,20 @@ pub(crate) struct ClientArgs {
     /// kept in etcd. Default: $RDZV_ADDR, else $MASTER_ADDR:$MASTER_PORT.
     #[arg(long, global = true)]
     pub addr: Option<String>,
-    /// Timeout for connecting and for blocking calls, in seconds.
-    #[arg(long, global = true, default_value_t = 30.0)]
-    pub connect_timeout: f64,
+    /// Timeout for connecting and for blocking calls, in seconds [default: 30].
+    // No clap default: `store serve` must tell a flag given from one left out (cli.rs).
+    #[arg(long, global = true)]
+    pub connect_timeout: Option<f64>,
+    /// Send the first token of this file in rdzv's AUTH query, for a server with tokens
+    /// (default: $RDZV_TOKEN, else the file $RDZV_TOKEN_FILE; else none).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
     /// Values on the command line and in text output are hex (binary-safe).
     #[arg(long, global = true)]
     pub hex: bool,
-    /// Output format.
-    #[arg(
-        short = 'o',
-        long = "output",
-        global = true,
-        value_enum,
-        default_value_t
-    )]
-    pub output: Output,
+    /// Output format [default: text].
+    #[arg(short = 'o', long = "output", global = true, value_enum)]
+    pub output: Option<Output>,
 }
 
 /// A value to store: the argument, or the contents of `--value-file`.
@@ -252,7 +251,10 @@ enum Opened {
 
 /// Runs one client operation.
 pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> {
-    let timeout = seconds(args.connect_timeout, "--connect-timeout")?;
+    let timeout = seconds(
+        args.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT_S),
+        "--connect-timeout",
+    )?;
     let addr = resolve_addr(args.addr, |name| std::env::var(name).ok())?;
     // `etcd://HOST:PORT[,HOST:PORT…]/PREFIX`: the store kept in an etcd cluster.
     let opened = if addr.starts_with("etcd://") {
@@ -262,8 +264,17 @@ pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> 
         Opened::Etcd(EtcdStore::new(config))
     } else {
         let (host, port) = split_addr(&addr)?;
-        let store = TcpStore::connect(&host, port, timeout)
-            .map_err(|e| format!("cannot reach the store at {addr}: {e}"))?;
+        let mut options = TcpStoreOptions::client(host, port);
+        options.timeout = timeout;
+        options.token = match &args.token_file {
+            Some(path) => Some(StoreToken::from_file(path)?),
+            None => None,
+        };
+        let store = TcpStore::new(options).map_err(|e| match e {
+            // Says what to do by itself; the address is in it.
+            StoreError::TokenRefused { .. } => CliError::from(e),
+            e => format!("cannot reach the store at {addr}: {e}").into(),
+        })?;
         Opened::Tcp(store)
     };
     let (store, tcp): (&dyn Store, _) = match &opened {
@@ -271,14 +282,74 @@ pub(crate) fn run(args: ClientArgs, op: ClientOp) -> Result<ExitCode, CliError> 
         Opened::Etcd(etcd) => (etcd, None),
     };
     let out = Printer {
-        format: args.output,
+        format: args.output.unwrap_or_default(),
         hex: args.hex,
     };
     let input = Input { hex: args.hex };
     let mut stdout = std::io::stdout().lock();
-    let code = execute(store, tcp, op, &out, &input, &mut stdout)?;
+    let what = op_name(&op);
+    let code = execute(store, tcp, op, &out, &input, &mut stdout)
+        .map_err(|e| explain_refusal(e, what, &addr))?;
     stdout.flush()?;
     Ok(code)
+}
+
+/// `--connect-timeout` when not given, in seconds.
+const DEFAULT_CONNECT_TIMEOUT_S: f64 = 30.0;
+
+/// The subcommand, as typed, for error messages.
+fn op_name(op: &ClientOp) -> &'static str {
+    match op {
+        ClientOp::Set { .. } => "set",
+        ClientOp::Get { .. } => "get",
+        ClientOp::Add { .. } => "add",
+        ClientOp::CompareSet { .. } => "compare-set",
+        ClientOp::Append { .. } => "append",
+        ClientOp::MultiGet { .. } => "multi-get",
+        ClientOp::MultiSet { .. } => "multi-set",
+        ClientOp::Queue(QueueOp::Push { .. }) => "queue push",
+        ClientOp::Queue(QueueOp::Pop { .. }) => "queue pop",
+        ClientOp::Queue(QueueOp::Len { .. }) => "queue len",
+        ClientOp::Barrier { .. } => "barrier",
+        ClientOp::Stats => "stats",
+        ClientOp::Ping { .. } => "ping",
+        ClientOp::Wait { .. } => "wait",
+        ClientOp::Check { .. } => "check",
+        ClientOp::Delete { .. } => "delete",
+        ClientOp::Keys { .. } => "keys",
+        ClientOp::NumKeys => "num-keys",
+    }
+}
+
+/// A connection the server closed in the middle of an operation becomes a sentence that
+/// says why a server does that and where to look; other errors pass unchanged.
+/// PyTorch's protocol has no error reply, so a refusal reaches a client only as a close.
+fn explain_refusal(e: CliError, what: &str, addr: &str) -> CliError {
+    match e.downcast_ref::<StoreError>() {
+        Some(StoreError::Closed { .. }) => closed_sentence(what, addr).into(),
+        _ => e,
+    }
+}
+
+fn closed_sentence(what: &str, addr: &str) -> String {
+    let likely = match what {
+        "add" => {
+            "here most likely because the key holds a value that is not an integer \
+                  (ADD counts in decimal text); "
+        }
+        "append" | "set" | "compare-set" | "multi-set" | "queue push" => {
+            "here most likely because the result would exceed one of its limits (a value \
+             of at most 8 MiB by default, or its memory budget); "
+        }
+        _ => "",
+    };
+    format!(
+        "the store server at {addr} closed the connection during `{what}` without an answer. \
+         A TCPStore server does that to refuse a request (PyTorch's protocol has no error \
+         reply): ADD on a value that is not an integer, a key, value or key count over its \
+         limits, or a client it does not admit; {likely}or it stopped. The server's log \
+         says which, one line per refused connection"
+    )
 }
 
 /// How values are read from the command line.
@@ -623,6 +694,19 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| v.to_string())
         }
+    }
+
+    #[test]
+    fn a_closed_connection_is_explained() {
+        let closed: CliError = Box::new(StoreError::Closed {
+            peer: "127.0.0.1:1".into(),
+        });
+        let text = explain_refusal(closed, "add", "h:1").to_string();
+        assert!(text.contains("not an integer"), "{text}");
+        assert!(text.contains("log"), "{text}");
+        assert!(!text.contains("Did the remote server shutdown"), "{text}");
+        let other: CliError = "kept".into();
+        assert_eq!(explain_refusal(other, "add", "h:1").to_string(), "kept");
     }
 
     #[test]

@@ -30,7 +30,8 @@ fn serve_with(extra: &[&str]) -> Served {
     let mut command = Command::new(RDZV);
     command
         .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
-        .args(extra);
+        .args(extra)
+        .env_remove("RDZV_ADDR");
     serve_command(command)
 }
 
@@ -342,6 +343,9 @@ fn errors_go_to_stderr_with_exit_code_1() {
     assert!(o.stdout.is_empty());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("cannot reach the store"), "{err}");
+    // The real cause, said plainly; never a name lookup that did not fail.
+    assert!(err.contains("connection refused"), "{err}");
+    assert!(!err.contains("no address"), "{err}");
     let o = store("not-an-address", &["get", "x"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("HOST:PORT"));
@@ -563,7 +567,12 @@ fn http_get(addr: &str, path: &str) -> (String, String) {
     let status = head.lines().next().unwrap_or_default().to_string();
     let length: usize = head
         .lines()
-        .find_map(|l| l.strip_prefix("Content-Length: "))
+        // Header names are case-insensitive (hyper writes them in lower case).
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(name, _)| name.eq_ignore_ascii_case("content-length"))
+                .map(|(_, n)| n)
+        })
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("no Content-Length in {head:?}"));
     assert_eq!(length, body.len(), "Content-Length matches the body");
@@ -644,6 +653,10 @@ fn serve_metrics_in_prometheus_text_format() {
     assert!(value("rdzv_store_requests_total{query=\"VALIDATE\"}") >= 3.0);
     assert!(value("rdzv_store_received_bytes_total") > 0.0);
     assert!(value("rdzv_store_sent_bytes_total") > 0.0);
+    // The server process's own figures, as Prometheus' client libraries name them.
+    assert!(value("process_resident_memory_bytes") > 0.0);
+    assert!(value("process_open_fds") >= 3.0);
+    assert!(value("process_cpu_seconds_total") >= 0.0);
     assert!(value("rdzv_store_uptime_seconds") >= 0.0);
     let count = value("rdzv_store_request_duration_seconds_count{query=\"SET\"}");
     assert_eq!(count, 2.0);
@@ -667,4 +680,129 @@ fn serve_metrics_in_prometheus_text_format() {
 
     let (status, _) = http_get(metrics_addr, "/nothing");
     assert_eq!(status, "HTTP/1.1 404 Not Found");
+}
+
+/// `serve --addr H:P` and `RDZV_ADDR` bind where they say (they were silently ignored);
+/// with --host as well, or unbindable, they are refused.
+#[test]
+fn serve_binds_where_addr_and_rdzv_addr_say() {
+    let mut command = Command::new(RDZV);
+    command
+        .args(["store", "serve", "--addr", "127.0.0.1:0"])
+        .env_remove("RDZV_ADDR");
+    let served = serve_command(command);
+    assert!(served.addr.starts_with("127.0.0.1:"), "{}", served.addr);
+    assert!(!served.addr.ends_with(":29500"), "{}", served.addr);
+    drop(served);
+
+    let mut command = Command::new(RDZV);
+    command
+        .args(["store", "serve"])
+        .env("RDZV_ADDR", "127.0.0.1:0");
+    let served = serve_command(command);
+    assert!(served.addr.starts_with("127.0.0.1:"), "{}", served.addr);
+    drop(served);
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--host", "127.0.0.1"])
+        .env("RDZV_ADDR", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("RDZV_ADDR") && err.contains("--host"), "{err}");
+
+    // An address this host does not have: refused, not bound elsewhere.
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--addr", "192.0.2.1:0"])
+        .env_remove("RDZV_ADDR")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).contains("listening on"),
+        "{o:?}"
+    );
+
+    let o = Command::new(RDZV)
+        .args(["store", "serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--addr") && help.contains("--port"), "{help}");
+    for client in ["--connect-timeout", "--hex", "--output"] {
+        assert!(!help.contains(client), "{client} in serve --help:\n{help}");
+    }
+}
+
+/// A value over the server's limit is refused by the client before it is sent, naming the
+/// limit; `add` on a value that is not an integer, which the server answers by closing
+/// the connection, is explained, with where to look.
+#[test]
+fn refusals_are_explained() {
+    let served = serve();
+    let a = served.addr.as_str();
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big");
+    std::fs::write(&big, vec![b'x'; 8 * 1024 * 1024 + 1]).unwrap();
+    let o = store(a, &["set", "big", "--value-file", big.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("exceeds the limit of 8388608"), "{err}");
+    assert!(err.contains("not sent"), "{err}");
+    assert!(!err.contains("reset by peer"), "{err}");
+
+    ok(&store(a, &["set", "word", "hello"]));
+    let o = store(a, &["add", "word", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not an integer"), "{err}");
+    assert!(err.contains("log"), "{err}");
+    assert!(!err.contains("Did the remote server shutdown"), "{err}");
+    // The server is still there for everyone else.
+    assert_eq!(stdout(&store(a, &["get", "word"])), "hello\n");
+}
+
+/// `serve --allow` / `--token-file` are checked, and refused while the server does not
+/// enforce them; a client's `--token-file` is sent, and a server without tokens refuses it
+/// with a sentence that says so.
+#[test]
+fn access_flags_are_checked_and_never_silently_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "# job 1\nf0H3kd8Jq2LmZp5Vw9XyTb1C /job1/\n").unwrap();
+    let serve = |args: &[&str]| {
+        Command::new(RDZV)
+            .args(["store", "serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .env_remove("RDZV_ADDR")
+            .output()
+            .unwrap()
+    };
+    let o = serve(&["--allow", "10.0.0.0/8,nonsense"]);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("entry 2"),
+        "{o:?}"
+    );
+    let o = serve(&[
+        "--allow",
+        "127.0.0.0/8",
+        "--token-file",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success(), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("does not enforce"), "{err}");
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("listening on"));
+
+    let served = serve_with(&[]);
+    let o = store(
+        &served.addr,
+        &["--token-file", tokens.to_str().unwrap(), "get", "k"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("refused this client's token"), "{err}");
+    assert!(!err.contains("f0H3kd8Jq2LmZp5Vw9XyTb1C"), "{err}");
 }

@@ -484,3 +484,140 @@ fn reads_and_extends_a_file_pytorch_wrote() {
         ]
     );
 }
+
+/// Writes `count` keys `k00..` with values `v00..` through one handle and returns the file's
+/// bytes and where each record starts.
+fn file_of_keys(path: &Path, count: usize) -> (Vec<u8>, Vec<usize>) {
+    {
+        let store = open(path);
+        for i in 0..count {
+            store
+                .set(&format!("k{i:02}"), format!("v{i:02}").as_bytes())
+                .unwrap();
+        }
+    }
+    let bytes = std::fs::read(path).unwrap();
+    let mut starts = Vec::new();
+    let mut records = Records::new(&bytes);
+    loop {
+        let at = records.consumed();
+        if records.next().is_none() {
+            break;
+        }
+        starts.push(at);
+    }
+    (bytes, starts)
+}
+
+/// A crash can cut the last record at any byte: for every cut, the next handle keeps every
+/// whole record, cuts only the torn bytes and leaves a well-formed PyTorch file.
+#[test]
+fn truncation_at_every_byte_of_a_record_loses_nothing_whole() {
+    let dir = dir();
+    let clean = dir.path().join("clean");
+    let (base, _) = file_of_keys(&clean, 4);
+    let mut last = Vec::new();
+    Record::new(b"/last", b"the last value, cut by a crash")
+        .encode_into(&mut last)
+        .unwrap();
+    for cut in 1..last.len() {
+        let path = dir.path().join(format!("cut{cut}"));
+        let mut bytes = base.clone();
+        bytes.extend_from_slice(&last[..cut]);
+        std::fs::write(&path, &bytes).unwrap();
+        let store = open(&path);
+        for i in 0..4 {
+            assert_eq!(
+                store.get(&format!("k{i:02}")).unwrap(),
+                format!("v{i:02}").as_bytes(),
+                "cut {cut}"
+            );
+        }
+        assert!(!store.check(&["last"]).unwrap(), "cut {cut}");
+        drop(store);
+        let records = records_of(&path);
+        assert!(records.len() > 4, "cut {cut}");
+        let after = std::fs::read(&path).unwrap();
+        assert_eq!(
+            &after[..base.len()],
+            &base[..],
+            "cut {cut}: whole records changed"
+        );
+    }
+}
+
+/// A length field damaged in the middle (the probe's case: 64 keys, one bad length) is
+/// corruption: every operation fails naming the file and the offset, and the file is not
+/// changed by a single byte, so the 33 keys behind it can still be recovered.
+#[test]
+fn a_corrupt_length_mid_file_is_an_error_and_nothing_is_cut() {
+    let dir = dir();
+    let path = dir.path().join("store");
+    let (mut bytes, starts) = file_of_keys(&path, 64);
+    // starts[0] is refcount/, so starts[32] is k31's record.
+    let bad_at = starts[32];
+    bytes[bad_at..bad_at + 4].copy_from_slice(&0x0100_0000u32.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+
+    let err = FileStore::new(&path, None).unwrap_err();
+    match &err {
+        StoreError::CorruptFile {
+            path: p,
+            offset,
+            record_at,
+            ..
+        } => {
+            assert_eq!(p, &path);
+            assert_eq!(*offset, bad_at as u64);
+            assert_eq!(*record_at, starts[33] as u64);
+        }
+        other => panic!("expected CorruptFile, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(text.contains(&path.display().to_string()), "{text}");
+    assert!(text.contains(&format!("offset {bad_at}")), "{text}");
+    assert_eq!(std::fs::read(&path).unwrap(), bytes, "the file was changed");
+
+    // A damaged value length: the same, for a handle that reads and one that writes.
+    let other = dir.path().join("other");
+    let (mut bytes, starts) = file_of_keys(&other, 8);
+    let bad_at = starts[4];
+    // [key length][/k03][value length][v03]: the value length is at +8.
+    bytes[bad_at + 8..bad_at + 12].copy_from_slice(&u32::MAX.to_le_bytes());
+    std::fs::write(&other, &bytes).unwrap();
+    let err = FileStore::new(&other, None).unwrap_err();
+    assert!(
+        matches!(err, StoreError::CorruptFile { offset, .. } if offset == bad_at as u64),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&other).unwrap(),
+        bytes,
+        "the file was changed"
+    );
+}
+
+/// Garbage after the last record (no whole record in it) is a torn tail: it is cut and
+/// every whole record kept.
+#[test]
+fn a_garbage_tail_is_cut_and_nothing_whole_is_lost() {
+    let dir = dir();
+    let path = dir.path().join("store");
+    let (base, _) = file_of_keys(&path, 8);
+    append_raw(
+        &path,
+        b"\xde\xad\xbe\xef garbage that a crash left, holding no record",
+    );
+    let store = open(&path);
+    store.set("after", b"ok").unwrap();
+    for i in 0..8 {
+        assert_eq!(
+            store.get(&format!("k{i:02}")).unwrap(),
+            format!("v{i:02}").as_bytes()
+        );
+    }
+    drop(store);
+    let records = records_of(&path);
+    assert!(records.iter().any(|(k, v)| k == b"/after" && v == b"ok"));
+    assert_eq!(&std::fs::read(&path).unwrap()[..base.len()], &base[..]);
+}

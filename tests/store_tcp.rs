@@ -565,7 +565,10 @@ fn metrics_are_served_over_http(io: IoMode) {
     http.read_to_string(&mut response).unwrap();
     assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
     assert!(
-        response.contains("Content-Type: text/plain; version=0.0.4"),
+        // Header names are case-insensitive; hyper writes them in lower case.
+        response
+            .to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
         "{response}"
     );
     let sample = |series: &str| {

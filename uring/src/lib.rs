@@ -25,8 +25,6 @@
 #![deny(unsafe_code)]
 
 pub mod channel;
-#[doc(hidden)]
-pub mod fuzzing;
 pub mod host;
 pub mod queue;
 pub mod rendezvous;

@@ -449,6 +449,7 @@ pub fn open_tcp_store(
         timeout: plan.timeout,
         multi_tenant: plan.multi_tenant,
         limits: Limits::PYTORCH,
+        token: None,
     };
     let role = match (plan.agent_store, plan.is_server) {
         (true, _) => StoreRole::AgentClient,

@@ -2,7 +2,7 @@
 //! bytes as a file's contents, and the record encoder, fed records cut from the bytes.
 //!
 //! For every input: no panic; the whole records and the torn tail cover the input
-//! exactly; each record re-encodes to exactly the bytes it was read from; a cut of the
+//! exactly, classified as torn or corrupt consistently; each record re-encodes to exactly the bytes it was read from; a cut of the
 //! input parses to a prefix of the records (whole records stay whole); the records cut
 //! from the input parse back from their encoding unchanged; and, with `alloc`, a cache
 //! fed the input in two pieces (as a file that grew between two reads) ends in the same
@@ -33,6 +33,7 @@ pub fn file_log(data: &[u8]) {
             assert!(torn.len >= 1 && torn.claimed > torn.len as u64);
         }
     }
+    check_tail(records.remainder(), tail);
 
     // A cut chosen by the data: a prefix of the records, then at most a torn tail.
     let cut = split_point(data);
@@ -55,6 +56,26 @@ pub fn file_log(data: &[u8]) {
 
     #[cfg(feature = "alloc")]
     replay_in_pieces(data, cut);
+}
+
+/// The torn-or-corrupt classification agrees with the parse: it spans the same bytes,
+/// and a corrupt tail names a whole FileStore record inside them.
+fn check_tail(rest: &[u8], torn: Option<crate::store::file_log::Torn>) {
+    use crate::store::file_log::{classify_tail, is_store_key, Tail};
+    let tail = classify_tail(rest);
+    assert_eq!(tail.map(|t| t.len()), torn.map(|t| t.len));
+    match tail {
+        Some(Tail::Corrupt(corrupt)) => {
+            assert_eq!(Some(corrupt.bad), torn);
+            assert!(corrupt.record_at >= 1);
+            match scan_record(rest.get(corrupt.record_at..).unwrap_or_default()) {
+                Scanned::Complete(record, _) => assert!(is_store_key(record.key)),
+                other => panic!("corruption names no record: {other:?}"),
+            }
+        }
+        Some(Tail::Torn(t)) => assert_eq!(Some(t), torn),
+        None => {}
+    }
 }
 
 /// Encodes into a buffer of exactly the right size (must give `frame`) and one byte short
@@ -131,7 +152,7 @@ fn replay_in_pieces(data: &[u8], cut: usize) {
     }
     assert_eq!(pieces, whole);
     assert_eq!(
-        whole.offset() + whole.torn_tail().map_or(0, |t| t.len as u64),
+        whole.offset() + whole.tail().map_or(0, |t| t.len() as u64),
         data.len() as u64
     );
     assert!(whole.len() <= data.len() / MIN_RECORD_LEN);

@@ -5,6 +5,8 @@
 //! public so that `fuzz/` and `tests/` can reach them; they are not part of the API.
 #![doc(hidden)]
 
+#[cfg(feature = "alloc")]
+mod access;
 mod channel;
 mod codec;
 #[cfg(feature = "alloc")]
@@ -15,6 +17,8 @@ mod query;
 mod rpc_frame;
 mod url;
 
+#[cfg(feature = "alloc")]
+pub use access::access;
 pub use channel::channel_descriptors;
 pub use codec::{codec_request, codec_response};
 #[cfg(feature = "alloc")]

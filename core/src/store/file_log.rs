@@ -42,6 +42,24 @@
 //! exclusive lock nobody else is writing and the torn bytes can never become a record;
 //! it is needed because appending after them would corrupt the log for every reader. The
 //! log is then well-formed again, for rdzv and PyTorch readers alike.
+//!
+//! # Torn or corrupt: what may be cut
+//!
+//! Only the end of a file can be torn, and a torn tail is a prefix of **one** record. A
+//! length field damaged in the middle of the file looks, to a reader, just like a torn
+//! header: it claims more bytes than follow. What tells them apart is what follows it:
+//! the bytes of a torn tail are one record's prefix and cannot hold a whole record of
+//! their own, while behind a damaged field lie the records written after it.
+//! [`classify_tail`] therefore looks, at every offset past the bad record's first byte,
+//! for a whole record whose key is one a FileStore writes ([`is_store_key`]: `/k`, a
+//! tombstone `-/k`, `refcount/`, `cleanup/`). If it finds one, the tail is
+//! [`Tail::Corrupt`], and nothing may be cut: a writer must fail with an error naming the
+//! offset. Only a tail with no such record is [`Tail::Torn`] and may be cut; cutting it
+//! loses no record that any reader could recover. The rule errs on the side of keeping
+//! bytes: a torn record whose own *value* embeds a FileStore record image is reported as
+//! corrupt (an operator decides), never the other way round. A damaged length that
+//! makes later records misparse as garbage records of plausible lengths cannot be
+//! detected (the format has no checksum); such records are kept, as PyTorch keeps them.
 
 use core::fmt;
 
@@ -320,6 +338,12 @@ impl<'a> Records<'a> {
             Scanned::Complete(..) | Scanned::Empty => None,
         }
     }
+
+    /// The remaining bytes classified as torn or corrupt ([`classify_tail`]); `None`
+    /// where [`Records::torn_tail`] is `None`.
+    pub fn tail(&self) -> Option<Tail> {
+        classify_tail(self.rest)
+    }
 }
 
 impl<'a> Iterator for Records<'a> {
@@ -335,6 +359,73 @@ impl<'a> Iterator for Records<'a> {
             Scanned::Incomplete(_) | Scanned::Empty => None,
         }
     }
+}
+
+/// Whether a stored key has a shape that a FileStore writer produces: a user key
+/// (`/k`), a tombstone of one (`-/k`), or one of the two internal counters.
+pub fn is_store_key(key: &[u8]) -> bool {
+    matches!(
+        key,
+        [USER_KEY_PREFIX, ..] | [TOMBSTONE_PREFIX, USER_KEY_PREFIX, ..]
+    ) || key == REFCOUNT_KEY
+        || key == CLEANUP_KEY
+}
+
+/// A bad record followed by a whole record: the file is damaged in the middle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Corrupt {
+    /// The bad record, as [`scan_record`] saw it: the bytes from it to the end of the
+    /// file and what its header claims.
+    pub bad: Torn,
+    /// Where, counted from the bad record's first byte, the first whole FileStore record
+    /// found behind it starts.
+    pub record_at: usize,
+}
+
+/// What the bytes after the last whole record of a log are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tail {
+    /// A record a dead writer left incomplete: it holds no record and may be cut.
+    Torn(Torn),
+    /// Mid-file corruption: whole records follow the bad one; nothing may be cut.
+    Corrupt(Corrupt),
+}
+
+impl Tail {
+    /// How many bytes the tail spans, from the bad record to the end of the bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Tail::Torn(torn) => torn.len,
+            Tail::Corrupt(corrupt) => corrupt.bad.len,
+        }
+    }
+
+    /// Always `false`: a tail holds at least one byte.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+/// Classifies `rest`, the bytes that follow the last whole record of a log (see the
+/// module docs): `None` when they are empty or start a whole record, otherwise whether
+/// they are a torn tail or a bad record with whole records behind it.
+///
+/// The search is linear in `rest` and allocates nothing; no claimed length is trusted
+/// beyond the bytes given.
+pub fn classify_tail(rest: &[u8]) -> Option<Tail> {
+    let Scanned::Incomplete(bad) = scan_record(rest) else {
+        return None;
+    };
+    let found = (1..rest.len()).find(|&at| {
+        matches!(
+            scan_record(rest.get(at..).unwrap_or_default()),
+            Scanned::Complete(record, _) if is_store_key(record.key)
+        )
+    });
+    Some(match found {
+        Some(record_at) => Tail::Corrupt(Corrupt { bad, record_at }),
+        None => Tail::Torn(bad),
+    })
 }
 
 /// The stored form of the user key `key`: `"/" + key`.
@@ -371,8 +462,8 @@ pub struct Replayed {
     pub records: usize,
     /// Bytes those records took (the cache's offset moved by this much).
     pub consumed: usize,
-    /// The torn tail after them, if any.
-    pub torn: Option<Torn>,
+    /// The bytes after them that are not a whole record, classified, if any.
+    pub tail: Option<Tail>,
 }
 
 /// The in-memory state of a replayed log (PyTorch's `cache_` and `pos_`): stored key →
@@ -385,7 +476,7 @@ pub struct Replayed {
 pub struct LogCache {
     entries: BTreeMap<Vec<u8>, Vec<u8>>,
     offset: u64,
-    torn: Option<Torn>,
+    tail: Option<Tail>,
 }
 
 #[cfg(feature = "alloc")]
@@ -415,8 +506,9 @@ impl LogCache {
     }
 
     /// Replays `bytes`, the file's contents from [`LogCache::offset`] to its end: every
-    /// whole record is applied in order and the offset moves past it; a torn tail is
-    /// remembered ([`LogCache::torn_tail`]) and left unread.
+    /// whole record is applied in order and the offset moves past it; what follows is
+    /// classified and remembered ([`LogCache::torn_tail`], [`LogCache::corruption`]) and
+    /// left unread.
     pub fn replay(&mut self, bytes: &[u8]) -> Replayed {
         let mut records = Records::new(bytes);
         let mut count = 0;
@@ -426,11 +518,11 @@ impl LogCache {
         }
         let consumed = records.consumed();
         self.offset = self.offset.saturating_add(consumed as u64);
-        self.torn = records.torn_tail();
+        self.tail = records.tail();
         Replayed {
             records: count,
             consumed,
-            torn: self.torn,
+            tail: self.tail,
         }
     }
 
@@ -451,18 +543,36 @@ impl LogCache {
         }
     }
 
-    /// The torn tail the last replay stopped at, if any. A writer holding the exclusive
-    /// lock truncates the file to [`LogCache::offset`] before appending when this is
-    /// `Some` (see the module docs).
+    /// The torn tail the last replay stopped at, if it is one ([`Tail::Torn`]). A writer
+    /// holding the exclusive lock truncates the file to [`LogCache::offset`] before
+    /// appending when this is `Some` (see the module docs).
     pub fn torn_tail(&self) -> Option<Torn> {
-        self.torn
+        match self.tail {
+            Some(Tail::Torn(torn)) => Some(torn),
+            Some(Tail::Corrupt(_)) | None => None,
+        }
+    }
+
+    /// The mid-file corruption the last replay stopped at, if any: the bad record starts
+    /// at [`LogCache::offset`], a whole record at `offset + record_at`. Nothing may be cut
+    /// or appended; the runtime reports it (see the module docs).
+    pub fn corruption(&self) -> Option<Corrupt> {
+        match self.tail {
+            Some(Tail::Corrupt(corrupt)) => Some(corrupt),
+            Some(Tail::Torn(_)) | None => None,
+        }
+    }
+
+    /// What the last replay stopped at, if anything: a torn tail or corruption.
+    pub fn tail(&self) -> Option<Tail> {
+        self.tail
     }
 
     /// Forgets every entry and goes back to offset 0.
     pub fn reset(&mut self) {
         self.entries.clear();
         self.offset = 0;
-        self.torn = None;
+        self.tail = None;
     }
 
     /// The value of a stored key (prefix included).
@@ -666,7 +776,7 @@ mod tests {
             Replayed {
                 records: 6,
                 consumed: log.len(),
-                torn: None
+                tail: None
             }
         );
         assert_eq!(cache.offset(), log.len() as u64);
@@ -689,7 +799,8 @@ mod tests {
         let mut cache = LogCache::new();
         let replayed = cache.replay(&file);
         assert_eq!(replayed.records, 1);
-        assert_eq!(replayed.torn.map(|t| t.len), Some(5));
+        assert_eq!(replayed.tail.map(|t| t.len()), Some(5));
+        assert_eq!(cache.corruption(), None);
         assert_eq!(cache.offset(), first.len() as u64);
         assert_eq!(cache.torn_tail().map(|t| t.len), Some(5));
         // The writer truncates to the offset and appends a whole record.
@@ -698,7 +809,7 @@ mod tests {
         let from = cache.read_from(file.len() as u64).unwrap() as usize;
         let replayed = cache.replay(&file[from..]);
         assert_eq!(replayed.records, 1);
-        assert_eq!(replayed.torn, None);
+        assert_eq!(replayed.tail, None);
         assert_eq!(cache.torn_tail(), None);
         assert_eq!(cache.get_user(b"b"), Some(&b"2"[..]));
         assert_eq!(cache.offset(), file.len() as u64);
@@ -716,6 +827,93 @@ mod tests {
         cache2.replay(&log);
         assert_eq!(cache2.read_from(0), None);
         assert!(cache2.is_empty());
+    }
+
+    #[test]
+    fn store_key_shapes() {
+        assert!(is_store_key(b"/"));
+        assert!(is_store_key(b"/k"));
+        assert!(is_store_key(b"-/k"));
+        assert!(is_store_key(REFCOUNT_KEY));
+        assert!(is_store_key(CLEANUP_KEY));
+        assert!(!is_store_key(b""));
+        assert!(!is_store_key(b"-"));
+        assert!(!is_store_key(b"-k"));
+        assert!(!is_store_key(b"refcount"));
+        assert!(!is_store_key(b"k"));
+    }
+
+    /// Every cut of a record after whole ones is a torn tail, never corruption, and the
+    /// cache keeps every whole record.
+    #[test]
+    fn every_cut_of_the_last_record_is_torn() {
+        let whole = encode_all(&[
+            (b"refcount/".to_vec(), b"1".to_vec()),
+            (b"/a".to_vec(), b"1".to_vec()),
+        ]);
+        let last = encode_all(&[(b"/key".to_vec(), b"a value of some length".to_vec())]);
+        for cut in 1..last.len() {
+            let mut file = whole.clone();
+            file.extend_from_slice(&last[..cut]);
+            let mut cache = LogCache::new();
+            let replayed = cache.replay(&file);
+            assert_eq!(replayed.records, 2, "cut {cut}");
+            assert_eq!(cache.offset(), whole.len() as u64);
+            assert_eq!(cache.torn_tail().map(|t| t.len), Some(cut), "cut {cut}");
+            assert_eq!(cache.corruption(), None, "cut {cut}");
+        }
+    }
+
+    /// A length field damaged in the middle claims more than follows, like a torn
+    /// header; the whole records behind it make it corruption.
+    #[test]
+    fn a_corrupt_length_mid_file_is_corruption() {
+        let records: Vec<(Vec<u8>, Vec<u8>)> = (0..8u8)
+            .map(|i| (vec![b'/', b'a' + i], vec![b'0' + i]))
+            .collect();
+        let mut file = encode_all(&records);
+        let record_len = 4 + 2 + 4 + 1;
+        let bad_at = 3 * record_len;
+        file[bad_at..bad_at + 4].copy_from_slice(&0x7FFF_0000u32.to_le_bytes());
+        let mut cache = LogCache::new();
+        let replayed = cache.replay(&file);
+        assert_eq!(replayed.records, 3);
+        assert_eq!(cache.offset(), bad_at as u64);
+        assert_eq!(cache.torn_tail(), None);
+        let corrupt = cache.corruption().expect("corruption");
+        assert_eq!(corrupt.bad.len, file.len() - bad_at);
+        assert_eq!(corrupt.record_at, record_len);
+        // A damaged value length too.
+        let mut file = encode_all(&records);
+        file[bad_at + 6..bad_at + 10].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Records::new(&file[bad_at..]).tail(),
+            Some(Tail::Corrupt(Corrupt { record_at, .. })) if record_at == record_len
+        ));
+    }
+
+    #[test]
+    fn a_garbage_or_zero_tail_is_torn() {
+        let whole = encode_all(&[(b"/a".to_vec(), b"1".to_vec())]);
+        for junk in [
+            &b"some garbage a crash left behind, no record in it"[..],
+            &[0u8; 7][..],
+            &[0xFF; 100][..],
+        ] {
+            let mut file = whole.clone();
+            file.extend_from_slice(junk);
+            let tail = Records::new(&file[whole.len()..]).tail();
+            assert_eq!(
+                tail.map(|t| matches!(t, Tail::Torn(_))),
+                Some(true),
+                "{junk:?}"
+            );
+            assert_eq!(tail.map(|t| t.len()), Some(junk.len()));
+            assert!(tail.is_some_and(|t| !t.is_empty()));
+        }
+        // Zeros that parse are whole (empty) records, kept as PyTorch keeps them.
+        assert_eq!(classify_tail(&[0u8; 8]), None);
+        assert_eq!(classify_tail(&[]), None);
     }
 
     /// One operation of the model test, as a FileStore would log it.
@@ -822,6 +1020,41 @@ mod tests {
                         prop_assert!(torn.claimed <= (ends[whole] - boundary) as u64);
                     }
                 }
+            }
+        }
+
+        /// Cutting the last record anywhere leaves a torn tail (never corruption); damaging
+        /// any earlier record's key length leaves corruption at that record, and the cache
+        /// holds exactly the records before it.
+        #[test]
+        fn torn_only_at_the_end_corrupt_in_the_middle(
+            ops in proptest::collection::vec(op(), 1..16),
+            pick in any::<proptest::sample::Index>(),
+            cut in any::<proptest::sample::Index>(),
+        ) {
+            let (log, ends, _) = log_of(&ops);
+            let last_start = if ends.len() > 1 { ends[ends.len() - 2] } else { 0 };
+            let cut_at = last_start + 1 + cut.index(log.len() - last_start - 1);
+            let mut cache = LogCache::new();
+            cache.replay(&log[..cut_at]);
+            prop_assert_eq!(cache.offset(), last_start as u64);
+            prop_assert_eq!(cache.corruption(), None);
+            prop_assert_eq!(cache.torn_tail().map(|t| t.len), Some(cut_at - last_start));
+
+            if ends.len() >= 2 {
+                let bad = pick.index(ends.len() - 1);
+                let bad_at = if bad == 0 { 0 } else { ends[bad - 1] };
+                let mut damaged = log.clone();
+                damaged[bad_at..bad_at + 4].copy_from_slice(&0xFFFF_FF00u32.to_le_bytes());
+                let mut cache = LogCache::new();
+                let replayed = cache.replay(&damaged);
+                prop_assert_eq!(replayed.records, bad);
+                prop_assert_eq!(cache.offset(), bad_at as u64);
+                prop_assert_eq!(cache.torn_tail(), None);
+                let corrupt = cache.corruption();
+                prop_assert!(corrupt.is_some());
+                let record_at = corrupt.map_or(0, |c| c.record_at);
+                prop_assert!(record_at >= 1 && bad_at + record_at < damaged.len());
             }
         }
 

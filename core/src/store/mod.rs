@@ -4,6 +4,8 @@
 //! layout, byte for byte), and [`engine`] decides what each request does to the store.
 //! No module here reads a socket or a clock.
 
+#[cfg(feature = "alloc")]
+pub mod access;
 pub mod codec;
 #[cfg(feature = "alloc")]
 pub mod engine;

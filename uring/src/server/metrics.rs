@@ -1,5 +1,5 @@
 //! `store serve --metrics HOST:PORT`: the server's figures in Prometheus' text exposition
-//! format (version 0.0.4), served by one small std thread over HTTP/1.1 `GET /metrics`.
+//! format (version 0.0.4), served over HTTP/1.1 `GET /metrics`.
 //!
 //! What it reports is what rdzv's `STATS` query reports (connections, keys, waiters,
 //! queues, requests by query type, bytes in and out, uptime), as published by the event
@@ -10,20 +10,40 @@
 //! takes no lock and the buckets are Prometheus' own model (cumulative `le` bounds);
 //! none of this runs unless `--metrics` is given.
 //!
-//! It does not decide anything about requests, and it is no general HTTP server: one
-//! request per connection, `Connection: close`, heads of at most 8 KiB. Reading a head
-//! ([`head_complete`]) and choosing the answer ([`route`]) are pure functions of the
-//! bytes received, fuzzed by `fuzz/fuzz_targets/metrics_http.rs`.
+//! Each scrape also carries the process figures Prometheus' client libraries export
+//! (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`, ...:
+//! [`process`]).
+//!
+//! HTTP is `hyper`'s (HTTP/1.1 only), on a current-thread tokio runtime in one thread:
+//! every connection is a task of its own, so scrapes run concurrently and an idle or slow
+//! client holds up nobody. One request per connection (no keep-alive), heads of at most
+//! 8 KiB (431 beyond), at most 64 connections at once (more are closed at accept) and 10 s
+//! per connection. It decides nothing about requests.
 
+mod process;
+
+use std::convert::Infallible;
 use std::fmt::Write as _;
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::io;
+use std::net::{SocketAddr, TcpListener as StdTcpListener};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
 use rdzv_core::store::{QueryType, StoreStats};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
 
 /// Upper bounds of the duration buckets, in nanoseconds: 1-2-5 steps from 1 µs to 1 s.
 const BOUNDS_NS: [u64; 19] = [
@@ -213,44 +233,62 @@ fn seconds(ns: u64) -> String {
     format!("{whole}.{}", digits.trim_end_matches('0'))
 }
 
+/// Most connections served at once; one more is closed at accept (and logged).
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long one connection may take, from accept to the end of its reply: a client that
+/// sends nothing (or dribbles its head) is closed after this.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest request head read (hyper's smallest read buffer); a longer one gets 431.
+pub(crate) const MAX_HEAD: usize = 8 * 1024;
+
 /// The thread serving `GET /metrics`, stopped by [`MetricsServer::stop`].
 #[derive(Debug)]
 pub(crate) struct MetricsServer {
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
+    stop: Arc<Notify>,
     thread: Option<JoinHandle<()>>,
 }
 
+/// What renders the store's figures (the server's closure), shared by the connections.
+type Render = Arc<Mutex<dyn Fn() -> String + Send>>;
+
 impl MetricsServer {
-    /// Binds `addr` and starts serving `render()`'s output.
+    /// Binds `addr` and starts serving `render()`'s output, followed by the process
+    /// figures, on a thread of its own.
     pub(crate) fn start(
         addr: SocketAddr,
         render: impl Fn() -> String + Send + 'static,
     ) -> io::Result<MetricsServer> {
-        let listener = TcpListener::bind(addr)?;
+        let listener = StdTcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let stop = Arc::new(Notify::new());
         let stopping = Arc::clone(&stop);
+        let render: Render = Arc::new(Mutex::new(render));
         let thread = std::thread::Builder::new()
             .name("rdzv-metrics".into())
             .spawn(move || {
-                while !stopping.load(Ordering::Acquire) {
-                    match listener.accept() {
-                        Ok((stream, peer)) => {
-                            if let Err(error) = answer(stream, &render) {
-                                tracing::debug!(%peer, %error, "metrics request failed");
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(50));
-                        }
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
                         Err(error) => {
-                            tracing::warn!(%error, "metrics listener accept failed");
-                            std::thread::sleep(Duration::from_millis(50));
+                            tracing::warn!(%error, "metrics listener could not be registered");
+                            return;
                         }
-                    }
-                }
+                    };
+                    let stopped = async {
+                        stopping.notified().await;
+                        None
+                    };
+                    let accepting = accept_loop(&listener, render);
+                    futures_lite::future::or(accepting, stopped).await;
+                });
             })?;
         Ok(MetricsServer {
             addr,
@@ -264,9 +302,9 @@ impl MetricsServer {
         self.addr
     }
 
-    /// Stops the thread and waits for it.
+    /// Stops the thread (open connections are dropped) and waits for it.
     pub(crate) fn stop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        self.stop.notify_one();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -279,94 +317,150 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Longest request head read.
-pub(crate) const MAX_HEAD: usize = 8 * 1024;
-
-/// What a request head is answered with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Route {
-    /// `GET /metrics` (any query string): the figures.
-    Metrics,
-    /// `GET` of another path: 404.
-    NotFound,
-    /// Any other method, or no request line: 405.
-    MethodNotAllowed,
-    /// A head of [`MAX_HEAD`] bytes or more with no end: 431.
-    TooLarge,
-}
-
-impl Route {
-    /// The HTTP status line's code and reason, and the body (`None`: the metrics).
-    fn answer(self) -> (&'static str, Option<&'static str>) {
-        match self {
-            Route::Metrics => ("200 OK", None),
-            Route::NotFound => (
-                "404 Not Found",
-                Some("rdzv serves its metrics at /metrics\n"),
-            ),
-            Route::MethodNotAllowed => (
-                "405 Method Not Allowed",
-                Some("only GET /metrics is served\n"),
-            ),
-            Route::TooLarge => ("431 Request Header Fields Too Large", Some("")),
+/// Accepts until stopped; each connection is a task of its own, so an idle or slow
+/// client holds up nobody. Never returns `Some`; the type lets it race the stop signal.
+async fn accept_loop(listener: &TcpListener, render: Render) -> Option<()> {
+    let active = Arc::new(AtomicUsize::new(0));
+    let mut refused = RateLimited::default();
+    let mut failed = RateLimited::default();
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    drop(stream);
+                    refused.warn(|n| {
+                        tracing::warn!(
+                            %peer,
+                            refused = n,
+                            limit = MAX_CONNECTIONS,
+                            "metrics: too many connections at once; closed new ones"
+                        )
+                    });
+                    continue;
+                }
+                active.fetch_add(1, Ordering::AcqRel);
+                let active = Arc::clone(&active);
+                let render = Arc::clone(&render);
+                tokio::spawn(async move {
+                    let served = tokio::time::timeout(CONNECTION_TIMEOUT, serve(stream, render));
+                    match served.await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => tracing::debug!(%peer, %error, "metrics request failed"),
+                        Err(_) => tracing::debug!(%peer, "metrics connection timed out"),
+                    }
+                    active.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Err(error) => {
+                // Out of descriptors, most likely: say so now and then, and let the
+                // store's own connections have them back.
+                failed.warn(|n| tracing::warn!(%error, failures = n, "metrics: accept failed"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     }
 }
 
-/// Whether `head` holds a whole request head: an empty line ends it (`\r\n\r\n`, or
-/// `\n\n` from lenient clients).
-pub(crate) fn head_complete(head: &[u8]) -> bool {
-    head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n")
+/// Counts events and lets one warning through a second.
+#[derive(Default)]
+struct RateLimited {
+    last: Option<std::time::Instant>,
+    count: u64,
 }
 
-/// The answer to the request head `head` (what was read of it: a client that closes
-/// early is answered from what it sent). Only the request line counts: `GET`, then a
-/// target whose path (before any `?`) is `/metrics`.
-pub(crate) fn route(head: &[u8]) -> Route {
-    if head.len() >= MAX_HEAD && !head_complete(head) {
-        return Route::TooLarge;
-    }
-    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    match (method, path) {
-        ("GET", "/metrics") => Route::Metrics,
-        ("GET", _) => Route::NotFound,
-        _ => Route::MethodNotAllowed,
-    }
-}
-
-/// Reads one request head and answers it.
-fn answer(mut stream: TcpStream, render: &dyn Fn() -> String) -> io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let mut head = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while head.len() < MAX_HEAD && !head_complete(&head) {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            break;
+impl RateLimited {
+    fn warn(&mut self, log: impl FnOnce(u64)) {
+        self.count += 1;
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            log(self.count);
+            self.count = 0;
+            self.last = Some(now);
         }
-        head.extend_from_slice(chunk.get(..n).unwrap_or_default());
-    }
-    match route(&head).answer() {
-        (status, Some(body)) => respond(&mut stream, status, body),
-        (status, None) => respond(&mut stream, status, &render()),
     }
 }
 
-fn respond(stream: &mut TcpStream, status: &str, body: &str) -> io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+/// One connection: one request (no keep-alive), answered by [`answer`].
+async fn serve(stream: tokio::net::TcpStream, render: Render) -> Result<(), hyper::Error> {
+    let service = service_fn(move |request: Request<Incoming>| {
+        let render = Arc::clone(&render);
+        async move { Ok::<_, Infallible>(answer(request.method(), request.uri().path(), &render)) }
+    });
+    http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(Io(stream), service)
+        .await
+}
+
+/// What a request is answered with: `GET /metrics` (any query string) the figures, a
+/// `GET` of another path 404, any other method 405.
+fn answer(method: &Method, path: &str, render: &Render) -> Response<Full<Bytes>> {
+    let (status, body) = match (method, path) {
+        (&Method::GET, "/metrics") => {
+            let mut body = (render.lock().unwrap_or_else(|p| p.into_inner()))();
+            process::render(&mut body);
+            (StatusCode::OK, body)
+        }
+        (&Method::GET, _) => (
+            StatusCode::NOT_FOUND,
+            "rdzv serves its metrics at /metrics\n".to_string(),
+        ),
+        _ => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "only GET /metrics is served\n".to_string(),
+        ),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
     );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body.as_bytes())?;
-    stream.flush()
+    response
+}
+
+/// A tokio socket as hyper's I/O (what `hyper-util`'s `TokioIo` does, without the crate).
+struct Io(tokio::net::TcpStream);
+
+impl hyper::rt::Read for Io {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        mut buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        let mut chunk = [0u8; 4096];
+        let want = buf.remaining().min(chunk.len());
+        let mut read = tokio::io::ReadBuf::new(chunk.get_mut(..want).unwrap_or_default());
+        match Pin::new(&mut self.0).poll_read(cx, &mut read) {
+            Poll::Ready(Ok(())) => {
+                buf.put_slice(read.filled());
+                Poll::Ready(Ok(()))
+            }
+            other => other,
+        }
+    }
+}
+
+impl hyper::rt::Write for Io {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
 }
 
 #[cfg(test)]
@@ -419,69 +513,106 @@ mod tests {
         );
     }
 
-    #[test]
-    fn requests_are_routed_by_their_request_line() {
-        let cases: [(&[u8], Route); 9] = [
-            (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", Route::Metrics),
-            (b"GET /metrics?name[]=x HTTP/1.0\n\n", Route::Metrics),
-            (b"GET /metrics", Route::Metrics),
-            (b"GET / HTTP/1.1\r\n\r\n", Route::NotFound),
-            (b"GET /metricsx HTTP/1.1\r\n\r\n", Route::NotFound),
-            (b"POST /metrics HTTP/1.1\r\n\r\n", Route::MethodNotAllowed),
-            (b"get /metrics HTTP/1.1\r\n\r\n", Route::MethodNotAllowed),
-            (b"", Route::MethodNotAllowed),
-            (
-                b"\r\nGET /metrics HTTP/1.1\r\n\r\n",
-                Route::MethodNotAllowed,
-            ),
-        ];
-        for (head, want) in cases {
-            assert_eq!(route(head), want, "{:?}", String::from_utf8_lossy(head));
-        }
-        let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
-        huge.resize(MAX_HEAD, b'a');
-        assert_eq!(route(&huge), Route::TooLarge);
-        huge.truncate(MAX_HEAD - 4);
-        huge.extend_from_slice(b"\r\n\r\n");
-        assert_eq!(
-            route(&huge),
-            Route::Metrics,
-            "a whole head of 8 KiB is served"
-        );
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Instant;
+
+    fn ask(addr: SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        reply
     }
 
-    #[test]
-    fn heads_end_at_an_empty_line() {
-        assert!(head_complete(b"GET / HTTP/1.1\r\n\r\n"));
-        assert!(head_complete(b"GET / HTTP/1.1\n\n"));
-        assert!(!head_complete(b"GET / HTTP/1.1\r\nHost: x\r\n"));
-        assert!(!head_complete(b""));
+    fn figures() -> MetricsServer {
+        MetricsServer::start("127.0.0.1:0".parse().unwrap(), || "figures 1\n".into()).unwrap()
     }
 
     #[test]
     fn the_server_answers_each_route() {
-        let mut server =
-            MetricsServer::start("127.0.0.1:0".parse().unwrap(), || "figures\n".into()).unwrap();
-        let ask = |request: &[u8]| {
-            let mut stream = TcpStream::connect(server.local_addr()).unwrap();
-            stream.write_all(request).unwrap();
-            let mut reply = String::new();
-            stream.read_to_string(&mut reply).unwrap();
-            reply
-        };
-        let ok = ask(b"GET /metrics HTTP/1.1\r\n\r\n");
-        assert!(
-            ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\nfigures\n"),
-            "{ok}"
-        );
-        assert!(ask(b"GET /x HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
-        assert!(ask(b"PUT /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
-        // Exactly the limit, so that nothing is left unread (which would reset the
-        // connection before the reply is read).
+        let mut server = figures();
+        let addr = server.local_addr();
+        let ok = ask(addr, b"GET /metrics?name[]=x HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("text/plain; version=0.0.4"), "{ok}");
+        let body = ok.split("\r\n\r\n").nth(1).unwrap();
+        assert!(body.starts_with("figures 1\n"), "{body}");
+        assert!(body.contains("\nprocess_resident_memory_bytes "), "{body}");
+        assert!(body.contains("\nprocess_open_fds "), "{body}");
+        assert!(body.contains("\nprocess_cpu_seconds_total "), "{body}");
+        assert!(ask(addr, b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 404 "));
+        assert!(ask(addr, b"PUT /metrics HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 405 "));
         let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
-        huge.resize(MAX_HEAD, b'a');
-        assert!(ask(&huge).starts_with("HTTP/1.1 431 "));
+        huge.resize(MAX_HEAD + 100, b'a');
+        huge.extend_from_slice(b"\r\n\r\n");
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let _ = stream.write_all(&huge);
+        let mut reply = Vec::new();
+        let _ = stream.read_to_end(&mut reply);
+        let reply = String::from_utf8_lossy(&reply);
+        assert!(
+            reply.is_empty() || reply.starts_with("HTTP/1.1 431 "),
+            "{reply}"
+        );
         server.stop();
+    }
+
+    /// The probe's case: one idle TCP connection held a scrape up for 4.9 s.
+    #[test]
+    fn an_idle_connection_does_not_hold_up_a_scrape() {
+        let server = figures();
+        let addr = server.local_addr();
+        let _idle = TcpStream::connect(addr).unwrap();
+        let mut half = TcpStream::connect(addr).unwrap();
+        half.write_all(b"GET /metr").unwrap();
+        let started = Instant::now();
+        let reply = ask(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "a scrape behind an idle connection took {:?}",
+            started.elapsed()
+        );
+        // The half-sent request still gets its answer once it is whole.
+        half.write_all(b"ics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut reply = String::new();
+        half.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        half.read_to_string(&mut reply).unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+    }
+
+    #[test]
+    fn two_scrapes_run_at_once() {
+        let server = figures();
+        let addr = server.local_addr();
+        // Both requests are in before either is read: neither waits for the other.
+        let mut a = TcpStream::connect(addr).unwrap();
+        let mut b = TcpStream::connect(addr).unwrap();
+        for s in [&mut a, &mut b] {
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+        }
+        for mut s in [b, a] {
+            let mut reply = String::new();
+            s.read_to_string(&mut reply).unwrap();
+            assert!(reply.starts_with("HTTP/1.1 200 "), "{reply}");
+        }
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || ask(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"))
+            })
+            .collect();
+        for t in threads {
+            assert!(t.join().unwrap().starts_with("HTTP/1.1 200 "));
+        }
     }
 
     #[test]

@@ -89,6 +89,38 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// A FileStore file is damaged in the middle: a record's length field claims more
+    /// bytes than follow, yet whole records lie behind it, so it is no torn tail. Nothing
+    /// is cut or appended.
+    #[error("FileStore {} is corrupt at offset {offset}: the record there claims {claimed} bytes but only {present} follow, and a whole record starts at offset {record_at}, so this is no record a crashed writer left at the end. Nothing was cut or written; keys from offset {offset} on are unreadable. Restore the file from a copy, or repair the record at offset {offset} by hand", path.display())]
+    CorruptFile {
+        /// The store file.
+        path: PathBuf,
+        /// Where the bad record starts (the end of the last whole record before it).
+        offset: u64,
+        /// The length its header claims.
+        claimed: u64,
+        /// The bytes from it to the end of the file.
+        present: u64,
+        /// Where the first whole record behind it starts.
+        record_at: u64,
+    },
+    /// A request is over a limit the server decodes with, so it was not sent: the server
+    /// would close the connection on it (PyTorch's protocol has no error reply).
+    #[error("{limit}: not sent to {peer}, whose server would close the connection on it. Split the value (or the key list), or raise the limit on the server and on this client alike")]
+    OverLimit {
+        /// The server address.
+        peer: String,
+        /// Which field, its length or count, and the limit.
+        limit: rdzv_core::store::codec::DecodeError,
+    },
+    /// The server closed the connection on rdzv's `AUTH` query: the token is not in its
+    /// token file, or the server takes no tokens.
+    #[error("the store server at {peer} refused this client's token (it closed the connection on rdzv's AUTH query): the token is not in the server's --token-file, or the server takes no tokens (PyTorch's, or rdzv without --token-file; then unset RDZV_TOKEN / RDZV_TOKEN_FILE). The server's log says which")]
+    TokenRefused {
+        /// The server address.
+        peer: String,
+    },
     /// The counter at a key does not hold a decimal integer.
     #[error("value of key {key} is not an integer counter: {detail}")]
     NotACounter {

@@ -23,6 +23,10 @@
 //!   cuts off a torn tail (a record a crashed writer left half written) before it
 //!   appends; PyTorch spins forever on such a file (see `file_log`'s module docs). A
 //!   record is appended with one `write` where PyTorch uses four.
+//! * a bad record with whole records behind it is mid-file corruption, not a torn tail
+//!   (`file_log::classify_tail`): every operation then fails with
+//!   [`StoreError::CorruptFile`], naming the file and the offset, and nothing is cut or
+//!   appended. PyTorch would spin on such a file, or append after it.
 //! * [`Store::list_keys`] returns only user keys; PyTorch's `k.substr(1)` over every
 //!   cache entry also lists the internal counters as `efcount/` and `leanup/`.
 //!   [`Store::num_keys`] counts internal keys, as PyTorch does.
@@ -201,7 +205,19 @@ impl Log {
         if state.buf.capacity() > KEEP_BUFFER {
             state.buf = Vec::new();
         }
-        Ok(())
+        match state.cache.corruption() {
+            None => Ok(()),
+            Some(corrupt) => {
+                let offset = state.cache.offset();
+                Err(StoreError::CorruptFile {
+                    path: self.path.clone(),
+                    offset,
+                    claimed: corrupt.bad.claimed,
+                    present: corrupt.bad.len as u64,
+                    record_at: offset.saturating_add(corrupt.record_at as u64),
+                })
+            }
+        }
     }
 
     /// A read-only operation: opens, takes the shared lock, refreshes, then asks `f`.

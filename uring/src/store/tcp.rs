@@ -16,7 +16,7 @@ use std::net::{Shutdown, SocketAddr, TcpStream as StdTcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply};
+use rdzv_core::store::codec::{self, AuthRequest, Decoded, Limits, PendingReply, AUTH_ACCEPTED};
 use rdzv_core::store::{QueryType, Request, Response, StoreStats, WaitResponse, VALIDATION_MAGIC};
 
 use super::{Store, StoreError, DEFAULT_TIMEOUT};
@@ -47,6 +47,60 @@ pub struct TcpStoreOptions {
     pub multi_tenant: bool,
     /// Wire limits applied to the server's replies.
     pub limits: Limits,
+    /// The token sent in rdzv's `AUTH` query right after connecting, to a server with
+    /// tokens (`store serve --token-file`). `None`: `RDZV_TOKEN`, else the first token of
+    /// the file `RDZV_TOKEN_FILE`, else no `AUTH` (PyTorch's handshake).
+    pub token: Option<StoreToken>,
+}
+
+/// A shared-secret token for a store server with tokens. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoreToken(String);
+
+impl std::fmt::Debug for StoreToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreToken(<redacted>)")
+    }
+}
+
+impl StoreToken {
+    /// A token given as text; it must be one a token file may hold (16 to 256 printable
+    /// ASCII characters, no spaces).
+    pub fn new(token: impl Into<String>) -> Result<StoreToken, StoreError> {
+        let token = token.into();
+        rdzv_core::store::access::client_token(token.as_bytes())
+            .map_err(|e| StoreError::InvalidArgument(format!("the store token: {e}")))?;
+        Ok(StoreToken(token.trim().to_string()))
+    }
+
+    /// The first token of a token file (a job can be given its own line of the server's
+    /// file: `TOKEN [PREFIX]`, `#` comments).
+    pub fn from_file(path: &std::path::Path) -> Result<StoreToken, StoreError> {
+        let bytes = std::fs::read(path).map_err(|source| StoreError::File {
+            op: "read the token file",
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let token = rdzv_core::store::access::client_token(&bytes).map_err(|e| {
+            StoreError::InvalidArgument(format!("token file {}: {e}", path.display()))
+        })?;
+        Ok(StoreToken(token.to_string()))
+    }
+
+    /// `RDZV_TOKEN`, else the file named by `RDZV_TOKEN_FILE`, else `None`.
+    pub fn from_env() -> Result<Option<StoreToken>, StoreError> {
+        if let Some(token) = std::env::var("RDZV_TOKEN").ok().filter(|t| !t.is_empty()) {
+            return StoreToken::new(token).map(Some);
+        }
+        match std::env::var_os("RDZV_TOKEN_FILE").filter(|p| !p.is_empty()) {
+            Some(path) => StoreToken::from_file(std::path::Path::new(&path)).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
 }
 
 impl TcpStoreOptions {
@@ -61,6 +115,7 @@ impl TcpStoreOptions {
             timeout: DEFAULT_TIMEOUT,
             multi_tenant: false,
             limits: Limits::PYTORCH,
+            token: None,
         }
     }
 }
@@ -171,7 +226,12 @@ impl TcpStore {
         } else {
             None
         };
-        let (conn, peer) = connect_validated(&options.host, options.port, options.timeout)?;
+        let token = match options.token.clone() {
+            Some(token) => Some(token),
+            None => StoreToken::from_env()?,
+        };
+        let (conn, peer) =
+            connect_validated(&options.host, options.port, options.timeout, token.as_ref())?;
         let store = TcpStore {
             conn: Mutex::new(conn),
             peer,
@@ -235,7 +295,7 @@ impl TcpStore {
         f: impl FnOnce(Response<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         let mut conn = self.lock();
-        send(&mut conn, request, &self.peer)?;
+        send(&mut conn, request, &self.options.limits, &self.peer)?;
         conn.stream
             .set_read_timeout(read_timeout)
             .map_err(|source| self.io("set timeout on", source))?;
@@ -350,7 +410,7 @@ impl TcpStore {
         timed_out: impl FnOnce() -> StoreError,
     ) -> Result<(), StoreError> {
         let mut conn = self.lock();
-        send(&mut conn, request, &self.peer)?;
+        send(&mut conn, request, &self.options.limits, &self.peer)?;
         // A zero timeout means "do not wait" (PyTorch TCPStore); the socket API needs a
         // non-zero value, so use the smallest one.
         let wait_for = timeout.max(Duration::from_millis(1));
@@ -386,7 +446,7 @@ impl TcpStore {
     /// The CANCEL_WAIT dance of PyTorch's `doWait`: the server may have released us
     /// just before it saw the cancel, so a STOP_WAITING may come first.
     fn cancel_wait(&self, conn: &mut Conn) -> Result<(), StoreError> {
-        send(conn, &Request::CancelWait, &self.peer)?;
+        send(conn, &Request::CancelWait, &self.options.limits, &self.peer)?;
         conn.stream
             .set_read_timeout(Some(self.timeout().max(Duration::from_millis(1))))
             .map_err(|source| self.io("set timeout on", source))?;
@@ -439,7 +499,18 @@ fn encode_key_list(keys: &[String]) -> Vec<u8> {
     out
 }
 
-fn send(conn: &mut Conn, request: &Request<'_>, peer: &str) -> Result<(), StoreError> {
+fn send(
+    conn: &mut Conn,
+    request: &Request<'_>,
+    limits: &Limits,
+    peer: &str,
+) -> Result<(), StoreError> {
+    request
+        .check_limits(limits)
+        .map_err(|limit| StoreError::OverLimit {
+            peer: peer.to_string(),
+            limit,
+        })?;
     conn.out.clear();
     request.encode_into(&mut conn.out);
     let Conn { stream, out, .. } = conn;
@@ -523,44 +594,91 @@ fn connect_validated(
     host: &str,
     port: u16,
     timeout: Duration,
+    token: Option<&StoreToken>,
 ) -> Result<(Conn, String), StoreError> {
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     let mut tries = 0u32;
+    // The last failure of an attempt that ran: an attempt cut off by the deadline before
+    // it tried anything must not replace the real cause (ECONNREFUSED, say).
+    let mut last_error = None;
     loop {
         tries += 1;
-        let last_error = match try_connect(host, port, deadline) {
+        match try_connect(host, port, deadline, token) {
             Ok(ok) => return Ok(ok),
-            Err(e) => e,
-        };
+            Err(Attempt::Failed(e)) => last_error = Some(e),
+            Err(Attempt::NoTimeLeft) => {}
+            // Trying again would send the same token: stop now.
+            Err(Attempt::TokenRefused(peer)) => return Err(StoreError::TokenRefused { peer }),
+        }
         let now = Instant::now();
-        if now >= deadline {
+        // Leave the next attempt some time of its own: one started at the deadline
+        // could not even connect.
+        let left = deadline.saturating_duration_since(now);
+        if left < MIN_ATTEMPT {
             return Err(StoreError::ConnectTimeout {
                 host: host.to_string(),
                 port,
                 ms: timeout.as_millis(),
-                last_error,
+                last_error: last_error.unwrap_or_else(|| {
+                    format!("no attempt could run within the timeout ({tries} tried)")
+                }),
             });
         }
-        let delay = backoff.next_delay().min(deadline - now);
+        let delay = backoff.next_delay().min(left - MIN_ATTEMPT);
         tracing::debug!(
             host,
             port,
             tries,
             delay_ms = delay.as_millis() as u64,
-            error = %last_error,
+            error = last_error.as_deref().unwrap_or(""),
             "TCP client failed to connect/validate; retrying"
         );
         std::thread::sleep(delay);
     }
 }
 
-fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String), String> {
+/// The least time a connect attempt is started with; less than this left before the
+/// deadline ends the retries with the last real error.
+const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// Why one connect attempt failed.
+enum Attempt {
+    /// It ran and failed: the cause, for the final error.
+    Failed(String),
+    /// The deadline passed before it could try an address.
+    NoTimeLeft,
+    /// The server at this address closed the connection on the `AUTH` query.
+    TokenRefused(String),
+}
+
+/// One failed connect, said so that a refusal reads as one (never as a name lookup).
+fn connect_failure(addr: &SocketAddr, e: &io::Error) -> String {
+    match e.kind() {
+        io::ErrorKind::ConnectionRefused => format!(
+            "{addr}: connection refused (nothing listens there: is the store server running, on this port?)"
+        ),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+            format!("{addr}: connect timed out (no answer: a firewall, or a host that is down?)")
+        }
+        _ => format!("{addr}: {e}"),
+    }
+}
+
+fn try_connect(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+    token: Option<&StoreToken>,
+) -> Result<(Conn, String), Attempt> {
     let trimmed = host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = (trimmed, port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .map_err(|e| Attempt::Failed(format!("cannot resolve {host}: {e}")))?
         .collect();
+    if addrs.is_empty() {
+        return Err(Attempt::Failed(format!("{host} resolves to no address")));
+    }
     let mut errors = Vec::new();
     for addr in addrs {
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -568,21 +686,48 @@ fn try_connect(host: &str, port: u16, deadline: Instant) -> Result<(Conn, String
             break;
         }
         match StdTcpStream::connect_timeout(&addr, remaining) {
-            Ok(stream) => match handshake(stream, remaining) {
+            Ok(stream) => match handshake(stream, remaining, token) {
                 Ok(conn) => return Ok((conn, addr.to_string())),
-                Err(e) => errors.push(format!("{addr}: {e}")),
+                Err(Handshake::TokenRefused) => {
+                    return Err(Attempt::TokenRefused(addr.to_string()))
+                }
+                Err(Handshake::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => errors.push(format!(
+                    "{addr}: the server closed the connection during the handshake (VALIDATE, PING): \
+                     is it a TCPStore, and does it accept this client (see its log)?"
+                )),
+                Err(Handshake::Io(e)) => errors.push(format!("{addr}: handshake: {e}")),
             },
-            Err(e) => errors.push(format!("{addr}: {e}")),
+            Err(e) => errors.push(connect_failure(&addr, &e)),
         }
     }
-    Err(if errors.is_empty() {
-        format!("no address for {host}")
+    if errors.is_empty() {
+        Err(Attempt::NoTimeLeft)
     } else {
-        errors.join("; ")
-    })
+        Err(Attempt::Failed(errors.join("; ")))
+    }
 }
 
-fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
+/// Why a handshake failed.
+enum Handshake {
+    /// The server closed the connection instead of accepting the `AUTH` token.
+    TokenRefused,
+    /// Anything else.
+    Io(io::Error),
+}
+
+impl From<io::Error> for Handshake {
+    fn from(e: io::Error) -> Self {
+        Handshake::Io(e)
+    }
+}
+
+/// `AUTH` (with a token), then `VALIDATE` and `PING`, in one write; checks the `AUTH`
+/// reply byte and the echoed nonce.
+fn handshake(
+    stream: StdTcpStream,
+    timeout: Duration,
+    token: Option<&StoreToken>,
+) -> Result<Conn, Handshake> {
     stream.set_nodelay(true)?;
     let mut conn = Conn {
         stream,
@@ -592,6 +737,12 @@ fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
     };
     let nonce = std::process::id();
     let mut frame = Vec::with_capacity(10);
+    if let Some(token) = token {
+        AuthRequest {
+            token: token.as_bytes(),
+        }
+        .encode_into(&mut frame);
+    }
     Request::Validate {
         magic: VALIDATION_MAGIC,
     }
@@ -600,17 +751,40 @@ fn handshake(stream: StdTcpStream, timeout: Duration) -> io::Result<Conn> {
     conn.stream.write_all(&frame)?;
     conn.stream
         .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+    if token.is_some() {
+        let mut accepted = [0u8; 1];
+        match conn.stream.read_exact(&mut accepted) {
+            Ok(()) if accepted[0] == AUTH_ACCEPTED => {}
+            Ok(()) => {
+                return Err(Handshake::Io(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("AUTH reply byte {} is not AUTH_ACCEPTED (0)", accepted[0]),
+                )))
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                return Err(Handshake::TokenRefused)
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut echo = [0u8; 4];
     conn.stream.read_exact(&mut echo)?;
     let got = u32::from_le_bytes(echo);
     if got != nonce {
         let _ = conn.stream.shutdown(Shutdown::Both);
-        return Err(io::Error::new(
+        return Err(Handshake::Io(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
                 "Ping failed, invalid value returned from server. Expected: {nonce}, Got: {got}"
             ),
-        ));
+        )));
     }
     conn.stream.set_read_timeout(None)?;
     Ok(conn)
@@ -626,6 +800,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
@@ -729,6 +904,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
@@ -762,7 +938,12 @@ impl Store for TcpStore {
         let list = rdzv_core::store::PairList::new(pairs.len(), &encoded)
             .ok_or_else(|| self.protocol("pair list encoding"))?;
         let mut conn = self.lock();
-        send(&mut conn, &Request::MultiSet { pairs: list }, &self.peer)
+        send(
+            &mut conn,
+            &Request::MultiSet { pairs: list },
+            &self.options.limits,
+            &self.peer,
+        )
     }
 
     fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
@@ -774,6 +955,7 @@ impl Store for TcpStore {
                 key: key.as_bytes(),
                 value,
             },
+            &self.options.limits,
             &self.peer,
         )
     }
@@ -866,6 +1048,49 @@ impl Store for TcpStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Nothing listens: the error says "connection refused" after the timeout, and the
+    /// last retry does not replace that cause with one that ran out of time.
+    #[test]
+    fn a_refused_connect_says_so_after_the_timeout() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        for ms in [1, 35, 250] {
+            let started = Instant::now();
+            let err = TcpStore::connect("127.0.0.1", port, Duration::from_millis(ms)).unwrap_err();
+            match &err {
+                StoreError::ConnectTimeout { last_error, .. } => {
+                    assert!(last_error.contains("connection refused"), "{ms} ms: {err}");
+                    assert!(!last_error.contains("no address"), "{err}");
+                }
+                other => panic!("{ms} ms: {other}"),
+            }
+            assert!(started.elapsed() < Duration::from_millis(ms) + Duration::from_secs(1));
+        }
+    }
+
+    #[test]
+    fn over_limit_requests_are_not_sent() {
+        let limits = Limits::PYTORCH;
+        let big = vec![0u8; 8 * 1024 * 1024 + 1];
+        let err = Request::Set {
+            key: b"/k",
+            value: &big,
+        }
+        .check_limits(&limits)
+        .unwrap_err();
+        let shown = StoreError::OverLimit {
+            peer: "h:1".into(),
+            limit: err,
+        }
+        .to_string();
+        assert!(
+            shown.contains("SET value length 8388609 exceeds the limit of 8388608"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn backoff_grows_with_jitter_and_caps() {

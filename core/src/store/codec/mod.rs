@@ -77,11 +77,15 @@
 //! [`PairList`]: super::message::PairList
 //! [`StoreStats::counter`]: super::message::StoreStats::counter
 
+mod auth;
 mod error;
 mod request;
 mod response;
 mod wire;
 
+pub use auth::{
+    decode_auth, AuthDecodeError, AuthRequest, AUTH_ACCEPTED, AUTH_QUERY, MAX_AUTH_TOKEN_LEN,
+};
 pub use error::{DecodeError, EncodeError, Field};
 pub use request::{decode_request, peek_query_type, RequestDecoder};
 #[cfg(feature = "alloc")]

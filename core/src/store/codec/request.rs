@@ -325,6 +325,80 @@ impl Emit for Request<'_> {
 }
 
 impl Request<'_> {
+    /// Checks the request against the limits a server decodes with, before it is sent:
+    /// the error is the one the server would hit (it would then close the connection,
+    /// PyTorch's protocol having no error reply), so a client can name the limit.
+    pub fn check_limits(&self, limits: &Limits) -> Result<(), DecodeError> {
+        let query = self.query_type();
+        let length = |field: Field, bytes: &[u8], limit: u64| {
+            let claimed = bytes.len() as u64;
+            if claimed > limit {
+                Err(DecodeError::LengthOverLimit {
+                    query,
+                    field,
+                    claimed,
+                    limit,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let key = |bytes: &[u8]| length(Field::Key, bytes, limits.max_key_len);
+        let count = |field: Field, n: usize| {
+            let claimed = n as u64;
+            if claimed > limits.max_key_count {
+                Err(DecodeError::CountOverLimit {
+                    query,
+                    field,
+                    claimed,
+                    limit: limits.max_key_count,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match *self {
+            Request::Set { key: k, value }
+            | Request::Append { key: k, value }
+            | Request::QueuePush { key: k, value } => {
+                key(k)?;
+                length(Field::Value, value, limits.max_value_len)
+            }
+            Request::CompareSet {
+                key: k,
+                expected,
+                desired,
+            } => {
+                key(k)?;
+                length(Field::ExpectedValue, expected, limits.max_value_len)?;
+                length(Field::DesiredValue, desired, limits.max_value_len)
+            }
+            Request::Get { key: k }
+            | Request::DeleteKey { key: k }
+            | Request::QueuePop { key: k }
+            | Request::QueueLen { key: k }
+            | Request::Add { key: k, .. }
+            | Request::Barrier { key: k, .. } => key(k),
+            Request::Check { keys } | Request::Wait { keys } | Request::MultiGet { keys } => {
+                count(Field::KeyCount, keys.len())?;
+                keys.iter().try_for_each(key)
+            }
+            Request::MultiSet { pairs } => {
+                count(Field::PairCount, pairs.len())?;
+                pairs.iter().try_for_each(|(k, value)| {
+                    key(k)?;
+                    length(Field::Value, value, limits.max_value_len)
+                })
+            }
+            Request::Validate { .. }
+            | Request::Ping { .. }
+            | Request::GetNumKeys
+            | Request::CancelWait
+            | Request::ListKeys
+            | Request::Stats => Ok(()),
+        }
+    }
+
     /// How many bytes [`Request::encode`] writes.
     pub fn encoded_len(&self) -> usize {
         wire::encoded_len(self)

@@ -1236,6 +1236,27 @@ proptest! {
         prop_assert_eq!(buf, frame);
     }
 
+    /// A client's check before sending agrees with the server's decoder: the same
+    /// verdict, the same error, under small random limits.
+    #[test]
+    fn check_limits_agrees_with_the_decoder(
+        model in model(),
+        key_len in 0u64..8,
+        value_len in 0u64..8,
+        key_count in 0u64..4,
+    ) {
+        let limits = Limits::UNLIMITED
+            .with_max_key_len(key_len)
+            .with_max_value_len(value_len)
+            .with_max_key_count(key_count);
+        let frame = model.frame();
+        let Ok(Decoded::Complete(request, _)) = decode_request(&frame, &Limits::UNLIMITED) else {
+            panic!("{model:?} does not decode");
+        };
+        let decoded = decode_request(&frame, &limits).map(|_| ());
+        prop_assert_eq!(request.check_limits(&limits), decoded);
+    }
+
     #[test]
     fn requests_survive_any_chunking(
         model in model(),
