@@ -118,6 +118,34 @@ fn rendezvous_command_prints_rounds_and_leaves_on_sigterm() {
     assert!(round1
         .iter()
         .all(|(_, line)| line.contains(" world_size 3 ")));
+
+    // A new hot spare, then `--close`: the spare exits gracefully (0), and a node that
+    // joins a closed run fails with RendezvousClosedError.
+    let mut spare = spawn(&url, "e", &tx);
+    expect_lines(&rx, 1, |node, line| {
+        node == "e" && line == "waiting after round 1 (hot spare)"
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["rendezvous", "--close", &url])
+        .output()
+        .expect("rdzv rendezvous --close");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "closed rendezvous cli\n"
+    );
+    expect_lines(&rx, 1, |node, line| {
+        node == "e" && line.starts_with("graceful exit: RendezvousGracefulExitError: ")
+    });
+    let exit = spare.child.wait().expect("wait for e");
+    assert!(exit.success(), "{exit}");
+    let late = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["rendezvous", &url, "--node-id", "f"])
+        .output()
+        .expect("run rdzv rendezvous");
+    assert!(!late.status.success());
+    let stderr = String::from_utf8_lossy(&late.stderr);
+    assert!(stderr.contains("RendezvousClosedError: "), "{stderr}");
 }
 
 #[test]

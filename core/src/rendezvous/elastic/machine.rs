@@ -201,12 +201,51 @@ pub enum Event {
     Failed(ElasticError),
 }
 
+/// Which of PyTorch's rendezvous exceptions a failure is (`torch.distributed.elastic.
+/// rendezvous.api`), so that a binding can raise the right class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ElasticErrorKind {
+    /// `RendezvousClosedError`: the rendezvous is closed (or this node left it).
+    Closed,
+    /// `RendezvousTimeoutError`: no complete round in time.
+    Timeout,
+    /// `RendezvousConnectionError`: the store could not be reached or failed.
+    Connection,
+    /// `RendezvousStateError`: the keys hold what this protocol never writes.
+    State,
+    /// `RendezvousGracefulExitError`: the rendezvous closed while this node waited
+    /// outside every round (a hot spare, or a late node): it should exit with success.
+    GracefulExit,
+}
+
+impl ElasticErrorKind {
+    /// PyTorch's class name, e.g. `"RendezvousClosedError"`.
+    pub const fn torch_name(self) -> &'static str {
+        match self {
+            Self::Closed => "RendezvousClosedError",
+            Self::Timeout => "RendezvousTimeoutError",
+            Self::Connection => "RendezvousConnectionError",
+            Self::State => "RendezvousStateError",
+            Self::GracefulExit => "RendezvousGracefulExitError",
+        }
+    }
+}
+
 /// Why the rendezvous failed. `Display` starts with PyTorch's exception name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ElasticError {
     /// The rendezvous was shut down.
     Closed {
+        /// The run id.
+        run_id: String,
+    },
+    /// The rendezvous was shut down while this node waited outside every round (a hot
+    /// spare or a late node): PyTorch's graceful exit, not a failure of the job.
+    GracefulExit {
+        /// This node.
+        node: String,
         /// The run id.
         run_id: String,
     },
@@ -235,9 +274,26 @@ pub enum ElasticError {
     },
 }
 
+impl ElasticError {
+    /// Which of PyTorch's exceptions this is.
+    pub const fn kind(&self) -> ElasticErrorKind {
+        match self {
+            Self::Closed { .. } => ElasticErrorKind::Closed,
+            Self::GracefulExit { .. } => ElasticErrorKind::GracefulExit,
+            Self::Timeout { .. } => ElasticErrorKind::Timeout,
+            Self::BadValue { .. } | Self::UnexpectedReply { .. } => ElasticErrorKind::State,
+        }
+    }
+}
+
 impl fmt::Display for ElasticError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Self::GracefulExit { node, run_id } => write!(
+                f,
+                "RendezvousGracefulExitError: the rendezvous '{run_id}' is closed, terminating \
+                 pending rendezvous (node '{node}' was waiting outside the round)"
+            ),
             Self::Closed { run_id } => write!(
                 f,
                 "RendezvousClosedError: the rendezvous '{run_id}' is closed (a node shut it \
@@ -256,12 +312,12 @@ impl fmt::Display for ElasticError {
             ),
             Self::BadValue { key, value } => write!(
                 f,
-                "elastic rendezvous key {key} holds '{value}', which this protocol never \
+                "RendezvousStateError: elastic rendezvous key {key} holds '{value}', which this protocol never \
                  writes: another program is using the same run id"
             ),
             Self::UnexpectedReply { expected, got } => write!(
                 f,
-                "elastic rendezvous misdriven: the pending action is '{expected}' but the \
+                "RendezvousStateError: elastic rendezvous misdriven: the pending action is '{expected}' but the \
                  reply given is '{got}'"
             ),
         }
@@ -398,6 +454,8 @@ pub struct ElasticNode {
     /// The round this node holds a member's slot in (open or complete): leaving ends it.
     holding: Option<u64>,
     wait_until: Option<Instant>,
+    /// Whether this node waits as a hot spare (outside a full round).
+    spare: bool,
 }
 
 impl ElasticNode {
@@ -416,6 +474,7 @@ impl ElasticNode {
             join_deadline: Instant::ZERO,
             holding: None,
             wait_until: None,
+            spare: false,
         }
     }
 
@@ -627,9 +686,18 @@ impl ElasticNode {
         self.finish(Event::Failed(error));
     }
 
+    /// The rendezvous is closed: a graceful exit for a hot spare (PyTorch's redundancy
+    /// list), `RendezvousClosedError` for anyone else.
     fn closed_error(&self) -> ElasticError {
-        ElasticError::Closed {
-            run_id: self.settings.run_id.clone(),
+        if self.spare {
+            ElasticError::GracefulExit {
+                node: self.node.clone(),
+                run_id: self.settings.run_id.clone(),
+            }
+        } else {
+            ElasticError::Closed {
+                run_id: self.settings.run_id.clone(),
+            }
         }
     }
 
@@ -827,6 +895,7 @@ impl ElasticNode {
             },
             (Step::Advance { round }, R::Value(_)) => {
                 self.holding = None;
+                self.spare = false;
                 Step::CheckClosed {
                     round: Some(round.saturating_add(1)),
                 }
@@ -972,6 +1041,7 @@ impl ElasticNode {
         } else {
             let hot_spare = size > 0 && size >= self.settings.nodes.max;
             self.events.push_back(Event::Waiting { round, hot_spare });
+            self.spare = hot_spare;
             // A late node holds no member's slot: leaving must not end the round.
             self.holding = None;
             if hot_spare {

@@ -83,8 +83,8 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use machine::{
-    ElasticError, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction,
-    StoreReply,
+    ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
+    StoreAction, StoreReply,
 };
 
 /// PyTorch's default join timeout (600 s).
@@ -95,6 +95,10 @@ pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(30);
 pub const DEFAULT_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// PyTorch's default number of missed keep-alives before a node is dead (3).
 pub const DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS: u32 = 3;
+/// PyTorch's default close timeout (30 s): how long `set_closed` and `shutdown` may take.
+pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+/// PyTorch's default store read timeout of the c10d backend (60 s).
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// torchelastic's c10d default port.
 pub const DEFAULT_PORT: u16 = 29400;
 
@@ -161,6 +165,8 @@ pub struct ElasticSettings {
     pub keep_alive_interval: Duration,
     /// How many intervals without a heartbeat make a member dead.
     pub keep_alive_max_attempts: u32,
+    /// How long closing the rendezvous (`set_closed`, `shutdown`) may take.
+    pub close_timeout: Duration,
 }
 
 impl ElasticSettings {
@@ -173,13 +179,34 @@ impl ElasticSettings {
             last_call: DEFAULT_LAST_CALL,
             keep_alive_interval: DEFAULT_KEEP_ALIVE_INTERVAL,
             keep_alive_max_attempts: DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS,
+            close_timeout: DEFAULT_CLOSE_TIMEOUT,
         }
+    }
+
+    /// The key whose presence means the rendezvous is closed for good:
+    /// `rdzv.elastic.{run_id}/closed` (`set_closed` writes it, `is_closed` checks it).
+    pub fn closed_key(&self) -> String {
+        alloc::format!("rdzv.elastic.{}/closed", self.run_id)
     }
 
     /// How long a member's heartbeat counter may stand still before it is dead.
     pub fn keep_alive_timeout(&self) -> Duration {
         self.keep_alive_interval
             .saturating_mul(self.keep_alive_max_attempts)
+    }
+
+    /// The counter of round `round`'s arrivals: `rdzv.elastic.{run_id}/{round}/arrivals`
+    /// (`ADD 0` reads it; [`ElasticSettings::live_count`] decodes the value).
+    pub fn live_count_key(&self, round: u64) -> String {
+        alloc::format!("rdzv.elastic.{}/{round}/arrivals", self.run_id)
+    }
+
+    /// How many nodes that arrived in a round are still there, from its arrivals counter:
+    /// the low 32 bits count arrivals, the high bits departures.
+    pub fn live_count(value: i64) -> u32 {
+        let arrived = (value & 0xffff_ffff) as u32;
+        let departed = u32::try_from(value >> 32).unwrap_or(0);
+        arrived.saturating_sub(departed)
     }
 
     /// Checks what the constructor cannot: a non-empty run id and positive timeouts.
@@ -194,6 +221,7 @@ impl ElasticSettings {
             ("join_timeout", self.join_timeout),
             ("last_call", self.last_call),
             ("keep_alive_interval", self.keep_alive_interval),
+            ("close_timeout", self.close_timeout),
         ] {
             if value.is_zero() {
                 return Err(SettingsError::NotPositive { name });
@@ -220,14 +248,21 @@ pub struct ElasticUrl {
     pub settings: ElasticSettings,
     /// `node_id`, if the query names one.
     pub node_id: Option<String>,
+    /// `read_timeout`: the store client's timeout for one operation.
+    pub read_timeout: Duration,
+    /// `is_host`, if the query says: whether this node hosts the store server (torchrun's
+    /// c10d backend guesses from the endpoint's host when it is not given).
+    pub is_host: Option<bool>,
 }
 
 impl ElasticUrl {
-    /// Parses the URL. Query keys: `nodes` (`MIN:MAX` or `N`, default `1:1`),
-    /// `join_timeout`, `last_call`, `keep_alive_interval` (durations: `500ms`, `5s`, `2m`,
-    /// or a bare number of seconds, as PyTorch's `*_timeout` configs),
-    /// `keep_alive_max_attempts`, `node_id`; `rank` and `world_size` (added by URL
-    /// rewriting) are ignored: the rendezvous assigns them.
+    /// Parses the URL. Query keys (torchrun's `--rdzv-conf` names, and ours where they
+    /// differ): `nodes` (`MIN:MAX` or `N`, default `1:1`); durations `join_timeout`,
+    /// `last_call_timeout` (or `last_call`), `close_timeout`, `keep_alive_interval`,
+    /// `read_timeout` (`500ms`, `5s`, `2m`, or a number of seconds such as `30` or `0.5`,
+    /// as torchrun's); `keep_alive_max_attempt` (or `keep_alive_max_attempts`); `is_host`
+    /// (`true`/`false`, `1`/`0`, `yes`/`no`); `node_id`. `rank` and `world_size` (added by
+    /// URL rewriting) are ignored: the rendezvous assigns them.
     ///
     /// # Errors
     /// [`SettingsError`] naming what is wrong.
@@ -241,28 +276,60 @@ impl ElasticUrl {
         let run_id = parsed.path().trim_start_matches('/');
         let query = QueryView::parse(parsed.query()).map_err(SettingsError::Query)?;
         let nodes = NodeRange::parse(query.get("nodes").unwrap_or("1:1"))?;
-        let mut settings = ElasticSettings::new(run_id, nodes);
-        for (key, value) in query.iter() {
-            match key {
-                "join_timeout" => settings.join_timeout = parse_duration(key, value)?,
-                "last_call" => settings.last_call = parse_duration(key, value)?,
-                "keep_alive_interval" => settings.keep_alive_interval = parse_duration(key, value)?,
-                "keep_alive_max_attempts" => {
-                    settings.keep_alive_max_attempts = value
-                        .parse()
-                        .map_err(|_| SettingsError::BadValue { key, value })?
-                }
-                "nodes" | "node_id" | "rank" | "world_size" => {}
-                _ => return Err(SettingsError::UnknownKey { key }),
-            }
-        }
-        settings.check()?;
-        Ok(ElasticUrl {
+        let mut url = ElasticUrl {
             host: host.to_string(),
             port,
-            settings,
-            node_id: query.get("node_id").map(String::from),
-        })
+            settings: ElasticSettings::new(run_id, nodes),
+            node_id: None,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            is_host: None,
+        };
+        for (key, value) in query.iter() {
+            url.set(key, value)?;
+        }
+        url.settings.check()?;
+        Ok(url)
+    }
+
+    /// Applies one option, by torchrun's `--rdzv-conf` name or ours (see
+    /// [`ElasticUrl::parse`]); `nodes` here too. Call [`ElasticSettings::check`] after the
+    /// last one.
+    ///
+    /// # Errors
+    /// [`SettingsError::BadValue`], [`SettingsError::UnknownKey`], or `nodes`' errors.
+    pub fn set<'a>(&mut self, key: &'a str, value: &'a str) -> Result<(), SettingsError<'a>> {
+        let s = &mut self.settings;
+        match key {
+            "nodes" => s.nodes = NodeRange::parse(value)?,
+            "join_timeout" => s.join_timeout = parse_duration(key, value)?,
+            "last_call" | "last_call_timeout" => s.last_call = parse_duration(key, value)?,
+            "close_timeout" => s.close_timeout = parse_duration(key, value)?,
+            "keep_alive_interval" => s.keep_alive_interval = parse_duration(key, value)?,
+            "read_timeout" => self.read_timeout = parse_duration(key, value)?,
+            "keep_alive_max_attempts" | "keep_alive_max_attempt" => {
+                s.keep_alive_max_attempts = value
+                    .parse()
+                    .map_err(|_| SettingsError::BadValue { key, value })?
+            }
+            "is_host" => self.is_host = Some(parse_bool(key, value)?),
+            "node_id" => self.node_id = Some(String::from(value)),
+            "rank" | "world_size" => {}
+            _ => return Err(SettingsError::UnknownKey { key }),
+        }
+        Ok(())
+    }
+}
+
+/// torchrun's booleans (`RendezvousParameters.get_as_bool`): `1`, `true`, `t`, `yes`, `y`
+/// and `0`, `false`, `f`, `no`, `n`, in any case.
+fn parse_bool<'a>(key: &'a str, value: &'a str) -> Result<bool, SettingsError<'a>> {
+    let is = |names: &[&str]| names.iter().any(|n| value.eq_ignore_ascii_case(n));
+    if is(&["1", "true", "t", "yes", "y"]) {
+        Ok(true)
+    } else if is(&["0", "false", "f", "no", "n"]) {
+        Ok(false)
+    } else {
+        Err(SettingsError::BadValue { key, value })
     }
 }
 
@@ -278,6 +345,28 @@ fn parse_duration<'a>(key: &'a str, value: &'a str) -> Result<Duration, Settings
     } else {
         (value, Duration::from_secs)
     };
+    if let Some((whole, fraction)) = digits.split_once('.') {
+        // Seconds with a fraction (`0.5`, `1.25s`), as torchrun's float timeouts.
+        let all_digits = |t: &str| t.bytes().all(|b| b.is_ascii_digit());
+        if value.ends_with("ms")
+            || value.ends_with('m')
+            || (whole.is_empty() && fraction.is_empty())
+            || !all_digits(whole)
+            || !all_digits(fraction)
+        {
+            return Err(bad);
+        }
+        let whole: u64 = if whole.is_empty() {
+            0
+        } else {
+            whole.parse().map_err(|_| bad)?
+        };
+        let mut nanos: u32 = 0;
+        for (i, b) in fraction.bytes().take(9).enumerate() {
+            nanos += u32::from(b - b'0') * 10u32.pow(8 - i as u32);
+        }
+        return Ok(Duration::new(whole, nanos));
+    }
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad);
     }
@@ -360,12 +449,13 @@ impl fmt::Display for SettingsError<'_> {
             Self::BadValue { key, value } => write!(
                 f,
                 "elastic:// rendezvous: {key}={value} is not valid (durations: 500ms, 5s, 2m, \
-                 or seconds; counts: a positive integer)"
+                 or seconds; counts: a positive integer; is_host: true or false)"
             ),
             Self::UnknownKey { key } => write!(
                 f,
                 "elastic:// rendezvous: unknown query key {key} (known: nodes, join_timeout, \
-                 last_call, keep_alive_interval, keep_alive_max_attempts, node_id)"
+                 last_call_timeout, close_timeout, keep_alive_interval, \
+                 keep_alive_max_attempt, read_timeout, is_host, node_id)"
             ),
         }
     }

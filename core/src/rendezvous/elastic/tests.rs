@@ -524,8 +524,8 @@ fn misdriven_replies_fail_with_a_message() {
     };
     assert_eq!(
         error.to_string(),
-        "elastic rendezvous misdriven: the pending action is 'check' but the reply given is \
-         'added'"
+        "RendezvousStateError: elastic rendezvous misdriven: the pending action is 'check' but \
+         the reply given is 'added'"
     );
     assert!(node.is_done() && node.poll_action(Instant::ZERO).is_none());
 
@@ -577,6 +577,42 @@ fn node_ranges_and_urls() {
         (secs(5), secs(120), Duration::from_millis(500))
     );
     assert_eq!(s.keep_alive_timeout(), secs(2));
+    // torchrun's --rdzv-conf names, with its float seconds and booleans.
+    let url = ElasticUrl::parse(
+        "elastic://h/j?last_call_timeout=1.5&keep_alive_max_attempt=5&close_timeout=0.25s\
+         &read_timeout=90&is_host=TRUE&join_timeout=.5",
+    )
+    .unwrap();
+    let s = &url.settings;
+    assert_eq!(s.last_call, Duration::from_millis(1500));
+    assert_eq!(s.keep_alive_max_attempts, 5);
+    assert_eq!(s.close_timeout, Duration::from_millis(250));
+    assert_eq!(s.join_timeout, Duration::from_millis(500));
+    assert_eq!((url.read_timeout, url.is_host), (secs(90), Some(true)));
+    assert_eq!(s.closed_key(), "rdzv.elastic.j/closed");
+    assert_eq!(s.live_count_key(3), "rdzv.elastic.j/3/arrivals");
+    let mut url = ElasticUrl::parse("elastic://h/j?last_call=7").unwrap();
+    assert_eq!(
+        (url.read_timeout, url.is_host),
+        (DEFAULT_READ_TIMEOUT, None)
+    );
+    assert_eq!(url.settings.close_timeout, DEFAULT_CLOSE_TIMEOUT);
+    url.set("is_host", "n").unwrap();
+    url.set("nodes", "2:3").unwrap();
+    assert_eq!(url.is_host, Some(false));
+    assert_eq!(url.settings.nodes, NodeRange { min: 2, max: 3 });
+    for (key, value) in [
+        ("is_host", "maybe"),
+        ("read_timeout", "1.5m"),
+        ("join_timeout", "."),
+        ("close_timeout", "1.x"),
+    ] {
+        assert_eq!(
+            url.set(key, value),
+            Err(SettingsError::BadValue { key, value }),
+            "{key}={value}"
+        );
+    }
     let url = ElasticUrl::parse("elastic://h/j?last_call=7").unwrap();
     assert_eq!(url.port, DEFAULT_PORT);
     assert_eq!(url.settings.nodes, NodeRange { min: 1, max: 1 });
@@ -590,7 +626,7 @@ fn node_ranges_and_urls() {
         (
             "elastic://h:1/j?last_call=5x",
             "elastic:// rendezvous: last_call=5x is not valid (durations: 500ms, 5s, 2m, or \
-             seconds; counts: a positive integer)",
+             seconds; counts: a positive integer; is_host: true or false)",
         ),
         (
             "elastic://h:1/j?last_call=0",
@@ -599,7 +635,8 @@ fn node_ranges_and_urls() {
         (
             "elastic://h:1/j?color=red",
             "elastic:// rendezvous: unknown query key color (known: nodes, join_timeout, \
-             last_call, keep_alive_interval, keep_alive_max_attempts, node_id)",
+             last_call_timeout, close_timeout, keep_alive_interval, keep_alive_max_attempt, \
+             read_timeout, is_host, node_id)",
         ),
         (
             "elastic://:1/j",
@@ -718,4 +755,35 @@ fn settings_check() {
         s.check().unwrap_err().to_string(),
         "The keep_alive_max_attempts of the elastic rendezvous must be positive."
     );
+}
+
+#[test]
+fn closing_makes_a_hot_spare_exit_gracefully() {
+    let mut sim = Sim::new(settings(1, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(1));
+    let spare = sim.join("spare");
+    sim.run_for(secs(1));
+    assert_eq!(
+        sim.nodes[spare].events,
+        [Event::Waiting {
+            round: 0,
+            hot_spare: true
+        }]
+    );
+    sim.nodes[a].machine.handle_local(LocalEvent::Shutdown);
+    sim.run_for(secs(10));
+    let Some(Event::Failed(error)) = sim.nodes[spare].events.last() else {
+        panic!("{:?}", sim.nodes[spare].events);
+    };
+    assert_eq!(error.kind(), ElasticErrorKind::GracefulExit);
+    assert!(error
+        .to_string()
+        .starts_with("RendezvousGracefulExitError: the rendezvous 'job' is closed"));
+    let Some(Event::Failed(error)) = sim.nodes[b].events.last() else {
+        panic!("{:?}", sim.nodes[b].events);
+    };
+    assert_eq!(error.kind(), ElasticErrorKind::Closed);
+    assert_eq!(error.kind().torch_name(), "RendezvousClosedError");
 }
