@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use rdzv_core::rendezvous::elastic::{ElasticErrorKind, ElasticUrl};
+use rdzv_core::rendezvous::elastic::{ElasticErrorKind, ElasticUrl, StoreAction};
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::Store;
@@ -122,10 +122,22 @@ fn close(url: &ElasticUrl, connect_timeout: f64) -> Result<ExitCode, CliError> {
         .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
     let store = TcpStore::connect(&url.host, url.port, timeout)
         .map_err(|e| format!("connecting to the store at {}:{}: {e}", url.host, url.port))?;
-    let key = url.settings.closed_key();
-    store
-        .set(&key, b"closed by rdzv rendezvous --close")
-        .map_err(|e| format!("closing: setting {key} at {}:{}: {e}", url.host, url.port))?;
+    for action in url.settings.close_actions("rdzv rendezvous --close") {
+        let done = match &action {
+            StoreAction::Set { key, value } => store.set(key, value).map(|_| ()),
+            StoreAction::Add { key, delta } => store.add(key, *delta).map(|_| ()),
+            other => return Err(format!("closing: unexpected store action {other:?}").into()),
+        };
+        done.map_err(|e| {
+            format!(
+                "closing: {} of {} at {}:{}: {e}",
+                action.name(),
+                action.key(),
+                url.host,
+                url.port
+            )
+        })?;
+    }
     println!("closed rendezvous {}", url.settings.run_id);
     Ok(ExitCode::SUCCESS)
 }

@@ -304,13 +304,14 @@ impl ElasticRendezvous {
             }
             Some(_) => {
                 // The driver had ended (left or failed) before it could close: close
-                // through the handle's own connection.
+                // through the handle's own connection, as the core says.
                 self.join_thread();
-                let key = self.settings.closed_key();
-                let value = format!("closed by node '{}'", self.node);
-                self.store
-                    .set(&key, value.as_bytes())
-                    .map_err(|e| self.store_failure("set", &key, &e))
+                let by = format!("node '{}'", self.node);
+                for action in self.settings.close_actions(&by) {
+                    perform(&*self.store, &action, Duration::ZERO)
+                        .map_err(|e| self.store_failure(action.name(), action.key(), &e))?;
+                }
+                Ok(())
             }
             None => Err(ElasticFailure::CloseTimeout {
                 node: self.node.clone(),
@@ -533,30 +534,13 @@ impl Driver {
     }
 
     fn perform(&self, action: &StoreAction) -> Result<OwnedStoreReply, StoreError> {
-        Ok(match action {
-            StoreAction::Check { key } => OwnedStoreReply::Checked(self.store.check(&[key])?),
-            StoreAction::Add { key, delta } => OwnedStoreReply::Added(self.store.add(key, *delta)?),
-            StoreAction::Set { key, value } => {
-                self.store.set(key, value)?;
-                OwnedStoreReply::Set
-            }
-            StoreAction::CompareSet {
-                key,
-                expected,
-                desired,
-            } => OwnedStoreReply::Value(self.store.compare_set(key, expected, desired)?),
-            StoreAction::Get { key } => OwnedStoreReply::Value(self.store.get(key)?),
-            StoreAction::Wait { key, until } => {
-                let left = until
-                    .saturating_duration_since(self.now())
-                    .max(Duration::from_millis(1));
-                match self.store.wait(&[key], Some(left)) {
-                    Ok(()) => OwnedStoreReply::Waited,
-                    Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
-                    Err(error) => return Err(error),
-                }
-            }
-        })
+        let left = match action {
+            StoreAction::Wait { until, .. } => until
+                .saturating_duration_since(self.now())
+                .max(Duration::from_millis(1)),
+            _ => Duration::ZERO,
+        };
+        perform(&*self.store, action, left)
     }
 
     /// Hands the machine's events to the handle.
@@ -597,6 +581,37 @@ impl Driver {
         shared.ending = Some(ending);
         condvar.notify_all();
     }
+}
+
+/// Performs one of the core's store actions on `store`; a wait waits up to `left`.
+fn perform(
+    store: &dyn Store,
+    action: &StoreAction,
+    left: Duration,
+) -> Result<OwnedStoreReply, StoreError> {
+    Ok(match action {
+        StoreAction::Check { key } => OwnedStoreReply::Checked(store.check(&[key])?),
+        StoreAction::Add { key, delta } => OwnedStoreReply::Added(store.add(key, *delta)?),
+        StoreAction::Set { key, value } => {
+            store.set(key, value)?;
+            OwnedStoreReply::Set
+        }
+        StoreAction::Append { key, value } => {
+            store.append(key, value)?;
+            OwnedStoreReply::Set
+        }
+        StoreAction::CompareSet {
+            key,
+            expected,
+            desired,
+        } => OwnedStoreReply::Value(store.compare_set(key, expected, desired)?),
+        StoreAction::Get { key } => OwnedStoreReply::Value(store.get(key)?),
+        StoreAction::Wait { key, .. } => match store.wait(&[key], Some(left)) {
+            Ok(()) => OwnedStoreReply::Waited,
+            Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
+            Err(error) => return Err(error),
+        },
+    })
 }
 
 /// PyTorch's `_NodeDesc` text: `{host}_{pid}_{local_id}`, `local_id` counting this

@@ -195,6 +195,23 @@ impl ElasticSettings {
             .saturating_mul(self.keep_alive_max_attempts)
     }
 
+    /// What closing the rendezvous writes, for a runtime that closes it without a node
+    /// (`rdzv rendezvous --close`, a handle whose node has ended): the `closed` key (which
+    /// `is_closed` checks), and the mark on the round hint that joiners and advancing
+    /// nodes read. Perform both, in order; `by` says who closed it.
+    pub fn close_actions(&self, by: &str) -> [StoreAction; 2] {
+        [
+            StoreAction::Set {
+                key: self.closed_key(),
+                value: alloc::format!("closed by {by}").into_bytes(),
+            },
+            StoreAction::Add {
+                key: alloc::format!("rdzv.elastic.{}/round", self.run_id),
+                delta: machine::CLOSED_MARK,
+            },
+        ]
+    }
+
     /// The counter of round `round`'s arrivals: `rdzv.elastic.{run_id}/{round}/arrivals`
     /// (`ADD 0` reads it; [`ElasticSettings::live_count`] decodes the value).
     pub fn live_count_key(&self, round: u64) -> String {
