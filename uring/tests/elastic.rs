@@ -295,9 +295,11 @@ fn eight_processes_one_killed() {
         .map(|i| spawn_node(&url, &format!("p{i}"), &tx))
         .collect();
     let mut round0 = Vec::new();
+    let mut first_rank: std::collections::HashMap<String, u32> = Default::default();
     let formed = collect(&rx, Instant::now() + Duration::from_secs(60), |r| {
         assert_eq!((r.1, r.3), (0, 8), "{r:?}");
         round0.push(r.2);
+        first_rank.insert(r.0.clone(), r.2);
         round0.len() == 8
     });
     assert!(formed, "round 0 of 8 did not form: {round0:?}");
@@ -327,10 +329,64 @@ fn eight_processes_one_killed() {
     let mut ranks: Vec<u32> = latest.values().map(|(_, rank, _)| *rank).collect();
     ranks.sort_unstable();
     assert_eq!(ranks, [0, 1, 2, 3, 4, 5, 6]);
+    // Stable ranks: every survivor keeps its rank of round 0, except the one at rank 7
+    // (beyond the new world), which takes the victim's.
+    let victim_rank = first_rank[&victim_name];
+    for (node, (_, rank, _)) in &latest {
+        let before = first_rank[node];
+        let want = if before == 7 { victim_rank } else { before };
+        assert_eq!(*rank, want, "{node} had rank {before}: {latest:?}");
+    }
     // Keep-alive timeout (600 ms), at most one interval late (200 ms), the last call
     // (300 ms), with slack for seven processes on a loaded two-core machine.
     println!("the round of 7 formed {took:?} after the kill");
     assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+/// A node SIGKILLed while its round is open (waiting for a third node) is not counted
+/// into the round that the next arrivals form seconds later: the round of three is
+/// round 0, with the live nodes only.
+#[test]
+fn killed_while_its_round_is_open() {
+    let server = server();
+    let url = format!(
+        "elastic://127.0.0.1:{}/open?nodes=3:3&keep_alive_interval=200ms\
+         &keep_alive_max_attempts=3&join_timeout=60s",
+        server.port()
+    );
+    let (tx, rx) = mpsc::channel();
+    let a = spawn_node(&url, "a", &tx);
+    let b = spawn_node(&url, "b", &tx);
+    // Both have joined and wait for a third; then b dies.
+    let raw = rdzv_uring::store::tcp::TcpStore::connect("127.0.0.1", server.port(), WAIT)
+        .expect("connect");
+    let deadline = Instant::now() + WAIT;
+    while raw.add("rdzv.elastic.open/0/arrivals", 0).expect("add") < 2 {
+        assert!(Instant::now() < deadline, "a and b never joined");
+        thread::sleep(Duration::from_millis(20));
+    }
+    drop(b); // SIGKILL
+    // Longer than the keep-alive timeout (600 ms) and a watcher's interval.
+    thread::sleep(Duration::from_secs(3));
+    let c = spawn_node(&url, "c", &tx);
+    let d = spawn_node(&url, "d", &tx);
+    let mut seen: Vec<Report> = Vec::new();
+    let formed = collect(&rx, Instant::now() + Duration::from_secs(30), |r| {
+        seen.push(r.clone());
+        seen.len() == 3
+    });
+    assert!(formed, "no round of a, c and d: {seen:?}");
+    seen.sort();
+    let names: Vec<&str> = seen.iter().map(|r| r.0.as_str()).collect();
+    assert_eq!(names, ["a", "c", "d"], "{seen:?}");
+    assert!(
+        seen.iter().all(|r| (r.1, r.3) == (0, 3)),
+        "the first round is the one without b: {seen:?}"
+    );
+    let mut ranks: Vec<u32> = seen.iter().map(|r| r.2).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2]);
+    drop((a, c, d));
 }
 
 /// One node of `eight_processes_one_killed` (run only by it, through `--ignored`).
@@ -367,3 +423,4 @@ fn elastic_child() {
         };
     }
 }
+
