@@ -366,7 +366,7 @@ fn killed_while_its_round_is_open() {
         thread::sleep(Duration::from_millis(20));
     }
     drop(b); // SIGKILL
-    // Longer than the keep-alive timeout (600 ms) and a watcher's interval.
+             // Longer than the keep-alive timeout (600 ms) and a watcher's interval.
     thread::sleep(Duration::from_secs(3));
     let c = spawn_node(&url, "c", &tx);
     let d = spawn_node(&url, "d", &tx);
@@ -423,4 +423,3 @@ fn elastic_child() {
         };
     }
 }
-

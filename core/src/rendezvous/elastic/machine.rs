@@ -194,7 +194,8 @@ pub enum Event {
         /// Whether it waits as a hot spare (the round has `max_nodes` members).
         hot_spare: bool,
     },
-    /// The round this node was a member of is over; it rejoins the next one.
+    /// The round this node was a member of is over (or, closed with this node, failed
+    /// before it was complete: a member never acknowledged it); it rejoins the next one.
     RoundOver {
         /// The round.
         round: u64,
@@ -1037,7 +1038,7 @@ impl ElasticNode {
             },
             (Step::Arrive { round }, R::Added(value)) => {
                 let slot = (value & 0xffff_ffff) as u32;
-                if value < 1 || slot < 1 || slot > MAX_SLOTS {
+                if value < 1 || !(1..=MAX_SLOTS).contains(&slot) {
                     return Ok(self.foreign(round, "arrivals", format!("{value}").as_bytes()));
                 }
                 self.holding = Some(round);

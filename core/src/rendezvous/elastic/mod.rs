@@ -7,10 +7,20 @@
 //!   `nodes=4` for exactly four, as torchrun's `--nnodes`).
 //! - A round is open until it closes. Once `min_nodes` have arrived, a *last call* of
 //!   `last_call` runs; when it ends the round closes with everyone who arrived by then
-//!   (at most `max_nodes`). The node that arrives as number `max_nodes` closes it at once.
-//! - Ranks are dense, `0..world_size`, in arrival order; every member of a round gets the
-//!   same world size and round number, and the round's store prefix
+//!   (at most `max_nodes`). The arrival that makes `max_nodes` nodes live closes it at
+//!   once.
+//! - Ranks are dense, `0..world_size`. A member of the previous round keeps its rank when
+//!   it is below the new world size (when two claim one rank, the holder from the later
+//!   round wins); newcomers take the free ranks in the order of their node names (PyTorch
+//!   sorts participants by node descriptor). Every member of a round gets the same world
+//!   size and round number, and the round's store prefix
 //!   `torch.rendezvous.{run_id}.{round}` (PyTorch's).
+//! - A round holds only live nodes. A node that times out or leaves while its round is
+//!   open is struck from it; nodes waiting in an open round heartbeat and watch one
+//!   another, and strike a node whose heartbeat stopped; and a closed round is complete
+//!   only when every member has acknowledged it: a member that dies between the close
+//!   and its acknowledgement makes the round fail (the others rejoin the next one) before
+//!   anyone is told a world in which that rank will never show up.
 //! - A node that arrives after the round closed is *waiting*: when the round has room
 //!   (`world_size < max_nodes`) it asks for the next round at once (PyTorch's wait list,
 //!   which makes every agent restart); when it is full it is a hot spare (PyTorch's
@@ -19,48 +29,65 @@
 //!   `keep_alive_max_attempts` intervals is dead, and the round is over: the others rejoin
 //!   the next round without it. A member whose workers failed, that leaves, or that asks
 //!   to re-rendezvous ends the round the same way (torchelastic's restart).
-//! - `shutdown` closes the rendezvous for good; every node then fails with
-//!   `RendezvousClosedError`, as new joiners do. A node that is not part of a complete
-//!   round within `join_timeout` fails with `RendezvousTimeoutError`.
+//! - Closing (`set_closed`, `shutdown`) is for good; every node then fails with
+//!   `RendezvousClosedError` (a hot spare with `RendezvousGracefulExitError`), as new
+//!   joiners do. A node that is not part of a complete round within `join_timeout` fails
+//!   with `RendezvousTimeoutError`. [`ElasticErrorKind`] names the exception.
 //!
 //! # Key layout (every key under `rdzv.elastic.{run_id}/`)
 //! | key | operations | who |
 //! |---|---|---|
-//! | `closed` | `SET` once; `CHECK` | `shutdown`; every join and every tick checks it |
-//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1` | a hint: the lowest round that may still be open, for nodes that join late |
-//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (1-based); `ADD 0` reads the count | each joiner once; the closer once |
-//! | `{r}/node/{s}` | `SET` node id | each joiner once (for operators: who holds slot `s`) |
-//! | `{r}/quorum` | `SET` | the node with slot `min_nodes`, and the closer; nodes with a smaller slot `WAIT` on it |
-//! | `{r}/size` | `COMPARE_SET "" → N` | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
-//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched member's | each member once per keep-alive interval; a hot spare reads one member's |
+//! | `closed` | `SET` once; `CHECK` | closing; `is_closed` and every open-round tick check it |
+//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1`; `ADD` 2^40 when closed | the lowest round that may still be open; joiners read it, so it also says "closed" |
+//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits) | each joiner once; each slot struck once |
+//! | `{r}/roster` | `APPEND "+s round:rank node"` on arrival, `"-s"` when struck; `GET` | each joiner once; the closer reads it once or twice |
+//! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
+//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer; fewer wait on it |
+//! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…"` (slots by rank) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
+//! | `{r}/ready` | `ADD 1` per member; `ADD 2^32` poisons | each member acknowledges once; one that waited in vain poisons |
+//! | `{r}/go` | `SET`; members `WAIT` | the member whose acknowledgement is the N-th |
+//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
-//! Slot `s ≤ N` is rank `s − 1`; a slot above `N` is a waiting node. Because `size` is
-//! written once, every member reads the same `N`, and slots are distinct, ranks are the
-//! distinct numbers `0..N`. Liveness is a ring: the member at slot `s` reads the
-//! heartbeat counter of slot `s mod N + 1` and declares it dead when the counter has not
-//! moved for `keep_alive_interval × keep_alive_max_attempts` *of its own clock* (no
-//! timestamps are compared across machines). One dead member is enough to end the round,
-//! so one watcher per member suffices. A hot spare at slot `s > N` watches the member at
-//! slot `(s − 1) mod N + 1`, so that a round of one, or one whose members all died, ends
-//! too.
+//! The size value is written once, so every member reads the same world; slots are
+//! distinct, so ranks are the distinct numbers `0..N`. Liveness is a ring, judged by each
+//! watcher's own clock (no timestamps are compared across machines): in an open round the
+//! node at slot `s` watches the nearest slot below it (round the ring) that it has not
+//! struck; a member watches rank `k + 1 mod N`; a hot spare watches one member, so that a
+//! round of one, or one whose members all died, ends too.
 //!
-//! Store work per node: joining a round is a `CHECK`, two `ADD`s (round hint, arrival), a
-//! `SET` (node id), one `WAIT` and one `GET`; the node with slot `min_nodes` adds a `SET`,
-//! and the one closer an `ADD 0`, a `COMPARE_SET` and a `SET`. A heartbeat is two `ADD`s and one `CHECK`. A wait never
-//! outlasts one keep-alive interval (so that a local event, or a shutdown seen only
-//! through `closed`, is handled within one interval): a wait that ends early is re-issued
-//! after a `CHECK` of `closed`. torchrun's c10d backend instead compare-sets one pickled
-//! blob of the whole state (O(N) bytes) for every join and every heartbeat, and re-reads
-//! it once a second while waiting, so its traffic grows with N².
+//! The closer is the arrival that makes `max_nodes` live, or the first node whose last
+//! call ends with at least `min_nodes` live. It reads the roster (waiting briefly, at most
+//! one keep-alive interval, for an arrival whose line is still in flight), leaves out the
+//! struck slots, ranks the first `max_nodes` live ones and compare-sets the size; then it
+//! reads the roster once more, and ends the round at once if a member was struck in
+//! between. A node that leaves an open round strikes itself, then checks whether the
+//! round closed with it (and ends it if so).
 //!
-//! A node that times out or leaves while its round is still open stays counted in that
-//! round: it marks the round over, so that once the round closes its members go on to the
-//! next one at once.
+//! Store work per node: joining is two `ADD`s (round hint, arrival), an `APPEND`, one
+//! `WAIT` and one `GET` (the size), and the acknowledgement's `ADD` and `WAIT` (the last
+//! member `SET`s instead); the closer adds a `GET` of the roster (two, and a short `WAIT`
+//! per poll) and a `COMPARE_SET`, and with `min_nodes < max_nodes` a `SET`. A heartbeat is
+//! two `ADD`s (the acknowledgement is a member's first). A wait in an open round never
+//! outlasts one keep-alive interval; each interval there costs a heartbeat `ADD`, an
+//! `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of `closed`.
+//! The roster and the size value grow with N (a few bytes per node), read once per member
+//! and by the closer; torchrun's c10d backend instead compare-sets one pickled blob of the
+//! whole state for every join and every heartbeat, and re-reads it once a second while
+//! waiting, so its traffic grows with N².
 //!
 //! Keys of finished rounds are not deleted (a few per node per round): a long job with
 //! many re-rendezvous grows the store by that much, and a new job should use a new run
 //! id (as with torchrun, a closed run id stays closed).
+//!
+//! # Over other stores
+//! The machine asks for seven operations ([`StoreAction`]): a counter `ADD`, `SET`,
+//! `APPEND`, `GET` of a key that exists, `COMPARE_SET` against "missing", `CHECK` and a
+//! `WAIT` for a key with a deadline. A store with transactions and leases (etcd) maps them
+//! one to one (a counter is a compare-and-swap loop, a `WAIT` a watch), and could do
+//! better in two places: a slot bound to a lease would strike a dead node without a
+//! watcher, and the closer's read of the roster and its write of the size could be one
+//! transaction.
 //!
 //! # Driving it
 //! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local

@@ -698,10 +698,10 @@ fn store_work_per_node_is_constant() {
         }
         sim.run_for(Duration::ZERO);
         assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
-        // CHECK, ADD hint, ADD arrival, SET node, WAIT size, GET size, then the first
-        // heartbeat (ADD own, ADD neighbour's): 8. The one closer compare-sets the size
-        // instead of the wait and the get (with min_nodes < max_nodes the quorum key
-        // adds a SET for two nodes): at most 9.
+        // ADD hint, ADD arrival, APPEND roster, WAIT size, GET size, ADD ready, WAIT go
+        // (the last member SETs go instead), then the first watch (ADD neighbour's): 8.
+        // The one closer GETs the roster twice and compare-sets the size instead of the
+        // wait and the get: at most 9.
         let most = sim.nodes.iter().map(|node| node.ops).max().unwrap();
         assert!(most <= 9, "n={n}: {most} operations for one node");
         let typical = sim.nodes.iter().filter(|node| node.ops <= 8).count();
