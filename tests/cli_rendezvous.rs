@@ -183,8 +183,9 @@ fn bench_rendezvous_forms_one_round() {
         stdout.contains("rdzv elastic rendezvous: 48 nodes, one round"),
         "{stdout}"
     );
-    // Join: CHECK, ADD (round hint), ADD (arrival), SET (node), WAIT and GET (or the
-    // closer's COMPARE_SET), and the first heartbeat's two ADDs: a constant, whatever N.
+    // Join: ADD (round hint), ADD (arrival), APPEND (roster), WAIT and GET (or the
+    // closer's roster GETs and COMPARE_SET), the acknowledgement's ADD and WAIT, and the
+    // first watch: a constant, whatever N.
     let join_max: u64 = stdout
         .lines()
         .find_map(|l| l.trim().strip_prefix("store ops per node (join) "))
