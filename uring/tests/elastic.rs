@@ -138,6 +138,10 @@ fn start(port: u16, run_id: &str, nodes: NodeRange, node: &str) -> ElasticRendez
 /// error kinds that map to PyTorch's exceptions (closed; graceful exit of a hot spare).
 #[test]
 fn handler_api() {
+    // A binding shares the handle across threads (and releases the GIL around calls).
+    fn shared<T: Send + Sync>() {}
+    shared::<ElasticRendezvous>();
+    shared::<ElasticFailure>();
     let server = server();
     let port = server.port();
     let nodes = NodeRange::new(2, 3).expect("range");
