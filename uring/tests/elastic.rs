@@ -91,9 +91,11 @@ fn rounds_in_threads() {
         .map(|r| r.elastic.clone().expect("elastic handle"))
         .collect();
     handles[2].worker_failed();
-    for h in &handles {
+    for (h, before) in handles.iter().zip(&nodes) {
         let round = h.next_round(Some(0), WAIT).expect("round 1");
         assert_eq!((round.round, round.world_size), (1, 6), "{}", h.node());
+        // Every node survived the re-rendezvous: each keeps its rank.
+        assert_eq!(round.rank, before.rank, "{}", h.node());
     }
 
     // One node leaves: round 2 of five, after the last call.

@@ -1527,13 +1527,15 @@ impl ElasticNode {
         }
         joined.sort_unstable_by_key(|e| e.slot);
         joined.dedup_by_key(|e| e.slot);
+        gone.sort_unstable();
+        let is_gone = |s: &u32| gone.binary_search(s).is_ok();
         let missing = (count as usize).saturating_sub(joined.len());
         let in_flight = (1..=count)
-            .any(|s| !gone.contains(&s) && joined.binary_search_by_key(&s, |e| e.slot).is_err());
+            .any(|s| !is_gone(&s) && joined.binary_search_by_key(&s, |e| e.slot).is_err());
         if missing > 0 && in_flight && !grace {
             return Proposal::Poll;
         }
-        joined.retain(|e| !gone.contains(&e.slot));
+        joined.retain(|e| !is_gone(&e.slot));
         joined.truncate(self.settings.nodes.max as usize);
         if (joined.len() as u32) < self.settings.nodes.min {
             return Proposal::TooFew;
@@ -1675,7 +1677,10 @@ enum Line<'a> {
 /// The roster's lines: `+{slot} {round}:{rank}|- {node}` for an arrival, `-{slot}` for a
 /// departure. Lines that are neither are skipped.
 fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
-    roster.split(|&b| b == b'\n').filter_map(|line| {
+    // A round's roster has a line per arrival and per departure: more lines than twice
+    // the most slots are not ours.
+    let most = 2 * MAX_SLOTS as usize;
+    roster.split(|&b| b == b'\n').take(most).filter_map(|line| {
         let line = core::str::from_utf8(line).ok()?;
         if let Some(slot) = line.strip_prefix('-') {
             return slot.parse().ok().map(Line::Gone);
@@ -1739,9 +1744,10 @@ fn deal_ranks(members: &[Entry<'_>]) -> Vec<u32> {
             }
         }
     }
+    placed.sort_unstable();
     let mut rest: Vec<&Entry<'_>> = members
         .iter()
-        .filter(|e| !placed.contains(&e.slot))
+        .filter(|e| placed.binary_search(&e.slot).is_err())
         .collect();
     rest.sort_by(|a, b| a.node.cmp(b.node).then(a.slot.cmp(&b.slot)));
     let mut rest = rest.into_iter();
