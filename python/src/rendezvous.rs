@@ -1,0 +1,370 @@
+//! `rdzv.rendezvous(url)` and `rdzv.ElasticRendezvous`, the elastic rendezvous of one
+//! node.
+//!
+//! `rendezvous` runs `rdzv_uring::rendezvous::rendezvous_with` with this process's
+//! environment (`tcp://`, `env://`, `file://`, `elastic://`). `ElasticRendezvous` holds
+//! the Rust handle (`rdzv_uring::rendezvous::elastic::ElasticRendezvous`), whose driver
+//! thread joins rounds, heartbeats and watches a peer without the GIL. The torchrun
+//! handler (`rdzv/torchrun.py`) is built on it. Which node gets which rank, and when a
+//! round closes, is the core's decision; this module only passes calls through.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use rdzv_core::rendezvous::elastic::{ElasticSettings, NodeRange, RoundOutcome};
+use rdzv_core::rendezvous::NodeParams;
+use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticRendezvous};
+use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
+use rdzv_uring::store::tcp::TcpStore;
+use rdzv_uring::store::Store;
+
+use crate::store::PyStore;
+use crate::{duration, errors};
+
+/// ``rendezvous(url, rank=None, world_size=None, timeout=None)`` →
+/// ``(store, rank, world_size, elastic)``: torch's ``rendezvous(url)`` (the Python
+/// wrapper ``rdzv.rendezvous`` returns it as a ``Rendezvous`` object).
+///
+/// ``tcp://host:port?rank=R&world_size=N``, ``env://`` (``MASTER_ADDR``,
+/// ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``file:///path?…`` and
+/// ``elastic://host:port/run_id?nodes=MIN:MAX&…``. ``timeout`` (default 30 minutes) bounds
+/// connecting and waiting for the peers. ``world_size`` is ``None`` when not fixed;
+/// ``elastic`` is the node's ``ElasticRendezvous`` handle for ``elastic://``, else
+/// ``None``. Blocks (without the GIL) until every rank has joined.
+#[pyfunction]
+#[pyo3(signature = (url, rank = None, world_size = None, timeout = None))]
+pub(crate) fn rendezvous<'py>(
+    py: Python<'py>,
+    url: String,
+    rank: Option<u32>,
+    world_size: Option<u32>,
+    timeout: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let mut options = RendezvousOptions::default();
+    options.timeout = duration::optional("timeout", timeout, options.timeout)?;
+    let env = ProcessEnv::snapshot();
+    let outcome = py
+        .detach(|| rendezvous_with(&url, NodeParams::Given { rank, world_size }, &env, &options))
+        .map_err(errors::rendezvous)?;
+    let store = Py::new(py, PyStore::wrap(Arc::clone(&outcome.store), None))?;
+    let elastic = match outcome.elastic {
+        Some(handle) => match Arc::try_unwrap(handle) {
+            Ok(handle) => Some(Py::new(
+                py,
+                PyElasticRendezvous::from_handle(handle, Arc::clone(&outcome.store), None),
+            )?),
+            // Nobody else holds it: the outcome was just built. Keep it alive anyway.
+            Err(_) => None,
+        },
+        None => None,
+    };
+    (store, outcome.rank, outcome.world_size, elastic).into_pyobject(py)
+}
+
+/// One complete round of an elastic rendezvous, as this node sees it.
+#[pyclass(module = "rdzv._rdzv", name = "Round", frozen, eq)]
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct PyRound {
+    /// The round number (0 first).
+    #[pyo3(get)]
+    round: u64,
+    /// This node's rank in it, ``0 .. world_size``.
+    #[pyo3(get)]
+    rank: u32,
+    /// How many nodes are members.
+    #[pyo3(get)]
+    world_size: u32,
+    /// torch's store prefix of the round: ``torch.rendezvous.{run_id}.{round}``.
+    #[pyo3(get)]
+    store_prefix: String,
+}
+
+impl From<RoundOutcome> for PyRound {
+    fn from(outcome: RoundOutcome) -> Self {
+        PyRound {
+            round: outcome.round,
+            rank: outcome.rank,
+            world_size: outcome.world_size,
+            store_prefix: outcome.store_prefix,
+        }
+    }
+}
+
+#[pymethods]
+impl PyRound {
+    fn __repr__(&self) -> String {
+        format!(
+            "Round(round={}, rank={}, world_size={}, store_prefix={:?})",
+            self.round, self.rank, self.world_size, self.store_prefix
+        )
+    }
+}
+
+/// One node of an elastic rendezvous (torchelastic's dynamic rendezvous semantics, at
+/// O(1) store work per node).
+///
+/// ``ElasticRendezvous(host, port, run_id, min_nodes=1, max_nodes=None, node_id=None,
+/// join_timeout=600, last_call_timeout=30, keep_alive_interval=5,
+/// keep_alive_max_attempt=3, timeout=60)`` connects to the store at ``host:port``
+/// (``timeout`` bounds connecting) and joins at once; a thread of its own then joins
+/// rounds, heartbeats and watches a peer. ``next_round()`` waits for a round. Durations
+/// are seconds or ``timedelta``; the names are torchrun's ``--rdzv-conf`` keys.
+///
+/// A node whose round ends (a member died, left, or its workers failed; a node waits to
+/// join) rejoins the next round on its own; ``next_round(after=r)`` waits for it.
+/// Errors: ``rdzv.RendezvousClosedError``, ``rdzv.RendezvousTimeoutError``,
+/// ``rdzv.RendezvousConnectionError``, ``rdzv.RendezvousStateError``,
+/// ``rdzv.RendezvousGracefulExitError`` (this node left).
+#[pyclass(module = "rdzv._rdzv", name = "ElasticRendezvous", frozen)]
+pub(crate) struct PyElasticRendezvous {
+    handle: Mutex<Option<ElasticRendezvous>>,
+    /// The store the rounds' prefix stores are built on.
+    store: Arc<dyn Store>,
+    node: String,
+    run_id: String,
+    join_timeout: Duration,
+    tcp: Option<Arc<TcpStore>>,
+}
+
+impl PyElasticRendezvous {
+    fn from_handle(
+        handle: ElasticRendezvous,
+        store: Arc<dyn Store>,
+        settings: Option<(&str, Duration)>,
+    ) -> Self {
+        let (run_id, join_timeout) = settings.unwrap_or(("", Duration::from_secs(600)));
+        PyElasticRendezvous {
+            node: handle.node().to_string(),
+            handle: Mutex::new(Some(handle)),
+            store,
+            run_id: run_id.to_string(),
+            join_timeout,
+            tcp: None,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<ElasticRendezvous>> {
+        self.handle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn left(&self) -> PyErr {
+        errors::raise(
+            "RendezvousGracefulExitError",
+            format!(
+                "node '{}' has left the elastic rendezvous '{}' (leave() or shutdown() was called)",
+                self.node, self.run_id
+            ),
+        )
+    }
+
+    /// Runs `f` on the handle (without the GIL); a node that has left raises.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&ElasticRendezvous) -> T + Send,
+    ) -> PyResult<T> {
+        py.detach(|| self.lock().as_ref().map(f))
+            .ok_or_else(|| self.left())
+    }
+}
+
+#[pymethods]
+impl PyElasticRendezvous {
+    #[new]
+    #[pyo3(signature = (
+        host, port, run_id, min_nodes = 1, max_nodes = None, node_id = None,
+        join_timeout = None, last_call_timeout = None, keep_alive_interval = None,
+        keep_alive_max_attempt = None, timeout = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        run_id: String,
+        min_nodes: u32,
+        max_nodes: Option<u32>,
+        node_id: Option<String>,
+        join_timeout: Option<&Bound<'_, PyAny>>,
+        last_call_timeout: Option<&Bound<'_, PyAny>>,
+        keep_alive_interval: Option<&Bound<'_, PyAny>>,
+        keep_alive_max_attempt: Option<u32>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let nodes = NodeRange::new(min_nodes, max_nodes.unwrap_or(min_nodes))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut settings = ElasticSettings::new(run_id.clone(), nodes);
+        settings.join_timeout =
+            duration::optional("join_timeout", join_timeout, settings.join_timeout)?;
+        settings.last_call =
+            duration::optional("last_call_timeout", last_call_timeout, settings.last_call)?;
+        settings.keep_alive_interval = duration::optional(
+            "keep_alive_interval",
+            keep_alive_interval,
+            settings.keep_alive_interval,
+        )?;
+        if let Some(attempts) = keep_alive_max_attempt {
+            settings.keep_alive_max_attempts = attempts;
+        }
+        settings
+            .check()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let connect_timeout = duration::optional("timeout", timeout, Duration::from_secs(60))?;
+        let node = node_id.unwrap_or_else(default_node_id);
+        let join_timeout = settings.join_timeout;
+        let (tcp, handle) = py.detach(|| {
+            let tcp = TcpStore::connect(&host, port, connect_timeout)
+                .map(Arc::new)
+                .map_err(|e| {
+                    errors::raise(
+                        "RendezvousConnectionError",
+                        format!(
+                            "elastic rendezvous '{run_id}': node '{node}' cannot connect to the store at {host}:{port}: {e}"
+                        ),
+                    )
+                })?;
+            let store: Arc<dyn Store> = Arc::clone(&tcp) as Arc<dyn Store>;
+            let handle = ElasticRendezvous::start(store, settings, node.clone())
+                .map_err(errors::elastic)?;
+            Ok::<_, PyErr>((tcp, handle))
+        })?;
+        let mut this = PyElasticRendezvous::from_handle(
+            handle,
+            Arc::clone(&tcp) as Arc<dyn Store>,
+            Some((&run_id, join_timeout)),
+        );
+        this.tcp = Some(tcp);
+        Ok(this)
+    }
+
+    /// This node's id (torch's node descriptor text, ``{host}_{pid}_{n}``, unless given).
+    #[getter]
+    fn node(&self) -> String {
+        self.node.clone()
+    }
+
+    /// The run id (empty when the handle came from ``rendezvous("elastic://…")`` with a
+    /// URL whose path was empty).
+    #[getter]
+    fn run_id(&self) -> String {
+        self.run_id.clone()
+    }
+
+    /// Waits for this node to be a member of a complete round later than ``after`` (any
+    /// round for ``None``), up to ``timeout`` (default: the join timeout plus 5 s), and
+    /// returns it. The GIL is released while it waits.
+    ///
+    /// Raises ``rdzv.RendezvousTimeoutError`` when no round comes in time,
+    /// ``rdzv.RendezvousClosedError`` once the run is shut down, and the other
+    /// ``Rendezvous*Error`` classes.
+    #[pyo3(signature = (after = None, timeout = None))]
+    fn next_round(
+        &self,
+        py: Python<'_>,
+        after: Option<u64>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyRound> {
+        let timeout = duration::optional(
+            "timeout",
+            timeout,
+            self.join_timeout + Duration::from_secs(5),
+        )?;
+        self.with(py, |handle| handle.next_round(after, timeout))?
+            .map(PyRound::from)
+            .map_err(errors::elastic)
+    }
+
+    /// The round this node is a member of now, or ``None`` (between rounds).
+    fn current(&self, py: Python<'_>) -> PyResult<Option<PyRound>> {
+        Ok(self
+            .with(py, ElasticRendezvous::current)?
+            .map(PyRound::from))
+    }
+
+    /// ``(round, hot_spare)`` when this node arrived after ``round`` closed and waits for
+    /// the next one (as a hot spare when the round was full), else ``None``.
+    fn waiting(&self, py: Python<'_>) -> PyResult<Option<(u64, bool)>> {
+        self.with(py, ElasticRendezvous::waiting)
+    }
+
+    /// A store client of ``round``'s keys: ``PrefixStore(round.store_prefix, store)``.
+    fn round_store(&self, round: &PyRound) -> PyResult<PyStore> {
+        let outcome = RoundOutcome {
+            round: round.round,
+            rank: round.rank,
+            world_size: round.world_size,
+            store_prefix: round.store_prefix.clone(),
+        };
+        let guard = self.lock();
+        let handle = guard.as_ref().ok_or_else(|| self.left())?;
+        Ok(PyStore::wrap(handle.round_store(&outcome), None))
+    }
+
+    /// A direct client of the rendezvous's store (the keys without a round prefix).
+    fn store(&self) -> PyStore {
+        PyStore::wrap(Arc::clone(&self.store), self.tcp.clone())
+    }
+
+    /// This node's workers failed: the round ends for every member, and this node
+    /// rejoins the next one (torchelastic's restart).
+    fn worker_failed(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, ElasticRendezvous::worker_failed)
+    }
+
+    /// Closes the rendezvous for good, for every node (torch's ``set_closed`` at the end
+    /// of a job): joiners and members then fail with ``RendezvousClosedError``. Waits up to
+    /// ``timeout`` seconds for the driver to finish; returns whether the close was
+    /// written. The handle is unusable afterwards.
+    #[pyo3(signature = (timeout = None))]
+    fn shutdown(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let timeout = duration::optional("timeout", timeout, Duration::from_secs(30))?;
+        let handle = self.lock().take();
+        Ok(match handle {
+            Some(handle) => py.detach(move || handle.shutdown(timeout)),
+            None => false,
+        })
+    }
+
+    /// Leaves the rendezvous (ending the round this node is a member of), waiting up to
+    /// ``timeout`` seconds. Returns whether the driver finished in time. Idempotent.
+    #[pyo3(signature = (timeout = None))]
+    fn leave(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let timeout = duration::optional("timeout", timeout, Duration::from_secs(30))?;
+        let handle = self.lock().take();
+        Ok(match handle {
+            Some(handle) => py.detach(move || handle.leave(timeout)),
+            None => true,
+        })
+    }
+
+    /// Whether ``leave()`` or ``shutdown()`` was called.
+    #[getter]
+    fn has_left(&self) -> bool {
+        self.lock().is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.leave(py, None)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ElasticRendezvous(node={:?}, run_id={:?}, left={})",
+            self.node,
+            self.run_id,
+            self.has_left()
+        )
+    }
+}
