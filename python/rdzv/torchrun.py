@@ -262,9 +262,12 @@ def _handler_class() -> type:
                 raise torch_error(e) from e
             self._round = round_
             store = dist.PrefixStore(round_.store_prefix, self._store())
-            bootstrap = api.RendezvousStoreInfo.build(
-                round_.rank, store, local_addr=s.local_addr
-            )
+            try:
+                bootstrap = api.RendezvousStoreInfo.build(
+                    round_.rank, store, local_addr=s.local_addr
+                )
+            except TypeError:  # torch 2.4: build(rank, store)
+                bootstrap = api.RendezvousStoreInfo.build(round_.rank, store)
             log.info(
                 "rdzv: node %s is rank %s of %s in round %s of run %s",
                 node.node,
@@ -279,38 +282,48 @@ def _handler_class() -> type:
             if self._closed:
                 return True
             try:
-                return self._store().check([f"rdzv.elastic.{self._settings.run_id}/closed"])
+                return bool(self._store().check([self._closed_key()]))
             except Exception:  # noqa: BLE001 - a lost store is not a closed rendezvous
                 return False
 
         def set_closed(self) -> None:
             self._closed = True
-            if self._node is not None:
-                self._node.shutdown(timeout=self._settings.close_timeout)
+            node, self._node = self._node, None
+            if node is not None:
+                node.shutdown(timeout=self._settings.close_timeout)
             else:
-                self._store().set(f"rdzv.elastic.{self._settings.run_id}/closed", b"closed")
+                self._store().set(self._closed_key(), b"closed")
 
         def num_nodes_waiting(self) -> int:
             node = self._node
             if node is None or self._round is None or node.has_left:
                 return 0
+            handed = self._round.round
             try:
                 current = node.current()
-            except _errors.RendezvousError:
-                return 0
-            # The round we handed out is over: a node waits to join, a member died or
-            # its workers failed. The agent restarts its workers and calls
-            # next_rendezvous, which joins the next round.
-            if current is None or current.round != self._round.round:
+                if current is not None and current.round == handed:
+                    return 0
+                # The round we handed out is over: a node waits to join, a member died,
+                # or a member's workers failed. Unless the run was closed (a node
+                # finished, as the c10d backend closes it) or the store is gone, the
+                # agent must restart its workers and call next_rendezvous.
+                node.next_round(after=handed, timeout=0)
                 return 1
-            return 0
+            except _errors.RendezvousTimeoutError:
+                return 1
+            except (_errors.RendezvousError, _errors.StoreError):
+                return 0
 
         def shutdown(self) -> bool:
-            node, self._node = self._node, None
+            # As the c10d backend does: close the run for every node, so that a node
+            # that finishes first does not make the others restart their workers.
             ok = True
             try:
-                if node is not None:
-                    ok = node.leave(timeout=self._settings.close_timeout)
+                if not self._closed:
+                    self.set_closed()
+            except Exception as e:  # noqa: BLE001 - torch expects False, not a raise
+                log.warning("rdzv: closing the rendezvous '%s' failed: %s", self.get_run_id(), e)
+                ok = False
             finally:
                 server, self._server = self._server, None
                 if server is not None:
@@ -336,6 +349,10 @@ def _handler_class() -> type:
                     timeout=s.read_timeout,
                 )
             return self._node
+
+        def _closed_key(self) -> str:
+            # The key rdzv's elastic protocol closes a run with (core's key layout).
+            return f"rdzv.elastic.{self._settings.run_id}/closed"
 
         def _port(self) -> int:
             return self._server.port if self._server is not None else self._settings.port

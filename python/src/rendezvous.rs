@@ -9,7 +9,7 @@
 //! round closes, is the core's decision; this module only passes calls through.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -17,13 +17,16 @@ use pyo3::types::PyTuple;
 
 use rdzv_core::rendezvous::elastic::{ElasticSettings, NodeRange, RoundOutcome};
 use rdzv_core::rendezvous::NodeParams;
-use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticRendezvous};
+use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::store::Store;
 
 use crate::store::PyStore;
 use crate::{duration, errors};
+
+/// How long `next_round` waits without the GIL before it lets Python handle signals.
+const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(200);
 
 /// ``rendezvous(url, rank=None, world_size=None, timeout=None)`` →
 /// ``(store, rank, world_size, elastic)``: torch's ``rendezvous(url)`` (the Python
@@ -275,9 +278,30 @@ impl PyElasticRendezvous {
             timeout,
             self.join_timeout + Duration::from_secs(5),
         )?;
-        self.with(py, |handle| handle.next_round(after, timeout))?
-            .map(PyRound::from)
-            .map_err(errors::elastic)
+        // Wait in slices, so that Ctrl-C and the signal handlers of torchrun's agent run
+        // (they run only when this thread is back in Python), and so that another thread
+        // may leave() between slices.
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let slice = left.min(SIGNAL_CHECK_INTERVAL);
+            match self.with(py, |handle| handle.next_round(after, slice))? {
+                Ok(round) => return Ok(PyRound::from(round)),
+                Err(ElasticFailure::NotYet { .. }) if slice < left => {}
+                Err(ElasticFailure::NotYet { node, .. }) => {
+                    return Err(errors::raise(
+                        "RendezvousTimeoutError",
+                        format!(
+                            "node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
+                            self.run_id,
+                            timeout.as_secs_f64()
+                        ),
+                    ))
+                }
+                Err(failure) => return Err(errors::elastic(failure)),
+            }
+            py.check_signals()?;
+        }
     }
 
     /// The round this node is a member of now, or ``None`` (between rounds).

@@ -34,7 +34,7 @@ def test_add_counts_from_zero_and_returns_new_value(store: rdzv.Store) -> None:
 def test_add_on_a_non_counter_is_a_store_error(store: rdzv.Store) -> None:
     store.set("text", b"not a number")
     with pytest.raises(rdzv.StoreError):
-        store.add("text", 1)
+        store.clone().add("text", 1)
 
 
 def test_compare_set_cases(store: rdzv.Store) -> None:
