@@ -6,7 +6,13 @@
 //! Output, one line per event, on stdout:
 //! `round R rank K world_size N store_prefix P`, `waiting after round R (hot spare|asked
 //! for the next round)`, `left`. SIGINT and SIGTERM make the node leave (which ends the
-//! round it is part of) and exit 0.
+//! round it is part of) and exit 0. When the run is closed, a hot spare prints `graceful
+//! exit` and exits 0 (PyTorch's `RendezvousGracefulExitError`); a member fails with
+//! `RendezvousClosedError`.
+//!
+//! `rdzv rendezvous --close elastic://…` closes the run for good instead of joining
+//! (torchelastic's `set_closed`): every node's next rendezvous fails, nodes waiting in an
+//! open round are woken, and the run id cannot be used again.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -15,9 +21,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use rdzv_core::rendezvous::elastic::ElasticUrl;
+use rdzv_core::rendezvous::elastic::{ElasticErrorKind, ElasticUrl, StoreAction};
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
 use rdzv_uring::store::tcp::TcpStore;
+use rdzv_uring::Store;
 
 use crate::cli::CliError;
 
@@ -34,6 +41,9 @@ pub(crate) struct RendezvousArgs {
     /// Timeout for connecting to the store, in seconds.
     #[arg(long, default_value_t = 30.0)]
     connect_timeout: f64,
+    /// Close the run for good instead of joining it (torchelastic's `set_closed`).
+    #[arg(long)]
+    close: bool,
 }
 
 /// Runs `rdzv rendezvous`.
@@ -46,6 +56,9 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
         (Some(node), None) | (None, Some(node)) => node,
         (None, None) => default_node_id(),
     };
+    if args.close {
+        return close(&url, args.connect_timeout);
+    }
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
@@ -91,10 +104,40 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
                     reported_wait = waiting;
                 }
             }
+            Err(failure) if failure.kind() == ElasticErrorKind::GracefulExit => {
+                writeln!(out, "graceful exit: {failure}")?;
+                return Ok(ExitCode::SUCCESS);
+            }
             Err(failure) => return Err(failure.into()),
         }
     }
     let left = handle.leave(Duration::from_secs(30));
     writeln!(out, "{}", if left { "left" } else { "leaving timed out" })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--close`: writes the run's closed key.
+fn close(url: &ElasticUrl, connect_timeout: f64) -> Result<ExitCode, CliError> {
+    let timeout = Duration::try_from_secs_f64(connect_timeout)
+        .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
+    let store = TcpStore::connect(&url.host, url.port, timeout)
+        .map_err(|e| format!("connecting to the store at {}:{}: {e}", url.host, url.port))?;
+    for action in url.settings.close_actions("rdzv rendezvous --close") {
+        let done = match &action {
+            StoreAction::Set { key, value } => store.set(key, value).map(|_| ()),
+            StoreAction::Add { key, delta } => store.add(key, *delta).map(|_| ()),
+            other => return Err(format!("closing: unexpected store action {other:?}").into()),
+        };
+        done.map_err(|e| {
+            format!(
+                "closing: {} of {} at {}:{}: {e}",
+                action.name(),
+                action.key(),
+                url.host,
+                url.port
+            )
+        })?;
+    }
+    println!("closed rendezvous {}", url.settings.run_id);
     Ok(ExitCode::SUCCESS)
 }

@@ -118,6 +118,34 @@ fn rendezvous_command_prints_rounds_and_leaves_on_sigterm() {
     assert!(round1
         .iter()
         .all(|(_, line)| line.contains(" world_size 3 ")));
+
+    // A new hot spare, then `--close`: the spare exits gracefully (0), and a node that
+    // joins a closed run fails with RendezvousClosedError.
+    let mut spare = spawn(&url, "e", &tx);
+    expect_lines(&rx, 1, |node, line| {
+        node == "e" && line == "waiting after round 1 (hot spare)"
+    });
+    let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["rendezvous", "--close", &url])
+        .output()
+        .expect("rdzv rendezvous --close");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "closed rendezvous cli\n"
+    );
+    expect_lines(&rx, 1, |node, line| {
+        node == "e" && line.starts_with("graceful exit: RendezvousGracefulExitError: ")
+    });
+    let exit = spare.child.wait().expect("wait for e");
+    assert!(exit.success(), "{exit}");
+    let late = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["rendezvous", &url, "--node-id", "f"])
+        .output()
+        .expect("run rdzv rendezvous");
+    assert!(!late.status.success());
+    let stderr = String::from_utf8_lossy(&late.stderr);
+    assert!(stderr.contains("RendezvousClosedError: "), "{stderr}");
 }
 
 #[test]
@@ -155,8 +183,9 @@ fn bench_rendezvous_forms_one_round() {
         stdout.contains("rdzv elastic rendezvous: 48 nodes, one round"),
         "{stdout}"
     );
-    // Join: CHECK, ADD (round hint), ADD (arrival), SET (node), WAIT and GET (or the
-    // closer's COMPARE_SET), and the first heartbeat's two ADDs: a constant, whatever N.
+    // Join: ADD (round hint), ADD (arrival), APPEND (roster), WAIT and GET (or the
+    // closer's roster GETs and COMPARE_SET), the acknowledgement's ADD and WAIT, and the
+    // first watch: a constant, whatever N.
     let join_max: u64 = stdout
         .lines()
         .find_map(|l| l.trim().strip_prefix("store ops per node (join) "))

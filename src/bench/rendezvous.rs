@@ -119,6 +119,7 @@ fn send_action(node: &mut Node, action: &StoreAction) {
             delta: *delta,
         }),
         StoreAction::Set { value, .. } => node.queue(&Request::Set { key: &key, value }),
+        StoreAction::Append { value, .. } => node.queue(&Request::Append { key: &key, value }),
         StoreAction::CompareSet {
             expected, desired, ..
         } => node.queue(&Request::CompareSet {
@@ -173,8 +174,10 @@ fn step_node(
             return;
         }
         match action {
-            // SET has no reply in the TCPStore protocol: done once queued.
-            StoreAction::Set { .. } => answer(node, &OwnedStoreReply::Set, epoch),
+            // SET and APPEND have no reply in the TCPStore protocol: done once queued.
+            StoreAction::Set { .. } | StoreAction::Append { .. } => {
+                answer(node, &OwnedStoreReply::Set, epoch)
+            }
             StoreAction::Wait { until, .. } => {
                 node.wait_gen += 1;
                 timers.push(Reverse((until, i, node.wait_gen)));

@@ -13,9 +13,13 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use rdzv_core::rendezvous::elastic::{ElasticErrorKind, ElasticSettings, NodeRange};
 use rdzv_core::rendezvous::NodeParams;
-use rdzv_uring::rendezvous::elastic::ElasticFailure;
+use rdzv_uring::rendezvous::elastic::{ElasticFailure, ElasticRendezvous};
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, Rendezvous, RendezvousOptions};
+use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::{ServerOptions, Store, StoreServer};
 
 fn server() -> StoreServer {
@@ -96,7 +100,7 @@ fn rounds_in_threads() {
     drop(nodes);
     let mut handles = handles;
     let leaver = handles.remove(5);
-    let leaver = std::sync::Arc::try_unwrap(leaver).expect("sole owner");
+    let leaver = Arc::try_unwrap(leaver).expect("sole owner");
     assert!(leaver.leave(WAIT));
     for h in &handles {
         let round = h.next_round(Some(1), WAIT).expect("round 2");
@@ -105,16 +109,110 @@ fn rounds_in_threads() {
 
     // Shutdown closes it for good: the others' next rendezvous fails with
     // RendezvousClosedError once they see the shut-down node gone.
-    let first = std::sync::Arc::try_unwrap(handles.remove(0)).expect("sole owner");
-    assert!(first.shutdown(WAIT));
+    let first = Arc::try_unwrap(handles.remove(0)).expect("sole owner");
+    assert!(first.shutdown());
     for h in &handles {
         match h.next_round(Some(2), WAIT) {
-            Err(ElasticFailure::Protocol(e)) => {
-                assert!(e.to_string().starts_with("RendezvousClosedError: "), "{e}")
+            Err(e @ ElasticFailure::Protocol(_)) => {
+                assert!(e.to_string().starts_with("RendezvousClosedError: "), "{e}");
+                assert_eq!(e.kind(), ElasticErrorKind::Closed);
             }
             other => panic!("{}: {other:?}", h.node()),
         }
     }
+}
+
+fn start(port: u16, run_id: &str, nodes: NodeRange, node: &str) -> ElasticRendezvous {
+    let store = TcpStore::connect("127.0.0.1", port, WAIT).expect("connect");
+    let mut settings = ElasticSettings::new(run_id, nodes);
+    settings.last_call = Duration::from_millis(300);
+    settings.keep_alive_interval = Duration::from_millis(100);
+    settings.keep_alive_max_attempts = 30;
+    settings.join_timeout = Duration::from_secs(30);
+    settings.close_timeout = Duration::from_secs(10);
+    ElasticRendezvous::start(Arc::new(store), settings, node).expect("start")
+}
+
+/// What torchrun's `RendezvousHandler` calls, on the Rust handle: `next_rendezvous`,
+/// `num_nodes_waiting` (a late node makes it positive), `is_closed`, `set_closed`, and the
+/// error kinds that map to PyTorch's exceptions (closed; graceful exit of a hot spare).
+#[test]
+fn handler_api() {
+    // A binding shares the handle across threads (and releases the GIL around calls).
+    fn shared<T: Send + Sync>() {}
+    shared::<ElasticRendezvous>();
+    shared::<ElasticFailure>();
+    let server = server();
+    let port = server.port();
+    let nodes = NodeRange::new(2, 3).expect("range");
+    let (a, b) = thread::scope(|scope| {
+        let a = scope.spawn(|| start(port, "api", nodes, "a"));
+        let b = scope.spawn(|| start(port, "api", nodes, "b"));
+        (a.join().expect("a"), b.join().expect("b"))
+    });
+    let (ra, rb) = (
+        a.next_rendezvous().expect("a"),
+        b.next_rendezvous().expect("b"),
+    );
+    assert_eq!((ra.round, ra.world_size, rb.world_size), (0, 2, 2));
+    assert_eq!(ra.rank + rb.rank, 1);
+    assert_eq!(a.num_nodes_waiting().expect("waiting"), 0);
+    assert!(!a.is_closed().expect("is_closed"));
+    assert_eq!(a.run_id(), "api");
+
+    // A third node arrives: the round has room, so it ends; the agents see a node waiting.
+    let c = start(port, "api", nodes, "c");
+    let deadline = Instant::now() + WAIT;
+    while a.num_nodes_waiting().expect("waiting") == 0 {
+        assert!(Instant::now() < deadline, "no node waiting");
+        thread::sleep(Duration::from_millis(20));
+    }
+    let next: Vec<_> = [&a, &b, &c]
+        .iter()
+        .map(|h| h.next_rendezvous().expect("round 1"))
+        .collect();
+    assert!(
+        next.iter().all(|o| (o.round, o.world_size) == (1, 3)),
+        "{next:?}"
+    );
+    assert_eq!(a.num_nodes_waiting().expect("waiting"), 0);
+
+    // next_rendezvous again while the round goes on (the agent restarted its workers):
+    // the round ends for everyone and the next one forms.
+    let again = b.next_rendezvous().expect("round 2");
+    assert_eq!((again.round, again.world_size), (2, 3));
+    for h in [&a, &c] {
+        assert_eq!(h.next_rendezvous().expect("round 2").round, 2);
+    }
+
+    // A hot spare of the full round, then set_closed: everyone's next rendezvous fails
+    // with RendezvousClosedError; the spare exits gracefully.
+    let spare = start(port, "api", nodes, "spare");
+    let deadline = Instant::now() + WAIT;
+    while spare.waiting().is_none() {
+        assert!(Instant::now() < deadline, "the spare never waited");
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(spare.waiting(), Some((2, true)));
+    a.set_closed().expect("set_closed");
+    assert!(b.is_closed().expect("is_closed"));
+    let closed = a.next_rendezvous().expect_err("closed");
+    assert_eq!(closed.kind(), ElasticErrorKind::Closed, "{closed}");
+    for h in [&b, &c] {
+        let e = h.next_rendezvous().expect_err("closed");
+        assert_eq!(e.kind(), ElasticErrorKind::Closed, "{}: {e}", h.node());
+        assert!(e.to_string().starts_with("RendezvousClosedError: "), "{e}");
+    }
+    let graceful = spare.next_rendezvous().expect_err("graceful exit");
+    assert_eq!(
+        graceful.kind(),
+        ElasticErrorKind::GracefulExit,
+        "{graceful}"
+    );
+    assert_eq!(graceful.kind().torch_name(), "RendezvousGracefulExitError");
+    // Closing twice is fine.
+    b.set_closed().expect("set_closed again");
+    assert!(b.shutdown());
 }
 
 /// A child process that is killed when the test process goes away.
@@ -201,9 +299,11 @@ fn eight_processes_one_killed() {
         .map(|i| spawn_node(&url, &format!("p{i}"), &tx))
         .collect();
     let mut round0 = Vec::new();
+    let mut first_rank: std::collections::HashMap<String, u32> = Default::default();
     let formed = collect(&rx, Instant::now() + Duration::from_secs(60), |r| {
         assert_eq!((r.1, r.3), (0, 8), "{r:?}");
         round0.push(r.2);
+        first_rank.insert(r.0.clone(), r.2);
         round0.len() == 8
     });
     assert!(formed, "round 0 of 8 did not form: {round0:?}");
@@ -233,10 +333,64 @@ fn eight_processes_one_killed() {
     let mut ranks: Vec<u32> = latest.values().map(|(_, rank, _)| *rank).collect();
     ranks.sort_unstable();
     assert_eq!(ranks, [0, 1, 2, 3, 4, 5, 6]);
+    // Stable ranks: every survivor keeps its rank of round 0, except the one at rank 7
+    // (beyond the new world), which takes the victim's.
+    let victim_rank = first_rank[&victim_name];
+    for (node, (_, rank, _)) in &latest {
+        let before = first_rank[node];
+        let want = if before == 7 { victim_rank } else { before };
+        assert_eq!(*rank, want, "{node} had rank {before}: {latest:?}");
+    }
     // Keep-alive timeout (600 ms), at most one interval late (200 ms), the last call
     // (300 ms), with slack for seven processes on a loaded two-core machine.
     println!("the round of 7 formed {took:?} after the kill");
     assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+/// A node SIGKILLed while its round is open (waiting for a third node) is not counted
+/// into the round that the next arrivals form seconds later: the round of three is
+/// round 0, with the live nodes only.
+#[test]
+fn killed_while_its_round_is_open() {
+    let server = server();
+    let url = format!(
+        "elastic://127.0.0.1:{}/open?nodes=3:3&keep_alive_interval=200ms\
+         &keep_alive_max_attempts=3&join_timeout=60s",
+        server.port()
+    );
+    let (tx, rx) = mpsc::channel();
+    let a = spawn_node(&url, "a", &tx);
+    let b = spawn_node(&url, "b", &tx);
+    // Both have joined and wait for a third; then b dies.
+    let raw = rdzv_uring::store::tcp::TcpStore::connect("127.0.0.1", server.port(), WAIT)
+        .expect("connect");
+    let deadline = Instant::now() + WAIT;
+    while raw.add("rdzv.elastic.open/0/arrivals", 0).expect("add") < 2 {
+        assert!(Instant::now() < deadline, "a and b never joined");
+        thread::sleep(Duration::from_millis(20));
+    }
+    drop(b); // SIGKILL
+             // Longer than the keep-alive timeout (600 ms) and a watcher's interval.
+    thread::sleep(Duration::from_secs(3));
+    let c = spawn_node(&url, "c", &tx);
+    let d = spawn_node(&url, "d", &tx);
+    let mut seen: Vec<Report> = Vec::new();
+    let formed = collect(&rx, Instant::now() + Duration::from_secs(30), |r| {
+        seen.push(r.clone());
+        seen.len() == 3
+    });
+    assert!(formed, "no round of a, c and d: {seen:?}");
+    seen.sort();
+    let names: Vec<&str> = seen.iter().map(|r| r.0.as_str()).collect();
+    assert_eq!(names, ["a", "c", "d"], "{seen:?}");
+    assert!(
+        seen.iter().all(|r| (r.1, r.3) == (0, 3)),
+        "the first round is the one without b: {seen:?}"
+    );
+    let mut ranks: Vec<u32> = seen.iter().map(|r| r.2).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2]);
+    drop((a, c, d));
 }
 
 /// One node of `eight_processes_one_killed` (run only by it, through `--ignored`).

@@ -82,7 +82,7 @@ fn drive(data: &[u8]) {
             },
             (Some(StoreAction::Check { .. }), _) => StoreReply::Checked(arg % 4 == 0),
             (Some(StoreAction::Add { .. }), _) => StoreReply::Added(number),
-            (Some(StoreAction::Set { .. }), _) => StoreReply::Set,
+            (Some(StoreAction::Set { .. } | StoreAction::Append { .. }), _) => StoreReply::Set,
             (Some(StoreAction::CompareSet { .. } | StoreAction::Get { .. }), _) => {
                 StoreReply::Value(if op % 7 == 0 { chunk } else { &value })
             }

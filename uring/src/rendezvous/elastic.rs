@@ -26,8 +26,8 @@ use std::time::{Duration, Instant as StdInstant};
 
 use rdzv_core::env::Env;
 use rdzv_core::rendezvous::elastic::{
-    ElasticError, ElasticNode, ElasticSettings, ElasticUrl, Event, Instant, LocalEvent,
-    OwnedStoreReply, RoundOutcome, StoreAction,
+    ElasticError, ElasticErrorKind, ElasticNode, ElasticSettings, ElasticUrl, Event, Instant,
+    LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction,
 };
 
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
@@ -54,22 +54,58 @@ pub enum ElasticFailure {
         /// The store's error, as text (the error itself stays with the driver thread).
         error: String,
     },
-    /// The node left (or shut the rendezvous down) before a round completed.
-    #[error("node '{node}' has left the elastic rendezvous '{run_id}'")]
+    /// The node left before a round completed.
+    #[error("RendezvousClosedError: node '{node}' has left the elastic rendezvous '{run_id}'")]
     Left {
         /// This node.
         node: String,
         /// The run id.
         run_id: String,
     },
+    /// This node closed the rendezvous (`set_closed`, `shutdown`).
+    #[error("RendezvousClosedError: node '{node}' closed the elastic rendezvous '{run_id}'")]
+    ShutDown {
+        /// This node.
+        node: String,
+        /// The run id.
+        run_id: String,
+    },
     /// No complete round within the time the caller gave.
-    #[error("node '{node}': no new complete round within {waited:?}")]
+    #[error("RendezvousTimeoutError: node '{node}': no new complete round within {waited:?}")]
     NotYet {
         /// This node.
         node: String,
         /// How long the caller waited.
         waited: Duration,
     },
+    /// Closing the rendezvous took longer than the close timeout.
+    #[error(
+        "RendezvousTimeoutError: node '{node}' could not close the elastic rendezvous \
+         '{run_id}' within the close timeout ({waited:?}); is the store at its address \
+         reachable?"
+    )]
+    CloseTimeout {
+        /// This node.
+        node: String,
+        /// The run id.
+        run_id: String,
+        /// The close timeout.
+        waited: Duration,
+    },
+}
+
+impl ElasticFailure {
+    /// Which of PyTorch's rendezvous exceptions this is (`RendezvousClosedError`,
+    /// `RendezvousTimeoutError`, `RendezvousConnectionError`, `RendezvousStateError`,
+    /// `RendezvousGracefulExitError`): [`ElasticErrorKind::torch_name`] names the class.
+    pub fn kind(&self) -> ElasticErrorKind {
+        match self {
+            Self::Protocol(error) => error.kind(),
+            Self::Store { .. } => ElasticErrorKind::Connection,
+            Self::Left { .. } | Self::ShutDown { .. } => ElasticErrorKind::Closed,
+            Self::NotYet { .. } | Self::CloseTimeout { .. } => ElasticErrorKind::Timeout,
+        }
+    }
 }
 
 /// How the node ended, once it has.
@@ -91,20 +127,30 @@ struct Shared {
 
 /// A node of an elastic rendezvous, driven by its own thread. Dropping it leaves the
 /// rendezvous (ending the round it is part of) and joins the thread.
+///
+/// Every method takes `&self` (the handle is shared, e.g. from
+/// [`Rendezvous::elastic`](super::Rendezvous::elastic) or a Python object), and those of
+/// torchelastic's `RendezvousHandler` are here under its names:
+/// [`next_rendezvous`](Self::next_rendezvous), [`is_closed`](Self::is_closed),
+/// [`set_closed`](Self::set_closed), [`num_nodes_waiting`](Self::num_nodes_waiting),
+/// [`run_id`](Self::run_id) and [`shutdown`](Self::shutdown). Failures carry
+/// [`ElasticFailure::kind`], the PyTorch exception to raise.
 pub struct ElasticRendezvous {
     node: String,
-    run_id: String,
+    settings: ElasticSettings,
     store: Arc<dyn Store>,
     shared: Arc<(Mutex<Shared>, Condvar)>,
-    commands: Sender<LocalEvent>,
-    thread: Option<JoinHandle<()>>,
+    commands: Mutex<Sender<LocalEvent>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The last round [`ElasticRendezvous::next_rendezvous`] handed out.
+    taken: Mutex<Option<u64>>,
 }
 
 impl fmt::Debug for ElasticRendezvous {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ElasticRendezvous")
             .field("node", &self.node)
-            .field("run_id", &self.run_id)
+            .field("run_id", &self.settings.run_id)
             .finish_non_exhaustive()
     }
 }
@@ -129,8 +175,7 @@ impl ElasticRendezvous {
             key: String::new(),
             error: e.to_string(),
         })?;
-        let run_id = settings.run_id.clone();
-        let mut machine = ElasticNode::new(settings, node.clone());
+        let mut machine = ElasticNode::new(settings.clone(), node.clone());
         machine.handle_local(LocalEvent::Join);
         let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
         let (commands, inbox) = mpsc::channel();
@@ -152,11 +197,12 @@ impl ElasticRendezvous {
             })?;
         Ok(ElasticRendezvous {
             node,
-            run_id,
+            settings,
             store,
             shared,
-            commands,
-            thread: Some(thread),
+            commands: Mutex::new(commands),
+            thread: Mutex::new(Some(thread)),
+            taken: Mutex::new(None),
         })
     }
 
@@ -165,14 +211,137 @@ impl ElasticRendezvous {
         &self.node
     }
 
+    /// The run id (`get_run_id`).
+    pub fn run_id(&self) -> &str {
+        &self.settings.run_id
+    }
+
+    /// The settings this node runs with.
+    pub fn settings(&self) -> &ElasticSettings {
+        &self.settings
+    }
+
+    /// torchelastic's `next_rendezvous`: the first call waits for this node's first round;
+    /// a later call, made while the round it returned last is still going (the agent
+    /// restarts its workers), ends that round for everyone and waits for the next one; a
+    /// call after that round ended waits for the round that follows. Waits up to the join
+    /// timeout (the machine fails with `RendezvousTimeoutError` then).
+    ///
+    /// # Errors
+    /// As [`ElasticRendezvous::next_round`]; [`ElasticFailure::kind`] says which of
+    /// PyTorch's exceptions to raise.
+    pub fn next_rendezvous(&self) -> Result<RoundOutcome, ElasticFailure> {
+        let mut taken = lock_any(&self.taken);
+        if let (Some(last), Some(current)) = (*taken, self.current()) {
+            if current.round == last {
+                self.send(LocalEvent::WorkerFailed);
+            }
+        }
+        // The machine's own join timeout fires first; its error is the one to show.
+        let round = self.next_round(*taken, self.settings.join_timeout + Duration::from_secs(5))?;
+        *taken = Some(round.round);
+        Ok(round)
+    }
+
+    /// torchelastic's `num_nodes_waiting`: how many nodes wait to join a round after the
+    /// one [`ElasticRendezvous::next_rendezvous`] returned last; more than 0 tells the
+    /// agent to restart its workers and call `next_rendezvous`. A node that arrives while a
+    /// round with room is going ends that round at once, so this is the count of live
+    /// nodes that have arrived in the next round, and at least 1 once the round is over.
+    /// Hot spares (the round is full) are not counted, as PyTorch's redundancy list.
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the store cannot be read.
+    pub fn num_nodes_waiting(&self) -> Result<u32, ElasticFailure> {
+        let Some(last) = *lock_any(&self.taken) else {
+            return Ok(0);
+        };
+        let still = lock_any(&self.shared.0)
+            .current
+            .as_ref()
+            .is_some_and(|current| current.round == last);
+        if still {
+            return Ok(0);
+        }
+        let key = self.settings.live_count_key(last.saturating_add(1));
+        let value = self
+            .store
+            .add(&key, 0)
+            .map_err(|e| self.store_failure("add", &key, &e))?;
+        let others = ElasticSettings::live_count(value).saturating_sub(1);
+        Ok(others.max(1))
+    }
+
+    /// torchelastic's `is_closed`: whether the rendezvous has been closed for good (by any
+    /// node's [`ElasticRendezvous::set_closed`] or `shutdown`).
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the store cannot be read.
+    pub fn is_closed(&self) -> Result<bool, ElasticFailure> {
+        let key = self.settings.closed_key();
+        self.store
+            .check(&[&key])
+            .map_err(|e| self.store_failure("check", &key, &e))
+    }
+
+    /// torchelastic's `set_closed`: closes the rendezvous for good. Every node's next
+    /// `next_rendezvous` fails with `RendezvousClosedError` (a hot spare's with
+    /// `RendezvousGracefulExitError`), and so does this node's; nodes waiting in an open
+    /// round are woken. Takes at most the close timeout (`close_timeout`).
+    ///
+    /// # Errors
+    /// [`ElasticFailure::CloseTimeout`], or [`ElasticFailure::Store`] when this node's
+    /// driver had already ended and writing the key failed.
+    pub fn set_closed(&self) -> Result<(), ElasticFailure> {
+        let timeout = self.settings.close_timeout;
+        if lock_any(&self.shared.0).ending.is_none() {
+            self.send(LocalEvent::Shutdown);
+        }
+        match self.wait_ending(timeout) {
+            Some(Ending::ShutDown) => {
+                self.join_thread();
+                Ok(())
+            }
+            Some(_) => {
+                // The driver had ended (left or failed) before it could close: close
+                // through the handle's own connection, as the core says.
+                self.join_thread();
+                let by = format!("node '{}'", self.node);
+                for action in self.settings.close_actions(&by) {
+                    perform(&*self.store, &action, Duration::ZERO)
+                        .map_err(|e| self.store_failure(action.name(), action.key(), &e))?;
+                }
+                Ok(())
+            }
+            None => Err(ElasticFailure::CloseTimeout {
+                node: self.node.clone(),
+                run_id: self.settings.run_id.clone(),
+                waited: timeout,
+            }),
+        }
+    }
+
+    fn send(&self, event: LocalEvent) {
+        let _ = lock_any(&self.commands).send(event);
+    }
+
+    fn store_failure(&self, op: &'static str, key: &str, error: &StoreError) -> ElasticFailure {
+        ElasticFailure::Store {
+            node: self.node.clone(),
+            op,
+            key: key.to_string(),
+            error: error.to_string(),
+        }
+    }
+
     /// The round this node is a member of now, if any.
     pub fn current(&self) -> Option<RoundOutcome> {
-        lock(&self.shared.0).current.clone()
+        lock_any(&self.shared.0).current.clone()
     }
 
     /// The round this node arrived too late for, and whether it waits as a hot spare.
     pub fn waiting(&self) -> Option<(u64, bool)> {
-        lock(&self.shared.0).waiting
+        lock_any(&self.shared.0).waiting
     }
 
     /// Waits up to `timeout` for this node to be a member of a complete round later than
@@ -189,7 +358,7 @@ impl ElasticRendezvous {
     ) -> Result<RoundOutcome, ElasticFailure> {
         let deadline = StdInstant::now() + timeout;
         let (mutex, condvar) = &*self.shared;
-        let mut shared = lock(mutex);
+        let mut shared = lock_any(mutex);
         loop {
             if let Some(current) = &shared.current {
                 if after.is_none_or(|after| current.round > after) {
@@ -198,10 +367,16 @@ impl ElasticRendezvous {
             }
             match &shared.ending {
                 Some(Ending::Failed(failure)) => return Err(failure.clone()),
-                Some(Ending::Left | Ending::ShutDown) => {
+                Some(Ending::Left) => {
                     return Err(ElasticFailure::Left {
                         node: self.node.clone(),
-                        run_id: self.run_id.clone(),
+                        run_id: self.settings.run_id.clone(),
+                    })
+                }
+                Some(Ending::ShutDown) => {
+                    return Err(ElasticFailure::ShutDown {
+                        node: self.node.clone(),
+                        run_id: self.settings.run_id.clone(),
                     })
                 }
                 None => {}
@@ -230,26 +405,27 @@ impl ElasticRendezvous {
 
     /// This node's workers failed: end the round; the node rejoins the next one.
     pub fn worker_failed(&self) {
-        let _ = self.commands.send(LocalEvent::WorkerFailed);
+        self.send(LocalEvent::WorkerFailed);
     }
 
-    /// Closes the rendezvous for good (PyTorch's `shutdown`), then waits up to `timeout`
-    /// for the driver to finish. Returns whether it did (PyTorch returns `False` when
-    /// closing failed).
-    pub fn shutdown(mut self, timeout: Duration) -> bool {
-        let _ = self.commands.send(LocalEvent::Shutdown);
-        let done = self.wait_ending(timeout);
-        let shut = matches!(done, Some(Ending::ShutDown));
-        if done.is_some() {
-            self.join_thread();
+    /// torchelastic's `shutdown`: closes the rendezvous for good
+    /// ([`ElasticRendezvous::set_closed`]) and stops this node's driver (its heartbeats).
+    /// Returns whether closing succeeded within the close timeout (PyTorch returns
+    /// `False` when it did not).
+    pub fn shutdown(&self) -> bool {
+        match self.set_closed() {
+            Ok(()) => true,
+            Err(failure) => {
+                tracing::warn!(%failure, "elastic rendezvous shutdown");
+                false
+            }
         }
-        shut
     }
 
     /// Leaves the rendezvous (ending the round this node is part of), waiting up to
-    /// `timeout` for the driver to finish.
-    pub fn leave(mut self, timeout: Duration) -> bool {
-        let _ = self.commands.send(LocalEvent::Leave);
+    /// `timeout` for the driver to finish. Returns whether it did.
+    pub fn leave(&self, timeout: Duration) -> bool {
+        self.send(LocalEvent::Leave);
         let done = self.wait_ending(timeout).is_some();
         if done {
             self.join_thread();
@@ -259,15 +435,15 @@ impl ElasticRendezvous {
 
     fn wait_ending(&self, timeout: Duration) -> Option<Ending> {
         let (mutex, condvar) = &*self.shared;
-        let shared = lock(mutex);
+        let shared = lock_any(mutex);
         let (shared, _) = condvar
             .wait_timeout_while(shared, timeout, |s| s.ending.is_none())
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         shared.ending.clone()
     }
 
-    fn join_thread(&mut self) {
-        if let Some(thread) = self.thread.take() {
+    fn join_thread(&self) {
+        if let Some(thread) = lock_any(&self.thread).take() {
             let _ = thread.join();
         }
     }
@@ -275,8 +451,8 @@ impl ElasticRendezvous {
 
 impl Drop for ElasticRendezvous {
     fn drop(&mut self) {
-        if self.thread.is_some() {
-            let _ = self.commands.send(LocalEvent::Leave);
+        if lock_any(&self.thread).is_some() {
+            self.send(LocalEvent::Leave);
             // The driver sees the event within one keep-alive interval; don't block a
             // dropping caller longer than that would take, but don't leak the thread
             // either when it ends in time.
@@ -287,7 +463,7 @@ impl Drop for ElasticRendezvous {
     }
 }
 
-fn lock(mutex: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
+fn lock_any<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -358,36 +534,19 @@ impl Driver {
     }
 
     fn perform(&self, action: &StoreAction) -> Result<OwnedStoreReply, StoreError> {
-        Ok(match action {
-            StoreAction::Check { key } => OwnedStoreReply::Checked(self.store.check(&[key])?),
-            StoreAction::Add { key, delta } => OwnedStoreReply::Added(self.store.add(key, *delta)?),
-            StoreAction::Set { key, value } => {
-                self.store.set(key, value)?;
-                OwnedStoreReply::Set
-            }
-            StoreAction::CompareSet {
-                key,
-                expected,
-                desired,
-            } => OwnedStoreReply::Value(self.store.compare_set(key, expected, desired)?),
-            StoreAction::Get { key } => OwnedStoreReply::Value(self.store.get(key)?),
-            StoreAction::Wait { key, until } => {
-                let left = until
-                    .saturating_duration_since(self.now())
-                    .max(Duration::from_millis(1));
-                match self.store.wait(&[key], Some(left)) {
-                    Ok(()) => OwnedStoreReply::Waited,
-                    Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
-                    Err(error) => return Err(error),
-                }
-            }
-        })
+        let left = match action {
+            StoreAction::Wait { until, .. } => until
+                .saturating_duration_since(self.now())
+                .max(Duration::from_millis(1)),
+            _ => Duration::ZERO,
+        };
+        perform(&*self.store, action, left)
     }
 
     /// Hands the machine's events to the handle.
     fn publish(&mut self) {
         let (mutex, condvar) = &*self.shared;
-        let mut shared = lock(mutex);
+        let mut shared = lock_any(mutex);
         let mut changed = false;
         while let Some(event) = self.machine.poll_event() {
             changed = true;
@@ -417,11 +576,42 @@ impl Driver {
 
     fn finish(&mut self, ending: Ending) {
         let (mutex, condvar) = &*self.shared;
-        let mut shared = lock(mutex);
+        let mut shared = lock_any(mutex);
         shared.current = None;
         shared.ending = Some(ending);
         condvar.notify_all();
     }
+}
+
+/// Performs one of the core's store actions on `store`; a wait waits up to `left`.
+fn perform(
+    store: &dyn Store,
+    action: &StoreAction,
+    left: Duration,
+) -> Result<OwnedStoreReply, StoreError> {
+    Ok(match action {
+        StoreAction::Check { key } => OwnedStoreReply::Checked(store.check(&[key])?),
+        StoreAction::Add { key, delta } => OwnedStoreReply::Added(store.add(key, *delta)?),
+        StoreAction::Set { key, value } => {
+            store.set(key, value)?;
+            OwnedStoreReply::Set
+        }
+        StoreAction::Append { key, value } => {
+            store.append(key, value)?;
+            OwnedStoreReply::Set
+        }
+        StoreAction::CompareSet {
+            key,
+            expected,
+            desired,
+        } => OwnedStoreReply::Value(store.compare_set(key, expected, desired)?),
+        StoreAction::Get { key } => OwnedStoreReply::Value(store.get(key)?),
+        StoreAction::Wait { key, .. } => match store.wait(&[key], Some(left)) {
+            Ok(()) => OwnedStoreReply::Waited,
+            Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
+            Err(error) => return Err(error),
+        },
+    })
 }
 
 /// PyTorch's `_NodeDesc` text: `{host}_{pid}_{local_id}`, `local_id` counting this
@@ -465,13 +655,13 @@ pub(super) fn elastic_rendezvous_handler(
             .into(),
         )
     })?;
-    let join_timeout = parsed.settings.join_timeout;
+    // torchrun's c10d backend gives its store client the read timeout; the rounds' stores
+    // are prefixes of that client.
+    store.set_timeout(parsed.read_timeout);
     let handle = ElasticRendezvous::start(Arc::new(store), parsed.settings, node)
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    // The machine fails with RendezvousTimeoutError at the join timeout; wait a little
-    // longer so that its error, not ours, is what the caller sees.
     let round = handle
-        .next_round(None, join_timeout + Duration::from_secs(5))
+        .next_rendezvous()
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
     let mut rendezvous = Rendezvous::new(
         handle.round_store(&round),

@@ -9,7 +9,6 @@ use core::fmt;
 use core::time::Duration;
 
 use super::{ElasticSettings, Instant};
-use crate::store::semantics::parse_counter;
 
 /// A store operation the runtime must perform, then answer with one [`StoreReply`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +42,13 @@ pub enum StoreAction {
         /// The value to write.
         desired: Vec<u8>,
     },
+    /// `append(key, value)` (creating the key when missing); answer [`StoreReply::Set`].
+    Append {
+        /// The key.
+        key: String,
+        /// The bytes to add at the end.
+        value: Vec<u8>,
+    },
     /// `get(key)` of a key known to exist; answer [`StoreReply::Value`].
     Get {
         /// The key.
@@ -67,6 +73,7 @@ impl StoreAction {
             Self::Set { .. } => "set",
             Self::CompareSet { .. } => "compare_set",
             Self::Get { .. } => "get",
+            Self::Append { .. } => "append",
             Self::Wait { .. } => "wait",
         }
     }
@@ -77,6 +84,7 @@ impl StoreAction {
             Self::Check { key }
             | Self::Add { key, .. }
             | Self::Set { key, .. }
+            | Self::Append { key, .. }
             | Self::CompareSet { key, .. }
             | Self::Get { key }
             | Self::Wait { key, .. } => key,
@@ -91,7 +99,7 @@ pub enum StoreReply<'a> {
     Checked(bool),
     /// The counter after the add.
     Added(i64),
-    /// The set is done.
+    /// The set (or append) is done.
     Set,
     /// The value returned by `get` or `compare_set`.
     Value(&'a [u8]),
@@ -186,7 +194,8 @@ pub enum Event {
         /// Whether it waits as a hot spare (the round has `max_nodes` members).
         hot_spare: bool,
     },
-    /// The round this node was a member of is over; it rejoins the next one.
+    /// The round this node was a member of is over (or, closed with this node, failed
+    /// before it was complete: a member never acknowledged it); it rejoins the next one.
     RoundOver {
         /// The round.
         round: u64,
@@ -201,12 +210,51 @@ pub enum Event {
     Failed(ElasticError),
 }
 
+/// Which of PyTorch's rendezvous exceptions a failure is (`torch.distributed.elastic.
+/// rendezvous.api`), so that a binding can raise the right class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ElasticErrorKind {
+    /// `RendezvousClosedError`: the rendezvous is closed (or this node left it).
+    Closed,
+    /// `RendezvousTimeoutError`: no complete round in time.
+    Timeout,
+    /// `RendezvousConnectionError`: the store could not be reached or failed.
+    Connection,
+    /// `RendezvousStateError`: the keys hold what this protocol never writes.
+    State,
+    /// `RendezvousGracefulExitError`: the rendezvous closed while this node waited
+    /// outside every round (a hot spare, or a late node): it should exit with success.
+    GracefulExit,
+}
+
+impl ElasticErrorKind {
+    /// PyTorch's class name, e.g. `"RendezvousClosedError"`.
+    pub const fn torch_name(self) -> &'static str {
+        match self {
+            Self::Closed => "RendezvousClosedError",
+            Self::Timeout => "RendezvousTimeoutError",
+            Self::Connection => "RendezvousConnectionError",
+            Self::State => "RendezvousStateError",
+            Self::GracefulExit => "RendezvousGracefulExitError",
+        }
+    }
+}
+
 /// Why the rendezvous failed. `Display` starts with PyTorch's exception name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ElasticError {
     /// The rendezvous was shut down.
     Closed {
+        /// The run id.
+        run_id: String,
+    },
+    /// The rendezvous was shut down while this node waited outside every round (a hot
+    /// spare or a late node): PyTorch's graceful exit, not a failure of the job.
+    GracefulExit {
+        /// This node.
+        node: String,
         /// The run id.
         run_id: String,
     },
@@ -235,9 +283,26 @@ pub enum ElasticError {
     },
 }
 
+impl ElasticError {
+    /// Which of PyTorch's exceptions this is.
+    pub const fn kind(&self) -> ElasticErrorKind {
+        match self {
+            Self::Closed { .. } => ElasticErrorKind::Closed,
+            Self::GracefulExit { .. } => ElasticErrorKind::GracefulExit,
+            Self::Timeout { .. } => ElasticErrorKind::Timeout,
+            Self::BadValue { .. } | Self::UnexpectedReply { .. } => ElasticErrorKind::State,
+        }
+    }
+}
+
 impl fmt::Display for ElasticError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Self::GracefulExit { node, run_id } => write!(
+                f,
+                "RendezvousGracefulExitError: the rendezvous '{run_id}' is closed, terminating \
+                 pending rendezvous (node '{node}' was waiting outside the round)"
+            ),
             Self::Closed { run_id } => write!(
                 f,
                 "RendezvousClosedError: the rendezvous '{run_id}' is closed (a node shut it \
@@ -256,12 +321,12 @@ impl fmt::Display for ElasticError {
             ),
             Self::BadValue { key, value } => write!(
                 f,
-                "elastic rendezvous key {key} holds '{value}', which this protocol never \
+                "RendezvousStateError: elastic rendezvous key {key} holds '{value}', which this protocol never \
                  writes: another program is using the same run id"
             ),
             Self::UnexpectedReply { expected, got } => write!(
                 f,
-                "elastic rendezvous misdriven: the pending action is '{expected}' but the \
+                "RendezvousStateError: elastic rendezvous misdriven: the pending action is '{expected}' but the \
                  reply given is '{got}'"
             ),
         }
@@ -271,14 +336,36 @@ impl fmt::Display for ElasticError {
 #[cfg(feature = "std")]
 impl std::error::Error for ElasticError {}
 
-/// A member's view of its round.
+/// The arrivals counter counts departures in its high 32 bits: one `ADD` of this marks a
+/// slot gone (see [`ElasticSettings::live_count`]).
+const DEPARTED: i64 = 1 << 32;
+
+/// Added to the round hint when the rendezvous is closed: a joiner's first read, and the
+/// compare-set that advances the hint, tell closed runs apart at no extra cost.
+pub(super) const CLOSED_MARK: i64 = 1 << 40;
+
+/// Added to a round's `ready` counter by a member that gave up waiting for the others'
+/// acknowledgements: the round failed.
+const POISON: i64 = 1 << 32;
+
+/// The most slots one round may hand out; a counter beyond it is a foreign value.
+const MAX_SLOTS: u32 = 1 << 16;
+
+/// The first poll of the roster for an arrival whose entry is not there yet waits this
+/// long; each later one twice as long, up to one keep-alive interval in all.
+const ROSTER_POLL: Duration = Duration::from_millis(1);
+
+/// A member's (or hot spare's) view of its round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Member {
     round: u64,
     slot: u32,
     world: u32,
+    /// The slot and rank of the member whose heartbeat this node watches.
+    watch_slot: u32,
+    watch_rank: u32,
     next_tick: Instant,
-    /// The neighbour's heartbeat counter as last read, and when it last moved.
+    /// The watched heartbeat counter as last read, and when it last moved.
     seen: i64,
     seen_at: Instant,
 }
@@ -291,12 +378,18 @@ enum Then {
     Failed(ElasticError),
 }
 
+/// What comes after marking a slot of an open round gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum AfterGone {
+    /// A watcher marked a dead neighbour: go on waiting.
+    Resume(Resume),
+    /// This node departs (timed out, left): see whether the round closed with it first.
+    Own(Then),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Step {
     Idle,
-    CheckClosed {
-        round: Option<u64>,
-    },
     ReadHint,
     Arrive {
         round: u64,
@@ -304,6 +397,7 @@ enum Step {
     Announce {
         round: u64,
         slot: u32,
+        live: u32,
     },
     SetQuorum {
         round: u64,
@@ -318,14 +412,74 @@ enum Step {
         slot: u32,
         last_call: Instant,
     },
+    /// An open round's tick: this node's heartbeat, the arrivals, the watched slot's
+    /// heartbeat, then `closed`.
+    OpenBeat {
+        resume: Resume,
+    },
+    OpenCount {
+        resume: Resume,
+    },
+    OpenWatch {
+        resume: Resume,
+        target: u32,
+    },
+    Recheck {
+        resume: Resume,
+    },
+    /// Marking `slot` of an open round gone: claim it, log it in the roster, count it.
+    GoneClaim {
+        round: u64,
+        slot: u32,
+        after: AfterGone,
+    },
+    GoneLog {
+        round: u64,
+        slot: u32,
+        after: AfterGone,
+    },
+    GoneCount {
+        round: u64,
+        slot: u32,
+        after: AfterGone,
+    },
+    /// A departing node: did the round close (with it) before it left?
+    OwnCheck {
+        round: u64,
+        slot: u32,
+        then: Then,
+    },
+    OwnRead {
+        round: u64,
+        slot: u32,
+        then: Then,
+    },
     Count {
         round: u64,
         slot: u32,
     },
+    ReadRoster {
+        round: u64,
+        slot: u32,
+        count: u32,
+        since: Instant,
+        tries: u32,
+    },
+    RosterPoll {
+        round: u64,
+        slot: u32,
+        count: u32,
+        since: Instant,
+        tries: u32,
+    },
     Close {
         round: u64,
         slot: u32,
-        size: u32,
+        proposal: String,
+    },
+    Confirm {
+        round: u64,
+        slot: u32,
     },
     ReadSize {
         round: u64,
@@ -334,10 +488,34 @@ enum Step {
     QuorumAfterClose {
         round: u64,
         slot: u32,
-        size: u32,
+        gone: Option<u32>,
     },
-    Recheck {
-        resume: Resume,
+    /// A member acknowledges the round (`ready`); the last one releases the others.
+    Ack {
+        round: u64,
+        slot: u32,
+        rank: u32,
+    },
+    SetGo {
+        round: u64,
+        slot: u32,
+        rank: u32,
+    },
+    WaitGo {
+        round: u64,
+        slot: u32,
+        rank: u32,
+        deadline: Instant,
+    },
+    Poison {
+        round: u64,
+        slot: u32,
+        rank: u32,
+    },
+    CheckGo {
+        round: u64,
+        slot: u32,
+        rank: u32,
     },
     AskNext {
         round: u64,
@@ -359,6 +537,7 @@ enum Step {
         then: Then,
     },
     ShutClosed,
+    ShutMark,
     ShutSize {
         round: u64,
     },
@@ -368,7 +547,7 @@ enum Step {
     Done,
 }
 
-/// A wait to resume after a `CHECK` of `closed`.
+/// A wait to resume after an open round's tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resume {
     Quorum {
@@ -383,6 +562,34 @@ enum Resume {
     Spare(Member),
 }
 
+impl Resume {
+    fn round_slot(&self) -> (u64, u32) {
+        match *self {
+            Resume::Quorum { round, slot } | Resume::Size { round, slot, .. } => (round, slot),
+            Resume::Spare(m) => (m.round, m.slot),
+        }
+    }
+}
+
+/// What a node waiting in an open round knows of the neighbour it watches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct OpenWatch {
+    target: u32,
+    seen: i64,
+    seen_at: Instant,
+    /// The slots this node has found dead (or gone) in this round: skipped.
+    marked: Vec<u32>,
+}
+
+/// One arrival of a round, as its roster says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry<'a> {
+    slot: u32,
+    /// The round and rank this node held last.
+    prev: Option<(u64, u32)>,
+    node: &'a str,
+}
+
 /// One node of the elastic rendezvous, as a state machine. See the module documentation
 /// for the protocol and how to drive it.
 #[derive(Debug, Clone)]
@@ -395,14 +602,23 @@ pub struct ElasticNode {
     local: VecDeque<LocalEvent>,
     events: VecDeque<Event>,
     join_deadline: Instant,
-    /// The round this node holds a member's slot in (open or complete): leaving ends it.
+    /// The round this node holds a slot in (open or complete): leaving ends or leaves it.
     holding: Option<u64>,
     wait_until: Option<Instant>,
+    /// Whether this node waits as a hot spare (outside a full round).
+    spare: bool,
+    /// This node's slot in the round it holds, while the round is open.
+    open_slot: Option<u32>,
+    open: OpenWatch,
+    /// The slots of the round just closed, by rank.
+    world: Vec<u32>,
+    /// The round and rank this node held last, for stable ranks.
+    prev: Option<(u64, u32)>,
 }
 
 impl ElasticNode {
-    /// A node called `node` (any text; it is only written for operators to read), idle
-    /// until [`LocalEvent::Join`].
+    /// A node called `node` (any text; it is written to the roster, and orders newcomers'
+    /// ranks), idle until [`LocalEvent::Join`].
     pub fn new(settings: ElasticSettings, node: impl Into<String>) -> Self {
         let base = format!("rdzv.elastic.{}", settings.run_id);
         ElasticNode {
@@ -416,6 +632,11 @@ impl ElasticNode {
             join_deadline: Instant::ZERO,
             holding: None,
             wait_until: None,
+            spare: false,
+            open_slot: None,
+            open: OpenWatch::default(),
+            world: Vec::new(),
+            prev: None,
         }
     }
 
@@ -487,9 +708,28 @@ impl ElasticNode {
         self.key(format_args!("{round}/{name}"))
     }
 
+    fn hb_key(&self, round: u64, slot: u32) -> String {
+        self.key(format_args!("{round}/hb/{slot}"))
+    }
+
     /// A wait's deadline: `limit`, but never more than one keep-alive interval away.
     fn capped(&self, now: Instant, limit: Instant) -> Instant {
         limit.min(now.saturating_add(self.settings.keep_alive_interval))
+    }
+
+    /// This node's roster line: `+{slot} {round}:{rank}|- {node}`.
+    fn roster_line(&self, slot: u32) -> Vec<u8> {
+        let mut line = match self.prev {
+            Some((round, rank)) => format!("+{slot} {round}:{rank} "),
+            None => format!("+{slot} - "),
+        };
+        line.extend(
+            self.node
+                .chars()
+                .map(|c| if c.is_control() { '?' } else { c }),
+        );
+        line.push('\n');
+        line.into_bytes()
     }
 
     fn action(&self, now: Instant) -> Option<StoreAction> {
@@ -498,7 +738,7 @@ impl ElasticNode {
         };
         Some(match &self.step {
             Step::Idle | Step::Done => return None,
-            Step::CheckClosed { .. } | Step::Recheck { .. } => closed(),
+            Step::Recheck { .. } => closed(),
             Step::ReadHint => StoreAction::Add {
                 key: self.key(format_args!("round")),
                 delta: 0,
@@ -507,9 +747,9 @@ impl ElasticNode {
                 key: self.round_key(*round, "arrivals"),
                 delta: 1,
             },
-            Step::Announce { round, slot } => StoreAction::Set {
-                key: self.key(format_args!("{round}/node/{slot}")),
-                value: self.node.as_bytes().to_vec(),
+            Step::Announce { round, slot, .. } => StoreAction::Append {
+                key: self.round_key(*round, "roster"),
+                value: self.roster_line(*slot),
             },
             Step::SetQuorum { round, .. }
             | Step::QuorumAfterClose { round, .. }
@@ -527,22 +767,96 @@ impl ElasticNode {
                 key: self.round_key(*round, "size"),
                 until: self.capped(now, self.join_deadline.min(*last_call)),
             },
+            Step::OpenBeat { resume } => {
+                let (round, slot) = resume.round_slot();
+                StoreAction::Add {
+                    key: self.hb_key(round, slot),
+                    delta: 1,
+                }
+            }
+            Step::OpenCount { resume } => StoreAction::Add {
+                key: self.round_key(resume.round_slot().0, "arrivals"),
+                delta: 0,
+            },
+            Step::OpenWatch { resume, target } => StoreAction::Add {
+                key: self.hb_key(resume.round_slot().0, *target),
+                delta: 0,
+            },
+            Step::GoneClaim { round, slot, .. } => StoreAction::CompareSet {
+                key: self.key(format_args!("{round}/gone/{slot}")),
+                expected: Vec::new(),
+                desired: self.node.as_bytes().to_vec(),
+            },
+            Step::GoneLog { round, slot, .. } => StoreAction::Append {
+                key: self.round_key(*round, "roster"),
+                value: format!("-{slot}\n").into_bytes(),
+            },
+            Step::GoneCount { round, .. } => StoreAction::Add {
+                key: self.round_key(*round, "arrivals"),
+                delta: DEPARTED,
+            },
+            Step::OwnCheck { round, .. } => StoreAction::Check {
+                key: self.round_key(*round, "size"),
+            },
+            Step::OwnRead { round, .. } | Step::ReadSize { round, .. } => StoreAction::Get {
+                key: self.round_key(*round, "size"),
+            },
             Step::Count { round, .. } => StoreAction::Add {
                 key: self.round_key(*round, "arrivals"),
                 delta: 0,
             },
-            Step::Close { round, size, .. } => StoreAction::CompareSet {
+            Step::ReadRoster { round, .. } | Step::Confirm { round, .. } => StoreAction::Get {
+                key: self.round_key(*round, "roster"),
+            },
+            Step::RosterPoll {
+                round,
+                since,
+                tries,
+                ..
+            } => {
+                let grace = since.saturating_add(self.settings.keep_alive_interval);
+                let pause = ROSTER_POLL.saturating_mul(1u32 << (*tries).min(20));
+                StoreAction::Wait {
+                    key: self.round_key(*round, "size"),
+                    until: now.saturating_add(pause).min(grace).max(now),
+                }
+            }
+            Step::Close {
+                round, proposal, ..
+            } => StoreAction::CompareSet {
                 key: self.round_key(*round, "size"),
                 expected: Vec::new(),
-                desired: format!("{size}").into_bytes(),
+                desired: proposal.as_bytes().to_vec(),
+            },
+            Step::Ack { round, .. } => StoreAction::Add {
+                key: self.round_key(*round, "ready"),
+                delta: 1,
+            },
+            Step::Poison { round, .. } => StoreAction::Add {
+                key: self.round_key(*round, "ready"),
+                delta: POISON,
+            },
+            Step::CheckGo { round, .. } => StoreAction::Check {
+                key: self.round_key(*round, "go"),
+            },
+            Step::SetGo { round, .. } => StoreAction::Set {
+                key: self.round_key(*round, "go"),
+                value: Vec::new(),
+            },
+            Step::WaitGo {
+                round, deadline, ..
+            } => StoreAction::Wait {
+                key: self.round_key(*round, "go"),
+                until: self.capped(now, *deadline),
+            },
+            Step::ShutMark => StoreAction::Add {
+                key: self.key(format_args!("round")),
+                delta: CLOSED_MARK,
             },
             Step::ShutSize { round } => StoreAction::CompareSet {
                 key: self.round_key(*round, "size"),
                 expected: Vec::new(),
                 desired: b"0".to_vec(),
-            },
-            Step::ReadSize { round, .. } => StoreAction::Get {
-                key: self.round_key(*round, "size"),
             },
             Step::AskNext { round } => StoreAction::Set {
                 key: self.round_key(*round, "over"),
@@ -558,11 +872,11 @@ impl ElasticNode {
                 desired: format!("{}", round.saturating_add(1)).into_bytes(),
             },
             Step::Beat(m) => StoreAction::Add {
-                key: self.key(format_args!("{}/hb/{}", m.round, m.slot)),
+                key: self.hb_key(m.round, m.slot),
                 delta: 1,
             },
             Step::Watch(m) | Step::SpareWatch(m) => StoreAction::Add {
-                key: self.key(format_args!("{}/hb/{}", m.round, watched(m))),
+                key: self.hb_key(m.round, m.watch_slot),
                 delta: 0,
             },
             Step::WaitOver(m) => StoreAction::Wait {
@@ -591,18 +905,20 @@ impl ElasticNode {
             LocalEvent::Join => {
                 if self.step == Step::Idle {
                     self.join_deadline = now.saturating_add(self.settings.join_timeout);
-                    self.step = Step::CheckClosed { round: None };
+                    self.step = Step::ReadHint;
                 }
             }
-            LocalEvent::Leave => match self.holding {
-                Some(round) => {
+            LocalEvent::Leave => match (self.holding, self.open_slot) {
+                // In an open round: leave it, so that it closes without this node.
+                (Some(round), Some(slot)) => self.step = self.depart(round, slot, Then::Left),
+                (Some(round), None) => {
                     self.step = Step::MarkOver {
                         round,
                         reason: format!("node '{}' left", self.node),
                         then: Then::Left,
                     }
                 }
-                None => self.finish(Event::Left),
+                _ => self.finish(Event::Left),
             },
             LocalEvent::Shutdown => self.step = Step::ShutClosed,
             LocalEvent::WorkerFailed => {
@@ -617,19 +933,38 @@ impl ElasticNode {
         }
     }
 
+    /// This node leaves the open round `round`, where it holds `slot`.
+    fn depart(&self, round: u64, slot: u32, then: Then) -> Step {
+        Step::GoneClaim {
+            round,
+            slot,
+            after: AfterGone::Own(then),
+        }
+    }
+
     fn finish(&mut self, event: Event) {
         self.events.push_back(event);
         self.step = Step::Done;
         self.holding = None;
+        self.open_slot = None;
     }
 
     fn fail(&mut self, error: ElasticError) {
         self.finish(Event::Failed(error));
     }
 
+    /// The rendezvous is closed: a graceful exit for a hot spare (PyTorch's redundancy
+    /// list), `RendezvousClosedError` for anyone else.
     fn closed_error(&self) -> ElasticError {
-        ElasticError::Closed {
-            run_id: self.settings.run_id.clone(),
+        if self.spare {
+            ElasticError::GracefulExit {
+                node: self.node.clone(),
+                run_id: self.settings.run_id.clone(),
+            }
+        } else {
+            ElasticError::Closed {
+                run_id: self.settings.run_id.clone(),
+            }
         }
     }
 
@@ -672,6 +1007,13 @@ impl ElasticNode {
         }
     }
 
+    /// Fails with a foreign value at `{round}/{name}`; returns `Done`.
+    fn foreign(&mut self, round: u64, name: &str, value: &[u8]) -> Step {
+        let key = self.round_key(round, name);
+        self.fail(self.bad_value(key, value));
+        Step::Done
+    }
+
     fn transition(
         &mut self,
         step: Step,
@@ -681,20 +1023,10 @@ impl ElasticNode {
         use StoreReply as R;
         let max = self.settings.nodes.max;
         let min = self.settings.nodes.min;
-        let step_kind = match step {
-            Step::Close { .. } => StepKind::Close,
-            _ => StepKind::Other,
-        };
         Ok(match (step, reply) {
-            (Step::CheckClosed { round }, R::Checked(closed)) => {
-                if closed {
-                    self.fail(self.closed_error());
-                    return Ok(Step::Done);
-                }
-                match round {
-                    Some(round) => Step::Arrive { round },
-                    None => Step::ReadHint,
-                }
+            (Step::ReadHint, R::Added(round)) if round >= CLOSED_MARK => {
+                self.fail(self.closed_error());
+                Step::Done
             }
             (Step::ReadHint, R::Added(round)) => match u64::try_from(round) {
                 Ok(round) => Step::Arrive { round },
@@ -704,35 +1036,45 @@ impl ElasticNode {
                     return Ok(Step::Done);
                 }
             },
-            (Step::Arrive { round }, R::Added(slot)) => match u32::try_from(slot) {
-                Ok(slot) if slot >= 1 => {
-                    self.holding = Some(round);
-                    Step::Announce { round, slot }
+            (Step::Arrive { round }, R::Added(value)) => {
+                let slot = (value & 0xffff_ffff) as u32;
+                if value < 1 || !(1..=MAX_SLOTS).contains(&slot) {
+                    return Ok(self.foreign(round, "arrivals", format!("{value}").as_bytes()));
                 }
-                _ => {
-                    let key = self.round_key(round, "arrivals");
-                    self.fail(self.bad_value(key, format!("{slot}").as_bytes()));
-                    return Ok(Step::Done);
+                self.holding = Some(round);
+                self.open_slot = Some(slot);
+                self.open = OpenWatch::default();
+                Step::Announce {
+                    round,
+                    slot,
+                    live: ElasticSettings::live_count(value),
                 }
-            },
-            (Step::Announce { round, slot }, R::Set) => {
-                // With min_nodes == max_nodes there is no last call, so no quorum key:
-                // the node with slot max_nodes closes the round on arrival.
-                if slot == min && min < max {
+            }
+            (Step::Announce { round, slot, live }, R::Set) => {
+                if live >= max {
+                    // This arrival fills the round: close it now.
+                    Step::ReadRoster {
+                        round,
+                        slot,
+                        count: slot,
+                        since: now,
+                        tries: 0,
+                    }
+                } else if live == min && min < max {
                     Step::SetQuorum { round, slot }
+                } else if live < min && min < max {
+                    Step::WaitQuorum { round, slot }
                 } else {
-                    self.after_quorum(round, slot, now, slot < min)
+                    self.wait_size(round, slot, now)
                 }
             }
-            (Step::SetQuorum { round, slot }, R::Set) => self.after_quorum(round, slot, now, false),
-            (Step::WaitQuorum { round, slot }, R::Waited) => {
-                self.after_quorum(round, slot, now, false)
-            }
+            (Step::SetQuorum { round, slot }, R::Set) => self.wait_size(round, slot, now),
+            (Step::WaitQuorum { round, slot }, R::Waited) => self.wait_size(round, slot, now),
             (Step::WaitQuorum { round, slot }, R::TimedOut) => {
                 if now >= self.join_deadline {
-                    self.timed_out(round)
+                    self.depart(round, slot, Then::Failed(self.timeout_error()))
                 } else {
-                    Step::Recheck {
+                    Step::OpenBeat {
                         resume: Resume::Quorum { round, slot },
                     }
                 }
@@ -749,15 +1091,87 @@ impl ElasticNode {
                 if now >= last_call {
                     Step::Count { round, slot }
                 } else if now >= self.join_deadline {
-                    self.timed_out(round)
+                    self.depart(round, slot, Then::Failed(self.timeout_error()))
                 } else {
-                    Step::Recheck {
+                    Step::OpenBeat {
                         resume: Resume::Size {
                             round,
                             slot,
                             last_call,
                         },
                     }
+                }
+            }
+            (Step::OpenBeat { resume }, R::Added(_)) => Step::OpenCount { resume },
+            (Step::OpenCount { resume }, R::Added(value)) => {
+                let (_, slot) = resume.round_slot();
+                let count = ((value & 0xffff_ffff) as u32).min(MAX_SLOTS);
+                match ring_target(slot, count, &self.open.marked) {
+                    Some(target) => {
+                        if target != self.open.target {
+                            // A new neighbour gets one interval to show its first beat.
+                            self.open.target = target;
+                            self.open.seen = -1;
+                            self.open.seen_at =
+                                now.saturating_add(self.settings.keep_alive_interval);
+                        }
+                        Step::OpenWatch { resume, target }
+                    }
+                    None => Step::Recheck { resume },
+                }
+            }
+            (Step::OpenWatch { resume, target }, R::Added(value)) => {
+                if value != self.open.seen {
+                    self.open.seen = value;
+                    self.open.seen_at = self.open.seen_at.max(now);
+                    Step::Recheck { resume }
+                } else if now.saturating_duration_since(self.open.seen_at)
+                    >= self.settings.keep_alive_timeout()
+                {
+                    // The neighbour is dead: it must not be counted into the round.
+                    self.open.marked.push(target);
+                    Step::GoneClaim {
+                        round: resume.round_slot().0,
+                        slot: target,
+                        after: AfterGone::Resume(resume),
+                    }
+                } else {
+                    Step::Recheck { resume }
+                }
+            }
+            (Step::GoneClaim { round, slot, after }, R::Value(value)) => {
+                if value == self.node.as_bytes() {
+                    Step::GoneLog { round, slot, after }
+                } else {
+                    // Somebody marked it first (the node itself, or another watcher).
+                    self.after_gone(round, slot, after)
+                }
+            }
+            (Step::GoneLog { round, slot, after }, R::Set) => {
+                Step::GoneCount { round, slot, after }
+            }
+            (Step::GoneCount { round, slot, after }, R::Added(_)) => {
+                self.after_gone(round, slot, after)
+            }
+            (Step::OwnCheck { round, slot, then }, R::Checked(closed)) => {
+                if closed {
+                    Step::OwnRead { round, slot, then }
+                } else {
+                    return Ok(self.then(then, now));
+                }
+            }
+            (Step::OwnRead { round, slot, then }, R::Value(value)) => {
+                match parse_world(value, max) {
+                    Some(world) if world.contains(&slot) => {
+                        // The round closed with this node in it: end it for the others.
+                        Step::MarkOver {
+                            round,
+                            reason: format!("node '{}' left the round as it closed", self.node),
+                            then,
+                        }
+                    }
+                    Some(_) => return Ok(self.then(then, now)),
+                    None => return Ok(self.foreign(round, "size", value)),
                 }
             }
             (Step::Recheck { resume }, R::Checked(closed)) => {
@@ -782,36 +1196,109 @@ impl ElasticNode {
                     }),
                 }
             }
-            (Step::Count { round, slot }, R::Added(count)) => {
-                let count = u32::try_from(count).unwrap_or(u32::MAX).max(slot);
+            (Step::Count { round, slot }, R::Added(value)) => Step::ReadRoster {
+                round,
+                slot,
+                count: ((value & 0xffff_ffff) as u32).clamp(slot, MAX_SLOTS),
+                since: now,
+                tries: 0,
+            },
+            (
+                Step::ReadRoster {
+                    round,
+                    slot,
+                    count,
+                    since,
+                    tries,
+                },
+                R::Value(roster),
+            ) => {
+                let grace =
+                    now.saturating_duration_since(since) >= self.settings.keep_alive_interval;
+                match self.propose(roster, count, grace) {
+                    Proposal::Close(proposal) => Step::Close {
+                        round,
+                        slot,
+                        proposal,
+                    },
+                    Proposal::Poll => Step::RosterPoll {
+                        round,
+                        slot,
+                        count,
+                        since,
+                        tries,
+                    },
+                    Proposal::TooFew => Step::WaitSize {
+                        round,
+                        slot,
+                        last_call: Instant::from_nanos(u64::MAX),
+                    },
+                }
+            }
+            (Step::RosterPoll { round, slot, .. }, R::Waited) => Step::ReadSize { round, slot },
+            (
+                Step::RosterPoll {
+                    round,
+                    slot,
+                    count,
+                    since,
+                    tries,
+                },
+                R::TimedOut,
+            ) => Step::ReadRoster {
+                round,
+                slot,
+                count,
+                since,
+                tries: tries.saturating_add(1),
+            },
+            (
                 Step::Close {
                     round,
                     slot,
-                    size: count.min(max),
+                    proposal,
+                },
+                R::Value(value),
+            ) => {
+                let won = value == proposal.as_bytes();
+                match parse_world(value, max) {
+                    Some(world) => {
+                        self.world = world;
+                        if won {
+                            Step::Confirm { round, slot }
+                        } else {
+                            self.decide(round, slot, now)
+                        }
+                    }
+                    None => return Ok(self.foreign(round, "size", value)),
                 }
             }
-            (Step::Close { round, slot, .. }, R::Value(value))
-            | (Step::ReadSize { round, slot }, R::Value(value)) => {
-                let closer = matches!(step_kind, StepKind::Close);
-                match parse_counter(value)
-                    .ok()
-                    .and_then(|n| u32::try_from(n).ok())
-                {
-                    // The closer sets the quorum too, for nodes below min_nodes still
-                    // waiting on it (the node with slot min_nodes may have died).
-                    Some(size) if size <= max && closer && min < max => {
-                        Step::QuorumAfterClose { round, slot, size }
-                    }
-                    Some(size) if size <= max => self.decide(round, slot, size, now),
-                    _ => {
-                        let key = self.round_key(round, "size");
-                        self.fail(self.bad_value(key, value));
-                        return Ok(Step::Done);
-                    }
+            (Step::Confirm { round, slot }, R::Value(roster)) => {
+                // A member marked gone after the roster was read but before the close:
+                // the round must end rather than wait for it.
+                let gone = parse_roster(roster)
+                    .filter_map(|line| match line {
+                        Line::Gone(s) => Some(s),
+                        Line::Joined(_) => None,
+                    })
+                    .find(|s| self.world.contains(s));
+                if min < max {
+                    // Nodes below min_nodes may still wait on the quorum.
+                    Step::QuorumAfterClose { round, slot, gone }
+                } else {
+                    self.confirmed(round, slot, gone, now)
                 }
             }
-            (Step::QuorumAfterClose { round, slot, size }, R::Set) => {
-                self.decide(round, slot, size, now)
+            (Step::ReadSize { round, slot }, R::Value(value)) => match parse_world(value, max) {
+                Some(world) => {
+                    self.world = world;
+                    self.decide(round, slot, now)
+                }
+                None => return Ok(self.foreign(round, "size", value)),
+            },
+            // The closer sets the quorum too, for nodes below min_nodes still waiting on it.
+            (Step::QuorumAfterClose { round, slot, gone }, R::Set) => {
+                self.confirmed(round, slot, gone, now)
             }
             (Step::AskNext { round }, R::Set) => Step::Advance { round },
             (Step::Spare(m), R::Waited) => {
@@ -825,10 +1312,83 @@ impl ElasticNode {
                 Ok(m) => Step::Spare(m),
                 Err(dead) => dead,
             },
-            (Step::Advance { round }, R::Value(_)) => {
+            (Step::Advance { round }, R::Value(hint)) => {
                 self.holding = None;
-                Step::CheckClosed {
-                    round: Some(round.saturating_add(1)),
+                self.open_slot = None;
+                let closed = core::str::from_utf8(hint)
+                    .ok()
+                    .and_then(|h| h.parse::<i64>().ok())
+                    .is_some_and(|h| h >= CLOSED_MARK);
+                if closed {
+                    self.fail(self.closed_error());
+                    return Ok(Step::Done);
+                }
+                self.spare = false;
+                Step::Arrive {
+                    round: round.saturating_add(1),
+                }
+            }
+            (Step::Ack { round, slot, rank }, R::Added(value)) => {
+                let size = self.world.len() as i64;
+                if value >= POISON {
+                    self.unconfirmed(round)
+                } else if value >= size {
+                    Step::SetGo { round, slot, rank }
+                } else {
+                    Step::WaitGo {
+                        round,
+                        slot,
+                        rank,
+                        deadline: now.saturating_add(self.settings.keep_alive_timeout()),
+                    }
+                }
+            }
+            (Step::SetGo { round, slot, rank }, R::Set)
+            | (
+                Step::WaitGo {
+                    round, slot, rank, ..
+                },
+                R::Waited,
+            ) => self.complete(round, slot, rank, now),
+            (
+                Step::WaitGo {
+                    round,
+                    slot,
+                    rank,
+                    deadline,
+                },
+                R::TimedOut,
+            ) => {
+                if now >= deadline {
+                    Step::Poison { round, slot, rank }
+                } else {
+                    Step::WaitGo {
+                        round,
+                        slot,
+                        rank,
+                        deadline,
+                    }
+                }
+            }
+            (Step::Poison { round, slot, rank }, R::Added(value)) => {
+                let acked = (value & 0xffff_ffff) >= self.world.len() as i64;
+                if !acked {
+                    self.unconfirmed(round)
+                } else if value >> 32 == 1 {
+                    // The first poison, after every acknowledgement: the round stands (its
+                    // last acknowledger releases the others).
+                    self.complete(round, slot, rank, now)
+                } else {
+                    // An earlier poison decided; the round stands only if it came after the
+                    // last acknowledgement, which then released the others.
+                    Step::CheckGo { round, slot, rank }
+                }
+            }
+            (Step::CheckGo { round, slot, rank }, R::Checked(go)) => {
+                if go {
+                    self.complete(round, slot, rank, now)
+                } else {
+                    self.unconfirmed(round)
                 }
             }
             (Step::Beat(m), R::Added(_)) => {
@@ -868,16 +1428,10 @@ impl ElasticNode {
                     self.join_deadline = now.saturating_add(self.settings.join_timeout);
                     Step::Advance { round }
                 }
-                Then::Left => {
-                    self.finish(Event::Left);
-                    return Ok(Step::Done);
-                }
-                Then::Failed(error) => {
-                    self.fail(error);
-                    return Ok(Step::Done);
-                }
+                other => return Ok(self.then(other, now)),
             },
-            (Step::ShutClosed, R::Set) => match self.holding {
+            (Step::ShutClosed, R::Set) => Step::ShutMark,
+            (Step::ShutMark, R::Added(_)) => match self.holding {
                 Some(round) => Step::ShutSize { round },
                 None => {
                     self.finish(Event::ShutDown);
@@ -893,32 +1447,106 @@ impl ElasticNode {
         })
     }
 
-    /// After the quorum: wait for the round's size (the last call), or close it at once
-    /// when this node fills it; `below` means the quorum is not there yet.
-    fn after_quorum(&self, round: u64, slot: u32, now: Instant, below: bool) -> Step {
-        let nodes = self.settings.nodes;
-        if slot >= nodes.max {
-            Step::Close {
-                round,
-                slot,
-                size: nodes.max,
-            }
-        } else if below && nodes.min < nodes.max {
-            Step::WaitQuorum { round, slot }
-        } else {
-            // With min_nodes == max_nodes only the arrival of slot max_nodes closes the
-            // round: no last call.
-            let last_call = if nodes.min < nodes.max {
-                now.saturating_add(self.settings.last_call)
-            } else {
-                Instant::from_nanos(u64::MAX)
-            };
-            Step::WaitSize {
-                round,
-                slot,
-                last_call,
+    /// The closer's round is settled; `gone` is a member that left as it closed, which
+    /// ends the round at once.
+    fn confirmed(&mut self, round: u64, slot: u32, gone: Option<u32>, now: Instant) -> Step {
+        match gone {
+            None => self.decide(round, slot, now),
+            Some(gone) => {
+                self.open_slot = None;
+                Step::MarkOver {
+                    round,
+                    reason: format!(
+                        "the node at slot {gone} left as the round closed (seen by node '{}')",
+                        self.node
+                    ),
+                    then: Then::Rejoin,
+                }
             }
         }
+    }
+
+    /// What follows a departure (or a round ended on the way out).
+    fn then(&mut self, then: Then, now: Instant) -> Step {
+        match then {
+            Then::Rejoin => {
+                self.join_deadline = now.saturating_add(self.settings.join_timeout);
+                match self.holding {
+                    Some(round) => Step::Advance { round },
+                    None => Step::ReadHint,
+                }
+            }
+            Then::Left => {
+                self.finish(Event::Left);
+                Step::Done
+            }
+            Then::Failed(error) => {
+                self.fail(error);
+                Step::Done
+            }
+        }
+    }
+
+    /// After a slot of an open round is marked gone.
+    fn after_gone(&mut self, round: u64, slot: u32, after: AfterGone) -> Step {
+        match after {
+            AfterGone::Resume(resume) => Step::Recheck { resume },
+            AfterGone::Own(then) => Step::OwnCheck { round, slot, then },
+        }
+    }
+
+    /// Waits for the round's size, through a last call when `min_nodes < max_nodes`; with
+    /// `min_nodes == max_nodes` only the arrival that fills the round closes it.
+    fn wait_size(&self, round: u64, slot: u32, now: Instant) -> Step {
+        let nodes = self.settings.nodes;
+        let last_call = if nodes.min < nodes.max {
+            now.saturating_add(self.settings.last_call)
+        } else {
+            Instant::from_nanos(u64::MAX)
+        };
+        Step::WaitSize {
+            round,
+            slot,
+            last_call,
+        }
+    }
+
+    /// The closer's decision from the roster of the first `count` slots: the live ones
+    /// (arrived, not gone), at most `max_nodes` of them in slot order, ranked by
+    /// [`deal_ranks`]. An arrival whose roster line is not there yet is waited for (it is
+    /// in flight) until `grace`, then left out.
+    fn propose(&self, roster: &[u8], count: u32, grace: bool) -> Proposal {
+        let mut joined: Vec<Entry<'_>> = Vec::new();
+        let mut gone: Vec<u32> = Vec::new();
+        for line in parse_roster(roster) {
+            match line {
+                Line::Joined(e) if e.slot <= count => joined.push(e),
+                Line::Gone(s) => gone.push(s),
+                Line::Joined(_) => {}
+            }
+        }
+        joined.sort_unstable_by_key(|e| e.slot);
+        joined.dedup_by_key(|e| e.slot);
+        let missing = (count as usize).saturating_sub(joined.len());
+        let in_flight = (1..=count)
+            .any(|s| !gone.contains(&s) && joined.binary_search_by_key(&s, |e| e.slot).is_err());
+        if missing > 0 && in_flight && !grace {
+            return Proposal::Poll;
+        }
+        joined.retain(|e| !gone.contains(&e.slot));
+        joined.truncate(self.settings.nodes.max as usize);
+        if (joined.len() as u32) < self.settings.nodes.min {
+            return Proposal::TooFew;
+        }
+        let ranks = deal_ranks(&joined);
+        let mut text = format!("{};", ranks.len());
+        for (i, slot) in ranks.iter().enumerate() {
+            if i > 0 {
+                text.push(',');
+            }
+            text.push_str(&format!("{slot}"));
+        }
+        Proposal::Close(text)
     }
 
     /// Records the watched member's heartbeat counter; `Err` with the step that ends the
@@ -933,7 +1561,7 @@ impl ElasticNode {
                 round: m.round,
                 reason: format!(
                     "rank {} had no heartbeat for {}s (seen by node '{}')",
-                    watched(&m) - 1,
+                    m.watch_rank,
                     self.settings.keep_alive_timeout().as_secs_f64(),
                     self.node
                 ),
@@ -944,43 +1572,78 @@ impl ElasticNode {
         }
     }
 
-    fn timed_out(&self, round: u64) -> Step {
-        Step::MarkOver {
+    /// Every member acknowledged the round: it is complete. The acknowledgement was this
+    /// member's first heartbeat; the next is one interval away, and the ring watch starts
+    /// now.
+    fn complete(&mut self, round: u64, slot: u32, rank: u32, now: Instant) -> Step {
+        let size = self.world.len() as u32;
+        self.events.push_back(Event::Complete(RoundOutcome {
             round,
-            reason: format!("node '{}' timed out joining", self.node),
-            then: Then::Failed(self.timeout_error()),
+            rank,
+            world_size: size,
+            store_prefix: format!("torch.rendezvous.{}.{round}", self.settings.run_id),
+        }));
+        self.prev = Some((round, rank));
+        let next = (rank + 1) % size;
+        let m = Member {
+            round,
+            slot,
+            world: size,
+            watch_slot: self.world[next as usize],
+            watch_rank: next,
+            next_tick: now.saturating_add(self.settings.keep_alive_interval),
+            seen: -1,
+            seen_at: now,
+        };
+        if size > 1 {
+            Step::Watch(m)
+        } else {
+            Step::WaitOver(m)
         }
     }
 
-    /// The round closed with `size` members: a member, or a late node.
-    fn decide(&mut self, round: u64, slot: u32, size: u32, now: Instant) -> Step {
-        if slot <= size {
-            self.events.push_back(Event::Complete(RoundOutcome {
-                round,
-                rank: slot - 1,
-                world_size: size,
-                store_prefix: format!("torch.rendezvous.{}.{round}", self.settings.run_id),
-            }));
-            Step::Beat(Member {
+    /// A member did not acknowledge the round within the keep-alive timeout: it is dead,
+    /// and the round fails before anyone is told it is complete.
+    fn unconfirmed(&self, round: u64) -> Step {
+        Step::MarkOver {
+            round,
+            reason: format!(
+                "a member did not confirm the round within {}s (seen by node '{}')",
+                self.settings.keep_alive_timeout().as_secs_f64(),
+                self.node
+            ),
+            then: Then::Rejoin,
+        }
+    }
+
+    /// The round closed with the slots in `self.world` (by rank): a member acknowledges
+    /// it, a late node waits.
+    fn decide(&mut self, round: u64, slot: u32, now: Instant) -> Step {
+        self.open_slot = None;
+        let size = self.world.len() as u32;
+        let member_of = |rank: u32| (self.world[rank as usize], rank);
+        if let Some(rank) = self.world.iter().position(|&s| s == slot) {
+            Step::Ack {
                 round,
                 slot,
-                world: size,
-                next_tick: now.saturating_add(self.settings.keep_alive_interval),
-                seen: -1,
-                seen_at: now,
-            })
+                rank: rank as u32,
+            }
         } else {
             let hot_spare = size > 0 && size >= self.settings.nodes.max;
             self.events.push_back(Event::Waiting { round, hot_spare });
+            self.spare = hot_spare;
             // A late node holds no member's slot: leaving must not end the round.
             self.holding = None;
             if hot_spare {
                 // A hot spare watches one member too, so that a round whose members all
                 // died (or a round of one) still ends.
+                let (watch_slot, watch_rank) = member_of(slot.saturating_sub(1) % size);
                 Step::SpareWatch(Member {
                     round,
                     slot,
                     world: size,
+                    watch_slot,
+                    watch_rank,
                     next_tick: now.saturating_add(self.settings.keep_alive_interval),
                     seen: -1,
                     seen_at: now,
@@ -992,21 +1655,174 @@ impl ElasticNode {
     }
 }
 
-/// The member this one watches: a member the next slot round the ring, a hot spare the
-/// member its slot falls on modulo the world size.
-fn watched(m: &Member) -> u32 {
-    if m.slot > m.world {
-        (m.slot - 1) % m.world + 1
-    } else {
-        m.slot % m.world + 1
+/// The closer's reading of the roster.
+enum Proposal {
+    /// Close with this size value.
+    Close(String),
+    /// An arrival's line is not there yet: read again shortly.
+    Poll,
+    /// Fewer than `min_nodes` are still there: wait for more.
+    TooFew,
+}
+
+/// One line of a round's roster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line<'a> {
+    Joined(Entry<'a>),
+    Gone(u32),
+}
+
+/// The roster's lines: `+{slot} {round}:{rank}|- {node}` for an arrival, `-{slot}` for a
+/// departure. Lines that are neither are skipped.
+fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
+    roster.split(|&b| b == b'\n').filter_map(|line| {
+        let line = core::str::from_utf8(line).ok()?;
+        if let Some(slot) = line.strip_prefix('-') {
+            return slot.parse().ok().map(Line::Gone);
+        }
+        let mut parts = line.strip_prefix('+')?.splitn(3, ' ');
+        let slot = parts.next()?.parse().ok()?;
+        let prev = match parts.next()? {
+            "-" => None,
+            text => {
+                let (round, rank) = text.split_once(':')?;
+                Some((round.parse().ok()?, rank.parse().ok()?))
+            }
+        };
+        let node = parts.next().unwrap_or("");
+        Some(Line::Joined(Entry { slot, prev, node }))
+    })
+}
+
+/// The size value: `{N};{slot of rank 0},{slot of rank 1},…`, or `0` (shut down). `None`
+/// when it is anything else, or names more than `max` members.
+fn parse_world(value: &[u8], max: u32) -> Option<Vec<u32>> {
+    let text = core::str::from_utf8(value).ok()?;
+    if text == "0" {
+        return Some(Vec::new());
     }
+    let (size, slots) = text.split_once(';')?;
+    let size: u32 = size.parse().ok()?;
+    if size == 0 || size > max {
+        return None;
+    }
+    let mut world = Vec::new();
+    world.try_reserve_exact(size as usize).ok()?;
+    for slot in slots.split(',') {
+        if world.len() == size as usize {
+            return None;
+        }
+        world.push(slot.parse().ok()?);
+    }
+    (world.len() == size as usize).then_some(world)
+}
+
+/// Deals ranks `0..N` to the members (`N = members.len()`, in any order); returns their
+/// slots by rank. A member that held rank `r < N` in its last round keeps it (when two
+/// claim one rank, the later round's holder wins, then the lower slot); the others take
+/// the free ranks in the order of their node names (then slots), as PyTorch sorts
+/// participants by node descriptor.
+fn deal_ranks(members: &[Entry<'_>]) -> Vec<u32> {
+    let n = members.len();
+    let mut by_rank: Vec<Option<u32>> = alloc::vec![None; n];
+    let mut claims: Vec<&Entry<'_>> = members
+        .iter()
+        .filter(|e| e.prev.is_some_and(|(_, rank)| (rank as usize) < n))
+        .collect();
+    claims.sort_by_key(|e| (core::cmp::Reverse(e.prev.map(|(round, _)| round)), e.slot));
+    let mut placed: Vec<u32> = Vec::new();
+    for e in claims {
+        if let Some((_, rank)) = e.prev {
+            if by_rank[rank as usize].is_none() {
+                by_rank[rank as usize] = Some(e.slot);
+                placed.push(e.slot);
+            }
+        }
+    }
+    let mut rest: Vec<&Entry<'_>> = members
+        .iter()
+        .filter(|e| !placed.contains(&e.slot))
+        .collect();
+    rest.sort_by(|a, b| a.node.cmp(b.node).then(a.slot.cmp(&b.slot)));
+    let mut rest = rest.into_iter();
+    by_rank
+        .into_iter()
+        .map(|slot| slot.or_else(|| rest.next().map(|e| e.slot)).unwrap_or(0))
+        .collect()
+}
+
+/// The slot that the node at `slot` watches in an open round of `count` arrivals: the
+/// nearest one below it round the ring (`slot − 1`, …, `1`, `count`, …) that it has not
+/// found gone; `None` when there is none.
+fn ring_target(slot: u32, count: u32, marked: &[u32]) -> Option<u32> {
+    let count = count.max(slot);
+    (1..count)
+        .map(|k| (slot + count - 1 - k) % count + 1)
+        .find(|t| *t != slot && !marked.contains(t))
 }
 
 /// A reply that does not answer the pending action.
 struct Mismatch;
 
-/// Whether the step answered was the closing compare-set.
-enum StepKind {
-    Close,
-    Other,
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    fn entry(slot: u32, prev: Option<(u64, u32)>, node: &str) -> Entry<'_> {
+        Entry { slot, prev, node }
+    }
+
+    #[test]
+    fn ranks_stay_with_survivors_and_newcomers_sort_by_name() {
+        // Survivors of round 3 at ranks 2 and 0; newcomers z and b; a stale claim of rank
+        // 0 from round 1 loses to round 3's.
+        let members = [
+            entry(1, Some((3, 2)), "s2"),
+            entry(2, None, "z"),
+            entry(3, Some((3, 0)), "s0"),
+            entry(4, Some((1, 0)), "old"),
+            entry(5, None, "b"),
+        ];
+        assert_eq!(deal_ranks(&members), [3, 5, 1, 4, 2]);
+        // A claim beyond the new world size is a newcomer's.
+        assert_eq!(
+            deal_ranks(&[entry(7, Some((0, 5)), "x"), entry(8, None, "a")]),
+            [8, 7]
+        );
+    }
+
+    #[test]
+    fn ring_targets_skip_the_marked() {
+        assert_eq!(ring_target(3, 5, &[]), Some(2));
+        assert_eq!(ring_target(1, 5, &[]), Some(5));
+        assert_eq!(ring_target(1, 5, &[5, 4]), Some(3));
+        assert_eq!(ring_target(2, 3, &[1, 3]), None);
+        assert_eq!(ring_target(1, 1, &[]), None);
+    }
+
+    #[test]
+    fn rosters_and_worlds_parse_or_refuse() {
+        let lines: Vec<Line<'_>> =
+            parse_roster(b"+1 - a b\n+2 4:1 n2\n-1\ngarbage\n+x - y\n").collect();
+        assert_eq!(
+            lines,
+            [
+                Line::Joined(entry(1, None, "a b")),
+                Line::Joined(entry(2, Some((4, 1)), "n2")),
+                Line::Gone(1),
+            ]
+        );
+        assert_eq!(parse_world(b"3;4,1,2", 4), Some(alloc::vec![4, 1, 2]));
+        assert_eq!(parse_world(b"0", 4), Some(Vec::new()));
+        for bad in [
+            &b"3;1,2"[..],
+            b"5;1,2,3,4,5",
+            b"2;1,2,3",
+            b"lots",
+            b"2;a,b",
+            b"2",
+        ] {
+            assert_eq!(parse_world(bad, 4), None, "{bad:?}");
+        }
+    }
 }

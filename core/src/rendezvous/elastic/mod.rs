@@ -7,10 +7,20 @@
 //!   `nodes=4` for exactly four, as torchrun's `--nnodes`).
 //! - A round is open until it closes. Once `min_nodes` have arrived, a *last call* of
 //!   `last_call` runs; when it ends the round closes with everyone who arrived by then
-//!   (at most `max_nodes`). The node that arrives as number `max_nodes` closes it at once.
-//! - Ranks are dense, `0..world_size`, in arrival order; every member of a round gets the
-//!   same world size and round number, and the round's store prefix
+//!   (at most `max_nodes`). The arrival that makes `max_nodes` nodes live closes it at
+//!   once.
+//! - Ranks are dense, `0..world_size`. A member of the previous round keeps its rank when
+//!   it is below the new world size (when two claim one rank, the holder from the later
+//!   round wins); newcomers take the free ranks in the order of their node names (PyTorch
+//!   sorts participants by node descriptor). Every member of a round gets the same world
+//!   size and round number, and the round's store prefix
 //!   `torch.rendezvous.{run_id}.{round}` (PyTorch's).
+//! - A round holds only live nodes. A node that times out or leaves while its round is
+//!   open is struck from it; nodes waiting in an open round heartbeat and watch one
+//!   another, and strike a node whose heartbeat stopped; and a closed round is complete
+//!   only when every member has acknowledged it: a member that dies between the close
+//!   and its acknowledgement makes the round fail (the others rejoin the next one) before
+//!   anyone is told a world in which that rank will never show up.
 //! - A node that arrives after the round closed is *waiting*: when the round has room
 //!   (`world_size < max_nodes`) it asks for the next round at once (PyTorch's wait list,
 //!   which makes every agent restart); when it is full it is a hot spare (PyTorch's
@@ -19,48 +29,65 @@
 //!   `keep_alive_max_attempts` intervals is dead, and the round is over: the others rejoin
 //!   the next round without it. A member whose workers failed, that leaves, or that asks
 //!   to re-rendezvous ends the round the same way (torchelastic's restart).
-//! - `shutdown` closes the rendezvous for good; every node then fails with
-//!   `RendezvousClosedError`, as new joiners do. A node that is not part of a complete
-//!   round within `join_timeout` fails with `RendezvousTimeoutError`.
+//! - Closing (`set_closed`, `shutdown`) is for good; every node then fails with
+//!   `RendezvousClosedError` (a hot spare with `RendezvousGracefulExitError`), as new
+//!   joiners do. A node that is not part of a complete round within `join_timeout` fails
+//!   with `RendezvousTimeoutError`. [`ElasticErrorKind`] names the exception.
 //!
 //! # Key layout (every key under `rdzv.elastic.{run_id}/`)
 //! | key | operations | who |
 //! |---|---|---|
-//! | `closed` | `SET` once; `CHECK` | `shutdown`; every join and every tick checks it |
-//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1` | a hint: the lowest round that may still be open, for nodes that join late |
-//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (1-based); `ADD 0` reads the count | each joiner once; the closer once |
-//! | `{r}/node/{s}` | `SET` node id | each joiner once (for operators: who holds slot `s`) |
-//! | `{r}/quorum` | `SET` | the node with slot `min_nodes`, and the closer; nodes with a smaller slot `WAIT` on it |
-//! | `{r}/size` | `COMPARE_SET "" → N` | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
-//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched member's | each member once per keep-alive interval; a hot spare reads one member's |
+//! | `closed` | `SET` once; `CHECK` | closing; `is_closed` and every open-round tick check it |
+//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1`; `ADD` 2^40 when closed | the lowest round that may still be open; joiners read it, so it also says "closed" |
+//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits) | each joiner once; each slot struck once |
+//! | `{r}/roster` | `APPEND "+s round:rank node"` on arrival, `"-s"` when struck; `GET` | each joiner once; the closer reads it once or twice |
+//! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
+//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer; fewer wait on it |
+//! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…"` (slots by rank) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
+//! | `{r}/ready` | `ADD 1` per member; `ADD 2^32` poisons | each member acknowledges once; one that waited in vain poisons |
+//! | `{r}/go` | `SET`; members `WAIT` | the member whose acknowledgement is the N-th |
+//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
-//! Slot `s ≤ N` is rank `s − 1`; a slot above `N` is a waiting node. Because `size` is
-//! written once, every member reads the same `N`, and slots are distinct, ranks are the
-//! distinct numbers `0..N`. Liveness is a ring: the member at slot `s` reads the
-//! heartbeat counter of slot `s mod N + 1` and declares it dead when the counter has not
-//! moved for `keep_alive_interval × keep_alive_max_attempts` *of its own clock* (no
-//! timestamps are compared across machines). One dead member is enough to end the round,
-//! so one watcher per member suffices. A hot spare at slot `s > N` watches the member at
-//! slot `(s − 1) mod N + 1`, so that a round of one, or one whose members all died, ends
-//! too.
+//! The size value is written once, so every member reads the same world; slots are
+//! distinct, so ranks are the distinct numbers `0..N`. Liveness is a ring, judged by each
+//! watcher's own clock (no timestamps are compared across machines): in an open round the
+//! node at slot `s` watches the nearest slot below it (round the ring) that it has not
+//! struck; a member watches rank `k + 1 mod N`; a hot spare watches one member, so that a
+//! round of one, or one whose members all died, ends too.
 //!
-//! Store work per node: joining a round is a `CHECK`, two `ADD`s (round hint, arrival), a
-//! `SET` (node id), one `WAIT` and one `GET`; the node with slot `min_nodes` adds a `SET`,
-//! and the one closer an `ADD 0`, a `COMPARE_SET` and a `SET`. A heartbeat is two `ADD`s and one `CHECK`. A wait never
-//! outlasts one keep-alive interval (so that a local event, or a shutdown seen only
-//! through `closed`, is handled within one interval): a wait that ends early is re-issued
-//! after a `CHECK` of `closed`. torchrun's c10d backend instead compare-sets one pickled
-//! blob of the whole state (O(N) bytes) for every join and every heartbeat, and re-reads
-//! it once a second while waiting, so its traffic grows with N².
+//! The closer is the arrival that makes `max_nodes` live, or the first node whose last
+//! call ends with at least `min_nodes` live. It reads the roster (waiting briefly, at most
+//! one keep-alive interval, for an arrival whose line is still in flight), leaves out the
+//! struck slots, ranks the first `max_nodes` live ones and compare-sets the size; then it
+//! reads the roster once more, and ends the round at once if a member was struck in
+//! between. A node that leaves an open round strikes itself, then checks whether the
+//! round closed with it (and ends it if so).
 //!
-//! A node that times out or leaves while its round is still open stays counted in that
-//! round: it marks the round over, so that once the round closes its members go on to the
-//! next one at once.
+//! Store work per node: joining is two `ADD`s (round hint, arrival), an `APPEND`, one
+//! `WAIT` and one `GET` (the size), and the acknowledgement's `ADD` and `WAIT` (the last
+//! member `SET`s instead); the closer adds a `GET` of the roster (two, and a short `WAIT`
+//! per poll) and a `COMPARE_SET`, and with `min_nodes < max_nodes` a `SET`. A heartbeat is
+//! two `ADD`s (the acknowledgement is a member's first). A wait in an open round never
+//! outlasts one keep-alive interval; each interval there costs a heartbeat `ADD`, an
+//! `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of `closed`.
+//! The roster and the size value grow with N (a few bytes per node), read once per member
+//! and by the closer; torchrun's c10d backend instead compare-sets one pickled blob of the
+//! whole state for every join and every heartbeat, and re-reads it once a second while
+//! waiting, so its traffic grows with N².
 //!
 //! Keys of finished rounds are not deleted (a few per node per round): a long job with
 //! many re-rendezvous grows the store by that much, and a new job should use a new run
 //! id (as with torchrun, a closed run id stays closed).
+//!
+//! # Over other stores
+//! The machine asks for seven operations ([`StoreAction`]): a counter `ADD`, `SET`,
+//! `APPEND`, `GET` of a key that exists, `COMPARE_SET` against "missing", `CHECK` and a
+//! `WAIT` for a key with a deadline. A store with transactions and leases (etcd) maps them
+//! one to one (a counter is a compare-and-swap loop, a `WAIT` a watch), and could do
+//! better in two places: a slot bound to a lease would strike a dead node without a
+//! watcher, and the closer's read of the roster and its write of the size could be one
+//! transaction.
 //!
 //! # Driving it
 //! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local
@@ -83,8 +110,8 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use machine::{
-    ElasticError, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction,
-    StoreReply,
+    ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
+    StoreAction, StoreReply,
 };
 
 /// PyTorch's default join timeout (600 s).
@@ -95,6 +122,10 @@ pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(30);
 pub const DEFAULT_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// PyTorch's default number of missed keep-alives before a node is dead (3).
 pub const DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS: u32 = 3;
+/// PyTorch's default close timeout (30 s): how long `set_closed` and `shutdown` may take.
+pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+/// PyTorch's default store read timeout of the c10d backend (60 s).
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// torchelastic's c10d default port.
 pub const DEFAULT_PORT: u16 = 29400;
 
@@ -161,6 +192,8 @@ pub struct ElasticSettings {
     pub keep_alive_interval: Duration,
     /// How many intervals without a heartbeat make a member dead.
     pub keep_alive_max_attempts: u32,
+    /// How long closing the rendezvous (`set_closed`, `shutdown`) may take.
+    pub close_timeout: Duration,
 }
 
 impl ElasticSettings {
@@ -173,13 +206,51 @@ impl ElasticSettings {
             last_call: DEFAULT_LAST_CALL,
             keep_alive_interval: DEFAULT_KEEP_ALIVE_INTERVAL,
             keep_alive_max_attempts: DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS,
+            close_timeout: DEFAULT_CLOSE_TIMEOUT,
         }
+    }
+
+    /// The key whose presence means the rendezvous is closed for good:
+    /// `rdzv.elastic.{run_id}/closed` (`set_closed` writes it, `is_closed` checks it).
+    pub fn closed_key(&self) -> String {
+        alloc::format!("rdzv.elastic.{}/closed", self.run_id)
     }
 
     /// How long a member's heartbeat counter may stand still before it is dead.
     pub fn keep_alive_timeout(&self) -> Duration {
         self.keep_alive_interval
             .saturating_mul(self.keep_alive_max_attempts)
+    }
+
+    /// What closing the rendezvous writes, for a runtime that closes it without a node
+    /// (`rdzv rendezvous --close`, a handle whose node has ended): the `closed` key (which
+    /// `is_closed` checks), and the mark on the round hint that joiners and advancing
+    /// nodes read. Perform both, in order; `by` says who closed it.
+    pub fn close_actions(&self, by: &str) -> [StoreAction; 2] {
+        [
+            StoreAction::Set {
+                key: self.closed_key(),
+                value: alloc::format!("closed by {by}").into_bytes(),
+            },
+            StoreAction::Add {
+                key: alloc::format!("rdzv.elastic.{}/round", self.run_id),
+                delta: machine::CLOSED_MARK,
+            },
+        ]
+    }
+
+    /// The counter of round `round`'s arrivals: `rdzv.elastic.{run_id}/{round}/arrivals`
+    /// (`ADD 0` reads it; [`ElasticSettings::live_count`] decodes the value).
+    pub fn live_count_key(&self, round: u64) -> String {
+        alloc::format!("rdzv.elastic.{}/{round}/arrivals", self.run_id)
+    }
+
+    /// How many nodes that arrived in a round are still there, from its arrivals counter:
+    /// the low 32 bits count arrivals, the high bits departures.
+    pub fn live_count(value: i64) -> u32 {
+        let arrived = (value & 0xffff_ffff) as u32;
+        let departed = u32::try_from(value >> 32).unwrap_or(0);
+        arrived.saturating_sub(departed)
     }
 
     /// Checks what the constructor cannot: a non-empty run id and positive timeouts.
@@ -194,6 +265,7 @@ impl ElasticSettings {
             ("join_timeout", self.join_timeout),
             ("last_call", self.last_call),
             ("keep_alive_interval", self.keep_alive_interval),
+            ("close_timeout", self.close_timeout),
         ] {
             if value.is_zero() {
                 return Err(SettingsError::NotPositive { name });
@@ -220,14 +292,21 @@ pub struct ElasticUrl {
     pub settings: ElasticSettings,
     /// `node_id`, if the query names one.
     pub node_id: Option<String>,
+    /// `read_timeout`: the store client's timeout for one operation.
+    pub read_timeout: Duration,
+    /// `is_host`, if the query says: whether this node hosts the store server (torchrun's
+    /// c10d backend guesses from the endpoint's host when it is not given).
+    pub is_host: Option<bool>,
 }
 
 impl ElasticUrl {
-    /// Parses the URL. Query keys: `nodes` (`MIN:MAX` or `N`, default `1:1`),
-    /// `join_timeout`, `last_call`, `keep_alive_interval` (durations: `500ms`, `5s`, `2m`,
-    /// or a bare number of seconds, as PyTorch's `*_timeout` configs),
-    /// `keep_alive_max_attempts`, `node_id`; `rank` and `world_size` (added by URL
-    /// rewriting) are ignored: the rendezvous assigns them.
+    /// Parses the URL. Query keys (torchrun's `--rdzv-conf` names, and ours where they
+    /// differ): `nodes` (`MIN:MAX` or `N`, default `1:1`); durations `join_timeout`,
+    /// `last_call_timeout` (or `last_call`), `close_timeout`, `keep_alive_interval`,
+    /// `read_timeout` (`500ms`, `5s`, `2m`, or a number of seconds such as `30` or `0.5`,
+    /// as torchrun's); `keep_alive_max_attempt` (or `keep_alive_max_attempts`); `is_host`
+    /// (`true`/`false`, `1`/`0`, `yes`/`no`); `node_id`. `rank` and `world_size` (added by
+    /// URL rewriting) are ignored: the rendezvous assigns them.
     ///
     /// # Errors
     /// [`SettingsError`] naming what is wrong.
@@ -241,28 +320,60 @@ impl ElasticUrl {
         let run_id = parsed.path().trim_start_matches('/');
         let query = QueryView::parse(parsed.query()).map_err(SettingsError::Query)?;
         let nodes = NodeRange::parse(query.get("nodes").unwrap_or("1:1"))?;
-        let mut settings = ElasticSettings::new(run_id, nodes);
-        for (key, value) in query.iter() {
-            match key {
-                "join_timeout" => settings.join_timeout = parse_duration(key, value)?,
-                "last_call" => settings.last_call = parse_duration(key, value)?,
-                "keep_alive_interval" => settings.keep_alive_interval = parse_duration(key, value)?,
-                "keep_alive_max_attempts" => {
-                    settings.keep_alive_max_attempts = value
-                        .parse()
-                        .map_err(|_| SettingsError::BadValue { key, value })?
-                }
-                "nodes" | "node_id" | "rank" | "world_size" => {}
-                _ => return Err(SettingsError::UnknownKey { key }),
-            }
-        }
-        settings.check()?;
-        Ok(ElasticUrl {
+        let mut url = ElasticUrl {
             host: host.to_string(),
             port,
-            settings,
-            node_id: query.get("node_id").map(String::from),
-        })
+            settings: ElasticSettings::new(run_id, nodes),
+            node_id: None,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            is_host: None,
+        };
+        for (key, value) in query.iter() {
+            url.set(key, value)?;
+        }
+        url.settings.check()?;
+        Ok(url)
+    }
+
+    /// Applies one option, by torchrun's `--rdzv-conf` name or ours (see
+    /// [`ElasticUrl::parse`]); `nodes` here too. Call [`ElasticSettings::check`] after the
+    /// last one.
+    ///
+    /// # Errors
+    /// [`SettingsError::BadValue`], [`SettingsError::UnknownKey`], or `nodes`' errors.
+    pub fn set<'a>(&mut self, key: &'a str, value: &'a str) -> Result<(), SettingsError<'a>> {
+        let s = &mut self.settings;
+        match key {
+            "nodes" => s.nodes = NodeRange::parse(value)?,
+            "join_timeout" => s.join_timeout = parse_duration(key, value)?,
+            "last_call" | "last_call_timeout" => s.last_call = parse_duration(key, value)?,
+            "close_timeout" => s.close_timeout = parse_duration(key, value)?,
+            "keep_alive_interval" => s.keep_alive_interval = parse_duration(key, value)?,
+            "read_timeout" => self.read_timeout = parse_duration(key, value)?,
+            "keep_alive_max_attempts" | "keep_alive_max_attempt" => {
+                s.keep_alive_max_attempts = value
+                    .parse()
+                    .map_err(|_| SettingsError::BadValue { key, value })?
+            }
+            "is_host" => self.is_host = Some(parse_bool(key, value)?),
+            "node_id" => self.node_id = Some(String::from(value)),
+            "rank" | "world_size" => {}
+            _ => return Err(SettingsError::UnknownKey { key }),
+        }
+        Ok(())
+    }
+}
+
+/// torchrun's booleans (`RendezvousParameters.get_as_bool`): `1`, `true`, `t`, `yes`, `y`
+/// and `0`, `false`, `f`, `no`, `n`, in any case.
+fn parse_bool<'a>(key: &'a str, value: &'a str) -> Result<bool, SettingsError<'a>> {
+    let is = |names: &[&str]| names.iter().any(|n| value.eq_ignore_ascii_case(n));
+    if is(&["1", "true", "t", "yes", "y"]) {
+        Ok(true)
+    } else if is(&["0", "false", "f", "no", "n"]) {
+        Ok(false)
+    } else {
+        Err(SettingsError::BadValue { key, value })
     }
 }
 
@@ -278,6 +389,28 @@ fn parse_duration<'a>(key: &'a str, value: &'a str) -> Result<Duration, Settings
     } else {
         (value, Duration::from_secs)
     };
+    if let Some((whole, fraction)) = digits.split_once('.') {
+        // Seconds with a fraction (`0.5`, `1.25s`), as torchrun's float timeouts.
+        let all_digits = |t: &str| t.bytes().all(|b| b.is_ascii_digit());
+        if value.ends_with("ms")
+            || value.ends_with('m')
+            || (whole.is_empty() && fraction.is_empty())
+            || !all_digits(whole)
+            || !all_digits(fraction)
+        {
+            return Err(bad);
+        }
+        let whole: u64 = if whole.is_empty() {
+            0
+        } else {
+            whole.parse().map_err(|_| bad)?
+        };
+        let mut nanos: u32 = 0;
+        for (i, b) in fraction.bytes().take(9).enumerate() {
+            nanos += u32::from(b - b'0') * 10u32.pow(8 - i as u32);
+        }
+        return Ok(Duration::new(whole, nanos));
+    }
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad);
     }
@@ -360,12 +493,13 @@ impl fmt::Display for SettingsError<'_> {
             Self::BadValue { key, value } => write!(
                 f,
                 "elastic:// rendezvous: {key}={value} is not valid (durations: 500ms, 5s, 2m, \
-                 or seconds; counts: a positive integer)"
+                 or seconds; counts: a positive integer; is_host: true or false)"
             ),
             Self::UnknownKey { key } => write!(
                 f,
                 "elastic:// rendezvous: unknown query key {key} (known: nodes, join_timeout, \
-                 last_call, keep_alive_interval, keep_alive_max_attempts, node_id)"
+                 last_call_timeout, close_timeout, keep_alive_interval, \
+                 keep_alive_max_attempt, read_timeout, is_host, node_id)"
             ),
         }
     }

@@ -37,6 +37,13 @@ impl Model {
                 self.kv.insert(key.clone(), value.clone());
                 OwnedStoreReply::Set
             }
+            StoreAction::Append { key, value } => {
+                self.kv
+                    .entry(key.clone())
+                    .or_default()
+                    .extend_from_slice(value);
+                OwnedStoreReply::Set
+            }
             StoreAction::CompareSet {
                 key,
                 expected,
@@ -75,6 +82,17 @@ struct SimNode {
     alive: bool,
     events: Vec<Event>,
     ops: u64,
+    /// When it was killed, or left, failed or shut down.
+    gone_at: Option<Instant>,
+}
+
+/// A round as it closed: the winning write of its size.
+#[derive(Debug, Clone)]
+struct Closed {
+    round: u64,
+    /// The member nodes (indices), by rank.
+    members: Vec<usize>,
+    at: Instant,
 }
 
 struct Sim {
@@ -82,6 +100,7 @@ struct Sim {
     store: Model,
     nodes: Vec<SimNode>,
     settings: ElasticSettings,
+    closed: Vec<Closed>,
 }
 
 fn settings(min: u32, max: u32) -> ElasticSettings {
@@ -100,6 +119,7 @@ impl Sim {
             store: Model::default(),
             nodes: Vec::new(),
             settings,
+            closed: Vec::new(),
         }
     }
 
@@ -113,6 +133,7 @@ impl Sim {
             alive: true,
             events: Vec::new(),
             ops: 0,
+            gone_at: None,
         });
         self.nodes.len() - 1
     }
@@ -130,6 +151,14 @@ impl Sim {
         let Some(action) = node.pending.as_ref() else {
             return false;
         };
+        let first_size = match action {
+            StoreAction::CompareSet { key, desired, .. }
+                if key.ends_with("/size") && !self.store.kv.contains_key(key) =>
+            {
+                Some((key.clone(), desired.clone()))
+            }
+            _ => None,
+        };
         let Some(reply) = self.store.apply(action, now) else {
             return false;
         };
@@ -137,9 +166,48 @@ impl Sim {
         node.ops += 1;
         node.machine.handle_reply(reply.as_reply(), now);
         while let Some(event) = node.machine.poll_event() {
+            if matches!(event, Event::Left | Event::ShutDown | Event::Failed(_)) {
+                node.gone_at.get_or_insert(now);
+            }
             node.events.push(event);
         }
+        if let Some((key, size)) = first_size {
+            self.record_close(&key, &size);
+        }
         true
+    }
+
+    /// Records the round whose size `key` was just written first with `size`.
+    fn record_close(&mut self, key: &str, size: &[u8]) {
+        let round_key = key.trim_end_matches("/size");
+        let round: u64 = round_key.rsplit('/').next().unwrap().parse().unwrap();
+        let size = core::str::from_utf8(size).unwrap();
+        let Some((_, slots)) = size.split_once(';') else {
+            return; // shut down
+        };
+        let roster = core::str::from_utf8(&self.store.kv[&format!("{round_key}/roster")])
+            .unwrap()
+            .to_string();
+        let node_at = |slot: &str| -> usize {
+            let name = roster
+                .lines()
+                .find_map(|l| {
+                    let mut parts = l.strip_prefix('+')?.splitn(3, ' ');
+                    (parts.next()? == slot).then(|| parts.nth(1).unwrap().to_string())
+                })
+                .unwrap();
+            // Names are unique among live nodes; a restarted name is the newest node.
+            (0..self.nodes.len())
+                .rev()
+                .find(|&i| self.nodes[i].machine.node() == name)
+                .unwrap()
+        };
+        let members = slots.split(',').map(node_at).collect();
+        self.closed.push(Closed {
+            round,
+            members,
+            at: self.now,
+        });
     }
 
     /// Steps every node round-robin until none can move, then advances time to the
@@ -198,6 +266,82 @@ impl Sim {
 
     fn kill(&mut self, i: usize) {
         self.nodes[i].alive = false;
+        let now = self.now;
+        self.nodes[i].gone_at.get_or_insert(now);
+    }
+
+    /// Every member of a complete round was alive when it closed (members acknowledge a
+    /// round after it closes, and it is complete only once all have), and every member
+    /// that stayed (did not die, leave or fail) was told, unless the round was ended (a
+    /// member that gave up waiting for the last acknowledgement ends it for all).
+    fn check_members_alive(&self) {
+        for c in &self.closed {
+            let told: Vec<usize> = c
+                .members
+                .iter()
+                .copied()
+                .filter(|&m| self.completes(m).iter().any(|o| o.round == c.round))
+                .collect();
+            if told.is_empty() {
+                continue;
+            }
+            for &m in &c.members {
+                if let Some(gone) = self.nodes[m].gone_at {
+                    assert!(
+                        gone >= c.at,
+                        "round {} closed at {:?} counting node {m}, gone since {gone:?}",
+                        c.round,
+                        c.at
+                    );
+                }
+                let over = self
+                    .store
+                    .kv
+                    .contains_key(&format!("rdzv.elastic.job/{}/over", c.round));
+                assert!(
+                    told.contains(&m) || self.nodes[m].gone_at.is_some() || over,
+                    "round {} is complete for {told:?} but not for member {m}: {:?}",
+                    c.round,
+                    self.nodes[m].events,
+                );
+            }
+        }
+    }
+
+    /// Ranks are stable: a node that held rank `p` in its last round keeps it in its next
+    /// one when `p` is below the new world size and no member of the new round held `p`
+    /// in a later round.
+    fn check_stable_ranks(&self) {
+        let completes: Vec<Vec<RoundOutcome>> =
+            (0..self.nodes.len()).map(|i| self.completes(i)).collect();
+        let prev_of = |i: usize, round: u64| -> Option<RoundOutcome> {
+            completes[i].iter().rev().find(|o| o.round < round).cloned()
+        };
+        for (i, outcomes) in completes.iter().enumerate() {
+            for pair in outcomes.windows(2) {
+                let (a, b) = (&pair[0], &pair[1]);
+                if a.rank >= b.world_size {
+                    continue;
+                }
+                let Some(closed) = self.closed.iter().find(|c| c.round == b.round) else {
+                    continue;
+                };
+                let beaten = closed.members.iter().any(|&j| {
+                    j != i
+                        && prev_of(j, b.round)
+                            .is_some_and(|p| p.rank == a.rank && p.round > a.round)
+                });
+                assert!(
+                    beaten || b.rank == a.rank,
+                    "node {i} moved from rank {} (round {}) to {} (round {}) in {:?}",
+                    a.rank,
+                    a.round,
+                    b.rank,
+                    b.round,
+                    closed.members
+                );
+            }
+        }
     }
 
     /// Every round's outcomes agree: one world size, distinct ranks below it.
@@ -261,7 +405,7 @@ fn fills_to_max_and_closes_at_once() {
         1,
         "a spare does not disturb the round"
     );
-    assert_eq!(sim.store.kv["rdzv.elastic.job/0/node/3"], b"c");
+    assert!(sim.store.kv["rdzv.elastic.job/0/roster"].ends_with(b"+3 - c\n"));
     sim.check_agreement();
 }
 
@@ -450,7 +594,7 @@ fn shutdown_closes_for_good() {
     let c = sim.join("c");
     sim.run_for(secs(1));
     assert_eq!(sim.nodes[c].events, [Event::Failed(closed.clone())]);
-    assert_eq!(sim.nodes[c].ops, 1, "one CHECK");
+    assert_eq!(sim.nodes[c].ops, 1, "one ADD of the round hint");
 
     // A node waiting in an open round is woken, not left to time out.
     let mut sim = Sim::new(settings(3, 4));
@@ -479,8 +623,70 @@ fn join_timeout_is_rendezvous_timeout_error() {
          rendezvous 'job' within the join timeout (60s); fewer than min_nodes nodes may have \
          joined"
     );
-    // The timed-out nodes marked the round over: if it closes with them, it ends at once.
-    assert!(sim.store.kv.contains_key("rdzv.elastic.job/0/over"));
+    // The timed-out nodes left the open round: a node that comes now is not counted
+    // with them (PyTorch would tell it world_size 3 with two departed nodes).
+    assert_eq!(
+        sim.store.kv["rdzv.elastic.job/0/roster"],
+        b"+1 - a\n+2 - b\n-1\n-2\n"
+    );
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/over"));
+}
+
+#[test]
+fn a_node_that_timed_out_alone_is_not_counted() {
+    let mut s = settings(1, 2);
+    s.last_call = secs(5);
+    let mut sim = Sim::new(s.clone());
+    // Alone in a round of 2..2: it times out.
+    let mut lone = s.clone();
+    lone.nodes = NodeRange::new(2, 2).unwrap();
+    lone.join_timeout = secs(3);
+    sim.settings = lone;
+    let a = sim.join("a");
+    sim.run_for(secs(5));
+    assert!(matches!(
+        sim.nodes[a].events[..],
+        [Event::Failed(ElasticError::Timeout { .. })]
+    ));
+    // The next node arrives: it is alone, so the round waits for a second one.
+    sim.settings.join_timeout = secs(60);
+    let b = sim.join("b");
+    sim.run_for(secs(10));
+    assert!(sim.nodes[b].events.is_empty(), "{:?}", sim.nodes[b].events);
+    let c = sim.join("c");
+    sim.run_for(secs(1));
+    for i in [b, c] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (0, 2), "node {i}");
+    }
+    sim.check_agreement();
+}
+
+#[test]
+fn a_node_killed_in_an_open_round_is_not_counted() {
+    // 2..4 nodes; a arrives, b arrives and is killed (SIGKILL) while the last call runs
+    // and before it ends... with a last call longer than the keep-alive timeout, the
+    // watcher finds b dead and the round closes with a alone? No: min_nodes is 2, so it
+    // waits for c, and closes with a and c only.
+    let mut s = settings(2, 4);
+    s.last_call = secs(10);
+    let mut sim = Sim::new(s);
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(1));
+    sim.kill(b);
+    sim.run_for(secs(15));
+    assert!(sim.completes(a).is_empty(), "{:?}", sim.nodes[a].events);
+    let c = sim.join("c");
+    sim.run_for(secs(12));
+    for i in [a, c] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (0, 2), "node {i}");
+    }
+    assert!(sim.store.kv["rdzv.elastic.job/0/roster"]
+        .windows(3)
+        .any(|w| w == b"-2\n"));
+    sim.check_agreement();
 }
 
 #[test]
@@ -492,10 +698,10 @@ fn store_work_per_node_is_constant() {
         }
         sim.run_for(Duration::ZERO);
         assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
-        // CHECK, ADD hint, ADD arrival, SET node, WAIT size, GET size, then the first
-        // heartbeat (ADD own, ADD neighbour's): 8. The one closer compare-sets the size
-        // instead of the wait and the get (with min_nodes < max_nodes the quorum key
-        // adds a SET for two nodes): at most 9.
+        // ADD hint, ADD arrival, APPEND roster, WAIT size, GET size, ADD ready, WAIT go
+        // (the last member SETs go instead), then the first watch (ADD neighbour's): 8.
+        // The one closer GETs the roster twice and compare-sets the size instead of the
+        // wait and the get: at most 9.
         let most = sim.nodes.iter().map(|node| node.ops).max().unwrap();
         assert!(most <= 9, "n={n}: {most} operations for one node");
         let typical = sim.nodes.iter().filter(|node| node.ops <= 8).count();
@@ -515,17 +721,17 @@ fn misdriven_replies_fail_with_a_message() {
     let mut node = ElasticNode::new(settings(1, 1), "a");
     node.handle_local(LocalEvent::Join);
     let action = node.poll_action(Instant::ZERO).unwrap();
-    assert_eq!(action.name(), "check");
-    assert_eq!(action.key(), "rdzv.elastic.job/closed");
+    assert_eq!(action.name(), "add");
+    assert_eq!(action.key(), "rdzv.elastic.job/round");
     assert_eq!(node.poll_action(Instant::ZERO), None, "one at a time");
-    node.handle_reply(StoreReply::Added(1), Instant::ZERO);
+    node.handle_reply(StoreReply::Checked(true), Instant::ZERO);
     let Some(Event::Failed(error)) = node.poll_event() else {
         panic!("misdriven")
     };
     assert_eq!(
         error.to_string(),
-        "elastic rendezvous misdriven: the pending action is 'check' but the reply given is \
-         'added'"
+        "RendezvousStateError: elastic rendezvous misdriven: the pending action is 'add' but \
+         the reply given is 'checked'"
     );
     assert!(node.is_done() && node.poll_action(Instant::ZERO).is_none());
 
@@ -577,6 +783,42 @@ fn node_ranges_and_urls() {
         (secs(5), secs(120), Duration::from_millis(500))
     );
     assert_eq!(s.keep_alive_timeout(), secs(2));
+    // torchrun's --rdzv-conf names, with its float seconds and booleans.
+    let url = ElasticUrl::parse(
+        "elastic://h/j?last_call_timeout=1.5&keep_alive_max_attempt=5&close_timeout=0.25s\
+         &read_timeout=90&is_host=TRUE&join_timeout=.5",
+    )
+    .unwrap();
+    let s = &url.settings;
+    assert_eq!(s.last_call, Duration::from_millis(1500));
+    assert_eq!(s.keep_alive_max_attempts, 5);
+    assert_eq!(s.close_timeout, Duration::from_millis(250));
+    assert_eq!(s.join_timeout, Duration::from_millis(500));
+    assert_eq!((url.read_timeout, url.is_host), (secs(90), Some(true)));
+    assert_eq!(s.closed_key(), "rdzv.elastic.j/closed");
+    assert_eq!(s.live_count_key(3), "rdzv.elastic.j/3/arrivals");
+    let mut url = ElasticUrl::parse("elastic://h/j?last_call=7").unwrap();
+    assert_eq!(
+        (url.read_timeout, url.is_host),
+        (DEFAULT_READ_TIMEOUT, None)
+    );
+    assert_eq!(url.settings.close_timeout, DEFAULT_CLOSE_TIMEOUT);
+    url.set("is_host", "n").unwrap();
+    url.set("nodes", "2:3").unwrap();
+    assert_eq!(url.is_host, Some(false));
+    assert_eq!(url.settings.nodes, NodeRange { min: 2, max: 3 });
+    for (key, value) in [
+        ("is_host", "maybe"),
+        ("read_timeout", "1.5m"),
+        ("join_timeout", "."),
+        ("close_timeout", "1.x"),
+    ] {
+        assert_eq!(
+            url.set(key, value),
+            Err(SettingsError::BadValue { key, value }),
+            "{key}={value}"
+        );
+    }
     let url = ElasticUrl::parse("elastic://h/j?last_call=7").unwrap();
     assert_eq!(url.port, DEFAULT_PORT);
     assert_eq!(url.settings.nodes, NodeRange { min: 1, max: 1 });
@@ -590,7 +832,7 @@ fn node_ranges_and_urls() {
         (
             "elastic://h:1/j?last_call=5x",
             "elastic:// rendezvous: last_call=5x is not valid (durations: 500ms, 5s, 2m, or \
-             seconds; counts: a positive integer)",
+             seconds; counts: a positive integer; is_host: true or false)",
         ),
         (
             "elastic://h:1/j?last_call=0",
@@ -599,7 +841,8 @@ fn node_ranges_and_urls() {
         (
             "elastic://h:1/j?color=red",
             "elastic:// rendezvous: unknown query key color (known: nodes, join_timeout, \
-             last_call, keep_alive_interval, keep_alive_max_attempts, node_id)",
+             last_call_timeout, close_timeout, keep_alive_interval, keep_alive_max_attempt, \
+             read_timeout, is_host, node_id)",
         ),
         (
             "elastic://:1/j",
@@ -693,6 +936,21 @@ proptest! {
         }
         sim.run_for(secs(60));
         sim.check_agreement();
+        sim.check_members_alive();
+        sim.check_stable_ranks();
+        // A round that is still going has only live members, each of which has it.
+        for c in &sim.closed {
+            let current = c.members.iter().all(|&m| {
+                sim.nodes[m].alive && sim.last_complete(m).is_some_and(|o| o.round == c.round)
+            });
+            let anyone_current = (0..sim.nodes.len()).any(|i| {
+                sim.nodes[i].alive
+                    && !sim.nodes[i].machine.is_done()
+                    && sim.last_complete(i).is_some_and(|o| o.round == c.round)
+                    && matches!(sim.nodes[i].events.last(), Some(Event::Complete(_)))
+            });
+            prop_assert!(!anyone_current || current, "round {} stuck with {:?}", c.round, c.members);
+        }
         // Liveness: with at least min_nodes live nodes, a final round holds them all,
         // (up to max_nodes; the rest are hot spares).
         let live: Vec<usize> = (0..sim.nodes.len())
@@ -709,6 +967,100 @@ proptest! {
     }
 }
 
+/// What a fair schedule does next (every live node keeps being stepped).
+#[derive(Debug, Clone)]
+enum FairOp {
+    Join,
+    Kill(usize),
+    Leave(usize),
+    Fail(usize),
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// Joins, SIGKILLs, leaves and worker failures at random times, with every live node
+    /// stepped as its waits end (as the runtime does): every member of a complete round
+    /// was alive when it closed; survivors keep their ranks.
+    #[test]
+    fn fair_schedules_admit_only_the_living(
+        min in 1u32..4,
+        extra in 0u32..3,
+        ops in proptest::collection::vec(
+            (prop_oneof![
+                3 => Just(FairOp::Join),
+                1 => any::<usize>().prop_map(FairOp::Kill),
+                1 => any::<usize>().prop_map(FairOp::Leave),
+                1 => any::<usize>().prop_map(FairOp::Fail),
+            ], 0u64..8000),
+            1..40,
+        ),
+    ) {
+        let mut s = settings(min, min + extra);
+        s.join_timeout = secs(3600);
+        let mut sim = Sim::new(s);
+        let mut joined = 0;
+        for (op, ms) in ops {
+            let len = sim.nodes.len().max(1);
+            match op {
+                FairOp::Join => {
+                    sim.join(&format!("n{joined}"));
+                    joined += 1;
+                }
+                FairOp::Kill(i) if i % len < sim.nodes.len() => sim.kill(i % len),
+                FairOp::Leave(i) if i % len < sim.nodes.len() => {
+                    sim.nodes[i % len].machine.handle_local(LocalEvent::Leave)
+                }
+                FairOp::Fail(i) if i % len < sim.nodes.len() => {
+                    sim.nodes[i % len].machine.handle_local(LocalEvent::WorkerFailed)
+                }
+                _ => {}
+            }
+            sim.run_for(Duration::from_millis(ms));
+            sim.check_agreement();
+        }
+        sim.run_for(secs(60));
+        sim.check_agreement();
+        sim.check_members_alive();
+        sim.check_stable_ranks();
+    }
+}
+
+#[test]
+fn survivors_keep_their_ranks() {
+    // Five nodes, the one at rank 1 dies; the next round keeps 0, 2 and 3 where they were
+    // and gives rank 1 to the node that held rank 4 (4 is beyond the new world of 4).
+    let mut sim = Sim::new(settings(2, 8));
+    let nodes: Vec<usize> = (0..5).map(|i| sim.join(&format!("n{i}"))).collect();
+    sim.run_for(secs(3));
+    let rank_of = |sim: &Sim, i: usize| sim.last_complete(i).unwrap().rank;
+    let before: Vec<u32> = nodes.iter().map(|&i| rank_of(&sim, i)).collect();
+    let victim = nodes[before.iter().position(|&r| r == 1).unwrap()];
+    sim.kill(victim);
+    sim.run_for(secs(10));
+    for (k, &i) in nodes.iter().enumerate() {
+        if i == victim {
+            continue;
+        }
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (1, 4));
+        let want = if before[k] == 4 { 1 } else { before[k] };
+        assert_eq!(o.rank, want, "node {i} had rank {}", before[k]);
+    }
+    // A newcomer takes the free rank; the others stay.
+    let late = sim.join("late");
+    sim.run_for(secs(10));
+    for (k, &i) in nodes.iter().enumerate() {
+        if i != victim {
+            let want = if before[k] == 4 { 1 } else { before[k] };
+            assert_eq!(sim.last_complete(i).unwrap().rank, want);
+        }
+    }
+    assert_eq!(sim.last_complete(late).unwrap().rank, 4);
+    sim.check_stable_ranks();
+    sim.check_members_alive();
+}
+
 #[test]
 fn settings_check() {
     let mut s = settings(1, 1);
@@ -718,4 +1070,35 @@ fn settings_check() {
         s.check().unwrap_err().to_string(),
         "The keep_alive_max_attempts of the elastic rendezvous must be positive."
     );
+}
+
+#[test]
+fn closing_makes_a_hot_spare_exit_gracefully() {
+    let mut sim = Sim::new(settings(1, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(1));
+    let spare = sim.join("spare");
+    sim.run_for(secs(1));
+    assert_eq!(
+        sim.nodes[spare].events,
+        [Event::Waiting {
+            round: 0,
+            hot_spare: true
+        }]
+    );
+    sim.nodes[a].machine.handle_local(LocalEvent::Shutdown);
+    sim.run_for(secs(10));
+    let Some(Event::Failed(error)) = sim.nodes[spare].events.last() else {
+        panic!("{:?}", sim.nodes[spare].events);
+    };
+    assert_eq!(error.kind(), ElasticErrorKind::GracefulExit);
+    assert!(error
+        .to_string()
+        .starts_with("RendezvousGracefulExitError: the rendezvous 'job' is closed"));
+    let Some(Event::Failed(error)) = sim.nodes[b].events.last() else {
+        panic!("{:?}", sim.nodes[b].events);
+    };
+    assert_eq!(error.kind(), ElasticErrorKind::Closed);
+    assert_eq!(error.kind().torch_name(), "RendezvousClosedError");
 }
