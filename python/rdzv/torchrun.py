@@ -248,16 +248,9 @@ def _handler_class() -> type:
                     raise _errors.RendezvousClosedError(
                         f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
                     )
-                node = self._join()
-                after = None
-                if self._round is not None:
-                    after = self._round.round
-                    current = node.current()
-                    if current is not None and current.round == after:
-                        # Our workers are restarting (they failed, or a node waits to
-                        # join): end the round; every member rejoins the next one.
-                        node.worker_failed()
-                round_ = node.next_round(after=after, timeout=s.join_timeout + 5.0)
+                # The first call joins; a later one, made while the round it returned
+                # is still going (our workers restart), ends that round for everyone.
+                round_ = self._join().next_rendezvous()
             except (_errors.RendezvousError, _errors.StoreError) as e:
                 raise torch_error(e) from e
             self._round = round_
@@ -270,7 +263,7 @@ def _handler_class() -> type:
                 bootstrap = api.RendezvousStoreInfo.build(round_.rank, store)
             log.info(
                 "rdzv: node %s is rank %s of %s in round %s of run %s",
-                node.node,
+                self._node.node if self._node is not None else "?",
                 round_.rank,
                 round_.world_size,
                 round_.round,
@@ -282,37 +275,25 @@ def _handler_class() -> type:
             if self._closed:
                 return True
             try:
-                return bool(self._store().check([self._closed_key()]))
-            except Exception:  # noqa: BLE001 - a lost store is not a closed rendezvous
-                return False
+                return self._join().is_closed()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
 
         def set_closed(self) -> None:
             self._closed = True
-            node, self._node = self._node, None
-            if node is not None:
-                node.shutdown(timeout=self._settings.close_timeout)
-            else:
-                self._store().set(self._closed_key(), b"closed")
+            try:
+                self._join().set_closed()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
 
         def num_nodes_waiting(self) -> int:
             node = self._node
             if node is None or self._round is None or node.has_left:
                 return 0
-            handed = self._round.round
             try:
-                current = node.current()
-                if current is not None and current.round == handed:
-                    return 0
-                # The round we handed out is over: a node waits to join, a member died,
-                # or a member's workers failed. Unless the run was closed (a node
-                # finished, as the c10d backend closes it) or the store is gone, the
-                # agent must restart its workers and call next_rendezvous.
-                node.next_round(after=handed, timeout=0)
-                return 1
-            except _errors.RendezvousTimeoutError:
-                return 1
-            except (_errors.RendezvousError, _errors.StoreError):
-                return 0
+                return node.num_nodes_waiting()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
 
         def shutdown(self) -> bool:
             # As the c10d backend does: close the run for every node, so that a node
@@ -320,7 +301,8 @@ def _handler_class() -> type:
             ok = True
             try:
                 if not self._closed:
-                    self.set_closed()
+                    self._closed = True
+                    ok = self._join().shutdown()
             except Exception as e:  # noqa: BLE001 - torch expects False, not a raise
                 log.warning("rdzv: closing the rendezvous '%s' failed: %s", self.get_run_id(), e)
                 ok = False
@@ -346,13 +328,10 @@ def _handler_class() -> type:
                     last_call_timeout=s.last_call_timeout,
                     keep_alive_interval=s.keep_alive_interval,
                     keep_alive_max_attempt=s.keep_alive_max_attempt,
+                    close_timeout=s.close_timeout,
                     timeout=s.read_timeout,
                 )
             return self._node
-
-        def _closed_key(self) -> str:
-            # The key rdzv's elastic protocol closes a run with (core's key layout).
-            return f"rdzv.elastic.{self._settings.run_id}/closed"
 
         def _port(self) -> int:
             return self._server.port if self._server is not None else self._settings.port

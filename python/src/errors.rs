@@ -8,7 +8,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use rdzv_core::rendezvous::elastic::ElasticError;
+use rdzv_core::rendezvous::elastic::ElasticErrorKind;
 use rdzv_uring::rendezvous::elastic::ElasticFailure;
 use rdzv_uring::rendezvous::RendezvousError;
 use rdzv_uring::server::ServerError;
@@ -71,15 +71,15 @@ pub(crate) fn rendezvous(error: RendezvousError) -> PyErr {
     raise(class, error.to_string())
 }
 
-/// The class of an elastic rendezvous failure (torch's `Rendezvous*Error` names).
+/// The class of an elastic rendezvous failure: torch's `Rendezvous*Error` name the Rust
+/// handle gives it ([`ElasticFailure::kind`]).
 pub(crate) fn elastic_class(failure: &ElasticFailure) -> &'static str {
-    match failure {
-        ElasticFailure::Protocol(ElasticError::Closed { .. }) => "RendezvousClosedError",
-        ElasticFailure::Protocol(ElasticError::Timeout { .. }) => "RendezvousTimeoutError",
-        ElasticFailure::Protocol(_) => "RendezvousStateError",
-        ElasticFailure::Store { .. } => "RendezvousConnectionError",
-        ElasticFailure::Left { .. } => "RendezvousGracefulExitError",
-        ElasticFailure::NotYet { .. } => "RendezvousTimeoutError",
+    match failure.kind() {
+        ElasticErrorKind::Closed => "RendezvousClosedError",
+        ElasticErrorKind::Timeout => "RendezvousTimeoutError",
+        ElasticErrorKind::Connection => "RendezvousConnectionError",
+        ElasticErrorKind::State => "RendezvousStateError",
+        ElasticErrorKind::GracefulExit => "RendezvousGracefulExitError",
         _ => "RendezvousError",
     }
 }

@@ -8,7 +8,8 @@
 //! handler (`rdzv/torchrun.py`) is built on it. Which node gets which rank, and when a
 //! round closes, is the core's decision; this module only passes calls through.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -55,14 +56,10 @@ pub(crate) fn rendezvous<'py>(
         .map_err(errors::rendezvous)?;
     let store = Py::new(py, PyStore::wrap(Arc::clone(&outcome.store), None))?;
     let elastic = match outcome.elastic {
-        Some(handle) => match Arc::try_unwrap(handle) {
-            Ok(handle) => Some(Py::new(
-                py,
-                PyElasticRendezvous::from_handle(handle, Arc::clone(&outcome.store), None),
-            )?),
-            // Nobody else holds it: the outcome was just built. Keep it alive anyway.
-            Err(_) => None,
-        },
+        Some(handle) => Some(Py::new(
+            py,
+            PyElasticRendezvous::from_handle(handle, Arc::clone(&outcome.store), None),
+        )?),
         None => None,
     };
     (store, outcome.rank, outcome.world_size, elastic).into_pyobject(py)
@@ -112,68 +109,44 @@ impl PyRound {
 ///
 /// ``ElasticRendezvous(host, port, run_id, min_nodes=1, max_nodes=None, node_id=None,
 /// join_timeout=600, last_call_timeout=30, keep_alive_interval=5,
-/// keep_alive_max_attempt=3, timeout=60)`` connects to the store at ``host:port``
-/// (``timeout`` bounds connecting) and joins at once; a thread of its own then joins
-/// rounds, heartbeats and watches a peer. ``next_round()`` waits for a round. Durations
-/// are seconds or ``timedelta``; the names are torchrun's ``--rdzv-conf`` keys.
+/// keep_alive_max_attempt=3, close_timeout=30, timeout=60)`` connects to the store at
+/// ``host:port`` (``timeout`` bounds connecting) and joins at once; a thread of its own
+/// then joins rounds, heartbeats and watches a peer. Durations are seconds or
+/// ``timedelta``; the names are torchrun's ``--rdzv-conf`` keys.
 ///
-/// A node whose round ends (a member died, left, or its workers failed; a node waits to
-/// join) rejoins the next round on its own; ``next_round(after=r)`` waits for it.
+/// Rounds contain only live nodes, and a node that survives a re-rendezvous keeps its rank
+/// where it can. A node whose round ends (a member died, left, or its workers failed; a
+/// node waits to join) rejoins the next round on its own. torchelastic's handler API:
+/// ``next_rendezvous()``, ``num_nodes_waiting()``, ``is_closed()``, ``set_closed()``,
+/// ``shutdown()``; lower level: ``next_round(after=r)``, ``current()``,
+/// ``worker_failed()``, ``leave()``.
+///
 /// Errors: ``rdzv.RendezvousClosedError``, ``rdzv.RendezvousTimeoutError``,
 /// ``rdzv.RendezvousConnectionError``, ``rdzv.RendezvousStateError``,
-/// ``rdzv.RendezvousGracefulExitError`` (this node left).
+/// ``rdzv.RendezvousGracefulExitError`` (the run closed while this node waited outside
+/// every round).
 #[pyclass(module = "rdzv._rdzv", name = "ElasticRendezvous", frozen)]
 pub(crate) struct PyElasticRendezvous {
-    handle: Mutex<Option<ElasticRendezvous>>,
+    handle: Arc<ElasticRendezvous>,
     /// The store the rounds' prefix stores are built on.
     store: Arc<dyn Store>,
-    node: String,
-    run_id: String,
-    join_timeout: Duration,
     tcp: Option<Arc<TcpStore>>,
+    /// `leave()` or `shutdown()` was called.
+    left: AtomicBool,
 }
 
 impl PyElasticRendezvous {
     fn from_handle(
-        handle: ElasticRendezvous,
+        handle: Arc<ElasticRendezvous>,
         store: Arc<dyn Store>,
-        settings: Option<(&str, Duration)>,
+        tcp: Option<Arc<TcpStore>>,
     ) -> Self {
-        let (run_id, join_timeout) = settings.unwrap_or(("", Duration::from_secs(600)));
         PyElasticRendezvous {
-            node: handle.node().to_string(),
-            handle: Mutex::new(Some(handle)),
+            handle,
             store,
-            run_id: run_id.to_string(),
-            join_timeout,
-            tcp: None,
+            tcp,
+            left: AtomicBool::new(false),
         }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Option<ElasticRendezvous>> {
-        self.handle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn left(&self) -> PyErr {
-        errors::raise(
-            "RendezvousGracefulExitError",
-            format!(
-                "node '{}' has left the elastic rendezvous '{}' (leave() or shutdown() was called)",
-                self.node, self.run_id
-            ),
-        )
-    }
-
-    /// Runs `f` on the handle (without the GIL); a node that has left raises.
-    fn with<T: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&ElasticRendezvous) -> T + Send,
-    ) -> PyResult<T> {
-        py.detach(|| self.lock().as_ref().map(f))
-            .ok_or_else(|| self.left())
     }
 }
 
@@ -183,7 +156,7 @@ impl PyElasticRendezvous {
     #[pyo3(signature = (
         host, port, run_id, min_nodes = 1, max_nodes = None, node_id = None,
         join_timeout = None, last_call_timeout = None, keep_alive_interval = None,
-        keep_alive_max_attempt = None, timeout = None,
+        keep_alive_max_attempt = None, close_timeout = None, timeout = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -198,6 +171,7 @@ impl PyElasticRendezvous {
         last_call_timeout: Option<&Bound<'_, PyAny>>,
         keep_alive_interval: Option<&Bound<'_, PyAny>>,
         keep_alive_max_attempt: Option<u32>,
+        close_timeout: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let nodes = NodeRange::new(min_nodes, max_nodes.unwrap_or(min_nodes))
@@ -212,6 +186,8 @@ impl PyElasticRendezvous {
             keep_alive_interval,
             settings.keep_alive_interval,
         )?;
+        settings.close_timeout =
+            duration::optional("close_timeout", close_timeout, settings.close_timeout)?;
         if let Some(attempts) = keep_alive_max_attempt {
             settings.keep_alive_max_attempts = attempts;
         }
@@ -220,7 +196,6 @@ impl PyElasticRendezvous {
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let connect_timeout = duration::optional("timeout", timeout, Duration::from_secs(60))?;
         let node = node_id.unwrap_or_else(default_node_id);
-        let join_timeout = settings.join_timeout;
         let (tcp, handle) = py.detach(|| {
             let tcp = TcpStore::connect(&host, port, connect_timeout)
                 .map(Arc::new)
@@ -237,35 +212,74 @@ impl PyElasticRendezvous {
                 .map_err(errors::elastic)?;
             Ok::<_, PyErr>((tcp, handle))
         })?;
-        let mut this = PyElasticRendezvous::from_handle(
-            handle,
+        Ok(PyElasticRendezvous::from_handle(
+            Arc::new(handle),
             Arc::clone(&tcp) as Arc<dyn Store>,
-            Some((&run_id, join_timeout)),
-        );
-        this.tcp = Some(tcp);
-        Ok(this)
+            Some(tcp),
+        ))
     }
 
     /// This node's id (torch's node descriptor text, ``{host}_{pid}_{n}``, unless given).
     #[getter]
     fn node(&self) -> String {
-        self.node.clone()
+        self.handle.node().to_string()
     }
 
-    /// The run id (empty when the handle came from ``rendezvous("elastic://…")`` with a
-    /// URL whose path was empty).
+    /// The run id.
     #[getter]
     fn run_id(&self) -> String {
-        self.run_id.clone()
+        self.handle.run_id().to_string()
+    }
+
+    /// torchelastic's ``next_rendezvous``: the first call waits for this node's first
+    /// round; a later call made while the round it returned last is still going (the
+    /// agent restarts its workers) ends that round for everyone and waits for the next;
+    /// a call after that round ended waits for the one that follows. Waits up to the join
+    /// timeout, without the GIL.
+    fn next_rendezvous(&self, py: Python<'_>) -> PyResult<PyRound> {
+        let handle = Arc::clone(&self.handle);
+        py.detach(move || handle.next_rendezvous())
+            .map(PyRound::from)
+            .map_err(errors::elastic)
+    }
+
+    /// torchelastic's ``num_nodes_waiting``: how many nodes wait to join a round after the
+    /// one ``next_rendezvous`` returned last (at least 1 once that round is over); more
+    /// than 0 tells the agent to restart its workers and call ``next_rendezvous``.
+    fn num_nodes_waiting(&self, py: Python<'_>) -> PyResult<u32> {
+        let handle = Arc::clone(&self.handle);
+        py.detach(move || handle.num_nodes_waiting())
+            .map_err(errors::elastic)
+    }
+
+    /// Whether the run has been closed for good (by any node).
+    fn is_closed(&self, py: Python<'_>) -> PyResult<bool> {
+        let handle = Arc::clone(&self.handle);
+        py.detach(move || handle.is_closed())
+            .map_err(errors::elastic)
+    }
+
+    /// Closes the run for good, for every node (torch's ``set_closed``): every node's
+    /// next ``next_rendezvous`` raises ``RendezvousClosedError``. Takes at most the
+    /// close timeout.
+    fn set_closed(&self, py: Python<'_>) -> PyResult<()> {
+        let handle = Arc::clone(&self.handle);
+        let result = py.detach(move || handle.set_closed());
+        self.left.store(true, Ordering::Relaxed);
+        result.map_err(errors::elastic)
+    }
+
+    /// torch's ``shutdown``: closes the run (``set_closed``) and stops this node's
+    /// heartbeats. Returns whether closing succeeded within the close timeout.
+    fn shutdown(&self, py: Python<'_>) -> bool {
+        let handle = Arc::clone(&self.handle);
+        self.left.store(true, Ordering::Relaxed);
+        py.detach(move || handle.shutdown())
     }
 
     /// Waits for this node to be a member of a complete round later than ``after`` (any
     /// round for ``None``), up to ``timeout`` (default: the join timeout plus 5 s), and
-    /// returns it. The GIL is released while it waits.
-    ///
-    /// Raises ``rdzv.RendezvousTimeoutError`` when no round comes in time,
-    /// ``rdzv.RendezvousClosedError`` once the run is shut down, and the other
-    /// ``Rendezvous*Error`` classes.
+    /// returns it. The GIL is released while it waits, and signals (Ctrl-C) are handled.
     #[pyo3(signature = (after = None, timeout = None))]
     fn next_round(
         &self,
@@ -276,24 +290,24 @@ impl PyElasticRendezvous {
         let timeout = duration::optional(
             "timeout",
             timeout,
-            self.join_timeout + Duration::from_secs(5),
+            self.handle.settings().join_timeout + Duration::from_secs(5),
         )?;
-        // Wait in slices, so that Ctrl-C and the signal handlers of torchrun's agent run
-        // (they run only when this thread is back in Python), and so that another thread
-        // may leave() between slices.
+        // Wait in slices, so that Ctrl-C and other signal handlers run (they run only
+        // when this thread is back in Python).
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let slice = left.min(SIGNAL_CHECK_INTERVAL);
-            match self.with(py, |handle| handle.next_round(after, slice))? {
+            let handle = Arc::clone(&self.handle);
+            match py.detach(move || handle.next_round(after, slice)) {
                 Ok(round) => return Ok(PyRound::from(round)),
                 Err(ElasticFailure::NotYet { .. }) if slice < left => {}
                 Err(ElasticFailure::NotYet { node, .. }) => {
                     return Err(errors::raise(
                         "RendezvousTimeoutError",
                         format!(
-                            "node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
-                            self.run_id,
+                            "RendezvousTimeoutError: node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
+                            self.handle.run_id(),
                             timeout.as_secs_f64()
                         ),
                     ))
@@ -305,72 +319,52 @@ impl PyElasticRendezvous {
     }
 
     /// The round this node is a member of now, or ``None`` (between rounds).
-    fn current(&self, py: Python<'_>) -> PyResult<Option<PyRound>> {
-        Ok(self
-            .with(py, ElasticRendezvous::current)?
-            .map(PyRound::from))
+    fn current(&self) -> Option<PyRound> {
+        self.handle.current().map(PyRound::from)
     }
 
     /// ``(round, hot_spare)`` when this node arrived after ``round`` closed and waits for
     /// the next one (as a hot spare when the round was full), else ``None``.
-    fn waiting(&self, py: Python<'_>) -> PyResult<Option<(u64, bool)>> {
-        self.with(py, ElasticRendezvous::waiting)
+    fn waiting(&self) -> Option<(u64, bool)> {
+        self.handle.waiting()
     }
 
     /// A store client of ``round``'s keys: ``PrefixStore(round.store_prefix, store)``.
-    fn round_store(&self, round: &PyRound) -> PyResult<PyStore> {
+    fn round_store(&self, round: &PyRound) -> PyStore {
         let outcome = RoundOutcome {
             round: round.round,
             rank: round.rank,
             world_size: round.world_size,
             store_prefix: round.store_prefix.clone(),
         };
-        let guard = self.lock();
-        let handle = guard.as_ref().ok_or_else(|| self.left())?;
-        Ok(PyStore::wrap(handle.round_store(&outcome), None))
+        PyStore::wrap(self.handle.round_store(&outcome), None)
     }
 
-    /// A direct client of the rendezvous's store (the keys without a round prefix).
+    /// A client of the rendezvous's store (the keys without a round prefix).
     fn store(&self) -> PyStore {
         PyStore::wrap(Arc::clone(&self.store), self.tcp.clone())
     }
 
     /// This node's workers failed: the round ends for every member, and this node
     /// rejoins the next one (torchelastic's restart).
-    fn worker_failed(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, ElasticRendezvous::worker_failed)
-    }
-
-    /// Closes the rendezvous for good, for every node (torch's ``set_closed`` at the end
-    /// of a job): joiners and members then fail with ``RendezvousClosedError``. Waits up to
-    /// ``timeout`` seconds for the driver to finish; returns whether the close was
-    /// written. The handle is unusable afterwards.
-    #[pyo3(signature = (timeout = None))]
-    fn shutdown(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
-        let timeout = duration::optional("timeout", timeout, Duration::from_secs(30))?;
-        let handle = self.lock().take();
-        Ok(match handle {
-            Some(handle) => py.detach(move || handle.shutdown(timeout)),
-            None => false,
-        })
+    fn worker_failed(&self) {
+        self.handle.worker_failed();
     }
 
     /// Leaves the rendezvous (ending the round this node is a member of), waiting up to
-    /// ``timeout`` seconds. Returns whether the driver finished in time. Idempotent.
+    /// ``timeout`` seconds (default 30). Returns whether the driver finished in time.
     #[pyo3(signature = (timeout = None))]
     fn leave(&self, py: Python<'_>, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
         let timeout = duration::optional("timeout", timeout, Duration::from_secs(30))?;
-        let handle = self.lock().take();
-        Ok(match handle {
-            Some(handle) => py.detach(move || handle.leave(timeout)),
-            None => true,
-        })
+        self.left.store(true, Ordering::Relaxed);
+        let handle = Arc::clone(&self.handle);
+        Ok(py.detach(move || handle.leave(timeout)))
     }
 
-    /// Whether ``leave()`` or ``shutdown()`` was called.
+    /// Whether ``leave()``, ``set_closed()`` or ``shutdown()`` was called.
     #[getter]
     fn has_left(&self) -> bool {
-        self.lock().is_none()
+        self.left.load(Ordering::Relaxed)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -386,8 +380,8 @@ impl PyElasticRendezvous {
     fn __repr__(&self) -> String {
         format!(
             "ElasticRendezvous(node={:?}, run_id={:?}, left={})",
-            self.node,
-            self.run_id,
+            self.handle.node(),
+            self.handle.run_id(),
             self.has_left()
         )
     }

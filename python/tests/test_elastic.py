@@ -52,21 +52,63 @@ def test_join_timeout_is_a_rendezvous_timeout_error(server: rdzv.StoreServer) ->
 
 def test_shutdown_closes_the_run_for_joiners(server: rdzv.StoreServer) -> None:
     a = node(server, "closing", "a")
-    a.next_round(timeout=20)
-    assert a.shutdown(timeout=10)
+    a.next_rendezvous()
+    assert not a.is_closed()
+    assert a.shutdown()
+    assert a.has_left
     late = node(server, "closing", "late")
+    assert late.is_closed()
     with pytest.raises(rdzv.RendezvousClosedError):
-        late.next_round(timeout=10)
+        late.next_rendezvous()
 
 
-def test_a_node_that_left_raises_graceful_exit(server: rdzv.StoreServer) -> None:
+def test_a_node_that_left_raises_closed(server: rdzv.StoreServer) -> None:
     a = node(server, "gone", "a")
-    a.next_round(timeout=20)
+    first = a.next_round(timeout=20)
     assert a.leave(timeout=10)
-    with pytest.raises(rdzv.RendezvousGracefulExitError):
-        a.next_round(timeout=1)
-    with pytest.raises(rdzv.RendezvousGracefulExitError):
-        a.current()
+    assert a.has_left
+    with pytest.raises(rdzv.RendezvousClosedError, match="has left"):
+        a.next_round(after=first.round, timeout=1)
+
+
+def test_torchelastic_handler_api(server: rdzv.StoreServer) -> None:
+    """next_rendezvous / num_nodes_waiting / set_closed, as torchrun's agent calls them."""
+    a = node(server, "api", "a", min_nodes=2, max_nodes=3)
+    b = node(server, "api", "b", min_nodes=2, max_nodes=3)
+    rounds = {}
+    threads = [
+        threading.Thread(target=lambda n=n: rounds.__setitem__(n.node, n.next_rendezvous()))
+        for n in (a, b)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(r.rank for r in rounds.values()) == [0, 1]
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+    # A late node ends the round (there is room): the members see a node waiting.
+    c = node(server, "api", "c", min_nodes=2, max_nodes=3)
+    deadline = time.monotonic() + 20
+    while a.num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.num_nodes_waiting() >= 1
+    later = {}
+    threads = [
+        threading.Thread(target=lambda n=n: later.__setitem__(n.node, n.next_rendezvous()))
+        for n in (a, b, c)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(r.rank for r in later.values()) == [0, 1, 2]
+    assert all(r.world_size == 3 for r in later.values())
+    # Stable ranks: the first two keep theirs.
+    assert later["a"].rank == rounds["a"].rank and later["b"].rank == rounds["b"].rank
+    a.set_closed()
+    assert b.is_closed()
+    with pytest.raises(rdzv.RendezvousClosedError):
+        b.next_rendezvous()
 
 
 def test_bad_settings_are_value_errors(server: rdzv.StoreServer) -> None:
@@ -118,17 +160,22 @@ def test_nodes_in_processes_one_sigkilled_the_rest_form_a_round_without_it(
     assert sorted(f["rank"] for f in first) == [0, 1, 2]
     assert all(f["world"] == 3 for f in first)
 
-    victim = procs[1]
+    # Kill the node holding the top rank, so that both survivors can keep theirs.
+    top = max(range(3), key=lambda i: first[i]["rank"])
+    victim = procs[top]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     started = time.monotonic()
-    survivors = [procs[0], procs[2]]
+    survivors = [p for i, p in enumerate(procs) if i != top]
+    kept = {p.pid: f["rank"] for p, f in zip(procs, first) if p is not victim}
     second = [read_line(p, 30) for p in survivors]
     elapsed = time.monotonic() - started
     assert len({s["round"] for s in second}) == 1
     assert second[0]["round"] > first[0]["round"]
     assert sorted(s["rank"] for s in second) == [0, 1]
     assert all(s["world"] == 2 for s in second)
+    # Stable ranks: the survivors keep theirs.
+    assert [s["rank"] for s in second] == [kept[p.pid] for p in survivors]
     # Death is noticed after keep_alive_interval x keep_alive_max_attempt (0.6 s), plus
     # the last call (1 s); far below the join timeout.
     assert elapsed < 15, elapsed
