@@ -30,17 +30,24 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
+# FAIL_ONCE names a file the test creates: the round that sees it fails (rank 1 dies and
+# deletes it; the others fail in their next collective, as a real job's would).
+mark = os.environ.get("FAIL_ONCE", "")
+failing = bool(mark) and os.path.exists(mark)
 t = torch.ones(1)
 dist.all_reduce(t)
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 record = dict(rank=rank, world=world, sum=int(t.item()), restart=restart,
               group_rank=int(os.environ["GROUP_RANK"]), node=os.environ["NODE_NAME"],
-              local_rank=int(os.environ["LOCAL_RANK"]))
+              local_rank=int(os.environ["LOCAL_RANK"]), failing=failing)
 out = os.environ["OUT_DIR"]
 with open(os.path.join(out, f"{record['node']}-{restart}-{rank}-{time.time_ns()}.json"), "w") as f:
     json.dump(record, f)
-if os.environ.get("FAIL_ONCE") and restart == 0 and rank == 1:
-    sys.exit(3)
+if failing:
+    if rank == 1:
+        os.remove(mark)
+        sys.exit(3)
+    dist.all_reduce(t)
 target = int(os.environ.get("TARGET_WORLD", "0"))
 if target and world != target:
     time.sleep(300)
@@ -140,12 +147,19 @@ def test_two_nodes_two_workers_gloo_all_reduce(job_factory) -> None:
 
 
 def test_worker_failure_restarts_with_max_restarts(job_factory) -> None:
-    job = job_factory("2", FAIL_ONCE="1")
+    job = job_factory("2")
+    mark = job.tmp / "fail-once"
+    mark.write_text("")
+    job.env["FAIL_ONCE"] = str(mark)
     job.start_node("a", max_restarts=2)
     job.start_node("b", max_restarts=2)
     job.wait_all()
-    second = [r for r in job.records() if r["restart"] == 1]
+    recs = job.records()
+    assert any(r["failing"] for r in recs)
+    second = [r for r in recs if not r["failing"]]
     assert sorted(r["rank"] for r in second) == [0, 1, 2, 3]
+    # The node whose worker failed used one of its restarts.
+    assert max(r["restart"] for r in second) == 1
     assert all(r["sum"] == 4 for r in second)
 
 
