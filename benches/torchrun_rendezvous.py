@@ -80,8 +80,8 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--backends", nargs="+", default=["c10d", "rdzv"])
     parser.add_argument("--rdzv-bin", default=shutil.which("rdzv"))
-    parser.add_argument("--last-call", type=float, default=0.5,
-                        help="last_call_timeout for both backends, seconds (default 0.5)")
+    parser.add_argument("--last-call", type=int, default=1,
+                        help="last_call_timeout for both backends, whole seconds (default 1)")
     args = parser.parse_args()
     try:
         import torch  # noqa: F401
@@ -127,7 +127,7 @@ def main() -> int:
                         run_id=run_id,
                         min_nodes=n,
                         max_nodes=n,
-                        local_addr=f"agent{i}",
+                        local_addr="127.0.0.1",
                         **conf,
                     )
                     if backend == "rdzv":
