@@ -1,0 +1,358 @@
+"""``torchrun --rdzv-backend=rdzv``: rdzv's elastic rendezvous as a torchrun backend.
+
+torchrun loads out-of-tree backends from the ``torchrun.handlers`` entry point group
+(``torch/distributed/elastic/rendezvous/registry.py``): it calls the entry point with no
+arguments (:func:`torchrun_handler`) and registers what that returns, a creator
+``create(params) -> RendezvousHandler``, under the name ``rdzv``.
+
+The handler runs the node on :class:`rdzv.ElasticRendezvous` (rdzv's store protocol,
+O(1) store work per node) against an rdzv store server at ``--rdzv-endpoint``. The
+agent hosts that server in-process when ``--rdzv-conf is_host=true``, or, without
+``is_host``, when the endpoint names this host (as the c10d backend hosts its
+TCPStore). The store it hands back is torch's own ``TCPStore`` client of that server, in
+a ``PrefixStore`` per round, and errors are torch's own ``Rendezvous*Error`` classes.
+
+``--rdzv-conf`` keys, named as torchrun names them: ``join_timeout`` (600 s),
+``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``keep_alive_interval`` (5 s),
+``keep_alive_max_attempt`` (3), ``read_timeout`` (60 s), ``is_host``, ``node_id``,
+``server_threads``.
+
+torch is imported here only, and only when torchrun creates a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable, Optional, Tuple
+
+from . import _errors
+from ._rdzv import ElasticRendezvous, StoreServer
+
+__all__ = ["torchrun_handler", "create_handler", "DEFAULT_PORT", "BACKEND"]
+
+log = logging.getLogger(__name__)
+
+#: torchelastic's default rendezvous port (the c10d backend's).
+DEFAULT_PORT = 29400
+#: The backend name torchrun is given (``--rdzv-backend=rdzv``).
+BACKEND = "rdzv"
+
+_KNOWN_CONF = {
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "is_host",
+    "node_id",
+    "server_threads",
+    # Set by torchrun itself, or meaningful only to other backends: accepted, unused.
+    "timeout",
+    "rank",
+    "store_type",
+    "use_libuv",
+    "local_addr",
+}
+
+
+def torchrun_handler() -> Callable[[Any], Any]:
+    """The ``torchrun.handlers`` entry point: returns the creator torchrun registers."""
+    return create_handler
+
+
+def create_handler(params: Any) -> Any:
+    """``create(params: RendezvousParameters) -> RendezvousHandler`` for torchrun."""
+    return _handler_class()(params)
+
+
+def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Tuple[str, int]:
+    """``host[:port]`` (``[v6]:port`` too) as ``(host, port)``; an empty endpoint is
+    ``localhost``. Raises ``ValueError`` naming the endpoint when the port is not one."""
+    text = endpoint.strip()
+    if not text:
+        return "localhost", default_port
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ValueError(f"The rendezvous endpoint '{endpoint}' has an unclosed '['.")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(
+            f"The port number of the rendezvous endpoint '{endpoint}' must be an integer "
+            "between 0 and 65536."
+        )
+    return host, port
+
+
+def is_this_host(host: str) -> bool:
+    """Whether ``host`` names this machine (torch's ``_matches_machine_hostname``)."""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::"):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    if host in names:
+        return True
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(addr.startswith("127.") or addr == "::1" for addr in wanted):
+        return True
+    mine = set()
+    for name in names:
+        try:
+            mine.update(info[4][0] for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return bool(wanted & mine)
+
+
+def _seconds(params: Any, key: str, default: float) -> float:
+    value = params.get(key, None)
+    if value is None or value == "":
+        return default
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"The rendezvous configuration option '{key}' must be a number of seconds, "
+            f"got {value!r}."
+        ) from e
+    if seconds <= 0:
+        raise ValueError(f"The rendezvous configuration option '{key}' must be positive.")
+    return seconds
+
+
+class Settings:
+    """What one handler reads from torchrun's ``RendezvousParameters``."""
+
+    def __init__(self, params: Any) -> None:
+        unknown = sorted(set(getattr(params, "config", {})) - _KNOWN_CONF)
+        if unknown:
+            raise ValueError(
+                f"The rendezvous configuration options {unknown} are not known to the rdzv "
+                f"backend; it reads {sorted(_KNOWN_CONF - {'timeout', 'rank', 'store_type', 'use_libuv', 'local_addr'})}."
+            )
+        self.run_id: str = params.run_id
+        self.min_nodes: int = params.min_nodes
+        self.max_nodes: int = params.max_nodes
+        self.host, self.port = parse_endpoint(params.endpoint)
+        self.join_timeout = _seconds(params, "join_timeout", 600.0)
+        self.last_call_timeout = _seconds(params, "last_call_timeout", 30.0)
+        self.close_timeout = _seconds(params, "close_timeout", 30.0)
+        self.keep_alive_interval = _seconds(params, "keep_alive_interval", 5.0)
+        self.keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
+        self.read_timeout = _seconds(params, "read_timeout", 60.0)
+        self.is_host: Optional[bool] = params.get_as_bool("is_host", None)
+        self.node_id: Optional[str] = params.get("node_id", None)
+        self.server_threads: Optional[int] = params.get_as_int("server_threads", None)
+        self.local_addr: Optional[str] = getattr(params, "local_addr", None)
+
+
+def _host_server(settings: Settings) -> Optional[StoreServer]:
+    """The in-process rdzv server, when this agent hosts it (``is_host``, or the endpoint
+    names this host and nobody here serves it yet)."""
+    wanted = settings.is_host
+    if wanted is False:
+        return None
+    if wanted is None and not is_this_host(settings.host):
+        return None
+    try:
+        server = StoreServer(host=None, port=settings.port, threads=settings.server_threads)
+    except _errors.StoreServerError as e:
+        if wanted:
+            raise
+        # Another agent on this host serves the endpoint already (several agents per
+        # host, as the c10d backend allows): be its client.
+        log.info("rdzv: not hosting the rendezvous server on port %s: %s", settings.port, e)
+        return None
+    log.info("rdzv: hosting the rendezvous server on port %s", server.port)
+    return server
+
+
+_CLASS: Optional[type] = None
+
+
+def _handler_class() -> type:
+    """Builds the handler class on first use: it subclasses torch's ABC, so torch is
+    imported here and nowhere else."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import api
+
+    def torch_error(error: BaseException) -> BaseException:
+        """An rdzv rendezvous error as torch's own class, with the same text."""
+        classes = {
+            _errors.RendezvousClosedError: api.RendezvousClosedError,
+            _errors.RendezvousTimeoutError: api.RendezvousTimeoutError,
+            _errors.RendezvousConnectionError: api.RendezvousConnectionError,
+            _errors.RendezvousStateError: api.RendezvousStateError,
+            _errors.RendezvousGracefulExitError: getattr(
+                api, "RendezvousGracefulExitError", api.RendezvousClosedError
+            ),
+            _errors.StoreConnectionError: api.RendezvousConnectionError,
+            _errors.StoreTimeoutError: api.RendezvousTimeoutError,
+        }
+        for ours, theirs in classes.items():
+            if isinstance(error, ours):
+                return theirs(str(error))
+        return api.RendezvousError(str(error))
+
+    class RdzvRendezvousHandler(api.RendezvousHandler):
+        """torchrun's ``RendezvousHandler`` on rdzv's elastic rendezvous."""
+
+        def __init__(self, params: Any) -> None:
+            self._settings = Settings(params)
+            self._server = _host_server(self._settings)
+            self._node: Optional[ElasticRendezvous] = None
+            self._round: Any = None
+            self._tcp_store: Any = None
+            self._closed = False
+
+        # --- RendezvousHandler -------------------------------------------------------
+
+        def get_backend(self) -> str:
+            return BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            # Every round's rank 0 publishes a fresh MASTER_ADDR/MASTER_PORT (torch's
+            # RendezvousStoreInfo.build), so no worker reads a previous attempt's keys.
+            return False
+
+        def get_run_id(self) -> str:
+            return self._settings.run_id
+
+        def next_rendezvous(self) -> Any:
+            s = self._settings
+            try:
+                if self._closed:
+                    raise _errors.RendezvousClosedError(
+                        f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
+                    )
+                # The first call joins; a later one, made while the round it returned
+                # is still going (our workers restart), ends that round for everyone.
+                round_ = self._join().next_rendezvous()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
+            self._round = round_
+            store = dist.PrefixStore(round_.store_prefix, self._store())
+            try:
+                bootstrap = api.RendezvousStoreInfo.build(
+                    round_.rank, store, local_addr=s.local_addr
+                )
+            except TypeError:  # torch 2.4: build(rank, store)
+                bootstrap = api.RendezvousStoreInfo.build(round_.rank, store)
+            log.info(
+                "rdzv: node %s is rank %s of %s in round %s of run %s",
+                self._node.node if self._node is not None else "?",
+                round_.rank,
+                round_.world_size,
+                round_.round,
+                s.run_id,
+            )
+            return api.RendezvousInfo(store, round_.rank, round_.world_size, bootstrap)
+
+        def is_closed(self) -> bool:
+            if self._closed:
+                return True
+            try:
+                return self._join().is_closed()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
+
+        def set_closed(self) -> None:
+            self._closed = True
+            try:
+                self._join().set_closed()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
+
+        def num_nodes_waiting(self) -> int:
+            node = self._node
+            if node is None or self._round is None or node.has_left:
+                return 0
+            try:
+                return node.num_nodes_waiting()
+            except (_errors.RendezvousError, _errors.StoreError) as e:
+                raise torch_error(e) from e
+
+        def shutdown(self) -> bool:
+            # As the c10d backend does: close the run for every node, so that a node
+            # that finishes first does not make the others restart their workers.
+            ok = True
+            try:
+                if not self._closed:
+                    self._closed = True
+                    ok = self._join().shutdown()
+            except Exception as e:  # noqa: BLE001 - torch expects False, not a raise
+                log.warning("rdzv: closing the rendezvous '%s' failed: %s", self.get_run_id(), e)
+                ok = False
+            finally:
+                server, self._server = self._server, None
+                if server is not None:
+                    server.stop()
+            return ok
+
+        # --- internals ---------------------------------------------------------------
+
+        def _join(self) -> ElasticRendezvous:
+            if self._node is None:
+                s = self._settings
+                self._node = ElasticRendezvous(
+                    s.host,
+                    self._port(),
+                    s.run_id,
+                    min_nodes=s.min_nodes,
+                    max_nodes=s.max_nodes,
+                    node_id=s.node_id or _node_id(s.local_addr),
+                    join_timeout=s.join_timeout,
+                    last_call_timeout=s.last_call_timeout,
+                    keep_alive_interval=s.keep_alive_interval,
+                    keep_alive_max_attempt=s.keep_alive_max_attempt,
+                    close_timeout=s.close_timeout,
+                    timeout=s.read_timeout,
+                )
+            return self._node
+
+        def _port(self) -> int:
+            return self._server.port if self._server is not None else self._settings.port
+
+        def _store(self) -> Any:
+            if self._tcp_store is None:
+                s = self._settings
+                host = "127.0.0.1" if self._server is not None else s.host
+                self._tcp_store = dist.TCPStore(
+                    host,
+                    self._port(),
+                    is_master=False,
+                    timeout=timedelta(seconds=s.read_timeout),
+                    wait_for_workers=False,
+                )
+            return self._tcp_store
+
+    _CLASS = RdzvRendezvousHandler
+    return _CLASS
+
+
+def _node_id(local_addr: Optional[str]) -> str:
+    """torch's node descriptor text: ``{host}_{pid}_0``."""
+    return f"{local_addr or socket.getfqdn()}_{os.getpid()}_0"

@@ -1,0 +1,70 @@
+"""Fixtures of the rdzv pytest suite: a server per test, on a free port.
+
+The suite tests the installed package (``pip install .`` or the wheel): ``python/`` is
+never put on ``sys.path``, so ``import rdzv`` finds the installed extension.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Iterator, List
+
+import pytest
+
+import rdzv
+
+
+@pytest.fixture
+def server() -> Iterator[rdzv.StoreServer]:
+    with rdzv.StoreServer(host="127.0.0.1", port=0) as srv:
+        yield srv
+
+
+@pytest.fixture
+def store(server: rdzv.StoreServer) -> rdzv.Store:
+    return rdzv.Store("127.0.0.1", server.port, timeout=10)
+
+
+# Children die with the test process (PR_SET_PDEATHSIG), so a crashed test leaves no
+# node behind; the fixture kills any still running at the end.
+CHILD_PRELUDE = """
+import ctypes, signal
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+"""
+
+
+class Children:
+    def __init__(self) -> None:
+        self.procs: List[subprocess.Popen] = []
+
+    def spawn(self, code: str, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD_PRELUDE + code, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    kids = Children()
+    try:
+        yield kids
+    finally:
+        kids.kill_all()

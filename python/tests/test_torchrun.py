@@ -1,0 +1,193 @@
+"""torchrun --rdzv-backend=rdzv, end to end (local only: these need torch, and skip
+with the reason when it is missing; CI does not install torch).
+
+Each node is a torchrun process on this host; the first hosts the rdzv server (the
+endpoint is local), the others are its clients. Workers run a gloo all_reduce and write
+one JSON record each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed: the torchrun tests need it (pip install torch)"
+)
+
+WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+# FAIL_ONCE names a file the test creates: the round that sees it fails (rank 1 dies and
+# deletes it; the others fail in their next collective, as a real job's would).
+mark = os.environ.get("FAIL_ONCE", "")
+failing = bool(mark) and os.path.exists(mark)
+t = torch.ones(1)
+dist.all_reduce(t)
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+record = dict(rank=rank, world=world, sum=int(t.item()), restart=restart,
+              group_rank=int(os.environ["GROUP_RANK"]), node=os.environ["NODE_NAME"],
+              local_rank=int(os.environ["LOCAL_RANK"]), failing=failing)
+out = os.environ["OUT_DIR"]
+with open(os.path.join(out, f"{record['node']}-{restart}-{rank}-{time.time_ns()}.json"), "w") as f:
+    json.dump(record, f)
+if failing:
+    if rank == 1:
+        os.remove(mark)
+        sys.exit(3)
+    dist.all_reduce(t)
+target = int(os.environ.get("TARGET_WORLD", "0"))
+if target and world != target:
+    time.sleep(300)
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    def __init__(self, tmp: Path, nnodes: str, **env: str) -> None:
+        self.port = free_port()
+        self.tmp = tmp
+        self.nnodes = nnodes
+        self.out = tmp / "out"
+        self.out.mkdir()
+        self.script = tmp / "worker.py"
+        self.script.write_text(WORKER)
+        self.env = env
+        self.nodes: List[subprocess.Popen] = []
+
+    def start_node(self, name: str, max_restarts: int = 0) -> subprocess.Popen:
+        env = {**os.environ, "OUT_DIR": str(self.out), "NODE_NAME": name, **self.env}
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nnodes}", "--nproc-per-node=2",
+            "--rdzv-backend=rdzv", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            "--rdzv-id=pytest-job", f"--max-restarts={max_restarts}",
+            "--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "join_timeout=120,close_timeout=5",
+            "--monitor-interval=0.5", str(self.script),
+        ]
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.nodes.append(proc)
+        return proc
+
+    def records(self) -> List[Dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json"))]
+
+    def wait_records(self, predicate, timeout: float = 180) -> List[Dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recs = self.records()
+            if predicate(recs):
+                return recs
+            time.sleep(0.5)
+        raise AssertionError(f"timed out; records: {self.records()}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-3000:] for p in self.tmp.glob("*.log"))
+
+    def wait_all(self, timeout: float = 180) -> None:
+        for proc in self.nodes:
+            rc = proc.wait(timeout=timeout)
+            assert rc == 0, f"torchrun exited {rc}\n{self.logs()}"
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def close(self) -> None:
+        for proc in self.nodes:
+            if proc.poll() is None:
+                self.kill(proc)
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path):
+    jobs: List[Job] = []
+
+    def make(nnodes: str, **env: str) -> Job:
+        folder = tmp_path / f"job{len(jobs)}"
+        folder.mkdir()
+        job = Job(folder, nnodes, **env)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def test_two_nodes_two_workers_gloo_all_reduce(job_factory) -> None:
+    job = job_factory("2")
+    job.start_node("a")
+    job.start_node("b")
+    job.wait_all()
+    recs = job.records()
+    assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["sum"] == 4 for r in recs)
+
+
+def test_worker_failure_restarts_with_max_restarts(job_factory) -> None:
+    job = job_factory("2")
+    mark = job.tmp / "fail-once"
+    mark.write_text("")
+    job.env["FAIL_ONCE"] = str(mark)
+    job.start_node("a", max_restarts=2)
+    job.start_node("b", max_restarts=2)
+    job.wait_all()
+    recs = job.records()
+    assert any(r["failing"] for r in recs)
+    second = [r for r in recs if not r["failing"]]
+    assert sorted(r["rank"] for r in second) == [0, 1, 2, 3]
+    # The node whose worker failed used one of its restarts.
+    assert max(r["restart"] for r in second) == 1
+    assert all(r["sum"] == 4 for r in second)
+
+
+def test_late_third_node_scales_up_and_ranks_stay(job_factory) -> None:
+    job = job_factory("2:3", TARGET_WORLD="6")
+    job.start_node("a")
+    job.start_node("b")
+    first = job.wait_records(lambda rs: len(rs) >= 4)
+    job.start_node("c")
+    job.wait_all()
+    last = [r for r in job.records() if r["world"] == 6]
+    assert sorted(r["rank"] for r in last) == list(range(6))
+    assert all(r["sum"] == 6 for r in last)
+    # Ranks stable: the two first nodes keep their group ranks.
+    before = {r["node"]: r["group_rank"] for r in first}
+    after = {r["node"]: r["group_rank"] for r in last}
+    assert before["a"] == after["a"] and before["b"] == after["b"], (before, after)
+
+
+def test_node_killed_scales_down(job_factory) -> None:
+    job = job_factory("2:3", TARGET_WORLD="4")
+    job.start_node("a")
+    job.start_node("b")
+    victim = job.start_node("c")
+    job.wait_records(lambda rs: any(r["world"] == 6 for r in rs))
+    job.kill(victim)
+    job.nodes.remove(victim)
+    job.wait_all(timeout=240)
+    last = [r for r in job.records() if r["world"] == 4]
+    assert sorted(r["rank"] for r in last) == [0, 1, 2, 3]
+    assert {r["node"] for r in last} == {"a", "b"}
