@@ -282,10 +282,9 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
-        let lanes = lane::lock(&self.pieces.lanes.lanes).drain();
-        for lane in lanes {
-            lane.end(PipeFailure::Reset);
-        }
+        lane::lock(&self.pieces.lanes.lanes)
+            .drain()
+            .end(&PipeFailure::Reset);
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
             self.pipe_ended(opening.id, &peer, PipeFailure::Reset);
@@ -307,9 +306,7 @@ impl Io {
             let spawned = std::thread::Builder::new()
                 .name("rdzv-rpc-goodbye".into())
                 .spawn(move || {
-                    for lane in &farewell {
-                        lane.goodbye();
-                    }
+                    farewell.goodbye();
                     let _ = done_tx.send(());
                 });
             if spawned.is_ok() {
@@ -321,9 +318,7 @@ impl Io {
         }
         // Each lane's reader thread sees its stop and ends the lane, which gives up
         // what it lent once the connection is closed.
-        for lane in &lanes {
-            lane.stop();
-        }
+        lanes.stop();
         // The calls of pipes still opening are in `pending`, failed below; handshakes
         // waiting on threads end.
         let handshaking: Vec<Arc<dyn Control>> = {

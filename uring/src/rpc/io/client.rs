@@ -10,7 +10,7 @@ use rdzv_core::rpc::frame::Handshake;
 use super::{handshake_frame, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
 use crate::rpc::error::{CallError, PipeFailure};
-use crate::rpc::lane::Lane;
+use crate::rpc::lane;
 use crate::rpc::mpt::{self, LanesError, MptLanes};
 use crate::rpc::tensors::cpu_channel;
 use crate::rpc::transport::{address_for, Connection, Transport};
@@ -136,10 +136,9 @@ impl Io {
         }
         // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
-        let Some(lane) = Lane::start_client(
+        let Some(lane) = lane::start_client(
             &self.pieces.lanes,
-            id,
-            peer.clone(),
+            (id, peer.clone()),
             negotiated,
             connection,
             mpt,
