@@ -70,7 +70,7 @@ pub struct RpcAgent {
     pub(crate) dispatch: Arc<Dispatch>,
     /// Metrics, network data and channel bytes.
     pub(crate) counters: Arc<Counters>,
-    /// The mpt lane listener (closed at shutdown), when this worker offers mpt.
+    /// The mpt connection listener (closed at shutdown), when this worker offers mpt.
     pub(crate) mpt: Option<Arc<MptSetup>>,
     /// The RRef runtime (also behind `dispatch.rrefs`).
     pub(crate) rrefs: Arc<RRefs>,

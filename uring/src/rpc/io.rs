@@ -6,7 +6,7 @@
 //! this worker's responses out. This thread runs what comes before either carries a
 //! call: it accepts connections ([`inbound`]), connects ([`client`]), runs the
 //! hello/answer handshake (over the bootstrap transport, then again over the negotiated
-//! one: the upgrade) and opens a client pipe's mpt lanes; then it hands the connection
+//! one: the upgrade) and opens a client pipe's mpt connections; then it hands the connection
 //! to a lane ([`super::lane`]), whose threads carry every frame after that, driven by
 //! the core's pipe machine (`rdzv_core::rpc::pipe`). Connections come from the
 //! transports already served by threads: a handshake's frames are small and go out at
@@ -282,9 +282,9 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
-        lane::lock(&self.pieces.lanes.lanes)
-            .drain()
-            .end(&PipeFailure::Reset);
+        // Taken out first: an ending lane leaves the registry, which must not be locked.
+        let lanes = lane::lock(&self.pieces.lanes.lanes).drain();
+        lanes.end(&PipeFailure::Reset);
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
             self.pipe_ended(opening.id, &peer, PipeFailure::Reset);

@@ -27,7 +27,7 @@
 //! Out-of-band tensors (cma, xth): a lane keeps what it lends until the reply
 //! (requests) or the caller's `Ack` (responses), in its machine's ledger, and pulls
 //! what it is lent on the thread that received the frame. `mpt` (see [`super::mpt`]): a
-//! tcp lane that negotiated it pushes a frame's mpt tensors on its mpt stripes under its
+//! tcp lane that negotiated it pushes a frame's mpt tensors on its mpt connections under its
 //! send lock, right after the frame, and reads them under its receive lock as soon as
 //! it has the frame.
 //!
@@ -39,7 +39,7 @@
 //!
 //! | file | does |
 //! |---|---|
-//! | `io` | [`LaneIo`]: the connection's halves, mpt stripes, sending a frame, the reader's next frame, a caller reading the lane; the [`LaneRegistry`] seam an ending lane leaves by |
+//! | `io` | [`LaneIo`]: the connection's halves, mpt connections, sending a frame, the reader's next frame, a caller reading the lane; the [`LaneRegistry`] seam an ending lane leaves by |
 //! | `client` | [`ClientLane`]: requests from callers' threads, a caller reading its own reply, replies completing calls, acks |
 //! | `inbound` | [`InboundLane`]: serving requests (inline handlers, [`Job`]s for the pool, [`Responder`]), responses |
 //! | this one | the registry of lanes ([`Lanes`]), [`LaneContext`] (what starting a lane takes), starting a lane and its reader thread |
@@ -60,7 +60,7 @@ use super::device::Devices;
 use super::error::PipeFailure;
 use super::faults::Faults;
 use super::message::mark_io_thread;
-use super::mpt::{MptSetup, MptLanes};
+use super::mpt::{MptConnections, MptSetup};
 use super::outgoing::Framer;
 use super::transport::Connection;
 
@@ -210,13 +210,19 @@ pub(crate) fn start_client(
     (id, peer): (u64, String),
     negotiated: Negotiated,
     connection: Connection,
-    stripes: Option<MptLanes>,
+    connections: Option<MptConnections>,
 ) -> Option<Arc<ClientLane>> {
     let mut connection = connection;
     if let Some(faults) = &ctx.faults {
         connection.sender = faults.wrap(connection.sender);
     }
-    let lane = ClientLane::new((id, peer), negotiated, connection, stripes, ctx.shared());
+    let lane = ClientLane::new(
+        (id, peer),
+        negotiated,
+        connection,
+        connections,
+        ctx.shared(),
+    );
     let registered = Arc::clone(&lane);
     if !register(ctx, &lane.io, |lanes| {
         lanes.client.insert(registered.io.peer.clone(), registered);
@@ -235,7 +241,7 @@ pub(crate) fn start_client(
 
 /// Starts inbound lane `id` from `peer` and its reader thread, which serves the peer's
 /// requests with `server` (non-inline ones through `jobs`). With `mpt_token`, the
-/// reader first claims the pipe's mpt stripes that the peer opened with that token.
+/// reader first claims the pipe's mpt connections that the peer opened with that token.
 pub(crate) fn start_inbound(
     (ctx, server): (&LaneContext, &Arc<Server>),
     (id, peer): (u64, (String, WorkerId)),
@@ -259,8 +265,8 @@ pub(crate) fn start_inbound(
     let reader = Arc::clone(&lane);
     let spawned = spawn_reader(id, move || {
         if let Some(token) = mpt_token {
-            if let Err(reason) = reader.claim_stripes(mpt.as_deref(), token) {
-                tracing::warn!(peer = %reader.io.peer, %reason, "an inbound RPC pipe's mpt stripes did not arrive");
+            if let Err(reason) = reader.claim_connections(mpt.as_deref(), token) {
+                tracing::warn!(peer = %reader.io.peer, %reason, "an inbound RPC pipe's mpt connections did not arrive");
                 return reader.end();
             }
         }

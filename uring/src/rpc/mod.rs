@@ -39,7 +39,7 @@
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
 //! offer it), the `xth`, `cma`, `mpt` and `basic` channels (CPU tensors of at least
 //! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host,
-//! or striped over [`RpcOptions::mpt_lanes`] extra TCP connections between hosts;
+//! or striped over [`RpcOptions::mpt_connections`] extra TCP connections between hosts;
 //! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
 //! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
@@ -95,7 +95,7 @@ pub use error::{
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
-pub use mpt::DEFAULT_MPT_LANES;
+pub use mpt::DEFAULT_MPT_CONNECTIONS;
 pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
 pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};

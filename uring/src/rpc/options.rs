@@ -51,11 +51,11 @@ pub struct RpcOptions {
     /// CUDA runtime that runs it, ...) is left out with its reason
     /// logged, and so is `mpt` when this worker runs no tcp transport.
     pub channels: Option<Vec<String>>,
-    /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
+    /// How many extra TCP connections a pipe that negotiated `mpt` opens, 1 to
     /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
     /// Default
-    /// [`DEFAULT_MPT_LANES`](crate::rpc::DEFAULT_MPT_LANES).
-    pub mpt_lanes: u16,
+    /// [`DEFAULT_MPT_CONNECTIONS`](crate::rpc::DEFAULT_MPT_CONNECTIONS).
+    pub mpt_connections: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
     /// `basic` channel) even where `cma`, `xth` or `mpt` was negotiated. Default
     /// [`DEFAULT_MIN_CHANNEL_BYTES`](crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES).
@@ -139,7 +139,7 @@ impl std::fmt::Debug for RpcOptions {
             )
             .field("channels", &self.channels)
             .field("min_channel_bytes", &self.min_channel_bytes)
-            .field("mpt_lanes", &self.mpt_lanes)
+            .field("mpt_connections", &self.mpt_connections)
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
             .field("device_count", &self.device_count)
@@ -166,7 +166,7 @@ impl Default for RpcOptions {
             device_plugins: Vec::new(),
             channels: None,
             min_channel_bytes: crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES,
-            mpt_lanes: crate::rpc::DEFAULT_MPT_LANES,
+            mpt_connections: crate::rpc::DEFAULT_MPT_CONNECTIONS,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             device_count: 0,

@@ -13,7 +13,7 @@ use crate::rpc::lane;
 use crate::rpc::mpt;
 use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
 
-/// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
+/// The peer's name and id, the negotiation, and the token of the pipe's mpt connections.
 type Accepted = (String, WorkerId, Negotiated, u64);
 
 impl Io {

@@ -18,7 +18,7 @@ use crate::rpc::calls::{Pending, Reply};
 use crate::rpc::error::{CallError, ChannelFailure, PipeFailure};
 use crate::rpc::mailbox::Call;
 use crate::rpc::message::{Completion, Message};
-use crate::rpc::mpt::MptLanes;
+use crate::rpc::mpt::MptConnections;
 use crate::rpc::outgoing::{sent_bytes, tensor_frame};
 use crate::rpc::tensors::FrameExports;
 use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
@@ -38,12 +38,12 @@ impl ClientLane {
         (id, peer): (u64, String),
         negotiated: Negotiated,
         connection: Connection,
-        stripes: Option<MptLanes>,
+        connections: Option<MptConnections>,
         shared: Shared<'_>,
     ) -> Arc<ClientLane> {
         let io = LaneIo::new((id, peer), negotiated, connection, Role::Connector, shared);
-        if let Some(stripes) = stripes {
-            io.set_stripes(stripes);
+        if let Some(connections) = connections {
+            io.set_connections(connections);
         }
         Arc::new(ClientLane {
             io,

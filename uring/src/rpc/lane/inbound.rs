@@ -19,7 +19,7 @@ use crate::rpc::counters::JoinGate;
 use crate::rpc::error::CallError;
 use crate::rpc::handler::{run_handler, CallContext};
 use crate::rpc::message::Message;
-use crate::rpc::mpt::{MptSetup, MptLanes, LanesError, LANES_TIMEOUT};
+use crate::rpc::mpt::{ConnectionsError, MptConnections, MptSetup, CONNECT_TIMEOUT};
 use crate::rpc::outgoing::response_frame;
 use crate::rpc::registry::Registry;
 use crate::rpc::rref::RRefRuntime;
@@ -98,25 +98,25 @@ impl InboundLane {
         std::iter::from_fn(|| machine.poll_transmit()).collect()
     }
 
-    /// Takes the mpt stripes the peer opened for this pipe with `token`.
-    pub(super) fn claim_stripes(
+    /// Takes the mpt connections the peer opened for this pipe with `token`.
+    pub(super) fn claim_connections(
         &self,
         setup: Option<&MptSetup>,
         token: u64,
-    ) -> Result<(), LanesError> {
+    ) -> Result<(), ConnectionsError> {
         let Some(setup) = setup else {
-            return Err(LanesError::NoListener);
+            return Err(ConnectionsError::NoListener);
         };
         let streams = setup
             .listener
-            .claim(token, LANES_TIMEOUT)
-            .map_err(|source| LanesError::Claim { source })?;
-        let stripes = MptLanes::new(streams)?;
+            .claim(token, CONNECT_TIMEOUT)
+            .map_err(|source| ConnectionsError::Claim { source })?;
+        let connections = MptConnections::new(streams)?;
         if self.machine().is_ended() {
-            stripes.shutdown();
-            return Err(LanesError::PipeEnded);
+            connections.shutdown();
+            return Err(ConnectionsError::PipeEnded);
         }
-        self.io.set_stripes(stripes);
+        self.io.set_connections(connections);
         Ok(())
     }
 

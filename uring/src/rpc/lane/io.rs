@@ -1,8 +1,8 @@
 //! [`LaneIo`]: what both kinds of lane move bytes with, and nothing that depends on the
 //! side a lane plays. It holds the pipe's connection (the sender under the send lock,
 //! the receiver under the receive lock, the [`Control`] a sleeping reader waits on),
-//! the pipe's mpt stripes, where the peer's out-of-band tensors are read from, and the
-//! worker's calls table and framer. It sends a frame with its mpt stripes, receives the
+//! the pipe's mpt connections, where the peer's out-of-band tensors are read from, and the
+//! worker's calls table and framer. It sends a frame with its mpt connections, receives the
 //! next one (spinning, then sleeping without holding the receiver), and stops the
 //! connection. It does not know the pipe's protocol: the lane types above it
 //! ([`ClientLane`](super::client::ClientLane),
@@ -20,7 +20,7 @@ use rdzv_core::rpc::pipe::Transmit;
 use crate::rpc::calls::Calls;
 use crate::rpc::device::Devices;
 use crate::rpc::error::{PipeFailure, TransportError};
-use crate::rpc::mpt::{MptLanes, LanesError};
+use crate::rpc::mpt::{ConnectionsError, MptConnections};
 use crate::rpc::outgoing::Framer;
 use crate::rpc::recycle;
 use crate::rpc::tensors::{cpu_channel, PipeReader, Streamed};
@@ -97,9 +97,9 @@ pub(crate) struct LaneIo {
     pub registry: Weak<dyn LaneRegistry>,
     /// The side this lane plays in its pipe's negotiation.
     role: Role,
-    /// The pipe's mpt stripes, when it negotiated mpt (set before the first frame is
+    /// The pipe's mpt connections, when it negotiated mpt (set before the first frame is
     /// read or sent with mpt tensors).
-    mpt: OnceLock<MptLanes>,
+    mpt: OnceLock<MptConnections>,
 }
 
 impl LaneIo {
@@ -134,12 +134,12 @@ impl LaneIo {
         }
     }
 
-    /// Gives the pipe its mpt stripes (once; a second set is dropped).
-    pub(super) fn set_stripes(&self, stripes: MptLanes) {
-        let _ = self.mpt.set(stripes);
+    /// Gives the pipe its mpt connections (once; a second set is dropped).
+    pub(super) fn set_connections(&self, connections: MptConnections) {
+        let _ = self.mpt.set(connections);
     }
 
-    /// Whether this lane streams tensors over mpt stripes.
+    /// Whether this lane streams tensors over mpt connections.
     pub(super) fn streams(&self) -> bool {
         self.mpt.get().is_some()
     }
@@ -213,7 +213,7 @@ impl LaneIo {
         }
         let pushed = match self.mpt.get() {
             Some(mpt) => mpt.push(&streamed),
-            None => Err(LanesError::NoLanes),
+            None => Err(ConnectionsError::NoConnections),
         };
         drop(sender);
         if let Some(back) = back {

@@ -79,12 +79,12 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
             reason: "at least one thread must run handlers".into(),
         });
     }
-    if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
+    if options.mpt_connections == 0 || options.mpt_connections > crate::channel::mpt::MAX_LANES {
         return Err(InitError::InvalidOption {
-            option: "mpt_lanes",
+            option: "mpt_connections",
             reason: format!(
-                "{} lanes: a pipe opens 1 to {}",
-                options.mpt_lanes,
+                "{} connections: a pipe opens 1 to {}",
+                options.mpt_connections,
                 crate::channel::mpt::MAX_LANES
             ),
         });
@@ -453,7 +453,7 @@ mod tests {
             |o| o.transports = Some(Vec::new()),
             |o| o.channels = Some(vec!["cuda_ipc".into()]),
             |o| o.num_worker_threads = 0,
-            |o| o.mpt_lanes = 0,
+            |o| o.mpt_connections = 0,
             |o| {
                 o.transports = Some(vec!["shm".into()]);
                 o.channels = Some(vec!["mpt".into()]);

@@ -28,10 +28,10 @@
 //! `mpt` works the other way round: the sender *pushes*. A tensor sent over mpt is
 //! taken from the frame's exports (`FrameExports::take_streamed`) by the lane, which
 //! writes its stripes on the pipe's
-//! mpt lanes right after the frame, under the same send lock; the receiving lane reads
+//! mpt connections right after the frame, under the same send lock; the receiving lane reads
 //! them as soon as it has read the frame, under its receive lock, and turns the entry
-//! into an inline one. So the stripes on the lanes are always in frame order, no buffer
-//! is lent and no ack is needed. Only a pipe served by a lane over tcp has mpt lanes;
+//! into an inline one. So the stripes on the mpt connections are always in frame order, no buffer
+//! is lent and no ack is needed. Only a pipe served by a lane over tcp has mpt connections;
 //! any other sends its tensors inline instead.
 
 mod export;
@@ -73,7 +73,7 @@ pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 pub(crate) const RUNNABLE: [ChannelKind; ChannelKind::COUNT] = ChannelKind::ALL;
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
-/// use it (the connector chooses how many lanes to open).
+/// use it (the connector chooses how many connections to open).
 pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 
 /// The domain descriptor of `kind` in this process, or why it cannot run here. For cma
