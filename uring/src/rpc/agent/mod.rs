@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::membership::GROUP_LEAVE;
 use rdzv_core::rpc::metrics::NetworkData;
-use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
-use rdzv_core::rpc::rref::DebugInfo;
+use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::shutdown::{Join, JoinSequence, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
@@ -26,10 +25,9 @@ use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
 use crate::rpc::mailbox::Command;
-use crate::rpc::message::{Message, RpcFuture};
+use crate::rpc::message::Message;
 use crate::rpc::mpt::MptSetup;
 use crate::rpc::options::RESERVED_PREFIX;
-use crate::rpc::rref::{RRef, RRefShutdownReport};
 use crate::rpc::rref_runtime::{self, RRefs};
 use crate::store::Store;
 

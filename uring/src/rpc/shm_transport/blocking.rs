@@ -14,7 +14,7 @@ use crate::rpc::error::TransportError;
 use crate::rpc::transport::{
     poll_two, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, OwnedFrame, TryRecv,
 };
-use crate::transport::shm::{ShmConnection, ShmError, ShmReceiver, ShmSender};
+use crate::shm::{ShmConnection, ShmError, ShmReceiver, ShmSender};
 
 /// How often a blocked receiving thread checks whether its pipe was stopped.
 const RECEIVE_POLL: Duration = Duration::from_millis(10);

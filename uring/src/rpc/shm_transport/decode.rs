@@ -5,7 +5,7 @@ use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDes
 
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::IncomingFrame;
-use crate::transport::shm::ShmError;
+use crate::shm::ShmError;
 
 /// An shm error as an I/O error (the transport seam's errors carry I/O sources).
 pub(super) fn shm_io(error: ShmError) -> std::io::Error {

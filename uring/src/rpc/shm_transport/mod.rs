@@ -1,4 +1,4 @@
-//! The `shm` transport behind the seam: [`crate::transport::shm`]'s blocking
+//! The `shm` transport behind the seam: [`crate::shm`]'s blocking
 //! connections, served by threads from the start (`blocking`).
 //!
 //! - Listening runs one accept thread (the shm bootstrap, memfds over `SCM_RIGHTS`,
@@ -20,9 +20,7 @@ use rdzv_core::negotiate::TransportKind;
 use super::error::TransportError;
 use super::transport::{not_listening, Connection, Listening, LocalBoxFuture, Transport};
 use crate::queue::{on_thread, Queue};
-use crate::transport::shm::{
-    viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
-};
+use crate::shm::{viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
 
 mod blocking;
 mod decode;
