@@ -86,8 +86,7 @@ mod offer;
 mod rank;
 
 pub use kind::{
-    Kind, KindClass, ChannelKind, OfferError, ParseKindError, Ranking, TransportKind,
-    MAX_KINDS,
+    ChannelKind, Kind, KindClass, OfferError, ParseKindError, Ranking, TransportKind, MAX_KINDS,
 };
 pub use offer::{Brochure, DeviceDescriptors, Offer, TransportSet};
 #[cfg(feature = "alloc")]

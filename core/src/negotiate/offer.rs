@@ -4,7 +4,7 @@
 
 use core::fmt;
 
-use super::kind::{KindClass, ChannelKind, OfferError, TransportKind};
+use super::kind::{ChannelKind, KindClass, OfferError, TransportKind};
 use crate::device::DeviceType;
 
 /// A channel's domain descriptor for each device type it is offered for.

@@ -28,7 +28,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
 
-use super::{Kind, KindClass, ChannelKind, OfferError, Ranking, TransportKind};
+use super::{ChannelKind, Kind, KindClass, OfferError, Ranking, TransportKind};
 
 /// The reason `mpt` is refused when no tcp transport is offered.
 pub const MPT_NEEDS_TCP: &str = "mpt is not offered because this worker runs no tcp transport";
@@ -491,10 +491,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(kinds(&ranked).1, vec![ChannelKind::Basic]);
-        assert_eq!(
-            ranked.refused[0].kind,
-            Refusable::Channel(ChannelKind::Mpt)
-        );
+        assert_eq!(ranked.refused[0].kind, Refusable::Channel(ChannelKind::Mpt));
     }
 
     #[test]

@@ -1,22 +1,22 @@
-//! The `mpt` channel in the agent: a pipe's extra TCP connections (its "mpt connections") and the
-//! rule for when a pipe has them.
+//! The `mpt` channel in the agent: a pipe's extra TCP connections (its "mpt connections")
+//! and the rule for when a pipe has them.
 //!
 //! A worker that offers mpt runs an [`MptListener`] and publishes its address as
 //! `mpt://ip:port` beside its transports'. A pipe has mpt connections when its handshake
-//! negotiated `tcp` and, for CPU tensors, `mpt` ([`uses_mpt`]: both sides compute the
-//! same answer from the same negotiation). The connector then opens
-//! [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) connections to the peer's
-//! mpt listener, each presenting the token its hello carried
-//! (`Handshake::Hello::lanes_token`); the listener's side claims that set before it
-//! reads the pipe's first frame. A pipe whose connections cannot be opened fails like a pipe
-//! that cannot connect, and the next call opens a new one.
+//! negotiated `tcp` and, for CPU tensors, `mpt` ([`uses_mpt`]: both sides compute the same
+//! answer from the same negotiation). The connector then opens
+//! [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) connections to the
+//! peer's mpt listener, each presenting the token its hello carried
+//! (`Handshake::Hello::lanes_token`); the listener's side claims that set before it reads
+//! the pipe's first frame. A pipe whose connections cannot be opened fails like a pipe that
+//! cannot connect, and the next call opens a new one.
 //!
-//! On a pipe with connections, [`MptConnections::push`] writes a frame's mpt tensors right after the
-//! frame (the lane holds its send lock) and [`MptConnections::fill`] reads them as soon as the
-//! frame has been received (the lane holds its receive lock), so the stripes on the
-//! connections are in frame order. Each direction has its own duplicated sockets and lock.
-//! Pipes over other transports (shm, ibv) and pipes on the I/O executor (fault injection)
-//! never have mpt connections: their tensors go inline.
+//! On a pipe with connections, [`MptConnections::push`] writes a frame's mpt tensors right
+//! after the frame (the lane holds its send lock) and [`MptConnections::fill`] reads them
+//! as soon as the frame has been received (the lane holds its receive lock), so the stripes
+//! on the connections are in frame order. Each direction has its own duplicated sockets and
+//! lock. Pipes over other transports (shm, ibv) and pipes on the I/O executor (fault
+//! injection) never have mpt connections: their tensors go inline.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -113,8 +113,8 @@ pub(crate) enum ConnectionsError {
 /// The scheme of a mpt listener's address in a worker's published address.
 pub(crate) const SCHEME: &str = "mpt";
 
-/// Connections per pipe unless [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) says
-/// otherwise.
+/// Connections per pipe unless
+/// [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) says otherwise.
 pub const DEFAULT_MPT_CONNECTIONS: u16 = 4;
 
 /// How long one side waits for the other's connections: connecting them, and, on the
@@ -223,13 +223,13 @@ impl MptConnections {
         Ok(())
     }
 
-    /// Reads the mpt tensors of `frame`, just received, into buffers of their own and
-    /// makes their entries inline. Each must be a tensor whose bytes the pipe (this side
-    /// playing `role`) negotiated to carry over mpt (CPU to CPU, or staged by
-    /// `cuda_basic`). A tensor for a device whose runtime takes parts in any order
+    /// Reads the mpt tensors of `frame`, just received, into buffers of their own and makes
+    /// their entries inline. Each must be a tensor whose bytes the pipe (this side playing
+    /// `role`) negotiated to carry over mpt (CPU to CPU, or staged by `cuda_basic`). A
+    /// tensor for a device whose runtime takes parts in any order
     /// (`Devices::receive_parts`) is read piece by piece into the runtime's staging
-    /// instead, each piece going to the device while the connections read on, and its memory
-    /// (or the runtime's error, which fails only its call) is left with `reader` for
+    /// instead, each piece going to the device while the connections read on, and its
+    /// memory (or the runtime's error, which fails only its call) is left with `reader` for
     /// the frame's sort; its entry stays an mpt one. An error leaves the connections out of
     /// step: the pipe must end.
     pub(crate) fn fill(

@@ -16,7 +16,8 @@ use crate::rpc::transport::TransportPlugin;
 /// PyTorch's default handler pool size (`numWorkerThreads`).
 pub const DEFAULT_NUM_WORKER_THREADS: usize = 16;
 
-/// The options of [`init_rpc`](crate::rpc::init_rpc) (PyTorch's `TensorPipeRpcBackendOptions`).
+/// The options of [`init_rpc`](crate::rpc::init_rpc) (PyTorch's
+/// `TensorPipeRpcBackendOptions`).
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RpcOptions {
@@ -41,8 +42,9 @@ pub struct RpcOptions {
     /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
     /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
     /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_xth`,
-    /// `cuda_ipc`, `cuda_gdr` or `cuda_basic` (see [`super::device`]). A runtime that cannot open here
-    /// (no driver, no GPU) is left out with its reason logged. Default: none.
+    /// `cuda_ipc`, `cuda_gdr` or `cuda_basic` (see [`super::device`]). A runtime that
+    /// cannot open here (no driver, no GPU) is left out with its reason logged. Default:
+    /// none.
     pub device_plugins: Vec<Arc<dyn DevicePlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
     /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_gdr`,
@@ -79,9 +81,10 @@ pub struct RpcOptions {
     pub handlers: Vec<(String, Arc<dyn Handler>)>,
     /// Faults to inject into this worker's sends (PyTorch's faulty agent), for tests.
     pub fault_injection: FaultInjection,
-    /// How long a thread blocked in [`RpcFuture::wait`](crate::rpc::RpcFuture::wait) (and `rpc_sync`) spins before
-    /// it sleeps: a reply that arrives meanwhile costs no wake-up. Default 50 µs on hosts
-    /// with two or more CPUs, zero on one; set zero where threads outnumber CPUs.
+    /// How long a thread blocked in [`RpcFuture::wait`](crate::rpc::RpcFuture::wait) (and
+    /// `rpc_sync`) spins before it sleeps: a reply that arrives meanwhile costs no wake-up.
+    /// Default 50 µs on hosts with two or more CPUs, zero on one; set zero where threads
+    /// outnumber CPUs.
     pub wait_spin: Duration,
     /// How RRef control messages (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`,
     /// `RREF_USER_DELETE`) are retried: PyTorch's `RpcRetryOptions` (1 s, backoff 1.5,
@@ -89,14 +92,14 @@ pub struct RpcOptions {
     pub rref_retry: rdzv_core::rpc::rref::RetryOptions,
 }
 
-/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
-/// type; the agent's own RRef calls also by PyTorch's message-type names:
-/// `RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`, `REMOTE_RET`,
+/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message type;
+/// the agent's own RRef calls also by PyTorch's message-type names: `RREF_FORK_REQUEST`,
+/// `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`, `REMOTE_RET`,
 /// `PYTHON_REMOTE_CALL`/`SCRIPT_REMOTE_CALL`, `PYTHON_RREF_FETCH_CALL`/
-/// `SCRIPT_RREF_FETCH_CALL`): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
-/// with "Send attempt failed intentionally for {handler}" instead of being sent, and
-/// requests to a handler in `delays` are held that long before they are sent. The
-/// default injects nothing.
+/// `SCRIPT_RREF_FETCH_CALL`): the first `num_fail_sends` requests to each handler in
+/// `fail_handlers` fail with "Send attempt failed intentionally for {handler}" instead of
+/// being sent, and requests to a handler in `delays` are held that long before they are
+/// sent. The default injects nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FaultInjection {
     /// Handlers whose requests fail to send.

@@ -5,23 +5,23 @@
 //! A transfer of `len` bytes is cut into contiguous stripes, one per connection used
 //! ([`stripes`]: equal shares, the first connections take the remainder), each of at least
 //! [`MptOptions::min_stripe_len`] bytes: a 1 MiB tensor goes whole over connection 0, since
-//! starting the other connections costs more than they save. Each used connection carries a 32-byte stripe header (magic,
-//! transfer id, offset, length) and then the stripe's bytes. Both ends know `len` and the
-//! transfer id from the descriptor the agent sends over the pipe, so the receiver checks
-//! every header against the stripe it expects before it reads a byte of data into place:
-//! a peer cannot make it write outside the stripe, and a connection that drifted out of step is
-//! an error, not a misplaced tensor.
+//! starting the other connections costs more than they save. Each used connection carries a
+//! 32-byte stripe header (magic, transfer id, offset, length) and then the stripe's bytes.
+//! Both ends know `len` and the transfer id from the descriptor the agent sends over the
+//! pipe, so the receiver checks every header against the stripe it expects before it reads
+//! a byte of data into place: a peer cannot make it write outside the stripe, and a
+//! connection that drifted out of step is an error, not a misplaced tensor.
 //!
-//! Connections are plain blocking `TcpStream`s with `TCP_NODELAY`; a transfer runs one scoped
-//! thread per used connection on each side. Errors name the connection and its peer.
+//! Connections are plain blocking `TcpStream`s with `TCP_NODELAY`; a transfer runs one
+//! scoped thread per used connection on each side. Errors name the connection and its peer.
 //!
-//! Opening connections: the accepting side runs an [`MptListener`]; the connecting side opens
-//! its connections with [`open_connections`], each starting with a [`LaneHello`] that carries a
-//! token (which the agent passes in its pipe handshake) and the connection's index. The
-//! listener sorts arrivals by token until [`MptListener::claim`] takes a complete set.
-//! The connections of one pipe carry both directions ([`MptChannel::split`]). A tensor's place
-//! in the pipe's frames is an [`MptDescriptor`]: the transfer id its stripes carry. This
-//! module does not negotiate.
+//! Opening connections: the accepting side runs an [`MptListener`]; the connecting side
+//! opens its connections with [`open_connections`], each starting with a [`LaneHello`] that
+//! carries a token (which the agent passes in its pipe handshake) and the connection's
+//! index. The listener sorts arrivals by token until [`MptListener::claim`] takes a
+//! complete set. The connections of one pipe carry both directions ([`MptChannel::split`]).
+//! A tensor's place in the pipe's frames is an [`MptDescriptor`]: the transfer id its
+//! stripes carry. This module does not negotiate.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -39,18 +39,18 @@ pub use rdzv_core::channel::mpt::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MptOptions {
-    /// The fewest bytes a stripe carries: a transfer uses `len / min_stripe_len` connections
-    /// (at least one, at most all). Both ends must use the same value.
+    /// The fewest bytes a stripe carries: a transfer uses `len / min_stripe_len`
+    /// connections (at least one, at most all). Both ends must use the same value.
     pub min_stripe_len: usize,
 }
 
 impl Default for MptOptions {
     fn default() -> Self {
         MptOptions {
-            // Measured with `rdzv bench rpc --channel basic,mpt` on the 2-vCPU VM: with
-            // 256 KiB stripes a 1 MiB echo took 1276 µs against 439 µs inline (a thread
-            // started per extra connection and transfer on each side); with 1 MiB stripes it
-            // takes what inline takes, and 64 MiB still uses every connection.
+            // Measured with `rdzv bench rpc --channel basic,mpt` on the 2-vCPU VM: with 256
+            // KiB stripes a 1 MiB echo took 1276 µs against 439 µs inline (a thread started
+            // per extra connection and transfer on each side); with 1 MiB stripes it takes
+            // what inline takes, and 64 MiB still uses every connection.
             min_stripe_len: 1 << 20,
         }
     }
@@ -87,7 +87,8 @@ pub enum MptError {
         source: io::Error,
     },
     /// A stripe header was not the one expected: the peer is out of step or not an mpt
-    /// endpoint. The connection can no longer be trusted; the agent should re-create the pipe.
+    /// endpoint. The connection can no longer be trusted; the agent should re-create the
+    /// pipe.
     #[error(
         "mpt lane {connection} (peer {peer}): expected the stripe {expected:?} of transfer \
          {transfer_id}, got {got}"
@@ -209,8 +210,8 @@ impl Registry {
         self.arrivals.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Files a connection that said `hello`; a connection that contradicts its set (another count,
-    /// an index taken twice) is dropped.
+    /// Files a connection that said `hello`; a connection that contradicts its set (another
+    /// count, an index taken twice) is dropped.
     fn file(&self, hello: LaneHello, stream: TcpStream) {
         let mut arrivals = self.lock();
         if arrivals.closed {
@@ -255,7 +256,7 @@ pub struct MptListener {
 
 impl std::fmt::Debug for MptListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LaneListener")
+        f.debug_struct("MptListener")
             .field("address", &self.address)
             .finish_non_exhaustive()
     }
@@ -428,8 +429,8 @@ fn accept_connections(listener: &TcpListener, registry: &Arc<Registry>, stopping
     }
 }
 
-/// One end of an mpt channel: its connections, connected to the same peer in the same order on
-/// both sides.
+/// One end of an mpt channel: its connections, connected to the same peer in the same order
+/// on both sides.
 #[derive(Debug)]
 pub struct MptChannel {
     connections: Vec<TcpStream>,
@@ -438,12 +439,11 @@ pub struct MptChannel {
 }
 
 impl MptChannel {
-    /// An end over `connections` (connection `i` here must be connection `i` at the peer). Sets
-    /// `TCP_NODELAY` on each.
+    /// An end over `connections` (connection `i` here must be connection `i` at the peer).
+    /// Sets `TCP_NODELAY` on each.
     ///
-    /// # Errors
-    /// [`MptError::NoConnections`] for an empty list; [`MptError::Io`] if a connection has no peer
-    /// (it is not connected).
+    /// # Errors [`MptError::NoConnections`] for an empty list; [`MptError::Io`] if a
+    /// connection has no peer (it is not connected).
     pub fn new(connections: Vec<TcpStream>, options: MptOptions) -> Result<MptChannel, MptError> {
         if connections.is_empty() {
             return Err(MptError::NoConnections);
@@ -554,9 +554,9 @@ impl MptChannel {
 
     /// Receives transfer `transfer_id` of `buf.len()` bytes into `buf`.
     ///
-    /// # Errors
-    /// The first connection error; [`MptError::UnexpectedStripe`] when a header is not the one
-    /// this end expects (nothing is written outside that connection's stripe either way).
+    /// # Errors The first connection error; [`MptError::UnexpectedStripe`] when a header is
+    /// not the one this end expects (nothing is written outside that connection's stripe
+    /// either way).
     pub fn recv(&mut self, transfer_id: u64, buf: &mut [u8]) -> Result<(), MptError> {
         let plan = self.plan(buf.len(), transfer_id)?;
         // Disjoint destination slices, one per used connection.
@@ -659,7 +659,8 @@ impl MptChannel {
     }
 }
 
-/// Reads connection `connection`'s stripe header and checks it is `(offset, len)` of `transfer_id`.
+/// Reads connection `connection`'s stripe header and checks it is `(offset, len)` of
+/// `transfer_id`.
 fn read_stripe_header(
     stream: &mut TcpStream,
     connection: usize,
@@ -697,8 +698,8 @@ fn read_stripe_header(
     }
 }
 
-/// Runs `f` for every connection of `work` on its own scoped thread (connection 0 on this one) and
-/// returns the first error.
+/// Runs `f` for every connection of `work` on its own scoped thread (connection 0 on this
+/// one) and returns the first error.
 fn run_connections<'s, T: Send>(
     work: impl Iterator<Item = (usize, (&'s mut TcpStream, T))>,
     f: impl Fn(usize, &mut TcpStream, T) -> Result<(), MptError> + Sync,

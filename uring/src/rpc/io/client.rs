@@ -1,6 +1,6 @@
 //! Client pipes: connect to a peer, run the hello/answer handshake (over the bootstrap
-//! transport, then over the negotiated one: the upgrade), open the mpt connections, and turn
-//! the pipe into a lane that takes the calls queued while it opened.
+//! transport, then over the negotiated one: the upgrade), open the mpt connections, and
+//! turn the pipe into a lane that takes the calls queued while it opened.
 
 use std::rc::Rc;
 

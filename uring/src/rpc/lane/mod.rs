@@ -7,9 +7,10 @@
 //!   encodes and sends its own request under the lane's send lock (no hand-off to the
 //!   I/O thread and no wake-up of it); a caller waiting in `rpc_sync` then reads the
 //!   lane itself (a non-blocking `recv`, or the shm ring) for `RpcOptions::wait_spin`,
-//!   while the lane's reader thread sleeps on its [`Control`](super::transport::Control) without holding the
-//!   receiver, so the reply costs no thread wake-up at all; the reader thread completes
-//!   the calls other replies answer (async calls, and sync ones past their spin);
+//!   while the lane's reader thread sleeps on its
+//!   [`Control`](super::transport::Control) without holding the receiver, so the reply
+//!   costs no thread wake-up at all; the reader thread completes the calls other
+//!   replies answer (async calls, and sync ones past their spin);
 //! * an [`InboundLane`] (the peer opened it to call this worker): its reader thread
 //!   spins for `wait_spin` after each request, runs [`Inline`](super::Inline) handlers
 //!   right away and sends their responses itself, and hands other requests to the
@@ -24,12 +25,12 @@
 //! receiver and their own lane's send lock, and a send only waits for the peer's
 //! reader.
 //!
-//! Out-of-band tensors (cma, xth): a lane keeps what it lends until the reply
-//! (requests) or the caller's `Ack` (responses), in its machine's ledger, and pulls
-//! what it is lent on the thread that received the frame. `mpt` (see [`super::mpt`]): a
-//! tcp lane that negotiated it pushes a frame's mpt tensors on its mpt connections under its
-//! send lock, right after the frame, and reads them under its receive lock as soon as
-//! it has the frame.
+//! Out-of-band tensors (cma, xth): a lane keeps what it lends until the reply (requests) or
+//! the caller's `Ack` (responses), in its machine's ledger, and pulls what it is lent on
+//! the thread that received the frame. `mpt` (see [`super::mpt`]): a tcp lane that
+//! negotiated it pushes a frame's mpt tensors on its mpt connections under its send lock,
+//! right after the frame, and reads them under its receive lock as soon as it has the
+//! frame.
 //!
 //! Lanes share the [`Calls`](super::calls::Calls) table and timer with the calls still
 //! waiting for their pipe to open. A lane that fails fails the calls sent on it and
