@@ -382,7 +382,7 @@ mod tests {
     }
 
     #[test]
-    fn bad_names_and_backends_outside_the_build_are_errors() {
+    fn bad_names_and_kinds_outside_the_build_are_errors() {
         let err = rank(
             Some(&["carrier-pigeon"][..]),
             None,
