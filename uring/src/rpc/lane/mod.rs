@@ -99,7 +99,8 @@ pub(crate) struct LaneContext {
 impl LaneContext {
     /// What every lane started from this context shares.
     fn shared(&self) -> Shared<'_> {
-        let registry: Weak<dyn LaneRegistry> = Arc::downgrade(&self.lanes) as Weak<Mutex<Lanes>>;
+        let lanes: Weak<Mutex<Lanes>> = Arc::downgrade(&self.lanes);
+        let registry: Weak<dyn LaneRegistry> = lanes;
         Shared {
             calls: &self.calls,
             framer: &self.framer,
