@@ -25,11 +25,6 @@ use std::path::{Path, PathBuf};
 /// Cycles still present, each as the modules of one circle (`crate::path`, in order):
 /// issue 27 asks for them to go. Remove an entry when its circle is broken.
 const KNOWN_CYCLES: &[&[&str]] = &[
-    // Issue 27, engineer `lanes`: the shm ring's blocking reader and its decoder.
-    &[
-        "rdzv_uring::rpc::shm::blocking",
-        "rdzv_uring::rpc::shm::decode",
-    ],
     // Issue 27 (found by this test): the RPC errors' kinds name each other.
     &[
         "rdzv_uring::rpc::error::call",
@@ -39,15 +34,12 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "rdzv_uring::rpc::error::call",
         "rdzv_uring::rpc::error::rref",
     ],
-    // Issue 27 (found by this test): the shm transport's error and viability probe.
+    // Issue 27 (found by this test): the shm rings' error and viability probe.
+    &["rdzv_uring::shm::error", "rdzv_uring::shm::viability"],
     &[
-        "rdzv_uring::transport::shm::error",
-        "rdzv_uring::transport::shm::viability",
-    ],
-    &[
-        "rdzv_uring::transport::shm::viability",
-        "rdzv_uring::transport::shm::segment",
-        "rdzv_uring::transport::shm::error",
+        "rdzv_uring::shm::viability",
+        "rdzv_uring::shm::segment",
+        "rdzv_uring::shm::error",
     ],
     // Issue 27 (found by this test): the store server and the TCP client.
     &[

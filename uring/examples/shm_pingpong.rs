@@ -11,7 +11,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use rdzv_uring::transport::shm::{ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
+use rdzv_uring::shm::{ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 

@@ -10,7 +10,8 @@
 //!   `file://` and registered schemes, driven by the core's plans.
 //! - [`rpc`]: the RPC agent (TensorPipe's): the `tcp` and `shm` transports here, `ibv`
 //!   and CUDA device runtimes plugged in from `rdzv-rdma`.
-//! - [`transport`]: byte-message transports for the RPC agent (`shm`).
+//! - [`shm`]: shared-memory rings between processes of one host, carrying byte
+//!   messages (the RPC agent's `shm` transport runs on them).
 //! - [`host`]: what identifies this host, boot and namespaces (for same-host channels).
 //! - [`queue`]: the one queue between threads and executor tasks.
 //! - [`channel`]: tensor channels for the RPC agent (`cma`, `xth`, `mpt`); their wire records are `rdzv_core::channel`'s.
@@ -30,10 +31,10 @@ pub mod queue;
 pub mod rendezvous;
 pub mod rpc;
 pub mod server;
+pub mod shm;
 pub mod store;
 #[allow(unsafe_code)]
 mod sys;
-pub mod transport;
 
 pub use server::{IoMode, ServerOptions, ServerStats, StoreServer};
 pub use store::{Store, StoreError};

@@ -1,6 +1,6 @@
 //! The mpt channel between two real processes: this test binary re-runs itself as the
-//! sending child (`RDZV_MPT_CHILD=<addr>:<lanes>`, only the `child_role` test), which
-//! connects its lanes to the parent's listener and sends a list of transfers; the parent
+//! sending child (`RDZV_MPT_CHILD=<addr>:<connections>`, only the `child_role` test), which
+//! connects its connections to the parent's listener and sends a list of transfers; the parent
 //! checks every byte.
 
 use std::net::{TcpListener, TcpStream};
@@ -24,10 +24,10 @@ fn child_role() {
     let Some(role) = rdzv_test_support::peer_env(CHILD_ENV) else {
         return;
     };
-    let (addr, lanes) = role.rsplit_once('/').expect("addr/lanes");
-    let lanes: usize = lanes.parse().expect("lanes");
-    let streams: Vec<TcpStream> = (0..lanes)
-        .map(|_| TcpStream::connect(addr).expect("connect a lane"))
+    let (addr, connections) = role.rsplit_once('/').expect("addr/connections");
+    let connections: usize = connections.parse().expect("connections");
+    let streams: Vec<TcpStream> = (0..connections)
+        .map(|_| TcpStream::connect(addr).expect("connect a connection"))
         .collect();
     let mut channel = MptChannel::new(streams, MptOptions::default()).expect("channel");
     for (id, len) in SIZES.into_iter().enumerate() {
@@ -37,18 +37,18 @@ fn child_role() {
     }
 }
 
-/// Runs the child with `lanes` lanes and receives every transfer; returns the seconds
+/// Runs the child with `connections` connections and receives every transfer; returns the seconds
 /// the last 64 MiB transfer took.
-fn exchange(lanes: usize) -> f64 {
+fn exchange(connections: usize) -> f64 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
     let addr = listener.local_addr().expect("addr");
     let child = Peer::spawn_test(
         "child_role",
         &["--test-threads=1"],
-        &[(CHILD_ENV, format!("{addr}/{lanes}"))],
+        &[(CHILD_ENV, format!("{addr}/{connections}"))],
     );
-    let streams: Vec<TcpStream> = (0..lanes)
-        .map(|_| listener.accept().expect("accept a lane").0)
+    let streams: Vec<TcpStream> = (0..connections)
+        .map(|_| listener.accept().expect("accept a connection").0)
         .collect();
     let mut channel = MptChannel::new(streams, MptOptions::default()).expect("channel");
     let mut last = 0.0;
@@ -67,25 +67,25 @@ fn exchange(lanes: usize) -> f64 {
 }
 
 #[test]
-fn four_lanes_between_processes_byte_for_byte() {
+fn four_connections_between_processes_byte_for_byte() {
     if std::env::var(CHILD_ENV).is_ok() {
         return;
     }
     let seconds = exchange(4);
     println!(
-        "mpt 64 MiB over 4 lanes: {:.2} GB/s",
+        "mpt 64 MiB over 4 connections: {:.2} GB/s",
         (64u64 << 20) as f64 / seconds / 1e9
     );
 }
 
 #[test]
-fn one_lane_between_processes_byte_for_byte() {
+fn one_connection_between_processes_byte_for_byte() {
     if std::env::var(CHILD_ENV).is_ok() {
         return;
     }
     let seconds = exchange(1);
     println!(
-        "mpt 64 MiB over 1 lane: {:.2} GB/s",
+        "mpt 64 MiB over 1 connection: {:.2} GB/s",
         (64u64 << 20) as f64 / seconds / 1e9
     );
 }

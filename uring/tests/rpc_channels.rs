@@ -29,7 +29,7 @@ const CHILD_ENV: &str = "RDZV_RPC_CHAN_CHILD";
 const STORE_ENV: &str = "RDZV_RPC_CHAN_STORE";
 const CHANNELS_ENV: &str = "RDZV_RPC_CHAN_CHANNELS";
 const MIN_BYTES_ENV: &str = "RDZV_RPC_CHAN_MIN_BYTES";
-const MPT_LANES_ENV: &str = "RDZV_RPC_CHAN_MPT_LANES";
+const MPT_CONNECTIONS_ENV: &str = "RDZV_RPC_CHAN_MPT_CONNECTIONS";
 
 /// Returns a fresh tensor of the requested size (8 little-endian bytes) and pattern
 /// seed (the 9th byte): a response whose tensor the caller did not send.
@@ -83,24 +83,24 @@ fn run_child() -> ! {
         .ok()
         .and_then(|v| v.parse().ok());
     let mut options = options(&url, channels.as_deref(), min_bytes);
-    if let Some(lanes) = std::env::var(MPT_LANES_ENV)
+    if let Some(connections) = std::env::var(MPT_CONNECTIONS_ENV)
         .ok()
         .and_then(|v| v.parse().ok())
     {
-        options.mpt_lanes = lanes;
+        options.mpt_connections = connections;
     }
     serve_until_joined(init_rpc("peer", 1, Some(2), options))
 }
 
 /// How a pair is configured: each side's `channels` and `min_channel_bytes`, and each
-/// side's `mpt_lanes`.
+/// side's `mpt_connections`.
 #[derive(Clone, Copy, Default)]
 struct Setup<'a> {
     parent_channels: Option<&'a str>,
     child_channels: Option<&'a str>,
     min_bytes: Option<u64>,
-    parent_lanes: Option<u16>,
-    child_lanes: Option<u16>,
+    parent_connections: Option<u16>,
+    child_connections: Option<u16>,
 }
 
 /// In the child process, serves as "peer" and never returns. In the parent, starts the
@@ -126,14 +126,14 @@ fn start(test: &str, setup: Setup<'_>) -> (RpcAgent, Peer, tempfile::TempDir) {
         Some(bytes) => command.env(MIN_BYTES_ENV, bytes.to_string()),
         None => command.env_remove(MIN_BYTES_ENV),
     };
-    match setup.child_lanes {
-        Some(lanes) => command.env(MPT_LANES_ENV, lanes.to_string()),
-        None => command.env_remove(MPT_LANES_ENV),
+    match setup.child_connections {
+        Some(connections) => command.env(MPT_CONNECTIONS_ENV, connections.to_string()),
+        None => command.env_remove(MPT_CONNECTIONS_ENV),
     };
     let child = Peer::spawn(format!("peer process for test {test}"), command);
     let mut options = options(&url, setup.parent_channels, setup.min_bytes);
-    if let Some(lanes) = setup.parent_lanes {
-        options.mpt_lanes = lanes;
+    if let Some(connections) = setup.parent_connections {
+        options.mpt_connections = connections;
     }
     let agent =
         init_rpc("main", 0, Some(2), options).unwrap_or_else(|e| panic!("parent init: {e}"));
@@ -378,18 +378,18 @@ fn unknown_and_unrun_channels_are_errors() {
         .unwrap_or_else(|e| panic!("mpt alone under fault injection: {e}"));
     assert!(agent.address().contains("mpt://"), "{}", agent.address());
     assert!(agent.shutdown(false).is_ok());
-    for lanes in [0, 65] {
+    for connections in [0, 65] {
         let mut bad = options(&url, None, None);
-        bad.mpt_lanes = lanes;
+        bad.mpt_connections = connections;
         let err = init_rpc("main", 0, Some(1), bad)
             .map(|_| ())
-            .expect_err("bad lane count");
-        assert!(err.to_string().contains("mpt_lanes"), "{err}");
+            .expect_err("bad connection count");
+        assert!(err.to_string().contains("mpt_connections"), "{err}");
     }
 }
 
 /// `RpcOptions::check` says what the started agent offers: its transports are the
-/// address's, in order, and mpt is offered exactly when the address lists mpt lanes.
+/// address's, in order, and mpt is offered exactly when the address lists mpt connections.
 #[test]
 fn check_offers_what_init_rpc_starts() {
     if std::env::var_os(CHILD_ENV).is_some() {
@@ -434,14 +434,14 @@ fn check_offers_what_init_rpc_starts() {
 
 #[test]
 fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
-    // Three lanes on the parent's pipe (an odd split); the child would open two.
+    // Three mpt connections on the parent's pipe (an odd split); the child would open two.
     let (agent, child, _dir) = start(
         "mpt_is_negotiated_and_stripes_tensors_both_ways",
         Setup {
             parent_channels: Some("mpt,basic"),
             child_channels: Some("mpt,basic"),
-            parent_lanes: Some(3),
-            child_lanes: Some(2),
+            parent_connections: Some(3),
+            child_connections: Some(2),
             ..Setup::default()
         },
     );
@@ -458,7 +458,7 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
     );
     assert_eq!(bytes_on(&agent, ChannelKind::Basic), 3);
     // Threads calling at once, large and small tensors interleaved: each frame's
-    // stripes must follow it in order on the shared lanes, both ways.
+    // stripes must follow it in order on the shared mpt connections, both ways.
     let results: Vec<Result<(), String>> = thread::scope(|scope| {
         let workers: Vec<_> = (0..6u8)
             .map(|t| {
@@ -516,7 +516,7 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
         .unwrap_or_default();
     assert_eq!(network.total_errors, 0);
     assert!(network.total_recv_bytes >= 3 * (65 << 20));
-    // A pipe that is dropped is re-created with lanes of its own.
+    // A pipe that is dropped is re-created with mpt connections of its own.
     agent.reset_pipes();
     thread::sleep(Duration::from_millis(100));
     echo_tensor(&agent, "peer", 3 << 20, 42, "after reset_pipes");
@@ -527,7 +527,7 @@ fn mpt_is_negotiated_and_stripes_tensors_both_ways() {
 #[test]
 fn mpt_offered_by_one_side_only_falls_back_to_basic() {
     // The child offers only basic: mpt is not negotiated, everything goes inline and
-    // no lane is opened.
+    // no mpt connection is opened.
     let (agent, child, _dir) = start(
         "mpt_offered_by_one_side_only_falls_back_to_basic",
         Setup {

@@ -3,6 +3,9 @@
 //! leaves a module (`super::x`, `crate::rpc::x`, `super::super::x` from a child
 //! module, and names re-exported by `rpc/mod.rs`), tests included; doc comments may
 //! link anywhere. A new module must be given its place here.
+//!
+//! Some modules' files form layers of their own ([`CHILD_LAYERS`]): a child file names
+//! only siblings below it, and nothing of its parent, which sits on top of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -20,8 +23,8 @@ const LAYERS: &[&str] = &[
     "handler",
     // The transport seam and the built-in transports.
     "transport",
-    "tcp",
-    "shm",
+    "tcp_transport",
+    "shm_transport",
     // Tensors into and out of frames, mpt's extra connections.
     "tensors",
     "mpt",
@@ -37,7 +40,8 @@ const LAYERS: &[&str] = &[
     // Calls in flight, frame building.
     "calls",
     "outgoing",
-    // Pipes served by threads, how calls reach them, the handshake thread, the pool.
+    // Pipes served by threads (`ClientLane`, `InboundLane`: see `CHILD_LAYERS`), how
+    // calls reach them, the handshake thread, the pool.
     "lane",
     "dispatch",
     "io",
@@ -52,6 +56,17 @@ const LAYERS: &[&str] = &[
     "agent",
     "startup",
     "backend",
+];
+
+/// Modules whose child files form layers, lowest first; the files of one layer know
+/// nothing of each other. The module's own file (`x/mod.rs`) is on top.
+const CHILD_LAYERS: &[(&str, &[&[&str]])] = &[
+    // `io`: `LaneIo`, the I/O both lane types share; `client`: `ClientLane`, the side
+    // that calls; `inbound`: `InboundLane`, the side that serves. `lane/mod.rs`: the
+    // registry of lanes and starting them.
+    ("lane", &[&["io"], &["client", "inbound"]]),
+    // A message into a frame, below the pipe that receives with it.
+    ("shm_transport", &[&["decode"], &["blocking"]]),
 ];
 
 /// Every `.rs` file under `dir`.
@@ -163,7 +178,7 @@ fn rpc_modules_form_layers_without_a_cycle() {
         let module = parts[0].clone();
         let (super_is_rpc, super_super_is_rpc) = match parts.len() {
             1 => (true, false),
-            // `startup/mod.rs` is `startup`; `lane/context.rs` is a child of `lane`.
+            // `startup/mod.rs` is `startup`; `lane/client.rs` is a child of `lane`.
             2 if parts[1] == "mod" => (true, false),
             2 => (false, true),
             _ => (false, false),
@@ -225,4 +240,67 @@ fn the_parser_sees_groups_and_skips_longer_prefixes() {
     let reexports = reexports("pub use a::{B, C};\npub use d::E;");
     assert_eq!(reexports.get("C").map(String::as_str), Some("a"));
     assert_eq!(reexports.get("E").map(String::as_str), Some("d"));
+}
+
+/// The layer of `file` among the children of `module` in [`CHILD_LAYERS`].
+fn child_rank(module: &str, file: &str) -> Option<usize> {
+    let (_, layers) = CHILD_LAYERS.iter().find(|(m, _)| *m == module)?;
+    layers.iter().position(|layer| layer.contains(&file))
+}
+
+#[test]
+fn layered_modules_children_form_layers_without_a_cycle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/rpc");
+    let mut edges = Vec::new();
+    for (module, layers) in CHILD_LAYERS {
+        let dir = root.join(module);
+        let mut files = Vec::new();
+        sources(&dir, &mut files);
+        files.sort();
+        let mut children = Vec::new();
+        for path in &files {
+            let relative = path.strip_prefix(&dir).expect("under the module");
+            let name = relative
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_string();
+            if name == "mod" {
+                continue;
+            }
+            let Some(own) = child_rank(module, &name) else {
+                panic!(
+                    "rpc/{module}/{name}.rs has no place in CHILD_LAYERS; add it where it \
+                     belongs"
+                );
+            };
+            let code = code_of(&std::fs::read_to_string(path).expect("source is readable"));
+            let mut named = names_after(&code, "super::");
+            named.extend(names_after(&code, &format!("crate::rpc::{module}::")));
+            for target in named {
+                match child_rank(module, &target) {
+                    Some(rank) if rank < own => edges.push((name.clone(), target)),
+                    Some(_) => panic!(
+                        "rpc/{module}/{name}.rs names its sibling {target}, at or above its \
+                         layer (a cycle in the making)"
+                    ),
+                    None => panic!(
+                        "rpc/{module}/{name}.rs names {target} of its parent, which sits \
+                         above it; move the piece down, or pass it in"
+                    ),
+                }
+            }
+            children.push(name);
+        }
+        let listed: usize = layers.iter().map(|layer| layer.len()).sum();
+        assert_eq!(
+            children.len(),
+            listed,
+            "rpc/{module}: files {children:?}, but CHILD_LAYERS lists {layers:?}"
+        );
+    }
+    // The check saw the files: the upper layers name the lower ones.
+    assert!(
+        edges.len() >= CHILD_LAYERS.len(),
+        "only {edges:?} found: is the parser still reading the sources?"
+    );
 }

@@ -845,7 +845,7 @@ fn to_here_of_a_64_mib_tensor_over_each_transport() {
     if std::env::var_os(CHILD_ENV).is_some() {
         run_child();
     }
-    let shm = rdzv_uring::rpc::shm::ShmTransport::new().err();
+    let shm = rdzv_uring::rpc::shm_transport::ShmTransport::new().err();
     for transport in ["tcp", "shm"] {
         if transport == "shm" {
             if let Some(why) = &shm {

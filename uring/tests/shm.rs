@@ -13,9 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdzv_test_support::Peer;
-use rdzv_uring::transport::shm::{
-    viability, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
-};
+use rdzv_uring::shm::{viability, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
 
 const CHILD_ROLE: &str = "RDZV_SHM_CHILD";
 const CHILD_ADDR: &str = "RDZV_SHM_CHILD_ADDR";

@@ -9,27 +9,27 @@ use crate::device::{DeviceType, RejectedInput};
 
 /// Whether a name is a transport's or a channel's; used in messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BackendClass {
+pub enum KindClass {
     /// A transport (`shm`, `ibv`, `tcp`).
     Transport,
     /// A channel (`cma`, `mpt`, `basic`, `cuda_*`).
     Channel,
 }
 
-impl BackendClass {
+impl KindClass {
     /// `transport` or `channel`.
     pub const fn name(self) -> &'static str {
         match self {
-            BackendClass::Transport => "transport",
-            BackendClass::Channel => "channel",
+            KindClass::Transport => "transport",
+            KindClass::Channel => "channel",
         }
     }
 
-    /// The canonical names of every backend of this class, highest default priority first.
+    /// The canonical names of every kind of this class, highest default priority first.
     pub fn known_names(self) -> impl Iterator<Item = &'static str> {
         let (transports, channels): (&[TransportKind], &[ChannelKind]) = match self {
-            BackendClass::Transport => (&TransportKind::ALL, &[]),
-            BackendClass::Channel => (&[], &ChannelKind::ALL),
+            KindClass::Transport => (&TransportKind::ALL, &[]),
+            KindClass::Channel => (&[], &ChannelKind::ALL),
         };
         transports
             .iter()
@@ -38,22 +38,24 @@ impl BackendClass {
     }
 }
 
-/// The most backends of one class; the capacity of [`Ranking`].
-pub const MAX_BACKENDS: usize = 8;
+/// The most kinds of one class; the capacity of [`Ranking`].
+pub const MAX_KINDS: usize = 8;
 
-/// What [`TransportKind`] and [`ChannelKind`] have in common.
-pub trait Backend:
+/// What [`TransportKind`] and [`ChannelKind`] have in common: a *kind* is a transport
+/// or a channel. (A *backend* is something else: the RPC agent `init_rpc` starts, in
+/// `rpc::backend`.)
+pub trait Kind:
     Copy + Eq + fmt::Debug + fmt::Display + FromStr<Err = ParseKindError> + 'static
 {
     /// Which class this is.
-    const CLASS: BackendClass;
-    /// Every backend of the class, highest default priority first.
+    const CLASS: KindClass;
+    /// Every kind of the class, highest default priority first.
     const ALL: &'static [Self];
     /// The canonical name.
     fn name(self) -> &'static str;
     /// PyTorch's priority for it (higher wins).
     fn default_priority(self) -> i64;
-    /// A dense index (`0..ALL.len()`), for tables keyed by backend.
+    /// A dense index (`0..ALL.len()`), for tables keyed by kind.
     fn index(self) -> usize;
 }
 
@@ -107,8 +109,8 @@ impl TransportKind {
     }
 }
 
-impl Backend for TransportKind {
-    const CLASS: BackendClass = BackendClass::Transport;
+impl Kind for TransportKind {
+    const CLASS: KindClass = KindClass::Transport;
     const ALL: &'static [Self] = &TransportKind::ALL;
     fn name(self) -> &'static str {
         TransportKind::name(self)
@@ -137,7 +139,7 @@ impl FromStr for TransportKind {
             _ => TransportKind::ALL
                 .into_iter()
                 .find(|t| t.name() == s)
-                .ok_or_else(|| ParseKindError::new(BackendClass::Transport, s)),
+                .ok_or_else(|| ParseKindError::new(KindClass::Transport, s)),
         }
     }
 }
@@ -271,8 +273,8 @@ impl ChannelKind {
     }
 }
 
-impl Backend for ChannelKind {
-    const CLASS: BackendClass = BackendClass::Channel;
+impl Kind for ChannelKind {
+    const CLASS: KindClass = KindClass::Channel;
     const ALL: &'static [Self] = &ChannelKind::ALL;
     fn name(self) -> &'static str {
         ChannelKind::name(self)
@@ -301,22 +303,22 @@ impl FromStr for ChannelKind {
             _ => ChannelKind::ALL
                 .into_iter()
                 .find(|c| c.name() == s)
-                .ok_or_else(|| ParseKindError::new(BackendClass::Channel, s)),
+                .ok_or_else(|| ParseKindError::new(KindClass::Channel, s)),
         }
     }
 }
 
-const _: () = assert!(TransportKind::COUNT <= MAX_BACKENDS && ChannelKind::COUNT <= MAX_BACKENDS);
+const _: () = assert!(TransportKind::COUNT <= MAX_KINDS && ChannelKind::COUNT <= MAX_KINDS);
 
 /// A transport or channel name that rdzv does not know.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseKindError {
-    class: BackendClass,
+    class: KindClass,
     name: RejectedInput,
 }
 
 impl ParseKindError {
-    fn new(class: BackendClass, name: &str) -> Self {
+    fn new(class: KindClass, name: &str) -> Self {
         ParseKindError {
             class,
             name: RejectedInput::new(name),
@@ -324,7 +326,7 @@ impl ParseKindError {
     }
 
     /// Whether a transport or a channel name was expected.
-    pub fn class(&self) -> BackendClass {
+    pub fn class(&self) -> KindClass {
         self.class
     }
 
@@ -359,23 +361,23 @@ impl std::error::Error for ParseKindError {}
 pub enum OfferError {
     /// A name in the user's list is not a known transport or channel.
     Unknown(ParseKindError),
-    /// The same backend was listed or added twice.
+    /// The same kind was listed or added twice.
     Duplicate {
         /// Transport or channel.
-        class: BackendClass,
+        class: KindClass,
         /// Its canonical name.
         name: &'static str,
     },
-    /// Two backends of one class were given the same priority (TensorPipe refuses this:
+    /// Two kinds of one class were given the same priority (TensorPipe refuses this:
     /// the order between them would be arbitrary).
     PriorityClash {
         /// Transport or channel.
-        class: BackendClass,
+        class: KindClass,
         /// The shared priority.
         priority: i64,
-        /// The backend that had it first.
+        /// The kind that had it first.
         first: &'static str,
-        /// The backend added with it.
+        /// The kind added with it.
         second: &'static str,
     },
     /// A channel was given a descriptor for a device type it does not handle.
@@ -420,18 +422,18 @@ impl From<ParseKindError> for OfferError {
     }
 }
 
-/// The backends of one class that a process registers, each with its priority, highest
+/// The kinds of one class that a process registers, each with its priority, highest
 /// first: PyTorch's defaults, or the user's `transports` / `channels` option.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Ranking<K: Backend> {
-    entries: heapless::Vec<(K, i64), MAX_BACKENDS>,
+pub struct Ranking<K: Kind> {
+    entries: heapless::Vec<(K, i64), MAX_KINDS>,
 }
 
-impl<K: Backend> Ranking<K> {
-    /// Every backend of the class with PyTorch's default priority.
+impl<K: Kind> Ranking<K> {
+    /// Every kind of the class with PyTorch's default priority.
     pub fn defaults() -> Self {
         let mut entries = heapless::Vec::new();
-        for &kind in K::ALL.iter().take(MAX_BACKENDS) {
+        for &kind in K::ALL.iter().take(MAX_KINDS) {
             // Cannot fail: `take` keeps within the capacity.
             let _ = entries.push((kind, kind.default_priority()));
         }
@@ -439,11 +441,11 @@ impl<K: Backend> Ranking<K> {
         Ranking { entries }
     }
 
-    /// Only the named backends, first highest, as PyTorch's agent registers a
+    /// Only the named kinds, first highest, as PyTorch's agent registers a
     /// `_transports` / `_channels` list: priority = `len - 1 - position`. Unknown and
     /// repeated names are errors.
     pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Self, OfferError> {
-        let mut kinds: heapless::Vec<K, MAX_BACKENDS> = heapless::Vec::new();
+        let mut kinds: heapless::Vec<K, MAX_KINDS> = heapless::Vec::new();
         for name in names {
             let kind: K = name.as_ref().parse()?;
             let duplicate = OfferError::Duplicate {
@@ -453,7 +455,7 @@ impl<K: Backend> Ranking<K> {
             if kinds.contains(&kind) {
                 return Err(duplicate);
             }
-            // Capacity: more than MAX_BACKENDS distinct kinds cannot exist.
+            // Capacity: more than MAX_KINDS distinct kinds cannot exist.
             kinds.push(kind).map_err(|_| duplicate)?;
         }
         let mut entries = heapless::Vec::new();
@@ -474,7 +476,7 @@ impl<K: Backend> Ranking<K> {
         }
     }
 
-    /// `(backend, priority)`, highest priority first.
+    /// `(kind, priority)`, highest priority first.
     pub fn iter(&self) -> impl Iterator<Item = (K, i64)> + '_ {
         self.entries.iter().copied()
     }
@@ -487,7 +489,7 @@ impl<K: Backend> Ranking<K> {
             .map(|&(_, p)| p)
     }
 
-    /// How many backends are registered.
+    /// How many kinds are registered.
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -535,7 +537,7 @@ mod tests {
             "Unknown transport: tcpp (known transports: shm, ibv, tcp)"
         );
         let e = "SHM".parse::<TransportKind>().unwrap_err();
-        assert_eq!(e.class(), BackendClass::Transport);
+        assert_eq!(e.class(), KindClass::Transport);
         assert_eq!(e.name().as_str(), "SHM");
         let e = "xht".parse::<ChannelKind>().unwrap_err();
         assert_eq!(

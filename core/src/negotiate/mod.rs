@@ -5,7 +5,7 @@
 //!
 //! 1. The **connector** sends a [`Brochure`]: for every transport it offers, a *domain
 //!    descriptor*; for every channel, a descriptor per device type. Descriptors are opaque
-//!    strings and two endpoints can use a backend only if their descriptors for it are
+//!    strings and two endpoints can use a kind only if their descriptors for it are
 //!    **equal** (TensorPipe's default `canCommunicateWithRemote`). For shm it is the boot
 //!    id plus the network namespace, so two processes on different hosts never agree.
 //! 2. The **listener** answers ([`answer_brochure`]):
@@ -34,7 +34,7 @@
 //!
 //! Differences from TensorPipe, on purpose: channels are chosen per *device type* pair,
 //! not per device pair (TensorPipe keys descriptors by `Device{type, index}`), and every
-//! backend's compatibility is descriptor equality (TensorPipe's `cuda_ipc` instead parses
+//! kind's compatibility is descriptor equality (TensorPipe's `cuda_ipc` instead parses
 //! its descriptors and requires different processes with peer access; a runtime must
 //! fold what has to match into the descriptor string and leave `cuda_ipc` out where it
 //! cannot work). Names are rdzv's: `tcp` for TensorPipe's `uv` and `mpt` for `mpt_uv`
@@ -42,8 +42,8 @@
 //!
 //! Nothing here allocates: offers and brochures are fixed-size tables borrowing their
 //! descriptors, so negotiation works without `alloc`. This module does not discover which
-//! backends are viable, compute descriptors, listen, connect or open the extra
-//! connections the chosen backends need; the runtime does.
+//! kinds are viable, compute descriptors, listen, connect or open the extra
+//! connections the chosen kinds need; the runtime does.
 //!
 //! ```
 //! use rdzv_core::device::DeviceType;
@@ -86,8 +86,7 @@ mod offer;
 mod rank;
 
 pub use kind::{
-    Backend, BackendClass, ChannelKind, OfferError, ParseKindError, Ranking, TransportKind,
-    MAX_BACKENDS,
+    ChannelKind, Kind, KindClass, OfferError, ParseKindError, Ranking, TransportKind, MAX_KINDS,
 };
 pub use offer::{Brochure, DeviceDescriptors, Offer, TransportSet};
 #[cfg(feature = "alloc")]

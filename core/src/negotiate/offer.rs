@@ -1,10 +1,10 @@
-//! What each side brings to the handshake: its [`Offer`] (backends, priorities and
+//! What each side brings to the handshake: its [`Offer`] (kinds, priorities and
 //! domain descriptors; kept locally) and the [`Brochure`] it sends (the same without
 //! priorities, as in TensorPipe).
 
 use core::fmt;
 
-use super::kind::{BackendClass, ChannelKind, OfferError, TransportKind};
+use super::kind::{ChannelKind, KindClass, OfferError, TransportKind};
 use crate::device::DeviceType;
 
 /// A channel's domain descriptor for each device type it is offered for.
@@ -74,8 +74,8 @@ struct ChannelEntry<'a> {
 /// `shm:<boot_id>_<netns inode>` for shm, `tcp:*` for TCP.
 ///
 /// A listener's offer must list only the transports it has a listening address for
-/// (TensorPipe's first condition in `selectTransport`). Each backend appears at most once
-/// and no two backends of one class share a priority.
+/// (TensorPipe's first condition in `selectTransport`). Each kind appears at most once
+/// and no two kinds of one class share a priority.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Offer<'a> {
     transports: [Option<TransportEntry<'a>>; TransportKind::COUNT],
@@ -100,13 +100,13 @@ impl<'a> Offer<'a> {
     ) -> Result<(), OfferError> {
         if self.transport(kind).is_some() {
             return Err(OfferError::Duplicate {
-                class: BackendClass::Transport,
+                class: KindClass::Transport,
                 name: kind.name(),
             });
         }
         if let Some((first, _, _)) = self.transports().find(|&(_, p, _)| p == priority) {
             return Err(OfferError::PriorityClash {
-                class: BackendClass::Transport,
+                class: KindClass::Transport,
                 priority,
                 first: first.name(),
                 second: kind.name(),
@@ -139,13 +139,13 @@ impl<'a> Offer<'a> {
         }
         if self.channel(kind).is_some() {
             return Err(OfferError::Duplicate {
-                class: BackendClass::Channel,
+                class: KindClass::Channel,
                 name: kind.name(),
             });
         }
         if let Some((first, _, _)) = self.channels().find(|&(_, p, _)| p == priority) {
             return Err(OfferError::PriorityClash {
-                class: BackendClass::Channel,
+                class: KindClass::Channel,
                 priority,
                 first: first.name(),
                 second: kind.name(),
@@ -210,7 +210,7 @@ impl<'a> Offer<'a> {
         all.into_iter()
     }
 
-    /// What this side advertises: its backends and descriptors, without priorities.
+    /// What this side advertises: its kinds and descriptors, without priorities.
     pub fn brochure(&self) -> Brochure<'a> {
         let mut brochure = Brochure::new();
         for (kind, _, descriptor) in self.transports() {

@@ -10,11 +10,11 @@
 //! lets this user's processes read this one). The rules:
 //!
 //! 1. the option's names are parsed into a [`Ranking`] (unknown or repeated names are
-//!    [`RankError::Names`]); without the option, every backend with its default
+//!    [`RankError::Names`]); without the option, every kind with its default
 //!    priority;
-//! 2. a listed backend this build does not run is [`RankError::NotInBuild`]; one that is
+//! 2. a listed kind this build does not run is [`RankError::NotInBuild`]; one that is
 //!    only in the defaults is skipped silently (no ibv plugin, no ibv);
-//! 3. a backend found not viable is left out and recorded in [`Ranked::refused`] with
+//! 3. a kind found not viable is left out and recorded in [`Ranked::refused`] with
 //!    its reason;
 //! 4. `mpt` is left out when no `tcp` transport is offered: its lanes are tcp
 //!    connections;
@@ -28,12 +28,12 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
 
-use super::{Backend, BackendClass, ChannelKind, OfferError, Ranking, TransportKind};
+use super::{ChannelKind, Kind, KindClass, OfferError, Ranking, TransportKind};
 
 /// The reason `mpt` is refused when no tcp transport is offered.
 pub const MPT_NEEDS_TCP: &str = "mpt is not offered because this worker runs no tcp transport";
 
-/// A backend that a worker leaves out of its offer.
+/// A kind that a worker leaves out of its offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Refusable {
     /// A transport.
@@ -51,11 +51,11 @@ impl fmt::Display for Refusable {
     }
 }
 
-/// A backend left out, and why.
+/// A kind left out, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refused {
     /// What was left out.
-    pub backend: Refusable,
+    pub kind: Refusable,
     /// Why, as the runtime's probe (or rule 4) said it.
     pub reason: String,
 }
@@ -69,7 +69,7 @@ pub struct Ranked<D> {
     /// The channels with their priorities and what the viability probe returned for
     /// them (the runtime's domain descriptor); never empty.
     pub channels: Vec<(ChannelKind, i64, D)>,
-    /// The backends that would have been offered but were found not viable.
+    /// The kinds that would have been offered but were found not viable.
     pub refused: Vec<Refused>,
 }
 
@@ -80,31 +80,31 @@ pub enum RankError {
     /// The option's names do not form a ranking (unknown or repeated name).
     Names {
         /// Transport or channel.
-        class: BackendClass,
+        class: KindClass,
         /// What is wrong with the names.
         source: OfferError,
     },
-    /// The option names a backend this build does not run.
+    /// The option names a kind this build does not run.
     NotInBuild {
         /// Transport or channel.
-        class: BackendClass,
-        /// The backend named.
+        class: KindClass,
+        /// The kind named.
         name: &'static str,
         /// What this build runs instead.
         runs: Vec<&'static str>,
     },
-    /// Nothing that this build runs was listed (an empty list, or only backends that
+    /// Nothing that this build runs was listed (an empty list, or only kinds that
     /// are not in it).
     NothingListed {
         /// Transport or channel.
-        class: BackendClass,
+        class: KindClass,
         /// What this build runs.
         runs: Vec<&'static str>,
     },
-    /// Every listed backend of the class was found not viable.
+    /// Every listed kind of the class was found not viable.
     NoneLeft {
         /// Transport or channel.
-        class: BackendClass,
+        class: KindClass,
         /// The refusals of that class, highest priority first.
         refused: Vec<Refused>,
     },
@@ -120,17 +120,17 @@ impl RankError {
             | RankError::NoneLeft { class, .. } => *class,
         };
         match class {
-            BackendClass::Transport => "transports",
-            BackendClass::Channel => "channels",
+            KindClass::Transport => "transports",
+            KindClass::Channel => "channels",
         }
     }
 }
 
 /// The verb of "not ... the RPC agent of this build".
-fn verb(class: BackendClass) -> &'static str {
+fn verb(class: KindClass) -> &'static str {
     match class {
-        BackendClass::Transport => "wired into",
-        BackendClass::Channel => "implemented by",
+        KindClass::Transport => "wired into",
+        KindClass::Channel => "implemented by",
     }
 }
 
@@ -177,9 +177,9 @@ impl fmt::Display for RankError {
 #[cfg(feature = "std")]
 impl std::error::Error for RankError {}
 
-/// The backends of one class in the option's order (or the defaults), highest priority
+/// The kinds of one class in the option's order (or the defaults), highest priority
 /// first, keeping those in `runs` (rules 1 and 2).
-fn listed<K: Backend, S: AsRef<str>>(
+fn listed<K: Kind, S: AsRef<str>>(
     names: Option<&[S]>,
     runs: &[K],
 ) -> Result<Vec<(K, i64)>, RankError> {
@@ -238,7 +238,7 @@ pub fn rank<D, S: AsRef<str>>(
             .map(|(_, verdict)| verdict);
         match verdict {
             Some(Err(reason)) => refused.push(Refused {
-                backend: Refusable::Transport(kind),
+                kind: Refusable::Transport(kind),
                 reason: reason.clone(),
             }),
             _ => offered_transports.push((kind, priority)),
@@ -246,7 +246,7 @@ pub fn rank<D, S: AsRef<str>>(
     }
     if offered_transports.is_empty() {
         return Err(RankError::NoneLeft {
-            class: BackendClass::Transport,
+            class: KindClass::Transport,
             refused,
         });
     }
@@ -264,14 +264,14 @@ pub fn rank<D, S: AsRef<str>>(
         match verdict {
             Ok(descriptor) => offered_channels.push((kind, priority, descriptor)),
             Err(reason) => channels_refused.push(Refused {
-                backend: Refusable::Channel(kind),
+                kind: Refusable::Channel(kind),
                 reason,
             }),
         }
     }
     if offered_channels.is_empty() {
         return Err(RankError::NoneLeft {
-            class: BackendClass::Channel,
+            class: KindClass::Channel,
             refused: channels_refused,
         });
     }
@@ -342,11 +342,11 @@ mod tests {
             ranked.refused,
             vec![
                 Refused {
-                    backend: Refusable::Transport(TransportKind::Shm),
+                    kind: Refusable::Transport(TransportKind::Shm),
                     reason: "no boot id".into()
                 },
                 Refused {
-                    backend: Refusable::Channel(ChannelKind::Cma),
+                    kind: Refusable::Channel(ChannelKind::Cma),
                     reason: "ptrace_scope is 3".into()
                 }
             ]
@@ -382,7 +382,7 @@ mod tests {
     }
 
     #[test]
-    fn bad_names_and_backends_outside_the_build_are_errors() {
+    fn bad_names_and_kinds_outside_the_build_are_errors() {
         let err = rank(
             Some(&["carrier-pigeon"][..]),
             None,
@@ -491,10 +491,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(kinds(&ranked).1, vec![ChannelKind::Basic]);
-        assert_eq!(
-            ranked.refused[0].backend,
-            Refusable::Channel(ChannelKind::Mpt)
-        );
+        assert_eq!(ranked.refused[0].kind, Refusable::Channel(ChannelKind::Mpt));
     }
 
     #[test]
@@ -519,7 +516,7 @@ mod tests {
     }
 
     proptest! {
-        /// Against a model: the offer is exactly the listed, run and viable backends,
+        /// Against a model: the offer is exactly the listed, run and viable kinds,
         /// in the listed order, and what was listed and not viable is refused.
         #[test]
         fn offers_follow_the_model(
@@ -570,7 +567,7 @@ mod tests {
                         prop_assert!(w[0].1 > w[1].1);
                     }
                     for &(k, _, d) in &ranked.channels { prop_assert_eq!(k, d); }
-                    let refused: Vec<_> = ranked.refused.iter().map(|r| r.backend).collect();
+                    let refused: Vec<_> = ranked.refused.iter().map(|r| r.kind).collect();
                     let expected: Vec<_> = run_t.iter().filter(|k| !ok_t.contains(k)).map(|&k| Refusable::Transport(k))
                         .chain(run_c.iter().filter(|k| !ok_c.contains(k)).map(|&k| Refusable::Channel(k)))
                         .collect();
@@ -578,23 +575,23 @@ mod tests {
                 }
                 Err(RankError::NotInBuild { class, .. }) => {
                     let expected = match class {
-                        BackendClass::Transport => outside_t,
-                        BackendClass::Channel => !outside_t && outside_c,
+                        KindClass::Transport => outside_t,
+                        KindClass::Channel => !outside_t && outside_c,
                     };
                     prop_assert!(expected);
                 }
                 Err(RankError::NothingListed { class, .. }) => {
                     let expected = match class {
-                        BackendClass::Transport => run_t.is_empty(),
-                        BackendClass::Channel => !ok_t.is_empty() && run_c.is_empty(),
+                        KindClass::Transport => run_t.is_empty(),
+                        KindClass::Channel => !ok_t.is_empty() && run_c.is_empty(),
                     };
                     prop_assert!(expected);
                 }
                 Err(RankError::NoneLeft { class, refused }) => {
                     prop_assert!(!refused.is_empty());
                     let expected = match class {
-                        BackendClass::Transport => ok_t.is_empty(),
-                        BackendClass::Channel => !ok_t.is_empty() && ok_c.is_empty(),
+                        KindClass::Transport => ok_t.is_empty(),
+                        KindClass::Channel => !ok_t.is_empty() && ok_c.is_empty(),
                     };
                     prop_assert!(expected);
                 }

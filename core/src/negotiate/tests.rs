@@ -427,7 +427,7 @@ fn defaults(side: &Side) -> Offer<'static> {
     offer_of(side, &Ranking::defaults(), &Ranking::defaults())
 }
 
-fn ranking<K: Backend>(order: Vec<usize>) -> Ranking<K> {
+fn ranking<K: Kind>(order: Vec<usize>) -> Ranking<K> {
     let names: Vec<&str> = order.iter().map(|&i| K::ALL[i].name()).collect();
     Ranking::from_names(&names).unwrap()
 }

@@ -23,7 +23,7 @@ pub(super) use crate::error_chain;
 
 /// This host's shared-memory domain (`shm:<boot id>_<net namespace>`), when shm works.
 pub(super) fn shm_domain() -> Option<String> {
-    rdzv_uring::transport::shm::viability()
+    rdzv_uring::shm::viability()
         .ok()
         .map(|domain| domain.as_str().to_string())
 }
@@ -31,7 +31,7 @@ pub(super) fn shm_domain() -> Option<String> {
 /// Whether `transport` works on this host; the reason when it does not.
 pub(super) fn transport_here(transport: TransportKind) -> Result<(), String> {
     match transport {
-        TransportKind::Shm => rdzv_uring::transport::shm::viability()
+        TransportKind::Shm => rdzv_uring::shm::viability()
             .map(|_| ())
             .map_err(|e| format!("not viable: {}", error_chain(&e))),
         TransportKind::Ibv => match rdzv_rdma::ibv::probe_env() {

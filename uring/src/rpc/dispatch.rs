@@ -13,7 +13,7 @@ use rdzv_core::rpc::timeouts::RpcTimeout;
 use super::client::Caller;
 use super::counters::JoinGate;
 use super::error::{CallError, UsageError};
-use super::lane::{self, Lane, Lanes};
+use super::lane::{self, ClientLane, Lanes};
 use super::mailbox::{Call, Command, Mailbox};
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
@@ -111,7 +111,7 @@ fn start(
     handler: &str,
     message: Message,
     timeout: Option<Duration>,
-) -> (RpcFuture, Option<Arc<Lane>>) {
+) -> (RpcFuture, Option<Arc<ClientLane>>) {
     let (future, completion) = RpcFuture::with_spin(dispatch.wait_spin);
     let known = dispatch.registry.group().peers.contains_key(to);
     if !known {

@@ -15,12 +15,12 @@
 //! |---|---|---|
 //! | memory | [`error`], `recycle`, [`device`] | errors by what the caller can do ([`InitError`], [`CallError`], [`ShutdownError`], [`UsageError`]); recycled large buffers; tensors in device memory and [`DevicePlugin`], the seam for CUDA runtimes (`cuda_basic`) |
 //! | calls | [`message`], [`rref`], [`client`], [`handler`] | messages and futures; the application's [`RRef`], which reaches the RRef runtime through the `RRefRuntime` seam; [`RpcClient`], which calls through the `Caller` seam and knows no pipe; [`CallContext`], [`Handler`], [`Inline`], [`Async`] |
-//! | transports | [`transport`], [`tcp`], [`shm`] | the transport seam, four traits (an endpoint, a connection's sender, receiver and control; see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp`, connected by tokio, then blocking sockets; `shm` rings |
-//! | tensors | [`tensors`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); mpt's extra connections per pipe |
+//! | transports | [`transport`], [`tcp_transport`], [`shm_transport`] | the transport seam, four traits (an endpoint, a connection's sender, receiver and control; see there for how shm and ibv fit) and [`TransportPlugin`]; `tcp`, connected by tokio, then blocking sockets; `shm`, over the rings of [`crate::shm`] |
+//! | tensors | [`tensors`], `mpt` | which channels this process offers; tensors into frames (inline or exported) and back (pulled); a pipe's mpt connections |
 //! | options | [`options`], `faults` | [`RpcOptions`]; fault injection, a decorator on client lanes' senders |
 //! | shared pieces | `offer`, `registry`, `counters`, `mailbox` | this worker's offer; the group and handlers; metrics, network data and channel bytes (`Counters`) and the call counts `join` freezes (`JoinGate`); commands for the I/O thread |
 //! | in flight | `calls`, `outgoing` | every call in flight and the one timer thread for their deadlines; messages into frames (`Framer`) |
-//! | pipes | `lane`, `dispatch`, `io` | every pipe once its handshake is done, served by threads and driven by the core's pipe machine (`rdzv_core::rpc::pipe`), with `LaneContext` (the lanes, the calls table, the framer, devices, mpt, faults) and `Server` (what an inbound lane serves with: handlers, call counts, RRef runtime, the handlers' client); how a call reaches its lane or the mailbox (`Dispatch`, the `Caller`: group, call counts, message ids and default timeout, lanes, mailbox); the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane; `IoPieces`) |
+//! | pipes | `lane`, `dispatch`, `io` | every pipe once its handshake is done, served by threads: a `ClientLane` (this worker calls; core's `ClientPipe`) or an `InboundLane` (the peer calls; core's `InboundPipe`), each over one `LaneIo` (inside `lane`, `io` is below `client` and `inbound`, which know nothing of each other), with `LaneContext` (the lanes, the calls table, the framer, devices, mpt, faults) and `Server` (what an inbound lane serves with: handlers, call counts, RRef runtime, the handlers' client); how a call reaches its lane or the mailbox (`Dispatch`, the `Caller`: group, call counts, message ids and default timeout, lanes, mailbox); the handshake thread (one current-thread tokio executor on epoll: accept, connect, handshake, then a lane; `IoPieces`) |
 //! | serving | `rref_runtime`, `pool` | the agent's RRefs: core's RRef machine behind one lock, the owner's values, the reserved `__rdzv_rref_*` handlers, the pump thread that sends the machine's messages, `to_here` waits (the pool hands them over), `join`'s settling and leak report; the worker pool |
 //! | group | `deadline`, `drive`, [`agent`], `startup`, [`backend`] | a store whose waits end by a shutdown's deadline; one driver for the core's store-step machines (`join`, a leave, the dynamic group's token); the [`RpcAgent`] handle (calls, metrics, `join`/`shutdown`); [`init_rpc`]: probe and rank the options, then the static or dynamic start-up; the backend registry (`register_backend`, `TENSORPIPE`, `FAULTY_TENSORPIPE`) |
 //!
@@ -39,7 +39,7 @@
 //! bootstraps over tcp, the lowest-priority transport, and moves to shm when both sides
 //! offer it), the `xth`, `cma`, `mpt` and `basic` channels (CPU tensors of at least
 //! [`RpcOptions::min_channel_bytes`] move beside the pipe within a process or a host,
-//! or striped over [`RpcOptions::mpt_lanes`] extra TCP connections between hosts;
+//! or striped over [`RpcOptions::mpt_connections`] extra TCP connections between hosts;
 //! smaller ones, and all where no channel was negotiated, inline in the pipe's frames),
 //! and fault injection for tests ([`FaultInjection`]). Other transports plug in through
 //! [`TransportPlugin`] ([`RpcOptions::transport_plugins`]):
@@ -74,9 +74,9 @@ mod recycle;
 mod registry;
 pub mod rref;
 mod rref_runtime;
-pub mod shm;
+pub mod shm_transport;
 mod startup;
-pub mod tcp;
+pub mod tcp_transport;
 pub mod tensors;
 pub mod transport;
 
@@ -95,7 +95,7 @@ pub use error::{
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
 pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, Tensor};
-pub use mpt::DEFAULT_MPT_LANES;
+pub use mpt::DEFAULT_MPT_CONNECTIONS;
 pub use options::{FaultInjection, RpcOptions, DEFAULT_NUM_WORKER_THREADS};
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
 pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};

@@ -1,22 +1,22 @@
-//! The `mpt` channel in the agent: a pipe's extra TCP connections ("mpt lanes") and the
-//! rule for when a pipe has them.
+//! The `mpt` channel in the agent: a pipe's extra TCP connections (its "mpt connections")
+//! and the rule for when a pipe has them.
 //!
-//! A worker that offers mpt runs a [`LaneListener`] and publishes its address as
-//! `mpt://ip:port` beside its transports'. A pipe has mpt lanes when its handshake
-//! negotiated `tcp` and, for CPU tensors, `mpt` ([`uses_mpt`]: both sides compute the
-//! same answer from the same negotiation). The connector then opens
-//! [`RpcOptions::mpt_lanes`](super::RpcOptions::mpt_lanes) connections to the peer's
-//! lane listener, each presenting the token its hello carried
-//! (`Handshake::Hello::lanes_token`); the listener's side claims that set before it
-//! reads the pipe's first frame. A pipe whose lanes cannot be opened fails like a pipe
-//! that cannot connect, and the next call opens a new one.
+//! A worker that offers mpt runs an [`MptListener`] and publishes its address as
+//! `mpt://ip:port` beside its transports'. A pipe has mpt connections when its handshake
+//! negotiated `tcp` and, for CPU tensors, `mpt` ([`uses_mpt`]: both sides compute the same
+//! answer from the same negotiation). The connector then opens
+//! [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) connections to the
+//! peer's mpt listener, each presenting the token its hello carried
+//! (`Handshake::Hello::lanes_token`); the listener's side claims that set before it reads
+//! the pipe's first frame. A pipe whose connections cannot be opened fails like a pipe that
+//! cannot connect, and the next call opens a new one.
 //!
-//! On a pipe with lanes, [`MptLanes::push`] writes a frame's mpt tensors right after the
-//! frame (the lane holds its send lock) and [`MptLanes::fill`] reads them as soon as the
-//! frame has been received (the lane holds its receive lock), so the stripes on the
-//! lanes are in frame order. Each direction has its own duplicated sockets and lock.
-//! Pipes over other transports (shm, ibv) and pipes on the I/O executor (fault injection)
-//! never have mpt lanes: their tensors go inline.
+//! On a pipe with connections, [`MptConnections::push`] writes a frame's mpt tensors right
+//! after the frame (the lane holds its send lock) and [`MptConnections::fill`] reads them
+//! as soon as the frame has been received (the lane holds its receive lock), so the stripes
+//! on the connections are in frame order. Each direction has its own duplicated sockets and
+//! lock. Pipes over other transports (shm, ibv) and pipes on the I/O executor (fault
+//! injection) never have mpt connections: their tensors go inline.
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -34,46 +34,46 @@ use super::recycle;
 use super::tensors::{cpu_channel, PipeReader};
 use super::transport::IncomingFrame;
 use crate::channel::mpt::{
-    connect_lanes, LaneListener, MptChannel, MptDescriptor, MptError, MptOptions,
+    open_connections, MptChannel, MptDescriptor, MptError, MptListener, MptOptions,
 };
 
-/// Why a pipe's mpt lanes failed: one variant per step, each naming what it needs.
+/// Why a pipe's mpt connections failed: one variant per step, each naming what it needs.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum LanesError {
-    /// The peer's published address has no lane listener.
+pub(crate) enum ConnectionsError {
+    /// The peer's published address has no mpt listener.
     #[error("the worker publishes no {SCHEME} address ('{published}')")]
     NoAddress { published: String },
-    /// The lane listener's address is malformed.
+    /// The mpt listener's address is malformed.
     #[error("bad {SCHEME} address '{entry}': expected <ip>:<port>")]
     BadAddress { entry: String },
-    /// Connecting the lanes to the peer failed.
+    /// Opening the connections to the peer failed.
     #[error("cannot connect mpt lanes to {address}: {source}")]
     Connect {
         address: SocketAddr,
         #[source]
         source: MptError,
     },
-    /// This worker has no lane listener to claim lanes from.
+    /// This worker has no mpt listener to claim connections from.
     #[error("this worker runs no mpt lane listener")]
     NoListener,
-    /// The lanes the peer opened for the pipe did not arrive.
+    /// The connections the peer opened for the pipe did not arrive.
     #[error("{source}")]
     Claim {
         #[source]
         source: MptError,
     },
-    /// The lanes could not be set up (split into a send and a receive end).
+    /// The connections could not be set up (split into a send and a receive end).
     #[error("{source}")]
     Open {
         #[source]
         source: MptError,
     },
-    /// The pipe ended while its lanes were being opened.
+    /// The pipe ended while its connections were being opened.
     #[error("the pipe ended while its mpt lanes were opened")]
     PipeEnded,
-    /// A frame has mpt tensors, but its pipe has no lanes.
+    /// A frame has mpt tensors, but its pipe has no connections.
     #[error("the frame has mpt tensors, but the pipe has no mpt lanes")]
-    NoLanes,
+    NoConnections,
     /// Writing a tensor's stripes failed.
     #[error("{source}")]
     Send {
@@ -110,30 +110,30 @@ pub(crate) enum LanesError {
     },
 }
 
-/// The scheme of a lane listener's address in a worker's published address.
+/// The scheme of a mpt listener's address in a worker's published address.
 pub(crate) const SCHEME: &str = "mpt";
 
-/// Lanes per pipe unless [`RpcOptions::mpt_lanes`](super::RpcOptions::mpt_lanes) says
-/// otherwise.
-pub const DEFAULT_MPT_LANES: u16 = 4;
+/// Connections per pipe unless
+/// [`RpcOptions::mpt_connections`](super::RpcOptions::mpt_connections) says otherwise.
+pub const DEFAULT_MPT_CONNECTIONS: u16 = 4;
 
-/// How long one side waits for the other's lanes: connecting them, and, on the
+/// How long one side waits for the other's connections: connecting them, and, on the
 /// listener's side, for all of them to arrive.
-pub(crate) const LANES_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A worker's mpt set-up: its lane listener and how many lanes its pipes open.
+/// A worker's mpt set-up: its mpt listener and how many connections its pipes open.
 #[derive(Debug)]
 pub(crate) struct MptSetup {
-    pub listener: LaneListener,
-    pub lanes: u16,
+    pub listener: MptListener,
+    pub connections: u16,
 }
 
 impl MptSetup {
-    /// Starts the lane listener on `host`.
-    pub(crate) fn start(host: IpAddr, lanes: u16) -> std::io::Result<MptSetup> {
+    /// Starts the mpt listener on `host`.
+    pub(crate) fn start(host: IpAddr, connections: u16) -> std::io::Result<MptSetup> {
         Ok(MptSetup {
-            listener: LaneListener::bind(host)?,
-            lanes,
+            listener: MptListener::bind(host)?,
+            connections,
         })
     }
 
@@ -144,7 +144,7 @@ impl MptSetup {
 }
 
 /// Whether a pipe that negotiated `negotiated` (this side playing `role`) streams CPU
-/// tensors over mpt lanes.
+/// tensors over mpt connections.
 pub(crate) fn uses_mpt(negotiated: &Negotiated, role: Role) -> bool {
     negotiated.transport == TransportKind::Tcp
         && cpu_channel(negotiated, role) == Some(ChannelKind::Mpt)
@@ -158,48 +158,54 @@ pub(crate) fn new_token() -> u64 {
     RandomState::new().hash_one((count, std::process::id()))
 }
 
-/// The lane listener's address in a worker's published address.
-pub(crate) fn lane_address(published: &str) -> Result<SocketAddr, LanesError> {
-    let entry = after_scheme(published, SCHEME).ok_or_else(|| LanesError::NoAddress {
+/// The mpt listener's address in a worker's published address.
+pub(crate) fn listener_address(published: &str) -> Result<SocketAddr, ConnectionsError> {
+    let entry = after_scheme(published, SCHEME).ok_or_else(|| ConnectionsError::NoAddress {
         published: published.to_string(),
     })?;
-    entry.parse().map_err(|_| LanesError::BadAddress {
+    entry.parse().map_err(|_| ConnectionsError::BadAddress {
         entry: entry.to_string(),
     })
 }
 
-/// Opens the connector's lanes of a pipe to the worker that published `published`.
-pub(crate) fn connect(published: &str, token: u64, lanes: u16) -> Result<MptLanes, LanesError> {
-    let address = lane_address(published)?;
-    let streams = connect_lanes(address, token, lanes, LANES_TIMEOUT)
-        .map_err(|source| LanesError::Connect { address, source })?;
-    MptLanes::new(streams)
+/// Opens the connector's connections of a pipe to the worker that published `published`.
+pub(crate) fn connect(
+    published: &str,
+    token: u64,
+    connections: u16,
+) -> Result<MptConnections, ConnectionsError> {
+    let address = listener_address(published)?;
+    let streams = open_connections(address, token, connections, CONNECT_TIMEOUT)
+        .map_err(|source| ConnectionsError::Connect { address, source })?;
+    MptConnections::new(streams)
 }
 
-/// One pipe's mpt lanes: an end to send with and one to receive with.
-pub(crate) struct MptLanes {
+/// One pipe's mpt connections: an end to send with and one to receive with.
+pub(crate) struct MptConnections {
     send: Mutex<MptChannel>,
     recv: Mutex<MptChannel>,
     /// Shuts the sockets down without taking a lock a blocked transfer holds.
     stopper: MptChannel,
 }
 
-impl std::fmt::Debug for MptLanes {
+impl std::fmt::Debug for MptConnections {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MptLanes")
-            .field("lanes", &self.stopper.lanes())
+        f.debug_struct("MptConnections")
+            .field("connections", &self.stopper.connections())
             .finish()
     }
 }
 
-impl MptLanes {
-    /// Lanes over `streams` (in index order, the same at both ends).
-    pub(crate) fn new(streams: Vec<std::net::TcpStream>) -> Result<MptLanes, LanesError> {
-        let open = |source| LanesError::Open { source };
+impl MptConnections {
+    /// Connections over `streams` (in index order, the same at both ends).
+    pub(crate) fn new(
+        streams: Vec<std::net::TcpStream>,
+    ) -> Result<MptConnections, ConnectionsError> {
+        let open = |source| ConnectionsError::Open { source };
         let channel = MptChannel::new(streams, MptOptions::default()).map_err(open)?;
         let (send, rest) = channel.split().map_err(open)?;
         let (recv, stopper) = rest.split().map_err(open)?;
-        Ok(MptLanes {
+        Ok(MptConnections {
             send: Mutex::new(send),
             recv: Mutex::new(recv),
             stopper,
@@ -208,30 +214,30 @@ impl MptLanes {
 
     /// Writes a frame's mpt tensors, in order. The caller holds the pipe's send lock
     /// and has just sent the frame.
-    pub(crate) fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), LanesError> {
+    pub(crate) fn push(&self, streamed: &[(u64, HostBytes)]) -> Result<(), ConnectionsError> {
         let mut send = self.send.lock().unwrap_or_else(PoisonError::into_inner);
         for (transfer_id, data) in streamed {
             send.send(*transfer_id, data)
-                .map_err(|source| LanesError::Send { source })?;
+                .map_err(|source| ConnectionsError::Send { source })?;
         }
         Ok(())
     }
 
-    /// Reads the mpt tensors of `frame`, just received, into buffers of their own and
-    /// makes their entries inline. Each must be a tensor whose bytes the pipe (this side
-    /// playing `role`) negotiated to carry over mpt (CPU to CPU, or staged by
-    /// `cuda_basic`). A tensor for a device whose runtime takes parts in any order
+    /// Reads the mpt tensors of `frame`, just received, into buffers of their own and makes
+    /// their entries inline. Each must be a tensor whose bytes the pipe (this side playing
+    /// `role`) negotiated to carry over mpt (CPU to CPU, or staged by `cuda_basic`). A
+    /// tensor for a device whose runtime takes parts in any order
     /// (`Devices::receive_parts`) is read piece by piece into the runtime's staging
-    /// instead, each piece going to the device while the lanes read on, and its memory
-    /// (or the runtime's error, which fails only its call) is left with `reader` for
-    /// the frame's sort; its entry stays an mpt one. An error leaves the lanes out of
+    /// instead, each piece going to the device while the connections read on, and its
+    /// memory (or the runtime's error, which fails only its call) is left with `reader` for
+    /// the frame's sort; its entry stays an mpt one. An error leaves the connections out of
     /// step: the pipe must end.
     pub(crate) fn fill(
         &self,
         frame: &mut IncomingFrame,
         (negotiated, role): (&Negotiated, Role),
         (reader, devices): (&PipeReader, &Devices),
-    ) -> Result<(), LanesError> {
+    ) -> Result<(), ConnectionsError> {
         if !frame
             .tensors
             .iter()
@@ -248,15 +254,15 @@ impl MptLanes {
             let agreed =
                 negotiated.carrier_for(role, descriptor.source.kind(), descriptor.target.kind());
             if agreed != Some(ChannelKind::Mpt) {
-                return Err(LanesError::NotNegotiated {
+                return Err(ConnectionsError::NotNegotiated {
                     source_kind: descriptor.source.kind(),
                     target_kind: descriptor.target.kind(),
                 });
             }
             let transfer_id = MptDescriptor::decode(data)
-                .map_err(|source| LanesError::Descriptor { source })?
+                .map_err(|source| ConnectionsError::Descriptor { source })?
                 .transfer_id;
-            let len = usize::try_from(descriptor.len).map_err(|_| LanesError::TooLarge)?;
+            let len = usize::try_from(descriptor.len).map_err(|_| ConnectionsError::TooLarge)?;
             let parts = if descriptor.target.is_cpu() {
                 None
             } else {
@@ -270,15 +276,15 @@ impl MptLanes {
             };
             if let Some(parts) = parts {
                 recv.recv_with(transfer_id, len, &parts)
-                    .map_err(|source| LanesError::Receive { source })?;
+                    .map_err(|source| ConnectionsError::Receive { source })?;
                 reader.arrived(transfer_id, parts.finish());
                 frame.wire_len = frame.wire_len.saturating_add(descriptor.len);
                 continue;
             }
             let mut bytes =
-                recycle::try_take(len).map_err(|source| LanesError::Alloc { len, source })?;
+                recycle::try_take(len).map_err(|source| ConnectionsError::Alloc { len, source })?;
             recv.recv(transfer_id, &mut bytes)
-                .map_err(|source| LanesError::Receive { source })?;
+                .map_err(|source| ConnectionsError::Receive { source })?;
             *descriptor =
                 TensorDescriptor::inline(descriptor.source, descriptor.target, descriptor.len);
             *data = bytes;
@@ -288,7 +294,7 @@ impl MptLanes {
         Ok(())
     }
 
-    /// Shuts the lanes down: a transfer blocked on one fails at once.
+    /// Shuts the connections down: a transfer blocked on one fails at once.
     pub(crate) fn shutdown(&self) {
         self.stopper.shutdown();
     }
@@ -303,14 +309,14 @@ mod tests {
         let setup =
             MptSetup::start(IpAddr::from([127, 0, 0, 1]), 2).unwrap_or_else(|e| panic!("{e}"));
         let published = format!("shm://@x;tcp://127.0.0.1:1;{}", setup.published());
-        assert!(matches!(lane_address(&published), Ok(a) if a == setup.listener.address()));
-        let err = lane_address("tcp://127.0.0.1:1").expect_err("no mpt entry");
+        assert!(matches!(listener_address(&published), Ok(a) if a == setup.listener.address()));
+        let err = listener_address("tcp://127.0.0.1:1").expect_err("no mpt entry");
         assert!(err.to_string().contains("no mpt address"), "{err}");
         assert!(matches!(
-            lane_address("mpt://nonsense"),
-            Err(LanesError::BadAddress { .. })
+            listener_address("mpt://nonsense"),
+            Err(ConnectionsError::BadAddress { .. })
         ));
-        assert!(lane_address("mpt://nonsense").is_err());
+        assert!(listener_address("mpt://nonsense").is_err());
     }
 
     #[test]

@@ -16,7 +16,8 @@ use crate::rpc::transport::TransportPlugin;
 /// PyTorch's default handler pool size (`numWorkerThreads`).
 pub const DEFAULT_NUM_WORKER_THREADS: usize = 16;
 
-/// The options of [`init_rpc`](crate::rpc::init_rpc) (PyTorch's `TensorPipeRpcBackendOptions`).
+/// The options of [`init_rpc`](crate::rpc::init_rpc) (PyTorch's
+/// `TensorPipeRpcBackendOptions`).
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RpcOptions {
@@ -41,8 +42,9 @@ pub struct RpcOptions {
     /// Device runtimes built outside this crate, e.g. `rdzv_rdma`'s CUDA one:
     /// `vec![Arc::new(rdzv_rdma::cuda::agent::CudaPlugin)]`. With one, tensors in device
     /// memory ([`Tensor::on_device`](super::Tensor::on_device)) move over `cuda_xth`,
-    /// `cuda_ipc`, `cuda_gdr` or `cuda_basic` (see [`super::device`]). A runtime that cannot open here
-    /// (no driver, no GPU) is left out with its reason logged. Default: none.
+    /// `cuda_ipc`, `cuda_gdr` or `cuda_basic` (see [`super::device`]). A runtime that
+    /// cannot open here (no driver, no GPU) is left out with its reason logged. Default:
+    /// none.
     pub device_plugins: Vec<Arc<dyn DevicePlugin>>,
     /// The channels to register, highest priority first; `None` for every channel this
     /// build runs (`xth`, `cma`, `mpt`, `basic`, `cuda_xth`, `cuda_ipc`, `cuda_gdr`,
@@ -51,11 +53,11 @@ pub struct RpcOptions {
     /// CUDA runtime that runs it, ...) is left out with its reason
     /// logged, and so is `mpt` when this worker runs no tcp transport.
     pub channels: Option<Vec<String>>,
-    /// How many extra TCP connections ("lanes") a pipe that negotiated `mpt` opens, 1 to
+    /// How many extra TCP connections a pipe that negotiated `mpt` opens, 1 to
     /// 64; a tensor is split evenly over up to this many, in stripes of at least 1 MiB.
     /// Default
-    /// [`DEFAULT_MPT_LANES`](crate::rpc::DEFAULT_MPT_LANES).
-    pub mpt_lanes: u16,
+    /// [`DEFAULT_MPT_CONNECTIONS`](crate::rpc::DEFAULT_MPT_CONNECTIONS).
+    pub mpt_connections: u16,
     /// Tensors smaller than this many bytes travel inline in the pipe's frames (the
     /// `basic` channel) even where `cma`, `xth` or `mpt` was negotiated. Default
     /// [`DEFAULT_MIN_CHANNEL_BYTES`](crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES).
@@ -79,9 +81,10 @@ pub struct RpcOptions {
     pub handlers: Vec<(String, Arc<dyn Handler>)>,
     /// Faults to inject into this worker's sends (PyTorch's faulty agent), for tests.
     pub fault_injection: FaultInjection,
-    /// How long a thread blocked in [`RpcFuture::wait`](crate::rpc::RpcFuture::wait) (and `rpc_sync`) spins before
-    /// it sleeps: a reply that arrives meanwhile costs no wake-up. Default 50 µs on hosts
-    /// with two or more CPUs, zero on one; set zero where threads outnumber CPUs.
+    /// How long a thread blocked in [`RpcFuture::wait`](crate::rpc::RpcFuture::wait) (and
+    /// `rpc_sync`) spins before it sleeps: a reply that arrives meanwhile costs no wake-up.
+    /// Default 50 µs on hosts with two or more CPUs, zero on one; set zero where threads
+    /// outnumber CPUs.
     pub wait_spin: Duration,
     /// How RRef control messages (`RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`,
     /// `RREF_USER_DELETE`) are retried: PyTorch's `RpcRetryOptions` (1 s, backoff 1.5,
@@ -89,14 +92,14 @@ pub struct RpcOptions {
     pub rref_retry: rdzv_core::rpc::rref::RetryOptions,
 }
 
-/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message
-/// type; the agent's own RRef calls also by PyTorch's message-type names:
-/// `RREF_FORK_REQUEST`, `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`, `REMOTE_RET`,
+/// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message type;
+/// the agent's own RRef calls also by PyTorch's message-type names: `RREF_FORK_REQUEST`,
+/// `RREF_CHILD_ACCEPT`, `RREF_USER_DELETE`, `REMOTE_RET`,
 /// `PYTHON_REMOTE_CALL`/`SCRIPT_REMOTE_CALL`, `PYTHON_RREF_FETCH_CALL`/
-/// `SCRIPT_RREF_FETCH_CALL`): the first `num_fail_sends` requests to each handler in `fail_handlers` fail
-/// with "Send attempt failed intentionally for {handler}" instead of being sent, and
-/// requests to a handler in `delays` are held that long before they are sent. The
-/// default injects nothing.
+/// `SCRIPT_RREF_FETCH_CALL`): the first `num_fail_sends` requests to each handler in
+/// `fail_handlers` fail with "Send attempt failed intentionally for {handler}" instead of
+/// being sent, and requests to a handler in `delays` are held that long before they are
+/// sent. The default injects nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FaultInjection {
     /// Handlers whose requests fail to send.
@@ -139,7 +142,7 @@ impl std::fmt::Debug for RpcOptions {
             )
             .field("channels", &self.channels)
             .field("min_channel_bytes", &self.min_channel_bytes)
-            .field("mpt_lanes", &self.mpt_lanes)
+            .field("mpt_connections", &self.mpt_connections)
             .field("device_maps", &self.device_maps)
             .field("devices", &self.devices)
             .field("device_count", &self.device_count)
@@ -166,7 +169,7 @@ impl Default for RpcOptions {
             device_plugins: Vec::new(),
             channels: None,
             min_channel_bytes: crate::rpc::tensors::DEFAULT_MIN_CHANNEL_BYTES,
-            mpt_lanes: crate::rpc::DEFAULT_MPT_LANES,
+            mpt_connections: crate::rpc::DEFAULT_MPT_CONNECTIONS,
             device_maps: DeviceMaps::new(),
             devices: Vec::new(),
             device_count: 0,

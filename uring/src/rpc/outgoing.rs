@@ -35,7 +35,7 @@ pub(crate) struct Framer {
 /// lent; a
 /// `cuda_basic` tensor is first copied to host memory and then carried by the pipe's CPU
 /// channel; this side plays `role`; inline below `min_channel_bytes`,
-/// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt lanes,
+/// when that channel is `basic`, or when it is `mpt` and the pipe has no mpt connections,
 /// `!streams`); the buffers lent to the peer and the tensors to stream join `exports`.
 /// The frame must then pass the receiver's limits.
 pub(crate) fn tensor_frame(

@@ -1,6 +1,6 @@
 //! A shared-memory ring segment's mapping: a sealed memfd mapped `MAP_SHARED` by two
 //! processes, a header page of atomics ([`RingHeader`]) and a data region
-//! (`transport::shm::segment` builds the ring on it).
+//! (`shm::segment` builds the ring on it).
 //!
 //! The other process writes this memory at any time, so no Rust reference to its bytes
 //! may exist except to atomics: the header is reached only as `&RingHeader` (every field

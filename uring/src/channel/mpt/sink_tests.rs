@@ -1,4 +1,4 @@
-//! [`MptChannel::recv_with`] over real lanes, into a sink that behaves like a device
+//! [`MptChannel::recv_with`] over real connections, into a sink that behaves like a device
 //! runtime's staging: a few buffers, each piece's "copy to the device" landing only when
 //! its buffer is needed again (or at the end), so a buffer reused too early, a piece out
 //! of place or a byte read twice shows up in the result.
@@ -9,10 +9,10 @@ fn local() -> IpAddr {
     IpAddr::from([127, 0, 0, 1])
 }
 
-/// A pair of channels over `lanes` real loopback lanes.
-fn pair(lanes: u16) -> (MptChannel, MptChannel) {
-    let listener = LaneListener::bind(local()).unwrap_or_else(|e| panic!("{e}"));
-    let near = connect_lanes(listener.address(), 7, lanes, Duration::from_secs(5))
+/// A pair of channels over `connections` real loopback connections.
+fn pair(connections: u16) -> (MptChannel, MptChannel) {
+    let listener = MptListener::bind(local()).unwrap_or_else(|e| panic!("{e}"));
+    let near = open_connections(listener.address(), 7, connections, Duration::from_secs(5))
         .unwrap_or_else(|e| panic!("{e}"));
     let far = listener
         .claim(7, Duration::from_secs(5))
@@ -43,7 +43,7 @@ struct Books {
     memory: Vec<u8>,
     /// Bytes written into `memory`, to catch overlaps.
     written: usize,
-    /// The most buffers handed out at once, and the lanes seen.
+    /// The most buffers handed out at once, and the connections seen.
     most_out: usize,
     takes: usize,
 }
@@ -148,7 +148,7 @@ fn pattern(len: usize) -> Vec<u8> {
 }
 
 #[test]
-fn stripes_land_piece_by_piece_from_every_lane_through_few_buffers() {
+fn stripes_land_piece_by_piece_from_every_connection_through_few_buffers() {
     let (mut near, mut far) = pair(4);
     for (len, piece_len, slots) in [(10_000, 1024, 2), (9_999, 333, 3), (4_000, 4096, 1)] {
         let data = pattern(len);

@@ -2,7 +2,12 @@
 //! timeouts (each the agent's [`RpcClient`]'s), and PyTorch's `wait_until_node_failure`
 //! test helpers, which probe a peer with calls until one fails.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use super::RpcAgent;
+use crate::rpc::client::RpcClient;
+use crate::rpc::error::{CallError, UsageError};
+use crate::rpc::message::{Message, RpcFuture};
 
 /// The handler name [`RpcAgent::wait_until_node_failure`] probes with (never registered).
 const NODE_PROBE: &str = "__rdzv_node_probe";

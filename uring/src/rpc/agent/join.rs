@@ -2,7 +2,12 @@
 //! from running once this worker's barriers are out of step with the group's (core's
 //! [`JoinSequence`]; the table on [`RpcAgent`] says what a caller sees).
 
-use super::*;
+use std::time::Duration;
+
+use rdzv_core::rpc::shutdown::JoinSequence;
+
+use super::RpcAgent;
+use crate::rpc::error::ShutdownError;
 
 impl RpcAgent {
     /// PyTorch's `agent.join(shutdown=False, timeout)`: waits until no worker of the

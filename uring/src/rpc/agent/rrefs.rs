@@ -1,7 +1,16 @@
 //! The agent's RRef methods: `remote`, forks, and PyTorch's RRef debug counts and
 //! waits (`rpc::rref_runtime` does the work).
 
-use super::*;
+use std::time::Duration;
+
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::rref::DebugInfo;
+
+use super::RpcAgent;
+use crate::rpc::error::{CallError, UsageError};
+use crate::rpc::message::Message;
+use crate::rpc::rref::{RRef, RRefShutdownReport};
+use crate::rpc::rref_runtime;
 
 impl RpcAgent {
     /// [`RpcClient::remote`]: an [`RRef`] to the handler's result on `to`.

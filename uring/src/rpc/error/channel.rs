@@ -77,9 +77,9 @@ pub enum ChannelFailure {
         /// The frame's length.
         frame: u64,
     },
-    /// The peer streamed the tensor over mpt, but this pipe has no lanes.
+    /// The peer streamed the tensor over mpt, but this pipe has no mpt connections.
     #[error("the peer streamed it, but this pipe has no mpt lanes")]
-    NoLanes,
+    NoConnections,
     /// What the mpt stripes became is not what the frame says.
     #[error("its stripes became {len} bytes on {device}, the frame says {expected_len} on {expected_device}")]
     StripesMismatch {

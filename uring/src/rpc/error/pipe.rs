@@ -52,7 +52,7 @@ pub enum PipeFailure {
     #[error("{0}")]
     Protocol(#[source] SharedCause),
     /// This worker could not run the pipe: no transport or address for the peer, a
-    /// thread that could not start, its mpt lanes.
+    /// thread that could not start, its mpt connections.
     #[error("{0}")]
     Local(#[source] SharedCause),
 }

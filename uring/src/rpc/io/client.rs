@@ -1,6 +1,6 @@
 //! Client pipes: connect to a peer, run the hello/answer handshake (over the bootstrap
-//! transport, then over the negotiated one: the upgrade), open the mpt lanes, and turn
-//! the pipe into a lane that takes the calls queued while it opened.
+//! transport, then over the negotiated one: the upgrade), open the mpt connections, and
+//! turn the pipe into a lane that takes the calls queued while it opened.
 
 use std::rc::Rc;
 
@@ -10,13 +10,13 @@ use rdzv_core::rpc::frame::Handshake;
 use super::{handshake_frame, with_handshake, Io, Outbound};
 use crate::queue::on_thread;
 use crate::rpc::error::{CallError, PipeFailure};
-use crate::rpc::lane::Lane;
-use crate::rpc::mpt::{self, LanesError, MptLanes};
+use crate::rpc::lane;
+use crate::rpc::mpt::{self, ConnectionsError, MptConnections};
 use crate::rpc::tensors::cpu_channel;
 use crate::rpc::transport::{address_for, Connection, Transport};
 
 /// A pipe's connection after the handshake, what it negotiated, and the token to open
-/// its mpt lanes with (when it has them).
+/// its mpt connections with (when it has them).
 type OpenedPipe = (Connection, Negotiated, Option<u64>);
 
 /// Why a client pipe could not be opened; every call waiting for it fails with it.
@@ -48,9 +48,9 @@ enum OpenError {
     /// The peer answered a hello with a hello.
     #[error("the peer sent a hello, not an answer")]
     HelloNotAnswer,
-    /// The pipe's mpt lanes could not be opened.
+    /// The pipe's mpt connections could not be opened.
     #[error("cannot open its mpt lanes: {0}")]
-    Mpt(#[source] LanesError),
+    Mpt(#[source] ConnectionsError),
     /// The thread that opens them could not run.
     #[error("cannot open its mpt lanes: {0}")]
     MptThread(#[source] std::io::Error),
@@ -74,7 +74,7 @@ impl OpenFailure {
 }
 
 impl Io {
-    /// Opens client pipe `id` to `peer`: connect, handshake, mpt lanes, then the pipe
+    /// Opens client pipe `id` to `peer`: connect, handshake, mpt connections, then the pipe
     /// becomes a lane and the queued calls go out on it.
     pub(super) async fn connect(self: Rc<Self>, id: u64, peer: String, address: String) {
         let (connection, negotiated, mpt_token) = match self.open_pipe(&peer, &address).await {
@@ -96,7 +96,7 @@ impl Io {
         );
         let mpt = match (mpt_token, &self.pieces.lanes.mpt) {
             (Some(token), Some(setup)) => {
-                let (published, lanes) = (address.clone(), setup.lanes);
+                let (published, lanes) = (address.clone(), setup.connections);
                 let opened = on_thread("rdzv-rpc-mpt-connect", move || {
                     mpt::connect(&published, token, lanes)
                 })
@@ -124,10 +124,10 @@ impl Io {
         peer: String,
         negotiated: Negotiated,
         connection: Connection,
-        mpt: Option<MptLanes>,
+        mpt: Option<MptConnections>,
     ) {
         if !self.still_opening(id, &peer) {
-            // Reset or closed while its mpt lanes opened.
+            // Reset or closed while its mpt connections opened.
             connection.control.stop();
             if let Some(mpt) = mpt {
                 mpt.shutdown();
@@ -136,10 +136,9 @@ impl Io {
         }
         // The lane is registered before this thread forgets the pipe, so that no call
         // in between opens another one.
-        let Some(lane) = Lane::start_client(
+        let Some(lane) = lane::start_client(
             &self.pieces.lanes,
-            id,
-            peer.clone(),
+            (id, peer.clone()),
             negotiated,
             connection,
             mpt,
@@ -166,7 +165,7 @@ impl Io {
     /// Opens a pipe: the handshake over the bootstrap (lowest-priority) transport, then,
     /// if a better transport was negotiated, the handshake again over that one, whose
     /// halves replace the bootstrap connection. If the upgrade fails the bootstrap
-    /// connection carries the pipe (without mpt lanes: the peer's side of it did not
+    /// connection carries the pipe (without mpt connections: the peer's side of it did not
     /// negotiate tcp).
     async fn open_pipe(&self, peer: &str, address: &str) -> Result<OpenedPipe, OpenFailure> {
         let Some(bootstrap) = self.transports.last() else {
@@ -234,7 +233,7 @@ impl Io {
 
     /// Connects with `transport` to its listener in the peer's published `address` and
     /// runs the hello/answer handshake. The token comes back when the pipe is to open
-    /// mpt lanes with it.
+    /// mpt connections with it.
     async fn handshake_over(
         &self,
         transport: &dyn Transport,

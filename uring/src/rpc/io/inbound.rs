@@ -9,11 +9,11 @@ use rdzv_core::rpc::frame::Handshake;
 use rdzv_core::rpc::name::WorkerId;
 
 use super::{handshake_frame, with_handshake, Io};
-use crate::rpc::lane::Lane;
+use crate::rpc::lane;
 use crate::rpc::mpt;
 use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
 
-/// The peer's name and id, the negotiation, and the token of the pipe's mpt lanes.
+/// The peer's name and id, the negotiation, and the token of the pipe's mpt connections.
 type Accepted = (String, WorkerId, Negotiated, u64);
 
 impl Io {
@@ -124,10 +124,9 @@ impl Io {
         };
         let jobs = self.jobs.borrow().clone();
         match jobs {
-            Some(jobs) => Lane::start_inbound(
+            Some(jobs) => lane::start_inbound(
                 (&self.pieces.lanes, &self.pieces.server),
-                pipe,
-                (peer, peer_id),
+                (pipe, (peer, peer_id)),
                 negotiated,
                 connection,
                 jobs,

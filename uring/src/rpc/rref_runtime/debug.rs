@@ -2,13 +2,17 @@
 //! worker's over RPC), the `dist_utils` waits the seeds' tests use, and graceful
 //! shutdown's settling of RRefs with its leak report.
 
+use std::time::Duration;
+
+use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::rref::wire::handler;
-use rdzv_core::rpc::rref::Leak;
+use rdzv_core::rpc::rref::{DebugInfo, Leak};
 
 use super::serve::decode_counts;
-use super::*;
-use crate::rpc::error::RRefWaitTimeout;
-use crate::rpc::rref::RRefLeak;
+use super::{RRefs, HELPER_POLL};
+use crate::rpc::error::{CallError, RRefWaitTimeout, UsageError};
+use crate::rpc::message::Message;
+use crate::rpc::rref::{RRefLeak, RRefRuntime, RRefShutdownReport};
 
 /// The debug counts of worker `rank`, asked over RPC (this worker's own, locally).
 pub(crate) fn debug_info_of(rrefs: &RRefs, rank: WorkerId) -> Result<DebugInfo, CallError> {

@@ -1,14 +1,23 @@
 //! The pump: one thread per agent that sends what the RRef machine asks for, watches
 //! those calls, feeds their outcomes back and keeps the machine's time.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
 
+use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::rref::wire::WireKind;
+use rdzv_core::rpc::rref::{ForkId, RRefId, RRefMessage, Transmit};
+use rdzv_core::rpc::timeouts::Instant;
 
-use super::*;
+use super::{RRefs, State};
+use crate::rpc::client::{Caller, RpcClient};
+use crate::rpc::dispatch::Dispatch;
+use crate::rpc::error::CallError;
+use crate::rpc::message::{Message, RpcFuture};
 
 /// The longest the pump sleeps without a reason to wake.
 const PUMP_IDLE: Duration = Duration::from_millis(500);

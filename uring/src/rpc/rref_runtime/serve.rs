@@ -2,11 +2,18 @@
 //! messages, `remote()` calls and `to_here` fetches, and the worker pool's hook that
 //! answers a fetch later instead of holding a pool thread.
 
-use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::*;
+use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
+use rdzv_core::rpc::rref::{DebugInfo, RRefMessage};
+
+use super::{RRefs, Waiter};
+use crate::rpc::counters::JoinGate;
 use crate::rpc::handler::{run_handler, CallContext, Handler, Inline};
 use crate::rpc::lane::Job;
+use crate::rpc::message::Message;
+use crate::rpc::rref::RRefRuntime;
 
 /// Registers the reserved handlers (the agent owns its handlers; they hold the runtime
 /// weakly).

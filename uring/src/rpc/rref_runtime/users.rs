@@ -1,13 +1,22 @@
 //! The [`RRefRuntime`] seam: what an application's [`RRef`] and `remote()` do to this
 //! worker's machine. Each call feeds the machine and leaves the sending to the pump.
 
-use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
-use rdzv_core::rpc::rref::{ForkData, RRefError, RRefHandle};
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::pump::remote_failed;
+use rdzv_core::rpc::name::WorkerId;
+use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
+use rdzv_core::rpc::rref::{
+    DebugInfo, ForkData, ForkId, RRefError, RRefHandle, RRefId, RRefMessage,
+};
+
+use super::pump::{remote_failed, Sent};
 use super::serve::run_user_handler;
-use super::*;
+use super::RRefs;
+use crate::rpc::error::{CallError, RRefFailure, UsageError};
 use crate::rpc::handler::CallContext;
+use crate::rpc::message::Message;
+use crate::rpc::rref::{RRef, RRefRuntime};
 
 impl RRefRuntime for RRefs {
     fn remote(

@@ -70,8 +70,8 @@ use crate::rpc::outgoing::Framer;
 use crate::rpc::pool::{spawn_pool, Pool};
 use crate::rpc::registry::Registry;
 use crate::rpc::rref_runtime::{register_handlers as register_rref_handlers, RRefs};
-use crate::rpc::shm::ShmTransport;
-use crate::rpc::tcp::TcpTransport;
+use crate::rpc::shm_transport::ShmTransport;
+use crate::rpc::tcp_transport::TcpTransport;
 use crate::rpc::transport::Transport;
 use crate::store::Store;
 use rdzv_core::rendezvous::NodeParams;
@@ -248,7 +248,7 @@ impl Start {
             running.push(transport);
         }
         let mpt = if channels.iter().any(|&(k, _, _)| k == ChannelKind::Mpt) {
-            let started = MptSetup::start(host, options.mpt_lanes).map_err(|source| {
+            let started = MptSetup::start(host, options.mpt_connections).map_err(|source| {
                 InitError::from(TransportError::Listen {
                     address: format!("mpt://{}", SocketAddr::new(host, 0)),
                     source,
@@ -351,7 +351,7 @@ impl Start {
             server,
         };
         let (io_thread, address) = spawn_io(pieces, running, jobs_tx)?;
-        // The mpt lane listener's address goes last: it is no transport.
+        // The mpt connection listener's address goes last: it is no transport.
         let address = match &lanes.mpt {
             Some(mpt) => join_addresses([address.as_str(), mpt.published().as_str()]),
             None => address,

@@ -12,7 +12,7 @@ use crate::rpc::device::Devices;
 use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
 use crate::rpc::options::{RpcOptions, RESERVED_PREFIX};
-use crate::rpc::shm::ShmTransport;
+use crate::rpc::shm_transport::ShmTransport;
 use crate::rpc::transport::Transport;
 
 impl RpcOptions {
@@ -79,12 +79,12 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
             reason: "at least one thread must run handlers".into(),
         });
     }
-    if options.mpt_lanes == 0 || options.mpt_lanes > crate::channel::mpt::MAX_LANES {
+    if options.mpt_connections == 0 || options.mpt_connections > crate::channel::mpt::MAX_LANES {
         return Err(InitError::InvalidOption {
-            option: "mpt_lanes",
+            option: "mpt_connections",
             reason: format!(
-                "{} lanes: a pipe opens 1 to {}",
-                options.mpt_lanes,
+                "{} connections: a pipe opens 1 to {}",
+                options.mpt_connections,
                 crate::channel::mpt::MAX_LANES
             ),
         });
@@ -115,7 +115,7 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
     )
     .map_err(rank_error)?;
     for refused in &offer.refused {
-        tracing::info!(reason = %refused.reason, "the {} is not offered", refused.backend);
+        tracing::info!(reason = %refused.reason, "the {} is not offered", refused.kind);
     }
     let offered = |kind: TransportKind| offer.transports.iter().any(|&(k, _)| k == kind);
     let shm = shm.ok().filter(|_| offered(TransportKind::Shm));
@@ -206,7 +206,7 @@ pub(crate) fn guess_host() -> IpAddr {
 mod tests {
     use super::*;
     use crate::rpc::message::Message;
-    use crate::rpc::tcp::TcpTransport;
+    use crate::rpc::tcp_transport::TcpTransport;
     use crate::rpc::transport::TransportPlugin;
     use rdzv_core::negotiate::ChannelKind;
 
@@ -453,7 +453,7 @@ mod tests {
             |o| o.transports = Some(Vec::new()),
             |o| o.channels = Some(vec!["cuda_ipc".into()]),
             |o| o.num_worker_threads = 0,
-            |o| o.mpt_lanes = 0,
+            |o| o.mpt_connections = 0,
             |o| {
                 o.transports = Some(vec!["shm".into()]);
                 o.channels = Some(vec!["mpt".into()]);
@@ -497,7 +497,7 @@ mod tests {
         }
         // No CUDA runtime was given: the lending CUDA channels are refused, saying why.
         assert!(offer.refused.iter().any(|r| {
-            r.backend == rdzv_core::negotiate::Refusable::Channel(ChannelKind::CudaIpc)
+            r.kind == rdzv_core::negotiate::Refusable::Channel(ChannelKind::CudaIpc)
                 && r.reason.contains("CUDA")
         }));
         options.transports = Some(vec!["tcp".into()]);

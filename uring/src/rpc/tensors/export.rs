@@ -45,7 +45,7 @@ impl FrameExports {
     }
 
     /// The tensors the frame sends over mpt, in frame order: the sender writes them on
-    /// its mpt lanes right after the frame.
+    /// its mpt connections right after the frame.
     pub(crate) fn take_streamed(&mut self) -> Streamed {
         std::mem::take(&mut self.streamed)
     }

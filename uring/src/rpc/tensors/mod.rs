@@ -1,6 +1,6 @@
 //! Tensors in frames: which of the agent's tensor channels this process can offer (with
-//! their domain descriptors), how an outgoing tensor becomes a frame entry (inline bytes, or a
-//! channel descriptor plus an export kept until the peer is done), and how a received
+//! their domain descriptors), how an outgoing tensor becomes a frame entry (inline bytes,
+//! or a channel descriptor plus an export kept until the peer is done), and how a received
 //! frame's channel descriptors become tensors again (the pull).
 //!
 //! The channels themselves are [`crate::channel`]'s `cma` and `xth`; the wire format (a
@@ -15,24 +15,23 @@
 //! received them; when exports are released is the core's pipe machine's
 //! (`rdzv_core::rpc::pipe`).
 //!
-//! A `cuda_basic` tensor leaves as the [`HostBytes`](crate::rpc::HostBytes) its device runtime staged it into,
-//! which the channels lend, stream or write inline where they are. One pulled over
-//! `cma` or `xth` for a device is read chunk by chunk into its runtime's staging
-//! (`Devices::receive_into`): each chunk goes to the device while the next is read.
+//! A `cuda_basic` tensor leaves as the [`HostBytes`](crate::rpc::HostBytes) its device
+//! runtime staged it into, which the channels lend, stream or write inline where they are.
+//! One pulled over `cma` or `xth` for a device is read chunk by chunk into its runtime's
+//! staging (`Devices::receive_into`): each chunk goes to the device while the next is read.
 //!
 //! A receiver checks, before reading anything, that the channel a tensor names is the
 //! one negotiated for its device pair on this pipe, that the descriptor decodes and
 //! announces the tensor's length, and (cma) that every descriptor of a pipe names the
 //! same process: a pipe reads from one peer process only.
 //!
-//! `mpt` works the other way round: the sender *pushes*. A tensor sent over mpt is
-//! taken from the frame's exports (`FrameExports::take_streamed`) by the lane, which
-//! writes its stripes on the pipe's
-//! mpt lanes right after the frame, under the same send lock; the receiving lane reads
-//! them as soon as it has read the frame, under its receive lock, and turns the entry
-//! into an inline one. So the stripes on the lanes are always in frame order, no buffer
-//! is lent and no ack is needed. Only a pipe served by a lane over tcp has mpt lanes;
-//! any other sends its tensors inline instead.
+//! `mpt` works the other way round: the sender *pushes*. A tensor sent over mpt is taken
+//! from the frame's exports (`FrameExports::take_streamed`) by the lane, which writes its
+//! stripes on the pipe's mpt connections right after the frame, under the same send lock;
+//! the receiving lane reads them as soon as it has read the frame, under its receive lock,
+//! and turns the entry into an inline one. So the stripes on the mpt connections are always
+//! in frame order, no buffer is lent and no ack is needed. Only a pipe served by a lane
+//! over tcp has mpt connections; any other sends its tensors inline instead.
 
 mod export;
 mod pull;
@@ -73,7 +72,7 @@ pub const DEFAULT_MIN_CHANNEL_BYTES: u64 = 256 * 1024;
 pub(crate) const RUNNABLE: [ChannelKind; ChannelKind::COUNT] = ChannelKind::ALL;
 
 /// The domain descriptor of `mpt`: any two workers that reach each other over tcp can
-/// use it (the connector chooses how many lanes to open).
+/// use it (the connector chooses how many connections to open).
 pub(crate) const MPT_DESCRIPTOR: &str = "mpt:tcp";
 
 /// The domain descriptor of `kind` in this process, or why it cannot run here. For cma

@@ -357,10 +357,10 @@ fn a_pipe_that_borrowed_tells_the_runtime_when_it_ends() {
     assert_eq!(ended(&runtime), [pipe], "reported once, when it ends");
 }
 
-/// Device memory the mpt lanes received for a frame waits in the pipe's reader until
+/// Device memory the mpt connections received for a frame waits in the pipe's reader until
 /// the frame is sorted; a refused frame drops it rather than leaving it to the pipe's end.
 #[test]
-fn a_refused_frame_drops_what_its_mpt_lanes_received() {
+fn a_refused_frame_drops_what_its_mpt_connections_received() {
     use crate::channel::mpt::MptDescriptor;
     use crate::rpc::device::{DeviceBuffer, HostMemory};
     let negotiated = negotiate(&[
@@ -383,7 +383,7 @@ fn a_refused_frame_drops_what_its_mpt_lanes_received() {
             vec![9; 4],
         )))
     };
-    // Sorted: the tensor is the memory the lanes put there.
+    // Sorted: the tensor is the memory the mpt connections put there.
     reader.arrived(7, memory());
     let received = ReceivedTensors::sort(
         vec![streamed(7)],

@@ -18,7 +18,7 @@ pub(crate) struct PipeReader {
     cma: Mutex<Option<Arc<CmaPeer>>>,
     id: PipeId,
     borrowed: std::sync::OnceLock<Devices>,
-    /// Device tensors the pipe's mpt lanes received into device memory as their frame
+    /// Device tensors the pipe's mpt connections received into device memory as their frame
     /// arrived (`cuda_basic` over mpt), by transfer id, until the frame is sorted.
     arrived: Mutex<HashMap<u64, Result<DeviceBuffer, DeviceError>>>,
 }

@@ -78,7 +78,7 @@ fn every_error() -> Vec<(CallError, CallErrorKind, bool, Option<&'static str>)> 
                 channel: "cma",
                 peer: peer(),
                 index: Some(1),
-                reason: ChannelFailure::NoLanes,
+                reason: ChannelFailure::NoConnections,
             },
             K::Channel,
             false,

@@ -2,19 +2,19 @@
 //! runtime on epoll: it needs no io_uring) that accepts and opens pipes.
 //!
 //! Client pipes (one per destination, TensorPipe's `ClientPipe`) carry this worker's
-//! requests out and their responses back; inbound pipes carry peers' requests in and
-//! this worker's responses out. This thread runs what comes before either carries a
-//! call: it accepts connections ([`inbound`]), connects ([`client`]), runs the
-//! hello/answer handshake (over the bootstrap transport, then again over the negotiated
-//! one: the upgrade) and opens a client pipe's mpt lanes; then it hands the connection
-//! to a lane ([`super::lane`]), whose threads carry every frame after that, driven by
-//! the core's pipe machine (`rdzv_core::rpc::pipe`). Connections come from the
-//! transports already served by threads: a handshake's frames are small and go out at
-//! once, and the wait for the peer's runs on a thread of its own (bounded by
-//! [`HANDSHAKE_TIMEOUT`], and stopped when the agent closes). Calls made while
-//! their pipe opens wait here (their deadline runs in the call table from the start),
-//! and go out on the lane once it exists. A pipe that fails to open fails its calls; the
-//! next call to that peer opens a new one (PyTorch never re-creates a pipe).
+//! requests out and their responses back; inbound pipes carry peers' requests in and this
+//! worker's responses out. This thread runs what comes before either carries a call: it
+//! accepts connections ([`inbound`]), connects ([`client`]), runs the hello/answer
+//! handshake (over the bootstrap transport, then again over the negotiated one: the
+//! upgrade) and opens a client pipe's mpt connections; then it hands the connection to a
+//! lane ([`super::lane`]), whose threads carry every frame after that, driven by the core's
+//! pipe machine (`rdzv_core::rpc::pipe`). Connections come from the transports already
+//! served by threads: a handshake's frames are small and go out at once, and the wait for
+//! the peer's runs on a thread of its own (bounded by [`HANDSHAKE_TIMEOUT`], and stopped
+//! when the agent closes). Calls made while their pipe opens wait here (their deadline runs
+//! in the call table from the start), and go out on the lane once it exists. A pipe that
+//! fails to open fails its calls; the next call to that peer opens a new one (PyTorch never
+//! re-creates a pipe).
 //!
 //! State lives in a `RefCell` that is never borrowed across an `.await`.
 //!
@@ -282,10 +282,9 @@ impl Io {
     }
 
     fn reset_pipes(&self) {
+        // Taken out first: an ending lane leaves the registry, which must not be locked.
         let lanes = lane::lock(&self.pieces.lanes.lanes).drain();
-        for lane in lanes {
-            lane.end(PipeFailure::Reset);
-        }
+        lanes.end(&PipeFailure::Reset);
         let opening: Vec<(String, Opening)> = self.state.borrow_mut().opening.drain().collect();
         for (peer, opening) in opening {
             self.pipe_ended(opening.id, &peer, PipeFailure::Reset);
@@ -307,9 +306,7 @@ impl Io {
             let spawned = std::thread::Builder::new()
                 .name("rdzv-rpc-goodbye".into())
                 .spawn(move || {
-                    for lane in &farewell {
-                        lane.goodbye();
-                    }
+                    farewell.goodbye();
                     let _ = done_tx.send(());
                 });
             if spawned.is_ok() {
@@ -321,9 +318,7 @@ impl Io {
         }
         // Each lane's reader thread sees its stop and ends the lane, which gives up
         // what it lent once the connection is closed.
-        for lane in &lanes {
-            lane.stop();
-        }
+        lanes.stop();
         // The calls of pipes still opening are in `pending`, failed below; handshakes
         // waiting on threads end.
         let handshaking: Vec<Arc<dyn Control>> = {

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::membership::GROUP_LEAVE;
 use rdzv_core::rpc::metrics::NetworkData;
-use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
-use rdzv_core::rpc::rref::DebugInfo;
+use rdzv_core::rpc::name::WorkerInfo;
 use rdzv_core::rpc::shutdown::{Join, JoinSequence, Leave};
 use rdzv_core::rpc::store_keys::{membership_token, Membership, RpcKeys};
 
@@ -26,10 +25,9 @@ use crate::rpc::drive::{acquire_token, drive, release_token};
 use crate::rpc::error::{store_error, CallError, ShutdownError, UsageError};
 use crate::rpc::handler::Handler;
 use crate::rpc::mailbox::Command;
-use crate::rpc::message::{Message, RpcFuture};
+use crate::rpc::message::Message;
 use crate::rpc::mpt::MptSetup;
 use crate::rpc::options::RESERVED_PREFIX;
-use crate::rpc::rref::{RRef, RRefShutdownReport};
 use crate::rpc::rref_runtime::{self, RRefs};
 use crate::store::Store;
 
@@ -70,7 +68,7 @@ pub struct RpcAgent {
     pub(crate) dispatch: Arc<Dispatch>,
     /// Metrics, network data and channel bytes.
     pub(crate) counters: Arc<Counters>,
-    /// The mpt lane listener (closed at shutdown), when this worker offers mpt.
+    /// The mpt connection listener (closed at shutdown), when this worker offers mpt.
     pub(crate) mpt: Option<Arc<MptSetup>>,
     /// The RRef runtime (also behind `dispatch.rrefs`).
     pub(crate) rrefs: Arc<RRefs>,

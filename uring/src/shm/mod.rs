@@ -1,6 +1,7 @@
-//! The `shm` transport: byte messages between two processes on one host through
+//! Shared-memory rings: byte messages between two processes on one host through
 //! shared-memory rings, TensorPipe's design (`reference/tensorpipe.md` §2.2) with a
-//! wake-up scheme that does not burn a core.
+//! wake-up scheme that does not burn a core. The RPC agent's `shm` transport
+//! (`rpc::shm_transport`) runs on them.
 //!
 //! - **Segments** (`segment`): each side creates its *inbox*, a sealed memfd (2 MiB of
 //!   ring by default) with a header page of atomics, and maps the peer's inbox as its
@@ -21,12 +22,12 @@
 //!   `rdzv_core::negotiate`.
 //!
 //! ```
-//! use rdzv_uring::transport::shm::{ShmAddr, ShmConnection, ShmListener, ShmOptions};
+//! use rdzv_uring::shm::{ShmAddr, ShmConnection, ShmListener, ShmOptions};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let listener = ShmListener::bind_unnamed(ShmOptions::default())?;
 //! let addr = listener.local_addr().clone();
-//! let client = std::thread::spawn(move || -> Result<Vec<u8>, rdzv_uring::transport::shm::ShmError> {
+//! let client = std::thread::spawn(move || -> Result<Vec<u8>, rdzv_uring::shm::ShmError> {
 //!     let mut conn = ShmConnection::connect(&addr, ShmOptions::default())?;
 //!     conn.send(b"ping")?;
 //!     conn.recv()

@@ -2,26 +2,26 @@
 //! `mpt_uv` channel, so that one large transfer is not limited to what one connection and
 //! one core can push.
 //!
-//! A transfer of `len` bytes is cut into contiguous stripes, one per lane used
-//! ([`stripes`]: equal shares, the first lanes take the remainder), each of at least
-//! [`MptOptions::min_stripe_len`] bytes: a 1 MiB tensor goes whole over lane 0, since
-//! starting the other lanes costs more than they save. Each used lane carries a 32-byte stripe header (magic,
-//! transfer id, offset, length) and then the stripe's bytes. Both ends know `len` and the
-//! transfer id from the descriptor the agent sends over the pipe, so the receiver checks
-//! every header against the stripe it expects before it reads a byte of data into place:
-//! a peer cannot make it write outside the stripe, and a lane that drifted out of step is
-//! an error, not a misplaced tensor.
+//! A transfer of `len` bytes is cut into contiguous stripes, one per connection used
+//! ([`stripes`]: equal shares, the first connections take the remainder), each of at least
+//! [`MptOptions::min_stripe_len`] bytes: a 1 MiB tensor goes whole over connection 0, since
+//! starting the other connections costs more than they save. Each used connection carries a
+//! 32-byte stripe header (magic, transfer id, offset, length) and then the stripe's bytes.
+//! Both ends know `len` and the transfer id from the descriptor the agent sends over the
+//! pipe, so the receiver checks every header against the stripe it expects before it reads
+//! a byte of data into place: a peer cannot make it write outside the stripe, and a
+//! connection that drifted out of step is an error, not a misplaced tensor.
 //!
-//! Lanes are plain blocking `TcpStream`s with `TCP_NODELAY`; a transfer runs one scoped
-//! thread per used lane on each side. Errors name the lane and its peer.
+//! Connections are plain blocking `TcpStream`s with `TCP_NODELAY`; a transfer runs one
+//! scoped thread per used connection on each side. Errors name the connection and its peer.
 //!
-//! Opening lanes: the accepting side runs a [`LaneListener`]; the connecting side opens
-//! its lanes with [`connect_lanes`], each starting with a [`LaneHello`] that carries a
-//! token (which the agent passes in its pipe handshake) and the lane's index. The
-//! listener sorts arrivals by token until [`LaneListener::claim`] takes a complete set.
-//! The lanes of one pipe carry both directions ([`MptChannel::split`]). A tensor's place
-//! in the pipe's frames is an [`MptDescriptor`]: the transfer id its stripes carry. This
-//! module does not negotiate.
+//! Opening connections: the accepting side runs an [`MptListener`]; the connecting side
+//! opens its connections with [`open_connections`], each starting with a [`LaneHello`] that
+//! carries a token (which the agent passes in its pipe handshake) and the connection's
+//! index. The listener sorts arrivals by token until [`MptListener::claim`] takes a
+//! complete set. The connections of one pipe carry both directions ([`MptChannel::split`]).
+//! A tensor's place in the pipe's frames is an [`MptDescriptor`]: the transfer id its
+//! stripes carry. This module does not negotiate.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -39,46 +39,46 @@ pub use rdzv_core::channel::mpt::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MptOptions {
-    /// The fewest bytes a stripe carries: a transfer uses `len / min_stripe_len` lanes
-    /// (at least one, at most all). Both ends must use the same value.
+    /// The fewest bytes a stripe carries: a transfer uses `len / min_stripe_len`
+    /// connections (at least one, at most all). Both ends must use the same value.
     pub min_stripe_len: usize,
 }
 
 impl Default for MptOptions {
     fn default() -> Self {
         MptOptions {
-            // Measured with `rdzv bench rpc --channel basic,mpt` on the 2-vCPU VM: with
-            // 256 KiB stripes a 1 MiB echo took 1276 µs against 439 µs inline (a thread
-            // started per extra lane and transfer on each side); with 1 MiB stripes it
-            // takes what inline takes, and 64 MiB still uses every lane.
+            // Measured with `rdzv bench rpc --channel basic,mpt` on the 2-vCPU VM: with 256
+            // KiB stripes a 1 MiB echo took 1276 µs against 439 µs inline (a thread started
+            // per extra connection and transfer on each side); with 1 MiB stripes it takes
+            // what inline takes, and 64 MiB still uses every connection.
             min_stripe_len: 1 << 20,
         }
     }
 }
 
-/// What can go wrong on a lane.
+/// What can go wrong on a connection.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MptError {
-    /// No lanes were given.
+    /// No connections were given.
     #[error("mpt channel has no lanes")]
-    NoLanes,
-    /// The two ends disagree on the number of lanes in use.
+    NoConnections,
+    /// The two ends disagree on the number of connections in use.
     #[error("mpt transfer {transfer_id} needs {needed} lanes but only {available} are open")]
-    TooFewLanes {
+    TooFewConnections {
         /// The transfer.
         transfer_id: u64,
-        /// Lanes the transfer's stripes need.
+        /// Connections the transfer's stripes need.
         needed: usize,
-        /// Lanes open.
+        /// Connections open.
         available: usize,
     },
     /// A socket call failed.
-    #[error("mpt lane {lane} (peer {peer}): {action} failed: {source}")]
+    #[error("mpt lane {connection} (peer {peer}): {action} failed: {source}")]
     Io {
-        /// The lane index.
-        lane: usize,
-        /// The lane's peer address.
+        /// The connection index.
+        connection: usize,
+        /// The connection's peer address.
         peer: String,
         /// What was being done.
         action: &'static str,
@@ -87,15 +87,16 @@ pub enum MptError {
         source: io::Error,
     },
     /// A stripe header was not the one expected: the peer is out of step or not an mpt
-    /// endpoint. The lane can no longer be trusted; the agent should re-create the pipe.
+    /// endpoint. The connection can no longer be trusted; the agent should re-create the
+    /// pipe.
     #[error(
-        "mpt lane {lane} (peer {peer}): expected the stripe {expected:?} of transfer \
+        "mpt lane {connection} (peer {peer}): expected the stripe {expected:?} of transfer \
          {transfer_id}, got {got}"
     )]
     UnexpectedStripe {
-        /// The lane index.
-        lane: usize,
-        /// The lane's peer address.
+        /// The connection index.
+        connection: usize,
+        /// The connection's peer address.
         peer: String,
         /// The transfer expected.
         transfer_id: u64,
@@ -105,10 +106,10 @@ pub enum MptError {
         got: String,
     },
     /// The [`StripeSink`] a transfer was received into refused a piece.
-    #[error("mpt lane {lane}: the receiving side cannot take bytes {offset}..{end} of transfer {transfer_id}: {reason}")]
+    #[error("mpt lane {connection}: the receiving side cannot take bytes {offset}..{end} of transfer {transfer_id}: {reason}")]
     Sink {
-        /// The lane index.
-        lane: usize,
+        /// The connection index.
+        connection: usize,
         /// The transfer.
         transfer_id: u64,
         /// Where the piece starts in the transfer.
@@ -118,13 +119,13 @@ pub enum MptError {
         /// Why (the sink's words).
         reason: String,
     },
-    /// A lane's thread panicked (a bug, reported instead of propagated).
-    #[error("mpt lane {lane} thread panicked")]
+    /// A connection's thread panicked (a bug, reported instead of propagated).
+    #[error("mpt lane {connection} thread panicked")]
     Panicked {
-        /// The lane index.
-        lane: usize,
+        /// The connection index.
+        connection: usize,
     },
-    /// A pipe's set of lanes did not arrive at the [`LaneListener`].
+    /// A pipe's set of connections did not arrive at the [`MptListener`].
     #[error("mpt lanes were not opened: {reason}")]
     Unclaimed {
         /// How many came, or why none will.
@@ -132,23 +133,23 @@ pub enum MptError {
     },
 }
 
-/// Opens `count` lanes to the [`LaneListener`] at `address` for the set `token`, each
+/// Opens `count` connections to the [`MptListener`] at `address` for the set `token`, each
 /// with `TCP_NODELAY` and its hello sent, in index order.
 ///
 /// # Errors
-/// [`MptError::Io`] naming the lane that could not connect or send its hello.
-pub fn connect_lanes(
+/// [`MptError::Io`] naming the connection that could not connect or send its hello.
+pub fn open_connections(
     address: SocketAddr,
     token: u64,
     count: u16,
     timeout: Duration,
 ) -> Result<Vec<TcpStream>, MptError> {
     let count = count.clamp(1, MAX_LANES);
-    let mut lanes = Vec::with_capacity(usize::from(count));
+    let mut connections = Vec::with_capacity(usize::from(count));
     for index in 0..count {
         let io = |action| {
             move |source| MptError::Io {
-                lane: usize::from(index),
+                connection: usize::from(index),
                 peer: address.to_string(),
                 action,
                 source,
@@ -168,20 +169,20 @@ pub fn connect_lanes(
                 .encode(),
             )
             .map_err(io("sending the lane hello"))?;
-        lanes.push(stream);
+        connections.push(stream);
     }
-    Ok(lanes)
+    Ok(connections)
 }
 
 /// How long an accepted connection has to send its [`LaneHello`].
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-/// Sets of lanes nobody claimed are dropped after this long.
+/// Sets of connections nobody claimed are dropped after this long.
 const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
 /// At most this many accepted connections wait for their hello at once; more are
 /// closed at once (a flood of silent connections costs no more than this many threads).
 const MAX_PENDING_HELLOS: usize = 256;
 
-/// Lanes that arrived, by token.
+/// Connections that arrived, by token.
 #[derive(Default)]
 struct Arrivals {
     sets: HashMap<u64, Arrival>,
@@ -189,13 +190,13 @@ struct Arrivals {
 }
 
 struct Arrival {
-    lanes: Vec<Option<TcpStream>>,
+    connections: Vec<Option<TcpStream>>,
     since: Instant,
 }
 
 impl Arrival {
     fn complete(&self) -> bool {
-        self.lanes.iter().all(Option::is_some)
+        self.connections.iter().all(Option::is_some)
     }
 }
 
@@ -209,8 +210,8 @@ impl Registry {
         self.arrivals.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Files a lane that said `hello`; a lane that contradicts its set (another count,
-    /// an index taken twice) is dropped.
+    /// Files a connection that said `hello`; a connection that contradicts its set (another
+    /// count, an index taken twice) is dropped.
     fn file(&self, hello: LaneHello, stream: TcpStream) {
         let mut arrivals = self.lock();
         if arrivals.closed {
@@ -220,11 +221,11 @@ impl Registry {
             .sets
             .retain(|_, set| set.since.elapsed() < UNCLAIMED_TTL);
         let set = arrivals.sets.entry(hello.token).or_insert_with(|| Arrival {
-            lanes: (0..hello.count).map(|_| None).collect(),
+            connections: (0..hello.count).map(|_| None).collect(),
             since: Instant::now(),
         });
-        let fits = set.lanes.len() == usize::from(hello.count);
-        match set.lanes.get_mut(usize::from(hello.index)) {
+        let fits = set.connections.len() == usize::from(hello.count);
+        match set.connections.get_mut(usize::from(hello.index)) {
             Some(slot @ None) if fits => {
                 *slot = Some(stream);
             }
@@ -243,30 +244,30 @@ impl Registry {
     }
 }
 
-/// Accepts mpt lanes on a TCP port of its own and keeps them, sorted by token, until
+/// Accepts mpt connections on a TCP port of its own and keeps them, sorted by token, until
 /// the pipe they belong to claims them. One thread accepts; each connection's hello is
 /// read on a short-lived thread of its own, so a silent connection holds up nothing.
-pub struct LaneListener {
+pub struct MptListener {
     address: SocketAddr,
     registry: Arc<Registry>,
     stopping: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl std::fmt::Debug for LaneListener {
+impl std::fmt::Debug for MptListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LaneListener")
+        f.debug_struct("MptListener")
             .field("address", &self.address)
             .finish_non_exhaustive()
     }
 }
 
-impl LaneListener {
+impl MptListener {
     /// Listens on an ephemeral port of `host`.
     ///
     /// # Errors
     /// The bind or the thread start failed.
-    pub fn bind(host: IpAddr) -> io::Result<LaneListener> {
+    pub fn bind(host: IpAddr) -> io::Result<MptListener> {
         let listener = TcpListener::bind(SocketAddr::new(host, 0))?;
         let address = listener.local_addr()?;
         let registry = Arc::new(Registry {
@@ -279,9 +280,9 @@ impl LaneListener {
             let stopping = Arc::clone(&stopping);
             std::thread::Builder::new()
                 .name("rdzv-mpt-accept".into())
-                .spawn(move || accept_lanes(&listener, &registry, &stopping))?
+                .spawn(move || accept_connections(&listener, &registry, &stopping))?
         };
-        Ok(LaneListener {
+        Ok(MptListener {
             address,
             registry,
             stopping,
@@ -289,17 +290,17 @@ impl LaneListener {
         })
     }
 
-    /// Where lanes connect to.
+    /// Where connections connect to.
     pub fn address(&self) -> SocketAddr {
         self.address
     }
 
-    /// Takes the complete set of lanes `token`, in index order, waiting up to
+    /// Takes the complete set of connections `token`, in index order, waiting up to
     /// `timeout` for the rest of it.
     ///
     /// # Errors
     /// [`MptError::Unclaimed`] when the set is not complete in time (saying how many
-    /// lanes came) or the listener closed.
+    /// connections came) or the listener closed.
     pub fn claim(&self, token: u64, timeout: Duration) -> Result<Vec<TcpStream>, MptError> {
         let deadline = Instant::now() + timeout;
         let mut arrivals = self.registry.lock();
@@ -310,13 +311,16 @@ impl LaneListener {
                 });
             }
             if arrivals.sets.get(&token).is_some_and(Arrival::complete) {
-                let set = arrivals.sets.remove(&token).map(|s| s.lanes);
+                let set = arrivals.sets.remove(&token).map(|s| s.connections);
                 return Ok(set.into_iter().flatten().flatten().collect());
             }
             let now = Instant::now();
             if now >= deadline {
                 let (came, of) = arrivals.sets.remove(&token).map_or((0, 0), |set| {
-                    (set.lanes.iter().flatten().count(), set.lanes.len())
+                    (
+                        set.connections.iter().flatten().count(),
+                        set.connections.len(),
+                    )
                 });
                 return Err(MptError::Unclaimed {
                     reason: format!(
@@ -334,7 +338,7 @@ impl LaneListener {
         }
     }
 
-    /// Stops accepting, drops every unclaimed lane and fails waiting claims.
+    /// Stops accepting, drops every unclaimed connection and fails waiting claims.
     pub fn close(&self) {
         if self.stopping.swap(true, Ordering::AcqRel) {
             return;
@@ -358,7 +362,7 @@ impl LaneListener {
     }
 }
 
-impl Drop for LaneListener {
+impl Drop for MptListener {
     fn drop(&mut self) {
         self.close();
     }
@@ -373,7 +377,7 @@ impl Drop for HelloSlot {
     }
 }
 
-fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &AtomicBool) {
+fn accept_connections(listener: &TcpListener, registry: &Arc<Registry>, stopping: &AtomicBool) {
     let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for stream in listener.incoming() {
         if stopping.load(Ordering::Acquire) {
@@ -425,30 +429,29 @@ fn accept_lanes(listener: &TcpListener, registry: &Arc<Registry>, stopping: &Ato
     }
 }
 
-/// One end of an mpt channel: its lanes, connected to the same peer in the same order on
-/// both sides.
+/// One end of an mpt channel: its connections, connected to the same peer in the same order
+/// on both sides.
 #[derive(Debug)]
 pub struct MptChannel {
-    lanes: Vec<TcpStream>,
+    connections: Vec<TcpStream>,
     peers: Vec<String>,
     options: MptOptions,
 }
 
 impl MptChannel {
-    /// An end over `lanes` (lane `i` here must be lane `i` at the peer). Sets
-    /// `TCP_NODELAY` on each.
+    /// An end over `connections` (connection `i` here must be connection `i` at the peer).
+    /// Sets `TCP_NODELAY` on each.
     ///
-    /// # Errors
-    /// [`MptError::NoLanes`] for an empty list; [`MptError::Io`] if a lane has no peer
-    /// (it is not connected).
-    pub fn new(lanes: Vec<TcpStream>, options: MptOptions) -> Result<MptChannel, MptError> {
-        if lanes.is_empty() {
-            return Err(MptError::NoLanes);
+    /// # Errors [`MptError::NoConnections`] for an empty list; [`MptError::Io`] if a
+    /// connection has no peer (it is not connected).
+    pub fn new(connections: Vec<TcpStream>, options: MptOptions) -> Result<MptChannel, MptError> {
+        if connections.is_empty() {
+            return Err(MptError::NoConnections);
         }
-        let mut peers = Vec::with_capacity(lanes.len());
-        for (lane, stream) in lanes.iter().enumerate() {
+        let mut peers = Vec::with_capacity(connections.len());
+        for (connection, stream) in connections.iter().enumerate() {
             let peer = stream.peer_addr().map_err(|source| MptError::Io {
-                lane,
+                connection,
                 peer: "?".into(),
                 action: "reading the peer address",
                 source,
@@ -456,7 +459,7 @@ impl MptChannel {
             let peer = peer.to_string();
             if let Err(source) = stream.set_nodelay(true) {
                 return Err(MptError::Io {
-                    lane,
+                    connection,
                     peer,
                     action: "setting TCP_NODELAY",
                     source,
@@ -465,68 +468,68 @@ impl MptChannel {
             peers.push(peer);
         }
         Ok(MptChannel {
-            lanes,
+            connections,
             peers,
             options,
         })
     }
 
-    /// Number of lanes.
-    pub fn lanes(&self) -> usize {
-        self.lanes.len()
+    /// Number of connections.
+    pub fn connections(&self) -> usize {
+        self.connections.len()
     }
 
-    /// Two ends over the same lanes (duplicated sockets): one to send with and one to
+    /// Two ends over the same connections (duplicated sockets): one to send with and one to
     /// receive with, so that each direction has its own lock.
     ///
     /// # Errors
     /// [`MptError::Io`] if a socket cannot be duplicated.
     pub fn split(self) -> Result<(MptChannel, MptChannel), MptError> {
-        let mut copies = Vec::with_capacity(self.lanes.len());
-        for (lane, stream) in self.lanes.iter().enumerate() {
+        let mut copies = Vec::with_capacity(self.connections.len());
+        for (connection, stream) in self.connections.iter().enumerate() {
             copies.push(stream.try_clone().map_err(|source| MptError::Io {
-                lane,
-                peer: self.peers.get(lane).cloned().unwrap_or_default(),
+                connection,
+                peer: self.peers.get(connection).cloned().unwrap_or_default(),
                 action: "duplicating the socket",
                 source,
             })?);
         }
         let other = MptChannel {
-            lanes: copies,
+            connections: copies,
             peers: self.peers.clone(),
             options: self.options,
         };
         Ok((self, other))
     }
 
-    /// Shuts every lane down (both directions): a transfer blocked on one fails.
+    /// Shuts every connection down (both directions): a transfer blocked on one fails.
     pub fn shutdown(&self) {
-        for stream in &self.lanes {
+        for stream in &self.connections {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
     }
 
     fn plan(&self, len: usize, transfer_id: u64) -> Result<Vec<(usize, usize)>, MptError> {
-        let plan = stripes(len, self.lanes.len(), self.options.min_stripe_len);
-        if plan.len() > self.lanes.len() {
-            return Err(MptError::TooFewLanes {
+        let plan = stripes(len, self.connections.len(), self.options.min_stripe_len);
+        if plan.len() > self.connections.len() {
+            return Err(MptError::TooFewConnections {
                 transfer_id,
                 needed: plan.len(),
-                available: self.lanes.len(),
+                available: self.connections.len(),
             });
         }
         Ok(plan)
     }
 
-    /// Sends `data` as transfer `transfer_id`, each stripe on its lane in parallel.
+    /// Sends `data` as transfer `transfer_id`, each stripe on its connection in parallel.
     ///
     /// # Errors
-    /// The first lane error, naming the lane.
+    /// The first connection error, naming the connection.
     pub fn send(&mut self, transfer_id: u64, data: &[u8]) -> Result<(), MptError> {
         let plan = self.plan(data.len(), transfer_id)?;
         let peers = &self.peers;
-        let work = self.lanes.iter_mut().zip(plan).enumerate();
-        run_lanes(work, |lane, stream, (offset, len)| {
+        let work = self.connections.iter_mut().zip(plan).enumerate();
+        run_connections(work, |connection, stream, (offset, len)| {
             let header = StripeHeader {
                 transfer_id,
                 offset: offset as u64,
@@ -534,8 +537,8 @@ impl MptChannel {
             };
             let io = |action| {
                 move |source| MptError::Io {
-                    lane,
-                    peer: peers.get(lane).cloned().unwrap_or_default(),
+                    connection,
+                    peer: peers.get(connection).cloned().unwrap_or_default(),
                     action,
                     source,
                 }
@@ -551,12 +554,12 @@ impl MptChannel {
 
     /// Receives transfer `transfer_id` of `buf.len()` bytes into `buf`.
     ///
-    /// # Errors
-    /// The first lane error; [`MptError::UnexpectedStripe`] when a header is not the one
-    /// this end expects (nothing is written outside that lane's stripe either way).
+    /// # Errors The first connection error; [`MptError::UnexpectedStripe`] when a header is
+    /// not the one this end expects (nothing is written outside that connection's stripe
+    /// either way).
     pub fn recv(&mut self, transfer_id: u64, buf: &mut [u8]) -> Result<(), MptError> {
         let plan = self.plan(buf.len(), transfer_id)?;
-        // Disjoint destination slices, one per used lane.
+        // Disjoint destination slices, one per used connection.
         let mut parts = Vec::with_capacity(plan.len());
         let mut rest = buf;
         for &(_, len) in &plan {
@@ -566,15 +569,15 @@ impl MptChannel {
         }
         let peers = &self.peers;
         let work = self
-            .lanes
+            .connections
             .iter_mut()
             .zip(plan.into_iter().zip(parts))
             .enumerate();
-        run_lanes(work, |lane, stream, ((offset, len), part)| {
-            let peer = || peers.get(lane).cloned().unwrap_or_default();
-            read_stripe_header(stream, lane, peer, transfer_id, (offset, len))?;
+        run_connections(work, |connection, stream, ((offset, len), part)| {
+            let peer = || peers.get(connection).cloned().unwrap_or_default();
+            read_stripe_header(stream, connection, peer, transfer_id, (offset, len))?;
             stream.read_exact(part).map_err(|source| MptError::Io {
-                lane,
+                connection,
                 peer: peer(),
                 action: "receiving a stripe",
                 source,
@@ -585,9 +588,9 @@ impl MptChannel {
 
 /// Where [`MptChannel::recv_with`] puts a transfer's bytes instead of one buffer: pieces
 /// of at most [`piece_len`](Self::piece_len) bytes, none crossing a multiple of it
-/// ([`pieces`]), each taken from the sink, filled by the lane that reads it and given
-/// back. Lanes read on threads of their own, so pieces are taken and given back from
-/// several threads at once and in any order (within one lane, in order).
+/// ([`pieces`]), each taken from the sink, filled by the connection that reads it and given
+/// back. Connections read on threads of their own, so pieces are taken and given back from
+/// several threads at once and in any order (within one connection, in order).
 pub trait StripeSink: Sync {
     /// What one piece is read into.
     type Piece: Send;
@@ -608,12 +611,12 @@ pub trait StripeSink: Sync {
 }
 
 impl MptChannel {
-    /// Receives transfer `transfer_id` of `len` bytes into `sink`, each lane's stripe
+    /// Receives transfer `transfer_id` of `len` bytes into `sink`, each connection's stripe
     /// piece by piece as it arrives.
     ///
     /// # Errors
     /// As [`recv`](Self::recv), and [`MptError::Sink`] when the sink refuses a piece (the
-    /// lane is then out of step: end the channel).
+    /// connection is then out of step: end the channel).
     pub fn recv_with<S: StripeSink>(
         &mut self,
         transfer_id: u64,
@@ -623,13 +626,13 @@ impl MptChannel {
         let plan = self.plan(len, transfer_id)?;
         let peers = &self.peers;
         let piece_len = sink.piece_len();
-        let work = self.lanes.iter_mut().zip(plan).enumerate();
-        run_lanes(work, |lane, stream, stripe| {
-            let peer = || peers.get(lane).cloned().unwrap_or_default();
-            read_stripe_header(stream, lane, peer, transfer_id, stripe)?;
+        let work = self.connections.iter_mut().zip(plan).enumerate();
+        run_connections(work, |connection, stream, stripe| {
+            let peer = || peers.get(connection).cloned().unwrap_or_default();
+            read_stripe_header(stream, connection, peer, transfer_id, stripe)?;
             for (offset, n) in pieces(stripe, piece_len) {
                 let refused = |reason| MptError::Sink {
-                    lane,
+                    connection,
                     transfer_id,
                     offset,
                     end: offset + n,
@@ -644,7 +647,7 @@ impl MptChannel {
                     )));
                 }
                 stream.read_exact(bytes).map_err(|source| MptError::Io {
-                    lane,
+                    connection,
                     peer: peer(),
                     action: "receiving a stripe",
                     source,
@@ -656,17 +659,18 @@ impl MptChannel {
     }
 }
 
-/// Reads lane `lane`'s stripe header and checks it is `(offset, len)` of `transfer_id`.
+/// Reads connection `connection`'s stripe header and checks it is `(offset, len)` of
+/// `transfer_id`.
 fn read_stripe_header(
     stream: &mut TcpStream,
-    lane: usize,
+    connection: usize,
     peer: impl Fn() -> String,
     transfer_id: u64,
     (offset, len): (usize, usize),
 ) -> Result<(), MptError> {
     let mut raw = [0u8; STRIPE_HEADER_LEN];
     stream.read_exact(&mut raw).map_err(|source| MptError::Io {
-        lane,
+        connection,
         peer: peer(),
         action: "receiving a stripe header",
         source,
@@ -679,7 +683,7 @@ fn read_stripe_header(
     match StripeHeader::decode(&raw) {
         Some(header) if header == expected => Ok(()),
         other => Err(MptError::UnexpectedStripe {
-            lane,
+            connection,
             peer: peer(),
             transfer_id,
             expected: (offset, len),
@@ -694,9 +698,9 @@ fn read_stripe_header(
     }
 }
 
-/// Runs `f` for every lane of `work` on its own scoped thread (lane 0 on this one) and
-/// returns the first error.
-fn run_lanes<'s, T: Send>(
+/// Runs `f` for every connection of `work` on its own scoped thread (connection 0 on this
+/// one) and returns the first error.
+fn run_connections<'s, T: Send>(
     work: impl Iterator<Item = (usize, (&'s mut TcpStream, T))>,
     f: impl Fn(usize, &mut TcpStream, T) -> Result<(), MptError> + Sync,
 ) -> Result<(), MptError> {
@@ -710,16 +714,20 @@ fn run_lanes<'s, T: Send>(
     std::thread::scope(|scope| {
         let handles: Vec<_> = work
             .into_iter()
-            .map(|(lane, (stream, item))| (lane, scope.spawn(move || f(lane, stream, item))))
+            .map(|(connection, (stream, item))| {
+                (connection, scope.spawn(move || f(connection, stream, item)))
+            })
             .collect();
         let mut result = match first {
-            Some((lane, (stream, item))) => f(lane, stream, item),
+            Some((connection, (stream, item))) => f(connection, stream, item),
             None => Ok(()),
         };
-        for (lane, handle) in handles {
-            let lane_result = handle.join().unwrap_or(Err(MptError::Panicked { lane }));
+        for (connection, handle) in handles {
+            let connection_result = handle
+                .join()
+                .unwrap_or(Err(MptError::Panicked { connection }));
             if result.is_ok() {
-                result = lane_result;
+                result = connection_result;
             }
         }
         result
@@ -740,17 +748,17 @@ mod tests {
 
     #[test]
     fn the_listener_hands_out_complete_sets_by_token() {
-        let listener = LaneListener::bind(local()).unwrap();
+        let listener = MptListener::bind(local()).unwrap();
         let address = listener.address();
         // Two sets at once; a stray connection that says nothing useful is dropped.
         let mut stray = TcpStream::connect(address).unwrap();
         stray.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let a = connect_lanes(address, 1, 3, Duration::from_secs(5)).unwrap();
-        let b = connect_lanes(address, 2, 2, Duration::from_secs(5)).unwrap();
+        let a = open_connections(address, 1, 3, Duration::from_secs(5)).unwrap();
+        let b = open_connections(address, 2, 2, Duration::from_secs(5)).unwrap();
         let got_b = listener.claim(2, Duration::from_secs(5)).unwrap();
         let got_a = listener.claim(1, Duration::from_secs(5)).unwrap();
         assert_eq!((got_a.len(), got_b.len()), (3, 2));
-        // In index order: lane i here is lane i there.
+        // In index order: connection i here is connection i there.
         for (near, far) in a.iter().zip(&got_a) {
             assert_eq!(near.local_addr().unwrap(), far.peer_addr().unwrap());
         }
@@ -777,9 +785,9 @@ mod tests {
 
     #[test]
     fn an_incomplete_set_times_out_and_closing_fails_waiters() {
-        let listener = Arc::new(LaneListener::bind(local()).unwrap());
+        let listener = Arc::new(MptListener::bind(local()).unwrap());
         let address = listener.address();
-        // One lane of a set of two.
+        // One connection of a set of two.
         let mut lone = TcpStream::connect(address).unwrap();
         lone.write_all(
             &LaneHello {
@@ -806,13 +814,13 @@ mod tests {
         let err = waiter.join().unwrap().unwrap_err().to_string();
         assert!(err.contains("closed"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5));
-        assert!(connect_lanes(address, 1, 1, Duration::from_secs(1))
+        assert!(open_connections(address, 1, 1, Duration::from_secs(1))
             .and_then(|_| listener.claim(1, Duration::from_millis(10)))
             .is_err());
     }
 
     #[test]
-    fn split_ends_share_the_lanes_and_shutdown_stops_a_blocked_transfer() {
+    fn split_ends_share_the_connections_and_shutdown_stops_a_blocked_transfer() {
         let (a, b) = pair(2);
         let (mut a_send, mut a_recv) = a.split().unwrap();
         let (mut b_send, mut b_recv) = b.split().unwrap();
@@ -828,7 +836,7 @@ mod tests {
             t2.join().unwrap().unwrap();
         });
         assert_eq!((got_ping, got_pong), (ping, pong));
-        // A receive blocked on a silent peer fails once the lanes are shut down.
+        // A receive blocked on a silent peer fails once the connections are shut down.
         let mut buf = vec![0u8; 4096];
         std::thread::scope(|s| {
             let blocked = s.spawn(|| b_recv.recv(3, &mut buf));
@@ -838,12 +846,12 @@ mod tests {
         });
     }
 
-    fn pair(lanes: usize) -> (MptChannel, MptChannel) {
+    fn pair(connections: usize) -> (MptChannel, MptChannel) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let mut near = Vec::new();
         let mut far = Vec::new();
-        for _ in 0..lanes {
+        for _ in 0..connections {
             near.push(TcpStream::connect(addr).unwrap());
             far.push(listener.accept().unwrap().0);
         }
@@ -857,7 +865,7 @@ mod tests {
     }
 
     #[test]
-    fn moves_bytes_over_four_lanes() {
+    fn moves_bytes_over_four_connections() {
         let (mut a, mut b) = pair(4);
         for (id, len) in [(1u64, 0usize), (2, 1), (3, 5000), (4, 1 << 20)] {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
@@ -889,7 +897,7 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_lane_names_itself() {
+    fn a_closed_connection_names_itself() {
         let (a, mut b) = pair(2);
         drop(a);
         let mut got = vec![0u8; 4096];
@@ -898,7 +906,7 @@ mod tests {
         assert!(err.contains("receiving a stripe header"), "{err}");
         assert!(matches!(
             MptChannel::new(Vec::new(), MptOptions::default()),
-            Err(MptError::NoLanes)
+            Err(MptError::NoConnections)
         ));
     }
 }

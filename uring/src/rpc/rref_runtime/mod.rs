@@ -80,19 +80,19 @@ use std::time::Duration;
 
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::rref::{
-    ControlKind, DebugInfo, ForkId, RRefContext, RRefEvent, RRefId, RRefMessage, RetryOptions,
-    Transmit, ValueOutcome,
+    ControlKind, ForkId, RRefContext, RRefEvent, RRefId, RRefMessage, RetryOptions, Transmit,
+    ValueOutcome,
 };
 use rdzv_core::rpc::timeouts::Instant;
 
 use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
 use super::dispatch::Dispatch;
-use super::error::{CallError, RRefFailure, UsageError};
+use super::error::CallError;
 use super::lane::Responder;
 use super::message::{Message, RpcFuture};
 use super::registry::Registry;
-use super::rref::{RRef, RRefRuntime, RRefShutdownReport};
+use super::rref::RRefShutdownReport;
 
 mod debug;
 mod pump;

@@ -483,7 +483,7 @@ fn corrupted(detail: String) -> ShmError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::shm::segment::MIN_CAPACITY;
+    use crate::shm::segment::MIN_CAPACITY;
 
     /// A producer and a consumer over two mappings of one segment, as two processes
     /// would have them.

@@ -23,11 +23,11 @@
 //! halves (`super::io`), and the same halves then carry the pipe as a lane. How the
 //! three transports fit:
 //!
-//! * **tcp** ([`super::tcp`]): tokio connects and accepts; the socket is then put in
+//! * **tcp** ([`super::tcp_transport`]): tokio connects and accepts; the socket is then put in
 //!   blocking mode, with the framing code (limits checked before anything is allocated),
 //!   a poll on the socket and an eventfd for [`Control::wait`], and `shutdown(2)` for
 //!   [`Control::stop`].
-//! * **shm** ([`super::shm`] over `crate::transport::shm`): its connections are blocking
+//! * **shm** ([`super::shm_transport`] over `crate::shm`): its connections are blocking
 //!   and already split into sender and receiver; an accept thread runs the bootstrap
 //!   (memfds over `SCM_RIGHTS`). Its domain descriptor is its viability (boot id plus
 //!   network namespace).

@@ -9,16 +9,15 @@ use std::time::Duration;
 
 use rdzv_core::rpc::frame::FrameLimits;
 
-use super::decode::decode_message;
-use super::{shm_io, RECEIVE_POLL};
+use super::decode::{decode_message, shm_io};
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::{
     poll_two, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, OwnedFrame, TryRecv,
 };
-use crate::transport::shm::{ShmConnection, ShmError, ShmReceiver, ShmSender};
+use crate::shm::{ShmConnection, ShmError, ShmReceiver, ShmSender};
 
-/// A received shm message: a whole message, or why the ring failed.
-pub(super) type Received = Result<Vec<u8>, ShmError>;
+/// How often a blocked receiving thread checks whether its pipe was stopped.
+const RECEIVE_POLL: Duration = Duration::from_millis(10);
 
 /// An shm connection as a connection served by threads.
 pub(super) fn connection(
@@ -116,7 +115,7 @@ impl FrameReceiver for ShmThreadReceiver {
         if self.ended {
             return Ok(TryRecv::Closed);
         }
-        let received: Received = match self.receiver.try_recv() {
+        let received: Result<Vec<u8>, ShmError> = match self.receiver.try_recv() {
             Ok(Some(message)) => Ok(message),
             Ok(None) if self.stopped.load(Ordering::Acquire) => {
                 self.ended = true;

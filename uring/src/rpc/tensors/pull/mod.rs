@@ -85,8 +85,8 @@ impl ReceivedTensors {
         source: (&Arc<PipeReader>, &Devices),
         peer: &str,
     ) -> Result<ReceivedTensors, CallError> {
-        // What the frame's mpt lanes already put in device memory, dropped if the frame
-        // is refused (the memory would otherwise wait for the pipe's end).
+        // What the frame's mpt connections already put in device memory, dropped if the
+        // frame is refused (the memory would otherwise wait for the pipe's end).
         let streamed: Vec<u64> = tensors
             .iter()
             .filter(|(descriptor, _)| descriptor.channel == ChannelKind::Mpt)
@@ -177,16 +177,16 @@ impl ReceivedTensors {
                     }
                     items.push(item);
                 }
-                // Its stripes are read off the lanes as the frame arrives, which turns
-                // the entry into an inline one, or (a device tensor whose runtime takes
-                // parts) into device memory kept by the reader; one still here otherwise
-                // came on a pipe that has no lanes.
+                // Its stripes are read off the mpt connections as the frame arrives, which
+                // turns the entry into an inline one, or (a device tensor whose runtime
+                // takes parts) into device memory kept by the reader; one still here
+                // otherwise came on a pipe that has no mpt connections.
                 ChannelKind::Mpt => {
                     let arrived = MptDescriptor::decode(&data)
                         .ok()
                         .and_then(|d| reader.take_arrived(d.transfer_id));
                     let memory = arrived
-                        .ok_or_else(|| refuse(ChannelFailure::NoLanes))?
+                        .ok_or_else(|| refuse(ChannelFailure::NoConnections))?
                         .map_err(|e| CallError::Device {
                             channel: ChannelKind::CudaBasic.name(),
                             peer: peer.to_string(),

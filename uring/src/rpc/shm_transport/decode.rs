@@ -3,16 +3,19 @@
 
 use rdzv_core::rpc::frame::{decode_frame, Decoded, Frame, FrameLimits, TensorDescriptor};
 
-use super::blocking::Received;
-use super::shm_io;
 use crate::rpc::error::TransportError;
 use crate::rpc::transport::IncomingFrame;
-use crate::transport::shm::ShmError;
+use crate::shm::ShmError;
+
+/// An shm error as an I/O error (the transport seam's errors carry I/O sources).
+pub(super) fn shm_io(error: ShmError) -> std::io::Error {
+    std::io::Error::other(error)
+}
 
 /// One received shm message (or the receiving error) as a frame: `Ok(None)` when the peer
 /// closed. A message must hold exactly one frame.
 pub(super) fn decode_message(
-    received: Received,
+    received: Result<Vec<u8>, ShmError>,
     limits: FrameLimits,
     peer: &str,
 ) -> Result<Option<IncomingFrame>, TransportError> {

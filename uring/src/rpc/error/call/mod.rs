@@ -337,5 +337,4 @@ fn tensor_prefix(index: Option<usize>) -> String {
 }
 
 #[cfg(test)]
-#[path = "call_tests.rs"]
 mod tests;

@@ -1,9 +1,9 @@
-//! The `shm` transport behind the seam: [`crate::transport::shm`]'s blocking
+//! The `shm` transport behind the seam: [`crate::shm`]'s blocking
 //! connections, served by threads from the start (`blocking`).
 //!
 //! - Listening runs one accept thread (the shm bootstrap, memfds over `SCM_RIGHTS`,
 //!   happens there) and queues the connections for [`Transport::accept`].
-//! - A message is exactly one frame (`decode`).
+//! - A message is exactly one frame (`decode`, below `blocking`, which receives with it).
 //!
 //! Addresses are `shm://@<abstract name>` (or `shm://<socket path>`). The domain
 //! descriptor is [`viability`]'s `shm:<boot_id>_<netns>`: two workers negotiate shm only
@@ -20,17 +20,14 @@ use rdzv_core::negotiate::TransportKind;
 use super::error::TransportError;
 use super::transport::{not_listening, Connection, Listening, LocalBoxFuture, Transport};
 use crate::queue::{on_thread, Queue};
-use crate::transport::shm::{
-    viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions,
-};
+use crate::shm::{viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
 
 mod blocking;
 mod decode;
+use decode::shm_io;
 
 /// The scheme of shm addresses.
 pub const SCHEME: &str = "shm://";
-/// How often a blocked receiving thread checks whether its pipe was stopped.
-const RECEIVE_POLL: Duration = Duration::from_millis(10);
 
 /// Shared memory between processes on one host.
 #[derive(Debug)]
@@ -87,10 +84,6 @@ pub fn parse_address(address: &str) -> Result<ShmAddr, TransportError> {
         return Err(bad("expected shm://@<name> or shm://<path>"));
     }
     Ok(ShmAddr::parse(rest))
-}
-
-fn shm_io(error: ShmError) -> std::io::Error {
-    std::io::Error::other(error)
 }
 
 impl Transport for ShmTransport {
