@@ -10,7 +10,7 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 8] = [
+const TARGETS: [(&str, Check); 9] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
@@ -19,6 +19,7 @@ const TARGETS: [(&str, Check); 8] = [
     ("rpc_frame", fuzzing::rpc_frame),
     ("channel_descriptors", fuzzing::channel_descriptors),
     ("elastic", fuzzing::elastic),
+    ("serve_step", fuzzing::serve_step),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

@@ -4,11 +4,14 @@
 //! layout, byte for byte), and [`engine`] decides what each request does to the store.
 //! No module here reads a socket or a clock.
 
+pub mod budget;
 pub mod codec;
 #[cfg(feature = "alloc")]
 pub mod engine;
 pub mod file_log;
 pub mod message;
 pub mod semantics;
+#[cfg(feature = "alloc")]
+pub mod session;
 
 pub use message::*;
