@@ -264,8 +264,9 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 limits: match budget.max_value_bytes {
                     // The wire limit follows, so that a larger value is not refused
                     // by the decoder first.
-                    Some(bytes) => rdzv::core::store::codec::Limits::default()
-                        .with_max_value_len(bytes as u64),
+                    Some(bytes) => {
+                        rdzv::core::store::codec::Limits::default().with_max_value_len(bytes as u64)
+                    }
                     None => rdzv::core::store::codec::Limits::default(),
                 },
                 budget: budget.resolve()?,

@@ -54,8 +54,12 @@ const WAKER: Token = Token(usize::MAX - 2);
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
 /// A connection that owes more than this is written at once rather than at the end of
-/// the round.
+/// the round, and yields its turn to the others after that write.
 const EAGER_WRITE: usize = 256 << 10;
+/// Reply bytes a round produces before the connections not yet served wait for the next
+/// round (after a fresh look for events): a burst of clients asking for large values
+/// does not hold up a small request for the time it takes to copy all their replies.
+const ROUND_OUT: usize = 4 << 20;
 /// Reads one connection may do before the loop turns to the others.
 const READS_PER_TURN: usize = 16;
 /// After a failed accept (out of descriptors, say), wait this long before the next one.
@@ -110,6 +114,8 @@ struct Conn {
     session: Session,
     /// The serve step said `Blocked`: serve again (before reading) once drained.
     blocked: bool,
+    /// In the loop's `again` list (at most once).
+    deferred: bool,
     /// Bytes received since the last time the engine was asked (compared to `needed`).
     arrived: usize,
     /// At least this many bytes must arrive before the next request is complete.
@@ -157,8 +163,10 @@ struct Loop {
     live: usize,
     /// Slots to serve this round (may repeat; serving is idempotent).
     dirty: Vec<usize>,
-    /// Slots that yielded with more to read.
+    /// Slots that yielded with more to do, in the order they yielded.
     again: Vec<usize>,
+    /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
+    round_out: usize,
     /// Slots with replies to write at the end of this round.
     flush: Vec<usize>,
     /// Wake-ups from other loops, and for this loop's other connections.
@@ -224,6 +232,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
+        round_out: 0,
         flush: Vec::new(),
         wakes: Vec::new(),
         accept_after: None,
@@ -298,12 +307,28 @@ impl Loop {
                 self.deliver(&mut wakes);
                 self.wakes = wakes;
             }
-            self.dirty.append(&mut self.again);
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
-            // being woken between two reads.
+            // being woken between two reads. Fresh events first, then those that
+            // yielded, until the round has produced `ROUND_OUT` bytes; the rest wait a
+            // round.
+            self.round_out = 0;
+            let mut yielded = std::mem::take(&mut self.again);
             while let Some(slot) = self.dirty.pop() {
-                self.service(slot, Writes::Defer);
+                self.service_in_round(slot);
+            }
+            for slot in yielded.drain(..) {
+                if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                    conn.deferred = false;
+                }
+                self.service_in_round(slot);
+            }
+            while let Some(slot) = self.dirty.pop() {
+                self.service_in_round(slot);
+            }
+            if self.again.is_empty() {
+                // Keep the list's room for the next burst.
+                self.again = yielded;
             }
             while let Some(slot) = self.flush.pop() {
                 self.service(slot, Writes::Now);
@@ -374,6 +399,7 @@ impl Loop {
                     input: ReadBuf::new(self.budget.max_conn_bytes),
                     session: Session::new(id, self.limits, self.budget),
                     blocked: false,
+                    deferred: false,
                     arrived: 0,
                     needed: 1,
                     out: Vec::new(),
@@ -403,6 +429,26 @@ impl Loop {
         }
     }
 
+    /// Serves a connection this round, or defers it when the round has produced its
+    /// share of reply bytes.
+    fn service_in_round(&mut self, slot: usize) {
+        if self.round_out >= ROUND_OUT {
+            self.defer(slot);
+        } else {
+            self.service(slot, Writes::Defer);
+        }
+    }
+
+    /// Puts a connection on the `again` list, once.
+    fn defer(&mut self, slot: usize) {
+        if let Some(Some(conn)) = self.conns.get_mut(slot) {
+            if !conn.deferred {
+                conn.deferred = true;
+                self.again.push(slot);
+            }
+        }
+    }
+
     /// Reads, serves, writes one connection as far as it can go now.
     fn service(&mut self, slot: usize, writes: Writes) {
         let next = self.advance(slot, writes);
@@ -415,13 +461,14 @@ impl Loop {
         }
         match next {
             Next::Wait => {}
-            Next::Again => self.again.push(slot),
+            Next::Again => self.defer(slot),
             Next::Close => self.close(slot),
         }
     }
 
     fn advance(&mut self, slot: usize, writes: Writes) -> Next {
         let mut reads = 0;
+        let mut produced_before = None;
         loop {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 return Next::Wait;
@@ -437,6 +484,16 @@ impl Loop {
                     }
                 }
             }
+            if eager && conn.phase == Phase::Open {
+                if let Some(before) = produced_before {
+                    // This turn built a large reply: let the others have theirs.
+                    if self.round_out > before {
+                        let more = conn.readable || conn.blocked;
+                        return if more { Next::Again } else { Next::Wait };
+                    }
+                }
+            }
+            produced_before.get_or_insert(self.round_out);
             if conn.phase == Phase::Flushing {
                 return if conn.unsent() == 0 {
                     Next::Close
@@ -515,6 +572,7 @@ impl Loop {
         let mut inbox = std::mem::take(wakes);
         let mut local = Vec::new();
         let owed = conn.unsent();
+        let before = conn.out.len();
         let served = shared_engine::serve_turn(
             shared,
             *index,
@@ -534,6 +592,9 @@ impl Loop {
         conn.arrived = 0;
         conn.needed = served.needed.max(1);
         conn.blocked = served.blocked;
+        self.round_out = self
+            .round_out
+            .saturating_add(conn.out.len().saturating_sub(before));
         self.deliver(&mut inbox);
         self.deliver(&mut local);
         self.wakes = inbox;

@@ -64,8 +64,14 @@ mod tests {
         assert!(!spare.refuse_one(|| Err(io::Error::from_raw_os_error(libc::EMFILE))));
         assert_eq!(spare.refused(), 1);
         assert!(spare.spare.is_some(), "reopened");
-        assert!(SpareFd::exhausted(&io::Error::from_raw_os_error(libc::EMFILE)));
-        assert!(SpareFd::exhausted(&io::Error::from_raw_os_error(libc::ENFILE)));
-        assert!(!SpareFd::exhausted(&io::Error::from_raw_os_error(libc::EINTR)));
+        assert!(SpareFd::exhausted(&io::Error::from_raw_os_error(
+            libc::EMFILE
+        )));
+        assert!(SpareFd::exhausted(&io::Error::from_raw_os_error(
+            libc::ENFILE
+        )));
+        assert!(!SpareFd::exhausted(&io::Error::from_raw_os_error(
+            libc::EINTR
+        )));
     }
 }

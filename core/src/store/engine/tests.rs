@@ -1191,7 +1191,11 @@ fn check_invariants(engine: &Engine, model: &Model) {
         assert!(engine.conns[&wait.conn].waits.contains(id));
     }
     assert_eq!(registrations.len(), engine.waits.len());
-    assert_eq!(engine.held_bytes(), recomputed_held(engine), "budget accounting");
+    assert_eq!(
+        engine.held_bytes(),
+        recomputed_held(engine),
+        "budget accounting"
+    );
 }
 
 /// What the engine should have charged against its total limit, from what it holds.
@@ -1206,7 +1210,9 @@ fn recomputed_held(engine: &Engine) -> usize {
         .iter()
         .map(|(k, q)| {
             Budget::entry_cost(k.len(), 0)
-                + q.iter().map(|e| Budget::entry_cost(0, e.len())).sum::<usize>()
+                + q.iter()
+                    .map(|e| Budget::entry_cost(0, e.len()))
+                    .sum::<usize>()
         })
         .sum();
     let waits: usize = engine.waits.values().map(|w| w.cost).sum();
@@ -1307,7 +1313,9 @@ fn append_is_held_to_the_value_limit_and_refusals_change_nothing() {
     let held = engine.held_bytes();
     let (result, _) = step(&mut engine, 1, &Op::Append(k("/a"), k("6789")));
     match result {
-        Err(Close::ValueTooLarge { len: 9, limit: 8, .. }) => {}
+        Err(Close::ValueTooLarge {
+            len: 9, limit: 8, ..
+        }) => {}
         other => panic!("expected ValueTooLarge, got {other:?}"),
     }
     assert_eq!(engine.get(b"/a"), Some(&b"12345"[..]), "nothing appended");
@@ -1335,14 +1343,18 @@ fn the_total_limit_refuses_the_write_that_would_pass_it() {
         1,
         &Op::MultiSet(vec![(k("/d"), vec![0; 50]), (k("/e"), vec![0; 50])]),
     );
-    assert!(
-        matches!(result, Err(Close::StoreFull { .. })),
-        "{result:?}"
+    assert!(matches!(result, Err(Close::StoreFull { .. })), "{result:?}");
+    assert_eq!(
+        engine.get(b"/d"),
+        None,
+        "a refused MULTI_SET writes nothing"
     );
-    assert_eq!(engine.get(b"/d"), None, "a refused MULTI_SET writes nothing");
     let mut engine = engine_with_budget(budget, [2]);
     let (result, _) = step(&mut engine, 2, &Op::Push(k("/q"), vec![0; 101]));
-    assert!(matches!(result, Err(Close::ValueTooLarge { .. })), "{result:?}");
+    assert!(
+        matches!(result, Err(Close::ValueTooLarge { .. })),
+        "{result:?}"
+    );
 }
 
 #[test]

@@ -131,7 +131,11 @@ fn an_owed_connection_is_not_served_until_it_drains() {
     }
     assert_eq!(conn.pump(&mut engine, 0), Step::Blocked);
     // The mark plus one reply at most.
-    assert!(conn.out.len() <= SMALL.out_high_water + 1008, "{}", conn.out.len());
+    assert!(
+        conn.out.len() <= SMALL.out_high_water + 1008,
+        "{}",
+        conn.out.len()
+    );
     let left = conn.input.len();
     assert!(left > 0, "the rest waits in the input");
     // The peer reads everything: serving resumes where it stopped.
