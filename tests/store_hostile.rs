@@ -715,6 +715,54 @@ fn at_the_fd_limit_new_clients_are_refused_promptly(io: IoMode) {
     serve.check("fd limit", base, MAX_CONN);
 }
 
+/// SIGTERM while a client has pipelined more requests than it has read: the connection
+/// ends after a whole reply with a clean end of stream, never a reset inside a reply.
+fn sigterm_closes_after_a_whole_reply(io: IoMode) {
+    let serve = Serve::start(io, None);
+    let value = vec![4u8; 256 << 10];
+    set_and_confirm(&serve, "v", &value);
+    let mut s = serve.raw();
+    s.write_all(&VALIDATE).unwrap();
+    let mut all = Vec::new();
+    for _ in 0..40 {
+        all.extend_from_slice(&get_frame(b"/v"));
+    }
+    s.write_all(&all).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // More requests, which the blocked server leaves unread in its receive queue.
+    s.write_all(&all).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let status = Command::new("kill")
+        .args(["-TERM", &serve.peer.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(status.success());
+    let reply = 8 + value.len();
+    let mut received = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let end = loop {
+        match s.read(&mut buf) {
+            Ok(0) => break "end of stream".to_string(),
+            Ok(n) => received.extend_from_slice(&buf[..n]),
+            Err(e) => break e.to_string(),
+        }
+    };
+    println!(
+        "SIGTERM: {} bytes ({} replies) then {end}",
+        received.len(),
+        received.len() as f64 / reply as f64
+    );
+    assert_eq!(end, "end of stream", "a clean close");
+    assert!(
+        !received.is_empty(),
+        "the replies served before the signal arrive"
+    );
+    assert_eq!(received.len() % reply, 0, "whole replies only");
+    for (i, one) in received.chunks(reply).enumerate() {
+        assert_eq!(one[..8], (value.len() as u64).to_le_bytes(), "reply {i}");
+    }
+}
+
 on_every_io!(
     garbage_closes_only_that_connection,
     wrong_magic_is_closed,
@@ -734,4 +782,5 @@ on_every_io!(
     unfinished_multi_sets_hold_at_most_the_connection_budget,
     a_burst_of_resetting_clients_stalls_nobody,
     at_the_fd_limit_new_clients_are_refused_promptly,
+    sigterm_closes_after_a_whole_reply,
 );

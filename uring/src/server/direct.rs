@@ -703,7 +703,11 @@ impl Server {
                 continue;
             };
             if conn.finished() {
-                // Nothing in flight: the buffers and the descriptor can go.
+                // Nothing in flight: the buffers and the descriptor can go; a flushed
+                // connection after a FIN, so that its last reply is not reset away.
+                if conn.phase == Phase::Flushing {
+                    super::closing::finish(&*conn.fd);
+                }
                 if let Some(entry) = self.conns.get_mut(slot) {
                     *entry = None;
                 }

@@ -495,11 +495,12 @@ impl Loop {
             }
             produced_before.get_or_insert(self.round_out);
             if conn.phase == Phase::Flushing {
-                return if conn.unsent() == 0 {
-                    Next::Close
-                } else {
-                    Next::Wait
-                };
+                if conn.unsent() > 0 {
+                    return Next::Wait;
+                }
+                // Every reply is with the kernel: FIN after them, no reset.
+                super::closing::finish(&conn.stream);
+                return Next::Close;
             }
             if conn.blocked {
                 if conn.unsent() > self.budget.out_high_water {

@@ -19,6 +19,7 @@
 //! removed from the engine.
 
 pub mod capacity;
+mod closing;
 mod direct;
 mod epoll;
 pub(crate) mod io_mode;
