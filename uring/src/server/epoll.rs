@@ -384,7 +384,9 @@ impl Loop {
                 Token(slot),
                 Interest::READABLE | Interest::WRITABLE,
             ) {
-                tracing::warn!(%error, "cannot register a store connection; closing it");
+                if let Some(suppressed) = self.warnings.allow(Instant::now()) {
+                    tracing::warn!(%error, suppressed, "cannot register a store connection; closing it");
+                }
                 self.free.push(slot);
                 continue;
             }
