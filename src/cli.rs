@@ -174,6 +174,16 @@ impl ServeBudget {
             )
             .into());
         }
+        // A SET (or GET reply) of the largest value, with its key, must fit.
+        let one_request = budget.max_value_bytes.saturating_add(16 << 10);
+        if budget.max_conn_bytes < one_request {
+            return Err(format!(
+                "--max-conn-bytes ({}) must hold one request of the largest value \
+                 (--max-value-bytes {} plus 16 KiB for its key): at least {one_request}",
+                budget.max_conn_bytes, budget.max_value_bytes
+            )
+            .into());
+        }
         Ok(budget)
     }
 }
