@@ -17,7 +17,7 @@ valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" \
     "$rdzv" store serve --host 127.0.0.1 --port 0 --threads 1 --spin-us 0 --io "$io" \
     >"$dir/serve.out" 2>"$dir/valgrind.log" &
 vg=$!
-trap 'kill "$vg" 2>/dev/null || true; wait "$vg" 2>/dev/null || true; rm -rf "$dir"' EXIT
+trap 'kill "$vg" 2>/dev/null || true; wait "$vg" 2>/dev/null || true; [ -n "${KEEP:-}" ] && echo "dumps in $dir" || rm -rf "$dir"' EXIT
 for _ in $(seq 600); do
     grep -q "listening on" "$dir/serve.out" 2>/dev/null && break
     sleep 0.1
@@ -30,10 +30,10 @@ addr=$(sed -n 's/^listening on //p' "$dir/serve.out" | head -1)
 measure() {
     local name=$1 field=$2
     shift 2
-    callgrind_control -z "$vg" >/dev/null
+    callgrind_control -z "$vg" >/dev/null 2>&1
     local json
     json=$("$rdzv" bench store --addr "$addr" --json "$@" --warmup-secs 0)
-    callgrind_control -d "$vg" >/dev/null
+    callgrind_control -d "$vg" >/dev/null 2>&1
     local dump
     dump=$(ls -t "$dir"/cg.out.* | head -1)
     local ir

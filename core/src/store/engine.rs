@@ -654,22 +654,29 @@ impl Engine {
         if value.len() > self.budget.max_value_bytes {
             return Err(self.too_large(query, key, value.len()));
         }
-        let old = self
-            .kv
-            .get(key)
-            .map_or(0, |old| Budget::entry_cost(key.len(), old.len()));
-        let new = Budget::entry_cost(key.len(), value.len());
-        if new > old {
-            self.charge(query, new - old)?;
-        } else {
-            self.release(old - new);
-        }
         let oom = |_| Close::OutOfMemory {
             query,
             bytes: value.len(),
         };
+        // One lookup: the account is settled on the entry found (fields apart from
+        // `kv`, so that the entry stays borrowed).
+        let (held, limit) = (&mut self.held, self.budget.max_store_bytes);
+        let new = Budget::entry_cost(key.len(), value.len());
+        let mut settle = |old: usize| {
+            let needed = held.saturating_sub(old).saturating_add(new);
+            if new > old && needed > limit {
+                return Err(Close::StoreFull {
+                    query,
+                    needed,
+                    limit,
+                });
+            }
+            *held = needed;
+            Ok(())
+        };
         match self.kv.entry_ref(key) {
             EntryRef::Occupied(mut slot) => {
+                settle(Budget::entry_cost(key.len(), slot.get().len()))?;
                 let buf = slot.get_mut();
                 if buf.capacity() / 2 > value.len().max(64) {
                     *buf = try_copy(value).map_err(oom)?;
@@ -680,6 +687,7 @@ impl Engine {
                 }
             }
             EntryRef::Vacant(slot) => {
+                settle(0)?;
                 slot.insert(try_copy(value).map_err(oom)?);
             }
         }

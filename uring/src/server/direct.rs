@@ -341,6 +341,8 @@ struct Server {
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
+    /// When the last wait returned: the `now` a batch's requests are served at.
+    now: Instant,
 }
 
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
@@ -379,6 +381,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
+        now: Instant::now(),
     };
     if let Err(error) = server.run(stop, drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
@@ -404,6 +407,7 @@ impl Server {
             self.maybe_accept();
             let spinning = busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
+            self.now = Instant::now();
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
@@ -593,6 +597,7 @@ impl Server {
             index,
             stats,
             warnings,
+            now,
             ..
         } = self;
         let Some(Some(conn)) = conns.get_mut(slot) else {
@@ -618,6 +623,7 @@ impl Server {
             &mut inbox,
             &mut local,
             warnings,
+            *now,
         );
         input.consume(served.used);
         conn.arrived = 0;
@@ -626,7 +632,6 @@ impl Server {
         self.deliver(&mut inbox);
         self.deliver(&mut local);
         self.wakes = inbox;
-        self.dirty.push(slot);
         if served.close {
             self.close(slot, Close::Flush);
         }
@@ -635,6 +640,9 @@ impl Server {
     /// Appends wake-up bytes to the connections of this loop they are for (if still
     /// there and not abandoned), and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
+        if wakes.is_empty() {
+            return;
+        }
         for (target, byte) in wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
@@ -732,6 +740,7 @@ impl Server {
                 // (this pushes the slot again, and is looked at once more).
                 conn.blocked = false;
                 self.serve_input(slot);
+                self.dirty.push(slot);
                 continue;
             }
             let full = matches!(&conn.reading, Reading::Idle(input) if input.is_full());

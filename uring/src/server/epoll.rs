@@ -167,6 +167,8 @@ struct Loop {
     again: Vec<usize>,
     /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
     round_out: usize,
+    /// When this round began (before its wait): the `now` its requests are served at.
+    now: Instant,
     /// Slots with replies to write at the end of this round.
     flush: Vec<usize>,
     /// Wake-ups from other loops, and for this loop's other connections.
@@ -233,6 +235,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         dirty: Vec::new(),
         again: Vec::new(),
         round_out: 0,
+        now: Instant::now(),
         flush: Vec::new(),
         wakes: Vec::new(),
         accept_after: None,
@@ -260,6 +263,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
+            self.now = now;
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
@@ -420,6 +424,9 @@ impl Loop {
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
     /// still there and open, and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
+        if wakes.is_empty() {
+            return;
+        }
         for (target, byte) in wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
@@ -567,6 +574,7 @@ impl Loop {
             index,
             stats,
             warnings,
+            now,
             ..
         } = self;
         let Some(Some(conn)) = conns.get_mut(slot) else {
@@ -590,6 +598,7 @@ impl Loop {
             &mut inbox,
             &mut local,
             warnings,
+            *now,
         );
         conn.input.consume(served.used);
         conn.arrived = 0;
@@ -601,7 +610,6 @@ impl Loop {
         self.deliver(&mut inbox);
         self.deliver(&mut local);
         self.wakes = inbox;
-        self.dirty.push(slot);
         if served.close {
             self.leave_engine(slot);
         }

@@ -185,6 +185,7 @@ pub(super) fn serve_turn(
     inbox: &mut Vec<Wake>,
     local: &mut Vec<Wake>,
     warnings: &mut Throttle,
+    now: Instant,
 ) -> Served {
     let ConnInput {
         session,
@@ -194,7 +195,7 @@ pub(super) fn serve_turn(
         peer,
     } = conn;
     let id = session.id();
-    let now_ms = shared.now_ms();
+    let now_ms = shared.now_ms(now);
     shared.turn(me, |engine, router| {
         router.take_inbox(inbox);
         let before = out.len();
@@ -252,9 +253,10 @@ impl SharedEngine {
         }
     }
 
-    /// Milliseconds since the server started: the `now` each turn gives the engine.
-    pub(super) fn now_ms(&self) -> u64 {
-        self.started.elapsed().as_millis() as u64
+    /// `now` as milliseconds since the server started: what each turn gives the engine
+    /// (a loop passes the time it last read, at most one wait old).
+    pub(super) fn now_ms(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.started).as_millis() as u64
     }
 
     /// Runs `f` with the engine locked, on behalf of loop `me`; then publishes the
