@@ -168,6 +168,7 @@ impl Session {
     /// unconsumed bytes, as for [`RequestDecoder::decode`]: after `Served { used, .. }`
     /// the caller drops exactly `used` bytes from its front. `now_ms` is the runtime's
     /// clock (for `STATS` uptime).
+    #[inline]
     pub fn serve(
         &mut self,
         engine: &mut Engine,

@@ -629,8 +629,12 @@ impl Server {
         conn.arrived = 0;
         conn.needed = served.needed.max(1);
         conn.blocked = served.blocked;
-        self.deliver(&mut inbox);
-        self.deliver(&mut local);
+        if !inbox.is_empty() {
+            self.deliver(&mut inbox);
+        }
+        if !local.is_empty() {
+            self.deliver(&mut local);
+        }
         self.wakes = inbox;
         if served.close {
             self.close(slot, Close::Flush);

@@ -607,8 +607,12 @@ impl Loop {
         self.round_out = self
             .round_out
             .saturating_add(conn.out.len().saturating_sub(before));
-        self.deliver(&mut inbox);
-        self.deliver(&mut local);
+        if !inbox.is_empty() {
+            self.deliver(&mut inbox);
+        }
+        if !local.is_empty() {
+            self.deliver(&mut local);
+        }
         self.wakes = inbox;
         if served.close {
             self.leave_engine(slot);

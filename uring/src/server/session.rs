@@ -38,6 +38,7 @@ pub(super) struct Served {
 /// engine's figures are published after the batch. A refusal is logged through
 /// `warnings` (rate-limited).
 #[allow(clippy::too_many_arguments)]
+#[inline]
 pub(super) fn serve_input(
     metrics: Option<&Metrics>,
     engine: &mut Engine,

@@ -177,6 +177,7 @@ pub(super) struct ConnInput<'a> {
 /// Wake-ups it owes this loop's other connections are left in `local`. The caller
 /// delivers `inbox`, then `local`, to its connections.
 #[allow(clippy::too_many_arguments)]
+#[inline]
 pub(super) fn serve_turn(
     shared: &SharedEngine,
     me: usize,
@@ -256,7 +257,11 @@ impl SharedEngine {
     /// `now` as milliseconds since the server started: what each turn gives the engine
     /// (a loop passes the time it last read, at most one wait old).
     pub(super) fn now_ms(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.started).as_millis() as u64
+        let since = now.saturating_duration_since(self.started);
+        since
+            .as_secs()
+            .saturating_mul(1000)
+            .saturating_add(u64::from(since.subsec_millis()))
     }
 
     /// Runs `f` with the engine locked, on behalf of loop `me`; then publishes the
