@@ -341,8 +341,9 @@ struct Server {
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
-    /// When the last wait returned: the `now` a batch's requests are served at.
-    now: Instant,
+    /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
+    /// requests are served at.
+    now_ms: u64,
 }
 
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
@@ -381,7 +382,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
-        now: Instant::now(),
+        now_ms: 0,
     };
     if let Err(error) = server.run(stop, drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
@@ -407,7 +408,7 @@ impl Server {
             self.maybe_accept();
             let spinning = busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
-            self.now = Instant::now();
+            self.now_ms = self.shared.now_ms(Instant::now());
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
@@ -597,7 +598,7 @@ impl Server {
             index,
             stats,
             warnings,
-            now,
+            now_ms,
             ..
         } = self;
         let Some(Some(conn)) = conns.get_mut(slot) else {
@@ -623,7 +624,7 @@ impl Server {
             &mut inbox,
             &mut local,
             warnings,
-            *now,
+            *now_ms,
         );
         input.consume(served.used);
         conn.arrived = 0;

@@ -167,8 +167,9 @@ struct Loop {
     again: Vec<usize>,
     /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
     round_out: usize,
-    /// When this round began (before its wait): the `now` its requests are served at.
-    now: Instant,
+    /// When this round began (before its wait), in the engine's milliseconds: the `now`
+    /// its requests are served at.
+    now_ms: u64,
     /// Slots with replies to write at the end of this round.
     flush: Vec<usize>,
     /// Wake-ups from other loops, and for this loop's other connections.
@@ -235,7 +236,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         dirty: Vec::new(),
         again: Vec::new(),
         round_out: 0,
-        now: Instant::now(),
+        now_ms: 0,
         flush: Vec::new(),
         wakes: Vec::new(),
         accept_after: None,
@@ -263,7 +264,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
-            self.now = now;
+            self.now_ms = self.shared.now_ms(now);
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
@@ -574,7 +575,7 @@ impl Loop {
             index,
             stats,
             warnings,
-            now,
+            now_ms,
             ..
         } = self;
         let Some(Some(conn)) = conns.get_mut(slot) else {
@@ -598,7 +599,7 @@ impl Loop {
             &mut inbox,
             &mut local,
             warnings,
-            *now,
+            *now_ms,
         );
         conn.input.consume(served.used);
         conn.arrived = 0;

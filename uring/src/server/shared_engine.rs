@@ -186,7 +186,7 @@ pub(super) fn serve_turn(
     inbox: &mut Vec<Wake>,
     local: &mut Vec<Wake>,
     warnings: &mut Throttle,
-    now: Instant,
+    now_ms: u64,
 ) -> Served {
     let ConnInput {
         session,
@@ -196,17 +196,18 @@ pub(super) fn serve_turn(
         peer,
     } = conn;
     let id = session.id();
-    let now_ms = shared.now_ms(now);
     shared.turn(me, |engine, router| {
         router.take_inbox(inbox);
         let before = out.len();
-        inbox.retain(|&(target, byte)| {
-            let mine = target == id;
-            if mine {
-                out.push(byte);
-            }
-            !mine
-        });
+        if !inbox.is_empty() {
+            inbox.retain(|&(target, byte)| {
+                let mine = target == id;
+                if mine {
+                    out.push(byte);
+                }
+                !mine
+            });
+        }
         let owed = owed.saturating_add(out.len() - before);
         let mut wakes = Vec::new();
         let served = session::serve_input(
