@@ -318,22 +318,24 @@ impl Loop {
             // yielded, until the round has produced `ROUND_OUT` bytes; the rest wait a
             // round.
             self.round_out = 0;
-            let mut yielded = std::mem::take(&mut self.again);
             while let Some(slot) = self.dirty.pop() {
                 self.service_in_round(slot);
             }
-            for slot in yielded.drain(..) {
-                if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                    conn.deferred = false;
+            if !self.again.is_empty() {
+                let mut yielded = std::mem::take(&mut self.again);
+                for slot in yielded.drain(..) {
+                    if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                        conn.deferred = false;
+                    }
+                    self.service_in_round(slot);
                 }
-                self.service_in_round(slot);
-            }
-            while let Some(slot) = self.dirty.pop() {
-                self.service_in_round(slot);
-            }
-            if self.again.is_empty() {
-                // Keep the list's room for the next burst.
-                self.again = yielded;
+                while let Some(slot) = self.dirty.pop() {
+                    self.service_in_round(slot);
+                }
+                if self.again.is_empty() {
+                    // Keep the list's room for the next burst.
+                    self.again = yielded;
+                }
             }
             while let Some(slot) = self.flush.pop() {
                 self.service(slot, Writes::Now);
@@ -674,6 +676,7 @@ impl Loop {
 }
 
 /// Writes what is owed until done or the socket is full.
+#[inline]
 fn write_out(conn: &mut Conn) -> io::Result<()> {
     while conn.sent < conn.out.len() {
         match conn.stream.write(&conn.out[conn.sent..]) {
