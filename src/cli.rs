@@ -151,6 +151,8 @@ enum StoreOp {
         /// a subcommand already has): hidden from `serve --help`, refused if given.
         #[command(flatten)]
         client_flags: NotForServe,
+        #[command(flatten)]
+        budget: ServeBudget,
     },
     #[command(flatten)]
     Client(crate::store_client::ClientOp),
@@ -250,6 +252,57 @@ fn serve_address(
     Ok((Some(host), port))
 }
 
+/// `store serve`'s memory limits (README "Limits and security").
+#[derive(Debug, clap::Args)]
+struct ServeBudget {
+    /// Most bytes one stored value may hold, what APPEND builds included (default:
+    /// 8 MiB, PyTorch's limit). A write over it closes the writer's connection.
+    #[arg(long, value_name = "BYTES")]
+    max_value_bytes: Option<usize>,
+    /// Most bytes the store holds in all: keys, values, queue elements and waited keys,
+    /// each plus 64 bytes of bookkeeping (default: 2 GiB). A write over it closes the
+    /// writer's connection.
+    #[arg(long, value_name = "BYTES")]
+    max_store_bytes: Option<usize>,
+    /// Most bytes one connection holds: its unfinished request and its unsent replies
+    /// (default: 64 MiB). A request or a reply over it closes the connection.
+    #[arg(long, value_name = "BYTES")]
+    max_conn_bytes: Option<usize>,
+    /// A connection that owes more than this many reply bytes gets no more requests
+    /// served until its peer reads (default: 4 MiB).
+    #[arg(long, value_name = "BYTES")]
+    out_high_water: Option<usize>,
+}
+
+impl ServeBudget {
+    fn resolve(self) -> Result<rdzv::core::store::budget::Budget, CliError> {
+        let mut budget = rdzv::core::store::budget::Budget::default();
+        budget.max_value_bytes = self.max_value_bytes.unwrap_or(budget.max_value_bytes);
+        budget.max_store_bytes = self.max_store_bytes.unwrap_or(budget.max_store_bytes);
+        budget.max_conn_bytes = self.max_conn_bytes.unwrap_or(budget.max_conn_bytes);
+        budget.out_high_water = self.out_high_water.unwrap_or(budget.out_high_water);
+        if budget.out_high_water >= budget.max_conn_bytes {
+            return Err(format!(
+                "--out-high-water ({}) must be below --max-conn-bytes ({}): a connection \
+                 needs room for one reply beyond the mark",
+                budget.out_high_water, budget.max_conn_bytes
+            )
+            .into());
+        }
+        // A SET (or GET reply) of the largest value, with its key, must fit.
+        let one_request = budget.max_value_bytes.saturating_add(16 << 10);
+        if budget.max_conn_bytes < one_request {
+            return Err(format!(
+                "--max-conn-bytes ({}) must hold one request of the largest value \
+                 (--max-value-bytes {} plus 16 KiB for its key): at least {one_request}",
+                budget.max_conn_bytes, budget.max_value_bytes
+            )
+            .into());
+        }
+        Ok(budget)
+    }
+}
+
 /// Runs the parsed command.
 pub(crate) fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
@@ -305,6 +358,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
             allow,
             token_file,
             client_flags,
+            budget,
         } => {
             if let Some(flag) = client_flags.given() {
                 return Err(format!(
@@ -342,6 +396,15 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 io,
                 listen_fd,
                 metrics,
+                limits: match budget.max_value_bytes {
+                    // The wire limit follows, so that a larger value is not refused
+                    // by the decoder first.
+                    Some(bytes) => {
+                        rdzv::core::store::codec::Limits::default().with_max_value_len(bytes as u64)
+                    }
+                    None => rdzv::core::store::codec::Limits::default(),
+                },
+                budget: budget.resolve()?,
                 ..ServerOptions::default()
             };
             serve(options, world_size)

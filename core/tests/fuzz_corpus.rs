@@ -10,7 +10,7 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 9] = [
+const TARGETS: [(&str, Check); 10] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
@@ -20,6 +20,7 @@ const TARGETS: [(&str, Check); 9] = [
     ("channel_descriptors", fuzzing::channel_descriptors),
     ("elastic", fuzzing::elastic),
     ("access", fuzzing::access),
+    ("serve_step", fuzzing::serve_step),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

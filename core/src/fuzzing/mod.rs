@@ -15,6 +15,8 @@ mod file_log;
 mod query;
 #[cfg(feature = "alloc")]
 mod rpc_frame;
+#[cfg(feature = "alloc")]
+mod serve_step;
 mod url;
 
 #[cfg(feature = "alloc")]
@@ -27,6 +29,8 @@ pub use file_log::file_log;
 pub use query::query;
 #[cfg(feature = "alloc")]
 pub use rpc_frame::rpc_frame;
+#[cfg(feature = "alloc")]
+pub use serve_step::{serve_step, serve_step_with};
 pub use url::url;
 
 use core::fmt::{self, Write};

@@ -77,6 +77,7 @@ use core::fmt;
 use hashbrown::hash_map::EntryRef;
 use hashbrown::HashMap;
 
+use super::budget::Budget;
 use super::semantics::{self, CounterError, Decimal};
 use super::{
     CheckResponse, ConnId, KeyList, QueryType, Request, Response, StoreStats, WaitResponse,
@@ -118,6 +119,34 @@ pub enum Close {
         /// What went wrong.
         error: CounterError,
     },
+    /// The value a write would leave under `key` is over the per-value limit
+    /// (`--max-value-bytes`); `APPEND` counts what it builds.
+    ValueTooLarge {
+        /// The query that wrote.
+        query: QueryType,
+        /// The key, as on the wire (at most the first 64 bytes).
+        key: Vec<u8>,
+        /// Bytes the value would hold.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The store would hold more than its total limit (`--max-store-bytes`).
+    StoreFull {
+        /// The query that wrote.
+        query: QueryType,
+        /// Bytes the store would hold after it.
+        needed: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The allocator refused the memory a write needs.
+    OutOfMemory {
+        /// The query that wrote.
+        query: QueryType,
+        /// Bytes asked for.
+        bytes: usize,
+    },
 }
 
 impl fmt::Display for Close {
@@ -144,6 +173,33 @@ impl fmt::Display for Close {
                 "{} on key \"{}\": {error}",
                 query.name(),
                 key.escape_ascii()
+            ),
+            Close::ValueTooLarge {
+                query,
+                key,
+                len,
+                limit,
+            } => write!(
+                f,
+                "{} on key \"{}\" would make a value of {len} bytes, over the server's \
+                 limit of {limit} bytes per value (--max-value-bytes)",
+                query.name(),
+                key.escape_ascii()
+            ),
+            Close::StoreFull {
+                query,
+                needed,
+                limit,
+            } => write!(
+                f,
+                "{} would make the store hold {needed} bytes, over the server's limit of \
+                 {limit} bytes (--max-store-bytes)",
+                query.name()
+            ),
+            Close::OutOfMemory { query, bytes } => write!(
+                f,
+                "{} needs {bytes} bytes of memory that the allocator refused",
+                query.name()
             ),
         }
     }
@@ -202,6 +258,9 @@ struct Connection {
     waits: Vec<WaitId>,
 }
 
+/// Most key bytes a [`Close`] quotes.
+const QUOTED_KEY: usize = 64;
+
 #[derive(Debug)]
 struct PendingWait {
     conn: ConnId,
@@ -209,12 +268,21 @@ struct PendingWait {
     remaining: usize,
     /// Every key it registered on (some may be satisfied already), for cancellation.
     keys: Vec<Box<[u8]>>,
+    /// What it is charged against the store budget.
+    cost: usize,
 }
 
 /// The state machine of one TCPStore server. See the [module docs](self) for the
 /// polling order and the exact semantics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Engine {
+    /// The per-value and total limits (the per-connection ones are `session`'s).
+    budget: Budget,
+    /// Bytes charged against `budget.max_store_bytes` (see `budget`'s policy).
+    held: usize,
+    /// The clock the runtime last reported ([`Engine::tick`]), and the first one.
+    now_ms: u64,
+    started_ms: Option<u64>,
     kv: HashMap<Box<[u8]>, Vec<u8>>,
     /// Never holds an empty queue.
     queues: HashMap<Box<[u8]>, VecDeque<Vec<u8>>>,
@@ -238,10 +306,63 @@ pub struct Engine {
     bytes_out: u64,
 }
 
+impl Default for Engine {
+    fn default() -> Self {
+        Engine::with_budget(Budget::UNLIMITED)
+    }
+}
+
 impl Engine {
-    /// An empty store with no connections.
+    /// An empty store with no connections and no memory limits (an in-process store).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that refuses writes over `budget`'s per-value and total limits.
+    pub fn with_budget(budget: Budget) -> Self {
+        Engine {
+            budget,
+            held: 0,
+            now_ms: 0,
+            started_ms: None,
+            kv: HashMap::new(),
+            queues: HashMap::new(),
+            waiters: HashMap::new(),
+            waits: HashMap::new(),
+            conns: HashMap::new(),
+            wakeups: VecDeque::new(),
+            next_wait: 0,
+            requester: None,
+            own_wakeups: 0,
+            popped: Vec::new(),
+            requests: [0; QueryType::ALL.len()],
+            bytes_in: 0,
+            bytes_out: 0,
+        }
+    }
+
+    /// The limits this store enforces.
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    /// Bytes charged against the total limit now.
+    pub fn held_bytes(&self) -> usize {
+        self.held
+    }
+
+    /// The runtime's clock, in milliseconds from any fixed origin: the first call marks
+    /// the start that `STATS` reports uptime from. Never going back is not required (a
+    /// smaller `now_ms` is ignored).
+    pub fn tick(&mut self, now_ms: u64) {
+        self.started_ms.get_or_insert(now_ms);
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    /// Milliseconds from the first [`Engine::tick`] to the last (0 without one).
+    pub fn uptime_ms(&self) -> u64 {
+        self.started_ms
+            .map_or(0, |started| self.now_ms.saturating_sub(started))
     }
 
     /// Registers a newly accepted connection, which must send `VALIDATE` first. Returns
@@ -373,8 +494,8 @@ impl Engine {
         self.bytes_out = self.bytes_out.saturating_add(bytes_out);
     }
 
-    /// What `STATS` reports now. The engine has no clock: `uptime_ms` is 0, and the
-    /// runtime that owns the clock fills it in.
+    /// What `STATS` reports now; `uptime_ms` is [`Engine::uptime_ms`], as of the last
+    /// [`Engine::tick`].
     pub fn stats(&self) -> StoreStats {
         StoreStats {
             connections: self.conns.len() as u64,
@@ -383,7 +504,7 @@ impl Engine {
             queues: self.queues.len() as u64,
             bytes_in: self.bytes_in,
             bytes_out: self.bytes_out,
-            uptime_ms: 0,
+            uptime_ms: self.uptime_ms(),
             requests: self.requests,
         }
     }
@@ -394,7 +515,7 @@ impl Engine {
         let answer = match request {
             Request::Validate { .. } => return Err(Close::RepeatedValidate),
             Request::Set { key, value } => {
-                self.store(key, value);
+                self.store(QueryType::Set, key, value)?;
                 self.wake_all(key);
                 Answer::Silent
             }
@@ -406,7 +527,7 @@ impl Engine {
                 let current = self.kv.get(key).map(Vec::as_slice);
                 let writes = semantics::compare_set(current, expected, desired).writes();
                 if writes {
-                    self.store(key, desired);
+                    self.store(QueryType::CompareSet, key, desired)?;
                 }
                 self.wake_all(key);
                 if writes {
@@ -424,7 +545,7 @@ impl Engine {
                 let current = self.kv.get(key).map(Vec::as_slice);
                 let total = semantics::add_counter(current, delta)
                     .map_err(|error| bad_counter(QueryType::Add, key, error))?;
-                self.store(key, Decimal::new(total).as_bytes());
+                self.store(QueryType::Add, key, Decimal::new(total).as_bytes())?;
                 self.wake_all(key);
                 Answer::Now(Response::Int(total))
             }
@@ -434,7 +555,7 @@ impl Engine {
                 CheckResponse::NotReady
             })),
             Request::Wait { keys } => {
-                if self.wait(conn, keys) {
+                if self.wait(conn, keys)? {
                     Answer::Now(Response::Wait(WaitResponse::StopWaiting))
                 } else {
                     Answer::Silent
@@ -442,22 +563,22 @@ impl Engine {
             }
             Request::GetNumKeys => Answer::Now(Response::Int(count(self.kv.len()))),
             Request::DeleteKey { key } => {
-                Answer::Now(Response::Int(i64::from(self.kv.remove(key).is_some())))
+                let removed = self.kv.remove(key);
+                if let Some(value) = &removed {
+                    self.release(Budget::entry_cost(key.len(), value.len()));
+                }
+                Answer::Now(Response::Int(i64::from(removed.is_some())))
             }
             Request::Append { key, value } => {
-                match self.kv.entry_ref(key) {
-                    EntryRef::Occupied(mut slot) => slot.get_mut().extend_from_slice(value),
-                    EntryRef::Vacant(slot) => {
-                        slot.insert(value.to_vec());
-                    }
-                }
+                self.append(key, value)?;
                 self.wake_all(key);
                 Answer::Silent
             }
             Request::MultiGet { keys } => Answer::StoredMany(keys),
             Request::MultiSet { pairs } => {
+                self.check_multi_set(pairs)?;
                 for (key, value) in pairs.iter() {
-                    self.store(key, value);
+                    self.store(QueryType::MultiSet, key, value)?;
                     self.wake_all(key);
                 }
                 Answer::Silent
@@ -468,10 +589,7 @@ impl Engine {
             }
             Request::Ping { nonce } => Answer::Now(Response::Pong(nonce)),
             Request::QueuePush { key, value } => {
-                self.queues
-                    .entry_ref(key)
-                    .or_default()
-                    .push_back(value.to_vec());
+                self.queue_push(key, value)?;
                 self.wake_one(key);
                 Answer::Silent
             }
@@ -483,14 +601,16 @@ impl Engine {
                 let current = self.kv.get(key).map(Vec::as_slice);
                 let arrival = semantics::barrier_count(current)
                     .map_err(|error| bad_counter(QueryType::Barrier, key, error))?;
-                self.store(key, Decimal::new(arrival).as_bytes());
+                self.store(QueryType::Barrier, key, Decimal::new(arrival).as_bytes())?;
                 if semantics::barrier_released(arrival, world_size) {
                     self.wake_all(key);
                     Answer::Now(Response::Wait(WaitResponse::StopWaiting))
                 } else {
+                    let cost = Budget::entry_cost(key.len(), key.len());
+                    self.charge(QueryType::Barrier, cost)?;
                     let id = self.new_wait_id();
                     self.waiters.entry_ref(key).or_default().insert(id);
-                    self.add_wait(conn, id, alloc::vec![Box::from(key)]);
+                    self.add_wait(conn, id, alloc::vec![Box::from(key)], cost);
                     Answer::Silent
                 }
             }
@@ -527,21 +647,164 @@ impl Engine {
         self.kv.get(key).map_or(&[], Vec::as_slice)
     }
 
-    /// `store[key] = value`, reusing the old buffer unless it is far too large.
-    fn store(&mut self, key: &[u8], value: &[u8]) {
+    /// `store[key] = value`, reusing the old buffer unless it is far too large; refused
+    /// (nothing changed) over the per-value or total limit, or when the allocator
+    /// refuses.
+    fn store(&mut self, query: QueryType, key: &[u8], value: &[u8]) -> Result<(), Close> {
+        if value.len() > self.budget.max_value_bytes {
+            return Err(self.too_large(query, key, value.len()));
+        }
+        let oom = |_| Close::OutOfMemory {
+            query,
+            bytes: value.len(),
+        };
+        // One lookup: the account is settled on the entry found (fields apart from
+        // `kv`, so that the entry stays borrowed).
+        let (held, limit) = (&mut self.held, self.budget.max_store_bytes);
+        let new = Budget::entry_cost(key.len(), value.len());
+        let mut settle = |old: usize| {
+            let needed = held.saturating_sub(old).saturating_add(new);
+            if new > old && needed > limit {
+                return Err(Close::StoreFull {
+                    query,
+                    needed,
+                    limit,
+                });
+            }
+            *held = needed;
+            Ok(())
+        };
         match self.kv.entry_ref(key) {
             EntryRef::Occupied(mut slot) => {
+                settle(Budget::entry_cost(key.len(), slot.get().len()))?;
                 let buf = slot.get_mut();
                 if buf.capacity() / 2 > value.len().max(64) {
-                    *buf = value.to_vec();
+                    *buf = try_copy(value).map_err(oom)?;
                 } else {
                     buf.clear();
+                    buf.try_reserve(value.len()).map_err(oom)?;
                     buf.extend_from_slice(value);
                 }
             }
             EntryRef::Vacant(slot) => {
-                slot.insert(value.to_vec());
+                settle(0)?;
+                slot.insert(try_copy(value).map_err(oom)?);
             }
+        }
+        Ok(())
+    }
+
+    /// `APPEND`: the value it builds is held to the per-value limit.
+    fn append(&mut self, key: &[u8], value: &[u8]) -> Result<(), Close> {
+        let query = QueryType::Append;
+        let old = self.kv.get(key).map(Vec::len);
+        let len = old.unwrap_or(0).saturating_add(value.len());
+        if len > self.budget.max_value_bytes {
+            return Err(self.too_large(query, key, len));
+        }
+        let cost = match old {
+            Some(_) => value.len(),
+            None => Budget::entry_cost(key.len(), value.len()),
+        };
+        self.charge(query, cost)?;
+        let oom = |_| Close::OutOfMemory {
+            query,
+            bytes: value.len(),
+        };
+        match self.kv.entry_ref(key) {
+            EntryRef::Occupied(mut slot) => {
+                let buf = slot.get_mut();
+                buf.try_reserve(value.len()).map_err(oom)?;
+                buf.extend_from_slice(value);
+            }
+            EntryRef::Vacant(slot) => {
+                slot.insert(try_copy(value).map_err(oom)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// `QUEUE_PUSH`: each element is held to the per-value limit and charged.
+    fn queue_push(&mut self, key: &[u8], value: &[u8]) -> Result<(), Close> {
+        let query = QueryType::QueuePush;
+        if value.len() > self.budget.max_value_bytes {
+            return Err(self.too_large(query, key, value.len()));
+        }
+        let mut cost = Budget::entry_cost(0, value.len());
+        if !self.queues.contains_key(key) {
+            cost = cost.saturating_add(Budget::entry_cost(key.len(), 0));
+        }
+        self.charge(query, cost)?;
+        let element = try_copy(value).map_err(|_| Close::OutOfMemory {
+            query,
+            bytes: value.len(),
+        })?;
+        self.queues.entry_ref(key).or_default().push_back(element);
+        Ok(())
+    }
+
+    /// Refuses a `MULTI_SET` that cannot fit before any of it is written, so that a
+    /// refusal changes nothing. The check counts every pair as new and frees each
+    /// existing key's old value once (a key named twice is charged twice: erring on the
+    /// side of refusal).
+    fn check_multi_set(&self, pairs: super::PairList<'_>) -> Result<(), Close> {
+        let query = QueryType::MultiSet;
+        let mut added = 0usize;
+        for (key, value) in pairs.iter() {
+            if value.len() > self.budget.max_value_bytes {
+                return Err(self.too_large(query, key, value.len()));
+            }
+            added = added.saturating_add(Budget::entry_cost(key.len(), value.len()));
+        }
+        let limit = self.budget.max_store_bytes;
+        if self.held.saturating_add(added) <= limit {
+            return Ok(());
+        }
+        let mut seen = hashbrown::HashSet::new();
+        let mut freed = 0usize;
+        for (key, _) in pairs.iter() {
+            if let Some(old) = self.kv.get(key) {
+                if seen.insert(key) {
+                    freed = freed.saturating_add(Budget::entry_cost(key.len(), old.len()));
+                }
+            }
+        }
+        let needed = self.held.saturating_add(added).saturating_sub(freed);
+        if needed > limit {
+            return Err(Close::StoreFull {
+                query,
+                needed,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// Charges `bytes` against the total limit, or refuses (charging nothing).
+    fn charge(&mut self, query: QueryType, bytes: usize) -> Result<(), Close> {
+        let needed = self.held.saturating_add(bytes);
+        let limit = self.budget.max_store_bytes;
+        if needed > limit {
+            return Err(Close::StoreFull {
+                query,
+                needed,
+                limit,
+            });
+        }
+        self.held = needed;
+        Ok(())
+    }
+
+    fn release(&mut self, bytes: usize) {
+        self.held = self.held.saturating_sub(bytes);
+    }
+
+    fn too_large(&self, query: QueryType, key: &[u8], len: usize) -> Close {
+        Close::ValueTooLarge {
+            query,
+            key: key[..key.len().min(QUOTED_KEY)].to_vec(),
+            len,
+            limit: self.budget.max_value_bytes,
         }
     }
 
@@ -563,9 +826,14 @@ impl Engine {
         };
         let len_before = count(queue.len());
         let front = queue.pop_front();
+        let mut freed = front
+            .as_ref()
+            .map_or(0, |value| Budget::entry_cost(0, value.len()));
         if queue.is_empty() {
             self.queues.remove(key);
+            freed = freed.saturating_add(Budget::entry_cost(key.len(), 0));
         }
+        self.release(freed);
         match front {
             Some(value) => {
                 self.popped = value;
@@ -576,11 +844,16 @@ impl Engine {
         }
     }
 
-    /// Handles `WAIT`: returns `true` to reply now, else registers a wait.
-    fn wait(&mut self, conn: ConnId, keys: KeyList<'_>) -> bool {
+    /// Handles `WAIT`: returns `true` to reply now, else registers a wait (charged for
+    /// every key it names, twice: the registration and the wait's own copy).
+    fn wait(&mut self, conn: ConnId, keys: KeyList<'_>) -> Result<bool, Close> {
         if self.all_present(keys) {
-            return true;
+            return Ok(true);
         }
+        let cost = keys.iter().fold(0usize, |cost, key| {
+            cost.saturating_add(Budget::entry_cost(key.len(), key.len()))
+        });
+        self.charge(QueryType::Wait, cost)?;
         let id = self.new_wait_id();
         let mut registered: Vec<Box<[u8]>> = Vec::new();
         for key in keys.iter() {
@@ -596,8 +869,8 @@ impl Engine {
             ids.insert(id);
             registered.push(Box::from(key));
         }
-        self.add_wait(conn, id, registered);
-        false
+        self.add_wait(conn, id, registered, cost);
+        Ok(false)
     }
 
     fn new_wait_id(&mut self) -> WaitId {
@@ -607,7 +880,7 @@ impl Engine {
         id
     }
 
-    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: Vec<Box<[u8]>>) {
+    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: Vec<Box<[u8]>>, cost: usize) {
         let remaining = keys.len();
         self.waits.insert(
             id,
@@ -615,6 +888,7 @@ impl Engine {
                 conn,
                 remaining,
                 keys,
+                cost,
             },
         );
         if let Some(state) = self.conns.get_mut(&conn) {
@@ -670,6 +944,7 @@ impl Engine {
         let Some(wait) = self.waits.remove(&id) else {
             return;
         };
+        self.release(wait.cost);
         if let Some(state) = self.conns.get_mut(&wait.conn) {
             if let Some(pos) = state.waits.iter().position(|&w| w == id) {
                 state.waits.swap_remove(pos);
@@ -687,6 +962,7 @@ impl Engine {
         let Some(wait) = self.waits.remove(&id) else {
             return;
         };
+        self.release(wait.cost);
         for key in wait.keys.iter() {
             if let Some(ids) = self.waiters.get_mut(&**key) {
                 ids.remove(&id);
@@ -732,6 +1008,14 @@ fn bad_counter(query: QueryType, key: &[u8], error: CounterError) -> Close {
         key: key.to_vec(),
         error,
     }
+}
+
+/// A copy of `bytes` in a fallibly allocated vector.
+fn try_copy(bytes: &[u8]) -> Result<Vec<u8>, alloc::collections::TryReserveError> {
+    let mut copy = Vec::new();
+    copy.try_reserve_exact(bytes.len())?;
+    copy.extend_from_slice(bytes);
+    Ok(copy)
 }
 
 /// A length as the wire's `int64` (saturating; no map holds 2^63 entries).

@@ -6,11 +6,14 @@
 
 #[cfg(feature = "alloc")]
 pub mod access;
+pub mod budget;
 pub mod codec;
 #[cfg(feature = "alloc")]
 pub mod engine;
 pub mod file_log;
 pub mod message;
 pub mod semantics;
+#[cfg(feature = "alloc")]
+pub mod session;
 
 pub use message::*;

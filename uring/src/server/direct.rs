@@ -24,6 +24,12 @@
 //! stream, a socket error) leaves the engine at once, so its waiters never linger; a
 //! pending receive is cancelled.
 //!
+//! Backpressure: a connection that owes its peer more than the budget's high-water mark
+//! gets no more requests served and no receive queued until its sends have drained
+//! below it (the core serve step says `Blocked`); then the requests it already sent are
+//! served first. Out of descriptors, the loop refuses a waiting client at once with a
+//! spare descriptor (module `spare_fd`).
+//!
 //! Shutdown: when the stop flag is seen (checked at least every 50 ms) the loop stops
 //! accepting, gives every connection `drain` to flush what it owes, then cancels what is
 //! left and waits for the kernel to let go of the buffers (what it never lets go of, the
@@ -36,12 +42,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdzv_core::store::codec::{Limits, RequestDecoder};
+use rdzv_core::store::budget::Budget;
+use rdzv_core::store::codec::Limits;
+use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
-use super::session::ReadBuf;
-use super::shared_engine::{self, LoopWaker, SharedEngine, Wake};
-use super::StatsCells;
+use super::session::{ReadBuf, Throttle};
+use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
+use super::{SpareFd, StatsCells};
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -52,9 +60,6 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 16384;
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
-/// A connection whose unsent replies exceed this stops being read until the peer reads
-/// them: a client that pipelines requests and never reads costs bounded memory.
-const OUT_HIGH_WATER: usize = 4 << 20;
 /// After a failed accept (out of descriptors, say), wait this long before the next one.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How long, after the drain, the loop waits for the kernel to complete cancelled
@@ -199,8 +204,11 @@ struct Conn {
     phase: Phase,
     reading: Reading,
     writing: Writing,
-    /// Cuts the input into requests, resuming a long key list where it stopped.
-    decoder: RequestDecoder,
+    /// Serves the input: cuts it into requests (resuming a long key list where it
+    /// stopped), holds the connection to its budget.
+    session: Session,
+    /// The serve step said `Blocked`: serve again (before receiving) once drained.
+    blocked: bool,
     /// Bytes received since the engine was last asked (compared to `needed`).
     arrived: usize,
     /// At least this many bytes must arrive before the next request is complete.
@@ -209,44 +217,12 @@ struct Conn {
     out: Vec<u8>,
 }
 
-impl shared_engine::LoopConn for Conn {
-    fn id(&self) -> ConnId {
-        self.id
-    }
-
-    fn takes_wakes(&self) -> bool {
-        self.phase != Phase::Abandoned
-    }
-
-    fn out(&mut self) -> &mut Vec<u8> {
-        &mut self.out
-    }
-
-    fn served(&mut self, used: usize, needed: usize) {
-        if let Reading::Idle(input) = &mut self.reading {
-            input.consume(used);
-        }
-        self.arrived = 0;
-        self.needed = needed.max(1);
-    }
-
-    fn serve_with<R>(
-        &mut self,
-        serve: impl FnOnce(shared_engine::ServeParts<'_>) -> R,
-    ) -> Option<R> {
-        let Reading::Idle(input) = &self.reading else {
-            return None;
-        };
-        Some(serve(shared_engine::ServeParts {
-            decoder: &mut self.decoder,
-            pending: input.pending(),
-            out: &mut self.out,
-            peer: &Peer(&self.fd),
-        }))
-    }
-}
-
 impl Conn {
+    /// Bytes owed to the peer: not yet handed to the kernel, and in flight.
+    fn owed(&self) -> usize {
+        self.out.len().saturating_add(self.writing.unsent())
+    }
+
     /// Done when nothing is in flight and nothing more will be sent.
     fn finished(&self) -> bool {
         let idle = self.reading.is_idle() && self.writing.is_idle();
@@ -327,6 +303,7 @@ pub(super) struct LoopSetup {
     pub(super) listener: OwnedFd,
     pub(super) shared: Arc<SharedEngine>,
     pub(super) limits: Limits,
+    pub(super) budget: Budget,
     pub(super) stats: Arc<StatsCells>,
     pub(super) drain: Duration,
     /// Keep polling the completion queue this long after the last completion before
@@ -346,8 +323,14 @@ struct Server {
     accept_after: Instant,
     shared: Arc<SharedEngine>,
     limits: Limits,
+    budget: Budget,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
+    /// Per-connection warnings and accept failures, rate-limited.
+    warnings: Throttle,
+    accept_warnings: Throttle,
+    /// Closed and reopened to refuse a connection when out of descriptors.
+    spare: SpareFd,
     free: Vec<usize>,
     /// Slots to look at after this batch of completions (may repeat).
     dirty: Vec<usize>,
@@ -358,6 +341,9 @@ struct Server {
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
+    /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
+    /// requests are served at.
+    now_ms: u64,
 }
 
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
@@ -368,6 +354,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         listener,
         shared,
         limits,
+        budget,
         stats,
         drain,
         spin,
@@ -382,8 +369,12 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         accept_after: Instant::now(),
         shared,
         limits,
+        budget,
         stats,
         conns: Vec::new(),
+        warnings: Throttle::default(),
+        accept_warnings: Throttle::default(),
+        spare: SpareFd::open(),
         free: Vec::new(),
         dirty: Vec::new(),
         seq: 0,
@@ -391,6 +382,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
+        now_ms: 0,
     };
     if let Err(error) = server.run(stop, drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
@@ -416,6 +408,7 @@ impl Server {
             self.maybe_accept();
             let spinning = busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
+            self.now_ms = self.shared.now_ms(Instant::now());
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
@@ -484,8 +477,23 @@ impl Server {
         let fd = match result {
             Ok(fd) => fd,
             Err(error) => {
-                if error.raw_os_error() != Some(libc::ECANCELED) {
-                    tracing::warn!(%error, "accept failed");
+                if error.raw_os_error() == Some(libc::ECANCELED) {
+                    return;
+                }
+                let listener = &self.listener;
+                let refused = SpareFd::exhausted(&error)
+                    && self.spare.refuse_one(|| refuse_waiting(listener));
+                if let Some(suppressed) = self.accept_warnings.allow(Instant::now()) {
+                    tracing::warn!(
+                        %error,
+                        suppressed,
+                        refused = self.spare.refused(),
+                        "accept failed; refusing connections until descriptors free up"
+                    );
+                }
+                if !refused {
+                    // Nobody was waiting (the kernel fails the accept before it looks):
+                    // try again after a pause.
                     self.accept_after = Instant::now() + ACCEPT_BACKOFF;
                 }
                 return;
@@ -510,9 +518,10 @@ impl Server {
                 fd: Arc::new(fd),
                 id,
                 phase: Phase::Open,
-                reading: Reading::Idle(ReadBuf::new()),
+                reading: Reading::Idle(ReadBuf::new(self.budget.max_conn_bytes)),
                 writing: Writing::Idle(Outgoing::default()),
-                decoder: RequestDecoder::new(self.limits),
+                session: Session::new(id, self.limits, self.budget),
+                blocked: false,
                 arrived: 0,
                 needed: 1,
                 out: Vec::new(),
@@ -579,19 +588,56 @@ impl Server {
         }
     }
 
-    /// Runs the whole requests a connection has through the engine.
+    /// Runs the whole requests a connection has through the engine (not while its
+    /// input buffer is with the kernel).
     fn serve_input(&mut self, slot: usize) {
         let Server {
             conns,
             shared,
             wakes,
-            dirty,
             index,
             stats,
+            warnings,
+            now_ms,
             ..
         } = self;
-        let metrics = stats.metrics.as_ref();
-        if shared_engine::serve_turn(shared, *index, metrics, conns, wakes, dirty, slot) {
+        let Some(Some(conn)) = conns.get_mut(slot) else {
+            return;
+        };
+        let owed = conn.owed();
+        let Reading::Idle(input) = &mut conn.reading else {
+            return;
+        };
+        let mut inbox = std::mem::take(wakes);
+        let mut local = Vec::new();
+        let served = shared_engine::serve_turn(
+            shared,
+            *index,
+            stats.metrics.as_ref(),
+            ConnInput {
+                session: &mut conn.session,
+                pending: input.pending(),
+                owed,
+                out: &mut conn.out,
+                peer: &Peer(&conn.fd),
+            },
+            &mut inbox,
+            &mut local,
+            warnings,
+            *now_ms,
+        );
+        input.consume(served.used);
+        conn.arrived = 0;
+        conn.needed = served.needed.max(1);
+        conn.blocked = served.blocked;
+        if !inbox.is_empty() {
+            self.deliver(&mut inbox);
+        }
+        if !local.is_empty() {
+            self.deliver(&mut local);
+        }
+        self.wakes = inbox;
+        if served.close {
             self.close(slot, Close::Flush);
         }
     }
@@ -599,7 +645,18 @@ impl Server {
     /// Appends wake-up bytes to the connections of this loop they are for (if still
     /// there and not abandoned), and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        shared_engine::deliver_wakes(&mut self.conns, wakes, &mut self.dirty);
+        if wakes.is_empty() {
+            return;
+        }
+        for (target, byte) in wakes.drain(..) {
+            let slot = shared_engine::slot_of(target);
+            if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                if conn.id == target && conn.phase != Phase::Abandoned {
+                    conn.out.push(byte);
+                    self.dirty.push(slot);
+                }
+            }
+        }
     }
 
     fn sent(&mut self, slot: usize, result: io::Result<usize>, mut outgoing: Outgoing) {
@@ -611,6 +668,10 @@ impl Server {
             Ok(n) => {
                 outgoing.sent += n;
                 if outgoing.unsent() == 0 {
+                    if outgoing.bytes.capacity() > 1 << 20 {
+                        // Do not keep a large reply's room for an idle connection.
+                        outgoing.bytes = Vec::new();
+                    }
                     outgoing.bytes.clear();
                     outgoing.sent = 0;
                 }
@@ -655,7 +716,11 @@ impl Server {
                 continue;
             };
             if conn.finished() {
-                // Nothing in flight: the buffers and the descriptor can go.
+                // Nothing in flight: the buffers and the descriptor can go; a flushed
+                // connection after a FIN, so that its last reply is not reset away.
+                if conn.phase == Phase::Flushing {
+                    super::closing::finish(&*conn.fd);
+                }
                 if let Some(entry) = self.conns.get_mut(slot) {
                     *entry = None;
                 }
@@ -671,11 +736,32 @@ impl Server {
                     continue;
                 }
             }
-            let unsent = conn.out.len() + conn.writing.unsent();
-            if conn.phase == Phase::Open && unsent < OUT_HIGH_WATER {
+            if conn.phase == Phase::Open
+                && conn.blocked
+                && conn.reading.is_idle()
+                && conn.owed() <= self.budget.out_high_water
+            {
+                // Drained below the mark: serve what was received before reading more
+                // (this pushes the slot again, and is looked at once more).
+                conn.blocked = false;
+                self.serve_input(slot);
+                self.dirty.push(slot);
+                continue;
+            }
+            let full = matches!(&conn.reading, Reading::Idle(input) if input.is_full());
+            if conn.phase == Phase::Open
+                && !conn.blocked
+                && !full
+                && conn.owed() <= self.budget.out_high_water
+            {
                 if let Some(input) = conn.reading.take_idle() {
                     conn.reading = Reading::InFlight(self.ring.recv(&conn.fd, input, slot));
                 }
+            } else if conn.phase == Phase::Open && full && !conn.blocked {
+                // Unreachable while the serve step bounds requests by the buffer's cap
+                // (only a refused allocation gets here): the request cannot complete.
+                self.close(slot, Close::Flush);
+                continue;
             }
             match (conn.phase, &mut conn.writing) {
                 (Phase::Abandoned, Writing::Idle(outgoing)) => {
@@ -775,6 +861,23 @@ impl Server {
     }
 }
 
+/// Accepts one connection waiting on `listener` and closes it at once; `Ok(false)` when
+/// none waits (the listener is looked at without blocking).
+fn refuse_waiting(listener: &OwnedFd) -> io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(listener, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if rustix::event::poll(&mut fds, Some(&now))? == 0 {
+        return Ok(false);
+    }
+    let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC)?;
+    drop(accepted);
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -805,7 +908,11 @@ mod tests {
             rings.push(ring);
             wakers.push(Box::new(waker));
         }
-        let shared = Arc::new(SharedEngine::new(wakers, Arc::clone(&stats)));
+        let shared = Arc::new(SharedEngine::new(
+            wakers,
+            Arc::clone(&stats),
+            Budget::default(),
+        ));
         let stop = Arc::new(AtomicBool::new(false));
         let mut ports = Vec::new();
         let mut threads = Vec::new();
@@ -818,6 +925,7 @@ mod tests {
                 listener: listener.into(),
                 shared: Arc::clone(&shared),
                 limits: Limits::default(),
+                budget: Budget::default(),
                 stats: Arc::clone(&stats),
                 drain: Duration::from_secs(1),
                 spin: None,

@@ -15,8 +15,16 @@
 //!
 //! Readiness is edge-triggered: a connection remembers that it may read or write more
 //! until a call says `WouldBlock`. A connection reads at most [`READS_PER_TURN`] times
-//! before the loop serves the others, and stops reading while more than
-//! [`OUT_HIGH_WATER`] bytes are owed to a peer that does not read.
+//! before the loop serves the others. Once it owes its peer more than the budget's
+//! high-water mark, none of its requests are served and nothing is read until the peer
+//! has read enough (the serve step says `Blocked`); then the requests already received
+//! are served first. Replies are written at the end of the round, or at once when a
+//! connection owes more than [`EAGER_WRITE`], so that a burst of large replies does not
+//! pile up before the first byte goes out.
+//!
+//! Out of descriptors (EMFILE, ENFILE), the loop closes a spare descriptor it keeps,
+//! accepts and closes the waiting connection, and opens the spare again: clients see
+//! a refusal at once instead of waiting in the backlog.
 //!
 //! Shutdown: when the stop flag is seen (at least every 50 ms) the loop closes its
 //! listener, every connection leaves the engine and flushes what it owes, for up to
@@ -30,12 +38,14 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
-use rdzv_core::store::codec::{Limits, RequestDecoder};
+use rdzv_core::store::budget::Budget;
+use rdzv_core::store::codec::Limits;
+use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
-use super::session::ReadBuf;
-use super::shared_engine::{self, SharedEngine, Wake};
-use super::StatsCells;
+use super::session::{ReadBuf, Throttle};
+use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
+use super::{SpareFd, StatsCells};
 
 /// The listener's token; connections use their slot.
 const LISTENER: Token = Token(usize::MAX - 1);
@@ -43,9 +53,13 @@ const LISTENER: Token = Token(usize::MAX - 1);
 const WAKER: Token = Token(usize::MAX - 2);
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
-/// A connection whose unsent replies exceed this stops being read until the peer reads
-/// them: a client that pipelines requests and never reads costs bounded memory.
-const OUT_HIGH_WATER: usize = 4 << 20;
+/// A connection that owes more than this is written at once rather than at the end of
+/// the round, and yields its turn to the others after that write.
+const EAGER_WRITE: usize = 256 << 10;
+/// Reply bytes a round produces before the connections not yet served wait for the next
+/// round (after a fresh look for events): a burst of clients asking for large values
+/// does not hold up a small request for the time it takes to copy all their replies.
+const ROUND_OUT: usize = 4 << 20;
 /// Reads one connection may do before the loop turns to the others.
 const READS_PER_TURN: usize = 16;
 /// After a failed accept (out of descriptors, say), wait this long before the next one.
@@ -95,8 +109,13 @@ struct Conn {
     id: ConnId,
     phase: Phase,
     input: ReadBuf,
-    /// Cuts `input` into requests, resuming a long key list where it stopped.
-    decoder: RequestDecoder,
+    /// Serves `input`: cuts it into requests (resuming a long key list where it
+    /// stopped), holds the connection to its budget.
+    session: Session,
+    /// The serve step said `Blocked`: serve again (before reading) once drained.
+    blocked: bool,
+    /// In the loop's `again` list (at most once).
+    deferred: bool,
     /// Bytes received since the last time the engine was asked (compared to `needed`).
     arrived: usize,
     /// At least this many bytes must arrive before the next request is complete.
@@ -110,38 +129,6 @@ struct Conn {
     /// The peer's end of stream (or an error) was reported: read until `Ok(0)`, even
     /// after a short read, since no further edge will come.
     read_closed: bool,
-}
-
-impl shared_engine::LoopConn for Conn {
-    fn id(&self) -> ConnId {
-        self.id
-    }
-
-    fn takes_wakes(&self) -> bool {
-        self.phase == Phase::Open
-    }
-
-    fn out(&mut self) -> &mut Vec<u8> {
-        &mut self.out
-    }
-
-    fn served(&mut self, used: usize, needed: usize) {
-        self.input.consume(used);
-        self.arrived = 0;
-        self.needed = needed.max(1);
-    }
-
-    fn serve_with<R>(
-        &mut self,
-        serve: impl FnOnce(shared_engine::ServeParts<'_>) -> R,
-    ) -> Option<R> {
-        Some(serve(shared_engine::ServeParts {
-            decoder: &mut self.decoder,
-            pending: self.input.pending(),
-            out: &mut self.out,
-            peer: &PeerOf(&self.stream),
-        }))
-    }
 }
 
 impl Conn {
@@ -163,15 +150,26 @@ struct Loop {
     listener: Option<TcpListener>,
     shared: Arc<SharedEngine>,
     limits: Limits,
+    budget: Budget,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
+    /// Per-connection warnings and accept failures, rate-limited.
+    warnings: Throttle,
+    accept_warnings: Throttle,
+    /// Closed and reopened to refuse a connection when out of descriptors.
+    spare: SpareFd,
     free: Vec<usize>,
     seq: u32,
     live: usize,
     /// Slots to serve this round (may repeat; serving is idempotent).
     dirty: Vec<usize>,
-    /// Slots that yielded with more to read.
+    /// Slots that yielded with more to do, in the order they yielded.
     again: Vec<usize>,
+    /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
+    round_out: usize,
+    /// When this round began (before its wait), in the engine's milliseconds: the `now`
+    /// its requests are served at.
+    now_ms: u64,
     /// Slots with replies to write at the end of this round.
     flush: Vec<usize>,
     /// Wake-ups from other loops, and for this loop's other connections.
@@ -187,6 +185,7 @@ pub(super) struct LoopSetup {
     pub(super) listener: TcpListener,
     pub(super) shared: Arc<SharedEngine>,
     pub(super) limits: Limits,
+    pub(super) budget: Budget,
     pub(super) stats: Arc<StatsCells>,
     pub(super) drain: Duration,
     pub(super) spin: Option<Duration>,
@@ -207,6 +206,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         mut listener,
         shared,
         limits,
+        budget,
         stats,
         drain,
         spin,
@@ -224,13 +224,19 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         listener: Some(listener),
         shared,
         limits,
+        budget,
         stats,
         conns: Vec::new(),
+        warnings: Throttle::default(),
+        accept_warnings: Throttle::default(),
+        spare: SpareFd::open(),
         free: Vec::new(),
         seq: 0,
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
+        round_out: 0,
+        now_ms: 0,
         flush: Vec::new(),
         wakes: Vec::new(),
         accept_after: None,
@@ -258,6 +264,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
+            self.now_ms = self.shared.now_ms(now);
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
@@ -305,12 +312,30 @@ impl Loop {
                 self.deliver(&mut wakes);
                 self.wakes = wakes;
             }
-            self.dirty.append(&mut self.again);
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
-            // being woken between two reads.
+            // being woken between two reads. Fresh events first, then those that
+            // yielded, until the round has produced `ROUND_OUT` bytes; the rest wait a
+            // round.
+            self.round_out = 0;
             while let Some(slot) = self.dirty.pop() {
-                self.service(slot, Writes::Defer);
+                self.service_in_round(slot);
+            }
+            if !self.again.is_empty() {
+                let mut yielded = std::mem::take(&mut self.again);
+                for slot in yielded.drain(..) {
+                    if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                        conn.deferred = false;
+                    }
+                    self.service_in_round(slot);
+                }
+                while let Some(slot) = self.dirty.pop() {
+                    self.service_in_round(slot);
+                }
+                if self.again.is_empty() {
+                    // Keep the list's room for the next burst.
+                    self.again = yielded;
+                }
             }
             while let Some(slot) = self.flush.pop() {
                 self.service(slot, Writes::Now);
@@ -331,9 +356,25 @@ impl Loop {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
                 Err(error) => {
-                    // EMFILE and friends: the backlog still holds connections, and no
-                    // new edge will come for them: retry after a pause.
-                    tracing::warn!(%error, "accept failed");
+                    let refused = SpareFd::exhausted(&error)
+                        && self.spare.refuse_one(|| match listener.accept() {
+                            Ok(_) => Ok(true),
+                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+                            Err(e) => Err(e),
+                        });
+                    if let Some(suppressed) = self.accept_warnings.allow(Instant::now()) {
+                        tracing::warn!(
+                            %error,
+                            suppressed,
+                            refused = self.spare.refused(),
+                            "accept failed; refusing connections until descriptors free up"
+                        );
+                    }
+                    if refused {
+                        continue;
+                    }
+                    // The backlog may still hold connections, and no new edge will come
+                    // for them: retry after a pause.
                     self.accept_after = Some(Instant::now() + ACCEPT_BACKOFF);
                     return;
                 }
@@ -350,7 +391,9 @@ impl Loop {
                 Token(slot),
                 Interest::READABLE | Interest::WRITABLE,
             ) {
-                tracing::warn!(%error, "cannot register a store connection; closing it");
+                if let Some(suppressed) = self.warnings.allow(Instant::now()) {
+                    tracing::warn!(%error, suppressed, "cannot register a store connection; closing it");
+                }
                 self.free.push(slot);
                 continue;
             }
@@ -362,8 +405,10 @@ impl Loop {
                     stream,
                     id,
                     phase: Phase::Open,
-                    input: ReadBuf::new(),
-                    decoder: RequestDecoder::new(self.limits),
+                    input: ReadBuf::new(self.budget.max_conn_bytes),
+                    session: Session::new(id, self.limits, self.budget),
+                    blocked: false,
+                    deferred: false,
                     arrived: 0,
                     needed: 1,
                     out: Vec::new(),
@@ -382,7 +427,38 @@ impl Loop {
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
     /// still there and open, and empties `wakes`.
     fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        shared_engine::deliver_wakes(&mut self.conns, wakes, &mut self.dirty);
+        if wakes.is_empty() {
+            return;
+        }
+        for (target, byte) in wakes.drain(..) {
+            let slot = shared_engine::slot_of(target);
+            if let Some(Some(conn)) = self.conns.get_mut(slot) {
+                if conn.id == target && conn.phase == Phase::Open {
+                    conn.out.push(byte);
+                    self.dirty.push(slot);
+                }
+            }
+        }
+    }
+
+    /// Serves a connection this round, or defers it when the round has produced its
+    /// share of reply bytes.
+    fn service_in_round(&mut self, slot: usize) {
+        if self.round_out >= ROUND_OUT {
+            self.defer(slot);
+        } else {
+            self.service(slot, Writes::Defer);
+        }
+    }
+
+    /// Puts a connection on the `again` list, once.
+    fn defer(&mut self, slot: usize) {
+        if let Some(Some(conn)) = self.conns.get_mut(slot) {
+            if !conn.deferred {
+                conn.deferred = true;
+                self.again.push(slot);
+            }
+        }
     }
 
     /// Reads, serves, writes one connection as far as it can go now.
@@ -397,19 +473,21 @@ impl Loop {
         }
         match next {
             Next::Wait => {}
-            Next::Again => self.again.push(slot),
+            Next::Again => self.defer(slot),
             Next::Close => self.close(slot),
         }
     }
 
     fn advance(&mut self, slot: usize, writes: Writes) -> Next {
         let mut reads = 0;
+        let mut produced_before = None;
         loop {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 return Next::Wait;
             };
             // Write first: it may lift the high-water mark.
-            if conn.unsent() > 0 && conn.writable && writes == Writes::Now {
+            let eager = conn.unsent() >= EAGER_WRITE.min(self.budget.out_high_water);
+            if conn.unsent() > 0 && conn.writable && (writes == Writes::Now || eager) {
                 match write_out(conn) {
                     Ok(()) => {}
                     Err(error) => {
@@ -418,15 +496,40 @@ impl Loop {
                     }
                 }
             }
-            if conn.phase == Phase::Flushing {
-                return if conn.unsent() == 0 {
-                    Next::Close
-                } else {
-                    Next::Wait
-                };
+            if eager && conn.phase == Phase::Open {
+                if let Some(before) = produced_before {
+                    // This turn built a large reply: let the others have theirs.
+                    if self.round_out > before {
+                        let more = conn.readable || conn.blocked;
+                        return if more { Next::Again } else { Next::Wait };
+                    }
+                }
             }
-            if !conn.readable || conn.unsent() >= OUT_HIGH_WATER {
+            produced_before.get_or_insert(self.round_out);
+            if conn.phase == Phase::Flushing {
+                if conn.unsent() > 0 {
+                    return Next::Wait;
+                }
+                // Every reply is with the kernel: FIN after them, no reset.
+                super::closing::finish(&conn.stream);
+                return Next::Close;
+            }
+            if conn.blocked {
+                if conn.unsent() > self.budget.out_high_water {
+                    return Next::Wait;
+                }
+                // Drained: serve what was received before reading more.
+                conn.blocked = false;
+                self.serve_input(slot);
+                continue;
+            }
+            if !conn.readable || conn.unsent() > self.budget.out_high_water {
                 return Next::Wait;
+            }
+            if conn.input.is_full() {
+                // Unreachable while the serve step bounds requests by the buffer's cap
+                // (only a refused allocation gets here): the request cannot complete.
+                return Next::Close;
             }
             if reads == READS_PER_TURN {
                 return Next::Again;
@@ -471,13 +574,50 @@ impl Loop {
             conns,
             shared,
             wakes,
-            dirty,
             index,
             stats,
+            warnings,
+            now_ms,
             ..
         } = self;
-        let metrics = stats.metrics.as_ref();
-        if shared_engine::serve_turn(shared, *index, metrics, conns, wakes, dirty, slot) {
+        let Some(Some(conn)) = conns.get_mut(slot) else {
+            return;
+        };
+        let mut inbox = std::mem::take(wakes);
+        let mut local = Vec::new();
+        let owed = conn.unsent();
+        let before = conn.out.len();
+        let served = shared_engine::serve_turn(
+            shared,
+            *index,
+            stats.metrics.as_ref(),
+            ConnInput {
+                session: &mut conn.session,
+                pending: conn.input.pending(),
+                owed,
+                out: &mut conn.out,
+                peer: &PeerOf(&conn.stream),
+            },
+            &mut inbox,
+            &mut local,
+            warnings,
+            *now_ms,
+        );
+        conn.input.consume(served.used);
+        conn.arrived = 0;
+        conn.needed = served.needed.max(1);
+        conn.blocked = served.blocked;
+        self.round_out = self
+            .round_out
+            .saturating_add(conn.out.len().saturating_sub(before));
+        if !inbox.is_empty() {
+            self.deliver(&mut inbox);
+        }
+        if !local.is_empty() {
+            self.deliver(&mut local);
+        }
+        self.wakes = inbox;
+        if served.close {
             self.leave_engine(slot);
         }
     }
@@ -536,6 +676,7 @@ impl Loop {
 }
 
 /// Writes what is owed until done or the socket is full.
+#[inline]
 fn write_out(conn: &mut Conn) -> io::Result<()> {
     while conn.sent < conn.out.len() {
         match conn.stream.write(&conn.out[conn.sent..]) {
@@ -558,6 +699,10 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
         }
     }
     if conn.sent == conn.out.len() {
+        if conn.out.capacity() > 1 << 20 {
+            // Do not keep a large reply's room for an idle connection.
+            conn.out = Vec::new();
+        }
         conn.out.clear();
         conn.sent = 0;
     } else if conn.sent > 64 * 1024 && conn.sent * 2 > conn.out.len() {

@@ -19,6 +19,7 @@
 //! removed from the engine.
 
 pub mod capacity;
+mod closing;
 mod direct;
 mod epoll;
 pub(crate) mod io_mode;
@@ -26,8 +27,11 @@ pub mod listener;
 pub(crate) mod metrics;
 mod session;
 mod shared_engine;
+mod spare_fd;
 
 pub use io_mode::IoMode;
+
+use spare_fd::SpareFd;
 
 use std::collections::HashMap;
 use std::io;
@@ -37,6 +41,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use rdzv_core::store::budget::Budget;
 use rdzv_core::store::codec::Limits;
 
 /// PyTorch's default TCPStore port (`kDefaultPort`).
@@ -59,6 +64,11 @@ pub struct ServerOptions {
     pub pin: bool,
     /// Wire limits (PyTorch's libuv limits by default).
     pub limits: Limits,
+    /// Memory limits: per value (`--max-value-bytes`), in total (`--max-store-bytes`),
+    /// per connection (`--max-conn-bytes`) and the backpressure mark
+    /// (`--out-high-water`); see `rdzv_core::store::budget` for the policy and the
+    /// defaults.
+    pub budget: Budget,
     /// Reuse a live server of this process on the same port instead of binding again
     /// (PyTorch's `multi_tenant=True`).
     pub multi_tenant: bool,
@@ -125,6 +135,7 @@ impl Default for ServerOptions {
             threads: 0,
             pin: false,
             limits: Limits::default(),
+            budget: Budget::default(),
             multi_tenant: false,
             drain_timeout: Duration::from_secs(5),
             spin_before_park: IdleSpin::Auto,
@@ -252,7 +263,6 @@ impl StoreServer {
     }
 
     fn start_new(options: &ServerOptions) -> Result<StoreServer, ServerError> {
-        session::mark_started();
         let addrs =
             listener::candidate_addrs(options.host.as_deref(), options.port).map_err(|source| {
                 ServerError::Resolve {
@@ -319,11 +329,13 @@ impl StoreServer {
         });
         if let Some(metrics_addr) = options.metrics {
             let stats = Arc::clone(&shared.stats);
+            // The engine's clock starts with its loops, a moment after this one.
+            let started = std::time::Instant::now();
             let server = metrics::MetricsServer::start(metrics_addr, move || {
                 let cells = &stats;
                 cells.metrics.as_ref().map_or_else(String::new, |m| {
                     m.render(
-                        session::uptime_ms(),
+                        started.elapsed().as_millis() as u64,
                         [
                             cells.connections.load(Ordering::Relaxed),
                             cells.keys.load(Ordering::Relaxed),
@@ -413,6 +425,7 @@ fn start_epoll(
     let engine = Arc::new(shared_engine::SharedEngine::new(
         wakers,
         Arc::clone(&shared.stats),
+        options.budget,
     ));
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
@@ -423,6 +436,7 @@ fn start_epoll(
             listener,
             shared: Arc::clone(&engine),
             limits: options.limits,
+            budget: options.budget,
             stats: Arc::clone(&shared.stats),
             drain: options.drain_timeout,
             spin,
@@ -451,6 +465,7 @@ fn start_uring(
     let engine = Arc::new(shared_engine::SharedEngine::new(
         wakers,
         Arc::clone(&shared.stats),
+        options.budget,
     ));
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
@@ -460,6 +475,7 @@ fn start_uring(
             listener: socket.into(),
             shared: Arc::clone(&engine),
             limits: options.limits,
+            budget: options.budget,
             stats: Arc::clone(&shared.stats),
             drain: options.drain_timeout,
             spin,

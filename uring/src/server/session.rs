@@ -6,144 +6,143 @@
 //! decides what a request means, and this module does no I/O.
 
 use std::fmt::Display;
-use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use rdzv_core::store::codec::{Decoded, RequestDecoder};
 use rdzv_core::store::engine::Engine;
-use rdzv_core::store::{ConnId, Response, WaitResponse};
+use rdzv_core::store::session::{self as step, Session, Step};
 
 use super::metrics::Metrics;
 
-/// When the first store server of this process started: `STATS` reports uptime from
-/// here (the engine has no clock). For `rdzv store serve`, one server per process, that
-/// is the server's uptime.
-static STARTED: OnceLock<Instant> = OnceLock::new();
-
-/// Records the start of the first server (later calls change nothing).
-pub(super) fn mark_started() {
-    STARTED.get_or_init(Instant::now);
-}
-
-/// Milliseconds since [`mark_started`] (0 before it).
-pub(super) fn uptime_ms() -> u64 {
-    STARTED
-        .get()
-        .map_or(0, |started| started.elapsed().as_millis() as u64)
-}
-
-/// What [`serve_frames`] did with a connection's bytes.
+/// What [`serve_input`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Served {
     /// Bytes consumed (whole requests).
     pub(super) used: usize,
-    /// The connection must be closed (bad input, or the engine refused it).
+    /// The connection must be closed (bad input, a limit, or the engine refused it).
     pub(super) close: bool,
     /// At least this many more bytes must arrive before the next request is complete
     /// (0 when nothing is pending): a caller may skip the engine until they have.
     pub(super) needed: usize,
+    /// The connection owes more than its high-water mark: no more of its requests are
+    /// served (and none read) until the peer has read some; then call again.
+    pub(super) blocked: bool,
 }
 
-/// Serves every complete request at the start of `pending`, encoding replies into `out`.
-/// After each request `route_wakeups` hands out the wake-ups the engine owes (its own go
-/// into `out`).
-///
-/// `decoder` is the connection's own: it remembers how far it walked a key list that is
-/// still arriving, so a long `WAIT` that comes in many pieces costs O(bytes) in all. The
-/// caller must drop exactly the consumed bytes from the front of its buffer before the
-/// next call (what [`ReadBuf::consume`] does).
+/// Runs the core serve step over every whole request at the start of `pending` until it
+/// needs more bytes, blocks or closes: replies go into `out`, wake-ups owed to other
+/// connections into `wakes`. `owed` is what the connection owes apart from `out`'s
+/// bytes from `out_from` on (what an io_uring send has in flight, or what epoll has
+/// already written of `out`, subtracted).
 ///
 /// With `metrics` (`--metrics`), each request's handling time is recorded and the
-/// engine's figures are published after the batch.
+/// engine's figures are published after the batch. A refusal is logged through
+/// `warnings` (rate-limited).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn serve_frames(
+#[inline]
+pub(super) fn serve_input(
     metrics: Option<&Metrics>,
     engine: &mut Engine,
-    decoder: &mut RequestDecoder,
-    id: ConnId,
+    session: &mut Session,
     peer: &dyn Display,
     pending: &[u8],
+    owed: usize,
     out: &mut Vec<u8>,
-    mut route_wakeups: impl FnMut(&mut Engine, &mut Vec<u8>),
+    wakes: &mut Vec<step::Wake>,
+    now_ms: u64,
+    warnings: &mut Throttle,
 ) -> Served {
     let mut used = 0;
-    let mut needed = 0;
-    let close = |used| Served {
-        used,
-        close: true,
-        needed: 0,
-    };
-    while used < pending.len() {
-        let request = match decoder.decode(&pending[used..]) {
-            Ok(Decoded::Complete(request, n)) => {
+    let base = out.len();
+    let served = loop {
+        let owing = owed.saturating_add(out.len() - base);
+        let started = metrics.map(|_| Instant::now());
+        match session.serve(engine, &pending[used..], owing, out, wakes, now_ms) {
+            Step::Served { used: n, query } => {
                 used += n;
-                engine.count_traffic(n as u64, 0);
-                request
-            }
-            Ok(Decoded::Partial(more)) => {
-                needed = more;
-                break;
-            }
-            Err(error) => {
-                tracing::warn!(%peer, %error, "closing store connection: bad request");
-                return close(used);
-            }
-        };
-        let before = out.len();
-        let started = metrics.map(|_| (Instant::now(), request.query_type()));
-        match engine.handle_request(id, request) {
-            Ok(mut outcome) => {
-                if let Some(Response::Stats(stats)) = &mut outcome.reply {
-                    stats.uptime_ms = uptime_ms();
-                }
-                // Own wake-ups first, then the reply (the engine's polling order).
-                for _ in 0..outcome.own_wakeups {
-                    out.push(WaitResponse::StopWaiting as u8);
-                }
-                if let Some(response) = outcome.reply {
-                    if let Err(error) = response.encode_into(out) {
-                        // Only an inconsistent QUEUE_POP reply fails to encode, and the
-                        // engine never makes one. Close rather than send garbage.
-                        tracing::error!(%peer, %error, "cannot encode a reply");
-                        return close(used);
-                    }
+                if let (Some(metrics), Some(started)) = (metrics, started) {
+                    metrics.record(query, started.elapsed());
                 }
             }
-            Err(refusal) => {
-                tracing::warn!(%peer, reason = %refusal, "closing store connection");
-                return close(used);
+            Step::Partial { needed } => {
+                break Served {
+                    used,
+                    close: false,
+                    needed,
+                    blocked: false,
+                }
+            }
+            Step::Blocked => {
+                break Served {
+                    used,
+                    close: false,
+                    needed: 0,
+                    blocked: true,
+                }
+            }
+            Step::Close(refusal) => {
+                if let Some(suppressed) = warnings.allow(Instant::now()) {
+                    tracing::warn!(%peer, reason = %refusal, suppressed, "closing store connection");
+                }
+                break Served {
+                    used,
+                    close: true,
+                    needed: 0,
+                    blocked: false,
+                };
             }
         }
-        route_wakeups(engine, out);
-        engine.count_traffic(0, out.len().saturating_sub(before) as u64);
-        if let (Some(metrics), Some((started, query))) = (metrics, started) {
-            metrics.record(query, started.elapsed());
-        }
-    }
+    };
     if let Some(metrics) = metrics {
         metrics.publish(engine.stats());
     }
-    Served {
-        used,
-        close: false,
-        needed,
+    served
+}
+
+/// Lets one log line through per [`Throttle::WINDOW`] and counts the rest, so that one
+/// bad client (or a storm of them) cannot flood the log: the line that gets through says
+/// how many were suppressed before it.
+#[derive(Debug, Default)]
+pub(super) struct Throttle {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttle {
+    /// One line per second.
+    pub(super) const WINDOW: Duration = Duration::from_secs(1);
+
+    /// `Some(lines suppressed since the last one)` when a line may be written now.
+    pub(super) fn allow(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(last) if now.saturating_duration_since(last) < Self::WINDOW => {
+                self.suppressed = self.suppressed.saturating_add(1);
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
     }
 }
 
-/// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed.
+/// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed. It never
+/// grows past `cap` (the per-connection budget), and grows fallibly.
 pub(super) struct ReadBuf {
     buf: Vec<u8>,
     start: usize,
     /// End of the bytes read so far.
     pub(super) filled: usize,
+    cap: usize,
 }
 
 impl ReadBuf {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(cap: usize) -> Self {
         ReadBuf {
-            buf: vec![0; 4096],
+            buf: vec![0; 4096.min(cap.max(1))],
             start: 0,
             filled: 0,
+            cap: cap.max(1),
         }
     }
 
@@ -165,14 +164,29 @@ impl ReadBuf {
                 self.filled -= self.start;
                 self.start = 0;
             } else {
-                let bigger = self.buf.len().saturating_mul(2);
-                self.buf.resize(bigger, 0);
+                let bigger = self.buf.len().saturating_mul(2).min(self.cap);
+                // A refused allocation leaves the buffer full: the serve step then sees a
+                // request that does not fit and closes the connection.
+                if self.buf.try_reserve_exact(bigger - self.buf.len()).is_ok() {
+                    self.buf.resize(bigger, 0);
+                }
             }
         }
     }
 
     pub(super) fn spare(&mut self) -> &mut [u8] {
         &mut self.buf[self.filled..]
+    }
+
+    /// Whether no byte more can be read into the buffer.
+    pub(super) fn is_full(&self) -> bool {
+        self.filled == self.buf.len()
+    }
+
+    /// Bytes the buffer holds (its capacity), for the memory account.
+    #[cfg(test)]
+    pub(super) fn size(&self) -> usize {
+        self.buf.len()
     }
 }
 
@@ -186,8 +200,9 @@ impl crate::sys::uring::RecvBuf for ReadBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdzv_core::store::budget::Budget;
     use rdzv_core::store::codec::Limits;
-    use rdzv_core::store::{QueryType, VALIDATION_MAGIC};
+    use rdzv_core::store::{ConnId, QueryType, VALIDATION_MAGIC};
 
     /// A `WAIT` naming `count` keys, in PyTorch's framing.
     fn wait_frame(count: usize) -> Vec<u8> {
@@ -202,7 +217,7 @@ mod tests {
     }
 
     /// A 128 Ki-key `WAIT` arriving 64 bytes at a time, through a connection's read
-    /// buffer and decoder as a server loop drives them: the decoder walks each key once
+    /// buffer and session as a server loop drives them: the decoder walks each key once
     /// (linear work), where re-parsing from the frame start on every piece would walk
     /// about 128Ki x pieces / 2 = 10^10 keys.
     #[test]
@@ -211,12 +226,15 @@ mod tests {
         let mut frame = vec![QueryType::Validate as u8];
         frame.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
         frame.extend(wait_frame(count));
-        let mut engine = Engine::new();
+        let budget = Budget::default();
+        let mut engine = Engine::with_budget(budget);
         let id = ConnId(1);
         assert!(engine.connect(id));
-        let mut decoder = RequestDecoder::new(Limits::default());
-        let mut input = ReadBuf::new();
+        let mut session = Session::new(id, Limits::default(), budget);
+        let mut input = ReadBuf::new(budget.max_conn_bytes);
         let mut out = Vec::new();
+        let mut wakes = Vec::new();
+        let mut warnings = Throttle::default();
         let mut calls = 0usize;
         for piece in frame.chunks(64) {
             let mut rest = piece;
@@ -226,22 +244,20 @@ mod tests {
                 spare[..n].copy_from_slice(&rest[..n]);
                 input.filled += n;
                 rest = &rest[n..];
-                let Served { used, close, .. } = serve_frames(
+                let served = serve_input(
                     None,
                     &mut engine,
-                    &mut decoder,
-                    id,
+                    &mut session,
                     &"test",
                     input.pending(),
+                    0,
                     &mut out,
-                    |engine, own| {
-                        while let Some((_, wake)) = engine.poll_wakeup() {
-                            own.push(wake as u8);
-                        }
-                    },
+                    &mut wakes,
+                    0,
+                    &mut warnings,
                 );
-                assert!(!close, "the connection was closed");
-                input.consume(used);
+                assert!(!served.close, "the connection was closed");
+                input.consume(served.used);
                 calls += 1;
             }
         }
@@ -252,36 +268,45 @@ mod tests {
         assert!(input.pending().is_empty(), "the whole WAIT was consumed");
         assert!(out.is_empty(), "nothing is owed before a key is set");
         assert_eq!(engine.waiter_count(), 1, "the WAIT is registered");
-        // Every key is walked exactly once (a piece that ends inside a key re-reads only
-        // that key's length prefix, which is not counted as an item).
-        assert_eq!(decoder.items_walked(), count as u64);
+        assert_eq!(session.items_walked(), count as u64);
     }
 
-    /// A request that is refused closes only its connection, and the decoder's error
-    /// reaches the caller as a close.
+    /// A request that is refused closes only its connection.
     #[test]
     fn bad_bytes_close_the_connection() {
         let mut engine = Engine::new();
         let id = ConnId(2);
         assert!(engine.connect(id));
-        let mut decoder = RequestDecoder::new(Limits::default());
-        let mut out = Vec::new();
-        let served = serve_frames(
+        let mut session = Session::new(id, Limits::default(), Budget::default());
+        let served = serve_input(
             None,
             &mut engine,
-            &mut decoder,
-            id,
+            &mut session,
             &"test",
             &[0xff, 0, 0],
-            &mut out,
-            |_, _| {},
+            0,
+            &mut Vec::new(),
+            &mut Vec::new(),
+            0,
+            &mut Throttle::default(),
         );
         assert_eq!((served.used, served.close), (0, true));
     }
 
     #[test]
-    fn grows_only_for_a_request_larger_than_the_buffer() {
-        let mut input = ReadBuf::new();
+    fn the_throttle_lets_one_line_a_second_through_and_counts_the_rest() {
+        let mut throttle = Throttle::default();
+        let t0 = Instant::now();
+        assert_eq!(throttle.allow(t0), Some(0));
+        for _ in 0..5 {
+            assert_eq!(throttle.allow(t0 + Duration::from_millis(10)), None);
+        }
+        assert_eq!(throttle.allow(t0 + Throttle::WINDOW), Some(5));
+    }
+
+    #[test]
+    fn grows_only_for_a_request_larger_than_the_buffer_and_never_past_its_cap() {
+        let mut input = ReadBuf::new(10_000);
         let size = input.spare().len();
         input.filled = size;
         input.consume(0);
@@ -293,11 +318,17 @@ mod tests {
         input.consume(size);
         assert!(input.pending().is_empty());
         assert_eq!(input.spare().len(), 2 * size);
+        input.filled = 2 * size;
+        input.consume(0);
+        assert_eq!(input.size(), 10_000, "capped");
+        input.filled = 10_000;
+        input.consume(0);
+        assert!(input.is_full(), "a full buffer at its cap stays full");
     }
 
     #[test]
     fn compacts_unconsumed_bytes_to_the_front() {
-        let mut input = ReadBuf::new();
+        let mut input = ReadBuf::new(1 << 20);
         let size = input.spare().len();
         input.spare()[size - 3..].copy_from_slice(b"abc");
         input.filled = size;

@@ -14,20 +14,24 @@
 //! crosses nothing.
 //!
 //! This module does no socket I/O and decides nothing about requests: [`serve_turn`],
-//! the step both loops take for a connection with input, hands its requests to
-//! `session::serve_frames`.
+//! the step both loops take for a connection with input, hands its bytes to the core
+//! serve step (`rdzv_core::store::session`) through `session::serve_input`, and routes
+//! the wake-ups it returns as values. It also holds the server's clock origin, from
+//! which each turn tells the engine `now`.
 
 use std::fmt::Display;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use rdzv_core::store::codec::RequestDecoder;
+use rdzv_core::store::budget::Budget;
 use rdzv_core::store::engine::Engine;
+use rdzv_core::store::session::{self as step, Session};
 use rdzv_core::store::ConnId;
 
 use super::metrics::Metrics;
-use super::session;
+use super::session::{self, Served, Throttle};
 use super::StatsCells;
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
@@ -83,6 +87,8 @@ struct Locked {
 /// The engine behind its lock, the loops' inboxes and their wakers.
 pub(super) struct SharedEngine {
     locked: Mutex<Locked>,
+    /// The clock origin: `now` for the engine is milliseconds since this.
+    started: Instant,
     wakers: Vec<Box<dyn LoopWaker>>,
     stats: Arc<StatsCells>,
 }
@@ -108,6 +114,27 @@ impl Router<'_> {
         }
     }
 
+    /// Hands out the wake-ups a serve step returned (none for `requester`, whose own
+    /// went into its output): those for other connections of this loop into `local`, the
+    /// rest into their loop's inbox (that loop is woken after the unlock).
+    fn route_values(&mut self, wakes: &mut Vec<step::Wake>, local: &mut Vec<Wake>) {
+        for (target, wake) in wakes.drain(..) {
+            self.send(target, wake as u8, local);
+        }
+    }
+
+    fn send(&mut self, target: ConnId, byte: u8, local: &mut Vec<Wake>) {
+        let owner = loop_of(target);
+        if owner == self.me {
+            local.push((target, byte));
+        } else if let Some(inbox) = self.inboxes.get_mut(owner) {
+            if inbox.is_empty() {
+                self.to_wake[owner / 64] |= 1 << (owner % 64);
+            }
+            inbox.push((target, byte));
+        }
+    }
+
     /// Hands out every wake-up the engine owes: those for `requester` go into `own`,
     /// those for other connections of this loop into `local`, the rest into their
     /// loop's inbox (that loop is woken after the unlock).
@@ -124,103 +151,71 @@ impl Router<'_> {
                 own.push(byte);
                 continue;
             }
-            let owner = loop_of(target);
-            if owner == self.me {
-                local.push((target, byte));
-            } else if let Some(inbox) = self.inboxes.get_mut(owner) {
-                if inbox.is_empty() {
-                    self.to_wake[owner / 64] |= 1 << (owner % 64);
-                }
-                inbox.push((target, byte));
-            }
+            self.send(target, byte, local);
         }
     }
 }
 
-/// What the shared serve step needs of a loop's connection; the io_uring and epoll loops
-/// each implement it for their own `Conn`.
-pub(super) trait LoopConn {
-    /// The connection's id (its slot, loop and sequence number).
-    fn id(&self) -> ConnId;
-    /// Whether wake-up bytes may still be appended to its output (an io_uring
-    /// connection takes them until it is abandoned, an epoll one while it is open).
-    fn takes_wakes(&self) -> bool;
-    /// Bytes owed and not yet handed to the kernel.
-    fn out(&mut self) -> &mut Vec<u8>;
-    /// Runs `serve` over the connection's decoder, unconsumed input, output and peer;
-    /// `None` when the connection is not reading now (its buffer is with the kernel).
-    fn serve_with<R>(&mut self, serve: impl FnOnce(ServeParts<'_>) -> R) -> Option<R>;
-    /// Drops the `used` bytes just served from the front of the input, and notes that
-    /// at least `needed` more must arrive before the next request is whole.
-    fn served(&mut self, used: usize, needed: usize);
-}
-
-/// The parts of a connection that [`serve_turn`] runs its requests with.
-pub(super) struct ServeParts<'a> {
-    /// Cuts the input into requests, resuming a long key list where it stopped.
-    pub(super) decoder: &'a mut RequestDecoder,
+/// The parts of one connection that [`serve_turn`] serves.
+pub(super) struct ConnInput<'a> {
+    /// Its serve state (id, decoder, budget).
+    pub(super) session: &'a mut Session,
     /// The unconsumed input.
     pub(super) pending: &'a [u8],
-    /// Where the replies go.
+    /// Every byte it owes its peer now (`out`'s included).
+    pub(super) owed: usize,
+    /// Where its replies go.
     pub(super) out: &'a mut Vec<u8>,
     /// The peer, for logs.
     pub(super) peer: &'a dyn Display,
 }
 
-/// One loop's turn for the connection in `slot`, the same on io_uring and epoll: with the
-/// engine locked, first the wake-ups other loops routed here (onto the output of their
-/// connections, so they go out before any reply decided after them), then the
-/// connection's whole requests; after the unlock, the wake-ups owed to this loop's other
-/// connections. Every slot written to is pushed onto `dirty`. Returns whether the
-/// connection must be closed (bad input, or the engine refused it).
+/// One loop's turn for one connection, the same on io_uring and epoll: with the engine
+/// locked, first the wake-ups other loops routed here (those for this connection onto
+/// its output at once, so they go out before any reply decided after them; the rest
+/// left in `inbox`), then the connection's whole requests through the core serve step.
+/// Wake-ups it owes this loop's other connections are left in `local`. The caller
+/// delivers `inbox`, then `local`, to its connections.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn serve_turn<C: LoopConn>(
+#[inline]
+pub(super) fn serve_turn(
     shared: &SharedEngine,
     me: usize,
     metrics: Option<&Metrics>,
-    conns: &mut [Option<C>],
-    wakes: &mut Vec<Wake>,
-    dirty: &mut Vec<usize>,
-    slot: usize,
-) -> bool {
-    let mut local = Vec::new();
-    let served = shared.turn(me, |engine, router| {
-        router.take_inbox(wakes);
-        for &(target, byte) in wakes.iter() {
-            if let Some(Some(conn)) = conns.get_mut(slot_of(target)) {
-                if conn.id() == target && conn.takes_wakes() {
-                    conn.out().push(byte);
+    conn: ConnInput<'_>,
+    inbox: &mut Vec<Wake>,
+    local: &mut Vec<Wake>,
+    warnings: &mut Throttle,
+    now_ms: u64,
+) -> Served {
+    let ConnInput {
+        session,
+        pending,
+        owed,
+        out,
+        peer,
+    } = conn;
+    let id = session.id();
+    shared.turn(me, |engine, router| {
+        router.take_inbox(inbox);
+        let before = out.len();
+        if !inbox.is_empty() {
+            inbox.retain(|&(target, byte)| {
+                let mine = target == id;
+                if mine {
+                    out.push(byte);
                 }
-            }
+                !mine
+            });
         }
-        let Some(Some(conn)) = conns.get_mut(slot) else {
-            return None;
-        };
-        let id = conn.id();
-        conn.serve_with(|parts| {
-            session::serve_frames(
-                metrics,
-                engine,
-                parts.decoder,
-                id,
-                parts.peer,
-                parts.pending,
-                parts.out,
-                |engine, own| router.route(engine, id, own, &mut local),
-            )
-        })
-    });
-    // The inbox's targets must be written to too.
-    dirty.extend(wakes.drain(..).map(|(target, _)| slot_of(target)));
-    deliver_wakes(conns, &mut local, dirty);
-    let Some(served) = served else {
-        return false;
-    };
-    let Some(Some(conn)) = conns.get_mut(slot) else {
-        return false;
-    };
-    conn.served(served.used, served.needed);
-    served.close
+        let owed = owed.saturating_add(out.len() - before);
+        let mut wakes = Vec::new();
+        let served = session::serve_input(
+            metrics, engine, session, peer, pending, owed, out, &mut wakes, now_ms, warnings,
+        );
+        router.route_values(&mut wakes, local);
+        served
+    })
 }
 
 /// A free slot in a loop's connection table: a freed one, or a new one at the end;
@@ -241,37 +236,33 @@ pub(super) fn free_slot<C>(
     None
 }
 
-/// Appends each wake-up byte in `wakes` to the connection of this loop it is for (if it
-/// is still there and takes wake-ups), empties `wakes`, and returns the slots written
-/// to through `dirty`.
-pub(super) fn deliver_wakes<C: LoopConn>(
-    conns: &mut [Option<C>],
-    wakes: &mut Vec<Wake>,
-    dirty: &mut Vec<usize>,
-) {
-    for (target, byte) in wakes.drain(..) {
-        let slot = slot_of(target);
-        if let Some(Some(conn)) = conns.get_mut(slot) {
-            if conn.id() == target && conn.takes_wakes() {
-                conn.out().push(byte);
-                dirty.push(slot);
-            }
-        }
-    }
-}
-
 impl SharedEngine {
     /// An empty engine for `wakers.len()` loops (loop i is woken by `wakers[i]`).
-    pub(super) fn new(wakers: Vec<Box<dyn LoopWaker>>, stats: Arc<StatsCells>) -> SharedEngine {
+    pub(super) fn new(
+        wakers: Vec<Box<dyn LoopWaker>>,
+        stats: Arc<StatsCells>,
+        budget: Budget,
+    ) -> SharedEngine {
         let loops = wakers.len();
         SharedEngine {
             locked: Mutex::new(Locked {
-                engine: Engine::new(),
+                engine: Engine::with_budget(budget),
                 inboxes: (0..loops).map(|_| Vec::new()).collect(),
             }),
+            started: Instant::now(),
             wakers,
             stats,
         }
+    }
+
+    /// `now` as milliseconds since the server started: what each turn gives the engine
+    /// (a loop passes the time it last read, at most one wait old).
+    pub(super) fn now_ms(&self, now: Instant) -> u64 {
+        let since = now.saturating_duration_since(self.started);
+        since
+            .as_secs()
+            .saturating_mul(1000)
+            .saturating_add(u64::from(since.subsec_millis()))
     }
 
     /// Runs `f` with the engine locked, on behalf of loop `me`; then publishes the
@@ -371,6 +362,7 @@ mod tests {
                 .map(|w| Box::new(Arc::clone(w)) as Box<dyn LoopWaker>)
                 .collect(),
             Arc::new(StatsCells::default()),
+            Budget::default(),
         );
         let setter = conn_id(0, 0, 1);
         let near = conn_id(0, 1, 1);

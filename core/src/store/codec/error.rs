@@ -192,6 +192,12 @@ pub enum EncodeError {
         /// Whether a value was given.
         has_value: bool,
     },
+    /// The output buffer could not grow by `needed` bytes (the allocator refused):
+    /// nothing was written.
+    OutOfMemory {
+        /// How many bytes the encoding needs.
+        needed: usize,
+    },
 }
 
 impl fmt::Display for EncodeError {
@@ -214,6 +220,9 @@ impl fmt::Display for EncodeError {
                 f,
                 "QUEUE_POP reply with length {len_before} must carry a value"
             ),
+            EncodeError::OutOfMemory { needed } => {
+                write!(f, "cannot allocate {needed} bytes for a reply")
+            }
         }
     }
 }

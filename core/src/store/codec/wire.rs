@@ -354,14 +354,18 @@ pub(super) fn encode_to_slice<E: Emit + ?Sized>(
     }
 }
 
-/// Appends the encoding of `value` to `out`.
+/// Appends the encoding of `value` to `out`. The room is reserved fallibly: a reply too
+/// large for the allocator is [`EncodeError::OutOfMemory`], never an abort (a caller that
+/// bounds memory checks `encoded_len` against its budget first).
 #[cfg(feature = "alloc")]
 pub(super) fn encode_to_vec<E: Emit + ?Sized>(
     value: &E,
     out: &mut alloc::vec::Vec<u8>,
 ) -> Result<(), EncodeError> {
     value.check()?;
-    out.reserve(encoded_len(value));
+    let needed = encoded_len(value);
+    out.try_reserve(needed)
+        .map_err(|_| EncodeError::OutOfMemory { needed })?;
     value.emit(out);
     Ok(())
 }

@@ -1191,6 +1191,32 @@ fn check_invariants(engine: &Engine, model: &Model) {
         assert!(engine.conns[&wait.conn].waits.contains(id));
     }
     assert_eq!(registrations.len(), engine.waits.len());
+    assert_eq!(
+        engine.held_bytes(),
+        recomputed_held(engine),
+        "budget accounting"
+    );
+}
+
+/// What the engine should have charged against its total limit, from what it holds.
+fn recomputed_held(engine: &Engine) -> usize {
+    let kv: usize = engine
+        .kv
+        .iter()
+        .map(|(k, v)| Budget::entry_cost(k.len(), v.len()))
+        .sum();
+    let queues: usize = engine
+        .queues
+        .iter()
+        .map(|(k, q)| {
+            Budget::entry_cost(k.len(), 0)
+                + q.iter()
+                    .map(|e| Budget::entry_cost(0, e.len()))
+                    .sum::<usize>()
+        })
+        .sum();
+    let waits: usize = engine.waits.values().map(|w| w.cost).sum();
+    kv + queues + waits
 }
 
 proptest! {
@@ -1229,6 +1255,125 @@ proptest! {
         prop_assert_eq!(engine.waited_key_count(), 0);
         prop_assert_eq!(engine.connection_count(), 0);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// With a small budget, no sequence of requests makes the store hold more than its
+    /// total limit or a value longer than the per-value one, and the accounting always
+    /// matches what is held.
+    #[test]
+    fn no_request_sequence_exceeds_the_budget(
+        actions in proptest::collection::vec(action_strategy(), 0..120),
+    ) {
+        let budget = Budget {
+            max_value_bytes: 4,
+            max_store_bytes: 600,
+            ..Budget::default()
+        };
+        let mut engine = Engine::with_budget(budget);
+        for action in &actions {
+            match action {
+                Action::Connect(conn) => {
+                    engine.connect(ConnId(*conn));
+                    let _ = step(&mut engine, *conn, &Op::Validate(VALIDATION_MAGIC));
+                }
+                Action::Disconnect(conn) => {
+                    engine.disconnect(ConnId(*conn));
+                }
+                Action::Request(conn, op) => {
+                    let _ = step(&mut engine, *conn, op);
+                }
+            }
+            prop_assert!(engine.held_bytes() <= budget.max_store_bytes);
+            prop_assert_eq!(engine.held_bytes(), recomputed_held(&engine));
+            for value in engine.kv.values() {
+                prop_assert!(value.len() <= budget.max_value_bytes);
+            }
+        }
+        for conn in 0..6 {
+            engine.disconnect(ConnId(conn));
+        }
+        prop_assert_eq!(engine.held_bytes(), recomputed_held(&engine));
+    }
+}
+
+#[test]
+fn append_is_held_to_the_value_limit_and_refusals_change_nothing() {
+    let budget = Budget {
+        max_value_bytes: 8,
+        max_store_bytes: 1000,
+        ..Budget::default()
+    };
+    let mut engine = Engine::with_budget(budget);
+    assert!(engine.connect(ConnId(1)));
+    reply(&mut engine, 1, Op::Validate(VALIDATION_MAGIC));
+    reply(&mut engine, 1, Op::Append(k("/a"), k("12345")));
+    let held = engine.held_bytes();
+    let (result, _) = step(&mut engine, 1, &Op::Append(k("/a"), k("6789")));
+    match result {
+        Err(Close::ValueTooLarge {
+            len: 9, limit: 8, ..
+        }) => {}
+        other => panic!("expected ValueTooLarge, got {other:?}"),
+    }
+    assert_eq!(engine.get(b"/a"), Some(&b"12345"[..]), "nothing appended");
+    assert_eq!(engine.held_bytes(), held);
+    assert!(!engine.is_connected(ConnId(1)), "the connection was closed");
+}
+
+#[test]
+fn the_total_limit_refuses_the_write_that_would_pass_it() {
+    let budget = Budget {
+        max_value_bytes: 100,
+        max_store_bytes: 3 * Budget::entry_cost(2, 100),
+        ..Budget::default()
+    };
+    let mut engine = engine_with_budget(budget, [1]);
+    for key in ["/a", "/b", "/c"] {
+        reply(&mut engine, 1, Op::Set(k(key), vec![0; 100]));
+    }
+    assert_eq!(engine.held_bytes(), budget.max_store_bytes);
+    // Overwriting in place (same size) or shrinking still works when full.
+    reply(&mut engine, 1, Op::Set(k("/a"), vec![1; 100]));
+    reply(&mut engine, 1, Op::Set(k("/b"), vec![1; 10]));
+    let (result, _) = step(
+        &mut engine,
+        1,
+        &Op::MultiSet(vec![(k("/d"), vec![0; 50]), (k("/e"), vec![0; 50])]),
+    );
+    assert!(matches!(result, Err(Close::StoreFull { .. })), "{result:?}");
+    assert_eq!(
+        engine.get(b"/d"),
+        None,
+        "a refused MULTI_SET writes nothing"
+    );
+    let mut engine = engine_with_budget(budget, [2]);
+    let (result, _) = step(&mut engine, 2, &Op::Push(k("/q"), vec![0; 101]));
+    assert!(
+        matches!(result, Err(Close::ValueTooLarge { .. })),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn uptime_runs_from_the_first_tick() {
+    let mut engine = Engine::new();
+    assert_eq!(engine.stats().uptime_ms, 0);
+    engine.tick(1_000);
+    engine.tick(3_500);
+    engine.tick(2_000);
+    assert_eq!(engine.stats().uptime_ms, 2_500);
+}
+
+fn engine_with_budget(budget: Budget, conns: impl IntoIterator<Item = u64>) -> Engine {
+    let mut engine = Engine::with_budget(budget);
+    for conn in conns {
+        assert!(engine.connect(ConnId(conn)));
+        reply(&mut engine, conn, Op::Validate(VALIDATION_MAGIC));
+    }
+    engine
 }
 
 #[test]

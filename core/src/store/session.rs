@@ -1,0 +1,270 @@
+//! One store connection's serve step, shaped like smoltcp's `poll`: the runtime hands it
+//! the connection's unserved bytes, how many reply bytes it still owes the peer, and
+//! `now`; the step serves at most one request and says what happened as a value
+//! ([`Step`]): a request served (its reply appended to the caller's buffer, the wake-ups
+//! owed to *other* connections appended to the caller's list), more bytes needed, no
+//! more serving until the peer reads (backpressure), or close, and why.
+//!
+//! It decides the per-connection account of [`Budget`]: a connection whose unsent
+//! replies are over the high-water mark is not served; a request whose bytes would not
+//! fit the budget closes the connection before the runtime buffers them; a reply's size
+//! is computed before any room is reserved for it, and one that would not fit closes the
+//! connection instead (so a `MULTI_GET` naming one 8 MiB key 131072 times costs nothing).
+//! Reply room is reserved fallibly.
+//!
+//! It does no I/O, keeps no clock and routes nothing between threads: which thread owns
+//! a woken connection is the runtime's business. Access control has one seam here,
+//! [`Session::admits`], which every request passes before it reaches the engine.
+
+use alloc::vec::Vec;
+use core::fmt;
+
+use super::budget::Budget;
+use super::codec::{DecodeError, Decoded, EncodeError, Limits, RequestDecoder};
+use super::engine::{Close, Engine};
+use super::{ConnId, QueryType, Request, WaitResponse};
+
+/// A wake-up owed to another connection.
+pub type Wake = (ConnId, WaitResponse);
+
+/// What one call of [`Session::serve`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// One request was served from the front of the input: drop `used` bytes from it.
+    /// Its own wake-ups and its reply (if any) were appended to `out`, wake-ups owed to
+    /// other connections to `wakes`. Call again for the next request.
+    Served {
+        /// Bytes consumed.
+        used: usize,
+        /// The request's query.
+        query: QueryType,
+    },
+    /// No whole request is in the input: at least `needed` more bytes must arrive.
+    Partial {
+        /// Bytes still missing (at least 1).
+        needed: usize,
+    },
+    /// The connection owes more than the high-water mark: serve it again once the peer
+    /// has read some (its input stays where it is).
+    Blocked,
+    /// Close the connection (after writing what `out` holds), for this reason; the
+    /// runtime logs it and takes the connection out of the engine.
+    Close(Refusal),
+}
+
+/// Why a connection is closed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The bytes are not a request (or claim more than the wire limits allow).
+    BadRequest(DecodeError),
+    /// The engine refused the request (see [`Close`]).
+    Engine(Close),
+    /// The request needs more bytes than the per-connection budget leaves.
+    RequestOverBudget {
+        /// Bytes the request needs in all (at least).
+        needed: usize,
+        /// Reply bytes the connection owed meanwhile.
+        owed: usize,
+        /// The per-connection budget.
+        limit: usize,
+    },
+    /// The reply would not fit the per-connection budget.
+    ReplyOverBudget {
+        /// The query answered.
+        query: QueryType,
+        /// The reply's size.
+        len: usize,
+        /// Bytes the connection held already (owed replies and unserved input).
+        held: usize,
+        /// The per-connection budget.
+        limit: usize,
+    },
+    /// A request the connection is not allowed to make (access control).
+    Denied {
+        /// The query refused.
+        query: QueryType,
+    },
+    /// The reply could not be encoded (the allocator refused its room).
+    Encode(EncodeError),
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::BadRequest(error) => write!(f, "bad request: {error}"),
+            Refusal::Engine(close) => fmt::Display::fmt(close, f),
+            Refusal::RequestOverBudget {
+                needed,
+                owed,
+                limit,
+            } => write!(
+                f,
+                "a request of at least {needed} bytes (with {owed} reply bytes unsent) is \
+                 over the server's limit of {limit} bytes per connection \
+                 (--max-conn-bytes)"
+            ),
+            Refusal::ReplyOverBudget {
+                query,
+                len,
+                held,
+                limit,
+            } => write!(
+                f,
+                "the {} reply of {len} bytes (with {held} bytes already held) is over the \
+                 server's limit of {limit} bytes per connection (--max-conn-bytes)",
+                query.name()
+            ),
+            Refusal::Denied { query } => {
+                write!(f, "{} is not allowed on this connection", query.name())
+            }
+            Refusal::Encode(error) => write!(f, "cannot encode a reply: {error}"),
+        }
+    }
+}
+
+#[cfg(feature = "std")]
+impl std::error::Error for Refusal {}
+
+/// One connection's serving state: its id, its decoder (which remembers how far it
+/// walked a key list still arriving) and its budget.
+#[derive(Debug, Clone)]
+pub struct Session {
+    id: ConnId,
+    decoder: RequestDecoder,
+    budget: Budget,
+}
+
+impl Session {
+    /// A session for connection `id` (already [`Engine::connect`]ed), decoding with
+    /// `limits` and held to `budget`'s per-connection account.
+    pub fn new(id: ConnId, limits: Limits, budget: Budget) -> Session {
+        Session {
+            id,
+            decoder: RequestDecoder::new(limits),
+            budget,
+        }
+    }
+
+    /// The connection's id.
+    pub fn id(&self) -> ConnId {
+        self.id
+    }
+
+    /// The budget this session enforces.
+    pub fn budget(&self) -> &Budget {
+        &self.budget
+    }
+
+    /// How many list items the decoder walked in all (a measure of decoding work).
+    pub fn items_walked(&self) -> u64 {
+        self.decoder.items_walked()
+    }
+
+    /// Serves at most one request from the front of `input`.
+    ///
+    /// `owed` is how many reply bytes the connection owes its peer, `out`'s included:
+    /// the caller adds what this call appends before the next one. `input` must be the
+    /// unconsumed bytes, as for [`RequestDecoder::decode`]: after `Served { used, .. }`
+    /// the caller drops exactly `used` bytes from its front. `now_ms` is the runtime's
+    /// clock (for `STATS` uptime).
+    #[inline]
+    pub fn serve(
+        &mut self,
+        engine: &mut Engine,
+        input: &[u8],
+        owed: usize,
+        out: &mut Vec<u8>,
+        wakes: &mut Vec<Wake>,
+        now_ms: u64,
+    ) -> Step {
+        if input.is_empty() {
+            return Step::Partial { needed: 1 };
+        }
+        if !self.budget.may_serve(owed) {
+            return Step::Blocked;
+        }
+        let (request, used) = match self.decoder.decode(input) {
+            Ok(Decoded::Complete(request, used)) => (request, used),
+            Ok(Decoded::Partial(more)) => {
+                let needed = input.len().saturating_add(more);
+                if !self.budget.request_fits(owed, needed) {
+                    return Step::Close(Refusal::RequestOverBudget {
+                        needed,
+                        owed,
+                        limit: self.budget.max_conn_bytes,
+                    });
+                }
+                return Step::Partial { needed: more };
+            }
+            Err(error) => return Step::Close(Refusal::BadRequest(error)),
+        };
+        let query = request.query_type();
+        if !self.admits(&request) {
+            return Step::Close(Refusal::Denied { query });
+        }
+        engine.tick(now_ms);
+        engine.count_traffic(used as u64, 0);
+        let before = out.len();
+        let outcome = match engine.handle_request(self.id, request) {
+            Ok(outcome) => outcome,
+            Err(close) => {
+                drain_wakes(engine, self.id, out, wakes);
+                return Step::Close(Refusal::Engine(close));
+            }
+        };
+        let len = outcome
+            .own_wakeups
+            .saturating_add(outcome.reply.as_ref().map_or(0, |r| r.encoded_len()));
+        let held = owed.saturating_add(input.len() - used);
+        if !self.budget.reply_fits(owed, input.len() - used, len) {
+            drain_wakes(engine, self.id, out, wakes);
+            return Step::Close(Refusal::ReplyOverBudget {
+                query,
+                len,
+                held,
+                limit: self.budget.max_conn_bytes,
+            });
+        }
+        // Own wake-ups first, then the reply (the engine's polling order).
+        if out.try_reserve(outcome.own_wakeups).is_err() {
+            return Step::Close(Refusal::Encode(EncodeError::OutOfMemory { needed: len }));
+        }
+        out.resize(
+            before + outcome.own_wakeups,
+            WaitResponse::StopWaiting as u8,
+        );
+        if let Some(reply) = outcome.reply {
+            if let Err(error) = reply.encode_into(out) {
+                out.truncate(before);
+                drain_wakes(engine, self.id, out, wakes);
+                return Step::Close(Refusal::Encode(error));
+            }
+        }
+        drain_wakes(engine, self.id, out, wakes);
+        engine.count_traffic(0, (out.len() - before) as u64);
+        Step::Served { used, query }
+    }
+
+    /// Whether this connection may make `request`: the one place each request's keys
+    /// can be checked (an authorised key prefix, say). Everything is allowed today, as
+    /// PyTorch's server allows it.
+    fn admits(&self, _request: &Request<'_>) -> bool {
+        true
+    }
+}
+
+/// Moves the wake-ups the engine owes into `wakes` (the requester's own, which the
+/// engine counts in `own_wakeups`, never appear here; one that did would go to `out`).
+fn drain_wakes(engine: &mut Engine, me: ConnId, out: &mut Vec<u8>, wakes: &mut Vec<Wake>) {
+    while let Some((target, wake)) = engine.poll_wakeup() {
+        if target == me {
+            out.push(wake as u8);
+        } else {
+            wakes.push((target, wake));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
