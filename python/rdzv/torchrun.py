@@ -226,6 +226,25 @@ def _handler_class() -> type:
             self._round: Any = None
             self._tcp_store: Any = None
             self._closed = False
+            # torch's client connects here, when torchrun creates the handler, as the
+            # c10d backend's creator connects its TCPStore: not inside next_rendezvous.
+            # Its connect resolves the server's address back to a name (a DNS query
+            # where /etc/hosts has no line for it), which a busy resolver may drop and
+            # retry only after 5 s; agents that all connect at the round's end would
+            # wait for the slowest lookup.
+            try:
+                self._store()
+            except Exception as e:
+                where = f"{self._settings.host}:{self._port()}"
+                server, self._server = self._server, None
+                if server is not None:
+                    server.stop()
+                raise api.RendezvousConnectionError(
+                    f"RendezvousConnectionError: torch's TCPStore client could not connect "
+                    f"to the rdzv store server at {where} "
+                    f"(run '{self._settings.run_id}'): {e}. Check that the host agent runs "
+                    "(or that an rdzv store serve listens there) and the endpoint."
+                ) from e
 
         # --- RendezvousHandler -------------------------------------------------------
 
