@@ -235,6 +235,10 @@ def test_handler_connects_torchs_client_when_created_not_in_next_rendezvous(
     try:
         info = handler.next_rendezvous()
         assert (info.rank, info.world_size) == (0, 1)
+        # Rank 0 published its address and a free port (torch's RendezvousStoreInfo).
+        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+        assert 0 < info.bootstrap_store_info.master_port < 65536
+        assert info.store.get("MASTER_ADDR") == b"127.0.0.1"
         info.store.set("k", b"v")
         assert info.store.get("k") == b"v"
     finally:
