@@ -381,7 +381,10 @@ def _handler_class() -> type:
             addr = local_addr or socket.getfqdn()
             store.multi_set(keys, [addr.encode("UTF-8"), str(get_free_port()).encode("UTF-8")])
         addr_value, port_value = store.multi_get(keys)
-        return info(master_addr=addr_value.decode("UTF-8"), master_port=int(port_value.decode("UTF-8")))
+        return info(
+            master_addr=addr_value.decode("UTF-8"),
+            master_port=int(port_value.decode("UTF-8")),
+        )
 
     _CLASS = RdzvRendezvousHandler
     return _CLASS
