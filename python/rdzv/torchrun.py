@@ -226,6 +226,25 @@ def _handler_class() -> type:
             self._round: Any = None
             self._tcp_store: Any = None
             self._closed = False
+            # torch's client connects here, when torchrun creates the handler, as the
+            # c10d backend's creator connects its TCPStore: not inside next_rendezvous.
+            # Its connect resolves the server's address back to a name (a DNS query
+            # where /etc/hosts has no line for it), which a busy resolver may drop and
+            # retry only after 5 s; agents that all connect at the round's end would
+            # wait for the slowest lookup.
+            try:
+                self._store()
+            except Exception as e:
+                where = f"{self._settings.host}:{self._port()}"
+                server, self._server = self._server, None
+                if server is not None:
+                    server.stop()
+                raise api.RendezvousConnectionError(
+                    f"RendezvousConnectionError: torch's TCPStore client could not connect "
+                    f"to the rdzv store server at {where} "
+                    f"(run '{self._settings.run_id}'): {e}. Check that the host agent runs "
+                    "(or that an rdzv store serve listens there) and the endpoint."
+                ) from e
 
         # --- RendezvousHandler -------------------------------------------------------
 
@@ -255,12 +274,7 @@ def _handler_class() -> type:
                 raise torch_error(e) from e
             self._round = round_
             store = dist.PrefixStore(round_.store_prefix, self._store())
-            try:
-                bootstrap = api.RendezvousStoreInfo.build(
-                    round_.rank, store, local_addr=s.local_addr
-                )
-            except TypeError:  # torch 2.4: build(rank, store)
-                bootstrap = api.RendezvousStoreInfo.build(round_.rank, store)
+            bootstrap = _bootstrap(round_.rank, store, s.local_addr)
             log.info(
                 "rdzv: node %s is rank %s of %s in round %s of run %s",
                 self._node.node if self._node is not None else "?",
@@ -348,6 +362,29 @@ def _handler_class() -> type:
                     wait_for_workers=False,
                 )
             return self._tcp_store
+
+    def _bootstrap(rank: int, store: Any, local_addr: Optional[str]) -> Any:
+        """torch's ``RendezvousStoreInfo.build``: rank 0 publishes its address and a free
+        port as ``MASTER_ADDR``/``MASTER_PORT`` in the round's store, and every rank reads
+        them; in two requests per rank (one ``multi_get``, which waits for both keys)
+        rather than four, where torch's store has ``multi_get``/``multi_set``."""
+        info = api.RendezvousStoreInfo
+        if not (hasattr(store, "multi_get") and hasattr(store, "multi_set")):
+            try:
+                return info.build(rank, store, local_addr=local_addr)
+            except TypeError:  # torch 2.4: build(rank, store)
+                return info.build(rank, store)
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        keys = [info.MASTER_ADDR_KEY, info.MASTER_PORT_KEY]
+        if rank == 0:
+            addr = local_addr or socket.getfqdn()
+            store.multi_set(keys, [addr.encode("UTF-8"), str(get_free_port()).encode("UTF-8")])
+        addr_value, port_value = store.multi_get(keys)
+        return info(
+            master_addr=addr_value.decode("UTF-8"),
+            master_port=int(port_value.decode("UTF-8")),
+        )
 
     _CLASS = RdzvRendezvousHandler
     return _CLASS

@@ -191,3 +191,66 @@ def test_node_killed_scales_down(job_factory) -> None:
     last = [r for r in job.records() if r["world"] == 4]
     assert sorted(r["rank"] for r in last) == [0, 1, 2, 3]
     assert {r["node"] for r in last} == {"a", "b"}
+
+
+def handler_params(port: int, run_id: str, node: str, **conf: object):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(
+        backend="rdzv",
+        endpoint=f"127.0.0.1:{port}",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+        is_host=False,
+        node_id=node,
+        last_call_timeout=1,
+        **conf,
+    )
+
+
+def test_handler_connects_torchs_client_when_created_not_in_next_rendezvous(
+    server, monkeypatch
+) -> None:
+    # torch's TCPStore client resolves the server's address back to a name as it
+    # connects; connecting in next_rendezvous put that lookup (5 s when a busy resolver
+    # drops it) inside every agent's round. As c10d's creator, the handler connects when
+    # torchrun creates it.
+    import torch.distributed as dist
+
+    from rdzv import torchrun
+
+    made: List[str] = []
+    real = dist.TCPStore
+
+    def recording(*args, **kwargs):
+        made.append(phase)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", recording)
+    phase = "create"
+    handler = torchrun.create_handler(handler_params(server.port, "early", "n0"))
+    phase = "next_rendezvous"
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        # Rank 0 published its address and a free port (torch's RendezvousStoreInfo).
+        assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+        assert 0 < info.bootstrap_store_info.master_port < 65536
+        assert info.store.get("MASTER_ADDR") == b"127.0.0.1"
+        info.store.set("k", b"v")
+        assert info.store.get("k") == b"v"
+    finally:
+        handler.shutdown()
+    assert made == ["create"]
+
+
+def test_handler_creation_fails_with_a_connection_error_without_a_server() -> None:
+    from torch.distributed.elastic.rendezvous import api
+
+    from rdzv import torchrun
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(api.RendezvousConnectionError, match=f"127.0.0.1:{port}"):
+        torchrun.create_handler(handler_params(port, "nobody", "n0", read_timeout=1))
