@@ -8,7 +8,8 @@
 //!   listed network is closed at accept. It works with PyTorch's clients. IPv4 and IPv6
 //!   networks; a peer on an IPv4-mapped IPv6 address (`::ffff:10.1.2.3`, what a dual-stack
 //!   listener reports for an IPv4 peer) is matched as the IPv4 address, and a rule written
-//!   as a mapped network (`::ffff:10.0.0.0/104`) as the IPv4 network it maps.
+//!   as a mapped network (`::ffff:10.0.0.0/104`) as the IPv4 network it maps. An IPv6
+//!   network wider than the mapped range (`::/0`) holds the IPv4 peers it maps.
 //! * **Tokens** (`--token-file PATH`, [`TokenTable`]): every connection must first send
 //!   rdzv's `AUTH` query ([`crate::store::codec::decode_auth`]) with a token from the
 //!   file; a token may be bound to a key prefix, so that one job cannot read or change
@@ -190,6 +191,12 @@ impl Cidr {
             (IpAddr::V6(net), IpAddr::V6(peer)) => {
                 masked(u128::from(net), 128, self.prefix_len)
                     == masked(u128::from(peer), 128, self.prefix_len)
+            }
+            // An IPv6 network wider than the mapped range (`::/0`, `::ffff:0:0/4`)
+            // holds an IPv4 peer as its mapped address `::ffff:a.b.c.d`.
+            (IpAddr::V6(net), IpAddr::V4(peer)) => {
+                masked(u128::from(net), 128, self.prefix_len)
+                    == masked(u128::from(peer.to_ipv6_mapped()), 128, self.prefix_len)
             }
             _ => false,
         }

@@ -37,11 +37,18 @@ fn allowlists_match_v4_v6_and_mapped_peers() {
     assert!(mapped.allows(ip("10.200.0.1")));
     assert!(mapped.allows(ip("::ffff:10.200.0.1")));
     assert!(!mapped.allows(ip("11.0.0.1")));
-    // /0 is a whole family, and only that family.
+    // 0.0.0.0/0 is every IPv4 peer; ::/0 is every IPv6 address, the mapped IPv4 ones
+    // included (as a dual-stack socket bound to :: takes IPv4 too).
     let any4 = Allowlist::parse("0.0.0.0/0").unwrap();
     assert!(any4.allows(ip("8.8.8.8")) && any4.allows(ip("::ffff:1.2.3.4")));
     assert!(!any4.allows(ip("2001:db8::1")));
-    assert!(Allowlist::parse("::/0").unwrap().allows(ip("2001:db8::1")));
+    let any6 = Allowlist::parse("::/0").unwrap();
+    assert!(any6.allows(ip("2001:db8::1")) && any6.allows(ip("1.2.3.4")));
+    // A mapped address under a prefix shorter than the mapped range stays an IPv6
+    // network, and still holds the IPv4 peers it maps (found by the fuzzer).
+    let wide = Allowlist::parse("::ffff:10.0.0.0/4").unwrap();
+    assert!(wide.allows(ip("10.0.0.0")) && wide.allows(ip("::ffff:10.0.0.0")));
+    assert!(!Allowlist::parse("fd00::/8").unwrap().allows(ip("10.0.0.1")));
 }
 
 #[test]
