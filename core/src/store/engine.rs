@@ -234,6 +234,7 @@ impl Outcome<'_> {
 }
 
 /// The reply to a request, described without borrowing the store (see `Engine::render`).
+#[allow(clippy::large_enum_variant)] // STATS' counters, a rare reply, held inline
 enum Answer<'r> {
     /// No reply (now).
     Silent,

@@ -956,6 +956,7 @@ mod tests {
                 shared: Arc::clone(&shared),
                 limits: Limits::default(),
                 budget: Budget::default(),
+                access: None,
                 stats: Arc::clone(&stats),
                 drain: Duration::from_secs(1),
                 spin: None,
