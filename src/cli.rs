@@ -170,27 +170,25 @@ struct NotForServe {
 }
 
 /// `serve --allow` and `serve --token-file`: parsed and checked (core's
-/// `store::access`), but the server loops do not enforce them yet, so `serve` refuses to
-/// start with them rather than serve unprotected while claiming protection.
-fn access_flags(allow: Option<&str>, token_file: Option<&std::path::Path>) -> Result<(), CliError> {
-    use rdzv_core::store::access::{Allowlist, TokenTable};
-    if allow.is_none() && token_file.is_none() {
-        return Ok(());
-    }
-    if let Some(allow) = allow {
-        Allowlist::parse(allow)?;
-    }
-    if let Some(path) = token_file {
-        let bytes =
-            std::fs::read(path).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
-        TokenTable::parse(&bytes).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
-    }
-    Err(
-        "--allow and --token-file are valid, but this build's store server does not enforce \
-         them yet (see README, Security); refusing to start rather than serve without the \
-         protection asked for"
-            .into(),
-    )
+/// `store::access`) into the policy the server loops enforce.
+fn access_flags(
+    allow: Option<&str>,
+    token_file: Option<&std::path::Path>,
+) -> Result<rdzv_core::store::access::AccessPolicy, CliError> {
+    use rdzv_core::store::access::{AccessPolicy, Allowlist, TokenTable};
+    let allow = allow.map(Allowlist::parse).transpose()?;
+    let tokens = match token_file {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+            Some(
+                TokenTable::parse(&bytes)
+                    .map_err(|e| format!("--token-file {}: {e}", path.display()))?,
+            )
+        }
+        None => None,
+    };
+    Ok(AccessPolicy::new(allow, tokens))
 }
 
 impl NotForServe {
@@ -367,7 +365,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 )
                 .into());
             }
-            access_flags(allow.as_deref(), token_file.as_deref())?;
+            let access = access_flags(allow.as_deref(), token_file.as_deref())?;
             let metrics = match metrics {
                 Some(addr) => Some(metrics_addr(&addr)?),
                 None => None,
@@ -396,6 +394,7 @@ fn store(args: StoreArgs) -> Result<ExitCode, CliError> {
                 io,
                 listen_fd,
                 metrics,
+                access,
                 limits: match budget.max_value_bytes {
                     // The wire limit follows, so that a larger value is not refused
                     // by the decoder first.

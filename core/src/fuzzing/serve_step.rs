@@ -66,7 +66,7 @@ pub fn serve_step_with(data: &[u8], reads: &[usize], budget: Budget) {
                 round as u64,
             );
             match step {
-                Step::Served { used, .. } => {
+                Step::Served { used, .. } | Step::Authenticated { used } => {
                     assert!(used > 0 && used <= input.len());
                     input.drain(..used);
                     assert!(

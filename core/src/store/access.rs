@@ -569,6 +569,11 @@ impl AccessPolicy {
         AccessPolicy { allow, tokens }
     }
 
+    /// Whether neither an allowlist nor tokens are set (PyTorch's default).
+    pub fn is_open(&self) -> bool {
+        self.allow.is_none() && self.tokens.is_none()
+    }
+
     /// Whether tokens are required.
     pub fn requires_tokens(&self) -> bool {
         self.tokens.is_some()

@@ -77,6 +77,7 @@ use core::fmt;
 use hashbrown::hash_map::EntryRef;
 use hashbrown::HashMap;
 
+use super::access::{AccessCounters, Refusal};
 use super::budget::Budget;
 use super::semantics::{self, CounterError, Decimal};
 use super::{
@@ -233,6 +234,7 @@ impl Outcome<'_> {
 }
 
 /// The reply to a request, described without borrowing the store (see `Engine::render`).
+#[allow(clippy::large_enum_variant)] // STATS' counters, a rare reply, held inline
 enum Answer<'r> {
     /// No reply (now).
     Silent,
@@ -304,6 +306,8 @@ pub struct Engine {
     /// Bytes the runtime reported through [`Engine::count_traffic`].
     bytes_in: u64,
     bytes_out: u64,
+    /// Access-control refusals the runtime reported through [`Engine::count_refusal`].
+    refusals: AccessCounters,
 }
 
 impl Default for Engine {
@@ -338,6 +342,7 @@ impl Engine {
             requests: [0; QueryType::ALL.len()],
             bytes_in: 0,
             bytes_out: 0,
+            refusals: AccessCounters::default(),
         }
     }
 
@@ -494,6 +499,12 @@ impl Engine {
         self.bytes_out = self.bytes_out.saturating_add(bytes_out);
     }
 
+    /// Counts an access-control refusal (a peer closed at accept, a bad or missing
+    /// token, a request outside a token's scope) for `STATS`.
+    pub fn count_refusal(&mut self, refusal: &Refusal) {
+        self.refusals.record(refusal);
+    }
+
     /// What `STATS` reports now; `uptime_ms` is [`Engine::uptime_ms`], as of the last
     /// [`Engine::tick`].
     pub fn stats(&self) -> StoreStats {
@@ -506,6 +517,9 @@ impl Engine {
             bytes_out: self.bytes_out,
             uptime_ms: self.uptime_ms(),
             requests: self.requests,
+            refused_peers: self.refusals.refused_peers,
+            refused_tokens: self.refusals.refused_tokens,
+            refused_requests: self.refusals.refused_requests,
         }
     }
 

@@ -459,6 +459,7 @@ impl Request<'_> {
 /// decodes one knowing the request it answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
+#[allow(clippy::large_enum_variant)] // STATS' counters, a rare reply, held inline
 pub enum Response<'a> {
     /// `PING`: the nonce, echoed.
     Pong(u32),
@@ -491,8 +492,9 @@ pub enum Response<'a> {
 ///
 /// On the wire the reply is a `u64` count n followed by n little-endian `u64` counters, in
 /// the order of [`StoreStats::COUNTERS`]: connections, keys, waiters, queues, bytes in,
-/// bytes out, uptime in milliseconds, then requests served per query type in
-/// [`QueryType::ALL`] order. A decoder reads the counters it knows and skips any
+/// bytes out, uptime in milliseconds, requests served per query type in
+/// [`QueryType::ALL`] order, then the access-control refusals (peers, tokens,
+/// requests; see `store::access`). A decoder reads the counters it knows and skips any
 /// others, so a newer server can append counters without breaking older clients; a
 /// counter missing from a shorter reply reads as 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -513,11 +515,21 @@ pub struct StoreStats {
     pub uptime_ms: u64,
     /// Requests served, indexed by [`QueryType::index`].
     pub requests: [u64; QueryType::ALL.len()],
+    /// Peers closed at accept by the `--allow` list.
+    pub refused_peers: u64,
+    /// Connections closed for a missing or unknown token (`--token-file`).
+    pub refused_tokens: u64,
+    /// Connections closed for a request outside their token's scope.
+    pub refused_requests: u64,
 }
 
 impl StoreStats {
-    /// How many counters this version sends: 7 figures, then one per query type.
-    pub const COUNTERS: usize = 7 + QueryType::ALL.len();
+    /// How many counters this version sends: 7 figures, one per query type, then the
+    /// 3 refusal counters.
+    pub const COUNTERS: usize = 7 + QueryType::ALL.len() + 3;
+
+    /// Where the refusal counters start in wire order.
+    const REFUSALS: usize = 7 + QueryType::ALL.len();
 
     /// Requests served of one query type.
     pub const fn requests_of(&self, query: QueryType) -> u64 {
@@ -534,7 +546,10 @@ impl StoreStats {
             4 => self.bytes_in,
             5 => self.bytes_out,
             6 => self.uptime_ms,
-            i if i < Self::COUNTERS => self.requests[i - 7],
+            i if i < Self::REFUSALS => self.requests[i - 7],
+            i if i == Self::REFUSALS => self.refused_peers,
+            i if i == Self::REFUSALS + 1 => self.refused_tokens,
+            i if i == Self::REFUSALS + 2 => self.refused_requests,
             _ => 0,
         }
     }
@@ -550,7 +565,10 @@ impl StoreStats {
             4 => self.bytes_in = value,
             5 => self.bytes_out = value,
             6 => self.uptime_ms = value,
-            i if i < Self::COUNTERS => self.requests[i - 7] = value,
+            i if i < Self::REFUSALS => self.requests[i - 7] = value,
+            i if i == Self::REFUSALS => self.refused_peers = value,
+            i if i == Self::REFUSALS + 1 => self.refused_tokens = value,
+            i if i == Self::REFUSALS + 2 => self.refused_requests = value,
             _ => {}
         }
     }

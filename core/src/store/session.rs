@@ -13,14 +13,24 @@
 //! Reply room is reserved fallibly.
 //!
 //! It does no I/O, keeps no clock and routes nothing between threads: which thread owns
-//! a woken connection is the runtime's business. Access control has one seam here,
-//! [`Session::admits`], which every request passes before it reaches the engine.
+//! a woken connection is the runtime's business.
+//!
+//! Access control: a session built [`Session::with_access`] under a policy that requires
+//! tokens first takes rdzv's `AUTH` frame (answering [`AUTH_ACCEPTED`]) and then checks
+//! every request against the token's scope ([`Session::admits`]) before the engine sees
+//! it; the policy decides ([`AccessPolicy`]), this step only carries the connection's
+//! [`ConnAccess`]. Without a policy (or one without tokens) that costs one `Option`
+//! check per request. Who may connect at all is decided at accept, by the runtime.
 
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::fmt;
 
+use super::access::{self, AccessPolicy, ConnAccess};
+use super::codec::{decode_auth, AUTH_ACCEPTED, MAX_AUTH_TOKEN_LEN};
+
 use super::budget::Budget;
-use super::codec::{DecodeError, Decoded, EncodeError, Limits, RequestDecoder};
+use super::codec::{AuthDecodeError, DecodeError, Decoded, EncodeError, Limits, RequestDecoder};
 use super::engine::{Close, Engine};
 use super::{ConnId, QueryType, Request, WaitResponse};
 
@@ -38,6 +48,12 @@ pub enum Step {
         used: usize,
         /// The request's query.
         query: QueryType,
+    },
+    /// The connection's `AUTH` frame was accepted: drop `used` bytes from the input;
+    /// [`AUTH_ACCEPTED`] was appended to `out`. Call again for the next request.
+    Authenticated {
+        /// Bytes consumed.
+        used: usize,
     },
     /// No whole request is in the input: at least `needed` more bytes must arrive.
     Partial {
@@ -80,11 +96,9 @@ pub enum Refusal {
         /// The per-connection budget.
         limit: usize,
     },
-    /// A request the connection is not allowed to make (access control).
-    Denied {
-        /// The query refused.
-        query: QueryType,
-    },
+    /// Access control refused the connection: no or a bad token, or a request outside
+    /// the token's scope.
+    Access(access::Refusal),
     /// The reply could not be encoded (the allocator refused its room).
     Encode(EncodeError),
 }
@@ -115,9 +129,7 @@ impl fmt::Display for Refusal {
                  server's limit of {limit} bytes per connection (--max-conn-bytes)",
                 query.name()
             ),
-            Refusal::Denied { query } => {
-                write!(f, "{} is not allowed on this connection", query.name())
-            }
+            Refusal::Access(refusal) => fmt::Display::fmt(refusal, f),
             Refusal::Encode(error) => write!(f, "cannot encode a reply: {error}"),
         }
     }
@@ -133,6 +145,9 @@ pub struct Session {
     id: ConnId,
     decoder: RequestDecoder,
     budget: Budget,
+    /// The policy and where this connection stands with it; `None` when no tokens are
+    /// required (every request allowed).
+    access: Option<(Arc<AccessPolicy>, ConnAccess)>,
 }
 
 impl Session {
@@ -143,7 +158,17 @@ impl Session {
             id,
             decoder: RequestDecoder::new(limits),
             budget,
+            access: None,
         }
+    }
+
+    /// This session held to `policy`'s tokens (a policy without tokens changes nothing:
+    /// its allowlist is the runtime's to apply at accept).
+    pub fn with_access(mut self, policy: &Arc<AccessPolicy>) -> Session {
+        self.access = policy
+            .requires_tokens()
+            .then(|| (Arc::clone(policy), policy.new_connection()));
+        self
     }
 
     /// The connection's id.
@@ -184,6 +209,32 @@ impl Session {
         if !self.budget.may_serve(owed) {
             return Step::Blocked;
         }
+        if let Some((policy, ConnAccess::AwaitingAuth)) = &mut self.access {
+            return match decode_auth(input, MAX_AUTH_TOKEN_LEN) {
+                Ok(Decoded::Partial(needed)) => Step::Partial { needed },
+                Ok(Decoded::Complete(auth, used)) => {
+                    match policy.authenticate(ConnAccess::AwaitingAuth, Some(auth.token)) {
+                        Ok(state) => {
+                            if out.try_reserve(1).is_err() {
+                                return Step::Close(Refusal::Encode(EncodeError::OutOfMemory {
+                                    needed: 1,
+                                }));
+                            }
+                            out.push(AUTH_ACCEPTED);
+                            if let Some((_, access)) = &mut self.access {
+                                *access = state;
+                            }
+                            Step::Authenticated { used }
+                        }
+                        Err(refusal) => Step::Close(Refusal::Access(refusal)),
+                    }
+                }
+                Err(AuthDecodeError::NotAuth { byte }) => {
+                    Step::Close(Refusal::Access(access::Refusal::NotAuthenticated { byte }))
+                }
+                Err(_) => Step::Close(Refusal::Access(access::Refusal::BadToken)),
+            };
+        }
         let (request, used) = match self.decoder.decode(input) {
             Ok(Decoded::Complete(request, used)) => (request, used),
             Ok(Decoded::Partial(more)) => {
@@ -200,8 +251,8 @@ impl Session {
             Err(error) => return Step::Close(Refusal::BadRequest(error)),
         };
         let query = request.query_type();
-        if !self.admits(&request) {
-            return Step::Close(Refusal::Denied { query });
+        if let Err(refusal) = self.admits(&request) {
+            return Step::Close(Refusal::Access(refusal));
         }
         engine.tick(now_ms);
         engine.count_traffic(used as u64, 0);
@@ -246,11 +297,15 @@ impl Session {
         Step::Served { used, query }
     }
 
-    /// Whether this connection may make `request`: the one place each request's keys
-    /// can be checked (an authorised key prefix, say). Everything is allowed today, as
-    /// PyTorch's server allows it.
-    fn admits(&self, _request: &Request<'_>) -> bool {
-        true
+    /// Whether this connection may make `request`: the one place each request passes
+    /// before the engine. Without tokens everything is allowed, as PyTorch's server
+    /// allows it.
+    #[inline]
+    fn admits(&self, request: &Request<'_>) -> Result<(), access::Refusal> {
+        match &self.access {
+            None => Ok(()),
+            Some((policy, state)) => policy.authorize(*state, request),
+        }
     }
 }
 

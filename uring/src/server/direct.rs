@@ -42,6 +42,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
@@ -304,6 +305,8 @@ pub(super) struct LoopSetup {
     pub(super) shared: Arc<SharedEngine>,
     pub(super) limits: Limits,
     pub(super) budget: Budget,
+    /// `--allow` and `--token-file`; `None` when neither is set.
+    pub(super) access: Option<Arc<AccessPolicy>>,
     pub(super) stats: Arc<StatsCells>,
     pub(super) drain: Duration,
     /// Keep polling the completion queue this long after the last completion before
@@ -324,6 +327,7 @@ struct Server {
     shared: Arc<SharedEngine>,
     limits: Limits,
     budget: Budget,
+    access: Option<Arc<AccessPolicy>>,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
     /// Per-connection warnings and accept failures, rate-limited.
@@ -355,6 +359,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         shared,
         limits,
         budget,
+        access,
         stats,
         drain,
         spin,
@@ -370,6 +375,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         shared,
         limits,
         budget,
+        access,
         stats,
         conns: Vec::new(),
         warnings: Throttle::default(),
@@ -391,6 +397,15 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
 }
 
 impl Server {
+    /// A new connection's serve step, held to the token policy if there is one.
+    fn new_session(&self, id: ConnId) -> Session {
+        let session = Session::new(id, self.limits, self.budget);
+        match &self.access {
+            Some(policy) => session.with_access(policy),
+            None => session,
+        }
+    }
+
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
         let mut drain_deadline = None;
         let mut busy_until = None;
@@ -503,6 +518,20 @@ impl Server {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
+        if let Some(policy) = &self.access {
+            let peer = socket2::SockRef::from(&fd)
+                .peer_addr()
+                .ok()
+                .and_then(|addr| addr.as_socket());
+            // A peer already gone has no address: close it too.
+            let admitted = peer.is_some_and(|peer| {
+                self.shared
+                    .admit(self.index, policy, peer.ip(), &mut self.accept_warnings)
+            });
+            if !admitted {
+                return;
+            }
+        }
         let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
         else {
             return;
@@ -513,6 +542,7 @@ impl Server {
         self.seq = self.seq.wrapping_add(1);
         let id = shared_engine::conn_id(self.index, slot, self.seq);
         self.shared.turn(self.index, |engine, _| engine.connect(id));
+        let session = self.new_session(id);
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
                 fd: Arc::new(fd),
@@ -520,7 +550,7 @@ impl Server {
                 phase: Phase::Open,
                 reading: Reading::Idle(ReadBuf::new(self.budget.max_conn_bytes)),
                 writing: Writing::Idle(Outgoing::default()),
-                session: Session::new(id, self.limits, self.budget),
+                session,
                 blocked: false,
                 arrived: 0,
                 needed: 1,
@@ -926,6 +956,7 @@ mod tests {
                 shared: Arc::clone(&shared),
                 limits: Limits::default(),
                 budget: Budget::default(),
+                access: None,
                 stats: Arc::clone(&stats),
                 drain: Duration::from_secs(1),
                 spin: None,

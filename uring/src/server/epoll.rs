@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
+use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
@@ -151,6 +152,7 @@ struct Loop {
     shared: Arc<SharedEngine>,
     limits: Limits,
     budget: Budget,
+    access: Option<Arc<AccessPolicy>>,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
     /// Per-connection warnings and accept failures, rate-limited.
@@ -186,6 +188,8 @@ pub(super) struct LoopSetup {
     pub(super) shared: Arc<SharedEngine>,
     pub(super) limits: Limits,
     pub(super) budget: Budget,
+    /// `--allow` and `--token-file`; `None` when neither is set.
+    pub(super) access: Option<Arc<AccessPolicy>>,
     pub(super) stats: Arc<StatsCells>,
     pub(super) drain: Duration,
     pub(super) spin: Option<Duration>,
@@ -207,6 +211,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         shared,
         limits,
         budget,
+        access,
         stats,
         drain,
         spin,
@@ -225,6 +230,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         shared,
         limits,
         budget,
+        access,
         stats,
         conns: Vec::new(),
         warnings: Throttle::default(),
@@ -249,6 +255,15 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
 }
 
 impl Loop {
+    /// A new connection's serve step, held to the token policy if there is one.
+    fn new_session(&self, id: ConnId) -> Session {
+        let session = Session::new(id, self.limits, self.budget);
+        match &self.access {
+            Some(policy) => session.with_access(policy),
+            None => session,
+        }
+    }
+
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
         let mut events = Events::with_capacity(EVENTS);
         let mut deadline = None;
@@ -350,7 +365,7 @@ impl Loop {
             let Some(listener) = self.listener.as_ref() else {
                 return;
             };
-            let (mut stream, _) = match listener.accept() {
+            let (mut stream, peer) = match listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -379,6 +394,15 @@ impl Loop {
                     return;
                 }
             };
+            if let Some(policy) = &self.access {
+                if !self
+                    .shared
+                    .admit(self.index, policy, peer.ip(), &mut self.accept_warnings)
+                {
+                    drop(stream);
+                    continue;
+                }
+            }
             let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
             else {
                 continue;
@@ -400,13 +424,14 @@ impl Loop {
             self.seq = self.seq.wrapping_add(1);
             let id = shared_engine::conn_id(self.index, slot, self.seq);
             self.shared.turn(self.index, |engine, _| engine.connect(id));
+            let session = self.new_session(id);
             if let Some(entry) = self.conns.get_mut(slot) {
                 *entry = Some(Conn {
                     stream,
                     id,
                     phase: Phase::Open,
                     input: ReadBuf::new(self.budget.max_conn_bytes),
-                    session: Session::new(id, self.limits, self.budget),
+                    session,
                     blocked: false,
                     deferred: false,
                     arrived: 0,

@@ -41,6 +41,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::codec::Limits;
 
@@ -91,6 +92,9 @@ pub struct ServerOptions {
     /// format at `http://ADDR/metrics` (port 0 picks one: [`StoreServer::metrics_addr`]).
     /// Off by default; the loops record nothing for it then.
     pub metrics: Option<SocketAddr>,
+    /// Who may connect (`--allow`) and which keys each token reaches (`--token-file`);
+    /// open by default, as PyTorch's server is. See `rdzv_core::store::access`.
+    pub access: AccessPolicy,
 }
 
 /// What an idle event loop does before it sleeps in the kernel.
@@ -142,6 +146,7 @@ impl Default for ServerOptions {
             io: IoMode::default(),
             listen_fd: None,
             metrics: None,
+            access: AccessPolicy::open(),
         }
     }
 }
@@ -437,6 +442,7 @@ fn start_epoll(
             shared: Arc::clone(&engine),
             limits: options.limits,
             budget: options.budget,
+            access: access_of(options),
             stats: Arc::clone(&shared.stats),
             drain: options.drain_timeout,
             spin,
@@ -476,6 +482,7 @@ fn start_uring(
             shared: Arc::clone(&engine),
             limits: options.limits,
             budget: options.budget,
+            access: access_of(options),
             stats: Arc::clone(&shared.stats),
             drain: options.drain_timeout,
             spin,
@@ -484,6 +491,11 @@ fn start_uring(
         loops.push(Box::new(move || direct::serve(setup, &stop)));
     }
     spawn_loops(loops, options.pin, shared)
+}
+
+/// The loops' access policy: `None` when it is open (nothing to check).
+fn access_of(options: &ServerOptions) -> Option<Arc<AccessPolicy>> {
+    (!options.access.is_open()).then(|| Arc::new(options.access.clone()))
 }
 
 /// One event loop's thread body (io_uring or epoll).

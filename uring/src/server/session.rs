@@ -63,6 +63,7 @@ pub(super) fn serve_input(
                     metrics.record(query, started.elapsed());
                 }
             }
+            Step::Authenticated { used: n } => used += n,
             Step::Partial { needed } => {
                 break Served {
                     used,
@@ -80,6 +81,9 @@ pub(super) fn serve_input(
                 }
             }
             Step::Close(refusal) => {
+                if let step::Refusal::Access(refusal) = &refusal {
+                    engine.count_refusal(refusal);
+                }
                 if let Some(suppressed) = warnings.allow(Instant::now()) {
                     tracing::warn!(%peer, reason = %refusal, suppressed, "closing store connection");
                 }

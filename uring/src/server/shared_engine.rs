@@ -33,6 +33,7 @@ use rdzv_core::store::ConnId;
 use super::metrics::Metrics;
 use super::session::{self, Served, Throttle};
 use super::StatsCells;
+use rdzv_core::store::access::AccessPolicy;
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
 pub(super) const MAX_LOOPS: usize = 256;
@@ -267,6 +268,26 @@ impl SharedEngine {
 
     /// Runs `f` with the engine locked, on behalf of loop `me`; then publishes the
     /// engine's counts, unlocks, and wakes the loops that `f` routed wake-ups to.
+    /// At accept: whether a peer at `peer` may connect under `policy`. A refused one is
+    /// counted (`STATS`) and logged through `warnings` (rate-limited); the caller closes
+    /// it.
+    pub(super) fn admit(
+        &self,
+        me: usize,
+        policy: &AccessPolicy,
+        peer: std::net::IpAddr,
+        warnings: &mut Throttle,
+    ) -> bool {
+        let Err(refusal) = policy.admit(peer) else {
+            return true;
+        };
+        self.turn(me, |engine, _| engine.count_refusal(&refusal));
+        if let Some(suppressed) = warnings.allow(std::time::Instant::now()) {
+            tracing::warn!(%peer, reason = %refusal, suppressed, "refusing store connection");
+        }
+        false
+    }
+
     pub(super) fn turn<R>(
         &self,
         me: usize,

@@ -102,6 +102,7 @@ impl PendingReply {
 /// mirrors [`Response`]; with `alloc`, `ResponseView::to_response` converts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
+#[allow(clippy::large_enum_variant)] // STATS' counters, a rare reply, held inline
 pub enum ResponseView<'a> {
     /// `PING`: the nonce, echoed.
     Pong(u32),
