@@ -25,31 +25,12 @@ use std::path::{Path, PathBuf};
 /// Cycles still present, each as the modules of one circle (`crate::path`, in order):
 /// issue 27 asks for them to go. Remove an entry when its circle is broken.
 const KNOWN_CYCLES: &[&[&str]] = &[
-    // Issue 27 (found by this test): the RPC errors' kinds name each other.
-    &[
-        "rdzv_uring::rpc::error::call",
-        "rdzv_uring::rpc::error::pipe",
-    ],
-    &[
-        "rdzv_uring::rpc::error::call",
-        "rdzv_uring::rpc::error::rref",
-    ],
-    // Issue 27 (found by this test): the shm rings' error and viability probe.
-    &["rdzv_uring::shm::error", "rdzv_uring::shm::viability"],
-    &[
-        "rdzv_uring::shm::viability",
-        "rdzv_uring::shm::segment",
-        "rdzv_uring::shm::error",
-    ],
     // Issue 27 (found by this test): the store server and the TCP client.
     &[
         "rdzv_uring::server",
         "rdzv_uring::server::direct",
         "rdzv_uring::store::tcp",
     ],
-    // Issue 27 (found by this test): `rdzv bench rpc`'s session, pair and viability.
-    &["rdzv::bench::rpc::pair", "rdzv::bench::rpc::session"],
-    &["rdzv::bench::rpc::session", "rdzv::bench::rpc::viability"],
 ];
 
 /// The crates and their root files, relative to the workspace.

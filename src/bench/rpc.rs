@@ -31,6 +31,7 @@ mod payload;
 mod raw;
 mod row;
 mod session;
+mod spec;
 mod viability;
 
 use std::io::{BufRead as _, BufReader, IsTerminal as _, Write as _};
@@ -46,7 +47,8 @@ use rdzv_uring::{ServerOptions, StoreServer};
 
 use crate::error::CliError;
 use row::{RunMode, Skip};
-use session::{Channels, Measurement, Pair};
+use session::Measurement;
+use spec::{Channels, Pair};
 
 const TWO_HOST_HELP: &str = "\
 Two hosts (as with ib_write_bw):

@@ -22,7 +22,7 @@ use rdzv_uring::rpc::{init_rpc, DeviceBuffer, Message, RpcAgent, RpcOptions, Ten
 
 use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
-use super::session::{Channels, Pair, ECHO, NAMES};
+use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
 use crate::error::CliError;
 

@@ -23,14 +23,13 @@
 //! second store and the rank that hosts the store need not be rank 0. This module runs
 //! the protocol; timing is `pair`'s, `raw`'s and `cuda`'s.
 
-use std::fmt;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rdzv_core::env::Env;
-use rdzv_core::negotiate::{ChannelKind, TransportKind};
+use rdzv_core::negotiate::TransportKind;
 use rdzv_core::url::RendezvousUrl;
 use rdzv_uring::rendezvous::{
     register_rendezvous_handler, Rendezvous, RendezvousError, RendezvousOptions,
@@ -42,13 +41,10 @@ use serde::{Deserialize, Serialize};
 
 use super::raw::{self, RawEchoServer};
 use super::row::{Row, RunMode, Skip};
+use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::{pair_here, pair_on_serving_side, shm_domain};
 use crate::error::CliError;
 
-/// The worker names: rank 0 measures, rank 1 serves.
-pub(super) const NAMES: [&str; 2] = ["bench-rpc-0", "bench-rpc-1"];
-/// The handler both sides register: it returns what it is given.
-pub(super) const ECHO: &str = "echo";
 /// The rendezvous scheme of the benchmark's agents.
 const SCHEME: &str = "rdzvbench";
 const PLAN_KEY: &str = "rdzv-bench-rpc/plan";
@@ -65,57 +61,6 @@ const DONE_TIMEOUT: Duration = Duration::from_secs(3600);
 const POLL: Duration = Duration::from_millis(200);
 /// Calls run for minutes at most (64 MiB echoes on a loaded host included).
 const RPC_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The channels a pair's agents offer: the agent's own default list (what users get
-/// from `init_rpc` without a `channels` option), or one channel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Channels {
-    /// The agent's default list: large CPU tensors over xth or cma where viable, else
-    /// over mpt with tcp, else inline (`basic`).
-    Default,
-    /// Only this channel.
-    Only(ChannelKind),
-}
-
-impl Channels {
-    /// The name of [`Channels::Default`] in plans and skipped rows.
-    pub(super) const DEFAULT_NAME: &'static str = "default";
-
-    /// `default`, or the channel's name.
-    pub(super) fn name(self) -> &'static str {
-        match self {
-            Channels::Default => Self::DEFAULT_NAME,
-            Channels::Only(kind) => kind.name(),
-        }
-    }
-
-    /// The agents' `channels` option.
-    pub(super) fn option(self) -> Option<Vec<String>> {
-        match self {
-            Channels::Default => None,
-            Channels::Only(kind) => Some(vec![kind.name().to_string()]),
-        }
-    }
-}
-
-impl fmt::Display for Channels {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A transport and the channels its tensors may take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Pair {
-    pub(super) transport: TransportKind,
-    pub(super) channel: Channels,
-}
-
-impl fmt::Display for Pair {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.transport, self.channel)
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct PairSpec {
@@ -527,6 +472,8 @@ impl Measurement<'_> {
 
 #[cfg(test)]
 mod tests {
+    use rdzv_core::negotiate::ChannelKind;
+
     use super::*;
 
     #[test]

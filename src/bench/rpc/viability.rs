@@ -13,7 +13,7 @@
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_uring::rpc::{InitError, RpcOptions};
 
-use super::session::Channels;
+use super::spec::Channels;
 
 /// The transports measured when `--transport` is not given, in column order.
 pub(super) const DEFAULT_TRANSPORTS: [TransportKind; 3] =

@@ -1,4 +1,5 @@
-//! Errors of the shm transport.
+//! Errors of the shm transport: [`ShmError`] and [`NotViable`], which hold each other
+//! (a failed test allocation, a transport that cannot work here) and so share this leaf.
 
 use std::io;
 
@@ -86,11 +87,11 @@ pub enum ShmError {
         /// The buffer length.
         available: usize,
     },
-    /// The shm transport cannot work in this process (see [`super::NotViable`]).
+    /// The shm transport cannot work in this process (see [`NotViable`]).
     #[error(transparent)]
     NotViable {
         /// Why.
-        source: Box<super::NotViable>,
+        source: Box<NotViable>,
     },
     /// The options are not usable.
     #[error("invalid shm options: {detail}")]
@@ -123,4 +124,24 @@ impl ShmError {
             _ => ShmError::PeerClosed,
         }
     }
+}
+
+/// Why the shm transport cannot be used in this process.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotViable {
+    /// The boot id or the network namespace could not be read.
+    #[error("shm transport not viable: {source}")]
+    Host {
+        /// What failed.
+        #[source]
+        source: crate::host::IdentityError,
+    },
+    /// The test allocation of a shared-memory segment failed.
+    #[error("shm transport not viable: test allocation of a 1 MiB segment failed: {source}")]
+    Allocation {
+        /// What failed.
+        #[source]
+        source: ShmError,
+    },
 }

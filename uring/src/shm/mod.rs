@@ -53,5 +53,5 @@ mod viability;
 
 pub use bootstrap::ShmAddr;
 pub use connection::{ShmConnection, ShmListener, ShmOptions, ShmReceiver, ShmSender};
-pub use error::ShmError;
-pub use viability::{viability, DomainDescriptor, HostIdentity, NotViable};
+pub use error::{NotViable, ShmError};
+pub use viability::{viability, DomainDescriptor, HostIdentity};

@@ -15,8 +15,8 @@ use std::fmt;
 
 use crate::host::{self, NET_NS_PATH};
 
+use super::error::NotViable;
 use super::segment::Segment;
-use super::ShmError;
 
 /// The test allocation's data region: 1 MiB, as TensorPipe's.
 const TEST_ALLOCATION: usize = 1 << 20;
@@ -80,26 +80,6 @@ impl fmt::Display for DomainDescriptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
-}
-
-/// Why the shm transport cannot be used in this process.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum NotViable {
-    /// The boot id or the network namespace could not be read.
-    #[error("shm transport not viable: {source}")]
-    Host {
-        /// What failed.
-        #[source]
-        source: host::IdentityError,
-    },
-    /// The test allocation of a shared-memory segment failed.
-    #[error("shm transport not viable: test allocation of a 1 MiB segment failed: {source}")]
-    Allocation {
-        /// What failed.
-        #[source]
-        source: ShmError,
-    },
 }
 
 /// Checks that the shm transport can work in this process and returns its domain

@@ -29,15 +29,13 @@ mod call;
 mod channel;
 mod init;
 mod pipe;
-mod rref;
 mod shutdown;
 mod usage;
 
-pub use call::{CallError, CallErrorKind, RRefWaitTimeout};
+pub use call::{CallError, CallErrorKind, RRefFailure, RRefWaitTimeout};
 pub use channel::{ChannelCause, ChannelFailure};
 pub use init::{DevicesError, InitError};
 pub use pipe::{PipeFailure, SharedCause};
-pub use rref::RRefFailure;
 pub use shutdown::ShutdownError;
 pub use usage::UsageError;
 

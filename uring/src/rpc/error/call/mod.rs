@@ -7,7 +7,10 @@ use std::time::Duration;
 use rdzv_core::rpc::frame::EncodeError;
 use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
-use super::{ChannelFailure, PipeFailure, RRefFailure, UsageError};
+use super::{ChannelFailure, PipeFailure, UsageError};
+
+mod rref;
+pub use rref::RRefFailure;
 
 /// What kind of failure a [`CallError`] is: small, `Copy`, for matching and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

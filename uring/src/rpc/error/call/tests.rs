@@ -5,7 +5,7 @@ use rdzv_core::rpc::timeouts::RpcTimeoutError;
 
 use super::{CallError, CallErrorKind, RRefWaitTimeout};
 use crate::rpc::error::{
-    error_chain, ChannelFailure, PipeFailure, RRefFailure, RpcError, UsageError,
+    error_chain, ChannelFailure, PipeFailure, RRefFailure, RpcError, TransportError, UsageError,
 };
 
 fn peer() -> String {
@@ -365,4 +365,40 @@ fn an_rref_failure_has_its_call_as_source_and_kind() {
     };
     assert_eq!(not_ready.kind(), CallErrorKind::Timeout);
     assert_eq!(not_ready.to_string(), "the value is not ready after 30ms");
+}
+
+#[test]
+fn a_pipe_failure_reads_once_through_the_call_error() {
+    let io = std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "refused by the kernel",
+    );
+    let error = CallError::Connect {
+        peer: "w1".into(),
+        address: "tcp://10.0.0.2:4000".into(),
+        reason: PipeFailure::transport(TransportError::Connect {
+            address: "tcp://10.0.0.2:4000".into(),
+            source: io,
+        }),
+    };
+    let text = error_chain(&error);
+    assert!(
+        text.starts_with("cannot open an RPC pipe to w1 at tcp://10.0.0.2:4000: "),
+        "{text}"
+    );
+    assert!(text.contains("refused by the kernel"), "{text}");
+    assert_eq!(text.matches("refused by the kernel").count(), 1, "{text}");
+    assert!(text.ends_with("is w1 still running?"), "{text}");
+    let broken = CallError::PipeBroken {
+        peer: "w1".into(),
+        reason: PipeFailure::protocol(rdzv_core::rpc::pipe::Refusal::Closing),
+    };
+    let text = error_chain(&broken);
+    assert!(text.contains("(this worker said goodbye)"), "{text}");
+    assert_eq!(text.matches("said goodbye").count(), 1, "{text}");
+    let source = std::error::Error::source(&broken).map(ToString::to_string);
+    assert_eq!(
+        source.as_deref(),
+        Some("the pipe is closing (this worker said goodbye)")
+    );
 }

@@ -1,7 +1,8 @@
 //! [`RRefFailure`]: why an RRef's value could not be had, the reason of a
 //! [`CallError::RRef`]. The call that failed (the `remote()` that creates the RRef, the
 //! fetch that could not reach the owner) is carried as the source, with its kind; only
-//! a handler's error and the owner's answer stay text, as they travel on the wire.
+//! a handler's error and the owner's answer stay text, as they travel on the wire. It is
+//! a part of `call` because the two hold each other.
 
 use std::sync::Arc;
 use std::time::Duration;
