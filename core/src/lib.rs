@@ -12,7 +12,7 @@
 //! | [`env`](mod@env) | the environment lookup seam the caller supplies |
 //! | [`rendezvous`] | URL rewriting, the handler registry, static `tcp`/`env`/`file` plans and the elastic rendezvous state machine |
 //! | [`device`] | `cpu`, `cuda`, `cuda:N` devices |
-//! | [`channel`] | the tensor channels' wire records (cma/xth/mpt descriptors, acks, stripe headers, lane hellos) |
+//! | [`channel`] | the tensor channels' wire records (cma/xth/mpt descriptors, acks, stripe headers, connection hellos) |
 //! | [`device_map`] | device-map validation, reverse maps and device lists (alloc) |
 //! | [`negotiate`] | which transport and channels two peers use |
 //! | [`store`] | the TCPStore wire codec and the store state machine |

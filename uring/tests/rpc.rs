@@ -480,7 +480,7 @@ fn unusable_options_fail_before_the_rendezvous() {
     );
     assert!(matches!(
         error,
-        Some(InitError::Backends {
+        Some(InitError::Offer {
             option: "transports",
             ..
         })

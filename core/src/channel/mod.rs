@@ -9,7 +9,7 @@
 //! | [`CmaDescriptor`](cma::CmaDescriptor) | cma | read this many bytes at this address of that process |
 //! | [`XthDescriptor`](xth::XthDescriptor) | xth | read the export with this id in this process |
 //! | [`TransferAck`] | cma, xth | the receiver is done with a transfer |
-//! | [`MptDescriptor`](mpt::MptDescriptor), [`StripeHeader`](mpt::StripeHeader), [`LaneHello`](mpt::LaneHello) | mpt | which transfer, which stripe, which lane |
+//! | [`MptDescriptor`](mpt::MptDescriptor), [`StripeHeader`](mpt::StripeHeader), [`ConnectionHello`](mpt::ConnectionHello) | mpt | which transfer, which stripe, which connection |
 //! | [`CudaIpcDescriptor`](cuda::CudaIpcDescriptor) | cuda_ipc | copy this range of the allocation behind this IPC handle, lent by that process, once the IPC event it names has fired; record that event after the copy |
 //! | [`CudaXthDescriptor`](cuda::CudaXthDescriptor) | cuda_xth | copy this device address range of this very process |
 //! | [`CudaGdrDescriptor`](cuda::CudaGdrDescriptor) | cuda_gdr | RDMA-READ this range with this rkey, through the lender's GDR endpoint at this address |

@@ -1,5 +1,5 @@
 //! The `mpt` channel's records: the descriptor of a tensor in a frame, the header before
-//! each stripe on a lane, the hello that opens a lane, and how a transfer is cut into
+//! each stripe on a connection, the hello that opens a connection, and how a transfer is cut into
 //! stripes. Both ends compute the same plan ([`stripes`]) from the length, so a receiver
 //! checks every header against the stripe it expects before it reads a byte into place.
 
@@ -13,18 +13,18 @@ const STRIPE_MAGIC: [u8; 4] = *b"RDMP";
 /// Bytes of a stripe header: magic, reserved, transfer id, offset, length.
 pub const STRIPE_HEADER_LEN: usize = 32;
 
-/// Where each lane's stripe of a `len`-byte transfer lies, as `(offset, len)`: equal
-/// shares over `len / min_stripe_len` lanes, at least one and at most `lanes` (the first
-/// `len % used` get one byte more). Lanes with nothing to carry are left out.
+/// Where each connection's stripe of a `len`-byte transfer lies, as `(offset, len)`: equal
+/// shares over `len / min_stripe_len` connections, at least one and at most `connections` (the first
+/// `len % used` get one byte more). Connections with nothing to carry are left out.
 #[cfg(feature = "alloc")]
-pub fn stripes(len: usize, lanes: usize, min_stripe_len: usize) -> Vec<(usize, usize)> {
-    let used = (len / min_stripe_len.max(1)).clamp(1, lanes.max(1));
+pub fn stripes(len: usize, connections: usize, min_stripe_len: usize) -> Vec<(usize, usize)> {
+    let used = (len / min_stripe_len.max(1)).clamp(1, connections.max(1));
     let (share, extra) = (len / used, len % used);
     let mut out = Vec::with_capacity(used);
     let mut offset = 0;
-    for lane in 0..used {
-        let n = share + usize::from(lane < extra);
-        if n > 0 || (lane == 0 && len == 0) {
+    for connection in 0..used {
+        let n = share + usize::from(connection < extra);
+        if n > 0 || (connection == 0 && len == 0) {
             out.push((offset, n));
         }
         offset += n;
@@ -35,7 +35,7 @@ pub fn stripes(len: usize, lanes: usize, min_stripe_len: usize) -> Vec<(usize, u
 /// How a receiver reads the stripe `(offset, len)` into a device runtime's staging
 /// buffers of `piece_len` bytes (`cuda_basic` carried by mpt): consecutive pieces
 /// `(offset, len)`, none crossing a multiple of `piece_len` in the tensor, so that a
-/// piece lies within one of the tensor's chunks whichever lane reads it. An empty stripe
+/// piece lies within one of the tensor's chunks whichever connection reads it. An empty stripe
 /// has no pieces.
 pub fn pieces(
     (offset, len): (usize, usize),
@@ -98,7 +98,7 @@ impl StripeHeader {
 const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDMT";
 
 /// Where a tensor sent over mpt is: the id of the transfer whose stripes follow the
-/// frame on the pipe's lanes. The frame's tensor entry carries the length.
+/// frame on the pipe's connections. The frame's tensor entry carries the length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MptDescriptor {
     /// The transfer id every stripe header of this tensor carries.
@@ -133,24 +133,24 @@ impl MptDescriptor {
     }
 }
 
-/// What starts an encoded [`LaneHello`].
+/// What starts an encoded [`ConnectionHello`].
 const HELLO_MAGIC: [u8; 4] = *b"RDML";
-/// The most lanes one pipe may open.
-pub const MAX_LANES: u16 = 64;
+/// The most connections one pipe may open.
+pub const MAX_CONNECTIONS: u16 = 64;
 
-/// The first bytes on a lane connection: which set of lanes it belongs to and where in
+/// The first bytes on a connection: which set of connections it belongs to and where in
 /// it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaneHello {
+pub struct ConnectionHello {
     /// The token of the set (the pipe's, from its handshake).
     pub token: u64,
-    /// This lane's index, below `count`.
+    /// This connection's index, below `count`.
     pub index: u16,
-    /// Lanes in the set, 1 to [`MAX_LANES`].
+    /// Connections in the set, 1 to [`MAX_CONNECTIONS`].
     pub count: u16,
 }
 
-impl LaneHello {
+impl ConnectionHello {
     /// The encoded size: tag, index, count, token.
     pub const ENCODED_LEN: usize = 16;
 
@@ -165,20 +165,20 @@ impl LaneHello {
     }
 
     /// Parses what [`encode`](Self::encode) wrote, checking that the index lies in a
-    /// set of 1 to [`MAX_LANES`] lanes.
+    /// set of 1 to [`MAX_CONNECTIONS`] connections.
     ///
     /// # Errors
     /// [`DecodeError`] for another length or tag, or an index outside its set.
-    pub fn decode(bytes: &[u8]) -> Result<LaneHello, DecodeError> {
-        let what = "mpt lane hello";
+    pub fn decode(bytes: &[u8]) -> Result<ConnectionHello, DecodeError> {
+        let what = "mpt connection hello";
         let mut reader = FieldReader::tagged(bytes, what, Self::ENCODED_LEN, &HELLO_MAGIC)?;
         let index = u16::from_le_bytes(reader.take());
         let count = u16::from_le_bytes(reader.take());
         let token = u64::from_le_bytes(reader.take());
-        if count == 0 || count > MAX_LANES || index >= count {
+        if count == 0 || count > MAX_CONNECTIONS || index >= count {
             return Err(DecodeError::BadTag { what });
         }
-        Ok(LaneHello {
+        Ok(ConnectionHello {
             token,
             index,
             count,
@@ -227,9 +227,9 @@ mod tests {
         }
 
         #[test]
-        fn stripes_partition(len in 0usize..1_000_000, lanes in 1usize..16, min in 0usize..10_000) {
-            let plan = stripes(len, lanes, min);
-            prop_assert!(!plan.is_empty() && plan.len() <= lanes);
+        fn stripes_partition(len in 0usize..1_000_000, connections in 1usize..16, min in 0usize..10_000) {
+            let plan = stripes(len, connections, min);
+            prop_assert!(!plan.is_empty() && plan.len() <= connections);
             if plan.len() > 1 {
                 prop_assert!(plan.iter().all(|&(_, n)| n >= min), "{:?}", plan);
             }
@@ -267,26 +267,26 @@ mod tests {
         assert_eq!(MptDescriptor::decode(&d.encode()), Ok(d));
         assert!(MptDescriptor::decode(&[0u8; MptDescriptor::ENCODED_LEN]).is_err());
         assert!(MptDescriptor::decode(&d.encode()[..11]).is_err());
-        let h = LaneHello {
+        let h = ConnectionHello {
             token: 9,
             index: 3,
             count: 4,
         };
-        assert_eq!(LaneHello::decode(&h.encode()), Ok(h));
+        assert_eq!(ConnectionHello::decode(&h.encode()), Ok(h));
         for bad in [
-            LaneHello { index: 4, ..h },
-            LaneHello {
+            ConnectionHello { index: 4, ..h },
+            ConnectionHello {
                 count: 0,
                 index: 0,
                 ..h
             },
-            LaneHello {
-                count: MAX_LANES + 1,
+            ConnectionHello {
+                count: MAX_CONNECTIONS + 1,
                 ..h
             },
         ] {
-            assert!(LaneHello::decode(&bad.encode()).is_err(), "{bad:?}");
+            assert!(ConnectionHello::decode(&bad.encode()).is_err(), "{bad:?}");
         }
-        assert!(LaneHello::decode(&[0u8; LaneHello::ENCODED_LEN]).is_err());
+        assert!(ConnectionHello::decode(&[0u8; ConnectionHello::ENCODED_LEN]).is_err());
     }
 }

@@ -1,11 +1,13 @@
 //! The decoders of what a peer sends beside a pipe (`cma`, `xth`, `mpt`, `cuda_ipc`,
-//! `cuda_xth` and `cuda_gdr` descriptors, transfer acks, `mpt` stripe headers and lane hellos) never
-//! panic, and whatever they accept encodes back to the very same bytes (a lane hello's
+//! `cuda_xth` and `cuda_gdr` descriptors, transfer acks, `mpt` stripe headers and connection hellos) never
+//! panic, and whatever they accept encodes back to the very same bytes (a connection hello's
 //! index also lies in its set; a CUDA descriptor's range does not overflow).
 
 use crate::channel::cma::CmaDescriptor;
 use crate::channel::cuda::{CudaGdrDescriptor, CudaIpcDescriptor, CudaXthDescriptor};
-use crate::channel::mpt::{LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN};
+use crate::channel::mpt::{
+    ConnectionHello, MptDescriptor, StripeHeader, MAX_CONNECTIONS, STRIPE_HEADER_LEN,
+};
 use crate::channel::xth::XthDescriptor;
 use crate::channel::TransferAck;
 
@@ -63,11 +65,15 @@ pub fn channel_descriptors(data: &[u8]) {
         assert!(descriptor.address.checked_add(descriptor.length).is_some());
         assert_ne!(descriptor.endpoint_port, 0);
     }
-    if let Ok(hello) = LaneHello::decode(data) {
-        assert_eq!(hello.encode().as_slice(), data, "mpt lane hello round trip");
+    if let Ok(hello) = ConnectionHello::decode(data) {
+        assert_eq!(
+            hello.encode().as_slice(),
+            data,
+            "mpt connection hello round trip"
+        );
         assert!(
-            hello.index < hello.count && hello.count <= MAX_LANES,
-            "an accepted lane hello lies in its set"
+            hello.index < hello.count && hello.count <= MAX_CONNECTIONS,
+            "an accepted connection hello lies in its set"
         );
     }
     if let Some(raw) = data

@@ -2,7 +2,7 @@
 //! ([`super::store_keys`]): the addresses of its listeners, each `scheme://...`, highest
 //! priority first, joined by [`ADDRESS_SEPARATOR`]
 //! (`shm://@00a1f;tcp://10.0.0.1:4000;mpt://10.0.0.1:4001`). A transport's scheme is its
-//! name ([`TransportKind::name`]); the mpt lane listener, which is no transport, goes
+//! name ([`TransportKind::name`]); the mpt connection listener, which is no transport, goes
 //! last under `mpt`.
 //!
 //! This module only writes and reads the format; which listeners exist and which
@@ -39,7 +39,7 @@ pub fn address_for(published: &str, kind: TransportKind) -> Option<&str> {
 }
 
 /// What follows `scheme://` in the first entry of `published` with that scheme (the
-/// mpt lane listener's `ip:port`, say), if there is one.
+/// mpt connection listener's `ip:port`, say), if there is one.
 pub fn after_scheme<'a>(published: &'a str, scheme: &str) -> Option<&'a str> {
     published
         .split(ADDRESS_SEPARATOR)

@@ -47,14 +47,14 @@ pub(crate) enum ConnectionsError {
     #[error("bad {SCHEME} address '{entry}': expected <ip>:<port>")]
     BadAddress { entry: String },
     /// Opening the connections to the peer failed.
-    #[error("cannot connect mpt lanes to {address}: {source}")]
+    #[error("cannot open mpt connections to {address}: {source}")]
     Connect {
         address: SocketAddr,
         #[source]
         source: MptError,
     },
     /// This worker has no mpt listener to claim connections from.
-    #[error("this worker runs no mpt lane listener")]
+    #[error("this worker runs no mpt connection listener")]
     NoListener,
     /// The connections the peer opened for the pipe did not arrive.
     #[error("{source}")]
@@ -69,10 +69,10 @@ pub(crate) enum ConnectionsError {
         source: MptError,
     },
     /// The pipe ended while its connections were being opened.
-    #[error("the pipe ended while its mpt lanes were opened")]
+    #[error("the pipe ended while its mpt connections were opened")]
     PipeEnded,
     /// A frame has mpt tensors, but its pipe has no connections.
-    #[error("the frame has mpt tensors, but the pipe has no mpt lanes")]
+    #[error("the frame has mpt tensors, but the pipe has no mpt connections")]
     NoConnections,
     /// Writing a tensor's stripes failed.
     #[error("{source}")]

@@ -4,7 +4,7 @@
 use rdzv_core::device::DeviceType;
 use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, OfferError, TransportKind};
 
-/// The ranked backends this worker offers, with their descriptors, and how it uses its
+/// The ranked transports and channels this worker offers, with their descriptors, and how it uses its
 /// channels.
 #[derive(Debug, Clone)]
 pub(crate) struct OfferSpec {

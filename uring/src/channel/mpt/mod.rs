@@ -1,4 +1,4 @@
-//! `mpt`: one tensor split over several TCP connections ("lanes"), TensorPipe's
+//! `mpt`: one tensor split over several TCP connections, TensorPipe's
 //! `mpt_uv` channel, so that one large transfer is not limited to what one connection and
 //! one core can push.
 //!
@@ -16,7 +16,7 @@
 //! scoped thread per used connection on each side. Errors name the connection and its peer.
 //!
 //! Opening connections: the accepting side runs an [`MptListener`]; the connecting side
-//! opens its connections with [`open_connections`], each starting with a [`LaneHello`] that
+//! opens its connections with [`open_connections`], each starting with a [`ConnectionHello`] that
 //! carries a token (which the agent passes in its pipe handshake) and the connection's
 //! index. The listener sorts arrivals by token until [`MptListener::claim`] takes a
 //! complete set. The connections of one pipe carry both directions ([`MptChannel::split`]).
@@ -32,7 +32,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use rdzv_core::channel::mpt::{
-    pieces, stripes, LaneHello, MptDescriptor, StripeHeader, MAX_LANES, STRIPE_HEADER_LEN,
+    pieces, stripes, ConnectionHello, MptDescriptor, StripeHeader, MAX_CONNECTIONS,
+    STRIPE_HEADER_LEN,
 };
 
 /// Tuning of the channel.
@@ -61,10 +62,10 @@ impl Default for MptOptions {
 #[non_exhaustive]
 pub enum MptError {
     /// No connections were given.
-    #[error("mpt channel has no lanes")]
+    #[error("mpt channel has no connections")]
     NoConnections,
     /// The two ends disagree on the number of connections in use.
-    #[error("mpt transfer {transfer_id} needs {needed} lanes but only {available} are open")]
+    #[error("mpt transfer {transfer_id} needs {needed} connections but only {available} are open")]
     TooFewConnections {
         /// The transfer.
         transfer_id: u64,
@@ -74,7 +75,7 @@ pub enum MptError {
         available: usize,
     },
     /// A socket call failed.
-    #[error("mpt lane {connection} (peer {peer}): {action} failed: {source}")]
+    #[error("mpt connection {connection} (peer {peer}): {action} failed: {source}")]
     Io {
         /// The connection index.
         connection: usize,
@@ -90,7 +91,7 @@ pub enum MptError {
     /// endpoint. The connection can no longer be trusted; the agent should re-create the
     /// pipe.
     #[error(
-        "mpt lane {connection} (peer {peer}): expected the stripe {expected:?} of transfer \
+        "mpt connection {connection} (peer {peer}): expected the stripe {expected:?} of transfer \
          {transfer_id}, got {got}"
     )]
     UnexpectedStripe {
@@ -106,7 +107,7 @@ pub enum MptError {
         got: String,
     },
     /// The [`StripeSink`] a transfer was received into refused a piece.
-    #[error("mpt lane {connection}: the receiving side cannot take bytes {offset}..{end} of transfer {transfer_id}: {reason}")]
+    #[error("mpt connection {connection}: the receiving side cannot take bytes {offset}..{end} of transfer {transfer_id}: {reason}")]
     Sink {
         /// The connection index.
         connection: usize,
@@ -120,13 +121,13 @@ pub enum MptError {
         reason: String,
     },
     /// A connection's thread panicked (a bug, reported instead of propagated).
-    #[error("mpt lane {connection} thread panicked")]
+    #[error("mpt connection {connection} thread panicked")]
     Panicked {
         /// The connection index.
         connection: usize,
     },
     /// A pipe's set of connections did not arrive at the [`MptListener`].
-    #[error("mpt lanes were not opened: {reason}")]
+    #[error("mpt connections were not opened: {reason}")]
     Unclaimed {
         /// How many came, or why none will.
         reason: String,
@@ -144,7 +145,7 @@ pub fn open_connections(
     count: u16,
     timeout: Duration,
 ) -> Result<Vec<TcpStream>, MptError> {
-    let count = count.clamp(1, MAX_LANES);
+    let count = count.clamp(1, MAX_CONNECTIONS);
     let mut connections = Vec::with_capacity(usize::from(count));
     for index in 0..count {
         let io = |action| {
@@ -161,20 +162,20 @@ pub fn open_connections(
             .map_err(io("setting TCP_NODELAY"))?;
         stream
             .write_all(
-                &LaneHello {
+                &ConnectionHello {
                     token,
                     index,
                     count,
                 }
                 .encode(),
             )
-            .map_err(io("sending the lane hello"))?;
+            .map_err(io("sending the connection hello"))?;
         connections.push(stream);
     }
     Ok(connections)
 }
 
-/// How long an accepted connection has to send its [`LaneHello`].
+/// How long an accepted connection has to send its [`ConnectionHello`].
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Sets of connections nobody claimed are dropped after this long.
 const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
@@ -212,7 +213,7 @@ impl Registry {
 
     /// Files a connection that said `hello`; a connection that contradicts its set (another
     /// count, an index taken twice) is dropped.
-    fn file(&self, hello: LaneHello, stream: TcpStream) {
+    fn file(&self, hello: ConnectionHello, stream: TcpStream) {
         let mut arrivals = self.lock();
         if arrivals.closed {
             return;
@@ -234,7 +235,7 @@ impl Registry {
                     token = hello.token,
                     index = hello.index,
                     count = hello.count,
-                    "an mpt lane contradicts its set; dropped"
+                    "an mpt connection contradicts its set; dropped"
                 );
                 return;
             }
@@ -307,7 +308,7 @@ impl MptListener {
         loop {
             if arrivals.closed {
                 return Err(MptError::Unclaimed {
-                    reason: "the lane listener closed".into(),
+                    reason: "the connection listener closed".into(),
                 });
             }
             if arrivals.sets.get(&token).is_some_and(Arrival::complete) {
@@ -324,7 +325,7 @@ impl MptListener {
                 });
                 return Err(MptError::Unclaimed {
                     reason: format!(
-                        "{came} of {of} lanes arrived within {} ms",
+                        "{came} of {of} connections arrived within {} ms",
                         timeout.as_millis()
                     ),
                 });
@@ -386,14 +387,14 @@ fn accept_connections(listener: &TcpListener, registry: &Arc<Registry>, stopping
         let mut stream = match stream {
             Ok(stream) => stream,
             Err(e) => {
-                tracing::warn!(error = %e, "accepting an mpt lane failed");
+                tracing::warn!(error = %e, "accepting an mpt connection failed");
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
         if pending.fetch_add(1, Ordering::AcqRel) >= MAX_PENDING_HELLOS {
             pending.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!("too many mpt lanes waiting for their hello; one closed");
+            tracing::warn!("too many mpt connections waiting for their hello; one closed");
             continue;
         }
         let registry = Arc::clone(registry);
@@ -403,7 +404,7 @@ fn accept_connections(listener: &TcpListener, registry: &Arc<Registry>, stopping
             .name("rdzv-mpt-hello".into())
             .spawn(move || {
                 let _done = done;
-                let mut raw = [0u8; LaneHello::ENCODED_LEN];
+                let mut raw = [0u8; ConnectionHello::ENCODED_LEN];
                 let read = stream
                     .set_read_timeout(Some(HELLO_TIMEOUT))
                     .and_then(|()| stream.read_exact(&mut raw))
@@ -414,17 +415,17 @@ fn accept_connections(listener: &TcpListener, registry: &Arc<Registry>, stopping
                     .map_or_else(|_| "?".to_string(), |a| a.to_string());
                 match read
                     .map_err(|e| e.to_string())
-                    .and_then(|()| LaneHello::decode(&raw).map_err(|e| e.to_string()))
+                    .and_then(|()| ConnectionHello::decode(&raw).map_err(|e| e.to_string()))
                 {
                     Ok(hello) => registry.file(hello, stream),
                     Err(reason) => {
-                        tracing::debug!(%peer, %reason, "not an mpt lane; dropped");
+                        tracing::debug!(%peer, %reason, "not an mpt connection; dropped");
                     }
                 }
             });
         if let Err(e) = spawned {
             // The closure (and its counter guard) was dropped with the error.
-            tracing::warn!(error = %e, "cannot start a thread to read an mpt lane's hello");
+            tracing::warn!(error = %e, "cannot start a thread to read an mpt connection's hello");
         }
     }
 }
@@ -779,7 +780,7 @@ mod tests {
             .claim(1, Duration::from_millis(50))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("0 of 0 lanes arrived"), "{err}");
+        assert!(err.contains("0 of 0 connections arrived"), "{err}");
         drop(b);
     }
 
@@ -790,7 +791,7 @@ mod tests {
         // One connection of a set of two.
         let mut lone = TcpStream::connect(address).unwrap();
         lone.write_all(
-            &LaneHello {
+            &ConnectionHello {
                 token: 8,
                 index: 1,
                 count: 2,
@@ -802,7 +803,7 @@ mod tests {
             .claim(8, Duration::from_millis(300))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("1 of 2 lanes arrived"), "{err}");
+        assert!(err.contains("1 of 2 connections arrived"), "{err}");
         // A waiting claim fails at once when the listener closes.
         let waiter = {
             let listener = Arc::clone(&listener);
@@ -902,7 +903,7 @@ mod tests {
         drop(a);
         let mut got = vec![0u8; 4096];
         let err = b.recv(1, &mut got).unwrap_err().to_string();
-        assert!(err.starts_with("mpt lane "), "{err}");
+        assert!(err.starts_with("mpt connection "), "{err}");
         assert!(err.contains("receiving a stripe header"), "{err}");
         assert!(matches!(
             MptChannel::new(Vec::new(), MptOptions::default()),

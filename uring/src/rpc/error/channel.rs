@@ -78,7 +78,7 @@ pub enum ChannelFailure {
         frame: u64,
     },
     /// The peer streamed the tensor over mpt, but this pipe has no mpt connections.
-    #[error("the peer streamed it, but this pipe has no mpt lanes")]
+    #[error("the peer streamed it, but this pipe has no mpt connections")]
     NoConnections,
     /// What the mpt stripes became is not what the frame says.
     #[error("its stripes became {len} bytes on {device}, the frame says {expected_len} on {expected_device}")]

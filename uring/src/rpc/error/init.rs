@@ -46,9 +46,10 @@ pub enum InitError {
     /// No RPC backend of that name is registered.
     #[error("{0}")]
     UnknownBackend(#[source] UnknownBackend),
-    /// The `transports` or `channels` option names an unknown or repeated backend.
+    /// The `transports` or `channels` option names an unknown or repeated transport or
+    /// channel (the core's [`OfferError`]).
     #[error("invalid RPC option {option}: {source}")]
-    Backends {
+    Offer {
         /// `transports` or `channels`.
         option: &'static str,
         /// The core's complaint.
@@ -167,7 +168,7 @@ impl InitError {
                 | InitError::HandlerExists { .. }
                 | InitError::Backend(_)
                 | InitError::UnknownBackend(_)
-                | InitError::Backends { .. }
+                | InitError::Offer { .. }
         )
     }
 }

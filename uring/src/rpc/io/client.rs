@@ -49,10 +49,10 @@ enum OpenError {
     #[error("the peer sent a hello, not an answer")]
     HelloNotAnswer,
     /// The pipe's mpt connections could not be opened.
-    #[error("cannot open its mpt lanes: {0}")]
+    #[error("cannot open its mpt connections: {0}")]
     Mpt(#[source] ConnectionsError),
     /// The thread that opens them could not run.
-    #[error("cannot open its mpt lanes: {0}")]
+    #[error("cannot open its mpt connections: {0}")]
     MptThread(#[source] std::io::Error),
 }
 

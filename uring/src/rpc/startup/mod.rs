@@ -87,7 +87,7 @@ static INIT_COUNTER: AtomicU64 = AtomicU64::new(0);
 ///
 /// # Errors
 /// An [`InitError`]: [`InitError::InvalidWorker`] for a bad name or rank;
-/// [`InitError::Backends`] / [`InitError::InvalidOption`] for unusable options (unknown
+/// [`InitError::Offer`] / [`InitError::InvalidOption`] for unusable options (unknown
 /// transport or channel names, no worker threads); [`InitError::DuplicateId`] for a
 /// dynamic member whose rank is taken; [`InitError::Rendezvous`] and [`InitError::Store`]
 /// when the store cannot be reached (these, and a start-up timeout, are

@@ -34,7 +34,7 @@ impl RpcOptions {
     /// ```
     ///
     /// # Errors
-    /// [`InitError::Backends`] / [`InitError::InvalidOption`] for unusable options,
+    /// [`InitError::Offer`] / [`InitError::InvalidOption`] for unusable options,
     /// [`InitError::HandlerExists`] for a reserved or repeated handler name, exactly as
     /// [`init_rpc`](crate::rpc::init_rpc) gives them.
     pub fn check(&self) -> Result<Ranked<String>, InitError> {
@@ -46,7 +46,7 @@ impl RpcOptions {
 fn rank_error(error: RankError) -> InitError {
     let option = error.option();
     match error {
-        RankError::Names { source, .. } => InitError::Backends {
+        RankError::Names { source, .. } => InitError::Offer {
             option,
             source: Box::new(source),
         },
@@ -79,13 +79,15 @@ pub(crate) fn probe(options: &RpcOptions) -> Result<Probed, InitError> {
             reason: "at least one thread must run handlers".into(),
         });
     }
-    if options.mpt_connections == 0 || options.mpt_connections > crate::channel::mpt::MAX_LANES {
+    if options.mpt_connections == 0
+        || options.mpt_connections > crate::channel::mpt::MAX_CONNECTIONS
+    {
         return Err(InitError::InvalidOption {
             option: "mpt_connections",
             reason: format!(
                 "{} connections: a pipe opens 1 to {}",
                 options.mpt_connections,
-                crate::channel::mpt::MAX_LANES
+                crate::channel::mpt::MAX_CONNECTIONS
             ),
         });
     }
@@ -279,7 +281,7 @@ mod tests {
             Ok([(TransportKind::Shm, _)])
         ));
         let unknown = ranked_transports(Some(&names(&["carrier-pigeon"])), viable, &[]);
-        assert!(matches!(unknown, Err(InitError::Backends { .. })));
+        assert!(matches!(unknown, Err(InitError::Offer { .. })));
         let text = unknown.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(text.contains("carrier-pigeon"), "{text}");
         assert!(matches!(
@@ -409,15 +411,15 @@ mod tests {
         ));
         assert!(matches!(
             ranked_channels(Some(&names(&["basic", "basic"])), viable),
-            Err(InitError::Backends { .. })
+            Err(InitError::Offer { .. })
         ));
         // Unknown names, and channels this build does not run, are errors.
         assert!(matches!(
             ranked_channels(Some(&names(&["carrier-pigeon"])), viable),
-            Err(InitError::Backends { .. })
+            Err(InitError::Offer { .. })
         ));
         let unknown = ranked_channels(Some(&names(&["cuda_magic", "basic"])), viable);
-        assert!(matches!(unknown, Err(InitError::Backends { .. })));
+        assert!(matches!(unknown, Err(InitError::Offer { .. })));
         // A channel that cannot work here is left out; if nothing is left, that is an
         // error that says why.
         let no_cma = |kind: ChannelKind| match kind {
