@@ -136,6 +136,24 @@ pub enum TransportError {
     },
 }
 
+impl TransportError {
+    /// For `map_err`: a connect to `address` that failed ([`TransportError::Connect`]).
+    pub fn connecting(address: &str) -> impl Fn(io::Error) -> TransportError + '_ {
+        move |source| TransportError::Connect {
+            address: address.to_string(),
+            source,
+        }
+    }
+
+    /// For `map_err`: an accept on `address` that failed ([`TransportError::Accept`]).
+    pub fn accepting(address: &str) -> impl Fn(io::Error) -> TransportError + '_ {
+        move |source| TransportError::Accept {
+            address: address.to_string(),
+            source,
+        }
+    }
+}
+
 /// `error` and every error in its `source()` chain, joined by ": ", each source left out
 /// whose text the text before it has already (an error that quotes its cause, or is
 /// `transparent`). `{e}` prints only the top error; this is the one place the agent, its

@@ -18,7 +18,7 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 
 use super::error::TransportError;
-use super::transport::{not_listening, Connection, Listening, LocalBoxFuture, Transport};
+use super::transport::{accept_next, Connection, Listening, LocalBoxFuture, Transport};
 use crate::queue::{on_thread, Queue};
 use crate::shm::{viability, NotViable, ShmAddr, ShmConnection, ShmError, ShmListener, ShmOptions};
 
@@ -115,22 +115,11 @@ impl Transport for ShmTransport {
 
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
-            let Some(listening) = &self.listening else {
-                return Err(not_listening("shm"));
-            };
-            match listening.next().await {
-                Some(Ok(connection)) => {
-                    let peer = connection
-                        .peer_pid()
-                        .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
-                    blocking::connection(connection, peer)
-                }
-                Some(Err(e)) => Err(TransportError::Accept {
-                    address: listening.address().to_string(),
-                    source: shm_io(e),
-                }),
-                None => Err(listening.closed()),
-            }
+            let connection = accept_next(self.listening.as_ref(), "shm", shm_io).await?;
+            let peer = connection
+                .peer_pid()
+                .map_or_else(|| "an shm peer".to_string(), |pid| format!("shm pid {pid}"));
+            blocking::connection(connection, peer)
         })
     }
 
@@ -141,15 +130,12 @@ impl Transport for ShmTransport {
         Box::pin(async move {
             let addr = parse_address(address)?;
             let options = self.options.clone();
-            let connect_error = |source| TransportError::Connect {
-                address: address.to_string(),
-                source,
-            };
+            let connect_error = TransportError::connecting(address);
             let connected = on_thread("rdzv-shm-connect", move || {
                 ShmConnection::connect(&addr, options)
             })
             .await
-            .map_err(connect_error)?;
+            .map_err(&connect_error)?;
             match connected {
                 Ok(connection) => blocking::connection(connection, address.to_string()),
                 Err(e) => Err(connect_error(shm_io(e))),
@@ -158,7 +144,6 @@ impl Transport for ShmTransport {
     }
 }
 
-/// Accepts until the listener is shut down, queueing connections (or errors).
 fn accept_thread(
     listener: &ShmListener,
     queue: &Queue<Result<ShmConnection, ShmError>>,

@@ -15,7 +15,7 @@ use rdzv_core::negotiate::TransportKind;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::error::TransportError;
-use super::transport::{Connection, LocalBoxFuture, Transport};
+use super::transport::{not_listening, Connection, LocalBoxFuture, Transport};
 
 mod blocking;
 mod framing;
@@ -116,17 +116,11 @@ impl Transport for TcpTransport {
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
             let Some((listener, address)) = &self.listening else {
-                return Err(TransportError::Accept {
-                    address: format!("{SCHEME}{}:?", self.host),
-                    source: std::io::Error::other("the transport is not listening"),
-                });
+                return Err(not_listening("tcp"));
             };
-            let accept_error = |source| TransportError::Accept {
-                address: address.clone(),
-                source,
-            };
-            let (stream, peer) = listener.accept().await.map_err(accept_error)?;
-            let stream = stream.into_std().map_err(accept_error)?;
+            let accept_error = TransportError::accepting(address);
+            let (stream, peer) = listener.accept().await.map_err(&accept_error)?;
+            let stream = stream.into_std().map_err(&accept_error)?;
             blocking::connection(stream, format_address(peer))
         })
     }
@@ -137,12 +131,9 @@ impl Transport for TcpTransport {
     ) -> LocalBoxFuture<'a, Result<Connection, TransportError>> {
         Box::pin(async move {
             let addr = parse_address(address)?;
-            let connect_error = |source| TransportError::Connect {
-                address: address.to_string(),
-                source,
-            };
-            let stream = TcpStream::connect(addr).await.map_err(connect_error)?;
-            let stream = stream.into_std().map_err(connect_error)?;
+            let connect_error = TransportError::connecting(address);
+            let stream = TcpStream::connect(addr).await.map_err(&connect_error)?;
+            let stream = stream.into_std().map_err(&connect_error)?;
             blocking::connection(stream, address.to_string())
         })
     }

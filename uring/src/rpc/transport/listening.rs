@@ -67,6 +67,28 @@ impl<T: Send + 'static> Listening<T> {
     }
 }
 
+/// [`Transport::accept`](super::Transport::accept) for a transport whose accept thread
+/// queues `Result<T, E>` into `listening` (`None` before `listen`): the next accepted
+/// `T`, or the error that says what failed: not listening yet (`transport` names it),
+/// the accept (`E` as an I/O error through `into_io`), or a closed listener.
+///
+/// # Errors
+/// [`TransportError::Accept`] in each of those three cases.
+pub async fn accept_next<T: Send + 'static, E: Send + 'static>(
+    listening: Option<&Listening<Result<T, E>>>,
+    transport: &str,
+    into_io: impl FnOnce(E) -> std::io::Error,
+) -> Result<T, TransportError> {
+    let Some(listening) = listening else {
+        return Err(not_listening(transport));
+    };
+    match listening.next().await {
+        Some(Ok(accepted)) => Ok(accepted),
+        Some(Err(e)) => Err(TransportError::accepting(listening.address())(into_io(e))),
+        None => Err(listening.closed()),
+    }
+}
+
 /// The error of [`Transport::accept`](super::Transport::accept) on a transport that is
 /// not listening (`transport` names it).
 pub fn not_listening(transport: &str) -> TransportError {

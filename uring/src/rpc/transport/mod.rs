@@ -62,7 +62,7 @@ use super::error::TransportError;
 mod executor;
 mod listening;
 pub use executor::LocalExecutor;
-pub use listening::{not_listening, Listening};
+pub use listening::{accept_next, not_listening, Listening};
 
 /// The published-address format is the core's.
 pub use rdzv_core::rpc::address::{address_for, join_addresses, ADDRESS_SEPARATOR};
