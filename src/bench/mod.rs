@@ -20,6 +20,8 @@
 
 mod conn;
 mod cpu;
+mod error;
+mod harness;
 mod latency;
 mod plot;
 mod rendezvous;
@@ -28,20 +30,19 @@ mod rpc;
 mod storm;
 mod throughput;
 
-use std::io::{IsTerminal as _, Write as _};
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
+use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use rdzv_core::store::codec::DecodeError;
 use rdzv_core::store::Request;
-use rdzv_uring::{ServerOptions, StoreServer};
 
 use crate::error::CliError;
+pub(crate) use error::BenchError;
+use harness::{ensure_fd_limit, key_prefix, seconds, write_report, Target};
 use report::{
     BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
 };
@@ -106,47 +107,10 @@ enum Mode {
         compare_baseline: bool,
     },
     /// Many connections doing ADD then GET on their own key, one request in flight each.
-    Throughput {
-        /// Concurrent connections; a list (1,16,64,512) runs each in turn.
-        #[arg(long, value_delimiter = ',', default_value = "64")]
-        conns: Vec<usize>,
-        /// Seconds to measure, per connection count.
-        #[arg(long, default_value_t = 5.0)]
-        secs: f64,
-        /// Seconds run before measuring, per connection count.
-        #[arg(long, default_value_t = 0.5)]
-        warmup_secs: f64,
-        /// Client threads driving the connections (each runs one epoll loop).
-        #[arg(long, default_value_t = 1)]
-        client_threads: usize,
-        /// Draw throughput and p99 against the connection count into this SVG file.
-        #[arg(long)]
-        plot: Option<PathBuf>,
-        /// The server's process id: its CPU time over the window is reported as
-        /// `server_cpu_us_per_op` (Linux `/proc`). With `--addr`, the bench's own CPU is
-        /// reported as `client_cpu_us_per_op` either way.
-        #[arg(long)]
-        server_pid: Option<u32>,
-        /// Seconds every connection may take to be accepted and answer a PING before
-        /// the run starts (a slowly accepting server needs long: PyTorch's takes about
-        /// 10 connections per second once hundreds are queued).
-        #[arg(long, default_value_t = 120.0)]
-        setup_timeout_secs: f64,
-    },
+    Throughput(ThroughputArgs),
     /// N ranks connect at once, VALIDATE, PING, ADD a counter; the last sets "done";
     /// everyone WAITs. Fails unless every rank is released and the counter is exactly N.
-    Storm {
-        /// Ranks (concurrent connections).
-        #[arg(long, default_value_t = 512)]
-        ranks: usize,
-        /// Seconds before giving up on ranks not yet released.
-        #[arg(long, default_value_t = 60.0)]
-        timeout_secs: f64,
-        /// Client threads the ranks are dealt to, each running one epoll loop (default:
-        /// the cores this process may use).
-        #[arg(long)]
-        client_threads: Option<usize>,
-    },
+    Storm(StormArgs),
     /// A raw TCP ping-pong over loopback, as many bytes each way as an ADD exchange:
     /// the floor for the store's round trip.
     Baseline {
@@ -159,103 +123,49 @@ enum Mode {
     },
 }
 
-/// What can go wrong measuring a store.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub(crate) enum BenchError {
-    /// `--addr` did not resolve.
-    #[error("cannot resolve the store address {addr}: {source}")]
-    Resolve {
-        /// What was given.
-        addr: String,
-        /// The resolver's error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The embedded server did not start.
-    #[error("cannot start the embedded store server: {0}")]
-    Server(#[from] rdzv_uring::server::ServerError),
-    /// A connection could not be made.
-    #[error("cannot connect to the store at {addr}: {source}")]
-    Connect {
-        /// The store.
-        addr: SocketAddr,
-        /// The socket error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A socket (or epoll) call failed.
-    #[error("cannot {what}: {source}")]
-    Io {
-        /// What was being done.
-        what: &'static str,
-        /// The error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The server's reply did not decode.
-    #[error("malformed reply to {query}: {source}")]
-    Decode {
-        /// The query it answers.
-        query: &'static str,
-        /// The codec's error.
-        #[source]
-        source: DecodeError,
-    },
-    /// The server's reply decoded but was not what the protocol or the load expects.
-    #[error("unexpected reply to {query}: expected {expected}")]
-    UnexpectedReply {
-        /// The query it answers.
-        query: &'static str,
-        /// What was expected.
-        expected: &'static str,
-    },
-    /// Bytes arrived while no reply was owed.
-    #[error("the server sent {len} bytes that answer no request")]
-    UnexpectedBytes {
-        /// How many.
-        len: usize,
-    },
-    /// The server closed a connection in the middle of the load.
-    #[error("the server closed the connection")]
-    ServerClosed,
-    /// CPU accounting (`--server-pid`) could not read a process's CPU time.
-    #[error("cannot measure CPU time: {0}")]
-    CpuTime(#[source] cpu::CpuTimeError),
-    /// Not every connection was ready in time.
-    #[error("only {ready} of {wanted} connections were ready after {seconds:.1} s")]
-    SetupTimeout {
-        /// Connections that had their PING answered.
-        ready: usize,
-        /// Connections wanted.
-        wanted: usize,
-        /// The limit.
-        seconds: f64,
-    },
-    /// The open-file limit is too low for the run, even raised to its hard limit.
-    #[error(
-        "this run needs about {needed} open files but the limit is {limit} even after raising \
-         the soft limit to the hard limit; raise the hard limit (`ulimit -Hn`, \
-         /etc/security/limits.conf, or systemd LimitNOFILE)"
-    )]
-    FdLimit {
-        /// Descriptors the run needs.
-        needed: u64,
-        /// The limit after raising.
-        limit: u64,
-    },
-    /// A latency histogram could not be created or merged.
-    #[error("latency histogram: {0}")]
-    Histogram(String),
-    /// The plot could not be drawn or written.
-    #[error("cannot draw the plot: {0}")]
-    Plot(String),
-    /// A client thread panicked.
-    #[error("a client thread panicked")]
-    ClientThreadPanicked,
-    /// An option's value is out of range.
-    #[error("{0}")]
-    InvalidArgument(String),
+/// Options of `rdzv bench store throughput`.
+#[derive(Debug, Args)]
+struct ThroughputArgs {
+    /// Concurrent connections; a list (1,16,64,512) runs each in turn.
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    conns: Vec<usize>,
+    /// Seconds to measure, per connection count.
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// Seconds run before measuring, per connection count.
+    #[arg(long, default_value_t = 0.5)]
+    warmup_secs: f64,
+    /// Client threads driving the connections (each runs one epoll loop).
+    #[arg(long, default_value_t = 1)]
+    client_threads: usize,
+    /// Draw throughput and p99 against the connection count into this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// The server's process id: its CPU time over the window is reported as
+    /// `server_cpu_us_per_op` (Linux `/proc`). With `--addr`, the bench's own CPU is
+    /// reported as `client_cpu_us_per_op` either way.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// Seconds every connection may take to be accepted and answer a PING before
+    /// the run starts (a slowly accepting server needs long: PyTorch's takes about
+    /// 10 connections per second once hundreds are queued).
+    #[arg(long, default_value_t = 120.0)]
+    setup_timeout_secs: f64,
+}
+
+/// Options of `rdzv bench store storm`.
+#[derive(Debug, Args)]
+struct StormArgs {
+    /// Ranks (concurrent connections).
+    #[arg(long, default_value_t = 512)]
+    ranks: usize,
+    /// Seconds before giving up on ranks not yet released.
+    #[arg(long, default_value_t = 60.0)]
+    timeout_secs: f64,
+    /// Client threads the ranks are dealt to, each running one epoll loop (default:
+    /// the cores this process may use).
+    #[arg(long)]
+    client_threads: Option<usize>,
 }
 
 /// A histogram of nanoseconds from 1 ns to 10 minutes, 3 significant digits.
@@ -267,117 +177,37 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 /// Runs `rdzv bench ...`.
 pub(crate) fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
     match command {
-        BenchCommand::Store(args) => store(args),
-        BenchCommand::Plot { input, out } => {
-            let text = if input.as_os_str() == "-" {
-                std::io::read_to_string(std::io::stdin())
-            } else {
-                std::fs::read_to_string(&input)
-            }
-            .map_err(|e| format!("cannot read {}: {e}", input.display()))?;
-            let results = report::throughput_from_json_lines(&text)
-                .map_err(|e| format!("{}: {e}", input.display()))?;
-            plot::throughput_svg(&out, &results)?;
-            eprintln!(
-                "plot of {} throughput results written to {}",
-                results.len(),
-                out.display()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        BenchCommand::Rpc(args) => rpc::run(args),
+        BenchCommand::Store(args) => Ok(store(args)?),
+        BenchCommand::Plot { input, out } => Ok(plot_file(&input, &out)?),
+        BenchCommand::Rpc(args) => Ok(rpc::run(args)?),
         BenchCommand::Rendezvous(args) => rendezvous::run(args),
     }
 }
 
-/// Where the load goes: an embedded server (kept alive here) or a remote one.
-struct Target {
-    addr: SocketAddr,
-    label: String,
-    embedded: Option<StoreServer>,
-}
-
-impl Target {
-    fn open(addr: Option<&str>, label: Option<String>) -> Result<Target, BenchError> {
-        match addr {
-            Some(given) => {
-                let resolved = given
-                    .to_socket_addrs()
-                    .map_err(|source| BenchError::Resolve {
-                        addr: given.to_string(),
-                        source,
-                    })?
-                    .next()
-                    .ok_or_else(|| BenchError::Resolve {
-                        addr: given.to_string(),
-                        source: std::io::ErrorKind::NotFound.into(),
-                    })?;
-                Ok(Target {
-                    addr: resolved,
-                    label: label.unwrap_or_else(|| given.to_string()),
-                    embedded: None,
-                })
-            }
-            None => {
-                let server = StoreServer::start(ServerOptions {
-                    host: Some("127.0.0.1".into()),
-                    port: 0,
-                    ..ServerOptions::default()
-                })?;
-                Ok(Target {
-                    addr: server.local_addr(),
-                    label: label.unwrap_or_else(|| "rdzv-embedded".into()),
-                    embedded: Some(server),
-                })
-            }
-        }
+/// `rdzv bench plot`: the throughput curve of `--json` lines read from `input` (`-`:
+/// stdin), drawn into `out`.
+fn plot_file(input: &Path, out: &Path) -> Result<ExitCode, BenchError> {
+    let text = if input.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(input)
     }
-
-    /// File descriptors the server side of `conns` connections costs this process.
-    fn server_fds(&self, conns: usize) -> u64 {
-        if self.embedded.is_some() {
-            conns as u64
-        } else {
-            0
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Some(server) = self.embedded.take() {
-            server.shutdown();
-        }
-    }
-}
-
-fn seconds(value: f64, option: &str) -> Result<Duration, BenchError> {
-    Duration::try_from_secs_f64(value).map_err(|_| {
-        BenchError::InvalidArgument(format!(
-            "{option} must be a non-negative number of seconds, got {value}"
-        ))
-    })
-}
-
-/// A prefix no other run uses, so that runs against a shared server do not collide.
-fn key_prefix(mode: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("/rdzv-bench/{}-{nanos}/{mode}", std::process::id())
-}
-
-/// Raises the soft open-file limit to the hard limit and checks it covers `needed`.
-fn ensure_fd_limit(needed: u64) -> Result<u64, BenchError> {
-    let limit = rlimit::increase_nofile_limit(u64::MAX).map_err(|source| BenchError::Io {
-        what: "raise the open-file limit (RLIMIT_NOFILE)",
+    .map_err(|source| BenchError::ReadInput {
+        path: input.to_path_buf(),
         source,
     })?;
-    tracing::debug!(limit, needed, "open-file limit");
-    if limit < needed {
-        return Err(BenchError::FdLimit { needed, limit });
-    }
-    Ok(limit)
+    let results =
+        report::throughput_from_json_lines(&text).map_err(|reason| BenchError::ParseInput {
+            path: input.to_path_buf(),
+            reason,
+        })?;
+    plot::throughput_svg(out, &results)?;
+    eprintln!(
+        "plot of {} throughput results written to {}",
+        results.len(),
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn progress_bar(json: bool, template: &str) -> ProgressBar {
@@ -394,25 +224,12 @@ fn progress_bar(json: bool, template: &str) -> ProgressBar {
 const TIME_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} ms";
 const RANK_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} released ({elapsed})";
 
-fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
+fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
     let json = args.json;
-    let mut ok = true;
-    let results = match args.mode {
-        Mode::Baseline { secs, warmup_secs } => {
-            let measure = seconds(secs, "--secs")?;
-            let warmup = seconds(warmup_secs, "--warmup-secs")?;
-            let key = format!("{}/counter", key_prefix("latency")).into_bytes();
-            let request_bytes = Request::Add {
-                key: &key,
-                delta: 1,
-            }
-            .encoded_len();
-            let bar = progress_bar(json, TIME_BAR);
-            bar.set_message("raw ping-pong");
-            let result = round_trips(None, request_bytes, measure, warmup, &bar)?;
-            bar.finish_and_clear();
-            result
-        }
+    let (addr, label) = (args.addr, args.label);
+    let target = || Target::open(addr.as_deref(), label);
+    let (results, ok) = match args.mode {
+        Mode::Baseline { secs, warmup_secs } => (baseline(json, secs, warmup_secs)?, true),
         Mode::Latency {
             secs,
             warmup_secs,
@@ -420,188 +237,232 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, CliError> {
         } => {
             let measure = seconds(secs, "--secs")?;
             let warmup = seconds(warmup_secs, "--warmup-secs")?;
-            let target = Target::open(args.addr.as_deref(), args.label)?;
-            let key = format!("{}/counter", key_prefix("latency")).into_bytes();
-            let store = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
-            let request_bytes = store.request_bytes();
-            let bar = progress_bar(json, TIME_BAR);
-            bar.set_message("ADD round trips");
-            let results = round_trips(
-                Some((store, &target.label, compare_baseline)),
-                request_bytes,
-                measure,
-                warmup,
-                &bar,
-            )?;
-            bar.finish_and_clear();
-            results
+            let results = latency_mode(&target()?, json, measure, warmup, compare_baseline)?;
+            (results, true)
         }
-        Mode::Throughput {
-            conns,
-            secs,
-            warmup_secs,
-            client_threads,
-            plot,
-            server_pid,
-            setup_timeout_secs,
-        } => {
-            let measure = seconds(secs, "--secs")?;
-            let setup_timeout = seconds(setup_timeout_secs, "--setup-timeout-secs")?;
-            let warmup = seconds(warmup_secs, "--warmup-secs")?;
-            if conns.is_empty() || conns.contains(&0) {
-                return Err(BenchError::InvalidArgument(
-                    "--conns must list connection counts of at least 1".into(),
-                )
-                .into());
-            }
-            let target = Target::open(args.addr.as_deref(), args.label)?;
-            let most = conns.iter().copied().max().unwrap_or(1);
-            ensure_fd_limit(most as u64 + target.server_fds(most) + FD_SLACK)?;
-            let mut results = Vec::with_capacity(conns.len());
-            for &n in &conns {
-                let bar = progress_bar(json, TIME_BAR);
-                bar.set_message(format!("{n} connections"));
-                let plan = throughput::ThroughputPlan {
-                    addr: target.addr,
-                    conns: n,
-                    threads: client_threads.max(1),
-                    warmup,
-                    measure,
-                    key_prefix: key_prefix("throughput"),
-                    setup_timeout,
-                    client_cpu: target.embedded.is_none(),
-                    server_pid,
-                };
-                let outcome = throughput::run(&plan, &bar)?;
-                bar.finish_and_clear();
-                let result = ThroughputResult {
-                    target: target.label.clone(),
-                    conns: outcome.conns,
-                    client_threads: outcome.threads,
-                    seconds: outcome.seconds,
-                    ops: outcome.ops,
-                    ops_per_s: per_second(outcome.ops, outcome.seconds),
-                    latency: LatencySummary::from_ns(&outcome.latency_ns),
-                    client_cpu_us_per_op: outcome
-                        .client_cpu
-                        .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-                    server_cpu_us_per_op: outcome
-                        .server_cpu
-                        .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-                };
-                if !json && conns.len() > 1 && std::io::stderr().is_terminal() {
-                    // Show each row as it completes on long lists.
-                    eprint!(
-                        "{}",
-                        report::to_table(&[BenchResult::Throughput(result.clone())])
-                    );
-                }
-                results.push(result);
-            }
-            if let Some(path) = plot {
-                plot::throughput_svg(&path, &results)?;
-                if !json {
-                    eprintln!("plot written to {}", path.display());
-                }
-            }
-            results.into_iter().map(BenchResult::Throughput).collect()
-        }
-        Mode::Storm {
-            ranks,
-            timeout_secs,
-            client_threads,
-        } => {
-            let timeout = seconds(timeout_secs, "--timeout-secs")?;
-            if ranks == 0 {
-                return Err(
-                    BenchError::InvalidArgument("--ranks must be at least 1".into()).into(),
-                );
-            }
-            let target = Target::open(args.addr.as_deref(), args.label)?;
-            let limit = ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK)
-                .inspect_err(|e| {
-                    if let (BenchError::FdLimit { limit, .. }, true) =
-                        (e, target.embedded.is_some())
-                    {
-                        if *limit >= ranks as u64 + FD_SLACK {
-                            eprintln!(
-                                "note: the embedded server's sockets count against this \
-                                 process's limit too; a server of its own (`rdzv store serve`, \
-                                 then --addr) leaves {ranks} ranks within it"
-                            );
-                        }
-                    }
-                })?;
-            if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
-                if (backlog as usize) < ranks {
-                    eprintln!(
-                        "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server \
-                         slower to accept than the storm arrives will see its listen queue \
-                         overflow (SYNs dropped, connects retried after 1 s or more)"
-                    );
-                }
-            }
-            tracing::info!(limit, ranks, "storm: open-file limit");
-            let threads = match client_threads {
-                Some(0) => {
-                    return Err(BenchError::InvalidArgument(
-                        "--client-threads must be at least 1".into(),
-                    )
-                    .into())
-                }
-                Some(n) => n,
-                None => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            };
-            let plan = storm::StormPlan {
-                addr: target.addr,
-                ranks,
-                threads,
-                timeout,
-                key_prefix: key_prefix("storm"),
-            };
-            let bar = progress_bar(json, RANK_BAR);
-            bar.set_message(format!("storm of {ranks}"));
-            let outcome = storm::run(&plan, &bar)?;
-            bar.finish_and_clear();
-            let counter =
-                match storm::read_counter(target.addr, &plan.counter_key(), CONNECT_TIMEOUT) {
-                    Ok(counter) => counter,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot read the storm counter back");
-                        None
-                    }
-                };
-            let result = StormResult {
-                target: target.label.clone(),
-                ranks,
-                client_threads: outcome.threads,
-                seconds: outcome.seconds,
-                all_connected_seconds: outcome.all_connected_seconds,
-                released: outcome.released,
-                failed: outcome.failed,
-                connect_retries: outcome.connect_retries,
-                counter,
-                counter_ok: outcome.add_results_ok && counter == i64::try_from(ranks).ok(),
-                release_p50_seconds: outcome.release_ns.value_at_quantile(0.5) as f64 / 1e9,
-                release_p99_seconds: outcome.release_ns.value_at_quantile(0.99) as f64 / 1e9,
-                first_error: outcome.first_error,
-            };
-            ok = result.succeeded();
-            vec![BenchResult::Storm(result)]
+        Mode::Throughput(throughput) => (throughput_mode(&throughput, json, target)?, true),
+        Mode::Storm(storm) => {
+            let result = storm_mode(&storm, json, target)?;
+            let ok = result.succeeded();
+            (vec![BenchResult::Storm(result)], ok)
         }
     };
-    let mut stdout = std::io::stdout().lock();
-    if json {
-        stdout.write_all(report::to_json_lines(&results)?.as_bytes())?;
+    let report = if json {
+        report::to_json_lines(&results).map_err(|source| BenchError::Record {
+            what: "encoding the results as JSON".into(),
+            source,
+        })?
     } else {
-        stdout.write_all(report::to_table(&results).as_bytes())?;
-    }
-    stdout.flush()?;
+        report::to_table(&results)
+    };
+    write_report(&report)?;
     Ok(if ok {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `bench store baseline`: the raw loopback ping-pong alone.
+fn baseline(json: bool, secs: f64, warmup_secs: f64) -> Result<Vec<BenchResult>, BenchError> {
+    let measure = seconds(secs, "--secs")?;
+    let warmup = seconds(warmup_secs, "--warmup-secs")?;
+    let key = format!("{}/counter", key_prefix("latency")).into_bytes();
+    let request_bytes = Request::Add {
+        key: &key,
+        delta: 1,
+    }
+    .encoded_len();
+    let bar = progress_bar(json, TIME_BAR);
+    bar.set_message("raw ping-pong");
+    let result = round_trips(None, request_bytes, measure, warmup, &bar)?;
+    bar.finish_and_clear();
+    Ok(result)
+}
+
+/// `bench store latency`: one connection's ADD round trips (and the raw ping-pong
+/// beside them with `--compare-baseline`).
+fn latency_mode(
+    target: &Target,
+    json: bool,
+    measure: Duration,
+    warmup: Duration,
+    compare_baseline: bool,
+) -> Result<Vec<BenchResult>, BenchError> {
+    let key = format!("{}/counter", key_prefix("latency")).into_bytes();
+    let store = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
+    let request_bytes = store.request_bytes();
+    let bar = progress_bar(json, TIME_BAR);
+    bar.set_message("ADD round trips");
+    let results = round_trips(
+        Some((store, &target.label, compare_baseline)),
+        request_bytes,
+        measure,
+        warmup,
+        &bar,
+    )?;
+    bar.finish_and_clear();
+    Ok(results)
+}
+
+/// `bench store throughput`: each connection count in turn (and the plot).
+fn throughput_mode(
+    args: &ThroughputArgs,
+    json: bool,
+    target: impl FnOnce() -> Result<Target, BenchError>,
+) -> Result<Vec<BenchResult>, BenchError> {
+    let measure = seconds(args.secs, "--secs")?;
+    let setup_timeout = seconds(args.setup_timeout_secs, "--setup-timeout-secs")?;
+    let warmup = seconds(args.warmup_secs, "--warmup-secs")?;
+    let conns = &args.conns;
+    if conns.is_empty() || conns.contains(&0) {
+        return Err(BenchError::InvalidArgument(
+            "--conns must list connection counts of at least 1".into(),
+        ));
+    }
+    let target = target()?;
+    let most = conns.iter().copied().max().unwrap_or(1);
+    ensure_fd_limit(most as u64 + target.server_fds(most) + FD_SLACK)?;
+    let mut results = Vec::with_capacity(conns.len());
+    for &n in conns {
+        let bar = progress_bar(json, TIME_BAR);
+        bar.set_message(format!("{n} connections"));
+        let plan = throughput::ThroughputPlan {
+            addr: target.addr,
+            conns: n,
+            threads: args.client_threads.max(1),
+            warmup,
+            measure,
+            key_prefix: key_prefix("throughput"),
+            setup_timeout,
+            client_cpu: target.embedded.is_none(),
+            server_pid: args.server_pid,
+        };
+        let outcome = throughput::run(&plan, &bar)?;
+        bar.finish_and_clear();
+        let result = throughput_result(&target.label, &outcome);
+        if !json && conns.len() > 1 && std::io::stderr().is_terminal() {
+            // Show each row as it completes on long lists.
+            eprint!(
+                "{}",
+                report::to_table(&[BenchResult::Throughput(result.clone())])
+            );
+        }
+        results.push(result);
+    }
+    if let Some(path) = &args.plot {
+        plot::throughput_svg(path, &results)?;
+        if !json {
+            eprintln!("plot written to {}", path.display());
+        }
+    }
+    Ok(results.into_iter().map(BenchResult::Throughput).collect())
+}
+
+/// One connection count's row.
+fn throughput_result(label: &str, outcome: &throughput::ThroughputOutcome) -> ThroughputResult {
+    ThroughputResult {
+        target: label.to_string(),
+        conns: outcome.conns,
+        client_threads: outcome.threads,
+        seconds: outcome.seconds,
+        ops: outcome.ops,
+        ops_per_s: per_second(outcome.ops, outcome.seconds),
+        latency: LatencySummary::from_ns(&outcome.latency_ns),
+        client_cpu_us_per_op: outcome
+            .client_cpu
+            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
+        server_cpu_us_per_op: outcome
+            .server_cpu
+            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
+    }
+}
+
+/// `bench store storm`: checks the limits, runs the storm, reads the counter back.
+fn storm_mode(
+    args: &StormArgs,
+    json: bool,
+    target: impl FnOnce() -> Result<Target, BenchError>,
+) -> Result<StormResult, BenchError> {
+    let ranks = args.ranks;
+    let timeout = seconds(args.timeout_secs, "--timeout-secs")?;
+    if ranks == 0 {
+        return Err(BenchError::InvalidArgument(
+            "--ranks must be at least 1".into(),
+        ));
+    }
+    let target = target()?;
+    storm_limits(&target, ranks)?;
+    let threads = match args.client_threads {
+        Some(0) => {
+            return Err(BenchError::InvalidArgument(
+                "--client-threads must be at least 1".into(),
+            ))
+        }
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let plan = storm::StormPlan {
+        addr: target.addr,
+        ranks,
+        threads,
+        timeout,
+        key_prefix: key_prefix("storm"),
+    };
+    let bar = progress_bar(json, RANK_BAR);
+    bar.set_message(format!("storm of {ranks}"));
+    let outcome = storm::run(&plan, &bar)?;
+    bar.finish_and_clear();
+    let counter = match storm::read_counter(target.addr, &plan.counter_key(), CONNECT_TIMEOUT) {
+        Ok(counter) => counter,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the storm counter back");
+            None
+        }
+    };
+    Ok(StormResult {
+        target: target.label.clone(),
+        ranks,
+        client_threads: outcome.threads,
+        seconds: outcome.seconds,
+        all_connected_seconds: outcome.all_connected_seconds,
+        released: outcome.released,
+        failed: outcome.failed,
+        connect_retries: outcome.connect_retries,
+        counter,
+        counter_ok: outcome.add_results_ok && counter == i64::try_from(ranks).ok(),
+        release_p50_seconds: outcome.release_ns.value_at_quantile(0.5) as f64 / 1e9,
+        release_p99_seconds: outcome.release_ns.value_at_quantile(0.99) as f64 / 1e9,
+        first_error: outcome.first_error,
+    })
+}
+
+/// The open-file limit a storm of `ranks` needs (with a note when the embedded server's
+/// sockets are what breaks it), and a note when the listen backlog is below `ranks`.
+fn storm_limits(target: &Target, ranks: usize) -> Result<(), BenchError> {
+    let limit =
+        ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK).inspect_err(|e| {
+            if let (BenchError::FdLimit { limit, .. }, true) = (e, target.embedded.is_some()) {
+                if *limit >= ranks as u64 + FD_SLACK {
+                    eprintln!(
+                        "note: the embedded server's sockets count against this \
+                         process's limit too; a server of its own (`rdzv store serve`, \
+                         then --addr) leaves {ranks} ranks within it"
+                    );
+                }
+            }
+        })?;
+    if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
+        if (backlog as usize) < ranks {
+            eprintln!(
+                "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server \
+                 slower to accept than the storm arrives will see its listen queue \
+                 overflow (SYNs dropped, connects retried after 1 s or more)"
+            );
+        }
+    }
+    tracing::info!(limit, ranks, "storm: open-file limit");
+    Ok(())
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -744,32 +605,6 @@ fn slice(
 mod tests {
     use super::*;
 
-    #[test]
-    fn key_prefixes_differ_between_calls() {
-        let a = key_prefix("storm");
-        std::thread::sleep(Duration::from_millis(1));
-        let b = key_prefix("storm");
-        assert_ne!(a, b);
-        assert!(a.starts_with("/rdzv-bench/") && a.ends_with("/storm"));
-    }
-
-    #[test]
-    fn seconds_rejects_negative_and_nan() {
-        assert_eq!(seconds(1.5, "--secs").unwrap(), Duration::from_millis(1500));
-        assert!(seconds(-1.0, "--secs").is_err());
-        assert!(seconds(f64::NAN, "--secs").is_err());
-    }
-
-    #[test]
-    fn the_fd_limit_is_raised_and_checked() {
-        let limit = ensure_fd_limit(16).unwrap();
-        assert!(limit >= 16);
-        match ensure_fd_limit(u64::MAX) {
-            Err(BenchError::FdLimit { needed, .. }) => assert_eq!(needed, u64::MAX),
-            other => panic!("expected FdLimit, got {other:?}"),
-        }
-    }
-
     /// `rdzv bench ...` as the command line parses it (`cli::Command::Bench` holds a
     /// [`BenchCommand`] as its subcommand), without naming `cli`, which is above `bench`.
     #[derive(Debug, clap::Parser)]
@@ -859,13 +694,7 @@ mod tests {
 
     #[test]
     fn a_small_storm_through_the_command_line_succeeds() {
-        if StoreServer::start(ServerOptions {
-            host: Some("127.0.0.1".into()),
-            port: 0,
-            ..ServerOptions::default()
-        })
-        .is_err()
-        {
+        if harness::start_server(([127, 0, 0, 1], 0).into()).is_err() {
             eprintln!("SKIP: cannot start the io_uring store server here");
             return;
         }

@@ -34,18 +34,18 @@ mod session;
 mod spec;
 mod viability;
 
-use std::io::{BufRead as _, BufReader, IsTerminal as _, Write as _};
+use std::io::IsTerminal as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs as _, UdpSocket};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
-use rdzv_uring::{ServerOptions, StoreServer};
 
-use crate::error::CliError;
+use super::harness::{start_server, write_report, PeerProcess};
+use super::BenchError;
 use row::{RunMode, Skip};
 use session::Measurement;
 use spec::{Channels, Pair};
@@ -168,18 +168,23 @@ fn parse_cuda_device(text: &str) -> Result<u8, String> {
 }
 
 /// `[HOST:]PORT` of `--listen`.
-fn parse_listen(text: &str) -> Result<SocketAddr, CliError> {
+fn parse_listen(text: &str) -> Result<SocketAddr, BenchError> {
     if let Ok(port) = text.parse::<u16>() {
         return Ok(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
     }
+    resolve("--listen", text)
+}
+
+/// The first address `text` resolves to (`option` is the option that gave it).
+fn resolve(option: &str, text: &str) -> Result<SocketAddr, BenchError> {
     text.to_socket_addrs()
-        .map_err(|e| format!("--listen {text}: {e}"))?
+        .map_err(|e| BenchError::InvalidArgument(format!("{option} {text}: {e}")))?
         .next()
-        .ok_or_else(|| format!("--listen {text}: no address").into())
+        .ok_or_else(|| BenchError::InvalidArgument(format!("{option} {text}: no address")))
 }
 
 /// The pairs to measure, in column order: each transport with each channel.
-fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
+fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, BenchError> {
     let transports = if args.transports.is_empty() {
         viability::DEFAULT_TRANSPORTS.to_vec()
     } else {
@@ -195,7 +200,9 @@ fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
         for &channel in &channels {
             let pair = Pair { transport, channel };
             if pairs.contains(&pair) {
-                return Err(format!("--transport/--channel name {pair} twice").into());
+                return Err(BenchError::InvalidArgument(format!(
+                    "--transport/--channel name {pair} twice"
+                )));
             }
             pairs.push(pair);
         }
@@ -204,7 +211,7 @@ fn pairs(args: &RpcBenchArgs) -> Result<Vec<Pair>, CliError> {
 }
 
 /// `(payload bytes, iterations)` per size.
-fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, CliError> {
+fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, BenchError> {
     let cuda = args
         .channels
         .iter()
@@ -216,7 +223,7 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, CliE
     };
     let given = args.sizes.as_deref().unwrap_or(default);
     if given.is_empty() {
-        return Err("--sizes lists no size".into());
+        return Err(BenchError::InvalidArgument("--sizes lists no size".into()));
     }
     given
         .iter()
@@ -227,9 +234,14 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, CliE
                 args.iters
             };
             if iters == 0 {
-                return Err("--iters and --big-iters must be at least 1".into());
+                return Err(BenchError::InvalidArgument(
+                    "--iters and --big-iters must be at least 1".into(),
+                ));
             }
-            Ok((usize::try_from(size)?, iters))
+            let size = usize::try_from(size).map_err(|_| {
+                BenchError::InvalidArgument(format!("--sizes: {size} bytes do not fit in memory"))
+            })?;
+            Ok((size, iters))
         })
         .collect()
 }
@@ -250,7 +262,7 @@ fn progress_bar(json: bool) -> ProgressBar {
 /// # Errors
 /// When an option is invalid, the other side cannot be started or reached, an agent
 /// cannot start, a call fails, or an echo comes back different from what was sent.
-pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
+pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, BenchError> {
     if args.peer {
         return listen(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), Role::LocalPeer);
     }
@@ -292,18 +304,14 @@ pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, CliError> {
     }
     // Per payload: each pair in column order, then raw-tcp, then the CUDA limit.
     rows.sort_by_key(|row| row.payload_bytes);
-    let mut stdout = std::io::stdout().lock();
-    if args.json {
-        for row in &rows {
-            writeln!(stdout, "{}", row.json())?;
-        }
-        for skip in &skips {
-            writeln!(stdout, "{}", skip.json())?;
-        }
+    let report = if args.json {
+        let lines = rows.iter().map(|row| row.json());
+        let lines = lines.chain(skips.iter().map(|skip| skip.json()));
+        lines.map(|line| format!("{line}\n")).collect()
     } else {
-        stdout.write_all(row::table(&rows, &skips).as_bytes())?;
-    }
-    stdout.flush()?;
+        row::table(&rows, &skips)
+    };
+    write_report(&report)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -318,19 +326,11 @@ enum Role {
     LocalPeer,
 }
 
-fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, CliError> {
-    let server = StoreServer::start(ServerOptions {
-        host: Some(bind.ip().to_string()),
-        port: bind.port(),
-        ..ServerOptions::default()
-    })?;
+fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, BenchError> {
+    let server = start_server(bind)?;
     let addr = server.local_addr();
     match role {
-        Role::LocalPeer => {
-            let mut stdout = std::io::stdout().lock();
-            writeln!(stdout, "{}", addr.port())?;
-            stdout.flush()?;
-        }
+        Role::LocalPeer => write_report(&format!("{}\n", addr.port()))?,
         Role::Listener | Role::Quiet => eprintln!(
             "rdzv bench rpc: listening on {addr}; on the other host run \
              `rdzv bench rpc --connect <this host>:{}`",
@@ -354,28 +354,9 @@ fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, CliError> {
 }
 
 /// A local run: a child process serves on 127.0.0.1, this one measures.
-fn local(args: &RpcBenchArgs) -> Result<session::Outcome, CliError> {
-    let mut command = Command::new(std::env::current_exe()?);
-    command
-        .args(["bench", "rpc", "--peer"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped());
-    if std::env::var_os("RUST_LOG").is_none() {
-        // The child's errors still show; its store's warning about connection storms
-        // (a small net.core.somaxconn) concerns no two-process run.
-        command.env("RUST_LOG", "error");
-    }
-    let mut child = command.spawn()?;
-    let measured = (|| {
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or("the benchmark's peer process has no stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
-        let port: u16 = line.trim().parse().map_err(|_| {
-            format!("the benchmark's peer process did not say where it listens ({line:?})")
-        })?;
+fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
+    let mut peer = PeerProcess::spawn(&["bench", "rpc", "--peer"])?;
+    let measured = peer.port().and_then(|port| {
         let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
         let bar = progress_bar(args.json);
         let outcome = Measurement {
@@ -390,34 +371,20 @@ fn local(args: &RpcBenchArgs) -> Result<session::Outcome, CliError> {
         .run();
         bar.finish_and_clear();
         outcome
-    })();
-    let status = child_status(&mut child, measured.is_ok());
+    });
+    let status = peer.finish(measured.is_ok());
     let outcome = measured?;
     status?;
     Ok(outcome)
 }
 
-/// Waits for the local peer (it exits once the run is done); kills it if the
-/// measurement failed.
-fn child_status(child: &mut Child, measured: bool) -> Result<(), CliError> {
-    if !measured {
-        let _ = child.kill();
-    }
-    let status = child.wait()?;
-    if measured && !status.success() {
-        return Err(format!("the benchmark's peer process failed: {status}").into());
-    }
-    Ok(())
-}
-
 /// `--connect HOST:PORT`: measures against a `--listen` side.
-fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, CliError> {
-    let store = text
-        .to_socket_addrs()
-        .map_err(|e| format!("--connect {text}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("--connect {text}: no address"))?;
-    let local_ip = route_source(store).map_err(|e| format!("no route to {store}: {e}"))?;
+fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, BenchError> {
+    let store = resolve("--connect", text)?;
+    let local_ip = route_source(store).map_err(|source| BenchError::Io {
+        what: "find the local address that routes to the --connect host",
+        source,
+    })?;
     let bar = progress_bar(args.json);
     let outcome = Measurement {
         store,

@@ -14,13 +14,15 @@
 use std::time::Instant;
 
 use indicatif::ProgressBar;
-use rdzv_rdma::cuda::memory::{copy_device_async, Gpu, RawEvent, StagingBuffer};
+use rdzv_rdma::cuda::memory::{
+    copy_device_async, CudaCallError, DeviceAllocation, Gpu, RawEvent, StagingBuffer,
+};
 use rdzv_rdma::cuda::CudaViability;
 
 use super::payload::Payload;
 use super::row::{human_size, Row, RunMode, NO_CHANNEL};
 use super::viability::error_chain;
-use crate::error::CliError;
+use crate::bench::BenchError;
 
 /// The transport name of the device-to-device limit rows.
 pub(super) const CUDA_D2D: &str = "cuda-d2d";
@@ -31,7 +33,7 @@ pub(super) const D2H_PINNED: &str = "d2h-pinned";
 
 /// Why `cuda:ordinal` cannot be measured here, or `None` when it can. A device that the
 /// driver does not have is an error, not a skip.
-pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, CliError> {
+pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, BenchError> {
     match rdzv_rdma::cuda::probe() {
         CudaViability::NotViable(reason) => {
             Ok(Some(format!("not viable: {}", error_chain(&reason))))
@@ -40,11 +42,10 @@ pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, CliError> {
             if usize::from(ordinal) < report.devices.len() {
                 Ok(None)
             } else {
-                Err(format!(
+                Err(BenchError::InvalidArgument(format!(
                     "--device cuda:{ordinal}: this host has {} CUDA device(s)",
                     report.devices.len()
-                )
-                .into())
+                )))
             }
         }
     }
@@ -55,8 +56,8 @@ pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, CliError> {
 fn samples(
     iters: usize,
     bar: &ProgressBar,
-    mut sample: impl FnMut() -> Result<(), CliError>,
-) -> Result<Vec<std::time::Duration>, CliError> {
+    mut sample: impl FnMut() -> Result<(), BenchError>,
+) -> Result<Vec<std::time::Duration>, BenchError> {
     let mut samples = Vec::with_capacity(iters);
     for iter in 0..=iters {
         let started = Instant::now();
@@ -69,98 +70,168 @@ fn samples(
     Ok(samples)
 }
 
+/// For `map_err`: a CUDA call doing `what` failed.
+fn cuda<E: std::error::Error + Send + Sync + 'static>(
+    what: impl Into<String>,
+) -> impl FnOnce(E) -> BenchError {
+    let what = what.into();
+    move |source| BenchError::Cuda {
+        what,
+        source: Box::new(source),
+    }
+}
+
 /// The rows of every limit, one per `(payload bytes, iterations)` on `cuda:ordinal`.
 pub(super) fn measure(
     ordinal: u8,
     sizes: &[(usize, usize)],
     mode: RunMode,
     bar: &ProgressBar,
-) -> Result<Vec<Row>, CliError> {
-    let gpu = Gpu::open(usize::from(ordinal))?;
-    let stream = gpu.new_stream()?;
-    let done = RawEvent::new(&gpu, false)?;
+) -> Result<Vec<Row>, BenchError> {
+    let on = format!("cuda:{ordinal}");
+    let gpu = Gpu::open(usize::from(ordinal)).map_err(cuda(format!("opening {on}")))?;
+    let stream = gpu
+        .new_stream()
+        .map_err(cuda(format!("a stream on {on}")))?;
+    let done = RawEvent::new(&gpu, false).map_err(cuda(format!("an event on {on}")))?;
+    // The stream's type is cudarc's, which this crate does not name: the calls that
+    // take it are closures here.
+    let round = |a: &DeviceAllocation, b: &DeviceAllocation| {
+        copy_device_async(b.range(), &gpu, a.range(), &gpu, &stream)
+            .and_then(|()| copy_device_async(a.range(), &gpu, b.range(), &gpu, &stream))
+            .and_then(|()| done.record(&stream))
+            .and_then(|()| done.synchronize())
+    };
+    let upload = |host: &mut StagingBuffer, b: &DeviceAllocation| host.upload(b.range(), &stream);
+    let download =
+        |host: &mut StagingBuffer, b: &DeviceAllocation| host.download(b.range().source(), &stream);
+    let device = Device {
+        on: &on,
+        gpu: &gpu,
+        round: &round,
+        upload: &upload,
+        download: &download,
+    };
     let mut rows = Vec::with_capacity(3 * sizes.len());
     for &(len, iters) in sizes {
         let payload = Payload::new(len);
-        let mut a = gpu.alloc(len)?;
-        let b = gpu.alloc(len)?;
-        a.copy_from_host(&payload.message(0))?;
+        let a = gpu
+            .alloc(len)
+            .map_err(cuda(format!("{len} bytes on {on}")))?;
+        let b = gpu
+            .alloc(len)
+            .map_err(cuda(format!("{len} bytes on {on}")))?;
         bar.inc_length(3 * iters as u64);
-        bar.set_message(format!(
-            "{CUDA_D2D} cuda:{ordinal} {}",
-            human_size(len as u64)
-        ));
-        let wait = || -> Result<(), CliError> {
-            done.record(&stream)?;
-            done.synchronize()?;
-            Ok(())
-        };
-        let d2d = samples(iters, bar, || {
-            copy_device_async(b.range(), &gpu, a.range(), &gpu, &stream)?;
-            copy_device_async(a.range(), &gpu, b.range(), &gpu, &stream)?;
-            wait()
-        })?;
-        let mut back = vec![0u8; len];
-        a.copy_to_host(&mut back)?;
-        payload
-            .check(0, &back)
-            .map_err(|e| format!("the device-to-device copy on cuda:{ordinal}: {e}"))?;
-        rows.push(Row::from_samples(
-            CUDA_D2D, NO_CHANNEL, mode, len as u64, d2d,
-        ));
+        rows.push(device.d2d_row(&payload, (a, &b), iters, mode, bar)?);
         if len == 0 {
             // Pinned memory of 0 bytes cannot be allocated, and nothing would move.
             bar.inc(2 * iters as u64);
             continue;
         }
-        // Pinned memory fenced by its own event: each copy records it, and the sample
-        // waits for it.
-        let mut host = StagingBuffer::new(&gpu, len)?;
-        bar.set_message(format!(
-            "{H2D_PINNED} cuda:{ordinal} {}",
-            human_size(len as u64)
-        ));
+        rows.extend(device.pinned_rows(&payload, &b, iters, mode, bar)?);
+    }
+    Ok(rows)
+}
+
+/// The host buffer's copy between pinned memory and `b`, on the device's stream.
+type Staged<'a> = &'a dyn Fn(&mut StagingBuffer, &DeviceAllocation) -> Result<(), CudaCallError>;
+
+/// One device's handles while its limits are measured.
+struct Device<'a> {
+    /// `cuda:N`, for messages.
+    on: &'a str,
+    gpu: &'a Gpu,
+    /// `b` to `a` and back on the stream, then wait for both.
+    round: &'a dyn Fn(&DeviceAllocation, &DeviceAllocation) -> Result<(), CudaCallError>,
+    /// Pinned memory to `b`.
+    upload: Staged<'a>,
+    /// `b` to pinned memory.
+    download: Staged<'a>,
+}
+
+impl Device<'_> {
+    /// The device-to-device row: `b` to `a` and back per sample, checked once after.
+    fn d2d_row(
+        &self,
+        payload: &Payload,
+        (mut a, b): (DeviceAllocation, &DeviceAllocation),
+        iters: usize,
+        mode: RunMode,
+        bar: &ProgressBar,
+    ) -> Result<Row, BenchError> {
+        let on = self.on;
+        let len = payload.len();
+        a.copy_from_host(&payload.message(0))
+            .map_err(cuda(format!("filling {len} bytes on {on}")))?;
+        bar.set_message(format!("{CUDA_D2D} {on} {}", human_size(len as u64)));
+        let d2d = samples(iters, bar, || {
+            (self.round)(&a, b).map_err(cuda(format!("a device-to-device copy on {on}")))
+        })?;
+        let mut back = vec![0u8; len];
+        a.copy_to_host(&mut back)
+            .map_err(cuda(format!("reading {len} bytes back from {on}")))?;
+        payload.check(0, &back).map_err(|source| BenchError::Echo {
+            what: format!("the device-to-device copy on {on}"),
+            source: Box::new(source),
+        })?;
+        Ok(Row::from_samples(
+            CUDA_D2D, NO_CHANNEL, mode, len as u64, d2d,
+        ))
+    }
+
+    /// The pinned host-to-device and device-to-host rows, through pinned memory fenced
+    /// by its own event (each copy records it, and the sample waits for it); the copies
+    /// are checked once after: the payload to the device and back.
+    fn pinned_rows(
+        &self,
+        payload: &Payload,
+        b: &DeviceAllocation,
+        iters: usize,
+        mode: RunMode,
+        bar: &ProgressBar,
+    ) -> Result<[Row; 2], BenchError> {
+        let (on, upload, download) = (self.on, self.upload, self.download);
+        let len = payload.len();
+        let pinned = |what: &str| cuda(format!("{what} {len} bytes of pinned memory on {on}"));
+        let mut host = StagingBuffer::new(self.gpu, len).map_err(pinned("allocating"))?;
+        bar.set_message(format!("{H2D_PINNED} {on} {}", human_size(len as u64)));
         let h2d = samples(iters, bar, || {
-            host.upload(b.range(), &stream)?;
-            host.upload(b.range(), &stream)?;
-            Ok(host.wait()?)
+            upload(&mut host, b)
+                .and_then(|()| upload(&mut host, b))
+                .and_then(|()| host.wait())
+                .map_err(pinned("uploading"))
         })?;
-        rows.push(Row::from_samples(
-            H2D_PINNED, NO_CHANNEL, mode, len as u64, h2d,
-        ));
-        bar.set_message(format!(
-            "{D2H_PINNED} cuda:{ordinal} {}",
-            human_size(len as u64)
-        ));
+        bar.set_message(format!("{D2H_PINNED} {on} {}", human_size(len as u64)));
         let d2h = samples(iters, bar, || {
-            host.download(b.range().source(), &stream)?;
-            host.download(b.range().source(), &stream)?;
-            Ok(host.wait()?)
+            download(&mut host, b)
+                .and_then(|()| download(&mut host, b))
+                .and_then(|()| host.wait())
+                .map_err(pinned("downloading"))
         })?;
-        rows.push(Row::from_samples(
-            D2H_PINNED, NO_CHANNEL, mode, len as u64, d2h,
-        ));
-        // The pinned copies are checked once: the payload to the device and back.
-        let idle = |host: &mut StagingBuffer| -> Result<(), CliError> {
-            host.wait()?;
-            Ok(())
-        };
-        idle(&mut host)?;
+        host.wait().map_err(pinned("waiting for"))?;
         if let Some(bytes) = host.bytes_mut() {
             bytes.copy_from_slice(&payload.message(0));
         }
-        host.upload(b.range(), &stream)?;
-        idle(&mut host)?;
+        upload(&mut host, b)
+            .and_then(|()| host.wait())
+            .map_err(pinned("uploading"))?;
         if let Some(bytes) = host.bytes_mut() {
             bytes.fill(0);
         }
-        host.download(b.range().source(), &stream)?;
-        idle(&mut host)?;
+        download(&mut host, b)
+            .and_then(|()| host.wait())
+            .map_err(pinned("downloading"))?;
         payload
             .check(0, host.bytes().unwrap_or_default())
-            .map_err(|e| format!("the pinned copies on cuda:{ordinal}: {e}"))?;
+            .map_err(|source| BenchError::Echo {
+                what: format!("the pinned copies on {on}"),
+                source: Box::new(source),
+            })?;
+        Ok([
+            Row::from_samples(H2D_PINNED, NO_CHANNEL, mode, len as u64, h2d),
+            Row::from_samples(D2H_PINNED, NO_CHANNEL, mode, len as u64, d2h),
+        ])
     }
-    Ok(rows)
 }
 
 #[cfg(test)]

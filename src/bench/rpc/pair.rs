@@ -24,7 +24,7 @@ use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
 use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
-use crate::error::CliError;
+use crate::bench::BenchError;
 
 /// Starts rank 0's agent with `options`, measures every `(payload bytes, iterations)`,
 /// and leaves the group (also after a failure).
@@ -34,7 +34,7 @@ pub(super) fn measure(
     sizes: &[(usize, usize)],
     mode: RunMode,
     bar: &ProgressBar,
-) -> Result<Vec<Row>, CliError> {
+) -> Result<Vec<Row>, BenchError> {
     if is_cuda(pair.channel) {
         let gpu = Device::cuda(0);
         options
@@ -42,17 +42,20 @@ pub(super) fn measure(
             .insert(NAMES[1], DeviceMap::from_iter([(gpu, gpu)]));
     }
     bar.set_message(format!("{pair}: joining"));
-    let agent = init_rpc(NAMES[0], 0, Some(2), options).map_err(|e| format!("{pair}: {e}"))?;
-    let measured = (|| -> Result<Vec<Row>, CliError> {
+    let in_pair = |source: BenchError| BenchError::Pair {
+        pair: pair.to_string(),
+        source: Box::new(source),
+    };
+    let agent = init_rpc(NAMES[0], 0, Some(2), options).map_err(|e| in_pair(e.into()))?;
+    let measured = (|| -> Result<Vec<Row>, BenchError> {
         agent.rpc_sync(NAMES[1], ECHO, Message::default())?;
         let running = agent.pipe_transport(NAMES[1]);
         if running != Some(pair.transport) {
-            return Err(format!(
+            return Err(BenchError::Unexpected(format!(
                 "the pipe asked to run on {} runs on {}",
                 pair.transport,
                 running.map_or("nothing", |k| k.name())
-            )
-            .into());
+            )));
         }
         // The default list: name the channel the pipe took for large CPU tensors.
         let channel = match pair.channel {
@@ -64,7 +67,7 @@ pub(super) fn measure(
         let mut rows = sizes
             .iter()
             .map(|&(len, iters)| echo_row(&agent, pair, channel, len, iters, mode, bar))
-            .collect::<Result<Vec<_>, CliError>>()?;
+            .collect::<Result<Vec<_>, BenchError>>()?;
         if !is_cuda(pair.channel) {
             for &(len, iters) in sizes.iter().filter(|&&(len, _)| RREF_SIZES.contains(&len)) {
                 rows.push(rref_row(&agent, pair, channel, len, iters, mode, bar)?);
@@ -73,8 +76,8 @@ pub(super) fn measure(
         Ok(rows)
     })();
     let joined = agent.join();
-    let rows = measured.map_err(|e| format!("{pair}: {e}"))?;
-    joined.map_err(|e| format!("{pair}: leaving the group: {e}"))?;
+    let rows = measured.map_err(in_pair)?;
+    joined.map_err(|e| in_pair(e.into()))?;
     Ok(rows)
 }
 
@@ -86,7 +89,7 @@ fn echo_row(
     iters: usize,
     mode: RunMode,
     bar: &ProgressBar,
-) -> Result<Row, CliError> {
+) -> Result<Row, BenchError> {
     let payload = Payload::new(len);
     bar.set_message(format!("{pair} {}", human_size(len as u64)));
     let mut samples = Vec::with_capacity(iters);
@@ -94,7 +97,11 @@ fn echo_row(
     for iter in 0..=iters as u64 {
         let bytes = payload.message(iter);
         let tensor = if cuda {
-            let memory = CudaMemory::upload(Device::cuda(0), &bytes).map_err(|e| e.to_string())?;
+            let memory =
+                CudaMemory::upload(Device::cuda(0), &bytes).map_err(|source| BenchError::Cuda {
+                    what: format!("uploading {len} bytes to cuda:0"),
+                    source: Box::new(source),
+                })?;
             Tensor::on_device(DeviceBuffer::new(memory))
         } else {
             Tensor::cpu(bytes)
@@ -104,12 +111,13 @@ fn echo_row(
         let reply = agent.rpc_sync(NAMES[1], ECHO, message)?;
         let took = started.elapsed();
         match reply.tensors.as_slice() {
-            [tensor] if cuda => payload.check(iter, &echoed_from_device(tensor)?)?,
-            [tensor] => payload.check(iter, &tensor.data)?,
+            [tensor] if cuda => payload.verify(iter, &echoed_from_device(tensor)?, "the echo")?,
+            [tensor] => payload.verify(iter, &tensor.data, "the echo")?,
             tensors => {
-                return Err(
-                    format!("the echo returned {} tensors instead of 1", tensors.len()).into(),
-                )
+                return Err(BenchError::Unexpected(format!(
+                    "the echo returned {} tensors instead of 1",
+                    tensors.len()
+                )))
             }
         }
         // Iteration 0 warms the pipe up at this size.
@@ -141,7 +149,7 @@ fn rref_row(
     iters: usize,
     mode: RunMode,
     bar: &ProgressBar,
-) -> Result<Row, CliError> {
+) -> Result<Row, BenchError> {
     let payload = Payload::new(len);
     bar.set_message(format!("{pair} rref {}", human_size(len as u64)));
     let mut samples = Vec::with_capacity(iters);
@@ -152,11 +160,12 @@ fn rref_row(
         let value = rref.to_here(RREF_WAIT)?;
         let took = started.elapsed();
         match value.tensors.as_slice() {
-            [tensor] => payload.check(iter, &tensor.data)?,
+            [tensor] => payload.verify(iter, &tensor.data, "to_here")?,
             tensors => {
-                return Err(
-                    format!("to_here returned {} tensors instead of 1", tensors.len()).into(),
-                )
+                return Err(BenchError::Unexpected(format!(
+                    "to_here returned {} tensors instead of 1",
+                    tensors.len()
+                )))
             }
         }
         if iter > 0 {
@@ -176,16 +185,19 @@ fn rref_row(
 const RREF_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The host copy of an echoed CUDA tensor.
-fn echoed_from_device(tensor: &Tensor) -> Result<Vec<u8>, String> {
+fn echoed_from_device(tensor: &Tensor) -> Result<Vec<u8>, BenchError> {
     let memory = tensor
         .memory
         .as_ref()
         .and_then(|m| m.downcast_ref::<CudaMemory>())
         .ok_or_else(|| {
-            format!(
+            BenchError::Unexpected(format!(
                 "the echo came back as a {} tensor without CUDA memory",
                 tensor.device
-            )
+            ))
         })?;
-    memory.to_host().map_err(|e| e.to_string())
+    memory.to_host().map_err(|source| BenchError::Cuda {
+        what: format!("reading the echoed tensor back from {}", tensor.device),
+        source: Box::new(source),
+    })
 }

@@ -6,6 +6,8 @@
 //! Building and checking happen outside the timed section. This module does not time or
 //! move anything.
 
+use crate::bench::BenchError;
+
 /// The pattern of one payload size.
 #[derive(Debug, Clone)]
 pub(super) struct Payload {
@@ -21,6 +23,19 @@ impl Payload {
         Payload {
             base: (0..len).map(|i| (i % 251) as u8 ^ 0xA5).collect(),
         }
+    }
+
+    /// [`check`](Self::check) as the bench's error: `what` came back different.
+    pub(super) fn verify(&self, iter: u64, echoed: &[u8], what: &str) -> Result<(), BenchError> {
+        self.check(iter, echoed).map_err(|source| BenchError::Echo {
+            what: format!("{what} of iteration {iter}"),
+            source: Box::new(source),
+        })
+    }
+
+    /// The payload's length in bytes.
+    pub(super) fn len(&self) -> usize {
+        self.base.len()
     }
 
     /// The bytes sent in iteration `iter`.

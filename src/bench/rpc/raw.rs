@@ -26,7 +26,7 @@ use indicatif::ProgressBar;
 
 use super::payload::Payload;
 use super::row::{Row, RunMode, NO_CHANNEL};
-use crate::error::CliError;
+use crate::bench::BenchError;
 
 /// The transport name of the raw rows.
 pub(super) const RAW_TCP: &str = "raw-tcp";
@@ -140,10 +140,13 @@ fn serve(mut stream: TcpStream, control_closed: &AtomicBool) -> io::Result<()> {
 
 /// Opens the control connection to the echo server at `addr`; the run is over for the
 /// serving side when it closes.
-pub(super) fn hold_control(addr: SocketAddr) -> Result<TcpStream, CliError> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(30))
-        .map_err(|e| format!("cannot connect to the raw echo server at {addr}: {e}"))?;
-    stream.write_all(&CONTROL.to_le_bytes())?;
+pub(super) fn hold_control(addr: SocketAddr) -> Result<TcpStream, BenchError> {
+    let io = |what| move |source| BenchError::RawEcho { addr, what, source };
+    let mut stream =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(30)).map_err(io("connecting"))?;
+    stream
+        .write_all(&CONTROL.to_le_bytes())
+        .map_err(io("opening the control connection"))?;
     Ok(stream)
 }
 
@@ -155,13 +158,18 @@ pub(super) fn measure(
     iters: usize,
     mode: RunMode,
     bar: &ProgressBar,
-) -> Result<Row, CliError> {
+) -> Result<Row, BenchError> {
     let wire = len.max(EMPTY_FRAME_BYTES);
     let payload = Payload::new(wire);
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(30))
-        .map_err(|e| format!("cannot connect to the raw echo server at {addr}: {e}"))?;
-    stream.set_nodelay(true)?;
-    stream.write_all(&(wire as u64).to_le_bytes())?;
+    let io = |what| move |source| BenchError::RawEcho { addr, what, source };
+    let mut stream =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(30)).map_err(io("connecting"))?;
+    stream
+        .set_nodelay(true)
+        .map_err(io("setting TCP_NODELAY"))?;
+    stream
+        .write_all(&(wire as u64).to_le_bytes())
+        .map_err(io("sending the payload size"))?;
     let mut back = vec![0u8; wire];
     bar.set_message(format!("{RAW_TCP} {}", super::row::human_size(len as u64)));
     // One unrecorded round trip warms the connection up.
@@ -169,10 +177,10 @@ pub(super) fn measure(
     for iter in 0..=iters as u64 {
         let out = payload.message(iter);
         let started = Instant::now();
-        stream.write_all(&out)?;
-        stream.read_exact(&mut back)?;
+        stream.write_all(&out).map_err(io("sending"))?;
+        stream.read_exact(&mut back).map_err(io("receiving"))?;
         let took = started.elapsed();
-        payload.check(iter, &back)?;
+        payload.verify(iter, &back, "the raw echo")?;
         if iter > 0 {
             samples.push(took);
             bar.inc(1);

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rdzv_core::env::Env;
-use rdzv_core::negotiate::TransportKind;
 use rdzv_core::url::RendezvousUrl;
 use rdzv_uring::rendezvous::{
     register_rendezvous_handler, Rendezvous, RendezvousError, RendezvousOptions,
@@ -43,7 +42,7 @@ use super::raw::{self, RawEchoServer};
 use super::row::{Row, RunMode, Skip};
 use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::{pair_here, pair_on_serving_side, shm_domain};
-use crate::error::CliError;
+use crate::bench::BenchError;
 
 /// The rendezvous scheme of the benchmark's agents.
 const SCHEME: &str = "rdzvbench";
@@ -123,14 +122,14 @@ struct Verdict {
 }
 
 /// Registers the `rdzvbench://` rendezvous scheme, once per process.
-fn register_scheme() -> Result<(), CliError> {
+fn register_scheme() -> Result<(), BenchError> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
     REGISTERED
         .get_or_init(|| {
             register_rendezvous_handler(SCHEME, store_client_rendezvous).map_err(|e| e.to_string())
         })
         .clone()
-        .map_err(Into::into)
+        .map_err(|e| BenchError::Unexpected(format!("cannot register {SCHEME}://: {e}")))
 }
 
 /// `rdzvbench://HOST:PORT?rank=R&world_size=W`: a client of the store at `HOST:PORT`.
@@ -193,70 +192,102 @@ pub(super) fn agent_options(
     options
 }
 
-fn connect(store: SocketAddr) -> Result<TcpStore, CliError> {
-    TcpStore::connect(&store.ip().to_string(), store.port(), CONNECT_TIMEOUT)
-        .map_err(|e| format!("cannot connect to the benchmark's store at {store}: {e}").into())
+/// A client of the serving side's store: the records both sides write and wait for.
+struct SessionStore {
+    addr: SocketAddr,
+    store: TcpStore,
 }
 
-/// Waits for `key`, up to `limit` (`None`: for ever), checking `give_up` between polls.
-fn wait_for(
-    store: &dyn Store,
-    key: &str,
-    limit: Option<Duration>,
-    mut give_up: impl FnMut() -> Result<(), CliError>,
-) -> Result<Vec<u8>, CliError> {
-    let started = Instant::now();
-    loop {
-        match store.wait(&[key], Some(POLL)) {
-            Ok(()) => return Ok(store.get(key)?),
-            Err(StoreError::Timeout { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
-        give_up()?;
-        if let Some(limit) = limit {
-            if started.elapsed() >= limit {
-                return Err(format!(
-                    "waited {} s for {key} in the benchmark's store",
-                    limit.as_secs()
-                )
-                .into());
+impl SessionStore {
+    fn connect(addr: SocketAddr) -> Result<SessionStore, BenchError> {
+        let store = TcpStore::connect(&addr.ip().to_string(), addr.port(), CONNECT_TIMEOUT)
+            .map_err(|source| BenchError::SessionStore {
+                addr,
+                what: "connecting".into(),
+                source,
+            })?;
+        Ok(SessionStore { addr, store })
+    }
+
+    /// For `map_err`: `what` failed with the store's error.
+    fn failed(&self, what: impl Into<String>) -> impl FnOnce(StoreError) -> BenchError {
+        let (addr, what) = (self.addr, what.into());
+        move |source| BenchError::SessionStore { addr, what, source }
+    }
+
+    /// Writes `record` as JSON under `key`.
+    fn put<T: Serialize>(&self, key: &str, record: &T) -> Result<(), BenchError> {
+        let bytes = serde_json::to_vec(record).map_err(|source| BenchError::Record {
+            what: format!("encoding {key}"),
+            source,
+        })?;
+        self.store
+            .set(key, &bytes)
+            .map_err(self.failed(format!("writing {key}")))
+    }
+
+    /// Whether `key` is there.
+    fn has(&self, key: &str) -> Result<bool, BenchError> {
+        self.store
+            .check(&[key])
+            .map_err(self.failed(format!("checking {key}")))
+    }
+
+    /// Waits for `key`, up to `limit` (`None`: for ever), checking `give_up` between
+    /// polls.
+    fn wait_for(
+        &self,
+        key: &str,
+        limit: Option<Duration>,
+        mut give_up: impl FnMut() -> Result<(), BenchError>,
+    ) -> Result<Vec<u8>, BenchError> {
+        let started = Instant::now();
+        loop {
+            match self.store.wait(&[key], Some(POLL)) {
+                Ok(()) => {
+                    return self
+                        .store
+                        .get(key)
+                        .map_err(self.failed(format!("reading {key}")))
+                }
+                Err(StoreError::Timeout { .. }) => {}
+                Err(e) => return Err(self.failed(format!("waiting for {key}"))(e)),
+            }
+            give_up()?;
+            if let Some(limit) = limit {
+                if started.elapsed() >= limit {
+                    return Err(BenchError::Unexpected(format!(
+                        "waited {} s for {key} in the benchmark's store at {}",
+                        limit.as_secs(),
+                        self.addr
+                    )));
+                }
             }
         }
     }
-}
 
-fn decode<'a, T: Deserialize<'a>>(key: &str, bytes: &'a [u8]) -> Result<T, CliError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| format!("malformed {key} from the other side: {e}").into())
-}
-
-/// Runs the serving side against its own store at `store`: waits for a plan (up to
-/// `plan_wait`; `None`: for ever), answers it, serves every pair it accepted, and
-/// returns once the measuring side says the run is over. Returns how many pairs it
-/// served.
-pub(super) fn serve(
-    store_addr: SocketAddr,
-    plan_wait: Option<Duration>,
-    log: bool,
-) -> Result<usize, CliError> {
-    register_scheme()?;
-    let store = connect(store_addr)?;
-    let bytes = wait_for(&store, PLAN_KEY, plan_wait, || Ok(()))?;
-    let plan: Plan = decode(PLAN_KEY, &bytes)?;
-    if plan.protocol != PROTOCOL {
-        return Err(format!(
-            "the measuring side speaks bench-rpc protocol {}, this build {PROTOCOL}: run one \
-             rdzv version on both hosts",
-            plan.protocol
-        )
-        .into());
+    /// Waits for the JSON record under `key` (see [`wait_for`](Self::wait_for)).
+    fn record<T: for<'a> Deserialize<'a>>(
+        &self,
+        key: &str,
+        limit: Option<Duration>,
+    ) -> Result<T, BenchError> {
+        let bytes = self.wait_for(key, limit, || Ok(()))?;
+        decode(key, &bytes)
     }
-    let host: IpAddr = plan
-        .serving_host
-        .parse()
-        .map_err(|e| format!("the plan's serving host {:?}: {e}", plan.serving_host))?;
-    let raw = RawEchoServer::start(host)
-        .map_err(|e| format!("cannot start the raw echo server on {host}: {e}"))?;
+}
+
+/// The JSON record `key` the other side wrote.
+fn decode<T: for<'a> Deserialize<'a>>(key: &str, bytes: &[u8]) -> Result<T, BenchError> {
+    serde_json::from_slice(bytes).map_err(|source| BenchError::Record {
+        what: format!("malformed {key} from the other side"),
+        source,
+    })
+}
+
+/// The serving side's verdict on each pair of `plan`, and the pairs it can run (with
+/// their counters).
+fn judge(plan: &Plan) -> (Vec<Verdict>, Vec<(u64, Pair)>) {
     let mut verdicts = Vec::with_capacity(plan.pairs.len());
     let mut runnable = Vec::new();
     for (k, spec) in plan.pairs.iter().enumerate() {
@@ -278,58 +309,123 @@ pub(super) fn serve(
             skipped,
         });
     }
-    let reply = Reply {
-        protocol: PROTOCOL,
-        raw_addr: raw.addr().to_string(),
-        pairs: verdicts,
-    };
-    store.set(REPLY_KEY, &serde_json::to_vec(&reply)?)?;
+    (verdicts, runnable)
+}
 
+/// Starts the thread that runs the serving side's agent for each of `runnable` in turn;
+/// it sends how many it served, or why it stopped.
+fn spawn_agents(
+    store_addr: SocketAddr,
+    host: IpAddr,
+    runnable: Vec<(u64, Pair)>,
+    log: bool,
+) -> Result<mpsc::Receiver<Result<usize, BenchError>>, BenchError> {
     let (served_tx, served_rx) = mpsc::channel();
     std::thread::Builder::new()
         .name("rdzv-bench-serve".into())
         .spawn(move || {
             let result = (|| {
                 for &(counter, pair) in &runnable {
+                    let in_pair = |source: BenchError| BenchError::Pair {
+                        pair: pair.to_string(),
+                        source: Box::new(source),
+                    };
                     let options = agent_options(store_addr, host, pair, counter);
-                    let agent = init_rpc(NAMES[1], 1, Some(2), options)
-                        .map_err(|e| format!("{pair}: {e}"))?;
-                    agent.join().map_err(|e| format!("{pair}: {e}"))?;
+                    let agent =
+                        init_rpc(NAMES[1], 1, Some(2), options).map_err(|e| in_pair(e.into()))?;
+                    agent.join().map_err(|e| in_pair(e.into()))?;
                     if log {
                         eprintln!("rdzv bench rpc: served {pair}");
                     }
                 }
-                Ok::<_, String>(runnable.len())
+                Ok(runnable.len())
             })();
             let _ = served_tx.send(result);
+        })
+        .map_err(|source| BenchError::Io {
+            what: "start the serving side's agent thread",
+            source,
         })?;
+    Ok(served_rx)
+}
+
+/// The serving side failed: `source` says why.
+fn serving_failed(source: BenchError) -> BenchError {
+    BenchError::Unexpected(format!("the serving side failed: {source}"))
+}
+
+/// Runs the serving side against its own store at `store`: waits for a plan (up to
+/// `plan_wait`; `None`: for ever), answers it, serves every pair it accepted, and
+/// returns once the measuring side says the run is over. Returns how many pairs it
+/// served.
+pub(super) fn serve(
+    store_addr: SocketAddr,
+    plan_wait: Option<Duration>,
+    log: bool,
+) -> Result<usize, BenchError> {
+    register_scheme()?;
+    let store = SessionStore::connect(store_addr)?;
+    let plan: Plan = store.record(PLAN_KEY, plan_wait)?;
+    if plan.protocol != PROTOCOL {
+        return Err(BenchError::Unexpected(format!(
+            "the measuring side speaks bench-rpc protocol {}, this build {PROTOCOL}: run one \
+             rdzv version on both hosts",
+            plan.protocol
+        )));
+    }
+    let host: IpAddr = plan.serving_host.parse().map_err(|e| {
+        BenchError::Unexpected(format!(
+            "the plan's serving host {:?}: {e}",
+            plan.serving_host
+        ))
+    })?;
+    let raw = RawEchoServer::start(host).map_err(|source| BenchError::Io {
+        what: "start the raw echo server",
+        source,
+    })?;
+    let (verdicts, runnable) = judge(&plan);
+    let reply = Reply {
+        protocol: PROTOCOL,
+        raw_addr: raw.addr().to_string(),
+        pairs: verdicts,
+    };
+    store.put(REPLY_KEY, &reply)?;
+    let served_rx = spawn_agents(store_addr, host, runnable, log)?;
     let mut served = None;
-    let done = wait_for(&store, DONE_KEY, Some(DONE_TIMEOUT), || {
+    let done = store.wait_for(DONE_KEY, Some(DONE_TIMEOUT), || {
         if served.is_none() {
             if let Ok(result) = served_rx.try_recv() {
                 // A failure here ends the run: the store goes with this process, which
                 // the measuring side notices at once.
-                served = Some(result.map_err(|e| format!("the serving side failed: {e}"))?);
+                served = Some(result.map_err(serving_failed)?);
             }
         }
         // The measuring side says `done` before it lets go of the control connection.
-        if raw.control_closed() && !store.check(&[DONE_KEY])? {
-            return Err("the measuring side went away before the run was over".into());
+        if raw.control_closed() && !store.has(DONE_KEY)? {
+            return Err(BenchError::Unexpected(
+                "the measuring side went away before the run was over".into(),
+            ));
         }
         Ok(())
     })?;
     drop(raw);
     let done = String::from_utf8_lossy(&done);
     if done != "ok" {
-        return Err(format!("the measuring side stopped: {done}").into());
+        return Err(BenchError::Unexpected(format!(
+            "the measuring side stopped: {done}"
+        )));
     }
     match served {
         Some(count) => Ok(count),
         // Every agent has joined on the measuring side, so this one is leaving too.
         None => served_rx
             .recv_timeout(CONNECT_TIMEOUT)
-            .map_err(|_| "the serving side's agents did not leave after the run")?
-            .map_err(|e| format!("the serving side failed: {e}").into()),
+            .map_err(|_| {
+                BenchError::Unexpected(
+                    "the serving side's agents did not leave after the run".into(),
+                )
+            })?
+            .map_err(serving_failed),
     }
 }
 
@@ -360,9 +456,9 @@ pub(super) struct Outcome {
 impl Measurement<'_> {
     /// Runs the measuring side: plans with the serving side, measures each pair both can
     /// run, then the raw ping-pong, and releases the serving side (also on failure).
-    pub(super) fn run(&self) -> Result<Outcome, CliError> {
+    pub(super) fn run(&self) -> Result<Outcome, BenchError> {
         register_scheme()?;
-        let store = connect(self.store)?;
+        let store = SessionStore::connect(self.store)?;
         let mut outcome = Outcome::default();
         let mut asked = Vec::new();
         for &pair in &self.pairs {
@@ -377,7 +473,7 @@ impl Measurement<'_> {
             shm_domain: shm_domain(),
             pairs: asked.iter().copied().map(PairSpec::of).collect(),
         };
-        store.set(PLAN_KEY, &serde_json::to_vec(&plan)?)?;
+        store.put(PLAN_KEY, &plan)?;
         let mut control = None;
         let measured = self.after_plan(&store, &plan, &asked, &mut outcome, &mut control);
         let done = match &measured {
@@ -386,7 +482,7 @@ impl Measurement<'_> {
         };
         // Best effort: if the store is gone, so is the serving side. The control
         // connection closes only after `done` is written (see `raw`).
-        let _ = store.set(DONE_KEY, done.as_bytes());
+        let _ = store.store.set(DONE_KEY, done.as_bytes());
         drop(control);
         measured?;
         Ok(outcome)
@@ -394,14 +490,13 @@ impl Measurement<'_> {
 
     fn after_plan(
         &self,
-        store: &TcpStore,
+        store: &SessionStore,
         plan: &Plan,
         asked: &[Pair],
         outcome: &mut Outcome,
         control: &mut Option<TcpStream>,
-    ) -> Result<(), CliError> {
-        let bytes = wait_for(store, REPLY_KEY, Some(REPLY_TIMEOUT), || Ok(()))?;
-        let reply: Reply = decode(REPLY_KEY, &bytes)?;
+    ) -> Result<(), BenchError> {
+        let reply: Reply = store.record(REPLY_KEY, Some(REPLY_TIMEOUT))?;
         if reply.protocol != PROTOCOL
             || reply.pairs.len() != plan.pairs.len()
             || reply
@@ -410,19 +505,18 @@ impl Measurement<'_> {
                 .zip(&plan.pairs)
                 .any(|(v, p)| &v.pair != p)
         {
-            return Err(format!(
+            return Err(BenchError::Unexpected(format!(
                 "the serving side answered another plan (protocol {}, {} pairs); run one rdzv \
                  version on both hosts",
                 reply.protocol,
                 reply.pairs.len()
-            )
-            .into());
+            )));
         }
         let raw_addr: SocketAddr = reply.raw_addr.parse().map_err(|e| {
-            format!(
+            BenchError::Unexpected(format!(
                 "the serving side's raw echo address {:?}: {e}",
                 reply.raw_addr
-            )
+            ))
         })?;
         *control = Some(raw::hold_control(raw_addr)?);
         // Every round trip of the run: each accepted pair's, then raw-tcp's.
@@ -472,7 +566,7 @@ impl Measurement<'_> {
 
 #[cfg(test)]
 mod tests {
-    use rdzv_core::negotiate::ChannelKind;
+    use rdzv_core::negotiate::{ChannelKind, TransportKind};
 
     use super::*;
 
