@@ -542,8 +542,26 @@ fn round_trips(
     drop(raw);
     drop(echo);
 
-    let result =
-        |target: String, op: &'static str, hist: &Histogram<u64>, time: Duration| RoundTripResult {
+    let store_measured = store.is_some().then_some((&store_hist, store_time));
+    let raw_measured = want_raw.then_some((&raw_hist, raw_time));
+    Ok(round_trip_results(
+        label,
+        store_measured,
+        raw_measured,
+        (request_bytes, reply_bytes),
+    ))
+}
+
+/// The rows of a round-trip run: the store's ADD (labelled `label`) and the raw
+/// ping-pong, each as its histogram and the time it ran, and their ratio when both ran.
+fn round_trip_results(
+    label: String,
+    store: Option<(&Histogram<u64>, Duration)>,
+    raw: Option<(&Histogram<u64>, Duration)>,
+    (request_bytes, reply_bytes): (usize, usize),
+) -> Vec<BenchResult> {
+    let result = |target: String, op: &'static str, (hist, time): (&Histogram<u64>, Duration)| {
+        RoundTripResult {
             target,
             op,
             request_bytes,
@@ -552,27 +570,22 @@ fn round_trips(
             seconds: time.as_secs_f64(),
             ops_per_s: per_second(hist.len(), time.as_secs_f64()),
             latency: LatencySummary::from_ns(hist),
-        };
+        }
+    };
     let mut results = Vec::new();
-    if store.is_some() {
-        results.push(BenchResult::Latency(result(
-            label.clone(),
-            "ADD",
-            &store_hist,
-            store_time,
-        )));
+    if let Some(store) = store {
+        results.push(BenchResult::Latency(result(label.clone(), "ADD", store)));
     }
-    if want_raw {
+    if let Some(raw) = raw {
         results.push(BenchResult::Baseline(result(
             "raw-loopback".into(),
             "ping-pong",
-            &raw_hist,
-            raw_time,
+            raw,
         )));
     }
-    if store.is_some() && want_raw {
-        let s = LatencySummary::from_ns(&store_hist);
-        let r = LatencySummary::from_ns(&raw_hist);
+    if let (Some((store_hist, _)), Some((raw_hist, _))) = (store, raw) {
+        let s = LatencySummary::from_ns(store_hist);
+        let r = LatencySummary::from_ns(raw_hist);
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         results.push(BenchResult::LatencyRatio(RoundTripRatio {
             target: label,
@@ -584,7 +597,7 @@ fn round_trips(
             p99_ratio: ratio(s.p99_us, r.p99_us),
         }));
     }
-    Ok(results)
+    results
 }
 
 /// Runs `round_trip` for one [`SLICE`], recording each into `hist`; returns the time

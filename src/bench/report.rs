@@ -188,6 +188,15 @@ pub(super) fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_jso
 /// The results as aligned tables, one per kind, in the order they first appear.
 pub(super) fn to_table(results: &[BenchResult]) -> String {
     let mut out = String::new();
+    round_trip_table(&mut out, results);
+    ratio_lines(&mut out, results);
+    throughput_table(&mut out, results);
+    storm_lines(&mut out, results);
+    out
+}
+
+/// The latency and baseline rows.
+fn round_trip_table(out: &mut String, results: &[BenchResult]) {
     let round_trips: Vec<&RoundTripResult> = results
         .iter()
         .filter_map(|r| match r {
@@ -227,6 +236,10 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
             );
         }
     }
+}
+
+/// One line per `--compare-baseline` ratio.
+fn ratio_lines(out: &mut String, results: &[BenchResult]) {
     for r in results {
         if let BenchResult::LatencyRatio(ratio) = r {
             let _ = writeln!(
@@ -241,6 +254,10 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
             );
         }
     }
+}
+
+/// The throughput rows, then the CPU per operation where it was measured.
+fn throughput_table(out: &mut String, results: &[BenchResult]) {
     let throughput: Vec<&ThroughputResult> = results
         .iter()
         .filter_map(|r| match r {
@@ -297,6 +314,10 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
             }
         }
     }
+}
+
+/// A few lines per storm.
+fn storm_lines(out: &mut String, results: &[BenchResult]) {
     for r in results {
         if let BenchResult::Storm(s) = r {
             if !out.is_empty() {
@@ -338,7 +359,6 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
             }
         }
     }
-    out
 }
 
 #[cfg(test)]
