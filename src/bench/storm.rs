@@ -179,58 +179,24 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
     progress.set_length(ranks as u64);
 
     let start = Instant::now();
+    let keys = Keys {
+        counter: &counter_key,
+        done: &done_key,
+        done_list: &done_list,
+    };
     let results: Vec<Result<ThreadOutcome, BenchError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|thread| {
-                let (shared, counter_key, done_key, done_list) =
-                    (&shared, &counter_key, &done_key, &done_list);
+                let (shared, keys) = (&shared, &keys);
                 let share: Vec<usize> = (thread..ranks).step_by(threads).collect();
                 std::thread::Builder::new()
                     .name(format!("storm-{thread}"))
                     .spawn_scoped(scope, move || {
-                        let storm = Storm {
-                            plan,
-                            shared,
-                            counter_key,
-                            done_key,
-                            done_list,
-                            ranks: share
-                                .into_iter()
-                                .map(|index| Rank {
-                                    index,
-                                    conn: None,
-                                    phase: Phase::Backoff,
-                                    attempts: 0,
-                                })
-                                .collect(),
-                            finished: 0,
-                            backoff: BinaryHeap::new(),
-                            start,
-                            outcome: ThreadOutcome {
-                                last_release: None,
-                                all_connected: None,
-                                release_ns: new_histogram()?,
-                            },
-                        };
-                        storm.drive()
+                        Storm::new(plan, shared, keys, share, start)?.drive()
                     })
             })
             .collect();
-        // Follow the shared counters until every thread is done.
-        loop {
-            let done = handles
-                .iter()
-                .all(|h| h.as_ref().map_or(true, |h| h.is_finished()));
-            progress.set_position(shared.released.load(Ordering::Relaxed) as u64);
-            progress.set_message(format!(
-                "connected {}",
-                shared.connected.load(Ordering::Relaxed)
-            ));
-            if done {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        follow(&handles, &shared, progress);
         handles
             .into_iter()
             .map(|handle| match handle {
@@ -244,7 +210,47 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
             })
             .collect()
     });
+    outcome(plan, threads, start, shared, results)
+}
 
+/// The keys every rank uses.
+struct Keys<'k> {
+    counter: &'k [u8],
+    done: &'k [u8],
+    /// `done` as an encoded one-key list, for `WAIT`.
+    done_list: &'k [u8],
+}
+
+/// Follows the shared counters on `progress` until every thread is done.
+fn follow<T>(
+    handles: &[std::io::Result<std::thread::ScopedJoinHandle<'_, T>>],
+    shared: &Shared,
+    progress: &ProgressBar,
+) {
+    loop {
+        let done = handles
+            .iter()
+            .all(|h| h.as_ref().map_or(true, |h| h.is_finished()));
+        progress.set_position(shared.released.load(Ordering::Relaxed) as u64);
+        progress.set_message(format!(
+            "connected {}",
+            shared.connected.load(Ordering::Relaxed)
+        ));
+        if done {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The storm's outcome from the threads' and the shared counters.
+fn outcome(
+    plan: &StormPlan,
+    threads: usize,
+    start: Instant,
+    shared: Shared,
+    results: Vec<Result<ThreadOutcome, BenchError>>,
+) -> Result<StormOutcome, BenchError> {
     let mut release_ns = new_histogram()?;
     let mut last_release = None;
     let mut all_connected = None;
@@ -258,7 +264,7 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
     }
     let released = shared.released.load(Ordering::Relaxed);
     let failed = shared.failed.load(Ordering::Relaxed);
-    let pending = ranks.saturating_sub(released + failed);
+    let pending = plan.ranks.saturating_sub(released + failed);
     if pending > 0 {
         shared.note_error(format!(
             "{pending} ranks were not released within {:.1} s",
@@ -285,6 +291,42 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
         first_error: shared.first_error.into_inner().ok().flatten(),
         release_ns,
     })
+}
+
+impl<'p> Storm<'p> {
+    /// One thread's share: the ranks `share`, all waiting to connect.
+    fn new(
+        plan: &'p StormPlan,
+        shared: &'p Shared,
+        keys: &'p Keys<'p>,
+        share: Vec<usize>,
+        start: Instant,
+    ) -> Result<Storm<'p>, BenchError> {
+        Ok(Storm {
+            plan,
+            shared,
+            counter_key: keys.counter,
+            done_key: keys.done,
+            done_list: keys.done_list,
+            ranks: share
+                .into_iter()
+                .map(|index| Rank {
+                    index,
+                    conn: None,
+                    phase: Phase::Backoff,
+                    attempts: 0,
+                })
+                .collect(),
+            finished: 0,
+            backoff: BinaryHeap::new(),
+            start,
+            outcome: ThreadOutcome {
+                last_release: None,
+                all_connected: None,
+                release_ns: new_histogram()?,
+            },
+        })
+    }
 }
 
 /// Backoff before reconnect attempt `attempt` (1-based) of rank `index`: 10 ms doubling
