@@ -236,32 +236,7 @@ pub(super) fn connect_all(
             else {
                 continue;
             };
-            if !*is_connected {
-                if !conn
-                    .is_connected()
-                    .map_err(|source| BenchError::Connect { addr, source })?
-                {
-                    continue;
-                }
-                *is_connected = true;
-                conn.queue(&Request::Validate {
-                    magic: VALIDATION_MAGIC,
-                });
-                conn.queue(&Request::Ping { nonce });
-            }
-            conn.flush().map_err(io("send VALIDATE and PING"))?;
-            if conn.fill().map_err(io("read a PING reply"))? == Fill::Closed {
-                return Err(BenchError::ServerClosed);
-            }
-            while let Some(reply) = conn.next_reply()? {
-                if reply != Reply::Pong(nonce) {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "PING",
-                        expected: "the nonce echoed",
-                    });
-                }
-                ready += 1;
-            }
+            ready += setup_step(conn, is_connected, addr, nonce)?;
         }
     }
     for conn in &mut conns {
@@ -270,6 +245,45 @@ pub(super) fn connect_all(
             .map_err(io("deregister a socket"))?;
     }
     Ok(conns)
+}
+
+/// One readiness event of a connection being set up: once connected it queues
+/// `VALIDATE` and `PING`, then sends and reads; returns how many `PING`s were answered.
+fn setup_step(
+    conn: &mut StoreConn,
+    is_connected: &mut bool,
+    addr: SocketAddr,
+    nonce: u32,
+) -> Result<usize, BenchError> {
+    let io = |what| move |source| BenchError::Io { what, source };
+    if !*is_connected {
+        if !conn
+            .is_connected()
+            .map_err(|source| BenchError::Connect { addr, source })?
+        {
+            return Ok(0);
+        }
+        *is_connected = true;
+        conn.queue(&Request::Validate {
+            magic: VALIDATION_MAGIC,
+        });
+        conn.queue(&Request::Ping { nonce });
+    }
+    conn.flush().map_err(io("send VALIDATE and PING"))?;
+    if conn.fill().map_err(io("read a PING reply"))? == Fill::Closed {
+        return Err(BenchError::ServerClosed);
+    }
+    let mut answered = 0;
+    while let Some(reply) = conn.next_reply()? {
+        if reply != Reply::Pong(nonce) {
+            return Err(BenchError::UnexpectedReply {
+                query: "PING",
+                expected: "the nonce echoed",
+            });
+        }
+        answered += 1;
+    }
+    Ok(answered)
 }
 
 /// One connection of the load and what it has seen.
