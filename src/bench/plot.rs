@@ -19,6 +19,18 @@ const COLORS: [RGBColor; 4] = [
     RGBColor(148, 103, 189),
 ];
 
+/// One of the two charts: connections (log scale) against a value.
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<LogCoord<u32>, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// For `map_err`: plotters' error as the bench's.
+fn plot_error(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Plot(e.to_string())
+}
+
 /// Draws `results` into an SVG at `path`.
 pub(super) fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Result<(), BenchError> {
     if results.is_empty() {
@@ -39,69 +51,29 @@ pub(super) fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Resul
     let max_p99 = results.iter().map(|r| r.latency.p99_us).fold(1.0, f64::max) * 1.15;
     let x_range = (min_conns.saturating_sub(min_conns / 4).max(1))..(max_conns + max_conns / 4 + 1);
 
-    let plot_error = |e: &dyn std::fmt::Display| BenchError::Plot(e.to_string());
     let root = SVGBackend::new(path, (900, 760)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| plot_error(&e))?;
+    root.fill(&WHITE).map_err(plot_error)?;
     let (top, bottom) = root.split_vertically(380);
-
-    let mut ops_chart = ChartBuilder::on(&top)
-        .caption("Store throughput (ADD + GET)", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(80)
-        .build_cartesian_2d(x_range.clone().log_scale(), 0.0..max_ops)
-        .map_err(|e| plot_error(&e))?;
-    ops_chart
-        .configure_mesh()
-        .max_light_lines(2)
-        .x_desc("connections")
-        .y_desc("ops/s")
-        .y_label_formatter(&|v| format!("{:.0}k", v / 1000.0))
-        .draw()
-        .map_err(|e| plot_error(&e))?;
-
-    let mut p99_chart = ChartBuilder::on(&bottom)
-        .caption("p99 latency per operation", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(80)
-        .build_cartesian_2d(x_range.log_scale(), 0.0..max_p99)
-        .map_err(|e| plot_error(&e))?;
-    p99_chart
-        .configure_mesh()
-        .max_light_lines(2)
-        .x_desc("connections")
-        .y_desc("p99 µs")
-        .y_label_formatter(&|v| format!("{v:.0}"))
-        .draw()
-        .map_err(|e| plot_error(&e))?;
-
+    let thousands = |v: &f64| format!("{:.0}k", v / 1000.0);
+    let whole = |v: &f64| format!("{v:.0}");
+    let mut ops_chart = chart(
+        &top,
+        "Store throughput (ADD + GET)",
+        x_range.clone(),
+        (max_ops, "ops/s", &thousands),
+    )?;
+    let mut p99_chart = chart(
+        &bottom,
+        "p99 latency per operation",
+        x_range,
+        (max_p99, "p99 µs", &whole),
+    )?;
     for (i, (target, points)) in series.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
-        let ops: Vec<(u32, f64)> = points
-            .iter()
-            .map(|r| (r.conns as u32, r.ops_per_s))
-            .collect();
-        let p99: Vec<(u32, f64)> = points
-            .iter()
-            .map(|r| (r.conns as u32, r.latency.p99_us))
-            .collect();
-        ops_chart
-            .draw_series(LineSeries::new(ops.clone(), color.stroke_width(2)))
-            .map_err(|e| plot_error(&e))?
-            .label(*target)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
-        ops_chart
-            .draw_series(ops.iter().map(|&p| Circle::new(p, 4, color.filled())))
-            .map_err(|e| plot_error(&e))?;
-        p99_chart
-            .draw_series(LineSeries::new(p99.clone(), color.stroke_width(2)))
-            .map_err(|e| plot_error(&e))?
-            .label(*target)
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
-        p99_chart
-            .draw_series(p99.iter().map(|&p| Circle::new(p, 4, color.filled())))
-            .map_err(|e| plot_error(&e))?;
+        let ops = points.iter().map(|r| (r.conns as u32, r.ops_per_s));
+        line(&mut ops_chart, ops.collect(), color, target)?;
+        let p99 = points.iter().map(|r| (r.conns as u32, r.latency.p99_us));
+        line(&mut p99_chart, p99.collect(), color, target)?;
     }
     for chart in [&mut ops_chart, &mut p99_chart] {
         chart
@@ -109,9 +81,53 @@ pub(super) fn throughput_svg(path: &Path, results: &[ThroughputResult]) -> Resul
             .border_style(BLACK)
             .background_style(WHITE.mix(0.8))
             .draw()
-            .map_err(|e| plot_error(&e))?;
+            .map_err(plot_error)?;
     }
-    root.present().map_err(|e| plot_error(&e))?;
+    root.present().map_err(plot_error)?;
+    Ok(())
+}
+
+/// A chart on `area` with its caption, mesh and axes: connections on `x_range`, the
+/// value from 0 to `max`, named `desc`, its labels written by `label`.
+fn chart<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    caption: &str,
+    x_range: std::ops::Range<u32>,
+    (max, desc, label): (f64, &str, &dyn Fn(&f64) -> String),
+) -> Result<Chart<'a, 'b>, BenchError> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(80)
+        .build_cartesian_2d(x_range.log_scale(), 0.0..max)
+        .map_err(plot_error)?;
+    chart
+        .configure_mesh()
+        .max_light_lines(2)
+        .x_desc("connections")
+        .y_desc(desc)
+        .y_label_formatter(label)
+        .draw()
+        .map_err(plot_error)?;
+    Ok(chart)
+}
+
+/// One target's line and points on `chart`, with its legend entry.
+fn line(
+    chart: &mut Chart<'_, '_>,
+    points: Vec<(u32, f64)>,
+    color: RGBColor,
+    target: &str,
+) -> Result<(), BenchError> {
+    chart
+        .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
+        .map_err(plot_error)?
+        .label(target)
+        .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+    chart
+        .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
+        .map_err(plot_error)?;
     Ok(())
 }
 
