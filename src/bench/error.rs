@@ -137,13 +137,13 @@ pub(crate) enum BenchError {
     },
     /// The RPC benchmark's agent did not start.
     #[error("{0}")]
-    Agent(#[from] rdzv_uring::rpc::InitError),
+    Agent(#[source] Box<rdzv_uring::rpc::InitError>),
     /// An RPC call of the benchmark failed (the error names the peer).
     #[error("{0}")]
-    Call(#[from] rdzv_uring::rpc::CallError),
+    Call(#[source] Box<rdzv_uring::rpc::CallError>),
     /// The agent did not leave its group.
     #[error("{0}")]
-    Leave(#[from] rdzv_uring::rpc::ShutdownError),
+    Leave(#[source] Box<rdzv_uring::rpc::ShutdownError>),
     /// The store the two sides of `bench rpc` agree through failed.
     #[error("the benchmark's store at {addr}: {what}: {source}")]
     SessionStore {
@@ -153,7 +153,7 @@ pub(crate) enum BenchError {
         what: String,
         /// The store's error.
         #[source]
-        source: rdzv_uring::StoreError,
+        source: Box<rdzv_uring::StoreError>,
     },
     /// A record the two sides of `bench rpc` exchange did not encode or decode.
     #[error("{what}: {source}")]
@@ -196,4 +196,22 @@ pub(crate) enum BenchError {
     /// wrong shape. The text says which.
     #[error("{0}")]
     Unexpected(String),
+}
+
+impl From<rdzv_uring::rpc::InitError> for BenchError {
+    fn from(source: rdzv_uring::rpc::InitError) -> BenchError {
+        BenchError::Agent(Box::new(source))
+    }
+}
+
+impl From<rdzv_uring::rpc::CallError> for BenchError {
+    fn from(source: rdzv_uring::rpc::CallError) -> BenchError {
+        BenchError::Call(Box::new(source))
+    }
+}
+
+impl From<rdzv_uring::rpc::ShutdownError> for BenchError {
+    fn from(source: rdzv_uring::rpc::ShutdownError) -> BenchError {
+        BenchError::Leave(Box::new(source))
+    }
 }

@@ -26,6 +26,9 @@ type Chart<'a, 'b> = ChartContext<
     Cartesian2d<LogCoord<u32>, plotters::coord::types::RangedCoordf64>,
 >;
 
+/// How a chart writes its value axis's labels.
+type YLabel<'f> = &'f dyn Fn(&f64) -> String;
+
 /// For `map_err`: plotters' error as the bench's.
 fn plot_error(e: impl std::fmt::Display) -> BenchError {
     BenchError::Plot(e.to_string())
@@ -93,7 +96,7 @@ fn chart<'a, 'b>(
     area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
     caption: &str,
     x_range: std::ops::Range<u32>,
-    (max, desc, label): (f64, &str, &dyn Fn(&f64) -> String),
+    (max, desc, label): (f64, &str, YLabel<'_>),
 ) -> Result<Chart<'a, 'b>, BenchError> {
     let mut chart = ChartBuilder::on(area)
         .caption(caption, ("sans-serif", 22))

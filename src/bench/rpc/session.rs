@@ -204,7 +204,7 @@ impl SessionStore {
             .map_err(|source| BenchError::SessionStore {
                 addr,
                 what: "connecting".into(),
-                source,
+                source: Box::new(source),
             })?;
         Ok(SessionStore { addr, store })
     }
@@ -212,7 +212,11 @@ impl SessionStore {
     /// For `map_err`: `what` failed with the store's error.
     fn failed(&self, what: impl Into<String>) -> impl FnOnce(StoreError) -> BenchError {
         let (addr, what) = (self.addr, what.into());
-        move |source| BenchError::SessionStore { addr, what, source }
+        move |source| BenchError::SessionStore {
+            addr,
+            what,
+            source: Box::new(source),
+        }
     }
 
     /// Writes `record` as JSON under `key`.
