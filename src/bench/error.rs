@@ -1,9 +1,9 @@
 //! [`BenchError`]: what every `rdzv bench` mode returns, each variant with what failed
 //! and where, and the underlying error as its source.
 //!
-//! A leaf of the bench tree: it names no other bench module, so the harness, the drivers
-//! and the reports can all return it. It does not decide how an error is shown (`main`
-//! prints the chain on one line).
+//! A leaf of the bench tree (it names only `cpu`'s error type, and `cpu` names no bench
+//! module), so the harness, the drivers and the reports can all return it. It does not
+//! decide how an error is shown (`main` prints the chain on one line).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
