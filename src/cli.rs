@@ -306,7 +306,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Store(args) => store(args),
         Command::Demo(args) => crate::demo::run(args),
-        Command::Bench(command) => crate::bench::run(command),
+        Command::Bench(command) => Ok(crate::bench::run(command)?),
         Command::DemoWorker(args) => crate::demo::worker(args),
         Command::Rendezvous(args) => crate::elastic_cli::run(args),
         Command::Completions { shell } => {

@@ -40,7 +40,6 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::store::Request;
 
-use crate::error::CliError;
 pub(crate) use error::BenchError;
 use harness::{ensure_fd_limit, key_prefix, seconds, write_report, Target};
 use report::{
@@ -175,11 +174,11 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 }
 
 /// Runs `rdzv bench ...`.
-pub(crate) fn run(command: BenchCommand) -> Result<ExitCode, CliError> {
+pub(crate) fn run(command: BenchCommand) -> Result<ExitCode, BenchError> {
     match command {
-        BenchCommand::Store(args) => Ok(store(args)?),
-        BenchCommand::Plot { input, out } => Ok(plot_file(&input, &out)?),
-        BenchCommand::Rpc(args) => Ok(rpc::run(args)?),
+        BenchCommand::Store(args) => store(args),
+        BenchCommand::Plot { input, out } => plot_file(&input, &out),
+        BenchCommand::Rpc(args) => rpc::run(args),
         BenchCommand::Rendezvous(args) => rendezvous::run(args),
     }
 }
@@ -639,7 +638,7 @@ mod tests {
     }
 
     /// Runs a parsed `rdzv bench` command as `cli::run` does.
-    fn run_cli(cli: Cli) -> Result<ExitCode, CliError> {
+    fn run_cli(cli: Cli) -> Result<ExitCode, BenchError> {
         match cli.command {
             TopCommand::Bench(command) => run(command),
         }

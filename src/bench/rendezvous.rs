@@ -27,7 +27,6 @@ use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION
 
 use super::conn::{Fill, StoreConn};
 use super::BenchError;
-use crate::error::CliError;
 
 /// The size of torchrun's c10d rendezvous state per node, in bytes: the
 /// `_RendezvousState` of PyTorch 2.15's `dynamic_rendezvous.py` with N participants and
@@ -206,9 +205,11 @@ fn now(epoch: StdInstant) -> Instant {
 }
 
 /// Runs `rdzv bench rendezvous`.
-pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
+pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     if args.nodes == 0 {
-        return Err("--nodes must be at least 1".into());
+        return Err(BenchError::InvalidArgument(
+            "--nodes must be at least 1".into(),
+        ));
     }
     // Keeps an embedded server alive for the whole run.
     let target = super::Target::open(args.addr.as_deref(), None)?;
@@ -223,7 +224,11 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis())
     );
-    let mut settings = ElasticSettings::new(run_id, NodeRange::new(n, n)?);
+    let mut settings = ElasticSettings::new(
+        run_id,
+        NodeRange::new(n, n)
+            .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?,
+    );
     settings.keep_alive_interval = interval;
     settings.join_timeout = Duration::from_secs(120);
 
@@ -285,7 +290,9 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
                 complete += 1;
             }
             if let Some(failure) = &node.failed {
-                return Err(format!("node {i} failed: {failure}").into());
+                return Err(BenchError::Unexpected(format!(
+                    "node {i} failed: {failure}"
+                )));
             }
         }
         if complete == n && round_at.is_none() {
@@ -302,7 +309,9 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
             break;
         }
         if epoch.elapsed() > Duration::from_secs(120) {
-            return Err(format!("only {complete} of {n} nodes in a round after 120 s").into());
+            return Err(BenchError::Unexpected(format!(
+                "only {complete} of {n} nodes in a round after 120 s"
+            )));
         }
         // Fire due wait deadlines: CANCEL_WAIT.
         let t = now(epoch);
@@ -387,7 +396,10 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, CliError> {
     ranks.sort_unstable();
     ranks.dedup();
     if ranks.len() != n as usize {
-        return Err(format!("ranks are not distinct: {} distinct of {n}", ranks.len()).into());
+        return Err(BenchError::Unexpected(format!(
+            "ranks are not distinct: {} distinct of {n}",
+            ranks.len()
+        )));
     }
     let stats = |v: &[u64]| {
         let min = v.iter().copied().min().unwrap_or(0);
