@@ -344,8 +344,13 @@ const HIGH_WATER: usize = 1 << 20;
 /// not yet returned, thread stacks, and the copy a read buffer makes while it grows.
 const RSS_SLACK_KIB: u64 = 48 << 10;
 /// The good client's p99 bound over one test. The issue asks 10 ms; this 2-core machine
-/// is shared with compilers, so the assertion is looser and the measured p99 is printed.
-const GOOD_P99: Duration = Duration::from_millis(250);
+/// is shared with compilers, so the assertion keeps a slack and the measured p99 is
+/// printed. Measured with a debug server while a release build ran beside it
+/// (2026-11-28, epoll / io_uring): resetting burst 17 / 5–24 ms, 100 GETs unread 5 / 14,
+/// MULTI_GET 128 GiB 2.6 / 5.7, APPEND 0.5 / 2.6, SET flood 3.7 / 3.0, unfinished
+/// MULTI_SET 3.9 / 5.1 ms. Before the epoll loop exempted light connections from its
+/// round cap, a burst of 800 connections asking 4 × 4 MiB stalled a good client 300 ms.
+const GOOD_P99: Duration = Duration::from_millis(50);
 /// How long the good client asks, at least.
 const PROBE_FOR: Duration = Duration::from_millis(1500);
 

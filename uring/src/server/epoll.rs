@@ -11,7 +11,10 @@
 //!
 //! A round serves every ready connection (reads and requests), then writes every reply
 //! it produced: the peers get one burst per round, as one io_uring submission gives them,
-//! instead of being woken between two reads.
+//! instead of being woken between two reads. Once a round has produced [`ROUND_OUT`]
+//! reply bytes, the connections not yet served wait for the next round, except light
+//! ones (whose last turn was small): a good client is not queued behind a burst of
+//! large GETs. Accepts are taken [`ACCEPTS_PER_ROUND`] at a time.
 //!
 //! Readiness is edge-triggered: a connection remembers that it may read or write more
 //! until a call says `WouldBlock`. A connection reads at most [`READS_PER_TURN`] times
@@ -61,6 +64,14 @@ const EAGER_WRITE: usize = 256 << 10;
 /// round (after a fresh look for events): a burst of clients asking for large values
 /// does not hold up a small request for the time it takes to copy all their replies.
 const ROUND_OUT: usize = 4 << 20;
+/// A connection whose last turn produced less than this (and owes nothing) is light:
+/// the round's cap does not defer it, so that a small request is not queued behind a
+/// burst of clients asking for large values. A light connection can overshoot the cap
+/// by one turn (the mark plus one bounded reply), after which it is no longer light.
+const LIGHT_OUT: usize = 64 << 10;
+/// Connections accepted per round: an accept storm is taken in slices, with the ready
+/// connections served between them.
+const ACCEPTS_PER_ROUND: usize = 64;
 /// Reads one connection may do before the loop turns to the others.
 const READS_PER_TURN: usize = 16;
 /// After a failed accept (out of descriptors, say), wait this long before the next one.
@@ -117,6 +128,9 @@ struct Conn {
     blocked: bool,
     /// In the loop's `again` list (at most once).
     deferred: bool,
+    /// Its last turn produced less than [`LIGHT_OUT`]: not deferred by the round's cap.
+    /// False for a new connection until it has been served once.
+    light: bool,
     /// Bytes received since the last time the engine was asked (compared to `needed`).
     arrived: usize,
     /// At least this many bytes must arrive before the next request is complete.
@@ -361,7 +375,14 @@ impl Loop {
     /// Accepts until the backlog is empty (edge-triggered), or backs off after an error.
     fn accept(&mut self) {
         self.accept_after = None;
+        let mut accepted = 0;
         loop {
+            if accepted == ACCEPTS_PER_ROUND {
+                // More may wait (edge-triggered: no new event for them): next round.
+                self.accept_after = Some(Instant::now());
+                return;
+            }
+            accepted += 1;
             let Some(listener) = self.listener.as_ref() else {
                 return;
             };
@@ -434,6 +455,7 @@ impl Loop {
                     session,
                     blocked: false,
                     deferred: false,
+                    light: false,
                     arrived: 0,
                     needed: 1,
                     out: Vec::new(),
@@ -469,7 +491,9 @@ impl Loop {
     /// Serves a connection this round, or defers it when the round has produced its
     /// share of reply bytes.
     fn service_in_round(&mut self, slot: usize) {
-        if self.round_out >= ROUND_OUT {
+        let light =
+            matches!(self.conns.get(slot), Some(Some(conn)) if conn.light && conn.unsent() == 0);
+        if self.round_out >= ROUND_OUT && !light {
             self.defer(slot);
         } else {
             self.service(slot, Writes::Defer);
@@ -632,9 +656,9 @@ impl Loop {
         conn.arrived = 0;
         conn.needed = served.needed.max(1);
         conn.blocked = served.blocked;
-        self.round_out = self
-            .round_out
-            .saturating_add(conn.out.len().saturating_sub(before));
+        let produced = conn.out.len().saturating_sub(before);
+        conn.light = produced < LIGHT_OUT && !served.blocked;
+        self.round_out = self.round_out.saturating_add(produced);
         if !inbox.is_empty() {
             self.deliver(&mut inbox);
         }
