@@ -556,10 +556,7 @@ impl Engine {
             }
             Request::Get { key } => Answer::Stored { key, missing: &[] },
             Request::Add { key, delta } => {
-                let current = self.kv.get(key).map(Vec::as_slice);
-                let total = semantics::add_counter(current, delta)
-                    .map_err(|error| bad_counter(QueryType::Add, key, error))?;
-                self.store(QueryType::Add, key, Decimal::new(total).as_bytes())?;
+                let total = self.add(key, delta)?;
                 self.wake_all(key);
                 Answer::Now(Response::Int(total))
             }
@@ -706,6 +703,44 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// `ADD`: the counter at `key` plus `delta`, stored as its decimal. A counter that
+    /// exists is rewritten in place with one lookup when its room fits the new digits
+    /// (the common case); anything else goes through [`Engine::store`], with the same
+    /// limits.
+    fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, Close> {
+        let existing = match self.kv.get_mut(key) {
+            Some(buf) => {
+                let total = semantics::add_counter(Some(buf), delta)
+                    .map_err(|error| bad_counter(QueryType::Add, key, error))?;
+                let digits = Decimal::new(total);
+                let value = digits.as_bytes();
+                let old = Budget::entry_cost(key.len(), buf.len());
+                let new = Budget::entry_cost(key.len(), value.len());
+                let needed = self.held.saturating_sub(old).saturating_add(new);
+                // What `store` would do in place: no refusal, no reallocation.
+                let in_place = value.len() <= self.budget.max_value_bytes
+                    && (new <= old || needed <= self.budget.max_store_bytes)
+                    && buf.capacity() >= value.len()
+                    && buf.capacity() / 2 <= value.len().max(64);
+                if in_place {
+                    buf.clear();
+                    buf.extend_from_slice(value);
+                    self.held = needed;
+                    return Ok(total);
+                }
+                Some(total)
+            }
+            None => None,
+        };
+        let total = match existing {
+            Some(total) => total,
+            None => semantics::add_counter(None, delta)
+                .map_err(|error| bad_counter(QueryType::Add, key, error))?,
+        };
+        self.store(QueryType::Add, key, Decimal::new(total).as_bytes())?;
+        Ok(total)
     }
 
     /// `APPEND`: the value it builds is held to the per-value limit.
