@@ -41,12 +41,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "rdzv_uring::shm::segment",
         "rdzv_uring::shm::error",
     ],
-    // Issue 27 (found by this test): the store server and the TCP client.
-    &[
-        "rdzv_uring::server",
-        "rdzv_uring::server::direct",
-        "rdzv_uring::store::tcp",
-    ],
     // Issue 27 (found by this test): `rdzv bench rpc`'s session, pair and viability.
     &["rdzv::bench::rpc::pair", "rdzv::bench::rpc::session"],
     &["rdzv::bench::rpc::session", "rdzv::bench::rpc::viability"],
