@@ -9,7 +9,8 @@
 //!   tenant), closes the connection;
 //! * a bad token, no token, and a PyTorch client (`VALIDATE` first) are refused, the
 //!   latter with a log line saying that the server requires a token;
-//! * STATS' three refusal counters equal the refusals made.
+//! * STATS' three refusal counters equal the refusals made, and so do `/metrics`'
+//!   `rdzv_store_refused_{peers,tokens,requests}_total`.
 //!
 //! The client side of the handshake against a stand-in server is `tests/store_token.rs`.
 //! The rules themselves are tested in core (`core/src/store/access/tests.rs`,
@@ -43,6 +44,8 @@ const SHORT: Duration = Duration::from_millis(300);
 struct Serve {
     peer: rdzv_test_support::Peer,
     port: u16,
+    /// `--metrics`' address, when the flags ask for it.
+    metrics: Option<SocketAddr>,
     log: PathBuf,
     dir: tempfile::TempDir,
 }
@@ -80,10 +83,9 @@ impl Serve {
             .stderr(stderr);
         let mut peer = rdzv_test_support::Peer::spawn("rdzv store serve", command);
         let stdout = peer.child_mut().stdout.take().expect("stdout");
+        let mut stdout = BufReader::new(stdout);
         let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("the listening line");
+        stdout.read_line(&mut line).expect("the listening line");
         let port = line
             .trim()
             .rsplit(':')
@@ -93,12 +95,47 @@ impl Serve {
                 let log = std::fs::read_to_string(&log).unwrap_or_default();
                 panic!("unexpected first line {line:?}; the server's log:\n{log}")
             });
+        let metrics = access.contains(&"--metrics").then(|| {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("the metrics line");
+            line.trim()
+                .strip_prefix("metrics on http://")
+                .and_then(|rest| rest.strip_suffix("/metrics"))
+                .and_then(|addr| addr.parse().ok())
+                .unwrap_or_else(|| panic!("unexpected metrics line {line:?}"))
+        });
         Serve {
             peer,
             port,
+            metrics,
             log,
             dir,
         }
+    }
+
+    /// The refusal counters of a `/metrics` scrape: peers, tokens, requests; each
+    /// with its `# HELP` and `# TYPE ... counter` lines.
+    fn scraped_refusals(&self) -> (u64, u64, u64) {
+        let addr = self.metrics.expect("the server was started with --metrics");
+        let mut stream = TcpStream::connect(addr).expect("connecting to /metrics");
+        stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).expect("the scrape");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        let counter = |kind: &str| -> u64 {
+            let name = format!("rdzv_store_refused_{kind}_total");
+            assert!(reply.contains(&format!("# HELP {name} ")), "{reply}");
+            assert!(reply.contains(&format!("# TYPE {name} counter")), "{reply}");
+            reply
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in\n{reply}"))
+        };
+        (counter("peers"), counter("tokens"), counter("requests"))
     }
 
     /// An rdzv client sending `token` (none: PyTorch's handshake).
@@ -227,7 +264,15 @@ fn refusals(stats: &StoreStats) -> (u64, u64, u64) {
 /// answered, counted and logged; an allowed peer (another loopback source) is served
 /// and reads the count.
 fn an_allowlist_without_the_client_closes_it_at_accept(io: IoMode) {
-    let serve = Serve::start(io, &["--allow", "10.0.0.0/8,127.0.0.2/32"]);
+    let serve = Serve::start(
+        io,
+        &[
+            "--allow",
+            "10.0.0.0/8,127.0.0.2/32",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
     const REFUSED: u64 = 3;
     for _ in 0..REFUSED {
         let mut stream = raw_from("127.0.0.1", serve.port);
@@ -242,6 +287,9 @@ fn an_allowlist_without_the_client_closes_it_at_accept(io: IoMode) {
     }
     let line = serve.log_line(&["refusing store connection", "127.0.0.1"]);
     assert!(line.contains("--allow"), "{line}");
+    // Scraped before any request is served: the refusals at accept are published
+    // by themselves.
+    assert_eq!(serve.scraped_refusals(), (REFUSED, 0, 0), "/metrics counts them");
     let mut admin = raw_from("127.0.0.2", serve.port);
     raw_validate(&mut admin);
     let stats = raw_stats(&mut admin);
@@ -301,7 +349,10 @@ fn a_prefix_token_works_inside_its_prefix(io: IoMode) {
 /// Each request outside the prefix, and the queries that see every tenant, closes
 /// the connection; nothing outside the prefix is read or changed; each is counted.
 fn a_prefix_token_is_refused_outside_its_prefix(io: IoMode) {
-    let serve = Serve::start(io, &["--token-file", "{tokens}"]);
+    let serve = Serve::start(
+        io,
+        &["--token-file", "{tokens}", "--metrics", "127.0.0.1:0"],
+    );
     let admin = serve.admin();
     admin.set("job2/secret", b"theirs").unwrap();
     type Op = fn(&TcpStore) -> Result<(), StoreError>;
@@ -345,6 +396,11 @@ fn a_prefix_token_is_refused_outside_its_prefix(io: IoMode) {
     assert!(!admin.check(&["job2/n", "job10"]).unwrap());
     let stats = admin.stats().unwrap();
     assert_eq!(refusals(&stats), (0, 0, outside.len() as u64));
+    assert_eq!(
+        serve.scraped_refusals(),
+        refusals(&stats),
+        "/metrics agrees"
+    );
     let line = serve.log_line(&[
         "closing store connection",
         "outside the client's token prefix",
@@ -377,7 +433,10 @@ fn a_bad_or_missing_token_is_refused(io: IoMode) {
 /// A PyTorch client (`VALIDATE` first) is closed unanswered in token mode, counted,
 /// and the log says the server requires a token.
 fn a_pytorch_client_is_refused_in_token_mode(io: IoMode) {
-    let serve = Serve::start(io, &["--token-file", "{tokens}"]);
+    let serve = Serve::start(
+        io,
+        &["--token-file", "{tokens}", "--metrics", "127.0.0.1:0"],
+    );
     let mut stream = raw_from("127.0.0.1", serve.port);
     stream
         .write_all(&frame(&[
@@ -395,6 +454,7 @@ fn a_pytorch_client_is_refused_in_token_mode(io: IoMode) {
     assert!(line.contains("127.0.0.1"), "the peer is named: {line}");
     assert!(line.contains("PyTorch client"), "{line}");
     assert_eq!(refusals(&serve.admin().stats().unwrap()), (0, 1, 0));
+    assert_eq!(serve.scraped_refusals(), (0, 1, 0), "/metrics agrees");
 }
 
 on_every_io!(
