@@ -289,7 +289,11 @@ fn an_allowlist_without_the_client_closes_it_at_accept(io: IoMode) {
     assert!(line.contains("--allow"), "{line}");
     // Scraped before any request is served: the refusals at accept are published
     // by themselves.
-    assert_eq!(serve.scraped_refusals(), (REFUSED, 0, 0), "/metrics counts them");
+    assert_eq!(
+        serve.scraped_refusals(),
+        (REFUSED, 0, 0),
+        "/metrics counts them"
+    );
     let mut admin = raw_from("127.0.0.2", serve.port);
     raw_validate(&mut admin);
     let stats = raw_stats(&mut admin);
