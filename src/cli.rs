@@ -137,13 +137,13 @@ enum StoreOp {
         #[arg(long, value_name = "HOST:PORT")]
         metrics: Option<String>,
         /// Admit only peers in these networks (CIDR,...; IPv4 and IPv6; an IPv4-mapped
-        /// peer matches its IPv4 network); others are closed at accept. Not enforced by
-        /// this build yet: checked, then serve refuses to start.
+        /// peer matches its IPv4 network); others are closed at accept and counted in
+        /// STATS. Works with PyTorch's clients.
         #[arg(long, value_name = "CIDR,...")]
         allow: Option<String>,
         /// Require rdzv's AUTH query with a token from this file, each token optionally
-        /// bound to a key prefix (format: README, Security). PyTorch clients are refused.
-        /// Not enforced by this build yet: checked, then serve refuses to start.
+        /// bound to a key prefix (format: README, "Limits and security", "Access
+        /// control"). PyTorch clients are refused, with a log line.
         #[arg(long, value_name = "PATH")]
         token_file: Option<std::path::PathBuf>,
         /// The client flags, declared here under their own ids so that the `store`
@@ -495,14 +495,7 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            vars.iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::store_client::test_env as env;
 
     #[test]
     fn serve_listens_where_one_source_says() {

@@ -684,17 +684,21 @@ fn decode_hex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// A stand-in environment for the tests of address lookups (here and `cli`'s): `vars`
+/// looked up by name.
+#[cfg(test)]
+pub(crate) fn test_env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    move |name| {
+        vars.iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_env as env;
     use super::*;
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            vars.iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
 
     #[test]
     fn a_closed_connection_is_explained() {

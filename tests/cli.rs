@@ -763,9 +763,9 @@ fn refusals_are_explained() {
     assert_eq!(stdout(&store(a, &["get", "word"])), "hello\n");
 }
 
-/// `serve --allow` / `--token-file` are checked, and refused while the server does not
-/// enforce them; a client's `--token-file` is sent, and a server without tokens refuses it
-/// with a sentence that says so.
+/// `serve --allow` / `--token-file` are checked (a bad entry stops serve), and valid ones
+/// start a server that enforces them; a client's `--token-file` is sent, and a server
+/// without tokens refuses it with a sentence that says so.
 #[test]
 fn access_flags_are_checked_and_never_silently_ignored() {
     let dir = tempfile::tempdir().unwrap();
@@ -804,8 +804,27 @@ fn access_flags_are_checked_and_never_silently_ignored() {
         ],
     );
     assert!(o.status.success(), "{o:?}");
-    let o = store(&guarded.addr, &["get", "job1/k"]);
-    assert!(!o.status.success(), "{o:?}");
+    // Without a token the server closes the handshake and the client retries until its
+    // connect timeout (30 s by default): a short one keeps the test quick.
+    let started = std::time::Instant::now();
+    let o = store(
+        &guarded.addr,
+        &["--connect-timeout", "0.5", "get", "job1/k"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("see its log"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "the refused client took {:?}",
+        started.elapsed()
+    );
+    // The value was set: the token's client reads it back.
+    let o = store(
+        &guarded.addr,
+        &["--token-file", tokens.to_str().unwrap(), "get", "job1/k"],
+    );
+    assert_eq!(stdout(&o), "v\n", "{o:?}");
 
     let served = serve_with(&[]);
     let o = store(

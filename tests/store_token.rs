@@ -2,9 +2,10 @@
 //! right after connecting, before PyTorch's `VALIDATE` and `PING`, and a refused token
 //! fails at once with an error that says so (no 30 s of retries).
 //!
-//! The server side (`store serve --token-file`) is not wired yet, so the server here is a
-//! stand-in over a real socket that speaks just the handshake, decoding `AUTH` with the
-//! same codec a server uses.
+//! The server here is a stand-in over a real socket that speaks just the handshake,
+//! decoding `AUTH` with the same codec a server uses, so that what the client sends is
+//! seen byte by byte. The real server's side (`store serve --token-file`) is
+//! `tests/store_access.rs`.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;

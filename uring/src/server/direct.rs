@@ -927,8 +927,28 @@ mod tests {
     /// `io_uring_enter`; both loops' connections are counted.
     #[test]
     fn a_wake_up_crosses_to_a_sleeping_loop() {
-        use crate::store::tcp::TcpStore;
-        use crate::store::Store;
+        use std::io::{Read, Write};
+        use std::net::TcpStream;
+
+        use rdzv_core::store::{KeyList, Request, WaitResponse, VALIDATION_MAGIC};
+
+        /// A bare PyTorch-protocol client, so that the server's tests use no store client
+        /// (`store::tcp` sits above the server: it can host one).
+        fn validated(port: u16, timeout: Duration) -> TcpStream {
+            let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            stream.set_read_timeout(Some(timeout)).unwrap();
+            let mut frame = Vec::new();
+            Request::Validate {
+                magic: VALIDATION_MAGIC,
+            }
+            .encode_into(&mut frame);
+            Request::Ping { nonce: 7 }.encode_into(&mut frame);
+            stream.write_all(&frame).unwrap();
+            let mut echo = [0u8; 4];
+            stream.read_exact(&mut echo).unwrap();
+            assert_eq!(u32::from_le_bytes(echo), 7, "PING echoes its nonce");
+            stream
+        }
 
         let stats = Arc::new(StatsCells::default());
         let mut rings = Vec::new();
@@ -967,21 +987,41 @@ mod tests {
         let timeout = Duration::from_secs(10);
         let waiter_port = ports[1];
         let waiter = std::thread::spawn(move || {
-            let store = TcpStore::connect("127.0.0.1", waiter_port, timeout).unwrap();
-            store.wait(&["crossing"], Some(timeout))
+            let mut stream = validated(waiter_port, timeout);
+            let key = b"crossing";
+            let mut encoded = (key.len() as u64).to_le_bytes().to_vec();
+            encoded.extend_from_slice(key);
+            let mut frame = Vec::new();
+            Request::Wait {
+                keys: KeyList::new(1, &encoded).unwrap(),
+            }
+            .encode_into(&mut frame);
+            stream.write_all(&frame).unwrap();
+            let mut stop_waiting = [0xffu8; 1];
+            stream
+                .read_exact(&mut stop_waiting)
+                .map(|()| stop_waiting[0])
         });
         let deadline = Instant::now() + timeout;
         while stats.waiters.load(Ordering::Relaxed) == 0 {
             assert!(Instant::now() < deadline, "the WAIT never registered");
             std::thread::sleep(Duration::from_millis(2));
         }
-        let setter = TcpStore::connect("127.0.0.1", ports[0], timeout).unwrap();
+        let mut setter = validated(ports[0], timeout);
         assert_eq!(stats.connections.load(Ordering::Relaxed), 2);
-        setter.set("crossing", b"1").unwrap();
-        waiter
+        let mut frame = Vec::new();
+        Request::Set {
+            key: b"crossing",
+            value: b"1",
+        }
+        .encode_into(&mut frame);
+        setter.write_all(&frame).unwrap();
+        let stop_waiting = waiter
             .join()
             .unwrap()
             .expect("the SET on loop 0 released the WAIT on loop 1");
+        assert_eq!(stop_waiting, WaitResponse::StopWaiting as u8);
+        drop(setter);
         assert_eq!(stats.waiters.load(Ordering::Relaxed), 0);
         stop.store(true, Ordering::Release);
         for thread in threads {

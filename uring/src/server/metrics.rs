@@ -2,7 +2,8 @@
 //! format (version 0.0.4), served over HTTP/1.1 `GET /metrics`.
 //!
 //! What it reports is what rdzv's `STATS` query reports (connections, keys, waiters,
-//! queues, requests by query type, bytes in and out, uptime), as published by the event
+//! queues, requests by query type, bytes in and out, uptime, and the access-control
+//! refusals by kind: peers, tokens, requests), as published by the event
 //! loops after every batch of requests, plus a request-duration histogram per query type.
 //! A request's duration is the server's time to handle it: from its last byte being
 //! decoded to its reply being encoded (for `WAIT`/`BARRIER`, the registration, not the
@@ -144,6 +145,23 @@ impl Metrics {
                 "sent_bytes_total",
                 "Reply and wake-up bytes encoded.",
                 stats.bytes_out,
+            ),
+            (
+                "refused_peers_total",
+                "Peers closed at accept: their address is in no --allow network.",
+                stats.refused_peers,
+            ),
+            (
+                "refused_tokens_total",
+                "Connections closed for a missing, unknown or repeated AUTH token \
+                 (--token-file; a PyTorch client counts here).",
+                stats.refused_tokens,
+            ),
+            (
+                "refused_requests_total",
+                "Connections closed for a request outside their token's key prefix, or a \
+                 query a prefix-bound token may not make (GETNUMKEYS, LIST_KEYS, STATS).",
+                stats.refused_requests,
             ),
         ];
         for (name, help, value) in counters {
@@ -476,6 +494,9 @@ mod tests {
         metrics.record(QueryType::Set, Duration::from_secs(2));
         let mut stats = StoreStats::default();
         stats.requests[QueryType::Set.index()] = 4;
+        stats.refused_peers = 3;
+        stats.refused_tokens = 2;
+        stats.refused_requests = 1;
         metrics.publish(stats);
         let text = metrics.render(1500, [2, 0, 0]);
         let line = |prefix: &str| {
@@ -490,6 +511,12 @@ mod tests {
         assert_eq!(line("rdzv_store_connections "), "2");
         assert_eq!(line("rdzv_store_uptime_seconds "), "1.500");
         assert_eq!(line("rdzv_store_requests_total{query=\"SET\"}"), "4");
+        for (kind, value) in [("peers", "3"), ("tokens", "2"), ("requests", "1")] {
+            let name = format!("rdzv_store_refused_{kind}_total");
+            assert_eq!(line(&format!("{name} ")), value);
+            assert!(text.contains(&format!("# TYPE {name} counter\n")), "{text}");
+            assert!(text.contains(&format!("# HELP {name} ")), "{text}");
+        }
         let bucket = |le: &str| {
             line(&format!(
                 "rdzv_store_request_duration_seconds_bucket{{query=\"SET\",le=\"{le}\"}}"

@@ -190,8 +190,14 @@ pub enum ServerError {
         source: io::Error,
     },
     /// A loop could not start (io_uring unavailable, memlock too low, no thread...).
-    #[error("cannot start the store executor: {0}")]
-    Executor(String),
+    #[error("cannot start the store executor: {what}: {source}")]
+    Executor {
+        /// The step that failed, with what to do about it where that is known.
+        what: &'static str,
+        /// The system's error.
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// A snapshot of what the server holds, for monitoring and tests.
@@ -284,10 +290,11 @@ impl StoreServer {
                     tracing::warn!("{why}; the store server runs on epoll instead");
                     true
                 }
-                Err(e) => {
-                    return Err(ServerError::Executor(format!(
-                        "cannot create an io_uring: {e} (`--io epoll` runs without one)"
-                    )))
+                Err(source) => {
+                    return Err(ServerError::Executor {
+                        what: "cannot create an io_uring (`--io epoll` runs without one)",
+                        source,
+                    })
                 }
             },
         };
@@ -307,7 +314,10 @@ impl StoreServer {
             .first()
             .and_then(|s| s.local_addr().ok())
             .and_then(|a| a.as_socket())
-            .ok_or_else(|| ServerError::Executor("listening socket has no address".into()))?;
+            .ok_or_else(|| ServerError::Executor {
+                what: "cannot read the listening socket's address",
+                source: io::Error::new(io::ErrorKind::AddrNotAvailable, "not an IP socket"),
+            })?;
         match listener::somaxconn() {
             Some(max) if (max as i64) < listener::REQUESTED_BACKLOG as i64 => tracing::warn!(
                 somaxconn = max,
@@ -422,8 +432,10 @@ fn start_epoll(
     let mut polls = Vec::new();
     let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
     for _ in 0..sockets.len() {
-        let (poll, waker) = epoll::poller()
-            .map_err(|e| ServerError::Executor(format!("cannot create an epoll instance: {e}")))?;
+        let (poll, waker) = epoll::poller().map_err(|source| ServerError::Executor {
+            what: "cannot create an epoll instance",
+            source,
+        })?;
         polls.push(poll);
         wakers.push(Box::new(waker));
     }
@@ -463,8 +475,10 @@ fn start_uring(
     let mut rings = Vec::new();
     let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
     for _ in 0..sockets.len() {
-        let (ring, waker) = direct::ring()
-            .map_err(|e| ServerError::Executor(format!("cannot create an io_uring: {e}")))?;
+        let (ring, waker) = direct::ring().map_err(|source| ServerError::Executor {
+            what: "cannot create an io_uring (`--io epoll` runs without one)",
+            source,
+        })?;
         rings.push(ring);
         wakers.push(Box::new(waker));
     }
@@ -520,12 +534,13 @@ fn spawn_loops(
             });
         match spawned {
             Ok(handle) => handles.push(handle),
-            Err(e) => {
+            Err(source) => {
                 shared.stopping.store(true, Ordering::Release);
                 handles.into_iter().for_each(|h| drop(h.join()));
-                return Err(ServerError::Executor(format!(
-                    "cannot start a store loop thread: {e}"
-                )));
+                return Err(ServerError::Executor {
+                    what: "cannot start a store loop thread",
+                    source,
+                });
             }
         }
     }
@@ -600,5 +615,19 @@ mod tests {
         let us = Duration::from_micros(7);
         assert_eq!(IdleSpin::For(us).resolve(16, 2), Some(us));
         assert_eq!(IdleSpin::For(Duration::ZERO).resolve(1, 64), None);
+    }
+
+    /// Issue 27: the executor's error keeps the system error it wraps as its source.
+    #[test]
+    fn an_executor_error_keeps_its_source() {
+        let error = ServerError::Executor {
+            what: "cannot create an epoll instance",
+            source: io::Error::from_raw_os_error(24),
+        };
+        let source = std::error::Error::source(&error).expect("a source");
+        let io = source.downcast_ref::<io::Error>().expect("the io::Error");
+        assert_eq!(io.raw_os_error(), Some(24));
+        let shown = error.to_string();
+        assert!(shown.contains("cannot create an epoll instance"), "{shown}");
     }
 }

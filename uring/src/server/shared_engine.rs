@@ -281,7 +281,13 @@ impl SharedEngine {
         let Err(refusal) = policy.admit(peer) else {
             return true;
         };
-        self.turn(me, |engine, _| engine.count_refusal(&refusal));
+        self.turn(me, |engine, _| {
+            engine.count_refusal(&refusal);
+            // No request follows to publish the count: `--metrics` sees it now.
+            if let Some(metrics) = &self.stats.metrics {
+                metrics.publish(engine.stats());
+            }
+        });
         if let Some(suppressed) = warnings.allow(std::time::Instant::now()) {
             tracing::warn!(%peer, reason = %refusal, suppressed, "refusing store connection");
         }

@@ -238,3 +238,5 @@ proptest! {
 fn check_budget(data: &[u8], reads: &[usize]) {
     crate::fuzzing::serve_step_with(data, reads, SMALL);
 }
+
+mod auth;
