@@ -705,3 +705,36 @@ fn the_parser_reads_groups_supers_and_literals() {
     assert_eq!(path_starts(&code, "super").len(), 0);
     assert_eq!(path_starts("$crate::a x::crate::b", "crate").len(), 0);
 }
+
+/// Every `.rs` file under `dir` that has a folder of the same name beside it.
+fn files_beside_their_folder(dir: &Path, found: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files_beside_their_folder(&path, found);
+        } else if path.extension().is_some_and(|e| e == "rs") && path.with_extension("").is_dir() {
+            found.push(path);
+        }
+    }
+}
+
+/// One module layout across the workspace (issue 27): a module with children is
+/// `name/mod.rs`, never `name.rs` beside a `name/` folder.
+#[test]
+fn every_module_with_children_is_a_mod_rs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for (_, file) in CRATES {
+        if let Some(src) = root.join(file).parent() {
+            files_beside_their_folder(src, &mut found);
+        }
+    }
+    files_beside_their_folder(&root.join("python/src"), &mut found);
+    assert!(
+        found.is_empty(),
+        "move each of these to <name>/mod.rs (one layout across the workspace): {found:?}"
+    );
+}
