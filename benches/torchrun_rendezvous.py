@@ -19,6 +19,7 @@ them.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,8 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
 
 def free_port() -> int:
@@ -75,11 +77,30 @@ def shut_down(handlers: List[Any]) -> None:
             pass
 
 
+def find_rdzv_bin() -> Optional[str]:
+    """The rdzv binary: the package's bundled one, else this checkout's
+    ``target/release/rdzv``, else ``rdzv`` on ``PATH``; ``None`` when there is none."""
+    candidates: List[Path] = []
+    try:
+        from rdzv import _cli
+
+        candidates.append(_cli.binary())
+    except ImportError:
+        pass
+    candidates.append(Path(__file__).resolve().parent.parent / "target" / "release" / "rdzv")
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which("rdzv")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--backends", nargs="+", default=["c10d", "rdzv"])
-    parser.add_argument("--rdzv-bin", default=shutil.which("rdzv"))
+    parser.add_argument("--rdzv-bin", default=None,
+                        help="the rdzv binary (default: the package's bundled one, "
+                        "else target/release/rdzv, else rdzv on PATH)")
     parser.add_argument("--last-call", type=int, default=1,
                         help="last_call_timeout for both backends, whole seconds (default 1)")
     args = parser.parse_args()
@@ -95,7 +116,10 @@ def main() -> int:
     from rdzv import torchrun
 
     if not args.rdzv_bin:
-        print("no rdzv binary: install the rdzv package or pass --rdzv-bin", file=sys.stderr)
+        args.rdzv_bin = find_rdzv_bin()
+    if not args.rdzv_bin:
+        print("no rdzv binary: install the rdzv package, build target/release/rdzv "
+              "(cargo build --release) or pass --rdzv-bin", file=sys.stderr)
         return 2
     port = free_port()
     server = subprocess.Popen(

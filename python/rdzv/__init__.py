@@ -14,20 +14,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Iterator, Optional, Union
 
-from ._errors import (
-    RdzvError,
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousStateError,
-    RendezvousTimeoutError,
-    StoreConnectionError,
-    StoreError,
-    StoreQueueEmptyError,
-    StoreServerError,
-    StoreTimeoutError,
-)
+from . import _errors
+from ._errors import *  # noqa: F403 (the list is _errors.__all__, kept in one place)
 from ._rdzv import ElasticRendezvous, Round, Store, StoreServer, __version__
 from ._rdzv import rendezvous as _rendezvous
 
@@ -39,18 +27,7 @@ __all__ = [
     "Round",
     "Rendezvous",
     "rendezvous",
-    "RdzvError",
-    "StoreError",
-    "StoreTimeoutError",
-    "StoreConnectionError",
-    "StoreQueueEmptyError",
-    "StoreServerError",
-    "RendezvousError",
-    "RendezvousClosedError",
-    "RendezvousTimeoutError",
-    "RendezvousConnectionError",
-    "RendezvousStateError",
-    "RendezvousGracefulExitError",
+    *_errors.__all__,
 ]
 
 
