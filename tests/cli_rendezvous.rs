@@ -186,14 +186,23 @@ fn bench_rendezvous_forms_one_round() {
     // Join: ADD (round hint), ADD (arrival), APPEND (roster), WAIT and GET (or the
     // closer's roster GETs and COMPARE_SET), the acknowledgement's ADD and WAIT, and the
     // first watch: a constant, whatever N.
-    let join_max: u64 = stdout
+    let join = stdout
         .lines()
         .find_map(|l| l.trim().strip_prefix("store ops per node (join) "))
-        .and_then(|l| l.split(", max ").nth(1))
-        .and_then(|l| l.split(' ').next())
-        .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no join line in {stdout}"));
-    assert!(join_max <= 10, "{stdout}");
+    let figure = |label: &str| -> f64 {
+        join.split(label)
+            .nth(1)
+            .and_then(|l| l.split([',', ' ']).next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {label:?} in {join:?}"))
+    };
+    assert!(figure("mean ") <= 10.0, "{stdout}");
+    // The closer also polls the roster for an arrival whose line is still in flight: a
+    // GET and a short WAIT per poll, the polls doubling from 1 ms up to one keep-alive
+    // interval (100 ms here: at most 8 polls). That depends on the machine's load, never
+    // on N.
+    assert!(figure("max ") <= 10.0 + 2.0 * 8.0, "{stdout}");
     assert!(
         stdout.contains("store ops per node per keep-alive interval"),
         "{stdout}"
