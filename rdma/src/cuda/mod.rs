@@ -53,7 +53,8 @@ use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
-use crate::sys::cuda::{self as driver, panic_message};
+use crate::error_chain::panic_message;
+use crate::sys::cuda as driver;
 
 pub use crate::sys::cuda::driver_library_present;
 pub use agent::basic::chunk_plan;
