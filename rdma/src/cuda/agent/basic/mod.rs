@@ -17,7 +17,7 @@ use super::tensor_memory::CudaMemory;
 use super::{lock, Cause};
 use crate::cuda::caching_allocator::CachedBlock;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::memory::{DeviceRange, StagingBuffer};
+use crate::cuda::memory::{CudaCallError, DeviceRange, StagingBuffer};
 use crate::error_chain::ErrorChain;
 use chunk_plan::{ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
 
@@ -81,10 +81,12 @@ impl DeviceState {
     /// One staging slot (from the pool, or made now).
     pub(super) fn take_slot(&self) -> Result<StagingBuffer, CudaChannelError> {
         let mut slots = self.take_slots(1)?;
-        slots.pop().ok_or(CudaChannelError::InvalidPool {
-            slots: 0,
-            slot_len: self.chunk,
-        })
+        slots
+            .pop()
+            .ok_or(CudaChannelError::Call(CudaCallError::InvalidPool {
+                slots: 0,
+                slot_len: self.chunk,
+            }))
     }
 
     /// Puts slots back (their copies were waited for).
@@ -165,10 +167,10 @@ impl DeviceState {
     /// slots: the host copy of chunk k+1 runs while chunk k goes host to device.
     fn stage_in(&self, dst: DeviceRange<'_>, bytes: &[u8]) -> Result<(), CudaChannelError> {
         if dst.len() != bytes.len() {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaChannelError::Call(CudaCallError::LengthMismatch {
                 sent: bytes.len() as u64,
                 expected: dst.len() as u64,
-            });
+            }));
         }
         let plan = ChunkPlan::new(bytes.len(), self.chunk, self.buffers);
         if plan.chunks() == 0 {
