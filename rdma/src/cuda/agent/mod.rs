@@ -567,8 +567,8 @@ impl DeviceRuntime for CudaRuntime {
         let opened: Vec<Arc<DeviceState>> = lock(&self.devices).iter().flatten().cloned().collect();
         for state in opened {
             if state.gpu.bind().is_ok() {
-                lock(&state.opened_events).close_pipe(pipe.get());
-                lock(&state.mappings).close_pipe(pipe.get());
+                lock(&state.ipc.opened_events).close_pipe(pipe.get());
+                lock(&state.ipc.mappings).close_pipe(pipe.get());
             }
         }
     }

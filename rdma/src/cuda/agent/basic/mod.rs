@@ -4,6 +4,7 @@
 //! schedules are [`crate::cuda::agent::basic::chunk_plan`]'s; this file is their driver half.
 
 pub mod chunk_plan;
+pub(super) mod state;
 
 use std::sync::Arc;
 
@@ -47,9 +48,9 @@ impl DeviceState {
         len: usize,
     ) -> Result<Box<dyn StagedReceive>, Cause> {
         let memory = self.alloc(len)?;
-        let plan = ChunkPlan::new(len, self.chunk, self.buffers);
+        let plan = ChunkPlan::new(len, self.basic.chunk, self.basic.buffers);
         let slots = self.take_slots(plan.buffers_used())?;
-        let chunk = self.chunk;
+        let chunk = self.basic.chunk;
         let device = self.device;
         Ok(Box::new(DriverStageIn {
             device,
@@ -68,12 +69,12 @@ impl DeviceState {
     /// `count` staging slots (made now if the pool has fewer idle).
     fn take_slots(&self, count: usize) -> Result<Vec<StagingBuffer>, CudaChannelError> {
         let mut slots: Vec<StagingBuffer> = {
-            let mut idle = lock(&self.staging);
+            let mut idle = lock(&self.basic.staging);
             let keep = idle.len().saturating_sub(count);
             idle.split_off(keep)
         };
         while slots.len() < count {
-            slots.push(StagingBuffer::new(&self.gpu, self.chunk)?);
+            slots.push(StagingBuffer::new(&self.gpu, self.basic.chunk)?);
         }
         Ok(slots)
     }
@@ -85,19 +86,19 @@ impl DeviceState {
             .pop()
             .ok_or(CudaChannelError::Call(CudaCallError::InvalidPool {
                 slots: 0,
-                slot_len: self.chunk,
+                slot_len: self.basic.chunk,
             }))
     }
 
     /// Puts slots back (their copies were waited for).
     pub(super) fn give_back(&self, slots: Vec<StagingBuffer>) {
-        lock(&self.staging).extend(slots);
+        lock(&self.basic.staging).extend(slots);
     }
 
     /// Copies `src` (this device's) into host memory through the pinned slots: the
     /// device-to-host copy of chunk k+1 runs while the host copies chunk k out.
     fn stage_out(&self, src: DeviceRange<'_>) -> Result<Vec<u8>, CudaChannelError> {
-        let plan = ChunkPlan::new(src.len(), self.chunk, self.buffers);
+        let plan = ChunkPlan::new(src.len(), self.basic.chunk, self.basic.buffers);
         let mut out = Vec::with_capacity(src.len());
         if plan.chunks() == 0 {
             return Ok(out);
@@ -129,7 +130,7 @@ impl DeviceState {
         if src.is_empty() {
             return Ok(None);
         }
-        let mut block = match self.pinned.allocate(src.len()) {
+        let mut block = match self.basic.pinned.allocate(src.len()) {
             Ok(block) => block,
             Err(e) => {
                 tracing::debug!(
@@ -172,7 +173,7 @@ impl DeviceState {
                 expected: dst.len() as u64,
             }));
         }
-        let plan = ChunkPlan::new(bytes.len(), self.chunk, self.buffers);
+        let plan = ChunkPlan::new(bytes.len(), self.basic.chunk, self.basic.buffers);
         if plan.chunks() == 0 {
             return Ok(());
         }
