@@ -1221,7 +1221,7 @@ pub(crate) trait OwnedDeviceMemory {
 }
 
 /// Device memory and a registration that covers it: what an RDMA READ of device memory
-/// lands in (`crate::cuda::gdr_lending::GdrTarget`). The check that the registration
+/// lands in (`crate::cuda::agent::gdr::GdrTarget`). The check that the registration
 /// covers the memory is made here, beside the `unsafe impl` that relies on it. Field
 /// order: the registration goes before the memory.
 #[derive(Debug)]
