@@ -61,7 +61,7 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
-    not_listening, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, Listening,
+    accept_next, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, Listening,
     LocalBoxFuture, OwnedFrame, Transport, TransportPlugin, TryRecv,
 };
 use rdzv_uring::rpc::TransportError;
@@ -293,17 +293,8 @@ impl Transport for IbvTransport {
 
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
-            let Some(listening) = &self.listening else {
-                return Err(not_listening("ibv"));
-            };
-            match listening.next().await {
-                Some(Ok((link, peer))) => Ok(connection(link, peer)),
-                Some(Err(source)) => Err(TransportError::Accept {
-                    address: listening.address().to_string(),
-                    source,
-                }),
-                None => Err(listening.closed()),
-            }
+            let (link, peer) = accept_next(self.listening.as_ref(), "ibv", |e| e).await?;
+            Ok(connection(link, peer))
         })
     }
 
