@@ -277,11 +277,17 @@ impl StagingCopies for DriverStaging<'_, '_> {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        self.slots
-            .get_mut(buffer)
-            .and_then(StagingBuffer::bytes_mut)
-            .unwrap_or_default()
+        slot_bytes(&mut self.slots[..], buffer)
     }
+}
+
+/// The bytes of staging slot `buffer` (empty for a slot that does not exist or whose
+/// copy is still running: the plan never asks for either).
+fn slot_bytes(slots: &mut [StagingBuffer], buffer: usize) -> &mut [u8] {
+    slots
+        .get_mut(buffer)
+        .and_then(StagingBuffer::bytes_mut)
+        .unwrap_or_default()
 }
 
 /// A tensor staged out into a pinned block: the bytes the CPU channel reads. Dropping
@@ -349,10 +355,7 @@ impl StagingCopies for OwnedStaging {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        self.slots
-            .get_mut(buffer)
-            .and_then(StagingBuffer::bytes_mut)
-            .unwrap_or_default()
+        slot_bytes(&mut self.slots[..], buffer)
     }
 }
 
