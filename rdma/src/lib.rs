@@ -30,10 +30,10 @@
 //! inline data ([`ibv::ring`] holds the placement and credit logic), and large ones
 //! zero-copy: the peer fetches the registered user buffer with RDMA READ (registrations
 //! cached by address range in [`ibv::regcache`]). Completions are busy-polled, then waited
-//! for on a completion channel; a failed work completion fails the channel with its
+//! for on a completion channel; a failed work completion fails the connection with its
 //! operation and status name ([`ibv::wc_status`]).
 //!
-//! [`ibv::transport`] makes the channel the RPC agent's `ibv` transport: add
+//! [`ibv::transport`] makes the connection the RPC agent's `ibv` transport: add
 //! [`ibv::transport::IbvPlugin`] to `RpcOptions::transport_plugins` and list `"ibv"` in
 //! `transports`; pipes bootstrap over tcp and move to ibv where both workers' ports can
 //! reach each other, and large payloads and tensors travel zero-copy.

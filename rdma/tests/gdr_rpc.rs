@@ -21,7 +21,7 @@ use std::time::Duration;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::negotiate::ChannelKind;
-use rdzv_rdma::cuda::gdr_lending::{check_descriptor, GdrNode};
+use rdzv_rdma::cuda::agent::gdr::{check_descriptor, GdrNode};
 use rdzv_rdma::ibv::lending::HostRegion;
 use rdzv_rdma::ibv::sys::AccessFlags;
 use rdzv_rdma::ibv::IbvSelection;

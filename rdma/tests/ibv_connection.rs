@@ -1,4 +1,4 @@
-//! The IBV channel on a real verbs device: connection setup over a TCP bootstrap, small
+//! The verbs connection on a real device: connection setup over a TCP bootstrap, small
 //! messages byte for byte, ring wrap-around, credit exhaustion and a queue pair forced
 //! into the error state. Skipped (with the reason) on hosts without verbs; run by
 //! `rdma/softroce/run` in a Soft-RoCE VM, where a missing device fails them.
@@ -31,12 +31,12 @@ where
     let (sel_b, opt_b) = (selection.clone(), options.clone());
     let peer = thread::spawn(move || {
         let mut stream = TcpStream::connect(addr).expect("connect bootstrap");
-        let channel = IbvConnection::connect(&sel_b, &mut stream, &opt_b).expect("connect B");
-        b(channel)
+        let connection = IbvConnection::connect(&sel_b, &mut stream, &opt_b).expect("connect B");
+        b(connection)
     });
     let (mut stream, _) = listener.accept().expect("accept bootstrap");
-    let channel = IbvConnection::connect(selection, &mut stream, &options).expect("connect A");
-    let ra = a(channel);
+    let connection = IbvConnection::connect(selection, &mut stream, &options).expect("connect A");
+    let ra = a(connection);
     let rb = peer.join().expect("peer thread panicked");
     (ra, rb)
 }

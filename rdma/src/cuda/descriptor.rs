@@ -18,6 +18,7 @@
 //! The formatting functions are pure; [`HostIdentity::current`] reads `/proc`. This module
 //! does not decide viability ([`viability`](super::viability)) or negotiate.
 
+use std::fmt::Write as _;
 use std::io;
 
 /// The facts about this process the descriptors are made of.
@@ -88,7 +89,18 @@ pub fn parse_namespace_link(target: &str) -> Option<u64> {
     rest.strip_suffix(']')?.parse().ok()
 }
 
-pub use crate::sys::cuda::format_gpu_uuid;
+/// Formats a 16-byte device UUID as `nvidia-smi` does: `GPU-8-4-4-4-12` lowercase hex. Other
+/// lengths are written as plain hex after `GPU-`.
+pub fn format_gpu_uuid(bytes: &[u8]) -> String {
+    let mut out = String::from("GPU-");
+    for (i, b) in bytes.iter().enumerate() {
+        if bytes.len() == 16 && matches!(i, 4 | 6 | 8 | 10) {
+            out.push('-');
+        }
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
 
 #[cfg(test)]
 mod tests {

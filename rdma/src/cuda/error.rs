@@ -2,23 +2,25 @@
 //! probe's failed driver call [`CudaError`]) and the error every CUDA channel operation
 //! returns ([`CudaChannelError`]).
 //!
-//! For a channel operation, one variant per kind of failing call: a CUDA driver call (named, with the device), a
-//! malformed or inconsistent descriptor from the peer, an event of another process that
-//! never completes, and a panic caught inside cudarc. This module decides nothing about
+//! For a channel operation, one variant per kind of failure: CUDA missing, a failed call
+//! of `sys::cuda` (sys's own [`CudaCallError`], shown as it is: a driver call named with
+//! its device and code, or a check sys made before calling, or a panic inside cudarc), a
+//! malformed or inconsistent descriptor from the peer, and an event of another process
+//! that never completes. Each text is written once, here or in sys. This module decides nothing about
 //! retries or fallbacks: a failed transfer is reported to the caller, who fails the
 //! pipe's pending work.
 
-use crate::sys::driver_code::{CudaCallError, DriverCode};
+use crate::sys::driver_code::{CudaCallError, DriverCode, DRIVER_LIBRARY_MISSING, NO_DEVICE};
 
 /// Why CUDA cannot be used on this host.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CudaNotViable {
     /// No loadable CUDA driver library (`libcuda.so`, `libcuda.so.1`, ...).
-    #[error("the CUDA driver library (libcuda) cannot be loaded: no NVIDIA driver is installed or it is not on the loader path")]
+    #[error("{}", DRIVER_LIBRARY_MISSING)]
     DriverLibraryMissing,
     /// The driver loaded but reports no device (`CUDA_ERROR_NO_DEVICE`, or a count of 0).
-    #[error("no CUDA device found")]
+    #[error("{}", NO_DEVICE)]
     NoDevices {
         /// The driver's error, when `cuInit` reported it.
         #[source]
@@ -100,17 +102,11 @@ pub enum CudaChannelError {
     /// CUDA cannot be used on this host at all.
     #[error("CUDA is not usable on this host: {0}")]
     NotViable(#[source] CudaNotViable),
-    /// A CUDA driver call failed.
-    #[error("{call} failed on CUDA device {device}")]
-    Driver {
-        /// The driver entry point, e.g. `cuMemcpyDtoHAsync`.
-        call: &'static str,
-        /// Ordinal of the device whose context was current.
-        device: usize,
-        /// The driver's status: its name and what to do.
-        #[source]
-        source: DriverCode,
-    },
+    /// A CUDA driver call failed, or `sys::cuda` refused it before calling (lengths that
+    /// differ, an empty pool, a stream of another device, a panic inside cudarc): sys's
+    /// own error, whose text is the one this error shows.
+    #[error(transparent)]
+    Call(CudaCallError),
     /// The peer sent bytes that do not form a valid message of this channel.
     #[error("malformed {what} from the peer: {detail}")]
     Protocol {
@@ -118,31 +114,6 @@ pub enum CudaChannelError {
         what: &'static str,
         /// What is wrong with it.
         detail: String,
-    },
-    /// The sender's tensor and the receiver's buffer differ in length.
-    #[error("length mismatch: the sender transfers {sent} bytes but the receiving buffer holds {expected}")]
-    LengthMismatch {
-        /// Bytes the sender announced.
-        sent: u64,
-        /// Bytes the receiver expected.
-        expected: u64,
-    },
-    /// A staging buffer or pool was asked for with no bytes.
-    #[error("invalid staging pool: {slots} slot(s) of {slot_len} bytes")]
-    InvalidPool {
-        /// Number of slots.
-        slots: usize,
-        /// Bytes per slot.
-        slot_len: usize,
-    },
-    /// A stream of one device was given to a channel endpoint bound to another (its
-    /// events can only be recorded on streams of their own context).
-    #[error("the stream belongs to CUDA device {stream_device} but this endpoint's staging memory and events are on device {endpoint_device}")]
-    WrongDevice {
-        /// Device of the memory or events.
-        endpoint_device: usize,
-        /// Device of the stream passed in.
-        stream_device: usize,
     },
     /// CUDA memory was asked for on a device that is not a CUDA device.
     #[error("{device} is not a CUDA device")]
@@ -162,28 +133,17 @@ pub enum CudaChannelError {
         /// How long it was waited for.
         waited: std::time::Duration,
     },
-    /// cudarc panicked inside a driver call (e.g. a symbol missing from an old driver).
-    #[error("the CUDA driver bindings panicked in {call}: {message}")]
-    Panicked {
-        /// What was being called.
-        call: &'static str,
-        /// The panic message.
-        message: String,
-    },
 }
 
 impl CudaChannelError {
-    /// A `Driver` error for `call` on `device` (from cudarc's `DriverError` or a
-    /// [`DriverCode`]).
+    /// A failed driver `call` on `device` (sys's `CudaCallError::Driver`), from cudarc's
+    /// `DriverError` or a [`DriverCode`].
     pub(crate) fn driver<E: Into<DriverCode>>(
         call: &'static str,
         device: usize,
     ) -> impl FnOnce(E) -> Self {
-        move |source| CudaChannelError::Driver {
-            call,
-            device,
-            source: source.into(),
-        }
+        let call_error = CudaCallError::driver(call, device);
+        move |source| CudaChannelError::Call(call_error(source))
     }
 
     /// A `Protocol` error about `what`.
@@ -197,6 +157,8 @@ impl CudaChannelError {
 
 /// `sys::cuda`'s error, mapped variant by variant (the texts are the same).
 impl From<CudaCallError> for CudaChannelError {
+    /// A call refused because CUDA is missing is [`CudaChannelError::NotViable`], with the
+    /// probe's reason; every other failed call is [`CudaChannelError::Call`].
     fn from(error: CudaCallError) -> Self {
         match error {
             CudaCallError::DriverLibraryMissing => {
@@ -207,31 +169,7 @@ impl From<CudaCallError> for CudaChannelError {
                     source: Some(source),
                 })
             }
-            CudaCallError::Driver {
-                call,
-                device,
-                source,
-            } => CudaChannelError::Driver {
-                call,
-                device,
-                source,
-            },
-            CudaCallError::LengthMismatch { sent, expected } => {
-                CudaChannelError::LengthMismatch { sent, expected }
-            }
-            CudaCallError::InvalidPool { slots, slot_len } => {
-                CudaChannelError::InvalidPool { slots, slot_len }
-            }
-            CudaCallError::WrongDevice {
-                endpoint_device,
-                stream_device,
-            } => CudaChannelError::WrongDevice {
-                endpoint_device,
-                stream_device,
-            },
-            CudaCallError::Panicked { call, message } => {
-                CudaChannelError::Panicked { call, message }
-            }
+            other => CudaChannelError::Call(other),
         }
     }
 }
@@ -270,10 +208,10 @@ mod tests {
             "{}",
             ErrorChain(&err)
         );
-        let err = CudaChannelError::LengthMismatch {
+        let err = CudaChannelError::from(CudaCallError::LengthMismatch {
             sent: 10,
             expected: 12,
-        };
+        });
         assert_eq!(
             err.to_string(),
             "length mismatch: the sender transfers 10 bytes but the receiving buffer holds 12"

@@ -16,17 +16,16 @@
 //! memory and registers nothing.
 //!
 //! [`agent`] is the one implementation of the CUDA channels (`cuda_xth`, `cuda_ipc`,
-//! `cuda_gdr` and `cuda_basic`): the RPC agent's CUDA runtime. [`gdr`] registers device
-//! memory with a NIC for `cuda_gdr` (dma-buf, falling back to peer memory), and
-//! [`gdr_lending`] is what the runtime needs to lend and borrow over it (the RDMA data
-//! path is [`crate::ibv::lending`]).
+//! `cuda_gdr` and `cuda_basic`): the RPC agent's CUDA runtime, one module per channel
+//! holding its lender, borrower, caches and per-device state (`agent::{xth, ipc, gdr,
+//! basic}`). [`gdr`] registers device memory with a NIC (dma-buf, falling back to peer
+//! memory), for `cuda_gdr` and for the probe's choice of a registration path; the RDMA
+//! data path is [`crate::ibv::lending`].
 //!
-//! The runtime keeps its bookkeeping in pure modules tested with fakes:
-//! [`caching_allocator`] (received tensors' device memory), [`ipc_mappings`] (the
-//! borrower's opened `cuda_ipc` mappings and events), [`loan_events`] (the order in which
-//! a `cuda_ipc` loan's lender, borrower and release use its IPC event), [`xth_loans`]
-//! (the same for `cuda_xth`, within one process) and [`chunk_plan`]
-//! (`cuda_basic`'s staged copies through pinned buffers).
+//! What the channels share is here, pure and tested with fakes: [`caching_allocator`]
+//! (device memory of received tensors, pinned blocks) and [`loan_events`] (the order in
+//! which a loan's lender, borrower and release use its event: `cuda_ipc`'s IPC events and
+//! `cuda_xth`'s fences).
 //!
 //! [`viability`] decides which of them can be offered, with reasons, and [`descriptor`]
 //! computes their negotiation descriptors. [`memory`] holds the owned CUDA resources
@@ -41,7 +40,6 @@ pub mod caching_allocator;
 pub mod descriptor;
 pub(crate) mod error;
 pub mod gdr;
-pub mod gdr_lending;
 pub mod loan_events;
 pub mod memory;
 pub mod peer_memory;
@@ -53,7 +51,8 @@ use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use tracing::{debug, info};
 
-use crate::sys::cuda::{self as driver, panic_message};
+use crate::error_chain::panic_message;
+use crate::sys::cuda as driver;
 
 pub use crate::sys::cuda::driver_library_present;
 pub use agent::basic::chunk_plan;

@@ -219,7 +219,7 @@ pub enum ConnectionError {
         after: Duration,
     },
     /// The options are out of range.
-    #[error("invalid RDMA channel options: {0}")]
+    #[error("invalid RDMA connection options: {0}")]
     Options(&'static str),
     /// The memory for an admitted message could not be allocated.
     #[error("cannot allocate {len} bytes for a message from the RDMA peer")]
@@ -560,7 +560,7 @@ impl IbvConnection {
         )
         .map_err(|e| verb_err("ibv_modify_qp(INIT)", dev, e))?;
 
-        let mut channel = IbvConnection {
+        let mut connection = IbvConnection {
             qp,
             cq,
             comp_channel,
@@ -603,7 +603,7 @@ impl IbvConnection {
         };
         // Receive work requests go in before the peer can possibly send.
         for _ in 0..max_recv_wr {
-            channel.post_recv()?;
+            connection.post_recv()?;
         }
 
         let ours = ConnectionInfo {
@@ -612,9 +612,9 @@ impl IbvConnection {
             qpn,
             psn: initial_psn(),
             mtu: selection.active_mtu.unwrap_or(Mtu::B1024),
-            ring_addr: channel.recv_ring.addr(),
+            ring_addr: connection.recv_ring.addr(),
             ring_len: options.ring_len,
-            ring_rkey: channel.recv_ring.rkey(),
+            ring_rkey: connection.recv_ring.rkey(),
             recv_slots: options.recv_slots,
         };
         let peer = wire::exchange(bootstrap, &ours)?;
@@ -624,15 +624,15 @@ impl IbvConnection {
             peer_qpn = peer.qpn,
             "RDMA connection records exchanged"
         );
-        channel.tx = RingSender::new(peer.ring_len, peer.recv_slots)?;
-        channel.peer = peer;
+        connection.tx = RingSender::new(peer.ring_len, peer.recv_slots)?;
+        connection.peer = peer;
 
         let grh = (!peer.gid.is_zero() && !selection.gid.is_zero()).then_some(GlobalRoute {
             dgid: peer.gid.0,
             sgid_index: gid_index,
             hop_limit: 64,
         });
-        channel
+        connection
             .qp
             .to_rtr(&RtrAttr {
                 path_mtu: verbs_mtu(ours.mtu.min(peer.mtu)),
@@ -645,7 +645,7 @@ impl IbvConnection {
                 grh,
             })
             .map_err(|e| verb_err("ibv_modify_qp(RTR)", dev, e))?;
-        channel
+        connection
             .qp
             .to_rts(&RtsAttr {
                 sq_psn: ours.psn,
@@ -663,8 +663,8 @@ impl IbvConnection {
             .and_then(|()| bootstrap.flush())
             .and_then(|()| bootstrap.read_exact(&mut byte))
             .map_err(ConnectionError::Bootstrap)?;
-        debug!(device = dev, qpn, max_inline, "RDMA channel ready");
-        Ok(channel)
+        debug!(device = dev, qpn, max_inline, "RDMA connection ready");
+        Ok(connection)
     }
 
     /// The largest message [`send`](Self::send) accepts: the peer's ring size.

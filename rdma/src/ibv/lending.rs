@@ -253,15 +253,15 @@ fn serve(
         debug!(%peer, error = %e, "cannot set up a lending connection");
         return;
     }
-    let channel =
+    let connection =
         match IbvConnection::connect_in(domain, selection, &mut stream, &connection_options()) {
-            Ok(channel) => channel,
+            Ok(connection) => connection,
             Err(e) => {
                 debug!(%peer, error = %e, "lending queue pair setup failed");
                 return;
             }
         };
-    debug!(%peer, qpn = channel.qp_number(), "lending queue pair ready");
+    debug!(%peer, qpn = connection.qp_number(), "lending queue pair ready");
     if let Err(e) = stream.set_read_timeout(Some(STOP_POLL)) {
         debug!(%peer, error = %e, "cannot poll the lending connection");
         return;
@@ -282,13 +282,13 @@ fn serve(
         }
     }
     debug!(%peer, "lending queue pair closed");
-    drop(channel);
+    drop(connection);
 }
 
 /// One cached connection to a lender: the queue pair, and the TCP stream whose close tells
 /// the lender to drop its end.
 struct Connection {
-    channel: IbvConnection,
+    connection: IbvConnection,
     _stream: TcpStream,
 }
 
@@ -354,12 +354,12 @@ impl Borrower {
         }
         let connection = self.connection(lender)?;
         let mut guard = connection.lock().unwrap_or_else(PoisonError::into_inner);
-        // `target` is registered in this borrower's domain, in which every cached channel
+        // `target` is registered in this borrower's domain, in which every cached connection
         // is made (ReadTarget); the connection leaks it if READs into it may still be in
         // flight after a failure.
         let result =
             guard
-                .channel
+                .connection
                 .read_remote(target, remote_addr, rkey, self.options.read_timeout);
         match result {
             Ok(target) => Ok(target),
@@ -414,16 +414,16 @@ impl Borrower {
             .and_then(|()| stream.set_write_timeout(Some(timeout)))
             .and_then(|()| stream.set_nodelay(true))
             .map_err(connect_err)?;
-        let channel = IbvConnection::connect_in(
+        let connection = IbvConnection::connect_in(
             &self.domain,
             &self.selection,
             &mut stream,
             &connection_options(),
         )
         .map_err(|source| LendingError::Bootstrap { lender, source })?;
-        debug!(%lender, qpn = channel.qp_number(), "borrowing queue pair ready");
+        debug!(%lender, qpn = connection.qp_number(), "borrowing queue pair ready");
         let made = Arc::new(Mutex::new(Connection {
-            channel,
+            connection,
             _stream: stream,
         }));
         let mut connections = self

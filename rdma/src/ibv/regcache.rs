@@ -11,7 +11,7 @@
 //!
 //! The cache knows nothing about verbs or memory: keeping a cached range's memory alive
 //! (so that its addresses cannot be reused by another allocation while the registration
-//! maps the old pages) is the value's job; the channel stores the buffer's owner in it.
+//! maps the old pages) is the value's job; the connection stores the buffer's owner in it.
 
 use std::collections::BTreeMap;
 

@@ -246,7 +246,7 @@ pub enum MessageImm {
 }
 
 impl MessageImm {
-    /// The immediate value (host order; the channel converts to network order).
+    /// The immediate value (host order; the connection converts to network order).
     pub fn encode(self) -> u32 {
         match self {
             MessageImm::Inline(len) => len & !IMM_DESCRIPTOR,

@@ -28,10 +28,14 @@
 //! - A failed driver call is a [`DriverCode`]: the code's name and what to do, formatted
 //!   without calling the driver.
 //!
-//! This module decides no protocol: the channels and the agent's runtime do.
+//! This module decides no protocol: the channels and the agent's runtime do. What stays
+//! here is what needs `unsafe`: each type above owns a driver resource whose `Drop` (or a
+//! `Send`/`Sync`/`ReadTarget` impl) relies on an invariant only its constructor can keep,
+//! so moving it out would move `unsafe` with it. Pure logic lives above: the UUID's text in
+//! `cuda::descriptor`, a panic's text in `error_chain`, the caches, pools and loan
+//! bookkeeping in `cuda::agent`'s channel modules.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::fmt::Write as _;
 use std::io;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -44,35 +48,13 @@ use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
 
 use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
 
+use crate::error_chain::panic_message;
+
 use super::ibv::{AccessFlags, MemoryRegion, ProtectionDomain, ReadTarget};
 
 // --- errors ---------------------------------------------------------------------------
 
 pub use super::driver_code::{CudaCallError, DriverCode};
-
-/// The text of a panic caught around a cudarc call.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(text) = payload.downcast_ref::<&str>() {
-        (*text).to_owned()
-    } else if let Some(text) = payload.downcast_ref::<String>() {
-        text.clone()
-    } else {
-        "non-string panic payload".to_owned()
-    }
-}
-
-/// Formats a 16-byte device UUID as `nvidia-smi` does: `GPU-8-4-4-4-12` lowercase hex. Other
-/// lengths are written as plain hex after `GPU-`.
-pub fn format_gpu_uuid(bytes: &[u8]) -> String {
-    let mut out = String::from("GPU-");
-    for (i, b) in bytes.iter().enumerate() {
-        if bytes.len() == 16 && matches!(i, 4 | 6 | 8 | 10) {
-            out.push('-');
-        }
-        let _ = write!(out, "{b:02x}");
-    }
-    out
-}
 
 // --- the probe's queries --------------------------------------------------------------
 
@@ -219,14 +201,14 @@ impl Gpu {
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
-    /// The device's UUID, formatted as NVIDIA does (`GPU-xxxxxxxx-xxxx-...`).
-    pub fn uuid(&self) -> Result<String, CudaCallError> {
+    /// The device's UUID, its 16 bytes (`cuDeviceGetUuid`); `crate::cuda::descriptor`'s
+    /// `format_gpu_uuid` writes it as NVIDIA does.
+    pub fn uuid(&self) -> Result<[u8; 16], CudaCallError> {
         let uuid = self
             .ctx
             .uuid()
             .map_err(CudaCallError::driver("cuDeviceGetUuid", self.ordinal()))?;
-        let bytes: Vec<u8> = uuid.bytes.iter().map(|b| *b as u8).collect();
-        Ok(format_gpu_uuid(&bytes))
+        Ok(uuid.bytes.map(|b| b as u8))
     }
 }
 
@@ -1239,7 +1221,7 @@ pub(crate) trait OwnedDeviceMemory {
 }
 
 /// Device memory and a registration that covers it: what an RDMA READ of device memory
-/// lands in (`crate::cuda::gdr_lending::GdrTarget`). The check that the registration
+/// lands in (`crate::cuda::agent::gdr::GdrTarget`). The check that the registration
 /// covers the memory is made here, beside the `unsafe impl` that relies on it. Field
 /// order: the registration goes before the memory.
 #[derive(Debug)]

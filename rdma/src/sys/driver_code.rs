@@ -9,6 +9,14 @@ use std::fmt;
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::CUresult;
 
+/// Why CUDA is not usable when the driver library cannot be loaded (the one text, shown by
+/// this module's [`CudaCallError`] and by `crate::cuda::CudaNotViable`).
+pub(crate) const DRIVER_LIBRARY_MISSING: &str = "the CUDA driver library (libcuda) cannot be \
+     loaded: no NVIDIA driver is installed or it is not on the loader path";
+
+/// Why CUDA is not usable when the driver reports no device.
+pub(crate) const NO_DEVICE: &str = "no CUDA device found";
+
 /// A CUDA driver status other than `CUDA_SUCCESS`: its name and what to do about it.
 ///
 /// Unlike cudarc's `DriverError`, whose `Display` asks the driver for a description (and
@@ -134,13 +142,10 @@ impl From<DriverError> for DriverCode {
 #[non_exhaustive]
 pub enum CudaCallError {
     /// No loadable CUDA driver library.
-    #[error(
-        "CUDA is not usable on this host: the CUDA driver library (libcuda) cannot be \
-         loaded: no NVIDIA driver is installed or it is not on the loader path"
-    )]
+    #[error("CUDA is not usable on this host: {}", DRIVER_LIBRARY_MISSING)]
     DriverLibraryMissing,
     /// The driver reports no device.
-    #[error("CUDA is not usable on this host: no CUDA device found")]
+    #[error("CUDA is not usable on this host: {}", NO_DEVICE)]
     NoDevices {
         /// The driver's status.
         #[source]

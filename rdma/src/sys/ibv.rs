@@ -25,7 +25,7 @@
 //! context is extended (`abi_compat == UINTPTR_MAX`), the tail of `struct verbs_context`
 //! that sits just before it. The classic post API was chosen over the extended one
 //! (`ibv_qp_ex`, `ibv_wr_*`): it needs only the stable `ops` table (NCCL does the same),
-//! works with every provider, and the channel posts at most two work requests at a time,
+//! works with every provider, and a connection posts at most two work requests at a time,
 //! where the extended API saves nothing measurable.
 //!
 //! # What is safe here
@@ -1369,7 +1369,7 @@ impl Drop for PageMemory {
 }
 
 /// Page-aligned, zeroed host memory registered in a protection domain, which owns the
-/// memory: what the channel's rings are, and what host memory is lent from and read into.
+/// memory: what a connection's rings are, and what host memory is lent from and read into.
 /// Rust code only copies bytes in and out of it ([`write_at`](Self::write_at),
 /// [`read_at`](Self::read_at), [`to_vec`](Self::to_vec)); the device writes it according
 /// to the registration's access rights.

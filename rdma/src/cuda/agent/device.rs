@@ -1,8 +1,9 @@
-//! What the runtime keeps per opened device ([`DeviceState`]): its streams, its pools of
-//! events, its caches (received memory, pinned buffers, opened `cuda_ipc` mappings and
-//! events), and the copies every channel shares. The `cuda_basic` side is in
-//! [`super::basic`], the `cuda_ipc` side in [`super::ipc`]; the driver adapters its
-//! caches are built from in [`super::driver`].
+//! What the runtime keeps per opened device ([`DeviceState`]): what every channel shares
+//! (its streams, this process's events, the cache of received memory) and, composed
+//! beside it, each channel's own state, made and owned by that channel's module:
+//! `cuda_ipc`'s mappings and loan events ([`super::ipc::state`]) and `cuda_basic`'s
+//! staging pools ([`super::basic::state`]). The driver adapters the caches are built from
+//! are in [`super::driver`]. It decides no channel's rule.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,36 +11,30 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
 
-use super::driver::{
-    DeviceBacking, DriverOpener, EventOpener, LoanEvent, PinnedBacking, LOAN_EVENTS_UP_FRONT,
-};
+use super::basic::state::BasicState;
+use super::driver::{DeviceBacking, LOAN_EVENTS_UP_FRONT};
+use super::ipc::state::IpcState;
 use super::tensor_memory::{CudaMemory, Storage};
 use super::{lock, Cause, CudaOptions};
-use crate::cuda::agent::ipc::mappings::IpcMappings;
 use crate::cuda::caching_allocator::CachingAllocator;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::memory::{Gpu, RawEvent, StagingBuffer};
+use crate::cuda::memory::{Gpu, RawEvent};
 
-/// What the runtime keeps per opened device. Field order is drop order: opened events
-/// and mappings first, then the staging buffers and events, the streams, the cached
-/// blocks, the device.
+/// What the runtime keeps per opened device. Field order is drop order: `cuda_ipc`'s
+/// opened events and mappings and its loan events first, then `cuda_basic`'s staging
+/// buffers and pinned blocks, this process's events, the streams, the cached blocks, the
+/// device.
 pub(super) struct DeviceState {
     pub(super) device: Device,
-    /// The peers' `cuda_ipc` loan events opened here, per pipe (keyed like mappings, by a
-    /// hash of the handle in place of the base: another handle is another event).
-    pub(super) opened_events: Mutex<IpcMappings<EventOpener>>,
-    pub(super) mappings: Mutex<IpcMappings<DriverOpener>>,
-    pub(super) staging: Mutex<Vec<StagingBuffer>>,
-    pub(super) pinned: CachingAllocator<PinnedBacking>,
-    /// Interprocess events of settled `cuda_ipc` loans, for the next loans.
-    pub(super) loan_events: Mutex<Vec<LoanEvent>>,
+    /// `cuda_ipc`'s caches.
+    pub(super) ipc: IpcState,
+    /// `cuda_basic`'s pools.
+    pub(super) basic: BasicState,
     /// This process's own events (copies waited for, received memory's ready events).
     pub(super) events: Mutex<Vec<RawEvent>>,
     pub(super) streams: Vec<Arc<CudaStream>>,
     next_stream: AtomicUsize,
     pub(super) allocator: CachingAllocator<DeviceBacking>,
-    pub(super) chunk: usize,
-    pub(super) buffers: usize,
     /// [`CudaOptions::pending_hand_over`].
     pub(super) pending_hand_over: bool,
     pub(super) gpu: Gpu,
@@ -50,8 +45,8 @@ impl std::fmt::Debug for DeviceState {
         f.debug_struct("DeviceState")
             .field("device", &self.device)
             .field("allocator", &self.allocator)
-            .field("mappings", &*lock(&self.mappings))
-            .field("opened_events", &*lock(&self.opened_events))
+            .field("mappings", &*lock(&self.ipc.mappings))
+            .field("opened_events", &*lock(&self.ipc.opened_events))
             .field("streams", &self.streams.len())
             .finish_non_exhaustive()
     }
@@ -69,23 +64,18 @@ impl DeviceState {
             .collect::<Result<Vec<_>, _>>()?;
         let state = DeviceState {
             device,
-            opened_events: Mutex::new(IpcMappings::new(
-                EventOpener { gpu: gpu.clone() },
-                options.ipc_mappings_per_device,
-                usize::MAX,
-            )),
-            mappings: Mutex::new(IpcMappings::new(
-                DriverOpener { gpu: gpu.clone() },
+            ipc: IpcState::new(
+                &gpu,
                 options.ipc_mappings_per_device,
                 options.ipc_mapped_bytes_per_device,
-            )),
-            staging: Mutex::new(Vec::new()),
-            pinned: CachingAllocator::new(
-                format!("{device} (pinned host memory for cuda_basic)"),
-                PinnedBacking { gpu: gpu.clone() },
-                options.staged_out_cap_bytes,
             ),
-            loan_events: Mutex::new(Vec::new()),
+            basic: BasicState::new(
+                &gpu,
+                device,
+                options.staged_out_cap_bytes,
+                options.staging_chunk_bytes,
+                options.staging_buffers,
+            ),
             events: Mutex::new(Vec::new()),
             streams,
             next_stream: AtomicUsize::new(0),
@@ -94,8 +84,6 @@ impl DeviceState {
                 DeviceBacking { gpu: gpu.clone() },
                 options.cache_cap_bytes,
             ),
-            chunk: options.staging_chunk_bytes.max(1),
-            buffers: options.staging_buffers.max(1),
             pending_hand_over: options.pending_hand_over,
             gpu,
         };

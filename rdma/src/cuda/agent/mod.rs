@@ -77,11 +77,13 @@
 //! events when the pipe ends (`DeviceRuntime::pipe_ended`).
 //!
 //! The files: this one (the runtime and its `DeviceRuntime` side), `options` (options
-//! and plugins), `device` (per-device state and copies), `ipc` (`cuda_ipc`'s two
-//! sides), `xth` (`cuda_xth`'s), `staged` and `parts` (`cuda_basic`'s), `tensor_memory`
-//! ([`CudaMemory`]). Every `DeviceRuntime` call fails with the seam's `DeviceError`,
-//! whose source is this crate's [`CudaChannelError`] (with the driver's `DriverCode`)
-//! where the driver failed.
+//! and plugins), `device` (what every channel shares per device, composing each
+//! channel's own state), then one module per channel with all of it: `xth`, `ipc`
+//! (with its mappings cache and `state`), `gdr` (node, registrations, `GdrState`),
+//! `basic` (with its `chunk_plan` and `state`) and `parts` (`cuda_basic` over `mpt`);
+//! `tensor_memory` ([`CudaMemory`]). Every `DeviceRuntime` call fails with the seam's
+//! `DeviceError`, whose source is this crate's [`CudaChannelError`] (with the driver's
+//! `DriverCode`) where the driver failed.
 //!
 //! Opening the runtime never panics when the driver is absent: [`CudaPlugin`] probes
 //! first ([`super::probe`]) and reports why CUDA cannot be used, and the agent then
@@ -91,6 +93,7 @@
 pub(crate) mod basic;
 mod device;
 mod driver;
+pub mod gdr;
 pub(crate) mod ipc;
 mod options;
 mod parts;
@@ -111,14 +114,12 @@ use rdzv_uring::rpc::{
 
 use super::descriptor::HostIdentity;
 use super::error::CudaChannelError;
-use super::gdr::{GdrPath, GdrRegistrar, GdrRegistration};
-use super::gdr_lending::{self, GdrNode, GdrTarget};
-use super::memory::DeviceAllocation;
 use super::viability::{self, ChannelVerdict, CudaChannel, LendingRefused};
-use super::PeerMemory;
+
 use crate::error_chain::ErrorChain;
-use crate::ibv::IbvViability;
+
 use device::DeviceState;
+use gdr::GdrState;
 pub use options::{
     ConfiguredCudaPlugin, CudaOpenError, CudaOptions, CudaOptionsError, CudaPlugin, ENV_CACHE_CAP,
     ENV_PENDING_HAND_OVER,
@@ -137,14 +138,8 @@ pub struct CudaRuntime {
     /// `cuda_xth`'s and `cuda_ipc`'s domain descriptors, or why they cannot run.
     xth: Result<String, LendingRefused>,
     ipc: Result<String, LendingRefused>,
-    /// `cuda_gdr`'s domain descriptor, or why it cannot run.
-    gdr: Result<String, LendingRefused>,
-    /// Each device's registration path (from the probe), by ordinal.
-    gdr_paths: Vec<GdrPath>,
-    peer_memory: PeerMemory,
-    /// The GDR node, started on first use, and one registrar per device.
-    gdr_node: Mutex<Option<Arc<GdrNode>>>,
-    registrars: Mutex<Vec<Option<GdrRegistrar>>>,
+    /// `cuda_gdr`'s offer, node and registrars.
+    gdr: GdrState,
 }
 
 /// Why a step of the runtime failed: a typed error of this crate (a
@@ -195,15 +190,12 @@ impl CudaRuntime {
                 }),
             },
         };
-        let gdr_verdict = report.verdict(CudaChannel::Gdr);
-        let gdr = gdr_lending::gdr_offer(
-            gdr_verdict,
+        let gdr = GdrState::new(
+            report.verdict(CudaChannel::Gdr),
             process.as_ref().map(|_| ()).map_err(String::as_str),
+            cuda.peer_memory,
+            count,
         );
-        let gdr_paths = match gdr_verdict {
-            Some(ChannelVerdict::Viable(paths)) => paths.clone(),
-            _ => Vec::new(),
-        };
         Ok(CudaRuntime {
             options,
             count,
@@ -211,10 +203,6 @@ impl CudaRuntime {
             xth: channel(CudaChannel::Xth, HostIdentity::xth_descriptor),
             ipc: channel(CudaChannel::Ipc, HostIdentity::ipc_descriptor),
             gdr,
-            gdr_paths,
-            peer_memory: cuda.peer_memory,
-            gdr_node: Mutex::new(None),
-            registrars: Mutex::new((0..count).map(|_| None).collect()),
             process,
         })
     }
@@ -239,69 +227,6 @@ impl CudaRuntime {
 
     fn process(&self) -> Result<ProcessIdentity, Cause> {
         self.process.clone().map_err(Cause::from)
-    }
-
-    /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
-    /// offered.
-    fn gdr_node(&self) -> Result<Arc<GdrNode>, Cause> {
-        self.gdr
-            .as_ref()
-            .map_err(|refused| Cause::from(refused.clone()))?;
-        let mut node = lock(&self.gdr_node);
-        if let Some(node) = node.as_ref() {
-            return Ok(Arc::clone(node));
-        }
-        let selection = match crate::ibv::probe_env() {
-            IbvViability::Viable(selection) => selection,
-            IbvViability::NotViable(reason) => {
-                return Err(
-                    format!("cuda_gdr: no usable RDMA device: {}", ErrorChain(&reason)).into(),
-                )
-            }
-        };
-        let configured = std::env::var(gdr_lending::ENV_GDR_ADDR).ok();
-        let advertised = gdr_lending::advertised_ip(configured.as_deref(), selection.gid)?;
-        let started = Arc::new(GdrNode::open(&selection, advertised)?);
-        tracing::info!(
-            endpoint = %started.advertised(),
-            device = %selection.device,
-            "cuda_gdr endpoint started"
-        );
-        *node = Some(Arc::clone(&started));
-        Ok(started)
-    }
-
-    /// A registration of the whole allocation `allocation` of device `ordinal` in the GDR
-    /// node's domain, held only by the caller (dropping it deregisters).
-    fn gdr_register(
-        &self,
-        node: &GdrNode,
-        ordinal: usize,
-        allocation: &DeviceAllocation,
-    ) -> Result<Arc<GdrRegistration>, Cause> {
-        let gpu = allocation.gpu().clone();
-        let path = *self.gdr_paths.get(ordinal).ok_or_else(|| {
-            format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
-        })?;
-        let mut registrars = lock(&self.registrars);
-        let slot = registrars
-            .get_mut(ordinal)
-            .ok_or_else(|| format!("cuda_gdr: no CUDA device {ordinal}"))?;
-        let registrar = slot.get_or_insert_with(|| {
-            GdrRegistrar::new(
-                Arc::clone(node.domain().pd()),
-                &gpu,
-                path,
-                &self.peer_memory,
-                gdr_lending::gdr_access(),
-                1,
-            )
-        });
-        let registration = registrar.register(allocation.range()).map_err(Cause::from);
-        // Nothing stays cached: the caller's handle is the only one, so the registration
-        // ends with the loan (or the read), before the allocation can be freed.
-        registrar.forget_all();
-        registration
     }
 
     /// Lent memory copied into memory from `device`'s cache (`pipe`: where the loan
@@ -363,17 +288,7 @@ impl CudaRuntime {
                 Ok(DeviceBuffer::new(memory))
             }
             ChannelKind::CudaGdr => {
-                let lent = gdr_lending::check_descriptor(descriptor, len)?;
-                let state = self.device(device)?;
-                let memory = state.alloc(to_usize(len)?)?;
-                if memory.is_empty() {
-                    return Ok(DeviceBuffer::new(memory));
-                }
-                let node = self.gdr_node()?;
-                let registration = self.gdr_register(&node, target, memory.allocation())?;
-                let target = GdrTarget::new(registration, memory)?;
-                let filled = node.read(&lent, target)?;
-                Ok(DeviceBuffer::new(filled.into_memory()))
+                gdr::borrow(&self.gdr, &*self.device(device)?, target, len, descriptor)
             }
             other => Err(format!("the CUDA runtime does not borrow over {other}").into()),
         }
@@ -386,8 +301,6 @@ impl CudaRuntime {
         memory: &DeviceBuffer,
     ) -> Result<DeviceLoan, Cause> {
         let own = own(memory)?;
-        let device = u32::from(own.device.index().unwrap_or(0));
-        let length = own.len as u64;
         // Ordered after the producer on the GPU, through the loan's event (cuda_ipc) or
         // fence (cuda_xth).
         match channel {
@@ -404,24 +317,7 @@ impl CudaRuntime {
         // The peer's NIC (cuda_gdr) reads it once this returns.
         own.wait_ready()?;
         match channel {
-            ChannelKind::CudaGdr => {
-                let node = self.gdr_node()?;
-                let address = own.range().ptr();
-                let registration = if length == 0 {
-                    None
-                } else {
-                    let ordinal = cuda_ordinal(own.device)?;
-                    Some(self.gdr_register(&node, ordinal, own.allocation())?)
-                };
-                let rkey = registration.as_ref().map_or(0, |r| r.rkey());
-                let descriptor = node.descriptor(self.process()?, address, rkey, length, device);
-                // The registration goes before the memory (tuple fields drop in order);
-                // both live until the peer answered.
-                Ok(DeviceLoan {
-                    descriptor,
-                    hold: Box::new((registration, memory.clone())),
-                })
-            }
+            ChannelKind::CudaGdr => gdr::lend(&self.gdr, self.process()?, memory, own),
             other => Err(format!("the CUDA runtime does not lend over {other}").into()),
         }
     }
@@ -528,7 +424,7 @@ impl DeviceRuntime for CudaRuntime {
         vec![
             offer(ChannelKind::CudaXth, &self.xth),
             offer(ChannelKind::CudaIpc, &self.ipc),
-            offer(ChannelKind::CudaGdr, &self.gdr),
+            offer(ChannelKind::CudaGdr, &self.gdr.offer),
         ]
     }
 
@@ -567,8 +463,8 @@ impl DeviceRuntime for CudaRuntime {
         let opened: Vec<Arc<DeviceState>> = lock(&self.devices).iter().flatten().cloned().collect();
         for state in opened {
             if state.gpu.bind().is_ok() {
-                lock(&state.opened_events).close_pipe(pipe.get());
-                lock(&state.mappings).close_pipe(pipe.get());
+                lock(&state.ipc.opened_events).close_pipe(pipe.get());
+                lock(&state.ipc.mappings).close_pipe(pipe.get());
             }
         }
     }

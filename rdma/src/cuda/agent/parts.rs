@@ -152,7 +152,7 @@ impl DeviceState {
         len: usize,
     ) -> Result<Box<dyn PartedReceive>, Cause> {
         let memory = self.alloc(len)?;
-        let max = self.buffers.max(MIN_SLOTS);
+        let max = self.basic.buffers.max(MIN_SLOTS);
         Ok(Box::new(DriverPartsIn {
             state: self,
             memory: Some(memory),
@@ -202,12 +202,12 @@ impl DriverPartsIn {
 
 impl PartedReceive for DriverPartsIn {
     fn part_len(&self) -> usize {
-        self.state.chunk
+        self.state.basic.chunk
     }
 
     fn part(&self, offset: usize, len: usize) -> Result<Box<dyn PartBuffer>, DeviceError> {
         let total = self.memory.as_ref().map_or(0, |m| m.len);
-        let chunk = self.state.chunk;
+        let chunk = self.state.basic.chunk;
         let end = offset.checked_add(len).filter(|&end| end <= total);
         if len == 0 || end.is_none() || offset / chunk != (offset + len - 1) / chunk {
             return Err(self.failed(format!(

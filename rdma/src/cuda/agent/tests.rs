@@ -124,17 +124,17 @@ fn pinned_staging_out_and_chunked_receives_on_a_gpu() {
             assert!(out.is_staged(), "{len} bytes staged in pinned memory");
             assert!(out == bytes, "{len} bytes out");
             drop(out);
-            assert_eq!(state.pinned.stats().in_use, 0);
+            assert_eq!(state.basic.pinned.stats().in_use, 0);
         }
     }
     assert!(
-        state.pinned.stats().reuses >= 4,
+        state.basic.pinned.stats().reuses >= 4,
         "{:?}",
-        state.pinned.stats()
+        state.basic.pinned.stats()
     );
 
     // Abandoned after two chunks: the slots and the memory go back.
-    let slots_before = lock(&state.staging).len();
+    let slots_before = lock(&state.basic.staging).len();
     let in_use_before = state.allocator.stats().in_use;
     let mut staging = runtime
         .receive_staged(cuda0, 1 << 20)
@@ -147,7 +147,7 @@ fn pinned_staging_out_and_chunked_receives_on_a_gpu() {
     }
     assert!(staging.chunk_buffer(5).is_err(), "out of order");
     drop(staging);
-    assert!(lock(&state.staging).len() >= slots_before);
+    assert!(lock(&state.basic.staging).len() >= slots_before);
     assert_eq!(state.allocator.stats().in_use, in_use_before);
 
     // Over the pinned cap: staged through the slots into a Vec.

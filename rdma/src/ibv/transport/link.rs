@@ -5,7 +5,7 @@
 //! directions with the connection's non-blocking calls: it posts the parts of queued frames
 //! while the peer's ring has credit, takes arrived messages while the agent's receive
 //! queue has room, and otherwise sleeps in [`IbvConnection::wait`] on the completion
-//! channel, a wake-up socket (the agent queued a frame, read one, or dropped a half) and
+//! connection, a wake-up socket (the agent queued a frame, read one, or dropped a half) and
 //! the TCP bootstrap connection. A large write therefore never stops reads.
 //!
 //! Ending, per direction: closing (or dropping) the sending half queues [`FIN`] after
@@ -234,8 +234,8 @@ impl Link {
     }
 }
 
-/// Starts the thread that drives `channel`, with `bootstrap` (the TCP connection the
-/// channel was set up over) kept open to see the peer go. `limits` bound what the
+/// Starts the thread that drives `connection`, with `bootstrap` (the TCP connection the
+/// connection was set up over) kept open to see the peer go. `limits` bound what the
 /// thread receives before the receivers check it (see [`ReceiveGate`]): at least as
 /// wide as any the receivers use.
 ///
@@ -243,7 +243,7 @@ impl Link {
 /// Creating the wake-up socket, making `bootstrap` non-blocking, or spawning the thread
 /// failed.
 pub fn start(
-    channel: IbvConnection,
+    connection: IbvConnection,
     bootstrap: TcpStream,
     peer: &str,
     limits: FrameLimits,
@@ -253,7 +253,7 @@ pub fn start(
     bootstrap.set_nonblocking(true)?;
     let link = Arc::new(Link::new()?);
     let mut driver = Driver {
-        channel,
+        connection,
         bootstrap,
         link: Arc::clone(&link),
         parts: VecDeque::new(),
@@ -279,16 +279,18 @@ pub fn start(
             // The queue pair goes (with the connection) before the bootstrap connection
             // closes, so the peer sees the end only once nothing is posted here.
             let Driver {
-                channel, bootstrap, ..
+                connection,
+                bootstrap,
+                ..
             } = driver;
-            drop(channel);
+            drop(connection);
             drop(bootstrap);
         })?;
     Ok(link)
 }
 
 struct Driver {
-    channel: IbvConnection,
+    connection: IbvConnection,
     bootstrap: TcpStream,
     link: Arc<Link>,
     /// The rest of the frame being sent.
@@ -313,7 +315,7 @@ impl Driver {
             // keeps the socket readable, so `wait` returns at once.
             self.link.drain_wakeups();
             if self.link.abort_requested.swap(false, Ordering::SeqCst) {
-                self.channel
+                self.connection
                     .abort()
                     .map_err(|e| LinkError::Abort(Arc::new(e)))?;
             }
@@ -346,7 +348,7 @@ impl Driver {
             if let Some(posted) = self.fin_posted {
                 if !self.sent_done && posted.elapsed() >= LINGER {
                     return Err(LinkError::Linger {
-                        in_flight: self.channel.large_in_flight(),
+                        in_flight: self.connection.large_in_flight(),
                     });
                 }
             }
@@ -365,9 +367,9 @@ impl Driver {
             // An idle link wakes now and then to say what it waits for.
             let timeout = timeout.unwrap_or(IDLE_REPORT);
             let waited = if self.bootstrap_ended.is_some() {
-                self.channel.wait(&[wake], Some(timeout))
+                self.connection.wait(&[wake], Some(timeout))
             } else {
-                self.channel
+                self.connection
                     .wait(&[wake, self.bootstrap.as_fd()], Some(timeout))
             };
             waited.map_err(|e| LinkError::Wait(Arc::new(e)))?;
@@ -379,7 +381,7 @@ impl Driver {
                     fin_posted = self.fin_posted.is_some(),
                     sent_done = self.sent_done,
                     fin_received = self.fin_received,
-                    channel = ?self.channel,
+                    connection = ?self.connection,
                     "an ibv link is idle"
                 );
             }
@@ -402,7 +404,7 @@ impl Driver {
                     }
                     None if closed && self.fin_posted.is_none() => {
                         match self
-                            .channel
+                            .connection
                             .try_send_owned(Arc::new(FIN.to_vec()))
                             .map_err(|e| LinkError::Send(Arc::new(e)))?
                         {
@@ -421,7 +423,7 @@ impl Driver {
                 break;
             };
             match self
-                .channel
+                .connection
                 .try_send_owned(part)
                 .map_err(|e| LinkError::Send(Arc::new(e)))?
             {
@@ -441,8 +443,8 @@ impl Driver {
     fn note_sent_done(&mut self) {
         if self.fin_posted.is_some()
             && !self.sent_done
-            && self.channel.sends_in_flight() == 0
-            && self.channel.large_in_flight() == 0
+            && self.connection.sends_in_flight() == 0
+            && self.connection.large_in_flight() == 0
         {
             self.sent_done = true;
             // Best effort: without it the peer fails its pipe instead of ending it.
@@ -463,7 +465,7 @@ impl Driver {
                 break;
             }
             let received = self
-                .channel
+                .connection
                 .try_recv_within(self.gate.next_limit())
                 .map_err(|e| LinkError::Receive {
                     expecting: matches!(e, ConnectionError::BadDescriptor { .. })

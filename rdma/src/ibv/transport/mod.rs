@@ -36,7 +36,7 @@
 //!   hands to the agent). A link allocates for a message no more than the frame limits
 //!   allow a first message, or, for a part, than its frame's checked header announced
 //!   ([`framing::ReceiveGate`]).
-//! - **Threads** ([`link`]): each connection's channel is driven by one thread, which
+//! - **Threads** ([`link`]): each pipe's verbs connection is driven by one thread, which
 //!   also owns every buffer posted to the NIC until the peer has read it; errors carry
 //!   the verb or the work completion's status (`IBV_WC_RETRY_EXC_ERR`, ...). A failed
 //!   link fails the pipe, and the agent re-creates it on the next call, as for tcp.
@@ -61,7 +61,7 @@ use std::time::Duration;
 use rdzv_core::negotiate::TransportKind;
 use rdzv_core::rpc::frame::FrameLimits;
 use rdzv_uring::rpc::transport::{
-    not_listening, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, Listening,
+    accept_next, Connection, Control, FrameReceiver, FrameSender, IncomingFrame, Listening,
     LocalBoxFuture, OwnedFrame, Transport, TransportPlugin, TryRecv,
 };
 use rdzv_uring::rpc::TransportError;
@@ -255,9 +255,9 @@ fn establish(
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(SETUP_TIMEOUT))?;
     stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
-    let channel = IbvConnection::connect(selection, &mut stream, options)
+    let connection = IbvConnection::connect(selection, &mut stream, options)
         .map_err(|e| io::Error::other(ErrorChain(&e).to_string()))?;
-    link::start(channel, stream, peer, RECEIVE_LIMITS)
+    link::start(connection, stream, peer, RECEIVE_LIMITS)
 }
 
 impl Transport for IbvTransport {
@@ -293,17 +293,8 @@ impl Transport for IbvTransport {
 
     fn accept(&self) -> LocalBoxFuture<'_, Result<Connection, TransportError>> {
         Box::pin(async move {
-            let Some(listening) = &self.listening else {
-                return Err(not_listening("ibv"));
-            };
-            match listening.next().await {
-                Some(Ok((link, peer))) => Ok(connection(link, peer)),
-                Some(Err(source)) => Err(TransportError::Accept {
-                    address: listening.address().to_string(),
-                    source,
-                }),
-                None => Err(listening.closed()),
-            }
+            let (link, peer) = accept_next(self.listening.as_ref(), "ibv", |e| e).await?;
+            Ok(connection(link, peer))
         })
     }
 

@@ -4,6 +4,7 @@
 //! schedules are [`crate::cuda::agent::basic::chunk_plan`]'s; this file is their driver half.
 
 pub mod chunk_plan;
+pub(super) mod state;
 
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use super::tensor_memory::CudaMemory;
 use super::{lock, Cause};
 use crate::cuda::caching_allocator::CachedBlock;
 use crate::cuda::error::CudaChannelError;
-use crate::cuda::memory::{DeviceRange, StagingBuffer};
+use crate::cuda::memory::{CudaCallError, DeviceRange, StagingBuffer};
 use crate::error_chain::ErrorChain;
 use chunk_plan::{ChunkPlan, ChunkedStageIn, StageInError, StagingCopies};
 
@@ -47,9 +48,9 @@ impl DeviceState {
         len: usize,
     ) -> Result<Box<dyn StagedReceive>, Cause> {
         let memory = self.alloc(len)?;
-        let plan = ChunkPlan::new(len, self.chunk, self.buffers);
+        let plan = ChunkPlan::new(len, self.basic.chunk, self.basic.buffers);
         let slots = self.take_slots(plan.buffers_used())?;
-        let chunk = self.chunk;
+        let chunk = self.basic.chunk;
         let device = self.device;
         Ok(Box::new(DriverStageIn {
             device,
@@ -68,12 +69,12 @@ impl DeviceState {
     /// `count` staging slots (made now if the pool has fewer idle).
     fn take_slots(&self, count: usize) -> Result<Vec<StagingBuffer>, CudaChannelError> {
         let mut slots: Vec<StagingBuffer> = {
-            let mut idle = lock(&self.staging);
+            let mut idle = lock(&self.basic.staging);
             let keep = idle.len().saturating_sub(count);
             idle.split_off(keep)
         };
         while slots.len() < count {
-            slots.push(StagingBuffer::new(&self.gpu, self.chunk)?);
+            slots.push(StagingBuffer::new(&self.gpu, self.basic.chunk)?);
         }
         Ok(slots)
     }
@@ -81,21 +82,23 @@ impl DeviceState {
     /// One staging slot (from the pool, or made now).
     pub(super) fn take_slot(&self) -> Result<StagingBuffer, CudaChannelError> {
         let mut slots = self.take_slots(1)?;
-        slots.pop().ok_or(CudaChannelError::InvalidPool {
-            slots: 0,
-            slot_len: self.chunk,
-        })
+        slots
+            .pop()
+            .ok_or(CudaChannelError::Call(CudaCallError::InvalidPool {
+                slots: 0,
+                slot_len: self.basic.chunk,
+            }))
     }
 
     /// Puts slots back (their copies were waited for).
     pub(super) fn give_back(&self, slots: Vec<StagingBuffer>) {
-        lock(&self.staging).extend(slots);
+        lock(&self.basic.staging).extend(slots);
     }
 
     /// Copies `src` (this device's) into host memory through the pinned slots: the
     /// device-to-host copy of chunk k+1 runs while the host copies chunk k out.
     fn stage_out(&self, src: DeviceRange<'_>) -> Result<Vec<u8>, CudaChannelError> {
-        let plan = ChunkPlan::new(src.len(), self.chunk, self.buffers);
+        let plan = ChunkPlan::new(src.len(), self.basic.chunk, self.basic.buffers);
         let mut out = Vec::with_capacity(src.len());
         if plan.chunks() == 0 {
             return Ok(out);
@@ -127,7 +130,7 @@ impl DeviceState {
         if src.is_empty() {
             return Ok(None);
         }
-        let mut block = match self.pinned.allocate(src.len()) {
+        let mut block = match self.basic.pinned.allocate(src.len()) {
             Ok(block) => block,
             Err(e) => {
                 tracing::debug!(
@@ -165,12 +168,12 @@ impl DeviceState {
     /// slots: the host copy of chunk k+1 runs while chunk k goes host to device.
     fn stage_in(&self, dst: DeviceRange<'_>, bytes: &[u8]) -> Result<(), CudaChannelError> {
         if dst.len() != bytes.len() {
-            return Err(CudaChannelError::LengthMismatch {
+            return Err(CudaChannelError::Call(CudaCallError::LengthMismatch {
                 sent: bytes.len() as u64,
                 expected: dst.len() as u64,
-            });
+            }));
         }
-        let plan = ChunkPlan::new(bytes.len(), self.chunk, self.buffers);
+        let plan = ChunkPlan::new(bytes.len(), self.basic.chunk, self.basic.buffers);
         if plan.chunks() == 0 {
             return Ok(());
         }
@@ -274,11 +277,17 @@ impl StagingCopies for DriverStaging<'_, '_> {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        self.slots
-            .get_mut(buffer)
-            .and_then(StagingBuffer::bytes_mut)
-            .unwrap_or_default()
+        slot_bytes(&mut self.slots[..], buffer)
     }
+}
+
+/// The bytes of staging slot `buffer` (empty for a slot that does not exist or whose
+/// copy is still running: the plan never asks for either).
+fn slot_bytes(slots: &mut [StagingBuffer], buffer: usize) -> &mut [u8] {
+    slots
+        .get_mut(buffer)
+        .and_then(StagingBuffer::bytes_mut)
+        .unwrap_or_default()
 }
 
 /// A tensor staged out into a pinned block: the bytes the CPU channel reads. Dropping
@@ -346,10 +355,7 @@ impl StagingCopies for OwnedStaging {
     }
 
     fn buffer(&mut self, buffer: usize) -> &mut [u8] {
-        self.slots
-            .get_mut(buffer)
-            .and_then(StagingBuffer::bytes_mut)
-            .unwrap_or_default()
+        slot_bytes(&mut self.slots[..], buffer)
     }
 }
 

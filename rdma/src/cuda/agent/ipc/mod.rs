@@ -13,6 +13,7 @@
 //! and an event of this process, which is waited for before the tensor is handed over.
 
 pub mod mappings;
+pub(super) mod state;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -50,12 +51,12 @@ impl DeviceState {
                 }
             }
         }
-        lock(&self.loan_events).extend(made);
+        lock(&self.ipc.loan_events).extend(made);
     }
 
     /// An idle loan event, made now if the pool has none.
     fn take_loan_event(&self) -> Result<LoanEvent, CudaChannelError> {
-        if let Some(event) = lock(&self.loan_events).pop() {
+        if let Some(event) = lock(&self.ipc.loan_events).pop() {
             return Ok(event);
         }
         // CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, as an exported event needs.
@@ -116,7 +117,7 @@ impl Drop for IpcLoan {
             return;
         };
         match loan_events::settle_loan(&event.event) {
-            Ok(()) => lock(&self.state.loan_events).push(event),
+            Ok(()) => lock(&self.state.ipc.loan_events).push(event),
             Err(e) => leak_unsettled(&mut self.memory, self.state.device, "cuda_ipc", &e),
         }
     }
@@ -151,8 +152,9 @@ pub(super) fn borrow(
                 device: how.target,
                 base,
             };
-            let mapping = lock(&state.mappings).get(key(lent.base), &lent.handle)?;
-            let event = lock(&state.opened_events).get(key(event_key(&lent.event)), &lent.event)?;
+            let mapping = lock(&state.ipc.mappings).get(key(lent.base), &lent.handle)?;
+            let event =
+                lock(&state.ipc.opened_events).get(key(event_key(&lent.event)), &lent.event)?;
             copy(&mapping, &event)
         }
         None => {

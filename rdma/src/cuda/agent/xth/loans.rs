@@ -433,10 +433,12 @@ mod tests {
             let (loans, loan) = (Arc::clone(&loans), Arc::clone(&loan));
             std::thread::spawn(move || loans.end(KEY, &loan, Duration::from_secs(30)).is_ok())
         };
-        // The release waits for the borrower, then for its copy's event.
+        // The release waits for the borrower, then for its copy's event (done before the
+        // borrower says so: `Flag` does not block, so a flag set after `copied` would race
+        // the releasing thread's wait).
         let done = Arc::new(Flag::default());
-        claimed.copied(Some(Arc::clone(&done)));
         done.0.store(true, Ordering::Release);
+        claimed.copied(Some(Arc::clone(&done)));
         assert!(ending.join().unwrap_or(false), "the release failed");
 
         // A borrower that never says: the release gives up, and the memory is leaked.

@@ -1,7 +1,7 @@
 //! `cuda_gdr` in the CUDA runtime of the agent: device memory lent over GPUDirect RDMA.
 //!
 //! The lender registers the tensor's allocation with the NIC
-//! ([`GdrRegistrar`](super::gdr::GdrRegistrar)) in the verbs domain of its
+//! ([`GdrRegistrar`](crate::cuda::gdr::GdrRegistrar)) in the verbs domain of its
 //! [`LendingEndpoint`], and the descriptor (`rdzv_core::channel::cuda::CudaGdrDescriptor`)
 //! tells the peer the endpoint's address, the device address, the rkey and the length. The
 //! borrower allocates memory on its target device, registers it in its own domain and
@@ -9,10 +9,13 @@
 //! device memory to device memory, without either host's memory or CPU in the data path.
 //! The data path itself is [`crate::ibv::lending`], tested with host memory on Soft-RoCE.
 //!
-//! This module holds what the runtime needs around it, in small pieces: whether to offer
-//! the channel ([`gdr_offer`]), which address peers reach the endpoint at
-//! ([`advertised_ip`]), the node (endpoint and borrower, [`GdrNode`]) and the registered
-//! device memory a read lands in ([`GdrTarget`]). None of it has run against a GPU and
+//! This module holds all of `cuda_gdr` in the runtime: whether to offer the channel
+//! ([`gdr_offer`]), which address peers reach the endpoint at ([`advertised_ip`]), the
+//! node (endpoint and borrower, [`GdrNode`]), the registered device memory a read lands
+//! in ([`GdrTarget`]), the channel's state in the runtime ([`GdrState`]: the offer, the
+//! node started on first use, a registrar per device) and its two sides ([`lend`],
+//! [`borrow`]). Registering device memory with a NIC is [`crate::cuda::gdr`]'s (the
+//! probe's viability uses it too). None of it has run against a GPU and
 //! NIC (none on the development hosts): the decisions are unit-tested, the rest compiles.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -21,15 +24,23 @@ use std::sync::Arc;
 use rdzv_core::channel::cuda::CudaGdrDescriptor;
 use rdzv_core::channel::ProcessIdentity;
 
-use super::agent::CudaMemory;
-use super::gdr::{GdrError, GdrRegistration};
-use super::memory::{CoveredDeviceMemory, DeviceRange};
-use super::viability::{ChannelVerdict, CudaChannel, LendingRefused};
+use std::sync::Mutex;
+
+use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, DeviceMemory as _};
+
+use super::device::DeviceState;
+use super::{lock, Cause, CudaMemory};
+use crate::cuda::gdr::{GdrError, GdrPath, GdrRegistrar, GdrRegistration};
+use crate::cuda::memory::{CoveredDeviceMemory, DeviceAllocation, DeviceRange};
+use crate::cuda::viability::{ChannelVerdict, CudaChannel, LendingRefused};
+use crate::cuda::PeerMemory;
+use crate::error_chain::ErrorChain;
 use crate::ibv::connection::{ConnectionError, VerbsDomain};
 use crate::ibv::lending::{Borrower, LendingEndpoint, LendingError, LendingOptions, ReadTarget};
 use crate::ibv::sys::AccessFlags;
 use crate::ibv::topology::Gid;
 use crate::ibv::IbvSelection;
+use crate::ibv::IbvViability;
 use crate::sys::cuda::{DeviceRegistration, OwnedDeviceMemory};
 
 /// Why `cuda_gdr` could not start, or a loan over it could not be read.
@@ -111,7 +122,7 @@ pub fn gdr_offer(
         }),
         None => Err(LendingRefused::NotAssessed { channel }),
         Some(ChannelVerdict::Viable(_)) => match process_known {
-            Ok(()) => Ok(super::descriptor::GDR_DESCRIPTOR.to_owned()),
+            Ok(()) => Ok(crate::cuda::descriptor::GDR_DESCRIPTOR.to_owned()),
             Err(e) => Err(LendingRefused::Unidentified {
                 channel,
                 reason: e.to_owned(),
@@ -307,6 +318,156 @@ impl CoveredDeviceMemory<Arc<GdrRegistration>, CudaMemory> {
         drop(registration);
         memory
     }
+}
+
+/// What the runtime keeps for `cuda_gdr`: its offer, the probe's registration path per
+/// device, the GDR node (started on first use) and one registrar per device.
+#[derive(Debug)]
+pub(super) struct GdrState {
+    /// `cuda_gdr`'s domain descriptor, or why it cannot run.
+    pub(super) offer: Result<String, LendingRefused>,
+    /// Each device's registration path (from the probe), by ordinal.
+    paths: Vec<GdrPath>,
+    peer_memory: PeerMemory,
+    node: Mutex<Option<Arc<GdrNode>>>,
+    registrars: Mutex<Vec<Option<GdrRegistrar>>>,
+}
+
+impl GdrState {
+    /// The state for `count` devices: offered per `verdict` (the probe's) when the
+    /// process is known.
+    pub(super) fn new(
+        verdict: Option<&ChannelVerdict>,
+        process_known: Result<(), &str>,
+        peer_memory: PeerMemory,
+        count: usize,
+    ) -> GdrState {
+        let paths = match verdict {
+            Some(ChannelVerdict::Viable(paths)) => paths.clone(),
+            _ => Vec::new(),
+        };
+        GdrState {
+            offer: gdr_offer(verdict, process_known),
+            paths,
+            peer_memory,
+            node: Mutex::new(None),
+            registrars: Mutex::new((0..count).map(|_| None).collect()),
+        }
+    }
+
+    /// The GDR node, started now if this is the first use; only when `cuda_gdr` is
+    /// offered.
+    fn node(&self) -> Result<Arc<GdrNode>, Cause> {
+        self.offer
+            .as_ref()
+            .map_err(|refused| Cause::from(refused.clone()))?;
+        let mut node = lock(&self.node);
+        if let Some(node) = node.as_ref() {
+            return Ok(Arc::clone(node));
+        }
+        let selection = match crate::ibv::probe_env() {
+            IbvViability::Viable(selection) => selection,
+            IbvViability::NotViable(reason) => {
+                return Err(
+                    format!("cuda_gdr: no usable RDMA device: {}", ErrorChain(&reason)).into(),
+                )
+            }
+        };
+        let configured = std::env::var(ENV_GDR_ADDR).ok();
+        let advertised = advertised_ip(configured.as_deref(), selection.gid)?;
+        let started = Arc::new(GdrNode::open(&selection, advertised)?);
+        tracing::info!(
+            endpoint = %started.advertised(),
+            device = %selection.device,
+            "cuda_gdr endpoint started"
+        );
+        *node = Some(Arc::clone(&started));
+        Ok(started)
+    }
+
+    /// A registration of the whole allocation `allocation` of device `ordinal` in the GDR
+    /// node's domain, held only by the caller (dropping it deregisters).
+    fn register(
+        &self,
+        node: &GdrNode,
+        ordinal: usize,
+        allocation: &DeviceAllocation,
+    ) -> Result<Arc<GdrRegistration>, Cause> {
+        let gpu = allocation.gpu().clone();
+        let path = *self.paths.get(ordinal).ok_or_else(|| {
+            format!("cuda_gdr: the probe found no registration path for CUDA device {ordinal}")
+        })?;
+        let mut registrars = lock(&self.registrars);
+        let slot = registrars
+            .get_mut(ordinal)
+            .ok_or_else(|| format!("cuda_gdr: no CUDA device {ordinal}"))?;
+        let registrar = slot.get_or_insert_with(|| {
+            GdrRegistrar::new(
+                Arc::clone(node.domain().pd()),
+                &gpu,
+                path,
+                &self.peer_memory,
+                gdr_access(),
+                1,
+            )
+        });
+        let registration = registrar.register(allocation.range()).map_err(Cause::from);
+        // Nothing stays cached: the caller's handle is the only one, so the registration
+        // ends with the loan (or the read), before the allocation can be freed.
+        registrar.forget_all();
+        registration
+    }
+}
+
+/// `cuda_gdr`'s lending side: registers `own`'s allocation (complete: the peer's NIC
+/// reads it once this returns) and describes it for the peer; the loan holds the
+/// registration and `memory` until the peer answered.
+pub(super) fn lend(
+    gdr: &GdrState,
+    process: ProcessIdentity,
+    memory: &DeviceBuffer,
+    own: &CudaMemory,
+) -> Result<DeviceLoan, Cause> {
+    let device = u32::from(own.device.index().unwrap_or(0));
+    let length = own.len as u64;
+    let node = gdr.node()?;
+    let address = own.range().ptr();
+    let registration = if length == 0 {
+        None
+    } else {
+        let ordinal = super::cuda_ordinal(own.device)?;
+        Some(gdr.register(&node, ordinal, own.allocation())?)
+    };
+    let rkey = registration.as_ref().map_or(0, |r| r.rkey());
+    let descriptor = node.descriptor(process, address, rkey, length, device);
+    // The registration goes before the memory (tuple fields drop in order); both live
+    // until the peer answered.
+    Ok(DeviceLoan {
+        descriptor,
+        hold: Box::new((registration, memory.clone())),
+    })
+}
+
+/// `cuda_gdr`'s borrowing side: `len` bytes lent as `descriptor`, read with one RDMA READ
+/// into fresh memory of `state` (device `ordinal`), registered in the node's domain.
+pub(super) fn borrow(
+    gdr: &GdrState,
+    state: &DeviceState,
+    ordinal: usize,
+    len: u64,
+    descriptor: &[u8],
+) -> Result<DeviceBuffer, Cause> {
+    let lent = check_descriptor(descriptor, len)?;
+    let len = usize::try_from(len).map_err(|_| format!("{len} bytes do not fit here"))?;
+    let memory = state.alloc(len)?;
+    if memory.is_empty() {
+        return Ok(DeviceBuffer::new(memory));
+    }
+    let node = gdr.node()?;
+    let registration = gdr.register(&node, ordinal, memory.allocation())?;
+    let target = GdrTarget::new(registration, memory)?;
+    let filled = node.read(&lent, target)?;
+    Ok(DeviceBuffer::new(filled.into_memory()))
 }
 
 #[cfg(test)]
