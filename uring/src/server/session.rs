@@ -131,13 +131,19 @@ impl Throttle {
 }
 
 /// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed. It never
-/// grows past `cap` (the per-connection budget), and grows fallibly.
+/// grows past `cap` (the per-connection budget), and grows fallibly. It also knows how
+/// many bytes the serve step still waits for, so that a loop asks the engine only when
+/// a request may be complete.
 pub(super) struct ReadBuf {
     buf: Vec<u8>,
     start: usize,
     /// End of the bytes read so far.
     pub(super) filled: usize,
     cap: usize,
+    /// Bytes received since the serve step last looked (compared to `needed`).
+    arrived: usize,
+    /// At least this many bytes must arrive before the next request is complete.
+    needed: usize,
 }
 
 impl ReadBuf {
@@ -147,7 +153,30 @@ impl ReadBuf {
             start: 0,
             filled: 0,
             cap: cap.max(1),
+            arrived: 0,
+            needed: 1,
         }
+    }
+
+    /// `n` bytes were received into [`ReadBuf::spare`]: whether the next request may be
+    /// complete now (serve it); if not, room is made for more (growing the buffer when
+    /// one request is larger than it).
+    pub(super) fn received(&mut self, n: usize) -> bool {
+        self.filled = self.filled.saturating_add(n).min(self.buf.len());
+        self.arrived = self.arrived.saturating_add(n);
+        if self.arrived >= self.needed {
+            return true;
+        }
+        self.consume(0);
+        false
+    }
+
+    /// The serve step used `served.used` bytes and needs `served.needed` more before
+    /// the next request is complete.
+    pub(super) fn served(&mut self, served: &Served) {
+        self.consume(served.used);
+        self.arrived = 0;
+        self.needed = served.needed.max(1);
     }
 
     pub(super) fn pending(&self) -> &[u8] {
@@ -246,7 +275,7 @@ mod tests {
                 let spare = input.spare();
                 let n = spare.len().min(rest.len());
                 spare[..n].copy_from_slice(&rest[..n]);
-                input.filled += n;
+                input.received(n);
                 rest = &rest[n..];
                 let served = serve_input(
                     None,
@@ -261,7 +290,7 @@ mod tests {
                     &mut warnings,
                 );
                 assert!(!served.close, "the connection was closed");
-                input.consume(served.used);
+                input.served(&served);
                 calls += 1;
             }
         }
