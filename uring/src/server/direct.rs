@@ -48,7 +48,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Throttle};
+use super::session::{ReadBuf, Throttle, LIGHT_OUT, ROUND_OUT};
 use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
@@ -208,6 +208,11 @@ struct Conn {
     session: Session,
     /// The serve step said `Blocked`: serve again (before receiving) once drained.
     blocked: bool,
+    /// In the loop's `again` list: its received requests wait for the next batch (the
+    /// batch's reply cap), and no receive is queued until they are served.
+    deferred: bool,
+    /// Its last turn produced less than [`LIGHT_OUT`]: not deferred by the batch's cap.
+    light: bool,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
 }
@@ -319,6 +324,10 @@ struct Server {
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
+    /// Reply bytes this batch produced (compared to [`ROUND_OUT`]).
+    round_out: usize,
+    /// Connections whose requests wait for the next batch, in the order they were put off.
+    again: Vec<usize>,
     /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
     /// requests are served at.
     now_ms: u64,
@@ -358,6 +367,8 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
+        round_out: 0,
+        again: Vec::new(),
         now_ms: 0,
     };
     if let Err(error) = server.run(stop, drain) {
@@ -382,14 +393,19 @@ impl Server {
             }
             self.poll_wakes();
             self.maybe_accept();
-            let spinning = busy_until.is_some_and(|until| Instant::now() < until);
+            // Requests put off by the last batch's cap: look for completions without
+            // sleeping, then serve them.
+            let spinning =
+                !self.again.is_empty() || busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
             self.now_ms = self.shared.now_ms(Instant::now());
+            self.round_out = 0;
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
                 }
             }
+            self.serve_put_off();
             self.service_dirty();
         }
     }
@@ -484,6 +500,8 @@ impl Server {
                 writing: Writing::Idle(Outgoing::default()),
                 session,
                 blocked: false,
+                deferred: false,
+                light: false,
                 out: Vec::new(),
             });
             self.live += 1;
@@ -539,7 +557,47 @@ impl Server {
         let complete = input.received(n);
         conn.reading = Reading::Idle(input);
         if complete {
+            self.serve_in_round(slot);
+        }
+    }
+
+    /// Serves a connection's requests in this batch, or puts them off to the next one
+    /// when the batch has produced [`ROUND_OUT`] reply bytes and the connection is not
+    /// light: a burst of large GETs does not hold up a small request.
+    fn serve_in_round(&mut self, slot: usize) {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            return;
+        };
+        if self.round_out >= ROUND_OUT && !conn.light {
+            if !conn.deferred {
+                conn.deferred = true;
+                self.again.push(slot);
+            }
+        } else {
             self.serve_input(slot);
+        }
+    }
+
+    /// Serves the connections the last batch put off (those still open), in order,
+    /// until this batch's cap puts the rest off again.
+    fn serve_put_off(&mut self) {
+        if self.again.is_empty() {
+            return;
+        }
+        let mut put_off = std::mem::take(&mut self.again);
+        for slot in put_off.drain(..) {
+            let Some(Some(conn)) = self.conns.get_mut(slot) else {
+                continue;
+            };
+            conn.deferred = false;
+            self.dirty.push(slot);
+            if conn.phase == Phase::Open && !conn.blocked {
+                self.serve_in_round(slot);
+            }
+        }
+        if self.again.is_empty() {
+            // Keep the list's room for the next burst.
+            self.again = put_off;
         }
     }
 
@@ -564,6 +622,7 @@ impl Server {
             return;
         };
         let mut wakes = std::mem::take(wakes);
+        let before = conn.out.len();
         let served = shared_engine::serve_turn(
             shared,
             *index,
@@ -580,6 +639,9 @@ impl Server {
             *now_ms,
         );
         conn.blocked = served.blocked;
+        let produced = conn.out.len().saturating_sub(before);
+        conn.light = produced < LIGHT_OUT && !served.blocked;
+        self.round_out = self.round_out.saturating_add(produced);
         self.deliver(&mut wakes);
         self.wakes = wakes;
         if served.close {
@@ -689,20 +751,21 @@ impl Server {
                 // Drained below the mark: serve what was received before reading more
                 // (this pushes the slot again, and is looked at once more).
                 conn.blocked = false;
-                self.serve_input(slot);
+                self.serve_in_round(slot);
                 self.dirty.push(slot);
                 continue;
             }
             let full = matches!(&conn.reading, Reading::Idle(input) if input.is_full());
             if conn.phase == Phase::Open
                 && !conn.blocked
+                && !conn.deferred
                 && !full
                 && conn.owed() <= self.budget.out_high_water
             {
                 if let Some(input) = conn.reading.take_idle() {
                     conn.reading = Reading::InFlight(self.ring.recv(&conn.fd, input, slot));
                 }
-            } else if conn.phase == Phase::Open && full && !conn.blocked {
+            } else if conn.phase == Phase::Open && full && !conn.blocked && !conn.deferred {
                 // Unreachable while the serve step bounds requests by the buffer's cap
                 // (only a refused allocation gets here): the request cannot complete.
                 self.close(slot, Close::Flush);

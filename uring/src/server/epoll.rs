@@ -47,7 +47,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Throttle};
+use super::session::{ReadBuf, Throttle, LIGHT_OUT, ROUND_OUT};
 use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
 use super::StatsCells;
 
@@ -60,15 +60,6 @@ const TICK: Duration = Duration::from_millis(50);
 /// A connection that owes more than this is written at once rather than at the end of
 /// the round, and yields its turn to the others after that write.
 const EAGER_WRITE: usize = 256 << 10;
-/// Reply bytes a round produces before the connections not yet served wait for the next
-/// round (after a fresh look for events): a burst of clients asking for large values
-/// does not hold up a small request for the time it takes to copy all their replies.
-const ROUND_OUT: usize = 4 << 20;
-/// A connection whose last turn produced less than this (and owes nothing) is light:
-/// the round's cap does not defer it, so that a small request is not queued behind a
-/// burst of clients asking for large values. A light connection can overshoot the cap
-/// by one turn (the mark plus one bounded reply), after which it is no longer light.
-const LIGHT_OUT: usize = 64 << 10;
 /// Connections accepted per round: an accept storm is taken in slices, with the ready
 /// connections served between them.
 const ACCEPTS_PER_ROUND: usize = 64;

@@ -13,6 +13,18 @@ use rdzv_core::store::session::{self as step, Session, Step};
 
 use super::metrics::Metrics;
 
+/// Reply bytes one round of a loop (an epoll wait's events, an io_uring batch of
+/// completions) produces before the connections not yet served wait for the next round
+/// (after a fresh look for events): a burst of clients asking for large values does not
+/// hold up a small request for the time it takes to copy all their replies.
+pub(super) const ROUND_OUT: usize = 4 << 20;
+
+/// A connection whose last turn produced less than this (and owes nothing) is light:
+/// the round's cap does not defer it, so that a small request is not queued behind a
+/// burst of clients asking for large values. A light connection can overshoot the cap
+/// by one turn (the mark plus one bounded reply), after which it is no longer light.
+pub(super) const LIGHT_OUT: usize = 64 << 10;
+
 /// What [`serve_input`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Served {
