@@ -48,7 +48,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Throttle, LIGHT_OUT, ROUND_OUT};
+use super::session::{ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
@@ -211,7 +211,7 @@ struct Conn {
     /// In the loop's `again` list: its received requests wait for the next batch (the
     /// batch's reply cap), and no receive is queued until they are served.
     deferred: bool,
-    /// Its last turn produced less than [`LIGHT_OUT`]: not deferred by the batch's cap.
+    /// Its last turn produced little (`Round::count`): not deferred by the batch's cap.
     light: bool,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
@@ -324,8 +324,8 @@ struct Server {
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
-    /// Reply bytes this batch produced (compared to [`ROUND_OUT`]).
-    round_out: usize,
+    /// Reply bytes this batch produced, against the cap.
+    round: Round,
     /// Connections whose requests wait for the next batch, in the order they were put off.
     again: Vec<usize>,
     /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
@@ -367,7 +367,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
-        round_out: 0,
+        round: Round::default(),
         again: Vec::new(),
         now_ms: 0,
     };
@@ -399,7 +399,7 @@ impl Server {
                 !self.again.is_empty() || busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
             self.now_ms = self.shared.now_ms(Instant::now());
-            self.round_out = 0;
+            self.round.begin();
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
@@ -562,13 +562,13 @@ impl Server {
     }
 
     /// Serves a connection's requests in this batch, or puts them off to the next one
-    /// when the batch has produced [`ROUND_OUT`] reply bytes and the connection is not
+    /// when the batch has produced its share of reply bytes and the connection is not
     /// light: a burst of large GETs does not hold up a small request.
     fn serve_in_round(&mut self, slot: usize) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        if self.round_out >= ROUND_OUT && !conn.light {
+        if self.round.defers(conn.light) {
             if !conn.deferred {
                 conn.deferred = true;
                 self.again.push(slot);
@@ -622,7 +622,6 @@ impl Server {
             return;
         };
         let mut wakes = std::mem::take(wakes);
-        let before = conn.out.len();
         let served = shared_engine::serve_turn(
             shared,
             *index,
@@ -639,9 +638,7 @@ impl Server {
             *now_ms,
         );
         conn.blocked = served.blocked;
-        let produced = conn.out.len().saturating_sub(before);
-        conn.light = produced < LIGHT_OUT && !served.blocked;
-        self.round_out = self.round_out.saturating_add(produced);
+        conn.light = self.round.count(&served);
         self.deliver(&mut wakes);
         self.wakes = wakes;
         if served.close {

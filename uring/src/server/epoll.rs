@@ -11,8 +11,8 @@
 //!
 //! A round serves every ready connection (reads and requests), then writes every reply
 //! it produced: the peers get one burst per round, as one io_uring submission gives them,
-//! instead of being woken between two reads. Once a round has produced [`ROUND_OUT`]
-//! reply bytes, the connections not yet served wait for the next round, except light
+//! instead of being woken between two reads. Once a round has produced its share of
+//! reply bytes (`session::Round`, shared with io_uring), the connections not yet served wait for the next round, except light
 //! ones (whose last turn was small): a good client is not queued behind a burst of
 //! large GETs. Accepts are taken [`ACCEPTS_PER_ROUND`] at a time.
 //!
@@ -47,7 +47,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Throttle, LIGHT_OUT, ROUND_OUT};
+use super::session::{ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
 use super::StatsCells;
 
@@ -117,7 +117,7 @@ struct Conn {
     blocked: bool,
     /// In the loop's `again` list (at most once).
     deferred: bool,
-    /// Its last turn produced less than [`LIGHT_OUT`]: not deferred by the round's cap.
+    /// Its last turn produced little (`Round::count`): not deferred by the round's cap.
     /// False for a new connection until it has been served once.
     light: bool,
     /// Bytes owed; `out[sent..]` is not written yet.
@@ -156,8 +156,8 @@ struct Loop {
     dirty: Vec<usize>,
     /// Slots that yielded with more to do, in the order they yielded.
     again: Vec<usize>,
-    /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
-    round_out: usize,
+    /// Reply bytes produced this round, against the cap.
+    round: Round,
     /// When this round began (before its wait), in the engine's milliseconds: the `now`
     /// its requests are served at.
     now_ms: u64,
@@ -226,7 +226,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
-        round_out: 0,
+        round: Round::default(),
         now_ms: 0,
         flush: Vec::new(),
         wakes: Vec::new(),
@@ -306,9 +306,9 @@ impl Loop {
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
             // being woken between two reads. Fresh events first, then those that
-            // yielded, until the round has produced `ROUND_OUT` bytes; the rest wait a
+            // yielded, until the round has produced its share of bytes; the rest wait a
             // round.
-            self.round_out = 0;
+            self.round.begin();
             while let Some(slot) = self.dirty.pop() {
                 self.service_in_round(slot);
             }
@@ -424,7 +424,7 @@ impl Loop {
     fn service_in_round(&mut self, slot: usize) {
         let light =
             matches!(self.conns.get(slot), Some(Some(conn)) if conn.light && conn.unsent() == 0);
-        if self.round_out >= ROUND_OUT && !light {
+        if self.round.defers(light) {
             self.defer(slot);
         } else {
             self.service(slot, Writes::Defer);
@@ -479,13 +479,13 @@ impl Loop {
             if eager && conn.phase == Phase::Open {
                 if let Some(before) = produced_before {
                     // This turn built a large reply: let the others have theirs.
-                    if self.round_out > before {
+                    if self.round.produced() > before {
                         let more = conn.readable || conn.blocked;
                         return if more { Next::Again } else { Next::Wait };
                     }
                 }
             }
-            produced_before.get_or_insert(self.round_out);
+            produced_before.get_or_insert(self.round.produced());
             if conn.phase == Phase::Flushing {
                 if conn.unsent() > 0 {
                     return Next::Wait;
@@ -561,7 +561,6 @@ impl Loop {
         };
         let mut wakes = std::mem::take(wakes);
         let owed = conn.unsent();
-        let before = conn.out.len();
         let served = shared_engine::serve_turn(
             shared,
             *index,
@@ -578,9 +577,7 @@ impl Loop {
             *now_ms,
         );
         conn.blocked = served.blocked;
-        let produced = conn.out.len().saturating_sub(before);
-        conn.light = produced < LIGHT_OUT && !served.blocked;
-        self.round_out = self.round_out.saturating_add(produced);
+        conn.light = self.round.count(&served);
         self.deliver(&mut wakes);
         self.wakes = wakes;
         if served.close {

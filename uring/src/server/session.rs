@@ -17,13 +17,44 @@ use super::metrics::Metrics;
 /// completions) produces before the connections not yet served wait for the next round
 /// (after a fresh look for events): a burst of clients asking for large values does not
 /// hold up a small request for the time it takes to copy all their replies.
-pub(super) const ROUND_OUT: usize = 4 << 20;
+const ROUND_OUT: usize = 4 << 20;
 
 /// A connection whose last turn produced less than this (and owes nothing) is light:
 /// the round's cap does not defer it, so that a small request is not queued behind a
 /// burst of clients asking for large values. A light connection can overshoot the cap
 /// by one turn (the mark plus one bounded reply), after which it is no longer light.
-pub(super) const LIGHT_OUT: usize = 64 << 10;
+const LIGHT_OUT: usize = 64 << 10;
+
+/// What one round of a loop has produced, against [`ROUND_OUT`]; and which connections
+/// are light.
+#[derive(Debug, Default)]
+pub(super) struct Round {
+    out: usize,
+}
+
+impl Round {
+    /// A new round: nothing produced yet.
+    pub(super) fn begin(&mut self) {
+        self.out = 0;
+    }
+
+    /// Reply bytes produced this round.
+    pub(super) fn produced(&self) -> usize {
+        self.out
+    }
+
+    /// Whether a connection waits for the next round: the round has produced its share
+    /// and the connection is not light.
+    pub(super) fn defers(&self, light: bool) -> bool {
+        self.out >= ROUND_OUT && !light
+    }
+
+    /// Counts a turn; returns whether its connection is light now.
+    pub(super) fn count(&mut self, served: &Served) -> bool {
+        self.out = self.out.saturating_add(served.produced);
+        served.produced < LIGHT_OUT && !served.blocked
+    }
+}
 
 /// What [`serve_input`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +69,8 @@ pub(super) struct Served {
     /// The connection owes more than its high-water mark: no more of its requests are
     /// served (and none read) until the peer has read some; then call again.
     pub(super) blocked: bool,
+    /// Bytes this turn added to the connection's output (replies, its wake-ups).
+    pub(super) produced: usize,
 }
 
 /// Runs the core serve step over every whole request at the start of `pending` until it
@@ -65,7 +98,7 @@ pub(super) fn serve_input(
 ) -> Served {
     let mut used = 0;
     let base = out.len();
-    let served = loop {
+    let mut served = loop {
         let owing = owed.saturating_add(out.len() - base);
         let started = metrics.map(|_| Instant::now());
         match session.serve(engine, &pending[used..], owing, out, wakes, now_ms) {
@@ -82,6 +115,7 @@ pub(super) fn serve_input(
                     close: false,
                     needed,
                     blocked: false,
+                    produced: 0,
                 }
             }
             Step::Blocked => {
@@ -90,6 +124,7 @@ pub(super) fn serve_input(
                     close: false,
                     needed: 0,
                     blocked: true,
+                    produced: 0,
                 }
             }
             Step::Close(refusal) => {
@@ -104,6 +139,7 @@ pub(super) fn serve_input(
                     close: true,
                     needed: 0,
                     blocked: false,
+                    produced: 0,
                 };
             }
         }
@@ -111,6 +147,7 @@ pub(super) fn serve_input(
     if let Some(metrics) = metrics {
         metrics.publish(engine.stats());
     }
+    served.produced = out.len() - base;
     served
 }
 
@@ -336,6 +373,36 @@ mod tests {
             &mut Throttle::default(),
         );
         assert_eq!((served.used, served.close), (0, true));
+    }
+
+    #[test]
+    fn a_round_defers_heavy_connections_once_it_has_produced_its_share() {
+        let mut round = Round::default();
+        let heavy = Served {
+            used: 0,
+            close: false,
+            needed: 0,
+            blocked: false,
+            produced: ROUND_OUT,
+        };
+        let small = Served {
+            produced: LIGHT_OUT - 1,
+            ..heavy
+        };
+        assert!(!round.defers(false), "nothing produced yet");
+        assert!(round.count(&small), "a small turn is light");
+        assert!(!round.defers(false));
+        assert!(!round.count(&heavy), "a large turn is not light");
+        assert_eq!(round.produced(), ROUND_OUT + LIGHT_OUT - 1);
+        assert!(round.defers(false), "its share is produced: heavy ones wait");
+        assert!(!round.defers(true), "light ones do not");
+        round.begin();
+        assert!(!round.defers(false), "a new round");
+        let blocked = Served {
+            blocked: true,
+            ..small
+        };
+        assert!(!round.count(&blocked), "a blocked connection is not light");
     }
 
     #[test]

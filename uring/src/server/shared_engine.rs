@@ -224,7 +224,11 @@ pub(super) fn serve_turn(
         );
         input.served(&served);
         router.route_values(&mut wakes, inbox);
-        served
+        // The wake-ups put on its output count as produced too.
+        Served {
+            produced: out.len() - before,
+            ..served
+        }
     })
 }
 
