@@ -394,7 +394,10 @@ mod tests {
         assert!(!round.defers(false));
         assert!(!round.count(&heavy), "a large turn is not light");
         assert_eq!(round.produced(), ROUND_OUT + LIGHT_OUT - 1);
-        assert!(round.defers(false), "its share is produced: heavy ones wait");
+        assert!(
+            round.defers(false),
+            "its share is produced: heavy ones wait"
+        );
         assert!(!round.defers(true), "light ones do not");
         round.begin();
         assert!(!round.defers(false), "a new round");
