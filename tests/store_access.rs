@@ -305,9 +305,35 @@ fn an_allowlist_without_the_client_closes_it_at_accept(io: IoMode) {
         .expect_err("a refused client");
     // A close at accept may read as a reset; the message names the server either way.
     assert!(error.to_string().contains("127.0.0.1"), "{error}");
+    assert!(error.to_string().contains("see its log"), "{error}");
     let (peers, tokens, requests) = refusals(&raw_stats(&mut admin));
     assert!(peers > REFUSED, "{peers} refused peers");
     assert_eq!((tokens, requests), (0, 0));
+}
+
+/// Each try of a client refused by `--allow` reads the close at accept as an end of
+/// stream or as a reset (our handshake bytes were unread when the server closed),
+/// depending on who runs first: either way its error says the server closed it and to
+/// see the server's log. Looped to meet both orders; a token client is told to look
+/// at the log too.
+fn a_client_refused_at_accept_is_told_to_see_the_log(io: IoMode) {
+    let serve = Serve::start(io, &["--allow", "10.0.0.0/8"]);
+    const TRIES: usize = 25;
+    for _ in 0..TRIES {
+        let error = serve
+            .client_within(None, Duration::from_millis(40))
+            .expect_err("a refused client");
+        let text = error.to_string();
+        assert!(
+            text.contains("closed the connection during the handshake")
+                && text.contains("see its log"),
+            "{text}"
+        );
+    }
+    let error = serve
+        .client_within(Some(JOB1), Duration::from_millis(40))
+        .expect_err("a refused token client");
+    assert!(error.to_string().contains("log"), "{error}");
 }
 
 /// `--allow` with the client's network: PyTorch's protocol as usual, nothing refused.
@@ -464,6 +490,7 @@ fn a_pytorch_client_is_refused_in_token_mode(io: IoMode) {
 on_every_io!(
     an_allowlist_without_the_client_closes_it_at_accept,
     an_allowlist_with_the_client_serves_it,
+    a_client_refused_at_accept_is_told_to_see_the_log,
     a_prefix_token_works_inside_its_prefix,
     a_prefix_token_is_refused_outside_its_prefix,
     a_bad_or_missing_token_is_refused,

@@ -27,15 +27,14 @@
 //! Backpressure: a connection that owes its peer more than the budget's high-water mark
 //! gets no more requests served and no receive queued until its sends have drained
 //! below it (the core serve step says `Blocked`); then the requests it already sent are
-//! served first. Out of descriptors, the loop refuses a waiting client at once with a
-//! spare descriptor (module `spare_fd`).
+//! served first. What happens at accept (`--allow`, out of descriptors, a new
+//! connection's id and serve step) is module `admission`'s, shared with epoll.
 //!
 //! Shutdown: when the stop flag is seen (checked at least every 50 ms) the loop stops
 //! accepting, gives every connection `drain` to flush what it owes, then cancels what is
 //! left and waits for the kernel to let go of the buffers (what it never lets go of, the
 //! ring leaks rather than frees).
 
-use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,9 +47,10 @@ use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
-use super::session::{ReadBuf, Throttle};
+use super::admission::{Admission, Opened, Peer, Retry};
+use super::session::{ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
-use super::{SpareFd, StatsCells};
+use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -61,8 +61,6 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 16384;
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
-/// After a failed accept (out of descriptors, say), wait this long before the next one.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How long, after the drain, the loop waits for the kernel to complete cancelled
 /// operations before it gives their buffers up for lost (leaks them) rather than free
 /// memory the kernel might still write.
@@ -210,10 +208,11 @@ struct Conn {
     session: Session,
     /// The serve step said `Blocked`: serve again (before receiving) once drained.
     blocked: bool,
-    /// Bytes received since the engine was last asked (compared to `needed`).
-    arrived: usize,
-    /// At least this many bytes must arrive before the next request is complete.
-    needed: usize,
+    /// In the loop's `again` list: its received requests wait for the next batch (the
+    /// batch's reply cap), and no receive is queued until they are served.
+    deferred: bool,
+    /// Its last turn produced little (`Round::count`): not deferred by the batch's cap.
+    light: bool,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
 }
@@ -242,22 +241,6 @@ enum Close {
     Flush,
     /// Drop what is owed (the peer is gone, or time is up).
     Abandon,
-}
-
-/// The peer's address for log lines, looked up only when a line is written.
-struct Peer<'a>(&'a OwnedFd);
-
-impl fmt::Display for Peer<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match socket2::SockRef::from(self.0)
-            .peer_addr()
-            .ok()
-            .and_then(|a| a.as_socket())
-        {
-            Some(addr) => write!(f, "{addr}"),
-            None => f.write_str("?"),
-        }
-    }
 }
 
 /// Wakes a loop from another thread: a write to the eventfd the loop polls.
@@ -325,26 +308,26 @@ struct Server {
     accepting: Accepting,
     accept_after: Instant,
     shared: Arc<SharedEngine>,
-    limits: Limits,
     budget: Budget,
-    access: Option<Arc<AccessPolicy>>,
+    /// What happens at accept: `--allow`, refusals, a new connection's serve step.
+    admission: Admission,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
-    /// Per-connection warnings and accept failures, rate-limited.
+    /// Per-connection warnings, rate-limited.
     warnings: Throttle,
-    accept_warnings: Throttle,
-    /// Closed and reopened to refuse a connection when out of descriptors.
-    spare: SpareFd,
     free: Vec<usize>,
     /// Slots to look at after this batch of completions (may repeat).
     dirty: Vec<usize>,
-    seq: u32,
     live: usize,
     /// Wake-ups other loops routed here, being handed to their connections.
     wakes: Vec<Wake>,
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
+    /// Reply bytes this batch produced, against the cap.
+    round: Round,
+    /// Connections whose requests wait for the next batch, in the order they were put off.
+    again: Vec<usize>,
     /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
     /// requests are served at.
     now_ms: u64,
@@ -373,21 +356,19 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         accepting: Accepting::Idle,
         accept_after: Instant::now(),
         shared,
-        limits,
         budget,
-        access,
+        admission: Admission::new(index, limits, budget, access),
         stats,
         conns: Vec::new(),
         warnings: Throttle::default(),
-        accept_warnings: Throttle::default(),
-        spare: SpareFd::open(),
         free: Vec::new(),
         dirty: Vec::new(),
-        seq: 0,
         live: 0,
         wakes: Vec::new(),
         spin,
         completions: Vec::new(),
+        round: Round::default(),
+        again: Vec::new(),
         now_ms: 0,
     };
     if let Err(error) = server.run(stop, drain) {
@@ -397,15 +378,6 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
 }
 
 impl Server {
-    /// A new connection's serve step, held to the token policy if there is one.
-    fn new_session(&self, id: ConnId) -> Session {
-        let session = Session::new(id, self.limits, self.budget);
-        match &self.access {
-            Some(policy) => session.with_access(policy),
-            None => session,
-        }
-    }
-
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
         let mut drain_deadline = None;
         let mut busy_until = None;
@@ -421,14 +393,19 @@ impl Server {
             }
             self.poll_wakes();
             self.maybe_accept();
-            let spinning = busy_until.is_some_and(|until| Instant::now() < until);
+            // Requests put off by the last batch's cap: look for completions without
+            // sleeping, then serve them.
+            let spinning =
+                !self.again.is_empty() || busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
             self.now_ms = self.shared.now_ms(Instant::now());
+            self.round.begin();
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
                 }
             }
+            self.serve_put_off();
             self.service_dirty();
         }
     }
@@ -495,21 +472,10 @@ impl Server {
                 if error.raw_os_error() == Some(libc::ECANCELED) {
                     return;
                 }
-                let listener = &self.listener;
-                let refused = SpareFd::exhausted(&error)
-                    && self.spare.refuse_one(|| refuse_waiting(listener));
-                if let Some(suppressed) = self.accept_warnings.allow(Instant::now()) {
-                    tracing::warn!(
-                        %error,
-                        suppressed,
-                        refused = self.spare.refused(),
-                        "accept failed; refusing connections until descriptors free up"
-                    );
-                }
-                if !refused {
-                    // Nobody was waiting (the kernel fails the accept before it looks):
-                    // try again after a pause.
-                    self.accept_after = Instant::now() + ACCEPT_BACKOFF;
+                if let Retry::After(pause) =
+                    self.admission.accept_failed(&error, self.listener.as_fd())
+                {
+                    self.accept_after = Instant::now() + pause;
                 }
                 return;
             }
@@ -518,42 +484,24 @@ impl Server {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
-        if let Some(policy) = &self.access {
-            let peer = socket2::SockRef::from(&fd)
-                .peer_addr()
-                .ok()
-                .and_then(|addr| addr.as_socket());
-            // A peer already gone has no address: close it too.
-            let admitted = peer.is_some_and(|peer| {
-                self.shared
-                    .admit(self.index, policy, peer.ip(), &mut self.accept_warnings)
-            });
-            if !admitted {
-                return;
-            }
-        }
-        let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
+        let Some(slot) =
+            self.admission
+                .admit(&self.shared, fd.as_fd(), &mut self.free, &mut self.conns)
         else {
             return;
         };
-        if let Err(error) = socket2::SockRef::from(&fd).set_nodelay(true) {
-            tracing::debug!(%error, "TCP_NODELAY failed");
-        }
-        self.seq = self.seq.wrapping_add(1);
-        let id = shared_engine::conn_id(self.index, slot, self.seq);
-        self.shared.turn(self.index, |engine, _| engine.connect(id));
-        let session = self.new_session(id);
+        let Opened { id, session, input } = self.admission.open(&self.shared, slot);
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
                 fd: Arc::new(fd),
                 id,
                 phase: Phase::Open,
-                reading: Reading::Idle(ReadBuf::new(self.budget.max_conn_bytes)),
+                reading: Reading::Idle(input),
                 writing: Writing::Idle(Outgoing::default()),
                 session,
                 blocked: false,
-                arrived: 0,
-                needed: 1,
+                deferred: false,
+                light: false,
                 out: Vec::new(),
             });
             self.live += 1;
@@ -593,7 +541,7 @@ impl Server {
                 conn.reading = Reading::Idle(input);
                 if let Err(error) = result {
                     if error.raw_os_error() != Some(libc::ECANCELED) {
-                        tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection read failed");
+                        tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection read failed");
                     }
                 }
                 // End of stream or an error: the peer is gone, nothing more can be sent.
@@ -606,15 +554,50 @@ impl Server {
             conn.reading = Reading::Idle(input);
             return;
         }
-        input.filled += n;
-        conn.arrived = conn.arrived.saturating_add(n);
-        if conn.arrived >= conn.needed {
-            conn.reading = Reading::Idle(input);
-            self.serve_input(slot);
+        let complete = input.received(n);
+        conn.reading = Reading::Idle(input);
+        if complete {
+            self.serve_in_round(slot);
+        }
+    }
+
+    /// Serves a connection's requests in this batch, or puts them off to the next one
+    /// when the batch has produced its share of reply bytes and the connection is not
+    /// light: a burst of large GETs does not hold up a small request.
+    fn serve_in_round(&mut self, slot: usize) {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            return;
+        };
+        if self.round.defers(conn.light) {
+            if !conn.deferred {
+                conn.deferred = true;
+                self.again.push(slot);
+            }
         } else {
-            // Not a whole request yet; make room if the buffer is full.
-            input.consume(0);
-            conn.reading = Reading::Idle(input);
+            self.serve_input(slot);
+        }
+    }
+
+    /// Serves the connections the last batch put off (those still open), in order,
+    /// until this batch's cap puts the rest off again.
+    fn serve_put_off(&mut self) {
+        if self.again.is_empty() {
+            return;
+        }
+        let mut put_off = std::mem::take(&mut self.again);
+        for slot in put_off.drain(..) {
+            let Some(Some(conn)) = self.conns.get_mut(slot) else {
+                continue;
+            };
+            conn.deferred = false;
+            self.dirty.push(slot);
+            if conn.phase == Phase::Open && !conn.blocked {
+                self.serve_in_round(slot);
+            }
+        }
+        if self.again.is_empty() {
+            // Keep the list's room for the next burst.
+            self.again = put_off;
         }
     }
 
@@ -638,35 +621,26 @@ impl Server {
         let Reading::Idle(input) = &mut conn.reading else {
             return;
         };
-        let mut inbox = std::mem::take(wakes);
-        let mut local = Vec::new();
+        let mut wakes = std::mem::take(wakes);
         let served = shared_engine::serve_turn(
             shared,
             *index,
             stats.metrics.as_ref(),
             ConnInput {
                 session: &mut conn.session,
-                pending: input.pending(),
+                input,
                 owed,
                 out: &mut conn.out,
-                peer: &Peer(&conn.fd),
+                peer: &Peer::of(&*conn.fd),
             },
-            &mut inbox,
-            &mut local,
+            &mut wakes,
             warnings,
             *now_ms,
         );
-        input.consume(served.used);
-        conn.arrived = 0;
-        conn.needed = served.needed.max(1);
         conn.blocked = served.blocked;
-        if !inbox.is_empty() {
-            self.deliver(&mut inbox);
-        }
-        if !local.is_empty() {
-            self.deliver(&mut local);
-        }
-        self.wakes = inbox;
+        conn.light = self.round.count(&served);
+        self.deliver(&mut wakes);
+        self.wakes = wakes;
         if served.close {
             self.close(slot, Close::Flush);
         }
@@ -709,7 +683,7 @@ impl Server {
             }
             Err(error) => {
                 conn.writing = Writing::Idle(outgoing);
-                tracing::debug!(peer = %Peer(&conn.fd), %error, "store connection write failed");
+                tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
                 self.close(slot, Close::Abandon);
             }
         }
@@ -774,20 +748,21 @@ impl Server {
                 // Drained below the mark: serve what was received before reading more
                 // (this pushes the slot again, and is looked at once more).
                 conn.blocked = false;
-                self.serve_input(slot);
+                self.serve_in_round(slot);
                 self.dirty.push(slot);
                 continue;
             }
             let full = matches!(&conn.reading, Reading::Idle(input) if input.is_full());
             if conn.phase == Phase::Open
                 && !conn.blocked
+                && !conn.deferred
                 && !full
                 && conn.owed() <= self.budget.out_high_water
             {
                 if let Some(input) = conn.reading.take_idle() {
                     conn.reading = Reading::InFlight(self.ring.recv(&conn.fd, input, slot));
                 }
-            } else if conn.phase == Phase::Open && full && !conn.blocked {
+            } else if conn.phase == Phase::Open && full && !conn.blocked && !conn.deferred {
                 // Unreachable while the serve step bounds requests by the buffer's cap
                 // (only a refused allocation gets here): the request cannot complete.
                 self.close(slot, Close::Flush);
@@ -889,23 +864,6 @@ impl Server {
         self.stats.connections.fetch_sub(stuck, Ordering::Relaxed);
         self.live = 0;
     }
-}
-
-/// Accepts one connection waiting on `listener` and closes it at once; `Ok(false)` when
-/// none waits (the listener is looked at without blocking).
-fn refuse_waiting(listener: &OwnedFd) -> io::Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let mut fds = [PollFd::new(listener, PollFlags::IN)];
-    let now = Timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    if rustix::event::poll(&mut fds, Some(&now))? == 0 {
-        return Ok(false);
-    }
-    let accepted = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC)?;
-    drop(accepted);
-    Ok(true)
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@
 //!
 //! A round serves every ready connection (reads and requests), then writes every reply
 //! it produced: the peers get one burst per round, as one io_uring submission gives them,
-//! instead of being woken between two reads. Once a round has produced [`ROUND_OUT`]
-//! reply bytes, the connections not yet served wait for the next round, except light
+//! instead of being woken between two reads. Once a round has produced its share of
+//! reply bytes (`session::Round`, shared with io_uring), the connections not yet served wait for the next round, except light
 //! ones (whose last turn was small): a good client is not queued behind a burst of
 //! large GETs. Accepts are taken [`ACCEPTS_PER_ROUND`] at a time.
 //!
@@ -25,16 +25,15 @@
 //! connection owes more than [`EAGER_WRITE`], so that a burst of large replies does not
 //! pile up before the first byte goes out.
 //!
-//! Out of descriptors (EMFILE, ENFILE), the loop closes a spare descriptor it keeps,
-//! accepts and closes the waiting connection, and opens the spare again: clients see
-//! a refusal at once instead of waiting in the backlog.
+//! What happens at accept (`--allow`, out of descriptors, a new connection's id and
+//! serve step) is module `admission`'s, shared with io_uring.
 //!
 //! Shutdown: when the stop flag is seen (at least every 50 ms) the loop closes its
 //! listener, every connection leaves the engine and flushes what it owes, for up to
 //! `drain`; then the rest are dropped.
 
 use std::io::{self, Read, Write};
-use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,9 +46,10 @@ use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
-use super::session::{ReadBuf, Throttle};
+use super::admission::{Admission, Opened, Peer, Retry};
+use super::session::{ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
-use super::{SpareFd, StatsCells};
+use super::StatsCells;
 
 /// The listener's token; connections use their slot.
 const LISTENER: Token = Token(usize::MAX - 1);
@@ -60,22 +60,11 @@ const TICK: Duration = Duration::from_millis(50);
 /// A connection that owes more than this is written at once rather than at the end of
 /// the round, and yields its turn to the others after that write.
 const EAGER_WRITE: usize = 256 << 10;
-/// Reply bytes a round produces before the connections not yet served wait for the next
-/// round (after a fresh look for events): a burst of clients asking for large values
-/// does not hold up a small request for the time it takes to copy all their replies.
-const ROUND_OUT: usize = 4 << 20;
-/// A connection whose last turn produced less than this (and owes nothing) is light:
-/// the round's cap does not defer it, so that a small request is not queued behind a
-/// burst of clients asking for large values. A light connection can overshoot the cap
-/// by one turn (the mark plus one bounded reply), after which it is no longer light.
-const LIGHT_OUT: usize = 64 << 10;
 /// Connections accepted per round: an accept storm is taken in slices, with the ready
 /// connections served between them.
 const ACCEPTS_PER_ROUND: usize = 64;
 /// Reads one connection may do before the loop turns to the others.
 const READS_PER_TURN: usize = 16;
-/// After a failed accept (out of descriptors, say), wait this long before the next one.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// Readiness events taken per wait.
 const EVENTS: usize = 1024;
 
@@ -128,13 +117,9 @@ struct Conn {
     blocked: bool,
     /// In the loop's `again` list (at most once).
     deferred: bool,
-    /// Its last turn produced less than [`LIGHT_OUT`]: not deferred by the round's cap.
+    /// Its last turn produced little (`Round::count`): not deferred by the round's cap.
     /// False for a new connection until it has been served once.
     light: bool,
-    /// Bytes received since the last time the engine was asked (compared to `needed`).
-    arrived: usize,
-    /// At least this many bytes must arrive before the next request is complete.
-    needed: usize,
     /// Bytes owed; `out[sent..]` is not written yet.
     out: Vec<u8>,
     sent: usize,
@@ -150,12 +135,6 @@ impl Conn {
     fn unsent(&self) -> usize {
         self.out.len() - self.sent
     }
-
-    fn peer(&self) -> String {
-        self.stream
-            .peer_addr()
-            .map_or_else(|_| "?".to_string(), |a: SocketAddr| a.to_string())
-    }
 }
 
 /// One loop's state.
@@ -164,25 +143,21 @@ struct Loop {
     poll: Poll,
     listener: Option<TcpListener>,
     shared: Arc<SharedEngine>,
-    limits: Limits,
     budget: Budget,
-    access: Option<Arc<AccessPolicy>>,
+    /// What happens at accept: `--allow`, refusals, a new connection's serve step.
+    admission: Admission,
     stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
-    /// Per-connection warnings and accept failures, rate-limited.
+    /// Per-connection warnings, rate-limited.
     warnings: Throttle,
-    accept_warnings: Throttle,
-    /// Closed and reopened to refuse a connection when out of descriptors.
-    spare: SpareFd,
     free: Vec<usize>,
-    seq: u32,
     live: usize,
     /// Slots to serve this round (may repeat; serving is idempotent).
     dirty: Vec<usize>,
     /// Slots that yielded with more to do, in the order they yielded.
     again: Vec<usize>,
-    /// Reply bytes produced this round (compared to [`ROUND_OUT`]).
-    round_out: usize,
+    /// Reply bytes produced this round, against the cap.
+    round: Round,
     /// When this round began (before its wait), in the engine's milliseconds: the `now`
     /// its requests are served at.
     now_ms: u64,
@@ -242,20 +217,16 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         poll,
         listener: Some(listener),
         shared,
-        limits,
         budget,
-        access,
+        admission: Admission::new(index, limits, budget, access),
         stats,
         conns: Vec::new(),
         warnings: Throttle::default(),
-        accept_warnings: Throttle::default(),
-        spare: SpareFd::open(),
         free: Vec::new(),
-        seq: 0,
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
-        round_out: 0,
+        round: Round::default(),
         now_ms: 0,
         flush: Vec::new(),
         wakes: Vec::new(),
@@ -269,15 +240,6 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
 }
 
 impl Loop {
-    /// A new connection's serve step, held to the token policy if there is one.
-    fn new_session(&self, id: ConnId) -> Session {
-        let session = Session::new(id, self.limits, self.budget);
-        match &self.access {
-            Some(policy) => session.with_access(policy),
-            None => session,
-        }
-    }
-
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
         let mut events = Events::with_capacity(EVENTS);
         let mut deadline = None;
@@ -344,9 +306,9 @@ impl Loop {
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
             // being woken between two reads. Fresh events first, then those that
-            // yielded, until the round has produced `ROUND_OUT` bytes; the rest wait a
+            // yielded, until the round has produced its share of bytes; the rest wait a
             // round.
-            self.round_out = 0;
+            self.round.begin();
             while let Some(slot) = self.dirty.pop() {
                 self.service_in_round(slot);
             }
@@ -386,51 +348,25 @@ impl Loop {
             let Some(listener) = self.listener.as_ref() else {
                 return;
             };
-            let (mut stream, peer) = match listener.accept() {
-                Ok(accepted) => accepted,
+            let mut stream = match listener.accept() {
+                Ok((stream, _)) => stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => continue,
-                Err(error) => {
-                    let refused = SpareFd::exhausted(&error)
-                        && self.spare.refuse_one(|| match listener.accept() {
-                            Ok(_) => Ok(true),
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
-                            Err(e) => Err(e),
-                        });
-                    if let Some(suppressed) = self.accept_warnings.allow(Instant::now()) {
-                        tracing::warn!(
-                            %error,
-                            suppressed,
-                            refused = self.spare.refused(),
-                            "accept failed; refusing connections until descriptors free up"
-                        );
+                Err(error) => match self.admission.accept_failed(&error, listener.as_fd()) {
+                    Retry::Now => continue,
+                    Retry::After(pause) => {
+                        self.accept_after = Some(Instant::now() + pause);
+                        return;
                     }
-                    if refused {
-                        continue;
-                    }
-                    // The backlog may still hold connections, and no new edge will come
-                    // for them: retry after a pause.
-                    self.accept_after = Some(Instant::now() + ACCEPT_BACKOFF);
-                    return;
-                }
+                },
             };
-            if let Some(policy) = &self.access {
-                if !self
-                    .shared
-                    .admit(self.index, policy, peer.ip(), &mut self.accept_warnings)
-                {
-                    drop(stream);
-                    continue;
-                }
-            }
-            let Some(slot) = shared_engine::free_slot(&mut self.free, &mut self.conns, self.index)
-            else {
+            let Some(slot) = self.admission.admit(
+                &self.shared,
+                stream.as_fd(),
+                &mut self.free,
+                &mut self.conns,
+            ) else {
                 continue;
             };
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "TCP_NODELAY failed");
-            }
             if let Err(error) = self.poll.registry().register(
                 &mut stream,
                 Token(slot),
@@ -442,22 +378,17 @@ impl Loop {
                 self.free.push(slot);
                 continue;
             }
-            self.seq = self.seq.wrapping_add(1);
-            let id = shared_engine::conn_id(self.index, slot, self.seq);
-            self.shared.turn(self.index, |engine, _| engine.connect(id));
-            let session = self.new_session(id);
+            let Opened { id, session, input } = self.admission.open(&self.shared, slot);
             if let Some(entry) = self.conns.get_mut(slot) {
                 *entry = Some(Conn {
                     stream,
                     id,
                     phase: Phase::Open,
-                    input: ReadBuf::new(self.budget.max_conn_bytes),
+                    input,
                     session,
                     blocked: false,
                     deferred: false,
                     light: false,
-                    arrived: 0,
-                    needed: 1,
                     out: Vec::new(),
                     sent: 0,
                     readable: true,
@@ -493,7 +424,7 @@ impl Loop {
     fn service_in_round(&mut self, slot: usize) {
         let light =
             matches!(self.conns.get(slot), Some(Some(conn)) if conn.light && conn.unsent() == 0);
-        if self.round_out >= ROUND_OUT && !light {
+        if self.round.defers(light) {
             self.defer(slot);
         } else {
             self.service(slot, Writes::Defer);
@@ -540,7 +471,7 @@ impl Loop {
                 match write_out(conn) {
                     Ok(()) => {}
                     Err(error) => {
-                        tracing::debug!(peer = %conn.peer(), %error, "store connection write failed");
+                        tracing::debug!(peer = %Peer::of(&conn.stream), %error, "store connection write failed");
                         return Next::Close;
                     }
                 }
@@ -548,13 +479,13 @@ impl Loop {
             if eager && conn.phase == Phase::Open {
                 if let Some(before) = produced_before {
                     // This turn built a large reply: let the others have theirs.
-                    if self.round_out > before {
+                    if self.round.produced() > before {
                         let more = conn.readable || conn.blocked;
                         return if more { Next::Again } else { Next::Wait };
                     }
                 }
             }
-            produced_before.get_or_insert(self.round_out);
+            produced_before.get_or_insert(self.round.produced());
             if conn.phase == Phase::Flushing {
                 if conn.unsent() > 0 {
                     return Next::Wait;
@@ -586,17 +517,16 @@ impl Loop {
             reads += 1;
             let spare = conn.input.spare();
             let room = spare.len();
-            match conn.stream.read(spare) {
+            let complete = match conn.stream.read(spare) {
                 Ok(0) => return Next::Close,
                 Ok(n) => {
-                    conn.input.filled += n;
-                    conn.arrived = conn.arrived.saturating_add(n);
                     // A short read emptied the socket: the next bytes raise a new edge,
                     // so no read is spent just to hear `WouldBlock` (as tokio does).
                     // An end of stream already reported raises none: read on to it.
                     if n < room && !conn.read_closed {
                         conn.readable = false;
                     }
+                    conn.input.received(n)
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     conn.readable = false;
@@ -604,15 +534,12 @@ impl Loop {
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(error) => {
-                    tracing::debug!(peer = %conn.peer(), %error, "store connection read failed");
+                    tracing::debug!(peer = %Peer::of(&conn.stream), %error, "store connection read failed");
                     return Next::Close;
                 }
-            }
-            if conn.arrived >= conn.needed {
+            };
+            if complete {
                 self.serve_input(slot);
-            } else {
-                // Not a whole request yet; make room if the buffer is full.
-                conn.input.consume(0);
             }
         }
     }
@@ -632,40 +559,27 @@ impl Loop {
         let Some(Some(conn)) = conns.get_mut(slot) else {
             return;
         };
-        let mut inbox = std::mem::take(wakes);
-        let mut local = Vec::new();
+        let mut wakes = std::mem::take(wakes);
         let owed = conn.unsent();
-        let before = conn.out.len();
         let served = shared_engine::serve_turn(
             shared,
             *index,
             stats.metrics.as_ref(),
             ConnInput {
                 session: &mut conn.session,
-                pending: conn.input.pending(),
+                input: &mut conn.input,
                 owed,
                 out: &mut conn.out,
-                peer: &PeerOf(&conn.stream),
+                peer: &Peer::of(&conn.stream),
             },
-            &mut inbox,
-            &mut local,
+            &mut wakes,
             warnings,
             *now_ms,
         );
-        conn.input.consume(served.used);
-        conn.arrived = 0;
-        conn.needed = served.needed.max(1);
         conn.blocked = served.blocked;
-        let produced = conn.out.len().saturating_sub(before);
-        conn.light = produced < LIGHT_OUT && !served.blocked;
-        self.round_out = self.round_out.saturating_add(produced);
-        if !inbox.is_empty() {
-            self.deliver(&mut inbox);
-        }
-        if !local.is_empty() {
-            self.deliver(&mut local);
-        }
-        self.wakes = inbox;
+        conn.light = self.round.count(&served);
+        self.deliver(&mut wakes);
+        self.wakes = wakes;
         if served.close {
             self.leave_engine(slot);
         }
@@ -759,16 +673,4 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
         conn.sent = 0;
     }
     Ok(())
-}
-
-/// The peer's address for log lines, looked up only when a line is written.
-struct PeerOf<'a>(&'a TcpStream);
-
-impl std::fmt::Display for PeerOf<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0.peer_addr() {
-            Ok(addr) => write!(f, "{addr}"),
-            Err(_) => f.write_str("?"),
-        }
-    }
 }

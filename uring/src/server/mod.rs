@@ -18,6 +18,7 @@
 //! the codec limits before any buffer grows, and a closed connection's waiters are
 //! removed from the engine.
 
+mod admission;
 pub mod capacity;
 mod closing;
 mod direct;
@@ -30,8 +31,6 @@ mod shared_engine;
 mod spare_fd;
 
 pub use io_mode::IoMode;
-
-use spare_fd::SpareFd;
 
 use std::collections::HashMap;
 use std::io;

@@ -13,6 +13,49 @@ use rdzv_core::store::session::{self as step, Session, Step};
 
 use super::metrics::Metrics;
 
+/// Reply bytes one round of a loop (an epoll wait's events, an io_uring batch of
+/// completions) produces before the connections not yet served wait for the next round
+/// (after a fresh look for events): a burst of clients asking for large values does not
+/// hold up a small request for the time it takes to copy all their replies.
+const ROUND_OUT: usize = 4 << 20;
+
+/// A connection whose last turn produced less than this (and owes nothing) is light:
+/// the round's cap does not defer it, so that a small request is not queued behind a
+/// burst of clients asking for large values. A light connection can overshoot the cap
+/// by one turn (the mark plus one bounded reply), after which it is no longer light.
+const LIGHT_OUT: usize = 64 << 10;
+
+/// What one round of a loop has produced, against [`ROUND_OUT`]; and which connections
+/// are light.
+#[derive(Debug, Default)]
+pub(super) struct Round {
+    out: usize,
+}
+
+impl Round {
+    /// A new round: nothing produced yet.
+    pub(super) fn begin(&mut self) {
+        self.out = 0;
+    }
+
+    /// Reply bytes produced this round.
+    pub(super) fn produced(&self) -> usize {
+        self.out
+    }
+
+    /// Whether a connection waits for the next round: the round has produced its share
+    /// and the connection is not light.
+    pub(super) fn defers(&self, light: bool) -> bool {
+        self.out >= ROUND_OUT && !light
+    }
+
+    /// Counts a turn; returns whether its connection is light now.
+    pub(super) fn count(&mut self, served: &Served) -> bool {
+        self.out = self.out.saturating_add(served.produced);
+        served.produced < LIGHT_OUT && !served.blocked
+    }
+}
+
 /// What [`serve_input`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Served {
@@ -26,6 +69,8 @@ pub(super) struct Served {
     /// The connection owes more than its high-water mark: no more of its requests are
     /// served (and none read) until the peer has read some; then call again.
     pub(super) blocked: bool,
+    /// Bytes this turn added to the connection's output (replies, its wake-ups).
+    pub(super) produced: usize,
 }
 
 /// Runs the core serve step over every whole request at the start of `pending` until it
@@ -53,7 +98,7 @@ pub(super) fn serve_input(
 ) -> Served {
     let mut used = 0;
     let base = out.len();
-    let served = loop {
+    let mut served = loop {
         let owing = owed.saturating_add(out.len() - base);
         let started = metrics.map(|_| Instant::now());
         match session.serve(engine, &pending[used..], owing, out, wakes, now_ms) {
@@ -70,6 +115,7 @@ pub(super) fn serve_input(
                     close: false,
                     needed,
                     blocked: false,
+                    produced: 0,
                 }
             }
             Step::Blocked => {
@@ -78,6 +124,7 @@ pub(super) fn serve_input(
                     close: false,
                     needed: 0,
                     blocked: true,
+                    produced: 0,
                 }
             }
             Step::Close(refusal) => {
@@ -92,6 +139,7 @@ pub(super) fn serve_input(
                     close: true,
                     needed: 0,
                     blocked: false,
+                    produced: 0,
                 };
             }
         }
@@ -99,6 +147,7 @@ pub(super) fn serve_input(
     if let Some(metrics) = metrics {
         metrics.publish(engine.stats());
     }
+    served.produced = out.len() - base;
     served
 }
 
@@ -131,13 +180,19 @@ impl Throttle {
 }
 
 /// A connection's read buffer: bytes `start..filled` of `buf` are unprocessed. It never
-/// grows past `cap` (the per-connection budget), and grows fallibly.
+/// grows past `cap` (the per-connection budget), and grows fallibly. It also knows how
+/// many bytes the serve step still waits for, so that a loop asks the engine only when
+/// a request may be complete.
 pub(super) struct ReadBuf {
     buf: Vec<u8>,
     start: usize,
     /// End of the bytes read so far.
     pub(super) filled: usize,
     cap: usize,
+    /// Bytes received since the serve step last looked (compared to `needed`).
+    arrived: usize,
+    /// At least this many bytes must arrive before the next request is complete.
+    needed: usize,
 }
 
 impl ReadBuf {
@@ -147,7 +202,30 @@ impl ReadBuf {
             start: 0,
             filled: 0,
             cap: cap.max(1),
+            arrived: 0,
+            needed: 1,
         }
+    }
+
+    /// `n` bytes were received into [`ReadBuf::spare`]: whether the next request may be
+    /// complete now (serve it); if not, room is made for more (growing the buffer when
+    /// one request is larger than it).
+    pub(super) fn received(&mut self, n: usize) -> bool {
+        self.filled = self.filled.saturating_add(n).min(self.buf.len());
+        self.arrived = self.arrived.saturating_add(n);
+        if self.arrived >= self.needed {
+            return true;
+        }
+        self.consume(0);
+        false
+    }
+
+    /// The serve step used `served.used` bytes and needs `served.needed` more before
+    /// the next request is complete.
+    pub(super) fn served(&mut self, served: &Served) {
+        self.consume(served.used);
+        self.arrived = 0;
+        self.needed = served.needed.max(1);
     }
 
     pub(super) fn pending(&self) -> &[u8] {
@@ -246,7 +324,7 @@ mod tests {
                 let spare = input.spare();
                 let n = spare.len().min(rest.len());
                 spare[..n].copy_from_slice(&rest[..n]);
-                input.filled += n;
+                input.received(n);
                 rest = &rest[n..];
                 let served = serve_input(
                     None,
@@ -261,7 +339,7 @@ mod tests {
                     &mut warnings,
                 );
                 assert!(!served.close, "the connection was closed");
-                input.consume(served.used);
+                input.served(&served);
                 calls += 1;
             }
         }
@@ -295,6 +373,39 @@ mod tests {
             &mut Throttle::default(),
         );
         assert_eq!((served.used, served.close), (0, true));
+    }
+
+    #[test]
+    fn a_round_defers_heavy_connections_once_it_has_produced_its_share() {
+        let mut round = Round::default();
+        let heavy = Served {
+            used: 0,
+            close: false,
+            needed: 0,
+            blocked: false,
+            produced: ROUND_OUT,
+        };
+        let small = Served {
+            produced: LIGHT_OUT - 1,
+            ..heavy
+        };
+        assert!(!round.defers(false), "nothing produced yet");
+        assert!(round.count(&small), "a small turn is light");
+        assert!(!round.defers(false));
+        assert!(!round.count(&heavy), "a large turn is not light");
+        assert_eq!(round.produced(), ROUND_OUT + LIGHT_OUT - 1);
+        assert!(
+            round.defers(false),
+            "its share is produced: heavy ones wait"
+        );
+        assert!(!round.defers(true), "light ones do not");
+        round.begin();
+        assert!(!round.defers(false), "a new round");
+        let blocked = Served {
+            blocked: true,
+            ..small
+        };
+        assert!(!round.count(&blocked), "a blocked connection is not light");
     }
 
     #[test]

@@ -31,7 +31,7 @@ use rdzv_core::store::session::{self as step, Session};
 use rdzv_core::store::ConnId;
 
 use super::metrics::Metrics;
-use super::session::{self, Served, Throttle};
+use super::session::{self, ReadBuf, Served, Throttle};
 use super::StatsCells;
 use rdzv_core::store::access::AccessPolicy;
 
@@ -161,8 +161,8 @@ impl Router<'_> {
 pub(super) struct ConnInput<'a> {
     /// Its serve state (id, decoder, budget).
     pub(super) session: &'a mut Session,
-    /// The unconsumed input.
-    pub(super) pending: &'a [u8],
+    /// What it sent: its whole requests are served, and consumed.
+    pub(super) input: &'a mut ReadBuf,
     /// Every byte it owes its peer now (`out`'s included).
     pub(super) owed: usize,
     /// Where its replies go.
@@ -174,28 +174,27 @@ pub(super) struct ConnInput<'a> {
 /// One loop's turn for one connection, the same on io_uring and epoll: with the engine
 /// locked, first the wake-ups other loops routed here (those for this connection onto
 /// its output at once, so they go out before any reply decided after them; the rest
-/// left in `inbox`), then the connection's whole requests through the core serve step.
-/// Wake-ups it owes this loop's other connections are left in `local`. The caller
-/// delivers `inbox`, then `local`, to its connections.
-#[allow(clippy::too_many_arguments)]
+/// left in `wakes`), then the connection's whole requests through the core serve step.
+/// Wake-ups it owes this loop's other connections are appended to `wakes`, after those:
+/// the caller delivers `wakes`, in order, to its connections.
 #[inline]
 pub(super) fn serve_turn(
     shared: &SharedEngine,
     me: usize,
     metrics: Option<&Metrics>,
     conn: ConnInput<'_>,
-    inbox: &mut Vec<Wake>,
-    local: &mut Vec<Wake>,
+    wakes: &mut Vec<Wake>,
     warnings: &mut Throttle,
     now_ms: u64,
 ) -> Served {
     let ConnInput {
         session,
-        pending,
+        input,
         owed,
         out,
         peer,
     } = conn;
+    let inbox = wakes;
     let id = session.id();
     shared.turn(me, |engine, router| {
         router.take_inbox(inbox);
@@ -212,10 +211,24 @@ pub(super) fn serve_turn(
         let owed = owed.saturating_add(out.len() - before);
         let mut wakes = Vec::new();
         let served = session::serve_input(
-            metrics, engine, session, peer, pending, owed, out, &mut wakes, now_ms, warnings,
+            metrics,
+            engine,
+            session,
+            peer,
+            input.pending(),
+            owed,
+            out,
+            &mut wakes,
+            now_ms,
+            warnings,
         );
-        router.route_values(&mut wakes, local);
-        served
+        input.served(&served);
+        router.route_values(&mut wakes, inbox);
+        // The wake-ups put on its output count as produced too.
+        Served {
+            produced: out.len() - before,
+            ..served
+        }
     })
 }
 

@@ -2,10 +2,12 @@
 //! can still refuse a waiting client at once: close the spare, accept and close the
 //! connection, open the spare again. Without it the client waits in the listen backlog
 //! until its own timeout while accept fails in a loop. This module only juggles the
-//! spare and counts; the loops decide when to use it and log (rate-limited).
+//! spare, accepts and closes, and counts; module `admission` decides when to use it and
+//! logs (rate-limited).
 
 use std::fs::File;
 use std::io;
+use std::os::fd::BorrowedFd;
 
 /// The spare descriptor (`/dev/null`) and how many connections it refused.
 #[derive(Debug)]
@@ -48,6 +50,30 @@ impl SpareFd {
     /// Connections refused so far.
     pub(super) fn refused(&self) -> u64 {
         self.refused
+    }
+}
+
+/// Accepts one connection waiting on `listener` and closes it at once; `Ok(false)` when
+/// none waits (the listener is looked at without blocking, whether or not it is in
+/// non-blocking mode).
+pub(super) fn accept_and_close(listener: BorrowedFd<'_>) -> io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if rustix::event::poll(&mut fds, Some(&now))? == 0 {
+        return Ok(false);
+    }
+    match rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC) {
+        Ok(accepted) => {
+            drop(accepted);
+            Ok(true)
+        }
+        // Gone between the poll and the accept (a non-blocking listener says so).
+        Err(rustix::io::Errno::AGAIN) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -608,6 +608,10 @@ fn connect_validated(
             Ok(ok) => return Ok(ok),
             Err(Attempt::Failed(e)) => last_error = Some(e),
             Err(Attempt::NoTimeLeft) => {}
+            // An attempt the deadline cut off does not hide an earlier real cause.
+            Err(Attempt::CutShort(e)) => {
+                last_error.get_or_insert(e);
+            }
             // Trying again would send the same token: stop now.
             Err(Attempt::TokenRefused(peer)) => return Err(StoreError::TokenRefused { peer }),
         }
@@ -648,6 +652,8 @@ enum Attempt {
     Failed(String),
     /// The deadline passed before it could try an address.
     NoTimeLeft,
+    /// The deadline passed during the handshake: the cause only if no other is known.
+    CutShort(String),
     /// The server at this address closed the connection on the `AUTH` query.
     TokenRefused(String),
 }
@@ -680,6 +686,8 @@ fn try_connect(
         return Err(Attempt::Failed(format!("{host} resolves to no address")));
     }
     let mut errors = Vec::new();
+    // A handshake the deadline cut off: reported only if nothing better was seen.
+    let mut cut_short = None;
     for addr in addrs {
         let remaining = deadline.saturating_duration_since(Instant::now());
         if remaining.is_zero() {
@@ -691,20 +699,44 @@ fn try_connect(
                 Err(Handshake::TokenRefused) => {
                     return Err(Attempt::TokenRefused(addr.to_string()))
                 }
-                Err(Handshake::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => errors.push(format!(
-                    "{addr}: the server closed the connection during the handshake (VALIDATE, PING): \
-                     is it a TCPStore, and does it accept this client (see its log)?"
+                Err(Handshake::Io(e)) if closed_by_peer(&e) => errors.push(format!(
+                    "{addr}: the server closed the connection during the handshake (VALIDATE, PING: {e}): \
+                     is it a TCPStore, and does it accept this client (--allow, --token-file: see its log)?"
+                )),
+                Err(Handshake::Io(e)) if timed_out(&e) => cut_short = Some(format!(
+                    "{addr}: the server did not answer the handshake (VALIDATE, PING) within the {} ms left",
+                    remaining.as_millis()
                 )),
                 Err(Handshake::Io(e)) => errors.push(format!("{addr}: handshake: {e}")),
             },
             Err(e) => errors.push(connect_failure(&addr, &e)),
         }
     }
-    if errors.is_empty() {
-        Err(Attempt::NoTimeLeft)
-    } else {
-        Err(Attempt::Failed(errors.join("; ")))
+    match (errors.is_empty(), cut_short) {
+        (false, _) => Err(Attempt::Failed(errors.join("; "))),
+        (true, Some(why)) => Err(Attempt::CutShort(why)),
+        (true, None) => Err(Attempt::NoTimeLeft),
     }
+}
+
+/// Whether a handshake's read or write failed because the server closed the connection
+/// (a close with our bytes unread reaches us as a reset).
+fn closed_by_peer(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// Whether a handshake's read ran out of time.
+fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// Why a handshake failed.
@@ -761,16 +793,7 @@ fn handshake(
                     format!("AUTH reply byte {} is not AUTH_ACCEPTED (0)", accepted[0]),
                 )))
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::UnexpectedEof
-                        | io::ErrorKind::ConnectionReset
-                        | io::ErrorKind::BrokenPipe
-                ) =>
-            {
-                return Err(Handshake::TokenRefused)
-            }
+            Err(e) if closed_by_peer(&e) => return Err(Handshake::TokenRefused),
             Err(e) => return Err(e.into()),
         }
     }
