@@ -224,9 +224,10 @@ impl ElasticSettings {
 
     /// What closing the rendezvous writes, for a runtime that closes it without a node
     /// (`rdzv rendezvous --close`, a handle whose node has ended): the `closed` key (which
-    /// `is_closed` checks), and the mark on the round hint that joiners and advancing
-    /// nodes read. Perform both, in order; `by` says who closed it.
-    pub fn close_actions(&self, by: &str) -> [StoreAction; 2] {
+    /// `is_closed` checks), the mark on the round hint that joiners and advancing nodes
+    /// read, and the mark on round 0's arrivals that a fresh node's first guess reads.
+    /// Perform them in order; `by` says who closed it.
+    pub fn close_actions(&self, by: &str) -> [StoreAction; 3] {
         [
             StoreAction::Set {
                 key: self.closed_key(),
@@ -235,6 +236,10 @@ impl ElasticSettings {
             StoreAction::Add {
                 key: alloc::format!("rdzv.elastic.{}/round", self.run_id),
                 delta: machine::CLOSED_MARK,
+            },
+            StoreAction::Add {
+                key: self.live_count_key(0),
+                delta: machine::ARRIVALS_CLOSED,
             },
         ]
     }
