@@ -350,12 +350,14 @@ pub(super) const CLOSED_MARK: i64 = 1 << 40;
 
 /// Added to round 0's arrivals counter by its closer once the round is closed (and by
 /// closing the rendezvous), so that a fresh node's guessed arrival in round 0 finds out
-/// at once that it must read the round hint. Above every count of arrivals and departures (at most [`MAX_SLOTS`] each).
+/// at once that it must read the round hint. Above every count of arrivals and
+/// departures (at most [`MAX_SLOTS`] each).
 pub(super) const ARRIVALS_CLOSED: i64 = 1 << 48;
 
-/// Added to a round's `ready` counter by a member that gave up waiting for the others'
-/// acknowledgements: the round failed.
-const POISON: i64 = 1 << 32;
+/// A round's confirmation verdict (`{round}/verdict`), compare-set once from missing: the
+/// round stands, or it failed.
+const VERDICT_GO: &[u8] = b"go";
+const VERDICT_FAIL: &[u8] = b"fail";
 
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
 const MAX_SLOTS: u32 = 1 << 16;
@@ -527,15 +529,20 @@ enum Step {
         rank: u32,
         deadline: Instant,
     },
-    Poison {
+    /// A member that waited in vain for the release reads the acknowledgements.
+    ReadReady {
         round: u64,
         slot: u32,
         rank: u32,
     },
-    CheckGo {
+    /// The one decision on the round's confirmation: the first compare-set of the verdict
+    /// wins, and every member obeys it (`go`: the last acknowledger, or a member that
+    /// waited in vain and found every acknowledgement in; `fail`: one that did not).
+    Verdict {
         round: u64,
         slot: u32,
         rank: u32,
+        go: bool,
     },
     AskNext {
         round: u64,
@@ -888,12 +895,14 @@ impl ElasticNode {
                 key: self.round_key(*round, "ready"),
                 delta: 1,
             },
-            Step::Poison { round, .. } => StoreAction::Add {
+            Step::ReadReady { round, .. } => StoreAction::Add {
                 key: self.round_key(*round, "ready"),
-                delta: POISON,
+                delta: 0,
             },
-            Step::CheckGo { round, .. } => StoreAction::Check {
-                key: self.round_key(*round, "go"),
+            Step::Verdict { round, go, .. } => StoreAction::CompareSet {
+                key: self.round_key(*round, "verdict"),
+                expected: Vec::new(),
+                desired: if *go { VERDICT_GO } else { VERDICT_FAIL }.to_vec(),
             },
             Step::SetGo { round, .. } => StoreAction::Set {
                 key: self.round_key(*round, "go"),
@@ -1425,10 +1434,13 @@ impl ElasticNode {
             }
             (Step::Ack { round, slot, rank }, R::Added(value)) => {
                 let size = self.world.len() as i64;
-                if value >= POISON {
-                    self.unconfirmed(round)
-                } else if value >= size {
-                    Step::SetGo { round, slot, rank }
+                if value >= size {
+                    Step::Verdict {
+                        round,
+                        slot,
+                        rank,
+                        go: true,
+                    }
                 } else {
                     Step::WaitGo {
                         round,
@@ -1455,7 +1467,7 @@ impl ElasticNode {
                 R::TimedOut,
             ) => {
                 if now >= deadline {
-                    Step::Poison { round, slot, rank }
+                    Step::ReadReady { round, slot, rank }
                 } else {
                     Step::WaitGo {
                         round,
@@ -1465,25 +1477,27 @@ impl ElasticNode {
                     }
                 }
             }
-            (Step::Poison { round, slot, rank }, R::Added(value)) => {
-                let acked = (value & 0xffff_ffff) >= self.world.len() as i64;
-                if !acked {
+            (Step::ReadReady { round, slot, rank }, R::Added(value)) => Step::Verdict {
+                round,
+                slot,
+                rank,
+                go: value >= self.world.len() as i64,
+            },
+            (
+                Step::Verdict {
+                    round, slot, rank, ..
+                },
+                R::Value(verdict),
+            ) => {
+                if verdict == VERDICT_GO {
+                    // Release the others (again, when a member that waited in vain finds
+                    // the round standing: the last acknowledger may have died after its
+                    // verdict).
+                    Step::SetGo { round, slot, rank }
+                } else if verdict == VERDICT_FAIL {
                     self.unconfirmed(round)
-                } else if value >> 32 == 1 {
-                    // The first poison, after every acknowledgement: the round stands (its
-                    // last acknowledger releases the others).
-                    self.complete(round, slot, rank, now)
                 } else {
-                    // An earlier poison decided; the round stands only if it came after the
-                    // last acknowledgement, which then released the others.
-                    Step::CheckGo { round, slot, rank }
-                }
-            }
-            (Step::CheckGo { round, slot, rank }, R::Checked(go)) => {
-                if go {
-                    self.complete(round, slot, rank, now)
-                } else {
-                    self.unconfirmed(round)
+                    return Ok(self.foreign(round, "verdict", verdict));
                 }
             }
             (Step::Beat(m), R::Added(_)) => {

@@ -704,12 +704,18 @@ fn store_work_per_node_is_constant() {
         sim.run_for(Duration::ZERO);
         assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
         // ADD arrival (a fresh node guesses round 0), APPEND roster, WAIT size, GET size,
-        // ADD ready, WAIT go (the last member SETs go instead): 6, then a WAIT on the
-        // round's end that is still pending. The one closer GETs the roster twice, marks
-        // round 0's arrivals and compare-sets the size instead of the wait and the get: 8.
+        // ADD ready, WAIT go: 6, then a WAIT on the round's end that is still pending.
+        // The last member compare-sets the verdict and SETs go instead of the WAIT (7);
+        // the one closer GETs the roster twice, marks round 0's arrivals and
+        // compare-sets the size instead of the WAIT and the GET of the size (8; 9 when it
+        // is also the last to acknowledge).
         let ops: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
         let most = ops.iter().copied().max().unwrap();
-        assert!(most <= 8, "n={n}: {most} operations for one node");
+        assert!(most <= 9, "n={n}: {most} operations for one node");
+        assert!(
+            ops.iter().filter(|&&o| o > 7).count() <= 1,
+            "n={n}: {ops:?}"
+        );
         let typical = ops.iter().filter(|&&o| o <= 6).count();
         assert!(typical + 1 >= n as usize, "n={n}: {ops:?}");
         let before: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
@@ -1010,6 +1016,7 @@ proptest! {
         sim.check_agreement();
         sim.check_members_alive();
         sim.check_stable_ranks();
+        check_one_verdict(&sim);
         // A round that is still going has only live members, each of which has it.
         for c in &sim.closed {
             let current = c.members.iter().all(|&m| {
@@ -1095,6 +1102,7 @@ proptest! {
         sim.check_agreement();
         sim.check_members_alive();
         sim.check_stable_ranks();
+        check_one_verdict(&sim);
     }
 }
 
@@ -1173,4 +1181,116 @@ fn closing_makes_a_hot_spare_exit_gracefully() {
     };
     assert_eq!(error.kind(), ElasticErrorKind::Closed);
     assert_eq!(error.kind().torch_name(), "RendezvousClosedError");
+}
+
+/// Every member of a round learns the same verdict on its confirmation: complete for all,
+/// or failed (ended, "did not confirm") for all.
+fn check_one_verdict(sim: &Sim) {
+    for c in &sim.closed {
+        let completed: Vec<usize> = c
+            .members
+            .iter()
+            .copied()
+            .filter(|&m| sim.completes(m).iter().any(|o| o.round == c.round))
+            .collect();
+        let refused: Vec<usize> = c
+            .members
+            .iter()
+            .copied()
+            .filter(|&m| {
+                sim.nodes[m].events.iter().any(|e| {
+                    matches!(e, Event::RoundOver { round, reason }
+                        if *round == c.round && reason.contains("did not confirm"))
+                }) && !completed.contains(&m)
+            })
+            .collect();
+        assert!(
+            completed.is_empty() || refused.is_empty(),
+            "round {}: complete for {completed:?}, refused by {refused:?}",
+            c.round
+        );
+    }
+}
+
+impl Sim {
+    /// Steps node `i` until the action it would perform next satisfies `pred`; leaves
+    /// that action pending, not performed. Other nodes are stepped in between.
+    fn advance_to(&mut self, i: usize, pred: impl Fn(&StoreAction) -> bool) {
+        for _ in 0..1000 {
+            if self.nodes[i].pending.is_none() {
+                let now = self.now;
+                self.nodes[i].pending = self.nodes[i].machine.poll_action(now);
+            }
+            if self.nodes[i].pending.as_ref().is_some_and(&pred) {
+                return;
+            }
+            if !self.step(i) {
+                for j in 0..self.nodes.len() {
+                    if j != i && !self.held(j) {
+                        self.step(j);
+                    }
+                }
+            }
+        }
+        panic!(
+            "node {i} never reached the action: {:?}",
+            self.nodes[i].pending
+        );
+    }
+
+    /// Whether node `j`'s pending action is one `advance_to` stopped it at.
+    fn held(&self, j: usize) -> bool {
+        self.nodes[j]
+            .pending
+            .as_ref()
+            .is_some_and(|a| a.key().ends_with("/ready"))
+    }
+}
+
+#[test]
+fn the_last_confirmation_in_flight_splits_no_round() {
+    // Three members acknowledge; the last acknowledgement is counted, but its release of
+    // the others is still on its way when the other two give up waiting (their
+    // keep-alive timeout passes first). Before the verdict key, the first of them to give
+    // up (poisoning the acknowledgement counter) found every acknowledgement in and took
+    // the round as complete, the second found no `go` yet and ended it: a split
+    // decision, and everyone rejoined. Now the first compare-set of `verdict` decides for
+    // all: here `go`, since every acknowledgement was in.
+    let mut sim = Sim::new(settings(3, 3));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    let is_ack = |a: &StoreAction| matches!(a, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
+    for &i in &nodes {
+        sim.advance_to(i, is_ack);
+    }
+    // The first two acknowledge and wait for the release.
+    for &i in &nodes[..2] {
+        assert!(sim.step(i), "acknowledged");
+        assert!(!sim.step(i), "waits");
+    }
+    // The last acknowledges; what it does next is in flight, not yet performed.
+    let last = nodes[2];
+    assert!(sim.step(last));
+    let now = sim.now;
+    sim.nodes[last].pending = sim.nodes[last].machine.poll_action(now);
+    assert!(sim.nodes[last].pending.is_some());
+    let in_flight = sim.nodes[last].alive;
+    sim.nodes[last].alive = false;
+    // The others' keep-alive timeout passes (3 s) before the release lands.
+    sim.now = sim.now.saturating_add(secs(4));
+    for &i in &nodes[..2] {
+        for _ in 0..8 {
+            sim.step(i);
+        }
+    }
+    sim.nodes[last].alive = in_flight;
+    sim.run_for(secs(30));
+    check_one_verdict(&sim);
+    sim.check_agreement();
+    sim.check_members_alive();
+    // Whatever the verdict, the three end up together in one complete round.
+    let rounds: Vec<u64> = nodes
+        .iter()
+        .map(|&i| sim.last_complete(i).unwrap().round)
+        .collect();
+    assert!(rounds.iter().all(|&r| r == rounds[0]), "{rounds:?}");
 }
