@@ -507,10 +507,14 @@ enum Step {
         round: u64,
         slot: u32,
     },
-    QuorumAfterClose {
+    /// The closer sets the quorum before it compare-sets the size, for nodes below
+    /// `min_nodes` still waiting on it: no arrival may have seen exactly `min_nodes` live
+    /// (a departure counted late), and a closer that leaves or dies right after its
+    /// compare-set must not leave them waiting.
+    QuorumBeforeClose {
         round: u64,
         slot: u32,
-        gone: Option<u32>,
+        proposal: String,
     },
     /// A member acknowledges the round (`ready`); the last one releases the others.
     Ack {
@@ -811,7 +815,7 @@ impl ElasticNode {
                 value: self.roster_line(*slot),
             },
             Step::SetQuorum { round, .. }
-            | Step::QuorumAfterClose { round, .. }
+            | Step::QuorumBeforeClose { round, .. }
             | Step::ShutQuorum { round } => StoreAction::Set {
                 key: self.round_key(*round, "quorum"),
                 value: Vec::new(),
@@ -1314,6 +1318,11 @@ impl ElasticNode {
                 let grace =
                     now.saturating_duration_since(since) >= self.settings.keep_alive_interval;
                 match self.propose(roster, count, grace) {
+                    Proposal::Close(proposal) if min < max => Step::QuorumBeforeClose {
+                        round,
+                        slot,
+                        proposal,
+                    },
                     Proposal::Close(proposal) => Step::Close {
                         round,
                         slot,
@@ -1384,12 +1393,7 @@ impl ElasticNode {
                         Line::Joined(_) => None,
                     })
                     .find(|s| self.world.contains(s));
-                if min < max {
-                    // Nodes below min_nodes may still wait on the quorum.
-                    Step::QuorumAfterClose { round, slot, gone }
-                } else {
-                    self.confirmed(round, slot, gone, now)
-                }
+                self.confirmed(round, slot, gone, now)
             }
             (Step::ReadSize { round, slot }, R::Value(value)) => match parse_world(value, max) {
                 Some((world, master)) => {
@@ -1399,10 +1403,18 @@ impl ElasticNode {
                 }
                 None => return Ok(self.foreign(round, "size", value)),
             },
-            // The closer sets the quorum too, for nodes below min_nodes still waiting on it.
-            (Step::QuorumAfterClose { round, slot, gone }, R::Set) => {
-                self.confirmed(round, slot, gone, now)
-            }
+            (
+                Step::QuorumBeforeClose {
+                    round,
+                    slot,
+                    proposal,
+                },
+                R::Set,
+            ) => Step::Close {
+                round,
+                slot,
+                proposal,
+            },
             (Step::AskNext { round }, R::Set) => Step::Advance { round },
             (Step::Spare(m), R::Waited) => {
                 self.join_deadline = now.saturating_add(self.settings.join_timeout);
