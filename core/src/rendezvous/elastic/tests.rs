@@ -1294,3 +1294,62 @@ fn the_last_confirmation_in_flight_splits_no_round() {
         .collect();
     assert!(rounds.iter().all(|&r| r == rounds[0]), "{rounds:?}");
 }
+
+#[test]
+fn a_closer_that_leaves_at_once_leaves_no_one_waiting_on_the_quorum() {
+    let mut sim = Sim::new(settings(3, 5));
+    let waits_on = |name: &'static str| move |x: &StoreAction| matches!(x, StoreAction::Wait { key, .. } if key.ends_with(name));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.advance_to(a, waits_on("/quorum"));
+    sim.advance_to(b, waits_on("/quorum"));
+    // c arrives, then leaves: its departure is claimed and logged, not yet counted.
+    let c = sim.join("c");
+    assert!(sim.step(c), "c's arrival");
+    sim.nodes[c].machine.handle_local(LocalEvent::Leave);
+    sim.advance_to(c, |x| {
+        matches!(x, StoreAction::Add { key, delta } if key.ends_with("/arrivals") && *delta > 1)
+    });
+    sim.nodes[c].alive = false;
+    // d counts c as live (4 live): no arrival saw exactly min_nodes, so none set the
+    // quorum; d waits out its last call.
+    let d = sim.join("d");
+    sim.advance_to(d, waits_on("/size"));
+    sim.nodes[c].alive = true;
+    for _ in 0..8 {
+        sim.step(c);
+    }
+    assert_eq!(sim.nodes[c].events, [Event::Left]);
+    // d's last call ends: it closes the round with a, b and itself, and leaves at once.
+    sim.now = sim.now.saturating_add(secs(2));
+    sim.advance_to(
+        d,
+        |x| matches!(x, StoreAction::CompareSet { key, .. } if key.ends_with("/size")),
+    );
+    assert!(sim.step(d), "d's compare-set closes round 0");
+    sim.nodes[d].machine.handle_local(LocalEvent::Leave);
+    // a and b must not wait on round 0's quorum for good: they learn that the round
+    // ended (d left it); with a newcomer they form the next one.
+    sim.run_for(secs(10));
+    for i in [a, b] {
+        assert!(
+            sim.nodes[i]
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::RoundOver { round: 0, .. })),
+            "node {i} still waits in round 0: {:?}",
+            sim.nodes[i].events
+        );
+    }
+    let e = sim.join("e");
+    sim.run_for(secs(30));
+    for i in [a, b, e] {
+        let o = sim
+            .last_complete(i)
+            .unwrap_or_else(|| panic!("node {i}: {:?}", sim.nodes[i].events));
+        assert_eq!(o.world_size, 3, "node {i}");
+    }
+    sim.check_agreement();
+    sim.check_members_alive();
+    check_one_verdict(&sim);
+}
