@@ -42,7 +42,7 @@
 //! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits); `ADD 2^48` marks round 0 closed | each joiner once (a fresh node's first request, in round 0); each slot struck once; round 0's closer, and closing |
 //! | `{r}/roster` | `APPEND "+s round:rank contact node"` on arrival (`-` for none), `"-s"` when struck; `GET` | each joiner once; the closer reads it twice |
 //! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
-//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer; fewer wait on it |
+//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer before its compare-set (no arrival may have seen exactly `min_nodes`, and a closer may leave at once); fewer wait on it |
 //! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…[;contact]"` (slots by rank, rank 0's contact) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
 //! | `{r}/ready` | `ADD 1` per member; `ADD 0` to read | each member acknowledges once; one that waited in vain for `go` reads it |
 //! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: the N-th acknowledger writes `go`; a member that waited in vain writes `go` if all N acknowledged, else `fail`; the first writer wins and every member obeys it |
@@ -81,8 +81,8 @@
 //! (the size), the acknowledgement's `ADD` and a `WAIT` for `go`: six, then a `WAIT` on
 //! `over` that lasts until the first heartbeat. The last acknowledger compare-sets the
 //! verdict and `SET`s `go` instead of waiting; the closer reads the roster instead of the
-//! size, twice (and a short `WAIT` per poll for a line in flight), compare-sets the size,
-//! in round 0 marks the arrivals, and with `min_nodes < max_nodes` `SET`s the quorum. A
+//! size, twice (and a short `WAIT` per poll for a line in flight), with `min_nodes <
+//! max_nodes` `SET`s the quorum, compare-sets the size, and in round 0 marks the arrivals. A
 //! member's heartbeat interval is two `ADD`s and the `WAIT` on `over`. A wait in an open
 //! round never outlasts one keep-alive interval; each interval there costs a heartbeat
 //! `ADD`, an `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of
