@@ -37,11 +37,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def totals(stats: Dict[str, Any]) -> Dict[str, int]:
+def totals(stats: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "requests": sum(stats["requests"].values()),
         "bytes": stats["bytes_in"] + stats["bytes_out"],
+        "by_op": dict(stats["requests"]),
     }
+
+
+def per_op(before: Dict[str, Any], after: Dict[str, Any], n: int) -> str:
+    """The requests per node by operation, e.g. ``ADD 3.0, WAIT 2.0``."""
+    ops = []
+    for op, count in sorted(after["by_op"].items()):
+        delta = count - before["by_op"].get(op, 0) - (1 if op.upper() == "STATS" else 0)
+        if delta > 0:
+            ops.append(f"{op} {delta / n:.2f}")
+    return ", ".join(ops)
 
 
 def run_round(n: int, make: Callable[[int], Any]) -> "tuple[float, List[Any]]":
@@ -101,6 +112,8 @@ def main() -> int:
     parser.add_argument("--rdzv-bin", default=None,
                         help="the rdzv binary (default: the package's bundled one, "
                         "else target/release/rdzv, else rdzv on PATH)")
+    parser.add_argument("--by-op", action="store_true",
+                        help="also print each run's requests per node by operation")
     parser.add_argument("--last-call", type=int, default=1,
                         help="last_call_timeout for both backends, whole seconds (default 1)")
     args = parser.parse_args()
@@ -132,6 +145,7 @@ def main() -> int:
         print()
         print("| backend | N | time to a round (s) | store requests / node | bytes / node |")
         print("|---|---:|---:|---:|---:|")
+        breakdown: List[str] = []
         for backend in args.backends:
             for n in args.nodes:
                 run_id = f"bench-{backend}-{n}-{uuid.uuid4().hex[:8]}"
@@ -166,6 +180,13 @@ def main() -> int:
                 sent = (after["bytes"] - before["bytes"]) / n
                 print(f"| {backend} | {n} | {elapsed:.3f} | {requests:.1f} | {sent:,.0f} |",
                       flush=True)
+                if args.by_op:
+                    breakdown.append(f"{backend} N={n}: {per_op(before, after, n)}")
+        if breakdown:
+            print()
+            print("requests per node by operation (the STATS query itself left out):")
+            for line in breakdown:
+                print(f"  {line}")
     finally:
         server.terminate()
         server.wait(timeout=30)

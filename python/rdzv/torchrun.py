@@ -11,6 +11,9 @@ agent hosts that server in-process when ``--rdzv-conf is_host=true``, or, withou
 ``is_host``, when the endpoint names this host (as the c10d backend hosts its
 TCPStore). The store it hands back is torch's own ``TCPStore`` client of that server, in
 a ``PrefixStore`` per round, and errors are torch's own ``Rendezvous*Error`` classes.
+``MASTER_ADDR`` and ``MASTER_PORT`` (``bootstrap_store_info``) come with the round: each
+node joins with its address and a free port, and rank 0's reaches every member with the
+world, where torch's ``RendezvousStoreInfo.build`` costs every rank two more requests.
 
 ``--rdzv-conf`` keys, named as torchrun names them: ``join_timeout`` (600 s),
 ``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``keep_alive_interval`` (5 s),
@@ -268,13 +271,17 @@ def _handler_class() -> type:
                         f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
                     )
                 # The first call joins; a later one, made while the round it returned
-                # is still going (our workers restart), ends that round for everyone.
+                # is still going (our workers restart), ends that round for everyone,
+                # and this node rejoins with a fresh port to offer as rank 0.
+                node = self._node
+                if node is not None:
+                    node.set_contact(_contact(s.local_addr))
                 round_ = self._join().next_rendezvous()
             except (_errors.RendezvousError, _errors.StoreError) as e:
                 raise torch_error(e) from e
             self._round = round_
             store = dist.PrefixStore(round_.store_prefix, self._store())
-            bootstrap = _bootstrap(round_.rank, store, s.local_addr)
+            bootstrap = _bootstrap(round_, store, s.local_addr)
             log.info(
                 "rdzv: node %s is rank %s of %s in round %s of run %s",
                 self._node.node if self._node is not None else "?",
@@ -344,6 +351,7 @@ def _handler_class() -> type:
                     keep_alive_max_attempt=s.keep_alive_max_attempt,
                     close_timeout=s.close_timeout,
                     timeout=s.read_timeout,
+                    contact=_contact(s.local_addr),
                 )
             return self._node
 
@@ -363,12 +371,22 @@ def _handler_class() -> type:
                 )
             return self._tcp_store
 
-    def _bootstrap(rank: int, store: Any, local_addr: Optional[str]) -> Any:
-        """torch's ``RendezvousStoreInfo.build``: rank 0 publishes its address and a free
-        port as ``MASTER_ADDR``/``MASTER_PORT`` in the round's store, and every rank reads
-        them; in two requests per rank (one ``multi_get``, which waits for both keys)
-        rather than four, where torch's store has ``multi_get``/``multi_set``."""
+    def _bootstrap(round_: Any, store: Any, local_addr: Optional[str]) -> Any:
+        """``MASTER_ADDR``/``MASTER_PORT``: rank 0's contact, which came with the round (no
+        store request). Without one (a node of an older rdzv as rank 0), torch's
+        ``RendezvousStoreInfo.build``: rank 0 publishes its address and a free port in the
+        round's store and every rank reads them, in two requests per rank (one
+        ``multi_get``, which waits for both keys) where torch's store has
+        ``multi_get``/``multi_set``."""
         info = api.RendezvousStoreInfo
+        master = getattr(round_, "master", None)
+        if master:
+            addr, _, port = master.rpartition(":")
+            try:
+                return info(master_addr=addr, master_port=int(port))
+            except ValueError:
+                log.warning("rdzv: rank 0's contact %r is not addr:port; using the store", master)
+        rank = round_.rank
         if not (hasattr(store, "multi_get") and hasattr(store, "multi_set")):
             try:
                 return info.build(rank, store, local_addr=local_addr)
@@ -388,6 +406,16 @@ def _handler_class() -> type:
 
     _CLASS = RdzvRendezvousHandler
     return _CLASS
+
+
+def _contact(local_addr: Optional[str]) -> str:
+    """What this node offers as ``MASTER_ADDR:MASTER_PORT`` should it be rank 0: its
+    address (``local_addr``, else its FQDN, as torch's ``RendezvousStoreInfo.build``) and a
+    port free now (torch's ``get_free_port``: bound on the wildcard address and released,
+    so, as with torch's own, it can be taken before the workers bind it)."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return f"{local_addr or socket.getfqdn()}:{get_free_port()}"
 
 
 def _node_id(local_addr: Optional[str]) -> str:

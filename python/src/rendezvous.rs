@@ -9,7 +9,7 @@
 //! round closes, is the core's decision; this module only passes calls through.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyValueError;
@@ -21,7 +21,7 @@ use rdzv_core::rendezvous::NodeParams;
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use rdzv_uring::store::tcp::TcpStore;
-use rdzv_uring::store::Store;
+use rdzv_uring::store::{Store, StoreError};
 
 use crate::store::PyStore;
 use crate::{duration, errors};
@@ -58,7 +58,13 @@ pub(crate) fn rendezvous<'py>(
     let elastic = match outcome.elastic {
         Some(handle) => Some(Py::new(
             py,
-            PyElasticRendezvous::from_handle(handle, Arc::clone(&outcome.store), None),
+            PyElasticRendezvous::from_handle(
+                handle,
+                RdzvStore::Ready {
+                    store: Arc::clone(&outcome.store),
+                    tcp: None,
+                },
+            ),
         )?),
         None => None,
     };
@@ -81,6 +87,10 @@ pub(crate) struct PyRound {
     /// torch's store prefix of the round: ``torch.rendezvous.{run_id}.{round}``.
     #[pyo3(get)]
     store_prefix: String,
+    /// Rank 0's contact (its ``set_contact`` text, e.g. ``"addr:port"`` for torch's
+    /// ``MASTER_ADDR``/``MASTER_PORT``), or ``None`` when rank 0 gave none.
+    #[pyo3(get)]
+    master: Option<String>,
 }
 
 impl From<RoundOutcome> for PyRound {
@@ -90,6 +100,7 @@ impl From<RoundOutcome> for PyRound {
             rank: outcome.rank,
             world_size: outcome.world_size,
             store_prefix: outcome.store_prefix,
+            master: outcome.master,
         }
     }
 }
@@ -98,8 +109,8 @@ impl From<RoundOutcome> for PyRound {
 impl PyRound {
     fn __repr__(&self) -> String {
         format!(
-            "Round(round={}, rank={}, world_size={}, store_prefix={:?})",
-            self.round, self.rank, self.world_size, self.store_prefix
+            "Round(round={}, rank={}, world_size={}, store_prefix={:?}, master={:?})",
+            self.round, self.rank, self.world_size, self.store_prefix, self.master
         )
     }
 }
@@ -109,9 +120,12 @@ impl PyRound {
 ///
 /// ``ElasticRendezvous(host, port, run_id, min_nodes=1, max_nodes=None, node_id=None,
 /// join_timeout=600, last_call_timeout=30, keep_alive_interval=5,
-/// keep_alive_max_attempt=3, close_timeout=30, timeout=60)`` connects to the store at
-/// ``host:port`` (``timeout`` bounds connecting) and joins at once; a thread of its own
-/// then joins rounds, heartbeats and watches a peer. Durations are seconds or
+/// keep_alive_max_attempt=3, close_timeout=30, timeout=60, contact=None)`` connects to
+/// the store at ``host:port`` (``timeout`` bounds connecting) and joins at once; a thread
+/// of its own then joins rounds, heartbeats and watches a peer, on that one connection
+/// (``store()``, ``is_closed()`` and a ``num_nodes_waiting()`` after a round ended open a
+/// second one on first use). ``contact`` is what this node tells the others when it is
+/// rank 0 (``set_contact``; every member gets it as ``Round.master``). Durations are seconds or
 /// ``timedelta``; the names are torchrun's ``--rdzv-conf`` keys.
 ///
 /// Rounds contain only live nodes, and a node that survives a re-rendezvous keeps its rank
@@ -128,23 +142,49 @@ impl PyRound {
 #[pyclass(module = "rdzv._rdzv", name = "ElasticRendezvous", frozen)]
 pub(crate) struct PyElasticRendezvous {
     handle: Arc<ElasticRendezvous>,
-    /// The store the rounds' prefix stores are built on.
-    store: Arc<dyn Store>,
-    tcp: Option<Arc<TcpStore>>,
+    /// The store behind ``store()``.
+    store: RdzvStore,
     /// `leave()` or `shutdown()` was called.
     left: AtomicBool,
 }
 
-impl PyElasticRendezvous {
-    fn from_handle(
-        handle: Arc<ElasticRendezvous>,
+/// The store client ``ElasticRendezvous.store()`` hands out.
+enum RdzvStore {
+    /// The rendezvous's own (``rdzv.rendezvous(url)``).
+    Ready {
         store: Arc<dyn Store>,
         tcp: Option<Arc<TcpStore>>,
-    ) -> Self {
+    },
+    /// A second connection, opened on first use and shared with the handle: the driver
+    /// thread's connection is the only one a join costs.
+    Lazy(Arc<LazyTcp>),
+}
+
+/// A TCP client connected on first use.
+struct LazyTcp {
+    host: String,
+    port: u16,
+    timeout: Duration,
+    opened: Mutex<Option<Arc<TcpStore>>>,
+}
+
+impl LazyTcp {
+    fn get(&self) -> Result<Arc<TcpStore>, StoreError> {
+        let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tcp) = &*opened {
+            return Ok(Arc::clone(tcp));
+        }
+        let tcp = Arc::new(TcpStore::connect(&self.host, self.port, self.timeout)?);
+        *opened = Some(Arc::clone(&tcp));
+        Ok(tcp)
+    }
+}
+
+impl PyElasticRendezvous {
+    fn from_handle(handle: Arc<ElasticRendezvous>, store: RdzvStore) -> Self {
         PyElasticRendezvous {
             handle,
             store,
-            tcp,
             left: AtomicBool::new(false),
         }
     }
@@ -156,7 +196,7 @@ impl PyElasticRendezvous {
     #[pyo3(signature = (
         host, port, run_id, min_nodes = 1, max_nodes = None, node_id = None,
         join_timeout = None, last_call_timeout = None, keep_alive_interval = None,
-        keep_alive_max_attempt = None, close_timeout = None, timeout = None,
+        keep_alive_max_attempt = None, close_timeout = None, timeout = None, contact = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -173,6 +213,7 @@ impl PyElasticRendezvous {
         keep_alive_max_attempt: Option<u32>,
         close_timeout: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
+        contact: Option<String>,
     ) -> PyResult<Self> {
         let nodes = NodeRange::new(min_nodes, max_nodes.unwrap_or(min_nodes))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -196,26 +237,34 @@ impl PyElasticRendezvous {
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let connect_timeout = duration::optional("timeout", timeout, Duration::from_secs(60))?;
         let node = node_id.unwrap_or_else(default_node_id);
-        let (tcp, handle) = py.detach(|| {
-            let tcp = TcpStore::connect(&host, port, connect_timeout)
-                .map(Arc::new)
-                .map_err(|e| {
-                    errors::raise(
-                        "RendezvousConnectionError",
-                        format!(
-                            "elastic rendezvous '{run_id}': node '{node}' cannot connect to the store at {host}:{port}: {e}"
-                        ),
-                    )
-                })?;
-            let store: Arc<dyn Store> = Arc::clone(&tcp) as Arc<dyn Store>;
-            let handle = ElasticRendezvous::start(store, settings, node.clone())
+        let lazy = Arc::new(LazyTcp {
+            host: host.clone(),
+            port,
+            timeout: connect_timeout,
+            opened: Mutex::new(None),
+        });
+        let handle = py.detach(|| {
+            // One connection for the driver; the handle's own opens on first use.
+            let tcp = TcpStore::connect(&host, port, connect_timeout).map_err(|e| {
+                errors::raise(
+                    "RendezvousConnectionError",
+                    format!(
+                        "elastic rendezvous '{run_id}': node '{node}' cannot connect to the store at {host}:{port}: {e}"
+                    ),
+                )
+            })?;
+            let shared = Arc::clone(&lazy);
+            let connect = Box::new(move || shared.get().map(|tcp| tcp as Arc<dyn Store>));
+            let handle = ElasticRendezvous::start_lazy(Box::new(tcp), connect, settings, node.clone())
                 .map_err(errors::elastic)?;
-            Ok::<_, PyErr>((tcp, handle))
+            if let Some(contact) = &contact {
+                handle.set_contact(contact);
+            }
+            Ok::<_, PyErr>(handle)
         })?;
         Ok(PyElasticRendezvous::from_handle(
             Arc::new(handle),
-            Arc::clone(&tcp) as Arc<dyn Store>,
-            Some(tcp),
+            RdzvStore::Lazy(lazy),
         ))
     }
 
@@ -250,6 +299,14 @@ impl PyElasticRendezvous {
         let handle = Arc::clone(&self.handle);
         py.detach(move || handle.num_nodes_waiting())
             .map_err(errors::elastic)
+    }
+
+    /// What this node tells the others when it is rank 0 (e.g. ``"addr:port"``): it goes
+    /// with this node's next arrival, and rank 0's comes with every member's
+    /// ``Round.master``, at no extra store request. Whitespace, ``,`` and ``;`` become
+    /// ``?``.
+    fn set_contact(&self, contact: &str) {
+        self.handle.set_contact(contact);
     }
 
     /// Whether the run has been closed for good (by any node).
@@ -330,19 +387,32 @@ impl PyElasticRendezvous {
     }
 
     /// A store client of ``round``'s keys: ``PrefixStore(round.store_prefix, store)``.
-    fn round_store(&self, round: &PyRound) -> PyStore {
+    fn round_store(&self, py: Python<'_>, round: &PyRound) -> PyResult<PyStore> {
         let outcome = RoundOutcome {
             round: round.round,
             rank: round.rank,
             world_size: round.world_size,
             store_prefix: round.store_prefix.clone(),
+            master: round.master.clone(),
         };
-        PyStore::wrap(self.handle.round_store(&outcome), None)
+        let handle = Arc::clone(&self.handle);
+        let store = py
+            .detach(move || handle.round_store(&outcome))
+            .map_err(errors::elastic)?;
+        Ok(PyStore::wrap(store, None))
     }
 
-    /// A client of the rendezvous's store (the keys without a round prefix).
-    fn store(&self) -> PyStore {
-        PyStore::wrap(Arc::clone(&self.store), self.tcp.clone())
+    /// A client of the rendezvous's store (the keys without a round prefix). The first
+    /// call opens a connection of its own (the driver's is busy waiting).
+    fn store(&self, py: Python<'_>) -> PyResult<PyStore> {
+        match &self.store {
+            RdzvStore::Ready { store, tcp } => Ok(PyStore::wrap(Arc::clone(store), tcp.clone())),
+            RdzvStore::Lazy(lazy) => {
+                let lazy = Arc::clone(lazy);
+                let tcp = py.detach(move || lazy.get()).map_err(errors::store)?;
+                Ok(PyStore::wrap(Arc::clone(&tcp) as Arc<dyn Store>, Some(tcp)))
+            }
+        }
     }
 
     /// This node's workers failed: the round ends for every member, and this node

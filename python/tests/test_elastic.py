@@ -42,6 +42,25 @@ def test_two_nodes_form_a_round_then_a_worker_failure_starts_the_next(
     assert a.has_left
 
 
+def test_rank_zeros_contact_comes_with_the_round_on_one_connection_per_node(
+    server: rdzv.StoreServer,
+) -> None:
+    client = rdzv.Store("127.0.0.1", server.port, timeout=10)
+    before = client.stats()["connections"]
+    a = node(server, "contact", "a", min_nodes=2, max_nodes=2, contact="10.0.0.1:29500")
+    b = node(server, "contact", "b", min_nodes=2, max_nodes=2)
+    b.set_contact("10.0.0.2:29501")
+    ra, rb = a.next_round(timeout=20), b.next_round(timeout=20)
+    # The joining nodes hold one connection each: the handle opens its own on first use.
+    assert client.stats()["connections"] - before == 2
+    want = "10.0.0.1:29500" if ra.rank == 0 else "10.0.0.2:29501"
+    assert ra.master == rb.master == want
+    assert "master=" in repr(ra)
+    assert a.is_closed() is False
+    assert client.stats()["connections"] - before == 3
+    assert a.leave(timeout=10) and b.leave(timeout=10)
+
+
 def test_join_timeout_is_a_rendezvous_timeout_error(server: rdzv.StoreServer) -> None:
     lonely = node(server, "alone", "x", min_nodes=2, max_nodes=2, join_timeout=0.5)
     with pytest.raises(rdzv.RendezvousTimeoutError) as info:

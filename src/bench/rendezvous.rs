@@ -13,6 +13,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant as StdInstant};
 
@@ -211,12 +212,28 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
             "--nodes must be at least 1".into(),
         ));
     }
-    // Keeps an embedded server alive for the whole run.
+    // The store: an embedded server (kept alive for the whole run), or the one at --addr.
     let target = super::Target::open(args.addr.as_deref(), None)?;
     let addr = target.addr;
     super::ensure_fd_limit(u64::from(args.nodes) + 64)?;
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
+    let settings = bench_settings(n, interval)?;
+    let mut poll = Poll::new().map_err(|source| BenchError::Io {
+        what: "create an epoll instance",
+        source,
+    })?;
+    let mut nodes = connect_nodes(addr, &settings, &mut poll)?;
+    eprintln!("{n} connections to {addr} opened; joining");
+    let measured = drive(&mut nodes, &mut poll, args.heartbeat_secs)?;
+    check_ranks(&nodes, n)?;
+    print_report(&nodes, &measured, n, addr, interval, args.heartbeat_secs);
+    print_torchrun_design(n);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One round of exactly `n` nodes, with a fresh run id.
+fn bench_settings(n: u32, interval: Duration) -> Result<ElasticSettings, BenchError> {
     let run_id = format!(
         "bench-{}-{}",
         std::process::id(),
@@ -231,11 +248,17 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     );
     settings.keep_alive_interval = interval;
     settings.join_timeout = Duration::from_secs(120);
+    Ok(settings)
+}
 
-    let mut poll = Poll::new().map_err(|source| BenchError::Io {
-        what: "create an epoll instance",
-        source,
-    })?;
+/// Opens one non-blocking connection per node, registered with `poll` under the node's
+/// index.
+fn connect_nodes(
+    addr: SocketAddr,
+    settings: &ElasticSettings,
+    poll: &mut Poll,
+) -> Result<Vec<Node>, BenchError> {
+    let n = settings.nodes.max;
     let mut nodes = Vec::with_capacity(n as usize);
     for i in 0..n {
         let mut conn = StoreConn::connect(addr, Limits::PYTORCH)
@@ -262,48 +285,51 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
             failed: None,
         });
     }
-    eprintln!("{n} connections to {addr} opened; joining");
+    Ok(nodes)
+}
+
+/// What the run measured: when the round formed, each node's operations and request
+/// bytes by then, and its operations when the heartbeat phase began.
+struct Measured {
+    took: Duration,
+    join_ops: Vec<u64>,
+    join_bytes: Vec<u64>,
+    heartbeat_from: Vec<u64>,
+    heartbeats: bool,
+}
+
+/// Wait deadlines: `(until, node, generation)`, earliest first.
+type Timers = BinaryHeap<Reverse<(Instant, usize, u64)>>;
+
+/// Joins every node and drives the event loop until the round has formed and the
+/// heartbeat phase (`heartbeat_secs`, 0 for none) has run.
+fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Measured, BenchError> {
+    let n = nodes.len() as u32;
     let epoch = StdInstant::now();
-    for node in &mut nodes {
+    for node in nodes.iter_mut() {
         node.machine.handle_local(LocalEvent::Join);
     }
-    let mut timers: BinaryHeap<Reverse<(Instant, usize, u64)>> = BinaryHeap::new();
+    let mut timers = Timers::new();
     let mut events = Events::with_capacity(1024);
-    let mut round_at = None;
+    let mut measured: Option<Measured> = None;
     let mut complete = 0u32;
-    let mut join_ops = Vec::new();
-    let mut join_bytes = Vec::new();
-    let mut phase_start_ops: Vec<u64> = Vec::new();
     let mut hb_end = None;
     let mut ready: Vec<usize> = (0..nodes.len()).collect();
     loop {
-        // Step every node that can move.
-        while let Some(i) = ready.pop() {
-            let Some(node) = nodes.get_mut(i) else {
-                continue;
-            };
-            let was_complete = node.rank.is_some();
-            if node.connected && node.failed.is_none() {
-                step_node(node, i, epoch, &mut timers);
-            }
-            if !was_complete && node.rank.is_some() {
-                complete += 1;
-            }
-            if let Some(failure) = &node.failed {
-                return Err(BenchError::Unexpected(format!(
-                    "node {i} failed: {failure}"
-                )));
-            }
-        }
-        if complete == n && round_at.is_none() {
-            round_at = Some(epoch.elapsed());
-            join_ops = nodes.iter().map(|node| node.ops).collect();
-            join_bytes = nodes.iter().map(|node| node.bytes).collect();
-            phase_start_ops.clone_from(&join_ops);
-            if args.heartbeat_secs <= 0.0 {
+        complete += step_ready(nodes, &mut ready, epoch, &mut timers)?;
+        if complete == n && measured.is_none() {
+            let join_ops: Vec<u64> = nodes.iter().map(|node| node.ops).collect();
+            measured = Some(Measured {
+                took: epoch.elapsed(),
+                join_bytes: nodes.iter().map(|node| node.bytes).collect(),
+                heartbeat_from: join_ops.clone(),
+                join_ops,
+                heartbeats: heartbeat_secs > 0.0,
+            });
+            if heartbeat_secs <= 0.0 {
                 break;
             }
-            hb_end = Some(StdInstant::now() + Duration::from_secs_f64(args.heartbeat_secs));
+            hb_end = Some(StdInstant::now() + Duration::from_secs_f64(heartbeat_secs));
         }
         if hb_end.is_some_and(|end| StdInstant::now() >= end) {
             break;
@@ -313,78 +339,122 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
                 "only {complete} of {n} nodes in a round after 120 s"
             )));
         }
-        // Fire due wait deadlines: CANCEL_WAIT.
-        let t = now(epoch);
-        while let Some(&Reverse((until, i, gen))) = timers.peek() {
-            if until > t {
-                break;
-            }
-            timers.pop();
-            let Some(node) = nodes.get_mut(i) else {
-                continue;
-            };
-            if node.wait_gen == gen
-                && !node.conn.cancelling()
-                && matches!(node.action, Some(StoreAction::Wait { .. }))
-            {
-                // Counted as an operation, as the heartbeat figures say.
-                node.ops += 1;
-                node.bytes += Request::CancelWait.encoded_len() as u64;
-                node.conn.cancel_wait();
-                node.flush();
-                if node.failed.is_some() {
-                    ready.push(i);
-                }
-            }
-        }
-        let wake = timers.peek().map(|Reverse((until, ..))| {
-            Duration::from_nanos(until.as_nanos().saturating_sub(t.as_nanos()))
-        });
-        let wake = wake
-            .unwrap_or(Duration::from_millis(100))
-            .min(Duration::from_millis(100));
+        let wake = fire_deadlines(nodes, &mut ready, epoch, &mut timers);
         // A signal's EINTR is a wake-up, not a failure (as in the other load generators).
-        super::conn::poll_events(&mut poll, &mut events, Some(wake)).map_err(|source| {
+        super::conn::poll_events(poll, &mut events, Some(wake)).map_err(|source| {
             BenchError::Io {
                 what: "wait for socket events",
                 source,
             }
         })?;
         for event in &events {
-            let i = event.token().0;
-            let Some(node) = nodes.get_mut(i) else {
-                continue;
-            };
-            if !node.connected {
-                match node.conn.is_connected() {
-                    Ok(true) => {
-                        node.connected = true;
-                        // PyTorch's clients start with VALIDATE (no reply); servers
-                        // close connections that do not. Connection setup, not counted.
-                        node.conn.queue(&Request::Validate {
-                            magic: VALIDATION_MAGIC,
-                        });
-                    }
-                    Ok(false) => continue,
-                    Err(e) => node.failed = Some(format!("connect: {e}")),
-                }
-            }
-            node.flush();
-            match node.conn.fill() {
-                Ok(Fill::Open) => {}
-                Ok(Fill::Closed) => {
-                    node.failed
-                        .get_or_insert_with(|| "the server closed the connection".into());
-                }
-                Err(e) => {
-                    node.failed.get_or_insert(format!("recv: {e}"));
-                }
-            }
-            ready.push(i);
+            on_socket_event(nodes, event.token().0, &mut ready);
         }
     }
-    let took = round_at.unwrap_or_default();
-    // Every node must agree: one round, world n, distinct ranks.
+    measured.ok_or_else(|| BenchError::Unexpected("the round never formed".into()))
+}
+
+/// Steps every node that can move; returns how many became members of the round.
+fn step_ready(
+    nodes: &mut [Node],
+    ready: &mut Vec<usize>,
+    epoch: StdInstant,
+    timers: &mut Timers,
+) -> Result<u32, BenchError> {
+    let mut completed = 0;
+    while let Some(i) = ready.pop() {
+        let Some(node) = nodes.get_mut(i) else {
+            continue;
+        };
+        let was_complete = node.rank.is_some();
+        if node.connected && node.failed.is_none() {
+            step_node(node, i, epoch, timers);
+        }
+        if !was_complete && node.rank.is_some() {
+            completed += 1;
+        }
+        if let Some(failure) = &node.failed {
+            return Err(BenchError::Unexpected(format!(
+                "node {i} failed: {failure}"
+            )));
+        }
+    }
+    Ok(completed)
+}
+
+/// Ends the waits whose deadline has passed (CANCEL_WAIT); returns how long the loop
+/// may sleep (until the next deadline, at most 100 ms).
+fn fire_deadlines(
+    nodes: &mut [Node],
+    ready: &mut Vec<usize>,
+    epoch: StdInstant,
+    timers: &mut Timers,
+) -> Duration {
+    let t = now(epoch);
+    while let Some(&Reverse((until, i, gen))) = timers.peek() {
+        if until > t {
+            break;
+        }
+        timers.pop();
+        let Some(node) = nodes.get_mut(i) else {
+            continue;
+        };
+        if node.wait_gen == gen
+            && !node.conn.cancelling()
+            && matches!(node.action, Some(StoreAction::Wait { .. }))
+        {
+            // Counted as an operation, as the heartbeat figures say.
+            node.ops += 1;
+            node.bytes += Request::CancelWait.encoded_len() as u64;
+            node.conn.cancel_wait();
+            node.flush();
+            if node.failed.is_some() {
+                ready.push(i);
+            }
+        }
+    }
+    let wake = timers.peek().map(|Reverse((until, ..))| {
+        Duration::from_nanos(until.as_nanos().saturating_sub(t.as_nanos()))
+    });
+    wake.unwrap_or(Duration::from_millis(100))
+        .min(Duration::from_millis(100))
+}
+
+/// Node `i`'s socket is ready: finish its connect (sending VALIDATE), flush, read.
+fn on_socket_event(nodes: &mut [Node], i: usize, ready: &mut Vec<usize>) {
+    let Some(node) = nodes.get_mut(i) else {
+        return;
+    };
+    if !node.connected {
+        match node.conn.is_connected() {
+            Ok(true) => {
+                node.connected = true;
+                // PyTorch's clients start with VALIDATE (no reply); servers close
+                // connections that do not. Connection setup, not counted.
+                node.conn.queue(&Request::Validate {
+                    magic: VALIDATION_MAGIC,
+                });
+            }
+            Ok(false) => return,
+            Err(e) => node.failed = Some(format!("connect: {e}")),
+        }
+    }
+    node.flush();
+    match node.conn.fill() {
+        Ok(Fill::Open) => {}
+        Ok(Fill::Closed) => {
+            node.failed
+                .get_or_insert_with(|| "the server closed the connection".into());
+        }
+        Err(e) => {
+            node.failed.get_or_insert(format!("recv: {e}"));
+        }
+    }
+    ready.push(i);
+}
+
+/// Every node must agree: one round, world `n`, distinct ranks.
+fn check_ranks(nodes: &[Node], n: u32) -> Result<(), BenchError> {
     let mut ranks: Vec<u32> = nodes
         .iter()
         .filter_map(|node| node.rank)
@@ -401,29 +471,47 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
             ranks.len()
         )));
     }
-    let stats = |v: &[u64]| {
-        let min = v.iter().copied().min().unwrap_or(0);
-        let max = v.iter().copied().max().unwrap_or(0);
-        let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-        (min, mean, max)
-    };
-    let (omin, omean, omax) = stats(&join_ops);
-    let (bmin, bmean, bmax) = stats(&join_bytes);
+    Ok(())
+}
+
+/// `(min, mean, max)`.
+fn spread(v: &[u64]) -> (u64, f64, u64) {
+    let min = v.iter().copied().min().unwrap_or(0);
+    let max = v.iter().copied().max().unwrap_or(0);
+    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+    (min, mean, max)
+}
+
+/// Prints the round's time, the join's operations and bytes per node, and the
+/// heartbeat phase's operations per interval.
+fn print_report(
+    nodes: &[Node],
+    measured: &Measured,
+    n: u32,
+    addr: SocketAddr,
+    interval: Duration,
+    heartbeat_secs: f64,
+) {
+    let (omin, omean, omax) = spread(&measured.join_ops);
+    let (bmin, bmean, bmax) = spread(&measured.join_bytes);
     println!("rdzv elastic rendezvous: {n} nodes, one round, store {addr}");
-    println!("  round formed in           {:.3} s", took.as_secs_f64());
+    println!(
+        "  round formed in           {:.3} s",
+        measured.took.as_secs_f64()
+    );
     println!(
         "  store ops per node (join) min {omin}, mean {omean:.1}, max {omax} (with the first \
-         heartbeat)"
+         wait on the round's end)"
     );
     println!("  request bytes per node    min {bmin}, mean {bmean:.0}, max {bmax}");
-    if let (Some(_), true) = (hb_end, args.heartbeat_secs > 0.0) {
+    if measured.heartbeats {
         let hb_ops: Vec<u64> = nodes
             .iter()
-            .zip(&phase_start_ops)
+            .zip(&measured.heartbeat_from)
             .map(|(node, start)| node.ops - start)
             .collect();
-        let intervals = args.heartbeat_secs / interval.as_secs_f64();
-        let (_, mean, max) = stats(&hb_ops);
+        let intervals = heartbeat_secs / interval.as_secs_f64();
+        let (_, mean, max) = spread(&hb_ops);
         println!(
             "  store ops per node per keep-alive interval ({} ms, {:.0} intervals): mean {:.2}, \
              max {:.2} (ADD own, ADD watched, WAIT on the round's end and its CANCEL_WAIT)",
@@ -434,6 +522,10 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
         );
     }
     println!();
+}
+
+/// Prints the same counts for torchrun's c10d design, computed from its algorithm.
+fn print_torchrun_design(n: u32) {
     let blob = TORCHRUN_BLOB_BYTES_PER_NODE;
     println!("torchrun's c10d design (computed from dynamic_rendezvous.py, same N):");
     println!(
@@ -457,5 +549,4 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
          each way), retried on every conflict with the other N-1 heartbeats",
         blob * f64::from(n) / 1024.0
     );
-    Ok(ExitCode::SUCCESS)
 }

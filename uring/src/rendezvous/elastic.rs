@@ -20,7 +20,7 @@
 
 use std::fmt;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant as StdInstant};
 
@@ -138,7 +138,9 @@ struct Shared {
 pub struct ElasticRendezvous {
     node: String,
     settings: ElasticSettings,
-    store: Arc<dyn Store>,
+    store: HandleStore,
+    /// A new contact for the driver to hand its machine ([`ElasticRendezvous::set_contact`]).
+    contact: Arc<Mutex<Option<String>>>,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     commands: Mutex<Sender<LocalEvent>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -153,6 +155,21 @@ impl fmt::Debug for ElasticRendezvous {
             .field("run_id", &self.settings.run_id)
             .finish_non_exhaustive()
     }
+}
+
+/// Opens the handle's own store connection, on first use.
+pub type StoreConnector = Box<dyn Fn() -> Result<Arc<dyn Store>, StoreError> + Send + Sync>;
+
+/// The store the handle reads (`num_nodes_waiting`, `is_closed`) and builds the rounds'
+/// stores on: given, or opened on first use.
+enum HandleStore {
+    Ready(Arc<dyn Store>),
+    Lazy {
+        connect: StoreConnector,
+        opened: OnceLock<Arc<dyn Store>>,
+        /// Serializes connecting, so that two first uses open one connection.
+        connecting: Mutex<()>,
+    },
 }
 
 impl ElasticRendezvous {
@@ -175,15 +192,47 @@ impl ElasticRendezvous {
             key: String::new(),
             error: e.to_string(),
         })?;
+        Self::start_with(driver_store, HandleStore::Ready(store), settings, node)
+    }
+
+    /// As [`ElasticRendezvous::start`], with one connection: the driver takes `store`, and
+    /// the handle opens its own with `connect` only when it first needs one (a
+    /// `num_nodes_waiting` after the round ended, `is_closed`, a round's store). A join
+    /// then costs one connection's handshake instead of two.
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the driver thread cannot be started.
+    pub fn start_lazy(
+        store: Box<dyn Store>,
+        connect: StoreConnector,
+        settings: ElasticSettings,
+        node: impl Into<String>,
+    ) -> Result<Self, ElasticFailure> {
+        let handle = HandleStore::Lazy {
+            connect,
+            opened: OnceLock::new(),
+            connecting: Mutex::new(()),
+        };
+        Self::start_with(store, handle, settings, node.into())
+    }
+
+    fn start_with(
+        driver_store: Box<dyn Store>,
+        store: HandleStore,
+        settings: ElasticSettings,
+        node: String,
+    ) -> Result<Self, ElasticFailure> {
         let mut machine = ElasticNode::new(settings.clone(), node.clone());
         machine.handle_local(LocalEvent::Join);
         let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
         let (commands, inbox) = mpsc::channel();
+        let contact = Arc::new(Mutex::new(None));
         let driver = Driver {
             machine,
             store: driver_store,
             inbox,
             shared: Arc::clone(&shared),
+            contact: Arc::clone(&contact),
             epoch: StdInstant::now(),
         };
         let thread = std::thread::Builder::new()
@@ -199,6 +248,7 @@ impl ElasticRendezvous {
             node,
             settings,
             store,
+            contact,
             shared,
             commands: Mutex::new(commands),
             thread: Mutex::new(Some(thread)),
@@ -219,6 +269,36 @@ impl ElasticRendezvous {
     /// The settings this node runs with.
     pub fn settings(&self) -> &ElasticSettings {
         &self.settings
+    }
+
+    /// What this node tells the others when it is rank 0 (torchrun: `addr:port` for
+    /// `MASTER_ADDR` and `MASTER_PORT`); it goes with this node's next arrival, and rank
+    /// 0's comes with every member's [`RoundOutcome::master`]
+    /// ([`ElasticNode::set_contact`]).
+    pub fn set_contact(&self, contact: &str) {
+        *lock_any(&self.contact) = Some(contact.to_string());
+    }
+
+    /// The handle's store connection, opened now if it is opened lazily.
+    fn store(&self) -> Result<Arc<dyn Store>, ElasticFailure> {
+        match &self.store {
+            HandleStore::Ready(store) => Ok(Arc::clone(store)),
+            HandleStore::Lazy {
+                connect,
+                opened,
+                connecting,
+            } => {
+                if let Some(store) = opened.get() {
+                    return Ok(Arc::clone(store));
+                }
+                let _one = lock_any(connecting);
+                if let Some(store) = opened.get() {
+                    return Ok(Arc::clone(store));
+                }
+                let store = connect().map_err(|e| self.store_failure("connect", "", &e))?;
+                Ok(Arc::clone(opened.get_or_init(|| store)))
+            }
+        }
     }
 
     /// torchelastic's `next_rendezvous`: the first call waits for this node's first round;
@@ -265,7 +345,7 @@ impl ElasticRendezvous {
         }
         let key = self.settings.live_count_key(last.saturating_add(1));
         let value = self
-            .store
+            .store()?
             .add(&key, 0)
             .map_err(|e| self.store_failure("add", &key, &e))?;
         let others = ElasticSettings::live_count(value).saturating_sub(1);
@@ -279,7 +359,7 @@ impl ElasticRendezvous {
     /// [`ElasticFailure::Store`] when the store cannot be read.
     pub fn is_closed(&self) -> Result<bool, ElasticFailure> {
         let key = self.settings.closed_key();
-        self.store
+        self.store()?
             .check(&[&key])
             .map_err(|e| self.store_failure("check", &key, &e))
     }
@@ -307,8 +387,9 @@ impl ElasticRendezvous {
                 // through the handle's own connection, as the core says.
                 self.join_thread();
                 let by = format!("node '{}'", self.node);
+                let store = self.store()?;
                 for action in self.settings.close_actions(&by) {
-                    perform(&*self.store, &action, Duration::ZERO)
+                    perform(&*store, &action, Duration::ZERO)
                         .map_err(|e| self.store_failure(action.name(), action.key(), &e))?;
                 }
                 Ok(())
@@ -396,11 +477,15 @@ impl ElasticRendezvous {
     }
 
     /// The store of `round`: `PrefixStore("torch.rendezvous.{run_id}.{round}", store)`.
-    pub fn round_store(&self, round: &RoundOutcome) -> Arc<dyn Store> {
-        Arc::new(PrefixStore::new(
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the handle's connection, opened lazily
+    /// ([`ElasticRendezvous::start_lazy`]), cannot be opened.
+    pub fn round_store(&self, round: &RoundOutcome) -> Result<Arc<dyn Store>, ElasticFailure> {
+        Ok(Arc::new(PrefixStore::new(
             round.store_prefix.clone(),
-            Arc::clone(&self.store),
-        ))
+            self.store()?,
+        )))
     }
 
     /// This node's workers failed: end the round; the node rejoins the next one.
@@ -475,6 +560,7 @@ struct Driver {
     store: Box<dyn Store>,
     inbox: Receiver<LocalEvent>,
     shared: Arc<(Mutex<Shared>, Condvar)>,
+    contact: Arc<Mutex<Option<String>>>,
     epoch: StdInstant,
 }
 
@@ -496,6 +582,9 @@ impl Driver {
                         break;
                     }
                 }
+            }
+            if let Some(contact) = lock_any(&self.contact).take() {
+                self.machine.set_contact(&contact);
             }
             let Some(action) = self.machine.poll_action(self.now()) else {
                 if self.machine.is_done() {
@@ -583,6 +672,9 @@ impl Driver {
     }
 }
 
+/// A value no elastic key ever holds (the protocol writes text): see [`perform`]'s `Get`.
+const NEVER_WRITTEN: &[u8] = b"\0rdzv: a read, never written\0";
+
 /// Performs one of the core's store actions on `store`; a wait waits up to `left`.
 fn perform(
     store: &dyn Store,
@@ -605,7 +697,13 @@ fn perform(
             expected,
             desired,
         } => OwnedStoreReply::Value(store.compare_set(key, expected, desired)?),
-        StoreAction::Get { key } => OwnedStoreReply::Value(store.get(key)?),
+        // The machine reads only keys that exist. `Store::get` would wait for the key
+        // first (torch's client sends WAIT, then GET: two requests); a compare-set whose
+        // expected value the protocol never writes changes nothing and answers with the
+        // value, in one request on every store.
+        StoreAction::Get { key } => {
+            OwnedStoreReply::Value(store.compare_set(key, NEVER_WRITTEN, NEVER_WRITTEN)?)
+        }
         StoreAction::Wait { key, .. } => match store.wait(&[key], Some(left)) {
             Ok(()) => OwnedStoreReply::Waited,
             Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
@@ -663,11 +761,10 @@ pub(super) fn elastic_rendezvous_handler(
     let round = handle
         .next_rendezvous()
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    let mut rendezvous = Rendezvous::new(
-        handle.round_store(&round),
-        round.rank,
-        Some(round.world_size),
-    );
+    let round_store = handle
+        .round_store(&round)
+        .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
+    let mut rendezvous = Rendezvous::new(round_store, round.rank, Some(round.world_size));
     rendezvous.elastic = Some(Arc::new(handle));
     Ok(rendezvous)
 }

@@ -178,6 +178,10 @@ pub struct RoundOutcome {
     pub world_size: u32,
     /// PyTorch's per-round store prefix, `torch.rendezvous.{run_id}.{round}`.
     pub store_prefix: String,
+    /// Rank 0's contact ([`ElasticNode::set_contact`], e.g. torchrun's `MASTER_ADDR` and
+    /// `MASTER_PORT` as `addr:port`), when it gave one: it comes with the world, so no
+    /// rank needs a store request to learn it.
+    pub master: Option<String>,
 }
 
 /// What happened; drain with [`ElasticNode::poll_event`].
@@ -344,9 +348,16 @@ const DEPARTED: i64 = 1 << 32;
 /// compare-set that advances the hint, tell closed runs apart at no extra cost.
 pub(super) const CLOSED_MARK: i64 = 1 << 40;
 
-/// Added to a round's `ready` counter by a member that gave up waiting for the others'
-/// acknowledgements: the round failed.
-const POISON: i64 = 1 << 32;
+/// Added to round 0's arrivals counter by its closer once the round is closed (and by
+/// closing the rendezvous), so that a fresh node's guessed arrival in round 0 finds out
+/// at once that it must read the round hint. Above every count of arrivals and
+/// departures (at most [`MAX_SLOTS`] each).
+pub(super) const ARRIVALS_CLOSED: i64 = 1 << 48;
+
+/// A round's confirmation verdict (`{round}/verdict`), compare-set once from missing: the
+/// round stands, or it failed.
+const VERDICT_GO: &[u8] = b"go";
+const VERDICT_FAIL: &[u8] = b"fail";
 
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
 const MAX_SLOTS: u32 = 1 << 16;
@@ -390,9 +401,15 @@ enum AfterGone {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Step {
     Idle,
-    ReadHint,
+    /// Reads the round hint; `guess` is the arrivals counter of round 0 as this node's
+    /// first guess found it (closed), to be used as its arrival if the hint says 0.
+    ReadHint {
+        guess: Option<i64>,
+    },
     Arrive {
         round: u64,
+        /// A fresh node's arrival in round 0 without reading the hint first.
+        guessed: bool,
     },
     Announce {
         round: u64,
@@ -477,6 +494,11 @@ enum Step {
         slot: u32,
         proposal: String,
     },
+    /// Round 0's closer marks its arrivals closed (see [`ARRIVALS_CLOSED`]).
+    MarkArrivals {
+        round: u64,
+        slot: u32,
+    },
     Confirm {
         round: u64,
         slot: u32,
@@ -485,10 +507,14 @@ enum Step {
         round: u64,
         slot: u32,
     },
-    QuorumAfterClose {
+    /// The closer sets the quorum before it compare-sets the size, for nodes below
+    /// `min_nodes` still waiting on it: no arrival may have seen exactly `min_nodes` live
+    /// (a departure counted late), and a closer that leaves or dies right after its
+    /// compare-set must not leave them waiting.
+    QuorumBeforeClose {
         round: u64,
         slot: u32,
-        gone: Option<u32>,
+        proposal: String,
     },
     /// A member acknowledges the round (`ready`); the last one releases the others.
     Ack {
@@ -507,15 +533,20 @@ enum Step {
         rank: u32,
         deadline: Instant,
     },
-    Poison {
+    /// A member that waited in vain for the release reads the acknowledgements.
+    ReadReady {
         round: u64,
         slot: u32,
         rank: u32,
     },
-    CheckGo {
+    /// The one decision on the round's confirmation: the first compare-set of the verdict
+    /// wins, and every member obeys it (`go`: the last acknowledger, or a member that
+    /// waited in vain and found every acknowledgement in; `fail`: one that did not).
+    Verdict {
         round: u64,
         slot: u32,
         rank: u32,
+        go: bool,
     },
     AskNext {
         round: u64,
@@ -538,6 +569,8 @@ enum Step {
     },
     ShutClosed,
     ShutMark,
+    /// Marks round 0's arrivals too, so that a fresh node's guess finds out at once.
+    ShutArrivals,
     ShutSize {
         round: u64,
     },
@@ -587,6 +620,8 @@ struct Entry<'a> {
     slot: u32,
     /// The round and rank this node held last.
     prev: Option<(u64, u32)>,
+    /// What it tells the others when it is rank 0.
+    contact: Option<&'a str>,
     node: &'a str,
 }
 
@@ -612,6 +647,10 @@ pub struct ElasticNode {
     open: OpenWatch,
     /// The slots of the round just closed, by rank.
     world: Vec<u32>,
+    /// Rank 0's contact in the round just closed.
+    master: Option<String>,
+    /// This node's contact, written with its arrivals ([`ElasticNode::set_contact`]).
+    contact: Option<String>,
     /// The round and rank this node held last, for stable ranks.
     prev: Option<(u64, u32)>,
 }
@@ -636,8 +675,30 @@ impl ElasticNode {
             open_slot: None,
             open: OpenWatch::default(),
             world: Vec::new(),
+            master: None,
+            contact: None,
             prev: None,
         }
+    }
+
+    /// Sets what this node tells the others when it is rank 0 (torchrun: `MASTER_ADDR`
+    /// and a free `MASTER_PORT`, as `addr:port`); it travels with each later arrival's
+    /// roster line, and rank 0's comes with the world to every member
+    /// ([`RoundOutcome::master`]), at no extra store request. Whitespace, `,` and `;`
+    /// become `?`; empty text clears it.
+    pub fn set_contact(&mut self, contact: &str) {
+        self.contact = (!contact.is_empty()).then(|| {
+            contact
+                .chars()
+                .map(|c| {
+                    if c.is_whitespace() || c.is_control() || c == ',' || c == ';' {
+                        '?'
+                    } else {
+                        c
+                    }
+                })
+                .collect()
+        });
     }
 
     /// The settings.
@@ -717,12 +778,14 @@ impl ElasticNode {
         limit.min(now.saturating_add(self.settings.keep_alive_interval))
     }
 
-    /// This node's roster line: `+{slot} {round}:{rank}|- {node}`.
+    /// This node's roster line: `+{slot} {round}:{rank}|- {contact}|- {node}`.
     fn roster_line(&self, slot: u32) -> Vec<u8> {
         let mut line = match self.prev {
             Some((round, rank)) => format!("+{slot} {round}:{rank} "),
             None => format!("+{slot} - "),
         };
+        line.push_str(self.contact.as_deref().unwrap_or("-"));
+        line.push(' ');
         line.extend(
             self.node
                 .chars()
@@ -739,11 +802,11 @@ impl ElasticNode {
         Some(match &self.step {
             Step::Idle | Step::Done => return None,
             Step::Recheck { .. } => closed(),
-            Step::ReadHint => StoreAction::Add {
+            Step::ReadHint { .. } => StoreAction::Add {
                 key: self.key(format_args!("round")),
                 delta: 0,
             },
-            Step::Arrive { round } => StoreAction::Add {
+            Step::Arrive { round, .. } => StoreAction::Add {
                 key: self.round_key(*round, "arrivals"),
                 delta: 1,
             },
@@ -752,7 +815,7 @@ impl ElasticNode {
                 value: self.roster_line(*slot),
             },
             Step::SetQuorum { round, .. }
-            | Step::QuorumAfterClose { round, .. }
+            | Step::QuorumBeforeClose { round, .. }
             | Step::ShutQuorum { round } => StoreAction::Set {
                 key: self.round_key(*round, "quorum"),
                 value: Vec::new(),
@@ -805,6 +868,10 @@ impl ElasticNode {
                 key: self.round_key(*round, "arrivals"),
                 delta: 0,
             },
+            Step::MarkArrivals { round, .. } => StoreAction::Add {
+                key: self.round_key(*round, "arrivals"),
+                delta: ARRIVALS_CLOSED,
+            },
             Step::ReadRoster { round, .. } | Step::Confirm { round, .. } => StoreAction::Get {
                 key: self.round_key(*round, "roster"),
             },
@@ -832,12 +899,14 @@ impl ElasticNode {
                 key: self.round_key(*round, "ready"),
                 delta: 1,
             },
-            Step::Poison { round, .. } => StoreAction::Add {
+            Step::ReadReady { round, .. } => StoreAction::Add {
                 key: self.round_key(*round, "ready"),
-                delta: POISON,
+                delta: 0,
             },
-            Step::CheckGo { round, .. } => StoreAction::Check {
-                key: self.round_key(*round, "go"),
+            Step::Verdict { round, go, .. } => StoreAction::CompareSet {
+                key: self.round_key(*round, "verdict"),
+                expected: Vec::new(),
+                desired: if *go { VERDICT_GO } else { VERDICT_FAIL }.to_vec(),
             },
             Step::SetGo { round, .. } => StoreAction::Set {
                 key: self.round_key(*round, "go"),
@@ -848,6 +917,10 @@ impl ElasticNode {
             } => StoreAction::Wait {
                 key: self.round_key(*round, "go"),
                 until: self.capped(now, *deadline),
+            },
+            Step::ShutArrivals => StoreAction::Add {
+                key: self.round_key(0, "arrivals"),
+                delta: ARRIVALS_CLOSED,
             },
             Step::ShutMark => StoreAction::Add {
                 key: self.key(format_args!("round")),
@@ -905,7 +978,13 @@ impl ElasticNode {
             LocalEvent::Join => {
                 if self.step == Step::Idle {
                     self.join_deadline = now.saturating_add(self.settings.join_timeout);
-                    self.step = Step::ReadHint;
+                    // A fresh node guesses round 0 (a job's start) instead of reading the
+                    // hint; round 0's closer marks its arrivals, so a wrong guess costs
+                    // one request.
+                    self.step = Step::Arrive {
+                        round: 0,
+                        guessed: true,
+                    };
                 }
             }
             LocalEvent::Leave => match (self.holding, self.open_slot) {
@@ -1024,19 +1103,42 @@ impl ElasticNode {
         let max = self.settings.nodes.max;
         let min = self.settings.nodes.min;
         Ok(match (step, reply) {
-            (Step::ReadHint, R::Added(round)) if round >= CLOSED_MARK => {
+            (Step::ReadHint { .. }, R::Added(round)) if round >= CLOSED_MARK => {
                 self.fail(self.closed_error());
                 Step::Done
             }
-            (Step::ReadHint, R::Added(round)) => match u64::try_from(round) {
-                Ok(round) => Step::Arrive { round },
+            (Step::ReadHint { guess: Some(value) }, R::Added(0)) => {
+                // Round 0 is still the current one: this node's guessed arrival stands
+                // (a late one).
+                return self.transition(
+                    Step::Arrive {
+                        round: 0,
+                        guessed: false,
+                    },
+                    R::Added(value - ARRIVALS_CLOSED),
+                    now,
+                );
+            }
+            (Step::ReadHint { .. }, R::Added(round)) => match u64::try_from(round) {
+                Ok(round) => Step::Arrive {
+                    round,
+                    guessed: false,
+                },
                 Err(_) => {
                     let key = self.key(format_args!("round"));
                     self.fail(self.bad_value(key, format!("{round}").as_bytes()));
                     return Ok(Step::Done);
                 }
             },
-            (Step::Arrive { round }, R::Added(value)) => {
+            (Step::Arrive { round, guessed }, R::Added(mut value)) => {
+                if value >= ARRIVALS_CLOSED {
+                    if guessed {
+                        // Round 0 closed: find the current round.
+                        return Ok(Step::ReadHint { guess: Some(value) });
+                    }
+                    // A late arrival in a closed round: it finds out as any late node.
+                    value -= ARRIVALS_CLOSED;
+                }
                 let slot = (value & 0xffff_ffff) as u32;
                 if value < 1 || !(1..=MAX_SLOTS).contains(&slot) {
                     return Ok(self.foreign(round, "arrivals", format!("{value}").as_bytes()));
@@ -1162,7 +1264,7 @@ impl ElasticNode {
             }
             (Step::OwnRead { round, slot, then }, R::Value(value)) => {
                 match parse_world(value, max) {
-                    Some(world) if world.contains(&slot) => {
+                    Some((world, _)) if world.contains(&slot) => {
                         // The round closed with this node in it: end it for the others.
                         Step::MarkOver {
                             round,
@@ -1216,6 +1318,11 @@ impl ElasticNode {
                 let grace =
                     now.saturating_duration_since(since) >= self.settings.keep_alive_interval;
                 match self.propose(roster, count, grace) {
+                    Proposal::Close(proposal) if min < max => Step::QuorumBeforeClose {
+                        round,
+                        slot,
+                        proposal,
+                    },
                     Proposal::Close(proposal) => Step::Close {
                         round,
                         slot,
@@ -1262,9 +1369,12 @@ impl ElasticNode {
             ) => {
                 let won = value == proposal.as_bytes();
                 match parse_world(value, max) {
-                    Some(world) => {
+                    Some((world, master)) => {
                         self.world = world;
-                        if won {
+                        self.master = master;
+                        if won && round == 0 {
+                            Step::MarkArrivals { round, slot }
+                        } else if won {
                             Step::Confirm { round, slot }
                         } else {
                             self.decide(round, slot, now)
@@ -1273,6 +1383,7 @@ impl ElasticNode {
                     None => return Ok(self.foreign(round, "size", value)),
                 }
             }
+            (Step::MarkArrivals { round, slot }, R::Added(_)) => Step::Confirm { round, slot },
             (Step::Confirm { round, slot }, R::Value(roster)) => {
                 // A member marked gone after the roster was read but before the close:
                 // the round must end rather than wait for it.
@@ -1282,24 +1393,28 @@ impl ElasticNode {
                         Line::Joined(_) => None,
                     })
                     .find(|s| self.world.contains(s));
-                if min < max {
-                    // Nodes below min_nodes may still wait on the quorum.
-                    Step::QuorumAfterClose { round, slot, gone }
-                } else {
-                    self.confirmed(round, slot, gone, now)
-                }
+                self.confirmed(round, slot, gone, now)
             }
             (Step::ReadSize { round, slot }, R::Value(value)) => match parse_world(value, max) {
-                Some(world) => {
+                Some((world, master)) => {
                     self.world = world;
+                    self.master = master;
                     self.decide(round, slot, now)
                 }
                 None => return Ok(self.foreign(round, "size", value)),
             },
-            // The closer sets the quorum too, for nodes below min_nodes still waiting on it.
-            (Step::QuorumAfterClose { round, slot, gone }, R::Set) => {
-                self.confirmed(round, slot, gone, now)
-            }
+            (
+                Step::QuorumBeforeClose {
+                    round,
+                    slot,
+                    proposal,
+                },
+                R::Set,
+            ) => Step::Close {
+                round,
+                slot,
+                proposal,
+            },
             (Step::AskNext { round }, R::Set) => Step::Advance { round },
             (Step::Spare(m), R::Waited) => {
                 self.join_deadline = now.saturating_add(self.settings.join_timeout);
@@ -1326,14 +1441,18 @@ impl ElasticNode {
                 self.spare = false;
                 Step::Arrive {
                     round: round.saturating_add(1),
+                    guessed: false,
                 }
             }
             (Step::Ack { round, slot, rank }, R::Added(value)) => {
                 let size = self.world.len() as i64;
-                if value >= POISON {
-                    self.unconfirmed(round)
-                } else if value >= size {
-                    Step::SetGo { round, slot, rank }
+                if value >= size {
+                    Step::Verdict {
+                        round,
+                        slot,
+                        rank,
+                        go: true,
+                    }
                 } else {
                     Step::WaitGo {
                         round,
@@ -1360,7 +1479,7 @@ impl ElasticNode {
                 R::TimedOut,
             ) => {
                 if now >= deadline {
-                    Step::Poison { round, slot, rank }
+                    Step::ReadReady { round, slot, rank }
                 } else {
                     Step::WaitGo {
                         round,
@@ -1370,25 +1489,27 @@ impl ElasticNode {
                     }
                 }
             }
-            (Step::Poison { round, slot, rank }, R::Added(value)) => {
-                let acked = (value & 0xffff_ffff) >= self.world.len() as i64;
-                if !acked {
+            (Step::ReadReady { round, slot, rank }, R::Added(value)) => Step::Verdict {
+                round,
+                slot,
+                rank,
+                go: value >= self.world.len() as i64,
+            },
+            (
+                Step::Verdict {
+                    round, slot, rank, ..
+                },
+                R::Value(verdict),
+            ) => {
+                if verdict == VERDICT_GO {
+                    // Release the others (again, when a member that waited in vain finds
+                    // the round standing: the last acknowledger may have died after its
+                    // verdict).
+                    Step::SetGo { round, slot, rank }
+                } else if verdict == VERDICT_FAIL {
                     self.unconfirmed(round)
-                } else if value >> 32 == 1 {
-                    // The first poison, after every acknowledgement: the round stands (its
-                    // last acknowledger releases the others).
-                    self.complete(round, slot, rank, now)
                 } else {
-                    // An earlier poison decided; the round stands only if it came after the
-                    // last acknowledgement, which then released the others.
-                    Step::CheckGo { round, slot, rank }
-                }
-            }
-            (Step::CheckGo { round, slot, rank }, R::Checked(go)) => {
-                if go {
-                    self.complete(round, slot, rank, now)
-                } else {
-                    self.unconfirmed(round)
+                    return Ok(self.foreign(round, "verdict", verdict));
                 }
             }
             (Step::Beat(m), R::Added(_)) => {
@@ -1431,7 +1552,8 @@ impl ElasticNode {
                 other => return Ok(self.then(other, now)),
             },
             (Step::ShutClosed, R::Set) => Step::ShutMark,
-            (Step::ShutMark, R::Added(_)) => match self.holding {
+            (Step::ShutMark, R::Added(_)) => Step::ShutArrivals,
+            (Step::ShutArrivals, R::Added(_)) => match self.holding {
                 Some(round) => Step::ShutSize { round },
                 None => {
                     self.finish(Event::ShutDown);
@@ -1473,7 +1595,7 @@ impl ElasticNode {
                 self.join_deadline = now.saturating_add(self.settings.join_timeout);
                 match self.holding {
                     Some(round) => Step::Advance { round },
-                    None => Step::ReadHint,
+                    None => Step::ReadHint { guess: None },
                 }
             }
             Then::Left => {
@@ -1548,13 +1670,25 @@ impl ElasticNode {
             }
             text.push_str(&format!("{slot}"));
         }
+        let master = ranks
+            .first()
+            .and_then(|s| joined.iter().find(|e| e.slot == *s))
+            .and_then(|e| e.contact);
+        if let Some(contact) = master {
+            text.push(';');
+            text.push_str(contact);
+        }
         Proposal::Close(text)
     }
 
     /// Records the watched member's heartbeat counter; `Err` with the step that ends the
     /// round when it has stood still for the keep-alive timeout.
     fn watch(&self, mut m: Member, value: i64, now: Instant) -> Result<Member, Step> {
-        if value != m.seen {
+        if m.seen < 0 {
+            // The first look: the timeout keeps running from when the watch began.
+            m.seen = value;
+            Ok(m)
+        } else if value != m.seen {
             m.seen = value;
             m.seen_at = now;
             Ok(m)
@@ -1575,8 +1709,9 @@ impl ElasticNode {
     }
 
     /// Every member acknowledged the round: it is complete. The acknowledgement was this
-    /// member's first heartbeat; the next is one interval away, and the ring watch starts
-    /// now.
+    /// member's first sign of life; its first heartbeat and its first look at the watched
+    /// member are one interval away, and until then it only waits on `over`. The watched
+    /// member's keep-alive timeout runs from now.
     fn complete(&mut self, round: u64, slot: u32, rank: u32, now: Instant) -> Step {
         let size = self.world.len() as u32;
         self.events.push_back(Event::Complete(RoundOutcome {
@@ -1584,6 +1719,7 @@ impl ElasticNode {
             rank,
             world_size: size,
             store_prefix: format!("torch.rendezvous.{}.{round}", self.settings.run_id),
+            master: self.master.clone(),
         }));
         self.prev = Some((round, rank));
         let next = (rank + 1) % size;
@@ -1597,11 +1733,7 @@ impl ElasticNode {
             seen: -1,
             seen_at: now,
         };
-        if size > 1 {
-            Step::Watch(m)
-        } else {
-            Step::WaitOver(m)
-        }
+        Step::WaitOver(m)
     }
 
     /// A member did not acknowledge the round within the keep-alive timeout: it is dead,
@@ -1674,8 +1806,8 @@ enum Line<'a> {
     Gone(u32),
 }
 
-/// The roster's lines: `+{slot} {round}:{rank}|- {node}` for an arrival, `-{slot}` for a
-/// departure. Lines that are neither are skipped.
+/// The roster's lines: `+{slot} {round}:{rank}|- {contact}|- {node}` for an arrival,
+/// `-{slot}` for a departure. Lines that are neither are skipped.
 fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
     // A round's roster has a line per arrival and per departure: more lines than twice
     // the most slots are not ours.
@@ -1685,7 +1817,7 @@ fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
         if let Some(slot) = line.strip_prefix('-') {
             return slot.parse().ok().map(Line::Gone);
         }
-        let mut parts = line.strip_prefix('+')?.splitn(3, ' ');
+        let mut parts = line.strip_prefix('+')?.splitn(4, ' ');
         let slot = parts.next()?.parse().ok()?;
         let prev = match parts.next()? {
             "-" => None,
@@ -1694,19 +1826,33 @@ fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
                 Some((round.parse().ok()?, rank.parse().ok()?))
             }
         };
+        let contact = match parts.next()? {
+            "-" => None,
+            text => Some(text),
+        };
         let node = parts.next().unwrap_or("");
-        Some(Line::Joined(Entry { slot, prev, node }))
+        Some(Line::Joined(Entry {
+            slot,
+            prev,
+            contact,
+            node,
+        }))
     })
 }
 
-/// The size value: `{N};{slot of rank 0},{slot of rank 1},…`, or `0` (shut down). `None`
-/// when it is anything else, or names more than `max` members.
-fn parse_world(value: &[u8], max: u32) -> Option<Vec<u32>> {
+/// The size value: `{N};{slot of rank 0},{slot of rank 1},…[;{rank 0's contact}]`, or
+/// `0` (shut down): the slots by rank and rank 0's contact. `None` when it is anything
+/// else, or names more than `max` members.
+fn parse_world(value: &[u8], max: u32) -> Option<(Vec<u32>, Option<String>)> {
     let text = core::str::from_utf8(value).ok()?;
     if text == "0" {
-        return Some(Vec::new());
+        return Some((Vec::new(), None));
     }
-    let (size, slots) = text.split_once(';')?;
+    let (size, rest) = text.split_once(';')?;
+    let (slots, master) = match rest.split_once(';') {
+        Some((slots, contact)) => (slots, Some(String::from(contact))),
+        None => (rest, None),
+    };
     let size: u32 = size.parse().ok()?;
     if size == 0 || size > max {
         return None;
@@ -1719,7 +1865,7 @@ fn parse_world(value: &[u8], max: u32) -> Option<Vec<u32>> {
         }
         world.push(slot.parse().ok()?);
     }
-    (world.len() == size as usize).then_some(world)
+    (world.len() == size as usize).then_some((world, master))
 }
 
 /// Deals ranks `0..N` to the members (`N = members.len()`, in any order); returns their
@@ -1775,7 +1921,12 @@ mod unit {
     use super::*;
 
     fn entry(slot: u32, prev: Option<(u64, u32)>, node: &str) -> Entry<'_> {
-        Entry { slot, prev, node }
+        Entry {
+            slot,
+            prev,
+            contact: None,
+            node,
+        }
     }
 
     #[test]
@@ -1809,17 +1960,26 @@ mod unit {
     #[test]
     fn rosters_and_worlds_parse_or_refuse() {
         let lines: Vec<Line<'_>> =
-            parse_roster(b"+1 - a b\n+2 4:1 n2\n-1\ngarbage\n+x - y\n").collect();
+            parse_roster(b"+1 - - a b\n+2 4:1 h:29500 n2\n-1\ngarbage\n+x - - y\n+3 -\n").collect();
+        let mut with_contact = entry(2, Some((4, 1)), "n2");
+        with_contact.contact = Some("h:29500");
         assert_eq!(
             lines,
             [
                 Line::Joined(entry(1, None, "a b")),
-                Line::Joined(entry(2, Some((4, 1)), "n2")),
+                Line::Joined(with_contact),
                 Line::Gone(1),
             ]
         );
-        assert_eq!(parse_world(b"3;4,1,2", 4), Some(alloc::vec![4, 1, 2]));
-        assert_eq!(parse_world(b"0", 4), Some(Vec::new()));
+        assert_eq!(
+            parse_world(b"3;4,1,2", 4),
+            Some((alloc::vec![4, 1, 2], None))
+        );
+        assert_eq!(
+            parse_world(b"2;4,1;[::1]:29500", 4),
+            Some((alloc::vec![4, 1], Some("[::1]:29500".into())))
+        );
+        assert_eq!(parse_world(b"0", 4), Some((Vec::new(), None)));
         for bad in [
             &b"3;1,2"[..],
             b"5;1,2,3,4,5",

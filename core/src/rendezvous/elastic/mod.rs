@@ -38,14 +38,15 @@
 //! | key | operations | who |
 //! |---|---|---|
 //! | `closed` | `SET` once; `CHECK` | closing; `is_closed` and every open-round tick check it |
-//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1`; `ADD` 2^40 when closed | the lowest round that may still be open; joiners read it, so it also says "closed" |
-//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits) | each joiner once; each slot struck once |
-//! | `{r}/roster` | `APPEND "+s round:rank node"` on arrival, `"-s"` when struck; `GET` | each joiner once; the closer reads it once or twice |
+//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1`; `ADD` 2^40 when closed | the lowest round that may still be open; a joiner whose guess of round 0 was wrong reads it, so it also says "closed" |
+//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits); `ADD 2^48` marks round 0 closed | each joiner once (a fresh node's first request, in round 0); each slot struck once; round 0's closer, and closing |
+//! | `{r}/roster` | `APPEND "+s round:rank contact node"` on arrival (`-` for none), `"-s"` when struck; `GET` | each joiner once; the closer reads it twice |
 //! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
-//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer; fewer wait on it |
-//! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…"` (slots by rank) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
-//! | `{r}/ready` | `ADD 1` per member; `ADD 2^32` poisons | each member acknowledges once; one that waited in vain poisons |
-//! | `{r}/go` | `SET`; members `WAIT` | the member whose acknowledgement is the N-th |
+//! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer before its compare-set (no arrival may have seen exactly `min_nodes`, and a closer may leave at once); fewer wait on it |
+//! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…[;contact]"` (slots by rank, rank 0's contact) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
+//! | `{r}/ready` | `ADD 1` per member; `ADD 0` to read | each member acknowledges once; one that waited in vain for `go` reads it |
+//! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: the N-th acknowledger writes `go`; a member that waited in vain writes `go` if all N acknowledged, else `fail`; the first writer wins and every member obeys it |
+//! | `{r}/go` | `SET`; members `WAIT` | whoever's verdict was `go` |
 //! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
@@ -64,13 +65,28 @@
 //! between. A node that leaves an open round strikes itself, then checks whether the
 //! round closed with it (and ends it if so).
 //!
-//! Store work per node: joining is two `ADD`s (round hint, arrival), an `APPEND`, one
-//! `WAIT` and one `GET` (the size), and the acknowledgement's `ADD` and `WAIT` (the last
-//! member `SET`s instead); the closer adds a `GET` of the roster (two, and a short `WAIT`
-//! per poll) and a `COMPARE_SET`, and with `min_nodes < max_nodes` a `SET`. A heartbeat is
-//! two `ADD`s (the acknowledgement is a member's first). A wait in an open round never
-//! outlasts one keep-alive interval; each interval there costs a heartbeat `ADD`, an
-//! `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of `closed`.
+//! A member waits for `go` at most the keep-alive timeout. The verdict is one key,
+//! compare-set once, because counting alone cannot decide: with the last acknowledgement
+//! counted but its `go` still in flight, two members that gave up waiting used to read
+//! the same count and decide differently (one took the round as complete, the other
+//! ended it; `tests::the_last_confirmation_in_flight_splits_no_round`).
+//!
+//! Each node may give a *contact* ([`ElasticNode::set_contact`]; torchrun's handler gives
+//! `addr:port` for `MASTER_ADDR`/`MASTER_PORT`): it rides on the roster line, and the
+//! closer appends rank 0's to the size value, so every member learns it with the world
+//! ([`RoundOutcome::master`]) where torch's agents spend two more requests each.
+//!
+//! Store work per node: joining is an `ADD` (arrival; a fresh node guesses round 0, and
+//! reads the hint only when round 0 is marked closed), an `APPEND`, a `WAIT` and a `GET`
+//! (the size), the acknowledgement's `ADD` and a `WAIT` for `go`: six, then a `WAIT` on
+//! `over` that lasts until the first heartbeat. The last acknowledger compare-sets the
+//! verdict and `SET`s `go` instead of waiting; the closer reads the roster instead of the
+//! size, twice (and a short `WAIT` per poll for a line in flight), with `min_nodes <
+//! max_nodes` `SET`s the quorum, compare-sets the size, and in round 0 marks the arrivals. A
+//! member's heartbeat interval is two `ADD`s and the `WAIT` on `over`. A wait in an open
+//! round never outlasts one keep-alive interval; each interval there costs a heartbeat
+//! `ADD`, an `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of
+//! `closed`.
 //! The roster and the size value grow with N (a few bytes per node), read once per member
 //! and by the closer; torchrun's c10d backend instead compare-sets one pickled blob of the
 //! whole state for every join and every heartbeat, and re-reads it once a second while
@@ -224,9 +240,10 @@ impl ElasticSettings {
 
     /// What closing the rendezvous writes, for a runtime that closes it without a node
     /// (`rdzv rendezvous --close`, a handle whose node has ended): the `closed` key (which
-    /// `is_closed` checks), and the mark on the round hint that joiners and advancing
-    /// nodes read. Perform both, in order; `by` says who closed it.
-    pub fn close_actions(&self, by: &str) -> [StoreAction; 2] {
+    /// `is_closed` checks), the mark on the round hint that joiners and advancing nodes
+    /// read, and the mark on round 0's arrivals that a fresh node's first guess reads.
+    /// Perform them in order; `by` says who closed it.
+    pub fn close_actions(&self, by: &str) -> [StoreAction; 3] {
         [
             StoreAction::Set {
                 key: self.closed_key(),
@@ -235,6 +252,10 @@ impl ElasticSettings {
             StoreAction::Add {
                 key: alloc::format!("rdzv.elastic.{}/round", self.run_id),
                 delta: machine::CLOSED_MARK,
+            },
+            StoreAction::Add {
+                key: self.live_count_key(0),
+                delta: machine::ARRIVALS_CLOSED,
             },
         ]
     }

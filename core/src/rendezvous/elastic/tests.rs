@@ -185,6 +185,8 @@ impl Sim {
         let Some((_, slots)) = size.split_once(';') else {
             return; // shut down
         };
+        // Rank 0's contact, if any, follows the slots.
+        let slots = slots.split(';').next().unwrap_or_default();
         let roster = core::str::from_utf8(&self.store.kv[&format!("{round_key}/roster")])
             .unwrap()
             .to_string();
@@ -192,8 +194,8 @@ impl Sim {
             let name = roster
                 .lines()
                 .find_map(|l| {
-                    let mut parts = l.strip_prefix('+')?.splitn(3, ' ');
-                    (parts.next()? == slot).then(|| parts.nth(1).unwrap().to_string())
+                    let mut parts = l.strip_prefix('+')?.splitn(4, ' ');
+                    (parts.next()? == slot).then(|| parts.nth(2).unwrap().to_string())
                 })
                 .unwrap();
             // Names are unique among live nodes; a restarted name is the newest node.
@@ -405,7 +407,7 @@ fn fills_to_max_and_closes_at_once() {
         1,
         "a spare does not disturb the round"
     );
-    assert!(sim.store.kv["rdzv.elastic.job/0/roster"].ends_with(b"+3 - c\n"));
+    assert!(sim.store.kv["rdzv.elastic.job/0/roster"].ends_with(b"+3 - - c\n"));
     sim.check_agreement();
 }
 
@@ -594,7 +596,10 @@ fn shutdown_closes_for_good() {
     let c = sim.join("c");
     sim.run_for(secs(1));
     assert_eq!(sim.nodes[c].events, [Event::Failed(closed.clone())]);
-    assert_eq!(sim.nodes[c].ops, 1, "one ADD of the round hint");
+    assert_eq!(
+        sim.nodes[c].ops, 2,
+        "its guessed arrival in round 0 (marked closed), then the round hint"
+    );
 
     // A node waiting in an open round is woken, not left to time out.
     let mut sim = Sim::new(settings(3, 4));
@@ -627,7 +632,7 @@ fn join_timeout_is_rendezvous_timeout_error() {
     // with them (PyTorch would tell it world_size 3 with two departed nodes).
     assert_eq!(
         sim.store.kv["rdzv.elastic.job/0/roster"],
-        b"+1 - a\n+2 - b\n-1\n-2\n"
+        b"+1 - - a\n+2 - - b\n-1\n-2\n"
     );
     assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/over"));
 }
@@ -698,14 +703,20 @@ fn store_work_per_node_is_constant() {
         }
         sim.run_for(Duration::ZERO);
         assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
-        // ADD hint, ADD arrival, APPEND roster, WAIT size, GET size, ADD ready, WAIT go
-        // (the last member SETs go instead), then the first watch (ADD neighbour's): 8.
-        // The one closer GETs the roster twice and compare-sets the size instead of the
-        // wait and the get: at most 9.
-        let most = sim.nodes.iter().map(|node| node.ops).max().unwrap();
-        assert!(most <= 9, "n={n}: {most} operations for one node");
-        let typical = sim.nodes.iter().filter(|node| node.ops <= 8).count();
+        // ADD arrival (a fresh node guesses round 0), APPEND roster, WAIT size, GET size,
+        // ADD ready, WAIT go: 6, then a WAIT on the round's end that is still pending.
+        // The last member compare-sets the verdict and SETs go instead of the WAIT (7);
+        // the one closer GETs the roster twice, marks round 0's arrivals and
+        // compare-sets the size instead of the WAIT and the GET of the size (8; 9 when it
+        // is also the last to acknowledge).
         let ops: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
+        let most = ops.iter().copied().max().unwrap();
+        assert!(most <= 9, "n={n}: {most} operations for one node");
+        assert!(
+            ops.iter().filter(|&&o| o > 7).count() <= 1,
+            "n={n}: {ops:?}"
+        );
+        let typical = ops.iter().filter(|&&o| o <= 6).count();
         assert!(typical + 1 >= n as usize, "n={n}: {ops:?}");
         let before: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
         sim.run_for(secs(10));
@@ -717,12 +728,79 @@ fn store_work_per_node_is_constant() {
 }
 
 #[test]
+fn rank_zeros_contact_comes_with_the_world() {
+    let mut sim = Sim::new(settings(3, 3));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    for &i in &nodes {
+        let contact = format!("host{i}:2950{i}");
+        sim.nodes[i].machine.set_contact(&contact);
+    }
+    sim.run_for(Duration::ZERO);
+    let outcomes: Vec<RoundOutcome> = nodes
+        .iter()
+        .map(|&i| sim.last_complete(i).unwrap())
+        .collect();
+    let rank0 = nodes[outcomes.iter().position(|o| o.rank == 0).unwrap()];
+    let want = format!("host{rank0}:2950{rank0}");
+    for o in &outcomes {
+        assert_eq!(o.master.as_deref(), Some(want.as_str()), "{o:?}");
+    }
+    // A contact cannot break the roster's or the world's format.
+    let mut node = ElasticNode::new(settings(1, 1), "x");
+    node.set_contact("a b,c;d\ne");
+    node.handle_local(LocalEvent::Join);
+    let _ = node.poll_action(Instant::ZERO);
+    node.handle_reply(StoreReply::Added(1), Instant::ZERO);
+    let Some(StoreAction::Append { value, .. }) = node.poll_action(Instant::ZERO) else {
+        panic!("the roster line comes second");
+    };
+    assert_eq!(value, b"+1 - a?b?c?d?e x\n");
+    // No contact: no master.
+    let mut sim = Sim::new(settings(2, 2));
+    let a = sim.join("a");
+    sim.join("b");
+    sim.run_for(Duration::ZERO);
+    assert_eq!(sim.last_complete(a).unwrap().master, None);
+}
+
+#[test]
+fn a_fresh_node_guesses_round_zero_and_finds_the_current_round() {
+    let mut sim = Sim::new(settings(1, 4));
+    let a = sim.join("a");
+    sim.run_for(secs(3));
+    assert_eq!(sim.last_complete(a).unwrap().round, 0);
+    // Round 0 is closed and marked: b's guess costs one ADD, then it reads the hint (0)
+    // and keeps its slot: a late arrival, which asks for the next round.
+    let b = sim.join("b");
+    sim.run_for(secs(5));
+    assert_eq!(sim.last_complete(b).unwrap().round, 1);
+    assert_eq!(sim.last_complete(a).unwrap().round, 1);
+    let roster = sim.store.kv["rdzv.elastic.job/0/roster"].clone();
+    assert_eq!(
+        roster, b"+1 - - a\n+2 - - b\n",
+        "b took one slot in round 0"
+    );
+    // Now the hint says 1: c's guess in round 0 is marked, so it reads the hint and
+    // arrives in round 1 (ending it: it has room), without a line in round 0's roster.
+    let c = sim.join("c");
+    sim.run_for(secs(5));
+    assert_eq!(sim.last_complete(c).unwrap().round, 2);
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/roster"], roster);
+    assert!(sim.nodes[c].events.contains(&Event::Waiting {
+        round: 1,
+        hot_spare: false
+    }));
+    sim.check_agreement();
+    sim.check_stable_ranks();
+}
+
+#[test]
 fn misdriven_replies_fail_with_a_message() {
     let mut node = ElasticNode::new(settings(1, 1), "a");
     node.handle_local(LocalEvent::Join);
     let action = node.poll_action(Instant::ZERO).unwrap();
     assert_eq!(action.name(), "add");
-    assert_eq!(action.key(), "rdzv.elastic.job/round");
+    assert_eq!(action.key(), "rdzv.elastic.job/0/arrivals");
     assert_eq!(node.poll_action(Instant::ZERO), None, "one at a time");
     node.handle_reply(StoreReply::Checked(true), Instant::ZERO);
     let Some(Event::Failed(error)) = node.poll_event() else {
@@ -938,6 +1016,7 @@ proptest! {
         sim.check_agreement();
         sim.check_members_alive();
         sim.check_stable_ranks();
+        check_one_verdict(&sim);
         // A round that is still going has only live members, each of which has it.
         for c in &sim.closed {
             let current = c.members.iter().all(|&m| {
@@ -1023,6 +1102,7 @@ proptest! {
         sim.check_agreement();
         sim.check_members_alive();
         sim.check_stable_ranks();
+        check_one_verdict(&sim);
     }
 }
 
@@ -1101,4 +1181,175 @@ fn closing_makes_a_hot_spare_exit_gracefully() {
     };
     assert_eq!(error.kind(), ElasticErrorKind::Closed);
     assert_eq!(error.kind().torch_name(), "RendezvousClosedError");
+}
+
+/// Every member of a round learns the same verdict on its confirmation: complete for all,
+/// or failed (ended, "did not confirm") for all.
+fn check_one_verdict(sim: &Sim) {
+    for c in &sim.closed {
+        let completed: Vec<usize> = c
+            .members
+            .iter()
+            .copied()
+            .filter(|&m| sim.completes(m).iter().any(|o| o.round == c.round))
+            .collect();
+        let refused: Vec<usize> = c
+            .members
+            .iter()
+            .copied()
+            .filter(|&m| {
+                sim.nodes[m].events.iter().any(|e| {
+                    matches!(e, Event::RoundOver { round, reason }
+                        if *round == c.round && reason.contains("did not confirm"))
+                }) && !completed.contains(&m)
+            })
+            .collect();
+        assert!(
+            completed.is_empty() || refused.is_empty(),
+            "round {}: complete for {completed:?}, refused by {refused:?}",
+            c.round
+        );
+    }
+}
+
+impl Sim {
+    /// Steps node `i` until the action it would perform next satisfies `pred`; leaves
+    /// that action pending, not performed. Other nodes are stepped in between.
+    fn advance_to(&mut self, i: usize, pred: impl Fn(&StoreAction) -> bool) {
+        for _ in 0..1000 {
+            if self.nodes[i].pending.is_none() {
+                let now = self.now;
+                self.nodes[i].pending = self.nodes[i].machine.poll_action(now);
+            }
+            if self.nodes[i].pending.as_ref().is_some_and(&pred) {
+                return;
+            }
+            if !self.step(i) {
+                for j in 0..self.nodes.len() {
+                    if j != i && !self.held(j) {
+                        self.step(j);
+                    }
+                }
+            }
+        }
+        panic!(
+            "node {i} never reached the action: {:?}",
+            self.nodes[i].pending
+        );
+    }
+
+    /// Whether node `j`'s pending action is one `advance_to` stopped it at.
+    fn held(&self, j: usize) -> bool {
+        self.nodes[j]
+            .pending
+            .as_ref()
+            .is_some_and(|a| a.key().ends_with("/ready"))
+    }
+}
+
+#[test]
+fn the_last_confirmation_in_flight_splits_no_round() {
+    // Three members acknowledge; the last acknowledgement is counted, but its release of
+    // the others is still on its way when the other two give up waiting (their
+    // keep-alive timeout passes first). Before the verdict key, the first of them to give
+    // up (poisoning the acknowledgement counter) found every acknowledgement in and took
+    // the round as complete, the second found no `go` yet and ended it: a split
+    // decision, and everyone rejoined. Now the first compare-set of `verdict` decides for
+    // all: here `go`, since every acknowledgement was in.
+    let mut sim = Sim::new(settings(3, 3));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    let is_ack = |a: &StoreAction| matches!(a, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
+    for &i in &nodes {
+        sim.advance_to(i, is_ack);
+    }
+    // The first two acknowledge and wait for the release.
+    for &i in &nodes[..2] {
+        assert!(sim.step(i), "acknowledged");
+        assert!(!sim.step(i), "waits");
+    }
+    // The last acknowledges; what it does next is in flight, not yet performed.
+    let last = nodes[2];
+    assert!(sim.step(last));
+    let now = sim.now;
+    sim.nodes[last].pending = sim.nodes[last].machine.poll_action(now);
+    assert!(sim.nodes[last].pending.is_some());
+    let in_flight = sim.nodes[last].alive;
+    sim.nodes[last].alive = false;
+    // The others' keep-alive timeout passes (3 s) before the release lands.
+    sim.now = sim.now.saturating_add(secs(4));
+    for &i in &nodes[..2] {
+        for _ in 0..8 {
+            sim.step(i);
+        }
+    }
+    sim.nodes[last].alive = in_flight;
+    sim.run_for(secs(30));
+    check_one_verdict(&sim);
+    sim.check_agreement();
+    sim.check_members_alive();
+    // Whatever the verdict, the three end up together in one complete round.
+    let rounds: Vec<u64> = nodes
+        .iter()
+        .map(|&i| sim.last_complete(i).unwrap().round)
+        .collect();
+    assert!(rounds.iter().all(|&r| r == rounds[0]), "{rounds:?}");
+}
+
+#[test]
+fn a_closer_that_leaves_at_once_leaves_no_one_waiting_on_the_quorum() {
+    let mut sim = Sim::new(settings(3, 5));
+    let waits_on = |name: &'static str| move |x: &StoreAction| matches!(x, StoreAction::Wait { key, .. } if key.ends_with(name));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.advance_to(a, waits_on("/quorum"));
+    sim.advance_to(b, waits_on("/quorum"));
+    // c arrives, then leaves: its departure is claimed and logged, not yet counted.
+    let c = sim.join("c");
+    assert!(sim.step(c), "c's arrival");
+    sim.nodes[c].machine.handle_local(LocalEvent::Leave);
+    sim.advance_to(c, |x| {
+        matches!(x, StoreAction::Add { key, delta } if key.ends_with("/arrivals") && *delta > 1)
+    });
+    sim.nodes[c].alive = false;
+    // d counts c as live (4 live): no arrival saw exactly min_nodes, so none set the
+    // quorum; d waits out its last call.
+    let d = sim.join("d");
+    sim.advance_to(d, waits_on("/size"));
+    sim.nodes[c].alive = true;
+    for _ in 0..8 {
+        sim.step(c);
+    }
+    assert_eq!(sim.nodes[c].events, [Event::Left]);
+    // d's last call ends: it closes the round with a, b and itself, and leaves at once.
+    sim.now = sim.now.saturating_add(secs(2));
+    sim.advance_to(
+        d,
+        |x| matches!(x, StoreAction::CompareSet { key, .. } if key.ends_with("/size")),
+    );
+    assert!(sim.step(d), "d's compare-set closes round 0");
+    sim.nodes[d].machine.handle_local(LocalEvent::Leave);
+    // a and b must not wait on round 0's quorum for good: they learn that the round
+    // ended (d left it); with a newcomer they form the next one.
+    sim.run_for(secs(10));
+    for i in [a, b] {
+        assert!(
+            sim.nodes[i]
+                .events
+                .iter()
+                .any(|e| matches!(e, Event::RoundOver { round: 0, .. })),
+            "node {i} still waits in round 0: {:?}",
+            sim.nodes[i].events
+        );
+    }
+    let e = sim.join("e");
+    sim.run_for(secs(30));
+    for i in [a, b, e] {
+        let o = sim
+            .last_complete(i)
+            .unwrap_or_else(|| panic!("node {i}: {:?}", sim.nodes[i].events));
+        assert_eq!(o.world_size, 3, "node {i}");
+    }
+    sim.check_agreement();
+    sim.check_members_alive();
+    check_one_verdict(&sim);
 }
