@@ -218,6 +218,14 @@ impl EtcdStore {
         &self.config
     }
 
+    /// How many requests this store and the handles cloned from it
+    /// ([`Store::clone_store`]) have sent to etcd: every HTTP request to the gateway,
+    /// retries on other members included, a watch counted once. Benchmarks divide it by
+    /// the work done (requests per join, per keep-alive).
+    pub fn requests(&self) -> u64 {
+        self.gateway.requests()
+    }
+
     fn error(&self, err: EtcdError) -> StoreError {
         match err {
             EtcdError::TooLarge { .. }
