@@ -608,21 +608,27 @@ impl Store for EtcdStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         // First try assumes the key is missing: a new counter costs one transaction.
-        self.update(
-            "add",
-            key,
-            First::GuessMissing,
-            Retry::Conditional,
-            |current| {
-                let value = current.as_ref().map(|(v, _)| v.as_slice());
-                let new =
-                    semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
-                        key: key.to_string(),
-                        detail: e.to_string(),
-                    })?;
-                Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
-            },
-        )
+        // `ADD 0` (a read that creates a missing counter) writes only a missing key and
+        // may be applied twice without harm, so a lost answer is simply resent: one
+        // transaction, never an unknown outcome.
+        let retry = if delta == 0 {
+            Retry::Idempotent
+        } else {
+            Retry::Conditional
+        };
+        self.update("add", key, First::GuessMissing, retry, |current| {
+            let value = current.as_ref().map(|(v, _)| v.as_slice());
+            let new =
+                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
+                    key: key.to_string(),
+                    detail: e.to_string(),
+                })?;
+            if delta == 0 && current.is_some() {
+                // Nothing to write; nobody waits on a key that exists.
+                return Ok((None, new));
+            }
+            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
+        })
     }
 
     fn compare_set(
