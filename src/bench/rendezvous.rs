@@ -41,7 +41,8 @@ pub(crate) struct RendezvousBenchArgs {
     /// How many nodes join (one round of exactly this many).
     #[arg(long, default_value_t = 1024)]
     nodes: u32,
-    /// The store, as HOST:PORT; without it an rdzv server is started in this process.
+    /// The store, as HOST:PORT, or an etcd cluster as etcd://HOST:PORT[,HOST:PORT...];
+    /// without it an rdzv server is started in this process.
     #[arg(long)]
     addr: Option<String>,
     /// Keep-alive interval, in milliseconds (a wait lasts at most one interval, so a
@@ -210,6 +211,10 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
         return Err(BenchError::InvalidArgument(
             "--nodes must be at least 1".into(),
         ));
+    }
+    if let Some(etcd) = args.addr.as_deref().filter(|a| a.starts_with("etcd://")) {
+        let interval = Duration::from_millis(args.keep_alive_ms.max(1));
+        return super::rendezvous_etcd::run(etcd, args.nodes, interval, args.heartbeat_secs);
     }
     // Keeps an embedded server alive for the whole run.
     let target = super::Target::open(args.addr.as_deref(), None)?;

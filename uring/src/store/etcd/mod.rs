@@ -501,15 +501,20 @@ impl EtcdStore {
             if Instant::now() >= wait_deadline {
                 return Err(timed_out());
             }
-            let mut stream = self
-                .gateway
-                .watch(
-                    &missing,
-                    revision.saturating_add(1),
-                    self.request_deadline(),
-                    wait_deadline,
-                )
-                .map_err(|e| self.error(e))?;
+            // Opening the watch keeps failing over no longer than the wait may last: a
+            // member slow to answer (etcd sends the reply's headers when it has made the
+            // watch) is a wait that timed out, not a failure of etcd.
+            let opened = self.gateway.watch(
+                &missing,
+                revision.saturating_add(1),
+                self.request_deadline().min(wait_deadline),
+                wait_deadline,
+            );
+            let mut stream = match opened {
+                Ok(stream) => stream,
+                Err(_) if Instant::now() >= wait_deadline => return Err(timed_out()),
+                Err(e) => return Err(self.error(e)),
+            };
             loop {
                 match stream.next_reply() {
                     Some(Ok(reply)) if !reply.canceled && reply.compact_revision == 0 => {
