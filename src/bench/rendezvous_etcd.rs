@@ -81,8 +81,7 @@ pub(super) fn run(
     let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
     distinct.sort_unstable();
     distinct.dedup();
-    if distinct.len() != nodes as usize || ranks.iter().any(|r| r.2 != nodes || r.0 != ranks[0].0)
-    {
+    if distinct.len() != nodes as usize || ranks.iter().any(|r| r.2 != nodes || r.0 != ranks[0].0) {
         return Err(BenchError::Unexpected(format!(
             "the round is not one world of {nodes} distinct ranks: {} distinct",
             distinct.len()
