@@ -371,6 +371,7 @@ impl EtcdStore {
                 guessed = true;
             }
         }
+        let mut conflicts = 0u32;
         loop {
             let known = match current.take() {
                 Some(known) => known,
@@ -403,6 +404,15 @@ impl EtcdStore {
             if let (Retry::Conditional, Some(cause)) = (retry, resent) {
                 self.remember(full, None);
                 return Err(self.unknown(op, cause));
+            }
+            if !guessed {
+                // Lost a race with another writer of this key: back off a random while
+                // (1 ms doubling to 64 ms) so that a burst of writers, such as N nodes
+                // counting their arrivals, spreads out instead of every loser retrying
+                // at once.
+                conflicts = conflicts.saturating_add(1);
+                let ceiling = Duration::from_millis(1 << conflicts.min(6));
+                std::thread::sleep(ceiling.mul_f64(fastrand::f64()));
             }
             guessed = false;
             current = Some(first(
