@@ -373,3 +373,20 @@ fn whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout() {
         "the nodes failed after {took:?}"
     );
 }
+
+#[test]
+fn rendezvous_command_refuses_bad_etcd_urls() {
+    for (url, says) in [
+        ("etcd://127.0.0.1:0/run", "is not HOST or HOST:PORT"),
+        ("etcd://127.0.0.1:2379/run?nodes=3:2", "maximum number"),
+        ("etcd://127.0.0.1:2379/run?etcd_prefix=/", "etcd_prefix"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+            .args(["rendezvous", url])
+            .output()
+            .expect("run rdzv");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {err}");
+        assert!(err.contains(says), "{url}: {err}");
+    }
+}
