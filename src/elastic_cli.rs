@@ -10,6 +10,9 @@
 //! exit` and exits 0 (PyTorch's `RendezvousGracefulExitError`); a member fails with
 //! `RendezvousClosedError`.
 //!
+//! `rdzv rendezvous etcd://h1:2379,h2:2379/RUN_ID?…` does the same with the rendezvous
+//! kept in an etcd cluster (`rdzv_uring::rendezvous::etcd`).
+//!
 //! `rdzv rendezvous --close elastic://…` closes the run for good instead of joining
 //! (torchelastic's `set_closed`): every node's next rendezvous fails, nodes waiting in an
 //! open round are woken, and the run id cannot be used again.
@@ -21,8 +24,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use rdzv_core::rendezvous::elastic::{ElasticErrorKind, ElasticUrl, StoreAction};
+use rdzv_core::rendezvous::elastic::{
+    ElasticErrorKind, ElasticUrl, EtcdRendezvousUrl, StoreAction,
+};
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
+use rdzv_uring::rendezvous::etcd::etcd_store;
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::Store;
 
@@ -33,7 +39,9 @@ use crate::error::CliError;
 pub(crate) struct RendezvousArgs {
     /// elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX&last_call=30s&join_timeout=600s&
     /// keep_alive_interval=5s&keep_alive_max_attempts=3 (the store at HOST:PORT must be
-    /// running, e.g. `rdzv store serve`).
+    /// running, e.g. `rdzv store serve`), or
+    /// etcd://HOST:PORT[,HOST:PORT...]/RUN_ID?… (the same keys, plus etcd_prefix) to keep
+    /// the rendezvous in an etcd cluster.
     url: String,
     /// This node's name (default: HOST_PID_0, as PyTorch's node descriptors).
     #[arg(long)]
@@ -48,7 +56,14 @@ pub(crate) struct RendezvousArgs {
 
 /// Runs `rdzv rendezvous`.
 pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
-    let url = ElasticUrl::parse(&args.url).map_err(|e| format!("{}: {e}", args.url))?;
+    let etcd = is_etcd(&args.url)
+        .then(|| EtcdRendezvousUrl::parse(&args.url))
+        .transpose()
+        .map_err(|e| format!("{}: {e}", args.url))?;
+    let url = match &etcd {
+        Some(etcd) => etcd.elastic.clone(),
+        None => ElasticUrl::parse(&args.url).map_err(|e| format!("{}: {e}", args.url))?,
+    };
     let node = match (args.node_id, url.node_id.clone()) {
         (Some(_), Some(_)) => {
             return Err("give the node id once: --node-id or node_id= in the URL".into())
@@ -57,7 +72,7 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
         (None, None) => default_node_id(),
     };
     if args.close {
-        return close(&url, args.connect_timeout);
+        return close(&url, etcd.as_ref(), args.connect_timeout);
     }
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -65,15 +80,14 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     }
     let timeout = Duration::try_from_secs_f64(args.connect_timeout)
         .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
-    let store = TcpStore::connect(&url.host, url.port, timeout)
-        .map_err(|e| format!("connecting to the store at {}:{}: {e}", url.host, url.port))?;
+    let (store, place) = open_store(&url, etcd.as_ref(), timeout)?;
     let settings = url.settings.clone();
-    let handle = ElasticRendezvous::start(Arc::new(store), settings, node.clone())?;
+    let handle = ElasticRendezvous::start(store, settings, node.clone())?;
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "node {node} joining rendezvous {} (nodes {}:{}) at {}:{}",
-        url.settings.run_id, url.settings.nodes.min, url.settings.nodes.max, url.host, url.port
+        "node {node} joining rendezvous {} (nodes {}:{}) at {place}",
+        url.settings.run_id, url.settings.nodes.min, url.settings.nodes.max
     )?;
     out.flush()?;
     let mut last_round = None;
@@ -116,12 +130,37 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `--close`: writes the run's closed key.
-fn close(url: &ElasticUrl, connect_timeout: f64) -> Result<ExitCode, CliError> {
-    let timeout = Duration::try_from_secs_f64(connect_timeout)
-        .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
+/// Whether `url` is an `etcd://` rendezvous (else it is `elastic://`).
+fn is_etcd(url: &str) -> bool {
+    url.get(..7)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("etcd://"))
+}
+
+/// The store the rendezvous lives in, and how to name it in messages: the etcd cluster of
+/// an `etcd://` URL, else the TCPStore server of an `elastic://` one.
+fn open_store(
+    url: &ElasticUrl,
+    etcd: Option<&EtcdRendezvousUrl>,
+    timeout: Duration,
+) -> Result<(Arc<dyn Store>, String), CliError> {
+    if let Some(etcd) = etcd {
+        let place = format!("etcd {} (prefix /{}/)", etcd.endpoints_text(), etcd.prefix);
+        return Ok((Arc::new(etcd_store(etcd)), place));
+    }
     let store = TcpStore::connect(&url.host, url.port, timeout)
         .map_err(|e| format!("connecting to the store at {}:{}: {e}", url.host, url.port))?;
+    Ok((Arc::new(store), format!("{}:{}", url.host, url.port)))
+}
+
+/// `--close`: writes the run's closed key.
+fn close(
+    url: &ElasticUrl,
+    etcd: Option<&EtcdRendezvousUrl>,
+    connect_timeout: f64,
+) -> Result<ExitCode, CliError> {
+    let timeout = Duration::try_from_secs_f64(connect_timeout)
+        .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
+    let (store, place) = open_store(url, etcd, timeout)?;
     for action in url.settings.close_actions("rdzv rendezvous --close") {
         let done = match &action {
             StoreAction::Set { key, value } => store.set(key, value).map(|_| ()),
@@ -130,11 +169,9 @@ fn close(url: &ElasticUrl, connect_timeout: f64) -> Result<ExitCode, CliError> {
         };
         done.map_err(|e| {
             format!(
-                "closing: {} of {} at {}:{}: {e}",
+                "closing: {} of {} at {place}: {e}",
                 action.name(),
                 action.key(),
-                url.host,
-                url.port
             )
         })?;
     }

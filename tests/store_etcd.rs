@@ -6,189 +6,19 @@
 //! three-member cluster), or else the battery starts one `etcd` member for this test
 //! binary (if `etcd` is on `PATH`). Each battery test works under its own prefix. The
 //! fault tests always start their own members on free loopback ports, each with its own
-//! data directory. Every member runs under a `sh` wrapper that kills it when the wrapper's
-//! standard input (held by the test process) closes, so no member outlives a dead test.
-//! Without a cluster and without the binary, each test prints SKIPPED and why.
+//! data directory (`etcd_cluster`, shared with `rendezvous_etcd.rs`). Without a cluster and without the binary, each test prints SKIPPED and why.
 
+mod etcd_cluster;
 mod store_base;
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::process::Command;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use etcd_cluster::{fastrand_u64, free_port, leader, shared_endpoints, Cluster};
 use rdzv::uring::store::etcd::{EtcdConfig, EtcdStore, DEFAULT_MAX_REQUEST_BYTES};
 use rdzv::uring::{Store, StoreError};
-use rdzv_test_support::Peer;
-
-/// The variable naming an existing cluster's client endpoints.
-const ENDPOINTS_VAR: &str = "RDZV_ETCD_ENDPOINTS";
-
-fn etcd_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("etcd"))
-        .find(|candidate| candidate.is_file())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind a free loopback port")
-}
-
-/// One etcd member started by a test, killed (SIGKILL) when dropped or when the test
-/// process dies.
-struct Member {
-    name: String,
-    client: u16,
-    peer: u16,
-    dir: PathBuf,
-    process: Option<Peer>,
-}
-
-impl Member {
-    fn start(&mut self, binary: &Path, cluster: &str) {
-        let data = self.dir.join(&self.name);
-        let args = [
-            format!("--name={}", self.name),
-            format!("--data-dir={}", data.display()),
-            format!("--listen-client-urls=http://127.0.0.1:{}", self.client),
-            format!("--advertise-client-urls=http://127.0.0.1:{}", self.client),
-            format!("--listen-peer-urls=http://127.0.0.1:{}", self.peer),
-            format!(
-                "--initial-advertise-peer-urls=http://127.0.0.1:{}",
-                self.peer
-            ),
-            format!("--initial-cluster={cluster}"),
-            "--initial-cluster-state=new".into(),
-            "--initial-cluster-token=rdzv-test".into(),
-            "--heartbeat-interval=50".into(),
-            "--election-timeout=500".into(),
-        ];
-        let log = self.dir.join(format!("{}.log", self.name));
-        let mut command = Command::new("sh");
-        // The wrapper kills etcd when its stdin (the test's lifeline) reaches end of file.
-        command
-            .arg("-c")
-            .arg(r#"bin="$1"; log="$2"; shift 2; "$bin" "$@" </dev/null >>"$log" 2>&1 & pid=$!; cat >/dev/null; kill -KILL $pid; wait $pid"#)
-            .arg("sh")
-            .arg(binary)
-            .arg(log)
-            .args(args)
-            .stdout(Stdio::null());
-        self.process = Some(Peer::spawn(format!("etcd member {}", self.name), command));
-    }
-
-    /// Kills the member (SIGKILL, as a crash) and waits until it is gone.
-    fn kill(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            process.release();
-            process.wait(Duration::from_secs(10));
-        }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.client)
-    }
-}
-
-/// Members started by a test, in a temporary directory.
-struct Cluster {
-    binary: PathBuf,
-    members: Vec<Member>,
-    initial: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Cluster {
-    fn start(size: usize) -> Option<Cluster> {
-        let binary = etcd_binary()?;
-        let dir = tempfile::tempdir().expect("temporary directory for etcd");
-        let mut members: Vec<Member> = (0..size)
-            .map(|i| Member {
-                name: format!("m{i}"),
-                client: free_port(),
-                peer: free_port(),
-                dir: dir.path().to_path_buf(),
-                process: None,
-            })
-            .collect();
-        let initial = members
-            .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
-            .collect::<Vec<_>>()
-            .join(",");
-        for member in &mut members {
-            member.start(&binary, &initial);
-        }
-        let cluster = Cluster {
-            binary,
-            members,
-            initial,
-            _dir: dir,
-        };
-        cluster.wait_healthy(&cluster.endpoints());
-        Some(cluster)
-    }
-
-    fn endpoints(&self) -> Vec<String> {
-        self.members.iter().map(Member::endpoint).collect()
-    }
-
-    fn restart(&mut self, index: usize) {
-        let (binary, initial) = (self.binary.clone(), self.initial.clone());
-        self.members[index].start(&binary, &initial);
-        self.wait_healthy(&[self.members[index].endpoint()]);
-    }
-
-    /// Waits until a write through `endpoints` succeeds (a leader is elected).
-    fn wait_healthy(&self, endpoints: &[String]) {
-        let mut config = EtcdConfig::new(endpoints.to_vec(), "health");
-        config.request_timeout = Duration::from_secs(1);
-        let store = EtcdStore::new(config);
-        let started = Instant::now();
-        loop {
-            match store.set("up", b"1") {
-                Ok(()) => return,
-                Err(err) if started.elapsed() > Duration::from_secs(30) => {
-                    panic!("etcd at {endpoints:?} did not become healthy in 30 s: {err}")
-                }
-                Err(_) => thread::sleep(Duration::from_millis(50)),
-            }
-        }
-    }
-}
-
-/// The battery's cluster: `RDZV_ETCD_ENDPOINTS`, or one member for this test binary.
-fn shared_endpoints() -> Result<Vec<String>, String> {
-    /// The endpoints, and the member this binary started (kept alive until it exits).
-    type Shared = Result<(Vec<String>, Option<Cluster>), String>;
-    static SHARED: OnceLock<Shared> = OnceLock::new();
-    let shared = SHARED.get_or_init(|| {
-        if let Ok(list) = std::env::var(ENDPOINTS_VAR) {
-            let endpoints: Vec<String> = list
-                .split(',')
-                .filter(|e| !e.is_empty())
-                .map(|e| e.trim_start_matches("http://").to_string())
-                .collect();
-            return Ok((endpoints, None));
-        }
-        match Cluster::start(1) {
-            Some(cluster) => Ok((cluster.endpoints(), Some(cluster))),
-            None => Err(format!(
-                "{ENDPOINTS_VAR} is not set and no etcd binary is on PATH"
-            )),
-        }
-    });
-    shared
-        .as_ref()
-        .map(|(e, _)| e.clone())
-        .map_err(Clone::clone)
-}
 
 /// A store on the shared cluster under a prefix of its own, or `None` after printing
 /// why the test is skipped.
@@ -210,18 +40,6 @@ fn store(test: &str) -> Option<EtcdStore> {
             None
         }
     }
-}
-
-fn fastrand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default(),
-    );
-    hasher.finish()
 }
 
 macro_rules! battery {
@@ -506,27 +324,6 @@ fn cli_runs_store_subcommands_against_etcd() {
     let (code, _, err) = rdzv(&["stats"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("etcdctl"), "{err}");
-}
-
-/// The index of the member that leads, asked of each member's `/v3/maintenance/status`.
-fn leader(cluster: &Cluster) -> Option<usize> {
-    use std::io::{Read, Write};
-    let status = |endpoint: &str| -> Option<serde_json::Value> {
-        let mut stream = std::net::TcpStream::connect(endpoint).ok()?;
-        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        let request = format!(
-            "POST /v3/maintenance/status HTTP/1.0\r\nHost: {endpoint}\r\nContent-Length: 2\r\n\r\n{{}}"
-        );
-        stream.write_all(request.as_bytes()).ok()?;
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).ok()?;
-        serde_json::from_str(reply.split_once("\r\n\r\n")?.1).ok()
-    };
-    cluster.members.iter().position(|m| {
-        status(&m.endpoint()).is_some_and(|s| {
-            s["leader"].as_str().is_some() && s["leader"] == s["header"]["member_id"]
-        })
-    })
 }
 
 #[test]

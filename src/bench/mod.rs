@@ -25,6 +25,7 @@ mod harness;
 mod latency;
 mod plot;
 mod rendezvous;
+mod rendezvous_etcd;
 mod report;
 mod rpc;
 mod storm;

@@ -42,7 +42,8 @@ pub(crate) struct RendezvousBenchArgs {
     /// How many nodes join (one round of exactly this many).
     #[arg(long, default_value_t = 1024)]
     nodes: u32,
-    /// The store, as HOST:PORT; without it an rdzv server is started in this process.
+    /// The store, as HOST:PORT, or an etcd cluster as etcd://HOST:PORT[,HOST:PORT...];
+    /// without it an rdzv server is started in this process.
     #[arg(long)]
     addr: Option<String>,
     /// Keep-alive interval, in milliseconds (a wait lasts at most one interval, so a
@@ -211,6 +212,10 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
         return Err(BenchError::InvalidArgument(
             "--nodes must be at least 1".into(),
         ));
+    }
+    if let Some(etcd) = args.addr.as_deref().filter(|a| a.starts_with("etcd://")) {
+        let interval = Duration::from_millis(args.keep_alive_ms.max(1));
+        return super::rendezvous_etcd::run(etcd, args.nodes, interval, args.heartbeat_secs);
     }
     // The store: an embedded server (kept alive for the whole run), or the one at --addr.
     let target = super::Target::open(args.addr.as_deref(), None)?;

@@ -1,7 +1,7 @@
 //! Fuzz checks for [`crate::rendezvous::elastic`].
 //!
-//! For every input: parsing the front as an `elastic://` URL (and as a `nodes` range)
-//! never panics, accepts only settings that pass their own checks, and refuses with a
+//! For every input: parsing the front as an `elastic://` URL (and as a `nodes` range,
+//! and as an `etcd://` URL) never panics, accepts only settings that pass their own checks, and refuses with a
 //! message; and an [`ElasticNode`] fed the rest of the bytes as arbitrary store replies,
 //! local events and clock jumps never panics, never has two actions outstanding, and
 //! once done asks for nothing more.
@@ -12,8 +12,8 @@ use core::time::Duration;
 use super::utf8_prefix;
 use crate::fuzzing::{check_display, split_point};
 use crate::rendezvous::elastic::{
-    ElasticNode, ElasticSettings, ElasticUrl, Instant, LocalEvent, NodeRange, StoreAction,
-    StoreReply,
+    ElasticNode, ElasticSettings, ElasticUrl, EtcdRendezvousUrl, Instant, LocalEvent, NodeRange,
+    StoreAction, StoreReply,
 };
 
 /// Parses the front of `data` as settings, then drives a node with the rest.
@@ -33,7 +33,25 @@ pub fn elastic(data: &[u8]) {
         Ok(range) => assert!(range.min >= 1 && range.max >= range.min),
         Err(error) => check_display(&error),
     }
+    etcd_url(text);
     drive(rest);
+}
+
+/// `text` (and `etcd://` + `text`) as an `etcd://` rendezvous URL: never a panic; an
+/// accepted one has endpoints, settings that pass their checks, and a usable prefix.
+fn etcd_url(text: &str) {
+    let prefixed = alloc::format!("etcd://{text}");
+    for candidate in [text, prefixed.as_str()] {
+        match EtcdRendezvousUrl::parse(candidate) {
+            Ok(url) => {
+                assert!(!url.endpoints.is_empty());
+                assert!(url.endpoints.iter().all(|e| e.contains(':')));
+                assert_eq!(url.elastic.settings.check(), Ok(()));
+                assert!(!url.prefix.is_empty() && !url.prefix.contains('\0'));
+            }
+            Err(error) => check_display(&error),
+        }
+    }
 }
 
 fn drive(data: &[u8]) {

@@ -19,7 +19,7 @@
 //! The static schemes do not re-rendezvous (PyTorch's handlers refuse to as well) or add
 //! prefixes of their own (callers such as process groups do that). `elastic://` is the
 //! dynamic rendezvous of [`elastic`]: its outcome carries a handle to follow the next
-//! rounds.
+//! rounds; `etcd://` is the same rendezvous kept in an etcd cluster ([`etcd`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -40,6 +40,7 @@ use crate::store::tcp::{TcpStore, TcpStoreOptions};
 use crate::store::{PrefixStore, Store, StoreError};
 
 pub mod elastic;
+pub mod etcd;
 
 /// The process environment, snapshotted once: the only place rdzv reads environment
 /// variables.
@@ -253,11 +254,12 @@ fn registry() -> MutexGuard<'static, HandlerRegistry<RendezvousHandler>> {
     REGISTRY
         .get_or_init(|| {
             let mut registry = HandlerRegistry::new();
-            let bundled: [(&str, RendezvousHandler); 4] = [
+            let bundled: [(&str, RendezvousHandler); 5] = [
                 ("tcp", Arc::new(tcp_rendezvous_handler)),
                 ("env", Arc::new(env_rendezvous_handler)),
                 ("file", Arc::new(file_rendezvous_handler)),
                 ("elastic", Arc::new(elastic::elastic_rendezvous_handler)),
+                ("etcd", Arc::new(etcd::etcd_rendezvous_handler)),
             ];
             for (scheme, handler) in bundled {
                 // The registry starts empty, so the distinct schemes all register.
@@ -604,7 +606,7 @@ mod tests {
 
     #[test]
     fn bundled_schemes_are_registered_once() {
-        for scheme in ["tcp", "env", "file", "elastic"] {
+        for scheme in ["tcp", "env", "file", "elastic", "etcd"] {
             let error = register_rendezvous_handler(scheme, |_: &str, _: &dyn Env, _: &_| {
                 Err(RendezvousError::Unsupported("never called".into()))
             })

@@ -113,6 +113,7 @@
 //! [`StoreAction::Wait`] carries its deadline (also [`ElasticNode::poll_timeout`]),
 //! answered with [`StoreReply::TimedOut`] when it passes.
 
+mod etcd_url;
 mod machine;
 #[cfg(test)]
 mod tests;
@@ -125,6 +126,7 @@ use crate::query::{QueryError, QueryView};
 use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
+pub use etcd_url::{EtcdRendezvousUrl, EtcdUrlError, DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX};
 pub use machine::{
     ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
     StoreAction, StoreReply,

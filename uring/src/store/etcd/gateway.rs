@@ -15,7 +15,8 @@
 //! fields left out when zero) and nothing about the c10d store built on it.
 
 use std::io::Read;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD;
@@ -54,6 +55,8 @@ pub(crate) struct Gateway {
     /// The member tried first.
     current: AtomicUsize,
     agent: ureq::Agent,
+    /// HTTP requests posted (watches included), shared with [`Gateway::duplicate`]s.
+    requests: Arc<AtomicU64>,
 }
 
 /// A base64 string of bytes.
@@ -299,16 +302,24 @@ impl Gateway {
             endpoints,
             current: AtomicUsize::new(0),
             agent,
+            requests: Arc::new(AtomicU64::new(0)),
         }
     }
 
     /// A second handle: the same endpoints, its own connections.
     pub(crate) fn duplicate(&self) -> Gateway {
-        let clone = Gateway::new(self.endpoints.clone());
+        let mut clone = Gateway::new(self.endpoints.clone());
+        clone.requests = Arc::clone(&self.requests);
         clone
             .current
             .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
         clone
+    }
+
+    /// How many HTTP requests this gateway and its duplicates have posted (each attempt
+    /// counts, a watch counts once).
+    pub(crate) fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
     }
 
     /// The endpoints, comma-separated.
@@ -376,6 +387,7 @@ impl Gateway {
         body: &[u8],
         timeout: Duration,
     ) -> Result<ureq::http::Response<ureq::Body>, ureq::Error> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
         self.agent
             .post(&format!("http://{endpoint}{path}"))
             .header("content-type", "application/json")

@@ -218,6 +218,14 @@ impl EtcdStore {
         &self.config
     }
 
+    /// How many requests this store and the handles cloned from it
+    /// ([`Store::clone_store`]) have sent to etcd: every HTTP request to the gateway,
+    /// retries on other members included, a watch counted once. Benchmarks divide it by
+    /// the work done (requests per join, per keep-alive).
+    pub fn requests(&self) -> u64 {
+        self.gateway.requests()
+    }
+
     fn error(&self, err: EtcdError) -> StoreError {
         match err {
             EtcdError::TooLarge { .. }
@@ -363,6 +371,7 @@ impl EtcdStore {
                 guessed = true;
             }
         }
+        let mut conflicts = 0u32;
         loop {
             let known = match current.take() {
                 Some(known) => known,
@@ -395,6 +404,15 @@ impl EtcdStore {
             if let (Retry::Conditional, Some(cause)) = (retry, resent) {
                 self.remember(full, None);
                 return Err(self.unknown(op, cause));
+            }
+            if !guessed {
+                // Lost a race with another writer of this key: back off a random while
+                // (1 ms doubling to 64 ms) so that a burst of writers, such as N nodes
+                // counting their arrivals, spreads out instead of every loser retrying
+                // at once.
+                conflicts = conflicts.saturating_add(1);
+                let ceiling = Duration::from_millis(1 << conflicts.min(6));
+                std::thread::sleep(ceiling.mul_f64(fastrand::f64()));
             }
             guessed = false;
             current = Some(first(
@@ -493,15 +511,20 @@ impl EtcdStore {
             if Instant::now() >= wait_deadline {
                 return Err(timed_out());
             }
-            let mut stream = self
-                .gateway
-                .watch(
-                    &missing,
-                    revision.saturating_add(1),
-                    self.request_deadline(),
-                    wait_deadline,
-                )
-                .map_err(|e| self.error(e))?;
+            // Opening the watch keeps failing over no longer than the wait may last: a
+            // member slow to answer (etcd sends the reply's headers when it has made the
+            // watch) is a wait that timed out, not a failure of etcd.
+            let opened = self.gateway.watch(
+                &missing,
+                revision.saturating_add(1),
+                self.request_deadline().min(wait_deadline),
+                wait_deadline,
+            );
+            let mut stream = match opened {
+                Ok(stream) => stream,
+                Err(_) if Instant::now() >= wait_deadline => return Err(timed_out()),
+                Err(e) => return Err(self.error(e)),
+            };
             loop {
                 match stream.next_reply() {
                     Some(Ok(reply)) if !reply.canceled && reply.compact_revision == 0 => {
@@ -600,21 +623,27 @@ impl Store for EtcdStore {
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         // First try assumes the key is missing: a new counter costs one transaction.
-        self.update(
-            "add",
-            key,
-            First::GuessMissing,
-            Retry::Conditional,
-            |current| {
-                let value = current.as_ref().map(|(v, _)| v.as_slice());
-                let new =
-                    semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
-                        key: key.to_string(),
-                        detail: e.to_string(),
-                    })?;
-                Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
-            },
-        )
+        // `ADD 0` (a read that creates a missing counter) writes only a missing key and
+        // may be applied twice without harm, so a lost answer is simply resent: one
+        // transaction, never an unknown outcome.
+        let retry = if delta == 0 {
+            Retry::Idempotent
+        } else {
+            Retry::Conditional
+        };
+        self.update("add", key, First::GuessMissing, retry, |current| {
+            let value = current.as_ref().map(|(v, _)| v.as_slice());
+            let new =
+                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
+                    key: key.to_string(),
+                    detail: e.to_string(),
+                })?;
+            if delta == 0 && current.is_some() {
+                // Nothing to write; nobody waits on a key that exists.
+                return Ok((None, new));
+            }
+            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
+        })
     }
 
     fn compare_set(

@@ -1,0 +1,133 @@
+//! `rdzv bench rendezvous --addr etcd://H:P[,H:P…] --nodes N`: the elastic rendezvous on
+//! etcd, N nodes in this process, each an [`ElasticRendezvous`] (a driver thread over its
+//! own [`EtcdStore`], as `rdzv rendezvous etcd://…` runs). It measures how long the N
+//! nodes take to form one round, and the etcd requests each node sent (every HTTP request
+//! to the gateway, retries and watches included, counted by [`EtcdStore::requests`]) to
+//! join and per keep-alive interval afterwards.
+//!
+//! It drives no protocol of its own: the machine and the etcd mapping are the library's.
+//! A thread per node (not one event loop, as the TCP bench) because the etcd store is
+//! blocking; the counts do not depend on that, the time to a round does a little.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange};
+use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
+use rdzv_uring::rendezvous::etcd::etcd_store;
+use rdzv_uring::store::etcd::EtcdStore;
+
+use super::BenchError;
+
+/// Runs the etcd bench: `addr` is `etcd://ENDPOINTS[/PREFIX]`, the rest as the TCP bench.
+pub(super) fn run(
+    addr: &str,
+    nodes: u32,
+    interval: Duration,
+    heartbeat_secs: f64,
+) -> Result<ExitCode, BenchError> {
+    let run_id = format!(
+        "bench-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    // The address names the cluster (and optionally a prefix); the run id is ours.
+    let endpoints = addr
+        .strip_prefix("etcd://")
+        .unwrap_or(addr)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or_default();
+    let url_text = format!("etcd://{endpoints}/{run_id}?read_timeout=60s");
+    let url = EtcdRendezvousUrl::parse(&url_text)
+        .map_err(|e| BenchError::InvalidArgument(format!("--addr {addr}: {e}")))?;
+    let mut settings = ElasticSettings::new(
+        run_id,
+        NodeRange::new(nodes, nodes)
+            .map_err(|e| BenchError::InvalidArgument(format!("--nodes {nodes}: {e}")))?,
+    );
+    settings.keep_alive_interval = interval;
+    settings.join_timeout = Duration::from_secs(600);
+    super::ensure_fd_limit(u64::from(nodes) * 4 + 64)?;
+
+    let mut stores: Vec<Arc<EtcdStore>> = Vec::with_capacity(nodes as usize);
+    let mut handles = Vec::with_capacity(nodes as usize);
+    let started = Instant::now();
+    for i in 0..nodes {
+        let store = Arc::new(etcd_store(&url));
+        stores.push(Arc::clone(&store));
+        let handle = ElasticRendezvous::start(store, settings.clone(), format!("bench-node-{i}"))
+            .map_err(|e| BenchError::Unexpected(format!("node {i}: {e}")))?;
+        handles.push(handle);
+    }
+    eprintln!("{nodes} nodes joining over etcd {endpoints}");
+    let mut ranks = Vec::with_capacity(nodes as usize);
+    let mut join_requests = Vec::with_capacity(nodes as usize);
+    for (i, handle) in handles.iter().enumerate() {
+        let round = handle
+            .next_round(None, settings.join_timeout)
+            .map_err(|e| BenchError::Unexpected(format!("node {i}: {e}")))?;
+        ranks.push((round.round, round.rank, round.world_size));
+    }
+    let took = started.elapsed();
+    // Taken once every node is a member: the join's requests, and the heartbeats of the
+    // nodes that finished first (at most a few intervals' worth).
+    for store in &stores {
+        join_requests.push(store.requests());
+    }
+    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != nodes as usize || ranks.iter().any(|r| r.2 != nodes || r.0 != ranks[0].0) {
+        return Err(BenchError::Unexpected(format!(
+            "the round is not one world of {nodes} distinct ranks: {} distinct",
+            distinct.len()
+        )));
+    }
+    let stats = |v: &[u64]| {
+        let min = v.iter().copied().min().unwrap_or(0);
+        let max = v.iter().copied().max().unwrap_or(0);
+        let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+        (min, mean, max)
+    };
+    let (jmin, jmean, jmax) = stats(&join_requests);
+    println!("rdzv elastic rendezvous on etcd: {nodes} nodes, one round, etcd {endpoints}");
+    println!("  round formed in             {:.3} s", took.as_secs_f64());
+    println!(
+        "  etcd requests per node (join) min {jmin}, mean {jmean:.1}, max {jmax} (with the \
+         heartbeats of those done first)"
+    );
+    if heartbeat_secs > 0.0 {
+        let phase = Duration::from_secs_f64(heartbeat_secs);
+        let before: Vec<u64> = stores.iter().map(|s| s.requests()).collect();
+        std::thread::sleep(phase);
+        let during: Vec<u64> = stores
+            .iter()
+            .zip(&before)
+            .map(|(s, b)| s.requests() - b)
+            .collect();
+        let intervals = heartbeat_secs / interval.as_secs_f64();
+        let (_, mean, max) = stats(&during);
+        println!(
+            "  etcd requests per node per keep-alive interval ({} ms, {intervals:.0} intervals): \
+             mean {:.2}, max {:.2} (ADD own, ADD watched, and the watch on the round's end \
+             renewed each interval)",
+            interval.as_millis(),
+            mean / intervals,
+            max as f64 / intervals
+        );
+    }
+    for handle in &handles {
+        if let Some(round) = handle.current() {
+            if round.rank == 0 {
+                // Closing ends every node's driver at its next step.
+                let _ = handle.set_closed();
+            }
+        }
+    }
+    drop(handles);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,392 @@
+//! The elastic rendezvous on etcd (`etcd://…`), end to end: nodes are `rdzv rendezvous`
+//! processes, the cluster is real etcd members.
+//!
+//! Tests that only need a cluster use the shared one (`RDZV_ETCD_ENDPOINTS`, as `.ci/run`
+//! exports for its three members, or one member this binary starts); tests that kill
+//! members start their own (`etcd_cluster`). Without a cluster and without an `etcd`
+//! binary on `PATH`, each test prints SKIPPED and why.
+//!
+//! Each node runs under a `sh` wrapper holding the test's lifeline on its standard input:
+//! when the test lets go of a node (or dies), the wrapper kills it with SIGKILL, which is
+//! also how a test kills a node. Only the node writes to the pipes the test reads, so the
+//! end of its standard output means the node has exited.
+
+mod etcd_cluster;
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use etcd_cluster::{fastrand_u64, leader, shared_endpoints, Cluster};
+use rdzv_test_support::Peer;
+
+/// What a node printed, line by line; `Exited` when its standard output closed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Said {
+    Out(String),
+    Err(String),
+    Exited,
+}
+
+struct Nodes {
+    tx: mpsc::Sender<(String, Said)>,
+    rx: mpsc::Receiver<(String, Said)>,
+    running: Vec<(String, Peer)>,
+}
+
+impl Nodes {
+    fn new() -> Nodes {
+        let (tx, rx) = mpsc::channel();
+        Nodes {
+            tx,
+            rx,
+            running: Vec::new(),
+        }
+    }
+
+    /// Starts `rdzv rendezvous URL --node-id NAME`.
+    fn spawn(&mut self, url: &str, name: &str) {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(
+                r#"exec 3>&1 4>&2 >/dev/null 2>&1; "$@" >&3 2>&4 3>&- 4>&- & pid=$!; exec 3>&- 4>&-; cat >/dev/null; kill -KILL $pid 2>/dev/null; wait $pid"#,
+            )
+            .arg("sh")
+            .arg(env!("CARGO_BIN_EXE_rdzv"))
+            .args(["rendezvous", url, "--node-id", name])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut peer = Peer::spawn(format!("rdzv rendezvous node {name}"), command);
+        let stdout = peer.child_mut().stdout.take().expect("piped stdout");
+        let stderr = peer.child_mut().stderr.take().expect("piped stderr");
+        for (pipe, is_out) in [
+            (Box::new(stdout) as Box<dyn Read + Send>, true),
+            (Box::new(stderr), false),
+        ] {
+            let (tx, name) = (self.tx.clone(), name.to_string());
+            thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let said = if is_out {
+                        Said::Out(line)
+                    } else {
+                        Said::Err(line)
+                    };
+                    let _ = tx.send((name.clone(), said));
+                }
+                if is_out {
+                    let _ = tx.send((name, Said::Exited));
+                }
+            });
+        }
+        self.running.push((name.to_string(), peer));
+    }
+
+    /// Kills node `name` with SIGKILL.
+    fn kill(&mut self, name: &str) {
+        let index = self
+            .running
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("a running node");
+        let (_, mut peer) = self.running.remove(index);
+        peer.release();
+        peer.wait(Duration::from_secs(10));
+    }
+
+    /// Reads until `want` lines satisfy `pred` (within `limit`), failing the test on a node
+    /// error other than what `pred` accepts.
+    fn expect(
+        &self,
+        want: usize,
+        limit: Duration,
+        pred: impl Fn(&str, &Said) -> bool,
+    ) -> Vec<(String, Said)> {
+        let deadline = Instant::now() + limit;
+        let mut got = Vec::new();
+        let mut seen = Vec::new();
+        while got.len() < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok((node, said)) if pred(&node, &said) => got.push((node, said)),
+                Ok((node, Said::Err(line))) if line.contains("rdzv:") => {
+                    panic!("node {node} failed: {line}\n(so far: {seen:?})")
+                }
+                Ok(other) => seen.push(other),
+                Err(_) => panic!("only {got:?} within {limit:?}; also seen: {seen:?}"),
+            }
+        }
+        got
+    }
+
+    /// The round lines (`round R rank K world_size N …`) of `count` nodes for round `round`.
+    fn round(&self, round: u64, count: usize, limit: Duration) -> Vec<(String, u32, u32)> {
+        let prefix = format!("round {round} ");
+        self.expect(
+            count,
+            limit,
+            |_, said| matches!(said, Said::Out(line) if line.starts_with(&prefix)),
+        )
+        .into_iter()
+        .map(|(node, said)| {
+            let Said::Out(line) = said else {
+                unreachable!()
+            };
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let rank = words[3].parse().expect("rank");
+            let world = words[5].parse().expect("world size");
+            (node, rank, world)
+        })
+        .collect()
+    }
+}
+
+/// Asserts distinct ranks `0..world` and one world size for all of `members`.
+fn assert_world(members: &[(String, u32, u32)], world: u32) {
+    let mut ranks: Vec<u32> = members.iter().map(|(_, rank, _)| *rank).collect();
+    ranks.sort_unstable();
+    assert_eq!(ranks, (0..world).collect::<Vec<_>>(), "{members:?}");
+    assert!(members.iter().all(|(_, _, w)| *w == world), "{members:?}");
+}
+
+fn url(endpoints: &[String], run: &str, query: &str) -> String {
+    format!(
+        "etcd://{}/{run}-{:x}?etcd_prefix=rdzv-test&{query}",
+        endpoints.join(","),
+        fastrand_u64()
+    )
+}
+
+fn shared(test: &str) -> Option<Vec<String>> {
+    shared_endpoints()
+        .map_err(|why| eprintln!("SKIPPED {test}: {why}"))
+        .ok()
+}
+
+fn own_cluster(test: &str, size: usize) -> Option<Cluster> {
+    let cluster = Cluster::start(size);
+    if cluster.is_none() {
+        eprintln!("SKIPPED {test}: no etcd binary on PATH to start a cluster of its own");
+    }
+    cluster
+}
+
+/// Generous liveness for loaded CI machines: a node is dead after 10 × 300 ms.
+const LIVENESS: &str = "keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=10s";
+
+#[test]
+fn eight_node_processes_form_a_round() {
+    let Some(endpoints) = shared("eight_node_processes_form_a_round") else {
+        return;
+    };
+    let url = url(&endpoints, "eight", &format!("nodes=8&{LIVENESS}"));
+    let mut nodes = Nodes::new();
+    for i in 0..8 {
+        nodes.spawn(&url, &format!("n{i}"));
+    }
+    let round = nodes.round(0, 8, Duration::from_secs(30));
+    assert_world(&round, 8);
+}
+
+#[test]
+fn rendezvous_api_gives_a_shared_round_store() {
+    let Some(endpoints) = shared("rendezvous_api_gives_a_shared_round_store") else {
+        return;
+    };
+    let url = url(
+        &endpoints,
+        "api",
+        &format!("nodes=2&last_call=200ms&{LIVENESS}"),
+    );
+    let joins: Vec<_> = (0..2)
+        .map(|i| {
+            let url = format!("{url}&node_id=api{i}");
+            thread::spawn(move || rdzv::uring::rendezvous::rendezvous(&url, None, None))
+        })
+        .collect();
+    let mut got: Vec<_> = joins
+        .into_iter()
+        .map(|join| join.join().expect("join thread").expect("rendezvous"))
+        .collect();
+    got.sort_by_key(|r| r.rank);
+    assert_eq!(
+        got.iter()
+            .map(|r| (r.rank, r.world_size))
+            .collect::<Vec<_>>(),
+        [(0, Some(2)), (1, Some(2))]
+    );
+    // The round's store is shared, and prefixed by the round.
+    got[0].store.set("hello", b"from rank 0").expect("set");
+    got[1]
+        .store
+        .wait(&["hello"], Some(Duration::from_secs(10)))
+        .expect("wait");
+    assert_eq!(got[1].store.get("hello").expect("get"), b"from rank 0");
+    let handle = got[0].elastic.as_ref().expect("the elastic handle");
+    assert_eq!(
+        handle.current().map(|round| round.store_prefix),
+        Some(format!("torch.rendezvous.{}.0", handle.run_id()))
+    );
+    assert!(!handle.is_closed().expect("is_closed"));
+}
+
+#[test]
+fn leader_killed_mid_round_the_round_forms_on_the_other_two() {
+    let test = "leader_killed_mid_round_the_round_forms_on_the_other_two";
+    let Some(mut cluster) = own_cluster(test, 3) else {
+        return;
+    };
+    let url = url(
+        &cluster.endpoints(),
+        "leader",
+        &format!("nodes=4&{LIVENESS}"),
+    );
+    let mut nodes = Nodes::new();
+    for name in ["a", "b"] {
+        nodes.spawn(&url, name);
+    }
+    nodes.expect(
+        2,
+        Duration::from_secs(10),
+        |_, said| matches!(said, Said::Out(line) if line.starts_with("node ")),
+    );
+    // Let the first two arrive (and heartbeat) before the leader dies.
+    thread::sleep(Duration::from_millis(500));
+    let victim = leader(&cluster).expect("a member that leads");
+    cluster.members[victim].kill();
+    for name in ["c", "d"] {
+        nodes.spawn(&url, name);
+    }
+    let round = nodes.round(0, 4, Duration::from_secs(30));
+    assert_world(&round, 4);
+}
+
+#[test]
+fn node_killed_the_next_round_forms_within_the_keep_alive_limit() {
+    let test = "node_killed_the_next_round_forms_within_the_keep_alive_limit";
+    let Some(endpoints) = shared(test) else {
+        return;
+    };
+    // Dead after 3 × 300 ms; the next round then closes after a 300 ms last call.
+    let url = url(
+        &endpoints,
+        "killed",
+        "nodes=2:3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=3&read_timeout=10s",
+    );
+    let mut nodes = Nodes::new();
+    for name in ["a", "b", "c"] {
+        nodes.spawn(&url, name);
+    }
+    assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
+    let killed = Instant::now();
+    nodes.kill("b");
+    let round = nodes.round(1, 2, Duration::from_secs(20));
+    let took = killed.elapsed();
+    assert_world(&round, 2);
+    let mut who: Vec<&str> = round.iter().map(|(node, _, _)| node.as_str()).collect();
+    who.sort_unstable();
+    assert_eq!(who, ["a", "c"]);
+    // The keep-alive limit (0.9 s) and the last call (0.3 s), with room for a loaded
+    // machine; a node that waited for its own timeouts (join: 600 s) would be far over.
+    assert!(
+        took < Duration::from_secs(8),
+        "the next round took {took:?}"
+    );
+}
+
+#[test]
+fn member_restarted_nodes_carry_on() {
+    let test = "member_restarted_nodes_carry_on";
+    let Some(mut cluster) = own_cluster(test, 3) else {
+        return;
+    };
+    let url = url(
+        &cluster.endpoints(),
+        "restart",
+        &format!("nodes=2:3&last_call=300ms&{LIVENESS}"),
+    );
+    let mut nodes = Nodes::new();
+    for name in ["a", "b"] {
+        nodes.spawn(&url, name);
+    }
+    assert_world(&nodes.round(0, 2, Duration::from_secs(30)), 2);
+    // The first endpoint (the one the nodes talk to) dies and comes back; then another.
+    for victim in [0, 1] {
+        cluster.members[victim].kill();
+        thread::sleep(Duration::from_millis(700));
+        cluster.restart(victim);
+    }
+    // Nobody failed or moved on (a node error fails `expect`), and the round still
+    // works: a third node asks for the next one, which all three form.
+    nodes.spawn(&url, "c");
+    let round = nodes.round(1, 3, Duration::from_secs(30));
+    assert_world(&round, 3);
+}
+
+#[test]
+fn whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout() {
+    let test = "whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout";
+    let Some(mut cluster) = own_cluster(test, 1) else {
+        return;
+    };
+    let endpoint = cluster.endpoints()[0].clone();
+    // Each request may keep retrying for read_timeout (2 s), then the node fails.
+    let url = url(
+        &cluster.endpoints(),
+        "stopped",
+        "nodes=3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=2s",
+    );
+    let mut nodes = Nodes::new();
+    for name in ["a", "b", "c"] {
+        nodes.spawn(&url, name);
+    }
+    assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
+    let stopped = Instant::now();
+    cluster.members[0].kill();
+    // Each node prints its error, then exits.
+    let (errors, exits): (Vec<_>, Vec<_>) = nodes
+        .expect(6, Duration::from_secs(20), |_, said| match said {
+            Said::Err(line) => line.contains("rdzv:"),
+            Said::Exited => true,
+            Said::Out(_) => false,
+        })
+        .into_iter()
+        .partition(|(_, said)| *said != Said::Exited);
+    let took = stopped.elapsed();
+    assert_eq!(exits.len(), 3, "{exits:?}");
+    for (node, said) in &errors {
+        let Said::Err(line) = said else {
+            unreachable!()
+        };
+        assert!(line.contains("etcd"), "{node}: {line}");
+        assert!(line.contains(&endpoint), "{node}: {line}");
+        assert!(line.contains("RendezvousConnectionError"), "{node}: {line}");
+    }
+    let mut who: Vec<&str> = errors.iter().map(|(node, _)| node.as_str()).collect();
+    who.sort_unstable();
+    assert_eq!(who, ["a", "b", "c"]);
+    // read_timeout, one keep-alive interval, and room for a loaded machine.
+    assert!(
+        took < Duration::from_secs(10),
+        "the nodes failed after {took:?}"
+    );
+}
+
+#[test]
+fn rendezvous_command_refuses_bad_etcd_urls() {
+    for (url, says) in [
+        ("etcd://127.0.0.1:0/run", "is not HOST or HOST:PORT"),
+        ("etcd://127.0.0.1:2379/run?nodes=3:2", "maximum number"),
+        ("etcd://127.0.0.1:2379/run?etcd_prefix=/", "etcd_prefix"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+            .args(["rendezvous", url])
+            .output()
+            .expect("run rdzv");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {err}");
+        assert!(err.contains(says), "{url}: {err}");
+    }
+}
