@@ -244,8 +244,9 @@ impl PyElasticRendezvous {
             opened: Mutex::new(None),
         });
         let handle = py.detach(|| {
-            // One connection for the driver; the handle's own opens on first use.
-            let tcp = TcpStore::connect(&host, port, connect_timeout).map_err(|e| {
+            // One connection for the driver (no PING: its first request follows at once);
+            // the handle's own opens on first use.
+            let tcp = TcpStore::connect_without_ping(&host, port, connect_timeout).map_err(|e| {
                 errors::raise(
                     "RendezvousConnectionError",
                     format!(

@@ -744,15 +744,16 @@ pub(super) fn elastic_rendezvous_handler(
         .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
         .unwrap_or_else(default_node_id);
     // No rank yet: the error names the node.
-    let store = TcpStore::connect(&parsed.host, parsed.port, options.timeout).map_err(|e| {
-        RendezvousError::Handler(
-            format!(
+    let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, options.timeout)
+        .map_err(|e| {
+            RendezvousError::Handler(
+                format!(
                 "elastic:// rendezvous: node '{node}' cannot connect to the store at {}:{}: {e}",
                 parsed.host, parsed.port
             )
-            .into(),
-        )
-    })?;
+                .into(),
+            )
+        })?;
     // torchrun's c10d backend gives its store client the read timeout; the rounds' stores
     // are prefixes of that client.
     store.set_timeout(parsed.read_timeout);

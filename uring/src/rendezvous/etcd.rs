@@ -73,11 +73,10 @@ pub(super) fn etcd_rendezvous_handler(
     let round = handle
         .next_rendezvous()
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    let mut rendezvous = Rendezvous::new(
-        handle.round_store(&round),
-        round.rank,
-        Some(round.world_size),
-    );
+    let round_store = handle
+        .round_store(&round)
+        .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
+    let mut rendezvous = Rendezvous::new(round_store, round.rank, Some(round.world_size));
     rendezvous.elastic = Some(Arc::new(handle));
     Ok(rendezvous)
 }

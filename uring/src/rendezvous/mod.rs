@@ -452,6 +452,7 @@ pub fn open_tcp_store(
         multi_tenant: plan.multi_tenant,
         limits: Limits::PYTORCH,
         token: None,
+        ping: true,
     };
     let role = match (plan.agent_store, plan.is_server) {
         (true, _) => StoreRole::AgentClient,

@@ -51,6 +51,12 @@ pub struct TcpStoreOptions {
     /// tokens (`store serve --token-file`). `None`: `RDZV_TOKEN`, else the first token of
     /// the file `RDZV_TOKEN_FILE`, else no `AUTH` (PyTorch's handshake).
     pub token: Option<StoreToken>,
+    /// End the handshake with PyTorch's `PING` and wait for its echo (the default), so
+    /// that `connect` returns only once the server has answered. `false` saves that round
+    /// trip: `VALIDATE` goes out with no reply awaited, and a server that refuses the
+    /// connection is seen by the first request instead (for clients, such as the elastic
+    /// rendezvous' driver, whose first request follows at once).
+    pub ping: bool,
 }
 
 /// A shared-secret token for a store server with tokens. Its `Debug` never shows it.
@@ -116,6 +122,7 @@ impl TcpStoreOptions {
             multi_tenant: false,
             limits: Limits::PYTORCH,
             token: None,
+            ping: true,
         }
     }
 }
@@ -193,6 +200,20 @@ impl TcpStore {
         TcpStore::new(options)
     }
 
+    /// Connects as [`connect`](Self::connect) does, but without the handshake's `PING`
+    /// ([`TcpStoreOptions::ping`]): one request fewer, for a client whose first request
+    /// follows at once and reports a refusal as well.
+    pub fn connect_without_ping(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<TcpStore, StoreError> {
+        let mut options = TcpStoreOptions::client(host, port);
+        options.timeout = timeout;
+        options.ping = false;
+        TcpStore::new(options)
+    }
+
     /// Creates the store as `options` say: starts the server first if `is_master`,
     /// connects, and runs the worker-count handshake if asked to.
     pub fn new(options: TcpStoreOptions) -> Result<TcpStore, StoreError> {
@@ -230,8 +251,7 @@ impl TcpStore {
             Some(token) => Some(token),
             None => StoreToken::from_env()?,
         };
-        let (conn, peer) =
-            connect_validated(&options.host, options.port, options.timeout, token.as_ref())?;
+        let (conn, peer) = connect_validated(&options, token.as_ref())?;
         let store = TcpStore {
             conn: Mutex::new(conn),
             peer,
@@ -591,11 +611,10 @@ fn consume(conn: &mut Conn, used: usize) {
 /// Connects, sends VALIDATE + PING and checks the echo, retrying with backoff until
 /// `timeout` (PyTorch `TCPStore::TCPStore`).
 fn connect_validated(
-    host: &str,
-    port: u16,
-    timeout: Duration,
+    options: &TcpStoreOptions,
     token: Option<&StoreToken>,
 ) -> Result<(Conn, String), StoreError> {
+    let (host, port, timeout) = (options.host.as_str(), options.port, options.timeout);
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     let mut tries = 0u32;
@@ -604,7 +623,7 @@ fn connect_validated(
     let mut last_error = None;
     loop {
         tries += 1;
-        match try_connect(host, port, deadline, token) {
+        match try_connect(host, port, deadline, token, options.ping) {
             Ok(ok) => return Ok(ok),
             Err(Attempt::Failed(e)) => last_error = Some(e),
             Err(Attempt::NoTimeLeft) => {}
@@ -676,6 +695,7 @@ fn try_connect(
     port: u16,
     deadline: Instant,
     token: Option<&StoreToken>,
+    ping: bool,
 ) -> Result<(Conn, String), Attempt> {
     let trimmed = host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = (trimmed, port)
@@ -694,7 +714,7 @@ fn try_connect(
             break;
         }
         match StdTcpStream::connect_timeout(&addr, remaining) {
-            Ok(stream) => match handshake(stream, remaining, token) {
+            Ok(stream) => match handshake(stream, remaining, token, ping) {
                 Ok(conn) => return Ok((conn, addr.to_string())),
                 Err(Handshake::TokenRefused) => {
                     return Err(Attempt::TokenRefused(addr.to_string()))
@@ -753,12 +773,13 @@ impl From<io::Error> for Handshake {
     }
 }
 
-/// `AUTH` (with a token), then `VALIDATE` and `PING`, in one write; checks the `AUTH`
-/// reply byte and the echoed nonce.
+/// `AUTH` (with a token), then `VALIDATE` and (if `ping`) `PING`, in one write; checks
+/// the `AUTH` reply byte and the echoed nonce.
 fn handshake(
     stream: StdTcpStream,
     timeout: Duration,
     token: Option<&StoreToken>,
+    ping: bool,
 ) -> Result<Conn, Handshake> {
     stream.set_nodelay(true)?;
     let mut conn = Conn {
@@ -779,7 +800,9 @@ fn handshake(
         magic: VALIDATION_MAGIC,
     }
     .encode_into(&mut frame);
-    Request::Ping { nonce }.encode_into(&mut frame);
+    if ping {
+        Request::Ping { nonce }.encode_into(&mut frame);
+    }
     conn.stream.write_all(&frame)?;
     conn.stream
         .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
@@ -796,6 +819,10 @@ fn handshake(
             Err(e) if closed_by_peer(&e) => return Err(Handshake::TokenRefused),
             Err(e) => return Err(e.into()),
         }
+    }
+    if !ping {
+        conn.stream.set_read_timeout(None)?;
+        return Ok(conn);
     }
     let mut echo = [0u8; 4];
     conn.stream.read_exact(&mut echo)?;
@@ -1091,6 +1118,43 @@ mod tests {
                 other => panic!("{ms} ms: {other}"),
             }
             assert!(started.elapsed() < Duration::from_millis(ms) + Duration::from_secs(1));
+        }
+    }
+
+    /// Without the PING, VALIDATE goes out alone and the next bytes on the wire are the
+    /// first request's; with it (the default), the PING sits in between.
+    #[test]
+    fn a_connection_without_ping_sends_validate_then_the_first_request() {
+        for ping in [false, true] {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let server = std::thread::spawn(move || {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut validate = [0u8; 5];
+                stream.read_exact(&mut validate).unwrap();
+                assert_eq!(validate[0], QueryType::Validate as u8);
+                let mut next = [0u8; 1];
+                stream.read_exact(&mut next).unwrap();
+                if next[0] == QueryType::Ping as u8 {
+                    let mut nonce = [0u8; 4];
+                    stream.read_exact(&mut nonce).unwrap();
+                    stream.write_all(&nonce).unwrap();
+                    stream.read_exact(&mut next).unwrap();
+                }
+                // The ADD: its key and delta, then the new value as the reply.
+                let mut rest = [0u8; 8 + 2 + 8];
+                stream.read_exact(&mut rest).unwrap();
+                stream.write_all(&7i64.to_le_bytes()).unwrap();
+                (next[0], rest)
+            });
+            let mut options = TcpStoreOptions::client("127.0.0.1", port);
+            options.timeout = Duration::from_secs(10);
+            options.ping = ping;
+            let store = TcpStore::new(options).unwrap();
+            assert_eq!(store.add("k", 7).unwrap(), 7);
+            let (first, rest) = server.join().unwrap();
+            assert_eq!(first, QueryType::Add as u8, "ping: {ping}");
+            assert_eq!(&rest[8..10], b"/k", "ping: {ping}");
         }
     }
 
