@@ -28,7 +28,7 @@ use rdzv_core::rendezvous::elastic::{
     ElasticErrorKind, ElasticUrl, EtcdRendezvousUrl, StoreAction,
 };
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
-use rdzv_uring::rendezvous::etcd::etcd_store;
+use rdzv_uring::rendezvous::etcd::machine_store;
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::Store;
 
@@ -145,7 +145,7 @@ fn open_store(
 ) -> Result<(Arc<dyn Store>, String), CliError> {
     if let Some(etcd) = etcd {
         let place = format!("etcd {} (prefix /{}/)", etcd.endpoints_text(), etcd.prefix);
-        return Ok((Arc::new(etcd_store(etcd)), place));
+        return Ok((Arc::new(machine_store(etcd)), place));
     }
     let store = TcpStore::connect(&url.host, url.port, timeout)
         .map_err(|e| format!("connecting to the store at {}:{}: {e}", url.host, url.port))?;

@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange};
 use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
-use rdzv_uring::rendezvous::etcd::etcd_store;
-use rdzv_uring::store::etcd::EtcdStore;
+use rdzv_uring::rendezvous::etcd::{machine_store, MachineStore};
 
 use super::BenchError;
 
@@ -53,11 +52,11 @@ pub(super) fn run(
     settings.join_timeout = Duration::from_secs(600);
     super::ensure_fd_limit(u64::from(nodes) * 4 + 64)?;
 
-    let mut stores: Vec<Arc<EtcdStore>> = Vec::with_capacity(nodes as usize);
+    let mut stores: Vec<Arc<MachineStore>> = Vec::with_capacity(nodes as usize);
     let mut handles = Vec::with_capacity(nodes as usize);
     let started = Instant::now();
     for i in 0..nodes {
-        let store = Arc::new(etcd_store(&url));
+        let store = Arc::new(machine_store(&url));
         stores.push(Arc::clone(&store));
         let handle = ElasticRendezvous::start(store, settings.clone(), format!("bench-node-{i}"))
             .map_err(|e| BenchError::Unexpected(format!("node {i}: {e}")))?;
@@ -76,7 +75,7 @@ pub(super) fn run(
     // Taken once every node is a member: the join's requests, and the heartbeats of the
     // nodes that finished first (at most a few intervals' worth).
     for store in &stores {
-        join_requests.push(store.requests());
+        join_requests.push(store.etcd().requests());
     }
     let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
     distinct.sort_unstable();
@@ -102,12 +101,12 @@ pub(super) fn run(
     );
     if heartbeat_secs > 0.0 {
         let phase = Duration::from_secs_f64(heartbeat_secs);
-        let before: Vec<u64> = stores.iter().map(|s| s.requests()).collect();
+        let before: Vec<u64> = stores.iter().map(|s| s.etcd().requests()).collect();
         std::thread::sleep(phase);
         let during: Vec<u64> = stores
             .iter()
             .zip(&before)
-            .map(|(s, b)| s.requests() - b)
+            .map(|(s, b)| s.etcd().requests() - b)
             .collect();
         let intervals = heartbeat_secs / interval.as_secs_f64();
         let (_, mean, max) = stats(&during);

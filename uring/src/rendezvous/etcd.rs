@@ -34,13 +34,165 @@
 //! Not here: the machine's rules (core), the HTTP and failover (the store's gateway).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use rdzv_core::env::Env;
-use rdzv_core::rendezvous::elastic::EtcdRendezvousUrl;
+use rdzv_core::rendezvous::elastic::{key_use, EtcdRendezvousUrl, KeyUse, TALLY_UNITS};
 
 use super::elastic::{default_node_id, ElasticRendezvous};
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
 use crate::store::etcd::{EtcdConfig, EtcdStore};
+use crate::store::{Store, StoreError};
+
+/// The elastic machine's store on etcd: an [`EtcdStore`] that keeps the keys every node
+/// of a round writes at once as one etcd key per write ([`KeyUse`]: the round's arrivals
+/// and acknowledgements as tallies, its roster as a log; `EtcdStore::tally_add`,
+/// `log_append`, `log_read`), so that a join costs O(1) etcd requests where
+/// compare-and-swap loops on one key cost O(N) under a burst. A heartbeat counter is
+/// resent after a lost answer (`EtcdStore::add_at_least_once`: counting it twice is
+/// harmless) instead of failing the node while a member is lost. Every other key, the
+/// rounds' stores included, is the plain `EtcdStore`'s.
+pub struct MachineStore {
+    etcd: EtcdStore,
+}
+
+impl MachineStore {
+    /// The machine's store over `etcd`.
+    pub fn new(etcd: EtcdStore) -> MachineStore {
+        MachineStore { etcd }
+    }
+
+    /// The plain store underneath (e.g. for its request count).
+    pub fn etcd(&self) -> &EtcdStore {
+        &self.etcd
+    }
+
+    fn refuse(key: &str, op: &str, use_: KeyUse) -> StoreError {
+        StoreError::InvalidArgument(format!(
+            "etcd rendezvous store: key {key} is the elastic machine's {use_:?}, kept as one etcd \
+             key per write; {op} is not an operation on it (only ADD for a tally, APPEND and a \
+             read for a log)"
+        ))
+    }
+}
+
+impl Store for MachineStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match key_use(key) {
+            KeyUse::Value | KeyUse::Beat => self.etcd.set(key, value),
+            other => Err(Self::refuse(key, "SET", other)),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        match key_use(key) {
+            KeyUse::Log => self.etcd.log_read(key),
+            KeyUse::Tally => self
+                .etcd
+                .tally_add(key, 0, &TALLY_UNITS)
+                .map(|v| v.to_string().into_bytes()),
+            KeyUse::Value | KeyUse::Beat => self.etcd.get(key),
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        match key_use(key) {
+            KeyUse::Tally => self.etcd.tally_add(key, delta, &TALLY_UNITS),
+            KeyUse::Beat => self.etcd.add_at_least_once(key, delta),
+            KeyUse::Value => self.etcd.add(key, delta),
+            other => Err(Self::refuse(key, "ADD", other)),
+        }
+    }
+
+    /// On a log, only a read: the machine reads a key that exists with a compare-set
+    /// whose expected value it never writes; one that would match is refused.
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        match key_use(key) {
+            KeyUse::Value | KeyUse::Beat => self.etcd.compare_set(key, expected, desired),
+            KeyUse::Log => {
+                let log = self.etcd.log_read(key)?;
+                if log.is_empty() {
+                    // What the TCP store answers for a missing key.
+                    Ok(expected.to_vec())
+                } else if log != expected {
+                    Ok(log)
+                } else {
+                    Err(Self::refuse(
+                        key,
+                        "a COMPARE_SET that could write",
+                        KeyUse::Log,
+                    ))
+                }
+            }
+            other => Err(Self::refuse(key, "COMPARE_SET", other)),
+        }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        self.etcd.check(keys)
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Option<Duration>) -> Result<(), StoreError> {
+        self.etcd.wait(keys, timeout)
+    }
+
+    fn delete_key(&self, key: &str) -> Result<bool, StoreError> {
+        self.etcd.delete_key(key)
+    }
+
+    fn num_keys(&self) -> Result<i64, StoreError> {
+        self.etcd.num_keys()
+    }
+
+    fn append(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match key_use(key) {
+            KeyUse::Log => self.etcd.log_append(key, value),
+            KeyUse::Value | KeyUse::Beat => self.etcd.append(key, value),
+            other => Err(Self::refuse(key, "APPEND", other)),
+        }
+    }
+
+    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.etcd.multi_get(keys)
+    }
+
+    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), StoreError> {
+        self.etcd.multi_set(pairs)
+    }
+
+    fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.etcd.queue_push(key, value)
+    }
+
+    fn queue_pop(&self, key: &str, block: bool) -> Result<Vec<u8>, StoreError> {
+        self.etcd.queue_pop(key, block)
+    }
+
+    fn queue_len(&self, key: &str) -> Result<i64, StoreError> {
+        self.etcd.queue_len(key)
+    }
+
+    fn list_keys(&self) -> Result<Vec<String>, StoreError> {
+        self.etcd.list_keys()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.etcd.timeout()
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.etcd.set_timeout(timeout)
+    }
+
+    fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
+        Ok(Box::new(MachineStore::new(self.etcd.duplicate())))
+    }
+}
 
 /// The [`EtcdStore`] an `etcd://` rendezvous keeps its keys in: the URL's endpoints and
 /// prefix, with `read_timeout` as the store's timeout and as the time one request may take
@@ -50,6 +202,12 @@ pub fn etcd_store(url: &EtcdRendezvousUrl) -> EtcdStore {
     config.timeout = url.elastic.read_timeout;
     config.request_timeout = url.elastic.read_timeout;
     EtcdStore::new(config)
+}
+
+/// The store an `etcd://` rendezvous' machine runs on: [`etcd_store`] as a
+/// [`MachineStore`].
+pub fn machine_store(url: &EtcdRendezvousUrl) -> MachineStore {
+    MachineStore::new(etcd_store(url))
 }
 
 /// The `etcd://` handler: joins through etcd and waits for the first round (up to the
@@ -67,7 +225,7 @@ pub(super) fn etcd_rendezvous_handler(
         .clone()
         .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
         .unwrap_or_else(default_node_id);
-    let store = etcd_store(&parsed);
+    let store = machine_store(&parsed);
     let handle = ElasticRendezvous::start(Arc::new(store), parsed.elastic.settings.clone(), node)
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
     let round = handle

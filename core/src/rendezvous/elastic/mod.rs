@@ -114,6 +114,7 @@
 //! answered with [`StoreReply::TimedOut`] when it passes.
 
 mod etcd_url;
+mod key_use;
 mod machine;
 #[cfg(test)]
 mod tests;
@@ -127,6 +128,7 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use etcd_url::{EtcdRendezvousUrl, EtcdUrlError, DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX};
+pub use key_use::{key_use, KeyUse, TALLY_UNITS};
 pub use machine::{
     ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
     StoreAction, StoreReply,

@@ -22,6 +22,19 @@ struct Model {
 impl Model {
     /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
     fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<OwnedStoreReply> {
+        // The machine keeps to its own rule of how it uses each key (`key_use`), so that
+        // a store may keep tallies and logs as one key per write.
+        match (key_use(action.key()), action) {
+            (KeyUse::Tally, StoreAction::Add { delta, .. }) => {
+                assert!(*delta == 0 || TALLY_UNITS.contains(delta), "{action:?}");
+            }
+            (KeyUse::Beat, StoreAction::Add { delta, .. }) => {
+                assert!(*delta == 0 || *delta == 1, "{action:?}");
+            }
+            (KeyUse::Log, StoreAction::Append { .. } | StoreAction::Get { .. })
+            | (KeyUse::Value, _) => {}
+            (_, other) => panic!("the machine broke its key-use rule: {other:?}"),
+        }
         let reply = match action {
             StoreAction::Check { key } => OwnedStoreReply::Checked(self.kv.contains_key(key)),
             StoreAction::Add { key, delta } => {

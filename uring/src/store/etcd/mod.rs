@@ -40,6 +40,7 @@
 
 pub mod error;
 pub(crate) mod gateway;
+mod spread;
 
 use std::collections::HashMap;
 use std::io;
@@ -211,6 +212,18 @@ impl EtcdStore {
         EtcdConfig::parse(addr)
             .map(EtcdStore::new)
             .map_err(|e| StoreError::InvalidArgument(e.to_string()))
+    }
+
+    /// A handle of its own (its own connections) on the same cluster and prefix, counting
+    /// its requests with this one's ([`Store::clone_store`], typed).
+    pub fn duplicate(&self) -> EtcdStore {
+        EtcdStore {
+            gateway: self.gateway.duplicate(),
+            config: self.config.clone(),
+            prefix: self.prefix.clone(),
+            timeout: Mutex::new(self.timeout()),
+            last_seen: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The configuration this store was made with.
@@ -424,6 +437,30 @@ impl EtcdStore {
         }
     }
 
+    /// `ADD`, resent after a lost answer even though the lost copy may have applied: the
+    /// delta may count twice, never fails with [`EtcdError::OutcomeUnknown`]. For counters
+    /// where that is harmless, such as a heartbeat whose watcher looks only for change.
+    pub fn add_at_least_once(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.add_with(key, delta, Retry::Idempotent)
+    }
+
+    /// `ADD` as an update: one transaction for a new key or a right guess.
+    fn add_with(&self, key: &str, delta: i64, retry: Retry) -> Result<i64, StoreError> {
+        self.update("add", key, First::GuessMissing, retry, |current| {
+            let value = current.as_ref().map(|(v, _)| v.as_slice());
+            let new =
+                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
+                    key: key.to_string(),
+                    detail: e.to_string(),
+                })?;
+            if delta == 0 && current.is_some() {
+                // Nothing to write; nobody waits on a key that exists.
+                return Ok((None, new));
+            }
+            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
+        })
+    }
+
     fn last_seen(&self) -> MutexGuard<'_, LastSeen> {
         self.last_seen
             .lock()
@@ -631,19 +668,7 @@ impl Store for EtcdStore {
         } else {
             Retry::Conditional
         };
-        self.update("add", key, First::GuessMissing, retry, |current| {
-            let value = current.as_ref().map(|(v, _)| v.as_slice());
-            let new =
-                semantics::add_counter(value, delta).map_err(|e| StoreError::NotACounter {
-                    key: key.to_string(),
-                    detail: e.to_string(),
-                })?;
-            if delta == 0 && current.is_some() {
-                // Nothing to write; nobody waits on a key that exists.
-                return Ok((None, new));
-            }
-            Ok((Some(semantics::Decimal::new(new).as_bytes().to_vec()), new))
-        })
+        self.add_with(key, delta, retry)
     }
 
     fn compare_set(
@@ -882,13 +907,7 @@ impl Store for EtcdStore {
     }
 
     fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
-        Ok(Box::new(EtcdStore {
-            gateway: self.gateway.duplicate(),
-            config: self.config.clone(),
-            prefix: self.prefix.clone(),
-            timeout: Mutex::new(self.timeout()),
-            last_seen: Mutex::new(HashMap::new()),
-        }))
+        Ok(Box::new(self.duplicate()))
     }
 }
 

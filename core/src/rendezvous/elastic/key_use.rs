@@ -1,0 +1,78 @@
+//! How the machine uses each of its keys, for stores that can keep a key better than as
+//! one value: the machine's own rule, stated once, so that a store never guesses it.
+//!
+//! Two kinds of key are written by every node of a round at about the same moment: the
+//! round's counters (`{r}/arrivals`, `{r}/ready`) and its roster (`{r}/roster`). On a
+//! store whose `ADD` and `APPEND` are served in one place (the TCP store) that costs one
+//! request each. On a store where they are compare-and-swap loops on one value (etcd), N
+//! writers at once make every loser retry, and a join costs O(N) requests. Such a store
+//! may instead keep
+//! - a [`KeyUse::Tally`] as one key per increment: the counter's value is the sum over
+//!   [`TALLY_UNITS`] of the unit times the number of its increments (the machine only
+//!   ever adds 0 or exactly one unit), and an increment's reply is that sum as of its own
+//!   write;
+//! - a [`KeyUse::Log`] as one key per line: its value is the lines in the order they were
+//!   written (the machine only appends lines and reads the whole log).
+//!
+//! Both are what `ADD` and `APPEND` would give, so the machine cannot tell them apart.
+//! A [`KeyUse::Beat`] is a heartbeat counter, where counting an increment twice does no
+//! harm, so a store may resend one whose answer was lost instead of failing.
+//! This module decides nothing else: how a store lays such keys out is the store's.
+
+/// What the machine does with a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyUse {
+    /// Only `ADD`s of 0 (a read) or of exactly one of [`TALLY_UNITS`].
+    Tally,
+    /// Only `APPEND`s and reads of the whole value.
+    Log,
+    /// A heartbeat counter (`{r}/hb/{s}`): only `ADD 1` by its owner and `ADD 0` by its
+    /// watcher, who looks only for change, so an increment applied twice (resent after a
+    /// lost answer) is harmless: a store may resend it rather than fail.
+    Beat,
+    /// Anything else: keep it as one value.
+    Value,
+}
+
+/// The increments of a [`KeyUse::Tally`]: an arrival or an acknowledgement (1), a
+/// departure (2^32), the "round 0 is closed" mark (2^48).
+pub const TALLY_UNITS: [i64; 3] = [1, 1 << 32, 1 << 48];
+
+/// The prefix of every key of the machine (`rdzv.elastic.{run_id}/…`).
+const MACHINE_PREFIX: &str = "rdzv.elastic.";
+
+/// How the machine uses `key` (a store key as [`super::StoreAction::key`] gives it; any
+/// other key, a round's store's included, is a [`KeyUse::Value`]).
+pub fn key_use(key: &str) -> KeyUse {
+    if !key.starts_with(MACHINE_PREFIX) {
+        return KeyUse::Value;
+    }
+    let Some((parent, last)) = key.rsplit_once('/') else {
+        return KeyUse::Value;
+    };
+    match last {
+        "arrivals" | "ready" => KeyUse::Tally,
+        "roster" => KeyUse::Log,
+        _ if parent.ends_with("/hb") && last.bytes().all(|b| b.is_ascii_digit()) => KeyUse::Beat,
+        _ => KeyUse::Value,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // That the machine keeps to the rule is checked on every action of the virtual-time
+    // suite and its proptests, by their store model (`super::super::tests::Model`).
+
+    #[test]
+    fn the_rounds_counters_are_tallies_and_its_roster_a_log() {
+        assert_eq!(key_use("rdzv.elastic.job/0/arrivals"), KeyUse::Tally);
+        assert_eq!(key_use("rdzv.elastic.job/3/ready"), KeyUse::Tally);
+        assert_eq!(key_use("rdzv.elastic.job/3/roster"), KeyUse::Log);
+        assert_eq!(key_use("rdzv.elastic.job/round"), KeyUse::Value);
+        assert_eq!(key_use("rdzv.elastic.job/3/hb/2"), KeyUse::Beat);
+        assert_eq!(key_use("rdzv.elastic.job/3/gone/2"), KeyUse::Value);
+        assert_eq!(key_use("torch.rendezvous.job.3/arrivals"), KeyUse::Value);
+    }
+}
