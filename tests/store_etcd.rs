@@ -378,3 +378,68 @@ fn leader_killed_while_clients_write_they_carry_on() {
     );
     assert!(store.check(&[&format!("k{}", sets - 1)]).unwrap());
 }
+
+/// A tally written by 16 threads at once: every increment's reply is its own value (the
+/// low units distinct, 1..=16), departures count in their own unit, a read sums them, and
+/// the tally's keys are no user keys.
+#[test]
+fn a_tally_counts_concurrent_increments_exactly_once_each() {
+    let Some(store) = store("tally") else { return };
+    let store = Arc::new(store);
+    let units = [1i64, 1 << 32];
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            thread::spawn(move || store.tally_add("t", 1, &units).expect("tally add"))
+        })
+        .collect();
+    let mut seen: Vec<i64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (1..=16).collect::<Vec<_>>());
+    assert_eq!(
+        store.tally_add("t", 1 << 32, &units).unwrap(),
+        (1 << 32) + 16
+    );
+    assert_eq!(store.tally_add("t", 0, &units).unwrap(), (1 << 32) + 16);
+    let refused = store.tally_add("t", 2, &units).unwrap_err().to_string();
+    assert!(refused.contains("one of the units"), "{refused}");
+    assert_eq!(
+        store.num_keys().unwrap(),
+        0,
+        "a tally's keys are not user keys"
+    );
+}
+
+/// A log appended to by 8 threads, 4 lines each: a read has every line once, and each
+/// thread's lines in the order it wrote them.
+#[test]
+fn a_log_keeps_every_line_in_write_order() {
+    let Some(store) = store("log") else { return };
+    let store = Arc::new(store);
+    assert!(store.log_read("roster").unwrap().is_empty());
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            thread::spawn(move || {
+                for i in 0..4 {
+                    store
+                        .log_append("roster", format!("{t}.{i};").as_bytes())
+                        .expect("append");
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let log = String::from_utf8(store.log_read("roster").unwrap()).unwrap();
+    let lines: Vec<&str> = log.split_terminator(';').collect();
+    assert_eq!(lines.len(), 32, "{log}");
+    for t in 0..8 {
+        let mine: Vec<&str> = lines
+            .iter()
+            .copied()
+            .filter(|l| l.starts_with(&format!("{t}.")))
+            .collect();
+        let expected: Vec<String> = (0..4).map(|i| format!("{t}.{i}")).collect();
+        assert_eq!(mine, expected, "{log}");
+    }
+}
