@@ -13,11 +13,17 @@
 //!
 //! | rule | store operation | etcd |
 //! |---|---|---|
-//! | round hint, arrivals, acknowledgements, heartbeats (`ADD`) | a counter | one transaction comparing the key's `mod_revision` (two when another node moved it first) |
-//! | roster lines (`APPEND`) | append | the same compare-guarded transaction |
-//! | the size that closes a round, a slot's strike (`COMPARE_SET "" → v`) | create-if-absent | one transaction comparing `create_revision = 0`: exactly one writer wins |
+//! | a round's arrivals and acknowledgements (`ADD` by every node at once) | a tally ([`KeyUse::Tally`]) | one transaction that creates this increment's own key and counts the units' keys after it: never a conflict |
+//! | a round's roster (`APPEND` by every node at once, read by the closer) | a log ([`KeyUse::Log`]) | a put of this line's own key; a read is one range in `create_revision` order |
+//! | heartbeats (`ADD 1` own, `ADD 0` the watched slot's) | a counter, resent after a lost answer ([`KeyUse::Beat`]) | one transaction comparing the key's `mod_revision` (its owner alone writes it) |
+//! | the round hint (`ADD`, `COMPARE_SET`) | a counter | one compare-guarded transaction |
+//! | the size that closes a round, a slot's strike, the verdict (`COMPARE_SET "" → v`) | create-if-absent | one transaction comparing `create_revision = 0`: exactly one writer wins |
 //! | quorum, go, over, closed (`SET`), reads (`GET`, `CHECK`) | put, range | put, range |
 //! | waiting for the size, go, over, quorum (`WAIT`) | wait | a range, then a watch from the revision after it: nodes learn of the release by the watch, without polling |
+//!
+//! So a join and a keep-alive cost O(1) etcd requests per node, whatever N: no key is
+//! compare-and-swapped by more than one node at a time except the round hint and the
+//! size, which one node each writes per round.
 //!
 //! **Key layout.** etcd key = `/{etcd_prefix}/` + the TCPStore key: the machine's keys are
 //! `/rdzv/rdzv.elastic.{run_id}/…` (the table in the core's module), and the rounds'

@@ -99,11 +99,11 @@
 //! # Over other stores
 //! The machine asks for seven operations ([`StoreAction`]): a counter `ADD`, `SET`,
 //! `APPEND`, `GET` of a key that exists, `COMPARE_SET` against "missing", `CHECK` and a
-//! `WAIT` for a key with a deadline. A store with transactions and leases (etcd) maps them
-//! one to one (a counter is a compare-and-swap loop, a `WAIT` a watch), and could do
-//! better in two places: a slot bound to a lease would strike a dead node without a
-//! watcher, and the closer's read of the roster and its write of the size could be one
-//! transaction.
+//! `WAIT` for a key with a deadline. [`key_use`] says how it uses each key, so that a
+//! store whose `ADD` and `APPEND` are compare-and-swap loops (etcd) can keep the keys
+//! every node writes at once (a round's arrivals, acknowledgements and roster) as one key
+//! per write, and resend a heartbeat whose answer was lost: a join then costs O(1)
+//! requests there too (`rdzv_uring::rendezvous::etcd`).
 //!
 //! # Driving it
 //! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local
