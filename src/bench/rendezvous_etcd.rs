@@ -26,25 +26,9 @@ pub(super) fn run(
     interval: Duration,
     heartbeat_secs: f64,
 ) -> Result<ExitCode, BenchError> {
-    let run_id = format!(
-        "bench-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis())
-    );
-    // The address names the cluster (and optionally a prefix); the run id is ours.
-    let endpoints = addr
-        .strip_prefix("etcd://")
-        .unwrap_or(addr)
-        .split(['/', '?'])
-        .next()
-        .unwrap_or_default();
-    let url_text = format!("etcd://{endpoints}/{run_id}?read_timeout=60s");
-    let url = EtcdRendezvousUrl::parse(&url_text)
-        .map_err(|e| BenchError::InvalidArgument(format!("--addr {addr}: {e}")))?;
+    let (url, endpoints) = bench_url(addr)?;
     let mut settings = ElasticSettings::new(
-        run_id,
+        url.elastic.settings.run_id.clone(),
         NodeRange::new(nodes, nodes)
             .map_err(|e| BenchError::InvalidArgument(format!("--nodes {nodes}: {e}")))?,
     );
@@ -86,12 +70,6 @@ pub(super) fn run(
             distinct.len()
         )));
     }
-    let stats = |v: &[u64]| {
-        let min = v.iter().copied().min().unwrap_or(0);
-        let max = v.iter().copied().max().unwrap_or(0);
-        let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-        (min, mean, max)
-    };
     let (jmin, jmean, jmax) = stats(&join_requests);
     println!("rdzv elastic rendezvous on etcd: {nodes} nodes, one round, etcd {endpoints}");
     println!("  round formed in             {:.3} s", took.as_secs_f64());
@@ -100,24 +78,7 @@ pub(super) fn run(
          heartbeats of those done first)"
     );
     if heartbeat_secs > 0.0 {
-        let phase = Duration::from_secs_f64(heartbeat_secs);
-        let before: Vec<u64> = stores.iter().map(|s| s.etcd().requests()).collect();
-        std::thread::sleep(phase);
-        let during: Vec<u64> = stores
-            .iter()
-            .zip(&before)
-            .map(|(s, b)| s.etcd().requests() - b)
-            .collect();
-        let intervals = heartbeat_secs / interval.as_secs_f64();
-        let (_, mean, max) = stats(&during);
-        println!(
-            "  etcd requests per node per keep-alive interval ({} ms, {intervals:.0} intervals): \
-             mean {:.2}, max {:.2} (ADD own, ADD watched, and the watch on the round's end \
-             renewed each interval)",
-            interval.as_millis(),
-            mean / intervals,
-            max as f64 / intervals
-        );
+        report_keep_alive(&stores, interval, heartbeat_secs);
     }
     for handle in &handles {
         if let Some(round) = handle.current() {
@@ -129,4 +90,57 @@ pub(super) fn run(
     }
     drop(handles);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Min, mean and max of per-node counts.
+fn stats(v: &[u64]) -> (u64, f64, u64) {
+    let min = v.iter().copied().min().unwrap_or(0);
+    let max = v.iter().copied().max().unwrap_or(0);
+    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+    (min, mean, max)
+}
+
+/// The keep-alive phase: every node's etcd requests over `heartbeat_secs`, per interval.
+fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat_secs: f64) {
+    let phase = Duration::from_secs_f64(heartbeat_secs);
+    let before: Vec<u64> = stores.iter().map(|s| s.etcd().requests()).collect();
+    std::thread::sleep(phase);
+    let during: Vec<u64> = stores
+        .iter()
+        .zip(&before)
+        .map(|(s, b)| s.etcd().requests() - b)
+        .collect();
+    let intervals = heartbeat_secs / interval.as_secs_f64();
+    let (_, mean, max) = stats(&during);
+    println!(
+        "  etcd requests per node per keep-alive interval ({} ms, {intervals:.0} intervals): \
+         mean {:.2}, max {:.2} (ADD own, ADD watched, and the watch on the round's end \
+         renewed each interval)",
+        interval.as_millis(),
+        mean / intervals,
+        max as f64 / intervals
+    );
+}
+
+/// The bench's own run (a fresh run id) on the cluster `addr` names (`etcd://ENDPOINTS`,
+/// a path or query there is ignored), and the endpoints as text.
+fn bench_url(addr: &str) -> Result<(EtcdRendezvousUrl, String), BenchError> {
+    let run_id = format!(
+        "bench-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    );
+    // The address names the cluster (and optionally a prefix); the run id is ours.
+    let endpoints = addr
+        .strip_prefix("etcd://")
+        .unwrap_or(addr)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or_default();
+    let url_text = format!("etcd://{endpoints}/{run_id}?read_timeout=60s");
+    let url = EtcdRendezvousUrl::parse(&url_text)
+        .map_err(|e| BenchError::InvalidArgument(format!("--addr {addr}: {e}")))?;
+    Ok((url, endpoints.to_string()))
 }
