@@ -390,3 +390,36 @@ fn rendezvous_command_refuses_bad_etcd_urls() {
         assert!(err.contains(says), "{url}: {err}");
     }
 }
+
+/// `rdzv bench rendezvous --addr etcd://…`: 64 nodes form one round, and a join costs
+/// O(1) etcd requests per node (the arrivals, acknowledgements and roster never make a
+/// node retry a compare-and-swap against the others): the mean stays near a lone node's
+/// count whatever N, where one key per counter cost about N/2 retries each.
+#[test]
+fn bench_over_etcd_joins_in_o1_requests_per_node() {
+    let Some(endpoints) = shared("bench_over_etcd_joins_in_o1_requests_per_node") else {
+        return;
+    };
+    let output = Command::new(env!("CARGO_BIN_EXE_rdzv"))
+        .args(["bench", "rendezvous", "--nodes", "64", "--keep-alive-ms", "2000"])
+        .args(["--heartbeat-secs", "0"])
+        .arg("--addr")
+        .arg(format!("etcd://{}", endpoints.join(",")))
+        .output()
+        .expect("run rdzv bench rendezvous");
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mean: f64 = text
+        .lines()
+        .find_map(|l| l.split("mean ").nth(1))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|m| m.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no mean in: {text}"));
+    // A lone node's join is 8–10 requests; the closer adds a few, a member restarted or a
+    // leader change a retry or two. 64 nodes racing on one key would cost about 30 each.
+    assert!(mean <= 14.0, "mean {mean} etcd requests per join at N=64: {text}");
+}
