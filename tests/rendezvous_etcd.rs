@@ -401,7 +401,14 @@ fn bench_over_etcd_joins_in_o1_requests_per_node() {
         return;
     };
     let output = Command::new(env!("CARGO_BIN_EXE_rdzv"))
-        .args(["bench", "rendezvous", "--nodes", "64", "--keep-alive-ms", "2000"])
+        .args([
+            "bench",
+            "rendezvous",
+            "--nodes",
+            "64",
+            "--keep-alive-ms",
+            "2000",
+        ])
         .args(["--heartbeat-secs", "0"])
         .arg("--addr")
         .arg(format!("etcd://{}", endpoints.join(",")))
@@ -421,5 +428,8 @@ fn bench_over_etcd_joins_in_o1_requests_per_node() {
         .unwrap_or_else(|| panic!("no mean in: {text}"));
     // A lone node's join is 8–10 requests; the closer adds a few, a member restarted or a
     // leader change a retry or two. 64 nodes racing on one key would cost about 30 each.
-    assert!(mean <= 14.0, "mean {mean} etcd requests per join at N=64: {text}");
+    assert!(
+        mean <= 14.0,
+        "mean {mean} etcd requests per join at N=64: {text}"
+    );
 }
