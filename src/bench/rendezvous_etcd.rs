@@ -125,13 +125,7 @@ fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat
 /// The bench's own run (a fresh run id) on the cluster `addr` names (`etcd://ENDPOINTS`,
 /// a path or query there is ignored), and the endpoints as text.
 fn bench_url(addr: &str) -> Result<(EtcdRendezvousUrl, String), BenchError> {
-    let run_id = format!(
-        "bench-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis())
-    );
+    let run_id = super::rendezvous::bench_run_id();
     // The address names the cluster (and optionally a prefix); the run id is ours.
     let endpoints = addr
         .strip_prefix("etcd://")

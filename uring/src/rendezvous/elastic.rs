@@ -738,11 +738,7 @@ pub(super) fn elastic_rendezvous_handler(
     options: &RendezvousOptions,
 ) -> Result<Rendezvous, RendezvousError> {
     let parsed = ElasticUrl::parse(url).map_err(|e| RendezvousError::Plan(e.to_string()))?;
-    let node = parsed
-        .node_id
-        .clone()
-        .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
-        .unwrap_or_else(default_node_id);
+    let node = node_id(parsed.node_id.as_ref(), env);
     // No rank yet: the error names the node.
     let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, options.timeout)
         .map_err(|e| {
@@ -757,7 +753,26 @@ pub(super) fn elastic_rendezvous_handler(
     // torchrun's c10d backend gives its store client the read timeout; the rounds' stores
     // are prefixes of that client.
     store.set_timeout(parsed.read_timeout);
-    let handle = ElasticRendezvous::start(Arc::new(store), parsed.settings, node)
+    first_round(Arc::new(store), parsed.settings, node)
+}
+
+/// A node's id: the URL's `node_id`, else `RDZV_NODE_ID`, else [`default_node_id`].
+pub(super) fn node_id(given: Option<&String>, env: &dyn Env) -> String {
+    given
+        .cloned()
+        .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
+        .unwrap_or_else(default_node_id)
+}
+
+/// Starts node `node` over `store` and waits for its first round (up to the join
+/// timeout): the round's store, rank and world size, with the handle to follow the next
+/// rounds (`elastic://` and `etcd://` alike).
+pub(super) fn first_round(
+    store: Arc<dyn Store>,
+    settings: ElasticSettings,
+    node: String,
+) -> Result<Rendezvous, RendezvousError> {
+    let handle = ElasticRendezvous::start(store, settings, node)
         .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
     let round = handle
         .next_rendezvous()

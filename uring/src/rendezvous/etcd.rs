@@ -2,10 +2,11 @@
 //! outlives any one machine (an `elastic://` rendezvous dies with its store server).
 //!
 //! `rendezvous("etcd://h1:2379,h2:2379,h3:2379/run_id?nodes=2:8&last_call=5s")` runs the
-//! same machine as `elastic://` ([`rdzv_core::rendezvous::elastic::ElasticNode`], driven by
-//! [`ElasticRendezvous`]) over an [`EtcdStore`], and returns the round's store
-//! (`PrefixStore("torch.rendezvous.{run_id}.{round}", EtcdStore)`), rank, world size and
-//! the handle. The URL is core's ([`EtcdRendezvousUrl`]): `elastic://`'s query keys, plus
+//! same machine as `elastic://` ([`rdzv_core::rendezvous::elastic::ElasticNode`], driven
+//! by [`ElasticRendezvous`](super::elastic::ElasticRendezvous)) over an [`EtcdStore`]
+//! ([`MachineStore`]), and returns the round's store
+//! (`PrefixStore("torch.rendezvous.{run_id}.{round}", …)`, plain etcd keys), rank, world
+//! size and the handle. The URL is core's ([`EtcdRendezvousUrl`]): `elastic://`'s query keys, plus
 //! `etcd_prefix` (default `rdzv`).
 //!
 //! Which etcd primitive each of the machine's rules uses (the store's module has the
@@ -45,7 +46,7 @@ use std::time::Duration;
 use rdzv_core::env::Env;
 use rdzv_core::rendezvous::elastic::{key_use, EtcdRendezvousUrl, KeyUse, TALLY_UNITS};
 
-use super::elastic::{default_node_id, ElasticRendezvous};
+use super::elastic::{first_round, node_id};
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
 use crate::store::etcd::{EtcdConfig, EtcdStore};
 use crate::store::{Store, StoreError};
@@ -218,31 +219,19 @@ pub fn machine_store(url: &EtcdRendezvousUrl) -> MachineStore {
 
 /// The `etcd://` handler: joins through etcd and waits for the first round (up to the
 /// join timeout). The node id is the URL's `node_id`, else `RDZV_NODE_ID`, else
-/// [`default_node_id`].
+/// [`default_node_id`](super::elastic::default_node_id).
 pub(super) fn etcd_rendezvous_handler(
     url: &str,
     env: &dyn Env,
     _options: &RendezvousOptions,
 ) -> Result<Rendezvous, RendezvousError> {
     let parsed = EtcdRendezvousUrl::parse(url).map_err(|e| RendezvousError::Plan(e.to_string()))?;
-    let node = parsed
-        .elastic
-        .node_id
-        .clone()
-        .or_else(|| env.var("RDZV_NODE_ID").map(String::from))
-        .unwrap_or_else(default_node_id);
-    let store = machine_store(&parsed);
-    let handle = ElasticRendezvous::start(Arc::new(store), parsed.elastic.settings.clone(), node)
-        .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    let round = handle
-        .next_rendezvous()
-        .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    let round_store = handle
-        .round_store(&round)
-        .map_err(|e| RendezvousError::Handler(Box::new(e)))?;
-    let mut rendezvous = Rendezvous::new(round_store, round.rank, Some(round.world_size));
-    rendezvous.elastic = Some(Arc::new(handle));
-    Ok(rendezvous)
+    let node = node_id(parsed.elastic.node_id.as_ref(), env);
+    first_round(
+        Arc::new(machine_store(&parsed)),
+        parsed.elastic.settings.clone(),
+        node,
+    )
 }
 
 #[cfg(test)]
