@@ -6,8 +6,8 @@
 //! by [`ElasticRendezvous`](super::elastic::ElasticRendezvous)) over an [`EtcdStore`]
 //! ([`MachineStore`]), and returns the round's store
 //! (`PrefixStore("torch.rendezvous.{run_id}.{round}", …)`, plain etcd keys), rank, world
-//! size and the handle. The URL is core's ([`EtcdRendezvousUrl`]): `elastic://`'s query keys, plus
-//! `etcd_prefix` (default `rdzv`).
+//! size and the handle. The URL is core's ([`EtcdRendezvousUrl`]): `elastic://`'s query
+//! keys, plus `etcd_prefix` (default `rdzv`).
 //!
 //! Which etcd primitive each of the machine's rules uses (the store's module has the
 //! whole mapping):
