@@ -186,6 +186,17 @@ pub(super) fn ensure_fd_limit(needed: u64) -> Result<u64, BenchError> {
     Ok(limit)
 }
 
+/// A fresh run id for one bench run: `bench-{pid}-{ms since the epoch}`.
+pub(super) fn bench_run_id() -> String {
+    format!(
+        "bench-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

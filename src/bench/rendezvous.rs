@@ -239,7 +239,7 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
 
 /// One round of exactly `n` nodes, with a fresh run id.
 fn bench_settings(n: u32, interval: Duration) -> Result<ElasticSettings, BenchError> {
-    let run_id = bench_run_id();
+    let run_id = super::harness::bench_run_id();
     let mut settings = ElasticSettings::new(
         run_id,
         NodeRange::new(n, n)
@@ -548,15 +548,4 @@ fn print_torchrun_design(n: u32) {
          each way), retried on every conflict with the other N-1 heartbeats",
         blob * f64::from(n) / 1024.0
     );
-}
-
-/// A fresh run id for one bench run: `bench-{pid}-{ms since the epoch}`.
-pub(super) fn bench_run_id() -> String {
-    format!(
-        "bench-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis())
-    )
 }

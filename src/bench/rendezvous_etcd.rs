@@ -125,7 +125,7 @@ fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat
 /// The bench's own run (a fresh run id) on the cluster `addr` names (`etcd://ENDPOINTS`,
 /// a path or query there is ignored), and the endpoints as text.
 fn bench_url(addr: &str) -> Result<(EtcdRendezvousUrl, String), BenchError> {
-    let run_id = super::rendezvous::bench_run_id();
+    let run_id = super::harness::bench_run_id();
     // The address names the cluster (and optionally a prefix); the run id is ours.
     let endpoints = addr
         .strip_prefix("etcd://")
