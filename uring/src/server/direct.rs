@@ -24,6 +24,12 @@
 //! stream, a socket error) leaves the engine at once, so its waiters never linger; a
 //! pending receive is cancelled.
 //!
+//! A batch serves its light connections (whose last turn was small) as their
+//! completions come and submits their replies before it serves any heavy one; then the
+//! heavy ones until the batch has produced its share of reply bytes (`session::Round`,
+//! shared with epoll), the rest in the next batch: a good client is not queued behind a
+//! burst of large GETs.
+//!
 //! Backpressure: a connection that owes its peer more than the budget's high-water mark
 //! gets no more requests served and no receive queued until its sends have drained
 //! below it (the core serve step says `Blocked`); then the requests it already sent are
@@ -48,7 +54,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Round, Throttle};
+use super::session::{Pass, ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
@@ -405,8 +411,15 @@ impl Server {
                     busy_until = Some(Instant::now() + spin);
                 }
             }
-            self.serve_put_off();
+            // Light connections were served as their completions came; their replies
+            // go to the kernel before the heavy ones are served (a system call only when
+            // there are heavy ones).
             self.service_dirty();
+            if !self.again.is_empty() {
+                self.ring.submit()?;
+                self.serve_put_off();
+                self.service_dirty();
+            }
         }
     }
 
@@ -557,18 +570,19 @@ impl Server {
         let complete = input.received(n);
         conn.reading = Reading::Idle(input);
         if complete {
-            self.serve_in_round(slot);
+            self.serve_in_round(slot, Pass::Light);
         }
     }
 
-    /// Serves a connection's requests in this batch, or puts them off to the next one
-    /// when the batch has produced its share of reply bytes and the connection is not
-    /// light: a burst of large GETs does not hold up a small request.
-    fn serve_in_round(&mut self, slot: usize) {
+    /// Serves a connection's requests in this pass of the batch, or puts them off: a
+    /// heavy one to the heavy pass, after the light replies were submitted, and to the
+    /// next batch once this one has produced its share of reply bytes. A burst of large
+    /// GETs does not hold up a small request.
+    fn serve_in_round(&mut self, slot: usize, pass: Pass) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        if self.round.defers(conn.light) {
+        if self.round.defers(conn.light, pass) {
             if !conn.deferred {
                 conn.deferred = true;
                 self.again.push(slot);
@@ -592,7 +606,7 @@ impl Server {
             conn.deferred = false;
             self.dirty.push(slot);
             if conn.phase == Phase::Open && !conn.blocked {
-                self.serve_in_round(slot);
+                self.serve_in_round(slot, Pass::Heavy);
             }
         }
         if self.again.is_empty() {
@@ -748,7 +762,7 @@ impl Server {
                 // Drained below the mark: serve what was received before reading more
                 // (this pushes the slot again, and is looked at once more).
                 conn.blocked = false;
-                self.serve_in_round(slot);
+                self.serve_in_round(slot, Pass::Light);
                 self.dirty.push(slot);
                 continue;
             }

@@ -11,10 +11,12 @@
 //!
 //! A round serves every ready connection (reads and requests), then writes every reply
 //! it produced: the peers get one burst per round, as one io_uring submission gives them,
-//! instead of being woken between two reads. Once a round has produced its share of
-//! reply bytes (`session::Round`, shared with io_uring), the connections not yet served wait for the next round, except light
-//! ones (whose last turn was small): a good client is not queued behind a burst of
-//! large GETs. Accepts are taken [`ACCEPTS_PER_ROUND`] at a time.
+//! instead of being woken between two reads. Light connections (whose last turn was
+//! small) are served first and their replies written before any heavy one is served;
+//! then heavy ones until the round has produced its share of reply bytes
+//! (`session::Round`, shared with io_uring), and the rest wait for the next round: a
+//! good client is not queued behind a burst of large GETs. Accepts are taken
+//! [`ACCEPTS_PER_ROUND`] at a time.
 //!
 //! Readiness is edge-triggered: a connection remembers that it may read or write more
 //! until a call says `WouldBlock`. A connection reads at most [`READS_PER_TURN`] times
@@ -47,7 +49,7 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ReadBuf, Round, Throttle};
+use super::session::{Pass, ReadBuf, Round, Throttle};
 use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
 use super::StatsCells;
 
@@ -305,12 +307,16 @@ impl Loop {
             }
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
-            // being woken between two reads. Fresh events first, then those that
-            // yielded, until the round has produced its share of bytes; the rest wait a
+            // being woken between two reads. Light connections first, and their replies
+            // go out before the heavy ones are served (fresh events, then those that
+            // yielded) until the round has produced its share of bytes; the rest wait a
             // round.
             self.round.begin();
             while let Some(slot) = self.dirty.pop() {
-                self.service_in_round(slot);
+                self.service_in_round(slot, Pass::Light);
+            }
+            while let Some(slot) = self.flush.pop() {
+                self.service(slot, Writes::Now);
             }
             if !self.again.is_empty() {
                 let mut yielded = std::mem::take(&mut self.again);
@@ -318,10 +324,10 @@ impl Loop {
                     if let Some(Some(conn)) = self.conns.get_mut(slot) {
                         conn.deferred = false;
                     }
-                    self.service_in_round(slot);
+                    self.service_in_round(slot, Pass::Heavy);
                 }
                 while let Some(slot) = self.dirty.pop() {
-                    self.service_in_round(slot);
+                    self.service_in_round(slot, Pass::Heavy);
                 }
                 if self.again.is_empty() {
                     // Keep the list's room for the next burst.
@@ -419,12 +425,12 @@ impl Loop {
         }
     }
 
-    /// Serves a connection this round, or defers it when the round has produced its
-    /// share of reply bytes.
-    fn service_in_round(&mut self, slot: usize) {
+    /// Serves a connection in this pass of the round, or defers it (a heavy one in the
+    /// light pass, or once the round has produced its share of reply bytes).
+    fn service_in_round(&mut self, slot: usize, pass: Pass) {
         let light =
             matches!(self.conns.get(slot), Some(Some(conn)) if conn.light && conn.unsent() == 0);
-        if self.round.defers(light) {
+        if self.round.defers(light, pass) {
             self.defer(slot);
         } else {
             self.service(slot, Writes::Defer);

@@ -16,14 +16,28 @@ use super::metrics::Metrics;
 /// Reply bytes one round of a loop (an epoll wait's events, an io_uring batch of
 /// completions) produces before the connections not yet served wait for the next round
 /// (after a fresh look for events): a burst of clients asking for large values does not
-/// hold up a small request for the time it takes to copy all their replies.
-const ROUND_OUT: usize = 4 << 20;
+/// hold up a small request for the time it takes to copy all their replies. 1 MiB is
+/// about a millisecond of copying (the reply's encoding and the kernel's send) in a
+/// debug build; a single larger reply still goes out whole, one per round.
+const ROUND_OUT: usize = 1 << 20;
 
 /// A connection whose last turn produced less than this (and owes nothing) is light:
 /// the round's cap does not defer it, so that a small request is not queued behind a
 /// burst of clients asking for large values. A light connection can overshoot the cap
 /// by one turn (the mark plus one bounded reply), after which it is no longer light.
 const LIGHT_OUT: usize = 64 << 10;
+
+/// Which part of a round a loop is in. A round serves its light connections first and
+/// hands their replies to the kernel, then the heavy ones up to [`ROUND_OUT`]: a small
+/// request that arrives beside a burst of large GETs waits for neither their copying nor
+/// their sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// Fresh input: light connections are served, heavy ones wait for [`Pass::Heavy`].
+    Light,
+    /// After the light replies went out: heavy connections, until the round's share.
+    Heavy,
+}
 
 /// What one round of a loop has produced, against [`ROUND_OUT`]; and which connections
 /// are light.
@@ -43,10 +57,10 @@ impl Round {
         self.out
     }
 
-    /// Whether a connection waits for the next round: the round has produced its share
-    /// and the connection is not light.
-    pub(super) fn defers(&self, light: bool) -> bool {
-        self.out >= ROUND_OUT && !light
+    /// Whether a connection waits (for the heavy pass, or the next round): a heavy one
+    /// in the light pass, or once the round has produced its share.
+    pub(super) fn defers(&self, light: bool, pass: Pass) -> bool {
+        !light && (pass == Pass::Light || self.out >= ROUND_OUT)
     }
 
     /// Counts a turn; returns whether its connection is light now.
@@ -247,10 +261,17 @@ impl ReadBuf {
                 self.start = 0;
             } else {
                 let bigger = self.buf.len().saturating_mul(2).min(self.cap);
+                // A fresh zeroed buffer (the kernel's zero pages, nothing written) and
+                // one copy of the bytes held, rather than writing every new zero: a few
+                // MiB of `resize` cost a debug server tens of milliseconds in one turn.
                 // A refused allocation leaves the buffer full: the serve step then sees a
                 // request that does not fit and closes the connection.
-                if self.buf.try_reserve_exact(bigger - self.buf.len()).is_ok() {
-                    self.buf.resize(bigger, 0);
+                let grown = (bigger > self.buf.len())
+                    .then(|| crate::sys::memory::try_zeroed(bigger))
+                    .flatten();
+                if let Some(mut grown) = grown {
+                    grown[..self.filled].copy_from_slice(&self.buf[..self.filled]);
+                    self.buf = grown;
                 }
             }
         }
@@ -376,7 +397,7 @@ mod tests {
     }
 
     #[test]
-    fn a_round_defers_heavy_connections_once_it_has_produced_its_share() {
+    fn a_round_serves_light_connections_first_and_heavy_ones_up_to_its_share() {
         let mut round = Round::default();
         let heavy = Served {
             used: 0,
@@ -389,18 +410,26 @@ mod tests {
             produced: LIGHT_OUT - 1,
             ..heavy
         };
-        assert!(!round.defers(false), "nothing produced yet");
+        assert!(
+            round.defers(false, Pass::Light),
+            "heavy ones wait for their pass"
+        );
+        assert!(
+            !round.defers(true, Pass::Light),
+            "light ones are served first"
+        );
+        assert!(!round.defers(false, Pass::Heavy), "nothing produced yet");
         assert!(round.count(&small), "a small turn is light");
-        assert!(!round.defers(false));
+        assert!(!round.defers(false, Pass::Heavy));
         assert!(!round.count(&heavy), "a large turn is not light");
         assert_eq!(round.produced(), ROUND_OUT + LIGHT_OUT - 1);
         assert!(
-            round.defers(false),
+            round.defers(false, Pass::Heavy),
             "its share is produced: heavy ones wait"
         );
-        assert!(!round.defers(true), "light ones do not");
+        assert!(!round.defers(true, Pass::Heavy), "light ones do not");
         round.begin();
-        assert!(!round.defers(false), "a new round");
+        assert!(!round.defers(false, Pass::Heavy), "a new round");
         let blocked = Served {
             blocked: true,
             ..small
