@@ -49,6 +49,10 @@ const CLASS_P99: Duration = Duration::from_millis(50);
 /// the quiet outlier, and below the 303 ms epoll stalled a good client for before light
 /// connections were exempted from its round cap (so that stall would fail it).
 const BURST_MAX_WAIT: Duration = Duration::from_millis(250);
+/// The share of the suite's time the server and the good client may spend waiting for a
+/// CPU (their scheduler run delay, summed) before the latency bounds say more about the
+/// machine than about the server: beyond it they are printed, not asserted.
+const OVERCOMMITTED: f64 = 0.05;
 /// How long the good client asks per class, at least.
 const PROBE_FOR: Duration = Duration::from_millis(1500);
 /// One suite at a time: the two loops' suites do not run beside each other.
@@ -76,8 +80,25 @@ fn niced<T: Send>(attack: impl FnOnce() -> T + Send) -> T {
 /// [`PROBE_FOR`] in all (so that the p99 is over hundreds of requests); its latencies.
 struct Probe {
     started: Instant,
+    /// The server's run delay when the probe started.
+    server_delay: Option<Duration>,
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<Duration>>,
+    thread: std::thread::JoinHandle<(Vec<Duration>, Option<Duration>)>,
+}
+
+/// What the good client saw in one class, and how long it and the server waited for a
+/// CPU meanwhile.
+struct Sample {
+    took: Vec<Duration>,
+    /// The server's and the good client's run delay over the class; `None` where the
+    /// kernel does not keep it.
+    waited: Option<Duration>,
+    /// How long the good client asked.
+    wall: Duration,
+}
+
+fn own_run_delay() -> Option<Duration> {
+    store_serve::run_delay_of(std::path::Path::new("/proc/thread-self/schedstat"))
 }
 
 impl Probe {
@@ -87,6 +108,7 @@ impl Probe {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
+            let delay = own_run_delay();
             let mut took = Vec::with_capacity(2048);
             while !flag.load(Ordering::Relaxed) {
                 let started = Instant::now();
@@ -95,22 +117,37 @@ impl Probe {
                 assert_eq!(value.unwrap(), b"kept");
                 std::thread::sleep(Duration::from_millis(2));
             }
-            took
+            let waited = own_run_delay()
+                .zip(delay)
+                .map(|(end, start)| end.saturating_sub(start));
+            (took, waited)
         });
         Probe {
             started: Instant::now(),
+            server_delay: serve.run_delay(),
             stop,
             thread,
         }
     }
 
     /// Stops (after [`PROBE_FOR`] in all) and returns the good client's latencies.
-    fn finish(self) -> Vec<Duration> {
+    fn finish(self, serve: &Serve) -> Sample {
         if let Some(left) = PROBE_FOR.checked_sub(self.started.elapsed()) {
             std::thread::sleep(left);
         }
         self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("the good client")
+        let server_waited = serve
+            .run_delay()
+            .zip(self.server_delay)
+            .map(|(end, start)| end.saturating_sub(start));
+        let (took, probe_waited) = self.thread.join().expect("the good client");
+        Sample {
+            took,
+            waited: server_waited
+                .zip(probe_waited)
+                .map(|(server, probe)| server + probe),
+            wall: self.started.elapsed(),
+        }
     }
 }
 
@@ -128,7 +165,7 @@ fn budget_base(io: IoMode) -> (Serve, u64) {
 
 /// MULTI_GET naming one 1 MiB key 131072 times (a 128 GiB reply): the connection is
 /// closed before anything is built.
-fn a_reply_too_large_to_build(io: IoMode) -> Vec<Duration> {
+fn a_reply_too_large_to_build(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     set_and_confirm(&serve, "big", &vec![1u8; MAX_VALUE]);
@@ -143,14 +180,14 @@ fn a_reply_too_large_to_build(io: IoMode) -> Vec<Duration> {
         s.write_all(&f).unwrap();
         assert!(closed_by_server(&mut s));
     });
-    let took = probe.finish();
+    let took = probe.finish(&serve);
     serve.check("MULTI_GET 128 GiB", base, MAX_VALUE + MAX_CONN);
     took
 }
 
 /// 100 pipelined GETs of a 1 MiB value, not read for a while: the server holds at most
 /// the mark plus one reply for them, and every reply arrives once the client reads.
-fn a_peer_that_does_not_read(io: IoMode) -> Vec<Duration> {
+fn a_peer_that_does_not_read(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     let value = vec![7u8; MAX_VALUE];
@@ -176,12 +213,12 @@ fn a_peer_that_does_not_read(io: IoMode) -> Vec<Duration> {
             assert_eq!(reply[..8], (value.len() as u64).to_le_bytes(), "reply {i}");
         }
     });
-    probe.finish()
+    probe.finish(&serve)
 }
 
 /// APPENDs of 300 KiB: the one that would pass the 1 MiB value limit closes the
 /// connection and is not applied.
-fn append_past_the_value_limit(io: IoMode) -> Vec<Duration> {
+fn append_past_the_value_limit(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     let mut s = serve.raw();
@@ -203,14 +240,14 @@ fn append_past_the_value_limit(io: IoMode) -> Vec<Duration> {
         3 * (300 << 10),
         "three APPENDs fit, the fourth not"
     );
-    let took = probe.finish();
+    let took = probe.finish(&serve);
     serve.check("APPEND", base, MAX_VALUE + MAX_CONN);
     took
 }
 
 /// SETs of 1 MiB on new keys: the one that would pass the 16 MiB store limit closes
 /// the connection; everything before it is kept.
-fn set_past_the_store_limit(io: IoMode) -> Vec<Duration> {
+fn set_past_the_store_limit(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     let mut s = serve.raw();
@@ -236,14 +273,14 @@ fn set_past_the_store_limit(io: IoMode) -> Vec<Duration> {
         !store.check(&["k20"]).unwrap(),
         "the store stopped at its limit"
     );
-    let took = probe.finish();
+    let took = probe.finish(&serve);
     serve.check("SET flood", base, MAX_STORE + MAX_CONN);
     took
 }
 
 /// Four MULTI_SETs claiming 128 Ki pairs of 1 MiB values, sent in part and left
 /// unfinished: each is closed once it passes the connection budget.
-fn unfinished_multi_sets(io: IoMode) -> Vec<Duration> {
+fn unfinished_multi_sets(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     let closed = niced(|| {
@@ -276,14 +313,14 @@ fn unfinished_multi_sets(io: IoMode) -> Vec<Duration> {
         closed
     });
     assert_eq!(closed, [true; 4], "every unfinished MULTI_SET was closed");
-    let took = probe.finish();
+    let took = probe.finish(&serve);
     serve.check("unfinished MULTI_SET", base, 4 * MAX_CONN);
     took
 }
 
 /// 200 connections that each send 4 GETs of a 1 MiB value and reset: others are still
 /// answered promptly (the `--io epoll` stall of issue 24).
-fn a_burst_of_resetting_clients(io: IoMode) -> Vec<Duration> {
+fn a_burst_of_resetting_clients(io: IoMode) -> Sample {
     let (mut serve, base) = budget_base(io);
     let probe = Probe::start(&serve);
     set_and_confirm(&serve, "big", &vec![9u8; MAX_VALUE]);
@@ -308,7 +345,7 @@ fn a_burst_of_resetting_clients(io: IoMode) -> Vec<Duration> {
         }
     });
     std::thread::sleep(Duration::from_millis(300));
-    let took = probe.finish();
+    let took = probe.finish(&serve);
     // Every connection may pin the mark plus one reply until its reset is seen.
     serve.check(
         "resetting burst",
@@ -321,7 +358,7 @@ fn a_burst_of_resetting_clients(io: IoMode) -> Vec<Duration> {
 /// The issue's burst: 800 connections that each pipeline four GETs of a 4 MiB value,
 /// then reset (their replies unread): the good client's longest wait stays under
 /// [`BURST_MAX_WAIT`], and the server stays up and serves.
-fn a_burst_of_800_large_gets_then_resets(io: IoMode) -> Vec<Duration> {
+fn a_burst_of_800_large_gets_then_resets(io: IoMode) -> Sample {
     const CONNECTIONS: usize = 800;
     const VALUE: usize = 4 << 20;
     let limit = std::fs::read_to_string("/proc/self/limits")
@@ -338,7 +375,11 @@ fn a_burst_of_800_large_gets_then_resets(io: IoMode) -> Vec<Duration> {
             "SKIPPED: the burst needs {} descriptors; this process may open {limit:?} (raise ulimit -n)",
             CONNECTIONS + 64
         );
-        return Vec::new();
+        return Sample {
+            took: Vec::new(),
+            waited: None,
+            wall: Duration::ZERO,
+        };
     }
     let mut serve = Serve::start_with(io, None, VALUE, 2 * VALUE);
     let probe = Probe::start(&serve);
@@ -366,8 +407,8 @@ fn a_burst_of_800_large_gets_then_resets(io: IoMode) -> Vec<Duration> {
     std::thread::sleep(Duration::from_millis(300));
     println!("burst of {CONNECTIONS}: {opened} connected");
     assert!(opened * 10 >= CONNECTIONS * 9, "only {opened} connected");
-    let took = probe.finish();
-    let worst = took.iter().max().copied().unwrap_or_default();
+    let took = probe.finish(&serve);
+    let worst = took.took.iter().max().copied().unwrap_or_default();
     assert!(
         worst <= BURST_MAX_WAIT,
         "burst of 800: the good client waited {worst:?} once"
@@ -382,9 +423,11 @@ fn a_burst_of_800_large_gets_then_resets(io: IoMode) -> Vec<Duration> {
 }
 
 /// Every class in sequence against one loop: each class's p50/p99/max printed and its
-/// p99 under [`CLASS_P99`]; all samples pooled, p99 under [`SUITE_P99`].
+/// p99 under [`CLASS_P99`]; all samples pooled, p99 under [`SUITE_P99`]. The latency
+/// bounds are asserted where the CPUs were not overcommitted (see [`OVERCOMMITTED`]);
+/// the rest (RSS, liveness, the burst's longest wait) always.
 fn a_good_client_is_answered_within_10_ms_under_every_attack(io: IoMode) {
-    type Class = fn(IoMode) -> Vec<Duration>;
+    type Class = fn(IoMode) -> Sample;
     let classes: [(&str, Class); 7] = [
         ("MULTI_GET 128 GiB", a_reply_too_large_to_build),
         ("100 GETs unread", a_peer_that_does_not_read),
@@ -402,38 +445,69 @@ fn a_good_client_is_answered_within_10_ms_under_every_attack(io: IoMode) {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let mut pooled = Vec::new();
     let mut over = Vec::new();
+    let mut waited = Some(Duration::ZERO);
+    let mut wall = Duration::ZERO;
     for (name, class) in classes {
-        let mut took = class(io);
-        if took.is_empty() {
+        let mut sample = class(io);
+        if sample.took.is_empty() {
             continue;
         }
+        let took = &mut sample.took;
         took.sort();
-        let p99 = quantile(&took, 0.99);
+        let p99 = quantile(took, 0.99);
         println!(
-            "{io:?} {name}: good client p50 {:?} p99 {p99:?} max {:?} over {} requests",
-            quantile(&took, 0.5),
+            "{io:?} {name}: good client p50 {:?} p99 {p99:?} max {:?} over {} requests; \
+             server and client waited for a CPU {}",
+            quantile(took, 0.5),
             took[took.len() - 1],
-            took.len()
+            took.len(),
+            share(sample.waited, sample.wall)
         );
         if p99 > CLASS_P99 {
             over.push(format!("{name}: p99 {p99:?}"));
         }
-        pooled.extend(took);
+        waited = waited.zip(sample.waited).map(|(a, b)| a + b);
+        wall += sample.wall;
+        pooled.append(took);
     }
     assert!(!pooled.is_empty(), "no class ran");
     pooled.sort();
     let p99 = quantile(&pooled, 0.99);
     println!(
-        "{io:?} suite: good client p50 {:?} p99 {p99:?} max {:?} over {} requests",
+        "{io:?} suite: good client p50 {:?} p99 {p99:?} max {:?} over {} requests; \
+         server and client waited for a CPU {}",
         quantile(&pooled, 0.5),
         pooled[pooled.len() - 1],
-        pooled.len()
+        pooled.len(),
+        share(waited, wall)
     );
+    let overcommitted =
+        waited.is_some_and(|w| w.as_secs_f64() > OVERCOMMITTED * wall.as_secs_f64());
+    if overcommitted {
+        println!(
+            "NOT ASSERTED: p99 <= {SUITE_P99:?} over the suite and <= {CLASS_P99:?} per class: \
+             the server and the good client waited for a CPU more than {:.0}% of the time \
+             (this machine's CPUs are overcommitted; the bound is the server's on spare CPUs)",
+            OVERCOMMITTED * 100.0
+        );
+        return;
+    }
     assert!(over.is_empty(), "classes over {CLASS_P99:?}: {over:?}");
     assert!(
         p99 <= SUITE_P99,
         "{io:?}: the good client's p99 over the suite is {p99:?}"
     );
+}
+
+/// `waited` as a share of `wall`, for the report.
+fn share(waited: Option<Duration>, wall: Duration) -> String {
+    match waited {
+        Some(waited) => format!(
+            "{waited:.1?} ({:.1}%)",
+            100.0 * waited.as_secs_f64() / wall.as_secs_f64().max(1e-9)
+        ),
+        None => "(unknown: no schedstat)".to_string(),
+    }
 }
 
 on_every_io!(a_good_client_is_answered_within_10_ms_under_every_attack);

@@ -120,6 +120,18 @@ impl Serve {
         TcpStore::connect("127.0.0.1", self.port, Duration::from_secs(10)).unwrap()
     }
 
+    /// How long the server's threads have waited for a CPU while runnable, in all
+    /// (`/proc/PID/task/*/schedstat`, the scheduler's run delay); `None` where the
+    /// kernel does not keep it.
+    pub(crate) fn run_delay(&self) -> Option<Duration> {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.peer.id())).ok()?;
+        let mut total = Duration::ZERO;
+        for task in tasks.flatten() {
+            total += run_delay_of(&task.path().join("schedstat"))?;
+        }
+        Some(total)
+    }
+
     /// A field of /proc/PID/status, in KiB.
     pub(crate) fn status_kib(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.peer.id()))
@@ -153,6 +165,14 @@ impl Drop for Serve {
     fn drop(&mut self) {
         let _ = self.peer.child_mut().kill();
     }
+}
+
+/// The run delay in a `schedstat` file (its second field, in nanoseconds): how long
+/// the task has waited for a CPU while runnable.
+pub(crate) fn run_delay_of(schedstat: &std::path::Path) -> Option<Duration> {
+    let text = std::fs::read_to_string(schedstat).ok()?;
+    let nanos = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
 }
 
 /// SET has no reply: a GET on the same connection makes sure it was applied before
