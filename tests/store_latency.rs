@@ -18,7 +18,10 @@
 //!
 //! The suite asserts the bound over all classes' samples pooled, per loop
 //! ([`SUITE_P99`]); each class keeps a backstop ([`CLASS_P99`]) and prints its
-//! p50/p99/max.
+//! p50/p99/max. Both bounds are the server's on a machine with CPUs to spare: where the
+//! server and the good client waited for a CPU more than [`OVERCOMMITTED`] of the time
+//! (their run delay in `schedstat`, e.g. beside a build on 2 CPUs), the figures are
+//! printed with `NOT ASSERTED` instead; without `schedstat` they are asserted.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
