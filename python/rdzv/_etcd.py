@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable, List, NamedTuple, Optional
 
@@ -57,6 +58,10 @@ DEFAULT_ETCD_PORT = 2379
 #: The key, in each round's store (etcd ``/{prefix}/torch.rendezvous.{run_id}.{round}/``),
 #: where rank 0's agent publishes its hosted store server as ``addr:port``.
 AGENT_STORE_KEY = "rdzv.agent_store"
+
+# How long an agent waits for rank 0's address before it looks whether the round still
+# goes (seconds).
+_PUBLISH_SLICE = 2.0
 
 # Characters that would change the meaning of the URL the run id goes into.
 _RUN_ID_FORBIDDEN = set("/?#&=%, \t\r\n")
@@ -231,7 +236,10 @@ class EtcdAgent:
             )
         # Rank 0 is another agent now: its workers no longer use this one's server.
         self.stop_server()
-        published = store.get(AGENT_STORE_KEY).decode("utf-8", "replace")
+        published = self._published(store, round_)
+        if published is None:
+            # The round ended before rank 0 published (it died): on to the next one.
+            return self.next_rendezvous()
         addr, _, port_text = published.rpartition(":")
         try:
             port = int(port_text)
@@ -248,6 +256,31 @@ class EtcdAgent:
         return AgentRound(
             round_.round, round_.rank, round_.world_size, round_.store_prefix, addr, port, addr
         )
+
+    def _published(self, store: Any, round_: Any) -> Optional[str]:
+        """Rank 0's ``addr:port``, waiting for it up to the store's timeout
+        (``read_timeout``), or ``None`` once the round is over without it. One get, which
+        waits on a watch; a wait that runs past a slice looks whether the round still
+        goes, so an agent whose rank 0 died before publishing moves on with the others."""
+        from ._errors import StoreTimeoutError
+
+        timeout = store.timeout
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                store.set_timeout(max(0.05, min(_PUBLISH_SLICE, left)))
+                try:
+                    return store.get(AGENT_STORE_KEY).decode("utf-8", "replace")
+                except StoreTimeoutError:
+                    current = self.node.current()
+                    if current is None or current.round != round_.round:
+                        return None
+                    if time.monotonic() >= deadline:
+                        raise
+        finally:
+            # The round's store may share its timeout with the node's own store.
+            store.set_timeout(timeout)
 
     def _host_server(self) -> StoreServer:
         """A fresh server for each round: the workers' keys are not prefixed by attempt
@@ -294,6 +327,11 @@ def handler_class(
         def __init__(self, settings: Any) -> None:
             # Not base.__init__: there is no rendezvous server to host or connect to.
             s = settings
+            if s.is_host is not None:
+                log.warning(
+                    "rdzv: is_host does not apply to an etcd endpoint (rank 0's agent hosts "
+                    "the store); ignored"
+                )
             self._settings = s
             self._server = None
             self._round = None

@@ -242,3 +242,33 @@ def test_rank_zeros_agent_hosts_the_store_and_every_agent_finds_it() -> None:
     with pytest.raises(rdzv.RendezvousClosedError):
         late.next_rendezvous()
     late.close()
+
+
+@needs_etcd
+def test_an_agent_whose_rank_0_leaves_before_publishing_moves_on_to_the_next_round() -> None:
+    run = run_id("silent")
+    # A bare node (no agent: it never publishes a store) forms round 0 alone, so it keeps
+    # rank 0 when the agent joins (ranks are stable).
+    silent = rdzv.ElasticRendezvous.etcd(url(run, "1:2"), node_id="silent")
+    first = silent.next_round(timeout=30)
+    assert first.rank == 0
+    agent = _etcd.EtcdAgent(url(run, "1:2"), node_id="agent", local_addr="127.0.0.1")
+    got: List = []
+    thread = threading.Thread(target=lambda: got.append(agent.next_rendezvous()))
+    thread.start()
+    try:
+        shared = silent.next_round(after=first.round, timeout=30)
+        assert (shared.rank, shared.world_size) == (0, 2)
+        # Past one wait slice, so the agent has looked once and found the round going.
+        time.sleep(_etcd._PUBLISH_SLICE + 1)
+        assert not got
+        assert silent.leave(timeout=10)
+        thread.join(timeout=30)
+        assert got, "the agent did not move on once rank 0 left"
+        mine = got[0]
+        assert mine.round > shared.round
+        assert (mine.rank, mine.world_size) == (0, 1)
+        assert agent.server is not None and mine.master_port == agent.server.port
+    finally:
+        agent.close()
+        thread.join(timeout=30)
