@@ -2,8 +2,10 @@
 
 - :class:`StoreServer`: a TCPStore server (rdzv's Rust server) running in this process.
 - :class:`Store`: a client of any TCPStore server, with torch's ``Store`` method names.
-- :func:`rendezvous`: ``tcp://``, ``env://``, ``file://`` and ``elastic://`` URLs.
-- :class:`ElasticRendezvous`: one node of an elastic rendezvous.
+- :func:`rendezvous`: ``tcp://``, ``env://``, ``file://``, ``elastic://`` and ``etcd://``
+  URLs.
+- :class:`ElasticRendezvous`: one node of an elastic rendezvous (on an rdzv store server,
+  or in etcd with :meth:`ElasticRendezvous.etcd`).
 - ``torchrun --rdzv-backend=rdzv``: the handler in :mod:`rdzv.torchrun` (needs torch).
 
 Blocking calls release the GIL. Errors are the classes below (see :mod:`rdzv._errors`).
@@ -67,14 +69,16 @@ def rendezvous(
     timeout: Union[float, timedelta, None] = None,
 ) -> Rendezvous:
     """torch's ``rendezvous(url)``: the store every rank shares, this rank and the world
-    size, for ``tcp://``, ``env://``, ``file://`` and ``elastic://`` URLs.
+    size, for ``tcp://``, ``env://``, ``file://``, ``elastic://`` and ``etcd://`` URLs.
 
     ``store, rank, world_size = rdzv.rendezvous("tcp://10.0.0.1:29500?rank=0&world_size=2")``
 
     ``rank`` and ``world_size`` are added to the URL as torch adds them (``None``: not
     given). ``timeout`` (seconds or ``timedelta``, default 30 minutes) bounds connecting
-    and waiting for every rank. For ``elastic://host:port/run_id?nodes=MIN:MAX``, the
-    result's ``elastic`` is the node's :class:`ElasticRendezvous`, to follow later rounds.
+    and waiting for every rank. For ``elastic://host:port/run_id?nodes=MIN:MAX`` and
+    ``etcd://H1:P1,H2:P2,.../run_id?nodes=MIN:MAX`` (the same rendezvous kept in an etcd
+    cluster; its round store is etcd's), the result's ``elastic`` is the node's
+    :class:`ElasticRendezvous`, to follow later rounds.
 
     Raises :class:`RendezvousError` (and its subclasses) when it fails.
     """

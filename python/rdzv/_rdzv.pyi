@@ -102,6 +102,10 @@ class ElasticRendezvous:
         timeout: Optional[_Seconds] = None,
         contact: Optional[str] = None,
     ) -> None: ...
+    @staticmethod
+    def etcd(
+        url: str, node_id: Optional[str] = None, contact: Optional[str] = None
+    ) -> "ElasticRendezvous": ...
     @property
     def node(self) -> str: ...
     @property

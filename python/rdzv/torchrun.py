@@ -5,6 +5,10 @@ torchrun loads out-of-tree backends from the ``torchrun.handlers`` entry point g
 arguments (:func:`torchrun_handler`) and registers what that returns, a creator
 ``create(params) -> RendezvousHandler``, under the name ``rdzv``.
 
+With ``--rdzv-endpoint=etcd://H1:P1,H2:P2,…`` the rendezvous is kept in that etcd
+cluster instead, and rank 0's agent hosts the workers' store (:mod:`rdzv._etcd`; the
+rest of this paragraph is about the store-server endpoint).
+
 The handler runs the node on :class:`rdzv.ElasticRendezvous` (rdzv's store protocol,
 O(1) store work per node) against an rdzv store server at ``--rdzv-endpoint``. The
 agent hosts that server in-process when ``--rdzv-conf is_host=true``, or, without
@@ -18,7 +22,7 @@ world, where torch's ``RendezvousStoreInfo.build`` costs every rank two more req
 ``--rdzv-conf`` keys, named as torchrun names them: ``join_timeout`` (600 s),
 ``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``keep_alive_interval`` (5 s),
 ``keep_alive_max_attempt`` (3), ``read_timeout`` (60 s), ``is_host``, ``node_id``,
-``server_threads``.
+``server_threads``, and ``etcd_prefix`` (etcd endpoints only; default ``rdzv``).
 
 torch is imported here only, and only when torchrun creates a handler.
 """
@@ -29,9 +33,9 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from . import _errors
+from . import _errors, _etcd
 from ._rdzv import ElasticRendezvous, StoreServer
 
 __all__ = ["torchrun_handler", "create_handler", "DEFAULT_PORT", "BACKEND"]
@@ -53,6 +57,7 @@ _KNOWN_CONF = {
     "is_host",
     "node_id",
     "server_threads",
+    "etcd_prefix",
     # Set by torchrun itself, or meaningful only to other backends: accepted, unused.
     "timeout",
     "rank",
@@ -69,7 +74,11 @@ def torchrun_handler() -> Callable[[Any], Any]:
 
 def create_handler(params: Any) -> Any:
     """``create(params: RendezvousParameters) -> RendezvousHandler`` for torchrun."""
-    return _handler_class()(params)
+    handler = _handler_class()
+    if _etcd.is_etcd_endpoint(params.endpoint):
+        assert _ETCD_CLASS is not None
+        return _ETCD_CLASS(Settings(params))
+    return handler(params)
 
 
 def parse_endpoint(endpoint: str, default_port: int = DEFAULT_PORT) -> Tuple[str, int]:
@@ -154,7 +163,15 @@ class Settings:
         self.run_id: str = params.run_id
         self.min_nodes: int = params.min_nodes
         self.max_nodes: int = params.max_nodes
-        self.host, self.port = parse_endpoint(params.endpoint)
+        # etcd://H1:P1,H2:P2,...: the rendezvous in etcd, the store on rank 0's agent
+        # (rdzv._etcd); else host:port of an rdzv store server.
+        self.etcd_endpoints: Optional[List[str]] = None
+        if _etcd.is_etcd_endpoint(params.endpoint):
+            self.etcd_endpoints = _etcd.parse_etcd_endpoint(params.endpoint)
+            self.host, self.port = "", 0
+        else:
+            self.host, self.port = parse_endpoint(params.endpoint)
+        self.etcd_prefix: Optional[str] = params.get("etcd_prefix", None)
         self.join_timeout = _seconds(params, "join_timeout", 600.0)
         self.last_call_timeout = _seconds(params, "last_call_timeout", 30.0)
         self.close_timeout = _seconds(params, "close_timeout", 30.0)
@@ -189,6 +206,7 @@ def _host_server(settings: Settings) -> Optional[StoreServer]:
 
 
 _CLASS: Optional[type] = None
+_ETCD_CLASS: Optional[type] = None
 
 
 def _handler_class() -> type:
@@ -404,6 +422,8 @@ def _handler_class() -> type:
             master_port=int(port_value.decode("UTF-8")),
         )
 
+    global _ETCD_CLASS
+    _ETCD_CLASS = _etcd.handler_class(RdzvRendezvousHandler, api, dist, torch_error)
     _CLASS = RdzvRendezvousHandler
     return _CLASS
 

@@ -2,8 +2,8 @@
 //! node.
 //!
 //! `rendezvous` runs `rdzv_uring::rendezvous::rendezvous_with` with this process's
-//! environment (`tcp://`, `env://`, `file://`, `elastic://`). `ElasticRendezvous` holds
-//! the Rust handle (`rdzv_uring::rendezvous::elastic::ElasticRendezvous`), whose driver
+//! environment (`tcp://`, `env://`, `file://`, `elastic://`, `etcd://`).
+//! `ElasticRendezvous` holds the Rust handle (`rdzv_uring::rendezvous::elastic::ElasticRendezvous`), whose driver
 //! thread joins rounds, heartbeats and watches a peer without the GIL. The torchrun
 //! handler (`rdzv/torchrun.py`) is built on it. Which node gets which rank, and when a
 //! round closes, is the core's decision; this module only passes calls through.
@@ -16,9 +16,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use rdzv_core::rendezvous::elastic::{ElasticSettings, NodeRange, RoundOutcome};
+use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange, RoundOutcome};
 use rdzv_core::rendezvous::NodeParams;
 use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
+use rdzv_uring::rendezvous::etcd::machine_store;
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::store::{Store, StoreError};
@@ -34,11 +35,12 @@ const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(200);
 /// wrapper ``rdzv.rendezvous`` returns it as a ``Rendezvous`` object).
 ///
 /// ``tcp://host:port?rank=R&world_size=N``, ``env://`` (``MASTER_ADDR``,
-/// ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``file:///path?…`` and
-/// ``elastic://host:port/run_id?nodes=MIN:MAX&…``. ``timeout`` (default 30 minutes) bounds
-/// connecting and waiting for the peers. ``world_size`` is ``None`` when not fixed;
-/// ``elastic`` is the node's ``ElasticRendezvous`` handle for ``elastic://``, else
-/// ``None``. Blocks (without the GIL) until every rank has joined.
+/// ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``file:///path?…``,
+/// ``elastic://host:port/run_id?nodes=MIN:MAX&…`` and
+/// ``etcd://HOST:PORT[,HOST:PORT…]/run_id?nodes=MIN:MAX&…``. ``timeout`` (default 30
+/// minutes) bounds connecting and waiting for the peers. ``world_size`` is ``None`` when
+/// not fixed; ``elastic`` is the node's ``ElasticRendezvous`` handle for ``elastic://``
+/// and ``etcd://``, else ``None``. Blocks (without the GIL) until every rank has joined.
 #[pyfunction]
 #[pyo3(signature = (url, rank = None, world_size = None, timeout = None))]
 pub(crate) fn rendezvous<'py>(
@@ -266,6 +268,45 @@ impl PyElasticRendezvous {
         Ok(PyElasticRendezvous::from_handle(
             Arc::new(handle),
             RdzvStore::Lazy(lazy),
+        ))
+    }
+
+    /// ``ElasticRendezvous.etcd(url, node_id=None, contact=None)``: one node of the
+    /// elastic rendezvous kept in an etcd cluster,
+    /// ``etcd://HOST:PORT[,HOST:PORT…]/RUN_ID?nodes=MIN:MAX&…`` (the query keys of
+    /// ``elastic://``, plus ``etcd_prefix``). It joins at once and returns without waiting
+    /// for a round, like the constructor; ``node_id`` (else the URL's ``node_id``, else
+    /// ``{host}_{pid}_0``) and ``contact`` as there. The rounds' stores
+    /// (``round_store``) and ``store()`` are etcd keys under the URL's prefix.
+    ///
+    /// Raises ``ValueError`` for a URL it cannot parse; etcd being unreachable shows in
+    /// ``next_rendezvous`` (``RendezvousConnectionError``, naming etcd and the endpoints).
+    #[staticmethod]
+    #[pyo3(signature = (url, node_id = None, contact = None))]
+    fn etcd(
+        py: Python<'_>,
+        url: &str,
+        node_id: Option<String>,
+        contact: Option<String>,
+    ) -> PyResult<Self> {
+        let parsed =
+            EtcdRendezvousUrl::parse(url).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let node = node_id
+            .or_else(|| parsed.elastic.node_id.clone())
+            .unwrap_or_else(default_node_id);
+        let store: Arc<dyn Store> = Arc::new(machine_store(&parsed));
+        let settings = parsed.elastic.settings.clone();
+        let handle = py.detach(|| {
+            let handle = ElasticRendezvous::start(Arc::clone(&store), settings, node)
+                .map_err(errors::elastic)?;
+            if let Some(contact) = &contact {
+                handle.set_contact(contact);
+            }
+            Ok::<_, PyErr>(handle)
+        })?;
+        Ok(PyElasticRendezvous::from_handle(
+            Arc::new(handle),
+            RdzvStore::Ready { store, tcp: None },
         ))
     }
 

@@ -40,6 +40,14 @@ restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 record = dict(rank=rank, world=world, sum=int(t.item()), restart=restart,
               group_rank=int(os.environ["GROUP_RANK"]), node=os.environ["NODE_NAME"],
               local_rank=int(os.environ["LOCAL_RANK"]), failing=failing)
+if os.environ.get("CHECK_AGENT_STORE"):
+    # MASTER_ADDR/PORT must be rank 0's agent's store: the agents' round keys are there.
+    import rdzv
+    keys = rdzv.Store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                      timeout=30).list_keys()
+    record["agent_store"] = any(k.startswith("torch.rendezvous.") for k in keys)
+    record["use_agent_store"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    record["master"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
 out = os.environ["OUT_DIR"]
 with open(os.path.join(out, f"{record['node']}-{restart}-{rank}-{time.time_ns()}.json"), "w") as f:
     json.dump(record, f)
@@ -62,8 +70,11 @@ def free_port() -> int:
 
 
 class Job:
-    def __init__(self, tmp: Path, nnodes: str, **env: str) -> None:
+    def __init__(self, tmp: Path, nnodes: str, endpoint: str = "", **env: str) -> None:
         self.port = free_port()
+        # An rdzv store server on this host (the first node hosts it), or etcd://...
+        self.endpoint = endpoint or f"127.0.0.1:{self.port}"
+        self.run_id = f"pytest-job-{os.getpid()}-{time.time_ns()}" if endpoint else "pytest-job"
         self.tmp = tmp
         self.nnodes = nnodes
         self.out = tmp / "out"
@@ -78,8 +89,8 @@ class Job:
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", "--nproc-per-node=2",
-            "--rdzv-backend=rdzv", f"--rdzv-endpoint=127.0.0.1:{self.port}",
-            "--rdzv-id=pytest-job", f"--max-restarts={max_restarts}",
+            "--rdzv-backend=rdzv", f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}", f"--max-restarts={max_restarts}",
             "--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,"
             "join_timeout=120,close_timeout=5",
             "--monitor-interval=0.5", str(self.script),
@@ -124,10 +135,10 @@ class Job:
 def job_factory(tmp_path: Path):
     jobs: List[Job] = []
 
-    def make(nnodes: str, **env: str) -> Job:
+    def make(nnodes: str, endpoint: str = "", **env: str) -> Job:
         folder = tmp_path / f"job{len(jobs)}"
         folder.mkdir()
-        job = Job(folder, nnodes, **env)
+        job = Job(folder, nnodes, endpoint, **env)
         jobs.append(job)
         return job
 
@@ -255,3 +266,89 @@ def test_handler_creation_fails_with_a_connection_error_without_a_server() -> No
     port = free_port()  # nothing listens there
     with pytest.raises(api.RendezvousConnectionError, match=f"127.0.0.1:{port}"):
         torchrun.create_handler(handler_params(port, "nobody", "n0", read_timeout=1))
+
+
+# --- over etcd: the rendezvous in an etcd cluster, the store on rank 0's agent ----------
+
+ETCD = os.environ.get("RDZV_ETCD_ENDPOINTS", "")
+needs_etcd = pytest.mark.skipif(
+    not ETCD,
+    reason="RDZV_ETCD_ENDPOINTS is not set: no etcd cluster to test against "
+    "(start one with .ci/etcd-cluster.sh start DIR and export what it prints)",
+)
+
+
+@needs_etcd
+def test_etcd_two_nodes_two_workers_gloo_all_reduce_on_rank_0s_agent_store(job_factory) -> None:
+    job = job_factory("2", f"etcd://{ETCD}", CHECK_AGENT_STORE="1")
+    job.start_node("a")
+    job.start_node("b")
+    job.wait_all()
+    recs = job.records()
+    assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["sum"] == 4 for r in recs)
+    # Every worker's MASTER_ADDR/PORT is the one store rank 0's agent hosts.
+    assert all(r["use_agent_store"] == "True" and r["agent_store"] for r in recs)
+    assert len({r["master"] for r in recs}) == 1
+
+
+@needs_etcd
+def test_etcd_worker_failure_restarts_with_max_restarts_1(job_factory) -> None:
+    job = job_factory("2", f"etcd://{ETCD}", CHECK_AGENT_STORE="1")
+    mark = job.tmp / "fail-once"
+    mark.write_text("")
+    job.env["FAIL_ONCE"] = str(mark)
+    job.start_node("a", max_restarts=1)
+    job.start_node("b", max_restarts=1)
+    job.wait_all()
+    recs = job.records()
+    assert any(r["failing"] for r in recs)
+    second = [r for r in recs if not r["failing"]]
+    assert sorted(r["rank"] for r in second) == [0, 1, 2, 3]
+    assert max(r["restart"] for r in second) == 1
+    assert all(r["sum"] == 4 and r["agent_store"] for r in second)
+
+
+@needs_etcd
+def test_etcd_handler_api_without_torchrun() -> None:
+    """One node: the handler's info, MASTER_ADDR/PORT on its own hosted server, closing."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, api
+
+    from rdzv import torchrun
+
+    params = RendezvousParameters(
+        backend="rdzv",
+        endpoint=f"etcd://{ETCD}",
+        run_id=f"pytest-api-{os.getpid()}-{time.time_ns()}",
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+        node_id="n0",
+        last_call_timeout=0.5,
+    )
+    handler = torchrun.create_handler(params)
+    assert handler.get_backend() == "rdzv"
+    assert handler.get_run_id() == params.run_id
+    assert handler.use_agent_store
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    boot = info.bootstrap_store_info
+    assert boot.master_addr == "127.0.0.1"
+    info.store.set("k", b"v")
+    prefix = f"torch.rendezvous.{params.run_id}."
+    assert any(k.startswith(prefix) for k in rdzv_keys(boot.master_port))
+    assert handler.num_nodes_waiting() == 0
+    assert not handler.is_closed()
+    assert handler.shutdown()
+    assert handler.is_closed()
+    with pytest.raises(api.RendezvousClosedError):
+        handler.next_rendezvous()
+    # shutdown stopped the hosted server.
+    with pytest.raises(Exception):
+        rdzv_keys(boot.master_port, timeout=1)
+
+
+def rdzv_keys(port: int, timeout: float = 10) -> List[str]:
+    import rdzv
+
+    return rdzv.Store("127.0.0.1", port, timeout=timeout).list_keys()
