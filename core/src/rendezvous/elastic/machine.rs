@@ -564,7 +564,13 @@ enum Step {
     },
     Spare(Member),
     SpareWatch(Member),
+    /// Advances the round hint past `round` (compare-set), to arrive in the next round.
     Advance {
+        round: u64,
+    },
+    /// Round 0's advance found the hint at `0` (a node read it then, which creates it):
+    /// advance it from there.
+    AdvanceRead {
         round: u64,
     },
     Beat(Member),
@@ -950,7 +956,14 @@ impl ElasticNode {
                 key: self.round_key(m.round, "over"),
                 until: m.next_tick.max(now),
             },
-            Step::Advance { round } => StoreAction::CompareSet {
+            // Nobody need have read the hint in round 0 (a fresh node guesses round 0), so
+            // it may be missing then: round 0's advance creates it.
+            Step::Advance { round: 0 } => StoreAction::CompareSet {
+                key: self.key(format_args!("round")),
+                expected: Vec::new(),
+                desired: b"1".to_vec(),
+            },
+            Step::Advance { round } | Step::AdvanceRead { round } => StoreAction::CompareSet {
                 key: self.key(format_args!("round")),
                 expected: format!("{round}").into_bytes(),
                 desired: format!("{}", round.saturating_add(1)).into_bytes(),
@@ -1442,7 +1455,8 @@ impl ElasticNode {
                 Ok(m) => Step::Spare(m),
                 Err(dead) => dead,
             },
-            (Step::Advance { round }, R::Value(hint)) => {
+            (Step::Advance { round: 0 }, R::Value(b"0")) => Step::AdvanceRead { round: 0 },
+            (Step::Advance { round } | Step::AdvanceRead { round }, R::Value(hint)) => {
                 self.holding = None;
                 self.open_slot = None;
                 let closed = core::str::from_utf8(hint)

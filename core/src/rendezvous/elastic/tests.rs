@@ -1433,6 +1433,48 @@ fn first_actions(sim: &mut Sim, i: usize, count: usize) -> Vec<StoreAction> {
 }
 
 #[test]
+fn a_full_round_zero_needs_no_mark_for_a_fresh_node_to_find_the_current_round() {
+    // Round 0 fills (2 of 2): its closer handed out max_nodes slots and does not mark
+    // the arrivals. a's workers fail: round 1 forms, and the hint says 1.
+    let mut sim = Sim::new(settings(2, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(1));
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/arrivals"], b"2", "no mark");
+    sim.nodes[a].machine.handle_local(LocalEvent::WorkerFailed);
+    sim.run_for(secs(3));
+    for i in [a, b] {
+        assert_eq!(sim.last_complete(i).unwrap().round, 1, "node {i}");
+    }
+    // c guesses round 0: slot 3 is above max_nodes, so it reads the hint (1) and arrives
+    // in round 1 (full: a hot spare), without a line in round 0's roster.
+    let c = sim.join("c");
+    let seen = first_actions(&mut sim, c, 3);
+    let keys: Vec<&str> = seen.iter().map(|x| x.key()).collect();
+    assert_eq!(
+        keys,
+        [
+            "rdzv.elastic.job/0/arrivals",
+            "rdzv.elastic.job/round",
+            "rdzv.elastic.job/1/arrivals"
+        ]
+    );
+    sim.run_for(secs(3));
+    assert_eq!(
+        sim.nodes[c].events,
+        [Event::Waiting {
+            round: 1,
+            hot_spare: true
+        }]
+    );
+    assert!(!sim.store.kv["rdzv.elastic.job/0/roster"]
+        .windows(2)
+        .any(|w| w == b" c"));
+    sim.check_agreement();
+    sim.check_members_alive();
+}
+
+#[test]
 fn a_fresh_node_with_a_slot_above_max_in_an_open_round_zero_stays_in_it() {
     // a and b arrive and leave round 0 while it is open: slots 1 and 2 are gone. c's
     // guess takes slot 3, above max_nodes (2): it reads the hint, which says 0, and keeps
