@@ -594,3 +594,55 @@ fn custom_scheme_registration() {
         Err("Rendezvous handler for tcp:// already registered".to_string())
     );
 }
+
+#[test]
+fn elastic_contact_given_at_start_comes_with_the_first_round() {
+    // torchrun's handler gives its MASTER_ADDR:MASTER_PORT with the node; given at start,
+    // it rides on the first roster line, so every member learns rank 0's with the world
+    // (a set_contact after the start may lose the race with the driver's first arrival).
+    use rdzv::core::rendezvous::elastic::{ElasticSettings, NodeRange};
+    use rdzv::uring::rendezvous::elastic::ElasticRendezvous;
+    let server = agent_server();
+    let port = server.port();
+    let mut settings = ElasticSettings::new("contact", NodeRange::new(3, 3).expect("range"));
+    settings.join_timeout = Duration::from_secs(20);
+    // Leaving ends a wait within one interval.
+    settings.keep_alive_interval = Duration::from_millis(200);
+    let nodes: Vec<ElasticRendezvous> = (0..3)
+        .map(|i| {
+            let driver =
+                TcpStore::connect_without_ping("127.0.0.1", port, TEN_SECONDS).expect("driver");
+            let connect: rdzv::uring::rendezvous::elastic::StoreConnector = Box::new(move || {
+                TcpStore::connect("127.0.0.1", port, TEN_SECONDS)
+                    .map(|tcp| Arc::new(tcp) as Arc<dyn Store>)
+            });
+            let contact = format!("10.0.0.{i}:2950{i}");
+            ElasticRendezvous::start_lazy_with_contact(
+                Box::new(driver),
+                connect,
+                settings.clone(),
+                format!("node{i}"),
+                Some(&contact),
+            )
+            .expect("start")
+        })
+        .collect();
+    let rounds: Vec<_> = nodes
+        .iter()
+        .map(|node| node.next_rendezvous().expect("a round"))
+        .collect();
+    let rank0 = nodes
+        .iter()
+        .zip(&rounds)
+        .find(|(_, round)| round.rank == 0)
+        .map(|(node, _)| node.node().trim_start_matches("node").to_string())
+        .expect("a rank 0");
+    let want = format!("10.0.0.{rank0}:2950{rank0}");
+    for round in &rounds {
+        assert_eq!(round.world_size, 3);
+        assert_eq!(round.master.as_deref(), Some(want.as_str()), "{round:?}");
+    }
+    for node in &nodes {
+        node.leave(TEN_SECONDS);
+    }
+}

@@ -498,9 +498,10 @@ fn print_report(
         "  round formed in           {:.3} s",
         measured.took.as_secs_f64()
     );
+    let total: u64 = measured.join_ops.iter().sum();
     println!(
-        "  store ops per node (join) min {omin}, mean {omean:.1}, max {omax} (with the first \
-         wait on the round's end)"
+        "  store ops per node (join) min {omin}, mean {omean:.2}, max {omax}, {total} in all \
+         (with the first wait on the round's end)"
     );
     println!("  request bytes per node    min {bmin}, mean {bmean:.0}, max {bmax}");
     if measured.heartbeats {

@@ -192,7 +192,13 @@ impl ElasticRendezvous {
             key: String::new(),
             error: e.to_string(),
         })?;
-        Self::start_with(driver_store, HandleStore::Ready(store), settings, node)
+        Self::start_with(
+            driver_store,
+            HandleStore::Ready(store),
+            settings,
+            node,
+            None,
+        )
     }
 
     /// As [`ElasticRendezvous::start`], with one connection: the driver takes `store`, and
@@ -208,12 +214,30 @@ impl ElasticRendezvous {
         settings: ElasticSettings,
         node: impl Into<String>,
     ) -> Result<Self, ElasticFailure> {
+        Self::start_lazy_with_contact(store, connect, settings, node, None)
+    }
+
+    /// As [`ElasticRendezvous::start_lazy`], with this node's contact
+    /// ([`ElasticRendezvous::set_contact`]) given before the driver starts, so that its
+    /// first arrival carries it: a `set_contact` called after a start races the driver,
+    /// whose first roster line may already be on its way without it (and then, were this
+    /// node rank 0, no member would get [`RoundOutcome::master`]).
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the driver thread cannot be started.
+    pub fn start_lazy_with_contact(
+        store: Box<dyn Store>,
+        connect: StoreConnector,
+        settings: ElasticSettings,
+        node: impl Into<String>,
+        contact: Option<&str>,
+    ) -> Result<Self, ElasticFailure> {
         let handle = HandleStore::Lazy {
             connect,
             opened: OnceLock::new(),
             connecting: Mutex::new(()),
         };
-        Self::start_with(store, handle, settings, node.into())
+        Self::start_with(store, handle, settings, node.into(), contact)
     }
 
     fn start_with(
@@ -221,8 +245,12 @@ impl ElasticRendezvous {
         store: HandleStore,
         settings: ElasticSettings,
         node: String,
+        contact: Option<&str>,
     ) -> Result<Self, ElasticFailure> {
         let mut machine = ElasticNode::new(settings.clone(), node.clone());
+        if let Some(contact) = contact {
+            machine.set_contact(contact);
+        }
         machine.handle_local(LocalEvent::Join);
         let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
         let (commands, inbox) = mpsc::channel();

@@ -35,7 +35,8 @@ pub enum KeyUse {
 }
 
 /// The increments of a [`KeyUse::Tally`]: an arrival or an acknowledgement (1), a
-/// departure (2^32), the "round 0 is closed" mark (2^48).
+/// departure or a member giving up on the confirmation (2^32), the "round 0 is closed"
+/// mark (2^48).
 pub const TALLY_UNITS: [i64; 3] = [1, 1 << 32, 1 << 48];
 
 /// The prefix of every key of the machine (`rdzv.elastic.{run_id}/…`).

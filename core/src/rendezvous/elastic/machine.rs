@@ -348,11 +348,18 @@ const DEPARTED: i64 = 1 << 32;
 /// compare-set that advances the hint, tell closed runs apart at no extra cost.
 pub(super) const CLOSED_MARK: i64 = 1 << 40;
 
-/// Added to round 0's arrivals counter by its closer once the round is closed (and by
-/// closing the rendezvous), so that a fresh node's guessed arrival in round 0 finds out
-/// at once that it must read the round hint. Above every count of arrivals and
-/// departures (at most [`MAX_SLOTS`] each).
+/// Added to round 0's arrivals counter by its closer once the round is closed, when it
+/// handed out fewer than `max_nodes` slots (and by closing the rendezvous), so that a
+/// fresh node's guessed arrival in round 0 finds out at once that it must read the round
+/// hint; after a closer that handed out `max_nodes` or more, the guess's slot above
+/// `max_nodes` says so instead. Above every count of arrivals and departures (at most
+/// [`MAX_SLOTS`] each).
 pub(super) const ARRIVALS_CLOSED: i64 = 1 << 48;
+
+/// Added to a round's acknowledgement counter (`{round}/ready`, whose low 32 bits count
+/// the acknowledgements) by each member that waited in vain for `go`, before it decides:
+/// the acknowledgement that completes the count sees whether anybody gave up before it.
+const GAVE_UP: i64 = 1 << 32;
 
 /// A round's confirmation verdict (`{round}/verdict`), compare-set once from missing: the
 /// round stands, or it failed.
@@ -489,17 +496,17 @@ enum Step {
         since: Instant,
         tries: u32,
     },
+    /// The closer compare-sets the size; `mark`: it is round 0's and fewer than
+    /// `max_nodes` slots were handed out when it read the roster, so a fresh node's guess
+    /// could not tell that the round is closed: it marks the arrivals after winning.
     Close {
         round: u64,
         slot: u32,
         proposal: String,
+        mark: bool,
     },
     /// Round 0's closer marks its arrivals closed (see [`ARRIVALS_CLOSED`]).
     MarkArrivals {
-        round: u64,
-        slot: u32,
-    },
-    Confirm {
         round: u64,
         slot: u32,
     },
@@ -515,6 +522,7 @@ enum Step {
         round: u64,
         slot: u32,
         proposal: String,
+        mark: bool,
     },
     /// A member acknowledges the round (`ready`); the last one releases the others.
     Ack {
@@ -533,15 +541,18 @@ enum Step {
         rank: u32,
         deadline: Instant,
     },
-    /// A member that waited in vain for the release reads the acknowledgements.
+    /// A member that waited in vain for the release counts itself into `ready` (high
+    /// bits), which reads the acknowledgements and tells a later last acknowledger that
+    /// somebody may have decided before it.
     ReadReady {
         round: u64,
         slot: u32,
         rank: u32,
     },
     /// The one decision on the round's confirmation: the first compare-set of the verdict
-    /// wins, and every member obeys it (`go`: the last acknowledger, or a member that
-    /// waited in vain and found every acknowledgement in; `fail`: one that did not).
+    /// wins, and every member obeys it (`go`: a member that waited in vain and found every
+    /// acknowledgement in, or the last acknowledger when one gave up before it; `fail`: a
+    /// member that waited in vain and did not).
     Verdict {
         round: u64,
         slot: u32,
@@ -553,7 +564,13 @@ enum Step {
     },
     Spare(Member),
     SpareWatch(Member),
+    /// Advances the round hint past `round` (compare-set), to arrive in the next round.
     Advance {
+        round: u64,
+    },
+    /// Round 0's advance found the hint at `0` (a node read it then, which creates it):
+    /// advance it from there.
+    AdvanceRead {
         round: u64,
     },
     Beat(Member),
@@ -872,7 +889,7 @@ impl ElasticNode {
                 key: self.round_key(*round, "arrivals"),
                 delta: ARRIVALS_CLOSED,
             },
-            Step::ReadRoster { round, .. } | Step::Confirm { round, .. } => StoreAction::Get {
+            Step::ReadRoster { round, .. } => StoreAction::Get {
                 key: self.round_key(*round, "roster"),
             },
             Step::RosterPoll {
@@ -901,7 +918,7 @@ impl ElasticNode {
             },
             Step::ReadReady { round, .. } => StoreAction::Add {
                 key: self.round_key(*round, "ready"),
-                delta: 0,
+                delta: GAVE_UP,
             },
             Step::Verdict { round, go, .. } => StoreAction::CompareSet {
                 key: self.round_key(*round, "verdict"),
@@ -939,7 +956,14 @@ impl ElasticNode {
                 key: self.round_key(m.round, "over"),
                 until: m.next_tick.max(now),
             },
-            Step::Advance { round } => StoreAction::CompareSet {
+            // Nobody need have read the hint in round 0 (a fresh node guesses round 0), so
+            // it may be missing then: round 0's advance creates it.
+            Step::Advance { round: 0 } => StoreAction::CompareSet {
+                key: self.key(format_args!("round")),
+                expected: Vec::new(),
+                desired: b"1".to_vec(),
+            },
+            Step::Advance { round } | Step::AdvanceRead { round } => StoreAction::CompareSet {
                 key: self.key(format_args!("round")),
                 expected: format!("{round}").into_bytes(),
                 desired: format!("{}", round.saturating_add(1)).into_bytes(),
@@ -1109,13 +1133,13 @@ impl ElasticNode {
             }
             (Step::ReadHint { guess: Some(value) }, R::Added(0)) => {
                 // Round 0 is still the current one: this node's guessed arrival stands
-                // (a late one).
+                // (a late one, or one in a round still open).
                 return self.transition(
                     Step::Arrive {
                         round: 0,
                         guessed: false,
                     },
-                    R::Added(value - ARRIVALS_CLOSED),
+                    R::Added(value),
                     now,
                 );
             }
@@ -1131,11 +1155,15 @@ impl ElasticNode {
                 }
             },
             (Step::Arrive { round, guessed }, R::Added(mut value)) => {
-                if value >= ARRIVALS_CLOSED {
-                    if guessed {
-                        // Round 0 closed: find the current round.
-                        return Ok(Step::ReadHint { guess: Some(value) });
-                    }
+                let marked = value >= ARRIVALS_CLOSED;
+                if guessed && (marked || (value & 0xffff_ffff) > i64::from(max)) {
+                    // Round 0 is closed (marked), or may be: its closer marks it only
+                    // when it handed out fewer than `max_nodes` slots, so a slot above
+                    // `max_nodes` comes after a closer that did not. Find the current
+                    // round (the hint says 0 too while round 0 is still open).
+                    return Ok(Step::ReadHint { guess: Some(value) });
+                }
+                if marked {
                     // A late arrival in a closed round: it finds out as any late node.
                     value -= ARRIVALS_CLOSED;
                 }
@@ -1317,16 +1345,22 @@ impl ElasticNode {
             ) => {
                 let grace =
                     now.saturating_duration_since(since) >= self.settings.keep_alive_interval;
+                // Every arrival after this read takes a slot above `count`: with `count`
+                // at least `max_nodes`, a fresh node's guess sees a slot above
+                // `max_nodes` and reads the round hint without a mark.
+                let mark = round == 0 && count < max;
                 match self.propose(roster, count, grace) {
                     Proposal::Close(proposal) if min < max => Step::QuorumBeforeClose {
                         round,
                         slot,
                         proposal,
+                        mark,
                     },
                     Proposal::Close(proposal) => Step::Close {
                         round,
                         slot,
                         proposal,
+                        mark,
                     },
                     Proposal::Poll => Step::RosterPoll {
                         round,
@@ -1364,6 +1398,7 @@ impl ElasticNode {
                     round,
                     slot,
                     proposal,
+                    mark,
                 },
                 R::Value(value),
             ) => {
@@ -1372,29 +1407,20 @@ impl ElasticNode {
                     Some((world, master)) => {
                         self.world = world;
                         self.master = master;
-                        if won && round == 0 {
+                        if won && mark {
                             Step::MarkArrivals { round, slot }
-                        } else if won {
-                            Step::Confirm { round, slot }
                         } else {
+                            // No second read of the roster: a member struck between the
+                            // closer's read and its compare-set never acknowledges, so the
+                            // confirmation fails (within the keep-alive timeout) and
+                            // everyone rejoins.
                             self.decide(round, slot, now)
                         }
                     }
                     None => return Ok(self.foreign(round, "size", value)),
                 }
             }
-            (Step::MarkArrivals { round, slot }, R::Added(_)) => Step::Confirm { round, slot },
-            (Step::Confirm { round, slot }, R::Value(roster)) => {
-                // A member marked gone after the roster was read but before the close:
-                // the round must end rather than wait for it.
-                let gone = parse_roster(roster)
-                    .filter_map(|line| match line {
-                        Line::Gone(s) => Some(s),
-                        Line::Joined(_) => None,
-                    })
-                    .find(|s| self.world.contains(s));
-                self.confirmed(round, slot, gone, now)
-            }
+            (Step::MarkArrivals { round, slot }, R::Added(_)) => self.decide(round, slot, now),
             (Step::ReadSize { round, slot }, R::Value(value)) => match parse_world(value, max) {
                 Some((world, master)) => {
                     self.world = world;
@@ -1408,12 +1434,14 @@ impl ElasticNode {
                     round,
                     slot,
                     proposal,
+                    mark,
                 },
                 R::Set,
             ) => Step::Close {
                 round,
                 slot,
                 proposal,
+                mark,
             },
             (Step::AskNext { round }, R::Set) => Step::Advance { round },
             (Step::Spare(m), R::Waited) => {
@@ -1427,7 +1455,8 @@ impl ElasticNode {
                 Ok(m) => Step::Spare(m),
                 Err(dead) => dead,
             },
-            (Step::Advance { round }, R::Value(hint)) => {
+            (Step::Advance { round: 0 }, R::Value(b"0")) => Step::AdvanceRead { round: 0 },
+            (Step::Advance { round } | Step::AdvanceRead { round }, R::Value(hint)) => {
                 self.holding = None;
                 self.open_slot = None;
                 let closed = core::str::from_utf8(hint)
@@ -1446,7 +1475,16 @@ impl ElasticNode {
             }
             (Step::Ack { round, slot, rank }, R::Added(value)) => {
                 let size = self.world.len() as i64;
-                if value >= size {
+                let (acks, gave_up) = (value & 0xffff_ffff, value >> 32);
+                if acks >= size && gave_up == 0 {
+                    // The last acknowledgement, before any member gave up: each one that
+                    // gives up from now on counts itself after it, finds every
+                    // acknowledgement in and compare-sets `go`, so `go` is the only
+                    // verdict there can be. Release the others without writing it.
+                    Step::SetGo { round, slot, rank }
+                } else if acks >= size {
+                    // A member gave up first and may have decided `fail`: the verdict
+                    // decides.
                     Step::Verdict {
                         round,
                         slot,
@@ -1493,7 +1531,7 @@ impl ElasticNode {
                 round,
                 slot,
                 rank,
-                go: value >= self.world.len() as i64,
+                go: (value & 0xffff_ffff) >= self.world.len() as i64,
             },
             (
                 Step::Verdict {
@@ -1567,25 +1605,6 @@ impl ElasticNode {
             }
             _ => return Err(Mismatch),
         })
-    }
-
-    /// The closer's round is settled; `gone` is a member that left as it closed, which
-    /// ends the round at once.
-    fn confirmed(&mut self, round: u64, slot: u32, gone: Option<u32>, now: Instant) -> Step {
-        match gone {
-            None => self.decide(round, slot, now),
-            Some(gone) => {
-                self.open_slot = None;
-                Step::MarkOver {
-                    round,
-                    reason: format!(
-                        "the node at slot {gone} left as the round closed (seen by node '{}')",
-                        self.node
-                    ),
-                    then: Then::Rejoin,
-                }
-            }
-        }
     }
 
     /// What follows a departure (or a round ended on the way out).

@@ -38,15 +38,15 @@
 //! | key | operations | who |
 //! |---|---|---|
 //! | `closed` | `SET` once; `CHECK` | closing; `is_closed` and every open-round tick check it |
-//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1`; `ADD` 2^40 when closed | the lowest round that may still be open; a joiner whose guess of round 0 was wrong reads it, so it also says "closed" |
-//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits); `ADD 2^48` marks round 0 closed | each joiner once (a fresh node's first request, in round 0); each slot struck once; round 0's closer, and closing |
-//! | `{r}/roster` | `APPEND "+s round:rank contact node"` on arrival (`-` for none), `"-s"` when struck; `GET` | each joiner once; the closer reads it twice |
+//! | `round` | `ADD 0` to read, `COMPARE_SET r → r+1` (round 0's from missing, or from `0` after a read); `ADD` 2^40 when closed | the lowest round that may still be open; a joiner whose guess of round 0 was wrong reads it, so it also says "closed" |
+//! | `{r}/arrivals` | `ADD 1` gives a node its slot `s` (low 32 bits); `ADD 2^32` counts a departure (high bits); `ADD 2^48` marks round 0 closed | each joiner once (a fresh node's first request, in round 0); each slot struck once; round 0's closer when it handed out fewer than `max_nodes` slots (after one that did not, a fresh node's slot above `max_nodes` sends it to `round`), and closing |
+//! | `{r}/roster` | `APPEND "+s round:rank contact node"` on arrival (`-` for none), `"-s"` when struck; `GET` | each joiner once; the closer reads it once |
 //! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
 //! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer before its compare-set (no arrival may have seen exactly `min_nodes`, and a closer may leave at once); fewer wait on it |
 //! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…[;contact]"` (slots by rank, rank 0's contact) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
-//! | `{r}/ready` | `ADD 1` per member; `ADD 0` to read | each member acknowledges once; one that waited in vain for `go` reads it |
-//! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: the N-th acknowledger writes `go`; a member that waited in vain writes `go` if all N acknowledged, else `fail`; the first writer wins and every member obeys it |
-//! | `{r}/go` | `SET`; members `WAIT` | whoever's verdict was `go` |
+//! | `{r}/ready` | `ADD 1` per member (low 32 bits); `ADD 2^32` to give up (high bits) | each member acknowledges once; one that waited in vain for `go` counts itself there before it decides |
+//! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: a member that waited in vain writes `go` if all N acknowledged before its give-up, else `fail`; the N-th acknowledger writes `go` only when somebody gave up before it; the first writer wins and every member obeys it |
+//! | `{r}/go` | `SET`; members `WAIT` | the N-th acknowledger when nobody gave up before it (then `go` is the only verdict there can be), or whoever's verdict was `go` |
 //! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
@@ -60,16 +60,26 @@
 //! The closer is the arrival that makes `max_nodes` live, or the first node whose last
 //! call ends with at least `min_nodes` live. It reads the roster (waiting briefly, at most
 //! one keep-alive interval, for an arrival whose line is still in flight), leaves out the
-//! struck slots, ranks the first `max_nodes` live ones and compare-sets the size; then it
-//! reads the roster once more, and ends the round at once if a member was struck in
-//! between. A node that leaves an open round strikes itself, then checks whether the
-//! round closed with it (and ends it if so).
+//! struck slots, ranks the first `max_nodes` live ones and compare-sets the size. A node
+//! that leaves an open round strikes itself, then checks whether the round closed with it
+//! (and ends it if so). A member struck after the closer's read and before its
+//! compare-set (whose own check came first) is in the world but never acknowledges: the
+//! confirmation fails after the keep-alive timeout and everyone rejoins
+//! (`tests::a_member_struck_between_the_closers_read_and_its_close_fails_the_confirmation`);
+//! that rare race costs the timeout, where a second read of the roster would cost every
+//! round a request.
 //!
 //! A member waits for `go` at most the keep-alive timeout. The verdict is one key,
 //! compare-set once, because counting alone cannot decide: with the last acknowledgement
 //! counted but its `go` still in flight, two members that gave up waiting used to read
 //! the same count and decide differently (one took the round as complete, the other
-//! ended it; `tests::the_last_confirmation_in_flight_splits_no_round`).
+//! ended it; `tests::the_last_confirmation_in_flight_splits_no_round`). A member gives
+//! up by adding 2^32 to `ready`, which also reads the acknowledgements, so the
+//! acknowledgement that completes the count knows whether anybody gave up before it. If
+//! nobody did, every give-up comes after it, finds all N acknowledgements and can only
+//! decide `go`: it `SET`s `go` without the verdict. If somebody did, that member may have
+//! decided `fail`, and it compare-sets the verdict like everyone else
+//! (`tests::the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict`).
 //!
 //! Each node may give a *contact* ([`ElasticNode::set_contact`]; torchrun's handler gives
 //! `addr:port` for `MASTER_ADDR`/`MASTER_PORT`): it rides on the roster line, and the
@@ -77,13 +87,17 @@
 //! ([`RoundOutcome::master`]) where torch's agents spend two more requests each.
 //!
 //! Store work per node: joining is an `ADD` (arrival; a fresh node guesses round 0, and
-//! reads the hint only when round 0 is marked closed), an `APPEND`, a `WAIT` and a `GET`
-//! (the size), the acknowledgement's `ADD` and a `WAIT` for `go`: six, then a `WAIT` on
-//! `over` that lasts until the first heartbeat. The last acknowledger compare-sets the
-//! verdict and `SET`s `go` instead of waiting; the closer reads the roster instead of the
-//! size, twice (and a short `WAIT` per poll for a line in flight), with `min_nodes <
-//! max_nodes` `SET`s the quorum, compare-sets the size, and in round 0 marks the arrivals. A
-//! member's heartbeat interval is two `ADD`s and the `WAIT` on `over`. A wait in an open
+//! reads the hint only when round 0 is marked closed or its slot is above `max_nodes`),
+//! an `APPEND`, a `WAIT` and a `GET` (the size), the acknowledgement's `ADD` and a `WAIT`
+//! for `go`: six for every node, then a `WAIT` on `over` that lasts until the first
+//! heartbeat. The closer's `GET` of the roster and compare-set of the size take the place
+//! of the `WAIT` and the `GET`, the last acknowledger's `SET` of `go` that of its `WAIT`
+//! (`tests::store_work_at_16_nodes_by_operation`). Beyond six: a roster line still in
+//! flight costs the closer a short `WAIT` and another `GET` per poll; with `min_nodes <
+//! max_nodes` the closer `SET`s the quorum, and in round 0, closing by last call with
+//! fewer than `max_nodes` slots handed out, marks the arrivals; a member that waited in
+//! vain for `go` adds its give-up and compare-sets the verdict. A member's heartbeat
+//! interval is two `ADD`s and the `WAIT` on `over`. A wait in an open
 //! round never outlasts one keep-alive interval; each interval there costs a heartbeat
 //! `ADD`, an `ADD 0` of the arrivals, an `ADD 0` of the watched slot and a `CHECK` of
 //! `closed`.
