@@ -258,12 +258,16 @@ impl PyElasticRendezvous {
             })?;
             let shared = Arc::clone(&lazy);
             let connect = Box::new(move || shared.get().map(|tcp| tcp as Arc<dyn Store>));
-            let handle = ElasticRendezvous::start_lazy(Box::new(tcp), connect, settings, node.clone())
-                .map_err(errors::elastic)?;
-            if let Some(contact) = &contact {
-                handle.set_contact(contact);
-            }
-            Ok::<_, PyErr>(handle)
+            // The contact goes in before the driver starts, so that the first roster line
+            // carries it (a `set_contact` after the start races the first arrival).
+            ElasticRendezvous::start_lazy_with_contact(
+                Box::new(tcp),
+                connect,
+                settings,
+                node.clone(),
+                contact.as_deref(),
+            )
+            .map_err(errors::elastic)
         })?;
         Ok(PyElasticRendezvous::from_handle(
             Arc::new(handle),
@@ -297,12 +301,13 @@ impl PyElasticRendezvous {
         let store: Arc<dyn Store> = Arc::new(machine_store(&parsed));
         let settings = parsed.elastic.settings.clone();
         let handle = py.detach(|| {
-            let handle = ElasticRendezvous::start(Arc::clone(&store), settings, node)
-                .map_err(errors::elastic)?;
-            if let Some(contact) = &contact {
-                handle.set_contact(contact);
-            }
-            Ok::<_, PyErr>(handle)
+            ElasticRendezvous::start_with_contact(
+                Arc::clone(&store),
+                settings,
+                node,
+                contact.as_deref(),
+            )
+            .map_err(errors::elastic)
         })?;
         Ok(PyElasticRendezvous::from_handle(
             Arc::new(handle),

@@ -185,6 +185,20 @@ impl ElasticRendezvous {
         settings: ElasticSettings,
         node: impl Into<String>,
     ) -> Result<Self, ElasticFailure> {
+        Self::start_with_contact(store, settings, node, None)
+    }
+
+    /// As [`ElasticRendezvous::start`], with this node's contact given before the driver
+    /// starts (see [`ElasticRendezvous::start_lazy_with_contact`] for why).
+    ///
+    /// # Errors
+    /// [`ElasticFailure::Store`] when the store cannot be cloned.
+    pub fn start_with_contact(
+        store: Arc<dyn Store>,
+        settings: ElasticSettings,
+        node: impl Into<String>,
+        contact: Option<&str>,
+    ) -> Result<Self, ElasticFailure> {
         let node = node.into();
         let driver_store = store.clone_store().map_err(|e| ElasticFailure::Store {
             node: node.clone(),
@@ -197,7 +211,7 @@ impl ElasticRendezvous {
             HandleStore::Ready(store),
             settings,
             node,
-            None,
+            contact,
         )
     }
 
