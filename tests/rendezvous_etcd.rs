@@ -554,3 +554,56 @@ fn bench_over_etcd_joins_in_o1_requests_per_node() {
         "mean {mean} etcd requests per join at N=64: {text}"
     );
 }
+
+/// The heartbeat lease's edges, on `MachineStore` itself: a watcher reads a key that is
+/// there as a value that moves and a revoked one as `BEAT_GONE`; a keep-alive of a lease
+/// etcd no longer has fails naming the lease and saying to rejoin; a new key (the next
+/// round's) is put under a fresh lease.
+#[test]
+fn a_keep_alive_of_a_lease_etcd_no_longer_has_fails_saying_so() {
+    use rdzv::uring::rendezvous::etcd::MachineStore;
+    use rdzv::uring::store::etcd::{EtcdConfig, EtcdStore};
+    use rdzv::uring::Store;
+    use rdzv_core::rendezvous::elastic::BEAT_GONE;
+
+    let Some(endpoints) = shared("a_keep_alive_of_a_lease_etcd_no_longer_has_fails_saying_so")
+    else {
+        return;
+    };
+    let prefix = format!("rdzv-test-lease-{:x}", fastrand_u64());
+    let store = MachineStore::new(EtcdStore::new(EtcdConfig::new(endpoints, &prefix)))
+        .with_lease_ttl(Duration::from_secs(30));
+    let own = "rdzv.elastic.job/0/hb/0";
+    assert!(
+        store.lease().is_none(),
+        "no lease before the first heartbeat"
+    );
+    let first = store.add(own, 1).expect("first heartbeat: a leased put");
+    let lease = store.lease().expect("granted at the first heartbeat");
+    assert!(lease.ttl >= Duration::from_secs(30), "{lease:?}");
+    let again = store.add(own, 1).expect("a keep-alive");
+    let read = store.add(own, 0).expect("a watcher's read");
+    assert!(
+        first > 0 && again > first && read > again,
+        "{first} {again} {read}"
+    );
+    assert_eq!(store.lease(), Some(lease), "one lease");
+
+    store
+        .etcd()
+        .lease_revoke(&lease, Instant::now() + Duration::from_secs(10))
+        .expect("revoke");
+    assert_eq!(store.add(own, 0).expect("read"), BEAT_GONE);
+    let text = store
+        .add(own, 1)
+        .expect_err("the lease is gone")
+        .to_string();
+    for says in ["etcd", "lease", &format!("{:x}", lease.id), own, "rejoin"] {
+        assert!(text.contains(says), "{says:?} not in: {text}");
+    }
+    // The next round's key: a fresh lease, and nobody has seen the key yet.
+    let next = "rdzv.elastic.job/1/hb/0";
+    store.add(next, 1).expect("a new key under a fresh lease");
+    assert_ne!(store.lease().map(|l| l.id), Some(lease.id));
+    assert!(store.add(next, 0).expect("read") > 0);
+}
