@@ -48,6 +48,15 @@ impl Nodes {
         }
     }
 
+    /// Starts `rdzv rendezvous URL` as each of `names`.
+    fn start(url: &str, names: &[&str]) -> Nodes {
+        let mut nodes = Nodes::new();
+        for name in names {
+            nodes.spawn(url, name);
+        }
+        nodes
+    }
+
     /// Starts `rdzv rendezvous URL --node-id NAME`.
     fn spawn(&mut self, url: &str, name: &str) {
         let mut command = Command::new("sh");
@@ -201,12 +210,14 @@ fn shared(test: &str) -> Option<Vec<String>> {
         .ok()
 }
 
-fn own_cluster(test: &str, size: usize) -> Option<Cluster> {
-    let cluster = Cluster::start(size);
-    if cluster.is_none() {
+/// A cluster of `size` members of the test's own, and a URL for a fresh run `run` on it.
+fn own_run(test: &str, size: usize, run: &str, query: &str) -> Option<(Cluster, String)> {
+    let Some(cluster) = Cluster::start(size) else {
         eprintln!("SKIPPED {test}: no etcd binary on PATH to start a cluster of its own");
-    }
-    cluster
+        return None;
+    };
+    let url = url(&cluster.endpoints(), run, query);
+    Some((cluster, url))
 }
 
 /// Generous liveness for loaded CI machines: a node is dead after 10 × 300 ms.
@@ -271,18 +282,11 @@ fn rendezvous_api_gives_a_shared_round_store() {
 #[test]
 fn leader_killed_mid_round_the_round_forms_on_the_other_two() {
     let test = "leader_killed_mid_round_the_round_forms_on_the_other_two";
-    let Some(mut cluster) = own_cluster(test, 3) else {
+    let Some((mut cluster, url)) = own_run(test, 3, "leader", &format!("nodes=4&{LIVENESS}"))
+    else {
         return;
     };
-    let url = url(
-        &cluster.endpoints(),
-        "leader",
-        &format!("nodes=4&{LIVENESS}"),
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b"] {
-        nodes.spawn(&url, name);
-    }
+    let mut nodes = Nodes::start(&url, &["a", "b"]);
     nodes.expect(
         2,
         Duration::from_secs(10),
@@ -317,10 +321,7 @@ fn node_killed_its_key_expires_with_its_lease_and_the_next_round_forms_within_th
         "killed",
         "nodes=2:3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=3&read_timeout=10s",
     );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b", "c"] {
-        nodes.spawn(&url, name);
-    }
+    let mut nodes = Nodes::start(&url, &["a", "b", "c"]);
     assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
     let (before, ttl) = leased_heartbeats(&endpoints[0], &prefix, 3);
     let killed = Instant::now();
@@ -418,20 +419,17 @@ fn a_live_nodes_key_stays_through_several_ttls_and_goes_at_once_when_it_leaves()
 #[test]
 fn member_restarted_nodes_carry_on() {
     let test = "member_restarted_nodes_carry_on";
-    let Some(mut cluster) = own_cluster(test, 3) else {
-        return;
-    };
-    let url = url(
-        &cluster.endpoints(),
+    let Some((mut cluster, url)) = own_run(
+        test,
+        3,
         "restart",
         // A last call long enough for a node slowed by the restarts (its watch on the
         // round's end reconnects) to make the next round: it closes at once with all three.
         &format!("nodes=2:3&last_call=2s&{LIVENESS}"),
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b"] {
-        nodes.spawn(&url, name);
-    }
+    ) else {
+        return;
+    };
+    let mut nodes = Nodes::start(&url, &["a", "b"]);
     assert_world(&nodes.round(0, 2, Duration::from_secs(30)), 2);
     // The first endpoint (the one the nodes talk to) dies and comes back; then another.
     for victim in [0, 1] {
@@ -449,20 +447,17 @@ fn member_restarted_nodes_carry_on() {
 #[test]
 fn whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout() {
     let test = "whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout";
-    let Some(mut cluster) = own_cluster(test, 1) else {
+    // Each request may keep retrying for read_timeout (2 s), then the node fails.
+    let Some((mut cluster, url)) = own_run(
+        test,
+        1,
+        "stopped",
+        "nodes=3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=2s",
+    ) else {
         return;
     };
     let endpoint = cluster.endpoints()[0].clone();
-    // Each request may keep retrying for read_timeout (2 s), then the node fails.
-    let url = url(
-        &cluster.endpoints(),
-        "stopped",
-        "nodes=3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=2s",
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b", "c"] {
-        nodes.spawn(&url, name);
-    }
+    let nodes = Nodes::start(&url, &["a", "b", "c"]);
     assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
     let stopped = Instant::now();
     cluster.members[0].kill();
