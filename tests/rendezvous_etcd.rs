@@ -19,7 +19,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use etcd_cluster::{fastrand_u64, leader, shared_endpoints, Cluster};
+use etcd_cluster::{
+    fastrand_u64, granted_ttl, keys_under, leader, shared_endpoints, Cluster, KeyState,
+};
 use rdzv_test_support::Peer;
 
 /// What a node printed, line by line; `Exited` when its standard output closed.
@@ -44,6 +46,15 @@ impl Nodes {
             rx,
             running: Vec::new(),
         }
+    }
+
+    /// Starts `rdzv rendezvous URL` as each of `names`.
+    fn start(url: &str, names: &[&str]) -> Nodes {
+        let mut nodes = Nodes::new();
+        for name in names {
+            nodes.spawn(url, name);
+        }
+        nodes
     }
 
     /// Starts `rdzv rendezvous URL --node-id NAME`.
@@ -152,11 +163,45 @@ fn assert_world(members: &[(String, u32, u32)], world: u32) {
 }
 
 fn url(endpoints: &[String], run: &str, query: &str) -> String {
-    format!(
-        "etcd://{}/{run}-{:x}?etcd_prefix=rdzv-test&{query}",
-        endpoints.join(","),
-        fastrand_u64()
+    run_url(endpoints, run, query).0
+}
+
+/// A URL for a fresh run id, and the etcd key prefix of its round `0`'s heartbeat keys.
+fn run_url(endpoints: &[String], run: &str, query: &str) -> (String, String) {
+    let run_id = format!("{run}-{:x}", fastrand_u64());
+    (
+        format!(
+            "etcd://{}/{run_id}?etcd_prefix=rdzv-test&{query}",
+            endpoints.join(",")
+        ),
+        format!("/rdzv-test/rdzv.elastic.{run_id}/0/hb/"),
     )
+}
+
+/// Waits (up to 10 s) until `count` heartbeat keys are under `prefix`, each bound to a
+/// lease of its own; returns them and the longest TTL etcd granted their leases.
+fn leased_heartbeats(endpoint: &str, prefix: &str, count: usize) -> (Vec<KeyState>, Duration) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let keys = keys_under(endpoint, prefix);
+        if keys.len() == count {
+            let mut leases: Vec<i64> = keys.iter().map(|k| k.lease).collect();
+            leases.sort_unstable();
+            leases.dedup();
+            assert!(
+                leases.len() == count && leases[0] != 0,
+                "one lease per node: {keys:?}"
+            );
+            let ttl = leases
+                .iter()
+                .map(|&id| granted_ttl(endpoint, id).expect("the lease is there"))
+                .max()
+                .expect("a lease");
+            return (keys, ttl);
+        }
+        assert!(Instant::now() < deadline, "heartbeat keys: {keys:?}");
+        thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn shared(test: &str) -> Option<Vec<String>> {
@@ -165,12 +210,14 @@ fn shared(test: &str) -> Option<Vec<String>> {
         .ok()
 }
 
-fn own_cluster(test: &str, size: usize) -> Option<Cluster> {
-    let cluster = Cluster::start(size);
-    if cluster.is_none() {
+/// A cluster of `size` members of the test's own, and a URL for a fresh run `run` on it.
+fn own_run(test: &str, size: usize, run: &str, query: &str) -> Option<(Cluster, String)> {
+    let Some(cluster) = Cluster::start(size) else {
         eprintln!("SKIPPED {test}: no etcd binary on PATH to start a cluster of its own");
-    }
-    cluster
+        return None;
+    };
+    let url = url(&cluster.endpoints(), run, query);
+    Some((cluster, url))
 }
 
 /// Generous liveness for loaded CI machines: a node is dead after 10 × 300 ms.
@@ -235,18 +282,11 @@ fn rendezvous_api_gives_a_shared_round_store() {
 #[test]
 fn leader_killed_mid_round_the_round_forms_on_the_other_two() {
     let test = "leader_killed_mid_round_the_round_forms_on_the_other_two";
-    let Some(mut cluster) = own_cluster(test, 3) else {
+    let Some((mut cluster, url)) = own_run(test, 3, "leader", &format!("nodes=4&{LIVENESS}"))
+    else {
         return;
     };
-    let url = url(
-        &cluster.endpoints(),
-        "leader",
-        &format!("nodes=4&{LIVENESS}"),
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b"] {
-        nodes.spawn(&url, name);
-    }
+    let mut nodes = Nodes::start(&url, &["a", "b"]);
     nodes.expect(
         2,
         Duration::from_secs(10),
@@ -263,54 +303,133 @@ fn leader_killed_mid_round_the_round_forms_on_the_other_two() {
     assert_world(&round, 4);
 }
 
+/// A node's heartbeat key is bound to its lease: SIGKILLed, its key is gone from etcd when
+/// the lease's TTL ends (etcd's expiry sweep runs every 500 ms), its watcher strikes it at
+/// once, and the next round forms within the TTL plus one keep-alive interval (and the
+/// last call); the others' keys stay.
 #[test]
-fn node_killed_the_next_round_forms_within_the_keep_alive_limit() {
-    let test = "node_killed_the_next_round_forms_within_the_keep_alive_limit";
+fn node_killed_its_key_expires_with_its_lease_and_the_next_round_forms_within_the_ttl() {
+    let test = "node_killed_its_key_expires_with_its_lease_and_the_next_round_forms_within_the_ttl";
     let Some(endpoints) = shared(test) else {
         return;
     };
-    // Dead after 3 × 300 ms; the next round then closes after a 300 ms last call.
-    let url = url(
+    // TTL asked: 3 × 300 ms, which etcd grants as its minimum (1–2 s) or more.
+    let interval = Duration::from_millis(300);
+    let last_call = Duration::from_millis(300);
+    let (url, prefix) = run_url(
         &endpoints,
         "killed",
         "nodes=2:3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=3&read_timeout=10s",
     );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b", "c"] {
-        nodes.spawn(&url, name);
-    }
+    let mut nodes = Nodes::start(&url, &["a", "b", "c"]);
     assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
+    let (before, ttl) = leased_heartbeats(&endpoints[0], &prefix, 3);
     let killed = Instant::now();
     nodes.kill("b");
+    // The key goes within the TTL (its last keep-alive was before the kill), give or take
+    // etcd's 500 ms expiry sweep and a loaded machine.
+    let gone = loop {
+        let now = keys_under(&endpoints[0], &prefix);
+        if now.len() < before.len() {
+            break now;
+        }
+        assert!(
+            killed.elapsed() < ttl + Duration::from_secs(2),
+            "no heartbeat key expired {:?} after the kill (TTL {ttl:?}): {now:?}",
+            killed.elapsed()
+        );
+        thread::sleep(Duration::from_millis(25));
+    };
+    let expired = killed.elapsed();
+    assert_eq!(
+        gone.len(),
+        2,
+        "only the killed node's key expires: {gone:?}"
+    );
+    assert!(gone.iter().all(|k| before.contains(k)), "{gone:?}");
     let round = nodes.round(1, 2, Duration::from_secs(20));
     let took = killed.elapsed();
     assert_world(&round, 2);
     let mut who: Vec<&str> = round.iter().map(|(node, _, _)| node.as_str()).collect();
     who.sort_unstable();
     assert_eq!(who, ["a", "c"]);
-    // The keep-alive limit (0.9 s) and the last call (0.3 s), with room for a loaded
-    // machine; a node that waited for its own timeouts (join: 600 s) would be far over.
+    // The TTL, one interval for the watcher's next look, the last call; with room for
+    // etcd's sweep and a loaded machine.
+    let bound = ttl + interval + last_call + Duration::from_secs(2);
     assert!(
-        took < Duration::from_secs(8),
-        "the next round took {took:?}"
+        took < bound,
+        "the next round took {took:?} (key expired after {expired:?}, TTL {ttl:?})"
+    );
+}
+
+/// A live node's heartbeat key stays through several TTLs, bound to the same lease and
+/// never re-created; when the node leaves, its lease is revoked and its key goes at once,
+/// long before the TTL.
+#[test]
+fn a_live_nodes_key_stays_through_several_ttls_and_goes_at_once_when_it_leaves() {
+    let test = "a_live_nodes_key_stays_through_several_ttls_and_goes_at_once_when_it_leaves";
+    let Some(endpoints) = shared(test) else {
+        return;
+    };
+    // TTL asked: 10 × 300 ms = 3 s.
+    let (url, prefix) = run_url(
+        &endpoints,
+        "live",
+        &format!("nodes=2&last_call=200ms&{LIVENESS}"),
+    );
+    let mut joined: Vec<_> = (0..2)
+        .map(|i| {
+            let url = format!("{url}&node_id=live{i}");
+            thread::spawn(move || rdzv::uring::rendezvous::rendezvous(&url, None, None))
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|join| join.join().expect("join thread").expect("rendezvous"))
+        .collect();
+    let (keys, ttl) = leased_heartbeats(&endpoints[0], &prefix, 2);
+    assert!(ttl >= Duration::from_secs(3), "granted {ttl:?}");
+    let until = Instant::now() + ttl * 3;
+    while Instant::now() < until {
+        let now = keys_under(&endpoints[0], &prefix);
+        assert_eq!(now, keys, "the live nodes' keys changed");
+        thread::sleep(Duration::from_millis(100));
+    }
+    for rendezvous in &joined {
+        let handle = rendezvous.elastic.as_ref().expect("the elastic handle");
+        assert_eq!(handle.current().map(|r| r.round), Some(0), "still round 0");
+    }
+    // One leaves: its driver ends within a keep-alive interval and revokes its lease.
+    let left = Instant::now();
+    drop(joined.pop());
+    let deadline = left + ttl;
+    while keys_under(&endpoints[0], &prefix).len() == 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the leaver's key stayed until its TTL ({ttl:?})"
+        );
+        thread::sleep(Duration::from_millis(25));
+    }
+    let gone_after = left.elapsed();
+    assert!(
+        gone_after < ttl / 2,
+        "the key went {gone_after:?} after leaving (TTL {ttl:?}): expired, not revoked"
     );
 }
 
 #[test]
 fn member_restarted_nodes_carry_on() {
     let test = "member_restarted_nodes_carry_on";
-    let Some(mut cluster) = own_cluster(test, 3) else {
+    let Some((mut cluster, url)) = own_run(
+        test,
+        3,
+        "restart",
+        // A last call long enough for a node slowed by the restarts (its watch on the
+        // round's end reconnects) to make the next round: it closes at once with all three.
+        &format!("nodes=2:3&last_call=2s&{LIVENESS}"),
+    ) else {
         return;
     };
-    let url = url(
-        &cluster.endpoints(),
-        "restart",
-        &format!("nodes=2:3&last_call=300ms&{LIVENESS}"),
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b"] {
-        nodes.spawn(&url, name);
-    }
+    let mut nodes = Nodes::start(&url, &["a", "b"]);
     assert_world(&nodes.round(0, 2, Duration::from_secs(30)), 2);
     // The first endpoint (the one the nodes talk to) dies and comes back; then another.
     for victim in [0, 1] {
@@ -328,20 +447,17 @@ fn member_restarted_nodes_carry_on() {
 #[test]
 fn whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout() {
     let test = "whole_cluster_stopped_every_node_fails_naming_etcd_within_its_timeout";
-    let Some(mut cluster) = own_cluster(test, 1) else {
+    // Each request may keep retrying for read_timeout (2 s), then the node fails.
+    let Some((mut cluster, url)) = own_run(
+        test,
+        1,
+        "stopped",
+        "nodes=3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=2s",
+    ) else {
         return;
     };
     let endpoint = cluster.endpoints()[0].clone();
-    // Each request may keep retrying for read_timeout (2 s), then the node fails.
-    let url = url(
-        &cluster.endpoints(),
-        "stopped",
-        "nodes=3&last_call=300ms&keep_alive_interval=300ms&keep_alive_max_attempts=10&read_timeout=2s",
-    );
-    let mut nodes = Nodes::new();
-    for name in ["a", "b", "c"] {
-        nodes.spawn(&url, name);
-    }
+    let nodes = Nodes::start(&url, &["a", "b", "c"]);
     assert_world(&nodes.round(0, 3, Duration::from_secs(30)), 3);
     let stopped = Instant::now();
     cluster.members[0].kill();
@@ -432,4 +548,57 @@ fn bench_over_etcd_joins_in_o1_requests_per_node() {
         mean <= 14.0,
         "mean {mean} etcd requests per join at N=64: {text}"
     );
+}
+
+/// The heartbeat lease's edges, on `MachineStore` itself: a watcher reads a key that is
+/// there as a value that moves and a revoked one as `BEAT_GONE`; a keep-alive of a lease
+/// etcd no longer has fails naming the lease and saying to rejoin; a new key (the next
+/// round's) is put under a fresh lease.
+#[test]
+fn a_keep_alive_of_a_lease_etcd_no_longer_has_fails_saying_so() {
+    use rdzv::uring::rendezvous::etcd::MachineStore;
+    use rdzv::uring::store::etcd::{EtcdConfig, EtcdStore};
+    use rdzv::uring::Store;
+    use rdzv_core::rendezvous::elastic::BEAT_GONE;
+
+    let Some(endpoints) = shared("a_keep_alive_of_a_lease_etcd_no_longer_has_fails_saying_so")
+    else {
+        return;
+    };
+    let prefix = format!("rdzv-test-lease-{:x}", fastrand_u64());
+    let store = MachineStore::new(EtcdStore::new(EtcdConfig::new(endpoints, &prefix)))
+        .with_lease_ttl(Duration::from_secs(30));
+    let own = "rdzv.elastic.job/0/hb/0";
+    assert!(
+        store.lease().is_none(),
+        "no lease before the first heartbeat"
+    );
+    let first = store.add(own, 1).expect("first heartbeat: a leased put");
+    let lease = store.lease().expect("granted at the first heartbeat");
+    assert!(lease.ttl >= Duration::from_secs(30), "{lease:?}");
+    let again = store.add(own, 1).expect("a keep-alive");
+    let read = store.add(own, 0).expect("a watcher's read");
+    assert!(
+        first > 0 && again > first && read > again,
+        "{first} {again} {read}"
+    );
+    assert_eq!(store.lease(), Some(lease), "one lease");
+
+    store
+        .etcd()
+        .lease_revoke(&lease, Instant::now() + Duration::from_secs(10))
+        .expect("revoke");
+    assert_eq!(store.add(own, 0).expect("read"), BEAT_GONE);
+    let text = store
+        .add(own, 1)
+        .expect_err("the lease is gone")
+        .to_string();
+    for says in ["etcd", "lease", &format!("{:x}", lease.id), own, "rejoin"] {
+        assert!(text.contains(says), "{says:?} not in: {text}");
+    }
+    // The next round's key: a fresh lease, and nobody has seen the key yet.
+    let next = "rdzv.elastic.job/1/hb/0";
+    store.add(next, 1).expect("a new key under a fresh lease");
+    assert_ne!(store.lease().map(|l| l.id), Some(lease.id));
+    assert!(store.add(next, 0).expect("read") > 0);
 }

@@ -40,7 +40,7 @@ pub(super) fn run(
     let mut handles = Vec::with_capacity(nodes as usize);
     let started = Instant::now();
     for i in 0..nodes {
-        let store = Arc::new(machine_store(&url));
+        let store = Arc::new(machine_store(&url).with_lease_ttl(settings.keep_alive_timeout()));
         stores.push(Arc::clone(&store));
         let handle = ElasticRendezvous::start(store, settings.clone(), format!("bench-node-{i}"))
             .map_err(|e| BenchError::Unexpected(format!("node {i}: {e}")))?;
@@ -114,8 +114,8 @@ fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat
     let (_, mean, max) = stats(&during);
     println!(
         "  etcd requests per node per keep-alive interval ({} ms, {intervals:.0} intervals): \
-         mean {:.2}, max {:.2} (ADD own, ADD watched, and the watch on the round's end \
-         renewed each interval)",
+         mean {:.2}, max {:.2} (the lease's keep-alive, a range of the watched key, \
+         and the watch on the round's end renewed each interval)",
         interval.as_millis(),
         mean / intervals,
         max as f64 / intervals

@@ -197,20 +197,84 @@ pub(crate) fn fastrand_u64() -> u64 {
     hasher.finish()
 }
 
+/// Posts `body` to etcd's JSON gateway at `endpoint` (`path` e.g. `/v3/kv/range`) and
+/// reads the reply; `None` when the member does not answer.
+pub(crate) fn post(
+    endpoint: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> Option<serde_json::Value> {
+    use std::io::{Read, Write};
+    let body = body.to_string();
+    let mut stream = std::net::TcpStream::connect(endpoint).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let request = format!(
+        "POST {path} HTTP/1.0\r\nHost: {endpoint}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).ok()?;
+    serde_json::from_str(reply.split_once("\r\n\r\n")?.1).ok()
+}
+
+/// A key as etcd holds it: its name, the lease it is bound to (0: none) and the revision
+/// it was created at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyState {
+    pub(crate) key: String,
+    pub(crate) lease: i64,
+    pub(crate) create_revision: i64,
+}
+
+/// Every key under `prefix` (an etcd key prefix), read from `endpoint`.
+pub(crate) fn keys_under(endpoint: &str, prefix: &str) -> Vec<KeyState> {
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine as _;
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    let reply = post(
+        endpoint,
+        "/v3/kv/range",
+        &serde_json::json!({"key": STANDARD.encode(prefix), "range_end": STANDARD.encode(&end), "keys_only": true}),
+    )
+    .unwrap_or_else(|| panic!("etcd at {endpoint} did not answer a range"));
+    let int = |v: &serde_json::Value| v.as_str().and_then(|s| s.parse().ok()).unwrap_or(0i64);
+    reply["kvs"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|kv| KeyState {
+            key: kv["key"]
+                .as_str()
+                .and_then(|k| STANDARD.decode(k).ok())
+                .map(|k| String::from_utf8_lossy(&k).into_owned())
+                .unwrap_or_default(),
+            lease: int(&kv["lease"]),
+            create_revision: int(&kv["create_revision"]),
+        })
+        .collect()
+}
+
+/// The TTL etcd granted lease `id` (`None` when it has no such lease).
+pub(crate) fn granted_ttl(endpoint: &str, id: i64) -> Option<Duration> {
+    let reply = post(
+        endpoint,
+        "/v3/kv/lease/timetolive",
+        &serde_json::json!({"ID": id.to_string()}),
+    )?;
+    let granted: u64 = reply["grantedTTL"].as_str()?.parse().ok()?;
+    // The seconds left, left out when 0; -1 for a lease etcd does not have.
+    let left: i64 = reply["TTL"].as_str().map_or(Some(0), |t| t.parse().ok())?;
+    (left >= 0).then(|| Duration::from_secs(granted))
+}
+
 /// The index of the member that leads, asked of each member's `/v3/maintenance/status`.
 pub(crate) fn leader(cluster: &Cluster) -> Option<usize> {
-    use std::io::{Read, Write};
-    let status = |endpoint: &str| -> Option<serde_json::Value> {
-        let mut stream = std::net::TcpStream::connect(endpoint).ok()?;
-        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        let request = format!(
-            "POST /v3/maintenance/status HTTP/1.0\r\nHost: {endpoint}\r\nContent-Length: 2\r\n\r\n{{}}"
-        );
-        stream.write_all(request.as_bytes()).ok()?;
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).ok()?;
-        serde_json::from_str(reply.split_once("\r\n\r\n")?.1).ok()
-    };
+    let status = |endpoint: &str| post(endpoint, "/v3/maintenance/status", &serde_json::json!({}));
     cluster.members.iter().position(|m| {
         status(&m.endpoint()).is_some_and(|s| {
             s["leader"].as_str().is_some() && s["leader"] == s["header"]["member_id"]

@@ -16,7 +16,7 @@
 //! |---|---|---|
 //! | a round's arrivals and acknowledgements (`ADD` by every node at once) | a tally ([`KeyUse::Tally`]) | one transaction that creates this increment's own key and counts the units' keys after it: never a conflict |
 //! | a round's roster (`APPEND` by every node at once, read by the closer) | a log ([`KeyUse::Log`]) | a put of this line's own key; a read is one range in `create_revision` order |
-//! | heartbeats (`ADD 1` own, `ADD 0` the watched slot's) | a counter, resent after a lost answer ([`KeyUse::Beat`]) | one transaction comparing the key's `mod_revision` (its owner alone writes it) |
+//! | heartbeats (`ADD 1` own, `ADD 0` the watched slot's) | a key bound to the node's lease ([`KeyUse::Beat`]) | the first `ADD 1` a put with the lease (granted at the first heartbeat, TTL the keep-alive timeout), each later one a `/v3/lease/keepalive`; `ADD 0` a count-only range: there, a value that moves; gone (the lease expired or was revoked), [`BEAT_GONE`], and the watcher strikes at once |
 //! | the round hint (`ADD`, `COMPARE_SET`) | a counter | one compare-guarded transaction |
 //! | the size that closes a round, a slot's strike, the verdict (`COMPARE_SET "" → v`) | create-if-absent | one transaction comparing `create_revision = 0`: exactly one writer wins |
 //! | quorum, go, over, closed (`SET`), reads (`GET`, `CHECK`) | put, range | put, range |
@@ -24,7 +24,10 @@
 //!
 //! So a join and a keep-alive cost O(1) etcd requests per node, whatever N: no key is
 //! compare-and-swapped by more than one node at a time except the round hint and the
-//! size, which one node each writes per round.
+//! size, which one node each writes per round. A node's liveness is its lease: a node
+//! killed outright loses its heartbeat keys when the TTL ends (etcd's own clock), one
+//! that leaves revokes the lease and loses them at once, and its watcher strikes it as
+//! soon as it sees the key gone.
 //!
 //! **Key layout.** etcd key = `/{etcd_prefix}/` + the TCPStore key: the machine's keys are
 //! `/rdzv/rdzv.elastic.{run_id}/…` (the table in the core's module), and the rounds'
@@ -40,38 +43,133 @@
 //!
 //! Not here: the machine's rules (core), the HTTP and failover (the store's gateway).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use rdzv_core::env::Env;
-use rdzv_core::rendezvous::elastic::{key_use, EtcdRendezvousUrl, KeyUse, TALLY_UNITS};
+use rdzv_core::rendezvous::elastic::{
+    key_use, EtcdRendezvousUrl, KeyUse, BEAT_GONE, DEFAULT_KEEP_ALIVE_INTERVAL,
+    DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS, TALLY_UNITS,
+};
 
 use super::elastic::{first_round, node_id};
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
-use crate::store::etcd::{EtcdConfig, EtcdStore};
+use crate::store::etcd::{EtcdConfig, EtcdStore, Lease};
 use crate::store::{Store, StoreError};
 
 /// The elastic machine's store on etcd: an [`EtcdStore`] that keeps the keys every node
 /// of a round writes at once as one etcd key per write ([`KeyUse`]: the round's arrivals
 /// and acknowledgements as tallies, its roster as a log; `EtcdStore::tally_add`,
 /// `log_append`, `log_read`), so that a join costs O(1) etcd requests where
-/// compare-and-swap loops on one key cost O(N) under a burst. A heartbeat counter is
-/// resent after a lost answer (`EtcdStore::add_at_least_once`: counting it twice is
-/// harmless) instead of failing the node while a member is lost. Every other key, the
+/// compare-and-swap loops on one key cost O(N) under a burst. Every other key, the
 /// rounds' stores included, is the plain `EtcdStore`'s.
+///
+/// **Heartbeats are lease-bound.** The node's heartbeat keys ([`KeyUse::Beat`]) are bound
+/// to one etcd lease of this store's, granted at its first heartbeat with a TTL of the
+/// keep-alive timeout ([`MachineStore::with_lease_ttl`]; etcd raises it to its minimum):
+/// - `ADD 1` on its own key: the first puts the key bound to the lease (granting a fresh
+///   lease if etcd no longer has the old one, as after a long wait as a hot spare: nobody
+///   has seen that key yet); each later one is one `/v3/lease/keepalive`. A keep-alive
+///   that etcd answers "lease not found" (the node was cut off or stalled past the TTL,
+///   and its watchers may have struck it) fails with [`EtcdError::LeaseExpired`]
+///   (`RendezvousConnectionError`), so the node rejoins rather than carry on as if alive.
+/// - `ADD 0` on the watched slot's key: one count-only range: there, a value that moves on
+///   every read; gone, [`BEAT_GONE`], on which the watcher strikes at once.
+/// - Dropping the store (the node's driver ends: it left, shut down or failed) revokes the
+///   lease, so its keys go at once; a node killed outright loses them when the TTL ends.
+///
+/// [`EtcdError::LeaseExpired`]: crate::store::etcd::EtcdError::LeaseExpired
 pub struct MachineStore {
     etcd: EtcdStore,
+    lease_ttl: Duration,
+    beats: Mutex<Beats>,
+}
+
+/// This store's heartbeat lease and what it holds.
+#[derive(Debug, Default)]
+struct Beats {
+    lease: Option<Lease>,
+    /// The heartbeat keys put bound to `lease`.
+    own: HashSet<String>,
+    /// What a heartbeat or a read of a present key answers: it moves every time.
+    moves: i64,
 }
 
 impl MachineStore {
-    /// The machine's store over `etcd`.
+    /// The machine's store over `etcd`, with heartbeat leases of PyTorch's default
+    /// keep-alive timeout (see [`MachineStore::with_lease_ttl`]).
     pub fn new(etcd: EtcdStore) -> MachineStore {
-        MachineStore { etcd }
+        MachineStore {
+            etcd,
+            lease_ttl: DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS,
+            beats: Mutex::new(Beats::default()),
+        }
+    }
+
+    /// The TTL asked for the node's heartbeat lease: its keep-alive timeout
+    /// (`keep_alive_interval × keep_alive_max_attempts`); etcd grants whole seconds, at
+    /// least its minimum (2 s with its default election timeout).
+    pub fn with_lease_ttl(mut self, ttl: Duration) -> MachineStore {
+        self.lease_ttl = ttl;
+        self
     }
 
     /// The plain store underneath (e.g. for its request count).
     pub fn etcd(&self) -> &EtcdStore {
         &self.etcd
+    }
+
+    /// The heartbeat lease this store holds now, if any (granted at the first heartbeat).
+    pub fn lease(&self) -> Option<Lease> {
+        self.beats().lease
+    }
+
+    fn beats(&self) -> MutexGuard<'_, Beats> {
+        self.beats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `ADD` on a heartbeat key (see the type's docs).
+    fn beat(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        if delta == 0 {
+            let there = self.etcd.exists(key)?;
+            let mut beats = self.beats();
+            beats.moves += 1;
+            return Ok(if there { beats.moves } else { BEAT_GONE });
+        }
+        let mut beats = self.beats();
+        match beats.lease {
+            Some(lease) if beats.own.contains(key) => {
+                if !self.etcd.lease_keep_alive(&lease)? {
+                    beats.lease = None;
+                    beats.own.clear();
+                    return Err(self.etcd.lease_expired(&lease, key));
+                }
+            }
+            held => {
+                let mut lease = match held {
+                    Some(lease) => lease,
+                    None => self.etcd.lease_grant(self.lease_ttl)?,
+                };
+                beats.lease = Some(lease);
+                let mut tries = 0;
+                while !self.etcd.put_leased(key, b"1", &lease)? {
+                    // The lease ended while the node did not beat (a hot spare, a long
+                    // confirmation): its old keys are gone, this one nobody has seen yet.
+                    tries += 1;
+                    beats.own.clear();
+                    if tries > 1 {
+                        beats.lease = None;
+                        return Err(self.etcd.lease_expired(&lease, key));
+                    }
+                    lease = self.etcd.lease_grant(self.lease_ttl)?;
+                    beats.lease = Some(lease);
+                }
+                beats.own.insert(key.to_string());
+            }
+        }
+        beats.moves += 1;
+        Ok(beats.moves)
     }
 
     fn refuse(key: &str, op: &str, use_: KeyUse) -> StoreError {
@@ -105,7 +203,7 @@ impl Store for MachineStore {
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
         match key_use(key) {
             KeyUse::Tally => self.etcd.tally_add(key, delta, &TALLY_UNITS),
-            KeyUse::Beat => self.etcd.add_at_least_once(key, delta),
+            KeyUse::Beat => self.beat(key, delta),
             KeyUse::Value => self.etcd.add(key, delta),
             other => Err(Self::refuse(key, "ADD", other)),
         }
@@ -197,9 +295,28 @@ impl Store for MachineStore {
     }
 
     fn clone_store(&self) -> Result<Box<dyn Store>, StoreError> {
-        Ok(Box::new(MachineStore::new(self.etcd.duplicate())))
+        Ok(Box::new(
+            MachineStore::new(self.etcd.duplicate()).with_lease_ttl(self.lease_ttl),
+        ))
     }
 }
+
+impl Drop for MachineStore {
+    /// Revokes the heartbeat lease, so that the node's keys go at once (a node that left
+    /// is struck without waiting for the TTL). Tries for at most a second: the lease
+    /// expires by itself anyway.
+    fn drop(&mut self) {
+        if let Some(lease) = self.beats().lease.take() {
+            let deadline = Instant::now() + REVOKE_WAIT.min(self.etcd.config().request_timeout);
+            if let Err(error) = self.etcd.lease_revoke(&lease, deadline) {
+                tracing::debug!(%error, "etcd rendezvous: revoking the heartbeat lease");
+            }
+        }
+    }
+}
+
+/// How long dropping a [`MachineStore`] tries to revoke its lease.
+const REVOKE_WAIT: Duration = Duration::from_secs(1);
 
 /// The [`EtcdStore`] an `etcd://` rendezvous keeps its keys in: the URL's endpoints and
 /// prefix, with `read_timeout` as the store's timeout and as the time one request may take
@@ -214,7 +331,7 @@ pub fn etcd_store(url: &EtcdRendezvousUrl) -> EtcdStore {
 /// The store an `etcd://` rendezvous' machine runs on: [`etcd_store`] as a
 /// [`MachineStore`].
 pub fn machine_store(url: &EtcdRendezvousUrl) -> MachineStore {
-    MachineStore::new(etcd_store(url))
+    MachineStore::new(etcd_store(url)).with_lease_ttl(url.elastic.settings.keep_alive_timeout())
 }
 
 /// The `etcd://` handler: joins through etcd and waits for the first round (up to the

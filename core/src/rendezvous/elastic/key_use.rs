@@ -16,7 +16,11 @@
 //!
 //! Both are what `ADD` and `APPEND` would give, so the machine cannot tell them apart.
 //! A [`KeyUse::Beat`] is a heartbeat counter, where counting an increment twice does no
-//! harm, so a store may resend one whose answer was lost instead of failing.
+//! harm, so a store may resend one whose answer was lost instead of failing. A store with
+//! leases (etcd) may instead bind each node's Beat keys to that node's lease: an `ADD 1`
+//! is the lease's keep-alive, and the watcher's `ADD 0` answers a value that moves while
+//! the key is there and [`BEAT_GONE`] once it is not, so that a dead node is struck when
+//! its lease expires rather than after the watcher counted stalled intervals.
 //! This module decides nothing else: how a store lays such keys out is the store's.
 
 /// What the machine does with a key.
@@ -32,6 +36,21 @@ pub enum KeyUse {
     Beat,
     /// Anything else: keep it as one value.
     Value,
+}
+
+/// The answer to a watcher's `ADD 0` of a [`KeyUse::Beat`] key that is gone: its owner's
+/// lease expired (the owner did not beat for the lease's TTL) or was revoked (it left).
+/// A watcher that has seen the key there strikes its owner at once. One that has not
+/// (its owner may not have beaten yet) reads it as a counter at 0, which the keep-alive
+/// timeout judges as before. No store answers it otherwise: a counter that only ever
+/// grows by 1 from 0 is never negative.
+pub const BEAT_GONE: i64 = -1;
+
+/// Whether a watcher that last read `seen` of a [`KeyUse::Beat`] key (negative: not yet,
+/// or only [`BEAT_GONE`]; a present key reads at least 1 on a lease store) and now reads
+/// `value` has watched the key go: present before, gone now.
+pub(super) fn beat_expired(seen: i64, value: i64) -> bool {
+    value == BEAT_GONE && seen > 0
 }
 
 /// The increments of a [`KeyUse::Tally`]: an arrival or an acknowledgement (1), a
@@ -75,5 +94,15 @@ mod tests {
         assert_eq!(key_use("rdzv.elastic.job/3/hb/2"), KeyUse::Beat);
         assert_eq!(key_use("rdzv.elastic.job/3/gone/2"), KeyUse::Value);
         assert_eq!(key_use("torch.rendezvous.job.3/arrivals"), KeyUse::Value);
+    }
+
+    #[test]
+    fn a_beat_key_has_expired_only_once_it_was_seen_there() {
+        assert!(beat_expired(1, BEAT_GONE));
+        assert!(beat_expired(7, BEAT_GONE));
+        // Never seen, or only seen missing: the owner may not have beaten yet.
+        assert!(!beat_expired(-1, BEAT_GONE));
+        assert!(!beat_expired(0, BEAT_GONE));
+        assert!(!beat_expired(3, 4));
     }
 }

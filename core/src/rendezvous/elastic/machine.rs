@@ -8,6 +8,7 @@ use alloc::vec::Vec;
 use core::fmt;
 use core::time::Duration;
 
+use super::key_use::beat_expired;
 use super::{ElasticSettings, Instant};
 
 /// A store operation the runtime must perform, then answer with one [`StoreReply`].
@@ -1251,7 +1252,18 @@ impl ElasticNode {
                 }
             }
             (Step::OpenWatch { resume, target }, R::Added(value)) => {
-                if value != self.open.seen {
+                // A lease store's "gone" (`BEAT_GONE`): struck at once if it was seen
+                // there; never seen, it is a counter at 0.
+                let expired = beat_expired(self.open.seen, value);
+                let value = value.max(0);
+                if expired {
+                    self.open.marked.push(target);
+                    Step::GoneClaim {
+                        round: resume.round_slot().0,
+                        slot: target,
+                        after: AfterGone::Resume(resume),
+                    }
+                } else if value != self.open.seen {
                     self.open.seen = value;
                     self.open.seen_at = self.open.seen_at.max(now);
                     Step::Recheck { resume }
@@ -1702,7 +1714,20 @@ impl ElasticNode {
 
     /// Records the watched member's heartbeat counter; `Err` with the step that ends the
     /// round when it has stood still for the keep-alive timeout.
+    /// A lease store's "gone" (`BEAT_GONE`) ends it at once if this node saw the key there.
     fn watch(&self, mut m: Member, value: i64, now: Instant) -> Result<Member, Step> {
+        if beat_expired(m.seen, value) {
+            return Err(Step::MarkOver {
+                round: m.round,
+                reason: format!(
+                    "rank {}'s heartbeat key is gone: its lease expired (seen by node '{}')",
+                    m.watch_rank, self.node
+                ),
+                then: Then::Rejoin,
+            });
+        }
+        // Never seen there: a counter at 0.
+        let value = value.max(0);
         if m.seen < 0 {
             // The first look: the timeout keeps running from when the watch began.
             m.seen = value;

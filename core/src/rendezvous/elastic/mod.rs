@@ -47,7 +47,7 @@
 //! | `{r}/ready` | `ADD 1` per member (low 32 bits); `ADD 2^32` to give up (high bits) | each member acknowledges once; one that waited in vain for `go` counts itself there before it decides |
 //! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: a member that waited in vain writes `go` if all N acknowledged before its give-up, else `fail`; the N-th acknowledger writes `go` only when somebody gave up before it; the first writer wins and every member obeys it |
 //! | `{r}/go` | `SET`; members `WAIT` | the N-th acknowledger when nobody gave up before it (then `go` is the only verdict there can be), or whoever's verdict was `go` |
-//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member |
+//! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member; on etcd, a key bound to its node's lease ([`BEAT_GONE`] once the lease expired) |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
 //! The size value is written once, so every member reads the same world; slots are
@@ -117,7 +117,9 @@
 //! store whose `ADD` and `APPEND` are compare-and-swap loops (etcd) can keep the keys
 //! every node writes at once (a round's arrivals, acknowledgements and roster) as one key
 //! per write, and resend a heartbeat whose answer was lost: a join then costs O(1)
-//! requests there too (`rdzv_uring::rendezvous::etcd`).
+//! requests there too (`rdzv_uring::rendezvous::etcd`). A store with leases may bind each
+//! node's heartbeat keys to that node's lease: the watcher then strikes a slot whose key
+//! it saw and finds gone ([`BEAT_GONE`]) at once, instead of counting stalled intervals.
 //!
 //! # Driving it
 //! [`ElasticNode`] performs no I/O and reads no clock. The runtime loops: apply local
@@ -142,7 +144,7 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use etcd_url::{EtcdRendezvousUrl, EtcdUrlError, DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX};
-pub use key_use::{key_use, KeyUse, TALLY_UNITS};
+pub use key_use::{key_use, KeyUse, BEAT_GONE, TALLY_UNITS};
 pub use machine::{
     ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
     StoreAction, StoreReply,

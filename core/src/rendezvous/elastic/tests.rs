@@ -2,7 +2,7 @@
 //! plain in-memory model of the store (a `BTreeMap`, PyTorch's semantics for `add`,
 //! `compare_set` and `wait`), with nodes killed (never stepped again) and restarted.
 
-use alloc::collections::BTreeMap;
+use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::time::Duration;
@@ -12,7 +12,8 @@ use proptest::prelude::*;
 
 use super::*;
 
-/// The store model: what the TCPStore does, in a map.
+/// The store model: what the TCPStore does, in a map; with `lease_ttl`, what etcd does
+/// with heartbeat keys bound to their owner's lease (`KeyUse::Beat`, `BEAT_GONE`).
 #[derive(Default)]
 struct Model {
     kv: BTreeMap<String, Vec<u8>>,
@@ -20,11 +21,69 @@ struct Model {
     /// How many of each operation were applied, by name and the key's last part
     /// (`"add ready"`, `"compare_set size"`).
     by_op: BTreeMap<String, u64>,
+    /// Heartbeat keys live while their owner beats at least once per this TTL.
+    lease_ttl: Option<Duration>,
+    /// Each live heartbeat key's last beat (the lease's last keep-alive).
+    beats: BTreeMap<String, Instant>,
+    /// Heartbeat keys whose lease expired: gone from `kv`.
+    expired: BTreeSet<String>,
+    /// What a watcher reads of a heartbeat key that is there: it moves on every read.
+    reads: i64,
 }
 
 impl Model {
+    /// A store whose heartbeat keys expire `ttl` after their owner's last beat.
+    fn with_leases(ttl: Duration) -> Model {
+        Model {
+            lease_ttl: Some(ttl),
+            ..Model::default()
+        }
+    }
+
+    /// Drops the heartbeat keys whose lease expired by `now`.
+    fn expire(&mut self, now: Instant) {
+        let Some(ttl) = self.lease_ttl else {
+            return;
+        };
+        let dead: Vec<String> = self
+            .beats
+            .iter()
+            .filter(|(_, &at)| now.saturating_duration_since(at) >= ttl)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in dead {
+            self.beats.remove(&key);
+            self.kv.remove(&key);
+            self.expired.insert(key);
+        }
+    }
+
+    /// Whether `action` is an owner's beat on a key whose lease expired: etcd answers the
+    /// keep-alive "lease not found", and the node fails with that error.
+    fn lease_lost(&mut self, action: &StoreAction, now: Instant) -> bool {
+        self.expire(now);
+        matches!(action, StoreAction::Add { key, delta: 1 } if self.expired.contains(key))
+    }
+
+    /// A heartbeat `ADD` on a lease store: the owner's put or keep-alive, or the watcher's
+    /// read (a value that moves while the key is there, `BEAT_GONE` once it is not).
+    fn leased_beat(&mut self, key: &str, delta: i64, now: Instant) -> OwnedStoreReply {
+        if delta == 0 {
+            if !self.beats.contains_key(key) {
+                return OwnedStoreReply::Added(BEAT_GONE);
+            }
+            self.reads += 1;
+            return OwnedStoreReply::Added(self.reads);
+        }
+        self.beats.insert(key.to_string(), now);
+        self.kv.insert(key.to_string(), b"1".to_vec());
+        self.reads += 1;
+        OwnedStoreReply::Added(self.reads)
+    }
+
     /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
     fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<OwnedStoreReply> {
+        self.expire(now);
         // The machine keeps to its own rule of how it uses each key (`key_use`), so that
         // a store may keep tallies and logs as one key per write.
         match (key_use(action.key()), action) {
@@ -39,6 +98,11 @@ impl Model {
             (_, other) => panic!("the machine broke its key-use rule: {other:?}"),
         }
         let reply = match action {
+            StoreAction::Add { key, delta }
+                if self.lease_ttl.is_some() && key_use(key) == KeyUse::Beat =>
+            {
+                self.leased_beat(key, *delta, now)
+            }
             StoreAction::Check { key } => OwnedStoreReply::Checked(self.kv.contains_key(key)),
             StoreAction::Add { key, delta } => {
                 let old = self
@@ -113,6 +177,8 @@ struct SimNode {
     ops: u64,
     /// When it was killed, or left, failed or shut down.
     gone_at: Option<Instant>,
+    /// When it learnt that a round was over.
+    overs: Vec<(u64, Instant)>,
 }
 
 /// A round as it closed: the winning write of its size.
@@ -130,6 +196,8 @@ struct Sim {
     nodes: Vec<SimNode>,
     settings: ElasticSettings,
     closed: Vec<Closed>,
+    /// Nodes failed by an expired lease (lease stores only).
+    lease_lost: Vec<usize>,
 }
 
 fn settings(min: u32, max: u32) -> ElasticSettings {
@@ -149,7 +217,16 @@ impl Sim {
             nodes: Vec::new(),
             settings,
             closed: Vec::new(),
+            lease_lost: Vec::new(),
         }
+    }
+
+    /// A simulation over a lease store whose heartbeat keys live for the keep-alive
+    /// timeout after their owner's last beat (etcd's TTL, as `MachineStore` asks for).
+    fn with_leases(settings: ElasticSettings) -> Self {
+        let mut sim = Sim::new(settings);
+        sim.store = Model::with_leases(sim.settings.keep_alive_timeout());
+        sim
     }
 
     /// Adds a node that joins now; returns its index.
@@ -163,6 +240,7 @@ impl Sim {
             events: Vec::new(),
             ops: 0,
             gone_at: None,
+            overs: Vec::new(),
         });
         self.nodes.len() - 1
     }
@@ -188,6 +266,13 @@ impl Sim {
             }
             _ => None,
         };
+        if self.store.lease_lost(action, now) {
+            // The driver fails the node with the store's error (RendezvousConnectionError).
+            node.alive = false;
+            node.gone_at.get_or_insert(now);
+            self.lease_lost.push(i);
+            return false;
+        }
         let Some(reply) = self.store.apply(action, now) else {
             return false;
         };
@@ -197,6 +282,9 @@ impl Sim {
         while let Some(event) = node.machine.poll_event() {
             if matches!(event, Event::Left | Event::ShutDown | Event::Failed(_)) {
                 node.gone_at.get_or_insert(now);
+            }
+            if let Event::RoundOver { round, .. } = event {
+                node.overs.push((round, now));
             }
             node.events.push(event);
         }
@@ -1087,6 +1175,7 @@ proptest! {
     fn fair_schedules_admit_only_the_living(
         min in 1u32..4,
         extra in 0u32..3,
+        leases in any::<bool>(),
         ops in proptest::collection::vec(
             (prop_oneof![
                 3 => Just(FairOp::Join),
@@ -1099,7 +1188,7 @@ proptest! {
     ) {
         let mut s = settings(min, min + extra);
         s.join_timeout = secs(3600);
-        let mut sim = Sim::new(s);
+        let mut sim = if leases { Sim::with_leases(s) } else { Sim::new(s) };
         let mut joined = 0;
         for (op, ms) in ops {
             let len = sim.nodes.len().max(1);
@@ -1125,6 +1214,49 @@ proptest! {
         sim.check_members_alive();
         sim.check_stable_ranks();
         check_one_verdict(&sim);
+        // On a lease store, a node stepped as its waits end never lets its lease lapse.
+        prop_assert!(sim.lease_lost.is_empty(), "leases lost by live nodes {:?}", sim.lease_lost);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(100))]
+
+    /// On a lease store (etcd): a member killed at any moment of a complete round is
+    /// struck within the lease's TTL plus one keep-alive interval (its key expires by
+    /// then, and its watcher looks once per interval), the others form the next round
+    /// without it, and no live member is ever struck or loses its lease.
+    #[test]
+    fn a_dead_members_lease_ends_the_round_within_the_ttl(
+        n in 2usize..6,
+        victim in any::<usize>(),
+        alive_for in 0u64..20_000,
+    ) {
+        let mut sim = Sim::with_leases(settings(2, n as u32));
+        let ttl = sim.settings.keep_alive_timeout();
+        let interval = sim.settings.keep_alive_interval;
+        let nodes: Vec<usize> = (0..n).map(|i| sim.join(&format!("n{i}"))).collect();
+        sim.run_for(secs(3));
+        prop_assert!(nodes.iter().all(|&i| sim.last_complete(i).is_some_and(|o| o.round == 0)));
+        sim.run_for(Duration::from_millis(alive_for));
+        prop_assert!(nodes.iter().all(|&i| sim.nodes[i].overs.is_empty()), "a live member was struck");
+        let victim = nodes[victim % n];
+        sim.kill(victim);
+        let killed = sim.now;
+        sim.run_for(ttl + interval + secs(10));
+        for &i in nodes.iter().filter(|&&i| i != victim) {
+            let over = sim.nodes[i].overs.first().map(|&(round, at)| (round, at.saturating_duration_since(killed)));
+            prop_assert!(
+                over.is_some_and(|(round, after)| round == 0 && after <= ttl + interval),
+                "node {i} learnt of the end {over:?} after the kill (TTL {ttl:?})"
+            );
+            if n > 2 {
+                let next = sim.last_complete(i).map(|o| (o.round, o.world_size));
+                prop_assert_eq!(next, Some((1, n as u32 - 1)));
+            }
+        }
+        prop_assert!(sim.lease_lost.is_empty(), "{:?}", sim.lease_lost);
+        sim.check_members_alive();
     }
 }
 
@@ -1652,4 +1784,39 @@ fn the_last_acknowledgement_before_anyone_gave_up_releases_without_a_verdict() {
     }
     check_one_verdict(&sim);
     sim.check_agreement();
+}
+
+#[test]
+fn on_a_lease_store_the_watcher_strikes_a_gone_key_and_never_a_present_one() {
+    let mut sim = Sim::with_leases(settings(3, 3));
+    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    sim.run_for(secs(3));
+    // Many TTLs with everyone beating: a present key reads a value that moves, so no
+    // stalled interval is ever counted against it.
+    sim.run_for(secs(60));
+    assert!(nodes.iter().all(|&i| sim.nodes[i].overs.is_empty()));
+    let victim = nodes[1];
+    let watcher = nodes
+        .iter()
+        .copied()
+        .find(|&i| {
+            let rank = sim.last_complete(i).unwrap().rank;
+            (rank + 1) % 3 == sim.last_complete(victim).unwrap().rank
+        })
+        .unwrap();
+    sim.kill(victim);
+    sim.run_for(secs(10));
+    let reason = sim.nodes[watcher]
+        .events
+        .iter()
+        .find_map(|e| match e {
+            Event::RoundOver { reason, .. } => Some(reason.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{:?}", sim.nodes[watcher].events));
+    assert!(
+        reason.contains("heartbeat key is gone: its lease expired"),
+        "{reason}"
+    );
+    assert!(sim.lease_lost.is_empty());
 }

@@ -82,6 +82,20 @@ pub enum EtcdError {
         #[source]
         source: Box<EtcdError>,
     },
+    /// etcd no longer has a lease this client keeps alive: it was not renewed within its
+    /// TTL (the client was cut off from etcd, or stalled, that long), so etcd deleted the
+    /// keys bound to it, and whoever watches them counts the client as gone.
+    #[error("etcd at {endpoints}: lease {lease:x} (TTL {ttl_secs} s, holding key {key}) is gone: it was not kept alive within its TTL (this node was cut off from etcd or stalled that long), so etcd deleted its keys and the others count this node as dead; rejoin the rendezvous")]
+    LeaseExpired {
+        /// The endpoints.
+        endpoints: String,
+        /// etcd's lease id.
+        lease: i64,
+        /// The lease's TTL.
+        ttl_secs: u64,
+        /// A key that was bound to it.
+        key: String,
+    },
     /// A value (with its key) would exceed etcd's request-size limit.
     #[error("{op} of {bytes} bytes (key {key}) exceeds etcd's request-size limit of {limit} bytes (etcd's --max-request-bytes, 1.5 MiB by default); store less, or raise the limit on every member and in EtcdConfig::max_request_bytes")]
     TooLarge {

@@ -77,7 +77,7 @@ pub(crate) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
-fn int<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+pub(crate) fn int<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
     // The gateway writes int64 as strings; accept numbers too.
     match Value::deserialize(d)? {
         Value::String(s) => s.parse().map_err(serde::de::Error::custom),

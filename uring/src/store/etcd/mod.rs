@@ -36,10 +36,12 @@
 //!   changed the key, and the call fails with [`EtcdError::OutcomeUnknown`] rather than
 //!   risk counting twice. Everything else is retried on another member until its deadline.
 //!
-//! Not here: leases and the elastic rendezvous (they build on the same `gateway`).
+//! Not here: leases (keys that end with their owner's lease: the `lease` module) and the
+//! elastic rendezvous (`rdzv_uring::rendezvous::etcd`), which build on the same `gateway`.
 
 pub mod error;
 pub(crate) mod gateway;
+mod lease;
 mod spread;
 
 use std::collections::HashMap;
@@ -52,6 +54,7 @@ use serde_json::{json, Value};
 
 pub use error::EtcdError;
 use gateway::{b64, prefix_end, Gateway, RangeReply, Retry, TxnReply};
+pub use lease::Lease;
 
 use super::{Store, StoreError, DEFAULT_TIMEOUT};
 
