@@ -313,7 +313,8 @@ fn node_killed_its_key_expires_with_its_lease_and_the_next_round_forms_within_th
     let Some(endpoints) = shared(test) else {
         return;
     };
-    // TTL asked: 3 × 300 ms, which etcd grants as its minimum (1–2 s) or more.
+    // TTL asked: (3 + 2) × 300 ms + 1 s (`lease_ttl`); etcd grants whole seconds, at least its
+    // minimum.
     let interval = Duration::from_millis(300);
     let last_call = Duration::from_millis(300);
     let (url, prefix) = run_url(
@@ -371,7 +372,7 @@ fn a_live_nodes_key_stays_through_several_ttls_and_goes_at_once_when_it_leaves()
     let Some(endpoints) = shared(test) else {
         return;
     };
-    // TTL asked: 10 × 300 ms = 3 s.
+    // TTL asked: (10 + 2) × 300 ms + 1 s = 4.6 s (`lease_ttl`).
     let (url, prefix) = run_url(
         &endpoints,
         "live",

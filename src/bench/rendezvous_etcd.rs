@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange};
 use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
-use rdzv_uring::rendezvous::etcd::{machine_store, MachineStore};
+use rdzv_uring::rendezvous::etcd::{lease_ttl, machine_store, MachineStore};
 
 use super::BenchError;
 
@@ -40,7 +40,7 @@ pub(super) fn run(
     let mut handles = Vec::with_capacity(nodes as usize);
     let started = Instant::now();
     for i in 0..nodes {
-        let store = Arc::new(machine_store(&url).with_lease_ttl(settings.keep_alive_timeout()));
+        let store = Arc::new(machine_store(&url).with_lease_ttl(lease_ttl(&settings)));
         stores.push(Arc::clone(&store));
         let handle = ElasticRendezvous::start(store, settings.clone(), format!("bench-node-{i}"))
             .map_err(|e| BenchError::Unexpected(format!("node {i}: {e}")))?;

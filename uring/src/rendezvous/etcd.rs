@@ -49,14 +49,24 @@ use std::time::{Duration, Instant};
 
 use rdzv_core::env::Env;
 use rdzv_core::rendezvous::elastic::{
-    key_use, EtcdRendezvousUrl, KeyUse, BEAT_GONE, DEFAULT_KEEP_ALIVE_INTERVAL,
-    DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS, TALLY_UNITS,
+    beat_lease_ttl, key_use, ElasticSettings, EtcdRendezvousUrl, KeyUse, BEAT_GONE,
+    DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS, TALLY_UNITS,
 };
 
 use super::elastic::{first_round, node_id};
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
 use crate::store::etcd::{EtcdConfig, EtcdStore, Lease};
 use crate::store::{Store, StoreError};
+
+/// The TTL of a node's heartbeat lease for a rendezvous with `settings`: a little over
+/// its keep-alive timeout, so that a live node's slow confirmation never costs it its
+/// lease ([`beat_lease_ttl`] says why).
+pub fn lease_ttl(settings: &ElasticSettings) -> Duration {
+    beat_lease_ttl(
+        settings.keep_alive_interval,
+        settings.keep_alive_max_attempts,
+    )
+}
 
 /// The elastic machine's store on etcd: an [`EtcdStore`] that keeps the keys every node
 /// of a round writes at once as one etcd key per write ([`KeyUse`]: the round's arrivals
@@ -66,8 +76,9 @@ use crate::store::{Store, StoreError};
 /// rounds' stores included, is the plain `EtcdStore`'s.
 ///
 /// **Heartbeats are lease-bound.** The node's heartbeat keys ([`KeyUse::Beat`]) are bound
-/// to one etcd lease of this store's, granted at its first heartbeat with a TTL of the
-/// keep-alive timeout ([`MachineStore::with_lease_ttl`]; etcd raises it to its minimum):
+/// to one etcd lease of this store's, granted at its first heartbeat with a TTL a little
+/// over the keep-alive timeout ([`lease_ttl`], [`MachineStore::with_lease_ttl`]; etcd
+/// raises it to its minimum):
 /// - `ADD 1` on its own key: the first puts the key bound to the lease (granting a fresh
 ///   lease if etcd no longer has the old one, as after a long wait as a hot spare: nobody
 ///   has seen that key yet); each later one is one `/v3/lease/keepalive`. A keep-alive
@@ -97,19 +108,18 @@ struct Beats {
 }
 
 impl MachineStore {
-    /// The machine's store over `etcd`, with heartbeat leases of PyTorch's default
-    /// keep-alive timeout (see [`MachineStore::with_lease_ttl`]).
+    /// The machine's store over `etcd`, with heartbeat leases for PyTorch's default
+    /// keep-alive settings (see [`MachineStore::with_lease_ttl`]).
     pub fn new(etcd: EtcdStore) -> MachineStore {
         MachineStore {
             etcd,
-            lease_ttl: DEFAULT_KEEP_ALIVE_INTERVAL * DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS,
+            lease_ttl: beat_lease_ttl(DEFAULT_KEEP_ALIVE_INTERVAL, DEFAULT_KEEP_ALIVE_MAX_ATTEMPTS),
             beats: Mutex::new(Beats::default()),
         }
     }
 
-    /// The TTL asked for the node's heartbeat lease: its keep-alive timeout
-    /// (`keep_alive_interval × keep_alive_max_attempts`); etcd grants whole seconds, at
-    /// least its minimum (2 s with its default election timeout).
+    /// The TTL asked for the node's heartbeat lease ([`lease_ttl`]); etcd grants whole
+    /// seconds, at least its minimum (2 s with its default election timeout).
     pub fn with_lease_ttl(mut self, ttl: Duration) -> MachineStore {
         self.lease_ttl = ttl;
         self
@@ -331,7 +341,7 @@ pub fn etcd_store(url: &EtcdRendezvousUrl) -> EtcdStore {
 /// The store an `etcd://` rendezvous' machine runs on: [`etcd_store`] as a
 /// [`MachineStore`].
 pub fn machine_store(url: &EtcdRendezvousUrl) -> MachineStore {
-    MachineStore::new(etcd_store(url)).with_lease_ttl(url.elastic.settings.keep_alive_timeout())
+    MachineStore::new(etcd_store(url)).with_lease_ttl(lease_ttl(&url.elastic.settings))
 }
 
 /// The `etcd://` handler: joins through etcd and waits for the first round (up to the

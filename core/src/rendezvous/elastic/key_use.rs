@@ -23,6 +23,8 @@
 //! its lease expires rather than after the watcher counted stalled intervals.
 //! This module decides nothing else: how a store lays such keys out is the store's.
 
+use core::time::Duration;
+
 /// What the machine does with a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyUse {
@@ -45,6 +47,20 @@ pub enum KeyUse {
 /// timeout judges as before. No store answers it otherwise: a counter that only ever
 /// grows by 1 from 0 is never negative.
 pub const BEAT_GONE: i64 = -1;
+
+/// The TTL a lease store gives a node's heartbeat lease, for a rendezvous whose nodes
+/// beat every `keep_alive_interval` and are dead after `keep_alive_max_attempts` missed
+/// beats: longer than the longest a live node goes without beating one key, or a slow
+/// confirmation would cost a live node its lease. That gap is up to one interval in the
+/// open round before the close, the wait for `go` (at most the keep-alive timeout), and
+/// one interval to its first beat as a member: the keep-alive timeout plus two intervals,
+/// plus a second for request latency and the store's rounding. A dead node's key is gone
+/// that long after its last beat.
+pub fn beat_lease_ttl(keep_alive_interval: Duration, keep_alive_max_attempts: u32) -> Duration {
+    keep_alive_interval
+        .saturating_mul(keep_alive_max_attempts.saturating_add(2))
+        .saturating_add(Duration::from_secs(1))
+}
 
 /// Whether a watcher that last read `seen` of a [`KeyUse::Beat`] key (negative: not yet,
 /// or only [`BEAT_GONE`]; a present key reads at least 1 on a lease store) and now reads
@@ -81,6 +97,16 @@ pub fn key_use(key: &str) -> KeyUse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_outlives_the_longest_gap_between_a_live_nodes_beats() {
+        let s = |n| Duration::from_secs(n);
+        // PyTorch's defaults: a beat every 5 s, dead after 3 missed.
+        assert_eq!(beat_lease_ttl(s(5), 3), s(26));
+        let (interval, attempts) = (Duration::from_millis(300), 4);
+        let gap = interval + interval * attempts + interval;
+        assert!(beat_lease_ttl(interval, attempts) > gap);
+    }
 
     // That the machine keeps to the rule is checked on every action of the virtual-time
     // suite and its proptests, by their store model (`super::super::tests::Model`).

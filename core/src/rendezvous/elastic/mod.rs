@@ -144,7 +144,7 @@ use crate::url::{PortError, RendezvousUrl, UrlError};
 
 pub use crate::rpc::timeouts::Instant;
 pub use etcd_url::{EtcdRendezvousUrl, EtcdUrlError, DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX};
-pub use key_use::{key_use, KeyUse, BEAT_GONE, TALLY_UNITS};
+pub use key_use::{beat_lease_ttl, key_use, KeyUse, BEAT_GONE, TALLY_UNITS};
 pub use machine::{
     ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
     StoreAction, StoreReply,
