@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import select
-import signal
 import threading
 import time
-from typing import Dict, List
 
 import pytest
 
 import rdzv
+from node_procs import kill_the_top_rank
 
 FAST = dict(last_call_timeout=0.3, keep_alive_interval=0.2, keep_alive_max_attempt=3)
 
@@ -160,41 +157,11 @@ while True:
 """
 
 
-def read_line(proc, timeout: float) -> Dict:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no round from node process {proc.pid} within {timeout}s")
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"node process {proc.pid} exited: {proc.stderr.read()}")
-    return json.loads(line)
-
-
 def test_nodes_in_processes_one_sigkilled_the_rest_form_a_round_without_it(
     server: rdzv.StoreServer, children
 ) -> None:
     procs = [children.spawn(NODE, str(server.port), f"node{i}") for i in range(3)]
-    first: List[Dict] = [read_line(p, 30) for p in procs]
-    assert len({f["round"] for f in first}) == 1
-    assert sorted(f["rank"] for f in first) == [0, 1, 2]
-    assert all(f["world"] == 3 for f in first)
-
-    # Kill the node holding the top rank, so that both survivors can keep theirs.
-    top = max(range(3), key=lambda i: first[i]["rank"])
-    victim = procs[top]
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    started = time.monotonic()
-    survivors = [p for i, p in enumerate(procs) if i != top]
-    kept = {p.pid: f["rank"] for p, f in zip(procs, first) if p is not victim}
-    second = [read_line(p, 30) for p in survivors]
-    elapsed = time.monotonic() - started
-    assert len({s["round"] for s in second}) == 1
-    assert second[0]["round"] > first[0]["round"]
-    assert sorted(s["rank"] for s in second) == [0, 1]
-    assert all(s["world"] == 2 for s in second)
-    # Stable ranks: the survivors keep theirs.
-    assert [s["rank"] for s in second] == [kept[p.pid] for p in survivors]
+    _, _, elapsed = kill_the_top_rank(procs, 30)
     # Death is noticed after keep_alive_interval x keep_alive_max_attempt (0.6 s), plus
     # the last call (1 s); far below the join timeout.
     assert elapsed < 15, elapsed
