@@ -63,6 +63,13 @@ pub enum StoreAction {
         /// The deadline.
         until: Instant,
     },
+    /// No store operation: wait until `until` (a closer's pause before it reads the
+    /// roster again), then answer [`StoreReply::TimedOut`]. A runtime sleeps, or serves
+    /// other work meanwhile; it sends nothing to the store.
+    Pause {
+        /// When to answer.
+        until: Instant,
+    },
 }
 
 impl StoreAction {
@@ -76,10 +83,11 @@ impl StoreAction {
             Self::Get { .. } => "get",
             Self::Append { .. } => "append",
             Self::Wait { .. } => "wait",
+            Self::Pause { .. } => "pause",
         }
     }
 
-    /// The key the action names.
+    /// The key the action names (empty for [`StoreAction::Pause`], which names none).
     pub fn key(&self) -> &str {
         match self {
             Self::Check { key }
@@ -89,6 +97,7 @@ impl StoreAction {
             | Self::CompareSet { key, .. }
             | Self::Get { key }
             | Self::Wait { key, .. } => key,
+            Self::Pause { .. } => "",
         }
     }
 }
@@ -370,9 +379,11 @@ const VERDICT_FAIL: &[u8] = b"fail";
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
 const MAX_SLOTS: u32 = 1 << 16;
 
-/// The first poll of the roster for an arrival whose entry is not there yet waits this
-/// long; each later one twice as long, up to one keep-alive interval in all.
-const ROSTER_POLL: Duration = Duration::from_millis(1);
+/// The first pause before the closer reads the roster again, for an arrival whose entry
+/// is not there yet (counted, its `APPEND` still in flight); each later one twice as
+/// long, up to one keep-alive interval in all. A pause costs no store request; long
+/// enough that one usually suffices on a loaded machine, short beside a round's close.
+const ROSTER_POLL: Duration = Duration::from_millis(5);
 
 /// A member's (or hot spare's) view of its round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -745,7 +756,7 @@ impl ElasticNode {
         self.local.push_back(event);
     }
 
-    /// The deadline of the outstanding wait, if one is outstanding.
+    /// The deadline of the outstanding wait or pause, if one is outstanding.
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.awaiting {
             self.wait_until
@@ -772,7 +783,7 @@ impl ElasticNode {
         }
         let action = self.action(now)?;
         self.wait_until = match &action {
-            StoreAction::Wait { until, .. } => Some(*until),
+            StoreAction::Wait { until, .. } | StoreAction::Pause { until } => Some(*until),
             _ => None,
         };
         self.awaiting = true;
@@ -893,16 +904,12 @@ impl ElasticNode {
             Step::ReadRoster { round, .. } => StoreAction::Get {
                 key: self.round_key(*round, "roster"),
             },
-            Step::RosterPoll {
-                round,
-                since,
-                tries,
-                ..
-            } => {
+            // No store request while it waits: a concurrent closer is caught anyway by the
+            // compare-set of the size, whose reply is the world that won.
+            Step::RosterPoll { since, tries, .. } => {
                 let grace = since.saturating_add(self.settings.keep_alive_interval);
                 let pause = ROSTER_POLL.saturating_mul(1u32 << (*tries).min(20));
-                StoreAction::Wait {
-                    key: self.round_key(*round, "size"),
+                StoreAction::Pause {
                     until: now.saturating_add(pause).min(grace).max(now),
                 }
             }
@@ -1388,7 +1395,6 @@ impl ElasticNode {
                     },
                 }
             }
-            (Step::RosterPoll { round, slot, .. }, R::Waited) => Step::ReadSize { round, slot },
             (
                 Step::RosterPoll {
                     round,

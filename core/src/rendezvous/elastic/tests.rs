@@ -84,6 +84,10 @@ impl Model {
     /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
     fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<OwnedStoreReply> {
         self.expire(now);
+        if let StoreAction::Pause { until } = action {
+            // No store operation: the runtime answers it when `until` has come.
+            return (now >= *until).then_some(OwnedStoreReply::TimedOut);
+        }
         // The machine keeps to its own rule of how it uses each key (`key_use`), so that
         // a store may keep tallies and logs as one key per write.
         match (key_use(action.key()), action) {
@@ -150,6 +154,7 @@ impl Model {
                     return None;
                 }
             }
+            StoreAction::Pause { .. } => unreachable!("answered above"),
         };
         self.ops += 1;
         let key = action.key();
@@ -276,8 +281,9 @@ impl Sim {
         let Some(reply) = self.store.apply(action, now) else {
             return false;
         };
+        let request = !matches!(action, StoreAction::Pause { .. });
         node.pending = None;
-        node.ops += 1;
+        node.ops += u64::from(request);
         node.machine.handle_reply(reply.as_reply(), now);
         while let Some(event) = node.machine.poll_event() {
             if matches!(event, Event::Left | Event::ShutDown | Event::Failed(_)) {
@@ -1543,6 +1549,51 @@ fn store_work_at_16_nodes_by_operation() {
             assert_eq!(node.ops, 6, "n={n}: node {i}");
         }
     }
+}
+
+#[test]
+fn a_roster_line_in_flight_costs_the_closer_a_pause_and_one_get() {
+    // n0's arrival is counted but its roster line is still in flight when the closer (the
+    // arrival that fills the round) reads the roster. The closer pauses (no store
+    // request), reads the roster again, finds the line and closes.
+    let n = 16u32;
+    let mut sim = Sim::new(settings(n, n));
+    for i in 0..n {
+        sim.join(&format!("n{i}"));
+    }
+    let late = 0;
+    let seen = first_actions(&mut sim, late, 1);
+    assert!(matches!(&seen[..], [StoreAction::Add { .. }]), "{seen:?}");
+    let now = sim.now;
+    sim.nodes[late].pending = sim.nodes[late].machine.poll_action(now);
+    assert!(
+        matches!(&sim.nodes[late].pending, Some(StoreAction::Append { .. })),
+        "{:?}",
+        sim.nodes[late].pending
+    );
+    sim.nodes[late].alive = false;
+    sim.run_for(Duration::ZERO);
+    let pausing: Vec<usize> = (0..n as usize)
+        .filter(|&i| matches!(sim.nodes[i].pending, Some(StoreAction::Pause { .. })))
+        .collect();
+    let [closer] = pausing[..] else {
+        panic!("one closer pauses: {pausing:?}");
+    };
+    assert_eq!(sim.store.by_op["get roster"], 1);
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/size"));
+    // The line lands; the pause ends, and one more read finds it.
+    sim.nodes[late].alive = true;
+    sim.run_for(secs(1));
+    assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
+    assert_eq!(sim.last_complete(late).unwrap().world_size, n);
+    assert_eq!(sim.store.by_op["get roster"], 2);
+    assert_eq!(sim.store.by_op.get("wait size"), Some(&u64::from(n - 1)));
+    assert_eq!(sim.nodes[closer].ops, 7);
+    let all: u64 = sim.nodes.iter().map(|node| node.ops).sum();
+    assert_eq!(all, 6 * u64::from(n) + 1);
+    assert_eq!(sim.store.ops, all);
+    sim.check_agreement();
+    sim.check_members_alive();
 }
 
 /// Node `i`'s guessed arrival in round 0, and what it does next, as actions.
