@@ -1399,7 +1399,7 @@ impl Sim {
 
     /// Steps each of `all` to its acknowledgement, left pending, and the closer to its wait
     /// for `go` (its compare-set acknowledged); returns the acknowledgers and the closer.
-    fn to_confirmation(&mut self, all: &[usize]) -> (Vec<usize>, usize) {
+    fn advance_to_confirmation(&mut self, all: &[usize]) -> (Vec<usize>, usize) {
         let is_ack = |x: &StoreAction| matches!(x, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
         let waits_go =
             |x: &StoreAction| matches!(x, StoreAction::Wait { key, .. } if key.ends_with("/go"));
@@ -1436,7 +1436,7 @@ fn the_last_confirmation_in_flight_splits_no_round() {
     // acknowledged by closing, and waits for the release like the others.)
     let mut sim = Sim::new(settings(4, 4));
     let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
-    let (nodes, _closer) = sim.to_confirmation(&all);
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     // The first two acknowledge and wait for the release.
     for &i in &nodes[..2] {
         assert!(sim.step(i), "acknowledged");
@@ -1790,7 +1790,7 @@ fn the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict() {
     // acknowledgement: three more are needed).
     let mut sim = Sim::new(settings(4, 4));
     let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
-    let (nodes, _closer) = sim.to_confirmation(&all);
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     let (a, b, c) = (nodes[0], nodes[1], nodes[2]);
     for i in [a, b] {
         assert!(sim.step(i), "acknowledged");
@@ -1831,7 +1831,7 @@ fn the_last_acknowledgement_before_anyone_gave_up_releases_without_a_verdict() {
     // acknowledged by closing.)
     let mut sim = Sim::new(settings(4, 4));
     let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
-    let (nodes, _closer) = sim.to_confirmation(&all);
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     for &i in &nodes {
         assert!(sim.step(i), "acknowledged");
     }
@@ -1882,7 +1882,7 @@ fn a_closer_killed_after_its_compare_set_is_like_a_member_dead_after_its_acknowl
     // after acknowledging; the survivors then form the next round with a newcomer.
     let mut sim = Sim::new(settings(3, 3));
     let all: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
-    let (ackers, closer) = sim.to_confirmation(&all);
+    let (ackers, closer) = sim.advance_to_confirmation(&all);
     assert_eq!(ackers.len(), 2);
     sim.kill(closer);
     let killed_at = sim.now;
