@@ -1861,6 +1861,30 @@ fn the_last_acknowledgement_before_anyone_gave_up_releases_without_a_verdict() {
 }
 
 #[test]
+fn two_closers_with_the_same_world_tell_the_winner_apart() {
+    // a and b's last calls end together and both close with the same roster. Each
+    // proposal names its closer, so only the winner takes its compare-set for its
+    // acknowledgement; the other acknowledges, and the round completes without a give-up.
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(3));
+    assert_eq!(
+        sim.store.by_op["compare_set size"], 2,
+        "{:?}",
+        sim.store.by_op
+    );
+    assert_eq!(sim.store.by_op["add ready"], 1, "{:?}", sim.store.by_op);
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/ready"], b"1");
+    for i in [a, b] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (0, 2), "node {i}");
+    }
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/verdict"));
+    sim.check_agreement();
+}
+
+#[test]
 fn a_round_of_one_completes_at_its_close() {
     // Nobody else to hear from: the closer's compare-set completes the round, without an
     // acknowledgement or a release (ADD, APPEND, GET roster, compare-set: 4 requests).
