@@ -129,6 +129,8 @@ fn send_action(node: &mut Node, action: &StoreAction) {
             desired,
         }),
         StoreAction::Get { .. } => node.queue(&Request::Get { key: &key }),
+        // No request: its timer answers it.
+        StoreAction::Pause { .. } => {}
     }
 }
 
@@ -179,7 +181,7 @@ fn step_node(
             StoreAction::Set { .. } | StoreAction::Append { .. } => {
                 answer(node, &OwnedStoreReply::Set, epoch)
             }
-            StoreAction::Wait { until, .. } => {
+            StoreAction::Wait { until, .. } | StoreAction::Pause { until } => {
                 node.wait_gen += 1;
                 timers.push(Reverse((until, i, node.wait_gen)));
                 node.action = Some(action);
@@ -398,7 +400,11 @@ fn fire_deadlines(
         let Some(node) = nodes.get_mut(i) else {
             continue;
         };
-        if node.wait_gen == gen
+        if node.wait_gen == gen && matches!(node.action, Some(StoreAction::Pause { .. })) {
+            // A pause sends nothing: it ends here, and the node moves on.
+            answer(node, &OwnedStoreReply::TimedOut, epoch);
+            ready.push(i);
+        } else if node.wait_gen == gen
             && !node.conn.cancelling()
             && matches!(node.action, Some(StoreAction::Wait { .. }))
         {

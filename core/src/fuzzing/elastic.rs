@@ -104,6 +104,7 @@ fn drive(data: &[u8]) {
             (Some(StoreAction::CompareSet { .. } | StoreAction::Get { .. }), _) => {
                 StoreReply::Value(if op % 7 == 0 { chunk } else { &value })
             }
+            (Some(StoreAction::Pause { .. }), _) => StoreReply::TimedOut,
             (Some(StoreAction::Wait { .. }), _) => {
                 if arg % 2 == 0 {
                     StoreReply::Waited

@@ -19,7 +19,7 @@
 //! next rounds.
 
 use std::fmt;
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant as StdInstant};
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant as StdInstant};
 use rdzv_core::env::Env;
 use rdzv_core::rendezvous::elastic::{
     ElasticError, ElasticErrorKind, ElasticNode, ElasticSettings, ElasticUrl, Event, Instant,
-    LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction,
+    LocalEvent, OwnedStoreReply, RoundOutcome, StoreAction, StoreReply,
 };
 
 use super::{Rendezvous, RendezvousError, RendezvousOptions};
@@ -640,6 +640,12 @@ impl Driver {
                 }
                 continue;
             };
+            if let StoreAction::Pause { until } = action {
+                self.pause(until);
+                self.machine.handle_reply(StoreReply::TimedOut, self.now());
+                self.publish();
+                continue;
+            }
             match self.perform(&action) {
                 Ok(reply) => {
                     let reply = reply.as_reply();
@@ -664,9 +670,29 @@ impl Driver {
         }
     }
 
+    /// Waits until `until` without a store request (the machine's [`StoreAction::Pause`]),
+    /// taking local events meanwhile: they act once the pause is answered.
+    fn pause(&mut self, until: Instant) {
+        loop {
+            let left = until.saturating_duration_since(self.now());
+            if left.is_zero() {
+                return;
+            }
+            match self.inbox.recv_timeout(left) {
+                Ok(event) => self.machine.handle_local(event),
+                Err(RecvTimeoutError::Timeout) => return,
+                // The loop's next look at the inbox turns this into a leave.
+                Err(RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(left);
+                    return;
+                }
+            }
+        }
+    }
+
     fn perform(&self, action: &StoreAction) -> Result<OwnedStoreReply, StoreError> {
         let left = match action {
-            StoreAction::Wait { until, .. } => until
+            StoreAction::Wait { until, .. } | StoreAction::Pause { until } => until
                 .saturating_duration_since(self.now())
                 .max(Duration::from_millis(1)),
             _ => Duration::ZERO,
@@ -751,6 +777,11 @@ fn perform(
             Err(StoreError::Timeout { .. }) => OwnedStoreReply::TimedOut,
             Err(error) => return Err(error),
         },
+        // No store request: only the time passes.
+        StoreAction::Pause { .. } => {
+            std::thread::sleep(left);
+            OwnedStoreReply::TimedOut
+        }
     })
 }
 

@@ -63,6 +63,13 @@ pub enum StoreAction {
         /// The deadline.
         until: Instant,
     },
+    /// No store operation: wait until `until` (a closer's pause before it reads the
+    /// roster again), then answer [`StoreReply::TimedOut`]. A runtime sleeps, or serves
+    /// other work meanwhile; it sends nothing to the store.
+    Pause {
+        /// When to answer.
+        until: Instant,
+    },
 }
 
 impl StoreAction {
@@ -76,10 +83,11 @@ impl StoreAction {
             Self::Get { .. } => "get",
             Self::Append { .. } => "append",
             Self::Wait { .. } => "wait",
+            Self::Pause { .. } => "pause",
         }
     }
 
-    /// The key the action names.
+    /// The key the action names (empty for [`StoreAction::Pause`], which names none).
     pub fn key(&self) -> &str {
         match self {
             Self::Check { key }
@@ -89,6 +97,7 @@ impl StoreAction {
             | Self::CompareSet { key, .. }
             | Self::Get { key }
             | Self::Wait { key, .. } => key,
+            Self::Pause { .. } => "",
         }
     }
 }
@@ -370,9 +379,11 @@ const VERDICT_FAIL: &[u8] = b"fail";
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
 const MAX_SLOTS: u32 = 1 << 16;
 
-/// The first poll of the roster for an arrival whose entry is not there yet waits this
-/// long; each later one twice as long, up to one keep-alive interval in all.
-const ROSTER_POLL: Duration = Duration::from_millis(1);
+/// The first pause before the closer reads the roster again, for an arrival whose entry
+/// is not there yet (counted, its `APPEND` still in flight); each later one twice as
+/// long, up to one keep-alive interval in all. A pause costs no store request; long
+/// enough that one usually suffices on a loaded machine, short beside a round's close.
+const ROSTER_POLL: Duration = Duration::from_millis(5);
 
 /// A member's (or hot spare's) view of its round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -667,6 +678,9 @@ pub struct ElasticNode {
     world: Vec<u32>,
     /// Rank 0's contact in the round just closed.
     master: Option<String>,
+    /// The slot of the closer whose compare-set closed the round just closed (it counts
+    /// as acknowledged), when the size value names one.
+    closer: Option<u32>,
     /// This node's contact, written with its arrivals ([`ElasticNode::set_contact`]).
     contact: Option<String>,
     /// The round and rank this node held last, for stable ranks.
@@ -694,6 +708,7 @@ impl ElasticNode {
             open: OpenWatch::default(),
             world: Vec::new(),
             master: None,
+            closer: None,
             contact: None,
             prev: None,
         }
@@ -745,7 +760,7 @@ impl ElasticNode {
         self.local.push_back(event);
     }
 
-    /// The deadline of the outstanding wait, if one is outstanding.
+    /// The deadline of the outstanding wait or pause, if one is outstanding.
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.awaiting {
             self.wait_until
@@ -772,7 +787,7 @@ impl ElasticNode {
         }
         let action = self.action(now)?;
         self.wait_until = match &action {
-            StoreAction::Wait { until, .. } => Some(*until),
+            StoreAction::Wait { until, .. } | StoreAction::Pause { until } => Some(*until),
             _ => None,
         };
         self.awaiting = true;
@@ -893,16 +908,12 @@ impl ElasticNode {
             Step::ReadRoster { round, .. } => StoreAction::Get {
                 key: self.round_key(*round, "roster"),
             },
-            Step::RosterPoll {
-                round,
-                since,
-                tries,
-                ..
-            } => {
+            // No store request while it waits: a concurrent closer is caught anyway by the
+            // compare-set of the size, whose reply is the world that won.
+            Step::RosterPoll { since, tries, .. } => {
                 let grace = since.saturating_add(self.settings.keep_alive_interval);
                 let pause = ROSTER_POLL.saturating_mul(1u32 << (*tries).min(20));
-                StoreAction::Wait {
-                    key: self.round_key(*round, "size"),
+                StoreAction::Pause {
                     until: now.saturating_add(pause).min(grace).max(now),
                 }
             }
@@ -1304,7 +1315,7 @@ impl ElasticNode {
             }
             (Step::OwnRead { round, slot, then }, R::Value(value)) => {
                 match parse_world(value, max) {
-                    Some((world, _)) if world.contains(&slot) => {
+                    Some((world, ..)) if world.contains(&slot) => {
                         // The round closed with this node in it: end it for the others.
                         Step::MarkOver {
                             round,
@@ -1361,7 +1372,7 @@ impl ElasticNode {
                 // at least `max_nodes`, a fresh node's guess sees a slot above
                 // `max_nodes` and reads the round hint without a mark.
                 let mark = round == 0 && count < max;
-                match self.propose(roster, count, grace) {
+                match self.propose(roster, count, grace, slot) {
                     Proposal::Close(proposal) if min < max => Step::QuorumBeforeClose {
                         round,
                         slot,
@@ -1388,7 +1399,6 @@ impl ElasticNode {
                     },
                 }
             }
-            (Step::RosterPoll { round, slot, .. }, R::Waited) => Step::ReadSize { round, slot },
             (
                 Step::RosterPoll {
                     round,
@@ -1414,11 +1424,13 @@ impl ElasticNode {
                 },
                 R::Value(value),
             ) => {
+                // A proposal names its closer, so only the winner finds its own.
                 let won = value == proposal.as_bytes();
                 match parse_world(value, max) {
-                    Some((world, master)) => {
+                    Some((world, master, closer)) => {
                         self.world = world;
                         self.master = master;
+                        self.closer = closer;
                         if won && mark {
                             Step::MarkArrivals { round, slot }
                         } else {
@@ -1426,18 +1438,21 @@ impl ElasticNode {
                             // closer's read and its compare-set never acknowledges, so the
                             // confirmation fails (within the keep-alive timeout) and
                             // everyone rejoins.
-                            self.decide(round, slot, now)
+                            self.decide(round, slot, won, now)
                         }
                     }
                     None => return Ok(self.foreign(round, "size", value)),
                 }
             }
-            (Step::MarkArrivals { round, slot }, R::Added(_)) => self.decide(round, slot, now),
+            (Step::MarkArrivals { round, slot }, R::Added(_)) => {
+                self.decide(round, slot, true, now)
+            }
             (Step::ReadSize { round, slot }, R::Value(value)) => match parse_world(value, max) {
-                Some((world, master)) => {
+                Some((world, master, closer)) => {
                     self.world = world;
                     self.master = master;
-                    self.decide(round, slot, now)
+                    self.closer = closer;
+                    self.decide(round, slot, false, now)
                 }
                 None => return Ok(self.foreign(round, "size", value)),
             },
@@ -1486,7 +1501,7 @@ impl ElasticNode {
                 }
             }
             (Step::Ack { round, slot, rank }, R::Added(value)) => {
-                let size = self.world.len() as i64;
+                let size = self.acks_needed();
                 let (acks, gave_up) = (value & 0xffff_ffff, value >> 32);
                 if acks >= size && gave_up == 0 {
                     // The last acknowledgement, before any member gave up: each one that
@@ -1543,7 +1558,7 @@ impl ElasticNode {
                 round,
                 slot,
                 rank,
-                go: (value & 0xffff_ffff) >= self.world.len() as i64,
+                go: (value & 0xffff_ffff) >= self.acks_needed(),
             },
             (
                 Step::Verdict {
@@ -1668,7 +1683,7 @@ impl ElasticNode {
     /// (arrived, not gone), at most `max_nodes` of them in slot order, ranked by
     /// [`deal_ranks`]. An arrival whose roster line is not there yet is waited for (it is
     /// in flight) until `grace`, then left out.
-    fn propose(&self, roster: &[u8], count: u32, grace: bool) -> Proposal {
+    fn propose(&self, roster: &[u8], count: u32, grace: bool, closer: u32) -> Proposal {
         let mut joined: Vec<Entry<'_>> = Vec::new();
         let mut gone: Vec<u32> = Vec::new();
         for line in parse_roster(roster) {
@@ -1694,7 +1709,7 @@ impl ElasticNode {
             return Proposal::TooFew;
         }
         let ranks = deal_ranks(&joined);
-        let mut text = format!("{};", ranks.len());
+        let mut text = format!("{}:{closer};", ranks.len());
         for (i, slot) in ranks.iter().enumerate() {
             if i > 0 {
                 text.push(',');
@@ -1794,17 +1809,35 @@ impl ElasticNode {
         }
     }
 
+    /// How many `ADD`s to `ready` confirm the round just closed: one per member, but
+    /// none for the closer whose compare-set closed it (alive then, it acknowledged by
+    /// closing).
+    fn acks_needed(&self) -> i64 {
+        let closer_is_member = self.closer.is_some_and(|c| self.world.contains(&c));
+        self.world.len() as i64 - i64::from(closer_is_member)
+    }
+
     /// The round closed with the slots in `self.world` (by rank): a member acknowledges
-    /// it, a late node waits.
-    fn decide(&mut self, round: u64, slot: u32, now: Instant) -> Step {
+    /// it (the closer, `won`, by its compare-set: it waits for the release at once, or
+    /// completes a round of one), a late node waits.
+    fn decide(&mut self, round: u64, slot: u32, won: bool, now: Instant) -> Step {
         self.open_slot = None;
         let size = self.world.len() as u32;
         let member_of = |rank: u32| (self.world[rank as usize], rank);
         if let Some(rank) = self.world.iter().position(|&s| s == slot) {
-            Step::Ack {
-                round,
-                slot,
-                rank: rank as u32,
+            let rank = rank as u32;
+            if won && self.acks_needed() == 0 {
+                // Nobody else to hear from.
+                self.complete(round, slot, rank, now)
+            } else if won && self.closer == Some(slot) {
+                Step::WaitGo {
+                    round,
+                    slot,
+                    rank,
+                    deadline: now.saturating_add(self.settings.keep_alive_timeout()),
+                }
+            } else {
+                Step::Ack { round, slot, rank }
             }
         } else {
             let hot_spare = size > 0 && size >= self.settings.nodes.max;
@@ -1887,15 +1920,19 @@ fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
 /// The size value: `{N};{slot of rank 0},{slot of rank 1},…[;{rank 0's contact}]`, or
 /// `0` (shut down): the slots by rank and rank 0's contact. `None` when it is anything
 /// else, or names more than `max` members.
-fn parse_world(value: &[u8], max: u32) -> Option<(Vec<u32>, Option<String>)> {
+fn parse_world(value: &[u8], max: u32) -> Option<(Vec<u32>, Option<String>, Option<u32>)> {
     let text = core::str::from_utf8(value).ok()?;
     if text == "0" {
-        return Some((Vec::new(), None));
+        return Some((Vec::new(), None, None));
     }
     let (size, rest) = text.split_once(';')?;
     let (slots, master) = match rest.split_once(';') {
         Some((slots, contact)) => (slots, Some(String::from(contact))),
         None => (rest, None),
+    };
+    let (size, closer) = match size.split_once(':') {
+        Some((size, closer)) => (size, Some(closer.parse().ok()?)),
+        None => (size, None),
     };
     let size: u32 = size.parse().ok()?;
     if size == 0 || size > max {
@@ -1909,7 +1946,7 @@ fn parse_world(value: &[u8], max: u32) -> Option<(Vec<u32>, Option<String>)> {
         }
         world.push(slot.parse().ok()?);
     }
-    (world.len() == size as usize).then_some((world, master))
+    (world.len() == size as usize).then_some((world, master, closer))
 }
 
 /// Deals ranks `0..N` to the members (`N = members.len()`, in any order); returns their
@@ -2017,19 +2054,24 @@ mod unit {
         );
         assert_eq!(
             parse_world(b"3;4,1,2", 4),
-            Some((alloc::vec![4, 1, 2], None))
+            Some((alloc::vec![4, 1, 2], None, None))
         );
         assert_eq!(
-            parse_world(b"2;4,1;[::1]:29500", 4),
-            Some((alloc::vec![4, 1], Some("[::1]:29500".into())))
+            parse_world(b"3:2;4,1,2", 4),
+            Some((alloc::vec![4, 1, 2], None, Some(2)))
         );
-        assert_eq!(parse_world(b"0", 4), Some((Vec::new(), None)));
+        assert_eq!(
+            parse_world(b"2:5;4,1;[::1]:29500", 4),
+            Some((alloc::vec![4, 1], Some("[::1]:29500".into()), Some(5)))
+        );
+        assert_eq!(parse_world(b"0", 4), Some((Vec::new(), None, None)));
         for bad in [
             &b"3;1,2"[..],
             b"5;1,2,3,4,5",
             b"2;1,2,3",
             b"lots",
             b"2;a,b",
+            b"2:x;1,2",
             b"2",
         ] {
             assert_eq!(parse_world(bad, 4), None, "{bad:?}");

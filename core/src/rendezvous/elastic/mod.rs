@@ -20,7 +20,10 @@
 //!   another, and strike a node whose heartbeat stopped; and a closed round is complete
 //!   only when every member has acknowledged it: a member that dies between the close
 //!   and its acknowledgement makes the round fail (the others rejoin the next one) before
-//!   anyone is told a world in which that rank will never show up.
+//!   anyone is told a world in which that rank will never show up. The closer's
+//!   compare-set of the size is its acknowledgement (it was alive to write it): a closer
+//!   that dies right after it is like a member that dies after acknowledging, and its
+//!   watcher ends the round within the keep-alive timeout.
 //! - A node that arrives after the round closed is *waiting*: when the round has room
 //!   (`world_size < max_nodes`) it asks for the next round at once (PyTorch's wait list,
 //!   which makes every agent restart); when it is full it is a hot spare (PyTorch's
@@ -43,10 +46,10 @@
 //! | `{r}/roster` | `APPEND "+s round:rank contact node"` on arrival (`-` for none), `"-s"` when struck; `GET` | each joiner once; the closer reads it once |
 //! | `{r}/gone/{s}` | `COMPARE_SET "" → node` | whoever strikes slot `s` (it, or its watcher) claims it first, so it is counted once |
 //! | `{r}/quorum` | `SET` | the arrival that makes `min_nodes` live, and the closer before its compare-set (no arrival may have seen exactly `min_nodes`, and a closer may leave at once); fewer wait on it |
-//! | `{r}/size` | `COMPARE_SET "" → "N;s0,s1,…[;contact]"` (slots by rank, rank 0's contact) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
-//! | `{r}/ready` | `ADD 1` per member (low 32 bits); `ADD 2^32` to give up (high bits) | each member acknowledges once; one that waited in vain for `go` counts itself there before it decides |
-//! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: a member that waited in vain writes `go` if all N acknowledged before its give-up, else `fail`; the N-th acknowledger writes `go` only when somebody gave up before it; the first writer wins and every member obeys it |
-//! | `{r}/go` | `SET`; members `WAIT` | the N-th acknowledger when nobody gave up before it (then `go` is the only verdict there can be), or whoever's verdict was `go` |
+//! | `{r}/size` | `COMPARE_SET "" → "N:c;s0,s1,…[;contact]"` (the closer's slot `c`, slots by rank, rank 0's contact) | **the one key that closes a round**: the first writer wins; everyone `WAIT`s on it, then `GET`s it |
+//! | `{r}/ready` | `ADD 1` per member but the closer (low 32 bits); `ADD 2^32` to give up (high bits) | each member but the closer acknowledges once (the closer's compare-set is its acknowledgement, so `N − 1` make the count complete); one that waited in vain for `go`, the closer too, counts itself there before it decides |
+//! | `{r}/verdict` | `COMPARE_SET "" → go\|fail` | **the one decision on the confirmation**: a member that waited in vain writes `go` if all N − 1 acknowledged before its give-up, else `fail`; the last ((N − 1)-th) acknowledger writes `go` only when somebody gave up before it; the first writer wins and every member obeys it |
+//! | `{r}/go` | `SET`; members `WAIT` (the closer too) | the last acknowledger when nobody gave up before it (then `go` is the only verdict there can be), or whoever's verdict was `go` |
 //! | `{r}/hb/{s}` | `ADD 1` own, `ADD 0` the watched slot's | each node once per keep-alive interval, in an open round and as a member; on etcd, a key bound to its node's lease ([`BEAT_GONE`] once the lease expired) |
 //! | `{r}/over` | `SET` reason; members `WAIT` on it | whoever ends the round |
 //!
@@ -58,9 +61,15 @@
 //! round of one, or one whose members all died, ends too.
 //!
 //! The closer is the arrival that makes `max_nodes` live, or the first node whose last
-//! call ends with at least `min_nodes` live. It reads the roster (waiting briefly, at most
-//! one keep-alive interval, for an arrival whose line is still in flight), leaves out the
-//! struck slots, ranks the first `max_nodes` live ones and compare-sets the size. A node
+//! call ends with at least `min_nodes` live. It reads the roster (for an arrival whose
+//! line is still in flight, it pauses without a store request — [`StoreAction::Pause`],
+//! 5 ms doubling, at most one keep-alive interval in all — and reads it again: a
+//! concurrent closer is caught anyway by the compare-set, whose reply is the world that
+//! won), leaves out the struck slots, ranks the first `max_nodes` live ones and
+//! compare-sets the size, which names its own slot: only the winner finds its own
+//! proposal there, so exactly one member counts as acknowledged by closing (a winner
+//! left out of its own world counts for nobody: then all N acknowledge). In a round of
+//! one the closer's compare-set completes it. A node
 //! that leaves an open round strikes itself, then checks whether the round closed with it
 //! (and ends it if so). A member struck after the closer's read and before its
 //! compare-set (whose own check came first) is in the world but never acknowledges: the
@@ -69,14 +78,15 @@
 //! that rare race costs the timeout, where a second read of the roster would cost every
 //! round a request.
 //!
-//! A member waits for `go` at most the keep-alive timeout. The verdict is one key,
+//! A member (the closer too) waits for `go` at most the keep-alive timeout. The verdict is one key,
 //! compare-set once, because counting alone cannot decide: with the last acknowledgement
 //! counted but its `go` still in flight, two members that gave up waiting used to read
 //! the same count and decide differently (one took the round as complete, the other
 //! ended it; `tests::the_last_confirmation_in_flight_splits_no_round`). A member gives
 //! up by adding 2^32 to `ready`, which also reads the acknowledgements, so the
-//! acknowledgement that completes the count knows whether anybody gave up before it. If
-//! nobody did, every give-up comes after it, finds all N acknowledgements and can only
+//! acknowledgement that completes the count (the (N − 1)-th: the closer's is its
+//! compare-set) knows whether anybody gave up before it. If
+//! nobody did, every give-up comes after it, finds all N − 1 acknowledgements and can only
 //! decide `go`: it `SET`s `go` without the verdict. If somebody did, that member may have
 //! decided `fail`, and it compare-sets the verdict like everyone else
 //! (`tests::the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict`).
@@ -89,11 +99,15 @@
 //! Store work per node: joining is an `ADD` (arrival; a fresh node guesses round 0, and
 //! reads the hint only when round 0 is marked closed or its slot is above `max_nodes`),
 //! an `APPEND`, a `WAIT` and a `GET` (the size), the acknowledgement's `ADD` and a `WAIT`
-//! for `go`: six for every node, then a `WAIT` on `over` that lasts until the first
-//! heartbeat. The closer's `GET` of the roster and compare-set of the size take the place
-//! of the `WAIT` and the `GET`, the last acknowledger's `SET` of `go` that of its `WAIT`
-//! (`tests::store_work_at_16_nodes_by_operation`). Beyond six: a roster line still in
-//! flight costs the closer a short `WAIT` and another `GET` per poll; with `min_nodes <
+//! for `go`: six for every node but the closer, then a `WAIT` on `over` that lasts until
+//! the first heartbeat. The closer's `GET` of the roster and compare-set of the size take
+//! the place of the `WAIT` and the `GET`, and the compare-set is its acknowledgement:
+//! five; the last acknowledger's `SET` of `go` takes the place of its `WAIT`
+//! (`tests::store_work_at_16_nodes_by_operation`). A roster line still in flight costs
+//! the closer a pause (no request) and another `GET` per poll; one poll (the usual case
+//! when it happens) keeps the round at six per node
+//! (`tests::a_roster_line_in_flight_costs_the_closer_a_pause_and_one_get`). Beyond
+//! that: with `min_nodes <
 //! max_nodes` the closer `SET`s the quorum, and in round 0, closing by last call with
 //! fewer than `max_nodes` slots handed out, marks the arrivals; a member that waited in
 //! vain for `go` adds its give-up and compare-sets the verdict. A member's heartbeat
@@ -113,7 +127,8 @@
 //! # Over other stores
 //! The machine asks for seven operations ([`StoreAction`]): a counter `ADD`, `SET`,
 //! `APPEND`, `GET` of a key that exists, `COMPARE_SET` against "missing", `CHECK` and a
-//! `WAIT` for a key with a deadline. [`key_use`] says how it uses each key, so that a
+//! `WAIT` for a key with a deadline; and a [`StoreAction::Pause`], which the runtime
+//! answers itself when its time comes, sending nothing to the store. [`key_use`] says how it uses each key, so that a
 //! store whose `ADD` and `APPEND` are compare-and-swap loops (etcd) can keep the keys
 //! every node writes at once (a round's arrivals, acknowledgements and roster) as one key
 //! per write, and resend a heartbeat whose answer was lost: a join then costs O(1)
@@ -126,8 +141,8 @@
 //! events ([`ElasticNode::handle_local`]), take [`ElasticNode::poll_action`], perform it
 //! on the store and answer with [`ElasticNode::handle_reply`], then drain
 //! [`ElasticNode::poll_event`]. Exactly one action is outstanding at a time; a
-//! [`StoreAction::Wait`] carries its deadline (also [`ElasticNode::poll_timeout`]),
-//! answered with [`StoreReply::TimedOut`] when it passes.
+//! [`StoreAction::Wait`] or [`StoreAction::Pause`] carries its deadline (also
+//! [`ElasticNode::poll_timeout`]), answered with [`StoreReply::TimedOut`] when it passes.
 
 mod etcd_url;
 mod key_use;

@@ -84,6 +84,10 @@ impl Model {
     /// The reply to `action` at `now`, or `None` while a wait must go on waiting.
     fn apply(&mut self, action: &StoreAction, now: Instant) -> Option<OwnedStoreReply> {
         self.expire(now);
+        if let StoreAction::Pause { until } = action {
+            // No store operation: the runtime answers it when `until` has come.
+            return (now >= *until).then_some(OwnedStoreReply::TimedOut);
+        }
         // The machine keeps to its own rule of how it uses each key (`key_use`), so that
         // a store may keep tallies and logs as one key per write.
         match (key_use(action.key()), action) {
@@ -150,6 +154,7 @@ impl Model {
                     return None;
                 }
             }
+            StoreAction::Pause { .. } => unreachable!("answered above"),
         };
         self.ops += 1;
         let key = action.key();
@@ -276,8 +281,9 @@ impl Sim {
         let Some(reply) = self.store.apply(action, now) else {
             return false;
         };
+        let request = !matches!(action, StoreAction::Pause { .. });
         node.pending = None;
-        node.ops += 1;
+        node.ops += u64::from(request);
         node.machine.handle_reply(reply.as_reply(), now);
         while let Some(event) = node.machine.poll_event() {
             if matches!(event, Event::Left | Event::ShutDown | Event::Failed(_)) {
@@ -823,11 +829,10 @@ fn store_work_per_node_is_constant() {
         // ADD arrival (a fresh node guesses round 0), APPEND roster, WAIT size, GET size,
         // ADD ready, WAIT go: 6, then a WAIT on the round's end that is still pending. The
         // closer's roster GET and compare-set take the place of the WAIT and the GET of
-        // the size, the last acknowledger's SET of go that of its WAIT: 6 for every node
+        // the size, and its compare-set is its acknowledgement (5); the last
+        // acknowledger's SET of go takes the place of its WAIT: 6 for every other node
         // (`store_work_at_16_nodes_by_operation` has them by operation).
-        for (i, node) in sim.nodes.iter().enumerate() {
-            assert_eq!(node.ops, 6, "n={n}: node {i}");
-        }
+        assert_closer_5_others_6(&sim, n);
         let before: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
         sim.run_for(secs(10));
         for (node, before) in sim.nodes.iter().zip(before) {
@@ -1392,6 +1397,24 @@ impl Sim {
         );
     }
 
+    /// Steps each of `all` to its acknowledgement, left pending, and the closer to its wait
+    /// for `go` (its compare-set acknowledged); returns the acknowledgers and the closer.
+    fn advance_to_confirmation(&mut self, all: &[usize]) -> (Vec<usize>, usize) {
+        let is_ack = |x: &StoreAction| matches!(x, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
+        let waits_go =
+            |x: &StoreAction| matches!(x, StoreAction::Wait { key, .. } if key.ends_with("/go"));
+        for &i in all {
+            self.advance_to(i, |x| is_ack(x) || waits_go(x));
+        }
+        let (ackers, closer): (Vec<usize>, Vec<usize>) = all
+            .iter()
+            .partition(|&&i| self.nodes[i].pending.as_ref().is_some_and(is_ack));
+        let [closer] = closer[..] else {
+            panic!("one closer: {closer:?}");
+        };
+        (ackers, closer)
+    }
+
     /// Whether node `j`'s pending action is one `advance_to` stopped it at.
     fn held(&self, j: usize) -> bool {
         self.nodes[j]
@@ -1409,13 +1432,11 @@ fn the_last_confirmation_in_flight_splits_no_round() {
     // up (poisoning the acknowledgement counter) found every acknowledgement in and took
     // the round as complete, the second found no `go` yet and ended it: a split
     // decision, and everyone rejoined. Now the first compare-set of `verdict` decides for
-    // all: here `go`, since every acknowledgement was in.
-    let mut sim = Sim::new(settings(3, 3));
-    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
-    let is_ack = |a: &StoreAction| matches!(a, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
-    for &i in &nodes {
-        sim.advance_to(i, is_ack);
-    }
+    // all: here `go`, since every acknowledgement was in. (A round of four: the closer
+    // acknowledged by closing, and waits for the release like the others.)
+    let mut sim = Sim::new(settings(4, 4));
+    let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     // The first two acknowledge and wait for the release.
     for &i in &nodes[..2] {
         assert!(sim.step(i), "acknowledged");
@@ -1441,8 +1462,8 @@ fn the_last_confirmation_in_flight_splits_no_round() {
     check_one_verdict(&sim);
     sim.check_agreement();
     sim.check_members_alive();
-    // Whatever the verdict, the three end up together in one complete round.
-    let rounds: Vec<u64> = nodes
+    // Whatever the verdict, the four end up together in one complete round.
+    let rounds: Vec<u64> = all
         .iter()
         .map(|&i| sim.last_complete(i).unwrap().round)
         .collect();
@@ -1508,14 +1529,25 @@ fn a_closer_that_leaves_at_once_leaves_no_one_waiting_on_the_quorum() {
     check_one_verdict(&sim);
 }
 
+/// The closer (the node that compare-set the size) sent 5 requests to join, every other
+/// node 6.
+fn assert_closer_5_others_6(sim: &Sim, n: u32) {
+    let mut ops: Vec<u64> = sim.nodes.iter().map(|node| node.ops).collect();
+    ops.sort_unstable();
+    let mut want = alloc::vec![6u64; n as usize];
+    want[0] = 5;
+    assert_eq!(ops, want, "n={n}");
+}
+
 #[test]
 fn store_work_at_16_nodes_by_operation() {
-    // Every node sends the same six requests to join, the closer and the last
+    // Every node but the closer sends the same six requests to join, the last
     // acknowledger included: ADD (arrival), APPEND (roster), WAIT and GET (the size),
     // ADD (ready) and WAIT (go), then a WAIT on the round's end (still pending here). The
     // closer reads the roster once and compare-sets the size instead of the WAIT and the
-    // GET (no second read, no mark: it handed out `max_nodes` slots); the last
-    // acknowledger SETs go instead of its WAIT (no verdict: nobody gave up before it).
+    // GET (no second read, no mark: it handed out `max_nodes` slots), and does not ADD
+    // to `ready` (its compare-set is its acknowledgement): 5; the last acknowledger SETs
+    // go instead of its WAIT (no verdict: nobody gave up before it).
     for n in [4u32, 16, 64] {
         let mut sim = Sim::new(settings(n, n));
         for i in 0..n {
@@ -1531,7 +1563,7 @@ fn store_work_at_16_nodes_by_operation() {
             ("get size", each(n - 1)),
             ("get roster", 1),
             ("compare_set size", 1),
-            ("add ready", each(n)),
+            ("add ready", each(n - 1)),
             ("wait go", each(n - 1)),
             ("set go", 1),
         ]
@@ -1539,10 +1571,56 @@ fn store_work_at_16_nodes_by_operation() {
         .map(|(op, count)| (op.to_string(), count))
         .collect();
         assert_eq!(sim.store.by_op, want, "n={n}");
-        for (i, node) in sim.nodes.iter().enumerate() {
-            assert_eq!(node.ops, 6, "n={n}: node {i}");
-        }
+        assert_closer_5_others_6(&sim, n);
     }
+}
+
+#[test]
+fn a_roster_line_in_flight_costs_the_closer_a_pause_and_one_get() {
+    // n0's arrival is counted but its roster line is still in flight when the closer (the
+    // arrival that fills the round) reads the roster. The closer pauses (no store
+    // request), reads the roster again, finds the line and closes: that GET costs what
+    // its acknowledgement, folded into its compare-set, saves, so the round costs 6 per
+    // node.
+    let n = 16u32;
+    let mut sim = Sim::new(settings(n, n));
+    for i in 0..n {
+        sim.join(&format!("n{i}"));
+    }
+    let late = 0;
+    let seen = first_actions(&mut sim, late, 1);
+    assert!(matches!(&seen[..], [StoreAction::Add { .. }]), "{seen:?}");
+    let now = sim.now;
+    sim.nodes[late].pending = sim.nodes[late].machine.poll_action(now);
+    assert!(
+        matches!(&sim.nodes[late].pending, Some(StoreAction::Append { .. })),
+        "{:?}",
+        sim.nodes[late].pending
+    );
+    sim.nodes[late].alive = false;
+    sim.run_for(Duration::ZERO);
+    let pausing: Vec<usize> = (0..n as usize)
+        .filter(|&i| matches!(sim.nodes[i].pending, Some(StoreAction::Pause { .. })))
+        .collect();
+    let [closer] = pausing[..] else {
+        panic!("one closer pauses: {pausing:?}");
+    };
+    assert_eq!(sim.store.by_op["get roster"], 1);
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/size"));
+    // The line lands; the pause ends, and one more read finds it.
+    sim.nodes[late].alive = true;
+    sim.run_for(secs(1));
+    assert!((0..n as usize).all(|i| sim.last_complete(i).is_some()));
+    assert_eq!(sim.last_complete(late).unwrap().world_size, n);
+    assert_eq!(sim.store.by_op["get roster"], 2);
+    assert_eq!(sim.store.by_op.get("wait size"), Some(&u64::from(n - 1)));
+    assert_eq!(sim.nodes[closer].ops, 6);
+    assert!(sim.nodes.iter().all(|node| node.ops == 6));
+    let all: u64 = sim.nodes.iter().map(|node| node.ops).sum();
+    assert_eq!(all, 6 * u64::from(n));
+    assert_eq!(sim.store.ops, all);
+    sim.check_agreement();
+    sim.check_members_alive();
 }
 
 /// Node `i`'s guessed arrival in round 0, and what it does next, as actions.
@@ -1708,13 +1786,11 @@ fn the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict() {
     // passes): a finds two of three acknowledgements and compare-sets `fail`. c's
     // acknowledgement then completes the count, but it sees that somebody gave up before
     // it, so it compare-sets the verdict instead of releasing the others, finds `fail`,
-    // and the round fails for all three.
-    let mut sim = Sim::new(settings(3, 3));
-    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
-    let is_ack = |x: &StoreAction| matches!(x, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
-    for &i in &nodes {
-        sim.advance_to(i, is_ack);
-    }
+    // and the round fails for all three, and for the closer (whose compare-set was its
+    // acknowledgement: three more are needed).
+    let mut sim = Sim::new(settings(4, 4));
+    let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     let (a, b, c) = (nodes[0], nodes[1], nodes[2]);
     for i in [a, b] {
         assert!(sim.step(i), "acknowledged");
@@ -1734,7 +1810,7 @@ fn the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict() {
         "{next:?}"
     );
     sim.run_for(secs(30));
-    for &i in &nodes {
+    for &i in &all {
         assert!(
             !sim.completes(i).iter().any(|o| o.round == 0),
             "node {i}: {:?}",
@@ -1751,13 +1827,11 @@ fn the_last_acknowledgement_after_a_member_gave_up_obeys_the_verdict() {
 fn the_last_acknowledgement_before_anyone_gave_up_releases_without_a_verdict() {
     // Nobody gave up: the third acknowledgement's next request is the SET of go. A member
     // that gives up after it (go still in flight) finds every acknowledgement in and
-    // compare-sets `go`: the only verdict there can be.
-    let mut sim = Sim::new(settings(3, 3));
-    let nodes: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
-    let is_ack = |x: &StoreAction| matches!(x, StoreAction::Add { key, delta: 1 } if key.ends_with("/ready"));
-    for &i in &nodes {
-        sim.advance_to(i, is_ack);
-    }
+    // compare-sets `go`: the only verdict there can be. (A round of four: the closer
+    // acknowledged by closing.)
+    let mut sim = Sim::new(settings(4, 4));
+    let all: Vec<usize> = (0..4).map(|i| sim.join(&format!("n{i}"))).collect();
+    let (nodes, _closer) = sim.advance_to_confirmation(&all);
     for &i in &nodes {
         assert!(sim.step(i), "acknowledged");
     }
@@ -1779,11 +1853,92 @@ fn the_last_acknowledgement_before_anyone_gave_up_releases_without_a_verdict() {
     assert_eq!(sim.store.kv["rdzv.elastic.job/0/verdict"], b"go");
     sim.nodes[last].alive = true;
     sim.run_for(Duration::ZERO);
-    for &i in &nodes {
+    for &i in &all {
         assert_eq!(sim.last_complete(i).unwrap().round, 0, "node {i}");
     }
     check_one_verdict(&sim);
     sim.check_agreement();
+}
+
+#[test]
+fn two_closers_with_the_same_world_tell_the_winner_apart() {
+    // a and b's last calls end together and both close with the same roster. Each
+    // proposal names its closer, so only the winner takes its compare-set for its
+    // acknowledgement; the other acknowledges, and the round completes without a give-up.
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.run_for(secs(3));
+    assert_eq!(
+        sim.store.by_op["compare_set size"], 2,
+        "{:?}",
+        sim.store.by_op
+    );
+    assert_eq!(sim.store.by_op["add ready"], 1, "{:?}", sim.store.by_op);
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/ready"], b"1");
+    for i in [a, b] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (0, 2), "node {i}");
+    }
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/verdict"));
+    sim.check_agreement();
+}
+
+#[test]
+fn a_round_of_one_completes_at_its_close() {
+    // Nobody else to hear from: the closer's compare-set completes the round, without an
+    // acknowledgement or a release (ADD, APPEND, GET roster, compare-set: 4 requests).
+    let mut sim = Sim::new(settings(1, 1));
+    let a = sim.join("a");
+    sim.run_for(Duration::ZERO);
+    let o = sim.last_complete(a).unwrap();
+    assert_eq!((o.round, o.rank, o.world_size), (0, 0, 1));
+    assert_eq!(sim.nodes[a].ops, 4);
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/ready"));
+    assert!(!sim.store.kv.contains_key("rdzv.elastic.job/0/go"));
+}
+
+#[test]
+fn a_closer_killed_after_its_compare_set_is_like_a_member_dead_after_its_acknowledgement() {
+    // The closer's compare-set is its acknowledgement: killed right after it, the round
+    // is still complete for the others (two acknowledgements of three members), and the
+    // closer's watcher ends it within the keep-alive timeout, as for any member that dies
+    // after acknowledging; the survivors then form the next round with a newcomer.
+    let mut sim = Sim::new(settings(3, 3));
+    let all: Vec<usize> = (0..3).map(|i| sim.join(&format!("n{i}"))).collect();
+    let (ackers, closer) = sim.advance_to_confirmation(&all);
+    assert_eq!(ackers.len(), 2);
+    sim.kill(closer);
+    let killed_at = sim.now;
+    sim.run_for(Duration::ZERO);
+    for &i in &ackers {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (0, 3), "node {i}");
+    }
+    assert_eq!(sim.store.kv["rdzv.elastic.job/0/ready"], b"2");
+    sim.run_for(secs(10));
+    for &i in &ackers {
+        let over = sim.nodes[i]
+            .overs
+            .iter()
+            .find(|(round, _)| *round == 0)
+            .map(|&(_, at)| at);
+        let over = over.unwrap_or_else(|| panic!("node {i}: {:?}", sim.nodes[i].events));
+        // The keep-alive timeout (3 s), and the interval before the first look.
+        assert!(
+            over.saturating_duration_since(killed_at) <= secs(5),
+            "{over:?}"
+        );
+    }
+    let d = sim.join("d");
+    sim.run_for(secs(5));
+    for i in [ackers[0], ackers[1], d] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (1, 3), "node {i}");
+    }
+    sim.check_agreement();
+    sim.check_members_alive();
+    check_one_verdict(&sim);
 }
 
 #[test]
