@@ -101,6 +101,17 @@ class Job:
         self.nodes.append(proc)
         return proc
 
+    def wait_hosted(self, timeout: float = 60) -> None:
+        """Waits until a node hosts the store server on this host's endpoint."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"no node hosts the store on port {self.port}\n{self.logs()}")
+
     def records(self) -> List[Dict]:
         return [json.loads(p.read_text()) for p in sorted(self.out.glob("*.json"))]
 
@@ -193,6 +204,9 @@ def test_late_third_node_scales_up_and_ranks_stay(job_factory) -> None:
 def test_node_killed_scales_down(job_factory) -> None:
     job = job_factory("2:3", TARGET_WORLD="4")
     job.start_node("a")
+    # a hosts the store (the first node to bind its endpoint does): the victim must not,
+    # or the survivors lose their store with it.
+    job.wait_hosted()
     job.start_node("b")
     victim = job.start_node("c")
     job.wait_records(lambda rs: any(r["world"] == 6 for r in rs))
