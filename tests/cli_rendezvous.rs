@@ -170,7 +170,10 @@ fn bench_rendezvous_forms_one_round() {
     // `rdzv bench rendezvous`: event-driven nodes on one loop, against an embedded server.
     let out = Command::new(env!("CARGO_BIN_EXE_rdzv"))
         .args(["bench", "rendezvous", "--nodes", "48"])
-        .args(["--keep-alive-ms", "100", "--heartbeat-secs", "0.5"])
+        // A keep-alive interval long enough that the round forms within one on a loaded
+        // machine (a closer's poll of the roster can take tens of ms there; past one
+        // interval every waiting node spends an open-round tick of requests).
+        .args(["--keep-alive-ms", "300", "--heartbeat-secs", "1.5"])
         .output()
         .expect("run rdzv bench rendezvous");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -204,13 +207,14 @@ fn bench_rendezvous_forms_one_round() {
         .find_map(|part| part.strip_suffix(" in all (with the first wait on the round's end)"))
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no total in {join:?}"));
-    assert_eq!(figure("min "), 6.0, "{stdout}");
     // Beyond that, only the closer's polls of the roster for an arrival whose line is
     // still in flight: a pause (no request) and a GET per poll, the pauses doubling from
-    // 5 ms up to one keep-alive interval (100 ms here: at most 5 polls). That depends on
-    // the machine's load, never on N.
-    assert!(total <= 7 * 48 - 1 + 5, "{stdout}");
-    assert!(figure("max ") <= 7.0 + 5.0, "{stdout}");
+    // 5 ms up to one keep-alive interval (300 ms here: at most 6 polls). That depends on
+    // the machine's load, never on N. So the closer sends 6 to 12, everyone else 7.
+    let min = figure("min ");
+    assert!((6.0..=7.0).contains(&min), "{stdout}");
+    assert!(total <= 7 * 48 - 1 + 6, "{stdout}");
+    assert!(figure("max ") <= 6.0 + 6.0, "{stdout}");
     assert!(
         stdout.contains("store ops per node per keep-alive interval"),
         "{stdout}"
