@@ -53,6 +53,9 @@ struct Staging {
     piece_len: usize,
     slots: usize,
     books: Mutex<Books>,
+    /// Signalled when a piece is given back: a lane with no idle buffer and no copy to
+    /// land waits for the buffers the other lanes are reading into.
+    given_back: Condvar,
     refuse_at: Option<usize>,
 }
 
@@ -66,6 +69,7 @@ impl Staging {
                 memory: vec![0xee; len],
                 ..Books::default()
             }),
+            given_back: Condvar::new(),
             refuse_at: None,
         }
     }
@@ -112,10 +116,19 @@ impl StripeSink for Staging {
             return Err(format!("piece {offset}+{len} crosses a chunk"));
         }
         let mut books = self.books();
-        // No idle buffer: wait for (land) the oldest copy, as a runtime waits on its event.
+        // No idle buffer: wait for (land) the oldest copy, as a runtime waits on its event;
+        // with none running, every buffer is being read into by another lane: wait for one.
         while books.free.is_empty() {
-            if !Self::land_one(&mut books) {
-                return Err("every buffer is out and no copy runs: a leak".into());
+            if Self::land_one(&mut books) {
+                continue;
+            }
+            let (next, waited) = self
+                .given_back
+                .wait_timeout(books, Duration::from_secs(10))
+                .unwrap_or_else(PoisonError::into_inner);
+            books = next;
+            if waited.timed_out() && books.free.is_empty() && books.copying.is_empty() {
+                return Err("every buffer is out for 10 s and no copy runs: a leak".into());
             }
         }
         let slot = books.free.pop().unwrap_or_default();
@@ -139,6 +152,7 @@ impl StripeSink for Staging {
         self.books()
             .copying
             .push((piece.slot, piece.offset, piece.bytes));
+        self.given_back.notify_all();
         Ok(())
     }
 }
