@@ -158,23 +158,26 @@ def job_factory(tmp_path: Path):
         job.close()
 
 
-def test_two_nodes_two_workers_gloo_all_reduce(job_factory) -> None:
-    job = job_factory("2")
+def two_nodes_all_reduce(job: Job) -> List[Dict]:
+    """Nodes a and b of ``job`` (2 workers each) run to the end: every worker's record,
+    checked to be ranks 0-3 of one world of 4 whose all_reduce summed to 4."""
     job.start_node("a")
     job.start_node("b")
     job.wait_all()
     recs = job.records()
     assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["sum"] == 4 for r in recs)
+    return recs
 
 
-def test_worker_failure_restarts_with_max_restarts(job_factory) -> None:
-    job = job_factory("2")
+def one_worker_fails_once(job: Job, max_restarts: int) -> List[Dict]:
+    """Nodes a and b of ``job``, one of whose workers fails once: the records of the
+    restarted round, checked to be ranks 0-3 summing to 4 after exactly one restart."""
     mark = job.tmp / "fail-once"
     mark.write_text("")
     job.env["FAIL_ONCE"] = str(mark)
-    job.start_node("a", max_restarts=2)
-    job.start_node("b", max_restarts=2)
+    job.start_node("a", max_restarts=max_restarts)
+    job.start_node("b", max_restarts=max_restarts)
     job.wait_all()
     recs = job.records()
     assert any(r["failing"] for r in recs)
@@ -183,6 +186,15 @@ def test_worker_failure_restarts_with_max_restarts(job_factory) -> None:
     # The node whose worker failed used one of its restarts.
     assert max(r["restart"] for r in second) == 1
     assert all(r["sum"] == 4 for r in second)
+    return second
+
+
+def test_two_nodes_two_workers_gloo_all_reduce(job_factory) -> None:
+    two_nodes_all_reduce(job_factory("2"))
+
+
+def test_worker_failure_restarts_with_max_restarts(job_factory) -> None:
+    one_worker_fails_once(job_factory("2"), max_restarts=2)
 
 
 def test_late_third_node_scales_up_and_ranks_stay(job_factory) -> None:
@@ -294,13 +306,7 @@ needs_etcd = pytest.mark.skipif(
 
 @needs_etcd
 def test_etcd_two_nodes_two_workers_gloo_all_reduce_on_rank_0s_agent_store(job_factory) -> None:
-    job = job_factory("2", f"etcd://{ETCD}", CHECK_AGENT_STORE="1")
-    job.start_node("a")
-    job.start_node("b")
-    job.wait_all()
-    recs = job.records()
-    assert sorted(r["rank"] for r in recs) == [0, 1, 2, 3]
-    assert all(r["world"] == 4 and r["sum"] == 4 for r in recs)
+    recs = two_nodes_all_reduce(job_factory("2", f"etcd://{ETCD}", CHECK_AGENT_STORE="1"))
     # Every worker's MASTER_ADDR/PORT is the one store rank 0's agent hosts.
     assert all(r["use_agent_store"] == "True" and r["agent_store"] for r in recs)
     assert len({r["master"] for r in recs}) == 1
@@ -309,18 +315,8 @@ def test_etcd_two_nodes_two_workers_gloo_all_reduce_on_rank_0s_agent_store(job_f
 @needs_etcd
 def test_etcd_worker_failure_restarts_with_max_restarts_1(job_factory) -> None:
     job = job_factory("2", f"etcd://{ETCD}", CHECK_AGENT_STORE="1")
-    mark = job.tmp / "fail-once"
-    mark.write_text("")
-    job.env["FAIL_ONCE"] = str(mark)
-    job.start_node("a", max_restarts=1)
-    job.start_node("b", max_restarts=1)
-    job.wait_all()
-    recs = job.records()
-    assert any(r["failing"] for r in recs)
-    second = [r for r in recs if not r["failing"]]
-    assert sorted(r["rank"] for r in second) == [0, 1, 2, 3]
-    assert max(r["restart"] for r in second) == 1
-    assert all(r["sum"] == 4 and r["agent_store"] for r in second)
+    second = one_worker_fails_once(job, max_restarts=1)
+    assert all(r["agent_store"] for r in second)
 
 
 @needs_etcd
