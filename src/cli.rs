@@ -106,7 +106,7 @@ enum StoreOp {
         port: Option<u16>,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
         /// sharing one store (default: one per CPU this process may use, at most 16;
-        /// one on hosts of 2 CPUs or fewer); see ARCHITECTURE.md.
+        /// one on hosts of 2 CPUs or fewer); see README, Performance.
         #[arg(long)]
         threads: Option<usize>,
         /// Pin loop i to the i-th CPU this process may use (slower on small VMs; off by

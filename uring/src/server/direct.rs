@@ -7,8 +7,8 @@
 //! store server on a quiet connection sleeps and wakes once per request. Here a loop
 //! submits everything it owes (each connection's next receive and its replies) and waits
 //! for the next completion in one `io_uring_enter`, so one request costs one system
-//! call, and a busy loop handles every ready connection per call. `ARCHITECTURE.md` has
-//! the measurements.
+//! call, and a busy loop handles every ready connection per call. The README's
+//! Performance section has the measurements.
 //!
 //! A loop runs its connections' requests to completion itself: it locks the engine,
 //! applies the requests that arrived, and unlocks; nothing hops to another thread. Only a

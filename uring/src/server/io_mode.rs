@@ -98,7 +98,7 @@ pub(crate) fn probe_io_uring() -> io::Result<Result<(), Refusal>> {
 ///
 /// There the store's clients share the server's CPUs: on the 2-vCPU development VM,
 /// with the load generator on the same host, one io_uring loop served 8–10% more ops/s
-/// than two at 64 and 512 connections, at the same latency (ARCHITECTURE.md).
+/// than two at 64 and 512 connections, at the same latency.
 pub(super) const SMALL_HOST_CPUS: usize = 2;
 
 /// How many loops a server runs by default: one per CPU this process may run on

@@ -10,8 +10,8 @@
 //! by its own incremental `rdzv_core::store::codec::RequestDecoder`, handed to the
 //! `rdzv_core::store::engine::Engine`, the replies encoded, and the wake-ups the engine
 //! owes other connections forwarded to them (module `session` holds what all share).
-//! Nothing here decides what a request means. See `ARCHITECTURE.md` for the designs and
-//! the numbers.
+//! Nothing here decides what a request means. See `ARCHITECTURE.md` for the design and
+//! the README's Performance section for the numbers.
 //!
 //! Bad input never costs another client anything: a decode error, a wrong magic or a
 //! non-VALIDATE first message closes only that connection, lengths are checked against
@@ -60,7 +60,7 @@ pub struct ServerOptions {
     /// the shared engine; at most 256.
     pub threads: usize,
     /// Pin loop i to the i-th CPU this process may use. Off by default: pinned
-    /// executors measured 5-10x worse on small VMs (see `ARCHITECTURE.md`).
+    /// executors measured 5-10x worse on small VMs.
     pub pin: bool,
     /// Wire limits (PyTorch's libuv limits by default).
     pub limits: Limits,
