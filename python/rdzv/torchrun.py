@@ -33,7 +33,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypedDict
 
 from . import _errors, _etcd
 from ._rdzv import ElasticRendezvous, StoreServer
@@ -150,6 +150,17 @@ def _seconds(params: Any, key: str, default: float) -> float:
     return seconds
 
 
+class Timing(TypedDict):
+    """The elastic rendezvous's timeouts, as keywords of both ``ElasticRendezvous`` and
+    ``_etcd.rendezvous_url``."""
+
+    join_timeout: float
+    last_call_timeout: float
+    close_timeout: float
+    keep_alive_interval: float
+    keep_alive_max_attempt: int
+
+
 class Settings:
     """What one handler reads from torchrun's ``RendezvousParameters``."""
 
@@ -182,6 +193,16 @@ class Settings:
         self.node_id: Optional[str] = params.get("node_id", None)
         self.server_threads: Optional[int] = params.get_as_int("server_threads", None)
         self.local_addr: Optional[str] = getattr(params, "local_addr", None)
+
+    def timing(self) -> Timing:
+        """The timeouts every node of the run must share."""
+        return Timing(
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            close_timeout=self.close_timeout,
+            keep_alive_interval=self.keep_alive_interval,
+            keep_alive_max_attempt=self.keep_alive_max_attempt,
+        )
 
 
 def _host_server(settings: Settings) -> Optional[StoreServer]:
@@ -363,12 +384,8 @@ def _handler_class() -> type:
                     min_nodes=s.min_nodes,
                     max_nodes=s.max_nodes,
                     node_id=s.node_id or _node_id(s.local_addr),
-                    join_timeout=s.join_timeout,
-                    last_call_timeout=s.last_call_timeout,
-                    keep_alive_interval=s.keep_alive_interval,
-                    keep_alive_max_attempt=s.keep_alive_max_attempt,
-                    close_timeout=s.close_timeout,
                     timeout=s.read_timeout,
+                    **s.timing(),
                     contact=_contact(s.local_addr),
                 )
             return self._node

@@ -144,6 +144,14 @@ def test_settings_read_torchrun_conf_names() -> None:
     assert (s.join_timeout, s.last_call_timeout, s.close_timeout) == (90, 2, 3)
     assert (s.keep_alive_interval, s.keep_alive_max_attempt, s.read_timeout) == (1, 5, 7)
     assert s.is_host is True
+    # What both the TCP and the etcd handler give the rendezvous.
+    assert s.timing() == {
+        "join_timeout": 90,
+        "last_call_timeout": 2,
+        "close_timeout": 3,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 5,
+    }
 
 
 def test_settings_refuse_unknown_conf_names() -> None:

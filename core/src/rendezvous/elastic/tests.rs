@@ -1344,6 +1344,20 @@ fn closing_makes_a_hot_spare_exit_gracefully() {
 
 /// Every member of a round learns the same verdict on its confirmation: complete for all,
 /// or failed (ended, "did not confirm") for all.
+/// After round 0 failed: a fresh node `d` joins, and within 5 s it and the two
+/// `survivors` complete round 1 as a world of 3, agreeing, alive, with one verdict.
+fn a_newcomer_completes_round_1_with(sim: &mut Sim, survivors: [usize; 2]) {
+    let d = sim.join("d");
+    sim.run_for(secs(5));
+    for i in [survivors[0], survivors[1], d] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!((o.round, o.world_size), (1, 3), "node {i}");
+    }
+    sim.check_agreement();
+    sim.check_members_alive();
+    check_one_verdict(sim);
+}
+
 fn check_one_verdict(sim: &Sim) {
     for c in &sim.closed {
         let completed: Vec<usize> = c
@@ -1769,15 +1783,7 @@ fn a_member_struck_between_the_closers_read_and_its_close_fails_the_confirmation
     // What it cost: the keep-alive timeout (3 s) before round 0 was given up.
     let over_by = sim.now;
     assert!(over_by.saturating_duration_since(closed_at) <= secs(10));
-    let d = sim.join("d");
-    sim.run_for(secs(5));
-    for i in [a, c, d] {
-        let o = sim.last_complete(i).unwrap();
-        assert_eq!((o.round, o.world_size), (1, 3), "node {i}");
-    }
-    sim.check_agreement();
-    sim.check_members_alive();
-    check_one_verdict(&sim);
+    a_newcomer_completes_round_1_with(&mut sim, [a, c]);
 }
 
 #[test]
@@ -1930,15 +1936,7 @@ fn a_closer_killed_after_its_compare_set_is_like_a_member_dead_after_its_acknowl
             "{over:?}"
         );
     }
-    let d = sim.join("d");
-    sim.run_for(secs(5));
-    for i in [ackers[0], ackers[1], d] {
-        let o = sim.last_complete(i).unwrap();
-        assert_eq!((o.round, o.world_size), (1, 3), "node {i}");
-    }
-    sim.check_agreement();
-    sim.check_members_alive();
-    check_one_verdict(&sim);
+    a_newcomer_completes_round_1_with(&mut sim, [ackers[0], ackers[1]]);
 }
 
 #[test]
