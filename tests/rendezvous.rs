@@ -601,7 +601,7 @@ fn elastic_contact_given_at_start_comes_with_the_first_round() {
     // it rides on the first roster line, so every member learns rank 0's with the world
     // (a set_contact after the start may lose the race with the driver's first arrival).
     use rdzv::core::rendezvous::elastic::{ElasticSettings, NodeRange};
-    use rdzv::uring::rendezvous::elastic::ElasticRendezvous;
+    use rdzv::uring::rendezvous::elastic::{Contact, ElasticRendezvous};
     let server = agent_server();
     let port = server.port();
     let mut settings = ElasticSettings::new("contact", NodeRange::new(3, 3).expect("range"));
@@ -622,7 +622,7 @@ fn elastic_contact_given_at_start_comes_with_the_first_round() {
                 connect,
                 settings.clone(),
                 format!("node{i}"),
-                Some(&contact),
+                Some(Contact::Fixed(contact)),
             )
             .expect("start")
         })
@@ -645,4 +645,77 @@ fn elastic_contact_given_at_start_comes_with_the_first_round() {
     for node in &nodes {
         node.leave(TEN_SECONDS);
     }
+}
+
+#[test]
+fn a_rejoining_rank_0_offers_a_fresh_port() {
+    // torchrun's MASTER_PORT: c10d picks a free port for every round. A node rejoins the
+    // next round on its own as soon as it sees its round end, before its agent hears of
+    // it, so a contact set then comes a round late; Contact::FreePort offers a port free
+    // at each arrival instead.
+    use rdzv::core::rendezvous::elastic::{ElasticSettings, NodeRange};
+    use rdzv::uring::rendezvous::elastic::{Contact, ElasticRendezvous};
+    let server = agent_server();
+    let port = server.port();
+    let mut settings = ElasticSettings::new("fresh-contact", NodeRange::new(2, 2).expect("range"));
+    settings.join_timeout = Duration::from_secs(20);
+    settings.keep_alive_interval = Duration::from_millis(200);
+    let start = |name: &str| {
+        let driver =
+            TcpStore::connect_without_ping("127.0.0.1", port, TEN_SECONDS).expect("driver");
+        let connect: rdzv::uring::rendezvous::elastic::StoreConnector = Box::new(move || {
+            TcpStore::connect("127.0.0.1", port, TEN_SECONDS)
+                .map(|tcp| Arc::new(tcp) as Arc<dyn Store>)
+        });
+        let contact = Contact::FreePort {
+            host: format!("{name}.example"),
+        };
+        ElasticRendezvous::start_lazy_with_contact(
+            Box::new(driver),
+            connect,
+            settings.clone(),
+            name,
+            Some(contact),
+        )
+        .expect("start")
+    };
+    // Node names order newcomers' ranks: "a" is rank 0.
+    let a = start("a");
+    let b = start("b");
+    let both = |a: &ElasticRendezvous, b: &ElasticRendezvous| {
+        thread::scope(|s| {
+            let rb = s.spawn(|| b.next_rendezvous().expect("b's round"));
+            (
+                a.next_rendezvous().expect("a's round"),
+                rb.join().expect("b"),
+            )
+        })
+    };
+    let mut ports = Vec::new();
+    for round in 0..3 {
+        let (ra, rb) = both(&a, &b);
+        assert_eq!((ra.round, ra.rank, rb.rank), (round, 0, 1));
+        assert_eq!(ra.master, rb.master);
+        let master = ra.master.expect("rank 0's contact");
+        let (host, port) = master.rsplit_once(':').expect("host:port");
+        assert_eq!(host, "a.example");
+        let port: u16 = port.parse().expect("a port");
+        assert_ne!(port, 0);
+        // The rounds' workers run (here: hold the port) until b's fail.
+        let workers = TcpListener::bind(("0.0.0.0", port)).expect("the offered port is free");
+        ports.push(port);
+        // b's workers fail; a's agent learns of it and restarts too (torchrun's
+        // num_nodes_waiting), while its old workers may still hold their port.
+        b.worker_failed();
+        let deadline = Instant::now() + TEN_SECONDS;
+        while a.num_nodes_waiting().expect("waiting") == 0 {
+            assert!(Instant::now() < deadline, "a never saw b waiting");
+            thread::sleep(Duration::from_millis(20));
+        }
+        drop(workers);
+    }
+    ports.dedup();
+    assert_eq!(ports.len(), 3, "a fresh port every round: {ports:?}");
+    a.leave(TEN_SECONDS);
+    b.leave(TEN_SECONDS);
 }

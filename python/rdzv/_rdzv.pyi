@@ -101,10 +101,14 @@ class ElasticRendezvous:
         close_timeout: Optional[_Seconds] = None,
         timeout: Optional[_Seconds] = None,
         contact: Optional[str] = None,
+        contact_host: Optional[str] = None,
     ) -> None: ...
     @staticmethod
     def etcd(
-        url: str, node_id: Optional[str] = None, contact: Optional[str] = None
+        url: str,
+        node_id: Optional[str] = None,
+        contact: Optional[str] = None,
+        contact_host: Optional[str] = None,
     ) -> "ElasticRendezvous": ...
     @property
     def node(self) -> str: ...

@@ -310,11 +310,9 @@ def _handler_class() -> type:
                         f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
                     )
                 # The first call joins; a later one, made while the round it returned
-                # is still going (our workers restart), ends that round for everyone,
-                # and this node rejoins with a fresh port to offer as rank 0.
-                node = self._node
-                if node is not None:
-                    node.set_contact(_contact(s.local_addr))
+                # is still going (our workers restart), ends that round for everyone.
+                # Every arrival offers a port free then (contact_host), so each round's
+                # rank 0 gives a fresh MASTER_PORT, as c10d does.
                 round_ = self._join().next_rendezvous()
             except (_errors.RendezvousError, _errors.StoreError) as e:
                 raise torch_error(e) from e
@@ -386,7 +384,7 @@ def _handler_class() -> type:
                     node_id=s.node_id or _node_id(s.local_addr),
                     timeout=s.read_timeout,
                     **s.timing(),
-                    contact=_contact(s.local_addr),
+                    contact_host=s.local_addr or socket.getfqdn(),
                 )
             return self._node
 
@@ -443,16 +441,6 @@ def _handler_class() -> type:
     _ETCD_CLASS = _etcd.handler_class(RdzvRendezvousHandler, api, dist, torch_error)
     _CLASS = RdzvRendezvousHandler
     return _CLASS
-
-
-def _contact(local_addr: Optional[str]) -> str:
-    """What this node offers as ``MASTER_ADDR:MASTER_PORT`` should it be rank 0: its
-    address (``local_addr``, else its FQDN, as torch's ``RendezvousStoreInfo.build``) and a
-    port free now (torch's ``get_free_port``: bound on the wildcard address and released,
-    so, as with torch's own, it can be taken before the workers bind it)."""
-    from torch.distributed.elastic.utils.distributed import get_free_port
-
-    return f"{local_addr or socket.getfqdn()}:{get_free_port()}"
 
 
 def _node_id(local_addr: Optional[str]) -> str:

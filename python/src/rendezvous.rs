@@ -18,7 +18,9 @@ use pyo3::types::PyTuple;
 
 use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange, RoundOutcome};
 use rdzv_core::rendezvous::NodeParams;
-use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
+use rdzv_uring::rendezvous::elastic::{
+    default_node_id, Contact, ElasticFailure, ElasticRendezvous,
+};
 use rdzv_uring::rendezvous::etcd::machine_store;
 use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
 use rdzv_uring::store::tcp::TcpStore;
@@ -122,12 +124,17 @@ impl PyRound {
 ///
 /// ``ElasticRendezvous(host, port, run_id, min_nodes=1, max_nodes=None, node_id=None,
 /// join_timeout=600, last_call_timeout=30, keep_alive_interval=5,
-/// keep_alive_max_attempt=3, close_timeout=30, timeout=60, contact=None)`` connects to
+/// keep_alive_max_attempt=3, close_timeout=30, timeout=60, contact=None,
+/// contact_host=None)`` connects to
 /// the store at ``host:port`` (``timeout`` bounds connecting) and joins at once; a thread
 /// of its own then joins rounds, heartbeats and watches a peer, on that one connection
 /// (``store()``, ``is_closed()`` and a ``num_nodes_waiting()`` after a round ended open a
 /// second one on first use). ``contact`` is what this node tells the others when it is
-/// rank 0 (``set_contact``; every member gets it as ``Round.master``). Durations are seconds or
+/// rank 0 (``set_contact``; every member gets it as ``Round.master``); ``contact_host``
+/// offers ``contact_host:PORT`` instead, with a port free at each arrival, so that every
+/// round's rank 0 offers a fresh ``MASTER_PORT`` (c10d picks one per round; a node
+/// rejoins on its own as soon as its round ends, so a ``set_contact`` then may come a
+/// round late). Durations are seconds or
 /// ``timedelta``; the names are torchrun's ``--rdzv-conf`` keys.
 ///
 /// Rounds contain only live nodes, and a node that survives a re-rendezvous keeps its rank
@@ -199,6 +206,7 @@ impl PyElasticRendezvous {
         host, port, run_id, min_nodes = 1, max_nodes = None, node_id = None,
         join_timeout = None, last_call_timeout = None, keep_alive_interval = None,
         keep_alive_max_attempt = None, close_timeout = None, timeout = None, contact = None,
+        contact_host = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -216,7 +224,9 @@ impl PyElasticRendezvous {
         close_timeout: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
         contact: Option<String>,
+        contact_host: Option<String>,
     ) -> PyResult<Self> {
+        let contact = contact_of(contact, contact_host)?;
         let nodes = NodeRange::new(min_nodes, max_nodes.unwrap_or(min_nodes))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let mut settings = ElasticSettings::new(run_id.clone(), nodes);
@@ -265,7 +275,7 @@ impl PyElasticRendezvous {
                 connect,
                 settings,
                 node.clone(),
-                contact.as_deref(),
+                contact,
             )
             .map_err(errors::elastic)
         })?;
@@ -275,24 +285,26 @@ impl PyElasticRendezvous {
         ))
     }
 
-    /// ``ElasticRendezvous.etcd(url, node_id=None, contact=None)``: one node of the
+    /// ``ElasticRendezvous.etcd(url, node_id=None, contact=None, contact_host=None)``: one node of the
     /// elastic rendezvous kept in an etcd cluster,
     /// ``etcd://HOST:PORT[,HOST:PORT…]/RUN_ID?nodes=MIN:MAX&…`` (the query keys of
     /// ``elastic://``, plus ``etcd_prefix``). It joins at once and returns without waiting
     /// for a round, like the constructor; ``node_id`` (else the URL's ``node_id``, else
-    /// ``{host}_{pid}_0``) and ``contact`` as there. The rounds' stores
+    /// ``{host}_{pid}_0``), ``contact`` and ``contact_host`` as there. The rounds' stores
     /// (``round_store``) and ``store()`` are etcd keys under the URL's prefix.
     ///
     /// Raises ``ValueError`` for a URL it cannot parse; etcd being unreachable shows in
     /// ``next_rendezvous`` (``RendezvousConnectionError``, naming etcd and the endpoints).
     #[staticmethod]
-    #[pyo3(signature = (url, node_id = None, contact = None))]
+    #[pyo3(signature = (url, node_id = None, contact = None, contact_host = None))]
     fn etcd(
         py: Python<'_>,
         url: &str,
         node_id: Option<String>,
         contact: Option<String>,
+        contact_host: Option<String>,
     ) -> PyResult<Self> {
+        let contact = contact_of(contact, contact_host)?;
         let parsed =
             EtcdRendezvousUrl::parse(url).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let node = node_id
@@ -301,13 +313,8 @@ impl PyElasticRendezvous {
         let store: Arc<dyn Store> = Arc::new(machine_store(&parsed));
         let settings = parsed.elastic.settings.clone();
         let handle = py.detach(|| {
-            ElasticRendezvous::start_with_contact(
-                Arc::clone(&store),
-                settings,
-                node,
-                contact.as_deref(),
-            )
-            .map_err(errors::elastic)
+            ElasticRendezvous::start_with_contact(Arc::clone(&store), settings, node, contact)
+                .map_err(errors::elastic)
         })?;
         Ok(PyElasticRendezvous::from_handle(
             Arc::new(handle),
@@ -501,5 +508,21 @@ impl PyElasticRendezvous {
             self.handle.run_id(),
             self.has_left()
         )
+    }
+}
+
+/// The constructors' ``contact`` (fixed text) or ``contact_host`` (a free port at each
+/// arrival); not both.
+fn contact_of(contact: Option<String>, contact_host: Option<String>) -> PyResult<Option<Contact>> {
+    match (contact, contact_host) {
+        (Some(_), Some(_)) => Err(PyValueError::new_err(
+            "give contact (the same text every round) or contact_host (HOST:a free port at each arrival), not both",
+        )),
+        (Some(text), None) => Ok(Some(Contact::Fixed(text))),
+        (None, Some(host)) if host.is_empty() => Err(PyValueError::new_err(
+            "contact_host is empty: give the address the other nodes reach this one by",
+        )),
+        (None, Some(host)) => Ok(Some(Contact::FreePort { host })),
+        (None, None) => Ok(None),
     }
 }

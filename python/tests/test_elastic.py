@@ -58,6 +58,29 @@ def test_rank_zeros_contact_comes_with_the_round_on_one_connection_per_node(
     assert a.leave(timeout=10) and b.leave(timeout=10)
 
 
+def test_a_rejoining_rank_0_offers_a_fresh_port_with_contact_host(
+    server: rdzv.StoreServer,
+) -> None:
+    # torchrun's MASTER_PORT: c10d picks a free port every round. A node rejoins on its
+    # own as soon as its round ends, so contact_host picks the port at each arrival.
+    a = node(server, "fresh", "a", min_nodes=2, max_nodes=2, contact_host="a.example")
+    b = node(server, "fresh", "b", min_nodes=2, max_nodes=2, contact_host="b.example")
+    masters = []
+    after = None
+    for _ in range(3):
+        ra = a.next_round(after=after, timeout=20)
+        rb = b.next_round(after=after, timeout=20)
+        assert (ra.round, ra.rank, rb.rank) == (rb.round, 0, 1)
+        assert ra.master == rb.master and ra.master.startswith("a.example:")
+        masters.append(ra.master)
+        after = ra.round
+        b.worker_failed()
+    assert len(set(masters)) == 3, masters
+    with pytest.raises(ValueError, match="not both"):
+        node(server, "fresh", "c", contact="x:1", contact_host="x")
+    assert a.leave(timeout=10) and b.leave(timeout=10)
+
+
 def test_join_timeout_is_a_rendezvous_timeout_error(server: rdzv.StoreServer) -> None:
     lonely = node(server, "alone", "x", min_nodes=2, max_nodes=2, join_timeout=0.5)
     with pytest.raises(rdzv.RendezvousTimeoutError) as info:

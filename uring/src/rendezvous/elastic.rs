@@ -157,6 +157,45 @@ impl fmt::Debug for ElasticRendezvous {
     }
 }
 
+/// What this node offers the others as rank 0's contact (torchrun's `MASTER_ADDR` and
+/// `MASTER_PORT`), given at start so that its first arrival carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Contact {
+    /// The same text at every arrival, until [`ElasticRendezvous::set_contact`].
+    Fixed(String),
+    /// `{host}:{port}`, with a port free at each arrival: bound on the wildcard address
+    /// and released, as c10d's `get_free_port`. Every round's rank 0 then offers a fresh
+    /// `MASTER_PORT`, as torchrun's c10d backend does, even though a node rejoins the
+    /// next round on its own as soon as it sees its round end.
+    FreePort {
+        /// What the others reach this node by: `MASTER_ADDR`.
+        host: String,
+    },
+}
+
+impl Contact {
+    /// The contact to offer now: `Fixed`'s text, or `host` and a port free now.
+    ///
+    /// # Errors
+    /// When no port can be bound, with the address tried.
+    pub fn offer(&self) -> Result<String, std::io::Error> {
+        match self {
+            Contact::Fixed(text) => Ok(text.clone()),
+            Contact::FreePort { host } => {
+                let listener = std::net::TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, 0))
+                    .or_else(|_| std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)))
+                    .map_err(|e| {
+                        std::io::Error::new(
+                            e.kind(),
+                            format!("cannot find a free port to offer as {host}:PORT: bind [::]:0 and 0.0.0.0:0 failed: {e}"),
+                        )
+                    })?;
+                Ok(format!("{host}:{}", listener.local_addr()?.port()))
+            }
+        }
+    }
+}
+
 /// Opens the handle's own store connection, on first use.
 pub type StoreConnector = Box<dyn Fn() -> Result<Arc<dyn Store>, StoreError> + Send + Sync>;
 
@@ -197,7 +236,7 @@ impl ElasticRendezvous {
         store: Arc<dyn Store>,
         settings: ElasticSettings,
         node: impl Into<String>,
-        contact: Option<&str>,
+        contact: Option<Contact>,
     ) -> Result<Self, ElasticFailure> {
         let node = node.into();
         let driver_store = store.clone_store().map_err(|e| ElasticFailure::Store {
@@ -235,7 +274,8 @@ impl ElasticRendezvous {
     /// ([`ElasticRendezvous::set_contact`]) given before the driver starts, so that its
     /// first arrival carries it: a `set_contact` called after a start races the driver,
     /// whose first roster line may already be on its way without it (and then, were this
-    /// node rank 0, no member would get [`RoundOutcome::master`]).
+    /// node rank 0, no member would get [`RoundOutcome::master`]). With
+    /// [`Contact::FreePort`], every arrival offers a port free at that moment.
     ///
     /// # Errors
     /// [`ElasticFailure::Store`] when the driver thread cannot be started.
@@ -244,7 +284,7 @@ impl ElasticRendezvous {
         connect: StoreConnector,
         settings: ElasticSettings,
         node: impl Into<String>,
-        contact: Option<&str>,
+        contact: Option<Contact>,
     ) -> Result<Self, ElasticFailure> {
         let handle = HandleStore::Lazy {
             connect,
@@ -259,11 +299,21 @@ impl ElasticRendezvous {
         store: HandleStore,
         settings: ElasticSettings,
         node: String,
-        contact: Option<&str>,
+        contact: Option<Contact>,
     ) -> Result<Self, ElasticFailure> {
         let mut machine = ElasticNode::new(settings.clone(), node.clone());
+        let mut fresh = None;
         if let Some(contact) = contact {
-            machine.set_contact(contact);
+            let first = contact.offer().map_err(|e| ElasticFailure::Store {
+                node: node.clone(),
+                op: "offer a contact for",
+                key: String::new(),
+                error: e.to_string(),
+            })?;
+            machine.set_contact(&first);
+            if matches!(contact, Contact::FreePort { .. }) {
+                fresh = Some(contact);
+            }
         }
         machine.handle_local(LocalEvent::Join);
         let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
@@ -275,6 +325,7 @@ impl ElasticRendezvous {
             inbox,
             shared: Arc::clone(&shared),
             contact: Arc::clone(&contact),
+            fresh,
             epoch: StdInstant::now(),
         };
         let thread = std::thread::Builder::new()
@@ -316,7 +367,9 @@ impl ElasticRendezvous {
     /// What this node tells the others when it is rank 0 (torchrun: `addr:port` for
     /// `MASTER_ADDR` and `MASTER_PORT`); it goes with this node's next arrival, and rank
     /// 0's comes with every member's [`RoundOutcome::master`]
-    /// ([`ElasticNode::set_contact`]).
+    /// ([`ElasticNode::set_contact`]). A node rejoins on its own as soon as it sees its
+    /// round end, often before its caller hears of it, so a contact set then may come a
+    /// round late: for a fresh one in every round, start with [`Contact::FreePort`].
     pub fn set_contact(&self, contact: &str) {
         *lock_any(&self.contact) = Some(contact.to_string());
     }
@@ -603,6 +656,8 @@ struct Driver {
     inbox: Receiver<LocalEvent>,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     contact: Arc<Mutex<Option<String>>>,
+    /// Offers a fresh contact at each arrival ([`Contact::FreePort`]).
+    fresh: Option<Contact>,
     epoch: StdInstant,
 }
 
@@ -627,6 +682,16 @@ impl Driver {
             }
             if let Some(contact) = lock_any(&self.contact).take() {
                 self.machine.set_contact(&contact);
+            }
+            if let Some(fresh) = self.fresh.as_ref().filter(|_| self.machine.wants_contact()) {
+                match fresh.offer() {
+                    Ok(contact) => self.machine.set_contact(&contact),
+                    // The old contact goes out instead: its port was free when it was
+                    // picked, and may still be.
+                    Err(error) => {
+                        tracing::warn!(node = self.machine.node(), %error, "elastic rendezvous: keeping the last contact")
+                    }
+                }
             }
             let Some(action) = self.machine.poll_action(self.now()) else {
                 if self.machine.is_done() {

@@ -683,6 +683,9 @@ pub struct ElasticNode {
     closer: Option<u32>,
     /// This node's contact, written with its arrivals ([`ElasticNode::set_contact`]).
     contact: Option<String>,
+    /// Whether an arrival's roster line has carried `contact` already
+    /// ([`ElasticNode::wants_contact`]).
+    contact_carried: bool,
     /// The round and rank this node held last, for stable ranks.
     prev: Option<(u64, u32)>,
 }
@@ -710,6 +713,7 @@ impl ElasticNode {
             master: None,
             closer: None,
             contact: None,
+            contact_carried: false,
             prev: None,
         }
     }
@@ -719,7 +723,13 @@ impl ElasticNode {
     /// roster line, and rank 0's comes with the world to every member
     /// ([`RoundOutcome::master`]), at no extra store request. Whitespace, `,` and `;`
     /// become `?`; empty text clears it.
+    ///
+    /// It takes effect at this node's next arrival. A node rejoins as soon as it sees its
+    /// round end, before its driver's caller hears of it, so a contact that must be fresh
+    /// in every round (torchrun's free `MASTER_PORT`) is set when
+    /// [`ElasticNode::wants_contact`] says so.
     pub fn set_contact(&mut self, contact: &str) {
+        self.contact_carried = false;
         self.contact = (!contact.is_empty()).then(|| {
             contact
                 .chars()
@@ -732,6 +742,15 @@ impl ElasticNode {
                 })
                 .collect()
         });
+    }
+
+    /// Whether the next action announces an arrival (this node's roster line) with a
+    /// contact that an earlier arrival's line carried already. A driver that offers a
+    /// fresh contact in every round (c10d picks a free `MASTER_PORT` for each) calls
+    /// [`ElasticNode::set_contact`] when this is true, before
+    /// [`ElasticNode::poll_action`]; the node's old contact is used otherwise.
+    pub fn wants_contact(&self) -> bool {
+        !self.awaiting && self.contact_carried && matches!(self.step, Step::Announce { .. })
     }
 
     /// The settings.
@@ -786,6 +805,9 @@ impl ElasticNode {
             self.apply_local(event, now);
         }
         let action = self.action(now)?;
+        if matches!(self.step, Step::Announce { .. }) {
+            self.contact_carried = true;
+        }
         self.wait_until = match &action {
             StoreAction::Wait { until, .. } | StoreAction::Pause { until } => Some(*until),
             _ => None,

@@ -184,6 +184,9 @@ struct SimNode {
     gone_at: Option<Instant>,
     /// When it learnt that a round was over.
     overs: Vec<(u64, Instant)>,
+    /// The contacts it has offered, when it offers a fresh one at every arrival (as
+    /// torchrun's driver offers a free port): `{name}:{n}` for the n-th.
+    fresh_contacts: Option<u32>,
 }
 
 /// A round as it closed: the winning write of its size.
@@ -246,6 +249,7 @@ impl Sim {
             ops: 0,
             gone_at: None,
             overs: Vec::new(),
+            fresh_contacts: None,
         });
         self.nodes.len() - 1
     }
@@ -258,6 +262,15 @@ impl Sim {
             return false;
         }
         if node.pending.is_none() {
+            if let Some(n) = node
+                .fresh_contacts
+                .as_mut()
+                .filter(|_| node.machine.wants_contact())
+            {
+                *n += 1;
+                let contact = format!("{}:{n}", node.machine.node());
+                node.machine.set_contact(&contact);
+            }
             node.pending = node.machine.poll_action(now);
         }
         let Some(action) = node.pending.as_ref() else {
@@ -876,6 +889,46 @@ fn rank_zeros_contact_comes_with_the_world() {
     sim.join("b");
     sim.run_for(Duration::ZERO);
     assert_eq!(sim.last_complete(a).unwrap().master, None);
+}
+
+#[test]
+fn a_rejoining_rank_0_offers_a_fresh_contact() {
+    // torchrun's MASTER_PORT: c10d picks a free port for every round, so rank 0 must not
+    // offer the port its workers of the round before held. A node rejoins on its own as
+    // soon as it sees its round end, so the machine asks for a fresh contact then.
+    let mut sim = Sim::new(settings(2, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    for i in [a, b] {
+        sim.nodes[i].fresh_contacts = Some(1);
+        let contact = format!("{}:1", sim.nodes[i].machine.node());
+        sim.nodes[i].machine.set_contact(&contact);
+        assert!(!sim.nodes[i].machine.wants_contact());
+    }
+    sim.run_for(secs(1));
+    let first = sim.last_complete(a).unwrap();
+    assert_eq!((first.round, first.rank), (0, 0));
+    assert_eq!(first.master.as_deref(), Some("a:1"));
+    // b's workers fail: b ends round 0, and both rejoin round 1 at once.
+    sim.nodes[b].machine.handle_local(LocalEvent::WorkerFailed);
+    sim.run_for(secs(3));
+    for i in [a, b] {
+        let o = sim.last_complete(i).unwrap();
+        assert_eq!(o.round, 1, "node {i}");
+        assert_eq!(o.master.as_deref(), Some("a:2"), "node {i}: {o:?}");
+    }
+    assert_eq!(sim.last_complete(a).unwrap().rank, 0);
+    // A node that does not refresh its contact keeps offering the one it has.
+    let mut sim = Sim::new(settings(2, 2));
+    let a = sim.join("a");
+    let b = sim.join("b");
+    sim.nodes[a].machine.set_contact("a:1");
+    sim.run_for(secs(1));
+    sim.nodes[b].machine.handle_local(LocalEvent::WorkerFailed);
+    sim.run_for(secs(3));
+    let o = sim.last_complete(b).unwrap();
+    assert_eq!((o.round, o.master.as_deref()), (1, Some("a:1")));
+    sim.check_agreement();
 }
 
 #[test]
