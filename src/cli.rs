@@ -49,7 +49,7 @@ enum Command {
     Demo(crate::demo::DemoArgs),
     /// Measure a store: round-trip latency, throughput, connection storms.
     #[command(subcommand)]
-    Bench(crate::bench::BenchCommand),
+    Bench(rdzv_bench::BenchCommand),
     /// Inspect the RDMA and CUDA stacks of this host.
     #[command(subcommand)]
     Rdma(RdmaOp),
@@ -306,7 +306,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Store(args) => store(args),
         Command::Demo(args) => crate::demo::run(args),
-        Command::Bench(command) => Ok(crate::bench::run(command)?),
+        Command::Bench(command) => Ok(rdzv_bench::run(command)?),
         Command::DemoWorker(args) => crate::demo::worker(args),
         Command::Rendezvous(args) => crate::elastic_cli::run(args),
         Command::Completions { shell } => {

@@ -1,7 +1,6 @@
 //! The `rdzv` command line: run a store, talk to one, and see rendezvous work.
 
 mod args;
-mod bench;
 mod cli;
 mod demo;
 mod elastic_cli;

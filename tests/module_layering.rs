@@ -1,6 +1,6 @@
 //! No import circle in any crate of the workspace: a module uses only modules below it.
 //!
-//! This test reads the sources of every crate (core, uring, rdma, test-support and the
+//! This test reads the sources of every crate (core, uring, rdma, bench, test-support and the
 //! `rdzv` binary's `src/`), builds each crate's module graph and fails on any cycle,
 //! printing it. The graph's nodes are the modules that have a file (an inline `mod x { }`
 //! is part of its file's module); a file's `mod x;` declarations give the tree. Its edges
@@ -33,6 +33,7 @@ const CRATES: &[(&str, &str)] = &[
     ("rdzv_uring", "uring/src/lib.rs"),
     ("rdzv_rdma", "rdma/src/lib.rs"),
     ("rdzv_test_support", "test-support/src/lib.rs"),
+    ("rdzv_bench", "bench/src/lib.rs"),
     ("rdzv", "src/main.rs"),
 ];
 

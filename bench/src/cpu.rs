@@ -29,7 +29,7 @@ impl Process {
 
 /// Why a process's CPU time could not be had.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum CpuTimeError {
+pub enum CpuTimeError {
     /// The stat file cannot be read (the process is gone, or this is not Linux).
     #[error("cannot read {path}: {source}")]
     Read {

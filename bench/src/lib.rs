@@ -1,3 +1,7 @@
+//! `rdzv-bench`: the benchmarks behind `rdzv bench` (the CLI calls [`run`]), a crate of
+//! their own so that the facade stays re-exports and the CLI, and the load generators'
+//! dependencies (mio, hdrhistogram, indicatif, plotters) stay out of the library.
+//!
 //! `rdzv bench store`: measure a TCPStore server with the real protocol.
 //!
 //! Without `--addr` it starts rdzv's own server (`rdzv_uring::StoreServer`) in this
@@ -41,15 +45,18 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::store::Request;
 
-pub(crate) use error::BenchError;
+pub use cpu::CpuTimeError;
+pub use error::BenchError;
 use harness::{ensure_fd_limit, key_prefix, seconds, write_report, Target};
+pub use rendezvous::RendezvousBenchArgs;
 use report::{
     BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
 };
+pub use rpc::RpcBenchArgs;
 
 /// What `rdzv bench` measures.
 #[derive(Debug, Subcommand)]
-pub(crate) enum BenchCommand {
+pub enum BenchCommand {
     /// Measure a TCPStore server (rdzv's embedded one, or any at --addr): latency,
     /// throughput, connection storms, and a raw TCP baseline.
     Store(StoreBenchArgs),
@@ -75,7 +82,7 @@ pub(crate) enum BenchCommand {
 
 /// Options of `rdzv bench store`.
 #[derive(Debug, Args)]
-pub(crate) struct StoreBenchArgs {
+pub struct StoreBenchArgs {
     /// The store to measure, as HOST:PORT. Without it, an rdzv store server is started in
     /// this process on 127.0.0.1.
     #[arg(long, global = true)]
@@ -175,7 +182,7 @@ pub(crate) fn new_histogram() -> Result<Histogram<u64>, BenchError> {
 }
 
 /// Runs `rdzv bench ...`.
-pub(crate) fn run(command: BenchCommand) -> Result<ExitCode, BenchError> {
+pub fn run(command: BenchCommand) -> Result<ExitCode, BenchError> {
     match command {
         BenchCommand::Store(args) => store(args),
         BenchCommand::Plot { input, out } => plot_file(&input, &out),

@@ -24,7 +24,7 @@ use super::payload::Payload;
 use super::row::{human_size, Row, RunMode};
 use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
-use crate::bench::BenchError;
+use crate::BenchError;
 
 /// Starts rank 0's agent with `options`, measures every `(payload bytes, iterations)`,
 /// and leaves the group (also after a failure).

@@ -6,7 +6,7 @@
 //! Building and checking happen outside the timed section. This module does not time or
 //! move anything.
 
-use crate::bench::BenchError;
+use crate::BenchError;
 
 /// The pattern of one payload size.
 #[derive(Debug, Clone)]

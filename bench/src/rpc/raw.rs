@@ -26,7 +26,7 @@ use indicatif::ProgressBar;
 
 use super::payload::Payload;
 use super::row::{Row, RunMode, NO_CHANNEL};
-use crate::bench::BenchError;
+use crate::BenchError;
 
 /// The transport name of the raw rows.
 pub(super) const RAW_TCP: &str = "raw-tcp";

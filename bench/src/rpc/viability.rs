@@ -19,7 +19,7 @@ use super::spec::Channels;
 pub(super) const DEFAULT_TRANSPORTS: [TransportKind; 3] =
     [TransportKind::Tcp, TransportKind::Shm, TransportKind::Ibv];
 
-pub(super) use crate::error_chain;
+pub(super) use rdzv_uring::rpc::error_chain;
 
 /// This host's shared-memory domain (`shm:<boot id>_<net namespace>`), when shm works.
 pub(super) fn shm_domain() -> Option<String> {

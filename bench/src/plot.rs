@@ -137,7 +137,7 @@ fn line(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::report::LatencySummary;
+    use crate::report::LatencySummary;
 
     fn point(target: &str, conns: usize, ops: f64, p99: f64) -> ThroughputResult {
         ThroughputResult {

@@ -70,7 +70,7 @@ and no measurement fields.";
 /// Options of `rdzv bench rpc`.
 #[derive(Debug, Args)]
 #[command(after_long_help = TWO_HOST_HELP)]
-pub(crate) struct RpcBenchArgs {
+pub struct RpcBenchArgs {
     /// Payload sizes, comma-separated, in bytes or with a K, M or G suffix (powers of 1024:
     /// 4K, 64MiB). Default: 0,64M locally; 0,64,4K,64K,1M,16M,64M with --connect;
     /// 0,4K,1M,16M,64M,256M with a CUDA channel.

@@ -22,7 +22,7 @@ use rdzv_rdma::cuda::CudaViability;
 use super::payload::Payload;
 use super::row::{human_size, Row, RunMode, NO_CHANNEL};
 use super::viability::error_chain;
-use crate::bench::BenchError;
+use crate::BenchError;
 
 /// The transport name of the device-to-device limit rows.
 pub(super) const CUDA_D2D: &str = "cuda-d2d";

@@ -13,7 +13,7 @@ use rdzv_core::store::codec::DecodeError;
 /// What can go wrong in a benchmark: measuring a store, running the RPC pair, drawing.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub(crate) enum BenchError {
+pub enum BenchError {
     /// `--addr` did not resolve.
     #[error("cannot resolve the store address {addr}: {source}")]
     Resolve {

@@ -38,7 +38,7 @@ const TORCHRUN_BLOB_BYTES_PER_NODE: f64 = 113.0;
 
 /// Options of `rdzv bench rendezvous`.
 #[derive(Debug, Args)]
-pub(crate) struct RendezvousBenchArgs {
+pub struct RendezvousBenchArgs {
     /// How many nodes join (one round of exactly this many).
     #[arg(long, default_value_t = 1024)]
     nodes: u32,

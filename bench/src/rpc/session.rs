@@ -42,7 +42,7 @@ use super::raw::{self, RawEchoServer};
 use super::row::{Row, RunMode, Skip};
 use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::{pair_here, pair_on_serving_side, shm_domain};
-use crate::bench::BenchError;
+use crate::BenchError;
 
 /// The rendezvous scheme of the benchmark's agents.
 const SCHEME: &str = "rdzvbench";
