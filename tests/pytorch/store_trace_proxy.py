@@ -7,7 +7,7 @@ Forwards every byte both ways unchanged and writes one line per client request t
 `<connection> <QUERY> <keys…>` (values are left out). Used by `torchrun.sh` to record
 which keys and operations torchrun's modes send to `rdzv store serve`; the summary it
 prints (operations counted per query type, keys with numbers replaced by N) is what
-README's "torchrun" section documents. Investigation tooling: nothing in CI runs it.
+docs/pytorch.md documents. Investigation tooling: nothing in CI runs it.
 """
 import asyncio
 import struct

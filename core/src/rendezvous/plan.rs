@@ -81,7 +81,7 @@ pub struct TcpStorePlan {
     /// PyTorch 2.4 and later (checked in 2.11 and 2.15) use the bare store, saying the
     /// agent makes a new TCPStore for every restart (2.15's c10d rendezvous handler in
     /// fact keeps one for the whole job unless `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`,
-    /// so a restart sees the previous attempt's keys: README, "Restarts"). Older
+    /// so a restart sees the previous attempt's keys: docs/pytorch.md, "Restarts"). Older
     /// PyTorch (the seeds' `_create_c10d_store`) wrapped the agent's store in
     /// `PrefixStore(f"/worker/attempt_{TORCHELASTIC_RESTART_COUNT}")`; a job that mixes
     /// rdzv ranks with such a PyTorch sets [`ATTEMPT_PREFIX_VAR`]`=1` to get the same

@@ -51,7 +51,7 @@
 //! This module does not read files, hold sockets or log: the runtime hands it the file's
 //! bytes, the peer's address and the decoded requests. It gives no confidentiality:
 //! tokens travel in clear, so use tokens on trusted networks or together with the
-//! allowlist (see README's "Limits and security" → "Access control").
+//! allowlist (see docs/operators.md, "Access control").
 
 use core::fmt;
 use core::net::{IpAddr, Ipv4Addr};
