@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 SCRIPT = re.compile(r"(?:^|\s)((?:benches|\.ci|tests|rdma|contrib|python)/[\w./-]+\.(?:py|sh)|rdma/softroce/run)\b")
 WORD = re.compile(r"^[a-z][a-z0-9-]*$")
+# Options of `rdzv` and `rdzv store` that may come before a subcommand.
+GLOBAL_WITH_VALUE = {"--addr", "--token-file", "--log-format", "-o", "--connect-timeout"}
+GLOBAL_FLAGS = {"--hex", "--json"}
 
 
 def slug(heading: str) -> str:
@@ -91,14 +94,15 @@ def subcommand(line: str) -> list[str] | None:
     rest = cargo.group(1) if cargo else (match.group(1) if match else None)
     if rest is None:
         return None
-    words = []
-    for word in rest.split():
-        if word.startswith("-"):
-            # Global options that take a value come before the subcommand.
-            if word in ("--addr", "--token-file", "--log-format", "-o") and not words:
-                return None  # `rdzv store --addr X op`: covered by `rdzv store op` lines
-            break
-        if not WORD.match(word):
+    words: list[str] = []
+    tokens = iter(rest.split())
+    for word in tokens:
+        if word in GLOBAL_WITH_VALUE:
+            next(tokens, None)  # `rdzv store --addr X set ...`: the subcommand follows
+            continue
+        if word in GLOBAL_FLAGS:
+            continue
+        if word.startswith("-") or not WORD.match(word):
             break
         words.append(word)
     return words
