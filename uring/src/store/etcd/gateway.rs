@@ -2,21 +2,36 @@
 //!
 //! [`Gateway`] posts JSON to `/v3/kv/range`, `/v3/kv/txn`, `/v3/kv/deleterange` and
 //! streams `/v3/watch` on one member at a time. A member that refuses the connection, or
-//! answers that it cannot serve now (gRPC `Unavailable`, `ResourceExhausted`), is left for
-//! the next endpoint; after a full turn over the endpoints it backs off (25 ms doubling to
-//! 500 ms, jittered) until the caller's deadline. A request that may have been applied
-//! (its answer was lost, or etcd timed out) is resent too: callers send only idempotent
-//! requests or compare-guarded transactions ([`Retry::Conditional`]), and for the latter
-//! the gateway reports the lost copy so that a failed compare is not taken as someone
-//! else's write. etcd's refusals of the request itself (InvalidArgument and the like)
-//! fail at once. The member that served last is tried first next time.
+//! answers that it cannot serve now (gRPC `Unavailable`, `ResourceExhausted`, a dropped
+//! proposal), is left for the next endpoint; after a full turn over the endpoints it backs
+//! off (25 ms doubling to 500 ms, jittered) until the caller's deadline. The member that
+//! served last is tried first next time.
+//!
+//! **Tries** ([`Pace`]). When the leader dies, a member that forwarded a proposal to it
+//! holds the request for etcd's own request timeout (5 s plus two election timeouts: 7 s
+//! by default) before it answers "request timed out". So the first try of an idempotent
+//! request lasts [`FIRST_TRY`]; if it runs out, the gateway connects to every member: if
+//! one is gone, it leaves the try and goes on with short tries on the others until an
+//! election must be over, and the member that knows the new leader answers
+//! (`benches/etcd_failover.py` measures it); if all answer, the cluster is slow, not
+//! broken, and the request is asked again of the same member and waits for etcd's answer,
+//! as do the gateway's requests of the next [`PATIENCE`]. A compare-guarded transaction
+//! ([`Retry::Conditional`]) always waits for etcd's answer: resent early on a cluster that
+//! is slow but well, it would turn a success into an unknown outcome.
+//!
+//! **Resending.** A request that may have been applied (its answer was lost, or etcd timed
+//! out) is resent too: callers send only idempotent requests or compare-guarded
+//! transactions, and for the latter the gateway reports the lost copy so that a failed
+//! compare is not taken as someone else's write. etcd's refusals of the request itself
+//! (InvalidArgument and the like) fail at once.
 //!
 //! It knows etcd's wire format (base64 keys and values, 64-bit integers as JSON strings,
 //! fields left out when zero) and nothing about the c10d store built on it.
 
 use std::io::Read;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD;
@@ -35,6 +50,63 @@ const BACKOFF_START: Duration = Duration::from_millis(25);
 const BACKOFF_MAX: Duration = Duration::from_millis(500);
 /// The longest one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the first try of an idempotent request on one member may take before the
+/// gateway looks at whether a member is down.
+const FIRST_TRY: Duration = Duration::from_millis(500);
+/// How long etcd may take to elect a new leader: its default election timeout is 1 s,
+/// randomized up to 2 s, and a member may need one more round of votes. Past it, each
+/// try lasts twice as long as the one before.
+const ELECTION_WINDOW: Duration = Duration::from_secs(3);
+/// How long a gateway that found every member reachable behind a slow try lets later
+/// requests wait for their answers without looking again.
+const PATIENCE: Duration = Duration::from_secs(10);
+/// How long a probe's connection to one member may take.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// How a request paces its tries on the members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// A short first try; if it runs out, probe the members ([`Pace::after_timeout`]).
+    Probe,
+    /// A member is down (it refused a connection, or a probe found it gone): the leader
+    /// may have died with proposals forwarded to it, so short tries until an election
+    /// must be over, then each twice the one before.
+    Failover,
+    /// Every member is reachable and the cluster is slow: each try waits for etcd's own
+    /// answer. So do compare-guarded transactions always (resent early on a cluster that
+    /// is slow but well, one would turn a success into an unknown outcome).
+    Whole,
+}
+
+impl Pace {
+    /// How long the next try may last, `elapsed` into the request with `remaining` left,
+    /// when the previous try was given `previous`.
+    fn limit(self, elapsed: Duration, previous: Duration, remaining: Duration) -> Duration {
+        let wanted = match self {
+            Pace::Probe => FIRST_TRY,
+            Pace::Failover if elapsed < ELECTION_WINDOW => FIRST_TRY,
+            Pace::Failover => previous.saturating_mul(2).max(FIRST_TRY),
+            Pace::Whole => remaining,
+        };
+        wanted.min(remaining).max(Duration::from_millis(1))
+    }
+
+    /// The pace after a try that failed at once (a refused connection, a member that
+    /// cannot serve now): that member is down or lost its leader.
+    fn after_refusal(self) -> Pace {
+        Pace::Failover
+    }
+
+    /// The pace after a try that ran out of its time, given whether every member
+    /// accepts a connection (asked only when it matters, by `all_reachable`).
+    fn after_timeout(self, all_reachable: impl FnOnce() -> bool) -> Pace {
+        match self {
+            Pace::Probe if all_reachable() => Pace::Whole,
+            Pace::Probe => Pace::Failover,
+            other => other,
+        }
+    }
+}
 
 /// Whether a request may be sent again when its first try may have been applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +129,9 @@ pub(crate) struct Gateway {
     agent: ureq::Agent,
     /// HTTP requests posted (watches included), shared with [`Gateway::duplicate`]s.
     requests: Arc<AtomicU64>,
+    /// Until when requests wait for etcd's own answers ([`Pace::Whole`]): set when a
+    /// slow try found every member reachable.
+    patient_until: Mutex<Option<Instant>>,
 }
 
 /// A base64 string of bytes.
@@ -269,6 +344,9 @@ fn unsent(err: &ureq::Error) -> bool {
 /// member without a leader, not yet capable, unhealthy, or a learner.
 fn refused_before_proposal(code: i64, message: &str) -> bool {
     code == 8
+        // A candidate (or a follower that lost its leader) drops proposals outright; etcd
+        // 3.4 passes raft's error on with code Unknown.
+        || message.contains("raft proposal dropped")
         || (code == 14
             && [
                 "no leader",
@@ -303,6 +381,7 @@ impl Gateway {
             current: AtomicUsize::new(0),
             agent,
             requests: Arc::new(AtomicU64::new(0)),
+            patient_until: Mutex::new(None),
         }
     }
 
@@ -327,11 +406,37 @@ impl Gateway {
         self.endpoints.join(",")
     }
 
+    /// Whether requests now wait for etcd's own answers (see [`Pace::Whole`]).
+    fn patient(&self) -> bool {
+        let until = self
+            .patient_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        until.is_some_and(|until| Instant::now() < until)
+    }
+
+    fn be_patient(&self) {
+        *self
+            .patient_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + PATIENCE);
+    }
+
+    /// Whether every member accepts a TCP connection within [`PROBE_TIMEOUT`].
+    fn all_reachable(&self) -> bool {
+        self.endpoints.iter().all(|endpoint| {
+            endpoint.to_socket_addrs().is_ok_and(|mut addrs| {
+                addrs.any(|addr| TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).is_ok())
+            })
+        })
+    }
+
     /// Runs `attempt` on one member after another, with backoff after each full turn,
     /// until it succeeds, fails for good, or `deadline` passes.
     fn with_failover<T>(
         &self,
         op: &'static str,
+        retry: Retry,
         deadline: Instant,
         mut attempt: impl FnMut(&str, Duration) -> Attempt<T>,
     ) -> Result<T, EtcdError> {
@@ -339,6 +444,12 @@ impl Gateway {
         let count = self.endpoints.len().max(1);
         let mut backoff = BACKOFF_START;
         let mut attempts = 0u32;
+        let mut previous = Duration::ZERO;
+        let mut pace = match retry {
+            Retry::Conditional => Pace::Whole,
+            Retry::Idempotent if self.patient() => Pace::Whole,
+            Retry::Idempotent => Pace::Probe,
+        };
         let mut index = self.current.load(Ordering::Relaxed) % count;
         let mut last: Option<EtcdError> = None;
         loop {
@@ -351,13 +462,27 @@ impl Gateway {
                 break;
             };
             attempts += 1;
-            match attempt(endpoint, remaining.max(Duration::from_millis(1))) {
+            let limit = pace.limit(started.elapsed(), previous, remaining);
+            previous = limit;
+            let tried = Instant::now();
+            match attempt(endpoint, limit) {
                 Attempt::Done(value) => {
                     self.current.store(index, Ordering::Relaxed);
                     return Ok(value);
                 }
                 Attempt::Fail(err) => return Err(err),
                 Attempt::Next(err) => last = Some(err),
+            }
+            if tried.elapsed() + Duration::from_millis(5) < limit {
+                pace = pace.after_refusal();
+            } else {
+                let was = pace;
+                pace = pace.after_timeout(|| self.all_reachable());
+                if (was, pace) == (Pace::Probe, Pace::Whole) {
+                    // Slow, not gone: ask the same member again and wait for its answer.
+                    self.be_patient();
+                    continue;
+                }
             }
             index = (index + 1) % count;
             if (attempts as usize).is_multiple_of(count) {
@@ -422,7 +547,7 @@ impl Gateway {
     ) -> Result<(T, Option<EtcdError>), EtcdError> {
         let mut ambiguous: Option<EtcdError> = None;
         let body = body.to_string();
-        self.with_failover(op, deadline, |endpoint, timeout| {
+        self.with_failover(op, retry, deadline, |endpoint, timeout| {
             let transport = |source| EtcdError::Transport {
                 endpoint: endpoint.to_string(),
                 op,
@@ -505,33 +630,41 @@ impl Gateway {
             }});
             body.push_str(&create.to_string());
         }
-        self.with_failover("watch", connect_deadline, |endpoint, _| {
-            let timeout = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            let transport = |source| EtcdError::Transport {
-                endpoint: endpoint.to_string(),
-                op: "watch",
-                source,
-            };
-            match self.post(endpoint, "/v3/watch", body.as_bytes(), timeout) {
-                Ok(reply) if reply.status().as_u16() == 200 => {
-                    let reader: Box<dyn Read + Send> = Box::new(reply.into_body().into_reader());
-                    Attempt::Done(WatchStream {
-                        endpoint: endpoint.to_string(),
-                        lines: serde_json::Deserializer::from_reader(reader).into_iter(),
-                    })
-                }
-                Ok(reply) => Attempt::Next(EtcdError::Server {
+        // A watch's stream lasts until `deadline`: `connect_deadline` bounds only the
+        // failover while it opens.
+        self.with_failover(
+            "watch",
+            Retry::Idempotent,
+            connect_deadline,
+            |endpoint, _| {
+                let timeout = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                let transport = |source| EtcdError::Transport {
                     endpoint: endpoint.to_string(),
                     op: "watch",
-                    code: 0,
-                    status: reply.status().as_u16(),
-                    message: "the watch was refused".into(),
-                }),
-                Err(err) => Attempt::Next(transport(err)),
-            }
-        })
+                    source,
+                };
+                match self.post(endpoint, "/v3/watch", body.as_bytes(), timeout) {
+                    Ok(reply) if reply.status().as_u16() == 200 => {
+                        let reader: Box<dyn Read + Send> =
+                            Box::new(reply.into_body().into_reader());
+                        Attempt::Done(WatchStream {
+                            endpoint: endpoint.to_string(),
+                            lines: serde_json::Deserializer::from_reader(reader).into_iter(),
+                        })
+                    }
+                    Ok(reply) => Attempt::Next(EtcdError::Server {
+                        endpoint: endpoint.to_string(),
+                        op: "watch",
+                        code: 0,
+                        status: reply.status().as_u16(),
+                        message: "the watch was refused".into(),
+                    }),
+                    Err(err) => Attempt::Next(transport(err)),
+                }
+            },
+        )
     }
 }
 
@@ -547,7 +680,69 @@ mod tests {
     }
 
     #[test]
+    fn a_first_try_is_short_and_a_slow_one_waits_once_every_member_answers() {
+        let plenty = Duration::from_secs(600);
+        let half = FIRST_TRY;
+        let zero = Duration::ZERO;
+        assert_eq!(Pace::Probe.limit(zero, zero, plenty), half);
+        // Slow, every member reachable: the next try waits for etcd's answer.
+        assert_eq!(Pace::Probe.after_timeout(|| true), Pace::Whole);
+        assert_eq!(Pace::Whole.limit(zero, half, plenty), plenty);
+        // Slow, a member gone: the leader may have died; short tries on the others.
+        assert_eq!(Pace::Probe.after_timeout(|| false), Pace::Failover);
+        // The probe is asked only where it decides something.
+        let asked = |pace: Pace| pace.after_timeout(|| panic!("probed in {pace:?}"));
+        assert_eq!(asked(Pace::Failover), Pace::Failover);
+        assert_eq!(asked(Pace::Whole), Pace::Whole);
+        assert_eq!(Pace::Probe.after_refusal(), Pace::Failover);
+        assert_eq!(Pace::Whole.after_refusal(), Pace::Failover);
+    }
+
+    #[test]
+    fn in_failover_tries_stay_short_through_an_election_then_double() {
+        let plenty = Duration::from_secs(600);
+        let half = FIRST_TRY;
+        let during = ELECTION_WINDOW - Duration::from_millis(100);
+        let f = Pace::Failover;
+        assert_eq!(f.limit(during, half, plenty), half);
+        assert_eq!(
+            f.limit(ELECTION_WINDOW, half, plenty),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            f.limit(ELECTION_WINDOW, Duration::from_secs(4), plenty),
+            Duration::from_secs(8)
+        );
+        assert_eq!(f.limit(ELECTION_WINDOW, plenty, plenty), plenty);
+        let short = Duration::from_millis(300);
+        assert_eq!(
+            Pace::Probe.limit(Duration::ZERO, Duration::ZERO, short),
+            short
+        );
+        assert_eq!(
+            f.limit(ELECTION_WINDOW, half, Duration::ZERO),
+            Duration::from_millis(1)
+        );
+    }
+
+    #[test]
+    fn a_probe_finds_a_closed_port_unreachable() {
+        let open = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (open_addr, closed_addr) = (open.local_addr().unwrap(), closed.local_addr().unwrap());
+        drop(closed);
+        let both = Gateway::new(vec![open_addr.to_string()]);
+        assert!(both.all_reachable());
+        let one_gone = Gateway::new(vec![open_addr.to_string(), closed_addr.to_string()]);
+        assert!(!one_gone.all_reachable());
+        assert!(!one_gone.patient());
+        one_gone.be_patient();
+        assert!(one_gone.patient());
+    }
+
+    #[test]
     fn only_refusals_before_raft_are_safe_to_resend() {
+        assert!(refused_before_proposal(2, "raft proposal dropped"));
         assert!(refused_before_proposal(14, "etcdserver: no leader"));
         assert!(refused_before_proposal(8, "etcdserver: too many requests"));
         assert!(!refused_before_proposal(
