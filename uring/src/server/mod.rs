@@ -317,14 +317,13 @@ impl StoreServer {
                 what: "cannot read the listening socket's address",
                 source: io::Error::new(io::ErrorKind::AddrNotAvailable, "not an IP socket"),
             })?;
-        match listener::somaxconn() {
-            Some(max) if (max as i64) < listener::REQUESTED_BACKLOG as i64 => tracing::warn!(
+        if let Some(max) = listener::backlog_cap(listener::somaxconn(), listener::REQUESTED_BACKLOG)
+        {
+            tracing::info!(
                 somaxconn = max,
-                "the listen backlog is capped at net.core.somaxconn={max}; connection storms \
-                 of more ranks than that may see resets. Raise it with \
-                 `sysctl -w net.core.somaxconn=65535`"
-            ),
-            _ => {}
+                "the listen backlog is {max} (net.core.somaxconn); `--world-size` warns when \
+                 more ranks than that may connect at once"
+            );
         }
         let shared = Arc::new(Shared {
             addr,
