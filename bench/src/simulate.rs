@@ -124,7 +124,7 @@ fn address(rank: usize) -> Vec<u8> {
 }
 
 fn tick(bar: &ProgressBar, done: usize) {
-    if done % PROGRESS_EVERY == 0 {
+    if done.is_multiple_of(PROGRESS_EVERY) {
         bar.set_position(done as u64);
     }
 }
