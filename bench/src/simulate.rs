@@ -19,6 +19,8 @@
 //! What this does not measure: sockets, the event loops and the kernel (`storm` does, up
 //! to the descriptor limit).
 
+use std::io::Write as _;
+
 use indicatif::ProgressBar;
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
@@ -109,18 +111,20 @@ fn one_key(encoded: &mut Vec<u8>, key: &[u8]) {
     encoded.extend_from_slice(key);
 }
 
-fn address_key(rank: usize) -> Vec<u8> {
-    format!("rdzv-sim/addr/{rank}").into_bytes()
+/// `rank`'s address key, written into `buf` (reused: the simulation allocates nothing per
+/// request of its own, so that its time is the step's).
+fn address_key(buf: &mut Vec<u8>, rank: usize) -> &[u8] {
+    buf.clear();
+    let _ = write!(buf, "rdzv-sim/addr/{rank}");
+    buf
 }
 
-fn address(rank: usize) -> Vec<u8> {
-    format!(
-        "10.{}.{}.{}:29500",
-        (rank >> 16) & 255,
-        (rank >> 8) & 255,
-        rank & 255
-    )
-    .into_bytes()
+/// `rank`'s address, written into `buf`.
+fn address(buf: &mut Vec<u8>, rank: usize) -> &[u8] {
+    buf.clear();
+    let (a, b, c) = ((rank >> 16) & 255, (rank >> 8) & 255, rank & 255);
+    let _ = write!(buf, "10.{a}.{b}.{c}:29500");
+    buf
 }
 
 fn tick(bar: &ProgressBar, done: usize) {
@@ -243,25 +247,24 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
     // 3. The all-gather: every rank publishes its address, then reads its neighbour's.
     bar.set_message(format!("{ranks}: all-gather"));
     let start = thread_cpu_seconds();
+    let (mut key_buf, mut value_buf) = (Vec::new(), Vec::new());
     for rank in 0..ranks {
-        let (key, value) = (address_key(rank), address(rank));
-        sim.serve(
-            rank,
-            &Request::Set {
-                key: &key,
-                value: &value,
-            },
-        )?;
+        let set = Request::Set {
+            key: address_key(&mut key_buf, rank),
+            value: address(&mut value_buf, rank),
+        };
+        sim.serve(rank, &set)?;
         tick(bar, 2 * ranks + rank);
     }
     for rank in 0..ranks {
         let peer = (rank + 1) % ranks;
-        let key = address_key(peer);
-        let get = Request::Get { key: &key };
+        let get = Request::Get {
+            key: address_key(&mut key_buf, peer),
+        };
         sim.serve(rank, &get)?;
-        let expected = address(peer);
+        let expected = address(&mut value_buf, peer);
         match sim.reply(rank, &get)? {
-            ResponseView::Value(value) if value == expected.as_slice() => {}
+            ResponseView::Value(value) if value == expected => {}
             other => return Err(sim.fail(rank, format!("GET of rank {peer} read {other:?}"))),
         }
         tick(bar, 3 * ranks + rank);

@@ -272,9 +272,77 @@ struct PendingWait {
     remaining: usize,
     /// Every key it registered on, `None` once that registration was satisfied: the
     /// keys whose [`Registrations`] still hold it, for cancellation.
-    keys: Vec<Option<Box<[u8]>>>,
+    keys: WaitKeys,
     /// What it is charged against the store budget.
     cost: usize,
+}
+
+/// The keys a wait registered on, in order, each `None` once its registration was
+/// satisfied. One key (every `BARRIER`, PyTorch's `wait([key])`) is held inline, so that
+/// such a wait costs one allocation: its key's copy.
+#[derive(Debug)]
+enum WaitKeys {
+    One(Option<Box<[u8]>>),
+    Many(Vec<Option<Box<[u8]>>>),
+}
+
+impl Default for WaitKeys {
+    fn default() -> Self {
+        WaitKeys::Many(Vec::new())
+    }
+}
+
+impl WaitKeys {
+    fn as_slice(&self) -> &[Option<Box<[u8]>>] {
+        match self {
+            WaitKeys::One(key) => core::slice::from_ref(key),
+            WaitKeys::Many(keys) => keys,
+        }
+    }
+
+    /// Adds a key; returns its index.
+    fn push(&mut self, key: Box<[u8]>) -> usize {
+        match self {
+            WaitKeys::Many(keys) if keys.is_empty() => {
+                *self = WaitKeys::One(Some(key));
+                0
+            }
+            WaitKeys::One(first) => {
+                let first = first.take();
+                *self = WaitKeys::Many(alloc::vec![first, Some(key)]);
+                1
+            }
+            WaitKeys::Many(keys) => {
+                keys.push(Some(key));
+                keys.len() - 1
+            }
+        }
+    }
+
+    /// Marks the `index`-th key's registration satisfied.
+    fn satisfy(&mut self, index: usize) {
+        let slot = match self {
+            WaitKeys::One(key) => (index == 0).then_some(key),
+            WaitKeys::Many(keys) => keys.get_mut(index),
+        };
+        if let Some(key) = slot {
+            *key = None;
+        }
+    }
+
+    /// The keys whose registrations are not satisfied yet.
+    fn unsatisfied(&self) -> impl Iterator<Item = &Box<[u8]>> {
+        self.as_slice().iter().flatten()
+    }
+
+    /// Bytes on the heap: the list (when not inline) and the keys still held.
+    fn heap_bytes(&self) -> usize {
+        let list = match self {
+            WaitKeys::One(_) => 0,
+            WaitKeys::Many(keys) => keys.capacity() * core::mem::size_of::<Option<Box<[u8]>>>(),
+        };
+        list + self.unsatisfied().map(|key| key.len()).sum::<usize>()
+    }
 }
 
 /// The waits registered on one key, oldest first, each with the index of the key among
@@ -526,14 +594,7 @@ impl Engine {
             .iter()
             .map(|(k, r)| k.len() + r.ids.capacity() * size_of::<(WaitId, usize)>())
             .sum();
-        let waits: usize = self
-            .waits
-            .values()
-            .map(|w| {
-                w.keys.capacity() * size_of::<Option<Box<[u8]>>>()
-                    + w.keys.iter().flatten().map(|k| k.len()).sum::<usize>()
-            })
-            .sum();
+        let waits: usize = self.waits.values().map(|w| w.keys.heap_bytes()).sum();
         let conns: usize = self
             .conns
             .values()
@@ -691,7 +752,7 @@ impl Engine {
                         .or_default()
                         .ids
                         .push_back((id, 0));
-                    self.add_wait(conn, id, alloc::vec![Some(Box::from(key))], cost);
+                    self.add_wait(conn, id, WaitKeys::One(Some(Box::from(key))), cost);
                     Answer::Silent
                 }
             }
@@ -974,7 +1035,7 @@ impl Engine {
         });
         self.charge(QueryType::Wait, cost)?;
         let id = self.new_wait_id();
-        let mut registered: Vec<Option<Box<[u8]>>> = Vec::new();
+        let mut registered = WaitKeys::default();
         for key in keys.iter() {
             if self.present(key) {
                 continue;
@@ -985,8 +1046,8 @@ impl Engine {
             if ids.back().is_some_and(|&(last, _)| last == id) {
                 continue;
             }
-            ids.push_back((id, registered.len()));
-            registered.push(Some(Box::from(key)));
+            let index = registered.push(Box::from(key));
+            ids.push_back((id, index));
         }
         self.add_wait(conn, id, registered, cost);
         Ok(false)
@@ -999,8 +1060,8 @@ impl Engine {
         id
     }
 
-    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: Vec<Option<Box<[u8]>>>, cost: usize) {
-        let remaining = keys.len();
+    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: WaitKeys, cost: usize) {
+        let remaining = keys.as_slice().len();
         self.waits.insert(
             id,
             PendingWait {
@@ -1082,7 +1143,7 @@ impl Engine {
             return;
         };
         self.release(wait.cost);
-        for key in wait.keys.iter().flatten() {
+        for key in wait.keys.unsatisfied() {
             let Some(registrations) = self.waiters.get_mut(&**key) else {
                 continue;
             };
@@ -1129,9 +1190,7 @@ impl Engine {
 /// Satisfies `wait`'s registration on its `index`-th key; returns whether that was its
 /// last one (the wait is complete).
 fn satisfy(wait: &mut PendingWait, index: usize) -> bool {
-    if let Some(key) = wait.keys.get_mut(index) {
-        *key = None;
-    }
+    wait.keys.satisfy(index);
     wait.remaining = wait.remaining.saturating_sub(1);
     wait.remaining == 0
 }

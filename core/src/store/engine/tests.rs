@@ -1271,7 +1271,7 @@ fn check_invariants(engine: &Engine, model: &Model) {
         for &(id, index) in &entry.ids {
             if let Some(wait) = engine.waits.get(&id) {
                 assert!(
-                    wait.keys[index].is_some(),
+                    wait.keys.as_slice()[index].is_some(),
                     "a live entry's key is unsatisfied"
                 );
             }
