@@ -54,8 +54,8 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{Pass, ReadBuf, Round, Throttle};
-use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
+use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
+use super::shared_engine::{self, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
@@ -588,7 +588,7 @@ impl Server {
                 self.again.push(slot);
             }
         } else {
-            self.serve_input(slot);
+            self.serve_connection(slot);
         }
     }
 
@@ -617,7 +617,7 @@ impl Server {
 
     /// Runs the whole requests a connection has through the engine (not while its
     /// input buffer is with the kernel).
-    fn serve_input(&mut self, slot: usize) {
+    fn serve_connection(&mut self, slot: usize) {
         let Server {
             conns,
             shared,
@@ -636,21 +636,19 @@ impl Server {
             return;
         };
         let mut wakes = std::mem::take(wakes);
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            ConnInput {
-                session: &mut conn.session,
-                input,
-                owed,
-                out: &mut conn.out,
-                peer: &Peer::of(&*conn.fd),
-            },
-            &mut wakes,
+        let conn_input = ConnInput {
+            session: &mut conn.session,
+            input,
+            owed,
+            out: &mut conn.out,
+            peer: &Peer::of(&*conn.fd),
+        };
+        let mut turn = Turn {
+            now_ms: *now_ms,
+            metrics: stats.metrics.as_ref(),
             warnings,
-            *now_ms,
-        );
+        };
+        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
         conn.blocked = served.blocked;
         conn.light = self.round.count(&served);
         self.deliver(&mut wakes);

@@ -49,8 +49,8 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{Pass, ReadBuf, Round, Throttle};
-use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
+use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
+use super::shared_engine::{self, SharedEngine, Wake};
 use super::StatsCells;
 
 /// The listener's token; connections use their slot.
@@ -506,7 +506,7 @@ impl Loop {
                 }
                 // Drained: serve what was received before reading more.
                 conn.blocked = false;
-                self.serve_input(slot);
+                self.serve_connection(slot);
                 continue;
             }
             if !conn.readable || conn.unsent() > self.budget.out_high_water {
@@ -545,13 +545,13 @@ impl Loop {
                 }
             };
             if complete {
-                self.serve_input(slot);
+                self.serve_connection(slot);
             }
         }
     }
 
     /// Runs the whole requests a connection has through the engine.
-    fn serve_input(&mut self, slot: usize) {
+    fn serve_connection(&mut self, slot: usize) {
         let Loop {
             conns,
             shared,
@@ -567,21 +567,19 @@ impl Loop {
         };
         let mut wakes = std::mem::take(wakes);
         let owed = conn.unsent();
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            ConnInput {
-                session: &mut conn.session,
-                input: &mut conn.input,
-                owed,
-                out: &mut conn.out,
-                peer: &Peer::of(&conn.stream),
-            },
-            &mut wakes,
+        let conn_input = ConnInput {
+            session: &mut conn.session,
+            input: &mut conn.input,
+            owed,
+            out: &mut conn.out,
+            peer: &Peer::of(&conn.stream),
+        };
+        let mut turn = Turn {
+            now_ms: *now_ms,
+            metrics: stats.metrics.as_ref(),
             warnings,
-            *now_ms,
-        );
+        };
+        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
         conn.blocked = served.blocked;
         conn.light = self.round.count(&served);
         self.deliver(&mut wakes);
