@@ -47,15 +47,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
 use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
-use super::shared_engine::{self, LoopWaker, SharedEngine, Wake};
+use super::shared_engine::{self, LoopConfig, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
@@ -286,21 +284,11 @@ pub(super) fn ring() -> io::Result<(Ring, EventFdWaker)> {
     ))
 }
 
-/// Everything a loop thread needs.
+/// Everything a loop thread needs: the common config, its ring and its listener.
 pub(super) struct LoopSetup {
-    pub(super) index: usize,
+    pub(super) config: LoopConfig,
     pub(super) ring: Ring,
     pub(super) listener: OwnedFd,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    pub(super) drain: Duration,
-    /// Keep polling the completion queue this long after the last completion before
-    /// sleeping in the kernel (`--spin-us`); `None` sleeps at once.
-    pub(super) spin: Option<Duration>,
 }
 
 /// One loop's state.
@@ -342,16 +330,19 @@ struct Server {
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        index,
+        config:
+            LoopConfig {
+                index,
+                shared,
+                limits,
+                budget,
+                access,
+                stats,
+                drain,
+                spin,
+            },
         ring: Ring { ring, wake_fd },
         listener,
-        shared,
-        limits,
-        budget,
-        access,
-        stats,
-        drain,
-        spin,
     } = setup;
     let mut server = Server {
         index,
@@ -881,6 +872,7 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdzv_core::store::codec::Limits;
 
     #[test]
     fn closing_never_reopens_nor_unabandons() {
@@ -940,16 +932,18 @@ mod tests {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             ports.push(listener.local_addr().unwrap().port());
             let setup = LoopSetup {
-                index,
+                config: LoopConfig {
+                    index,
+                    shared: Arc::clone(&shared),
+                    limits: Limits::default(),
+                    budget: Budget::default(),
+                    access: None,
+                    stats: Arc::clone(&stats),
+                    drain: Duration::from_secs(1),
+                    spin: None,
+                },
                 ring,
                 listener: listener.into(),
-                shared: Arc::clone(&shared),
-                limits: Limits::default(),
-                budget: Budget::default(),
-                access: None,
-                stats: Arc::clone(&stats),
-                drain: Duration::from_secs(1),
-                spin: None,
             };
             let stop = Arc::clone(&stop);
             threads.push(std::thread::spawn(move || serve(setup, &stop)));

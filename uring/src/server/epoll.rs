@@ -42,15 +42,13 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
-use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
 use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
-use super::shared_engine::{self, SharedEngine, Wake};
+use super::shared_engine::{self, LoopConfig, SharedEngine, Wake};
 use super::StatsCells;
 
 /// The listener's token; connections use their slot.
@@ -171,19 +169,11 @@ struct Loop {
     spin: Option<Duration>,
 }
 
-/// Everything a loop thread needs.
+/// Everything a loop thread needs: the common config, its poller and its listener.
 pub(super) struct LoopSetup {
-    pub(super) index: usize,
+    pub(super) config: LoopConfig,
     pub(super) poll: Poll,
     pub(super) listener: TcpListener,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    pub(super) drain: Duration,
-    pub(super) spin: Option<Duration>,
 }
 
 /// Makes a loop's poller and the waker other loops use to reach it.
@@ -196,16 +186,19 @@ pub(super) fn poller() -> io::Result<(Poll, mio::Waker)> {
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        index,
+        config:
+            LoopConfig {
+                index,
+                shared,
+                limits,
+                budget,
+                access,
+                stats,
+                drain,
+                spin,
+            },
         poll,
         mut listener,
-        shared,
-        limits,
-        budget,
-        access,
-        stats,
-        drain,
-        spin,
     } = setup;
     if let Err(error) = poll
         .registry()

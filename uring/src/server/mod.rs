@@ -427,40 +427,28 @@ fn start_epoll(
     sockets: Vec<socket2::Socket>,
     shared: &Arc<Shared>,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let mut polls = Vec::new();
-    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
-    for _ in 0..sockets.len() {
-        let (poll, waker) = epoll::poller().map_err(|source| ServerError::Executor {
+    let poller = || {
+        epoll::poller().map_err(|source| ServerError::Executor {
             what: "cannot create an epoll instance",
             source,
-        })?;
-        polls.push(poll);
-        wakers.push(Box::new(waker));
-    }
-    let engine = Arc::new(shared_engine::SharedEngine::new(
-        wakers,
-        Arc::clone(&shared.stats),
-        options.budget,
-    ));
-    let mut loops: Vec<LoopBody> = Vec::new();
-    for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
-        let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
-        let setup = epoll::LoopSetup {
-            index,
-            poll,
-            listener,
-            shared: Arc::clone(&engine),
-            limits: options.limits,
-            budget: options.budget,
-            access: access_of(options),
-            stats: Arc::clone(&shared.stats),
-            drain: options.drain_timeout,
-            spin,
-        };
-        let stop = Arc::clone(&shared.stopping);
-        loops.push(Box::new(move || epoll::serve(setup, &stop)));
-    }
-    spawn_loops(loops, options.pin, shared)
+        })
+    };
+    start_loops(
+        options,
+        spin,
+        sockets,
+        shared,
+        poller,
+        |config, socket, poll, stop| {
+            let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
+            let setup = epoll::LoopSetup {
+                config,
+                poll,
+                listener,
+            };
+            Box::new(move || epoll::serve(setup, &stop))
+        },
+    )
 }
 
 /// Starts one io_uring loop per socket, all sharing one engine.
@@ -470,14 +458,45 @@ fn start_uring(
     sockets: Vec<socket2::Socket>,
     shared: &Arc<Shared>,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let mut rings = Vec::new();
-    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
-    for _ in 0..sockets.len() {
-        let (ring, waker) = direct::ring().map_err(|source| ServerError::Executor {
+    let poller = || {
+        direct::ring().map_err(|source| ServerError::Executor {
             what: "cannot create an io_uring (`--io epoll` runs without one)",
             source,
-        })?;
-        rings.push(ring);
+        })
+    };
+    start_loops(
+        options,
+        spin,
+        sockets,
+        shared,
+        poller,
+        |config, socket, ring, stop| {
+            let setup = direct::LoopSetup {
+                config,
+                ring,
+                listener: socket.into(),
+            };
+            Box::new(move || direct::serve(setup, &stop))
+        },
+    )
+}
+
+/// Starts one loop per socket, all sharing one engine: `new_poller` makes a loop's
+/// poller (an io_uring or an epoll instance) and the waker other loops reach it by,
+/// `body` its thread from the common config, its socket, its poller and the stop flag.
+fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
+    options: &ServerOptions,
+    spin: Option<Duration>,
+    sockets: Vec<socket2::Socket>,
+    shared: &Arc<Shared>,
+    new_poller: impl Fn() -> Result<(P, W), ServerError>,
+    body: impl Fn(shared_engine::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
+) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let mut pollers = Vec::new();
+    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
+    for _ in 0..sockets.len() {
+        let (poller, waker) = new_poller()?;
+        pollers.push(poller);
         wakers.push(Box::new(waker));
     }
     let engine = Arc::new(shared_engine::SharedEngine::new(
@@ -486,11 +505,9 @@ fn start_uring(
         options.budget,
     ));
     let mut loops: Vec<LoopBody> = Vec::new();
-    for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
-        let setup = direct::LoopSetup {
+    for (index, (socket, poller)) in sockets.into_iter().zip(pollers).enumerate() {
+        let config = shared_engine::LoopConfig {
             index,
-            ring,
-            listener: socket.into(),
             shared: Arc::clone(&engine),
             limits: options.limits,
             budget: options.budget,
@@ -499,8 +516,7 @@ fn start_uring(
             drain: options.drain_timeout,
             spin,
         };
-        let stop = Arc::clone(&shared.stopping);
-        loops.push(Box::new(move || direct::serve(setup, &stop)));
+        loops.push(body(config, socket, poller, Arc::clone(&shared.stopping)));
     }
     spawn_loops(loops, options.pin, shared)
 }
