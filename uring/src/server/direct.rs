@@ -327,6 +327,21 @@ struct Server {
     now_ms: u64,
 }
 
+/// The thread body of an io_uring loop on `socket`.
+pub(super) fn loop_body(
+    config: LoopConfig,
+    socket: socket2::Socket,
+    ring: Ring,
+    stop: Arc<AtomicBool>,
+) -> super::LoopBody {
+    let setup = LoopSetup {
+        config,
+        ring,
+        listener: socket.into(),
+    };
+    Box::new(move || serve(setup, &stop))
+}
+
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {

@@ -183,6 +183,22 @@ pub(super) fn poller() -> io::Result<(Poll, mio::Waker)> {
     Ok((poll, waker))
 }
 
+/// The thread body of an epoll loop on `socket`.
+pub(super) fn loop_body(
+    config: LoopConfig,
+    socket: socket2::Socket,
+    poll: Poll,
+    stop: Arc<AtomicBool>,
+) -> super::LoopBody {
+    let listener = TcpListener::from_std(std::net::TcpListener::from(socket));
+    let setup = LoopSetup {
+        config,
+        poll,
+        listener,
+    };
+    Box::new(move || serve(setup, &stop))
+}
+
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {

@@ -364,15 +364,31 @@ impl StoreServer {
             tracing::info!(addr = %server.local_addr(), "serving metrics at /metrics");
             *shared.metrics.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
         }
-        if epoll {
-            let handles = start_epoll(options, spin, sockets, &shared)?;
-            *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
-            tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening (epoll)");
-            return Ok(StoreServer { shared });
-        }
-        let handles = start_uring(options, spin, sockets, &shared)?;
+        let loops = LoopsOf {
+            options,
+            spin,
+            sockets,
+            shared: &shared,
+        };
+        let (handles, io) = if epoll {
+            let poller = || {
+                epoll::poller().map_err(|source| ServerError::Executor {
+                    what: "cannot create an epoll instance",
+                    source,
+                })
+            };
+            (start_loops(loops, poller, epoll::loop_body)?, "epoll")
+        } else {
+            let ring = || {
+                direct::ring().map_err(|source| ServerError::Executor {
+                    what: "cannot create an io_uring (`--io epoll` runs without one)",
+                    source,
+                })
+            };
+            (start_loops(loops, ring, direct::loop_body)?, "io_uring")
+        };
         *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
-        tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening (io_uring)");
+        tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening ({io})");
         Ok(StoreServer { shared })
     }
 
@@ -420,78 +436,29 @@ impl StoreServer {
     }
 }
 
-/// Starts one epoll loop per socket, all sharing one engine.
-fn start_epoll(
-    options: &ServerOptions,
+/// What [`start_loops`] starts loops with: the options, the idle spin, one listening
+/// socket per loop, and the server they serve.
+struct LoopsOf<'a> {
+    options: &'a ServerOptions,
     spin: Option<Duration>,
     sockets: Vec<socket2::Socket>,
-    shared: &Arc<Shared>,
-) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let poller = || {
-        epoll::poller().map_err(|source| ServerError::Executor {
-            what: "cannot create an epoll instance",
-            source,
-        })
-    };
-    start_loops(
-        options,
-        spin,
-        sockets,
-        shared,
-        poller,
-        |config, socket, poll, stop| {
-            let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
-            let setup = epoll::LoopSetup {
-                config,
-                poll,
-                listener,
-            };
-            Box::new(move || epoll::serve(setup, &stop))
-        },
-    )
-}
-
-/// Starts one io_uring loop per socket, all sharing one engine.
-fn start_uring(
-    options: &ServerOptions,
-    spin: Option<Duration>,
-    sockets: Vec<socket2::Socket>,
-    shared: &Arc<Shared>,
-) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let poller = || {
-        direct::ring().map_err(|source| ServerError::Executor {
-            what: "cannot create an io_uring (`--io epoll` runs without one)",
-            source,
-        })
-    };
-    start_loops(
-        options,
-        spin,
-        sockets,
-        shared,
-        poller,
-        |config, socket, ring, stop| {
-            let setup = direct::LoopSetup {
-                config,
-                ring,
-                listener: socket.into(),
-            };
-            Box::new(move || direct::serve(setup, &stop))
-        },
-    )
+    shared: &'a Arc<Shared>,
 }
 
 /// Starts one loop per socket, all sharing one engine: `new_poller` makes a loop's
 /// poller (an io_uring or an epoll instance) and the waker other loops reach it by,
 /// `body` its thread from the common config, its socket, its poller and the stop flag.
 fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
-    options: &ServerOptions,
-    spin: Option<Duration>,
-    sockets: Vec<socket2::Socket>,
-    shared: &Arc<Shared>,
+    loops: LoopsOf<'_>,
     new_poller: impl Fn() -> Result<(P, W), ServerError>,
-    body: impl Fn(shared_engine::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
+    body: fn(shared_engine::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
+    let LoopsOf {
+        options,
+        spin,
+        sockets,
+        shared,
+    } = loops;
     let mut pollers = Vec::new();
     let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
     for _ in 0..sockets.len() {
@@ -527,7 +494,7 @@ fn access_of(options: &ServerOptions) -> Option<Arc<AccessPolicy>> {
 }
 
 /// One event loop's thread body (io_uring or epoll).
-type LoopBody = Box<dyn FnOnce() + Send>;
+pub(super) type LoopBody = Box<dyn FnOnce() + Send>;
 
 /// Runs each loop on its own thread `rdzv-store-{index}` (pinned with `pin`). If a thread
 /// cannot start, the loops already running are stopped and joined.
