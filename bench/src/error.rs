@@ -196,6 +196,16 @@ pub enum BenchError {
     /// wrong shape. The text says which.
     #[error("{0}")]
     Unexpected(String),
+    /// `bench store simulate`: a reply or a wake-up was not what the protocol owes.
+    #[error("simulation of {ranks} ranks: rank {rank}: {what}")]
+    Simulation {
+        /// Ranks simulated.
+        ranks: usize,
+        /// The rank whose request went wrong.
+        rank: usize,
+        /// What went wrong.
+        what: String,
+    },
 }
 
 impl From<rdzv_uring::rpc::InitError> for BenchError {

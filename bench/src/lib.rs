@@ -6,7 +6,7 @@
 //!
 //! Without `--addr` it starts rdzv's own server (`rdzv_uring::StoreServer`) in this
 //! process on `127.0.0.1`; with `--addr` it measures any compatible server, PyTorch's
-//! included. Four modes:
+//! included. Five modes:
 //!
 //! - `latency`: one connection's `ADD` round trip (`--compare-baseline` interleaves a raw
 //!   ping-pong of the same size and reports the ratio, both from the same run);
@@ -15,6 +15,9 @@
 //! - `storm --ranks N`: N ranks connect at once, `VALIDATE`, `PING`, `ADD` a counter, the
 //!   last sets `done`, all `WAIT`; checks every rank is released and the counter is N
 //!   (the ranks are spread over `--client-threads` epoll loops, one per core by default);
+//! - `simulate --ranks 10000,100000,1000000`: N virtual ranks on core's session and engine
+//!   with no sockets (connect, `VALIDATE`, a barrier, the all-gather of addresses): CPU
+//!   time and engine memory per connection at scales no one host's sockets reach;
 //! - `baseline`: the raw loopback ping-pong alone.
 //!
 //! Results are tables (with progress bars on a terminal) or, with `--json`, one JSON
@@ -32,6 +35,7 @@ mod rendezvous;
 mod rendezvous_etcd;
 mod report;
 mod rpc;
+mod simulate;
 mod storm;
 mod throughput;
 
@@ -118,6 +122,15 @@ enum Mode {
     /// N ranks connect at once, VALIDATE, PING, ADD a counter; the last sets "done";
     /// everyone WAITs. Fails unless every rank is released and the counter is exactly N.
     Storm(StormArgs),
+    /// N virtual ranks on core's serve step and engine, no sockets, on this thread:
+    /// connect, VALIDATE, a barrier (ADD, WAIT, release), then the all-gather of their
+    /// addresses (SET each, GET a neighbour's). Reports CPU time and engine memory per
+    /// connection (see `bench::simulate`); --addr does not apply.
+    Simulate {
+        /// Rank counts, each run in turn (10000,100000,1000000).
+        #[arg(long, value_delimiter = ',', default_value = "10000,100000,1000000")]
+        ranks: Vec<usize>,
+    },
     /// A raw TCP ping-pong over loopback, as many bytes each way as an ADD exchange:
     /// the floor for the store's round trip.
     Baseline {
@@ -229,6 +242,7 @@ fn progress_bar(json: bool, template: &str) -> ProgressBar {
 }
 
 const TIME_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} ms";
+const SIM_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} rank steps ({elapsed})";
 const RANK_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} released ({elapsed})";
 
 fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
@@ -253,6 +267,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
             let ok = result.succeeded();
             (vec![BenchResult::Storm(result)], ok)
         }
+        Mode::Simulate { ranks } => (simulate_mode(&ranks, json)?, true),
     };
     let report = if json {
         report::to_json_lines(&results).map_err(|source| BenchError::Record {
@@ -268,6 +283,25 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `bench store simulate`: each rank count in turn, each row shown as it completes on a
+/// terminal.
+fn simulate_mode(ranks: &[usize], json: bool) -> Result<Vec<BenchResult>, BenchError> {
+    let mut results = Vec::with_capacity(ranks.len());
+    for &n in ranks {
+        let bar = progress_bar(json, SIM_BAR);
+        let result = simulate::simulate(n, &bar)?;
+        bar.finish_and_clear();
+        if !json && ranks.len() > 1 && std::io::stderr().is_terminal() {
+            eprint!(
+                "{}",
+                report::to_table(&[BenchResult::Simulation(result.clone())])
+            );
+        }
+        results.push(BenchResult::Simulation(result));
+    }
+    Ok(results)
 }
 
 /// `bench store baseline`: the raw loopback ping-pong alone.

@@ -173,6 +173,36 @@ pub(super) enum BenchResult {
     Throughput(ThroughputResult),
     /// `storm`.
     Storm(StormResult),
+    /// `simulate`: one rank count.
+    Simulation(SimulationResult),
+}
+
+/// `simulate`: one rank count's CPU time (this thread's) per phase and the engine's
+/// memory (its own account, `Engine::heap_bytes`), with no sockets.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(super) struct SimulationResult {
+    /// Virtual connections.
+    pub ranks: usize,
+    /// Connect and `VALIDATE`, every rank.
+    pub connect_cpu_s: f64,
+    /// `ADD` and `WAIT` from every rank, the last one's `SET` of `done`, every release.
+    pub barrier_cpu_s: f64,
+    /// Every rank's `SET` of its address, then every rank's `GET` of its neighbour's.
+    pub allgather_cpu_s: f64,
+    /// The three phases.
+    pub total_cpu_s: f64,
+    /// `barrier_cpu_s` per rank, in microseconds.
+    pub barrier_us_per_rank: f64,
+    /// `total_cpu_s` per rank, in microseconds.
+    pub total_us_per_rank: f64,
+    /// Engine heap per connected, validated, idle connection.
+    pub engine_bytes_per_idle_conn: usize,
+    /// Engine heap per connection with every rank but the last waiting on the barrier.
+    pub engine_bytes_per_waiting_conn: usize,
+    /// Engine heap after the all-gather (N address keys and values, the counter).
+    pub engine_bytes_after_allgather: usize,
+    /// One connection's session (the runtime's, beside the engine), inline bytes.
+    pub session_bytes: usize,
 }
 
 /// One JSON object per line, one per result.
@@ -192,7 +222,67 @@ pub(super) fn to_table(results: &[BenchResult]) -> String {
     ratio_lines(&mut out, results);
     throughput_table(&mut out, results);
     storm_lines(&mut out, results);
+    simulation_table(&mut out, results);
     out
+}
+
+/// The `simulate` rows.
+fn simulation_table(out: &mut String, results: &[BenchResult]) {
+    let rows: Vec<&SimulationResult> = results
+        .iter()
+        .filter_map(|r| match r {
+            BenchResult::Simulation(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    let _ = writeln!(
+        out,
+        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10}",
+        "ranks",
+        "connect s",
+        "barrier s",
+        "gather s",
+        "total s",
+        "bar µs/rk",
+        "tot µs/rk",
+        "idle B",
+        "wait B",
+        "after MiB"
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "{:>9} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9.3} {:>9.3} {:>8} {:>8} {:>10.1}",
+            r.ranks,
+            r.connect_cpu_s,
+            r.barrier_cpu_s,
+            r.allgather_cpu_s,
+            r.total_cpu_s,
+            r.barrier_us_per_rank,
+            r.total_us_per_rank,
+            r.engine_bytes_per_idle_conn,
+            r.engine_bytes_per_waiting_conn,
+            r.engine_bytes_after_allgather as f64 / (1 << 20) as f64
+        );
+    }
+    let _ = writeln!(
+        out,
+        "CPU time of one thread (no sockets); B: engine heap bytes per connection, idle and \
+         waiting; a session adds {} bytes",
+        results
+            .iter()
+            .find_map(|r| match r {
+                BenchResult::Simulation(s) => Some(s.session_bytes),
+                _ => None,
+            })
+            .unwrap_or(0)
+    );
 }
 
 /// The latency and baseline rows.

@@ -47,15 +47,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{Pass, ReadBuf, Round, Throttle};
-use super::shared_engine::{self, ConnInput, LoopWaker, SharedEngine, Wake};
+use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
+use super::shared_engine::{self, LoopConfig, LoopWaker, SharedEngine, Wake};
 use super::StatsCells;
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
@@ -286,21 +284,11 @@ pub(super) fn ring() -> io::Result<(Ring, EventFdWaker)> {
     ))
 }
 
-/// Everything a loop thread needs.
+/// Everything a loop thread needs: the common config, its ring and its listener.
 pub(super) struct LoopSetup {
-    pub(super) index: usize,
+    pub(super) config: LoopConfig,
     pub(super) ring: Ring,
     pub(super) listener: OwnedFd,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    pub(super) drain: Duration,
-    /// Keep polling the completion queue this long after the last completion before
-    /// sleeping in the kernel (`--spin-us`); `None` sleeps at once.
-    pub(super) spin: Option<Duration>,
 }
 
 /// One loop's state.
@@ -339,19 +327,37 @@ struct Server {
     now_ms: u64,
 }
 
+/// The thread body of an io_uring loop on `socket`.
+pub(super) fn loop_body(
+    config: LoopConfig,
+    socket: socket2::Socket,
+    ring: Ring,
+    stop: Arc<AtomicBool>,
+) -> super::LoopBody {
+    let setup = LoopSetup {
+        config,
+        ring,
+        listener: socket.into(),
+    };
+    Box::new(move || serve(setup, &stop))
+}
+
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        index,
+        config:
+            LoopConfig {
+                index,
+                shared,
+                limits,
+                budget,
+                access,
+                stats,
+                drain,
+                spin,
+            },
         ring: Ring { ring, wake_fd },
         listener,
-        shared,
-        limits,
-        budget,
-        access,
-        stats,
-        drain,
-        spin,
     } = setup;
     let mut server = Server {
         index,
@@ -588,7 +594,7 @@ impl Server {
                 self.again.push(slot);
             }
         } else {
-            self.serve_input(slot);
+            self.serve_connection(slot);
         }
     }
 
@@ -617,7 +623,7 @@ impl Server {
 
     /// Runs the whole requests a connection has through the engine (not while its
     /// input buffer is with the kernel).
-    fn serve_input(&mut self, slot: usize) {
+    fn serve_connection(&mut self, slot: usize) {
         let Server {
             conns,
             shared,
@@ -636,21 +642,19 @@ impl Server {
             return;
         };
         let mut wakes = std::mem::take(wakes);
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            ConnInput {
-                session: &mut conn.session,
-                input,
-                owed,
-                out: &mut conn.out,
-                peer: &Peer::of(&*conn.fd),
-            },
-            &mut wakes,
+        let conn_input = ConnInput {
+            session: &mut conn.session,
+            input,
+            owed,
+            out: &mut conn.out,
+            peer: &Peer::of(&*conn.fd),
+        };
+        let mut turn = Turn {
+            now_ms: *now_ms,
+            metrics: stats.metrics.as_ref(),
             warnings,
-            *now_ms,
-        );
+        };
+        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
         conn.blocked = served.blocked;
         conn.light = self.round.count(&served);
         self.deliver(&mut wakes);
@@ -883,6 +887,7 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdzv_core::store::codec::Limits;
 
     #[test]
     fn closing_never_reopens_nor_unabandons() {
@@ -942,16 +947,18 @@ mod tests {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             ports.push(listener.local_addr().unwrap().port());
             let setup = LoopSetup {
-                index,
+                config: LoopConfig {
+                    index,
+                    shared: Arc::clone(&shared),
+                    limits: Limits::default(),
+                    budget: Budget::default(),
+                    access: None,
+                    stats: Arc::clone(&stats),
+                    drain: Duration::from_secs(1),
+                    spin: None,
+                },
                 ring,
                 listener: listener.into(),
-                shared: Arc::clone(&shared),
-                limits: Limits::default(),
-                budget: Budget::default(),
-                access: None,
-                stats: Arc::clone(&stats),
-                drain: Duration::from_secs(1),
-                spin: None,
             };
             let stop = Arc::clone(&stop);
             threads.push(std::thread::spawn(move || serve(setup, &stop)));

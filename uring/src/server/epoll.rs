@@ -42,15 +42,13 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
-use rdzv_core::store::access::AccessPolicy;
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{Pass, ReadBuf, Round, Throttle};
-use super::shared_engine::{self, ConnInput, SharedEngine, Wake};
+use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
+use super::shared_engine::{self, LoopConfig, SharedEngine, Wake};
 use super::StatsCells;
 
 /// The listener's token; connections use their slot.
@@ -171,19 +169,11 @@ struct Loop {
     spin: Option<Duration>,
 }
 
-/// Everything a loop thread needs.
+/// Everything a loop thread needs: the common config, its poller and its listener.
 pub(super) struct LoopSetup {
-    pub(super) index: usize,
+    pub(super) config: LoopConfig,
     pub(super) poll: Poll,
     pub(super) listener: TcpListener,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    pub(super) drain: Duration,
-    pub(super) spin: Option<Duration>,
 }
 
 /// Makes a loop's poller and the waker other loops use to reach it.
@@ -193,19 +183,38 @@ pub(super) fn poller() -> io::Result<(Poll, mio::Waker)> {
     Ok((poll, waker))
 }
 
+/// The thread body of an epoll loop on `socket`.
+pub(super) fn loop_body(
+    config: LoopConfig,
+    socket: socket2::Socket,
+    poll: Poll,
+    stop: Arc<AtomicBool>,
+) -> super::LoopBody {
+    let listener = TcpListener::from_std(std::net::TcpListener::from(socket));
+    let setup = LoopSetup {
+        config,
+        poll,
+        listener,
+    };
+    Box::new(move || serve(setup, &stop))
+}
+
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        index,
+        config:
+            LoopConfig {
+                index,
+                shared,
+                limits,
+                budget,
+                access,
+                stats,
+                drain,
+                spin,
+            },
         poll,
         mut listener,
-        shared,
-        limits,
-        budget,
-        access,
-        stats,
-        drain,
-        spin,
     } = setup;
     if let Err(error) = poll
         .registry()
@@ -506,7 +515,7 @@ impl Loop {
                 }
                 // Drained: serve what was received before reading more.
                 conn.blocked = false;
-                self.serve_input(slot);
+                self.serve_connection(slot);
                 continue;
             }
             if !conn.readable || conn.unsent() > self.budget.out_high_water {
@@ -545,13 +554,13 @@ impl Loop {
                 }
             };
             if complete {
-                self.serve_input(slot);
+                self.serve_connection(slot);
             }
         }
     }
 
     /// Runs the whole requests a connection has through the engine.
-    fn serve_input(&mut self, slot: usize) {
+    fn serve_connection(&mut self, slot: usize) {
         let Loop {
             conns,
             shared,
@@ -567,21 +576,19 @@ impl Loop {
         };
         let mut wakes = std::mem::take(wakes);
         let owed = conn.unsent();
-        let served = shared_engine::serve_turn(
-            shared,
-            *index,
-            stats.metrics.as_ref(),
-            ConnInput {
-                session: &mut conn.session,
-                input: &mut conn.input,
-                owed,
-                out: &mut conn.out,
-                peer: &Peer::of(&conn.stream),
-            },
-            &mut wakes,
+        let conn_input = ConnInput {
+            session: &mut conn.session,
+            input: &mut conn.input,
+            owed,
+            out: &mut conn.out,
+            peer: &Peer::of(&conn.stream),
+        };
+        let mut turn = Turn {
+            now_ms: *now_ms,
+            metrics: stats.metrics.as_ref(),
             warnings,
-            *now_ms,
-        );
+        };
+        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
         conn.blocked = served.blocked;
         conn.light = self.round.count(&served);
         self.deliver(&mut wakes);

@@ -107,6 +107,17 @@ fn adopt_borrowed(borrowed: BorrowedFd<'_>, fd: RawFd, count: usize) -> io::Resu
 /// The backlog we ask for; the kernel clamps it to `net.core.somaxconn`.
 pub const REQUESTED_BACKLOG: i32 = 65535;
 
+/// The backlog the kernel grants when it caps `requested` at `somaxconn`, or `None` when
+/// it grants all of it (or `somaxconn` could not be read). The server only notes the cap
+/// (at info): whether a cap below the request matters depends on how many ranks connect
+/// at once, which `rdzv store serve --world-size` checks and warns about
+/// ([`super::capacity::capacity_shortfalls`]). A default host's 4096 holds the demo's 4
+/// workers and most jobs, so it is no warning.
+pub fn backlog_cap(somaxconn: Option<u32>, requested: i32) -> Option<u32> {
+    let max = somaxconn?;
+    (i64::from(max) < i64::from(requested)).then_some(max)
+}
+
 /// Reads `/proc/sys/net/core/somaxconn`, if it can.
 pub fn somaxconn() -> Option<u32> {
     std::fs::read_to_string("/proc/sys/net/core/somaxconn")
@@ -197,6 +208,16 @@ fn listen_one(addr: SocketAddr, reuse_port: bool, backlog: i32) -> io::Result<So
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backlog_cap_only_when_somaxconn_is_below_the_request() {
+        assert_eq!(backlog_cap(Some(4096), REQUESTED_BACKLOG), Some(4096));
+        assert_eq!(backlog_cap(Some(65535), REQUESTED_BACKLOG), None);
+        assert_eq!(backlog_cap(Some(1 << 20), REQUESTED_BACKLOG), None);
+        assert_eq!(backlog_cap(None, REQUESTED_BACKLOG), None);
+        assert_eq!(backlog_cap(Some(128), 16), None);
+        assert_eq!(backlog_cap(Some(u32::MAX), i32::MAX), None);
+    }
 
     #[test]
     fn busy_port_reports_every_address() {

@@ -317,14 +317,13 @@ impl StoreServer {
                 what: "cannot read the listening socket's address",
                 source: io::Error::new(io::ErrorKind::AddrNotAvailable, "not an IP socket"),
             })?;
-        match listener::somaxconn() {
-            Some(max) if (max as i64) < listener::REQUESTED_BACKLOG as i64 => tracing::warn!(
+        if let Some(max) = listener::backlog_cap(listener::somaxconn(), listener::REQUESTED_BACKLOG)
+        {
+            tracing::info!(
                 somaxconn = max,
-                "the listen backlog is capped at net.core.somaxconn={max}; connection storms \
-                 of more ranks than that may see resets. Raise it with \
-                 `sysctl -w net.core.somaxconn=65535`"
-            ),
-            _ => {}
+                "the listen backlog is {max} (net.core.somaxconn); `--world-size` warns when \
+                 more ranks than that may connect at once"
+            );
         }
         let shared = Arc::new(Shared {
             addr,
@@ -365,15 +364,31 @@ impl StoreServer {
             tracing::info!(addr = %server.local_addr(), "serving metrics at /metrics");
             *shared.metrics.lock().unwrap_or_else(|p| p.into_inner()) = Some(server);
         }
-        if epoll {
-            let handles = start_epoll(options, spin, sockets, &shared)?;
-            *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
-            tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening (epoll)");
-            return Ok(StoreServer { shared });
-        }
-        let handles = start_uring(options, spin, sockets, &shared)?;
+        let loops = LoopsOf {
+            options,
+            spin,
+            sockets,
+            shared: &shared,
+        };
+        let (handles, io) = if epoll {
+            let poller = || {
+                epoll::poller().map_err(|source| ServerError::Executor {
+                    what: "cannot create an epoll instance",
+                    source,
+                })
+            };
+            (start_loops(loops, poller, epoll::loop_body)?, "epoll")
+        } else {
+            let ring = || {
+                direct::ring().map_err(|source| ServerError::Executor {
+                    what: "cannot create an io_uring (`--io epoll` runs without one)",
+                    source,
+                })
+            };
+            (start_loops(loops, ring, direct::loop_body)?, "io_uring")
+        };
         *shared.threads.lock().unwrap_or_else(|p| p.into_inner()) = handles;
-        tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening (io_uring)");
+        tracing::info!(%addr, loops = threads, spin_us = spin.map_or(0, |s| s.as_micros() as u64), "store server listening ({io})");
         Ok(StoreServer { shared })
     }
 
@@ -421,64 +436,34 @@ impl StoreServer {
     }
 }
 
-/// Starts one epoll loop per socket, all sharing one engine.
-fn start_epoll(
-    options: &ServerOptions,
+/// What [`start_loops`] starts loops with: the options, the idle spin, one listening
+/// socket per loop, and the server they serve.
+struct LoopsOf<'a> {
+    options: &'a ServerOptions,
     spin: Option<Duration>,
     sockets: Vec<socket2::Socket>,
-    shared: &Arc<Shared>,
-) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let mut polls = Vec::new();
-    let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
-    for _ in 0..sockets.len() {
-        let (poll, waker) = epoll::poller().map_err(|source| ServerError::Executor {
-            what: "cannot create an epoll instance",
-            source,
-        })?;
-        polls.push(poll);
-        wakers.push(Box::new(waker));
-    }
-    let engine = Arc::new(shared_engine::SharedEngine::new(
-        wakers,
-        Arc::clone(&shared.stats),
-        options.budget,
-    ));
-    let mut loops: Vec<LoopBody> = Vec::new();
-    for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
-        let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
-        let setup = epoll::LoopSetup {
-            index,
-            poll,
-            listener,
-            shared: Arc::clone(&engine),
-            limits: options.limits,
-            budget: options.budget,
-            access: access_of(options),
-            stats: Arc::clone(&shared.stats),
-            drain: options.drain_timeout,
-            spin,
-        };
-        let stop = Arc::clone(&shared.stopping);
-        loops.push(Box::new(move || epoll::serve(setup, &stop)));
-    }
-    spawn_loops(loops, options.pin, shared)
+    shared: &'a Arc<Shared>,
 }
 
-/// Starts one io_uring loop per socket, all sharing one engine.
-fn start_uring(
-    options: &ServerOptions,
-    spin: Option<Duration>,
-    sockets: Vec<socket2::Socket>,
-    shared: &Arc<Shared>,
+/// Starts one loop per socket, all sharing one engine: `new_poller` makes a loop's
+/// poller (an io_uring or an epoll instance) and the waker other loops reach it by,
+/// `body` its thread from the common config, its socket, its poller and the stop flag.
+fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
+    loops: LoopsOf<'_>,
+    new_poller: impl Fn() -> Result<(P, W), ServerError>,
+    body: fn(shared_engine::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
-    let mut rings = Vec::new();
+    let LoopsOf {
+        options,
+        spin,
+        sockets,
+        shared,
+    } = loops;
+    let mut pollers = Vec::new();
     let mut wakers: Vec<Box<dyn shared_engine::LoopWaker>> = Vec::new();
     for _ in 0..sockets.len() {
-        let (ring, waker) = direct::ring().map_err(|source| ServerError::Executor {
-            what: "cannot create an io_uring (`--io epoll` runs without one)",
-            source,
-        })?;
-        rings.push(ring);
+        let (poller, waker) = new_poller()?;
+        pollers.push(poller);
         wakers.push(Box::new(waker));
     }
     let engine = Arc::new(shared_engine::SharedEngine::new(
@@ -487,11 +472,9 @@ fn start_uring(
         options.budget,
     ));
     let mut loops: Vec<LoopBody> = Vec::new();
-    for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
-        let setup = direct::LoopSetup {
+    for (index, (socket, poller)) in sockets.into_iter().zip(pollers).enumerate() {
+        let config = shared_engine::LoopConfig {
             index,
-            ring,
-            listener: socket.into(),
             shared: Arc::clone(&engine),
             limits: options.limits,
             budget: options.budget,
@@ -500,8 +483,7 @@ fn start_uring(
             drain: options.drain_timeout,
             spin,
         };
-        let stop = Arc::clone(&shared.stopping);
-        loops.push(Box::new(move || direct::serve(setup, &stop)));
+        loops.push(body(config, socket, poller, Arc::clone(&shared.stopping)));
     }
     spawn_loops(loops, options.pin, shared)
 }
@@ -512,7 +494,7 @@ fn access_of(options: &ServerOptions) -> Option<Arc<AccessPolicy>> {
 }
 
 /// One event loop's thread body (io_uring or epoll).
-type LoopBody = Box<dyn FnOnce() + Send>;
+pub(super) type LoopBody = Box<dyn FnOnce() + Send>;
 
 /// Runs each loop on its own thread `rdzv-store-{index}` (pinned with `pin`). If a thread
 /// cannot start, the loops already running are stopped and joined.

@@ -70,7 +70,32 @@ impl Round {
     }
 }
 
-/// What [`serve_input`] did with a connection's bytes.
+/// The parts of one connection that [`serve_requests`] serves.
+pub(super) struct ConnInput<'a> {
+    /// Its serve state (id, decoder, budget).
+    pub(super) session: &'a mut Session,
+    /// What it sent: its whole requests are served, and consumed.
+    pub(super) input: &'a mut ReadBuf,
+    /// Every byte it owes its peer now (`out`'s included).
+    pub(super) owed: usize,
+    /// Where its replies go.
+    pub(super) out: &'a mut Vec<u8>,
+    /// The peer, for logs.
+    pub(super) peer: &'a dyn Display,
+}
+
+/// What a loop brings to a turn besides the connection: the turn's `now`, the metrics
+/// it records into (`--metrics`) and its rate-limited log of refusals.
+pub(super) struct Turn<'a> {
+    /// The engine's clock, in milliseconds.
+    pub(super) now_ms: u64,
+    /// Where each request's handling time goes, and the engine's figures after a batch.
+    pub(super) metrics: Option<&'a Metrics>,
+    /// The loop's log of closed connections.
+    pub(super) warnings: &'a mut Throttle,
+}
+
+/// What [`serve_requests`] did with a connection's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Served {
     /// Bytes consumed (whole requests).
@@ -87,29 +112,33 @@ pub(super) struct Served {
     pub(super) produced: usize,
 }
 
-/// Runs the core serve step over every whole request at the start of `pending` until it
-/// needs more bytes, blocks or closes: replies go into `out`, wake-ups owed to other
-/// connections into `wakes`. `owed` is what the connection owes apart from `out`'s
-/// bytes from `out_from` on (what an io_uring send has in flight, or what epoll has
-/// already written of `out`, subtracted).
+/// Runs the core serve step over every whole request at the start of the connection's
+/// input until it needs more bytes, blocks or closes, and consumes what it served:
+/// replies go into its `out`, wake-ups owed to other connections into `wakes`.
 ///
-/// With `metrics` (`--metrics`), each request's handling time is recorded and the
+/// With `turn.metrics` (`--metrics`), each request's handling time is recorded and the
 /// engine's figures are published after the batch. A refusal is logged through
-/// `warnings` (rate-limited).
-#[allow(clippy::too_many_arguments)]
+/// `turn.warnings` (rate-limited).
 #[inline]
-pub(super) fn serve_input(
-    metrics: Option<&Metrics>,
+pub(super) fn serve_requests(
     engine: &mut Engine,
-    session: &mut Session,
-    peer: &dyn Display,
-    pending: &[u8],
-    owed: usize,
-    out: &mut Vec<u8>,
+    conn: ConnInput<'_>,
     wakes: &mut Vec<step::Wake>,
-    now_ms: u64,
-    warnings: &mut Throttle,
+    turn: &mut Turn<'_>,
 ) -> Served {
+    let ConnInput {
+        session,
+        input,
+        owed,
+        out,
+        peer,
+    } = conn;
+    let Turn {
+        now_ms,
+        metrics,
+        ref mut warnings,
+    } = *turn;
+    let pending = input.pending();
     let mut used = 0;
     let base = out.len();
     let mut served = loop {
@@ -162,6 +191,7 @@ pub(super) fn serve_input(
         metrics.publish(engine.stats());
     }
     served.produced = out.len() - base;
+    input.served(&served);
     served
 }
 
@@ -338,6 +368,11 @@ mod tests {
         let mut out = Vec::new();
         let mut wakes = Vec::new();
         let mut warnings = Throttle::default();
+        let mut turn = Turn {
+            now_ms: 0,
+            metrics: None,
+            warnings: &mut warnings,
+        };
         let mut calls = 0usize;
         for piece in frame.chunks(64) {
             let mut rest = piece;
@@ -347,20 +382,15 @@ mod tests {
                 spare[..n].copy_from_slice(&rest[..n]);
                 input.received(n);
                 rest = &rest[n..];
-                let served = serve_input(
-                    None,
-                    &mut engine,
-                    &mut session,
-                    &"test",
-                    input.pending(),
-                    0,
-                    &mut out,
-                    &mut wakes,
-                    0,
-                    &mut warnings,
-                );
+                let conn = ConnInput {
+                    session: &mut session,
+                    input: &mut input,
+                    owed: 0,
+                    out: &mut out,
+                    peer: &"test",
+                };
+                let served = serve_requests(&mut engine, conn, &mut wakes, &mut turn);
                 assert!(!served.close, "the connection was closed");
-                input.served(&served);
                 calls += 1;
             }
         }
@@ -381,19 +411,26 @@ mod tests {
         let id = ConnId(2);
         assert!(engine.connect(id));
         let mut session = Session::new(id, Limits::default(), Budget::default());
-        let served = serve_input(
-            None,
-            &mut engine,
-            &mut session,
-            &"test",
-            &[0xff, 0, 0],
-            0,
-            &mut Vec::new(),
-            &mut Vec::new(),
-            0,
-            &mut Throttle::default(),
-        );
+        let mut input = ReadBuf::new(64);
+        let bad = [0xff, 0, 0];
+        input.spare()[..bad.len()].copy_from_slice(&bad);
+        input.received(bad.len());
+        let conn = ConnInput {
+            session: &mut session,
+            input: &mut input,
+            owed: 0,
+            out: &mut Vec::new(),
+            peer: &"test",
+        };
+        let mut warnings = Throttle::default();
+        let mut turn = Turn {
+            now_ms: 0,
+            metrics: None,
+            warnings: &mut warnings,
+        };
+        let served = serve_requests(&mut engine, conn, &mut Vec::new(), &mut turn);
         assert_eq!((served.used, served.close), (0, true));
+        assert_eq!(input.pending(), &bad[..], "nothing was consumed");
     }
 
     #[test]

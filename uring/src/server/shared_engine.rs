@@ -15,25 +15,42 @@
 //!
 //! This module does no socket I/O and decides nothing about requests: [`serve_turn`],
 //! the step both loops take for a connection with input, hands its bytes to the core
-//! serve step (`rdzv_core::store::session`) through `session::serve_input`, and routes
+//! serve step (`rdzv_core::store::session`) through `session::serve_requests`, and routes
 //! the wake-ups it returns as values. It also holds the server's clock origin, from
 //! which each turn tells the engine `now`.
 
-use std::fmt::Display;
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdzv_core::store::budget::Budget;
+use rdzv_core::store::codec::Limits;
 use rdzv_core::store::engine::Engine;
-use rdzv_core::store::session::{self as step, Session};
+use rdzv_core::store::session as step;
 use rdzv_core::store::ConnId;
 
-use super::metrics::Metrics;
-use super::session::{self, ReadBuf, Served, Throttle};
+use super::session::{self, ConnInput, Served, Throttle, Turn};
 use super::StatsCells;
 use rdzv_core::store::access::AccessPolicy;
+
+/// What every event loop thread is given, on io_uring and epoll alike (each loop's
+/// `LoopSetup` adds its poller and listener).
+pub(super) struct LoopConfig {
+    /// The loop's index: its connection ids carry it.
+    pub(super) index: usize,
+    pub(super) shared: Arc<SharedEngine>,
+    pub(super) limits: Limits,
+    pub(super) budget: Budget,
+    /// `--allow` and `--token-file`; `None` when neither is set.
+    pub(super) access: Option<Arc<AccessPolicy>>,
+    pub(super) stats: Arc<StatsCells>,
+    /// How long shutdown waits for connections to flush.
+    pub(super) drain: Duration,
+    /// Keep polling this long after the last event before sleeping in the kernel
+    /// (`--spin-us`); `None` sleeps at once.
+    pub(super) spin: Option<Duration>,
+}
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
 pub(super) const MAX_LOOPS: usize = 256;
@@ -157,20 +174,6 @@ impl Router<'_> {
     }
 }
 
-/// The parts of one connection that [`serve_turn`] serves.
-pub(super) struct ConnInput<'a> {
-    /// Its serve state (id, decoder, budget).
-    pub(super) session: &'a mut Session,
-    /// What it sent: its whole requests are served, and consumed.
-    pub(super) input: &'a mut ReadBuf,
-    /// Every byte it owes its peer now (`out`'s included).
-    pub(super) owed: usize,
-    /// Where its replies go.
-    pub(super) out: &'a mut Vec<u8>,
-    /// The peer, for logs.
-    pub(super) peer: &'a dyn Display,
-}
-
 /// One loop's turn for one connection, the same on io_uring and epoll: with the engine
 /// locked, first the wake-ups other loops routed here (those for this connection onto
 /// its output at once, so they go out before any reply decided after them; the rest
@@ -181,25 +184,16 @@ pub(super) struct ConnInput<'a> {
 pub(super) fn serve_turn(
     shared: &SharedEngine,
     me: usize,
-    metrics: Option<&Metrics>,
-    conn: ConnInput<'_>,
-    wakes: &mut Vec<Wake>,
-    warnings: &mut Throttle,
-    now_ms: u64,
+    mut conn: ConnInput<'_>,
+    inbox: &mut Vec<Wake>,
+    turn: &mut Turn<'_>,
 ) -> Served {
-    let ConnInput {
-        session,
-        input,
-        owed,
-        out,
-        peer,
-    } = conn;
-    let inbox = wakes;
-    let id = session.id();
+    let id = conn.session.id();
     shared.turn(me, |engine, router| {
         router.take_inbox(inbox);
-        let before = out.len();
+        let before = conn.out.len();
         if !inbox.is_empty() {
+            let out = &mut *conn.out;
             inbox.retain(|&(target, byte)| {
                 let mine = target == id;
                 if mine {
@@ -208,25 +202,14 @@ pub(super) fn serve_turn(
                 !mine
             });
         }
-        let owed = owed.saturating_add(out.len() - before);
+        let from_inbox = conn.out.len() - before;
+        conn.owed = conn.owed.saturating_add(from_inbox);
         let mut wakes = Vec::new();
-        let served = session::serve_input(
-            metrics,
-            engine,
-            session,
-            peer,
-            input.pending(),
-            owed,
-            out,
-            &mut wakes,
-            now_ms,
-            warnings,
-        );
-        input.served(&served);
+        let served = session::serve_requests(engine, conn, &mut wakes, turn);
         router.route_values(&mut wakes, inbox);
         // The wake-ups put on its output count as produced too.
         Served {
-            produced: out.len() - before,
+            produced: served.produced + from_inbox,
             ..served
         }
     })

@@ -65,12 +65,14 @@
 //! # Cost
 //!
 //! `GET`, `SET`, `ADD`, `CHECK` and a ready `WAIT` are hash lookups; overwriting a value
-//! reuses its buffer. A write wakes the waiters on its key in O(w log w) for w of them; a
-//! cancel or disconnect costs O(k log w) over the k keys its waits registered on. Nothing
-//! scans all waiters or all connections.
+//! reuses its buffer. Registering a wait is a `push_back` per key; a write wakes the
+//! waiters on its key in O(w) for w of them (a list in registration order); a cancel or
+//! disconnect costs O(k) amortized over the k keys its waits registered on (it leaves
+//! stale entries that a later compaction drops). Nothing scans all waiters or all
+//! connections. [`Engine::heap_bytes`] counts what the structures hold.
 
 use alloc::boxed::Box;
-use alloc::collections::{BTreeSet, VecDeque};
+use alloc::collections::VecDeque;
 use alloc::vec::Vec;
 use core::fmt;
 
@@ -268,10 +270,92 @@ struct PendingWait {
     conn: ConnId,
     /// Registrations still in `Engine::waiters`; the wait completes when this reaches 0.
     remaining: usize,
-    /// Every key it registered on (some may be satisfied already), for cancellation.
-    keys: Vec<Box<[u8]>>,
+    /// Every key it registered on, `None` once that registration was satisfied: the
+    /// keys whose [`Registrations`] still hold it, for cancellation.
+    keys: WaitKeys,
     /// What it is charged against the store budget.
     cost: usize,
+}
+
+/// The keys a wait registered on, in order, each `None` once its registration was
+/// satisfied. One key (every `BARRIER`, PyTorch's `wait([key])`) is held inline, so that
+/// such a wait costs one allocation: its key's copy.
+#[derive(Debug)]
+enum WaitKeys {
+    One(Option<Box<[u8]>>),
+    Many(Vec<Option<Box<[u8]>>>),
+}
+
+impl Default for WaitKeys {
+    fn default() -> Self {
+        WaitKeys::Many(Vec::new())
+    }
+}
+
+impl WaitKeys {
+    fn as_slice(&self) -> &[Option<Box<[u8]>>] {
+        match self {
+            WaitKeys::One(key) => core::slice::from_ref(key),
+            WaitKeys::Many(keys) => keys,
+        }
+    }
+
+    /// Adds a key; returns its index.
+    fn push(&mut self, key: Box<[u8]>) -> usize {
+        match self {
+            WaitKeys::Many(keys) if keys.is_empty() => {
+                *self = WaitKeys::One(Some(key));
+                0
+            }
+            WaitKeys::One(first) => {
+                let first = first.take();
+                *self = WaitKeys::Many(alloc::vec![first, Some(key)]);
+                1
+            }
+            WaitKeys::Many(keys) => {
+                keys.push(Some(key));
+                keys.len() - 1
+            }
+        }
+    }
+
+    /// Marks the `index`-th key's registration satisfied.
+    fn satisfy(&mut self, index: usize) {
+        let slot = match self {
+            WaitKeys::One(key) => (index == 0).then_some(key),
+            WaitKeys::Many(keys) => keys.get_mut(index),
+        };
+        if let Some(key) = slot {
+            *key = None;
+        }
+    }
+
+    /// The keys whose registrations are not satisfied yet.
+    fn unsatisfied(&self) -> impl Iterator<Item = &Box<[u8]>> {
+        self.as_slice().iter().flatten()
+    }
+
+    /// Bytes on the heap: the list (when not inline) and the keys still held.
+    fn heap_bytes(&self) -> usize {
+        let list = match self {
+            WaitKeys::One(_) => 0,
+            WaitKeys::Many(keys) => keys.capacity() * core::mem::size_of::<Option<Box<[u8]>>>(),
+        };
+        list + self.unsatisfied().map(|key| key.len()).sum::<usize>()
+    }
+}
+
+/// The waits registered on one key, oldest first, each with the index of the key among
+/// its wait's `keys`. A dropped wait (cancelled, or its connection gone) leaves its
+/// entries here stale, skipped by the wake-ups since the wait is no longer in
+/// `Engine::waits` (ids are never reused); `stale` counts them, and the list is compacted
+/// once they are more than half of it. So registering costs a `push_back`, dropping
+/// O(1) amortized, a wake-up O(1) per registration, and the list holds at most about
+/// twice the live registrations, however often a peer cancels.
+#[derive(Debug, Default)]
+struct Registrations {
+    ids: VecDeque<(WaitId, usize)>,
+    stale: usize,
 }
 
 /// The state machine of one TCPStore server. See the [module docs](self) for the
@@ -288,9 +372,10 @@ pub struct Engine {
     kv: HashMap<Box<[u8]>, Vec<u8>>,
     /// Never holds an empty queue.
     queues: HashMap<Box<[u8]>, VecDeque<Vec<u8>>>,
-    /// Key → waits registered on it, in registration order. Never holds an empty set.
-    /// Invariant: a wait's `remaining` equals the number of sets here that hold its id.
-    waiters: HashMap<Box<[u8]>, BTreeSet<WaitId>>,
+    /// Key → waits registered on it, in registration order. Never holds an entry
+    /// without a live registration. Invariant: a wait's `remaining` equals the number of
+    /// entries here that hold its id.
+    waiters: HashMap<Box<[u8]>, Registrations>,
     waits: HashMap<WaitId, PendingWait>,
     conns: HashMap<ConnId, Connection>,
     /// `STOP_WAITING` wake-ups owed to connections other than the requester.
@@ -487,6 +572,48 @@ impl Engine {
         self.conns.contains_key(&conn)
     }
 
+    /// The bytes the engine's structures hold on the heap now: its hash tables
+    /// (`allocation_size`), every key, value and queue element by capacity, the waits'
+    /// registrations and key copies, the connections' wait lists and the wake-up queue.
+    /// Exact up to the allocator's own rounding and headers. It walks the whole store
+    /// (O(keys + waits + connections)): for measuring, not for a serve path.
+    pub fn heap_bytes(&self) -> usize {
+        use core::mem::size_of;
+        let kv: usize = self.kv.iter().map(|(k, v)| k.len() + v.capacity()).sum();
+        let queues: usize = self
+            .queues
+            .iter()
+            .map(|(k, q)| {
+                k.len()
+                    + q.capacity() * size_of::<Vec<u8>>()
+                    + q.iter().map(Vec::capacity).sum::<usize>()
+            })
+            .sum();
+        let waiters: usize = self
+            .waiters
+            .iter()
+            .map(|(k, r)| k.len() + r.ids.capacity() * size_of::<(WaitId, usize)>())
+            .sum();
+        let waits: usize = self.waits.values().map(|w| w.keys.heap_bytes()).sum();
+        let conns: usize = self
+            .conns
+            .values()
+            .map(|c| c.waits.capacity() * size_of::<WaitId>())
+            .sum();
+        self.kv.allocation_size()
+            + self.queues.allocation_size()
+            + self.waiters.allocation_size()
+            + self.waits.allocation_size()
+            + self.conns.allocation_size()
+            + kv
+            + queues
+            + waiters
+            + waits
+            + conns
+            + self.wakeups.capacity() * size_of::<ConnId>()
+            + self.popped.capacity()
+    }
+
     /// How many wake-ups wait to be polled.
     pub fn pending_wakeups(&self) -> usize {
         self.wakeups.len()
@@ -620,8 +747,12 @@ impl Engine {
                     let cost = Budget::entry_cost(key.len(), key.len());
                     self.charge(QueryType::Barrier, cost)?;
                     let id = self.new_wait_id();
-                    self.waiters.entry_ref(key).or_default().insert(id);
-                    self.add_wait(conn, id, alloc::vec![Box::from(key)], cost);
+                    self.waiters
+                        .entry_ref(key)
+                        .or_default()
+                        .ids
+                        .push_back((id, 0));
+                    self.add_wait(conn, id, WaitKeys::One(Some(Box::from(key))), cost);
                     Answer::Silent
                 }
             }
@@ -904,19 +1035,19 @@ impl Engine {
         });
         self.charge(QueryType::Wait, cost)?;
         let id = self.new_wait_id();
-        let mut registered: Vec<Box<[u8]>> = Vec::new();
+        let mut registered = WaitKeys::default();
         for key in keys.iter() {
             if self.present(key) {
                 continue;
             }
-            let ids = self.waiters.entry_ref(key).or_default();
+            let ids = &mut self.waiters.entry_ref(key).or_default().ids;
             // `id` is the newest wait, so if it is registered here already (the key
             // repeats in this WAIT) it is the last element.
-            if ids.last() == Some(&id) {
+            if ids.back().is_some_and(|&(last, _)| last == id) {
                 continue;
             }
-            ids.insert(id);
-            registered.push(Box::from(key));
+            let index = registered.push(Box::from(key));
+            ids.push_back((id, index));
         }
         self.add_wait(conn, id, registered, cost);
         Ok(false)
@@ -929,8 +1060,8 @@ impl Engine {
         id
     }
 
-    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: Vec<Box<[u8]>>, cost: usize) {
-        let remaining = keys.len();
+    fn add_wait(&mut self, conn: ConnId, id: WaitId, keys: WaitKeys, cost: usize) {
+        let remaining = keys.as_slice().len();
         self.waits.insert(
             id,
             PendingWait {
@@ -947,15 +1078,13 @@ impl Engine {
 
     /// An arrival of `key` for every wait registered on it.
     fn wake_all(&mut self, key: &[u8]) {
-        let Some(ids) = self.waiters.remove(key) else {
+        let Some(registrations) = self.waiters.remove(key) else {
             return;
         };
-        for id in ids {
+        // Stale ids find no wait and are skipped.
+        for (id, index) in registrations.ids {
             let done = match self.waits.get_mut(&id) {
-                Some(wait) => {
-                    wait.remaining = wait.remaining.saturating_sub(1);
-                    wait.remaining == 0
-                }
+                Some(wait) => satisfy(wait, index),
                 None => false,
             };
             if done {
@@ -967,20 +1096,22 @@ impl Engine {
     /// An arrival of `key` for the waits registered on it, in order, up to and including
     /// the first one it completes.
     fn wake_one(&mut self, key: &[u8]) {
-        let Some(ids) = self.waiters.get_mut(key) else {
+        let Some(registrations) = self.waiters.get_mut(key) else {
             return;
         };
         let mut completed = None;
-        while let Some(id) = ids.pop_first() {
-            if let Some(wait) = self.waits.get_mut(&id) {
-                wait.remaining = wait.remaining.saturating_sub(1);
-                if wait.remaining == 0 {
-                    completed = Some(id);
-                    break;
+        while let Some((id, index)) = registrations.ids.pop_front() {
+            match self.waits.get_mut(&id) {
+                Some(wait) => {
+                    if satisfy(wait, index) {
+                        completed = Some(id);
+                        break;
+                    }
                 }
+                None => registrations.stale = registrations.stale.saturating_sub(1),
             }
         }
-        if ids.is_empty() {
+        if registrations.ids.len() <= registrations.stale {
             self.waiters.remove(key);
         }
         if let Some(id) = completed {
@@ -1012,12 +1143,17 @@ impl Engine {
             return;
         };
         self.release(wait.cost);
-        for key in wait.keys.iter() {
-            if let Some(ids) = self.waiters.get_mut(&**key) {
-                ids.remove(&id);
-                if ids.is_empty() {
-                    self.waiters.remove(&**key);
-                }
+        for key in wait.keys.unsatisfied() {
+            let Some(registrations) = self.waiters.get_mut(&**key) else {
+                continue;
+            };
+            registrations.stale += 1;
+            if registrations.ids.len() <= registrations.stale {
+                self.waiters.remove(&**key);
+            } else if registrations.stale * 2 > registrations.ids.len() {
+                let waits = &self.waits;
+                registrations.ids.retain(|(id, _)| waits.contains_key(id));
+                registrations.stale = 0;
             }
         }
     }
@@ -1049,6 +1185,14 @@ impl Engine {
         }
         true
     }
+}
+
+/// Satisfies `wait`'s registration on its `index`-th key; returns whether that was its
+/// last one (the wait is complete).
+fn satisfy(wait: &mut PendingWait, index: usize) -> bool {
+    wait.keys.satisfy(index);
+    wait.remaining = wait.remaining.saturating_sub(1);
+    wait.remaining == 0
 }
 
 fn bad_counter(query: QueryType, key: &[u8], error: CounterError) -> Close {

@@ -865,6 +865,77 @@ fn many_connections_disconnect_mid_wait_leave_no_waiter() {
     assert_eq!(engine.pending_wakeups(), 0);
 }
 
+#[test]
+fn wait_and_cancel_forever_keeps_a_keys_registrations_bounded() {
+    // One peer WAITs on a key nobody writes and cancels, again and again, beside a
+    // waiter that stays: the stale entries are compacted, never accumulated.
+    let mut engine = engine_with([1, 2]);
+    assert_eq!(reply(&mut engine, 2, Op::Wait(ks(&["/never"]))), None);
+    let before = engine.heap_bytes();
+    for _ in 0..10_000 {
+        assert_eq!(reply(&mut engine, 1, Op::Wait(ks(&["/never", "/x"]))), None);
+        assert_eq!(
+            reply(&mut engine, 1, Op::CancelWait),
+            Some(Reply::Wait(WaitResponse::WaitCanceled))
+        );
+        let entry = &engine.waiters[&b"/never"[..]];
+        assert!(entry.ids.len() <= 3, "{} entries", entry.ids.len());
+    }
+    assert!(
+        engine.heap_bytes() <= before + 1024,
+        "memory grew with cancels"
+    );
+    assert_eq!(engine.waited_key_count(), 1);
+    assert_eq!(ok(&mut engine, 1, Op::Set(k("/never"), k("v"))).2, vec![2]);
+    assert_eq!(engine.waited_key_count(), 0);
+}
+
+#[test]
+fn dropping_a_partly_satisfied_wait_leaves_later_waiters_on_its_key() {
+    // Wait 1 on {/q, /other}: a push satisfies its /q registration. Connection 2 then
+    // waits on /q; cancelling wait 1 must not count against /q's registrations.
+    let mut engine = engine_with([1, 2, 3]);
+    assert_eq!(reply(&mut engine, 1, Op::Wait(ks(&["/q", "/other"]))), None);
+    assert_eq!(reply(&mut engine, 3, Op::Push(k("/q"), k("e"))), None);
+    assert!(reply(&mut engine, 3, Op::Pop(k("/q"))).is_some());
+    assert_eq!(reply(&mut engine, 2, Op::Wait(ks(&["/q"]))), None);
+    assert_eq!(
+        reply(&mut engine, 1, Op::CancelWait),
+        Some(Reply::Wait(WaitResponse::WaitCanceled))
+    );
+    assert_eq!(engine.waited_key_count(), 1);
+    assert_eq!(ok(&mut engine, 3, Op::Set(k("/q"), k("v"))).2, vec![2]);
+    assert_eq!(engine.waiter_count(), 0);
+}
+
+#[test]
+fn heap_bytes_per_idle_connection_is_under_a_kibibyte() {
+    let mut engine = Engine::new();
+    let empty = engine.heap_bytes();
+    const CONNS: u64 = 10_000;
+    for conn in 0..CONNS {
+        assert!(engine.connect(ConnId(conn)));
+        assert_eq!(
+            reply(&mut engine, conn, Op::Validate(VALIDATION_MAGIC)),
+            None
+        );
+    }
+    let per_conn = (engine.heap_bytes() - empty) / CONNS as usize;
+    assert!(
+        per_conn > 0 && per_conn <= 1024,
+        "{per_conn} bytes per connection"
+    );
+    // A wait adds its registration, its key copy and its table slots.
+    for conn in 0..CONNS {
+        assert_eq!(reply(&mut engine, conn, Op::Wait(ks(&["/done"]))), None);
+    }
+    assert!(engine.heap_bytes() > empty + per_conn * CONNS as usize);
+    assert_eq!(
+        ok(&mut engine, 0, Op::Set(k("/done"), k("1"))).2.len(),
+        9_999
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Model test: the engine against a naive store built from BTreeMaps and linear scans.
 
@@ -1180,10 +1251,30 @@ fn check_invariants(engine: &Engine, model: &Model) {
     assert_eq!(engine.num_queues(), queued);
     // Internal consistency: registrations match each wait's remaining count.
     let mut registrations: BTreeMap<WaitId, usize> = BTreeMap::new();
-    for ids in engine.waiters.values() {
-        assert!(!ids.is_empty());
-        for id in ids {
-            *registrations.entry(*id).or_default() += 1;
+    for entry in engine.waiters.values() {
+        let live: Vec<WaitId> = entry
+            .ids
+            .iter()
+            .filter(|(id, _)| engine.waits.contains_key(id))
+            .map(|&(id, _)| id)
+            .collect();
+        assert!(!live.is_empty(), "an entry without a live registration");
+        assert_eq!(entry.ids.len() - live.len(), entry.stale, "stale count");
+        assert!(
+            entry.stale * 2 <= entry.ids.len(),
+            "stale entries compacted"
+        );
+        assert!(live.windows(2).all(|w| w[0] < w[1]), "registration order");
+        for id in live {
+            *registrations.entry(id).or_default() += 1;
+        }
+        for &(id, index) in &entry.ids {
+            if let Some(wait) = engine.waits.get(&id) {
+                assert!(
+                    wait.keys.as_slice()[index].is_some(),
+                    "a live entry's key is unsatisfied"
+                );
+            }
         }
     }
     for (id, wait) in &engine.waits {
