@@ -9,7 +9,9 @@ use alloc::vec::Vec;
 use super::join::Join;
 use super::keep_alive::{KeepAlive, Member};
 use super::leave::{Leave, Then};
-use super::{ElasticNode, Event, Instant, Mismatch, RoundOutcome, Step, StoreAction, StoreReply};
+use super::{
+    ElasticNode, Event, Instant, Mismatch, RoundOutcome, Seat, Step, StoreAction, StoreReply,
+};
 
 /// Added to a round's acknowledgement counter (`{round}/ready`, whose low 32 bits count
 /// the acknowledgements) by each member that waited in vain for `go`, before it decides:
@@ -21,41 +23,32 @@ const GAVE_UP: i64 = 1 << 32;
 const VERDICT_GO: &[u8] = b"go";
 const VERDICT_FAIL: &[u8] = b"fail";
 
+/// A member's place in the world just closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Place {
+    seat: Seat,
+    rank: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Confirm {
     /// A member acknowledges the round (`ready`); the last one releases the others.
-    Ack {
-        round: u64,
-        slot: u32,
-        rank: u32,
-    },
-    SetGo {
-        round: u64,
-        slot: u32,
-        rank: u32,
-    },
+    Ack(Place),
+    SetGo(Place),
     WaitGo {
-        round: u64,
-        slot: u32,
-        rank: u32,
+        at: Place,
         deadline: Instant,
     },
     /// A member that waited in vain for the release counts itself into `ready` (high
     /// bits), which reads the acknowledgements and tells a later last acknowledger that
     /// somebody may have decided before it.
-    ReadReady {
-        round: u64,
-        slot: u32,
-        rank: u32,
-    },
+    ReadReady(Place),
     /// The one decision on the round's confirmation: the first compare-set of the verdict
     /// wins, and every member obeys it (`go`: a member that waited in vain and found every
     /// acknowledgement in, or the last acknowledger when one gave up before it; `fail`: a
     /// member that waited in vain and did not).
     Verdict {
-        round: u64,
-        slot: u32,
-        rank: u32,
+        at: Place,
         go: bool,
     },
 }
@@ -64,17 +57,15 @@ impl Confirm {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode, now: Instant) -> StoreAction {
         match self {
-            Confirm::Ack { round, .. } => n.add(*round, "ready", 1),
-            Confirm::SetGo { round, .. } => n.set(*round, "go", Vec::new()),
-            Confirm::WaitGo {
-                round, deadline, ..
-            } => StoreAction::Wait {
-                key: n.round_key(*round, "go"),
+            Confirm::Ack(at) => n.add(at.seat.round, "ready", 1),
+            Confirm::SetGo(at) => n.set(at.seat.round, "go", Vec::new()),
+            Confirm::WaitGo { at, deadline } => StoreAction::Wait {
+                key: n.round_key(at.seat.round, "go"),
                 until: n.capped(now, *deadline),
             },
-            Confirm::ReadReady { round, .. } => n.add(*round, "ready", GAVE_UP),
-            Confirm::Verdict { round, go, .. } => StoreAction::CompareSet {
-                key: n.round_key(*round, "verdict"),
+            Confirm::ReadReady(at) => n.add(at.seat.round, "ready", GAVE_UP),
+            Confirm::Verdict { at, go } => StoreAction::CompareSet {
+                key: n.round_key(at.seat.round, "verdict"),
                 expected: Vec::new(),
                 desired: if *go { VERDICT_GO } else { VERDICT_FAIL }.to_vec(),
             },
@@ -90,57 +81,29 @@ impl Confirm {
     ) -> Result<Step, Mismatch> {
         use StoreReply as R;
         Ok(match (self, reply) {
-            (Confirm::Ack { round, slot, rank }, R::Added(value)) => {
-                Step::Confirm(n.acknowledged(round, slot, rank, value, now))
+            (Confirm::Ack(at), R::Added(value)) => Step::Confirm(n.acknowledged(at, value, now)),
+            (Confirm::SetGo(at), R::Set) | (Confirm::WaitGo { at, .. }, R::Waited) => {
+                n.complete(at, now)
             }
-            (Confirm::SetGo { round, slot, rank }, R::Set)
-            | (
-                Confirm::WaitGo {
-                    round, slot, rank, ..
-                },
-                R::Waited,
-            ) => n.complete(round, slot, rank, now),
-            (
-                Confirm::WaitGo {
-                    round,
-                    slot,
-                    rank,
-                    deadline,
-                },
-                R::TimedOut,
-            ) => Step::Confirm(if now >= deadline {
-                Confirm::ReadReady { round, slot, rank }
+            (Confirm::WaitGo { at, deadline }, R::TimedOut) => Step::Confirm(if now >= deadline {
+                Confirm::ReadReady(at)
             } else {
-                Confirm::WaitGo {
-                    round,
-                    slot,
-                    rank,
-                    deadline,
-                }
+                Confirm::WaitGo { at, deadline }
             }),
-            (Confirm::ReadReady { round, slot, rank }, R::Added(value)) => {
-                Step::Confirm(Confirm::Verdict {
-                    round,
-                    slot,
-                    rank,
-                    go: (value & 0xffff_ffff) >= n.acks_needed(),
-                })
-            }
-            (
-                Confirm::Verdict {
-                    round, slot, rank, ..
-                },
-                R::Value(verdict),
-            ) => {
+            (Confirm::ReadReady(at), R::Added(value)) => Step::Confirm(Confirm::Verdict {
+                at,
+                go: (value & 0xffff_ffff) >= n.acks_needed(),
+            }),
+            (Confirm::Verdict { at, .. }, R::Value(verdict)) => {
                 if verdict == VERDICT_GO {
                     // Release the others (again, when a member that waited in vain finds
                     // the round standing: the last acknowledger may have died after its
                     // verdict).
-                    Step::Confirm(Confirm::SetGo { round, slot, rank })
+                    Step::Confirm(Confirm::SetGo(at))
                 } else if verdict == VERDICT_FAIL {
-                    n.unconfirmed(round)
+                    n.unconfirmed(at.seat.round)
                 } else {
-                    n.foreign(round, "verdict", verdict)
+                    n.foreign(at.seat.round, "verdict", verdict)
                 }
             }
             _ => return Err(Mismatch),
@@ -150,7 +113,7 @@ impl Confirm {
 
 impl ElasticNode {
     /// This member's acknowledgement made the count `value`.
-    fn acknowledged(&self, round: u64, slot: u32, rank: u32, value: i64, now: Instant) -> Confirm {
+    fn acknowledged(&self, at: Place, value: i64, now: Instant) -> Confirm {
         let size = self.acks_needed();
         let (acks, gave_up) = (value & 0xffff_ffff, value >> 32);
         if acks >= size && gave_up == 0 {
@@ -158,20 +121,13 @@ impl ElasticNode {
             // from now on counts itself after it, finds every acknowledgement in and
             // compare-sets `go`, so `go` is the only verdict there can be. Release the
             // others without writing it.
-            Confirm::SetGo { round, slot, rank }
+            Confirm::SetGo(at)
         } else if acks >= size {
             // A member gave up first and may have decided `fail`: the verdict decides.
-            Confirm::Verdict {
-                round,
-                slot,
-                rank,
-                go: true,
-            }
+            Confirm::Verdict { at, go: true }
         } else {
             Confirm::WaitGo {
-                round,
-                slot,
-                rank,
+                at,
                 deadline: now.saturating_add(self.settings.keep_alive_timeout()),
             }
         }
@@ -180,57 +136,61 @@ impl ElasticNode {
     /// The round closed with the slots in `self.world` (by rank): a member acknowledges
     /// it (the closer, `won`, by its compare-set: it waits for the release at once, or
     /// completes a round of one), a late node waits.
-    pub(super) fn decide(&mut self, round: u64, slot: u32, won: bool, now: Instant) -> Step {
+    pub(super) fn decide(&mut self, seat: Seat, won: bool, now: Instant) -> Step {
         self.open_slot = None;
-        let size = self.world.len() as u32;
-        let member_of = |rank: u32| (self.world[rank as usize], rank);
-        if let Some(rank) = self.world.iter().position(|&s| s == slot) {
-            let rank = rank as u32;
-            if won && self.acks_needed() == 0 {
-                // Nobody else to hear from.
-                self.complete(round, slot, rank, now)
-            } else if won && self.closer == Some(slot) {
-                Step::Confirm(Confirm::WaitGo {
-                    round,
-                    slot,
-                    rank,
-                    deadline: now.saturating_add(self.settings.keep_alive_timeout()),
-                })
-            } else {
-                Step::Confirm(Confirm::Ack { round, slot, rank })
-            }
+        let Some(rank) = self.world.iter().position(|&s| s == seat.slot) else {
+            return self.wait_outside(seat, now);
+        };
+        let at = Place {
+            seat,
+            rank: rank as u32,
+        };
+        if won && self.acks_needed() == 0 {
+            // Nobody else to hear from.
+            self.complete(at, now)
+        } else if won && self.closer == Some(seat.slot) {
+            Step::Confirm(Confirm::WaitGo {
+                at,
+                deadline: now.saturating_add(self.settings.keep_alive_timeout()),
+            })
         } else {
-            let hot_spare = size > 0 && size >= self.settings.nodes.max;
-            self.events.push_back(Event::Waiting { round, hot_spare });
-            self.spare = hot_spare;
-            // A late node holds no member's slot: leaving must not end the round.
-            self.holding = None;
-            if hot_spare {
-                // A hot spare watches one member too, so that a round whose members all
-                // died (or a round of one) still ends.
-                let (watch_slot, watch_rank) = member_of(slot.saturating_sub(1) % size);
-                Step::KeepAlive(KeepAlive::SpareWatch(Member {
-                    round,
-                    slot,
-                    world: size,
-                    watch_slot,
-                    watch_rank,
-                    next_tick: now.saturating_add(self.settings.keep_alive_interval),
-                    seen: -1,
-                    seen_at: now,
-                }))
-            } else {
-                Step::Join(Join::AskNext { round })
-            }
+            Step::Confirm(Confirm::Ack(at))
         }
+    }
+
+    /// The round closed without this node: a hot spare when it is full, else a late
+    /// node that asks for the next round.
+    fn wait_outside(&mut self, Seat { round, slot }: Seat, now: Instant) -> Step {
+        let size = self.world.len() as u32;
+        let hot_spare = size > 0 && size >= self.settings.nodes.max;
+        self.events.push_back(Event::Waiting { round, hot_spare });
+        self.spare = hot_spare;
+        // A late node holds no member's slot: leaving must not end the round.
+        self.holding = None;
+        if !hot_spare {
+            return Step::Join(Join::AskNext(round));
+        }
+        // A hot spare watches one member too, so that a round whose members all died (or
+        // a round of one) still ends.
+        let watch_rank = slot.saturating_sub(1) % size;
+        Step::KeepAlive(KeepAlive::SpareWatch(Member {
+            round,
+            slot,
+            world: size,
+            watch_slot: self.world[watch_rank as usize],
+            watch_rank,
+            next_tick: now.saturating_add(self.settings.keep_alive_interval),
+            seen: -1,
+            seen_at: now,
+        }))
     }
 
     /// Every member acknowledged the round: it is complete. The acknowledgement was this
     /// member's first sign of life; its first heartbeat and its first look at the watched
     /// member are one interval away, and until then it only waits on `over`. The watched
     /// member's keep-alive timeout runs from now.
-    fn complete(&mut self, round: u64, slot: u32, rank: u32, now: Instant) -> Step {
-        let size = self.world.len() as u32;
+    fn complete(&mut self, Place { seat, rank }: Place, now: Instant) -> Step {
+        let (round, size) = (seat.round, self.world.len() as u32);
         self.events.push_back(Event::Complete(RoundOutcome {
             round,
             rank,
@@ -240,17 +200,16 @@ impl ElasticNode {
         }));
         self.prev = Some((round, rank));
         let next = (rank + 1) % size;
-        let m = Member {
+        Step::KeepAlive(KeepAlive::WaitOver(Member {
             round,
-            slot,
+            slot: seat.slot,
             world: size,
             watch_slot: self.world[next as usize],
             watch_rank: next,
             next_tick: now.saturating_add(self.settings.keep_alive_interval),
             seen: -1,
             seen_at: now,
-        };
-        Step::KeepAlive(KeepAlive::WaitOver(m))
+        }))
     }
 
     /// A member did not acknowledge the round within the keep-alive timeout: it is dead,

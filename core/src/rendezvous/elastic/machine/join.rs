@@ -13,81 +13,66 @@ use super::last_call::{LastCall, RosterRead};
 use super::leave::Then;
 use super::tick::{OpenWatch, Resume, Tick};
 use super::{
-    ElasticNode, ElasticSettings, Instant, Mismatch, Step, StoreAction, StoreReply,
+    ElasticNode, ElasticSettings, Instant, Mismatch, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK, MAX_SLOTS,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Join {
-    /// Reads the round hint; `guess` is the arrivals counter of round 0 as this node's
-    /// first guess found it (closed), to be used as its arrival if the hint says 0.
-    ReadHint {
-        guess: Option<i64>,
-    },
+    /// Reads the round hint; holds the arrivals counter of round 0 as this node's first
+    /// guess found it (closed), to be used as its arrival if the hint says 0.
+    ReadHint(Option<i64>),
     Arrive {
         round: u64,
         /// A fresh node's arrival in round 0 without reading the hint first.
         guessed: bool,
     },
     Announce {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         live: u32,
     },
-    SetQuorum {
-        round: u64,
-        slot: u32,
-    },
-    WaitQuorum {
-        round: u64,
-        slot: u32,
-    },
+    SetQuorum(Seat),
+    WaitQuorum(Seat),
     /// A late node in a round with room asks for the next one (ends this one).
-    AskNext {
-        round: u64,
-    },
-    /// Advances the round hint past `round` (compare-set), to arrive in the next round.
-    Advance {
-        round: u64,
-    },
+    AskNext(u64),
+    /// Advances the round hint past this round (compare-set), to arrive in the next one.
+    Advance(u64),
     /// Round 0's advance found the hint at `0` (a node read it then, which creates it):
     /// advance it from there.
-    AdvanceRead {
-        round: u64,
-    },
+    AdvanceRead(u64),
 }
 
 impl Join {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode, now: Instant) -> StoreAction {
         match self {
-            Join::ReadHint { .. } => StoreAction::Add {
+            Join::ReadHint(_) => StoreAction::Add {
                 key: n.key(format_args!("round")),
                 delta: 0,
             },
             Join::Arrive { round, .. } => n.add(*round, "arrivals", 1),
-            Join::Announce { round, slot, .. } => StoreAction::Append {
-                key: n.round_key(*round, "roster"),
-                value: n.roster_line(*slot),
+            Join::Announce { seat, .. } => StoreAction::Append {
+                key: n.round_key(seat.round, "roster"),
+                value: n.roster_line(seat.slot),
             },
-            Join::SetQuorum { round, .. } => n.set(*round, "quorum", Vec::new()),
-            Join::WaitQuorum { round, .. } => StoreAction::Wait {
-                key: n.round_key(*round, "quorum"),
+            Join::SetQuorum(seat) => n.set(seat.round, "quorum", Vec::new()),
+            Join::WaitQuorum(seat) => StoreAction::Wait {
+                key: n.round_key(seat.round, "quorum"),
                 until: n.capped(now, n.join_deadline),
             },
-            Join::AskNext { round } => n.set(
+            Join::AskNext(round) => n.set(
                 *round,
                 "over",
                 format!("node '{}' is waiting for the next round", n.node).into_bytes(),
             ),
             // Nobody need have read the hint in round 0 (a fresh node guesses round 0), so
             // it may be missing then: round 0's advance creates it.
-            Join::Advance { round: 0 } => StoreAction::CompareSet {
+            Join::Advance(0) => StoreAction::CompareSet {
                 key: n.key(format_args!("round")),
                 expected: Vec::new(),
                 desired: b"1".to_vec(),
             },
-            Join::Advance { round } | Join::AdvanceRead { round } => StoreAction::CompareSet {
+            Join::Advance(round) | Join::AdvanceRead(round) => StoreAction::CompareSet {
                 key: n.key(format_args!("round")),
                 expected: format!("{round}").into_bytes(),
                 desired: format!("{}", round.saturating_add(1)).into_bytes(),
@@ -104,16 +89,14 @@ impl Join {
     ) -> Result<Step, Mismatch> {
         use StoreReply as R;
         Ok(match (self, reply) {
-            (Join::ReadHint { .. }, R::Added(round)) if round >= CLOSED_MARK => {
+            (Join::ReadHint(_), R::Added(round)) if round >= CLOSED_MARK => {
                 n.fail(n.closed_error());
                 Step::Done
             }
-            (Join::ReadHint { guess: Some(value) }, R::Added(0)) => {
-                // Round 0 is still the current one: this node's guessed arrival stands
-                // (a late one, or one in a round still open).
-                n.arrived(0, false, value)
-            }
-            (Join::ReadHint { .. }, R::Added(round)) => match u64::try_from(round) {
+            // Round 0 is still the current one: this node's guessed arrival stands (a
+            // late one, or one in a round still open).
+            (Join::ReadHint(Some(value)), R::Added(0)) => n.arrived(0, false, value),
+            (Join::ReadHint(_), R::Added(round)) => match u64::try_from(round) {
                 Ok(round) => Step::Join(Join::Arrive {
                     round,
                     guessed: false,
@@ -125,23 +108,17 @@ impl Join {
                 }
             },
             (Join::Arrive { round, guessed }, R::Added(value)) => n.arrived(round, guessed, value),
-            (Join::Announce { round, slot, live }, R::Set) => n.announced(round, slot, live, now),
-            (Join::SetQuorum { round, slot }, R::Set)
-            | (Join::WaitQuorum { round, slot }, R::Waited) => n.wait_size(round, slot, now),
-            (Join::WaitQuorum { round, slot }, R::TimedOut) => {
-                if now >= n.join_deadline {
-                    n.depart(round, slot, Then::Failed(n.timeout_error()))
-                } else {
-                    Step::Tick(Tick::Beat {
-                        resume: Resume::Quorum { round, slot },
-                    })
-                }
+            (Join::Announce { seat, live }, R::Set) => n.announced(seat, live, now),
+            (Join::SetQuorum(seat), R::Set) | (Join::WaitQuorum(seat), R::Waited) => {
+                n.wait_size(seat, now)
             }
-            (Join::AskNext { round }, R::Set) => Step::Join(Join::Advance { round }),
-            (Join::Advance { round: 0 }, R::Value(b"0")) => {
-                Step::Join(Join::AdvanceRead { round: 0 })
+            (Join::WaitQuorum(seat), R::TimedOut) if now >= n.join_deadline => {
+                n.depart(seat, Then::Failed(n.timeout_error()))
             }
-            (Join::Advance { round } | Join::AdvanceRead { round }, R::Value(hint)) => {
+            (Join::WaitQuorum(seat), R::TimedOut) => Step::Tick(Tick::Beat(Resume::Quorum(seat))),
+            (Join::AskNext(round), R::Set) => Step::Join(Join::Advance(round)),
+            (Join::Advance(0), R::Value(b"0")) => Step::Join(Join::AdvanceRead(0)),
+            (Join::Advance(round) | Join::AdvanceRead(round), R::Value(hint)) => {
                 n.advanced(round, hint)
             }
             _ => return Err(Mismatch),
@@ -159,7 +136,7 @@ impl ElasticNode {
             // handed out fewer than `max_nodes` slots, so a slot above `max_nodes` comes
             // after a closer that did not. Find the current round (the hint says 0 too
             // while round 0 is still open).
-            return Step::Join(Join::ReadHint { guess: Some(value) });
+            return Step::Join(Join::ReadHint(Some(value)));
         }
         if marked {
             // A late arrival in a closed round: it finds out as any late node.
@@ -173,30 +150,28 @@ impl ElasticNode {
         self.open_slot = Some(slot);
         self.open = OpenWatch::default();
         Step::Join(Join::Announce {
-            round,
-            slot,
+            seat: Seat { round, slot },
             live: ElasticSettings::live_count(value),
         })
     }
 
     /// This node's roster line is written; `live` nodes were there with it.
-    fn announced(&self, round: u64, slot: u32, live: u32, now: Instant) -> Step {
+    fn announced(&self, seat: Seat, live: u32, now: Instant) -> Step {
         let (min, max) = (self.settings.nodes.min, self.settings.nodes.max);
         if live >= max {
             // This arrival fills the round: close it now.
             Step::LastCall(LastCall::ReadRoster(RosterRead {
-                round,
-                slot,
-                count: slot,
+                seat,
+                count: seat.slot,
                 since: now,
                 tries: 0,
             }))
         } else if live == min && min < max {
-            Step::Join(Join::SetQuorum { round, slot })
+            Step::Join(Join::SetQuorum(seat))
         } else if live < min && min < max {
-            Step::Join(Join::WaitQuorum { round, slot })
+            Step::Join(Join::WaitQuorum(seat))
         } else {
-            self.wait_size(round, slot, now)
+            self.wait_size(seat, now)
         }
     }
 

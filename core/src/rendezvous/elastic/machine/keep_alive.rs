@@ -88,15 +88,13 @@ impl KeepAlive {
                     reason: String::from_utf8_lossy(reason).into_owned(),
                 });
                 n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                Step::Join(Join::Advance { round })
+                Step::Join(Join::Advance(round))
             }
             (KeepAlive::Spare(m), R::Waited) => {
                 n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                Step::Join(Join::Advance { round: m.round })
+                Step::Join(Join::Advance(m.round))
             }
-            (KeepAlive::Spare(m), R::TimedOut) => Step::Tick(Tick::Recheck {
-                resume: Resume::Spare(m),
-            }),
+            (KeepAlive::Spare(m), R::TimedOut) => Step::Tick(Tick::Recheck(Resume::Spare(m))),
             (KeepAlive::SpareWatch(m), R::Added(value)) => match n.watch(m, value, now) {
                 Ok(m) => Step::KeepAlive(KeepAlive::Spare(m)),
                 Err(dead) => dead,

@@ -15,7 +15,7 @@ use super::leave::Then;
 use super::roster::{deal_ranks, parse_roster, parse_world, Entry, Line};
 use super::tick::{Resume, Tick};
 use super::{
-    ElasticNode, Instant, Mismatch, Step, StoreAction, StoreReply, ARRIVALS_CLOSED, MAX_SLOTS,
+    ElasticNode, Instant, Mismatch, Seat, Step, StoreAction, StoreReply, ARRIVALS_CLOSED, MAX_SLOTS,
 };
 
 /// The first pause before the closer reads the roster again, for an arrival whose entry
@@ -28,8 +28,7 @@ const ROSTER_POLL: Duration = Duration::from_millis(5);
 /// `tries` pauses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct RosterRead {
-    pub(super) round: u64,
-    pub(super) slot: u32,
+    pub(super) seat: Seat,
     pub(super) count: u32,
     pub(super) since: Instant,
     pub(super) tries: u32,
@@ -38,14 +37,10 @@ pub(super) struct RosterRead {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum LastCall {
     WaitSize {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         last_call: Instant,
     },
-    Count {
-        round: u64,
-        slot: u32,
-    },
+    Count(Seat),
     ReadRoster(RosterRead),
     /// A pause before the next read, for an arrival whose line is in flight.
     RosterPoll(RosterRead),
@@ -53,45 +48,35 @@ pub(super) enum LastCall {
     /// `min_nodes` still waiting on it: no arrival may have seen exactly `min_nodes` live
     /// (a departure counted late), and a closer that leaves or dies right after its
     /// compare-set must not leave them waiting.
-    QuorumBeforeClose {
-        round: u64,
-        slot: u32,
-        proposal: String,
-        mark: bool,
-    },
-    /// The closer compare-sets the size; `mark`: it is round 0's and fewer than
-    /// `max_nodes` slots were handed out when it read the roster, so a fresh node's guess
-    /// could not tell that the round is closed: it marks the arrivals after winning.
-    Close {
-        round: u64,
-        slot: u32,
-        proposal: String,
-        mark: bool,
-    },
+    QuorumBeforeClose(Proposal),
+    /// The closer compare-sets the size.
+    Close(Proposal),
     /// Round 0's closer marks its arrivals closed (see [`ARRIVALS_CLOSED`]).
-    MarkArrivals {
-        round: u64,
-        slot: u32,
-    },
-    ReadSize {
-        round: u64,
-        slot: u32,
-    },
+    MarkArrivals(Seat),
+    ReadSize(Seat),
+}
+
+/// The closer's proposal for the size value; `mark`: it is round 0's and fewer than
+/// `max_nodes` slots were handed out when it read the roster, so a fresh node's guess
+/// could not tell that the round is closed: it marks the arrivals after winning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Proposal {
+    seat: Seat,
+    value: String,
+    mark: bool,
 }
 
 impl LastCall {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode, now: Instant) -> StoreAction {
         match self {
-            LastCall::WaitSize {
-                round, last_call, ..
-            } => StoreAction::Wait {
-                key: n.round_key(*round, "size"),
+            LastCall::WaitSize { seat, last_call } => StoreAction::Wait {
+                key: n.round_key(seat.round, "size"),
                 until: n.capped(now, n.join_deadline.min(*last_call)),
             },
-            LastCall::Count { round, .. } => n.add(*round, "arrivals", 0),
+            LastCall::Count(seat) => n.add(seat.round, "arrivals", 0),
             LastCall::ReadRoster(read) => StoreAction::Get {
-                key: n.round_key(read.round, "roster"),
+                key: n.round_key(read.seat.round, "roster"),
             },
             // No store request while it waits: a concurrent closer is caught anyway by the
             // compare-set of the size, whose reply is the world that won.
@@ -102,17 +87,15 @@ impl LastCall {
                     until: now.saturating_add(pause).min(grace).max(now),
                 }
             }
-            LastCall::QuorumBeforeClose { round, .. } => n.set(*round, "quorum", Vec::new()),
-            LastCall::Close {
-                round, proposal, ..
-            } => StoreAction::CompareSet {
-                key: n.round_key(*round, "size"),
+            LastCall::QuorumBeforeClose(p) => n.set(p.seat.round, "quorum", Vec::new()),
+            LastCall::Close(p) => StoreAction::CompareSet {
+                key: n.round_key(p.seat.round, "size"),
                 expected: Vec::new(),
-                desired: proposal.as_bytes().to_vec(),
+                desired: p.value.as_bytes().to_vec(),
             },
-            LastCall::MarkArrivals { round, .. } => n.add(*round, "arrivals", ARRIVALS_CLOSED),
-            LastCall::ReadSize { round, .. } => StoreAction::Get {
-                key: n.round_key(*round, "size"),
+            LastCall::MarkArrivals(seat) => n.add(seat.round, "arrivals", ARRIVALS_CLOSED),
+            LastCall::ReadSize(seat) => StoreAction::Get {
+                key: n.round_key(seat.round, "size"),
             },
         }
     }
@@ -126,36 +109,22 @@ impl LastCall {
     ) -> Result<Step, Mismatch> {
         use StoreReply as R;
         Ok(match (self, reply) {
-            (LastCall::WaitSize { round, slot, .. }, R::Waited) => {
-                Step::LastCall(LastCall::ReadSize { round, slot })
+            (LastCall::WaitSize { seat, .. }, R::Waited) => {
+                Step::LastCall(LastCall::ReadSize(seat))
             }
-            (
-                LastCall::WaitSize {
-                    round,
-                    slot,
-                    last_call,
-                },
-                R::TimedOut,
-            ) => {
+            (LastCall::WaitSize { seat, last_call }, R::TimedOut) => {
                 if now >= last_call {
-                    Step::LastCall(LastCall::Count { round, slot })
+                    Step::LastCall(LastCall::Count(seat))
                 } else if now >= n.join_deadline {
-                    n.depart(round, slot, Then::Failed(n.timeout_error()))
+                    n.depart(seat, Then::Failed(n.timeout_error()))
                 } else {
-                    Step::Tick(Tick::Beat {
-                        resume: Resume::Size {
-                            round,
-                            slot,
-                            last_call,
-                        },
-                    })
+                    Step::Tick(Tick::Beat(Resume::Size { seat, last_call }))
                 }
             }
-            (LastCall::Count { round, slot }, R::Added(value)) => {
+            (LastCall::Count(seat), R::Added(value)) => {
                 Step::LastCall(LastCall::ReadRoster(RosterRead {
-                    round,
-                    slot,
-                    count: ((value & 0xffff_ffff) as u32).clamp(slot, MAX_SLOTS),
+                    seat,
+                    count: ((value & 0xffff_ffff) as u32).clamp(seat.slot, MAX_SLOTS),
                     since: now,
                     tries: 0,
                 }))
@@ -167,45 +136,22 @@ impl LastCall {
                     ..read
                 }))
             }
-            (
-                LastCall::QuorumBeforeClose {
-                    round,
-                    slot,
-                    proposal,
-                    mark,
-                },
-                R::Set,
-            ) => Step::LastCall(LastCall::Close {
-                round,
-                slot,
-                proposal,
-                mark,
-            }),
-            (
-                LastCall::Close {
-                    round,
-                    slot,
-                    proposal,
-                    mark,
-                },
-                R::Value(value),
-            ) => {
+            (LastCall::QuorumBeforeClose(p), R::Set) => Step::LastCall(LastCall::Close(p)),
+            (LastCall::Close(p), R::Value(value)) => {
                 // A proposal names its closer, so only the winner finds its own.
-                let won = value == proposal.as_bytes();
-                if !n.read_world(round, value) {
+                let won = value == p.value.as_bytes();
+                if !n.read_world(p.seat.round, value) {
                     Step::Done
-                } else if won && mark {
-                    Step::LastCall(LastCall::MarkArrivals { round, slot })
+                } else if won && p.mark {
+                    Step::LastCall(LastCall::MarkArrivals(p.seat))
                 } else {
-                    n.decide(round, slot, won, now)
+                    n.decide(p.seat, won, now)
                 }
             }
-            (LastCall::MarkArrivals { round, slot }, R::Added(_)) => {
-                n.decide(round, slot, true, now)
-            }
-            (LastCall::ReadSize { round, slot }, R::Value(value)) => {
-                if n.read_world(round, value) {
-                    n.decide(round, slot, false, now)
+            (LastCall::MarkArrivals(seat), R::Added(_)) => n.decide(seat, true, now),
+            (LastCall::ReadSize(seat), R::Value(value)) => {
+                if n.read_world(seat.round, value) {
+                    n.decide(seat, false, now)
                 } else {
                     Step::Done
                 }
@@ -218,18 +164,14 @@ impl LastCall {
 impl ElasticNode {
     /// Waits for the round's size, through a last call when `min_nodes < max_nodes`; with
     /// `min_nodes == max_nodes` only the arrival that fills the round closes it.
-    pub(super) fn wait_size(&self, round: u64, slot: u32, now: Instant) -> Step {
+    pub(super) fn wait_size(&self, seat: Seat, now: Instant) -> Step {
         let nodes = self.settings.nodes;
         let last_call = if nodes.min < nodes.max {
             now.saturating_add(self.settings.last_call)
         } else {
             Instant::from_nanos(u64::MAX)
         };
-        Step::LastCall(LastCall::WaitSize {
-            round,
-            slot,
-            last_call,
-        })
+        Step::LastCall(LastCall::WaitSize { seat, last_call })
     }
 
     /// Records the world that closed `round` (its size value); `false`, having failed
@@ -251,32 +193,25 @@ impl ElasticNode {
 
     /// The closer read the roster: close, pause for a line in flight, or wait for more.
     fn read_roster(&self, read: RosterRead, roster: &[u8], now: Instant) -> Step {
-        let RosterRead {
-            round, slot, count, ..
-        } = read;
         let (min, max) = (self.settings.nodes.min, self.settings.nodes.max);
         let grace = now.saturating_duration_since(read.since) >= self.settings.keep_alive_interval;
+        let RosterRead { seat, count, .. } = read;
         // Every arrival after this read takes a slot above `count`: with `count` at least
         // `max_nodes`, a fresh node's guess sees a slot above `max_nodes` and reads the
         // round hint without a mark.
-        let mark = round == 0 && count < max;
-        Step::LastCall(match self.propose(roster, count, grace, slot) {
-            Proposal::Close(proposal) if min < max => LastCall::QuorumBeforeClose {
-                round,
-                slot,
-                proposal,
-                mark,
-            },
-            Proposal::Close(proposal) => LastCall::Close {
-                round,
-                slot,
-                proposal,
-                mark,
-            },
-            Proposal::Poll => LastCall::RosterPoll(read),
-            Proposal::TooFew => LastCall::WaitSize {
-                round,
-                slot,
+        let mark = seat.round == 0 && count < max;
+        Step::LastCall(match self.propose(roster, count, grace, seat.slot) {
+            Reading::Close(value) => {
+                let proposal = Proposal { seat, value, mark };
+                if min < max {
+                    LastCall::QuorumBeforeClose(proposal)
+                } else {
+                    LastCall::Close(proposal)
+                }
+            }
+            Reading::Poll => LastCall::RosterPoll(read),
+            Reading::TooFew => LastCall::WaitSize {
+                seat,
                 last_call: Instant::from_nanos(u64::MAX),
             },
         })
@@ -286,7 +221,7 @@ impl ElasticNode {
     /// (arrived, not gone), at most `max_nodes` of them in slot order, ranked by
     /// [`deal_ranks`]. An arrival whose roster line is not there yet is waited for (it is
     /// in flight) until `grace`, then left out.
-    fn propose(&self, roster: &[u8], count: u32, grace: bool, closer: u32) -> Proposal {
+    fn propose(&self, roster: &[u8], count: u32, grace: bool, closer: u32) -> Reading {
         let mut joined: Vec<Entry<'_>> = Vec::new();
         let mut gone: Vec<u32> = Vec::new();
         for line in parse_roster(roster) {
@@ -304,12 +239,12 @@ impl ElasticNode {
         let in_flight = (1..=count)
             .any(|s| !is_gone(&s) && joined.binary_search_by_key(&s, |e| e.slot).is_err());
         if missing > 0 && in_flight && !grace {
-            return Proposal::Poll;
+            return Reading::Poll;
         }
         joined.retain(|e| !is_gone(&e.slot));
         joined.truncate(self.settings.nodes.max as usize);
         if (joined.len() as u32) < self.settings.nodes.min {
-            return Proposal::TooFew;
+            return Reading::TooFew;
         }
         let ranks = deal_ranks(&joined);
         let mut text = format!("{}:{closer};", ranks.len());
@@ -327,12 +262,12 @@ impl ElasticNode {
             text.push(';');
             text.push_str(contact);
         }
-        Proposal::Close(text)
+        Reading::Close(text)
     }
 }
 
 /// The closer's reading of the roster.
-enum Proposal {
+enum Reading {
     /// Close with this size value.
     Close(String),
     /// An arrival's line is not there yet: read again shortly.

@@ -13,7 +13,7 @@ use super::join::Join;
 use super::roster::parse_world;
 use super::tick::{Resume, Tick};
 use super::{
-    ElasticError, ElasticNode, Event, Instant, Mismatch, Step, StoreAction, StoreReply,
+    ElasticError, ElasticNode, Event, Instant, Mismatch, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK,
 };
 
@@ -40,31 +40,26 @@ pub(super) enum AfterGone {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Leave {
-    /// Marking `slot` of an open round gone: claim it, log it in the roster, count it.
+    /// Marking a slot of an open round gone: claim it, log it in the roster, count it.
     GoneClaim {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         after: AfterGone,
     },
     GoneLog {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         after: AfterGone,
     },
     GoneCount {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         after: AfterGone,
     },
     /// A departing node: did the round close (with it) before it left?
     OwnCheck {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         then: Then,
     },
     OwnRead {
-        round: u64,
-        slot: u32,
+        seat: Seat,
         then: Then,
     },
     MarkOver {
@@ -78,21 +73,21 @@ impl Leave {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode) -> StoreAction {
         match self {
-            Leave::GoneClaim { round, slot, .. } => StoreAction::CompareSet {
-                key: n.key(format_args!("{round}/gone/{slot}")),
+            Leave::GoneClaim { seat, .. } => StoreAction::CompareSet {
+                key: n.key(format_args!("{}/gone/{}", seat.round, seat.slot)),
                 expected: Vec::new(),
                 desired: n.node.as_bytes().to_vec(),
             },
-            Leave::GoneLog { round, slot, .. } => StoreAction::Append {
-                key: n.round_key(*round, "roster"),
-                value: format!("-{slot}\n").into_bytes(),
+            Leave::GoneLog { seat, .. } => StoreAction::Append {
+                key: n.round_key(seat.round, "roster"),
+                value: format!("-{}\n", seat.slot).into_bytes(),
             },
-            Leave::GoneCount { round, .. } => n.add(*round, "arrivals", DEPARTED),
-            Leave::OwnCheck { round, .. } => StoreAction::Check {
-                key: n.round_key(*round, "size"),
+            Leave::GoneCount { seat, .. } => n.add(seat.round, "arrivals", DEPARTED),
+            Leave::OwnCheck { seat, .. } => StoreAction::Check {
+                key: n.round_key(seat.round, "size"),
             },
-            Leave::OwnRead { round, .. } => StoreAction::Get {
-                key: n.round_key(*round, "size"),
+            Leave::OwnRead { seat, .. } => StoreAction::Get {
+                key: n.round_key(seat.round, "size"),
             },
             Leave::MarkOver { round, reason, .. } => {
                 n.set(*round, "over", reason.as_bytes().to_vec())
@@ -109,66 +104,59 @@ impl Leave {
     ) -> Result<Step, Mismatch> {
         use StoreReply as R;
         Ok(match (self, reply) {
-            (Leave::GoneClaim { round, slot, after }, R::Value(value)) => {
+            (Leave::GoneClaim { seat, after }, R::Value(value)) => {
                 if value == n.node.as_bytes() {
-                    Step::Leave(Leave::GoneLog { round, slot, after })
+                    Step::Leave(Leave::GoneLog { seat, after })
                 } else {
                     // Somebody marked it first (the node itself, or another watcher).
-                    after_gone(round, slot, after)
+                    after_gone(seat, after)
                 }
             }
-            (Leave::GoneLog { round, slot, after }, R::Set) => {
-                Step::Leave(Leave::GoneCount { round, slot, after })
+            (Leave::GoneLog { seat, after }, R::Set) => {
+                Step::Leave(Leave::GoneCount { seat, after })
             }
-            (Leave::GoneCount { round, slot, after }, R::Added(_)) => {
-                after_gone(round, slot, after)
+            (Leave::GoneCount { seat, after }, R::Added(_)) => after_gone(seat, after),
+            (Leave::OwnCheck { seat, then }, R::Checked(true)) => {
+                Step::Leave(Leave::OwnRead { seat, then })
             }
-            (Leave::OwnCheck { round, slot, then }, R::Checked(closed)) => {
-                if closed {
-                    Step::Leave(Leave::OwnRead { round, slot, then })
-                } else {
-                    n.then(then, now)
-                }
-            }
-            (Leave::OwnRead { round, slot, then }, R::Value(value)) => {
+            (Leave::OwnCheck { then, .. }, R::Checked(false)) => n.then(then, now),
+            (Leave::OwnRead { seat, then }, R::Value(value)) => {
                 match parse_world(value, n.settings.nodes.max) {
-                    Some((world, ..)) if world.contains(&slot) => {
+                    Some((world, ..)) if world.contains(&seat.slot) => {
                         // The round closed with this node in it: end it for the others.
                         Step::Leave(Leave::MarkOver {
-                            round,
+                            round: seat.round,
                             reason: format!("node '{}' left the round as it closed", n.node),
                             then,
                         })
                     }
                     Some(_) => n.then(then, now),
-                    None => n.foreign(round, "size", value),
+                    None => n.foreign(seat.round, "size", value),
                 }
             }
             (
                 Leave::MarkOver {
                     round,
-                    then,
                     reason,
+                    then: Then::Rejoin,
                 },
                 R::Set,
-            ) => match then {
-                Then::Rejoin => {
-                    n.events.push_back(Event::RoundOver { round, reason });
-                    n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                    Step::Join(Join::Advance { round })
-                }
-                other => n.then(other, now),
-            },
+            ) => {
+                n.events.push_back(Event::RoundOver { round, reason });
+                n.join_deadline = now.saturating_add(n.settings.join_timeout);
+                Step::Join(Join::Advance(round))
+            }
+            (Leave::MarkOver { then, .. }, R::Set) => n.then(then, now),
             _ => return Err(Mismatch),
         })
     }
 }
 
 /// After a slot of an open round is marked gone.
-fn after_gone(round: u64, slot: u32, after: AfterGone) -> Step {
+fn after_gone(seat: Seat, after: AfterGone) -> Step {
     match after {
-        AfterGone::Resume(resume) => Step::Tick(Tick::Recheck { resume }),
-        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck { round, slot, then }),
+        AfterGone::Resume(resume) => Step::Tick(Tick::Recheck(resume)),
+        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck { seat, then }),
     }
 }
 
@@ -234,11 +222,10 @@ impl Shutdown {
 }
 
 impl ElasticNode {
-    /// This node leaves the open round `round`, where it holds `slot`.
-    pub(super) fn depart(&self, round: u64, slot: u32, then: Then) -> Step {
+    /// This node leaves the open round where it holds `seat`.
+    pub(super) fn depart(&self, seat: Seat, then: Then) -> Step {
         Step::Leave(Leave::GoneClaim {
-            round,
-            slot,
+            seat,
             after: AfterGone::Own(then),
         })
     }
@@ -249,8 +236,8 @@ impl ElasticNode {
             Then::Rejoin => {
                 self.join_deadline = now.saturating_add(self.settings.join_timeout);
                 match self.holding {
-                    Some(round) => Step::Join(Join::Advance { round }),
-                    None => Step::Join(Join::ReadHint { guess: None }),
+                    Some(round) => Step::Join(Join::Advance(round)),
+                    None => Step::Join(Join::ReadHint(None)),
                 }
             }
             Then::Left => {

@@ -428,6 +428,13 @@ pub(super) const ARRIVALS_CLOSED: i64 = 1 << 48;
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
 const MAX_SLOTS: u32 = 1 << 16;
 
+/// A slot of a round: this node's while it waits in the round, or the one it strikes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seat {
+    round: u64,
+    slot: u32,
+}
+
 /// Where a node is: one phase (each a module below with its own steps), or idle before
 /// [`LocalEvent::Join`], or done.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -731,7 +738,9 @@ impl ElasticNode {
             }
             LocalEvent::Leave => match (self.holding, self.open_slot) {
                 // In an open round: leave it, so that it closes without this node.
-                (Some(round), Some(slot)) => self.step = self.depart(round, slot, Then::Left),
+                (Some(round), Some(slot)) => {
+                    self.step = self.depart(Seat { round, slot }, Then::Left)
+                }
                 (Some(round), None) => {
                     self.step = Step::Leave(Leave::MarkOver {
                         round,

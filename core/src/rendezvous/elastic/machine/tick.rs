@@ -11,28 +11,24 @@ use super::keep_alive::{KeepAlive, Member};
 use super::last_call::LastCall;
 use super::leave::{AfterGone, Leave};
 use super::roster::ring_target;
-use super::{ElasticNode, Instant, Mismatch, Step, StoreAction, StoreReply, MAX_SLOTS};
+use super::{ElasticNode, Instant, Mismatch, Seat, Step, StoreAction, StoreReply, MAX_SLOTS};
 
 /// A wait to resume after an open round's tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Resume {
-    Quorum {
-        round: u64,
-        slot: u32,
-    },
-    Size {
-        round: u64,
-        slot: u32,
-        last_call: Instant,
-    },
+    Quorum(Seat),
+    Size { seat: Seat, last_call: Instant },
     Spare(Member),
 }
 
 impl Resume {
-    pub(super) fn round_slot(&self) -> (u64, u32) {
+    fn seat(&self) -> Seat {
         match *self {
-            Resume::Quorum { round, slot } | Resume::Size { round, slot, .. } => (round, slot),
-            Resume::Spare(m) => (m.round, m.slot),
+            Resume::Quorum(seat) | Resume::Size { seat, .. } => seat,
+            Resume::Spare(m) => Seat {
+                round: m.round,
+                slot: m.slot,
+            },
         }
     }
 }
@@ -51,23 +47,23 @@ pub(super) struct OpenWatch {
 /// then `closed`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Tick {
-    Beat { resume: Resume },
-    Count { resume: Resume },
+    Beat(Resume),
+    Count(Resume),
     Watch { resume: Resume, target: u32 },
-    Recheck { resume: Resume },
+    Recheck(Resume),
 }
 
 impl Tick {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode) -> StoreAction {
         match self {
-            Tick::Beat { resume } => {
-                let (round, slot) = resume.round_slot();
+            Tick::Beat(resume) => {
+                let Seat { round, slot } = resume.seat();
                 n.add_hb(round, slot, 1)
             }
-            Tick::Count { resume } => n.add(resume.round_slot().0, "arrivals", 0),
-            Tick::Watch { resume, target } => n.add_hb(resume.round_slot().0, *target, 0),
-            Tick::Recheck { .. } => n.check_closed(),
+            Tick::Count(resume) => n.add(resume.seat().round, "arrivals", 0),
+            Tick::Watch { resume, target } => n.add_hb(resume.seat().round, *target, 0),
+            Tick::Recheck(_) => n.check_closed(),
         }
     }
 
@@ -80,11 +76,10 @@ impl Tick {
     ) -> Result<Step, Mismatch> {
         use StoreReply as R;
         Ok(match (self, reply) {
-            (Tick::Beat { resume }, R::Added(_)) => Step::Tick(Tick::Count { resume }),
-            (Tick::Count { resume }, R::Added(value)) => {
-                let (_, slot) = resume.round_slot();
+            (Tick::Beat(resume), R::Added(_)) => Step::Tick(Tick::Count(resume)),
+            (Tick::Count(resume), R::Added(value)) => {
                 let count = ((value & 0xffff_ffff) as u32).min(MAX_SLOTS);
-                match ring_target(slot, count, &n.open.marked) {
+                match ring_target(resume.seat().slot, count, &n.open.marked) {
                     Some(target) => {
                         if target != n.open.target {
                             // A new neighbour gets one interval to show its first beat.
@@ -94,34 +89,26 @@ impl Tick {
                         }
                         Step::Tick(Tick::Watch { resume, target })
                     }
-                    None => Step::Tick(Tick::Recheck { resume }),
+                    None => Step::Tick(Tick::Recheck(resume)),
                 }
             }
             (Tick::Watch { resume, target }, R::Added(value)) => {
                 n.watched_open(resume, target, value, now)
             }
-            (Tick::Recheck { resume }, R::Checked(closed)) => {
-                if closed {
-                    n.fail(n.closed_error());
-                    return Ok(Step::Done);
-                }
-                match resume {
-                    Resume::Quorum { round, slot } => Step::Join(Join::WaitQuorum { round, slot }),
-                    Resume::Size {
-                        round,
-                        slot,
-                        last_call,
-                    } => Step::LastCall(LastCall::WaitSize {
-                        round,
-                        slot,
-                        last_call,
-                    }),
-                    Resume::Spare(m) => Step::KeepAlive(KeepAlive::SpareWatch(Member {
-                        next_tick: now.saturating_add(n.settings.keep_alive_interval),
-                        ..m
-                    })),
-                }
+            (Tick::Recheck(_), R::Checked(true)) => {
+                n.fail(n.closed_error());
+                Step::Done
             }
+            (Tick::Recheck(resume), R::Checked(false)) => match resume {
+                Resume::Quorum(seat) => Step::Join(Join::WaitQuorum(seat)),
+                Resume::Size { seat, last_call } => {
+                    Step::LastCall(LastCall::WaitSize { seat, last_call })
+                }
+                Resume::Spare(m) => Step::KeepAlive(KeepAlive::SpareWatch(Member {
+                    next_tick: now.saturating_add(n.settings.keep_alive_interval),
+                    ..m
+                })),
+            },
             _ => return Err(Mismatch),
         })
     }
@@ -148,12 +135,14 @@ impl ElasticNode {
         if dead {
             self.open.marked.push(target);
             Step::Leave(Leave::GoneClaim {
-                round: resume.round_slot().0,
-                slot: target,
+                seat: Seat {
+                    round: resume.seat().round,
+                    slot: target,
+                },
                 after: AfterGone::Resume(resume),
             })
         } else {
-            Step::Tick(Tick::Recheck { resume })
+            Step::Tick(Tick::Recheck(resume))
         }
     }
 }
