@@ -10,7 +10,7 @@ use super::join::Join;
 use super::keep_alive::{KeepAlive, Member};
 use super::leave::{Leave, Then};
 use super::{
-    ElasticNode, Event, Instant, Mismatch, RoundOutcome, Seat, Step, StoreAction, StoreReply,
+    ElasticNode, Event, Instant, Mismatch, Next, RoundOutcome, Seat, Step, StoreAction, StoreReply,
 };
 
 /// Added to a round's acknowledgement counter (`{round}/ready`, whose low 32 bits count
@@ -73,12 +73,7 @@ impl Confirm {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Confirm::Ack(at), R::Added(value)) => Step::Confirm(n.acknowledged(at, value, now)),

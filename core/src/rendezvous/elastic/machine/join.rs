@@ -13,7 +13,7 @@ use super::last_call::{LastCall, RosterRead};
 use super::leave::Then;
 use super::tick::{OpenWatch, Resume, Tick};
 use super::{
-    ElasticNode, ElasticSettings, Instant, Mismatch, Seat, Step, StoreAction, StoreReply,
+    ElasticNode, ElasticSettings, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK, MAX_SLOTS,
 };
 
@@ -81,12 +81,7 @@ impl Join {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Join::ReadHint(_), R::Added(round)) if round >= CLOSED_MARK => {

@@ -11,7 +11,7 @@ use super::super::key_use::beat_expired;
 use super::join::Join;
 use super::leave::{Leave, Then};
 use super::tick::{Resume, Tick};
-use super::{ElasticNode, Event, Instant, Mismatch, Step, StoreAction, StoreReply};
+use super::{ElasticNode, Event, Instant, Mismatch, Next, Step, StoreAction, StoreReply};
 
 /// A member's (or hot spare's) view of its round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,12 +58,7 @@ impl KeepAlive {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (KeepAlive::Beat(m), R::Added(_)) => Step::KeepAlive(if m.world > 1 {

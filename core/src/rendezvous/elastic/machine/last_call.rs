@@ -15,7 +15,8 @@ use super::leave::Then;
 use super::roster::{deal_ranks, parse_roster, parse_world, Entry, Line};
 use super::tick::{Resume, Tick};
 use super::{
-    ElasticNode, Instant, Mismatch, Seat, Step, StoreAction, StoreReply, ARRIVALS_CLOSED, MAX_SLOTS,
+    ElasticNode, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply, ARRIVALS_CLOSED,
+    MAX_SLOTS,
 };
 
 /// The first pause before the closer reads the roster again, for an arrival whose entry
@@ -101,12 +102,7 @@ impl LastCall {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (LastCall::WaitSize { seat, .. }, R::Waited) => {

@@ -13,7 +13,7 @@ use super::join::Join;
 use super::roster::parse_world;
 use super::tick::{Resume, Tick};
 use super::{
-    ElasticError, ElasticNode, Event, Instant, Mismatch, Seat, Step, StoreAction, StoreReply,
+    ElasticError, ElasticNode, Event, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK,
 };
 
@@ -96,12 +96,7 @@ impl Leave {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Leave::GoneClaim { seat, after }, R::Value(value)) => {
@@ -195,11 +190,7 @@ impl Shutdown {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Shutdown::Closed, R::Set) => Step::Shutdown(Shutdown::Mark),

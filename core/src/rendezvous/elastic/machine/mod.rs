@@ -467,12 +467,7 @@ impl Step {
 
     /// What a reply does: the next step. A finishing step records its final event and
     /// returns `Done`.
-    fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         match self {
             Step::Idle | Step::Done => Err(Mismatch),
             Step::Join(s) => s.on_reply(n, reply, now),
@@ -841,3 +836,6 @@ impl ElasticNode {
 
 /// A reply that does not answer the pending action.
 struct Mismatch;
+
+/// What a reply leads to: the next step, or [`Mismatch`].
+type Next = Result<Step, Mismatch>;

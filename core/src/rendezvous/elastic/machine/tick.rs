@@ -11,7 +11,7 @@ use super::keep_alive::{KeepAlive, Member};
 use super::last_call::LastCall;
 use super::leave::{AfterGone, Leave};
 use super::roster::ring_target;
-use super::{ElasticNode, Instant, Mismatch, Seat, Step, StoreAction, StoreReply, MAX_SLOTS};
+use super::{ElasticNode, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply, MAX_SLOTS};
 
 /// A wait to resume after an open round's tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,12 +68,7 @@ impl Tick {
     }
 
     /// What a reply does.
-    pub(super) fn on_reply(
-        self,
-        n: &mut ElasticNode,
-        reply: StoreReply<'_>,
-        now: Instant,
-    ) -> Result<Step, Mismatch> {
+    pub(super) fn on_reply(self, n: &mut ElasticNode, reply: StoreReply<'_>, now: Instant) -> Next {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Tick::Beat(resume), R::Added(_)) => Step::Tick(Tick::Count(resume)),
