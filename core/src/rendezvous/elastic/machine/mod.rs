@@ -22,32 +22,34 @@
 //!                                 v
 //!       +-------------------> +------+  arrive (a fresh node guesses round 0),
 //!       |  the next round     | Join |  announce, wait on the quorum
-//!       |  (advance the hint) +------+ ----------------------+
-//!       |                        |     a wait timed out      |
-//!       |        min_nodes live  |     (each interval)       v
-//!       |        (last call), or |                       +------+ heartbeat, arrivals,
-//!       |        max_nodes live  v            resume     | Tick | the watched slot's
-//!       |                   +----------+ <-------------- +------+ heartbeat, `closed`
-//!       |                   | LastCall | --------------> |    |
-//!       |                   +----------+   timed out          | a dead neighbour
-//!       |  wait for the size; the closer reads the            v
-//!       |  roster and compare-sets it                     +-------+ strike a slot; end
-//!       |                        | the world              | Leave | a round (`over`)
-//!       |                        v                        +-------+
-//!       |  late: ask for    +---------+  verdict `fail`     ^    |
-//!       +------------------ | Confirm | --------------------+    | round over: rejoin
-//!       |  the next round   +---------+                     |    | (left, or failed:
-//!       |                go |   | not in the world,         |    |  Done)
-//!       |                   v   v the round full (spare)    |    |
-//!       |                 +-----------+  a dead member,     |    |
-//!       +---------------- | KeepAlive | --------------------+    |
-//!       |   `over` set    +-----------+  workers failed          |
-//!       +--------------------------------------------------------+
+//!       |  (advance the hint) +------+ <=========+
+//!       |                        |               H
+//!       |        min_nodes live  |           +------+  once per interval of a wait
+//!       |        (last call), or |           | Tick |  in an open round: heartbeat,
+//!       |        max_nodes live  v           +------+  arrivals, the watched slot,
+//!       |                   +----------+       H  H    `closed`
+//!       |                   | LastCall | <=====+  H
+//!       |                   +----------+          H    a dead neighbour: struck,
+//!       |  wait for the size; the closer reads    H    then the wait resumes
+//!       |  roster and compare-sets it             H
+//!       |                        | the world  +-------+
+//!       |                        v            | Leave |  strike a slot; end a round
+//!       |  late: ask for    +---------+       +-------+  (`over`); shut down
+//!       +------------------ | Confirm |          ^  |
+//!       |  the next round   +---------+ ---------+  |    round over: rejoin (left,
+//!       |                go |   |  verdict `fail`|  |    or failed: Done)
+//!       |                   v   v not in the     |  |
+//!       |        +-----------+    world, round   |  |
+//!       +------- | KeepAlive |    full (spare)   |  |
+//!       | `over` +-----------+ ------------------+  |
+//!       |  set    a dead member, workers failed     |
+//!       +-------------------------------------------+
 //!
-//!   join timeout, LocalEvent::Leave in an open round:   Join, LastCall --> Leave
-//!   LocalEvent::Leave in a complete round:             KeepAlive --> Leave (`over`)
-//!   LocalEvent::Shutdown, from any phase:   Shutdown --> Done
-//!   a foreign value, a closed rendezvous, a misdriven reply:   --> Done (failed)
+//!   H: a wait that times out ticks, then resumes (a hot spare's in KeepAlive too)
+//!   join timeout, LocalEvent::Leave in an open round:  Join, LastCall --> Leave
+//!   LocalEvent::Leave in a complete round:  KeepAlive, Confirm --> Leave (`over`)
+//!   LocalEvent::Shutdown, from any phase:  Shutdown --> Done
+//!   a foreign value, a closed rendezvous, a misdriven reply:  --> Done (failed)
 //! ```
 
 use alloc::collections::VecDeque;
