@@ -59,16 +59,14 @@ impl Confirm {
         match self {
             Confirm::Ack(at) => n.add(at.seat.round, "ready", 1),
             Confirm::SetGo(at) => n.set(at.seat.round, "go", Vec::new()),
-            Confirm::WaitGo { at, deadline } => StoreAction::Wait {
-                key: n.round_key(at.seat.round, "go"),
-                until: n.capped(now, *deadline),
-            },
+            Confirm::WaitGo { at, deadline } => {
+                n.wait(at.seat.round, "go", n.capped(now, *deadline))
+            }
             Confirm::ReadReady(at) => n.add(at.seat.round, "ready", GAVE_UP),
-            Confirm::Verdict { at, go } => StoreAction::CompareSet {
-                key: n.round_key(at.seat.round, "verdict"),
-                expected: Vec::new(),
-                desired: if *go { VERDICT_GO } else { VERDICT_FAIL }.to_vec(),
-            },
+            Confirm::Verdict { at, go } => {
+                let verdict = if *go { VERDICT_GO } else { VERDICT_FAIL };
+                n.create(at.seat.round, "verdict", verdict.to_vec())
+            }
         }
     }
 

@@ -56,10 +56,7 @@ impl Join {
                 value: n.roster_line(seat.slot),
             },
             Join::SetQuorum(seat) => n.set(seat.round, "quorum", Vec::new()),
-            Join::WaitQuorum(seat) => StoreAction::Wait {
-                key: n.round_key(seat.round, "quorum"),
-                until: n.capped(now, n.join_deadline),
-            },
+            Join::WaitQuorum(seat) => n.wait(seat.round, "quorum", n.capped(now, n.join_deadline)),
             Join::AskNext(round) => n.set(
                 *round,
                 "over",

@@ -47,13 +47,10 @@ impl KeepAlive {
         match self {
             KeepAlive::Beat(m) => n.add_hb(m.round, m.slot, 1),
             KeepAlive::Watch(m) | KeepAlive::SpareWatch(m) => n.add_hb(m.round, m.watch_slot, 0),
-            KeepAlive::WaitOver(m) | KeepAlive::Spare(m) => StoreAction::Wait {
-                key: n.round_key(m.round, "over"),
-                until: m.next_tick.max(now),
-            },
-            KeepAlive::ReadOver { round } => StoreAction::Get {
-                key: n.round_key(*round, "over"),
-            },
+            KeepAlive::WaitOver(m) | KeepAlive::Spare(m) => {
+                n.wait(m.round, "over", m.next_tick.max(now))
+            }
+            KeepAlive::ReadOver { round } => n.get(*round, "over"),
         }
     }
 

@@ -71,14 +71,13 @@ impl LastCall {
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode, now: Instant) -> StoreAction {
         match self {
-            LastCall::WaitSize { seat, last_call } => StoreAction::Wait {
-                key: n.round_key(seat.round, "size"),
-                until: n.capped(now, n.join_deadline.min(*last_call)),
-            },
+            LastCall::WaitSize { seat, last_call } => n.wait(
+                seat.round,
+                "size",
+                n.capped(now, n.join_deadline.min(*last_call)),
+            ),
             LastCall::Count(seat) => n.add(seat.round, "arrivals", 0),
-            LastCall::ReadRoster(read) => StoreAction::Get {
-                key: n.round_key(read.seat.round, "roster"),
-            },
+            LastCall::ReadRoster(read) => n.get(read.seat.round, "roster"),
             // No store request while it waits: a concurrent closer is caught anyway by the
             // compare-set of the size, whose reply is the world that won.
             LastCall::RosterPoll(read) => {
@@ -89,15 +88,9 @@ impl LastCall {
                 }
             }
             LastCall::QuorumBeforeClose(p) => n.set(p.seat.round, "quorum", Vec::new()),
-            LastCall::Close(p) => StoreAction::CompareSet {
-                key: n.round_key(p.seat.round, "size"),
-                expected: Vec::new(),
-                desired: p.value.as_bytes().to_vec(),
-            },
+            LastCall::Close(p) => n.create(p.seat.round, "size", p.value.as_bytes().to_vec()),
             LastCall::MarkArrivals(seat) => n.add(seat.round, "arrivals", ARRIVALS_CLOSED),
-            LastCall::ReadSize(seat) => StoreAction::Get {
-                key: n.round_key(seat.round, "size"),
-            },
+            LastCall::ReadSize(seat) => n.get(seat.round, "size"),
         }
     }
 

@@ -86,9 +86,7 @@ impl Leave {
             Leave::OwnCheck { seat, .. } => StoreAction::Check {
                 key: n.round_key(seat.round, "size"),
             },
-            Leave::OwnRead { seat, .. } => StoreAction::Get {
-                key: n.round_key(seat.round, "size"),
-            },
+            Leave::OwnRead { seat, .. } => n.get(seat.round, "size"),
             Leave::MarkOver { round, reason, .. } => {
                 n.set(*round, "over", reason.as_bytes().to_vec())
             }
@@ -180,11 +178,7 @@ impl Shutdown {
                 delta: CLOSED_MARK,
             },
             Shutdown::Arrivals => n.add(0, "arrivals", ARRIVALS_CLOSED),
-            Shutdown::Size { round } => StoreAction::CompareSet {
-                key: n.round_key(*round, "size"),
-                expected: Vec::new(),
-                desired: b"0".to_vec(),
-            },
+            Shutdown::Size { round } => n.create(*round, "size", b"0".to_vec()),
             Shutdown::Quorum { round } => n.set(*round, "quorum", Vec::new()),
         }
     }

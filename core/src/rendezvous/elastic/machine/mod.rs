@@ -705,6 +705,30 @@ impl ElasticNode {
         }
     }
 
+    /// `GET {round}/{name}`.
+    fn get(&self, round: u64, name: &str) -> StoreAction {
+        StoreAction::Get {
+            key: self.round_key(round, name),
+        }
+    }
+
+    /// `WAIT {round}/{name}` until `until`.
+    fn wait(&self, round: u64, name: &str, until: Instant) -> StoreAction {
+        StoreAction::Wait {
+            key: self.round_key(round, name),
+            until,
+        }
+    }
+
+    /// `COMPARE_SET {round}/{name}` from missing to `desired`.
+    fn create(&self, round: u64, name: &str, desired: Vec<u8>) -> StoreAction {
+        StoreAction::CompareSet {
+            key: self.round_key(round, name),
+            expected: Vec::new(),
+            desired,
+        }
+    }
+
     /// `CHECK closed`.
     fn check_closed(&self) -> StoreAction {
         StoreAction::Check {
