@@ -1,10 +1,13 @@
 //! The `cma` channel's descriptor: where in which process to read a tensor with
 //! `process_vm_readv`.
 
-use super::{DecodeError, FieldReader, FieldWriter, ProcessIdentity};
+use super::{DecodeError, ExportRecord, ProcessIdentity};
 
-/// What starts an encoded [`CmaDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDCM";
+/// An encoded [`CmaDescriptor`]: its tag, then address, length and transfer id.
+const RECORD: ExportRecord<3> = ExportRecord {
+    magic: *b"RDCM",
+    what: "cma descriptor",
+};
 
 /// Where and what to read: an exported buffer, named by the process that holds it, its
 /// address there, its length and the transfer id to acknowledge.
@@ -23,17 +26,11 @@ pub struct CmaDescriptor {
 impl CmaDescriptor {
     /// The encoded size: a 4-byte tag, the process identity, then address, length and
     /// transfer id (little-endian `u64`s).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 24;
+    pub const ENCODED_LEN: usize = ExportRecord::<3>::LEN;
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        let mut writer = FieldWriter::tagged(&mut out, &DESCRIPTOR_MAGIC);
-        writer.put(&self.process.encode());
-        writer.put(&self.address.to_le_bytes());
-        writer.put(&self.length.to_le_bytes());
-        writer.put(&self.transfer_id.to_le_bytes());
-        out
+        RECORD.encode(&self.process, [self.address, self.length, self.transfer_id])
     }
 
     /// Parses a descriptor produced by [`CmaDescriptor::encode`]. Decoding checks only
@@ -43,18 +40,12 @@ impl CmaDescriptor {
     /// # Errors
     /// [`DecodeError`] for another length or tag.
     pub fn decode(bytes: &[u8]) -> Result<CmaDescriptor, DecodeError> {
-        let mut reader = FieldReader::tagged(
-            bytes,
-            "cma descriptor",
-            Self::ENCODED_LEN,
-            &DESCRIPTOR_MAGIC,
-        )?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
+        let (process, [address, length, transfer_id]) = RECORD.decode(bytes)?;
         Ok(CmaDescriptor {
-            process: ProcessIdentity::decode(&identity),
-            address: u64::from_le_bytes(reader.take()),
-            length: u64::from_le_bytes(reader.take()),
-            transfer_id: u64::from_le_bytes(reader.take()),
+            process,
+            address,
+            length,
+            transfer_id,
         })
     }
 }

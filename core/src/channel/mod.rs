@@ -122,6 +122,43 @@ impl<'a> FieldWriter<'a> {
     }
 }
 
+/// The layout of a buffer's record that cma and xth share: a 4-byte tag, the exporting
+/// process, then `K` little-endian `u64` fields, `4 + 44 + 8 K` bytes in all.
+pub(crate) struct ExportRecord<const K: usize> {
+    /// The tag.
+    pub(crate) magic: [u8; 4],
+    /// The record's name, for errors.
+    pub(crate) what: &'static str,
+}
+
+impl<const K: usize> ExportRecord<K> {
+    /// The encoded size.
+    pub(crate) const LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 8 * K;
+
+    /// The record, `N` ([`Self::LEN`]) bytes long.
+    pub(crate) fn encode<const N: usize>(
+        &self,
+        process: &ProcessIdentity,
+        fields: [u64; K],
+    ) -> [u8; N] {
+        let mut out = [0u8; N];
+        let mut writer = FieldWriter::tagged(&mut out, &self.magic);
+        writer.put(&process.encode());
+        for field in fields {
+            writer.put(&field.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads what [`encode`](Self::encode) wrote.
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<(ProcessIdentity, [u64; K]), DecodeError> {
+        let mut reader = FieldReader::tagged(bytes, self.what, Self::LEN, &self.magic)?;
+        let process = ProcessIdentity::decode(&reader.take());
+        let fields = core::array::from_fn(|_| u64::from_le_bytes(reader.take()));
+        Ok((process, fields))
+    }
+}
+
 /// One process instance on one host: who exported a buffer. Two processes alive at the
 /// same time never share all of these, and a new process given a dead one's pid has a
 /// later start time.

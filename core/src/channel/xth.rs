@@ -1,9 +1,12 @@
 //! The `xth` channel's descriptor: which export of this very process to copy from.
 
-use super::{DecodeError, FieldReader, FieldWriter, ProcessIdentity};
+use super::{DecodeError, ExportRecord, ProcessIdentity};
 
-/// What starts an encoded [`XthDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDXT";
+/// An encoded [`XthDescriptor`]: its tag, then length and transfer id.
+const RECORD: ExportRecord<2> = ExportRecord {
+    magic: *b"RDXT",
+    what: "xth descriptor",
+};
 
 /// A buffer exported within one process: who exported it, its length and its transfer
 /// id.
@@ -20,16 +23,11 @@ pub struct XthDescriptor {
 impl XthDescriptor {
     /// The encoded size: a 4-byte tag, the process identity, then length and transfer id
     /// (little-endian `u64`s).
-    pub const ENCODED_LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 16;
+    pub const ENCODED_LEN: usize = ExportRecord::<2>::LEN;
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        let mut writer = FieldWriter::tagged(&mut out, &DESCRIPTOR_MAGIC);
-        writer.put(&self.process.encode());
-        writer.put(&self.length.to_le_bytes());
-        writer.put(&self.transfer_id.to_le_bytes());
-        out
+        RECORD.encode(&self.process, [self.length, self.transfer_id])
     }
 
     /// Parses a descriptor produced by [`XthDescriptor::encode`].
@@ -37,17 +35,11 @@ impl XthDescriptor {
     /// # Errors
     /// [`DecodeError`] for another length or tag.
     pub fn decode(bytes: &[u8]) -> Result<XthDescriptor, DecodeError> {
-        let mut reader = FieldReader::tagged(
-            bytes,
-            "xth descriptor",
-            Self::ENCODED_LEN,
-            &DESCRIPTOR_MAGIC,
-        )?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
+        let (process, [length, transfer_id]) = RECORD.decode(bytes)?;
         Ok(XthDescriptor {
-            process: ProcessIdentity::decode(&identity),
-            length: u64::from_le_bytes(reader.take()),
-            transfer_id: u64::from_le_bytes(reader.take()),
+            process,
+            length,
+            transfer_id,
         })
     }
 }
