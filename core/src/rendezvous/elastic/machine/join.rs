@@ -141,9 +141,10 @@ impl ElasticNode {
         self.holding = Some(round);
         self.open_slot = Some(slot);
         self.open = OpenWatch::default();
+        self.open_live = ElasticSettings::live_count(value);
         Step::Join(Join::Announce {
             seat: Seat { round, slot },
-            live: ElasticSettings::live_count(value),
+            live: self.open_live,
         })
     }
 

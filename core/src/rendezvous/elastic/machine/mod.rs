@@ -72,7 +72,7 @@ use join::Join;
 use keep_alive::KeepAlive;
 use last_call::LastCall;
 use leave::{Leave, Shutdown, Then};
-use tick::{OpenWatch, Tick};
+use tick::{OpenWatch, Resume, Tick};
 
 use super::{ElasticSettings, Instant};
 
@@ -517,6 +517,26 @@ pub struct ElasticNode {
     contact_carried: bool,
     /// The round and rank this node held last, for stable ranks.
     prev: Option<(u64, u32)>,
+    /// The live arrivals of the open round this node holds a slot in, as last read.
+    open_live: u32,
+}
+
+/// Where the open round a node waits in stands ([`ElasticNode::open_round`]), for a
+/// progress line: "3 of min 4 nodes; last call ends in 12 s".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpenRound {
+    /// The round.
+    pub round: u64,
+    /// The nodes in it that were still there when this node last read its arrivals.
+    pub live: u32,
+    /// `min_nodes`.
+    pub min: u32,
+    /// `max_nodes`.
+    pub max: u32,
+    /// When this node's last call ends (the round closes with the nodes there by then),
+    /// or `None` before `min_nodes` have arrived.
+    pub last_call_ends: Option<Instant>,
 }
 
 impl ElasticNode {
@@ -544,6 +564,7 @@ impl ElasticNode {
             contact: None,
             contact_carried: false,
             prev: None,
+            open_live: 0,
         }
     }
 
@@ -602,6 +623,34 @@ impl ElasticNode {
     /// Whether the node is finished (left, shut down or failed): it has no more actions.
     pub fn is_done(&self) -> bool {
         self.step == Step::Done
+    }
+
+    /// The open round this node waits in for more nodes, or `None` (joining, closing, a
+    /// member of a complete round, a hot spare, done). A read-only view: no store work.
+    pub fn open_round(&self) -> Option<OpenRound> {
+        let resume = match &self.step {
+            Step::Join(Join::WaitQuorum(seat)) => Resume::Quorum(*seat),
+            Step::LastCall(LastCall::WaitSize { seat, last_call }) => Resume::Size {
+                seat: *seat,
+                last_call: *last_call,
+            },
+            Step::Tick(tick) => tick.resume(),
+            _ => return None,
+        };
+        let (round, last_call) = match resume {
+            Resume::Quorum(seat) => (seat.round, None),
+            Resume::Size { seat, last_call } => (seat.round, Some(last_call)),
+            Resume::Spare(_) => return None,
+        };
+        let nodes = self.settings.nodes;
+        Some(OpenRound {
+            round,
+            live: self.open_live,
+            min: nodes.min,
+            max: nodes.max,
+            // `min == max` (no last call) and a round that fell below `min` wait forever.
+            last_call_ends: last_call.filter(|at| *at != Instant::from_nanos(u64::MAX)),
+        })
     }
 
     /// Queues a local event; it takes effect at the next [`ElasticNode::poll_action`]

@@ -11,7 +11,10 @@ use super::keep_alive::{KeepAlive, Member};
 use super::last_call::LastCall;
 use super::leave::{AfterGone, Leave};
 use super::roster::ring_target;
-use super::{ElasticNode, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply, MAX_SLOTS};
+use super::{
+    ElasticNode, ElasticSettings, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
+    MAX_SLOTS,
+};
 
 /// A wait to resume after an open round's tick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +57,13 @@ pub(super) enum Tick {
 }
 
 impl Tick {
+    /// The wait this tick resumes.
+    pub(super) fn resume(&self) -> Resume {
+        match self {
+            Tick::Beat(r) | Tick::Count(r) | Tick::Watch { resume: r, .. } | Tick::Recheck(r) => *r,
+        }
+    }
+
     /// What this node sends.
     pub(super) fn action(&self, n: &ElasticNode) -> StoreAction {
         match self {
@@ -73,6 +83,7 @@ impl Tick {
         Ok(match (self, reply) {
             (Tick::Beat(resume), R::Added(_)) => Step::Tick(Tick::Count(resume)),
             (Tick::Count(resume), R::Added(value)) => {
+                n.open_live = ElasticSettings::live_count(value);
                 let count = ((value & 0xffff_ffff) as u32).min(MAX_SLOTS);
                 match ring_target(resume.seat().slot, count, &n.open.marked) {
                     Some(target) => {
