@@ -46,7 +46,8 @@ pub(crate) struct RendezvousArgs {
     /// This node's name (default: HOST_PID_0, as PyTorch's node descriptors).
     #[arg(long)]
     node_id: Option<String>,
-    /// Timeout for connecting to the store, in seconds.
+    /// Timeout for connecting to the store, in seconds (never past the URL's
+    /// join_timeout).
     #[arg(long, default_value_t = 30.0)]
     connect_timeout: f64,
     /// Close the run for good instead of joining it (torchelastic's `set_closed`).
@@ -80,6 +81,8 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     }
     let timeout = Duration::try_from_secs_f64(args.connect_timeout)
         .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
+    // A join ends by the join timeout, connecting included.
+    let timeout = timeout.min(url.settings.join_timeout);
     let (store, place) = open_store(&url, etcd.as_ref(), timeout)?;
     let settings = url.settings.clone();
     let handle = ElasticRendezvous::start(store, settings, node.clone())?;

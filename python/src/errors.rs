@@ -14,8 +14,17 @@ use rdzv_uring::rendezvous::RendezvousError;
 use rdzv_uring::server::ServerError;
 use rdzv_uring::store::StoreError;
 
-/// An exception of class `class` (a name in `rdzv._errors`) with `message`.
+/// An exception of class `class` (a name in `rdzv._errors`) with `message`. The core's
+/// rendezvous messages start with torch's class name (for the CLI's one line); Python
+/// prints the class itself, so a message that starts with it loses that start.
 pub(crate) fn raise(class: &str, message: String) -> PyErr {
+    let message = match message
+        .strip_prefix(class)
+        .and_then(|rest| rest.strip_prefix(": "))
+    {
+        Some(rest) => rest.to_string(),
+        None => message,
+    };
     Python::attach(|py| {
         let found = py
             .import("rdzv._errors")

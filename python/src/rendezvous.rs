@@ -417,7 +417,7 @@ impl PyElasticRendezvous {
                     return Err(errors::raise(
                         "RendezvousTimeoutError",
                         format!(
-                            "RendezvousTimeoutError: node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
+                            "node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
                             self.handle.run_id(),
                             timeout.as_secs_f64()
                         ),

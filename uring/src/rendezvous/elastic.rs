@@ -877,8 +877,10 @@ pub(super) fn elastic_rendezvous_handler(
 ) -> Result<Rendezvous, RendezvousError> {
     let parsed = ElasticUrl::parse(url).map_err(|e| RendezvousError::Plan(e.to_string()))?;
     let node = node_id(parsed.node_id.as_ref(), env);
-    // No rank yet: the error names the node.
-    let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, options.timeout)
+    // No rank yet: the error names the node. A join ends by the join timeout, connecting
+    // included.
+    let connect_timeout = options.timeout.min(parsed.settings.join_timeout);
+    let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, connect_timeout)
         .map_err(|e| {
             RendezvousError::Handler(
                 format!(
