@@ -400,6 +400,15 @@ def _handler_class() -> type:
         def _join(self) -> ElasticRendezvous:
             if self._node is None:
                 s = self._settings
+                log.info(
+                    "rdzv: joining run %s (nodes %s:%s); once %s have joined, the last call "
+                    "waits up to %g s for more (last_call_timeout)",
+                    s.run_id,
+                    s.min_nodes,
+                    s.max_nodes,
+                    s.min_nodes,
+                    s.last_call_timeout,
+                )
                 self._node = ElasticRendezvous(
                     s.host,
                     self._port(),

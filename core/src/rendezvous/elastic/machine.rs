@@ -688,6 +688,26 @@ pub struct ElasticNode {
     contact_carried: bool,
     /// The round and rank this node held last, for stable ranks.
     prev: Option<(u64, u32)>,
+    /// The live arrivals of the open round this node holds a slot in, as last read.
+    open_live: u32,
+}
+
+/// Where the open round a node waits in stands ([`ElasticNode::open_round`]), for a
+/// progress line: "3 of min 4 nodes; last call ends in 12 s".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpenRound {
+    /// The round.
+    pub round: u64,
+    /// The nodes in it that were still there when this node last read its arrivals.
+    pub live: u32,
+    /// `min_nodes`.
+    pub min: u32,
+    /// `max_nodes`.
+    pub max: u32,
+    /// When this node's last call ends (the round closes with the nodes there by then),
+    /// or `None` before `min_nodes` have arrived.
+    pub last_call_ends: Option<Instant>,
 }
 
 impl ElasticNode {
@@ -715,6 +735,7 @@ impl ElasticNode {
             contact: None,
             contact_carried: false,
             prev: None,
+            open_live: 0,
         }
     }
 
@@ -771,6 +792,37 @@ impl ElasticNode {
     /// Whether the node is finished (left, shut down or failed): it has no more actions.
     pub fn is_done(&self) -> bool {
         self.step == Step::Done
+    }
+
+    /// The open round this node waits in for more nodes, or `None` (joining, closing, a
+    /// member of a complete round, a hot spare, done). A read-only view: no store work.
+    pub fn open_round(&self) -> Option<OpenRound> {
+        let (round, last_call) = match &self.step {
+            Step::WaitQuorum { round, .. } => (*round, None),
+            Step::WaitSize {
+                round, last_call, ..
+            } => (*round, Some(*last_call)),
+            Step::OpenBeat { resume }
+            | Step::OpenCount { resume }
+            | Step::OpenWatch { resume, .. }
+            | Step::Recheck { resume } => match resume {
+                Resume::Quorum { round, .. } => (*round, None),
+                Resume::Size {
+                    round, last_call, ..
+                } => (*round, Some(*last_call)),
+                Resume::Spare(_) => return None,
+            },
+            _ => return None,
+        };
+        let nodes = self.settings.nodes;
+        Some(OpenRound {
+            round,
+            live: self.open_live,
+            min: nodes.min,
+            max: nodes.max,
+            // `min == max` (no last call) and a round that fell below `min` wait forever.
+            last_call_ends: last_call.filter(|at| *at != Instant::from_nanos(u64::MAX)),
+        })
     }
 
     /// Queues a local event; it takes effect at the next [`ElasticNode::poll_action`]
@@ -1208,10 +1260,11 @@ impl ElasticNode {
                 self.holding = Some(round);
                 self.open_slot = Some(slot);
                 self.open = OpenWatch::default();
+                self.open_live = ElasticSettings::live_count(value);
                 Step::Announce {
                     round,
                     slot,
-                    live: ElasticSettings::live_count(value),
+                    live: self.open_live,
                 }
             }
             (Step::Announce { round, slot, live }, R::Set) => {
@@ -1268,6 +1321,7 @@ impl ElasticNode {
             }
             (Step::OpenBeat { resume }, R::Added(_)) => Step::OpenCount { resume },
             (Step::OpenCount { resume }, R::Added(value)) => {
+                self.open_live = ElasticSettings::live_count(value);
                 let (_, slot) = resume.round_slot();
                 let count = ((value & 0xffff_ffff) as u32).min(MAX_SLOTS);
                 match ring_target(slot, count, &self.open.marked) {

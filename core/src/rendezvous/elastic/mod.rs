@@ -161,8 +161,8 @@ pub use crate::rpc::timeouts::Instant;
 pub use etcd_url::{EtcdRendezvousUrl, EtcdUrlError, DEFAULT_ETCD_PORT, DEFAULT_ETCD_PREFIX};
 pub use key_use::{beat_lease_ttl, key_use, KeyUse, BEAT_GONE, TALLY_UNITS};
 pub use machine::{
-    ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OwnedStoreReply, RoundOutcome,
-    StoreAction, StoreReply,
+    ElasticError, ElasticErrorKind, ElasticNode, Event, LocalEvent, OpenRound, OwnedStoreReply,
+    RoundOutcome, StoreAction, StoreReply,
 };
 
 /// PyTorch's default join timeout (600 s).
