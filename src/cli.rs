@@ -101,7 +101,10 @@ enum StoreOp {
         /// Address to listen on (default: all interfaces, IPv6 and IPv4).
         #[arg(long)]
         host: Option<String>,
-        /// Port to listen on (0 picks a free one) [default: 29500].
+        /// Port to listen on (0 picks a free one) [default: 29500, torch's MASTER_PORT
+        /// default, where tcp:// and env:// rendezvous find a TCPStore; torchrun's
+        /// --rdzv-endpoint defaults to 29400, so serve a torchrun rendezvous with
+        /// --port 29400].
         #[arg(long)]
         port: Option<u16>,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
