@@ -3,6 +3,7 @@ without a terminal, one line on stderr when the last call starts, with its lengt
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -38,3 +39,27 @@ def test_rendezvous_command_says_how_long_the_last_call_waits(server: rdzv.Store
     # No terminal: no updating line, one line for the last call, with its real length.
     assert stderr.splitlines().count("last call: waiting up to 1.5 s for more nodes") == 1, stderr
     assert "\r" not in stderr, stderr
+
+
+def test_a_client_command_that_retries_says_so_on_stderr() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    out = subprocess.run(
+        [rdzv_command(), "rendezvous", f"elastic://127.0.0.1:{port}/retry?nodes=1:1",
+         "--connect-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    # After a second of retrying, once: not 3 s of silence.
+    said = [line for line in out.stderr.splitlines() if "retrying for" in line]
+    assert len(said) == 1, out.stderr
+    assert re.search(
+        f"connecting to 127.0.0.1:{port}, retrying for [12] s more: 127.0.0.1:{port}: "
+        "connection refused",
+        said[0],
+    ), said
