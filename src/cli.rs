@@ -101,7 +101,10 @@ enum StoreOp {
         /// Address to listen on (default: all interfaces, IPv6 and IPv4).
         #[arg(long)]
         host: Option<String>,
-        /// Port to listen on (0 picks a free one) [default: 29500].
+        /// Port to listen on (0 picks a free one) [default: 29500, torch's MASTER_PORT
+        /// default, where tcp:// and env:// rendezvous find a TCPStore; torchrun's
+        /// --rdzv-endpoint defaults to 29400, so serve a torchrun rendezvous with
+        /// --port 29400].
         #[arg(long)]
         port: Option<u16>,
         /// Event loops, each with its own listener (SO_REUSEPORT) and connections, all
@@ -485,11 +488,23 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
         println!("metrics on http://{addr}/metrics");
     }
     std::io::stdout().flush()?;
+    // Type=notify (contrib/rdzv-store.service): clients can connect from now on.
+    tell_systemd("READY=1");
     if let Some(signal) = signals.forever().next() {
         tracing::info!(signal, "stopping the store server");
     }
+    tell_systemd("STOPPING=1");
     server.shutdown();
     Ok(ExitCode::SUCCESS)
+}
+
+/// Tells systemd `state` where it asked to be told (`$NOTIFY_SOCKET`); a failure is
+/// logged, never fatal: the server serves either way.
+fn tell_systemd(state: &str) {
+    match crate::sd_notify::notify(state) {
+        Ok(sent) => tracing::debug!(state, sent, "sd_notify"),
+        Err(error) => tracing::warn!(%error, state, "cannot notify systemd"),
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,11 @@
 //! exit` and exits 0 (PyTorch's `RendezvousGracefulExitError`); a member fails with
 //! `RendezvousClosedError`.
 //!
+//! While the node waits in an open round, stderr says how the round stands: on a terminal
+//! a line that updates ("round 0: 3 nodes (min 2, max 4); last call ends in 12 s"), else
+//! one line when a round's last call starts ("last call: waiting up to 30 s for more
+//! nodes").
+//!
 //! `rdzv rendezvous etcd://h1:2379,h2:2379/RUN_ID?…` does the same with the rendezvous
 //! kept in an etcd cluster (`rdzv_uring::rendezvous::etcd`).
 //!
@@ -17,17 +22,20 @@
 //! (torchelastic's `set_closed`): every node's next rendezvous fails, nodes waiting in an
 //! open round are woken, and the run id cannot be used again.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::rendezvous::elastic::{
     ElasticErrorKind, ElasticUrl, EtcdRendezvousUrl, StoreAction,
 };
-use rdzv_uring::rendezvous::elastic::{default_node_id, ElasticFailure, ElasticRendezvous};
+use rdzv_uring::rendezvous::elastic::{
+    default_node_id, ElasticFailure, ElasticRendezvous, OpenProgress,
+};
 use rdzv_uring::rendezvous::etcd::machine_store;
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::Store;
@@ -46,7 +54,8 @@ pub(crate) struct RendezvousArgs {
     /// This node's name (default: HOST_PID_0, as PyTorch's node descriptors).
     #[arg(long)]
     node_id: Option<String>,
-    /// Timeout for connecting to the store, in seconds.
+    /// Timeout for connecting to the store, in seconds (never past the URL's
+    /// join_timeout).
     #[arg(long, default_value_t = 30.0)]
     connect_timeout: f64,
     /// Close the run for good instead of joining it (torchelastic's `set_closed`).
@@ -80,6 +89,8 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     }
     let timeout = Duration::try_from_secs_f64(args.connect_timeout)
         .map_err(|_| "--connect-timeout must be a non-negative number of seconds")?;
+    // A join ends by the join timeout, connecting included.
+    let timeout = timeout.min(url.settings.join_timeout);
     let (store, place) = open_store(&url, etcd.as_ref(), timeout)?;
     let settings = url.settings.clone();
     let handle = ElasticRendezvous::start(store, settings, node.clone())?;
@@ -92,8 +103,11 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     out.flush()?;
     let mut last_round = None;
     let mut reported_wait = None;
+    let mut progress = Progress::new(url.settings.last_call);
     while !stop.load(Ordering::Relaxed) {
-        match handle.next_round(last_round, Duration::from_millis(200)) {
+        let next = handle.next_round(last_round, Duration::from_millis(200));
+        progress.show(handle.open_round());
+        match next {
             Ok(round) => {
                 writeln!(
                     out,
@@ -128,6 +142,83 @@ pub(crate) fn run(args: RendezvousArgs) -> Result<ExitCode, CliError> {
     let left = handle.leave(Duration::from_secs(30));
     writeln!(out, "{}", if left { "left" } else { "leaving timed out" })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// How the open round stands, on stderr: a line that updates on a terminal, else one line
+/// when a round's last call starts.
+struct Progress {
+    /// The updating line, when stderr is a terminal.
+    bar: Option<ProgressBar>,
+    last_call: Duration,
+    /// The last round whose last call was announced (without a terminal).
+    announced: Option<u64>,
+}
+
+impl Progress {
+    fn new(last_call: Duration) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new_spinner();
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+            if let Ok(style) = ProgressStyle::with_template("{spinner} {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Progress {
+            bar,
+            last_call,
+            announced: None,
+        }
+    }
+
+    fn show(&mut self, open: Option<OpenProgress>) {
+        let Some(open) = open else {
+            if let Some(bar) = &self.bar {
+                bar.finish_and_clear();
+            }
+            return;
+        };
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(progress_line(&open, Instant::now()));
+                bar.tick();
+            }
+            None if open.last_call_ends.is_some() && self.announced != Some(open.round) => {
+                self.announced = Some(open.round);
+                eprintln!("{}", last_call_line(self.last_call));
+            }
+            None => {}
+        }
+    }
+}
+
+/// The updating line: "round 2: 3 nodes (min 2, max 4); last call ends in 12 s", or
+/// before `min_nodes` have arrived "round 2: 1 of min 2 nodes; waiting for 1 more".
+fn progress_line(open: &OpenProgress, now: Instant) -> String {
+    let round = open.round;
+    match open.last_call_ends {
+        Some(ends) => format!(
+            "round {round}: {} nodes (min {}, max {}); last call ends in {} s",
+            open.live,
+            open.min,
+            open.max,
+            ends.saturating_duration_since(now).as_secs_f64().ceil()
+        ),
+        None => format!(
+            "round {round}: {} of min {} nodes; waiting for {} more",
+            open.live,
+            open.min,
+            open.min.saturating_sub(open.live).max(1)
+        ),
+    }
+}
+
+/// The line a round's last call starts with, where no line updates.
+fn last_call_line(last_call: Duration) -> String {
+    format!(
+        "last call: waiting up to {} s for more nodes",
+        last_call.as_secs_f64()
+    )
 }
 
 /// Whether `url` is an `etcd://` rendezvous (else it is `elastic://`).
@@ -177,4 +268,36 @@ fn close(
     }
     println!("closed rendezvous {}", url.settings.run_id);
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(live: u32, ends_in: Option<Duration>, now: Instant) -> OpenProgress {
+        OpenProgress {
+            round: 2,
+            live,
+            min: 2,
+            max: 4,
+            last_call_ends: ends_in.map(|d| now + d),
+        }
+    }
+
+    #[test]
+    fn the_progress_line_says_the_nodes_and_the_last_call() {
+        let now = Instant::now();
+        assert_eq!(
+            progress_line(&open(1, None, now), now),
+            "round 2: 1 of min 2 nodes; waiting for 1 more"
+        );
+        assert_eq!(
+            progress_line(&open(3, Some(Duration::from_millis(11_200)), now), now),
+            "round 2: 3 nodes (min 2, max 4); last call ends in 12 s"
+        );
+        assert_eq!(
+            last_call_line(Duration::from_secs(30)),
+            "last call: waiting up to 30 s for more nodes"
+        );
+    }
 }

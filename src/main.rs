@@ -5,6 +5,7 @@ mod cli;
 mod demo;
 mod elastic_cli;
 mod error;
+mod sd_notify;
 mod store_client;
 
 use std::process::ExitCode;

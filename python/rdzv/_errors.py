@@ -70,3 +70,16 @@ class RendezvousStateError(RendezvousError):
 
 class RendezvousGracefulExitError(RendezvousError):
     """This node has left the rendezvous (``leave()`` or ``shutdown()``)."""
+
+
+# The public names: tracebacks print ``rdzv.StoreTimeoutError``, not ``rdzv._errors.…``.
+for _name in __all__:
+    globals()[_name].__module__ = "rdzv"
+del _name
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's text up to its first line break, without a closing period, to quote
+    inside a message of ours (torch's store errors go on with C++ frames)."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__).rstrip(".")

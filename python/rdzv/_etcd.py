@@ -249,7 +249,7 @@ class EtcdAgent:
             from ._errors import RendezvousStateError
 
             raise RendezvousStateError(
-                f"RendezvousStateError: rank 0 of round {round_.round} published "
+                f"rank 0 of round {round_.round} published "
                 f"{published!r} under {round_.store_prefix}/{AGENT_STORE_KEY} in etcd, "
                 "not addr:port; is every node on the same rdzv version?"
             )
@@ -365,9 +365,7 @@ def handler_class(
             s = self._settings
             try:
                 if self._closed:
-                    raise _errors.RendezvousClosedError(
-                        f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
-                    )
+                    raise _errors.RendezvousClosedError(f"the rendezvous '{s.run_id}' is closed")
                 info = self._agent.next_rendezvous()
             except (_errors.RendezvousError, _errors.StoreError) as e:
                 raise torch_error(e) from e
@@ -413,12 +411,12 @@ def handler_class(
                     )
                 except Exception as e:
                     raise api.RendezvousConnectionError(
-                        f"RendezvousConnectionError: torch's TCPStore client could not "
-                        f"connect to rank 0's agent store at {info.master_addr}:"
-                        f"{info.master_port} (round {info.round} of run "
-                        f"'{self._settings.run_id}'): {e}. Check that rank 0's node is "
-                        "reachable on that address (--local-addr sets it)."
-                    ) from e
+                        f"torch's TCPStore client could not connect to rank 0's agent "
+                        f"store at {info.master_addr}:{info.master_port} (round "
+                        f"{info.round} of run '{self._settings.run_id}'): "
+                        f"{_errors.first_line(e)}. Check that rank 0's node is reachable "
+                        "on that address (--local-addr sets it)"
+                    ) from None
                 self._clients[where] = client
             return client
 

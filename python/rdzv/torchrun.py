@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple, TypedDict
 
 from . import _errors, _etcd
-from ._rdzv import ElasticRendezvous, StoreServer
+from ._rdzv import ElasticRendezvous, Store, StoreServer
 
 __all__ = ["torchrun_handler", "create_handler", "DEFAULT_PORT", "BACKEND"]
 
@@ -194,6 +194,11 @@ class Settings:
         self.server_threads: Optional[int] = params.get_as_int("server_threads", None)
         self.local_addr: Optional[str] = getattr(params, "local_addr", None)
 
+    def connect_timeout(self) -> float:
+        """How long a client of the endpoint retries connecting: ``read_timeout``, but
+        never past ``join_timeout`` (a join ends by then)."""
+        return min(self.read_timeout, self.join_timeout)
+
     def timing(self) -> Timing:
         """The timeouts every node of the run must share."""
         return Timing(
@@ -203,6 +208,24 @@ class Settings:
             keep_alive_interval=self.keep_alive_interval,
             keep_alive_max_attempt=self.keep_alive_max_attempt,
         )
+
+
+def reach_server(settings: Settings) -> None:
+    """Connects to the rdzv store server at the endpoint and hangs up, within
+    :meth:`Settings.connect_timeout`: a server that is not there fails the join by
+    ``join_timeout`` with one line, :class:`rdzv.RendezvousConnectionError`."""
+    where = f"{settings.host}:{settings.port}"
+    timeout = settings.connect_timeout()
+    try:
+        Store(settings.host, settings.port, timeout=timeout)
+    except _errors.StoreError as e:
+        raise _errors.RendezvousConnectionError(
+            f"run '{settings.run_id}': no rdzv store server answered at {where} within "
+            f"{timeout:g} s (join_timeout {settings.join_timeout:g} s, read_timeout "
+            f"{settings.read_timeout:g} s): {str(e).rstrip('.')}. Start the agent that "
+            f"hosts it (--rdzv-conf is_host=true) or `rdzv store serve --port "
+            f"{settings.port}` there, or correct --rdzv-endpoint"
+        ) from None
 
 
 def _host_server(settings: Settings) -> Optional[StoreServer]:
@@ -274,19 +297,23 @@ def _handler_class() -> type:
             # where /etc/hosts has no line for it), which a busy resolver may drop and
             # retry only after 5 s; agents that all connect at the round's end would
             # wait for the slowest lookup.
+            # A server that is not there fails here, by join_timeout, in one line: rdzv's
+            # client tries first (torch's would retry for read_timeout, and its error
+            # carries C++ frames).
             try:
+                if self._server is None:
+                    reach_server(self._settings)
                 self._store()
+            except _errors.RendezvousConnectionError as e:
+                self._stop_server()
+                raise api.RendezvousConnectionError(str(e)) from None
             except Exception as e:
-                where = f"{self._settings.host}:{self._port()}"
-                server, self._server = self._server, None
-                if server is not None:
-                    server.stop()
+                self._stop_server()
                 raise api.RendezvousConnectionError(
-                    f"RendezvousConnectionError: torch's TCPStore client could not connect "
-                    f"to the rdzv store server at {where} "
-                    f"(run '{self._settings.run_id}'): {e}. Check that the host agent runs "
-                    "(or that an rdzv store serve listens there) and the endpoint."
-                ) from e
+                    f"torch's TCPStore client could not connect to the rdzv store server "
+                    f"at {self._settings.host}:{self._port()} (run "
+                    f"'{self._settings.run_id}'): {_errors.first_line(e)}"
+                ) from None
 
         # --- RendezvousHandler -------------------------------------------------------
 
@@ -306,9 +333,7 @@ def _handler_class() -> type:
             s = self._settings
             try:
                 if self._closed:
-                    raise _errors.RendezvousClosedError(
-                        f"RendezvousClosedError: the rendezvous '{s.run_id}' is closed"
-                    )
+                    raise _errors.RendezvousClosedError(f"the rendezvous '{s.run_id}' is closed")
                 # The first call joins; a later one, made while the round it returned
                 # is still going (our workers restart), ends that round for everyone.
                 # Every arrival offers a port free then (contact_host), so each round's
@@ -375,6 +400,15 @@ def _handler_class() -> type:
         def _join(self) -> ElasticRendezvous:
             if self._node is None:
                 s = self._settings
+                log.info(
+                    "rdzv: joining run %s (nodes %s:%s); once %s have joined, the last call "
+                    "waits up to %g s for more (last_call_timeout)",
+                    s.run_id,
+                    s.min_nodes,
+                    s.max_nodes,
+                    s.min_nodes,
+                    s.last_call_timeout,
+                )
                 self._node = ElasticRendezvous(
                     s.host,
                     self._port(),
@@ -382,11 +416,16 @@ def _handler_class() -> type:
                     min_nodes=s.min_nodes,
                     max_nodes=s.max_nodes,
                     node_id=s.node_id or _node_id(s.local_addr),
-                    timeout=s.read_timeout,
+                    timeout=s.connect_timeout(),
                     **s.timing(),
                     contact_host=s.local_addr or socket.getfqdn(),
                 )
             return self._node
+
+        def _stop_server(self) -> None:
+            server, self._server = self._server, None
+            if server is not None:
+                server.stop()
 
         def _port(self) -> int:
             return self._server.port if self._server is not None else self._settings.port

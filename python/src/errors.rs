@@ -10,12 +10,21 @@ use pyo3::types::PyType;
 
 use rdzv_core::rendezvous::elastic::ElasticErrorKind;
 use rdzv_uring::rendezvous::elastic::ElasticFailure;
-use rdzv_uring::rendezvous::RendezvousError;
+use rdzv_uring::rendezvous::{RendezvousError, StoreRole};
 use rdzv_uring::server::ServerError;
 use rdzv_uring::store::StoreError;
 
-/// An exception of class `class` (a name in `rdzv._errors`) with `message`.
+/// An exception of class `class` (a name in `rdzv._errors`) with `message`. The core's
+/// rendezvous messages start with torch's class name (for the CLI's one line); Python
+/// prints the class itself, so a message that starts with it loses that start.
 pub(crate) fn raise(class: &str, message: String) -> PyErr {
+    let message = match message
+        .strip_prefix(class)
+        .and_then(|rest| rest.strip_prefix(": "))
+    {
+        Some(rest) => rest.to_string(),
+        None => message,
+    };
     Python::attach(|py| {
         let found = py
             .import("rdzv._errors")
@@ -55,6 +64,9 @@ pub(crate) fn server(error: ServerError) -> PyErr {
 /// A failed rendezvous: the class says whether it was closed, timed out, lost its store
 /// or found foreign state.
 pub(crate) fn rendezvous(error: RendezvousError) -> PyErr {
+    if let Some(message) = port_taken(&error) {
+        return raise("RendezvousConnectionError", message);
+    }
     let class = match &error {
         RendezvousError::Store { source, .. } | RendezvousError::FileStore { source, .. } => {
             match store_class(source) {
@@ -87,4 +99,26 @@ pub(crate) fn elastic_class(failure: &ElasticFailure) -> &'static str {
 /// An elastic rendezvous failure as a Python exception.
 pub(crate) fn elastic(failure: ElasticFailure) -> PyErr {
     raise(elastic_class(&failure), failure.to_string())
+}
+
+/// Rank 0 of a `tcp://` or `env://` rendezvous hosts the store, as torch's does, so a URL
+/// that names a running server (an `rdzv.StoreServer`, `rdzv store serve`) fails to bind:
+/// the message says why and what to use instead.
+fn port_taken(error: &RendezvousError) -> Option<String> {
+    let RendezvousError::Store {
+        role: StoreRole::Server,
+        host,
+        port,
+        source: StoreError::Io { source, .. },
+        ..
+    } = error
+    else {
+        return None;
+    };
+    (source.kind() == std::io::ErrorKind::AddrInUse).then(|| {
+        format!(
+            "rank 0 hosts the store at {host}:{port}; something already listens there: use a \
+             port nobody serves, or `rdzv.Store` to join an existing server ({source})"
+        )
+    })
 }

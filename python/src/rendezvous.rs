@@ -18,15 +18,16 @@ use pyo3::types::PyTuple;
 
 use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange, RoundOutcome};
 use rdzv_core::rendezvous::NodeParams;
+use rdzv_core::rendezvous::StorePlan;
 use rdzv_uring::rendezvous::elastic::{
     default_node_id, Contact, ElasticFailure, ElasticRendezvous,
 };
 use rdzv_uring::rendezvous::etcd::machine_store;
-use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, RendezvousOptions};
+use rdzv_uring::rendezvous::{rendezvous_with, ProcessEnv, Rendezvous, RendezvousOptions};
 use rdzv_uring::store::tcp::TcpStore;
 use rdzv_uring::store::{Store, StoreError};
 
-use crate::store::PyStore;
+use crate::store::{py_repr, PyStore};
 use crate::{duration, errors};
 
 /// How long `next_round` waits without the GIL before it lets Python handle signals.
@@ -58,7 +59,11 @@ pub(crate) fn rendezvous<'py>(
     let outcome = py
         .detach(|| rendezvous_with(&url, NodeParams::Given { rank, world_size }, &env, &options))
         .map_err(errors::rendezvous)?;
-    let store = Py::new(py, PyStore::wrap(Arc::clone(&outcome.store), None))?;
+    let what = describe(py, &outcome)?;
+    let store = Py::new(
+        py,
+        PyStore::wrap(Arc::clone(&outcome.store), None).described(what),
+    )?;
     let elastic = match outcome.elastic {
         Some(handle) => Some(Py::new(
             py,
@@ -73,6 +78,27 @@ pub(crate) fn rendezvous<'py>(
         None => None,
     };
     (store, outcome.rank, outcome.world_size, elastic).into_pyobject(py)
+}
+
+/// What the store of a rendezvous is, for its `repr`: the TCPStore's host and port (and
+/// prefix), the store file, or the elastic round's prefix.
+fn describe(py: Python<'_>, outcome: &Rendezvous) -> PyResult<String> {
+    let store = outcome.plan.as_ref().map(|plan| &plan.store);
+    Ok(match (store, &outcome.elastic) {
+        (Some(StorePlan::Tcp(tcp)), _) => {
+            let mut what = format!("host={}, port={}", py_repr(py, &tcp.host)?, tcp.port);
+            if let Some(prefix) = &tcp.prefix {
+                what.push_str(&format!(", prefix={}", py_repr(py, prefix)?));
+            }
+            what
+        }
+        (Some(StorePlan::File(file)), _) => format!("file={}", py_repr(py, &file.path)?),
+        (_, Some(elastic)) => match elastic.current() {
+            Some(round) => format!("prefix={}", py_repr(py, &round.store_prefix)?),
+            None => format!("run_id={}", py_repr(py, elastic.run_id())?),
+        },
+        _ => String::new(),
+    })
 }
 
 /// One complete round of an elastic rendezvous, as this node sees it.
@@ -111,11 +137,18 @@ impl From<RoundOutcome> for PyRound {
 
 #[pymethods]
 impl PyRound {
-    fn __repr__(&self) -> String {
-        format!(
-            "Round(round={}, rank={}, world_size={}, store_prefix={:?}, master={:?})",
-            self.round, self.rank, self.world_size, self.store_prefix, self.master
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let master = match &self.master {
+            Some(master) => py_repr(py, master)?,
+            None => "None".to_string(),
+        };
+        Ok(format!(
+            "Round(round={}, rank={}, world_size={}, store_prefix={}, master={master})",
+            self.round,
+            self.rank,
+            self.world_size,
+            py_repr(py, &self.store_prefix)?
+        ))
     }
 }
 
@@ -417,7 +450,7 @@ impl PyElasticRendezvous {
                     return Err(errors::raise(
                         "RendezvousTimeoutError",
                         format!(
-                            "RendezvousTimeoutError: node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
+                            "node '{node}': no new complete round of rendezvous '{}' within {:.1}s",
                             self.handle.run_id(),
                             timeout.as_secs_f64()
                         ),
@@ -501,13 +534,13 @@ impl PyElasticRendezvous {
         Ok(false)
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "ElasticRendezvous(node={:?}, run_id={:?}, left={})",
-            self.handle.node(),
-            self.handle.run_id(),
-            self.has_left()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "ElasticRendezvous(node={}, run_id={}, left={})",
+            py_repr(py, self.handle.node())?,
+            py_repr(py, self.handle.run_id())?,
+            if self.has_left() { "True" } else { "False" }
+        ))
     }
 }
 

@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyTuple};
 use rdzv_uring::server::{IoMode, ServerOptions, StoreServer};
 
 use crate::errors;
+use crate::store::py_repr;
 
 /// A store server speaking PyTorch's TCPStore protocol, run by this process.
 ///
@@ -141,14 +142,18 @@ impl PyStoreServer {
         false
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "StoreServer(host={:?}, port={}, io={:?}, running={})",
-            self.host.as_deref().unwrap_or("::"),
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "StoreServer(host={}, port={}, io={}, running={})",
+            py_repr(py, self.host.as_deref().unwrap_or("::"))?,
             self.port,
-            self.io,
-            self.running().is_some()
-        )
+            py_repr(py, &self.io)?,
+            if self.running().is_some() {
+                "True"
+            } else {
+                "False"
+            }
+        ))
     }
 }
 

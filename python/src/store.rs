@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyString};
 
 use rdzv_core::store::QueryType;
 use rdzv_uring::store::tcp::TcpStore;
-use rdzv_uring::store::{Store, DEFAULT_TIMEOUT};
+use rdzv_uring::store::{Store, StoreError, DEFAULT_TIMEOUT};
 
 use crate::{duration, errors};
 
@@ -35,12 +35,25 @@ pub(crate) struct PyStore {
     store: Arc<dyn Store>,
     /// The TCP client under `store`, for `ping`, `stats`, `host` and `port`.
     tcp: Option<Arc<TcpStore>>,
+    /// What `repr` says between the parentheses, where `tcp` cannot say it.
+    what: Option<String>,
 }
 
 impl PyStore {
     /// Wraps any store (a rendezvous may hand back a prefix or file store).
     pub(crate) fn wrap(store: Arc<dyn Store>, tcp: Option<Arc<TcpStore>>) -> Self {
-        PyStore { store, tcp }
+        PyStore {
+            store,
+            tcp,
+            what: None,
+        }
+    }
+
+    /// Says what the store is in its `repr`, in Python's keyword form
+    /// (`host='h', port=1, prefix='p'`).
+    pub(crate) fn described(mut self, what: String) -> Self {
+        self.what = Some(what);
+        self
     }
 
     fn tcp(&self, what: &str) -> PyResult<&Arc<TcpStore>> {
@@ -94,10 +107,7 @@ impl PyStore {
             .detach(|| TcpStore::connect(&host, port, timeout))
             .map_err(errors::store)?;
         let tcp = Arc::new(tcp);
-        Ok(PyStore {
-            store: Arc::clone(&tcp) as Arc<dyn Store>,
-            tcp: Some(tcp),
-        })
+        Ok(PyStore::wrap(Arc::clone(&tcp) as Arc<dyn Store>, Some(tcp)))
     }
 
     /// Sets ``key`` to ``value`` (``bytes`` or ``str``), waking anyone waiting for it.
@@ -109,7 +119,22 @@ impl PyStore {
 
     /// The value of ``key``, waiting up to the store's timeout for it to exist.
     fn get<'py>(&self, py: Python<'py>, key: String) -> PyResult<Bound<'py, PyBytes>> {
-        let value = py.detach(|| self.store.get(&key)).map_err(errors::store)?;
+        let value = py
+            .detach(|| self.store.get(&key))
+            .map_err(|error| match error {
+                // The client's get is a wait, then a read: its timeout names the wait and the
+                // stored key (torch's text). Say what the caller did.
+                StoreError::Timeout { ms, .. } | StoreError::GetTimeout { ms, .. } => {
+                    errors::raise(
+                        "StoreTimeoutError",
+                        format!(
+                    "get of key {key:?}: no such key after waiting {ms} ms (the store's timeout; \
+                     set_timeout() or Store(timeout=...) changes it)"
+                ),
+                    )
+                }
+                other => errors::store(other),
+            })?;
         Ok(PyBytes::new(py, &value))
     }
 
@@ -290,10 +315,10 @@ impl PyStore {
                 .detach(|| TcpStore::connect(&host, port, timeout))
                 .map_err(errors::store)?;
             let fresh = Arc::new(fresh);
-            return Ok(PyStore {
-                store: Arc::clone(&fresh) as Arc<dyn Store>,
-                tcp: Some(fresh),
-            });
+            return Ok(PyStore::wrap(
+                Arc::clone(&fresh) as Arc<dyn Store>,
+                Some(fresh),
+            ));
         }
         let store = py
             .detach(|| self.store.clone_store())
@@ -301,6 +326,7 @@ impl PyStore {
         Ok(PyStore {
             store: Arc::from(store),
             tcp: None,
+            what: self.what.clone(),
         })
     }
 
@@ -345,10 +371,20 @@ impl PyStore {
         self.tcp.as_ref().map(|t| t.port())
     }
 
-    fn __repr__(&self) -> String {
-        match &self.tcp {
-            Some(tcp) => format!("Store(host={:?}, port={})", tcp.host(), tcp.port()),
-            None => "Store(<prefix or file store>)".to_string(),
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        match (&self.what, &self.tcp) {
+            (Some(what), _) => Ok(format!("Store({what})")),
+            (None, Some(tcp)) => Ok(format!(
+                "Store(host={}, port={})",
+                py_repr(py, tcp.host())?,
+                tcp.port()
+            )),
+            (None, None) => Ok("Store()".to_string()),
         }
     }
+}
+
+/// `text` as Python's `repr` writes a `str` (`'A:1'`), not Rust's `Debug` (`"A:1"`).
+pub(crate) fn py_repr(py: Python<'_>, text: &str) -> PyResult<String> {
+    Ok(PyString::new(py, text).repr()?.to_cow()?.into_owned())
 }

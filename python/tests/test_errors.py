@@ -52,3 +52,30 @@ def test_version_matches_the_package_metadata() -> None:
     from importlib import metadata
 
     assert rdzv.__version__ == metadata.version("rdzv")
+
+
+def test_errors_print_under_the_public_module(store: rdzv.Store) -> None:
+    for name in rdzv._errors.__all__:
+        assert getattr(rdzv, name).__module__ == "rdzv", name
+    with pytest.raises(rdzv.StoreTimeoutError) as raised:
+        store.wait(["nothing"], timeout=0.05)
+    assert type(raised.value).__module__ == "rdzv"
+    assert "rdzv.StoreTimeoutError" in str(raised.getrepr())
+
+
+def test_reprs_are_python_syntax(server: rdzv.StoreServer) -> None:
+    assert repr(rdzv.Store("127.0.0.1", server.port, timeout=5)) == (
+        f"Store(host='127.0.0.1', port={server.port})"
+    )
+    assert repr(server).startswith(f"StoreServer(host='127.0.0.1', port={server.port}, io='")
+    assert repr(server).endswith(", running=True)")
+
+
+def test_a_rendezvous_tcp_store_says_where_it_is() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = rdzv.rendezvous(f"tcp://127.0.0.1:{port}?rank=0&world_size=1", timeout=10)
+    assert repr(r.store) == f"Store(host='127.0.0.1', port={port})"

@@ -103,3 +103,16 @@ def test_tcp_rendezvous_times_out_without_peers() -> None:
     with pytest.raises(rdzv.RendezvousError) as info:
         rdzv.rendezvous(url, rank=0, world_size=2, timeout=0.5)
     assert isinstance(info.value, (rdzv.RendezvousTimeoutError, rdzv.RendezvousConnectionError))
+
+
+def test_tcp_rank0_on_a_served_port_says_it_hosts_the_store(server: rdzv.StoreServer) -> None:
+    # Rank 0 of tcp:// hosts the store, as torch's does: a URL naming a running server
+    # cannot work, and the error says so and what to use (issue 36, item 4.4).
+    with pytest.raises(rdzv.RendezvousConnectionError) as raised:
+        rdzv.rendezvous(f"tcp://127.0.0.1:{server.port}?rank=0&world_size=1", timeout=5)
+    text = str(raised.value)
+    assert text.startswith(
+        f"rank 0 hosts the store at 127.0.0.1:{server.port}; something already listens "
+        "there: use a port nobody serves, or `rdzv.Store` to join an existing server ("
+    ), text
+    assert "\n" not in text, text

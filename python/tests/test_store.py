@@ -65,8 +65,13 @@ def test_wait_check_and_timeout(store: rdzv.Store) -> None:
 def test_get_waits_up_to_the_store_timeout(store: rdzv.Store) -> None:
     store.set_timeout(timedelta(milliseconds=150))
     assert store.timeout == pytest.approx(0.15)
-    with pytest.raises(rdzv.StoreTimeoutError):
+    with pytest.raises(rdzv.StoreTimeoutError) as raised:
         store.get("absent")
+    # It says the caller's get, the key as given (no leading "/"), and the timeout.
+    assert str(raised.value) == (
+        "get of key \"absent\": no such key after waiting 150 ms (the store's timeout; "
+        "set_timeout() or Store(timeout=...) changes it)"
+    )
     store.set_timeout(5)
     assert store.timeout == 5.0
 

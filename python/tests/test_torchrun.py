@@ -290,8 +290,16 @@ def test_handler_creation_fails_with_a_connection_error_without_a_server() -> No
     from rdzv import torchrun
 
     port = free_port()  # nothing listens there
-    with pytest.raises(api.RendezvousConnectionError, match=f"127.0.0.1:{port}"):
-        torchrun.create_handler(handler_params(port, "nobody", "n0", read_timeout=1))
+    start = time.monotonic()
+    # join_timeout bounds it, not read_timeout (torch's client would retry for 60 s).
+    with pytest.raises(api.RendezvousConnectionError, match=f"127.0.0.1:{port}") as raised:
+        torchrun.create_handler(
+            handler_params(port, "nobody", "n0", read_timeout=60, join_timeout=1.5)
+        )
+    assert time.monotonic() - start < 3.0
+    text = str(raised.value)
+    # One line: no class name inside it, no C++ frames, no "..".
+    assert "\n" not in text and "Error: " not in text and ".." not in text, text
 
 
 # --- over etcd: the rendezvous in an etcd cluster, the store on rank 0's agent ----------

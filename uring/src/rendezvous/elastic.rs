@@ -122,7 +122,26 @@ struct Shared {
     current: Option<RoundOutcome>,
     /// The round it waits after, and whether as a hot spare.
     waiting: Option<(u64, bool)>,
+    /// The open round it waits in for more nodes, as the machine last said.
+    open: Option<OpenProgress>,
     ending: Option<Ending>,
+}
+
+/// Where the open round a node waits in stands ([`ElasticRendezvous::open_round`]): the
+/// core's [`OpenRound`](rdzv_core::rendezvous::elastic::OpenRound) on this process's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenProgress {
+    /// The round.
+    pub round: u64,
+    /// The nodes in it when this node last read its arrivals.
+    pub live: u32,
+    /// `min_nodes`.
+    pub min: u32,
+    /// `max_nodes`.
+    pub max: u32,
+    /// When the last call ends (the round closes with the nodes there then), or `None`
+    /// before `min_nodes` have arrived.
+    pub last_call_ends: Option<StdInstant>,
 }
 
 /// A node of an elastic rendezvous, driven by its own thread. Dropping it leaves the
@@ -327,6 +346,7 @@ impl ElasticRendezvous {
             contact: Arc::clone(&contact),
             fresh,
             epoch: StdInstant::now(),
+            last_call_logged: None,
         };
         let thread = std::thread::Builder::new()
             .name(format!("rdzv-elastic-{node}"))
@@ -520,6 +540,12 @@ impl ElasticRendezvous {
         lock_any(&self.shared.0).waiting
     }
 
+    /// The open round this node waits in for more nodes, if any: for a progress line
+    /// ("3 of min 4 nodes; last call ends in 12 s"). No store request.
+    pub fn open_round(&self) -> Option<OpenProgress> {
+        lock_any(&self.shared.0).open
+    }
+
     /// Waits up to `timeout` for this node to be a member of a complete round later than
     /// `after` (any round for `None`), and returns it.
     ///
@@ -659,6 +685,8 @@ struct Driver {
     /// Offers a fresh contact at each arrival ([`Contact::FreePort`]).
     fresh: Option<Contact>,
     epoch: StdInstant,
+    /// The last round whose last call this node logged.
+    last_call_logged: Option<u64>,
 }
 
 impl Driver {
@@ -767,6 +795,7 @@ impl Driver {
 
     /// Hands the machine's events to the handle.
     fn publish(&mut self) {
+        let open = self.open_progress();
         let (mutex, condvar) = &*self.shared;
         let mut shared = lock_any(mutex);
         let mut changed = false;
@@ -791,9 +820,37 @@ impl Driver {
                 _ => {}
             }
         }
+        shared.open = open;
         if changed {
             condvar.notify_all();
         }
+    }
+
+    /// The machine's open round on the wall clock; logs a round's last call once.
+    fn open_progress(&mut self) -> Option<OpenProgress> {
+        let open = self.machine.open_round()?;
+        let (now, wall) = (self.now(), StdInstant::now());
+        let last_call_ends = open
+            .last_call_ends
+            .map(|at| wall + at.saturating_duration_since(now));
+        if last_call_ends.is_some() && self.last_call_logged != Some(open.round) {
+            self.last_call_logged = Some(open.round);
+            tracing::info!(
+                node = self.machine.node(),
+                round = open.round,
+                "last call: waiting up to {} s for more nodes (last_call_timeout; {} of max {} here)",
+                self.machine.settings().last_call.as_secs_f64(),
+                open.live,
+                open.max,
+            );
+        }
+        Some(OpenProgress {
+            round: open.round,
+            live: open.live,
+            min: open.min,
+            max: open.max,
+            last_call_ends,
+        })
     }
 
     fn finish(&mut self, ending: Ending) {
@@ -877,8 +934,10 @@ pub(super) fn elastic_rendezvous_handler(
 ) -> Result<Rendezvous, RendezvousError> {
     let parsed = ElasticUrl::parse(url).map_err(|e| RendezvousError::Plan(e.to_string()))?;
     let node = node_id(parsed.node_id.as_ref(), env);
-    // No rank yet: the error names the node.
-    let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, options.timeout)
+    // No rank yet: the error names the node. A join ends by the join timeout, connecting
+    // included.
+    let connect_timeout = options.timeout.min(parsed.settings.join_timeout);
+    let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, connect_timeout)
         .map_err(|e| {
             RendezvousError::Handler(
                 format!(

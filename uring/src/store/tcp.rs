@@ -621,6 +621,10 @@ fn connect_validated(
     // The last failure of an attempt that ran: an attempt cut off by the deadline before
     // it tried anything must not replace the real cause (ECONNREFUSED, say).
     let mut last_error = None;
+    let started = Instant::now();
+    // Whether the retrying was said (once, after a second of it: a long wait is not
+    // silent).
+    let mut said = false;
     loop {
         tries += 1;
         match try_connect(host, port, deadline, token, options.ping) {
@@ -648,6 +652,13 @@ fn connect_validated(
                 }),
             });
         }
+        if !said && now.saturating_duration_since(started) >= RETRY_SAID_AFTER {
+            said = true;
+            tracing::warn!(
+                "{}",
+                retrying_line(host, port, left, last_error.as_deref().unwrap_or(""))
+            );
+        }
         let delay = backoff.next_delay().min(left - MIN_ATTEMPT);
         tracing::debug!(
             host,
@@ -664,6 +675,23 @@ fn connect_validated(
 /// The least time a connect attempt is started with; less than this left before the
 /// deadline ends the retries with the last real error.
 const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// How long a client retries connecting before it says so.
+const RETRY_SAID_AFTER: Duration = Duration::from_secs(1);
+
+/// What a client that keeps retrying says: "connecting to H:P, retrying for 28 s more:
+/// CAUSE".
+fn retrying_line(host: &str, port: u16, left: Duration, cause: &str) -> String {
+    let mut line = format!(
+        "connecting to {host}:{port}, retrying for {} s more",
+        left.as_secs_f64().ceil()
+    );
+    if !cause.is_empty() {
+        line.push_str(": ");
+        line.push_str(cause);
+    }
+    line
+}
 
 /// Why one connect attempt failed.
 enum Attempt {
@@ -1098,6 +1126,23 @@ impl Store for TcpStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_that_keeps_retrying_says_for_how_long() {
+        assert_eq!(
+            retrying_line(
+                "10.0.0.1",
+                29500,
+                Duration::from_millis(27_400),
+                "10.0.0.1:29500: connection refused"
+            ),
+            "connecting to 10.0.0.1:29500, retrying for 28 s more: 10.0.0.1:29500: connection refused"
+        );
+        assert_eq!(
+            retrying_line("h", 1, Duration::from_secs(3), ""),
+            "connecting to h:1, retrying for 3 s more"
+        );
+    }
 
     /// Nothing listens: the error says "connection refused" after the timeout, and the
     /// last retry does not replace that cause with one that ran out of time.

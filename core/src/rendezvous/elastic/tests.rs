@@ -567,6 +567,48 @@ fn last_call_after_min_nodes() {
 }
 
 #[test]
+fn an_open_round_shows_its_nodes_and_when_its_last_call_ends() {
+    let mut sim = Sim::new(settings(2, 4));
+    let a = sim.join("a");
+    sim.run_for(secs(3));
+    let below_min = sim.nodes[a].machine.open_round().expect("waits in round 0");
+    assert_eq!(
+        (
+            below_min.round,
+            below_min.live,
+            below_min.min,
+            below_min.max
+        ),
+        (0, 1, 2, 4)
+    );
+    assert_eq!(
+        below_min.last_call_ends, None,
+        "no last call below min_nodes"
+    );
+    let b = sim.join("b");
+    sim.run_for(Duration::from_millis(500));
+    let joined_at = sim.now;
+    for i in [a, b] {
+        let open = sim.nodes[i].machine.open_round().expect("in the last call");
+        // `a` knows of `b` after its next tick reads the arrivals: within one interval.
+        assert!(open.live == 2 || i == a, "node {i}: {open:?}");
+        let ends = open
+            .last_call_ends
+            .expect("min_nodes are there: a last call");
+        let left = ends.saturating_duration_since(joined_at);
+        assert!(left <= sim.settings.last_call, "node {i}: {left:?}");
+        assert!(left >= Duration::from_millis(1000), "node {i}: {left:?}");
+    }
+    sim.run_for(secs(3));
+    assert_eq!(
+        sim.nodes[a].machine.open_round(),
+        None,
+        "complete: no open round"
+    );
+    assert_eq!(sim.last_complete(a).unwrap().world_size, 2);
+}
+
+#[test]
 fn wait_list_starts_the_next_round() {
     let mut sim = Sim::new(settings(1, 4));
     let a = sim.join("a");

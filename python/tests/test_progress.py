@@ -1,0 +1,65 @@
+"""What ``rdzv rendezvous`` says while a round waits (issue 36, item 4.3 and part 3):
+without a terminal, one line on stderr when the last call starts, with its length."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+import rdzv
+
+from test_package import rdzv_command
+
+
+def test_rendezvous_command_says_how_long_the_last_call_waits(server: rdzv.StoreServer) -> None:
+    url = f"elastic://127.0.0.1:{server.port}/progress?nodes=1:2&last_call=1500ms"
+    node = subprocess.Popen(
+        [rdzv_command(), "rendezvous", url, "--node-id", "a"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert node.stdout is not None and node.stderr is not None
+        start = time.monotonic()
+        lines = []
+        for line in node.stdout:
+            lines.append(line)
+            if line.startswith("round "):
+                break
+        # The round closed by the last call, not before it.
+        assert time.monotonic() - start >= 1.4, lines
+        assert lines[-1].startswith("round 0 rank 0 world_size 1 "), lines
+    finally:
+        node.send_signal(signal.SIGTERM)
+        _, stderr = node.communicate(timeout=30)
+    assert node.returncode == 0, stderr
+    # No terminal: no updating line, one line for the last call, with its real length.
+    assert stderr.splitlines().count("last call: waiting up to 1.5 s for more nodes") == 1, stderr
+    assert "\r" not in stderr, stderr
+
+
+def test_a_client_command_that_retries_says_so_on_stderr() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    out = subprocess.run(
+        [rdzv_command(), "rendezvous", f"elastic://127.0.0.1:{port}/retry?nodes=1:1",
+         "--connect-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    # After a second of retrying, once: not 3 s of silence.
+    said = [line for line in out.stderr.splitlines() if "retrying for" in line]
+    assert len(said) == 1, out.stderr
+    assert re.search(
+        f"connecting to 127.0.0.1:{port}, retrying for [12] s more: 127.0.0.1:{port}: "
+        "connection refused",
+        said[0],
+    ), said
