@@ -242,6 +242,13 @@ impl Completion {
         self.lock().done
     }
 
+    /// Whether anyone will see the result: a future still holds the cell (`self` is the
+    /// agent's own reference), or a callback ([`RpcFuture::then`], the combinators) waits
+    /// for it. A `remote()` call's cell has neither, and its reply can be dropped unread.
+    pub(crate) fn is_wanted(self: &Arc<Self>) -> bool {
+        Arc::strong_count(self) > 1 || self.lock().callback.0.is_some()
+    }
+
     /// Whether the call completed, without the lock.
     pub(crate) fn is_done_relaxed(&self) -> bool {
         self.done.load(Ordering::Acquire)

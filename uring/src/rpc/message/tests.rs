@@ -290,3 +290,20 @@ fn a_runtime_that_cannot_tell_readiness_names_the_device() {
     )));
     assert_eq!(plain.is_ready().ok(), Some(true));
 }
+
+#[test]
+fn a_result_is_wanted_by_a_future_or_a_callback_only() {
+    let (future, cell) = RpcFuture::new();
+    assert!(cell.is_wanted(), "the future holds the cell");
+    let chained = future.then(|r| r);
+    assert!(cell.is_wanted(), "then's callback waits for the result");
+    drop(chained);
+    assert!(
+        cell.is_wanted(),
+        "the callback still runs when the chained future is gone"
+    );
+    assert!(cell.complete(Ok(Message::from_payload(vec![1]))));
+    let (future, cell) = RpcFuture::new();
+    drop(future);
+    assert!(!cell.is_wanted(), "nobody sees a dropped future's result");
+}

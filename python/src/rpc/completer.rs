@@ -1,0 +1,91 @@
+//! The thread that completes Python futures: an agent thread that finishes a call (a
+//! pipe's reader, the timer, the I/O thread) only queues the result here and never waits
+//! for the GIL, so that a busy interpreter delays no other pipe. This thread takes the GIL
+//! for each result and calls the Python callback `rpc_async` was given with
+//! `(error, None)` or `(None, (metadata, payload, buffers))`.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+
+use pyo3::prelude::*;
+
+use rdzv_uring::rpc::{CallError, Message, RpcFuture};
+
+use super::{errors, message};
+
+/// A finished call and whom to tell.
+struct Done {
+    result: Result<Message, CallError>,
+    callback: Py<PyAny>,
+}
+
+/// The completing thread and its queue.
+pub(crate) struct Completer {
+    queue: Mutex<Option<Sender<Done>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Completer {
+    /// Starts the thread.
+    ///
+    /// # Errors
+    /// The OS refused a thread.
+    pub(crate) fn start(name: &str) -> std::io::Result<Completer> {
+        let (queue, done) = channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("rdzv-rpc-py-{name}"))
+            .spawn(move || deliver_all(&done))?;
+        Ok(Completer {
+            queue: Mutex::new(Some(queue)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Calls `callback` (on the completing thread) once `future` completes.
+    ///
+    /// # Errors
+    /// `RpcShutdownError` after [`stop`](Self::stop).
+    pub(crate) fn watch(&self, future: RpcFuture, callback: Py<PyAny>) -> PyResult<()> {
+        let queue = self
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| errors::usage("the RPC agent is shut down".into()))?;
+        // The future `then` makes is never waited for: its callback hands the result on.
+        drop(future.then(move |result| {
+            // A send fails only once the thread is gone, at shutdown: the callback is
+            // dropped with the result.
+            let _ = queue.send(Done { result, callback });
+            Ok(Message::default())
+        }));
+        Ok(())
+    }
+
+    /// Stops taking calls and waits until every queued result is delivered. Call it
+    /// without the GIL (the thread needs it).
+    pub(crate) fn stop(&self) {
+        drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The thread's loop: until every sender is gone.
+fn deliver_all(done: &Receiver<Done>) {
+    while let Ok(Done { result, callback }) = done.recv() {
+        Python::attach(|py| {
+            let (error, value) = match result.map(|m| message::to_python(py, &m)) {
+                Ok(Ok(value)) => (py.None(), value.into_any().unbind()),
+                Ok(Err(error)) => (error.into_value(py).into_any(), py.None()),
+                Err(error) => (errors::call(&error).into_value(py).into_any(), py.None()),
+            };
+            if let Err(error) = callback.call1(py, (error, value)) {
+                error.write_unraisable(py, Some(callback.bind(py)));
+            }
+        });
+    }
+}
