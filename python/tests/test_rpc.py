@@ -22,11 +22,10 @@ import numpy as np
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-CHILD = f"""
-import sys
-sys.path.insert(0, {TESTS!r})
-import test_rpc
-test_rpc.child_main(sys.argv[1:])
+CHILD = """
+import importlib, sys
+sys.path.insert(0, {tests!r})
+importlib.import_module({module!r}).child_main(sys.argv[1:])
 """
 
 # ---------------------------------------------------------------------------------------
@@ -288,7 +287,15 @@ SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
 SHUTS_DOWN = {"killed", "never_joins"}
 
 
-def child_main(argv: List[str]) -> None:
+def child_main(
+    argv: List[str],
+    scenarios: Optional[Dict[str, Callable[[Any, int], Dict[str, Any]]]] = None,
+    shuts_down: Optional[set] = None,
+) -> None:
+    """A worker: joins the group, runs ``scenario`` on rank 0, prints what it saw, shuts
+    down (unless the scenario does, or is about a worker that never does)."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
+    shuts_down = SHUTS_DOWN if shuts_down is None else shuts_down
     scenario, rank, world, port = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     import rdzv.rpc as rpc
 
@@ -303,11 +310,11 @@ def child_main(argv: List[str]) -> None:
             init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20, num_worker_threads=4
         )
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=options)
-    result = SCENARIOS[scenario](rpc, world) if rank == 0 else None
+    result = scenarios[scenario](rpc, world) if rank == 0 else None
     print(json.dumps({"rank": rank, "result": result}), flush=True)
     if scenario == "never_joins" and rank != 0:
         time.sleep(3600)
-    if scenario not in SHUTS_DOWN or rank != 0:
+    if scenario not in shuts_down or rank != 0:
         rpc.shutdown()
 
 
@@ -322,12 +329,18 @@ def free_port() -> int:
 
 
 def run_group(
-    children: Any, scenario: str, world: int, timeout: float = 90, wait: Optional[List[int]] = None
+    children: Any,
+    scenario: str,
+    world: int,
+    timeout: float = 120,
+    wait: Optional[List[int]] = None,
+    module: str = "test_rpc",
 ) -> Dict[str, Any]:
-    """Runs ``scenario`` on ``world`` workers; rank 0's result once the ranks in
-    ``wait`` (default: all) have exited cleanly."""
+    """Runs ``scenario`` (of ``module``'s ``child_main``) on ``world`` workers; rank 0's
+    result once the ranks in ``wait`` (default: all) have exited cleanly."""
     port = free_port()
-    procs = [children.spawn(CHILD, scenario, str(r), str(world), str(port)) for r in range(world)]
+    code = CHILD.format(tests=TESTS, module=module)
+    procs = [children.spawn(code, scenario, str(r), str(world), str(port)) for r in range(world)]
     waited = range(world) if wait is None else wait
     outputs: Dict[int, Any] = {}
     for rank in waited:

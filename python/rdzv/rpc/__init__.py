@@ -35,7 +35,8 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._rdzv import RpcAgent as _RpcAgent
-from . import _serialize
+from . import _rref, _serialize
+from ._rref import RRef
 from ._errors import *  # noqa: F403 (the list is _errors.__all__)
 from ._errors import RpcUsageError
 from . import _errors
@@ -53,6 +54,8 @@ __all__ = [
     "shutdown",
     "rpc_sync",
     "rpc_async",
+    "remote",
+    "RRef",
     "get_worker_info",
     "get_rpc_timeout",
     "is_available",
@@ -137,15 +140,29 @@ def is_available() -> bool:
 def _serve(caller: str, request: Tuple[bytes, bytes, List[bytearray]]) -> Tuple[Any, Any, Any]:
     """Runs one call on this worker (the agent's ``PYTHON_CALL`` handler): the reply's
     ``(metadata, payload, buffers)``, an exception as a reply of its own."""
-    _metadata, payload, buffers = request
+    metadata, payload, buffers = request
     if not _state.ready.is_set():
         _state.ready.wait()
+    if metadata[:1] == _rref.REMOTE_TAG:
+        return _serve_remote(metadata[1:].decode(), payload, buffers)
     try:
         func, args, kwargs = _serialize.loads(payload, buffers)
         result = func(*args, **kwargs)
-        return (b"", *_serialize.dumps(_serialize.lift(result)))
+        return (b"", *_rref.pickling_for(caller, lambda: _serialize.dumps(_serialize.lift(result))))
     except BaseException as exc:  # the caller re-raises it; the worker goes on
         return (b"E", *_serialize.dumps_exception(exc, _state.me))
+
+
+def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[Any, Any, Any]:
+    """Runs a ``remote()`` call: the owner keeps the result (or the exception) as the
+    live object of ``key``; the agent's value is only the key."""
+    try:
+        func, args, kwargs = _serialize.loads(payload, buffers)
+        _rref.OWNED.put(key, True, func(*args, **kwargs))
+    except BaseException as exc:
+        text = _serialize.dumps_exception(exc, _state.me)
+        _rref.OWNED.put(key, False, _serialize.loads(*text).to_exception())
+    return (_rref.OWNED_TAG + key.encode(), b"", [])
 
 
 def _reply_value(reply: Tuple[bytes, bytes, List[bytearray]]) -> Any:
@@ -208,6 +225,7 @@ def init_rpc(
                 [(peer, list(m.items())) for peer, m in options.device_maps.items()],
                 options.devices,
                 _serve,
+                _rref.released,
             )
         finally:
             _state.ready.set()
@@ -267,12 +285,15 @@ def get_rpc_timeout() -> float:
 
 
 def _request(
-    func: Callable[..., Any], args: Optional[Sequence[Any]], kwargs: Optional[Dict[str, Any]]
+    to: str,
+    func: Callable[..., Any],
+    args: Optional[Sequence[Any]],
+    kwargs: Optional[Dict[str, Any]],
 ) -> Tuple[bytes, List[memoryview]]:
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     args, kwargs = _serialize.lift_call(args, kwargs)
-    return _serialize.dumps((func, args, kwargs))
+    return _rref.pickling_for(to, lambda: _serialize.dumps((func, args, kwargs)))
 
 
 def rpc_sync(
@@ -290,7 +311,7 @@ def rpc_sync(
     """
     agent = _agent()
     name = _to_name(to)
-    payload, buffers = _request(func, args, kwargs)
+    payload, buffers = _request(name, func, args, kwargs)
     return _reply_value(agent.call(name, b"", payload, buffers, timeout))
 
 
@@ -306,7 +327,7 @@ def rpc_async(
     returns the result or raises what :func:`rpc_sync` would."""
     agent = _agent()
     name = _to_name(to)
-    payload, buffers = _request(func, args, kwargs)
+    payload, buffers = _request(name, func, args, kwargs)
     future = new_future()
 
     def on_done(error: Optional[BaseException], reply: Any) -> None:
@@ -322,3 +343,21 @@ def rpc_async(
 
     agent.call_async(name, b"", payload, buffers, timeout, on_done)
     return future
+
+
+def remote(
+    to: To,
+    func: Callable[..., Any],
+    args: Optional[Sequence[Any]] = None,
+    kwargs: Optional[Dict[str, Any]] = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef:
+    """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and
+    returns an :class:`RRef` to it at once. ``to_here()`` fetches the value (raising what
+    ``func`` raised); its proxies call the value's methods on the owner."""
+    agent = _agent()
+    name = _to_name(to)
+    payload, buffers = _request(name, func, args, kwargs)
+    key = _rref.new_key(agent.me()[0])
+    metadata = _rref.REMOTE_TAG + key.encode()
+    return RRef(agent.remote(name, metadata, payload, buffers, timeout), key)

@@ -2,7 +2,8 @@
 //! pipe's reader, the timer, the I/O thread) only queues the result here and never waits
 //! for the GIL, so that a busy interpreter delays no other pipe. This thread takes the GIL
 //! for each result and calls the Python callback `rpc_async` was given with
-//! `(error, None)` or `(None, (metadata, payload, buffers))`.
+//! `(error, None)` or `(None, (metadata, payload, buffers))`. It also hands the owner
+//! values the agent lets go of to the `released` callback, the same way.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Mutex;
@@ -14,10 +15,10 @@ use rdzv_uring::rpc::{CallError, Message, RpcFuture};
 
 use super::{errors, message};
 
-/// A finished call and whom to tell.
+/// A finished call and whom to tell (`None`: the `released` callback).
 struct Done {
     result: Result<Message, CallError>,
-    callback: Py<PyAny>,
+    callback: Option<Py<PyAny>>,
 }
 
 /// The completing thread and its queue.
@@ -27,19 +28,32 @@ pub(crate) struct Completer {
 }
 
 impl Completer {
-    /// Starts the thread.
+    /// Starts the thread, which calls `released` with every value given to
+    /// [`release`](Self::release).
     ///
     /// # Errors
     /// The OS refused a thread.
-    pub(crate) fn start(name: &str) -> std::io::Result<Completer> {
+    pub(crate) fn start(name: &str, released: Py<PyAny>) -> std::io::Result<Completer> {
         let (queue, done) = channel();
         let thread = std::thread::Builder::new()
             .name(format!("rdzv-rpc-py-{name}"))
-            .spawn(move || deliver_all(&done))?;
+            .spawn(move || deliver_all(&done, &released))?;
         Ok(Completer {
             queue: Mutex::new(Some(queue)),
             thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// Calls `released(None, message)` on the completing thread; returns at once, and
+    /// does nothing after [`stop`](Self::stop).
+    pub(crate) fn release(&self, message: Message) {
+        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(queue) = queue.as_ref() {
+            let _ = queue.send(Done {
+                result: Ok(message),
+                callback: None,
+            });
+        }
     }
 
     /// Calls `callback` (on the completing thread) once `future` completes.
@@ -57,7 +71,10 @@ impl Completer {
         drop(future.then(move |result| {
             // A send fails only once the thread is gone, at shutdown: the callback is
             // dropped with the result.
-            let _ = queue.send(Done { result, callback });
+            let _ = queue.send(Done {
+                result,
+                callback: Some(callback),
+            });
             Ok(Message::default())
         }));
         Ok(())
@@ -75,9 +92,10 @@ impl Completer {
 }
 
 /// The thread's loop: until every sender is gone.
-fn deliver_all(done: &Receiver<Done>) {
+fn deliver_all(done: &Receiver<Done>, released: &Py<PyAny>) {
     while let Ok(Done { result, callback }) = done.recv() {
         Python::attach(|py| {
+            let callback = callback.as_ref().unwrap_or(released);
             let (error, value) = match result.map(|m| message::to_python(py, &m)) {
                 Ok(Ok(value)) => (py.None(), value.into_any().unbind()),
                 Ok(Err(error)) => (error.into_value(py).into_any(), py.None()),

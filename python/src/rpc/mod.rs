@@ -26,9 +26,11 @@ mod completer;
 mod errors;
 mod handler;
 mod message;
+mod rref;
 
 use completer::Completer;
 use handler::{PythonCall, PYTHON_CALL};
+use rref::PyRRef;
 
 /// A device name (`cpu`, `cuda:0`) from Python.
 fn device(what: &str, name: &str) -> PyResult<Device> {
@@ -50,6 +52,15 @@ fn call_timeout(seconds: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
+/// A number of seconds from Python.
+fn seconds(what: &str, value: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be a finite number of seconds >= 0, got {value}"
+        ))
+    })
+}
+
 /// `(name, id)` of a worker.
 fn info(worker: &WorkerInfo) -> (String, i64) {
     (worker.name().to_string(), i64::from(worker.id().get()))
@@ -60,7 +71,7 @@ fn info(worker: &WorkerInfo) -> (String, i64) {
 #[pyclass(module = "rdzv._rdzv", name = "RpcAgent", frozen)]
 pub(crate) struct PyRpcAgent {
     agent: RpcAgent,
-    completer: Completer,
+    completer: Arc<Completer>,
     interpreter_alive: Arc<AtomicBool>,
     rpc_timeout: Duration,
 }
@@ -71,9 +82,11 @@ impl PyRpcAgent {
     /// every worker of a static group has started). `serve(caller, (metadata, payload,
     /// buffers))` answers every Python call made to this worker with such a tuple.
     /// `device_maps` is `[(peer, [(local, remote), ...]), ...]` of device names.
+    /// `released(None, (metadata, payload, buffers))` is called (on the completing
+    /// thread) with every owner value of a `remote()` the agent lets go of.
     #[staticmethod]
     #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, num_worker_threads,
-        transports, channels, device_maps, devices, serve))]
+        transports, channels, device_maps, devices, serve, released))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -88,6 +101,7 @@ impl PyRpcAgent {
         device_maps: Vec<(String, Vec<(String, String)>)>,
         devices: Vec<String>,
         serve: Py<PyAny>,
+        released: Py<PyAny>,
     ) -> PyResult<Self> {
         let rpc_timeout = Duration::try_from_secs_f64(rpc_timeout).map_err(|_| {
             PyValueError::new_err(format!(
@@ -119,11 +133,13 @@ impl PyRpcAgent {
             interpreter_alive: Arc::clone(&interpreter_alive),
         };
         options = options.with_handler(PYTHON_CALL, handler);
-        let completer = Completer::start(&name).map_err(|e| {
+        let completer = Arc::new(Completer::start(&name, released).map_err(|e| {
             errors::usage(format!(
                 "cannot start the thread that completes futures: {e}"
             ))
-        })?;
+        })?);
+        let deliver = Arc::clone(&completer);
+        options.on_value_released = Some(Arc::new(move |value| deliver.release(value)));
         let agent = py
             .detach(|| init_rpc(&name, rank, world_size, options))
             .map_err(|e| errors::init(&e))?;
@@ -217,6 +233,93 @@ impl PyRpcAgent {
         self.completer.watch(future, on_done)
     }
 
+    /// `remote()`: runs the call on `to`, which keeps the result, and returns an RRef to
+    /// it at once (failures come out of the value's fetch).
+    #[pyo3(signature = (to, metadata, payload, buffers, timeout = None))]
+    fn remote(
+        &self,
+        to: &str,
+        metadata: &Bound<'_, PyAny>,
+        payload: &Bound<'_, PyAny>,
+        buffers: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyRRef> {
+        let request = message::from_python(metadata, payload, buffers)?;
+        let timeout = call_timeout(timeout)?;
+        self.agent
+            .remote_with_timeout(to, PYTHON_CALL, request, timeout)
+            .map(|rref| PyRRef { rref })
+            .map_err(|e| errors::call(&e))
+    }
+
+    /// The RRef that `fork` (from `RRef.fork_to` on another worker) stands for.
+    fn rref_from_fork(&self, fork: &[u8]) -> PyResult<PyRRef> {
+        self.agent
+            .rref_from_fork(fork)
+            .map(|rref| PyRRef { rref })
+            .map_err(|e| errors::usage(e.to_string()))
+    }
+
+    /// This worker's RRef counts: `num_owner_rrefs`, `num_pending_futures`,
+    /// `num_pending_users`, `num_forks` (as text, torch's `_rref_context_get_debug_info`).
+    fn rref_debug_info(&self) -> Vec<(String, String)> {
+        self.agent.rref_debug_info_map()
+    }
+
+    /// `(owners, forks)` on worker `rank` (over RPC unless it is this one).
+    fn get_num_owners_and_forks(&self, py: Python<'_>, rank: i64) -> PyResult<(usize, usize)> {
+        let id = worker_id(rank)?;
+        py.detach(|| self.agent.get_num_owners_and_forks(id))
+            .map_err(|e| errors::call(&e))
+    }
+
+    /// Waits until worker `rank` has `num_owners` owner RRefs and `num_forks` forks.
+    fn wait_until_owners_and_forks_on_rank(
+        &self,
+        py: Python<'_>,
+        num_owners: usize,
+        num_forks: usize,
+        rank: i64,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let id = worker_id(rank)?;
+        let timeout = seconds("timeout", timeout)?;
+        py.detach(|| {
+            self.agent
+                .wait_until_owners_and_forks_on_rank(num_owners, num_forks, id, timeout)
+        })
+        .map_err(|e| errors::call(&e))
+    }
+
+    /// Waits until no RRef message is unanswered, no user unconfirmed and no call in
+    /// flight here.
+    fn wait_until_pending_futures_and_users_flushed(
+        &self,
+        py: Python<'_>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        py.detach(|| {
+            self.agent
+                .wait_until_pending_futures_and_users_flushed(timeout)
+        })
+        .map_err(|e| errors::call(&e))
+    }
+
+    /// Probes worker `name` until a call to it fails for a reason other than its
+    /// handler: that error's text, or `None` if it still answers after `timeout`.
+    fn wait_until_node_failure(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        timeout: f64,
+    ) -> PyResult<Option<String>> {
+        let timeout = seconds("timeout", timeout)?;
+        Ok(py
+            .detach(|| self.agent.wait_until_node_failure(name, timeout))
+            .map(|e| e.to_string()))
+    }
+
     /// `rpc.shutdown(graceful, timeout)`: graceful waits (without the GIL) until no
     /// worker of the group has a call in flight, at most `timeout` seconds (`None`: no
     /// limit); then the agent closes, and every result still queued reaches Python.
@@ -253,5 +356,11 @@ impl PyRpcAgent {
 
 /// Adds the RPC classes to the extension module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyRpcAgent>()
+    m.add_class::<PyRpcAgent>()?;
+    m.add_class::<PyRRef>()
+}
+
+/// A worker id from Python.
+fn worker_id(rank: i64) -> PyResult<rdzv_core::rpc::name::WorkerId> {
+    rdzv_core::rpc::name::WorkerId::new(rank).map_err(|e| PyValueError::new_err(e.to_string()))
 }
