@@ -35,7 +35,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._rdzv import RpcAgent as _RpcAgent
-from . import _rref, _serialize
+from . import _rref, _serialize, functions
 from ._rref import RRef
 from ._errors import *  # noqa: F403 (the list is _errors.__all__)
 from ._errors import RpcUsageError
@@ -56,6 +56,7 @@ __all__ = [
     "rpc_async",
     "remote",
     "RRef",
+    "functions",
     "get_worker_info",
     "get_rpc_timeout",
     "is_available",
@@ -147,10 +148,46 @@ def _serve(caller: str, request: Tuple[bytes, bytes, List[bytearray]]) -> Tuple[
         return _serve_remote(metadata[1:].decode(), payload, buffers)
     try:
         func, args, kwargs = _serialize.loads(payload, buffers)
+        run_later = functions.async_function(func)
+        if run_later is not None:
+            return _answer_later(caller, run_later(*args, **kwargs))
         result = func(*args, **kwargs)
-        return (b"", *_rref.pickling_for(caller, lambda: _serialize.dumps(_serialize.lift(result))))
     except BaseException as exc:  # the caller re-raises it; the worker goes on
-        return (b"E", *_serialize.dumps_exception(exc, _state.me))
+        return _exception_reply(exc)
+    return _value_reply(caller, result)
+
+
+def _exception_reply(exc: BaseException) -> Tuple[Any, Any, Any]:
+    return (b"E", *_serialize.dumps_exception(exc, _state.me))
+
+
+def _value_reply(caller: str, result: Any) -> Tuple[Any, Any, Any]:
+    try:
+        return (b"", *_rref.pickling_for(caller, lambda: _serialize.dumps(_serialize.lift(result))))
+    except BaseException as exc:
+        return _exception_reply(exc)
+
+
+def _answer_later(caller: str, future: Any) -> Callable[[Callable[[Any], None]], None]:
+    """An ``async_execution`` function's future, as the agent's handler takes it:
+    ``attach(on_reply)`` calls ``on_reply`` with the reply once the future completes."""
+    if not hasattr(future, "add_done_callback"):
+        raise TypeError(
+            f"an async_execution function must return a future, not {type(future).__name__}"
+        )
+
+    def attach(on_reply: Callable[[Any], None]) -> None:
+        def done(completed: Any) -> None:
+            try:
+                value = completed.value()
+            except BaseException as exc:
+                on_reply(_exception_reply(exc))
+                return
+            on_reply(_value_reply(caller, value))
+
+        future.add_done_callback(done)
+
+    return attach
 
 
 def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[Any, Any, Any]:
@@ -158,7 +195,12 @@ def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[A
     live object of ``key``; the agent's value is only the key."""
     try:
         func, args, kwargs = _serialize.loads(payload, buffers)
-        _rref.OWNED.put(key, True, func(*args, **kwargs))
+        run_later = functions.async_function(func)
+        if run_later is not None:
+            value = run_later(*args, **kwargs).wait()
+        else:
+            value = func(*args, **kwargs)
+        _rref.OWNED.put(key, True, value)
     except BaseException as exc:
         text = _serialize.dumps_exception(exc, _state.me)
         _rref.OWNED.put(key, False, _serialize.loads(*text).to_exception())

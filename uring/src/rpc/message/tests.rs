@@ -292,6 +292,18 @@ fn a_runtime_that_cannot_tell_readiness_names_the_device() {
 }
 
 #[test]
+fn a_promise_completes_its_future_and_a_dropped_one_fails_it() {
+    let (future, promise) = RpcFuture::pending();
+    let waiter = std::thread::spawn(move || future.wait().map(|m| m.payload));
+    promise.complete(Ok(Message::from_payload(vec![4])));
+    assert_eq!(waiter.join().ok().and_then(Result::ok), Some(vec![4]));
+    let (future, promise) = RpcFuture::pending();
+    drop(promise);
+    let text = future.wait().map_err(|e| e.to_string()).err();
+    assert!(text.is_some_and(|t| t.contains("dropped without completing")));
+}
+
+#[test]
 fn a_result_is_wanted_by_a_future_or_a_callback_only() {
     let (future, cell) = RpcFuture::new();
     assert!(cell.is_wanted(), "the future holds the cell");
