@@ -477,3 +477,47 @@ def test_error_classes_are_runtime_errors() -> None:
     assert issubclass(rpc.RpcTimeoutError, TimeoutError)
     assert issubclass(rpc.RpcConnectionError, ConnectionError)
     assert issubclass(rpc.RpcError, rdzv.RdzvError)
+
+
+def test_backend_registry_has_tensorpipe_and_takes_new_backends() -> None:
+    import rdzv.rpc as rpc
+    from rdzv.rpc import backend_registry
+
+    assert backend_registry.backend_registered("TENSORPIPE")
+    options = backend_registry.construct_rpc_backend_options(
+        rpc.BackendType.TENSORPIPE, rpc_timeout=3, init_method="tcp://127.0.0.1:1", num_worker_threads=2
+    )
+    assert isinstance(options, rpc.TensorPipeRpcBackendOptions)
+    assert (options.rpc_timeout, options.num_worker_threads) == (3.0, 2)
+    started = []
+    custom = backend_registry.register_backend(
+        "RDZV_TEST_BACKEND",
+        lambda rpc_timeout, init_method, **kw: ("options", rpc_timeout, init_method),
+        lambda *args: started.append(args),
+    )
+    assert custom.name == "RDZV_TEST_BACKEND" and rpc.BackendType.RDZV_TEST_BACKEND is custom
+    assert rpc.BackendType.TENSORPIPE.name == "TENSORPIPE"
+    with pytest.raises(RuntimeError, match="already registered"):
+        backend_registry.register_backend("RDZV_TEST_BACKEND", print, print)
+    rpc.init_rpc("w0", backend=custom, rank=0, world_size=1)
+    assert started == [("w0", 0, 1, ("options", 60.0, "env://"))]
+
+
+def test_torch_cpu_tensors_travel_out_of_band_as_tensors() -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed: CPU tensors untested")
+    from rdzv.rpc import _serialize
+
+    tensors = [
+        torch.arange(1000, dtype=torch.float32).reshape(10, 100),
+        torch.zeros(0, dtype=torch.int64),
+        torch.arange(12, dtype=torch.float64)[::2],
+        torch.ones(3, requires_grad=True),
+        torch.tensor(7.5),
+    ]
+    payload, buffers = _serialize.dumps(tensors)
+    assert len(buffers) == len(tensors)
+    back = _serialize.loads(payload, [bytearray(b) for b in buffers])
+    for sent, got in zip(tensors, back):
+        assert isinstance(got, torch.Tensor) and got.dtype == sent.dtype
+        assert got.shape == sent.shape and torch.equal(got.detach(), sent.detach())
+        assert got.requires_grad == sent.requires_grad

@@ -35,7 +35,8 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._rdzv import RpcAgent as _RpcAgent
-from . import _rref, _serialize, functions
+from . import _rref, _serialize, backend_registry, functions
+from .backend_registry import BackendType
 from ._rref import RRef
 from ._errors import *  # noqa: F403 (the list is _errors.__all__)
 from ._errors import RpcUsageError
@@ -57,6 +58,8 @@ __all__ = [
     "remote",
     "RRef",
     "functions",
+    "backend_registry",
+    "BackendType",
     "get_worker_info",
     "get_rpc_timeout",
     "is_available",
@@ -237,18 +240,28 @@ def init_rpc(
     """Joins the RPC group as worker ``name`` with id ``rank``, through the options'
     ``init_method``, and starts this worker's agent. With ``world_size`` the group is
     static and this blocks until all of its workers have started; without, this worker
-    joins a dynamic group. ``backend`` is accepted for torch's sake (any value runs
-    rdzv's agent).
+    joins a dynamic group. ``backend``: ``None`` or ``BackendType.TENSORPIPE`` run rdzv's
+    agent; a backend registered with :mod:`rdzv.rpc.backend_registry` runs its own init
+    handler.
 
     Raises :class:`RpcInitError` if the rendezvous, the store or the options fail, and
     :class:`RpcUsageError` if RPC is initialised already.
     """
-    options = rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions()
+    backend = BackendType.TENSORPIPE if backend is None else backend
+    options = rpc_backend_options
+    if options is None:
+        options = backend_registry.construct_rpc_backend_options(backend)
+    backend_registry.init_backend(backend, name, _rank(rank), world_size, options)
+
+
+def _start_agent(
+    name: str, rank: int, world_size: Optional[int], options: RpcBackendOptions
+) -> None:
+    """Starts rdzv's agent as this process's (``BackendType.TENSORPIPE``'s init)."""
     if not isinstance(options, RpcBackendOptions):
         raise TypeError(
             f"rpc_backend_options must be an RpcBackendOptions, not {type(options).__name__}"
         )
-    rank = _rank(rank)
     with _state.lock:
         if _state.agent is not None:
             raise RpcUsageError("RPC is already initialized")
@@ -327,15 +340,19 @@ def get_rpc_timeout() -> float:
 
 
 def _request(
-    to: str,
+    to: To,
     func: Callable[..., Any],
     args: Optional[Sequence[Any]],
     kwargs: Optional[Dict[str, Any]],
-) -> Tuple[bytes, List[memoryview]]:
+) -> Tuple[_RpcAgent, str, bytes, List[memoryview]]:
+    """The agent, the callee's name, and the call pickled for it."""
+    agent = _agent()
+    name = _to_name(to)
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     args, kwargs = _serialize.lift_call(args, kwargs)
-    return _rref.pickling_for(to, lambda: _serialize.dumps((func, args, kwargs)))
+    payload, buffers = _rref.pickling_for(name, lambda: _serialize.dumps((func, args, kwargs)))
+    return agent, name, payload, buffers
 
 
 def rpc_sync(
@@ -351,9 +368,7 @@ def rpc_sync(
     Raises what ``func`` raised (its type, with the remote traceback in the text), or
     :class:`RpcTimeoutError`, :class:`RpcConnectionError`, :class:`RpcError`.
     """
-    agent = _agent()
-    name = _to_name(to)
-    payload, buffers = _request(name, func, args, kwargs)
+    agent, name, payload, buffers = _request(to, func, args, kwargs)
     return _reply_value(agent.call(name, b"", payload, buffers, timeout))
 
 
@@ -367,9 +382,7 @@ def rpc_async(
     """Starts ``func(*args, **kwargs)`` on worker ``to`` and returns a future of its
     result at once (a ``torch.futures.Future`` when torch can be imported); ``wait()``
     returns the result or raises what :func:`rpc_sync` would."""
-    agent = _agent()
-    name = _to_name(to)
-    payload, buffers = _request(name, func, args, kwargs)
+    agent, name, payload, buffers = _request(to, func, args, kwargs)
     future = new_future()
 
     def on_done(error: Optional[BaseException], reply: Any) -> None:
@@ -397,9 +410,7 @@ def remote(
     """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and
     returns an :class:`RRef` to it at once. ``to_here()`` fetches the value (raising what
     ``func`` raised); its proxies call the value's methods on the owner."""
-    agent = _agent()
-    name = _to_name(to)
-    payload, buffers = _request(name, func, args, kwargs)
+    agent, name, payload, buffers = _request(to, func, args, kwargs)
     key = _rref.new_key(agent.me()[0])
     metadata = _rref.REMOTE_TAG + key.encode()
     return RRef(agent.remote(name, metadata, payload, buffers, timeout), key)

@@ -52,6 +52,19 @@ fn call_timeout(seconds: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
+/// A call's message and timeout from Python.
+fn request(
+    metadata: &Bound<'_, PyAny>,
+    payload: &Bound<'_, PyAny>,
+    buffers: &Bound<'_, PyAny>,
+    timeout: Option<f64>,
+) -> PyResult<(rdzv_uring::rpc::Message, Option<Duration>)> {
+    Ok((
+        message::from_python(metadata, payload, buffers)?,
+        call_timeout(timeout)?,
+    ))
+}
+
 /// A number of seconds from Python.
 fn seconds(what: &str, value: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value).map_err(|_| {
@@ -202,8 +215,7 @@ impl PyRpcAgent {
         buffers: &Bound<'py, PyAny>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let request = message::from_python(metadata, payload, buffers)?;
-        let timeout = call_timeout(timeout)?;
+        let (request, timeout) = request(metadata, payload, buffers, timeout)?;
         let reply = py
             .detach(|| {
                 self.agent
@@ -225,8 +237,7 @@ impl PyRpcAgent {
         timeout: Option<f64>,
         on_done: Py<PyAny>,
     ) -> PyResult<()> {
-        let request = message::from_python(metadata, payload, buffers)?;
-        let timeout = call_timeout(timeout)?;
+        let (request, timeout) = request(metadata, payload, buffers, timeout)?;
         let future = self
             .agent
             .rpc_async_with_timeout(to, PYTHON_CALL, request, timeout);
@@ -244,8 +255,7 @@ impl PyRpcAgent {
         buffers: &Bound<'_, PyAny>,
         timeout: Option<f64>,
     ) -> PyResult<PyRRef> {
-        let request = message::from_python(metadata, payload, buffers)?;
-        let timeout = call_timeout(timeout)?;
+        let (request, timeout) = request(metadata, payload, buffers, timeout)?;
         self.agent
             .remote_with_timeout(to, PYTHON_CALL, request, timeout)
             .map(|rref| PyRRef { rref })
