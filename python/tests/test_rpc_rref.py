@@ -125,8 +125,49 @@ def scenario_node_failure(rpc: Any, world: int) -> Dict[str, Any]:
 SCENARIOS = {"rref": scenario_rref, "node_failure": scenario_node_failure}
 
 
+class DistInitCase:
+    """A test class as torch's ``dist_utils.dist_init`` expects one."""
+
+    def __init__(self, rank: int, world_size: int, port: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.init_method = f"tcp://127.0.0.1:{port}"
+
+    def run(self) -> Any:
+        from rdzv.rpc import testing
+
+        @testing.dist_init
+        def body(case: "DistInitCase") -> Any:
+            import rdzv.rpc as rpc
+
+            peer = testing.worker_name((case.rank + 1) % case.world_size)
+            got = rpc.rpc_sync(peer, add, args=(case.rank, 10))
+            testing.wait_until_pending_futures_and_users_flushed()
+            return {"call": got == case.rank + 10, "me": rpc.get_worker_info().name}
+
+        return body(self)
+
+
 def child_main(argv: Any) -> None:
+    if argv[0] == "dist_init":
+        import json
+
+        import rdzv.rpc as rpc
+
+        rank, world, port = int(argv[1]), int(argv[2]), int(argv[3])
+        seen = DistInitCase(rank, world, port).run()
+        seen["shut_down"] = _not_initialized(rpc)
+        print(json.dumps({"rank": rank, "result": seen}), flush=True)
+        return
     test_rpc.child_main(argv, SCENARIOS, {"node_failure"})
+
+
+def _not_initialized(rpc: Any) -> bool:
+    try:
+        rpc.get_worker_info()
+    except rpc.RpcUsageError:
+        return True
+    return False
 
 
 def test_remote_rrefs_proxies_forks_and_release(children: Any) -> None:
@@ -136,3 +177,8 @@ def test_remote_rrefs_proxies_forks_and_release(children: Any) -> None:
 def test_wait_until_node_failure(children: Any) -> None:
     group = run_group(children, "node_failure", 2, module="test_rpc_rref", wait=[0])
     assert_all_true(group["result"])
+
+
+def test_dist_init_runs_a_test_between_init_and_shutdown(children: Any) -> None:
+    seen = run_group(children, "dist_init", 2, module="test_rpc_rref")["result"]
+    assert seen == {"call": True, "me": "worker0", "shut_down": True}, seen
