@@ -273,6 +273,23 @@ def scenario_env(rpc: Any, world: int) -> Dict[str, Any]:
     return {"call": rpc.rpc_sync("w1", add, args=(40, 2)) == 42}
 
 
+def scenario_shutdown_in_callback(rpc: Any, world: int) -> Dict[str, Any]:
+    import threading
+
+    done = threading.Event()
+    errors: List[str] = []
+
+    def shut(_: Any) -> None:
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception as e:
+            errors.append(repr(e))
+        done.set()
+
+    rpc.rpc_async("w0", add, args=(1, 1)).add_done_callback(shut)
+    return {"returned": done.wait(20), "errors": errors == [] or errors}
+
+
 SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "payloads": scenario_payloads,
     "nested": scenario_nested,
@@ -282,9 +299,10 @@ SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "never_joins": scenario_never_joins,
     "api": scenario_api,
     "env": scenario_env,
+    "shutdown_in_callback": scenario_shutdown_in_callback,
 }
 # Scenarios whose rank 0 shuts down itself; the other ranks of "never_joins" never do.
-SHUTS_DOWN = {"killed", "never_joins"}
+SHUTS_DOWN = {"killed", "never_joins", "shutdown_in_callback"}
 
 
 def child_main(
@@ -390,6 +408,10 @@ def test_shutdown_names_a_peer_that_never_joins(children: Any) -> None:
 
 def test_worker_infos_async_calls_and_futures(children: Any) -> None:
     assert_all_true(run_group(children, "api", 2)["result"])
+
+
+def test_shutdown_from_a_future_callback_returns(children: Any) -> None:
+    assert_all_true(run_group(children, "shutdown_in_callback", 1)["result"])
 
 
 def test_env_init_method(children: Any) -> None:

@@ -92,8 +92,11 @@ def owned_value(key: str, timeout: Optional[float]) -> Any:
 
 
 def invoke_owned(key: str, method: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """On the owner: calls ``method`` of the value of ``key`` (the proxies' call)."""
-    return getattr(OWNED.get(key, None), method)(*args, **kwargs)
+    """On the owner: calls ``method`` of the value of ``key`` (the proxies' call),
+    waiting for the value at most the agent's default timeout."""
+    from . import get_rpc_timeout
+
+    return getattr(OWNED.get(key, get_rpc_timeout() or None), method)(*args, **kwargs)
 
 
 class _Fork:

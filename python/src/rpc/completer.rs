@@ -81,11 +81,18 @@ impl Completer {
     }
 
     /// Stops taking calls and waits until every queued result is delivered. Call it
-    /// without the GIL (the thread needs it).
+    /// without the GIL (the thread needs it). Called on the thread itself (`shutdown`
+    /// in a future's callback), it does not wait: the thread ends after that callback.
     pub(crate) fn stop(&self) {
         drop(self.queue.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(thread) = thread {
+        let mut thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if thread
+            .as_ref()
+            .is_some_and(|t| t.thread().id() == std::thread::current().id())
+        {
+            return;
+        }
+        if let Some(thread) = thread.take() {
             let _ = thread.join();
         }
     }
