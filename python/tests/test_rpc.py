@@ -299,6 +299,7 @@ SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "never_joins": scenario_never_joins,
     "api": scenario_api,
     "env": scenario_env,
+    "file": scenario_env,
     "shutdown_in_callback": scenario_shutdown_in_callback,
 }
 # Scenarios whose rank 0 shuts down itself; the other ranks of "never_joins" never do.
@@ -324,8 +325,11 @@ def child_main(
         options = rpc.TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=20)
         rpc.init_rpc(f"w{rank}", rpc_backend_options=options, world_size=world)
     else:
+        init_method = f"tcp://127.0.0.1:{port}"
+        if scenario == "file":
+            init_method = f"file://{os.environ['RDZV_TEST_FILE_STORE']}"
         options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20, num_worker_threads=4
+            init_method=init_method, rpc_timeout=20, num_worker_threads=4
         )
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     result = scenarios[scenario](rpc, world) if rank == 0 else None
@@ -416,6 +420,11 @@ def test_shutdown_from_a_future_callback_returns(children: Any) -> None:
 
 def test_env_init_method(children: Any) -> None:
     assert_all_true(run_group(children, "env", 2)["result"])
+
+
+def test_file_init_method(children: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("RDZV_TEST_FILE_STORE", str(tmp_path / "store"))
+    assert_all_true(run_group(children, "file", 2)["result"])
 
 
 # --- One process, no agent. -------------------------------------------------------------
