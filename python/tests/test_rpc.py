@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -290,6 +291,39 @@ def scenario_shutdown_in_callback(rpc: Any, world: int) -> Dict[str, Any]:
     return {"returned": done.wait(20), "errors": errors == [] or errors}
 
 
+LEAVE = threading.Event()
+
+
+def leave() -> None:
+    LEAVE.set()
+
+
+def member(rpc: Any, name: str) -> bool:
+    try:
+        rpc.get_worker_info(name)
+        return True
+    except rpc.RpcUsageError:
+        return False
+
+
+def until(check: Callable[[], bool], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def scenario_dynamic(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {"joined": until(lambda: member(rpc, "w1"))}
+    seen["call"] = rpc.rpc_sync("w1", add, args=(1, 2)) == 3
+    # w1 leaves first: rank 0 hosts the store the group's token lives in.
+    rpc.rpc_sync("w1", leave)
+    seen["left"] = until(lambda: not member(rpc, "w1"))
+    return seen
+
+
 SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "payloads": scenario_payloads,
     "nested": scenario_nested,
@@ -300,6 +334,7 @@ SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
     "api": scenario_api,
     "env": scenario_env,
     "file": scenario_env,
+    "dynamic": scenario_dynamic,
     "shutdown_in_callback": scenario_shutdown_in_callback,
 }
 # Scenarios whose rank 0 shuts down itself; the other ranks of "never_joins" never do.
@@ -331,11 +366,14 @@ def child_main(
         options = rpc.TensorPipeRpcBackendOptions(
             init_method=init_method, rpc_timeout=20, num_worker_threads=4
         )
-        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+        static = None if scenario == "dynamic" else world
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=static, rpc_backend_options=options)
     result = scenarios[scenario](rpc, world) if rank == 0 else None
     print(json.dumps({"rank": rank, "result": result}), flush=True)
     if scenario == "never_joins" and rank != 0:
         time.sleep(3600)
+    if scenario == "dynamic" and rank != 0:
+        LEAVE.wait(60)
     if scenario not in shuts_down or rank != 0:
         rpc.shutdown()
 
@@ -420,6 +458,10 @@ def test_shutdown_from_a_future_callback_returns(children: Any) -> None:
 
 def test_env_init_method(children: Any) -> None:
     assert_all_true(run_group(children, "env", 2)["result"])
+
+
+def test_a_dynamic_group_without_world_size(children: Any) -> None:
+    assert_all_true(run_group(children, "dynamic", 2)["result"])
 
 
 def test_file_init_method(children: Any, tmp_path: Any, monkeypatch: Any) -> None:
