@@ -2,7 +2,7 @@
 
 from datetime import timedelta
 from types import TracebackType
-from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 _Seconds = Union[int, float, timedelta]
 _Value = Union[bytes, str]
@@ -145,3 +145,76 @@ def rendezvous(
     world_size: Optional[int] = None,
     timeout: Optional[_Seconds] = None,
 ) -> Tuple[Store, int, Optional[int], Optional[ElasticRendezvous]]: ...
+
+_RpcMessage = Tuple[bytes, bytes, List[bytearray]]
+
+class RpcAgent:
+    """One worker's RPC agent (rdzv's Rust agent), for ``rdzv.rpc``."""
+
+    @staticmethod
+    def start(
+        name: str,
+        rank: int,
+        world_size: Optional[int],
+        init_method: str,
+        rpc_timeout: float,
+        num_worker_threads: int,
+        transports: Optional[List[str]],
+        channels: Optional[List[str]],
+        device_maps: List[Tuple[str, List[Tuple[str, str]]]],
+        devices: List[str],
+        serve: Callable[[str, _RpcMessage], Tuple[object, object, object]],
+        released: Callable[[Optional[BaseException], Optional[_RpcMessage]], None],
+    ) -> "RpcAgent": ...
+    def me(self) -> Tuple[str, int]: ...
+    @property
+    def world_size(self) -> Optional[int]: ...
+    @property
+    def rpc_timeout(self) -> float: ...
+    def worker_info(self, name: str) -> Tuple[str, int]: ...
+    def worker_info_by_id(self, id: int) -> Tuple[str, int]: ...
+    def worker_infos(self) -> List[Tuple[str, int]]: ...
+    def call(
+        self,
+        to: str,
+        metadata: bytes,
+        payload: bytes,
+        buffers: Sequence[object],
+        timeout: Optional[float] = None,
+    ) -> _RpcMessage: ...
+    def call_async(
+        self,
+        to: str,
+        metadata: bytes,
+        payload: bytes,
+        buffers: Sequence[object],
+        timeout: Optional[float],
+        on_done: Callable[[Optional[BaseException], Optional[_RpcMessage]], None],
+    ) -> None: ...
+    def remote(
+        self,
+        to: str,
+        metadata: bytes,
+        payload: bytes,
+        buffers: Sequence[object],
+        timeout: Optional[float] = None,
+    ) -> "RRef": ...
+    def rref_from_fork(self, fork: bytes) -> "RRef": ...
+    def rref_debug_info(self) -> List[Tuple[str, str]]: ...
+    def get_num_owners_and_forks(self, rank: int) -> Tuple[int, int]: ...
+    def wait_until_owners_and_forks_on_rank(
+        self, num_owners: int, num_forks: int, rank: int, timeout: float
+    ) -> None: ...
+    def wait_until_pending_futures_and_users_flushed(self, timeout: float) -> None: ...
+    def wait_until_node_failure(self, name: str, timeout: float) -> Optional[str]: ...
+    def shutdown(self, graceful: bool = True, timeout: Optional[float] = None) -> None: ...
+    def interpreter_exit(self) -> None: ...
+
+class RRef:
+    """One reference to a value on its owner (the agent's RRef)."""
+
+    def owner(self) -> Tuple[str, int]: ...
+    def is_owner(self) -> bool: ...
+    def confirmed_by_owner(self) -> bool: ...
+    def id(self) -> str: ...
+    def fork_to(self, to: str) -> bytes: ...

@@ -25,9 +25,14 @@ pub(crate) fn raise(class: &str, message: String) -> PyErr {
         Some(rest) => rest.to_string(),
         None => message,
     };
+    raise_from("rdzv._errors", class, message)
+}
+
+/// An exception of class `class`, a name in the Python module `module`, with `message`.
+pub(crate) fn raise_from(module: &str, class: &str, message: String) -> PyErr {
     Python::attach(|py| {
         let found = py
-            .import("rdzv._errors")
+            .import(module)
             .and_then(|module| module.getattr(class))
             .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
         match found {

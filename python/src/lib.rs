@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 mod duration;
 mod errors;
 mod rendezvous;
+mod rpc;
 mod server;
 mod store;
 
@@ -28,5 +29,6 @@ fn _rdzv(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rendezvous::PyElasticRendezvous>()?;
     m.add_class::<rendezvous::PyRound>()?;
     m.add_function(wrap_pyfunction!(rendezvous::rendezvous, m)?)?;
+    rpc::register(m)?;
     Ok(())
 }

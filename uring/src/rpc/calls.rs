@@ -254,7 +254,7 @@ impl Calls {
         completion: &Arc<Completion>,
         result: Result<Message, CallError>,
     ) {
-        if let (Err(e), 1) = (&result, Arc::strong_count(completion)) {
+        if let (Err(e), false) = (&result, completion.is_wanted()) {
             tracing::warn!(worker = %self.worker, error = %e, "an RPC whose result nobody waits for failed");
         }
         completion.complete_then(result, || self.gate.finish_client_call());
@@ -313,8 +313,9 @@ impl Calls {
             wire_len.saturating_add(received.pull_bytes()),
             &pending.peer,
         );
-        if received.has_out_of_band() && Arc::strong_count(&pending.completion) == 1 {
-            // Nobody waits for this result (`remote`): nothing to read, just release.
+        if received.has_out_of_band() && !pending.completion.is_wanted() {
+            // Nobody waits for this result (`remote`): nothing to read, just release. (A
+            // future consumed by `then` is gone too, but its callback wants the result.)
             self.complete(&pending.completion, Ok(Message::default()));
             return Reply::Done;
         }

@@ -10,7 +10,7 @@ use rdzv_core::device_map::DeviceMaps;
 
 use crate::rpc::device::DevicePlugin;
 use crate::rpc::handler::Handler;
-use crate::rpc::message::default_wait_spin;
+use crate::rpc::message::{default_wait_spin, Message};
 use crate::rpc::transport::TransportPlugin;
 
 /// PyTorch's default handler pool size (`numWorkerThreads`).
@@ -90,7 +90,16 @@ pub struct RpcOptions {
     /// `RREF_USER_DELETE`) are retried: PyTorch's `RpcRetryOptions` (1 s, backoff 1.5,
     /// 5 retries). A graceful `join` waits for RRefs at most this long twice over.
     pub rref_retry: rdzv_core::rpc::rref::RetryOptions,
+    /// Called with an owner's value when the agent lets go of it (every reference to
+    /// its RRef is gone, or none was left when its `remote()` handler finished), so that
+    /// a binding keeping state beside the value (Python's live objects) can drop it. It
+    /// runs on the thread that released the value (an agent thread, outside the RRef
+    /// runtime's lock): it must return at once. Default: none.
+    pub on_value_released: Option<ValueReleased>,
 }
+
+/// The type of [`RpcOptions::on_value_released`].
+pub type ValueReleased = Arc<dyn Fn(Message) + Send + Sync>;
 
 /// PyTorch's `FaultyTensorPipeAgent` for tests, keyed by handler name (rdzv's message type;
 /// the agent's own RRef calls also by PyTorch's message-type names: `RREF_FORK_REQUEST`,
@@ -150,6 +159,7 @@ impl std::fmt::Debug for RpcOptions {
             .field("init_counter", &self.init_counter)
             .field("fault_injection", &self.fault_injection)
             .field("rref_retry", &self.rref_retry)
+            .field("on_value_released", &self.on_value_released.is_some())
             .field(
                 "handlers",
                 &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -179,6 +189,7 @@ impl Default for RpcOptions {
             fault_injection: FaultInjection::default(),
             wait_spin: default_wait_spin(),
             rref_retry: rdzv_core::rpc::rref::RetryOptions::default(),
+            on_value_released: None,
         }
     }
 }

@@ -43,6 +43,9 @@ pub enum UsageError {
         "invalid use of an RpcFuture: the result was taken already (polled after it completed)"
     )]
     FutureTaken,
+    /// The [`RpcPromise`](crate::rpc::RpcPromise) of a future was dropped unkept.
+    #[error("the promise of this RPC future was dropped without completing it (the code that was to answer it ended early)")]
+    PromiseDropped,
     /// An argument has a value the call cannot use.
     #[error("invalid argument {argument}: {reason}")]
     InvalidArgument {

@@ -242,6 +242,13 @@ impl Completion {
         self.lock().done
     }
 
+    /// Whether anyone will see the result: a future still holds the cell (`self` is the
+    /// agent's own reference), or a callback ([`RpcFuture::then`], the combinators) waits
+    /// for it. A `remote()` call's cell has neither, and its reply can be dropped unread.
+    pub(crate) fn is_wanted(self: &Arc<Self>) -> bool {
+        Arc::strong_count(self) > 1 || self.lock().callback.0.is_some()
+    }
+
     /// Whether the call completed, without the lock.
     pub(crate) fn is_done_relaxed(&self) -> bool {
         self.done.load(Ordering::Acquire)
@@ -385,7 +392,41 @@ impl RpcFuture {
     }
 }
 
+/// The completing half of [`RpcFuture::pending`]: whoever holds it answers the future
+/// once. Dropping it unkept fails the future with [`UsageError::PromiseDropped`], so
+/// that no waiter hangs.
+#[derive(Debug)]
+pub struct RpcPromise {
+    cell: Option<Arc<Completion>>,
+}
+
+impl RpcPromise {
+    /// Completes the future with `result` (on this thread: callbacks chained on the
+    /// future, and an [`Async`](super::Async) handler's response, run here).
+    pub fn complete(mut self, result: Result<Message, CallError>) {
+        if let Some(cell) = self.cell.take() {
+            cell.complete(result);
+        }
+    }
+}
+
+impl Drop for RpcPromise {
+    fn drop(&mut self) {
+        if let Some(cell) = self.cell.take() {
+            cell.complete(Err(UsageError::PromiseDropped.into()));
+        }
+    }
+}
+
 impl RpcFuture {
+    /// A future that the returned [`RpcPromise`] completes: for an
+    /// [`Async`](super::Async) handler whose answer comes from outside the agent (a
+    /// binding's own future, another thread).
+    pub fn pending() -> (RpcFuture, RpcPromise) {
+        let (future, cell) = Self::with_spin(default_wait_spin());
+        (future, RpcPromise { cell: Some(cell) })
+    }
+
     /// A future completed already with `result`.
     pub fn ready(result: Result<Message, CallError>) -> RpcFuture {
         let (future, cell) = Self::with_spin(Duration::ZERO);

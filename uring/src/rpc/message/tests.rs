@@ -290,3 +290,32 @@ fn a_runtime_that_cannot_tell_readiness_names_the_device() {
     )));
     assert_eq!(plain.is_ready().ok(), Some(true));
 }
+
+#[test]
+fn a_promise_completes_its_future_and_a_dropped_one_fails_it() {
+    let (future, promise) = RpcFuture::pending();
+    let waiter = std::thread::spawn(move || future.wait().map(|m| m.payload));
+    promise.complete(Ok(Message::from_payload(vec![4])));
+    assert_eq!(waiter.join().ok().and_then(Result::ok), Some(vec![4]));
+    let (future, promise) = RpcFuture::pending();
+    drop(promise);
+    let text = future.wait().map_err(|e| e.to_string()).err();
+    assert!(text.is_some_and(|t| t.contains("dropped without completing")));
+}
+
+#[test]
+fn a_result_is_wanted_by_a_future_or_a_callback_only() {
+    let (future, cell) = RpcFuture::new();
+    assert!(cell.is_wanted(), "the future holds the cell");
+    let chained = future.then(|r| r);
+    assert!(cell.is_wanted(), "then's callback waits for the result");
+    drop(chained);
+    assert!(
+        cell.is_wanted(),
+        "the callback still runs when the chained future is gone"
+    );
+    assert!(cell.complete(Ok(Message::from_payload(vec![1]))));
+    let (future, cell) = RpcFuture::new();
+    drop(future);
+    assert!(!cell.is_wanted(), "nobody sees a dropped future's result");
+}

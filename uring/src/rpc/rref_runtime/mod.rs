@@ -91,6 +91,7 @@ use super::dispatch::Dispatch;
 use super::error::CallError;
 use super::lane::Responder;
 use super::message::{Message, RpcFuture};
+use super::options::ValueReleased;
 use super::registry::Registry;
 use super::rref::RRefShutdownReport;
 
@@ -126,6 +127,8 @@ struct State {
     report: Option<RRefShutdownReport>,
     /// `to_here` requests waiting on this owner for their value.
     waiters: Vec<Waiter>,
+    /// Owner values let go of since the state was last unlocked, for `on_release`.
+    released: Vec<Message>,
 }
 
 impl State {
@@ -139,6 +142,7 @@ impl State {
             pump_started: false,
             report: None,
             waiters: Vec::new(),
+            released: Vec::new(),
         }
     }
 }
@@ -168,6 +172,8 @@ pub(crate) struct RRefs {
     signal: Arc<Signal>,
     epoch: std::time::Instant,
     retry: RetryOptions,
+    /// [`RpcOptions::on_value_released`](crate::rpc::RpcOptions::on_value_released).
+    on_release: Option<ValueReleased>,
 }
 
 impl RRefs {
@@ -179,6 +185,7 @@ impl RRefs {
         gate: Arc<JoinGate>,
         dispatch: Weak<Dispatch>,
         retry: RetryOptions,
+        on_release: Option<ValueReleased>,
     ) -> RRefs {
         RRefs {
             state: Mutex::new(State::new(me.id(), retry)),
@@ -190,6 +197,7 @@ impl RRefs {
             signal: Arc::new(Signal::default()),
             epoch: std::time::Instant::now(),
             retry,
+            on_release,
         }
     }
 
@@ -226,7 +234,11 @@ impl RRefs {
         let result = f(&mut state, now);
         let reply = drain(&mut state, reply_to);
         let wake = !state.outbox.is_empty() || !state.handed.is_empty();
+        let released = std::mem::take(&mut state.released);
         drop(state);
+        if let Some(on_release) = &self.on_release {
+            released.into_iter().for_each(|value| on_release(value));
+        }
         self.changed.notify_all();
         if wake {
             self.signal.notify();
@@ -253,6 +265,8 @@ impl RRefs {
             state.waiters = waiting;
             if state.machine.value_ready(rref, result.is_ok()) == ValueOutcome::Store {
                 state.values.insert(rref, result.clone());
+            } else if let Ok(value) = &result {
+                state.released.push(value.clone());
             }
             ready
         });
@@ -363,7 +377,9 @@ fn drain(
     while let Some(event) = state.machine.poll_event() {
         match event {
             RRefEvent::DeleteValue { rref } => {
-                state.values.remove(&rref);
+                if let Some(Ok(value)) = state.values.remove(&rref) {
+                    state.released.push(value);
+                }
             }
             RRefEvent::Confirmed { .. } => {}
             RRefEvent::GaveUp { to, kind, fork } => tracing::warn!(

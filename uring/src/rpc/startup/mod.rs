@@ -297,6 +297,7 @@ impl Start {
                 Arc::clone(&gate),
                 agent.clone(),
                 options.rref_retry,
+                options.on_value_released.clone(),
             ));
             rrefs = Some(Arc::clone(&runtime));
             Dispatch {

@@ -1,0 +1,196 @@
+"""How calls and results are pickled: protocol 5, with the bulk bytes out of band.
+
+``dumps`` returns the pickle and a list of buffers. The buffers become the agent
+message's tensors, which travel beside the pickle over the agent's channels (shared
+memory, cross-memory attach, striped TCP), never copied into the pickle:
+
+- numpy arrays (their protocol-5 reduction hands out a ``PickleBuffer``), ``PickleBuffer``
+  objects and ``memoryview``\\ s, anywhere in the object;
+- CPU ``torch.Tensor``\\ s anywhere in the object, when torch is imported (reduced by
+  ``reducer_override``; the receiver gets a tensor of the same dtype, shape and
+  ``requires_grad``);
+- ``bytes`` and ``bytearray`` of at least :data:`OUT_OF_BAND_BYTES`, when they are an
+  argument, a keyword argument's value or the result, or an item of such a list, tuple or
+  dict (of up to :data:`LIFTED_ITEMS` items). pickle writes these types in-band without
+  consulting any hook, so only these positions are looked at; elsewhere they are pickled
+  in-band.
+
+The receiver gets the type that was sent: ``bytes`` stays ``bytes``, a numpy array a numpy
+array, a tensor a tensor. Arrays and tensors wrap the received buffer without another
+copy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import sys
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["dumps", "loads", "lift", "lift_call", "dumps_exception", "RemoteException"]
+
+#: ``bytes`` and ``bytearray`` at least this long travel out of band (where looked at).
+OUT_OF_BAND_BYTES = 4096
+#: Containers of at most this many items are looked into for ``bytes`` to lift.
+LIFTED_ITEMS = 64
+
+Buffers = List[memoryview]
+
+
+class _OutOfBand:
+    """A ``bytes`` or ``bytearray`` to pickle out of band."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+
+def _rebuild_bytes(buffer: Any) -> bytes:
+    return bytes(buffer)
+
+
+def _rebuild_bytearray(buffer: Any) -> bytearray:
+    return buffer if type(buffer) is bytearray else bytearray(buffer)
+
+
+def _rebuild_memoryview(buffer: Any) -> memoryview:
+    return memoryview(buffer)
+
+
+def _rebuild_tensor(buffer: Any, dtype: str, shape: Tuple[int, ...], requires_grad: bool) -> Any:
+    import torch
+
+    torch_dtype = getattr(torch, dtype.rsplit(".", 1)[-1])
+    if len(memoryview(buffer)) == 0:
+        tensor = torch.empty(shape, dtype=torch_dtype)
+    else:
+        tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _reduce_tensor(torch: Any, tensor: Any) -> Any:
+    """A CPU tensor as its bytes out of band, or ``NotImplemented`` (torch's own
+    reduction) for the rest: device, sparse, quantized tensors and subclasses."""
+    if (
+        tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return NotImplemented
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return (
+        _rebuild_tensor,
+        (pickle.PickleBuffer(raw), str(tensor.dtype), tuple(tensor.shape), tensor.requires_grad),
+    )
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is _OutOfBand:
+            data = obj.data
+            rebuild = _rebuild_bytes if type(data) is bytes else _rebuild_bytearray
+            return (rebuild, (pickle.PickleBuffer(data),))
+        if kind is memoryview and obj.c_contiguous:
+            return (_rebuild_memoryview, (pickle.PickleBuffer(obj),))
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return _reduce_tensor(torch, obj)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> Tuple[bytes, Buffers]:
+    """``obj`` pickled (protocol 5) and its out-of-band buffers, as flat byte views."""
+    buffers: List[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return out.getvalue(), [b.raw() for b in buffers]
+
+
+def loads(payload: bytes, buffers: Sequence[Any]) -> Any:
+    """The object ``dumps`` made, its buffers given back in order."""
+    return pickle.loads(payload, buffers=buffers)
+
+
+def _lift_one(value: Any) -> Any:
+    kind = type(value)
+    if (kind is bytes or kind is bytearray) and len(value) >= OUT_OF_BAND_BYTES:
+        return _OutOfBand(value)
+    return value
+
+
+def lift(value: Any) -> Any:
+    """``value`` with its large ``bytes`` (itself, or items of a small list, tuple or
+    dict) marked to travel out of band."""
+    kind = type(value)
+    if kind is tuple and len(value) <= LIFTED_ITEMS:
+        return tuple(_lift_one(v) for v in value)
+    if kind is list and len(value) <= LIFTED_ITEMS:
+        return [_lift_one(v) for v in value]
+    if kind is dict and len(value) <= LIFTED_ITEMS:
+        return {k: _lift_one(v) for k, v in value.items()}
+    return _lift_one(value)
+
+
+def lift_call(
+    args: Optional[Sequence[Any]], kwargs: Optional[Dict[str, Any]]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Positional and keyword arguments with their large ``bytes`` lifted."""
+    return (
+        tuple(lift(a) for a in (args or ())),
+        {k: lift(v) for k, v in (kwargs or {}).items()},
+    )
+
+
+class RemoteException:
+    """A remote function's exception, as torch sends it: the text (``On
+    WorkerInfo(...):``, the repr and the remote traceback) and where its type lives."""
+
+    __slots__ = ("msg", "module", "qualname")
+
+    def __init__(self, msg: str, module: str, qualname: str) -> None:
+        self.msg = msg
+        self.module = module
+        self.qualname = qualname
+
+    def __reduce__(self) -> Any:
+        return (RemoteException, (self.msg, self.module, self.qualname))
+
+    def exception_type(self) -> type:
+        """The exception's class on this side, or ``RuntimeError`` if it cannot be
+        imported here."""
+        try:
+            found: Any = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                found = getattr(found, part)
+        except Exception:
+            return RuntimeError
+        if isinstance(found, type) and issubclass(found, BaseException):
+            return found
+        return RuntimeError
+
+    def to_exception(self) -> BaseException:
+        """The exception to raise at the caller: the same type with the remote text, or a
+        ``RuntimeError`` carrying it when the type cannot be made from one string."""
+        kind = self.exception_type()
+        try:
+            return kind(self.msg)
+        except Exception as e:
+            return RuntimeError(
+                f"Failed to create original exception type {self.module}.{self.qualname}: "
+                f"{e}. Original exception on remote side was {self.msg}"
+            )
+
+
+def dumps_exception(exc: BaseException, worker: str) -> Tuple[bytes, Buffers]:
+    """``exc``, raised on ``worker`` (its ``WorkerInfo`` text), as a reply."""
+    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    msg = f"On {worker}:\n{exc!r}\n{lines}"
+    kind = type(exc)
+    return dumps(RemoteException(msg, kind.__module__, kind.__qualname__))
