@@ -3,12 +3,10 @@
 //! the one verdict says so. A node left out of the world waits instead: a hot spare, or
 //! a late node that asks for the next round.
 
+use super::steps::{Confirm, Join, KeepAlive, Leave, Member, Place, Then};
 use alloc::format;
 use alloc::vec::Vec;
 
-use super::join::Join;
-use super::keep_alive::{KeepAlive, Member};
-use super::leave::{Leave, Then};
 use super::{
     ElasticNode, Event, Instant, Mismatch, Next, RoundOutcome, Seat, Step, StoreAction, StoreReply,
 };
@@ -22,36 +20,6 @@ const GAVE_UP: i64 = 1 << 32;
 /// round stands, or it failed.
 const VERDICT_GO: &[u8] = b"go";
 const VERDICT_FAIL: &[u8] = b"fail";
-
-/// A member's place in the world just closed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Place {
-    seat: Seat,
-    rank: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Confirm {
-    /// A member acknowledges the round (`ready`); the last one releases the others.
-    Ack(Place),
-    SetGo(Place),
-    WaitGo {
-        at: Place,
-        deadline: Instant,
-    },
-    /// A member that waited in vain for the release counts itself into `ready` (high
-    /// bits), which reads the acknowledgements and tells a later last acknowledger that
-    /// somebody may have decided before it.
-    ReadReady(Place),
-    /// The one decision on the round's confirmation: the first compare-set of the verdict
-    /// wins, and every member obeys it (`go`: a member that waited in vain and found every
-    /// acknowledgement in, or the last acknowledger when one gave up before it; `fail`: a
-    /// member that waited in vain and did not).
-    Verdict {
-        at: Place,
-        go: bool,
-    },
-}
 
 impl Confirm {
     /// What this node sends.

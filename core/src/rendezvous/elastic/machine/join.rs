@@ -6,41 +6,14 @@
 //! call's closer); one that makes `min_nodes` live sets the quorum and starts the last
 //! call; fewer wait on the quorum, ticking as every node in an open round does.
 
+use super::steps::{Join, LastCall, OpenWatch, Resume, RosterRead, Then, Tick};
 use alloc::format;
 use alloc::vec::Vec;
 
-use super::last_call::{LastCall, RosterRead};
-use super::leave::Then;
-use super::tick::{OpenWatch, Resume, Tick};
 use super::{
     ElasticNode, ElasticSettings, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK, MAX_SLOTS,
 };
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Join {
-    /// Reads the round hint; holds the arrivals counter of round 0 as this node's first
-    /// guess found it (closed), to be used as its arrival if the hint says 0.
-    ReadHint(Option<i64>),
-    Arrive {
-        round: u64,
-        /// A fresh node's arrival in round 0 without reading the hint first.
-        guessed: bool,
-    },
-    Announce {
-        seat: Seat,
-        live: u32,
-    },
-    SetQuorum(Seat),
-    WaitQuorum(Seat),
-    /// A late node in a round with room asks for the next one (ends this one).
-    AskNext(u64),
-    /// Advances the round hint past this round (compare-set), to arrive in the next one.
-    Advance(u64),
-    /// Round 0's advance found the hint at `0` (a node read it then, which creates it):
-    /// advance it from there.
-    AdvanceRead(u64),
-}
 
 impl Join {
     /// What this node sends.

@@ -4,42 +4,12 @@
 //! store's key found gone, ends the round; `over`, once set, sends every member (and
 //! spare) to the next round.
 
+use super::steps::{Join, KeepAlive, Leave, Member, Resume, Then, Tick};
 use alloc::format;
 use alloc::string::String;
 
 use super::super::key_use::beat_expired;
-use super::join::Join;
-use super::leave::{Leave, Then};
-use super::tick::{Resume, Tick};
 use super::{ElasticNode, Event, Instant, Mismatch, Next, Step, StoreAction, StoreReply};
-
-/// A member's (or hot spare's) view of its round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Member {
-    pub(super) round: u64,
-    pub(super) slot: u32,
-    pub(super) world: u32,
-    /// The slot and rank of the member whose heartbeat this node watches.
-    pub(super) watch_slot: u32,
-    pub(super) watch_rank: u32,
-    pub(super) next_tick: Instant,
-    /// The watched heartbeat counter as last read, and when it last moved.
-    pub(super) seen: i64,
-    pub(super) seen_at: Instant,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum KeepAlive {
-    Beat(Member),
-    Watch(Member),
-    WaitOver(Member),
-    ReadOver {
-        round: u64,
-    },
-    /// A hot spare waits on `over` of the full round it is not in.
-    Spare(Member),
-    SpareWatch(Member),
-}
 
 impl KeepAlive {
     /// What this node sends.

@@ -6,14 +6,13 @@
 //! closer's read and its compare-set never acknowledges, so the confirmation fails
 //! (within the keep-alive timeout) and everyone rejoins.
 
+use super::steps::{LastCall, Proposal, Resume, RosterRead, Then, Tick};
 use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::time::Duration;
 
-use super::leave::Then;
 use super::roster::{deal_ranks, parse_roster, parse_world, Entry, Line};
-use super::tick::{Resume, Tick};
 use super::{
     ElasticNode, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply, ARRIVALS_CLOSED,
     MAX_SLOTS,
@@ -24,48 +23,6 @@ use super::{
 /// long, up to one keep-alive interval in all. A pause costs no store request; long
 /// enough that one usually suffices on a loaded machine, short beside a round's close.
 const ROSTER_POLL: Duration = Duration::from_millis(5);
-
-/// The closer's reading of the roster of the first `count` slots, begun at `since`, after
-/// `tries` pauses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct RosterRead {
-    pub(super) seat: Seat,
-    pub(super) count: u32,
-    pub(super) since: Instant,
-    pub(super) tries: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum LastCall {
-    WaitSize {
-        seat: Seat,
-        last_call: Instant,
-    },
-    Count(Seat),
-    ReadRoster(RosterRead),
-    /// A pause before the next read, for an arrival whose line is in flight.
-    RosterPoll(RosterRead),
-    /// The closer sets the quorum before it compare-sets the size, for nodes below
-    /// `min_nodes` still waiting on it: no arrival may have seen exactly `min_nodes` live
-    /// (a departure counted late), and a closer that leaves or dies right after its
-    /// compare-set must not leave them waiting.
-    QuorumBeforeClose(Proposal),
-    /// The closer compare-sets the size.
-    Close(Proposal),
-    /// Round 0's closer marks its arrivals closed (see [`ARRIVALS_CLOSED`]).
-    MarkArrivals(Seat),
-    ReadSize(Seat),
-}
-
-/// The closer's proposal for the size value; `mark`: it is round 0's and fewer than
-/// `max_nodes` slots were handed out when it read the roster, so a fresh node's guess
-/// could not tell that the round is closed: it marks the arrivals after winning.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Proposal {
-    seat: Seat,
-    value: String,
-    mark: bool,
-}
 
 impl LastCall {
     /// What this node sends.

@@ -5,69 +5,19 @@
 //! roster and counts it as departed. A node that departs an open round then checks
 //! whether the round closed with it before it left, and ends it for the others if so.
 
+use super::steps::{AfterGone, Join, Leave, Shutdown, Then, Tick};
 use alloc::format;
-use alloc::string::String;
 use alloc::vec::Vec;
 
-use super::join::Join;
 use super::roster::parse_world;
-use super::tick::{Resume, Tick};
 use super::{
-    ElasticError, ElasticNode, Event, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
+    ElasticNode, Event, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
     ARRIVALS_CLOSED, CLOSED_MARK,
 };
 
 /// The arrivals counter counts departures in its high 32 bits: one `ADD` of this marks a
 /// slot gone (see [`ElasticSettings::live_count`](super::ElasticSettings::live_count)).
 const DEPARTED: i64 = 1 << 32;
-
-/// What comes after marking a round over.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Then {
-    Rejoin,
-    Left,
-    Failed(ElasticError),
-}
-
-/// What comes after marking a slot of an open round gone.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum AfterGone {
-    /// A watcher marked a dead neighbour: go on waiting.
-    Resume(Resume),
-    /// This node departs (timed out, left): see whether the round closed with it first.
-    Own(Then),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Leave {
-    /// Marking a slot of an open round gone: claim it, log it in the roster, count it.
-    GoneClaim {
-        seat: Seat,
-        after: AfterGone,
-    },
-    GoneLog {
-        seat: Seat,
-        after: AfterGone,
-    },
-    GoneCount {
-        seat: Seat,
-        after: AfterGone,
-    },
-    /// A departing node: did the round close (with it) before it left?
-    OwnCheck {
-        seat: Seat,
-        then: Then,
-    },
-    OwnRead {
-        seat: Seat,
-        then: Then,
-    },
-    MarkOver {
-        round: u64,
-        reason: String,
-        then: Then,
-    },
-}
 
 impl Leave {
     /// What this node sends.
@@ -151,18 +101,6 @@ fn after_gone(seat: Seat, after: AfterGone) -> Step {
         AfterGone::Resume(resume) => Step::Tick(Tick::Recheck(resume)),
         AfterGone::Own(then) => Step::Leave(Leave::OwnCheck { seat, then }),
     }
-}
-
-/// Closing the rendezvous for good (`shutdown`): `closed`, the round hint's mark, round
-/// 0's arrivals' mark (so that a fresh node's guess finds out at once), then, for a round
-/// this node holds, its size and quorum, so that nobody waits on them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Shutdown {
-    Closed,
-    Mark,
-    Arrivals,
-    Size { round: u64 },
-    Quorum { round: u64 },
 }
 
 impl Shutdown {

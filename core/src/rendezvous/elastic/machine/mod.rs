@@ -1,8 +1,10 @@
 //! [`ElasticNode`]: one node's side of the elastic rendezvous (see the module above for
 //! the protocol and the key layout).
 //!
-//! A node is in one phase at a time, each a module with its own steps, and in each the
-//! steps' "what I send" (`action`) and "what a reply does" (`on_reply`) side by side:
+//! A node is in one phase at a time, each a module with its steps' "what I send"
+//! (`action`) and "what a reply does" (`on_reply`) side by side; the steps themselves
+//! are types in [`steps`], below every phase, since a reply in one phase names a step of
+//! the next and the phases must not import each other:
 //!
 //! - [`join`]: take a slot in the current round, announce it, wait for `min_nodes`; after
 //!   a round, advance the round hint to the next one;
@@ -12,7 +14,7 @@
 //! - [`confirm`]: every member acknowledges the world, and is released by `go`;
 //! - [`keep_alive`]: a complete round's heartbeats and watch, and its hot spares';
 //! - [`leave`]: strike a slot from an open round, end a complete one (`over`), or close
-//!   the rendezvous for good ([`leave::Shutdown`]).
+//!   the rendezvous for good ([`steps::Shutdown`]).
 //!
 //! [`roster`] parses what the closer reads and writes, and deals the ranks.
 //!
@@ -58,6 +60,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
 use core::time::Duration;
+use steps::{Confirm, Join, KeepAlive, LastCall, Leave, OpenWatch, Resume, Shutdown, Then, Tick};
 
 mod confirm;
 mod join;
@@ -65,14 +68,8 @@ mod keep_alive;
 mod last_call;
 mod leave;
 mod roster;
+mod steps;
 mod tick;
-
-use confirm::Confirm;
-use join::Join;
-use keep_alive::KeepAlive;
-use last_call::LastCall;
-use leave::{Leave, Shutdown, Then};
-use tick::{OpenWatch, Resume, Tick};
 
 use super::{ElasticSettings, Instant};
 

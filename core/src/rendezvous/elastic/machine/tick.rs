@@ -3,26 +3,14 @@
 //! the arrivals, looks at the heartbeat of the slot it watches (striking it when it
 //! stood still for the keep-alive timeout), checks `closed`, and resumes its wait.
 
-use alloc::vec::Vec;
+use super::steps::{AfterGone, Join, KeepAlive, LastCall, Leave, Member, Resume, Tick};
 
 use super::super::key_use::beat_expired;
-use super::join::Join;
-use super::keep_alive::{KeepAlive, Member};
-use super::last_call::LastCall;
-use super::leave::{AfterGone, Leave};
 use super::roster::ring_target;
 use super::{
     ElasticNode, ElasticSettings, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
     MAX_SLOTS,
 };
-
-/// A wait to resume after an open round's tick.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Resume {
-    Quorum(Seat),
-    Size { seat: Seat, last_call: Instant },
-    Spare(Member),
-}
 
 impl Resume {
     fn seat(&self) -> Seat {
@@ -34,26 +22,6 @@ impl Resume {
             },
         }
     }
-}
-
-/// What a node waiting in an open round knows of the neighbour it watches.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(super) struct OpenWatch {
-    target: u32,
-    seen: i64,
-    seen_at: Instant,
-    /// The slots this node has found dead (or gone) in this round: skipped.
-    marked: Vec<u32>,
-}
-
-/// The tick's steps: this node's heartbeat, the arrivals, the watched slot's heartbeat,
-/// then `closed`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Tick {
-    Beat(Resume),
-    Count(Resume),
-    Watch { resume: Resume, target: u32 },
-    Recheck(Resume),
 }
 
 impl Tick {
