@@ -112,11 +112,8 @@ impl Server {
             state.inboxes.insert(id, (Vec::new(), Arc::clone(&notify)));
             id
         };
-        let mut session = Session::new(id, Limits::default(), self.budget);
-        let (mut input, mut out) = (Vec::new(), Vec::new());
-        let result = self
-            .drive(&mut stream, &notify, &mut session, &mut input, &mut out)
-            .await;
+        let session = Session::new(id, Limits::default(), self.budget);
+        let result = self.drive(&mut stream, &notify, session).await;
         let mut wakes = Vec::new();
         let mut state = self.lock();
         state.engine.disconnect(id);
@@ -134,15 +131,13 @@ impl Server {
         &self,
         stream: &mut TcpStream,
         notify: &Notify,
-        session: &mut Session,
-        input: &mut Vec<u8>,
-        out: &mut Vec<u8>,
+        mut session: Session,
     ) -> io::Result<()> {
-        let mut wakes = Vec::new();
+        let (mut input, mut out, mut wakes) = (Vec::new(), Vec::new(), Vec::new());
         loop {
-            let then = self.turn(session, input, out, &mut wakes);
+            let then = self.turn(&mut session, &mut input, &mut out, &mut wakes);
             // Every reply is written before more is read: the peer's reading paces it.
-            stream.write_all(out).await?;
+            stream.write_all(&out).await?;
             out.clear();
             match then {
                 Then::Close => return Ok(()),
