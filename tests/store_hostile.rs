@@ -183,18 +183,15 @@ fn sigterm_closes_after_a_whole_reply(io: IoMode) {
     }
 }
 
-on_every_io!(
-    garbage_closes_only_that_connection,
-    wrong_magic_is_closed,
-    first_message_must_be_validate,
-    requests_split_byte_by_byte_are_served,
-    claimed_four_gigabytes_is_refused_at_once,
-    truncated_frame_then_disconnect_loses_nothing,
-    slowloris_costs_other_clients_nothing,
-    disconnect_mid_wait_leaves_no_waiter,
-    killed_client_process_mid_wait_leaves_no_waiter,
+/// `on_every_io!` over this file's own cases and every `store_attacks` case.
+macro_rules! on_every_io_with_the_attacks {
+    ($($own:ident),*; $($attack:ident),* $(,)?) => {
+        on_every_io!($($own,)* $($attack),*);
+    };
+}
+
+for_each_attack!(on_every_io_with_the_attacks!(
     hostile_inputs_with_two_executors,
-    a_client_that_never_reads_costs_others_nothing,
     at_the_fd_limit_new_clients_are_refused_promptly,
-    sigterm_closes_after_a_whole_reply,
-);
+    sigterm_closes_after_a_whole_reply
+));
