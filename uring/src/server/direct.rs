@@ -334,39 +334,31 @@ pub(super) fn loop_body(
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        config:
-            LoopConfig {
-                index,
-                shared,
-                limits,
-                budget,
-                access,
-                stats,
-                drain,
-                spin,
-            },
+        config,
         ring: Ring { ring, wake_fd },
         listener,
     } = setup;
+    let parts = config.into_parts();
+    let index = parts.serving.index;
     let mut server = Server {
-        serving: Serving::new(index, shared, stats),
+        serving: parts.serving,
         ring,
         wake_fd,
         wake_polled: false,
         listener: Arc::new(listener),
         accepting: Accepting::Idle,
         accept_after: Instant::now(),
-        budget,
-        admission: Admission::new(index, limits, budget, access),
+        budget: parts.budget,
+        admission: parts.admission,
         conns: Vec::new(),
         free: Vec::new(),
         dirty: Vec::new(),
         live: 0,
-        spin,
+        spin: parts.spin,
         completions: Vec::new(),
         again: Vec::new(),
     };
-    if let Err(error) = server.run(stop, drain) {
+    if let Err(error) = server.run(stop, parts.drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
     server.finish();

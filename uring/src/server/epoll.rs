@@ -191,20 +191,12 @@ pub(super) fn loop_body(
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        config:
-            LoopConfig {
-                index,
-                shared,
-                limits,
-                budget,
-                access,
-                stats,
-                drain,
-                spin,
-            },
+        config,
         poll,
         mut listener,
     } = setup;
+    let parts = config.into_parts();
+    let index = parts.serving.index;
     if let Err(error) = poll
         .registry()
         .register(&mut listener, LISTENER, Interest::READABLE)
@@ -213,11 +205,11 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         return;
     }
     let mut server = Loop {
-        serving: Serving::new(index, shared, stats),
+        serving: parts.serving,
         poll,
         listener: Some(listener),
-        budget,
-        admission: Admission::new(index, limits, budget, access),
+        budget: parts.budget,
+        admission: parts.admission,
         conns: Vec::new(),
         free: Vec::new(),
         live: 0,
@@ -225,9 +217,9 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         again: Vec::new(),
         flush: Vec::new(),
         accept_after: None,
-        spin,
+        spin: parts.spin,
     };
-    if let Err(error) = server.run(stop, drain) {
+    if let Err(error) = server.run(stop, parts.drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
     server.close_all();

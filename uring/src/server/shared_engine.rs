@@ -30,6 +30,7 @@ use rdzv_core::store::engine::Engine;
 use rdzv_core::store::session as step;
 use rdzv_core::store::ConnId;
 
+use super::admission::Admission;
 use super::session::{self, ConnInput, Round, Served, Throttle, Turn};
 use super::StatsCells;
 use rdzv_core::store::access::AccessPolicy;
@@ -50,6 +51,38 @@ pub(super) struct LoopConfig {
     /// Keep polling this long after the last event before sleeping in the kernel
     /// (`--spin-us`); `None` sleeps at once.
     pub(super) spin: Option<Duration>,
+}
+
+/// What a loop starts from, made of its [`LoopConfig`] once for both loops.
+pub(super) struct LoopParts {
+    pub(super) serving: Serving,
+    pub(super) admission: Admission,
+    pub(super) budget: Budget,
+    pub(super) drain: Duration,
+    pub(super) spin: Option<Duration>,
+}
+
+impl LoopConfig {
+    /// The loop's [`Serving`] and [`Admission`], and what else it keeps.
+    pub(super) fn into_parts(self) -> LoopParts {
+        let LoopConfig {
+            index,
+            shared,
+            limits,
+            budget,
+            access,
+            stats,
+            drain,
+            spin,
+        } = self;
+        LoopParts {
+            serving: Serving::new(index, shared, stats),
+            admission: Admission::new(index, limits, budget, access),
+            budget,
+            drain,
+            spin,
+        }
+    }
 }
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
