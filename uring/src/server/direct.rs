@@ -478,15 +478,13 @@ impl Server {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
-        let Some(slot) = self.admission.admit(
-            &self.serving.shared,
-            fd.as_fd(),
-            &mut self.free,
-            &mut self.conns,
-        ) else {
+        let Some(slot) = self
+            .admission
+            .admit(fd.as_fd(), &mut self.free, &mut self.conns)
+        else {
             return;
         };
-        let Opened { id, session, input } = self.admission.open(&self.serving.shared, slot);
+        let Opened { id, session, input } = self.admission.open(slot);
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
                 fd: Arc::new(fd),

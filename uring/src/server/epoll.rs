@@ -346,12 +346,10 @@ impl Loop {
                     }
                 },
             };
-            let Some(slot) = self.admission.admit(
-                &self.serving.shared,
-                stream.as_fd(),
-                &mut self.free,
-                &mut self.conns,
-            ) else {
+            let Some(slot) = self
+                .admission
+                .admit(stream.as_fd(), &mut self.free, &mut self.conns)
+            else {
                 continue;
             };
             if let Err(error) = self.poll.registry().register(
@@ -365,7 +363,7 @@ impl Loop {
                 self.free.push(slot);
                 continue;
             }
-            let Opened { id, session, input } = self.admission.open(&self.serving.shared, slot);
+            let Opened { id, session, input } = self.admission.open(slot);
             if let Some(entry) = self.conns.get_mut(slot) {
                 *entry = Some(Conn {
                     stream,

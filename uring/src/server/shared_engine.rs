@@ -76,8 +76,8 @@ impl LoopConfig {
             spin,
         } = self;
         LoopParts {
+            admission: Admission::new(index, Arc::clone(&shared), limits, budget, access),
             serving: Serving::new(index, shared, stats),
-            admission: Admission::new(index, limits, budget, access),
             budget,
             drain,
             spin,
