@@ -104,28 +104,41 @@ fn a_barrier_of_four_clients() {
 
 for_each_attack!(attack_tests!(tokio_server));
 
+/// PyTorch's TCPStore client through every `Store` call, then a 4-rank gloo
+/// `init_process_group` + `all_reduce` whose agent store is this server: parts 1 and 3
+/// of `tests/pytorch/run.sh`, against the tokio driver.
 #[test]
-fn pytorch_tcpstore_client() {
+fn pytorch_tcpstore_client_and_gloo_agent_store() {
     let Ok(python) = std::env::var("RDZV_TORCH_PYTHON") else {
         println!("skipped: set RDZV_TORCH_PYTHON to a python with torch to run PyTorch's client");
         return;
     };
     let server = tokio_server();
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/pytorch/pytorch_client.py"
-    );
-    let out = Command::new(&python)
-        .args([script, "127.0.0.1", &server.port.to_string()])
+    let port = server.port.to_string();
+    let Some(out) = torch_script(&python, "pytorch_client.py", &["127.0.0.1", &port]) else {
+        return;
+    };
+    assert!(out.contains("PYTORCH CLIENT OK"), "{out}");
+    let out = torch_script(&python, "gloo_agent_store.py", &[&port]).unwrap_or_default();
+    assert!(out.contains("gloo all_reduce over rdzv store: OK"), "{out}");
+}
+
+/// Runs `tests/pytorch/<script>` with `python`: its stdout, or `None` (with the reason
+/// printed) when that Python has no torch. Panics with its output if it fails.
+fn torch_script(python: &str, script: &str, args: &[&str]) -> Option<String> {
+    let path = format!("{}/tests/pytorch/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(python)
+        .arg(&path)
+        .args(args)
         .output()
-        .expect("run tests/pytorch/pytorch_client.py");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+        .unwrap_or_else(|e| panic!("cannot run {python} {path}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
     if stderr.contains("No module named 'torch'") {
         println!("skipped: {python} cannot import torch");
-        return;
+        return None;
     }
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("PYTORCH CLIENT OK"), "{stdout}\n{stderr}");
+    assert!(out.status.success(), "{script}: {stdout}\n{stderr}");
+    Some(stdout)
 }
