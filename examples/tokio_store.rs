@@ -140,7 +140,19 @@ impl Server {
             stream.write_all(&out).await?;
             out.clear();
             match then {
-                Then::Close => return Ok(()),
+                Then::Close => {
+                    // FIN after the replies, and what the peer sent (up to 256 KiB)
+                    // discarded: a close with unread input would send RST, and a reset
+                    // drops the replies not yet sent.
+                    stream.shutdown().await?;
+                    let mut sink = [0u8; 16 << 10];
+                    for _ in 0..16 {
+                        if !matches!(stream.try_read(&mut sink), Ok(1..)) {
+                            break;
+                        }
+                    }
+                    return Ok(());
+                }
                 Then::ServeAgain => continue,
                 Then::Read => {}
             }
