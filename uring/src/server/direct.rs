@@ -52,8 +52,9 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
+use super::loop_config::LoopConfig;
 use super::session::{ConnInput, Pass, ReadBuf};
-use super::shared_engine::{self, LoopConfig, LoopWaker, Serving};
+use super::shared_engine::{self, LoopWaker, Serving};
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
 /// Submission queue entries. Each connection has at most two operations in flight; a

@@ -47,8 +47,9 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
+use super::loop_config::LoopConfig;
 use super::session::{ConnInput, Pass, ReadBuf};
-use super::shared_engine::{self, LoopConfig, Serving};
+use super::shared_engine::{self, Serving};
 
 /// The listener's token; connections use their slot.
 const LISTENER: Token = Token(usize::MAX - 1);

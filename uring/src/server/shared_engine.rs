@@ -22,68 +22,16 @@
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::session as step;
 use rdzv_core::store::ConnId;
 
-use super::admission::Admission;
 use super::session::{self, ConnInput, Round, Served, Throttle, Turn};
 use super::StatsCells;
 use rdzv_core::store::access::AccessPolicy;
-
-/// What every event loop thread is given, on io_uring and epoll alike (each loop's
-/// `LoopSetup` adds its poller and listener).
-pub(super) struct LoopConfig {
-    /// The loop's index: its connection ids carry it.
-    pub(super) index: usize,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    /// How long shutdown waits for connections to flush.
-    pub(super) drain: Duration,
-    /// Keep polling this long after the last event before sleeping in the kernel
-    /// (`--spin-us`); `None` sleeps at once.
-    pub(super) spin: Option<Duration>,
-}
-
-/// What a loop starts from, made of its [`LoopConfig`] once for both loops.
-pub(super) struct LoopParts {
-    pub(super) serving: Serving,
-    pub(super) admission: Admission,
-    pub(super) budget: Budget,
-    pub(super) drain: Duration,
-    pub(super) spin: Option<Duration>,
-}
-
-impl LoopConfig {
-    /// The loop's [`Serving`] and [`Admission`], and what else it keeps.
-    pub(super) fn into_parts(self) -> LoopParts {
-        let LoopConfig {
-            index,
-            shared,
-            limits,
-            budget,
-            access,
-            stats,
-            drain,
-            spin,
-        } = self;
-        LoopParts {
-            admission: Admission::new(index, Arc::clone(&shared), limits, budget, access),
-            serving: Serving::new(index, shared, stats),
-            budget,
-            drain,
-            spin,
-        }
-    }
-}
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
 pub(super) const MAX_LOOPS: usize = 256;
