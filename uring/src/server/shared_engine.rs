@@ -16,8 +16,10 @@
 //! This module does no socket I/O and decides nothing about requests: [`serve_turn`],
 //! the step both loops take for a connection with input, hands its bytes to the core
 //! serve step (`rdzv_core::store::session`) through `session::serve_requests`, and routes
-//! the wake-ups it returns as values. It also holds the server's clock origin, from
-//! which each turn tells the engine `now`.
+//! the wake-ups it returns as values; [`Serving`] is what a loop serves with (its index,
+//! the engine, the round, `now`, the wake-ups it has to deliver), so that both loops
+//! serve a connection, take their inbox and let a connection leave with one call each.
+//! It also holds the server's clock origin, from which each turn tells the engine `now`.
 
 use std::io;
 use std::sync::atomic::Ordering;
