@@ -3,7 +3,8 @@
 //! means. `cargo run --example tokio_store -- 127.0.0.1:29500`, then point
 //! `torch.distributed.TCPStore(..., is_master=False)` or `rdzv store --addr` at it.
 //!
-//! It uses `rdzv_core` only (the embedding API): [`Engine`] holds the keys and waiters,
+//! It uses `rdzv_core` only, the embedding API (`rdzv_uring`'s loops keep their read
+//! buffers, fairness rounds and metrics private): [`Engine`] holds the keys and waiters,
 //! [`Session::serve`] serves one request of one connection as a value, and this file does
 //! what a driver does, nothing more:
 //! - it moves bytes between a socket and the step (one task per connection);
