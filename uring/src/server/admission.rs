@@ -45,11 +45,12 @@ pub(super) struct Opened {
     pub(super) input: ReadBuf,
 }
 
-/// One loop's admission: its `--allow`/`--token-file` policy, the limits a new
-/// connection's serve step starts with, the spare descriptor and the accept log's
-/// throttle.
+/// One loop's admission: its `--allow`/`--token-file` policy, the engine a connection
+/// enters, the limits a new connection's serve step starts with, the spare descriptor
+/// and the accept log's throttle.
 pub(super) struct Admission {
     index: usize,
+    shared: Arc<SharedEngine>,
     limits: Limits,
     budget: Budget,
     access: Option<Arc<AccessPolicy>>,
@@ -63,12 +64,14 @@ pub(super) struct Admission {
 impl Admission {
     pub(super) fn new(
         index: usize,
+        shared: Arc<SharedEngine>,
         limits: Limits,
         budget: Budget,
         access: Option<Arc<AccessPolicy>>,
     ) -> Admission {
         Admission {
             index,
+            shared,
             limits,
             budget,
             access,
@@ -117,7 +120,6 @@ impl Admission {
     /// back to `free`).
     pub(super) fn admit<C>(
         &mut self,
-        shared: &SharedEngine,
         socket: BorrowedFd<'_>,
         free: &mut Vec<usize>,
         conns: &mut Vec<Option<C>>,
@@ -125,7 +127,8 @@ impl Admission {
         if let Some(policy) = &self.access {
             let peer = peer_addr(socket);
             let admitted = peer.is_some_and(|peer| {
-                shared.admit(self.index, policy, peer.ip(), &mut self.warnings)
+                self.shared
+                    .admit(self.index, policy, peer.ip(), &mut self.warnings)
             });
             if !admitted {
                 return None;
@@ -140,10 +143,10 @@ impl Admission {
 
     /// Enters the connection in `slot` into the engine: its id, its serve step (held to
     /// the token policy if there is one) and its read buffer (capped by the budget).
-    pub(super) fn open(&mut self, shared: &SharedEngine, slot: usize) -> Opened {
+    pub(super) fn open(&mut self, slot: usize) -> Opened {
         self.seq = self.seq.wrapping_add(1);
         let id = shared_engine::conn_id(self.index, slot, self.seq);
-        shared.turn(self.index, |engine, _| engine.connect(id));
+        self.shared.turn(self.index, |engine, _| engine.connect(id));
         let session = Session::new(id, self.limits, self.budget);
         let session = match &self.access {
             Some(policy) => session.with_access(policy),
@@ -190,7 +193,9 @@ mod tests {
     #[test]
     fn a_transient_failure_retries_at_once_and_another_backs_off() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut admission = Admission::new(0, Limits::default(), Budget::default(), None);
+        let stats = Arc::new(super::super::StatsCells::default());
+        let shared = Arc::new(SharedEngine::new(Vec::new(), stats, Budget::default()));
+        let mut admission = Admission::new(0, shared, Limits::default(), Budget::default(), None);
         let aborted = io::Error::from(io::ErrorKind::ConnectionAborted);
         assert_eq!(
             admission.accept_failed(&aborted, listener.as_fd()),

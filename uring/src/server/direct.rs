@@ -52,9 +52,9 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
-use super::shared_engine::{self, LoopConfig, LoopWaker, SharedEngine, Wake};
-use super::StatsCells;
+use super::loop_config::LoopConfig;
+use super::session::{ConnInput, Pass, ReadBuf};
+use super::shared_engine::{self, LoopWaker, Serving};
 use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
@@ -293,7 +293,8 @@ pub(super) struct LoopSetup {
 
 /// One loop's state.
 struct Server {
-    index: usize,
+    /// Its index, the engine, the round, `now` and the wake-ups to deliver.
+    serving: Serving,
     ring: Uring<ReadBuf, Outgoing>,
     wake_fd: Arc<OwnedFd>,
     /// A poll on `wake_fd` is in flight.
@@ -301,30 +302,19 @@ struct Server {
     listener: Arc<OwnedFd>,
     accepting: Accepting,
     accept_after: Instant,
-    shared: Arc<SharedEngine>,
     budget: Budget,
     /// What happens at accept: `--allow`, refusals, a new connection's serve step.
     admission: Admission,
-    stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
-    /// Per-connection warnings, rate-limited.
-    warnings: Throttle,
     free: Vec<usize>,
     /// Slots to look at after this batch of completions (may repeat).
     dirty: Vec<usize>,
     live: usize,
-    /// Wake-ups other loops routed here, being handed to their connections.
-    wakes: Vec<Wake>,
     spin: Option<Duration>,
     /// Scratch for a batch of completions.
     completions: Vec<Completion<ReadBuf, Outgoing>>,
-    /// Reply bytes this batch produced, against the cap.
-    round: Round,
     /// Connections whose requests wait for the next batch, in the order they were put off.
     again: Vec<usize>,
-    /// When the last wait returned, in the engine's milliseconds: the `now` a batch's
-    /// requests are served at.
-    now_ms: u64,
 }
 
 /// The thread body of an io_uring loop on `socket`.
@@ -345,45 +335,31 @@ pub(super) fn loop_body(
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        config:
-            LoopConfig {
-                index,
-                shared,
-                limits,
-                budget,
-                access,
-                stats,
-                drain,
-                spin,
-            },
+        config,
         ring: Ring { ring, wake_fd },
         listener,
     } = setup;
+    let parts = config.into_parts();
+    let index = parts.serving.index;
     let mut server = Server {
-        index,
+        serving: parts.serving,
         ring,
         wake_fd,
         wake_polled: false,
         listener: Arc::new(listener),
         accepting: Accepting::Idle,
         accept_after: Instant::now(),
-        shared,
-        budget,
-        admission: Admission::new(index, limits, budget, access),
-        stats,
+        budget: parts.budget,
+        admission: parts.admission,
         conns: Vec::new(),
-        warnings: Throttle::default(),
         free: Vec::new(),
         dirty: Vec::new(),
         live: 0,
-        wakes: Vec::new(),
-        spin,
+        spin: parts.spin,
         completions: Vec::new(),
-        round: Round::default(),
         again: Vec::new(),
-        now_ms: 0,
     };
-    if let Err(error) = server.run(stop, drain) {
+    if let Err(error) = server.run(stop, parts.drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
     server.finish();
@@ -410,8 +386,8 @@ impl Server {
             let spinning =
                 !self.again.is_empty() || busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
-            self.now_ms = self.shared.now_ms(Instant::now());
-            self.round.begin();
+            self.serving.now_ms = self.serving.shared.now_ms(Instant::now());
+            self.serving.round.begin();
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
                     busy_until = Some(Instant::now() + spin);
@@ -503,13 +479,13 @@ impl Server {
             // Accepted just as shutdown began: close it unserved.
             return;
         }
-        let Some(slot) =
-            self.admission
-                .admit(&self.shared, fd.as_fd(), &mut self.free, &mut self.conns)
+        let Some(slot) = self
+            .admission
+            .admit(fd.as_fd(), &mut self.free, &mut self.conns)
         else {
             return;
         };
-        let Opened { id, session, input } = self.admission.open(&self.shared, slot);
+        let Opened { id, session, input } = self.admission.open(slot);
         if let Some(entry) = self.conns.get_mut(slot) {
             *entry = Some(Conn {
                 fd: Arc::new(fd),
@@ -524,7 +500,10 @@ impl Server {
                 out: Vec::new(),
             });
             self.live += 1;
-            self.stats.connections.fetch_add(1, Ordering::Relaxed);
+            self.serving
+                .stats
+                .connections
+                .fetch_add(1, Ordering::Relaxed);
             self.dirty.push(slot);
         }
     }
@@ -536,17 +515,14 @@ impl Server {
         self.wake_polled = false;
         if let Err(error) = result {
             if error.raw_os_error() != Some(libc::ECANCELED) {
-                tracing::warn!(%error, loop_index = self.index, "polling the wake-up eventfd failed");
+                tracing::warn!(%error, loop_index = self.serving.index, "polling the wake-up eventfd failed");
             }
         }
         let mut count = [0u8; 8];
         // Non-blocking: EAGAIN only says another reader was faster (there is none).
         let _ = rustix::io::read(self.wake_fd.as_fd(), &mut count);
-        let mut wakes = std::mem::take(&mut self.wakes);
-        self.shared
-            .turn(self.index, |_, router| router.take_inbox(&mut wakes));
-        self.deliver(&mut wakes);
-        self.wakes = wakes;
+        self.serving.take_inbox();
+        self.deliver();
     }
 
     fn received(&mut self, slot: usize, result: io::Result<usize>, mut input: ReadBuf) {
@@ -588,7 +564,7 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        if self.round.defers(conn.light, pass) {
+        if self.serving.round.defers(conn.light, pass) {
             if !conn.deferred {
                 conn.deferred = true;
                 self.again.push(slot);
@@ -624,53 +600,32 @@ impl Server {
     /// Runs the whole requests a connection has through the engine (not while its
     /// input buffer is with the kernel).
     fn serve_connection(&mut self, slot: usize) {
-        let Server {
-            conns,
-            shared,
-            wakes,
-            index,
-            stats,
-            warnings,
-            now_ms,
-            ..
-        } = self;
-        let Some(Some(conn)) = conns.get_mut(slot) else {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
         let owed = conn.owed();
         let Reading::Idle(input) = &mut conn.reading else {
             return;
         };
-        let mut wakes = std::mem::take(wakes);
-        let conn_input = ConnInput {
+        let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,
             input,
             owed,
             out: &mut conn.out,
             peer: &Peer::of(&*conn.fd),
-        };
-        let mut turn = Turn {
-            now_ms: *now_ms,
-            metrics: stats.metrics.as_ref(),
-            warnings,
-        };
-        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
+        });
         conn.blocked = served.blocked;
-        conn.light = self.round.count(&served);
-        self.deliver(&mut wakes);
-        self.wakes = wakes;
+        conn.light = light;
+        self.deliver();
         if served.close {
             self.close(slot, Close::Flush);
         }
     }
 
     /// Appends wake-up bytes to the connections of this loop they are for (if still
-    /// there and not abandoned), and empties `wakes`.
-    fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        if wakes.is_empty() {
-            return;
-        }
-        for (target, byte) in wakes.drain(..) {
+    /// there and not abandoned), and empties `serving.wakes`.
+    fn deliver(&mut self) {
+        for (target, byte) in self.serving.wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
                 if conn.id == target && conn.phase != Phase::Abandoned {
@@ -721,13 +676,8 @@ impl Server {
             return;
         }
         let id = conn.id;
-        let mut own = Vec::new();
-        let mut local = Vec::new();
-        self.shared.turn(self.index, |engine, router| {
-            engine.disconnect(id);
-            router.route(engine, id, &mut own, &mut local);
-        });
-        self.deliver(&mut local);
+        self.serving.leave(id);
+        self.deliver();
     }
 
     /// Queues each touched connection's next receive and send, cancels what a closing
@@ -748,7 +698,10 @@ impl Server {
                 }
                 self.free.push(slot);
                 self.live = self.live.saturating_sub(1);
-                self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+                self.serving
+                    .stats
+                    .connections
+                    .fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
             if conn.phase != Phase::Open {
@@ -872,14 +825,17 @@ impl Server {
             }
             self.complete();
         }
-        tracing::debug!(loop_index = self.index, "store loop stopped");
+        tracing::debug!(loop_index = self.serving.index, "store loop stopped");
     }
 
     /// Gives up the connections the kernel may still hold: the ring keeps their
     /// buffers (leaked with it if never completed), the rest is freed.
     fn drop_the_rest(&mut self) {
         let stuck = self.conns.drain(..).flatten().count();
-        self.stats.connections.fetch_sub(stuck, Ordering::Relaxed);
+        self.serving
+            .stats
+            .connections
+            .fetch_sub(stuck, Ordering::Relaxed);
         self.live = 0;
     }
 }
@@ -887,6 +843,8 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::shared_engine::SharedEngine;
+    use crate::server::StatsCells;
     use rdzv_core::store::codec::Limits;
 
     #[test]

@@ -47,9 +47,9 @@ use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
 
 use super::admission::{Admission, Opened, Peer, Retry};
-use super::session::{ConnInput, Pass, ReadBuf, Round, Throttle, Turn};
-use super::shared_engine::{self, LoopConfig, SharedEngine, Wake};
-use super::StatsCells;
+use super::loop_config::LoopConfig;
+use super::session::{ConnInput, Pass, ReadBuf};
+use super::shared_engine::{self, Serving};
 
 /// The listener's token; connections use their slot.
 const LISTENER: Token = Token(usize::MAX - 1);
@@ -139,32 +139,22 @@ impl Conn {
 
 /// One loop's state.
 struct Loop {
-    index: usize,
+    /// Its index, the engine, the round, `now` and the wake-ups to deliver.
+    serving: Serving,
     poll: Poll,
     listener: Option<TcpListener>,
-    shared: Arc<SharedEngine>,
     budget: Budget,
     /// What happens at accept: `--allow`, refusals, a new connection's serve step.
     admission: Admission,
-    stats: Arc<StatsCells>,
     conns: Vec<Option<Conn>>,
-    /// Per-connection warnings, rate-limited.
-    warnings: Throttle,
     free: Vec<usize>,
     live: usize,
     /// Slots to serve this round (may repeat; serving is idempotent).
     dirty: Vec<usize>,
     /// Slots that yielded with more to do, in the order they yielded.
     again: Vec<usize>,
-    /// Reply bytes produced this round, against the cap.
-    round: Round,
-    /// When this round began (before its wait), in the engine's milliseconds: the `now`
-    /// its requests are served at.
-    now_ms: u64,
     /// Slots with replies to write at the end of this round.
     flush: Vec<usize>,
-    /// Wake-ups from other loops, and for this loop's other connections.
-    wakes: Vec<Wake>,
     accept_after: Option<Instant>,
     spin: Option<Duration>,
 }
@@ -202,20 +192,12 @@ pub(super) fn loop_body(
 /// Serves until `stop` is set, then drains for up to `setup.drain`.
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
-        config:
-            LoopConfig {
-                index,
-                shared,
-                limits,
-                budget,
-                access,
-                stats,
-                drain,
-                spin,
-            },
+        config,
         poll,
         mut listener,
     } = setup;
+    let parts = config.into_parts();
+    let index = parts.serving.index;
     if let Err(error) = poll
         .registry()
         .register(&mut listener, LISTENER, Interest::READABLE)
@@ -224,27 +206,21 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         return;
     }
     let mut server = Loop {
-        index,
+        serving: parts.serving,
         poll,
         listener: Some(listener),
-        shared,
-        budget,
-        admission: Admission::new(index, limits, budget, access),
-        stats,
+        budget: parts.budget,
+        admission: parts.admission,
         conns: Vec::new(),
-        warnings: Throttle::default(),
         free: Vec::new(),
         live: 0,
         dirty: Vec::new(),
         again: Vec::new(),
-        round: Round::default(),
-        now_ms: 0,
         flush: Vec::new(),
-        wakes: Vec::new(),
         accept_after: None,
-        spin,
+        spin: parts.spin,
     };
-    if let Err(error) = server.run(stop, drain) {
+    if let Err(error) = server.run(stop, parts.drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
     server.close_all();
@@ -266,7 +242,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
-            self.now_ms = self.shared.now_ms(now);
+            self.serving.now_ms = self.serving.shared.now_ms(now);
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
@@ -308,11 +284,8 @@ impl Loop {
                 self.accept();
             }
             if woken {
-                let mut wakes = std::mem::take(&mut self.wakes);
-                self.shared
-                    .turn(self.index, |_, router| router.take_inbox(&mut wakes));
-                self.deliver(&mut wakes);
-                self.wakes = wakes;
+                self.serving.take_inbox();
+                self.deliver();
             }
             // Serve every ready connection, then write all the replies: the peers see
             // one burst per round (as one io_uring submission gives them) instead of
@@ -320,7 +293,7 @@ impl Loop {
             // go out before the heavy ones are served (fresh events, then those that
             // yielded) until the round has produced its share of bytes; the rest wait a
             // round.
-            self.round.begin();
+            self.serving.round.begin();
             while let Some(slot) = self.dirty.pop() {
                 self.service_in_round(slot, Pass::Light);
             }
@@ -374,12 +347,10 @@ impl Loop {
                     }
                 },
             };
-            let Some(slot) = self.admission.admit(
-                &self.shared,
-                stream.as_fd(),
-                &mut self.free,
-                &mut self.conns,
-            ) else {
+            let Some(slot) = self
+                .admission
+                .admit(stream.as_fd(), &mut self.free, &mut self.conns)
+            else {
                 continue;
             };
             if let Err(error) = self.poll.registry().register(
@@ -387,13 +358,13 @@ impl Loop {
                 Token(slot),
                 Interest::READABLE | Interest::WRITABLE,
             ) {
-                if let Some(suppressed) = self.warnings.allow(Instant::now()) {
+                if let Some(suppressed) = self.serving.warnings.allow(Instant::now()) {
                     tracing::warn!(%error, suppressed, "cannot register a store connection; closing it");
                 }
                 self.free.push(slot);
                 continue;
             }
-            let Opened { id, session, input } = self.admission.open(&self.shared, slot);
+            let Opened { id, session, input } = self.admission.open(slot);
             if let Some(entry) = self.conns.get_mut(slot) {
                 *entry = Some(Conn {
                     stream,
@@ -411,19 +382,19 @@ impl Loop {
                     read_closed: false,
                 });
                 self.live += 1;
-                self.stats.connections.fetch_add(1, Ordering::Relaxed);
+                self.serving
+                    .stats
+                    .connections
+                    .fetch_add(1, Ordering::Relaxed);
                 self.dirty.push(slot);
             }
         }
     }
 
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
-    /// still there and open, and empties `wakes`.
-    fn deliver(&mut self, wakes: &mut Vec<Wake>) {
-        if wakes.is_empty() {
-            return;
-        }
-        for (target, byte) in wakes.drain(..) {
+    /// still there and open, and empties `serving.wakes`.
+    fn deliver(&mut self) {
+        for (target, byte) in self.serving.wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
                 if conn.id == target && conn.phase == Phase::Open {
@@ -439,7 +410,7 @@ impl Loop {
     fn service_in_round(&mut self, slot: usize, pass: Pass) {
         let light =
             matches!(self.conns.get(slot), Some(Some(conn)) if conn.light && conn.unsent() == 0);
-        if self.round.defers(light, pass) {
+        if self.serving.round.defers(light, pass) {
             self.defer(slot);
         } else {
             self.service(slot, Writes::Defer);
@@ -494,13 +465,13 @@ impl Loop {
             if eager && conn.phase == Phase::Open {
                 if let Some(before) = produced_before {
                     // This turn built a large reply: let the others have theirs.
-                    if self.round.produced() > before {
+                    if self.serving.round.produced() > before {
                         let more = conn.readable || conn.blocked;
                         return if more { Next::Again } else { Next::Wait };
                     }
                 }
             }
-            produced_before.get_or_insert(self.round.produced());
+            produced_before.get_or_insert(self.serving.round.produced());
             if conn.phase == Phase::Flushing {
                 if conn.unsent() > 0 {
                     return Next::Wait;
@@ -561,38 +532,20 @@ impl Loop {
 
     /// Runs the whole requests a connection has through the engine.
     fn serve_connection(&mut self, slot: usize) {
-        let Loop {
-            conns,
-            shared,
-            wakes,
-            index,
-            stats,
-            warnings,
-            now_ms,
-            ..
-        } = self;
-        let Some(Some(conn)) = conns.get_mut(slot) else {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        let mut wakes = std::mem::take(wakes);
         let owed = conn.unsent();
-        let conn_input = ConnInput {
+        let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,
             input: &mut conn.input,
             owed,
             out: &mut conn.out,
             peer: &Peer::of(&conn.stream),
-        };
-        let mut turn = Turn {
-            now_ms: *now_ms,
-            metrics: stats.metrics.as_ref(),
-            warnings,
-        };
-        let served = shared_engine::serve_turn(shared, *index, conn_input, &mut wakes, &mut turn);
+        });
         conn.blocked = served.blocked;
-        conn.light = self.round.count(&served);
-        self.deliver(&mut wakes);
-        self.wakes = wakes;
+        conn.light = light;
+        self.deliver();
         if served.close {
             self.leave_engine(slot);
         }
@@ -608,13 +561,8 @@ impl Loop {
         }
         conn.phase = Phase::Flushing;
         let id = conn.id;
-        let mut local = Vec::new();
-        let mut own = Vec::new();
-        self.shared.turn(self.index, |engine, router| {
-            engine.disconnect(id);
-            router.route(engine, id, &mut own, &mut local);
-        });
-        self.deliver(&mut local);
+        self.serving.leave(id);
+        self.deliver();
         self.dirty.push(slot);
     }
 
@@ -628,7 +576,10 @@ impl Loop {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             self.free.push(slot);
             self.live = self.live.saturating_sub(1);
-            self.stats.connections.fetch_sub(1, Ordering::Relaxed);
+            self.serving
+                .stats
+                .connections
+                .fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -647,7 +598,7 @@ impl Loop {
         for slot in 0..self.conns.len() {
             self.close(slot);
         }
-        tracing::debug!(loop_index = self.index, "store loop stopped");
+        tracing::debug!(loop_index = self.serving.index, "store loop stopped");
     }
 }
 

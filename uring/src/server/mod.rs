@@ -25,6 +25,7 @@ mod direct;
 mod epoll;
 pub(crate) mod io_mode;
 pub mod listener;
+mod loop_config;
 pub(crate) mod metrics;
 mod session;
 mod shared_engine;
@@ -451,7 +452,7 @@ struct LoopsOf<'a> {
 fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
     loops: LoopsOf<'_>,
     new_poller: impl Fn() -> Result<(P, W), ServerError>,
-    body: fn(shared_engine::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
+    body: fn(loop_config::LoopConfig, socket2::Socket, P, Arc<AtomicBool>) -> LoopBody,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
     let LoopsOf {
         options,
@@ -473,7 +474,7 @@ fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
     ));
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poller)) in sockets.into_iter().zip(pollers).enumerate() {
-        let config = shared_engine::LoopConfig {
+        let config = loop_config::LoopConfig {
             index,
             shared: Arc::clone(&engine),
             limits: options.limits,

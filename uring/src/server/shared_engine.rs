@@ -16,41 +16,24 @@
 //! This module does no socket I/O and decides nothing about requests: [`serve_turn`],
 //! the step both loops take for a connection with input, hands its bytes to the core
 //! serve step (`rdzv_core::store::session`) through `session::serve_requests`, and routes
-//! the wake-ups it returns as values. It also holds the server's clock origin, from
-//! which each turn tells the engine `now`.
+//! the wake-ups it returns as values; [`Serving`] is what a loop serves with (its index,
+//! the engine, the round, `now`, the wake-ups it has to deliver), so that both loops
+//! serve a connection, take their inbox and let a connection leave with one call each.
+//! It also holds the server's clock origin, from which each turn tells the engine `now`.
 
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rdzv_core::store::budget::Budget;
-use rdzv_core::store::codec::Limits;
 use rdzv_core::store::engine::Engine;
 use rdzv_core::store::session as step;
 use rdzv_core::store::ConnId;
 
-use super::session::{self, ConnInput, Served, Throttle, Turn};
+use super::session::{self, ConnInput, Round, Served, Throttle, Turn};
 use super::StatsCells;
 use rdzv_core::store::access::AccessPolicy;
-
-/// What every event loop thread is given, on io_uring and epoll alike (each loop's
-/// `LoopSetup` adds its poller and listener).
-pub(super) struct LoopConfig {
-    /// The loop's index: its connection ids carry it.
-    pub(super) index: usize,
-    pub(super) shared: Arc<SharedEngine>,
-    pub(super) limits: Limits,
-    pub(super) budget: Budget,
-    /// `--allow` and `--token-file`; `None` when neither is set.
-    pub(super) access: Option<Arc<AccessPolicy>>,
-    pub(super) stats: Arc<StatsCells>,
-    /// How long shutdown waits for connections to flush.
-    pub(super) drain: Duration,
-    /// Keep polling this long after the last event before sleeping in the kernel
-    /// (`--spin-us`); `None` sleeps at once.
-    pub(super) spin: Option<Duration>,
-}
 
 /// Most loops a server can run: a connection id keeps its loop in 8 bits.
 pub(super) const MAX_LOOPS: usize = 256;
@@ -213,6 +196,71 @@ pub(super) fn serve_turn(
             ..served
         }
     })
+}
+
+/// What a loop serves its connections with, the same on io_uring and epoll: its index,
+/// the shared engine, its counters, its log of refusals, the round's account, the `now`
+/// its requests are served at, and the wake-ups being handed to its connections (each
+/// loop's `deliver` empties [`Serving::wakes`] into them).
+pub(super) struct Serving {
+    /// The loop's index: its connection ids carry it.
+    pub(super) index: usize,
+    pub(super) shared: Arc<SharedEngine>,
+    pub(super) stats: Arc<StatsCells>,
+    /// Per-connection warnings, rate-limited.
+    pub(super) warnings: Throttle,
+    /// Reply bytes produced this round, against the cap.
+    pub(super) round: Round,
+    /// When this round began, in the engine's milliseconds.
+    pub(super) now_ms: u64,
+    /// Wake-ups for this loop's connections, in the order they were owed.
+    pub(super) wakes: Vec<Wake>,
+}
+
+impl Serving {
+    pub(super) fn new(index: usize, shared: Arc<SharedEngine>, stats: Arc<StatsCells>) -> Self {
+        Serving {
+            index,
+            shared,
+            stats,
+            warnings: Throttle::default(),
+            round: Round::default(),
+            now_ms: 0,
+            wakes: Vec::new(),
+        }
+    }
+
+    /// One connection's turn ([`serve_turn`]), counted in the round: what it did, and
+    /// whether the connection is light now. The wake-ups it owes this loop's other
+    /// connections are left in [`Serving::wakes`].
+    pub(super) fn serve(&mut self, conn: ConnInput<'_>) -> (Served, bool) {
+        let mut turn = Turn {
+            now_ms: self.now_ms,
+            metrics: self.stats.metrics.as_ref(),
+            warnings: &mut self.warnings,
+        };
+        let served = serve_turn(&self.shared, self.index, conn, &mut self.wakes, &mut turn);
+        let light = self.round.count(&served);
+        (served, light)
+    }
+
+    /// Moves the wake-ups other loops routed here into [`Serving::wakes`].
+    pub(super) fn take_inbox(&mut self) {
+        let wakes = &mut self.wakes;
+        self.shared
+            .turn(self.index, |_, router| router.take_inbox(wakes));
+    }
+
+    /// Takes connection `id` out of the engine (its waiters go); the wake-ups that
+    /// releases for this loop's connections are left in [`Serving::wakes`].
+    pub(super) fn leave(&mut self, id: ConnId) {
+        let wakes = &mut self.wakes;
+        let mut own = Vec::new();
+        self.shared.turn(self.index, |engine, router| {
+            engine.disconnect(id);
+            router.route(engine, id, &mut own, wakes);
+        });
+    }
 }
 
 /// A free slot in a loop's connection table: a freed one, or a new one at the end;
