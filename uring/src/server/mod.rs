@@ -345,19 +345,30 @@ impl StoreServer {
             let stats = Arc::clone(&shared.stats);
             // The engine's clock starts with its loops, a moment after this one.
             let started = std::time::Instant::now();
-            let server = metrics::MetricsServer::start(metrics_addr, move || {
-                let cells = &stats;
-                cells.metrics.as_ref().map_or_else(String::new, |m| {
-                    m.render(
-                        started.elapsed().as_millis() as u64,
-                        [
-                            cells.connections.load(Ordering::Relaxed),
-                            cells.keys.load(Ordering::Relaxed),
-                            cells.waiters.load(Ordering::Relaxed),
-                        ],
-                    )
-                })
-            })
+            let status = metrics::StatusSource::new(
+                if epoll { "epoll" } else { "io_uring" },
+                threads,
+                options.access.clone(),
+                Arc::clone(&shared.stats),
+                started,
+            );
+            let server = metrics::MetricsServer::start(
+                metrics_addr,
+                move || {
+                    let cells = &stats;
+                    cells.metrics.as_ref().map_or_else(String::new, |m| {
+                        m.render(
+                            started.elapsed().as_millis() as u64,
+                            [
+                                cells.connections.load(Ordering::Relaxed),
+                                cells.keys.load(Ordering::Relaxed),
+                                cells.waiters.load(Ordering::Relaxed),
+                            ],
+                        )
+                    })
+                },
+                Some(status),
+            )
             .map_err(|source| ServerError::Metrics {
                 addr: metrics_addr,
                 source,
@@ -443,6 +454,9 @@ fn start_epoll(
         Arc::clone(&shared.stats),
         options.budget,
     ));
+    if let Some(metrics) = &shared.stats.metrics {
+        metrics.attach(&engine);
+    }
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
         let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
@@ -486,6 +500,9 @@ fn start_uring(
         Arc::clone(&shared.stats),
         options.budget,
     ));
+    if let Some(metrics) = &shared.stats.metrics {
+        metrics.attach(&engine);
+    }
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
         let setup = direct::LoopSetup {

@@ -111,10 +111,12 @@ pub struct RunView {
     pub struck: Vec<Struck>,
     /// Why the round (or, when it is running, the round before it) ended, as written.
     pub over: Option<String>,
-    /// How long ago the round closed, when this view saw it happen or knew of it.
+    /// How long ago the round closed, to within the time between two looks: known when
+    /// this view looked at the run before the round closed.
     pub formed_ago_ms: Option<u64>,
     /// How long the round took to form, from the first sight of its arrivals to that of
-    /// its size: known only when both were seen apart.
+    /// its size (to within the time between looks): known only when both were seen
+    /// apart.
     pub formed_in_ms: Option<u64>,
 }
 
@@ -284,6 +286,8 @@ pub struct ElasticView {
     /// (run, round) → when its size was first seen, and whether it was seen appear
     /// (`false`: it was there at the first look).
     formed: BTreeMap<(String, u64), (Instant, bool)>,
+    /// Run → when it was first seen.
+    runs: BTreeMap<String, Instant>,
 }
 
 impl ElasticView {
@@ -305,6 +309,7 @@ impl ElasticView {
             }
         }
         // Forget what is gone, so that the view does not grow with a long server's life.
+        self.runs.retain(|run, _| runs.contains_key(run.as_str()));
         self.arrived.retain(|(run, round), _| {
             runs.get(run.as_str())
                 .is_some_and(|r| r.rounds.contains_key(round))
@@ -353,6 +358,12 @@ impl ElasticView {
     }
 
     fn run_view(&mut self, run_id: &str, run: &RunKeys<'_>, now: Instant) -> Option<RunView> {
+        let view = self.round_view(run_id, run, now);
+        self.runs.entry(run_id.to_string()).or_insert(now);
+        view
+    }
+
+    fn round_view(&mut self, run_id: &str, run: &RunKeys<'_>, now: Instant) -> Option<RunView> {
         let (&round, keys) = run.rounds.iter().next_back()?;
         let id = (run_id.to_string(), round);
         if keys.arrivals.is_some() {
@@ -362,7 +373,9 @@ impl ElasticView {
         let world = keys.size.and_then(parse_world);
         if keys.size.is_some() {
             let first = !self.formed.contains_key(&id);
-            let seen_before = self.arrived.get(&id).is_some_and(|&at| at < now);
+            // Seen appear if this run was looked at before without it: then it formed
+            // between that look and this one.
+            let seen_before = self.runs.get(run_id).is_some_and(|&at| at < now);
             if first {
                 self.formed.insert(id.clone(), (now, seen_before));
             }
@@ -373,6 +386,7 @@ impl ElasticView {
                 seen_appear
                     .then(|| self.arrived.get(&id))
                     .flatten()
+                    .filter(|&&first| first < at)
                     .map(|&first| millis(at.saturating_duration_since(first))),
             ),
             None => (None, None),
@@ -815,6 +829,8 @@ mod tests {
             run.struck[0].why
         );
         assert_eq!(run.over.as_deref(), Some(run.struck[0].why.as_str()));
+        // The run was looked at before round 1 closed: when it did is known.
+        assert!(run.formed_ago_ms.is_some(), "{run:?}");
     }
 
     #[test]
