@@ -5,6 +5,7 @@ mod cli;
 mod demo;
 mod elastic_cli;
 mod error;
+mod status_cli;
 mod store_client;
 
 use std::process::ExitCode;
