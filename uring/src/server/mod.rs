@@ -432,6 +432,19 @@ impl StoreServer {
     }
 }
 
+/// Lets `--metrics`' `/status.json` read the engine (weakly: the loops own it).
+fn attach_status(shared: &Shared, engine: &Arc<shared_engine::SharedEngine>) {
+    if let Some(metrics) = &shared.stats.metrics {
+        let engine = Arc::downgrade(engine);
+        metrics.attach(Box::new(move |f| {
+            engine
+                .upgrade()
+                .map(|engine| engine.turn(0, |engine, _| f(engine)))
+                .is_some()
+        }));
+    }
+}
+
 /// Starts one epoll loop per socket, all sharing one engine.
 fn start_epoll(
     options: &ServerOptions,
@@ -454,9 +467,7 @@ fn start_epoll(
         Arc::clone(&shared.stats),
         options.budget,
     ));
-    if let Some(metrics) = &shared.stats.metrics {
-        metrics.attach(&engine);
-    }
+    attach_status(shared, &engine);
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poll)) in sockets.into_iter().zip(polls).enumerate() {
         let listener = mio::net::TcpListener::from_std(std::net::TcpListener::from(socket));
@@ -500,9 +511,7 @@ fn start_uring(
         Arc::clone(&shared.stats),
         options.budget,
     ));
-    if let Some(metrics) = &shared.stats.metrics {
-        metrics.attach(&engine);
-    }
+    attach_status(shared, &engine);
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, ring)) in sockets.into_iter().zip(rings).enumerate() {
         let setup = direct::LoopSetup {

@@ -32,7 +32,7 @@ use std::io;
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -44,12 +44,11 @@ use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, WWW
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
+use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{QueryType, StoreStats};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
-
-use super::shared_engine::SharedEngine;
 
 /// Upper bounds of the duration buckets, in nanoseconds: 1-2-5 steps from 1 µs to 1 s.
 const BOUNDS_NS: [u64; 19] = [
@@ -103,9 +102,14 @@ pub(crate) struct Metrics {
     engine: EngineSlot,
 }
 
-/// Where `/status.json` finds the engine (weak: the loops own it).
+/// How `/status.json` reads the engine: runs the function with the engine locked, or
+/// answers `false` once the loops are gone. The server passes it in (the engine's lock
+/// is the loops' business).
+pub(crate) type EngineRead = Box<dyn Fn(&mut dyn FnMut(&Engine)) -> bool + Send + Sync>;
+
+/// Where `/status.json` finds the engine, once the loops have one.
 #[derive(Default)]
-struct EngineSlot(OnceLock<Weak<SharedEngine>>);
+struct EngineSlot(OnceLock<EngineRead>);
 
 impl std::fmt::Debug for EngineSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -125,8 +129,13 @@ impl Metrics {
     }
 
     /// Gives `/status.json` the engine to read (once; later calls are ignored).
-    pub(in crate::server) fn attach(&self, engine: &Arc<SharedEngine>) {
-        let _ = self.engine.0.set(Arc::downgrade(engine));
+    pub(crate) fn attach(&self, read: EngineRead) {
+        let _ = self.engine.0.set(read);
+    }
+
+    /// Runs `f` with the engine locked; `false` if there is none (yet, or any more).
+    fn read_engine(&self, f: &mut dyn FnMut(&Engine)) -> bool {
+        self.engine.0.get().is_some_and(|read| read(f))
     }
 
     /// The engine's figures as of the last batch.

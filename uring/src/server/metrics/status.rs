@@ -14,7 +14,7 @@
 //! the tab (`sessionStorage`). Reading the keys takes the engine's lock for one pass
 //! over them; a result is reused for [`REUSE`], so that many open pages cost one pass.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdzv_core::rendezvous::elastic::view::{ElasticView, PrefixTally};
@@ -128,10 +128,10 @@ impl StatusSource {
             }
         }
         let metrics = self.stats.metrics.as_ref();
-        let facts = metrics
-            .and_then(|m| m.engine.0.get())
-            .and_then(Weak::upgrade)
-            .map(|engine| engine.turn(0, |engine, _| engine_facts(engine)));
+        let mut facts = None;
+        if let Some(metrics) = metrics {
+            metrics.read_engine(&mut |engine| facts = Some(engine_facts(engine)));
+        }
         let stats = metrics.map(super::Metrics::snapshot).unwrap_or_default();
         let requests: u64 = stats.requests.iter().sum();
         if let Some((at, before, _)) = &last.at {
