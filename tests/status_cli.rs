@@ -4,9 +4,10 @@
 //! member started for this binary; SKIPPED with the reason when there is neither).
 
 mod etcd_cluster;
+mod status_nodes;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use rdzv::core::store::access::{AccessPolicy, TokenTable};
@@ -14,31 +15,11 @@ use rdzv::uring::{ServerOptions, StoreServer};
 use serde_json::Value;
 
 use etcd_cluster::{fastrand_u64, shared_endpoints};
+use status_nodes::{node, Node};
 
 const WATCHER: &str = "Wq8c2Lm0Zp5Vw9XyTb1Cf0H3";
 const JOB: &str = "f0H3kd8Jq2LmZp5Vw9XyTb1C";
 const OPERATOR: &str = "6tq2bX0n8Wc1pFv4LmZs7QyR";
-
-struct Node(Child);
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn node(url: &str, name: &str) -> Node {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rdzv"))
-        .args(["rendezvous", url, "--node-id", name])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn rdzv rendezvous");
-    let stdout = child.stdout.take().expect("piped");
-    std::thread::spawn(move || BufReader::new(stdout).lines().map_while(Result::ok).count());
-    Node(child)
-}
 
 fn status(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_rdzv"))

@@ -3,14 +3,16 @@
 //! schema, field by field, at each step); `/status`, the page; and in token mode, a read
 //! without a token of the `@status` grant is refused.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod status_nodes;
+
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rdzv::core::store::access::{AccessPolicy, TokenTable};
 use rdzv::uring::{ServerOptions, StoreServer};
 use serde_json::Value;
+use status_nodes::{node, Node};
 
 const OPERATOR: &str = "6tq2bX0n8Wc1pFv4LmZs7QyR";
 const WATCHER: &str = "Wq8c2Lm0Zp5Vw9XyTb1Cf0H3";
@@ -172,28 +174,6 @@ fn check_schema(doc: &Value) {
         string(&p["prefix"], "prefix");
         uint(&p["bytes"], "bytes");
     }
-}
-
-struct Node(Child);
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn node(url: &str, name: &str) -> Node {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rdzv"))
-        .args(["rendezvous", url, "--node-id", name])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn rdzv rendezvous");
-    // Drain its output, so that it never blocks on a full pipe.
-    let stdout = child.stdout.take().expect("piped");
-    std::thread::spawn(move || BufReader::new(stdout).lines().map_while(Result::ok).count());
-    Node(child)
 }
 
 /// Polls `/status.json` until run `id` satisfies `pred` (30 s at most); returns it.
