@@ -11,6 +11,10 @@
 //! takes no lock and the buckets are Prometheus' own model (cumulative `le` bounds);
 //! none of this runs unless `--metrics` is given.
 //!
+//! The same port serves `GET /status.json` and `GET /status`, the server and the elastic
+//! runs its keys hold, for a person ([`status`]: read-only, never a value; in token mode
+//! only a token of the `@status` grant may read it).
+//!
 //! Each scrape also carries the process figures Prometheus' client libraries export
 //! (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`, ...:
 //! [`process`]).
