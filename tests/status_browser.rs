@@ -185,3 +185,34 @@ fn the_page_in_a_browser_shows_members_a_spare_the_struck_node_and_the_next_roun
     assert!(dom.contains("had no heartbeat"), "why b was struck: {dom}");
     drop(nodes);
 }
+
+#[test]
+fn in_token_mode_the_page_asks_for_a_token_and_shows_nothing_else() {
+    let Some(chromium) = chromium() else {
+        eprintln!("SKIPPED the status page's login form in a browser: no chromium on PATH");
+        return;
+    };
+    let profile = tempfile::tempdir().expect("a browser profile directory");
+    let tokens =
+        rdzv::core::store::access::TokenTable::parse(b"Wq8c2Lm0Zp5Vw9XyTb1Cf0H3 @status\n")
+            .expect("a token file");
+    let server = StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        metrics: Some("127.0.0.1:0".parse().expect("an address")),
+        access: rdzv::core::store::access::AccessPolicy::new(None, Some(tokens)),
+        ..ServerOptions::default()
+    })
+    .expect("server");
+    let page = format!("http://{}/status", server.metrics_addr().expect("metrics"));
+    let dom = browse(&chromium, profile.path(), &page, &["--dump-dom"]);
+    assert!(
+        dom.contains("<form id=\"login\" style=\"display: block;\">"),
+        "the login form is shown: {dom}"
+    );
+    assert!(dom.contains(">a token is required<"), "{dom}");
+    assert!(
+        !dom.contains("<h2>Server</h2>"),
+        "no figures without a token: {dom}"
+    );
+}
