@@ -312,8 +312,12 @@ fn in_token_mode_only_a_status_grant_reads_the_status() {
         assert!(body.contains("@status"), "{body}");
         assert!(!body.contains("schema"), "{why}: no status in a refusal");
     }
-    for token in [WATCHER, OPERATOR] {
-        let (code, _, body) = get(addr, "/status.json", &bearer(token));
+    for headers in [
+        bearer(WATCHER),
+        bearer(OPERATOR),
+        format!("authorization: bearer {WATCHER}\r\n"),
+    ] {
+        let (code, _, body) = get(addr, "/status.json", &headers);
         assert_eq!(code, 200, "{body}");
         let doc: Value = serde_json::from_str(&body).expect("JSON");
         check_schema(&doc);

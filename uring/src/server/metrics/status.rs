@@ -113,9 +113,14 @@ impl StatusSource {
 
     /// Whether the `Authorization` header's value `header` may read the status.
     pub(crate) fn allows(&self, header: Option<&[u8]>) -> bool {
+        // The scheme is case-insensitive (RFC 9110, 11.1).
         let token = header
-            .and_then(|h| h.strip_prefix(b"Bearer "))
-            .map(|t| t.trim_ascii());
+            .filter(|h| {
+                h.get(..7)
+                    .is_some_and(|s| s.eq_ignore_ascii_case(b"bearer "))
+            })
+            .and_then(|h| h.get(7..))
+            .map(<[u8]>::trim_ascii);
         self.access.grants_status(token)
     }
 
