@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rdzv::uring::{ServerOptions, StoreServer};
+use rdzv::core::store::access::{AccessPolicy, TokenTable};
 use serde_json::Value;
-use status_nodes::node;
+use status_nodes::{node, server};
 
 fn chromium() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("RDZV_CHROMIUM") {
@@ -133,13 +133,7 @@ fn the_page_in_a_browser_shows_members_a_spare_the_struck_node_and_the_next_roun
         return;
     };
     let profile = tempfile::tempdir().expect("a browser profile directory");
-    let server = StoreServer::start(ServerOptions {
-        host: Some("127.0.0.1".into()),
-        port: 0,
-        metrics: Some("127.0.0.1:0".parse().expect("an address")),
-        ..ServerOptions::default()
-    })
-    .expect("server");
+    let server = server(AccessPolicy::open());
     let metrics = server.metrics_addr().expect("metrics");
     let page = format!("http://{metrics}/status");
 
@@ -193,17 +187,8 @@ fn in_token_mode_the_page_asks_for_a_token_and_shows_nothing_else() {
         return;
     };
     let profile = tempfile::tempdir().expect("a browser profile directory");
-    let tokens =
-        rdzv::core::store::access::TokenTable::parse(b"Wq8c2Lm0Zp5Vw9XyTb1Cf0H3 @status\n")
-            .expect("a token file");
-    let server = StoreServer::start(ServerOptions {
-        host: Some("127.0.0.1".into()),
-        port: 0,
-        metrics: Some("127.0.0.1:0".parse().expect("an address")),
-        access: rdzv::core::store::access::AccessPolicy::new(None, Some(tokens)),
-        ..ServerOptions::default()
-    })
-    .expect("server");
+    let tokens = TokenTable::parse(b"Wq8c2Lm0Zp5Vw9XyTb1Cf0H3 @status\n").expect("a token file");
+    let server = server(AccessPolicy::new(None, Some(tokens)));
     let page = format!("http://{}/status", server.metrics_addr().expect("metrics"));
     let dom = browse(&chromium, profile.path(), &page, &["--dump-dom"]);
     assert!(

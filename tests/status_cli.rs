@@ -11,11 +11,10 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use rdzv::core::store::access::{AccessPolicy, TokenTable};
-use rdzv::uring::{ServerOptions, StoreServer};
 use serde_json::Value;
 
 use etcd_cluster::{fastrand_u64, shared_endpoints};
-use status_nodes::{node, Node};
+use status_nodes::{node, server, Node};
 
 const WATCHER: &str = "Wq8c2Lm0Zp5Vw9XyTb1Cf0H3";
 const JOB: &str = "f0H3kd8Jq2LmZp5Vw9XyTb1C";
@@ -67,13 +66,7 @@ fn members(run: &Value) -> Vec<String> {
 
 #[test]
 fn status_of_a_tcp_store_by_its_keys_and_by_its_metrics() {
-    let server = StoreServer::start(ServerOptions {
-        host: Some("127.0.0.1".into()),
-        port: 0,
-        metrics: Some("127.0.0.1:0".parse().expect("an address")),
-        ..ServerOptions::default()
-    })
-    .expect("server");
+    let server = server(AccessPolicy::open());
     let addr = format!("127.0.0.1:{}", server.port());
     let metrics = server.metrics_addr().expect("metrics").to_string();
     let url = format!("elastic://{addr}/tabled?nodes=2:3&last_call=300ms&keep_alive_interval=200ms&keep_alive_max_attempts=15");
@@ -141,14 +134,7 @@ fn status_of_a_tcp_store_by_its_keys_and_by_its_metrics() {
 fn status_through_metrics_needs_a_status_grant_in_token_mode() {
     let file = format!("{OPERATOR}\n{WATCHER} @status\n{JOB} /job/\n");
     let tokens = TokenTable::parse(file.as_bytes()).expect("tokens");
-    let server = StoreServer::start(ServerOptions {
-        host: Some("127.0.0.1".into()),
-        port: 0,
-        metrics: Some("127.0.0.1:0".parse().expect("an address")),
-        access: AccessPolicy::new(None, Some(tokens)),
-        ..ServerOptions::default()
-    })
-    .expect("server");
+    let server = server(AccessPolicy::new(None, Some(tokens)));
     let addr = format!("127.0.0.1:{}", server.port());
     let metrics = server.metrics_addr().expect("metrics").to_string();
     let dir = tempfile::tempdir().expect("a temporary directory");

@@ -10,9 +10,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use rdzv::core::store::access::{AccessPolicy, TokenTable};
-use rdzv::uring::{ServerOptions, StoreServer};
 use serde_json::Value;
-use status_nodes::{node, Node};
+use status_nodes::{node, server, Node};
 
 const OPERATOR: &str = "6tq2bX0n8Wc1pFv4LmZs7QyR";
 const WATCHER: &str = "Wq8c2Lm0Zp5Vw9XyTb1Cf0H3";
@@ -42,17 +41,6 @@ fn status_json(addr: SocketAddr) -> Value {
     assert_eq!(code, 200, "{head}\n{body}");
     assert!(head.contains("content-type: application/json"), "{head}");
     serde_json::from_str(&body).expect("/status.json is JSON")
-}
-
-fn server(access: AccessPolicy) -> StoreServer {
-    StoreServer::start(ServerOptions {
-        host: Some("127.0.0.1".into()),
-        port: 0,
-        metrics: Some("127.0.0.1:0".parse().expect("an address")),
-        access,
-        ..ServerOptions::default()
-    })
-    .expect("a server with --metrics")
 }
 
 fn uint(v: &Value, what: &str) -> u64 {

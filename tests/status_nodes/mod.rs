@@ -1,7 +1,23 @@
-//! `rdzv rendezvous` node processes for the status tests, killed when dropped.
+//! What the status tests share: a store server with `--metrics` on loopback, and `rdzv
+//! rendezvous` node processes, killed when dropped.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+
+use rdzv::core::store::access::AccessPolicy;
+use rdzv::uring::{ServerOptions, StoreServer};
+
+/// A store server on a free loopback port, with `--metrics` on another, under `access`.
+pub(crate) fn server(access: AccessPolicy) -> StoreServer {
+    StoreServer::start(ServerOptions {
+        host: Some("127.0.0.1".into()),
+        port: 0,
+        metrics: Some("127.0.0.1:0".parse().expect("an address")),
+        access,
+        ..ServerOptions::default()
+    })
+    .expect("a server with --metrics")
+}
 
 /// One node process.
 pub(crate) struct Node(pub(crate) Child);

@@ -45,13 +45,11 @@ pub enum RunState {
     Closed,
 }
 
-/// A member of a run's round.
+/// A node of a round, member or not.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Member {
+pub struct Arrival {
     /// The node's name (its node id).
     pub node: String,
-    /// Its rank, `0..world_size`.
-    pub rank: u32,
     /// Its slot in the round's arrivals.
     pub slot: u32,
     /// The host of its contact (`host` of `host:port`), when it gave one.
@@ -59,24 +57,19 @@ pub struct Member {
     /// How long since its heartbeat counter was last seen to move (or, until it has been
     /// seen to move, since it was first seen); `None` while it has no heartbeat key.
     pub beat_age_ms: Option<u64>,
-    /// Whether [`Member::beat_age_ms`] is only a lower bound: the counter has not been
+    /// Whether [`Arrival::beat_age_ms`] is only a lower bound: the counter has not been
     /// seen to move yet.
     pub beat_age_at_least: bool,
 }
 
-/// A node of the round that is not (or not yet) a member.
+/// A member of a run's round: an arrival with a rank (one flat object in JSON).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Arrival {
-    /// The node's name.
-    pub node: String,
-    /// Its slot in the round's arrivals.
-    pub slot: u32,
-    /// The host of its contact, when it gave one.
-    pub host: Option<String>,
-    /// As [`Member::beat_age_ms`].
-    pub beat_age_ms: Option<u64>,
-    /// As [`Member::beat_age_at_least`].
-    pub beat_age_at_least: bool,
+pub struct Member {
+    /// Its rank, `0..world_size`.
+    pub rank: u32,
+    /// The node.
+    #[serde(flatten)]
+    pub arrival: Arrival,
 }
 
 /// A node struck from a round, and why.
@@ -357,6 +350,17 @@ impl ElasticView {
         (Some(millis(now.saturating_duration_since(at))), !moved)
     }
 
+    fn arrival(&self, keys: &RoundKeys<'_>, line: &Line<'_>, now: Instant) -> Arrival {
+        let (beat_age_ms, beat_age_at_least) = self.beat_age(keys, line.slot, now);
+        Arrival {
+            node: line.node.to_string(),
+            slot: line.slot,
+            host: line.contact.map(host_of),
+            beat_age_ms,
+            beat_age_at_least,
+        }
+    }
+
     fn run_view(&mut self, run_id: &str, run: &RunKeys<'_>, now: Instant) -> Option<RunView> {
         let view = self.round_view(run_id, run, now);
         self.runs.entry(run_id.to_string()).or_insert(now);
@@ -397,31 +401,28 @@ impl ElasticView {
         if let Some(world) = &world {
             for (rank, &slot) in world.slots.iter().enumerate() {
                 in_world.push(slot);
-                let line = lines.get(&slot);
-                let (beat_age_ms, beat_age_at_least) = self.beat_age(keys, slot, now);
+                let arrival = match lines.get(&slot) {
+                    Some(line) => self.arrival(keys, line, now),
+                    None => self.arrival(
+                        keys,
+                        &Line {
+                            slot,
+                            contact: None,
+                            node: "",
+                        },
+                        now,
+                    ),
+                };
                 members.push(Member {
-                    node: line.map_or_else(String::new, |l| l.node.to_string()),
                     rank: u32::try_from(rank).unwrap_or(u32::MAX),
-                    slot,
-                    host: line.and_then(|l| l.contact).map(host_of),
-                    beat_age_ms,
-                    beat_age_at_least,
+                    arrival,
                 });
             }
         }
         let waiting = lines
             .values()
             .filter(|l| !in_world.contains(&l.slot) && !struck_slots.contains(&l.slot))
-            .map(|l| {
-                let (beat_age_ms, beat_age_at_least) = self.beat_age(keys, l.slot, now);
-                Arrival {
-                    node: l.node.to_string(),
-                    slot: l.slot,
-                    host: l.contact.map(host_of),
-                    beat_age_ms,
-                    beat_age_at_least,
-                }
-            })
+            .map(|l| self.arrival(keys, l, now))
             .collect();
         let mut struck = struck_in(round, keys, &lines);
         let previous = round
@@ -510,7 +511,7 @@ fn lost_members(
         .slots
         .iter()
         .filter_map(|slot| lines.get(slot))
-        .filter(|l| !now_members.iter().any(|m| m.node == l.node))
+        .filter(|l| !now_members.iter().any(|m| m.arrival.node == l.node))
         .map(|l| Struck {
             node: l.node.to_string(),
             round: prev,
@@ -766,7 +767,7 @@ mod tests {
         assert_eq!(run.state, RunState::Complete, "{run:?}");
         assert_eq!(run.world_size, Some(3));
         assert_eq!(
-            names(run.members.iter().map(|m| m.node.as_str())),
+            names(run.members.iter().map(|m| m.arrival.node.as_str())),
             ["a", "b", "c"]
         );
         assert_eq!(
@@ -782,8 +783,8 @@ mod tests {
         c.run_for(Duration::from_millis(2_500));
         let run = c.look(&mut view);
         for m in &run.members {
-            let age = m.beat_age_ms.unwrap_or_else(|| panic!("{m:?}"));
-            assert!(age <= 1_000 && !m.beat_age_at_least, "{m:?}");
+            let age = m.arrival.beat_age_ms.unwrap_or_else(|| panic!("{m:?}"));
+            assert!(age <= 1_000 && !m.arrival.beat_age_at_least, "{m:?}");
         }
     }
 
@@ -799,13 +800,23 @@ mod tests {
         c.nodes[1].2 = false; // b dies
         c.run_for(Duration::from_secs(2));
         let run = c.look(&mut view);
-        let b = run.members.iter().find(|m| m.node == "b").unwrap();
+        let b = &run
+            .members
+            .iter()
+            .find(|m| m.arrival.node == "b")
+            .unwrap()
+            .arrival;
         // Seen once alive, then not moving: at least the time between the looks.
         assert!(
             b.beat_age_ms.is_some_and(|age| age >= 2_000) && b.beat_age_at_least,
             "{b:?}"
         );
-        let a = run.members.iter().find(|m| m.node == "a").unwrap();
+        let a = &run
+            .members
+            .iter()
+            .find(|m| m.arrival.node == "a")
+            .unwrap()
+            .arrival;
         assert!(
             a.beat_age_ms.is_some_and(|age| age <= 1_000) && !a.beat_age_at_least,
             "{a:?}"
@@ -818,7 +829,7 @@ mod tests {
             "{run:?}"
         );
         assert_eq!(
-            names(run.members.iter().map(|m| m.node.as_str())),
+            names(run.members.iter().map(|m| m.arrival.node.as_str())),
             ["a", "c"]
         );
         assert_eq!(run.struck.len(), 1, "{:?}", run.struck);
