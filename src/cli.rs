@@ -487,7 +487,6 @@ fn serve(options: ServerOptions, world_size: Option<u64>) -> Result<ExitCode, Cl
     println!("listening on {}", server.local_addr());
     if let Some(addr) = server.metrics_addr() {
         println!("metrics on http://{addr}/metrics");
-        println!("status on http://{addr}/status");
     }
     std::io::stdout().flush()?;
     if let Some(signal) = signals.forever().next() {

@@ -130,42 +130,6 @@ fn status_of_a_tcp_store_by_its_keys_and_by_its_metrics() {
     let _ = watch.wait();
 }
 
-/// `store serve --metrics` says where the page is.
-#[test]
-fn serve_prints_the_status_page_address() {
-    let mut served = Command::new(env!("CARGO_BIN_EXE_rdzv"))
-        .args([
-            "store",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("rdzv store serve");
-    let lines: Vec<String> = BufReader::new(served.stdout.take().expect("piped"))
-        .lines()
-        .take(3)
-        .map(|l| l.expect("a line"))
-        .collect();
-    let _ = served.kill();
-    let _ = served.wait();
-    let metrics = lines[1]
-        .strip_prefix("metrics on http://")
-        .expect("the metrics line");
-    let addr = metrics.strip_suffix("/metrics").expect("/metrics");
-    assert_eq!(
-        lines[2],
-        format!("status on http://{addr}/status"),
-        "{lines:?}"
-    );
-}
-
 #[test]
 fn status_through_metrics_needs_a_status_grant_in_token_mode() {
     let file = format!("{OPERATOR}\n{WATCHER} @status\n{JOB} /job/\n");
