@@ -56,6 +56,9 @@ enum Command {
     /// Join an elastic rendezvous (elastic://HOST:PORT/RUN_ID?nodes=MIN:MAX) as one node,
     /// print each round it is a member of, and heartbeat until killed.
     Rendezvous(crate::elastic_cli::RendezvousArgs),
+    /// Show the elastic runs a store holds: round, state, members, waiting and struck
+    /// nodes (from --metrics' /status.json, the keys, or etcd).
+    Status(crate::status_cli::StatusArgs),
     /// Print a shell completion script (e.g. `rdzv completions bash > /etc/bash_completion.d/rdzv`).
     Completions {
         /// The shell.
@@ -312,6 +315,7 @@ pub(crate) fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Bench(command) => Ok(rdzv_bench::run(command)?),
         Command::DemoWorker(args) => crate::demo::worker(args),
         Command::Rendezvous(args) => crate::elastic_cli::run(args),
+        Command::Status(args) => crate::status_cli::run(args),
         Command::Completions { shell } => {
             // Into a buffer first: clap_complete panics on a failed write (a closed pipe).
             let mut script = Vec::new();

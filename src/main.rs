@@ -6,6 +6,7 @@ mod demo;
 mod elastic_cli;
 mod error;
 mod sd_notify;
+mod status_cli;
 mod store_client;
 
 use std::process::ExitCode;

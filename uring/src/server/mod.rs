@@ -345,19 +345,30 @@ impl StoreServer {
             let stats = Arc::clone(&shared.stats);
             // The engine's clock starts with its loops, a moment after this one.
             let started = std::time::Instant::now();
-            let server = metrics::MetricsServer::start(metrics_addr, move || {
-                let cells = &stats;
-                cells.metrics.as_ref().map_or_else(String::new, |m| {
-                    m.render(
-                        started.elapsed().as_millis() as u64,
-                        [
-                            cells.connections.load(Ordering::Relaxed),
-                            cells.keys.load(Ordering::Relaxed),
-                            cells.waiters.load(Ordering::Relaxed),
-                        ],
-                    )
-                })
-            })
+            let status = metrics::StatusSource::new(
+                if epoll { "epoll" } else { "io_uring" },
+                threads,
+                options.access.clone(),
+                Arc::clone(&shared.stats),
+                started,
+            );
+            let server = metrics::MetricsServer::start(
+                metrics_addr,
+                move || {
+                    let cells = &stats;
+                    cells.metrics.as_ref().map_or_else(String::new, |m| {
+                        m.render(
+                            started.elapsed().as_millis() as u64,
+                            [
+                                cells.connections.load(Ordering::Relaxed),
+                                cells.keys.load(Ordering::Relaxed),
+                                cells.waiters.load(Ordering::Relaxed),
+                            ],
+                        )
+                    })
+                },
+                Some(status),
+            )
             .map_err(|source| ServerError::Metrics {
                 addr: metrics_addr,
                 source,
@@ -437,6 +448,19 @@ impl StoreServer {
     }
 }
 
+/// Lets `--metrics`' `/status.json` read the engine (weakly: the loops own it).
+fn attach_status(shared: &Shared, engine: &Arc<shared_engine::SharedEngine>) {
+    if let Some(metrics) = &shared.stats.metrics {
+        let engine = Arc::downgrade(engine);
+        metrics.attach(Box::new(move |f| {
+            engine
+                .upgrade()
+                .map(|engine| engine.turn(0, |engine, _| f(engine)))
+                .is_some()
+        }));
+    }
+}
+
 /// What [`start_loops`] starts loops with: the options, the idle spin, one listening
 /// socket per loop, and the server they serve.
 struct LoopsOf<'a> {
@@ -472,6 +496,7 @@ fn start_loops<P, W: shared_engine::LoopWaker + 'static>(
         Arc::clone(&shared.stats),
         options.budget,
     ));
+    attach_status(shared, &engine);
     let mut loops: Vec<LoopBody> = Vec::new();
     for (index, (socket, poller)) in sockets.into_iter().zip(pollers).enumerate() {
         let config = loop_config::LoopConfig {

@@ -149,6 +149,7 @@ mod key_use;
 mod machine;
 #[cfg(test)]
 mod tests;
+pub mod view;
 
 use alloc::string::{String, ToString};
 use core::fmt;

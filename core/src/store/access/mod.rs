@@ -35,6 +35,11 @@
 //! clients put `/` before every user key, so the keys a job names `job1/...` need the
 //! prefix `/job1/`.
 //!
+//! A token whose second field is `@status` ([`STATUS_GRANT`]) may read the status page
+//! of `--metrics` (`/status`, `/status.json`, sent as `Authorization: Bearer TOKEN`) and
+//! no key: every request that names a key, counts or lists keys is refused as outside
+//! its scope. A token of every key may read the page too.
+//!
 //! # What a prefix-bound token may do
 //!
 //! | Requests | With a prefix-bound token |
@@ -266,6 +271,8 @@ pub enum Scope {
     All,
     /// Only keys that start with these bytes (wire keys: user keys carry a leading `/`).
     Prefix(Vec<u8>),
+    /// The `@status` grant: reading `--metrics`' status page, and no key.
+    Status,
 }
 
 /// Why a token file could not be read. Never holds a token.
@@ -331,6 +338,9 @@ impl fmt::Display for TokenFileError {
 
 #[cfg(feature = "std")]
 impl std::error::Error for TokenFileError {}
+
+/// The second field of a token line that grants the status page (and no key).
+pub const STATUS_GRANT: &str = "@status";
 
 /// What an accepted token grants: an index into its [`TokenTable`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -400,6 +410,7 @@ impl TokenTable {
                 });
             }
             let scope = match prefix {
+                Some(STATUS_GRANT) => Scope::Status,
                 Some(prefix) => Scope::Prefix(prefix.as_bytes().to_vec()),
                 None => Scope::All,
             };
@@ -579,6 +590,18 @@ impl AccessPolicy {
         self.tokens.is_some()
     }
 
+    /// Whether `token` (an HTTP `Authorization: Bearer` token, `None` if none was sent)
+    /// may read the status page: always without tokens; else a token of the
+    /// [`STATUS_GRANT`] or of every key.
+    pub fn grants_status(&self, token: Option<&[u8]>) -> bool {
+        let Some(tokens) = &self.tokens else {
+            return true;
+        };
+        token
+            .and_then(|token| tokens.authenticate(token))
+            .is_some_and(|grant| matches!(tokens.scope(grant), Scope::All | Scope::Status))
+    }
+
     /// At accept: whether a peer at `peer` may connect.
     pub fn admit(&self, peer: IpAddr) -> Result<(), Refusal> {
         match &self.allow {
@@ -631,11 +654,12 @@ impl AccessPolicy {
         };
         let prefix = match self.tokens.as_ref().map(|t| t.scope(grant)) {
             Some(Scope::All) => return Ok(()),
-            Some(Scope::Prefix(prefix)) => prefix.as_slice(),
+            Some(Scope::Prefix(prefix)) => Some(prefix.as_slice()),
+            Some(Scope::Status) => None,
             None => return Ok(()),
         };
         let query = request.query_type();
-        let inside = |key: &[u8]| key.starts_with(prefix);
+        let inside = |key: &[u8]| prefix.is_some_and(|prefix| key.starts_with(prefix));
         let keys_inside = match *request {
             Request::Validate { .. } | Request::Ping { .. } | Request::CancelWait => true,
             Request::GetNumKeys | Request::ListKeys | Request::Stats => {

@@ -343,3 +343,35 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn a_status_grant_reads_the_status_page_and_no_key() {
+    const WATCHER: &str = "Wq8c2Lm0Zp5Vw9XyTb1Cf0H3";
+    let text = alloc::format!("{}{WATCHER} @status\n", file());
+    let policy = AccessPolicy::new(None, Some(TokenTable::parse(text.as_bytes()).unwrap()));
+    assert!(policy.grants_status(Some(WATCHER.as_bytes())));
+    assert!(policy.grants_status(Some(OPERATOR.as_bytes())));
+    assert!(
+        !policy.grants_status(Some(JOB1.as_bytes())),
+        "a prefix-bound token"
+    );
+    assert!(!policy.grants_status(Some(b"not-a-token-at-all!!")));
+    assert!(!policy.grants_status(None));
+    assert!(AccessPolicy::open().grants_status(None), "no tokens: open");
+    let watcher = policy
+        .authenticate(policy.new_connection(), Some(WATCHER.as_bytes()))
+        .unwrap();
+    assert_eq!(
+        policy.authorize(watcher, &Request::Ping { nonce: 1 }),
+        Ok(())
+    );
+    for request in [Request::Get { key: b"" }, Request::Get { key: b"/job1/k" }] {
+        assert_eq!(
+            policy.authorize(watcher, &request),
+            Err(Refusal::KeyOutsidePrefix {
+                query: QueryType::Get
+            })
+        );
+    }
+    assert!(policy.authorize(watcher, &Request::ListKeys).is_err());
+}

@@ -537,6 +537,14 @@ impl Engine {
         self.kv.len()
     }
 
+    /// Every key and its value, in no order (queues not included): for a read-only
+    /// status view (`--metrics`' `/status`), which shows keys, never values.
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.kv
+            .iter()
+            .map(|(key, value)| (&key[..], value.as_slice()))
+    }
+
     /// The value stored under `key`, if any.
     pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
         self.kv.get(key).map(Vec::as_slice)

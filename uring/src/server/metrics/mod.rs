@@ -11,6 +11,10 @@
 //! takes no lock and the buckets are Prometheus' own model (cumulative `le` bounds);
 //! none of this runs unless `--metrics` is given.
 //!
+//! The same port serves `GET /status.json` and `GET /status`, the server and the elastic
+//! runs its keys hold, for a person ([`status`]: read-only, never a value; in token mode
+//! only a token of the `@status` grant may read it).
+//!
 //! Each scrape also carries the process figures Prometheus' client libraries export
 //! (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`, ...:
 //! [`process`]).
@@ -22,6 +26,9 @@
 //! per connection. It decides nothing about requests.
 
 mod process;
+mod status;
+
+pub(crate) use status::StatusSource;
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -29,7 +36,7 @@ use std::io;
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -37,10 +44,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, WWW_AUTHENTICATE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
+use rdzv_core::store::engine::Engine;
 use rdzv_core::store::{QueryType, StoreStats};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
@@ -94,6 +102,27 @@ pub(crate) struct Metrics {
     snapshot: Mutex<StoreStats>,
     /// Durations by [`QueryType::index`].
     durations: [Histogram; QueryType::ALL.len()],
+    /// The engine, for `/status.json`: set once the loops have one.
+    engine: EngineSlot,
+}
+
+/// How `/status.json` reads the engine: runs the function with the engine locked, or
+/// answers `false` once the loops are gone. The server passes it in (the engine's lock
+/// is the loops' business).
+pub(crate) type EngineRead = Box<dyn Fn(&mut dyn FnMut(&Engine)) -> bool + Send + Sync>;
+
+/// Where `/status.json` finds the engine, once the loops have one.
+#[derive(Default)]
+struct EngineSlot(OnceLock<EngineRead>);
+
+impl std::fmt::Debug for EngineSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "EngineSlot(attached)"
+        } else {
+            "EngineSlot(none)"
+        })
+    }
 }
 
 impl Metrics {
@@ -101,6 +130,21 @@ impl Metrics {
     pub(crate) fn record(&self, query: QueryType, took: Duration) {
         let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
         self.durations[query.index()].record(ns);
+    }
+
+    /// Gives `/status.json` the engine to read (once; later calls are ignored).
+    pub(crate) fn attach(&self, read: EngineRead) {
+        let _ = self.engine.0.set(read);
+    }
+
+    /// Runs `f` with the engine locked; `false` if there is none (yet, or any more).
+    fn read_engine(&self, f: &mut dyn FnMut(&Engine)) -> bool {
+        self.engine.0.get().is_some_and(|read| read(f))
+    }
+
+    /// The engine's figures as of the last batch.
+    fn snapshot(&self) -> StoreStats {
+        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Publishes the engine's figures (after a batch of requests).
@@ -112,7 +156,7 @@ impl Metrics {
     /// `live` its connections, keys and waiters as the loops keep them (fresher than the
     /// last batch's snapshot: a disconnect serves no request).
     pub(crate) fn render(&self, uptime_ms: u64, live: [usize; 3]) -> String {
-        let mut stats = *self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stats = self.snapshot();
         stats.connections = live[0] as u64;
         stats.keys = live[1] as u64;
         stats.waiters = live[2] as u64;
@@ -269,15 +313,22 @@ pub(crate) struct MetricsServer {
     thread: Option<JoinHandle<()>>,
 }
 
-/// What renders the store's figures (the server's closure), shared by the connections.
-type Render = Arc<Mutex<dyn Fn() -> String + Send>>;
+/// What the connections answer from: the store's figures (the server's closure) and,
+/// when the server gave one, its status.
+#[derive(Clone)]
+struct Routes {
+    render: Arc<Mutex<dyn Fn() -> String + Send>>,
+    status: Option<Arc<StatusSource>>,
+}
 
 impl MetricsServer {
     /// Binds `addr` and starts serving `render()`'s output, followed by the process
-    /// figures, on a thread of its own.
+    /// figures, at `/metrics`, and `status` at `/status` and `/status.json`, on a thread
+    /// of its own.
     pub(crate) fn start(
         addr: SocketAddr,
         render: impl Fn() -> String + Send + 'static,
+        status: Option<StatusSource>,
     ) -> io::Result<MetricsServer> {
         let listener = StdTcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
@@ -288,7 +339,10 @@ impl MetricsServer {
             .build()?;
         let stop = Arc::new(Notify::new());
         let stopping = Arc::clone(&stop);
-        let render: Render = Arc::new(Mutex::new(render));
+        let routes = Routes {
+            render: Arc::new(Mutex::new(render)),
+            status: status.map(Arc::new),
+        };
         let thread = std::thread::Builder::new()
             .name("rdzv-metrics".into())
             .spawn(move || {
@@ -304,7 +358,7 @@ impl MetricsServer {
                         stopping.notified().await;
                         None
                     };
-                    let accepting = accept_loop(&listener, render);
+                    let accepting = accept_loop(&listener, routes);
                     futures_lite::future::or(accepting, stopped).await;
                 });
             })?;
@@ -337,7 +391,7 @@ impl Drop for MetricsServer {
 
 /// Accepts until stopped; each connection is a task of its own, so an idle or slow
 /// client holds up nobody. Never returns `Some`; the type lets it race the stop signal.
-async fn accept_loop(listener: &TcpListener, render: Render) -> Option<()> {
+async fn accept_loop(listener: &TcpListener, routes: Routes) -> Option<()> {
     let active = Arc::new(AtomicUsize::new(0));
     let mut refused = RateLimited::default();
     let mut failed = RateLimited::default();
@@ -358,9 +412,9 @@ async fn accept_loop(listener: &TcpListener, render: Render) -> Option<()> {
                 }
                 active.fetch_add(1, Ordering::AcqRel);
                 let active = Arc::clone(&active);
-                let render = Arc::clone(&render);
+                let routes = routes.clone();
                 tokio::spawn(async move {
-                    let served = tokio::time::timeout(CONNECTION_TIMEOUT, serve(stream, render));
+                    let served = tokio::time::timeout(CONNECTION_TIMEOUT, serve(stream, routes));
                     match served.await {
                         Ok(Ok(())) => {}
                         Ok(Err(error)) => tracing::debug!(%peer, %error, "metrics request failed"),
@@ -402,10 +456,10 @@ impl RateLimited {
 }
 
 /// One connection: one request (no keep-alive), answered by [`answer`].
-async fn serve(stream: tokio::net::TcpStream, render: Render) -> Result<(), hyper::Error> {
+async fn serve(stream: tokio::net::TcpStream, routes: Routes) -> Result<(), hyper::Error> {
     let service = service_fn(move |request: Request<Incoming>| {
-        let render = Arc::clone(&render);
-        async move { Ok::<_, Infallible>(answer(request.method(), request.uri().path(), &render)) }
+        let routes = routes.clone();
+        async move { Ok::<_, Infallible>(answer(&request, &routes)) }
     });
     http1::Builder::new()
         .keep_alive(false)
@@ -414,30 +468,84 @@ async fn serve(stream: tokio::net::TcpStream, render: Render) -> Result<(), hype
         .await
 }
 
-/// What a request is answered with: `GET /metrics` (any query string) the figures, a
-/// `GET` of another path 404, any other method 405.
-fn answer(method: &Method, path: &str, render: &Render) -> Response<Full<Bytes>> {
-    let (status, body) = match (method, path) {
-        (&Method::GET, "/metrics") => {
-            let mut body = (render.lock().unwrap_or_else(|p| p.into_inner()))();
+/// Prometheus' text format.
+const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// What a request is answered with: `GET /metrics` (any query string) the figures,
+/// `GET /status.json` the status (401 without a token that may read it, where tokens are
+/// required), `GET /status` the page that shows it; a `GET` of another path 404, any
+/// other method 405.
+fn answer<B>(request: &Request<B>, routes: &Routes) -> Response<Full<Bytes>> {
+    let status = routes.status.as_deref();
+    let (code, kind, body) = match (request.method(), request.uri().path(), status) {
+        (&Method::GET, "/metrics", _) => {
+            let mut body = (routes.render.lock().unwrap_or_else(|p| p.into_inner()))();
             process::render(&mut body);
-            (StatusCode::OK, body)
+            (StatusCode::OK, TEXT, Bytes::from(body))
         }
-        (&Method::GET, _) => (
+        (&Method::GET, "/status.json", Some(status)) => {
+            let header = request
+                .headers()
+                .get(AUTHORIZATION)
+                .map(HeaderValue::as_bytes);
+            if status.allows(header) {
+                let body = status.json(std::time::Instant::now());
+                (
+                    StatusCode::OK,
+                    "application/json",
+                    Bytes::from(body.as_bytes().to_vec()),
+                )
+            } else {
+                let mut response = reply(
+                    StatusCode::UNAUTHORIZED,
+                    TEXT,
+                    Bytes::from_static(
+                        b"the status needs Authorization: Bearer TOKEN, a token of the                           @status grant in the server's --token-file\n",
+                    ),
+                );
+                response.headers_mut().insert(
+                    WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"rdzv status\""),
+                );
+                return response;
+            }
+        }
+        (&Method::GET, "/status", Some(_)) => {
+            let mut response = reply(
+                StatusCode::OK,
+                "text/html; charset=utf-8",
+                Bytes::from_static(status::PAGE.as_bytes()),
+            );
+            // Nothing but this page's own script and style, and fetches of this server.
+            response.headers_mut().insert(
+                "content-security-policy",
+                HeaderValue::from_static(
+                    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                     connect-src 'self'; img-src data:; form-action 'none'; frame-ancestors 'none'",
+                ),
+            );
+            return response;
+        }
+        (&Method::GET, _, _) => (
             StatusCode::NOT_FOUND,
-            "rdzv serves its metrics at /metrics\n".to_string(),
+            TEXT,
+            Bytes::from_static(b"rdzv serves its metrics at /metrics and its status at /status\n"),
         ),
         _ => (
             StatusCode::METHOD_NOT_ALLOWED,
-            "only GET /metrics is served\n".to_string(),
+            TEXT,
+            Bytes::from_static(b"only GET is served\n"),
         ),
     };
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
+    reply(code, kind, body)
+}
+
+fn reply(code: StatusCode, kind: &'static str, body: Bytes) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = code;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(kind));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
 }
 
@@ -556,7 +664,12 @@ mod tests {
     }
 
     fn figures() -> MetricsServer {
-        MetricsServer::start("127.0.0.1:0".parse().unwrap(), || "figures 1\n".into()).unwrap()
+        MetricsServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            || "figures 1\n".into(),
+            None,
+        )
+        .unwrap()
     }
 
     #[test]

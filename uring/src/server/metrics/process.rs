@@ -91,9 +91,8 @@ pub(crate) fn render(out: &mut String) {
             );
         }
     }
-    if let Ok(entries) = std::fs::read_dir("/proc/self/fd") {
-        // The directory's own descriptor, open while it is read, is counted out.
-        let open = entries.count().saturating_sub(1);
+    let (open, max) = descriptors();
+    if let Some(open) = open {
         gauge(
             out,
             "process_open_fds",
@@ -102,8 +101,7 @@ pub(crate) fn render(out: &mut String) {
             &open.to_string(),
         );
     }
-    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    if let Some(max) = limit.current {
+    if let Some(max) = max {
         gauge(
             out,
             "process_max_fds",
@@ -112,6 +110,16 @@ pub(crate) fn render(out: &mut String) {
             &max.to_string(),
         );
     }
+}
+
+/// The open file descriptors and the most there may be (`RLIMIT_NOFILE`'s soft limit).
+pub(crate) fn descriptors() -> (Option<usize>, Option<u64>) {
+    // The directory's own descriptor, open while it is read, is counted out.
+    let open = std::fs::read_dir("/proc/self/fd")
+        .ok()
+        .map(|entries| entries.count().saturating_sub(1));
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    (open, limit.current)
 }
 
 fn gauge(out: &mut String, name: &str, kind: &str, help: &str, value: &str) {
