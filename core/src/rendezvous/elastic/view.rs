@@ -19,6 +19,8 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::time::Duration;
 
+use super::machine::roster::{self, Entry, Line as RosterLine};
+use super::machine::MAX_SLOTS;
 use super::Instant;
 
 /// The prefix of the machine's keys (the parent module's layout).
@@ -137,62 +139,31 @@ struct RunKeys<'a> {
     rounds: BTreeMap<u64, RoundKeys<'a>>,
 }
 
-/// One arrival's roster line.
-struct Line<'a> {
-    slot: u32,
-    contact: Option<&'a str>,
-    node: &'a str,
-}
+/// One arrival's roster line, as the machine writes and reads it.
+type Line<'a> = Entry<'a>;
 
-/// What a round's size value says: `N:c;s0,s1,…[;contact]`, or `0` when shut down.
+/// What a round's size value says: its slots by rank (none when shut down).
 struct World {
     slots: Vec<u32>,
 }
 
+/// The size value, by the machine's own reading of it.
 fn parse_world(value: &[u8]) -> Option<World> {
-    let text = core::str::from_utf8(value).ok()?;
-    let (_, rest) = text.split_once(';')?;
-    let slots = rest.split(';').next()?;
-    let slots = slots
-        .split(',')
-        .map(|s| s.parse().ok())
-        .collect::<Option<_>>()?;
-    Some(World { slots })
+    roster::parse_world(value, MAX_SLOTS).map(|(slots, _, _)| World { slots })
 }
 
-/// The roster: arrivals by slot, and the slots struck.
+/// The roster, by the machine's own reading of it: arrivals by slot, and the slots
+/// struck.
 fn parse_roster(roster: &[u8]) -> (BTreeMap<u32, Line<'_>>, Vec<u32>) {
     let mut joined = BTreeMap::new();
     let mut gone = Vec::new();
-    for line in roster.split(|&b| b == b'\n') {
-        let Ok(line) = core::str::from_utf8(line) else {
-            continue;
-        };
-        if let Some(slot) = line.strip_prefix('-').and_then(|s| s.parse().ok()) {
-            gone.push(slot);
-            continue;
+    for line in roster::parse_roster(roster) {
+        match line {
+            RosterLine::Joined(entry) => {
+                joined.insert(entry.slot, entry);
+            }
+            RosterLine::Gone(slot) => gone.push(slot),
         }
-        let Some(rest) = line.strip_prefix('+') else {
-            continue;
-        };
-        let mut parts = rest.splitn(4, ' ');
-        let (Some(slot), Some(_prev), Some(contact)) = (
-            parts.next().and_then(|s| s.parse().ok()),
-            parts.next(),
-            parts.next(),
-        ) else {
-            continue;
-        };
-        let contact = (contact != "-").then_some(contact);
-        let node = parts.next().unwrap_or("");
-        joined.insert(
-            slot,
-            Line {
-                slot,
-                contact,
-                node,
-            },
-        );
     }
     (joined, gone)
 }
@@ -407,6 +378,7 @@ impl ElasticView {
                         keys,
                         &Line {
                             slot,
+                            prev: None,
                             contact: None,
                             node: "",
                         },

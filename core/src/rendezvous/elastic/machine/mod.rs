@@ -67,7 +67,7 @@ mod join;
 mod keep_alive;
 mod last_call;
 mod leave;
-mod roster;
+pub(super) mod roster;
 mod steps;
 mod tick;
 
@@ -425,7 +425,7 @@ pub(super) const CLOSED_MARK: i64 = 1 << 40;
 pub(super) const ARRIVALS_CLOSED: i64 = 1 << 48;
 
 /// The most slots one round may hand out; a counter beyond it is a foreign value.
-const MAX_SLOTS: u32 = 1 << 16;
+pub(super) const MAX_SLOTS: u32 = 1 << 16;
 
 /// A slot of a round: this node's while it waits in the round, or the one it strikes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

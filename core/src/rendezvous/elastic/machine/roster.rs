@@ -9,25 +9,25 @@ use super::MAX_SLOTS;
 
 /// One arrival of a round, as its roster says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Entry<'a> {
-    pub(super) slot: u32,
+pub(in crate::rendezvous::elastic) struct Entry<'a> {
+    pub(in crate::rendezvous::elastic) slot: u32,
     /// The round and rank this node held last.
-    pub(super) prev: Option<(u64, u32)>,
+    pub(in crate::rendezvous::elastic) prev: Option<(u64, u32)>,
     /// What it tells the others when it is rank 0.
-    pub(super) contact: Option<&'a str>,
-    pub(super) node: &'a str,
+    pub(in crate::rendezvous::elastic) contact: Option<&'a str>,
+    pub(in crate::rendezvous::elastic) node: &'a str,
 }
 
 /// One line of a round's roster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Line<'a> {
+pub(in crate::rendezvous::elastic) enum Line<'a> {
     Joined(Entry<'a>),
     Gone(u32),
 }
 
 /// The roster's lines: `+{slot} {round}:{rank}|- {contact}|- {node}` for an arrival,
 /// `-{slot}` for a departure. Lines that are neither are skipped.
-pub(super) fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
+pub(in crate::rendezvous::elastic) fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
     // A round's roster has a line per arrival and per departure: more lines than twice
     // the most slots are not ours.
     let most = 2 * MAX_SLOTS as usize;
@@ -62,7 +62,7 @@ pub(super) fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
 /// The size value: `{N};{slot of rank 0},{slot of rank 1},…[;{rank 0's contact}]`, or
 /// `0` (shut down): the slots by rank and rank 0's contact. `None` when it is anything
 /// else, or names more than `max` members.
-pub(super) fn parse_world(
+pub(in crate::rendezvous::elastic) fn parse_world(
     value: &[u8],
     max: u32,
 ) -> Option<(Vec<u32>, Option<String>, Option<u32>)> {
