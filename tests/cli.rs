@@ -496,7 +496,9 @@ fn serve_on_an_inherited_listening_socket() {
     assert_eq!(stdout(&store(&addr, &["get", "k"])), "inherited\n");
     drop(served);
 
-    let mut command = Command::new("sh");
+    // bash, not sh: dash refuses a descriptor above 9 in a redirection ("Bad fd
+    // number"), and the listener's number depends on what the test process has open.
+    let mut command = Command::new("bash");
     command
         .arg("-c")
         .arg(format!(
