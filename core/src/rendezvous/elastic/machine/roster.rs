@@ -27,7 +27,9 @@ pub(in crate::rendezvous::elastic) enum Line<'a> {
 
 /// The roster's lines: `+{slot} {round}:{rank}|- {contact}|- {node}` for an arrival,
 /// `-{slot}` for a departure. Lines that are neither are skipped.
-pub(in crate::rendezvous::elastic) fn parse_roster(roster: &[u8]) -> impl Iterator<Item = Line<'_>> {
+pub(in crate::rendezvous::elastic) fn parse_roster(
+    roster: &[u8],
+) -> impl Iterator<Item = Line<'_>> {
     // A round's roster has a line per arrival and per departure: more lines than twice
     // the most slots are not ours.
     let most = 2 * MAX_SLOTS as usize;
