@@ -180,7 +180,7 @@ impl Progress {
         };
         match &self.bar {
             Some(bar) => {
-                bar.set_message(progress_line(&open, Instant::now()));
+                bar.set_message(open.line(Instant::now()));
                 bar.tick();
             }
             None if open.last_call_ends.is_some() && self.announced != Some(open.round) => {
@@ -189,27 +189,6 @@ impl Progress {
             }
             None => {}
         }
-    }
-}
-
-/// The updating line: "round 2: 3 nodes (min 2, max 4); last call ends in 12 s", or
-/// before `min_nodes` have arrived "round 2: 1 of min 2 nodes; waiting for 1 more".
-fn progress_line(open: &OpenProgress, now: Instant) -> String {
-    let round = open.round;
-    match open.last_call_ends {
-        Some(ends) => format!(
-            "round {round}: {} nodes (min {}, max {}); last call ends in {} s",
-            open.live,
-            open.min,
-            open.max,
-            ends.saturating_duration_since(now).as_secs_f64().ceil()
-        ),
-        None => format!(
-            "round {round}: {} of min {} nodes; waiting for {} more",
-            open.live,
-            open.min,
-            open.min.saturating_sub(open.live).max(1)
-        ),
     }
 }
 
@@ -288,11 +267,11 @@ mod tests {
     fn the_progress_line_says_the_nodes_and_the_last_call() {
         let now = Instant::now();
         assert_eq!(
-            progress_line(&open(1, None, now), now),
+            open(1, None, now).line(now),
             "round 2: 1 of min 2 nodes; waiting for 1 more"
         );
         assert_eq!(
-            progress_line(&open(3, Some(Duration::from_millis(11_200)), now), now),
+            open(3, Some(Duration::from_millis(11_200)), now).line(now),
             "round 2: 3 nodes (min 2, max 4); last call ends in 12 s"
         );
         assert_eq!(

@@ -5,6 +5,7 @@ mod cli;
 mod demo;
 mod elastic_cli;
 mod error;
+mod notice;
 mod sd_notify;
 mod status_cli;
 mod store_client;
@@ -25,6 +26,7 @@ fn main() -> ExitCode {
         cli::LogFormat::Json => logs.json().init(),
         cli::LogFormat::Text => logs
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .event_format(notice::Bare(tracing_subscriber::fmt::format()))
             .init(),
     }
     match cli::run(args) {

@@ -35,6 +35,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, List, NamedTuple, Optional
 
+from ._progress import wait_with_progress
 from ._rdzv import ElasticRendezvous, StoreServer
 
 __all__ = [
@@ -223,7 +224,7 @@ class EtcdAgent:
         then the agents' store server of the new round. Raises rdzv's
         ``Rendezvous*Error``/``Store*Error`` (``StoreServerError`` when rank 0 cannot
         host)."""
-        round_ = self.node.next_rendezvous()
+        round_ = wait_with_progress(self.node, self.node.run_id)
         store = self.node.round_store(round_)
         if round_.rank == 0:
             server = self._host_server()

@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple, TypedDict
 
 from . import _errors, _etcd
+from ._progress import wait_with_progress
 from ._rdzv import ElasticRendezvous, Store, StoreServer
 
 __all__ = ["torchrun_handler", "create_handler", "DEFAULT_PORT", "BACKEND"]
@@ -338,7 +339,7 @@ def _handler_class() -> type:
                 # is still going (our workers restart), ends that round for everyone.
                 # Every arrival offers a port free then (contact_host), so each round's
                 # rank 0 gives a fresh MASTER_PORT, as c10d does.
-                round_ = self._join().next_rendezvous()
+                round_ = wait_with_progress(self._join(), s.run_id)
             except (_errors.RendezvousError, _errors.StoreError) as e:
                 raise torch_error(e) from e
             self._round = round_

@@ -396,6 +396,15 @@ impl PyElasticRendezvous {
         self.handle.set_contact(contact);
     }
 
+    /// Where the open round this node waits in stands, as one line ("round 2: 1 of min 2
+    /// nodes; waiting for 1 more", "round 2: 3 nodes (min 2, max 4); last call ends in
+    /// 12 s"), or ``None`` while it waits in no open round. Makes no store request.
+    fn progress(&self) -> Option<String> {
+        self.handle
+            .open_round()
+            .map(|open| open.line(std::time::Instant::now()))
+    }
+
     /// Whether the run has been closed for good (by any node).
     fn is_closed(&self, py: Python<'_>) -> PyResult<bool> {
         let handle = Arc::clone(&self.handle);

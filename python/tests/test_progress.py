@@ -58,8 +58,43 @@ def test_a_client_command_that_retries_says_so_on_stderr() -> None:
     # After a second of retrying, once: not 3 s of silence.
     said = [line for line in out.stderr.splitlines() if "retrying for" in line]
     assert len(said) == 1, out.stderr
+    # Bare, as a person reads it: no log time, level or module before it.
+    assert said[0].startswith(f"connecting to 127.0.0.1:{port}, "), said
     assert re.search(
         f"connecting to 127.0.0.1:{port}, retrying for [12] s more: 127.0.0.1:{port}: "
         "connection refused",
         said[0],
+    ), said
+
+
+def test_the_torchrun_handlers_log_where_a_waiting_round_stands(
+    server: rdzv.StoreServer, caplog: "pytest.LogCaptureFixture"
+) -> None:
+    # The torchrun handlers (rdzv.torchrun, rdzv._etcd) wait through wait_with_progress:
+    # the progress line at INFO when it changes, and once at WARNING after a long wait,
+    # so that a job stuck at rendezvous says which nodes it waits for.
+    import logging
+
+    import pytest
+
+    from rdzv._progress import wait_with_progress
+
+    node = rdzv.ElasticRendezvous(
+        "127.0.0.1", server.port, "stuck", min_nodes=2, max_nodes=2, node_id="a",
+        join_timeout=2.5,
+    )
+    caplog.set_level(logging.INFO, logger="rdzv.torchrun")
+    with pytest.raises(rdzv.RendezvousTimeoutError):
+        wait_with_progress(node, "stuck", every=0.2, warn_after=1.0)
+    node.shutdown()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "rdzv.torchrun"]
+    waiting = re.compile(r"rdzv: run stuck: round \d+: 1 of min 2 nodes; waiting for 1 more$")
+    infos = [m for level, m in said if level == logging.INFO]
+    warnings = [m for level, m in said if level == logging.WARNING]
+    assert infos and all(waiting.match(m) for m in infos), said
+    assert len(infos) == 1, said  # said again only when it changes
+    assert len(warnings) == 1, said
+    assert re.match(
+        r"rdzv: run stuck: no round after \d+ s: round \d+: 1 of min 2 nodes; waiting for 1 more$",
+        warnings[0],
     ), said

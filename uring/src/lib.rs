@@ -37,4 +37,9 @@ pub mod store;
 mod sys;
 
 pub use server::{IoMode, ServerOptions, ServerStats, StoreServer};
+
+/// The `tracing` target of lines written for a person waiting at a terminal ("connecting
+/// to H:P, retrying for 28 s more: …"): the `rdzv` command prints them bare, without the
+/// time, level and module a log line carries.
+pub const NOTICE: &str = "rdzv::notice";
 pub use store::{Store, StoreError};

@@ -54,6 +54,19 @@ pub enum ElasticFailure {
         /// The store's error, as text (the error itself stays with the driver thread).
         error: String,
     },
+    /// The store did not answer the node's connection (PyTorch:
+    /// `RendezvousConnectionError`).
+    #[error("elastic:// rendezvous: node '{node}' cannot connect to the store at {host}:{port}: {error}")]
+    Unreachable {
+        /// This node.
+        node: String,
+        /// The store's host.
+        host: String,
+        /// The store's port.
+        port: u16,
+        /// Why, as the store client said it.
+        error: String,
+    },
     /// The node left before a round completed.
     #[error("RendezvousClosedError: node '{node}' has left the elastic rendezvous '{run_id}'")]
     Left {
@@ -101,7 +114,7 @@ impl ElasticFailure {
     pub fn kind(&self) -> ElasticErrorKind {
         match self {
             Self::Protocol(error) => error.kind(),
-            Self::Store { .. } => ElasticErrorKind::Connection,
+            Self::Store { .. } | Self::Unreachable { .. } => ElasticErrorKind::Connection,
             Self::Left { .. } | Self::ShutDown { .. } => ElasticErrorKind::Closed,
             Self::NotYet { .. } | Self::CloseTimeout { .. } => ElasticErrorKind::Timeout,
         }
@@ -142,6 +155,30 @@ pub struct OpenProgress {
     /// When the last call ends (the round closes with the nodes there then), or `None`
     /// before `min_nodes` have arrived.
     pub last_call_ends: Option<StdInstant>,
+}
+
+impl OpenProgress {
+    /// The progress line at `now`: "round 2: 3 nodes (min 2, max 4); last call ends in
+    /// 12 s", or before `min_nodes` have arrived "round 2: 1 of min 2 nodes; waiting for
+    /// 1 more" (the `rdzv rendezvous` command's updating line, the torchrun handler's log).
+    pub fn line(&self, now: StdInstant) -> String {
+        let round = self.round;
+        match self.last_call_ends {
+            Some(ends) => format!(
+                "round {round}: {} nodes (min {}, max {}); last call ends in {} s",
+                self.live,
+                self.min,
+                self.max,
+                ends.saturating_duration_since(now).as_secs_f64().ceil()
+            ),
+            None => format!(
+                "round {round}: {} of min {} nodes; waiting for {} more",
+                self.live,
+                self.min,
+                self.min.saturating_sub(self.live).max(1)
+            ),
+        }
+    }
 }
 
 /// A node of an elastic rendezvous, driven by its own thread. Dropping it leaves the
@@ -939,13 +976,12 @@ pub(super) fn elastic_rendezvous_handler(
     let connect_timeout = options.timeout.min(parsed.settings.join_timeout);
     let store = TcpStore::connect_without_ping(&parsed.host, parsed.port, connect_timeout)
         .map_err(|e| {
-            RendezvousError::Handler(
-                format!(
-                "elastic:// rendezvous: node '{node}' cannot connect to the store at {}:{}: {e}",
-                parsed.host, parsed.port
-            )
-                .into(),
-            )
+            RendezvousError::Handler(Box::new(ElasticFailure::Unreachable {
+                node: node.clone(),
+                host: parsed.host.clone(),
+                port: parsed.port,
+                error: e.to_string(),
+            }))
         })?;
     // torchrun's c10d backend gives its store client the read timeout; the rounds' stores
     // are prefixes of that client.

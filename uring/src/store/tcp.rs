@@ -655,6 +655,7 @@ fn connect_validated(
         if !said && now.saturating_duration_since(started) >= RETRY_SAID_AFTER {
             said = true;
             tracing::warn!(
+                target: crate::NOTICE,
                 "{}",
                 retrying_line(host, port, left, last_error.as_deref().unwrap_or(""))
             );
