@@ -41,7 +41,7 @@ from ._rref import RRef
 from ._errors import *  # noqa: F403 (the list is _errors.__all__)
 from ._errors import RpcUsageError
 from . import _errors
-from .futures import Future, collect_all, new_future, wait_all
+from .futures import Future, collect_all, new_future, torch_futures, wait_all
 from .options import (
     DEFAULT_INIT_METHOD,
     DEFAULT_NUM_WORKER_THREADS,
@@ -124,9 +124,17 @@ class _State:
         # (a static group's last barrier lets the others go first), and its function may
         # use the agent.
         self.ready = threading.Event()
+        # Futures being completed on the agent's threads: their callbacks run user code
+        # (torch's Future runs them inside set_result, in C++), which exit waits for.
+        self.completing = 0
+        self.completed = threading.Condition(self.lock)
 
 
 _state = _State()
+
+#: How long interpreter exit waits for futures still being completed on the agent's
+#: threads (their callbacks may be inside torch's C++, which cannot outlive its statics).
+EXIT_WAITS_FOR_CALLBACKS_S = 10.0
 
 
 def _agent() -> _RpcAgent:
@@ -262,6 +270,9 @@ def _start_agent(
         raise TypeError(
             f"rpc_backend_options must be an RpcBackendOptions, not {type(options).__name__}"
         )
+    # Futures are torch's when torch can be imported: import it now, not inside the first
+    # rpc_async or async_execution call (an import of torch takes seconds).
+    torch_futures()
     with _state.lock:
         if _state.agent is not None:
             raise RpcUsageError("RPC is already initialized")
@@ -308,6 +319,13 @@ def _at_exit() -> None:
     agent = _state.agent
     if agent is not None:
         agent.interpreter_exit()
+    # A callback that ran shutdown() (or anything the main thread waited for) may still be
+    # returning through torch's Future on an agent thread: exiting under it aborts the
+    # process ("terminate called without an active exception").
+    with _state.lock:
+        _state.completed.wait_for(
+            lambda: _state.completing == 0, timeout=EXIT_WAITS_FOR_CALLBACKS_S
+        )
 
 
 atexit.register(_at_exit)
@@ -386,15 +404,22 @@ def rpc_async(
     future = new_future()
 
     def on_done(error: Optional[BaseException], reply: Any) -> None:
-        if error is None:
-            try:
-                value = _reply_value(reply)
-            except BaseException as e:
-                error = e
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
+        with _state.lock:
+            _state.completing += 1
+        try:
+            if error is None:
+                try:
+                    value = _reply_value(reply)
+                except BaseException as e:
+                    error = e
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+        finally:
+            with _state.lock:
+                _state.completing -= 1
+                _state.completed.notify_all()
 
     agent.call_async(name, b"", payload, buffers, timeout, on_done)
     return future
