@@ -149,6 +149,10 @@ def rendezvous(
 
 _RpcMessage = Tuple[bytes, bytes, List[bytearray]]
 
+def check_worker_name(name: str) -> None:
+    """Raises ``RuntimeError`` (torch's text) unless ``name`` can name an RPC worker."""
+    ...
+
 class RpcAgent:
     """One worker's RPC agent (rdzv's Rust agent), for ``rdzv.rpc``."""
 

@@ -79,7 +79,7 @@ fn worker_infos_by_name_and_id() {
     assert_eq!(names, ["alice", "bob"]);
     assert_eq!(
         a.get_worker_info("carol").map_err(|e| e.to_string()),
-        Err("unknown destination worker carol: it is not a member of this RPC group".into())
+        Err("could not find destination worker carol: it is not a member of this RPC group".into())
     );
     assert_eq!(
         a.get_worker_info_by_id(7).map_err(|e| e.to_string()),

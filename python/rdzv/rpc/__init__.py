@@ -35,6 +35,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._rdzv import RpcAgent as _RpcAgent
+from .._rdzv import check_worker_name as _check_worker_name
 from . import _rref, _serialize, backend_registry, functions
 from .backend_registry import BackendType
 from ._rref import RRef
@@ -93,6 +94,7 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int) -> None:
+        _check_worker_name(name)
         self.name = name
         self.id = id
 
@@ -338,7 +340,7 @@ def _to_name(to: To) -> str:
         return to
     if isinstance(to, int) and not isinstance(to, bool):
         return _agent().worker_info_by_id(to)[0]
-    raise TypeError(f"to must be a worker name, id or WorkerInfo, not {type(to).__name__}")
+    raise ValueError(f"Cannot get WorkerInfo from name {to}")
 
 
 def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
@@ -438,4 +440,4 @@ def remote(
     agent, name, payload, buffers = _request(to, func, args, kwargs)
     key = _rref.new_key(agent.me()[0])
     metadata = _rref.REMOTE_TAG + key.encode()
-    return RRef(agent.remote(name, metadata, payload, buffers, timeout), key)
+    return RRef._of(agent.remote(name, metadata, payload, buffers, timeout), key)

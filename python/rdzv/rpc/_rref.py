@@ -119,16 +119,48 @@ def pickling_for(to: str, dump: Callable[[], T]) -> T:
         _Fork.local.to = previous
 
 
+#: Values ``RRef(value)`` is handing to its own ``remote()`` (key → value).
+_LENT: Dict[str, Any] = {}
+_LENT_LOCK = threading.Lock()
+
+
+def take_lent(key: str) -> Any:
+    """On this worker: the value ``RRef(value)`` lent under ``key`` (the function of the
+    ``remote()`` to itself that makes this worker its owner), the object itself."""
+    with _LENT_LOCK:
+        return _LENT.pop(key)
+
+
 class RRef(Generic[T]):
     """A reference to a value on its owner (torch's ``RRef``): ``to_here``,
     ``local_value``, ``owner``, ``owner_name``, ``is_owner``, ``confirmed_by_owner``, and
-    the proxies ``rpc_sync()``, ``rpc_async()`` and ``remote()``."""
+    the proxies ``rpc_sync()``, ``rpc_async()`` and ``remote()``.
+
+    ``RRef(value)`` makes this worker the owner of ``value`` (the object itself, not a
+    copy), as torch's does; ``remote()`` returns the RRefs of other workers' values."""
 
     __slots__ = ("_rref", "_key", "__weakref__")
 
-    def __init__(self, rref: _RustRRef, key: str) -> None:
-        self._rref = rref
-        self._key = key
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        from . import _agent, remote
+
+        me = _agent().me()[0]
+        lent = new_key(me)
+        with _LENT_LOCK:
+            _LENT[lent] = value
+        made = remote(me, take_lent, args=(lent,))
+        self._rref = made._rref
+        self._key = made._key
+        # The owner's own remote() runs here: wait until the value is in place.
+        OWNED.get(self._key, None)
+
+    @classmethod
+    def _of(cls, rref: _RustRRef, key: str) -> "RRef[Any]":
+        """The RRef of the agent's ``rref``, whose value is under ``key`` on its owner."""
+        made: RRef[Any] = cls.__new__(cls)
+        made._rref = rref
+        made._key = key
+        return made
 
     def owner(self) -> Any:
         """The owner's :class:`WorkerInfo`."""
@@ -206,7 +238,7 @@ class RRef(Generic[T]):
 def _from_fork(fork: bytes, key: str) -> RRef:
     from . import _agent
 
-    return RRef(_agent().rref_from_fork(fork), key)
+    return RRef._of(_agent().rref_from_fork(fork), key)
 
 
 class _Proxy:

@@ -179,12 +179,18 @@ class RemoteException:
         """The exception to raise at the caller: the same type with the remote text, or a
         ``RuntimeError`` carrying it when the type cannot be made from one string."""
         kind = self.exception_type()
+        # As torch's caller does (rpc/internal.py): the repr line's escapes ("\\n") read
+        # as what they stand for; characters beyond Latin-1 survive the round trip.
         try:
-            return kind(self.msg)
+            msg = self.msg.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError:
+            msg = self.msg
+        try:
+            return kind(msg)
         except Exception as e:
             return RuntimeError(
                 f"Failed to create original exception type {self.module}.{self.qualname}: "
-                f"{e}. Original exception on remote side was {self.msg}"
+                f"{e}. Original exception on remote side was {msg}"
             )
 
 

@@ -11,7 +11,7 @@
 #[non_exhaustive]
 pub enum UsageError {
     /// No worker of that name is in the group.
-    #[error("unknown destination worker {name}: it is not a member of this RPC group")]
+    #[error("could not find destination worker {name}: it is not a member of this RPC group")]
     UnknownWorker {
         /// The name asked for.
         name: String,
