@@ -34,6 +34,11 @@ def on_owner(rref: Any) -> Any:
     return (rref.is_owner(), rref.local_value().increment(100))
 
 
+def on_owner_via(rref: Any) -> int:
+    """On a user: asks the owner to change the object through the RRef's proxy."""
+    return rref.rpc_sync().increment(100)
+
+
 def owned_count() -> int:
     from rdzv.rpc import _rref
 
@@ -90,6 +95,15 @@ def scenario_rref(rpc: Any, world: int) -> Dict[str, Any]:
     mine = rpc.remote("w0", Counter, args=(3,))
     seen["self_owner"] = mine.is_owner() and mine.local_value().increment() == 4
     seen["self_to_here"] = mine.to_here().count == 4
+
+    # RRef(value), torch's local owner RRef: the object itself, passed on like any RRef.
+    held = Counter(20)
+    local = rpc.RRef(held)
+    seen["local_rref_holds_the_object"] = local.is_owner() and local.local_value() is held
+    seen["local_rref_owner"] = local.owner() == rpc.get_worker_info()
+    seen["local_rref_passed_on"] = rpc.rpc_sync("w2", fetch, args=(local,)) == (False, "w0", 20)
+    seen["local_rref_back_to_owner"] = rpc.rpc_sync("w1", on_owner_via, args=(local,)) == 120
+    del local, held
 
     # w1 owns rref, counter, returned's value and failed's.
     testing.wait_until_pending_futures_and_users_flushed()
