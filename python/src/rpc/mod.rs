@@ -26,7 +26,9 @@ mod completer;
 mod errors;
 mod handler;
 mod message;
+mod received;
 mod rref;
+mod sys;
 
 use completer::Completer;
 use handler::{PythonCall, PYTHON_CALL};
@@ -222,7 +224,7 @@ impl PyRpcAgent {
                     .rpc_sync_with_timeout(to, PYTHON_CALL, request, timeout)
             })
             .map_err(|e| errors::call(&e))?;
-        message::to_python(py, &reply)
+        message::to_python(py, reply)
     }
 
     /// Starts a call as [`call`](Self::call) does and returns at once; `on_done(error,
@@ -367,6 +369,7 @@ impl PyRpcAgent {
 /// Adds the RPC classes to the extension module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRpcAgent>()?;
+    m.add_class::<received::ReceivedBuffer>()?;
     m.add_class::<PyRRef>()
 }
 
