@@ -66,9 +66,11 @@ impl StagedBytes for LentBuffer {
         // drops `self` only after every channel finished reading, so the memory stays
         // valid and in place for every slice handed out. Its bytes must not be written
         // while the call is in flight: that is the Python caller's duty, documented in
-        // `rdzv/rpc/_serialize.py` as torch documents it for `rpc_async` arguments; a
-        // caller that writes anyway sends torn bytes but cannot break memory safety on
-        // this side, which only reads `u8`s (every bit pattern is valid).
+        // `rdzv/rpc/_serialize.py` as torch documents it for `rpc_async` arguments. (A
+        // caller who writes anyway races with these reads, which Rust's memory model
+        // leaves undefined; what the channels do with the slice is copy it out, with
+        // `memcpy`, `send` or the peer's `process_vm_readv`, so what goes wrong in
+        // practice is torn bytes at the peer, the same as with torch.)
         unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) }
     }
 }
@@ -86,10 +88,10 @@ pub(crate) struct ReceivedBytes {
 // SAFETY: `ReceivedBytes` owns its allocation exclusively (it was a `Vec<u8>`, taken
 // apart in `from_vec`), as a `Vec<u8>` does, and `Vec<u8>` is `Send`.
 unsafe impl Send for ReceivedBytes {}
-// SAFETY: through `&ReceivedBytes` Rust only reads the bytes (`with_bytes`, `address`);
-// writes come from Python code through the address, under the same rules as writes to a
-// `bytearray` from several threads (the Python program's own synchronisation), and a
-// `u8` read racing with such a write reads some byte, never invalid memory.
+// SAFETY: through `&ReceivedBytes` Rust only reads the bytes (`with_bytes`, `address`),
+// and only under the GIL; writes come from Python code through the address, ordered with
+// those reads by the GIL or by the Python program's own synchronisation, exactly as
+// writes to a `bytearray` from several threads are.
 unsafe impl Sync for ReceivedBytes {}
 
 impl ReceivedBytes {
@@ -122,8 +124,9 @@ impl ReceivedBytes {
         // SAFETY: `pointer..pointer + len` is the initialised part of the allocation
         // this value owns (`from_vec`), alive until `drop`; the slice does not outlive
         // `f`. The caller holds the GIL (a `ReceivedBuffer` method), so Python code that
-        // writes through the address does so only from a thread that released it, as
-        // with a `bytearray`; such a race reads some bytes, never invalid memory.
+        // writes through the address concurrently must have released it (a numpy
+        // operation without the GIL), a race the Python program owns, as with a
+        // `bytearray`.
         let bytes = unsafe { std::slice::from_raw_parts(self.pointer.as_ptr(), self.len) };
         f(bytes)
     }
