@@ -147,7 +147,20 @@ def rendezvous(
     timeout: Optional[_Seconds] = None,
 ) -> Tuple[Store, int, Optional[int], Optional[ElasticRendezvous]]: ...
 
-_RpcMessage = Tuple[bytes, bytes, List[bytearray]]
+class ReceivedBuffer:
+    """A received tensor's bytes, owned without a copy: ``numpy.asarray(buffer)`` is a
+    writable ``uint8`` array over them (keeping the buffer alive as its ``base``). Large
+    buffers go back to the agent for reuse when the last object over them is gone."""
+
+    @property
+    def __array_interface__(self) -> Dict[str, object]: ...
+    def __len__(self) -> int: ...
+    def tobytes(self) -> bytes: ...
+    def tobytearray(self) -> bytearray: ...
+
+# Buffers sent: bytes-like (copied) or lent (``rdzv.rpc._serialize.lent``: with
+# ``address``, ``length`` and ``owner``); buffers received: ``ReceivedBuffer``s.
+_RpcMessage = Tuple[bytes, bytes, List[ReceivedBuffer]]
 
 def check_worker_name(name: str) -> None:
     """Raises ``RuntimeError`` (torch's text) unless ``name`` can name an RPC worker."""

@@ -16,12 +16,30 @@ memory, cross-memory attach, striped TCP), never copied into the pickle:
   in-band.
 
 The receiver gets the type that was sent: ``bytes`` stays ``bytes``, a numpy array a numpy
-array, a tensor a tensor. Arrays and tensors wrap the received buffer without another
-copy.
+array, a tensor a tensor.
+
+**No copies of large buffers.** An out-of-band buffer of at least :data:`LENT_BYTES` is
+lent to the agent by address (``dumps`` lists it as a :func:`lent` buffer): the agent's
+channels read it where it is, and its owner (a ``memoryview`` of it) keeps the memory
+alive until the agent is done with it. As with torch.distributed.rpc, **do not
+modify an array, tensor or buffer you passed to** ``rpc_sync``, ``rpc_async`` or
+``remote`` **(or returned from a remote function) until the call has completed**: the
+agent may still be reading it, and the peer would receive torn bytes. Deleting it is
+fine. A read-only buffer whose address cannot be read (no numpy imported, and not a
+``bytes`` object) is copied once. Smaller buffers are copied.
+
+A received buffer is an ``rdzv._rdzv.ReceivedBuffer``, which owns the bytes the agent
+received; ``loads`` hands it to the reconstructors as a ``uint8`` numpy array over it
+(``numpy.asarray``, no copy; a ``memoryview`` by ctypes when numpy is not imported), so
+received numpy arrays and torch tensors wrap the received memory, and their ``base``
+chain ends at the ``ReceivedBuffer``. ``bytes`` and ``bytearray`` are copied out of it
+once. When the last object over it goes, the agent reuses the memory for its next large
+receive.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import io
 import pickle
@@ -29,14 +47,40 @@ import sys
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .._rdzv import ReceivedBuffer as _ReceivedBuffer
+
 __all__ = ["dumps", "loads", "lift", "lift_call", "dumps_exception", "RemoteException"]
 
 #: ``bytes`` and ``bytearray`` at least this long travel out of band (where looked at).
 OUT_OF_BAND_BYTES = 4096
 #: Containers of at most this many items are looked into for ``bytes`` to lift.
 LIFTED_ITEMS = 64
+#: Out-of-band buffers at least this long are lent to the agent by address, not copied.
+LENT_BYTES = 16 * 1024
 
-Buffers = List[memoryview]
+
+
+def lent(address: int, length: int, owner: memoryview) -> Any:
+    """An out-of-band buffer lent to the agent: a ctypes ``char`` array over the
+    ``length`` bytes at ``address`` (so that it is bytes-like, ``len()`` included, like
+    the views ``dumps`` lists), with attributes ``address``, ``length`` and ``owner`` (a
+    ``memoryview`` of the bytes, which keeps them alive while the agent reads them in
+    place)."""
+    array: Any = (ctypes.c_char * length).from_address(address)
+    array.address = address
+    array.length = length
+    array.owner = owner
+    return array
+
+
+def is_lent(buffer: Any) -> bool:
+    """Whether ``buffer`` is one that :func:`lent` made."""
+    return isinstance(buffer, ctypes.Array) and hasattr(buffer, "owner")
+
+
+#: What ``dumps`` lists per buffer: a ``memoryview`` (copied by the agent) or a
+#: :func:`lent` buffer.
+Buffers = List[Any]
 
 
 class _OutOfBand:
@@ -105,17 +149,75 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+def _address(view: memoryview) -> Optional[int]:
+    """The address of a contiguous byte view's first byte, or ``None`` if it cannot be
+    read without a copy."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        return int(numpy.frombuffer(view, dtype=numpy.uint8).__array_interface__["data"][0])
+    if not view.readonly:
+        return ctypes.addressof((ctypes.c_char * view.nbytes).from_buffer(view))
+    whole = view.obj
+    if type(whole) is bytes and len(whole) == view.nbytes:
+        # ctypes points a c_char_p at a bytes object's own buffer (no copy).
+        return ctypes.cast(ctypes.c_char_p(whole), ctypes.c_void_p).value
+    return None
+
+
+def _lend(view: memoryview) -> Any:
+    """A buffer for the agent: :func:`lent` for a large one, which the agent reads in
+    place while its owner keeps it alive; the view itself (copied) for a small one."""
+    length = view.nbytes
+    if length < LENT_BYTES:
+        return view
+    address = _address(view)
+    if address is None:
+        copy = bytes(view)
+        address = ctypes.cast(ctypes.c_char_p(copy), ctypes.c_void_p).value
+        return lent(address, length, memoryview(copy))
+    return lent(address, length, view)
+
+
 def dumps(obj: Any) -> Tuple[bytes, Buffers]:
-    """``obj`` pickled (protocol 5) and its out-of-band buffers, as flat byte views."""
+    """``obj`` pickled (protocol 5) and its out-of-band buffers: flat byte views (small
+    ones) or :func:`lent` ones (see the module's docs)."""
     buffers: List[pickle.PickleBuffer] = []
     out = io.BytesIO()
     _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return out.getvalue(), [b.raw() for b in buffers]
+    return out.getvalue(), [_lend(b.raw()) for b in buffers]
+
+
+def _ctypes_view(buffer: Any) -> memoryview:
+    """A writable byte view of a ``ReceivedBuffer`` without numpy (it keeps the buffer
+    alive)."""
+    length = len(buffer)
+    if length == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_char * length).from_address(buffer.__array_interface__["data"][0])
+    array._rdzv_owner = buffer  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
+def _received(buffer: Any) -> Any:
+    """A received buffer as its reconstructor takes it: a ``ReceivedBuffer`` as a
+    ``uint8`` array (or view) over it; a lent one from this process's own ``dumps`` as
+    its view."""
+    if type(buffer) is _ReceivedBuffer:
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            return numpy.asarray(buffer)
+        return _ctypes_view(buffer)
+    if is_lent(buffer):
+        return buffer.owner
+    return buffer
 
 
 def loads(payload: bytes, buffers: Sequence[Any]) -> Any:
-    """The object ``dumps`` made, its buffers given back in order."""
-    return pickle.loads(payload, buffers=buffers)
+    """The object ``dumps`` made, its buffers given back in order (as the agent received
+    them, or as ``dumps`` listed them)."""
+    # Lazily: pickle asks for each buffer after loading its reconstructor, so numpy is
+    # imported by then when the object holds numpy arrays.
+    return pickle.loads(payload, buffers=map(_received, buffers))
 
 
 def _lift_one(value: Any) -> Any:

@@ -103,7 +103,7 @@ fn deliver_all(done: &Receiver<Done>, released: &Py<PyAny>) {
     while let Ok(Done { result, callback }) = done.recv() {
         Python::attach(|py| {
             let callback = callback.as_ref().unwrap_or(released);
-            let (error, value) = match result.map(|m| message::to_python(py, &m)) {
+            let (error, value) = match result.map(|m| message::to_python(py, m)) {
                 Ok(Ok(value)) => (py.None(), value.into_any().unbind()),
                 Ok(Err(error)) => (error.into_value(py).into_any(), py.None()),
                 Err(error) => (errors::call(&error).into_value(py).into_any(), py.None()),

@@ -76,8 +76,7 @@ impl Handler for PythonCall {
             )));
         }
         Python::attach(|py| -> PyResult<Reply> {
-            let arguments = message::to_python(py, &request)?;
-            drop(request);
+            let arguments = message::to_python(py, request)?;
             let reply = self
                 .serve
                 .bind(py)

@@ -2,13 +2,23 @@
 //! `(metadata: bytes, payload: bytes, buffers: list)`, where `payload` is the pickle and
 //! `buffers` its out-of-band buffers (`rdzv/rpc/_serialize.py` makes both). Each buffer
 //! becomes one CPU tensor of the [`Message`], so that it travels beside the pickle over
-//! the agent's channels; received tensors come back as `bytearray`s.
+//! the agent's channels.
+//!
+//! A buffer is bytes-like (copied: small ones), or one with `address`, `length` and
+//! `owner` (`_serialize.lent`), a buffer Python lends for the send (`_serialize.py` lends those of at least
+//! 16 KiB): the tensor reads the bytes where they are ([`LentBuffer`], `Tensor::lent`),
+//! and `owner` stays alive until the agent is done with them. Received tensors come back as
+//! [`ReceivedBuffer`]s, which own the received bytes (no copy).
 
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 
 use rdzv_uring::rpc::{Message, Tensor};
+
+use super::received::ReceivedBuffer;
+use super::sys::LentBuffer;
 
 /// The bytes of a `bytes`, a `bytearray` or any other bytes-like object (a
 /// `PickleBuffer.raw()` view), copied. The extension is built for the stable ABI of
@@ -41,10 +51,41 @@ pub(crate) fn from_python(
         tensors: Vec::new(),
     };
     for (index, buffer) in buffers.try_iter()?.enumerate() {
-        let data = buffer_bytes(&format!("buffer {index}"), &buffer?)?;
-        message.tensors.push(Tensor::cpu(data));
+        message.tensors.push(tensor(index, &buffer?)?);
     }
     Ok(message)
+}
+
+/// Out-of-band buffer `index` as a tensor: lent for one that `rdzv.rpc._serialize.lent`
+/// made (with attributes `address`, `length` and `owner`), else a copy of its bytes.
+fn tensor(index: usize, buffer: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let py = buffer.py();
+    if buffer.is_instance_of::<PyBytes>() || buffer.is_instance_of::<PyByteArray>() {
+        return Ok(Tensor::cpu(buffer_bytes(
+            &format!("buffer {index}"),
+            buffer,
+        )?));
+    }
+    let Some(address) = buffer.getattr_opt(intern!(py, "address"))? else {
+        return Ok(Tensor::cpu(buffer_bytes(
+            &format!("buffer {index}"),
+            buffer,
+        )?));
+    };
+    let lent = |e: PyErr| {
+        PyTypeError::new_err(format!(
+            "buffer {index}: a lent buffer has address: int, length: int and owner: {e}"
+        ))
+    };
+    let address: usize = address.extract().map_err(lent)?;
+    let len: usize = buffer
+        .getattr(intern!(py, "length"))
+        .and_then(|l| l.extract())
+        .map_err(lent)?;
+    let owner = buffer.getattr(intern!(py, "owner")).map_err(lent)?.unbind();
+    let lent = LentBuffer::new(address, len, owner)
+        .map_err(|e| PyValueError::new_err(format!("buffer {index} cannot be lent: {e}")))?;
+    Ok(Tensor::lent(lent))
 }
 
 /// A tuple `(metadata, payload, buffers)` from Python, as a message.
@@ -65,21 +106,29 @@ pub(crate) fn from_tuple(reply: &Bound<'_, PyAny>) -> PyResult<Message> {
     )
 }
 
-/// A received message as `(metadata: bytes, payload: bytes, buffers: list[bytearray])`.
+/// A received message as `(metadata: bytes, payload: bytes, buffers:
+/// list[ReceivedBuffer])`: each tensor's bytes move into a `ReceivedBuffer`, uncopied. A
+/// lent tensor (a message that never left this process) is copied into one.
 ///
 /// # Errors
 /// `TypeError` for a tensor in device memory, which this binding does not hand to Python.
-pub(crate) fn to_python<'py>(py: Python<'py>, message: &Message) -> PyResult<Bound<'py, PyTuple>> {
+pub(crate) fn to_python(py: Python<'_>, message: Message) -> PyResult<Bound<'_, PyTuple>> {
     let buffers = PyList::empty(py);
-    for (index, tensor) in message.tensors.iter().enumerate() {
-        if tensor.memory.is_some() {
-            return Err(PyTypeError::new_err(format!(
-                "tensor {index} of the message is in {} memory; rdzv.rpc hands only CPU \
-                 tensors to Python",
-                tensor.device
-            )));
-        }
-        buffers.append(PyByteArray::new(py, &tensor.data))?;
+    for (index, tensor) in message.tensors.into_iter().enumerate() {
+        let data = match &tensor.memory {
+            None => tensor.data,
+            Some(_) => match tensor.lent_bytes() {
+                Some(bytes) => bytes.to_vec(),
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "tensor {index} of the message is in {} memory; rdzv.rpc hands only \
+                         CPU tensors to Python",
+                        tensor.device
+                    )))
+                }
+            },
+        };
+        buffers.append(Bound::new(py, ReceivedBuffer::new(data))?)?;
     }
     (
         PyBytes::new(py, &message.metadata),

@@ -27,7 +27,9 @@ mod errors;
 mod handler;
 mod message;
 mod name;
+mod received;
 mod rref;
+mod sys;
 
 use completer::Completer;
 use handler::{PythonCall, PYTHON_CALL};
@@ -223,7 +225,7 @@ impl PyRpcAgent {
                     .rpc_sync_with_timeout(to, PYTHON_CALL, request, timeout)
             })
             .map_err(|e| errors::call(&e))?;
-        message::to_python(py, &reply)
+        message::to_python(py, reply)
     }
 
     /// Starts a call as [`call`](Self::call) does and returns at once; `on_done(error,
@@ -368,6 +370,7 @@ impl PyRpcAgent {
 /// Adds the RPC classes to the extension module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRpcAgent>()?;
+    m.add_class::<received::ReceivedBuffer>()?;
     m.add_class::<PyRRef>()?;
     m.add_function(wrap_pyfunction!(name::check_worker_name, m)?)
 }

@@ -94,10 +94,13 @@ pub use error::{
     TransportError, UsageError,
 };
 pub use handler::{Async, CallContext, Handler, Inline, Reply};
-pub use message::{collect_all, wait_all, AllFuture, Message, RpcFuture, RpcPromise, Tensor};
+pub use message::{
+    collect_all, wait_all, AllFuture, LentBytes, Message, RpcFuture, RpcPromise, Tensor,
+};
 pub use mpt::DEFAULT_MPT_CONNECTIONS;
 pub use options::{FaultInjection, RpcOptions, ValueReleased, DEFAULT_NUM_WORKER_THREADS};
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
+pub use recycle::give_received as recycle_received;
 pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};
 pub use startup::init_rpc;
 pub use tensors::DEFAULT_MIN_CHANNEL_BYTES;

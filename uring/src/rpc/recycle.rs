@@ -8,6 +8,10 @@
 //! recycled buffer is already mapped. Its old bytes are never seen: a receive either
 //! overwrites all `len` bytes or fails and drops the buffer.
 //!
+//! Buffers come back from sends, and from received tensors whose user is done with them
+//! ([`give_received`]: the Python binding hands received buffers to Python without a
+//! copy, and gives them back when Python drops them).
+//!
 //! Only buffers of at least [`MIN_RECYCLED`] bytes are kept; this module decides nothing
 //! else.
 
@@ -90,6 +94,13 @@ pub(super) fn give(buffer: Vec<u8>) {
     if pool.len() < MAX_KEPT && kept.saturating_add(buffer.capacity()) <= MAX_KEPT_BYTES {
         pool.push(buffer);
     }
+}
+
+/// A received tensor's buffer that its user is done with (a binding whose object
+/// owned it, say: the Python `ReceivedBuffer`), kept for the next large receive like a
+/// sent one. Its bytes are never seen again: a receive overwrites all of them.
+pub fn give_received(buffer: Vec<u8>) {
+    give(buffer);
 }
 
 /// A sent tensor's buffer: a `Vec` to keep, or something else that is only dropped

@@ -13,6 +13,7 @@ use super::{
     UnavailableReason,
 };
 use crate::rpc::error::DevicesError;
+use crate::rpc::message::LentBytes;
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
 pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";
@@ -192,9 +193,14 @@ impl Devices {
         if device.is_cpu() {
             return match memory {
                 None => Ok(data.into()),
-                Some(_) => Err(failed(format!(
-                    "a {device} tensor holds device memory; give CPU tensors their bytes in `data`"
-                ))),
+                // Bytes lent by their owner (`Tensor::lent`): read where they are.
+                Some(memory) => match memory.downcast_ref::<LentBytes>() {
+                    Some(lent) => Ok(lent.host_bytes()),
+                    None => Err(failed(format!(
+                        "a {device} tensor holds device memory; give CPU tensors their \
+                         bytes in `data` (or lend them: `Tensor::lent`)"
+                    ))),
+                },
             };
         }
         let kind = device.kind();

@@ -18,9 +18,14 @@ use rdzv_core::device::Device;
 use super::device::{DeviceBuffer, DeviceError};
 use super::error::{CallError, UsageError};
 
+mod lent;
+
+pub use lent::LentBytes;
+
 /// A tensor's bytes and the device they live on.
 ///
-/// A CPU tensor holds its bytes in `data`. A tensor on another device (CUDA) holds a
+/// A CPU tensor holds its bytes in `data`, or, when its owner lends them for the send
+/// instead ([`Tensor::lent`], [`LentBytes`]), in `memory` on the CPU device. A tensor on another device (CUDA) holds a
 /// [`DeviceBuffer`] in `memory` instead, made by a device runtime plugged into the agent
 /// ([`RpcOptions::device_plugins`](super::RpcOptions::device_plugins)), and an empty
 /// `data`; received tensors on such a device come the same way.

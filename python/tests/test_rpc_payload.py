@@ -1,0 +1,366 @@
+"""rdzv.rpc payloads without copies: large buffers are lent to the agent by address and
+received buffers are handed to Python as ``ReceivedBuffer``\\ s that arrays wrap.
+
+Workers are child processes, as in test_rpc.py (whose ``child_main`` and ``run_group``
+this module reuses): rank 0 runs a scenario against rank 1 and prints what it saw. Each
+scenario runs over shared memory with the ``cma`` channel (buffers lent to the peer) and
+over TCP with the ``basic`` channel (buffers written inline from where they are), and
+some over TCP with ``mpt`` (buffers striped over extra connections from where they are).
+torch is not needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_rpc  # noqa: E402
+from test_rpc import assert_all_true, echo, pattern, run_group  # noqa: E402
+
+from rdzv._rdzv import ReceivedBuffer  # noqa: E402
+from rdzv.rpc import _serialize  # noqa: E402
+
+PAIRS = {
+    "shm": (["shm"], ["cma"]),
+    "tcp": (["uv"], ["basic"]),
+    "mpt": (["uv"], ["mpt_uv", "basic"]),
+}
+
+# ---------------------------------------------------------------------------------------
+# Functions the workers call on each other.
+
+
+def digest_array(x: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+
+
+def base_is_received(x: Any) -> bool:
+    return _ends_at_received(x)
+
+
+def bump_and_return(x: np.ndarray) -> np.ndarray:
+    x += 1  # the received array is writable, as the bytearray used to be
+    return x
+
+
+def _received_under(array: Any) -> Any:
+    """The ``ReceivedBuffer`` at the end of ``array``'s ``base`` chain, or ``None``."""
+    base = array
+    for _ in range(8):
+        if isinstance(base, ReceivedBuffer):
+            return base
+        base = getattr(base, "base", None)
+        if base is None:
+            return None
+    return None
+
+
+def _ends_at_received(array: Any) -> bool:
+    return _received_under(array) is not None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------------
+# Scenarios, run by rank 0.
+
+DTYPES = ["uint8", "int16", "int32", "float32", "float64", "complex128", "bool"]
+SIZES = [0, 1, 1000, 16383, 16384, 65536 + 3, 1 << 20, 64 << 20]
+
+
+def scenario_arrays(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    rng = np.random.default_rng(7)
+    for dtype in DTYPES:
+        for shape in [(0,), (5,), (3, 1000), (64, 65, 7), (512, 1024)]:
+            if dtype == "bool":
+                sent = rng.integers(0, 2, shape).astype(bool)
+            else:
+                sent = (rng.integers(0, 250, shape)).astype(dtype)
+            back = rpc.rpc_sync("w1", echo, args=(sent,))
+            seen[f"{dtype} {shape}"] = (
+                isinstance(back, np.ndarray)
+                and back.dtype == sent.dtype
+                and back.shape == sent.shape
+                and back.tobytes() == sent.tobytes()
+            )
+    return seen
+
+
+def scenario_sizes(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    for n in SIZES:
+        raw = pattern(n, n + 1)
+        back = rpc.rpc_sync("w1", echo, args=(raw,))
+        seen[f"numpy {n}"] = back.dtype == np.uint8 and np.array_equal(back, raw)
+        data = raw.tobytes()
+        back = rpc.rpc_sync("w1", echo, args=(data,))
+        seen[f"bytes {n}"] = type(back) is bytes and back == data
+        ba = bytearray(data)
+        back = rpc.rpc_sync("w1", echo, args=(ba,))
+        seen[f"bytearray {n}"] = type(back) is bytearray and back == ba
+        view = memoryview(ba)
+        back = rpc.rpc_sync("w1", echo, args=(view,))
+        seen[f"memoryview {n}"] = type(back) is memoryview and back.tobytes() == data
+    return seen
+
+
+def scenario_layouts(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    big = np.arange(3 << 20, dtype=np.int32).reshape(1024, 3072)
+    strided = big[::2, ::3]
+    seen["non_contiguous"] = np.array_equal(rpc.rpc_sync("w1", echo, args=(strided,)), strided)
+    fortran = np.asfortranarray(big)
+    back = rpc.rpc_sync("w1", echo, args=(fortran,))
+    seen["fortran"] = np.array_equal(back, fortran) and back.flags.f_contiguous
+    readonly = np.arange(1 << 20, dtype=np.float64)
+    readonly.flags.writeable = False
+    seen["read_only_array"] = np.array_equal(rpc.rpc_sync("w1", echo, args=(readonly,)), readonly)
+    data = pattern(1 << 20, 5).tobytes()
+    view = memoryview(data)  # read-only, over bytes
+    back = rpc.rpc_sync("w1", echo, args=(view,))
+    seen["read_only_memoryview"] = back.tobytes() == data
+    seen["digest"] = rpc.rpc_sync("w1", digest_array, args=(big,)) == digest_array(big)
+    return seen
+
+
+def scenario_no_copy(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    sent = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+    back = rpc.rpc_sync("w1", echo, args=(sent,))
+    seen["reply_base"] = _ends_at_received(back)
+    seen["reply_writable"] = bool(back.flags.writeable)
+    seen["request_base"] = rpc.rpc_sync("w1", base_is_received, args=(sent,))
+    bumped = rpc.rpc_sync("w1", bump_and_return, args=(sent,))
+    seen["remote_write"] = np.array_equal(bumped, sent + 1)
+    # Small arrays arrive the same way.
+    seen["small_base"] = _ends_at_received(rpc.rpc_sync("w1", echo, args=(np.ones(3),)))
+    # The ReceivedBuffer under it says how long it is and copies out the same bytes.
+    received = _received_under(back)
+    seen["received_len"] = len(received) == back.nbytes
+    seen["received_tobytes"] = received.tobytes() == back.tobytes()
+    return seen
+
+
+def scenario_sender_drops(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    futures = []
+    expected = []
+    for i in range(8):
+        array = pattern(4 << 20, 100 + i)
+        expected.append(array.copy())
+        futures.append(rpc.rpc_async("w1", echo, args=(array,)))
+        del array  # the agent keeps the memory alive while it sends
+    gc.collect()
+    results = [f.wait() for f in futures]
+    seen["after_delete"] = all(np.array_equal(r, e) for r, e in zip(results, expected))
+    data = pattern(8 << 20, 9).tobytes()
+    future = rpc.rpc_async("w1", echo, args=(data,))
+    copy = bytes(data)
+    del data
+    gc.collect()
+    seen["bytes_after_delete"] = future.wait() == copy
+    return seen
+
+
+def scenario_in_flight(rpc: Any, world: int) -> Dict[str, Any]:
+    seen: Dict[str, Any] = {}
+    arrays: List[np.ndarray] = [pattern((1 << 20) * (1 + i % 5) + i, i) for i in range(32)]
+    futures = [rpc.rpc_async("w1", echo, args=((a, a[::-1].copy()),)) for a in arrays]
+    ok = True
+    for a, f in zip(arrays, futures):
+        x, y = f.wait()
+        ok = ok and np.array_equal(x, a) and np.array_equal(y, a[::-1])
+    seen["many_in_flight"] = ok
+    # Big buffers each way at once, from several threads.
+    import threading
+
+    errors: List[str] = []
+
+    def hammer(seed: int) -> None:
+        for k in range(4):
+            a = pattern(6 << 20, seed * 10 + k)
+            b = rpc.rpc_sync("w1", echo, args=(a,))
+            if not np.array_equal(a, b):
+                errors.append(f"thread {seed} call {k} came back different")
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seen["threads"] = errors == [] or errors
+    return seen
+
+
+def scenario_memory(rpc: Any, world: int) -> Dict[str, Any]:
+    array = pattern(8 << 20, 11)
+    for _ in range(10):
+        back = rpc.rpc_sync("w1", echo, args=(array,))
+    del back
+    gc.collect()
+    before = _rss_bytes()
+    ok = True
+    for i in range(200):
+        back = rpc.rpc_sync("w1", echo, args=(array,))
+        if i % 50 == 0:
+            ok = ok and np.array_equal(back, array)
+        del back
+    gc.collect()
+    grown = _rss_bytes() - before
+    # 200 round trips move 3.2 GiB; a leak of one buffer per call would be > 1 GiB.
+    return {"equal": ok, "rss_growth_bounded": grown < (256 << 20) or f"grew {grown >> 20} MiB"}
+
+
+def scenario_no_numpy(rpc: Any, world: int) -> Dict[str, Any]:
+    """Sending and receiving on a worker where numpy is not imported: addresses come
+    from ctypes (a read-only buffer that is not ``bytes`` is copied once), and received
+    buffers become ctypes-backed views."""
+    seen: Dict[str, Any] = {}
+    data = bytes(range(256)) * 1024
+    hidden = sys.modules["numpy"]
+    sys.modules["numpy"] = None  # type: ignore[assignment]
+    try:
+        back = rpc.rpc_sync("w1", echo, args=(data,))
+        seen["bytes"] = type(back) is bytes and back == data
+        back = rpc.rpc_sync("w1", echo, args=(bytearray(data),))
+        seen["bytearray"] = type(back) is bytearray and back == data
+        back = rpc.rpc_sync("w1", echo, args=(memoryview(bytearray(data)).toreadonly(),))
+        seen["read_only_view"] = type(back) is memoryview and back.tobytes() == data
+        _, buffers = _serialize.dumps(memoryview(bytearray(data)))
+        seen["lent_by_ctypes"] = _serialize.is_lent(buffers[0])
+    finally:
+        sys.modules["numpy"] = hidden
+    return seen
+
+
+SCENARIOS = {
+    "no_numpy": scenario_no_numpy,
+    "arrays": scenario_arrays,
+    "sizes": scenario_sizes,
+    "layouts": scenario_layouts,
+    "no_copy": scenario_no_copy,
+    "sender_drops": scenario_sender_drops,
+    "in_flight": scenario_in_flight,
+    "memory": scenario_memory,
+}
+
+
+def child_main(argv: List[str]) -> None:
+    """A worker of ``scenario@pair``: test_rpc's worker, with the pair's transports."""
+    name, pair = argv[0].split("@")
+    import rdzv.rpc as rpc
+
+    transports, channels = PAIRS[pair]
+    original = rpc.TensorPipeRpcBackendOptions
+
+    def options(**kwargs: Any) -> Any:
+        return original(_transports=transports, _channels=channels, **kwargs)
+
+    rpc.TensorPipeRpcBackendOptions = options  # type: ignore[assignment]
+    try:
+        test_rpc.child_main([name, *argv[1:]], scenarios=SCENARIOS, shuts_down=set())
+    finally:
+        rpc.TensorPipeRpcBackendOptions = original  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------
+# The tests.
+
+
+def run(children: Any, scenario: str, pair: str) -> Dict[str, Any]:
+    return run_group(children, f"{scenario}@{pair}", 2, timeout=300, module="test_rpc_payload")[
+        "result"
+    ]
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_arrays_of_several_dtypes_and_shapes_echo_byte_for_byte(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "arrays", pair))
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_buffers_from_0_bytes_to_64_mib_echo_byte_for_byte(children: Any, pair: str) -> None:
+    seen = run(children, "sizes", pair)
+    assert {f"numpy {n}" for n in SIZES} <= set(seen)
+    assert_all_true(seen)
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_non_contiguous_fortran_and_read_only_buffers(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "layouts", pair))
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_received_arrays_wrap_the_received_buffer(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "no_copy", pair))
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_buffers_survive_the_senders_delete(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "sender_drops", pair))
+
+
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_many_big_calls_in_flight_arrive_intact(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "in_flight", pair))
+
+
+def test_a_worker_without_numpy_lends_by_ctypes(children: Any) -> None:
+    assert_all_true(run(children, "no_numpy", "shm"))
+
+
+@pytest.mark.parametrize("pair", ["mpt"])
+def test_big_buffers_over_mpt(children: Any, pair: str) -> None:
+    assert_all_true(run(children, "sizes", pair))
+    assert_all_true(run(children, "in_flight", pair))
+
+
+def test_memory_does_not_grow_over_200_round_trips_of_8_mib(children: Any) -> None:
+    assert_all_true(run(children, "memory", "shm"))
+
+
+# ---------------------------------------------------------------------------------------
+# One process: the serializer's side of lending and receiving.
+
+
+def test_large_buffers_are_lent_by_address_small_ones_copied() -> None:
+    big = np.arange(1 << 16, dtype=np.float64)
+    small = np.arange(10, dtype=np.float64)
+    _, buffers = _serialize.dumps((big, small))
+    lent, copied = buffers
+    assert _serialize.is_lent(lent) and len(lent) == big.nbytes
+    assert lent.address == big.__array_interface__["data"][0]
+    assert isinstance(copied, memoryview) and copied.nbytes == small.nbytes
+    # The owner keeps the array alive.
+    del big
+    gc.collect()
+    assert np.frombuffer(lent.owner, dtype=np.float64)[-1] == (1 << 16) - 1
+
+
+def test_a_read_only_bytes_buffer_is_lent_in_place() -> None:
+    data = bytes(range(256)) * 256
+    _, buffers = _serialize.dumps(memoryview(data))
+    (lent,) = buffers
+    assert _serialize.is_lent(lent) and lent.length == len(data)
+    assert lent.address == ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    assert bytes(lent.owner) == data
+
+
+def test_loads_takes_back_what_dumps_lent() -> None:
+    value = {"a": np.arange(1 << 15, dtype=np.int64), "b": memoryview(bytearray(b"z" * 20000))}
+    back = _serialize.loads(*_serialize.dumps(value))
+    assert np.array_equal(back["a"], value["a"])
+    assert bytes(back["b"]) == bytes(value["b"])
