@@ -23,6 +23,7 @@
 //! bytes and keeps time, and asks these modules what to do.
 
 pub mod address;
+pub mod auth;
 pub mod backend;
 pub mod frame;
 pub mod lending;

@@ -46,6 +46,8 @@ use crate::device_map::WorkerDevices;
 pub const ALL_WORKER_INFOS: &str = "_ALL_WORKER_INFOS";
 /// The key that says whether the group is static, under the RPC prefix.
 pub const IS_STATIC_GROUP: &str = "rpcIsStaticGroup";
+/// The group secret's key, when the store shares it.
+pub const GROUP_SECRET: &str = "rpcGroupSecret";
 /// The dynamic group's join/leave mutex, under the RPC prefix.
 pub const GROUP_MANAGEMENT_TOKEN: &str = "RpcGroupManagementToken";
 /// The value a token holder writes under its own token on release.
@@ -164,6 +166,12 @@ impl RpcKeys {
     /// `{prefix}/rpcIsStaticGroup`.
     pub fn is_static_group(&self) -> String {
         join_key(&self.prefix, IS_STATIC_GROUP)
+    }
+
+    /// `{prefix}/rpcGroupSecret`: the group secret of the pipe handshake, when the
+    /// workers share it through the store (`rpc::auth`).
+    pub fn group_secret(&self) -> String {
+        join_key(&self.prefix, GROUP_SECRET)
     }
 
     /// `{prefix}/RpcGroupManagementToken`.

@@ -8,8 +8,9 @@
 //! Locks are held only for bookkeeping, never across I/O or a handler.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 use rdzv_core::rpc::metrics::{AgentMetrics, CallCounters, NetworkData};
@@ -34,7 +35,14 @@ struct Tallies {
 #[derive(Debug)]
 pub(crate) struct Counters {
     tallies: Mutex<Tallies>,
+    /// Pipes closed because the peer failed the handshake's authentication.
+    handshakes_refused: AtomicU64,
+    /// When a refusal was last logged (at most one a second is).
+    refusal_logged: Mutex<Option<Instant>>,
 }
+
+/// How often a refused handshake is logged at most (the others are only counted).
+const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(1);
 
 impl Counters {
     /// No calls yet, with a worker pool of `pool_size` threads.
@@ -47,7 +55,34 @@ impl Counters {
                 pipe_transports: HashMap::new(),
                 pipe_channels: HashMap::new(),
             }),
+            handshakes_refused: AtomicU64::new(0),
+            refusal_logged: Mutex::new(None),
         }
+    }
+
+    /// A peer at `from`, calling itself `peer`, failed the handshake's authentication:
+    /// counted, and logged unless another refusal was within the last second.
+    pub(crate) fn handshake_refused(&self, from: &str, peer: &str, reason: &str) {
+        let count = self.handshakes_refused.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut logged = self
+            .refusal_logged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        if logged.is_none_or(|at| now.duration_since(at) >= REFUSALS_LOGGED_EVERY) {
+            *logged = Some(now);
+            tracing::warn!(
+                %from,
+                peer,
+                refused = count,
+                "refused an RPC pipe before reading any call: {reason}"
+            );
+        }
+    }
+
+    /// How many pipes were refused for failing the handshake's authentication.
+    pub(crate) fn handshakes_refused(&self) -> u64 {
+        self.handshakes_refused.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Tallies> {

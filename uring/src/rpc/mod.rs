@@ -98,7 +98,9 @@ pub use message::{
     collect_all, wait_all, AllFuture, LentBytes, Message, RpcFuture, RpcPromise, Tensor,
 };
 pub use mpt::DEFAULT_MPT_CONNECTIONS;
-pub use options::{FaultInjection, RpcOptions, ValueReleased, DEFAULT_NUM_WORKER_THREADS};
+pub use options::{
+    FaultInjection, RpcOptions, RpcSecret, ValueReleased, DEFAULT_NUM_WORKER_THREADS,
+};
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
 pub use recycle::give_received as recycle_received;
 pub use rref::{RRef, RRefLeak, RRefShutdownReport, UserRRef};

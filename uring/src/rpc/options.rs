@@ -96,6 +96,38 @@ pub struct RpcOptions {
     /// runs on the thread that released the value (an agent thread, outside the RRef
     /// runtime's lock): it must return at once. Default: none.
     pub on_value_released: Option<ValueReleased>,
+    /// How this worker's peers prove they belong to the group (and it to them), before
+    /// any call they send is read. Default [`RpcSecret::Shared`].
+    pub secret: RpcSecret,
+}
+
+/// The group secret of the pipe handshake ([`rdzv_core::rpc::auth`]): every worker of a
+/// group must resolve the same one, or none.
+#[derive(Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RpcSecret {
+    /// `RDZV_RPC_SECRET` if set, else the contents of the file `RDZV_RPC_SECRET_FILE`,
+    /// else a random secret that the group's first worker to start puts in the
+    /// rendezvous store (`{prefix}/rpcGroupSecret`, by compare-set) and the others read:
+    /// anyone who can read that store can then join, so protect the store (`--allow`,
+    /// tokens) or give a secret.
+    #[default]
+    Shared,
+    /// This secret, at least 16 bytes (the same on every worker).
+    Given(Vec<u8>),
+    /// No secret: peers prove nothing, as torch's do; a worker with a secret refuses
+    /// this one and is refused by it.
+    Disabled,
+}
+
+impl std::fmt::Debug for RpcSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RpcSecret::Shared => f.write_str("Shared"),
+            RpcSecret::Given(secret) => write!(f, "Given(<{} bytes>)", secret.len()),
+            RpcSecret::Disabled => f.write_str("Disabled"),
+        }
+    }
 }
 
 /// The type of [`RpcOptions::on_value_released`].
@@ -190,6 +222,7 @@ impl Default for RpcOptions {
             wait_spin: default_wait_spin(),
             rref_retry: rdzv_core::rpc::rref::RetryOptions::default(),
             on_value_released: None,
+            secret: RpcSecret::Shared,
         }
     }
 }

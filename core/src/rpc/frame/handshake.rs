@@ -2,9 +2,12 @@
 //! postcard in the payload of a [`FrameKind::Handshake`] frame.
 //!
 //! The connector sends [`Handshake::Hello`] (its worker name and id, its [`Brochure`],
-//! and a token for its `mpt` lanes); the listener replies [`Handshake::Answer`] (its own name and id, and the
-//! [`BrochureAnswer`] of [`crate::negotiate::answer_brochure`]) or [`Handshake::Refused`]
-//! with a reason. Decoding borrows every string from the frame, so nothing is allocated,
+//! a token for its `mpt` lanes and a fresh nonce); the listener replies
+//! [`Handshake::Answer`] (its own name and id, the [`BrochureAnswer`] of
+//! [`crate::negotiate::answer_brochure`], its nonce and its proof of the group secret) or
+//! [`Handshake::Refused`] with a reason; the connector sends its [`Handshake::Proof`],
+//! and the listener says [`Handshake::Welcome`] or [`Handshake::Refused`]
+//! ([`crate::rpc::auth`] decides the proofs). Decoding borrows every string from the frame, so nothing is allocated,
 //! and it checks that the postcard bytes are exactly one message and that worker names
 //! are valid. It decides nothing about the negotiation itself.
 
@@ -13,6 +16,7 @@ use core::fmt;
 
 use super::{EncodeError, Frame, FrameKind, OutgoingFrame, HEADER_LEN};
 use crate::negotiate::{Brochure, BrochureAnswer};
+use crate::rpc::auth::{Nonce, Proof};
 use crate::rpc::name::{validate_worker_name, NameError, WorkerId};
 
 /// One handshake message.
@@ -31,6 +35,8 @@ pub enum Handshake<'a> {
         /// `mpt` channel's lanes) present to the listener, so that it can tell which
         /// pipe they belong to. Unused unless the pipe negotiates `mpt`.
         lanes_token: u64,
+        /// The connector's fresh nonce, which the listener's proof covers.
+        challenge: Nonce,
     },
     /// The listener's choice.
     Answer {
@@ -41,12 +47,25 @@ pub enum Handshake<'a> {
         /// The negotiated transport and channels.
         #[serde(borrow)]
         answer: BrochureAnswer<'a>,
+        /// The listener's fresh nonce, which the connector's proof covers.
+        challenge: Nonce,
+        /// The listener's proof of the group secret; `None` when it has none.
+        proof: Option<Proof>,
     },
-    /// The listener will not talk (e.g. no common transport); the pipe closes after it.
+    /// The listener will not talk (e.g. no common transport, a failed proof); the pipe
+    /// closes after it.
     Refused {
         /// Why, for the connector's error message.
         reason: &'a str,
     },
+    /// The connector's proof of the group secret, after it accepted the answer; `None`
+    /// when it has none.
+    Proof {
+        /// The proof.
+        proof: Option<Proof>,
+    },
+    /// The listener accepted the proof: the pipe is open.
+    Welcome,
 }
 
 /// Why a frame does not hold a valid handshake.
@@ -150,7 +169,7 @@ impl<'a> Handshake<'a> {
             Handshake::Hello { name, .. } | Handshake::Answer { name, .. } => {
                 validate_worker_name(name).map_err(HandshakeError::InvalidName)
             }
-            Handshake::Refused { .. } => Ok(()),
+            Handshake::Refused { .. } | Handshake::Proof { .. } | Handshake::Welcome => Ok(()),
         }
     }
 }

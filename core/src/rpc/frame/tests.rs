@@ -693,6 +693,7 @@ fn the_handshake_round_trips_through_postcard() {
         id: WorkerId::from(1),
         brochure,
         lanes_token: 0x0123_4567_89ab_cdef,
+        challenge: [7; 32],
     };
     let mut buf = [0u8; 512];
     let n = hello.encode(&mut buf).unwrap();
@@ -717,6 +718,8 @@ fn the_handshake_round_trips_through_postcard() {
         name: "worker0",
         id: WorkerId::from(0),
         answer,
+        challenge: [9; 32],
+        proof: Some([3; 32]),
     };
     let mut out = Vec::new();
     reply.encode_to_vec(&mut out).unwrap();
@@ -725,11 +728,14 @@ fn the_handshake_round_trips_through_postcard() {
         answer: received,
         name,
         id,
+        challenge,
+        proof,
     } = decode_handshake(&frame).unwrap()
     else {
         panic!("not an answer")
     };
     assert_eq!((name, id), ("worker0", WorkerId::from(0)));
+    assert_eq!((challenge, proof), ([9; 32], Some([3; 32])));
     let agreed = accept_answer(&connector, &received).unwrap();
     assert_eq!(agreed.transport, TransportKind::Shm);
 
@@ -739,6 +745,18 @@ fn the_handshake_round_trips_through_postcard() {
     let mut out = Vec::new();
     refused.encode_to_vec(&mut out).unwrap();
     assert_eq!(decode_handshake(&decode(&out)), Ok(refused));
+    // The connector's proof, and the listener's welcome.
+    for message in [
+        Handshake::Proof {
+            proof: Some([5; 32]),
+        },
+        Handshake::Proof { proof: None },
+        Handshake::Welcome,
+    ] {
+        let mut out = Vec::new();
+        message.encode_to_vec(&mut out).unwrap();
+        assert_eq!(decode_handshake(&decode(&out)), Ok(message));
+    }
 
     // Too small a buffer says how much is needed.
     let mut small = [0u8; 8];
@@ -786,6 +804,7 @@ fn bad_handshakes() {
         id: WorkerId::from(0),
         brochure: connector.brochure(),
         lanes_token: 0,
+        challenge: [0; 32],
     };
     let mut out = Vec::new();
     bad.encode_to_vec(&mut out).unwrap();

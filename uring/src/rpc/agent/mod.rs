@@ -187,6 +187,13 @@ impl RpcAgent {
         self.counters.pipe_channel(peer)
     }
 
+    /// How many pipes this worker closed because the peer failed the handshake's
+    /// authentication (no proof of the group secret, or a wrong one), before reading
+    /// anything else the peer sent.
+    pub fn handshakes_refused(&self) -> u64 {
+        self.counters.handshakes_refused()
+    }
+
     /// Tensor bytes this worker has sent (in requests and responses) per channel, for
     /// every channel that moved any.
     pub fn tensor_bytes_by_channel(&self) -> Vec<(ChannelKind, u64)> {

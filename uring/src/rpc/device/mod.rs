@@ -51,6 +51,7 @@
 
 mod error;
 mod host;
+mod lent;
 mod parts;
 mod plugin;
 mod runtimes;
@@ -69,6 +70,7 @@ pub use error::{
     UnavailableReason,
 };
 pub use host::{HostBytes, StagedBytes};
+pub use lent::LentBytes;
 pub use plugin::{
     DeviceLoan, DevicePlugin, DeviceRuntime, PartBuffer, PartedReceive, PipeId, StagedReceive,
 };

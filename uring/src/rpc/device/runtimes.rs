@@ -7,13 +7,13 @@ use std::sync::Arc;
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::ChannelKind;
 
+use super::LentBytes;
 use super::{
     ChannelUnavailable, DeviceBuffer, DeviceError, DeviceErrorSource, DeviceLoan, DeviceOp,
     DevicePlugin, DeviceRuntime, HostBytes, PipeId, StagedReceive, TensorMemoryError,
     UnavailableReason,
 };
 use crate::rpc::error::DevicesError;
-use crate::rpc::message::LentBytes;
 
 /// The domain descriptor of `cuda_basic`: staging runs wherever the CPU channels do.
 pub(crate) const CUDA_BASIC_DESCRIPTOR: &str = "cuda_basic:staged";

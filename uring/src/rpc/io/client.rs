@@ -5,6 +5,7 @@
 use std::rc::Rc;
 
 use rdzv_core::negotiate::{accept_answer, Negotiated, Role, TransportKind};
+use rdzv_core::rpc::auth::{check_peer, prove, Prover, Transcript};
 use rdzv_core::rpc::frame::Handshake;
 
 use super::{handshake_frame, with_handshake, Io, Outbound};
@@ -48,6 +49,12 @@ enum OpenError {
     /// The peer answered a hello with a hello.
     #[error("the peer sent a hello, not an answer")]
     HelloNotAnswer,
+    /// The peer sent something else where its welcome belonged.
+    #[error("the peer sent another handshake message where its welcome belonged")]
+    NotWelcome,
+    /// No nonce could be drawn.
+    #[error("cannot make the handshake's nonce: {0}")]
+    Nonce(String),
     /// The pipe's mpt connections could not be opened.
     #[error("cannot open its mpt connections: {0}")]
     Mpt(#[source] ConnectionsError),
@@ -263,11 +270,14 @@ impl Io {
             .offer()
             .map_err(|e| handshake(PipeFailure::local(e)))?;
         let lanes_token = mpt::new_token();
+        let challenge =
+            super::nonce().map_err(|e| handshake(PipeFailure::local(OpenError::Nonce(e))))?;
         let hello = Handshake::Hello {
             name: self.name(),
             id: self.pieces.me.id(),
             brochure: offer.brochure(),
             lanes_token,
+            challenge,
         };
         let hello = handshake_frame(&hello).map_err(|e| handshake(PipeFailure::handshake(e)))?;
         // A small frame into a fresh connection: the send does not wait for the peer.
@@ -275,14 +285,33 @@ impl Io {
             .sender
             .send(&hello)
             .map_err(|e| handshake(PipeFailure::transport(e)))?;
-        let (connection, reply) = self
+        let (mut connection, reply) = self
             .receive_handshake(connection)
             .await
             .map_err(handshake)?;
         let reply = reply.ok_or_else(|| handshake(PipeFailure::ClosedInHandshake))?;
-        let negotiated = with_handshake(&reply, |message| match message {
-            Handshake::Answer { name, answer, .. } if name == peer => {
-                accept_answer(&offer, &answer).map_err(PipeFailure::handshake)
+        let secret = self.pieces.secret.as_deref();
+        let (negotiated, proof) = with_handshake(&reply, |message| match message {
+            Handshake::Answer {
+                name,
+                id,
+                answer,
+                challenge: theirs,
+                proof,
+            } if name == peer => {
+                // The listener proves first; a listener that cannot is never sent a
+                // call.
+                let transcript = Transcript {
+                    connector: (self.name(), self.pieces.me.id()),
+                    listener: (name, id),
+                    connector_nonce: &challenge,
+                    listener_nonce: &theirs,
+                };
+                check_peer(secret, Prover::Listener, &transcript, proof.as_ref())
+                    .map_err(|e| PipeFailure::Refused(format!("worker {peer}: {e}")))?;
+                let mine = secret.map(|s| prove(s, Prover::Connector, &transcript));
+                let negotiated = accept_answer(&offer, &answer).map_err(PipeFailure::handshake)?;
+                Ok((negotiated, mine))
             }
             Handshake::Answer { name, .. } => Err(PipeFailure::WrongPeer {
                 address: address.to_string(),
@@ -290,7 +319,28 @@ impl Io {
                 expected: peer.to_string(),
             }),
             Handshake::Refused { reason } => Err(PipeFailure::Refused(reason.to_string())),
-            Handshake::Hello { .. } => Err(PipeFailure::handshake(OpenError::HelloNotAnswer)),
+            _ => Err(PipeFailure::handshake(OpenError::HelloNotAnswer)),
+        })
+        .map_err(PipeFailure::handshake)
+        .and_then(|r| r)
+        .map_err(handshake)?;
+        let proof = handshake_frame(&Handshake::Proof { proof })
+            .map_err(|e| handshake(PipeFailure::handshake(e)))?;
+        connection
+            .sender
+            .send(&proof)
+            .map_err(|e| handshake(PipeFailure::transport(e)))?;
+        // The listener reads nothing else before it has checked the proof: wait for its
+        // word, so that a refusal reads as one here.
+        let (connection, word) = self
+            .receive_handshake(connection)
+            .await
+            .map_err(handshake)?;
+        let word = word.ok_or_else(|| handshake(PipeFailure::ClosedInHandshake))?;
+        with_handshake(&word, |message| match message {
+            Handshake::Welcome => Ok(()),
+            Handshake::Refused { reason } => Err(PipeFailure::Refused(reason.to_string())),
+            _ => Err(PipeFailure::handshake(OpenError::NotWelcome)),
         })
         .map_err(PipeFailure::handshake)
         .and_then(|r| r)

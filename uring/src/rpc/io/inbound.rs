@@ -5,6 +5,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use rdzv_core::negotiate::{answer_brochure, Negotiated, Role};
+use rdzv_core::rpc::auth::{check_peer, prove, Nonce, Prover, Transcript};
 use rdzv_core::rpc::frame::Handshake;
 use rdzv_core::rpc::name::WorkerId;
 
@@ -13,8 +14,9 @@ use crate::rpc::lane;
 use crate::rpc::mpt;
 use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
 
-/// The peer's name and id, the negotiation, and the token of the pipe's mpt connections.
-type Accepted = (String, WorkerId, Negotiated, u64);
+/// The peer's name and id, the negotiation, the token of the pipe's mpt connections, and
+/// the two nonces (the peer's, this worker's) its proof must cover.
+type Accepted = (String, WorkerId, Negotiated, u64, (Nonce, Nonce));
 
 impl Io {
     /// Accepts connections of transport `index` until the agent closes.
@@ -51,6 +53,7 @@ impl Io {
                 id,
                 brochure,
                 lanes_token,
+                challenge,
             } => {
                 let known = self.pieces.registry.group().peers.get(name).map(|p| p.id);
                 // A dynamic group's newcomer connects before the members know it.
@@ -60,10 +63,23 @@ impl Io {
                     ));
                 }
                 let answer = answer_brochure(&offer, &brochure).map_err(|e| e.to_string())?;
+                let mine = super::nonce()?;
+                let transcript = Transcript {
+                    connector: (name, id),
+                    listener: (self.name(), self.pieces.me.id()),
+                    connector_nonce: &challenge,
+                    listener_nonce: &mine,
+                };
                 let reply = Handshake::Answer {
                     name: self.name(),
                     id: self.pieces.me.id(),
                     answer,
+                    challenge: mine,
+                    proof: self
+                        .pieces
+                        .secret
+                        .as_deref()
+                        .map(|s| prove(s, Prover::Listener, &transcript)),
                 };
                 let frame = handshake_frame(&reply).map_err(|e| e.to_string())?;
                 Ok((
@@ -71,20 +87,72 @@ impl Io {
                     id,
                     answer.negotiated(),
                     lanes_token,
+                    (challenge, mine),
                     frame,
                 ))
             }
             _ => Err("the first frame of a pipe must be a hello".to_string()),
         });
         match decided {
-            Ok(Ok((name, id, negotiated, token, frame))) => {
-                (Ok((name, id, negotiated, token)), Some(frame))
+            Ok(Ok((name, id, negotiated, token, nonces, frame))) => {
+                (Ok((name, id, negotiated, token, nonces)), Some(frame))
             }
             Ok(Err(reason)) => {
                 let refusal = handshake_frame(&Handshake::Refused { reason: &reason }).ok();
                 (Err(reason), refusal)
             }
             Err(e) => (Err(format!("bad handshake from {from}: {e}")), None),
+        }
+    }
+
+    /// Reads the connector's proof and says welcome, or refuses it (counted, logged at
+    /// most once a second) and drops the connection; `None` then.
+    async fn check_proof(
+        &self,
+        connection: Connection,
+        (peer, peer_id): (&str, WorkerId),
+        (theirs, mine): (Nonce, Nonce),
+        from: &str,
+    ) -> Option<Connection> {
+        let (mut connection, frame) = match self.receive_handshake(connection).await {
+            Ok((connection, Some(frame))) => (connection, frame),
+            Ok((_, None)) => return None,
+            Err(e) => {
+                tracing::debug!(%from, error = %e, "no RPC handshake proof");
+                return None;
+            }
+        };
+        let transcript = Transcript {
+            connector: (peer, peer_id),
+            listener: (self.name(), self.pieces.me.id()),
+            connector_nonce: &theirs,
+            listener_nonce: &mine,
+        };
+        let secret = self.pieces.secret.as_deref();
+        let checked = with_handshake(&frame, |message| match message {
+            Handshake::Proof { proof } => {
+                check_peer(secret, Prover::Connector, &transcript, proof.as_ref())
+                    .map_err(|e| e.to_string())
+            }
+            _ => Err("the third frame of a pipe must be the connector's proof".to_string()),
+        })
+        .unwrap_or_else(|e| Err(format!("bad handshake: {e}")));
+        let reply = match &checked {
+            Ok(()) => handshake_frame(&Handshake::Welcome),
+            Err(reason) => handshake_frame(&Handshake::Refused { reason }),
+        };
+        if let Ok(reply) = reply {
+            if let Err(e) = connection.sender.send(&reply) {
+                tracing::debug!(%from, error = %e, "sending the RPC handshake's last word failed");
+                return None;
+            }
+        }
+        match checked {
+            Ok(()) => Some(connection),
+            Err(reason) => {
+                self.pieces.counters.handshake_refused(from, peer, &reason);
+                None
+            }
         }
     }
 
@@ -108,13 +176,20 @@ impl Io {
                 return;
             }
         }
-        let (peer, peer_id, negotiated, lanes_token) = match decided {
+        let (peer, peer_id, negotiated, lanes_token, nonces) = match decided {
             Ok(d) => d,
             Err(reason) => {
                 // Dropping the connection closes it after the refusal.
                 tracing::warn!(%from, %reason, "refused an RPC pipe");
                 return;
             }
+        };
+        // Nothing else the peer sends is read before its proof holds.
+        let Some(connection) = self
+            .check_proof(connection, (&peer, peer_id), nonces, &from)
+            .await
+        else {
+            return;
         };
         let pipe = {
             let mut state = self.state.borrow_mut();

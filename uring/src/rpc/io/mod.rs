@@ -90,6 +90,8 @@ pub(crate) struct IoPieces {
     pub lanes: Arc<LaneContext>,
     /// What inbound lanes serve requests with.
     pub server: Arc<Server>,
+    /// The group secret peers prove in the handshake (`None`: none).
+    pub secret: Option<Arc<[u8]>>,
 }
 
 pub(crate) struct Io {
@@ -102,6 +104,18 @@ pub(crate) struct Io {
     tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
     next_task: Cell<u64>,
     state: RefCell<IoState>,
+}
+
+/// A fresh nonce for a pipe's handshake (`rdzv_core::rpc::auth`), from the operating
+/// system's random source.
+///
+/// # Errors
+/// The random source's error, as text.
+fn nonce() -> Result<rdzv_core::rpc::auth::Nonce, String> {
+    let mut nonce = [0u8; rdzv_core::rpc::auth::NONCE_LEN];
+    getrandom::fill(&mut nonce)
+        .map_err(|e| format!("the operating system's random source failed: {e}"))?;
+    Ok(nonce)
 }
 
 /// How long a graceful close waits for the lanes' goodbyes to go out.

@@ -9,72 +9,10 @@
 //! [`HostBytes`] the channels read (inline, `cma`, `xth`, `mpt`), exactly as bytes a
 //! device runtime staged do, and the last channel done with it drops it.
 
-use std::any::Any;
-use std::fmt;
-use std::sync::Arc;
-
 use rdzv_core::device::Device;
 
 use super::Tensor;
-use crate::rpc::device::{DeviceBuffer, DeviceMemory, HostBytes, StagedBytes};
-
-/// Bytes lent to the agent by their owner: a shared handle to a [`StagedBytes`] value
-/// (its contract applies: the same slice on every call, at the same address, unchanged,
-/// while the value lives). Dropping the last handle releases the loan, which is the
-/// owner's cue that the agent no longer reads the memory.
-///
-/// The agent holds a handle until every channel is done with the bytes: an inline
-/// frame until it is written, a `cma` or `xth` export until the peer acknowledged it
-/// (a request's: its reply) or the pipe ended, an `mpt` stream until its stripes are
-/// written. Whoever lends promises not to change the bytes meanwhile (torch asks the same
-/// of a tensor passed to `rpc_async` until its future completes).
-#[derive(Clone)]
-pub struct LentBytes(Arc<dyn StagedBytes>);
-
-impl LentBytes {
-    /// A handle to `bytes`.
-    pub fn new(bytes: impl StagedBytes) -> LentBytes {
-        LentBytes(Arc::new(bytes))
-    }
-
-    /// The bytes.
-    pub fn bytes(&self) -> &[u8] {
-        self.0.bytes()
-    }
-
-    /// The bytes as the host memory a channel reads (sharing the loan).
-    pub(crate) fn host_bytes(&self) -> HostBytes {
-        HostBytes::staged(self.clone())
-    }
-}
-
-impl StagedBytes for LentBytes {
-    fn bytes(&self) -> &[u8] {
-        self.0.bytes()
-    }
-}
-
-impl DeviceMemory for LentBytes {
-    fn device(&self) -> Device {
-        Device::cpu()
-    }
-
-    fn len(&self) -> usize {
-        self.0.bytes().len()
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-impl fmt::Debug for LentBytes {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LentBytes")
-            .field("len", &self.0.bytes().len())
-            .finish()
-    }
-}
+use crate::rpc::device::{DeviceBuffer, LentBytes, StagedBytes};
 
 impl Tensor {
     /// A CPU tensor whose bytes are lent, not copied ([`LentBytes`]): the agent reads
@@ -107,6 +45,7 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
 
     use super::*;
 

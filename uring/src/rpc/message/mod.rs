@@ -20,7 +20,7 @@ use super::error::{CallError, UsageError};
 
 mod lent;
 
-pub use lent::LentBytes;
+pub use crate::rpc::device::LentBytes;
 
 /// A tensor's bytes and the device they live on.
 ///

@@ -28,6 +28,7 @@ mod dynamic;
 mod host;
 mod io_thread;
 pub(crate) mod probe;
+mod secret;
 mod static_init;
 
 use std::collections::HashMap;
@@ -153,10 +154,12 @@ pub fn init_rpc(
         .compare_set(&key, b"", static_group_value(is_static))
         .map_err(store_error("compare_set", &key))?;
     check_static_group(is_static, &returned)?;
+    let secret = secret::group_secret(&options.secret, &*store, &keys)?;
 
     let start = Start {
         me,
         options,
+        secret,
         store,
         keys,
         transports,
@@ -183,6 +186,8 @@ pub fn init_rpc(
 pub(super) struct Start {
     pub(super) me: WorkerInfo,
     pub(super) options: RpcOptions,
+    /// The group secret peers prove (`None`: none, as torch's).
+    pub(super) secret: Option<Arc<[u8]>>,
     pub(super) store: Arc<dyn Store>,
     pub(super) keys: RpcKeys,
     /// Highest priority first.
@@ -219,6 +224,7 @@ impl Start {
         let Start {
             me,
             options,
+            secret,
             store,
             keys,
             transports,
@@ -350,6 +356,7 @@ impl Start {
             counters: Arc::clone(&counters),
             lanes: Arc::clone(&lanes),
             server,
+            secret,
         };
         let (io_thread, address) = spawn_io(pieces, running, jobs_tx)?;
         // The mpt connection listener's address goes last: it is no transport.
