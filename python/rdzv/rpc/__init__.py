@@ -294,6 +294,8 @@ def _start_agent(
                 options.devices,
                 _serve,
                 _rref.released,
+                None if options.secret is False else options.secret,
+                options.secret is False,
             )
         finally:
             _state.ready.set()

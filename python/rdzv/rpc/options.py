@@ -11,7 +11,7 @@ indices.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 __all__ = [
     "DEFAULT_RPC_TIMEOUT_SEC",
@@ -58,6 +58,14 @@ def _device_map(device_map: DeviceMap) -> Dict[str, str]:
     return full
 
 
+def _secret_repr(secret: Union[bytes, None, bool]) -> str:
+    if secret is None:
+        return "shared"
+    if secret is False:
+        return "none"
+    return f"<{len(secret)} bytes>"
+
+
 class RpcBackendOptions:
     """What :func:`rdzv.rpc.init_rpc` starts the agent with.
 
@@ -67,6 +75,12 @@ class RpcBackendOptions:
     (default 16) how many threads run remote functions; ``device_maps`` and ``devices``
     as torch has them; ``transports`` and ``channels`` (also as ``_transports`` and
     ``_channels``) the lists to offer, highest priority first.
+
+    ``secret`` is the group secret peers prove in the handshake before any call of theirs
+    is read (docs/rpc-security.md): ``None`` (the default) takes ``RDZV_RPC_SECRET``, else
+    the file ``RDZV_RPC_SECRET_FILE``, else one the group's first worker makes and shares
+    through the rendezvous store; ``bytes`` or ``str`` (at least 16 bytes, the same on
+    every worker) is that secret; ``False`` runs without one, as torch does.
     """
 
     def __init__(
@@ -81,6 +95,7 @@ class RpcBackendOptions:
         channels: Optional[List[str]] = None,
         _transports: Optional[List[str]] = None,
         _channels: Optional[List[str]] = None,
+        secret: Union[bytes, str, None, bool] = None,
     ) -> None:
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
@@ -99,6 +114,12 @@ class RpcBackendOptions:
         self.devices: List[str] = [_device(d) for d in (devices or [])]
         self.transports = list(transports if transports is not None else _transports or []) or None
         self.channels = list(channels if channels is not None else _channels or []) or None
+        if secret is True or not (secret is None or secret is False or isinstance(secret, (bytes, str))):
+            raise TypeError(
+                f"secret must be bytes, a str, None (shared through the store) or False "
+                f"(none), not {secret!r}"
+            )
+        self.secret = secret.encode() if isinstance(secret, str) else secret
 
     @property
     def _transports(self) -> Optional[List[str]]:
@@ -138,7 +159,8 @@ class RpcBackendOptions:
             f"{type(self).__name__}(rpc_timeout={self.rpc_timeout}, "
             f"init_method={self.init_method!r}, num_worker_threads={self.num_worker_threads}, "
             f"device_maps={self.device_maps}, devices={self.devices}, "
-            f"transports={self.transports}, channels={self.channels})"
+            f"transports={self.transports}, channels={self.channels}, "
+            f"secret={_secret_repr(self.secret)})"
         )
 
 

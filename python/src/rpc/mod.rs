@@ -20,7 +20,7 @@ use pyo3::types::PyTuple;
 use rdzv_core::device::Device;
 use rdzv_core::device_map::{DeviceMap, DeviceMaps};
 use rdzv_core::rpc::name::WorkerInfo;
-use rdzv_uring::rpc::{init_rpc, RpcAgent, RpcOptions};
+use rdzv_uring::rpc::{init_rpc, RpcAgent, RpcOptions, RpcSecret};
 
 mod completer;
 mod errors;
@@ -99,10 +99,13 @@ impl PyRpcAgent {
     /// buffers))` answers every Python call made to this worker with such a tuple.
     /// `device_maps` is `[(peer, [(local, remote), ...]), ...]` of device names.
     /// `released(None, (metadata, payload, buffers))` is called (on the completing
-    /// thread) with every owner value of a `remote()` the agent lets go of.
+    /// thread) with every owner value of a `remote()` the agent lets go of. `secret`:
+    /// `None` shares the group secret (`RpcSecret::Shared`), bytes give it, and
+    /// `secret_disabled` runs without one.
     #[staticmethod]
     #[pyo3(signature = (name, rank, world_size, init_method, rpc_timeout, num_worker_threads,
-        transports, channels, device_maps, devices, serve, released))]
+        transports, channels, device_maps, devices, serve, released, secret = None,
+        secret_disabled = false))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         py: Python<'_>,
@@ -118,6 +121,8 @@ impl PyRpcAgent {
         devices: Vec<String>,
         serve: Py<PyAny>,
         released: Py<PyAny>,
+        secret: Option<Vec<u8>>,
+        secret_disabled: bool,
     ) -> PyResult<Self> {
         let rpc_timeout = Duration::try_from_secs_f64(rpc_timeout).map_err(|_| {
             PyValueError::new_err(format!(
@@ -129,6 +134,11 @@ impl PyRpcAgent {
         options.num_worker_threads = num_worker_threads;
         options.transports = transports;
         options.channels = channels;
+        options.secret = match (secret, secret_disabled) {
+            (_, true) => RpcSecret::Disabled,
+            (Some(secret), false) => RpcSecret::Given(secret),
+            (None, false) => RpcSecret::Shared,
+        };
         let mut maps = DeviceMaps::new();
         for (peer, pairs) in device_maps {
             let mut map = DeviceMap::default();
@@ -165,6 +175,17 @@ impl PyRpcAgent {
             interpreter_alive,
             rpc_timeout,
         })
+    }
+
+    /// How many pipes this worker refused because the peer failed the handshake's
+    /// authentication.
+    fn handshakes_refused(&self) -> u64 {
+        self.agent.handshakes_refused()
+    }
+
+    /// Where peers reach this worker (`tcp://ip:port;...`, highest priority first).
+    fn address(&self) -> String {
+        self.agent.address().to_string()
     }
 
     /// This worker's `(name, id)`.
