@@ -26,6 +26,7 @@ mod completer;
 mod errors;
 mod handler;
 mod message;
+mod restricted;
 mod rref;
 
 use completer::Completer;
@@ -367,7 +368,8 @@ impl PyRpcAgent {
 /// Adds the RPC classes to the extension module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRpcAgent>()?;
-    m.add_class::<PyRRef>()
+    m.add_class::<PyRRef>()?;
+    restricted::register(m)
 }
 
 /// A worker id from Python.
