@@ -594,10 +594,9 @@ impl<'a> From<&'a Payload> for PayloadRef<'a> {
                 kwargs: &c.kwargs,
             },
             Payload::Value(v) => PayloadRef::Value(v),
-            Payload::Exception { type_name, message } => PayloadRef::Exception {
-                type_name,
-                message,
-            },
+            Payload::Exception { type_name, message } => {
+                PayloadRef::Exception { type_name, message }
+            }
         }
     }
 }
@@ -943,7 +942,10 @@ mod tests {
             decode(b"\x80\x05\x95", &Limits::default()),
             Err(DecodeError::NotRestricted)
         );
-        assert_eq!(decode(b"", &Limits::default()), Err(DecodeError::NotRestricted));
+        assert_eq!(
+            decode(b"", &Limits::default()),
+            Err(DecodeError::NotRestricted)
+        );
     }
 
     #[test]
@@ -1093,10 +1095,7 @@ mod tests {
                 proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Tuple),
                 proptest::collection::vec(
                     (
-                        prop_oneof![
-                            any::<i64>().prop_map(Key::Int),
-                            ".{0,4}".prop_map(Key::Str)
-                        ],
+                        prop_oneof![any::<i64>().prop_map(Key::Int), ".{0,4}".prop_map(Key::Str)],
                         inner
                     ),
                     0..6

@@ -17,8 +17,8 @@ use pyo3::types::{
 };
 
 use rdzv_core::rpc::restricted::{
-    decode, encode, validate_name, Framework, Key, Limits, Payload, PayloadRef, TensorRef,
-    Value, MAGIC,
+    decode, encode, validate_name, Framework, Key, Limits, Payload, PayloadRef, TensorRef, Value,
+    MAGIC,
 };
 
 /// Deeper than this, a Python object is refused before it is walked further (the core's
@@ -66,8 +66,9 @@ impl<'py> ToValue<'_, 'py> {
         if let Ok(b) = obj.cast::<PyByteArray>() {
             return Ok(Value::Bytes(b.to_vec()));
         }
-        let container =
-            obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() || obj.is_instance_of::<PyDict>();
+        let container = obj.is_instance_of::<PyList>()
+            || obj.is_instance_of::<PyTuple>()
+            || obj.is_instance_of::<PyDict>();
         if container && depth >= MAX_DEPTH {
             return Err(PyValueError::new_err(format!(
                 "restricted-mode RPC: cannot send a value nested deeper than {MAX_DEPTH} levels"
@@ -152,10 +153,7 @@ fn int(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
     })
 }
 
-fn encoded<'py>(
-    py: Python<'py>,
-    payload: PayloadRef<'_>,
-) -> PyResult<Bound<'py, PyBytes>> {
+fn encoded<'py>(py: Python<'py>, payload: PayloadRef<'_>) -> PyResult<Bound<'py, PyBytes>> {
     let mut out = Vec::new();
     encode(payload, &mut out).map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok(PyBytes::new(py, &out))
