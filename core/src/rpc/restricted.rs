@@ -798,7 +798,7 @@ impl<'a> Reader<'a> {
         let name_len = self.byte()? as usize;
         let name = self.take(name_len)?;
         let name = core::str::from_utf8(name)
-            .map_err(|_| DecodeError::BadName(NameError::NotPrintable(0)))?;
+            .map_err(|e| DecodeError::BadName(NameError::NotPrintable(e.valid_up_to())))?;
         validate_name(name).map_err(DecodeError::BadName)?;
         let name = String::from(name);
         let at = self.at;
