@@ -10,7 +10,7 @@ use rdzv_core::fuzzing;
 
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 10] = [
+const TARGETS: [(&str, Check); 11] = [
     ("url", fuzzing::url),
     ("query", fuzzing::query),
     ("codec_request", fuzzing::codec_request),
@@ -21,6 +21,7 @@ const TARGETS: [(&str, Check); 10] = [
     ("elastic", fuzzing::elastic),
     ("access", fuzzing::access),
     ("serve_step", fuzzing::serve_step),
+    ("rpc_restricted", fuzzing::rpc_restricted),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

@@ -2,7 +2,7 @@
 
 from datetime import timedelta
 from types import TracebackType
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 _Seconds = Union[int, float, timedelta]
 _Value = Union[bytes, str]
@@ -240,3 +240,42 @@ class RRef:
     def confirmed_by_owner(self) -> bool: ...
     def id(self) -> str: ...
     def fork_to(self, to: str) -> bytes: ...
+
+# Restricted mode (rdzv.rpc._restricted): pickle-free calls by registered name.
+
+#: The first bytes of every restricted payload (``b"RDZV-R1"``).
+RESTRICTED_MAGIC: bytes
+
+def restricted_encode_call(
+    name: str,
+    args: Sequence[Any],
+    kwargs: Dict[str, Any],
+    tensor_hook: Callable[[Any], Optional[Tuple[str, str, Tuple[int, ...], Any]]],
+) -> Tuple[bytes, List[Any]]:
+    """A restricted call of the function registered as ``name``: ``(payload, buffers)``.
+    Objects that are not plain data go to ``tensor_hook``, which returns ``None``
+    (``TypeError``) or ``(framework, dtype, shape, buffer)``."""
+
+def restricted_encode_value(
+    value: Any,
+    tensor_hook: Callable[[Any], Optional[Tuple[str, str, Tuple[int, ...], Any]]],
+) -> Tuple[bytes, List[Any]]:
+    """A restricted result: ``(payload, buffers)``."""
+
+def restricted_encode_exception(type_name: str, message: str) -> bytes:
+    """A restricted exception's payload."""
+
+def restricted_validate_name(name: str) -> None:
+    """Raises ``ValueError`` unless ``name`` is 1 to 128 printable ASCII characters."""
+
+def restricted_decode(
+    payload: bytes,
+    make_tensor: Callable[[str, str, Tuple[int, ...], int], Any],
+) -> Union[
+    Tuple[str, str, Tuple[Any, ...], Dict[str, Any]],
+    Tuple[str, Any],
+    Tuple[str, str, str],
+]:
+    """``("call", name, args, kwargs)``, ``("value", value)`` or ``("exception",
+    type_name, message)``; ``ValueError`` for a payload that is not restricted or is
+    malformed. ``make_tensor(framework, dtype, shape, index)`` rebuilds each tensor."""

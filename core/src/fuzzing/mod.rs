@@ -16,6 +16,8 @@ mod query;
 #[cfg(feature = "alloc")]
 mod rpc_frame;
 #[cfg(feature = "alloc")]
+mod rpc_restricted;
+#[cfg(feature = "alloc")]
 mod serve_step;
 mod url;
 
@@ -29,6 +31,8 @@ pub use file_log::file_log;
 pub use query::query;
 #[cfg(feature = "alloc")]
 pub use rpc_frame::rpc_frame;
+#[cfg(feature = "alloc")]
+pub use rpc_restricted::rpc_restricted;
 #[cfg(feature = "alloc")]
 pub use serve_step::{serve_step, serve_step_with};
 pub use url::url;

@@ -18,6 +18,7 @@
 //! | [`token`] | the dynamic group's store token, taken and given back around a join or leave, as machines over the same operations |
 //! | [`metrics`] | the agent's counters and per-peer network data, and their `get_metrics` listing |
 //! | [`backend`] | the RPC backend registry (`register_backend`) |
+//! | [`restricted`] | restricted mode's wire format: calls, results and exceptions as plain tagged values, no pickle |
 //!
 //! The runtime (`rdzv-uring`) owns sockets, the store client, clocks and threads: it moves
 //! bytes and keeps time, and asks these modules what to do.
@@ -31,6 +32,7 @@ pub mod membership;
 pub mod metrics;
 pub mod name;
 pub mod pipe;
+pub mod restricted;
 pub mod rref;
 pub mod shutdown;
 pub mod startup;

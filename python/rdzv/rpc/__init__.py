@@ -21,8 +21,12 @@ remote worker and traceback in its text. Failures of the RPC itself are the clas
 Futures are ``torch.futures.Future`` when torch can be imported, else
 :class:`rdzv.rpc.futures.Future` (:mod:`rdzv.rpc.futures`).
 
-Unpickling is code execution: every worker that can reach this one's port can run code
-here, as with torch. Run it on a trusted network.
+Unpickling is code execution: unlike torch's, a worker reads nothing from a peer that
+has not proved it holds the group secret (docs/rpc-security.md). To run no code even for
+a member, use restricted mode (``RpcBackendOptions(restricted=True)``,
+``init_rpc(..., restricted=True)`` or ``RDZV_RPC_RESTRICTED=1``): then this worker runs
+only functions registered by name (:func:`register`), with plain data and arrays as
+arguments, and never unpickles (:mod:`rdzv.rpc._restricted`).
 
 Out of scope: TorchScript functions, distributed autograd and distributed optimizers.
 """
@@ -36,7 +40,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .._rdzv import RpcAgent as _RpcAgent
 from .._rdzv import check_worker_name as _check_worker_name
-from . import _rref, _serialize, backend_registry, functions
+from . import _restricted, _rref, _serialize, backend_registry, functions
+from ._restricted import register, registered, unregister
 from .backend_registry import BackendType
 from ._rref import RRef
 from ._errors import *  # noqa: F403 (the list is _errors.__all__)
@@ -53,6 +58,10 @@ from .options import (
 
 __all__ = [
     "init_rpc",
+    "is_restricted",
+    "register",
+    "registered",
+    "unregister",
     "shutdown",
     "rpc_sync",
     "rpc_async",
@@ -130,6 +139,11 @@ class _State:
         # (torch's Future runs them inside set_result, in C++), which exit waits for.
         self.completing = 0
         self.completed = threading.Condition(self.lock)
+        # Restricted mode (rdzv.rpc._restricted): refuse every request that is not a
+        # restricted call, and send restricted calls only. `requested_restricted` is
+        # init_rpc's keyword, read when the agent starts.
+        self.restricted = False
+        self.requested_restricted: Optional[bool] = None
 
 
 _state = _State()
@@ -157,6 +171,11 @@ def _serve(caller: str, request: Tuple[bytes, bytes, List[bytearray]]) -> Tuple[
     metadata, payload, buffers = request
     if not _state.ready.is_set():
         _state.ready.wait()
+    # Restricted mode decides on the first bytes alone, before anything is unpickled.
+    if _restricted.is_restricted(payload):
+        return _restricted.serve(_state.me, payload, buffers)
+    if _state.restricted:
+        return _restricted.refuse_unrestricted(_state.me)
     if metadata[:1] == _rref.REMOTE_TAG:
         return _serve_remote(metadata[1:].decode(), payload, buffers)
     try:
@@ -223,6 +242,13 @@ def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[A
 def _reply_value(reply: Tuple[bytes, bytes, List[bytearray]]) -> Any:
     """A reply's value, or raises the remote exception."""
     metadata, payload, buffers = reply
+    if _restricted.is_restricted(payload):
+        return _restricted.reply_value(payload, buffers)
+    if _state.restricted:
+        raise RpcError(
+            "restricted-mode RPC: the reply is not in the restricted format; it was not "
+            "unpickled"
+        )
     value = _serialize.loads(payload, buffers)
     if metadata == b"E":
         raise value.to_exception()
@@ -246,6 +272,8 @@ def init_rpc(
     rank: int = -1,
     world_size: Optional[int] = None,
     rpc_backend_options: Optional[RpcBackendOptions] = None,
+    *,
+    restricted: Optional[bool] = None,
 ) -> None:
     """Joins the RPC group as worker ``name`` with id ``rank``, through the options'
     ``init_method``, and starts this worker's agent. With ``world_size`` the group is
@@ -254,9 +282,15 @@ def init_rpc(
     agent; a backend registered with :mod:`rdzv.rpc.backend_registry` runs its own init
     handler.
 
+    ``restricted``: run in restricted mode (:mod:`rdzv.rpc._restricted`): serve only
+    registered functions, called by name, never unpickle. ``None`` (the default): the
+    options' ``restricted`` if they have one and it is set, else ``RDZV_RPC_RESTRICTED=1``
+    in the environment.
+
     Raises :class:`RpcInitError` if the rendezvous, the store or the options fail, and
     :class:`RpcUsageError` if RPC is initialised already.
     """
+    _state.requested_restricted = restricted
     backend = BackendType.TENSORPIPE if backend is None else backend
     options = rpc_backend_options
     if options is None:
@@ -279,6 +313,7 @@ def _start_agent(
         if _state.agent is not None:
             raise RpcUsageError("RPC is already initialized")
         _state.me = repr(WorkerInfo(name, rank))
+        _state.restricted = _restricted_mode(options)
         _state.ready.clear()
         try:
             _state.agent = _RpcAgent.start(
@@ -299,6 +334,23 @@ def _start_agent(
             )
         finally:
             _state.ready.set()
+
+
+def _restricted_mode(options: RpcBackendOptions) -> bool:
+    """Whether the agent starting now runs in restricted mode: ``init_rpc``'s keyword,
+    else the options' ``restricted``, else ``RDZV_RPC_RESTRICTED``."""
+    requested = _state.requested_restricted
+    _state.requested_restricted = None
+    if requested is not None:
+        return bool(requested)
+    if getattr(options, "restricted", False):
+        return True
+    return os.environ.get(_restricted.ENV, "").strip() == "1"
+
+
+def is_restricted() -> bool:
+    """Whether this worker's agent runs in restricted mode."""
+    return _state.restricted
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -363,13 +415,16 @@ def get_rpc_timeout() -> float:
 
 def _request(
     to: To,
-    func: Callable[..., Any],
+    func: Union[str, Callable[..., Any]],
     args: Optional[Sequence[Any]],
     kwargs: Optional[Dict[str, Any]],
 ) -> Tuple[_RpcAgent, str, bytes, List[memoryview]]:
     """The agent, the callee's name, and the call pickled for it."""
     agent = _agent()
     name = _to_name(to)
+    if _state.restricted or isinstance(func, str):
+        payload, buffers = _restricted.dumps_call(_restricted.name_of(func), args, kwargs)
+        return agent, name, payload, buffers
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     args, kwargs = _serialize.lift_call(args, kwargs)
@@ -379,7 +434,7 @@ def _request(
 
 def rpc_sync(
     to: To,
-    func: Callable[..., Any],
+    func: Union[str, Callable[..., Any]],
     args: Optional[Sequence[Any]] = None,
     kwargs: Optional[Dict[str, Any]] = None,
     timeout: float = UNSET_RPC_TIMEOUT,
@@ -396,7 +451,7 @@ def rpc_sync(
 
 def rpc_async(
     to: To,
-    func: Callable[..., Any],
+    func: Union[str, Callable[..., Any]],
     args: Optional[Sequence[Any]] = None,
     kwargs: Optional[Dict[str, Any]] = None,
     timeout: float = UNSET_RPC_TIMEOUT,
@@ -431,7 +486,7 @@ def rpc_async(
 
 def remote(
     to: To,
-    func: Callable[..., Any],
+    func: Union[str, Callable[..., Any]],
     args: Optional[Sequence[Any]] = None,
     kwargs: Optional[Dict[str, Any]] = None,
     timeout: float = UNSET_RPC_TIMEOUT,
@@ -439,6 +494,11 @@ def remote(
     """Runs ``func(*args, **kwargs)`` on worker ``to``, which keeps the result, and
     returns an :class:`RRef` to it at once. ``to_here()`` fetches the value (raising what
     ``func`` raised); its proxies call the value's methods on the owner."""
+    if _state.restricted or isinstance(func, str):
+        raise RpcUsageError(
+            "remote() is not available in restricted mode: its value lives on the owner as "
+            "a Python object, which only pickling can reach; use rpc_sync or rpc_async"
+        )
     agent, name, payload, buffers = _request(to, func, args, kwargs)
     key = _rref.new_key(agent.me()[0])
     metadata = _rref.REMOTE_TAG + key.encode()

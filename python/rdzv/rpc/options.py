@@ -81,6 +81,11 @@ class RpcBackendOptions:
     the file ``RDZV_RPC_SECRET_FILE``, else one the group's first worker makes and shares
     through the rendezvous store; ``bytes`` or ``str`` (at least 16 bytes, the same on
     every worker) is that secret; ``False`` runs without one, as torch does.
+
+    ``restricted`` (default False): restricted mode, in which this worker serves only
+    functions registered by name with plain data, and never unpickles
+    (:mod:`rdzv.rpc._restricted`; ``init_rpc(restricted=...)`` and
+    ``RDZV_RPC_RESTRICTED=1`` also set it).
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class RpcBackendOptions:
         _transports: Optional[List[str]] = None,
         _channels: Optional[List[str]] = None,
         secret: Union[bytes, str, None, bool] = None,
+        restricted: bool = False,
     ) -> None:
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {num_worker_threads}")
@@ -120,6 +126,7 @@ class RpcBackendOptions:
                 f"(none), not {secret!r}"
             )
         self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.restricted = bool(restricted)
 
     @property
     def _transports(self) -> Optional[List[str]]:

@@ -28,6 +28,7 @@ mod handler;
 mod message;
 mod name;
 mod received;
+mod restricted;
 mod rref;
 mod sys;
 
@@ -393,7 +394,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRpcAgent>()?;
     m.add_class::<received::ReceivedBuffer>()?;
     m.add_class::<PyRRef>()?;
-    m.add_function(wrap_pyfunction!(name::check_worker_name, m)?)
+    m.add_function(wrap_pyfunction!(name::check_worker_name, m)?)?;
+    restricted::register(m)
 }
 
 /// A worker id from Python.
