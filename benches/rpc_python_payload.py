@@ -20,14 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Dict, List
 
-PAIRS = {"tcp": (["uv"], ["basic"]), "shm": (["shm"], ["cma"])}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The same transport pairs and port choice as the rdzv-against-torch bench.
+from rpc_python import PAIRS, free_port  # noqa: E402
 SIZES = [("1KiB", 1 << 10), ("1MiB", 1 << 20), ("64MiB", 64 << 20)]
 
 
@@ -95,12 +96,6 @@ def worker(rank: int, port: int, pair: str, iters: int, big_iters: int) -> None:
         for row in measure(rpc, iters, big_iters):
             print("RESULT " + json.dumps(row), flush=True)
     rpc.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_pair(pair: str, iters: int, big_iters: int) -> List[Dict[str, Any]]:
