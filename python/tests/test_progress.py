@@ -98,3 +98,44 @@ def test_the_torchrun_handlers_log_where_a_waiting_round_stands(
         r"rdzv: run stuck: no round after \d+ s: round \d+: 1 of min 2 nodes; waiting for 1 more$",
         warnings[0],
     ), said
+
+
+def test_on_a_terminal_the_rendezvous_command_shows_an_updating_line(server: rdzv.StoreServer) -> None:
+    # stderr is a pseudo-terminal: the command draws "round N: 1 of min 2 nodes; waiting
+    # for 1 more" and redraws it in place (carriage returns), instead of staying silent.
+    import os
+    import pty
+    import select
+
+    primary, secondary = pty.openpty()
+    url = f"elastic://127.0.0.1:{server.port}/tty?nodes=2:2&join_timeout=3s"
+    node = subprocess.Popen(
+        [rdzv_command(), "rendezvous", url, "--node-id", "a"],
+        stdout=subprocess.DEVNULL,
+        stderr=secondary,
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(secondary)
+    seen = b""
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([primary], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(primary, 4096)
+                except OSError:
+                    break  # the command exited and closed the terminal
+                if not chunk:
+                    break
+                seen += chunk
+            elif node.poll() is not None:
+                break
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait(timeout=30)
+        os.close(primary)
+    text = seen.decode(errors="replace")
+    assert re.search(r"round \d+: 1 of min 2 nodes; waiting for 1 more", text), text
+    assert "\r" in text, text  # redrawn in place
