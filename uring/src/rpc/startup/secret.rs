@@ -14,6 +14,8 @@ use crate::store::Store;
 pub(crate) const SECRET_ENV: &str = "RDZV_RPC_SECRET";
 /// A file holding the secret (its first line), when the environment names one.
 pub(crate) const SECRET_FILE_ENV: &str = "RDZV_RPC_SECRET_FILE";
+/// The most a secret file may hold.
+const MAX_SECRET_FILE_BYTES: u64 = 4096;
 /// The length of a secret a worker makes for the group.
 const MADE_LEN: usize = 32;
 
@@ -54,12 +56,22 @@ fn from_env() -> Result<Option<Vec<u8>>, InitError> {
     let Some(path) = std::env::var_os(SECRET_FILE_ENV).filter(|s| !s.is_empty()) else {
         return Ok(None);
     };
-    let text = std::fs::read(&path).map_err(|e| {
-        invalid(format!(
-            "cannot read {SECRET_FILE_ENV}={}: {e}",
-            std::path::Path::new(&path).display()
-        ))
-    })?;
+    // At most a few KiB: the file names a secret, not a stream (`/dev/zero` must not
+    // fill memory).
+    let shown = std::path::Path::new(&path).display().to_string();
+    let mut text = Vec::new();
+    std::fs::File::open(&path)
+        .and_then(|file| {
+            use std::io::Read;
+            file.take(MAX_SECRET_FILE_BYTES + 1).read_to_end(&mut text)
+        })
+        .map_err(|e| invalid(format!("cannot read {SECRET_FILE_ENV}={shown}: {e}")))?;
+    if text.len() as u64 > MAX_SECRET_FILE_BYTES {
+        return Err(invalid(format!(
+            "{SECRET_FILE_ENV}={shown} is longer than {MAX_SECRET_FILE_BYTES} bytes: it must \
+             hold the secret on its first line"
+        )));
+    }
     let line = text.split(|&b| b == b'\n').next().unwrap_or_default();
     Ok(Some(line.strip_suffix(b"\r").unwrap_or(line).to_vec()))
 }
