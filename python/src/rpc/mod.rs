@@ -178,8 +178,8 @@ impl PyRpcAgent {
         })
     }
 
-    /// How many pipes this worker refused because the peer failed the handshake's
-    /// authentication.
+    /// How many inbound pipes this worker closed because the peer failed the handshake
+    /// (a wrong or missing proof, a stranger, a malformed frame, or too slow).
     fn handshakes_refused(&self) -> u64 {
         self.agent.handshakes_refused()
     }

@@ -35,7 +35,7 @@ struct Tallies {
 #[derive(Debug)]
 pub(crate) struct Counters {
     tallies: Mutex<Tallies>,
-    /// Pipes closed because the peer failed the handshake's authentication.
+    /// Inbound pipes closed because the peer failed the handshake.
     handshakes_refused: AtomicU64,
     /// When a refusal was last logged (at most one a second is).
     refusal_logged: Mutex<Option<Instant>>,
@@ -60,9 +60,11 @@ impl Counters {
         }
     }
 
-    /// A peer at `from`, calling itself `peer`, failed the handshake's authentication:
-    /// counted, and logged unless another refusal was within the last second.
-    pub(crate) fn handshake_refused(&self, from: &str, peer: &str, reason: &str) {
+    /// A peer at `from` (calling itself `peer`, once its hello was read) failed the
+    /// handshake: a bad or missing proof, a stranger's hello, a malformed frame, or no
+    /// frame in time. Counted, and logged unless another refusal was within the last
+    /// second.
+    pub(crate) fn handshake_refused(&self, from: &str, peer: Option<&str>, reason: &str) {
         let count = self.handshakes_refused.fetch_add(1, Ordering::Relaxed) + 1;
         let mut logged = self
             .refusal_logged
@@ -73,14 +75,14 @@ impl Counters {
             *logged = Some(now);
             tracing::warn!(
                 %from,
-                peer,
+                peer = peer.unwrap_or("(no hello read)"),
                 refused = count,
                 "refused an RPC pipe before reading any call: {reason}"
             );
         }
     }
 
-    /// How many pipes were refused for failing the handshake's authentication.
+    /// How many inbound pipes were closed for failing the handshake.
     pub(crate) fn handshakes_refused(&self) -> u64 {
         self.handshakes_refused.load(Ordering::Relaxed)
     }

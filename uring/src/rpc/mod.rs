@@ -99,7 +99,8 @@ pub use message::{
 };
 pub use mpt::DEFAULT_MPT_CONNECTIONS;
 pub use options::{
-    FaultInjection, RpcOptions, RpcSecret, ValueReleased, DEFAULT_NUM_WORKER_THREADS,
+    FaultInjection, InboundHandshakes, RpcOptions, RpcSecret, ValueReleased,
+    DEFAULT_NUM_WORKER_THREADS,
 };
 pub use rdzv_core::rpc::rref::{DebugInfo as RRefDebugInfo, RetryOptions as RRefRetryOptions};
 pub use recycle::give_received as recycle_received;

@@ -99,6 +99,33 @@ pub struct RpcOptions {
     /// How this worker's peers prove they belong to the group (and it to them), before
     /// any call they send is read. Default [`RpcSecret::Shared`].
     pub secret: RpcSecret,
+    /// What a peer that connects to this worker gets before its handshake is done: how
+    /// long it may take, and how many such peers may be waited on at once.
+    pub inbound_handshakes: InboundHandshakes,
+}
+
+/// The limits on peers that connected but have not finished the pipe handshake: an
+/// honest peer sends its hello at once after connecting and its proof at once after the
+/// answer, so neither wait is long; a client that sends nothing, or dribbles its frames,
+/// holds a waiting thread until `timeout` only. At most `max_in_flight` such peers are
+/// waited on at once: beyond that the listener stops accepting (connections wait in the
+/// kernel's backlog, nothing is refused) until one ends, so a flood of idle connections
+/// can delay new pipes but cannot exhaust threads or memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InboundHandshakes {
+    /// How long the whole inbound handshake (hello, then proof) may take. Default 10 s.
+    pub timeout: Duration,
+    /// How many inbound handshakes may be in progress at once. Default 256.
+    pub max_in_flight: usize,
+}
+
+impl Default for InboundHandshakes {
+    fn default() -> Self {
+        InboundHandshakes {
+            timeout: Duration::from_secs(10),
+            max_in_flight: 256,
+        }
+    }
 }
 
 /// The group secret of the pipe handshake ([`rdzv_core::rpc::auth`]): every worker of a
@@ -192,6 +219,8 @@ impl std::fmt::Debug for RpcOptions {
             .field("fault_injection", &self.fault_injection)
             .field("rref_retry", &self.rref_retry)
             .field("on_value_released", &self.on_value_released.is_some())
+            .field("secret", &self.secret)
+            .field("inbound_handshakes", &self.inbound_handshakes)
             .field(
                 "handlers",
                 &self.handlers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
@@ -223,6 +252,7 @@ impl Default for RpcOptions {
             rref_retry: rdzv_core::rpc::rref::RetryOptions::default(),
             on_value_released: None,
             secret: RpcSecret::Shared,
+            inbound_handshakes: InboundHandshakes::default(),
         }
     }
 }

@@ -187,9 +187,10 @@ impl RpcAgent {
         self.counters.pipe_channel(peer)
     }
 
-    /// How many pipes this worker closed because the peer failed the handshake's
-    /// authentication (no proof of the group secret, or a wrong one), before reading
-    /// anything else the peer sent.
+    /// How many inbound pipes this worker closed because the peer failed the handshake,
+    /// before reading anything else it sent: no proof of the group secret or a wrong
+    /// one, a hello from a worker not in the group, a malformed frame, or no hello or
+    /// proof within [`InboundHandshakes::timeout`](crate::rpc::InboundHandshakes).
     pub fn handshakes_refused(&self) -> u64 {
         self.counters.handshakes_refused()
     }

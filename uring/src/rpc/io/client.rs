@@ -286,7 +286,7 @@ impl Io {
             .send(&hello)
             .map_err(|e| handshake(PipeFailure::transport(e)))?;
         let (mut connection, reply) = self
-            .receive_handshake(connection)
+            .receive_handshake(connection, super::HANDSHAKE_TIMEOUT)
             .await
             .map_err(handshake)?;
         let reply = reply.ok_or_else(|| handshake(PipeFailure::ClosedInHandshake))?;
@@ -333,7 +333,7 @@ impl Io {
         // The listener reads nothing else before it has checked the proof: wait for its
         // word, so that a refusal reads as one here.
         let (connection, word) = self
-            .receive_handshake(connection)
+            .receive_handshake(connection, super::HANDSHAKE_TIMEOUT)
             .await
             .map_err(handshake)?;
         let word = word.ok_or_else(|| handshake(PipeFailure::ClosedInHandshake))?;

@@ -2,14 +2,14 @@
 //! the pipe into an inbound lane.
 
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{answer_brochure, Negotiated, Role};
 use rdzv_core::rpc::auth::{check_peer, prove, Nonce, Prover, Transcript};
 use rdzv_core::rpc::frame::Handshake;
 use rdzv_core::rpc::name::WorkerId;
 
-use super::{handshake_frame, with_handshake, Io};
+use super::{handshake_frame, with_handshake, Io, PipeFailure};
 use crate::rpc::lane;
 use crate::rpc::mpt;
 use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
@@ -19,15 +19,24 @@ use crate::rpc::transport::{Connection, IncomingFrame, OwnedFrame};
 type Accepted = (String, WorkerId, Negotiated, u64, (Nonce, Nonce));
 
 impl Io {
-    /// Accepts connections of transport `index` until the agent closes.
+    /// Accepts connections of transport `index` until the agent closes; while
+    /// [`InboundHandshakes::max_in_flight`] accepted peers have not finished their
+    /// handshake, it accepts no more (they wait in the kernel's backlog).
+    ///
+    /// [`InboundHandshakes::max_in_flight`]: crate::rpc::InboundHandshakes::max_in_flight
     pub(super) async fn accept_loop(self: Rc<Self>, index: usize) {
         let Some(transport) = self.transports.get(index) else {
             return;
         };
+        let cap = self.pieces.inbound_handshakes.max_in_flight.max(1);
         loop {
+            while self.state.borrow().inbound_handshakes >= cap {
+                self.handshake_ended.notified().await;
+            }
             match transport.accept().await {
                 Ok(connection) => {
-                    self.spawn(Rc::clone(&self).serve_inbound(connection));
+                    let slot = HandshakeSlot::take(&self);
+                    self.spawn(Rc::clone(&self).serve_inbound(connection, slot));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "RPC accept failed");
@@ -112,13 +121,17 @@ impl Io {
         connection: Connection,
         (peer, peer_id): (&str, WorkerId),
         (theirs, mine): (Nonce, Nonce),
-        from: &str,
+        (from, deadline): (&str, Instant),
     ) -> Option<Connection> {
-        let (mut connection, frame) = match self.receive_handshake(connection).await {
+        let received = self.receive_handshake_until(connection, deadline).await;
+        let (mut connection, frame) = match received {
             Ok((connection, Some(frame))) => (connection, frame),
             Ok((_, None)) => return None,
             Err(e) => {
-                tracing::debug!(%from, error = %e, "no RPC handshake proof");
+                let reason = format!("no proof: {e}");
+                self.pieces
+                    .counters
+                    .handshake_refused(from, Some(peer), &reason);
                 return None;
             }
         };
@@ -150,20 +163,29 @@ impl Io {
         match checked {
             Ok(()) => Some(connection),
             Err(reason) => {
-                self.pieces.counters.handshake_refused(from, peer, &reason);
+                self.pieces
+                    .counters
+                    .handshake_refused(from, Some(peer), &reason);
                 None
             }
         }
     }
 
-    /// Answers a peer's hello; the pipe then becomes an inbound lane.
-    async fn serve_inbound(self: Rc<Self>, connection: Connection) {
+    /// Answers a peer's hello; the pipe then becomes an inbound lane. The whole handshake
+    /// must end within [`InboundHandshakes::timeout`]; a pipe that fails it is counted
+    /// and closed.
+    ///
+    /// [`InboundHandshakes::timeout`]: crate::rpc::InboundHandshakes::timeout
+    async fn serve_inbound(self: Rc<Self>, connection: Connection, slot: HandshakeSlot) {
         let from = connection.peer.clone();
-        let (mut connection, hello) = match self.receive_handshake(connection).await {
+        let deadline = Instant::now() + self.pieces.inbound_handshakes.timeout;
+        let (mut connection, hello) = match self.receive_handshake_until(connection, deadline).await
+        {
             Ok((connection, Some(frame))) => (connection, frame),
             Ok((_, None)) => return,
             Err(e) => {
-                tracing::debug!(%from, error = %e, "bad RPC handshake");
+                let reason = format!("no hello: {e}");
+                self.pieces.counters.handshake_refused(&from, None, &reason);
                 return;
             }
         };
@@ -180,17 +202,18 @@ impl Io {
             Ok(d) => d,
             Err(reason) => {
                 // Dropping the connection closes it after the refusal.
-                tracing::warn!(%from, %reason, "refused an RPC pipe");
+                self.pieces.counters.handshake_refused(&from, None, &reason);
                 return;
             }
         };
         // Nothing else the peer sends is read before its proof holds.
         let Some(connection) = self
-            .check_proof(connection, (&peer, peer_id), nonces, &from)
+            .check_proof(connection, (&peer, peer_id), nonces, (&from, deadline))
             .await
         else {
             return;
         };
+        drop(slot);
         let pipe = {
             let mut state = self.state.borrow_mut();
             let id = state.next_pipe;
@@ -209,5 +232,41 @@ impl Io {
             ),
             None => connection.control.stop(),
         }
+    }
+
+    /// The time left of an inbound handshake that must end at `deadline`.
+    async fn receive_handshake_until(
+        &self,
+        connection: Connection,
+        deadline: Instant,
+    ) -> Result<(Connection, Option<IncomingFrame>), PipeFailure> {
+        self.receive_handshake(
+            connection,
+            deadline.saturating_duration_since(Instant::now()),
+        )
+        .await
+    }
+}
+
+/// One of the [`InboundHandshakes::max_in_flight`] places of accepted peers whose
+/// handshake is not done; given back (and a waiting accept loop woken) when dropped,
+/// which also happens when the agent's close cancels the task holding it.
+///
+/// [`InboundHandshakes::max_in_flight`]: crate::rpc::InboundHandshakes::max_in_flight
+pub(super) struct HandshakeSlot(Rc<Io>);
+
+impl HandshakeSlot {
+    fn take(io: &Rc<Io>) -> HandshakeSlot {
+        io.state.borrow_mut().inbound_handshakes += 1;
+        HandshakeSlot(Rc::clone(io))
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut state = self.0.state.borrow_mut();
+        state.inbound_handshakes = state.inbound_handshakes.saturating_sub(1);
+        drop(state);
+        self.0.handshake_ended.notify_one();
     }
 }

@@ -10,8 +10,8 @@
 //! lane ([`super::lane`]), whose threads carry every frame after that, driven by the core's
 //! pipe machine (`rdzv_core::rpc::pipe`). Connections come from the transports already
 //! served by threads: a handshake's frames are small and go out at once, and the wait for
-//! the peer's runs on a thread of its own (bounded by [`HANDSHAKE_TIMEOUT`], and stopped
-//! when the agent closes). Calls made while their pipe opens wait here (their deadline runs
+//! the peer's runs on a thread of its own (bounded in time, and stopped when the agent
+//! closes; at most [`InboundHandshakes::max_in_flight`] for peers that connected here). Calls made while their pipe opens wait here (their deadline runs
 //! in the call table from the start), and go out on the lane once it exists. A pipe that
 //! fails to open fails its calls; the next call to that peer opens a new one (PyTorch never
 //! re-creates a pipe).
@@ -42,6 +42,7 @@ use super::lane::{self, Job, LaneContext, Server};
 use super::mailbox::{Call, Command, Mailbox};
 use super::message::{Completion, Message};
 use super::offer::OfferSpec;
+use super::options::InboundHandshakes;
 use super::registry::Registry;
 use super::transport::{recv_within, Connection, Control, IncomingFrame, OwnedFrame, Transport};
 use crate::queue::on_thread;
@@ -72,6 +73,9 @@ struct IoState {
     /// The connections whose handshake frame a thread waits for, stopped at close.
     handshaking: HashMap<u64, Arc<dyn Control>>,
     next_handshake: u64,
+    /// Inbound pipes accepted whose handshake is not done (at most
+    /// [`InboundHandshakes::max_in_flight`]).
+    inbound_handshakes: usize,
 }
 
 /// What the I/O thread reads and feeds, from start-up.
@@ -92,6 +96,9 @@ pub(crate) struct IoPieces {
     pub server: Arc<Server>,
     /// The group secret peers prove in the handshake (`None`: none).
     pub secret: Option<Arc<[u8]>>,
+    /// How long, and how many at once, peers that connected may take to finish their
+    /// handshake.
+    pub inbound_handshakes: InboundHandshakes,
 }
 
 pub(crate) struct Io {
@@ -104,6 +111,8 @@ pub(crate) struct Io {
     tasks: RefCell<HashMap<u64, JoinHandle<()>>>,
     next_task: Cell<u64>,
     state: RefCell<IoState>,
+    /// Signalled when an inbound handshake ends, for an accept loop waiting at the cap.
+    handshake_ended: tokio::sync::Notify,
 }
 
 /// A fresh nonce for a pipe's handshake (`rdzv_core::rpc::auth`), from the operating
@@ -120,7 +129,8 @@ fn nonce() -> Result<rdzv_core::rpc::auth::Nonce, String> {
 
 /// How long a graceful close waits for the lanes' goodbyes to go out.
 const FLUSH_WAIT: Duration = Duration::from_secs(2);
-/// How long a pipe waits for the peer's handshake frame (hello or answer).
+/// How long a client pipe waits for each of the listener's handshake frames (its answer,
+/// then its word on the proof). Inbound pipes wait [`InboundHandshakes::timeout`].
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Io {
@@ -137,6 +147,7 @@ impl Io {
             tasks: RefCell::new(HashMap::new()),
             next_task: Cell::new(0),
             state: RefCell::new(IoState::default()),
+            handshake_ended: tokio::sync::Notify::new(),
         });
         for index in 0..io.transports.len() {
             io.spawn(Rc::clone(&io).accept_loop(index));
@@ -363,11 +374,12 @@ impl Io {
 
 impl Io {
     /// Waits on a thread of its own for the next frame of `connection` (a handshake
-    /// frame, under the handshake limits) for up to [`HANDSHAKE_TIMEOUT`]; `None` when
-    /// the peer closed it. The agent's close stops the wait.
+    /// frame, under the handshake limits) for up to `timeout`; `None` when the peer
+    /// closed it. The agent's close stops the wait.
     async fn receive_handshake(
         &self,
         mut connection: Connection,
+        timeout: Duration,
     ) -> Result<(Connection, Option<IncomingFrame>), PipeFailure> {
         let id = {
             let mut state = self.state.borrow_mut();
@@ -379,7 +391,7 @@ impl Io {
             id
         };
         let received = on_thread("rdzv-rpc-handshake", move || {
-            let frame = recv_within(&mut connection, FrameLimits::HANDSHAKE, HANDSHAKE_TIMEOUT);
+            let frame = recv_within(&mut connection, FrameLimits::HANDSHAKE, timeout);
             (connection, frame)
         })
         .await;

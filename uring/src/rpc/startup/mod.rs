@@ -357,6 +357,7 @@ impl Start {
             lanes: Arc::clone(&lanes),
             server,
             secret,
+            inbound_handshakes: options.inbound_handshakes,
         };
         let (io_thread, address) = spawn_io(pieces, running, jobs_tx)?;
         // The mpt connection listener's address goes last: it is no transport.

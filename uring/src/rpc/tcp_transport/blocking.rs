@@ -22,6 +22,11 @@ type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
 /// peer whose process stopped reading must not hold a caller's thread forever.
 const STALLED_SEND: Duration = Duration::from_secs(30);
 
+/// A partial frame of at least this many bytes is read to its end by blocking reads;
+/// smaller ones are polled for (`try_recv` returns `Empty`), so that every wait on them
+/// keeps its deadline.
+const BLOCKING_REST_MIN: usize = 1 << 20;
+
 /// A connected socket (taken off the executor that connected or accepted it) as a
 /// connection served by threads.
 pub(super) fn connection(
@@ -79,22 +84,23 @@ impl FrameSender for ThreadSender {
 }
 
 impl ThreadReceiver {
-    /// The first buffered frame, if it is complete.
+    /// The first buffered frame, if it is complete; else how many more bytes it needs at
+    /// least (0 when nothing is buffered).
     fn buffered_frame(
         &mut self,
         limits: FrameLimits,
-    ) -> Result<Option<IncomingFrame>, TransportError> {
+    ) -> Result<Result<IncomingFrame, usize>, TransportError> {
         if self.filled == 0 {
-            return Ok(None);
+            return Ok(Err(0));
         }
         let mut decoder = FrameDecoder::new(limits);
         match decoder.decode(self.pending()) {
             Ok(Decoded::Complete(frame, used)) => {
                 let incoming = IncomingFrame::from_frame(&frame);
                 self.consume(used);
-                Ok(Some(incoming))
+                Ok(Ok(incoming))
             }
-            Ok(Decoded::Partial(_)) => Ok(None),
+            Ok(Decoded::Partial(missing)) => Ok(Err(missing)),
             Err(source) => Err(TransportError::Frame {
                 peer: self.peer.to_string(),
                 source,
@@ -109,7 +115,7 @@ impl FrameReceiver for ThreadReceiver {
     }
 
     fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
-        if let Some(frame) = self.buffered_frame(limits)? {
+        if let Ok(frame) = self.buffered_frame(limits)? {
             return Ok(TryRecv::Frame(frame));
         }
         if self.buf.len() < self.filled.saturating_add(READ_CHUNK) {
@@ -139,10 +145,17 @@ impl FrameReceiver for ThreadReceiver {
                 })
             }
         }
-        if let Some(frame) = self.buffered_frame(limits)? {
-            return Ok(TryRecv::Frame(frame));
+        let missing = match self.buffered_frame(limits)? {
+            Ok(frame) => return Ok(TryRecv::Frame(frame)),
+            Err(missing) => missing,
+        };
+        // A small frame's rest is polled for like a new frame: a peer that dribbles one
+        // (a stranger's handshake) holds no thread past its caller's deadline.
+        if self.filled.saturating_add(missing) < BLOCKING_REST_MIN {
+            return Ok(TryRecv::Empty);
         }
-        // A frame is arriving: the rest is on its way, wait for it.
+        // A big frame is arriving (its header has passed the limits): the rest is on its
+        // way, read it with blocking reads, straight into its tensors where it can.
         Ok(match self.recv(limits)? {
             Some(frame) => TryRecv::Frame(frame),
             None => TryRecv::Closed,
@@ -150,8 +163,10 @@ impl FrameReceiver for ThreadReceiver {
     }
 
     fn arm(&mut self) -> Result<bool, TransportError> {
-        // The socket's readiness is level-triggered: only buffered bytes need a look now.
-        Ok(self.filled == 0)
+        // The socket's readiness is level-triggered, and `try_recv` returned every
+        // complete buffered frame: what is buffered now is part of a frame, whose next
+        // bytes wake the wait.
+        Ok(true)
     }
 }
 
