@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_lite::io::AssertAsync;
 use rdzv_core::rpc::frame::{Decoded, FrameDecoder, FrameLimits};
 
 use super::framing::{TcpReceiver, TcpSender, READ_CHUNK};
@@ -15,8 +14,8 @@ use crate::rpc::transport::{
 };
 
 /// The halves served by threads: the framing code over a blocking socket.
-type ThreadSender = TcpSender<AssertAsync<std::net::TcpStream>>;
-type ThreadReceiver = TcpReceiver<AssertAsync<std::net::TcpStream>>;
+type ThreadSender = TcpSender<std::net::TcpStream>;
+type ThreadReceiver = TcpReceiver<std::net::TcpStream>;
 
 /// How long a blocking send may make no progress before the pipe counts as broken: a
 /// peer whose process stopped reading must not hold a caller's thread forever.
@@ -62,12 +61,12 @@ pub(super) fn connection(
     let shared: Arc<str> = Arc::from(peer.as_str());
     Ok(Connection {
         sender: Box::new(TcpSender {
-            write: AssertAsync::new(writer),
+            write: writer,
             peer: Arc::clone(&shared),
             scratch: Vec::new(),
         }),
         receiver: Box::new(TcpReceiver {
-            read: AssertAsync::new(stream),
+            read: stream,
             peer: shared,
             buf: Vec::new(),
             filled: 0,
@@ -79,7 +78,7 @@ pub(super) fn connection(
 
 impl FrameSender for ThreadSender {
     fn send(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
-        futures_lite::future::block_on(self.send_frame(frame))
+        self.send_frame(frame)
     }
 }
 
@@ -111,7 +110,7 @@ impl ThreadReceiver {
 
 impl FrameReceiver for ThreadReceiver {
     fn recv(&mut self, limits: FrameLimits) -> Result<Option<IncomingFrame>, TransportError> {
-        futures_lite::future::block_on(self.recv_frame(limits))
+        self.recv_frame(limits)
     }
 
     fn try_recv(&mut self, limits: FrameLimits) -> Result<TryRecv, TransportError> {
@@ -122,7 +121,7 @@ impl FrameReceiver for ThreadReceiver {
             self.buf.resize(self.filled.saturating_add(READ_CHUNK), 0);
         }
         let spare = self.buf.get_mut(self.filled..).unwrap_or_default();
-        let read = rustix::net::recv(self.read.get_ref(), spare, rustix::net::RecvFlags::DONTWAIT);
+        let read = rustix::net::recv(&self.read, spare, rustix::net::RecvFlags::DONTWAIT);
         match read {
             Ok((0, _)) if self.filled == 0 => return Ok(TryRecv::Closed),
             Ok((0, _)) => {

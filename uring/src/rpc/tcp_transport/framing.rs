@@ -1,6 +1,5 @@
-//! The tcp transport's framing, over any byte stream: the same code serves a pipe's
-//! handshake on the I/O executor (tokio's socket halves) and its lane on threads (the
-//! socket in blocking mode), so the two cannot drift.
+//! The tcp transport's framing, over a byte stream read and written by blocking calls
+//! (the socket of a pipe served by threads: its handshake, then its lane).
 //!
 //! Receiving reads into one buffer and lets the core's [`FrameDecoder`] check every
 //! field against the [`FrameLimits`] as soon as it is complete; the buffer only grows by
@@ -13,10 +12,10 @@
 
 use std::sync::Arc;
 
-use futures_lite::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use rdzv_core::rpc::frame::{
     Decoded, FrameDecoder, FrameLimits, Header, TensorDescriptor, DESCRIPTOR_LEN, HEADER_LEN,
 };
+use std::io::{Read, Write};
 
 use super::COALESCE_LIMIT;
 use crate::rpc::error::TransportError;
@@ -40,7 +39,7 @@ pub(super) struct TcpSender<W> {
     pub(super) scratch: Vec<u8>,
 }
 
-impl<W: AsyncWrite + Unpin> TcpSender<W> {
+impl<W: Write> TcpSender<W> {
     fn io_error(&self, source: std::io::Error) -> TransportError {
         TransportError::Io {
             op: "send to",
@@ -49,7 +48,7 @@ impl<W: AsyncWrite + Unpin> TcpSender<W> {
         }
     }
 
-    pub(super) async fn send_frame(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
+    pub(super) fn send_frame(&mut self, frame: &OwnedFrame) -> Result<u64, TransportError> {
         let head = frame
             .encode_head()
             .map_err(|source| TransportError::Encode {
@@ -64,22 +63,16 @@ impl<W: AsyncWrite + Unpin> TcpSender<W> {
             for part in frame.body() {
                 out.extend_from_slice(part);
             }
-            let written = self.write.write_all(&out).await;
+            let written = self.write.write_all(&out);
             self.scratch = out;
             written.map_err(|e| self.io_error(e))?;
         } else {
-            self.write
-                .write_all(&head)
-                .await
-                .map_err(|e| self.io_error(e))?;
+            self.write.write_all(&head).map_err(|e| self.io_error(e))?;
             for part in frame.body().filter(|p| !p.is_empty()) {
-                self.write
-                    .write_all(part)
-                    .await
-                    .map_err(|e| self.io_error(e))?;
+                self.write.write_all(part).map_err(|e| self.io_error(e))?;
             }
         }
-        self.write.flush().await.map_err(|e| self.io_error(e))?;
+        self.write.flush().map_err(|e| self.io_error(e))?;
         Ok(total as u64)
     }
 }
@@ -147,10 +140,10 @@ fn direct_plan(header: Option<&Header>, pending: &[u8]) -> Option<DirectPlan> {
     })
 }
 
-impl<R: AsyncRead + Unpin> TcpReceiver<R> {
+impl<R: Read> TcpReceiver<R> {
     /// Finishes a frame whose first `plan.fixed` bytes are buffered (and checked by the
     /// decoder): the inline tensors are read into their own buffers.
-    async fn read_direct(&mut self, plan: DirectPlan) -> Result<IncomingFrame, TransportError> {
+    fn read_direct(&mut self, plan: DirectPlan) -> Result<IncomingFrame, TransportError> {
         let DirectPlan {
             header,
             fixed,
@@ -197,7 +190,7 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
             }
             early_at += take;
             if let Some(rest) = data.get_mut(take..) {
-                self.read.read_exact(rest).await.map_err(|source| {
+                self.read.read_exact(rest).map_err(|source| {
                     if source.kind() == std::io::ErrorKind::UnexpectedEof {
                         truncated(early_at)
                     } else {
@@ -226,9 +219,9 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
     }
 }
 
-impl<R: AsyncRead + Unpin> TcpReceiver<R> {
+impl<R: Read> TcpReceiver<R> {
     /// The next frame, read as the module doc says.
-    pub(super) async fn recv_frame(
+    pub(super) fn recv_frame(
         &mut self,
         limits: FrameLimits,
     ) -> Result<Option<IncomingFrame>, TransportError> {
@@ -248,7 +241,7 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
                         Ok(Decoded::Partial(missing)) => {
                             if let Some(plan) = direct_plan(decoder.header(), self.pending()) {
                                 if self.filled >= plan.fixed {
-                                    return self.read_direct(plan).await.map(Some);
+                                    return self.read_direct(plan).map(Some);
                                 }
                                 // Read only up to the inline data.
                                 plan.fixed - self.filled
@@ -271,15 +264,11 @@ impl<R: AsyncRead + Unpin> TcpReceiver<R> {
                     self.buf.resize(wanted, 0);
                 }
                 let spare = self.buf.get_mut(self.filled..).unwrap_or_default();
-                let n = self
-                    .read
-                    .read(spare)
-                    .await
-                    .map_err(|source| TransportError::Io {
-                        op: "receive from",
-                        peer: self.peer.to_string(),
-                        source,
-                    })?;
+                let n = self.read.read(spare).map_err(|source| TransportError::Io {
+                    op: "receive from",
+                    peer: self.peer.to_string(),
+                    source,
+                })?;
                 if n == 0 {
                     return if self.filled == 0 {
                         Ok(None)

@@ -265,6 +265,76 @@ mod tests {
         assert!(matches!(end, Ok(None)), "{end:?}");
     }
 
+    /// A small frame that arrives in pieces is polled for (`try_recv` says `Empty`, the
+    /// wait's deadline holds) instead of waited for with blocking reads; a big one is
+    /// read to its end.
+    #[test]
+    fn a_small_partial_frame_is_polled_for_and_a_big_one_read_through() {
+        use std::io::Write;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+        let address = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let mut raw = std::net::TcpStream::connect(address).unwrap_or_else(|e| panic!("{e}"));
+        let (stream, _) = listener.accept().unwrap_or_else(|e| panic!("{e}"));
+        let mut server =
+            blocking::connection(stream, "raw".into()).unwrap_or_else(|e| panic!("{e}"));
+        let small = tensor_frame(1, 100);
+        let mut bytes = small.encode_head().unwrap_or_else(|e| panic!("{e}"));
+        for part in small.body() {
+            bytes.extend_from_slice(part);
+        }
+        let (first, rest) = bytes.split_at(bytes.len() / 2);
+        raw.write_all(first).unwrap_or_else(|e| panic!("{e}"));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(matches!(
+            server.receiver.try_recv(FrameLimits::DEFAULT),
+            Ok(TryRecv::Empty)
+        ));
+        let start = std::time::Instant::now();
+        let waited = crate::rpc::transport::recv_within(
+            &mut server,
+            FrameLimits::DEFAULT,
+            std::time::Duration::from_millis(200),
+        );
+        assert!(
+            waited.is_err(),
+            "half a frame within the deadline: {waited:?}"
+        );
+        assert!(start.elapsed() < std::time::Duration::from_secs(2));
+        raw.write_all(rest).unwrap_or_else(|e| panic!("{e}"));
+        let got = crate::rpc::transport::recv_within(
+            &mut server,
+            FrameLimits::DEFAULT,
+            std::time::Duration::from_secs(10),
+        );
+        assert!(
+            matches!(&got, Ok(Some(got)) if same(got, &small)),
+            "{got:?}"
+        );
+        // A 3 MiB frame sent in two pieces comes through whole.
+        let big = tensor_frame(2, 3 << 20);
+        let mut bytes = big.encode_head().unwrap_or_else(|e| panic!("{e}"));
+        for part in big.body() {
+            bytes.extend_from_slice(part);
+        }
+        let writer = std::thread::spawn(move || {
+            let (first, rest) = bytes.split_at(1 << 21);
+            let _ = raw.write_all(first);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let _ = raw.write_all(rest);
+            raw
+        });
+        let got = crate::rpc::transport::recv_within(
+            &mut server,
+            FrameLimits::DEFAULT,
+            std::time::Duration::from_secs(10),
+        );
+        assert!(
+            matches!(&got, Ok(Some(got)) if same(got, &big)),
+            "the big frame"
+        );
+        let _ = writer.join();
+    }
+
     #[test]
     fn listening_off_the_executor_is_an_error_not_a_panic() {
         let refused = TcpTransport::new([127, 0, 0, 1].into()).listen();
