@@ -245,6 +245,7 @@ class RRef:
 
 #: The first bytes of every restricted payload (``b"RDZV-R1"``).
 RESTRICTED_MAGIC: bytes
+RESTRICTED_DTYPES: Tuple[str, ...]
 
 def restricted_encode_call(
     name: str,

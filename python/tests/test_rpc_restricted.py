@@ -345,6 +345,38 @@ def test_call_round_trip_and_limits() -> None:
         _rdzv.restricted_decode(payload, _restricted._tensor_maker([]))
 
 
+def test_numpy_scalars_arrive_as_the_numpy_scalars_they_were() -> None:
+    from rdzv import _rdzv
+    from rdzv.rpc import _restricted
+
+    sent = [
+        np.float32(1.5),
+        np.float64(-2.25),  # a float subclass: still a numpy scalar
+        np.int64(-7),
+        np.uint8(255),
+        np.bool_(True),
+        np.complex64(1 - 2j),
+        np.float16(0.5),
+        np.array(3.0, dtype=">f8"),  # a 0-d array stays an array, in native order
+        2.5,  # a plain float stays a float
+    ]
+    payload, buffers = _restricted.dumps_call("f", tuple(sent), {})
+    _, _, args, _ = _rdzv.restricted_decode(
+        payload, _restricted._tensor_maker([bytearray(b) for b in buffers])
+    )
+    assert len(args) == len(sent)
+    for got, want in zip(args, sent):
+        assert type(got) is type(want), (got, want)
+        assert got == want
+        if isinstance(want, (np.generic, np.ndarray)):
+            assert got.dtype == want.dtype.newbyteorder("=")
+    # Core's dtype list is the one Python checks against.
+    assert _restricted._DTYPES == frozenset(_rdzv.RESTRICTED_DTYPES)
+    assert "float32" in _rdzv.RESTRICTED_DTYPES
+    with pytest.raises(TypeError, match="numpy scalar of dtype"):
+        _restricted.dumps_call("f", (np.datetime64("2026-12-02"),), {})
+
+
 def test_register_validates_names() -> None:
     import rdzv.rpc as rpc
 

@@ -26,6 +26,9 @@
 //! key    = 0x03 i64 | 0x05 len:u32 utf8
 //! tensor = index:u32 framework:u8 dtype_len:u8 dtype ndim:u8 dim:u64*
 //! ```
+//!
+//! `framework` is 0 for a numpy array, 1 for a torch tensor and 2 for a numpy scalar
+//! (`numpy.float32(1.5)`: no dimensions, its one element in the tensor's buffer).
 
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -96,6 +99,8 @@ pub enum Framework {
     Numpy,
     /// A `torch.Tensor`.
     Torch,
+    /// A numpy scalar (`numpy.generic`, such as `numpy.int64(3)`): no dimensions.
+    NumpyScalar,
 }
 
 impl Framework {
@@ -103,6 +108,7 @@ impl Framework {
         match self {
             Framework::Numpy => 0,
             Framework::Torch => 1,
+            Framework::NumpyScalar => 2,
         }
     }
 
@@ -110,8 +116,31 @@ impl Framework {
         match code {
             0 => Some(Framework::Numpy),
             1 => Some(Framework::Torch),
+            2 => Some(Framework::NumpyScalar),
             _ => None,
         }
+    }
+
+    /// The name the bindings use: `numpy`, `torch` or `numpy-scalar`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Numpy => "numpy",
+            Framework::Torch => "torch",
+            Framework::NumpyScalar => "numpy-scalar",
+        }
+    }
+
+    /// The framework named `name` (as [`name`](Self::name) writes it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Framework::Numpy, Framework::Torch, Framework::NumpyScalar]
+            .into_iter()
+            .find(|f| f.name() == name)
+    }
+
+    /// Whether a reference of this framework may have `ndim` dimensions (a scalar has
+    /// none).
+    fn allows_dims(self, ndim: usize) -> bool {
+        ndim <= MAX_DIMS && (self != Framework::NumpyScalar || ndim == 0)
     }
 }
 
@@ -326,7 +355,7 @@ impl fmt::Display for DecodeError {
             DecodeError::BadTensor { at } => write!(
                 f,
                 "restricted-mode RPC: tensor reference at byte {at} has an unknown framework, \
-                 dtype or more than {MAX_DIMS} dimensions"
+                 dtype or more than {MAX_DIMS} dimensions (a numpy scalar has none)"
             ),
             DecodeError::BadName(e) => write!(f, "restricted-mode RPC: {e}"),
             DecodeError::BadCallShape { at } => write!(
@@ -422,7 +451,7 @@ impl fmt::Display for EncodeError {
             EncodeError::BadTensor => write!(
                 f,
                 "restricted-mode RPC: a tensor's dtype must be one of {DTYPES:?} with at most \
-                 {MAX_DIMS} dimensions"
+                 {MAX_DIMS} dimensions (a numpy scalar has none)"
             ),
             EncodeError::BadName(e) => write!(f, "restricted-mode RPC: {e}"),
             EncodeError::BufferTooSmall { needed } => write!(
@@ -484,7 +513,7 @@ fn put_value(sink: &mut impl Sink, value: &Value, depth: usize) -> Result<(), En
         Value::Str(s) => put_str(sink, TAG_STR, s.as_bytes())?,
         Value::Bytes(b) => put_str(sink, TAG_BYTES, b)?,
         Value::Tensor(t) => {
-            if !DTYPES.contains(&t.dtype.as_str()) || t.shape.len() > MAX_DIMS {
+            if !DTYPES.contains(&t.dtype.as_str()) || !t.framework.allows_dims(t.shape.len()) {
                 return Err(EncodeError::BadTensor);
             }
             sink.put(&[TAG_TENSOR]);
@@ -731,7 +760,7 @@ impl<'a> Reader<'a> {
             .find(|d| d.as_bytes() == dtype)
             .ok_or(DecodeError::BadTensor { at })?;
         let ndim = self.byte()? as usize;
-        if ndim > MAX_DIMS {
+        if !framework.allows_dims(ndim) {
             return Err(DecodeError::BadTensor { at });
         }
         let mut shape = Vec::with_capacity(ndim);
@@ -1047,6 +1076,44 @@ mod tests {
     }
 
     #[test]
+    fn a_numpy_scalar_has_no_dimensions() {
+        let scalar = |shape: Vec<u64>| {
+            value(Value::Tensor(TensorRef {
+                index: 0,
+                framework: Framework::NumpyScalar,
+                dtype: "float32".into(),
+                shape,
+            }))
+        };
+        let mut out = Vec::new();
+        encode((&scalar(vec![])).into(), &mut out).unwrap();
+        assert_eq!(decode(&out, &Limits::default()), Ok(scalar(vec![])));
+        assert_eq!(
+            encode((&scalar(vec![1])).into(), &mut Vec::new()),
+            Err(EncodeError::BadTensor)
+        );
+        // The same reference claiming one dimension on the wire.
+        let mut array = Vec::new();
+        let one_dim = value(Value::Tensor(TensorRef {
+            index: 0,
+            framework: Framework::Numpy,
+            dtype: "float32".into(),
+            shape: vec![1],
+        }));
+        encode((&one_dim).into(), &mut array).unwrap();
+        let at = array.len() - 8 - 1 - "float32".len() - 2;
+        assert_eq!(array[at], 0, "the framework byte");
+        array[at] = 2;
+        assert!(matches!(
+            decode(&array, &Limits::default()),
+            Err(DecodeError::BadTensor { .. })
+        ));
+        for f in [Framework::Numpy, Framework::Torch, Framework::NumpyScalar] {
+            assert_eq!(Framework::from_name(f.name()), Some(f));
+        }
+    }
+
+    #[test]
     fn encode_into_reports_the_room_needed() {
         let p = value(Value::Str("abc".into()));
         let mut small = [0u8; 4];
@@ -1074,20 +1141,23 @@ mod tests {
             proptest::collection::vec(any::<u8>(), 0..8).prop_map(Value::Bytes),
             (
                 any::<u32>(),
-                any::<bool>(),
+                0..3u8,
                 0..DTYPES.len(),
                 proptest::collection::vec(any::<u64>(), 0..4)
             )
-                .prop_map(|(index, torch, d, shape)| Value::Tensor(TensorRef {
-                    index,
-                    framework: if torch {
-                        Framework::Torch
-                    } else {
-                        Framework::Numpy
-                    },
-                    dtype: DTYPES[d].into(),
-                    shape,
-                })),
+                .prop_map(|(index, f, d, shape)| {
+                    let framework = Framework::from_code(f).unwrap_or(Framework::Numpy);
+                    Value::Tensor(TensorRef {
+                        index,
+                        framework,
+                        dtype: DTYPES[d].into(),
+                        shape: if framework == Framework::NumpyScalar {
+                            Vec::new()
+                        } else {
+                            shape
+                        },
+                    })
+                }),
         ];
         leaf.prop_recursive(6, 64, 6, |inner| {
             prop_oneof![

@@ -3,7 +3,7 @@
 A restricted call names a function by the name it was registered under
 (:func:`register`) and carries its arguments, its result and its exception as plain data
 (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, ``list``, ``tuple``, ``dict``
-with ``str`` or ``int`` keys, numpy arrays and CPU torch tensors), encoded by
+with ``str`` or ``int`` keys, numpy arrays and scalars, and CPU torch tensors), encoded by
 :mod:`rdzv_core::rpc::restricted` (``_rdzv.restricted_*``). Arrays and tensors travel out
 of band, as the message's buffers, with their dtype and shape in the payload.
 
@@ -31,26 +31,8 @@ _lock = threading.Lock()
 _by_name: Dict[str, Callable[..., Any]] = {}
 _by_function: Dict[Any, str] = {}
 
-#: numpy's and torch's names of the dtypes a restricted message carries.
-_DTYPES = frozenset(
-    [
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    ]
-)
+#: numpy's and torch's names of the dtypes a restricted message carries (core's list).
+_DTYPES = frozenset(_rdzv.RESTRICTED_DTYPES)
 
 
 def register(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,6 +96,14 @@ def _tensor_hook(obj: Any) -> Optional[Tuple[str, str, Tuple[int, ...], Any]]:
     """A numpy array or CPU torch tensor as ``(framework, dtype, shape, buffer)``; ``None``
     for anything else."""
     np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.generic):
+        if obj.dtype.name not in _DTYPES:
+            raise TypeError(
+                f"restricted-mode RPC: numpy scalar of dtype {obj.dtype} is not carried "
+                f"(one of {sorted(_DTYPES)})"
+            )
+        scalar = np.asarray(obj).astype(obj.dtype.newbyteorder("<"))
+        return ("numpy-scalar", obj.dtype.name, (), memoryview(scalar.reshape(-1).view(np.uint8)))
     if np is not None and isinstance(obj, np.ndarray):
         if obj.dtype.name not in _DTYPES:
             raise TypeError(
@@ -171,7 +161,11 @@ def _tensor_maker(buffers: Sequence[Any]) -> Callable[[str, str, Tuple[int, ...]
             raise ValueError("restricted-mode RPC: numpy has no bfloat16 arrays")
         np_dtype = np.dtype(dtype).newbyteorder("<")
         _check_size(buffer, count, np_dtype.itemsize, dtype, shape)
-        return np.frombuffer(buffer, dtype=np_dtype).reshape(shape)
+        array = np.frombuffer(buffer, dtype=np_dtype).reshape(shape)
+        if framework == "numpy-scalar":
+            # The scalar's own value, in the native byte order (a copy of a few bytes).
+            return array.astype(np.dtype(dtype))[()]
+        return array
 
     return make
 

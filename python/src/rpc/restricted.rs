@@ -55,6 +55,12 @@ impl<'py> ToValue<'_, 'py> {
             return Ok(Value::Int(int(obj)?));
         }
         if obj.is_instance_of::<PyFloat>() {
+            // numpy.float64 is a float too: it travels as the numpy scalar it is.
+            if !obj.is_exact_instance_of::<PyFloat>() {
+                if let Some(scalar) = self.described(obj)? {
+                    return Ok(scalar);
+                }
+            }
             return Ok(Value::Float(obj.extract()?));
         }
         if obj.is_instance_of::<PyString>() {
@@ -99,13 +105,20 @@ impl<'py> ToValue<'_, 'py> {
     }
 
     fn tensor(&self, obj: &Bound<'py, PyAny>) -> PyResult<Value> {
+        self.described(obj)?.ok_or_else(|| {
+            PyTypeError::new_err(format!(
+                "restricted-mode RPC carries only None, bool, int, float, str, bytes, list, \
+                 tuple, dict, numpy arrays and scalars and CPU torch tensors, not {}",
+                type_name(obj)
+            ))
+        })
+    }
+
+    /// `obj` as the tensor hook describes it; `None` when the hook does not know it.
+    fn described(&self, obj: &Bound<'py, PyAny>) -> PyResult<Option<Value>> {
         let described = self.hook.call1((obj,))?;
         if described.is_none() {
-            return Err(PyTypeError::new_err(format!(
-                "restricted-mode RPC carries only None, bool, int, float, str, bytes, list, \
-                 tuple, dict, numpy arrays and CPU torch tensors, not {}",
-                type_name(obj)
-            )));
+            return Ok(None);
         }
         let (framework, dtype, shape, buffer): (String, String, Vec<u64>, Bound<'py, PyAny>) =
             described.extract().map_err(|e| {
@@ -113,25 +126,22 @@ impl<'py> ToValue<'_, 'py> {
                     "tensor_hook must return None or (framework, dtype, shape, buffer): {e}"
                 ))
             })?;
-        let framework = match framework.as_str() {
-            "numpy" => Framework::Numpy,
-            "torch" => Framework::Torch,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "restricted-mode RPC: unknown tensor framework {other:?} (numpy or torch)"
-                )))
-            }
-        };
+        let framework = Framework::from_name(&framework).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "restricted-mode RPC: unknown tensor framework {framework:?} (numpy, torch or \
+                 numpy-scalar)"
+            ))
+        })?;
         let index = u32::try_from(self.buffers.len()).map_err(|_| {
             PyValueError::new_err("restricted-mode RPC: too many tensors in one message")
         })?;
         self.buffers.append(buffer)?;
-        Ok(Value::Tensor(TensorRef {
+        Ok(Some(Value::Tensor(TensorRef {
             index,
             framework,
             dtype,
             shape,
-        }))
+        })))
     }
 }
 
@@ -239,12 +249,8 @@ fn to_python<'py>(
         Value::Str(s) => PyString::new(py, &s).into_any(),
         Value::Bytes(b) => PyBytes::new(py, &b).into_any(),
         Value::Tensor(t) => {
-            let framework = match t.framework {
-                Framework::Numpy => "numpy",
-                Framework::Torch => "torch",
-            };
             let shape = PyTuple::new(py, &t.shape)?;
-            make_tensor.call1((framework, t.dtype, shape, t.index))?
+            make_tensor.call1((t.framework.name(), t.dtype, shape, t.index))?
         }
         Value::List(items) => {
             let list = PyList::empty(py);
@@ -312,6 +318,10 @@ pub(crate) fn restricted_decode<'py>(
 /// Registers the functions and `RESTRICTED_MAGIC` on the `_rdzv` module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RESTRICTED_MAGIC", PyBytes::new(m.py(), MAGIC))?;
+    m.add(
+        "RESTRICTED_DTYPES",
+        PyTuple::new(m.py(), rdzv_core::rpc::restricted::DTYPES)?,
+    )?;
     m.add_function(wrap_pyfunction!(restricted_encode_call, m)?)?;
     m.add_function(wrap_pyfunction!(restricted_encode_value, m)?)?;
     m.add_function(wrap_pyfunction!(restricted_encode_exception, m)?)?;
