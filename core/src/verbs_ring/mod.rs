@@ -6,8 +6,8 @@
 //! up to the ring's length is one RDMA write-with-immediate (two writes when it wraps
 //! past the end of the ring), whose immediate is its length ([`MessageImm`]). The
 //! receiver acknowledges consumed messages by count with a zero-byte send-with-immediate,
-//! which gives the sender its credit back ([`credit`](RingSender)). A large message goes
-//! as a [`LargeDescriptor`] through the ring: the receiver admits its length
+//! which gives the sender its credit back ([`RingSender`], [`RingReceiver`]). A large
+//! message goes as a [`LargeDescriptor`] through the ring: the receiver admits its length
 //! ([`admit_large`]), READs the bytes from the sender's registered buffer, and only then
 //! acknowledges; the sender holds the buffer until that acknowledgement.
 //!
