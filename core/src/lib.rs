@@ -17,6 +17,7 @@
 //! | [`negotiate`] | which transport and channels two peers use |
 //! | [`store`] | the TCPStore wire codec and the store state machine |
 //! | [`rpc`] | the RPC agent's names, store layout, frames, timeouts, shutdown protocol and metrics (alloc) |
+//! | [`verbs_ring`] | the verbs message ring: placement, credits, acknowledgements and large-message reads (alloc) |
 #![no_std]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -40,3 +41,5 @@ pub mod rendezvous;
 pub mod rpc;
 pub mod store;
 pub mod url;
+#[cfg(feature = "alloc")]
+pub mod verbs_ring;

@@ -27,7 +27,7 @@
 //! [`ibv::connection::IbvConnection`] connects one RC queue pair to a peer over any
 //! `Read + Write` bootstrap stream (connection record: [`ibv::wire`]), sends small messages
 //! through a registered ring per direction with RDMA write-with-immediate, credit acks and
-//! inline data ([`ibv::ring`] holds the placement and credit logic), and large ones
+//! inline data (core's `rdzv_core::verbs_ring` decides placement, credits and acks), and large ones
 //! zero-copy: the peer fetches the registered user buffer with RDMA READ (registrations
 //! cached by address range in [`ibv::regcache`]). Completions are busy-polled, then waited
 //! for on a completion channel; a failed work completion fails the connection with its

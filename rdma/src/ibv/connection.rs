@@ -6,13 +6,14 @@
 //! exchanges [`ConnectionInfo`] over any `Read + Write`
 //! bootstrap stream and moves the queue pair through INIT → RTR → RTS.
 //!
-//! Messages: [`IbvConnection::send`] places a message in the peer's ring (see
-//! [`ring`](super::ring)) with one RDMA write-with-immediate whose immediate is the length
-//! (two writes when it wraps), inline when it fits the queue pair's `max_inline_data`, and
-//! otherwise staged in the registered send ring. It blocks while the peer's ring or receive
-//! slots are full: credits come back as zero-byte sends-with-immediate carrying the count
-//! of messages the peer consumed. [`IbvConnection::recv`] copies the next message out of the
-//! receive ring and acknowledges.
+//! Messages: [`IbvConnection::send`] places a message in the peer's ring with one RDMA
+//! write-with-immediate whose immediate is the length (two writes when it wraps), inline
+//! when it fits the queue pair's `max_inline_data`, and otherwise staged in the registered
+//! send ring. It blocks while the peer's ring or receive slots are full: credits come back
+//! as zero-byte sends-with-immediate carrying the count of messages the peer consumed.
+//! [`IbvConnection::recv`] copies the next message out of the receive ring and
+//! acknowledges. Those rules are core's [`RingEndpoint`] (`rdzv_core::verbs_ring`): this
+//! module posts the work requests it asks for, copies bytes, and hands it every completion.
 //!
 //! Completions are busy-polled for [`ConnectionOptions::spin`], then the connection arms the
 //! completion queue and sleeps on the completion channel's file descriptor. A failed work
@@ -47,7 +48,6 @@
 //! Not here: a shared receive queue across peers, receiving ring messages into
 //! caller-provided memory, and reconnection.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::os::fd::BorrowedFd;
@@ -61,29 +61,24 @@ use super::sys::{
 };
 use tracing::debug;
 
+use rdzv_core::verbs_ring::{
+    Arrival, BadDescriptor, Completion, Fault, LargeDescriptor, MessageTooLarge, MessageWrites,
+    Piece, Placement, QueueDepths, ReadRange, Received, RingConfig, RingEndpoint, RingError,
+    Transmit, WorkFailure, WorkKind, DESCRIPTOR_LEN, MAX_RING_LEN,
+};
+
 use super::regcache::RegistrationCache;
-use super::ring::{Placement, RingError, RingReceiver, RingSender};
 use super::select::IbvSelection;
 use super::topology::Mtu;
 use super::wc_status::wc_status_name;
-use super::wire::{
-    self, ConnectionInfo, ExchangeError, LargeDescriptor, MessageImm, DESCRIPTOR_LEN, MAX_24BIT,
-    MAX_RING_LEN,
-};
+use super::wire::{self, ConnectionInfo, ExchangeError, MAX_24BIT};
 
 /// Default receive ring size: 64 KiB per direction.
 pub const DEFAULT_RING_LEN: u32 = 64 * 1024;
 /// Default receive slots (messages in flight per direction).
 pub const DEFAULT_RECV_SLOTS: u32 = 64;
-/// Messages of at least this many bytes given to [`IbvConnection::send_buffer`] go zero-copy
-/// (descriptor in the ring, data by RDMA READ); smaller ones are copied through the ring.
-///
-/// 16 KiB is where, on InfiniBand and RoCE NICs, one registration-cache hit plus a READ
-/// round trip usually becomes cheaper than two memcpys (UCX and NCCL switch protocols in
-/// the 8-64 KiB range). It has not been measured on hardware here: the only verbs stack
-/// available is Soft-RoCE under TCG, whose timings say nothing about NICs. Re-measure with
-/// `rdzv bench rpc --transport ibv` on real hardware.
-pub const ZERO_COPY_THRESHOLD: usize = 16 * 1024;
+/// Messages of at least this many bytes given to [`IbvConnection::send_buffer`] go zero-copy.
+pub use rdzv_core::verbs_ring::ZERO_COPY_THRESHOLD;
 /// Registrations kept by the sender's cache.
 pub const REGISTRATION_CACHE_ENTRIES: usize = 64;
 /// How long a failed [`IbvConnection::read_remote`] waits for its other READs to be flushed.
@@ -229,6 +224,27 @@ pub enum ConnectionError {
     },
 }
 
+impl From<BadDescriptor> for ConnectionError {
+    fn from(b: BadDescriptor) -> Self {
+        let BadDescriptor {
+            len,
+            max,
+            descriptor_len,
+        } = b;
+        ConnectionError::BadDescriptor {
+            len,
+            max,
+            descriptor_len,
+        }
+    }
+}
+
+impl From<MessageTooLarge> for ConnectionError {
+    fn from(MessageTooLarge { len, max }: MessageTooLarge) -> Self {
+        ConnectionError::MessageTooLarge { len, max }
+    }
+}
+
 /// `len` zeroed bytes, allocated fallibly: an admitted message of an impossible size is
 /// the connection's error, not an abort.
 fn zeroed(len: usize) -> Result<Vec<u8>, ConnectionError> {
@@ -292,86 +308,41 @@ impl VerbsDomain {
         &self.device
     }
 }
-
-/// Kinds of work request, in the top byte of `wr_id`.
-const WR_RECV: u64 = 1 << 56;
-const WR_DATA: u64 = 2 << 56;
-const WR_ACK: u64 = 3 << 56;
-const WR_READ: u64 = 4 << 56;
-const WR_REMOTE_READ: u64 = 5 << 56;
-const WR_KIND_MASK: u64 = 0xff << 56;
-
 /// Completions taken per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 16;
-
-/// The ring's byte range `[offset, offset + len)` appended to `out`. The peer's
-/// write-with-immediate for this range has completed, and credits keep it from writing
-/// there until acknowledged.
-fn read_ring(ring: &HostRegion, offset: u32, len: u32, out: &mut Vec<u8>) {
-    ring.read_at(offset as usize, len as usize, out);
-}
 
 /// A registration of a caller's buffer, which keeps the buffer alive so that the address
 /// range cannot be freed or reused while registered.
 type CachedRegion = SharedRegistration;
 
-/// A zero-copy message sent and not yet acknowledged: its registration (and buffer) stay.
-struct LargeSend {
-    seq: u64,
-    _region: Arc<CachedRegion>,
-}
-
-/// An RDMA READ of a large message into memory the connection owns until it completes.
-struct PendingRead {
-    /// Destination, written by the device and handed back once every READ completed;
-    /// `None` for an empty message.
-    buf: Option<RegisteredVec>,
-    source: LargeDescriptor,
-    /// Bytes for which a READ was posted.
-    posted: u64,
-    /// READ work requests not completed yet.
-    in_flight: u32,
-}
+/// The ring protocol of one connection: it holds each zero-copy send's registration (and
+/// buffer) until the peer acknowledges, and the registered buffer a zero-copy receive is
+/// read into (`None` for an empty message) until every READ into it completed.
+type Ring = RingEndpoint<Arc<CachedRegion>, Option<RegisteredVec>>;
 
 /// One connected RC queue pair with a small-message ring per direction.
 ///
 /// Field order is drop order: the queue pair goes first (the device stops touching the
 /// rings), then the completion queue and channel, then the memory regions, then the ring
-/// memory itself.
+/// memory itself, then the buffers the ring protocol holds.
 pub struct IbvConnection {
     qp: QueuePair,
     cq: Arc<CompletionQueue>,
     comp_channel: Arc<CompChannel>,
     recv_ring: HostRegion,
     send_ring: HostRegion,
-    /// Zero-copy state, after the queue pair in drop order.
-    pending_read: Option<PendingRead>,
-    large_in_flight: VecDeque<LargeSend>,
+    ring: Ring,
     registrations: RegistrationCache<Arc<CachedRegion>>,
     pd: Arc<ProtectionDomain>,
     _context: Arc<Context>,
     device: String,
     qpn: u32,
     peer: ConnectionInfo,
-    tx: RingSender,
-    rx: RingReceiver,
     max_inline: u32,
-    max_send_wr: u32,
-    max_msg_size: u64,
-    max_large_message: u64,
-    outstanding_sends: u32,
-    /// One-sided READs of [`IbvConnection::read_remote`] posted and not completed.
-    remote_reads_in_flight: u32,
-    /// Messages sent, and messages the peer acknowledged.
-    sent_seq: u64,
-    acked_seq: u64,
-    /// Immediates (lengths) of messages that arrived and were not read yet.
-    arrived: VecDeque<u32>,
     /// CQ events received and not acknowledged with ibv_ack_cq_events.
     unacked_events: u32,
     armed: bool,
     spin: Duration,
-    failure: Option<CompletionFailure>,
 }
 
 impl fmt::Debug for IbvConnection {
@@ -381,45 +352,10 @@ impl fmt::Debug for IbvConnection {
             .field("qpn", &self.qpn)
             .field("peer", &self.peer)
             .field("max_inline", &self.max_inline)
-            .field("failure", &self.failure)
-            .field("outstanding_sends", &self.outstanding_sends)
-            .field("free_bytes", &self.tx.free_bytes())
-            .field("free_slots", &self.tx.free_slots())
-            .field("unacked", &self.rx.unacked())
-            .field("arrived", &self.arrived.len())
-            .field("large_in_flight", &self.large_in_flight.len())
-            .field(
-                "pending_read",
-                &self
-                    .pending_read
-                    .as_ref()
-                    .map(|p| (p.source.len, p.posted, p.in_flight)),
-            )
+            .field("ring", &self.ring)
             .field("armed", &self.armed)
             .finish_non_exhaustive()
     }
-}
-
-/// The length of the zero-copy message that `source` announces, if the receiver may
-/// allocate that much: at most `max` bytes, addressable here, and not wrapping around the
-/// sender's address space. Called before anything is allocated for the message.
-///
-/// # Errors
-/// [`ConnectionError::BadDescriptor`] with the announced length and `max`.
-pub(crate) fn admit_large(
-    source: &LargeDescriptor,
-    max: u64,
-    descriptor_len: u32,
-) -> Result<usize, ConnectionError> {
-    let refused = ConnectionError::BadDescriptor {
-        len: source.len,
-        max,
-        descriptor_len,
-    };
-    if source.len > max || source.addr.checked_add(source.len).is_none() {
-        return Err(refused);
-    }
-    usize::try_from(source.len).map_err(|_| refused)
 }
 
 fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ConnectionError {
@@ -475,6 +411,13 @@ impl ConnectionOptions {
     }
 }
 
+/// Posts one receive work request (no scatter list: write-with-immediate and zero-byte
+/// sends carry no payload).
+fn post_recv(qp: &QueuePair, device: &str) -> Result<(), ConnectionError> {
+    qp.post_recv_empty(WorkKind::Recv.wr_id())
+        .map_err(|e| verb_err("ibv_post_recv", device, e))
+}
+
 impl IbvConnection {
     /// Connects to the peer at the other end of `bootstrap`, which must call `connect` too
     /// (the exchange is symmetric). Blocks until both queue pairs are ready to send.
@@ -526,18 +469,17 @@ impl IbvConnection {
         comp_channel
             .set_nonblocking()
             .map_err(|e| verb_err("fcntl(O_NONBLOCK) on the completion channel", dev, e))?;
-        let max_recv_wr = 2 * options.recv_slots;
-        let max_send_wr = 3 * options.recv_slots + 2;
+        let depths = QueueDepths::for_slots(options.recv_slots);
         let cq = context
-            .create_cq(max_recv_wr + max_send_wr, &comp_channel)
+            .create_cq(depths.completions(), &comp_channel)
             .map_err(|e| verb_err("ibv_create_cq", dev, e))?;
 
         let build = |inline: u32| {
             pd.create_rc_qp(
                 &cq,
                 QpCaps {
-                    max_send_wr,
-                    max_recv_wr,
+                    max_send_wr: depths.send,
+                    max_recv_wr: depths.recv,
                     max_send_sge: 1,
                     max_recv_sge: 1,
                     max_inline_data: inline,
@@ -559,51 +501,9 @@ impl IbvConnection {
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
         )
         .map_err(|e| verb_err("ibv_modify_qp(INIT)", dev, e))?;
-
-        let mut connection = IbvConnection {
-            qp,
-            cq,
-            comp_channel,
-            recv_ring,
-            send_ring,
-            pending_read: None,
-            large_in_flight: VecDeque::new(),
-            registrations: RegistrationCache::new(REGISTRATION_CACHE_ENTRIES),
-            pd,
-            _context: context,
-            device: dev.to_owned(),
-            qpn,
-            // Replaced once the peer's record is in.
-            peer: ConnectionInfo {
-                lid: 0,
-                gid: selection.gid,
-                qpn: 0,
-                psn: 0,
-                mtu: Mtu::B256,
-                ring_addr: 0,
-                ring_len: options.ring_len,
-                ring_rkey: 0,
-                recv_slots: options.recv_slots,
-            },
-            tx: RingSender::new(options.ring_len, options.recv_slots)?,
-            rx: RingReceiver::new(options.ring_len, options.recv_slots)?,
-            max_inline,
-            max_send_wr,
-            max_msg_size: u64::from(selection.max_msg_size.max(1)),
-            max_large_message: options.max_large_message,
-            outstanding_sends: 0,
-            remote_reads_in_flight: 0,
-            sent_seq: 0,
-            acked_seq: 0,
-            arrived: VecDeque::new(),
-            unacked_events: 0,
-            armed: false,
-            spin: options.spin,
-            failure: None,
-        };
         // Receive work requests go in before the peer can possibly send.
-        for _ in 0..max_recv_wr {
-            connection.post_recv()?;
+        for _ in 0..depths.recv {
+            post_recv(&qp, dev)?;
         }
 
         let ours = ConnectionInfo {
@@ -612,9 +512,9 @@ impl IbvConnection {
             qpn,
             psn: initial_psn(),
             mtu: selection.active_mtu.unwrap_or(Mtu::B1024),
-            ring_addr: connection.recv_ring.addr(),
+            ring_addr: recv_ring.addr(),
             ring_len: options.ring_len,
-            ring_rkey: connection.recv_ring.rkey(),
+            ring_rkey: recv_ring.rkey(),
             recv_slots: options.recv_slots,
         };
         let peer = wire::exchange(bootstrap, &ours)?;
@@ -624,37 +524,41 @@ impl IbvConnection {
             peer_qpn = peer.qpn,
             "RDMA connection records exchanged"
         );
-        connection.tx = RingSender::new(peer.ring_len, peer.recv_slots)?;
-        connection.peer = peer;
+        let ring = RingEndpoint::new(RingConfig {
+            ring_len: options.ring_len,
+            recv_slots: options.recv_slots,
+            peer_ring_len: peer.ring_len,
+            peer_recv_slots: peer.recv_slots,
+            max_send_wr: depths.send,
+            max_inline,
+            max_read_len: u64::from(selection.max_msg_size),
+            max_large_message: options.max_large_message,
+        })?;
 
         let grh = (!peer.gid.is_zero() && !selection.gid.is_zero()).then_some(GlobalRoute {
             dgid: peer.gid.0,
             sgid_index: gid_index,
             hop_limit: 64,
         });
-        connection
-            .qp
-            .to_rtr(&RtrAttr {
-                path_mtu: verbs_mtu(ours.mtu.min(peer.mtu)),
-                dest_qp_num: peer.qpn,
-                rq_psn: peer.psn,
-                max_dest_rd_atomic: 1,
-                min_rnr_timer: 12,
-                port: selection.port,
-                dlid: peer.lid,
-                grh,
-            })
-            .map_err(|e| verb_err("ibv_modify_qp(RTR)", dev, e))?;
-        connection
-            .qp
-            .to_rts(&RtsAttr {
-                sq_psn: ours.psn,
-                timeout: options.ack_timeout,
-                retry_cnt: options.retry_count,
-                rnr_retry: 7,
-                max_rd_atomic: 1,
-            })
-            .map_err(|e| verb_err("ibv_modify_qp(RTS)", dev, e))?;
+        qp.to_rtr(&RtrAttr {
+            path_mtu: verbs_mtu(ours.mtu.min(peer.mtu)),
+            dest_qp_num: peer.qpn,
+            rq_psn: peer.psn,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 12,
+            port: selection.port,
+            dlid: peer.lid,
+            grh,
+        })
+        .map_err(|e| verb_err("ibv_modify_qp(RTR)", dev, e))?;
+        qp.to_rts(&RtsAttr {
+            sq_psn: ours.psn,
+            timeout: options.ack_timeout,
+            retry_cnt: options.retry_count,
+            rnr_retry: 7,
+            max_rd_atomic: 1,
+        })
+        .map_err(|e| verb_err("ibv_modify_qp(RTS)", dev, e))?;
 
         // Neither side writes before the other is ready to receive.
         let mut byte = [1u8];
@@ -664,12 +568,29 @@ impl IbvConnection {
             .and_then(|()| bootstrap.read_exact(&mut byte))
             .map_err(ConnectionError::Bootstrap)?;
         debug!(device = dev, qpn, max_inline, "RDMA connection ready");
-        Ok(connection)
+        Ok(IbvConnection {
+            qp,
+            cq,
+            comp_channel,
+            recv_ring,
+            send_ring,
+            ring,
+            registrations: RegistrationCache::new(REGISTRATION_CACHE_ENTRIES),
+            pd,
+            _context: context,
+            device: dev.to_owned(),
+            qpn,
+            peer,
+            max_inline,
+            unacked_events: 0,
+            armed: false,
+            spin: options.spin,
+        })
     }
 
     /// The largest message [`send`](Self::send) accepts: the peer's ring size.
     pub fn max_message_len(&self) -> usize {
-        self.tx.ring_len() as usize
+        self.ring.max_message_len() as usize
     }
 
     /// Inline data the queue pair supports; messages up to this size are sent inline.
@@ -688,21 +609,32 @@ impl IbvConnection {
     }
 
     /// The failure that ended the connection, if any.
-    pub fn failure(&self) -> Option<&CompletionFailure> {
-        self.failure.as_ref()
+    pub fn failure(&self) -> Option<CompletionFailure> {
+        self.ring.failure().map(|f| self.completion_failure(f))
+    }
+
+    fn completion_failure(&self, failure: WorkFailure) -> CompletionFailure {
+        CompletionFailure {
+            operation: failure.kind.operation(),
+            status: failure.status,
+            vendor_err: failure.vendor_err,
+            device: self.device.clone(),
+            qpn: self.qpn,
+        }
     }
 
     /// Sends one message through the ring (copied), blocking while the peer's ring has no
     /// room for it. Messages above [`max_message_len`](Self::max_message_len) need
     /// [`send_buffer`](Self::send_buffer).
     pub fn send(&mut self, msg: &[u8]) -> Result<(), ConnectionError> {
-        self.send_ring_message(msg, false, None)
+        self.send_ring_message(msg, false, None).map(drop)
     }
 
     /// [`send`](Self::send), giving up with [`ConnectionError::Timeout`] when no credit comes
     /// back within `timeout`. Nothing is sent then.
     pub fn send_timeout(&mut self, msg: &[u8], timeout: Duration) -> Result<(), ConnectionError> {
         self.send_ring_message(msg, false, Some((Instant::now() + timeout, timeout)))
+            .map(drop)
     }
 
     /// Sends `buf`, zero-copy when it has at least [`ZERO_COPY_THRESHOLD`] bytes or does
@@ -739,75 +671,54 @@ impl IbvConnection {
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
         let bytes: &[u8] = (*buf).as_ref();
-        if bytes.len() < ZERO_COPY_THRESHOLD && bytes.len() <= self.tx.ring_len() as usize {
-            return self.send_ring_message(bytes, false, deadline);
+        if !self.ring.zero_copy(bytes.len()) {
+            return self.send_ring_message(bytes, false, deadline).map(drop);
         }
         self.check_failed()?;
-        let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
-        let region = self.register_for_send(buf, true)?;
-        self.send_descriptor(
-            LargeDescriptor {
-                addr,
-                len,
-                rkey: region.rkey(),
-            },
-            region,
-            deadline,
-        )
+        self.send_zero_copy(buf, true, deadline)
     }
 
-    /// The registration of `buf` for the peer's RDMA READ: from the cache when `cached`
-    /// and it hits, else a new one (cached when `cached`).
-    fn register_for_send<B>(
+    /// Registers `buf` (from the cache when `cached` and it hits, else anew, cached when
+    /// `cached`), sends its descriptor, and has the ring hold the registration (and the
+    /// buffer) until the peer acknowledges the message.
+    fn send_zero_copy<B>(
         &mut self,
         buf: Arc<B>,
         cached: bool,
-    ) -> Result<Arc<CachedRegion>, ConnectionError>
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ConnectionError>
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
         let bytes: &[u8] = (*buf).as_ref();
         let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
-        if cached {
-            if let Some(region) = self.registrations.lookup(addr, len) {
-                return Ok(Arc::clone(region));
+        let hit = cached
+            .then(|| self.registrations.lookup(addr, len).map(Arc::clone))
+            .flatten();
+        let region = match hit {
+            Some(region) => region,
+            None => {
+                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
+                let region = Arc::new(
+                    SharedRegistration::register(&self.pd, owner)
+                        .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, e))?,
+                );
+                if cached {
+                    // Displaced registrations still used by messages in flight stay alive
+                    // in the ring until acknowledged.
+                    drop(self.registrations.insert(addr, len, Arc::clone(&region)));
+                }
+                region
             }
-        }
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
-        let region = Arc::new(
-            SharedRegistration::register(&self.pd, owner)
-                .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, e))?,
-        );
-        if cached {
-            // Displaced registrations still used by messages in flight stay alive
-            // through their LargeSend.
-            drop(self.registrations.insert(addr, len, Arc::clone(&region)));
-        }
-        Ok(region)
-    }
-
-    /// Sends `descriptor` (a buffer inside `region`) and keeps the registration (and the
-    /// buffer) until the peer acknowledges the message.
-    fn send_descriptor(
-        &mut self,
-        descriptor: LargeDescriptor,
-        region: Arc<CachedRegion>,
-        deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ConnectionError> {
-        self.send_ring_message(&descriptor.encode(), true, deadline)?;
-        self.large_in_flight.push_back(LargeSend {
-            seq: self.sent_seq - 1,
-            _region: region,
-        });
+        };
+        let descriptor = LargeDescriptor {
+            addr,
+            len,
+            rkey: region.rkey(),
+        };
+        let seq = self.send_ring_message(&descriptor.encode(), true, deadline)?;
+        self.ring.hold(seq, region);
         Ok(())
-    }
-
-    /// Whether a ring message of `len` bytes can be posted now, without waiting for
-    /// credit or send queue room (the condition [`send`](Self::send) waits for).
-    fn has_credit(&self, len: usize) -> bool {
-        u32::try_from(len).is_ok_and(|len| len <= self.tx.free_bytes())
-            && self.tx.free_slots() > 0
-            && self.outstanding_sends + 3 <= self.max_send_wr
     }
 
     /// Sends `buf` if the peer's ring has room for it now, and gives it back otherwise
@@ -824,20 +735,15 @@ impl IbvConnection {
     {
         self.check_failed()?;
         let len = (*buf).as_ref().len();
-        let zero_copy = len >= ZERO_COPY_THRESHOLD || len > self.tx.ring_len() as usize;
-        if !self.has_credit(if zero_copy { DESCRIPTOR_LEN } else { len }) {
+        let zero_copy = self.ring.zero_copy(len);
+        if !self
+            .ring
+            .can_send(if zero_copy { DESCRIPTOR_LEN } else { len })
+        {
             return Ok(Err(buf));
         }
         if zero_copy {
-            let bytes: &[u8] = (*buf).as_ref();
-            let (addr, len) = (bytes.as_ptr() as u64, bytes.len() as u64);
-            let region = self.register_for_send(buf, false)?;
-            let descriptor = LargeDescriptor {
-                addr,
-                len,
-                rkey: region.rkey(),
-            };
-            self.send_descriptor(descriptor, region, None)?;
+            self.send_zero_copy(buf, false, None)?;
         } else {
             self.send_ring_message((*buf).as_ref(), false, None)?;
         }
@@ -873,7 +779,7 @@ impl IbvConnection {
 
     /// Send work requests not completed yet (messages, READs and credit acks).
     pub fn sends_in_flight(&self) -> u32 {
-        self.outstanding_sends
+        self.ring.sends_in_flight()
     }
 
     /// Sleeps until a work completion arrives, one of `also` becomes readable, or
@@ -921,33 +827,18 @@ impl IbvConnection {
         Ok(())
     }
 
+    /// Sends one ring message, waiting for credit; its sequence number.
     fn send_ring_message(
         &mut self,
         msg: &[u8],
         descriptor: bool,
         deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ConnectionError> {
+    ) -> Result<u64, ConnectionError> {
         self.check_failed()?;
-        let len = u32::try_from(msg.len())
-            .ok()
-            .filter(|&len| len <= self.tx.ring_len())
-            .ok_or(ConnectionError::MessageTooLarge {
-                len: msg.len(),
-                max: self.tx.ring_len(),
-            })?;
-        let imm = if descriptor {
-            MessageImm::Descriptor(len)
-        } else {
-            MessageImm::Inline(len)
-        };
         loop {
-            // Two work requests at most, and room for the acknowledgements.
-            if self.outstanding_sends + 3 <= self.max_send_wr {
-                if let Some(placement) = self.tx.reserve(len) {
-                    self.post_message(placement, msg, imm)?;
-                    self.sent_seq += 1;
-                    return Ok(());
-                }
+            if let Some(writes) = self.ring.send(msg.len(), descriptor)? {
+                self.post_message(&writes, msg)?;
+                return Ok(writes.seq);
             }
             self.progress(deadline, "send")?;
         }
@@ -971,51 +862,31 @@ impl IbvConnection {
         max_large: u64,
     ) -> Result<Vec<u8>, ConnectionError> {
         loop {
-            if self.pending_read.is_some() {
+            if self.ring.is_reading() {
                 self.check_failed()?;
-                self.pump_read()?;
-                if let Some(message) = self.take_finished_read() {
-                    // Acknowledge at once: the sender holds the buffer until then.
-                    if let Some(count) = self.rx.take_ack(true) {
-                        self.post_ack(count)?;
-                    }
-                    return Ok(message);
-                }
-                self.progress(deadline, "recv")?;
-                continue;
             }
-            if let Some(imm) = self.arrived.pop_front() {
-                let imm = MessageImm::decode(imm);
-                let placement = self.rx.accept(imm.ring_len())?;
-                let mut out = Vec::with_capacity(imm.ring_len() as usize);
-                read_ring(
-                    &self.recv_ring,
-                    placement.first.0,
-                    placement.first.1,
-                    &mut out,
-                );
-                read_ring(&self.recv_ring, 0, placement.wrapped, &mut out);
-                match imm {
-                    MessageImm::Inline(_) => {
-                        if let Some(count) = self.rx.take_ack(self.arrived.is_empty()) {
-                            self.post_ack(count)?;
-                        }
-                        return Ok(out);
-                    }
-                    MessageImm::Descriptor(descriptor_len) => {
-                        let max = max_large.min(self.max_large_message);
-                        let source = LargeDescriptor::decode(&out).ok_or(
-                            ConnectionError::BadDescriptor {
-                                len: 0,
-                                max,
-                                descriptor_len,
-                            },
-                        )?;
-                        let len = admit_large(&source, max, descriptor_len)?;
-                        self.start_read(source, len)?;
-                        continue;
-                    }
+            // The ring's bytes are copied out before the acknowledgement is posted.
+            let (message, reading) = match self.ring.poll_arrival()? {
+                Some(Arrival::Message(placement)) => (Some(self.read_ring(placement)), false),
+                Some(Arrival::Descriptor(placement)) => {
+                    let bytes = self.read_ring(placement);
+                    let (source, len) = self.ring.admit(&bytes, max_large)?;
+                    self.start_read(source, len)?;
+                    (None, true)
                 }
+                // Deregistered before the memory is handed out; a buffer whose
+                // deregistration failed is leaked and the message lost.
+                Some(Arrival::Large(buf)) => {
+                    (buf.map_or(Some(Vec::new()), RegisteredVec::into_vec), false)
+                }
+                None => (None, false),
+            };
+            self.post_transmits()?;
+            if let Some(message) = message {
+                return Ok(message);
+            }
+            if reading {
+                continue;
             }
             self.check_failed()?;
             self.progress(deadline, "recv")?;
@@ -1026,7 +897,7 @@ impl IbvConnection {
     /// message (reporting the connection's failure, if any).
     pub fn flush(&mut self, timeout: Duration) -> Result<(), ConnectionError> {
         let deadline = Some((Instant::now() + timeout, timeout));
-        while self.outstanding_sends > 0 || !self.large_in_flight.is_empty() {
+        while !self.ring.is_flushed() {
             self.check_failed()?;
             self.progress(deadline, "flush")?;
         }
@@ -1035,7 +906,7 @@ impl IbvConnection {
 
     /// Zero-copy messages sent and not yet read by the peer (their buffers are held).
     pub fn large_in_flight(&self) -> usize {
-        self.large_in_flight.len()
+        self.ring.large_in_flight()
     }
 
     /// Registrations held by the zero-copy send cache.
@@ -1043,83 +914,36 @@ impl IbvConnection {
         self.registrations.len()
     }
 
+    /// The ring's bytes at `placement`. The peer's write-with-immediate for them has
+    /// completed, and credits keep it from writing there until acknowledged.
+    fn read_ring(&self, placement: Placement) -> Vec<u8> {
+        let mut out = Vec::with_capacity(placement.len() as usize);
+        let (offset, len) = placement.first;
+        self.recv_ring
+            .read_at(offset as usize, len as usize, &mut out);
+        self.recv_ring
+            .read_at(0, placement.wrapped as usize, &mut out);
+        out
+    }
+
     /// Allocates and registers the destination of a zero-copy message of `len` bytes
-    /// ([admitted](admit_large)) and starts reading.
+    /// (admitted) and starts reading.
     fn start_read(&mut self, source: LargeDescriptor, len: usize) -> Result<(), ConnectionError> {
         let buf = zeroed(len)?;
         let buf = if len == 0 {
             None
         } else {
-            // The Vec moves into `pending_read` and is only handed out after every READ
-            // into it has completed, or freed after the queue pair is destroyed (field
-            // order of IbvConnection).
+            // The Vec moves into the ring and is only handed out after every READ into it
+            // has completed, or freed after the queue pair is destroyed (field order of
+            // IbvConnection).
             Some(
                 RegisteredVec::register(&self.pd, buf)
                     .map_err(|e| verb_err("ibv_reg_mr (zero-copy receive)", &self.device, e))?,
             )
         };
-        self.pending_read = Some(PendingRead {
-            buf,
-            source,
-            posted: 0,
-            in_flight: 0,
-        });
-        self.pump_read()
-    }
-
-    /// Posts READs for the rest of the pending message, as far as the send queue allows.
-    fn pump_read(&mut self) -> Result<(), ConnectionError> {
-        let Some(pending) = self.pending_read.as_mut() else {
-            return Ok(());
-        };
-        let Some(buf) = pending.buf.as_ref() else {
-            return Ok(());
-        };
-        let (dst, lkey) = (buf.addr(), buf.lkey());
-        while pending.posted < pending.source.len && self.outstanding_sends + 2 <= self.max_send_wr
-        {
-            let chunk = (pending.source.len - pending.posted)
-                .min(self.max_msg_size)
-                .min(1 << 30);
-            // The destination range lies inside `pending.buf`, registered under `lkey` and
-            // owned by the connection until this READ completes.
-            self.qp
-                .post_send(&[SendRequest {
-                    wr_id: WR_READ,
-                    op: SendOp::Read {
-                        remote_addr: pending.source.addr + pending.posted,
-                        rkey: pending.source.rkey,
-                    },
-                    local: Local::Registered {
-                        addr: dst + pending.posted,
-                        len: chunk as u32,
-                        lkey,
-                    },
-                }])
-                .map_err(|e| verb_err("ibv_post_send (RDMA read)", &self.device, e))?;
-            pending.posted += chunk;
-            pending.in_flight += 1;
-            self.outstanding_sends += 1;
-        }
+        let (addr, lkey) = buf.as_ref().map_or((0, 0), |b| (b.addr(), b.lkey()));
+        self.ring.start_read(source, addr, lkey, buf);
         Ok(())
-    }
-
-    /// The pending message, once every READ into it has completed.
-    fn take_finished_read(&mut self) -> Option<Vec<u8>> {
-        let done = self
-            .pending_read
-            .as_ref()
-            .is_some_and(|p| p.in_flight == 0 && p.posted == p.source.len);
-        if !done {
-            return None;
-        }
-        let PendingRead { buf, .. } = self.pending_read.take()?;
-        match buf {
-            // Deregistered before the memory is handed out; a buffer whose deregistration
-            // failed is leaked and the message lost, which the peer's flush reports.
-            Some(buf) => buf.into_vec(),
-            None => Some(Vec::new()),
-        }
     }
 
     /// Reads `target.len()` bytes at `remote_addr` of the peer's memory, registered there
@@ -1152,7 +976,7 @@ impl IbvConnection {
         match result {
             Ok(()) => Ok(target),
             Err(err) => {
-                if self.remote_reads_in_flight > 0 {
+                if self.ring.remote_reads_in_flight() > 0 {
                     std::mem::forget(target);
                 }
                 Err(err)
@@ -1173,36 +997,21 @@ impl IbvConnection {
             return Err(ConnectionError::Options("the RDMA read range wraps around"));
         }
         let deadline = Some((Instant::now() + timeout, timeout));
-        let mut posted = 0u64;
-        let result = 'reading: loop {
-            while posted < len && self.outstanding_sends + 2 <= self.max_send_wr {
-                let chunk = (len - posted).min(self.max_msg_size).min(1 << 30);
-                // The destination range is the target's, registered under `lkey` and
-                // untouched until every READ into it completed (or leaked).
-                let request = SendRequest {
-                    wr_id: WR_REMOTE_READ,
-                    op: SendOp::Read {
-                        remote_addr: remote_addr + posted,
-                        rkey,
-                    },
-                    local: Local::Registered {
-                        addr: local_addr + posted,
-                        len: chunk as u32,
-                        lkey,
-                    },
-                };
-                if let Err(e) = self.qp.post_send(&[request]) {
-                    break 'reading Err(verb_err(
-                        "ibv_post_send (one-sided RDMA read)",
-                        &self.device,
-                        e,
-                    ));
-                }
-                posted += chunk;
-                self.remote_reads_in_flight += 1;
-                self.outstanding_sends += 1;
+        // The destination range is the target's, registered under `lkey` and untouched
+        // until every READ into it completed (or leaked).
+        self.ring.start_remote_read(ReadRange {
+            remote_addr,
+            rkey,
+            local_addr,
+            lkey,
+            len,
+        });
+        let result = loop {
+            let done = self.ring.poll_remote_read();
+            if let Err(e) = self.post_transmits() {
+                break Err(e);
             }
-            if posted == len && self.remote_reads_in_flight == 0 {
+            if done {
                 break Ok(());
             }
             if let Err(e) = self.check_failed() {
@@ -1212,7 +1021,8 @@ impl IbvConnection {
                 break Err(e);
             }
         };
-        if result.is_err() && self.remote_reads_in_flight > 0 {
+        self.ring.stop_remote_read();
+        if result.is_err() && self.ring.remote_reads_in_flight() > 0 {
             self.flush_remote_reads();
         }
         result
@@ -1222,7 +1032,7 @@ impl IbvConnection {
     /// not arrived (nonzero only after a failed or timed-out read whose flush did not
     /// finish).
     pub fn remote_reads_in_flight(&self) -> u32 {
-        self.remote_reads_in_flight
+        self.ring.remote_reads_in_flight()
     }
 
     /// Moves the queue pair to the error state and takes completions until the posted
@@ -1232,7 +1042,7 @@ impl IbvConnection {
             debug!(error = %e, "cannot move the queue pair to the error state");
         }
         let until = Instant::now() + READ_FLUSH_TIMEOUT;
-        while self.remote_reads_in_flight > 0 {
+        while self.ring.remote_reads_in_flight() > 0 {
             match self.progress(Some((until, READ_FLUSH_TIMEOUT)), "RDMA read flush") {
                 Err(ConnectionError::Timeout { .. }) => break,
                 Err(ConnectionError::Verb { .. }) => break,
@@ -1251,101 +1061,103 @@ impl IbvConnection {
     }
 
     fn check_failed(&self) -> Result<(), ConnectionError> {
-        match &self.failure {
-            Some(failure) => Err(ConnectionError::Completion(failure.clone())),
+        match self.failure() {
+            Some(failure) => Err(ConnectionError::Completion(failure)),
             None => Ok(()),
         }
     }
 
-    fn post_recv(&mut self) -> Result<(), ConnectionError> {
-        // No scatter list: write-with-immediate and zero-byte sends carry no payload.
-        self.qp
-            .post_recv_empty(WR_RECV)
-            .map_err(|e| verb_err("ibv_post_recv", &self.device, e))
-    }
-
-    fn post_message(
-        &mut self,
-        placement: Placement,
-        msg: &[u8],
-        imm: MessageImm,
-    ) -> Result<(), ConnectionError> {
-        let (offset, first_len) = placement.first;
-        let (head, tail) = msg.split_at((first_len as usize).min(msg.len()));
-        let inline = head.len().max(tail.len()) <= self.max_inline as usize;
-        if !inline {
-            self.send_ring.write_at(offset as usize, head);
-            self.send_ring.write_at(0, tail);
+    /// Posts the writes of one ring message: each piece staged in the send ring first
+    /// unless inline.
+    fn post_message(&mut self, writes: &MessageWrites, msg: &[u8]) -> Result<(), ConnectionError> {
+        if !writes.inline {
+            for piece in writes.pieces() {
+                self.send_ring
+                    .write_at(piece.offset as usize, &msg[piece.range()]);
+            }
         }
-        let imm = imm.encode();
         let (rkey, base) = (self.peer.ring_rkey, self.peer.ring_addr);
-        let lkey = self.send_ring.lkey();
-        let send_base = self.send_ring.addr();
-        // The range is inside the registered send ring, which outlives the queue pair, and
-        // credits keep it unchanged until the peer acknowledges.
-        fn local(
-            inline: bool,
-            send_base: u64,
-            lkey: u32,
-            dst_offset: u32,
-            bytes: &[u8],
-        ) -> Local<'_> {
+        let (lkey, send_base) = (self.send_ring.lkey(), self.send_ring.addr());
+        // A staged range is inside the registered send ring, which outlives the queue
+        // pair, and credits keep it unchanged until the peer acknowledges.
+        let local = |piece: Piece| {
+            let bytes = &msg[piece.range()];
             if bytes.is_empty() {
                 Local::None
-            } else if inline {
+            } else if writes.inline {
                 Local::Inline(bytes)
             } else {
                 Local::Registered {
-                    addr: send_base + u64::from(dst_offset),
-                    len: bytes.len() as u32,
+                    addr: send_base + u64::from(piece.offset),
+                    len: piece.len,
                     lkey,
                 }
             }
-        }
+        };
         let mut requests = Vec::with_capacity(2);
-        // The piece at the end of the ring first: RC keeps order, so when the immediate
-        // arrives the whole message is in place.
-        if !tail.is_empty() {
+        if let Some(piece) = writes.to_end {
             requests.push(SendRequest {
-                wr_id: WR_DATA,
+                wr_id: WorkKind::Data.wr_id(),
                 op: SendOp::Write {
-                    remote_addr: base + u64::from(offset),
+                    remote_addr: base + u64::from(piece.offset),
                     rkey,
                 },
-                local: local(inline, send_base, lkey, offset, head),
+                local: local(piece),
             });
         }
-        let (dst_offset, data) = if tail.is_empty() {
-            (offset, head)
-        } else {
-            (0, tail)
-        };
         requests.push(SendRequest {
-            wr_id: WR_DATA,
+            wr_id: WorkKind::Data.wr_id(),
             op: SendOp::WriteImm {
-                remote_addr: base + u64::from(dst_offset),
+                remote_addr: base + u64::from(writes.last.offset),
                 rkey,
-                imm,
+                imm: writes.imm,
             },
             // A zero-length message: the immediate alone.
-            local: local(inline, send_base, lkey, dst_offset, data),
+            local: local(writes.last),
         });
         self.qp
             .post_send(&requests)
-            .map_err(|e| verb_err("ibv_post_send (RDMA write with immediate)", &self.device, e))?;
-        self.outstanding_sends += requests.len() as u32;
-        Ok(())
+            .map_err(|e| verb_err("ibv_post_send (RDMA write with immediate)", &self.device, e))
     }
 
-    fn post_ack(&mut self, count: u32) -> Result<(), ConnectionError> {
-        self.qp
-            .post_send(&[SendRequest {
-                wr_id: WR_ACK,
-                op: SendOp::SendImm { imm: count },
-                local: Local::None,
-            }])
-            .map_err(|e| verb_err("ibv_post_send (credit ack)", &self.device, e))?;
-        self.outstanding_sends += 1;
+    /// Posts the work requests the ring owes: receives, acknowledgements and READs.
+    fn post_transmits(&mut self) -> Result<(), ConnectionError> {
+        while let Some(transmit) = self.ring.poll_transmit() {
+            let wr_id = transmit.wr_id();
+            let (op, local, verb) = match transmit {
+                Transmit::Recv => {
+                    post_recv(&self.qp, &self.device)?;
+                    continue;
+                }
+                Transmit::Ack { count } => (
+                    SendOp::SendImm { imm: count },
+                    Local::None,
+                    "ibv_post_send (credit ack)",
+                ),
+                // The destination lies inside a buffer registered under `lkey`: the ring's
+                // zero-copy receive buffer, owned until this READ completes, or the target
+                // of `read_remote`, leaked if the READ may outlive it.
+                Transmit::Read(read) | Transmit::RemoteRead(read) => (
+                    SendOp::Read {
+                        remote_addr: read.remote_addr,
+                        rkey: read.rkey,
+                    },
+                    Local::Registered {
+                        addr: read.local_addr,
+                        len: read.len,
+                        lkey: read.lkey,
+                    },
+                    if matches!(transmit, Transmit::Read(_)) {
+                        "ibv_post_send (RDMA read)"
+                    } else {
+                        "ibv_post_send (one-sided RDMA read)"
+                    },
+                ),
+            };
+            self.qp
+                .post_send(&[SendRequest { wr_id, op, local }])
+                .map_err(|e| verb_err(verb, &self.device, e))?;
+        }
         Ok(())
     }
 
@@ -1422,7 +1234,8 @@ impl IbvConnection {
         }
     }
 
-    /// Polls the CQ once and handles what it returned; the number of completions.
+    /// Polls the CQ once, hands what it returned to the ring and posts the receives it
+    /// owes; the number of completions.
     fn poll_once(&mut self) -> Result<usize, ConnectionError> {
         let mut wcs = [WorkCompletion::default(); POLL_BATCH];
         let n = self
@@ -1431,7 +1244,31 @@ impl IbvConnection {
             .map_err(|e| verb_err("ibv_poll_cq", &self.device, e))?;
         let mut first_error = None;
         for wc in &wcs[..n] {
-            if let Err(err) = self.handle_completion(wc) {
+            let received = match wc.opcode() {
+                sys::WC_RECV_RDMA_WITH_IMM => Received::WriteImm(wc.imm_data()),
+                sys::WC_RECV => Received::SendImm(wc.imm_data()),
+                _ => Received::Other,
+            };
+            let completion = Completion {
+                wr_id: wc.wr_id(),
+                status: wc.status(),
+                vendor_err: wc.vendor_err(),
+                received,
+            };
+            let result = match self.ring.handle_completion(completion) {
+                Ok(()) => self.post_transmits(),
+                Err(Fault::Protocol(e)) => Err(ConnectionError::Protocol(e)),
+                Err(Fault::Completion(first)) => {
+                    let failure = self.completion_failure(WorkFailure {
+                        kind: WorkKind::of(completion.wr_id),
+                        status: completion.status,
+                        vendor_err: completion.vendor_err,
+                    });
+                    debug!(%failure, "RDMA work completion failed");
+                    Err(ConnectionError::Completion(self.completion_failure(first)))
+                }
+            };
+            if let Err(err) = result {
                 first_error.get_or_insert(err);
             }
         }
@@ -1439,61 +1276,6 @@ impl IbvConnection {
             Some(err) => Err(err),
             None => Ok(n),
         }
-    }
-
-    fn handle_completion(&mut self, wc: &WorkCompletion) -> Result<(), ConnectionError> {
-        let kind = wc.wr_id() & WR_KIND_MASK;
-        if kind != WR_RECV {
-            self.outstanding_sends = self.outstanding_sends.saturating_sub(1);
-        }
-        if kind == WR_REMOTE_READ {
-            self.remote_reads_in_flight = self.remote_reads_in_flight.saturating_sub(1);
-        }
-        if wc.status() != 0 {
-            let operation = match kind {
-                WR_RECV => "receive (ibv_post_recv)",
-                WR_DATA => "RDMA write with immediate",
-                WR_ACK => "send with immediate (credit ack)",
-                WR_READ => "RDMA read (zero-copy receive)",
-                WR_REMOTE_READ => "RDMA read (one-sided)",
-                _ => "unknown work request",
-            };
-            let failure = CompletionFailure {
-                operation,
-                status: wc.status(),
-                vendor_err: wc.vendor_err(),
-                device: self.device.clone(),
-                qpn: self.qpn,
-            };
-            debug!(%failure, "RDMA work completion failed");
-            let failure = self.failure.get_or_insert(failure).clone();
-            return Err(ConnectionError::Completion(failure));
-        }
-        if kind == WR_READ {
-            if let Some(pending) = self.pending_read.as_mut() {
-                pending.in_flight = pending.in_flight.saturating_sub(1);
-            }
-        }
-        if kind != WR_RECV {
-            return Ok(());
-        }
-        let imm = wc.imm_data();
-        match wc.opcode() {
-            sys::WC_RECV_RDMA_WITH_IMM => self.arrived.push_back(imm),
-            sys::WC_RECV => {
-                self.tx.acknowledge(imm)?;
-                self.acked_seq += u64::from(imm);
-                while self
-                    .large_in_flight
-                    .front()
-                    .is_some_and(|large| large.seq < self.acked_seq)
-                {
-                    self.large_in_flight.pop_front();
-                }
-            }
-            _ => {}
-        }
-        self.post_recv()
     }
 }
 

@@ -24,7 +24,6 @@ pub mod connection;
 pub mod discover;
 pub mod lending;
 pub mod regcache;
-pub mod ring;
 pub mod select;
 pub use crate::sys::ibv as sys;
 pub mod topology;

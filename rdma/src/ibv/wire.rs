@@ -8,9 +8,9 @@
 //! does no I/O beyond the caller's `Read + Write` in [`exchange`], and it decides nothing
 //! about which device or GID to use.
 //!
-//! It also defines what travels on the data path besides raw bytes: the 32-bit immediate of
-//! each ring message ([`MessageImm`]) and the descriptor of a large message that the
-//! receiver fetches with RDMA READ ([`LargeDescriptor`]).
+//! What travels on the data path besides raw bytes, the 32-bit immediate of each ring
+//! message ([`MessageImm`]) and the descriptor of a large message ([`LargeDescriptor`]),
+//! is core's (`rdzv_core::verbs_ring`), re-exported here.
 //!
 //! Connection record layout (big-endian): magic `RZIB` (4), version (1), path MTU as `ibv_mtu` (1), LID (2),
 //! QP number (4), PSN (4), GID (16), ring address (8), ring length (4), ring rkey (4),
@@ -19,6 +19,8 @@
 use std::io::{self, Read, Write};
 
 use super::topology::{Gid, Mtu};
+
+pub use rdzv_core::verbs_ring::{LargeDescriptor, MessageImm, DESCRIPTOR_LEN, MAX_RING_LEN};
 
 /// First bytes of every connection record.
 pub const MAGIC: [u8; 4] = *b"RZIB";
@@ -230,83 +232,6 @@ pub fn exchange<S: Read + Write + ?Sized>(
     Ok(ConnectionInfo::decode(&theirs)?)
 }
 
-/// Largest ring length: immediates carry ring byte counts in 31 bits.
-pub const MAX_RING_LEN: u32 = 1 << 30;
-
-/// Bit of the immediate that marks a large-message descriptor.
-const IMM_DESCRIPTOR: u32 = 1 << 31;
-
-/// What the 32-bit immediate of a ring message says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MessageImm {
-    /// The message itself, this many bytes in the ring.
-    Inline(u32),
-    /// A [`LargeDescriptor`] of this many bytes in the ring: the receiver reads the data.
-    Descriptor(u32),
-}
-
-impl MessageImm {
-    /// The immediate value (host order; the connection converts to network order).
-    pub fn encode(self) -> u32 {
-        match self {
-            MessageImm::Inline(len) => len & !IMM_DESCRIPTOR,
-            MessageImm::Descriptor(len) => (len & !IMM_DESCRIPTOR) | IMM_DESCRIPTOR,
-        }
-    }
-
-    /// Reads an immediate.
-    pub fn decode(imm: u32) -> Self {
-        if imm & IMM_DESCRIPTOR != 0 {
-            MessageImm::Descriptor(imm & !IMM_DESCRIPTOR)
-        } else {
-            MessageImm::Inline(imm)
-        }
-    }
-
-    /// Bytes the message occupies in the ring.
-    pub fn ring_len(self) -> u32 {
-        match self {
-            MessageImm::Inline(len) | MessageImm::Descriptor(len) => len,
-        }
-    }
-}
-
-/// Where a large message lies in the sender's registered memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LargeDescriptor {
-    /// Virtual address of the first byte.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Remote key of the registration covering it.
-    pub rkey: u32,
-}
-
-/// Encoded length of a [`LargeDescriptor`].
-pub const DESCRIPTOR_LEN: usize = 20;
-
-impl LargeDescriptor {
-    /// Encodes the descriptor (big-endian address, length, rkey).
-    pub fn encode(&self) -> [u8; DESCRIPTOR_LEN] {
-        let mut out = [0u8; DESCRIPTOR_LEN];
-        out[..8].copy_from_slice(&self.addr.to_be_bytes());
-        out[8..16].copy_from_slice(&self.len.to_be_bytes());
-        out[16..].copy_from_slice(&self.rkey.to_be_bytes());
-        out
-    }
-
-    /// Decodes a descriptor; `None` unless `bytes` is exactly [`DESCRIPTOR_LEN`] long.
-    pub fn decode(bytes: &[u8]) -> Option<Self> {
-        let bytes: &[u8; DESCRIPTOR_LEN] = bytes.try_into().ok()?;
-        let mut fields = Fields { bytes, at: 0 };
-        Some(LargeDescriptor {
-            addr: u64::from_be_bytes(fields.take()),
-            len: u64::from_be_bytes(fields.take()),
-            rkey: u32::from_be_bytes(fields.take()),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -432,23 +357,6 @@ mod tests {
                 ring_len: 1 << ring_shift, ring_rkey, recv_slots,
             };
             prop_assert_eq!(ConnectionInfo::decode(&info.encode()), Ok(info));
-        }
-
-        #[test]
-        fn immediate_roundtrip(len in 0u32..MAX_RING_LEN, descriptor: bool) {
-            let imm = if descriptor { MessageImm::Descriptor(len) } else { MessageImm::Inline(len) };
-            prop_assert_eq!(MessageImm::decode(imm.encode()), imm);
-            prop_assert_eq!(imm.ring_len(), len);
-        }
-
-        #[test]
-        fn descriptor_roundtrip(addr: u64, len: u64, rkey: u32, extra in 0usize..3) {
-            let d = LargeDescriptor { addr, len, rkey };
-            prop_assert_eq!(LargeDescriptor::decode(&d.encode()), Some(d));
-            let mut longer = d.encode().to_vec();
-            longer.extend(std::iter::repeat_n(0, extra + 1));
-            prop_assert_eq!(LargeDescriptor::decode(&longer), None);
-            prop_assert_eq!(LargeDescriptor::decode(&longer[..DESCRIPTOR_LEN - 1 - extra]), None);
         }
 
         #[test]

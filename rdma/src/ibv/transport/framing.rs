@@ -717,8 +717,12 @@ mod tests {
 
     #[test]
     fn a_huge_part_is_refused_unless_a_checked_header_announced_it() {
-        use crate::ibv::connection::{admit_large, ConnectionError};
-        use crate::ibv::wire::{LargeDescriptor, DESCRIPTOR_LEN as LARGE_DESCRIPTOR_LEN};
+        use crate::ibv::connection::ConnectionError;
+        use rdzv_core::verbs_ring::{LargeDescriptor, DESCRIPTOR_LEN as LARGE_DESCRIPTOR_LEN};
+        let admit_large = |source: &LargeDescriptor, max, descriptor_len| {
+            rdzv_core::verbs_ring::admit_large(source, max, descriptor_len)
+                .map_err(ConnectionError::from)
+        };
         let claim = |len| LargeDescriptor {
             addr: 0x1000,
             len,

@@ -1,4 +1,4 @@
-//! Ring-buffer placement and credit accounting for small messages, without any verbs.
+//! Ring-buffer placement and credit accounting for small messages.
 //!
 //! Each direction of a connection has one receive ring of `len` bytes (a power of two) in
 //! the receiver's registered memory. The sender places each message right after the
@@ -12,9 +12,10 @@
 //! count is enough to free bytes. [`RingSender`] and [`RingReceiver`] hold that state;
 //! they detect a peer that breaks the protocol (acks or messages it cannot have) and
 //! return an error instead of corrupting the ring. This module decides placement, credit
-//! and when to acknowledge; it never touches memory or posts work requests.
+//! and when to acknowledge; the [`RingEndpoint`](super::RingEndpoint) drives it.
 
-use std::collections::VecDeque;
+use alloc::collections::VecDeque;
+use core::fmt;
 
 /// Where a message goes in the ring: one piece, or two when it wraps past the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,11 +56,10 @@ impl Placement {
 }
 
 /// A peer broke the ring protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RingError {
     /// The ring length is not a nonzero power of two, or there are no slots.
-    #[error("invalid ring geometry: {len} bytes, {slots} slots")]
     Geometry {
         /// Ring length.
         len: u32,
@@ -67,7 +67,6 @@ pub enum RingError {
         slots: u32,
     },
     /// The peer acknowledged more messages than are in flight.
-    #[error("the peer acknowledged {acked} messages but only {in_flight} are in flight")]
     OverAck {
         /// Count in the acknowledgement.
         acked: u32,
@@ -75,10 +74,6 @@ pub enum RingError {
         in_flight: usize,
     },
     /// The peer wrote a message that does not fit the credits it was given.
-    #[error(
-        "the peer sent a {len}-byte message with {free_bytes} bytes and {free_slots} \
-         slots of credit left"
-    )]
     Overrun {
         /// Length in the immediate.
         len: u32,
@@ -88,6 +83,32 @@ pub enum RingError {
         free_slots: u32,
     },
 }
+
+impl fmt::Display for RingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            RingError::Geometry { len, slots } => {
+                write!(f, "invalid ring geometry: {len} bytes, {slots} slots")
+            }
+            RingError::OverAck { acked, in_flight } => write!(
+                f,
+                "the peer acknowledged {acked} messages but only {in_flight} are in flight"
+            ),
+            RingError::Overrun {
+                len,
+                free_bytes,
+                free_slots,
+            } => write!(
+                f,
+                "the peer sent a {len}-byte message with {free_bytes} bytes and {free_slots} \
+                 slots of credit left"
+            ),
+        }
+    }
+}
+
+#[cfg(feature = "std")]
+impl std::error::Error for RingError {}
 
 fn check_geometry(len: u32, slots: u32) -> Result<(), RingError> {
     if len.is_power_of_two() && slots > 0 {
@@ -246,6 +267,7 @@ impl RingReceiver {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::vec;
 
     #[test]
     fn geometry_is_checked() {
