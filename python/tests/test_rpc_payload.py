@@ -31,6 +31,15 @@ PAIRS = {
     "shm": (["shm"], ["cma"]),
     "tcp": (["uv"], ["basic"]),
     "mpt": (["uv"], ["mpt_uv", "basic"]),
+    "shm_basic": (["shm"], ["basic"]),
+}
+
+#: The transport and CPU channel each pair's pipe must negotiate (what the agent reports).
+NEGOTIATED = {
+    "shm": ("shm", "cma"),
+    "tcp": ("tcp", "basic"),
+    "mpt": ("tcp", "mpt"),
+    "shm_basic": ("shm", "basic"),
 }
 
 # ---------------------------------------------------------------------------------------
@@ -246,7 +255,47 @@ def scenario_no_numpy(rpc: Any, world: int) -> Dict[str, Any]:
     return seen
 
 
+def scenario_torch_tensors(rpc: Any, world: int) -> Dict[str, Any]:
+    """CPU torch tensors of several dtypes and sizes (0 B to 64 MiB), a strided view, a
+    tensor inside a dict, and which transport and channel carried them."""
+    import torch
+
+    seen: Dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(11)
+    for dtype in [torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+                  torch.float32, torch.float64, torch.complex64, torch.bool]:
+        for numel in [0, 7, 300_000, 8 << 20]:
+            raw = torch.randint(0, 120, (numel,), generator=gen, dtype=torch.int64)
+            sent = raw.to(dtype)
+            back = rpc.rpc_sync("w1", echo, args=(sent,))
+            seen[f"{dtype} x{numel}"] = (
+                isinstance(back, torch.Tensor)
+                and back.dtype == sent.dtype
+                and back.shape == sent.shape
+                and torch.equal(back, sent)
+            )
+    big = torch.arange(64 << 20, dtype=torch.uint8)  # wraps: 0..255 repeated
+    seen["64 MiB"] = torch.equal(rpc.rpc_sync("w1", echo, args=(big,)), big)
+    strided = torch.arange(3 << 20, dtype=torch.int32).reshape(1024, 3072)[::2, 1::3]
+    back = rpc.rpc_sync("w1", echo, args=(strided,))
+    seen["strided view"] = back.shape == strided.shape and torch.equal(back, strided)
+    nested = {"w": torch.ones(5, 5), "b": [torch.zeros(3, dtype=torch.int8)], "n": 3}
+    back = rpc.rpc_sync("w1", echo, args=(nested,))
+    seen["in a dict"] = (
+        set(back) == {"w", "b", "n"}
+        and torch.equal(back["w"], nested["w"])
+        and torch.equal(back["b"][0], nested["b"][0])
+        and back["n"] == 3
+    )
+    agent = rpc._agent()
+    seen["transport"] = agent.pipe_transport("w1")
+    seen["channel"] = agent.pipe_channel("w1")
+    seen["channel bytes"] = dict(agent.tensor_bytes_by_channel())
+    return seen
+
+
 SCENARIOS = {
+    "torch_tensors": scenario_torch_tensors,
     "no_numpy": scenario_no_numpy,
     "arrays": scenario_arrays,
     "sizes": scenario_sizes,
@@ -364,3 +413,17 @@ def test_loads_takes_back_what_dumps_lent() -> None:
     back = _serialize.loads(*_serialize.dumps(value))
     assert np.array_equal(back["a"], value["a"])
     assert bytes(back["b"]) == bytes(value["b"])
+
+
+@pytest.mark.parametrize("pair", sorted(NEGOTIATED))
+def test_torch_tensors_over_every_transport_and_channel(children: Any, pair: str) -> None:
+    """CPU torch tensors over tcp/basic, shm/cma, shm/basic and tcp/mpt (the transports
+    and channels this host has; ibv runs in the Soft-RoCE VM, CUDA on the GPU host)."""
+    pytest.importorskip("torch", reason="torch is not installed: CPU torch tensors over each "
+                        "transport and channel are checked where it is")
+    seen = run(children, "torch_tensors", pair)
+    transport, channel = NEGOTIATED[pair]
+    assert (seen.pop("transport"), seen.pop("channel")) == (transport, channel)
+    sent = seen.pop("channel bytes")
+    assert sent.get(channel, 0) >= 64 << 20, f"{channel} carried {sent}"
+    assert_all_true(seen)

@@ -564,6 +564,46 @@ fn timeouts_fail_with_pytorchs_text_and_late_replies_are_dropped() {
     join_both(a, b);
 }
 
+/// The timer thread is not woken by back-to-back calls (it sleeps until an earlier
+/// call's deadline): a short timeout after many calls, and one behind a long call still in
+/// flight, must still fire on time.
+#[test]
+fn a_short_timeout_fires_on_time_after_many_calls_and_behind_a_long_one() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    for _ in 0..50 {
+        let ok = a.rpc_sync("bob", "echo", Message::from_payload(b"x".to_vec()));
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+    let long = a.rpc_async_with_timeout(
+        "bob",
+        "sleep",
+        sleep_message(1_000),
+        Some(Duration::from_secs(30)),
+    );
+    let started = Instant::now();
+    let short = a.rpc_sync_with_timeout(
+        "bob",
+        "sleep",
+        sleep_message(1_500),
+        Some(Duration::from_millis(100)),
+    );
+    let elapsed = started.elapsed();
+    assert!(
+        short.as_ref().err().is_some_and(|e| e.is_timeout()),
+        "{short:?}"
+    );
+    assert!(
+        elapsed < Duration::from_millis(900),
+        "timed out after {elapsed:?}"
+    );
+    assert_eq!(
+        long.wait().map(|m| m.payload).map_err(|e| e.to_string()),
+        Ok(b"slept".to_vec())
+    );
+    join_both(a, b);
+}
+
 #[test]
 fn agent_default_timeout_applies() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));

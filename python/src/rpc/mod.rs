@@ -184,6 +184,27 @@ impl PyRpcAgent {
         self.agent.handshakes_refused()
     }
 
+    /// The transport of the last client pipe opened to `peer` (`tcp`, `shm`, ...), or
+    /// `None` before the first call to it.
+    fn pipe_transport(&self, peer: &str) -> Option<&'static str> {
+        self.agent.pipe_transport(peer).map(|k| k.name())
+    }
+
+    /// The channel that carries CPU tensors on the last client pipe to `peer` (`basic`,
+    /// `cma`, `mpt`, ...), or `None` before the first call or when none does.
+    fn pipe_channel(&self, peer: &str) -> Option<&'static str> {
+        self.agent.pipe_channel(peer).map(|k| k.name())
+    }
+
+    /// The tensor bytes this worker sent, per channel name (requests and responses).
+    fn tensor_bytes_by_channel(&self) -> Vec<(&'static str, u64)> {
+        self.agent
+            .tensor_bytes_by_channel()
+            .into_iter()
+            .map(|(k, n)| (k.name(), n))
+            .collect()
+    }
+
     /// Where peers reach this worker (`tcp://ip:port;...`, highest priority first).
     fn address(&self) -> String {
         self.agent.address().to_string()

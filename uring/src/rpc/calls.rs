@@ -40,6 +40,32 @@ struct Table {
     pending: HashMap<u64, Pending>,
     timeouts: TimeoutQueue<u64>,
     closed: bool,
+    /// What the timer thread is doing, so that a new call wakes it only when its
+    /// deadline comes before the timer's own wake-up.
+    timer: TimerState,
+}
+
+/// What the timer thread is doing.
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum TimerState {
+    /// Running (or not started): it looks at the queue before it sleeps again.
+    #[default]
+    Running,
+    /// Asleep until this time; it then looks at the queue whatever is in it.
+    Until(Instant),
+    /// Asleep with no deadline to wait for.
+    Idle,
+}
+
+impl TimerState {
+    /// Whether a call with `deadline` must wake the timer for it to fire in time.
+    fn must_wake_for(self, deadline: Instant) -> bool {
+        match self {
+            TimerState::Running => false,
+            TimerState::Until(wakes) => deadline < wakes,
+            TimerState::Idle => true,
+        }
+    }
 }
 
 /// The pending calls and their timer, with what completing a call touches: the call
@@ -93,11 +119,14 @@ impl Calls {
         if table.closed {
             return Err(pending);
         }
-        let earliest = table.timeouts.next_deadline();
         let timeout = pending.timeout;
         table.pending.insert(message_id, pending);
         if let Some(deadline) = table.timeouts.schedule(message_id, now, timeout) {
-            if earliest.is_none_or(|e| deadline < e) {
+            // Back-to-back calls do not wake it: a call ends before the timer's wake-up,
+            // which was set by an earlier call's deadline, and the next call's deadline
+            // is later still.
+            if table.timer.must_wake_for(deadline) {
+                table.timer = TimerState::Running;
                 self.timer.notify_one();
             }
         }
@@ -197,8 +226,12 @@ impl Calls {
                 continue;
             }
             table = match table.timeouts.next_deadline() {
-                None => self.timer.wait(table).unwrap_or_else(|p| p.into_inner()),
+                None => {
+                    table.timer = TimerState::Idle;
+                    self.timer.wait(table).unwrap_or_else(|p| p.into_inner())
+                }
                 Some(deadline) => {
+                    table.timer = TimerState::Until(deadline);
                     let wait = deadline.saturating_duration_since(now);
                     self.timer
                         .wait_timeout(table, wait)
@@ -206,6 +239,7 @@ impl Calls {
                         .unwrap_or_else(|p| p.into_inner().0)
                 }
             };
+            table.timer = TimerState::Running;
         }
     }
 }
@@ -334,5 +368,25 @@ impl Calls {
             payload,
             received,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Instant, TimerState};
+    use std::time::Duration;
+
+    #[test]
+    fn only_an_earlier_deadline_or_an_idle_timer_needs_a_wake_up() {
+        let at = |ms| Instant::from_duration(Duration::from_millis(ms));
+        assert!(!TimerState::Running.must_wake_for(at(1)));
+        assert!(TimerState::Idle.must_wake_for(at(60_000)));
+        let sleeping = TimerState::Until(at(60_000));
+        assert!(
+            !sleeping.must_wake_for(at(60_001)),
+            "a later call waits for it"
+        );
+        assert!(!sleeping.must_wake_for(at(60_000)));
+        assert!(sleeping.must_wake_for(at(100)), "an earlier one wakes it");
     }
 }

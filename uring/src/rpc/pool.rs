@@ -2,8 +2,8 @@
 //! responses. A `to_here` on the owner is the RRef runtime's to answer, now or once its
 //! value exists (`rref_runtime::take_fetch`), without holding a pool thread.
 
-use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex};
+use crossbeam_channel::Receiver;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::rpc::counters::{Counters, JoinGate};
@@ -31,19 +31,15 @@ pub(crate) fn spawn_pool(
     threads: usize,
 ) -> Result<Vec<JoinHandle<()>>, InitError> {
     let pool = Arc::new(pool);
-    let jobs = Arc::new(Mutex::new(jobs));
     let mut handles = Vec::with_capacity(threads);
     for index in 0..threads {
-        let jobs = Arc::clone(&jobs);
+        let jobs = jobs.clone();
         let pool = Arc::clone(&pool);
         let handle = std::thread::Builder::new()
             .name(format!("rdzv-rpc-worker-{index}"))
             .spawn(move || loop {
-                let job = {
-                    let receiver = jobs.lock().unwrap_or_else(|p| p.into_inner());
-                    receiver.recv()
-                };
-                let Ok(job) = job else { return };
+                // Ends when the I/O thread and every lane dropped their senders.
+                let Ok(job) = jobs.recv() else { return };
                 if let Some(job) = take_fetch(&pool.rrefs, &pool.gate, job) {
                     run_job(&pool, job);
                 }

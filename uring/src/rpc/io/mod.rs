@@ -20,10 +20,10 @@
 //!
 //! [`LocalExecutor`]: super::transport::LocalExecutor
 
+use crossbeam_channel::Sender;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 

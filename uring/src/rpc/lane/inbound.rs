@@ -5,7 +5,7 @@
 //! response on the lane the request came on. The caller's ack releases what a response
 //! lent. An inbound lane makes no call, so it has no way to send a request.
 
-use std::sync::mpsc::Sender;
+use crossbeam_channel::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 

@@ -48,8 +48,8 @@
 //! The files form layers: `io` below `client` and `inbound`, which know nothing of
 //! each other, and this one on top (`uring/tests/rpc_layering.rs` checks it).
 
+use crossbeam_channel::Sender;
 use std::collections::HashMap;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 

@@ -13,7 +13,7 @@ use rdzv_core::rpc::address::join_addresses;
 pub(super) fn spawn_io(
     pieces: IoPieces,
     transports: Vec<Box<dyn Transport + Send>>,
-    jobs: std::sync::mpsc::Sender<Job>,
+    jobs: crossbeam_channel::Sender<Job>,
 ) -> Result<(JoinHandle<()>, String), InitError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, InitError>>();
     let name = format!("rdzv-rpc-io-{}", pieces.me.name());

@@ -322,7 +322,8 @@ impl Start {
         if world_size.is_none() {
             register_membership_handlers(&registry, me.name());
         }
-        let (jobs_tx, jobs_rx) = std::sync::mpsc::channel::<Job>();
+        // One queue that every worker waits on: a job wakes one of them.
+        let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
         let pool = Pool {
             name: me.name().to_string(),
             registry: Arc::clone(&registry),
