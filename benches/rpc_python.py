@@ -8,7 +8,11 @@ host init RPC with the same program, and worker 0 measures:
 - a 64 MiB CPU torch tensor echo (`rpc_sync` returning its argument): GB/s, both
   directions counted;
 - `remote` + `to_here`: p50;
-- `rpc_async` with 64 calls in flight: calls per second.
+- `rpc_async` with 64 calls in flight: calls per second;
+- the voluntary context switches of both processes (every thread, from
+  `/proc/<pid>/task/*/status`) per noop `rpc_sync`: each is a thread that went to sleep
+  and had to be woken, a count that repeats from run to run where times move with the load
+  (preemptions, which do move with it, are left out).
 
 Usage: benches/rpc_python.py [--impls rdzv,torch] [--pairs tcp,shm] [--iters 2000]
        [--json results.jsonl]
@@ -20,6 +24,7 @@ ratios come from one run.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import socket
@@ -53,18 +58,39 @@ def _percentile(samples: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def context_switches(pid: int) -> int:
+    """Voluntary context switches (sleeps) of every thread of process ``pid``."""
+    total = 0
+    for status in glob.glob(f"/proc/{pid}/task/*/status"):
+        try:
+            with open(status) as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
 def measure(rpc: Any, iters: int) -> Dict[str, float]:
     import torch
 
     peer = "w1"
+    peer_pid = rpc.rpc_sync(peer, os.getpid)
     for _ in range(100):
         rpc.rpc_sync(peer, noop)
     lat = []
+    before = context_switches(os.getpid()) + context_switches(peer_pid)
     for _ in range(iters):
         t = time.perf_counter()
         rpc.rpc_sync(peer, noop)
         lat.append(time.perf_counter() - t)
-    out = {"noop_p50_us": _percentile(lat, 0.5) * 1e6, "noop_p99_us": _percentile(lat, 0.99) * 1e6}
+    switches = context_switches(os.getpid()) + context_switches(peer_pid) - before
+    out = {
+        "noop_p50_us": _percentile(lat, 0.5) * 1e6,
+        "noop_p99_us": _percentile(lat, 0.99) * 1e6,
+        "noop_sleeps": switches / iters,
+    }
 
     tensor = torch.ones(BIG, dtype=torch.uint8)
     back = rpc.rpc_sync(peer, echo, args=(tensor,))
@@ -167,8 +193,8 @@ def main() -> int:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    keys = ["noop_p50_us", "noop_p99_us", "echo_64MiB_GBps", "remote_to_here_p50_us",
-            "async64_calls_per_s"]
+    keys = ["noop_p50_us", "noop_p99_us", "noop_sleeps", "echo_64MiB_GBps",
+            "remote_to_here_p50_us", "async64_calls_per_s"]
     print("\n| pair | impl | " + " | ".join(keys) + " |")
     print("|---|---|" + "---:|" * len(keys))
     for row in rows:

@@ -5,6 +5,8 @@ use alloc::vec::Vec;
 use proptest::prelude::*;
 
 use super::*;
+use crate::device::{Device, DeviceType};
+use crate::negotiate::ChannelKind;
 use crate::negotiate::{accept_answer, answer_brochure, DeviceDescriptors, Offer, TransportKind};
 use crate::rpc::name::WorkerId;
 
