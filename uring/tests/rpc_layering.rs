@@ -61,10 +61,10 @@ const LAYERS: &[&str] = &[
 /// Modules whose child files form layers, lowest first; the files of one layer know
 /// nothing of each other. The module's own file (`x/mod.rs`) is on top.
 const CHILD_LAYERS: &[(&str, &[&[&str]])] = &[
-    // `io`: `LaneIo`, the I/O both lane types share; `client`: `ClientLane`, the side
-    // that calls; `inbound`: `InboundLane`, the side that serves. `lane/mod.rs`: the
-    // registry of lanes and starting them.
-    ("lane", &[&["io"], &["client", "inbound"]]),
+    // `spin`: how long a lane's waiters spin; `io`: `LaneIo`, the I/O both lane types
+    // share; `client`: `ClientLane`, the side that calls; `inbound`: `InboundLane`, the
+    // side that serves. `lane/mod.rs`: the registry of lanes and starting them.
+    ("lane", &[&["spin", "io"], &["client", "inbound"]]),
     // A message into a frame, below the pipe that receives with it.
     ("shm_transport", &[&["decode"], &["blocking"]]),
 ];

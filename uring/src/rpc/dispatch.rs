@@ -91,10 +91,7 @@ impl Caller for Dispatch {
         let (future, lane) = start(self, to, handler, message, timeout);
         match lane {
             // On a lane the caller reads its reply itself for a while.
-            Some(lane) => {
-                lane.read_own_reply(future.completion(), self.wait_spin);
-                future.wait_sleeping()
-            }
+            Some(lane) => lane.wait_reply(future, self.wait_spin),
             None => future.wait(),
         }
     }

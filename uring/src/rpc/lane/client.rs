@@ -7,17 +7,18 @@
 //! serves no request, so it has no way to answer one.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::frame::FrameKind;
 use rdzv_core::rpc::pipe::{ClientEvent, ClientPipe, PipeFrame, ReadError, Transmit};
 
 use super::io::{LaneIo, SendFailure, Shared};
+use super::spin::AdaptiveSpin;
 use crate::rpc::calls::{Pending, Reply};
 use crate::rpc::error::{CallError, ChannelFailure, PipeFailure};
 use crate::rpc::mailbox::Call;
-use crate::rpc::message::{Completion, Message};
+use crate::rpc::message::{Message, RpcFuture};
 use crate::rpc::mpt::MptConnections;
 use crate::rpc::outgoing::{sent_bytes, tensor_frame};
 use crate::rpc::tensors::FrameExports;
@@ -30,6 +31,8 @@ pub(crate) struct ClientLane {
     /// a call, what is acked, and what requests lent until their reply (given up when
     /// the lane ends).
     machine: Mutex<ClientPipe<FrameExports>>,
+    /// How long a caller in `rpc_sync` spins on its reply, from how long replies took.
+    reply_spin: AdaptiveSpin,
 }
 
 impl ClientLane {
@@ -48,6 +51,7 @@ impl ClientLane {
         Arc::new(ClientLane {
             io,
             machine: Mutex::new(ClientPipe::new()),
+            reply_spin: AdaptiveSpin::default(),
         })
     }
 
@@ -159,18 +163,30 @@ impl ClientLane {
         self.io.transmit(transmits);
     }
 
-    /// A caller waiting for `completion` reads the lane itself for up to `spin` while
-    /// the reader thread sleeps: its reply then costs no thread wake-up at all. Returns
-    /// at once when another thread reads.
-    pub(crate) fn read_own_reply(&self, completion: &Completion, spin: Duration) {
-        let ended = self.io.read_while(
-            spin,
-            || completion.is_done_relaxed(),
-            |frame| self.on_frame(frame),
-        );
-        if let Some(reason) = ended {
-            self.end(reason);
+    /// Waits for the reply of the call `future` is for, sent on this lane: the caller
+    /// reads the lane itself for up to `spin` (while replies typically come within it),
+    /// then sleeps until the reader thread completes the call.
+    pub(crate) fn wait_reply(
+        &self,
+        future: RpcFuture,
+        spin: Duration,
+    ) -> Result<Message, CallError> {
+        let started = Instant::now();
+        let spin = self.reply_spin.spin(spin);
+        if !spin.is_zero() {
+            let completion = future.completion();
+            let ended = self.io.read_while(
+                spin,
+                || completion.is_done_relaxed(),
+                |frame| self.on_frame(frame),
+            );
+            if let Some(reason) = ended {
+                self.end(reason);
+            }
         }
+        let result = future.wait_sleeping();
+        self.reply_spin.record(spin, started.elapsed());
+        result
     }
 
     /// The caller is done with what reply `message_id` lent (read, or never to be

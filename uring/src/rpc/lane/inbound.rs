@@ -14,6 +14,7 @@ use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{Closed, InboundEvent, InboundPipe, PipeFrame, Transmit};
 
 use super::io::{LaneIo, Shared};
+use super::spin::AdaptiveSpin;
 use crate::rpc::client::{Caller, RpcClient};
 use crate::rpc::counters::JoinGate;
 use crate::rpc::error::CallError;
@@ -73,6 +74,9 @@ pub(crate) struct InboundLane {
     /// served, what is released on the caller's ack, and what responses lent until
     /// then (given up when the lane ends).
     machine: Mutex<InboundPipe<FrameExports>>,
+    /// How long the reader spins for the next request after one, from how long the
+    /// gaps between requests were.
+    request_spin: AdaptiveSpin,
 }
 
 impl InboundLane {
@@ -86,6 +90,7 @@ impl InboundLane {
         Arc::new(InboundLane {
             io: LaneIo::new((id, peer), negotiated, connection, Role::Listener, shared),
             machine: Mutex::new(InboundPipe::new()),
+            request_spin: AdaptiveSpin::default(),
         })
     }
 
@@ -170,7 +175,11 @@ impl InboundLane {
         jobs: &Sender<Job>,
     ) {
         'read: loop {
-            let frame = match self.io.next_frame(spin) {
+            let waiting = Instant::now();
+            let spun = self.request_spin.spin(spin);
+            let next = self.io.next_frame(spun);
+            self.request_spin.record(spun, waiting.elapsed());
+            let frame = match next {
                 Ok(Some(frame)) => frame,
                 Ok(None) => break,
                 Err(e) => {

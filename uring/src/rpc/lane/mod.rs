@@ -6,13 +6,15 @@
 //! * a [`ClientLane`] (this worker opened the pipe to call the peer): a caller's thread
 //!   encodes and sends its own request under the lane's send lock (no hand-off to the
 //!   I/O thread and no wake-up of it); a caller waiting in `rpc_sync` then reads the
-//!   lane itself (a non-blocking `recv`, or the shm ring) for `RpcOptions::wait_spin`,
-//!   while the lane's reader thread sleeps on its
+//!   lane itself (a non-blocking `recv`, or the shm ring) for `RpcOptions::wait_spin`
+//!   (while this lane's replies typically come within it: [`spin`]), while the lane's
+//!   reader thread sleeps on its
 //!   [`Control`](super::transport::Control) without holding the receiver, so the reply
 //!   costs no thread wake-up at all; the reader thread completes the calls other
 //!   replies answer (async calls, and sync ones past their spin);
 //! * an [`InboundLane`] (the peer opened it to call this worker): its reader thread
-//!   spins for `wait_spin` after each request, runs [`Inline`](super::Inline) handlers
+//!   spins for `wait_spin` after each request (while requests typically follow within
+//!   it), runs [`Inline`](super::Inline) handlers
 //!   right away and sends their responses itself, and hands other requests to the
 //!   worker pool, whose thread sends the response itself.
 //!
@@ -68,6 +70,7 @@ use super::transport::Connection;
 mod client;
 mod inbound;
 mod io;
+mod spin;
 pub(crate) use client::ClientLane;
 pub(crate) use inbound::{InboundLane, Job, Responder, Server};
 use io::{LaneIo, LaneRegistry, Shared};
