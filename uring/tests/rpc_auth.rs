@@ -10,7 +10,6 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::Duration;
 
-use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, TransportKind};
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, FrameLimits, Handshake, OutgoingFrame, HEADER_LEN,
 };
@@ -136,13 +135,7 @@ fn a_raw_client_without_the_secret_is_refused_before_any_call_is_read() {
         .find_map(|a| a.strip_prefix("tcp://"))
         .unwrap_or_else(|| panic!("no tcp address in {}", b.address()))
         .to_string();
-    let mut offer = Offer::new();
-    offer
-        .add_transport(TransportKind::Tcp, 0, "tcp:*")
-        .unwrap_or_else(|e| panic!("{e}"));
-    offer
-        .add_channel(ChannelKind::Basic, 0, DeviceDescriptors::cpu("any"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let offer = common::tcp_basic_offer();
     for (round, forged) in [None, Some([0x5a; 32])].into_iter().enumerate() {
         let mut stream = TcpStream::connect(&address).unwrap_or_else(|e| panic!("{e}"));
         // It claims to be alice, a member.

@@ -9,7 +9,6 @@ use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, TransportKind};
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, FrameLimits, Handshake, OutgoingFrame, HEADER_LEN,
 };
@@ -103,13 +102,7 @@ fn closed_within(stream: &mut TcpStream, within: Duration) -> Option<Duration> {
 }
 
 fn hello_bytes(name: &str, id: i16) -> Vec<u8> {
-    let mut offer = Offer::new();
-    offer
-        .add_transport(TransportKind::Tcp, 0, "tcp:*")
-        .unwrap_or_else(|e| panic!("{e}"));
-    offer
-        .add_channel(ChannelKind::Basic, 0, DeviceDescriptors::cpu("any"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let offer = common::tcp_basic_offer();
     let mut out = Vec::new();
     Handshake::Hello {
         name,
@@ -162,7 +155,7 @@ fn a_flood_of_silent_connections_holds_at_most_the_cap_and_times_out() {
     // Each is closed, the last ones after waiting in the backlog (6 rounds of 1.5 s).
     for (i, stream) in silent.iter_mut().enumerate() {
         assert!(
-            closed_within(stream, Duration::from_secs(15)).is_some(),
+            closed_within(stream, Duration::from_secs(30)).is_some(),
             "silent connection {i} is still open"
         );
     }
@@ -177,7 +170,8 @@ fn a_flood_of_silent_connections_holds_at_most_the_cap_and_times_out() {
     while threads_named("rdzv-rpc-handsh") > before && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(threads_named("rdzv-rpc-handsh"), before);
+    // (At most: a thread of an earlier test's agents may have ended meanwhile.)
+    assert!(threads_named("rdzv-rpc-handsh") <= before);
     let _ = (alice.shutdown(false), bob.shutdown(false));
 }
 

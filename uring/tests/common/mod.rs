@@ -10,6 +10,20 @@ use std::time::Duration;
 
 use rdzv_uring::rpc::{CallContext, InitError, Message, RpcAgent, Tensor};
 
+/// What a raw client offers in its hello: tcp and the basic channel, for tests that speak
+/// the handshake themselves.
+pub(crate) fn tcp_basic_offer() -> rdzv_core::negotiate::Offer<'static> {
+    use rdzv_core::negotiate::{ChannelKind, DeviceDescriptors, Offer, TransportKind};
+    let mut offer = Offer::new();
+    offer
+        .add_transport(TransportKind::Tcp, 0, "tcp:*")
+        .unwrap_or_else(|e| panic!("{e}"));
+    offer
+        .add_channel(ChannelKind::Basic, 0, DeviceDescriptors::cpu("any"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    offer
+}
+
 /// Answers with the request.
 pub(crate) fn echo(_: &CallContext, m: Message) -> Result<Message, String> {
     Ok(m)
