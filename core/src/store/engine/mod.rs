@@ -1121,6 +1121,12 @@ impl Engine {
         }
         if registrations.ids.len() <= registrations.stale {
             self.waiters.remove(key);
+        } else if registrations.stale * 2 > registrations.ids.len() {
+            // Popping live entries can leave stale ones the majority: compact, as
+            // `drop_wait` does, so that stale entries never outnumber live ones.
+            let waits = &self.waits;
+            registrations.ids.retain(|(id, _)| waits.contains_key(id));
+            registrations.stale = 0;
         }
         if let Some(id) = completed {
             self.complete(id);
