@@ -1086,6 +1086,10 @@ impl Engine {
 
     /// An arrival of `key` for every wait registered on it.
     fn wake_all(&mut self, key: &[u8]) {
+        // Most writes find no waiter at all: no need to hash the key a second time.
+        if self.waiters.is_empty() {
+            return;
+        }
         let Some(registrations) = self.waiters.remove(key) else {
             return;
         };
