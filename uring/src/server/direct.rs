@@ -17,10 +17,16 @@
 //! a poll in flight: once per turn however many wake-ups the turn routed to it. With one
 //! loop the lock is never contended and no eventfd is ever written.
 //!
-//! Every connection has at most one receive and one send in flight. The ring
-//! (`crate::sys::uring`) owns the buffer of each operation until its completion hands it
-//! back, so no buffer is ever touched or released while the kernel may still use it; a
-//! connection is freed only after both operations completed. A connection that must close (bad input, the engine refused it, end of
+//! Every connection has at most one receive and one send in flight. The receive is
+//! multishot into the loop's pool of provided buffers where the kernel has both (6.0):
+//! submitted once, it delivers every chunk that arrives, which the loop copies onto the
+//! connection's input and gives back to the pool at once; it is cancelled while the
+//! connection may not read (backpressure, its input at the cap) and submitted again
+//! after. Where the kernel lacks them, or the pool ran dry, a connection receives one
+//! shot at a time into its own input buffer. The ring (`crate::sys::uring`) owns the
+//! buffer of each operation until its completion hands it back, so no buffer is ever
+//! touched or released while the kernel may still use it; a connection is freed only
+//! after both operations completed. A connection that must close (bad input, the engine refused it, end of
 //! stream, a socket error) leaves the engine at once, so its waiters never linger; a
 //! pending receive is cancelled.
 //!
@@ -55,7 +61,14 @@ use super::admission::{Admission, Opened, Peer, Retry};
 use super::loop_config::LoopConfig;
 use super::session::{ConnInput, Pass, ReadBuf};
 use super::shared_engine::{self, LoopWaker, Serving};
-use crate::sys::uring::{Completion, OpId, Ring as Uring, SendBuf};
+use crate::sys::uring::{Chunk, Completion, OpId, Ring as Uring, SendBuf};
+
+/// Provided buffers per loop, and their size: 1 MiB that every connection's multishot
+/// receive draws from (each chunk is copied out and its buffer given back in the same
+/// turn). This is also how far a connection's input can pass its cap: the chunks that
+/// arrived before the cancel of its receive took effect.
+const POOL_BUFFERS: u16 = 256;
+const POOL_BUFFER_SIZE: usize = 4096;
 
 /// Submission queue entries. Each connection has at most two operations in flight; a
 /// full queue is submitted and refilled, so this bounds only the batch size.
@@ -103,29 +116,48 @@ impl Phase {
     }
 }
 
-/// A connection's receive side: the input buffer is the connection's while `Idle`, and
-/// the ring's while a receive is in flight (it comes back with the completion).
+/// A connection's receive side. The input buffer is the connection's while `Idle` and
+/// while a multishot receive runs (chunks are copied onto it), and the ring's while a
+/// one-shot receive is in flight (it comes back with the completion).
 ///
 /// ```text
-///  Idle ─(recv queued)─► InFlight ─(completion)─► Idle
-///                          └─(closing: cancel queued)─► Cancelling ─(completion)─► Idle
+///  Idle ─(multishot queued)─► Multi ─(last completion)──────────────────────────► Idle
+///   │                           └─(may not read: cancel queued)─► MultiCancelling ─┘
+///   └─(one shot queued)─► Once ─(completion)─► Idle
+///                           └─(closing: cancel queued)─► Cancelling ─(completion)─► Idle
 /// ```
 enum Reading {
     /// Nothing in flight: the received bytes not yet served.
-    Idle(ReadBuf),
-    /// A receive into the input buffer's spare bytes is in flight.
-    InFlight(OpId),
-    /// In flight, and asked to stop (the connection is closing).
+    Idle(Input),
+    /// A multishot receive into the pool is in flight; the input stays here.
+    Multi { op: OpId, input: Input },
+    /// The multishot receive was asked to stop; chunks may still come until its last
+    /// completion.
+    MultiCancelling(Input),
+    /// A one-shot receive into the input buffer's spare bytes is in flight.
+    Once(OpId),
+    /// The one-shot receive was asked to stop (the connection is closing).
     Cancelling,
 }
 
 impl Reading {
+    /// Nothing in flight.
     fn is_idle(&self) -> bool {
         matches!(self, Reading::Idle(_))
     }
 
+    /// The input buffer, unless a one-shot receive holds it.
+    fn input(&mut self) -> Option<&mut ReadBuf> {
+        match self {
+            Reading::Idle(input)
+            | Reading::Multi { input, .. }
+            | Reading::MultiCancelling(input) => Some(input),
+            Reading::Once(_) | Reading::Cancelling => None,
+        }
+    }
+
     /// The input buffer, to hand to a receive; `None` (unchanged) unless idle.
-    fn take_idle(&mut self) -> Option<ReadBuf> {
+    fn take_idle(&mut self) -> Option<Input> {
         match std::mem::replace(self, Reading::Cancelling) {
             Reading::Idle(input) => Some(input),
             other => {
@@ -134,7 +166,33 @@ impl Reading {
             }
         }
     }
+
+    /// The multishot receive is over: back to `Idle`.
+    fn multi_over(&mut self) {
+        if let Reading::Multi { .. } | Reading::MultiCancelling(_) = self {
+            if let Reading::Multi { input, .. } | Reading::MultiCancelling(input) =
+                std::mem::replace(self, Reading::Cancelling)
+            {
+                *self = Reading::Idle(input);
+            }
+        }
+    }
+
+    /// Asks a running multishot receive to stop: the operation to cancel.
+    fn stop_multi(&mut self) -> Option<OpId> {
+        let Reading::Multi { op, .. } = *self else {
+            return None;
+        };
+        if let Reading::Multi { input, .. } = std::mem::replace(self, Reading::Cancelling) {
+            *self = Reading::MultiCancelling(input);
+        }
+        Some(op)
+    }
 }
+
+/// A connection's input buffer, boxed: a one-shot receive moves it into the ring and
+/// back with its completion, so the pointer moves, not the buffer's fields.
+type Input = Box<ReadBuf>;
 
 /// Replies handed to the kernel, and how much of them went out.
 #[derive(Default)]
@@ -217,6 +275,9 @@ struct Conn {
     deferred: bool,
     /// Its last turn produced little (`Round::count`): not deferred by the batch's cap.
     light: bool,
+    /// The pool was empty when its multishot receive last ran: the next receive is one
+    /// shot into its own buffer.
+    once: bool,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
 }
@@ -262,8 +323,11 @@ impl LoopWaker for EventFdWaker {
 
 /// A loop's ring and the eventfd other loops wake it with.
 pub(super) struct Ring {
-    ring: Uring<ReadBuf, Outgoing>,
+    ring: Uring<Input, Outgoing>,
     wake_fd: Arc<OwnedFd>,
+    /// Try multishot receives into provided buffers (false: one shot at a time, as on
+    /// kernels without them).
+    multishot: bool,
 }
 
 /// Creates a loop's ring and the waker other loops use to reach it (the caller reports
@@ -279,6 +343,7 @@ pub(super) fn ring() -> io::Result<(Ring, EventFdWaker)> {
         Ring {
             ring,
             wake_fd: Arc::clone(&wake_fd),
+            multishot: true,
         },
         EventFdWaker(wake_fd),
     ))
@@ -295,7 +360,7 @@ pub(super) struct LoopSetup {
 struct Server {
     /// Its index, the engine, the round, `now` and the wake-ups to deliver.
     serving: Serving,
-    ring: Uring<ReadBuf, Outgoing>,
+    ring: Uring<Input, Outgoing>,
     wake_fd: Arc<OwnedFd>,
     /// A poll on `wake_fd` is in flight.
     wake_polled: bool,
@@ -311,8 +376,13 @@ struct Server {
     dirty: Vec<usize>,
     live: usize,
     spin: Option<Duration>,
-    /// Scratch for a batch of completions.
-    completions: Vec<Completion<ReadBuf, Outgoing>>,
+    /// Multishot receives into the pool work here (the kernel has both).
+    multishot: bool,
+    /// How many unserved bytes a connection's input may hold: its cap, plus the pool
+    /// (chunks that came before a cancel took effect).
+    input_limit_slack: usize,
+    /// `serving.now_ms` was read in this batch (read at its first request).
+    clock_read: bool,
     /// Connections whose requests wait for the next batch, in the order they were put off.
     again: Vec<usize>,
 }
@@ -336,11 +406,26 @@ pub(super) fn loop_body(
 pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
         config,
-        ring: Ring { ring, wake_fd },
+        ring: Ring {
+            ring,
+            wake_fd,
+            multishot,
+        },
         listener,
     } = setup;
     let parts = config.into_parts();
     let index = parts.serving.index;
+    let mut ring = ring;
+    let multishot = multishot
+        && match ring.provide_buffers(POOL_BUFFERS, POOL_BUFFER_SIZE) {
+            Ok(()) => true,
+            Err(error) => {
+                if index == 0 {
+                    tracing::info!(%error, "io_uring has no provided buffer rings here (Linux 5.19): one receive per request");
+                }
+                false
+            }
+        };
     let mut server = Server {
         serving: parts.serving,
         ring,
@@ -356,9 +441,12 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         dirty: Vec::new(),
         live: 0,
         spin: parts.spin,
-        completions: Vec::new(),
         again: Vec::new(),
+        multishot,
+        input_limit_slack: 0,
+        clock_read: false,
     };
+    server.input_limit_slack = server.ring.pool_bytes();
     if let Err(error) = server.run(stop, parts.drain) {
         tracing::error!(%error, loop_index = index, "store event loop failed; closing its connections");
     }
@@ -386,7 +474,7 @@ impl Server {
             let spinning =
                 !self.again.is_empty() || busy_until.is_some_and(|until| Instant::now() < until);
             self.wait(spinning)?;
-            self.serving.now_ms = self.serving.shared.now_ms(Instant::now());
+            self.clock_read = false;
             self.serving.round.begin();
             if self.complete() > 0 {
                 if let Some(spin) = self.spin {
@@ -436,11 +524,10 @@ impl Server {
 
     /// Reaps every completion there is; returns how many.
     fn complete(&mut self) -> usize {
-        let mut batch = std::mem::take(&mut self.completions);
         let mut reaped = 0;
-        while self.ring.reap(&mut batch) > 0 {
-            reaped += batch.len();
-            for completion in batch.drain(..) {
+        while let Some(completion) = self.ring.next_completion() {
+            reaped += 1;
+            {
                 match completion {
                     Completion::Accepted { result, .. } => self.accepted(result),
                     Completion::Received { token, result, buf } => {
@@ -448,10 +535,14 @@ impl Server {
                     }
                     Completion::Sent { token, result, buf } => self.sent(token, result, buf),
                     Completion::Polled { result, .. } => self.woken(result),
+                    Completion::Arrived {
+                        token,
+                        result,
+                        more,
+                    } => self.arrived(token, result, more),
                 }
             }
         }
-        self.completions = batch;
         reaped
     }
 
@@ -491,12 +582,13 @@ impl Server {
                 fd: Arc::new(fd),
                 id,
                 phase: Phase::Open,
-                reading: Reading::Idle(input),
+                reading: Reading::Idle(Box::new(input)),
                 writing: Writing::Idle(Outgoing::default()),
                 session,
                 blocked: false,
                 deferred: false,
                 light: false,
+                once: false,
                 out: Vec::new(),
             });
             self.live += 1;
@@ -525,7 +617,7 @@ impl Server {
         self.deliver();
     }
 
-    fn received(&mut self, slot: usize, result: io::Result<usize>, mut input: ReadBuf) {
+    fn received(&mut self, slot: usize, result: io::Result<usize>, mut input: Input) {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
@@ -552,6 +644,73 @@ impl Server {
         let complete = input.received(n);
         conn.reading = Reading::Idle(input);
         if complete {
+            self.serve_in_round(slot, Pass::Light);
+        }
+    }
+
+    /// A multishot receive delivered a chunk, reached the end of the stream, or stopped.
+    fn arrived(&mut self, slot: usize, result: io::Result<Option<Chunk>>, more: bool) {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            if let Ok(Some(chunk)) = result {
+                self.ring.recycle(chunk);
+            }
+            return;
+        };
+        self.dirty.push(slot);
+        if !more {
+            conn.reading.multi_over();
+        }
+        let chunk = match result {
+            Ok(Some(chunk)) if chunk.len() > 0 => chunk,
+            Ok(end) => {
+                if let Some(chunk) = end {
+                    self.ring.recycle(chunk);
+                }
+                // End of stream: the peer is gone, nothing more can be sent.
+                self.close(slot, Close::Abandon);
+                return;
+            }
+            Err(error) => {
+                match error.raw_os_error() {
+                    // Cancelled, or stopped by the kernel (re-armed when it may read).
+                    Some(libc::ECANCELED) | None => {}
+                    // The pool was empty: one shot into its own buffer next.
+                    Some(libc::ENOBUFS) => conn.once = true,
+                    // A kernel before 6.0: no multishot receive.
+                    Some(libc::EINVAL) if self.multishot => {
+                        self.multishot = false;
+                        tracing::info!(
+                            loop_index = self.serving.index,
+                            "io_uring has no multishot receive here (Linux 6.0): one receive per request"
+                        );
+                    }
+                    Some(_) => {
+                        tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection read failed");
+                        self.close(slot, Close::Abandon);
+                    }
+                }
+                return;
+            }
+        };
+        if conn.phase != Phase::Open {
+            // Read just before a close was decided: the bytes are not served.
+            self.ring.recycle(chunk);
+            return;
+        }
+        let limit = self.input_limit_slack;
+        let Some(input) = conn.reading.input() else {
+            self.ring.recycle(chunk);
+            return;
+        };
+        let limit = input.cap().saturating_add(limit);
+        let fits = input.append(self.ring.chunk(&chunk), limit);
+        self.ring.recycle(chunk);
+        if !fits {
+            // Past the cap and the slack (or the allocator refused): it cannot be held.
+            self.close(slot, Close::Flush);
+            return;
+        }
+        if input.ready() {
             self.serve_in_round(slot, Pass::Light);
         }
     }
@@ -604,9 +763,13 @@ impl Server {
             return;
         };
         let owed = conn.owed();
-        let Reading::Idle(input) = &mut conn.reading else {
+        let Some(input) = conn.reading.input() else {
             return;
         };
+        if !self.clock_read {
+            self.clock_read = true;
+            self.serving.now_ms = self.serving.shared.now_ms(Instant::now());
+        }
         let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,
             input,
@@ -705,15 +868,27 @@ impl Server {
                 continue;
             }
             if conn.phase != Phase::Open {
-                if let Reading::InFlight(op) = conn.reading {
+                if let Reading::Once(op) = conn.reading {
                     conn.reading = Reading::Cancelling;
                     self.ring.cancel(op);
                     continue;
                 }
+                if let Some(op) = conn.reading.stop_multi() {
+                    self.ring.cancel(op);
+                }
+            }
+            let may_read = !conn.blocked && conn.owed() <= self.budget.out_high_water;
+            if let Reading::Multi { input, .. } = &conn.reading {
+                if !may_read || input.held() >= input.cap() {
+                    // Backpressure, or its input at the cap: stop reading until served.
+                    if let Some(op) = conn.reading.stop_multi() {
+                        self.ring.cancel(op);
+                    }
+                }
             }
             if conn.phase == Phase::Open
                 && conn.blocked
-                && conn.reading.is_idle()
+                && conn.reading.input().is_some()
                 && conn.owed() <= self.budget.out_high_water
             {
                 // Drained below the mark: serve what was received before reading more
@@ -723,15 +898,39 @@ impl Server {
                 self.dirty.push(slot);
                 continue;
             }
-            let full = matches!(&conn.reading, Reading::Idle(input) if input.is_full());
+            let full = match &mut conn.reading {
+                Reading::Idle(input) => {
+                    if input.is_full() {
+                        // Chunks filled it exactly: make room (compact, or grow to the cap).
+                        input.consume(0);
+                    }
+                    input.is_full() || input.held() >= input.cap()
+                }
+                _ => false,
+            };
             if conn.phase == Phase::Open
                 && !conn.blocked
                 && !conn.deferred
                 && !full
                 && conn.owed() <= self.budget.out_high_water
+                && conn.reading.is_idle()
             {
-                if let Some(input) = conn.reading.take_idle() {
-                    conn.reading = Reading::InFlight(self.ring.recv(&conn.fd, input, slot));
+                let multi = if self.multishot && !std::mem::take(&mut conn.once) {
+                    self.ring.recv_multi(&conn.fd, slot)
+                } else {
+                    None
+                };
+                match multi {
+                    Some(op) => {
+                        if let Some(input) = conn.reading.take_idle() {
+                            conn.reading = Reading::Multi { op, input };
+                        }
+                    }
+                    None => {
+                        if let Some(input) = conn.reading.take_idle() {
+                            conn.reading = Reading::Once(self.ring.recv(&conn.fd, input, slot));
+                        }
+                    }
                 }
             } else if conn.phase == Phase::Open && full && !conn.blocked && !conn.deferred {
                 // Unreachable while the serve step bounds requests by the buffer's cap
@@ -862,6 +1061,17 @@ mod tests {
     /// `io_uring_enter`; both loops' connections are counted.
     #[test]
     fn a_wake_up_crosses_to_a_sleeping_loop() {
+        crossing(true);
+    }
+
+    /// The same with one-shot receives, as on kernels without multishot receives or
+    /// provided buffer rings.
+    #[test]
+    fn a_wake_up_crosses_to_a_sleeping_loop_with_one_shot_receives() {
+        crossing(false);
+    }
+
+    fn crossing(multishot: bool) {
         use std::io::{Read, Write};
         use std::net::TcpStream;
 
@@ -889,7 +1099,8 @@ mod tests {
         let mut rings = Vec::new();
         let mut wakers: Vec<Box<dyn LoopWaker>> = Vec::new();
         for _ in 0..2 {
-            let (ring, waker) = ring().expect("an io_uring");
+            let (mut ring, waker) = ring().expect("an io_uring");
+            ring.multishot = multishot;
             rings.push(ring);
             wakers.push(Box::new(waker));
         }

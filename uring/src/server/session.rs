@@ -264,6 +264,56 @@ impl ReadBuf {
         false
     }
 
+    /// Appends `bytes` (a chunk the io_uring loop received into its provided buffers),
+    /// compacting or growing (fallibly) as needed, to at most `limit` unserved bytes:
+    /// whether they all fit (when not, none is added and the connection must close).
+    pub(super) fn append(&mut self, bytes: &[u8], limit: usize) -> bool {
+        let n = bytes.len();
+        if self.buf.len() - self.filled < n {
+            let held = self.filled - self.start;
+            let wanted = match held.checked_add(n) {
+                Some(wanted) if wanted <= limit => wanted,
+                _ => return false,
+            };
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.filled, 0);
+                self.filled = held;
+                self.start = 0;
+            }
+            if self.buf.len() < wanted {
+                let bigger = wanted
+                    .checked_next_power_of_two()
+                    .unwrap_or(wanted)
+                    .clamp(wanted, limit.max(wanted));
+                let Some(mut grown) = crate::sys::memory::try_zeroed(bigger) else {
+                    return false;
+                };
+                grown[..self.filled].copy_from_slice(&self.buf[..self.filled]);
+                self.buf = grown;
+            }
+        }
+        self.buf[self.filled..self.filled + n].copy_from_slice(bytes);
+        self.filled += n;
+        self.arrived = self.arrived.saturating_add(n);
+        true
+    }
+
+    /// Whether the next request may be complete (enough bytes arrived since the serve
+    /// step last looked).
+    pub(super) fn ready(&self) -> bool {
+        self.arrived >= self.needed
+    }
+
+    /// Unserved bytes held.
+    pub(super) fn held(&self) -> usize {
+        self.filled - self.start
+    }
+
+    /// The cap the serve step bounds a request by (the per-connection budget).
+    pub(super) fn cap(&self) -> usize {
+        self.cap
+    }
+
     /// The serve step used `served.used` bytes and needs `served.needed` more before
     /// the next request is complete.
     pub(super) fn served(&mut self, served: &Served) {
@@ -325,6 +375,13 @@ impl ReadBuf {
 
 /// The io_uring loop receives into the spare bytes, after `filled`.
 impl crate::sys::uring::RecvBuf for ReadBuf {
+    fn recv_into(&mut self) -> (&mut Vec<u8>, usize) {
+        (&mut self.buf, self.filled)
+    }
+}
+
+/// As boxed by the io_uring loop (the ring then moves a pointer).
+impl crate::sys::uring::RecvBuf for Box<ReadBuf> {
     fn recv_into(&mut self) -> (&mut Vec<u8>, usize) {
         (&mut self.buf, self.filled)
     }
