@@ -387,8 +387,14 @@ mod tests {
         assert_eq!(parse_counter(b"5\x006"), Ok(5));
         assert_eq!(parse_counter(b"007"), Ok(7));
         assert_eq!(parse_counter(b"0"), Ok(0));
-        assert_eq!(parse_counter(b"123456789012345678"), Ok(123_456_789_012_345_678));
-        assert_eq!(parse_counter(b"1234567890123456789"), Ok(1_234_567_890_123_456_789));
+        assert_eq!(
+            parse_counter(b"123456789012345678"),
+            Ok(123_456_789_012_345_678)
+        );
+        assert_eq!(
+            parse_counter(b"1234567890123456789"),
+            Ok(1_234_567_890_123_456_789)
+        );
         assert_eq!(parse_counter(b"9223372036854775807"), Ok(i64::MAX));
         assert_eq!(parse_counter(b"-9223372036854775808"), Ok(i64::MIN));
         assert_eq!(
