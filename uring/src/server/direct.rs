@@ -278,8 +278,18 @@ struct Conn {
     /// The pool was empty when its multishot receive last ran: the next receive is one
     /// shot into its own buffer.
     once: bool,
+    /// In the loop's `dirty` list, to be looked at after this batch (at most once).
+    queued: bool,
     /// Bytes owed and not yet handed to the kernel.
     out: Vec<u8>,
+}
+
+/// Puts a connection on the `dirty` list, once.
+fn queue(dirty: &mut Vec<usize>, conn: &mut Conn, slot: usize) {
+    if !conn.queued {
+        conn.queued = true;
+        dirty.push(slot);
+    }
 }
 
 impl Conn {
@@ -372,7 +382,7 @@ struct Server {
     admission: Admission,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
-    /// Slots to look at after this batch of completions (may repeat).
+    /// Slots to look at after this batch of completions (each once, by `Conn::queued`).
     dirty: Vec<usize>,
     live: usize,
     spin: Option<Duration>,
@@ -589,6 +599,7 @@ impl Server {
                 deferred: false,
                 light: false,
                 once: false,
+                queued: true,
                 out: Vec::new(),
             });
             self.live += 1;
@@ -621,7 +632,7 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        self.dirty.push(slot);
+        queue(&mut self.dirty, conn, slot);
         let n = match result {
             Ok(n) if n > 0 => n,
             result => {
@@ -656,7 +667,7 @@ impl Server {
             }
             return;
         };
-        self.dirty.push(slot);
+        queue(&mut self.dirty, conn, slot);
         if !more {
             conn.reading.multi_over();
         }
@@ -745,7 +756,7 @@ impl Server {
                 continue;
             };
             conn.deferred = false;
-            self.dirty.push(slot);
+            queue(&mut self.dirty, conn, slot);
             if conn.phase == Phase::Open && !conn.blocked {
                 self.serve_in_round(slot, Pass::Heavy);
             }
@@ -793,7 +804,7 @@ impl Server {
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
                 if conn.id == target && conn.phase != Phase::Abandoned {
                     conn.out.push(byte);
-                    self.dirty.push(slot);
+                    queue(&mut self.dirty, conn, slot);
                 }
             }
         }
@@ -803,7 +814,7 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        self.dirty.push(slot);
+        queue(&mut self.dirty, conn, slot);
         match result {
             Ok(n) => {
                 outgoing.sent += n;
@@ -834,13 +845,20 @@ impl Server {
         };
         let was = conn.phase;
         conn.phase = was.closed(how);
-        self.dirty.push(slot);
+        queue(&mut self.dirty, conn, slot);
         if was != Phase::Open {
             return;
         }
         let id = conn.id;
         self.serving.leave(id);
         self.deliver();
+    }
+
+    /// Puts connection `slot` on the `dirty` list, once.
+    fn requeue(&mut self, slot: usize) {
+        if let Some(Some(conn)) = self.conns.get_mut(slot) {
+            queue(&mut self.dirty, conn, slot);
+        }
     }
 
     /// Queues each touched connection's next receive and send, cancels what a closing
@@ -850,6 +868,7 @@ impl Server {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
+            conn.queued = false;
             if conn.finished() {
                 // Nothing in flight: the buffers and the descriptor can go; a flushed
                 // connection after a FIN, so that its last reply is not reset away.
@@ -895,7 +914,7 @@ impl Server {
                 // (this pushes the slot again, and is looked at once more).
                 conn.blocked = false;
                 self.serve_in_round(slot, Pass::Light);
-                self.dirty.push(slot);
+                self.requeue(slot);
                 continue;
             }
             let full = match &mut conn.reading {
@@ -961,7 +980,7 @@ impl Server {
             }
             // A closing connection with nothing left in flight is freed next round.
             if conn.finished() {
-                self.dirty.push(slot);
+                queue(&mut self.dirty, conn, slot);
             }
         }
     }
