@@ -530,6 +530,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
 
     /// The next completion there is, if any (in order): what [`Ring::reap`] would move
     /// first, without a batch in between.
+    #[inline]
     pub(crate) fn next_completion(&mut self) -> Option<Completion<R, S>> {
         if let Some(done) = self.stashed.pop_front() {
             return Some(done);
@@ -578,6 +579,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     }
 
     /// Takes the slot of a completed operation and builds its completion.
+    #[inline]
     fn finish(&mut self, data: u64, result: i32, flags: u32) -> Option<Completion<R, S>> {
         if data == CANCEL {
             return None;
