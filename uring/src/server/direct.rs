@@ -779,7 +779,7 @@ impl Server {
         };
         if !self.clock_read {
             self.clock_read = true;
-            self.serving.now_ms = self.serving.shared.now_ms(Instant::now());
+            self.serving.now_ms = self.serving.shared.clock_ms();
         }
         let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,

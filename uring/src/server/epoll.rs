@@ -242,7 +242,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
-            self.serving.now_ms = self.serving.shared.now_ms(now);
+            self.serving.now_ms = self.serving.shared.clock_ms();
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
