@@ -142,6 +142,16 @@ pub(super) fn serve_requests(
     let mut used = 0;
     let base = out.len();
     let mut served = loop {
+        if used == pending.len() {
+            // What the step says of no input, without the call.
+            break Served {
+                used,
+                close: false,
+                needed: 1,
+                blocked: false,
+                produced: 0,
+            };
+        }
         let owing = owed.saturating_add(out.len() - base);
         let started = metrics.map(|_| Instant::now());
         match session.serve(engine, &pending[used..], owing, out, wakes, now_ms) {
