@@ -5,9 +5,10 @@
 //! Why its own loop rather than an async runtime: a runtime (glommio) makes about four
 //! `io_uring_enter` calls per sleep and wake-up and arms and cancels a timeout, and a
 //! store server on a quiet connection sleeps and wakes once per request. Here a loop
-//! submits everything it owes (each connection's next receive and its replies) and waits
-//! for the next completion in one `io_uring_enter`, so one request costs one system
-//! call, and a busy loop handles every ready connection per call. The README's
+//! submits everything it owes (its connections' replies, and a receive for any
+//! connection whose multishot receive is not running) and waits for the next completion
+//! in one `io_uring_enter`, so one request costs one system call, and a busy loop
+//! handles every ready connection per call. The README's
 //! Performance section has the measurements.
 //!
 //! A loop runs its connections' requests to completion itself: it locks the engine,
