@@ -274,38 +274,22 @@ impl ReadBuf {
         false
     }
 
-    /// Appends `bytes` (a chunk the io_uring loop received into its provided buffers),
-    /// compacting or growing (fallibly) as needed, to at most `limit` unserved bytes:
-    /// whether they all fit (when not, none is added and the connection must close).
-    pub(super) fn append(&mut self, bytes: &[u8], limit: usize) -> bool {
-        let n = bytes.len();
-        if self.buf.len() - self.filled < n {
-            let held = self.filled - self.start;
-            let wanted = match held.checked_add(n) {
-                Some(wanted) if wanted <= limit => wanted,
-                _ => return false,
-            };
-            if self.start > 0 {
-                self.buf.copy_within(self.start..self.filled, 0);
-                self.filled = held;
-                self.start = 0;
-            }
-            if self.buf.len() < wanted {
-                let bigger = wanted
-                    .checked_next_power_of_two()
-                    .unwrap_or(wanted)
-                    .clamp(wanted, limit.max(wanted));
-                let Some(mut grown) = crate::sys::memory::try_zeroed(bigger) else {
-                    return false;
-                };
-                grown[..self.filled].copy_from_slice(&self.buf[..self.filled]);
-                self.buf = grown;
-            }
+    /// Copies the front of `bytes` (a chunk the io_uring loop received into its
+    /// provided buffers) into the spare room, after making room as a receive does
+    /// (compacting; growing, to the cap, only while the next request is incomplete):
+    /// how many bytes it took (0 when there is no room).
+    pub(super) fn take_from(&mut self, bytes: &[u8]) -> usize {
+        if bytes.is_empty() {
+            return 0;
         }
-        self.buf[self.filled..self.filled + n].copy_from_slice(bytes);
+        if self.filled == self.buf.len() && (self.start > 0 || !self.ready()) {
+            self.consume(0);
+        }
+        let n = (self.buf.len() - self.filled).min(bytes.len());
+        self.buf[self.filled..self.filled + n].copy_from_slice(&bytes[..n]);
         self.filled += n;
         self.arrived = self.arrived.saturating_add(n);
-        true
+        n
     }
 
     /// Whether the next request may be complete (enough bytes arrived since the serve
@@ -317,11 +301,6 @@ impl ReadBuf {
     /// Unserved bytes held.
     pub(super) fn held(&self) -> usize {
         self.filled - self.start
-    }
-
-    /// The cap the serve step bounds a request by (the per-connection budget).
-    pub(super) fn cap(&self) -> usize {
-        self.cap
     }
 
     /// The serve step used `served.used` bytes and needs `served.needed` more before

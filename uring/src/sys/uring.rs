@@ -381,8 +381,9 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
         Ok(())
     }
 
-    /// Bytes of the pool (0 without one), for the memory account.
-    pub(crate) fn pool_bytes(&self) -> usize {
+    /// Bytes of the pool (0 without one).
+    #[cfg(test)]
+    fn pool_bytes(&self) -> usize {
         self.pool
             .as_ref()
             .map_or(0, |pool| usize::from(pool.count) * pool.size)
