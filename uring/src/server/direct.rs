@@ -710,6 +710,22 @@ impl Server {
             self.ring.recycle(chunk);
             return;
         }
+        if conn.parked.is_empty() {
+            // The common case: the input takes the whole chunk.
+            if let Some(input) = conn.reading.input() {
+                let copied = input.take_from(self.ring.chunk(&chunk));
+                if copied == chunk.len() {
+                    self.ring.recycle(chunk);
+                    if input.ready() {
+                        self.serve_in_round(slot, Pass::Light);
+                    }
+                    return;
+                }
+                conn.parked.push_back((chunk, copied));
+                self.feed(slot);
+                return;
+            }
+        }
         conn.parked.push_back((chunk, 0));
         self.feed(slot);
     }
