@@ -99,6 +99,10 @@ fn is_c_space(byte: u8) -> bool {
 /// `" 42abc"` is 42, `"-0"` is 0, `"0x10"` is 0, `"abc"`, `""` and `"- 1"` are
 /// [`CounterError::NotANumber`], and a number outside `i64` is [`CounterError::OutOfRange`].
 pub fn parse_counter(value: &[u8]) -> Result<i64, CounterError> {
+    // What rdzv itself stores (`Decimal`): plain digits, at most 18 of them, in one pass.
+    if let Some(magnitude) = plain_digits(value) {
+        return Ok(magnitude);
+    }
     let start = value
         .iter()
         .position(|&b| !is_c_space(b))
@@ -144,6 +148,25 @@ pub fn parse_counter(value: &[u8]) -> Result<i64, CounterError> {
             .ok_or(CounterError::OutOfRange)?;
     }
     Ok(total)
+}
+
+/// The value of `value` when it is 1 to 18 ASCII digits and nothing else (no sign, no
+/// space, no tail), which cannot overflow; `None` for anything else.
+#[inline]
+fn plain_digits(value: &[u8]) -> Option<i64> {
+    if value.is_empty() || value.len() > 18 {
+        return None;
+    }
+    let mut total = 0u64;
+    for &byte in value {
+        let digit = byte.wrapping_sub(b'0');
+        if digit > 9 {
+            return None;
+        }
+        total = total * 10 + u64::from(digit);
+    }
+    // Below 10^18, so the cast cannot wrap.
+    Some(total as i64)
 }
 
 /// The new value of an `add(key, delta)`: `delta` plus the stored counter, a missing key
@@ -363,6 +386,15 @@ mod tests {
         assert_eq!(parse_counter(b"0x10"), Ok(0));
         assert_eq!(parse_counter(b"5\x006"), Ok(5));
         assert_eq!(parse_counter(b"007"), Ok(7));
+        assert_eq!(parse_counter(b"0"), Ok(0));
+        assert_eq!(
+            parse_counter(b"123456789012345678"),
+            Ok(123_456_789_012_345_678)
+        );
+        assert_eq!(
+            parse_counter(b"1234567890123456789"),
+            Ok(1_234_567_890_123_456_789)
+        );
         assert_eq!(parse_counter(b"9223372036854775807"), Ok(i64::MAX));
         assert_eq!(parse_counter(b"-9223372036854775808"), Ok(i64::MIN));
         assert_eq!(

@@ -34,7 +34,7 @@
 //! listener, every connection leaves the engine and flushes what it owes, for up to
 //! `drain`; then the rest are dropped.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -242,7 +242,7 @@ impl Loop {
                 }
             }
             let now = Instant::now();
-            self.serving.now_ms = self.serving.shared.now_ms(now);
+            self.serving.now_ms = self.serving.shared.clock_ms();
             let mut timeout = TICK;
             if !self.again.is_empty() || now < busy_until {
                 timeout = Duration::ZERO;
@@ -503,7 +503,7 @@ impl Loop {
             reads += 1;
             let spare = conn.input.spare();
             let room = spare.len();
-            let complete = match conn.stream.read(spare) {
+            let complete = match receive(&conn.stream, spare) {
                 Ok(0) => return Next::Close,
                 Ok(n) => {
                     // A short read emptied the socket: the next bytes raise a new edge,
@@ -602,11 +602,28 @@ impl Loop {
     }
 }
 
+/// One `recv` on the socket, as a raw system call (rustix): std's, through libc, is a
+/// cancellation point that costs as much again in user space as the call itself.
+#[inline]
+fn receive(stream: &TcpStream, into: &mut [u8]) -> io::Result<usize> {
+    Ok(rustix::net::recv(stream, into, rustix::net::RecvFlags::empty())?.0)
+}
+
+/// One `send` (without `SIGPIPE`), as a raw system call, as [`receive`].
+#[inline]
+fn send(stream: &TcpStream, bytes: &[u8]) -> io::Result<usize> {
+    Ok(rustix::net::send(
+        stream,
+        bytes,
+        rustix::net::SendFlags::NOSIGNAL,
+    )?)
+}
+
 /// Writes what is owed until done or the socket is full.
 #[inline]
 fn write_out(conn: &mut Conn) -> io::Result<()> {
     while conn.sent < conn.out.len() {
-        match conn.stream.write(&conn.out[conn.sent..]) {
+        match send(&conn.stream, &conn.out[conn.sent..]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => {
                 let asked = conn.out.len() - conn.sent;

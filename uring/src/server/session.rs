@@ -142,6 +142,16 @@ pub(super) fn serve_requests(
     let mut used = 0;
     let base = out.len();
     let mut served = loop {
+        if used == pending.len() {
+            // What the step says of no input, without the call.
+            break Served {
+                used,
+                close: false,
+                needed: 1,
+                blocked: false,
+                produced: 0,
+            };
+        }
         let owing = owed.saturating_add(out.len() - base);
         let started = metrics.map(|_| Instant::now());
         match session.serve(engine, &pending[used..], owing, out, wakes, now_ms) {
@@ -264,6 +274,35 @@ impl ReadBuf {
         false
     }
 
+    /// Copies the front of `bytes` (a chunk the io_uring loop received into its
+    /// provided buffers) into the spare room, after making room as a receive does
+    /// (compacting; growing, to the cap, only while the next request is incomplete):
+    /// how many bytes it took (0 when there is no room).
+    pub(super) fn take_from(&mut self, bytes: &[u8]) -> usize {
+        if bytes.is_empty() {
+            return 0;
+        }
+        if self.filled == self.buf.len() && (self.start > 0 || !self.ready()) {
+            self.consume(0);
+        }
+        let n = (self.buf.len() - self.filled).min(bytes.len());
+        self.buf[self.filled..self.filled + n].copy_from_slice(&bytes[..n]);
+        self.filled += n;
+        self.arrived = self.arrived.saturating_add(n);
+        n
+    }
+
+    /// Whether the next request may be complete (enough bytes arrived since the serve
+    /// step last looked).
+    pub(super) fn ready(&self) -> bool {
+        self.arrived >= self.needed
+    }
+
+    /// Unserved bytes held.
+    pub(super) fn held(&self) -> usize {
+        self.filled - self.start
+    }
+
     /// The serve step used `served.used` bytes and needs `served.needed` more before
     /// the next request is complete.
     pub(super) fn served(&mut self, served: &Served) {
@@ -325,6 +364,13 @@ impl ReadBuf {
 
 /// The io_uring loop receives into the spare bytes, after `filled`.
 impl crate::sys::uring::RecvBuf for ReadBuf {
+    fn recv_into(&mut self) -> (&mut Vec<u8>, usize) {
+        (&mut self.buf, self.filled)
+    }
+}
+
+/// As boxed by the io_uring loop (the ring then moves a pointer).
+impl crate::sys::uring::RecvBuf for Box<ReadBuf> {
     fn recv_into(&mut self) -> (&mut Vec<u8>, usize) {
         (&mut self.buf, self.filled)
     }

@@ -24,7 +24,6 @@
 use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::engine::Engine;
@@ -89,7 +88,7 @@ struct Locked {
 pub(super) struct SharedEngine {
     locked: Mutex<Locked>,
     /// The clock origin: `now` for the engine is milliseconds since this.
-    started: Instant,
+    started_ms: u64,
     wakers: Vec<Box<dyn LoopWaker>>,
     stats: Arc<StatsCells>,
 }
@@ -294,20 +293,17 @@ impl SharedEngine {
                 engine: Engine::with_budget(budget),
                 inboxes: (0..loops).map(|_| Vec::new()).collect(),
             }),
-            started: Instant::now(),
+            started_ms: crate::sys::clock::monotonic_ms(),
             wakers,
             stats,
         }
     }
 
-    /// `now` as milliseconds since the server started: what each turn gives the engine
-    /// (a loop passes the time it last read, at most one wait old).
-    pub(super) fn now_ms(&self, now: Instant) -> u64 {
-        let since = now.saturating_duration_since(self.started);
-        since
-            .as_secs()
-            .saturating_mul(1000)
-            .saturating_add(u64::from(since.subsec_millis()))
+    /// Milliseconds since the server started, read now: what each turn gives the engine
+    /// (a loop reads it at most once per turn). One read of the monotonic clock, without
+    /// `Instant`'s conversions.
+    pub(super) fn clock_ms(&self) -> u64 {
+        crate::sys::clock::monotonic_ms().saturating_sub(self.started_ms)
     }
 
     /// Runs `f` with the engine locked, on behalf of loop `me`; then publishes the

@@ -8,6 +8,7 @@
 //! - [`shm`]: the mapping of a sealed shared-memory ring segment, its header of atomics
 //!   and bounds-checked copies of its data region (the shm transport).
 //! - [`memory`]: a fallible zeroed allocation and the huge-page hint for a buffer.
+//! - [`clock`]: the monotonic clock in milliseconds, one call (the store loops' `now`).
 //! - [`process`]: `process_vm_readv` into borrowed buffers (the cma channel).
 //! - [`fd`]: borrowing a descriptor this process inherited by number (socket
 //!   activation).
@@ -15,6 +16,7 @@
 //! Each `unsafe` block carries a `// SAFETY:` comment naming the invariant it relies on
 //! and why it holds. This module decides no protocol.
 
+pub(crate) mod clock;
 pub(crate) mod fd;
 pub(crate) mod memory;
 pub(crate) mod process;

@@ -15,15 +15,25 @@
 //! The kernel only ever touches the heap bytes of a `Vec<u8>` (through [`RecvBuf`] and
 //! [`SendBuf`]): moving the owner, or the slot that holds it, never moves them.
 //!
+//! Provided buffers ([`Ring::provide_buffers`], kernel 5.19): a pool the ring owns, from
+//! which the kernel picks a buffer for each chunk a multishot receive
+//! ([`Ring::recv_multi`], kernel 6.0) delivers. A [`Chunk`] names the buffer the kernel
+//! handed out; its bytes are read through [`Ring::chunk`] and the buffer goes back to
+//! the kernel only through [`Ring::recycle`], which takes the `Chunk` by value: so safe
+//! code cannot read a buffer the kernel may be writing. The pool is freed only when no
+//! operation is in flight (and leaked otherwise, as buffers are).
+//!
 //! This module decides nothing about connections, requests or shutdown: that is the
 //! caller's loop.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 /// A buffer a receive fills: the kernel writes into `vec[start..vec.len()]` of the
 /// vector [`recv_into`](RecvBuf::recv_into) returns (initialised bytes, so the vector's
@@ -102,7 +112,193 @@ pub(crate) enum Completion<R, S> {
         /// Ready, or why the poll failed.
         result: io::Result<()>,
     },
+    /// A multishot receive delivered a chunk (`Some`, in a provided buffer: read it with
+    /// [`Ring::chunk`], give it back with [`Ring::recycle`]), reached the end of the
+    /// stream (`None`), or failed (`ENOBUFS` when the pool was empty).
+    Arrived {
+        /// The caller's token.
+        token: usize,
+        /// The chunk, the end of the stream, or why the receive stopped.
+        result: io::Result<Option<Chunk>>,
+        /// The receive goes on (more completions of it will come); when false it is
+        /// over, and must be submitted again to read more.
+        more: bool,
+    },
 }
+
+/// Bytes a multishot receive put in one of the ring's provided buffers. Not `Clone`:
+/// [`Ring::recycle`] consumes it, and only then may the kernel write the buffer again.
+/// One that is dropped instead takes its buffer out of the pool (never unsafe).
+#[derive(Debug)]
+#[must_use = "a chunk's buffer returns to the kernel only through Ring::recycle"]
+pub(crate) struct Chunk {
+    /// The pool it came from (a chunk of another ring's pool reads as empty).
+    pool: usize,
+    bid: u16,
+    len: u32,
+}
+
+impl Chunk {
+    /// Bytes received into it.
+    pub(crate) fn len(&self) -> usize {
+        self.len as usize
+    }
+}
+
+/// One entry of a provided-buffer ring, as the kernel reads it (`struct io_uring_buf`);
+/// the `resv` field of entry 0 is the ring's tail.
+#[repr(C)]
+struct BufEntry {
+    addr: u64,
+    len: u32,
+    bid: u16,
+    resv: u16,
+}
+
+/// The buffer group the pool is registered as.
+const POOL_GROUP: u16 = 0;
+/// Alignment of the entries (the kernel wants them page-aligned) and of the buffers.
+const POOL_ALIGN: usize = 4096;
+
+/// A provided-buffer ring registered with the kernel: `count` entries and `count`
+/// buffers of `size` bytes. Buffer `bid` is the kernel's from the moment it is published
+/// (by the tail) until a completion names it, then the caller's until recycled.
+struct Pool {
+    entries: NonNull<BufEntry>,
+    buffers: NonNull<u8>,
+    count: u16,
+    size: usize,
+    /// The tail the kernel was last told.
+    tail: u16,
+}
+
+impl Pool {
+    fn layouts(count: u16, size: usize) -> Option<(std::alloc::Layout, std::alloc::Layout)> {
+        let entries = std::alloc::Layout::from_size_align(
+            usize::from(count) * std::mem::size_of::<BufEntry>(),
+            POOL_ALIGN,
+        )
+        .ok()?;
+        let buffers =
+            std::alloc::Layout::from_size_align(usize::from(count).checked_mul(size)?, POOL_ALIGN)
+                .ok()?;
+        Some((entries, buffers))
+    }
+
+    /// Allocates the entries and buffers and registers them with `ring`; every buffer
+    /// is the kernel's afterwards.
+    fn new(ring: &IoUring, count: u16, size: usize) -> io::Result<Pool> {
+        let invalid = || io::Error::from(io::ErrorKind::InvalidInput);
+        if !count.is_power_of_two() || size == 0 || u32::try_from(size).is_err() {
+            return Err(invalid());
+        }
+        let (entries_layout, buffers_layout) = Pool::layouts(count, size).ok_or_else(invalid)?;
+        // SAFETY: both layouts have a non-zero size (count >= 1, size >= 1).
+        let entries = NonNull::new(unsafe { std::alloc::alloc_zeroed(entries_layout) })
+            .ok_or(io::ErrorKind::OutOfMemory)?;
+        // SAFETY: as above.
+        let Some(buffers) = NonNull::new(unsafe { std::alloc::alloc_zeroed(buffers_layout) })
+        else {
+            // SAFETY: allocated just above with this layout, never shared.
+            unsafe { std::alloc::dealloc(entries.as_ptr(), entries_layout) };
+            return Err(io::ErrorKind::OutOfMemory.into());
+        };
+        let mut pool = Pool {
+            entries: entries.cast(),
+            buffers,
+            count,
+            size,
+            tail: 0,
+        };
+        // SAFETY: `entries` is page-aligned memory for `count` entries, owned by the pool
+        // until it is unregistered (`Ring`'s drop unregisters it before freeing it, or
+        // leaks it while operations are in flight).
+        let registered = unsafe {
+            ring.submitter().register_buf_ring_with_flags(
+                pool.entries.as_ptr() as u64,
+                count,
+                POOL_GROUP,
+                0,
+            )
+        };
+        if let Err(error) = registered {
+            pool.free();
+            return Err(error);
+        }
+        for bid in 0..count {
+            pool.push(bid);
+        }
+        pool.publish();
+        Ok(pool)
+    }
+
+    /// Queues buffer `bid` at the tail (not yet visible to the kernel: see `publish`).
+    fn push(&mut self, bid: u16) {
+        let index = usize::from(self.tail & (self.count - 1));
+        let addr = self.buffers.as_ptr() as u64 + u64::from(bid) * self.size as u64;
+        // SAFETY: `index < count`, inside the entries allocation. The entry is past the
+        // tail the kernel knows, so the kernel does not read it now; only its `addr`,
+        // `len` and `bid` fields are written, never `resv` (entry 0's holds the tail).
+        unsafe {
+            let entry = self.entries.as_ptr().add(index);
+            std::ptr::addr_of_mut!((*entry).addr).write(addr);
+            std::ptr::addr_of_mut!((*entry).len).write(self.size as u32);
+            std::ptr::addr_of_mut!((*entry).bid).write(bid);
+        }
+        self.tail = self.tail.wrapping_add(1);
+    }
+
+    /// Tells the kernel the new tail: the entries pushed so far are its now.
+    fn publish(&self) {
+        // SAFETY: the tail is the `resv` field of entry 0, a u16 inside the entries
+        // allocation, aligned for an AtomicU16, which the kernel only reads (with an
+        // acquire load); this release store makes the entries written before visible.
+        let tail =
+            unsafe { AtomicU16::from_ptr(std::ptr::addr_of_mut!((*self.entries.as_ptr()).resv)) };
+        tail.store(self.tail, Ordering::Release);
+    }
+
+    fn id(&self) -> usize {
+        self.buffers.as_ptr() as usize
+    }
+
+    /// The bytes of a chunk the kernel handed out.
+    fn bytes(&self, chunk: &Chunk) -> &[u8] {
+        if chunk.pool != self.id() || chunk.bid >= self.count {
+            return &[];
+        }
+        let len = (chunk.len as usize).min(self.size);
+        // SAFETY: buffer `bid` is inside the buffers allocation (`bid < count`) and
+        // `len <= size`. The kernel finished writing it before posting the completion
+        // that made this chunk (read with acquire ordering), and will not write it again
+        // until `recycle` consumes the chunk, which needs `&mut` of the ring while this
+        // borrow of it lives.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.buffers
+                    .as_ptr()
+                    .add(usize::from(chunk.bid) * self.size),
+                len,
+            )
+        }
+    }
+
+    /// Frees the memory (the caller made sure the kernel no longer knows it).
+    fn free(self) {
+        if let Some((entries, buffers)) = Pool::layouts(self.count, self.size) {
+            // SAFETY: both were allocated in `new` with these layouts, and the kernel
+            // no longer uses them (the caller's guarantee).
+            unsafe {
+                std::alloc::dealloc(self.entries.as_ptr().cast(), entries);
+                std::alloc::dealloc(self.buffers.as_ptr(), buffers);
+            }
+        }
+    }
+}
+
+// SAFETY: the pool's memory is owned by the pool alone (the kernel aside); moving it to
+// another thread moves that ownership.
+unsafe impl Send for Pool {}
 
 /// What an in-flight operation owns.
 enum Held<R, S> {
@@ -126,6 +322,11 @@ enum Held<R, S> {
     Poll {
         _fd: Arc<OwnedFd>,
     },
+    /// A multishot receive into the pool: held until its last completion.
+    RecvMulti {
+        token: usize,
+        _fd: Arc<OwnedFd>,
+    },
 }
 
 struct Slot<R, S> {
@@ -144,9 +345,11 @@ pub(crate) struct Ring<R: RecvBuf, S: SendBuf> {
     backlog: std::collections::VecDeque<squeue::Entry>,
     /// Completions reaped while making room (a full completion queue), not yet handed
     /// out.
-    stashed: Vec<Completion<R, S>>,
-    /// Scratch for the completion queue's entries (user data, result).
-    cqes: Vec<(u64, i32)>,
+    stashed: std::collections::VecDeque<Completion<R, S>>,
+    /// Scratch for the completion queue's entries (user data, result, flags).
+    cqes: Vec<(u64, i32, u32)>,
+    /// Provided buffers for multishot receives, once [`Ring::provide_buffers`] made them.
+    pool: Option<Pool>,
 }
 
 impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
@@ -161,9 +364,59 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             free: Vec::new(),
             in_flight: 0,
             backlog: std::collections::VecDeque::new(),
-            stashed: Vec::new(),
+            stashed: std::collections::VecDeque::new(),
             cqes: Vec::new(),
+            pool: None,
         })
+    }
+
+    /// Registers a pool of `count` (a power of two) provided buffers of `size` bytes for
+    /// [`Ring::recv_multi`]. Fails where the kernel has no provided-buffer rings (before
+    /// 5.19); the ring is unchanged then.
+    pub(crate) fn provide_buffers(&mut self, count: u16, size: usize) -> io::Result<()> {
+        if self.pool.is_some() {
+            return Err(io::ErrorKind::AlreadyExists.into());
+        }
+        self.pool = Some(Pool::new(&self.ring, count, size)?);
+        Ok(())
+    }
+
+    /// Bytes of the pool (0 without one).
+    #[cfg(test)]
+    fn pool_bytes(&self) -> usize {
+        self.pool
+            .as_ref()
+            .map_or(0, |pool| usize::from(pool.count) * pool.size)
+    }
+
+    /// Receives from `fd` into provided buffers until cancelled, the end of the stream,
+    /// an error or an empty pool: each chunk comes as a [`Completion::Arrived`]. `None`
+    /// without a pool. (Kernels before 6.0 fail it with `EINVAL`.)
+    pub(crate) fn recv_multi(&mut self, fd: &Arc<OwnedFd>, token: usize) -> Option<OpId> {
+        self.pool.as_ref()?;
+        let entry = opcode::RecvMulti::new(types::Fd(fd.as_raw_fd()), POOL_GROUP).build();
+        Some(self.submit_held(
+            entry,
+            Held::RecvMulti {
+                token,
+                _fd: Arc::clone(fd),
+            },
+        ))
+    }
+
+    /// The bytes of `chunk` (empty for a chunk of another ring).
+    pub(crate) fn chunk(&self, chunk: &Chunk) -> &[u8] {
+        self.pool.as_ref().map_or(&[], |pool| pool.bytes(chunk))
+    }
+
+    /// Gives `chunk`'s buffer back to the kernel.
+    pub(crate) fn recycle(&mut self, chunk: Chunk) {
+        if let Some(pool) = self.pool.as_mut() {
+            if chunk.pool == pool.id() && chunk.bid < pool.count {
+                pool.push(chunk.bid);
+                pool.publish();
+            }
+        }
     }
 
     /// Operations submitted (or queued) whose completion has not been handed out.
@@ -276,29 +529,50 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
         tolerate(self.ring.submitter().submit_with_args(1, &args).map(drop))
     }
 
+    /// The next completion there is, if any (in order): what [`Ring::reap`] would move
+    /// first, without a batch in between.
+    #[inline]
+    pub(crate) fn next_completion(&mut self) -> Option<Completion<R, S>> {
+        if let Some(done) = self.stashed.pop_front() {
+            return Some(done);
+        }
+        loop {
+            let (data, result, flags) = {
+                let cqe = self.ring.completion().next()?;
+                (cqe.user_data(), cqe.result(), cqe.flags())
+            };
+            if let Some(done) = self.finish(data, result, flags) {
+                return Some(done);
+            }
+        }
+    }
+
     /// Moves every completion there is into `out` (in order); returns how many.
-    pub(crate) fn reap(&mut self, out: &mut Vec<Completion<R, S>>) -> usize {
+    #[cfg(test)]
+    fn reap(&mut self, out: &mut Vec<Completion<R, S>>) -> usize {
         let before = out.len();
-        out.append(&mut self.stashed);
-        self.reap_queue(out);
+        while let Some(done) = self.next_completion() {
+            out.push(done);
+        }
         out.len() - before
     }
 
-    fn reap_queue(&mut self, out: &mut Vec<Completion<R, S>>) {
+    /// Moves the completion queue's entries into `out` (to make room in it).
+    fn reap_queue(&mut self, out: &mut std::collections::VecDeque<Completion<R, S>>) {
         let mut cqes = std::mem::take(&mut self.cqes);
         loop {
             // Copied out first: the queue borrows the ring, `finish` the slots.
             cqes.extend(
                 self.ring
                     .completion()
-                    .map(|cqe| (cqe.user_data(), cqe.result())),
+                    .map(|cqe| (cqe.user_data(), cqe.result(), cqe.flags())),
             );
             if cqes.is_empty() {
                 break;
             }
-            for (data, result) in cqes.drain(..) {
-                if let Some(done) = self.finish(data, result) {
-                    out.push(done);
+            for (data, result, flags) in cqes.drain(..) {
+                if let Some(done) = self.finish(data, result, flags) {
+                    out.push_back(done);
                 }
             }
         }
@@ -306,7 +580,8 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     }
 
     /// Takes the slot of a completed operation and builds its completion.
-    fn finish(&mut self, data: u64, result: i32) -> Option<Completion<R, S>> {
+    #[inline]
+    fn finish(&mut self, data: u64, result: i32, flags: u32) -> Option<Completion<R, S>> {
         if data == CANCEL {
             return None;
         }
@@ -315,8 +590,39 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
         if slot.generation != op.generation {
             return None;
         }
-        let held = std::mem::replace(&mut slot.held, Held::Free);
         let error = || io::Error::from_raw_os_error(result.saturating_neg());
+        if let Held::RecvMulti { token, .. } = slot.held {
+            let more = cqueue::more(flags);
+            let chunk = match (cqueue::buffer_select(flags), self.pool.as_ref()) {
+                (Some(bid), Some(pool)) => Some(Chunk {
+                    pool: pool.id(),
+                    bid,
+                    len: u32::try_from(result.max(0)).unwrap_or(0),
+                }),
+                _ => None,
+            };
+            let result = match chunk {
+                // A buffer is the caller's whatever the result says.
+                Some(chunk) if result >= 0 => Ok(Some(chunk)),
+                Some(chunk) => {
+                    self.recycle(chunk);
+                    Err(error())
+                }
+                None if result == 0 => Ok(None),
+                None if result < 0 => Err(error()),
+                // Bytes without a buffer: not something a receive into the pool does.
+                None => Err(io::ErrorKind::InvalidData.into()),
+            };
+            if !more {
+                self.release_slot(op);
+            }
+            return Some(Completion::Arrived {
+                token,
+                result,
+                more,
+            });
+        }
+        let held = std::mem::replace(&mut slot.held, Held::Free);
         let done = match held {
             Held::Free => return None,
             Held::Accept { .. } => Completion::Accepted {
@@ -351,11 +657,22 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             Held::Poll { .. } => Completion::Polled {
                 result: if result < 0 { Err(error()) } else { Ok(()) },
             },
+            Held::RecvMulti { .. } => return None,
         };
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push(op.index);
         self.in_flight -= 1;
         Some(done)
+    }
+
+    /// Frees the slot of an operation that completed for the last time.
+    fn release_slot(&mut self, op: OpId) {
+        if let Some(slot) = self.slots.get_mut(op.index as usize) {
+            slot.held = Held::Free;
+            slot.generation = slot.generation.wrapping_add(1);
+            self.free.push(op.index);
+            self.in_flight -= 1;
+        }
     }
 
     /// Stores `held` in a free slot and queues `entry` for it.
@@ -421,6 +738,19 @@ impl<R: RecvBuf, S: SendBuf> Drop for Ring<R, S> {
         for slot in self.slots.drain(..) {
             if !matches!(slot.held, Held::Free) {
                 std::mem::forget(slot.held);
+            }
+        }
+        if let Some(pool) = self.pool.take() {
+            // With nothing in flight no receive can pick a buffer: unregistered, the
+            // pool is the process's again. Otherwise it is leaked with the buffers.
+            if self.in_flight == 0
+                && self
+                    .ring
+                    .submitter()
+                    .unregister_buf_ring(POOL_GROUP)
+                    .is_ok()
+            {
+                pool.free();
             }
         }
     }
@@ -656,12 +986,119 @@ mod tests {
                     let flags = rustix::io::fcntl_getfd(&fd).expect("getfd");
                     assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
                 }
-                Completion::Received { .. } => panic!("no receive was submitted"),
+                Completion::Received { .. } | Completion::Arrived { .. } => {
+                    panic!("no receive was submitted")
+                }
             }
         }
         let mut sent = [0u8; 7];
         std::io::Read::read_exact(&mut peer, &mut sent).expect("read");
         assert_eq!(&sent, b"payload");
+    }
+
+    /// A ring with a pool of `count` buffers of `size` bytes, or why not (printed).
+    fn pooled(count: u16, size: usize) -> Option<Ring<Bytes, Bytes>> {
+        let mut ring = ring::<Bytes, Bytes>()?;
+        match ring.provide_buffers(count, size) {
+            Ok(()) => Some(ring),
+            Err(error) => {
+                eprintln!("skipped: no provided buffer rings here (Linux 5.19): {error}");
+                None
+            }
+        }
+    }
+
+    /// The next `Arrived`, or `None` (printed) where the kernel has no multishot receive.
+    fn arrival(ring: &mut Ring<Bytes, Bytes>) -> Option<(io::Result<Option<Chunk>>, bool)> {
+        let mut next = None;
+        for _ in 0..200 {
+            next = ring.next_completion();
+            if next.is_some() {
+                break;
+            }
+            ring.submit_and_wait(Duration::from_millis(10))
+                .expect("submit");
+        }
+        let Some(Completion::Arrived {
+            token,
+            result,
+            more,
+        }) = next
+        else {
+            panic!("an arrival expected");
+        };
+        assert_eq!(token, 9);
+        if matches!(&result, Err(e) if e.raw_os_error() == Some(libc::EINVAL)) {
+            eprintln!("skipped: no multishot receive here (Linux 6.0)");
+            return None;
+        }
+        Some((result, more))
+    }
+
+    #[test]
+    fn a_multishot_receive_delivers_chunks_until_cancelled() {
+        let Some(mut ring) = pooled(4, 64) else {
+            return;
+        };
+        assert_eq!(ring.pool_bytes(), 256);
+        let (fd, mut peer) = pair();
+        let op = ring.recv_multi(&fd, 9).expect("a pool");
+        for word in [&b"hello"[..], b"world"] {
+            peer.write_all(word).expect("write");
+            let Some((result, more)) = arrival(&mut ring) else {
+                return;
+            };
+            let chunk = result.expect("a chunk").expect("bytes, not the end");
+            assert!(more, "the receive goes on");
+            assert_eq!(ring.chunk(&chunk), word);
+            ring.recycle(chunk);
+        }
+        assert_eq!(ring.in_flight(), 1, "one receive for both chunks");
+        ring.cancel(op);
+        let (result, more) = arrival(&mut ring).expect("multishot ran above");
+        assert_eq!(
+            result.expect_err("cancelled").raw_os_error(),
+            Some(libc::ECANCELED)
+        );
+        assert!(!more);
+        assert_eq!(ring.in_flight(), 0);
+    }
+
+    #[test]
+    fn an_empty_pool_stops_a_multishot_receive_and_the_end_of_stream_comes_as_none() {
+        let Some(mut ring) = pooled(1, 8) else {
+            return;
+        };
+        let (fd, mut peer) = pair();
+        ring.recv_multi(&fd, 9).expect("a pool");
+        peer.write_all(&[7; 12]).expect("write");
+        let Some((result, more)) = arrival(&mut ring) else {
+            return;
+        };
+        let chunk = result.expect("a chunk").expect("bytes");
+        assert_eq!(ring.chunk(&chunk), &[7; 8]);
+        if more {
+            // The kernel stops the receive once it finds the pool empty.
+            let (result, more) = arrival(&mut ring).expect("multishot ran above");
+            assert_eq!(
+                result.expect_err("no buffer").raw_os_error(),
+                Some(libc::ENOBUFS)
+            );
+            assert!(!more);
+        }
+        ring.recycle(chunk);
+        assert_eq!(ring.in_flight(), 0);
+        // Again, with the buffer back: the rest, then the end of the stream.
+        ring.recv_multi(&fd, 9).expect("a pool");
+        let (result, _) = arrival(&mut ring).expect("multishot ran above");
+        let chunk = result.expect("a chunk").expect("bytes");
+        assert_eq!(ring.chunk(&chunk), &[7; 4]);
+        ring.recycle(chunk);
+        drop(peer);
+        let (result, more) = arrival(&mut ring).expect("multishot ran above");
+        assert!(matches!(result, Ok(None)), "the end of the stream");
+        assert!(!more);
+        assert_eq!(ring.in_flight(), 0);
     }
 
     #[test]

@@ -1086,6 +1086,10 @@ impl Engine {
 
     /// An arrival of `key` for every wait registered on it.
     fn wake_all(&mut self, key: &[u8]) {
+        // Most writes find no waiter at all: no need to hash the key a second time.
+        if self.waiters.is_empty() {
+            return;
+        }
         let Some(registrations) = self.waiters.remove(key) else {
             return;
         };
@@ -1121,6 +1125,12 @@ impl Engine {
         }
         if registrations.ids.len() <= registrations.stale {
             self.waiters.remove(key);
+        } else if registrations.stale * 2 > registrations.ids.len() {
+            // Popping live entries can leave stale ones the majority: compact, as
+            // `drop_wait` does, so that stale entries never outnumber live ones.
+            let waits = &self.waits;
+            registrations.ids.retain(|(id, _)| waits.contains_key(id));
+            registrations.stale = 0;
         }
         if let Some(id) = completed {
             self.complete(id);

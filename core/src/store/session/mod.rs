@@ -257,9 +257,13 @@ impl Session {
         engine.tick(now_ms);
         engine.count_traffic(used as u64, 0);
         let before = out.len();
-        let outcome = match engine.handle_request(self.id, request) {
-            Ok(outcome) => outcome,
-            Err(close) => {
+        // Read where it was returned (an outcome can hold a `STATS` reply of 240 bytes:
+        // moving it out costs a copy per request).
+        let result = engine.handle_request(self.id, request);
+        let outcome = match result {
+            Ok(ref outcome) => outcome,
+            Err(ref close) => {
+                let close = close.clone();
                 drain_wakes(engine, self.id, out, wakes);
                 return Step::Close(Refusal::Engine(close));
             }
@@ -285,7 +289,7 @@ impl Session {
             before + outcome.own_wakeups,
             WaitResponse::StopWaiting as u8,
         );
-        if let Some(reply) = outcome.reply {
+        if let Some(reply) = &outcome.reply {
             if let Err(error) = reply.encode_into(out) {
                 out.truncate(before);
                 drain_wakes(engine, self.id, out, wakes);
