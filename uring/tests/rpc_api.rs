@@ -1,7 +1,8 @@
 //! The RPC API beside the calls, with real agents over tcp on a `file://` store: worker
 //! infos by name and id, futures chained with `then` and gathered with `wait_all` /
 //! `collect_all` over real calls, async handlers and their metric, the handler queue
-//! wait metric, `join(shutdown = false)` (the group waits for every call, then goes on
+//! wait metric, what `remote()` + `to_here` cost in calls (two, and none back from the
+//! owner), `join(shutdown = false)` (the group waits for every call, then goes on
 //! serving) before a graceful shutdown, and timeouts of both naming who never joined
 //! (a peer process that never shuts down, through `rdzv-test-support`'s `Peer`); after
 //! a timed-out join or graceful shutdown, a second graceful call fails at once saying
@@ -11,8 +12,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use rdzv_uring::rpc::{
-    collect_all, init_rpc, wait_all, Async, CallContext, CallError, Message, RpcAgent, RpcOptions,
-    ShutdownError,
+    collect_all, init_rpc, wait_all, Async, CallContext, CallError, Inline, Message, RpcAgent,
+    RpcOptions, ShutdownError,
 };
 
 mod common;
@@ -22,7 +23,8 @@ use common::{echo, metric, sleep_message, sleep_ms};
 fn options(url: &str) -> RpcOptions {
     let mut options = RpcOptions::new(url)
         .with_handler("echo", echo)
-        .with_handler("sleep", sleep_ms);
+        .with_handler("sleep", sleep_ms)
+        .with_handler("inline_echo", Inline(echo));
     options.listen_host = Some([127, 0, 0, 1].into());
     options.init_counter = Some(0);
     options.num_worker_threads = 2;
@@ -454,4 +456,39 @@ fn a_timed_shutdown_with_its_own_call_in_flight_closes_and_fails_the_call() {
     );
     assert!(a.shutdown(false).is_ok());
     assert!(b.shutdown(false).is_ok());
+}
+
+/// `remote()` and `to_here` cost the caller two calls and its `USER_DELETE` one more,
+/// whether the handler runs on the pool (`echo`) or inline (`inline_echo`); the owner makes no
+/// call back: its `RemoteRet` is the `remote()` call's response, as in PyTorch.
+#[test]
+fn remote_and_to_here_take_two_calls_and_the_owner_none_back() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = pair(&dir);
+    const ROUNDS: u64 = 20;
+    for round in 0..ROUNDS {
+        for handler in ["echo", "inline_echo"] {
+            let message = Message::from_payload(vec![7; 64]);
+            let expected = message.payload.clone();
+            let rref = a
+                .remote("bob", handler, message)
+                .unwrap_or_else(|e| panic!("remote({handler}), round {round}: {e}"));
+            let value = rref
+                .to_here(Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("to_here({handler}), round {round}: {e}"));
+            assert_eq!(value.payload, expected, "{handler}, round {round}");
+            drop(rref);
+        }
+    }
+    a.wait_until_pending_futures_and_users_flushed(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("the deletes were not acked: {e}"));
+    let made = |agent: &RpcAgent, to: &str| agent.network_data().get(to).map_or(0, |d| d.num_calls);
+    assert_eq!(
+        made(&a, "bob"),
+        ROUNDS * 2 * 3,
+        "remote, to_here and USER_DELETE each"
+    );
+    assert_eq!(made(&b, "alice"), 0, "the owner called the caller back");
+    let (_, _, ra, rb) = both(a, b, |agent| agent.join().map_err(|e| e.to_string()));
+    assert_eq!((ra, rb), (Ok(()), Ok(())));
 }

@@ -1,6 +1,6 @@
 //! The worker pool: `num_worker_threads` threads that run handlers and send their
-//! responses. A `to_here` on the owner is the RRef runtime's to answer, now or once its
-//! value exists (`rref_runtime::take_fetch`), without holding a pool thread.
+//! responses. (A `to_here` on the owner never comes here: the RRef runtime answers it
+//! from the inbound lane, now or once its value exists.)
 
 use crossbeam_channel::Receiver;
 use std::sync::Arc;
@@ -12,17 +12,15 @@ use crate::rpc::handler::{run_handler_reply, Reply};
 use crate::rpc::lane::Job;
 use crate::rpc::message::{on_io_thread, Message};
 use crate::rpc::registry::Registry;
-use crate::rpc::rref_runtime::{take_fetch, RRefs};
 
 /// What the pool's threads read: the handlers, the server call counts, the pool's
-/// counters (busy threads, queue wait), and the RRef runtime (`to_here` on the owner).
+/// counters (busy threads, queue wait).
 pub(crate) struct Pool {
     /// This worker's name (in errors).
     pub name: String,
     pub registry: Arc<Registry>,
     pub gate: Arc<JoinGate>,
     pub counters: Arc<Counters>,
-    pub rrefs: Arc<RRefs>,
 }
 
 pub(crate) fn spawn_pool(
@@ -40,9 +38,7 @@ pub(crate) fn spawn_pool(
             .spawn(move || loop {
                 // Ends when the I/O thread and every lane dropped their senders.
                 let Ok(job) = jobs.recv() else { return };
-                if let Some(job) = take_fetch(&pool.rrefs, &pool.gate, job) {
-                    run_job(&pool, job);
-                }
+                run_job(&pool, job);
             })
             .map_err(|source| InitError::Thread {
                 thread: "worker threads",

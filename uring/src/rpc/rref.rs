@@ -41,6 +41,12 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
     /// handled after it, as core's machine assumes.
     fn remote_call_arrived(self: Arc<Self>, caller: WorkerId, payload: &[u8]);
 
+    /// A `to_here` request arrived with `payload` (already counted as a server call): it
+    /// is answered through `respond` at once if the value exists, else once the value is
+    /// stored or the request's wait is over, holding no thread meanwhile (an async
+    /// server call). The inbound lane hands it here on its reader, never to the pool.
+    fn fetch_arrived(&self, payload: &[u8], respond: Respond);
+
     /// Turns the bytes of [`RRef::fork_to`] back into an RRef on this worker.
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, UsageError>;
 
@@ -74,6 +80,9 @@ pub(crate) trait RRefRuntime: Send + Sync + 'static {
     /// Forks `handle` to worker `to`.
     fn fork(&self, handle: &RRefHandle, to: WorkerId) -> Result<ForkData, String>;
 }
+
+/// Sends the response of a request that arrived on an inbound lane.
+pub(crate) type Respond = Box<dyn FnOnce(Result<Message, String>) + Send>;
 
 /// A remote reference: to a value on its owner, returned by `remote()` at once.
 ///

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use rdzv_core::negotiate::{Negotiated, Role};
 use rdzv_core::rpc::name::WorkerId;
 use rdzv_core::rpc::pipe::{Closed, InboundEvent, InboundPipe, PipeFrame, Transmit};
+use rdzv_core::rpc::rref::wire::{handler, RemoteCallHeader};
 
 use super::io::{LaneIo, Shared};
 use super::spin::AdaptiveSpin;
@@ -220,10 +221,11 @@ impl InboundLane {
         self.end();
     }
 
-    /// Serves a request that arrived on this lane from the peer `peer_id`: an inline
-    /// handler runs here, after its tensors are pulled, and its response goes out from
-    /// here; any other goes to the worker pool, which pulls the tensors and answers
-    /// through the job's [`Responder`]. A request whose tensors cannot be read at all (a
+    /// Serves a request that arrived on this lane from the peer `peer_id`: a `to_here`
+    /// goes to the RRef runtime, which answers it from here or once its value exists; an
+    /// inline handler (or a `remote()` of one) runs here, after its tensors are pulled,
+    /// and its response goes out from here; any other goes to the worker pool, which
+    /// pulls the tensors and answers through the job's [`Responder`]. A request whose tensors cannot be read at all (a
     /// channel that was not negotiated, a bad descriptor) fails at once; with the pool
     /// gone the caller learns that this worker shut down.
     fn serve_request(
@@ -255,10 +257,26 @@ impl InboundLane {
                 Err(e) => return respond(ctx.message_id, Err(e.to_string())),
             };
         server.gate.server_call_started();
+        if ctx.handler == handler::FETCH {
+            // Answered now or when its value is stored: it never needs the pool.
+            let (lane, id) = (Arc::clone(self), ctx.message_id);
+            let respond = Box::new(move |result| lane.respond(id, result));
+            server.rrefs.fetch_arrived(&message.payload, respond);
+            return;
+        }
+        let remote = ctx.handler == handler::REMOTE;
+        if remote {
+            Arc::clone(&server.rrefs).remote_call_arrived(peer_id, &message.payload);
+        }
+        // A `remote()` of an inline handler runs inline too.
+        let inline = |name: &str| server.registry.handler(name).filter(|h| h.runs_inline());
+        let remote_inline = remote
+            && RemoteCallHeader::split(&message.payload)
+                .is_ok_and(|(header, _)| inline(&header.handler).is_some());
         if let Some(handler) = server
             .registry
             .handler(&ctx.handler)
-            .filter(|h| h.runs_inline())
+            .filter(|h| remote_inline || h.runs_inline())
         {
             let message_id = ctx.message_id;
             let result = tensors
@@ -270,9 +288,6 @@ impl InboundLane {
             server.gate.server_call_finished();
             respond(message_id, result);
             return;
-        }
-        if ctx.handler == rdzv_core::rpc::rref::wire::handler::REMOTE {
-            Arc::clone(&server.rrefs).remote_call_arrived(peer_id, &message.payload);
         }
         let job = Job {
             responder: Responder {

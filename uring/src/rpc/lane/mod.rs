@@ -72,7 +72,7 @@ mod inbound;
 mod io;
 mod spin;
 pub(crate) use client::ClientLane;
-pub(crate) use inbound::{InboundLane, Job, Responder, Server};
+pub(crate) use inbound::{InboundLane, Job, Server};
 use io::{LaneIo, LaneRegistry, Shared};
 
 /// What starting a lane takes, assembled once by start-up: the registry of lanes, the

@@ -26,14 +26,19 @@
 //! **The calls.** `remote(to, handler, message)` sends `__rdzv_rref_remote` with the
 //! RRef's ids in front of the payload. The owner feeds its machine the `RemoteCall`
 //! when the request arrives, in pipe order, through the seam's `remote_call_arrived`
-//! (the slot exists and `RemoteRet` goes back at once): the caller's later control
-//! messages on that pipe are handled inline, and must not overtake the call while it
-//! waits in the pool's queue. The reserved handler, on the worker pool, then runs
-//! `handler` and keeps its result (value or error text) keyed by RRef id.
-//! `to_here` is a call to `__rdzv_rref_fetch`, answered from that table; if the value
-//! is not there yet the request waits for it without holding a pool thread (an async
-//! server call, answered when the value is stored or the caller's timeout is over).
-//! `remote()` to this worker itself runs the handler on a thread of its own.
+//! (the slot exists at once): the caller's later control messages on that pipe are
+//! handled inline, and must not overtake the call while it waits in the pool's queue.
+//! The reserved handler, on the worker pool (or inline, when `handler` is an inline
+//! one), then runs `handler` and keeps its result (value or error text) keyed by RRef
+//! id. The call's response is the machine's `RemoteRet`, as in PyTorch
+//! (`assignOwnerRRef`): sent once the handler has run, it confirms the caller's user,
+//! fed to the caller's machine on the thread that completes the call. `to_here` is a
+//! call to `__rdzv_rref_fetch`, which the inbound lane hands to `fetch_arrived` on its
+//! reader: answered from that table, or, if the value is not there yet, when it is
+//! stored or the caller's timeout is over, holding no thread meanwhile (an async server
+//! call). So a `remote()` and its `to_here` cost two round trips and, for a handler on
+//! the pool, one hand-off to it. `remote()` to this worker itself runs the handler on
+//! a thread of its own.
 //!
 //! **A failed `remote()` call** (the call itself, not its handler: the owner could not
 //! be reached, the send failed, the call timed out) is PyTorch's best-effort error
@@ -52,8 +57,7 @@
 //!
 //! **The pump.** One thread per agent, started with the first RRef, sends what the
 //! machine asks for, polls those calls' futures (their wakers wake it), feeds back the
-//! acks and the failures of `remote()` calls, and calls `handle_timeout` when
-//! `poll_timeout` says. It holds the runtime weakly and ends with the agent.
+//! acks, and calls `handle_timeout` when `poll_timeout` says. It holds the runtime weakly and ends with the agent.
 //!
 //! | module | does |
 //! |---|---|
@@ -89,11 +93,10 @@ use super::client::{Caller, RpcClient};
 use super::counters::JoinGate;
 use super::dispatch::Dispatch;
 use super::error::CallError;
-use super::lane::Responder;
-use super::message::{Message, RpcFuture};
+use super::message::Message;
 use super::options::ValueReleased;
 use super::registry::Registry;
-use super::rref::RRefShutdownReport;
+use super::rref::{RRefShutdownReport, Respond};
 
 mod debug;
 mod pump;
@@ -104,9 +107,9 @@ pub(crate) use debug::{
     debug_info_of, settle_for_join, wait_until_owners_and_forks_on_rank,
     wait_until_pending_futures_and_users_flushed,
 };
-pub(crate) use serve::{register_handlers, take_fetch};
+pub(crate) use serve::register_handlers;
 
-use pump::{Sent, Signal};
+use pump::Signal;
 
 /// How often the test helpers poll.
 const HELPER_POLL: Duration = Duration::from_millis(20);
@@ -121,8 +124,6 @@ struct State {
     failed: HashMap<ForkId, Arc<CallError>>,
     /// Messages for the pump to send.
     outbox: VecDeque<Transmit>,
-    /// Futures for the pump to watch (`remote()` calls).
-    handed: Vec<(Sent, RpcFuture)>,
     pump_started: bool,
     report: Option<RRefShutdownReport>,
     /// `to_here` requests waiting on this owner for their value.
@@ -138,7 +139,6 @@ impl State {
             values: HashMap::new(),
             failed: HashMap::new(),
             outbox: VecDeque::new(),
-            handed: Vec::new(),
             pump_started: false,
             report: None,
             waiters: Vec::new(),
@@ -151,8 +151,7 @@ impl State {
 /// holds no pool thread meanwhile (the call counts as an async server call).
 struct Waiter {
     rref: RRefId,
-    responder: Responder,
-    message_id: u64,
+    respond: Respond,
     deadline: Option<std::time::Instant>,
     wait: Duration,
 }
@@ -222,18 +221,19 @@ impl RRefs {
     }
 
     /// Runs `f` on the state, then applies the machine's events, queues its messages
-    /// (keeping back the `Ack` that `reply_to` names, which is returned), signals
-    /// waiters and wakes the pump if there is anything to send.
+    /// (keeping back the one that `reply_to` names, which is returned: the response of
+    /// the call being served carries it), signals waiters and wakes the pump if there is
+    /// anything to send.
     fn with<R>(
         &self,
-        reply_to: Option<(WorkerId, ControlKind, ForkId)>,
+        reply_to: Option<InReply>,
         f: impl FnOnce(&mut State, Instant) -> R,
     ) -> (R, Option<RRefMessage>) {
         let now = self.now();
         let mut state = self.lock();
         let result = f(&mut state, now);
         let reply = drain(&mut state, reply_to);
-        let wake = !state.outbox.is_empty() || !state.handed.is_empty();
+        let wake = !state.outbox.is_empty();
         let released = std::mem::take(&mut state.released);
         drop(state);
         if let Some(on_release) = &self.on_release {
@@ -298,7 +298,7 @@ impl RRefs {
     fn answer(&self, waiter: Waiter, result: Result<Message, String>) {
         self.gate.async_server_call_finished();
         match self.dispatch.upgrade() {
-            Some(_agent) => waiter.responder.respond(waiter.message_id, result),
+            Some(_agent) => (waiter.respond)(result),
             // The agent is gone, and its pipes with it: nobody waits for the answer.
             None => drop(waiter),
         }
@@ -368,12 +368,46 @@ impl RRefs {
     }
 }
 
-/// Applies the machine's events and moves its messages to the outbox, except the `Ack`
+/// A machine message that travels in the response of the call being served, not as a
+/// call of its own.
+#[derive(Debug, Clone, Copy)]
+enum InReply {
+    /// A control message's `Ack`: the control call's response.
+    Ack {
+        to: WorkerId,
+        kind: ControlKind,
+        fork: ForkId,
+    },
+    /// The `RemoteRet` of a `remote()` call: the call's response, sent once the handler
+    /// has run (PyTorch's `assignOwnerRRef`), confirms the caller's user there.
+    RemoteRet {
+        to: WorkerId,
+        rref: RRefId,
+        fork: ForkId,
+    },
+}
+
+impl InReply {
+    fn carries(self, transmit: &Transmit) -> bool {
+        match (self, transmit.message) {
+            (
+                InReply::Ack { to, kind, fork },
+                RRefMessage::Ack {
+                    kind: k, fork: f, ..
+                },
+            ) => transmit.to == to && k == kind && f == fork,
+            (
+                InReply::RemoteRet { to, rref, fork },
+                RRefMessage::RemoteRet { rref: r, fork: f },
+            ) => transmit.to == to && r == rref && f == fork,
+            _ => false,
+        }
+    }
+}
+
+/// Applies the machine's events and moves its messages to the outbox, except the one
 /// named by `reply_to`, which is returned.
-fn drain(
-    state: &mut State,
-    reply_to: Option<(WorkerId, ControlKind, ForkId)>,
-) -> Option<RRefMessage> {
+fn drain(state: &mut State, reply_to: Option<InReply>) -> Option<RRefMessage> {
     while let Some(event) = state.machine.poll_event() {
         match event {
             RRefEvent::DeleteValue { rref } => {
@@ -396,16 +430,10 @@ fn drain(
     }
     let mut reply = None;
     while let Some(transmit) = state.machine.poll_transmit() {
-        match (reply_to, transmit.message) {
-            (
-                Some((to, kind, fork)),
-                RRefMessage::Ack {
-                    kind: k, fork: f, ..
-                },
-            ) if transmit.to == to && k == kind && f == fork => {
-                reply = Some(transmit.message);
-            }
-            _ => state.outbox.push_back(transmit),
+        if reply.is_none() && reply_to.is_some_and(|r| r.carries(&transmit)) {
+            reply = Some(transmit.message);
+        } else {
+            state.outbox.push_back(transmit);
         }
     }
     reply
@@ -438,7 +466,12 @@ mod tests {
                 fork,
             },
         );
-        let reply = drain(&mut state, Some((child, ControlKind::ForkRequest, fork)));
+        let named = InReply::Ack {
+            to: child,
+            kind: ControlKind::ForkRequest,
+            fork,
+        };
+        let reply = drain(&mut state, Some(named));
         assert_eq!(
             reply,
             Some(RRefMessage::Ack {
@@ -449,5 +482,50 @@ mod tests {
         );
         assert!(state.outbox.is_empty());
         assert_eq!(state.machine.debug_info().num_forks, 1);
+    }
+
+    /// A `remote()` call's `RemoteRet` is its response, not a call of its own; a
+    /// `RemoteRet` for another call still goes out.
+    #[test]
+    fn the_remote_ret_of_the_call_being_served_is_its_response() {
+        let owner = WorkerId::from(1);
+        let caller = WorkerId::from(2);
+        let id = |local_id| RRefId {
+            created_on: caller,
+            local_id,
+        };
+        let (rref, fork) = (id(0), id(1));
+        let mut state = State::new(owner, RetryOptions::default());
+        let now = Instant::from_nanos(0);
+        state
+            .machine
+            .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
+        state.machine.handle_message(
+            now,
+            caller,
+            RRefMessage::RemoteCall {
+                rref: id(2),
+                fork: id(3),
+            },
+        );
+        let named = InReply::RemoteRet {
+            to: caller,
+            rref,
+            fork,
+        };
+        let reply = drain(&mut state, Some(named));
+        assert_eq!(reply, Some(RRefMessage::RemoteRet { rref, fork }));
+        let rest: Vec<_> = state.outbox.iter().map(|t| (t.to, t.message)).collect();
+        assert_eq!(
+            rest,
+            [(
+                caller,
+                RRefMessage::RemoteRet {
+                    rref: id(2),
+                    fork: id(3)
+                }
+            )]
+        );
+        assert_eq!(state.machine.debug_info().num_forks, 2);
     }
 }

@@ -22,13 +22,13 @@ use crate::rpc::message::{Message, RpcFuture};
 /// The longest the pump sleeps without a reason to wake.
 const PUMP_IDLE: Duration = Duration::from_millis(500);
 
-/// What the pump is waiting for on a call it sent (or was handed).
+/// What a call made for the machine (by the pump, or `remote()`) waits for.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Sent {
     /// A control message to this worker: its response holds the `Ack`.
     Control { to: WorkerId },
     /// A `remote()` call to worker `to`: its failure fails the RRef's `to_here`, and its
-    /// answer confirms the user as `RemoteRet` does (in case that message was lost).
+    /// answer is the owner's `RemoteRet`, which confirms the user.
     RemoteCall {
         rref: RRefId,
         fork: ForkId,
@@ -117,19 +117,7 @@ fn pump(weak: &Weak<RRefs>, signal: &Arc<Signal>) {
             let Some(agent) = rrefs.dispatch.upgrade() else {
                 return;
             };
-            let (outbox, handed) = {
-                let mut state = rrefs.lock();
-                (
-                    std::mem::take(&mut state.outbox),
-                    std::mem::take(&mut state.handed),
-                )
-            };
-            flight.extend(
-                handed
-                    .into_iter()
-                    .map(|(sent, future)| (sent, future, None)),
-            );
-            held.extend(outbox);
+            held.extend(std::mem::take(&mut rrefs.lock().outbox));
             for transmit in std::mem::take(&mut held) {
                 if opening.contains(&transmit.to) {
                     held.push_back(transmit);
@@ -234,8 +222,13 @@ pub(super) fn remote_failed(
     state.machine.remote_failed(now, rref, fork);
 }
 
-/// A call the pump sent (or was handed) completed.
-fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, CallError>) {
+/// A call the pump sent, or a `remote()` call, completed.
+pub(super) fn on_sent(
+    state: &mut State,
+    now: Instant,
+    sent: Sent,
+    result: Result<Message, CallError>,
+) {
     match (sent, result) {
         (Sent::Control { to }, Ok(reply)) => match RRefMessage::from_bytes(&reply.payload) {
             Ok(ack @ RRefMessage::Ack { .. }) => state.machine.handle_message(now, to, ack),
@@ -247,7 +240,7 @@ fn on_sent(state: &mut State, now: Instant, sent: Sent, result: Result<Message, 
         },
         (Sent::RemoteCall { rref, fork, .. }, Err(e)) => remote_failed(state, now, rref, fork, e),
         (Sent::RemoteCall { rref, fork, to }, Ok(_)) => {
-            // The owner handled the call before answering it: as good as `RemoteRet`.
+            // The owner answers the call once its handler has run: that is `RemoteRet`.
             state
                 .machine
                 .handle_message(now, to, RRefMessage::RemoteRet { rref, fork });

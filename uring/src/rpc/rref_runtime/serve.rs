@@ -1,6 +1,6 @@
 //! The owner's and receiver's side: the reserved handlers that take the machine's
-//! messages, `remote()` calls and `to_here` fetches, and the worker pool's hook that
-//! answers a fetch later instead of holding a pool thread.
+//! messages and `remote()` calls, and the `to_here` fetches the inbound lanes hand over,
+//! answered now or once the value exists, without holding a thread.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,12 +8,11 @@ use std::time::Duration;
 use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
 use rdzv_core::rpc::rref::{DebugInfo, RRefMessage};
 
-use super::{RRefs, Waiter};
-use crate::rpc::counters::JoinGate;
+use super::{InReply, RRefs, Waiter};
 use crate::rpc::handler::{run_handler, CallContext, Handler, Inline};
-use crate::rpc::lane::Job;
 use crate::rpc::message::Message;
 use crate::rpc::rref::RRefRuntime;
+use crate::rpc::rref::Respond;
 
 /// Registers the reserved handlers (the agent owns its handlers; they hold the runtime
 /// weakly).
@@ -41,12 +40,6 @@ pub(crate) fn register_handlers(rrefs: &Arc<RRefs>) {
     };
     handlers.insert(handler::REMOTE.to_string(), Arc::new(remote));
     let weak = Arc::downgrade(rrefs);
-    let fetch = move |_: &CallContext, m: Message| -> Result<Message, String> {
-        let rrefs = weak.upgrade().ok_or("the agent is gone")?;
-        on_fetch(&rrefs, &m)
-    };
-    handlers.insert(handler::FETCH.to_string(), Arc::new(fetch));
-    let weak = Arc::downgrade(rrefs);
     let debug = move |_: &CallContext, _: Message| -> Result<Message, String> {
         let rrefs = weak.upgrade().ok_or("the agent is gone")?;
         Ok(Message::from_payload(encode_counts(&rrefs.debug_info())))
@@ -59,7 +52,11 @@ fn on_message(rrefs: &Arc<RRefs>, ctx: &CallContext, m: &Message) -> Result<Mess
     let message = RRefMessage::from_bytes(&m.payload).map_err(|e| e.to_string())?;
     let from = ctx.caller_id;
     let reply_to = match message {
-        RRefMessage::Control { kind, fork, .. } => Some((from, kind, fork)),
+        RRefMessage::Control { kind, fork, .. } => Some(InReply::Ack {
+            to: from,
+            kind,
+            fork,
+        }),
         RRefMessage::RemoteCall { .. } => {
             return Err("a RemoteCall travels in the remote() call, not alone".into())
         }
@@ -114,63 +111,37 @@ pub(super) fn run_user_handler(
     run_handler(found.as_ref(), &ctx, request)
 }
 
-/// `to_here` on the owner, where the pool's hook ([`take_fetch`]) did not serve it: the
-/// value, waiting for it on this thread as the request allows.
-fn on_fetch(rrefs: &RRefs, m: &Message) -> Result<Message, String> {
-    let request = FetchRequest::from_bytes(&m.payload).map_err(|e| e.to_string())?;
-    let wait = Duration::from_millis(request.wait_ms);
-    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
-    match rrefs.wait_value(request.rref, deadline) {
-        Ok(value) => value,
-        Err(()) => Err(rrefs.not_ready(request.rref, wait)),
-    }
-}
-
-/// The worker pool's hook for `to_here` on the owner: a request whose value exists is
-/// answered at once; one whose value does not yet waits without a pool thread (an async
-/// server call) until the value is stored or its deadline. Every other job is given
-/// back to run as usual.
-pub(crate) fn take_fetch(rrefs: &RRefs, gate: &JoinGate, job: Job) -> Option<Job> {
-    if job.ctx.handler != handler::FETCH {
-        return Some(job);
-    }
-    let Job {
-        responder,
-        ctx,
-        message,
-        ..
-    } = job;
-    let finish_now = |result| {
-        gate.server_call_finished();
-        responder.respond(ctx.message_id, result);
-    };
-    let request = match FetchRequest::from_bytes(&message.payload) {
-        Ok(request) => request,
-        Err(e) => {
-            finish_now(Err(e.to_string()));
-            return None;
+impl RRefs {
+    /// `to_here` on the owner ([`RRefRuntime::fetch_arrived`]): a request whose value
+    /// exists is answered at once; one whose value does not yet waits without a thread
+    /// (an async server call) until the value is stored or its deadline.
+    pub(super) fn serve_fetch(&self, payload: &[u8], respond: Respond) {
+        let request = match FetchRequest::from_bytes(payload) {
+            Ok(request) => request,
+            Err(e) => {
+                self.gate.server_call_finished();
+                return respond(Err(e.to_string()));
+            }
+        };
+        let wait = Duration::from_millis(request.wait_ms);
+        let mut state = self.lock();
+        if let Some(value) = state.values.get(&request.rref).cloned() {
+            drop(state);
+            self.gate.server_call_finished();
+            return respond(value);
         }
-    };
-    let wait = Duration::from_millis(request.wait_ms);
-    let mut state = rrefs.lock();
-    if let Some(value) = state.values.get(&request.rref).cloned() {
+        let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
+        self.gate.server_call_went_async();
+        state.waiters.push(Waiter {
+            rref: request.rref,
+            respond,
+            deadline,
+            wait,
+        });
         drop(state);
-        finish_now(value);
-        return None;
+        // The pump keeps the deadline.
+        self.signal.notify();
     }
-    let deadline = (request.wait_ms != 0).then(|| std::time::Instant::now() + wait);
-    gate.server_call_went_async();
-    state.waiters.push(Waiter {
-        rref: request.rref,
-        responder,
-        message_id: ctx.message_id,
-        deadline,
-        wait,
-    });
-    drop(state);
-    // The pump keeps the deadline.
-    rrefs.signal.notify();
-    None
 }
 
 /// The four debug counts as the `DEBUG_INFO` handler's answer.

@@ -10,13 +10,13 @@ use rdzv_core::rpc::rref::{
     DebugInfo, ForkData, ForkId, RRefError, RRefHandle, RRefId, RRefMessage,
 };
 
-use super::pump::{remote_failed, Sent};
+use super::pump::{on_sent, Sent};
 use super::serve::run_user_handler;
-use super::RRefs;
+use super::{InReply, RRefs};
 use crate::rpc::error::{CallError, RRefFailure, UsageError};
 use crate::rpc::handler::CallContext;
 use crate::rpc::message::Message;
-use crate::rpc::rref::{RRef, RRefRuntime};
+use crate::rpc::rref::{RRef, RRefRuntime, Respond};
 
 impl RRefRuntime for RRefs {
     fn remote(
@@ -57,26 +57,16 @@ impl RRefRuntime for RRefs {
             fork,
             to: to_id,
         };
-        if future.is_done() {
-            // Failed at once (a send refused before it left, as fault injection's): the
-            // RRef comes back already failed, as in PyTorch, rather than a moment later.
-            if let Err(e) = future.wait() {
-                self.update(|state, now| remote_failed(state, now, handle.rref, fork, e));
-            } else {
-                self.update(|state, now| {
-                    state.machine.handle_message(
-                        now,
-                        to_id,
-                        RRefMessage::RemoteRet {
-                            rref: handle.rref,
-                            fork,
-                        },
-                    );
-                });
+        // The answer (or the failure) is fed to the machine on the thread that completes
+        // the call, at once if it failed already (a send refused before it left, as fault
+        // injection's: the RRef then comes back failed, as in PyTorch, rather than a
+        // moment later). The pump is woken only if that leaves something to send.
+        let weak = Arc::downgrade(&self);
+        future.on_done(move |result| {
+            if let Some(rrefs) = weak.upgrade() {
+                rrefs.update(|state, now| on_sent(state, now, sent, result));
             }
-            return Ok(rref);
-        }
-        self.update(|state, _| state.handed.push((sent, future)));
+        });
         Ok(rref)
     }
 
@@ -86,12 +76,23 @@ impl RRefRuntime for RRefs {
             return;
         };
         let (rref, fork) = (header.rref, header.fork);
-        self.update(|state, now| {
+        // The machine's `RemoteRet` is the call's own response, sent when the handler has
+        // run: no call of its own.
+        let answer = InReply::RemoteRet {
+            to: caller,
+            rref,
+            fork,
+        };
+        self.with(Some(answer), |state, now| {
             state
                 .machine
                 .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
         });
         self.ensure_pump();
+    }
+
+    fn fetch_arrived(&self, payload: &[u8], respond: Respond) {
+        self.serve_fetch(payload, respond);
     }
 
     fn from_fork(self: Arc<Self>, bytes: &[u8]) -> Result<RRef, UsageError> {

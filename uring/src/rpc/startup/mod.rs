@@ -329,7 +329,6 @@ impl Start {
             registry: Arc::clone(&registry),
             gate: Arc::clone(&gate),
             counters: Arc::clone(&counters),
-            rrefs: Arc::clone(&rrefs),
         };
         let mut workers = spawn_pool(pool, jobs_rx, options.num_worker_threads)?;
         workers.push(
