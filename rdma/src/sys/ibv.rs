@@ -754,6 +754,22 @@ fn rc_error(rc: c_int) -> io::Error {
     }
 }
 
+/// `Ok` for a verb that returned 0, else its error ([`rc_error`]).
+fn check_rc(rc: c_int) -> io::Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc_error(rc))
+    }
+}
+
+/// Logs a destroying verb that failed in a `Drop` (nothing else can be done about it).
+fn log_failure(verb: &str, rc: c_int) {
+    if rc != 0 {
+        tracing::debug!(error = %rc_error(rc), "{verb} failed");
+    }
+}
+
 /// `errno` after a verb returned NULL (or -1), never "success".
 fn errno_error() -> io::Error {
     let err = io::Error::last_os_error();
@@ -933,10 +949,7 @@ impl Context {
     pub fn phys_port_cnt(&self) -> io::Result<u8> {
         let mut attr = MaybeUninit::<IbvDeviceAttr>::zeroed();
         // SAFETY: the context is open; `attr` is a writable ibv_device_attr.
-        let rc = unsafe { (self.verbs.query_device)(self.ptr.as_ptr(), attr.as_mut_ptr()) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe { (self.verbs.query_device)(self.ptr.as_ptr(), attr.as_mut_ptr()) })?;
         // SAFETY: zero-initialised, then filled by the call; every bit pattern is valid.
         Ok(unsafe { attr.assume_init() }.phys_port_cnt)
     }
@@ -971,24 +984,21 @@ impl Context {
     /// # Errors
     /// The call's errno.
     pub fn query_port(&self, port: u8) -> io::Result<PortAttr> {
+        self.query_port_with(self.query_port_op(), port)
+    }
+
+    /// `ibv_query_port` through `op`, the extended context's `query_port`, or through the
+    /// exported compatibility symbol when `None`.
+    fn query_port_with(&self, op: Option<QueryPortExFn>, port: u8) -> io::Result<PortAttr> {
         let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-        let rc = match self.query_port_op() {
+        let (ctx, out) = (self.ptr.as_ptr(), attr.as_mut_ptr());
+        check_rc(match op {
             // SAFETY: the context is open; `attr` is a writable ibv_port_attr of the size
             // passed.
-            Some(op) => unsafe {
-                op(
-                    self.ptr.as_ptr(),
-                    port,
-                    attr.as_mut_ptr(),
-                    mem::size_of::<IbvPortAttr>(),
-                )
-            },
+            Some(op) => unsafe { op(ctx, port, out, mem::size_of::<IbvPortAttr>()) },
             // SAFETY: as above; the compatibility symbol writes a prefix of the struct.
-            None => unsafe { (self.verbs.query_port)(self.ptr.as_ptr(), port, attr.as_mut_ptr()) },
-        };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+            None => unsafe { (self.verbs.query_port)(ctx, port, out) },
+        })?;
         // SAFETY: zero-initialised, then filled; every bit pattern of its integers is valid.
         Ok(port_attr(unsafe { attr.assume_init() }))
     }
@@ -1001,30 +1011,10 @@ impl Context {
         &self,
         port: u8,
     ) -> (Option<io::Result<PortAttr>>, io::Result<PortAttr>) {
-        let extended = self.query_port_op().map(|op| {
-            let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-            // SAFETY: as in `query_port`.
-            let rc = unsafe {
-                op(
-                    self.ptr.as_ptr(),
-                    port,
-                    attr.as_mut_ptr(),
-                    mem::size_of::<IbvPortAttr>(),
-                )
-            };
-            // SAFETY: zero-initialised, then filled.
-            (rc == 0)
-                .then(|| port_attr(unsafe { attr.assume_init() }))
-                .ok_or_else(|| rc_error(rc))
-        });
-        let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-        // SAFETY: as in `query_port`.
-        let rc = unsafe { (self.verbs.query_port)(self.ptr.as_ptr(), port, attr.as_mut_ptr()) };
-        // SAFETY: zero-initialised, then filled.
-        let compat = (rc == 0)
-            .then(|| port_attr(unsafe { attr.assume_init() }))
-            .ok_or_else(|| rc_error(rc));
-        (extended, compat)
+        let extended = self
+            .query_port_op()
+            .map(|op| self.query_port_with(Some(op), port));
+        (extended, self.query_port_with(None, port))
     }
 
     /// `ibv_query_gid`: GID `index` of `port`.
@@ -1036,10 +1026,7 @@ impl Context {
             c_int::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let mut gid = IbvGid::default();
         // SAFETY: the context is open; `gid` is a writable `union ibv_gid`.
-        let rc = unsafe { (self.verbs.query_gid)(self.ptr.as_ptr(), port, index, &mut gid) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe { (self.verbs.query_gid)(self.ptr.as_ptr(), port, index, &mut gid) })?;
         Ok(gid.0)
     }
 
@@ -1057,7 +1044,7 @@ impl Context {
         let mut entry = MaybeUninit::<IbvGidEntry>::zeroed();
         // SAFETY: the context is open; `entry` is a writable ibv_gid_entry of the size
         // passed (what the header's ibv_query_gid_ex passes).
-        let rc = unsafe {
+        check_rc(unsafe {
             query(
                 self.ptr.as_ptr(),
                 u32::from(port),
@@ -1066,10 +1053,7 @@ impl Context {
                 0,
                 mem::size_of::<IbvGidEntry>(),
             )
-        };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        })?;
         // SAFETY: zero-initialised, then filled.
         Ok(unsafe { entry.assume_init() }.gid_type)
     }
@@ -1138,10 +1122,9 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every object made on this context holds an Arc to it, so none is left;
         // closed once.
-        let rc = unsafe { (self.verbs.close_device)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_close_device failed");
-        }
+        log_failure("ibv_close_device", unsafe {
+            (self.verbs.close_device)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1262,10 +1245,9 @@ impl Drop for ProtectionDomain {
     fn drop(&mut self) {
         // SAFETY: every registration and queue pair holds an Arc to the PD, so none is
         // left; deallocated once.
-        let rc = unsafe { (self.context.verbs.dealloc_pd)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_dealloc_pd failed");
-        }
+        log_failure("ibv_dealloc_pd", unsafe {
+            (self.context.verbs.dealloc_pd)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1320,21 +1302,25 @@ impl MemoryRegion {
         let rc = unsafe { (this.pd.context.verbs.dereg_mr)(this.ptr.as_ptr()) };
         // SAFETY: `this` is not used again; its Arc is released here.
         drop(unsafe { ptr::read(&this.pd) });
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(rc)
     }
 }
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: the registration is alive and deregistered once.
-        let rc = unsafe { (self.pd.context.verbs.dereg_mr)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_dereg_mr failed");
-        }
+        log_failure("ibv_dereg_mr", unsafe {
+            (self.pd.context.verbs.dereg_mr)(self.ptr.as_ptr())
+        });
     }
+}
+
+/// Why `what` (`region`, `buffer`) cannot be registered: it is empty.
+fn empty_registration(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("an empty {what} cannot be registered"),
+    )
 }
 
 /// Page-aligned, zeroed heap memory, freed on drop.
@@ -1348,10 +1334,7 @@ impl PageMemory {
         let layout = Layout::from_size_align(len, 4096)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too large"))?;
         if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty region cannot be registered",
-            ));
+            return Err(empty_registration("region"));
         }
         // SAFETY: the layout has a nonzero size.
         let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
@@ -1535,10 +1518,7 @@ impl SharedRegistration {
     ) -> io::Result<SharedRegistration> {
         let bytes: &[u8] = (*owner).as_ref();
         if bytes.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty buffer cannot be registered",
-            ));
+            return Err(empty_registration("buffer"));
         }
         // SAFETY: the bytes belong to `owner`, which the registration keeps alive (and,
         // being shared, unmoved and unchanged) until after it is deregistered; the device
@@ -1576,10 +1556,7 @@ impl RegisteredVec {
     /// `InvalidInput` for an empty buffer, or `ibv_reg_mr`'s errno (the buffer is dropped).
     pub fn register(pd: &Arc<ProtectionDomain>, mut buf: Vec<u8>) -> io::Result<RegisteredVec> {
         if buf.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty buffer cannot be registered",
-            ));
+            return Err(empty_registration("buffer"));
         }
         // SAFETY: the Vec's heap block is owned by the returned value, never resized or
         // read until it is deregistered (into_vec / Drop), and leaked if that fails.
@@ -1747,10 +1724,9 @@ impl CompChannel {
 impl Drop for CompChannel {
     fn drop(&mut self) {
         // SAFETY: every CQ using the channel holds an Arc to it, so none is left.
-        let rc = unsafe { (self.context.verbs.destroy_comp_channel)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_comp_channel failed");
-        }
+        log_failure("ibv_destroy_comp_channel", unsafe {
+            (self.context.verbs.destroy_comp_channel)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1776,11 +1752,14 @@ impl fmt::Debug for CompletionQueue {
     }
 }
 
-fn no_op(verb: &str) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::Unsupported,
-        format!("the verbs provider has no {verb} operation"),
-    )
+/// The provider's operation `verb` from `context->ops`, or `Unsupported` when it has none.
+fn provider_op<F>(op: Option<F>, verb: &str) -> io::Result<F> {
+    op.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the verbs provider has no {verb} operation"),
+        )
+    })
 }
 
 impl CompletionQueue {
@@ -1789,7 +1768,7 @@ impl CompletionQueue {
     /// # Errors
     /// The provider's error (`ibv_poll_cq` returned a negative value).
     pub fn poll(&self, out: &mut [WorkCompletion]) -> io::Result<usize> {
-        let poll = self.context.ops().poll_cq.ok_or_else(|| no_op("poll_cq"))?;
+        let poll = provider_op(self.context.ops().poll_cq, "poll_cq")?;
         let n = c_int::try_from(out.len()).unwrap_or(c_int::MAX);
         // SAFETY: the CQ is alive; `out` holds at least `n` writable ibv_wc entries.
         let rc = unsafe { poll(self.ptr.as_ptr(), n, out.as_mut_ptr()) };
@@ -1805,17 +1784,9 @@ impl CompletionQueue {
     /// # Errors
     /// The provider's errno.
     pub fn req_notify(&self) -> io::Result<()> {
-        let notify = self
-            .context
-            .ops()
-            .req_notify_cq
-            .ok_or_else(|| no_op("req_notify_cq"))?;
+        let notify = provider_op(self.context.ops().req_notify_cq, "req_notify_cq")?;
         // SAFETY: the CQ is alive.
-        let rc = unsafe { notify(self.ptr.as_ptr(), 0) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { notify(self.ptr.as_ptr(), 0) })
     }
 
     /// `ibv_ack_cq_events`: acknowledges `count` events taken from the channel.
@@ -1828,10 +1799,9 @@ impl CompletionQueue {
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
         // SAFETY: every queue pair using the CQ holds an Arc to it, so none is left.
-        let rc = unsafe { (self.context.verbs.destroy_cq)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_cq failed");
-        }
+        log_failure("ibv_destroy_cq", unsafe {
+            (self.context.verbs.destroy_cq)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -2011,21 +1981,15 @@ impl QueuePair {
             sq_sig_all: 0,
         };
         // SAFETY: the QP is alive; both out-structs are valid and writable.
-        let rc =
-            unsafe { (self.verbs().query_qp)(self.ptr.as_ptr(), &mut attr, QP_CAP, &mut init) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe {
+            (self.verbs().query_qp)(self.ptr.as_ptr(), &mut attr, QP_CAP, &mut init)
+        })?;
         Ok(init.cap.max_inline_data.max(attr.cap.max_inline_data))
     }
 
     fn modify(&self, attr: &mut IbvQpAttr, mask: c_int) -> io::Result<()> {
         // SAFETY: the QP is alive; `attr` is a valid ibv_qp_attr for `mask`.
-        let rc = unsafe { (self.verbs().modify_qp)(self.ptr.as_ptr(), attr, mask) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { (self.verbs().modify_qp)(self.ptr.as_ptr(), attr, mask) })
     }
 
     /// `ibv_modify_qp` to INIT on `port` (P_Key index 0) with `access` for the peer.
@@ -2139,12 +2103,7 @@ impl QueuePair {
                 "a send chain holds 1 to 4 work requests",
             ));
         }
-        let post = self
-            .pd
-            .context
-            .ops()
-            .post_send
-            .ok_or_else(|| no_op("post_send"))?;
+        let post = provider_op(self.pd.context.ops().post_send, "post_send")?;
         let mut sges = [IbvSge::default(); MAX_SEND_CHAIN];
         let mut wrs = [IbvSendWr::zeroed(); MAX_SEND_CHAIN];
         for (i, request) in requests.iter().enumerate() {
@@ -2224,11 +2183,7 @@ impl QueuePair {
         // SAFETY: the QP is alive; the chain of `n` work requests and their scatter lists
         // are valid for the call; inline bytes are copied by the provider during it, and
         // registered ranges are checked by the device against their keys.
-        let rc = unsafe { post(self.ptr.as_ptr(), base, &mut bad) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { post(self.ptr.as_ptr(), base, &mut bad) })
     }
 
     /// `ibv_post_recv` (through `context->ops`) of one receive work request without a
@@ -2237,12 +2192,7 @@ impl QueuePair {
     /// # Errors
     /// The provider's errno.
     pub fn post_recv_empty(&self, wr_id: u64) -> io::Result<()> {
-        let post = self
-            .pd
-            .context
-            .ops()
-            .post_recv
-            .ok_or_else(|| no_op("post_recv"))?;
+        let post = provider_op(self.pd.context.ops().post_recv, "post_recv")?;
         let mut wr = IbvRecvWr {
             wr_id,
             next: ptr::null_mut(),
@@ -2252,11 +2202,7 @@ impl QueuePair {
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is alive; the work request is valid for the call and names no
         // memory.
-        let rc = unsafe { post(self.ptr.as_ptr(), &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { post(self.ptr.as_ptr(), &mut wr, &mut bad) })
     }
 
     /// The completion queue of its sends and receives.
@@ -2269,10 +2215,9 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         // SAFETY: the QP is alive and destroyed once; afterwards the device touches no
         // memory named by its work requests.
-        let rc = unsafe { (self.verbs().destroy_qp)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_qp failed");
-        }
+        log_failure("ibv_destroy_qp", unsafe {
+            (self.verbs().destroy_qp)(self.ptr.as_ptr())
+        });
     }
 }
 
