@@ -225,12 +225,12 @@ pub enum ConnectionError {
 }
 
 impl From<BadDescriptor> for ConnectionError {
-    fn from(b: BadDescriptor) -> Self {
+    fn from(bad: BadDescriptor) -> Self {
         let BadDescriptor {
             len,
             max,
             descriptor_len,
-        } = b;
+        } = bad;
         ConnectionError::BadDescriptor {
             len,
             max,
@@ -308,6 +308,16 @@ impl VerbsDomain {
         &self.device
     }
 }
+/// How [`IbvConnection::wait_once`] ended.
+enum Waited {
+    /// Completions were taken.
+    Completed,
+    /// The deadline passed first.
+    DeadlinePassed,
+    /// The completion channel or another descriptor woke the thread (or the sleep ended).
+    Woke,
+}
+
 /// Completions taken per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 16;
 
@@ -647,35 +657,12 @@ impl IbvConnection {
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
-        self.send_buffer_deadline(buf, None)
-    }
-
-    /// [`send_buffer`](Self::send_buffer) with a timeout on waiting for ring credit.
-    pub fn send_buffer_timeout<B>(
-        &mut self,
-        buf: Arc<B>,
-        timeout: Duration,
-    ) -> Result<(), ConnectionError>
-    where
-        B: AsRef<[u8]> + Send + Sync + 'static,
-    {
-        self.send_buffer_deadline(buf, Some((Instant::now() + timeout, timeout)))
-    }
-
-    fn send_buffer_deadline<B>(
-        &mut self,
-        buf: Arc<B>,
-        deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ConnectionError>
-    where
-        B: AsRef<[u8]> + Send + Sync + 'static,
-    {
         let bytes: &[u8] = (*buf).as_ref();
         if !self.ring.zero_copy(bytes.len()) {
-            return self.send_ring_message(bytes, false, deadline).map(drop);
+            return self.send_ring_message(bytes, false, None).map(drop);
         }
         self.check_failed()?;
-        self.send_zero_copy(buf, true, deadline)
+        self.send_zero_copy(buf, true, None)
     }
 
     /// Registers `buf` (from the cache when `cached` and it hits, else anew, cached when
@@ -796,14 +783,26 @@ impl IbvConnection {
     ) -> Result<(), ConnectionError> {
         self.check_failed()?;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let spin_until = Instant::now() + self.spin;
+        self.wait_once(Instant::now() + self.spin, deadline, also)
+            .map(drop)
+    }
+
+    /// Takes completions: busy-polls until `spin_until`, then arms the completion queue
+    /// and sleeps once on its channel and `also`, unless a completion came or `deadline`
+    /// passed first.
+    fn wait_once(
+        &mut self,
+        spin_until: Instant,
+        deadline: Option<Instant>,
+        also: &[BorrowedFd<'_>],
+    ) -> Result<Waited, ConnectionError> {
         loop {
             if self.poll_once()? > 0 {
-                return Ok(());
+                return Ok(Waited::Completed);
             }
             let now = Instant::now();
             if deadline.is_some_and(|at| now >= at) {
-                return Ok(());
+                return Ok(Waited::DeadlinePassed);
             }
             if now < spin_until {
                 std::hint::spin_loop();
@@ -814,7 +813,8 @@ impl IbvConnection {
                 // A completion that slipped in before arming raises no event: poll again.
                 continue;
             }
-            return self.wait_event(deadline, also);
+            self.wait_event(deadline, also)?;
+            return Ok(Waited::Woke);
         }
     }
 
@@ -1006,26 +1006,29 @@ impl IbvConnection {
             lkey,
             len,
         });
-        let result = loop {
-            let done = self.ring.poll_remote_read();
-            if let Err(e) = self.post_transmits() {
-                break Err(e);
-            }
-            if done {
-                break Ok(());
-            }
-            if let Err(e) = self.check_failed() {
-                break Err(e);
-            }
-            if let Err(e) = self.progress(deadline, "RDMA read") {
-                break Err(e);
-            }
-        };
+        let result = self.await_remote_read(deadline);
         self.ring.stop_remote_read();
         if result.is_err() && self.ring.remote_reads_in_flight() > 0 {
             self.flush_remote_reads();
         }
         result
+    }
+
+    /// Posts the READs of the remote read under way and takes completions until they all
+    /// completed.
+    fn await_remote_read(
+        &mut self,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ConnectionError> {
+        loop {
+            let done = self.ring.poll_remote_read();
+            self.post_transmits()?;
+            if done {
+                return Ok(());
+            }
+            self.check_failed()?;
+            self.progress(deadline, "RDMA read")?;
+        }
     }
 
     /// One-sided READs posted by [`read_remote`](Self::read_remote) whose completion has
@@ -1170,25 +1173,14 @@ impl IbvConnection {
     ) -> Result<(), ConnectionError> {
         let spin_until = Instant::now() + self.spin;
         loop {
-            if self.poll_once()? > 0 {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if let Some((at, after)) = deadline {
-                if now >= at {
+            match self.wait_once(spin_until, deadline.map(|(at, _)| at), &[])? {
+                Waited::Completed => return Ok(()),
+                Waited::DeadlinePassed => {
+                    let after = deadline.map_or(Duration::ZERO, |(_, after)| after);
                     return Err(ConnectionError::Timeout { operation, after });
                 }
+                Waited::Woke => {}
             }
-            if now < spin_until {
-                std::hint::spin_loop();
-                continue;
-            }
-            if !self.armed {
-                self.arm()?;
-                // A completion that slipped in before arming raises no event: poll again.
-                continue;
-            }
-            self.wait_event(deadline.map(|(at, _)| at), &[])?;
         }
     }
 

@@ -31,9 +31,9 @@
 //! This module decides no protocol: the channels and the agent's runtime do. What stays
 //! here is what needs `unsafe`: each type above owns a driver resource whose `Drop` (or a
 //! `Send`/`Sync`/`ReadTarget` impl) relies on an invariant only its constructor can keep,
-//! so moving it out would move `unsafe` with it. Pure logic lives above: the UUID's text in
-//! `cuda::descriptor`, a panic's text in `error_chain`, the caches, pools and loan
-//! bookkeeping in `cuda::agent`'s channel modules.
+//! so moving it out would move `unsafe` with it. Pure logic lives above: a panic's text
+//! in `error_chain`, the caches, pools and loan bookkeeping in `cuda::agent`'s channel
+//! modules.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::io;
@@ -182,33 +182,6 @@ impl Gpu {
     pub fn memory_info(&self) -> Result<(usize, usize), CudaCallError> {
         self.bind()?;
         result::mem_get_info().map_err(CudaCallError::driver("cuMemGetInfo", self.ordinal()))
-    }
-
-    /// The device's PCI bus id (`cuDeviceGetPCIBusId`), e.g. `0000:3B:00.0`.
-    pub fn pci_bus_id(&self) -> Result<String, CudaCallError> {
-        let mut buf = [0 as std::ffi::c_char; 32];
-        // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes into
-        // `buf`, which is a live local array of that length; the device handle comes from
-        // the context, created after `cuInit`.
-        unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), 32, self.ctx.cu_device()) }
-            .result()
-            .map_err(CudaCallError::driver("cuDeviceGetPCIBusId", self.ordinal()))?;
-        let bytes: Vec<u8> = buf
-            .iter()
-            .take_while(|c| **c != 0)
-            .map(|c| *c as u8)
-            .collect();
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
-    }
-
-    /// The device's UUID, its 16 bytes (`cuDeviceGetUuid`); `crate::cuda::descriptor`'s
-    /// `format_gpu_uuid` writes it as NVIDIA does.
-    pub fn uuid(&self) -> Result<[u8; 16], CudaCallError> {
-        let uuid = self
-            .ctx
-            .uuid()
-            .map_err(CudaCallError::driver("cuDeviceGetUuid", self.ordinal()))?;
-        Ok(uuid.bytes.map(|b| b as u8))
     }
 }
 
