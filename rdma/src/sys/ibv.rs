@@ -117,49 +117,14 @@ struct VerbsContextTail {
 const VERBS_CONTEXT_FROM_QUERY_PORT: usize =
     mem::size_of::<VerbsContextTail>() + mem::size_of::<IbvContext>();
 
-#[repr(C)]
+/// `struct ibv_device_attr`: only `phys_port_cnt` is read, so the fields before it
+/// (`fw_ver` … `local_ca_ack_delay`, 227 bytes) and the tail padding are written as bytes.
+#[repr(C, align(8))]
 #[derive(Clone, Copy)]
 struct IbvDeviceAttr {
-    fw_ver: [c_char; 64],
-    node_guid: u64,
-    sys_image_guid: u64,
-    max_mr_size: u64,
-    page_size_cap: u64,
-    vendor_id: u32,
-    vendor_part_id: u32,
-    hw_ver: u32,
-    max_qp: c_int,
-    max_qp_wr: c_int,
-    device_cap_flags: c_uint,
-    max_sge: c_int,
-    max_sge_rd: c_int,
-    max_cq: c_int,
-    max_cqe: c_int,
-    max_mr: c_int,
-    max_pd: c_int,
-    max_qp_rd_atom: c_int,
-    max_ee_rd_atom: c_int,
-    max_res_rd_atom: c_int,
-    max_qp_init_rd_atom: c_int,
-    max_ee_init_rd_atom: c_int,
-    atomic_cap: c_uint,
-    max_ee: c_int,
-    max_rdd: c_int,
-    max_mw: c_int,
-    max_raw_ipv6_qp: c_int,
-    max_raw_ethy_qp: c_int,
-    max_mcast_grp: c_int,
-    max_mcast_qp_attach: c_int,
-    max_total_mcast_qp_attach: c_int,
-    max_ah: c_int,
-    max_fmr: c_int,
-    max_map_per_fmr: c_int,
-    max_srq: c_int,
-    max_srq_wr: c_int,
-    max_srq_sge: c_int,
-    max_pkeys: u16,
-    local_ca_ack_delay: u8,
+    _before_phys_port_cnt: [u8; 227],
     phys_port_cnt: u8,
+    _padding: [u8; 4],
 }
 
 /// `struct ibv_port_attr`.
