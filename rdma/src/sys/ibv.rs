@@ -538,47 +538,6 @@ impl std::ops::BitOr for AccessFlags {
 
 // --- the library ----------------------------------------------------------------------
 
-/// The entry points rdzv uses, looked up once in `libibverbs.so.1`.
-struct Verbs {
-    get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut IbvDevice,
-    free_device_list: unsafe extern "C" fn(*mut *mut IbvDevice),
-    get_device_name: unsafe extern "C" fn(*mut IbvDevice) -> *const c_char,
-    open_device: unsafe extern "C" fn(*mut IbvDevice) -> *mut IbvContext,
-    close_device: unsafe extern "C" fn(*mut IbvContext) -> c_int,
-    query_device: unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int,
-    /// The exported compatibility `ibv_query_port` (fills the fields before `flags`).
-    query_port: unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int,
-    query_gid: unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut IbvGid) -> c_int,
-    query_gid_ex: Option<
-        unsafe extern "C" fn(*mut IbvContext, u32, u32, *mut IbvGidEntry, u32, usize) -> c_int,
-    >,
-    alloc_pd: unsafe extern "C" fn(*mut IbvContext) -> *mut IbvPd,
-    dealloc_pd: unsafe extern "C" fn(*mut IbvPd) -> c_int,
-    reg_mr: unsafe extern "C" fn(*mut IbvPd, *mut c_void, usize, c_int) -> *mut IbvMr,
-    reg_dmabuf_mr:
-        Option<unsafe extern "C" fn(*mut IbvPd, u64, usize, u64, c_int, c_int) -> *mut IbvMr>,
-    dereg_mr: unsafe extern "C" fn(*mut IbvMr) -> c_int,
-    create_comp_channel: unsafe extern "C" fn(*mut IbvContext) -> *mut IbvCompChannel,
-    destroy_comp_channel: unsafe extern "C" fn(*mut IbvCompChannel) -> c_int,
-    get_cq_event:
-        unsafe extern "C" fn(*mut IbvCompChannel, *mut *mut IbvCq, *mut *mut c_void) -> c_int,
-    ack_cq_events: unsafe extern "C" fn(*mut IbvCq, c_uint),
-    create_cq: unsafe extern "C" fn(
-        *mut IbvContext,
-        c_int,
-        *mut c_void,
-        *mut IbvCompChannel,
-        c_int,
-    ) -> *mut IbvCq,
-    destroy_cq: unsafe extern "C" fn(*mut IbvCq) -> c_int,
-    create_qp: unsafe extern "C" fn(*mut IbvPd, *mut IbvQpInitAttr) -> *mut IbvQp,
-    modify_qp: unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int,
-    query_qp: unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int, *mut IbvQpInitAttr) -> c_int,
-    destroy_qp: unsafe extern "C" fn(*mut IbvQp) -> c_int,
-    /// Keeps the functions above mapped; never unloaded (it lives in a `static`).
-    _library: libloading::Library,
-}
-
 /// Why libibverbs cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -632,8 +591,31 @@ pub fn check_library_at(path: &str) -> Result<(), LibraryError> {
     Verbs::load(path).map(|_| ())
 }
 
-macro_rules! symbol {
-    ($library:expr, $name:literal) => {{
+/// Declares `Verbs`, the entry points rdzv uses, each named once with its symbol and its
+/// C prototype, and `Verbs::symbols`, which looks every one up in a loaded library: an
+/// `optional` one is `None` when the library lacks it, any other is a
+/// [`LibraryError::MissingSymbol`].
+macro_rules! verbs {
+    ($($(#[$doc:meta])* $field:ident $(($optional:ident))?: $name:literal => $ty:ty,)*) => {
+        /// The entry points rdzv uses, looked up once in `libibverbs.so.1`.
+        struct Verbs {
+            $($(#[$doc])* $field: verbs!(@type $ty $(, $optional)?),)*
+            /// Keeps the functions above mapped; never unloaded (it lives in a `static`).
+            _library: libloading::Library,
+        }
+
+        impl Verbs {
+            fn symbols(library: libloading::Library) -> Result<Verbs, LibraryError> {
+                Ok(Verbs {
+                    $($field: verbs!(@symbol library, $name $(, $optional)?),)*
+                    _library: library,
+                })
+            }
+        }
+    };
+    (@type $ty:ty) => { $ty };
+    (@type $ty:ty, optional) => { Option<$ty> };
+    (@symbol $library:ident, $name:literal) => {{
         // SAFETY: the type the symbol is read as is the C prototype of `$name` in
         // verbs.h (IBVERBS_1.1), written down in `Verbs`; the pointer stays valid while
         // the library is loaded, and `Verbs` keeps it loaded.
@@ -649,14 +631,57 @@ macro_rules! symbol {
             }
         }
     }};
-}
-
-macro_rules! optional_symbol {
-    ($library:expr, $name:literal) => {{
-        // SAFETY: as in `symbol!`.
+    (@symbol $library:ident, $name:literal, optional) => {{
+        // SAFETY: as for a required symbol.
         let symbol = unsafe { $library.get(concat!($name, "\0").as_bytes()) };
         symbol.ok().map(|symbol| *symbol)
     }};
+}
+
+verbs! {
+    get_device_list: "ibv_get_device_list" =>
+        unsafe extern "C" fn(*mut c_int) -> *mut *mut IbvDevice,
+    free_device_list: "ibv_free_device_list" => unsafe extern "C" fn(*mut *mut IbvDevice),
+    get_device_name: "ibv_get_device_name" => unsafe extern "C" fn(*mut IbvDevice) -> *const c_char,
+    open_device: "ibv_open_device" => unsafe extern "C" fn(*mut IbvDevice) -> *mut IbvContext,
+    close_device: "ibv_close_device" => unsafe extern "C" fn(*mut IbvContext) -> c_int,
+    query_device: "ibv_query_device" =>
+        unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int,
+    /// The exported compatibility `ibv_query_port` (fills the fields before `flags`).
+    query_port: "ibv_query_port" =>
+        unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int,
+    query_gid: "ibv_query_gid" =>
+        unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut IbvGid) -> c_int,
+    query_gid_ex(optional): "_ibv_query_gid_ex" =>
+        unsafe extern "C" fn(*mut IbvContext, u32, u32, *mut IbvGidEntry, u32, usize) -> c_int,
+    alloc_pd: "ibv_alloc_pd" => unsafe extern "C" fn(*mut IbvContext) -> *mut IbvPd,
+    dealloc_pd: "ibv_dealloc_pd" => unsafe extern "C" fn(*mut IbvPd) -> c_int,
+    reg_mr: "ibv_reg_mr" =>
+        unsafe extern "C" fn(*mut IbvPd, *mut c_void, usize, c_int) -> *mut IbvMr,
+    reg_dmabuf_mr(optional): "ibv_reg_dmabuf_mr" =>
+        unsafe extern "C" fn(*mut IbvPd, u64, usize, u64, c_int, c_int) -> *mut IbvMr,
+    dereg_mr: "ibv_dereg_mr" => unsafe extern "C" fn(*mut IbvMr) -> c_int,
+    create_comp_channel: "ibv_create_comp_channel" =>
+        unsafe extern "C" fn(*mut IbvContext) -> *mut IbvCompChannel,
+    destroy_comp_channel: "ibv_destroy_comp_channel" =>
+        unsafe extern "C" fn(*mut IbvCompChannel) -> c_int,
+    get_cq_event: "ibv_get_cq_event" =>
+        unsafe extern "C" fn(*mut IbvCompChannel, *mut *mut IbvCq, *mut *mut c_void) -> c_int,
+    ack_cq_events: "ibv_ack_cq_events" => unsafe extern "C" fn(*mut IbvCq, c_uint),
+    create_cq: "ibv_create_cq" => unsafe extern "C" fn(
+        *mut IbvContext,
+        c_int,
+        *mut c_void,
+        *mut IbvCompChannel,
+        c_int,
+    ) -> *mut IbvCq,
+    destroy_cq: "ibv_destroy_cq" => unsafe extern "C" fn(*mut IbvCq) -> c_int,
+    create_qp: "ibv_create_qp" =>
+        unsafe extern "C" fn(*mut IbvPd, *mut IbvQpInitAttr) -> *mut IbvQp,
+    modify_qp: "ibv_modify_qp" => unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int,
+    query_qp: "ibv_query_qp" =>
+        unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int, *mut IbvQpInitAttr) -> c_int,
+    destroy_qp: "ibv_destroy_qp" => unsafe extern "C" fn(*mut IbvQp) -> c_int,
 }
 
 impl Verbs {
@@ -668,33 +693,7 @@ impl Verbs {
                 path: path.to_string(),
                 detail: crate::error_chain::ErrorChain(&err).to_string(),
             })?;
-        Ok(Verbs {
-            get_device_list: symbol!(library, "ibv_get_device_list"),
-            free_device_list: symbol!(library, "ibv_free_device_list"),
-            get_device_name: symbol!(library, "ibv_get_device_name"),
-            open_device: symbol!(library, "ibv_open_device"),
-            close_device: symbol!(library, "ibv_close_device"),
-            query_device: symbol!(library, "ibv_query_device"),
-            query_port: symbol!(library, "ibv_query_port"),
-            query_gid: symbol!(library, "ibv_query_gid"),
-            query_gid_ex: optional_symbol!(library, "_ibv_query_gid_ex"),
-            alloc_pd: symbol!(library, "ibv_alloc_pd"),
-            dealloc_pd: symbol!(library, "ibv_dealloc_pd"),
-            reg_mr: symbol!(library, "ibv_reg_mr"),
-            reg_dmabuf_mr: optional_symbol!(library, "ibv_reg_dmabuf_mr"),
-            dereg_mr: symbol!(library, "ibv_dereg_mr"),
-            create_comp_channel: symbol!(library, "ibv_create_comp_channel"),
-            destroy_comp_channel: symbol!(library, "ibv_destroy_comp_channel"),
-            get_cq_event: symbol!(library, "ibv_get_cq_event"),
-            ack_cq_events: symbol!(library, "ibv_ack_cq_events"),
-            create_cq: symbol!(library, "ibv_create_cq"),
-            destroy_cq: symbol!(library, "ibv_destroy_cq"),
-            create_qp: symbol!(library, "ibv_create_qp"),
-            modify_qp: symbol!(library, "ibv_modify_qp"),
-            query_qp: symbol!(library, "ibv_query_qp"),
-            destroy_qp: symbol!(library, "ibv_destroy_qp"),
-            _library: library,
-        })
+        Verbs::symbols(library)
     }
 }
 
