@@ -2103,29 +2103,19 @@ impl QueuePair {
                     wr.set_rdma(remote_addr, rkey);
                 }
             }
-            match request.local {
-                Local::None => {}
+            let (addr, length, lkey) = match request.local {
+                Local::None => continue,
                 Local::Inline(bytes) => {
                     let len = u32::try_from(bytes.len()).map_err(|_| {
                         io::Error::new(io::ErrorKind::InvalidInput, "inline data too long")
                     })?;
                     wr.send_flags |= SEND_INLINE;
-                    sges[i] = IbvSge {
-                        addr: bytes.as_ptr() as u64,
-                        length: len,
-                        lkey: 0,
-                    };
-                    wr.num_sge = 1;
+                    (bytes.as_ptr() as u64, len, 0)
                 }
-                Local::Registered { addr, len, lkey } => {
-                    sges[i] = IbvSge {
-                        addr,
-                        length: len,
-                        lkey,
-                    };
-                    wr.num_sge = 1;
-                }
-            }
+                Local::Registered { addr, len, lkey } => (addr, len, lkey),
+            };
+            sges[i] = IbvSge { addr, length, lkey };
+            wr.num_sge = 1;
         }
         let n = requests.len();
         let base = wrs.as_mut_ptr();
