@@ -210,6 +210,7 @@ impl<A: BackingAllocator> CachingAllocator<A> {
     }
 
     /// Frees every cached block (blocks in use are untouched).
+    #[cfg(test)]
     pub fn release_cached(&self) {
         self.lock().free_all();
     }

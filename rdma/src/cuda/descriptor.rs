@@ -18,7 +18,6 @@
 //! The formatting functions are pure; [`HostIdentity::current`] reads `/proc`. This module
 //! does not decide viability ([`viability`](super::viability)) or negotiate.
 
-use std::fmt::Write as _;
 use std::io;
 
 /// The facts about this process the descriptors are made of.
@@ -67,11 +66,6 @@ impl HostIdentity {
 /// The `cuda_gdr` descriptor.
 pub const GDR_DESCRIPTOR: &str = "cuda_gdr:*";
 
-/// The `cuda_basic` descriptor: the CPU channel's own.
-pub fn basic_descriptor(cpu_channel_descriptor: &str) -> &str {
-    cpu_channel_descriptor
-}
-
 fn namespace_inode(path: &str) -> io::Result<u64> {
     let target = std::fs::read_link(path)?;
     let text = target.to_string_lossy();
@@ -87,19 +81,6 @@ fn namespace_inode(path: &str) -> io::Result<u64> {
 pub fn parse_namespace_link(target: &str) -> Option<u64> {
     let (_, rest) = target.split_once(":[")?;
     rest.strip_suffix(']')?.parse().ok()
-}
-
-/// Formats a 16-byte device UUID as `nvidia-smi` does: `GPU-8-4-4-4-12` lowercase hex. Other
-/// lengths are written as plain hex after `GPU-`.
-pub fn format_gpu_uuid(bytes: &[u8]) -> String {
-    let mut out = String::from("GPU-");
-    for (i, b) in bytes.iter().enumerate() {
-        if bytes.len() == 16 && matches!(i, 4 | 6 | 8 | 10) {
-            out.push('-');
-        }
-        let _ = write!(out, "{b:02x}");
-    }
-    out
 }
 
 #[cfg(test)]
@@ -138,7 +119,6 @@ mod tests {
             ..identity(100)
         };
         assert_ne!(a.ipc_descriptor(), other_ipc_ns.ipc_descriptor());
-        assert_eq!(basic_descriptor("any"), "any");
     }
 
     #[test]
@@ -148,16 +128,6 @@ mod tests {
         assert_eq!(parse_namespace_link("pid:4026531836"), None);
         assert_eq!(parse_namespace_link("pid:[x]"), None);
         assert_eq!(parse_namespace_link(""), None);
-    }
-
-    #[test]
-    fn uuid_formatting() {
-        let bytes: Vec<u8> = (0u8..16).collect();
-        assert_eq!(
-            format_gpu_uuid(&bytes),
-            "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
-        );
-        assert_eq!(format_gpu_uuid(&[0xab, 0xcd]), "GPU-abcd");
     }
 
     #[test]

@@ -342,16 +342,15 @@ impl GdrRegistrar {
 
     fn register_range(&self, extent: AllocationExtent) -> Result<GdrRegistration, GdrError> {
         let (base, len) = (extent.base(), extent.len());
+        let registered = |mr, path| GdrRegistration {
+            mr,
+            path,
+            base,
+            len,
+        };
         if self.path == GdrPath::DmaBuf {
             match self.register_dma_buf(extent) {
-                Ok(mr) => {
-                    return Ok(GdrRegistration {
-                        mr,
-                        path: GdrPath::DmaBuf,
-                        base,
-                        len,
-                    })
-                }
+                Ok(mr) => return Ok(registered(mr, GdrPath::DmaBuf)),
                 Err(GdrError::Register { source, .. })
                     if fall_back_to_peer_memory(source.raw_os_error(), self.peer_memory_loaded) =>
                 {
@@ -373,12 +372,7 @@ impl GdrRegistrar {
                 len,
                 source,
             })?;
-        Ok(GdrRegistration {
-            mr,
-            path: GdrPath::PeerMemory,
-            base,
-            len,
-        })
+        Ok(registered(mr, GdrPath::PeerMemory))
     }
 
     fn register_dma_buf(&self, extent: AllocationExtent) -> Result<MemoryRegion, GdrError> {

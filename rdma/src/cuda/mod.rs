@@ -104,14 +104,6 @@ pub struct CudaReport {
     pub peer_memory: PeerMemory,
 }
 
-impl CudaReport {
-    /// Whether every device reports dma-buf support (GPUDirect RDMA through
-    /// `ibv_reg_dmabuf_mr`).
-    pub fn all_devices_support_dma_buf(&self) -> bool {
-        !self.devices.is_empty() && self.devices.iter().all(|d| d.dma_buf == Some(true))
-    }
-}
-
 /// A CUDA driver version, as `cuDriverGetVersion` encodes it (`1000 * major + 10 * minor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct DriverVersion(pub i32);
@@ -390,22 +382,6 @@ mod tests {
             device(None).to_string(),
             "0: NVIDIA H100 80GB HBM3 (sm_90, 79.6 GiB, PCI 0000:3b:00.0, GPUDirect RDMA yes, dma-buf unknown)"
         );
-    }
-
-    #[test]
-    fn dma_buf_summary_needs_every_device() {
-        let report = |devices| CudaReport {
-            driver_version: Some(DriverVersion(12080)),
-            devices,
-            peer_memory: PeerMemory {
-                client: None,
-                evidence: None,
-            },
-        };
-        assert!(report(vec![device(Some(true))]).all_devices_support_dma_buf());
-        assert!(!report(vec![device(Some(true)), device(None)]).all_devices_support_dma_buf());
-        assert!(!report(vec![device(Some(false))]).all_devices_support_dma_buf());
-        assert!(!report(vec![]).all_devices_support_dma_buf());
     }
 
     #[test]

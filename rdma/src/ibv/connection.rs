@@ -225,12 +225,12 @@ pub enum ConnectionError {
 }
 
 impl From<BadDescriptor> for ConnectionError {
-    fn from(b: BadDescriptor) -> Self {
+    fn from(bad: BadDescriptor) -> Self {
         let BadDescriptor {
             len,
             max,
             descriptor_len,
-        } = b;
+        } = bad;
         ConnectionError::BadDescriptor {
             len,
             max,
@@ -281,16 +281,12 @@ impl VerbsDomain {
     /// The device is gone, or `ibv_open_device` or `ibv_alloc_pd` failed.
     pub fn open(selection: &IbvSelection) -> Result<VerbsDomain, ConnectionError> {
         let dev = selection.device.as_str();
-        let list = DeviceList::new().map_err(|e| verb_err("ibv_get_device_list", dev, e))?;
+        let list = DeviceList::new().map_err(verb_err("ibv_get_device_list", dev))?;
         let index = list
             .find(dev)
             .ok_or_else(|| ConnectionError::DeviceNotFound { device: dev.into() })?;
-        let context = list
-            .open(index)
-            .map_err(|e| verb_err("ibv_open_device", dev, e))?;
-        let pd = context
-            .alloc_pd()
-            .map_err(|e| verb_err("ibv_alloc_pd", dev, e))?;
+        let context = list.open(index).map_err(verb_err("ibv_open_device", dev))?;
+        let pd = context.alloc_pd().map_err(verb_err("ibv_alloc_pd", dev))?;
         Ok(VerbsDomain {
             pd,
             context,
@@ -308,6 +304,16 @@ impl VerbsDomain {
         &self.device
     }
 }
+/// How [`IbvConnection::wait_once`] ended.
+enum Waited {
+    /// Completions were taken.
+    Completed,
+    /// The deadline passed first.
+    DeadlinePassed,
+    /// The completion channel or another descriptor woke the thread (or the sleep ended).
+    Woke,
+}
+
 /// Completions taken per `ibv_poll_cq` call.
 const POLL_BATCH: usize = 16;
 
@@ -358,8 +364,12 @@ impl fmt::Debug for IbvConnection {
     }
 }
 
-fn verb_err(verb: &'static str, device: &str, source: impl Into<io::Error>) -> ConnectionError {
-    ConnectionError::Verb {
+/// The [`ConnectionError::Verb`] of `verb` failing on `device`, for `map_err`.
+fn verb_err<'a, E: Into<io::Error>>(
+    verb: &'static str,
+    device: &'a str,
+) -> impl FnOnce(E) -> ConnectionError + 'a {
+    move |source| ConnectionError::Verb {
         verb,
         device: device.to_owned(),
         source: source.into(),
@@ -415,7 +425,7 @@ impl ConnectionOptions {
 /// sends carry no payload).
 fn post_recv(qp: &QueuePair, device: &str) -> Result<(), ConnectionError> {
     qp.post_recv_empty(WorkKind::Recv.wr_id())
-        .map_err(|e| verb_err("ibv_post_recv", device, e))
+        .map_err(verb_err("ibv_post_recv", device))
 }
 
 impl IbvConnection {
@@ -459,20 +469,20 @@ impl IbvConnection {
             ring_len,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
         )
-        .map_err(|e| verb_err("ibv_reg_mr (receive ring)", dev, e))?;
+        .map_err(verb_err("ibv_reg_mr (receive ring)", dev))?;
         let send_ring = HostRegion::register(&pd, ring_len, AccessFlags::LOCAL_WRITE)
-            .map_err(|e| verb_err("ibv_reg_mr (send ring)", dev, e))?;
+            .map_err(verb_err("ibv_reg_mr (send ring)", dev))?;
 
         let comp_channel = context
             .create_comp_channel()
-            .map_err(|e| verb_err("ibv_create_comp_channel", dev, e))?;
+            .map_err(verb_err("ibv_create_comp_channel", dev))?;
         comp_channel
             .set_nonblocking()
-            .map_err(|e| verb_err("fcntl(O_NONBLOCK) on the completion channel", dev, e))?;
+            .map_err(verb_err("fcntl(O_NONBLOCK) on the completion channel", dev))?;
         let depths = QueueDepths::for_slots(options.recv_slots);
         let cq = context
             .create_cq(depths.completions(), &comp_channel)
-            .map_err(|e| verb_err("ibv_create_cq", dev, e))?;
+            .map_err(verb_err("ibv_create_cq", dev))?;
 
         let build = |inline: u32| {
             pd.create_rc_qp(
@@ -489,18 +499,16 @@ impl IbvConnection {
         // A device without inline support rejects a nonzero request: retry without.
         let qp = match build(REQUESTED_MAX_INLINE) {
             Ok(qp) => qp,
-            Err(_) => build(0).map_err(|e| verb_err("ibv_create_qp", dev, e))?,
+            Err(_) => build(0).map_err(verb_err("ibv_create_qp", dev))?,
         };
-        let max_inline = qp
-            .max_inline()
-            .map_err(|e| verb_err("ibv_query_qp", dev, e))?;
+        let max_inline = qp.max_inline().map_err(verb_err("ibv_query_qp", dev))?;
         let qpn = qp.qp_num();
 
         qp.to_init(
             selection.port,
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
         )
-        .map_err(|e| verb_err("ibv_modify_qp(INIT)", dev, e))?;
+        .map_err(verb_err("ibv_modify_qp(INIT)", dev))?;
         // Receive work requests go in before the peer can possibly send.
         for _ in 0..depths.recv {
             post_recv(&qp, dev)?;
@@ -550,7 +558,7 @@ impl IbvConnection {
             dlid: peer.lid,
             grh,
         })
-        .map_err(|e| verb_err("ibv_modify_qp(RTR)", dev, e))?;
+        .map_err(verb_err("ibv_modify_qp(RTR)", dev))?;
         qp.to_rts(&RtsAttr {
             sq_psn: ours.psn,
             timeout: options.ack_timeout,
@@ -558,7 +566,7 @@ impl IbvConnection {
             rnr_retry: 7,
             max_rd_atomic: 1,
         })
-        .map_err(|e| verb_err("ibv_modify_qp(RTS)", dev, e))?;
+        .map_err(verb_err("ibv_modify_qp(RTS)", dev))?;
 
         // Neither side writes before the other is ready to receive.
         let mut byte = [1u8];
@@ -647,35 +655,12 @@ impl IbvConnection {
     where
         B: AsRef<[u8]> + Send + Sync + 'static,
     {
-        self.send_buffer_deadline(buf, None)
-    }
-
-    /// [`send_buffer`](Self::send_buffer) with a timeout on waiting for ring credit.
-    pub fn send_buffer_timeout<B>(
-        &mut self,
-        buf: Arc<B>,
-        timeout: Duration,
-    ) -> Result<(), ConnectionError>
-    where
-        B: AsRef<[u8]> + Send + Sync + 'static,
-    {
-        self.send_buffer_deadline(buf, Some((Instant::now() + timeout, timeout)))
-    }
-
-    fn send_buffer_deadline<B>(
-        &mut self,
-        buf: Arc<B>,
-        deadline: Option<(Instant, Duration)>,
-    ) -> Result<(), ConnectionError>
-    where
-        B: AsRef<[u8]> + Send + Sync + 'static,
-    {
         let bytes: &[u8] = (*buf).as_ref();
         if !self.ring.zero_copy(bytes.len()) {
-            return self.send_ring_message(bytes, false, deadline).map(drop);
+            return self.send_ring_message(bytes, false, None).map(drop);
         }
         self.check_failed()?;
-        self.send_zero_copy(buf, true, deadline)
+        self.send_zero_copy(buf, true, None)
     }
 
     /// Registers `buf` (from the cache when `cached` and it hits, else anew, cached when
@@ -701,7 +686,7 @@ impl IbvConnection {
                 let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = buf.clone();
                 let region = Arc::new(
                     SharedRegistration::register(&self.pd, owner)
-                        .map_err(|e| verb_err("ibv_reg_mr (zero-copy send)", &self.device, e))?,
+                        .map_err(verb_err("ibv_reg_mr (zero-copy send)", &self.device))?,
                 );
                 if cached {
                     // Displaced registrations still used by messages in flight stay alive
@@ -796,14 +781,26 @@ impl IbvConnection {
     ) -> Result<(), ConnectionError> {
         self.check_failed()?;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let spin_until = Instant::now() + self.spin;
+        self.wait_once(Instant::now() + self.spin, deadline, also)
+            .map(drop)
+    }
+
+    /// Takes completions: busy-polls until `spin_until`, then arms the completion queue
+    /// and sleeps once on its channel and `also`, unless a completion came or `deadline`
+    /// passed first.
+    fn wait_once(
+        &mut self,
+        spin_until: Instant,
+        deadline: Option<Instant>,
+        also: &[BorrowedFd<'_>],
+    ) -> Result<Waited, ConnectionError> {
         loop {
             if self.poll_once()? > 0 {
-                return Ok(());
+                return Ok(Waited::Completed);
             }
             let now = Instant::now();
             if deadline.is_some_and(|at| now >= at) {
-                return Ok(());
+                return Ok(Waited::DeadlinePassed);
             }
             if now < spin_until {
                 std::hint::spin_loop();
@@ -814,7 +811,8 @@ impl IbvConnection {
                 // A completion that slipped in before arming raises no event: poll again.
                 continue;
             }
-            return self.wait_event(deadline, also);
+            self.wait_event(deadline, also)?;
+            return Ok(Waited::Woke);
         }
     }
 
@@ -822,7 +820,7 @@ impl IbvConnection {
     fn arm(&mut self) -> Result<(), ConnectionError> {
         self.cq
             .req_notify()
-            .map_err(|e| verb_err("ibv_req_notify_cq", &self.device, e))?;
+            .map_err(verb_err("ibv_req_notify_cq", &self.device))?;
         self.armed = true;
         Ok(())
     }
@@ -938,7 +936,7 @@ impl IbvConnection {
             // IbvConnection).
             Some(
                 RegisteredVec::register(&self.pd, buf)
-                    .map_err(|e| verb_err("ibv_reg_mr (zero-copy receive)", &self.device, e))?,
+                    .map_err(verb_err("ibv_reg_mr (zero-copy receive)", &self.device))?,
             )
         };
         let (addr, lkey) = buf.as_ref().map_or((0, 0), |b| (b.addr(), b.lkey()));
@@ -1006,26 +1004,29 @@ impl IbvConnection {
             lkey,
             len,
         });
-        let result = loop {
-            let done = self.ring.poll_remote_read();
-            if let Err(e) = self.post_transmits() {
-                break Err(e);
-            }
-            if done {
-                break Ok(());
-            }
-            if let Err(e) = self.check_failed() {
-                break Err(e);
-            }
-            if let Err(e) = self.progress(deadline, "RDMA read") {
-                break Err(e);
-            }
-        };
+        let result = self.await_remote_read(deadline);
         self.ring.stop_remote_read();
         if result.is_err() && self.ring.remote_reads_in_flight() > 0 {
             self.flush_remote_reads();
         }
         result
+    }
+
+    /// Posts the READs of the remote read under way and takes completions until they all
+    /// completed.
+    fn await_remote_read(
+        &mut self,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<(), ConnectionError> {
+        loop {
+            let done = self.ring.poll_remote_read();
+            self.post_transmits()?;
+            if done {
+                return Ok(());
+            }
+            self.check_failed()?;
+            self.progress(deadline, "RDMA read")?;
+        }
     }
 
     /// One-sided READs posted by [`read_remote`](Self::read_remote) whose completion has
@@ -1057,7 +1058,7 @@ impl IbvConnection {
     pub fn abort(&mut self) -> Result<(), ConnectionError> {
         self.qp
             .to_error()
-            .map_err(|e| verb_err("ibv_modify_qp(ERR)", &self.device, e))
+            .map_err(verb_err("ibv_modify_qp(ERR)", &self.device))
     }
 
     fn check_failed(&self) -> Result<(), ConnectionError> {
@@ -1115,9 +1116,10 @@ impl IbvConnection {
             // A zero-length message: the immediate alone.
             local: local(writes.last),
         });
-        self.qp
-            .post_send(&requests)
-            .map_err(|e| verb_err("ibv_post_send (RDMA write with immediate)", &self.device, e))
+        self.qp.post_send(&requests).map_err(verb_err(
+            "ibv_post_send (RDMA write with immediate)",
+            &self.device,
+        ))
     }
 
     /// Posts the work requests the ring owes: receives, acknowledgements and READs.
@@ -1156,7 +1158,7 @@ impl IbvConnection {
             };
             self.qp
                 .post_send(&[SendRequest { wr_id, op, local }])
-                .map_err(|e| verb_err(verb, &self.device, e))?;
+                .map_err(verb_err(verb, &self.device))?;
         }
         Ok(())
     }
@@ -1170,25 +1172,14 @@ impl IbvConnection {
     ) -> Result<(), ConnectionError> {
         let spin_until = Instant::now() + self.spin;
         loop {
-            if self.poll_once()? > 0 {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if let Some((at, after)) = deadline {
-                if now >= at {
+            match self.wait_once(spin_until, deadline.map(|(at, _)| at), &[])? {
+                Waited::Completed => return Ok(()),
+                Waited::DeadlinePassed => {
+                    let after = deadline.map_or(Duration::ZERO, |(_, after)| after);
                     return Err(ConnectionError::Timeout { operation, after });
                 }
+                Waited::Woke => {}
             }
-            if now < spin_until {
-                std::hint::spin_loop();
-                continue;
-            }
-            if !self.armed {
-                self.arm()?;
-                // A completion that slipped in before arming raises no event: poll again.
-                continue;
-            }
-            self.wait_event(deadline.map(|(at, _)| at), &[])?;
         }
     }
 
@@ -1210,7 +1201,7 @@ impl IbvConnection {
         fds.push(sys::comp_channel_fd(&self.comp_channel));
         fds.extend_from_slice(also);
         let ready = sys::poll_readable(&fds, timeout_ms)
-            .map_err(|e| verb_err("poll on the completion channel", &self.device, e))?;
+            .map_err(verb_err("poll on the completion channel", &self.device))?;
         if !ready.is_some_and(|ready| ready.first().copied().unwrap_or(false)) {
             return Ok(());
         }
@@ -1241,7 +1232,7 @@ impl IbvConnection {
         let n = self
             .cq
             .poll(&mut wcs)
-            .map_err(|e| verb_err("ibv_poll_cq", &self.device, e))?;
+            .map_err(verb_err("ibv_poll_cq", &self.device))?;
         let mut first_error = None;
         for wc in &wcs[..n] {
             let received = match wc.opcode() {

@@ -25,7 +25,7 @@ use std::fmt;
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
@@ -327,10 +327,14 @@ impl Borrower {
 
     /// Lender endpoints with a cached connection.
     pub fn connections(&self) -> usize {
+        self.cached().len()
+    }
+
+    /// The cached connections, locked.
+    fn cached(&self) -> MutexGuard<'_, HashMap<SocketAddr, Arc<Mutex<Connection>>>> {
         self.connections
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .len()
     }
 
     /// Reads `target.len()` bytes the lender at `lender` lent at `remote_addr` under
@@ -398,12 +402,7 @@ impl Borrower {
 
     /// The cached connection to `lender`, made now if there is none.
     fn connection(&self, lender: SocketAddr) -> Result<Arc<Mutex<Connection>>, LendingError> {
-        if let Some(cached) = self
-            .connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&lender)
-        {
+        if let Some(cached) = self.cached().get(&lender) {
             return Ok(Arc::clone(cached));
         }
         let timeout = self.options.bootstrap_timeout;
@@ -426,20 +425,14 @@ impl Borrower {
             connection,
             _stream: stream,
         }));
-        let mut connections = self
-            .connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut connections = self.cached();
         // Another thread may have connected meanwhile: keep the first.
         Ok(Arc::clone(connections.entry(lender).or_insert(made)))
     }
 
     /// Drops the cached connection to `lender` if it is still `connection`.
     fn forget(&self, lender: SocketAddr, connection: &Arc<Mutex<Connection>>) {
-        let mut connections = self
-            .connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut connections = self.cached();
         if connections
             .get(&lender)
             .is_some_and(|cached| Arc::ptr_eq(cached, connection))

@@ -345,6 +345,19 @@ mod tests {
         }
     }
 
+    /// A device with one active port (1) of `link_layer` with `gids`.
+    fn active_device(name: &str, link_layer: LinkLayer, gids: Vec<GidEntry>) -> RdmaDevice {
+        device(name, vec![port(1, PortState::Active, link_layer, gids)])
+    }
+
+    /// A device with one InfiniBand port (1) in `state`, with GID 0.
+    fn ib_device(name: &str, state: PortState) -> RdmaDevice {
+        device(
+            name,
+            vec![port(1, state, LinkLayer::InfiniBand, vec![ib_gid(0)])],
+        )
+    }
+
     fn cfg(device: Option<&str>, port: Option<u8>, gid_index: Option<u32>) -> IbvConfig {
         IbvConfig {
             device: device.map(str::to_owned),
@@ -363,15 +376,7 @@ mod tests {
 
     #[test]
     fn infiniband_uses_gid_zero_and_lid() {
-        let devices = [device(
-            "mlx5_0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::InfiniBand,
-                vec![ib_gid(0)],
-            )],
-        )];
+        let devices = [ib_device("mlx5_0", PortState::Active)];
         let sel = select(&devices, &IbvConfig::default()).unwrap();
         assert_eq!(sel.device, "mlx5_0");
         assert_eq!(sel.port, 1);
@@ -384,14 +389,10 @@ mod tests {
 
     #[test]
     fn unspecified_link_layer_counts_as_infiniband() {
-        let devices = [device(
+        let devices = [active_device(
             "qib0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::Unspecified,
-                vec![ib_gid(0)],
-            )],
+            LinkLayer::Unspecified,
+            vec![ib_gid(0)],
         )];
         assert_eq!(
             select(&devices, &IbvConfig::default()).unwrap().gid_index,
@@ -402,14 +403,10 @@ mod tests {
     #[test]
     fn roce_prefers_ipv4_rocev2_over_index_zero() {
         let addr = ipv4(10, 0, 0, 5);
-        let devices = [device(
+        let devices = [active_device(
             "mlx5_0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::Ethernet,
-                roce_gids(addr),
-            )],
+            LinkLayer::Ethernet,
+            roce_gids(addr),
         )];
         let sel = select(&devices, &IbvConfig::default()).unwrap();
         assert_eq!(sel.gid_index, 3);
@@ -423,17 +420,13 @@ mod tests {
     fn rxe_layout_picks_index_one() {
         // Soft-RoCE on an IPv4 interface: link-local v2 at 0, IPv4 v2 at 1.
         let addr = ipv4(192, 168, 1, 20);
-        let devices = [device(
+        let devices = [active_device(
             "rxe0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::Ethernet,
-                vec![
-                    roce_gid(0, link_local(), GidType::RoceV2),
-                    roce_gid(1, addr, GidType::RoceV2),
-                ],
-            )],
+            LinkLayer::Ethernet,
+            vec![
+                roce_gid(0, link_local(), GidType::RoceV2),
+                roce_gid(1, addr, GidType::RoceV2),
+            ],
         )];
         assert_eq!(
             select(&devices, &IbvConfig::default()).unwrap().gid_index,
@@ -443,18 +436,14 @@ mod tests {
 
     #[test]
     fn roce_without_ipv4_v2_gid_is_not_usable() {
-        let devices = [device(
+        let devices = [active_device(
             "mlx5_0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::Ethernet,
-                vec![
-                    roce_gid(0, link_local(), GidType::RoceV1),
-                    roce_gid(1, link_local(), GidType::RoceV2),
-                    roce_gid(2, ipv4(10, 0, 0, 1), GidType::RoceV1),
-                ],
-            )],
+            LinkLayer::Ethernet,
+            vec![
+                roce_gid(0, link_local(), GidType::RoceV1),
+                roce_gid(1, link_local(), GidType::RoceV2),
+                roce_gid(2, ipv4(10, 0, 0, 1), GidType::RoceV1),
+            ],
         )];
         let err = select(&devices, &IbvConfig::default()).unwrap_err();
         assert!(matches!(&err, SelectError::NoUsableGid { ports } if ports.len() == 1));
@@ -473,15 +462,7 @@ mod tests {
     fn first_device_with_an_active_port_wins() {
         let addr = ipv4(10, 0, 0, 9);
         let devices = [
-            device(
-                "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Down,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_0", PortState::Down),
             device(
                 "mlx5_1",
                 vec![
@@ -489,15 +470,7 @@ mod tests {
                     port(2, PortState::Active, LinkLayer::Ethernet, roce_gids(addr)),
                 ],
             ),
-            device(
-                "mlx5_2",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_2", PortState::Active),
         ];
         let sel = select(&devices, &IbvConfig::default()).unwrap();
         assert_eq!((sel.device.as_str(), sel.port), ("mlx5_1", 2));
@@ -506,24 +479,12 @@ mod tests {
     #[test]
     fn active_port_without_usable_gid_is_skipped_for_a_later_one() {
         let devices = [
-            device(
+            active_device(
                 "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::Ethernet,
-                    vec![roce_gid(0, link_local(), GidType::RoceV1)],
-                )],
+                LinkLayer::Ethernet,
+                vec![roce_gid(0, link_local(), GidType::RoceV1)],
             ),
-            device(
-                "mlx5_1",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_1", PortState::Active),
         ];
         assert_eq!(
             select(&devices, &IbvConfig::default()).unwrap().device,
@@ -534,24 +495,8 @@ mod tests {
     #[test]
     fn all_ports_inactive() {
         let devices = [
-            device(
-                "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Down,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
-            device(
-                "mlx5_1",
-                vec![port(
-                    1,
-                    PortState::Armed,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_0", PortState::Down),
+            ib_device("mlx5_1", PortState::Armed),
         ];
         let err = select(&devices, &IbvConfig::default()).unwrap_err();
         assert!(matches!(&err, SelectError::NoActivePort { ports } if ports.len() == 2));
@@ -573,24 +518,8 @@ mod tests {
     #[test]
     fn requested_device_is_used_even_if_not_first() {
         let devices = [
-            device(
-                "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
-            device(
-                "mlx5_1",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_0", PortState::Active),
+            ib_device("mlx5_1", PortState::Active),
         ];
         let sel = select(&devices, &cfg(Some("mlx5_1"), None, None)).unwrap();
         assert_eq!(sel.device, "mlx5_1");
@@ -609,24 +538,8 @@ mod tests {
     #[test]
     fn requested_device_with_only_inactive_ports_does_not_fall_back() {
         let devices = [
-            device(
-                "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Down,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
-            device(
-                "mlx5_1",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::InfiniBand,
-                    vec![ib_gid(0)],
-                )],
-            ),
+            ib_device("mlx5_0", PortState::Down),
+            ib_device("mlx5_1", PortState::Active),
         ];
         let err = select(&devices, &cfg(Some("mlx5_0"), None, None)).unwrap_err();
         assert_eq!(
@@ -687,14 +600,10 @@ mod tests {
 
     #[test]
     fn requested_gid_index_missing() {
-        let devices = [device(
+        let devices = [active_device(
             "mlx5_0",
-            vec![port(
-                1,
-                PortState::Active,
-                LinkLayer::Ethernet,
-                roce_gids(ipv4(10, 0, 0, 1)),
-            )],
+            LinkLayer::Ethernet,
+            roce_gids(ipv4(10, 0, 0, 1)),
         )];
         let err = select(&devices, &cfg(None, None, Some(7))).unwrap_err();
         assert!(matches!(err, SelectError::GidNotFound { gid_index: 7, .. }));
@@ -741,15 +650,7 @@ mod tests {
         let addr0 = ipv4(10, 0, 0, 1);
         let addr1 = ipv4(10, 0, 1, 1);
         let devices = [
-            device(
-                "mlx5_0",
-                vec![port(
-                    1,
-                    PortState::Active,
-                    LinkLayer::Ethernet,
-                    roce_gids(addr0),
-                )],
-            ),
+            active_device("mlx5_0", LinkLayer::Ethernet, roce_gids(addr0)),
             device(
                 "mlx5_1",
                 vec![

@@ -31,9 +31,9 @@
 //! This module decides no protocol: the channels and the agent's runtime do. What stays
 //! here is what needs `unsafe`: each type above owns a driver resource whose `Drop` (or a
 //! `Send`/`Sync`/`ReadTarget` impl) relies on an invariant only its constructor can keep,
-//! so moving it out would move `unsafe` with it. Pure logic lives above: the UUID's text in
-//! `cuda::descriptor`, a panic's text in `error_chain`, the caches, pools and loan
-//! bookkeeping in `cuda::agent`'s channel modules.
+//! so moving it out would move `unsafe` with it. Pure logic lives above: a panic's text
+//! in `error_chain`, the caches, pools and loan bookkeeping in `cuda::agent`'s channel
+//! modules.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::io;
@@ -183,33 +183,6 @@ impl Gpu {
         self.bind()?;
         result::mem_get_info().map_err(CudaCallError::driver("cuMemGetInfo", self.ordinal()))
     }
-
-    /// The device's PCI bus id (`cuDeviceGetPCIBusId`), e.g. `0000:3B:00.0`.
-    pub fn pci_bus_id(&self) -> Result<String, CudaCallError> {
-        let mut buf = [0 as std::ffi::c_char; 32];
-        // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes into
-        // `buf`, which is a live local array of that length; the device handle comes from
-        // the context, created after `cuInit`.
-        unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), 32, self.ctx.cu_device()) }
-            .result()
-            .map_err(CudaCallError::driver("cuDeviceGetPCIBusId", self.ordinal()))?;
-        let bytes: Vec<u8> = buf
-            .iter()
-            .take_while(|c| **c != 0)
-            .map(|c| *c as u8)
-            .collect();
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
-    }
-
-    /// The device's UUID, its 16 bytes (`cuDeviceGetUuid`); `crate::cuda::descriptor`'s
-    /// `format_gpu_uuid` writes it as NVIDIA does.
-    pub fn uuid(&self) -> Result<[u8; 16], CudaCallError> {
-        let uuid = self
-            .ctx
-            .uuid()
-            .map_err(CudaCallError::driver("cuDeviceGetUuid", self.ordinal()))?;
-        Ok(uuid.bytes.map(|b| b as u8))
-    }
 }
 
 /// A device address range borrowed for `'a`: the memory a transfer reads or writes.
@@ -229,61 +202,13 @@ impl<'a> DeviceRange<'a> {
     /// while a transfer uses it, for `'a`.
     #[cfg(test)]
     pub(in crate::sys) unsafe fn from_raw(ptr: sys::CUdeviceptr, len: usize) -> DeviceRange<'a> {
-        DeviceRange {
-            ptr,
-            len,
-            _memory: PhantomData,
-        }
-    }
-
-    /// Start address.
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the range is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The sub-range `[offset, offset + len)`, or `None` if it does not fit.
-    pub fn slice(&self, offset: usize, len: usize) -> Option<DeviceRange<'a>> {
-        let (ptr, len) = sub_range(self.ptr, self.len, offset, len)?;
-        Some(DeviceRange {
-            ptr,
-            len,
-            _memory: PhantomData,
-        })
+        DeviceRange::new(ptr, len)
     }
 
     /// The same range, to read from.
     pub fn source(&self) -> DeviceSource<'a> {
-        DeviceSource {
-            ptr: self.ptr,
-            len: self.len,
-            _memory: PhantomData,
-        }
+        DeviceSource::new(self.ptr, self.len)
     }
-}
-
-/// `[ptr + offset, ptr + offset + len)` when it lies inside `[ptr, ptr + whole)` and its
-/// addresses do not overflow.
-fn sub_range(
-    ptr: sys::CUdeviceptr,
-    whole: usize,
-    offset: usize,
-    len: usize,
-) -> Option<(sys::CUdeviceptr, usize)> {
-    let end = offset.checked_add(len)?;
-    if end > whole {
-        return None;
-    }
-    Some((ptr.checked_add(offset as u64)?, len))
 }
 
 /// A device address range a copy only *reads*: a [`DeviceRange`]'s ([`DeviceRange::source`]
@@ -305,45 +230,69 @@ impl DeviceSource<'static> {
     /// The range `[ptr, ptr + len)` named by another endpoint (a `cuda_xth` sender of this
     /// process), which holds the memory until this side answered.
     pub fn named_by_peer(ptr: sys::CUdeviceptr, len: usize) -> DeviceSource<'static> {
-        DeviceSource {
-            ptr,
-            len,
-            _memory: PhantomData,
+        DeviceSource::new(ptr, len)
+    }
+}
+
+/// The methods [`DeviceRange`] and [`DeviceSource`] share: what a range is, apart from
+/// whether it may be written.
+macro_rules! device_span {
+    ($span:ident) => {
+        impl<'a> $span<'a> {
+            /// `[ptr, ptr + len)`; what makes that memory fit the type is the caller's.
+            fn new(ptr: sys::CUdeviceptr, len: usize) -> $span<'a> {
+                $span {
+                    ptr,
+                    len,
+                    _memory: PhantomData,
+                }
+            }
+
+            /// Start address.
+            pub fn ptr(&self) -> sys::CUdeviceptr {
+                self.ptr
+            }
+
+            /// Length in bytes.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            /// Whether the range is empty.
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+
+            /// The sub-range `[offset, offset + len)`, or `None` if it does not fit (or its
+            /// addresses overflow).
+            pub fn slice(&self, offset: usize, len: usize) -> Option<$span<'a>> {
+                if offset.checked_add(len)? > self.len {
+                    return None;
+                }
+                Some($span::new(self.ptr.checked_add(offset as u64)?, len))
+            }
         }
-    }
+    };
 }
 
-impl<'a> DeviceSource<'a> {
-    /// Start address.
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the range is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The sub-range `[offset, offset + len)`, or `None` if it does not fit.
-    pub fn slice(&self, offset: usize, len: usize) -> Option<DeviceSource<'a>> {
-        let (ptr, len) = sub_range(self.ptr, self.len, offset, len)?;
-        Some(DeviceSource {
-            ptr,
-            len,
-            _memory: PhantomData,
-        })
-    }
-}
+device_span!(DeviceRange);
+device_span!(DeviceSource);
 
 impl<'a> From<DeviceRange<'a>> for DeviceSource<'a> {
     fn from(range: DeviceRange<'a>) -> Self {
         range.source()
     }
+}
+
+/// `Ok` when `fits`; otherwise the mismatch of `sent` bytes against `expected`.
+fn check_len(fits: bool, sent: usize, expected: usize) -> Result<(), CudaCallError> {
+    if fits {
+        return Ok(());
+    }
+    Err(CudaCallError::LengthMismatch {
+        sent: sent as u64,
+        expected: expected as u64,
+    })
 }
 
 /// Enqueues a copy of `src` (on `src_gpu`) into `dst` (on `dst_gpu`) on `stream`:
@@ -357,12 +306,7 @@ pub fn copy_device_async<'s>(
     stream: &CudaStream,
 ) -> Result<(), CudaCallError> {
     let src = src.into();
-    if dst.len() != src.len() {
-        return Err(CudaCallError::LengthMismatch {
-            sent: src.len() as u64,
-            expected: dst.len() as u64,
-        });
-    }
+    check_len(dst.len() == src.len(), src.len(), dst.len())?;
     if src.is_empty() {
         return Ok(());
     }
@@ -402,12 +346,7 @@ pub fn copy_unified_async(
     src: DeviceSource<'_>,
     stream: &CudaStream,
 ) -> Result<(), CudaCallError> {
-    if dst.len() != src.len() {
-        return Err(CudaCallError::LengthMismatch {
-            sent: src.len() as u64,
-            expected: dst.len() as u64,
-        });
-    }
+    check_len(dst.len() == src.len(), src.len(), dst.len())?;
     if src.is_empty() {
         return Ok(());
     }
@@ -453,11 +392,7 @@ impl DeviceAllocation {
 
     /// The whole allocation as a range.
     pub fn range(&self) -> DeviceRange<'_> {
-        DeviceRange {
-            ptr: self.ptr,
-            len: self.len,
-            _memory: PhantomData,
-        }
+        DeviceRange::new(self.ptr, self.len)
     }
 
     /// Length in bytes.
@@ -500,12 +435,7 @@ impl DeviceAllocation {
     /// Copies `src` into the allocation (synchronous `cuMemcpyHtoD`); `src` must have the
     /// allocation's length.
     pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), CudaCallError> {
-        if src.len() != self.len {
-            return Err(CudaCallError::LengthMismatch {
-                sent: src.len() as u64,
-                expected: self.len as u64,
-            });
-        }
+        check_len(src.len() == self.len, src.len(), self.len)?;
         if self.len == 0 {
             return Ok(());
         }
@@ -519,24 +449,14 @@ impl DeviceAllocation {
     /// Copies the allocation into `dst` (synchronous `cuMemcpyDtoH`); `dst` must have the
     /// allocation's length.
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), CudaCallError> {
-        if dst.len() != self.len {
-            return Err(CudaCallError::LengthMismatch {
-                sent: self.len as u64,
-                expected: dst.len() as u64,
-            });
-        }
+        check_len(dst.len() == self.len, self.len, dst.len())?;
         self.copy_prefix_to_host(dst)
     }
 
     /// Copies the allocation's first `dst.len()` bytes into `dst` (synchronous
     /// `cuMemcpyDtoH`); `dst` may not be longer than the allocation.
     pub fn copy_prefix_to_host(&self, dst: &mut [u8]) -> Result<(), CudaCallError> {
-        if dst.len() > self.len {
-            return Err(CudaCallError::LengthMismatch {
-                sent: self.len as u64,
-                expected: dst.len() as u64,
-            });
-        }
+        check_len(dst.len() <= self.len, self.len, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
@@ -705,34 +625,19 @@ impl StagingBuffer {
         src: DeviceSource<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaCallError> {
-        if src.len() > self.len() {
-            return Err(CudaCallError::LengthMismatch {
-                sent: src.len() as u64,
-                expected: self.len() as u64,
-            });
-        }
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.order_after_last_copy(stream)?;
-        let ordinal = stream.context().ordinal();
-        Gpu::of_stream(stream).bind()?;
-        self.in_flight = true;
+        check_len(src.len() <= self.len(), src.len(), self.len())?;
         // SAFETY: the buffer holds at least `src.len()` pinned bytes, and no Rust code can
-        // reach them until the event recorded next has completed (`in_flight`, set above,
-        // gates every accessor and the drop); `src` is only read, and the driver fails the
-        // copy if it is not mapped.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                self.buffer.as_ptr(),
-                src.ptr(),
-                src.len(),
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(CudaCallError::driver("cuMemcpyDtoHAsync", ordinal))?;
-        self.event.record(stream)
+        // reach them until the event recorded next has completed (`in_flight`, set by
+        // `enqueue`, gates every accessor and the drop); `src` is only read, and the driver
+        // fails the copy if it is not mapped.
+        self.enqueue(
+            src.len(),
+            stream,
+            "cuMemcpyDtoHAsync",
+            |host, cu_stream| unsafe {
+                sys::cuMemcpyDtoHAsync_v2(host, src.ptr(), src.len(), cu_stream)
+            },
+        )
     }
 
     /// Enqueues a copy of the buffer's first `dst.len()` bytes into `dst` on `stream`
@@ -743,44 +648,46 @@ impl StagingBuffer {
         dst: DeviceRange<'_>,
         stream: &CudaStream,
     ) -> Result<(), CudaCallError> {
-        if dst.len() > self.len() {
-            return Err(CudaCallError::LengthMismatch {
-                sent: self.len() as u64,
-                expected: dst.len() as u64,
-            });
-        }
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.order_after_last_copy(stream)?;
-        let ordinal = stream.context().ordinal();
-        Gpu::of_stream(stream).bind()?;
-        self.in_flight = true;
+        check_len(dst.len() <= self.len(), self.len(), dst.len())?;
         // SAFETY: the buffer holds at least `dst.len()` pinned bytes, which Rust cannot
         // write until the event recorded next has completed (`in_flight`); `dst` is
         // `dst.len()` bytes of device memory borrowed for writing (its `DeviceRange`
         // contract).
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dst.ptr(),
-                self.buffer.as_ptr(),
-                dst.len(),
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(CudaCallError::driver("cuMemcpyHtoDAsync", ordinal))?;
-        self.event.record(stream)
+        self.enqueue(
+            dst.len(),
+            stream,
+            "cuMemcpyHtoDAsync",
+            |host, cu_stream| unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dst.ptr(), host, dst.len(), cu_stream)
+            },
+        )
     }
 
-    /// Makes `stream` wait for the copy in flight, if any, so that the event recorded after
-    /// the next copy also covers it (the pipelines wait before reusing a buffer, so only
-    /// back-to-back copies such as the bench's limit rows get here).
-    fn order_after_last_copy(&mut self, stream: &CudaStream) -> Result<(), CudaCallError> {
+    /// Enqueues `copy` of `len` (> 0, else nothing) bytes between the buffer's address and
+    /// the device on `stream`, marks the buffer in flight first, and records the event
+    /// after it. While an earlier copy is in flight, `stream` first waits for it, so that
+    /// the event recorded after the next copy also covers it (the pipelines wait before
+    /// reusing a buffer, so only back-to-back copies such as the bench's limit rows get
+    /// there).
+    fn enqueue(
+        &mut self,
+        len: usize,
+        stream: &CudaStream,
+        call: &'static str,
+        copy: impl FnOnce(*mut c_void, sys::CUstream) -> CUresult,
+    ) -> Result<(), CudaCallError> {
+        if len == 0 {
+            return Ok(());
+        }
         if self.in_flight {
             self.event.wait_on(stream)?;
         }
-        Ok(())
+        Gpu::of_stream(stream).bind()?;
+        self.in_flight = true;
+        copy(self.buffer.as_ptr(), stream.cu_stream())
+            .result()
+            .map_err(CudaCallError::driver(call, stream.context().ordinal()))?;
+        self.event.record(stream)
     }
 
     /// Waits for the last copy (`cuEventSynchronize`); nothing when none is in flight.
@@ -1069,11 +976,7 @@ impl IpcMapping {
 
     /// The mapped bytes, to copy from while the mapping is open.
     pub fn source(&self) -> DeviceSource<'_> {
-        DeviceSource {
-            ptr: self.base,
-            len: self.len(),
-            _memory: PhantomData,
-        }
+        DeviceSource::new(self.base, self.len())
     }
 }
 
@@ -1253,9 +1156,7 @@ impl<R, M> CoveredDeviceMemory<R, M> {
             memory,
         })
     }
-}
 
-impl<R, M> CoveredDeviceMemory<R, M> {
     /// The registration and the memory, apart.
     pub(crate) fn into_parts(self) -> (R, M) {
         (self.registration, self.memory)

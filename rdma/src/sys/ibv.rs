@@ -117,49 +117,14 @@ struct VerbsContextTail {
 const VERBS_CONTEXT_FROM_QUERY_PORT: usize =
     mem::size_of::<VerbsContextTail>() + mem::size_of::<IbvContext>();
 
-#[repr(C)]
+/// `struct ibv_device_attr`: only `phys_port_cnt` is read, so the fields before it
+/// (`fw_ver` … `local_ca_ack_delay`, 227 bytes) and the tail padding are written as bytes.
+#[repr(C, align(8))]
 #[derive(Clone, Copy)]
 struct IbvDeviceAttr {
-    fw_ver: [c_char; 64],
-    node_guid: u64,
-    sys_image_guid: u64,
-    max_mr_size: u64,
-    page_size_cap: u64,
-    vendor_id: u32,
-    vendor_part_id: u32,
-    hw_ver: u32,
-    max_qp: c_int,
-    max_qp_wr: c_int,
-    device_cap_flags: c_uint,
-    max_sge: c_int,
-    max_sge_rd: c_int,
-    max_cq: c_int,
-    max_cqe: c_int,
-    max_mr: c_int,
-    max_pd: c_int,
-    max_qp_rd_atom: c_int,
-    max_ee_rd_atom: c_int,
-    max_res_rd_atom: c_int,
-    max_qp_init_rd_atom: c_int,
-    max_ee_init_rd_atom: c_int,
-    atomic_cap: c_uint,
-    max_ee: c_int,
-    max_rdd: c_int,
-    max_mw: c_int,
-    max_raw_ipv6_qp: c_int,
-    max_raw_ethy_qp: c_int,
-    max_mcast_grp: c_int,
-    max_mcast_qp_attach: c_int,
-    max_total_mcast_qp_attach: c_int,
-    max_ah: c_int,
-    max_fmr: c_int,
-    max_map_per_fmr: c_int,
-    max_srq: c_int,
-    max_srq_wr: c_int,
-    max_srq_sge: c_int,
-    max_pkeys: u16,
-    local_ca_ack_delay: u8,
+    _before_phys_port_cnt: [u8; 227],
     phys_port_cnt: u8,
+    _padding: [u8; 4],
 }
 
 /// `struct ibv_port_attr`.
@@ -573,47 +538,6 @@ impl std::ops::BitOr for AccessFlags {
 
 // --- the library ----------------------------------------------------------------------
 
-/// The entry points rdzv uses, looked up once in `libibverbs.so.1`.
-struct Verbs {
-    get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut IbvDevice,
-    free_device_list: unsafe extern "C" fn(*mut *mut IbvDevice),
-    get_device_name: unsafe extern "C" fn(*mut IbvDevice) -> *const c_char,
-    open_device: unsafe extern "C" fn(*mut IbvDevice) -> *mut IbvContext,
-    close_device: unsafe extern "C" fn(*mut IbvContext) -> c_int,
-    query_device: unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int,
-    /// The exported compatibility `ibv_query_port` (fills the fields before `flags`).
-    query_port: unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int,
-    query_gid: unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut IbvGid) -> c_int,
-    query_gid_ex: Option<
-        unsafe extern "C" fn(*mut IbvContext, u32, u32, *mut IbvGidEntry, u32, usize) -> c_int,
-    >,
-    alloc_pd: unsafe extern "C" fn(*mut IbvContext) -> *mut IbvPd,
-    dealloc_pd: unsafe extern "C" fn(*mut IbvPd) -> c_int,
-    reg_mr: unsafe extern "C" fn(*mut IbvPd, *mut c_void, usize, c_int) -> *mut IbvMr,
-    reg_dmabuf_mr:
-        Option<unsafe extern "C" fn(*mut IbvPd, u64, usize, u64, c_int, c_int) -> *mut IbvMr>,
-    dereg_mr: unsafe extern "C" fn(*mut IbvMr) -> c_int,
-    create_comp_channel: unsafe extern "C" fn(*mut IbvContext) -> *mut IbvCompChannel,
-    destroy_comp_channel: unsafe extern "C" fn(*mut IbvCompChannel) -> c_int,
-    get_cq_event:
-        unsafe extern "C" fn(*mut IbvCompChannel, *mut *mut IbvCq, *mut *mut c_void) -> c_int,
-    ack_cq_events: unsafe extern "C" fn(*mut IbvCq, c_uint),
-    create_cq: unsafe extern "C" fn(
-        *mut IbvContext,
-        c_int,
-        *mut c_void,
-        *mut IbvCompChannel,
-        c_int,
-    ) -> *mut IbvCq,
-    destroy_cq: unsafe extern "C" fn(*mut IbvCq) -> c_int,
-    create_qp: unsafe extern "C" fn(*mut IbvPd, *mut IbvQpInitAttr) -> *mut IbvQp,
-    modify_qp: unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int,
-    query_qp: unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int, *mut IbvQpInitAttr) -> c_int,
-    destroy_qp: unsafe extern "C" fn(*mut IbvQp) -> c_int,
-    /// Keeps the functions above mapped; never unloaded (it lives in a `static`).
-    _library: libloading::Library,
-}
-
 /// Why libibverbs cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -667,8 +591,31 @@ pub fn check_library_at(path: &str) -> Result<(), LibraryError> {
     Verbs::load(path).map(|_| ())
 }
 
-macro_rules! symbol {
-    ($library:expr, $name:literal) => {{
+/// Declares `Verbs`, the entry points rdzv uses, each named once with its symbol and its
+/// C prototype, and `Verbs::symbols`, which looks every one up in a loaded library: an
+/// `optional` one is `None` when the library lacks it, any other is a
+/// [`LibraryError::MissingSymbol`].
+macro_rules! verbs {
+    ($($(#[$doc:meta])* $field:ident $(($optional:ident))?: $name:literal => $ty:ty,)*) => {
+        /// The entry points rdzv uses, looked up once in `libibverbs.so.1`.
+        struct Verbs {
+            $($(#[$doc])* $field: verbs!(@type $ty $(, $optional)?),)*
+            /// Keeps the functions above mapped; never unloaded (it lives in a `static`).
+            _library: libloading::Library,
+        }
+
+        impl Verbs {
+            fn symbols(library: libloading::Library) -> Result<Verbs, LibraryError> {
+                Ok(Verbs {
+                    $($field: verbs!(@symbol library, $name $(, $optional)?),)*
+                    _library: library,
+                })
+            }
+        }
+    };
+    (@type $ty:ty) => { $ty };
+    (@type $ty:ty, optional) => { Option<$ty> };
+    (@symbol $library:ident, $name:literal) => {{
         // SAFETY: the type the symbol is read as is the C prototype of `$name` in
         // verbs.h (IBVERBS_1.1), written down in `Verbs`; the pointer stays valid while
         // the library is loaded, and `Verbs` keeps it loaded.
@@ -684,14 +631,57 @@ macro_rules! symbol {
             }
         }
     }};
-}
-
-macro_rules! optional_symbol {
-    ($library:expr, $name:literal) => {{
-        // SAFETY: as in `symbol!`.
+    (@symbol $library:ident, $name:literal, optional) => {{
+        // SAFETY: as for a required symbol.
         let symbol = unsafe { $library.get(concat!($name, "\0").as_bytes()) };
         symbol.ok().map(|symbol| *symbol)
     }};
+}
+
+verbs! {
+    get_device_list: "ibv_get_device_list" =>
+        unsafe extern "C" fn(*mut c_int) -> *mut *mut IbvDevice,
+    free_device_list: "ibv_free_device_list" => unsafe extern "C" fn(*mut *mut IbvDevice),
+    get_device_name: "ibv_get_device_name" => unsafe extern "C" fn(*mut IbvDevice) -> *const c_char,
+    open_device: "ibv_open_device" => unsafe extern "C" fn(*mut IbvDevice) -> *mut IbvContext,
+    close_device: "ibv_close_device" => unsafe extern "C" fn(*mut IbvContext) -> c_int,
+    query_device: "ibv_query_device" =>
+        unsafe extern "C" fn(*mut IbvContext, *mut IbvDeviceAttr) -> c_int,
+    /// The exported compatibility `ibv_query_port` (fills the fields before `flags`).
+    query_port: "ibv_query_port" =>
+        unsafe extern "C" fn(*mut IbvContext, u8, *mut IbvPortAttr) -> c_int,
+    query_gid: "ibv_query_gid" =>
+        unsafe extern "C" fn(*mut IbvContext, u8, c_int, *mut IbvGid) -> c_int,
+    query_gid_ex(optional): "_ibv_query_gid_ex" =>
+        unsafe extern "C" fn(*mut IbvContext, u32, u32, *mut IbvGidEntry, u32, usize) -> c_int,
+    alloc_pd: "ibv_alloc_pd" => unsafe extern "C" fn(*mut IbvContext) -> *mut IbvPd,
+    dealloc_pd: "ibv_dealloc_pd" => unsafe extern "C" fn(*mut IbvPd) -> c_int,
+    reg_mr: "ibv_reg_mr" =>
+        unsafe extern "C" fn(*mut IbvPd, *mut c_void, usize, c_int) -> *mut IbvMr,
+    reg_dmabuf_mr(optional): "ibv_reg_dmabuf_mr" =>
+        unsafe extern "C" fn(*mut IbvPd, u64, usize, u64, c_int, c_int) -> *mut IbvMr,
+    dereg_mr: "ibv_dereg_mr" => unsafe extern "C" fn(*mut IbvMr) -> c_int,
+    create_comp_channel: "ibv_create_comp_channel" =>
+        unsafe extern "C" fn(*mut IbvContext) -> *mut IbvCompChannel,
+    destroy_comp_channel: "ibv_destroy_comp_channel" =>
+        unsafe extern "C" fn(*mut IbvCompChannel) -> c_int,
+    get_cq_event: "ibv_get_cq_event" =>
+        unsafe extern "C" fn(*mut IbvCompChannel, *mut *mut IbvCq, *mut *mut c_void) -> c_int,
+    ack_cq_events: "ibv_ack_cq_events" => unsafe extern "C" fn(*mut IbvCq, c_uint),
+    create_cq: "ibv_create_cq" => unsafe extern "C" fn(
+        *mut IbvContext,
+        c_int,
+        *mut c_void,
+        *mut IbvCompChannel,
+        c_int,
+    ) -> *mut IbvCq,
+    destroy_cq: "ibv_destroy_cq" => unsafe extern "C" fn(*mut IbvCq) -> c_int,
+    create_qp: "ibv_create_qp" =>
+        unsafe extern "C" fn(*mut IbvPd, *mut IbvQpInitAttr) -> *mut IbvQp,
+    modify_qp: "ibv_modify_qp" => unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int) -> c_int,
+    query_qp: "ibv_query_qp" =>
+        unsafe extern "C" fn(*mut IbvQp, *mut IbvQpAttr, c_int, *mut IbvQpInitAttr) -> c_int,
+    destroy_qp: "ibv_destroy_qp" => unsafe extern "C" fn(*mut IbvQp) -> c_int,
 }
 
 impl Verbs {
@@ -703,33 +693,7 @@ impl Verbs {
                 path: path.to_string(),
                 detail: crate::error_chain::ErrorChain(&err).to_string(),
             })?;
-        Ok(Verbs {
-            get_device_list: symbol!(library, "ibv_get_device_list"),
-            free_device_list: symbol!(library, "ibv_free_device_list"),
-            get_device_name: symbol!(library, "ibv_get_device_name"),
-            open_device: symbol!(library, "ibv_open_device"),
-            close_device: symbol!(library, "ibv_close_device"),
-            query_device: symbol!(library, "ibv_query_device"),
-            query_port: symbol!(library, "ibv_query_port"),
-            query_gid: symbol!(library, "ibv_query_gid"),
-            query_gid_ex: optional_symbol!(library, "_ibv_query_gid_ex"),
-            alloc_pd: symbol!(library, "ibv_alloc_pd"),
-            dealloc_pd: symbol!(library, "ibv_dealloc_pd"),
-            reg_mr: symbol!(library, "ibv_reg_mr"),
-            reg_dmabuf_mr: optional_symbol!(library, "ibv_reg_dmabuf_mr"),
-            dereg_mr: symbol!(library, "ibv_dereg_mr"),
-            create_comp_channel: symbol!(library, "ibv_create_comp_channel"),
-            destroy_comp_channel: symbol!(library, "ibv_destroy_comp_channel"),
-            get_cq_event: symbol!(library, "ibv_get_cq_event"),
-            ack_cq_events: symbol!(library, "ibv_ack_cq_events"),
-            create_cq: symbol!(library, "ibv_create_cq"),
-            destroy_cq: symbol!(library, "ibv_destroy_cq"),
-            create_qp: symbol!(library, "ibv_create_qp"),
-            modify_qp: symbol!(library, "ibv_modify_qp"),
-            query_qp: symbol!(library, "ibv_query_qp"),
-            destroy_qp: symbol!(library, "ibv_destroy_qp"),
-            _library: library,
-        })
+        Verbs::symbols(library)
     }
 }
 
@@ -751,6 +715,22 @@ fn rc_error(rc: c_int) -> io::Error {
         io::Error::from_raw_os_error(rc)
     } else {
         errno_error()
+    }
+}
+
+/// `Ok` for a verb that returned 0, else its error ([`rc_error`]).
+fn check_rc(rc: c_int) -> io::Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc_error(rc))
+    }
+}
+
+/// Logs a destroying verb that failed in a `Drop` (nothing else can be done about it).
+fn log_failure(verb: &str, rc: c_int) {
+    if rc != 0 {
+        tracing::debug!(error = %rc_error(rc), "{verb} failed");
     }
 }
 
@@ -933,10 +913,7 @@ impl Context {
     pub fn phys_port_cnt(&self) -> io::Result<u8> {
         let mut attr = MaybeUninit::<IbvDeviceAttr>::zeroed();
         // SAFETY: the context is open; `attr` is a writable ibv_device_attr.
-        let rc = unsafe { (self.verbs.query_device)(self.ptr.as_ptr(), attr.as_mut_ptr()) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe { (self.verbs.query_device)(self.ptr.as_ptr(), attr.as_mut_ptr()) })?;
         // SAFETY: zero-initialised, then filled by the call; every bit pattern is valid.
         Ok(unsafe { attr.assume_init() }.phys_port_cnt)
     }
@@ -971,24 +948,21 @@ impl Context {
     /// # Errors
     /// The call's errno.
     pub fn query_port(&self, port: u8) -> io::Result<PortAttr> {
+        self.query_port_with(self.query_port_op(), port)
+    }
+
+    /// `ibv_query_port` through `op`, the extended context's `query_port`, or through the
+    /// exported compatibility symbol when `None`.
+    fn query_port_with(&self, op: Option<QueryPortExFn>, port: u8) -> io::Result<PortAttr> {
         let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-        let rc = match self.query_port_op() {
+        let (ctx, out) = (self.ptr.as_ptr(), attr.as_mut_ptr());
+        check_rc(match op {
             // SAFETY: the context is open; `attr` is a writable ibv_port_attr of the size
             // passed.
-            Some(op) => unsafe {
-                op(
-                    self.ptr.as_ptr(),
-                    port,
-                    attr.as_mut_ptr(),
-                    mem::size_of::<IbvPortAttr>(),
-                )
-            },
+            Some(op) => unsafe { op(ctx, port, out, mem::size_of::<IbvPortAttr>()) },
             // SAFETY: as above; the compatibility symbol writes a prefix of the struct.
-            None => unsafe { (self.verbs.query_port)(self.ptr.as_ptr(), port, attr.as_mut_ptr()) },
-        };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+            None => unsafe { (self.verbs.query_port)(ctx, port, out) },
+        })?;
         // SAFETY: zero-initialised, then filled; every bit pattern of its integers is valid.
         Ok(port_attr(unsafe { attr.assume_init() }))
     }
@@ -1001,30 +975,10 @@ impl Context {
         &self,
         port: u8,
     ) -> (Option<io::Result<PortAttr>>, io::Result<PortAttr>) {
-        let extended = self.query_port_op().map(|op| {
-            let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-            // SAFETY: as in `query_port`.
-            let rc = unsafe {
-                op(
-                    self.ptr.as_ptr(),
-                    port,
-                    attr.as_mut_ptr(),
-                    mem::size_of::<IbvPortAttr>(),
-                )
-            };
-            // SAFETY: zero-initialised, then filled.
-            (rc == 0)
-                .then(|| port_attr(unsafe { attr.assume_init() }))
-                .ok_or_else(|| rc_error(rc))
-        });
-        let mut attr = MaybeUninit::<IbvPortAttr>::zeroed();
-        // SAFETY: as in `query_port`.
-        let rc = unsafe { (self.verbs.query_port)(self.ptr.as_ptr(), port, attr.as_mut_ptr()) };
-        // SAFETY: zero-initialised, then filled.
-        let compat = (rc == 0)
-            .then(|| port_attr(unsafe { attr.assume_init() }))
-            .ok_or_else(|| rc_error(rc));
-        (extended, compat)
+        let extended = self
+            .query_port_op()
+            .map(|op| self.query_port_with(Some(op), port));
+        (extended, self.query_port_with(None, port))
     }
 
     /// `ibv_query_gid`: GID `index` of `port`.
@@ -1036,10 +990,7 @@ impl Context {
             c_int::try_from(index).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let mut gid = IbvGid::default();
         // SAFETY: the context is open; `gid` is a writable `union ibv_gid`.
-        let rc = unsafe { (self.verbs.query_gid)(self.ptr.as_ptr(), port, index, &mut gid) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe { (self.verbs.query_gid)(self.ptr.as_ptr(), port, index, &mut gid) })?;
         Ok(gid.0)
     }
 
@@ -1057,7 +1008,7 @@ impl Context {
         let mut entry = MaybeUninit::<IbvGidEntry>::zeroed();
         // SAFETY: the context is open; `entry` is a writable ibv_gid_entry of the size
         // passed (what the header's ibv_query_gid_ex passes).
-        let rc = unsafe {
+        check_rc(unsafe {
             query(
                 self.ptr.as_ptr(),
                 u32::from(port),
@@ -1066,10 +1017,7 @@ impl Context {
                 0,
                 mem::size_of::<IbvGidEntry>(),
             )
-        };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        })?;
         // SAFETY: zero-initialised, then filled.
         Ok(unsafe { entry.assume_init() }.gid_type)
     }
@@ -1138,10 +1086,9 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every object made on this context holds an Arc to it, so none is left;
         // closed once.
-        let rc = unsafe { (self.verbs.close_device)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_close_device failed");
-        }
+        log_failure("ibv_close_device", unsafe {
+            (self.verbs.close_device)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1262,10 +1209,9 @@ impl Drop for ProtectionDomain {
     fn drop(&mut self) {
         // SAFETY: every registration and queue pair holds an Arc to the PD, so none is
         // left; deallocated once.
-        let rc = unsafe { (self.context.verbs.dealloc_pd)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_dealloc_pd failed");
-        }
+        log_failure("ibv_dealloc_pd", unsafe {
+            (self.context.verbs.dealloc_pd)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1320,21 +1266,25 @@ impl MemoryRegion {
         let rc = unsafe { (this.pd.context.verbs.dereg_mr)(this.ptr.as_ptr()) };
         // SAFETY: `this` is not used again; its Arc is released here.
         drop(unsafe { ptr::read(&this.pd) });
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(rc)
     }
 }
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: the registration is alive and deregistered once.
-        let rc = unsafe { (self.pd.context.verbs.dereg_mr)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_dereg_mr failed");
-        }
+        log_failure("ibv_dereg_mr", unsafe {
+            (self.pd.context.verbs.dereg_mr)(self.ptr.as_ptr())
+        });
     }
+}
+
+/// Why `what` (`region`, `buffer`) cannot be registered: it is empty.
+fn empty_registration(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("an empty {what} cannot be registered"),
+    )
 }
 
 /// Page-aligned, zeroed heap memory, freed on drop.
@@ -1348,10 +1298,7 @@ impl PageMemory {
         let layout = Layout::from_size_align(len, 4096)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too large"))?;
         if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty region cannot be registered",
-            ));
+            return Err(empty_registration("region"));
         }
         // SAFETY: the layout has a nonzero size.
         let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
@@ -1535,10 +1482,7 @@ impl SharedRegistration {
     ) -> io::Result<SharedRegistration> {
         let bytes: &[u8] = (*owner).as_ref();
         if bytes.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty buffer cannot be registered",
-            ));
+            return Err(empty_registration("buffer"));
         }
         // SAFETY: the bytes belong to `owner`, which the registration keeps alive (and,
         // being shared, unmoved and unchanged) until after it is deregistered; the device
@@ -1576,10 +1520,7 @@ impl RegisteredVec {
     /// `InvalidInput` for an empty buffer, or `ibv_reg_mr`'s errno (the buffer is dropped).
     pub fn register(pd: &Arc<ProtectionDomain>, mut buf: Vec<u8>) -> io::Result<RegisteredVec> {
         if buf.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "an empty buffer cannot be registered",
-            ));
+            return Err(empty_registration("buffer"));
         }
         // SAFETY: the Vec's heap block is owned by the returned value, never resized or
         // read until it is deregistered (into_vec / Drop), and leaked if that fails.
@@ -1747,10 +1688,9 @@ impl CompChannel {
 impl Drop for CompChannel {
     fn drop(&mut self) {
         // SAFETY: every CQ using the channel holds an Arc to it, so none is left.
-        let rc = unsafe { (self.context.verbs.destroy_comp_channel)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_comp_channel failed");
-        }
+        log_failure("ibv_destroy_comp_channel", unsafe {
+            (self.context.verbs.destroy_comp_channel)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -1776,11 +1716,14 @@ impl fmt::Debug for CompletionQueue {
     }
 }
 
-fn no_op(verb: &str) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::Unsupported,
-        format!("the verbs provider has no {verb} operation"),
-    )
+/// The provider's operation `verb` from `context->ops`, or `Unsupported` when it has none.
+fn provider_op<F>(op: Option<F>, verb: &str) -> io::Result<F> {
+    op.ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the verbs provider has no {verb} operation"),
+        )
+    })
 }
 
 impl CompletionQueue {
@@ -1789,7 +1732,7 @@ impl CompletionQueue {
     /// # Errors
     /// The provider's error (`ibv_poll_cq` returned a negative value).
     pub fn poll(&self, out: &mut [WorkCompletion]) -> io::Result<usize> {
-        let poll = self.context.ops().poll_cq.ok_or_else(|| no_op("poll_cq"))?;
+        let poll = provider_op(self.context.ops().poll_cq, "poll_cq")?;
         let n = c_int::try_from(out.len()).unwrap_or(c_int::MAX);
         // SAFETY: the CQ is alive; `out` holds at least `n` writable ibv_wc entries.
         let rc = unsafe { poll(self.ptr.as_ptr(), n, out.as_mut_ptr()) };
@@ -1805,17 +1748,9 @@ impl CompletionQueue {
     /// # Errors
     /// The provider's errno.
     pub fn req_notify(&self) -> io::Result<()> {
-        let notify = self
-            .context
-            .ops()
-            .req_notify_cq
-            .ok_or_else(|| no_op("req_notify_cq"))?;
+        let notify = provider_op(self.context.ops().req_notify_cq, "req_notify_cq")?;
         // SAFETY: the CQ is alive.
-        let rc = unsafe { notify(self.ptr.as_ptr(), 0) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { notify(self.ptr.as_ptr(), 0) })
     }
 
     /// `ibv_ack_cq_events`: acknowledges `count` events taken from the channel.
@@ -1828,10 +1763,9 @@ impl CompletionQueue {
 impl Drop for CompletionQueue {
     fn drop(&mut self) {
         // SAFETY: every queue pair using the CQ holds an Arc to it, so none is left.
-        let rc = unsafe { (self.context.verbs.destroy_cq)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_cq failed");
-        }
+        log_failure("ibv_destroy_cq", unsafe {
+            (self.context.verbs.destroy_cq)(self.ptr.as_ptr())
+        });
     }
 }
 
@@ -2011,21 +1945,15 @@ impl QueuePair {
             sq_sig_all: 0,
         };
         // SAFETY: the QP is alive; both out-structs are valid and writable.
-        let rc =
-            unsafe { (self.verbs().query_qp)(self.ptr.as_ptr(), &mut attr, QP_CAP, &mut init) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
+        check_rc(unsafe {
+            (self.verbs().query_qp)(self.ptr.as_ptr(), &mut attr, QP_CAP, &mut init)
+        })?;
         Ok(init.cap.max_inline_data.max(attr.cap.max_inline_data))
     }
 
     fn modify(&self, attr: &mut IbvQpAttr, mask: c_int) -> io::Result<()> {
         // SAFETY: the QP is alive; `attr` is a valid ibv_qp_attr for `mask`.
-        let rc = unsafe { (self.verbs().modify_qp)(self.ptr.as_ptr(), attr, mask) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { (self.verbs().modify_qp)(self.ptr.as_ptr(), attr, mask) })
     }
 
     /// `ibv_modify_qp` to INIT on `port` (P_Key index 0) with `access` for the peer.
@@ -2139,12 +2067,7 @@ impl QueuePair {
                 "a send chain holds 1 to 4 work requests",
             ));
         }
-        let post = self
-            .pd
-            .context
-            .ops()
-            .post_send
-            .ok_or_else(|| no_op("post_send"))?;
+        let post = provider_op(self.pd.context.ops().post_send, "post_send")?;
         let mut sges = [IbvSge::default(); MAX_SEND_CHAIN];
         let mut wrs = [IbvSendWr::zeroed(); MAX_SEND_CHAIN];
         for (i, request) in requests.iter().enumerate() {
@@ -2180,29 +2103,19 @@ impl QueuePair {
                     wr.set_rdma(remote_addr, rkey);
                 }
             }
-            match request.local {
-                Local::None => {}
+            let (addr, length, lkey) = match request.local {
+                Local::None => continue,
                 Local::Inline(bytes) => {
                     let len = u32::try_from(bytes.len()).map_err(|_| {
                         io::Error::new(io::ErrorKind::InvalidInput, "inline data too long")
                     })?;
                     wr.send_flags |= SEND_INLINE;
-                    sges[i] = IbvSge {
-                        addr: bytes.as_ptr() as u64,
-                        length: len,
-                        lkey: 0,
-                    };
-                    wr.num_sge = 1;
+                    (bytes.as_ptr() as u64, len, 0)
                 }
-                Local::Registered { addr, len, lkey } => {
-                    sges[i] = IbvSge {
-                        addr,
-                        length: len,
-                        lkey,
-                    };
-                    wr.num_sge = 1;
-                }
-            }
+                Local::Registered { addr, len, lkey } => (addr, len, lkey),
+            };
+            sges[i] = IbvSge { addr, length, lkey };
+            wr.num_sge = 1;
         }
         let n = requests.len();
         let base = wrs.as_mut_ptr();
@@ -2224,11 +2137,7 @@ impl QueuePair {
         // SAFETY: the QP is alive; the chain of `n` work requests and their scatter lists
         // are valid for the call; inline bytes are copied by the provider during it, and
         // registered ranges are checked by the device against their keys.
-        let rc = unsafe { post(self.ptr.as_ptr(), base, &mut bad) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { post(self.ptr.as_ptr(), base, &mut bad) })
     }
 
     /// `ibv_post_recv` (through `context->ops`) of one receive work request without a
@@ -2237,12 +2146,7 @@ impl QueuePair {
     /// # Errors
     /// The provider's errno.
     pub fn post_recv_empty(&self, wr_id: u64) -> io::Result<()> {
-        let post = self
-            .pd
-            .context
-            .ops()
-            .post_recv
-            .ok_or_else(|| no_op("post_recv"))?;
+        let post = provider_op(self.pd.context.ops().post_recv, "post_recv")?;
         let mut wr = IbvRecvWr {
             wr_id,
             next: ptr::null_mut(),
@@ -2252,11 +2156,7 @@ impl QueuePair {
         let mut bad = ptr::null_mut();
         // SAFETY: the QP is alive; the work request is valid for the call and names no
         // memory.
-        let rc = unsafe { post(self.ptr.as_ptr(), &mut wr, &mut bad) };
-        if rc != 0 {
-            return Err(rc_error(rc));
-        }
-        Ok(())
+        check_rc(unsafe { post(self.ptr.as_ptr(), &mut wr, &mut bad) })
     }
 
     /// The completion queue of its sends and receives.
@@ -2269,10 +2169,9 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         // SAFETY: the QP is alive and destroyed once; afterwards the device touches no
         // memory named by its work requests.
-        let rc = unsafe { (self.verbs().destroy_qp)(self.ptr.as_ptr()) };
-        if rc != 0 {
-            tracing::debug!(error = %rc_error(rc), "ibv_destroy_qp failed");
-        }
+        log_failure("ibv_destroy_qp", unsafe {
+            (self.verbs().destroy_qp)(self.ptr.as_ptr())
+        });
     }
 }
 

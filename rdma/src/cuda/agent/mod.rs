@@ -378,12 +378,10 @@ impl DeviceRuntime for CudaRuntime {
     }
 
     fn copy_to_host(&self, memory: &DeviceBuffer) -> Result<HostBytes, DeviceError> {
-        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
-        let own = own(memory).map_err(failed)?;
-        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
-        let state = self.device(own.device).map_err(failed)?;
-        let failed = Self::failed(DeviceOp::CopyToHost, memory.device(), None);
-        state.copy_to_host(own).map_err(|e| failed(e.into()))
+        let failed = || Self::failed(DeviceOp::CopyToHost, memory.device(), None);
+        let own = own(memory).map_err(failed())?;
+        let state = self.device(own.device).map_err(failed())?;
+        state.copy_to_host(own).map_err(|e| failed()(e.into()))
     }
 
     fn receive_staged(

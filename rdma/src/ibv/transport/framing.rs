@@ -243,6 +243,21 @@ fn invalid(peer: &str, reason: String) -> TransportError {
     }
 }
 
+/// `part` is the frame part whose checked header announced `len` bytes: its length must
+/// be that.
+fn check_part(peer: &str, len: u64, part: &[u8]) -> Result<(), TransportError> {
+    if len == part.len() as u64 {
+        return Ok(());
+    }
+    Err(invalid(
+        peer,
+        format!(
+            "an RDMA frame part of {} bytes arrived where {len} were announced",
+            part.len()
+        ),
+    ))
+}
+
 fn frame_error(peer: &str, source: FrameError) -> TransportError {
     TransportError::Frame {
         peer: peer.to_string(),
@@ -261,17 +276,16 @@ pub fn decode_first(
     limits: FrameLimits,
     peer: &str,
 ) -> Result<FirstMessage, TransportError> {
-    let checked = match check_first(&first, limits, peer)? {
-        FirstCheck::Complete(frame) => {
-            return Ok(FirstMessage::Complete(IncomingFrame::from_frame(&frame)))
-        }
-        FirstCheck::Parts(checked) => checked,
-    };
     let Parts {
         header,
         tensors,
         mut expected,
-    } = checked;
+    } = match check_first(&first, limits, peer)? {
+        FirstCheck::Complete(frame) => {
+            return Ok(FirstMessage::Complete(IncomingFrame::from_frame(&frame)))
+        }
+        FirstCheck::Parts(parts) => parts,
+    };
     expected.reverse();
     Ok(FirstMessage::Pending(PendingFrame {
         first,
@@ -443,14 +457,7 @@ impl ReceiveGate {
     /// for a part of another length than announced. The stream cannot go on after one.
     pub fn observe(&mut self, message: &[u8]) -> Result<(), TransportError> {
         match self.expected.pop() {
-            Some(len) if len == message.len() as u64 => Ok(()),
-            Some(len) => Err(invalid(
-                &self.peer,
-                format!(
-                    "an RDMA frame part of {} bytes arrived where {len} were announced",
-                    message.len()
-                ),
-            )),
+            Some(len) => check_part(&self.peer, len, message),
             None => {
                 if let FirstCheck::Parts(parts) = check_first(message, self.limits, &self.peer)? {
                     self.expected = parts.expected;
@@ -482,17 +489,11 @@ impl PendingFrame {
     /// when no part is expected.
     pub fn push(&mut self, part: Vec<u8>) -> Result<(), TransportError> {
         match self.expected.pop() {
-            Some(len) if len == part.len() as u64 => {
+            Some(len) => {
+                check_part(&self.peer, len, &part)?;
                 self.parts.push(part);
                 Ok(())
             }
-            Some(len) => Err(invalid(
-                &self.peer,
-                format!(
-                    "an RDMA frame part of {} bytes arrived where {len} were announced",
-                    part.len()
-                ),
-            )),
             None => Err(invalid(
                 &self.peer,
                 "an RDMA frame part arrived after the frame was complete".into(),
@@ -525,21 +526,19 @@ impl PendingFrame {
         let mut at = HEADER_LEN.saturating_add(tensors.len().saturating_mul(DESCRIPTOR_LEN));
         let mut split = Split::default();
         // `separable`: the payload and tensors may travel apart, the name and metadata never.
+        let truncated = || TransportError::Truncated {
+            peer: peer.clone(),
+            have: first.len(),
+        };
         let mut take = |len: u64, separable: bool| -> Result<Vec<u8>, TransportError> {
             if separable && split.separate(len) {
-                return parts.next().ok_or_else(|| TransportError::Truncated {
-                    peer: peer.clone(),
-                    have: first.len(),
-                });
+                return parts.next().ok_or_else(truncated);
             }
             let end = usize::try_from(len)
                 .ok()
                 .and_then(|len| at.checked_add(len))
                 .filter(|&end| end <= first.len())
-                .ok_or_else(|| TransportError::Truncated {
-                    peer: peer.clone(),
-                    have: first.len(),
-                })?;
+                .ok_or_else(truncated)?;
             let bytes = first.get(at..end).unwrap_or_default().to_vec();
             at = end;
             Ok(bytes)

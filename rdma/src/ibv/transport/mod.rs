@@ -163,12 +163,17 @@ impl IbvTransport {
     /// # Errors
     /// [`IbvNotViable`] with the reason.
     pub fn new(host: IpAddr, config: &IbvConfig) -> Result<IbvTransport, IbvNotViable> {
+        Self::probed(host, config, ConnectionOptions::default())
+    }
+
+    /// [`new`](Self::new) with `options`.
+    fn probed(
+        host: IpAddr,
+        config: &IbvConfig,
+        options: ConnectionOptions,
+    ) -> Result<IbvTransport, IbvNotViable> {
         match probe(config) {
-            IbvViability::Viable(selection) => Ok(Self::with_selection(
-                host,
-                selection,
-                ConnectionOptions::default(),
-            )),
+            IbvViability::Viable(selection) => Ok(Self::with_selection(host, selection, options)),
             IbvViability::NotViable(reason) => Err(reason),
         }
     }
@@ -221,14 +226,8 @@ impl IbvPlugin {
             Some(config) => config.clone(),
             None => IbvConfig::from_process_env().map_err(|e| not_viable(e.into()))?,
         };
-        match probe(&config) {
-            IbvViability::Viable(selection) => Ok(Box::new(IbvTransport::with_selection(
-                host,
-                selection,
-                self.options.clone(),
-            ))),
-            IbvViability::NotViable(reason) => Err(not_viable(reason)),
-        }
+        let transport = IbvTransport::probed(host, &config, self.options.clone());
+        Ok(Box::new(transport.map_err(not_viable)?))
     }
 }
 

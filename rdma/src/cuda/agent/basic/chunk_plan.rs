@@ -339,6 +339,7 @@ impl<C: StagingCopies> ChunkedStageIn<C> {
     }
 
     /// The copies, for their buffers.
+    #[cfg(test)]
     pub fn copies_mut(&mut self) -> &mut C {
         &mut self.copies
     }

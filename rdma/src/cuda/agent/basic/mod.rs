@@ -98,26 +98,11 @@ impl DeviceState {
     /// Copies `src` (this device's) into host memory through the pinned slots: the
     /// device-to-host copy of chunk k+1 runs while the host copies chunk k out.
     fn stage_out(&self, src: DeviceRange<'_>) -> Result<Vec<u8>, CudaChannelError> {
-        let plan = ChunkPlan::new(src.len(), self.basic.chunk, self.basic.buffers);
         let mut out = Vec::with_capacity(src.len());
-        if plan.chunks() == 0 {
-            return Ok(out);
-        }
-        let mut slots = self.take_slots(plan.buffers_used())?;
-        let result = self
-            .gpu
-            .bind()
-            .map_err(CudaChannelError::from)
-            .and_then(|()| {
-                let mut copies = DriverStaging {
-                    state: self,
-                    slots: &mut slots,
-                    device: src,
-                };
-                chunk_plan::stage_out(&plan, &mut copies, &mut out)
-            });
-        self.finish_slots(slots, &result);
-        result.map(|()| out)
+        self.staged(src, |plan, copies| {
+            chunk_plan::stage_out(plan, copies, &mut out)
+        })?;
+        Ok(out)
     }
 
     /// Copies `src` (this device's) into a pinned block of its own from the device's
@@ -173,7 +158,19 @@ impl DeviceState {
                 expected: dst.len() as u64,
             }));
         }
-        let plan = ChunkPlan::new(bytes.len(), self.basic.chunk, self.basic.buffers);
+        self.staged(dst, |plan, copies| {
+            chunk_plan::stage_in(plan, copies, bytes)
+        })
+    }
+
+    /// Runs `copy`, a staged copy of all of `device` through the pinned slots (none for
+    /// an empty range), with the device's context current.
+    fn staged(
+        &self,
+        device: DeviceRange<'_>,
+        copy: impl FnOnce(&ChunkPlan, &mut DriverStaging<'_, '_>) -> Result<(), CudaChannelError>,
+    ) -> Result<(), CudaChannelError> {
+        let plan = ChunkPlan::new(device.len(), self.basic.chunk, self.basic.buffers);
         if plan.chunks() == 0 {
             return Ok(());
         }
@@ -186,9 +183,9 @@ impl DeviceState {
                 let mut copies = DriverStaging {
                     state: self,
                     slots: &mut slots,
-                    device: dst,
+                    device,
                 };
-                chunk_plan::stage_in(&plan, &mut copies, bytes)
+                copy(&plan, &mut copies)
             });
         self.finish_slots(slots, &result);
         result

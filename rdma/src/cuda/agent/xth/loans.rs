@@ -191,7 +191,8 @@ impl<E> XthLoans<E> {
         Some(loan)
     }
 
-    /// How many loans wait to be claimed (for tests and debugging).
+    /// How many loans wait to be claimed.
+    #[cfg(test)]
     pub fn unclaimed_count(&self) -> usize {
         self.unclaimed().values().map(Vec::len).sum()
     }
