@@ -241,7 +241,7 @@ fn raw_stats(stream: &mut TcpStream) -> StoreStats {
     loop {
         let pending = PendingReply::new(QueryType::Stats, 0).expect("STATS has a reply");
         match decode_response(pending, &buf, &Limits::default()) {
-            Ok(Decoded::Complete(Response::Stats(stats), _)) => return stats,
+            Ok(Decoded::Complete(Response::Stats(stats), _)) => return *stats,
             Ok(Decoded::Complete(other, _)) => panic!("a STATS reply, got {other:?}"),
             Ok(Decoded::Partial(_)) => {}
             Err(e) => panic!("a STATS reply: {e}"),

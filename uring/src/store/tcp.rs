@@ -358,7 +358,7 @@ impl TcpStore {
             reply(QueryType::Stats, 0),
             Some(self.timeout().max(Duration::from_millis(1))),
             |r| match r {
-                Response::Stats(stats) => Ok(stats),
+                Response::Stats(stats) => Ok(*stats),
                 other => Err(self.protocol(format!("unexpected STATS reply {other:?}"))),
             },
         );

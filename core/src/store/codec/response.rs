@@ -145,7 +145,7 @@ impl<'a> ResponseView<'a> {
                 Response::QueuePop { len_before, value }
             }
             ResponseView::Keys(keys) => Response::Keys(collect(keys)),
-            ResponseView::Stats(stats) => Response::Stats(stats),
+            ResponseView::Stats(stats) => Response::Stats(alloc::boxed::Box::new(stats)),
         }
     }
 }

@@ -1405,7 +1405,9 @@ fn stats_reply_round_trips_and_waits_for_every_byte() {
     assert_eq!(stats.requests_of(QueryType::Stats), 126);
     // Canonical: encoding the decoded reply gives back the bytes.
     let mut out = Vec::new();
-    Response::Stats(stats).encode_into(&mut out).unwrap();
+    Response::Stats(Box::new(stats))
+        .encode_into(&mut out)
+        .unwrap();
     assert_eq!(out, bytes);
     // Every strict prefix is partial, with an exact hint once the count is in.
     for cut in 0..bytes.len() {

@@ -126,7 +126,7 @@ fn owned(response: &Response<'_>) -> Reply {
             Reply::QueuePop(*len_before, value.map(<[u8]>::to_vec))
         }
         Response::Keys(keys) => Reply::Keys(keys.iter().map(|k| k.to_vec()).collect()),
-        Response::Stats(stats) => Reply::Stats(*stats),
+        Response::Stats(stats) => Reply::Stats(**stats),
     }
 }
 
