@@ -258,7 +258,9 @@ impl InboundLane {
             };
         server.gate.server_call_started();
         if ctx.handler == handler::FETCH {
-            // Answered now or when its value is stored: it never needs the pool.
+            // Answered now or when its value is stored: it never needs the pool. (A value
+            // already there is copied here: for a large tensor this lane reads its next
+            // frame after that copy.)
             let (lane, id) = (Arc::clone(self), ctx.message_id);
             let respond = Box::new(move |result| lane.respond(id, result));
             server.rrefs.fetch_arrived(&message.payload, respond);
