@@ -321,11 +321,6 @@ impl GdrRegistrar {
         drop(self.cache.clear());
     }
 
-    /// Number of cached registrations.
-    pub fn cached(&self) -> usize {
-        self.cache.len()
-    }
-
     fn allocation_range(&self, buffer: DeviceRange<'_>) -> Result<AllocationExtent, GdrError> {
         let driver_err = |source| GdrError::Driver {
             call: "cuMemGetAddressRange",

@@ -970,8 +970,7 @@ impl IbvConnection {
         rkey: u32,
         timeout: Duration,
     ) -> Result<T, ConnectionError> {
-        let result = self.read_remote_into(&target, remote_addr, rkey, timeout);
-        match result {
+        match self.read_remote_into(&target, remote_addr, rkey, timeout) {
             Ok(()) => Ok(target),
             Err(err) => {
                 if self.ring.remote_reads_in_flight() > 0 {
@@ -1062,10 +1061,8 @@ impl IbvConnection {
     }
 
     fn check_failed(&self) -> Result<(), ConnectionError> {
-        match self.failure() {
-            Some(failure) => Err(ConnectionError::Completion(failure)),
-            None => Ok(()),
-        }
+        self.failure()
+            .map_or(Ok(()), |failure| Err(ConnectionError::Completion(failure)))
     }
 
     /// Posts the writes of one ring message: each piece staged in the send ring first
@@ -1263,10 +1260,7 @@ impl IbvConnection {
                 first_error.get_or_insert(err);
             }
         }
-        match first_error {
-            Some(err) => Err(err),
-            None => Ok(n),
-        }
+        first_error.map_or(Ok(n), Err)
     }
 }
 

@@ -365,20 +365,17 @@ impl Borrower {
             guard
                 .connection
                 .read_remote(target, remote_addr, rkey, self.options.read_timeout);
-        match result {
-            Ok(target) => Ok(target),
-            Err(source) => {
-                drop(guard);
-                self.forget(lender, &connection);
-                Err(LendingError::Read {
-                    lender,
-                    remote_addr,
-                    rkey,
-                    len,
-                    source,
-                })
+        result.map_err(|source| {
+            drop(guard);
+            self.forget(lender, &connection);
+            LendingError::Read {
+                lender,
+                remote_addr,
+                rkey,
+                len,
+                source,
             }
-        }
+        })
     }
 
     /// Reads `len` lent bytes into fresh host memory.

@@ -747,6 +747,33 @@ fn non_null<T>(ptr: *mut T) -> io::Result<NonNull<T>> {
     NonNull::new(ptr).ok_or_else(errno_error)
 }
 
+/// Makes `$object`, an owned libibverbs object at `ptr` (an `Arc` to what it was made on
+/// keeps that alive), `Send` (and `Sync` when asked), and destroys it on drop with the
+/// verb `$destroy`, reached through `$verbs`.
+macro_rules! verbs_object {
+    ($object:ident, $destroy:ident via |$this:ident| $verbs:expr $(, $sync:ident)?) => {
+        // SAFETY: the object is owned by this value, and rdma-core's verbs on it may be
+        // called from any thread.
+        unsafe impl Send for $object {}
+        $(
+            // SAFETY: as above: `&self` methods call only thread-safe verbs, and read only
+            // fields not written after creation (keys, numbers, descriptors).
+            unsafe impl $sync for $object {}
+        )?
+        impl Drop for $object {
+            fn drop(&mut self) {
+                let $this = &*self;
+                // SAFETY: the object is alive and destroyed once, here; every object made
+                // on it holds an `Arc` to it, so none is left (after a queue pair is
+                // destroyed the device touches no memory its work requests named).
+                log_failure(concat!("ibv_", stringify!($destroy)), unsafe {
+                    ($verbs.$destroy)($this.ptr.as_ptr())
+                });
+            }
+        }
+    };
+}
+
 // --- devices and contexts -------------------------------------------------------------
 
 /// The result of `ibv_get_device_list`, freed on drop.
@@ -856,11 +883,7 @@ pub struct Context {
     ptr: NonNull<IbvContext>,
 }
 
-// SAFETY: libibverbs contexts may be used from any thread (rdma-core's verbs are
-// thread-safe); the pointer is owned by this value.
-unsafe impl Send for Context {}
-// SAFETY: as above: every method is a thread-safe verb.
-unsafe impl Sync for Context {}
+verbs_object!(Context, close_device via |context| context.verbs, Sync);
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1082,16 +1105,6 @@ impl Context {
     }
 }
 
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: every object made on this context holds an Arc to it, so none is left;
-        // closed once.
-        log_failure("ibv_close_device", unsafe {
-            (self.verbs.close_device)(self.ptr.as_ptr())
-        });
-    }
-}
-
 // --- protection domains and memory ----------------------------------------------------
 
 /// A protection domain (`ibv_alloc_pd`), deallocated when its last registration and queue
@@ -1101,10 +1114,7 @@ pub struct ProtectionDomain {
     context: Arc<Context>,
 }
 
-// SAFETY: an owned libibverbs object; its verbs are thread-safe.
-unsafe impl Send for ProtectionDomain {}
-// SAFETY: as above.
-unsafe impl Sync for ProtectionDomain {}
+verbs_object!(ProtectionDomain, dealloc_pd via |pd| pd.context.verbs, Sync);
 
 impl fmt::Debug for ProtectionDomain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1205,26 +1215,13 @@ impl ProtectionDomain {
     }
 }
 
-impl Drop for ProtectionDomain {
-    fn drop(&mut self) {
-        // SAFETY: every registration and queue pair holds an Arc to the PD, so none is
-        // left; deallocated once.
-        log_failure("ibv_dealloc_pd", unsafe {
-            (self.context.verbs.dealloc_pd)(self.ptr.as_ptr())
-        });
-    }
-}
-
 /// A memory registration (`struct ibv_mr`), deregistered on drop.
 pub struct MemoryRegion {
     ptr: NonNull<IbvMr>,
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: an owned libibverbs object; its keys are plain integers.
-unsafe impl Send for MemoryRegion {}
-// SAFETY: as above.
-unsafe impl Sync for MemoryRegion {}
+verbs_object!(MemoryRegion, dereg_mr via |mr| mr.pd.context.verbs, Sync);
 
 impl fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1267,15 +1264,6 @@ impl MemoryRegion {
         // SAFETY: `this` is not used again; its Arc is released here.
         drop(unsafe { ptr::read(&this.pd) });
         check_rc(rc)
-    }
-}
-
-impl Drop for MemoryRegion {
-    fn drop(&mut self) {
-        // SAFETY: the registration is alive and deregistered once.
-        log_failure("ibv_dereg_mr", unsafe {
-            (self.pd.context.verbs.dereg_mr)(self.ptr.as_ptr())
-        });
     }
 }
 
@@ -1632,10 +1620,7 @@ pub struct CompChannel {
     context: Arc<Context>,
 }
 
-// SAFETY: an owned libibverbs object; its verbs are thread-safe.
-unsafe impl Send for CompChannel {}
-// SAFETY: as above.
-unsafe impl Sync for CompChannel {}
+verbs_object!(CompChannel, destroy_comp_channel via |channel| channel.context.verbs, Sync);
 
 impl fmt::Debug for CompChannel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1685,15 +1670,6 @@ impl CompChannel {
     }
 }
 
-impl Drop for CompChannel {
-    fn drop(&mut self) {
-        // SAFETY: every CQ using the channel holds an Arc to it, so none is left.
-        log_failure("ibv_destroy_comp_channel", unsafe {
-            (self.context.verbs.destroy_comp_channel)(self.ptr.as_ptr())
-        });
-    }
-}
-
 /// A completion queue (`ibv_create_cq`). Every event taken from its channel must be
 /// acknowledged ([`ack_events`](Self::ack_events)) before it is dropped, or
 /// `ibv_destroy_cq` waits forever.
@@ -1703,10 +1679,7 @@ pub struct CompletionQueue {
     context: Arc<Context>,
 }
 
-// SAFETY: an owned libibverbs object; its verbs are thread-safe.
-unsafe impl Send for CompletionQueue {}
-// SAFETY: as above.
-unsafe impl Sync for CompletionQueue {}
+verbs_object!(CompletionQueue, destroy_cq via |cq| cq.context.verbs, Sync);
 
 impl fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1757,15 +1730,6 @@ impl CompletionQueue {
     pub fn ack_events(&self, count: u32) {
         // SAFETY: the CQ is alive; the caller took exactly this many events for it.
         unsafe { (self.context.verbs.ack_cq_events)(self.ptr.as_ptr(), count) }
-    }
-}
-
-impl Drop for CompletionQueue {
-    fn drop(&mut self) {
-        // SAFETY: every queue pair using the CQ holds an Arc to it, so none is left.
-        log_failure("ibv_destroy_cq", unsafe {
-            (self.context.verbs.destroy_cq)(self.ptr.as_ptr())
-        });
     }
 }
 
@@ -1907,8 +1871,7 @@ pub struct QueuePair {
     pd: Arc<ProtectionDomain>,
 }
 
-// SAFETY: an owned libibverbs object; its verbs are thread-safe.
-unsafe impl Send for QueuePair {}
+verbs_object!(QueuePair, destroy_qp via |qp| qp.verbs());
 
 impl fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -2162,16 +2125,6 @@ impl QueuePair {
     /// The completion queue of its sends and receives.
     pub fn cq(&self) -> &Arc<CompletionQueue> {
         &self.cq
-    }
-}
-
-impl Drop for QueuePair {
-    fn drop(&mut self) {
-        // SAFETY: the QP is alive and destroyed once; afterwards the device touches no
-        // memory named by its work requests.
-        log_failure("ibv_destroy_qp", unsafe {
-            (self.verbs().destroy_qp)(self.ptr.as_ptr())
-        });
     }
 }
 

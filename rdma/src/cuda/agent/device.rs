@@ -3,13 +3,15 @@
 //! beside it, each channel's own state, made and owned by that channel's module:
 //! `cuda_ipc`'s mappings and loan events ([`super::ipc::state`]) and `cuda_basic`'s
 //! staging pools ([`super::basic::state`]). The driver adapters the caches are built from
-//! are in [`super::driver`]. It decides no channel's rule.
+//! are in [`super::driver`]. It decides no channel's rule; it holds a loan's memory
+//! until the channel's [`Settle`] says the borrower's copy is done ([`LoanHold`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::device::Device;
+use rdzv_uring::rpc::DeviceBuffer;
 
 use super::basic::state::BasicState;
 use super::driver::{DeviceBacking, LOAN_EVENTS_UP_FRONT};
@@ -19,6 +21,7 @@ use super::{lock, Cause, CudaOptions};
 use crate::cuda::caching_allocator::CachingAllocator;
 use crate::cuda::error::CudaChannelError;
 use crate::cuda::memory::{Gpu, RawEvent};
+use crate::error_chain::ErrorChain;
 
 /// What the runtime keeps per opened device. Field order is drop order: `cuda_ipc`'s
 /// opened events and mappings and its loan events first, then `cuda_basic`'s staging
@@ -113,6 +116,43 @@ impl DeviceState {
         match lock(&self.events).pop() {
             Some(event) => Ok(event),
             None => RawEvent::new(&self.gpu, false).map_err(CudaChannelError::from),
+        }
+    }
+}
+
+/// What a loan's hold waits for when the loan ends: the borrower's copy, by the rule of
+/// the channel that lent.
+pub(super) trait Settle: Send + 'static {
+    /// The channel, for the warning of a loan that cannot be settled.
+    const CHANNEL: &'static str;
+    /// Why the copy cannot be waited for.
+    type Error: std::error::Error + 'static;
+    /// Waits for the borrower's copy, then gives back to `state` what the loan used.
+    fn settle(self, state: &DeviceState) -> Result<(), Self::Error>;
+}
+
+/// A loan's hold: the memory, and what it waits for when the loan ends ([`Settle`]).
+/// If that wait fails, a copy may still read the memory, so it is never freed or reused
+/// (leaked, with a warning).
+pub(super) struct LoanHold<S: Settle> {
+    pub(super) settle: Option<S>,
+    pub(super) memory: Option<DeviceBuffer>,
+    pub(super) state: Arc<DeviceState>,
+}
+
+impl<S: Settle> Drop for LoanHold<S> {
+    fn drop(&mut self) {
+        let Some(settle) = self.settle.take() else {
+            return;
+        };
+        if let Err(error) = settle.settle(&self.state) {
+            tracing::warn!(
+                error = %ErrorChain(&error),
+                device = %self.state.device,
+                "a {} loan's copy cannot be waited for: its memory is leaked",
+                S::CHANNEL
+            );
+            std::mem::forget(self.memory.take());
         }
     }
 }

@@ -2,8 +2,8 @@
 //! what the generic caches ([`crate::cuda::caching_allocator`],
 //! [`crate::cuda::agent::ipc::mappings`]) and the loan-event rules ([`crate::cuda::loan_events`])
 //! are driven with on a real GPU (blocks from `cuMemAlloc` and `cuMemHostAlloc`, opened
-//! IPC handles and events, a runtime stream), the pool entry of a `cuda_ipc` loan event,
-//! and the one way an unsettled loan's memory is given up.
+//! IPC handles and events, a runtime stream), and the pool entry of a `cuda_ipc` loan
+//! event.
 //!
 //! It decides no channel's protocol: `cuda_ipc`, `cuda_xth` and `cuda_basic` (in
 //! [`super::ipc`], [`super::xth`], [`super::basic`]) decide when these are used.
@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use cudarc::driver::safe::CudaStream;
 use rdzv_core::channel::cuda::IPC_HANDLE_LEN;
-use rdzv_core::device::Device;
 
 use crate::cuda::agent::ipc::mappings::MappingOpener;
 use crate::cuda::caching_allocator::BackingAllocator;
@@ -21,22 +20,6 @@ use crate::cuda::loan_events::{self, LoanStream};
 use crate::cuda::memory::{
     DeviceAllocation, DeviceSource, Gpu, IpcMapping, RawEvent, StagingBuffer,
 };
-
-/// A loan whose borrower's copy cannot be waited for: a copy may still read its memory,
-/// so the memory is never freed or reused (leaked), with a warning naming `channel`.
-pub(super) fn leak_unsettled(
-    memory: &mut Option<rdzv_uring::rpc::DeviceBuffer>,
-    device: Device,
-    channel: &str,
-    error: &(dyn std::error::Error + 'static),
-) {
-    tracing::warn!(
-        error = %crate::error_chain::ErrorChain(error),
-        %device,
-        "a {channel} loan's copy cannot be waited for: its memory is leaked"
-    );
-    std::mem::forget(memory.take());
-}
 
 /// An interprocess event of the lender's pool, with its IPC handle.
 #[derive(Debug)]

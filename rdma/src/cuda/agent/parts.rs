@@ -14,7 +14,6 @@ use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
-use rdzv_core::device::Device;
 use rdzv_core::negotiate::ChannelKind;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceError, DeviceOp, PartBuffer, PartedReceive};
 
@@ -163,21 +162,10 @@ impl DeviceState {
 }
 
 impl DriverPartsIn {
-    fn device(&self) -> Device {
-        self.state.device
-    }
-
     fn failed(&self, why: impl Into<Cause>) -> DeviceError {
         DeviceError::new(DeviceOp::ReceiveStaged, why)
-            .on(self.device())
+            .on(self.state.device)
             .over(ChannelKind::CudaBasic)
-    }
-
-    /// An idle slot of the pool (made from the device's staging slots when needed).
-    fn take_slot(&self) -> Result<StagingBuffer, DeviceError> {
-        self.pool
-            .take(|| self.state.take_slot())
-            .map_err(|e| self.failed(e))
     }
 
     /// Waits for every slot's copy and gives the slots to the device's pool; whether
@@ -215,7 +203,11 @@ impl PartedReceive for DriverPartsIn {
                  crosses a {chunk}-byte chunk (a bug of the caller's)"
             )));
         }
-        let mut slot = self.take_slot()?;
+        // An idle slot of the pool (made from the device's staging slots when needed).
+        let mut slot = self
+            .pool
+            .take(|| self.state.take_slot())
+            .map_err(|e| self.failed(e))?;
         if let Err(e) = self
             .state
             .gpu

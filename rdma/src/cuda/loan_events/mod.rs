@@ -92,14 +92,11 @@ pub fn copy_after_loan<S: LoanStream, T>(
         stream.record(done)?;
         Ok(value)
     });
-    match enqueued {
-        Ok(value) => Ok(value),
-        Err(error) => {
-            // A copy may be in flight: it must end before the lender hears of this.
-            stream.drain()?;
-            Err(error)
-        }
-    }
+    enqueued.or_else(|error| {
+        // A copy may be in flight: it must end before the lender hears of this.
+        stream.drain()?;
+        Err(error)
+    })
 }
 
 /// Step 3, the lender's, when the loan ended: waits for `loan`'s last record (the

@@ -368,23 +368,27 @@ struct DriverStageIn {
 }
 
 impl DriverStageIn {
-    fn staging(&mut self) -> Result<&mut ChunkedStageIn<OwnedStaging>, DeviceError> {
+    /// Runs `step` on the receive under way, with its error on this device.
+    fn step<'s, T>(
+        &'s mut self,
+        step: impl FnOnce(
+            &'s mut ChunkedStageIn<OwnedStaging>,
+        ) -> Result<T, StageInError<CudaChannelError>>,
+    ) -> Result<T, DeviceError> {
         let device = self.device;
-        self.staging.as_mut().ok_or_else(|| {
+        let staging = self.staging.as_mut().ok_or_else(|| {
             DeviceError::new(
                 DeviceOp::ReceiveStaged,
                 "this cuda_basic receive already finished (a bug of the caller's)",
             )
             .on(device)
+        })?;
+        step(staging).map_err(|error| {
+            DeviceError::new(DeviceOp::ReceiveStaged, error)
+                .on(device)
+                .over(ChannelKind::CudaBasic)
         })
     }
-}
-
-/// The error of a failed chunk step on `device`.
-fn chunk_failed(device: Device, error: StageInError<CudaChannelError>) -> DeviceError {
-    DeviceError::new(DeviceOp::ReceiveStaged, error)
-        .on(device)
-        .over(ChannelKind::CudaBasic)
 }
 
 impl StagedReceive for DriverStageIn {
@@ -393,25 +397,16 @@ impl StagedReceive for DriverStageIn {
     }
 
     fn chunk_buffer(&mut self, k: usize) -> Result<&mut [u8], DeviceError> {
-        let device = self.device;
-        self.staging()?
-            .chunk_buffer(k)
-            .map_err(|e| chunk_failed(device, e))
+        self.step(|staging| staging.chunk_buffer(k))
     }
 
     fn chunk_filled(&mut self, k: usize) -> Result<(), DeviceError> {
-        let device = self.device;
-        self.staging()?
-            .chunk_filled(k)
-            .map_err(|e| chunk_failed(device, e))
+        self.step(|staging| staging.chunk_filled(k))
     }
 
     fn finish(mut self: Box<Self>) -> Result<DeviceBuffer, DeviceError> {
         // On an error, dropping `self` settles the copies.
-        let device = self.device;
-        self.staging()?
-            .finish()
-            .map_err(|e| chunk_failed(device, e))?;
+        self.step(ChunkedStageIn::finish)?;
         let staging = self.staging.take().ok_or_else(|| {
             DeviceError::new(
                 DeviceOp::ReceiveStaged,

@@ -220,11 +220,6 @@ impl GdrNode {
         self.advertised
     }
 
-    /// The borrowing side.
-    pub fn borrower(&self) -> &Borrower {
-        &self.borrower
-    }
-
     /// The descriptor of a loan by `process` of `length` bytes at `address`, registered
     /// under `rkey` in this node's domain, on device `device`.
     pub fn descriptor(

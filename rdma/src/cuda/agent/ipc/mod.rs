@@ -23,8 +23,8 @@ use rdzv_core::channel::cuda::{CudaIpcDescriptor, IPC_HANDLE_LEN};
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan, PipeId};
 
-use super::device::DeviceState;
-use super::driver::{leak_unsettled, DriverStream, LoanEvent, OpenedHandle};
+use super::device::{DeviceState, LoanHold, Settle};
+use super::driver::{DriverStream, LoanEvent, OpenedHandle};
 use super::lock;
 use super::tensor_memory::CudaMemory;
 use crate::cuda::agent::ipc::mappings::MappingKey;
@@ -93,33 +93,24 @@ pub(super) fn lend(
     };
     Ok(DeviceLoan {
         descriptor: descriptor.encode().to_vec(),
-        hold: Box::new(IpcLoan {
-            event: Some(event),
+        hold: Box::new(LoanHold {
+            settle: Some(event),
             memory: Some(memory.clone()),
             state: Arc::clone(state),
         }),
     })
 }
 
-/// A `cuda_ipc` loan's hold: the memory, and the event the borrower records after its
-/// copy. Dropped when the loan ends, it waits for that record before it lets go of the
-/// memory; if the wait fails, a copy may still read the memory, so it is never freed or
-/// reused (leaked, with a warning).
-struct IpcLoan {
-    event: Option<LoanEvent>,
-    memory: Option<DeviceBuffer>,
-    state: Arc<DeviceState>,
-}
+/// A `cuda_ipc` loan ends when the borrower has recorded its event after its copy; the
+/// event goes back to the pool.
+impl Settle for LoanEvent {
+    const CHANNEL: &'static str = "cuda_ipc";
+    type Error = CudaChannelError;
 
-impl Drop for IpcLoan {
-    fn drop(&mut self) {
-        let Some(event) = self.event.take() else {
-            return;
-        };
-        match loan_events::settle_loan(&event.event) {
-            Ok(()) => lock(&self.state.ipc.loan_events).push(event),
-            Err(e) => leak_unsettled(&mut self.memory, self.state.device, "cuda_ipc", &e),
-        }
+    fn settle(self, state: &DeviceState) -> Result<(), CudaChannelError> {
+        loan_events::settle_loan(&self.event)?;
+        lock(&state.ipc.loan_events).push(self);
+        Ok(())
     }
 }
 

@@ -20,14 +20,14 @@ use rdzv_core::channel::cuda::CudaXthDescriptor;
 use rdzv_core::channel::ProcessIdentity;
 use rdzv_uring::rpc::{DeviceBuffer, DeviceLoan};
 
-use super::device::DeviceState;
-use super::driver::{leak_unsettled, DriverStream, SETTLE_TIMEOUT};
+use super::device::{DeviceState, LoanHold, Settle};
+use super::driver::{DriverStream, SETTLE_TIMEOUT};
 use super::lock;
 use super::tensor_memory::CudaMemory;
 use crate::cuda::error::CudaChannelError;
 use crate::cuda::loan_events;
 use crate::cuda::memory::{copy_unified_async, DeviceSource, RawEvent};
-use loans::{XthKey, XthLoan, XthLoans};
+use loans::{XthEndError, XthKey, XthLoan, XthLoans};
 
 /// The `cuda_xth` loans of this process (every agent's runtime lends and borrows here:
 /// the channel never leaves the process).
@@ -66,38 +66,27 @@ pub(super) fn lend(
     let key = key_of(&descriptor);
     Ok(DeviceLoan {
         descriptor: descriptor.encode().to_vec(),
-        hold: Box::new(XthHold {
-            key,
-            loan: Some(XTH_LOANS.lend(key, fence)),
+        hold: Box::new(LoanHold {
+            settle: Some((key, XTH_LOANS.lend(key, fence))),
             memory: Some(memory.clone()),
             state: Arc::clone(state),
         }),
     })
 }
 
-/// A `cuda_xth` loan's hold: the memory, and the loan whose copy it waits for when the
-/// loan ends. If that wait fails, a copy may still read the memory, so it is never freed
-/// or reused (leaked, with a warning).
-struct XthHold {
-    key: XthKey,
-    loan: Option<Arc<XthLoan<RawEvent>>>,
-    memory: Option<DeviceBuffer>,
-    state: Arc<DeviceState>,
-}
+/// A `cuda_xth` loan (its key and the loan) ends when the borrower's copy is done; the
+/// fence goes back to this process's events.
+impl Settle for (XthKey, Arc<XthLoan<RawEvent>>) {
+    const CHANNEL: &'static str = "cuda_xth";
+    type Error = XthEndError<CudaChannelError>;
 
-impl Drop for XthHold {
-    fn drop(&mut self) {
-        let Some(loan) = self.loan.take() else {
-            return;
-        };
-        match XTH_LOANS.end(self.key, &loan, SETTLE_TIMEOUT) {
-            Ok(()) => {
-                if let Some(fence) = loan.into_fence() {
-                    lock(&self.state.events).push(fence);
-                }
-            }
-            Err(e) => leak_unsettled(&mut self.memory, self.state.device, "cuda_xth", &e),
+    fn settle(self, state: &DeviceState) -> Result<(), Self::Error> {
+        let (key, loan) = self;
+        XTH_LOANS.end(key, &loan, SETTLE_TIMEOUT)?;
+        if let Some(fence) = loan.into_fence() {
+            lock(&state.events).push(fence);
         }
+        Ok(())
     }
 }
 
