@@ -208,6 +208,13 @@ pub enum BenchError {
     },
 }
 
+impl BenchError {
+    /// For `map_err`: doing `what` failed with the socket (or file, or thread) error.
+    pub(crate) fn io(what: &'static str) -> impl Fn(std::io::Error) -> BenchError + Copy {
+        move |source| BenchError::Io { what, source }
+    }
+}
+
 impl From<rdzv_uring::rpc::InitError> for BenchError {
     fn from(source: rdzv_uring::rpc::InitError) -> BenchError {
         BenchError::Agent(Box::new(source))

@@ -30,10 +30,7 @@ pub(super) fn write_report(text: &str) -> Result<(), BenchError> {
     stdout
         .write_all(text.as_bytes())
         .and_then(|()| stdout.flush())
-        .map_err(|source| BenchError::Io {
-            what: "write the report to stdout",
-            source,
-        })
+        .map_err(BenchError::io("write the report to stdout"))
 }
 
 /// This binary run again as a bench's peer (`rdzv ARGS`): it prints the port it listens
@@ -46,8 +43,8 @@ impl PeerProcess {
     /// Starts `rdzv ARGS` with stdout piped; its log shows errors only unless
     /// `RUST_LOG` says otherwise (its store's warnings concern no two-process run).
     pub(super) fn spawn(args: &[&str]) -> Result<PeerProcess, BenchError> {
-        let io = |what| move |source| BenchError::Io { what, source };
-        let mut command = Command::new(std::env::current_exe().map_err(io("find this binary"))?);
+        let mut command =
+            Command::new(std::env::current_exe().map_err(BenchError::io("find this binary"))?);
         command
             .args(args)
             .stdin(Stdio::null())
@@ -57,7 +54,7 @@ impl PeerProcess {
         }
         let child = command
             .spawn()
-            .map_err(io("start the benchmark's peer process"))?;
+            .map_err(BenchError::io("start the benchmark's peer process"))?;
         Ok(PeerProcess { child })
     }
 
@@ -69,10 +66,7 @@ impl PeerProcess {
         let mut line = String::new();
         BufReader::new(stdout)
             .read_line(&mut line)
-            .map_err(|source| BenchError::Io {
-                what: "read the peer process's port",
-                source,
-            })?;
+            .map_err(BenchError::io("read the peer process's port"))?;
         line.trim().parse().map_err(|_| {
             BenchError::Unexpected(format!(
                 "the benchmark's peer process did not say where it listens ({line:?})"
@@ -86,10 +80,10 @@ impl PeerProcess {
         if !measured {
             let _ = self.child.kill();
         }
-        let status = self.child.wait().map_err(|source| BenchError::Io {
-            what: "wait for the benchmark's peer process",
-            source,
-        })?;
+        let status = self
+            .child
+            .wait()
+            .map_err(BenchError::io("wait for the benchmark's peer process"))?;
         if measured && !status.success() {
             return Err(BenchError::Unexpected(format!(
                 "the benchmark's peer process failed: {status}"
@@ -175,10 +169,8 @@ pub(super) fn key_prefix(mode: &str) -> String {
 
 /// Raises the soft open-file limit to the hard limit and checks it covers `needed`.
 pub(super) fn ensure_fd_limit(needed: u64) -> Result<u64, BenchError> {
-    let limit = rlimit::increase_nofile_limit(u64::MAX).map_err(|source| BenchError::Io {
-        what: "raise the open-file limit (RLIMIT_NOFILE)",
-        source,
-    })?;
+    let limit = rlimit::increase_nofile_limit(u64::MAX)
+        .map_err(BenchError::io("raise the open-file limit (RLIMIT_NOFILE)"))?;
     tracing::debug!(limit, needed, "open-file limit");
     if limit < needed {
         return Err(BenchError::FdLimit { needed, limit });

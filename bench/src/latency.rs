@@ -44,10 +44,7 @@ impl AddRoundTrip {
     ) -> Result<Self, BenchError> {
         let stream = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|source| BenchError::Connect { addr, source })?;
-        let io = |source| BenchError::Io {
-            what: "configure the latency connection",
-            source,
-        };
+        let io = BenchError::io("configure the latency connection");
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(timeout)).map_err(io)?;
         let mut client = AddRoundTrip {
@@ -122,10 +119,7 @@ impl AddRoundTrip {
     fn send(&mut self) -> Result<(), BenchError> {
         self.stream
             .write_all(&self.out)
-            .map_err(|source| BenchError::Io {
-                what: "send a request",
-                source,
-            })
+            .map_err(BenchError::io("send a request"))
     }
 
     /// Reads until the reply to `query` is complete: the reply, or `None` if it is of a
@@ -162,10 +156,7 @@ impl AddRoundTrip {
             let n = match self.stream.read(&mut chunk) {
                 // A signal to this process (EINTR): read again.
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                read => read.map_err(|source| BenchError::Io {
-                    what: "read a reply",
-                    source,
-                })?,
+                read => read.map_err(BenchError::io("read a reply"))?,
             };
             if n == 0 {
                 return Err(BenchError::ServerClosed);
@@ -197,10 +188,7 @@ impl EchoServer {
         request_bytes: usize,
         reply_bytes: usize,
     ) -> Result<EchoServer, BenchError> {
-        let io = |source| BenchError::Io {
-            what: "start the raw ping-pong server",
-            source,
-        };
+        let io = BenchError::io("start the raw ping-pong server");
         let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
         let addr = listener.local_addr().map_err(io)?;
         let thread = std::thread::Builder::new()
@@ -269,10 +257,7 @@ impl RawPingPong {
     ) -> Result<RawPingPong, BenchError> {
         let stream = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|source| BenchError::Connect { addr, source })?;
-        let io = |source| BenchError::Io {
-            what: "configure the ping-pong connection",
-            source,
-        };
+        let io = BenchError::io("configure the ping-pong connection");
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(timeout)).map_err(io)?;
         Ok(RawPingPong {
@@ -287,16 +272,10 @@ impl RawPingPong {
         let start = Instant::now();
         self.stream
             .write_all(&self.request)
-            .map_err(|source| BenchError::Io {
-                what: "send a ping",
-                source,
-            })?;
+            .map_err(BenchError::io("send a ping"))?;
         self.stream
             .read_exact(&mut self.reply)
-            .map_err(|source| BenchError::Io {
-                what: "read a pong",
-                source,
-            })?;
+            .map_err(BenchError::io("read a pong"))?;
         Ok(start.elapsed())
     }
 }

@@ -226,10 +226,7 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
     let settings = bench_settings(n, interval)?;
-    let mut poll = Poll::new().map_err(|source| BenchError::Io {
-        what: "create an epoll instance",
-        source,
-    })?;
+    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
     let mut nodes = connect_nodes(addr, &settings, &mut poll)?;
     eprintln!("{n} connections to {addr} opened; joining");
     let measured = drive(&mut nodes, &mut poll, args.heartbeat_secs)?;
@@ -270,10 +267,7 @@ fn connect_nodes(
                 Token(i as usize),
                 Interest::READABLE | Interest::WRITABLE,
             )
-            .map_err(|source| BenchError::Io {
-                what: "register a connection",
-                source,
-            })?;
+            .map_err(BenchError::io("register a connection"))?;
         nodes.push(Node {
             machine: ElasticNode::new(settings.clone(), format!("bench-node-{i}")),
             conn,
@@ -342,12 +336,8 @@ fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Mea
         }
         let wake = fire_deadlines(nodes, &mut ready, epoch, &mut timers);
         // A signal's EINTR is a wake-up, not a failure (as in the other load generators).
-        super::conn::poll_events(poll, &mut events, Some(wake)).map_err(|source| {
-            BenchError::Io {
-                what: "wait for socket events",
-                source,
-            }
-        })?;
+        super::conn::poll_events(poll, &mut events, Some(wake))
+            .map_err(BenchError::io("wait for socket events"))?;
         for event in &events {
             on_socket_event(nodes, event.token().0, &mut ready);
         }

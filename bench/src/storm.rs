@@ -203,10 +203,7 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
                 Ok(handle) => handle
                     .join()
                     .unwrap_or(Err(BenchError::ClientThreadPanicked)),
-                Err(source) => Err(BenchError::Io {
-                    what: "start a storm client thread",
-                    source,
-                }),
+                Err(source) => Err(BenchError::io("start a storm client thread")(source)),
             })
             .collect()
     });
@@ -345,8 +342,7 @@ impl Storm<'_> {
     /// Opens every connection of this share at once and runs the `epoll` loop until each
     /// rank is released or failed, or the timeout passes.
     fn drive(mut self) -> Result<ThreadOutcome, BenchError> {
-        let io = |what| move |source| BenchError::Io { what, source };
-        let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+        let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
         for slot in 0..self.ranks.len() {
             self.start_connect(&poll, slot);
         }
@@ -362,7 +358,7 @@ impl Storm<'_> {
                 wait = wait.min(due.saturating_duration_since(now));
             }
             super::conn::poll_events(&mut poll, &mut events, Some(wait))
-                .map_err(io("wait for socket events"))?;
+                .map_err(BenchError::io("wait for socket events"))?;
             for event in events.iter() {
                 self.on_event(event.token().0);
             }
@@ -570,12 +566,11 @@ pub(super) fn read_counter(
     key: &str,
     timeout: Duration,
 ) -> Result<Option<i64>, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
     let mut stream = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|source| BenchError::Connect { addr, source })?;
     stream
         .set_read_timeout(Some(timeout))
-        .map_err(io("configure the verifying connection"))?;
+        .map_err(BenchError::io("configure the verifying connection"))?;
     let mut out = Vec::new();
     Request::Validate {
         magic: VALIDATION_MAGIC,
@@ -585,7 +580,9 @@ pub(super) fn read_counter(
         key: key.as_bytes(),
     }
     .encode_into(&mut out);
-    stream.write_all(&out).map_err(io("send GET counter"))?;
+    stream
+        .write_all(&out)
+        .map_err(BenchError::io("send GET counter"))?;
     let pending = PendingReply::new(QueryType::Get, 0).ok_or(BenchError::UnexpectedReply {
         query: "GET",
         expected: "a reply",
@@ -613,7 +610,9 @@ pub(super) fn read_counter(
                 })
             }
         }
-        let n = stream.read(&mut chunk).map_err(io("read GET counter"))?;
+        let n = stream
+            .read(&mut chunk)
+            .map_err(BenchError::io("read GET counter"))?;
         if n == 0 {
             return Err(BenchError::ServerClosed);
         }

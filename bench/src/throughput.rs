@@ -190,8 +190,7 @@ pub(super) fn connect_all(
     timeout: Duration,
     progress: &ProgressBar,
 ) -> Result<Vec<StoreConn>, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
     let mut conns = Vec::with_capacity(n);
     let mut connected = vec![false; n];
     for token in 0..n {
@@ -203,7 +202,7 @@ pub(super) fn connect_all(
                 Token(token),
                 Interest::READABLE | Interest::WRITABLE,
             )
-            .map_err(io("register a socket"))?;
+            .map_err(BenchError::io("register a socket"))?;
         conns.push(conn);
     }
     let nonce = std::process::id();
@@ -229,7 +228,7 @@ pub(super) fn connect_all(
             &mut events,
             Some((deadline - now).min(Duration::from_millis(200))),
         )
-        .map_err(io("wait for socket events"))?;
+        .map_err(BenchError::io("wait for socket events"))?;
         for event in events.iter() {
             let Token(index) = event.token();
             let (Some(conn), Some(is_connected)) = (conns.get_mut(index), connected.get_mut(index))
@@ -242,7 +241,7 @@ pub(super) fn connect_all(
     for conn in &mut conns {
         poll.registry()
             .deregister(conn.stream_mut())
-            .map_err(io("deregister a socket"))?;
+            .map_err(BenchError::io("deregister a socket"))?;
     }
     Ok(conns)
 }
@@ -255,7 +254,6 @@ fn setup_step(
     addr: SocketAddr,
     nonce: u32,
 ) -> Result<usize, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
     if !*is_connected {
         if !conn
             .is_connected()
@@ -269,8 +267,9 @@ fn setup_step(
         });
         conn.queue(&Request::Ping { nonce });
     }
-    conn.flush().map_err(io("send VALIDATE and PING"))?;
-    if conn.fill().map_err(io("read a PING reply"))? == Fill::Closed {
+    conn.flush()
+        .map_err(BenchError::io("send VALIDATE and PING"))?;
+    if conn.fill().map_err(BenchError::io("read a PING reply"))? == Fill::Closed {
         return Err(BenchError::ServerClosed);
     }
     let mut answered = 0;
@@ -319,10 +318,7 @@ impl Slot {
             });
         }
         self.sent_at = Instant::now();
-        self.conn.flush().map_err(|source| BenchError::Io {
-            what: "send a request",
-            source,
-        })
+        self.conn.flush().map_err(BenchError::io("send a request"))
     }
 
     /// Checks `reply` against what this connection sent and expects.
@@ -376,8 +372,7 @@ fn drive(
     end: Instant,
     progress: Option<ProgressBar>,
 ) -> Result<(u64, Histogram<u64>), BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
     for (token, slot) in slots.iter_mut().enumerate() {
         poll.registry()
             .register(
@@ -385,7 +380,7 @@ fn drive(
                 Token(token),
                 Interest::READABLE | Interest::WRITABLE,
             )
-            .map_err(io("register a socket"))?;
+            .map_err(BenchError::io("register a socket"))?;
     }
     let mut histogram = new_histogram()?;
     let mut ops = 0u64;
@@ -407,18 +402,20 @@ fn drive(
         }
         let wait = (end - now).min(Duration::from_millis(50));
         super::conn::poll_events(&mut poll, &mut events, Some(wait))
-            .map_err(io("wait for socket events"))?;
+            .map_err(BenchError::io("wait for socket events"))?;
         for event in events.iter() {
             let Some(slot) = slots.get_mut(event.token().0) else {
                 continue;
             };
             if event.is_writable() && slot.conn.has_unsent() {
-                slot.conn.flush().map_err(io("send a request"))?;
+                slot.conn
+                    .flush()
+                    .map_err(BenchError::io("send a request"))?;
             }
             if !event.is_readable() && !event.is_read_closed() && !event.is_error() {
                 continue;
             }
-            if slot.conn.fill().map_err(io("read a reply"))? == Fill::Closed {
+            if slot.conn.fill().map_err(BenchError::io("read a reply"))? == Fill::Closed {
                 return Err(BenchError::ServerClosed);
             }
             while let Some(reply) = slot.conn.next_reply()? {

@@ -381,10 +381,9 @@ fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
 /// `--connect HOST:PORT`: measures against a `--listen` side.
 fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, BenchError> {
     let store = resolve("--connect", text)?;
-    let local_ip = route_source(store).map_err(|source| BenchError::Io {
-        what: "find the local address that routes to the --connect host",
-        source,
-    })?;
+    let local_ip = route_source(store).map_err(BenchError::io(
+        "find the local address that routes to the --connect host",
+    ))?;
     let bar = progress_bar(args.json);
     let outcome = Measurement {
         store,

@@ -346,10 +346,7 @@ fn spawn_agents(
             })();
             let _ = served_tx.send(result);
         })
-        .map_err(|source| BenchError::Io {
-            what: "start the serving side's agent thread",
-            source,
-        })?;
+        .map_err(BenchError::io("start the serving side's agent thread"))?;
     Ok(served_rx)
 }
 
@@ -383,10 +380,7 @@ pub(super) fn serve(
             plan.serving_host
         ))
     })?;
-    let raw = RawEchoServer::start(host).map_err(|source| BenchError::Io {
-        what: "start the raw echo server",
-        source,
-    })?;
+    let raw = RawEchoServer::start(host).map_err(BenchError::io("start the raw echo server"))?;
     let (verdicts, runnable) = judge(&plan);
     let reply = Reply {
         protocol: PROTOCOL,
