@@ -18,15 +18,14 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant as StdInstant};
 
 use clap::Args;
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::rendezvous::elastic::{
     ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, OwnedStoreReply,
     StoreAction,
 };
 use rdzv_core::store::codec::{Limits, ResponseView};
-use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse};
 
-use super::conn::{Fill, StoreConn};
+use super::conn::{Fill, Reactor, StoreConn};
 use super::BenchError;
 
 /// The size of torchrun's c10d rendezvous state per node, in bytes: the
@@ -59,7 +58,6 @@ pub struct RendezvousBenchArgs {
 struct Node {
     machine: ElasticNode,
     conn: StoreConn,
-    connected: bool,
     /// The action being performed.
     action: Option<StoreAction>,
     /// A wait's generation, so that a stale timer does nothing.
@@ -226,10 +224,10 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
     let settings = bench_settings(n, interval)?;
-    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
-    let mut nodes = connect_nodes(addr, &settings, &mut poll)?;
+    let mut reactor = Reactor::new(1024)?;
+    let mut nodes = connect_nodes(addr, &settings, &reactor)?;
     eprintln!("{n} connections to {addr} opened; joining");
-    let measured = drive(&mut nodes, &mut poll, args.heartbeat_secs)?;
+    let measured = drive(&mut nodes, &mut reactor, args.heartbeat_secs)?;
     check_ranks(&nodes, n)?;
     print_report(&nodes, &measured, n, addr, interval, args.heartbeat_secs);
     print_torchrun_design(n);
@@ -249,29 +247,22 @@ fn bench_settings(n: u32, interval: Duration) -> Result<ElasticSettings, BenchEr
     Ok(settings)
 }
 
-/// Opens one non-blocking connection per node, registered with `poll` under the node's
-/// index.
+/// Opens one non-blocking connection per node, registered with `reactor` under the
+/// node's index.
 fn connect_nodes(
     addr: SocketAddr,
     settings: &ElasticSettings,
-    poll: &mut Poll,
+    reactor: &Reactor,
 ) -> Result<Vec<Node>, BenchError> {
     let n = settings.nodes.max;
     let mut nodes = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let mut conn = StoreConn::connect(addr, Limits::PYTORCH)
+        let conn = reactor
+            .connect(addr, Limits::PYTORCH, None, i as usize)
             .map_err(|source| BenchError::Connect { addr, source })?;
-        poll.registry()
-            .register(
-                conn.stream_mut(),
-                Token(i as usize),
-                Interest::READABLE | Interest::WRITABLE,
-            )
-            .map_err(BenchError::io("register a connection"))?;
         nodes.push(Node {
             machine: ElasticNode::new(settings.clone(), format!("bench-node-{i}")),
             conn,
-            connected: false,
             action: None,
             wait_gen: 0,
             ops: 0,
@@ -298,14 +289,17 @@ type Timers = BinaryHeap<Reverse<(Instant, usize, u64)>>;
 
 /// Joins every node and drives the event loop until the round has formed and the
 /// heartbeat phase (`heartbeat_secs`, 0 for none) has run.
-fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Measured, BenchError> {
+fn drive(
+    nodes: &mut [Node],
+    reactor: &mut Reactor,
+    heartbeat_secs: f64,
+) -> Result<Measured, BenchError> {
     let n = nodes.len() as u32;
     let epoch = StdInstant::now();
     for node in nodes.iter_mut() {
         node.machine.handle_local(LocalEvent::Join);
     }
     let mut timers = Timers::new();
-    let mut events = Events::with_capacity(1024);
     let mut measured: Option<Measured> = None;
     let mut complete = 0u32;
     let mut hb_end = None;
@@ -335,10 +329,7 @@ fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Mea
             )));
         }
         let wake = fire_deadlines(nodes, &mut ready, epoch, &mut timers);
-        // A signal's EINTR is a wake-up, not a failure (as in the other load generators).
-        super::conn::poll_events(poll, &mut events, Some(wake))
-            .map_err(BenchError::io("wait for socket events"))?;
-        for event in &events {
+        for event in reactor.wait(wake)? {
             on_socket_event(nodes, event.token().0, &mut ready);
         }
     }
@@ -358,7 +349,7 @@ fn step_ready(
             continue;
         };
         let was_complete = node.rank.is_some();
-        if node.connected && node.failed.is_none() {
+        if node.conn.is_connected() && node.failed.is_none() {
             step_node(node, i, epoch, timers);
         }
         if !was_complete && node.rank.is_some() {
@@ -415,34 +406,21 @@ fn fire_deadlines(
         .min(Duration::from_millis(100))
 }
 
-/// Node `i`'s socket is ready: finish its connect (sending VALIDATE), flush, read.
+/// Node `i`'s socket is ready: finish its connect (VALIDATE, connection setup, is not
+/// counted), flush, read.
 fn on_socket_event(nodes: &mut [Node], i: usize, ready: &mut Vec<usize>) {
     let Some(node) = nodes.get_mut(i) else {
         return;
     };
-    if !node.connected {
-        match node.conn.is_connected() {
-            Ok(true) => {
-                node.connected = true;
-                // PyTorch's clients start with VALIDATE (no reply); servers close
-                // connections that do not. Connection setup, not counted.
-                node.conn.queue(&Request::Validate {
-                    magic: VALIDATION_MAGIC,
-                });
-            }
-            Ok(false) => return,
-            Err(e) => node.failed = Some(format!("connect: {e}")),
-        }
-    }
-    node.flush();
-    match node.conn.fill() {
-        Ok(Fill::Open) => {}
-        Ok(Fill::Closed) => {
+    match node.conn.pump() {
+        Ok(None) => return,
+        Ok(Some(Fill::Open)) => {}
+        Ok(Some(Fill::Closed)) => {
             node.failed
                 .get_or_insert_with(|| "the server closed the connection".into());
         }
         Err(e) => {
-            node.failed.get_or_insert(format!("recv: {e}"));
+            node.failed.get_or_insert(e.to_string());
         }
     }
     ready.push(i);

@@ -28,11 +28,10 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::ProgressBar;
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
 use rdzv_core::store::{KeyList, QueryType, Request, WaitResponse, VALIDATION_MAGIC};
 
-use super::conn::{Fill, Reply, StoreConn};
+use super::conn::{Fill, Reactor, Reply, StoreConn};
 use super::{new_histogram, BenchError};
 
 /// What one storm does.
@@ -88,9 +87,8 @@ pub(super) struct StormOutcome {
 enum Phase {
     /// Waiting for the backoff to pass before (re)connecting.
     Backoff,
+    /// Connecting, then `VALIDATE` + `PING` sent.
     Connecting,
-    /// `VALIDATE` + `PING` sent.
-    Validating,
     /// `ADD` sent: from here on a failure is not retried.
     Adding,
     /// `WAIT(done)` sent.
@@ -342,12 +340,11 @@ impl Storm<'_> {
     /// Opens every connection of this share at once and runs the `epoll` loop until each
     /// rank is released or failed, or the timeout passes.
     fn drive(mut self) -> Result<ThreadOutcome, BenchError> {
-        let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
+        let mut reactor = Reactor::new(4096)?;
         for slot in 0..self.ranks.len() {
-            self.start_connect(&poll, slot);
+            self.start_connect(&reactor, slot);
         }
         let deadline = self.start + self.plan.timeout;
-        let mut events = Events::with_capacity(4096);
         while self.finished < self.ranks.len() {
             let now = Instant::now();
             if now >= deadline {
@@ -357,9 +354,7 @@ impl Storm<'_> {
             if let Some(Reverse((due, _))) = self.backoff.peek() {
                 wait = wait.min(due.saturating_duration_since(now));
             }
-            super::conn::poll_events(&mut poll, &mut events, Some(wait))
-                .map_err(BenchError::io("wait for socket events"))?;
-            for event in events.iter() {
+            for event in reactor.wait(wait)? {
                 self.on_event(event.token().0);
             }
             let now = Instant::now();
@@ -368,24 +363,16 @@ impl Storm<'_> {
                     break;
                 }
                 self.backoff.pop();
-                self.start_connect(&poll, slot);
+                self.start_connect(&reactor, slot);
             }
         }
         Ok(self.outcome)
     }
 
-    fn start_connect(&mut self, poll: &Poll, slot: usize) {
+    fn start_connect(&mut self, reactor: &Reactor, slot: usize) {
         let addr = self.plan.addr;
-        let result = StoreConn::connect(addr, Limits::default()).and_then(|mut conn| {
-            poll.registry()
-                .register(
-                    conn.stream_mut(),
-                    Token(slot),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
-                .map(|()| conn)
-        });
-        match result {
+        let nonce = self.ranks.get(slot).map(|rank| rank.index as u32);
+        match reactor.connect(addr, Limits::default(), nonce, slot) {
             Ok(conn) => {
                 if let Some(rank) = self.ranks.get_mut(slot) {
                     rank.conn = Some(conn);
@@ -429,41 +416,20 @@ impl Storm<'_> {
     /// A socket error: retried before `ADD`, fatal after.
     fn lose(&mut self, slot: usize, why: String) {
         match self.ranks.get(slot).map(|r| r.phase) {
-            Some(Phase::Connecting | Phase::Validating) => self.retry(slot, why),
+            Some(Phase::Connecting) => self.retry(slot, why),
             Some(Phase::Adding | Phase::Waiting) => self.fail(slot, why),
             _ => {}
         }
     }
 
     fn on_event(&mut self, slot: usize) {
-        let Some(rank) = self.ranks.get_mut(slot) else {
+        let Some(conn) = self.ranks.get_mut(slot).and_then(|r| r.conn.as_mut()) else {
             return;
         };
-        let index = rank.index;
-        let Some(conn) = rank.conn.as_mut() else {
-            return;
-        };
-        if rank.phase == Phase::Connecting {
-            match conn.is_connected() {
-                Ok(false) => return,
-                Ok(true) => {
-                    conn.queue(&Request::Validate {
-                        magic: VALIDATION_MAGIC,
-                    });
-                    conn.queue(&Request::Ping {
-                        nonce: index as u32,
-                    });
-                    rank.phase = Phase::Validating;
-                }
-                Err(e) => return self.lose(slot, format!("connect: {e}")),
-            }
-        }
-        if let Err(e) = conn.flush() {
-            return self.lose(slot, format!("send: {e}"));
-        }
-        let closed = match conn.fill() {
-            Ok(fill) => fill == Fill::Closed,
-            Err(e) => return self.lose(slot, format!("read: {e}")),
+        let closed = match conn.pump() {
+            Ok(None) => return,
+            Ok(Some(fill)) => fill == Fill::Closed,
+            Err(e) => return self.lose(slot, e.to_string()),
         };
         // Replies that arrived before a close still count.
         loop {
@@ -510,7 +476,7 @@ impl Storm<'_> {
             return;
         };
         match (phase, reply) {
-            (Phase::Validating, Reply::Pong(nonce)) if nonce == index as u32 => {
+            (Phase::Connecting, Reply::Pong(nonce)) if nonce == index as u32 => {
                 conn.queue(&Request::Add {
                     key: self.counter_key,
                     delta: 1,

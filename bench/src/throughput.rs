@@ -17,11 +17,10 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::ProgressBar;
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::codec::Limits;
-use rdzv_core::store::{Request, VALIDATION_MAGIC};
+use rdzv_core::store::Request;
 
-use super::conn::{Fill, Reply, StoreConn};
+use super::conn::{Fill, Reactor, Reply, StoreConn};
 use super::cpu;
 use super::{new_histogram, BenchError};
 
@@ -190,23 +189,12 @@ pub(super) fn connect_all(
     timeout: Duration,
     progress: &ProgressBar,
 ) -> Result<Vec<StoreConn>, BenchError> {
-    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
-    let mut conns = Vec::with_capacity(n);
-    let mut connected = vec![false; n];
-    for token in 0..n {
-        let mut conn = StoreConn::connect(addr, Limits::default())
-            .map_err(|source| BenchError::Connect { addr, source })?;
-        poll.registry()
-            .register(
-                conn.stream_mut(),
-                Token(token),
-                Interest::READABLE | Interest::WRITABLE,
-            )
-            .map_err(BenchError::io("register a socket"))?;
-        conns.push(conn);
-    }
+    let mut reactor = Reactor::new(1024)?;
     let nonce = std::process::id();
-    let mut events = Events::with_capacity(1024);
+    let conns: Result<Vec<StoreConn>, _> = (0..n)
+        .map(|token| reactor.connect(addr, Limits::default(), Some(nonce), token))
+        .collect();
+    let mut conns = conns.map_err(|source| BenchError::Connect { addr, source })?;
     let deadline = Instant::now() + timeout;
     let mut ready = 0;
     let mut last_progress = Instant::now();
@@ -223,54 +211,35 @@ pub(super) fn connect_all(
                 seconds: timeout.as_secs_f64(),
             });
         }
-        super::conn::poll_events(
-            &mut poll,
-            &mut events,
-            Some((deadline - now).min(Duration::from_millis(200))),
-        )
-        .map_err(BenchError::io("wait for socket events"))?;
-        for event in events.iter() {
-            let Token(index) = event.token();
-            let (Some(conn), Some(is_connected)) = (conns.get_mut(index), connected.get_mut(index))
-            else {
-                continue;
-            };
-            ready += setup_step(conn, is_connected, addr, nonce)?;
+        for event in reactor.wait((deadline - now).min(Duration::from_millis(200)))? {
+            if let Some(conn) = conns.get_mut(event.token().0) {
+                ready += setup_step(conn, addr, nonce)?;
+            }
         }
     }
     for conn in &mut conns {
-        poll.registry()
-            .deregister(conn.stream_mut())
-            .map_err(BenchError::io("deregister a socket"))?;
+        reactor.deregister(conn)?;
     }
     Ok(conns)
 }
 
-/// One readiness event of a connection being set up: once connected it queues
-/// `VALIDATE` and `PING`, then sends and reads; returns how many `PING`s were answered.
-fn setup_step(
-    conn: &mut StoreConn,
-    is_connected: &mut bool,
-    addr: SocketAddr,
-    nonce: u32,
-) -> Result<usize, BenchError> {
-    if !*is_connected {
-        if !conn
-            .is_connected()
-            .map_err(|source| BenchError::Connect { addr, source })?
-        {
-            return Ok(0);
+/// One readiness event of a connection being set up (`VALIDATE` and `PING` go out once
+/// it is connected): returns how many `PING`s were answered.
+fn setup_step(conn: &mut StoreConn, addr: SocketAddr, nonce: u32) -> Result<usize, BenchError> {
+    match conn.pump() {
+        Ok(None) => return Ok(0),
+        Ok(Some(Fill::Open)) => {}
+        Ok(Some(Fill::Closed)) => return Err(BenchError::ServerClosed),
+        Err(e) if e.during == "connect" => {
+            return Err(BenchError::Connect {
+                addr,
+                source: e.source,
+            })
         }
-        *is_connected = true;
-        conn.queue(&Request::Validate {
-            magic: VALIDATION_MAGIC,
-        });
-        conn.queue(&Request::Ping { nonce });
-    }
-    conn.flush()
-        .map_err(BenchError::io("send VALIDATE and PING"))?;
-    if conn.fill().map_err(BenchError::io("read a PING reply"))? == Fill::Closed {
-        return Err(BenchError::ServerClosed);
+        Err(e) if e.during == "send" => {
+            return Err(BenchError::io("send VALIDATE and PING")(e.source))
+        }
+        Err(e) => return Err(BenchError::io("read a PING reply")(e.source)),
     }
     let mut answered = 0;
     while let Some(reply) = conn.next_reply()? {
@@ -372,14 +341,10 @@ fn drive(
     end: Instant,
     progress: Option<ProgressBar>,
 ) -> Result<(u64, Histogram<u64>), BenchError> {
-    let mut poll = Poll::new().map_err(BenchError::io("create an epoll instance"))?;
+    let mut reactor = Reactor::new(1024)?;
     for (token, slot) in slots.iter_mut().enumerate() {
-        poll.registry()
-            .register(
-                slot.conn.stream_mut(),
-                Token(token),
-                Interest::READABLE | Interest::WRITABLE,
-            )
+        reactor
+            .register(&mut slot.conn, token)
             .map_err(BenchError::io("register a socket"))?;
     }
     let mut histogram = new_histogram()?;
@@ -387,7 +352,6 @@ fn drive(
     for slot in &mut slots {
         slot.send_next()?;
     }
-    let mut events = Events::with_capacity(1024);
     let mut last_progress = start;
     loop {
         let now = Instant::now();
@@ -401,9 +365,7 @@ fn drive(
             }
         }
         let wait = (end - now).min(Duration::from_millis(50));
-        super::conn::poll_events(&mut poll, &mut events, Some(wait))
-            .map_err(BenchError::io("wait for socket events"))?;
-        for event in events.iter() {
+        for event in reactor.wait(wait)? {
             let Some(slot) = slots.get_mut(event.token().0) else {
                 continue;
             };
