@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_uring::{ServerOptions, StoreServer};
 
 use super::error::BenchError;
@@ -31,6 +32,21 @@ pub(super) fn write_report(text: &str) -> Result<(), BenchError> {
         .write_all(text.as_bytes())
         .and_then(|()| stdout.flush())
         .map_err(BenchError::io("write the report to stdout"))
+}
+
+/// A progress bar on stderr drawn with `template` (nothing is drawn with `json`, or when
+/// stderr is not a terminal), of `len` steps.
+pub(super) fn progress_bar(json: bool, template: &str, len: Option<u64>) -> ProgressBar {
+    let target = if json {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    };
+    let bar = ProgressBar::with_draw_target(len, target);
+    if let (Ok(style), false) = (ProgressStyle::with_template(template), json) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }
 
 /// This binary run again as a bench's peer (`rdzv ARGS`): it prints the port it listens

@@ -46,12 +46,12 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use rdzv_core::store::Request;
 
 pub use cpu::CpuTimeError;
 pub use error::BenchError;
-use harness::{ensure_fd_limit, key_prefix, seconds, write_report, Target};
+use harness::{ensure_fd_limit, key_prefix, progress_bar, seconds, write_report, Target};
 pub use rendezvous::RendezvousBenchArgs;
 use report::{
     BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
@@ -230,17 +230,6 @@ fn plot_file(input: &Path, out: &Path) -> Result<ExitCode, BenchError> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn progress_bar(json: bool, template: &str) -> ProgressBar {
-    if json {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(template) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
-}
-
 const TIME_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} ms";
 const SIM_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} rank steps ({elapsed})";
 const RANK_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} released ({elapsed})";
@@ -290,7 +279,7 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
 fn simulate_mode(ranks: &[usize], json: bool) -> Result<Vec<BenchResult>, BenchError> {
     let mut results = Vec::with_capacity(ranks.len());
     for &n in ranks {
-        let bar = progress_bar(json, SIM_BAR);
+        let bar = progress_bar(json, SIM_BAR, None);
         let result = simulate::simulate(n, &bar)?;
         bar.finish_and_clear();
         if !json && ranks.len() > 1 && std::io::stderr().is_terminal() {
@@ -314,7 +303,7 @@ fn baseline(json: bool, secs: f64, warmup_secs: f64) -> Result<Vec<BenchResult>,
         delta: 1,
     }
     .encoded_len();
-    let bar = progress_bar(json, TIME_BAR);
+    let bar = progress_bar(json, TIME_BAR, None);
     bar.set_message("raw ping-pong");
     let result = round_trips(None, request_bytes, measure, warmup, &bar)?;
     bar.finish_and_clear();
@@ -333,7 +322,7 @@ fn latency_mode(
     let key = format!("{}/counter", key_prefix("latency")).into_bytes();
     let store = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
     let request_bytes = store.request_bytes();
-    let bar = progress_bar(json, TIME_BAR);
+    let bar = progress_bar(json, TIME_BAR, None);
     bar.set_message("ADD round trips");
     let results = round_trips(
         Some((store, &target.label, compare_baseline)),
@@ -366,7 +355,7 @@ fn throughput_mode(
     ensure_fd_limit(most as u64 + target.server_fds(most) + FD_SLACK)?;
     let mut results = Vec::with_capacity(conns.len());
     for &n in conns {
-        let bar = progress_bar(json, TIME_BAR);
+        let bar = progress_bar(json, TIME_BAR, None);
         bar.set_message(format!("{n} connections"));
         let plan = throughput::ThroughputPlan {
             addr: target.addr,
@@ -450,7 +439,7 @@ fn storm_mode(
         timeout,
         key_prefix: key_prefix("storm"),
     };
-    let bar = progress_bar(json, RANK_BAR);
+    let bar = progress_bar(json, RANK_BAR, None);
     bar.set_message(format!("storm of {ranks}"));
     let outcome = storm::run(&plan, &bar)?;
     bar.finish_and_clear();

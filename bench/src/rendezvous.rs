@@ -223,7 +223,8 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     super::ensure_fd_limit(u64::from(args.nodes) + 64)?;
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
-    let settings = bench_settings(n, interval)?;
+    let run_id = super::harness::bench_run_id();
+    let settings = one_round(run_id, n, interval, Duration::from_secs(120))?;
     let mut reactor = Reactor::new(1024)?;
     let mut nodes = connect_nodes(addr, &settings, &reactor)?;
     eprintln!("{n} connections to {addr} opened; joining");
@@ -234,16 +235,18 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One round of exactly `n` nodes, with a fresh run id.
-fn bench_settings(n: u32, interval: Duration) -> Result<ElasticSettings, BenchError> {
-    let run_id = super::harness::bench_run_id();
-    let mut settings = ElasticSettings::new(
-        run_id,
-        NodeRange::new(n, n)
-            .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?,
-    );
+/// One round of exactly `n` nodes of the run `run_id` (the etcd bench's too).
+pub(super) fn one_round(
+    run_id: String,
+    n: u32,
+    interval: Duration,
+    join_timeout: Duration,
+) -> Result<ElasticSettings, BenchError> {
+    let nodes = NodeRange::new(n, n)
+        .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?;
+    let mut settings = ElasticSettings::new(run_id, nodes);
     settings.keep_alive_interval = interval;
-    settings.join_timeout = Duration::from_secs(120);
+    settings.join_timeout = join_timeout;
     Ok(settings)
 }
 
@@ -447,8 +450,8 @@ fn check_ranks(nodes: &[Node], n: u32) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// `(min, mean, max)`.
-fn spread(v: &[u64]) -> (u64, f64, u64) {
+/// `(min, mean, max)` of per-node counts.
+pub(super) fn spread(v: &[u64]) -> (u64, f64, u64) {
     let min = v.iter().copied().min().unwrap_or(0);
     let max = v.iter().copied().max().unwrap_or(0);
     let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;

@@ -34,17 +34,15 @@ mod session;
 mod spec;
 mod viability;
 
-use std::io::IsTerminal as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs as _, UdpSocket};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 
-use super::harness::{start_server, write_report, PeerProcess};
+use super::harness::{progress_bar, start_server, write_report, PeerProcess};
 use super::BenchError;
 use row::{RunMode, Skip};
 use session::Measurement;
@@ -246,17 +244,6 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
         .collect()
 }
 
-fn progress_bar(json: bool) -> ProgressBar {
-    if json || !std::io::stderr().is_terminal() {
-        return ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
-    }
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(BAR) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
-}
-
 /// Runs `rdzv bench rpc`.
 ///
 /// # Errors
@@ -296,7 +283,7 @@ pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, BenchError> {
                 }
             }
             None => {
-                let bar = progress_bar(args.json);
+                let bar = progress_bar(args.json, BAR, Some(0));
                 rows.extend(cuda::measure(ordinal, &sizes, mode, &bar)?);
                 bar.finish_and_clear();
             }
@@ -358,7 +345,7 @@ fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
     let mut peer = PeerProcess::spawn(&["bench", "rpc", "--peer"])?;
     let measured = peer.port().and_then(|port| {
         let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
-        let bar = progress_bar(args.json);
+        let bar = progress_bar(args.json, BAR, Some(0));
         let outcome = Measurement {
             store: SocketAddr::new(localhost, port),
             local_ip: localhost,
@@ -384,7 +371,7 @@ fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, BenchErr
     let local_ip = route_source(store).map_err(BenchError::io(
         "find the local address that routes to the --connect host",
     ))?;
-    let bar = progress_bar(args.json);
+    let bar = progress_bar(args.json, BAR, Some(0));
     let outcome = Measurement {
         store,
         local_ip,
