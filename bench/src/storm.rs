@@ -20,18 +20,18 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::ProgressBar;
-use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
-use rdzv_core::store::{KeyList, QueryType, Request, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::codec::{Limits, ResponseView};
+use rdzv_core::store::{KeyList, Request, WaitResponse};
 
 use super::conn::{Fill, Reactor, Reply, StoreConn};
+use super::latency::BlockingConn;
 use super::{new_histogram, BenchError};
 
 /// What one storm does.
@@ -532,58 +532,22 @@ pub(super) fn read_counter(
     key: &str,
     timeout: Duration,
 ) -> Result<Option<i64>, BenchError> {
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|source| BenchError::Connect { addr, source })?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(BenchError::io("configure the verifying connection"))?;
-    let mut out = Vec::new();
-    Request::Validate {
-        magic: VALIDATION_MAGIC,
-    }
-    .encode_into(&mut out);
-    Request::Get {
+    let mut conn = BlockingConn::connect(addr, timeout, "configure the verifying connection")?;
+    let get = Request::Get {
         key: key.as_bytes(),
-    }
-    .encode_into(&mut out);
-    stream
-        .write_all(&out)
-        .map_err(BenchError::io("send GET counter"))?;
-    let pending = PendingReply::new(QueryType::Get, 0).ok_or(BenchError::UnexpectedReply {
-        query: "GET",
-        expected: "a reply",
+    };
+    let counter = conn.request(&get, |view| match view {
+        ResponseView::Value(value) => Some(
+            std::str::from_utf8(value)
+                .ok()
+                .and_then(|text| text.trim().parse().ok()),
+        ),
+        _ => None,
     })?;
-    let mut input = Vec::new();
-    let mut chunk = [0u8; 256];
-    loop {
-        match codec::decode_response_view(pending, &input, &Limits::default()) {
-            Ok(Decoded::Complete(ResponseView::Value(value), _)) => {
-                return Ok(std::str::from_utf8(value)
-                    .ok()
-                    .and_then(|text| text.trim().parse().ok()));
-            }
-            Ok(Decoded::Complete(..)) => {
-                return Err(BenchError::UnexpectedReply {
-                    query: "GET",
-                    expected: "a value",
-                })
-            }
-            Ok(Decoded::Partial(_)) => {}
-            Err(source) => {
-                return Err(BenchError::Decode {
-                    query: "GET",
-                    source,
-                })
-            }
-        }
-        let n = stream
-            .read(&mut chunk)
-            .map_err(BenchError::io("read GET counter"))?;
-        if n == 0 {
-            return Err(BenchError::ServerClosed);
-        }
-        input.extend_from_slice(chunk.get(..n).unwrap_or_default());
-    }
+    counter.ok_or(BenchError::UnexpectedReply {
+        query: "GET",
+        expected: "a value",
+    })
 }
 
 #[cfg(test)]
