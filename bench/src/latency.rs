@@ -129,6 +129,7 @@ impl AddRoundTrip {
     }
 
     /// How many bytes one `ADD` request takes on the wire.
+    #[cfg(test)]
     pub(super) fn request_bytes(&self) -> usize {
         Request::Add {
             key: &self.key,

@@ -106,12 +106,8 @@ pub struct StoreBenchArgs {
 enum Mode {
     /// One connection's ADD round trip, one request at a time.
     Latency {
-        /// Seconds to measure (each, with --compare-baseline).
-        #[arg(long, default_value_t = 5.0)]
-        secs: f64,
-        /// Seconds run before measuring.
-        #[arg(long, default_value_t = 0.2)]
-        warmup_secs: f64,
+        #[command(flatten)]
+        timing: RoundTripArgs,
         /// Also measure a raw loopback ping-pong of the same size, interleaved with the
         /// store in 100 ms slices, and report the ratio.
         #[arg(long)]
@@ -133,14 +129,26 @@ enum Mode {
     },
     /// A raw TCP ping-pong over loopback, as many bytes each way as an ADD exchange:
     /// the floor for the store's round trip.
-    Baseline {
-        /// Seconds to measure.
-        #[arg(long, default_value_t = 5.0)]
-        secs: f64,
-        /// Seconds run before measuring.
-        #[arg(long, default_value_t = 0.2)]
-        warmup_secs: f64,
-    },
+    Baseline(RoundTripArgs),
+}
+
+/// How long `rdzv bench store latency` and `baseline` run.
+#[derive(Debug, Args)]
+struct RoundTripArgs {
+    /// Seconds to measure (each, with latency --compare-baseline).
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// Seconds run before measuring.
+    #[arg(long, default_value_t = 0.2)]
+    warmup_secs: f64,
+}
+
+impl RoundTripArgs {
+    /// `(measure, warmup)`, checked.
+    fn durations(&self) -> Result<(Duration, Duration), BenchError> {
+        let measure = seconds(self.secs, "--secs")?;
+        Ok((measure, seconds(self.warmup_secs, "--warmup-secs")?))
+    }
 }
 
 /// Options of `rdzv bench store throughput`.
@@ -239,16 +247,20 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
     let (addr, label) = (args.addr, args.label);
     let target = || Target::open(addr.as_deref(), label);
     let (results, ok) = match args.mode {
-        Mode::Baseline { secs, warmup_secs } => (baseline(json, secs, warmup_secs)?, true),
+        Mode::Baseline(timing) => (
+            round_trip_mode(None, timing.durations()?, false, json)?,
+            true,
+        ),
         Mode::Latency {
-            secs,
-            warmup_secs,
+            timing,
             compare_baseline,
         } => {
-            let measure = seconds(secs, "--secs")?;
-            let warmup = seconds(warmup_secs, "--warmup-secs")?;
-            let results = latency_mode(&target()?, json, measure, warmup, compare_baseline)?;
-            (results, true)
+            let timing = timing.durations()?;
+            let target = target()?;
+            (
+                round_trip_mode(Some(&target), timing, compare_baseline, json)?,
+                true,
+            )
         }
         Mode::Throughput(throughput) => (throughput_mode(&throughput, json, target)?, true),
         Mode::Storm(storm) => {
@@ -282,57 +294,51 @@ fn simulate_mode(ranks: &[usize], json: bool) -> Result<Vec<BenchResult>, BenchE
         let bar = progress_bar(json, SIM_BAR, None);
         let result = simulate::simulate(n, &bar)?;
         bar.finish_and_clear();
-        if !json && ranks.len() > 1 && std::io::stderr().is_terminal() {
-            eprint!(
-                "{}",
-                report::to_table(&[BenchResult::Simulation(result.clone())])
-            );
-        }
-        results.push(BenchResult::Simulation(result));
+        let row = BenchResult::Simulation(result);
+        show_as_done(json, ranks.len(), &row);
+        results.push(row);
     }
     Ok(results)
 }
 
-/// `bench store baseline`: the raw loopback ping-pong alone.
-fn baseline(json: bool, secs: f64, warmup_secs: f64) -> Result<Vec<BenchResult>, BenchError> {
-    let measure = seconds(secs, "--secs")?;
-    let warmup = seconds(warmup_secs, "--warmup-secs")?;
+/// `bench store latency`: one connection's ADD round trips to `target` (and the raw
+/// ping-pong beside them with `compare_baseline`); `bench store baseline` (no target):
+/// the raw loopback ping-pong alone.
+fn round_trip_mode(
+    target: Option<&Target>,
+    (measure, warmup): (Duration, Duration),
+    compare_baseline: bool,
+    json: bool,
+) -> Result<Vec<BenchResult>, BenchError> {
     let key = format!("{}/counter", key_prefix("latency")).into_bytes();
     let request_bytes = Request::Add {
         key: &key,
         delta: 1,
     }
     .encoded_len();
+    let store = match target {
+        Some(target) => {
+            let client = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
+            Some((client, target.label.as_str(), compare_baseline))
+        }
+        None => None,
+    };
     let bar = progress_bar(json, TIME_BAR, None);
-    bar.set_message("raw ping-pong");
-    let result = round_trips(None, request_bytes, measure, warmup, &bar)?;
-    bar.finish_and_clear();
-    Ok(result)
-}
-
-/// `bench store latency`: one connection's ADD round trips (and the raw ping-pong
-/// beside them with `--compare-baseline`).
-fn latency_mode(
-    target: &Target,
-    json: bool,
-    measure: Duration,
-    warmup: Duration,
-    compare_baseline: bool,
-) -> Result<Vec<BenchResult>, BenchError> {
-    let key = format!("{}/counter", key_prefix("latency")).into_bytes();
-    let store = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
-    let request_bytes = store.request_bytes();
-    let bar = progress_bar(json, TIME_BAR, None);
-    bar.set_message("ADD round trips");
-    let results = round_trips(
-        Some((store, &target.label, compare_baseline)),
-        request_bytes,
-        measure,
-        warmup,
-        &bar,
-    )?;
+    bar.set_message(match store {
+        Some(_) => "ADD round trips",
+        None => "raw ping-pong",
+    });
+    let results = round_trips(store, request_bytes, measure, warmup, &bar)?;
     bar.finish_and_clear();
     Ok(results)
+}
+
+/// Shows `row`, the result of one of `of` runs, as it completes: on a terminal, when the
+/// list has more than one.
+fn show_as_done(json: bool, of: usize, row: &BenchResult) {
+    if !json && of > 1 && std::io::stderr().is_terminal() {
+        eprint!("{}", report::to_table(std::slice::from_ref(row)));
+    }
 }
 
 /// `bench store throughput`: each connection count in turn (and the plot).
@@ -371,13 +377,7 @@ fn throughput_mode(
         let outcome = throughput::run(&plan, &bar)?;
         bar.finish_and_clear();
         let result = throughput_result(&target.label, &outcome);
-        if !json && conns.len() > 1 && std::io::stderr().is_terminal() {
-            // Show each row as it completes on long lists.
-            eprint!(
-                "{}",
-                report::to_table(&[BenchResult::Throughput(result.clone())])
-            );
-        }
+        show_as_done(json, conns.len(), &BenchResult::Throughput(result.clone()));
         results.push(result);
     }
     if let Some(path) = &args.plot {
@@ -519,14 +519,10 @@ fn round_trips(
     bar: &ProgressBar,
 ) -> Result<Vec<BenchResult>, BenchError> {
     let reply_bytes = latency::ADD_REPLY_BYTES;
-    let want_raw = match &store {
-        Some((_, _, compare)) => *compare,
-        None => true,
-    };
-    let (label, mut store) = match store {
-        Some((client, label, _)) => (label.to_string(), Some(client)),
-        None => (String::new(), None),
-    };
+    let want_raw = store.as_ref().is_none_or(|(_, _, compare)| *compare);
+    let (mut store, label) = store.map_or((None, String::new()), |(client, label, _)| {
+        (Some(client), label.to_string())
+    });
     let echo = want_raw
         .then(|| latency::EchoServer::start(request_bytes, reply_bytes))
         .transpose()?;
