@@ -90,6 +90,12 @@ impl Reactor {
     }
 }
 
+/// `key` as the encoded one-key list of a `WAIT` or `CHECK`: its length (a little-endian
+/// `u64`), then its bytes.
+pub(super) fn one_key_list(key: &[u8]) -> Vec<u8> {
+    [&(key.len() as u64).to_le_bytes()[..], key].concat()
+}
+
 /// A decoded reply, reduced to what the load generators look at (no borrowed bytes, no
 /// allocation per reply).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

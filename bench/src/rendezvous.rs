@@ -25,7 +25,7 @@ use rdzv_core::rendezvous::elastic::{
 use rdzv_core::store::codec::{Limits, ResponseView};
 use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse};
 
-use super::conn::{Fill, Reactor, StoreConn};
+use super::conn::{one_key_list, Fill, Reactor, StoreConn};
 use super::BenchError;
 
 /// The size of torchrun's c10d rendezvous state per node, in bytes: the
@@ -91,18 +91,12 @@ fn wire(key: &str) -> Vec<u8> {
     k
 }
 
-fn key_list(key: &[u8]) -> Vec<u8> {
-    let mut out = (key.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(key);
-    out
-}
-
 /// Sends the request of `action`.
 fn send_action(node: &mut Node, action: &StoreAction) {
     let key = wire(action.key());
     match action {
         StoreAction::Check { .. } | StoreAction::Wait { .. } => {
-            let list = key_list(&key);
+            let list = one_key_list(&key);
             let Some(keys) = KeyList::new(1, &list) else {
                 node.failed = Some(format!("cannot encode the key {:?}", action.key()));
                 return;
@@ -283,7 +277,6 @@ struct Measured {
     took: Duration,
     join_ops: Vec<u64>,
     join_bytes: Vec<u64>,
-    heartbeat_from: Vec<u64>,
     heartbeats: bool,
 }
 
@@ -310,12 +303,10 @@ fn drive(
     loop {
         complete += step_ready(nodes, &mut ready, epoch, &mut timers)?;
         if complete == n && measured.is_none() {
-            let join_ops: Vec<u64> = nodes.iter().map(|node| node.ops).collect();
             measured = Some(Measured {
                 took: epoch.elapsed(),
+                join_ops: nodes.iter().map(|node| node.ops).collect(),
                 join_bytes: nodes.iter().map(|node| node.bytes).collect(),
-                heartbeat_from: join_ops.clone(),
-                join_ops,
                 heartbeats: heartbeat_secs > 0.0,
             });
             if heartbeat_secs <= 0.0 {
@@ -484,7 +475,7 @@ fn print_report(
     if measured.heartbeats {
         let hb_ops: Vec<u64> = nodes
             .iter()
-            .zip(&measured.heartbeat_from)
+            .zip(&measured.join_ops)
             .map(|(node, start)| node.ops - start)
             .collect();
         let intervals = heartbeat_secs / interval.as_secs_f64();

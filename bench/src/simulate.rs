@@ -29,6 +29,7 @@ use rdzv_core::store::session::{Session, Step, Wake};
 use rdzv_core::store::{ConnId, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
 use rustix::time::{clock_gettime, ClockId};
 
+use crate::conn::one_key_list;
 use crate::error::BenchError;
 use crate::report::SimulationResult;
 
@@ -104,13 +105,6 @@ impl Driver {
     }
 }
 
-/// A one-key list for `WAIT`, encoded as the wire has it.
-fn one_key(encoded: &mut Vec<u8>, key: &[u8]) {
-    encoded.clear();
-    encoded.extend_from_slice(&(key.len() as u64).to_le_bytes());
-    encoded.extend_from_slice(key);
-}
-
 /// `rank`'s address key, written into `buf` (reused: the simulation allocates nothing per
 /// request of its own, so that its time is the step's).
 fn address_key(buf: &mut Vec<u8>, rank: usize) -> &[u8] {
@@ -179,8 +173,7 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
     // 2. The barrier.
     bar.set_message(format!("{ranks}: barrier"));
     let start = thread_cpu_seconds();
-    let mut keys = Vec::new();
-    one_key(&mut keys, DONE_KEY);
+    let keys = one_key_list(DONE_KEY);
     let done_list = KeyList::new(1, &keys).ok_or_else(|| sim.fail(0, "bad key list"))?;
     let wait = Request::Wait { keys: done_list };
     let add = Request::Add {

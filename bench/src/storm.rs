@@ -30,7 +30,7 @@ use indicatif::ProgressBar;
 use rdzv_core::store::codec::{Limits, ResponseView};
 use rdzv_core::store::{KeyList, Request, WaitResponse};
 
-use super::conn::{Fill, Reactor, Reply, StoreConn};
+use super::conn::{one_key_list, Fill, Reactor, Reply, StoreConn};
 use super::latency::BlockingConn;
 use super::{new_histogram, BenchError};
 
@@ -142,10 +142,7 @@ struct ThreadOutcome {
 struct Storm<'p> {
     plan: &'p StormPlan,
     shared: &'p Shared,
-    counter_key: &'p [u8],
-    done_key: &'p [u8],
-    /// `done_key` as an encoded one-key list, for `WAIT`.
-    done_list: &'p [u8],
+    keys: &'p Keys,
     ranks: Vec<Rank>,
     /// Ranks of this thread released or failed.
     finished: usize,
@@ -160,11 +157,12 @@ struct Storm<'p> {
 pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
     let ranks = plan.ranks;
     let threads = plan.threads.clamp(1, ranks.max(1));
-    let counter_key = plan.counter_key().into_bytes();
-    let done_key = plan.done_key().into_bytes();
-    let mut done_list = Vec::with_capacity(8 + done_key.len());
-    done_list.extend_from_slice(&(done_key.len() as u64).to_le_bytes());
-    done_list.extend_from_slice(&done_key);
+    let done = plan.done_key().into_bytes();
+    let keys = Keys {
+        counter: plan.counter_key().into_bytes(),
+        done_list: one_key_list(&done),
+        done,
+    };
     let shared = Shared {
         seen_add: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
         add_results_ok: AtomicBool::new(true),
@@ -177,11 +175,6 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
     progress.set_length(ranks as u64);
 
     let start = Instant::now();
-    let keys = Keys {
-        counter: &counter_key,
-        done: &done_key,
-        done_list: &done_list,
-    };
     let results: Vec<Result<ThreadOutcome, BenchError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|thread| {
@@ -209,11 +202,11 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
 }
 
 /// The keys every rank uses.
-struct Keys<'k> {
-    counter: &'k [u8],
-    done: &'k [u8],
+struct Keys {
+    counter: Vec<u8>,
+    done: Vec<u8>,
     /// `done` as an encoded one-key list, for `WAIT`.
-    done_list: &'k [u8],
+    done_list: Vec<u8>,
 }
 
 /// Follows the shared counters on `progress` until every thread is done.
@@ -293,16 +286,14 @@ impl<'p> Storm<'p> {
     fn new(
         plan: &'p StormPlan,
         shared: &'p Shared,
-        keys: &'p Keys<'p>,
+        keys: &'p Keys,
         share: Vec<usize>,
         start: Instant,
     ) -> Result<Storm<'p>, BenchError> {
         Ok(Storm {
             plan,
             shared,
-            counter_key: keys.counter,
-            done_key: keys.done,
-            done_list: keys.done_list,
+            keys,
             ranks: share
                 .into_iter()
                 .map(|index| Rank {
@@ -478,7 +469,7 @@ impl Storm<'_> {
         match (phase, reply) {
             (Phase::Connecting, Reply::Pong(nonce)) if nonce == index as u32 => {
                 conn.queue(&Request::Add {
-                    key: self.counter_key,
+                    key: &self.keys.counter,
                     delta: 1,
                 });
                 rank.phase = Phase::Adding;
@@ -489,11 +480,11 @@ impl Storm<'_> {
             (Phase::Adding, Reply::Int(value)) => {
                 if value == total as i64 {
                     conn.queue(&Request::Set {
-                        key: self.done_key,
+                        key: &self.keys.done,
                         value: b"1",
                     });
                 }
-                match KeyList::new(1, self.done_list) {
+                match KeyList::new(1, &self.keys.done_list) {
                     Some(keys) => conn.queue(&Request::Wait { keys }),
                     None => return self.fail(slot, "cannot encode the WAIT key".into()),
                 }
