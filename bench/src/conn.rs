@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use mio::net::TcpStream;
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
-use rdzv_core::store::{CheckResponse, QueryType, Request, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::{QueryType, Request, WaitResponse, VALIDATION_MAGIC};
 
 use super::BenchError;
 
@@ -111,8 +111,6 @@ pub(super) enum Reply {
     },
     /// `WAIT`, `BARRIER`, `CANCEL_WAIT`.
     Wait(WaitResponse),
-    /// `CHECK`.
-    Check(CheckResponse),
     /// Any other reply, by the query it answers.
     Other(QueryType),
 }
@@ -125,7 +123,6 @@ impl Reply {
             ResponseView::Int(n) => Reply::Int(n),
             ResponseView::Value(value) => Reply::Value { len: value.len() },
             ResponseView::Wait(wait) => Reply::Wait(wait),
-            ResponseView::Check(check) => Reply::Check(check),
             _ => Reply::Other(query),
         }
     }

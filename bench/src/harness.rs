@@ -123,14 +123,10 @@ impl Target {
             Some(given) => {
                 let resolved = given
                     .to_socket_addrs()
+                    .and_then(|mut addrs| addrs.next().ok_or(std::io::ErrorKind::NotFound.into()))
                     .map_err(|source| BenchError::Resolve {
                         addr: given.to_string(),
                         source,
-                    })?
-                    .next()
-                    .ok_or_else(|| BenchError::Resolve {
-                        addr: given.to_string(),
-                        source: std::io::ErrorKind::NotFound.into(),
                     })?;
                 Ok(Target {
                     addr: resolved,

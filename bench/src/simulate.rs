@@ -209,23 +209,15 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
             }
         }
         for (target, _) in sim.wakes.drain(..) {
-            let Some(seen) = usize::try_from(target.0)
+            let seen = usize::try_from(target.0)
                 .ok()
-                .and_then(|t| released.get_mut(t))
-            else {
-                return Err(BenchError::Simulation {
-                    ranks,
-                    rank,
-                    what: format!("a wake-up for unknown connection {}", target.0),
-                });
+                .and_then(|t| released.get_mut(t));
+            let what = match seen.map(|seen| std::mem::replace(seen, true)) {
+                None => format!("a wake-up for unknown connection {}", target.0),
+                Some(true) => format!("connection {} released twice", target.0),
+                Some(false) => continue,
             };
-            if std::mem::replace(seen, true) {
-                return Err(BenchError::Simulation {
-                    ranks,
-                    rank,
-                    what: format!("connection {} released twice", target.0),
-                });
-            }
+            return Err(BenchError::Simulation { ranks, rank, what });
         }
         tick(bar, ranks + rank);
     }

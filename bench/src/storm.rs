@@ -122,6 +122,18 @@ struct Shared {
 }
 
 impl Shared {
+    /// Records `ADD`'s result `value`: it must be in 1..=N and seen by no other rank.
+    fn check_add(&self, value: i64) {
+        let slot = usize::try_from(value)
+            .ok()
+            .and_then(|v| v.checked_sub(1))
+            .and_then(|i| self.seen_add.get(i));
+        let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
+        if !fresh {
+            self.add_results_ok.store(false, Ordering::Relaxed);
+        }
+    }
+
     fn note_error(&self, message: String) {
         if let Ok(mut first) = self.first_error.lock() {
             first.get_or_insert(message);
@@ -438,31 +450,12 @@ impl Storm<'_> {
         }
     }
 
-    /// Records `ADD`'s result `value`: it must be in 1..=N and seen by no other rank.
-    fn check_add(&self, value: i64) {
-        let slot = usize::try_from(value)
-            .ok()
-            .and_then(|v| v.checked_sub(1))
-            .and_then(|i| self.shared.seen_add.get(i));
-        let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
-        if !fresh {
-            self.shared.add_results_ok.store(false, Ordering::Relaxed);
-        }
-    }
-
     fn on_reply(&mut self, slot: usize, reply: Reply) {
         let total = self.plan.ranks;
-        let phase = match self.ranks.get(slot) {
-            Some(rank) if rank.conn.is_some() => rank.phase,
-            _ => return,
-        };
-        if let (Phase::Adding, Reply::Int(value)) = (phase, reply) {
-            self.check_add(value);
-        }
         let Some(rank) = self.ranks.get_mut(slot) else {
             return;
         };
-        let index = rank.index;
+        let (phase, index) = (rank.phase, rank.index);
         let Some(conn) = rank.conn.as_mut() else {
             return;
         };
@@ -478,6 +471,7 @@ impl Storm<'_> {
                 }
             }
             (Phase::Adding, Reply::Int(value)) => {
+                self.shared.check_add(value);
                 if value == total as i64 {
                     conn.queue(&Request::Set {
                         key: &self.keys.done,

@@ -152,11 +152,7 @@ fn sample_cpu(
 ) -> Result<(Option<Duration>, Option<Duration>), BenchError> {
     let read = |process| cpu::cpu_time(process).map_err(BenchError::CpuTime);
     let sample = || -> Result<(Option<Duration>, Option<Duration>), BenchError> {
-        let own = if client {
-            Some(read(cpu::Process::Current)?)
-        } else {
-            None
-        };
+        let own = client.then(|| read(cpu::Process::Current)).transpose()?;
         let server = server_pid
             .map(|pid| read(cpu::Process::Pid(pid)))
             .transpose()?;

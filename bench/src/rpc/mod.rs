@@ -343,21 +343,10 @@ fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, BenchError> {
 /// A local run: a child process serves on 127.0.0.1, this one measures.
 fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
     let mut peer = PeerProcess::spawn(&["bench", "rpc", "--peer"])?;
+    let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
     let measured = peer.port().and_then(|port| {
-        let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
-        let bar = progress_bar(args.json, BAR, Some(0));
-        let outcome = Measurement {
-            store: SocketAddr::new(localhost, port),
-            local_ip: localhost,
-            serving_ip: localhost,
-            mode: RunMode::Local,
-            pairs: pairs(args)?,
-            sizes: sizes(args, RunMode::Local)?,
-            bar: &bar,
-        }
-        .run();
-        bar.finish_and_clear();
-        outcome
+        let store = SocketAddr::new(localhost, port);
+        measure(args, store, localhost, RunMode::Local)
     });
     let status = peer.finish(measured.is_ok());
     let outcome = measured?;
@@ -371,14 +360,25 @@ fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, BenchErr
     let local_ip = route_source(store).map_err(BenchError::io(
         "find the local address that routes to the --connect host",
     ))?;
+    measure(args, store, local_ip, RunMode::TwoHost)
+}
+
+/// The measuring side against the serving side's `store`, its agents listening on
+/// `local_ip`.
+fn measure(
+    args: &RpcBenchArgs,
+    store: SocketAddr,
+    local_ip: IpAddr,
+    mode: RunMode,
+) -> Result<session::Outcome, BenchError> {
     let bar = progress_bar(args.json, BAR, Some(0));
     let outcome = Measurement {
         store,
         local_ip,
         serving_ip: store.ip(),
-        mode: RunMode::TwoHost,
+        mode,
         pairs: pairs(args)?,
-        sizes: sizes(args, RunMode::TwoHost)?,
+        sizes: sizes(args, mode)?,
         bar: &bar,
     }
     .run();

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rdzv_core::env::Env;
+use rdzv_core::query::QueryView;
 use rdzv_core::url::RendezvousUrl;
 use rdzv_uring::rendezvous::{
     register_rendezvous_handler, Rendezvous, RendezvousError, RendezvousOptions,
@@ -149,22 +150,16 @@ fn store_client_rendezvous(
         .port()
         .map_err(|e| fail(e.to_string()))?
         .ok_or_else(|| fail("no port".into()))?;
-    let mut rank = None;
-    let mut world_size = None;
-    for param in parsed.query().split('&') {
-        let (name, value) = param.split_once('=').unwrap_or((param, ""));
-        let number = || {
-            value
-                .parse::<u32>()
-                .map_err(|_| fail(format!("{name} is not a number: {value}")))
-        };
-        match name {
-            "rank" => rank = Some(number()?),
-            "world_size" => world_size = Some(number()?),
-            _ => {}
-        }
-    }
-    let rank = rank.ok_or_else(|| fail("no rank".into()))?;
+    let query = QueryView::parse(parsed.query()).map_err(|e| fail(e.to_string()))?;
+    let number = |name: &str| {
+        let value = query.get(name);
+        let parsed = value.map(|value| value.parse::<u32>().map_err(|_| value));
+        parsed
+            .transpose()
+            .map_err(|value| fail(format!("{name} is not a number: {value}")))
+    };
+    let rank = number("rank")?.ok_or_else(|| fail("no rank".into()))?;
+    let world_size = number("world_size")?;
     let store = TcpStore::connect(host, port, options.timeout)
         .map_err(|e| fail(format!("cannot connect to the benchmark's store: {e}")))?;
     Ok(Rendezvous::new(Arc::new(store), rank, world_size))
