@@ -53,9 +53,7 @@ pub use cpu::CpuTimeError;
 pub use error::BenchError;
 use harness::{ensure_fd_limit, key_prefix, progress_bar, seconds, write_report, Target};
 pub use rendezvous::RendezvousBenchArgs;
-use report::{
-    BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
-};
+use report::{BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult};
 pub use rpc::RpcBenchArgs;
 
 /// What `rdzv bench` measures.
@@ -373,10 +371,10 @@ fn throughput_mode(
             setup_timeout,
             client_cpu: target.embedded.is_none(),
             server_pid: args.server_pid,
+            label: target.label.clone(),
         };
-        let outcome = throughput::run(&plan, &bar)?;
+        let result = throughput::run(&plan, &bar)?;
         bar.finish_and_clear();
-        let result = throughput_result(&target.label, &outcome);
         show_as_done(json, conns.len(), &BenchResult::Throughput(result.clone()));
         results.push(result);
     }
@@ -387,25 +385,6 @@ fn throughput_mode(
         }
     }
     Ok(results.into_iter().map(BenchResult::Throughput).collect())
-}
-
-/// One connection count's row.
-fn throughput_result(label: &str, outcome: &throughput::ThroughputOutcome) -> ThroughputResult {
-    ThroughputResult {
-        target: label.to_string(),
-        conns: outcome.conns,
-        client_threads: outcome.threads,
-        seconds: outcome.seconds,
-        ops: outcome.ops,
-        ops_per_s: per_second(outcome.ops, outcome.seconds),
-        latency: LatencySummary::from_ns(&outcome.latency_ns),
-        client_cpu_us_per_op: outcome
-            .client_cpu
-            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-        server_cpu_us_per_op: outcome
-            .server_cpu
-            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-    }
 }
 
 /// `bench store storm`: checks the limits, runs the storm, reads the counter back.
@@ -438,33 +417,13 @@ fn storm_mode(
         threads,
         timeout,
         key_prefix: key_prefix("storm"),
+        label: target.label.clone(),
     };
     let bar = progress_bar(json, RANK_BAR, None);
     bar.set_message(format!("storm of {ranks}"));
-    let outcome = storm::run(&plan, &bar)?;
+    let result = storm::run(&plan, &bar)?;
     bar.finish_and_clear();
-    let counter = match storm::read_counter(target.addr, &plan.counter_key(), CONNECT_TIMEOUT) {
-        Ok(counter) => counter,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot read the storm counter back");
-            None
-        }
-    };
-    Ok(StormResult {
-        target: target.label.clone(),
-        ranks,
-        client_threads: outcome.threads,
-        seconds: outcome.seconds,
-        all_connected_seconds: outcome.all_connected_seconds,
-        released: outcome.released,
-        failed: outcome.failed,
-        connect_retries: outcome.connect_retries,
-        counter,
-        counter_ok: outcome.add_results_ok && counter == i64::try_from(ranks).ok(),
-        release_p50_seconds: outcome.release_ns.value_at_quantile(0.5) as f64 / 1e9,
-        release_p99_seconds: outcome.release_ns.value_at_quantile(0.99) as f64 / 1e9,
-        first_error: outcome.first_error,
-    })
+    Ok(result)
 }
 
 /// The open-file limit a storm of `ranks` needs (with a note when the embedded server's

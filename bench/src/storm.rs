@@ -15,8 +15,8 @@
 //! it is unknown, so it is not retried. The `ADD` results must be exactly 1..=N, each
 //! once, whichever thread saw them (the threads share one table of atomics).
 //!
-//! It does not read the counter back (see [`read_counter`], run by the caller) or decide
-//! how results are shown.
+//! Once every rank is released it reads the counter back ([`read_counter`]). It does not
+//! decide how results are shown.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -32,7 +32,11 @@ use rdzv_core::store::{KeyList, Request, WaitResponse};
 
 use super::conn::{one_key_list, Fill, Reactor, Reply, StoreConn};
 use super::latency::BlockingConn;
+use super::report::StormResult;
 use super::{new_histogram, BenchError};
+
+/// How long reading the counter back may take to connect, and each reply.
+const READ_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one storm does.
 #[derive(Debug, Clone)]
@@ -47,6 +51,8 @@ pub(super) struct StormPlan {
     pub timeout: Duration,
     /// The counter is `{key_prefix}/counter`, the release key `{key_prefix}/done`.
     pub key_prefix: String,
+    /// The store's name in the result.
+    pub label: String,
 }
 
 impl StormPlan {
@@ -58,29 +64,6 @@ impl StormPlan {
     fn done_key(&self) -> String {
         format!("{}/done", self.key_prefix)
     }
-}
-
-/// What one storm measured.
-#[derive(Debug)]
-pub(super) struct StormOutcome {
-    /// Client threads that drove the ranks.
-    pub threads: usize,
-    /// From the first connect to the last release (or to the timeout), seconds.
-    pub seconds: f64,
-    /// From the first connect until every rank had its `PING` answered, if they all did.
-    pub all_connected_seconds: Option<f64>,
-    /// Ranks that got `STOP_WAITING`.
-    pub released: usize,
-    /// Ranks that failed after sending `ADD`, or were still pending at the timeout.
-    pub failed: usize,
-    /// Connection attempts that failed before `ADD` and were retried.
-    pub connect_retries: u64,
-    /// Whether the `ADD` results were exactly 1..=N, each once.
-    pub add_results_ok: bool,
-    /// The first error a rank hit, if any, for the report.
-    pub first_error: Option<String>,
-    /// For each released rank, seconds from the start to its release, in nanoseconds.
-    pub release_ns: Histogram<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,11 +92,12 @@ struct Rank {
 
 /// What the client threads share: the `ADD` results seen, and counters for progress and
 /// the outcome. Each is touched once or twice per rank, so contention is negligible.
+#[derive(Default)]
 struct Shared {
     /// `seen_add[v - 1]`: some rank's `ADD` returned `v`.
     seen_add: Vec<AtomicBool>,
-    /// No `ADD` result was out of range or seen twice.
-    add_results_ok: AtomicBool,
+    /// Some `ADD` result was out of range or seen twice.
+    add_result_wrong: AtomicBool,
     connected: AtomicUsize,
     released: AtomicUsize,
     failed: AtomicUsize,
@@ -130,7 +114,7 @@ impl Shared {
             .and_then(|i| self.seen_add.get(i));
         let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
         if !fresh {
-            self.add_results_ok.store(false, Ordering::Relaxed);
+            self.add_result_wrong.store(true, Ordering::Relaxed);
         }
     }
 
@@ -166,7 +150,7 @@ struct Storm<'p> {
 /// Runs the storm and returns what it measured. Errors only for local failures
 /// (`epoll`, a panicked thread); a rank's failures are counted in the outcome. The
 /// progress bar follows the released ranks, its message the connected ones.
-pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
+pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormResult, BenchError> {
     let ranks = plan.ranks;
     let threads = plan.threads.clamp(1, ranks.max(1));
     let done = plan.done_key().into_bytes();
@@ -177,12 +161,7 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
     };
     let shared = Shared {
         seen_add: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
-        add_results_ok: AtomicBool::new(true),
-        connected: AtomicUsize::new(0),
-        released: AtomicUsize::new(0),
-        failed: AtomicUsize::new(0),
-        retries: AtomicU64::new(0),
-        first_error: Mutex::new(None),
+        ..Shared::default()
     };
     progress.set_length(ranks as u64);
 
@@ -243,14 +222,15 @@ fn follow<T>(
     }
 }
 
-/// The storm's outcome from the threads' and the shared counters.
+/// The storm's result from the threads' and the shared counters, with the counter read
+/// back.
 fn outcome(
     plan: &StormPlan,
     threads: usize,
     start: Instant,
     shared: Shared,
     results: Vec<Result<ThreadOutcome, BenchError>>,
-) -> Result<StormOutcome, BenchError> {
+) -> Result<StormResult, BenchError> {
     let mut release_ns = new_histogram()?;
     let mut last_release = None;
     let mut all_connected = None;
@@ -272,8 +252,22 @@ fn outcome(
         ));
     }
     let end = last_release.unwrap_or_else(Instant::now);
-    Ok(StormOutcome {
-        threads,
+    let counter = match read_counter(plan.addr, &plan.counter_key(), READ_BACK_TIMEOUT) {
+        Ok(counter) => counter,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the storm counter back");
+            None
+        }
+    };
+    let adds_ok = !shared.add_result_wrong.load(Ordering::Relaxed)
+        && shared
+            .seen_add
+            .iter()
+            .all(|seen| seen.load(Ordering::Relaxed));
+    Ok(StormResult {
+        target: plan.label.clone(),
+        ranks: plan.ranks,
+        client_threads: threads,
         seconds: if pending > 0 {
             plan.timeout.as_secs_f64()
         } else {
@@ -283,13 +277,11 @@ fn outcome(
         released,
         failed: failed + pending,
         connect_retries: shared.retries.load(Ordering::Relaxed),
-        add_results_ok: shared.add_results_ok.load(Ordering::Relaxed)
-            && shared
-                .seen_add
-                .iter()
-                .all(|seen| seen.load(Ordering::Relaxed)),
+        counter,
+        counter_ok: adds_ok && counter == i64::try_from(plan.ranks).ok(),
+        release_p50_seconds: release_ns.value_at_quantile(0.5) as f64 / 1e9,
+        release_p99_seconds: release_ns.value_at_quantile(0.99) as f64 / 1e9,
         first_error: shared.first_error.into_inner().ok().flatten(),
-        release_ns,
     })
 }
 
@@ -575,14 +567,16 @@ mod tests {
             threads: 2,
             timeout: Duration::from_secs(30),
             key_prefix: "/bench-test/storm".into(),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        assert_eq!(outcome.threads, 2);
+        assert_eq!(outcome.client_threads, 2);
         assert_eq!(outcome.released, 256, "{:?}", outcome.first_error);
         assert_eq!(outcome.failed, 0);
-        assert!(outcome.add_results_ok);
+        assert!(outcome.counter_ok && outcome.succeeded());
         assert!(outcome.all_connected_seconds.is_some());
-        assert_eq!(outcome.release_ns.len(), 256);
+        assert_eq!(outcome.counter, Some(256));
+        assert!(outcome.release_p99_seconds > 0.0);
         let counter = read_counter(
             server.local_addr(),
             &plan.counter_key(),
@@ -611,11 +605,12 @@ mod tests {
             threads: 8,
             timeout: Duration::from_secs(20),
             key_prefix: "/bench-test/storm3".into(),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        assert_eq!(outcome.threads, 3);
+        assert_eq!(outcome.client_threads, 3);
         assert_eq!(outcome.released, 3, "{:?}", outcome.first_error);
-        assert!(outcome.add_results_ok);
+        assert!(outcome.counter_ok);
         server.shutdown();
     }
 
@@ -632,12 +627,13 @@ mod tests {
             threads: 2,
             timeout: Duration::from_millis(150),
             key_prefix: "/x".into(),
+            label: "nothing".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
         assert_eq!(outcome.released, 0);
         assert_eq!(outcome.failed, 3);
         assert!(outcome.connect_retries >= 3);
-        assert!(!outcome.add_results_ok);
+        assert!(!outcome.counter_ok);
         assert!(outcome.first_error.is_some());
     }
 }

@@ -9,8 +9,9 @@
 //! window is counted and its latency (write to reply) goes into an HDR histogram.
 //!
 //! Each reply is checked: an `ADD` must return one more than the connection's previous
-//! `ADD`, and a `GET` must return that number's decimal text, or the run fails. It does
-//! not decide how results are shown (see `report`).
+//! `ADD`, and a `GET` must return that number's decimal text, or the run fails. It
+//! summarises what it measured as a `report` row, and does not decide how results are
+//! shown.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -22,6 +23,7 @@ use rdzv_core::store::Request;
 
 use super::conn::{Fill, Reactor, Reply, StoreConn};
 use super::cpu;
+use super::report::{LatencySummary, ThroughputResult};
 use super::{new_histogram, BenchError};
 
 /// What one throughput run does.
@@ -46,32 +48,15 @@ pub(super) struct ThroughputPlan {
     pub client_cpu: bool,
     /// Measure this server process's CPU time over the window.
     pub server_pid: Option<u32>,
-}
-
-/// What one throughput run measured.
-#[derive(Debug)]
-pub(super) struct ThroughputOutcome {
-    /// Concurrent connections.
-    pub conns: usize,
-    /// Client threads.
-    pub threads: usize,
-    /// Length of the measurement window, seconds.
-    pub seconds: f64,
-    /// Replies received in the window (ADDs and GETs).
-    pub ops: u64,
-    /// Latency of each of those operations, nanoseconds.
-    pub latency_ns: Histogram<u64>,
-    /// This process's CPU time over the window, when asked for.
-    pub client_cpu: Option<Duration>,
-    /// The server's CPU time over the window, when asked for.
-    pub server_cpu: Option<Duration>,
+    /// The store's name in the result.
+    pub label: String,
 }
 
 /// Connects `plan.conns` connections, runs the load, and returns what was measured.
 pub(super) fn run(
     plan: &ThroughputPlan,
     progress: &ProgressBar,
-) -> Result<ThroughputOutcome, BenchError> {
+) -> Result<ThroughputResult, BenchError> {
     let conns = plan.conns.max(1);
     let threads = plan.threads.clamp(1, conns);
     let ready = connect_all(plan.addr, conns, plan.setup_timeout, progress)?;
@@ -131,14 +116,17 @@ pub(super) fn run(
         Some(outcome) => outcome?,
         None => (None, None),
     };
-    Ok(ThroughputOutcome {
+    let seconds = plan.measure.as_secs_f64();
+    Ok(ThroughputResult {
+        target: plan.label.clone(),
         conns,
-        threads,
-        seconds: plan.measure.as_secs_f64(),
+        client_threads: threads,
+        seconds,
         ops,
-        latency_ns,
-        client_cpu,
-        server_cpu,
+        ops_per_s: super::per_second(ops, seconds),
+        latency: LatencySummary::from_ns(&latency_ns),
+        client_cpu_us_per_op: client_cpu.and_then(|cpu| cpu::us_per_op(cpu, ops)),
+        server_cpu_us_per_op: server_cpu.and_then(|cpu| cpu::us_per_op(cpu, ops)),
     })
 }
 
@@ -432,18 +420,20 @@ mod tests {
             client_cpu: true,
             // The server runs in this process: its CPU is this process's.
             server_pid: Some(std::process::id()),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        let (own, server_cpu) = (outcome.client_cpu.unwrap(), outcome.server_cpu.unwrap());
+        let own = outcome.client_cpu_us_per_op.unwrap();
+        let server_cpu = outcome.server_cpu_us_per_op.unwrap();
         // The same process, read at the same instants (a tick apart at most).
         assert!(
-            own.abs_diff(server_cpu) <= Duration::from_millis(20),
-            "{own:?} vs {server_cpu:?}"
+            (own - server_cpu).abs() * outcome.ops as f64 <= 20_000.0,
+            "{own} vs {server_cpu} µs per op"
         );
         assert_eq!(outcome.conns, 8);
-        assert_eq!(outcome.threads, 2);
+        assert_eq!(outcome.client_threads, 2);
         assert!(outcome.ops > 0, "no operation completed in 200 ms");
-        assert_eq!(outcome.latency_ns.len(), outcome.ops);
+        assert!(outcome.latency.p50_us > 0.0);
         server.shutdown();
     }
 }
