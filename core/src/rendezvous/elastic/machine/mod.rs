@@ -815,7 +815,7 @@ impl ElasticNode {
                         then: Then::Left,
                     })
                 }
-                _ => self.finish(Event::Left),
+                _ => self.step = self.finish(Event::Left),
             },
             LocalEvent::Shutdown => self.step = Step::Shutdown(Shutdown::Closed),
             LocalEvent::WorkerFailed => {
@@ -823,25 +823,25 @@ impl ElasticNode {
                     KeepAlive::Beat(m) | KeepAlive::Watch(m) | KeepAlive::WaitOver(m),
                 ) = self.step
                 {
-                    self.step = Step::Leave(Leave::MarkOver {
-                        round: m.round,
-                        reason: format!("the workers of node '{}' failed", self.node),
-                        then: Then::Rejoin,
-                    });
+                    let reason = format!("the workers of node '{}' failed", self.node);
+                    self.step = end_round(m.round, reason);
                 }
             }
         }
     }
 
-    fn finish(&mut self, event: Event) {
+    /// Records the final `event`; returns `Done`.
+    fn finish(&mut self, event: Event) -> Step {
         self.events.push_back(event);
         self.step = Step::Done;
         self.holding = None;
         self.open_slot = None;
+        Step::Done
     }
 
-    fn fail(&mut self, error: ElasticError) {
-        self.finish(Event::Failed(error));
+    /// Fails with `error`; returns `Done`.
+    fn fail(&mut self, error: ElasticError) -> Step {
+        self.finish(Event::Failed(error))
     }
 
     /// The rendezvous is closed: a graceful exit for a hot spare (PyTorch's redundancy
@@ -886,24 +886,31 @@ impl ElasticNode {
         self.awaiting = false;
         let expected = self.action(now).map_or("nothing", |a| a.name());
         let step = core::mem::replace(&mut self.step, Step::Done);
+        // A finishing transition has already recorded its final event; it returns `Done`.
         let next = step.on_reply(self, reply, now);
-        match next {
-            // A finishing transition has already recorded its final event; it returns
-            // `Done`.
-            Ok(step) => self.step = step,
-            Err(Mismatch) => self.fail(ElasticError::UnexpectedReply {
+        self.step = next.unwrap_or_else(|Mismatch| {
+            self.fail(ElasticError::UnexpectedReply {
                 expected,
                 got: reply.name(),
-            }),
-        }
+            })
+        });
     }
 
     /// Fails with a foreign value at `{round}/{name}`; returns `Done`.
     fn foreign(&mut self, round: u64, name: &str, value: &[u8]) -> Step {
         let key = self.round_key(round, name);
-        self.fail(self.bad_value(key, value));
-        Step::Done
+        self.fail(self.bad_value(key, value))
     }
+}
+
+/// Marks `round` over for `reason` (a member died, failed or did not confirm), then
+/// rejoins.
+fn end_round(round: u64, reason: String) -> Step {
+    Step::Leave(Leave::MarkOver {
+        round,
+        reason,
+        then: Then::Rejoin,
+    })
 }
 
 /// A reply that does not answer the pending action.
