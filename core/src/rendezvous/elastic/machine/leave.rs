@@ -33,10 +33,10 @@ impl Leave {
                 value: format!("-{}\n", seat.slot).into_bytes(),
             },
             Leave::GoneCount { seat, .. } => n.add(seat.round, "arrivals", DEPARTED),
-            Leave::OwnCheck { seat, .. } => StoreAction::Check {
+            Leave::OwnCheck(seat, _) => StoreAction::Check {
                 key: n.round_key(seat.round, "size"),
             },
-            Leave::OwnRead { seat, .. } => n.get(seat.round, "size"),
+            Leave::OwnRead(seat, _) => n.get(seat.round, "size"),
             Leave::MarkOver { round, reason, .. } => {
                 n.set(*round, "over", reason.as_bytes().to_vec())
             }
@@ -59,11 +59,11 @@ impl Leave {
                 Step::Leave(Leave::GoneCount { seat, after })
             }
             (Leave::GoneCount { seat, after }, R::Added(_)) => after_gone(seat, after),
-            (Leave::OwnCheck { seat, then }, R::Checked(true)) => {
-                Step::Leave(Leave::OwnRead { seat, then })
+            (Leave::OwnCheck(seat, then), R::Checked(true)) => {
+                Step::Leave(Leave::OwnRead(seat, then))
             }
-            (Leave::OwnCheck { then, .. }, R::Checked(false)) => n.then(then, now),
-            (Leave::OwnRead { seat, then }, R::Value(value)) => {
+            (Leave::OwnCheck(_, then), R::Checked(false)) => n.then(then, now),
+            (Leave::OwnRead(seat, then), R::Value(value)) => {
                 match parse_world(value, n.settings.nodes.max) {
                     Some((world, ..)) if world.contains(&seat.slot) => {
                         // The round closed with this node in it: end it for the others.
@@ -95,7 +95,7 @@ impl Leave {
 fn after_gone(seat: Seat, after: AfterGone) -> Step {
     match after {
         AfterGone::Resume(resume) => Step::Tick(Tick::Recheck(resume)),
-        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck { seat, then }),
+        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck(seat, then)),
     }
 }
 

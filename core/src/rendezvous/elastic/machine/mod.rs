@@ -577,18 +577,8 @@ impl ElasticNode {
     /// [`ElasticNode::wants_contact`] says so.
     pub fn set_contact(&mut self, contact: &str) {
         self.contact_carried = false;
-        self.contact = (!contact.is_empty()).then(|| {
-            contact
-                .chars()
-                .map(|c| {
-                    if c.is_whitespace() || c.is_control() || c == ',' || c == ';' {
-                        '?'
-                    } else {
-                        c
-                    }
-                })
-                .collect()
-        });
+        let odd = |c: char| c.is_whitespace() || c.is_control() || c == ',' || c == ';';
+        self.contact = (!contact.is_empty()).then(|| contact.replace(odd, "?"));
     }
 
     /// Whether the next action announces an arrival (this node's roster line) with a
@@ -625,19 +615,17 @@ impl ElasticNode {
     /// The open round this node waits in for more nodes, or `None` (joining, closing, a
     /// member of a complete round, a hot spare, done). A read-only view: no store work.
     pub fn open_round(&self) -> Option<OpenRound> {
-        let resume = match &self.step {
-            Step::Join(Join::WaitQuorum(seat)) => Resume::Quorum(*seat),
-            Step::LastCall(LastCall::WaitSize { seat, last_call }) => Resume::Size {
-                seat: *seat,
-                last_call: *last_call,
+        let (round, last_call) = match &self.step {
+            Step::Join(Join::WaitQuorum(seat)) => (seat.round, None),
+            Step::LastCall(LastCall::WaitSize { seat, last_call }) => {
+                (seat.round, Some(*last_call))
+            }
+            Step::Tick(tick) => match tick.resume() {
+                Resume::Quorum(seat) => (seat.round, None),
+                Resume::Size { seat, last_call } => (seat.round, Some(last_call)),
+                Resume::Spare(_) => return None,
             },
-            Step::Tick(tick) => tick.resume(),
             _ => return None,
-        };
-        let (round, last_call) = match resume {
-            Resume::Quorum(seat) => (seat.round, None),
-            Resume::Size { seat, last_call } => (seat.round, Some(last_call)),
-            Resume::Spare(_) => return None,
         };
         let nodes = self.settings.nodes;
         Some(OpenRound {
@@ -681,7 +669,7 @@ impl ElasticNode {
         while let Some(event) = self.local.pop_front() {
             self.apply_local(event, now);
         }
-        let action = self.action(now)?;
+        let action = self.step.action(self, now)?;
         if matches!(self.step, Step::Join(Join::Announce { .. })) {
             self.contact_carried = true;
         }
@@ -718,11 +706,7 @@ impl ElasticNode {
         };
         line.push_str(self.contact.as_deref().unwrap_or("-"));
         line.push(' ');
-        line.extend(
-            self.node
-                .chars()
-                .map(|c| if c.is_control() { '?' } else { c }),
-        );
+        line.push_str(&self.node.replace(char::is_control, "?"));
         line.push('\n');
         line.into_bytes()
     }
@@ -780,10 +764,6 @@ impl ElasticNode {
         StoreAction::Check {
             key: self.key(format_args!("closed")),
         }
-    }
-
-    fn action(&self, now: Instant) -> Option<StoreAction> {
-        self.step.action(self, now)
     }
 
     fn apply_local(&mut self, event: LocalEvent, now: Instant) {
@@ -884,7 +864,7 @@ impl ElasticNode {
             return;
         }
         self.awaiting = false;
-        let expected = self.action(now).map_or("nothing", |a| a.name());
+        let expected = self.step.action(self, now).map_or("nothing", |a| a.name());
         let step = core::mem::replace(&mut self.step, Step::Done);
         // A finishing transition has already recorded its final event; it returns `Done`.
         let next = step.on_reply(self, reply, now);
