@@ -77,18 +77,11 @@ impl PairSpec {
     }
 
     fn parse(&self) -> Result<Pair, String> {
-        let transport = self
-            .transport
-            .parse()
-            .map_err(|e| format!("unknown to this build: {e}"))?;
-        let channel = if self.channel == Channels::DEFAULT_NAME {
-            Channels::Default
-        } else {
-            Channels::Only(
-                self.channel
-                    .parse()
-                    .map_err(|e| format!("unknown to this build: {e}"))?,
-            )
+        let unknown = |e: &dyn std::fmt::Display| format!("unknown to this build: {e}");
+        let transport = self.transport.parse().map_err(|e| unknown(&e))?;
+        let channel = match self.channel.as_str() {
+            Channels::DEFAULT_NAME => Channels::Default,
+            name => Channels::Only(name.parse().map_err(|e| unknown(&e))?),
         };
         Ok(Pair { transport, channel })
     }
@@ -196,22 +189,13 @@ struct SessionStore {
 impl SessionStore {
     fn connect(addr: SocketAddr) -> Result<SessionStore, BenchError> {
         let store = TcpStore::connect(&addr.ip().to_string(), addr.port(), CONNECT_TIMEOUT)
-            .map_err(|source| BenchError::SessionStore {
-                addr,
-                what: "connecting".into(),
-                source: Box::new(source),
-            })?;
+            .map_err(store_failed(addr, "connecting"))?;
         Ok(SessionStore { addr, store })
     }
 
     /// For `map_err`: `what` failed with the store's error.
     fn failed(&self, what: impl Into<String>) -> impl FnOnce(StoreError) -> BenchError {
-        let (addr, what) = (self.addr, what.into());
-        move |source| BenchError::SessionStore {
-            addr,
-            what,
-            source: Box::new(source),
-        }
+        store_failed(self.addr, what)
     }
 
     /// Writes `record` as JSON under `key`.
@@ -273,6 +257,19 @@ impl SessionStore {
     ) -> Result<T, BenchError> {
         let bytes = self.wait_for(key, limit, || Ok(()))?;
         decode(key, &bytes)
+    }
+}
+
+/// For `map_err`: `what` failed with the error of the store at `addr`.
+fn store_failed(
+    addr: SocketAddr,
+    what: impl Into<String>,
+) -> impl FnOnce(StoreError) -> BenchError {
+    let what = what.into();
+    move |source| BenchError::SessionStore {
+        addr,
+        what,
+        source: Box::new(source),
     }
 }
 
