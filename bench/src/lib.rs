@@ -350,8 +350,8 @@ fn throughput_mode(
     let warmup = seconds(args.warmup_secs, "--warmup-secs")?;
     let conns = &args.conns;
     if conns.is_empty() || conns.contains(&0) {
-        return Err(BenchError::InvalidArgument(
-            "--conns must list connection counts of at least 1".into(),
+        return Err(BenchError::invalid(
+            "--conns must list connection counts of at least 1",
         ));
     }
     let target = target()?;
@@ -396,18 +396,12 @@ fn storm_mode(
     let ranks = args.ranks;
     let timeout = seconds(args.timeout_secs, "--timeout-secs")?;
     if ranks == 0 {
-        return Err(BenchError::InvalidArgument(
-            "--ranks must be at least 1".into(),
-        ));
+        return Err(BenchError::invalid("--ranks must be at least 1"));
     }
     let target = target()?;
     storm_limits(&target, ranks)?;
     let threads = match args.client_threads {
-        Some(0) => {
-            return Err(BenchError::InvalidArgument(
-                "--client-threads must be at least 1".into(),
-            ))
-        }
+        Some(0) => return Err(BenchError::invalid("--client-threads must be at least 1")),
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };

@@ -203,9 +203,7 @@ fn now(epoch: StdInstant) -> Instant {
 /// Runs `rdzv bench rendezvous`.
 pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     if args.nodes == 0 {
-        return Err(BenchError::InvalidArgument(
-            "--nodes must be at least 1".into(),
-        ));
+        return Err(BenchError::invalid("--nodes must be at least 1"));
     }
     if let Some(etcd) = args.addr.as_deref().filter(|a| a.starts_with("etcd://")) {
         let interval = Duration::from_millis(args.keep_alive_ms.max(1));
@@ -223,7 +221,8 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     let mut nodes = connect_nodes(addr, &settings, &reactor)?;
     eprintln!("{n} connections to {addr} opened; joining");
     let measured = drive(&mut nodes, &mut reactor, args.heartbeat_secs)?;
-    check_ranks(&nodes, n)?;
+    let ranks: Vec<(u64, u32, u32)> = nodes.iter().filter_map(|node| node.rank).collect();
+    check_world(&ranks, n)?;
     print_report(&nodes, &measured, n, addr, interval, args.heartbeat_secs);
     print_torchrun_design(n);
     Ok(ExitCode::SUCCESS)
@@ -420,22 +419,16 @@ fn on_socket_event(nodes: &mut [Node], i: usize, ready: &mut Vec<usize>) {
     ready.push(i);
 }
 
-/// Every node must agree: one round, world `n`, distinct ranks.
-fn check_ranks(nodes: &[Node], n: u32) -> Result<(), BenchError> {
-    let mut ranks: Vec<u32> = nodes
-        .iter()
-        .filter_map(|node| node.rank)
-        .map(|(round, rank, world)| {
-            debug_assert_eq!((round, world), (0, n));
-            rank
-        })
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
-    if ranks.len() != n as usize {
+/// Every node must agree: one round, world `n`, distinct ranks (`(round, rank, world)`
+/// each; the etcd bench's too).
+pub(super) fn check_world(ranks: &[(u64, u32, u32)], n: u32) -> Result<(), BenchError> {
+    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != n as usize || ranks.iter().any(|r| r.2 != n || r.0 != ranks[0].0) {
         return Err(BenchError::Unexpected(format!(
-            "ranks are not distinct: {} distinct of {n}",
-            ranks.len()
+            "the round is not one world of {n} distinct ranks: {} distinct",
+            distinct.len()
         )));
     }
     Ok(())

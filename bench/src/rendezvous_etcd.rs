@@ -17,7 +17,7 @@ use rdzv_core::rendezvous::elastic::EtcdRendezvousUrl;
 use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
 use rdzv_uring::rendezvous::etcd::{lease_ttl, machine_store, MachineStore};
 
-use super::rendezvous::{one_round, spread};
+use super::rendezvous::{check_world, one_round, spread};
 use super::BenchError;
 
 /// Runs the etcd bench: `addr` is `etcd://ENDPOINTS[/PREFIX]`, the rest as the TCP bench.
@@ -44,7 +44,6 @@ pub(super) fn run(
     }
     eprintln!("{nodes} nodes joining over etcd {endpoints}");
     let mut ranks = Vec::with_capacity(nodes as usize);
-    let mut join_requests = Vec::with_capacity(nodes as usize);
     for (i, handle) in handles.iter().enumerate() {
         let round = handle
             .next_round(None, settings.join_timeout)
@@ -54,18 +53,8 @@ pub(super) fn run(
     let took = started.elapsed();
     // Taken once every node is a member: the join's requests, and the heartbeats of the
     // nodes that finished first (at most a few intervals' worth).
-    for store in &stores {
-        join_requests.push(store.etcd().requests());
-    }
-    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    if distinct.len() != nodes as usize || ranks.iter().any(|r| r.2 != nodes || r.0 != ranks[0].0) {
-        return Err(BenchError::Unexpected(format!(
-            "the round is not one world of {nodes} distinct ranks: {} distinct",
-            distinct.len()
-        )));
-    }
+    let join_requests: Vec<u64> = stores.iter().map(|s| s.etcd().requests()).collect();
+    check_world(&ranks, nodes)?;
     let (jmin, jmean, jmax) = spread(&join_requests);
     println!("rdzv elastic rendezvous on etcd: {nodes} nodes, one round, etcd {endpoints}");
     println!("  round formed in             {:.3} s", took.as_secs_f64());

@@ -12,7 +12,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 /// Percentiles of a latency histogram recorded in nanoseconds, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(super) struct LatencySummary {
     /// Mean.
     pub mean_us: f64,
@@ -32,14 +32,7 @@ impl LatencySummary {
     /// Summarises `histogram` (values in nanoseconds). All zeros if it is empty.
     pub(super) fn from_ns(histogram: &Histogram<u64>) -> LatencySummary {
         if histogram.is_empty() {
-            return LatencySummary {
-                mean_us: 0.0,
-                p50_us: 0.0,
-                p90_us: 0.0,
-                p99_us: 0.0,
-                p999_us: 0.0,
-                max_us: 0.0,
-            };
+            return LatencySummary::default();
         }
         let us = |ns: u64| ns as f64 / 1000.0;
         LatencySummary {

@@ -130,8 +130,8 @@ fn tick(bar: &ProgressBar, done: usize) {
 /// Runs the simulation for `ranks` ranks under the server's default budget.
 pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResult, BenchError> {
     if ranks < 2 {
-        return Err(BenchError::InvalidArgument(
-            "--ranks must list counts of at least 2".into(),
+        return Err(BenchError::invalid(
+            "--ranks must list counts of at least 2",
         ));
     }
     let limits = Limits::default();

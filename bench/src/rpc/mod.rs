@@ -221,7 +221,7 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
     };
     let given = args.sizes.as_deref().unwrap_or(default);
     if given.is_empty() {
-        return Err(BenchError::InvalidArgument("--sizes lists no size".into()));
+        return Err(BenchError::invalid("--sizes lists no size"));
     }
     given
         .iter()
@@ -232,8 +232,8 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
                 args.iters
             };
             if iters == 0 {
-                return Err(BenchError::InvalidArgument(
-                    "--iters and --big-iters must be at least 1".into(),
+                return Err(BenchError::invalid(
+                    "--iters and --big-iters must be at least 1",
                 ));
             }
             let size = usize::try_from(size).map_err(|_| {
