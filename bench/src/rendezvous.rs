@@ -140,22 +140,17 @@ fn store_reply(view: &ResponseView<'_>) -> Result<OwnedStoreReply, String> {
 }
 
 /// Hands the node's replies to its machine and sends what it asks next.
-fn step_node(
-    node: &mut Node,
-    i: usize,
-    epoch: StdInstant,
-    timers: &mut BinaryHeap<Reverse<(Instant, usize, u64)>>,
-) {
+fn step_node(node: &mut Node, i: usize, epoch: StdInstant, timers: &mut Timers) {
     loop {
-        match node.conn.next_response(|view, _| store_reply(view)) {
-            Ok(Some(Ok(reply))) => answer(node, &reply, epoch),
+        let reply = match node.conn.next_response(|view, _| store_reply(view)) {
+            Ok(Some(reply)) => reply,
             Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                node.failed = Some(e);
-                return;
-            }
+            Err(e) => Err(e.to_string()),
+        };
+        match reply {
+            Ok(reply) => answer(node, &reply, epoch),
             Err(e) => {
-                node.failed = Some(e.to_string());
+                node.failed = Some(e);
                 return;
             }
         }

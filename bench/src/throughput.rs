@@ -276,30 +276,22 @@ impl Slot {
 
     /// Checks `reply` against what this connection sent and expects.
     fn check(&mut self, reply: Reply) -> Result<(), BenchError> {
-        if self.next_is_get {
-            match reply {
-                Reply::Value { len } if len == decimal_len(self.counter) => {}
-                _ => {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "GET",
-                        expected: "the decimal text of the last ADD's result",
-                    })
-                }
+        let expected = match (self.next_is_get, reply) {
+            (true, Reply::Value { len }) if len == decimal_len(self.counter) => None,
+            (true, _) => Some(("GET", "the decimal text of the last ADD's result")),
+            // One more, or (a key left by an earlier run against the same server) its
+            // count adopted.
+            (false, Reply::Int(value))
+                if self.counter.checked_add(1) == Some(value)
+                    || (self.counter == 0 && value > 0) =>
+            {
+                self.counter = value;
+                None
             }
-        } else {
-            match reply {
-                Reply::Int(value) if self.counter.checked_add(1) == Some(value) => {
-                    self.counter = value;
-                }
-                // A key left by an earlier run against the same server: adopt its count.
-                Reply::Int(value) if self.counter == 0 && value > 0 => self.counter = value,
-                _ => {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "ADD",
-                        expected: "one more than this connection's previous ADD",
-                    })
-                }
-            }
+            (false, _) => Some(("ADD", "one more than this connection's previous ADD")),
+        };
+        if let Some((query, expected)) = expected {
+            return Err(BenchError::UnexpectedReply { query, expected });
         }
         self.next_is_get = !self.next_is_get;
         Ok(())
