@@ -425,24 +425,23 @@ fn storm_mode(
 fn storm_limits(target: &Target, ranks: usize) -> Result<(), BenchError> {
     let limit =
         ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK).inspect_err(|e| {
-            if let (BenchError::FdLimit { limit, .. }, true) = (e, target.embedded.is_some()) {
-                if *limit >= ranks as u64 + FD_SLACK {
-                    eprintln!(
-                        "note: the embedded server's sockets count against this \
-                         process's limit too; a server of its own (`rdzv store serve`, \
-                         then --addr) leaves {ranks} ranks within it"
-                    );
-                }
+            let ours =
+                matches!(e, BenchError::FdLimit { limit, .. } if *limit >= ranks as u64 + FD_SLACK);
+            if ours && target.embedded.is_some() {
+                eprintln!(
+                    "note: the embedded server's sockets count against this process's \
+                     limit too; a server of its own (`rdzv store serve`, then --addr) \
+                     leaves {ranks} ranks within it"
+                );
             }
         })?;
-    if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
-        if (backlog as usize) < ranks {
-            eprintln!(
-                "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server \
-                 slower to accept than the storm arrives will see its listen queue \
-                 overflow (SYNs dropped, connects retried after 1 s or more)"
-            );
-        }
+    let backlog = rdzv_uring::server::listener::somaxconn();
+    if let Some(backlog) = backlog.filter(|&backlog| (backlog as usize) < ranks) {
+        eprintln!(
+            "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server slower to \
+             accept than the storm arrives will see its listen queue overflow (SYNs \
+             dropped, connects retried after 1 s or more)"
+        );
     }
     tracing::info!(limit, ranks, "storm: open-file limit");
     Ok(())
@@ -521,14 +520,10 @@ fn round_trips(
     drop(raw);
     drop(echo);
 
-    let store_measured = store.is_some().then_some((&store_hist, store_time));
-    let raw_measured = want_raw.then_some((&raw_hist, raw_time));
-    Ok(round_trip_results(
-        label,
-        store_measured,
-        raw_measured,
-        (request_bytes, reply_bytes),
-    ))
+    let store = store.is_some().then_some((&store_hist, store_time));
+    let raw = want_raw.then_some((&raw_hist, raw_time));
+    let bytes = (request_bytes, reply_bytes);
+    Ok(round_trip_results(label, store, raw, bytes))
 }
 
 /// The rows of a round-trip run: the store's ADD (labelled `label`) and the raw

@@ -85,10 +85,7 @@ impl Node {
 
 /// `/` + key, as PyTorch's TCPStore client sends user keys.
 fn wire(key: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(key.len() + 1);
-    k.push(b'/');
-    k.extend_from_slice(key.as_bytes());
-    k
+    [b"/", key.as_bytes()].concat()
 }
 
 /// Sends the request of `action`.

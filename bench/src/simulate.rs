@@ -259,7 +259,6 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
     bar.set_position(ranks as u64 * 4);
 
     let per_rank_us = |s: f64| s * 1e6 / ranks as f64;
-    let n = ranks;
     Ok(SimulationResult {
         ranks,
         connect_cpu_s: connect_s,
@@ -268,8 +267,8 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
         total_cpu_s: connect_s + barrier_s + allgather_s,
         barrier_us_per_rank: per_rank_us(barrier_s),
         total_us_per_rank: per_rank_us(connect_s + barrier_s + allgather_s),
-        engine_bytes_per_idle_conn: idle_bytes / n,
-        engine_bytes_per_waiting_conn: waiting_bytes / n,
+        engine_bytes_per_idle_conn: idle_bytes / ranks,
+        engine_bytes_per_waiting_conn: waiting_bytes / ranks,
         engine_bytes_after_allgather: stored_bytes,
         session_bytes: std::mem::size_of::<Session>(),
     })

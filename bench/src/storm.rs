@@ -66,9 +66,10 @@ impl StormPlan {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Waiting for the backoff to pass before (re)connecting.
+    #[default]
     Backoff,
     /// Connecting, then `VALIDATE` + `PING` sent.
     Connecting,
@@ -80,7 +81,7 @@ enum Phase {
     Failed,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Rank {
     /// The rank's number in the whole storm (its `PING` nonce); its slot in its thread's
     /// table is its `mio` token.
@@ -252,13 +253,11 @@ fn outcome(
         ));
     }
     let end = last_release.unwrap_or_else(Instant::now);
-    let counter = match read_counter(plan.addr, &plan.counter_key(), READ_BACK_TIMEOUT) {
-        Ok(counter) => counter,
-        Err(e) => {
+    let counter =
+        read_counter(plan.addr, &plan.counter_key(), READ_BACK_TIMEOUT).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "cannot read the storm counter back");
             None
-        }
-    };
+        });
     let adds_ok = !shared.add_result_wrong.load(Ordering::Relaxed)
         && shared
             .seen_add
@@ -302,9 +301,7 @@ impl<'p> Storm<'p> {
                 .into_iter()
                 .map(|index| Rank {
                     index,
-                    conn: None,
-                    phase: Phase::Backoff,
-                    attempts: 0,
+                    ..Rank::default()
                 })
                 .collect(),
             finished: 0,

@@ -112,10 +112,8 @@ pub(super) fn run(
             .add(&histogram)
             .map_err(|e| BenchError::Histogram(format!("{e:?}")))?;
     }
-    let (client_cpu, server_cpu) = match sampled.into_inner().ok().flatten() {
-        Some(outcome) => outcome?,
-        None => (None, None),
-    };
+    let sampled = sampled.into_inner().ok().flatten().transpose()?;
+    let (client_cpu, server_cpu) = sampled.unwrap_or_default();
     let seconds = plan.measure.as_secs_f64();
     Ok(ThroughputResult {
         target: plan.label.clone(),

@@ -287,22 +287,19 @@ fn judge(plan: &Plan) -> (Vec<Verdict>, Vec<(u64, Pair)>) {
     let mut verdicts = Vec::with_capacity(plan.pairs.len());
     let mut runnable = Vec::new();
     for (k, spec) in plan.pairs.iter().enumerate() {
-        let skipped = match spec.parse() {
+        let shm_domain = plan.shm_domain.as_deref();
+        let verdict = match spec.parse() {
             Ok(pair) => {
-                match pair_on_serving_side(pair.transport, pair.channel, plan.shm_domain.as_deref())
-                {
-                    Ok(()) => {
-                        runnable.push((k as u64, pair));
-                        None
-                    }
-                    Err(reason) => Some(reason),
-                }
+                pair_on_serving_side(pair.transport, pair.channel, shm_domain).map(|()| pair)
             }
-            Err(reason) => Some(format!("on the serving side: {reason}")),
+            Err(reason) => Err(format!("on the serving side: {reason}")),
         };
+        if let Ok(pair) = verdict {
+            runnable.push((k as u64, pair));
+        }
         verdicts.push(Verdict {
             pair: spec.clone(),
-            skipped,
+            skipped: verdict.err(),
         });
     }
     (verdicts, runnable)
