@@ -1,7 +1,8 @@
 //! The set-up every bench repeats, written once: the store under load ([`Target`]: an
 //! rdzv server started in this process, or one at an address), a peer process (this
 //! binary again, [`PeerProcess`]) that says where it listens, the report written to
-//! stdout, and the small checks on options and limits around them.
+//! stdout, the small checks on options and limits around them, and the one round the
+//! rendezvous benches form (its settings, its check, the spread of per-node counts).
 //!
 //! It decides nothing about what is measured or how results look (the drivers and
 //! `report` do).
@@ -12,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rdzv_core::rendezvous::elastic::{ElasticSettings, NodeRange};
 use rdzv_uring::{ServerOptions, StoreServer};
 
 use super::error::BenchError;
@@ -199,6 +201,47 @@ pub(super) fn bench_run_id() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis())
     )
+}
+
+// What the rendezvous benches (`rendezvous`, `rendezvous_etcd`) share: their one round,
+// their check of it, and the spread of per-node counts.
+
+/// One round of exactly `n` nodes of the run `run_id`.
+pub(super) fn one_round(
+    run_id: String,
+    n: u32,
+    interval: Duration,
+    join_timeout: Duration,
+) -> Result<ElasticSettings, BenchError> {
+    let nodes = NodeRange::new(n, n)
+        .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?;
+    let mut settings = ElasticSettings::new(run_id, nodes);
+    settings.keep_alive_interval = interval;
+    settings.join_timeout = join_timeout;
+    Ok(settings)
+}
+
+/// Every node must agree: one round, world `n`, distinct ranks (`(round, rank, world)`
+/// each).
+pub(super) fn check_world(ranks: &[(u64, u32, u32)], n: u32) -> Result<(), BenchError> {
+    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != n as usize || ranks.iter().any(|r| r.2 != n || r.0 != ranks[0].0) {
+        return Err(BenchError::Unexpected(format!(
+            "the round is not one world of {n} distinct ranks: {} distinct",
+            distinct.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `(min, mean, max)` of per-node counts.
+pub(super) fn spread(v: &[u64]) -> (u64, f64, u64) {
+    let min = v.iter().copied().min().unwrap_or(0);
+    let max = v.iter().copied().max().unwrap_or(0);
+    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+    (min, mean, max)
 }
 
 #[cfg(test)]

@@ -19,8 +19,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use clap::Args;
 use rdzv_core::rendezvous::elastic::{
-    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, OwnedStoreReply,
-    StoreAction,
+    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, OwnedStoreReply, StoreAction,
 };
 use rdzv_core::store::codec::{Limits, ResponseView};
 use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse};
@@ -208,31 +207,16 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
     let run_id = super::harness::bench_run_id();
-    let settings = one_round(run_id, n, interval, Duration::from_secs(120))?;
+    let settings = super::harness::one_round(run_id, n, interval, Duration::from_secs(120))?;
     let mut reactor = Reactor::new(1024)?;
     let mut nodes = connect_nodes(addr, &settings, &reactor)?;
     eprintln!("{n} connections to {addr} opened; joining");
     let measured = drive(&mut nodes, &mut reactor, args.heartbeat_secs)?;
     let ranks: Vec<(u64, u32, u32)> = nodes.iter().filter_map(|node| node.rank).collect();
-    check_world(&ranks, n)?;
+    super::harness::check_world(&ranks, n)?;
     print_report(&nodes, &measured, n, addr, interval, args.heartbeat_secs);
     print_torchrun_design(n);
     Ok(ExitCode::SUCCESS)
-}
-
-/// One round of exactly `n` nodes of the run `run_id` (the etcd bench's too).
-pub(super) fn one_round(
-    run_id: String,
-    n: u32,
-    interval: Duration,
-    join_timeout: Duration,
-) -> Result<ElasticSettings, BenchError> {
-    let nodes = NodeRange::new(n, n)
-        .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?;
-    let mut settings = ElasticSettings::new(run_id, nodes);
-    settings.keep_alive_interval = interval;
-    settings.join_timeout = join_timeout;
-    Ok(settings)
 }
 
 /// Opens one non-blocking connection per node, registered with `reactor` under the
@@ -411,29 +395,6 @@ fn on_socket_event(nodes: &mut [Node], i: usize, ready: &mut Vec<usize>) {
     ready.push(i);
 }
 
-/// Every node must agree: one round, world `n`, distinct ranks (`(round, rank, world)`
-/// each; the etcd bench's too).
-pub(super) fn check_world(ranks: &[(u64, u32, u32)], n: u32) -> Result<(), BenchError> {
-    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    if distinct.len() != n as usize || ranks.iter().any(|r| r.2 != n || r.0 != ranks[0].0) {
-        return Err(BenchError::Unexpected(format!(
-            "the round is not one world of {n} distinct ranks: {} distinct",
-            distinct.len()
-        )));
-    }
-    Ok(())
-}
-
-/// `(min, mean, max)` of per-node counts.
-pub(super) fn spread(v: &[u64]) -> (u64, f64, u64) {
-    let min = v.iter().copied().min().unwrap_or(0);
-    let max = v.iter().copied().max().unwrap_or(0);
-    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-    (min, mean, max)
-}
-
 /// Prints the round's time, the join's operations and bytes per node, and the
 /// heartbeat phase's operations per interval.
 fn print_report(
@@ -444,8 +405,8 @@ fn print_report(
     interval: Duration,
     heartbeat_secs: f64,
 ) {
-    let (omin, omean, omax) = spread(&measured.join_ops);
-    let (bmin, bmean, bmax) = spread(&measured.join_bytes);
+    let (omin, omean, omax) = super::harness::spread(&measured.join_ops);
+    let (bmin, bmean, bmax) = super::harness::spread(&measured.join_bytes);
     println!("rdzv elastic rendezvous: {n} nodes, one round, store {addr}");
     println!(
         "  round formed in           {:.3} s",
@@ -464,7 +425,7 @@ fn print_report(
             .map(|(node, start)| node.ops - start)
             .collect();
         let intervals = heartbeat_secs / interval.as_secs_f64();
-        let (_, mean, max) = spread(&hb_ops);
+        let (_, mean, max) = super::harness::spread(&hb_ops);
         println!(
             "  store ops per node per keep-alive interval ({} ms, {:.0} intervals): mean {:.2}, \
              max {:.2} (ADD own, ADD watched, WAIT on the round's end and its CANCEL_WAIT)",

@@ -17,7 +17,7 @@ use rdzv_core::rendezvous::elastic::EtcdRendezvousUrl;
 use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
 use rdzv_uring::rendezvous::etcd::{lease_ttl, machine_store, MachineStore};
 
-use super::rendezvous::{check_world, one_round, spread};
+use super::harness::{check_world, one_round, spread};
 use super::BenchError;
 
 /// Runs the etcd bench: `addr` is `etcd://ENDPOINTS[/PREFIX]`, the rest as the TCP bench.
