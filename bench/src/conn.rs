@@ -1,4 +1,11 @@
-//! One TCPStore client connection driven by readiness events, for the load generators.
+//! One TCPStore client connection driven by readiness events, for the load generators,
+//! and the `epoll` loop ([`Reactor`]) they wait on.
+//!
+//! A load generator cannot use the library's client (`rdzv_uring::store::tcp::TcpStore`):
+//! that one blocks its thread for each request's reply. A storm or a throughput run keeps
+//! thousands of connections open on a few threads, each with a request in flight, and
+//! decides itself when each request goes out; so it drives non-blocking sockets from
+//! readiness events, and only the protocol (the codec) is shared.
 //!
 //! [`StoreConn`] owns a non-blocking socket, an output buffer of encoded requests and an
 //! input buffer of reply bytes. Requests are encoded and replies decoded by
@@ -19,27 +26,74 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use mio::net::TcpStream;
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
-use rdzv_core::store::{CheckResponse, QueryType, Request, WaitResponse};
+use rdzv_core::store::{QueryType, Request, WaitResponse, VALIDATION_MAGIC};
 
 use super::BenchError;
 
-/// `poll.poll`, reading an interruption by a signal (`EINTR`) as a wake-up with no
-/// events: the drivers loop and poll again, as they do after a timeout.
-pub(super) fn poll_events(
-    poll: &mut mio::Poll,
-    events: &mut mio::Events,
-    timeout: Option<std::time::Duration>,
-) -> io::Result<()> {
-    match poll.poll(events, timeout) {
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-            events.clear();
-            Ok(())
-        }
-        other => other,
+/// One `epoll` loop (`mio`) of store connections: what every load generator waits on.
+pub(super) struct Reactor {
+    poll: mio::Poll,
+    events: mio::Events,
+}
+
+impl Reactor {
+    /// An `epoll` instance that takes up to `capacity` events per wait.
+    pub(super) fn new(capacity: usize) -> Result<Reactor, BenchError> {
+        Ok(Reactor {
+            poll: mio::Poll::new().map_err(BenchError::io("create an epoll instance"))?,
+            events: mio::Events::with_capacity(capacity),
+        })
     }
+
+    /// Starts a connection to `addr` (see [`StoreConn::connect`]), its events reported
+    /// under `token`.
+    pub(super) fn connect(
+        &self,
+        addr: SocketAddr,
+        limits: Limits,
+        ping: Option<u32>,
+        token: usize,
+    ) -> io::Result<StoreConn> {
+        let mut conn = StoreConn::connect(addr, limits, ping)?;
+        self.register(&mut conn, token)?;
+        Ok(conn)
+    }
+
+    /// Reports `conn`'s readiness under `token`.
+    pub(super) fn register(&self, conn: &mut StoreConn, token: usize) -> io::Result<()> {
+        let interest = mio::Interest::READABLE | mio::Interest::WRITABLE;
+        self.poll
+            .registry()
+            .register(&mut conn.stream, mio::Token(token), interest)
+    }
+
+    /// Stops reporting `conn`'s readiness (it moves to another loop).
+    pub(super) fn deregister(&self, conn: &mut StoreConn) -> Result<(), BenchError> {
+        let registry = self.poll.registry();
+        registry
+            .deregister(&mut conn.stream)
+            .map_err(BenchError::io("deregister a socket"))
+    }
+
+    /// The events of the next `timeout` at most. An interruption by a signal (`EINTR`)
+    /// is a wake-up with no events: the drivers loop and wait again, as after a timeout.
+    pub(super) fn wait(&mut self, timeout: Duration) -> Result<&mio::Events, BenchError> {
+        match self.poll.poll(&mut self.events, Some(timeout)) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => self.events.clear(),
+            other => other.map_err(BenchError::io("wait for socket events"))?,
+        }
+        Ok(&self.events)
+    }
+}
+
+/// `key` as the encoded one-key list of a `WAIT` or `CHECK`: its length (a little-endian
+/// `u64`), then its bytes.
+pub(super) fn one_key_list(key: &[u8]) -> Vec<u8> {
+    [&(key.len() as u64).to_le_bytes()[..], key].concat()
 }
 
 /// A decoded reply, reduced to what the load generators look at (no borrowed bytes, no
@@ -57,8 +111,6 @@ pub(super) enum Reply {
     },
     /// `WAIT`, `BARRIER`, `CANCEL_WAIT`.
     Wait(WaitResponse),
-    /// `CHECK`.
-    Check(CheckResponse),
     /// Any other reply, by the query it answers.
     Other(QueryType),
 }
@@ -71,7 +123,6 @@ impl Reply {
             ResponseView::Int(n) => Reply::Int(n),
             ResponseView::Value(value) => Reply::Value { len: value.len() },
             ResponseView::Wait(wait) => Reply::Wait(wait),
-            ResponseView::Check(check) => Reply::Check(check),
             _ => Reply::Other(query),
         }
     }
@@ -86,10 +137,28 @@ pub(super) enum Fill {
     Closed,
 }
 
+/// A step of [`StoreConn::pump`] that failed, and why.
+#[derive(Debug)]
+pub(super) struct PumpError {
+    /// `connect`, `send` or `read`.
+    pub(super) during: &'static str,
+    pub(super) source: io::Error,
+}
+
+impl std::fmt::Display for PumpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.during, self.source)
+    }
+}
+
 /// A non-blocking TCPStore client connection. See the [module docs](self).
 #[derive(Debug)]
 pub(super) struct StoreConn {
     stream: TcpStream,
+    /// Whether the connect has completed (and the hello is queued).
+    connected: bool,
+    /// The nonce of the `PING` queued after `VALIDATE` once connected, if any.
+    ping: Option<u32>,
     out: Vec<u8>,
     out_pos: usize,
     input: Vec<u8>,
@@ -116,11 +185,18 @@ const READ_CHUNK: usize = 16 * 1024;
 
 impl StoreConn {
     /// Starts a non-blocking connect to `addr`. Completion is reported by a writable
-    /// event; check it with [`StoreConn::is_connected`].
-    pub(super) fn connect(addr: SocketAddr, limits: Limits) -> io::Result<StoreConn> {
+    /// event, on which [`StoreConn::pump`] queues `VALIDATE` (PyTorch's servers close
+    /// connections that do not start with it), then `PING ping` if asked.
+    pub(super) fn connect(
+        addr: SocketAddr,
+        limits: Limits,
+        ping: Option<u32>,
+    ) -> io::Result<StoreConn> {
         let stream = TcpStream::connect(addr)?;
         Ok(StoreConn {
             stream,
+            connected: false,
+            ping,
             out: Vec::with_capacity(64),
             out_pos: 0,
             input: Vec::with_capacity(64),
@@ -131,14 +207,38 @@ impl StoreConn {
         })
     }
 
-    /// The socket, to register with a `mio::Poll`.
-    pub(super) fn stream_mut(&mut self) -> &mut TcpStream {
-        &mut self.stream
+    /// Whether the connect has completed (see [`StoreConn::pump`]).
+    pub(super) fn is_connected(&self) -> bool {
+        self.connected
+    }
+
+    /// On a readiness event: once the connect has completed (`Ok(None)` before), sends
+    /// what is queued and reads everything readable. The first event after the connect
+    /// completed queues the hello (see [`StoreConn::connect`]).
+    ///
+    /// # Errors
+    /// The step that failed: the connect (refused, reset, timed out), a send or a read.
+    pub(super) fn pump(&mut self) -> Result<Option<Fill>, PumpError> {
+        let fail = |during| move |source| PumpError { during, source };
+        if !self.connected {
+            if !self.connect_done().map_err(fail("connect"))? {
+                return Ok(None);
+            }
+            self.connected = true;
+            self.queue(&Request::Validate {
+                magic: VALIDATION_MAGIC,
+            });
+            if let Some(nonce) = self.ping {
+                self.queue(&Request::Ping { nonce });
+            }
+        }
+        self.flush().map_err(fail("send"))?;
+        self.fill().map(Some).map_err(fail("read"))
     }
 
     /// Whether the non-blocking connect has completed: `Ok(false)` while it is in
     /// progress, an error if it failed (refused, reset, timed out).
-    pub(super) fn is_connected(&mut self) -> io::Result<bool> {
+    fn connect_done(&mut self) -> io::Result<bool> {
         if let Some(error) = self.stream.take_error()? {
             return Err(error);
         }
@@ -346,39 +446,42 @@ mod tests {
 
     use rdzv_core::store::VALIDATION_MAGIC;
 
-    fn wait_connected(conn: &mut StoreConn) {
+    /// Waits for `conn`'s connect, and reads the VALIDATE it then sends off `server`.
+    fn wait_connected(conn: &mut StoreConn, server: &mut std::net::TcpStream) {
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !conn.is_connected().expect("connect failed") {
+        while conn.pump().expect("connect failed").is_none() {
             assert!(Instant::now() < deadline, "connect did not complete");
             std::thread::sleep(Duration::from_millis(1));
         }
+        let mut hello = Vec::new();
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode_into(&mut hello);
+        let mut got = vec![0u8; hello.len()];
+        server.read_exact(&mut got).unwrap();
+        assert_eq!(got, hello);
     }
 
     #[test]
     fn sends_encoded_requests_and_decodes_split_replies_in_order() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut conn = StoreConn::connect(addr, Limits::default()).unwrap();
+        let mut conn = StoreConn::connect(addr, Limits::default(), None).unwrap();
         let (mut server, _) = listener.accept().unwrap();
-        wait_connected(&mut conn);
+        wait_connected(&mut conn, &mut server);
 
-        conn.queue(&Request::Validate {
-            magic: VALIDATION_MAGIC,
-        });
+        // VALIDATE went out once connected, and gets no reply.
         conn.queue(&Request::Add {
             key: b"/k",
             delta: 3,
         });
         conn.queue(&Request::Get { key: b"/k" });
-        assert_eq!(conn.awaiting(), 2, "VALIDATE gets no reply");
+        assert_eq!(conn.awaiting(), 2);
         conn.flush().unwrap();
         assert!(!conn.has_unsent());
 
         let mut expected = Vec::new();
-        Request::Validate {
-            magic: VALIDATION_MAGIC,
-        }
-        .encode_into(&mut expected);
         Request::Add {
             key: b"/k",
             delta: 3,
@@ -418,9 +521,9 @@ mod tests {
     fn bytes_that_answer_nothing_are_an_error_and_eof_is_reported() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut conn = StoreConn::connect(addr, Limits::default()).unwrap();
+        let mut conn = StoreConn::connect(addr, Limits::default(), None).unwrap();
         let (mut server, _) = listener.accept().unwrap();
-        wait_connected(&mut conn);
+        wait_connected(&mut conn, &mut server);
         server.write_all(b"\x01").unwrap();
         drop(server);
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -439,9 +542,9 @@ mod tests {
     fn a_malformed_reply_names_the_query() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut conn = StoreConn::connect(addr, Limits::default()).unwrap();
+        let mut conn = StoreConn::connect(addr, Limits::default(), None).unwrap();
         let (mut server, _) = listener.accept().unwrap();
-        wait_connected(&mut conn);
+        wait_connected(&mut conn, &mut server);
         conn.queue(&Request::Wait { keys: empty_keys() });
         conn.flush().unwrap();
         // A WAIT reply is one byte, 0 or 1.
@@ -464,9 +567,9 @@ mod tests {
     fn cancelled_wait() -> (StoreConn, std::net::TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut conn =
-            StoreConn::connect(listener.local_addr().unwrap(), Limits::default()).unwrap();
-        let (server, _) = listener.accept().unwrap();
-        wait_connected(&mut conn);
+            StoreConn::connect(listener.local_addr().unwrap(), Limits::default(), None).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        wait_connected(&mut conn, &mut server);
         conn.queue(&Request::Wait { keys: empty_keys() });
         conn.cancel_wait();
         conn.cancel_wait(); // a second cancel while one is under way sends nothing

@@ -208,6 +208,18 @@ pub enum BenchError {
     },
 }
 
+impl BenchError {
+    /// An option's value that is out of range, and why.
+    pub(crate) fn invalid(why: impl Into<String>) -> BenchError {
+        BenchError::InvalidArgument(why.into())
+    }
+
+    /// For `map_err`: doing `what` failed with the socket (or file, or thread) error.
+    pub(crate) fn io(what: &'static str) -> impl Fn(std::io::Error) -> BenchError + Copy {
+        move |source| BenchError::Io { what, source }
+    }
+}
+
 impl From<rdzv_uring::rpc::InitError> for BenchError {
     fn from(source: rdzv_uring::rpc::InitError) -> BenchError {
         BenchError::Agent(Box::new(source))

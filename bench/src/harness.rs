@@ -1,7 +1,8 @@
 //! The set-up every bench repeats, written once: the store under load ([`Target`]: an
 //! rdzv server started in this process, or one at an address), a peer process (this
 //! binary again, [`PeerProcess`]) that says where it listens, the report written to
-//! stdout, and the small checks on options and limits around them.
+//! stdout, the small checks on options and limits around them, and the one round the
+//! rendezvous benches form (its settings, its check, the spread of per-node counts).
 //!
 //! It decides nothing about what is measured or how results look (the drivers and
 //! `report` do).
@@ -11,6 +12,8 @@ use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rdzv_core::rendezvous::elastic::{ElasticSettings, NodeRange};
 use rdzv_uring::{ServerOptions, StoreServer};
 
 use super::error::BenchError;
@@ -30,10 +33,22 @@ pub(super) fn write_report(text: &str) -> Result<(), BenchError> {
     stdout
         .write_all(text.as_bytes())
         .and_then(|()| stdout.flush())
-        .map_err(|source| BenchError::Io {
-            what: "write the report to stdout",
-            source,
-        })
+        .map_err(BenchError::io("write the report to stdout"))
+}
+
+/// A progress bar on stderr drawn with `template` (nothing is drawn with `json`, or when
+/// stderr is not a terminal), of `len` steps.
+pub(super) fn progress_bar(json: bool, template: &str, len: Option<u64>) -> ProgressBar {
+    let target = if json {
+        ProgressDrawTarget::hidden()
+    } else {
+        ProgressDrawTarget::stderr()
+    };
+    let bar = ProgressBar::with_draw_target(len, target);
+    if let (Ok(style), false) = (ProgressStyle::with_template(template), json) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }
 
 /// This binary run again as a bench's peer (`rdzv ARGS`): it prints the port it listens
@@ -46,8 +61,8 @@ impl PeerProcess {
     /// Starts `rdzv ARGS` with stdout piped; its log shows errors only unless
     /// `RUST_LOG` says otherwise (its store's warnings concern no two-process run).
     pub(super) fn spawn(args: &[&str]) -> Result<PeerProcess, BenchError> {
-        let io = |what| move |source| BenchError::Io { what, source };
-        let mut command = Command::new(std::env::current_exe().map_err(io("find this binary"))?);
+        let mut command =
+            Command::new(std::env::current_exe().map_err(BenchError::io("find this binary"))?);
         command
             .args(args)
             .stdin(Stdio::null())
@@ -57,7 +72,7 @@ impl PeerProcess {
         }
         let child = command
             .spawn()
-            .map_err(io("start the benchmark's peer process"))?;
+            .map_err(BenchError::io("start the benchmark's peer process"))?;
         Ok(PeerProcess { child })
     }
 
@@ -69,10 +84,7 @@ impl PeerProcess {
         let mut line = String::new();
         BufReader::new(stdout)
             .read_line(&mut line)
-            .map_err(|source| BenchError::Io {
-                what: "read the peer process's port",
-                source,
-            })?;
+            .map_err(BenchError::io("read the peer process's port"))?;
         line.trim().parse().map_err(|_| {
             BenchError::Unexpected(format!(
                 "the benchmark's peer process did not say where it listens ({line:?})"
@@ -86,10 +98,10 @@ impl PeerProcess {
         if !measured {
             let _ = self.child.kill();
         }
-        let status = self.child.wait().map_err(|source| BenchError::Io {
-            what: "wait for the benchmark's peer process",
-            source,
-        })?;
+        let status = self
+            .child
+            .wait()
+            .map_err(BenchError::io("wait for the benchmark's peer process"))?;
         if measured && !status.success() {
             return Err(BenchError::Unexpected(format!(
                 "the benchmark's peer process failed: {status}"
@@ -113,14 +125,10 @@ impl Target {
             Some(given) => {
                 let resolved = given
                     .to_socket_addrs()
+                    .and_then(|mut addrs| addrs.next().ok_or(std::io::ErrorKind::NotFound.into()))
                     .map_err(|source| BenchError::Resolve {
                         addr: given.to_string(),
                         source,
-                    })?
-                    .next()
-                    .ok_or_else(|| BenchError::Resolve {
-                        addr: given.to_string(),
-                        source: std::io::ErrorKind::NotFound.into(),
                     })?;
                 Ok(Target {
                     addr: resolved,
@@ -175,10 +183,8 @@ pub(super) fn key_prefix(mode: &str) -> String {
 
 /// Raises the soft open-file limit to the hard limit and checks it covers `needed`.
 pub(super) fn ensure_fd_limit(needed: u64) -> Result<u64, BenchError> {
-    let limit = rlimit::increase_nofile_limit(u64::MAX).map_err(|source| BenchError::Io {
-        what: "raise the open-file limit (RLIMIT_NOFILE)",
-        source,
-    })?;
+    let limit = rlimit::increase_nofile_limit(u64::MAX)
+        .map_err(BenchError::io("raise the open-file limit (RLIMIT_NOFILE)"))?;
     tracing::debug!(limit, needed, "open-file limit");
     if limit < needed {
         return Err(BenchError::FdLimit { needed, limit });
@@ -195,6 +201,47 @@ pub(super) fn bench_run_id() -> String {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis())
     )
+}
+
+// What the rendezvous benches (`rendezvous`, `rendezvous_etcd`) share: their one round,
+// their check of it, and the spread of per-node counts.
+
+/// One round of exactly `n` nodes of the run `run_id`.
+pub(super) fn one_round(
+    run_id: String,
+    n: u32,
+    interval: Duration,
+    join_timeout: Duration,
+) -> Result<ElasticSettings, BenchError> {
+    let nodes = NodeRange::new(n, n)
+        .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?;
+    let mut settings = ElasticSettings::new(run_id, nodes);
+    settings.keep_alive_interval = interval;
+    settings.join_timeout = join_timeout;
+    Ok(settings)
+}
+
+/// Every node must agree: one round, world `n`, distinct ranks (`(round, rank, world)`
+/// each).
+pub(super) fn check_world(ranks: &[(u64, u32, u32)], n: u32) -> Result<(), BenchError> {
+    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() != n as usize || ranks.iter().any(|r| r.2 != n || r.0 != ranks[0].0) {
+        return Err(BenchError::Unexpected(format!(
+            "the round is not one world of {n} distinct ranks: {} distinct",
+            distinct.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `(min, mean, max)` of per-node counts.
+pub(super) fn spread(v: &[u64]) -> (u64, f64, u64) {
+    let min = v.iter().copied().min().unwrap_or(0);
+    let max = v.iter().copied().max().unwrap_or(0);
+    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+    (min, mean, max)
 }
 
 #[cfg(test)]

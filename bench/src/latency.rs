@@ -17,21 +17,93 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
-use rdzv_core::store::{QueryType, Request, VALIDATION_MAGIC};
+use rdzv_core::store::{Request, VALIDATION_MAGIC};
 
 use super::BenchError;
 
 /// The reply to `ADD` is one little-endian `i64`.
 pub(super) const ADD_REPLY_BYTES: usize = 8;
 
+/// A blocking store connection (`TCP_NODELAY`, reads time out): one request at a time,
+/// `VALIDATE` sent with the first.
+#[derive(Debug)]
+pub(super) struct BlockingConn {
+    stream: TcpStream,
+    out: Vec<u8>,
+    input: Vec<u8>,
+}
+
+impl BlockingConn {
+    /// Connects to `addr`; `what` names the connection in errors configuring it.
+    pub(super) fn connect(
+        addr: SocketAddr,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<BlockingConn, BenchError> {
+        let stream = TcpStream::connect_timeout(&addr, timeout)
+            .map_err(|source| BenchError::Connect { addr, source })?;
+        let io = BenchError::io(what);
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        let mut out = Vec::with_capacity(64);
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode_into(&mut out);
+        Ok(BlockingConn {
+            stream,
+            out,
+            input: Vec::with_capacity(64),
+        })
+    }
+
+    /// Sends `request` and reads its reply whole: what `read` takes from it, `None` for
+    /// a reply of a shape the caller does not expect.
+    pub(super) fn request<T>(
+        &mut self,
+        request: &Request<'_>,
+        read: impl FnOnce(&ResponseView<'_>) -> Option<T>,
+    ) -> Result<Option<T>, BenchError> {
+        let query = request.query_type().name();
+        let pending = PendingReply::for_request(request).ok_or(BenchError::UnexpectedReply {
+            query,
+            expected: "a query that has a reply",
+        })?;
+        request.encode_into(&mut self.out);
+        let sent = self.stream.write_all(&self.out);
+        self.out.clear();
+        sent.map_err(BenchError::io("send a request"))?;
+        self.input.clear();
+        let mut chunk = [0u8; 256];
+        loop {
+            match codec::decode_response_view(pending, &self.input, &Limits::default()) {
+                Ok(Decoded::Complete(_, used)) if used != self.input.len() => {
+                    let len = self.input.len() - used;
+                    return Err(BenchError::UnexpectedBytes { len });
+                }
+                Ok(Decoded::Complete(view, _)) => return Ok(read(&view)),
+                Ok(Decoded::Partial(_)) => {}
+                Err(source) => return Err(BenchError::Decode { query, source }),
+            }
+            let n = match self.stream.read(&mut chunk) {
+                // A signal to this process (EINTR): read again.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                read => read.map_err(BenchError::io("read a reply"))?,
+            };
+            if n == 0 {
+                return Err(BenchError::ServerClosed);
+            }
+            self.input
+                .extend_from_slice(chunk.get(..n).unwrap_or_default());
+        }
+    }
+}
+
 /// A blocking store client that times `ADD(key, 1)` round trips.
 #[derive(Debug)]
 pub(super) struct AddRoundTrip {
-    stream: TcpStream,
+    conn: BlockingConn,
     key: Vec<u8>,
-    out: Vec<u8>,
-    input: Vec<u8>,
-    limits: Limits,
     last: i64,
 }
 
@@ -42,32 +114,13 @@ impl AddRoundTrip {
         key: Vec<u8>,
         timeout: Duration,
     ) -> Result<Self, BenchError> {
-        let stream = TcpStream::connect_timeout(&addr, timeout)
-            .map_err(|source| BenchError::Connect { addr, source })?;
-        let io = |source| BenchError::Io {
-            what: "configure the latency connection",
-            source,
-        };
-        stream.set_nodelay(true).map_err(io)?;
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        let mut client = AddRoundTrip {
-            stream,
-            key,
-            out: Vec::with_capacity(64),
-            input: Vec::with_capacity(64),
-            limits: Limits::default(),
-            last: 0,
-        };
-        client.out.clear();
-        Request::Validate {
-            magic: VALIDATION_MAGIC,
-        }
-        .encode_into(&mut client.out);
+        let mut conn = BlockingConn::connect(addr, timeout, "configure the latency connection")?;
         let nonce = std::process::id();
-        Request::Ping { nonce }.encode_into(&mut client.out);
-        client.send()?;
-        match client.receive(QueryType::Ping)? {
-            Some(ResponseViewOwned::Pong(echo)) if echo == nonce => Ok(client),
+        match conn.request(&Request::Ping { nonce }, |view| match view {
+            ResponseView::Pong(echo) => Some(*echo),
+            _ => None,
+        })? {
+            Some(echo) if echo == nonce => Ok(AddRoundTrip { conn, key, last: 0 }),
             _ => Err(BenchError::UnexpectedReply {
                 query: "PING",
                 expected: "the nonce echoed",
@@ -76,6 +129,7 @@ impl AddRoundTrip {
     }
 
     /// How many bytes one `ADD` request takes on the wire.
+    #[cfg(test)]
     pub(super) fn request_bytes(&self) -> usize {
         Request::Add {
             key: &self.key,
@@ -93,94 +147,30 @@ impl AddRoundTrip {
     /// One `ADD(key, 1)`, timed.
     pub(super) fn round_trip(&mut self) -> Result<Duration, BenchError> {
         let start = Instant::now();
-        self.out.clear();
-        Request::Add {
+        let add = Request::Add {
             key: &self.key,
             delta: 1,
-        }
-        .encode_into(&mut self.out);
-        self.send()?;
-        match self.receive(QueryType::Add)? {
-            Some(ResponseViewOwned::Int(value)) => {
-                let elapsed = start.elapsed();
-                if self.last != 0 && self.last.checked_add(1) != Some(value) {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "ADD",
-                        expected: "the previous value plus one (is another client adding?)",
-                    });
-                }
+        };
+        let value = self.conn.request(&add, |view| match view {
+            ResponseView::Int(value) => Some(*value),
+            _ => None,
+        })?;
+        let elapsed = start.elapsed();
+        match value {
+            Some(value) if self.last == 0 || self.last.checked_add(1) == Some(value) => {
                 self.last = value;
                 Ok(elapsed)
             }
-            _ => Err(BenchError::UnexpectedReply {
+            Some(_) => Err(BenchError::UnexpectedReply {
+                query: "ADD",
+                expected: "the previous value plus one (is another client adding?)",
+            }),
+            None => Err(BenchError::UnexpectedReply {
                 query: "ADD",
                 expected: "an integer",
             }),
         }
     }
-
-    fn send(&mut self) -> Result<(), BenchError> {
-        self.stream
-            .write_all(&self.out)
-            .map_err(|source| BenchError::Io {
-                what: "send a request",
-                source,
-            })
-    }
-
-    /// Reads until the reply to `query` is complete: the reply, or `None` if it is of a
-    /// shape this client does not expect.
-    fn receive(&mut self, query: QueryType) -> Result<Option<ResponseViewOwned>, BenchError> {
-        let pending = PendingReply::new(query, 0).ok_or(BenchError::UnexpectedReply {
-            query: query.name(),
-            expected: "a query that has a reply",
-        })?;
-        self.input.clear();
-        let mut chunk = [0u8; 256];
-        loop {
-            match codec::decode_response_view(pending, &self.input, &self.limits) {
-                Ok(Decoded::Complete(view, used)) => {
-                    if used != self.input.len() {
-                        return Err(BenchError::UnexpectedBytes {
-                            len: self.input.len() - used,
-                        });
-                    }
-                    return Ok(match view {
-                        ResponseView::Int(n) => Some(ResponseViewOwned::Int(n)),
-                        ResponseView::Pong(n) => Some(ResponseViewOwned::Pong(n)),
-                        _ => None,
-                    });
-                }
-                Ok(Decoded::Partial(_)) => {}
-                Err(source) => {
-                    return Err(BenchError::Decode {
-                        query: query.name(),
-                        source,
-                    })
-                }
-            }
-            let n = match self.stream.read(&mut chunk) {
-                // A signal to this process (EINTR): read again.
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                read => read.map_err(|source| BenchError::Io {
-                    what: "read a reply",
-                    source,
-                })?,
-            };
-            if n == 0 {
-                return Err(BenchError::ServerClosed);
-            }
-            self.input
-                .extend_from_slice(chunk.get(..n).unwrap_or_default());
-        }
-    }
-}
-
-/// The replies [`AddRoundTrip`] expects, without borrowing its buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ResponseViewOwned {
-    Int(i64),
-    Pong(u32),
 }
 
 /// A loopback server that answers every `request_bytes` it reads with `reply_bytes`
@@ -197,10 +187,7 @@ impl EchoServer {
         request_bytes: usize,
         reply_bytes: usize,
     ) -> Result<EchoServer, BenchError> {
-        let io = |source| BenchError::Io {
-            what: "start the raw ping-pong server",
-            source,
-        };
+        let io = BenchError::io("start the raw ping-pong server");
         let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
         let addr = listener.local_addr().map_err(io)?;
         let thread = std::thread::Builder::new()
@@ -269,10 +256,7 @@ impl RawPingPong {
     ) -> Result<RawPingPong, BenchError> {
         let stream = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|source| BenchError::Connect { addr, source })?;
-        let io = |source| BenchError::Io {
-            what: "configure the ping-pong connection",
-            source,
-        };
+        let io = BenchError::io("configure the ping-pong connection");
         stream.set_nodelay(true).map_err(io)?;
         stream.set_read_timeout(Some(timeout)).map_err(io)?;
         Ok(RawPingPong {
@@ -287,16 +271,10 @@ impl RawPingPong {
         let start = Instant::now();
         self.stream
             .write_all(&self.request)
-            .map_err(|source| BenchError::Io {
-                what: "send a ping",
-                source,
-            })?;
+            .map_err(BenchError::io("send a ping"))?;
         self.stream
             .read_exact(&mut self.reply)
-            .map_err(|source| BenchError::Io {
-                what: "read a pong",
-                source,
-            })?;
+            .map_err(BenchError::io("read a pong"))?;
         Ok(start.elapsed())
     }
 }

@@ -46,16 +46,14 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use rdzv_core::store::Request;
 
 pub use cpu::CpuTimeError;
 pub use error::BenchError;
-use harness::{ensure_fd_limit, key_prefix, seconds, write_report, Target};
+use harness::{ensure_fd_limit, key_prefix, progress_bar, seconds, write_report, Target};
 pub use rendezvous::RendezvousBenchArgs;
-use report::{
-    BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult, ThroughputResult,
-};
+use report::{BenchResult, LatencySummary, RoundTripRatio, RoundTripResult, StormResult};
 pub use rpc::RpcBenchArgs;
 
 /// What `rdzv bench` measures.
@@ -106,12 +104,8 @@ pub struct StoreBenchArgs {
 enum Mode {
     /// One connection's ADD round trip, one request at a time.
     Latency {
-        /// Seconds to measure (each, with --compare-baseline).
-        #[arg(long, default_value_t = 5.0)]
-        secs: f64,
-        /// Seconds run before measuring.
-        #[arg(long, default_value_t = 0.2)]
-        warmup_secs: f64,
+        #[command(flatten)]
+        timing: RoundTripArgs,
         /// Also measure a raw loopback ping-pong of the same size, interleaved with the
         /// store in 100 ms slices, and report the ratio.
         #[arg(long)]
@@ -133,14 +127,26 @@ enum Mode {
     },
     /// A raw TCP ping-pong over loopback, as many bytes each way as an ADD exchange:
     /// the floor for the store's round trip.
-    Baseline {
-        /// Seconds to measure.
-        #[arg(long, default_value_t = 5.0)]
-        secs: f64,
-        /// Seconds run before measuring.
-        #[arg(long, default_value_t = 0.2)]
-        warmup_secs: f64,
-    },
+    Baseline(RoundTripArgs),
+}
+
+/// How long `rdzv bench store latency` and `baseline` run.
+#[derive(Debug, Args)]
+struct RoundTripArgs {
+    /// Seconds to measure (each, with latency --compare-baseline).
+    #[arg(long, default_value_t = 5.0)]
+    secs: f64,
+    /// Seconds run before measuring.
+    #[arg(long, default_value_t = 0.2)]
+    warmup_secs: f64,
+}
+
+impl RoundTripArgs {
+    /// `(measure, warmup)`, checked.
+    fn durations(&self) -> Result<(Duration, Duration), BenchError> {
+        let measure = seconds(self.secs, "--secs")?;
+        Ok((measure, seconds(self.warmup_secs, "--warmup-secs")?))
+    }
 }
 
 /// Options of `rdzv bench store throughput`.
@@ -230,17 +236,6 @@ fn plot_file(input: &Path, out: &Path) -> Result<ExitCode, BenchError> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn progress_bar(json: bool, template: &str) -> ProgressBar {
-    if json {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(template) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
-}
-
 const TIME_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} ms";
 const SIM_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} rank steps ({elapsed})";
 const RANK_BAR: &str = "{msg:>24} [{bar:40}] {pos}/{len} released ({elapsed})";
@@ -250,16 +245,20 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
     let (addr, label) = (args.addr, args.label);
     let target = || Target::open(addr.as_deref(), label);
     let (results, ok) = match args.mode {
-        Mode::Baseline { secs, warmup_secs } => (baseline(json, secs, warmup_secs)?, true),
+        Mode::Baseline(timing) => (
+            round_trip_mode(None, timing.durations()?, false, json)?,
+            true,
+        ),
         Mode::Latency {
-            secs,
-            warmup_secs,
+            timing,
             compare_baseline,
         } => {
-            let measure = seconds(secs, "--secs")?;
-            let warmup = seconds(warmup_secs, "--warmup-secs")?;
-            let results = latency_mode(&target()?, json, measure, warmup, compare_baseline)?;
-            (results, true)
+            let timing = timing.durations()?;
+            let target = target()?;
+            (
+                round_trip_mode(Some(&target), timing, compare_baseline, json)?,
+                true,
+            )
         }
         Mode::Throughput(throughput) => (throughput_mode(&throughput, json, target)?, true),
         Mode::Storm(storm) => {
@@ -290,60 +289,54 @@ fn store(args: StoreBenchArgs) -> Result<ExitCode, BenchError> {
 fn simulate_mode(ranks: &[usize], json: bool) -> Result<Vec<BenchResult>, BenchError> {
     let mut results = Vec::with_capacity(ranks.len());
     for &n in ranks {
-        let bar = progress_bar(json, SIM_BAR);
+        let bar = progress_bar(json, SIM_BAR, None);
         let result = simulate::simulate(n, &bar)?;
         bar.finish_and_clear();
-        if !json && ranks.len() > 1 && std::io::stderr().is_terminal() {
-            eprint!(
-                "{}",
-                report::to_table(&[BenchResult::Simulation(result.clone())])
-            );
-        }
-        results.push(BenchResult::Simulation(result));
+        let row = BenchResult::Simulation(result);
+        show_as_done(json, ranks.len(), &row);
+        results.push(row);
     }
     Ok(results)
 }
 
-/// `bench store baseline`: the raw loopback ping-pong alone.
-fn baseline(json: bool, secs: f64, warmup_secs: f64) -> Result<Vec<BenchResult>, BenchError> {
-    let measure = seconds(secs, "--secs")?;
-    let warmup = seconds(warmup_secs, "--warmup-secs")?;
+/// `bench store latency`: one connection's ADD round trips to `target` (and the raw
+/// ping-pong beside them with `compare_baseline`); `bench store baseline` (no target):
+/// the raw loopback ping-pong alone.
+fn round_trip_mode(
+    target: Option<&Target>,
+    (measure, warmup): (Duration, Duration),
+    compare_baseline: bool,
+    json: bool,
+) -> Result<Vec<BenchResult>, BenchError> {
     let key = format!("{}/counter", key_prefix("latency")).into_bytes();
     let request_bytes = Request::Add {
         key: &key,
         delta: 1,
     }
     .encoded_len();
-    let bar = progress_bar(json, TIME_BAR);
-    bar.set_message("raw ping-pong");
-    let result = round_trips(None, request_bytes, measure, warmup, &bar)?;
-    bar.finish_and_clear();
-    Ok(result)
-}
-
-/// `bench store latency`: one connection's ADD round trips (and the raw ping-pong
-/// beside them with `--compare-baseline`).
-fn latency_mode(
-    target: &Target,
-    json: bool,
-    measure: Duration,
-    warmup: Duration,
-    compare_baseline: bool,
-) -> Result<Vec<BenchResult>, BenchError> {
-    let key = format!("{}/counter", key_prefix("latency")).into_bytes();
-    let store = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
-    let request_bytes = store.request_bytes();
-    let bar = progress_bar(json, TIME_BAR);
-    bar.set_message("ADD round trips");
-    let results = round_trips(
-        Some((store, &target.label, compare_baseline)),
-        request_bytes,
-        measure,
-        warmup,
-        &bar,
-    )?;
+    let store = match target {
+        Some(target) => {
+            let client = latency::AddRoundTrip::connect(target.addr, key, CONNECT_TIMEOUT)?;
+            Some((client, target.label.as_str(), compare_baseline))
+        }
+        None => None,
+    };
+    let bar = progress_bar(json, TIME_BAR, None);
+    bar.set_message(match store {
+        Some(_) => "ADD round trips",
+        None => "raw ping-pong",
+    });
+    let results = round_trips(store, request_bytes, measure, warmup, &bar)?;
     bar.finish_and_clear();
     Ok(results)
+}
+
+/// Shows `row`, the result of one of `of` runs, as it completes: on a terminal, when the
+/// list has more than one.
+fn show_as_done(json: bool, of: usize, row: &BenchResult) {
+    if !json && of > 1 && std::io::stderr().is_terminal() {
+        eprint!("{}", report::to_table(std::slice::from_ref(row)));
+    }
 }
 
 /// `bench store throughput`: each connection count in turn (and the plot).
@@ -357,8 +350,8 @@ fn throughput_mode(
     let warmup = seconds(args.warmup_secs, "--warmup-secs")?;
     let conns = &args.conns;
     if conns.is_empty() || conns.contains(&0) {
-        return Err(BenchError::InvalidArgument(
-            "--conns must list connection counts of at least 1".into(),
+        return Err(BenchError::invalid(
+            "--conns must list connection counts of at least 1",
         ));
     }
     let target = target()?;
@@ -366,7 +359,7 @@ fn throughput_mode(
     ensure_fd_limit(most as u64 + target.server_fds(most) + FD_SLACK)?;
     let mut results = Vec::with_capacity(conns.len());
     for &n in conns {
-        let bar = progress_bar(json, TIME_BAR);
+        let bar = progress_bar(json, TIME_BAR, None);
         bar.set_message(format!("{n} connections"));
         let plan = throughput::ThroughputPlan {
             addr: target.addr,
@@ -378,17 +371,11 @@ fn throughput_mode(
             setup_timeout,
             client_cpu: target.embedded.is_none(),
             server_pid: args.server_pid,
+            label: target.label.clone(),
         };
-        let outcome = throughput::run(&plan, &bar)?;
+        let result = throughput::run(&plan, &bar)?;
         bar.finish_and_clear();
-        let result = throughput_result(&target.label, &outcome);
-        if !json && conns.len() > 1 && std::io::stderr().is_terminal() {
-            // Show each row as it completes on long lists.
-            eprint!(
-                "{}",
-                report::to_table(&[BenchResult::Throughput(result.clone())])
-            );
-        }
+        show_as_done(json, conns.len(), &BenchResult::Throughput(result.clone()));
         results.push(result);
     }
     if let Some(path) = &args.plot {
@@ -400,25 +387,6 @@ fn throughput_mode(
     Ok(results.into_iter().map(BenchResult::Throughput).collect())
 }
 
-/// One connection count's row.
-fn throughput_result(label: &str, outcome: &throughput::ThroughputOutcome) -> ThroughputResult {
-    ThroughputResult {
-        target: label.to_string(),
-        conns: outcome.conns,
-        client_threads: outcome.threads,
-        seconds: outcome.seconds,
-        ops: outcome.ops,
-        ops_per_s: per_second(outcome.ops, outcome.seconds),
-        latency: LatencySummary::from_ns(&outcome.latency_ns),
-        client_cpu_us_per_op: outcome
-            .client_cpu
-            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-        server_cpu_us_per_op: outcome
-            .server_cpu
-            .and_then(|cpu| cpu::us_per_op(cpu, outcome.ops)),
-    }
-}
-
 /// `bench store storm`: checks the limits, runs the storm, reads the counter back.
 fn storm_mode(
     args: &StormArgs,
@@ -428,18 +396,12 @@ fn storm_mode(
     let ranks = args.ranks;
     let timeout = seconds(args.timeout_secs, "--timeout-secs")?;
     if ranks == 0 {
-        return Err(BenchError::InvalidArgument(
-            "--ranks must be at least 1".into(),
-        ));
+        return Err(BenchError::invalid("--ranks must be at least 1"));
     }
     let target = target()?;
     storm_limits(&target, ranks)?;
     let threads = match args.client_threads {
-        Some(0) => {
-            return Err(BenchError::InvalidArgument(
-                "--client-threads must be at least 1".into(),
-            ))
-        }
+        Some(0) => return Err(BenchError::invalid("--client-threads must be at least 1")),
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
@@ -449,33 +411,13 @@ fn storm_mode(
         threads,
         timeout,
         key_prefix: key_prefix("storm"),
+        label: target.label.clone(),
     };
-    let bar = progress_bar(json, RANK_BAR);
+    let bar = progress_bar(json, RANK_BAR, None);
     bar.set_message(format!("storm of {ranks}"));
-    let outcome = storm::run(&plan, &bar)?;
+    let result = storm::run(&plan, &bar)?;
     bar.finish_and_clear();
-    let counter = match storm::read_counter(target.addr, &plan.counter_key(), CONNECT_TIMEOUT) {
-        Ok(counter) => counter,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot read the storm counter back");
-            None
-        }
-    };
-    Ok(StormResult {
-        target: target.label.clone(),
-        ranks,
-        client_threads: outcome.threads,
-        seconds: outcome.seconds,
-        all_connected_seconds: outcome.all_connected_seconds,
-        released: outcome.released,
-        failed: outcome.failed,
-        connect_retries: outcome.connect_retries,
-        counter,
-        counter_ok: outcome.add_results_ok && counter == i64::try_from(ranks).ok(),
-        release_p50_seconds: outcome.release_ns.value_at_quantile(0.5) as f64 / 1e9,
-        release_p99_seconds: outcome.release_ns.value_at_quantile(0.99) as f64 / 1e9,
-        first_error: outcome.first_error,
-    })
+    Ok(result)
 }
 
 /// The open-file limit a storm of `ranks` needs (with a note when the embedded server's
@@ -483,24 +425,23 @@ fn storm_mode(
 fn storm_limits(target: &Target, ranks: usize) -> Result<(), BenchError> {
     let limit =
         ensure_fd_limit(ranks as u64 + target.server_fds(ranks) + FD_SLACK).inspect_err(|e| {
-            if let (BenchError::FdLimit { limit, .. }, true) = (e, target.embedded.is_some()) {
-                if *limit >= ranks as u64 + FD_SLACK {
-                    eprintln!(
-                        "note: the embedded server's sockets count against this \
-                         process's limit too; a server of its own (`rdzv store serve`, \
-                         then --addr) leaves {ranks} ranks within it"
-                    );
-                }
+            let ours =
+                matches!(e, BenchError::FdLimit { limit, .. } if *limit >= ranks as u64 + FD_SLACK);
+            if ours && target.embedded.is_some() {
+                eprintln!(
+                    "note: the embedded server's sockets count against this process's \
+                     limit too; a server of its own (`rdzv store serve`, then --addr) \
+                     leaves {ranks} ranks within it"
+                );
             }
         })?;
-    if let Some(backlog) = rdzv_uring::server::listener::somaxconn() {
-        if (backlog as usize) < ranks {
-            eprintln!(
-                "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server \
-                 slower to accept than the storm arrives will see its listen queue \
-                 overflow (SYNs dropped, connects retried after 1 s or more)"
-            );
-        }
+    let backlog = rdzv_uring::server::listener::somaxconn();
+    if let Some(backlog) = backlog.filter(|&backlog| (backlog as usize) < ranks) {
+        eprintln!(
+            "note: net.core.somaxconn={backlog} is below {ranks} ranks: a server slower to \
+             accept than the storm arrives will see its listen queue overflow (SYNs \
+             dropped, connects retried after 1 s or more)"
+        );
     }
     tracing::info!(limit, ranks, "storm: open-file limit");
     Ok(())
@@ -530,14 +471,10 @@ fn round_trips(
     bar: &ProgressBar,
 ) -> Result<Vec<BenchResult>, BenchError> {
     let reply_bytes = latency::ADD_REPLY_BYTES;
-    let want_raw = match &store {
-        Some((_, _, compare)) => *compare,
-        None => true,
-    };
-    let (label, mut store) = match store {
-        Some((client, label, _)) => (label.to_string(), Some(client)),
-        None => (String::new(), None),
-    };
+    let want_raw = store.as_ref().is_none_or(|(_, _, compare)| *compare);
+    let (mut store, label) = store.map_or((None, String::new()), |(client, label, _)| {
+        (Some(client), label.to_string())
+    });
     let echo = want_raw
         .then(|| latency::EchoServer::start(request_bytes, reply_bytes))
         .transpose()?;
@@ -583,14 +520,10 @@ fn round_trips(
     drop(raw);
     drop(echo);
 
-    let store_measured = store.is_some().then_some((&store_hist, store_time));
-    let raw_measured = want_raw.then_some((&raw_hist, raw_time));
-    Ok(round_trip_results(
-        label,
-        store_measured,
-        raw_measured,
-        (request_bytes, reply_bytes),
-    ))
+    let store = store.is_some().then_some((&store_hist, store_time));
+    let raw = want_raw.then_some((&raw_hist, raw_time));
+    let bytes = (request_bytes, reply_bytes);
+    Ok(round_trip_results(label, store, raw, bytes))
 }
 
 /// The rows of a round-trip run: the store's ADD (labelled `label`) and the raw

@@ -18,15 +18,13 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant as StdInstant};
 
 use clap::Args;
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::rendezvous::elastic::{
-    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, NodeRange, OwnedStoreReply,
-    StoreAction,
+    ElasticNode, ElasticSettings, Event, Instant, LocalEvent, OwnedStoreReply, StoreAction,
 };
 use rdzv_core::store::codec::{Limits, ResponseView};
-use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::{CheckResponse, KeyList, Request, WaitResponse};
 
-use super::conn::{Fill, StoreConn};
+use super::conn::{one_key_list, Fill, Reactor, StoreConn};
 use super::BenchError;
 
 /// The size of torchrun's c10d rendezvous state per node, in bytes: the
@@ -59,7 +57,6 @@ pub struct RendezvousBenchArgs {
 struct Node {
     machine: ElasticNode,
     conn: StoreConn,
-    connected: bool,
     /// The action being performed.
     action: Option<StoreAction>,
     /// A wait's generation, so that a stale timer does nothing.
@@ -87,16 +84,7 @@ impl Node {
 
 /// `/` + key, as PyTorch's TCPStore client sends user keys.
 fn wire(key: &str) -> Vec<u8> {
-    let mut k = Vec::with_capacity(key.len() + 1);
-    k.push(b'/');
-    k.extend_from_slice(key.as_bytes());
-    k
-}
-
-fn key_list(key: &[u8]) -> Vec<u8> {
-    let mut out = (key.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(key);
-    out
+    [b"/", key.as_bytes()].concat()
 }
 
 /// Sends the request of `action`.
@@ -104,7 +92,7 @@ fn send_action(node: &mut Node, action: &StoreAction) {
     let key = wire(action.key());
     match action {
         StoreAction::Check { .. } | StoreAction::Wait { .. } => {
-            let list = key_list(&key);
+            let list = one_key_list(&key);
             let Some(keys) = KeyList::new(1, &list) else {
                 node.failed = Some(format!("cannot encode the key {:?}", action.key()));
                 return;
@@ -148,22 +136,17 @@ fn store_reply(view: &ResponseView<'_>) -> Result<OwnedStoreReply, String> {
 }
 
 /// Hands the node's replies to its machine and sends what it asks next.
-fn step_node(
-    node: &mut Node,
-    i: usize,
-    epoch: StdInstant,
-    timers: &mut BinaryHeap<Reverse<(Instant, usize, u64)>>,
-) {
+fn step_node(node: &mut Node, i: usize, epoch: StdInstant, timers: &mut Timers) {
     loop {
-        match node.conn.next_response(|view, _| store_reply(view)) {
-            Ok(Some(Ok(reply))) => answer(node, &reply, epoch),
+        let reply = match node.conn.next_response(|view, _| store_reply(view)) {
+            Ok(Some(reply)) => reply,
             Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                node.failed = Some(e);
-                return;
-            }
+            Err(e) => Err(e.to_string()),
+        };
+        match reply {
+            Ok(reply) => answer(node, &reply, epoch),
             Err(e) => {
-                node.failed = Some(e.to_string());
+                node.failed = Some(e);
                 return;
             }
         }
@@ -211,9 +194,7 @@ fn now(epoch: StdInstant) -> Instant {
 /// Runs `rdzv bench rendezvous`.
 pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     if args.nodes == 0 {
-        return Err(BenchError::InvalidArgument(
-            "--nodes must be at least 1".into(),
-        ));
+        return Err(BenchError::invalid("--nodes must be at least 1"));
     }
     if let Some(etcd) = args.addr.as_deref().filter(|a| a.starts_with("etcd://")) {
         let interval = Duration::from_millis(args.keep_alive_ms.max(1));
@@ -225,59 +206,35 @@ pub(super) fn run(args: RendezvousBenchArgs) -> Result<ExitCode, BenchError> {
     super::ensure_fd_limit(u64::from(args.nodes) + 64)?;
     let n = args.nodes;
     let interval = Duration::from_millis(args.keep_alive_ms.max(1));
-    let settings = bench_settings(n, interval)?;
-    let mut poll = Poll::new().map_err(|source| BenchError::Io {
-        what: "create an epoll instance",
-        source,
-    })?;
-    let mut nodes = connect_nodes(addr, &settings, &mut poll)?;
+    let run_id = super::harness::bench_run_id();
+    let settings = super::harness::one_round(run_id, n, interval, Duration::from_secs(120))?;
+    let mut reactor = Reactor::new(1024)?;
+    let mut nodes = connect_nodes(addr, &settings, &reactor)?;
     eprintln!("{n} connections to {addr} opened; joining");
-    let measured = drive(&mut nodes, &mut poll, args.heartbeat_secs)?;
-    check_ranks(&nodes, n)?;
+    let measured = drive(&mut nodes, &mut reactor, args.heartbeat_secs)?;
+    let ranks: Vec<(u64, u32, u32)> = nodes.iter().filter_map(|node| node.rank).collect();
+    super::harness::check_world(&ranks, n)?;
     print_report(&nodes, &measured, n, addr, interval, args.heartbeat_secs);
     print_torchrun_design(n);
     Ok(ExitCode::SUCCESS)
 }
 
-/// One round of exactly `n` nodes, with a fresh run id.
-fn bench_settings(n: u32, interval: Duration) -> Result<ElasticSettings, BenchError> {
-    let run_id = super::harness::bench_run_id();
-    let mut settings = ElasticSettings::new(
-        run_id,
-        NodeRange::new(n, n)
-            .map_err(|e| BenchError::InvalidArgument(format!("--nodes {n}: {e}")))?,
-    );
-    settings.keep_alive_interval = interval;
-    settings.join_timeout = Duration::from_secs(120);
-    Ok(settings)
-}
-
-/// Opens one non-blocking connection per node, registered with `poll` under the node's
-/// index.
+/// Opens one non-blocking connection per node, registered with `reactor` under the
+/// node's index.
 fn connect_nodes(
     addr: SocketAddr,
     settings: &ElasticSettings,
-    poll: &mut Poll,
+    reactor: &Reactor,
 ) -> Result<Vec<Node>, BenchError> {
     let n = settings.nodes.max;
     let mut nodes = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let mut conn = StoreConn::connect(addr, Limits::PYTORCH)
+        let conn = reactor
+            .connect(addr, Limits::PYTORCH, None, i as usize)
             .map_err(|source| BenchError::Connect { addr, source })?;
-        poll.registry()
-            .register(
-                conn.stream_mut(),
-                Token(i as usize),
-                Interest::READABLE | Interest::WRITABLE,
-            )
-            .map_err(|source| BenchError::Io {
-                what: "register a connection",
-                source,
-            })?;
         nodes.push(Node {
             machine: ElasticNode::new(settings.clone(), format!("bench-node-{i}")),
             conn,
-            connected: false,
             action: None,
             wait_gen: 0,
             ops: 0,
@@ -295,7 +252,6 @@ struct Measured {
     took: Duration,
     join_ops: Vec<u64>,
     join_bytes: Vec<u64>,
-    heartbeat_from: Vec<u64>,
     heartbeats: bool,
 }
 
@@ -304,14 +260,17 @@ type Timers = BinaryHeap<Reverse<(Instant, usize, u64)>>;
 
 /// Joins every node and drives the event loop until the round has formed and the
 /// heartbeat phase (`heartbeat_secs`, 0 for none) has run.
-fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Measured, BenchError> {
+fn drive(
+    nodes: &mut [Node],
+    reactor: &mut Reactor,
+    heartbeat_secs: f64,
+) -> Result<Measured, BenchError> {
     let n = nodes.len() as u32;
     let epoch = StdInstant::now();
     for node in nodes.iter_mut() {
         node.machine.handle_local(LocalEvent::Join);
     }
     let mut timers = Timers::new();
-    let mut events = Events::with_capacity(1024);
     let mut measured: Option<Measured> = None;
     let mut complete = 0u32;
     let mut hb_end = None;
@@ -319,12 +278,10 @@ fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Mea
     loop {
         complete += step_ready(nodes, &mut ready, epoch, &mut timers)?;
         if complete == n && measured.is_none() {
-            let join_ops: Vec<u64> = nodes.iter().map(|node| node.ops).collect();
             measured = Some(Measured {
                 took: epoch.elapsed(),
+                join_ops: nodes.iter().map(|node| node.ops).collect(),
                 join_bytes: nodes.iter().map(|node| node.bytes).collect(),
-                heartbeat_from: join_ops.clone(),
-                join_ops,
                 heartbeats: heartbeat_secs > 0.0,
             });
             if heartbeat_secs <= 0.0 {
@@ -341,14 +298,7 @@ fn drive(nodes: &mut [Node], poll: &mut Poll, heartbeat_secs: f64) -> Result<Mea
             )));
         }
         let wake = fire_deadlines(nodes, &mut ready, epoch, &mut timers);
-        // A signal's EINTR is a wake-up, not a failure (as in the other load generators).
-        super::conn::poll_events(poll, &mut events, Some(wake)).map_err(|source| {
-            BenchError::Io {
-                what: "wait for socket events",
-                source,
-            }
-        })?;
-        for event in &events {
+        for event in reactor.wait(wake)? {
             on_socket_event(nodes, event.token().0, &mut ready);
         }
     }
@@ -368,7 +318,7 @@ fn step_ready(
             continue;
         };
         let was_complete = node.rank.is_some();
-        if node.connected && node.failed.is_none() {
+        if node.conn.is_connected() && node.failed.is_none() {
             step_node(node, i, epoch, timers);
         }
         if !was_complete && node.rank.is_some() {
@@ -425,66 +375,24 @@ fn fire_deadlines(
         .min(Duration::from_millis(100))
 }
 
-/// Node `i`'s socket is ready: finish its connect (sending VALIDATE), flush, read.
+/// Node `i`'s socket is ready: finish its connect (VALIDATE, connection setup, is not
+/// counted), flush, read.
 fn on_socket_event(nodes: &mut [Node], i: usize, ready: &mut Vec<usize>) {
     let Some(node) = nodes.get_mut(i) else {
         return;
     };
-    if !node.connected {
-        match node.conn.is_connected() {
-            Ok(true) => {
-                node.connected = true;
-                // PyTorch's clients start with VALIDATE (no reply); servers close
-                // connections that do not. Connection setup, not counted.
-                node.conn.queue(&Request::Validate {
-                    magic: VALIDATION_MAGIC,
-                });
-            }
-            Ok(false) => return,
-            Err(e) => node.failed = Some(format!("connect: {e}")),
-        }
-    }
-    node.flush();
-    match node.conn.fill() {
-        Ok(Fill::Open) => {}
-        Ok(Fill::Closed) => {
+    match node.conn.pump() {
+        Ok(None) => return,
+        Ok(Some(Fill::Open)) => {}
+        Ok(Some(Fill::Closed)) => {
             node.failed
                 .get_or_insert_with(|| "the server closed the connection".into());
         }
         Err(e) => {
-            node.failed.get_or_insert(format!("recv: {e}"));
+            node.failed.get_or_insert(e.to_string());
         }
     }
     ready.push(i);
-}
-
-/// Every node must agree: one round, world `n`, distinct ranks.
-fn check_ranks(nodes: &[Node], n: u32) -> Result<(), BenchError> {
-    let mut ranks: Vec<u32> = nodes
-        .iter()
-        .filter_map(|node| node.rank)
-        .map(|(round, rank, world)| {
-            debug_assert_eq!((round, world), (0, n));
-            rank
-        })
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
-    if ranks.len() != n as usize {
-        return Err(BenchError::Unexpected(format!(
-            "ranks are not distinct: {} distinct of {n}",
-            ranks.len()
-        )));
-    }
-    Ok(())
-}
-
-/// `(min, mean, max)`.
-fn spread(v: &[u64]) -> (u64, f64, u64) {
-    let min = v.iter().copied().min().unwrap_or(0);
-    let max = v.iter().copied().max().unwrap_or(0);
-    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-    (min, mean, max)
 }
 
 /// Prints the round's time, the join's operations and bytes per node, and the
@@ -497,8 +405,8 @@ fn print_report(
     interval: Duration,
     heartbeat_secs: f64,
 ) {
-    let (omin, omean, omax) = spread(&measured.join_ops);
-    let (bmin, bmean, bmax) = spread(&measured.join_bytes);
+    let (omin, omean, omax) = super::harness::spread(&measured.join_ops);
+    let (bmin, bmean, bmax) = super::harness::spread(&measured.join_bytes);
     println!("rdzv elastic rendezvous: {n} nodes, one round, store {addr}");
     println!(
         "  round formed in           {:.3} s",
@@ -513,11 +421,11 @@ fn print_report(
     if measured.heartbeats {
         let hb_ops: Vec<u64> = nodes
             .iter()
-            .zip(&measured.heartbeat_from)
+            .zip(&measured.join_ops)
             .map(|(node, start)| node.ops - start)
             .collect();
         let intervals = heartbeat_secs / interval.as_secs_f64();
-        let (_, mean, max) = spread(&hb_ops);
+        let (_, mean, max) = super::harness::spread(&hb_ops);
         println!(
             "  store ops per node per keep-alive interval ({} ms, {:.0} intervals): mean {:.2}, \
              max {:.2} (ADD own, ADD watched, WAIT on the round's end and its CANCEL_WAIT)",

@@ -13,10 +13,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdzv_core::rendezvous::elastic::{ElasticSettings, EtcdRendezvousUrl, NodeRange};
+use rdzv_core::rendezvous::elastic::EtcdRendezvousUrl;
 use rdzv_uring::rendezvous::elastic::ElasticRendezvous;
 use rdzv_uring::rendezvous::etcd::{lease_ttl, machine_store, MachineStore};
 
+use super::harness::{check_world, one_round, spread};
 use super::BenchError;
 
 /// Runs the etcd bench: `addr` is `etcd://ENDPOINTS[/PREFIX]`, the rest as the TCP bench.
@@ -27,13 +28,8 @@ pub(super) fn run(
     heartbeat_secs: f64,
 ) -> Result<ExitCode, BenchError> {
     let (url, endpoints) = bench_url(addr)?;
-    let mut settings = ElasticSettings::new(
-        url.elastic.settings.run_id.clone(),
-        NodeRange::new(nodes, nodes)
-            .map_err(|e| BenchError::InvalidArgument(format!("--nodes {nodes}: {e}")))?,
-    );
-    settings.keep_alive_interval = interval;
-    settings.join_timeout = Duration::from_secs(600);
+    let run_id = url.elastic.settings.run_id.clone();
+    let settings = one_round(run_id, nodes, interval, Duration::from_secs(600))?;
     super::ensure_fd_limit(u64::from(nodes) * 4 + 64)?;
 
     let mut stores: Vec<Arc<MachineStore>> = Vec::with_capacity(nodes as usize);
@@ -48,7 +44,6 @@ pub(super) fn run(
     }
     eprintln!("{nodes} nodes joining over etcd {endpoints}");
     let mut ranks = Vec::with_capacity(nodes as usize);
-    let mut join_requests = Vec::with_capacity(nodes as usize);
     for (i, handle) in handles.iter().enumerate() {
         let round = handle
             .next_round(None, settings.join_timeout)
@@ -58,19 +53,9 @@ pub(super) fn run(
     let took = started.elapsed();
     // Taken once every node is a member: the join's requests, and the heartbeats of the
     // nodes that finished first (at most a few intervals' worth).
-    for store in &stores {
-        join_requests.push(store.etcd().requests());
-    }
-    let mut distinct: Vec<u32> = ranks.iter().map(|(_, rank, _)| *rank).collect();
-    distinct.sort_unstable();
-    distinct.dedup();
-    if distinct.len() != nodes as usize || ranks.iter().any(|r| r.2 != nodes || r.0 != ranks[0].0) {
-        return Err(BenchError::Unexpected(format!(
-            "the round is not one world of {nodes} distinct ranks: {} distinct",
-            distinct.len()
-        )));
-    }
-    let (jmin, jmean, jmax) = stats(&join_requests);
+    let join_requests: Vec<u64> = stores.iter().map(|s| s.etcd().requests()).collect();
+    check_world(&ranks, nodes)?;
+    let (jmin, jmean, jmax) = spread(&join_requests);
     println!("rdzv elastic rendezvous on etcd: {nodes} nodes, one round, etcd {endpoints}");
     println!("  round formed in             {:.3} s", took.as_secs_f64());
     println!(
@@ -92,14 +77,6 @@ pub(super) fn run(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Min, mean and max of per-node counts.
-fn stats(v: &[u64]) -> (u64, f64, u64) {
-    let min = v.iter().copied().min().unwrap_or(0);
-    let max = v.iter().copied().max().unwrap_or(0);
-    let mean = v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
-    (min, mean, max)
-}
-
 /// The keep-alive phase: every node's etcd requests over `heartbeat_secs`, per interval.
 fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat_secs: f64) {
     let phase = Duration::from_secs_f64(heartbeat_secs);
@@ -111,7 +88,7 @@ fn report_keep_alive(stores: &[Arc<MachineStore>], interval: Duration, heartbeat
         .map(|(s, b)| s.etcd().requests() - b)
         .collect();
     let intervals = heartbeat_secs / interval.as_secs_f64();
-    let (_, mean, max) = stats(&during);
+    let (_, mean, max) = spread(&during);
     println!(
         "  etcd requests per node per keep-alive interval ({} ms, {intervals:.0} intervals): \
          mean {:.2}, max {:.2} (the lease's keep-alive, a range of the watched key, \

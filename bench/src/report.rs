@@ -12,7 +12,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 /// Percentiles of a latency histogram recorded in nanoseconds, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(super) struct LatencySummary {
     /// Mean.
     pub mean_us: f64,
@@ -32,14 +32,7 @@ impl LatencySummary {
     /// Summarises `histogram` (values in nanoseconds). All zeros if it is empty.
     pub(super) fn from_ns(histogram: &Histogram<u64>) -> LatencySummary {
         if histogram.is_empty() {
-            return LatencySummary {
-                mean_us: 0.0,
-                p50_us: 0.0,
-                p90_us: 0.0,
-                p99_us: 0.0,
-                p999_us: 0.0,
-                max_us: 0.0,
-            };
+            return LatencySummary::default();
         }
         let us = |ns: u64| ns as f64 / 1000.0;
         LatencySummary {
@@ -215,240 +208,178 @@ pub(super) fn to_json_lines(results: &[BenchResult]) -> Result<String, serde_jso
     Ok(out)
 }
 
-/// The results as aligned tables, one per kind, in the order they first appear.
+/// The header of the round-trip rows.
+const ROUND_TRIP_HEADER: &str = "round trip               op         bytes   samples      ops/s  \
+    mean µs   p50 µs   p99 µs p99.9 µs    max µs";
+/// The header of the throughput rows.
+const THROUGHPUT_HEADER: &str = "throughput (ADD+GET)      conns threads   secs        ops      \
+    ops/s  mean µs   p50 µs    p99 µs  p99.9 µs    max µs";
+/// The header of the `simulate` rows.
+const SIMULATION_HEADER: &str = "    ranks  connect s  barrier s   gather s    total s bar µs/rk \
+    tot µs/rk   idle B   wait B  after MiB";
+
+/// The results as aligned tables, one per kind: the round trips and their ratios, the
+/// throughput rows (then the CPU per operation where it was measured), each storm, and
+/// the `simulate` rows, each after a blank line.
 pub(super) fn to_table(results: &[BenchResult]) -> String {
+    let [mut round_trips, mut ratios, mut throughput, mut cpu]: [String; 4] = Default::default();
+    let (mut storms, mut simulations, mut session_bytes) = (Vec::new(), String::new(), None);
+    let us = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
+    for result in results {
+        match result {
+            BenchResult::Latency(r) | BenchResult::Baseline(r) => {
+                round_trip_row(&mut round_trips, r)
+            }
+            BenchResult::LatencyRatio(r) => {
+                let _ = writeln!(
+                    ratios,
+                    "{}: ADD p50 {:.1} µs / raw ping-pong p50 {:.1} µs = {:.2}× (goal ≤ 1.2×); \
+                     p99 {:.2}×",
+                    r.target, r.store_p50_us, r.raw_p50_us, r.p50_ratio, r.p99_ratio
+                );
+            }
+            BenchResult::Throughput(r) => {
+                throughput_row(&mut throughput, r);
+                if r.client_cpu_us_per_op.is_some() || r.server_cpu_us_per_op.is_some() {
+                    let (client, server) = (r.client_cpu_us_per_op, r.server_cpu_us_per_op);
+                    let _ = writeln!(
+                        cpu,
+                        "  {} conns: CPU per op: client {} µs, server {} µs",
+                        r.conns,
+                        us(client),
+                        us(server)
+                    );
+                }
+            }
+            BenchResult::Storm(s) => storms.push(storm_lines(s)),
+            BenchResult::Simulation(s) => {
+                session_bytes.get_or_insert(s.session_bytes);
+                simulation_row(&mut simulations, s);
+            }
+        }
+    }
     let mut out = String::new();
-    round_trip_table(&mut out, results);
-    ratio_lines(&mut out, results);
-    throughput_table(&mut out, results);
-    storm_lines(&mut out, results);
-    simulation_table(&mut out, results);
+    section(&mut out, ROUND_TRIP_HEADER, &round_trips);
+    out.push_str(&ratios);
+    section(&mut out, THROUGHPUT_HEADER, &(throughput + &cpu));
+    for storm in storms {
+        section(&mut out, "", &storm);
+    }
+    if let Some(bytes) = session_bytes {
+        let _ = writeln!(
+            simulations,
+            "CPU time of one thread (no sockets); B: engine heap bytes per connection, idle \
+             and waiting; a session adds {bytes} bytes"
+        );
+    }
+    section(&mut out, SIMULATION_HEADER, &simulations);
     out
 }
 
-/// The `simulate` rows.
-fn simulation_table(out: &mut String, results: &[BenchResult]) {
-    let rows: Vec<&SimulationResult> = results
-        .iter()
-        .filter_map(|r| match r {
-            BenchResult::Simulation(s) => Some(s),
-            _ => None,
-        })
-        .collect();
-    if rows.is_empty() {
+/// Appends `header` (a line, unless empty) and `body` to `out`, after a blank line when
+/// `out` has something already; nothing when `body` is empty.
+fn section(out: &mut String, header: &str, body: &str) {
+    if body.is_empty() {
         return;
     }
     if !out.is_empty() {
         out.push('\n');
     }
-    let _ = writeln!(
-        out,
-        "{:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>10}",
-        "ranks",
-        "connect s",
-        "barrier s",
-        "gather s",
-        "total s",
-        "bar µs/rk",
-        "tot µs/rk",
-        "idle B",
-        "wait B",
-        "after MiB"
-    );
-    for r in rows {
-        let _ = writeln!(
-            out,
-            "{:>9} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9.3} {:>9.3} {:>8} {:>8} {:>10.1}",
-            r.ranks,
-            r.connect_cpu_s,
-            r.barrier_cpu_s,
-            r.allgather_cpu_s,
-            r.total_cpu_s,
-            r.barrier_us_per_rank,
-            r.total_us_per_rank,
-            r.engine_bytes_per_idle_conn,
-            r.engine_bytes_per_waiting_conn,
-            r.engine_bytes_after_allgather as f64 / (1 << 20) as f64
-        );
+    if !header.is_empty() {
+        out.push_str(header);
+        out.push('\n');
     }
+    out.push_str(body);
+}
+
+/// One `simulate` row.
+fn simulation_row(out: &mut String, r: &SimulationResult) {
     let _ = writeln!(
         out,
-        "CPU time of one thread (no sockets); B: engine heap bytes per connection, idle and \
-         waiting; a session adds {} bytes",
-        results
-            .iter()
-            .find_map(|r| match r {
-                BenchResult::Simulation(s) => Some(s.session_bytes),
-                _ => None,
-            })
-            .unwrap_or(0)
+        "{:>9} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>9.3} {:>9.3} {:>8} {:>8} {:>10.1}",
+        r.ranks,
+        r.connect_cpu_s,
+        r.barrier_cpu_s,
+        r.allgather_cpu_s,
+        r.total_cpu_s,
+        r.barrier_us_per_rank,
+        r.total_us_per_rank,
+        r.engine_bytes_per_idle_conn,
+        r.engine_bytes_per_waiting_conn,
+        r.engine_bytes_after_allgather as f64 / (1 << 20) as f64
     );
 }
 
-/// The latency and baseline rows.
-fn round_trip_table(out: &mut String, results: &[BenchResult]) {
-    let round_trips: Vec<&RoundTripResult> = results
-        .iter()
-        .filter_map(|r| match r {
-            BenchResult::Latency(x) | BenchResult::Baseline(x) => Some(x),
-            _ => None,
-        })
-        .collect();
-    if !round_trips.is_empty() {
-        let _ = writeln!(
-            out,
-            "{:<24} {:<9} {:>6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9}",
-            "round trip",
-            "op",
-            "bytes",
-            "samples",
-            "ops/s",
-            "mean µs",
-            "p50 µs",
-            "p99 µs",
-            "p99.9 µs",
-            "max µs"
-        );
-        for r in round_trips {
-            let _ = writeln!(
-                out,
-                "{:<24} {:<9} {:>6} {:>9} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1}",
-                r.target,
-                r.op,
-                format!("{}/{}", r.request_bytes, r.reply_bytes),
-                r.samples,
-                r.ops_per_s,
-                r.latency.mean_us,
-                r.latency.p50_us,
-                r.latency.p99_us,
-                r.latency.p999_us,
-                r.latency.max_us
-            );
-        }
-    }
+/// One latency or baseline row.
+fn round_trip_row(out: &mut String, r: &RoundTripResult) {
+    let _ = writeln!(
+        out,
+        "{:<24} {:<9} {:>6} {:>9} {:>10.0} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9.1}",
+        r.target,
+        r.op,
+        format!("{}/{}", r.request_bytes, r.reply_bytes),
+        r.samples,
+        r.ops_per_s,
+        r.latency.mean_us,
+        r.latency.p50_us,
+        r.latency.p99_us,
+        r.latency.p999_us,
+        r.latency.max_us
+    );
 }
 
-/// One line per `--compare-baseline` ratio.
-fn ratio_lines(out: &mut String, results: &[BenchResult]) {
-    for r in results {
-        if let BenchResult::LatencyRatio(ratio) = r {
-            let _ = writeln!(
-                out,
-                "{}: ADD p50 {:.1} µs / raw ping-pong p50 {:.1} µs = {:.2}× (goal ≤ 1.2×); \
-                 p99 {:.2}×",
-                ratio.target,
-                ratio.store_p50_us,
-                ratio.raw_p50_us,
-                ratio.p50_ratio,
-                ratio.p99_ratio
-            );
-        }
-    }
-}
-
-/// The throughput rows, then the CPU per operation where it was measured.
-fn throughput_table(out: &mut String, results: &[BenchResult]) {
-    let throughput: Vec<&ThroughputResult> = results
-        .iter()
-        .filter_map(|r| match r {
-            BenchResult::Throughput(x) => Some(x),
-            _ => None,
-        })
-        .collect();
-    if !throughput.is_empty() {
-        if !out.is_empty() {
-            out.push('\n');
-        }
-        let _ = writeln!(
-            out,
-            "{:<24} {:>6} {:>7} {:>6} {:>10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9}",
-            "throughput (ADD+GET)",
-            "conns",
-            "threads",
-            "secs",
-            "ops",
-            "ops/s",
-            "mean µs",
-            "p50 µs",
-            "p99 µs",
-            "p99.9 µs",
-            "max µs"
-        );
-        for r in &throughput {
-            let _ = writeln!(
-                out,
-                "{:<24} {:>6} {:>7} {:>6.1} {:>10} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>9.1} {:>9.1}",
-                r.target,
-                r.conns,
-                r.client_threads,
-                r.seconds,
-                r.ops,
-                r.ops_per_s,
-                r.latency.mean_us,
-                r.latency.p50_us,
-                r.latency.p99_us,
-                r.latency.p999_us,
-                r.latency.max_us
-            );
-        }
-        let us = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
-        for r in throughput {
-            if r.client_cpu_us_per_op.is_some() || r.server_cpu_us_per_op.is_some() {
-                let _ = writeln!(
-                    out,
-                    "  {} conns: CPU per op: client {} µs, server {} µs",
-                    r.conns,
-                    us(r.client_cpu_us_per_op),
-                    us(r.server_cpu_us_per_op)
-                );
-            }
-        }
-    }
+/// One throughput row.
+fn throughput_row(out: &mut String, r: &ThroughputResult) {
+    let _ = writeln!(
+        out,
+        "{:<24} {:>6} {:>7} {:>6.1} {:>10} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>9.1} {:>9.1}",
+        r.target,
+        r.conns,
+        r.client_threads,
+        r.seconds,
+        r.ops,
+        r.ops_per_s,
+        r.latency.mean_us,
+        r.latency.p50_us,
+        r.latency.p99_us,
+        r.latency.p999_us,
+        r.latency.max_us
+    );
 }
 
 /// A few lines per storm.
-fn storm_lines(out: &mut String, results: &[BenchResult]) {
-    for r in results {
-        if let BenchResult::Storm(s) = r {
-            if !out.is_empty() {
-                out.push('\n');
-            }
-            let _ = writeln!(
-                out,
-                "storm of {} ranks on {} ({} client threads): {} in {:.3} s",
-                s.ranks,
-                s.target,
-                s.client_threads,
-                if s.succeeded() {
-                    "all released"
-                } else {
-                    "FAILED"
-                },
-                s.seconds
-            );
-            let connected = s
-                .all_connected_seconds
-                .map_or_else(|| "never".to_string(), |t| format!("{t:.3} s"));
-            let counter = s
-                .counter
-                .map_or_else(|| "unreadable".to_string(), |c| c.to_string());
-            let _ = writeln!(
-                out,
-                "  all connected: {connected}; released {}/{}; failed {}; connect retries {}",
-                s.released, s.ranks, s.failed, s.connect_retries
-            );
-            let _ = writeln!(
-                out,
-                "  release time p50 {:.3} s, p99 {:.3} s; counter {counter} ({})",
-                s.release_p50_seconds,
-                s.release_p99_seconds,
-                if s.counter_ok { "exact" } else { "WRONG" }
-            );
-            if let Some(error) = &s.first_error {
-                let _ = writeln!(out, "  first error: {error}");
-            }
-        }
+fn storm_lines(s: &StormResult) -> String {
+    let verdict = if s.succeeded() {
+        "all released"
+    } else {
+        "FAILED"
+    };
+    let connected = s
+        .all_connected_seconds
+        .map_or_else(|| "never".to_string(), |t| format!("{t:.3} s"));
+    let counter = s
+        .counter
+        .map_or_else(|| "unreadable".to_string(), |c| c.to_string());
+    let mut out = format!(
+        "storm of {} ranks on {} ({} client threads): {verdict} in {:.3} s\n  all connected: \
+         {connected}; released {}/{}; failed {}; connect retries {}\n  release time p50 \
+         {:.3} s, p99 {:.3} s; counter {counter} ({})\n",
+        s.ranks,
+        s.target,
+        s.client_threads,
+        s.seconds,
+        s.released,
+        s.ranks,
+        s.failed,
+        s.connect_retries,
+        s.release_p50_seconds,
+        s.release_p99_seconds,
+        if s.counter_ok { "exact" } else { "WRONG" }
+    );
+    if let Some(error) = &s.first_error {
+        let _ = writeln!(out, "  first error: {error}");
     }
+    out
 }
 
 #[cfg(test)]

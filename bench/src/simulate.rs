@@ -29,6 +29,7 @@ use rdzv_core::store::session::{Session, Step, Wake};
 use rdzv_core::store::{ConnId, KeyList, Request, WaitResponse, VALIDATION_MAGIC};
 use rustix::time::{clock_gettime, ClockId};
 
+use crate::conn::one_key_list;
 use crate::error::BenchError;
 use crate::report::SimulationResult;
 
@@ -104,13 +105,6 @@ impl Driver {
     }
 }
 
-/// A one-key list for `WAIT`, encoded as the wire has it.
-fn one_key(encoded: &mut Vec<u8>, key: &[u8]) {
-    encoded.clear();
-    encoded.extend_from_slice(&(key.len() as u64).to_le_bytes());
-    encoded.extend_from_slice(key);
-}
-
 /// `rank`'s address key, written into `buf` (reused: the simulation allocates nothing per
 /// request of its own, so that its time is the step's).
 fn address_key(buf: &mut Vec<u8>, rank: usize) -> &[u8] {
@@ -136,8 +130,8 @@ fn tick(bar: &ProgressBar, done: usize) {
 /// Runs the simulation for `ranks` ranks under the server's default budget.
 pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResult, BenchError> {
     if ranks < 2 {
-        return Err(BenchError::InvalidArgument(
-            "--ranks must list counts of at least 2".into(),
+        return Err(BenchError::invalid(
+            "--ranks must list counts of at least 2",
         ));
     }
     let limits = Limits::default();
@@ -179,8 +173,7 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
     // 2. The barrier.
     bar.set_message(format!("{ranks}: barrier"));
     let start = thread_cpu_seconds();
-    let mut keys = Vec::new();
-    one_key(&mut keys, DONE_KEY);
+    let keys = one_key_list(DONE_KEY);
     let done_list = KeyList::new(1, &keys).ok_or_else(|| sim.fail(0, "bad key list"))?;
     let wait = Request::Wait { keys: done_list };
     let add = Request::Add {
@@ -216,23 +209,15 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
             }
         }
         for (target, _) in sim.wakes.drain(..) {
-            let Some(seen) = usize::try_from(target.0)
+            let seen = usize::try_from(target.0)
                 .ok()
-                .and_then(|t| released.get_mut(t))
-            else {
-                return Err(BenchError::Simulation {
-                    ranks,
-                    rank,
-                    what: format!("a wake-up for unknown connection {}", target.0),
-                });
+                .and_then(|t| released.get_mut(t));
+            let what = match seen.map(|seen| std::mem::replace(seen, true)) {
+                None => format!("a wake-up for unknown connection {}", target.0),
+                Some(true) => format!("connection {} released twice", target.0),
+                Some(false) => continue,
             };
-            if std::mem::replace(seen, true) {
-                return Err(BenchError::Simulation {
-                    ranks,
-                    rank,
-                    what: format!("connection {} released twice", target.0),
-                });
-            }
+            return Err(BenchError::Simulation { ranks, rank, what });
         }
         tick(bar, ranks + rank);
     }
@@ -274,7 +259,6 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
     bar.set_position(ranks as u64 * 4);
 
     let per_rank_us = |s: f64| s * 1e6 / ranks as f64;
-    let n = ranks;
     Ok(SimulationResult {
         ranks,
         connect_cpu_s: connect_s,
@@ -283,8 +267,8 @@ pub(super) fn simulate(ranks: usize, bar: &ProgressBar) -> Result<SimulationResu
         total_cpu_s: connect_s + barrier_s + allgather_s,
         barrier_us_per_rank: per_rank_us(barrier_s),
         total_us_per_rank: per_rank_us(connect_s + barrier_s + allgather_s),
-        engine_bytes_per_idle_conn: idle_bytes / n,
-        engine_bytes_per_waiting_conn: waiting_bytes / n,
+        engine_bytes_per_idle_conn: idle_bytes / ranks,
+        engine_bytes_per_waiting_conn: waiting_bytes / ranks,
         engine_bytes_after_allgather: stored_bytes,
         session_bytes: std::mem::size_of::<Session>(),
     })

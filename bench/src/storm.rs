@@ -15,25 +15,28 @@
 //! it is unknown, so it is not retried. The `ADD` results must be exactly 1..=N, each
 //! once, whichever thread saw them (the threads share one table of atomics).
 //!
-//! It does not read the counter back (see [`read_counter`], run by the caller) or decide
-//! how results are shown.
+//! Once every rank is released it reads the counter back ([`read_counter`]). It does not
+//! decide how results are shown.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::ProgressBar;
-use mio::{Events, Interest, Poll, Token};
-use rdzv_core::store::codec::{self, Decoded, Limits, PendingReply, ResponseView};
-use rdzv_core::store::{KeyList, QueryType, Request, WaitResponse, VALIDATION_MAGIC};
+use rdzv_core::store::codec::{Limits, ResponseView};
+use rdzv_core::store::{KeyList, Request, WaitResponse};
 
-use super::conn::{Fill, Reply, StoreConn};
+use super::conn::{one_key_list, Fill, Reactor, Reply, StoreConn};
+use super::latency::BlockingConn;
+use super::report::StormResult;
 use super::{new_histogram, BenchError};
+
+/// How long reading the counter back may take to connect, and each reply.
+const READ_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one storm does.
 #[derive(Debug, Clone)]
@@ -48,6 +51,8 @@ pub(super) struct StormPlan {
     pub timeout: Duration,
     /// The counter is `{key_prefix}/counter`, the release key `{key_prefix}/done`.
     pub key_prefix: String,
+    /// The store's name in the result.
+    pub label: String,
 }
 
 impl StormPlan {
@@ -61,36 +66,13 @@ impl StormPlan {
     }
 }
 
-/// What one storm measured.
-#[derive(Debug)]
-pub(super) struct StormOutcome {
-    /// Client threads that drove the ranks.
-    pub threads: usize,
-    /// From the first connect to the last release (or to the timeout), seconds.
-    pub seconds: f64,
-    /// From the first connect until every rank had its `PING` answered, if they all did.
-    pub all_connected_seconds: Option<f64>,
-    /// Ranks that got `STOP_WAITING`.
-    pub released: usize,
-    /// Ranks that failed after sending `ADD`, or were still pending at the timeout.
-    pub failed: usize,
-    /// Connection attempts that failed before `ADD` and were retried.
-    pub connect_retries: u64,
-    /// Whether the `ADD` results were exactly 1..=N, each once.
-    pub add_results_ok: bool,
-    /// The first error a rank hit, if any, for the report.
-    pub first_error: Option<String>,
-    /// For each released rank, seconds from the start to its release, in nanoseconds.
-    pub release_ns: Histogram<u64>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Waiting for the backoff to pass before (re)connecting.
+    #[default]
     Backoff,
+    /// Connecting, then `VALIDATE` + `PING` sent.
     Connecting,
-    /// `VALIDATE` + `PING` sent.
-    Validating,
     /// `ADD` sent: from here on a failure is not retried.
     Adding,
     /// `WAIT(done)` sent.
@@ -99,7 +81,7 @@ enum Phase {
     Failed,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Rank {
     /// The rank's number in the whole storm (its `PING` nonce); its slot in its thread's
     /// table is its `mio` token.
@@ -111,11 +93,12 @@ struct Rank {
 
 /// What the client threads share: the `ADD` results seen, and counters for progress and
 /// the outcome. Each is touched once or twice per rank, so contention is negligible.
+#[derive(Default)]
 struct Shared {
     /// `seen_add[v - 1]`: some rank's `ADD` returned `v`.
     seen_add: Vec<AtomicBool>,
-    /// No `ADD` result was out of range or seen twice.
-    add_results_ok: AtomicBool,
+    /// Some `ADD` result was out of range or seen twice.
+    add_result_wrong: AtomicBool,
     connected: AtomicUsize,
     released: AtomicUsize,
     failed: AtomicUsize,
@@ -124,6 +107,18 @@ struct Shared {
 }
 
 impl Shared {
+    /// Records `ADD`'s result `value`: it must be in 1..=N and seen by no other rank.
+    fn check_add(&self, value: i64) {
+        let slot = usize::try_from(value)
+            .ok()
+            .and_then(|v| v.checked_sub(1))
+            .and_then(|i| self.seen_add.get(i));
+        let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
+        if !fresh {
+            self.add_result_wrong.store(true, Ordering::Relaxed);
+        }
+    }
+
     fn note_error(&self, message: String) {
         if let Ok(mut first) = self.first_error.lock() {
             first.get_or_insert(message);
@@ -144,10 +139,7 @@ struct ThreadOutcome {
 struct Storm<'p> {
     plan: &'p StormPlan,
     shared: &'p Shared,
-    counter_key: &'p [u8],
-    done_key: &'p [u8],
-    /// `done_key` as an encoded one-key list, for `WAIT`.
-    done_list: &'p [u8],
+    keys: &'p Keys,
     ranks: Vec<Rank>,
     /// Ranks of this thread released or failed.
     finished: usize,
@@ -159,31 +151,22 @@ struct Storm<'p> {
 /// Runs the storm and returns what it measured. Errors only for local failures
 /// (`epoll`, a panicked thread); a rank's failures are counted in the outcome. The
 /// progress bar follows the released ranks, its message the connected ones.
-pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutcome, BenchError> {
+pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormResult, BenchError> {
     let ranks = plan.ranks;
     let threads = plan.threads.clamp(1, ranks.max(1));
-    let counter_key = plan.counter_key().into_bytes();
-    let done_key = plan.done_key().into_bytes();
-    let mut done_list = Vec::with_capacity(8 + done_key.len());
-    done_list.extend_from_slice(&(done_key.len() as u64).to_le_bytes());
-    done_list.extend_from_slice(&done_key);
+    let done = plan.done_key().into_bytes();
+    let keys = Keys {
+        counter: plan.counter_key().into_bytes(),
+        done_list: one_key_list(&done),
+        done,
+    };
     let shared = Shared {
         seen_add: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
-        add_results_ok: AtomicBool::new(true),
-        connected: AtomicUsize::new(0),
-        released: AtomicUsize::new(0),
-        failed: AtomicUsize::new(0),
-        retries: AtomicU64::new(0),
-        first_error: Mutex::new(None),
+        ..Shared::default()
     };
     progress.set_length(ranks as u64);
 
     let start = Instant::now();
-    let keys = Keys {
-        counter: &counter_key,
-        done: &done_key,
-        done_list: &done_list,
-    };
     let results: Vec<Result<ThreadOutcome, BenchError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|thread| {
@@ -203,10 +186,7 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
                 Ok(handle) => handle
                     .join()
                     .unwrap_or(Err(BenchError::ClientThreadPanicked)),
-                Err(source) => Err(BenchError::Io {
-                    what: "start a storm client thread",
-                    source,
-                }),
+                Err(source) => Err(BenchError::io("start a storm client thread")(source)),
             })
             .collect()
     });
@@ -214,11 +194,11 @@ pub(super) fn run(plan: &StormPlan, progress: &ProgressBar) -> Result<StormOutco
 }
 
 /// The keys every rank uses.
-struct Keys<'k> {
-    counter: &'k [u8],
-    done: &'k [u8],
+struct Keys {
+    counter: Vec<u8>,
+    done: Vec<u8>,
     /// `done` as an encoded one-key list, for `WAIT`.
-    done_list: &'k [u8],
+    done_list: Vec<u8>,
 }
 
 /// Follows the shared counters on `progress` until every thread is done.
@@ -243,14 +223,15 @@ fn follow<T>(
     }
 }
 
-/// The storm's outcome from the threads' and the shared counters.
+/// The storm's result from the threads' and the shared counters, with the counter read
+/// back.
 fn outcome(
     plan: &StormPlan,
     threads: usize,
     start: Instant,
     shared: Shared,
     results: Vec<Result<ThreadOutcome, BenchError>>,
-) -> Result<StormOutcome, BenchError> {
+) -> Result<StormResult, BenchError> {
     let mut release_ns = new_histogram()?;
     let mut last_release = None;
     let mut all_connected = None;
@@ -272,8 +253,20 @@ fn outcome(
         ));
     }
     let end = last_release.unwrap_or_else(Instant::now);
-    Ok(StormOutcome {
-        threads,
+    let counter =
+        read_counter(plan.addr, &plan.counter_key(), READ_BACK_TIMEOUT).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot read the storm counter back");
+            None
+        });
+    let adds_ok = !shared.add_result_wrong.load(Ordering::Relaxed)
+        && shared
+            .seen_add
+            .iter()
+            .all(|seen| seen.load(Ordering::Relaxed));
+    Ok(StormResult {
+        target: plan.label.clone(),
+        ranks: plan.ranks,
+        client_threads: threads,
         seconds: if pending > 0 {
             plan.timeout.as_secs_f64()
         } else {
@@ -283,13 +276,11 @@ fn outcome(
         released,
         failed: failed + pending,
         connect_retries: shared.retries.load(Ordering::Relaxed),
-        add_results_ok: shared.add_results_ok.load(Ordering::Relaxed)
-            && shared
-                .seen_add
-                .iter()
-                .all(|seen| seen.load(Ordering::Relaxed)),
+        counter,
+        counter_ok: adds_ok && counter == i64::try_from(plan.ranks).ok(),
+        release_p50_seconds: release_ns.value_at_quantile(0.5) as f64 / 1e9,
+        release_p99_seconds: release_ns.value_at_quantile(0.99) as f64 / 1e9,
         first_error: shared.first_error.into_inner().ok().flatten(),
-        release_ns,
     })
 }
 
@@ -298,23 +289,19 @@ impl<'p> Storm<'p> {
     fn new(
         plan: &'p StormPlan,
         shared: &'p Shared,
-        keys: &'p Keys<'p>,
+        keys: &'p Keys,
         share: Vec<usize>,
         start: Instant,
     ) -> Result<Storm<'p>, BenchError> {
         Ok(Storm {
             plan,
             shared,
-            counter_key: keys.counter,
-            done_key: keys.done,
-            done_list: keys.done_list,
+            keys,
             ranks: share
                 .into_iter()
                 .map(|index| Rank {
                     index,
-                    conn: None,
-                    phase: Phase::Backoff,
-                    attempts: 0,
+                    ..Rank::default()
                 })
                 .collect(),
             finished: 0,
@@ -345,13 +332,11 @@ impl Storm<'_> {
     /// Opens every connection of this share at once and runs the `epoll` loop until each
     /// rank is released or failed, or the timeout passes.
     fn drive(mut self) -> Result<ThreadOutcome, BenchError> {
-        let io = |what| move |source| BenchError::Io { what, source };
-        let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+        let mut reactor = Reactor::new(4096)?;
         for slot in 0..self.ranks.len() {
-            self.start_connect(&poll, slot);
+            self.start_connect(&reactor, slot);
         }
         let deadline = self.start + self.plan.timeout;
-        let mut events = Events::with_capacity(4096);
         while self.finished < self.ranks.len() {
             let now = Instant::now();
             if now >= deadline {
@@ -361,9 +346,7 @@ impl Storm<'_> {
             if let Some(Reverse((due, _))) = self.backoff.peek() {
                 wait = wait.min(due.saturating_duration_since(now));
             }
-            super::conn::poll_events(&mut poll, &mut events, Some(wait))
-                .map_err(io("wait for socket events"))?;
-            for event in events.iter() {
+            for event in reactor.wait(wait)? {
                 self.on_event(event.token().0);
             }
             let now = Instant::now();
@@ -372,24 +355,16 @@ impl Storm<'_> {
                     break;
                 }
                 self.backoff.pop();
-                self.start_connect(&poll, slot);
+                self.start_connect(&reactor, slot);
             }
         }
         Ok(self.outcome)
     }
 
-    fn start_connect(&mut self, poll: &Poll, slot: usize) {
+    fn start_connect(&mut self, reactor: &Reactor, slot: usize) {
         let addr = self.plan.addr;
-        let result = StoreConn::connect(addr, Limits::default()).and_then(|mut conn| {
-            poll.registry()
-                .register(
-                    conn.stream_mut(),
-                    Token(slot),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
-                .map(|()| conn)
-        });
-        match result {
+        let nonce = self.ranks.get(slot).map(|rank| rank.index as u32);
+        match reactor.connect(addr, Limits::default(), nonce, slot) {
             Ok(conn) => {
                 if let Some(rank) = self.ranks.get_mut(slot) {
                     rank.conn = Some(conn);
@@ -433,41 +408,20 @@ impl Storm<'_> {
     /// A socket error: retried before `ADD`, fatal after.
     fn lose(&mut self, slot: usize, why: String) {
         match self.ranks.get(slot).map(|r| r.phase) {
-            Some(Phase::Connecting | Phase::Validating) => self.retry(slot, why),
+            Some(Phase::Connecting) => self.retry(slot, why),
             Some(Phase::Adding | Phase::Waiting) => self.fail(slot, why),
             _ => {}
         }
     }
 
     fn on_event(&mut self, slot: usize) {
-        let Some(rank) = self.ranks.get_mut(slot) else {
+        let Some(conn) = self.ranks.get_mut(slot).and_then(|r| r.conn.as_mut()) else {
             return;
         };
-        let index = rank.index;
-        let Some(conn) = rank.conn.as_mut() else {
-            return;
-        };
-        if rank.phase == Phase::Connecting {
-            match conn.is_connected() {
-                Ok(false) => return,
-                Ok(true) => {
-                    conn.queue(&Request::Validate {
-                        magic: VALIDATION_MAGIC,
-                    });
-                    conn.queue(&Request::Ping {
-                        nonce: index as u32,
-                    });
-                    rank.phase = Phase::Validating;
-                }
-                Err(e) => return self.lose(slot, format!("connect: {e}")),
-            }
-        }
-        if let Err(e) = conn.flush() {
-            return self.lose(slot, format!("send: {e}"));
-        }
-        let closed = match conn.fill() {
-            Ok(fill) => fill == Fill::Closed,
-            Err(e) => return self.lose(slot, format!("read: {e}")),
+        let closed = match conn.pump() {
+            Ok(None) => return,
+            Ok(Some(fill)) => fill == Fill::Closed,
+            Err(e) => return self.lose(slot, e.to_string()),
         };
         // Replies that arrived before a close still count.
         loop {
@@ -485,38 +439,19 @@ impl Storm<'_> {
         }
     }
 
-    /// Records `ADD`'s result `value`: it must be in 1..=N and seen by no other rank.
-    fn check_add(&self, value: i64) {
-        let slot = usize::try_from(value)
-            .ok()
-            .and_then(|v| v.checked_sub(1))
-            .and_then(|i| self.shared.seen_add.get(i));
-        let fresh = slot.is_some_and(|seen| !seen.swap(true, Ordering::Relaxed));
-        if !fresh {
-            self.shared.add_results_ok.store(false, Ordering::Relaxed);
-        }
-    }
-
     fn on_reply(&mut self, slot: usize, reply: Reply) {
         let total = self.plan.ranks;
-        let phase = match self.ranks.get(slot) {
-            Some(rank) if rank.conn.is_some() => rank.phase,
-            _ => return,
-        };
-        if let (Phase::Adding, Reply::Int(value)) = (phase, reply) {
-            self.check_add(value);
-        }
         let Some(rank) = self.ranks.get_mut(slot) else {
             return;
         };
-        let index = rank.index;
+        let (phase, index) = (rank.phase, rank.index);
         let Some(conn) = rank.conn.as_mut() else {
             return;
         };
         match (phase, reply) {
-            (Phase::Validating, Reply::Pong(nonce)) if nonce == index as u32 => {
+            (Phase::Connecting, Reply::Pong(nonce)) if nonce == index as u32 => {
                 conn.queue(&Request::Add {
-                    key: self.counter_key,
+                    key: &self.keys.counter,
                     delta: 1,
                 });
                 rank.phase = Phase::Adding;
@@ -525,13 +460,14 @@ impl Storm<'_> {
                 }
             }
             (Phase::Adding, Reply::Int(value)) => {
+                self.shared.check_add(value);
                 if value == total as i64 {
                     conn.queue(&Request::Set {
-                        key: self.done_key,
+                        key: &self.keys.done,
                         value: b"1",
                     });
                 }
-                match KeyList::new(1, self.done_list) {
+                match KeyList::new(1, &self.keys.done_list) {
                     Some(keys) => conn.queue(&Request::Wait { keys }),
                     None => return self.fail(slot, "cannot encode the WAIT key".into()),
                 }
@@ -570,55 +506,22 @@ pub(super) fn read_counter(
     key: &str,
     timeout: Duration,
 ) -> Result<Option<i64>, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|source| BenchError::Connect { addr, source })?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(io("configure the verifying connection"))?;
-    let mut out = Vec::new();
-    Request::Validate {
-        magic: VALIDATION_MAGIC,
-    }
-    .encode_into(&mut out);
-    Request::Get {
+    let mut conn = BlockingConn::connect(addr, timeout, "configure the verifying connection")?;
+    let get = Request::Get {
         key: key.as_bytes(),
-    }
-    .encode_into(&mut out);
-    stream.write_all(&out).map_err(io("send GET counter"))?;
-    let pending = PendingReply::new(QueryType::Get, 0).ok_or(BenchError::UnexpectedReply {
-        query: "GET",
-        expected: "a reply",
+    };
+    let counter = conn.request(&get, |view| match view {
+        ResponseView::Value(value) => Some(
+            std::str::from_utf8(value)
+                .ok()
+                .and_then(|text| text.trim().parse().ok()),
+        ),
+        _ => None,
     })?;
-    let mut input = Vec::new();
-    let mut chunk = [0u8; 256];
-    loop {
-        match codec::decode_response_view(pending, &input, &Limits::default()) {
-            Ok(Decoded::Complete(ResponseView::Value(value), _)) => {
-                return Ok(std::str::from_utf8(value)
-                    .ok()
-                    .and_then(|text| text.trim().parse().ok()));
-            }
-            Ok(Decoded::Complete(..)) => {
-                return Err(BenchError::UnexpectedReply {
-                    query: "GET",
-                    expected: "a value",
-                })
-            }
-            Ok(Decoded::Partial(_)) => {}
-            Err(source) => {
-                return Err(BenchError::Decode {
-                    query: "GET",
-                    source,
-                })
-            }
-        }
-        let n = stream.read(&mut chunk).map_err(io("read GET counter"))?;
-        if n == 0 {
-            return Err(BenchError::ServerClosed);
-        }
-        input.extend_from_slice(chunk.get(..n).unwrap_or_default());
-    }
+    counter.ok_or(BenchError::UnexpectedReply {
+        query: "GET",
+        expected: "a value",
+    })
 }
 
 #[cfg(test)]
@@ -661,14 +564,16 @@ mod tests {
             threads: 2,
             timeout: Duration::from_secs(30),
             key_prefix: "/bench-test/storm".into(),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        assert_eq!(outcome.threads, 2);
+        assert_eq!(outcome.client_threads, 2);
         assert_eq!(outcome.released, 256, "{:?}", outcome.first_error);
         assert_eq!(outcome.failed, 0);
-        assert!(outcome.add_results_ok);
+        assert!(outcome.counter_ok && outcome.succeeded());
         assert!(outcome.all_connected_seconds.is_some());
-        assert_eq!(outcome.release_ns.len(), 256);
+        assert_eq!(outcome.counter, Some(256));
+        assert!(outcome.release_p99_seconds > 0.0);
         let counter = read_counter(
             server.local_addr(),
             &plan.counter_key(),
@@ -697,11 +602,12 @@ mod tests {
             threads: 8,
             timeout: Duration::from_secs(20),
             key_prefix: "/bench-test/storm3".into(),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        assert_eq!(outcome.threads, 3);
+        assert_eq!(outcome.client_threads, 3);
         assert_eq!(outcome.released, 3, "{:?}", outcome.first_error);
-        assert!(outcome.add_results_ok);
+        assert!(outcome.counter_ok);
         server.shutdown();
     }
 
@@ -718,12 +624,13 @@ mod tests {
             threads: 2,
             timeout: Duration::from_millis(150),
             key_prefix: "/x".into(),
+            label: "nothing".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
         assert_eq!(outcome.released, 0);
         assert_eq!(outcome.failed, 3);
         assert!(outcome.connect_retries >= 3);
-        assert!(!outcome.add_results_ok);
+        assert!(!outcome.counter_ok);
         assert!(outcome.first_error.is_some());
     }
 }

@@ -9,20 +9,21 @@
 //! window is counted and its latency (write to reply) goes into an HDR histogram.
 //!
 //! Each reply is checked: an `ADD` must return one more than the connection's previous
-//! `ADD`, and a `GET` must return that number's decimal text, or the run fails. It does
-//! not decide how results are shown (see `report`).
+//! `ADD`, and a `GET` must return that number's decimal text, or the run fails. It
+//! summarises what it measured as a `report` row, and does not decide how results are
+//! shown.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use indicatif::ProgressBar;
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::codec::Limits;
-use rdzv_core::store::{Request, VALIDATION_MAGIC};
+use rdzv_core::store::Request;
 
-use super::conn::{Fill, Reply, StoreConn};
+use super::conn::{Fill, Reactor, Reply, StoreConn};
 use super::cpu;
+use super::report::{LatencySummary, ThroughputResult};
 use super::{new_histogram, BenchError};
 
 /// What one throughput run does.
@@ -47,32 +48,15 @@ pub(super) struct ThroughputPlan {
     pub client_cpu: bool,
     /// Measure this server process's CPU time over the window.
     pub server_pid: Option<u32>,
-}
-
-/// What one throughput run measured.
-#[derive(Debug)]
-pub(super) struct ThroughputOutcome {
-    /// Concurrent connections.
-    pub conns: usize,
-    /// Client threads.
-    pub threads: usize,
-    /// Length of the measurement window, seconds.
-    pub seconds: f64,
-    /// Replies received in the window (ADDs and GETs).
-    pub ops: u64,
-    /// Latency of each of those operations, nanoseconds.
-    pub latency_ns: Histogram<u64>,
-    /// This process's CPU time over the window, when asked for.
-    pub client_cpu: Option<Duration>,
-    /// The server's CPU time over the window, when asked for.
-    pub server_cpu: Option<Duration>,
+    /// The store's name in the result.
+    pub label: String,
 }
 
 /// Connects `plan.conns` connections, runs the load, and returns what was measured.
 pub(super) fn run(
     plan: &ThroughputPlan,
     progress: &ProgressBar,
-) -> Result<ThroughputOutcome, BenchError> {
+) -> Result<ThroughputResult, BenchError> {
     let conns = plan.conns.max(1);
     let threads = plan.threads.clamp(1, conns);
     let ready = connect_all(plan.addr, conns, plan.setup_timeout, progress)?;
@@ -128,18 +112,19 @@ pub(super) fn run(
             .add(&histogram)
             .map_err(|e| BenchError::Histogram(format!("{e:?}")))?;
     }
-    let (client_cpu, server_cpu) = match sampled.into_inner().ok().flatten() {
-        Some(outcome) => outcome?,
-        None => (None, None),
-    };
-    Ok(ThroughputOutcome {
+    let sampled = sampled.into_inner().ok().flatten().transpose()?;
+    let (client_cpu, server_cpu) = sampled.unwrap_or_default();
+    let seconds = plan.measure.as_secs_f64();
+    Ok(ThroughputResult {
+        target: plan.label.clone(),
         conns,
-        threads,
-        seconds: plan.measure.as_secs_f64(),
+        client_threads: threads,
+        seconds,
         ops,
-        latency_ns,
-        client_cpu,
-        server_cpu,
+        ops_per_s: super::per_second(ops, seconds),
+        latency: LatencySummary::from_ns(&latency_ns),
+        client_cpu_us_per_op: client_cpu.and_then(|cpu| cpu::us_per_op(cpu, ops)),
+        server_cpu_us_per_op: server_cpu.and_then(|cpu| cpu::us_per_op(cpu, ops)),
     })
 }
 
@@ -153,11 +138,7 @@ fn sample_cpu(
 ) -> Result<(Option<Duration>, Option<Duration>), BenchError> {
     let read = |process| cpu::cpu_time(process).map_err(BenchError::CpuTime);
     let sample = || -> Result<(Option<Duration>, Option<Duration>), BenchError> {
-        let own = if client {
-            Some(read(cpu::Process::Current)?)
-        } else {
-            None
-        };
+        let own = client.then(|| read(cpu::Process::Current)).transpose()?;
         let server = server_pid
             .map(|pid| read(cpu::Process::Pid(pid)))
             .transpose()?;
@@ -190,24 +171,12 @@ pub(super) fn connect_all(
     timeout: Duration,
     progress: &ProgressBar,
 ) -> Result<Vec<StoreConn>, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
-    let mut conns = Vec::with_capacity(n);
-    let mut connected = vec![false; n];
-    for token in 0..n {
-        let mut conn = StoreConn::connect(addr, Limits::default())
-            .map_err(|source| BenchError::Connect { addr, source })?;
-        poll.registry()
-            .register(
-                conn.stream_mut(),
-                Token(token),
-                Interest::READABLE | Interest::WRITABLE,
-            )
-            .map_err(io("register a socket"))?;
-        conns.push(conn);
-    }
+    let mut reactor = Reactor::new(1024)?;
     let nonce = std::process::id();
-    let mut events = Events::with_capacity(1024);
+    let conns: Result<Vec<StoreConn>, _> = (0..n)
+        .map(|token| reactor.connect(addr, Limits::default(), Some(nonce), token))
+        .collect();
+    let mut conns = conns.map_err(|source| BenchError::Connect { addr, source })?;
     let deadline = Instant::now() + timeout;
     let mut ready = 0;
     let mut last_progress = Instant::now();
@@ -224,54 +193,35 @@ pub(super) fn connect_all(
                 seconds: timeout.as_secs_f64(),
             });
         }
-        super::conn::poll_events(
-            &mut poll,
-            &mut events,
-            Some((deadline - now).min(Duration::from_millis(200))),
-        )
-        .map_err(io("wait for socket events"))?;
-        for event in events.iter() {
-            let Token(index) = event.token();
-            let (Some(conn), Some(is_connected)) = (conns.get_mut(index), connected.get_mut(index))
-            else {
-                continue;
-            };
-            ready += setup_step(conn, is_connected, addr, nonce)?;
+        for event in reactor.wait((deadline - now).min(Duration::from_millis(200)))? {
+            if let Some(conn) = conns.get_mut(event.token().0) {
+                ready += setup_step(conn, addr, nonce)?;
+            }
         }
     }
     for conn in &mut conns {
-        poll.registry()
-            .deregister(conn.stream_mut())
-            .map_err(io("deregister a socket"))?;
+        reactor.deregister(conn)?;
     }
     Ok(conns)
 }
 
-/// One readiness event of a connection being set up: once connected it queues
-/// `VALIDATE` and `PING`, then sends and reads; returns how many `PING`s were answered.
-fn setup_step(
-    conn: &mut StoreConn,
-    is_connected: &mut bool,
-    addr: SocketAddr,
-    nonce: u32,
-) -> Result<usize, BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    if !*is_connected {
-        if !conn
-            .is_connected()
-            .map_err(|source| BenchError::Connect { addr, source })?
-        {
-            return Ok(0);
+/// One readiness event of a connection being set up (`VALIDATE` and `PING` go out once
+/// it is connected): returns how many `PING`s were answered.
+fn setup_step(conn: &mut StoreConn, addr: SocketAddr, nonce: u32) -> Result<usize, BenchError> {
+    match conn.pump() {
+        Ok(None) => return Ok(0),
+        Ok(Some(Fill::Open)) => {}
+        Ok(Some(Fill::Closed)) => return Err(BenchError::ServerClosed),
+        Err(e) if e.during == "connect" => {
+            return Err(BenchError::Connect {
+                addr,
+                source: e.source,
+            })
         }
-        *is_connected = true;
-        conn.queue(&Request::Validate {
-            magic: VALIDATION_MAGIC,
-        });
-        conn.queue(&Request::Ping { nonce });
-    }
-    conn.flush().map_err(io("send VALIDATE and PING"))?;
-    if conn.fill().map_err(io("read a PING reply"))? == Fill::Closed {
-        return Err(BenchError::ServerClosed);
+        Err(e) if e.during == "send" => {
+            return Err(BenchError::io("send VALIDATE and PING")(e.source))
+        }
+        Err(e) => return Err(BenchError::io("read a PING reply")(e.source)),
     }
     let mut answered = 0;
     while let Some(reply) = conn.next_reply()? {
@@ -319,38 +269,27 @@ impl Slot {
             });
         }
         self.sent_at = Instant::now();
-        self.conn.flush().map_err(|source| BenchError::Io {
-            what: "send a request",
-            source,
-        })
+        self.conn.flush().map_err(BenchError::io("send a request"))
     }
 
     /// Checks `reply` against what this connection sent and expects.
     fn check(&mut self, reply: Reply) -> Result<(), BenchError> {
-        if self.next_is_get {
-            match reply {
-                Reply::Value { len } if len == decimal_len(self.counter) => {}
-                _ => {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "GET",
-                        expected: "the decimal text of the last ADD's result",
-                    })
-                }
+        let expected = match (self.next_is_get, reply) {
+            (true, Reply::Value { len }) if len == decimal_len(self.counter) => None,
+            (true, _) => Some(("GET", "the decimal text of the last ADD's result")),
+            // One more, or (a key left by an earlier run against the same server) its
+            // count adopted.
+            (false, Reply::Int(value))
+                if self.counter.checked_add(1) == Some(value)
+                    || (self.counter == 0 && value > 0) =>
+            {
+                self.counter = value;
+                None
             }
-        } else {
-            match reply {
-                Reply::Int(value) if self.counter.checked_add(1) == Some(value) => {
-                    self.counter = value;
-                }
-                // A key left by an earlier run against the same server: adopt its count.
-                Reply::Int(value) if self.counter == 0 && value > 0 => self.counter = value,
-                _ => {
-                    return Err(BenchError::UnexpectedReply {
-                        query: "ADD",
-                        expected: "one more than this connection's previous ADD",
-                    })
-                }
-            }
+            (false, _) => Some(("ADD", "one more than this connection's previous ADD")),
+        };
+        if let Some((query, expected)) = expected {
+            return Err(BenchError::UnexpectedReply { query, expected });
         }
         self.next_is_get = !self.next_is_get;
         Ok(())
@@ -376,23 +315,17 @@ fn drive(
     end: Instant,
     progress: Option<ProgressBar>,
 ) -> Result<(u64, Histogram<u64>), BenchError> {
-    let io = |what| move |source| BenchError::Io { what, source };
-    let mut poll = Poll::new().map_err(io("create an epoll instance"))?;
+    let mut reactor = Reactor::new(1024)?;
     for (token, slot) in slots.iter_mut().enumerate() {
-        poll.registry()
-            .register(
-                slot.conn.stream_mut(),
-                Token(token),
-                Interest::READABLE | Interest::WRITABLE,
-            )
-            .map_err(io("register a socket"))?;
+        reactor
+            .register(&mut slot.conn, token)
+            .map_err(BenchError::io("register a socket"))?;
     }
     let mut histogram = new_histogram()?;
     let mut ops = 0u64;
     for slot in &mut slots {
         slot.send_next()?;
     }
-    let mut events = Events::with_capacity(1024);
     let mut last_progress = start;
     loop {
         let now = Instant::now();
@@ -406,19 +339,19 @@ fn drive(
             }
         }
         let wait = (end - now).min(Duration::from_millis(50));
-        super::conn::poll_events(&mut poll, &mut events, Some(wait))
-            .map_err(io("wait for socket events"))?;
-        for event in events.iter() {
+        for event in reactor.wait(wait)? {
             let Some(slot) = slots.get_mut(event.token().0) else {
                 continue;
             };
             if event.is_writable() && slot.conn.has_unsent() {
-                slot.conn.flush().map_err(io("send a request"))?;
+                slot.conn
+                    .flush()
+                    .map_err(BenchError::io("send a request"))?;
             }
             if !event.is_readable() && !event.is_read_closed() && !event.is_error() {
                 continue;
             }
-            if slot.conn.fill().map_err(io("read a reply"))? == Fill::Closed {
+            if slot.conn.fill().map_err(BenchError::io("read a reply"))? == Fill::Closed {
                 return Err(BenchError::ServerClosed);
             }
             while let Some(reply) = slot.conn.next_reply()? {
@@ -477,18 +410,20 @@ mod tests {
             client_cpu: true,
             // The server runs in this process: its CPU is this process's.
             server_pid: Some(std::process::id()),
+            label: "rdzv".into(),
         };
         let outcome = run(&plan, &ProgressBar::hidden()).unwrap();
-        let (own, server_cpu) = (outcome.client_cpu.unwrap(), outcome.server_cpu.unwrap());
+        let own = outcome.client_cpu_us_per_op.unwrap();
+        let server_cpu = outcome.server_cpu_us_per_op.unwrap();
         // The same process, read at the same instants (a tick apart at most).
         assert!(
-            own.abs_diff(server_cpu) <= Duration::from_millis(20),
-            "{own:?} vs {server_cpu:?}"
+            (own - server_cpu).abs() * outcome.ops as f64 <= 20_000.0,
+            "{own} vs {server_cpu} µs per op"
         );
         assert_eq!(outcome.conns, 8);
-        assert_eq!(outcome.threads, 2);
+        assert_eq!(outcome.client_threads, 2);
         assert!(outcome.ops > 0, "no operation completed in 200 ms");
-        assert_eq!(outcome.latency_ns.len(), outcome.ops);
+        assert!(outcome.latency.p50_us > 0.0);
         server.shutdown();
     }
 }

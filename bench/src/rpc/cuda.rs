@@ -20,7 +20,7 @@ use rdzv_rdma::cuda::memory::{
 use rdzv_rdma::cuda::CudaViability;
 
 use super::payload::Payload;
-use super::row::{human_size, Row, RunMode, NO_CHANNEL};
+use super::row::{human_size, samples, Row, RunMode, NO_CHANNEL};
 use super::viability::error_chain;
 use crate::BenchError;
 
@@ -53,21 +53,16 @@ pub(super) fn not_viable(ordinal: u8) -> Result<Option<String>, BenchError> {
 
 /// Times `iters` samples of `sample` (after one unrecorded warm-up); each enqueues its
 /// copies and waits for them.
-fn samples(
+fn timed(
     iters: usize,
     bar: &ProgressBar,
     mut sample: impl FnMut() -> Result<(), BenchError>,
 ) -> Result<Vec<std::time::Duration>, BenchError> {
-    let mut samples = Vec::with_capacity(iters);
-    for iter in 0..=iters {
+    samples(iters, Some(bar), |_| {
         let started = Instant::now();
         sample()?;
-        if iter > 0 {
-            samples.push(started.elapsed());
-            bar.inc(1);
-        }
-    }
-    Ok(samples)
+        Ok(started.elapsed())
+    })
 }
 
 /// For `map_err`: a CUDA call doing `what` failed.
@@ -164,7 +159,7 @@ impl Device<'_> {
         a.copy_from_host(&payload.message(0))
             .map_err(cuda(format!("filling {len} bytes on {on}")))?;
         bar.set_message(format!("{CUDA_D2D} {on} {}", human_size(len as u64)));
-        let d2d = samples(iters, bar, || {
+        let d2d = timed(iters, bar, || {
             (self.round)(&a, b).map_err(cuda(format!("a device-to-device copy on {on}")))
         })?;
         let mut back = vec![0u8; len];
@@ -195,14 +190,14 @@ impl Device<'_> {
         let pinned = |what: &str| cuda(format!("{what} {len} bytes of pinned memory on {on}"));
         let mut host = StagingBuffer::new(self.gpu, len).map_err(pinned("allocating"))?;
         bar.set_message(format!("{H2D_PINNED} {on} {}", human_size(len as u64)));
-        let h2d = samples(iters, bar, || {
+        let h2d = timed(iters, bar, || {
             upload(&mut host, b)
                 .and_then(|()| upload(&mut host, b))
                 .and_then(|()| host.wait())
                 .map_err(pinned("uploading"))
         })?;
         bar.set_message(format!("{D2H_PINNED} {on} {}", human_size(len as u64)));
-        let d2h = samples(iters, bar, || {
+        let d2h = timed(iters, bar, || {
             download(&mut host, b)
                 .and_then(|()| download(&mut host, b))
                 .and_then(|()| host.wait())

@@ -34,17 +34,15 @@ mod session;
 mod spec;
 mod viability;
 
-use std::io::IsTerminal as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs as _, UdpSocket};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rdzv_core::device::{Device, DeviceType};
 use rdzv_core::negotiate::{ChannelKind, TransportKind};
 
-use super::harness::{start_server, write_report, PeerProcess};
+use super::harness::{progress_bar, start_server, write_report, PeerProcess};
 use super::BenchError;
 use row::{RunMode, Skip};
 use session::Measurement;
@@ -223,7 +221,7 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
     };
     let given = args.sizes.as_deref().unwrap_or(default);
     if given.is_empty() {
-        return Err(BenchError::InvalidArgument("--sizes lists no size".into()));
+        return Err(BenchError::invalid("--sizes lists no size"));
     }
     given
         .iter()
@@ -234,8 +232,8 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
                 args.iters
             };
             if iters == 0 {
-                return Err(BenchError::InvalidArgument(
-                    "--iters and --big-iters must be at least 1".into(),
+                return Err(BenchError::invalid(
+                    "--iters and --big-iters must be at least 1",
                 ));
             }
             let size = usize::try_from(size).map_err(|_| {
@@ -244,17 +242,6 @@ fn sizes(args: &RpcBenchArgs, mode: RunMode) -> Result<Vec<(usize, usize)>, Benc
             Ok((size, iters))
         })
         .collect()
-}
-
-fn progress_bar(json: bool) -> ProgressBar {
-    if json || !std::io::stderr().is_terminal() {
-        return ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
-    }
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(BAR) {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar
 }
 
 /// Runs `rdzv bench rpc`.
@@ -296,7 +283,7 @@ pub(super) fn run(args: RpcBenchArgs) -> Result<ExitCode, BenchError> {
                 }
             }
             None => {
-                let bar = progress_bar(args.json);
+                let bar = progress_bar(args.json, BAR, Some(0));
                 rows.extend(cuda::measure(ordinal, &sizes, mode, &bar)?);
                 bar.finish_and_clear();
             }
@@ -356,21 +343,10 @@ fn listen(bind: SocketAddr, role: Role) -> Result<ExitCode, BenchError> {
 /// A local run: a child process serves on 127.0.0.1, this one measures.
 fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
     let mut peer = PeerProcess::spawn(&["bench", "rpc", "--peer"])?;
+    let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
     let measured = peer.port().and_then(|port| {
-        let localhost = IpAddr::from(Ipv4Addr::LOCALHOST);
-        let bar = progress_bar(args.json);
-        let outcome = Measurement {
-            store: SocketAddr::new(localhost, port),
-            local_ip: localhost,
-            serving_ip: localhost,
-            mode: RunMode::Local,
-            pairs: pairs(args)?,
-            sizes: sizes(args, RunMode::Local)?,
-            bar: &bar,
-        }
-        .run();
-        bar.finish_and_clear();
-        outcome
+        let store = SocketAddr::new(localhost, port);
+        measure(args, store, localhost, RunMode::Local)
     });
     let status = peer.finish(measured.is_ok());
     let outcome = measured?;
@@ -381,18 +357,28 @@ fn local(args: &RpcBenchArgs) -> Result<session::Outcome, BenchError> {
 /// `--connect HOST:PORT`: measures against a `--listen` side.
 fn connect(args: &RpcBenchArgs, text: &str) -> Result<session::Outcome, BenchError> {
     let store = resolve("--connect", text)?;
-    let local_ip = route_source(store).map_err(|source| BenchError::Io {
-        what: "find the local address that routes to the --connect host",
-        source,
-    })?;
-    let bar = progress_bar(args.json);
+    let local_ip = route_source(store).map_err(BenchError::io(
+        "find the local address that routes to the --connect host",
+    ))?;
+    measure(args, store, local_ip, RunMode::TwoHost)
+}
+
+/// The measuring side against the serving side's `store`, its agents listening on
+/// `local_ip`.
+fn measure(
+    args: &RpcBenchArgs,
+    store: SocketAddr,
+    local_ip: IpAddr,
+    mode: RunMode,
+) -> Result<session::Outcome, BenchError> {
+    let bar = progress_bar(args.json, BAR, Some(0));
     let outcome = Measurement {
         store,
         local_ip,
         serving_ip: store.ip(),
-        mode: RunMode::TwoHost,
+        mode,
         pairs: pairs(args)?,
-        sizes: sizes(args, RunMode::TwoHost)?,
+        sizes: sizes(args, mode)?,
         bar: &bar,
     }
     .run();

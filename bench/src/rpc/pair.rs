@@ -21,7 +21,7 @@ use rdzv_rdma::cuda::agent::CudaMemory;
 use rdzv_uring::rpc::{init_rpc, DeviceBuffer, Message, RpcAgent, RpcOptions, Tensor};
 
 use super::payload::Payload;
-use super::row::{human_size, Row, RunMode};
+use super::row::{human_size, samples, Row, RunMode};
 use super::spec::{Channels, Pair, ECHO, NAMES};
 use super::viability::is_cuda;
 use crate::BenchError;
@@ -64,16 +64,15 @@ pub(super) fn measure(
                 .pipe_channel(NAMES[1])
                 .map_or(Channels::DEFAULT_NAME, |kind| kind.name()),
         };
-        let mut rows = sizes
+        let cpu = !is_cuda(pair.channel);
+        let rref = sizes
             .iter()
-            .map(|&(len, iters)| echo_row(&agent, pair, channel, len, iters, mode, bar))
-            .collect::<Result<Vec<_>, BenchError>>()?;
-        if !is_cuda(pair.channel) {
-            for &(len, iters) in sizes.iter().filter(|&&(len, _)| RREF_SIZES.contains(&len)) {
-                rows.push(rref_row(&agent, pair, channel, len, iters, mode, bar)?);
-            }
-        }
-        Ok(rows)
+            .filter(|&&(len, _)| cpu && RREF_SIZES.contains(&len));
+        let echoes = sizes.iter().map(|&size| (size, false));
+        echoes
+            .chain(rref.map(|&size| (size, true)))
+            .map(|(size, rref)| echo_row(&agent, (pair, channel, mode), size, rref, bar))
+            .collect()
     })();
     let joined = agent.join();
     let rows = measured.map_err(in_pair)?;
@@ -81,20 +80,32 @@ pub(super) fn measure(
     Ok(rows)
 }
 
+/// The payload sizes that also get a `remote + to_here` row, when they are measured.
+const RREF_SIZES: [usize; 2] = [0, 1 << 20];
+
+/// How long `to_here` waits for the owner's value.
+const RREF_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Times `rpc_sync` echoes of `len` bytes or, with `rref`, `remote(echo)` followed by
+/// `to_here` (the RRef's value fetched from rank 1), beside the `rpc_sync` rows, with the
+/// transport named `"{transport} rref"` (its own column; the channel is the echo rows'
+/// one, and the progress bar counts only the echoes).
 fn echo_row(
     agent: &RpcAgent,
-    pair: Pair,
-    channel: &str,
-    len: usize,
-    iters: usize,
-    mode: RunMode,
+    (pair, channel, mode): (Pair, &str, RunMode),
+    (len, iters): (usize, usize),
+    rref: bool,
     bar: &ProgressBar,
 ) -> Result<Row, BenchError> {
     let payload = Payload::new(len);
-    bar.set_message(format!("{pair} {}", human_size(len as u64)));
-    let mut samples = Vec::with_capacity(iters);
+    let (rref_suffix, what) = if rref {
+        (" rref", "to_here")
+    } else {
+        ("", "the echo")
+    };
+    bar.set_message(format!("{pair}{rref_suffix} {}", human_size(len as u64)));
     let cuda = is_cuda(pair.channel);
-    for iter in 0..=iters as u64 {
+    let samples = samples(iters, (!rref).then_some(bar), |iter| {
         let bytes = payload.message(iter);
         let tensor = if cuda {
             let memory =
@@ -108,81 +119,29 @@ fn echo_row(
         };
         let message = Message::default().with_tensor(tensor);
         let started = Instant::now();
-        let reply = agent.rpc_sync(NAMES[1], ECHO, message)?;
+        let reply = if rref {
+            agent.remote(NAMES[1], ECHO, message)?.to_here(RREF_WAIT)?
+        } else {
+            agent.rpc_sync(NAMES[1], ECHO, message)?
+        };
         let took = started.elapsed();
         match reply.tensors.as_slice() {
-            [tensor] if cuda => payload.verify(iter, &echoed_from_device(tensor)?, "the echo")?,
-            [tensor] => payload.verify(iter, &tensor.data, "the echo")?,
+            [tensor] if cuda => payload.verify(iter, &echoed_from_device(tensor)?, what)?,
+            [tensor] => payload.verify(iter, &tensor.data, what)?,
             tensors => {
                 return Err(BenchError::Unexpected(format!(
-                    "the echo returned {} tensors instead of 1",
+                    "{what} returned {} tensors instead of 1",
                     tensors.len()
                 )))
             }
         }
-        // Iteration 0 warms the pipe up at this size.
-        if iter > 0 {
-            samples.push(took);
-            bar.inc(1);
-        }
-    }
+        Ok(took)
+    })?;
+    let transport = format!("{}{rref_suffix}", pair.transport.name());
     Ok(Row::from_samples(
-        pair.transport.name(),
-        channel,
-        mode,
-        len as u64,
-        samples,
+        &transport, channel, mode, len as u64, samples,
     ))
 }
-
-/// The payload sizes that also get a `remote + to_here` row, when they are measured.
-const RREF_SIZES: [usize; 2] = [0, 1 << 20];
-
-/// Times `remote(echo)` followed by `to_here` (the RRef's value fetched from rank 1),
-/// beside the `rpc_sync` rows, with the transport named `"{transport} rref"` (its own
-/// column; the channel is the echo rows' one).
-fn rref_row(
-    agent: &RpcAgent,
-    pair: Pair,
-    channel: &str,
-    len: usize,
-    iters: usize,
-    mode: RunMode,
-    bar: &ProgressBar,
-) -> Result<Row, BenchError> {
-    let payload = Payload::new(len);
-    bar.set_message(format!("{pair} rref {}", human_size(len as u64)));
-    let mut samples = Vec::with_capacity(iters);
-    for iter in 0..=iters as u64 {
-        let message = Message::default().with_tensor(Tensor::cpu(payload.message(iter)));
-        let started = Instant::now();
-        let rref = agent.remote(NAMES[1], ECHO, message)?;
-        let value = rref.to_here(RREF_WAIT)?;
-        let took = started.elapsed();
-        match value.tensors.as_slice() {
-            [tensor] => payload.verify(iter, &tensor.data, "to_here")?,
-            tensors => {
-                return Err(BenchError::Unexpected(format!(
-                    "to_here returned {} tensors instead of 1",
-                    tensors.len()
-                )))
-            }
-        }
-        if iter > 0 {
-            samples.push(took);
-        }
-    }
-    Ok(Row::from_samples(
-        &format!("{} rref", pair.transport.name()),
-        channel,
-        mode,
-        len as u64,
-        samples,
-    ))
-}
-
-/// How long `to_here` waits for the owner's value.
-const RREF_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The host copy of an echoed CUDA tensor.
 fn echoed_from_device(tensor: &Tensor) -> Result<Vec<u8>, BenchError> {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use indicatif::ProgressBar;
 
 use super::payload::Payload;
-use super::row::{Row, RunMode, NO_CHANNEL};
+use super::row::{samples, Row, RunMode, NO_CHANNEL};
 use crate::BenchError;
 
 /// The transport name of the raw rows.
@@ -173,19 +173,15 @@ pub(super) fn measure(
     let mut back = vec![0u8; wire];
     bar.set_message(format!("{RAW_TCP} {}", super::row::human_size(len as u64)));
     // One unrecorded round trip warms the connection up.
-    let mut samples = Vec::with_capacity(iters);
-    for iter in 0..=iters as u64 {
+    let samples = samples(iters, Some(bar), |iter| {
         let out = payload.message(iter);
         let started = Instant::now();
         stream.write_all(&out).map_err(io("sending"))?;
         stream.read_exact(&mut back).map_err(io("receiving"))?;
         let took = started.elapsed();
         payload.verify(iter, &back, "the raw echo")?;
-        if iter > 0 {
-            samples.push(took);
-            bar.inc(1);
-        }
-    }
+        Ok(took)
+    })?;
     let _ = stream.shutdown(Shutdown::Both);
     Ok(Row::from_samples(
         RAW_TCP, NO_CHANNEL, mode, len as u64, samples,

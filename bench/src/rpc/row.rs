@@ -6,6 +6,10 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use indicatif::ProgressBar;
+
+use crate::BenchError;
+
 /// Where the two sides of the benchmark run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum RunMode {
@@ -116,6 +120,25 @@ impl Skip {
             "skipped": self.reason,
         })
     }
+}
+
+/// Runs `sample` for iterations 0 to `iters`, each returning the time of its timed part,
+/// and keeps the times of all but iteration 0 (an unrecorded warm-up), ticking `bar`
+/// (when given) for each.
+pub(super) fn samples(
+    iters: usize,
+    bar: Option<&ProgressBar>,
+    mut sample: impl FnMut(u64) -> Result<Duration, BenchError>,
+) -> Result<Vec<Duration>, BenchError> {
+    let mut samples = Vec::with_capacity(iters);
+    for iter in 0..=iters as u64 {
+        let took = sample(iter)?;
+        if iter > 0 {
+            samples.push(took);
+            bar.inspect(|bar| bar.inc(1));
+        }
+    }
+    Ok(samples)
 }
 
 /// `value` to the nearest `1 / scale` (nanoseconds for µs; kB/s for GB/s), so that JSON

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 use rdzv_core::env::Env;
+use rdzv_core::query::QueryView;
 use rdzv_core::url::RendezvousUrl;
 use rdzv_uring::rendezvous::{
     register_rendezvous_handler, Rendezvous, RendezvousError, RendezvousOptions,
@@ -76,18 +77,11 @@ impl PairSpec {
     }
 
     fn parse(&self) -> Result<Pair, String> {
-        let transport = self
-            .transport
-            .parse()
-            .map_err(|e| format!("unknown to this build: {e}"))?;
-        let channel = if self.channel == Channels::DEFAULT_NAME {
-            Channels::Default
-        } else {
-            Channels::Only(
-                self.channel
-                    .parse()
-                    .map_err(|e| format!("unknown to this build: {e}"))?,
-            )
+        let unknown = |e: &dyn std::fmt::Display| format!("unknown to this build: {e}");
+        let transport = self.transport.parse().map_err(|e| unknown(&e))?;
+        let channel = match self.channel.as_str() {
+            Channels::DEFAULT_NAME => Channels::Default,
+            name => Channels::Only(name.parse().map_err(|e| unknown(&e))?),
         };
         Ok(Pair { transport, channel })
     }
@@ -149,22 +143,16 @@ fn store_client_rendezvous(
         .port()
         .map_err(|e| fail(e.to_string()))?
         .ok_or_else(|| fail("no port".into()))?;
-    let mut rank = None;
-    let mut world_size = None;
-    for param in parsed.query().split('&') {
-        let (name, value) = param.split_once('=').unwrap_or((param, ""));
-        let number = || {
-            value
-                .parse::<u32>()
-                .map_err(|_| fail(format!("{name} is not a number: {value}")))
-        };
-        match name {
-            "rank" => rank = Some(number()?),
-            "world_size" => world_size = Some(number()?),
-            _ => {}
-        }
-    }
-    let rank = rank.ok_or_else(|| fail("no rank".into()))?;
+    let query = QueryView::parse(parsed.query()).map_err(|e| fail(e.to_string()))?;
+    let number = |name: &str| {
+        let value = query.get(name);
+        let parsed = value.map(|value| value.parse::<u32>().map_err(|_| value));
+        parsed
+            .transpose()
+            .map_err(|value| fail(format!("{name} is not a number: {value}")))
+    };
+    let rank = number("rank")?.ok_or_else(|| fail("no rank".into()))?;
+    let world_size = number("world_size")?;
     let store = TcpStore::connect(host, port, options.timeout)
         .map_err(|e| fail(format!("cannot connect to the benchmark's store: {e}")))?;
     Ok(Rendezvous::new(Arc::new(store), rank, world_size))
@@ -201,22 +189,13 @@ struct SessionStore {
 impl SessionStore {
     fn connect(addr: SocketAddr) -> Result<SessionStore, BenchError> {
         let store = TcpStore::connect(&addr.ip().to_string(), addr.port(), CONNECT_TIMEOUT)
-            .map_err(|source| BenchError::SessionStore {
-                addr,
-                what: "connecting".into(),
-                source: Box::new(source),
-            })?;
+            .map_err(store_failed(addr, "connecting"))?;
         Ok(SessionStore { addr, store })
     }
 
     /// For `map_err`: `what` failed with the store's error.
     fn failed(&self, what: impl Into<String>) -> impl FnOnce(StoreError) -> BenchError {
-        let (addr, what) = (self.addr, what.into());
-        move |source| BenchError::SessionStore {
-            addr,
-            what,
-            source: Box::new(source),
-        }
+        store_failed(self.addr, what)
     }
 
     /// Writes `record` as JSON under `key`.
@@ -281,6 +260,19 @@ impl SessionStore {
     }
 }
 
+/// For `map_err`: `what` failed with the error of the store at `addr`.
+fn store_failed(
+    addr: SocketAddr,
+    what: impl Into<String>,
+) -> impl FnOnce(StoreError) -> BenchError {
+    let what = what.into();
+    move |source| BenchError::SessionStore {
+        addr,
+        what,
+        source: Box::new(source),
+    }
+}
+
 /// The JSON record `key` the other side wrote.
 fn decode<T: for<'a> Deserialize<'a>>(key: &str, bytes: &[u8]) -> Result<T, BenchError> {
     serde_json::from_slice(bytes).map_err(|source| BenchError::Record {
@@ -295,22 +287,19 @@ fn judge(plan: &Plan) -> (Vec<Verdict>, Vec<(u64, Pair)>) {
     let mut verdicts = Vec::with_capacity(plan.pairs.len());
     let mut runnable = Vec::new();
     for (k, spec) in plan.pairs.iter().enumerate() {
-        let skipped = match spec.parse() {
+        let shm_domain = plan.shm_domain.as_deref();
+        let verdict = match spec.parse() {
             Ok(pair) => {
-                match pair_on_serving_side(pair.transport, pair.channel, plan.shm_domain.as_deref())
-                {
-                    Ok(()) => {
-                        runnable.push((k as u64, pair));
-                        None
-                    }
-                    Err(reason) => Some(reason),
-                }
+                pair_on_serving_side(pair.transport, pair.channel, shm_domain).map(|()| pair)
             }
-            Err(reason) => Some(format!("on the serving side: {reason}")),
+            Err(reason) => Err(format!("on the serving side: {reason}")),
         };
+        if let Ok(pair) = verdict {
+            runnable.push((k as u64, pair));
+        }
         verdicts.push(Verdict {
             pair: spec.clone(),
-            skipped,
+            skipped: verdict.err(),
         });
     }
     (verdicts, runnable)
@@ -346,10 +335,7 @@ fn spawn_agents(
             })();
             let _ = served_tx.send(result);
         })
-        .map_err(|source| BenchError::Io {
-            what: "start the serving side's agent thread",
-            source,
-        })?;
+        .map_err(BenchError::io("start the serving side's agent thread"))?;
     Ok(served_rx)
 }
 
@@ -383,10 +369,7 @@ pub(super) fn serve(
             plan.serving_host
         ))
     })?;
-    let raw = RawEchoServer::start(host).map_err(|source| BenchError::Io {
-        what: "start the raw echo server",
-        source,
-    })?;
+    let raw = RawEchoServer::start(host).map_err(BenchError::io("start the raw echo server"))?;
     let (verdicts, runnable) = judge(&plan);
     let reply = Reply {
         protocol: PROTOCOL,

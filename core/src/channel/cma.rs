@@ -30,7 +30,10 @@ impl CmaDescriptor {
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        RECORD.encode(&self.process, [self.address, self.length, self.transfer_id])
+        RECORD.encode(
+            &self.process.encode(),
+            [self.address, self.length, self.transfer_id],
+        )
     }
 
     /// Parses a descriptor produced by [`CmaDescriptor::encode`]. Decoding checks only
@@ -42,7 +45,7 @@ impl CmaDescriptor {
     pub fn decode(bytes: &[u8]) -> Result<CmaDescriptor, DecodeError> {
         let (process, [address, length, transfer_id]) = RECORD.decode(bytes)?;
         Ok(CmaDescriptor {
-            process,
+            process: ProcessIdentity::decode(&process),
             address,
             length,
             transfer_id,

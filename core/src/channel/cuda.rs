@@ -73,9 +73,8 @@ impl CudaIpcDescriptor {
     pub fn decode(bytes: &[u8]) -> Result<CudaIpcDescriptor, DecodeError> {
         const WHAT: &str = "cuda_ipc descriptor";
         let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &IPC_MAGIC)?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
         let descriptor = CudaIpcDescriptor {
-            process: ProcessIdentity::decode(&identity),
+            process: ProcessIdentity::decode(&reader.take()),
             handle: reader.take(),
             offset: u64::from_le_bytes(reader.take()),
             length: u64::from_le_bytes(reader.take()),
@@ -126,9 +125,8 @@ impl CudaXthDescriptor {
     pub fn decode(bytes: &[u8]) -> Result<CudaXthDescriptor, DecodeError> {
         const WHAT: &str = "cuda_xth descriptor";
         let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &XTH_MAGIC)?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
         let descriptor = CudaXthDescriptor {
-            process: ProcessIdentity::decode(&identity),
+            process: ProcessIdentity::decode(&reader.take()),
             address: u64::from_le_bytes(reader.take()),
             length: u64::from_le_bytes(reader.take()),
             device: u32::from_le_bytes(reader.take()),
@@ -207,9 +205,8 @@ impl CudaGdrDescriptor {
     pub fn decode(bytes: &[u8]) -> Result<CudaGdrDescriptor, DecodeError> {
         const WHAT: &str = "cuda_gdr descriptor";
         let mut reader = FieldReader::tagged(bytes, WHAT, Self::ENCODED_LEN, &GDR_MAGIC)?;
-        let identity = reader.take::<{ ProcessIdentity::ENCODED_LEN }>();
         let descriptor = CudaGdrDescriptor {
-            process: ProcessIdentity::decode(&identity),
+            process: ProcessIdentity::decode(&reader.take()),
             endpoint_addr: reader.take(),
             endpoint_port: u16::from_le_bytes(reader.take()),
             address: u64::from_le_bytes(reader.take()),

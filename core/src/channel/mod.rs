@@ -122,28 +122,28 @@ impl<'a> FieldWriter<'a> {
     }
 }
 
-/// The layout of a buffer's record that cma and xth share: a 4-byte tag, the exporting
-/// process, then `K` little-endian `u64` fields, `4 + 44 + 8 K` bytes in all.
-pub(crate) struct ExportRecord<const K: usize> {
+/// The layout most records share: a 4-byte tag, a head of `H` bytes (the exporting
+/// process for cma and xth, reserved bytes, or nothing), then `K` little-endian `u64`
+/// fields, `4 + H + 8 K` bytes in all.
+pub(crate) struct Record<const H: usize, const K: usize> {
     /// The tag.
     pub(crate) magic: [u8; 4],
     /// The record's name, for errors.
     pub(crate) what: &'static str,
 }
 
-impl<const K: usize> ExportRecord<K> {
+/// The records of cma and xth: headed by the exporting process.
+pub(crate) type ExportRecord<const K: usize> = Record<{ ProcessIdentity::ENCODED_LEN }, K>;
+
+impl<const H: usize, const K: usize> Record<H, K> {
     /// The encoded size.
-    pub(crate) const LEN: usize = 4 + ProcessIdentity::ENCODED_LEN + 8 * K;
+    pub(crate) const LEN: usize = 4 + H + 8 * K;
 
     /// The record, `N` ([`Self::LEN`]) bytes long.
-    pub(crate) fn encode<const N: usize>(
-        &self,
-        process: &ProcessIdentity,
-        fields: [u64; K],
-    ) -> [u8; N] {
+    pub(crate) fn encode<const N: usize>(&self, head: &[u8; H], fields: [u64; K]) -> [u8; N] {
         let mut out = [0u8; N];
         let mut writer = FieldWriter::tagged(&mut out, &self.magic);
-        writer.put(&process.encode());
+        writer.put(head);
         for field in fields {
             writer.put(&field.to_le_bytes());
         }
@@ -151,11 +151,13 @@ impl<const K: usize> ExportRecord<K> {
     }
 
     /// Reads what [`encode`](Self::encode) wrote.
-    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<(ProcessIdentity, [u64; K]), DecodeError> {
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<([u8; H], [u64; K]), DecodeError> {
         let mut reader = FieldReader::tagged(bytes, self.what, Self::LEN, &self.magic)?;
-        let process = ProcessIdentity::decode(&reader.take());
-        let fields = core::array::from_fn(|_| u64::from_le_bytes(reader.take()));
-        Ok((process, fields))
+        let head = reader.take();
+        Ok((
+            head,
+            core::array::from_fn(|_| u64::from_le_bytes(reader.take())),
+        ))
     }
 }
 
@@ -223,8 +225,11 @@ impl ProcessIdentity {
     }
 }
 
-/// What starts an encoded [`TransferAck`].
-const ACK_MAGIC: [u8; 4] = *b"RDAK";
+/// An encoded [`TransferAck`]: its tag and the transfer id.
+const ACK: Record<0, 1> = Record {
+    magic: *b"RDAK",
+    what: "transfer ack",
+};
 
 /// The receiver's word that it finished reading an exported buffer: the export with
 /// this transfer id may now give its buffer back.
@@ -240,9 +245,7 @@ impl TransferAck {
 
     /// The wire form of this ack.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        FieldWriter::tagged(&mut out, &ACK_MAGIC).put(&self.transfer_id.to_le_bytes());
-        out
+        ACK.encode(&[], [self.transfer_id])
     }
 
     /// Parses an ack produced by [`TransferAck::encode`].
@@ -250,10 +253,8 @@ impl TransferAck {
     /// # Errors
     /// [`DecodeError`] for another length or tag.
     pub fn decode(bytes: &[u8]) -> Result<TransferAck, DecodeError> {
-        let mut reader = FieldReader::tagged(bytes, "transfer ack", Self::ENCODED_LEN, &ACK_MAGIC)?;
-        Ok(TransferAck {
-            transfer_id: u64::from_le_bytes(reader.take()),
-        })
+        let ([], [transfer_id]) = ACK.decode(bytes)?;
+        Ok(TransferAck { transfer_id })
     }
 }
 

@@ -6,10 +6,14 @@
 #[cfg(feature = "alloc")]
 use alloc::vec::Vec;
 
-use super::{DecodeError, FieldReader, FieldWriter};
+use super::{DecodeError, FieldReader, FieldWriter, Record};
 
-/// What starts every stripe header.
-const STRIPE_MAGIC: [u8; 4] = *b"RDMP";
+/// A stripe header: its tag, 4 reserved bytes (zero), then the transfer id, the offset
+/// and the length.
+const STRIPE: Record<4, 3> = Record {
+    magic: *b"RDMP",
+    what: "mpt stripe header",
+};
 /// Bytes of a stripe header: magic, reserved, transfer id, offset, length.
 pub const STRIPE_HEADER_LEN: usize = 32;
 
@@ -69,33 +73,27 @@ pub struct StripeHeader {
 impl StripeHeader {
     /// The wire form.
     pub fn encode(&self) -> [u8; STRIPE_HEADER_LEN] {
-        let mut out = [0u8; STRIPE_HEADER_LEN];
-        let mut writer = FieldWriter::tagged(&mut out, &STRIPE_MAGIC);
-        writer.put(&[0; 4]);
-        writer.put(&self.transfer_id.to_le_bytes());
-        writer.put(&self.offset.to_le_bytes());
-        writer.put(&self.len.to_le_bytes());
-        out
+        STRIPE.encode(&[0; 4], [self.transfer_id, self.offset, self.len])
     }
 
     /// Parses a header; `None` for a wrong magic or non-zero reserved bytes.
     pub fn decode(bytes: &[u8; STRIPE_HEADER_LEN]) -> Option<StripeHeader> {
-        let mut reader =
-            FieldReader::tagged(bytes, "mpt stripe header", STRIPE_HEADER_LEN, &STRIPE_MAGIC)
-                .ok()?;
-        if reader.take::<4>() != [0; 4] {
-            return None;
+        match STRIPE.decode(bytes) {
+            Ok(([0, 0, 0, 0], [transfer_id, offset, len])) => Some(StripeHeader {
+                transfer_id,
+                offset,
+                len,
+            }),
+            _ => None,
         }
-        Some(StripeHeader {
-            transfer_id: u64::from_le_bytes(reader.take()),
-            offset: u64::from_le_bytes(reader.take()),
-            len: u64::from_le_bytes(reader.take()),
-        })
     }
 }
 
-/// What starts an encoded [`MptDescriptor`].
-const DESCRIPTOR_MAGIC: [u8; 4] = *b"RDMT";
+/// An encoded [`MptDescriptor`]: its tag and the transfer id.
+const DESCRIPTOR: Record<0, 1> = Record {
+    magic: *b"RDMT",
+    what: "mpt descriptor",
+};
 
 /// Where a tensor sent over mpt is: the id of the transfer whose stripes follow the
 /// frame on the pipe's connections. The frame's tensor entry carries the length.
@@ -111,9 +109,7 @@ impl MptDescriptor {
 
     /// The wire form.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        let mut out = [0u8; Self::ENCODED_LEN];
-        FieldWriter::tagged(&mut out, &DESCRIPTOR_MAGIC).put(&self.transfer_id.to_le_bytes());
-        out
+        DESCRIPTOR.encode(&[], [self.transfer_id])
     }
 
     /// Parses what [`encode`](Self::encode) wrote.
@@ -121,15 +117,8 @@ impl MptDescriptor {
     /// # Errors
     /// [`DecodeError`] for another length or tag.
     pub fn decode(bytes: &[u8]) -> Result<MptDescriptor, DecodeError> {
-        let mut reader = FieldReader::tagged(
-            bytes,
-            "mpt descriptor",
-            Self::ENCODED_LEN,
-            &DESCRIPTOR_MAGIC,
-        )?;
-        Ok(MptDescriptor {
-            transfer_id: u64::from_le_bytes(reader.take()),
-        })
+        let ([], [transfer_id]) = DESCRIPTOR.decode(bytes)?;
+        Ok(MptDescriptor { transfer_id })
     }
 }
 

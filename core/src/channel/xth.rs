@@ -27,7 +27,7 @@ impl XthDescriptor {
 
     /// The wire form of this descriptor.
     pub fn encode(&self) -> [u8; Self::ENCODED_LEN] {
-        RECORD.encode(&self.process, [self.length, self.transfer_id])
+        RECORD.encode(&self.process.encode(), [self.length, self.transfer_id])
     }
 
     /// Parses a descriptor produced by [`XthDescriptor::encode`].
@@ -37,7 +37,7 @@ impl XthDescriptor {
     pub fn decode(bytes: &[u8]) -> Result<XthDescriptor, DecodeError> {
         let (process, [length, transfer_id]) = RECORD.decode(bytes)?;
         Ok(XthDescriptor {
-            process,
+            process: ProcessIdentity::decode(&process),
             length,
             transfer_id,
         })

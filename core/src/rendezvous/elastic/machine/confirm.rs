@@ -3,12 +3,13 @@
 //! the one verdict says so. A node left out of the world waits instead: a hot spare, or
 //! a late node that asks for the next round.
 
-use super::steps::{Confirm, Join, KeepAlive, Leave, Member, Place, Then};
+use super::steps::{Confirm, Join, KeepAlive, Member, Place};
 use alloc::format;
 use alloc::vec::Vec;
 
 use super::{
-    ElasticNode, Event, Instant, Mismatch, Next, RoundOutcome, Seat, Step, StoreAction, StoreReply,
+    end_round, ElasticNode, Event, Instant, Mismatch, Next, RoundOutcome, Seat, Step, StoreAction,
+    StoreReply,
 };
 
 /// Added to a round's acknowledgement counter (`{round}/ready`, whose low 32 bits count
@@ -134,16 +135,9 @@ impl ElasticNode {
         // A hot spare watches one member too, so that a round whose members all died (or
         // a round of one) still ends.
         let watch_rank = slot.saturating_sub(1) % size;
-        Step::KeepAlive(KeepAlive::SpareWatch(Member {
-            round,
-            slot,
-            world: size,
-            watch_slot: self.world[watch_rank as usize],
-            watch_rank,
-            next_tick: now.saturating_add(self.settings.keep_alive_interval),
-            seen: -1,
-            seen_at: now,
-        }))
+        Step::KeepAlive(KeepAlive::SpareWatch(
+            self.member(round, slot, watch_rank, now),
+        ))
     }
 
     /// Every member acknowledged the round: it is complete. The acknowledgement was this
@@ -161,30 +155,37 @@ impl ElasticNode {
         }));
         self.prev = Some((round, rank));
         let next = (rank + 1) % size;
-        Step::KeepAlive(KeepAlive::WaitOver(Member {
+        Step::KeepAlive(KeepAlive::WaitOver(
+            self.member(round, seat.slot, next, now),
+        ))
+    }
+
+    /// A member (or hot spare) at `slot` of the world of `round` just closed, watching
+    /// the member of rank `watch_rank`, its first tick one interval away.
+    fn member(&self, round: u64, slot: u32, watch_rank: u32, now: Instant) -> Member {
+        Member {
             round,
-            slot: seat.slot,
-            world: size,
-            watch_slot: self.world[next as usize],
-            watch_rank: next,
+            slot,
+            world: self.world.len() as u32,
+            watch_slot: self.world[watch_rank as usize],
+            watch_rank,
             next_tick: now.saturating_add(self.settings.keep_alive_interval),
             seen: -1,
             seen_at: now,
-        }))
+        }
     }
 
     /// A member did not acknowledge the round within the keep-alive timeout: it is dead,
     /// and the round fails before anyone is told it is complete.
     fn unconfirmed(&self, round: u64) -> Step {
-        Step::Leave(Leave::MarkOver {
+        end_round(
             round,
-            reason: format!(
+            format!(
                 "a member did not confirm the round within {}s (seen by node '{}')",
                 self.settings.keep_alive_timeout().as_secs_f64(),
                 self.node
             ),
-            then: Then::Rejoin,
-        })
+        )
     }
 
     /// How many `ADD`s to `ready` confirm the round just closed: one per member, but

@@ -8,11 +8,12 @@
 
 use super::steps::{Join, LastCall, OpenWatch, Resume, RosterRead, Then, Tick};
 use alloc::format;
+use alloc::string::String;
 use alloc::vec::Vec;
 
 use super::{
-    ElasticNode, ElasticSettings, Instant, Mismatch, Next, Seat, Step, StoreAction, StoreReply,
-    ARRIVALS_CLOSED, CLOSED_MARK, MAX_SLOTS,
+    ElasticNode, ElasticSettings, Event, Instant, Mismatch, Next, Seat, Step, StoreAction,
+    StoreReply, ARRIVALS_CLOSED, CLOSED_MARK, MAX_SLOTS,
 };
 
 impl Join {
@@ -55,8 +56,7 @@ impl Join {
         use StoreReply as R;
         Ok(match (self, reply) {
             (Join::ReadHint(_), R::Added(round)) if round >= CLOSED_MARK => {
-                n.fail(n.closed_error());
-                Step::Done
+                n.fail(n.closed_error())
             }
             // Round 0 is still the current one: this node's guessed arrival stands (a
             // late one, or one in a round still open).
@@ -68,8 +68,7 @@ impl Join {
                 }),
                 Err(_) => {
                     let key = n.key(format_args!("round"));
-                    n.fail(n.bad_value(key, format!("{round}").as_bytes()));
-                    Step::Done
+                    n.fail(n.bad_value(key, format!("{round}").as_bytes()))
                 }
             },
             (Join::Arrive { round, guessed }, R::Added(value)) => n.arrived(round, guessed, value),
@@ -92,6 +91,22 @@ impl Join {
 }
 
 impl ElasticNode {
+    /// Joins again after `round` (a fresh join timeout): advances the round hint past it,
+    /// or, holding no round, reads the hint.
+    pub(super) fn rejoin(&mut self, round: Option<u64>, now: Instant) -> Step {
+        self.join_deadline = now.saturating_add(self.settings.join_timeout);
+        Step::Join(match round {
+            Some(round) => Join::Advance(round),
+            None => Join::ReadHint(None),
+        })
+    }
+
+    /// Reports the end of `round` (as `over` says, for `reason`), then joins the next.
+    pub(super) fn round_over(&mut self, round: u64, reason: String, now: Instant) -> Step {
+        self.events.push_back(Event::RoundOver { round, reason });
+        self.rejoin(Some(round), now)
+    }
+
     /// The arrivals counter after this node's `ADD 1` in `round`: its slot.
     fn arrived(&mut self, round: u64, guessed: bool, mut value: i64) -> Step {
         let max = self.settings.nodes.max;
@@ -151,8 +166,7 @@ impl ElasticNode {
             .and_then(|h| h.parse::<i64>().ok())
             .is_some_and(|h| h >= CLOSED_MARK);
         if closed {
-            self.fail(self.closed_error());
-            return Step::Done;
+            return self.fail(self.closed_error());
         }
         self.spare = false;
         Step::Join(Join::Arrive {

@@ -4,12 +4,12 @@
 //! store's key found gone, ends the round; `over`, once set, sends every member (and
 //! spare) to the next round.
 
-use super::steps::{Join, KeepAlive, Leave, Member, Resume, Then, Tick};
+use super::steps::{KeepAlive, Member, Resume, Tick};
 use alloc::format;
 use alloc::string::String;
 
 use super::super::key_use::beat_expired;
-use super::{ElasticNode, Event, Instant, Mismatch, Next, Step, StoreAction, StoreReply};
+use super::{end_round, ElasticNode, Instant, Mismatch, Next, Step, StoreAction, StoreReply};
 
 impl KeepAlive {
     /// What this node sends.
@@ -45,17 +45,9 @@ impl KeepAlive {
                 ..m
             })),
             (KeepAlive::ReadOver { round }, R::Value(reason)) => {
-                n.events.push_back(Event::RoundOver {
-                    round,
-                    reason: String::from_utf8_lossy(reason).into_owned(),
-                });
-                n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                Step::Join(Join::Advance(round))
+                n.round_over(round, String::from_utf8_lossy(reason).into_owned(), now)
             }
-            (KeepAlive::Spare(m), R::Waited) => {
-                n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                Step::Join(Join::Advance(m.round))
-            }
+            (KeepAlive::Spare(m), R::Waited) => n.rejoin(Some(m.round), now),
             (KeepAlive::Spare(m), R::TimedOut) => Step::Tick(Tick::Recheck(Resume::Spare(m))),
             (KeepAlive::SpareWatch(m), R::Added(value)) => match n.watch(m, value, now) {
                 Ok(m) => Step::KeepAlive(KeepAlive::Spare(m)),
@@ -72,14 +64,13 @@ impl ElasticNode {
     /// A lease store's "gone" (`BEAT_GONE`) ends it at once if this node saw the key there.
     fn watch(&self, mut m: Member, value: i64, now: Instant) -> Result<Member, Step> {
         if beat_expired(m.seen, value) {
-            return Err(Step::Leave(Leave::MarkOver {
-                round: m.round,
-                reason: format!(
+            return Err(end_round(
+                m.round,
+                format!(
                     "rank {}'s heartbeat key is gone: its lease expired (seen by node '{}')",
                     m.watch_rank, self.node
                 ),
-                then: Then::Rejoin,
-            }));
+            ));
         }
         // Never seen there: a counter at 0.
         let value = value.max(0);
@@ -92,16 +83,15 @@ impl ElasticNode {
             m.seen_at = now;
             Ok(m)
         } else if now.saturating_duration_since(m.seen_at) >= self.settings.keep_alive_timeout() {
-            Err(Step::Leave(Leave::MarkOver {
-                round: m.round,
-                reason: format!(
+            Err(end_round(
+                m.round,
+                format!(
                     "rank {} had no heartbeat for {}s (seen by node '{}')",
                     m.watch_rank,
                     self.settings.keep_alive_timeout().as_secs_f64(),
                     self.node
                 ),
-                then: Then::Rejoin,
-            }))
+            ))
         } else {
             Ok(m)
         }

@@ -5,7 +5,7 @@
 //! roster and counts it as departed. A node that departs an open round then checks
 //! whether the round closed with it before it left, and ends it for the others if so.
 
-use super::steps::{AfterGone, Join, Leave, Shutdown, Then, Tick};
+use super::steps::{AfterGone, Leave, Shutdown, Then, Tick};
 use alloc::format;
 use alloc::vec::Vec;
 
@@ -33,10 +33,10 @@ impl Leave {
                 value: format!("-{}\n", seat.slot).into_bytes(),
             },
             Leave::GoneCount { seat, .. } => n.add(seat.round, "arrivals", DEPARTED),
-            Leave::OwnCheck { seat, .. } => StoreAction::Check {
+            Leave::OwnCheck(seat, _) => StoreAction::Check {
                 key: n.round_key(seat.round, "size"),
             },
-            Leave::OwnRead { seat, .. } => n.get(seat.round, "size"),
+            Leave::OwnRead(seat, _) => n.get(seat.round, "size"),
             Leave::MarkOver { round, reason, .. } => {
                 n.set(*round, "over", reason.as_bytes().to_vec())
             }
@@ -59,11 +59,11 @@ impl Leave {
                 Step::Leave(Leave::GoneCount { seat, after })
             }
             (Leave::GoneCount { seat, after }, R::Added(_)) => after_gone(seat, after),
-            (Leave::OwnCheck { seat, then }, R::Checked(true)) => {
-                Step::Leave(Leave::OwnRead { seat, then })
+            (Leave::OwnCheck(seat, then), R::Checked(true)) => {
+                Step::Leave(Leave::OwnRead(seat, then))
             }
-            (Leave::OwnCheck { then, .. }, R::Checked(false)) => n.then(then, now),
-            (Leave::OwnRead { seat, then }, R::Value(value)) => {
+            (Leave::OwnCheck(_, then), R::Checked(false)) => n.then(then, now),
+            (Leave::OwnRead(seat, then), R::Value(value)) => {
                 match parse_world(value, n.settings.nodes.max) {
                     Some((world, ..)) if world.contains(&seat.slot) => {
                         // The round closed with this node in it: end it for the others.
@@ -84,11 +84,7 @@ impl Leave {
                     then: Then::Rejoin,
                 },
                 R::Set,
-            ) => {
-                n.events.push_back(Event::RoundOver { round, reason });
-                n.join_deadline = now.saturating_add(n.settings.join_timeout);
-                Step::Join(Join::Advance(round))
-            }
+            ) => n.round_over(round, reason, now),
             (Leave::MarkOver { then, .. }, R::Set) => n.then(then, now),
             _ => return Err(Mismatch),
         })
@@ -99,7 +95,7 @@ impl Leave {
 fn after_gone(seat: Seat, after: AfterGone) -> Step {
     match after {
         AfterGone::Resume(resume) => Step::Tick(Tick::Recheck(resume)),
-        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck { seat, then }),
+        AfterGone::Own(then) => Step::Leave(Leave::OwnCheck(seat, then)),
     }
 }
 
@@ -129,16 +125,10 @@ impl Shutdown {
             (Shutdown::Mark, R::Added(_)) => Step::Shutdown(Shutdown::Arrivals),
             (Shutdown::Arrivals, R::Added(_)) => match n.holding {
                 Some(round) => Step::Shutdown(Shutdown::Size { round }),
-                None => {
-                    n.finish(Event::ShutDown);
-                    Step::Done
-                }
+                None => n.finish(Event::ShutDown),
             },
             (Shutdown::Size { round }, R::Value(_)) => Step::Shutdown(Shutdown::Quorum { round }),
-            (Shutdown::Quorum { .. }, R::Set) => {
-                n.finish(Event::ShutDown);
-                Step::Done
-            }
+            (Shutdown::Quorum { .. }, R::Set) => n.finish(Event::ShutDown),
             _ => return Err(Mismatch),
         })
     }
@@ -156,21 +146,9 @@ impl ElasticNode {
     /// What follows a departure (or a round ended on the way out).
     fn then(&mut self, then: Then, now: Instant) -> Step {
         match then {
-            Then::Rejoin => {
-                self.join_deadline = now.saturating_add(self.settings.join_timeout);
-                match self.holding {
-                    Some(round) => Step::Join(Join::Advance(round)),
-                    None => Step::Join(Join::ReadHint(None)),
-                }
-            }
-            Then::Left => {
-                self.finish(Event::Left);
-                Step::Done
-            }
-            Then::Failed(error) => {
-                self.fail(error);
-                Step::Done
-            }
+            Then::Rejoin => self.rejoin(self.holding, now),
+            Then::Left => self.finish(Event::Left),
+            Then::Failed(error) => self.fail(error),
         }
     }
 }

@@ -577,18 +577,8 @@ impl ElasticNode {
     /// [`ElasticNode::wants_contact`] says so.
     pub fn set_contact(&mut self, contact: &str) {
         self.contact_carried = false;
-        self.contact = (!contact.is_empty()).then(|| {
-            contact
-                .chars()
-                .map(|c| {
-                    if c.is_whitespace() || c.is_control() || c == ',' || c == ';' {
-                        '?'
-                    } else {
-                        c
-                    }
-                })
-                .collect()
-        });
+        let odd = |c: char| c.is_whitespace() || c.is_control() || c == ',' || c == ';';
+        self.contact = (!contact.is_empty()).then(|| contact.replace(odd, "?"));
     }
 
     /// Whether the next action announces an arrival (this node's roster line) with a
@@ -625,19 +615,17 @@ impl ElasticNode {
     /// The open round this node waits in for more nodes, or `None` (joining, closing, a
     /// member of a complete round, a hot spare, done). A read-only view: no store work.
     pub fn open_round(&self) -> Option<OpenRound> {
-        let resume = match &self.step {
-            Step::Join(Join::WaitQuorum(seat)) => Resume::Quorum(*seat),
-            Step::LastCall(LastCall::WaitSize { seat, last_call }) => Resume::Size {
-                seat: *seat,
-                last_call: *last_call,
+        let (round, last_call) = match &self.step {
+            Step::Join(Join::WaitQuorum(seat)) => (seat.round, None),
+            Step::LastCall(LastCall::WaitSize { seat, last_call }) => {
+                (seat.round, Some(*last_call))
+            }
+            Step::Tick(tick) => match tick.resume() {
+                Resume::Quorum(seat) => (seat.round, None),
+                Resume::Size { seat, last_call } => (seat.round, Some(last_call)),
+                Resume::Spare(_) => return None,
             },
-            Step::Tick(tick) => tick.resume(),
             _ => return None,
-        };
-        let (round, last_call) = match resume {
-            Resume::Quorum(seat) => (seat.round, None),
-            Resume::Size { seat, last_call } => (seat.round, Some(last_call)),
-            Resume::Spare(_) => return None,
         };
         let nodes = self.settings.nodes;
         Some(OpenRound {
@@ -681,7 +669,7 @@ impl ElasticNode {
         while let Some(event) = self.local.pop_front() {
             self.apply_local(event, now);
         }
-        let action = self.action(now)?;
+        let action = self.step.action(self, now)?;
         if matches!(self.step, Step::Join(Join::Announce { .. })) {
             self.contact_carried = true;
         }
@@ -718,11 +706,7 @@ impl ElasticNode {
         };
         line.push_str(self.contact.as_deref().unwrap_or("-"));
         line.push(' ');
-        line.extend(
-            self.node
-                .chars()
-                .map(|c| if c.is_control() { '?' } else { c }),
-        );
+        line.push_str(&self.node.replace(char::is_control, "?"));
         line.push('\n');
         line.into_bytes()
     }
@@ -782,10 +766,6 @@ impl ElasticNode {
         }
     }
 
-    fn action(&self, now: Instant) -> Option<StoreAction> {
-        self.step.action(self, now)
-    }
-
     fn apply_local(&mut self, event: LocalEvent, now: Instant) {
         if self.step == Step::Done {
             return;
@@ -815,7 +795,7 @@ impl ElasticNode {
                         then: Then::Left,
                     })
                 }
-                _ => self.finish(Event::Left),
+                _ => self.step = self.finish(Event::Left),
             },
             LocalEvent::Shutdown => self.step = Step::Shutdown(Shutdown::Closed),
             LocalEvent::WorkerFailed => {
@@ -823,25 +803,25 @@ impl ElasticNode {
                     KeepAlive::Beat(m) | KeepAlive::Watch(m) | KeepAlive::WaitOver(m),
                 ) = self.step
                 {
-                    self.step = Step::Leave(Leave::MarkOver {
-                        round: m.round,
-                        reason: format!("the workers of node '{}' failed", self.node),
-                        then: Then::Rejoin,
-                    });
+                    let reason = format!("the workers of node '{}' failed", self.node);
+                    self.step = end_round(m.round, reason);
                 }
             }
         }
     }
 
-    fn finish(&mut self, event: Event) {
+    /// Records the final `event`; returns `Done`.
+    fn finish(&mut self, event: Event) -> Step {
         self.events.push_back(event);
         self.step = Step::Done;
         self.holding = None;
         self.open_slot = None;
+        Step::Done
     }
 
-    fn fail(&mut self, error: ElasticError) {
-        self.finish(Event::Failed(error));
+    /// Fails with `error`; returns `Done`.
+    fn fail(&mut self, error: ElasticError) -> Step {
+        self.finish(Event::Failed(error))
     }
 
     /// The rendezvous is closed: a graceful exit for a hot spare (PyTorch's redundancy
@@ -884,26 +864,33 @@ impl ElasticNode {
             return;
         }
         self.awaiting = false;
-        let expected = self.action(now).map_or("nothing", |a| a.name());
+        let expected = self.step.action(self, now).map_or("nothing", |a| a.name());
         let step = core::mem::replace(&mut self.step, Step::Done);
+        // A finishing transition has already recorded its final event; it returns `Done`.
         let next = step.on_reply(self, reply, now);
-        match next {
-            // A finishing transition has already recorded its final event; it returns
-            // `Done`.
-            Ok(step) => self.step = step,
-            Err(Mismatch) => self.fail(ElasticError::UnexpectedReply {
+        self.step = next.unwrap_or_else(|Mismatch| {
+            self.fail(ElasticError::UnexpectedReply {
                 expected,
                 got: reply.name(),
-            }),
-        }
+            })
+        });
     }
 
     /// Fails with a foreign value at `{round}/{name}`; returns `Done`.
     fn foreign(&mut self, round: u64, name: &str, value: &[u8]) -> Step {
         let key = self.round_key(round, name);
-        self.fail(self.bad_value(key, value));
-        Step::Done
+        self.fail(self.bad_value(key, value))
     }
+}
+
+/// Marks `round` over for `reason` (a member died, failed or did not confirm), then
+/// rejoins.
+fn end_round(round: u64, reason: String) -> Step {
+    Step::Leave(Leave::MarkOver {
+        round,
+        reason,
+        then: Then::Rejoin,
+    })
 }
 
 /// A reply that does not answer the pending action.

@@ -166,14 +166,8 @@ pub(super) enum Leave {
         after: AfterGone,
     },
     /// A departing node: did the round close (with it) before it left?
-    OwnCheck {
-        seat: Seat,
-        then: Then,
-    },
-    OwnRead {
-        seat: Seat,
-        then: Then,
-    },
+    OwnCheck(Seat, Then),
+    OwnRead(Seat, Then),
     MarkOver {
         round: u64,
         reason: String,

@@ -69,10 +69,7 @@ impl Tick {
             (Tick::Watch { resume, target }, R::Added(value)) => {
                 n.watched_open(resume, target, value, now)
             }
-            (Tick::Recheck(_), R::Checked(true)) => {
-                n.fail(n.closed_error());
-                Step::Done
-            }
+            (Tick::Recheck(_), R::Checked(true)) => n.fail(n.closed_error()),
             (Tick::Recheck(resume), R::Checked(false)) => match resume {
                 Resume::Quorum(seat) => Step::Join(Join::WaitQuorum(seat)),
                 Resume::Size { seat, last_call } => {
