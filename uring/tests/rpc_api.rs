@@ -18,32 +18,16 @@ use rdzv_uring::rpc::{
 
 mod common;
 
-use common::{echo, metric, sleep_message, sleep_ms};
+use common::{echo, loopback_tcp, metric, pair_of, sleep_message, sleep_ms};
 
 fn options(url: &str) -> RpcOptions {
-    let mut options = RpcOptions::new(url)
-        .with_handler("echo", echo)
+    loopback_tcp(url)
         .with_handler("sleep", sleep_ms)
-        .with_handler("inline_echo", Inline(echo));
-    options.listen_host = Some([127, 0, 0, 1].into());
-    options.init_counter = Some(0);
-    options.num_worker_threads = 2;
-    options.transports = Some(vec!["tcp".into()]);
-    options
+        .with_handler("inline_echo", Inline(echo))
 }
 
 fn pair(dir: &tempfile::TempDir) -> (RpcAgent, RpcAgent) {
-    let url = format!("file://{}", dir.path().join("store").display());
-    let b = {
-        let url = url.clone();
-        thread::spawn(move || init_rpc("bob", 1, Some(2), options(&url)))
-    };
-    let a = init_rpc("alice", 0, Some(2), options(&url)).unwrap_or_else(|e| panic!("alice: {e}"));
-    let b = b
-        .join()
-        .unwrap_or_else(|_| panic!("bob's init panicked"))
-        .unwrap_or_else(|e| panic!("bob: {e}"));
-    (a, b)
+    pair_of(dir, |url, _| options(url))
 }
 
 /// Runs `f` on both agents at once (a group barrier), `a` on this thread.

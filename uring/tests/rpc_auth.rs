@@ -7,42 +7,29 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::thread;
 use std::time::Duration;
 
 use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, FrameLimits, Handshake, OutgoingFrame, HEADER_LEN,
 };
 use rdzv_core::rpc::name::WorkerId;
-use rdzv_uring::rpc::{init_rpc, CallError, Message, RpcAgent, RpcOptions, RpcSecret};
+use rdzv_uring::rpc::{CallError, Message, RpcAgent, RpcOptions, RpcSecret};
 
 mod common;
 
-use common::echo;
+use common::{loopback_tcp, pair_of};
 
 fn options(url: &str, secret: RpcSecret) -> RpcOptions {
-    let mut options = RpcOptions::new(url).with_handler("echo", echo);
-    options.listen_host = Some([127, 0, 0, 1].into());
-    options.init_counter = Some(0);
-    options.num_worker_threads = 2;
-    options.transports = Some(vec!["tcp".into()]);
+    let mut options = loopback_tcp(url);
     options.channels = Some(vec!["basic".into()]);
     options.secret = secret;
     options
 }
 
 fn pair(dir: &tempfile::TempDir, a: RpcSecret, b: RpcSecret) -> (RpcAgent, RpcAgent) {
-    let url = format!("file://{}", dir.path().join("store").display());
-    let bob = {
-        let url = url.clone();
-        thread::spawn(move || init_rpc("bob", 1, Some(2), options(&url, b)))
-    };
-    let alice = init_rpc("alice", 0, Some(2), options(&url, a)).unwrap_or_else(|e| panic!("{e}"));
-    let bob = bob
-        .join()
-        .unwrap_or_else(|_| panic!("bob's init panicked"))
-        .unwrap_or_else(|e| panic!("bob: {e}"));
-    (alice, bob)
+    pair_of(dir, move |url, rank| {
+        options(url, if rank == 0 { a.clone() } else { b.clone() })
+    })
 }
 
 fn secret(fill: u8) -> RpcSecret {

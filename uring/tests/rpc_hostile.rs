@@ -13,11 +13,11 @@ use rdzv_core::rpc::frame::{
     decode_frame, decode_handshake, Decoded, FrameLimits, Handshake, OutgoingFrame, HEADER_LEN,
 };
 use rdzv_core::rpc::name::WorkerId;
-use rdzv_uring::rpc::{init_rpc, InboundHandshakes, Message, RpcAgent, RpcOptions, RpcSecret};
+use rdzv_uring::rpc::{InboundHandshakes, Message, RpcAgent, RpcOptions, RpcSecret};
 
 mod common;
 
-use common::echo;
+use common::{loopback_tcp, pair_of};
 
 /// The limits bob's listener runs under here: short, so that the test is.
 const LIMITS: InboundHandshakes = InboundHandshakes {
@@ -26,11 +26,7 @@ const LIMITS: InboundHandshakes = InboundHandshakes {
 };
 
 fn options(url: &str) -> RpcOptions {
-    let mut options = RpcOptions::new(url).with_handler("echo", echo);
-    options.listen_host = Some([127, 0, 0, 1].into());
-    options.init_counter = Some(0);
-    options.num_worker_threads = 2;
-    options.transports = Some(vec!["tcp".into()]);
+    let mut options = loopback_tcp(url);
     options.channels = Some(vec!["basic".into()]);
     options.secret = RpcSecret::Given(vec![9; 32]);
     options.inbound_handshakes = LIMITS;
@@ -45,17 +41,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn pair(dir: &tempfile::TempDir) -> (RpcAgent, RpcAgent) {
-    let url = format!("file://{}", dir.path().join("store").display());
-    let bob = {
-        let url = url.clone();
-        thread::spawn(move || init_rpc("bob", 1, Some(2), options(&url)))
-    };
-    let alice = init_rpc("alice", 0, Some(2), options(&url)).unwrap_or_else(|e| panic!("{e}"));
-    let bob = bob
-        .join()
-        .unwrap_or_else(|_| panic!("bob's init panicked"))
-        .unwrap_or_else(|e| panic!("bob: {e}"));
-    (alice, bob)
+    pair_of(dir, |url, _| options(url))
 }
 
 fn tcp_address(agent: &RpcAgent) -> String {

@@ -8,7 +8,7 @@
 use std::thread;
 use std::time::Duration;
 
-use rdzv_uring::rpc::{CallContext, InitError, Message, RpcAgent, Tensor};
+use rdzv_uring::rpc::{init_rpc, CallContext, InitError, Message, RpcAgent, RpcOptions, Tensor};
 
 /// What a raw client offers in its hello: tcp and the basic channel, for tests that speak
 /// the handshake themselves.
@@ -22,6 +22,37 @@ pub(crate) fn tcp_basic_offer() -> rdzv_core::negotiate::Offer<'static> {
         .add_channel(ChannelKind::Basic, 0, DeviceDescriptors::cpu("any"))
         .unwrap_or_else(|e| panic!("{e}"));
     offer
+}
+
+/// A test agent's options: loopback, tcp, the `echo` handler, two pool threads, the
+/// store's counter from 0.
+pub(crate) fn loopback_tcp(url: &str) -> RpcOptions {
+    let mut options = RpcOptions::new(url).with_handler("echo", echo);
+    options.listen_host = Some([127, 0, 0, 1].into());
+    options.init_counter = Some(0);
+    options.num_worker_threads = 2;
+    options.transports = Some(vec!["tcp".into()]);
+    options
+}
+
+/// Alice (rank 0, on this thread) and bob (rank 1, on another) in a group of two that
+/// meets at a `file://` store in `dir`, each started with `options(url, rank)`.
+pub(crate) fn pair_of(
+    dir: &tempfile::TempDir,
+    options: impl Fn(&str, u32) -> RpcOptions + Clone + Send + 'static,
+) -> (RpcAgent, RpcAgent) {
+    let url = format!("file://{}", dir.path().join("store").display());
+    let bob = {
+        let (url, options) = (url.clone(), options.clone());
+        thread::spawn(move || init_rpc("bob", 1, Some(2), options(&url, 1)))
+    };
+    let alice = init_rpc("alice", 0, Some(2), options(&url, 0));
+    let alice = alice.unwrap_or_else(|e| panic!("alice: {e}"));
+    let bob = bob
+        .join()
+        .unwrap_or_else(|_| panic!("bob's init panicked"))
+        .unwrap_or_else(|e| panic!("bob: {e}"));
+    (alice, bob)
 }
 
 /// Answers with the request.
