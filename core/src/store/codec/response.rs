@@ -454,4 +454,14 @@ impl Response<'_> {
     pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         wire::encode_to_vec(self, out)
     }
+
+    /// Appends the reply to `out`, which already has room for [`Response::encoded_len`]
+    /// more bytes: the serve step reserves a reply and the wake-ups before it at once, so
+    /// this neither measures the reply again nor reserves.
+    #[cfg(feature = "alloc")]
+    pub(crate) fn encode_reserved(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        self.check()?;
+        self.emit(out);
+        Ok(())
+    }
 }

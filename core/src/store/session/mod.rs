@@ -281,8 +281,9 @@ impl Session {
                 limit: self.budget.max_conn_bytes,
             });
         }
-        // Own wake-ups first, then the reply (the engine's polling order).
-        if out.try_reserve(outcome.own_wakeups).is_err() {
+        // Own wake-ups first, then the reply (the engine's polling order), in room
+        // reserved for both at once.
+        if out.try_reserve(len).is_err() {
             return Step::Close(Refusal::Encode(EncodeError::OutOfMemory { needed: len }));
         }
         out.resize(
@@ -290,7 +291,7 @@ impl Session {
             WaitResponse::StopWaiting as u8,
         );
         if let Some(reply) = &outcome.reply {
-            if let Err(error) = reply.encode_into(out) {
+            if let Err(error) = reply.encode_reserved(out) {
                 out.truncate(before);
                 drain_wakes(engine, self.id, out, wakes);
                 return Step::Close(Refusal::Encode(error));
