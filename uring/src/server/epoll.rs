@@ -1,4 +1,4 @@
-//! The store server on epoll (`mio`), thread-per-core: for hosts where io_uring is
+//! The store server on epoll (raw system calls, module `poller`), thread-per-core: for hosts where io_uring is
 //! refused (Docker ≥ 25 and containerd 2 seccomp profiles, RHEL 9's
 //! `kernel.io_uring_disabled`), and for many cores.
 //!
@@ -7,7 +7,7 @@
 //! completion against the one engine all loops share (`shared_engine`): read, lock,
 //! apply, unlock, write. Nothing hops to another thread on the way; only a wake-up owed
 //! to a connection of another loop crosses, through that loop's inbox and its
-//! `mio::Waker`.
+//! waker.
 //!
 //! A round serves every ready connection (reads and requests), then writes every reply
 //! it produced: the peers get one burst per round, as one io_uring submission gives them,
@@ -35,26 +35,24 @@
 //! `drain`; then the rest are dropped.
 
 use std::io;
-use std::os::fd::AsFd;
+use std::net::TcpListener;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mio::net::{TcpListener, TcpStream};
-use mio::{Events, Interest, Poll, Token};
 use rdzv_core::store::budget::Budget;
 use rdzv_core::store::session::Session;
 use rdzv_core::store::ConnId;
+use rustix::event::epoll::EventFlags;
+use rustix::net::SocketFlags;
 
 use super::admission::{Admission, Opened, Peer, Retry};
 use super::loop_config::LoopConfig;
+use super::poller::{Poller, Readiness, LISTENER, WAKER};
 use super::session::{ConnInput, Pass, ReadBuf};
 use super::shared_engine::{self, Serving};
 
-/// The listener's token; connections use their slot.
-const LISTENER: Token = Token(usize::MAX - 1);
-/// The waker's token.
-const WAKER: Token = Token(usize::MAX - 2);
 /// How often the stop flag is looked at while nothing happens.
 const TICK: Duration = Duration::from_millis(50);
 /// A connection that owes more than this is written at once rather than at the end of
@@ -106,7 +104,7 @@ enum Next {
 
 /// One client connection.
 struct Conn {
-    stream: TcpStream,
+    stream: OwnedFd,
     id: ConnId,
     phase: Phase,
     input: ReadBuf,
@@ -141,7 +139,7 @@ impl Conn {
 struct Loop {
     /// Its index, the engine, the round, `now` and the wake-ups to deliver.
     serving: Serving,
-    poll: Poll,
+    poll: Poller,
     listener: Option<TcpListener>,
     budget: Budget,
     /// What happens at accept: `--allow`, refusals, a new connection's serve step.
@@ -162,25 +160,23 @@ struct Loop {
 /// Everything a loop thread needs: the common config, its poller and its listener.
 pub(super) struct LoopSetup {
     pub(super) config: LoopConfig,
-    pub(super) poll: Poll,
+    pub(super) poll: Poller,
     pub(super) listener: TcpListener,
 }
 
 /// Makes a loop's poller and the waker other loops use to reach it.
-pub(super) fn poller() -> io::Result<(Poll, mio::Waker)> {
-    let poll = Poll::new()?;
-    let waker = mio::Waker::new(poll.registry(), WAKER)?;
-    Ok((poll, waker))
+pub(super) fn poller() -> io::Result<(Poller, super::poller::Waker)> {
+    Poller::new()
 }
 
 /// The thread body of an epoll loop on `socket`.
 pub(super) fn loop_body(
     config: LoopConfig,
     socket: socket2::Socket,
-    poll: Poll,
+    poll: Poller,
     stop: Arc<AtomicBool>,
 ) -> super::LoopBody {
-    let listener = TcpListener::from_std(std::net::TcpListener::from(socket));
+    let listener = TcpListener::from(socket);
     let setup = LoopSetup {
         config,
         poll,
@@ -194,14 +190,11 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let LoopSetup {
         config,
         poll,
-        mut listener,
+        listener,
     } = setup;
     let parts = config.into_parts();
     let index = parts.serving.index;
-    if let Err(error) = poll
-        .registry()
-        .register(&mut listener, LISTENER, Interest::READABLE)
-    {
+    if let Err(error) = poll.add(&listener, LISTENER, EventFlags::IN) {
         tracing::error!(%error, loop_index = index, "cannot register the store listener");
         return;
     }
@@ -228,7 +221,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
 
 impl Loop {
     fn run(&mut self, stop: &AtomicBool, drain: Duration) -> io::Result<()> {
-        let mut events = Events::with_capacity(EVENTS);
+        let mut events = Vec::with_capacity(EVENTS);
         let mut deadline = None;
         let mut busy_until = Instant::now();
         loop {
@@ -250,7 +243,7 @@ impl Loop {
             if let Some(at) = self.accept_after {
                 timeout = timeout.min(at.saturating_duration_since(now));
             }
-            match self.poll.poll(&mut events, Some(timeout)) {
+            match self.poll.wait(&mut events, timeout) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
@@ -261,20 +254,17 @@ impl Loop {
                 }
             }
             let mut woken = false;
-            for event in events.iter() {
-                match event.token() {
+            for event in &events {
+                match event.data.u64() {
                     LISTENER => self.accept_after = Some(Instant::now()),
                     WAKER => woken = true,
-                    Token(slot) => {
+                    token => {
+                        let slot = usize::try_from(token).unwrap_or(usize::MAX);
                         if let Some(Some(conn)) = self.conns.get_mut(slot) {
-                            conn.readable |= event.is_readable() || event.is_read_closed();
-                            conn.writable |= event.is_writable() || event.is_write_closed();
-                            conn.read_closed |= event.is_read_closed();
-                            if event.is_error() {
-                                conn.readable = true;
-                                conn.writable = true;
-                                conn.read_closed = true;
-                            }
+                            let ready = Readiness::of(event.flags);
+                            conn.readable |= ready.readable;
+                            conn.writable |= ready.writable;
+                            conn.read_closed |= ready.read_closed;
                             self.dirty.push(slot);
                         }
                     }
@@ -336,8 +326,10 @@ impl Loop {
             let Some(listener) = self.listener.as_ref() else {
                 return;
             };
-            let mut stream = match listener.accept() {
-                Ok((stream, _)) => stream,
+            let accepted =
+                rustix::net::accept_with(listener, SocketFlags::NONBLOCK | SocketFlags::CLOEXEC);
+            let stream = match accepted.map_err(io::Error::from) {
+                Ok(stream) => stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(error) => match self.admission.accept_failed(&error, listener.as_fd()) {
                     Retry::Now => continue,
@@ -353,11 +345,10 @@ impl Loop {
             else {
                 continue;
             };
-            if let Err(error) = self.poll.registry().register(
-                &mut stream,
-                Token(slot),
-                Interest::READABLE | Interest::WRITABLE,
-            ) {
+            if let Err(error) =
+                self.poll
+                    .add(&stream, slot as u64, EventFlags::IN | EventFlags::OUT)
+            {
                 if let Some(suppressed) = self.serving.warnings.allow(Instant::now()) {
                     tracing::warn!(%error, suppressed, "cannot register a store connection; closing it");
                 }
@@ -572,8 +563,8 @@ impl Loop {
         let Some(entry) = self.conns.get_mut(slot) else {
             return;
         };
-        if let Some(mut conn) = entry.take() {
-            let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some(conn) = entry.take() {
+            let _ = self.poll.delete(&conn.stream);
             self.free.push(slot);
             self.live = self.live.saturating_sub(1);
             self.serving
@@ -584,8 +575,8 @@ impl Loop {
     }
 
     fn begin_shutdown(&mut self) {
-        if let Some(mut listener) = self.listener.take() {
-            let _ = self.poll.registry().deregister(&mut listener);
+        if let Some(listener) = self.listener.take() {
+            let _ = self.poll.delete(&listener);
         }
         self.accept_after = None;
         for slot in 0..self.conns.len() {
@@ -605,13 +596,13 @@ impl Loop {
 /// One `recv` on the socket, as a raw system call (rustix): std's, through libc, is a
 /// cancellation point that costs as much again in user space as the call itself.
 #[inline]
-fn receive(stream: &TcpStream, into: &mut [u8]) -> io::Result<usize> {
+fn receive(stream: &OwnedFd, into: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::net::recv(stream, into, rustix::net::RecvFlags::empty())?.0)
 }
 
 /// One `send` (without `SIGPIPE`), as a raw system call, as [`receive`].
 #[inline]
-fn send(stream: &TcpStream, bytes: &[u8]) -> io::Result<usize> {
+fn send(stream: &OwnedFd, bytes: &[u8]) -> io::Result<usize> {
     Ok(rustix::net::send(
         stream,
         bytes,

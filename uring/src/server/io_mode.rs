@@ -18,7 +18,7 @@ pub enum IoMode {
     Auto,
     /// io_uring only: starting fails where it is refused.
     IoUring,
-    /// epoll (`mio`), thread-per-core: runs wherever Linux does.
+    /// epoll, thread-per-core: runs wherever Linux does.
     Epoll,
 }
 

@@ -27,6 +27,7 @@ pub(crate) mod io_mode;
 pub mod listener;
 mod loop_config;
 pub(crate) mod metrics;
+mod poller;
 mod session;
 mod shared_engine;
 mod spare_fd;

@@ -69,12 +69,6 @@ pub(super) trait LoopWaker: Send + Sync {
     fn wake(&self) -> io::Result<()>;
 }
 
-impl LoopWaker for mio::Waker {
-    fn wake(&self) -> io::Result<()> {
-        mio::Waker::wake(self)
-    }
-}
-
 /// A wake-up byte owed to a connection.
 pub(super) type Wake = (ConnId, u8);
 
