@@ -867,11 +867,11 @@ impl Server {
         let Some(Some(conn)) = self.conns.get_mut(slot) else {
             return;
         };
-        queue(&mut self.dirty, conn, slot);
         match result {
             Ok(n) => {
                 outgoing.sent += n;
-                if outgoing.unsent() == 0 {
+                let all_sent = outgoing.unsent() == 0;
+                if all_sent {
                     if outgoing.bytes.capacity() > 1 << 20 {
                         // Do not keep a large reply's room for an idle connection.
                         outgoing.bytes = Vec::new();
@@ -880,6 +880,18 @@ impl Server {
                     outgoing.sent = 0;
                 }
                 conn.writing = Writing::Idle(outgoing);
+                // The common case, a reply sent whole to a connection that is reading
+                // and owes nothing more: nothing for `service_dirty` to do.
+                let settled = all_sent
+                    && conn.phase == Phase::Open
+                    && conn.out.is_empty()
+                    && !conn.blocked
+                    && !conn.deferred
+                    && conn.parked.is_empty()
+                    && matches!(conn.reading, Reading::Multi { .. });
+                if !settled {
+                    queue(&mut self.dirty, conn, slot);
+                }
             }
             Err(error) => {
                 conn.writing = Writing::Idle(outgoing);
