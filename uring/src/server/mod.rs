@@ -1,8 +1,9 @@
 //! The TCPStore server: PyTorch's libuv `TCPStore` daemon, on io_uring or epoll.
 //!
-//! [`IoMode`] picks the kernel interface; `Auto` (the default) uses io_uring unless the
-//! host refuses it, then epoll (module `io_mode`). Either way the server is N event
-//! loops (module `direct` on io_uring, module `epoll` on `mio`), each on its own thread
+//! [`IoMode`] picks the kernel interface; `Auto` (the default) uses epoll where the host
+//! refuses io_uring (module `io_mode`), and elsewhere whichever of the two measured
+//! cheaper per request, once per process (module `calibrate`). Either way the server is N event
+//! loops (module `direct` on io_uring, module `epoll` on epoll), each on its own thread
 //! with its own `SO_REUSEPORT` listener, running its connections' requests to completion
 //! against one engine behind a short lock (module `shared_engine`); only a wake-up owed
 //! to another loop's connection crosses, batched. The default is one loop per CPU (at most
@@ -19,6 +20,7 @@
 //! removed from the engine.
 
 mod admission;
+mod calibrate;
 pub mod capacity;
 mod closing;
 mod direct;
@@ -231,6 +233,8 @@ struct Shared {
     stats: Arc<StatsCells>,
     stopping: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The loop threads' kernel ids, for their CPU time (`calibrate`).
+    loop_tids: Mutex<Vec<i32>>,
 }
 
 /// A running store server. Dropping the last handle shuts it down gracefully.
@@ -286,7 +290,7 @@ impl StoreServer {
             IoMode::Epoll => true,
             IoMode::IoUring => false,
             IoMode::Auto => match io_mode::probe_io_uring() {
-                Ok(Ok(())) => false,
+                Ok(Ok(())) => calibrate::auto_choice() == IoMode::Epoll,
                 Ok(Err(io_mode::Refusal(why))) => {
                     tracing::warn!("{why}; the store server runs on epoll instead");
                     true
@@ -340,6 +344,7 @@ impl StoreServer {
                 ..StatsCells::default()
             }),
             threads: Mutex::new(Vec::new()),
+            loop_tids: Mutex::new(Vec::new()),
             metrics: Mutex::new(None),
         });
         if let Some(metrics_addr) = options.metrics {
@@ -424,6 +429,23 @@ impl StoreServer {
     /// [`IoMode::Epoll`] ([`IoMode::Auto`] resolved at start).
     pub fn io_mode(&self) -> IoMode {
         self.shared.io
+    }
+
+    /// The CPU time its loop threads have run, in nanoseconds (each thread's
+    /// `schedstat`; exact for loops asleep when it is read).
+    pub(crate) fn loop_cpu_ns(&self) -> io::Result<u64> {
+        let tids = self
+            .shared
+            .loop_tids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if tids.is_empty() {
+            return Err(io::Error::other("the store loops have not started yet"));
+        }
+        tids.into_iter().try_fold(0u64, |sum, tid| {
+            Ok(sum.saturating_add(calibrate::thread_cpu_ns(tid)?))
+        })
     }
 
     /// The port the server listens on.
@@ -531,10 +553,14 @@ fn spawn_loops(
     shared: &Arc<Shared>,
 ) -> Result<Vec<JoinHandle<()>>, ServerError> {
     let mut handles = Vec::with_capacity(loops.len());
+    let (started, ready) = std::sync::mpsc::channel();
     for (index, body) in loops.into_iter().enumerate() {
+        let started = started.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("rdzv-store-{index}"))
             .spawn(move || {
+                let _ = started.send(rustix::thread::gettid().as_raw_nonzero().get());
+                drop(started);
                 if pin {
                     pin_loop(index);
                 }
@@ -552,6 +578,9 @@ fn spawn_loops(
             }
         }
     }
+    drop(started);
+    // Each thread says its id first thing (a thread that died first closes its end).
+    *shared.loop_tids.lock().unwrap_or_else(|p| p.into_inner()) = ready.iter().collect();
     Ok(handles)
 }
 

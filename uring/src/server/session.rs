@@ -2,7 +2,7 @@
 //! a read buffer that grows only with bytes that really arrived, and the loop that cuts
 //! whole requests out of it, runs them through the engine and encodes the replies.
 //!
-//! Both event loops (`direct` on io_uring, `epoll` on `mio`) call these; neither
+//! Both event loops (`direct` on io_uring, `epoll` on epoll) call these; neither
 //! decides what a request means, and this module does no I/O.
 
 use std::fmt::Display;
