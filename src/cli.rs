@@ -126,7 +126,7 @@ enum StoreOp {
         spin_us: Option<u64>,
         /// Kernel interface: `io-uring`, `epoll`, or `auto` (epoll where the host refuses
         /// io_uring, as Docker's and RHEL 9's defaults do, with a log line; elsewhere
-        /// whichever of the two measures cheaper per request here, in about 0.1 s).
+        /// whichever of the two measures cheaper per request here, in about 0.15 s).
         #[arg(long, default_value = "auto")]
         io: rdzv_uring::IoMode,
         /// Ranks expected to connect: warns at start when the listen backlog

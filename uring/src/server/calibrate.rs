@@ -10,7 +10,7 @@
 //! reads the CPU time (user and kernel) each loop thread spent per request from
 //! `/proc/self/task/TID/schedstat`. The cheaper one
 //! is the default from then on; the two figures are logged at info. The whole
-//! measurement takes about a tenth of a second. Where it cannot be made (no schedstat,
+//! measurement takes about 0.15 s. Where it cannot be made (no schedstat,
 //! loopback refused), `Auto` keeps io_uring and says why.
 //!
 //! An explicit `--io io-uring` or `--io epoll` measures nothing.

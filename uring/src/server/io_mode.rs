@@ -14,7 +14,7 @@ use std::io;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IoMode {
     /// Where the host allows io_uring, whichever of io_uring and epoll costs it less CPU
-    /// per request (measured once per process, about 0.1 s; module `calibrate`); epoll
+    /// per request (measured once per process, about 0.15 s; module `calibrate`); epoll
     /// where it refuses io_uring (with a log line saying why).
     #[default]
     Auto,
