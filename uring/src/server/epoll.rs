@@ -234,14 +234,20 @@ impl Loop {
                     return Ok(());
                 }
             }
-            let now = Instant::now();
             self.serving.now_ms = self.serving.shared.clock_ms();
             let mut timeout = TICK;
-            if !self.again.is_empty() || now < busy_until {
+            if !self.again.is_empty() {
                 timeout = Duration::ZERO;
-            }
-            if let Some(at) = self.accept_after {
-                timeout = timeout.min(at.saturating_duration_since(now));
+            } else if self.spin.is_some() || self.accept_after.is_some() {
+                // The clock is read a second time only when a spin or an accept pause
+                // can shorten the wait (not per request on a loop that sleeps).
+                let now = Instant::now();
+                if now < busy_until {
+                    timeout = Duration::ZERO;
+                }
+                if let Some(at) = self.accept_after {
+                    timeout = timeout.min(at.saturating_duration_since(now));
+                }
             }
             match self.poll.wait(&mut events, timeout) {
                 Ok(()) => {}
@@ -385,6 +391,10 @@ impl Loop {
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
     /// still there and open, and empties `serving.wakes`.
     fn deliver(&mut self) {
+        if self.serving.wakes.is_empty() {
+            // The common case: a drain of nothing still costs its set-up.
+            return;
+        }
         for (target, byte) in self.serving.wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {

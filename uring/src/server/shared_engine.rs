@@ -91,8 +91,16 @@ pub(super) struct SharedEngine {
 pub(super) struct Router<'a> {
     me: usize,
     inboxes: &'a mut [Vec<Wake>],
-    /// Loops to wake after the unlock (bit i of word i / 64).
-    to_wake: &'a mut [u64; MAX_LOOPS / 64],
+    /// Loops to wake after the unlock.
+    to_wake: &'a mut ToWake,
+}
+
+/// The loops a turn routed wake-ups to (bit i of word i / 64), woken after the unlock;
+/// `any` spares a turn that routed none the look at every word.
+#[derive(Default)]
+struct ToWake {
+    any: bool,
+    bits: [u64; MAX_LOOPS / 64],
 }
 
 impl Router<'_> {
@@ -100,6 +108,9 @@ impl Router<'_> {
     /// order they were owed, after what `into` held).
     pub(super) fn take_inbox(&mut self, into: &mut Vec<Wake>) {
         if let Some(inbox) = self.inboxes.get_mut(self.me) {
+            if inbox.is_empty() {
+                return;
+            }
             if into.is_empty() {
                 std::mem::swap(inbox, into);
             } else {
@@ -112,6 +123,9 @@ impl Router<'_> {
     /// went into its output): those for other connections of this loop into `local`, the
     /// rest into their loop's inbox (that loop is woken after the unlock).
     fn route_values(&mut self, wakes: &mut Vec<step::Wake>, local: &mut Vec<Wake>) {
+        if wakes.is_empty() {
+            return;
+        }
         for (target, wake) in wakes.drain(..) {
             self.send(target, wake as u8, local);
         }
@@ -123,7 +137,8 @@ impl Router<'_> {
             local.push((target, byte));
         } else if let Some(inbox) = self.inboxes.get_mut(owner) {
             if inbox.is_empty() {
-                self.to_wake[owner / 64] |= 1 << (owner % 64);
+                self.to_wake.any = true;
+                self.to_wake.bits[owner / 64] |= 1 << (owner % 64);
             }
             inbox.push((target, byte));
         }
@@ -333,7 +348,7 @@ impl SharedEngine {
         me: usize,
         f: impl FnOnce(&mut Engine, &mut Router<'_>) -> R,
     ) -> R {
-        let mut to_wake = [0u64; MAX_LOOPS / 64];
+        let mut to_wake = ToWake::default();
         let result = {
             // A panic while locked cannot leave the engine half-updated in a way that
             // matters more than stopping the server would; keep serving.
@@ -351,7 +366,10 @@ impl SharedEngine {
             self.stats.keys.store(engine.num_keys(), Ordering::Relaxed);
             result
         };
-        for (word, bits) in to_wake.iter().enumerate() {
+        if !to_wake.any {
+            return result;
+        }
+        for (word, bits) in to_wake.bits.iter().enumerate() {
             let mut bits = *bits;
             while bits != 0 {
                 let index = word * 64 + bits.trailing_zeros() as usize;

@@ -863,8 +863,13 @@ impl Engine {
                     && buf.capacity() >= value.len()
                     && buf.capacity() / 2 <= value.len().max(64);
                 if in_place {
-                    buf.clear();
-                    buf.extend_from_slice(value);
+                    if buf.len() == value.len() {
+                        // As many digits as before (most ADDs): one copy, no resize.
+                        buf.copy_from_slice(value);
+                    } else {
+                        buf.clear();
+                        buf.extend_from_slice(value);
+                    }
                     self.held = needed;
                     return Ok(total);
                 }
