@@ -429,6 +429,13 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
     let parts = config.into_parts();
     let index = parts.serving.index;
     let mut ring = ring;
+    if let Err(error) = ring.start_here() {
+        tracing::error!(%error, loop_index = index, "cannot start the store loop's io_uring; closing");
+        return;
+    }
+    if index == 0 && !ring.deferred() {
+        tracing::info!("io_uring has no deferred task work here (Linux 6.1): each arriving packet may interrupt a running loop");
+    }
     let multishot = multishot
         && match ring.provide_buffers(POOL_BUFFERS, POOL_BUFFER_SIZE) {
             Ok(()) => true,

@@ -350,14 +350,40 @@ pub(crate) struct Ring<R: RecvBuf, S: SendBuf> {
     cqes: Vec<(u64, i32, u32)>,
     /// Provided buffers for multishot receives, once [`Ring::provide_buffers`] made them.
     pool: Option<Pool>,
+    /// Made with one issuer and deferred task work (Linux 6.1), and disabled until
+    /// [`Ring::start_here`]: see [`Ring::new`].
+    deferred: bool,
 }
 
 impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     /// A ring with `sq_entries` submission and `cq_entries` completion entries.
+    ///
+    /// Where the kernel has them (Linux 6.1), the ring has one issuer and defers its
+    /// completions' task work to the issuer's own waits (`IORING_SETUP_SINGLE_ISSUER`,
+    /// `DEFER_TASKRUN`, `TASKRUN_FLAG`): a packet that arrives while the loop runs does
+    /// not interrupt it, and the loop runs the work of a whole batch in its next
+    /// `io_uring_enter`. Such a ring starts disabled, so that the thread that made it
+    /// is not its issuer: the thread that uses it calls [`Ring::start_here`] first.
+    /// Elsewhere the ring is a plain one, and `start_here` does nothing.
     pub(crate) fn new(sq_entries: u32, cq_entries: u32) -> io::Result<Self> {
-        let ring = IoUring::builder()
+        let deferred = IoUring::builder()
             .setup_cqsize(cq_entries)
-            .build(sq_entries)?;
+            .setup_single_issuer()
+            .setup_defer_taskrun()
+            .setup_taskrun_flag()
+            .setup_r_disabled()
+            .build(sq_entries);
+        let (ring, deferred) = match deferred {
+            Ok(ring) => (ring, true),
+            // An older kernel refuses the flags it lacks.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
+                IoUring::builder()
+                    .setup_cqsize(cq_entries)
+                    .build(sq_entries)?,
+                false,
+            ),
+            Err(e) => return Err(e),
+        };
         Ok(Ring {
             ring,
             slots: Vec::new(),
@@ -367,7 +393,23 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             stashed: std::collections::VecDeque::new(),
             cqes: Vec::new(),
             pool: None,
+            deferred,
         })
+    }
+
+    /// Makes the calling thread the ring's only issuer and enables it (a ring made with
+    /// deferred task work, [`Ring::new`]); nothing for a plain ring. Call it once, on the
+    /// thread that submits, before anything else.
+    pub(crate) fn start_here(&mut self) -> io::Result<()> {
+        if self.deferred {
+            self.ring.submitter().register_enable_rings()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the ring defers task work to its issuer's waits (Linux 6.1).
+    pub(crate) fn deferred(&self) -> bool {
+        self.deferred
     }
 
     /// Registers a pool of `count` (a power of two) provided buffers of `size` bytes for
@@ -512,10 +554,16 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     }
 
     /// Submits what is queued without waiting; no system call when nothing is queued
-    /// (the completion queue is in shared memory and [`reap`](Ring::reap) reads it).
+    /// and no deferred task work waits (the completion queue is in shared memory and
+    /// [`reap`](Ring::reap) reads it; the kernel flags deferred work in the submission
+    /// queue, and the call then runs it).
     pub(crate) fn submit(&mut self) -> io::Result<()> {
         self.flush_backlog()?;
-        if self.ring.submission().is_empty() {
+        let idle = {
+            let queue = self.ring.submission();
+            queue.is_empty() && !queue.taskrun()
+        };
+        if idle {
             return Ok(());
         }
         tolerate(self.ring.submit().map(drop))
@@ -836,7 +884,7 @@ mod tests {
     }
 
     fn ring<R: RecvBuf, S: SendBuf>() -> Option<Ring<R, S>> {
-        match Ring::new(8, 16) {
+        match Ring::new(8, 16).and_then(|mut ring| ring.start_here().map(|()| ring)) {
             Ok(ring) => Some(ring),
             Err(error) => {
                 eprintln!("skipped: io_uring is not available here ({error})");
@@ -896,6 +944,66 @@ mod tests {
             .expect("submit");
         let mut done = Vec::new();
         assert_eq!(ring.reap(&mut done), 0);
+    }
+
+    #[test]
+    fn a_spinning_loop_sees_completions_without_waiting() {
+        // A loop that spins calls `submit` (never a wait) and reads the completion
+        // queue; with deferred task work the completion exists only once an enter has
+        // run that work, which `submit` does when the kernel flags it.
+        let Some(mut ring) = ring::<Bytes, Bytes>() else {
+            return;
+        };
+        eprintln!("deferred task work: {}", ring.deferred());
+        let (fd, mut peer) = pair();
+        ring.recv(&fd, Bytes(vec![0; 8], 0), 3);
+        ring.submit().expect("submit");
+        peer.write_all(b"spin").expect("write");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let completion = loop {
+            ring.submit().expect("submit");
+            if let Some(done) = ring.next_completion() {
+                break done;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no completion reached a loop that only spins"
+            );
+            std::hint::spin_loop();
+        };
+        let Completion::Received { token, result, buf } = completion else {
+            panic!("a receive completion expected");
+        };
+        assert_eq!(token, 3);
+        assert_eq!(result.expect("received"), 4);
+        assert_eq!(&buf.0[..4], b"spin");
+    }
+
+    #[test]
+    fn a_ring_with_deferred_work_is_refused_to_another_thread() {
+        let Some(mut ring) = ring::<Bytes, Bytes>() else {
+            return;
+        };
+        if !ring.deferred() {
+            eprintln!("skipped: this kernel has no deferred task work (Linux 6.1)");
+            return;
+        }
+        // Started on this thread, it is this thread's: another thread's submission is
+        // refused by the kernel rather than run unordered beside ours.
+        let (fd, _peer) = pair();
+        let refused = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    ring.recv(&fd, Bytes(vec![0; 8], 0), 1);
+                    ring.submit()
+                })
+                .join()
+                .expect("thread")
+        });
+        assert_eq!(
+            refused.expect_err("another thread's submit").raw_os_error(),
+            Some(libc::EEXIST)
+        );
     }
 
     #[test]
