@@ -394,6 +394,10 @@ struct Server {
     spin: Option<Duration>,
     /// Multishot receives into the pool work here (the kernel has both).
     multishot: bool,
+    /// Accept with one multishot accept (Linux 5.19) rather than one accept per turn:
+    /// a storm of connections is taken as fast as it arrives, not one per turn of the
+    /// loop. Turned off by the first `EINVAL`.
+    multishot_accept: bool,
     /// `serving.now_ms` was read in this batch (read at its first request).
     clock_read: bool,
     /// Connections whose requests wait for the next batch, in the order they were put off.
@@ -463,6 +467,7 @@ pub(super) fn serve(setup: LoopSetup, stop: &AtomicBool) {
         spin: parts.spin,
         again: Vec::new(),
         multishot,
+        multishot_accept: true,
         clock_read: false,
     };
     if let Err(error) = server.run(stop, parts.drain) {
@@ -536,7 +541,11 @@ impl Server {
         if self.accepting != Accepting::Idle || Instant::now() < self.accept_after {
             return;
         }
-        let op = self.ring.accept(&self.listener);
+        let op = if self.multishot_accept {
+            self.ring.accept_multi(&self.listener)
+        } else {
+            self.ring.accept(&self.listener)
+        };
         self.accepting = Accepting::InFlight(op);
     }
 
@@ -547,7 +556,7 @@ impl Server {
             reaped += 1;
             {
                 match completion {
-                    Completion::Accepted { result, .. } => self.accepted(result),
+                    Completion::Accepted { result, more } => self.accepted(result, more),
                     Completion::Received { token, result, buf } => {
                         self.received(token, result, buf)
                     }
@@ -564,16 +573,31 @@ impl Server {
         reaped
     }
 
-    fn accepted(&mut self, result: io::Result<OwnedFd>) {
+    /// A connection accepted (or an accept that failed); `more`: the multishot accept
+    /// goes on, so the listener stays as it is.
+    fn accepted(&mut self, result: io::Result<OwnedFd>, more: bool) {
         let was = self.accepting;
-        self.accepting = match was {
-            Accepting::InFlight(_) => Accepting::Idle,
-            _ => Accepting::Stopped,
-        };
+        if !more {
+            self.accepting = match was {
+                Accepting::InFlight(_) => Accepting::Idle,
+                _ => Accepting::Stopped,
+            };
+        }
         let fd = match result {
             Ok(fd) => fd,
             Err(error) => {
                 if error.raw_os_error() == Some(libc::ECANCELED) {
+                    return;
+                }
+                if error.raw_os_error() == Some(libc::EINVAL)
+                    && self.multishot_accept
+                    && matches!(was, Accepting::InFlight(_))
+                {
+                    // A kernel before 5.19: one accept at a time from the next turn.
+                    self.multishot_accept = false;
+                    if self.serving.index == 0 {
+                        tracing::info!("io_uring has no multishot accept here (Linux 5.19): one accept per turn");
+                    }
                     return;
                 }
                 if let Retry::After(pause) =

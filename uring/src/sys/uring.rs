@@ -87,6 +87,9 @@ pub(crate) enum Completion<R, S> {
     Accepted {
         /// The new descriptor, or why the accept failed (`ECANCELED` when cancelled).
         result: io::Result<OwnedFd>,
+        /// A multishot accept goes on (more completions of it will come); false for a
+        /// one-shot accept, and for a multishot one's last completion.
+        more: bool,
     },
     /// A receive: how many bytes were written at the buffer's start offset (at most the
     /// room it had; 0 is the end of the stream), and the buffer back.
@@ -322,6 +325,10 @@ enum Held<R, S> {
     Poll {
         _fd: Arc<OwnedFd>,
     },
+    /// A multishot accept: held until its last completion.
+    AcceptMulti {
+        _fd: Arc<OwnedFd>,
+    },
     /// A multishot receive into the pool: held until its last completion.
     RecvMulti {
         token: usize,
@@ -485,6 +492,21 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
         )
     }
 
+    /// Accepts on `listener` until cancelled or a failure (Linux 5.19): each connection
+    /// comes as a [`Completion::Accepted`] with `more` set, the last one (a failure, or
+    /// `ECANCELED`) without. Kernels before 5.19 fail it at once with `EINVAL`.
+    pub(crate) fn accept_multi(&mut self, listener: &Arc<OwnedFd>) -> OpId {
+        let entry = opcode::AcceptMulti::new(types::Fd(listener.as_raw_fd()))
+            .flags(libc::SOCK_CLOEXEC)
+            .build();
+        self.submit_held(
+            entry,
+            Held::AcceptMulti {
+                _fd: Arc::clone(listener),
+            },
+        )
+    }
+
     /// Receives from `fd` into `buf` (see [`RecvBuf`]); `buf` comes back in the
     /// [`Completion::Received`] of this operation.
     pub(crate) fn recv(&mut self, fd: &Arc<OwnedFd>, mut buf: R, token: usize) -> OpId {
@@ -639,6 +661,20 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             return None;
         }
         let error = || io::Error::from_raw_os_error(result.saturating_neg());
+        if let Held::AcceptMulti { .. } = slot.held {
+            let more = cqueue::more(flags);
+            if !more {
+                self.release_slot(op);
+            }
+            return Some(Completion::Accepted {
+                result: if result < 0 {
+                    Err(error())
+                } else {
+                    Ok(adopt_accepted(result))
+                },
+                more,
+            });
+        }
         if let Held::RecvMulti { token, .. } = slot.held {
             let more = cqueue::more(flags);
             let chunk = match (cqueue::buffer_select(flags), self.pool.as_ref()) {
@@ -679,6 +715,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
                 } else {
                     Ok(adopt_accepted(result))
                 },
+                more: false,
             },
             Held::Recv {
                 token, buf, room, ..
@@ -705,7 +742,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             Held::Poll { .. } => Completion::Polled {
                 result: if result < 0 { Err(error()) } else { Ok(()) },
             },
-            Held::RecvMulti { .. } => return None,
+            Held::RecvMulti { .. } | Held::AcceptMulti { .. } => return None,
         };
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push(op.index);
@@ -1064,6 +1101,57 @@ mod tests {
     }
 
     #[test]
+    fn a_multishot_accept_takes_every_connection_until_cancelled() {
+        let Some(mut ring) = ring::<Bytes, Bytes>() else {
+            return;
+        };
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let listener = Arc::new(OwnedFd::from(listener));
+        let op = ring.accept_multi(&listener);
+        let clients: Vec<_> = (0..5)
+            .map(|_| std::net::TcpStream::connect(addr).expect("connect"))
+            .collect();
+        let done = wait_for(&mut ring, clients.len());
+        if let [Completion::Accepted {
+            result: Err(error),
+            more: false,
+        }] = &done[..]
+        {
+            if error.raw_os_error() == Some(libc::EINVAL) {
+                eprintln!("skipped: this kernel has no multishot accept (Linux 5.19)");
+                return;
+            }
+        }
+        assert_eq!(done.len(), clients.len(), "one completion per connection");
+        for completion in done {
+            let Completion::Accepted { result, more } = completion else {
+                panic!("only accepts were submitted");
+            };
+            let fd = result.expect("accepted");
+            assert!(more, "the accept goes on");
+            let flags = rustix::io::fcntl_getfd(&fd).expect("getfd");
+            assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        }
+        assert_eq!(ring.in_flight(), 1, "one operation for all of them");
+        ring.cancel(op);
+        let done = wait_for(&mut ring, 1);
+        let [Completion::Accepted { result, more }] = &done[..] else {
+            panic!("the last completion of the accept expected");
+        };
+        assert!(!more);
+        assert_eq!(
+            result
+                .as_ref()
+                .map(drop)
+                .expect_err("cancelled")
+                .raw_os_error(),
+            Some(libc::ECANCELED)
+        );
+        assert_eq!(ring.in_flight(), 0);
+    }
+
+    #[test]
     fn sends_accepts_and_polls_complete_with_what_they_owned() {
         let Some(mut ring) = ring::<Bytes, Bytes>() else {
             return;
@@ -1089,7 +1177,7 @@ mod tests {
                 Completion::Polled { result } => {
                     result.expect("readable");
                 }
-                Completion::Accepted { result } => {
+                Completion::Accepted { result, .. } => {
                     let fd = result.expect("accepted");
                     let flags = rustix::io::fcntl_getfd(&fd).expect("getfd");
                     assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
