@@ -192,8 +192,39 @@ impl StoreConn {
         limits: Limits,
         ping: Option<u32>,
     ) -> io::Result<StoreConn> {
-        let stream = TcpStream::connect(addr)?;
-        Ok(StoreConn {
+        Ok(Self::with_stream(TcpStream::connect(addr)?, limits, ping))
+    }
+
+    /// [`StoreConn::connect`] from local port `port` (of any local address), bound
+    /// with `SO_REUSEADDR` so that a port an earlier connection left in `TIME_WAIT`
+    /// binds again. `EADDRINUSE` when the port is taken.
+    pub(super) fn connect_from(
+        addr: SocketAddr,
+        port: u16,
+        limits: Limits,
+        ping: Option<u32>,
+    ) -> io::Result<StoreConn> {
+        use socket2::{Domain, Socket, Type};
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+        socket.set_nonblocking(true)?;
+        socket.set_reuse_address(true)?;
+        let local: SocketAddr = match addr {
+            SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, port).into(),
+            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, port).into(),
+        };
+        socket.bind(&local.into())?;
+        match socket.connect(&addr.into()) {
+            Ok(()) => {}
+            // A non-blocking connect under way.
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INPROGRESS.raw_os_error()) => {}
+            Err(e) => return Err(e),
+        }
+        let stream = TcpStream::from_std(std::net::TcpStream::from(socket));
+        Ok(Self::with_stream(stream, limits, ping))
+    }
+
+    fn with_stream(stream: TcpStream, limits: Limits, ping: Option<u32>) -> StoreConn {
+        StoreConn {
             stream,
             connected: false,
             ping,
@@ -204,7 +235,7 @@ impl StoreConn {
             awaiting: VecDeque::with_capacity(2),
             limits,
             cancel: Cancel::None,
-        })
+        }
     }
 
     /// Whether the connect has completed (see [`StoreConn::pump`]).
