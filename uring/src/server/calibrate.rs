@@ -13,6 +13,12 @@
 //! measurement takes about 0.15 s. Where it cannot be made (no schedstat,
 //! loopback refused), `Auto` keeps io_uring and says why.
 //!
+//! With client and loop on one CPU the measurement cannot see a cost that crosses CPUs:
+//! before the ring deferred its task work to the loop's own waits (Linux 6.1,
+//! `sys::uring::Ring::new`), each packet for a running io_uring loop interrupted it,
+//! and under 64 connections io_uring served a third fewer requests than epoll while this
+//! measurement still preferred it (`docs/performance.md`, 2026-12-03).
+//!
 //! An explicit `--io io-uring` or `--io epoll` measures nothing.
 
 use std::io::{self, Read, Write};
