@@ -882,11 +882,15 @@ impl Server {
 
     /// Appends wake-up bytes to the connections of this loop they are for (if still
     /// there and not abandoned), and empties `serving.wakes`.
+    #[inline]
     fn deliver(&mut self) {
-        if self.serving.wakes.is_empty() {
-            // The common case: a drain of nothing still costs its set-up.
-            return;
+        // The common case, inline: nothing to deliver.
+        if !self.serving.wakes.is_empty() {
+            self.deliver_wakes();
         }
+    }
+
+    fn deliver_wakes(&mut self) {
         for (target, byte) in self.serving.wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {

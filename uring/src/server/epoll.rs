@@ -294,7 +294,7 @@ impl Loop {
                 self.service_in_round(slot, Pass::Light);
             }
             while let Some(slot) = self.flush.pop() {
-                self.service(slot, Writes::Now);
+                self.flush_one(slot);
             }
             if !self.again.is_empty() {
                 let mut yielded = std::mem::take(&mut self.again);
@@ -313,7 +313,7 @@ impl Loop {
                 }
             }
             while let Some(slot) = self.flush.pop() {
-                self.service(slot, Writes::Now);
+                self.flush_one(slot);
             }
         }
     }
@@ -390,11 +390,15 @@ impl Loop {
 
     /// Appends wake-up bytes to the connections of this loop they are for, if those are
     /// still there and open, and empties `serving.wakes`.
+    #[inline]
     fn deliver(&mut self) {
-        if self.serving.wakes.is_empty() {
-            // The common case: a drain of nothing still costs its set-up.
-            return;
+        // The common case, inline: nothing to deliver.
+        if !self.serving.wakes.is_empty() {
+            self.deliver_wakes();
         }
+    }
+
+    fn deliver_wakes(&mut self) {
         for (target, byte) in self.serving.wakes.drain(..) {
             let slot = shared_engine::slot_of(target);
             if let Some(Some(conn)) = self.conns.get_mut(slot) {
@@ -426,6 +430,24 @@ impl Loop {
                 self.again.push(slot);
             }
         }
+    }
+
+    /// Hands a served connection's replies to the kernel (the round's last pass). One
+    /// that is open, not blocked and has nothing more to read can do nothing after the
+    /// write, so it gets only the write; any other goes through [`Loop::service`].
+    fn flush_one(&mut self, slot: usize) {
+        if let Some(Some(conn)) = self.conns.get_mut(slot) {
+            if conn.phase == Phase::Open && !conn.blocked && !conn.readable {
+                if conn.unsent() > 0 && conn.writable {
+                    if let Err(error) = write_out(conn) {
+                        tracing::debug!(peer = %Peer::of(&conn.stream), %error, "store connection write failed");
+                        self.close(slot);
+                    }
+                }
+                return;
+            }
+        }
+        self.service(slot, Writes::Now);
     }
 
     /// Reads, serves, writes one connection as far as it can go now.
@@ -527,6 +549,19 @@ impl Loop {
             };
             if complete {
                 self.serve_connection(slot);
+                // The socket is read dry and nothing else is owed this turn: what the
+                // next pass of the loop would find, decided without it.
+                if let Some(Some(conn)) = self.conns.get(slot) {
+                    let eager = conn.unsent() >= EAGER_WRITE.min(self.budget.out_high_water);
+                    if writes == Writes::Defer
+                        && !eager
+                        && !conn.readable
+                        && !conn.blocked
+                        && conn.phase == Phase::Open
+                    {
+                        return Next::Wait;
+                    }
+                }
             }
         }
     }

@@ -305,8 +305,15 @@ impl ReadBuf {
 
     /// The serve step used `served.used` bytes and needs `served.needed` more before
     /// the next request is complete.
+    #[inline]
     pub(super) fn served(&mut self, served: &Served) {
-        self.consume(served.used);
+        if self.start.saturating_add(served.used) == self.filled {
+            // Everything held was served (the common case), inline.
+            self.start = 0;
+            self.filled = 0;
+        } else {
+            self.consume(served.used);
+        }
         self.arrived = 0;
         self.needed = served.needed.max(1);
     }

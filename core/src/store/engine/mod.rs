@@ -482,12 +482,7 @@ impl Engine {
         conn: ConnId,
         request: Request<'a>,
     ) -> Result<Outcome<'a>, Close> {
-        if !self.popped.is_empty() {
-            // The previous reply that borrowed it is gone; do not hold a large value.
-            self.popped = Vec::new();
-        }
-        let served = &mut self.requests[request.query_type().index()];
-        *served = served.saturating_add(1);
+        self.count_request(&request);
         let Some(state) = self.conns.get_mut(&conn) else {
             return Err(Close::UnknownConnection { conn });
         };
@@ -505,6 +500,46 @@ impl Engine {
             self.forget(conn);
             return Err(close);
         }
+        self.apply_validated(conn, request)
+    }
+
+    /// [`Engine::handle_request`] for a connection that is connected and has passed
+    /// `VALIDATE` here, as the caller knows (a [`Session`](super::session::Session)
+    /// remembers the engine's answer to its `VALIDATE`): the same, without looking the
+    /// connection up to check. After a [`Close`] the engine has forgotten the connection,
+    /// and the caller closes it rather than calling again.
+    pub fn handle_validated_request<'a>(
+        &'a mut self,
+        conn: ConnId,
+        request: Request<'a>,
+    ) -> Result<Outcome<'a>, Close> {
+        debug_assert!(
+            self.conns.get(&conn).is_some_and(|state| state.validated),
+            "{conn:?} is not a validated connection of this engine"
+        );
+        self.count_request(&request);
+        self.apply_validated(conn, request)
+    }
+
+    /// Counts `request` for `STATS`, and lets go of the value the last `QUEUE_POP`
+    /// reply borrowed.
+    #[inline]
+    fn count_request(&mut self, request: &Request<'_>) {
+        if !self.popped.is_empty() {
+            // The previous reply that borrowed it is gone; do not hold a large value.
+            self.popped = Vec::new();
+        }
+        let served = &mut self.requests[request.query_type().index()];
+        *served = served.saturating_add(1);
+    }
+
+    /// A validated connection's request, applied and answered.
+    #[inline]
+    fn apply_validated<'a>(
+        &'a mut self,
+        conn: ConnId,
+        request: Request<'a>,
+    ) -> Result<Outcome<'a>, Close> {
         self.requester = Some(conn);
         self.own_wakeups = 0;
         let answer = self.apply(conn, request);

@@ -148,6 +148,9 @@ pub struct Session {
     /// The policy and where this connection stands with it; `None` when no tokens are
     /// required (every request allowed).
     access: Option<(Arc<AccessPolicy>, ConnAccess)>,
+    /// The engine accepted this connection's `VALIDATE`: later requests skip its check
+    /// ([`Engine::handle_validated_request`]).
+    validated: bool,
 }
 
 impl Session {
@@ -159,6 +162,7 @@ impl Session {
             decoder: RequestDecoder::new(limits),
             budget,
             access: None,
+            validated: false,
         }
     }
 
@@ -255,15 +259,22 @@ impl Session {
             return Step::Close(Refusal::Access(refusal));
         }
         engine.tick(now_ms);
-        engine.count_traffic(used as u64, 0);
         let before = out.len();
         // Read where it was returned (an outcome can hold a `STATS` reply of 240 bytes:
         // moving it out costs a copy per request).
-        let result = engine.handle_request(self.id, request);
+        let result = if self.validated {
+            engine.handle_validated_request(self.id, request)
+        } else {
+            let result = engine.handle_request(self.id, request);
+            // Only `VALIDATE` passes for a connection not validated yet.
+            self.validated = result.is_ok();
+            result
+        };
         let outcome = match result {
             Ok(ref outcome) => outcome,
             Err(ref close) => {
                 let close = close.clone();
+                engine.count_traffic(used as u64, 0);
                 drain_wakes(engine, self.id, out, wakes);
                 return Step::Close(Refusal::Engine(close));
             }
@@ -273,6 +284,7 @@ impl Session {
             .saturating_add(outcome.reply.as_ref().map_or(0, |r| r.encoded_len()));
         let held = owed.saturating_add(input.len() - used);
         if !self.budget.reply_fits(owed, input.len() - used, len) {
+            engine.count_traffic(used as u64, 0);
             drain_wakes(engine, self.id, out, wakes);
             return Step::Close(Refusal::ReplyOverBudget {
                 query,
@@ -284,6 +296,7 @@ impl Session {
         // Own wake-ups first, then the reply (the engine's polling order), in room
         // reserved for both at once.
         if out.try_reserve(len).is_err() {
+            engine.count_traffic(used as u64, 0);
             return Step::Close(Refusal::Encode(EncodeError::OutOfMemory { needed: len }));
         }
         out.resize(
@@ -293,12 +306,14 @@ impl Session {
         if let Some(reply) = &outcome.reply {
             if let Err(error) = reply.encode_reserved(out) {
                 out.truncate(before);
+                engine.count_traffic(used as u64, 0);
                 drain_wakes(engine, self.id, out, wakes);
                 return Step::Close(Refusal::Encode(error));
             }
         }
         drain_wakes(engine, self.id, out, wakes);
-        engine.count_traffic(0, (out.len() - before) as u64);
+        // Counted once, in and out together (each refusal above counts its input).
+        engine.count_traffic(used as u64, (out.len() - before) as u64);
         Step::Served { used, query }
     }
 

@@ -215,6 +215,39 @@ fn bad_bytes_and_engine_refusals_close() {
     ));
 }
 
+#[test]
+fn a_validated_session_is_answered_as_the_engine_answers() {
+    // After its VALIDATE a session skips the engine's check (handle_validated_request):
+    // its replies and the engine's counts are those of a connection checked every time.
+    let (mut engine, mut checked) = (Engine::with_budget(SMALL), Engine::with_budget(SMALL));
+    let mut conn = Conn::new(&mut engine, 1, SMALL);
+    assert!(checked.connect(ConnId(1)));
+    let requests = [validate(), set(b"k", b"v"), get(b"k"), get(b"missing")];
+    for bytes in &requests {
+        conn.input.extend_from_slice(bytes);
+    }
+    assert!(matches!(conn.pump(&mut engine, 0), Step::Partial { .. }));
+    let mut expected = Vec::new();
+    for bytes in &requests {
+        let mut decoder = crate::store::codec::RequestDecoder::new(Limits::default());
+        let Ok(Decoded::Complete(request, _)) = decoder.decode(bytes) else {
+            panic!("a whole request");
+        };
+        let outcome = checked.handle_request(ConnId(1), request).expect("served");
+        if let Some(reply) = &outcome.reply {
+            reply.encode_into(&mut expected).expect("encoded");
+        }
+    }
+    assert_eq!(conn.out, expected);
+    assert_eq!(engine.stats().requests, checked.stats().requests);
+    // A second VALIDATE is refused as it is for a checked connection.
+    conn.input = validate();
+    assert!(matches!(
+        conn.pump(&mut engine, 0),
+        Step::Close(Refusal::Engine(Close::RepeatedValidate))
+    ));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
