@@ -133,10 +133,20 @@ fn a_flood_of_silent_connections_holds_at_most_the_cap_and_times_out() {
         thread::sleep(Duration::from_millis(5));
     }
     assert!(most >= 1, "no handshake thread ever waited on the flood");
+    // The agent's own count of handshakes in flight: the flood fills the cap, and no
+    // more.
+    let cap = LIMITS.max_in_flight;
+    assert_eq!(
+        bob.most_inbound_handshakes(),
+        cap as u64,
+        "the most handshakes at once, against the cap"
+    );
+    // Threads are seen from outside: one whose handshake just ended may still be
+    // exiting when the next begins (its result is handed over before it is gone), so a
+    // sample can count it beside a full cap. More than that would be a leak.
     assert!(
-        most <= LIMITS.max_in_flight,
-        "{most} handshake threads at once, the cap is {}",
-        LIMITS.max_in_flight
+        most <= cap + 2,
+        "{most} handshake threads at once, the cap is {cap} (and 2 ending)"
     );
     // Each is closed, the last ones after waiting in the backlog (6 rounds of 1.5 s).
     for (i, stream) in silent.iter_mut().enumerate() {

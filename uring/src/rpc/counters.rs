@@ -37,6 +37,9 @@ pub(crate) struct Counters {
     tallies: Mutex<Tallies>,
     /// Inbound pipes closed because the peer failed the handshake.
     handshakes_refused: AtomicU64,
+    /// Accepted peers whose handshake is not done now, and the most there ever were.
+    inbound_handshakes: AtomicU64,
+    most_inbound_handshakes: AtomicU64,
     /// When a refusal was last logged (at most one a second is).
     refusal_logged: Mutex<Option<Instant>>,
 }
@@ -56,6 +59,8 @@ impl Counters {
                 pipe_channels: HashMap::new(),
             }),
             handshakes_refused: AtomicU64::new(0),
+            inbound_handshakes: AtomicU64::new(0),
+            most_inbound_handshakes: AtomicU64::new(0),
             refusal_logged: Mutex::new(None),
         }
     }
@@ -85,6 +90,22 @@ impl Counters {
     /// How many inbound pipes were closed for failing the handshake.
     pub(crate) fn handshakes_refused(&self) -> u64 {
         self.handshakes_refused.load(Ordering::Relaxed)
+    }
+
+    /// An accepted peer's handshake began (`true`) or ended.
+    pub(crate) fn inbound_handshake(&self, began: bool) {
+        if began {
+            let now = self.inbound_handshakes.fetch_add(1, Ordering::Relaxed) + 1;
+            self.most_inbound_handshakes
+                .fetch_max(now, Ordering::Relaxed);
+        } else {
+            self.inbound_handshakes.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The most accepted peers that were ever in their handshake at once.
+    pub(crate) fn most_inbound_handshakes(&self) -> u64 {
+        self.most_inbound_handshakes.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, Tallies> {

@@ -195,6 +195,12 @@ impl RpcAgent {
         self.counters.handshakes_refused()
     }
 
+    /// The most peers that connected here were ever in their handshake at once (at most
+    /// [`InboundHandshakes::max_in_flight`](crate::rpc::InboundHandshakes::max_in_flight)).
+    pub fn most_inbound_handshakes(&self) -> u64 {
+        self.counters.most_inbound_handshakes()
+    }
+
     /// Tensor bytes this worker has sent (in requests and responses) per channel, for
     /// every channel that moved any.
     pub fn tensor_bytes_by_channel(&self) -> Vec<(ChannelKind, u64)> {

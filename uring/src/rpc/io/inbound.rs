@@ -258,6 +258,7 @@ pub(super) struct HandshakeSlot(Rc<Io>);
 impl HandshakeSlot {
     fn take(io: &Rc<Io>) -> HandshakeSlot {
         io.state.borrow_mut().inbound_handshakes += 1;
+        io.pieces.counters.inbound_handshake(true);
         HandshakeSlot(Rc::clone(io))
     }
 }
@@ -267,6 +268,7 @@ impl Drop for HandshakeSlot {
         let mut state = self.0.state.borrow_mut();
         state.inbound_handshakes = state.inbound_handshakes.saturating_sub(1);
         drop(state);
+        self.0.pieces.counters.inbound_handshake(false);
         self.0.handshake_ended.notify_one();
     }
 }
