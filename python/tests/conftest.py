@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Iterator, List
 
 import pytest
@@ -31,8 +32,9 @@ def store(server: rdzv.StoreServer) -> rdzv.Store:
 # Children die with the test process (PR_SET_PDEATHSIG), so a crashed test leaves no
 # node behind; the fixture kills any still running at the end.
 CHILD_PRELUDE = """
-import ctypes, signal
+import ctypes, faulthandler, signal
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 """
 
 
@@ -50,6 +52,16 @@ class Children:
         )
         self.procs.append(proc)
         return proc
+
+    def stacks_and_kill(self, proc: subprocess.Popen) -> str:
+        """A stuck child's Python stacks (every thread's, from ``faulthandler``) and
+        what it wrote to stderr, after which it is killed."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate()
+        return (err or "")[-6000:]
 
     def kill_all(self) -> None:
         for proc in self.procs:

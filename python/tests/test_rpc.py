@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -413,8 +414,13 @@ def run_group(
     for rank in waited:
         try:
             out, err = procs[rank].communicate(timeout=timeout)
-        except Exception:
-            raise AssertionError(f"worker {rank} of {scenario!r} did not finish in {timeout}s")
+        except subprocess.TimeoutExpired:
+            stuck = "\n".join(
+                f"--- worker {r} ---\n{children.stacks_and_kill(p)}" for r, p in enumerate(procs)
+            )
+            raise AssertionError(
+                f"worker {rank} of {scenario!r} did not finish in {timeout}s; stacks:\n{stuck}"
+            )
         assert procs[rank].returncode == 0, f"worker {rank} failed:\n{err}"
         outputs[rank] = json.loads(out.strip().splitlines()[-1])
     return {"result": outputs[0]["result"], "procs": procs}
