@@ -7,9 +7,12 @@
 //! store server on a quiet connection sleeps and wakes once per request. Here a loop
 //! submits everything it owes (its connections' replies, and a receive for any
 //! connection whose multishot receive is not running) and waits for the next completion
-//! in one `io_uring_enter`, so one request costs one system call, and a busy loop
-//! handles every ready connection per call. The README's
-//! Performance section has the measurements.
+//! in one `io_uring_enter`, and a busy loop handles every ready connection per call. A
+//! turn that served one connection alone sends its reply with one non-blocking `send`
+//! instead (what the socket does not take goes to the ring): the ring's send would cost
+//! the same system call, its completion would end the next wait at once, and reaping it
+//! would take a turn of its own; so a lone request costs two system calls, its reply's
+//! and the wait for the next. `docs/performance.md` has the measurements.
 //!
 //! A loop runs its connections' requests to completion itself: it locks the engine,
 //! applies the requests that arrived, and unlocks; nothing hops to another thread. Only a
@@ -208,6 +211,80 @@ impl Outgoing {
     fn unsent(&self) -> usize {
         self.bytes.len().saturating_sub(self.sent)
     }
+
+    /// `n` more bytes went out. Once all did, it is empty again, and keeps no large
+    /// reply's room for an idle connection.
+    fn advance(&mut self, n: usize) {
+        self.sent = self.sent.saturating_add(n).min(self.bytes.len());
+        if self.unsent() == 0 {
+            if self.bytes.capacity() > 1 << 20 {
+                self.bytes = Vec::new();
+            }
+            self.bytes.clear();
+            self.sent = 0;
+        }
+    }
+}
+
+/// What [`send_owed`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    /// Nothing to send, or a send is in flight already.
+    Nothing,
+    /// The non-blocking send took everything.
+    Whole,
+    /// The ring sends (the rest); its completion comes.
+    Ring,
+}
+
+/// Hands what connection `slot` owes to the kernel, unless a send is in flight: with
+/// one non-blocking `send` at once when `now` (what the socket does not take goes to the
+/// ring), else through the ring. An error is the connection's end.
+#[inline]
+fn send_owed(
+    ring: &mut Uring<Input, Outgoing>,
+    conn: &mut Conn,
+    slot: usize,
+    now: bool,
+) -> io::Result<Sent> {
+    let Writing::Idle(outgoing) = &mut conn.writing else {
+        return Ok(Sent::Nothing);
+    };
+    if outgoing.unsent() == 0 {
+        if conn.out.is_empty() {
+            return Ok(Sent::Nothing);
+        }
+        std::mem::swap(&mut conn.out, &mut outgoing.bytes);
+        conn.out.clear();
+        outgoing.sent = 0;
+    }
+    if now {
+        send_now(&conn.fd, outgoing)?;
+    }
+    let unsent = outgoing.unsent();
+    if unsent == 0 {
+        return Ok(Sent::Whole);
+    }
+    let outgoing = std::mem::take(outgoing);
+    let op = ring.send(&conn.fd, outgoing, slot);
+    conn.writing = Writing::InFlight { op, unsent };
+    Ok(Sent::Ring)
+}
+
+/// Sends what `outgoing` holds now, without blocking, as far as the socket takes it;
+/// what is left (the socket was full) goes to the ring. An error is the connection's
+/// end, as a failed send's completion is.
+fn send_now(fd: &OwnedFd, outgoing: &mut Outgoing) -> io::Result<()> {
+    let flags = rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL;
+    let rest = outgoing.bytes.get(outgoing.sent..).unwrap_or_default();
+    match rustix::net::send(fd, rest, flags) {
+        Ok(n) => {
+            outgoing.advance(n);
+            Ok(())
+        }
+        Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => Ok(()),
+        Err(error) => Err(error.into()),
+    }
 }
 
 impl SendBuf for Outgoing {
@@ -302,6 +379,19 @@ impl Conn {
     /// Bytes owed to the peer: not yet handed to the kernel, and in flight.
     fn owed(&self) -> usize {
         self.out.len().saturating_add(self.writing.unsent())
+    }
+
+    /// Nothing for `service_dirty` to do after its replies went out: reading, owing
+    /// nothing, with no requests waiting to be served.
+    fn settled(&self) -> bool {
+        self.phase == Phase::Open
+            && self.writing.is_idle()
+            && self.writing.unsent() == 0
+            && self.out.is_empty()
+            && !self.blocked
+            && !self.deferred
+            && self.parked.is_empty()
+            && matches!(self.reading, Reading::Multi { .. })
     }
 
     /// Done when nothing is in flight and nothing more will be sent.
@@ -908,27 +998,11 @@ impl Server {
         };
         match result {
             Ok(n) => {
-                outgoing.sent += n;
-                let all_sent = outgoing.unsent() == 0;
-                if all_sent {
-                    if outgoing.bytes.capacity() > 1 << 20 {
-                        // Do not keep a large reply's room for an idle connection.
-                        outgoing.bytes = Vec::new();
-                    }
-                    outgoing.bytes.clear();
-                    outgoing.sent = 0;
-                }
+                outgoing.advance(n);
                 conn.writing = Writing::Idle(outgoing);
                 // The common case, a reply sent whole to a connection that is reading
                 // and owes nothing more: nothing for `service_dirty` to do.
-                let settled = all_sent
-                    && conn.phase == Phase::Open
-                    && conn.out.is_empty()
-                    && !conn.blocked
-                    && !conn.deferred
-                    && conn.parked.is_empty()
-                    && matches!(conn.reading, Reading::Multi { .. });
-                if !settled {
+                if !conn.settled() {
                     queue(&mut self.dirty, conn, slot);
                 }
             }
@@ -968,11 +1042,32 @@ impl Server {
     /// Queues each touched connection's next receive and send, cancels what a closing
     /// connection no longer needs, and frees finished connections.
     fn service_dirty(&mut self) {
+        // A turn that touched one connection sends its reply at once, with a
+        // non-blocking `send`, rather than through the ring: the same one system call
+        // the ring's submission would make before its wait, without a completion to
+        // reap or a turn of the loop to reap it in. Replies for several connections go
+        // to the ring, all in its next `io_uring_enter`.
+        let lone = self.dirty.len() == 1;
         while let Some(slot) = self.dirty.pop() {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
             conn.queued = false;
+            if conn.phase == Phase::Open
+                && !conn.blocked
+                && conn.parked.is_empty()
+                && matches!(conn.reading, Reading::Multi { .. })
+                && conn.owed() <= self.budget.out_high_water
+            {
+                // The common case, a connection that is reading and may go on: only
+                // its replies to send (what the rest below comes to for it). Sent
+                // whole, it is settled (or put off, and in `again`).
+                if let Err(error) = send_owed(&mut self.ring, conn, slot, lone) {
+                    tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
+                    self.close(slot, Close::Abandon);
+                }
+                continue;
+            }
             if conn.finished() {
                 for (chunk, _) in conn.parked.drain(..) {
                     self.ring.recycle(chunk);
@@ -1084,26 +1179,25 @@ impl Server {
                 self.close(slot, Close::Flush);
                 continue;
             }
-            match (conn.phase, &mut conn.writing) {
-                (Phase::Abandoned, Writing::Idle(outgoing)) => {
+            if conn.phase == Phase::Abandoned {
+                if let Writing::Idle(outgoing) = &mut conn.writing {
                     conn.out.clear();
                     outgoing.bytes.clear();
                     outgoing.sent = 0;
                 }
-                (Phase::Open | Phase::Flushing, Writing::Idle(outgoing)) => {
-                    if outgoing.unsent() == 0 && !conn.out.is_empty() {
-                        std::mem::swap(&mut conn.out, &mut outgoing.bytes);
-                        conn.out.clear();
-                        outgoing.sent = 0;
-                    }
-                    let unsent = outgoing.unsent();
-                    if unsent > 0 {
-                        let outgoing = std::mem::take(outgoing);
-                        let op = self.ring.send(&conn.fd, outgoing, slot);
-                        conn.writing = Writing::InFlight { op, unsent };
+            } else {
+                match send_owed(&mut self.ring, conn, slot, lone) {
+                    // Sent whole at once: no completion will come to look at it again,
+                    // so it is looked at now if it waits for that (a blocked one has
+                    // drained, or a closing one may be done).
+                    Ok(Sent::Whole) if !conn.settled() => queue(&mut self.dirty, conn, slot),
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
+                        self.close(slot, Close::Abandon);
+                        continue;
                     }
                 }
-                (_, Writing::InFlight { .. }) => {}
             }
             // A closing connection with nothing left in flight is freed next round.
             if conn.finished() {
@@ -1228,19 +1322,84 @@ mod tests {
         }
     }
 
-    fn pipelined(multishot: bool) {
+    /// A reply far larger than the socket takes at once, to a connection alone in its
+    /// turn: the non-blocking send takes what fits and the ring sends the rest, whole
+    /// and in order, to a peer that starts reading late; the connection then serves its
+    /// next request as before, and a peer that leaves in the middle of a reply is let go.
+    #[test]
+    fn a_lone_reply_larger_than_the_socket_takes_goes_out_whole() {
         use std::io::{Read, Write};
         use std::net::TcpStream;
 
         use rdzv_core::store::{Request, VALIDATION_MAGIC};
 
+        for multishot in [true, false] {
+            let budget = Budget::default();
+            let (port, stop, thread, stats) = one_loop(multishot, budget);
+            let value: Vec<u8> = (0..7 << 20).map(|i: u32| (i % 251) as u8).collect();
+            let mut frame = Vec::new();
+            Request::Validate {
+                magic: VALIDATION_MAGIC,
+            }
+            .encode_into(&mut frame);
+            Request::Set {
+                key: b"big",
+                value: &value,
+            }
+            .encode_into(&mut frame);
+            let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            // (A SET has no reply.)
+            stream.write_all(&frame).unwrap();
+            for round in 0..2 {
+                let mut get = Vec::new();
+                Request::Get { key: b"big" }.encode_into(&mut get);
+                stream.write_all(&get).unwrap();
+                // The socket fills while nobody reads.
+                std::thread::sleep(Duration::from_millis(100));
+                let mut reply = vec![0u8; 8 + value.len()];
+                stream
+                    .read_exact(&mut reply)
+                    .unwrap_or_else(|e| panic!("GET {round} (multishot {multishot}): {e}"));
+                assert_eq!(
+                    u64::from_le_bytes(reply[..8].try_into().unwrap()),
+                    value.len() as u64
+                );
+                assert!(reply[8..] == value[..], "GET {round}: the bytes differ");
+            }
+            // A peer that leaves with most of a reply unread.
+            let mut get = Vec::new();
+            Request::Get { key: b"big" }.encode_into(&mut get);
+            stream.write_all(&get).unwrap();
+            let mut some = [0u8; 4096];
+            stream.read_exact(&mut some).unwrap();
+            drop(stream);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while stats.connections.load(Ordering::Relaxed) != 0 {
+                assert!(Instant::now() < deadline, "the connection was never let go");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            stop.store(true, Ordering::Release);
+            thread.join().unwrap();
+        }
+    }
+
+    /// One loop on its own port with `budget`: its port, its stop flag, its thread and
+    /// its counters.
+    fn one_loop(
+        multishot: bool,
+        budget: Budget,
+    ) -> (
+        u16,
+        Arc<AtomicBool>,
+        std::thread::JoinHandle<()>,
+        Arc<StatsCells>,
+    ) {
         let stats = Arc::new(StatsCells::default());
         let (mut ring, waker) = ring().expect("an io_uring");
         ring.multishot = multishot;
-        let budget = Budget {
-            out_high_water: 64 << 10,
-            ..Budget::default()
-        };
         let shared = Arc::new(SharedEngine::new(
             vec![Box::new(waker) as Box<dyn LoopWaker>],
             Arc::clone(&stats),
@@ -1267,6 +1426,20 @@ mod tests {
             let stop = Arc::clone(&stop);
             std::thread::spawn(move || serve(setup, &stop))
         };
+        (port, stop, thread, stats)
+    }
+
+    fn pipelined(multishot: bool) {
+        use std::io::{Read, Write};
+        use std::net::TcpStream;
+
+        use rdzv_core::store::{Request, VALIDATION_MAGIC};
+
+        let budget = Budget {
+            out_high_water: 64 << 10,
+            ..Budget::default()
+        };
+        let (port, stop, thread, stats) = one_loop(multishot, budget);
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))

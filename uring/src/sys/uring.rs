@@ -459,6 +459,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     }
 
     /// Gives `chunk`'s buffer back to the kernel.
+    #[inline(always)]
     pub(crate) fn recycle(&mut self, chunk: Chunk) {
         if let Some(pool) = self.pool.as_mut() {
             if chunk.pool == pool.id() && chunk.bid < pool.count {
@@ -649,8 +650,9 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
         self.cqes = cqes;
     }
 
-    /// Takes the slot of a completed operation and builds its completion.
-    #[inline]
+    /// Takes the slot of a completed operation and builds its completion. Inlined
+    /// into the loop that reaps, so that the completion is built where it is matched.
+    #[inline(always)]
     fn finish(&mut self, data: u64, result: i32, flags: u32) -> Option<Completion<R, S>> {
         if data == CANCEL {
             return None;
@@ -761,6 +763,7 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
     }
 
     /// Stores `held` in a free slot and queues `entry` for it.
+    #[inline(always)]
     fn submit_held(&mut self, entry: squeue::Entry, held: Held<R, S>) -> OpId {
         let index = match self.free.pop() {
             Some(index) => index,
@@ -795,7 +798,16 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
 
     /// Moves the backlog into the submission queue, submitting (and reaping, when the
     /// completion queue is full) to make room.
+    #[inline]
     fn flush_backlog(&mut self) -> io::Result<()> {
+        if self.backlog.is_empty() {
+            return Ok(());
+        }
+        self.flush_backlog_slow()
+    }
+
+    #[inline(never)]
+    fn flush_backlog_slow(&mut self) -> io::Result<()> {
         while let Some(entry) = self.backlog.front() {
             if push_entry(&mut self.ring, entry) {
                 self.backlog.pop_front();
