@@ -1331,22 +1331,13 @@ mod tests {
         use std::io::{Read, Write};
         use std::net::TcpStream;
 
-        use rdzv_core::store::{Request, VALIDATION_MAGIC};
+        use rdzv_core::store::Request;
 
         for multishot in [true, false] {
             let budget = Budget::default();
             let (port, stop, thread, stats) = one_loop(multishot, budget);
             let value: Vec<u8> = (0..7 << 20).map(|i: u32| (i % 251) as u8).collect();
-            let mut frame = Vec::new();
-            Request::Validate {
-                magic: VALIDATION_MAGIC,
-            }
-            .encode_into(&mut frame);
-            Request::Set {
-                key: b"big",
-                value: &value,
-            }
-            .encode_into(&mut frame);
+            let frame = validate_and_set(b"big", &value);
             let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
             stream
                 .set_read_timeout(Some(Duration::from_secs(20)))
@@ -1384,6 +1375,19 @@ mod tests {
             stop.store(true, Ordering::Release);
             thread.join().unwrap();
         }
+    }
+
+    /// A client's first bytes: `VALIDATE`, then a `SET` of `key` (which has no reply).
+    fn validate_and_set(key: &[u8], value: &[u8]) -> Vec<u8> {
+        use rdzv_core::store::{Request, VALIDATION_MAGIC};
+
+        let mut frame = Vec::new();
+        Request::Validate {
+            magic: VALIDATION_MAGIC,
+        }
+        .encode_into(&mut frame);
+        Request::Set { key, value }.encode_into(&mut frame);
+        frame
     }
 
     /// One loop on its own port with `budget`: its port, its stop flag, its thread and
@@ -1433,7 +1437,7 @@ mod tests {
         use std::io::{Read, Write};
         use std::net::TcpStream;
 
-        use rdzv_core::store::{Request, VALIDATION_MAGIC};
+        use rdzv_core::store::Request;
 
         let budget = Budget {
             out_high_water: 64 << 10,
@@ -1445,16 +1449,7 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
         let value = vec![b'v'; 4096];
-        let mut frame = Vec::new();
-        Request::Validate {
-            magic: VALIDATION_MAGIC,
-        }
-        .encode_into(&mut frame);
-        Request::Set {
-            key: b"k",
-            value: &value,
-        }
-        .encode_into(&mut frame);
+        let mut frame = validate_and_set(b"k", &value);
         let count = 20_000;
         for _ in 0..count {
             Request::Get { key: b"k" }.encode_into(&mut frame);
