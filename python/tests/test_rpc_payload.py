@@ -15,7 +15,7 @@ import ctypes
 import gc
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
@@ -23,6 +23,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_rpc  # noqa: E402
 from test_rpc import assert_all_true, echo, pattern, run_group  # noqa: E402
+
+import dlpack_arrays  # noqa: E402
+from dlpack_arrays import DLArray  # noqa: E402
 
 from rdzv._rdzv import ReceivedBuffer  # noqa: E402
 from rdzv.rpc import _serialize  # noqa: E402
@@ -59,6 +62,44 @@ def base_is_received(x: Any) -> bool:
 def bump_and_return(x: np.ndarray) -> np.ndarray:
     x += 1  # the received array is writable, as the bytearray used to be
     return x
+
+
+class NoWayBack:
+    """A DLPack array whose module (this one) has no ``from_dlpack``: it arrives as numpy."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self._data = data
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._data.__dlpack_device__()
+
+
+class OnTheGpu:
+    """A DLPack array that says it lives on CUDA device 0: the CPU cannot read it, so it
+    travels by its own pickling (here, the bytes it holds)."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        raise BufferError("not readable from the CPU")
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return (2, 0)
+
+    def __reduce__(self) -> Any:
+        return (OnTheGpu, (self.payload,))
+
+
+def describe_dlpack(x: Any) -> Any:
+    """What a DLPack array arrived as: its type and, for a ``DLArray``, its bytes'
+    digest, dtype and shape."""
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    data = x.numpy() if isinstance(x, DLArray) else x
+    return kind, digest_array(data), data.dtype.str, tuple(data.shape)
 
 
 def _received_under(array: Any) -> Any:
@@ -294,7 +335,51 @@ def scenario_torch_tensors(rpc: Any, world: int) -> Dict[str, Any]:
     return seen
 
 
+def scenario_dlpack(rpc: Any, world: int) -> Dict[str, Any]:
+    """Arrays of a library that speaks only DLPack (``dlpack_arrays``): several dtypes
+    and shapes (0-d, empty, strided, 64 MiB) come back as that library's arrays, byte for
+    byte; one whose library has no ``from_dlpack`` comes back as numpy; one on a GPU
+    travels by its own pickling."""
+    seen: Dict[str, Any] = {}
+    rng = np.random.default_rng(5)
+    cases = {
+        "float32 (3, 1000)": rng.random((3, 1000), dtype=np.float32),
+        "int64 0-d": np.array(7, dtype=np.int64),
+        "uint8 empty": np.zeros((0, 4), dtype=np.uint8),
+        "bool (65, 7)": rng.integers(0, 2, (65, 7)).astype(bool),
+        "complex128 strided": (rng.random((200, 300)) + 1j)[::3, 1::2],
+        "uint8 64 MiB": pattern(64 << 20, 3),
+    }
+    for name, data in cases.items():
+        back = rpc.rpc_sync("w1", echo, args=(DLArray(data),))
+        seen[f"{name} type"] = type(back) is DLArray
+        if type(back) is DLArray:
+            got = back.numpy()
+            seen[f"{name} bytes"] = (
+                got.dtype == data.dtype and got.shape == data.shape and np.array_equal(got, data)
+            )
+        kind, digest, dtype, shape = rpc.rpc_sync("w1", describe_dlpack, args=(DLArray(data),))
+        seen[f"{name} at the callee"] = (
+            kind == "dlpack_arrays.DLArray"
+            and digest == digest_array(data)
+            and dtype == data.dtype.str
+            and shape == data.shape
+        )
+    nested = {"x": DLArray(np.arange(10.0)), "y": [DLArray(np.ones(3, dtype=np.int16))]}
+    back = rpc.rpc_sync("w1", echo, args=(nested,))
+    seen["in a dict"] = np.array_equal(back["x"].numpy(), np.arange(10.0)) and np.array_equal(
+        back["y"][0].numpy(), np.ones(3, dtype=np.int16)
+    )
+    plain = np.arange(1 << 16, dtype=np.int32)
+    back = rpc.rpc_sync("w1", echo, args=(NoWayBack(plain),))
+    seen["no from_dlpack: numpy"] = type(back) is np.ndarray and np.array_equal(back, plain)
+    back = rpc.rpc_sync("w1", echo, args=(OnTheGpu(b"device bytes"),))
+    seen["gpu: own pickling"] = type(back) is OnTheGpu and back.payload == b"device bytes"
+    return seen
+
+
 SCENARIOS = {
+    "dlpack": scenario_dlpack,
     "torch_tensors": scenario_torch_tensors,
     "no_numpy": scenario_no_numpy,
     "arrays": scenario_arrays,
@@ -367,6 +452,13 @@ def test_many_big_calls_in_flight_arrive_intact(children: Any, pair: str) -> Non
     assert_all_true(run(children, "in_flight", pair))
 
 
+@pytest.mark.parametrize("pair", ["shm", "tcp"])
+def test_dlpack_arrays_of_another_library_come_back_as_its_arrays(
+    children: Any, pair: str
+) -> None:
+    assert_all_true(run(children, "dlpack", pair))
+
+
 def test_a_worker_without_numpy_lends_by_ctypes(children: Any) -> None:
     assert_all_true(run(children, "no_numpy", "shm"))
 
@@ -406,6 +498,45 @@ def test_a_read_only_bytes_buffer_is_lent_in_place() -> None:
     assert _serialize.is_lent(lent) and lent.length == len(data)
     assert lent.address == ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
     assert bytes(lent.owner) == data
+
+
+def test_a_dlpack_array_is_lent_in_place_and_rebuilt_over_the_same_memory() -> None:
+    data = np.arange(1 << 16, dtype=np.float64)
+    sent = DLArray(data)
+    payload, buffers = _serialize.dumps(sent)
+    (lent,) = buffers
+    assert _serialize.is_lent(lent) and lent.address == data.__array_interface__["data"][0]
+    back = _serialize.loads(payload, buffers)
+    assert type(back) is DLArray and np.shares_memory(back.numpy(), data)
+    # A strided one is made contiguous (one copy) and keeps its shape.
+    strided = np.arange(60, dtype=np.int8).reshape(6, 10)[:, ::3]
+    back = _serialize.loads(*_serialize.dumps(DLArray(strided)))
+    assert back.numpy().shape == (6, 4) and np.array_equal(back.numpy(), strided)
+
+
+def test_a_dlpack_array_without_numpy_uses_its_own_pickling() -> None:
+    """Without numpy imported, DLPack arrays are not looked into: one with no pickling
+    of its own fails as pickle says, one with its own travels by it."""
+    hidden = sys.modules["numpy"]
+    sys.modules["numpy"] = None  # type: ignore[assignment]
+    try:
+        with pytest.raises(TypeError, match="only by DLPack"):
+            _serialize.dumps(DLArray(hidden.arange(3)))
+        back = _serialize.loads(*_serialize.dumps(OnTheGpu(b"x")))
+        assert type(back) is OnTheGpu and back.payload == b"x"
+    finally:
+        sys.modules["numpy"] = hidden
+
+
+def test_a_dlpack_type_that_is_gone_arrives_as_numpy() -> None:
+    """The receiver looks for ``from_dlpack`` where the type lives; a module it cannot
+    import leaves a numpy array over the bytes."""
+    data = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    payload, buffers = _serialize.dumps(DLArray(data))
+    payload = payload.replace(b"dlpack_arrays", b"no_such_lib_x")
+    back = _serialize.loads(payload, buffers)
+    assert type(back) is np.ndarray and np.array_equal(back, data)
+    assert _serialize._dlpack_target("dlpack_arrays", "DLArray") is dlpack_arrays.from_dlpack
 
 
 def test_loads_takes_back_what_dumps_lent() -> None:

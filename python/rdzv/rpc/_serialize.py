@@ -9,6 +9,12 @@ memory, cross-memory attach, striped TCP), never copied into the pickle:
 - CPU ``torch.Tensor``\\ s anywhere in the object, when torch is imported (reduced by
   ``reducer_override``; the receiver gets a tensor of the same dtype, shape and
   ``requires_grad``);
+- CPU DLPack arrays of other libraries (any object with ``__dlpack__`` and
+  ``__dlpack_device__`` on a CPU device), when numpy is imported: taken as a numpy array
+  over the same memory (``numpy.from_dlpack``, no copy). The receiver gets the sender's
+  type back where that type, its module or its top-level package has a ``from_dlpack``
+  (called with a numpy array over the received bytes), and a numpy array otherwise. A
+  DLPack array on a GPU, or of a dtype numpy lacks, is pickled by its own reduction;
 - ``bytes`` and ``bytearray`` of at least :data:`OUT_OF_BAND_BYTES`, when they are an
   argument, a keyword argument's value or the result, or an item of such a list, tuple or
   dict (of up to :data:`LIFTED_ITEMS` items). pickle writes these types in-band without
@@ -117,6 +123,82 @@ def _rebuild_tensor(buffer: Any, dtype: str, shape: Tuple[int, ...], requires_gr
     return tensor
 
 
+#: DLPack device types whose memory the CPU reads: ``kDLCPU`` and ``kDLCUDAHost`` (pinned).
+_DLPACK_HOST_DEVICES = (1, 3)
+
+
+def _dlpack_target(module: str, qualname: str) -> Any:
+    """The ``from_dlpack`` that makes a ``module.qualname`` from a numpy array: the
+    type's own, its module's or its top-level package's; ``None`` when there is none (or
+    the type cannot be imported here)."""
+    try:
+        found: Any = importlib.import_module(module)
+    except Exception:
+        return None
+    places = []
+    kind: Any = found
+    try:
+        for part in qualname.split("."):
+            kind = getattr(kind, part)
+        places.append(kind)
+    except AttributeError:
+        pass
+    places.append(found)
+    top = module.split(".", 1)[0]
+    if top != module:
+        places.append(sys.modules.get(top))
+    for place in places:
+        convert = getattr(place, "from_dlpack", None)
+        if callable(convert):
+            return convert
+    return None
+
+
+def _rebuild_dlpack(
+    buffer: Any, dtype: str, shape: Tuple[int, ...], module: str, qualname: str
+) -> Any:
+    try:
+        import numpy
+    except ImportError as e:
+        raise ImportError(
+            f"a {module}.{qualname} array arrived (by DLPack), and numpy, which rebuilds it, "
+            "is not installed here: pip install numpy"
+        ) from e
+    array = numpy.frombuffer(buffer, dtype=numpy.uint8).view(numpy.dtype(dtype)).reshape(shape)
+    convert = _dlpack_target(module, qualname)
+    return array if convert is None else convert(array)
+
+
+def _reduce_dlpack(obj: Any) -> Any:
+    """A CPU DLPack array as its bytes out of band (numpy's view of the same memory), or
+    ``NotImplemented`` (the object's own reduction): no numpy, a device the CPU cannot
+    read, a dtype numpy lacks."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or isinstance(obj, numpy.ndarray):
+        return NotImplemented
+    try:
+        device = obj.__dlpack_device__()
+        if int(device[0]) not in _DLPACK_HOST_DEVICES:
+            return NotImplemented
+        array = numpy.from_dlpack(obj)
+        if not array.flags.c_contiguous:
+            array = array.copy(order="C")
+    except Exception:
+        return NotImplemented
+    kind = type(obj)
+    raw = array.reshape(-1).view(numpy.uint8)
+    return (
+        _rebuild_dlpack,
+        (
+            pickle.PickleBuffer(raw),
+            array.dtype.str,
+            tuple(array.shape),
+            kind.__module__,
+            kind.__qualname__,
+        ),
+    )
+
+
 def _reduce_tensor(torch: Any, tensor: Any) -> Any:
     """A CPU tensor as its bytes out of band, or ``NotImplemented`` (torch's own
     reduction) for the rest: device, sparse, quantized tensors and subclasses."""
@@ -146,6 +228,8 @@ class _Pickler(pickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             return _reduce_tensor(torch, obj)
+        if getattr(kind, "__dlpack__", None) is not None:
+            return _reduce_dlpack(obj)
         return NotImplemented
 
 
