@@ -777,7 +777,11 @@ impl<R: RecvBuf, S: SendBuf> Ring<R, S> {
             }
         };
         let slot = &mut self.slots[index as usize];
-        slot.held = held;
+        // A free slot holds `Held::Free` (nothing to drop): replaced without the drop
+        // glue an assignment would run on it.
+        let free = std::mem::replace(&mut slot.held, held);
+        debug_assert!(matches!(free, Held::Free));
+        std::mem::forget(free);
         let op = OpId {
             index,
             generation: slot.generation,
