@@ -335,7 +335,7 @@ def handler_class(
                 )
             self._settings = s
             self._server = None
-            self._round = None
+            self._round: Optional[Any] = None
             self._tcp_store = None
             self._closed = False
             self._clients: dict = {}

@@ -181,7 +181,10 @@ class RpcAgent:
         channels: Optional[List[str]],
         device_maps: List[Tuple[str, List[Tuple[str, str]]]],
         devices: List[str],
-        serve: Callable[[str, _RpcMessage], Tuple[object, object, object]],
+        serve: Callable[
+            [str, _RpcMessage],
+            Union[Tuple[object, object, object], Callable[[Callable[[Any], None]], None]],
+        ],
         released: Callable[[Optional[BaseException], Optional[_RpcMessage]], None],
         secret: Optional[bytes] = None,
         secret_disabled: bool = False,

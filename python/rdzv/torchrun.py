@@ -33,7 +33,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple, TypedDict
+from typing import Any, Callable, List, Optional, Set, Tuple, TypedDict
 
 from . import _errors, _etcd
 from ._progress import wait_with_progress
@@ -122,9 +122,9 @@ def is_this_host(host: str) -> bool:
         wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
         return False
-    if any(addr.startswith("127.") or addr == "::1" for addr in wanted):
+    if any(str(addr).startswith("127.") or addr == "::1" for addr in wanted):
         return True
-    mine = set()
+    mine: Set[Any] = set()
     for name in names:
         try:
             mine.update(info[4][0] for info in socket.getaddrinfo(name, None))

@@ -165,7 +165,7 @@ def is_available() -> bool:
     return True
 
 
-def _serve(caller: str, request: Tuple[bytes, bytes, List[bytearray]]) -> Tuple[Any, Any, Any]:
+def _serve(caller: str, request: Tuple[bytes, bytes, List[Any]]) -> Any:
     """Runs one call on this worker (the agent's ``PYTHON_CALL`` handler): the reply's
     ``(metadata, payload, buffers)``, an exception as a reply of its own."""
     metadata, payload, buffers = request
@@ -222,7 +222,7 @@ def _answer_later(caller: str, future: Any) -> Callable[[Callable[[Any], None]],
     return attach
 
 
-def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[Any, Any, Any]:
+def _serve_remote(key: str, payload: bytes, buffers: List[Any]) -> Tuple[Any, Any, Any]:
     """Runs a ``remote()`` call: the owner keeps the result (or the exception) as the
     live object of ``key``; the agent's value is only the key."""
     try:
@@ -239,7 +239,7 @@ def _serve_remote(key: str, payload: bytes, buffers: List[bytearray]) -> Tuple[A
     return (_rref.OWNED_TAG + key.encode(), b"", [])
 
 
-def _reply_value(reply: Tuple[bytes, bytes, List[bytearray]]) -> Any:
+def _reply_value(reply: Tuple[bytes, bytes, List[Any]]) -> Any:
     """A reply's value, or raises the remote exception."""
     metadata, payload, buffers = reply
     if _restricted.is_restricted(payload):

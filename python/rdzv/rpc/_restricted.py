@@ -18,7 +18,7 @@ import builtins
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from .. import _rdzv
 from ._serialize import _received as received_view
@@ -216,7 +216,7 @@ def serve(me: str, payload: Any, buffers: Sequence[Any]) -> Tuple[bytes, bytes, 
         decoded = _rdzv.restricted_decode(bytes(payload), _tensor_maker(buffers))
         if decoded[0] != "call":
             raise ValueError(f"restricted-mode RPC: expected a call, got a {decoded[0]} payload")
-        _, name, args, kwargs = decoded
+        _, name, args, kwargs = cast(Tuple[str, str, Tuple[Any, ...], Dict[str, Any]], decoded)
         with _lock:
             fn = _by_name.get(name)
         if fn is None:
@@ -250,5 +250,6 @@ def reply_value(payload: Any, buffers: Sequence[Any]) -> Any:
     if decoded[0] == "value":
         return decoded[1]
     if decoded[0] == "exception":
-        raise _exception(decoded[1], decoded[2])
+        _, type_name, message = cast(Tuple[str, str, str], decoded)
+        raise _exception(type_name, message)
     raise ValueError("restricted-mode RPC: a reply holds a call")

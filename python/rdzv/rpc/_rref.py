@@ -140,6 +140,8 @@ class RRef(Generic[T]):
     copy), as torch's does; ``remote()`` returns the RRefs of other workers' values."""
 
     __slots__ = ("_rref", "_key", "__weakref__")
+    _rref: _RustRRef
+    _key: str
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         from . import _agent, remote

@@ -257,8 +257,10 @@ def _lend(view: memoryview) -> Any:
     address = _address(view)
     if address is None:
         copy = bytes(view)
-        address = ctypes.cast(ctypes.c_char_p(copy), ctypes.c_void_p).value
-        return lent(address, length, memoryview(copy))
+        copied = ctypes.cast(ctypes.c_char_p(copy), ctypes.c_void_p).value
+        if copied is None:  # a non-empty bytes object is never at address 0
+            raise BufferError("a copied buffer has no address")
+        return lent(copied, length, memoryview(copy))
     return lent(address, length, view)
 
 

@@ -61,7 +61,7 @@ def _device_map(device_map: DeviceMap) -> Dict[str, str]:
 def _secret_repr(secret: Union[bytes, None, bool]) -> str:
     if secret is None:
         return "shared"
-    if secret is False:
+    if not isinstance(secret, bytes):  # False (True is refused when options are made)
         return "none"
     return f"<{len(secret)} bytes>"
 
