@@ -99,7 +99,9 @@
 //! Inputs: local calls ([`remote`](RRefContext::remote), [`fork`](RRefContext::fork),
 //! [`receive_fork`](RRefContext::receive_fork), [`clone_handle`](RRefContext::clone_handle),
 //! [`drop_handle`](RRefContext::drop_handle), [`value_ready`](RRefContext::value_ready)),
-//! messages ([`handle_message`](RRefContext::handle_message)) and time
+//! messages ([`handle_message`](RRefContext::handle_message), or
+//! [`handle_call`](RRefContext::handle_call) for one that arrived as a call, whose answer
+//! travels in that call's response) and time
 //! ([`handle_timeout`](RRefContext::handle_timeout)). Outputs, drained after each input
 //! in this order: [`poll_event`](RRefContext::poll_event),
 //! [`poll_transmit`](RRefContext::poll_transmit), then
@@ -844,8 +846,37 @@ impl RRefContext {
         self.owners.get(&rref).copied()
     }
 
-    /// Handles a message from worker `from`. Every handler is idempotent.
+    /// Handles a message from worker `from`. Every handler is idempotent. The message
+    /// that answers it (see [`handle_call`](Self::handle_call)) is queued to
+    /// [`poll_transmit`](Self::poll_transmit) like any other.
     pub fn handle_message(&mut self, now: Instant, from: WorkerId, message: RRefMessage) {
+        if let Some(answer) = self.apply(now, from, message) {
+            self.transmits.push_back(Transmit {
+                to: from,
+                message: answer,
+                attempt: 0,
+            });
+        }
+    }
+
+    /// Handles a message that arrived as a call of its own from worker `from`, and
+    /// returns the message that answers it in that call's response rather than as a
+    /// call: a control message's `Ack` (the control call's response), or a
+    /// `RemoteCall`'s `RemoteRet` (the `remote()` call's response, which confirms the
+    /// caller's user there). An `Ack` or a `RemoteRet` has no answer. Only what the
+    /// message set off beside its answer is queued to
+    /// [`poll_transmit`](Self::poll_transmit).
+    pub fn handle_call(
+        &mut self,
+        now: Instant,
+        from: WorkerId,
+        message: RRefMessage,
+    ) -> Option<RRefMessage> {
+        self.apply(now, from, message)
+    }
+
+    /// Applies `message` from `from`; returns its answer (`handle_call`).
+    fn apply(&mut self, now: Instant, from: WorkerId, message: RRefMessage) -> Option<RRefMessage> {
         match message {
             RRefMessage::RemoteCall { rref, fork } => {
                 self.abandoned_calls.remove(&rref);
@@ -860,13 +891,12 @@ impl RRefContext {
                 if fork != rref {
                     self.forks.entry(rref).or_default().insert(fork);
                 }
-                self.transmits.push_back(Transmit {
-                    to: from,
-                    message: RRefMessage::RemoteRet { rref, fork },
-                    attempt: 0,
-                });
+                Some(RRefMessage::RemoteRet { rref, fork })
             }
-            RRefMessage::RemoteRet { rref, fork } => self.confirm(now, rref, fork),
+            RRefMessage::RemoteRet { rref, fork } => {
+                self.confirm(now, rref, fork);
+                None
+            }
             RRefMessage::Control { kind, rref, fork } => {
                 match kind {
                     ControlKind::ForkRequest => {
@@ -905,19 +935,14 @@ impl RRefContext {
                         self.maybe_delete_owner(rref);
                     }
                 }
-                self.transmits.push_back(Transmit {
-                    to: from,
-                    message: RRefMessage::Ack { kind, rref, fork },
-                    attempt: 0,
-                });
+                Some(RRefMessage::Ack { kind, rref, fork })
             }
             RRefMessage::Ack { kind, rref, fork } => {
-                if self.sends.remove(&(kind, fork)).is_none() {
-                    return; // a duplicate, or an answer after giving up
-                }
-                if kind == ControlKind::ForkRequest {
+                // None: a duplicate, or an answer after giving up.
+                if self.sends.remove(&(kind, fork)).is_some() && kind == ControlKind::ForkRequest {
                     self.confirm(now, rref, fork);
                 }
+                None
             }
         }
     }

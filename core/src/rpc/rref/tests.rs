@@ -470,6 +470,89 @@ fn remote_to_another_worker_is_pending_until_remote_ret() {
     net.assert_empty();
 }
 
+/// A control message that arrived as a call is answered by its `Ack`, returned for the
+/// call's response; nothing of it is queued as a call of its own.
+#[test]
+fn a_control_calls_ack_is_its_response() {
+    let mut owner = RRefContext::new(B, options());
+    let rref = RRefId {
+        created_on: A,
+        local_id: 0,
+    };
+    let fork = ForkId {
+        created_on: A,
+        local_id: 1,
+    };
+    let control = RRefMessage::Control {
+        kind: ControlKind::ForkRequest,
+        rref,
+        fork,
+    };
+    let answer = owner.handle_call(Instant::ZERO, C, control);
+    assert_eq!(
+        answer,
+        Some(RRefMessage::Ack {
+            kind: ControlKind::ForkRequest,
+            rref,
+            fork
+        })
+    );
+    assert_eq!(owner.poll_transmit(), None);
+    assert_eq!(owner.debug_info().num_forks, 1);
+    // As a plain message, the same answer is queued to the sender instead.
+    let mut queued = RRefContext::new(B, options());
+    queued.handle_message(Instant::ZERO, C, control);
+    let sent = queued.poll_transmit().map(|t| (t.to, t.message));
+    assert_eq!(sent, Some((C, answer.unwrap_or(control))));
+}
+
+/// A `remote()` call's `RemoteRet` is that call's response; another `RemoteCall`
+/// handled as a plain message still queues its own. An `Ack` or a `RemoteRet` has no
+/// answer.
+#[test]
+fn a_remote_calls_remote_ret_is_its_response() {
+    let mut owner = RRefContext::new(B, options());
+    let id = |local_id| RRefId {
+        created_on: A,
+        local_id,
+    };
+    let (rref, fork) = (id(0), id(1));
+    let answer = owner.handle_call(Instant::ZERO, A, RRefMessage::RemoteCall { rref, fork });
+    assert_eq!(answer, Some(RRefMessage::RemoteRet { rref, fork }));
+    owner.handle_message(
+        Instant::ZERO,
+        A,
+        RRefMessage::RemoteCall {
+            rref: id(2),
+            fork: id(3),
+        },
+    );
+    let rest: Vec<_> = core::iter::from_fn(|| owner.poll_transmit())
+        .map(|t| (t.to, t.message))
+        .collect();
+    assert_eq!(
+        rest,
+        [(
+            A,
+            RRefMessage::RemoteRet {
+                rref: id(2),
+                fork: id(3)
+            }
+        )]
+    );
+    assert_eq!(owner.debug_info().num_forks, 2);
+    let ack = RRefMessage::Ack {
+        kind: ControlKind::UserDelete,
+        rref,
+        fork,
+    };
+    assert_eq!(owner.handle_call(Instant::ZERO, A, ack), None);
+    assert_eq!(
+        owner.handle_call(Instant::ZERO, A, RRefMessage::RemoteRet { rref, fork }),
+        None
+    );
+}
+
 #[test]
 fn remote_to_self_is_an_owner_handle() {
     let mut net = Net::new();

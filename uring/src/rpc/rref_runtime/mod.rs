@@ -31,7 +31,8 @@
 //! The reserved handler, on the worker pool (or inline, when `handler` is an inline
 //! one), then runs `handler` and keeps its result (value or error text) keyed by RRef
 //! id. The call's response is the machine's `RemoteRet`, as in PyTorch
-//! (`assignOwnerRRef`): sent once the handler has run, it confirms the caller's user,
+//! (`assignOwnerRRef`; core's `handle_call` returns it rather than queuing it): sent once
+//! the handler has run, it confirms the caller's user,
 //! fed to the caller's machine on the thread that completes the call. `to_here` is a
 //! call to `__rdzv_rref_fetch`, which the inbound lane hands to `fetch_arrived` on its
 //! reader: answered from that table, or, if the value is not there yet, when it is
@@ -84,8 +85,7 @@ use std::time::Duration;
 
 use rdzv_core::rpc::name::{WorkerId, WorkerInfo};
 use rdzv_core::rpc::rref::{
-    ControlKind, ForkId, RRefContext, RRefEvent, RRefId, RRefMessage, RetryOptions, Transmit,
-    ValueOutcome,
+    ForkId, RRefContext, RRefEvent, RRefId, RetryOptions, Transmit, ValueOutcome,
 };
 use rdzv_core::rpc::timeouts::Instant;
 
@@ -220,19 +220,13 @@ impl RRefs {
         Ok(RpcClient::new(self.agent()? as Arc<dyn Caller>))
     }
 
-    /// Runs `f` on the state, then applies the machine's events, queues its messages
-    /// (keeping back the one that `reply_to` names, which is returned: the response of
-    /// the call being served carries it), signals waiters and wakes the pump if there is
-    /// anything to send.
-    fn with<R>(
-        &self,
-        reply_to: Option<InReply>,
-        f: impl FnOnce(&mut State, Instant) -> R,
-    ) -> (R, Option<RRefMessage>) {
+    /// Runs `f` on the state, then applies the machine's events, queues its messages,
+    /// signals waiters and wakes the pump if there is anything to send.
+    fn update<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
         let now = self.now();
         let mut state = self.lock();
         let result = f(&mut state, now);
-        let reply = drain(&mut state, reply_to);
+        drain(&mut state);
         let wake = !state.outbox.is_empty();
         let released = std::mem::take(&mut state.released);
         drop(state);
@@ -243,11 +237,7 @@ impl RRefs {
         if wake {
             self.signal.notify();
         }
-        (result, reply)
-    }
-
-    fn update<R>(&self, f: impl FnOnce(&mut State, Instant) -> R) -> R {
-        self.with(None, f).0
+        result
     }
 
     /// The report of the last graceful shutdown.
@@ -368,46 +358,8 @@ impl RRefs {
     }
 }
 
-/// A machine message that travels in the response of the call being served, not as a
-/// call of its own.
-#[derive(Debug, Clone, Copy)]
-enum InReply {
-    /// A control message's `Ack`: the control call's response.
-    Ack {
-        to: WorkerId,
-        kind: ControlKind,
-        fork: ForkId,
-    },
-    /// The `RemoteRet` of a `remote()` call: the call's response, sent once the handler
-    /// has run (PyTorch's `assignOwnerRRef`), confirms the caller's user there.
-    RemoteRet {
-        to: WorkerId,
-        rref: RRefId,
-        fork: ForkId,
-    },
-}
-
-impl InReply {
-    fn carries(self, transmit: &Transmit) -> bool {
-        match (self, transmit.message) {
-            (
-                InReply::Ack { to, kind, fork },
-                RRefMessage::Ack {
-                    kind: k, fork: f, ..
-                },
-            ) => transmit.to == to && k == kind && f == fork,
-            (
-                InReply::RemoteRet { to, rref, fork },
-                RRefMessage::RemoteRet { rref: r, fork: f },
-            ) => transmit.to == to && r == rref && f == fork,
-            _ => false,
-        }
-    }
-}
-
-/// Applies the machine's events and moves its messages to the outbox, except the one
-/// named by `reply_to`, which is returned.
-fn drain(state: &mut State, reply_to: Option<InReply>) -> Option<RRefMessage> {
+/// Applies the machine's events and moves its messages to the outbox.
+fn drain(state: &mut State) {
     while let Some(event) = state.machine.poll_event() {
         match event {
             RRefEvent::DeleteValue { rref } => {
@@ -428,104 +380,7 @@ fn drain(state: &mut State, reply_to: Option<InReply>) -> Option<RRefMessage> {
         let machine = &state.machine;
         state.failed.retain(|fork, _| machine.holds_user(*fork));
     }
-    let mut reply = None;
     while let Some(transmit) = state.machine.poll_transmit() {
-        if reply.is_none() && reply_to.is_some_and(|r| r.carries(&transmit)) {
-            reply = Some(transmit.message);
-        } else {
-            state.outbox.push_back(transmit);
-        }
-    }
-    reply
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_ack_named_is_kept_back_for_the_response() {
-        let owner = WorkerId::from(1);
-        let child = WorkerId::from(2);
-        let rref = RRefId {
-            created_on: WorkerId::from(0),
-            local_id: 0,
-        };
-        let fork = ForkId {
-            created_on: WorkerId::from(0),
-            local_id: 1,
-        };
-        let mut state = State::new(owner, RetryOptions::default());
-        let now = Instant::from_nanos(0);
-        state.machine.handle_message(
-            now,
-            child,
-            RRefMessage::Control {
-                kind: ControlKind::ForkRequest,
-                rref,
-                fork,
-            },
-        );
-        let named = InReply::Ack {
-            to: child,
-            kind: ControlKind::ForkRequest,
-            fork,
-        };
-        let reply = drain(&mut state, Some(named));
-        assert_eq!(
-            reply,
-            Some(RRefMessage::Ack {
-                kind: ControlKind::ForkRequest,
-                rref,
-                fork
-            })
-        );
-        assert!(state.outbox.is_empty());
-        assert_eq!(state.machine.debug_info().num_forks, 1);
-    }
-
-    /// A `remote()` call's `RemoteRet` is its response, not a call of its own; a
-    /// `RemoteRet` for another call still goes out.
-    #[test]
-    fn the_remote_ret_of_the_call_being_served_is_its_response() {
-        let owner = WorkerId::from(1);
-        let caller = WorkerId::from(2);
-        let id = |local_id| RRefId {
-            created_on: caller,
-            local_id,
-        };
-        let (rref, fork) = (id(0), id(1));
-        let mut state = State::new(owner, RetryOptions::default());
-        let now = Instant::from_nanos(0);
-        state
-            .machine
-            .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
-        state.machine.handle_message(
-            now,
-            caller,
-            RRefMessage::RemoteCall {
-                rref: id(2),
-                fork: id(3),
-            },
-        );
-        let named = InReply::RemoteRet {
-            to: caller,
-            rref,
-            fork,
-        };
-        let reply = drain(&mut state, Some(named));
-        assert_eq!(reply, Some(RRefMessage::RemoteRet { rref, fork }));
-        let rest: Vec<_> = state.outbox.iter().map(|t| (t.to, t.message)).collect();
-        assert_eq!(
-            rest,
-            [(
-                caller,
-                RRefMessage::RemoteRet {
-                    rref: id(2),
-                    fork: id(3)
-                }
-            )]
-        );
-        assert_eq!(state.machine.debug_info().num_forks, 2);
+        state.outbox.push_back(transmit);
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use rdzv_core::rpc::rref::wire::{handler, FetchRequest, RemoteCallHeader};
 use rdzv_core::rpc::rref::{DebugInfo, RRefMessage};
 
-use super::{InReply, RRefs, Waiter};
+use super::{RRefs, Waiter};
 use crate::rpc::handler::{run_handler, CallContext, Handler, Inline};
 use crate::rpc::message::Message;
 use crate::rpc::rref::RRefRuntime;
@@ -50,24 +50,14 @@ pub(crate) fn register_handlers(rrefs: &Arc<RRefs>) {
 /// A machine message from `ctx.caller_id`; a control message's `Ack` is the response.
 fn on_message(rrefs: &Arc<RRefs>, ctx: &CallContext, m: &Message) -> Result<Message, String> {
     let message = RRefMessage::from_bytes(&m.payload).map_err(|e| e.to_string())?;
+    if let RRefMessage::RemoteCall { .. } = message {
+        return Err("a RemoteCall travels in the remote() call, not alone".into());
+    }
     let from = ctx.caller_id;
-    let reply_to = match message {
-        RRefMessage::Control { kind, fork, .. } => Some(InReply::Ack {
-            to: from,
-            kind,
-            fork,
-        }),
-        RRefMessage::RemoteCall { .. } => {
-            return Err("a RemoteCall travels in the remote() call, not alone".into())
-        }
-        _ => None,
-    };
-    let ((), ack) = rrefs.with(reply_to, |state, now| {
-        state.machine.handle_message(now, from, message);
-    });
+    let answer = rrefs.update(|state, now| state.machine.handle_call(now, from, message));
     rrefs.ensure_pump();
-    match ack {
-        Some(ack) => ack
+    match answer {
+        Some(answer) => answer
             .to_bytes()
             .map(Message::from_payload)
             .map_err(|e| e.to_string()),

@@ -12,7 +12,7 @@ use rdzv_core::rpc::rref::{
 
 use super::pump::{on_sent, Sent};
 use super::serve::run_user_handler;
-use super::{InReply, RRefs};
+use super::RRefs;
 use crate::rpc::error::{CallError, RRefFailure, UsageError};
 use crate::rpc::handler::CallContext;
 use crate::rpc::message::Message;
@@ -77,16 +77,11 @@ impl RRefRuntime for RRefs {
         };
         let (rref, fork) = (header.rref, header.fork);
         // The machine's `RemoteRet` is the call's own response, sent when the handler has
-        // run: no call of its own.
-        let answer = InReply::RemoteRet {
-            to: caller,
-            rref,
-            fork,
-        };
-        self.with(Some(answer), |state, now| {
+        // run (`handle_call` returns it rather than queuing a call of its own).
+        self.update(|state, now| {
             state
                 .machine
-                .handle_message(now, caller, RRefMessage::RemoteCall { rref, fork });
+                .handle_call(now, caller, RRefMessage::RemoteCall { rref, fork });
         });
         self.ensure_pump();
     }
