@@ -294,7 +294,9 @@ impl SendBuf for Outgoing {
 }
 
 /// A connection's send side: the bytes being sent are the ring's while a send is in
-/// flight.
+/// flight. (`repr(u8)`: its state is a tag byte, looked at on every completion, rather
+/// than a decoding of the buffer's capacity niche.)
+#[repr(u8)]
 enum Writing {
     /// Nothing in flight.
     Idle(Outgoing),

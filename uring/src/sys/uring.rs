@@ -80,8 +80,10 @@ impl OpId {
 /// reaches.)
 const CANCEL: u64 = u64::MAX;
 
-/// A finished operation, with what it owned.
+/// A finished operation, with what it owned. (`repr(u8)`: a tag byte of its own, so
+/// that matching one reads a byte rather than decoding a buffer's capacity niche.)
 #[derive(Debug)]
+#[repr(u8)]
 pub(crate) enum Completion<R, S> {
     /// An accept: the new connection's descriptor, close-on-exec.
     Accepted {
@@ -303,7 +305,8 @@ impl Pool {
 // another thread moves that ownership.
 unsafe impl Send for Pool {}
 
-/// What an in-flight operation owns.
+/// What an in-flight operation owns (`repr(u8)`: see [`Completion`]).
+#[repr(u8)]
 enum Held<R, S> {
     Free,
     Accept {
