@@ -10,7 +10,7 @@ from typing import Any, Tuple
 import numpy as np
 
 
-class DLArray:
+class DLPackOnly:
     """Memory exposed only through DLPack (the array it wraps is kept private)."""
 
     def __init__(self, data: np.ndarray) -> None:
@@ -21,6 +21,10 @@ class DLArray:
 
     def __dlpack_device__(self) -> Tuple[int, int]:
         return self._data.__dlpack_device__()
+
+
+class DLArray(DLPackOnly):
+    """The library's array: it refuses to pickle, so it travels only by DLPack."""
 
     def __reduce__(self) -> Any:
         raise TypeError("a DLArray travels only by DLPack")

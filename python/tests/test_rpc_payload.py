@@ -64,17 +64,8 @@ def bump_and_return(x: np.ndarray) -> np.ndarray:
     return x
 
 
-class NoWayBack:
+class NoWayBack(dlpack_arrays.DLPackOnly):
     """A DLPack array whose module (this one) has no ``from_dlpack``: it arrives as numpy."""
-
-    def __init__(self, data: np.ndarray) -> None:
-        self._data = data
-
-    def __dlpack__(self, **kwargs: Any) -> Any:
-        return self._data.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self) -> Tuple[int, int]:
-        return self._data.__dlpack_device__()
 
 
 class OnTheGpu:
