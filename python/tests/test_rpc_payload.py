@@ -530,6 +530,26 @@ def test_a_dlpack_type_that_is_gone_arrives_as_numpy() -> None:
     assert _serialize._dlpack_target("dlpack_arrays", "DLArray") is dlpack_arrays.from_dlpack
 
 
+def test_a_cuda_tensor_is_refused_with_torchs_text() -> None:
+    """A CUDA tensor is refused as torch refuses one no device map applies to (device
+    maps are not applied from Python yet): pickled, it would land on its old device
+    index. Only ``tensor.device`` is looked at, so a stand-in tensor serves here, where
+    there is neither torch nor a GPU."""
+
+    class Device:
+        type = "cuda"
+
+        def __str__(self) -> str:
+            return "cuda:1"
+
+    class OnCuda:
+        device = Device()
+
+    with pytest.raises(RuntimeError, match="only supports CPU tensors by default") as refused:
+        _serialize._reduce_tensor(None, OnCuda())
+    assert "tensor.cpu()" in str(refused.value) and "cuda:1" in str(refused.value)
+
+
 def test_loads_takes_back_what_dumps_lent() -> None:
     value = {"a": np.arange(1 << 15, dtype=np.int64), "b": memoryview(bytearray(b"z" * 20000))}
     back = _serialize.loads(*_serialize.dumps(value))

@@ -8,7 +8,8 @@ memory, cross-memory attach, striped TCP), never copied into the pickle:
   objects and ``memoryview``\\ s, anywhere in the object;
 - CPU ``torch.Tensor``\\ s anywhere in the object, when torch is imported (reduced by
   ``reducer_override``; the receiver gets a tensor of the same dtype, shape and
-  ``requires_grad``);
+  ``requires_grad``); a CUDA tensor is refused with torch's text, device maps not being
+  applied from Python yet;
 - CPU DLPack arrays of other libraries (any object with ``__dlpack__`` and
   ``__dlpack_device__`` on a CPU device), when numpy is imported: taken as a numpy array
   over the same memory (``numpy.from_dlpack``, no copy). The receiver gets the sender's
@@ -199,9 +200,23 @@ def _reduce_dlpack(obj: Any) -> Any:
     )
 
 
+#: What sending a CUDA tensor raises: torch's own text (where no device map applies), and
+#: why none does here.
+CUDA_TENSOR_REFUSED = (
+    "TensorPipe RPC backend only supports CPU tensors by default, please move your "
+    "tensors to CPU before sending them over RPC (tensor.cpu()). rdzv.rpc does not move "
+    "CUDA tensors from Python yet, so device maps (set_device_map, device_maps) do not "
+    "apply to them; got a tensor on {device}"
+)
+
+
 def _reduce_tensor(torch: Any, tensor: Any) -> Any:
     """A CPU tensor as its bytes out of band, or ``NotImplemented`` (torch's own
-    reduction) for the rest: device, sparse, quantized tensors and subclasses."""
+    reduction) for the rest: meta, sparse, quantized tensors and subclasses. A CUDA
+    tensor is refused (``RuntimeError``), as torch refuses one no device map applies to:
+    pickled, it would arrive on its old device index, whatever the device maps say."""
+    if tensor.device.type == "cuda":
+        raise RuntimeError(CUDA_TENSOR_REFUSED.format(device=tensor.device))
     if (
         tensor.device.type != "cpu"
         or tensor.layout != torch.strided
