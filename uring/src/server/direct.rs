@@ -5,14 +5,15 @@
 //! Why its own loop rather than an async runtime: a runtime (glommio) makes about four
 //! `io_uring_enter` calls per sleep and wake-up and arms and cancels a timeout, and a
 //! store server on a quiet connection sleeps and wakes once per request. Here a loop
-//! submits everything it owes (its connections' replies, and a receive for any
-//! connection whose multishot receive is not running) and waits for the next completion
-//! in one `io_uring_enter`, and a busy loop handles every ready connection per call. A
-//! turn that served one connection alone sends its reply with one non-blocking `send`
-//! instead (what the socket does not take goes to the ring): the ring's send would cost
-//! the same system call, its completion would end the next wait at once, and reaping it
-//! would take a turn of its own; so a lone request costs two system calls, its reply's
-//! and the wait for the next. `docs/performance.md` has the measurements.
+//! submits everything it owes the ring (an accept, and a receive for any connection
+//! whose multishot receive is not running) and waits for the next completion in one
+//! `io_uring_enter`, and a busy loop handles every ready connection per call. Replies
+//! go out as soon as a connection's requests are served, with one non-blocking `send`;
+//! only what a socket does not take goes to the ring, whose completion says when the
+//! rest is gone. A ring send would cost the kernel the same work, plus a completion for
+//! this loop to reap and match (about 230 instructions per request at 64 connections),
+//! and at one connection its completion would end the next wait at once and take a turn
+//! of its own. `docs/performance.md` has the measurements.
 //!
 //! A loop runs its connections' requests to completion itself: it locks the engine,
 //! applies the requests that arrived, and unlocks; nothing hops to another thread. Only a
@@ -23,19 +24,21 @@
 //!
 //! Every connection has at most one receive and one send in flight. The receive is
 //! multishot into the loop's pool of provided buffers where the kernel has both (6.0):
-//! submitted once, it delivers every chunk that arrives, which the loop copies onto the
-//! connection's input and gives back to the pool at once; it is cancelled while the
-//! connection may not read (backpressure, its input at the cap) and submitted again
-//! after. Where the kernel lacks them, or the pool ran dry, a connection receives one
-//! shot at a time into its own input buffer. The ring (`crate::sys::uring`) owns the
-//! buffer of each operation until its completion hands it back, so no buffer is ever
-//! touched or released while the kernel may still use it; a connection is freed only
-//! after both operations completed. A connection that must close (bad input, the engine refused it, end of
-//! stream, a socket error) leaves the engine at once, so its waiters never linger; a
-//! pending receive is cancelled.
+//! submitted once, it delivers every chunk that arrives. The loop serves a chunk's
+//! requests in place when the connection's input holds nothing (the common case) and
+//! copies onto the input only what is left of it (a request's start); otherwise it
+//! copies the chunk onto the input. Either way the buffer goes back to the pool at once.
+//! The receive is cancelled while the connection may not read (backpressure, its input
+//! at the cap) and submitted again after. Where the kernel lacks them, or the pool ran
+//! dry, a connection receives one shot at a time into its own input buffer. The ring
+//! (`crate::sys::uring`) owns the buffer of each operation until its completion hands it
+//! back, so no buffer is ever touched or released while the kernel may still use it; a
+//! connection is freed only after both operations completed. A connection that must
+//! close (bad input, the engine refused it, end of stream, a socket error) leaves the
+//! engine at once, so its waiters never linger; a pending receive is cancelled.
 //!
 //! A batch serves its light connections (whose last turn was small) as their
-//! completions come and submits their replies before it serves any heavy one; then the
+//! completions come and sends their replies before it serves any heavy one; then the
 //! heavy ones until the batch has produced its share of reply bytes (`session::Round`,
 //! shared with epoll), the rest in the next batch: a good client is not queued behind a
 //! burst of large GETs.
@@ -238,15 +241,10 @@ enum Sent {
 }
 
 /// Hands what connection `slot` owes to the kernel, unless a send is in flight: with
-/// one non-blocking `send` at once when `now` (what the socket does not take goes to the
-/// ring), else through the ring. An error is the connection's end.
+/// one non-blocking `send` at once; what the socket does not take goes to the ring. An
+/// error is the connection's end.
 #[inline]
-fn send_owed(
-    ring: &mut Uring<Input, Outgoing>,
-    conn: &mut Conn,
-    slot: usize,
-    now: bool,
-) -> io::Result<Sent> {
+fn send_owed(ring: &mut Uring<Input, Outgoing>, conn: &mut Conn, slot: usize) -> io::Result<Sent> {
     let Writing::Idle(outgoing) = &mut conn.writing else {
         return Ok(Sent::Nothing);
     };
@@ -258,9 +256,7 @@ fn send_owed(
         conn.out.clear();
         outgoing.sent = 0;
     }
-    if now {
-        send_now(&conn.fd, outgoing)?;
-    }
+    send_now(&conn.fd, outgoing)?;
     let unsent = outgoing.unsent();
     if unsent == 0 {
         return Ok(Sent::Whole);
@@ -269,6 +265,24 @@ fn send_owed(
     let op = ring.send(&conn.fd, outgoing, slot);
     conn.writing = Writing::InFlight { op, unsent };
     Ok(Sent::Ring)
+}
+
+/// The common case of `Server::service_dirty`: a connection that is reading and may go
+/// on (below the `high_water` mark of what it owes) has only its replies to send
+/// ([`send_owed`]); `None` when it is not that case.
+#[inline]
+fn send_reading(
+    ring: &mut Uring<Input, Outgoing>,
+    conn: &mut Conn,
+    slot: usize,
+    high_water: usize,
+) -> Option<io::Result<Sent>> {
+    let reading = conn.phase == Phase::Open
+        && !conn.blocked
+        && conn.parked.is_empty()
+        && matches!(conn.reading, Reading::Multi { .. })
+        && conn.owed() <= high_water;
+    reading.then(|| send_owed(ring, conn, slot))
 }
 
 /// Sends what `outgoing` holds now, without blocking, as far as the socket takes it;
@@ -792,6 +806,22 @@ impl Server {
             }
             return;
         };
+        let result = match result {
+            Ok(Some(chunk))
+                if chunk.len() > 0
+                    && more
+                    && conn.phase == Phase::Open
+                    && conn.parked.is_empty()
+                    && matches!(&conn.reading, Reading::Multi { input, .. } if input.held() == 0)
+                    && !self.serving.round.defers(conn.light, Pass::Light) =>
+            {
+                // The common case: a reading connection that holds nothing, served in
+                // this pass: its requests are served in the chunk, and its replies sent.
+                self.serve_chunk(slot, chunk);
+                return;
+            }
+            result => result,
+        };
         queue(&mut self.dirty, conn, slot);
         if !more {
             conn.reading.multi_over();
@@ -834,7 +864,7 @@ impl Server {
             return;
         }
         if conn.parked.is_empty() {
-            // The common case: the input takes the whole chunk.
+            // The input takes the whole chunk.
             if let Some(input) = conn.reading.input() {
                 let copied = input.take_from(self.ring.chunk(&chunk));
                 if copied == chunk.len() {
@@ -959,17 +989,93 @@ impl Server {
         }
         let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,
-            input,
+            pending: input.pending(),
             owed,
             out: &mut conn.out,
             peer: &Peer::of(&*conn.fd),
         });
+        input.served(&served);
         conn.blocked = served.blocked;
         conn.light = light;
         self.deliver();
         if served.close {
             self.close(slot, Close::Flush);
         }
+    }
+
+    /// Serves the whole requests of a chunk where the kernel put them, for a connection
+    /// whose input holds nothing (the common case), and sends its replies at once
+    /// ([`send_reading`]). Only what is left of the chunk (the start of a request, or
+    /// requests a block left unserved) is copied onto the input, and the chunk goes back
+    /// to the pool (or is parked when the input cannot take all of the rest yet).
+    fn serve_chunk(&mut self, slot: usize, chunk: Chunk) {
+        let Some(Some(conn)) = self.conns.get_mut(slot) else {
+            self.ring.recycle(chunk);
+            return;
+        };
+        let owed = conn.owed();
+        let Some(input) = conn.reading.input() else {
+            self.ring.recycle(chunk);
+            return;
+        };
+        if !self.clock_read {
+            self.clock_read = true;
+            self.serving.now_ms = self.serving.shared.clock_ms();
+        }
+        let bytes = self.ring.chunk(&chunk);
+        // No more at once than the input would have held (a buffer smaller than a chunk,
+        // under a small per-connection cap): the budget sees what it saw with copies.
+        let at_once = bytes.get(..input.size()).unwrap_or(bytes);
+        let (served, light) = self.serving.serve(ConnInput {
+            session: &mut conn.session,
+            pending: at_once,
+            owed,
+            out: &mut conn.out,
+            peer: &Peer::of(&*conn.fd),
+        });
+        conn.blocked = served.blocked;
+        conn.light = light;
+        let rest = bytes.get(served.used..).unwrap_or_default();
+        let seen = at_once.len().saturating_sub(served.used);
+        let whole = served.close || input.keep(rest, seen, served.needed) == rest.len();
+        // The bytes kept past what the step saw may complete a request: served next.
+        let again = !served.close && !served.blocked && input.ready();
+        let sent = if whole {
+            self.ring.recycle(chunk);
+            // Its replies go out at once, as `service_dirty` would send them.
+            (!served.close)
+                .then(|| send_reading(&mut self.ring, conn, slot, self.budget.out_high_water))
+                .flatten()
+        } else {
+            // The input cannot take the rest yet (a request larger than its buffer):
+            // `feed` copies it on as the input grows.
+            let kept = input.held();
+            conn.parked.push_back((chunk, served.used + kept));
+            None
+        };
+        self.deliver();
+        match sent {
+            // Nothing more for `service_dirty` to do for it.
+            Some(Ok(_)) if !again => {}
+            Some(Err(error)) => self.send_failed(slot, &error),
+            None if served.close => self.close(slot, Close::Flush),
+            _ => {
+                self.requeue(slot);
+                if !whole {
+                    self.feed(slot);
+                } else if again {
+                    self.serve_in_round(slot, Pass::Light);
+                }
+            }
+        }
+    }
+
+    /// A send failed: the connection's end.
+    fn send_failed(&mut self, slot: usize, error: &io::Error) {
+        if let Some(Some(conn)) = self.conns.get(slot) {
+            tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
+        }
+        self.close(slot, Close::Abandon);
     }
 
     /// Appends wake-up bytes to the connections of this loop they are for (if still
@@ -1010,8 +1116,7 @@ impl Server {
             }
             Err(error) => {
                 conn.writing = Writing::Idle(outgoing);
-                tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
-                self.close(slot, Close::Abandon);
+                self.send_failed(slot, &error);
             }
         }
     }
@@ -1044,31 +1149,23 @@ impl Server {
     /// Queues each touched connection's next receive and send, cancels what a closing
     /// connection no longer needs, and frees finished connections.
     fn service_dirty(&mut self) {
-        // A turn that touched one connection sends its reply at once, with a
-        // non-blocking `send`, rather than through the ring: the same one system call
-        // the ring's submission would make before its wait, without a completion to
-        // reap or a turn of the loop to reap it in. Replies for several connections go
-        // to the ring, all in its next `io_uring_enter`.
-        let lone = self.dirty.len() == 1;
+        // Replies go out at once, with a non-blocking `send` each, rather than through
+        // the ring (the module docs say why); the ring sends only what a socket does
+        // not take.
         while let Some(slot) = self.dirty.pop() {
             let Some(Some(conn)) = self.conns.get_mut(slot) else {
                 continue;
             };
             conn.queued = false;
-            if conn.phase == Phase::Open
-                && !conn.blocked
-                && conn.parked.is_empty()
-                && matches!(conn.reading, Reading::Multi { .. })
-                && conn.owed() <= self.budget.out_high_water
-            {
-                // The common case, a connection that is reading and may go on: only
-                // its replies to send (what the rest below comes to for it). Sent
-                // whole, it is settled (or put off, and in `again`).
-                if let Err(error) = send_owed(&mut self.ring, conn, slot, lone) {
-                    tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
-                    self.close(slot, Close::Abandon);
+            // The common case (what the rest below comes to for it). Sent whole, it is
+            // settled (or put off, and in `again`).
+            match send_reading(&mut self.ring, conn, slot, self.budget.out_high_water) {
+                Some(Ok(_)) => continue,
+                Some(Err(error)) => {
+                    self.send_failed(slot, &error);
+                    continue;
                 }
-                continue;
+                None => {}
             }
             if conn.finished() {
                 for (chunk, _) in conn.parked.drain(..) {
@@ -1188,15 +1285,14 @@ impl Server {
                     outgoing.sent = 0;
                 }
             } else {
-                match send_owed(&mut self.ring, conn, slot, lone) {
+                match send_owed(&mut self.ring, conn, slot) {
                     // Sent whole at once: no completion will come to look at it again,
                     // so it is looked at now if it waits for that (a blocked one has
                     // drained, or a closing one may be done).
                     Ok(Sent::Whole) if !conn.settled() => queue(&mut self.dirty, conn, slot),
                     Ok(_) => {}
                     Err(error) => {
-                        tracing::debug!(peer = %Peer::of(&*conn.fd), %error, "store connection write failed");
-                        self.close(slot, Close::Abandon);
+                        self.send_failed(slot, &error);
                         continue;
                     }
                 }
@@ -1324,12 +1420,12 @@ mod tests {
         }
     }
 
-    /// A reply far larger than the socket takes at once, to a connection alone in its
-    /// turn: the non-blocking send takes what fits and the ring sends the rest, whole
-    /// and in order, to a peer that starts reading late; the connection then serves its
-    /// next request as before, and a peer that leaves in the middle of a reply is let go.
+    /// A reply far larger than the socket takes at once: the non-blocking send takes what
+    /// fits and the ring sends the rest, whole and in order, to a peer that starts reading
+    /// late; the connection then serves its next request as before, and a peer that
+    /// leaves in the middle of a reply is let go.
     #[test]
-    fn a_lone_reply_larger_than_the_socket_takes_goes_out_whole() {
+    fn a_reply_larger_than_the_socket_takes_goes_out_whole() {
         use std::io::{Read, Write};
         use std::net::TcpStream;
 
@@ -1433,6 +1529,98 @@ mod tests {
             std::thread::spawn(move || serve(setup, &stop))
         };
         (port, stop, thread, stats)
+    }
+
+    /// Under a per-connection cap smaller than a pool chunk (so an input buffer smaller
+    /// than one), requests that straddle the most the serve step sees at once from a
+    /// chunk are served whole: what a chunk served in place leaves over is kept (or
+    /// parked and fed on), and a request completed by the bytes kept past what the step
+    /// saw is served without waiting for more.
+    #[test]
+    fn a_cap_smaller_than_a_chunk_serves_requests_across_it() {
+        use std::io::{Read, Write};
+        use std::net::TcpStream;
+
+        use rdzv_core::store::{KeyList, Request, WaitResponse, VALIDATION_MAGIC};
+
+        for multishot in [true, false] {
+            let budget = Budget {
+                max_conn_bytes: 3000,
+                ..Budget::default()
+            };
+            let (port, stop, thread, stats) = one_loop(multishot, budget);
+            let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            let get = |stream: &mut TcpStream, key: &[u8], value: &[u8]| {
+                let mut get = Vec::new();
+                Request::Get { key }.encode_into(&mut get);
+                stream.write_all(&get).unwrap();
+                let mut reply = vec![0u8; 8 + value.len()];
+                stream.read_exact(&mut reply).unwrap_or_else(|e| {
+                    panic!("GET {:?} (multishot {multishot}): {e}", key[0] as char)
+                });
+                assert_eq!(
+                    u64::from_le_bytes(reply[..8].try_into().unwrap()),
+                    value.len() as u64
+                );
+                assert!(reply[8..] == *value, "GET {:?}: the bytes differ", key[0]);
+            };
+            // A first round trip, after which the connection is light (its chunks are
+            // served in place).
+            stream.write_all(&validate_and_set(b"a", b"x")).unwrap();
+            get(&mut stream, b"a", b"x");
+            // One write of SETs; with nothing more arriving on this connection, another
+            // one's WAIT on the last key is released, and then each value reads back.
+            let sets = |stream: &mut TcpStream, values: &[(&[u8], usize)]| {
+                let values: Vec<(&[u8], Vec<u8>)> = values
+                    .iter()
+                    .map(|&(key, len)| (key, vec![key[0]; len]))
+                    .collect();
+                let mut frame = Vec::new();
+                for (key, value) in &values {
+                    Request::Set { key, value }.encode_into(&mut frame);
+                }
+                stream.write_all(&frame).unwrap();
+                let last = values.last().unwrap().0;
+                let mut other = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                other
+                    .set_read_timeout(Some(Duration::from_secs(20)))
+                    .unwrap();
+                let mut wait = Vec::new();
+                Request::Validate {
+                    magic: VALIDATION_MAGIC,
+                }
+                .encode_into(&mut wait);
+                let encoded = [&1u64.to_le_bytes()[..], last].concat();
+                Request::Wait {
+                    keys: KeyList::new(1, &encoded).unwrap(),
+                }
+                .encode_into(&mut wait);
+                other.write_all(&wait).unwrap();
+                let mut stop_waiting = [0u8; 1];
+                other.read_exact(&mut stop_waiting).unwrap_or_else(|e| {
+                    panic!("WAIT {:?} (multishot {multishot}): {e}", last[0] as char)
+                });
+                assert_eq!(stop_waiting[0], WaitResponse::StopWaiting as u8);
+                drop(other);
+                for (key, value) in &values {
+                    get(stream, key, value);
+                }
+            };
+            // 3,954 bytes (one chunk): a SET near the cap, and two more, the first of
+            // which starts before the 3,000 bytes the step sees at once and ends after
+            // them. Every request in the chunk is served before its rest is kept.
+            sets(&mut stream, &[(b"b", 2900), (b"c", 900), (b"d", 100)]);
+            // 4,068 bytes: a small SET, then one of 2,950 bytes that the step cannot
+            // finish within its 3,000, so the chunk is parked with the rest unread.
+            sets(&mut stream, &[(b"e", 82), (b"f", 2932), (b"g", 1000)]);
+            drop(stream);
+            stop.store(true, Ordering::Release);
+            thread.join().unwrap();
+            assert_eq!(stats.connections.load(Ordering::Relaxed), 0);
+        }
     }
 
     fn pipelined(multishot: bool) {

@@ -574,11 +574,12 @@ impl Loop {
         let owed = conn.unsent();
         let (served, light) = self.serving.serve(ConnInput {
             session: &mut conn.session,
-            input: &mut conn.input,
+            pending: conn.input.pending(),
             owed,
             out: &mut conn.out,
             peer: &Peer::of(&conn.stream),
         });
+        conn.input.served(&served);
         conn.blocked = served.blocked;
         conn.light = light;
         self.deliver();

@@ -74,8 +74,9 @@ impl Round {
 pub(super) struct ConnInput<'a> {
     /// Its serve state (id, decoder, budget).
     pub(super) session: &'a mut Session,
-    /// What it sent: its whole requests are served, and consumed.
-    pub(super) input: &'a mut ReadBuf,
+    /// What it sent and was not served yet: its whole requests are served (the caller
+    /// drops the [`Served::used`] bytes from its front).
+    pub(super) pending: &'a [u8],
     /// Every byte it owes its peer now (`out`'s included).
     pub(super) owed: usize,
     /// Where its replies go.
@@ -113,8 +114,9 @@ pub(super) struct Served {
 }
 
 /// Runs the core serve step over every whole request at the start of the connection's
-/// input until it needs more bytes, blocks or closes, and consumes what it served:
-/// replies go into its `out`, wake-ups owed to other connections into `wakes`.
+/// pending bytes until it needs more bytes, blocks or closes: replies go into its `out`,
+/// wake-ups owed to other connections into `wakes`. The caller consumes what was served
+/// ([`ReadBuf::served`], or the part of a chunk not served is kept: [`ReadBuf::keep`]).
 ///
 /// With `turn.metrics` (`--metrics`), each request's handling time is recorded and the
 /// engine's figures are published after the batch. A refusal is logged through
@@ -128,7 +130,7 @@ pub(super) fn serve_requests(
 ) -> Served {
     let ConnInput {
         session,
-        input,
+        pending,
         owed,
         out,
         peer,
@@ -138,7 +140,6 @@ pub(super) fn serve_requests(
         metrics,
         ref mut warnings,
     } = *turn;
-    let pending = input.pending();
     let mut used = 0;
     let base = out.len();
     let mut served = loop {
@@ -201,7 +202,6 @@ pub(super) fn serve_requests(
         metrics.publish(engine.stats());
     }
     served.produced = out.len() - base;
-    input.served(&served);
     served
 }
 
@@ -292,6 +292,18 @@ impl ReadBuf {
         n
     }
 
+    /// Keeps what the serve step left of a chunk it served in place (the buffer held
+    /// nothing): copies the front of `rest` as [`ReadBuf::take_from`] does. The step saw
+    /// the first `seen` bytes of `rest` and needs `needed` more than those (see
+    /// [`Served::needed`]); the bytes kept past them count as arrived since. Returns how
+    /// many bytes it took.
+    pub(super) fn keep(&mut self, rest: &[u8], seen: usize, needed: usize) -> usize {
+        let n = self.take_from(rest);
+        self.arrived = n.saturating_sub(seen);
+        self.needed = needed.max(1);
+        n
+    }
+
     /// Whether the next request may be complete (enough bytes arrived since the serve
     /// step last looked).
     pub(super) fn ready(&self) -> bool {
@@ -362,8 +374,7 @@ impl ReadBuf {
         self.filled == self.buf.len()
     }
 
-    /// Bytes the buffer holds (its capacity), for the memory account.
-    #[cfg(test)]
+    /// Bytes the buffer holds (its capacity): the most it takes at once.
     pub(super) fn size(&self) -> usize {
         self.buf.len()
     }
@@ -437,12 +448,13 @@ mod tests {
                 rest = &rest[n..];
                 let conn = ConnInput {
                     session: &mut session,
-                    input: &mut input,
+                    pending: input.pending(),
                     owed: 0,
                     out: &mut out,
                     peer: &"test",
                 };
                 let served = serve_requests(&mut engine, conn, &mut wakes, &mut turn);
+                input.served(&served);
                 assert!(!served.close, "the connection was closed");
                 calls += 1;
             }
@@ -470,7 +482,7 @@ mod tests {
         input.received(bad.len());
         let conn = ConnInput {
             session: &mut session,
-            input: &mut input,
+            pending: input.pending(),
             owed: 0,
             out: &mut Vec::new(),
             peer: &"test",
@@ -482,6 +494,7 @@ mod tests {
             warnings: &mut warnings,
         };
         let served = serve_requests(&mut engine, conn, &mut Vec::new(), &mut turn);
+        input.served(&served);
         assert_eq!((served.used, served.close), (0, true));
         assert_eq!(input.pending(), &bad[..], "nothing was consumed");
     }
