@@ -1427,7 +1427,6 @@ mod tests {
     #[test]
     fn a_reply_larger_than_the_socket_takes_goes_out_whole() {
         use std::io::{Read, Write};
-        use std::net::TcpStream;
 
         use rdzv_core::store::Request;
 
@@ -1436,10 +1435,7 @@ mod tests {
             let (port, stop, thread, stats) = one_loop(multishot, budget);
             let value: Vec<u8> = (0..7 << 20).map(|i: u32| (i % 251) as u8).collect();
             let frame = validate_and_set(b"big", &value);
-            let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-            stream
-                .set_read_timeout(Some(Duration::from_secs(20)))
-                .unwrap();
+            let mut stream = connect(port);
             // (A SET has no reply.)
             stream.write_all(&frame).unwrap();
             for round in 0..2 {
@@ -1486,6 +1482,15 @@ mod tests {
         .encode_into(&mut frame);
         Request::Set { key, value }.encode_into(&mut frame);
         frame
+    }
+
+    /// A client of the loop on `port` that gives up reading after 20 s.
+    fn connect(port: u16) -> std::net::TcpStream {
+        let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        stream
     }
 
     /// One loop on its own port with `budget`: its port, its stop flag, its thread and
@@ -1549,10 +1554,7 @@ mod tests {
                 ..Budget::default()
             };
             let (port, stop, thread, stats) = one_loop(multishot, budget);
-            let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-            stream
-                .set_read_timeout(Some(Duration::from_secs(20)))
-                .unwrap();
+            let mut stream = connect(port);
             let get = |stream: &mut TcpStream, key: &[u8], value: &[u8]| {
                 let mut get = Vec::new();
                 Request::Get { key }.encode_into(&mut get);
@@ -1584,10 +1586,7 @@ mod tests {
                 }
                 stream.write_all(&frame).unwrap();
                 let last = values.last().unwrap().0;
-                let mut other = TcpStream::connect(("127.0.0.1", port)).unwrap();
-                other
-                    .set_read_timeout(Some(Duration::from_secs(20)))
-                    .unwrap();
+                let mut other = connect(port);
                 let mut wait = Vec::new();
                 Request::Validate {
                     magic: VALIDATION_MAGIC,
@@ -1625,7 +1624,6 @@ mod tests {
 
     fn pipelined(multishot: bool) {
         use std::io::{Read, Write};
-        use std::net::TcpStream;
 
         use rdzv_core::store::Request;
 
@@ -1634,10 +1632,7 @@ mod tests {
             ..Budget::default()
         };
         let (port, stop, thread, stats) = one_loop(multishot, budget);
-        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(20)))
-            .unwrap();
+        let mut stream = connect(port);
         let value = vec![b'v'; 4096];
         let mut frame = validate_and_set(b"k", &value);
         let count = 20_000;
