@@ -1622,6 +1622,140 @@ mod tests {
         }
     }
 
+    /// One step of [`any_split_under_any_cap_gets_the_model_replies`]: a SET (no reply),
+    /// a GET of a key set before (its value), or an ADD on a counter (its new value).
+    #[derive(Debug, Clone)]
+    enum Step {
+        Set { key: u8, len: usize },
+        Get { key: u8 },
+        Add { key: u8, delta: i64 },
+    }
+
+    use proptest::prelude::Strategy as _;
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+        /// Requests of any size under the per-connection cap, written in pieces cut
+        /// anywhere (so chunks end inside requests, hold several, hold more than the
+        /// step sees at once, or hold one's end and the next one's start), get the
+        /// replies a model gives, in order, on multishot and one-shot receives; and the
+        /// last of them is served with nothing more arriving (another connection's GET
+        /// of the key it sets is answered).
+        #[test]
+        fn any_split_under_any_cap_gets_the_model_replies(
+            cap in 1_500usize..5_000,
+            burst in proptest::collection::vec(0usize..5_000, 0..8),
+            steps in proptest::collection::vec(
+                proptest::prop_oneof![
+                    (0u8..3, 0usize..5_000).prop_map(|(key, len)| Step::Set { key, len }),
+                    (0u8..3).prop_map(|key| Step::Get { key }),
+                    (0u8..2, -9i64..10).prop_map(|(key, delta)| Step::Add { key, delta }),
+                ],
+                0..60,
+            ),
+            cuts in proptest::collection::vec(1usize..6_000, 1..30),
+            multishot in proptest::bool::ANY,
+        ) {
+            use std::collections::HashMap;
+            use std::io::{Read, Write};
+
+            use rdzv_core::store::{Request, VALIDATION_MAGIC};
+
+            let budget = Budget {
+                max_conn_bytes: cap,
+                out_high_water: cap / 2,
+                ..Budget::default()
+            };
+            let mut frame = Vec::new();
+            Request::Validate { magic: VALIDATION_MAGIC }.encode_into(&mut frame);
+            let mut values: HashMap<u8, Vec<u8>> = HashMap::new();
+            // First a burst of SETs, each as large as the cap allows, many caps in all:
+            // nothing is owed while they are served.
+            for (i, len) in burst.iter().enumerate() {
+                let value = vec![b'A' + (i % 26) as u8; (*len).min(cap - 64)];
+                Request::Set { key: &[b'k', 0], value: &value }.encode_into(&mut frame);
+                values.insert(0, value);
+            }
+            // Then requests with replies and, from the model, those replies. The cap holds
+            // a connection's unserved requests and unsent replies, and the writer sends
+            // without waiting: these steps are taken while all of them fit it.
+            let start = frame.len();
+            let mut expected = Vec::new();
+            let mut counters: HashMap<u8, i64> = HashMap::new();
+            for (i, step) in steps.iter().enumerate() {
+                let mut request = Vec::new();
+                let mut reply = Vec::new();
+                match *step {
+                    Step::Set { key, len } => {
+                        let value = vec![b'a' + (i % 26) as u8; len.min(cap / 4)];
+                        Request::Set { key: &[b'k', key], value: &value }.encode_into(&mut request);
+                        values.insert(key, value);
+                    }
+                    Step::Get { key } => {
+                        // A GET of a missing key waits: only keys set before.
+                        let Some(value) = values.get(&key) else { continue };
+                        Request::Get { key: &[b'k', key] }.encode_into(&mut request);
+                        reply.extend_from_slice(&(value.len() as u64).to_le_bytes());
+                        reply.extend_from_slice(value);
+                    }
+                    Step::Add { key, delta } => {
+                        Request::Add { key: &[b'n', key], delta }.encode_into(&mut request);
+                        let counter = counters.entry(key).or_insert(0);
+                        *counter += delta;
+                        reply.extend_from_slice(&counter.to_le_bytes());
+                    }
+                }
+                if frame.len() - start + expected.len() + request.len() + reply.len() > cap - 64 {
+                    break;
+                }
+                frame.extend_from_slice(&request);
+                expected.extend_from_slice(&reply);
+            }
+            Request::Set { key: b"done", value: b"1" }.encode_into(&mut frame);
+
+            let (port, stop, thread, stats) = one_loop(multishot, budget);
+            let mut stream = connect(port);
+            stream.set_nodelay(true).unwrap();
+            let mut writer = stream.try_clone().unwrap();
+            let writing = std::thread::spawn(move || -> std::io::Result<()> {
+                let mut rest = &frame[..];
+                for cut in cuts.iter().cycle() {
+                    if rest.is_empty() {
+                        break;
+                    }
+                    let (piece, after) = rest.split_at((*cut).min(rest.len()));
+                    writer.write_all(piece)?;
+                    rest = after;
+                    // Apart in time, so that pieces arrive as chunks of their own.
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                Ok(())
+            });
+            let mut got = vec![0u8; expected.len()];
+            let read = stream.read_exact(&mut got);
+            let written = writing.join().unwrap();
+            // The last request, served though nothing comes after it: another
+            // connection's GET of its key (which waits for the key) is answered.
+            let mut other = connect(port);
+            let mut get = Vec::new();
+            Request::Validate { magic: VALIDATION_MAGIC }.encode_into(&mut get);
+            Request::Get { key: b"done" }.encode_into(&mut get);
+            other.write_all(&get).unwrap();
+            let mut done = [0u8; 9];
+            let last = other.read_exact(&mut done);
+            drop((stream, other));
+            stop.store(true, Ordering::Release);
+            thread.join().unwrap();
+            proptest::prop_assert!(written.is_ok(), "writing (multishot {}): {:?}", multishot, written);
+            proptest::prop_assert!(read.is_ok(), "replies (multishot {}): {:?}", multishot, read);
+            proptest::prop_assert!(got == expected, "the replies differ from the model's");
+            proptest::prop_assert!(last.is_ok(), "the last request (multishot {}): {:?}", multishot, last);
+            proptest::prop_assert_eq!(&done[..], &[1, 0, 0, 0, 0, 0, 0, 0, b'1'][..]);
+            proptest::prop_assert_eq!(stats.connections.load(Ordering::Relaxed), 0);
+        }
+    }
+
     fn pipelined(multishot: bool) {
         use std::io::{Read, Write};
 
