@@ -1,6 +1,8 @@
 //! The one handler that runs Python: `PYTHON_CALL` (torch's message type of the same
-//! name), registered before the agent listens. It runs on the agent's worker pool
-//! (`num_worker_threads` threads) and takes the GIL only to run the package's `serve`
+//! name), registered before the agent listens. It runs on the thread that read the
+//! request, in one of the agent's `num_worker_threads` worker slots (on the worker pool
+//! when none is free; another thread reads the pipe on if it runs past 2 ms:
+//! `Handler::runs_on_reader`), and takes the GIL only to run the package's `serve`
 //! function (`rdzv/rpc/__init__.py`), which unpickles `(func, args, kwargs)`, calls it and
 //! pickles the result or the exception: a Python exception is a reply like any other, so
 //! it fails that call only.
@@ -61,6 +63,12 @@ fn on_reply<'py>(py: Python<'py>) -> PyResult<(Bound<'py, PyCFunction>, RpcFutur
 }
 
 impl Handler for PythonCall {
+    /// Python runs on the reader: a quick call costs no thread hand-off, and one that
+    /// blocks (a nested `rpc_sync`, a lock) is read past.
+    fn runs_on_reader(&self) -> bool {
+        true
+    }
+
     fn call(&self, ctx: &CallContext, request: Message) -> Result<Message, String> {
         match self.reply(ctx, request) {
             Reply::Now(result) => result,

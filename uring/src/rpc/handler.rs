@@ -41,6 +41,16 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
+    /// Whether the thread that read the request may run this handler itself, which may
+    /// block: the reader hands its pipe to another thread if the handler runs past
+    /// 2 ms, and a request finds a free worker slot
+    /// (`num_worker_threads` of them, shared with the pool) or goes to the pool. It
+    /// saves the pool's two thread hand-offs where handlers are quick. Default `false`;
+    /// `rdzv.rpc`'s Python handler says `true`.
+    fn runs_on_reader(&self) -> bool {
+        false
+    }
+
     /// Answers `request` now or later: the worker pool calls this, and the default
     /// answers now with [`call`](Handler::call). An [`Async`] handler answers later.
     fn reply(&self, ctx: &CallContext, request: Message) -> Reply {
@@ -101,6 +111,29 @@ impl<H: Handler> Handler for Inline<H> {
 
     fn runs_inline(&self) -> bool {
         true
+    }
+}
+
+/// Where a request's handler runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// On the thread that read the request, which must not block ([`Inline`]).
+    Inline,
+    /// On the thread that read the request, in a worker slot, watched
+    /// ([`Handler::runs_on_reader`]).
+    Reader,
+    /// On the worker pool.
+    Pool,
+}
+
+/// Where `handler` runs.
+pub(crate) fn placement(handler: &dyn Handler) -> Placement {
+    if handler.runs_inline() {
+        Placement::Inline
+    } else if handler.runs_on_reader() {
+        Placement::Reader
+    } else {
+        Placement::Pool
     }
 }
 

@@ -15,7 +15,10 @@
 //! * an [`InboundLane`] (the peer opened it to call this worker): its reader thread
 //!   spins for `wait_spin` after each request (while requests typically follow within
 //!   it), runs [`Inline`](super::Inline) handlers
-//!   right away and sends their responses itself, and hands other requests to the
+//!   right away and sends their responses itself, runs handlers that
+//!   [`run on readers`](super::Handler::runs_on_reader) (Python's) itself too when one of
+//!   the `num_worker_threads` worker slots is free (a watcher thread starts another
+//!   reader for the lane if one runs past [`STALL`]), and hands other requests to the
 //!   worker pool, whose thread sends the response itself.
 //!
 //! Each owns its side of the pipe's protocol, the core's `rdzv_core::rpc::pipe` machine
@@ -44,8 +47,8 @@
 //! |---|---|
 //! | `io` | [`LaneIo`]: the connection's halves, mpt connections, sending a frame, the reader's next frame, a caller reading the lane; the [`LaneRegistry`] seam an ending lane leaves by |
 //! | `client` | [`ClientLane`]: requests from callers' threads, a caller reading its own reply, replies completing calls, acks |
-//! | `inbound` | [`InboundLane`]: serving requests (inline handlers, [`Job`]s for the pool, [`Responder`]), responses |
-//! | this one | the registry of lanes ([`Lanes`]), [`LaneContext`] (what starting a lane takes), starting a lane and its reader thread |
+//! | `inbound` | [`InboundLane`]: serving requests (inline handlers, handlers run on the reader, [`Job`]s for the pool, [`Responder`]), responses, the worker slots ([`Slots`]) |
+//! | this one | the registry of lanes ([`Lanes`]), [`LaneContext`] (what starting a lane takes), starting a lane and its reader thread, the stall watcher ([`watch_stalls`]) |
 //!
 //! The files form layers: `io` below `client` and `inbound`, which know nothing of
 //! each other, and this one on top (`uring/tests/rpc_layering.rs` checks it).
@@ -72,7 +75,7 @@ mod inbound;
 mod io;
 mod spin;
 pub(crate) use client::ClientLane;
-pub(crate) use inbound::{InboundLane, Job, Server};
+pub(crate) use inbound::{InboundLane, Job, Runner, Server, Slots, StallWatch, STALL};
 use io::{LaneIo, LaneRegistry, Shared};
 
 /// What starting a lane takes, assembled once by start-up: the registry of lanes, the
@@ -255,16 +258,14 @@ pub(crate) fn start_inbound(
     jobs: Sender<Job>,
     mpt_token: Option<u64>,
 ) {
-    let (name, peer_id) = peer;
-    let lane = InboundLane::new((id, name), negotiated, connection, ctx.shared());
+    let shared = (ctx.shared(), server, ctx.wait_spin);
+    let lane = InboundLane::new((id, peer), negotiated, connection, shared, jobs);
     let registered = Arc::clone(&lane);
     if !register(ctx, &lane.io, |lanes| {
         lanes.inbound.insert(id, registered);
     }) {
         return;
     }
-    let server = Arc::clone(server);
-    let spin = ctx.wait_spin;
     // The mpt listener, which only a lane that negotiated mpt reads.
     let mpt = mpt_token.and(ctx.mpt.clone());
     let reader = Arc::clone(&lane);
@@ -275,10 +276,78 @@ pub(crate) fn start_inbound(
                 return reader.end();
             }
         }
-        reader.serve(&server, spin, peer_id, &jobs);
+        reader.serve();
     });
     if spawned.is_err() {
         lane.end();
+    }
+}
+
+/// How often the watcher looks at readers running handlers, while some do.
+const STALL_TICK: Duration = Duration::from_millis(1);
+/// How long the watcher sleeps while no reader runs a handler, between checks that the
+/// agent is still there.
+const STALL_IDLE: Duration = Duration::from_secs(1);
+
+/// Starts the thread that watches inbound lanes whose reader runs a handler itself
+/// ([`Handler::runs_on_reader`](crate::rpc::Handler::runs_on_reader)): one whose handler
+/// has run past [`STALL`] gets a new reader thread, so that its next requests are read
+/// (and the calls they answer complete) while that handler blocks. It sleeps while no
+/// reader runs a handler, and ends soon after the agent.
+pub(crate) fn watch_stalls(ctx: &LaneContext, server: &Arc<Server>) -> std::io::Result<()> {
+    let lanes = Arc::downgrade(&ctx.lanes);
+    let weak = Arc::downgrade(server);
+    let watcher = std::thread::Builder::new()
+        .name("rdzv-rpc-stalls".into())
+        .spawn(move || watch(&lanes, &weak))?;
+    server.stall.set_watcher(watcher.thread().clone());
+    Ok(())
+}
+
+/// The watcher's loop (see [`watch_stalls`]).
+fn watch(lanes: &Weak<Mutex<Lanes>>, server: &Weak<Server>) {
+    let stall = u64::try_from(STALL.as_nanos()).unwrap_or(u64::MAX);
+    let running = |lanes: &Mutex<Lanes>| -> Vec<Arc<InboundLane>> {
+        lock(lanes)
+            .inbound
+            .values()
+            .filter(|lane| lane.runs_handler())
+            .cloned()
+            .collect()
+    };
+    loop {
+        let armed = match server.upgrade() {
+            Some(server) => server.stall.is_armed(),
+            None => return,
+        };
+        if !armed {
+            std::thread::park_timeout(STALL_IDLE);
+            continue;
+        }
+        std::thread::sleep(STALL_TICK);
+        let (Some(server), Some(lanes)) = (server.upgrade(), lanes.upgrade()) else {
+            return;
+        };
+        let busy = running(&lanes);
+        let now = server.stall.now();
+        for lane in &busy {
+            let Some(since) = lane.take_over(now, stall) else {
+                continue;
+            };
+            tracing::debug!(peer = %lane.io.peer, "a handler run by an inbound RPC pipe's reader passed {STALL:?}; another thread reads the pipe on");
+            let reader = Arc::clone(lane);
+            if let Err(e) = spawn_reader(lane.io.id, move || reader.serve()) {
+                tracing::warn!(peer = %lane.io.peer, error = %e, "no thread to read an inbound RPC pipe on while its handler runs");
+                lane.reading_not_taken(since);
+            }
+        }
+        if busy.is_empty() {
+            // A run that began before this is seen below; one after it wakes the watcher.
+            server.stall.disarm();
+            if !running(&lanes).is_empty() {
+                server.stall.rearm();
+            }
+        }
     }
 }
 

@@ -147,6 +147,21 @@ pub(crate) fn mark_io_thread() {
     ON_IO_THREAD.with(|flag| flag.set(true));
 }
 
+/// Runs `f` with this thread not counted as an I/O thread: a handler that a lane's
+/// reader runs itself may block, since another thread reads the lane on if it runs
+/// long (`lane::inbound`).
+pub(crate) fn off_io_thread<R>(f: impl FnOnce() -> R) -> R {
+    let was = ON_IO_THREAD.with(|flag| flag.replace(false));
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ON_IO_THREAD.with(|flag| flag.set(self.0));
+        }
+    }
+    let _restore = Restore(was);
+    f()
+}
+
 /// The error of a blocking wait on an I/O thread, if this is one.
 fn blocking_on_io_thread() -> Option<CallError> {
     on_io_thread().then_some(CallError::Usage(UsageError::BlockingInline))

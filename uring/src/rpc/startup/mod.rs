@@ -62,13 +62,13 @@ use crate::rpc::error::store_error;
 use crate::rpc::error::{InitError, TransportError};
 use crate::rpc::handler::Handler;
 use crate::rpc::io::IoPieces;
-use crate::rpc::lane::{Job, LaneContext, Lanes, Server};
+use crate::rpc::lane::{self, Job, LaneContext, Lanes, Runner, Server, Slots, StallWatch};
 use crate::rpc::mailbox::Mailbox;
 use crate::rpc::mpt::MptSetup;
 use crate::rpc::offer::OfferSpec;
 use crate::rpc::options::RpcOptions;
 use crate::rpc::outgoing::Framer;
-use crate::rpc::pool::{spawn_pool, Pool};
+use crate::rpc::pool::spawn_pool;
 use crate::rpc::registry::Registry;
 use crate::rpc::rref_runtime::{register_handlers as register_rref_handlers, RRefs};
 use crate::rpc::shm_transport::ShmTransport;
@@ -324,13 +324,14 @@ impl Start {
         }
         // One queue that every worker waits on: a job wakes one of them.
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
-        let pool = Pool {
+        let runner = Arc::new(Runner {
             name: me.name().to_string(),
             registry: Arc::clone(&registry),
             gate: Arc::clone(&gate),
             counters: Arc::clone(&counters),
-        };
-        let mut workers = spawn_pool(pool, jobs_rx, options.num_worker_threads)?;
+            slots: Slots::new(options.num_worker_threads),
+        });
+        let mut workers = spawn_pool(Arc::clone(&runner), jobs_rx, options.num_worker_threads)?;
         workers.push(
             lanes
                 .calls
@@ -341,12 +342,15 @@ impl Start {
                 })?,
         );
         let server = Arc::new(Server {
-            name: me.name().to_string(),
-            registry: Arc::clone(&registry),
-            gate: Arc::clone(&gate),
+            runner,
             rrefs: Arc::clone(&dispatch.rrefs),
             caller: Arc::clone(&dispatch) as Arc<dyn Caller>,
+            stall: StallWatch::default(),
         });
+        lane::watch_stalls(&lanes, &server).map_err(|source| InitError::Thread {
+            thread: "stall watcher",
+            source,
+        })?;
         let pieces = IoPieces {
             me: me.clone(),
             dynamic: world_size.is_none(),
