@@ -5,7 +5,7 @@
 //! `(error, None)` or `(None, (metadata, payload, buffers))`. It also hands the owner
 //! values the agent lets go of to the `released` callback, the same way.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
+use crossbeam_channel::{unbounded as channel, Receiver, Sender};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 
@@ -98,10 +98,13 @@ impl Completer {
     }
 }
 
-/// The thread's loop: until every sender is gone.
+/// The thread's loop: until every sender is gone. It stays attached to the interpreter
+/// and lets the GIL go while it waits, so its Python thread state lives as long as it
+/// does (attaching afresh for each result made and freed one every time: a new frame
+/// stack mapped and unmapped per call).
 fn deliver_all(done: &Receiver<Done>, released: &Py<PyAny>) {
-    while let Ok(Done { result, callback }) = done.recv() {
-        Python::attach(|py| {
+    Python::attach(|py| {
+        while let Ok(Done { result, callback }) = py.detach(|| done.recv()) {
             let callback = callback.as_ref().unwrap_or(released);
             let (error, value) = match result.map(|m| message::to_python(py, m)) {
                 Ok(Ok(value)) => (py.None(), value.into_any().unbind()),
@@ -111,6 +114,6 @@ fn deliver_all(done: &Receiver<Done>, released: &Py<PyAny>) {
             if let Err(error) = callback.call1(py, (error, value)) {
                 error.write_unraisable(py, Some(callback.bind(py)));
             }
-        });
-    }
+        }
+    });
 }

@@ -33,6 +33,10 @@ pub(crate) struct ClientLane {
     machine: Mutex<ClientPipe<FrameExports>>,
     /// How long a caller in `rpc_sync` spins on its reply, from how long replies took.
     reply_spin: AdaptiveSpin,
+    /// How long the reader thread spins for the next frame after one it read itself
+    /// (replies to `rpc_async` calls, which no caller reads), from how long the gaps
+    /// were.
+    next_spin: AdaptiveSpin,
 }
 
 impl ClientLane {
@@ -52,6 +56,7 @@ impl ClientLane {
             io,
             machine: Mutex::new(ClientPipe::new()),
             reply_spin: AdaptiveSpin::default(),
+            next_spin: AdaptiveSpin::default(),
         })
     }
 
@@ -282,12 +287,24 @@ impl ClientLane {
     }
 
     /// The reader thread: receives until the pipe fails or closes, then ends the lane.
-    pub(super) fn read(&self) {
+    /// It spins for up to `spin` only after a frame it read itself: a caller waiting in
+    /// `rpc_sync` reads its own reply, but the replies of a burst of `rpc_async` calls
+    /// come one after another, and catching the next one spinning spares the peer a
+    /// wake-up and this thread a sleep per reply.
+    pub(super) fn read(&self, spin: Duration) {
+        let mut after_frame = false;
         let reason = loop {
-            // The client side does not spin: a waiting caller reads itself (polled
-            // lanes).
-            match self.io.next_frame(Duration::ZERO) {
+            let waiting = Instant::now();
+            let spun = if after_frame {
+                self.next_spin.spin(spin)
+            } else {
+                Duration::ZERO
+            };
+            let next = self.io.next_frame(spun);
+            self.next_spin.record(spun, waiting.elapsed());
+            match next {
                 Ok(Some(frame)) => {
+                    after_frame = true;
                     if let Some(reason) = self.on_frame(frame) {
                         break reason;
                     }

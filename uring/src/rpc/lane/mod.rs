@@ -237,8 +237,8 @@ pub(crate) fn start_client(
     }) {
         return None;
     }
-    let reader = Arc::clone(&lane);
-    match spawn_reader(id, move || reader.read()) {
+    let (reader, spin) = (Arc::clone(&lane), ctx.wait_spin);
+    match spawn_reader(id, move || reader.read(spin)) {
         Ok(()) => Some(lane),
         Err(e) => {
             lane.end(PipeFailure::local(e));
