@@ -332,7 +332,51 @@ def scenario_dynamic(rpc: Any, world: int) -> Dict[str, Any]:
     return seen
 
 
+GATE = threading.Event()
+
+
+def wait_gate() -> bool:
+    return GATE.wait(20)
+
+
+def open_gate() -> None:
+    GATE.set()
+
+
+def threads_here() -> Any:
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(names)
+
+
+def scenario_blocked(rpc: Any, world: int) -> Dict[str, Any]:
+    """Functions that block: one waiting for a later call on the same pipe is read past
+    (the reader that runs it hands the pipe to another thread), blocked ones run side by
+    side up to num_worker_threads (4 here), and the threads that took over end."""
+    seen: Dict[str, Any] = {}
+    start = time.monotonic()
+    waiting = rpc.rpc_async("w1", wait_gate)
+    rpc.rpc_sync("w1", open_gate)
+    seen["read_past"] = waiting.wait() is True
+    seen["read_past_fast"] = time.monotonic() - start < 10
+    threads = rpc.rpc_sync("w1", threads_here)
+    for _ in range(5):
+        start = time.monotonic()
+        rpc.wait_all([rpc.rpc_async("w1", time.sleep, args=(0.2,)) for _ in range(8)])
+        took = time.monotonic() - start
+        # 8 sleeps of 0.2 s in 4 slots: two rounds, not eight.
+        seen["side_by_side"] = 0.35 < took < 1.2 or took
+    later = rpc.rpc_sync("w1", threads_here)
+    # One reader per pipe reads on; the readers it took over from have left.
+    seen["threads_end"] = len(later) <= len(threads) + 2 or (threads, later)
+    seen["after"] = rpc.rpc_sync("w1", echo, args=(5,)) == 5
+    return seen
+
+
 SCENARIOS: Dict[str, Callable[[Any, int], Dict[str, Any]]] = {
+    "blocked": scenario_blocked,
     "payloads": scenario_payloads,
     "nested": scenario_nested,
     "errors": scenario_errors,
@@ -459,6 +503,10 @@ def test_a_peer_killed_mid_call_is_named(children: Any) -> None:
 
 def test_shutdown_names_a_peer_that_never_joins(children: Any) -> None:
     assert_all_true(run_group(children, "never_joins", 2, wait=[0])["result"])
+
+
+def test_blocking_functions_are_read_past_and_run_side_by_side(children: Any) -> None:
+    assert_all_true(run_group(children, "blocked", 2)["result"])
 
 
 def test_worker_infos_async_calls_and_futures(children: Any) -> None:

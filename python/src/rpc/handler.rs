@@ -83,6 +83,8 @@ impl Handler for PythonCall {
                 ctx.caller
             )));
         }
+        // Agent threads keep their Python thread state from one call to the next.
+        super::sys::keep_thread_state();
         Python::attach(|py| -> PyResult<Reply> {
             let arguments = message::to_python(py, request)?;
             let reply = self

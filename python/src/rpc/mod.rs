@@ -411,6 +411,7 @@ impl PyRpcAgent {
     /// Called at interpreter exit: handlers stop taking the GIL, and the agent closes.
     fn interpreter_exit(&self, py: Python<'_>) {
         self.interpreter_alive.store(false, Ordering::Release);
+        sys::interpreter_exiting();
         py.detach(|| {
             let _ = self.agent.shutdown(false);
             self.completer.stop();

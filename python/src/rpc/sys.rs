@@ -1,6 +1,8 @@
-//! The one place where `rdzv.rpc`'s binding reads or writes memory through raw addresses:
-//! buffers Python lends to the agent for a send ([`LentBuffer`]), and received tensor
-//! buffers handed to Python without a copy ([`ReceivedBytes`]).
+//! The one place where `rdzv.rpc`'s binding reads or writes memory through raw addresses
+//! or calls CPython's C API itself: buffers Python lends to the agent for a send
+//! ([`LentBuffer`]), received tensor buffers handed to Python without a copy
+//! ([`ReceivedBytes`]), and the Python thread state an agent thread keeps
+//! ([`keep_thread_state`]).
 //!
 //! The extension is built for the stable ABI of Python 3.9, which has no buffer
 //! protocol, so neither side can ask CPython for a buffer: `rdzv/rpc/_serialize.py` reads
@@ -8,10 +10,98 @@
 //! reads a received one through the `__array_interface__` of `ReceivedBuffer`. This
 //! module decides nothing else.
 
+use std::cell::RefCell;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use pyo3::ffi;
 use pyo3::prelude::*;
 use rdzv_uring::rpc::StagedBytes;
+
+/// Cleared at interpreter exit (`rdzv.rpc`'s `atexit` hook): a thread that ends after
+/// it leaves its thread state to the interpreter's own clean-up, never waiting for the
+/// GIL while the interpreter finalises.
+static INTERPRETER_ALIVE: AtomicBool = AtomicBool::new(true);
+
+/// The interpreter is exiting: see [`INTERPRETER_ALIVE`].
+pub(crate) fn interpreter_exiting() {
+    INTERPRETER_ALIVE.store(false, Ordering::Release);
+}
+
+/// A Python thread state this thread made once and keeps, detached, so that each later
+/// `Python::attach` here reuses it: attaching afresh made a thread state and mapped a
+/// new frame stack, and detaching freed and unmapped it, for every call (the unmapping's
+/// TLB shootdown interrupting the other CPUs too).
+struct KeptThreadState {
+    /// What `PyGILState_Ensure` returned, for its `PyGILState_Release`.
+    state: ffi::PyGILState_STATE,
+    /// The thread state, detached.
+    thread_state: NonNull<ffi::PyThreadState>,
+}
+
+impl Drop for KeptThreadState {
+    /// At thread exit: attaches once more and releases the state, unless the interpreter
+    /// is exiting (its finalisation frees every thread state then).
+    fn drop(&mut self) {
+        if !INTERPRETER_ALIVE.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: `thread_state` is this thread's own state, detached by
+        // `PyEval_SaveThread` in `keep_thread_state` and not attached since (every
+        // `Python::attach` on this thread has returned: this runs as the thread exits,
+        // from Rust's thread-local destructors, before the C library clears the
+        // thread's pthread keys, so CPython's own per-thread key still names it).
+        // `PyEval_RestoreThread` waits for the GIL and attaches it; `PyGILState_Release`
+        // with the state `PyGILState_Ensure` returned undoes that `Ensure`: the count
+        // falls to zero, and CPython clears and deletes the thread state and lets the
+        // GIL go. The interpreter is alive (checked above; it is cleared before the
+        // interpreter finalises).
+        unsafe {
+            ffi::PyEval_RestoreThread(self.thread_state.as_ptr());
+            ffi::PyGILState_Release(self.state);
+        }
+    }
+}
+
+std::thread_local! {
+    static KEPT: RefCell<Option<KeptThreadState>> = const { RefCell::new(None) };
+}
+
+/// Makes this thread keep a Python thread state from now until it exits (see
+/// [`KeptThreadState`]). Call it on an agent thread that is about to run Python, outside
+/// any `Python::attach`; it does nothing on a thread that keeps one already or has one
+/// of its own (a thread Python started), or while the interpreter exits.
+pub(crate) fn keep_thread_state() {
+    let _ = KEPT.try_with(|kept| {
+        let mut kept = kept.borrow_mut();
+        if kept.is_some() || !INTERPRETER_ALIVE.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: reads CPython's per-thread key only; callable with or without the GIL.
+        if !unsafe { ffi::PyGILState_GetThisThreadState() }.is_null() {
+            // Python owns this thread's state and deletes it when the thread ends.
+            return;
+        }
+        // SAFETY: the interpreter is initialised (this extension is loaded and the
+        // interpreter is not exiting) and this thread is not attached (the caller is
+        // outside any `Python::attach`, and an agent thread attaches nowhere else):
+        // `PyGILState_Ensure` makes a thread state for it and attaches it, taking the
+        // GIL; `PyEval_SaveThread` detaches it again and lets the GIL go, returning
+        // that state, which CPython keeps for this thread since the `Ensure` count
+        // stays at one. Later `Python::attach` calls on this thread find it and
+        // attach it; `KeptThreadState::drop` undoes the `Ensure`.
+        let (state, thread_state) = unsafe {
+            let state = ffi::PyGILState_Ensure();
+            (state, ffi::PyEval_SaveThread())
+        };
+        if let Some(thread_state) = NonNull::new(thread_state) {
+            *kept = Some(KeptThreadState {
+                state,
+                thread_state,
+            });
+        }
+    });
+}
 
 /// A buffer of a Python object, lent to the agent for one send: its address and length,
 /// and the object that owns the memory (a `memoryview` of it, which also pins a

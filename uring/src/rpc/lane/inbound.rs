@@ -325,27 +325,16 @@ impl InboundLane {
     }
 
     /// When the reader's handler has run for `stall` nanoseconds by `now`: marks the
-    /// lane as read on by another thread, which the caller then starts, and returns when
-    /// the run began (for [`reading_not_taken`](Self::reading_not_taken)).
-    pub(super) fn take_over(&self, now: u64, stall: u64) -> Option<u64> {
+    /// lane as read on by another thread, which the caller then starts (or, if it cannot,
+    /// ends the lane).
+    pub(super) fn take_over(&self, now: u64, stall: u64) -> bool {
         let since = self.running.load(Ordering::SeqCst);
         if matches!(since, 0 | TAKEN_OVER) || now.saturating_sub(since) < stall {
-            return None;
+            return false;
         }
         self.running
             .compare_exchange(since, TAKEN_OVER, Ordering::SeqCst, Ordering::SeqCst)
-            .ok()
-    }
-
-    /// The thread that was to read on could not start: the reader reads on itself once
-    /// its handler returns, or, if it already left, the lane ends.
-    pub(super) fn reading_not_taken(&self, since: u64) {
-        let restored =
-            self.running
-                .compare_exchange(TAKEN_OVER, since, Ordering::SeqCst, Ordering::SeqCst);
-        if restored.is_err() {
-            self.end();
-        }
+            .is_ok()
     }
 
     fn machine(&self) -> MutexGuard<'_, InboundPipe<FrameExports>> {
@@ -577,12 +566,17 @@ impl InboundLane {
     /// [`STALL`], another thread reads the lane on. `true` when one did.
     fn run_here(self: &Arc<Self>, job: Job) -> bool {
         let stall = &self.server.stall;
-        self.running.store(stall.now(), Ordering::SeqCst);
+        let since = stall.now();
+        self.running.store(since, Ordering::SeqCst);
         stall.arm();
         // It may block: this lane is read on meanwhile if it does.
         off_io_thread(|| job.run(&self.server.runner));
         self.server.runner.slots.give();
-        self.running.swap(0, Ordering::SeqCst) == TAKEN_OVER
+        // Still this run's mark: no other thread reads on, and none will for this run.
+        // Anything else (taken over, or the next reader's own run) means one does.
+        self.running
+            .compare_exchange(since, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
     }
 
     /// Ends the connection; the reader thread sees it and ends the lane.

@@ -331,14 +331,17 @@ fn watch(lanes: &Weak<Mutex<Lanes>>, server: &Weak<Server>) {
         let busy = running(&lanes);
         let now = server.stall.now();
         for lane in &busy {
-            let Some(since) = lane.take_over(now, stall) else {
+            if !lane.take_over(now, stall) {
                 continue;
-            };
+            }
             tracing::debug!(peer = %lane.io.peer, "a handler run by an inbound RPC pipe's reader passed {STALL:?}; another thread reads the pipe on");
             let reader = Arc::clone(lane);
             if let Err(e) = spawn_reader(lane.io.id, move || reader.serve()) {
-                tracing::warn!(peer = %lane.io.peer, error = %e, "no thread to read an inbound RPC pipe on while its handler runs");
-                lane.reading_not_taken(since);
+                // Its reader leaves once its handler returns: the pipe closes, the
+                // peer's calls on it fail naming this worker, and its next call opens a
+                // new one.
+                tracing::warn!(peer = %lane.io.peer, error = %e, "no thread to read an inbound RPC pipe on while its handler runs; the pipe is closed");
+                lane.end();
             }
         }
         if busy.is_empty() {

@@ -1,31 +1,47 @@
 //! How long a lane's waiter spins before it sleeps, learned from its own waits.
 //!
 //! Spinning pays when the reply (or the next request) comes within the spin: the waiter
-//! catches it without a wake-up. When waits run longer (a Python handler, a slow peer),
+//! catches it without a wake-up. When waits run longer (a slow handler, a slow peer),
 //! the spin only burns the CPU the peer needs to answer, which on a small host slows every
-//! call. So a lane keeps a running average of its spinning waits and stops spinning when
-//! that average passes the spin. While it does not spin, every [`PROBE_EVERY`]th wait
-//! spins anyway, and one that catches its frame within the spin turns spinning back on.
-//! Waits that did not spin never count: their time includes the wake-up, which on a
-//! loaded host can pass the spin even when the peer is quick.
+//! call. So a lane keeps the share of its recent spinning waits that caught their frame
+//! within the spin, and stops spinning when fewer than half did (three misses in a row
+//! from a run of catches; a lone long gap, such as the pause between two bursts of calls,
+//! does not turn it off). While it does not spin, every [`PROBE_EVERY`]th wait spins
+//! anyway, and one that catches its frame within the spin turns spinning back on. Waits
+//! that did not spin never count: their time includes the wake-up, which on a loaded
+//! host can pass the spin even when the peer is quick.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 /// While not spinning, one wait in this many spins to see whether it would pay again.
 const PROBE_EVERY: u32 = 16;
-/// A wait counts as at most this long, so that one idle spell (a lane unused for minutes)
-/// weighs no more than a slow call.
-const LONGEST: Duration = Duration::from_millis(1);
+/// The share of spinning waits caught is kept in 1/`WHOLE`ths.
+const WHOLE: u32 = 1024;
+/// Spinning stops when the caught share falls below this.
+const ENOUGH: u32 = WHOLE / 2;
+/// Where the share starts again when a probe catches its frame.
+const AFTER_PROBE: u32 = WHOLE * 3 / 4;
 
 /// The spin of one kind of wait on one lane.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct AdaptiveSpin {
-    /// The running average of the spinning waits, in nanoseconds (0: none yet).
-    typical_ns: AtomicU64,
-    /// Whether waits stopped spinning (their average passed the spin).
+    /// The share of recent spinning waits that caught their frame within the spin, in
+    /// 1/[`WHOLE`]ths (each new wait weighs a quarter).
+    caught: AtomicU32,
+    /// Whether waits stopped spinning (too few were caught).
     off: AtomicBool,
     waits: AtomicU32,
+}
+
+impl Default for AdaptiveSpin {
+    fn default() -> Self {
+        AdaptiveSpin {
+            caught: AtomicU32::new(WHOLE),
+            off: AtomicBool::new(false),
+            waits: AtomicU32::new(0),
+        }
+    }
 }
 
 impl AdaptiveSpin {
@@ -51,25 +67,20 @@ impl AdaptiveSpin {
         if spun.is_zero() {
             return;
         }
-        let new = u64::try_from(waited.min(LONGEST).as_nanos()).unwrap_or(u64::MAX);
+        let hit = waited <= spun;
         if self.off.load(Ordering::Relaxed) {
             // A probe: caught within the spin, spinning pays again.
-            if waited <= spun {
-                self.typical_ns.store(new.max(1), Ordering::Relaxed);
+            if hit {
+                self.caught.store(AFTER_PROBE, Ordering::Relaxed);
                 self.off.store(false, Ordering::Relaxed);
             }
             return;
         }
-        let old = self.typical_ns.load(Ordering::Relaxed);
-        let average = if old == 0 {
-            new
-        } else {
-            old - old / 4 + new / 4
-        };
-        // Racing recorders may lose one sample: an average needs no more.
-        self.typical_ns.store(average.max(1), Ordering::Relaxed);
-        let limit = u64::try_from(spun.as_nanos()).unwrap_or(u64::MAX);
-        if average > limit {
+        let old = self.caught.load(Ordering::Relaxed);
+        let share = old - old / 4 + if hit { WHOLE / 4 } else { 0 };
+        // Racing recorders may lose one sample: a share needs no more.
+        self.caught.store(share, Ordering::Relaxed);
+        if share < ENOUGH {
             self.off.store(true, Ordering::Relaxed);
         }
     }
@@ -137,4 +148,28 @@ fn a_zero_limit_never_spins() {
     let spin = AdaptiveSpin::default();
     spin.record(Duration::ZERO, Duration::from_micros(1));
     assert!((0..40).all(|_| spin.spin(Duration::ZERO).is_zero()));
+}
+
+#[cfg(test)]
+#[test]
+fn a_lone_long_gap_among_quick_waits_keeps_spinning_on() {
+    // Bursts of 64 calls: the replies within a burst come quickly, the first of the next
+    // burst after the caller's pause.
+    let spin = AdaptiveSpin::default();
+    for _ in 0..10 {
+        for _ in 0..63 {
+            assert_eq!(wait(&spin, Duration::from_micros(5)), LIMIT);
+        }
+        assert_eq!(
+            wait(&spin, Duration::from_millis(2)),
+            LIMIT,
+            "the gap spun too"
+        );
+    }
+    // Two long gaps in a row are still not enough; three are.
+    wait(&spin, Duration::from_millis(2));
+    wait(&spin, Duration::from_millis(2));
+    assert_eq!(spin.spin(LIMIT), LIMIT);
+    wait(&spin, Duration::from_millis(2));
+    assert!(spin.off.load(std::sync::atomic::Ordering::Relaxed));
 }
