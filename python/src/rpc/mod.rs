@@ -98,6 +98,20 @@ pub(crate) struct PyRpcAgent {
     rpc_timeout: Duration,
 }
 
+impl Drop for PyRpcAgent {
+    /// Dropped by Python without a shutdown: the agent closes without the GIL, which its
+    /// threads may need to end (each releases the Python thread state it keeps as it
+    /// exits), as `shutdown` closes it. After a shutdown this does nothing.
+    fn drop(&mut self) {
+        Python::attach(|py| {
+            py.detach(|| {
+                let _ = self.agent.shutdown(false);
+                self.completer.stop();
+            });
+        });
+    }
+}
+
 #[pymethods]
 impl PyRpcAgent {
     /// Joins the group through `init_method` and starts the agent (without the GIL until
