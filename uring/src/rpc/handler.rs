@@ -1,6 +1,7 @@
 //! What a handler sees of its caller ([`CallContext`], with a client for nested calls),
 //! the [`Handler`] trait, and [`Inline`] handlers. Handlers are registered by name
-//! (`super::registry`) and run on the worker pool or, inline, on the thread that read
+//! (`super::registry`) and run on the worker pool, on the thread that read the request
+//! in a worker slot ([`Handler::runs_on_reader`]), or, inline, on the thread that read
 //! the request.
 
 use rdzv_core::rpc::name::WorkerId;
@@ -25,7 +26,9 @@ pub struct CallContext {
 }
 
 /// A function peers can call by name. It runs on the agent's worker pool (or, if
-/// [`runs_inline`](Handler::runs_inline), on its I/O thread); an `Err` travels back to
+/// [`runs_inline`](Handler::runs_inline), on its I/O thread; if
+/// [`runs_on_reader`](Handler::runs_on_reader), on the thread that read the request
+/// while a worker slot is free); an `Err` travels back to
 /// the caller as the text of [`CallError::Remote`](super::CallError::Remote), and so does a panic.
 pub trait Handler: Send + Sync + 'static {
     /// Answers `request`.
