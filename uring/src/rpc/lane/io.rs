@@ -32,6 +32,10 @@ use crate::rpc::transport::{
 /// the peer's signal, a kick, the peer's end or a stop, so this only bounds the cost of
 /// a missed signal.
 const WAKE_POLL: Duration = Duration::from_millis(100);
+/// How long a reader's spin for its next frame only spins; after that it yields the CPU
+/// between polls, so that on a small host the threads its peer's reply (or this
+/// process's other work) waits for can run: a Rust peer answers well within it.
+const SPIN_THEN_YIELD: Duration = Duration::from_micros(5);
 
 /// The registry of lanes, as an ending lane sees it: it leaves, if it is still there.
 /// (The registry holds the lane types, so it lives above them.)
@@ -246,7 +250,8 @@ impl LaneIo {
                     TryRecv::Closed => return Ok(None),
                     TryRecv::Empty => {}
                 }
-                if spinning && start.elapsed() >= spin {
+                let spun = start.elapsed();
+                if spinning && spun >= spin {
                     spinning = false;
                 }
                 if !spinning {
@@ -279,6 +284,13 @@ impl LaneIo {
                             };
                         }
                     }
+                    continue;
+                }
+                if spun >= SPIN_THEN_YIELD {
+                    // A frame this late is a slow peer's (a Python handler's): give this
+                    // CPU to whatever else may run on it while waiting for it.
+                    drop(receiver);
+                    std::thread::yield_now();
                     continue;
                 }
             }
