@@ -98,6 +98,11 @@ fn with_latch(url: &str, latch: &Arc<Latch>) -> RpcOptions {
         )
 }
 
+/// Alice and bob, each with the latch handlers over a latch of its own.
+fn latched_pair(dir: &tempfile::TempDir) -> (RpcAgent, RpcAgent) {
+    pair_of(dir, |url, _| with_latch(url, &Arc::new(Latch::default())))
+}
+
 fn shut(a: RpcAgent, b: RpcAgent) {
     let t = thread::spawn(move || b.shutdown(true));
     a.shutdown(true).unwrap_or_else(|e| panic!("alice: {e}"));
@@ -109,11 +114,7 @@ fn shut(a: RpcAgent, b: RpcAgent) {
 #[test]
 fn a_handler_waiting_for_a_later_request_on_its_pipe_is_read_past() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let latch = Arc::new(Latch::default());
-    let (a, b) = {
-        let latch = Arc::clone(&latch);
-        pair_of(&dir, move |url, _| with_latch(url, &latch))
-    };
+    let (a, b) = latched_pair(&dir);
     // Warm the pipe, so that both calls below go on one lane.
     let first = a
         .rpc_sync("bob", "echo", Message::from_payload(b"hi".to_vec()))
@@ -155,11 +156,7 @@ fn a_handler_waiting_for_a_later_request_on_its_pipe_is_read_past() {
 #[test]
 fn a_handler_on_the_reader_may_wait_for_a_nested_call() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let latch = Arc::new(Latch::default());
-    let (a, b) = {
-        let latch = Arc::clone(&latch);
-        pair_of(&dir, move |url, _| with_latch(url, &latch))
-    };
+    let (a, b) = latched_pair(&dir);
     for i in 0..10u8 {
         let reply = a
             .rpc_sync("bob", "nested_echo", Message::from_payload(vec![i; 3]))

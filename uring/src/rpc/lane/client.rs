@@ -31,11 +31,12 @@ pub(crate) struct ClientLane {
     /// a call, what is acked, and what requests lent until their reply (given up when
     /// the lane ends).
     machine: Mutex<ClientPipe<FrameExports>>,
-    /// How long a caller in `rpc_sync` spins on its reply, from how long replies took.
+    /// How long a caller in `rpc_sync` spins on its reply, from how many replies came
+    /// within the spin.
     reply_spin: AdaptiveSpin,
     /// How long the reader thread spins for the next frame after one it read itself
-    /// (replies to `rpc_async` calls, which no caller reads), from how long the gaps
-    /// were.
+    /// (replies to `rpc_async` calls, which no caller reads), from how many came within
+    /// the spin.
     next_spin: AdaptiveSpin,
 }
 

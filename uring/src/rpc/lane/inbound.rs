@@ -280,11 +280,13 @@ pub(crate) struct InboundLane {
     /// served, what is released on the caller's ack, and what responses lent until
     /// then (given up when the lane ends).
     machine: Mutex<InboundPipe<FrameExports>>,
-    /// How long the reader spins for the next request after one, from how long the
-    /// gaps between requests were.
+    /// How long the reader spins for the next request after one, from how many came
+    /// within the spin.
     request_spin: AdaptiveSpin,
-    /// While the reader runs a handler itself: when it began ([`StallWatch`]'s clock),
-    /// or [`TAKEN_OVER`] once another thread reads the lane on; 0 otherwise.
+    /// While the thread that reads the lane runs a handler itself: when the run began
+    /// ([`StallWatch`]'s clock), or [`TAKEN_OVER`] once another thread reads the lane on
+    /// (until that one starts a run of its own); 0 otherwise. A run that ends and finds
+    /// anything but its own start here was taken over.
     running: AtomicU64,
     /// What it serves requests with.
     server: Arc<Server>,
