@@ -372,6 +372,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
 
 def _at_exit() -> None:
+    _RpcAgent.interpreter_exiting()
     agent = _state.agent
     if agent is not None:
         agent.interpreter_exit()

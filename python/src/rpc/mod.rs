@@ -422,6 +422,13 @@ impl PyRpcAgent {
         result.map_err(|e| errors::shutdown(&e))
     }
 
+    /// Called at interpreter exit, agent or none: the agent's threads that end after
+    /// this leave their Python thread states to the interpreter's finalisation.
+    #[staticmethod]
+    fn interpreter_exiting() {
+        sys::interpreter_exiting();
+    }
+
     /// Called at interpreter exit: handlers stop taking the GIL, and the agent closes.
     fn interpreter_exit(&self, py: Python<'_>) {
         self.interpreter_alive.store(false, Ordering::Release);

@@ -35,8 +35,6 @@ pub(crate) fn interpreter_exiting() {
 struct KeptThreadState {
     /// What `PyGILState_Ensure` returned, for its `PyGILState_Release`.
     state: ffi::PyGILState_STATE,
-    /// The thread state, detached.
-    thread_state: NonNull<ffi::PyThreadState>,
 }
 
 impl Drop for KeptThreadState {
@@ -46,18 +44,20 @@ impl Drop for KeptThreadState {
         if !INTERPRETER_ALIVE.load(Ordering::Acquire) {
             return;
         }
-        // SAFETY: `thread_state` is this thread's own state, detached by
-        // `PyEval_SaveThread` in `keep_thread_state` and not attached since (every
-        // `Python::attach` on this thread has returned: this runs as the thread exits,
-        // from Rust's thread-local destructors, before the C library clears the
-        // thread's pthread keys, so CPython's own per-thread key still names it).
-        // `PyEval_RestoreThread` waits for the GIL and attaches it; `PyGILState_Release`
-        // with the state `PyGILState_Ensure` returned undoes that `Ensure`: the count
-        // falls to zero, and CPython clears and deletes the thread state and lets the
-        // GIL go. The interpreter is alive (checked above; it is cleared before the
-        // interpreter finalises).
+        // SAFETY: this thread keeps a detached thread state with CPython's `Ensure`
+        // count at one (`keep_thread_state`), and is not attached now: this runs as the
+        // thread exits, from Rust's thread-local destructors, after every
+        // `Python::attach` on it returned and before the C library clears the thread's
+        // pthread keys, so CPython's own per-thread key still names that state.
+        // `PyGILState_Ensure` attaches it again (count two), waiting for the GIL; if the
+        // interpreter began to finalise meanwhile, PyO3's wrapper makes this thread hang
+        // there instead of unwinding through Rust. Releasing with `LOCKED` takes the
+        // count back to one and stays attached; releasing with the state the first
+        // `Ensure` returned takes it to zero, so CPython clears and deletes the thread
+        // state and lets the GIL go.
         unsafe {
-            ffi::PyEval_RestoreThread(self.thread_state.as_ptr());
+            ffi::PyGILState_Ensure();
+            ffi::PyGILState_Release(ffi::PyGILState_STATE::PyGILState_LOCKED);
             ffi::PyGILState_Release(self.state);
         }
     }
@@ -90,16 +90,12 @@ pub(crate) fn keep_thread_state() {
         // that state, which CPython keeps for this thread since the `Ensure` count
         // stays at one. Later `Python::attach` calls on this thread find it and
         // attach it; `KeptThreadState::drop` undoes the `Ensure`.
-        let (state, thread_state) = unsafe {
+        let state = unsafe {
             let state = ffi::PyGILState_Ensure();
-            (state, ffi::PyEval_SaveThread())
+            ffi::PyEval_SaveThread();
+            state
         };
-        if let Some(thread_state) = NonNull::new(thread_state) {
-            *kept = Some(KeptThreadState {
-                state,
-                thread_state,
-            });
-        }
+        *kept = Some(KeptThreadState { state });
     });
 }
 
