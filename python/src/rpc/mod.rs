@@ -41,6 +41,10 @@ use rref::PyRRef;
 /// longer: `rdzv_uring`'s `lane::spin`).
 const PYTHON_SPIN_FACTOR: u32 = 4;
 
+/// How long `shutdown` waits for the agent's threads to release their Python thread
+/// states as they end.
+const THREADS_END_WITHIN: Duration = Duration::from_secs(2);
+
 /// A device name (`cpu`, `cuda:0`) from Python.
 fn device(what: &str, name: &str) -> PyResult<Device> {
     name.parse()
@@ -107,6 +111,7 @@ impl Drop for PyRpcAgent {
             py.detach(|| {
                 let _ = self.agent.shutdown(false);
                 self.completer.stop();
+                sys::wait_kept_thread_states_released(THREADS_END_WITHIN);
             });
         });
     }
@@ -417,6 +422,10 @@ impl PyRpcAgent {
                 None => self.agent.shutdown(graceful),
             };
             self.completer.stop();
+            // The agent's threads end now; each releases its Python thread state first,
+            // which must not overlap the interpreter's exit. (A handler still running
+            // after a shutdown that was not graceful keeps its thread: not waited for.)
+            sys::wait_kept_thread_states_released(THREADS_END_WITHIN);
             result
         });
         result.map_err(|e| errors::shutdown(&e))

@@ -12,7 +12,7 @@
 
 use std::cell::RefCell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -23,9 +23,27 @@ use rdzv_uring::rpc::StagedBytes;
 /// GIL while the interpreter finalises.
 static INTERPRETER_ALIVE: AtomicBool = AtomicBool::new(true);
 
+/// How many threads keep a Python thread state now ([`keep_thread_state`]).
+static KEPT_LIVE: AtomicUsize = AtomicUsize::new(0);
+
 /// The interpreter is exiting: see [`INTERPRETER_ALIVE`].
 pub(crate) fn interpreter_exiting() {
     INTERPRETER_ALIVE.store(false, Ordering::Release);
+}
+
+/// Waits, at most `timeout`, until no thread keeps a Python thread state: after the
+/// agent shut down, its threads end and release theirs, and the interpreter must not
+/// begin to finalise while one is doing so. Call it without the GIL (they need it).
+/// Whether they all did.
+pub(crate) fn wait_kept_thread_states_released(timeout: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    while KEPT_LIVE.load(Ordering::Acquire) > 0 {
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
 }
 
 /// A Python thread state this thread made once and keeps, detached, so that each later
@@ -41,6 +59,14 @@ impl Drop for KeptThreadState {
     /// At thread exit: attaches once more and releases the state, unless the interpreter
     /// is exiting (its finalisation frees every thread state then).
     fn drop(&mut self) {
+        /// Counts this state out however the drop ends.
+        struct Released;
+        impl Drop for Released {
+            fn drop(&mut self) {
+                KEPT_LIVE.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let _released = Released;
         if !INTERPRETER_ALIVE.load(Ordering::Acquire) {
             return;
         }
@@ -95,6 +121,7 @@ pub(crate) fn keep_thread_state() {
             ffi::PyEval_SaveThread();
             state
         };
+        KEPT_LIVE.fetch_add(1, Ordering::AcqRel);
         *kept = Some(KeptThreadState { state });
     });
 }
