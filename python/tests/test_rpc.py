@@ -368,9 +368,10 @@ def scenario_blocked(rpc: Any, world: int) -> Dict[str, Any]:
         took = time.monotonic() - start
         # 8 sleeps of 0.2 s in 4 slots: two rounds, not eight.
         seen["side_by_side"] = 0.35 < took < 1.2 or took
-    later = rpc.rpc_sync("w1", threads_here)
-    # One reader per pipe reads on; the readers it took over from have left.
-    seen["threads_end"] = len(later) <= len(threads) + 2 or (threads, later)
+    # One reader per pipe reads on; the readers it took over from leave once their
+    # function returned (a reply can reach us a moment before its thread is gone).
+    settled = until(lambda: len(rpc.rpc_sync("w1", threads_here)) <= len(threads) + 2, 5)
+    seen["threads_end"] = settled or (threads, rpc.rpc_sync("w1", threads_here))
     seen["after"] = rpc.rpc_sync("w1", echo, args=(5,)) == 5
     return seen
 
